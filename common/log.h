@@ -1,0 +1,70 @@
+/*
+ * Leveled logging. One line per event on stderr: time, level, (request id), message.
+ * The macros test the level before evaluating arguments, so a disabled DEBUG line costs one
+ * comparison. The level comes from DUET_LOG_LEVEL (error|warn|info|debug|trace) at first use,
+ * or from duet_log_set_level().
+ */
+#ifndef DUET_COMMON_LOG_H
+#define DUET_COMMON_LOG_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef enum {
+    DUET_LOG_LEVEL_ERROR = 0,
+    DUET_LOG_LEVEL_WARN  = 1,
+    DUET_LOG_LEVEL_INFO  = 2,
+    DUET_LOG_LEVEL_DEBUG = 3,
+    DUET_LOG_LEVEL_TRACE = 4,
+} duet_log_level_t;
+
+extern int duet__log_level; /* current level; -1 until initialised from the environment */
+
+int  duet__log_level_get(void);
+void duet__log_write(duet_log_level_t lvl, const char *file, int line, uint64_t req_id,
+                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* Set the level explicitly (overrides DUET_LOG_LEVEL). */
+void duet_log_set_level(duet_log_level_t lvl);
+
+/* Parse "error", "warn", "info", "debug", "trace"; returns DUET_ERR_INVALID for anything else. */
+duet_status_t duet_log_level_parse(const char *s, duet_log_level_t *lvl_p);
+
+#define DUET__LOG(lvl, rid, ...)                                                                   \
+    do {                                                                                           \
+        if ((int)(lvl) <= duet__log_level_get())                                                   \
+            duet__log_write((lvl), __FILE__, __LINE__, (rid), __VA_ARGS__);                        \
+    } while (0)
+
+#define DUET_LOG_ERROR(...) DUET__LOG(DUET_LOG_LEVEL_ERROR, 0, __VA_ARGS__)
+#define DUET_LOG_WARN(...)  DUET__LOG(DUET_LOG_LEVEL_WARN, 0, __VA_ARGS__)
+#define DUET_LOG_INFO(...)  DUET__LOG(DUET_LOG_LEVEL_INFO, 0, __VA_ARGS__)
+#define DUET_LOG_DEBUG(...) DUET__LOG(DUET_LOG_LEVEL_DEBUG, 0, __VA_ARGS__)
+#define DUET_LOG_TRACE(...) DUET__LOG(DUET_LOG_LEVEL_TRACE, 0, __VA_ARGS__)
+
+/* Same, tagged with a request id (printed as req=<id>). */
+#define DUET_RLOG_ERROR(rid, ...) DUET__LOG(DUET_LOG_LEVEL_ERROR, (rid), __VA_ARGS__)
+#define DUET_RLOG_WARN(rid, ...)  DUET__LOG(DUET_LOG_LEVEL_WARN, (rid), __VA_ARGS__)
+#define DUET_RLOG_INFO(rid, ...)  DUET__LOG(DUET_LOG_LEVEL_INFO, (rid), __VA_ARGS__)
+#define DUET_RLOG_DEBUG(rid, ...) DUET__LOG(DUET_LOG_LEVEL_DEBUG, (rid), __VA_ARGS__)
+
+/*
+ * Record an error detail, log it at error level, and evaluate to the status:
+ *   return DUET_FAIL(DUET_ERR_FORMAT, "%s: tensor %s: bad shape", path, name);
+ * Use it in the function that first detects the error; callers only propagate.
+ */
+#define DUET_FAIL(st, ...)                                                                         \
+    (duet_error_set((st), __VA_ARGS__),                                                            \
+     DUET_LOG_ERROR("%s", duet_error_last()), (st))
+
+/* Broken internal invariant: print file:line and abort. Never for bad outside input. */
+#define DUET_ASSERT(cond)                                                                          \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            duet__assert_fail(#cond, __FILE__, __LINE__);                                          \
+    } while (0)
+
+void duet__assert_fail(const char *cond, const char *file, int line) __attribute__((noreturn));
+
+#endif

@@ -1,0 +1,127 @@
+/*
+ * kernels.h: the compute API the engine is written against, backend-neutral.
+ *
+ * A duet_kernels_t is one backend instance (CPU thread pool today; a CUDA device + stream in the
+ * CUDA issue). Every op takes the instance first; activations are plain fp32 buffers that live
+ * on the instance's device, weights are duet_tensor_t values that carry dtype, device and shape,
+ * because checkpoints store them as F32, BF16 or F16 and the ops convert on the fly (fp32 math,
+ * fp32 accumulation). Ops never allocate: scratch comes from the caller.
+ *
+ * The CPU backend is the reference: every other backend is tested against it.
+ */
+#ifndef DUET_KERNELS_H
+#define DUET_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common/status.h"
+
+typedef enum {
+    DUET_DTYPE_F32  = 0,
+    DUET_DTYPE_BF16 = 1,
+    DUET_DTYPE_F16  = 2,
+} duet_dtype_t;
+
+typedef enum {
+    DUET_DEVICE_CPU  = 0,
+    DUET_DEVICE_CUDA = 1,
+} duet_device_kind_t;
+
+#define DUET_TENSOR_MAX_DIMS 4
+
+/* A view of memory. Never owns `data`. Row-major, contiguous. */
+typedef struct {
+    void              *data;   /* not owned; on `device` */
+    duet_dtype_t       dtype;
+    duet_device_kind_t device;
+    int                ndim;
+    int64_t            shape[DUET_TENSOR_MAX_DIMS];
+} duet_tensor_t;
+
+/* Bytes per element: 4, 2, 2. */
+size_t duet_dtype_size(duet_dtype_t dt);
+/* "F32", "BF16", "F16". */
+const char *duet_dtype_name(duet_dtype_t dt);
+/* Elements in a tensor (product of shape). */
+int64_t duet_tensor_numel(const duet_tensor_t *t);
+
+static inline float duet_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float    f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+/* Round-to-nearest-even fp32 -> bf16 (NaN stays NaN). */
+static inline uint16_t duet_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float    duet_f16_to_f32(uint16_t h);
+uint16_t duet_f32_to_f16(float f);
+
+/* Convert n elements of `src` (any dtype, host memory) to fp32 `dst`. */
+void duet_convert_to_f32(float *dst, const void *src, duet_dtype_t dt, int64_t n);
+
+/* ---- backend instance ------------------------------------------------------------------- */
+
+typedef struct duet_kernels duet_kernels_t;
+
+/*
+ * Create a backend. For DUET_DEVICE_CPU, n_threads is the size of the worker pool including the
+ * calling thread (0 = the number of online CPUs). DUET_DEVICE_CUDA returns DUET_ERR_UNSUPPORTED
+ * until the CUDA backend lands.
+ */
+duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_kernels_t **k_p);
+void          duet_kernels_destroy(duet_kernels_t *k); /* accepts NULL */
+int           duet_kernels_n_threads(const duet_kernels_t *k);
+duet_device_kind_t duet_kernels_device(const duet_kernels_t *k);
+
+/*
+ * Run fn(ctx, begin, end, thread_idx) over [0, n) split into contiguous ranges of at least
+ * `grain` items across the pool (the caller's thread takes part). Returns when all ranges are
+ * done. thread_idx is in [0, n_threads) and can index per-thread scratch. CPU backend only; the
+ * engine uses it for its own per-head loops. Must not be called from inside a task.
+ */
+typedef void (*duet_k_task_fn)(void *ctx, int64_t begin, int64_t end, int thread_idx);
+void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn,
+                         void *ctx);
+
+/* ---- ops ---------------------------------------------------------------------------------- */
+
+/*
+ * y[M, N] = x[M, K] · Wᵀ, W = w tensor of shape [N, K] (any dtype), fp32 accumulation.
+ * ldx / ldy are the row strides of x and y in elements (>= K, >= N). If accumulate != 0,
+ * y += x · Wᵀ instead of overwrite. `w` may be a view of rows of a larger matrix.
+ */
+duet_status_t duet_k_matmul(duet_kernels_t *k, float *y, int64_t ldy, const float *x, int64_t ldx,
+                            int64_t M, const duet_tensor_t *w, int accumulate);
+
+/* y[M, D] = w ⊙ x / sqrt(mean(x²) + eps), per row; w is [D] any dtype. y may alias x. */
+void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w,
+                    int64_t M, int64_t D, float eps);
+
+/* out[i] = SiLU(gate[i]) * up[i], i < n. out may alias gate or up. */
+void duet_k_silu_mul(duet_kernels_t *k, float *out, const float *gate, const float *up, int64_t n);
+
+/* out[i] = β·tanh(g/β)·σ(g) * β_lin·tanh(u/β_lin) (SiTU), i < n. out may alias gate or up. */
+void duet_k_situ_mul(duet_kernels_t *k, float *out, const float *gate, const float *up, int64_t n,
+                     float beta, float beta_lin);
+
+/* y[i] += x[i], i < n. */
+void duet_k_add(duet_kernels_t *k, float *y, const float *x, int64_t n);
+
+/* Gather embedding rows: out[t, :] = table[ids[t], :] (table [V, D], any dtype). */
+void duet_k_embed(duet_kernels_t *k, float *out, const duet_tensor_t *table, const int32_t *ids,
+                  int64_t n_ids);
+
+#endif
