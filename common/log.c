@@ -72,3 +72,14 @@ void duet__assert_fail(const char *cond, const char *file, int line)
     fprintf(stderr, "duet: assertion failed: %s (%s:%d)\n", cond, file, line);
     abort();
 }
+
+duet_status_t duet__fail(duet_status_t st, const char *file, int line, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    duet_error_setv(st, fmt, ap);
+    va_end(ap);
+    if ((int)DUET_LOG_LEVEL_ERROR <= duet__log_level_get())
+        duet__log_write(DUET_LOG_LEVEL_ERROR, file, line, 0, "%s", duet_error_last());
+    return st;
+}

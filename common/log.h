@@ -54,9 +54,10 @@ duet_status_t duet_log_level_parse(const char *s, duet_log_level_t *lvl_p);
  *   return DUET_FAIL(DUET_ERR_FORMAT, "%s: tensor %s: bad shape", path, name);
  * Use it in the function that first detects the error; callers only propagate.
  */
-#define DUET_FAIL(st, ...)                                                                         \
-    (duet_error_set((st), __VA_ARGS__),                                                            \
-     DUET_LOG_ERROR("%s", duet_error_last()), (st))
+#define DUET_FAIL(st, ...) duet__fail((st), __FILE__, __LINE__, __VA_ARGS__)
+
+duet_status_t duet__fail(duet_status_t st, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* Broken internal invariant: print file:line and abort. Never for bad outside input. */
 #define DUET_ASSERT(cond)                                                                          \
