@@ -85,6 +85,9 @@ duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_ke
 void          duet_kernels_destroy(duet_kernels_t *k); /* accepts NULL */
 int           duet_kernels_n_threads(const duet_kernels_t *k);
 duet_device_kind_t duet_kernels_device(const duet_kernels_t *k);
+/* CPU backend: the matmul's instruction-set path, "avx512", "avx2" or "scalar" (benchmarks, logs).
+ * Chosen at create from the CPU; DUET_KERNELS_ISA=avx2|scalar in the environment caps it. */
+const char *duet_kernels_cpu_isa(const duet_kernels_t *k);
 
 /*
  * Run fn(ctx, begin, end, thread_idx) over [0, n) split into contiguous ranges of at least

@@ -1,0 +1,89 @@
+/*
+ * cpu_impl.h: internals of the CPU backend shared by the kernels/cpu sources (and by the CPU kernel
+ * tests, which force each ISA path in turn). Not part of the public API.
+ *
+ * The pool: n_threads - 1 persistent workers plus the calling thread. A job is a function over
+ * task indices [0, n_tasks); threads claim tasks with a CAS on one 64-bit word that holds the
+ * job's generation (high 32 bits) and the next task index (low 32 bits), so a worker that wakes
+ * late can never claim a task of a later job with the function of an earlier one. Workers spin
+ * briefly after each job (decode issues hundreds of small ops per token, and a futex wake costs
+ * more than the op) and then sleep on a condition variable.
+ */
+#ifndef DUET_KERNELS_CPU_IMPL_H
+#define DUET_KERNELS_CPU_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "kernels/kernels.h"
+
+/* Instruction-set paths of the matmul, best last. */
+typedef enum {
+    DUET__ISA_SCALAR = 0,
+    DUET__ISA_AVX2   = 1, /* AVX2 + FMA + F16C */
+    DUET__ISA_AVX512 = 2, /* AVX-512 F/BW/VL + FMA + F16C */
+} duet__isa_t;
+
+typedef void (*duet__task_fn)(void *ctx, int64_t task, int thread_idx);
+
+typedef struct duet__worker {
+    struct duet_kernels *k;
+    pthread_t            tid;
+    int                  idx; /* 1..n_threads-1; the caller is 0 */
+} duet__worker_t;
+
+struct duet_kernels {
+    duet_device_kind_t device;
+    int                n_threads;
+    duet__isa_t        isa;
+
+    /* pool */
+    duet__worker_t *workers; /* owned, n_threads - 1 entries */
+    int             n_started;
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    _Atomic uint32_t gen;        /* bumped once per job; workers watch it */
+    _Atomic uint64_t claim;      /* (gen << 32) | next task index */
+    _Atomic int64_t  n_done;     /* tasks finished in the current job */
+    _Atomic int      n_sleeping; /* workers blocked (or about to block) on cv */
+    _Atomic int      busy;       /* a job is being dispatched (one caller at a time) */
+    _Atomic int      stop;
+    duet__task_fn    fn;  /* current job, valid while its tasks run */
+    void            *ctx;
+    int64_t          n_tasks;
+    int64_t          spin_ns; /* how long an idle worker spins before sleeping */
+};
+
+/*
+ * Run fn(ctx, t, thread_idx) for every t in [0, n_tasks) on the pool; returns when all are done.
+ * Runs inline on the calling thread when n_tasks == 1, the pool has one thread, or when called
+ * from inside a task (nested use).
+ */
+void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, void *ctx);
+
+/* The matmul of one block of outputs y[m0:m1, n0:n1], one ISA each (w is [N, K], ldw = K). */
+typedef void (*duet__matmul_block_fn)(duet_dtype_t dt, float *y, int64_t ldy, const float *x,
+                                      int64_t ldx, int64_t m0, int64_t m1, const void *w,
+                                      int64_t n0, int64_t n1, int64_t K, int accumulate);
+void duet__matmul_block_scalar(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
+                               int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
+                               int64_t K, int accumulate);
+void duet__matmul_block_avx2(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
+                             int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
+                             int64_t K, int accumulate);
+void duet__matmul_block_avx512(duet_dtype_t dt, float *y, int64_t ldy, const float *x,
+                               int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t n0,
+                               int64_t n1, int64_t K, int accumulate);
+
+/* The best ISA this CPU supports. */
+duet__isa_t duet__isa_detect(void);
+const char *duet__isa_name(duet__isa_t isa);
+
+/*
+ * Force the matmul path of `k` (tests and benchmarks). Returns DUET_ERR_UNSUPPORTED when the CPU
+ * lacks the ISA.
+ */
+duet_status_t duet__kernels_cpu_set_isa(struct duet_kernels *k, duet__isa_t isa);
+
+#endif
