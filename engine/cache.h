@@ -1,0 +1,86 @@
+/*
+ * Cache pools (DESIGN §4). Both pools are allocated once at start-up (later registered with UCX
+ * once) and handed out per request; nothing is allocated on the hot path.
+ *
+ * MLA KV pool: `n_pages` pages of `page_tokens` tokens. A page holds every MLA layer of its
+ * tokens; within the page, layer l is one contiguous block so that one RMA put moves one
+ * layer's page:
+ *
+ *   byte offset of (page p, MLA layer l, token slot s) =
+ *       ((p * n_layers + l) * page_tokens + s) * token_bytes
+ *   token_bytes = (kv_lora_rank + qk_rope_head_dim) * sizeof(elem)
+ *   per token: [ c (kv_lora_rank values, after kv_a_layernorm) | k_r (qk_rope_head_dim) ]
+ *
+ * elem is fp32 on the CPU path (DUET_DTYPE_F32 recorded in the descriptor).
+ *
+ * KDA state pool: `n_slots` slots, one per running request; a slot holds every KDA layer:
+ *
+ *   byte offset of (slot i, KDA layer l) = (i * n_layers + l) * layer_bytes
+ *   layer block = [ S: fp32 [H][K][V] (row k of head h holds S_h[k, :]) |
+ *                   conv windows: fp32 [3][H*K][W-1] (q, k, v; oldest input first) ]
+ *   layer_bytes = (H*K*V + 3*H*K*(W-1)) * 4
+ *
+ * The conv window holds the last W-1 *pre-conv* projections of each channel (zeros at sequence
+ * start), which is exactly what the causal depthwise conv needs to continue the sequence.
+ */
+#ifndef DUET_ENGINE_CACHE_H
+#define DUET_ENGINE_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+typedef struct {
+    int64_t      page_tokens; /* tokens per page (default 128) */
+    int64_t      n_pages;
+    int64_t      n_layers;    /* MLA layers */
+    int64_t      token_dim;   /* kv_lora_rank + qk_rope_head_dim */
+    duet_dtype_t dtype;       /* F32 on the CPU */
+} duet_kv_pool_desc_t;
+
+typedef struct duet_kv_pool duet_kv_pool_t;
+
+duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_t **pool_p);
+void          duet_kv_pool_destroy(duet_kv_pool_t *pool); /* accepts NULL */
+const duet_kv_pool_desc_t *duet_kv_pool_desc(const duet_kv_pool_t *pool);
+
+/* Take n pages (all or nothing). DUET_ERR_NO_SPACE when fewer than n are free. */
+duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages_out);
+/* Return pages; a page id out of range or already free is an invariant violation (asserts). */
+void    duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
+int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool);
+/* Base of the pool's one allocation and its size (for registration with a transport). */
+void  *duet_kv_pool_base(const duet_kv_pool_t *pool);
+size_t duet_kv_pool_bytes(const duet_kv_pool_t *pool);
+/* Bytes of one (page, layer) block = page_tokens * token_dim * elem size. */
+size_t duet_kv_pool_block_bytes(const duet_kv_pool_t *pool);
+/* Pointer to token slot 0 of (page, layer). */
+void *duet_kv_pool_block(const duet_kv_pool_t *pool, int32_t page, int64_t layer);
+
+typedef struct {
+    int64_t n_slots;
+    int64_t n_layers;    /* KDA layers */
+    int64_t heads;       /* H */
+    int64_t head_dim;    /* K = V */
+    int64_t conv_kernel; /* W */
+} duet_kda_pool_desc_t;
+
+typedef struct duet_kda_pool duet_kda_pool_t;
+
+duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_pool_t **pool_p);
+void          duet_kda_pool_destroy(duet_kda_pool_t *pool); /* accepts NULL */
+const duet_kda_pool_desc_t *duet_kda_pool_desc(const duet_kda_pool_t *pool);
+/* Take a slot, zeroed (state of an empty sequence). DUET_ERR_NO_SPACE when none is free. */
+duet_status_t duet_kda_pool_alloc(duet_kda_pool_t *pool, int32_t *slot_p);
+void          duet_kda_pool_free(duet_kda_pool_t *pool, int32_t slot);
+int64_t       duet_kda_pool_n_free(const duet_kda_pool_t *pool);
+void         *duet_kda_pool_base(const duet_kda_pool_t *pool);
+size_t        duet_kda_pool_bytes(const duet_kda_pool_t *pool);
+size_t        duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool);
+/* S of (slot, KDA layer): fp32 [H][K][V]; the conv windows follow at + H*K*V floats. */
+float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
+float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
+
+#endif

@@ -1,0 +1,422 @@
+/*
+ * duet-generate: the single-process reference. Loads a checkpoint, prefills one prompt and
+ * decodes, with the same engine the cluster's workers run. Every cluster path must match its
+ * greedy output token for token, so its flags and its --json output are a stable interface:
+ *
+ *   duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [--max-tokens N]
+ *                 [--temperature T] [--top-p P] [--top-k K] [--seed S]
+ *                 [--dump-logits FILE] [--json]
+ *
+ * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
+ * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
+ * "decode_tokens_per_s", "finish_reason"}.
+ */
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "common/config.h"
+#include "common/log.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer/tokenizer.h"
+
+static const duet_config_key_t gen_keys[] = {
+    {"model", DUET_CONFIG_STRING, NULL, "checkpoint folder (config.json + safetensors)",
+     .required = true},
+    {"prompt", DUET_CONFIG_STRING, NULL, "prompt text (needs a tokenizer in the model folder)", .min = NULL},
+    {"tokens", DUET_CONFIG_STRING, NULL, "prompt as comma-separated token ids, e.g. 1,2,3", .min = NULL},
+    {"max_tokens", DUET_CONFIG_INT, "64", "tokens to generate at most", .min = "0",
+     .max = "1000000"},
+    {"temperature", DUET_CONFIG_FLOAT, "0", "sampling temperature (0 = greedy)", .min = "0"},
+    {"top_p", DUET_CONFIG_FLOAT, "1", "nucleus sampling mass", .min = "0", .max = "1"},
+    {"top_k", DUET_CONFIG_INT, "0", "sample among the k most likely tokens (0 = all)",
+     .min = "0"},
+    {"seed", DUET_CONFIG_INT, "0", "sampling seed", .min = "0"},
+    {"ignore_eos", DUET_CONFIG_BOOL, "false", "keep generating after an end-of-sequence token", .min = NULL},
+    {"dump_logits", DUET_CONFIG_STRING, NULL,
+     "write float32 LE [prompt_len, vocab] prompt logits to this file", .min = NULL},
+    {"json", DUET_CONFIG_BOOL, "false", "print one JSON object instead of streaming text", .min = NULL},
+    {"threads", DUET_CONFIG_INT, "0", "CPU threads (0 = all cores)", .min = "0", .max = "1024"},
+    {"prefill_chunk", DUET_CONFIG_INT, "512", "prompt tokens per forward call", .min = "1",
+     .max = "65536"},
+    {"page_tokens", DUET_CONFIG_INT, "128", "MLA KV cache page size in tokens", .min = "1",
+     .max = "65536"},
+};
+
+static double gen_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Parse "1,2,3" into a malloc'd array. */
+static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n_p)
+{
+    int64_t cap = 16, n = 0;
+    int32_t *ids = malloc(sizeof(*ids) * (size_t)cap);
+    if (ids == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    const char *p = s;
+    while (*p != '\0') {
+        char *end;
+        errno    = 0;
+        long v   = strtol(p, &end, 10);
+        if (end == p || errno != 0 || v < 0 || v > INT32_MAX) {
+            free(ids);
+            return duet_error_set(DUET_ERR_INVALID, "--tokens: bad token id at \"%.20s\"", p);
+        }
+        if (n == cap) {
+            cap *= 2;
+            int32_t *grown = realloc(ids, sizeof(*ids) * (size_t)cap);
+            if (grown == NULL) {
+                free(ids);
+                return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+            }
+            ids = grown;
+        }
+        ids[n++] = (int32_t)v;
+        p        = end;
+        while (*p == ' ')
+            p++;
+        if (*p == ',')
+            p++;
+        else if (*p != '\0') {
+            free(ids);
+            return duet_error_set(DUET_ERR_INVALID, "--tokens: expected ',' at \"%.20s\"", p);
+        }
+    }
+    if (n == 0) {
+        free(ids);
+        return duet_error_set(DUET_ERR_INVALID, "--tokens: no token ids");
+    }
+    *ids_p = ids;
+    *n_p   = n;
+    return DUET_OK;
+}
+
+/*
+ * The model folder's tokenizer: duet_tokenizer.json ({"type": "byte", "specials": [...]}) for
+ * byte-level models, else tokenizer.model / *.tiktoken through duet_tokenizer_load.
+ * DUET_ERR_NOT_FOUND when the folder has none.
+ */
+static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p)
+{
+    char        path[4096];
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
+    if (stat(path, &sb) == 0) {
+        json_error_t jerr;
+        json_t      *root = json_load_file(path, 0, &jerr);
+        if (root == NULL)
+            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
+        const char   *type     = json_string_value(json_object_get(root, "type"));
+        json_t       *specials = json_object_get(root, "specials");
+        duet_status_t st       = DUET_OK;
+        if (type == NULL || strcmp(type, "byte") != 0) {
+            st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
+        } else if (specials != NULL && !json_is_array(specials)) {
+            st = duet_error_set(DUET_ERR_FORMAT, "%s: \"specials\" must be an array", path);
+        } else {
+            size_t      n = specials != NULL ? json_array_size(specials) : 0;
+            const char *names[64];
+            if (n > 64)
+                st = duet_error_set(DUET_ERR_RANGE, "%s: more than 64 specials", path);
+            for (size_t i = 0; st == DUET_OK && i < n; i++) {
+                names[i] = json_string_value(json_array_get(specials, i));
+                if (names[i] == NULL)
+                    st = duet_error_set(DUET_ERR_FORMAT, "%s: specials[%zu] is not a string",
+                                        path, i);
+            }
+            if (st == DUET_OK)
+                st = duet_tokenizer_create_byte(n > 0 ? names : NULL, n, tok_p);
+        }
+        json_decref(root);
+        return st;
+    }
+    snprintf(path, sizeof(path), "%s/tokenizer.model", dir);
+    if (stat(path, &sb) == 0)
+        return duet_tokenizer_load(dir, tok_p);
+    return duet_error_set(DUET_ERR_NOT_FOUND,
+                          "%s has no tokenizer (duet_tokenizer.json or tokenizer.model): "
+                          "pass the prompt as --tokens", dir);
+}
+
+static int gen_is_eos(const duet_model_config_t *c, int32_t tok)
+{
+    for (int i = 0; i < c->n_eos; i++)
+        if (c->eos_token_ids[i] == tok)
+            return 1;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    duet_config_t     *cfg   = NULL;
+    duet_model_t      *model = NULL;
+    duet_tokenizer_t  *tok   = NULL;
+    duet_detok_t      *detok = NULL;
+    duet_sampler_t    *smp   = NULL;
+    int32_t           *prompt = NULL, *out = NULL;
+    float             *logits = NULL;
+    FILE              *dump  = NULL;
+    char              *text  = NULL;
+    size_t             text_len = 0, text_cap = 0;
+    int                rc = 1, n_pos = 0;
+    duet_seq_t         seq = {.id = -1};
+    duet_status_t      st;
+
+    if (duet_config_create(gen_keys, sizeof(gen_keys) / sizeof(gen_keys[0]), &cfg) != DUET_OK)
+        return 1;
+    st = duet_config_load_all(cfg, argc, argv, &n_pos);
+    if (st == DUET_OK && duet_config_help_requested(cfg)) {
+        char *help = NULL;
+        if (duet_config_help(cfg, "duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) "
+                                  "[options]", &help) == DUET_OK)
+            fputs(help, stdout);
+        free(help);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK)
+        st = duet_config_check_required(cfg);
+    if (st == DUET_OK && n_pos > 0)
+        st = duet_error_set(DUET_ERR_INVALID, "unexpected argument \"%s\" (see --help)", argv[1]);
+    const char *prompt_text = duet_config_get_string(cfg, "prompt");
+    const char *tokens_text = duet_config_get_string(cfg, "tokens");
+    if (st == DUET_OK && (prompt_text == NULL) == (tokens_text == NULL))
+        st = duet_error_set(DUET_ERR_INVALID, "give exactly one of --prompt and --tokens");
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+
+    const char     *dir        = duet_config_get_string(cfg, "model");
+    const int64_t   max_new    = duet_config_get_int(cfg, "max_tokens");
+    const int       as_json    = duet_config_get_bool(cfg, "json");
+    const int       ignore_eos = duet_config_get_bool(cfg, "ignore_eos");
+    const char     *dump_path  = duet_config_get_string(cfg, "dump_logits");
+    duet_sampling_t sp;
+    duet_sampling_default(&sp);
+    sp.temperature = (float)duet_config_get_float(cfg, "temperature");
+    sp.top_p       = (float)duet_config_get_float(cfg, "top_p");
+    sp.top_k       = duet_config_get_int(cfg, "top_k");
+    sp.seed        = (uint64_t)duet_config_get_int(cfg, "seed");
+    if ((st = duet_sampling_validate(&sp)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+
+    /* tokenizer: required for --prompt, optional (for text output) with --tokens */
+    st = gen_load_tokenizer(dir, &tok);
+    if (st != DUET_OK && (prompt_text != NULL || st != DUET_ERR_NOT_FOUND)) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+    int64_t n_prompt = 0;
+    if (tokens_text != NULL) {
+        if ((st = gen_parse_tokens(tokens_text, &prompt, &n_prompt)) != DUET_OK) {
+            fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+            goto out;
+        }
+    } else {
+        size_t n = 0;
+        st       = duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, NULL, 0, &n);
+        if (st != DUET_OK && st != DUET_ERR_NO_SPACE) {
+            fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+            goto out;
+        }
+        uint32_t *ids = malloc(sizeof(*ids) * (n + 1));
+        prompt        = malloc(sizeof(*prompt) * (n + 1));
+        if (ids == NULL || prompt == NULL ||
+            duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, ids, n, &n) != DUET_OK) {
+            free(ids);
+            fprintf(stderr, "duet-generate: cannot tokenize the prompt: %s\n", duet_error_last());
+            goto out;
+        }
+        for (size_t i = 0; i < n; i++)
+            prompt[i] = (int32_t)ids[i];
+        free(ids);
+        n_prompt = (int64_t)n;
+        if (n_prompt == 0) {
+            fprintf(stderr, "duet-generate: the prompt is empty\n");
+            goto out;
+        }
+    }
+
+    duet_model_opts_t opts;
+    duet_model_opts_default(&opts);
+    opts.n_threads        = (int)duet_config_get_int(cfg, "threads");
+    opts.max_batch_tokens = duet_config_get_int(cfg, "prefill_chunk");
+    opts.page_tokens      = duet_config_get_int(cfg, "page_tokens");
+    opts.max_seqs         = 1;
+    opts.max_seq_len      = n_prompt + max_new;
+    if ((st = duet_model_load(dir, &opts, &model)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: cannot load %s: %s\n", dir, duet_error_last());
+        goto out;
+    }
+    const duet_model_config_t *mc = duet_model_config(model);
+    const int64_t              V  = mc->vocab_size;
+    if ((st = duet_sampler_create(V, &smp)) != DUET_OK ||
+        (st = duet_model_seq_open(model, n_prompt + max_new, &seq)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+    const int64_t chunk = opts.max_batch_tokens;
+    logits = malloc(sizeof(float) * (size_t)(V * (dump_path != NULL ? chunk : 1)));
+    out    = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
+    if (logits == NULL || out == NULL) {
+        fprintf(stderr, "duet-generate: out of memory\n");
+        goto out;
+    }
+    if (dump_path != NULL && (dump = fopen(dump_path, "wb")) == NULL) {
+        fprintf(stderr, "duet-generate: cannot write %s: %s\n", dump_path, strerror(errno));
+        goto out;
+    }
+    if (tok != NULL && duet_detok_create(tok, DUET_DETOK_SKIP_SPECIAL, &detok) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+
+    /* prefill in chunks */
+    double t0 = gen_now();
+    for (int64_t at = 0; at < n_prompt; at += chunk) {
+        int64_t           n    = n_prompt - at < chunk ? n_prompt - at : chunk;
+        int               last = at + n == n_prompt;
+        duet_batch_item_t item = {
+            .seq         = &seq,
+            .tokens      = prompt + at,
+            .n_tokens    = n,
+            .logits_mode = dump != NULL ? DUET_LOGITS_ALL : (last ? DUET_LOGITS_LAST : DUET_LOGITS_NONE),
+            .logits      = logits,
+        };
+        if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
+            fprintf(stderr, "duet-generate: prefill failed: %s\n", duet_error_last());
+            goto out;
+        }
+        if (dump != NULL) {
+            if (fwrite(logits, sizeof(float), (size_t)(n * V), dump) != (size_t)(n * V)) {
+                fprintf(stderr, "duet-generate: writing %s: %s\n", dump_path, strerror(errno));
+                goto out;
+            }
+            if (last) /* keep the last row for sampling */
+                memmove(logits, logits + (n - 1) * V, sizeof(float) * (size_t)V);
+        }
+    }
+    double t_prefill = gen_now() - t0;
+
+    /* decode */
+    duet_rng_t rng;
+    duet_rng_seed(&rng, sp.seed);
+    int64_t     n_out  = 0;
+    const char *finish = "length";
+    double      t1     = gen_now();
+    while (n_out < max_new) {
+        int32_t next = duet_sampler_sample(smp, &sp, &rng, logits);
+        out[n_out++] = next;
+        if (detok != NULL) {
+            const char *piece;
+            size_t      plen;
+            if (duet_detok_feed(detok, (uint32_t)next, &piece, &plen) == DUET_OK && plen > 0) {
+                if (as_json) {
+                    if (text_len + plen + 1 > text_cap) {
+                        size_t ncap  = (text_len + plen + 1) * 2;
+                        char  *grown = realloc(text, ncap);
+                        if (grown == NULL)
+                            goto out;
+                        text     = grown;
+                        text_cap = ncap;
+                    }
+                    memcpy(text + text_len, piece, plen);
+                    text_len += plen;
+                } else {
+                    fwrite(piece, 1, plen, stdout);
+                    fflush(stdout);
+                }
+            }
+        }
+        if (!ignore_eos && gen_is_eos(mc, next)) {
+            finish = "stop";
+            break;
+        }
+        if (n_out == max_new)
+            break;
+        duet_batch_item_t item = {.seq = &seq, .tokens = &next, .n_tokens = 1,
+                                  .logits_mode = DUET_LOGITS_LAST, .logits = logits};
+        if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
+            fprintf(stderr, "duet-generate: decode failed: %s\n", duet_error_last());
+            goto out;
+        }
+    }
+    double t_decode = gen_now() - t1;
+    if (detok != NULL) {
+        const char *piece;
+        size_t      plen;
+        if (duet_detok_flush(detok, &piece, &plen) == DUET_OK && plen > 0) {
+            if (as_json) {
+                char *grown = realloc(text, text_len + plen + 1);
+                if (grown == NULL)
+                    goto out;
+                text = grown;
+                memcpy(text + text_len, piece, plen);
+                text_len += plen;
+            } else {
+                fwrite(piece, 1, plen, stdout);
+            }
+        }
+    }
+
+    double prefill_tps = t_prefill > 0 ? (double)n_prompt / t_prefill : 0.0;
+    /* the first generated token comes from the prefill's logits: n_out - 1 decode steps */
+    double decode_tps = (n_out > 1 && t_decode > 0) ? (double)(n_out - 1) / t_decode : 0.0;
+    if (as_json) {
+        json_t *o  = json_object();
+        json_t *ta = json_array();
+        for (int64_t i = 0; i < n_out; i++)
+            json_array_append_new(ta, json_integer(out[i]));
+        json_object_set_new(o, "tokens", ta);
+        json_object_set_new(o, "text", json_stringn(text != NULL ? text : "", text_len));
+        json_object_set_new(o, "prompt_tokens", json_integer(n_prompt));
+        json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_tps));
+        json_object_set_new(o, "decode_tokens_per_s", json_real(decode_tps));
+        json_object_set_new(o, "finish_reason", json_string(finish));
+        char *s = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
+        if (s != NULL)
+            puts(s);
+        free(s);
+        json_decref(o);
+    } else {
+        if (tok == NULL) {
+            for (int64_t i = 0; i < n_out; i++)
+                printf("%s%d", i ? "," : "", out[i]);
+        }
+        printf("\n");
+        fprintf(stderr, "duet-generate: %lld prompt tokens at %.1f tok/s, %lld generated at %.1f "
+                        "tok/s (%s)\n", (long long)n_prompt, prefill_tps, (long long)n_out,
+                decode_tps, finish);
+    }
+    rc = 0;
+
+out:
+    if (dump != NULL && fclose(dump) != 0 && rc == 0) {
+        fprintf(stderr, "duet-generate: closing %s: %s\n", dump_path, strerror(errno));
+        rc = 1;
+    }
+    if (model != NULL)
+        duet_model_seq_close(model, &seq);
+    free(text);
+    free(out);
+    free(logits);
+    free(prompt);
+    duet_sampler_destroy(smp);
+    duet_detok_destroy(detok);
+    duet_tokenizer_destroy(tok);
+    duet_model_free(model);
+    duet_config_destroy(cfg);
+    return rc;
+}

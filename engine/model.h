@@ -1,0 +1,88 @@
+/*
+ * The engine: a loaded Kimi-Linear checkpoint, its caches and one batched forward pass.
+ *
+ * duet_model_forward() serves a batch of sequences in one call, each at its own position:
+ * a prefill chunk of one request and single-token decode steps of others can share a step. All
+ * rows of the batch go through every projection, norm and FFN together (one GEMM per weight);
+ * only the mixers' sequence-dependent parts (conv windows, KDA recurrence, MLA attention over the
+ * paged latent cache) run per sequence. Workspaces are sized at load for `max_batch_tokens` rows
+ * and nothing is allocated per step.
+ */
+#ifndef DUET_ENGINE_MODEL_H
+#define DUET_ENGINE_MODEL_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+#include "engine/cache.h"
+#include "engine/model_config.h"
+#include "kernels/kernels.h"
+
+typedef struct duet_model duet_model_t;
+
+typedef struct {
+    int     n_threads;        /* CPU threads, 0 = all online CPUs (or DUET_THREADS) */
+    int64_t max_batch_tokens; /* rows one forward call may carry (default 512) */
+    int64_t max_seqs;         /* sequences open at once = KDA state slots (default 8) */
+    int64_t max_seq_len;      /* tokens one sequence may hold (default 4096) */
+    int64_t page_tokens;      /* MLA KV page size in tokens (default 128) */
+    int64_t kv_pages;         /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
+} duet_model_opts_t;
+
+/* Fill opts with the defaults above. */
+void duet_model_opts_default(duet_model_opts_t *opts);
+
+/*
+ * Load checkpoint folder `dir` (config.json + safetensors), validate it, bind the weights,
+ * create the CPU backend and the cache pools. Errors carry a detail naming the file/tensor.
+ */
+duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts, duet_model_t **m_p);
+void          duet_model_free(duet_model_t *m); /* accepts NULL */
+
+const duet_model_config_t *duet_model_config(const duet_model_t *m);
+const duet_model_opts_t   *duet_model_opts(const duet_model_t *m);
+duet_kv_pool_t            *duet_model_kv_pool(duet_model_t *m);
+duet_kda_pool_t           *duet_model_kda_pool(duet_model_t *m);
+
+/* A sequence's cache handle. Fields are read-only for callers. */
+typedef struct {
+    int32_t  id;         /* index in the model's sequence table; -1 when closed */
+    int32_t  kda_slot;   /* KDA state slot; -1 when the model has no KDA layers */
+    int64_t  n_tokens;   /* tokens whose KV / state is in the caches */
+    int64_t  cap_tokens; /* n_pages * page_tokens */
+    int32_t *pages;      /* MLA pages in order; model-owned table row */
+    int64_t  n_pages;
+} duet_seq_t;
+
+/*
+ * Open a sequence able to hold `max_tokens` tokens: reserves ceil(max_tokens / page_tokens)
+ * pages (when the model has MLA layers) and a KDA state slot, all zeroed.
+ * DUET_ERR_NO_SPACE when the pools cannot hold it; DUET_ERR_RANGE above max_seq_len.
+ */
+duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p);
+/* Return the sequence's pages and slot. Accepts an already closed sequence. */
+void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq);
+
+typedef enum {
+    DUET_LOGITS_NONE = 0, /* no logits (a prefill chunk that is not the prompt's last) */
+    DUET_LOGITS_LAST = 1, /* logits of the item's last token: [1][vocab] */
+    DUET_LOGITS_ALL  = 2, /* logits of every token of the item: [n_tokens][vocab] */
+} duet_logits_mode_t;
+
+typedef struct {
+    duet_seq_t        *seq;
+    const int32_t     *tokens;   /* new tokens, appended at seq->n_tokens */
+    int64_t            n_tokens; /* >= 1 */
+    duet_logits_mode_t logits_mode;
+    float             *logits;   /* caller-owned, rows per logits_mode */
+} duet_batch_item_t;
+
+/*
+ * Run one step over the batch: append each item's tokens to its sequence, update the caches
+ * and write the requested logits. The total of n_tokens must be <= max_batch_tokens, a sequence
+ * may appear once per call, tokens must be in [0, vocab). On error no sequence is advanced only
+ * if the error is detected before compute (validation); errors are DUET_ERR_INVALID/RANGE.
+ */
+duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int64_t n_items);
+
+#endif

@@ -1,0 +1,188 @@
+/*
+ * Sampling. The candidate set is reduced before anything is sorted: top-k by a partial
+ * selection, then the softmax over the survivors, then the nucleus by sorting only those
+ * survivors. With top-k unset the whole vocabulary is sorted, which is fine at our vocabulary
+ * sizes compared with a forward pass.
+ */
+#include "engine/sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+struct duet_sampler {
+    int64_t vocab;
+    float   *prob; /* (vocab) */
+    int32_t *idx;  /* (vocab) */
+};
+
+static inline uint64_t duet__rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+void duet_rng_seed(duet_rng_t *rng, uint64_t seed)
+{
+    /* splitmix64 to spread the seed over the state */
+    for (int i = 0; i < 4; i++) {
+        seed += 0x9e3779b97f4a7c15ull;
+        uint64_t z = seed;
+        z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        rng->s[i]  = z ^ (z >> 31);
+    }
+}
+
+uint64_t duet_rng_next(duet_rng_t *rng)
+{
+    uint64_t *s      = rng->s;
+    uint64_t  result = duet__rotl(s[1] * 5, 7) * 9;
+    uint64_t  t      = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = duet__rotl(s[3], 45);
+    return result;
+}
+
+float duet_rng_uniform(duet_rng_t *rng)
+{
+    return (float)(duet_rng_next(rng) >> 40) * (1.0f / 16777216.0f);
+}
+
+void duet_sampling_default(duet_sampling_t *p)
+{
+    p->temperature = 0.0f;
+    p->top_k       = 0;
+    p->top_p       = 1.0f;
+    p->seed        = 0;
+}
+
+duet_status_t duet_sampling_validate(const duet_sampling_t *p)
+{
+    if (!isfinite(p->temperature) || p->temperature < 0.0f)
+        return duet_error_set(DUET_ERR_RANGE, "temperature must be a finite number >= 0, got %g",
+                              (double)p->temperature);
+    if (p->top_k < 0)
+        return duet_error_set(DUET_ERR_RANGE, "top_k must be >= 0, got %lld", (long long)p->top_k);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return duet_error_set(DUET_ERR_RANGE, "top_p must be in (0, 1], got %g", (double)p->top_p);
+    return DUET_OK;
+}
+
+duet_status_t duet_sampler_create(int64_t vocab, duet_sampler_t **s_p)
+{
+    if (vocab <= 0)
+        return duet_error_set(DUET_ERR_INVALID, "sampler: vocabulary size %lld", (long long)vocab);
+    duet_sampler_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "sampler: out of memory");
+    s->vocab = vocab;
+    s->prob  = malloc(sizeof(*s->prob) * (size_t)vocab);
+    s->idx   = malloc(sizeof(*s->idx) * (size_t)vocab);
+    if (s->prob == NULL || s->idx == NULL) {
+        duet_sampler_destroy(s);
+        return duet_error_set(DUET_ERR_NOMEM, "sampler: out of memory");
+    }
+    *s_p = s;
+    return DUET_OK;
+}
+
+void duet_sampler_destroy(duet_sampler_t *s)
+{
+    if (s == NULL)
+        return;
+    free(s->prob);
+    free(s->idx);
+    free(s);
+}
+
+int32_t duet_argmax(const float *logits, int64_t n)
+{
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (logits[i] > logits[best])
+            best = i;
+    return (int32_t)best;
+}
+
+/* qsort comparator context: the sampler being sorted (qsort has no context argument). */
+static _Thread_local const float *duet__sort_logits;
+
+static int duet__by_logit_desc(const void *a, const void *b)
+{
+    float la = duet__sort_logits[*(const int32_t *)a], lb = duet__sort_logits[*(const int32_t *)b];
+    if (la > lb)
+        return -1;
+    if (la < lb)
+        return 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rng,
+                            const float *logits)
+{
+    const int64_t V = s->vocab;
+    if (p->temperature <= 0.0f || p->top_k == 1)
+        return duet_argmax(logits, V);
+
+    /* candidates sorted by logit, descending; with top_k only the best k are kept */
+    int64_t n = V;
+    for (int64_t i = 0; i < V; i++)
+        s->idx[i] = (int32_t)i;
+    duet__sort_logits = logits;
+    if (p->top_k > 0 && p->top_k < V) {
+        /* partial selection: keep a sorted window of the k best */
+        n = p->top_k;
+        qsort(s->idx, (size_t)n, sizeof(int32_t), duet__by_logit_desc);
+        for (int64_t i = n; i < V; i++) {
+            int32_t cand = (int32_t)i;
+            if (duet__by_logit_desc(&cand, &s->idx[n - 1]) >= 0)
+                continue;
+            int64_t j = n - 1;
+            while (j > 0 && duet__by_logit_desc(&cand, &s->idx[j - 1]) < 0) {
+                s->idx[j] = s->idx[j - 1];
+                j--;
+            }
+            s->idx[j] = cand;
+        }
+    } else {
+        qsort(s->idx, (size_t)n, sizeof(int32_t), duet__by_logit_desc);
+    }
+    /* softmax over candidates at temperature */
+    const float inv_t = 1.0f / p->temperature;
+    const float mx    = logits[s->idx[0]];
+    double      sum   = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        s->prob[i] = expf((logits[s->idx[i]] - mx) * inv_t);
+        sum += s->prob[i];
+    }
+    /* nucleus: smallest prefix whose mass reaches top_p */
+    if (p->top_p < 1.0f) {
+        double  acc = 0.0;
+        int64_t keep = n;
+        for (int64_t i = 0; i < n; i++) {
+            acc += s->prob[i] / sum;
+            if (acc >= (double)p->top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        n   = keep;
+        sum = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            sum += s->prob[i];
+    }
+    double u   = (double)duet_rng_uniform(rng) * sum;
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        acc += s->prob[i];
+        if (u < acc)
+            return s->idx[i];
+    }
+    return s->idx[n - 1];
+}
