@@ -475,6 +475,10 @@ static void format_double(double v, char *buf, size_t cap)
         snprintf(buf, cap, v > 0 ? "+Inf" : "-Inf");
         return;
     }
+    if (v == floor(v) && fabs(v) < 1e15) { /* counts and round bounds: plain integers */
+        snprintf(buf, cap, "%.0f", v);
+        return;
+    }
     for (int prec = 1; prec <= 17; prec++) {
         snprintf(buf, cap, "%.*g", prec, v);
         if (strtod(buf, NULL) == v)
