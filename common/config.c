@@ -121,6 +121,15 @@ static bool config_normalise(const char *s, size_t n, char *out, size_t cap)
     return true;
 }
 
+/* Flag spelling of a key: '_' -> '-' ("cache.page-tokens"). */
+static void config_flag_name(const char *name, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s", name);
+    for (char *p = out; *p != '\0'; p++)
+        if (*p == '_')
+            *p = '-';
+}
+
 static bool config_name_valid(const char *s)
 {
     if (s == NULL || s[0] == '\0' || s[0] == '.' || strlen(s) >= CONFIG_NAME_MAX)
@@ -252,9 +261,10 @@ duet_status_t duet_config_parse_size(const char *s, uint64_t *bytes_p)
     if (s == NULL || !isdigit((unsigned char)*p))
         return DUET_ERR_INVALID;
     for (; isdigit((unsigned char)*p); p++) {
-        if (ip > (UINT64_MAX - 9) / 10)
+        uint64_t d = (uint64_t)(*p - '0');
+        if (ip > (UINT64_MAX - d) / 10)
             return DUET_ERR_INVALID;
-        ip = ip * 10 + (uint64_t)(*p - '0');
+        ip = ip * 10 + d;
     }
     if (*p == '.') {
         p++;
@@ -895,11 +905,12 @@ duet_status_t duet_config_parse_args(duet_config_t *cfg, int argc, char **argv, 
         }
         if (sl == NULL) {
             const char *sugg = config_suggest(cfg, norm);
-            if (sugg != NULL)
+            if (sugg != NULL) {
+                config_flag_name(sugg, norm, sizeof(norm));
                 st = duet_error_set(DUET_ERR_NOT_FOUND,
                                     "command line: unknown flag \"%.*s\" (did you mean --%s?)",
-                                    (int)(n + 2), a, sugg);
-            else
+                                    (int)(n + 2), a, norm);
+            } else
                 st = duet_error_set(DUET_ERR_NOT_FOUND, "command line: unknown flag \"%.*s\"",
                                     (int)(n + 2), a);
             goto free_arrays;
@@ -981,15 +992,6 @@ bool duet_config_help_requested(const duet_config_t *cfg)
 
 /* ---------------------------------------------------------------- help and dump */
 
-/* Flag spelling of a key: '_' -> '-' ("cache.page-tokens"). */
-static void config_flag_name(const char *name, char *out, size_t cap)
-{
-    snprintf(out, cap, "%s", name);
-    for (char *p = out; *p != '\0'; p++)
-        if (*p == '_')
-            *p = '-';
-}
-
 /* Pad the current line (which started at line_start) to the help column, or break the line. */
 static void config_help_pad(duet_strbuf_t *sb, size_t line_start)
 {
@@ -1031,10 +1033,12 @@ duet_status_t duet_config_help(const duet_config_t *cfg, const char *usage, char
             config_flag_name(sl->alias, flag, sizeof(flag));
             duet_strbuf_printf(&sb, ", --%s", flag);
         }
-        if (mv[0] != '\0')
+        if (mv[0] != '\0') {
             duet_strbuf_printf(&sb, " %s", mv);
-        else
-            duet_strbuf_puts(&sb, " | --no-...");
+        } else {
+            config_flag_name(k->name, flag, sizeof(flag));
+            duet_strbuf_printf(&sb, ", --no-%s", flag);
+        }
         config_help_pad(&sb, start);
         duet_strbuf_printf(&sb, "%s\n", k->help != NULL ? k->help : "");
 
@@ -1086,14 +1090,15 @@ duet_status_t duet_config_dump(const duet_config_t *cfg, char **text_p)
     duet_strbuf_init(&sb);
     for (size_t i = 0; i < cfg->n_slots; i++) {
         const config_slot_t *sl = &cfg->slots[i];
-        if (sl->src == DUET_CONFIG_SRC_UNSET)
-            snprintf(val, sizeof(val), "(unset)");
-        else if (sl->key->secret)
+        if (sl->src == DUET_CONFIG_SRC_UNSET) {
+            duet_strbuf_printf(&sb, "%-*s   (unset)\n", (int)width, sl->key->name);
+            continue;
+        }
+        if (sl->key->secret)
             snprintf(val, sizeof(val), "<redacted>");
         else
             config_value_text(sl->key, &sl->val, val, sizeof(val));
-        duet_strbuf_printf(&sb, "%-*s = %s  (%s)\n", (int)width, sl->key->name, val,
-                           sl->src == DUET_CONFIG_SRC_UNSET ? "unset" : sl->origin);
+        duet_strbuf_printf(&sb, "%-*s = %s  (%s)\n", (int)width, sl->key->name, val, sl->origin);
     }
     if (duet_strbuf_status(&sb) != DUET_OK) {
         duet_strbuf_free(&sb);

@@ -43,17 +43,17 @@ static json_t *load(const char *text)
 
 Test(common_json, typed_getters, .timeout = 10)
 {
-    json_t     *root = load(config_json);
-    int64_t     i;
-    double      d;
-    bool        b;
+    json_t *root = load(config_json);
+    int64_t i;
+    double d;
+    bool b;
     const char *s;
     cr_assert_eq(duet_json_get_int(root, "config.json", "num_heads", 1, 1024, &i), DUET_OK);
     cr_assert_eq(i, 32);
     cr_assert_eq(duet_json_get_double(root, "config.json", "rms_norm_eps", 0, 1, &d), DUET_OK);
     cr_assert_float_eq(d, 1e-5, 1e-12);
-    cr_assert_eq(duet_json_get_double(root, "config.json", "rope_theta", 0, INFINITY, &d),
-                 DUET_OK, "integers are numbers too");
+    cr_assert_eq(duet_json_get_double(root, "config.json", "rope_theta", 0, INFINITY, &d), DUET_OK,
+                 "integers are numbers too");
     cr_assert_eq(d, 10000);
     cr_assert_eq(duet_json_get_bool(root, "config.json", "tie_word_embeddings", &b), DUET_OK);
     cr_assert_eq(b, false);
@@ -73,9 +73,9 @@ Test(common_json, typed_getters, .timeout = 10)
 
 Test(common_json, int_array, .timeout = 10)
 {
-    json_t  *root = load(config_json);
-    int64_t *v    = NULL;
-    size_t   n    = 0;
+    json_t *root = load(config_json);
+    int64_t *v = NULL;
+    size_t n = 0;
     cr_assert_eq(duet_json_get_int_array(root, "config.json", "linear_attn_config.full_attn_layers",
                                          0, 100, &v, &n),
                  DUET_OK);
@@ -86,8 +86,8 @@ Test(common_json, int_array, .timeout = 10)
     cr_assert_eq(duet_json_get_int_array(root, "config.json", "empty", 0, 1, &v, &n), DUET_OK);
     cr_assert_eq(n, 0);
     free(v);
-    ASSERT_ERR(duet_json_get_int_array(root, "config.json", "linear_attn_config.kda_layers", 0,
-                                       100, &v, &n),
+    ASSERT_ERR(duet_json_get_int_array(root, "config.json", "linear_attn_config.kda_layers", 0, 100,
+                                       &v, &n),
                DUET_ERR_FORMAT,
                "config.json: field \"linear_attn_config.kda_layers[3]\": expected integer, got "
                "string");
@@ -101,10 +101,10 @@ Test(common_json, int_array, .timeout = 10)
 
 Test(common_json, errors_name_source_and_path, .timeout = 10)
 {
-    json_t     *root = load(config_json);
-    int64_t     i    = -1;
-    double      d;
-    bool        b;
+    json_t *root = load(config_json);
+    int64_t i = -1;
+    double d;
+    bool b;
     const char *s;
     ASSERT_ERR(duet_json_get_int(root, "config.json", "num_heads", 1, 16, &i), DUET_ERR_RANGE,
                "config.json: field \"num_heads\": 32 is outside [1, 16]");
@@ -113,12 +113,12 @@ Test(common_json, errors_name_source_and_path, .timeout = 10)
                "field \"rms_norm_eps\": expected integer, got real");
     ASSERT_ERR(duet_json_get_int(root, "config.json", "missing", 0, 1, &i), DUET_ERR_NOT_FOUND,
                "config.json: field \"missing\": missing");
-    ASSERT_ERR(duet_json_get_int(root, "config.json", "rope_scaling", 0, 1, &i),
-               DUET_ERR_FORMAT, "field \"rope_scaling\": expected integer, got null");
+    ASSERT_ERR(duet_json_get_int(root, "config.json", "rope_scaling", 0, 1, &i), DUET_ERR_FORMAT,
+               "field \"rope_scaling\": expected integer, got null");
     ASSERT_ERR(duet_json_get_double(root, "config.json", "model_type", 0, 1, &d), DUET_ERR_FORMAT,
                "expected number, got string");
-    ASSERT_ERR(duet_json_get_double(root, "config.json", "rope_theta", 0, 100, &d),
-               DUET_ERR_RANGE, "rope_theta");
+    ASSERT_ERR(duet_json_get_double(root, "config.json", "rope_theta", 0, 100, &d), DUET_ERR_RANGE,
+               "rope_theta");
     ASSERT_ERR(duet_json_get_bool(root, "config.json", "num_heads", &b), DUET_ERR_FORMAT,
                "expected true or false, got integer");
     ASSERT_ERR(duet_json_get_string(root, "config.json", "num_heads", &s), DUET_ERR_FORMAT,
@@ -151,10 +151,10 @@ Test(common_json, errors_name_source_and_path, .timeout = 10)
 
 Test(common_json, optional_fields, .timeout = 10)
 {
-    json_t     *root = load(config_json);
-    int64_t     i;
-    double      d;
-    bool        b;
+    json_t *root = load(config_json);
+    int64_t i;
+    double d;
+    bool b;
     const char *s;
     cr_assert_eq(duet_json_get_int_opt(root, "c", "absent", 0, 9, 7, &i), DUET_OK);
     cr_assert_eq(i, 7);
@@ -205,7 +205,7 @@ Test(common_json, syntax_errors_report_line_and_column, .timeout = 10)
 Test(common_json, size_cap, .timeout = 10)
 {
     json_t *root = NULL;
-    char    path[] = "/tmp/duet_json_XXXXXX";
+    char path[] = "/tmp/duet_json_XXXXXX";
     const char *doc = "{\"num_heads\": 32, \"pad\": \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}";
     ASSERT_ERR(duet_json_load_buffer(doc, strlen(doc), "big.json", 16, &root), DUET_ERR_RANGE,
                "big.json");
@@ -228,12 +228,12 @@ Test(common_json, size_cap, .timeout = 10)
 Test(common_json, file_syntax_error_names_file, .timeout = 10)
 {
     char path[] = "/tmp/duet_json_XXXXXX";
-    int  fd     = mkstemp(path);
+    int fd = mkstemp(path);
     const char *doc = "{\n\n  \"a\": tru\n}";
     cr_assert_eq(write(fd, doc, strlen(doc)), (ssize_t)strlen(doc));
     close(fd);
     json_t *root = NULL;
-    char    want[64];
+    char want[64];
     snprintf(want, sizeof(want), "%s:3:", path);
     ASSERT_ERR(duet_json_load_file(path, 1000, &root), DUET_ERR_FORMAT, want);
     unlink(path);
@@ -260,9 +260,9 @@ static bool status_known(duet_status_t st)
 Test(common_json, fuzz_mutated_documents, .timeout = 60)
 {
     static const char alphabet[] = "{}[]\":,0123456789.-+eE truefalsnl\\\n\x01\xff";
-    size_t            seed_len   = strlen(config_json);
-    char             *buf        = malloc(seed_len * 2 + 64);
-    rng_state                    = 0x9e3779b97f4a7c15ull;
+    size_t seed_len = strlen(config_json);
+    char *buf = malloc(seed_len * 2 + 64);
+    rng_state = 0x9e3779b97f4a7c15ull;
 
     for (int iter = 0; iter < 4000; iter++) {
         size_t len;
@@ -272,7 +272,7 @@ Test(common_json, fuzz_mutated_documents, .timeout = 60)
                 buf[i] = (char)(rng() & 0xff);
         } else { /* the seed with a few mutations: flip, insert, delete, truncate */
             memcpy(buf, config_json, seed_len);
-            len       = seed_len;
+            len = seed_len;
             int n_mut = 1 + (int)(rng() % 4);
             for (int m = 0; m < n_mut && len > 0; m++) {
                 size_t at = rng() % len;
@@ -295,18 +295,18 @@ Test(common_json, fuzz_mutated_documents, .timeout = 60)
                 }
             }
         }
-        json_t       *root = NULL;
-        duet_status_t st   = duet_json_load_buffer(buf, len, "fuzz.json", 1 << 20, &root);
+        json_t *root = NULL;
+        duet_status_t st = duet_json_load_buffer(buf, len, "fuzz.json", 1 << 20, &root);
         cr_assert(st == DUET_OK || st == DUET_ERR_FORMAT, "iter %d: status %d", iter, st);
         if (st != DUET_OK) {
             cr_assert(strstr(duet_error_last(), "fuzz.json:") != NULL);
             continue;
         }
-        int64_t     i, *arr = NULL;
-        double      d;
-        bool        b;
+        int64_t i, *arr = NULL;
+        double d;
+        bool b;
         const char *s;
-        size_t      n;
+        size_t n;
         cr_assert(status_known(duet_json_get_int(root, "f", "num_heads", 1, 64, &i)));
         cr_assert(status_known(duet_json_get_double(root, "f", "rms_norm_eps", 0, 1, &d)));
         cr_assert(status_known(duet_json_get_bool_opt(root, "f", "tie_word_embeddings", 0, &b)));

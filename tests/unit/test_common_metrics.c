@@ -31,7 +31,7 @@ static bool is_metric_name(const char *s, size_t n)
     if (n == 0)
         return false;
     for (size_t i = 0; i < n; i++) {
-        char c  = s[i];
+        char c = s[i];
         bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':' ||
                   (i > 0 && c >= '0' && c <= '9');
         if (!ok)
@@ -58,23 +58,23 @@ static bool is_value(const char *s)
 static const char *check_exposition(const char *text)
 {
     static char why[512];
-    char        family[256] = "", type[32] = "";
-    double      last_bucket = -1, inf_bucket = -1;
-    const char *line        = text;
-    int         lineno      = 0;
+    char family[256] = "", type[32] = "";
+    double last_bucket = -1, inf_bucket = -1;
+    const char *line = text;
+    int lineno = 0;
 
     if (text[0] != '\0' && text[strlen(text) - 1] != '\n')
         return "text does not end in a newline";
     while (*line != '\0') {
         const char *nl = strchr(line, '\n');
-        size_t      n  = (size_t)(nl - line);
-        char        buf[1024];
+        size_t n = (size_t)(nl - line);
+        char buf[1024];
         lineno++;
         if (n >= sizeof(buf))
             return "line too long";
         memcpy(buf, line, n);
         buf[n] = '\0';
-        line   = nl + 1;
+        line = nl + 1;
 
         if (strncmp(buf, "# HELP ", 7) == 0) {
             const char *name = buf + 7, *sp = strchr(name, ' ');
@@ -94,7 +94,7 @@ static const char *check_exposition(const char *text)
                 strcmp(type, "histogram") != 0)
                 goto bad;
             last_bucket = -1;
-            inf_bucket  = -1;
+            inf_bucket = -1;
             continue;
         }
         if (buf[0] == '#')
@@ -107,7 +107,7 @@ static const char *check_exposition(const char *text)
         memcpy(name, buf, nlen);
         name[nlen] = '\0';
         const char *p = buf + nlen;
-        bool        has_inf_le = false;
+        bool has_inf_le = false;
         if (*p == '{') {
             p++;
             while (*p != '}') {
@@ -177,7 +177,7 @@ static void promtool_check(const char *text)
     if (system("command -v promtool >/dev/null 2>&1") != 0)
         return;
     char path[] = "/tmp/duet_metrics_XXXXXX";
-    int  fd     = mkstemp(path);
+    int fd = mkstemp(path);
     cr_assert(fd >= 0);
     cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
     close(fd);
@@ -192,21 +192,21 @@ static void promtool_check(const char *text)
 
 static duet_metrics_t *small_registry(void)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *req, *depth, *ttft;
-    duet_metric_t        *m;
-    const char *const     labels[] = {"endpoint", "status"};
-    const double          buckets[] = {0.25, 0.5, 1};
+    duet_metric_t *m;
+    const char *const labels[] = {"endpoint", "status"};
+    const double buckets[] = {0.25, 0.5, 1};
 
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
-    cr_assert_eq(duet_metrics_counter_new(reg, "duet_requests_total", "Requests served.", labels,
-                                          2, &req),
-                 DUET_OK);
-    cr_assert_eq(duet_metrics_gauge_new(reg, "duet_queue_depth", "Requests waiting.", NULL, 0,
-                                        &depth),
-                 DUET_OK);
-    cr_assert_eq(duet_metrics_histogram_new(reg, "duet_ttft_seconds", "Time to first token.",
-                                            NULL, 0, buckets, 3, &ttft),
+    cr_assert_eq(
+        duet_metrics_counter_new(reg, "duet_requests_total", "Requests served.", labels, 2, &req),
+        DUET_OK);
+    cr_assert_eq(
+        duet_metrics_gauge_new(reg, "duet_queue_depth", "Requests waiting.", NULL, 0, &depth),
+        DUET_OK);
+    cr_assert_eq(duet_metrics_histogram_new(reg, "duet_ttft_seconds", "Time to first token.", NULL,
+                                            0, buckets, 3, &ttft),
                  DUET_OK);
 
     cr_assert_eq(duet_metrics_child(req, (const char *const[]){"/v1/completions", "200"}, 2, &m),
@@ -228,23 +228,23 @@ static duet_metrics_t *small_registry(void)
 
 Test(common_metrics, exact_text_small_registry, .timeout = 30)
 {
-    duet_metrics_t *reg  = small_registry();
-    char           *text = render(reg);
-    const char     *want = "# HELP duet_requests_total Requests served.\n"
-                           "# TYPE duet_requests_total counter\n"
-                           "duet_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 3\n"
-                           "duet_requests_total{endpoint=\"/v1/models\",status=\"404\"} 2\n"
-                           "# HELP duet_queue_depth Requests waiting.\n"
-                           "# TYPE duet_queue_depth gauge\n"
-                           "duet_queue_depth 7\n"
-                           "# HELP duet_ttft_seconds Time to first token.\n"
-                           "# TYPE duet_ttft_seconds histogram\n"
-                           "duet_ttft_seconds_bucket{le=\"0.25\"} 2\n"
-                           "duet_ttft_seconds_bucket{le=\"0.5\"} 3\n"
-                           "duet_ttft_seconds_bucket{le=\"1\"} 3\n"
-                           "duet_ttft_seconds_bucket{le=\"+Inf\"} 4\n"
-                           "duet_ttft_seconds_sum 2.75\n"
-                           "duet_ttft_seconds_count 4\n";
+    duet_metrics_t *reg = small_registry();
+    char *text = render(reg);
+    const char *want = "# HELP duet_requests_total Requests served.\n"
+                       "# TYPE duet_requests_total counter\n"
+                       "duet_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 3\n"
+                       "duet_requests_total{endpoint=\"/v1/models\",status=\"404\"} 2\n"
+                       "# HELP duet_queue_depth Requests waiting.\n"
+                       "# TYPE duet_queue_depth gauge\n"
+                       "duet_queue_depth 7\n"
+                       "# HELP duet_ttft_seconds Time to first token.\n"
+                       "# TYPE duet_ttft_seconds histogram\n"
+                       "duet_ttft_seconds_bucket{le=\"0.25\"} 2\n"
+                       "duet_ttft_seconds_bucket{le=\"0.5\"} 3\n"
+                       "duet_ttft_seconds_bucket{le=\"1\"} 3\n"
+                       "duet_ttft_seconds_bucket{le=\"+Inf\"} 4\n"
+                       "duet_ttft_seconds_sum 2.75\n"
+                       "duet_ttft_seconds_count 4\n";
     cr_assert_str_eq(text, want);
     cr_assert_null(check_exposition(text), "%s\n%s", check_exposition(text), text);
     promtool_check(text);
@@ -254,10 +254,10 @@ Test(common_metrics, exact_text_small_registry, .timeout = 30)
 
 Test(common_metrics, render_into_caller_buffer, .timeout = 30)
 {
-    duet_metrics_t *reg  = small_registry();
-    char           *text = render(reg);
-    char            buf[4096];
-    size_t          len  = 0;
+    duet_metrics_t *reg = small_registry();
+    char *text = render(reg);
+    char buf[4096];
+    size_t len = 0;
     cr_assert_eq(duet_metrics_render_buf(reg, buf, sizeof(buf), &len), DUET_OK);
     cr_assert_eq(len, strlen(text));
     cr_assert_str_eq(buf, text);
@@ -269,9 +269,9 @@ Test(common_metrics, render_into_caller_buffer, .timeout = 30)
 
 Test(common_metrics, label_and_help_escaping, .timeout = 30)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *fam;
-    duet_metric_t        *m;
+    duet_metric_t *m;
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
     cr_assert_eq(duet_metrics_gauge_new(reg, "duet_odd", "back\\slash \"quoted\"\nsecond line",
                                         (const char *const[]){"path"}, 1, &fam),
@@ -290,9 +290,9 @@ Test(common_metrics, label_and_help_escaping, .timeout = 30)
 
 Test(common_metrics, histogram_bucket_math, .timeout = 30)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *fam;
-    double                b[5];
+    double b[5];
     duet_metrics_buckets_linear(1, 1, 5, b); /* 1 2 3 4 5 */
     cr_assert_eq(b[0], 1);
     cr_assert_eq(b[4], 5);
@@ -326,14 +326,15 @@ Test(common_metrics, histogram_bucket_math, .timeout = 30)
 
 Test(common_metrics, default_buckets_and_trailing_inf, .timeout = 30)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *a, *b;
-    const double          with_inf[] = {1, 2, INFINITY};
+    const double with_inf[] = {1, 2, INFINITY};
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
     cr_assert_eq(duet_metrics_histogram_new(reg, "duet_alpha_seconds", "A.", NULL, 0, NULL, 0, &a),
                  DUET_OK);
-    cr_assert_eq(duet_metrics_histogram_new(reg, "duet_beta_seconds", "B.", NULL, 0, with_inf, 3, &b),
-                 DUET_OK);
+    cr_assert_eq(
+        duet_metrics_histogram_new(reg, "duet_beta_seconds", "B.", NULL, 0, with_inf, 3, &b),
+        DUET_OK);
     char *text = render(reg);
     cr_assert(strstr(text, "duet_alpha_seconds_bucket{le=\"0.005\"} 0\n") != NULL, "%s", text);
     cr_assert(strstr(text, "duet_alpha_seconds_bucket{le=\"10\"} 0\n") != NULL);
@@ -349,9 +350,9 @@ Test(common_metrics, default_buckets_and_trailing_inf, .timeout = 30)
 
 Test(common_metrics, names_validated_at_registration, .timeout = 30)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *f;
-    const double          bad_buckets[] = {1, 1, 2};
+    const double bad_buckets[] = {1, 1, 2};
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
     cr_assert_eq(duet_metrics_counter_new(reg, "duet_requests", "x", NULL, 0, &f),
                  DUET_ERR_INVALID);
@@ -363,12 +364,11 @@ Test(common_metrics, names_validated_at_registration, .timeout = 30)
                  DUET_ERR_INVALID);
     cr_assert_eq(duet_metrics_gauge_new(reg, "duet_x", "x", (const char *const[]){"a:b"}, 1, &f),
                  DUET_ERR_INVALID);
-    cr_assert_eq(duet_metrics_gauge_new(reg, "duet_x", "x", (const char *const[]){"a", "a"}, 2,
-                                        &f),
+    cr_assert_eq(duet_metrics_gauge_new(reg, "duet_x", "x", (const char *const[]){"a", "a"}, 2, &f),
                  DUET_ERR_INVALID);
-    cr_assert_eq(duet_metrics_histogram_new(reg, "duet_h", "x", (const char *const[]){"le"}, 1,
-                                            NULL, 0, &f),
-                 DUET_ERR_INVALID);
+    cr_assert_eq(
+        duet_metrics_histogram_new(reg, "duet_h", "x", (const char *const[]){"le"}, 1, NULL, 0, &f),
+        DUET_ERR_INVALID);
     cr_assert_eq(duet_metrics_histogram_new(reg, "duet_h", "x", NULL, 0, bad_buckets, 3, &f),
                  DUET_ERR_INVALID);
     cr_assert_eq(duet_metrics_gauge_new(reg, "duet:ok_x", "x", NULL, 0, &f), DUET_OK);
@@ -380,13 +380,13 @@ Test(common_metrics, names_validated_at_registration, .timeout = 30)
 
 Test(common_metrics, child_lookup_is_stable_and_bounded, .timeout = 30)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *f;
-    duet_metric_t        *a, *b;
+    duet_metric_t *a, *b;
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
-    cr_assert_eq(duet_metrics_counter_new(reg, "duet_x_total", "x", (const char *const[]){"k"}, 1,
-                                          &f),
-                 DUET_OK);
+    cr_assert_eq(
+        duet_metrics_counter_new(reg, "duet_x_total", "x", (const char *const[]){"k"}, 1, &f),
+        DUET_OK);
     cr_assert_eq(duet_metrics_child(f, (const char *const[]){"v"}, 1, &a), DUET_OK);
     cr_assert_eq(duet_metrics_child(f, (const char *const[]){"v"}, 1, &b), DUET_OK);
     cr_assert_eq(a, b);
@@ -402,13 +402,13 @@ Test(common_metrics, child_lookup_is_stable_and_bounded, .timeout = 30)
 
 Test(common_metrics, wrong_label_count_aborts, .timeout = 30, .signal = SIGABRT)
 {
-    duet_metrics_t       *reg;
+    duet_metrics_t *reg;
     duet_metric_family_t *f;
-    duet_metric_t        *m;
+    duet_metric_t *m;
     cr_assert_eq(duet_metrics_create(&reg), DUET_OK);
-    cr_assert_eq(duet_metrics_counter_new(reg, "duet_x_total", "x", (const char *const[]){"k"}, 1,
-                                          &f),
-                 DUET_OK);
+    cr_assert_eq(
+        duet_metrics_counter_new(reg, "duet_x_total", "x", (const char *const[]){"k"}, 1, &f),
+        DUET_OK);
     duet_metrics_child(f, NULL, 0, &m);
 }
 
@@ -419,9 +419,9 @@ Test(common_metrics, wrong_label_count_aborts, .timeout = 30, .signal = SIGABRT)
 
 typedef struct {
     duet_metric_family_t *req;
-    duet_metric_t        *gauge;
-    duet_metric_t        *hist;
-    duet_metrics_t       *reg;
+    duet_metric_t *gauge;
+    duet_metric_t *hist;
+    duet_metrics_t *reg;
 } shared_t;
 
 /* Criterion's asserts may not fire off the main thread: threads count failures instead. */
@@ -429,7 +429,7 @@ static _Atomic int thread_failures;
 
 static void *hammer(void *arg)
 {
-    shared_t      *s = arg;
+    shared_t *s = arg;
     duet_metric_t *m;
     /* Every thread looks the same child up: all must get the same series. */
     if (duet_metrics_child(s->req, (const char *const[]){"/v1/completions"}, 1, &m) != DUET_OK) {
@@ -460,10 +460,10 @@ static void *scraper(void *arg)
 
 Test(common_metrics, concurrent_updates_are_exact, .timeout = 60)
 {
-    shared_t              s;
+    shared_t s;
     duet_metric_family_t *g, *h;
-    pthread_t             t[N_THREADS + 1];
-    const double          buckets[] = {0, 1, 2};
+    pthread_t t[N_THREADS + 1];
+    const double buckets[] = {0, 1, 2};
 
     cr_assert_eq(duet_metrics_create(&s.reg), DUET_OK);
     cr_assert_eq(duet_metrics_counter_new(s.reg, "duet_requests_total", "Requests.",
@@ -474,7 +474,7 @@ Test(common_metrics, concurrent_updates_are_exact, .timeout = 60)
     cr_assert_eq(duet_metrics_histogram_new(s.reg, "duet_x", "X.", NULL, 0, buckets, 3, &h),
                  DUET_OK);
     s.gauge = duet_metrics_single(g);
-    s.hist  = duet_metrics_single(h);
+    s.hist = duet_metrics_single(h);
     for (int i = 0; i < N_THREADS; i++)
         pthread_create(&t[i], NULL, hammer, &s);
     pthread_create(&t[N_THREADS], NULL, scraper, &s);
