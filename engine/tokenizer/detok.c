@@ -19,17 +19,16 @@
 struct duet_detok {
     const duet_tokenizer_t *tok; /* not owned; must outlive the detokenizer */
     unsigned flags;
-    uint8_t pending[4];          /* bytes of an unfinished character */
+    uint8_t pending[4]; /* bytes of an unfinished character */
     uint8_t n_pending;
-    uint8_t need;                /* total length of that character */
-    char *out;                   /* (out_cap) output of the last call, owned */
+    uint8_t need; /* total length of that character */
+    char *out;    /* (out_cap) output of the last call, owned */
     size_t out_cap;
 };
 
 static const uint8_t duet__detok_fffd[3] = {0xef, 0xbf, 0xbd};
 
-duet_status_t duet_detok_create(const duet_tokenizer_t *tok, unsigned flags,
-                                duet_detok_t **detok_p)
+duet_status_t duet_detok_create(const duet_tokenizer_t *tok, unsigned flags, duet_detok_t **detok_p)
 {
     if (tok == NULL || detok_p == NULL)
         return DUET__TOK_FAIL(DUET_ERR_INVALID, "detokenizer: NULL argument");
@@ -117,8 +116,7 @@ static void push_byte(duet_detok_t *d, uint8_t b, size_t *n)
     }
 }
 
-duet_status_t duet_detok_feed(duet_detok_t *detok, uint32_t id, const char **text_p,
-                              size_t *len_p)
+duet_status_t duet_detok_feed(duet_detok_t *detok, uint32_t id, const char **text_p, size_t *len_p)
 {
     if (detok == NULL || text_p == NULL || len_p == NULL)
         return duet_error_set(DUET_ERR_INVALID, "detokenizer feed: NULL argument");

@@ -19,14 +19,14 @@
 
 #include "common/log.h"
 
-#define DUET__TOK_MAX_LINE      4096
-#define DUET__TOK_MAX_TOKEN     512
-#define DUET__TOK_MAX_FILE      (1ull << 30)
-#define DUET__TOK_MAX_SPECIAL   1024
+#define DUET__TOK_MAX_LINE    4096
+#define DUET__TOK_MAX_TOKEN   512
+#define DUET__TOK_MAX_FILE    (1ull << 30)
+#define DUET__TOK_MAX_SPECIAL 1024
 
 /* Built-in special tokens, by encoding name. */
 static const duet_tokenizer_special_t duet__tok_cl100k_specials[] = {
-    {"<|endoftext|>", 100257}, {"<|fim_prefix|>", 100258}, {"<|fim_middle|>", 100259},
+    {"<|endoftext|>", 100257},  {"<|fim_prefix|>", 100258},  {"<|fim_middle|>", 100259},
     {"<|fim_suffix|>", 100260}, {"<|endofprompt|>", 100276},
 };
 static const duet_tokenizer_special_t duet__tok_o200k_specials[] = {
@@ -89,7 +89,8 @@ static long b64_decode(const uint8_t *s, size_t n, uint8_t *out)
             if (v[k] < 0)
                 return -1;
         }
-        uint32_t w = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
+        uint32_t w =
+            (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
         out[o++] = (uint8_t)(w >> 16);
         if (!(i + 4 == n && pad == 2))
             out[o++] = (uint8_t)(w >> 8);
@@ -113,7 +114,7 @@ static duet_status_t read_file(const char *path, uint8_t **data_p, size_t *len_p
     }
     if ((unsigned long long)sb.st_size > DUET__TOK_MAX_FILE) {
         st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s: rank file of %lld bytes is too large", path,
-                       (long long)sb.st_size);
+                            (long long)sb.st_size);
         goto out;
     }
     size_t len = (size_t)sb.st_size;
@@ -150,15 +151,15 @@ static duet_status_t parse_ranks(duet_tokenizer_t *tok, const char *path, const 
         pos += ll + (nl != NULL ? 1 : 0);
         if (ll > DUET__TOK_MAX_LINE)
             return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: line of %zu bytes is longer than %d",
-                             path, line_no, ll, DUET__TOK_MAX_LINE);
+                                  path, line_no, ll, DUET__TOK_MAX_LINE);
         if (ll > 0 && line[ll - 1] == '\r')
             ll--;
         if (ll == 0)
             continue;
         const uint8_t *sp = memchr(line, ' ', ll);
         if (sp == NULL)
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: missing rank (expected \"base64 rank\")",
-                             path, line_no);
+            return DUET__TOK_FAIL(DUET_ERR_FORMAT,
+                                  "%s:%zu: missing rank (expected \"base64 rank\")", path, line_no);
         size_t b64_len = (size_t)(sp - line);
         const uint8_t *r = sp + 1;
         size_t r_len = ll - b64_len - 1;
@@ -167,21 +168,22 @@ static duet_status_t parse_ranks(duet_tokenizer_t *tok, const char *path, const 
         uint64_t rank = 0;
         for (size_t i = 0; i < r_len; i++) {
             if (r[i] < '0' || r[i] > '9')
-                return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: rank \"%.*s\" is not a decimal number",
-                                 path, line_no, (int)(r_len > 32 ? 32 : r_len), (const char *)r);
+                return DUET__TOK_FAIL(DUET_ERR_FORMAT,
+                                      "%s:%zu: rank \"%.*s\" is not a decimal number", path,
+                                      line_no, (int)(r_len > 32 ? 32 : r_len), (const char *)r);
             rank = rank * 10 + (uint64_t)(r[i] - '0');
             if (rank > DUET_TOKENIZER_MAX_ID)
-                return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: rank \"%.*s\" is larger than %u", path,
-                                 line_no, (int)(r_len > 32 ? 32 : r_len), (const char *)r,
-                                 DUET_TOKENIZER_MAX_ID);
+                return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: rank \"%.*s\" is larger than %u",
+                                      path, line_no, (int)(r_len > 32 ? 32 : r_len),
+                                      (const char *)r, DUET_TOKENIZER_MAX_ID);
         }
         if (b64_len > 4 * ((DUET__TOK_MAX_TOKEN + 2) / 3))
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: token longer than %d bytes", path, line_no,
-                             DUET__TOK_MAX_TOKEN);
+            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: token longer than %d bytes", path,
+                                  line_no, DUET__TOK_MAX_TOKEN);
         long dl = b64_decode(line, b64_len, tok->blob + tok->blob_len);
         if (dl <= 0)
             return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: bad base64 \"%.*s\"", path, line_no,
-                             (int)(b64_len > 64 ? 64 : b64_len), (const char *)line);
+                                  (int)(b64_len > 64 ? 64 : b64_len), (const char *)line);
         entries[n++] = (duet__tok_entry_t){.rank = (uint32_t)rank,
                                            .off = (uint32_t)tok->blob_len,
                                            .len = (uint32_t)dl,
@@ -210,8 +212,8 @@ static duet_status_t index_ranks(duet_tokenizer_t *tok, const char *path,
     for (size_t i = 0; i < n; i++) {
         const duet__tok_entry_t *e = &entries[i];
         if (tok->tok_len[e->rank] != 0) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%u: duplicate rank %u (first at line %u)", path,
-                           e->line, e->rank, line_of[e->rank]);
+            st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%u: duplicate rank %u (first at line %u)",
+                                path, e->line, e->rank, line_of[e->rank]);
             goto out;
         }
         tok->tok_off[e->rank] = e->off;
@@ -219,16 +221,20 @@ static duet_status_t index_ranks(duet_tokenizer_t *tok, const char *path,
         line_of[e->rank] = e->line;
         uint32_t other = duet__tok_insert(tok, e->rank);
         if (other != DUET__TOK_NONE) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%u: duplicate token bytes (same as rank %u at "
-                           "line %u)", path, e->line, other, line_of[other]);
+            st = DUET__TOK_FAIL(DUET_ERR_FORMAT,
+                                "%s:%u: duplicate token bytes (same as rank %u at "
+                                "line %u)",
+                                path, e->line, other, line_of[other]);
             goto out;
         }
     }
     for (unsigned b = 0; b < 256; b++) {
         uint8_t byte = (uint8_t)b;
         if (duet__tok_lookup(tok, &byte, 1) == DUET__TOK_NONE) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s: no token for the single byte 0x%02x (a rank file "
-                           "must hold all 256 bytes)", path, b);
+            st = DUET__TOK_FAIL(DUET_ERR_FORMAT,
+                                "%s: no token for the single byte 0x%02x (a rank file "
+                                "must hold all 256 bytes)",
+                                path, b);
             goto out;
         }
     }
@@ -265,12 +271,14 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
     if (pattern == NULL) {
         pattern = duet_tokenizer_pattern(name);
         if (pattern == NULL)
-            return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND, "%s: no built-in split regex for encoding \"%s\" "
-                             "(pass a pattern)", rank_path, name);
+            return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND,
+                                  "%s: no built-in split regex for encoding \"%s\" "
+                                  "(pass a pattern)",
+                                  rank_path, name);
     }
     if (specials == NULL) {
-        for (size_t i = 0; i < sizeof(duet__tok_builtin_specials) /
-                                   sizeof(duet__tok_builtin_specials[0]); i++) {
+        for (size_t i = 0;
+             i < sizeof(duet__tok_builtin_specials) / sizeof(duet__tok_builtin_specials[0]); i++) {
             if (strcmp(duet__tok_builtin_specials[i].name, name) == 0) {
                 specials = duet__tok_builtin_specials[i].specials;
                 n_specials = duet__tok_builtin_specials[i].n;
@@ -279,13 +287,13 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
     }
     if (n_specials > DUET__TOK_MAX_SPECIAL)
         return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: %zu special tokens (at most %d)", rank_path,
-                         n_specials, DUET__TOK_MAX_SPECIAL);
+                              n_specials, DUET__TOK_MAX_SPECIAL);
     size_t special_bytes = 0;
     uint32_t max_id = 0;
     for (size_t i = 0; i < n_specials; i++) {
         if (specials[i].text == NULL || specials[i].id > DUET_TOKENIZER_MAX_ID)
             return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token %zu: no text or id > %u",
-                             rank_path, i, DUET_TOKENIZER_MAX_ID);
+                                  rank_path, i, DUET_TOKENIZER_MAX_ID);
         special_bytes += strlen(specials[i].text);
         if (specials[i].id > max_id)
             max_id = specials[i].id;
@@ -371,7 +379,9 @@ duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p)
     }
     closedir(dir);
     if (found != 1)
-        return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND, "%s: expected tokenizer.model or exactly one "
-                         "*.tiktoken file, found %zu *.tiktoken", path, found);
+        return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND,
+                              "%s: expected tokenizer.model or exactly one "
+                              "*.tiktoken file, found %zu *.tiktoken",
+                              path, found);
     return duet_tokenizer_create_tiktoken(file, NULL, NULL, 0, tok_p);
 }

@@ -70,8 +70,7 @@ uint32_t duet__tok_lookup(const duet_tokenizer_t *tok, const uint8_t *p, size_t 
     }
 }
 
-duet_status_t duet__tok_tables_alloc(duet_tokenizer_t *tok, uint32_t vocab_size,
-                                     size_t n_ordinary)
+duet_status_t duet__tok_tables_alloc(duet_tokenizer_t *tok, uint32_t vocab_size, size_t n_ordinary)
 {
     tok->vocab_size = vocab_size;
     tok->tok_off = calloc(vocab_size, sizeof(*tok->tok_off));
@@ -125,20 +124,20 @@ duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer
         size_t len = strlen(text);
         if (id >= tok->vocab_size || tok->tok_len[id] != 0)
             return DUET__TOK_FAIL(DUET_ERR_INVALID,
-                             "%s: special token \"%s\": id %u is taken or out of range", what,
-                             text, id);
+                                  "%s: special token \"%s\": id %u is taken or out of range", what,
+                                  text, id);
         for (uint32_t j = 0; j < tok->n_special; j++) {
             const duet__tok_special_t *o = &tok->specials[j];
             if (o->len == len && memcmp(tok->blob + o->off, text, len) == 0)
-                return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice", what,
-                                 text);
+                return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice",
+                                      what, text);
         }
         memcpy(tok->blob + tok->blob_len, text, len);
         tok->tok_off[id] = (uint32_t)tok->blob_len;
         tok->tok_len[id] = (uint32_t)len;
         tok->tok_special[id] = 1;
-        tok->specials[tok->n_special++] = (duet__tok_special_t){
-            .id = id, .off = (uint32_t)tok->blob_len, .len = (uint32_t)len};
+        tok->specials[tok->n_special++] =
+            (duet__tok_special_t){.id = id, .off = (uint32_t)tok->blob_len, .len = (uint32_t)len};
         tok->special_first[(uint8_t)text[0]] = 1;
         tok->blob_len += len;
         if (len > tok->max_token_len)
@@ -147,8 +146,7 @@ duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer
     return DUET_OK;
 }
 
-duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern,
-                                      const char *what)
+duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern, const char *what)
 {
     int err = 0;
     PCRE2_SIZE err_off = 0;
@@ -158,8 +156,9 @@ duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern
     if (tok->re == NULL) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: split regex does not compile at offset %zu: %s",
-                         what, (size_t)err_off, (const char *)msg);
+        return DUET__TOK_FAIL(DUET_ERR_INVALID,
+                              "%s: split regex does not compile at offset %zu: %s", what,
+                              (size_t)err_off, (const char *)msg);
     }
     tok->re_jit = pcre2_jit_compile(tok->re, PCRE2_JIT_COMPLETE) == 0;
     if (!tok->re_jit)
@@ -189,7 +188,8 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     if (tok_p == NULL || (specials == NULL && n_specials > 0))
         return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: NULL argument");
     if (n_specials > DUET_TOKENIZER_MAX_ID - 256)
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many", n_specials);
+        return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many",
+                              n_specials);
 
     duet_status_t st;
     duet_tokenizer_special_t *sp = NULL;
@@ -197,8 +197,10 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     for (size_t i = 0; i < n_specials; i++) {
         size_t len = specials[i] != NULL ? strlen(specials[i]) : 0;
         if (len > 256)
-            return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: special token %zu is %zu bytes "
-                             "(at most 256)", i, len);
+            return DUET__TOK_FAIL(DUET_ERR_INVALID,
+                                  "byte tokenizer: special token %zu is %zu bytes "
+                                  "(at most 256)",
+                                  i, len);
         text_bytes += len;
     }
     duet_tokenizer_t *tok = calloc(1, sizeof(*tok));
@@ -259,13 +261,12 @@ static const struct {
                   "|\\s+(?!\\S)|\\s"},
     /* Kimi (K2, Linear): tiktoken's `[A&&[^\p{Han}]]` class intersection, which PCRE2 lacks,
      * written as a negative lookahead before the class. */
-    {"kimi",
-     "[\\p{Han}]+"
-     "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*"
-     "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-     "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+"
-     "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-     "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"kimi", "[\\p{Han}]+"
+             "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*"
+             "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+"
+             "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
 };
 
 const char *duet_tokenizer_pattern(const char *name)
@@ -296,9 +297,9 @@ static inline void sink_put(duet__tok_sink_t *s, uint32_t id)
 
 /* Per-call scratch for merging long pieces; short ones use the stack. */
 typedef struct {
-    uint32_t *nodes;  /* (3 * cap) next | prev | rank, indexed by part start */
-    uint64_t *heap;   /* (3 * cap) (rank << 32 | start) min-heap */
-    size_t cap;       /* piece length the arrays hold */
+    uint32_t *nodes; /* (3 * cap) next | prev | rank, indexed by part start */
+    uint64_t *heap;  /* (3 * cap) (rank << 32 | start) min-heap */
+    size_t cap;      /* piece length the arrays hold */
 } duet__tok_scratch_t;
 
 #define DUET__TOK_STACK_PIECE 128
@@ -357,16 +358,20 @@ static duet_status_t bpe_piece(const duet_tokenizer_t *tok, const uint8_t *p, si
     uint64_t *heap = stack_heap;
     if (n > DUET__TOK_STACK_PIECE) {
         if (n > scratch->cap) {
-            size_t cap = n + n / 2;
+            size_t cap = n; /* one encode rarely holds two long pieces: no slack */
             uint32_t *nn = realloc(scratch->nodes, 3 * cap * sizeof(*nn));
             if (nn == NULL)
-                return duet_error_set(DUET_ERR_NOMEM, "tokenizer: no memory to merge a %zu-byte "
-                                      "piece", n);
+                return duet_error_set(DUET_ERR_NOMEM,
+                                      "tokenizer: no memory to merge a %zu-byte "
+                                      "piece",
+                                      n);
             scratch->nodes = nn;
             uint64_t *hh = realloc(scratch->heap, 3 * cap * sizeof(*hh));
             if (hh == NULL)
-                return duet_error_set(DUET_ERR_NOMEM, "tokenizer: no memory to merge a %zu-byte "
-                                      "piece", n);
+                return duet_error_set(DUET_ERR_NOMEM,
+                                      "tokenizer: no memory to merge a %zu-byte "
+                                      "piece",
+                                      n);
             scratch->heap = hh;
             scratch->cap = cap;
         }
@@ -374,9 +379,9 @@ static duet_status_t bpe_piece(const duet_tokenizer_t *tok, const uint8_t *p, si
         heap = scratch->heap;
     }
     /* A part is named by its first byte's index; parts tile the piece left to right. */
-    uint32_t *next = nodes;          /* start of the following part (n past the last) */
-    uint32_t *prev = nodes + n;      /* start of the preceding part (NONE for the first) */
-    uint32_t *rank = nodes + 2 * n;  /* rank of this part joined with the next; NONE if none */
+    uint32_t *next = nodes;         /* start of the following part (n past the last) */
+    uint32_t *prev = nodes + n;     /* start of the preceding part (NONE for the first) */
+    uint32_t *rank = nodes + 2 * n; /* rank of this part joined with the next; NONE if none */
     size_t hn = 0;
     for (size_t i = 0; i < n; i++) {
         next[i] = (uint32_t)(i + 1);
@@ -450,8 +455,9 @@ static duet_status_t encode_ordinary(const duet_tokenizer_t *tok, const uint8_t 
         if (rc < 0) {
             PCRE2_UCHAR msg[256];
             pcre2_get_error_message(rc, msg, sizeof(msg));
-            return duet_error_set(DUET_ERR_INTERNAL, "tokenizer: split regex failed at byte %zu: %s",
-                                  off, (const char *)msg);
+            return duet_error_set(DUET_ERR_INTERNAL,
+                                  "tokenizer: split regex failed at byte %zu: %s", off,
+                                  (const char *)msg);
         }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
         size_t ms = ov[0], me = ov[1];
@@ -556,8 +562,10 @@ duet_status_t duet_tokenizer_decode(const duet_tokenizer_t *tok, const uint32_t 
     for (size_t i = 0; i < n; i++) {
         uint32_t id = ids[i];
         if (id >= tok->vocab_size || tok->tok_len[id] == 0)
-            return duet_error_set(DUET_ERR_RANGE, "tokenizer decode: id %u at position %zu is "
-                                  "not in the vocabulary (size %u)", id, i, tok->vocab_size);
+            return duet_error_set(DUET_ERR_RANGE,
+                                  "tokenizer decode: id %u at position %zu is "
+                                  "not in the vocabulary (size %u)",
+                                  id, i, tok->vocab_size);
         size_t l = tok->tok_len[id];
         if (total < cap)
             memcpy(buf + total, tok->blob + tok->tok_off[id], l <= cap - total ? l : cap - total);
@@ -576,8 +584,10 @@ duet_status_t duet_tokenizer_token_bytes(const duet_tokenizer_t *tok, uint32_t i
     if (tok == NULL || ptr_p == NULL || len_p == NULL)
         return duet_error_set(DUET_ERR_INVALID, "tokenizer token_bytes: NULL argument");
     if (id >= tok->vocab_size || tok->tok_len[id] == 0)
-        return duet_error_set(DUET_ERR_RANGE, "tokenizer: id %u is not in the vocabulary "
-                              "(size %u)", id, tok->vocab_size);
+        return duet_error_set(DUET_ERR_RANGE,
+                              "tokenizer: id %u is not in the vocabulary "
+                              "(size %u)",
+                              id, tok->vocab_size);
     *ptr_p = tok->blob + tok->tok_off[id];
     *len_p = tok->tok_len[id];
     return DUET_OK;

@@ -1,5 +1,6 @@
 /*
- * duet tokenizer: text <-> token ids, for the router (which links this library alone) and the engine.
+ * duet tokenizer: text <-> token ids, for the router (which links this library alone) and the
+ * engine.
  *
  * Two kinds share one opaque type:
  *   - byte:     id = byte value 0..255, special tokens from 256 upward (the demo model);
@@ -153,8 +154,7 @@ void duet_detok_reset(duet_detok_t *detok);
  * An incomplete trailing character is held for the next id. DUET_ERR_RANGE for an unknown id
  * (the stream state is unchanged).
  */
-duet_status_t duet_detok_feed(duet_detok_t *detok, uint32_t id, const char **text_p,
-                              size_t *len_p);
+duet_status_t duet_detok_feed(duet_detok_t *detok, uint32_t id, const char **text_p, size_t *len_p);
 
 /*
  * End of stream: emit what is held (an incomplete character becomes one U+FFFD) and reset.

@@ -29,20 +29,20 @@ typedef struct {
 
 struct duet_tokenizer {
     duet__tok_kind_t kind;
-    uint32_t vocab_size;      /* largest id + 1 */
-    uint32_t *tok_off;        /* (vocab_size) offset of each id's bytes in blob, owned */
-    uint32_t *tok_len;        /* (vocab_size) length in bytes; 0 = no such id, owned */
-    uint8_t *tok_special;     /* (vocab_size) 1 for special ids, owned */
-    uint8_t *blob;            /* (blob_len) every token's bytes, owned */
+    uint32_t vocab_size;  /* largest id + 1 */
+    uint32_t *tok_off;    /* (vocab_size) offset of each id's bytes in blob, owned */
+    uint32_t *tok_len;    /* (vocab_size) length in bytes; 0 = no such id, owned */
+    uint8_t *tok_special; /* (vocab_size) 1 for special ids, owned */
+    uint8_t *blob;        /* (blob_len) every token's bytes, owned */
     size_t blob_len;
-    size_t max_token_len;     /* longest token (ordinary or special), bytes */
-    uint32_t *ht;             /* (ht_mask + 1) ordinary ids by hash; NONE = empty; owned */
+    size_t max_token_len; /* longest token (ordinary or special), bytes */
+    uint32_t *ht;         /* (ht_mask + 1) ordinary ids by hash; NONE = empty; owned */
     uint32_t ht_mask;
     duet__tok_special_t *specials; /* (n_special) owned */
     uint32_t n_special;
-    uint8_t special_first[256];    /* 1 where some special token starts with this byte */
-    pcre2_code *re;                /* split regex (tiktoken only), owned */
-    bool re_jit;                   /* JIT compilation succeeded */
+    uint8_t special_first[256]; /* 1 where some special token starts with this byte */
+    pcre2_code *re;             /* split regex (tiktoken only), owned */
+    bool re_jit;                /* JIT compilation succeeded */
 };
 
 /*
@@ -63,8 +63,7 @@ uint32_t duet__tok_lookup(const duet_tokenizer_t *tok, const uint8_t *p, size_t 
  * Allocate the id-indexed tables for vocab_size ids (zeroed) and an empty hash table for
  * n_ordinary tokens. Returns DUET_ERR_NOMEM (logged).
  */
-duet_status_t duet__tok_tables_alloc(duet_tokenizer_t *tok, uint32_t vocab_size,
-                                     size_t n_ordinary);
+duet_status_t duet__tok_tables_alloc(duet_tokenizer_t *tok, uint32_t vocab_size, size_t n_ordinary);
 
 /*
  * Insert ordinary id (whose bytes are already in blob/tok_off/tok_len) into the hash table.
@@ -81,7 +80,6 @@ duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer
                                      size_t n, const char *what);
 
 /* Compile the split regex (UTF, UCP, MATCH_INVALID_UTF, DOLLAR_ENDONLY; JIT when possible). */
-duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern,
-                                      const char *what);
+duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern, const char *what);
 
 #endif

@@ -146,8 +146,9 @@ Test(tokenizer_bpe, specials_only_when_allowed, .timeout = 60)
     const char *text = "hello<|endoftext|> world";
     uint32_t ids[64];
     size_t n = 0;
-    cr_assert_eq(duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids,
-                                       64, &n), DUET_OK);
+    cr_assert_eq(
+        duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids, 64, &n),
+        DUET_OK);
     cr_assert_eq(n, 3);
     cr_assert_eq(ids[0], 15339);
     cr_assert_eq(ids[1], 100257);
@@ -292,9 +293,9 @@ static size_t put_utf8(char *p, uint32_t c)
 
 static uint32_t random_code_point(void)
 {
-    static const uint32_t picks[] = {' ', '\n', '\r', '\t', '\'', 's', 'A', '1', '.', '/',
-                                     0xa0, 0x3000, 0x2028, 0x85, 0xe9, 0x4e16, 0x1f30d, 0x0301,
-                                     0x0410, 0x0e01, 0xac00, 0x17f};
+    static const uint32_t picks[] = {' ',     '\n',   '\r',   '\t',   '\'',   's',  'A',  '1',
+                                     '.',     '/',    0xa0,   0x3000, 0x2028, 0x85, 0xe9, 0x4e16,
+                                     0x1f30d, 0x0301, 0x0410, 0x0e01, 0xac00, 0x17f};
     switch (rng() % 4) {
     case 0:
         return picks[rng() % (sizeof(picks) / sizeof(picks[0]))];

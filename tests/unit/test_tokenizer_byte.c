@@ -15,8 +15,7 @@ static const char *const specials[] = {"<|bos|>", "<|eos|>", "<|eos|>x", "<|pad|
 static duet_tokenizer_t *byte_tok(void)
 {
     duet_tokenizer_t *tok = NULL;
-    cr_assert_eq(duet_tokenizer_create_byte(specials, 4, &tok), DUET_OK, "%s",
-                 duet_error_last());
+    cr_assert_eq(duet_tokenizer_create_byte(specials, 4, &tok), DUET_OK, "%s", duet_error_last());
     return tok;
 }
 
@@ -59,8 +58,9 @@ Test(tokenizer_byte, specials, .timeout = 30)
     const char *text = "<|bos|>hi<|eos|>x<|eos";
     uint32_t ids[64];
     size_t n = 0;
-    cr_assert_eq(duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids,
-                                       64, &n), DUET_OK);
+    cr_assert_eq(
+        duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids, 64, &n),
+        DUET_OK);
     /* <|bos|> h i <|eos|>x (the longer special wins) < | e o s */
     uint32_t want[] = {256, 'h', 'i', 258, '<', '|', 'e', 'o', 's'};
     cr_assert_eq(n, sizeof(want) / sizeof(want[0]));
@@ -166,7 +166,8 @@ Test(tokenizer_byte, detok_bpe_stream_equals_decode, .timeout = 60)
     duet_tokenizer_t *tok = NULL;
     cr_assert_eq(duet_tokenizer_create_tiktoken(DUET_SOURCE_DIR
                                                 "/../shared/data/tokenizers/cl100k_base.tiktoken",
-                                                NULL, NULL, 0, &tok), DUET_OK);
+                                                NULL, NULL, 0, &tok),
+                 DUET_OK);
     /* cl100k splits these emoji and CJK characters across tokens (see TestPlans: 11410 229 ...) */
     const char *text = "Hola 🇪🇸 こんにちは、世界！ 안녕하세요 🌍🎉 done";
     uint32_t ids[256];

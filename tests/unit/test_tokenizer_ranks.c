@@ -92,24 +92,23 @@ Test(tokenizer_ranks, malformed, .timeout = 30)
     fclose(f);
     expect_fail(path, DUET_ERR_FORMAT, "empty", NULL);
 
-    expect_fail(write_ranks("b64.tiktoken", 256, "YW*i 256\n"), DUET_ERR_FORMAT, ":257:",
-                "base64");
-    expect_fail(write_ranks("b64pad.tiktoken", 256, "Y=Ji 256\n"), DUET_ERR_FORMAT, ":257:",
-                "base64");
-    expect_fail(write_ranks("b64len.tiktoken", 256, "YWJ 256\n"), DUET_ERR_FORMAT, ":257:",
-                "base64");
-    expect_fail(write_ranks("norank.tiktoken", 256, "YWJj\n"), DUET_ERR_FORMAT, ":257:",
-                "missing rank");
-    expect_fail(write_ranks("norank2.tiktoken", 256, "YWJj \n"), DUET_ERR_FORMAT, ":257:",
-                "missing rank");
-    expect_fail(write_ranks("nan.tiktoken", 256, "YWJj 12a\n"), DUET_ERR_FORMAT, ":257:",
-                "not a decimal");
-    expect_fail(write_ranks("neg.tiktoken", 256, "YWJj -3\n"), DUET_ERR_FORMAT, ":257:",
-                "not a decimal");
-    expect_fail(write_ranks("twospace.tiktoken", 256, "YWJj  300\n"), DUET_ERR_FORMAT, ":257:",
-                "not a decimal");
-    expect_fail(write_ranks("big.tiktoken", 256, "YWJj 99999999999999999999\n"),
-                DUET_ERR_FORMAT, ":257:", "larger");
+    expect_fail(write_ranks("b64.tiktoken", 256, "YW*i 256\n"), DUET_ERR_FORMAT, ":257:", "base64");
+    expect_fail(write_ranks("b64pad.tiktoken", 256, "Y=Ji 256\n"), DUET_ERR_FORMAT,
+                ":257:", "base64");
+    expect_fail(write_ranks("b64len.tiktoken", 256, "YWJ 256\n"), DUET_ERR_FORMAT,
+                ":257:", "base64");
+    expect_fail(write_ranks("norank.tiktoken", 256, "YWJj\n"), DUET_ERR_FORMAT,
+                ":257:", "missing rank");
+    expect_fail(write_ranks("norank2.tiktoken", 256, "YWJj \n"), DUET_ERR_FORMAT,
+                ":257:", "missing rank");
+    expect_fail(write_ranks("nan.tiktoken", 256, "YWJj 12a\n"), DUET_ERR_FORMAT,
+                ":257:", "not a decimal");
+    expect_fail(write_ranks("neg.tiktoken", 256, "YWJj -3\n"), DUET_ERR_FORMAT,
+                ":257:", "not a decimal");
+    expect_fail(write_ranks("twospace.tiktoken", 256, "YWJj  300\n"), DUET_ERR_FORMAT,
+                ":257:", "not a decimal");
+    expect_fail(write_ranks("big.tiktoken", 256, "YWJj 99999999999999999999\n"), DUET_ERR_FORMAT,
+                ":257:", "larger");
     expect_fail(write_ranks("duprank.tiktoken", 256, "YWI= 300\nYWJj 300\n"), DUET_ERR_FORMAT,
                 ":258:", "duplicate rank 300 (first at line 257)");
     expect_fail(write_ranks("dupbytes.tiktoken", 256, "YWI= 300\nYWI= 301\n"), DUET_ERR_FORMAT,
@@ -128,13 +127,16 @@ Test(tokenizer_ranks, malformed, .timeout = 30)
     /* Special ids may not collide with ranks. */
     duet_tokenizer_t *tok = NULL;
     duet_tokenizer_special_t sp[] = {{"<|x|>", 255}};
-    cr_assert_eq(duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), "\\S+", sp, 1,
-                                                &tok), DUET_ERR_INVALID);
+    cr_assert_eq(
+        duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), "\\S+", sp, 1, &tok),
+        DUET_ERR_INVALID);
     /* A bad regex is refused; an unknown name needs a pattern. */
-    cr_assert_eq(duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), "(", NULL, 0,
-                                                &tok), DUET_ERR_INVALID);
-    cr_assert_eq(duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), NULL, NULL, 0,
-                                                &tok), DUET_ERR_NOT_FOUND);
+    cr_assert_eq(
+        duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), "(", NULL, 0, &tok),
+        DUET_ERR_INVALID);
+    cr_assert_eq(
+        duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), NULL, NULL, 0, &tok),
+        DUET_ERR_NOT_FOUND);
     cr_assert_null(tok);
 }
 
@@ -142,8 +144,9 @@ static void expect_ids(duet_tokenizer_t *tok, const char *text, const uint32_t *
 {
     uint32_t ids[64];
     size_t n = 0;
-    cr_assert_eq(duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids,
-                                       64, &n), DUET_OK);
+    cr_assert_eq(
+        duet_tokenizer_encode(tok, text, strlen(text), DUET_TOKENIZER_ALLOW_SPECIAL, ids, 64, &n),
+        DUET_OK);
     cr_assert_eq(n, n_want, "\"%s\": %zu ids, want %zu", text, n, n_want);
     for (size_t i = 0; i < n; i++)
         cr_assert_eq(ids[i], want[i], "\"%s\" id %zu: %u, want %u", text, i, ids[i], want[i]);
@@ -152,19 +155,19 @@ static void expect_ids(duet_tokenizer_t *tok, const char *text, const uint32_t *
 Test(tokenizer_ranks, merge_rules, .timeout = 30)
 {
     /* 256 "aa", 257 "ab", 258 "bc", 259 "abc", 300 "xyz" (no "xy"/"yz"); CRLF and blank lines. */
-    const char *path = write_ranks("tiny.tiktoken", 256,
-                                   "YWE= 256\r\nYWI= 257\n\nYmM= 258\nYWJj 259\neHl6 300\n");
+    const char *path =
+        write_ranks("tiny.tiktoken", 256, "YWE= 256\r\nYWI= 257\n\nYmM= 258\nYWJj 259\neHl6 300\n");
     duet_tokenizer_t *tok = NULL;
     duet_tokenizer_special_t sp[] = {{"<s>", 400}};
     cr_assert_eq(duet_tokenizer_create_tiktoken(path, "\\S+|\\s+", sp, 1, &tok), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(duet_tokenizer_vocab_size(tok), 401);
-    expect_ids(tok, "aaa", (uint32_t[]){256, 'a'}, 2);          /* leftmost on a tie */
+    expect_ids(tok, "aaa", (uint32_t[]){256, 'a'}, 2); /* leftmost on a tie */
     expect_ids(tok, "aaaa", (uint32_t[]){256, 256}, 2);
-    expect_ids(tok, "abc", (uint32_t[]){259}, 1);               /* whole piece is a token */
-    expect_ids(tok, "abcd", (uint32_t[]){259, 'd'}, 2);         /* ab (257) then ab+c (259) */
+    expect_ids(tok, "abc", (uint32_t[]){259}, 1);       /* whole piece is a token */
+    expect_ids(tok, "abcd", (uint32_t[]){259, 'd'}, 2); /* ab (257) then ab+c (259) */
     expect_ids(tok, "xbc", (uint32_t[]){'x', 258}, 2);
-    expect_ids(tok, "xyz", (uint32_t[]){300}, 1);               /* no merge path, still whole */
+    expect_ids(tok, "xyz", (uint32_t[]){300}, 1); /* no merge path, still whole */
     expect_ids(tok, "xyzz", (uint32_t[]){'x', 'y', 'z', 'z'}, 4);
     expect_ids(tok, "ab<s>aa", (uint32_t[]){257, 400, 256}, 3);
     duet_tokenizer_destroy(tok);
