@@ -31,16 +31,16 @@ static const uint8_t duet__detok_fffd[3] = {0xef, 0xbf, 0xbd};
 duet_status_t duet_detok_create(const duet_tokenizer_t *tok, unsigned flags, duet_detok_t **detok_p)
 {
     if (tok == NULL || detok_p == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "detokenizer: NULL argument");
+        return DUET_FAIL(DUET_ERR_INVALID, "detokenizer: NULL argument");
     duet_detok_t *d = calloc(1, sizeof(*d));
     if (d == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "detokenizer: no memory");
+        return DUET_FAIL(DUET_ERR_NOMEM, "detokenizer: no memory");
     /* Worst case: every held and new byte is ill-formed and becomes 3 bytes of U+FFFD. */
     d->out_cap = 3 * (tok->max_token_len + 4);
     d->out = malloc(d->out_cap);
     if (d->out == NULL) {
         free(d);
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "detokenizer: no memory");
+        return DUET_FAIL(DUET_ERR_NOMEM, "detokenizer: no memory");
     }
     d->tok = tok;
     d->flags = flags;

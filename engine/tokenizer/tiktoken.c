@@ -104,27 +104,27 @@ static duet_status_t read_file(const char *path, uint8_t **data_p, size_t *len_p
 {
     FILE *f = fopen(path, "rb");
     if (f == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_IO, "%s: cannot open rank file: %s", path, strerror(errno));
+        return DUET_FAIL(DUET_ERR_IO, "%s: cannot open rank file: %s", path, strerror(errno));
     duet_status_t st = DUET_OK;
     uint8_t *data = NULL;
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        st = DUET__TOK_FAIL(DUET_ERR_IO, "%s: not a regular file", path);
+        st = DUET_FAIL(DUET_ERR_IO, "%s: not a regular file", path);
         goto out;
     }
     if ((unsigned long long)sb.st_size > DUET__TOK_MAX_FILE) {
-        st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s: rank file of %lld bytes is too large", path,
+        st = DUET_FAIL(DUET_ERR_FORMAT, "%s: rank file of %lld bytes is too large", path,
                             (long long)sb.st_size);
         goto out;
     }
     size_t len = (size_t)sb.st_size;
     data = malloc(len + 1);
     if (data == NULL) {
-        st = DUET__TOK_FAIL(DUET_ERR_NOMEM, "%s: no memory for %zu bytes", path, len);
+        st = DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory for %zu bytes", path, len);
         goto out;
     }
     if (len > 0 && fread(data, 1, len, f) != len) {
-        st = DUET__TOK_FAIL(DUET_ERR_IO, "%s: read failed", path);
+        st = DUET_FAIL(DUET_ERR_IO, "%s: read failed", path);
         free(data);
         goto out;
     }
@@ -150,7 +150,7 @@ static duet_status_t parse_ranks(duet_tokenizer_t *tok, const char *path, const 
         size_t ll = nl != NULL ? (size_t)(nl - line) : len - pos;
         pos += ll + (nl != NULL ? 1 : 0);
         if (ll > DUET__TOK_MAX_LINE)
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: line of %zu bytes is longer than %d",
+            return DUET_FAIL(DUET_ERR_FORMAT, "%s:%zu: line of %zu bytes is longer than %d",
                                   path, line_no, ll, DUET__TOK_MAX_LINE);
         if (ll > 0 && line[ll - 1] == '\r')
             ll--;
@@ -158,31 +158,31 @@ static duet_status_t parse_ranks(duet_tokenizer_t *tok, const char *path, const 
             continue;
         const uint8_t *sp = memchr(line, ' ', ll);
         if (sp == NULL)
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT,
+            return DUET_FAIL(DUET_ERR_FORMAT,
                                   "%s:%zu: missing rank (expected \"base64 rank\")", path, line_no);
         size_t b64_len = (size_t)(sp - line);
         const uint8_t *r = sp + 1;
         size_t r_len = ll - b64_len - 1;
         if (r_len == 0)
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: missing rank", path, line_no);
+            return DUET_FAIL(DUET_ERR_FORMAT, "%s:%zu: missing rank", path, line_no);
         uint64_t rank = 0;
         for (size_t i = 0; i < r_len; i++) {
             if (r[i] < '0' || r[i] > '9')
-                return DUET__TOK_FAIL(DUET_ERR_FORMAT,
+                return DUET_FAIL(DUET_ERR_FORMAT,
                                       "%s:%zu: rank \"%.*s\" is not a decimal number", path,
                                       line_no, (int)(r_len > 32 ? 32 : r_len), (const char *)r);
             rank = rank * 10 + (uint64_t)(r[i] - '0');
             if (rank > DUET_TOKENIZER_MAX_ID)
-                return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: rank \"%.*s\" is larger than %u",
+                return DUET_FAIL(DUET_ERR_FORMAT, "%s:%zu: rank \"%.*s\" is larger than %u",
                                       path, line_no, (int)(r_len > 32 ? 32 : r_len),
                                       (const char *)r, DUET_TOKENIZER_MAX_ID);
         }
         if (b64_len > 4 * ((DUET__TOK_MAX_TOKEN + 2) / 3))
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: token longer than %d bytes", path,
+            return DUET_FAIL(DUET_ERR_FORMAT, "%s:%zu: token longer than %d bytes", path,
                                   line_no, DUET__TOK_MAX_TOKEN);
         long dl = b64_decode(line, b64_len, tok->blob + tok->blob_len);
         if (dl <= 0)
-            return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%zu: bad base64 \"%.*s\"", path, line_no,
+            return DUET_FAIL(DUET_ERR_FORMAT, "%s:%zu: bad base64 \"%.*s\"", path, line_no,
                                   (int)(b64_len > 64 ? 64 : b64_len), (const char *)line);
         entries[n++] = (duet__tok_entry_t){.rank = (uint32_t)rank,
                                            .off = (uint32_t)tok->blob_len,
@@ -195,7 +195,7 @@ static duet_status_t parse_ranks(duet_tokenizer_t *tok, const char *path, const 
             max_rank = (uint32_t)rank;
     }
     if (n == 0)
-        return DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s: empty rank file (no tokens)", path);
+        return DUET_FAIL(DUET_ERR_FORMAT, "%s: empty rank file (no tokens)", path);
     *n_p = n;
     *max_rank_p = max_rank;
     return DUET_OK;
@@ -208,11 +208,11 @@ static duet_status_t index_ranks(duet_tokenizer_t *tok, const char *path,
     duet_status_t st = DUET_OK;
     uint32_t *line_of = calloc(tok->vocab_size, sizeof(*line_of)); /* temporary, for messages */
     if (line_of == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "%s: no memory", path);
+        return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", path);
     for (size_t i = 0; i < n; i++) {
         const duet__tok_entry_t *e = &entries[i];
         if (tok->tok_len[e->rank] != 0) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT, "%s:%u: duplicate rank %u (first at line %u)",
+            st = DUET_FAIL(DUET_ERR_FORMAT, "%s:%u: duplicate rank %u (first at line %u)",
                                 path, e->line, e->rank, line_of[e->rank]);
             goto out;
         }
@@ -221,7 +221,7 @@ static duet_status_t index_ranks(duet_tokenizer_t *tok, const char *path,
         line_of[e->rank] = e->line;
         uint32_t other = duet__tok_insert(tok, e->rank);
         if (other != DUET__TOK_NONE) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT,
+            st = DUET_FAIL(DUET_ERR_FORMAT,
                                 "%s:%u: duplicate token bytes (same as rank %u at "
                                 "line %u)",
                                 path, e->line, other, line_of[other]);
@@ -231,7 +231,7 @@ static duet_status_t index_ranks(duet_tokenizer_t *tok, const char *path,
     for (unsigned b = 0; b < 256; b++) {
         uint8_t byte = (uint8_t)b;
         if (duet__tok_lookup(tok, &byte, 1) == DUET__TOK_NONE) {
-            st = DUET__TOK_FAIL(DUET_ERR_FORMAT,
+            st = DUET_FAIL(DUET_ERR_FORMAT,
                                 "%s: no token for the single byte 0x%02x (a rank file "
                                 "must hold all 256 bytes)",
                                 path, b);
@@ -265,13 +265,13 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
                                              size_t n_specials, duet_tokenizer_t **tok_p)
 {
     if (rank_path == NULL || tok_p == NULL || (specials == NULL && n_specials > 0))
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "tiktoken tokenizer: NULL argument");
+        return DUET_FAIL(DUET_ERR_INVALID, "tiktoken tokenizer: NULL argument");
     char name[256];
     encoding_name(rank_path, name, sizeof(name));
     if (pattern == NULL) {
         pattern = duet_tokenizer_pattern(name);
         if (pattern == NULL)
-            return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND,
+            return DUET_FAIL(DUET_ERR_NOT_FOUND,
                                   "%s: no built-in split regex for encoding \"%s\" "
                                   "(pass a pattern)",
                                   rank_path, name);
@@ -286,13 +286,13 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
         }
     }
     if (n_specials > DUET__TOK_MAX_SPECIAL)
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: %zu special tokens (at most %d)", rank_path,
+        return DUET_FAIL(DUET_ERR_INVALID, "%s: %zu special tokens (at most %d)", rank_path,
                               n_specials, DUET__TOK_MAX_SPECIAL);
     size_t special_bytes = 0;
     uint32_t max_id = 0;
     for (size_t i = 0; i < n_specials; i++) {
         if (specials[i].text == NULL || specials[i].id > DUET_TOKENIZER_MAX_ID)
-            return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token %zu: no text or id > %u",
+            return DUET_FAIL(DUET_ERR_INVALID, "%s: special token %zu: no text or id > %u",
                                   rank_path, i, DUET_TOKENIZER_MAX_ID);
         special_bytes += strlen(specials[i].text);
         if (specials[i].id > max_id)
@@ -305,7 +305,7 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
     duet__tok_entry_t *entries = NULL;
     duet_tokenizer_t *tok = calloc(1, sizeof(*tok));
     if (tok == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "%s: no memory", rank_path);
+        return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", rank_path);
     tok->kind = DUET__TOK_KIND_TIKTOKEN;
     st = read_file(rank_path, &data, &len);
     if (st < 0)
@@ -314,7 +314,7 @@ duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *
     tok->blob = malloc(len + special_bytes + 1);
     entries = malloc((len / 6 + 1) * sizeof(*entries));
     if (tok->blob == NULL || entries == NULL) {
-        st = DUET__TOK_FAIL(DUET_ERR_NOMEM, "%s: no memory", rank_path);
+        st = DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", rank_path);
         goto fail_data;
     }
     size_t n = 0;
@@ -354,10 +354,10 @@ fail_tok:
 duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p)
 {
     if (path == NULL || tok_p == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "tokenizer load: NULL argument");
+        return DUET_FAIL(DUET_ERR_INVALID, "tokenizer load: NULL argument");
     struct stat sb;
     if (stat(path, &sb) != 0)
-        return DUET__TOK_FAIL(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+        return DUET_FAIL(DUET_ERR_IO, "%s: %s", path, strerror(errno));
     if (!S_ISDIR(sb.st_mode))
         return duet_tokenizer_create_tiktoken(path, NULL, NULL, 0, tok_p);
 
@@ -367,7 +367,7 @@ duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p)
         return duet_tokenizer_create_tiktoken(file, NULL, NULL, 0, tok_p);
     DIR *dir = opendir(path);
     if (dir == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+        return DUET_FAIL(DUET_ERR_IO, "%s: %s", path, strerror(errno));
     size_t found = 0;
     struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
@@ -379,7 +379,7 @@ duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p)
     }
     closedir(dir);
     if (found != 1)
-        return DUET__TOK_FAIL(DUET_ERR_NOT_FOUND,
+        return DUET_FAIL(DUET_ERR_NOT_FOUND,
                               "%s: expected tokenizer.model or exactly one "
                               "*.tiktoken file, found %zu *.tiktoken",
                               path, found);

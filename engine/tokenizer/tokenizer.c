@@ -16,22 +16,10 @@
  */
 #include "engine/tokenizer/tokenizer_impl.h"
 
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
-
-duet_status_t duet__tok_fail(const char *file, int line, duet_status_t st, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    duet_error_setv(st, fmt, ap);
-    va_end(ap);
-    if (DUET_LOG_LEVEL_ERROR <= duet__log_level_get())
-        duet__log_write(DUET_LOG_LEVEL_ERROR, file, line, 0, "%s", duet_error_last());
-    return st;
-}
 
 /* ---- tables ------------------------------------------------------------------------------ */
 
@@ -77,14 +65,14 @@ duet_status_t duet__tok_tables_alloc(duet_tokenizer_t *tok, uint32_t vocab_size,
     tok->tok_len = calloc(vocab_size, sizeof(*tok->tok_len));
     tok->tok_special = calloc(vocab_size, sizeof(*tok->tok_special));
     if (tok->tok_off == NULL || tok->tok_len == NULL || tok->tok_special == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "tokenizer: no memory for %u ids", vocab_size);
+        return DUET_FAIL(DUET_ERR_NOMEM, "tokenizer: no memory for %u ids", vocab_size);
     if (n_ordinary > 0) {
         size_t cap = 16;
         while (cap < 2 * n_ordinary) /* load factor <= 1/2 keeps probes short */
             cap *= 2;
         tok->ht = malloc(cap * sizeof(*tok->ht));
         if (tok->ht == NULL)
-            return DUET__TOK_FAIL(DUET_ERR_NOMEM, "tokenizer: no memory for a %zu-slot table", cap);
+            return DUET_FAIL(DUET_ERR_NOMEM, "tokenizer: no memory for a %zu-slot table", cap);
         memset(tok->ht, 0xff, cap * sizeof(*tok->ht));
         tok->ht_mask = (uint32_t)(cap - 1);
     }
@@ -115,21 +103,21 @@ duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer
         return DUET_OK;
     tok->specials = calloc(n, sizeof(*tok->specials));
     if (tok->specials == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "%s: no memory for %zu special tokens", what, n);
+        return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory for %zu special tokens", what, n);
     for (size_t i = 0; i < n; i++) {
         const char *text = sp[i].text;
         uint32_t id = sp[i].id;
         if (text == NULL || text[0] == '\0')
-            return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token %zu has no text", what, i);
+            return DUET_FAIL(DUET_ERR_INVALID, "%s: special token %zu has no text", what, i);
         size_t len = strlen(text);
         if (id >= tok->vocab_size || tok->tok_len[id] != 0)
-            return DUET__TOK_FAIL(DUET_ERR_INVALID,
+            return DUET_FAIL(DUET_ERR_INVALID,
                                   "%s: special token \"%s\": id %u is taken or out of range", what,
                                   text, id);
         for (uint32_t j = 0; j < tok->n_special; j++) {
             const duet__tok_special_t *o = &tok->specials[j];
             if (o->len == len && memcmp(tok->blob + o->off, text, len) == 0)
-                return DUET__TOK_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice",
+                return DUET_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice",
                                       what, text);
         }
         memcpy(tok->blob + tok->blob_len, text, len);
@@ -156,7 +144,7 @@ duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern
     if (tok->re == NULL) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
-        return DUET__TOK_FAIL(DUET_ERR_INVALID,
+        return DUET_FAIL(DUET_ERR_INVALID,
                               "%s: split regex does not compile at offset %zu: %s", what,
                               (size_t)err_off, (const char *)msg);
     }
@@ -186,9 +174,9 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
                                          duet_tokenizer_t **tok_p)
 {
     if (tok_p == NULL || (specials == NULL && n_specials > 0))
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: NULL argument");
+        return DUET_FAIL(DUET_ERR_INVALID, "byte tokenizer: NULL argument");
     if (n_specials > DUET_TOKENIZER_MAX_ID - 256)
-        return DUET__TOK_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many",
+        return DUET_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many",
                               n_specials);
 
     duet_status_t st;
@@ -197,7 +185,7 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     for (size_t i = 0; i < n_specials; i++) {
         size_t len = specials[i] != NULL ? strlen(specials[i]) : 0;
         if (len > 256)
-            return DUET__TOK_FAIL(DUET_ERR_INVALID,
+            return DUET_FAIL(DUET_ERR_INVALID,
                                   "byte tokenizer: special token %zu is %zu bytes "
                                   "(at most 256)",
                                   i, len);
@@ -205,7 +193,7 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     }
     duet_tokenizer_t *tok = calloc(1, sizeof(*tok));
     if (tok == NULL)
-        return DUET__TOK_FAIL(DUET_ERR_NOMEM, "byte tokenizer: no memory");
+        return DUET_FAIL(DUET_ERR_NOMEM, "byte tokenizer: no memory");
     tok->kind = DUET__TOK_KIND_BYTE;
     st = duet__tok_tables_alloc(tok, (uint32_t)(256 + n_specials), 0);
     if (st < 0)
@@ -214,7 +202,7 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     if (n_specials > 0)
         sp = calloc(n_specials, sizeof(*sp));
     if (tok->blob == NULL || (n_specials > 0 && sp == NULL)) {
-        st = DUET__TOK_FAIL(DUET_ERR_NOMEM, "byte tokenizer: no memory");
+        st = DUET_FAIL(DUET_ERR_NOMEM, "byte tokenizer: no memory");
         goto fail_sp;
     }
     for (uint32_t b = 0; b < 256; b++) {

@@ -45,14 +45,6 @@ struct duet_tokenizer {
     bool re_jit;                /* JIT compilation succeeded */
 };
 
-/*
- * Record the error detail, log it at error level, return st. (common/log.h's DUET_FAIL puts a
- * do/while statement inside a comma expression and does not compile; this is its function form.)
- */
-duet_status_t duet__tok_fail(const char *file, int line, duet_status_t st, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-#define DUET__TOK_FAIL(st, ...) duet__tok_fail(__FILE__, __LINE__, (st), __VA_ARGS__)
-
 /* Hash of a byte string for the token table. */
 uint64_t duet__tok_hash(const uint8_t *p, size_t n);
 
