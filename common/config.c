@@ -581,6 +581,18 @@ typedef struct {
     size_t nodes;     /* nodes visited, against CONFIG_YAML_MAX_NODES */
 } config_yaml_walk_t;
 
+/* Whether some declared key starts with "<prefix>.". */
+static bool config_is_prefix(const duet_config_t *cfg, const char *prefix)
+{
+    size_t n = strlen(prefix);
+    for (size_t i = 0; i < cfg->n_slots; i++) {
+        const char *name = cfg->slots[i].key->name;
+        if (strncmp(name, prefix, n) == 0 && name[n] == '.')
+            return true;
+    }
+    return false;
+}
+
 static const char *yaml_kind_name(const yaml_node_t *n)
 {
     switch (n->type) {
@@ -635,6 +647,10 @@ static duet_status_t config_yaml_mapping(config_yaml_walk_t *w, yaml_node_t *map
             return duet_error_set(DUET_ERR_NOT_FOUND, "%s: unknown key \"%.60s...\"", origin, full);
 
         config_slot_t *sl = config_find(w->cfg, full);
+        if (vn->type == YAML_MAPPING_NODE && sl == NULL &&
+            vn->data.mapping.pairs.start == vn->data.mapping.pairs.top &&
+            !config_is_prefix(w->cfg, full))
+            return config_unknown(w->cfg, origin, "section", full); /* "bogus: {}" */
         if (vn->type == YAML_MAPPING_NODE && sl == NULL) {
             duet_status_t st = config_yaml_mapping(w, vn, full, depth + 1);
             if (st != DUET_OK)
