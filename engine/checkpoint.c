@@ -33,39 +33,39 @@
 
 #include "common/log.h"
 
-#define CK_MAX_DIMS         8
-#define CK_MAX_HEADER       ((uint64_t)100 << 20)
-#define CK_MAX_INDEX        ((size_t)64 << 20)
-#define CK_PREFETCH_MIN     ((uint64_t)1 << 30)
-#define CK_SINGLE_NAME      "model.safetensors"
-#define CK_INDEX_NAME       "model.safetensors.index.json"
+#define CK_MAX_DIMS     8
+#define CK_MAX_HEADER   ((uint64_t)100 << 20)
+#define CK_MAX_INDEX    ((size_t)64 << 20)
+#define CK_PREFETCH_MIN ((uint64_t)1 << 30)
+#define CK_SINGLE_NAME  "model.safetensors"
+#define CK_INDEX_NAME   "model.safetensors.index.json"
 
 typedef struct {
-    char          *name;     /* owned */
-    duet_dtype_t   dtype;
-    int            ndim;
-    int64_t        shape[CK_MAX_DIMS];
-    uint64_t       begin;    /* relative to the data area */
-    uint64_t       end;
-    const uint8_t *data;     /* inside the shard's mapping, not owned */
-    int            shard;
-    int            used;     /* fetched with duet_checkpoint_get_shaped */
+    char *name; /* owned */
+    duet_dtype_t dtype;
+    int ndim;
+    int64_t shape[CK_MAX_DIMS];
+    uint64_t begin; /* relative to the data area */
+    uint64_t end;
+    const uint8_t *data; /* inside the shard's mapping, not owned */
+    int shard;
+    int used; /* fetched with duet_checkpoint_get_shaped */
 } ck_entry_t;
 
 typedef struct {
-    char  *path;    /* owned: dir/file */
-    void  *map;     /* whole file, PROT_READ; NULL for an empty mapping */
+    char *path; /* owned: dir/file */
+    void *map;  /* whole file, PROT_READ; NULL for an empty mapping */
     size_t map_len;
 } ck_shard_t;
 
 struct duet_checkpoint {
-    char       *dir;       /* owned */
-    ck_shard_t *shards;    /* [n_shards], owned */
-    int         n_shards;
-    ck_entry_t *entries;   /* [n_entries], owned, sorted by name */
-    int64_t     n_entries;
-    int64_t     cap_entries;
-    int64_t     n_used;
+    char *dir;          /* owned */
+    ck_shard_t *shards; /* [n_shards], owned */
+    int n_shards;
+    ck_entry_t *entries; /* [n_entries], owned, sorted by name */
+    int64_t n_entries;
+    int64_t cap_entries;
+    int64_t n_used;
 };
 
 /* ---- helpers -------------------------------------------------------------------------------- */
@@ -83,7 +83,7 @@ static void human_size(uint64_t bytes, char *buf, size_t cap)
 static char *path_join(const char *dir, const char *file)
 {
     size_t n = strlen(dir) + 1 + strlen(file) + 1;
-    char  *p = malloc(n);
+    char *p = malloc(n);
     if (p != NULL)
         snprintf(p, n, "%s/%s", dir, file);
     return p;
@@ -108,18 +108,17 @@ static const ck_entry_t *find_entry(const duet_checkpoint_t *ck, const char *nam
 {
     ck_entry_t key;
     key.name = (char *)name;
-    return bsearch(&key, ck->entries, (size_t)ck->n_entries, sizeof(*ck->entries),
-                   entry_cmp_name);
+    return bsearch(&key, ck->entries, (size_t)ck->n_entries, sizeof(*ck->entries), entry_cmp_name);
 }
 
 static duet_status_t push_entry(duet_checkpoint_t *ck, ck_entry_t **e_p)
 {
     if (ck->n_entries == ck->cap_entries) {
-        int64_t     cap = ck->cap_entries ? ck->cap_entries * 2 : 256;
-        ck_entry_t *ne  = realloc(ck->entries, (size_t)cap * sizeof(*ne));
+        int64_t cap = ck->cap_entries ? ck->cap_entries * 2 : 256;
+        ck_entry_t *ne = realloc(ck->entries, (size_t)cap * sizeof(*ne));
         if (ne == NULL)
             return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", ck->dir);
-        ck->entries     = ne;
+        ck->entries = ne;
         ck->cap_entries = cap;
     }
     *e_p = &ck->entries[ck->n_entries];
@@ -151,8 +150,8 @@ static duet_status_t parse_entry(const char *path, const char *name, const json_
                                  uint64_t data_len, uint64_t data_start, ck_entry_t *e)
 {
     if (!json_is_object(v))
-        return duet_error_set(DUET_ERR_FORMAT, "%s: tensor %s: header entry is not an object",
-                              path, name);
+        return duet_error_set(DUET_ERR_FORMAT, "%s: tensor %s: header entry is not an object", path,
+                              name);
     const json_t *jd = json_object_get(v, "dtype");
     const json_t *js = json_object_get(v, "shape");
     const json_t *jo = json_object_get(v, "data_offsets");
@@ -174,7 +173,7 @@ static duet_status_t parse_entry(const char *path, const char *name, const json_
     if (nd > CK_MAX_DIMS)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "%s: tensor %s: %zu dimensions (at most %d)",
                               path, name, nd, CK_MAX_DIMS);
-    e->ndim        = (int)nd;
+    e->ndim = (int)nd;
     uint64_t numel = 1;
     for (size_t i = 0; i < nd; i++) {
         const json_t *d = json_array_get(js, i);
@@ -216,7 +215,7 @@ static duet_status_t parse_entry(const char *path, const char *name, const json_
                               " is not aligned to its %zu-byte elements",
                               path, name, data_start + off[0], duet_dtype_size(e->dtype));
     e->begin = off[0];
-    e->end   = off[1];
+    e->end = off[1];
     return DUET_OK;
 }
 
@@ -240,18 +239,18 @@ static duet_status_t check_overlaps(duet_checkpoint_t *ck, int64_t first, const 
     for (int64_t i = 0; i < n; i++)
         order[i] = &ck->entries[first + i];
     qsort(order, (size_t)n, sizeof(*order), cmp_begin);
-    duet_status_t     st   = DUET_OK;
+    duet_status_t st = DUET_OK;
     const ck_entry_t *prev = NULL;
     for (int64_t i = 0; i < n; i++) {
         const ck_entry_t *e = order[i];
         if (e->begin == e->end)
             continue; /* empty tensors own no bytes */
         if (prev != NULL && e->begin < prev->end) {
-            st = duet_error_set(DUET_ERR_FORMAT,
-                                "%s: tensor %s: data_offsets [%" PRIu64 ", %" PRIu64
-                                "] overlap tensor %s [%" PRIu64 ", %" PRIu64 "]",
-                                path, e->name, e->begin, e->end, prev->name, prev->begin,
-                                prev->end);
+            st =
+                duet_error_set(DUET_ERR_FORMAT,
+                               "%s: tensor %s: data_offsets [%" PRIu64 ", %" PRIu64
+                               "] overlap tensor %s [%" PRIu64 ", %" PRIu64 "]",
+                               path, e->name, e->begin, e->end, prev->name, prev->begin, prev->end);
             break;
         }
         prev = e;
@@ -263,7 +262,7 @@ static duet_status_t check_overlaps(duet_checkpoint_t *ck, int64_t first, const 
 /* Map and validate shard `idx` (ck->shards[idx].path set), appending its tensors. */
 static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
 {
-    ck_shard_t *sh   = &ck->shards[idx];
+    ck_shard_t *sh = &ck->shards[idx];
     const char *path = sh->path;
 
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -288,11 +287,11 @@ static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
                               size);
     }
     void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int   merr = errno;
+    int merr = errno;
     close(fd);
     if (map == MAP_FAILED)
         return duet_error_set(DUET_ERR_IO, "%s: mmap: %s", path, strerror(merr));
-    sh->map     = map;
+    sh->map = map;
     sh->map_len = (size_t)size;
 
     char hs[32];
@@ -309,8 +308,8 @@ static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
             DUET_LOG_WARN("%s: madvise(MADV_WILLNEED): %s", path, strerror(errno));
     }
 
-    const uint8_t *p  = map;
-    uint64_t       hl = 0;
+    const uint8_t *p = map;
+    uint64_t hl = 0;
     for (int i = 0; i < 8; i++)
         hl |= (uint64_t)p[i] << (8 * i);
     if (hl < 2 || hl > CK_MAX_HEADER || hl > size - 8)
@@ -320,7 +319,7 @@ static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
                               path, hl, size, CK_MAX_HEADER);
 
     json_error_t jerr;
-    json_t      *root = json_loadb((const char *)p + 8, (size_t)hl, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root = json_loadb((const char *)p + 8, (size_t)hl, JSON_REJECT_DUPLICATES, &jerr);
     if (root == NULL)
         return duet_error_set(DUET_ERR_FORMAT, "%s: header is not valid JSON (%d:%d: %s)", path,
                               jerr.line, jerr.column, jerr.text);
@@ -331,16 +330,15 @@ static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
     }
 
     const uint64_t data_start = 8 + hl;
-    const uint64_t data_len   = size - data_start;
-    const int64_t  first      = ck->n_entries;
-    const char    *key;
-    json_t        *v;
+    const uint64_t data_len = size - data_start;
+    const int64_t first = ck->n_entries;
+    const char *key;
+    json_t *v;
     json_object_foreach(root, key, v)
     {
         if (strcmp(key, "__metadata__") == 0) {
             if (!json_is_object(v)) {
-                st = duet_error_set(DUET_ERR_FORMAT, "%s: \"__metadata__\" is not an object",
-                                    path);
+                st = duet_error_set(DUET_ERR_FORMAT, "%s: \"__metadata__\" is not an object", path);
                 goto out_json;
             }
             continue;
@@ -357,7 +355,7 @@ static duet_status_t open_shard(duet_checkpoint_t *ck, int idx)
             st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", path);
             goto out_json;
         }
-        e->data  = p + data_start + e->begin;
+        e->data = p + data_start + e->begin;
         e->shard = idx;
         ck->n_entries++;
     }
@@ -386,7 +384,7 @@ static duet_status_t load_index(const char *path, json_t **root_p, const json_t 
                                 const char ***names_p, int *n_p)
 {
     json_error_t jerr;
-    struct stat  sb;
+    struct stat sb;
     if (stat(path, &sb) != 0)
         return duet_error_set(DUET_ERR_IO, "%s: %s", path, strerror(errno));
     if ((uint64_t)sb.st_size > CK_MAX_INDEX)
@@ -402,14 +400,14 @@ static duet_status_t load_index(const char *path, json_t **root_p, const json_t 
         return duet_error_set(DUET_ERR_FORMAT, "%s: \"weight_map\" missing, empty or not an object",
                               path);
     }
-    size_t       n     = json_object_size(map), k = 0;
+    size_t n = json_object_size(map), k = 0;
     const char **names = malloc(n * sizeof(*names));
     if (names == NULL) {
         json_decref(root);
         return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", path);
     }
     const char *key;
-    json_t     *v;
+    json_t *v;
     json_object_foreach((json_t *)map, key, v)
     {
         if (!json_is_string(v) || !shard_name_ok(json_string_value(v))) {
@@ -430,10 +428,10 @@ static duet_status_t load_index(const char *path, json_t **root_p, const json_t 
     for (size_t i = 0; i < k; i++)
         if (u == 0 || strcmp(names[u - 1], names[i]) != 0)
             names[u++] = names[i];
-    *root_p  = root;
-    *map_p   = map;
+    *root_p = root;
+    *map_p = map;
     *names_p = names;
-    *n_p     = (int)u;
+    *n_p = (int)u;
     return DUET_OK;
 }
 
@@ -442,13 +440,13 @@ static duet_status_t load_index(const char *path, json_t **root_p, const json_t 
 static duet_status_t open_all(duet_checkpoint_t *ck)
 {
     duet_status_t st;
-    struct stat   sb;
-    char         *single = path_join(ck->dir, CK_SINGLE_NAME);
-    char         *index  = path_join(ck->dir, CK_INDEX_NAME);
-    json_t       *iroot  = NULL;
-    const json_t *wmap   = NULL;
-    const char  **names  = NULL;
-    int           n      = 0;
+    struct stat sb;
+    char *single = path_join(ck->dir, CK_SINGLE_NAME);
+    char *index = path_join(ck->dir, CK_INDEX_NAME);
+    json_t *iroot = NULL;
+    const json_t *wmap = NULL;
+    const char **names = NULL;
+    int n = 0;
     if (single == NULL || index == NULL) {
         st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", ck->dir);
         goto out;
@@ -456,13 +454,13 @@ static duet_status_t open_all(duet_checkpoint_t *ck)
 
     if (stat(single, &sb) == 0) {
         static const char *one[1] = {CK_SINGLE_NAME};
-        names                     = malloc(sizeof(*names));
+        names = malloc(sizeof(*names));
         if (names == NULL) {
             st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", ck->dir);
             goto out;
         }
         names[0] = one[0];
-        n        = 1;
+        n = 1;
     } else if (stat(index, &sb) == 0) {
         st = load_index(index, &iroot, &wmap, &names, &n);
         if (st != DUET_OK)
@@ -496,21 +494,20 @@ static duet_status_t open_all(duet_checkpoint_t *ck)
     for (int64_t i = 1; i < ck->n_entries; i++) {
         const ck_entry_t *a = &ck->entries[i - 1], *b = &ck->entries[i];
         if (strcmp(a->name, b->name) == 0) {
-            st = duet_error_set(DUET_ERR_FORMAT, "%s: tensor %s appears in both %s and %s",
-                                ck->dir, a->name, ck->shards[a->shard].path,
-                                ck->shards[b->shard].path);
+            st = duet_error_set(DUET_ERR_FORMAT, "%s: tensor %s appears in both %s and %s", ck->dir,
+                                a->name, ck->shards[a->shard].path, ck->shards[b->shard].path);
             goto out;
         }
     }
 
     if (wmap != NULL) {
         const char *key;
-        json_t     *v;
+        json_t *v;
         json_object_foreach((json_t *)wmap, key, v)
         {
-            const ck_entry_t *e    = find_entry(ck, key);
-            const char       *want = json_string_value(v);
-            const char       *have = e != NULL ? strrchr(ck->shards[e->shard].path, '/') + 1 : "";
+            const ck_entry_t *e = find_entry(ck, key);
+            const char *want = json_string_value(v);
+            const char *have = e != NULL ? strrchr(ck->shards[e->shard].path, '/') + 1 : "";
             if (e == NULL || strcmp(have, want) != 0) {
                 st = duet_error_set(DUET_ERR_FORMAT,
                                     "%s: tensor %s: the index places it in %s/%s, which does not "
@@ -599,18 +596,17 @@ static duet_status_t entry_view(const duet_checkpoint_t *ck, const ck_entry_t *e
                               ck->shards[e->shard].path, e->name, e->ndim, DUET_TENSOR_MAX_DIMS);
     duet_tensor_t t;
     memset(&t, 0, sizeof(t));
-    t.data   = (void *)e->data; /* read-only mapping: views must not be written */
-    t.dtype  = e->dtype;
+    t.data = (void *)e->data; /* read-only mapping: views must not be written */
+    t.dtype = e->dtype;
     t.device = DUET_DEVICE_CPU;
-    t.ndim   = e->ndim;
+    t.ndim = e->ndim;
     for (int i = 0; i < e->ndim; i++)
         t.shape[i] = e->shape[i];
     *t_p = t;
     return DUET_OK;
 }
 
-duet_status_t duet_checkpoint_get(const duet_checkpoint_t *ck, const char *name,
-                                  duet_tensor_t *t_p)
+duet_status_t duet_checkpoint_get(const duet_checkpoint_t *ck, const char *name, duet_tensor_t *t_p)
 {
     const ck_entry_t *e = find_entry(ck, name);
     if (e == NULL)

@@ -49,7 +49,7 @@
 #define CFG_MAX_FILE   ((size_t)16 << 20)
 
 typedef struct {
-    const char   *origin; /* file name for messages */
+    const char *origin; /* file name for messages */
     const json_t *root;
 } cfg_ctx_t;
 
@@ -97,7 +97,7 @@ static duet_status_t lookup_aliased(const cfg_ctx_t *c, const char *key, const c
         return duet_error_set(DUET_ERR_FORMAT,
                               "%s: fields \"%s\" and \"%s\" are aliases but have different values",
                               c->origin, key, alias);
-    *v_p    = a != NULL ? a : b;
+    *v_p = a != NULL ? a : b;
     *name_p = a != NULL ? key : alias;
     return DUET_OK;
 }
@@ -122,7 +122,7 @@ static duet_status_t get_int(const cfg_ctx_t *c, const char *key, const char *al
                              int64_t def, int64_t min, int64_t max, int64_t *out_p)
 {
     const json_t *v;
-    const char   *name;
+    const char *name;
     duet_status_t st = lookup_aliased(c, key, alias, &v, &name);
     if (st != DUET_OK)
         return st;
@@ -144,8 +144,8 @@ static duet_status_t check_real(const cfg_ctx_t *c, const char *name, const json
                               c->origin, name, json_type_name(v));
     double x = json_number_value(v);
     if (!(x >= min && x <= max))
-        return duet_error_set(DUET_ERR_RANGE, "%s: field \"%s\": %g is outside [%g, %g]",
-                              c->origin, name, x, min, max);
+        return duet_error_set(DUET_ERR_RANGE, "%s: field \"%s\": %g is outside [%g, %g]", c->origin,
+                              name, x, min, max);
     *out_p = (float)x;
     return DUET_OK;
 }
@@ -154,7 +154,7 @@ static duet_status_t get_real(const cfg_ctx_t *c, const char *key, const char *a
                               double min, double max, float *out_p)
 {
     const json_t *v;
-    const char   *name;
+    const char *name;
     duet_status_t st = lookup_aliased(c, key, alias, &v, &name);
     if (st != DUET_OK)
         return st;
@@ -169,7 +169,7 @@ static duet_status_t get_bool(const cfg_ctx_t *c, const char *key, const char *a
                               int *out_p)
 {
     const json_t *v;
-    const char   *name;
+    const char *name;
     duet_status_t st = lookup_aliased(c, key, alias, &v, &name);
     if (st != DUET_OK)
         return st;
@@ -215,19 +215,20 @@ static duet_status_t get_token(const cfg_ctx_t *c, const char *key, int64_t voca
 static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
                                        duet_model_config_t *cfg)
 {
-    const int64_t L  = cfg->num_layers;
+    const int64_t L = cfg->num_layers;
     const json_t *lt = get_present(c->root, "layer_types");
     if (lt != NULL) {
         if (!json_is_array(lt))
-            return duet_error_set(DUET_ERR_FORMAT, "%s: field \"layer_types\": expected array, got %s",
-                                  c->origin, json_type_name(lt));
+            return duet_error_set(DUET_ERR_FORMAT,
+                                  "%s: field \"layer_types\": expected array, got %s", c->origin,
+                                  json_type_name(lt));
         if ((int64_t)json_array_size(lt) != L)
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"layer_types\": %zu entries for %" PRId64 " layers",
                                   c->origin, json_array_size(lt), L);
         for (int64_t i = 0; i < L; i++) {
             const json_t *e = json_array_get(lt, (size_t)i);
-            const char   *s = json_is_string(e) ? json_string_value(e) : NULL;
+            const char *s = json_is_string(e) ? json_string_value(e) : NULL;
             if (s != NULL && strcmp(s, "linear_attention") == 0)
                 cfg->mixer[i] = DUET_MIXER_KDA;
             else if (s != NULL && strcmp(s, "full_attention") == 0)
@@ -241,7 +242,7 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
         return DUET_OK;
     }
 
-    const json_t *kda  = lac != NULL ? get_present(lac, "kda_layers") : NULL;
+    const json_t *kda = lac != NULL ? get_present(lac, "kda_layers") : NULL;
     const json_t *full = lac != NULL ? get_present(lac, "full_attn_layers") : NULL;
     if (kda == NULL && full == NULL) {
         for (int64_t i = 0; i < L; i++)
@@ -256,8 +257,8 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
 
     int seen[DUET_MAX_LAYERS] = {0};
     const struct {
-        const char       *name;
-        const json_t     *list;
+        const char *name;
+        const json_t *list;
         duet_mixer_kind_t kind;
     } lists[2] = {{"full_attn_layers", full, DUET_MIXER_MLA}, {"kda_layers", kda, DUET_MIXER_KDA}};
     for (int l = 0; l < 2; l++) {
@@ -267,9 +268,9 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
                                   c->origin, lists[l].name, json_type_name(lists[l].list));
         for (size_t j = 0; j < json_array_size(lists[l].list); j++) {
             const json_t *e = json_array_get(lists[l].list, j);
-            char          name[64];
+            char name[64];
             snprintf(name, sizeof(name), "linear_attn_config.%s[%zu]", lists[l].name, j);
-            int64_t       layer;
+            int64_t layer;
             duet_status_t st = check_int(c, name, e, 1, L, &layer); /* 1-based */
             if (st != DUET_OK)
                 return st;
@@ -278,7 +279,7 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
                                       "%s: field \"%s\": layer %" PRId64
                                       " (1-based) is listed more than once",
                                       c->origin, name, layer);
-            seen[layer - 1]      = 1;
+            seen[layer - 1] = 1;
             cfg->mixer[layer - 1] = lists[l].kind;
         }
     }
@@ -293,7 +294,7 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
 
 static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cfg)
 {
-    const int64_t L  = cfg->num_layers;
+    const int64_t L = cfg->num_layers;
     const json_t *mt = get_present(c->root, "mlp_layer_types");
     if (mt != NULL) {
         if (!json_is_array(mt))
@@ -307,7 +308,7 @@ static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cf
                                   c->origin, json_array_size(mt), L);
         for (int64_t i = 0; i < L; i++) {
             const json_t *e = json_array_get(mt, (size_t)i);
-            const char   *s = json_is_string(e) ? json_string_value(e) : NULL;
+            const char *s = json_is_string(e) ? json_string_value(e) : NULL;
             if (s != NULL && strcmp(s, "dense") == 0)
                 cfg->ffn[i] = DUET_FFN_DENSE;
             else if (s != NULL && strcmp(s, "sparse") == 0)
@@ -320,8 +321,9 @@ static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cf
         }
         return DUET_OK;
     }
-    int64_t       first_dense, freq;
-    duet_status_t st = get_int(c, "first_k_dense_replace", NULL, 0, 1, 0, (int64_t)1 << 30, &first_dense);
+    int64_t first_dense, freq;
+    duet_status_t st =
+        get_int(c, "first_k_dense_replace", NULL, 0, 1, 0, (int64_t)1 << 30, &first_dense);
     if (st != DUET_OK)
         return st;
     st = get_int(c, "moe_layer_freq", NULL, 0, 1, 1, DUET_MAX_LAYERS, &freq);
@@ -337,7 +339,7 @@ static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cf
 static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
 {
     duet_status_t st;
-    const char   *s;
+    const char *s;
 
 #define TRY(expr)                                                                                  \
     do {                                                                                           \
@@ -415,8 +417,8 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
         const cfg_ctx_t sub = {c->origin, lac};
         const struct {
             const char *key, *full;
-            int64_t     max;
-            int64_t    *dst;
+            int64_t max;
+            int64_t *dst;
         } kf[3] = {
             {"num_heads", "linear_attn_config.num_heads", CFG_MAX_HEADS, &cfg->kda_heads},
             {"head_dim", "linear_attn_config.head_dim", CFG_MAX_HDIM, &cfg->kda_head_dim},
@@ -434,8 +436,7 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     TRY(get_int(c, "intermediate_size", NULL, 0, 9216, 1, CFG_MAX_INTER, &cfg->dense_intermediate));
     TRY(get_int(c, "moe_intermediate_size", NULL, 0, 1024, 1, CFG_MAX_INTER,
                 &cfg->moe_intermediate));
-    TRY(get_int(c, "num_local_experts", "num_experts", 0, 256, 1, CFG_MAX_EXPERT,
-                &cfg->n_experts));
+    TRY(get_int(c, "num_local_experts", "num_experts", 0, 256, 1, CFG_MAX_EXPERT, &cfg->n_experts));
     TRY(get_int(c, "num_experts_per_tok", "num_experts_per_token", 0, 8, 1, CFG_MAX_EXPERT,
                 &cfg->top_k));
     TRY(get_int(c, "n_shared_experts", "num_shared_experts", 0, 1, 0, 64, &cfg->n_shared_experts));
@@ -463,7 +464,7 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     TRY(get_token(c, "bos_token_id", cfg->vocab_size, &cfg->bos_token_id));
     TRY(get_token(c, "pad_token_id", cfg->vocab_size, &cfg->pad_token_id));
     const json_t *eos = get_present(c->root, "eos_token_id");
-    cfg->n_eos        = 0;
+    cfg->n_eos = 0;
     if (eos != NULL && json_is_array(eos)) {
         if (json_array_size(eos) > DUET_MAX_EOS)
             return duet_error_set(DUET_ERR_RANGE,
@@ -515,8 +516,8 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     int64_t kept = cfg->n_experts / cfg->n_group * cfg->topk_group;
     if (cfg->top_k > kept)
         return duet_error_set(DUET_ERR_RANGE,
-                              "%s: field \"num_experts_per_tok\": %" PRId64
-                              " exceeds the %" PRId64 " experts in the %" PRId64 " kept groups",
+                              "%s: field \"num_experts_per_tok\": %" PRId64 " exceeds the %" PRId64
+                              " experts in the %" PRId64 " kept groups",
                               c->origin, cfg->top_k, kept, cfg->topk_group);
     return DUET_OK;
 }
@@ -544,8 +545,8 @@ duet_status_t duet_model_config_parse(const char *json_text, size_t len, const c
         json_decref(root);
         return DUET_FAIL(DUET_ERR_NOMEM, "%s: out of memory", origin);
     }
-    const cfg_ctx_t c  = {origin, root};
-    duet_status_t   st = parse_root(&c, cfg);
+    const cfg_ctx_t c = {origin, root};
+    duet_status_t st = parse_root(&c, cfg);
     json_decref(root);
     if (st != DUET_OK) {
         DUET_LOG_ERROR("%s", duet_error_last());
@@ -560,7 +561,7 @@ duet_status_t duet_model_config_parse(const char *json_text, size_t len, const c
 duet_status_t duet_model_config_load(const char *dir, duet_model_config_t *cfg_p)
 {
     char path[4096];
-    int  n = snprintf(path, sizeof(path), "%s/config.json", dir);
+    int n = snprintf(path, sizeof(path), "%s/config.json", dir);
     if (n < 0 || (size_t)n >= sizeof(path))
         return DUET_FAIL(DUET_ERR_INVALID, "%s: path too long", dir);
 
@@ -580,19 +581,19 @@ duet_status_t duet_model_config_load(const char *dir, duet_model_config_t *cfg_p
                          path, (long long)sb.st_size);
     }
     size_t size = (size_t)sb.st_size;
-    char  *buf  = malloc(size + 1);
+    char *buf = malloc(size + 1);
     if (buf == NULL) {
         fclose(f);
         return DUET_FAIL(DUET_ERR_NOMEM, "%s: out of memory", path);
     }
     size_t got = fread(buf, 1, size, f);
-    int    bad = ferror(f);
+    int bad = ferror(f);
     fclose(f);
     if (got != size || bad) {
         free(buf);
         return DUET_FAIL(DUET_ERR_IO, "%s: short read (%zu of %zu bytes)", path, got, size);
     }
-    buf[size]        = '\0';
+    buf[size] = '\0';
     duet_status_t st = duet_model_config_parse(buf, size, path, cfg_p);
     free(buf);
     return st;
@@ -612,10 +613,10 @@ int64_t duet_model_config_n_params(const duet_model_config_t *cfg)
     const int64_t kda = 3 * HK * D /* q,k,v */ + 3 * HK * W /* convs */ + K * D + HK * K /* f */ +
                         HK /* dt_bias */ + H /* A_log */ + H * D /* b */ + K * D + HK * K /* g */ +
                         K /* o_norm */ + D * HK /* o */;
-    const int64_t q   = ql > 0 ? ql * D + ql + n * (dn + dr) * ql : n * (dn + dr) * D;
+    const int64_t q = ql > 0 ? ql * D + ql + n * (dn + dr) * ql : n * (dn + dr) * D;
     const int64_t mla = q + (r + dr) * D + r + n * (dn + dv) * r + D * n * dv;
     const int64_t dense = 3 * D * cfg->dense_intermediate;
-    const int64_t moe   = E * D + E + E * 3 * I * D + 3 * Is * D;
+    const int64_t moe = E * D + E + E * 3 * I * D + 3 * Is * D;
 
     int64_t total = V * D /* embed */ + D /* final norm */ + (cfg->tie_word_embeddings ? 0 : V * D);
     for (int64_t i = 0; i < cfg->num_layers; i++) {
@@ -642,10 +643,10 @@ void duet_model_config_describe(const duet_model_config_t *cfg, char *buf, size_
              " top-%" PRId64 " I=%" PRId64 " shared=%" PRId64 " groups=%" PRId64 "/%" PRId64
              ", dense I=%" PRId64 ", act=%s, %.2f B params",
              cfg->num_layers, cfg->n_kda_layers, cfg->n_mla_layers, cfg->n_moe_layers,
-             cfg->hidden_size, cfg->vocab_size, cfg->kda_heads, cfg->kda_head_dim,
-             cfg->conv_kernel, cfg->mla_heads, cfg->qk_nope_head_dim, cfg->qk_rope_head_dim,
-             cfg->v_head_dim, cfg->kv_lora_rank, q, cfg->n_experts, cfg->top_k,
-             cfg->moe_intermediate, cfg->n_shared_experts, cfg->topk_group, cfg->n_group,
-             cfg->dense_intermediate, cfg->act == DUET_ACT_SITU ? "situ" : "silu",
+             cfg->hidden_size, cfg->vocab_size, cfg->kda_heads, cfg->kda_head_dim, cfg->conv_kernel,
+             cfg->mla_heads, cfg->qk_nope_head_dim, cfg->qk_rope_head_dim, cfg->v_head_dim,
+             cfg->kv_lora_rank, q, cfg->n_experts, cfg->top_k, cfg->moe_intermediate,
+             cfg->n_shared_experts, cfg->topk_group, cfg->n_group, cfg->dense_intermediate,
+             cfg->act == DUET_ACT_SITU ? "situ" : "silu",
              (double)duet_model_config_n_params(cfg) / 1e9);
 }

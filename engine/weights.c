@@ -26,7 +26,7 @@ static duet_status_t bind(duet_checkpoint_t *ck, duet_tensor_t *t, int ndim, con
 static duet_status_t bind(duet_checkpoint_t *ck, duet_tensor_t *t, int ndim, const int64_t *dims,
                           const char *fmt, ...)
 {
-    char    name[256];
+    char name[256];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(name, sizeof(name), fmt, ap);
@@ -34,7 +34,9 @@ static duet_status_t bind(duet_checkpoint_t *ck, duet_tensor_t *t, int ndim, con
     return duet_checkpoint_get_shaped(ck, name, ndim, dims, t);
 }
 
+// clang-format off
 #define DIMS(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (int64_t[]){__VA_ARGS__}
+// clang-format on
 
 #define TRY(expr)                                                                                  \
     do {                                                                                           \
@@ -48,7 +50,7 @@ static duet_status_t bind_kda(duet_checkpoint_t *ck, const duet_model_config_t *
 {
     const int64_t D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim, HK = H * K;
     const int64_t W = c->conv_kernel;
-    const char   *p = "model.layers.%d.self_attn.%s";
+    const char *p = "model.layers.%d.self_attn.%s";
     TRY(bind(ck, &w->q_proj, DIMS(HK, D), p, l, "q_proj.weight"));
     TRY(bind(ck, &w->k_proj, DIMS(HK, D), p, l, "k_proj.weight"));
     TRY(bind(ck, &w->v_proj, DIMS(HK, D), p, l, "v_proj.weight"));
@@ -73,7 +75,7 @@ static duet_status_t bind_mla(duet_checkpoint_t *ck, const duet_model_config_t *
     const int64_t D = c->hidden_size, n = c->mla_heads, dn = c->qk_nope_head_dim;
     const int64_t dr = c->qk_rope_head_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
     const int64_t ql = c->q_lora_rank;
-    const char   *p  = "model.layers.%d.self_attn.%s";
+    const char *p = "model.layers.%d.self_attn.%s";
     if (ql > 0) {
         TRY(bind(ck, &w->q_a_proj, DIMS(ql, D), p, l, "q_a_proj.weight"));
         TRY(bind(ck, &w->q_a_layernorm, DIMS(ql), p, l, "q_a_layernorm.weight"));
@@ -158,9 +160,9 @@ static void warn_unused(const duet_checkpoint_t *ck)
     int64_t n = duet_checkpoint_n_unused(ck);
     if (n == 0)
         return;
-    char   buf[1024];
+    char buf[1024];
     size_t off = 0;
-    buf[0]     = '\0';
+    buf[0] = '\0';
     for (int64_t i = 0; i < n && i < WEIGHTS_UNUSED_SHOWN && off < sizeof(buf); i++)
         off += (size_t)snprintf(buf + off, sizeof(buf) - off, "%s%s", i ? ", " : "",
                                 duet_checkpoint_unused_name(ck, i));
@@ -207,6 +209,6 @@ void duet_weights_free(duet_weights_t *w)
         return;
     free(w->layers);
     free(w->expert_slab);
-    w->layers      = NULL;
+    w->layers = NULL;
     w->expert_slab = NULL;
 }

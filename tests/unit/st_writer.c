@@ -11,18 +11,18 @@
 #include "kernels/kernels.h"
 
 typedef struct {
-    char    *name;
-    char     dtype[16];
-    int      ndim;
-    int64_t  shape[8];
+    char *name;
+    char dtype[16];
+    int ndim;
+    int64_t shape[8];
     uint8_t *data;
-    size_t   nbytes;
-    size_t   esize;
+    size_t nbytes;
+    size_t esize;
 } st_tensor_t;
 
 struct st_writer {
     st_tensor_t *t;
-    int          n, cap;
+    int n, cap;
 };
 
 st_writer_t *st_writer_new(void)
@@ -46,10 +46,10 @@ size_t st_dtype_size(const char *dtype)
 {
     static const struct {
         const char *name;
-        size_t      size;
-    } tab[] = {{"F64", 8},  {"I64", 8},  {"U64", 8},     {"F32", 4},     {"I32", 4},
-               {"U32", 4},  {"BF16", 2}, {"F16", 2},     {"I16", 2},     {"U16", 2},
-               {"I8", 1},   {"U8", 1},   {"BOOL", 1},    {"F8_E4M3", 1}, {"F8_E5M2", 1}};
+        size_t size;
+    } tab[] = {{"F64", 8}, {"I64", 8},  {"U64", 8},  {"F32", 4},     {"I32", 4},
+               {"U32", 4}, {"BF16", 2}, {"F16", 2},  {"I16", 2},     {"U16", 2},
+               {"I8", 1},  {"U8", 1},   {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
     for (size_t i = 0; i < sizeof(tab) / sizeof(tab[0]); i++)
         if (strcmp(tab[i].name, dtype) == 0)
             return tab[i].size;
@@ -83,26 +83,26 @@ int st_writer_add(st_writer_t *w, const char *name, const char *dtype, int ndim,
     if (ndim < 0 || ndim > 8 || strlen(dtype) >= 16)
         return -1;
     if (w->n == w->cap) {
-        int          cap = w->cap ? w->cap * 2 : 64;
-        st_tensor_t *nt  = realloc(w->t, (size_t)cap * sizeof(*nt));
+        int cap = w->cap ? w->cap * 2 : 64;
+        st_tensor_t *nt = realloc(w->t, (size_t)cap * sizeof(*nt));
         if (nt == NULL)
             return -1;
-        w->t   = nt;
+        w->t = nt;
         w->cap = cap;
     }
     st_tensor_t *t = &w->t[w->n];
     memset(t, 0, sizeof(*t));
     snprintf(t->dtype, sizeof(t->dtype), "%s", dtype);
-    t->ndim   = ndim;
-    t->esize  = st_dtype_size(dtype) ? st_dtype_size(dtype) : 1;
+    t->ndim = ndim;
+    t->esize = st_dtype_size(dtype) ? st_dtype_size(dtype) : 1;
     size_t ne = 1;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
         ne *= (size_t)shape[i];
     }
     t->nbytes = ne * t->esize;
-    t->name   = strdup(name);
-    t->data   = malloc(t->nbytes ? t->nbytes : 1);
+    t->name = strdup(name);
+    t->data = malloc(t->nbytes ? t->nbytes : 1);
     if (t->name == NULL || t->data == NULL) {
         free(t->name);
         free(t->data);
@@ -118,7 +118,7 @@ int st_writer_add(st_writer_t *w, const char *name, const char *dtype, int ndim,
 
 /* Growable text buffer for the JSON header. */
 typedef struct {
-    char  *s;
+    char *s;
     size_t len, cap;
 } sbuf_t;
 
@@ -137,10 +137,10 @@ static int sb_printf(sbuf_t *b, const char *fmt, ...)
             return 0;
         }
         size_t cap = (b->cap + (size_t)n + 1) * 2;
-        char  *ns  = realloc(b->s, cap);
+        char *ns = realloc(b->s, cap);
         if (ns == NULL)
             return -1;
-        b->s   = ns;
+        b->s = ns;
         b->cap = cap;
     }
 }
@@ -164,8 +164,8 @@ static int serialize_range(const st_writer_t *w, int first, int count, uint8_t *
         order[i] = &w->t[first + i];
     qsort(order, (size_t)count, sizeof(*order), cmp_esize_desc);
 
-    sbuf_t b   = {0};
-    int    rc  = sb_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"}");
+    sbuf_t b = {0};
+    int rc = sb_printf(&b, "{\"__metadata__\":{\"format\":\"pt\"}");
     size_t off = 0;
     for (int i = 0; i < count && rc == 0; i++) {
         const st_tensor_t *t = order[i];
@@ -185,8 +185,8 @@ static int serialize_range(const st_writer_t *w, int first, int count, uint8_t *
         free(order);
         return -1;
     }
-    size_t   total = 8 + b.len + off;
-    uint8_t *buf   = malloc(total);
+    size_t total = 8 + b.len + off;
+    uint8_t *buf = malloc(total);
     if (buf == NULL) {
         free(b.s);
         free(order);
@@ -218,14 +218,14 @@ static int write_file(const char *path, const void *buf, size_t len)
     if (f == NULL)
         return -1;
     int ok = fwrite(buf, 1, len, f) == len;
-    ok     = (fclose(f) == 0) && ok;
+    ok = (fclose(f) == 0) && ok;
     return ok ? 0 : -1;
 }
 
 int st_writer_write(const st_writer_t *w, const char *path)
 {
     uint8_t *buf;
-    size_t   len;
+    size_t len;
     if (st_writer_serialize(w, &buf, &len) != 0)
         return -1;
     int rc = write_file(path, buf, len);
@@ -238,8 +238,8 @@ int st_writer_write_sharded(const st_writer_t *w, const char *dir, int n_shards)
     if (n_shards < 1)
         return -1;
     sbuf_t idx = {0};
-    int    rc  = sb_printf(&idx, "{\"metadata\":{\"total_size\":0},\"weight_map\":{");
-    int    per = (w->n + n_shards - 1) / n_shards, first_entry = 1;
+    int rc = sb_printf(&idx, "{\"metadata\":{\"total_size\":0},\"weight_map\":{");
+    int per = (w->n + n_shards - 1) / n_shards, first_entry = 1;
     for (int s = 0; s < n_shards && rc == 0; s++) {
         int first = s * per, count = w->n - first < per ? w->n - first : per;
         if (count < 0)
@@ -248,15 +248,15 @@ int st_writer_write_sharded(const st_writer_t *w, const char *dir, int n_shards)
         snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, n_shards);
         snprintf(path, sizeof(path), "%s/%s", dir, name);
         uint8_t *buf;
-        size_t   len;
+        size_t len;
         rc = serialize_range(w, first, count, &buf, &len);
         if (rc != 0)
             break;
         rc = write_file(path, buf, len);
         free(buf);
         for (int i = 0; i < count && rc == 0; i++) {
-            rc          = sb_printf(&idx, "%s\"%s\":\"%s\"", first_entry ? "" : ",",
-                                    w->t[first + i].name, name);
+            rc = sb_printf(&idx, "%s\"%s\":\"%s\"", first_entry ? "" : ",", w->t[first + i].name,
+                           name);
             first_entry = 0;
         }
     }
@@ -271,7 +271,7 @@ int st_writer_write_sharded(const st_writer_t *w, const char *dir, int n_shards)
 int st_write_raw(const char *path, uint64_t len_field, const char *header, const void *data,
                  size_t data_len)
 {
-    size_t   hl  = strlen(header);
+    size_t hl = strlen(header);
     uint8_t *buf = malloc(8 + hl + data_len);
     if (buf == NULL)
         return -1;
@@ -296,16 +296,16 @@ int st_write_text(const char *dir, const char *name, const char *text)
 
 typedef struct {
     st_writer_t *w;
-    const char  *dtype;
-    uint64_t     rng;
-    int          rc;
+    const char *dtype;
+    uint64_t rng;
+    int rc;
 } model_ctx_t;
 
 static float next_uniform(uint64_t *s) /* splitmix64 → [-1, 1) */
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     z ^= z >> 31;
     return (float)((double)(z >> 11) * 0x1p-53 * 2.0 - 1.0);
 }
@@ -319,8 +319,8 @@ static void add_filled(model_ctx_t *m, const char *name, int ndim, const int64_t
     size_t ne = 1;
     for (int i = 0; i < ndim; i++)
         ne *= (size_t)shape[i];
-    size_t es  = st_dtype_size(m->dtype);
-    void  *buf = malloc(ne * es + 1);
+    size_t es = st_dtype_size(m->dtype);
+    void *buf = malloc(ne * es + 1);
     if (buf == NULL) {
         m->rc = -1;
         return;
@@ -338,7 +338,9 @@ static void add_filled(model_ctx_t *m, const char *name, int ndim, const int64_t
     free(buf);
 }
 
+// clang-format off
 #define SHAPE(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (int64_t[]){__VA_ARGS__}
+// clang-format on
 
 static void add_mat(model_ctx_t *m, const char *name, int64_t out, int64_t in)
 {
@@ -355,9 +357,9 @@ int st_writer_add_model(st_writer_t *w, const duet_model_config_t *c, const char
 {
     if (strcmp(dtype, "F32") != 0 && strcmp(dtype, "BF16") != 0 && strcmp(dtype, "F16") != 0)
         return -1;
-    model_ctx_t   m = {w, dtype, seed, 0};
+    model_ctx_t m = {w, dtype, seed, 0};
     const int64_t D = c->hidden_size, V = c->vocab_size;
-    char          n[256];
+    char n[256];
 
     add_filled(&m, "model.embed_tokens.weight", SHAPE(V, D), 0.0f, 1.0f);
     add_norm(&m, "model.norm.weight", D);
@@ -407,7 +409,7 @@ int st_writer_add_model(st_writer_t *w, const duet_model_config_t *c, const char
             add_mat(&m, NAME("model.layers.%d.mlp.down_proj.weight", l), D, I);
         } else {
             const int64_t E = c->n_experts, I = c->moe_intermediate, Is = I * c->n_shared_experts;
-            const char   *b = "model.layers.%d.block_sparse_moe.%s";
+            const char *b = "model.layers.%d.block_sparse_moe.%s";
             add_mat(&m, NAME(b, l, "gate.weight"), E, D);
             add_filled(&m, NAME(b, l, "gate.e_score_correction_bias"), SHAPE(E), 0.0f, 0.1f);
             for (int64_t e = 0; e < E; e++) {

@@ -21,7 +21,7 @@
 typedef struct st_writer st_writer_t;
 
 st_writer_t *st_writer_new(void);
-void         st_writer_free(st_writer_t *w); /* accepts NULL */
+void st_writer_free(st_writer_t *w); /* accepts NULL */
 
 /* Bytes per element of a safetensors dtype string ("F32" → 4, "F8_E4M3" → 1); 0 if unknown. */
 size_t st_dtype_size(const char *dtype);

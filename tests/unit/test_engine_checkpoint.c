@@ -83,21 +83,21 @@ static void write_raw_single(const char *dir, const char *header, size_t data_le
 typedef struct {
     const char *name;
     const char *dtype;
-    int         ndim;
-    int64_t     shape[4];
-    size_t      nbytes;
-    uint8_t     bytes[256];
+    int ndim;
+    int64_t shape[4];
+    size_t nbytes;
+    uint8_t bytes[256];
 } sample_t;
 
 static sample_t g_samples[6];
-static int      g_n_samples;
+static int g_n_samples;
 
 static void make_samples(void)
 {
     static const struct {
         const char *name, *dtype;
-        int         ndim;
-        int64_t     shape[4];
+        int ndim;
+        int64_t shape[4];
     } spec[] = {
         {"model.embed_tokens.weight", "BF16", 2, {4, 6}},
         {"model.norm.weight", "F32", 1, {6}},
@@ -106,14 +106,14 @@ static void make_samples(void)
         {"scalar", "F32", 0, {0}},
         {"empty", "BF16", 2, {0, 7}},
     };
-    uint32_t s  = 12345;
+    uint32_t s = 12345;
     g_n_samples = (int)(sizeof(spec) / sizeof(spec[0]));
     for (int i = 0; i < g_n_samples; i++) {
         sample_t *t = &g_samples[i];
-        t->name     = spec[i].name;
-        t->dtype    = spec[i].dtype;
-        t->ndim     = spec[i].ndim;
-        size_t ne   = 1;
+        t->name = spec[i].name;
+        t->dtype = spec[i].dtype;
+        t->ndim = spec[i].ndim;
+        size_t ne = 1;
         for (int d = 0; d < t->ndim; d++) {
             t->shape[d] = spec[i].shape[d];
             ne *= (size_t)spec[i].shape[d];
@@ -121,7 +121,7 @@ static void make_samples(void)
         t->nbytes = ne * st_dtype_size(t->dtype);
         cr_assert_leq(t->nbytes, sizeof(t->bytes));
         for (size_t b = 0; b < t->nbytes; b++) {
-            s           = s * 1103515245u + 12345u;
+            s = s * 1103515245u + 12345u;
             t->bytes[b] = (uint8_t)(s >> 16); /* any bit pattern, NaNs included: bit-exact */
         }
     }
@@ -142,13 +142,13 @@ static void check_samples(duet_checkpoint_t *ck)
 {
     cr_assert_eq(duet_checkpoint_n_tensors(ck), g_n_samples);
     for (int64_t i = 1; i < duet_checkpoint_n_tensors(ck); i++)
-        cr_assert_lt(strcmp(duet_checkpoint_tensor_name(ck, i - 1),
-                            duet_checkpoint_tensor_name(ck, i)),
-                     0, "names not in sorted order");
+        cr_assert_lt(
+            strcmp(duet_checkpoint_tensor_name(ck, i - 1), duet_checkpoint_tensor_name(ck, i)), 0,
+            "names not in sorted order");
     cr_assert_null(duet_checkpoint_tensor_name(ck, g_n_samples));
     for (int i = 0; i < g_n_samples; i++) {
         const sample_t *s = &g_samples[i];
-        duet_tensor_t   t;
+        duet_tensor_t t;
         cr_assert_eq(duet_checkpoint_get(ck, s->name, &t), DUET_OK, "%s", duet_error_last());
         cr_assert_str_eq(duet_dtype_name(t.dtype), s->dtype);
         cr_assert_eq(t.ndim, s->ndim, "%s", s->name);
@@ -157,8 +157,7 @@ static void check_samples(duet_checkpoint_t *ck)
         cr_assert_eq(t.device, DUET_DEVICE_CPU);
         if (s->nbytes > 0) {
             cr_assert_eq(memcmp(t.data, s->bytes, s->nbytes), 0, "%s: bytes differ", s->name);
-            cr_assert_eq((uintptr_t)t.data % duet_dtype_size(t.dtype), 0, "%s misaligned",
-                         s->name);
+            cr_assert_eq((uintptr_t)t.data % duet_dtype_size(t.dtype), 0, "%s misaligned", s->name);
         }
     }
 }
@@ -214,8 +213,8 @@ Test(engine_checkpoint, sharded_bit_exact, .timeout = 10)
     cr_assert_eq(duet_checkpoint_open(dir, &ck), DUET_OK, "%s", duet_error_last());
     check_samples(ck);
     /* Two tensors per shard, in the order added: a.f16 is the third → shard 2. */
-    cr_assert_not_null(strstr(duet_checkpoint_tensor_file(ck, "a.f16"),
-                              "model-00002-of-00003.safetensors"));
+    cr_assert_not_null(
+        strstr(duet_checkpoint_tensor_file(ck, "a.f16"), "model-00002-of-00003.safetensors"));
     duet_checkpoint_close(ck);
     remove_dir(dir);
 }
@@ -236,8 +235,8 @@ Test(engine_checkpoint, refuses_truncated_files, .timeout = 10)
     make_dir(dir);
     file_path(path, sizeof(path), dir, "model.safetensors");
     st_writer_t *w = samples_writer();
-    uint8_t     *buf;
-    size_t       len;
+    uint8_t *buf;
+    size_t len;
     cr_assert_eq(st_writer_serialize(w, &buf, &len), 0);
     st_writer_free(w);
     uint64_t hl = 0;
@@ -271,7 +270,7 @@ Test(engine_checkpoint, refuses_bad_header_lengths, .timeout = 10)
     make_dir(dir);
     file_path(path, sizeof(path), dir, "model.safetensors");
     const char *h = "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
-    uint8_t     data[4] = {0};
+    uint8_t data[4] = {0};
 
     cr_assert_eq(st_write_raw(path, strlen(h) + 100, h, data, 4), 0);
     expect_open_fails(dir, DUET_ERR_FORMAT, "model.safetensors", "header length");
@@ -289,10 +288,10 @@ Test(engine_checkpoint, refuses_bad_headers, .timeout = 10)
     char dir[64];
     make_dir(dir);
     static const struct {
-        const char   *header;
-        size_t        data_len;
+        const char *header;
+        size_t data_len;
         duet_status_t want;
-        const char   *needle;
+        const char *needle;
     } cases[] = {
         {"this is not json", 0, DUET_ERR_FORMAT, "not valid JSON"},
         {"[1, 2, 3]", 0, DUET_ERR_FORMAT, "not a JSON object"},
@@ -355,10 +354,10 @@ Test(engine_checkpoint, refuses_bad_headers, .timeout = 10)
 
 static void write_shard(const char *dir, const char *name, const char *tensor)
 {
-    char         path[512];
-    st_writer_t *w     = st_writer_new();
-    int64_t      shape = 2;
-    float        v[2]  = {1.0f, 2.0f};
+    char path[512];
+    st_writer_t *w = st_writer_new();
+    int64_t shape = 2;
+    float v[2] = {1.0f, 2.0f};
     cr_assert_eq(st_writer_add(w, tensor, "F32", 1, &shape, v), 0);
     file_path(path, sizeof(path), dir, name);
     cr_assert_eq(st_writer_write(w, path), 0);
@@ -468,7 +467,7 @@ Test(engine_checkpoint, weights_bind_tiny_model, .timeout = 20)
         st_writer_free(sw);
 
         duet_checkpoint_t *ck;
-        duet_weights_t     w;
+        duet_weights_t w;
         cr_assert_eq(bind_dir(dir, &cfg, &ck, &w), DUET_OK, "%s", duet_error_last());
         cr_assert_eq(duet_checkpoint_n_unused(ck), 0);
         cr_assert_eq(w.embed_tokens.shape[0], 32);
@@ -504,9 +503,9 @@ Test(engine_checkpoint, weights_bind_tiny_model, .timeout = 20)
             }
         /* The same name fetched again is the same bytes (views, not copies). */
         duet_tensor_t t;
-        cr_assert_eq(duet_checkpoint_get(ck, "model.layers.3.block_sparse_moe.experts.2.w2.weight",
-                                         &t),
-                     DUET_OK);
+        cr_assert_eq(
+            duet_checkpoint_get(ck, "model.layers.3.block_sparse_moe.experts.2.w2.weight", &t),
+            DUET_OK);
         cr_assert_eq(t.data, w.layers[3].moe.w2[2].data);
         duet_weights_free(&w);
         duet_weights_free(&w);
@@ -530,7 +529,7 @@ Test(engine_checkpoint, weights_tied_and_unused, .timeout = 10)
     st_writer_free(sw);
 
     duet_checkpoint_t *ck;
-    duet_weights_t     w;
+    duet_weights_t w;
     cr_assert_eq(bind_dir(dir, &cfg, &ck, &w), DUET_OK, "%s", duet_error_last());
     cr_assert_eq(w.lm_head.data, w.embed_tokens.data);
     cr_assert_eq(duet_checkpoint_n_unused(ck), 1);
@@ -563,7 +562,7 @@ Test(engine_checkpoint, weights_missing_tensor_is_named, .timeout = 10)
         st_writer_free(sw);
 
         duet_checkpoint_t *ck;
-        duet_weights_t     w, untouched;
+        duet_weights_t w, untouched;
         memset(&untouched, 0xab, sizeof(untouched));
         w = untouched;
         cr_assert_eq(bind_dir(dir, &cfg, &ck, &w), DUET_ERR_NOT_FOUND, "%s", victims[i]);
@@ -590,7 +589,7 @@ Test(engine_checkpoint, weights_wrong_shape_names_both_shapes, .timeout = 10)
     st_writer_free(sw);
 
     duet_checkpoint_t *ck;
-    duet_weights_t     w;
+    duet_weights_t w;
     cr_assert_eq(bind_dir(dir, &cfg, &ck, &w), DUET_ERR_FORMAT);
     cr_assert_not_null(strstr(duet_error_last(), name), "%s", duet_error_last());
     cr_assert_not_null(strstr(duet_error_last(), "[2]"), "%s", duet_error_last());
@@ -616,8 +615,8 @@ Test(engine_checkpoint, fuzz_header_bytes, .timeout = 120, .init = cr_redirect_s
     make_dir(dir);
     file_path(path, sizeof(path), dir, "model.safetensors");
     st_writer_t *w = samples_writer();
-    uint8_t     *orig;
-    size_t       len;
+    uint8_t *orig;
+    size_t len;
     cr_assert_eq(st_writer_serialize(w, &orig, &len), 0);
     st_writer_free(w);
     uint64_t hl = 0;
@@ -625,17 +624,17 @@ Test(engine_checkpoint, fuzz_header_bytes, .timeout = 120, .init = cr_redirect_s
         hl |= (uint64_t)orig[i] << (8 * i);
 
     static const char interesting[] = "{}[]\",:0123456789-. FBI";
-    uint8_t          *buf           = malloc(len);
-    uint64_t          s             = 0x0ddba11cafeull;
-    int               n_ok          = 0;
+    uint8_t *buf = malloc(len);
+    uint64_t s = 0x0ddba11cafeull;
+    int n_ok = 0;
     for (int it = 0; it < 3000; it++) {
         memcpy(buf, orig, len);
-        size_t n   = len;
-        int    mut = 1 + (int)(xorshift(&s) % 3);
+        size_t n = len;
+        int mut = 1 + (int)(xorshift(&s) % 3);
         for (int m = 0; m < mut; m++) {
             /* Mostly the header; now and then the length field or the file's end. */
-            uint64_t r   = xorshift(&s) % 16;
-            size_t   pos = r == 0 ? (size_t)(xorshift(&s) % 8) : 8 + (size_t)(xorshift(&s) % hl);
+            uint64_t r = xorshift(&s) % 16;
+            size_t pos = r == 0 ? (size_t)(xorshift(&s) % 8) : 8 + (size_t)(xorshift(&s) % hl);
             if (r == 1) {
                 n = 1 + (size_t)(xorshift(&s) % len);
                 continue;
@@ -651,10 +650,9 @@ Test(engine_checkpoint, fuzz_header_bytes, .timeout = 120, .init = cr_redirect_s
         cr_assert_eq(fwrite(buf, 1, n, f), n);
         fclose(f);
         duet_checkpoint_t *ck = NULL;
-        duet_status_t      st = duet_checkpoint_open(dir, &ck);
+        duet_status_t st = duet_checkpoint_open(dir, &ck);
         cr_assert(st == DUET_OK || st == DUET_ERR_FORMAT || st == DUET_ERR_UNSUPPORTED,
-                  "iteration %d: unexpected %s (%s)", it, duet_status_name(st),
-                  duet_error_last());
+                  "iteration %d: unexpected %s (%s)", it, duet_status_name(st), duet_error_last());
         if (st == DUET_OK) {
             n_ok++;
             /* Whatever loaded must be readable end to end. */
@@ -662,7 +660,7 @@ Test(engine_checkpoint, fuzz_header_bytes, .timeout = 120, .init = cr_redirect_s
                 duet_tensor_t t;
                 if (duet_checkpoint_get(ck, duet_checkpoint_tensor_name(ck, i), &t) != DUET_OK)
                     continue;
-                size_t   nb  = (size_t)duet_tensor_numel(&t) * duet_dtype_size(t.dtype);
+                size_t nb = (size_t)duet_tensor_numel(&t) * duet_dtype_size(t.dtype);
                 uint64_t sum = 0;
                 for (size_t b = 0; b < nb; b++)
                     sum += ((const uint8_t *)t.data)[b];

@@ -36,9 +36,9 @@ static char *read_all(const char *path, size_t *len_p)
 
 static duet_status_t parse_file(const char *path, duet_model_config_t *cfg)
 {
-    size_t        len;
-    char         *text = read_all(path, &len);
-    duet_status_t st   = duet_model_config_parse(text, len, path, cfg);
+    size_t len;
+    char *text = read_all(path, &len);
+    duet_status_t st = duet_model_config_parse(text, len, path, cfg);
     free(text);
     return st;
 }
@@ -62,12 +62,12 @@ static const char *BASE =
 static duet_status_t parse_patched(const char *patch, duet_model_config_t *cfg)
 {
     json_error_t err;
-    json_t      *base = json_loads(BASE, 0, &err);
+    json_t *base = json_loads(BASE, 0, &err);
     cr_assert_not_null(base, "BASE: %s", err.text);
     json_t *p = json_loads(patch, 0, &err);
     cr_assert_not_null(p, "patch %s: %s", patch, err.text);
     const char *key;
-    json_t     *v;
+    json_t *v;
     json_object_foreach(p, key, v)
     {
         if (json_is_string(v) && strcmp(json_string_value(v), "__delete__") == 0)
@@ -75,8 +75,8 @@ static duet_status_t parse_patched(const char *patch, duet_model_config_t *cfg)
         else
             json_object_set(base, key, v);
     }
-    char         *text = json_dumps(base, JSON_COMPACT);
-    duet_status_t st   = duet_model_config_parse(text, strlen(text), "test.json", cfg);
+    char *text = json_dumps(base, JSON_COMPACT);
+    duet_status_t st = duet_model_config_parse(text, strlen(text), "test.json", cfg);
     free(text);
     json_decref(p);
     json_decref(base);
@@ -172,8 +172,8 @@ Test(engine_config, kimi_48b_both_spellings_agree, .timeout = 10)
     cr_assert_float_eq(hub.routed_scaling_factor, 2.446f, 1e-6f);
     cr_assert_float_eq(hub.rms_norm_eps, 1e-5f, 1e-12f);
 
-    int64_t n   = duet_model_config_n_params(&hub);
-    double  rel = ((double)n - 49.12e9) / 49.12e9;
+    int64_t n = duet_model_config_n_params(&hub);
+    double rel = ((double)n - 49.12e9) / 49.12e9;
     cr_log_info("48B config: %lld parameters (%.4f%% from 49.12e9)", (long long)n, rel * 100.0);
     cr_assert(rel < 0.005 && rel > -0.005, "n_params %lld is not within 0.5%% of 49.12e9",
               (long long)n);
@@ -404,8 +404,8 @@ Test(engine_config, refuses_conflicting_aliases, .timeout = 10)
 Test(engine_config, refuses_bad_json, .timeout = 10)
 {
     duet_model_config_t c;
-    const char         *texts[] = {"", "{", "[1,2]", "{\"vocab_size\":1,\"vocab_size\":2}", "nul",
-                                   "{\"a\":1} trailing"};
+    const char *texts[] = {
+        "", "{", "[1,2]", "{\"vocab_size\":1,\"vocab_size\":2}", "nul", "{\"a\":1} trailing"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
         duet_status_t st = duet_model_config_parse(texts[i], strlen(texts[i]), "bad.json", &c);
         cr_assert_eq(st, DUET_ERR_FORMAT, "text %zu: %s", i, duet_status_name(st));
@@ -425,16 +425,16 @@ static uint64_t xorshift(uint64_t *s)
 
 Test(engine_config, fuzz_config_bytes, .timeout = 60, .init = cr_redirect_stderr)
 {
-    size_t   len;
-    char    *orig = read_all(DATA_DIR "/kimi_linear_48b_hub.json", &len);
-    char    *buf  = malloc(len + 1);
-    uint64_t s    = 0x5eed1234abcdull;
-    int      n_ok = 0;
+    size_t len;
+    char *orig = read_all(DATA_DIR "/kimi_linear_48b_hub.json", &len);
+    char *buf = malloc(len + 1);
+    uint64_t s = 0x5eed1234abcdull;
+    int n_ok = 0;
     static const char interesting[] = "{}[]\",:0123456789-.eE \ttruefalsnul\\";
     for (int it = 0; it < 4000; it++) {
         memcpy(buf, orig, len);
-        size_t n   = len;
-        int    mut = 1 + (int)(xorshift(&s) % 4);
+        size_t n = len;
+        int mut = 1 + (int)(xorshift(&s) % 4);
         for (int m = 0; m < mut; m++) {
             size_t pos = (size_t)(xorshift(&s) % n);
             switch (xorshift(&s) % 4) {
@@ -454,7 +454,7 @@ Test(engine_config, fuzz_config_bytes, .timeout = 60, .init = cr_redirect_stderr
             }
         }
         duet_model_config_t c;
-        duet_status_t       st = duet_model_config_parse(buf, n, "fuzz.json", &c);
+        duet_status_t st = duet_model_config_parse(buf, n, "fuzz.json", &c);
         cr_assert(st == DUET_OK || st == DUET_ERR_FORMAT || st == DUET_ERR_RANGE ||
                       st == DUET_ERR_UNSUPPORTED,
                   "iteration %d: unexpected status %s", it, duet_status_name(st));
