@@ -77,7 +77,9 @@ static void *duet__worker_main(void *arg)
         while (g == seen) {
             DUET__PAUSE();
             if (++spins == 256) {
-                spins       = 0;
+                spins = 0;
+                /* Cheap when the CPU is ours; hands it over when the machine is oversubscribed. */
+                sched_yield();
                 int64_t now = duet__now_ns();
                 if (deadline == 0) {
                     deadline = now + k->spin_ns;
@@ -135,7 +137,7 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
     int spins = 0;
     while (atomic_load_explicit(&k->n_done, memory_order_acquire) < n_tasks) {
         DUET__PAUSE();
-        if (++spins >= 4096) { /* a worker was descheduled mid-task: let it run */
+        if (++spins >= 256) { /* a worker may be descheduled mid-task: let it run */
             spins = 0;
             sched_yield();
         }
