@@ -89,6 +89,9 @@ typedef struct {
  * Parse config.json text. `origin` names the file in error messages. On failure returns
  * DUET_ERR_FORMAT / DUET_ERR_RANGE / DUET_ERR_UNSUPPORTED with a detail (duet_error_last) that
  * names the file and the field. cfg_p is written only on success.
+ * Required keys: vocab_size, hidden_size, num_hidden_layers; every other key defaults to
+ * KimiLinearConfig's value (the 48B model's), except token ids, which default to -1 / none.
+ * JSON null counts as absent.
  */
 duet_status_t duet_model_config_parse(const char *json_text, size_t len, const char *origin,
                                       duet_model_config_t *cfg_p);
