@@ -976,7 +976,7 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
 {
     const duet_model_config_t *c = &m->cfg;
     const int64_t              D = c->hidden_size;
-    int64_t                    rows;
+    int64_t                    rows = 0;
     duet_status_t              s = duet__validate_batch(m, items, n_items, &rows);
     if (s != DUET_OK)
         return s;

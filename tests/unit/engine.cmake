@@ -1,0 +1,7 @@
+# Engine: KDA core, sampler, and the forward pass against transformers' fixtures.
+duet_add_test(test_engine_kda SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_kda.c
+              LIBS duet_engine TIMEOUT 300)
+duet_add_test(test_engine_sampler SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_sampler.c
+              LIBS duet_engine TIMEOUT 120)
+duet_add_test(test_engine_golden SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_golden.c
+              LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
