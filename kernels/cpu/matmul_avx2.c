@@ -8,12 +8,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-static inline __attribute__((always_inline)) float duet__hsum256(__m256 v)
+/* Horizontal sums of four vectors as one __m128 {sum a, sum b, sum c, sum d}. */
+static inline __attribute__((always_inline)) __m128 duet__vsum4_256(__m256 a, __m256 b, __m256 c,
+                                                                     __m256 d)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s        = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s        = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 typedef __m256 duet__v;
@@ -26,7 +26,7 @@ typedef __m256 duet__v;
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define DUET__VLOAD_F16(p)  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define DUET__VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define DUET__VSUM(v)       duet__hsum256(v)
+#define DUET__VSUM4(a, b, c, d) duet__vsum4_256((a), (b), (c), (d))
 #define DUET__BLOCK_FN      duet__matmul_block_avx2
 
 #include "kernels/cpu/matmul_tmpl.h"

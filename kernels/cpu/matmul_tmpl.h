@@ -6,14 +6,15 @@
  *   DUET__VL              fp32 lanes per vector        duet__v             the vector type
  *   DUET__VZERO()         zero vector                  DUET__VLOAD(p)      fp32 load (unaligned)
  *   DUET__VLOAD_BF16(p)   16-bit load + widen to fp32  DUET__VLOAD_F16(p)  same for binary16
- *   DUET__VFMA(a, b, c)   a * b + c                    DUET__VSUM(v)       horizontal sum
+ *   DUET__VFMA(a, b, c)   a * b + c
+ *   DUET__VSUM4(a, b, c, d)  __m128 of the four horizontal sums (NR is a multiple of 4)
  *   DUET__MR_MAX          rows of x per tile (4 or 2)  DUET__BLOCK_FN      the exported name
  *
  * Form: y[m, n] = dot(x[m, :], W[n, :]). Both operands are contiguous along K, so a tile keeps
  * MR x NR vector accumulators of partial dot products, loads MR x-vectors and NR w-vectors per
  * step (w widened to fp32 exactly), and reduces horizontally once per K block. M = 1 (decode) uses
  * a 1 x 8 tile so that eight independent FMA chains hide the FMA latency while W streams from
- * memory. For large M and K the loop is blocked so that a 64 x 512 block of x stays in L2 while
+ * memory. For large M and K the loop is blocked so that a 64 x 1024 block of x stays in L2 while
  * the tiles of W pass through L1.
  */
 
@@ -80,8 +81,9 @@ DUET__AI void duet__tile(const int MR, const int NR, const duet_dtype_t dt, floa
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < NR; j++)
-            s[i][j] = DUET__VSUM(acc[i][j]);
+        for (int j = 0; j < NR; j += 4) /* four sums per shuffle tree */
+            _mm_storeu_ps(&s[i][j],
+                          DUET__VSUM4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
     for (; k < kn; k++) {
 #pragma GCC unroll 8
         for (int j = 0; j < NR; j++) {
@@ -102,7 +104,7 @@ DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const fl
                           int64_t n1, int64_t K, int accumulate)
 {
     const size_t  es = dt == DUET_DTYPE_F32 ? 4 : 2;
-    const int64_t KB = (m1 - m0 <= 8 || K <= 1024) ? K : 512;
+    const int64_t KB = (m1 - m0 <= 8 || K <= 1536) ? K : 1024;
     const int64_t MB = 64;
 
     for (int64_t kb = 0; kb < K; kb += KB) {
