@@ -1,0 +1,104 @@
+/*
+ * Transfer plans: which bytes of the sender's pools go where in the receiver's reserved pools.
+ *
+ * A pure function of two layouts and two page lists; it knows pages, layers and byte ranges, not
+ * models (DESIGN §2, §4). The cache layouts it maps are the engine's (engine/cache.h):
+ *
+ *   KV pool: offset(page p, layer l, token slot s) = ((p * n_layers + l) * page_tokens + s) * token_bytes
+ *   KDA pool: offset(slot i, layer l) = (i * n_layers + l) * layer_bytes, and inside a layer block
+ *             S = fp32 [H][K][V] followed by conv windows fp32 [3][H*K][W-1]
+ *
+ * The two sides may use different page sizes (e.g. 64-token context pages into 128-token
+ * generation pages); the last page of either side may be partial. A destination may be a Helix
+ * CP group of N ranks, each with its own reservation: MLA KV pages are dealt round-robin by the
+ * *destination* page index (global dest page j lives on rank j % N as that rank's local page
+ * j / N), and the KDA state is sharded by heads for tensor parallelism (rank i holds heads
+ * [i*H/N, (i+1)*H/N) of S and the matching channels of each of the q, k, v conv windows, laid out
+ * on the rank exactly as a pool with H/N heads).
+ *
+ * Entries are grouped by layer in order (all MLA layer 0 entries, then layer 1, ...; then the
+ * KDA entries), so the sender can start layer L as soon as layer L is ready. Within a layer,
+ * adjacent byte ranges that are contiguous on both sides are merged into one entry.
+ */
+#ifndef DUET_TRANSFER_PLAN_H
+#define DUET_TRANSFER_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+#define DUET_XFER_MAX_RANKS 64
+
+/* Byte layout of one side's pools (the "page header" the reservation carries). */
+typedef struct {
+    uint32_t page_tokens;   /* tokens per KV page */
+    uint32_t n_mla_layers;  /* layers in the KV pool */
+    uint32_t token_bytes;   /* bytes per token per layer: (kv_lora_rank + rope) * elem size */
+    uint32_t n_kda_layers;  /* layers in the KDA pool (0 = none) */
+    uint32_t kda_heads;     /* heads held in this pool (H on the sender, H/N on a CP rank) */
+    uint32_t kda_head_dim;  /* K = V */
+    uint32_t conv_kernel;   /* W */
+    uint32_t state_elem;    /* bytes per state element: 4 (fp32) */
+} duet_xfer_layout_t;
+
+/* What a destination rank reserved for one request. */
+typedef struct {
+    const int32_t *pages;    /* local page ids, in sequence order; not owned */
+    uint32_t       n_pages;
+    int32_t        kda_slot; /* -1 when no KDA state is sent */
+} duet_xfer_dest_t;
+
+/* What the sender holds for the request. */
+typedef struct {
+    const int32_t *pages;    /* source page ids, in sequence order; not owned */
+    uint32_t       n_pages;
+    int32_t        kda_slot; /* -1 when no KDA state is sent */
+    uint64_t       n_tokens; /* tokens of KV to move (<= n_pages * page_tokens) */
+} duet_xfer_src_t;
+
+typedef enum {
+    DUET_XFER_SEG_KV  = 0, /* MLA KV bytes; `layer` is the MLA layer */
+    DUET_XFER_SEG_KDA = 1, /* KDA state / conv bytes; `layer` is the KDA layer */
+} duet_xfer_seg_kind_t;
+
+typedef struct {
+    uint8_t  kind;     /* duet_xfer_seg_kind_t */
+    uint8_t  rank;     /* destination rank in the group */
+    uint16_t layer;
+    uint64_t src_off;  /* byte offset from the sender pool's base (KV or KDA pool by kind) */
+    uint64_t dst_off;  /* byte offset from the destination rank's pool base */
+    uint64_t len;      /* bytes */
+} duet_xfer_entry_t;
+
+typedef struct {
+    duet_xfer_entry_t *entries;    /* owned */
+    size_t             n_entries;
+    size_t             cap;
+    size_t            *layer_first; /* owned, [n_mla_layers + n_kda_layers + 1]: entries of layer
+                                       group g are [layer_first[g], layer_first[g+1]) with KV layers
+                                       first, then KDA layers */
+    uint64_t           bytes_per_rank[DUET_XFER_MAX_RANKS];
+    uint64_t           total_bytes;
+} duet_xfer_plan_t;
+
+/*
+ * Build the plan for moving `src` (laid out as `src_layout`) into a group of `n_ranks`
+ * destinations (dst[r] laid out as dst_layout[r]). Validates everything and refuses with a clear
+ * message (DUET_ERR_INVALID / DUET_ERR_RANGE): token_bytes / layer counts / head_dim / kernel /
+ * elem differing between the sides, kda_heads not divisible by n_ranks or not matching a rank's
+ * layout, too few destination pages for n_tokens on some rank, page ids negative, n_ranks outside
+ * [1, DUET_XFER_MAX_RANKS]. The plan is built into *plan_p (which must be zeroed or previously
+ * built; buffers are reused and grown). Pure: touches no pool memory.
+ */
+duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
+                                   const duet_xfer_layout_t *dst_layout, const duet_xfer_dest_t *dst,
+                                   uint32_t n_ranks, duet_xfer_plan_t *plan_p);
+
+void duet_xfer_plan_free(duet_xfer_plan_t *plan); /* frees buffers; accepts zeroed */
+
+/* Pool sizes implied by a layout, for validating a remote base + length. */
+uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l);   /* all layers of a page */
+uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l);  /* all layers of a slot */
+
+#endif
