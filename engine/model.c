@@ -551,7 +551,7 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
             m->qkv[(r0 + t) * C3 + ch] = duet__silu(acc);
         }
         /* concat = window (W-1) ++ inputs (n); the new window is concat[n .. n+W-1) */
-        float tmp[16];
+        float tmp[64]; /* W - 1 < CFG_MAX_CONV (64), checked when the config is parsed */
         for (int64_t j = 0; j < W - 1; j++) {
             int64_t i = n + j;
             tmp[j]    = i < W - 1 ? win[i] : m->proj[(r0 + i - (W - 1)) * C3 + ch];
