@@ -11,14 +11,60 @@
 
 #define DUET_CACHE_ALIGN 4096
 
+/* A stack of free ids 0..n-1 (top = lowest id on a fresh stack) with a free flag per id, so a
+ * double free or a foreign id is caught as a broken invariant. */
+typedef struct {
+    int32_t *stack;   /* owned, [n] */
+    uint8_t *is_free; /* owned, [n] */
+    int64_t  n;
+    int64_t  n_free;
+} duet__id_stack_t;
+
+static int duet__ids_init(duet__id_stack_t *ids, int64_t n)
+{
+    ids->stack   = malloc(sizeof(*ids->stack) * (size_t)n);
+    ids->is_free = malloc((size_t)n);
+    if (ids->stack == NULL || ids->is_free == NULL) {
+        free(ids->stack);
+        free(ids->is_free);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++)
+        ids->stack[i] = (int32_t)(n - 1 - i);
+    memset(ids->is_free, 1, (size_t)n);
+    ids->n      = n;
+    ids->n_free = n;
+    return 0;
+}
+
+static void duet__ids_destroy(duet__id_stack_t *ids)
+{
+    free(ids->stack);
+    free(ids->is_free);
+}
+
+static int32_t duet__ids_take(duet__id_stack_t *ids)
+{
+    int32_t id = ids->stack[--ids->n_free];
+    DUET_ASSERT(ids->is_free[id]);
+    ids->is_free[id] = 0;
+    return id;
+}
+
+static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
+{
+    DUET_ASSERT(id >= 0 && id < ids->n);
+    DUET_ASSERT(!ids->is_free[id]);
+    ids->is_free[id]              = 1;
+    ids->stack[ids->n_free++] = id;
+}
+
 struct duet_kv_pool {
     duet_kv_pool_desc_t desc;
     uint8_t            *base;       /* owned, aligned */
     size_t              bytes;
     size_t              block_bytes;
-    int32_t            *free_stack; /* owned, [n_pages] */
-    int64_t             n_free;
-    uint8_t            *is_free;    /* owned, [n_pages] */
+    duet__id_stack_t    free_pages;
 };
 
 struct duet_kda_pool {
@@ -27,9 +73,7 @@ struct duet_kda_pool {
     size_t               bytes;
     size_t               layer_bytes;
     size_t               slot_bytes;
-    int32_t             *free_stack;
-    int64_t              n_free;
-    uint8_t             *is_free;
+    duet__id_stack_t     free_slots;
 };
 
 static void *duet__cache_alloc(size_t bytes)
@@ -59,21 +103,12 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     pool->base        = duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
-    pool->free_stack = malloc(sizeof(*pool->free_stack) * (size_t)desc->n_pages);
-    pool->is_free    = malloc((size_t)desc->n_pages);
-    if (pool->free_stack == NULL || pool->is_free == NULL)
-        goto err_free_lists;
-    /* Stack top = page 0, so a fresh pool hands out pages in increasing order. */
-    for (int64_t i = 0; i < desc->n_pages; i++)
-        pool->free_stack[i] = (int32_t)(desc->n_pages - 1 - i);
-    memset(pool->is_free, 1, (size_t)desc->n_pages);
-    pool->n_free = desc->n_pages;
-    *pool_p      = pool;
+    if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
+        goto err_free_base;
+    *pool_p = pool;
     return DUET_OK;
 
-err_free_lists:
-    free(pool->free_stack);
-    free(pool->is_free);
+err_free_base:
     free(pool->base);
 err_free_pool:
     free(pool);
@@ -86,8 +121,7 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
 {
     if (pool == NULL)
         return;
-    free(pool->free_stack);
-    free(pool->is_free);
+    duet__ids_destroy(&pool->free_pages);
     free(pool->base);
     free(pool);
 }
@@ -101,32 +135,23 @@ duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages
 {
     if (n < 0)
         return duet_error_set(DUET_ERR_INVALID, "kv pool: negative page count");
-    if (n > pool->n_free)
+    if (n > pool->free_pages.n_free)
         return duet_error_set(DUET_ERR_NO_SPACE, "kv pool: %lld pages wanted, %lld free",
-                              (long long)n, (long long)pool->n_free);
-    for (int64_t i = 0; i < n; i++) {
-        int32_t p = pool->free_stack[--pool->n_free];
-        DUET_ASSERT(pool->is_free[p]);
-        pool->is_free[p] = 0;
-        pages_out[i]     = p;
-    }
+                              (long long)n, (long long)pool->free_pages.n_free);
+    for (int64_t i = 0; i < n; i++)
+        pages_out[i] = duet__ids_take(&pool->free_pages);
     return DUET_OK;
 }
 
 void duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++) {
-        int32_t p = pages[i];
-        DUET_ASSERT(p >= 0 && p < pool->desc.n_pages);
-        DUET_ASSERT(!pool->is_free[p]);
-        pool->is_free[p]                  = 1;
-        pool->free_stack[pool->n_free++] = p;
-    }
+    for (int64_t i = 0; i < n; i++)
+        duet__ids_give(&pool->free_pages, pages[i]);
 }
 
 int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool)
 {
-    return pool->n_free;
+    return pool->free_pages.n_free;
 }
 
 void *duet_kv_pool_base(const duet_kv_pool_t *pool)
@@ -167,20 +192,12 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     pool->base        = duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
     if (pool->base == NULL)
         goto err_free_pool;
-    pool->free_stack = malloc(sizeof(*pool->free_stack) * (size_t)desc->n_slots);
-    pool->is_free    = malloc((size_t)desc->n_slots);
-    if (pool->free_stack == NULL || pool->is_free == NULL)
-        goto err_free_lists;
-    for (int64_t i = 0; i < desc->n_slots; i++)
-        pool->free_stack[i] = (int32_t)(desc->n_slots - 1 - i);
-    memset(pool->is_free, 1, (size_t)desc->n_slots);
-    pool->n_free = desc->n_slots;
-    *pool_p      = pool;
+    if (duet__ids_init(&pool->free_slots, desc->n_slots) != 0)
+        goto err_free_base;
+    *pool_p = pool;
     return DUET_OK;
 
-err_free_lists:
-    free(pool->free_stack);
-    free(pool->is_free);
+err_free_base:
     free(pool->base);
 err_free_pool:
     free(pool);
@@ -193,8 +210,7 @@ void duet_kda_pool_destroy(duet_kda_pool_t *pool)
 {
     if (pool == NULL)
         return;
-    free(pool->free_stack);
-    free(pool->is_free);
+    duet__ids_destroy(&pool->free_slots);
     free(pool->base);
     free(pool);
 }
@@ -206,12 +222,10 @@ const duet_kda_pool_desc_t *duet_kda_pool_desc(const duet_kda_pool_t *pool)
 
 duet_status_t duet_kda_pool_alloc(duet_kda_pool_t *pool, int32_t *slot_p)
 {
-    if (pool->n_free == 0)
+    if (pool->free_slots.n_free == 0)
         return duet_error_set(DUET_ERR_NO_SPACE, "kda pool: no free state slot (%lld in use)",
                               (long long)pool->desc.n_slots);
-    int32_t s = pool->free_stack[--pool->n_free];
-    DUET_ASSERT(pool->is_free[s]);
-    pool->is_free[s] = 0;
+    int32_t s = duet__ids_take(&pool->free_slots);
     memset(pool->base + (size_t)s * pool->slot_bytes, 0, pool->slot_bytes);
     *slot_p = s;
     return DUET_OK;
@@ -219,15 +233,12 @@ duet_status_t duet_kda_pool_alloc(duet_kda_pool_t *pool, int32_t *slot_p)
 
 void duet_kda_pool_free(duet_kda_pool_t *pool, int32_t slot)
 {
-    DUET_ASSERT(slot >= 0 && slot < pool->desc.n_slots);
-    DUET_ASSERT(!pool->is_free[slot]);
-    pool->is_free[slot]               = 1;
-    pool->free_stack[pool->n_free++] = slot;
+    duet__ids_give(&pool->free_slots, slot);
 }
 
 int64_t duet_kda_pool_n_free(const duet_kda_pool_t *pool)
 {
-    return pool->n_free;
+    return pool->free_slots.n_free;
 }
 
 void *duet_kda_pool_base(const duet_kda_pool_t *pool)

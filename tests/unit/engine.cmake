@@ -5,3 +5,5 @@ duet_add_test(test_engine_sampler SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_
               LIBS duet_engine TIMEOUT 120)
 duet_add_test(test_engine_golden SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_golden.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
+duet_add_test(test_engine_cache SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cache.c
+              LIBS duet_engine TIMEOUT 120)
