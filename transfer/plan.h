@@ -78,8 +78,10 @@ typedef struct {
     size_t            *layer_first; /* owned, [n_mla_layers + n_kda_layers + 1]: entries of layer
                                        group g are [layer_first[g], layer_first[g+1]) with KV layers
                                        first, then KDA layers */
-    uint64_t           bytes_per_rank[DUET_XFER_MAX_RANKS];
+    uint64_t           bytes_per_rank[DUET_XFER_MAX_RANKS]; /* [n_ranks] used, rest 0 */
     uint64_t           total_bytes;
+    size_t             n_groups;    /* layer groups: n_mla_layers + n_kda_layers */
+    size_t             layer_cap;   /* size_t allocated at layer_first (so it can be reused) */
 } duet_xfer_plan_t;
 
 /*
@@ -97,7 +99,9 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
 
 void duet_xfer_plan_free(duet_xfer_plan_t *plan); /* frees buffers; accepts zeroed */
 
-/* Pool sizes implied by a layout, for validating a remote base + length. */
+/* Pool sizes implied by a layout, for validating a remote base + length. UINT64_MAX when the
+ * product overflows 64 bits (such a layout is refused by the plan builder and the reservation
+ * decoder). The KDA size of a layout with n_kda_layers = 0 is 0. */
 uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l);   /* all layers of a page */
 uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l);  /* all layers of a slot */
 
