@@ -751,42 +751,11 @@ free_seen:
 
 duet_status_t duet_config_load_yaml_file(duet_config_t *cfg, const char *path)
 {
-    duet_status_t st = DUET_OK;
     duet_strbuf_t sb;
-    char chunk[65536];
-    struct stat sbuf;
-
     duet_strbuf_init(&sb);
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return duet_error_set(DUET_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    if (fstat(fileno(f), &sbuf) == 0 && S_ISREG(sbuf.st_mode) &&
-        (uint64_t)sbuf.st_size > (uint64_t)CONFIG_YAML_MAX_BYTES) {
-        st = duet_error_set(DUET_ERR_RANGE, "%s: %lld bytes exceeds the limit of %zu", path,
-                            (long long)sbuf.st_size, CONFIG_YAML_MAX_BYTES);
-        goto close_file;
-    }
-    for (;;) {
-        size_t n = fread(chunk, 1, sizeof(chunk), f);
-        if (n > 0 && duet_strbuf_append(&sb, chunk, n) != DUET_OK) {
-            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory reading", path);
-            goto close_file;
-        }
-        if (sb.len > CONFIG_YAML_MAX_BYTES) {
-            st = duet_error_set(DUET_ERR_RANGE, "%s: more than %zu bytes", path,
-                                CONFIG_YAML_MAX_BYTES);
-            goto close_file;
-        }
-        if (n < sizeof(chunk))
-            break;
-    }
-    if (ferror(f)) {
-        st = duet_error_set(DUET_ERR_IO, "%s: read error: %s", path, strerror(errno));
-        goto close_file;
-    }
-    st = duet_config_load_yaml_string(cfg, sb.data != NULL ? sb.data : "", sb.len, path);
-close_file:
-    fclose(f);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, CONFIG_YAML_MAX_BYTES);
+    if (st == DUET_OK)
+        st = duet_config_load_yaml_string(cfg, sb.data != NULL ? sb.data : "", sb.len, path);
     duet_strbuf_free(&sb);
     return st;
 }

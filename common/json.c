@@ -60,43 +60,11 @@ duet_status_t duet_json_load_buffer(const char *buf, size_t len, const char *sou
 
 duet_status_t duet_json_load_file(const char *path, size_t max_bytes, json_t **root_p)
 {
-    duet_status_t st = DUET_OK;
     duet_strbuf_t sb;
-    char chunk[65536];
-    struct stat sbuf;
-
     duet_strbuf_init(&sb);
-    FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return duet_error_set(DUET_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    /* Refuse a regular file that is too big before reading any of it. */
-    if (fstat(fileno(f), &sbuf) == 0 && S_ISREG(sbuf.st_mode) &&
-        (uint64_t)sbuf.st_size > (uint64_t)max_bytes) {
-        st = duet_error_set(DUET_ERR_RANGE, "%s: %lld bytes exceeds the limit of %zu", path,
-                            (long long)sbuf.st_size, max_bytes);
-        goto close_file;
-    }
-    /* Pipes and growing files: stop as soon as the cap is passed. */
-    for (;;) {
-        size_t n = fread(chunk, 1, sizeof(chunk), f);
-        if (n > 0 && duet_strbuf_append(&sb, chunk, n) != DUET_OK) {
-            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory reading", path);
-            goto close_file;
-        }
-        if (sb.len > max_bytes) {
-            st = duet_error_set(DUET_ERR_RANGE, "%s: more than %zu bytes", path, max_bytes);
-            goto close_file;
-        }
-        if (n < sizeof(chunk))
-            break;
-    }
-    if (ferror(f)) {
-        st = duet_error_set(DUET_ERR_IO, "%s: read error: %s", path, strerror(errno));
-        goto close_file;
-    }
-    st = duet_json_load_buffer(sb.data != NULL ? sb.data : "", sb.len, path, max_bytes, root_p);
-close_file:
-    fclose(f);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, max_bytes);
+    if (st == DUET_OK)
+        st = duet_json_load_buffer(sb.data != NULL ? sb.data : "", sb.len, path, max_bytes, root_p);
     duet_strbuf_free(&sb);
     return st;
 }

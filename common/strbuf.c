@@ -1,10 +1,12 @@
 /* Growable string with sticky out-of-memory; see strbuf.h. */
 #include "common/strbuf.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 void duet_strbuf_init(duet_strbuf_t *sb)
 {
@@ -102,4 +104,40 @@ char *duet_strbuf_detach(duet_strbuf_t *sb)
         s = calloc(1, 1);
     duet_strbuf_init(sb);
     return s;
+}
+
+duet_status_t duet_strbuf_read_file(duet_strbuf_t *sb, const char *path, size_t max_bytes)
+{
+    duet_status_t st = DUET_OK;
+    char          chunk[65536];
+    struct stat   sbuf;
+    const size_t  start = sb->len;
+
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return duet_error_set(DUET_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (fstat(fileno(f), &sbuf) == 0 && S_ISREG(sbuf.st_mode) &&
+        (uint64_t)sbuf.st_size > (uint64_t)max_bytes) {
+        st = duet_error_set(DUET_ERR_RANGE, "%s: %lld bytes exceeds the limit of %zu", path,
+                            (long long)sbuf.st_size, max_bytes);
+        goto close_file;
+    }
+    for (;;) {
+        size_t n = fread(chunk, 1, sizeof(chunk), f);
+        if (n > 0 && duet_strbuf_append(sb, chunk, n) != DUET_OK) {
+            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory reading", path);
+            goto close_file;
+        }
+        if (sb->len - start > max_bytes) {
+            st = duet_error_set(DUET_ERR_RANGE, "%s: more than %zu bytes", path, max_bytes);
+            goto close_file;
+        }
+        if (n < sizeof(chunk))
+            break;
+    }
+    if (ferror(f))
+        st = duet_error_set(DUET_ERR_IO, "%s: read error: %s", path, strerror(errno));
+close_file:
+    fclose(f);
+    return st;
 }

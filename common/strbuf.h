@@ -50,4 +50,12 @@ duet_status_t duet_strbuf_status(const duet_strbuf_t *sb);
  */
 char *duet_strbuf_detach(duet_strbuf_t *sb);
 
+/*
+ * Append the whole file at `path` to sb, refusing files over max_bytes: a regular file's size is
+ * checked before reading, pipes and growing files stop as soon as the cap is passed. Errors:
+ * DUET_ERR_IO (cannot open / read), DUET_ERR_RANGE (too big), DUET_ERR_NOMEM; the detail names
+ * the path.
+ */
+duet_status_t duet_strbuf_read_file(duet_strbuf_t *sb, const char *path, size_t max_bytes);
+
 #endif
