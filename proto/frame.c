@@ -37,8 +37,8 @@ static duet_status_t frame_check_body_size(size_t body)
 
 duet_status_t duet_frame_encode(const Duet__Envelope *env, uint8_t *buf, size_t cap, size_t *len_p)
 {
-    size_t        body = duet__envelope__get_packed_size(env);
-    duet_status_t st   = frame_check_body_size(body);
+    size_t body = duet__envelope__get_packed_size(env);
+    duet_status_t st = frame_check_body_size(body);
     if (st < 0)
         return st;
     if (cap < DUET_FRAME_HEADER_BYTES || cap - DUET_FRAME_HEADER_BYTES < body)
@@ -54,7 +54,7 @@ duet_status_t duet_frame_encode(const Duet__Envelope *env, uint8_t *buf, size_t 
 /* protobuf-c output sink that appends to a strbuf (errors stay sticky in the strbuf). */
 typedef struct {
     ProtobufCBuffer base;
-    duet_strbuf_t  *sb;
+    duet_strbuf_t *sb;
 } frame_sb_sink_t;
 
 static void frame_sb_append(ProtobufCBuffer *buffer, size_t len, const uint8_t *data)
@@ -65,14 +65,14 @@ static void frame_sb_append(ProtobufCBuffer *buffer, size_t len, const uint8_t *
 
 duet_status_t duet_frame_append(const Duet__Envelope *env, duet_strbuf_t *sb)
 {
-    size_t        body = duet__envelope__get_packed_size(env);
-    duet_status_t st   = frame_check_body_size(body);
+    size_t body = duet__envelope__get_packed_size(env);
+    duet_status_t st = frame_check_body_size(body);
     if (st < 0)
         return st;
     uint8_t hdr[DUET_FRAME_HEADER_BYTES];
     frame_put_header(hdr, (uint32_t)body);
-    size_t          start = sb->len;
-    frame_sb_sink_t sink  = {.base = {.append = frame_sb_append}, .sb = sb};
+    size_t start = sb->len;
+    frame_sb_sink_t sink = {.base = {.append = frame_sb_append}, .sb = sb};
     (void)duet_strbuf_append(sb, (const char *)hdr, sizeof(hdr));
     size_t packed = duet__envelope__pack_to_buffer(env, &sink.base);
     if (duet_strbuf_status(sb) < 0)
@@ -123,10 +123,10 @@ void duet_frame_decoder_free(duet_frame_decoder_t *d)
 
 void duet_frame_decoder_reset(duet_frame_decoder_t *d)
 {
-    d->have     = 0;
-    d->need     = 0;
+    d->have = 0;
+    d->need = 0;
     d->hdr_have = 0;
-    d->failed   = DUET_OK;
+    d->failed = DUET_OK;
 }
 
 bool duet_frame_decoder_idle(const duet_frame_decoder_t *d)
@@ -181,13 +181,12 @@ static duet_status_t frame_decoder_unpack(duet_frame_decoder_t *d, const uint8_t
 {
     Duet__Envelope *env = duet__envelope__unpack(NULL, d->need, body);
     if (env == NULL)
-        return frame_decoder_fail(d, DUET_FAIL(DUET_ERR_FORMAT,
-                                               "frame: %u-byte body is not a valid Envelope",
-                                               d->need));
+        return frame_decoder_fail(
+            d, DUET_FAIL(DUET_ERR_FORMAT, "frame: %u-byte body is not a valid Envelope", d->need));
     d->hdr_have = 0;
-    d->have     = 0;
-    d->need     = 0;
-    *env_p      = env;
+    d->have = 0;
+    d->need = 0;
+    *env_p = env;
     return DUET_OK;
 }
 
@@ -195,13 +194,13 @@ duet_status_t duet_frame_decoder_feed(duet_frame_decoder_t *d, const uint8_t *da
                                       size_t *consumed_p, Duet__Envelope **env_p)
 {
     *consumed_p = 0;
-    *env_p      = NULL;
+    *env_p = NULL;
     if (d->failed < 0)
         return duet_error_set(d->failed, "frame: stream already failed (%s); close it",
                               duet_status_name(d->failed));
 
-    size_t          used = 0;
-    duet_status_t   st;
+    size_t used = 0;
+    duet_status_t st;
     Duet__Envelope *env = NULL;
     while (used < n && d->hdr_have < DUET_FRAME_HEADER_BYTES) {
         d->hdr[d->hdr_have++] = data[used++];
@@ -214,13 +213,13 @@ duet_status_t duet_frame_decoder_feed(duet_frame_decoder_t *d, const uint8_t *da
     }
 
     size_t avail = n - used;
-    size_t want  = d->need - d->have;
+    size_t want = d->need - d->have;
     if (d->have == 0 && avail >= want) {
         /* Whole body in this chunk: unpack in place, no copy. */
         if ((st = frame_decoder_unpack(d, data + used, &env)) < 0)
             return st;
         *consumed_p = used + want;
-        *env_p      = env;
+        *env_p = env;
         return DUET_OK;
     }
     if ((st = frame_decoder_reserve(d, d->need)) < 0)

@@ -23,10 +23,10 @@
 #include "common/strbuf.h"
 #include "proto/duet.pb-c.h"
 
-#define DUET_PROTO_VERSION       1u         /* Envelope.version written by this build */
-#define DUET_FRAME_HEADER_BYTES  4u
-#define DUET_FRAME_MAX_DEFAULT   (16u << 20) /* 16 MiB: far above any message we send */
-#define DUET_FRAME_MAX_LIMIT     0x7fffffffu /* largest max_frame a decoder accepts */
+#define DUET_PROTO_VERSION      1u /* Envelope.version written by this build */
+#define DUET_FRAME_HEADER_BYTES 4u
+#define DUET_FRAME_MAX_DEFAULT  (16u << 20) /* 16 MiB: far above any message we send */
+#define DUET_FRAME_MAX_LIMIT    0x7fffffffu /* largest max_frame a decoder accepts */
 
 /* Bytes the frame of `env` takes (header included). */
 size_t duet_frame_size(const Duet__Envelope *env);
@@ -37,8 +37,7 @@ size_t duet_frame_size(const Duet__Envelope *env);
  * DUET_FRAME_MAX_LIMIT, DUET_ERR_INVALID when it packs to zero bytes (an Envelope always carries
  * at least its version).
  */
-duet_status_t duet_frame_encode(const Duet__Envelope *env, uint8_t *buf, size_t cap,
-                                size_t *len_p);
+duet_status_t duet_frame_encode(const Duet__Envelope *env, uint8_t *buf, size_t cap, size_t *len_p);
 
 /* Append the frame of `env` to sb (binary bytes; sb stays NUL-terminated after them). */
 duet_status_t duet_frame_append(const Duet__Envelope *env, duet_strbuf_t *sb);
@@ -55,14 +54,14 @@ void duet_envelope_free(Duet__Envelope *env);
 
 /* Incremental decoder. Embeddable; treat the fields as private. */
 typedef struct {
-    uint8_t      *buf;        /* owned: body of the frame being assembled; reused across frames */
-    size_t        cap;        /* bytes allocated at buf */
-    size_t        have;       /* body bytes received so far */
-    uint32_t      need;       /* body length of the current frame (valid when hdr_have == 4) */
-    uint8_t       hdr[DUET_FRAME_HEADER_BYTES];
-    uint8_t       hdr_have;   /* header bytes received so far */
-    uint32_t      max_frame;  /* largest body accepted */
-    duet_status_t failed;     /* sticky error, DUET_OK while in sync */
+    uint8_t *buf;  /* owned: body of the frame being assembled; reused across frames */
+    size_t cap;    /* bytes allocated at buf */
+    size_t have;   /* body bytes received so far */
+    uint32_t need; /* body length of the current frame (valid when hdr_have == 4) */
+    uint8_t hdr[DUET_FRAME_HEADER_BYTES];
+    uint8_t hdr_have;     /* header bytes received so far */
+    uint32_t max_frame;   /* largest body accepted */
+    duet_status_t failed; /* sticky error, DUET_OK while in sync */
 } duet_frame_decoder_t;
 
 /* max_frame: largest body length accepted, in [1, DUET_FRAME_MAX_LIMIT] (0 = the default). */

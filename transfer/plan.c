@@ -107,8 +107,8 @@ static duet_status_t check_layout_pair(const duet_xfer_layout_t *s, const duet_x
         PLAN_SAME(state_elem);
         if ((uint64_t)d->kda_heads * n_ranks != s->kda_heads)
             return DUET_FAIL(DUET_ERR_INVALID,
-                             "xfer plan: rank %u: layout.kda_heads %u != sender's %u / %u ranks",
-                             r, d->kda_heads, s->kda_heads, n_ranks);
+                             "xfer plan: rank %u: layout.kda_heads %u != sender's %u / %u ranks", r,
+                             d->kda_heads, s->kda_heads, n_ranks);
     }
 #undef PLAN_SAME
     return DUET_OK;
@@ -121,7 +121,7 @@ static duet_status_t plan_reserve(duet_xfer_plan_t *plan, size_t n_entries, size
         if (e == NULL)
             return DUET_FAIL(DUET_ERR_NOMEM, "xfer plan: cannot allocate %zu entries", n_entries);
         plan->entries = e;
-        plan->cap     = n_entries;
+        plan->cap = n_entries;
     }
     if (plan->layer_cap < n_groups + 1) {
         size_t *f = realloc(plan->layer_first, (n_groups + 1) * sizeof(*f));
@@ -129,7 +129,7 @@ static duet_status_t plan_reserve(duet_xfer_plan_t *plan, size_t n_entries, size
             return DUET_FAIL(DUET_ERR_NOMEM, "xfer plan: cannot allocate %zu layer groups",
                              n_groups);
         plan->layer_first = f;
-        plan->layer_cap   = n_groups + 1;
+        plan->layer_cap = n_groups + 1;
     }
     return DUET_OK;
 }
@@ -151,14 +151,18 @@ static void plan_add(duet_xfer_plan_t *plan, size_t group_start, uint8_t kind, u
         }
     }
     DUET_ASSERT(plan->n_entries < plan->cap);
-    plan->entries[plan->n_entries++] = (duet_xfer_entry_t){
-        .kind = kind, .rank = (uint8_t)rank, .layer = (uint16_t)layer,
-        .src_off = src_off, .dst_off = dst_off, .len = len};
+    plan->entries[plan->n_entries++] = (duet_xfer_entry_t){.kind = kind,
+                                                           .rank = (uint8_t)rank,
+                                                           .layer = (uint16_t)layer,
+                                                           .src_off = src_off,
+                                                           .dst_off = dst_off,
+                                                           .len = len};
 }
 
 duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
-                                   const duet_xfer_layout_t *dst_layout, const duet_xfer_dest_t *dst,
-                                   uint32_t n_ranks, duet_xfer_plan_t *plan_p)
+                                   const duet_xfer_layout_t *dst_layout,
+                                   const duet_xfer_dest_t *dst, uint32_t n_ranks,
+                                   duet_xfer_plan_t *plan_p)
 {
     duet_status_t st;
     if (src_layout == NULL || src == NULL || dst_layout == NULL || dst == NULL || plan_p == NULL)
@@ -168,8 +172,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                          DUET_XFER_MAX_RANKS);
 
     const duet_xfer_layout_t *sl = src_layout;
-    const uint32_t            L  = sl->n_mla_layers;
-    const uint32_t            LK = sl->n_kda_layers;
+    const uint32_t L = sl->n_mla_layers;
+    const uint32_t LK = sl->n_kda_layers;
     if (L > UINT16_MAX || LK > UINT16_MAX)
         return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: %u MLA / %u KDA layers exceed %u", L, LK,
                          UINT16_MAX);
@@ -184,7 +188,7 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     if (src->kda_slot < -1)
         return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: sender kda_slot %d is invalid", src->kda_slot);
     const bool kda = LK > 0 && src->kda_slot >= 0;
-    uint64_t   src_kda_layer = 0;
+    uint64_t src_kda_layer = 0;
     if (kda) {
         if (sl->kda_heads == 0 || sl->kda_head_dim == 0 || sl->conv_kernel == 0 ||
             sl->state_elem == 0)
@@ -194,8 +198,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                              sl->kda_heads, sl->kda_head_dim, sl->conv_kernel, sl->state_elem);
         if (sl->kda_heads % n_ranks != 0)
             return DUET_FAIL(DUET_ERR_INVALID,
-                             "xfer plan: %u KDA heads cannot be split over %u ranks",
-                             sl->kda_heads, n_ranks);
+                             "xfer plan: %u KDA heads cannot be split over %u ranks", sl->kda_heads,
+                             n_ranks);
         uint64_t slot_end;
         if (!layout_kda_layer_bytes(sl, &src_kda_layer) ||
             !mul64(((uint64_t)src->kda_slot + 1) * LK, src_kda_layer, &slot_end))
@@ -204,8 +208,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     }
 
     const uint32_t pd = dst_layout[0].page_tokens;
-    uint64_t       n_dst_pages = 0; /* global destination pages */
-    uint64_t       src_page_bytes = 0;
+    uint64_t n_dst_pages = 0; /* global destination pages */
+    uint64_t src_page_bytes = 0;
     if (kv) {
         uint64_t need = pages_for(src->n_tokens, sl->page_tokens);
         if (src->pages == NULL || need > src->n_pages)
@@ -238,8 +242,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                 return DUET_FAIL(DUET_ERR_RANGE,
                                  "xfer plan: rank %u: %llu tokens need %llu pages of %u tokens on "
                                  "this rank, the reservation has %u",
-                                 r, (unsigned long long)src->n_tokens, (unsigned long long)need,
-                                 pd, dst[r].n_pages);
+                                 r, (unsigned long long)src->n_tokens, (unsigned long long)need, pd,
+                                 dst[r].n_pages);
             uint64_t page_bytes = duet_xfer_layout_kv_page_bytes(dl);
             if (page_bytes == UINT64_MAX)
                 return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: rank %u: page size overflows", r);
@@ -275,8 +279,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
         return st;
 
     duet_xfer_plan_t *plan = plan_p;
-    plan->n_entries   = 0;
-    plan->n_groups    = n_groups;
+    plan->n_entries = 0;
+    plan->n_groups = n_groups;
     plan->total_bytes = 0;
     memset(plan->bytes_per_rank, 0, sizeof(plan->bytes_per_rank));
 
@@ -296,12 +300,10 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                 run = pd - sd;
             if (src->n_tokens - t < run)
                 run = src->n_tokens - t;
-            uint32_t r     = (uint32_t)(j % n_ranks);
+            uint32_t r = (uint32_t)(j % n_ranks);
             uint64_t local = j / n_ranks;
-            uint64_t src_off =
-                (((uint64_t)src->pages[a] * L + l) * ps + sa) * tb;
-            uint64_t dst_off =
-                (((uint64_t)dst[r].pages[local] * L + l) * pd + sd) * tb;
+            uint64_t src_off = (((uint64_t)src->pages[a] * L + l) * ps + sa) * tb;
+            uint64_t dst_off = (((uint64_t)dst[r].pages[local] * L + l) * pd + sd) * tb;
             plan_add(plan, group_start, DUET_XFER_SEG_KV, r, l, src_off, dst_off, run * tb);
             t += run;
         }
@@ -313,19 +315,19 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
         plan->layer_first[L + l] = group_start;
         if (!kda)
             continue;
-        const uint64_t e    = sl->state_elem;
-        const uint64_t K    = sl->kda_head_dim;
-        const uint64_t W1   = sl->conv_kernel - 1u;
-        const uint64_t H    = sl->kda_heads;
-        const uint64_t Hr   = H / n_ranks;
+        const uint64_t e = sl->state_elem;
+        const uint64_t K = sl->kda_head_dim;
+        const uint64_t W1 = sl->conv_kernel - 1u;
+        const uint64_t H = sl->kda_heads;
+        const uint64_t Hr = H / n_ranks;
         const uint64_t src_layer = ((uint64_t)src->kda_slot * LK + l) * src_kda_layer;
-        const uint64_t src_conv  = src_layer + H * K * K * e;
+        const uint64_t src_conv = src_layer + H * K * K * e;
         for (uint32_t r = 0; r < n_ranks; r++) {
             uint64_t dst_layer_bytes;
-            bool     ok = layout_kda_layer_bytes(&dst_layout[r], &dst_layer_bytes);
+            bool ok = layout_kda_layer_bytes(&dst_layout[r], &dst_layer_bytes);
             DUET_ASSERT(ok);
             const uint64_t dst_layer = ((uint64_t)dst[r].kda_slot * LK + l) * dst_layer_bytes;
-            const uint64_t dst_conv  = dst_layer + Hr * K * K * e;
+            const uint64_t dst_conv = dst_layer + Hr * K * K * e;
             plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l, src_layer + r * Hr * K * K * e,
                      dst_layer, Hr * K * K * e);
             for (uint64_t c = 0; c < 3; c++)

@@ -31,7 +31,7 @@ static int cmp_i32(const void *a, const void *b)
 /* Refuse a page that appears twice (sorts a copy: decode is once per request, not per token). */
 static duet_status_t check_distinct(const int32_t *pages, uint32_t n)
 {
-    int32_t  small[256];
+    int32_t small[256];
     int32_t *tmp = n <= 256 ? small : malloc((size_t)n * sizeof(*tmp));
     if (tmp == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "reservation: cannot check %u pages", n);
@@ -49,12 +49,11 @@ static duet_status_t check_distinct(const int32_t *pages, uint32_t n)
     return st;
 }
 
-duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r,
-                                             uint64_t                       now_unix_ms)
+duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r, uint64_t now_unix_ms)
 {
     const duet_xfer_layout_t *l = &r->layout;
-    duet_status_t             st;
-    uint64_t                  end;
+    duet_status_t st;
+    uint64_t end;
 
     if (r->version != DUET_XFER_RESERVATION_VERSION)
         return DUET_FAIL(DUET_ERR_UNSUPPORTED, "reservation: version %u, this build speaks %u",
@@ -95,7 +94,7 @@ duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r,
         if (l->token_bytes == 0)
             return DUET_FAIL(DUET_ERR_FORMAT, "reservation: layout.token_bytes is 0");
         uint64_t global = r->n_tokens / l->page_tokens + (r->n_tokens % l->page_tokens != 0);
-        uint64_t need   = global / r->group_size + (r->rank < global % r->group_size);
+        uint64_t need = global / r->group_size + (r->rank < global % r->group_size);
         if (need > r->n_pages)
             return DUET_FAIL(DUET_ERR_RANGE,
                              "reservation: pages: %u pages of %u tokens on rank %u of %u cannot "
@@ -184,33 +183,33 @@ void duet_xfer_reservation_to_proto(const duet_xfer_reservation_t *r, Duet__Rese
 {
     const duet_xfer_layout_t *l = &r->layout;
     duet__xfer_layout__init(layout_msg);
-    layout_msg->page_tokens  = l->page_tokens;
+    layout_msg->page_tokens = l->page_tokens;
     layout_msg->n_mla_layers = l->n_mla_layers;
-    layout_msg->token_bytes  = l->token_bytes;
+    layout_msg->token_bytes = l->token_bytes;
     layout_msg->n_kda_layers = l->n_kda_layers;
-    layout_msg->kda_heads    = l->kda_heads;
+    layout_msg->kda_heads = l->kda_heads;
     layout_msg->kda_head_dim = l->kda_head_dim;
-    layout_msg->conv_kernel  = l->conv_kernel;
-    layout_msg->state_elem   = l->state_elem;
+    layout_msg->conv_kernel = l->conv_kernel;
+    layout_msg->state_elem = l->state_elem;
 
     duet__reservation__init(msg);
-    msg->version          = r->version;
-    msg->transfer_id      = r->transfer_id;
-    msg->request_id       = r->request_id;
-    msg->rank             = r->rank;
-    msg->group_size       = r->group_size;
-    msg->worker_address   = bytes_to_proto(r->worker_address);
-    msg->kv_rkey          = bytes_to_proto(r->kv_rkey);
-    msg->kv_base          = r->kv_base;
-    msg->kv_bytes         = r->kv_bytes;
-    msg->kda_rkey         = bytes_to_proto(r->kda_rkey);
-    msg->kda_base         = r->kda_base;
-    msg->kda_bytes        = r->kda_bytes;
-    msg->layout           = layout_msg;
-    msg->n_pages          = r->n_pages;
-    msg->pages            = (int32_t *)r->pages; /* pack only reads it */
-    msg->kda_slot         = r->kda_slot;
-    msg->n_tokens         = r->n_tokens;
+    msg->version = r->version;
+    msg->transfer_id = r->transfer_id;
+    msg->request_id = r->request_id;
+    msg->rank = r->rank;
+    msg->group_size = r->group_size;
+    msg->worker_address = bytes_to_proto(r->worker_address);
+    msg->kv_rkey = bytes_to_proto(r->kv_rkey);
+    msg->kv_base = r->kv_base;
+    msg->kv_bytes = r->kv_bytes;
+    msg->kda_rkey = bytes_to_proto(r->kda_rkey);
+    msg->kda_base = r->kda_base;
+    msg->kda_bytes = r->kda_bytes;
+    msg->layout = layout_msg;
+    msg->n_pages = r->n_pages;
+    msg->pages = (int32_t *)r->pages; /* pack only reads it */
+    msg->kda_slot = r->kda_slot;
+    msg->n_tokens = r->n_tokens;
     msg->deadline_unix_ms = r->deadline_unix_ms;
 }
 
@@ -223,33 +222,33 @@ duet_status_t duet_xfer_reservation_from_proto(const Duet__Reservation *msg, uin
         return DUET_FAIL(DUET_ERR_RANGE, "reservation: %zu pages exceed the cap of %u",
                          msg->n_pages, DUET_XFER_RESERVATION_MAX_PAGES);
     const Duet__XferLayout *lm = msg->layout;
-    duet_xfer_reservation_t r  = {
-         .version          = msg->version,
-         .transfer_id      = msg->transfer_id,
-         .request_id       = msg->request_id,
-         .rank             = msg->rank,
-         .group_size       = msg->group_size,
-         .worker_address   = bytes_from_proto(msg->worker_address),
-         .kv_rkey          = bytes_from_proto(msg->kv_rkey),
-         .kv_base          = msg->kv_base,
-         .kv_bytes         = msg->kv_bytes,
-         .kda_rkey         = bytes_from_proto(msg->kda_rkey),
-         .kda_base         = msg->kda_base,
-         .kda_bytes        = msg->kda_bytes,
-         .layout           = {.page_tokens  = lm->page_tokens,
-                              .n_mla_layers = lm->n_mla_layers,
-                              .token_bytes  = lm->token_bytes,
-                              .n_kda_layers = lm->n_kda_layers,
-                              .kda_heads    = lm->kda_heads,
-                              .kda_head_dim = lm->kda_head_dim,
-                              .conv_kernel  = lm->conv_kernel,
-                              .state_elem   = lm->state_elem},
-         .pages            = msg->pages,
-         .n_pages          = (uint32_t)msg->n_pages,
-         .kda_slot         = msg->kda_slot,
-         .n_tokens         = msg->n_tokens,
-         .deadline_unix_ms = msg->deadline_unix_ms,
-         .msg              = NULL,
+    duet_xfer_reservation_t r = {
+        .version = msg->version,
+        .transfer_id = msg->transfer_id,
+        .request_id = msg->request_id,
+        .rank = msg->rank,
+        .group_size = msg->group_size,
+        .worker_address = bytes_from_proto(msg->worker_address),
+        .kv_rkey = bytes_from_proto(msg->kv_rkey),
+        .kv_base = msg->kv_base,
+        .kv_bytes = msg->kv_bytes,
+        .kda_rkey = bytes_from_proto(msg->kda_rkey),
+        .kda_base = msg->kda_base,
+        .kda_bytes = msg->kda_bytes,
+        .layout = {.page_tokens = lm->page_tokens,
+                   .n_mla_layers = lm->n_mla_layers,
+                   .token_bytes = lm->token_bytes,
+                   .n_kda_layers = lm->n_kda_layers,
+                   .kda_heads = lm->kda_heads,
+                   .kda_head_dim = lm->kda_head_dim,
+                   .conv_kernel = lm->conv_kernel,
+                   .state_elem = lm->state_elem},
+        .pages = msg->pages,
+        .n_pages = (uint32_t)msg->n_pages,
+        .kda_slot = msg->kda_slot,
+        .n_tokens = msg->n_tokens,
+        .deadline_unix_ms = msg->deadline_unix_ms,
+        .msg = NULL,
     };
     duet_status_t st = duet_xfer_reservation_validate(&r, now_unix_ms);
     if (st < 0)
@@ -261,7 +260,7 @@ duet_status_t duet_xfer_reservation_from_proto(const Duet__Reservation *msg, uin
 size_t duet_xfer_reservation_packed_size(const duet_xfer_reservation_t *r)
 {
     Duet__Reservation msg;
-    Duet__XferLayout  layout;
+    Duet__XferLayout layout;
     duet_xfer_reservation_to_proto(r, &msg, &layout);
     return duet__reservation__get_packed_size(&msg);
 }
@@ -273,7 +272,7 @@ duet_status_t duet_xfer_reservation_encode(const duet_xfer_reservation_t *r, uin
     if (st < 0)
         return st;
     Duet__Reservation msg;
-    Duet__XferLayout  layout;
+    Duet__XferLayout layout;
     duet_xfer_reservation_to_proto(r, &msg, &layout);
     size_t need = duet__reservation__get_packed_size(&msg);
     if (need > cap)
@@ -299,13 +298,13 @@ duet_status_t duet_xfer_reservation_decode(const uint8_t *buf, size_t n, uint64_
     if (now_unix_ms == 0)
         now_unix_ms = duet_xfer_now_unix_ms();
     duet_xfer_reservation_t r;
-    duet_status_t           st = duet_xfer_reservation_from_proto(msg, now_unix_ms, &r);
+    duet_status_t st = duet_xfer_reservation_from_proto(msg, now_unix_ms, &r);
     if (st < 0) {
         duet__reservation__free_unpacked(msg, NULL);
         return st;
     }
     r.msg = msg;
-    *r_p  = r;
+    *r_p = r;
     return DUET_OK;
 }
 

@@ -32,29 +32,29 @@
 /* A span of bytes; not owned. */
 typedef struct {
     const uint8_t *data;
-    size_t         len;
+    size_t len;
 } duet_xfer_bytes_t;
 
 typedef struct {
-    uint32_t           version;          /* DUET_XFER_RESERVATION_VERSION */
-    uint64_t           transfer_id;
-    uint64_t           request_id;
-    uint32_t           rank;             /* this rank in the destination group */
-    uint32_t           group_size;       /* ranks in the group, [1, DUET_XFER_MAX_RANKS] */
-    duet_xfer_bytes_t  worker_address;   /* receiver's packed UCX worker address, non-empty */
-    duet_xfer_bytes_t  kv_rkey;          /* packed rkey of the KV pool (non-empty with pages) */
-    uint64_t           kv_base;          /* remote address of the KV pool */
-    uint64_t           kv_bytes;         /* bytes registered at kv_base */
-    duet_xfer_bytes_t  kda_rkey;         /* packed rkey of the KDA pool (non-empty with a slot) */
-    uint64_t           kda_base;
-    uint64_t           kda_bytes;
-    duet_xfer_layout_t layout;           /* this rank's pool layout */
-    const int32_t     *pages;            /* [n_pages] local page ids, sequence order; not owned */
-    uint32_t           n_pages;
-    int32_t            kda_slot;         /* -1 when no KDA state is sent */
-    uint64_t           n_tokens;         /* tokens of KV the whole group receives */
-    uint64_t           deadline_unix_ms; /* wall clock (CLOCK_REALTIME) ms; 0 is refused */
-    Duet__Reservation *msg;              /* owned after decode: backs the spans; NULL otherwise */
+    uint32_t version; /* DUET_XFER_RESERVATION_VERSION */
+    uint64_t transfer_id;
+    uint64_t request_id;
+    uint32_t rank;                    /* this rank in the destination group */
+    uint32_t group_size;              /* ranks in the group, [1, DUET_XFER_MAX_RANKS] */
+    duet_xfer_bytes_t worker_address; /* receiver's packed UCX worker address, non-empty */
+    duet_xfer_bytes_t kv_rkey;        /* packed rkey of the KV pool (non-empty with pages) */
+    uint64_t kv_base;                 /* remote address of the KV pool */
+    uint64_t kv_bytes;                /* bytes registered at kv_base */
+    duet_xfer_bytes_t kda_rkey;       /* packed rkey of the KDA pool (non-empty with a slot) */
+    uint64_t kda_base;
+    uint64_t kda_bytes;
+    duet_xfer_layout_t layout; /* this rank's pool layout */
+    const int32_t *pages;      /* [n_pages] local page ids, sequence order; not owned */
+    uint32_t n_pages;
+    int32_t kda_slot;          /* -1 when no KDA state is sent */
+    uint64_t n_tokens;         /* tokens of KV the whole group receives */
+    uint64_t deadline_unix_ms; /* wall clock (CLOCK_REALTIME) ms; 0 is refused */
+    Duet__Reservation *msg;    /* owned after decode: backs the spans; NULL otherwise */
 } duet_xfer_reservation_t;
 
 /* Wall-clock milliseconds since the Unix epoch (the clock deadlines are written in). */
@@ -68,7 +68,7 @@ uint64_t duet_xfer_now_unix_ms(void);
  * DUET_ERR_TIMEOUT ("stale reservation": deadline_unix_ms <= now_unix_ms).
  */
 duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r,
-                                             uint64_t                       now_unix_ms);
+                                             uint64_t now_unix_ms);
 
 /*
  * Point `msg` (and `layout_msg`, which msg->layout is set to) at the fields of r, without

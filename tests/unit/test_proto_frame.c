@@ -14,21 +14,21 @@
 static uint64_t rng_next(uint64_t *s)
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
 /* Envelope number i of a test stream: the three bodies in turn, with i in every field. */
 typedef struct {
-    Duet__Envelope    env;
+    Duet__Envelope env;
     Duet__Reservation res;
-    Duet__XferLayout  layout;
-    Duet__XferDone    done;
-    Duet__XferAbort   abort_;
-    int32_t           pages[8];
-    uint8_t           addr[40];
-    char              msg[32];
+    Duet__XferLayout layout;
+    Duet__XferDone done;
+    Duet__XferAbort abort_;
+    int32_t pages[8];
+    uint8_t addr[40];
+    char msg[32];
 } sample_t;
 
 static void sample_make(sample_t *s, uint32_t i)
@@ -42,38 +42,38 @@ static void sample_make(sample_t *s, uint32_t i)
         s->layout.page_tokens = 128;
         s->layout.token_bytes = 2304;
         duet__reservation__init(&s->res);
-        s->res.version     = 1;
+        s->res.version = 1;
         s->res.transfer_id = 1000 + i;
-        s->res.request_id  = i;
-        s->res.layout      = &s->layout;
+        s->res.request_id = i;
+        s->res.layout = &s->layout;
         for (int k = 0; k < 8; k++)
             s->pages[k] = (int32_t)(i * 8 + (uint32_t)k);
-        s->res.pages   = s->pages;
+        s->res.pages = s->pages;
         s->res.n_pages = 1 + i % 8;
         for (size_t k = 0; k < sizeof(s->addr); k++)
             s->addr[k] = (uint8_t)(i + k);
-        s->res.worker_address   = (ProtobufCBinaryData){.len = sizeof(s->addr), .data = s->addr};
-        s->res.kda_slot         = (int32_t)(i % 5) - 1;
+        s->res.worker_address = (ProtobufCBinaryData){.len = sizeof(s->addr), .data = s->addr};
+        s->res.kda_slot = (int32_t)(i % 5) - 1;
         s->res.deadline_unix_ms = 1700000000000ull + i;
-        s->env.body_case        = DUET__ENVELOPE__BODY_RESERVATION;
-        s->env.reservation      = &s->res;
+        s->env.body_case = DUET__ENVELOPE__BODY_RESERVATION;
+        s->env.reservation = &s->res;
         break;
     case 1:
         duet__xfer_done__init(&s->done);
-        s->done.transfer_id  = 1000 + i;
-        s->done.bytes        = (uint64_t)i << 20;
-        s->done.checksum     = 0xdeadbeefcafef00dull ^ i;
+        s->done.transfer_id = 1000 + i;
+        s->done.bytes = (uint64_t)i << 20;
+        s->done.checksum = 0xdeadbeefcafef00dull ^ i;
         s->done.has_checksum = i % 2;
-        s->env.body_case     = DUET__ENVELOPE__BODY_XFER_DONE;
-        s->env.xfer_done     = &s->done;
+        s->env.body_case = DUET__ENVELOPE__BODY_XFER_DONE;
+        s->env.xfer_done = &s->done;
         break;
     default:
         duet__xfer_abort__init(&s->abort_);
         s->abort_.transfer_id = 1000 + i;
-        s->abort_.reason      = DUET__XFER_ABORT__REASON__DEADLINE;
+        s->abort_.reason = DUET__XFER_ABORT__REASON__DEADLINE;
         snprintf(s->msg, sizeof(s->msg), "abort %u", i);
         s->abort_.message = s->msg;
-        s->env.body_case  = DUET__ENVELOPE__BODY_XFER_ABORT;
+        s->env.body_case = DUET__ENVELOPE__BODY_XFER_ABORT;
         s->env.xfer_abort = &s->abort_;
         break;
     }
@@ -99,7 +99,8 @@ static bool sample_equal(const Duet__Envelope *got, uint32_t i)
     }
     case DUET__ENVELOPE__BODY_XFER_DONE:
         return got->xfer_done->transfer_id == s.done.transfer_id &&
-               got->xfer_done->bytes == s.done.bytes && got->xfer_done->checksum == s.done.checksum &&
+               got->xfer_done->bytes == s.done.bytes &&
+               got->xfer_done->checksum == s.done.checksum &&
                got->xfer_done->has_checksum == s.done.has_checksum;
     case DUET__ENVELOPE__BODY_XFER_ABORT:
         return got->xfer_abort->transfer_id == s.abort_.transfer_id &&
@@ -128,17 +129,17 @@ static uint32_t feed_stream(const uint8_t *p, size_t len, uint64_t *rng, size_t 
     duet_frame_decoder_t d;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);
     uint32_t n_ok = 0;
-    size_t   off  = 0;
+    size_t off = 0;
     while (off < len) {
         size_t chunk = max_chunk == 1 ? 1 : 1 + rng_next(rng) % max_chunk;
         if (chunk > len - off)
             chunk = len - off;
         size_t c_off = 0;
         while (c_off < chunk) {
-            size_t          used;
+            size_t used;
             Duet__Envelope *env;
-            duet_status_t   st = duet_frame_decoder_feed(&d, p + off + c_off, chunk - c_off, &used,
-                                                         &env);
+            duet_status_t st =
+                duet_frame_decoder_feed(&d, p + off + c_off, chunk - c_off, &used, &env);
             cr_assert_eq(st, DUET_OK, "%s", duet_error_last());
             cr_assert(used > 0 || env != NULL);
             c_off += used;
@@ -161,11 +162,11 @@ Test(proto_frame, round_trip_every_body, .timeout = 10)
         sample_t s;
         sample_make(&s, i);
         uint8_t buf[512];
-        size_t  len = 0;
+        size_t len = 0;
         cr_assert_eq(duet_frame_encode(&s.env, buf, sizeof(buf), &len), DUET_OK);
         cr_assert_eq(len, duet_frame_size(&s.env));
-        uint32_t body = ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) |
-                        ((uint32_t)buf[2] << 8) | buf[3];
+        uint32_t body =
+            ((uint32_t)buf[0] << 24) | ((uint32_t)buf[1] << 16) | ((uint32_t)buf[2] << 8) | buf[3];
         cr_assert_eq(body + 4, len);
         Duet__Envelope *env = NULL;
         cr_assert_eq(duet_envelope_unpack(buf + 4, body, 1024, &env), DUET_OK);
@@ -176,9 +177,9 @@ Test(proto_frame, round_trip_every_body, .timeout = 10)
 
 Test(proto_frame, stream_in_one_chunk_byte_by_byte_and_random_splits, .timeout = 30)
 {
-    duet_strbuf_t sb  = make_stream(60);
-    uint64_t      rng = 7;
-    const uint8_t *p  = (const uint8_t *)sb.data;
+    duet_strbuf_t sb = make_stream(60);
+    uint64_t rng = 7;
+    const uint8_t *p = (const uint8_t *)sb.data;
     cr_assert_eq(feed_stream(p, sb.len, &rng, sb.len), 60u);
     cr_assert_eq(feed_stream(p, sb.len, &rng, 1), 60u);
     for (size_t max = 2; max < 400; max += 37)
@@ -192,8 +193,8 @@ Test(proto_frame, encode_refuses_small_buffer_and_empty_envelope, .timeout = 10,
     sample_t s;
     sample_make(&s, 1);
     uint8_t buf[64];
-    size_t  len = 99;
-    size_t  need = duet_frame_size(&s.env);
+    size_t len = 99;
+    size_t need = duet_frame_size(&s.env);
     cr_assert_eq(duet_frame_encode(&s.env, buf, need - 1, &len), DUET_ERR_NO_SPACE);
     cr_assert_eq(duet_frame_encode(&s.env, buf, 3, &len), DUET_ERR_NO_SPACE);
     cr_assert_eq(len, 99u);
@@ -210,8 +211,8 @@ Test(proto_frame, encode_refuses_small_buffer_and_empty_envelope, .timeout = 10,
 static duet_status_t feed_all(duet_frame_decoder_t *d, const uint8_t *p, size_t n,
                               Duet__Envelope **env_p)
 {
-    size_t        used = 0;
-    duet_status_t st   = duet_frame_decoder_feed(d, p, n, &used, env_p);
+    size_t used = 0;
+    duet_status_t st = duet_frame_decoder_feed(d, p, n, &used, env_p);
     return st;
 }
 
@@ -220,8 +221,8 @@ Test(proto_frame, oversized_length_refused_before_allocating, .timeout = 10,
 {
     duet_frame_decoder_t d;
     cr_assert_eq(duet_frame_decoder_init(&d, 1 << 20), DUET_OK);
-    const uint8_t   hdr[] = {0x7f, 0xff, 0xff, 0xff, 0x08, 0x01};
-    Duet__Envelope *env   = (Duet__Envelope *)1;
+    const uint8_t hdr[] = {0x7f, 0xff, 0xff, 0xff, 0x08, 0x01};
+    Duet__Envelope *env = (Duet__Envelope *)1;
     cr_assert_eq(feed_all(&d, hdr, sizeof(hdr), &env), DUET_ERR_RANGE);
     cr_assert_null(env);
     cr_assert_not_null(strstr(duet_error_last(), "exceeds the maximum frame"), "%s",
@@ -240,7 +241,7 @@ Test(proto_frame, oversized_length_refused_before_allocating, .timeout = 10,
     duet_envelope_free(env);
     /* A length one above the maximum, split over two feeds. */
     const uint8_t big[] = {0x00, 0x10, 0x00, 0x01};
-    size_t        used;
+    size_t used;
     cr_assert_eq(duet_frame_decoder_feed(&d, big, 2, &used, &env), DUET_OK);
     cr_assert_eq(used, 2u);
     cr_assert_eq(duet_frame_decoder_feed(&d, big + 2, 2, &used, &env), DUET_ERR_RANGE);
@@ -250,11 +251,10 @@ Test(proto_frame, oversized_length_refused_before_allocating, .timeout = 10,
     cr_assert_eq(duet_frame_decoder_init(&d, (size_t)DUET_FRAME_MAX_LIMIT + 1), DUET_ERR_INVALID);
 }
 
-Test(proto_frame, zero_length_and_garbage_bodies_refused, .timeout = 10,
-     .init = cr_redirect_stderr)
+Test(proto_frame, zero_length_and_garbage_bodies_refused, .timeout = 10, .init = cr_redirect_stderr)
 {
     duet_frame_decoder_t d;
-    Duet__Envelope      *env;
+    Duet__Envelope *env;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);
     const uint8_t zero[] = {0, 0, 0, 0};
     cr_assert_eq(feed_all(&d, zero, sizeof(zero), &env), DUET_ERR_FORMAT);
@@ -279,13 +279,13 @@ Test(proto_frame, truncated_frame_waits_for_more, .timeout = 10)
     sample_t s;
     sample_make(&s, 0);
     uint8_t buf[512];
-    size_t  len;
+    size_t len;
     cr_assert_eq(duet_frame_encode(&s.env, buf, sizeof(buf), &len), DUET_OK);
     duet_frame_decoder_t d;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);
     for (size_t cut = 1; cut < len; cut++) {
-        Duet__Envelope *env  = NULL;
-        size_t          used = 0;
+        Duet__Envelope *env = NULL;
+        size_t used = 0;
         duet_frame_decoder_reset(&d);
         cr_assert_eq(duet_frame_decoder_feed(&d, buf, cut, &used, &env), DUET_OK);
         cr_assert_eq(used, cut);
@@ -303,9 +303,9 @@ Test(proto_frame, truncated_frame_waits_for_more, .timeout = 10)
 Test(proto_frame, unknown_body_decodes_as_not_set, .timeout = 10)
 {
     /* version = 1; field 40 (varint) = 1 */
-    const uint8_t   frame[] = {0, 0, 0, 5, 0x08, 0x01, 0xc0, 0x02, 0x01};
+    const uint8_t frame[] = {0, 0, 0, 5, 0x08, 0x01, 0xc0, 0x02, 0x01};
     duet_frame_decoder_t d;
-    Duet__Envelope      *env = NULL;
+    Duet__Envelope *env = NULL;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);
     cr_assert_eq(feed_all(&d, frame, sizeof(frame), &env), DUET_OK);
     cr_assert_not_null(env);
@@ -318,10 +318,10 @@ Test(proto_frame, unknown_body_decodes_as_not_set, .timeout = 10)
 /* Random bytes and mutated valid streams, in random chunks: never a crash, always a status. */
 Test(proto_frame, fuzz_random_and_mutated_streams, .timeout = 120, .init = cr_redirect_stderr)
 {
-    duet_strbuf_t  valid = make_stream(12);
-    uint64_t       rng   = 0xf022;
-    uint8_t       *buf   = malloc(valid.len + 64);
-    int            n_env = 0, n_err = 0, n_bad_status = 0;
+    duet_strbuf_t valid = make_stream(12);
+    uint64_t rng = 0xf022;
+    uint8_t *buf = malloc(valid.len + 64);
+    int n_env = 0, n_err = 0, n_bad_status = 0;
     cr_assert_not_null(buf);
     for (int iter = 0; iter < 4000; iter++) {
         size_t len;
@@ -331,7 +331,7 @@ Test(proto_frame, fuzz_random_and_mutated_streams, .timeout = 120, .init = cr_re
                 buf[i] = (uint8_t)rng_next(&rng);
             if (len >= 4 && rng_next(&rng) % 2) {
                 buf[0] = buf[1] = 0;
-                buf[2]          = (uint8_t)(rng_next(&rng) % 2);
+                buf[2] = (uint8_t)(rng_next(&rng) % 2);
             }
         } else { /* mutate a valid stream: flip, overwrite, truncate */
             len = valid.len;
@@ -340,9 +340,15 @@ Test(proto_frame, fuzz_random_and_mutated_streams, .timeout = 120, .init = cr_re
             for (int m = 0; m < n_mut; m++) {
                 size_t at = rng_next(&rng) % len;
                 switch (rng_next(&rng) % 3) {
-                case 0: buf[at] ^= (uint8_t)(1u << (rng_next(&rng) % 8)); break;
-                case 1: buf[at] = (uint8_t)rng_next(&rng); break;
-                default: len = at + 1; break;
+                case 0:
+                    buf[at] ^= (uint8_t)(1u << (rng_next(&rng) % 8));
+                    break;
+                case 1:
+                    buf[at] = (uint8_t)rng_next(&rng);
+                    break;
+                default:
+                    len = at + 1;
+                    break;
                 }
             }
         }
@@ -350,8 +356,8 @@ Test(proto_frame, fuzz_random_and_mutated_streams, .timeout = 120, .init = cr_re
         duet_frame_decoder_init(&d, 1 + rng_next(&rng) % 4096);
         size_t off = 0;
         while (off < len) {
-            size_t          chunk = 1 + rng_next(&rng) % 100, used = 0;
-            Duet__Envelope *env   = NULL;
+            size_t chunk = 1 + rng_next(&rng) % 100, used = 0;
+            Duet__Envelope *env = NULL;
             if (chunk > len - off)
                 chunk = len - off;
             duet_status_t st = duet_frame_decoder_feed(&d, buf + off, chunk, &used, &env);

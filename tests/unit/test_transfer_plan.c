@@ -27,8 +27,8 @@
 static uint64_t rng_next(uint64_t *s)
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
@@ -52,10 +52,10 @@ static void rng_pages(uint64_t *s, int32_t *out, uint32_t n, uint32_t pool_pages
         all[i] = (int32_t)i;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t j = rng_range(s, i, pool_pages - 1);
-        int32_t  t = all[i];
-        all[i]     = all[j];
-        all[j]     = t;
-        out[i]     = all[i];
+        int32_t t = all[i];
+        all[i] = all[j];
+        all[j] = t;
+        out[i] = all[i];
     }
     free(all);
 }
@@ -63,22 +63,22 @@ static void rng_pages(uint64_t *s, int32_t *out, uint32_t n, uint32_t pool_pages
 /* ---- one case ------------------------------------------------------------------------------- */
 
 typedef struct {
-    uint32_t ps, pd;     /* page tokens: sender, destination */
+    uint32_t ps, pd; /* page tokens: sender, destination */
     uint32_t n_tokens;
     uint32_t L, LK;      /* MLA, KDA layers */
     uint32_t tb;         /* token bytes */
     uint32_t H, K, W, e; /* KDA heads (sender), head dim, conv kernel, elem */
     uint32_t N;          /* destination ranks */
-    bool     kda;        /* send KDA state */
+    bool kda;            /* send KDA state */
 } shape_t;
 
 typedef struct {
-    uint8_t *kv, *kda;           /* plan copy */
-    uint8_t *kv_ref, *kda_ref;   /* reference copy */
-    size_t   kv_bytes, kda_bytes;
+    uint8_t *kv, *kda;         /* plan copy */
+    uint8_t *kv_ref, *kda_ref; /* reference copy */
+    size_t kv_bytes, kda_bytes;
     int32_t *pages;
     uint32_t n_pages;
-    int32_t  slot;
+    int32_t slot;
 } rank_pools_t;
 
 static char g_why[512]; /* why the last case failed */
@@ -105,62 +105,62 @@ static uint64_t div_up(uint64_t a, uint64_t b)
 /* Run one shape; returns false (with g_why) on any mismatch. */
 static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
 {
-    bool           ok = true;
+    bool ok = true;
     const uint32_t N = sh->N, Hr = sh->H / sh->N;
-    rank_pools_t   rk[DUET_XFER_MAX_RANKS];
+    rank_pools_t rk[DUET_XFER_MAX_RANKS];
     memset(rk, 0, sizeof(rk));
 
     /* Sender. */
-    duet_xfer_layout_t sl = {.page_tokens  = sh->ps,
+    duet_xfer_layout_t sl = {.page_tokens = sh->ps,
                              .n_mla_layers = sh->L,
-                             .token_bytes  = sh->tb,
+                             .token_bytes = sh->tb,
                              .n_kda_layers = sh->LK,
-                             .kda_heads    = sh->H,
+                             .kda_heads = sh->H,
                              .kda_head_dim = sh->K,
-                             .conv_kernel  = sh->W,
-                             .state_elem   = sh->e};
-    uint32_t  src_need  = (uint32_t)div_up(sh->n_tokens, sh->ps);
-    uint32_t  src_extra = rng_range(rng, 0, 3);
-    uint32_t  src_pool_pages = src_need + src_extra + rng_range(rng, 0, 5);
-    uint64_t  src_page_bytes = (uint64_t)sh->ps * sh->L * sh->tb;
-    size_t    src_kv_bytes   = (size_t)(src_pool_pages * src_page_bytes);
-    uint32_t  src_slots      = rng_range(rng, 1, 3);
-    uint64_t  src_kda_layer  = kda_layer_bytes(sh->H, sh->K, sh->W, sh->e);
-    size_t    src_kda_bytes  = (size_t)(src_slots * sh->LK * src_kda_layer);
-    uint8_t  *src_kv         = malloc(src_kv_bytes + 1);
-    uint8_t  *src_kda        = malloc(src_kda_bytes + 1);
-    int32_t  *src_pages      = malloc((size_t)(src_need + src_extra + 1) * sizeof(int32_t));
+                             .conv_kernel = sh->W,
+                             .state_elem = sh->e};
+    uint32_t src_need = (uint32_t)div_up(sh->n_tokens, sh->ps);
+    uint32_t src_extra = rng_range(rng, 0, 3);
+    uint32_t src_pool_pages = src_need + src_extra + rng_range(rng, 0, 5);
+    uint64_t src_page_bytes = (uint64_t)sh->ps * sh->L * sh->tb;
+    size_t src_kv_bytes = (size_t)(src_pool_pages * src_page_bytes);
+    uint32_t src_slots = rng_range(rng, 1, 3);
+    uint64_t src_kda_layer = kda_layer_bytes(sh->H, sh->K, sh->W, sh->e);
+    size_t src_kda_bytes = (size_t)(src_slots * sh->LK * src_kda_layer);
+    uint8_t *src_kv = malloc(src_kv_bytes + 1);
+    uint8_t *src_kda = malloc(src_kda_bytes + 1);
+    int32_t *src_pages = malloc((size_t)(src_need + src_extra + 1) * sizeof(int32_t));
     cr_assert(src_kv && src_kda && src_pages);
     rng_fill(rng, src_kv, src_kv_bytes);
     rng_fill(rng, src_kda, src_kda_bytes);
     rng_pages(rng, src_pages, src_need + src_extra, src_pool_pages);
-    duet_xfer_src_t src = {.pages    = src_pages,
-                           .n_pages  = src_need + src_extra,
+    duet_xfer_src_t src = {.pages = src_pages,
+                           .n_pages = src_need + src_extra,
                            .kda_slot = sh->kda ? (int32_t)rng_range(rng, 0, src_slots - 1) : -1,
                            .n_tokens = sh->n_tokens};
 
     /* Destination ranks. */
     duet_xfer_layout_t dl[DUET_XFER_MAX_RANKS];
-    duet_xfer_dest_t   dst[DUET_XFER_MAX_RANKS];
-    uint64_t           global_pages  = div_up(sh->n_tokens, sh->pd);
-    uint64_t           dst_kda_layer = kda_layer_bytes(Hr, sh->K, sh->W, sh->e);
+    duet_xfer_dest_t dst[DUET_XFER_MAX_RANKS];
+    uint64_t global_pages = div_up(sh->n_tokens, sh->pd);
+    uint64_t dst_kda_layer = kda_layer_bytes(Hr, sh->K, sh->W, sh->e);
     for (uint32_t r = 0; r < N; r++) {
-        dl[r]           = sl;
+        dl[r] = sl;
         dl[r].page_tokens = sh->pd;
-        dl[r].kda_heads   = Hr;
-        uint32_t need   = (uint32_t)(global_pages / N + (r < global_pages % N));
-        uint32_t extra  = rng_range(rng, 0, 2);
-        uint32_t pool   = need + extra + rng_range(rng, 0, 5);
-        rk[r].n_pages   = need + extra;
-        rk[r].kv_bytes  = (size_t)pool * sh->pd * sh->L * sh->tb;
-        uint32_t slots  = rng_range(rng, 1, 3);
+        dl[r].kda_heads = Hr;
+        uint32_t need = (uint32_t)(global_pages / N + (r < global_pages % N));
+        uint32_t extra = rng_range(rng, 0, 2);
+        uint32_t pool = need + extra + rng_range(rng, 0, 5);
+        rk[r].n_pages = need + extra;
+        rk[r].kv_bytes = (size_t)pool * sh->pd * sh->L * sh->tb;
+        uint32_t slots = rng_range(rng, 1, 3);
         rk[r].kda_bytes = (size_t)(slots * sh->LK * dst_kda_layer);
-        rk[r].slot      = sh->kda ? (int32_t)rng_range(rng, 0, slots - 1) : -1;
-        rk[r].pages     = malloc((size_t)(rk[r].n_pages + 1) * sizeof(int32_t));
-        rk[r].kv        = malloc(rk[r].kv_bytes + 1);
-        rk[r].kv_ref    = malloc(rk[r].kv_bytes + 1);
-        rk[r].kda       = malloc(rk[r].kda_bytes + 1);
-        rk[r].kda_ref   = malloc(rk[r].kda_bytes + 1);
+        rk[r].slot = sh->kda ? (int32_t)rng_range(rng, 0, slots - 1) : -1;
+        rk[r].pages = malloc((size_t)(rk[r].n_pages + 1) * sizeof(int32_t));
+        rk[r].kv = malloc(rk[r].kv_bytes + 1);
+        rk[r].kv_ref = malloc(rk[r].kv_bytes + 1);
+        rk[r].kda = malloc(rk[r].kda_bytes + 1);
+        rk[r].kda_ref = malloc(rk[r].kda_bytes + 1);
         cr_assert(rk[r].pages && rk[r].kv && rk[r].kv_ref && rk[r].kda && rk[r].kda_ref);
         rng_pages(rng, rk[r].pages, rk[r].n_pages, pool);
         rng_fill(rng, rk[r].kv, rk[r].kv_bytes);
@@ -177,12 +177,12 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     /* Reference: KV token by token. */
     for (uint32_t l = 0; l < sh->L; l++) {
         for (uint64_t t = 0; t < sh->n_tokens; t++) {
-            uint64_t s_off = (((uint64_t)src_pages[t / sh->ps] * sh->L + l) * sh->ps + t % sh->ps) *
-                             sh->tb;
-            uint64_t j     = t / sh->pd;
-            uint32_t r     = (uint32_t)(j % N);
-            uint64_t d_off = (((uint64_t)rk[r].pages[j / N] * sh->L + l) * sh->pd + t % sh->pd) *
-                             sh->tb;
+            uint64_t s_off =
+                (((uint64_t)src_pages[t / sh->ps] * sh->L + l) * sh->ps + t % sh->ps) * sh->tb;
+            uint64_t j = t / sh->pd;
+            uint32_t r = (uint32_t)(j % N);
+            uint64_t d_off =
+                (((uint64_t)rk[r].pages[j / N] * sh->L + l) * sh->pd + t % sh->pd) * sh->tb;
             memcpy(rk[r].kv_ref + d_off, src_kv + s_off, sh->tb);
         }
     }
@@ -190,19 +190,19 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     if (sh->kda) {
         for (uint32_t l = 0; l < sh->LK; l++) {
             uint64_t s_layer = ((uint64_t)src.kda_slot * sh->LK + l) * src_kda_layer;
-            uint64_t s_conv  = s_layer + (uint64_t)sh->H * sh->K * sh->K * sh->e;
+            uint64_t s_conv = s_layer + (uint64_t)sh->H * sh->K * sh->K * sh->e;
             for (uint32_t h = 0; h < sh->H; h++) {
                 uint32_t r = h / Hr, hl = h % Hr;
                 uint64_t d_layer = ((uint64_t)rk[r].slot * sh->LK + l) * dst_kda_layer;
-                uint64_t d_conv  = d_layer + (uint64_t)Hr * sh->K * sh->K * sh->e;
-                uint64_t s_head  = (uint64_t)sh->K * sh->K * sh->e;
+                uint64_t d_conv = d_layer + (uint64_t)Hr * sh->K * sh->K * sh->e;
+                uint64_t s_head = (uint64_t)sh->K * sh->K * sh->e;
                 memcpy(rk[r].kda_ref + d_layer + hl * s_head, src_kda + s_layer + h * s_head,
                        s_head);
                 for (uint32_t c = 0; c < 3; c++) {
                     for (uint32_t k = 0; k < sh->K; k++) {
                         uint64_t s_ch = (uint64_t)c * sh->H * sh->K + (uint64_t)h * sh->K + k;
                         uint64_t d_ch = (uint64_t)c * Hr * sh->K + (uint64_t)hl * sh->K + k;
-                        uint64_t row  = (uint64_t)(sh->W - 1) * sh->e;
+                        uint64_t row = (uint64_t)(sh->W - 1) * sh->e;
                         memcpy(rk[r].kda_ref + d_conv + d_ch * row, src_kda + s_conv + s_ch * row,
                                row);
                     }
@@ -221,7 +221,7 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     for (size_t g = 0; g < n_groups; g++) {
         CHECK(plan->layer_first[g] <= plan->layer_first[g + 1], "layer_first not monotone at %zu",
               g);
-        uint8_t  kind  = g < sh->L ? DUET_XFER_SEG_KV : DUET_XFER_SEG_KDA;
+        uint8_t kind = g < sh->L ? DUET_XFER_SEG_KV : DUET_XFER_SEG_KDA;
         uint16_t layer = (uint16_t)(g < sh->L ? g : g - sh->L);
         for (size_t i = plan->layer_first[g]; i < plan->layer_first[g + 1]; i++) {
             const duet_xfer_entry_t *en = &plan->entries[i];
@@ -230,8 +230,8 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
             CHECK(en->rank < N && en->len > 0, "entry %zu: rank %u len %llu", i, en->rank,
                   (unsigned long long)en->len);
             size_t src_lim = kind == DUET_XFER_SEG_KV ? src_kv_bytes : src_kda_bytes;
-            size_t dst_lim = kind == DUET_XFER_SEG_KV ? rk[en->rank].kv_bytes
-                                                      : rk[en->rank].kda_bytes;
+            size_t dst_lim =
+                kind == DUET_XFER_SEG_KV ? rk[en->rank].kv_bytes : rk[en->rank].kda_bytes;
             CHECK(en->src_off + en->len <= src_lim && en->dst_off + en->len <= dst_lim,
                   "entry %zu out of its pools", i);
             if (i > plan->layer_first[g]) {
@@ -246,8 +246,8 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     }
     CHECK(total == plan->total_bytes, "total_bytes %llu, entries sum to %llu",
           (unsigned long long)plan->total_bytes, (unsigned long long)total);
-    uint64_t want_total = (uint64_t)sh->n_tokens * sh->L * sh->tb +
-                          (sh->kda ? (uint64_t)sh->LK * src_kda_layer : 0);
+    uint64_t want_total =
+        (uint64_t)sh->n_tokens * sh->L * sh->tb + (sh->kda ? (uint64_t)sh->LK * src_kda_layer : 0);
     CHECK(total == want_total, "total %llu, want %llu", (unsigned long long)total,
           (unsigned long long)want_total);
     for (uint32_t r = 0; r < DUET_XFER_MAX_RANKS; r++)
@@ -256,11 +256,11 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
 
     /* No two entries overlap on a destination: mark every destination byte once. */
     for (uint32_t r = 0; r < N; r++) {
-        uint8_t *seen_kv  = calloc(rk[r].kv_bytes + 1, 1);
+        uint8_t *seen_kv = calloc(rk[r].kv_bytes + 1, 1);
         uint8_t *seen_kda = calloc(rk[r].kda_bytes + 1, 1);
         cr_assert(seen_kv && seen_kda);
-        bool   overlap = false;
-        size_t bad     = 0;
+        bool overlap = false;
+        size_t bad = 0;
         for (size_t i = 0; i < plan->n_entries && !overlap; i++) {
             const duet_xfer_entry_t *en = &plan->entries[i];
             if (en->rank != r)
@@ -269,7 +269,7 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
             for (uint64_t b = 0; b < en->len; b++) {
                 if (seen[en->dst_off + b]++ != 0) {
                     overlap = true;
-                    bad     = i;
+                    bad = i;
                     break;
                 }
             }
@@ -289,8 +289,8 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     }
     for (uint32_t r = 0; r < N; r++) {
         CHECK(memcmp(rk[r].kv, rk[r].kv_ref, rk[r].kv_bytes) == 0, "rank %u: KV bytes differ", r);
-        CHECK(memcmp(rk[r].kda, rk[r].kda_ref, rk[r].kda_bytes) == 0,
-              "rank %u: KDA bytes differ", r);
+        CHECK(memcmp(rk[r].kda, rk[r].kda_ref, rk[r].kda_bytes) == 0, "rank %u: KDA bytes differ",
+              r);
     }
 
 out:
@@ -322,8 +322,12 @@ static shape_t random_shape(uint64_t *rng)
     sh.ps = rng_page_size(rng);
     sh.pd = rng_page_size(rng);
     switch (rng_next(rng) % 4) { /* token counts around page boundaries are the interesting ones */
-    case 0: sh.n_tokens = rng_range(rng, 1, 2000); break;
-    case 1: sh.n_tokens = rng_range(rng, 1, 300); break;
+    case 0:
+        sh.n_tokens = rng_range(rng, 1, 2000);
+        break;
+    case 1:
+        sh.n_tokens = rng_range(rng, 1, 300);
+        break;
     case 2: {
         uint32_t p = sh.ps > sh.pd ? sh.ps : sh.pd;
         uint32_t m = rng_range(rng, 1, 2000 / p > 0 ? 2000 / p : 1);
@@ -332,25 +336,26 @@ static shape_t random_shape(uint64_t *rng)
             sh.n_tokens = 1;
         break;
     }
-    default: sh.n_tokens = rng_range(rng, 1, 8); break;
+    default:
+        sh.n_tokens = rng_range(rng, 1, 8);
+        break;
     }
-    sh.L   = rng_range(rng, 0, 8);
-    sh.LK  = rng_range(rng, 0, 6);
-    sh.tb  = rng_range(rng, 1, 24);
-    sh.N   = rng_range(rng, 1, 5);
-    sh.H   = sh.N * rng_range(rng, 1, 8 / sh.N);
-    sh.K   = rng_range(rng, 1, 6);
-    sh.W   = rng_range(rng, 1, 4);
-    sh.e   = (uint32_t[]){1, 2, 4}[rng_next(rng) % 3];
+    sh.L = rng_range(rng, 0, 8);
+    sh.LK = rng_range(rng, 0, 6);
+    sh.tb = rng_range(rng, 1, 24);
+    sh.N = rng_range(rng, 1, 5);
+    sh.H = sh.N * rng_range(rng, 1, 8 / sh.N);
+    sh.K = rng_range(rng, 1, 6);
+    sh.W = rng_range(rng, 1, 4);
+    sh.e = (uint32_t[]){1, 2, 4}[rng_next(rng) % 3];
     sh.kda = sh.LK > 0 && rng_next(rng) % 5 != 0;
     return sh;
 }
 
 static void describe(const shape_t *sh, char *buf, size_t n)
 {
-    snprintf(buf, n,
-             "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u kda %d", sh->ps,
-             sh->pd, sh->n_tokens, sh->L, sh->LK, sh->tb, sh->H, sh->K, sh->W, sh->e, sh->N,
+    snprintf(buf, n, "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u kda %d",
+             sh->ps, sh->pd, sh->n_tokens, sh->L, sh->LK, sh->tb, sh->H, sh->K, sh->W, sh->e, sh->N,
              sh->kda);
 }
 
@@ -359,7 +364,7 @@ Test(transfer_plan, random_shapes_match_reference, .timeout = 240)
 {
     enum { N_CASES = 4000 };
     duet_xfer_plan_t plan = {0};
-    uint64_t         rng  = 0x5eed0001;
+    uint64_t rng = 0x5eed0001;
     for (int c = 0; c < N_CASES; c++) {
         shape_t sh = random_shape(&rng);
         if (!run_case(&rng, &sh, &plan)) {
@@ -378,24 +383,25 @@ Test(transfer_plan, named_page_size_pairs, .timeout = 120)
 {
     static const uint32_t pairs[][2] = {{64, 128}, {128, 64}, {128, 128}, {64, 64},  {32, 128},
                                         {128, 32}, {1, 256},  {256, 1},   {96, 128}, {128, 96}};
-    duet_xfer_plan_t      plan       = {0};
-    uint64_t              rng        = 0x5eed0002;
-    int                   n          = 0;
+    duet_xfer_plan_t plan = {0};
+    uint64_t rng = 0x5eed0002;
+    int n = 0;
     for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
         for (uint32_t N = 1; N <= 5; N++) {
             for (int rep = 0; rep < 12; rep++) {
                 shape_t sh = random_shape(&rng);
-                sh.ps      = pairs[p][0];
-                sh.pd      = pairs[p][1];
-                sh.N       = N;
-                sh.H       = N * rng_range(&rng, 1, 8 / N);
-                sh.L       = rng_range(&rng, 1, 8);
+                sh.ps = pairs[p][0];
+                sh.pd = pairs[p][1];
+                sh.N = N;
+                sh.H = N * rng_range(&rng, 1, 8 / N);
+                sh.L = rng_range(&rng, 1, 8);
                 if (rep == 0)
                     sh.n_tokens = 2000;
                 else if (rep == 1)
                     sh.n_tokens = 1;
                 else if (rep == 2)
-                    sh.n_tokens = pairs[p][0] * pairs[p][1] > 2000 ? 1000 : pairs[p][0] * pairs[p][1];
+                    sh.n_tokens =
+                        pairs[p][0] * pairs[p][1] > 2000 ? 1000 : pairs[p][0] * pairs[p][1];
                 if (!run_case(&rng, &sh, &plan)) {
                     char d[256];
                     describe(&sh, d, sizeof(d));
@@ -414,11 +420,11 @@ done:
 /* Equal page sizes, one rank, consecutive pages on both sides and one layer: one entry. */
 Test(transfer_plan, contiguous_runs_merge_into_one_entry, .timeout = 10)
 {
-    int32_t            sp[3] = {4, 5, 6}, dp[3] = {10, 11, 12};
-    duet_xfer_layout_t l     = {.page_tokens = 16, .n_mla_layers = 1, .token_bytes = 8};
-    duet_xfer_src_t    src   = {.pages = sp, .n_pages = 3, .kda_slot = -1, .n_tokens = 40};
-    duet_xfer_dest_t   dst   = {.pages = dp, .n_pages = 3, .kda_slot = -1};
-    duet_xfer_plan_t   plan  = {0};
+    int32_t sp[3] = {4, 5, 6}, dp[3] = {10, 11, 12};
+    duet_xfer_layout_t l = {.page_tokens = 16, .n_mla_layers = 1, .token_bytes = 8};
+    duet_xfer_src_t src = {.pages = sp, .n_pages = 3, .kda_slot = -1, .n_tokens = 40};
+    duet_xfer_dest_t dst = {.pages = dp, .n_pages = 3, .kda_slot = -1};
+    duet_xfer_plan_t plan = {0};
     cr_assert_eq(duet_xfer_plan_build(&l, &src, &l, &dst, 1, &plan), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(plan.n_entries, 1);
@@ -436,32 +442,32 @@ Test(transfer_plan, contiguous_runs_merge_into_one_entry, .timeout = 10)
 
 typedef struct {
     duet_xfer_layout_t sl, dl[8];
-    duet_xfer_src_t    src;
-    duet_xfer_dest_t   dst[8];
-    int32_t            sp[16], dp[8][16];
-    uint32_t           n;
+    duet_xfer_src_t src;
+    duet_xfer_dest_t dst[8];
+    int32_t sp[16], dp[8][16];
+    uint32_t n;
 } fixture_t;
 
 /* A valid 2-rank case: 64-token pages into 128-token pages, 2 MLA + 2 KDA layers, 4 heads. */
 static void fixture(fixture_t *f)
 {
     memset(f, 0, sizeof(*f));
-    f->n  = 2;
-    f->sl = (duet_xfer_layout_t){.page_tokens  = 64,
+    f->n = 2;
+    f->sl = (duet_xfer_layout_t){.page_tokens = 64,
                                  .n_mla_layers = 2,
-                                 .token_bytes  = 16,
+                                 .token_bytes = 16,
                                  .n_kda_layers = 2,
-                                 .kda_heads    = 4,
+                                 .kda_heads = 4,
                                  .kda_head_dim = 4,
-                                 .conv_kernel  = 4,
-                                 .state_elem   = 4};
+                                 .conv_kernel = 4,
+                                 .state_elem = 4};
     for (int i = 0; i < 16; i++)
         f->sp[i] = 15 - i;
     f->src = (duet_xfer_src_t){.pages = f->sp, .n_pages = 8, .kda_slot = 1, .n_tokens = 500};
     for (uint32_t r = 0; r < 8; r++) {
-        f->dl[r]             = f->sl;
+        f->dl[r] = f->sl;
         f->dl[r].page_tokens = 128;
-        f->dl[r].kda_heads   = 2;
+        f->dl[r].kda_heads = 2;
         for (int i = 0; i < 16; i++)
             f->dp[r][i] = 2 * i + 1;
         f->dst[r] = (duet_xfer_dest_t){.pages = f->dp[r], .n_pages = 2, .kda_slot = 0};
@@ -471,7 +477,7 @@ static void fixture(fixture_t *f)
 static void expect_refusal(fixture_t *f, duet_status_t want, const char *needle)
 {
     duet_xfer_plan_t plan = {0};
-    duet_status_t    st   = duet_xfer_plan_build(&f->sl, &f->src, f->dl, f->dst, f->n, &plan);
+    duet_status_t st = duet_xfer_plan_build(&f->sl, &f->src, f->dl, f->dst, f->n, &plan);
     cr_assert_eq(st, want, "got %s (%s), want %s", duet_status_name(st), duet_error_last(),
                  duet_status_name(want));
     cr_assert_not_null(strstr(duet_error_last(), needle), "detail \"%s\" lacks \"%s\"",
@@ -518,7 +524,7 @@ Test(transfer_plan, refuses_mismatched_layouts, .timeout = 10, .init = cr_redire
     f.dl[1].kda_heads = 4; /* a rank must hold H/N heads */
     expect_refusal(&f, DUET_ERR_INVALID, "kda_heads");
     fixture(&f);
-    f.n        = 3; /* 4 heads over 3 ranks */
+    f.n = 3; /* 4 heads over 3 ranks */
     f.dl[2].kda_heads = 1;
     expect_refusal(&f, DUET_ERR_INVALID, "cannot be split");
     fixture(&f);
@@ -551,7 +557,7 @@ Test(transfer_plan, refuses_too_few_pages, .timeout = 10, .init = cr_redirect_st
     expect_refusal(&f, DUET_ERR_RANGE, "rank 1");
     fixture(&f);
     f.src.n_tokens = 513; /* now 5 global pages: rank 0 needs 3 */
-    f.src.n_pages  = 9;
+    f.src.n_pages = 9;
     expect_refusal(&f, DUET_ERR_RANGE, "rank 0");
     fixture(&f);
     f.dp[0][1] = -3;
@@ -580,7 +586,7 @@ Test(transfer_plan, refuses_overflowing_offsets, .timeout = 10, .init = cr_redir
     fixture(&f);
     f.sl.token_bytes = 0xffffffffu;
     f.sl.page_tokens = 0xffffffffu;
-    f.src.n_tokens   = 10;
+    f.src.n_tokens = 10;
     expect_refusal(&f, DUET_ERR_RANGE, "overflow");
     fixture(&f);
     f.sl.kda_head_dim = 0xffffffffu;

@@ -17,8 +17,8 @@
 static uint64_t rng_next(uint64_t *s)
 {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
@@ -34,32 +34,32 @@ static duet_xfer_reservation_t valid(void)
         g_addr[i] = (uint8_t)(i * 7 + 1);
     memset(g_kv_rkey, 0xab, sizeof(g_kv_rkey));
     memset(g_kda_rkey, 0xcd, sizeof(g_kda_rkey));
-    duet_xfer_layout_t l = {.page_tokens  = 64,
+    duet_xfer_layout_t l = {.page_tokens = 64,
                             .n_mla_layers = 3,
-                            .token_bytes  = 32,
+                            .token_bytes = 32,
                             .n_kda_layers = 2,
-                            .kda_heads    = 4,
+                            .kda_heads = 4,
                             .kda_head_dim = 8,
-                            .conv_kernel  = 4,
-                            .state_elem   = 4};
+                            .conv_kernel = 4,
+                            .state_elem = 4};
     return (duet_xfer_reservation_t){
-        .version          = DUET_XFER_RESERVATION_VERSION,
-        .transfer_id      = 0x1122334455667788ull,
-        .request_id       = 42,
-        .rank             = 1,
-        .group_size       = 2,
-        .worker_address   = {g_addr, sizeof(g_addr)},
-        .kv_rkey          = {g_kv_rkey, sizeof(g_kv_rkey)},
-        .kv_base          = 0x7f0000000000ull,
-        .kv_bytes         = 16ull * 64 * 3 * 32, /* 16 pages */
-        .kda_rkey         = {g_kda_rkey, sizeof(g_kda_rkey)},
-        .kda_base         = 0x7e0000000000ull,
-        .kda_bytes        = 3 * duet_xfer_layout_kda_slot_bytes(&l), /* 3 slots */
-        .layout           = l,
-        .pages            = g_pages,
-        .n_pages          = 5,
-        .kda_slot         = 2,
-        .n_tokens         = 600, /* 10 global pages of 64: 5 on rank 1 */
+        .version = DUET_XFER_RESERVATION_VERSION,
+        .transfer_id = 0x1122334455667788ull,
+        .request_id = 42,
+        .rank = 1,
+        .group_size = 2,
+        .worker_address = {g_addr, sizeof(g_addr)},
+        .kv_rkey = {g_kv_rkey, sizeof(g_kv_rkey)},
+        .kv_base = 0x7f0000000000ull,
+        .kv_bytes = 16ull * 64 * 3 * 32, /* 16 pages */
+        .kda_rkey = {g_kda_rkey, sizeof(g_kda_rkey)},
+        .kda_base = 0x7e0000000000ull,
+        .kda_bytes = 3 * duet_xfer_layout_kda_slot_bytes(&l), /* 3 slots */
+        .layout = l,
+        .pages = g_pages,
+        .n_pages = 5,
+        .kda_slot = 2,
+        .n_tokens = 600, /* 10 global pages of 64: 5 on rank 1 */
         .deadline_unix_ms = NOW + 5000,
     };
 }
@@ -68,11 +68,11 @@ static duet_xfer_reservation_t valid(void)
 static uint8_t *pack_raw(const duet_xfer_reservation_t *r, bool drop_layout, size_t *len_p)
 {
     Duet__Reservation msg;
-    Duet__XferLayout  layout;
+    Duet__XferLayout layout;
     duet_xfer_reservation_to_proto(r, &msg, &layout);
     if (drop_layout)
         msg.layout = NULL;
-    size_t   n   = duet__reservation__get_packed_size(&msg);
+    size_t n = duet__reservation__get_packed_size(&msg);
     uint8_t *buf = malloc(n + 1);
     cr_assert_not_null(buf);
     *len_p = duet__reservation__pack(&msg, buf);
@@ -107,8 +107,8 @@ static void same(const duet_xfer_reservation_t *a, const duet_xfer_reservation_t
 Test(transfer_reservation, round_trip, .timeout = 10)
 {
     duet_xfer_reservation_t r = valid();
-    uint8_t                 buf[2048];
-    size_t                  len = 0;
+    uint8_t buf[2048];
+    size_t len = 0;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(len, duet_xfer_reservation_packed_size(&r));
@@ -128,11 +128,11 @@ Test(transfer_reservation, round_trip, .timeout = 10)
     duet_xfer_reservation_free(NULL);
 
     /* No KDA, no pages: a minimal reservation. */
-    r                  = valid();
-    r.kda_slot         = -1;
-    r.kda_rkey.len     = 0;
-    r.n_pages          = 0;
-    r.n_tokens         = 0;
+    r = valid();
+    r.kda_slot = -1;
+    r.kda_rkey.len = 0;
+    r.n_pages = 0;
+    r.n_tokens = 0;
     r.layout.n_kda_layers = 0;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
                  duet_error_last());
@@ -146,13 +146,12 @@ Test(transfer_reservation, round_trip, .timeout = 10)
 Test(transfer_reservation, decode_with_the_clock, .timeout = 10, .init = cr_redirect_stderr)
 {
     duet_xfer_reservation_t r = valid();
-    r.deadline_unix_ms        = duet_xfer_now_unix_ms() + 60000;
+    r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
     uint8_t buf[2048];
-    size_t  len;
+    size_t len;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
     duet_xfer_reservation_t got;
-    cr_assert_eq(duet_xfer_reservation_decode(buf, len, 0, &got), DUET_OK, "%s",
-                 duet_error_last());
+    cr_assert_eq(duet_xfer_reservation_decode(buf, len, 0, &got), DUET_OK, "%s", duet_error_last());
     duet_xfer_reservation_free(&got);
     r.deadline_unix_ms = duet_xfer_now_unix_ms() - 1;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
@@ -164,25 +163,25 @@ Test(transfer_reservation, decode_with_the_clock, .timeout = 10, .init = cr_redi
 Test(transfer_reservation, through_a_frame_into_a_plan, .timeout = 10)
 {
     duet_xfer_reservation_t r[2] = {valid(), valid()};
-    r[0].rank                    = 0;
-    duet_strbuf_t     sb         = {0};
+    r[0].rank = 0;
+    duet_strbuf_t sb = {0};
     for (int i = 0; i < 2; i++) {
         Duet__Reservation msg;
-        Duet__XferLayout  layout;
+        Duet__XferLayout layout;
         duet_xfer_reservation_to_proto(&r[i], &msg, &layout);
         Duet__Envelope env = DUET__ENVELOPE__INIT;
-        env.version        = DUET_PROTO_VERSION;
-        env.body_case      = DUET__ENVELOPE__BODY_RESERVATION;
-        env.reservation    = &msg;
+        env.version = DUET_PROTO_VERSION;
+        env.body_case = DUET__ENVELOPE__BODY_RESERVATION;
+        env.reservation = &msg;
         cr_assert_eq(duet_frame_append(&env, &sb), DUET_OK);
     }
     duet_frame_decoder_t d;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);
-    Duet__Envelope         *env[2];
+    Duet__Envelope *env[2];
     duet_xfer_reservation_t got[2];
-    duet_xfer_layout_t      dl[2];
-    duet_xfer_dest_t        dst[2];
-    size_t                  off = 0;
+    duet_xfer_layout_t dl[2];
+    duet_xfer_dest_t dst[2];
+    size_t off = 0;
     for (int i = 0; i < 2; i++) {
         size_t used;
         cr_assert_eq(duet_frame_decoder_feed(&d, (const uint8_t *)sb.data + off, sb.len - off,
@@ -201,16 +200,16 @@ Test(transfer_reservation, through_a_frame_into_a_plan, .timeout = 10)
     cr_assert_eq(off, sb.len);
     /* The sender: 128-token pages, 8 heads, slot 0. */
     duet_xfer_layout_t sl = dl[0];
-    sl.page_tokens        = 128;
-    sl.kda_heads          = 8;
-    int32_t         sp[5] = {4, 3, 2, 1, 0};
-    duet_xfer_src_t src   = {.pages = sp, .n_pages = 5, .kda_slot = 0, .n_tokens = 600};
+    sl.page_tokens = 128;
+    sl.kda_heads = 8;
+    int32_t sp[5] = {4, 3, 2, 1, 0};
+    duet_xfer_src_t src = {.pages = sp, .n_pages = 5, .kda_slot = 0, .n_tokens = 600};
     duet_xfer_plan_t plan = {0};
     cr_assert_eq(duet_xfer_plan_build(&sl, &src, dl, dst, 2, &plan), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(plan.total_bytes, 600ull * 3 * 32 + 2 * duet_xfer_layout_kda_slot_bytes(&sl) / 2);
     for (size_t i = 0; i < plan.n_entries; i++) {
-        const duet_xfer_entry_t *e   = &plan.entries[i];
+        const duet_xfer_entry_t *e = &plan.entries[i];
         uint64_t lim = e->kind == DUET_XFER_SEG_KV ? got[e->rank].kv_bytes : got[e->rank].kda_bytes;
         cr_assert_leq(e->dst_off + e->len, lim, "entry %zu beyond the reserved region", i);
     }
@@ -225,8 +224,8 @@ Test(transfer_reservation, through_a_frame_into_a_plan, .timeout = 10)
 static void refused(const duet_xfer_reservation_t *r, bool drop_layout, duet_status_t want,
                     const char *needle)
 {
-    size_t                  len;
-    uint8_t                *buf = pack_raw(r, drop_layout, &len);
+    size_t len;
+    uint8_t *buf = pack_raw(r, drop_layout, &len);
     duet_xfer_reservation_t got;
     memset(&got, 0x5a, sizeof(got));
     duet_status_t st = duet_xfer_reservation_decode(buf, len, NOW, &got);
@@ -248,9 +247,9 @@ static void refused(const duet_xfer_reservation_t *r, bool drop_layout, duet_sta
 Test(transfer_reservation, refusals_name_the_field, .timeout = 30, .init = cr_redirect_stderr)
 {
     static uint8_t big[DUET_XFER_WORKER_ADDRESS_MAX + 1];
-    int32_t        dup[5] = {3, 1, 4, 1, 5};
-    int32_t        neg[5] = {3, -1, 4, 2, 5};
-    int32_t        far[5] = {3, 1, 16, 2, 5}; /* page 16 of a 16-page region */
+    int32_t dup[5] = {3, 1, 4, 1, 5};
+    int32_t neg[5] = {3, -1, 4, 2, 5};
+    int32_t far[5] = {3, 1, 16, 2, 5}; /* page 16 of a 16-page region */
 
     REFUSE(r.version = 2, DUET_ERR_UNSUPPORTED, "version");
     REFUSE(r.version = 0, DUET_ERR_UNSUPPORTED, "version");
@@ -272,8 +271,7 @@ Test(transfer_reservation, refusals_name_the_field, .timeout = 30, .init = cr_re
     REFUSE(r.layout.token_bytes = 0, DUET_ERR_FORMAT, "token_bytes");
     REFUSE((r.n_tokens = 0, r.layout.n_mla_layers = 0), DUET_ERR_FORMAT, "n_mla_layers");
     REFUSE(r.layout.n_mla_layers = 70000, DUET_ERR_RANGE, "n_mla_layers");
-    REFUSE((r.layout.token_bytes = 0xffffffffu, r.layout.page_tokens = 0xffffffffu,
-            r.n_tokens = 1),
+    REFUSE((r.layout.token_bytes = 0xffffffffu, r.layout.page_tokens = 0xffffffffu, r.n_tokens = 1),
            DUET_ERR_RANGE, "overflow");
     REFUSE(r.pages = neg, DUET_ERR_RANGE, "pages[1]");
     REFUSE(r.pages = far, DUET_ERR_RANGE, "kv_bytes");
@@ -301,9 +299,9 @@ Test(transfer_reservation, n_tokens_641_needs_six_pages_on_rank_0, .timeout = 10
 {
     /* 641 tokens = 11 global pages: rank 0 holds 6, rank 1 holds 5. */
     duet_xfer_reservation_t r = valid();
-    r.n_tokens                = 641;
+    r.n_tokens = 641;
     uint8_t buf[2048];
-    size_t  len;
+    size_t len;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
                  duet_error_last());
     r.rank = 0;
@@ -314,16 +312,16 @@ Test(transfer_reservation, n_tokens_641_needs_six_pages_on_rank_0, .timeout = 10
 Test(transfer_reservation, too_many_pages_and_oversized_buffers, .timeout = 30,
      .init = cr_redirect_stderr)
 {
-    uint32_t n     = DUET_XFER_RESERVATION_MAX_PAGES + 1;
+    uint32_t n = DUET_XFER_RESERVATION_MAX_PAGES + 1;
     int32_t *pages = calloc(n, sizeof(*pages));
     cr_assert_not_null(pages);
     duet_xfer_reservation_t r = valid();
-    r.pages                   = pages;
-    r.n_pages                 = n;
+    r.pages = pages;
+    r.n_pages = n;
     refused(&r, false, DUET_ERR_RANGE, "exceed the cap");
     free(pages);
 
-    size_t   big = (size_t)DUET_XFER_RESERVATION_MAX_BYTES + 1;
+    size_t big = (size_t)DUET_XFER_RESERVATION_MAX_BYTES + 1;
     uint8_t *buf = calloc(big, 1);
     cr_assert_not_null(buf);
     duet_xfer_reservation_t got;
@@ -336,13 +334,13 @@ Test(transfer_reservation, encode_validates_and_checks_space, .timeout = 10,
      .init = cr_redirect_stderr)
 {
     duet_xfer_reservation_t r = valid();
-    uint8_t                 buf[2048];
-    size_t                  len = 7;
-    r.group_size                = 0;
+    uint8_t buf[2048];
+    size_t len = 7;
+    r.group_size = 0;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_ERR_RANGE);
     r = valid();
     r.deadline_unix_ms = 1; /* encode does not judge staleness */
-    size_t need        = duet_xfer_reservation_packed_size(&r);
+    size_t need = duet_xfer_reservation_packed_size(&r);
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, need - 1, &len), DUET_ERR_NO_SPACE);
     cr_assert_eq(len, 7u);
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, need, &len), DUET_OK);
@@ -353,7 +351,7 @@ Test(transfer_reservation, garbage_and_every_truncation_refused, .timeout = 30,
      .init = cr_redirect_stderr)
 {
     duet_xfer_reservation_t got;
-    const uint8_t           junk[] = {0x0f, 0xff, 0xff, 0xff};
+    const uint8_t junk[] = {0x0f, 0xff, 0xff, 0xff};
     cr_assert_eq(duet_xfer_reservation_decode(junk, sizeof(junk), NOW, &got), DUET_ERR_FORMAT);
     cr_assert_not_null(strstr(duet_error_last(), "not a valid Reservation"));
     /* Zero bytes are a message with every field absent: refused for the missing layout. */
@@ -362,8 +360,8 @@ Test(transfer_reservation, garbage_and_every_truncation_refused, .timeout = 30,
 
     /* The deadline is the last field packed: every strict prefix is malformed or incomplete. */
     duet_xfer_reservation_t r = valid();
-    size_t                  len;
-    uint8_t                *buf = pack_raw(&r, false, &len);
+    size_t len;
+    uint8_t *buf = pack_raw(&r, false, &len);
     for (size_t cut = 0; cut < len; cut++) {
         duet_status_t st = duet_xfer_reservation_decode(buf, cut, NOW, &got);
         cr_assert_neq(st, DUET_OK, "prefix of %zu / %zu bytes accepted", cut, len);
@@ -378,11 +376,11 @@ Test(transfer_reservation, garbage_and_every_truncation_refused, .timeout = 30,
 Test(transfer_reservation, fuzz_decode, .timeout = 120, .init = cr_redirect_stderr)
 {
     duet_xfer_reservation_t r = valid();
-    size_t                  vlen;
-    uint8_t                *valid_buf = pack_raw(&r, false, &vlen);
-    uint8_t                *buf       = malloc(vlen + 64);
-    uint64_t                rng       = 0xfa11;
-    int                     n_ok = 0, n_bad = 0, n_weird = 0;
+    size_t vlen;
+    uint8_t *valid_buf = pack_raw(&r, false, &vlen);
+    uint8_t *buf = malloc(vlen + 64);
+    uint64_t rng = 0xfa11;
+    int n_ok = 0, n_bad = 0, n_weird = 0;
     cr_assert_not_null(buf);
     for (int iter = 0; iter < 5000; iter++) {
         size_t len;
@@ -397,15 +395,23 @@ Test(transfer_reservation, fuzz_decode, .timeout = 120, .init = cr_redirect_stde
             for (int m = 0; m < n_mut; m++) {
                 size_t at = rng_next(&rng) % len;
                 switch (rng_next(&rng) % 4) {
-                case 0: buf[at] ^= (uint8_t)(1u << (rng_next(&rng) % 8)); break;
-                case 1: buf[at] = (uint8_t)rng_next(&rng); break;
-                case 2: buf[at] = 0xff; break;
-                default: len = at + 1; break;
+                case 0:
+                    buf[at] ^= (uint8_t)(1u << (rng_next(&rng) % 8));
+                    break;
+                case 1:
+                    buf[at] = (uint8_t)rng_next(&rng);
+                    break;
+                case 2:
+                    buf[at] = 0xff;
+                    break;
+                default:
+                    len = at + 1;
+                    break;
                 }
             }
         }
         duet_xfer_reservation_t got;
-        duet_status_t           st = duet_xfer_reservation_decode(buf, len, NOW, &got);
+        duet_status_t st = duet_xfer_reservation_decode(buf, len, NOW, &got);
         if (st == DUET_OK) {
             n_ok++;
             uint64_t pb = duet_xfer_layout_kv_page_bytes(&got.layout);
