@@ -101,11 +101,12 @@ static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n
 }
 
 /*
- * The model folder's tokenizer: duet_tokenizer.json ({"type": "byte", "specials": [...]}) for
- * byte-level models, else tokenizer.model / *.tiktoken through duet_tokenizer_load.
+ * The model folder's tokenizer: duet_tokenizer.json ({"type": "byte", "specials": [...],
+ * "add_bos": bool}) for byte-level models, else tokenizer.model through duet_tokenizer_load.
+ * *add_bos_p tells whether text prompts start with the config's bos_token_id.
  * DUET_ERR_NOT_FOUND when the folder has none.
  */
-static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p)
+static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p, int *add_bos_p)
 {
     char        path[4096];
     struct stat sb;
@@ -117,8 +118,11 @@ static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_
             return duet_error_set(DUET_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
         const char   *type     = json_string_value(json_object_get(root, "type"));
         json_t       *specials = json_object_get(root, "specials");
+        json_t       *add_bos  = json_object_get(root, "add_bos");
         duet_status_t st       = DUET_OK;
-        if (type == NULL || strcmp(type, "byte") != 0) {
+        if (add_bos != NULL && !json_is_boolean(add_bos)) {
+            st = duet_error_set(DUET_ERR_FORMAT, "%s: \"add_bos\" must be true or false", path);
+        } else if (type == NULL || strcmp(type, "byte") != 0) {
             st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
         } else if (specials != NULL && !json_is_array(specials)) {
             st = duet_error_set(DUET_ERR_FORMAT, "%s: \"specials\" must be an array", path);
@@ -135,6 +139,8 @@ static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_
             }
             if (st == DUET_OK)
                 st = duet_tokenizer_create_byte(n > 0 ? names : NULL, n, tok_p);
+            if (st == DUET_OK)
+                *add_bos_p = add_bos != NULL && json_is_true(add_bos);
         }
         json_decref(root);
         return st;
@@ -213,7 +219,8 @@ int main(int argc, char **argv)
     }
 
     /* tokenizer: required for --prompt, optional (for text output) with --tokens */
-    st = gen_load_tokenizer(dir, &tok);
+    int add_bos = 0;
+    st          = gen_load_tokenizer(dir, &tok, &add_bos);
     if (st != DUET_OK && (prompt_text != NULL || st != DUET_ERR_NOT_FOUND)) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
@@ -232,17 +239,29 @@ int main(int argc, char **argv)
             goto out;
         }
         uint32_t *ids = malloc(sizeof(*ids) * (n + 1));
-        prompt        = malloc(sizeof(*prompt) * (n + 1));
+        prompt        = malloc(sizeof(*prompt) * (n + 2));
         if (ids == NULL || prompt == NULL ||
             duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, ids, n, &n) != DUET_OK) {
             free(ids);
             fprintf(stderr, "duet-generate: cannot tokenize the prompt: %s\n", duet_error_last());
             goto out;
         }
+        /* the BOS id comes from config.json, read before the model is loaded */
+        int32_t bos = -1;
+        if (add_bos) {
+            duet_model_config_t mcfg;
+            if (duet_model_config_load(dir, &mcfg) != DUET_OK) {
+                free(ids);
+                fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+                goto out;
+            }
+            bos = mcfg.bos_token_id;
+        }
+        if (bos >= 0)
+            prompt[n_prompt++] = bos;
         for (size_t i = 0; i < n; i++)
-            prompt[i] = (int32_t)ids[i];
+            prompt[n_prompt++] = (int32_t)ids[i];
         free(ids);
-        n_prompt = (int64_t)n;
         if (n_prompt == 0) {
             fprintf(stderr, "duet-generate: the prompt is empty\n");
             goto out;

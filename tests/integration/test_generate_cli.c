@@ -1,0 +1,148 @@
+/*
+ * duet-generate as a real process: its --json and --dump-logits contract against transformers'
+ * golden outputs (tests/fixtures), the demo model's greedy text against transformers fp32, and
+ * clear errors with exit status 1 for bad invocations.
+ */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#define GEN DUET_BINARY_DIR "/engine/duet-generate"
+#define FIX DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32"
+
+/* Run a shell command, capture stdout (and stderr when merge), return the exit status. */
+static int run(const char *cmd, char *out, size_t cap)
+{
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p, "popen %s", cmd);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n]   = '\0';
+    int st   = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static json_t *golden(void)
+{
+    json_error_t e;
+    json_t      *g = json_load_file(FIX "/golden.json", 0, &e);
+    cr_assert_not_null(g, "%s", e.text);
+    return g;
+}
+
+static char *ids_csv(json_t *arr)
+{
+    static char buf[8192];
+    size_t      at = 0;
+    for (size_t i = 0; i < json_array_size(arr); i++)
+        at += (size_t)snprintf(buf + at, sizeof(buf) - at, "%s%lld", i ? "," : "",
+                               (long long)json_integer_value(json_array_get(arr, i)));
+    return buf;
+}
+
+Test(generate_cli, json_tokens_match_transformers_greedy, .timeout = 120)
+{
+    json_t *g = golden();
+    char    cmd[12288], out[65536];
+    snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 32 --json",
+             GEN, FIX, ids_csv(json_object_get(g, "prompt_ids")));
+    cr_assert_eq(run(cmd, out, sizeof(out)), 0, "%s", out);
+    json_error_t e;
+    json_t      *o = json_loads(out, 0, &e);
+    cr_assert_not_null(o, "not JSON: %s", out);
+    json_t *toks = json_object_get(o, "tokens"), *want = json_object_get(g, "greedy_ids");
+    cr_assert_eq(json_array_size(toks), 32);
+    for (size_t i = 0; i < 32; i++)
+        cr_expect_eq(json_integer_value(json_array_get(toks, i)),
+                     json_integer_value(json_array_get(want, i)), "token %zu", i);
+    cr_expect_eq(json_integer_value(json_object_get(o, "prompt_tokens")),
+                 (json_int_t)json_array_size(json_object_get(g, "prompt_ids")));
+    cr_expect(json_is_number(json_object_get(o, "prefill_tokens_per_s")));
+    cr_expect(json_is_number(json_object_get(o, "decode_tokens_per_s")));
+    cr_expect(json_is_string(json_object_get(o, "text")));
+    json_decref(o);
+    json_decref(g);
+}
+
+Test(generate_cli, dump_logits_matches_transformers, .timeout = 120)
+{
+    json_t *g = golden();
+    char    cmd[12288], out[4096];
+    const char *dump = "/tmp/duet_test_dump_logits.bin";
+    snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 1 "
+             "--prefill-chunk 50 --dump-logits %s >/dev/null", GEN, FIX,
+             ids_csv(json_object_get(g, "prompt_ids")), dump);
+    cr_assert_eq(run(cmd, out, sizeof(out)), 0);
+    const int64_t P = (int64_t)json_array_size(json_object_get(g, "prompt_ids"));
+    const int64_t V = json_integer_value(json_object_get(g, "vocab_size"));
+    float *a = malloc(sizeof(float) * (size_t)(P * V)), *b = malloc(sizeof(float) * (size_t)(P * V));
+    FILE  *f = fopen(dump, "rb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fread(a, sizeof(float), (size_t)(P * V), f), (size_t)(P * V), "dump is short");
+    cr_expect_eq(fgetc(f), EOF, "dump is [prompt_len, vocab] exactly");
+    fclose(f);
+    f = fopen(FIX "/logits_fp32.bin", "rb");
+    cr_assert_eq(fread(b, sizeof(float), (size_t)(P * V), f), (size_t)(P * V));
+    fclose(f);
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < P * V; i++) {
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+        den += (double)b[i] * b[i];
+    }
+    printf("duet-generate --dump-logits (prefill chunk 50) vs transformers: rel L2 %.3g\n",
+           sqrt(num / den));
+    cr_expect_leq(sqrt(num / den), 1e-4);
+    remove(dump);
+    free(a);
+    free(b);
+    json_decref(g);
+}
+
+Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
+{
+    /* transformers 5.17 fp32, prompt <|bos|> "And God said", 60 greedy tokens (cached decode) */
+    static const char *want =
+        "32,116,111,32,104,105,109,44,32,226,128,156,73,32,119,105,108,108,32,115,101,101,32,121,"
+        "111,117,32,97,110,100,32,116,104,101,32,112,114,111,112,104,101,116,115,32,119,104,111,"
+        "32,97,114,101,32,105,110,32,121,111,117,114,32";
+    char out[65536];
+    cr_assert_eq(run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR "/models/duet-demo "
+                     "--prompt 'And God said' --max-tokens 60 --json", out, sizeof(out)), 0, "%s", out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
+    cr_expect_eq(json_integer_value(json_object_get(o, "prompt_tokens")), 13, "BOS + 12 bytes");
+    cr_expect(strncmp(json_string_value(json_object_get(o, "text")), " to him, \xe2\x80\x9cI will", 14) == 0,
+              "%s", json_string_value(json_object_get(o, "text")));
+    json_decref(o);
+}
+
+Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
+{
+    static const struct {
+        const char *args, *needle;
+    } cases[] = {
+        {"", "model"},
+        {"--model " FIX, "exactly one of --prompt and --tokens"},
+        {"--model " FIX " --tokens 1,x,3", "--tokens"},
+        {"--model " FIX " --prompt hi", "no tokenizer"},
+        {"--model /nonexistent --tokens 1", "/nonexistent"},
+        {"--model " FIX " --tokens 1 --temperature -1", "temperature"},
+        {"--model " FIX " --tokens 1 --bogus 3", "bogus"},
+        {"--model " FIX " --tokens 99999", "vocabulary"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char cmd[4096], out[65536];
+        snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s %s 2>&1", GEN, cases[i].args);
+        int rc = run(cmd, out, sizeof(out));
+        cr_expect_neq(rc, 0, "'%s' should fail", cases[i].args);
+        cr_expect(strstr(out, cases[i].needle) != NULL, "'%s': message lacks \"%s\": %s",
+                  cases[i].args, cases[i].needle, out);
+    }
+    char out[65536];
+    cr_expect_eq(run(GEN " --help", out, sizeof(out)), 0);
+    cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s", out);
+}
