@@ -1,0 +1,270 @@
+/*
+ * The UCX runtime of transfer/: moves MLA KV pages and KDA state from a context worker's pools
+ * straight into pages a generation worker reserved (DESIGN §1, §4, §6). It knows pools, pages and
+ * byte ranges (transfer/plan.h), never models.
+ *
+ * One duet_xfer_ctx_t per process: one UCX context (RMA + AM + WAKEUP) and one worker, driven by
+ * its owner's loop through duet_xfer_ctx_fd() / duet_xfer_ctx_progress() (a libuv poll handle
+ * later; duet_xfer_ctx_wait() in tests and tools). Everything runs on the thread that calls
+ * progress: the runtime is single-threaded like the worker (UCS_THREAD_MODE_SINGLE).
+ *
+ * Receiver (generation side):
+ *   duet_xfer_recv_reserve() takes the request's destination pages and KDA slot (which the owner
+ *   already took from its pools) and a deadline, and produces the Reservation (worker address,
+ *   rkeys, pool bases, layout, pages, deadline) that travels to the sender through the router.
+ *   The transfer is then RESERVED -> RECEIVING (the sender said hello) -> DONE | ABORTED, and the
+ *   owner's callback is told exactly one outcome: DONE once the sender's completion message came
+ *   (byte count checked, checksum verified when sent), or ABORTED with a reason: the sender's
+ *   abort message, the deadline, the sender's death (UCX error handler on our endpoint to it), a
+ *   bad completion, or shutdown. On ABORTED the owner returns the pages at once; the runtime never
+ *   owns pages.
+ *
+ * Sender (context side):
+ *   duet_xfer_send_start() takes one decoded Reservation per destination rank (N for a Helix CP
+ *   group) and the source pages/slot, builds the plan, connects (one cached endpoint per peer
+ *   worker), and is CONNECTING -> SENDING -> FLUSHING -> DONE | ABORTED. Layer-wise streaming:
+ *   duet_xfer_send_layer_ready(L) puts MLA layer L at once (ucp_put_nbx, zero copy from the
+ *   registered pool), duet_xfer_send_kda_ready() puts the KDA state and conv windows; when every
+ *   layer is out the endpoints are flushed and one XferDone active message goes to each rank
+ *   (bytes, optional XXH3-64 of the rank's bytes in plan order, computed on the source bytes).
+ *   The sender's outcome is reported only once no UCX operation can still read its source pages
+ *   (aborts flush or force-close the endpoints first, bounded by abort_grace_ms), so the owner may
+ *   reuse its pages in the callback.
+ *
+ * Wire (DESIGN §6): data are RMA puts; control messages are UCX active messages whose body is a
+ * packed duet.Envelope (XferDone / XferAbort). One control message is not in duet.proto: the
+ * sender's hello, which carries the sender's worker address so that the receiver can open its own
+ * endpoint back (to send aborts and to learn of the sender's death). It is a fixed 16-byte AM
+ * header plus the raw address, see xfer_impl.h.
+ *
+ * Bounded: transfers live in a fixed table (opts.max_transfers; DUET_ERR_BUSY when full), peers
+ * in a fixed cache (opts.max_peers), control messages in a fixed buffer pool; every state has a
+ * deadline, so no path waits forever.
+ *
+ * Known limit: when a receiver aborts on its own (deadline, cancel) its owner reclaims the pages
+ * at once, while a sender that has not yet seen the abort may still have puts in flight into them.
+ * Closing that window needs per-reservation registration or an acknowledged abort; not done here.
+ */
+#ifndef DUET_TRANSFER_XFER_H
+#define DUET_TRANSFER_XFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "transfer/plan.h"
+#include "transfer/reservation.h"
+
+typedef struct duet_xfer_ctx duet_xfer_ctx_t;
+
+/* A transfer's id: on the receiver the Reservation's transfer_id, on the sender a local handle. */
+typedef uint64_t duet_xfer_id_t;
+
+/* Where a pool lives. Only host memory for now; device memory comes with the CUDA issue. */
+typedef enum {
+    DUET_XFER_MEM_HOST = 0,
+    DUET_XFER_MEM_CUDA = 1, /* refused (DUET_ERR_UNSUPPORTED) until UCX has CUDA transports */
+} duet_xfer_mem_kind_t;
+
+/* The registered pools; the values match duet_xfer_seg_kind_t so plan entries index them. */
+typedef enum {
+    DUET_XFER_POOL_KV  = 0,
+    DUET_XFER_POOL_KDA = 1,
+    DUET_XFER_N_POOLS  = 2,
+} duet_xfer_pool_t;
+
+typedef enum {
+    DUET_XFER_ROLE_SEND = 0,
+    DUET_XFER_ROLE_RECV = 1,
+} duet_xfer_role_t;
+
+typedef enum {
+    DUET_XFER_OUTCOME_DONE    = 0,
+    DUET_XFER_OUTCOME_ABORTED = 1,
+} duet_xfer_outcome_kind_t;
+
+#define DUET_XFER_REASON_MAP(X)                                                                    \
+    X(DUET_XFER_REASON_NONE, "none")                                                               \
+    X(DUET_XFER_REASON_CANCELLED, "cancelled")       /* the owner cancelled */                     \
+    X(DUET_XFER_REASON_DEADLINE, "deadline")         /* the deadline passed */                     \
+    X(DUET_XFER_REASON_PEER_FAILED, "peer_failed")   /* the endpoint to the peer failed */         \
+    X(DUET_XFER_REASON_PEER_ABORTED, "peer_aborted") /* the peer sent XferAbort */                 \
+    X(DUET_XFER_REASON_REFUSED, "refused")           /* bad completion message / byte count */     \
+    X(DUET_XFER_REASON_CHECKSUM, "checksum")         /* checksum mismatch */                       \
+    X(DUET_XFER_REASON_TRANSPORT, "transport")       /* a local UCX operation failed */            \
+    X(DUET_XFER_REASON_SHUTDOWN, "shutdown")         /* the context is being destroyed */
+
+typedef enum {
+#define DUET__XFER_REASON_ENUM(name, str) name,
+    DUET_XFER_REASON_MAP(DUET__XFER_REASON_ENUM)
+#undef DUET__XFER_REASON_ENUM
+        DUET_XFER_N_REASONS
+} duet_xfer_reason_t;
+
+/* "deadline" for DUET_XFER_REASON_DEADLINE (also the metric label value). */
+const char *duet_xfer_reason_str(duet_xfer_reason_t r);
+
+/* What a transfer ended with; passed to the owner's callback, valid during the call only. */
+typedef struct {
+    duet_xfer_id_t           id;
+    uint64_t                 req_id;
+    duet_xfer_role_t         role;
+    duet_xfer_outcome_kind_t kind;
+    duet_xfer_reason_t       reason;       /* NONE when DONE */
+    const char              *message;      /* human-readable detail ("" when DONE) */
+    uint64_t                 bytes;        /* bytes moved (sender: all ranks; receiver: its own) */
+    bool                     has_checksum; /* receiver: the sender sent one and it matched */
+    uint64_t                 checksum;
+    double                   seconds;      /* from reserve / start to the outcome */
+} duet_xfer_outcome_t;
+
+/*
+ * Called once per transfer, from duet_xfer_ctx_progress() (or from the cancel / destroy call
+ * that ended it). The transfer is already gone from the table, so the callback may start,
+ * reserve or cancel other transfers; it must not destroy the context.
+ */
+typedef void (*duet_xfer_outcome_cb_t)(const duet_xfer_outcome_t *o, void *user);
+
+typedef struct {
+    uint32_t        max_transfers;   /* table capacity, both roles together (default 256) */
+    uint32_t        max_peers;       /* cached endpoints (default 64) */
+    uint32_t        max_pages;       /* pages per reservation (default 65536) */
+    uint32_t        abort_grace_ms;  /* sender: how long an abort may wait for its flush (1000) */
+    duet_metrics_t *metrics;         /* registry for duet_xfer_*; not owned; NULL = none */
+} duet_xfer_ctx_opts_t;
+
+/* Defaults for every field (metrics NULL). */
+void duet_xfer_ctx_opts_default(duet_xfer_ctx_opts_t *opts);
+
+/*
+ * Create the UCX context and worker (transports from the UCX_* environment, e.g. UCX_TLS and
+ * UCX_NET_DEVICES) and register the duet_xfer_* metrics in opts->metrics. DUET_ERR_TRANSPORT
+ * when UCX cannot start, DUET_ERR_INVALID for bad options or metrics already registered.
+ */
+duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_ctx_t **ctx_p);
+
+/*
+ * Abort every live transfer (reason SHUTDOWN, callbacks run), tell peers, close endpoints
+ * (bounded wait), unregister pools, free everything. Accepts NULL.
+ */
+void duet_xfer_ctx_destroy(duet_xfer_ctx_t *ctx);
+
+/*
+ * Register pool `pool` (ucp_mem_map of the existing buffer base[0..bytes)) and pack its rkey.
+ * Once per pool; DUET_ERR_INVALID when already registered, DUET_ERR_UNSUPPORTED for device memory.
+ * The buffer must outlive the context.
+ */
+duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
+                                     size_t bytes, duet_xfer_mem_kind_t kind);
+
+/* The worker's event fd: readable when progress may have work (after duet_xfer_ctx_arm). */
+int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx);
+
+/*
+ * Progress UCX, advance every transfer's state machine, enforce deadlines, and run outcome
+ * callbacks. Returns the number of events handled (0 = nothing happened).
+ */
+int duet_xfer_ctx_progress(duet_xfer_ctx_t *ctx);
+
+/*
+ * Arm the event fd before sleeping on it. DUET_OK: safe to sleep until the fd is readable or
+ * duet_xfer_ctx_timeout_ms() passes; DUET_ERR_BUSY: call progress again first.
+ */
+duet_status_t duet_xfer_ctx_arm(duet_xfer_ctx_t *ctx);
+
+/* Milliseconds until the next deadline or internal timer (-1 = none): the loop's timer. */
+int duet_xfer_ctx_timeout_ms(const duet_xfer_ctx_t *ctx);
+
+/*
+ * Progress, then, if nothing happened, sleep on the event fd for at most timeout_ms (and at most
+ * until the next deadline). Returns progress's event count. For tests, tools and benchmarks.
+ */
+int duet_xfer_ctx_wait(duet_xfer_ctx_t *ctx, int timeout_ms);
+
+/* Live transfers of a role (for tests and gauges). */
+uint32_t duet_xfer_ctx_active(const duet_xfer_ctx_t *ctx, duet_xfer_role_t role);
+
+/* --- receiver ---------------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t               req_id;
+    duet_xfer_layout_t     layout;           /* this rank's pool layout */
+    const int32_t         *pages;            /* reserved local pages, sequence order; copied */
+    uint32_t               n_pages;
+    int32_t                kda_slot;         /* -1 when no KDA state is expected */
+    uint64_t               n_tokens;         /* tokens of KV the whole group receives */
+    uint32_t               rank;             /* this rank in the destination group */
+    uint32_t               group_size;       /* 1 = no Helix CP */
+    uint64_t               deadline_unix_ms; /* wall clock (the peer is another host) */
+    duet_xfer_outcome_cb_t cb;
+    void                  *user;
+} duet_xfer_recv_args_t;
+
+/*
+ * Reserve: check the pages and slot against the registered pools and the layout, take a table
+ * entry, and fill *res_p with the Reservation to send (encode it with
+ * duet_xfer_reservation_encode, or embed it with duet_xfer_reservation_to_proto). Its spans point
+ * into the context (worker address, rkeys, a copy of the pages) and stay valid until the outcome
+ * callback runs. res_p->transfer_id is the transfer's id. DUET_ERR_BUSY when the table is full,
+ * DUET_ERR_INVALID / DUET_ERR_RANGE for bad arguments (pages outside the KV pool, more than
+ * max_pages, a layout not matching the registered pools), DUET_ERR_TIMEOUT for a deadline in the
+ * past. On error nothing is reserved and no callback will run.
+ */
+duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_args_t *args,
+                                     duet_xfer_reservation_t *res_p);
+
+/*
+ * The owner gives up (client gone, drain): the sender is told (XferAbort) when it has said
+ * hello, and the callback runs before this returns with ABORTED(CANCELLED, message).
+ * DUET_ERR_NOT_FOUND when the transfer already ended.
+ */
+duet_status_t duet_xfer_recv_cancel(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, const char *message);
+
+/* --- sender ------------------------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t               req_id;
+    const duet_xfer_reservation_t *reservations; /* [n_ranks], rank r at [r]; decoded */
+    uint32_t               n_ranks;          /* destination group size */
+    duet_xfer_layout_t     layout;           /* the source pools' layout */
+    duet_xfer_src_t        src;              /* source pages / slot / n_tokens; pages copied */
+    uint64_t               deadline_unix_ms; /* 0 = the reservations' (earliest) deadline */
+    bool                   checksum;         /* send XXH3-64 of each rank's bytes */
+    duet_xfer_outcome_cb_t cb;
+    void                  *user;
+} duet_xfer_send_args_t;
+
+/*
+ * Start sending: check every reservation again (duet_xfer_reservation_validate with the current
+ * clock: it may have been filled by hand or waited in a queue) and against each other and the
+ * source (rank r at [r], one group size, one transfer per rank, n_tokens equal to src.n_tokens,
+ * the plan's byte ranges inside each rank's advertised pools and inside our registered pools),
+ * build the plan, connect (the rkeys must unpack). Nothing is put until layers are ready.
+ * *id_p = the sender-side handle. Refusals, each with a detail in duet_error_last():
+ * DUET_ERR_UNSUPPORTED (version), DUET_ERR_FORMAT (a required field missing, an rkey or worker
+ * address UCX cannot use), DUET_ERR_INVALID (inconsistent group or layouts), DUET_ERR_RANGE
+ * (oversized: pages past max_pages, bytes outside a pool), DUET_ERR_TIMEOUT (stale: deadline
+ * passed), DUET_ERR_BUSY (table or peer cache full). On error no callback will run.
+ */
+duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_args_t *args,
+                                   duet_xfer_id_t *id_p);
+
+/*
+ * MLA layer `layer` of the source pages is final: put it now (or as soon as connected).
+ * Idempotent. DUET_ERR_NOT_FOUND when the transfer already ended (e.g. aborted by the peer: the
+ * outcome callback has run or will run), DUET_ERR_RANGE for a layer past the layout.
+ */
+duet_status_t duet_xfer_send_layer_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, uint32_t layer);
+
+/* The KDA state and conv windows are final: put them (no-op when the request has none). */
+duet_status_t duet_xfer_send_kda_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id);
+
+/*
+ * Abort from the sender's side: tell every rank (XferAbort), flush, then run the callback with
+ * ABORTED(CANCELLED) from progress. DUET_ERR_NOT_FOUND when the transfer already ended.
+ */
+duet_status_t duet_xfer_send_cancel(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, const char *message);
+
+#endif
