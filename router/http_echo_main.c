@@ -1,0 +1,82 @@
+/*
+ * duet-http-echo: the HTTP server with the echo application (http_echo.h), for tests and wrk
+ * benchmarks. Prints "port <n>" on stdout once listening; SIGINT/SIGTERM shut it down gracefully.
+ *
+ *   duet-http-echo [--host 127.0.0.1] [--port 0] [--max-connections N] [--idle-ms N]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "router/http.h"
+#include "router/http_echo.h"
+
+static uv_signal_t sig_int, sig_term;
+static duet_http_server_t *server;
+
+static void on_server_closed(void *user)
+{
+    uv_close((uv_handle_t *)&sig_int, NULL);
+    uv_close((uv_handle_t *)&sig_term, NULL);
+}
+
+static void on_signal(uv_signal_t *s, int signum)
+{
+    if (server == NULL)
+        return;
+    duet_http_server_t *srv = server;
+    server = NULL;
+    duet_http_server_close(srv, on_server_closed, NULL);
+}
+
+int main(int argc, char **argv)
+{
+    duet_http_options_t opts;
+    duet_http_options_default(&opts);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (v == NULL) {
+            fprintf(stderr,
+                    "usage: %s [--host H] [--port P] [--max-connections N] "
+                    "[--idle-ms N]\n",
+                    argv[0]);
+            return 2;
+        }
+        if (strcmp(a, "--host") == 0)
+            opts.host = v;
+        else if (strcmp(a, "--port") == 0)
+            opts.port = (uint16_t)atoi(v);
+        else if (strcmp(a, "--max-connections") == 0)
+            opts.max_connections = (size_t)atol(v);
+        else if (strcmp(a, "--idle-ms") == 0)
+            opts.idle_timeout_ms = (uint32_t)atol(v);
+        else {
+            fprintf(stderr, "%s: unknown option %s\n", argv[0], a);
+            return 2;
+        }
+        i++;
+    }
+    uv_loop_t *loop = uv_default_loop();
+    duet_http_echo_t app;
+    duet_http_echo_init(&app, loop);
+    opts.on_request = duet_http_echo_on_request;
+    opts.on_abort = duet_http_echo_on_abort;
+    opts.user = &app;
+    opts.shutdown_grace_ms = 2000;
+    if (duet_http_server_start(loop, &opts, &server) != DUET_OK) {
+        uv_run(loop, UV_RUN_DEFAULT);
+        uv_loop_close(loop);
+        return 1;
+    }
+    uv_signal_init(loop, &sig_int);
+    uv_signal_init(loop, &sig_term);
+    uv_signal_start(&sig_int, on_signal, SIGINT);
+    uv_signal_start(&sig_term, on_signal, SIGTERM);
+    printf("port %u\n", duet_http_server_port(server));
+    fflush(stdout);
+    uv_run(loop, UV_RUN_DEFAULT);
+    int rc = uv_loop_close(loop) == 0 ? 0 : 1;
+    return rc;
+}
