@@ -3,8 +3,9 @@
  * it into matrix products over chunks of 64 tokens (transformers' chunk_kimi_delta_attention):
  * within a chunk the delta-rule updates are folded with the UT transform T = (I + A)^-1 Diag(β),
  * found by forward substitution, so the state is touched once per chunk instead of per token.
- * Pairwise decays are computed as exp(Γ_i − Γ_j), one exponent of a difference, never a ratio
- * of exponents (Γ is a cumulative sum of non-positive values and exp(Γ) can underflow).
+ * Pairwise decays e^{Γ_i − Γ_j} are never formed as a ratio of exponents (Γ is a cumulative
+ * sum of non-positive values and e^{Γ} can underflow): they are products of per-token decays
+ * <= 1, accumulated row by row, which is also how the recurrence applies them.
  * A final partial chunk needs no padding: padded rows of the reference have β = 0, k = 0, g = 0
  * and change neither the outputs nor the state.
  */
@@ -13,6 +14,15 @@
 #include <math.h>
 #include <string.h>
 
+/* The loops below vectorise; build an AVX2/FMA and an AVX-512 copy next to the baseline one and
+ * let the loader pick (the binary still runs on any x86-64). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DUET_KDA_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define DUET_KDA_CLONES
+#endif
+
+DUET_KDA_CLONES
 void duet_kda_recurrent(const duet_kda_head_io_t *io, float *S)
 {
     const int64_t K = io->K, V = io->V;
@@ -54,10 +64,11 @@ void duet_kda_recurrent(const duet_kda_head_io_t *io, float *S)
 int64_t duet_kda_chunk_scratch_floats(int64_t K, int64_t V)
 {
     const int64_t C = DUET_KDA_CHUNK;
-    /* gam[C][K], A[C][C], Aqk[C][C], U[C][V], W[C][K], E[K] */
-    return C * K + 2 * C * C + C * V + C * K + K + 64;
+    /* gam[C][K], A[C][C], Aqk[C][C], U[C][V], W[C][K], KE[K][C], skk[C], sqk[C] */
+    return C * K + 2 * C * C + C * V + C * K + K * C + 2 * C + 64;
 }
 
+DUET_KDA_CLONES
 void duet_kda_chunked(const duet_kda_head_io_t *io, float *S, float *scratch)
 {
     const int64_t C = DUET_KDA_CHUNK, K = io->K, V = io->V;
@@ -66,7 +77,9 @@ void duet_kda_chunked(const duet_kda_head_io_t *io, float *S, float *scratch)
     float *Aqk = A + C * C;    /* [C][C] decayed q·k, j <= i */
     float *U   = Aqk + C * C;  /* [C][V] T·(βV), then v_new */
     float *W   = U + C * V;    /* [C][K] T·(β e^Γ K) */
-    float *E   = W + C * K;    /* [K] one row of pairwise decays */
+    float *KE  = W + C * K;    /* [K][C] k_j · e^{Γi − Γj} for the current row i */
+    float *skk = KE + K * C;   /* [C] */
+    float *sqk = skk + C;      /* [C] */
 
     for (int64_t c0 = 0; c0 < io->n; c0 += C) {
         const int64_t n = io->n - c0 < C ? io->n - c0 : C;
@@ -80,22 +93,36 @@ void duet_kda_chunked(const duet_kda_head_io_t *io, float *S, float *scratch)
             for (int64_t d = 0; d < K; d++)
                 gam[i * K + d] = (i > 0 ? gam[(i - 1) * K + d] : 0.0f) + G_(i)[d];
 
-        /* A[i][j] = -β_i Σ_d k_i k_j e^{Γi-Γj} (j < i); Aqk[i][j] = Σ_d q_i k_j e^{Γi-Γj} (j <= i) */
+        /* A[i][j] = -β_i Σ_d k_i k_j e^{Γi-Γj} (j < i); Aqk[i][j] = Σ_d q_i k_j e^{Γi-Γj} (j <= i).
+         * KE[d][j] holds k_j[d]·e^{Γi[d]-Γj[d]} for the current row i; moving to row i+1
+         * multiplies it by e^{g_{i+1}} (a product of decays <= 1, as the recurrence itself does),
+         * so a chunk costs C·K exponentials instead of C²·K/2. j runs innermost so the loops
+         * vectorise. */
         for (int64_t i = 0; i < n; i++) {
-            const float *ki = K_(i), *qi = Q_(i);
-            for (int64_t j = 0; j <= i; j++) {
-                const float *kj = K_(j);
-                float        skk = 0.0f, sqk = 0.0f;
-                for (int64_t d = 0; d < K; d++)
-                    E[d] = expf(gam[i * K + d] - gam[j * K + d]);
-                for (int64_t d = 0; d < K; d++) {
-                    float kd = kj[d] * E[d];
-                    skk += ki[d] * kd;
-                    sqk += qi[d] * kd;
-                }
-                A[i * C + j]   = j < i ? -B_(i) * skk : 0.0f;
-                Aqk[i * C + j] = sqk;
+            const float *ki = K_(i), *qi = Q_(i), *gi = G_(i);
+            for (int64_t d = 0; d < K; d++) {
+                float *ke = KE + d * C;
+                float  eg = expf(gi[d]);
+                for (int64_t j = 0; j < i; j++)
+                    ke[j] *= eg;
+                ke[i] = ki[d];
             }
+            for (int64_t j = 0; j <= i; j++)
+                skk[j] = sqk[j] = 0.0f;
+            for (int64_t d = 0; d < K; d++) {
+                const float *ke = KE + d * C;
+                const float  kd = ki[d], qd = qi[d];
+                for (int64_t j = 0; j <= i; j++) {
+                    skk[j] += kd * ke[j];
+                    sqk[j] += qd * ke[j];
+                }
+            }
+            const float bi = B_(i);
+            for (int64_t j = 0; j < i; j++)
+                A[i * C + j] = -bi * skk[j];
+            A[i * C + i] = 0.0f;
+            for (int64_t j = 0; j <= i; j++)
+                Aqk[i * C + j] = sqk[j];
         }
         /* Forward substitution: row i += row i · A[:i, :i] (rows above already transformed). */
         for (int64_t i = 1; i < n; i++) {
