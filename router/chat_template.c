@@ -1,0 +1,512 @@
+/*
+ * Chat templates (see chat_template.h and CHAT_TEMPLATE.md).
+ *
+ * A template is compiled once into lists of parts: ordinary bytes, a special-token id, or a
+ * {role} / {content} hole. The literal text of the template is split at special tokens by encoding
+ * it with specials allowed and decoding the ordinary runs back to bytes (encoding is lossless),
+ * so the tokenizer alone decides what a special token is. Applying a template appends ordinary
+ * bytes to one pending buffer and encodes it only when a special id (or the end) cuts it: content
+ * is never scanned for special-token text, and BPE merges across template text and content as it
+ * would for the whole string.
+ */
+#include "router/chat_template.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/json.h"
+#include "common/log.h"
+#include "common/strbuf.h"
+
+typedef enum {
+    TPL_PART_TEXT = 0, /* off/len into the template's text blob */
+    TPL_PART_SPECIAL,  /* id */
+    TPL_PART_ROLE,     /* the role's name */
+    TPL_PART_CONTENT,  /* the message's content */
+} tpl_part_kind_t;
+
+typedef struct {
+    tpl_part_kind_t kind;
+    uint32_t id;
+    size_t off, len;
+} tpl_part_t;
+
+typedef struct {
+    tpl_part_t *parts; /* (n) owned */
+    size_t n;
+} tpl_seq_t;
+
+enum {
+    TPL_SEQ_PREFIX = 0,
+    TPL_SEQ_MSG_SYSTEM, /* + role: one per role */
+    TPL_SEQ_MSG_USER,
+    TPL_SEQ_MSG_ASSISTANT,
+    TPL_SEQ_GENERATION,
+    TPL_SEQ_COMPLETION,
+    TPL_SEQ_COUNT,
+};
+
+struct duet_oai_template {
+    const duet_tokenizer_t *tok; /* not owned; outlives the template */
+    tpl_seq_t seq[TPL_SEQ_COUNT];
+    char *blob; /* (blob_len) owned: the ordinary text of every TEXT part */
+    size_t blob_len;
+};
+
+static const char *const tpl_role_names[DUET_OAI_ROLE_COUNT] = {"system", "user", "assistant"};
+
+const char *duet_oai_role_name(duet_oai_role_t role)
+{
+    if ((int)role < 0 || role >= DUET_OAI_ROLE_COUNT)
+        return "unknown";
+    return tpl_role_names[role];
+}
+
+/* ---------------------------------------------------------------- compiling */
+
+static duet_status_t tpl_seq_push(tpl_seq_t *seq, tpl_part_t part)
+{
+    tpl_part_t *p = realloc(seq->parts, (seq->n + 1) * sizeof(*p));
+    if (p == NULL)
+        return DUET_ERR_NOMEM;
+    p[seq->n++] = part;
+    seq->parts = p;
+    return DUET_OK;
+}
+
+/* Append literal template text: split at special tokens into TEXT and SPECIAL parts. */
+static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
+                                     const char *s, size_t len)
+{
+    if (len == 0)
+        return DUET_OK;
+    uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
+    if (ids == NULL)
+        return DUET_ERR_NOMEM;
+    size_t n = 0;
+    duet_status_t st =
+        duet_tokenizer_encode(t->tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
+    for (size_t i = 0; st == DUET_OK && i < n;) {
+        if (duet_tokenizer_is_special(t->tok, ids[i])) {
+            st = tpl_seq_push(seq, (tpl_part_t){.kind = TPL_PART_SPECIAL, .id = ids[i]});
+            i++;
+            continue;
+        }
+        size_t j = i;
+        while (j < n && !duet_tokenizer_is_special(t->tok, ids[j]))
+            j++;
+        size_t off = blob->len;
+        for (size_t k = i; st == DUET_OK && k < j; k++) {
+            const uint8_t *b = NULL;
+            size_t bl = 0;
+            st = duet_tokenizer_token_bytes(t->tok, ids[k], &b, &bl);
+            if (st == DUET_OK)
+                st = duet_strbuf_append(blob, (const char *)b, bl);
+        }
+        if (st == DUET_OK)
+            st = tpl_seq_push(seq, (tpl_part_t){.kind = TPL_PART_TEXT,
+                                                .off = off,
+                                                .len = blob->len - off});
+        i = j;
+    }
+    free(ids);
+    return st;
+}
+
+/*
+ * Compile one format string. `holes` allows {role} and {content} (message templates only).
+ * Errors are DUET_ERR_FORMAT with a detail naming source and key.
+ */
+static duet_status_t tpl_compile(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
+                                 const char *fmt, bool holes, const char *source, const char *key)
+{
+    duet_strbuf_t lit;
+    duet_strbuf_init(&lit);
+    duet_status_t st = DUET_OK;
+    for (size_t i = 0; fmt[i] != '\0' && st == DUET_OK; i++) {
+        char c = fmt[i];
+        if ((c == '{' && fmt[i + 1] == '{') || (c == '}' && fmt[i + 1] == '}')) {
+            st = duet_strbuf_append(&lit, &c, 1);
+            i++;
+            continue;
+        }
+        if (c == '}') {
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: \"%s\": lone '}' at byte %zu (write '}}' for a brace)", source,
+                                key, i);
+            break;
+        }
+        if (c != '{') {
+            st = duet_strbuf_append(&lit, &c, 1);
+            continue;
+        }
+        const char *end = strchr(fmt + i, '}');
+        if (end == NULL) {
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: \"%s\": unclosed '{' at byte %zu (write '{{' for a brace)",
+                                source, key, i);
+            break;
+        }
+        size_t nlen = (size_t)(end - (fmt + i + 1));
+        tpl_part_kind_t kind;
+        if (nlen == 4 && memcmp(fmt + i + 1, "role", 4) == 0)
+            kind = TPL_PART_ROLE;
+        else if (nlen == 7 && memcmp(fmt + i + 1, "content", 7) == 0)
+            kind = TPL_PART_CONTENT;
+        else {
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: \"%s\": unknown placeholder {%.*s} (known: {role}, {content})",
+                                source, key, (int)(nlen > 64 ? 64 : nlen), fmt + i + 1);
+            break;
+        }
+        if (!holes) {
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: \"%s\": placeholders are only allowed in message templates",
+                                source, key);
+            break;
+        }
+        st = tpl_add_literal(t, blob, seq, lit.data, lit.len);
+        lit.len = 0;
+        if (st == DUET_OK)
+            st = tpl_seq_push(seq, (tpl_part_t){.kind = kind});
+        i += nlen + 1;
+    }
+    if (st == DUET_OK)
+        st = tpl_add_literal(t, blob, seq, lit.data, lit.len);
+    duet_strbuf_free(&lit);
+    if (st == DUET_ERR_NOMEM)
+        duet_error_set(st, "%s: no memory", source);
+    return st;
+}
+
+void duet_oai_template_destroy(duet_oai_template_t *tmpl)
+{
+    if (tmpl == NULL)
+        return;
+    for (int i = 0; i < TPL_SEQ_COUNT; i++)
+        free(tmpl->seq[i].parts);
+    free(tmpl->blob);
+    free(tmpl);
+}
+
+static const char *const tpl_keys[] = {"duet_chat_template", "prefix",    "message",
+                                       "system",             "user",      "assistant",
+                                       "generation_prompt",  "completion_prefix"};
+
+duet_status_t duet_oai_template_create(const char *json, size_t len, const char *source,
+                                       const duet_tokenizer_t *tok, duet_oai_template_t **tmpl_p)
+{
+    if (tok == NULL || tmpl_p == NULL || source == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
+    const char *prefix = "<|bos|>", *message = "{role}: {content}\n";
+    const char *gen = "assistant: ", *cprefix = "<|bos|>";
+    const char *per_role[DUET_OAI_ROLE_COUNT] = {NULL, NULL, NULL};
+    json_t *root = NULL;
+    duet_status_t st = DUET_OK;
+    duet_strbuf_t blob;
+    duet_strbuf_init(&blob);
+
+    if (json == NULL) {
+        uint32_t bos;
+        if (duet_tokenizer_special_id(tok, "<|bos|>", &bos) != DUET_OK)
+            return DUET_FAIL(DUET_ERR_NOT_FOUND,
+                             "%s: the default chat template needs a <|bos|> special token, which "
+                             "this tokenizer lacks; ship a chat_template.json (see "
+                             "router/CHAT_TEMPLATE.md)",
+                             source);
+    } else {
+        st = duet_json_load_buffer(json, len, source, DUET_JSON_DEFAULT_MAX_BYTES, &root);
+        if (st != DUET_OK)
+            goto fail;
+        if (!json_is_object(root)) {
+            st = duet_error_set(DUET_ERR_FORMAT, "%s: expected a JSON object, got %s", source,
+                                duet_json_type_name(root));
+            goto fail;
+        }
+        int64_t version = 0;
+        if (json_object_get(root, "duet_chat_template") == NULL &&
+            json_object_get(root, "chat_template") != NULL) {
+            st = duet_error_set(DUET_ERR_UNSUPPORTED,
+                                "%s: holds a Jinja \"chat_template\"; Jinja is not supported: write "
+                                "duet's own chat_template.json (see router/CHAT_TEMPLATE.md)",
+                                source);
+            goto fail;
+        }
+        st = duet_json_get_int(root, source, "duet_chat_template", INT64_MIN, INT64_MAX, &version);
+        if (st != DUET_OK)
+            goto fail;
+        if (version != 1) {
+            st = duet_error_set(DUET_ERR_UNSUPPORTED,
+                                "%s: duet_chat_template version %lld is not supported (only 1)",
+                                source, (long long)version);
+            goto fail;
+        }
+        const char *key;
+        json_t *val;
+        json_object_foreach(root, key, val)
+        {
+            bool known = false;
+            for (size_t k = 0; k < sizeof(tpl_keys) / sizeof(tpl_keys[0]); k++)
+                known = known || strcmp(key, tpl_keys[k]) == 0;
+            if (!known) {
+                st = duet_error_set(DUET_ERR_FORMAT, "%s: unknown key \"%s\"", source, key);
+                goto fail;
+            }
+            if (strcmp(key, "duet_chat_template") != 0 && json_is_string(val) &&
+                strlen(json_string_value(val)) != json_string_length(val)) {
+                st = duet_error_set(DUET_ERR_FORMAT, "%s: \"%s\" contains a NUL character", source,
+                                    key);
+                goto fail;
+            }
+        }
+        if ((st = duet_json_get_string_opt(root, source, "prefix", "", &prefix)) != DUET_OK ||
+            (st = duet_json_get_string_opt(root, source, "message", message, &message)) !=
+                DUET_OK ||
+            (st = duet_json_get_string_opt(root, source, "generation_prompt", "", &gen)) !=
+                DUET_OK ||
+            (st = duet_json_get_string_opt(root, source, "completion_prefix", "", &cprefix)) !=
+                DUET_OK)
+            goto fail;
+        for (int r = 0; r < DUET_OAI_ROLE_COUNT; r++)
+            if ((st = duet_json_get_string_opt(root, source, tpl_role_names[r], NULL,
+                                               &per_role[r])) != DUET_OK)
+                goto fail;
+    }
+
+    duet_oai_template_t *t = calloc(1, sizeof(*t));
+    if (t == NULL) {
+        st = duet_error_set(DUET_ERR_NOMEM, "%s: no memory", source);
+        goto fail;
+    }
+    t->tok = tok;
+    st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_PREFIX], prefix, false, source, "prefix");
+    for (int r = 0; r < DUET_OAI_ROLE_COUNT && st == DUET_OK; r++)
+        st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_MSG_SYSTEM + r],
+                         per_role[r] != NULL ? per_role[r] : message, true, source,
+                         per_role[r] != NULL ? tpl_role_names[r] : "message");
+    if (st == DUET_OK)
+        st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_GENERATION], gen, false, source,
+                         "generation_prompt");
+    if (st == DUET_OK)
+        st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_COMPLETION], cprefix, false, source,
+                         "completion_prefix");
+    if (st != DUET_OK) {
+        duet_oai_template_destroy(t);
+        goto fail;
+    }
+    t->blob_len = blob.len;
+    t->blob = blob.len > 0 ? duet_strbuf_detach(&blob) : NULL;
+    if (blob.len > 0 && t->blob == NULL) {
+        duet_oai_template_destroy(t);
+        st = duet_error_set(DUET_ERR_NOMEM, "%s: no memory", source);
+        goto fail;
+    }
+    duet_strbuf_free(&blob);
+    json_decref(root);
+    *tmpl_p = t;
+    return DUET_OK;
+
+fail:
+    duet_strbuf_free(&blob);
+    json_decref(root);
+    DUET_LOG_ERROR("%s", duet_error_last());
+    return st;
+}
+
+static bool tpl_file_exists(const char *path)
+{
+    struct stat sb;
+    return stat(path, &sb) == 0;
+}
+
+duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
+                                     duet_oai_template_t **tmpl_p)
+{
+    if (dir == NULL || tok == NULL || tmpl_p == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
+    duet_strbuf_t path;
+    duet_strbuf_init(&path);
+    duet_status_t st = duet_strbuf_printf(&path, "%s/chat_template.json", dir);
+    if (st != DUET_OK)
+        return DUET_FAIL(st, "chat template: no memory");
+
+    if (tpl_file_exists(path.data)) {
+        duet_strbuf_t text;
+        duet_strbuf_init(&text);
+        st = duet_strbuf_read_file(&text, path.data, DUET_JSON_DEFAULT_MAX_BYTES);
+        if (st == DUET_OK)
+            st = duet_oai_template_create(text.data != NULL ? text.data : "", text.len, path.data,
+                                          tok, tmpl_p);
+        else
+            DUET_LOG_ERROR("%s", duet_error_last());
+        duet_strbuf_free(&text);
+        duet_strbuf_free(&path);
+        return st;
+    }
+
+    path.len = 0;
+    st = duet_strbuf_printf(&path, "%s/chat_template.jinja", dir);
+    if (st == DUET_OK && tpl_file_exists(path.data)) {
+        st = DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                       "%s: Jinja chat templates are not supported: write duet's own "
+                       "chat_template.json beside it (see router/CHAT_TEMPLATE.md)",
+                       path.data);
+        duet_strbuf_free(&path);
+        return st;
+    }
+
+    path.len = 0;
+    st = duet_strbuf_printf(&path, "%s/tokenizer_config.json", dir);
+    if (st == DUET_OK && tpl_file_exists(path.data)) {
+        json_t *root = NULL;
+        st = duet_json_load_file(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &root);
+        if (st != DUET_OK) {
+            DUET_LOG_ERROR("%s", duet_error_last());
+            duet_strbuf_free(&path);
+            return st;
+        }
+        bool jinja = json_is_object(root) && json_object_get(root, "chat_template") != NULL &&
+                     !json_is_null(json_object_get(root, "chat_template"));
+        json_decref(root);
+        if (jinja) {
+            st = DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                           "%s: its \"chat_template\" is Jinja, which duet does not run: write "
+                           "duet's own chat_template.json in %s (see router/CHAT_TEMPLATE.md)",
+                           path.data, dir);
+            duet_strbuf_free(&path);
+            return st;
+        }
+    }
+    duet_strbuf_free(&path);
+    return duet_oai_template_create(NULL, 0, "default chat template", tok, tmpl_p);
+}
+
+/* ---------------------------------------------------------------- applying */
+
+/* Ids being built: ordinary bytes wait in `text` until a special id or the end cuts them. */
+typedef struct {
+    const duet_tokenizer_t *tok;
+    duet_strbuf_t text;
+    uint32_t *ids;
+    size_t n, cap;
+} tpl_out_t;
+
+static duet_status_t tpl_out_reserve(tpl_out_t *o, size_t more)
+{
+    if (more > SIZE_MAX / sizeof(uint32_t) - o->n)
+        return DUET_ERR_NOMEM;
+    if (o->n + more <= o->cap)
+        return DUET_OK;
+    size_t cap = o->cap * 2 > o->n + more ? o->cap * 2 : o->n + more;
+    uint32_t *ids = realloc(o->ids, cap * sizeof(*ids));
+    if (ids == NULL)
+        return DUET_ERR_NOMEM;
+    o->ids = ids;
+    o->cap = cap;
+    return DUET_OK;
+}
+
+static duet_status_t tpl_out_flush(tpl_out_t *o)
+{
+    duet_status_t st = duet_strbuf_status(&o->text);
+    if (st != DUET_OK || o->text.len == 0)
+        return st;
+    st = tpl_out_reserve(o, o->text.len); /* a token is at least one byte */
+    size_t n = 0;
+    if (st == DUET_OK)
+        st = duet_tokenizer_encode(o->tok, o->text.data, o->text.len, 0, o->ids + o->n,
+                                   o->cap - o->n, &n);
+    if (st == DUET_OK)
+        o->n += n;
+    o->text.len = 0;
+    return st;
+}
+
+static duet_status_t tpl_out_special(tpl_out_t *o, uint32_t id)
+{
+    duet_status_t st = tpl_out_flush(o);
+    if (st == DUET_OK)
+        st = tpl_out_reserve(o, 1);
+    if (st == DUET_OK)
+        o->ids[o->n++] = id;
+    return st;
+}
+
+static duet_status_t tpl_out_seq(tpl_out_t *o, const duet_oai_template_t *t, const tpl_seq_t *seq,
+                                 const duet_oai_message_t *msg)
+{
+    duet_status_t st = DUET_OK;
+    for (size_t i = 0; i < seq->n && st == DUET_OK; i++) {
+        const tpl_part_t *p = &seq->parts[i];
+        switch (p->kind) {
+        case TPL_PART_TEXT:
+            st = duet_strbuf_append(&o->text, t->blob + p->off, p->len);
+            break;
+        case TPL_PART_SPECIAL:
+            st = tpl_out_special(o, p->id);
+            break;
+        case TPL_PART_ROLE:
+            st = duet_strbuf_puts(&o->text, duet_oai_role_name(msg->role));
+            break;
+        case TPL_PART_CONTENT:
+            st = duet_strbuf_append(&o->text, msg->content, msg->content_len);
+            break;
+        }
+    }
+    return st;
+}
+
+static duet_status_t tpl_out_finish(tpl_out_t *o, duet_status_t st, uint32_t **ids_p, size_t *n_p)
+{
+    if (st == DUET_OK)
+        st = tpl_out_flush(o);
+    duet_strbuf_free(&o->text);
+    if (st != DUET_OK) {
+        free(o->ids);
+        if (st == DUET_ERR_NOMEM)
+            return DUET_FAIL(st, "chat template: no memory");
+        return st;
+    }
+    *ids_p = o->ids;
+    *n_p = o->n;
+    return DUET_OK;
+}
+
+duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
+                                   const duet_oai_message_t *msgs, size_t n_msgs, uint32_t **ids_p,
+                                   size_t *n_p)
+{
+    if (tmpl == NULL || tok == NULL || (msgs == NULL && n_msgs > 0) || ids_p == NULL ||
+        n_p == NULL || tmpl->tok != tok)
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: bad arguments");
+    tpl_out_t o = {.tok = tok};
+    duet_strbuf_init(&o.text);
+    duet_status_t st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_PREFIX], NULL);
+    for (size_t i = 0; i < n_msgs && st == DUET_OK; i++) {
+        if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT) {
+            st = DUET_FAIL(DUET_ERR_INVALID, "chat template: message %zu has a bad role", i);
+            break;
+        }
+        st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_MSG_SYSTEM + msgs[i].role], &msgs[i]);
+    }
+    if (st == DUET_OK)
+        st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_GENERATION], NULL);
+    return tpl_out_finish(&o, st, ids_p, n_p);
+}
+
+duet_status_t duet_oai_completion_prompt(const duet_oai_template_t *tmpl,
+                                         const duet_tokenizer_t *tok, const char *text, size_t len,
+                                         uint32_t **ids_p, size_t *n_p)
+{
+    if (tmpl == NULL || tok == NULL || (text == NULL && len > 0) || ids_p == NULL || n_p == NULL ||
+        tmpl->tok != tok)
+        return DUET_FAIL(DUET_ERR_INVALID, "completion prompt: bad arguments");
+    tpl_out_t o = {.tok = tok};
+    duet_strbuf_init(&o.text);
+    duet_status_t st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_COMPLETION], NULL);
+    if (st == DUET_OK && len > 0)
+        st = duet_strbuf_append(&o.text, text, len);
+    return tpl_out_finish(&o, st, ids_p, n_p);
+}

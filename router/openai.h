@@ -1,0 +1,229 @@
+/*
+ * The OpenAI API layer of the router, as pure functions (no sockets, no event loop):
+ *
+ *   body bytes --duet_oai_request_parse--> duet_oai_request_t (validated) or duet_oai_error_t
+ *   request    --duet_oai_request_tokens--> prompt ids (chat template / completion prompt)
+ *   token ids  --duet_oai_stream_feed-----> text deltas + finish reason (UTF-8 safe, stop strings)
+ *   text       --duet_oai_response_json / duet_oai_sse_*--> the exact bytes to send
+ *
+ * What the official `openai` Python client expects is the contract: the field names, the object
+ * types ("text_completion", "chat.completion", "chat.completion.chunk"), the first chat chunk
+ * carrying delta.role "assistant", the usage-only chunk with empty choices under
+ * stream_options.include_usage (and "usage": null on every other chunk then), and errors as
+ * {"error": {"message", "type", "param", "code"}}.
+ *
+ * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
+ * because its value changes nothing (user, frequency_penalty 0, n 1, logprobs false, ...), or
+ * refused with 400 "unsupported_parameter" naming it (logprobs true, tools, logit_bias, ...).
+ * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k) is refused as
+ * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
+ * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
+ * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
+ * may use duet_oai_error_make for its own errors: 429, 503, 500).
+ *
+ * Threads: every function is reentrant; a duet_oai_stream_t belongs to one request.
+ */
+#ifndef DUET_ROUTER_OPENAI_H
+#define DUET_ROUTER_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "common/strbuf.h"
+#include "engine/tokenizer/tokenizer.h"
+#include "router/chat_template.h"
+
+#define DUET_OAI_MAX_STOP     4   /* stop strings per request (OpenAI's limit) */
+#define DUET_OAI_MAX_STOP_LEN 256 /* bytes per stop string (ours: bounds the hold-back buffer) */
+#define DUET_OAI_MAX_EOS      8   /* end-of-sequence ids a stream watches */
+
+typedef enum {
+    DUET_OAI_ENDPOINT_COMPLETIONS = 0, /* POST /v1/completions */
+    DUET_OAI_ENDPOINT_CHAT,            /* POST /v1/chat/completions */
+} duet_oai_endpoint_t;
+
+/* Limits and defaults of the served model, fixed at start-up. */
+typedef struct {
+    const char *model_name;      /* the served name; requests must name it; not owned */
+    uint32_t max_tokens_default; /* max_tokens when the request gives none */
+    uint32_t max_tokens_cap;     /* largest max_tokens accepted */
+    size_t max_body_bytes;       /* larger bodies get 413 */
+    uint32_t vocab_size;         /* token-id prompts must be < this (0 = not checked) */
+    size_t max_prompt_tokens;    /* longest prompt (0 = no limit); see duet_oai_request_tokens */
+    size_t max_context;          /* prompt + max_tokens limit (0 = no limit) */
+    size_t max_messages;         /* longest messages array (0 = 1024) */
+} duet_oai_limits_t;
+
+/* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
+typedef struct {
+    duet_oai_endpoint_t endpoint;
+    /* /v1/completions: exactly one of prompt (text) or prompt_ids is set. */
+    char *prompt;          /* NUL-terminated, valid UTF-8, may hold NULs; NULL when ids */
+    size_t prompt_len;     /* bytes */
+    uint32_t *prompt_ids;  /* (n_prompt_ids) when the prompt was given as token ids */
+    size_t n_prompt_ids;
+    /* /v1/chat/completions */
+    duet_oai_message_t *messages; /* (n_messages) */
+    size_t n_messages;
+    /* sampling and stopping */
+    uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat */
+    double temperature;  /* [0, 2], default 1 (0 = greedy) */
+    double top_p;        /* (0, 1], default 1 */
+    int64_t top_k;       /* vLLM extension: 0 = no limit (-1 is read as 0) */
+    bool has_seed;
+    int64_t seed;
+    char *stop[DUET_OAI_MAX_STOP]; /* (n_stop) non-empty, <= DUET_OAI_MAX_STOP_LEN bytes */
+    size_t stop_len[DUET_OAI_MAX_STOP];
+    size_t n_stop;
+    bool ignore_eos; /* vLLM extension */
+    bool stream;
+    bool include_usage; /* stream_options.include_usage (only with stream) */
+    char *user;         /* NULL when absent; for logs */
+} duet_oai_request_t;
+
+/* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */
+typedef struct {
+    int http_status; /* 400, 404, 413, 429, 500, 503 ... */
+    char type[32];   /* "invalid_request_error", "server_error", ... */
+    char code[48];   /* "model_not_found", "invalid_value", ...; "" serialises as null */
+    char param[128]; /* "messages[2].role"; "" serialises as null */
+    char message[512];
+} duet_oai_error_t;
+
+/* Why a choice ended. */
+typedef enum {
+    DUET_OAI_FINISH_NONE = 0, /* still generating */
+    DUET_OAI_FINISH_STOP,     /* EOS or a stop string */
+    DUET_OAI_FINISH_LENGTH,   /* max_tokens (or the context) reached */
+} duet_oai_finish_t;
+
+/* "stop", "length"; NULL for NONE. */
+const char *duet_oai_finish_name(duet_oai_finish_t f);
+
+/* ---------------------------------------------------------------- errors */
+
+/*
+ * Fill *err (type "invalid_request_error" when type is NULL; code/param NULL = null) and return
+ * DUET_ERR_INVALID, so a validator can write `return duet_oai_error_make(err, 400, ...)`.
+ */
+duet_status_t duet_oai_error_make(duet_oai_error_t *err, int http_status, const char *type,
+                                  const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+
+/* Append {"error":{"message":...,"type":...,"param":...,"code":...}} to out. */
+duet_status_t duet_oai_error_json(const duet_oai_error_t *err, duet_strbuf_t *out);
+
+/* Append the error as one SSE event ("data: {...}\n\n"), for failures after a stream began. */
+duet_status_t duet_oai_sse_error(const duet_oai_error_t *err, duet_strbuf_t *out);
+
+/* ---------------------------------------------------------------- requests */
+
+/*
+ * Parse and validate a request body of `len` bytes for `endpoint` under `lim`.
+ * DUET_OK: *req_p is filled (free it with duet_oai_request_free), *err_p untouched.
+ * Bad input: DUET_ERR_INVALID (DUET_ERR_RANGE for 413), *err_p says what to answer, *req_p is
+ * zeroed. DUET_ERR_NOMEM: *err_p is a 500. Never logs: the caller logs with its request id.
+ */
+duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endpoint_t endpoint,
+                                     const char *body, size_t len, duet_oai_request_t *req_p,
+                                     duet_oai_error_t *err_p);
+
+/* Free what a parsed request owns and zero it. NULL and zeroed requests are fine. */
+void duet_oai_request_free(duet_oai_request_t *req);
+
+/*
+ * The prompt's token ids: chat messages through the template, a text prompt after the template's
+ * completion_prefix, token ids as given. *ids_p is malloc'd (free() it). A prompt of zero tokens,
+ * one over lim->max_prompt_tokens, or prompt + max_tokens over lim->max_context is a 400 in
+ * *err_p (code "context_length_exceeded" for the last two) and DUET_ERR_INVALID.
+ */
+duet_status_t duet_oai_request_tokens(const duet_oai_request_t *req, const duet_oai_limits_t *lim,
+                                      const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
+                                      uint32_t **ids_p, size_t *n_p, duet_oai_error_t *err_p);
+
+/* ---------------------------------------------------------------- streaming text */
+
+typedef struct duet_oai_stream duet_oai_stream_t;
+
+/*
+ * Text state of one choice: detokenizer (UTF-8 safe, special tokens give no text), stop strings,
+ * EOS and max_tokens. eos_ids (n_eos <= DUET_OAI_MAX_EOS) end the text with "stop" unless
+ * req->ignore_eos. Copies what it needs from req. When keep_text is set the whole emitted text is
+ * also kept (duet_oai_stream_text), for non-streaming responses. Buffers are sized here: feeding
+ * allocates only to grow the kept text.
+ */
+duet_status_t duet_oai_stream_create(const duet_tokenizer_t *tok, const duet_oai_request_t *req,
+                                     const uint32_t *eos_ids, size_t n_eos, bool keep_text,
+                                     duet_oai_stream_t **s_p);
+
+/* Free; NULL is fine. */
+void duet_oai_stream_destroy(duet_oai_stream_t *s);
+
+/*
+ * Feed one generated id. *text_p and *len_p receive the text to emit now (possibly empty; pointer
+ * valid until the next call on s); *finish_p is NONE while the choice goes on. Text that could be
+ * the start of a stop string is held back until it is known not to be one. When a stop string
+ * completes, the text before it is emitted and the choice ends with "stop" (the stop string is
+ * not emitted); an EOS id ends it with "stop"; the max_tokens-th id with "length" (a stop string
+ * completed by that id wins). At the end every held byte is emitted (an unfinished UTF-8
+ * character as U+FFFD). Feeding a finished stream is DUET_ERR_INVALID; an id outside the
+ * vocabulary is DUET_ERR_RANGE (state unchanged).
+ */
+duet_status_t duet_oai_stream_feed(duet_oai_stream_t *s, uint32_t id, const char **text_p,
+                                   size_t *len_p, duet_oai_finish_t *finish_p);
+
+/*
+ * End the choice from outside (the worker stopped: context full, drain) with `finish`
+ * (STOP or LENGTH); emits the held text like the end of duet_oai_stream_feed. A stop string
+ * completed by the held text still cuts it (and the reason becomes "stop").
+ */
+duet_status_t duet_oai_stream_finish(duet_oai_stream_t *s, duet_oai_finish_t finish,
+                                     const char **text_p, size_t *len_p,
+                                     duet_oai_finish_t *finish_p);
+
+/* Ids fed so far (completion_tokens of usage; an EOS id counts, as in vLLM). */
+uint32_t duet_oai_stream_n_tokens(const duet_oai_stream_t *s);
+
+/* The whole text emitted so far (keep_text streams; "" otherwise). Valid until the next call. */
+void duet_oai_stream_text(const duet_oai_stream_t *s, const char **text_p, size_t *len_p);
+
+/* ---------------------------------------------------------------- responses */
+
+/* What every object of one response shares. */
+typedef struct {
+    duet_oai_endpoint_t endpoint;
+    const char *id;     /* "cmpl-..." / "chatcmpl-..." (duet_oai_response_id); not owned */
+    const char *model;  /* the served model name; not owned */
+    int64_t created;    /* unix seconds */
+    bool include_usage; /* streaming: usage null on chunks, then a usage chunk */
+} duet_oai_resp_meta_t;
+
+/* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */
+void duet_oai_response_id(duet_oai_endpoint_t endpoint, uint64_t req_id, char *buf, size_t cap);
+
+/* Append a whole text_completion / chat.completion object with usage. */
+duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *text, size_t len,
+                                     duet_oai_finish_t finish, uint32_t prompt_tokens,
+                                     uint32_t completion_tokens, duet_strbuf_t *out);
+
+/*
+ * Streaming, each call appends whole SSE events ("data: {...}\n\n"):
+ *   duet_oai_sse_begin  chat: the role chunk (delta {"role":"assistant","content":""});
+ *                       completions: nothing.
+ *   duet_oai_sse_delta  one content chunk; nothing for len 0.
+ *   duet_oai_sse_end    the finish chunk (empty delta / text, finish_reason), then with
+ *                       include_usage the usage chunk ("choices": []), then "data: [DONE]\n\n".
+ */
+duet_status_t duet_oai_sse_begin(const duet_oai_resp_meta_t *m, duet_strbuf_t *out);
+duet_status_t duet_oai_sse_delta(const duet_oai_resp_meta_t *m, const char *text, size_t len,
+                                 duet_strbuf_t *out);
+duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
+                               uint32_t prompt_tokens, uint32_t completion_tokens,
+                               duet_strbuf_t *out);
+
+/* Append s (len bytes) as a JSON string literal; ill-formed UTF-8 becomes U+FFFD. */
+duet_status_t duet_oai_json_string(duet_strbuf_t *out, const char *s, size_t len);
+
+#endif
