@@ -276,7 +276,9 @@ static void duet__msg_done(duet__msg_t *m, ucs_status_t status)
 
 static void duet__msg_cb(void *request, ucs_status_t status, void *user_data)
 {
-    duet__msg_done(user_data, status);
+    duet__msg_t *m = user_data;
+    m->req = NULL;
+    duet__msg_done(m, status);
     ucp_request_free(request);
 }
 
@@ -303,6 +305,7 @@ static duet_status_t duet__msg_send(duet_xfer_ctx_t *ctx, ucp_ep_h ep, unsigned 
         DUET_LOG_WARN("xfer: control message send failed: %s", ucs_status_string(us));
         return duet_error_set(DUET_ERR_TRANSPORT, "xfer: am send: %s", ucs_status_string(us));
     }
+    m->req = r;
     return DUET_OK;
 }
 
@@ -756,7 +759,9 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
         ctx->msgs[i].ctx = ctx;
 
     if (o.metrics != NULL && (st = duet__xfer_metrics_init(ctx, o.metrics)) < 0) {
-        st = DUET_FAIL(st, "xfer: metrics: %s", duet_error_last());
+        char why[256];
+        snprintf(why, sizeof(why), "%s", duet_error_last()); /* FAIL rewrites the detail */
+        st = DUET_FAIL(st, "xfer: metrics: %s", why);
         goto fail;
     }
 
@@ -860,13 +865,26 @@ void duet_xfer_ctx_destroy(duet_xfer_ctx_t *ctx)
                 break;
             ucp_worker_progress(ctx->worker);
         }
-        for (uint32_t i = 0; i < ctx->max_peers; i++) {
-            duet__peer_t *p = &ctx->peers[i];
-            if (p->req != NULL) {
-                ucp_request_cancel(ctx->worker, p->req);
-                ucp_worker_progress(ctx->worker);
+        /* Whatever is still in flight is stuck on a dead peer that could not be force-closed
+         * (no error handling on shared memory): hand those requests back to UCX so that the
+         * worker can be destroyed; their callbacks will not run any more. */
+        for (uint32_t i = 0; i < ctx->max_peers; i++)
+            if (ctx->peers[i].req != NULL) {
+                ucp_request_free(ctx->peers[i].req);
+                ctx->peers[i].req = NULL;
             }
-        }
+        for (uint32_t i = 0; i < ctx->n_msgs; i++)
+            if (ctx->msgs[i].used && ctx->msgs[i].req != NULL) {
+                ucp_request_free(ctx->msgs[i].req);
+                ctx->msgs[i].req = NULL;
+            }
+        for (uint32_t i = 0; i < ctx->cap; i++)
+            for (uint32_t r = 0; r < DUET_XFER_MAX_RANKS; r++)
+                for (int j = 0; j < 2; j++)
+                    if (ctx->xs[i].ranks[r].flush_req[j] != NULL) {
+                        ucp_request_free(ctx->xs[i].ranks[r].flush_req[j]);
+                        ctx->xs[i].ranks[r].flush_req[j] = NULL;
+                    }
     }
     for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
         if (ctx->pools[k].rkey != NULL)

@@ -65,6 +65,7 @@ typedef struct {
 typedef struct {
     bool          used;
     duet__xfer_t *x;      /* transfer to tell on completion, or NULL */
+    void         *req;    /* UCX request while in flight (released at destroy if stuck) */
     uint8_t       hdr[DUET__XFER_AM_HDR_BYTES];
     uint8_t       body[DUET__XFER_MSG_BYTES];
     struct duet_xfer_ctx *ctx;
@@ -89,6 +90,8 @@ typedef struct {
     ucp_rkey_h  rkey[DUET_XFER_N_POOLS]; /* unpacked for peer's ep; NULL when absent */
     uint64_t    base[DUET_XFER_N_POOLS]; /* remote pool bases */
     uint64_t    checksum;
+    void       *flush_req[2]; /* flushes in flight on this rank's endpoint (completion, abort);
+                                 released at destroy if stuck */
 } duet__rank_t;
 
 struct duet__xfer {

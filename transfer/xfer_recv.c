@@ -140,8 +140,10 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     }
     duet_status_t st = duet_xfer_reservation_validate(&r, now_ms);
     if (st < 0) {
+        char why[256];
+        snprintf(why, sizeof(why), "%s", duet_error_last()); /* FAIL rewrites the detail */
         duet__xfer_slot_release(ctx, x);
-        return DUET_FAIL(st, "xfer reserve: %s", duet_error_last());
+        return DUET_FAIL(st, "xfer reserve: %s", why);
     }
     DUET_RLOG_DEBUG(x->req_id, "xfer %016llx recv: RESERVED (%u pages, slot %d, %llu bytes due)",
                     (unsigned long long)x->id, x->n_pages, x->kda_slot,

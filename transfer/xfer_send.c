@@ -23,11 +23,29 @@
 #define DUET__BIT_TEST(w, i) (((w)[(i) / 64] >> ((i) % 64)) & 1u)
 #define DUET__BIT_SET(w, i)  ((w)[(i) / 64] |= (uint64_t)1 << ((i) % 64))
 
+/* A failed operation: the peer's fault (it died or stopped answering) or ours. */
+static duet_xfer_reason_t duet__send_err_reason(ucs_status_t us)
+{
+    switch (us) {
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+        return DUET_XFER_REASON_PEER_FAILED;
+    default:
+        return DUET_XFER_REASON_TRANSPORT;
+    }
+}
+
 static void duet__send_flush_cb(void *request, ucs_status_t status, void *user_data)
 {
     duet__xfer_t *x = user_data;
     DUET_ASSERT(x->pending > 0);
     x->pending--;
+    for (uint32_t r = 0; r < DUET_XFER_MAX_RANKS; r++)
+        for (int j = 0; j < 2; j++)
+            if (x->ranks[r].flush_req[j] == request)
+                x->ranks[r].flush_req[j] = NULL;
     if (x->flush_left > 0)
         x->flush_left--;
     if (status != UCS_OK && x->op_err == UCS_OK)
@@ -58,6 +76,8 @@ static bool duet__send_flush_rank(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint32_
         return false;
     }
     x->pending++;
+    /* At most two per rank (the completion flush, then an abort's); see destroy. */
+    x->ranks[r].flush_req[x->ranks[r].flush_req[0] == NULL ? 0 : 1] = req;
     return true;
 }
 
@@ -127,7 +147,8 @@ static bool duet__send_issue(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint32_t g)
             ucp_put_nbx(ctx->peers[rk->peer].ep, (const uint8_t *)ctx->pools[e->kind].base + e->src_off,
                         e->len, rk->base[e->kind] + e->dst_off, rk->rkey[e->kind], &prm);
         if (UCS_PTR_IS_ERR(req)) {
-            duet__xfer_set_reason(x, DUET_XFER_REASON_TRANSPORT, "put to rank %u failed: %s",
+            duet__xfer_set_reason(x, duet__send_err_reason(UCS_PTR_STATUS(req)),
+                                  "put to rank %u failed: %s",
                                   e->rank, ucs_status_string(UCS_PTR_STATUS(req)));
             return false;
         }
@@ -145,7 +166,7 @@ static void duet__send_pump(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
         if (!DUET__BIT_TEST(x->ready, g) || DUET__BIT_TEST(x->issued, g))
             continue;
         if (!duet__send_issue(ctx, x, g)) {
-            duet__xfer_send_abort_x(ctx, x, DUET_XFER_REASON_TRANSPORT);
+            duet__xfer_send_abort_x(ctx, x, x->reason);
             return;
         }
     }
@@ -221,9 +242,9 @@ void duet__xfer_send_step(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint64_t now_ns
         }
     }
     if (x->op_err != UCS_OK) {
-        duet__xfer_set_reason(x, DUET_XFER_REASON_TRANSPORT, "operation failed: %s",
+        duet__xfer_set_reason(x, duet__send_err_reason(x->op_err), "operation failed: %s",
                               ucs_status_string(x->op_err));
-        duet__xfer_send_abort_x(ctx, x, DUET_XFER_REASON_TRANSPORT);
+        duet__xfer_send_abort_x(ctx, x, x->reason);
         return;
     }
     if (now_ns >= x->deadline_ns) {
@@ -338,9 +359,11 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
     duet_xfer_dest_t   dst[DUET_XFER_MAX_RANKS];
     for (uint32_t r = 0; r < n; r++) {
         const duet_xfer_reservation_t *rv = &a->reservations[r];
-        if ((st = duet_xfer_reservation_validate(rv, now_ms)) < 0)
-            return DUET_FAIL(st, "xfer send: reservation of rank %u refused: %s", r,
-                             duet_error_last());
+        if ((st = duet_xfer_reservation_validate(rv, now_ms)) < 0) {
+            char why[256];
+            snprintf(why, sizeof(why), "%s", duet_error_last()); /* FAIL rewrites the detail */
+            return DUET_FAIL(st, "xfer send: reservation of rank %u refused: %s", r, why);
+        }
         if (rv->rank != r || rv->group_size != n)
             return DUET_FAIL(DUET_ERR_INVALID,
                              "xfer send: reservation [%u] is rank %u of %u, expected rank %u of %u",

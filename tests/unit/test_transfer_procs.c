@@ -153,3 +153,115 @@ Test(transfer_procs, hundred_concurrent_transfers, .timeout = 90)
     s.tokens = 300;
     send_to_children("posix,sysv,cma,self", s);
 }
+
+/* --- faults ------------------------------------------------------------------------------- */
+
+/* Receiver here; the sender child puts one layer, says "stalled", and is killed with -9. */
+static void kill_sender(const char *tls)
+{
+    use_transport(tls);
+    xt_scn_t s = xt_scn_default();
+    s.tokens = 2000;
+    s.stall_after = 1;
+    s.deadline_ms = 2500;
+    xt_recv_t R;
+    cr_assert_eq(xt_recv_init(&R, &s), DUET_OK, "%s", duet_error_last());
+    static uint8_t buf[1 << 16];
+    size_t len;
+    uint64_t t_reserve = xt_now_ms();
+    cr_assert_eq(xt_recv_reserve(&R, 0, buf, sizeof(buf), &len), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(R.pool.n_free, R.pool.n - R.x[0].n_pages);
+    xt_child_t c;
+    cr_assert(xt_spawn(&c, DUET_XFER_PEER, "send", &s));
+    cr_assert(xt_frame_write(c.to, buf, (uint32_t)len));
+    uint32_t n;
+    uint8_t *b = xt_frame_read(c.from, &n, xt_now_ms() + 20000, R.ctx);
+    cr_assert_not_null(b, "the sender never stalled");
+    cr_assert_str_eq((char *)b, "stalled");
+    free(b);
+    kill(c.pid, SIGKILL);
+    xt_reap(&c, 5000);
+    cr_assert(xt_recv_run(&R, 1, s.deadline_ms + 3000), "no outcome after the sender died");
+    uint64_t took = xt_now_ms() - t_reserve;
+    const duet_xfer_outcome_t *o = &R.x[0].out;
+    cr_assert_eq(o->kind, DUET_XFER_OUTCOME_ABORTED);
+    cr_assert(o->reason == DUET_XFER_REASON_PEER_FAILED || o->reason == DUET_XFER_REASON_DEADLINE,
+              "reason %s (%s)", duet_xfer_reason_str(o->reason), R.x[0].msg);
+    cr_assert_leq(took, s.deadline_ms + 500, "outcome %llu ms after the reservation",
+                  (unsigned long long)took);
+    cr_assert_eq(R.pool.n_free, R.pool.n, "%u of %u pages back", R.pool.n_free, R.pool.n);
+    cr_assert_eq(duet_xfer_ctx_active(R.ctx, DUET_XFER_ROLE_RECV), 0);
+    xt_recv_free(&R);
+}
+
+Test(transfer_procs, kill_sender_shm_receiver_reclaims_pages, .timeout = 30)
+{
+    kill_sender("posix,sysv,cma,self");
+}
+
+Test(transfer_procs, kill_sender_tcp_receiver_reclaims_pages, .timeout = 30)
+{
+    kill_sender("tcp,self");
+}
+
+/* Sender here; receiver A is killed with -9 mid-transfer, then receiver B gets a full transfer. */
+static void kill_receiver(const char *tls)
+{
+    use_transport(tls);
+    xt_scn_t s = xt_scn_default();
+    s.tokens = 2000;
+    s.deadline_ms = 3000;
+    xt_send_t S;
+    cr_assert_eq(xt_send_init(&S, &s, 2, 2), DUET_OK, "%s", duet_error_last());
+    xt_child_t a, b;
+    cr_assert(xt_spawn(&a, DUET_XFER_PEER, "recv", &s));
+    duet_xfer_reservation_t res;
+    read_reservations(&a, &res, 1, 1, 0, NULL);
+    cr_assert_eq(xt_send_start(&S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    xt_send_layer(&S, 0, 1, 0);
+    uint64_t end = xt_now_ms() + 50;
+    while (xt_now_ms() < end)
+        duet_xfer_ctx_wait(S.ctx, 5);
+    kill(a.pid, SIGKILL);
+    xt_reap(&a, 5000);
+    uint64_t t_kill = xt_now_ms();
+    for (uint32_t l = 1; l <= s.mla; l++)
+        xt_send_layer(&S, 0, 1, l);
+    cr_assert(xt_send_run(&S, 1, 15000), "the sender never gave up on the dead receiver");
+    cr_assert_eq(S.x[0].out.kind, DUET_XFER_OUTCOME_ABORTED, "transfer to a dead receiver: DONE?");
+    cr_log_info("dead receiver over %s: %s after %llu ms (%s)", tls,
+                duet_xfer_reason_str(S.x[0].out.reason),
+                (unsigned long long)(xt_now_ms() - t_kill), S.x[0].msg);
+    cr_assert_eq(duet_xfer_ctx_active(S.ctx, DUET_XFER_ROLE_SEND), 0);
+    cr_assert_eq(S.pool.n_free, S.pool.n, "sender pages not returned");
+    cr_assert_eq(duet_xfer_send_layer_ready(S.ctx, S.x[0].id, 0), DUET_ERR_NOT_FOUND);
+
+    /* The same sender keeps serving: a full transfer to a live receiver. */
+    xt_scn_t sb = s;
+    sb.seed = s.seed + 1; /* the sender fills transfer k with seed + k */
+    cr_assert(xt_spawn(&b, DUET_XFER_PEER, "recv", &sb));
+    read_reservations(&b, &res, 1, 1, 0, S.ctx);
+    cr_assert_eq(xt_send_start(&S, 1, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= s.mla; l++)
+        xt_send_layer(&S, 1, 2, l);
+    cr_assert(xt_send_run(&S, 2, 15000));
+    cr_assert_eq(S.x[1].out.kind, DUET_XFER_OUTCOME_DONE, "%s", S.x[1].msg);
+    report_t rep = read_report(&b, S.ctx);
+    cr_assert_eq(rep.done, 1);
+    cr_assert_eq(rep.bad, 0);
+    cr_assert_eq(rep.free_pages, rep.n_pages);
+    xt_reap(&b, 10000);
+    xt_send_free(&S);
+}
+
+Test(transfer_procs, kill_receiver_shm_sender_aborts_and_serves_on, .timeout = 40)
+{
+    kill_receiver("posix,sysv,cma,self");
+}
+
+Test(transfer_procs, kill_receiver_tcp_sender_aborts_and_serves_on, .timeout = 40)
+{
+    kill_receiver("tcp,self");
+}

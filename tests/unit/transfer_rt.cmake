@@ -8,3 +8,5 @@ duet_add_test(transfer_procs SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_transfer_pro
               LIBS duet_transfer TIMEOUT 150)
 target_compile_definitions(transfer_procs PRIVATE DUET_XFER_PEER="$<TARGET_FILE:duet-xfer-peer>")
 add_dependencies(transfer_procs duet-xfer-peer)
+duet_add_test(transfer_local SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_transfer_local.c
+              LIBS duet_transfer TIMEOUT 60)

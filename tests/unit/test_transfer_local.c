@@ -1,0 +1,364 @@
+/*
+ * The transfer runtime's state machines and refusals with both sides in this process: a sender
+ * context and a receiver context (two UCX workers over shared memory), so every test is fast and
+ * deterministic. Multi-process transfers and kill -9 faults are in test_transfer_procs.c.
+ */
+#include <criterion/criterion.h>
+
+#include "common/metrics.h"
+#include "tests/unit/test_transfer_util.h"
+
+static xt_scn_t g_s;
+static xt_recv_t g_R;
+static xt_send_t g_S;
+
+static void setup(void)
+{
+    setenv("UCX_TLS", "posix,sysv,cma,self", 1);
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    g_s = xt_scn_default();
+    g_s.count = 4;
+    g_s.deadline_ms = 5000;
+    cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(xt_send_init(&g_S, &g_s, 4, 4), DUET_OK, "%s", duet_error_last());
+}
+
+static void teardown(void)
+{
+    xt_send_free(&g_S);
+    xt_recv_free(&g_R);
+}
+
+/* Reserve transfer k on the receiver and decode it as the sender would. */
+static void reserve(uint32_t k, duet_xfer_reservation_t *res)
+{
+    static uint8_t buf[1 << 16];
+    size_t len;
+    cr_assert_eq(xt_recv_reserve(&g_R, k, buf, sizeof(buf), &len), DUET_OK, "%s",
+                 duet_error_last());
+    cr_assert_eq(duet_xfer_reservation_decode(buf, len, 0, res), DUET_OK, "%s", duet_error_last());
+}
+
+/* Progress both contexts until `cond` or timeout. */
+#define PUMP_UNTIL(cond, ms)                                                                       \
+    do {                                                                                           \
+        uint64_t end_ = xt_now_ms() + (ms);                                                        \
+        while (!(cond) && xt_now_ms() < end_) {                                                    \
+            duet_xfer_ctx_progress(g_S.ctx);                                                       \
+            duet_xfer_ctx_wait(g_R.ctx, 1);                                                        \
+        }                                                                                          \
+    } while (0)
+
+TestSuite(transfer_local, .init = setup, .fini = teardown, .timeout = 30);
+
+Test(transfer_local, one_transfer_done_and_verified)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 0, 1, l);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    cr_assert_eq(g_S.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_S.x[0].msg);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[0].msg);
+    cr_assert(g_R.x[0].out.has_checksum);
+    cr_assert_eq(g_R.x[0].out.checksum, g_S.x[0].out.checksum);
+    cr_assert_eq(g_R.x[0].bad, 0);
+    cr_assert_eq(g_R.x[0].out.bytes, g_S.x[0].out.bytes);
+    cr_assert_eq(g_R.pool.n_free, g_R.pool.n);
+}
+
+Test(transfer_local, layers_out_of_order_and_repeated)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK);
+    duet_xfer_reservation_free(&res);
+    duet_xfer_id_t id = g_S.x[0].id;
+    cr_assert_eq(duet_xfer_send_kda_ready(g_S.ctx, id), DUET_OK);
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, 2), DUET_OK);
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, 2), DUET_OK);
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, g_s.mla), DUET_ERR_RANGE);
+    PUMP_UNTIL(false, 50);
+    cr_assert_eq(g_R.n_ended, 0, "done before every layer was ready");
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, 0), DUET_OK);
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, 1), DUET_OK);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[0].msg);
+    cr_assert_eq(g_R.x[0].bad, 0);
+    cr_assert_eq(duet_xfer_send_layer_ready(g_S.ctx, id, 0), DUET_ERR_NOT_FOUND);
+}
+
+Test(transfer_local, receiver_cancel_aborts_the_sender)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK);
+    duet_xfer_reservation_free(&res);
+    xt_send_layer(&g_S, 0, 1, 0);
+    PUMP_UNTIL(false, 50); /* hello delivered: the receiver knows the sender */
+    cr_assert_eq(duet_xfer_recv_cancel(g_R.ctx, g_R.x[0].id, "client went away"), DUET_OK);
+    cr_assert_eq(g_R.n_ended, 1, "cancel reports at once");
+    cr_assert_eq(g_R.x[0].out.reason, DUET_XFER_REASON_CANCELLED);
+    cr_assert_str_eq(g_R.x[0].msg, "client went away");
+    cr_assert_eq(g_R.pool.n_free, g_R.pool.n);
+    cr_assert_eq(duet_xfer_recv_cancel(g_R.ctx, g_R.x[0].id, NULL), DUET_ERR_NOT_FOUND);
+    PUMP_UNTIL(g_S.n_ended == 1, 5000);
+    cr_assert_eq(g_S.x[0].out.kind, DUET_XFER_OUTCOME_ABORTED);
+    cr_assert_eq(g_S.x[0].out.reason, DUET_XFER_REASON_PEER_ABORTED, "%s", g_S.x[0].msg);
+    cr_assert(strstr(g_S.x[0].msg, "client went away") != NULL, "%s", g_S.x[0].msg);
+    cr_assert_eq(g_S.pool.n_free, g_S.pool.n);
+}
+
+Test(transfer_local, sender_cancel_aborts_the_receiver)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK);
+    duet_xfer_reservation_free(&res);
+    xt_send_layer(&g_S, 0, 1, 0);
+    cr_assert_eq(duet_xfer_send_cancel(g_S.ctx, g_S.x[0].id, "drain"), DUET_OK);
+    PUMP_UNTIL(g_S.n_ended == 1 && g_R.n_ended == 1, 5000);
+    cr_assert_eq(g_S.x[0].out.reason, DUET_XFER_REASON_CANCELLED);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_ABORTED);
+    cr_assert_eq(g_R.x[0].out.reason, DUET_XFER_REASON_PEER_ABORTED, "%s", g_R.x[0].msg);
+    cr_assert(strstr(g_R.x[0].msg, "drain") != NULL, "%s", g_R.x[0].msg);
+    cr_assert_eq(g_R.pool.n_free, g_R.pool.n);
+}
+
+Test(transfer_local, hello_for_an_ended_reservation_is_refused)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(duet_xfer_recv_cancel(g_R.ctx, g_R.x[0].id, "gone"), DUET_OK);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK);
+    duet_xfer_reservation_free(&res);
+    PUMP_UNTIL(g_S.n_ended == 1, 5000);
+    cr_assert_eq(g_S.x[0].out.reason, DUET_XFER_REASON_PEER_ABORTED, "%s", g_S.x[0].msg);
+    cr_assert(strstr(g_S.x[0].msg, "no such reservation") != NULL, "%s", g_S.x[0].msg);
+}
+
+Test(transfer_local, receiver_deadline_returns_pages)
+{
+    xt_recv_free(&g_R);
+    g_s.deadline_ms = 300;
+    cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK);
+    duet_xfer_reservation_t res;
+    uint64_t t0 = xt_now_ms();
+    reserve(0, &res);
+    duet_xfer_reservation_free(&res);
+    cr_assert(duet_xfer_ctx_timeout_ms(g_R.ctx) <= 300);
+    cr_assert(xt_recv_run(&g_R, 1, 2000));
+    uint64_t took = xt_now_ms() - t0;
+    cr_assert_eq(g_R.x[0].out.reason, DUET_XFER_REASON_DEADLINE);
+    cr_assert(took >= 299 && took < 600, "deadline after %llu ms", (unsigned long long)took);
+    cr_assert_eq(g_R.pool.n_free, g_R.pool.n);
+}
+
+/* --- refusals at start -------------------------------------------------------------------- */
+
+static unsigned g_cb_calls;
+static void count_cb(const duet_xfer_outcome_t *o, void *user)
+{
+    (void)o;
+    (void)user;
+    g_cb_calls++;
+}
+
+/* Start with `res` (n ranks) and expect `want`, with `phrase` in the error detail. */
+static void refuse(const duet_xfer_reservation_t *res, uint32_t n, uint64_t n_tokens,
+                   duet_status_t want, const char *phrase)
+{
+    static int32_t src_pages[64];
+    for (int i = 0; i < 64; i++)
+        src_pages[i] = i;
+    duet_xfer_send_args_t a = {
+        .reservations = res,
+        .n_ranks = n,
+        .layout = xt_layout(&g_s, true),
+        .src = {.pages = src_pages, .n_pages = 64, .kda_slot = 0, .n_tokens = n_tokens},
+        .cb = count_cb,
+    };
+    duet_xfer_id_t id;
+    duet_error_clear();
+    duet_status_t st = duet_xfer_send_start(g_S.ctx, &a, &id);
+    cr_expect_eq(st, want, "%s: got %s (%s)", phrase, duet_status_name(st), duet_error_last());
+    cr_expect(strstr(duet_error_last(), phrase) != NULL, "detail \"%s\" lacks \"%s\"",
+              duet_error_last(), phrase);
+    cr_expect_eq(duet_xfer_ctx_active(g_S.ctx, DUET_XFER_ROLE_SEND), 0);
+}
+
+Test(transfer_local, malformed_oversized_stale_reservations_refused)
+{
+    duet_xfer_reservation_t res, r;
+    reserve(0, &res);
+    uint64_t T = g_s.tokens;
+
+    r = res;
+    r.deadline_unix_ms = duet_xfer_now_unix_ms() - 1;
+    refuse(&r, 1, T, DUET_ERR_TIMEOUT, "stale");
+
+    r = res;
+    r.version = 99;
+    refuse(&r, 1, T, DUET_ERR_UNSUPPORTED, "version");
+
+    r = res;
+    r.worker_address.len = 0;
+    refuse(&r, 1, T, DUET_ERR_FORMAT, "worker_address");
+
+    r = res;
+    r.kv_bytes = 100; /* pages no longer fit the advertised region */
+    refuse(&r, 1, T, DUET_ERR_RANGE, "kv");
+
+    r = res;
+    r.group_size = 2;
+    refuse(&r, 1, T, DUET_ERR_INVALID, "expected rank 0 of 1");
+
+    refuse(&res, 1, T + 1, DUET_ERR_INVALID, "tokens");
+
+    r = res;
+    r.kda_slot = -1;
+    r.kda_rkey.len = 0;
+    refuse(&r, 1, T, DUET_ERR_INVALID, "KDA");
+
+    duet_xfer_reservation_t two[2] = {res, res};
+    two[0].group_size = two[1].group_size = 2;
+    two[1].rank = 1;
+    refuse(two, 2, T, DUET_ERR_INVALID, "share transfer id");
+
+    /* Oversized: more pages than this context accepts. */
+    static int32_t many[5000];
+    for (int i = 0; i < 5000; i++)
+        many[i] = i;
+    r = res;
+    r.pages = many;
+    r.n_pages = 5000;
+    r.kv_bytes = (uint64_t)5000 * xt_kv_page_bytes(&g_s, g_s.dst_pt);
+    refuse(&r, 1, T, DUET_ERR_RANGE, "max_pages");
+
+    /* A destination range past the advertised KV pool cannot slip through the plan. */
+    r = res;
+    int32_t far[8];
+    for (int i = 0; i < 8; i++)
+        far[i] = 1000000 + i;
+    r.pages = far;
+    r.n_pages = 8;
+    refuse(&r, 1, T, DUET_ERR_RANGE, "page");
+
+    cr_assert_eq(g_cb_calls, 0, "a refused start ran a callback");
+
+    /* Malformed bytes never become a reservation (the decoder's job; checked end to end). */
+    duet_xfer_reservation_t bad;
+    static const uint8_t noise[] = {0x0a, 0xff, 0xff, 0xff, 0x0f, 0x01, 0x02};
+    cr_assert_lt(duet_xfer_reservation_decode(noise, sizeof(noise), 0, &bad), 0);
+    duet_xfer_reservation_free(&res);
+}
+
+Test(transfer_local, reserve_refusals_and_full_table)
+{
+    int32_t pages[64];
+    for (int i = 0; i < 64; i++)
+        pages[i] = i;
+    duet_xfer_recv_args_t a = {
+        .layout = xt_layout(&g_s, false),
+        .pages = pages,
+        .n_pages = 8,
+        .kda_slot = 0,
+        .n_tokens = g_s.tokens,
+        .group_size = 1,
+        .deadline_unix_ms = duet_xfer_now_unix_ms() + 1000,
+        .cb = count_cb,
+    };
+    duet_xfer_reservation_t res;
+    duet_xfer_recv_args_t b = a;
+    b.deadline_unix_ms = duet_xfer_now_unix_ms() - 5;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_TIMEOUT);
+    b = a;
+    b.n_pages = 2; /* 100 tokens need 4 pages of 32 */
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_RANGE);
+    b = a;
+    pages[3] = 1 << 30;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_RANGE);
+    pages[3] = 3;
+    b.kda_slot = 1000;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_RANGE);
+    b = a;
+    b.rank = 1;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_RANGE);
+
+    /* Fill the table (count + 8 entries), then one more is BUSY. */
+    unsigned n = 0;
+    while (duet_xfer_recv_reserve(g_R.ctx, &a, &res) == DUET_OK)
+        n++;
+    cr_assert_eq(n, g_s.count + 8);
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &a, &res), DUET_ERR_BUSY);
+    cr_assert_eq(g_cb_calls, 0);
+}
+
+Test(transfer_local, metrics_count_outcomes)
+{
+    xt_send_free(&g_S);
+    xt_recv_free(&g_R);
+    duet_metrics_t *ms, *mr;
+    cr_assert_eq(duet_metrics_create(&ms), DUET_OK);
+    cr_assert_eq(duet_metrics_create(&mr), DUET_OK);
+    /* Contexts with a registry: build them by hand around the harness. */
+    cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK);
+    cr_assert_eq(xt_send_init(&g_S, &g_s, 4, 4), DUET_OK);
+    duet_xfer_ctx_destroy(g_S.ctx);
+    duet_xfer_ctx_destroy(g_R.ctx);
+    duet_xfer_ctx_opts_t o;
+    duet_xfer_ctx_opts_default(&o);
+    o.metrics = ms;
+    cr_assert_eq(duet_xfer_ctx_create(&o, &g_S.ctx), DUET_OK, "%s", duet_error_last());
+    o.metrics = mr;
+    cr_assert_eq(duet_xfer_ctx_create(&o, &g_R.ctx), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_xfer_ctx_create(&o, &(duet_xfer_ctx_t *){NULL}), DUET_ERR_INVALID,
+                 "metrics registered twice");
+    duet_xfer_ctx_register(g_S.ctx, DUET_XFER_POOL_KV, g_S.kv, g_S.kv_bytes, DUET_XFER_MEM_HOST);
+    duet_xfer_ctx_register(g_S.ctx, DUET_XFER_POOL_KDA, g_S.kda, g_S.kda_bytes, DUET_XFER_MEM_HOST);
+    duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KV, g_R.kv, g_R.kv_bytes, DUET_XFER_MEM_HOST);
+    duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KDA, g_R.kda, g_R.kda_bytes, DUET_XFER_MEM_HOST);
+    cr_assert_eq(duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KV, g_R.kv, g_R.kv_bytes,
+                                        DUET_XFER_MEM_HOST),
+                 DUET_ERR_INVALID);
+    cr_assert_eq(duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KV, g_R.kv, 8, DUET_XFER_MEM_CUDA),
+                 DUET_ERR_UNSUPPORTED);
+
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 0, 1, l);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    reserve(1, &res);
+    duet_xfer_reservation_free(&res);
+    duet_xfer_recv_cancel(g_R.ctx, g_R.x[1].id, NULL);
+
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    cr_assert_eq(duet_metrics_render(mr, &sb), DUET_OK);
+    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"recv\",outcome=\"done\"} 1") != NULL,
+              "%s", sb.data);
+    cr_assert(strstr(sb.data, "duet_xfer_aborts_total{reason=\"cancelled\"} 1") != NULL, "%s",
+              sb.data);
+    cr_assert(strstr(sb.data, "duet_xfer_transfer_seconds_count{role=\"recv\"} 2") != NULL, "%s",
+              sb.data);
+    char want[128];
+    snprintf(want, sizeof(want), "duet_xfer_bytes_total{role=\"recv\"} %llu",
+             (unsigned long long)g_R.x[0].out.bytes);
+    cr_assert(strstr(sb.data, want) != NULL, "%s", sb.data);
+    duet_strbuf_free(&sb);
+    duet_strbuf_init(&sb);
+    cr_assert_eq(duet_metrics_render(ms, &sb), DUET_OK);
+    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"send\",outcome=\"done\"} 1") != NULL,
+              "%s", sb.data);
+    duet_strbuf_free(&sb);
+    xt_send_free(&g_S);
+    xt_recv_free(&g_R);
+    duet_metrics_destroy(ms);
+    duet_metrics_destroy(mr);
+    setup(); /* teardown frees a harness */
+}
