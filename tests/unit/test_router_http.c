@@ -78,8 +78,8 @@ static void h_start_with(const duet_http_options_t *base)
     cr_assert_eq(uv_loop_init(&H.loop), 0);
     duet_http_echo_init(&H.app, &H.loop);
     H.opts = *base;
-    H.opts.on_request = duet_http_echo_on_request;
-    H.opts.on_abort = duet_http_echo_on_abort;
+    H.opts.on_request = base->on_request != NULL ? base->on_request : duet_http_echo_on_request;
+    H.opts.on_abort = base->on_abort != NULL ? base->on_abort : duet_http_echo_on_abort;
     H.opts.user = &H.app;
     cr_assert_eq(duet_http_server_start(&H.loop, &H.opts, &H.srv), DUET_OK);
     H.port = duet_http_server_port(H.srv);
@@ -950,6 +950,130 @@ Test(router_http, metrics_path_class, .timeout = 20)
     cr_assert(strstr(text, "{method=\"GET\",path=\"/health\",status=\"200\"} 1"), "%s", text);
     cr_assert(strstr(text, "{method=\"GET\",path=\"other\",status=\"404\"} 1"), "%s", text);
     duet_metrics_destroy(reg);
+}
+
+Test(router_http, stream_at_head_buffers_later_answers, .timeout = 20)
+{
+    h_start();
+    client_t c = cli_open();
+    cli_send(&c, GET("/stream?n=5&ms=20") GET(
+                     "/health") "POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nxyz");
+    const char *want[] = {"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: 3\n\ndata: 4\n\n", "ok\n", "xyz"};
+    for (int i = 0; i < 3; i++) {
+        resp_t r;
+        cr_assert_eq(cli_response(&c, &r), 0);
+        cr_assert_str_eq(r.body, want[i]);
+        resp_free(&r);
+    }
+    cli_close(&c);
+    h_stop();
+}
+
+/* ------------------------------------------------------------------ API contract */
+
+static atomic_int api_result;      /* 1 = every check passed, -k = check k failed */
+static atomic_int cancelled_after; /* on_abort saw writes refused with DUET_ERR_CANCELLED */
+
+static void api_on_request(duet_http_request_t *req, void *user)
+{
+    if (strcmp(duet_http_request_path(req), "/api") != 0) {
+        duet_http_echo_on_request(req, user);
+        return;
+    }
+    int fail = 0;
+    char v[16];
+    const char *name, *value;
+    duet_http_header_t inject = {"X-Bad", "a\r\nInjected: 1"};
+    if (duet_http_respond(req, 200, NULL, &inject, 1, "x", 1) != DUET_ERR_INVALID)
+        fail = 1;
+    else if (duet_http_respond(req, 42, NULL, NULL, 0, NULL, 0) != DUET_ERR_INVALID)
+        fail = 2;
+    else if (duet_http_stream_write(req, "x", 1) != DUET_ERR_INVALID)
+        fail = 3;
+    else if (duet_http_stream_end(req) != DUET_ERR_INVALID)
+        fail = 4;
+    else if (strcmp(duet_http_request_method(req), "GET") != 0)
+        fail = 5;
+    else if (duet_http_request_header(req, "X-MULTI") == NULL ||
+             strcmp(duet_http_request_header(req, "X-MULTI"), "a") != 0)
+        fail = 6;
+    else if (duet_http_request_header_count(req) != 3)
+        fail = 7;
+    else if (strncmp(duet_http_request_peer(req), "127.0.0.1:", 10) != 0)
+        fail = 8;
+    else if (duet_http_request_version_minor(req) != 1 || duet_http_request_id(req) == 0)
+        fail = 9;
+    else if (!duet_http_request_query_param(req, "k", v, sizeof(v)) || strcmp(v, "v") != 0)
+        fail = 10;
+    else if (!duet_http_request_query_param(req, "flag", v, sizeof(v)) || v[0] != '\0')
+        fail = 11;
+    else if (duet_http_request_query_param(req, "missing", v, sizeof(v)) ||
+             duet_http_request_query_param(req, "k", v, 1))
+        fail = 12;
+    else if (strcmp(duet_http_request_url(req), "/api?k=v&flag&e=") != 0)
+        fail = 13;
+    else if (duet_http_request_header(req, "absent") != NULL)
+        fail = 14;
+    if (fail == 0) {
+        duet_http_request_header_at(req, 2, &name, &value);
+        if (strcmp(name, "x-multi") != 0 || strcmp(value, "b") != 0)
+            fail = 15;
+    }
+    if (fail == 0 && duet_http_respond(req, 200, "text/plain", NULL, 0, "ok", 2) != DUET_OK)
+        fail = 16;
+    if (fail == 0 && duet_http_respond(req, 200, "text/plain", NULL, 0, "ok", 2) == DUET_OK)
+        fail = 17;
+    if (fail != 0)
+        duet_http_respond(req, 500, "text/plain", NULL, 0, "fail", 4);
+    atomic_store(&api_result, fail != 0 ? -fail : 1);
+    duet_http_request_release(req);
+}
+
+static void api_on_abort(duet_http_request_t *req, void *user)
+{
+    if (duet_http_request_aborted(req) &&
+        duet_http_respond(req, 200, NULL, NULL, 0, NULL, 0) == DUET_ERR_CANCELLED &&
+        duet_http_sse_event(req, "x", 1) == DUET_ERR_CANCELLED)
+        atomic_fetch_add(&cancelled_after, 1);
+    duet_http_echo_on_abort(req, user);
+}
+
+Test(router_http, api_contract, .timeout = 20)
+{
+    duet_http_options_t o;
+    h_options(&o);
+    o.on_request = api_on_request;
+    h_start_with(&o);
+    resp_t r;
+    cr_assert_eq(one_shot("GET /api?k=v&flag&e= HTTP/1.1\r\nHost: t\r\nX-Multi: a\r\n"
+                          "x-multi: b\r\n\r\n",
+                          &r),
+                 200);
+    cr_assert_str_eq(r.body, "ok");
+    resp_free(&r);
+    for (int i = 0; i < 200 && atomic_load(&api_result) == 0; i++)
+        sleep_ms(5); /* set just after the answer went out */
+    cr_assert_eq(atomic_load(&api_result), 1, "check %d failed", -atomic_load(&api_result));
+    h_stop();
+}
+
+Test(router_http, disconnect_aborts_every_owed_request, .timeout = 20)
+{
+    duet_http_options_t o;
+    h_options(&o);
+    o.on_abort = api_on_abort;
+    h_start_with(&o);
+    client_t c = cli_open();
+    cli_send(&c, GET("/slow?ms=5000") GET("/stream?n=100&ms=1000") GET("/health"));
+    cr_assert(poll_until(&H.app.active, 2, 2000));
+    cli_close(&c);
+    cr_assert(poll_until(&H.app.aborts, 2, 3000));
+    cr_assert_eq(atomic_load(&cancelled_after), 2);
+    resp_t r;
+    cr_assert_eq(one_shot(GET("/health"), &r), 200);
+    resp_free(&r);
+    h_stop();
+    cr_assert_eq(atomic_load(&H.app.aborts), 2);
 }
 
 /* ------------------------------------------------------------------ fuzz */
