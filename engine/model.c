@@ -99,6 +99,28 @@ struct duet_model {
 
 /* ---- small helpers --------------------------------------------------------------------- */
 
+/* Hot per-head loops get AVX2/FMA and AVX-512 clones beside the baseline (picked at load). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DUET_MODEL_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define DUET_MODEL_CLONES
+#endif
+
+/* Dot product with 8 independent partial sums: the explicit lanes let the compiler vectorise
+ * without reassociating (no -ffast-math). */
+static inline float duet__dot(const float *a, const float *b, int64_t n)
+{
+    float   acc[8] = {0};
+    int64_t i      = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
 static float *duet__to_f32(const duet_tensor_t *t)
 {
     int64_t n = duet_tensor_numel(t);
@@ -523,8 +545,12 @@ static inline const duet_batch_item_t *duet__item(const duet__step_t *st, int64_
 
 /* ---- KDA ----------------------------------------------------------------------------- */
 
-/* Causal depthwise conv + SiLU over one (item, channel); then the window keeps the last W-1
- * pre-conv inputs. */
+/* Causal depthwise conv + SiLU over one (item, block of channels), then the window keeps the
+ * last W-1 pre-conv inputs. Tokens run outside and channels inside, so rows are read
+ * contiguously and the channel loop vectorises. */
+#define DUET_CONV_BLOCK 64
+
+DUET_MODEL_CLONES
 static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     duet__layer_ctx_t         *lc = vctx;
@@ -532,31 +558,42 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
     duet_model_t              *m  = st->m;
     const duet_model_config_t *c  = &m->cfg;
     const int64_t C3 = 3 * c->kda_heads * c->kda_head_dim, W = c->conv_kernel;
+    const int64_t nblk = (C3 + DUET_CONV_BLOCK - 1) / DUET_CONV_BLOCK;
     const float  *taps = m->kda_f32[lc->layer].conv_w;
     const int64_t sub  = m->layer_sub[lc->layer];
 
     for (int64_t idx = b; idx < e; idx++) {
-        const int64_t            it   = idx / C3, ch = idx % C3;
+        const int64_t            it = idx / nblk, c0 = (idx % nblk) * DUET_CONV_BLOCK;
+        const int64_t            nc = C3 - c0 < DUET_CONV_BLOCK ? C3 - c0 : DUET_CONV_BLOCK;
         const duet_batch_item_t *item = duet__item(st, it);
         const int64_t            r0 = st->row0[it], n = item->n_tokens;
-        float       *win = duet_kda_pool_conv(m->kda, item->seq->kda_slot, sub) + ch * (W - 1);
-        const float *w   = taps + ch * W;
+        float *win = duet_kda_pool_conv(m->kda, item->seq->kda_slot, sub); /* [C3][W-1] */
+        /* the window transposed to [W-1][block] so every input row is contiguous */
+        float hist[64][DUET_CONV_BLOCK]; /* W - 1 < 64, checked when the config is parsed */
+        for (int64_t j = 0; j < W - 1; j++)
+            for (int64_t ch = 0; ch < nc; ch++)
+                hist[j][ch] = win[(c0 + ch) * (W - 1) + j];
         for (int64_t t = 0; t < n; t++) {
-            float acc = 0.0f;
+            float acc[DUET_CONV_BLOCK];
+            for (int64_t ch = 0; ch < nc; ch++)
+                acc[ch] = 0.0f;
             for (int64_t j = 0; j < W; j++) {
-                int64_t tau = t - (W - 1) + j;
-                float   u   = tau >= 0 ? m->proj[(r0 + tau) * C3 + ch] : win[(W - 1) + tau];
-                acc += w[j] * u;
+                int64_t      tau = t - (W - 1) + j;
+                const float *u   = tau >= 0 ? m->proj + (r0 + tau) * C3 + c0 : hist[(W - 1) + tau];
+                for (int64_t ch = 0; ch < nc; ch++)
+                    acc[ch] += taps[(c0 + ch) * W + j] * u[ch];
             }
-            m->qkv[(r0 + t) * C3 + ch] = duet__silu(acc);
+            float *out = m->qkv + (r0 + t) * C3 + c0;
+            for (int64_t ch = 0; ch < nc; ch++)
+                out[ch] = duet__silu(acc[ch]);
         }
         /* concat = window (W-1) ++ inputs (n); the new window is concat[n .. n+W-1) */
-        float tmp[64]; /* W - 1 < CFG_MAX_CONV (64), checked when the config is parsed */
         for (int64_t j = 0; j < W - 1; j++) {
-            int64_t i = n + j;
-            tmp[j]    = i < W - 1 ? win[i] : m->proj[(r0 + i - (W - 1)) * C3 + ch];
+            int64_t      i   = n + j;
+            const float *src = i < W - 1 ? hist[i] : m->proj + (r0 + i - (W - 1)) * C3 + c0;
+            for (int64_t ch = 0; ch < nc; ch++)
+                win[(c0 + ch) * (W - 1) + j] = src[ch];
         }
-        memcpy(win, tmp, sizeof(float) * (size_t)(W - 1));
     }
 }
 
@@ -669,7 +706,8 @@ static duet_status_t duet__kda_layer(duet__step_t *st, int64_t l)
         (s = duet_k_matmul(m->k, m->ga, K, m->xn, D, T, &w->g_a_proj, 0)) != DUET_OK ||
         (s = duet_k_matmul(m->k, m->gate, HK, m->ga, K, T, &w->g_b_proj, 0)) != DUET_OK)
         return s;
-    duet_k_parallel_for(m->k, st->n_items * C3, 64, duet__kda_conv_task, &lc);
+    duet_k_parallel_for(m->k, st->n_items * ((C3 + DUET_CONV_BLOCK - 1) / DUET_CONV_BLOCK), 1,
+                        duet__kda_conv_task, &lc);
     duet_k_parallel_for(m->k, T, 4, duet__kda_prep_task, &lc);
     duet_k_parallel_for(m->k, st->n_items * H, 1, duet__kda_core_task, &lc);
     duet_k_parallel_for(m->k, T, 8, duet__kda_out_task, &lc);
@@ -680,6 +718,7 @@ static duet_status_t duet__kda_layer(duet__step_t *st, int64_t l)
 
 /* Attention over the latent cache for one (item, head): every new token t of the item attends
  * to positions 0 .. pos+t. Scores in r + dr dims, result in r dims (absorbed form). */
+DUET_MODEL_CLONES
 static void duet__mla_attn_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     duet__layer_ctx_t         *lc = vctx;
@@ -702,18 +741,16 @@ static void duet__mla_attn_task(void *vctx, int64_t b, int64_t e, int tid)
             const float  *qh   = m->qhat + (row * n + h) * r;
             const float  *qr   = m->mq + row * n * dqk + h * dqk + dn;
             float         mx   = -INFINITY;
-            for (int64_t s = 0; s <= last; s++) {
-                const float *kv = (const float *)duet_kv_pool_block(m->kv, seq->pages[s / PT], sub) +
-                                  (s % PT) * td;
-                float acc = 0.0f;
-                for (int64_t j = 0; j < r; j++)
-                    acc += qh[j] * kv[j];
-                for (int64_t j = 0; j < dr; j++)
-                    acc += qr[j] * kv[r + j];
-                acc *= scale;
-                sc[s] = acc;
-                if (acc > mx)
-                    mx = acc;
+            /* keys page by page: one block lookup per page, contiguous tokens inside */
+            for (int64_t p0 = 0; p0 <= last; p0 += PT) {
+                const float  *blk = (const float *)duet_kv_pool_block(m->kv, seq->pages[p0 / PT], sub);
+                const int64_t ns  = last - p0 + 1 < PT ? last - p0 + 1 : PT;
+                for (int64_t s = 0; s < ns; s++) {
+                    const float *kv  = blk + s * td;
+                    float        acc = (duet__dot(qh, kv, r) + duet__dot(qr, kv + r, dr)) * scale;
+                    sc[p0 + s]       = acc;
+                    mx               = acc > mx ? acc : mx;
+                }
             }
             float sum = 0.0f;
             for (int64_t s = 0; s <= last; s++) {
@@ -723,12 +760,15 @@ static void duet__mla_attn_task(void *vctx, int64_t b, int64_t e, int tid)
             float *out = m->lat + (row * n + h) * r;
             for (int64_t j = 0; j < r; j++)
                 out[j] = 0.0f;
-            for (int64_t s = 0; s <= last; s++) {
-                const float *kv = (const float *)duet_kv_pool_block(m->kv, seq->pages[s / PT], sub) +
-                                  (s % PT) * td;
-                float p = sc[s];
-                for (int64_t j = 0; j < r; j++)
-                    out[j] += p * kv[j];
+            for (int64_t p0 = 0; p0 <= last; p0 += PT) {
+                const float  *blk = (const float *)duet_kv_pool_block(m->kv, seq->pages[p0 / PT], sub);
+                const int64_t ns  = last - p0 + 1 < PT ? last - p0 + 1 : PT;
+                for (int64_t s = 0; s < ns; s++) {
+                    const float *kv = blk + s * td;
+                    const float  p  = sc[p0 + s];
+                    for (int64_t j = 0; j < r; j++)
+                        out[j] += p * kv[j];
+                }
             }
             float inv = 1.0f / sum;
             for (int64_t j = 0; j < r; j++)
