@@ -25,11 +25,17 @@
  * DUET_ERR_NO_SPACE can leave its cleanup to on_abort, which is still to come (unless it
  * already came).
  *
+ * A client EOF while responses are owed counts as a disconnect (half-closed clients that still
+ * wait for an answer are not supported): that is how a client's cancel reaches the workers. While
+ * a connection has max_pipeline requests queued it is not read, so a disconnect is then noticed
+ * at the next write.
+ *
  * Limits and timeouts (duet_http_options_t) answer with the matching status and close the
  * connection: malformed request 400, header timeout / body timeout 408, body too large 413 (sent
  * at once, the body is not read), URL too long 414, headers too large or too many 431,
- * unsupported Transfer-Encoding or CONNECT 501; connections over the maximum get a 503 and are
- * closed. Error responses are queued behind the responses still owed on the connection.
+ * unsupported Transfer-Encoding or CONNECT 501, HTTP major version other than 1 505;
+ * connections over the maximum get a best-effort 503 and are closed. Error responses are queued
+ * behind the responses still owed on the connection.
  *
  * Threads. Everything runs on the loop thread given to duet_http_server_start; no function here
  * may be called from another thread.

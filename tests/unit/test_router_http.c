@@ -372,7 +372,7 @@ Test(router_http, get_post_and_404, .timeout = 20)
     cr_assert_str_eq(r.body, "ok\n");
     resp_free(&r);
 
-    const char *post = "POST /echo?x=1&y=2 HTTP/1.1\r\nHost: t\r\nX-TEST: Mixed\r\n"
+    const char *post = "POST /echo?x=1&y=2 HTTP/1.1\r\nHost: t\r\nX-Empty:\r\nX-TEST: Mixed\r\n"
                        "Content-Type: text/plain\r\nContent-Length: 11\r\n\r\nhello world";
     cr_assert_eq(one_shot(post, &r), 200);
     cr_assert_str_eq(r.body, "hello world");
