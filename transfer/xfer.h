@@ -159,6 +159,17 @@ void duet_xfer_ctx_destroy(duet_xfer_ctx_t *ctx);
 duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
                                      size_t bytes, duet_xfer_mem_kind_t kind);
 
+/*
+ * Allocate pool `pool` through UCX (ucp_mem_map with UCP_MEM_MAP_ALLOCATE: a shared-memory
+ * segment when posix/sysv are enabled) and register it; *base_p = its address, zero-filled,
+ * owned by the context until destroy. Use this for pools that *receive*: with UCX 1.13, RMA into
+ * an ordinary malloc'ed buffer over shared memory falls back to a software emulation over active
+ * messages (~0.1-2 GB/s), while puts into a UCX-allocated segment are plain copies into the
+ * mapped segment (see bench/RESULTS.md). Same errors as duet_xfer_ctx_register.
+ */
+duet_status_t duet_xfer_ctx_alloc(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, size_t bytes,
+                                  duet_xfer_mem_kind_t kind, void **base_p);
+
 /* The worker's event fd: readable when progress may have work (after duet_xfer_ctx_arm). */
 int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx);
 

@@ -456,6 +456,9 @@ static void duet__peer_close(duet_xfer_ctx_t *ctx, duet__peer_t *p, bool force)
         return;
     if (p->no_err)
         force = false; /* force close needs UCP_ERR_HANDLING_MODE_PEER on both sides */
+    for (uint32_t i = 0; i < p->n_rk; i++)
+        ucp_rkey_destroy(p->rk[i].h);
+    p->n_rk = 0;
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         (force ? UCP_OP_ATTR_FIELD_FLAGS : 0),
@@ -537,6 +540,7 @@ duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, siz
     memcpy(p->addr, addr, len);
     p->addr_len = len;
     p->ep = ep;
+    p->n_rk = 0;
     p->refs = 1;
     p->err = UCS_OK;
     p->last_used = ctx->sweeps;
@@ -558,6 +562,33 @@ duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, siz
     }
     *peer_p = free_i;
     return DUET_OK;
+}
+
+ucs_status_t duet__xfer_peer_rkey(duet_xfer_ctx_t *ctx, int32_t peer, const uint8_t *key,
+                                  size_t len, ucp_rkey_h *rkey_p, bool *own_p)
+{
+    duet__peer_t *p = &ctx->peers[peer];
+    for (uint32_t i = 0; i < p->n_rk; i++)
+        if (p->rk[i].len == len && memcmp(p->rk[i].key, key, len) == 0) {
+            *rkey_p = p->rk[i].h;
+            *own_p = false;
+            return UCS_OK;
+        }
+    ucp_rkey_h h;
+    ucs_status_t us = ucp_ep_rkey_unpack(p->ep, key, &h);
+    if (us != UCS_OK)
+        return us;
+    if (len <= DUET__XFER_RKEY_BYTES && p->n_rk < DUET__XFER_RKEY_CACHE) {
+        p->rk[p->n_rk].len = len;
+        memcpy(p->rk[p->n_rk].key, key, len);
+        p->rk[p->n_rk].h = h;
+        p->n_rk++;
+        *own_p = false;
+    } else {
+        *own_p = true;
+    }
+    *rkey_p = h;
+    return UCS_OK;
 }
 
 void duet__xfer_peer_put(duet_xfer_ctx_t *ctx, int32_t peer)
@@ -682,7 +713,7 @@ void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_
     if (x->role == DUET_XFER_ROLE_SEND) {
         for (uint32_t r = 0; r < x->n_ranks; r++) {
             for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
-                if (x->ranks[r].rkey[k] != NULL)
+                if (x->ranks[r].rkey[k] != NULL && x->ranks[r].rkey_own[k])
                     ucp_rkey_destroy(x->ranks[r].rkey[k]);
                 x->ranks[r].rkey[k] = NULL;
             }
@@ -917,10 +948,10 @@ void duet_xfer_ctx_destroy(duet_xfer_ctx_t *ctx)
     free(ctx);
 }
 
-duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
-                                     size_t bytes, duet_xfer_mem_kind_t kind)
+static duet_status_t duet__xfer_map(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
+                                    size_t bytes, duet_xfer_mem_kind_t kind, void **base_p)
 {
-    if ((unsigned)pool >= DUET_XFER_N_POOLS || base == NULL || bytes == 0)
+    if ((unsigned)pool >= DUET_XFER_N_POOLS || (base == NULL && base_p == NULL) || bytes == 0)
         return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d, base %p, %zu bytes", (int)pool,
                          base, bytes);
     if (kind != DUET_XFER_MEM_HOST)
@@ -930,16 +961,28 @@ duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool
         return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d already registered", (int)pool);
     ucp_mem_map_params_t mp = {
         .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_FLAGS,
         .address = base,
         .length = bytes,
         .memory_type = UCS_MEMORY_TYPE_HOST,
+        .flags = base == NULL ? UCP_MEM_MAP_ALLOCATE : 0,
     };
     ucp_mem_h memh;
     ucs_status_t us = ucp_mem_map(ctx->ucp, &mp, &memh);
     if (us != UCS_OK)
         return DUET_FAIL(DUET_ERR_TRANSPORT, "xfer register: ucp_mem_map(%zu bytes): %s", bytes,
                          ucs_status_string(us));
+    if (base == NULL) {
+        ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+        us = ucp_mem_query(memh, &attr);
+        if (us != UCS_OK) {
+            ucp_mem_unmap(ctx->ucp, memh);
+            return DUET_FAIL(DUET_ERR_TRANSPORT, "xfer register: ucp_mem_query: %s",
+                             ucs_status_string(us));
+        }
+        base = attr.address;
+        memset(base, 0, bytes);
+    }
     void *rkey;
     size_t rkey_len;
     us = ucp_rkey_pack(ctx->ucp, memh, &rkey, &rkey_len);
@@ -953,7 +996,23 @@ duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool
     ctx->pools[pool].memh = memh;
     ctx->pools[pool].rkey = rkey;
     ctx->pools[pool].rkey_len = rkey_len;
+    if (base_p != NULL)
+        *base_p = base;
     return DUET_OK;
+}
+
+duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
+                                     size_t bytes, duet_xfer_mem_kind_t kind)
+{
+    if (base == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d: NULL base", (int)pool);
+    return duet__xfer_map(ctx, pool, base, bytes, kind, NULL);
+}
+
+duet_status_t duet_xfer_ctx_alloc(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, size_t bytes,
+                                  duet_xfer_mem_kind_t kind, void **base_p)
+{
+    return duet__xfer_map(ctx, pool, NULL, bytes, kind, base_p);
 }
 
 int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx)

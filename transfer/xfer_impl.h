@@ -36,6 +36,8 @@
 #define DUET__XFER_MSG_TEXT     160u  /* bytes of an abort message we keep / send */
 #define DUET__XFER_MAX_GROUPS   1024u /* MLA + KDA layers of one layout */
 #define DUET__XFER_ADDR_MAX     4096u /* worker address bytes a hello may carry */
+#define DUET__XFER_RKEY_CACHE   4u    /* unpacked rkeys kept per peer */
+#define DUET__XFER_RKEY_BYTES   512u  /* packed rkeys longer than this are not cached */
 
 typedef struct duet__xfer duet__xfer_t;
 
@@ -58,6 +60,15 @@ typedef struct {
     uint64_t           last_used; /* sweep counter, for eviction */
     size_t             addr_len;
     uint8_t           *addr;      /* owned, [DUET__XFER_ADDR_MAX]: the remote worker address */
+    /* Unpacked remote keys of this peer's pools, kept while the endpoint lives: unpacking maps
+     * the remote shared-memory segment, and mapping it afresh per transfer (then faulting its
+     * pages in again) cost ~2 ms per MiB in the benchmark. */
+    struct {
+        size_t     len;
+        uint8_t    key[DUET__XFER_RKEY_BYTES];
+        ucp_rkey_h h;
+    } rk[DUET__XFER_RKEY_CACHE];
+    uint32_t           n_rk;
     struct duet_xfer_ctx *ctx;
 } duet__peer_t;
 
@@ -88,6 +99,7 @@ typedef struct {
     int32_t     peer;                    /* index in ctx->peers */
     uint64_t    xfer_id;                 /* the receiver's transfer id */
     ucp_rkey_h  rkey[DUET_XFER_N_POOLS]; /* unpacked for peer's ep; NULL when absent */
+    bool        rkey_own[DUET_XFER_N_POOLS]; /* not in the peer's cache: destroy at the end */
     uint64_t    base[DUET_XFER_N_POOLS]; /* remote pool bases */
     uint64_t    checksum;
     void       *flush_req[2]; /* flushes in flight on this rank's endpoint (completion, abort);
@@ -197,6 +209,10 @@ duet__xfer_t *duet__xfer_find_rank_id(duet_xfer_ctx_t *ctx, uint64_t rank_xfer_i
 duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, size_t len,
                                   int32_t *peer_p);
 void duet__xfer_peer_put(duet_xfer_ctx_t *ctx, int32_t peer);
+/* The unpacked rkey for packed bytes key[0..len) on this peer (cached when small enough;
+ * *own_p = true when the caller must destroy it). */
+ucs_status_t duet__xfer_peer_rkey(duet_xfer_ctx_t *ctx, int32_t peer, const uint8_t *key,
+                                  size_t len, ucp_rkey_h *rkey_p, bool *own_p);
 /* Send a control message to a peer: hello (x_id, data = our address) or an Envelope. */
 duet_status_t duet__xfer_send_hello(duet_xfer_ctx_t *ctx, int32_t peer, uint64_t x_id);
 duet_status_t duet__xfer_send_done(duet_xfer_ctx_t *ctx, duet__xfer_t *x, int32_t peer,

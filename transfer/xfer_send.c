@@ -319,7 +319,7 @@ static void duet__send_unwind(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
 {
     for (uint32_t r = 0; r < x->n_ranks; r++) {
         for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
-            if (x->ranks[r].rkey[k] != NULL)
+            if (x->ranks[r].rkey[k] != NULL && x->ranks[r].rkey_own[k])
                 ucp_rkey_destroy(x->ranks[r].rkey[k]);
             x->ranks[r].rkey[k] = NULL;
         }
@@ -457,12 +457,12 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
             duet__send_unwind(ctx, x);
             return st;
         }
-        ucp_ep_h ep = ctx->peers[rk->peer].ep;
         const duet_xfer_bytes_t *keys[DUET_XFER_N_POOLS] = {&rv->kv_rkey, &rv->kda_rkey};
         for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
             if (keys[k]->len == 0 || (k == DUET_XFER_POOL_KDA && !want_kda))
                 continue;
-            ucs_status_t us = ucp_ep_rkey_unpack(ep, keys[k]->data, &rk->rkey[k]);
+            ucs_status_t us = duet__xfer_peer_rkey(ctx, rk->peer, keys[k]->data, keys[k]->len,
+                                                   &rk->rkey[k], &rk->rkey_own[k]);
             if (us != UCS_OK) {
                 rk->rkey[k] = NULL;
                 duet__send_unwind(ctx, x);

@@ -126,6 +126,7 @@ Test(transfer_procs, shm_bigger_source_pages, .timeout = 60)
     s.src_pt = 64;
     s.dst_pt = 16;
     s.tb = 576;
+    s.alloc = 1; /* receiver pools allocated by UCX (the fast shared-memory path) */
     send_to_children("posix,sysv,cma,self", s);
 }
 
@@ -134,6 +135,7 @@ Test(transfer_procs, tcp_two_processes_random_pages, .timeout = 60)
     xt_scn_t s = xt_scn_default();
     s.tokens = 1000;
     s.mla = 4;
+    s.alloc = 1;
     send_to_children("tcp,self", s);
 }
 
@@ -143,6 +145,7 @@ Test(transfer_procs, cp_group_one_sender_four_receivers, .timeout = 60)
     s.tokens = 1234;
     s.group = 4;
     s.heads = 8; /* 2 KDA heads per rank */
+    s.alloc = 1;
     send_to_children("posix,sysv,cma,self", s);
 }
 

@@ -43,6 +43,7 @@ typedef struct {
     uint32_t checksum;    /* sender sends XXH3 */
     int32_t  stall_after; /* sender: after this many MLA layers, report "stalled" and hang */
     uint32_t pool_pages;  /* pages in each side's KV pool (0 = enough for count transfers) */
+    uint32_t alloc;       /* receiver: pools from duet_xfer_ctx_alloc instead of malloc + register */
 } xt_scn_t;
 
 static inline xt_scn_t xt_scn_default(void)
@@ -55,7 +56,7 @@ static inline xt_scn_t xt_scn_default(void)
 
 #define XT_SCN_FIELDS(X)                                                                           \
     X(tokens) X(src_pt) X(dst_pt) X(mla) X(tb) X(kda) X(heads) X(hd) X(conv) X(group) X(rank)      \
-    X(count) X(seed) X(deadline_ms) X(checksum) X(stall_after) X(pool_pages)
+    X(count) X(seed) X(deadline_ms) X(checksum) X(stall_after) X(pool_pages) X(alloc)
 
 /* Parse "key=value" arguments into s; false on an unknown key. */
 static inline bool xt_scn_parse(xt_scn_t *s, int argc, char **argv)
@@ -422,7 +423,8 @@ typedef struct {
 struct xt_recv {
     xt_scn_t         s;
     duet_xfer_ctx_t *ctx;
-    uint8_t         *kv, *kda;
+    uint8_t         *kv, *kda;           /* malloc'ed pools (NULL when the context owns them) */
+    uint8_t         *kv_view, *kda_view; /* the pools, whoever owns them */
     size_t           kv_bytes, kda_bytes;
     xt_pool_t        pool;
     xt_rxfer_t      *x;       /* [count] */
@@ -438,8 +440,8 @@ static inline void xt_recv_cb(const duet_xfer_outcome_t *o, void *user)
     t->out = *o;
     snprintf(t->msg, sizeof(t->msg), "%s", o->message);
     if (o->kind == DUET_XFER_OUTCOME_DONE) {
-        t->bad = xt_verify_dst(&R->s, R->s.seed + t->k, R->kv, t->pages, t->n_pages, R->kda,
-                               t->slot);
+        t->bad = xt_verify_dst(&R->s, R->s.seed + t->k, R->kv_view, t->pages, t->n_pages,
+                               R->kda_view, t->slot);
         R->bad += t->bad;
         R->n_done++;
     } else {
@@ -462,19 +464,36 @@ static inline duet_status_t xt_recv_init(xt_recv_t *R, const xt_scn_t *s)
     uint32_t per = xt_rank_pages(s, s->rank) + 1; /* one spare page: reservations may be larger */
     uint32_t n_pages = s->pool_pages ? s->pool_pages : per * s->count + 8;
     R->kv_bytes = xt_kv_page_bytes(s, s->dst_pt) * n_pages;
-    R->kv = malloc(R->kv_bytes);
-    memset(R->kv, 0xee, R->kv_bytes);
     xt_pool_init(&R->pool, n_pages, 0x1234 + s->rank);
-    if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_KV, R->kv, R->kv_bytes,
-                                     DUET_XFER_MEM_HOST)) < 0)
-        return st;
-    if (s->kda > 0) {
+    if (s->kda > 0)
         R->kda_bytes = xt_kda_slot_bytes(s, s->heads / s->group) * s->count;
-        R->kda = malloc(R->kda_bytes);
-        memset(R->kda, 0xee, R->kda_bytes);
-        if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_KDA, R->kda, R->kda_bytes,
+    if (s->alloc) {
+        void *kv, *kda;
+        if ((st = duet_xfer_ctx_alloc(R->ctx, DUET_XFER_POOL_KV, R->kv_bytes, DUET_XFER_MEM_HOST,
+                                      &kv)) < 0)
+            return st;
+        R->kv_view = kv;
+        memset(kv, 0xee, R->kv_bytes);
+        if (s->kda > 0) {
+            if ((st = duet_xfer_ctx_alloc(R->ctx, DUET_XFER_POOL_KDA, R->kda_bytes,
+                                          DUET_XFER_MEM_HOST, &kda)) < 0)
+                return st;
+            R->kda_view = kda;
+            memset(kda, 0xee, R->kda_bytes);
+        }
+    } else {
+        R->kv = R->kv_view = malloc(R->kv_bytes);
+        memset(R->kv, 0xee, R->kv_bytes);
+        if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_KV, R->kv, R->kv_bytes,
                                          DUET_XFER_MEM_HOST)) < 0)
             return st;
+        if (s->kda > 0) {
+            R->kda = R->kda_view = malloc(R->kda_bytes);
+            memset(R->kda, 0xee, R->kda_bytes);
+            if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_KDA, R->kda, R->kda_bytes,
+                                             DUET_XFER_MEM_HOST)) < 0)
+                return st;
+        }
     }
     R->x = calloc(s->count, sizeof(*R->x));
     return DUET_OK;
