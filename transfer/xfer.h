@@ -15,9 +15,11 @@
  *   The transfer is then RESERVED -> RECEIVING (the sender said hello) -> DONE | ABORTED, and the
  *   owner's callback is told exactly one outcome: DONE once the sender's completion message came
  *   (byte count checked, checksum verified when sent), or ABORTED with a reason: the sender's
- *   abort message, the deadline, the sender's death (UCX error handler on our endpoint to it), a
- *   bad completion, or shutdown. On ABORTED the owner returns the pages at once; the runtime never
- *   owns pages.
+ *   abort message, the deadline, a bad completion, the owner's cancel, or shutdown. A sender that
+ *   dies is noticed by the deadline: the receiver keeps no endpoint of its own to the sender
+ *   (opening one while a CP group's puts arrive crashed UCX 1.13 on shm), it opens one only to
+ *   send an abort back. On ABORTED the owner returns the pages at once; the runtime never owns
+ *   pages.
  *
  * Sender (context side):
  *   duet_xfer_send_start() takes one decoded Reservation per destination rank (N for a Helix CP
@@ -27,15 +29,19 @@
  *   registered pool), duet_xfer_send_kda_ready() puts the KDA state and conv windows; when every
  *   layer is out the endpoints are flushed and one XferDone active message goes to each rank
  *   (bytes, optional XXH3-64 of the rank's bytes in plan order, computed on the source bytes).
- *   The sender's outcome is reported only once no UCX operation can still read its source pages
- *   (aborts flush or force-close the endpoints first, bounded by abort_grace_ms), so the owner may
- *   reuse its pages in the callback.
+ *   A dead or failing receiver ends the transfer through the endpoint's UCX error handler
+ *   (UCP_ERR_HANDLING_MODE_PEER; over tcp within milliseconds), a failed put or flush, or the
+ *   deadline. The sender's outcome is reported once its abort messages and flushes completed, or
+ *   the endpoints were force-closed after abort_grace_ms, so that no UCX operation still reads
+ *   its source pages. Exception: shared-memory-only UCX_TLS has no transport that detects a dead
+ *   peer, so those endpoints are created without error handling and cannot be force-closed; a
+ *   transfer stuck on one is reported after a second abort_grace_ms (its slot is reused only when
+ *   UCX lets go of it).
  *
  * Wire (DESIGN §6): data are RMA puts; control messages are UCX active messages whose body is a
  * packed duet.Envelope (XferDone / XferAbort). One control message is not in duet.proto: the
- * sender's hello, which carries the sender's worker address so that the receiver can open its own
- * endpoint back (to send aborts and to learn of the sender's death). It is a fixed 16-byte AM
- * header plus the raw address, see xfer_impl.h.
+ * sender's hello, which carries the sender's worker address so that the receiver can send an
+ * abort back later. It is a fixed 16-byte AM header plus the raw address, see xfer_impl.h.
  *
  * Bounded: transfers live in a fixed table (opts.max_transfers; DUET_ERR_BUSY when full), peers
  * in a fixed cache (opts.max_peers), control messages in a fixed buffer pool; every state has a
