@@ -72,6 +72,12 @@ uint16_t duet_f32_to_f16(float f);
 /* Convert n elements of `src` (any dtype, host memory) to fp32 `dst`. */
 void duet_convert_to_f32(float *dst, const void *src, duet_dtype_t dt, int64_t n);
 
+/*
+ * Number of usable CUDA devices: 0 when the CUDA backend is not built in, when no driver is
+ * installed, or when no device is visible.
+ */
+int duet_cuda_device_count(void);
+
 /* ---- backend instance ------------------------------------------------------------------- */
 
 typedef struct duet_kernels duet_kernels_t;

@@ -213,9 +213,20 @@ static void duet__pool_stop(struct duet_kernels *k)
 
 duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_kernels_t **k_p)
 {
-    if (dev == DUET_DEVICE_CUDA)
+    if (dev == DUET_DEVICE_CUDA) {
+        int n = duet_cuda_device_count();
+        if (n == 0)
+            return duet_error_set(DUET_ERR_UNSUPPORTED, "kernels: no CUDA device is visible%s",
+#ifdef DUET_HAVE_CUDA
+                                  ""
+#else
+                                  " (this binary was built without the CUDA backend)"
+#endif
+            );
         return duet_error_set(DUET_ERR_UNSUPPORTED,
-                              "kernels: the CUDA backend is not built into this binary");
+                              "kernels: %d CUDA device(s) found, but the CUDA kernels are not "
+                              "implemented yet; use the CPU backend", n);
+    }
     if (dev != DUET_DEVICE_CPU)
         return duet_error_set(DUET_ERR_INVALID, "kernels: unknown device kind %d", (int)dev);
     if (n_threads < 0)

@@ -278,7 +278,10 @@ Test(kernels_cpu, create_and_errors, .timeout = 10)
     duet_kernels_t *k = NULL;
     CHECK((duet_kernels_create(DUET_DEVICE_CUDA, 0, &k)) == (DUET_ERR_UNSUPPORTED));
     cr_assert_null(k);
-    CHECK(strlen(duet_error_last()) > 0);
+    CHECK(strstr(duet_error_last(), "CUDA") != NULL);
+    /* No driver here (CI, build VMs): the probe must report 0, not fail or crash. */
+    REPORT("CUDA devices visible: %d", duet_cuda_device_count());
+    CHECK(duet_cuda_device_count() >= 0);
     CHECK((duet_kernels_create(DUET_DEVICE_CPU, -1, &k)) == (DUET_ERR_INVALID));
 
     unsetenv("DUET_THREADS");
