@@ -1,0 +1,81 @@
+/*
+ * Placement: which worker gets the next request (DESIGN §1). A pure module: no sockets, no clock,
+ * no allocation; the router passes a snapshot of the registry (duet_placement_candidate_t) and
+ * gets back an index into it, so every policy can be tested exhaustively on plain arrays.
+ *
+ * Order. The router picks a generation worker first (it must reserve the cache pages for the
+ * whole request, or refuse), and only after the reservation a context worker; each pick is one
+ * call with the role wanted. A worker that is draining or dead is never picked, nor one whose id
+ * is in the caller's exclusion list (the gen workers that already refused this request, the ctx
+ * worker whose prefill failed).
+ *
+ * Policies.
+ *   round_robin   the eligible worker with the smallest id above the last one picked for that
+ *                 role, wrapping around. Keyed by id rather than by array position, so workers
+ *                 joining or leaving do not make it skip or repeat others.
+ *   least_loaded  the eligible worker with the most free KV pages; ties go to the fewest queued
+ *                 tokens, then to the fewest requests the router has in flight on it (heartbeats
+ *                 lag, so this spreads a burst that arrives between two heartbeats), then to
+ *                 round robin among the remaining ties.
+ */
+#ifndef DUET_ROUTER_PLACEMENT_H
+#define DUET_ROUTER_PLACEMENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef enum {
+    DUET_WORKER_ROLE_CTX = 1, /* = duet.WorkerRole.WORKER_ROLE_CTX */
+    DUET_WORKER_ROLE_GEN = 2, /* = duet.WorkerRole.WORKER_ROLE_GEN */
+} duet_worker_role_t;
+
+typedef enum {
+    DUET_WORKER_STATE_UP       = 0, /* registered, heartbeating, takes requests */
+    DUET_WORKER_STATE_DRAINING = 1, /* finishes its requests, takes no new ones */
+    DUET_WORKER_STATE_DEAD     = 2, /* heartbeat lost, connection closed or deregistered */
+    DUET_WORKER_STATE_COUNT    = 3,
+} duet_worker_state_t;
+
+typedef enum {
+    DUET_PLACEMENT_ROUND_ROBIN  = 0,
+    DUET_PLACEMENT_LEAST_LOADED = 1,
+} duet_placement_policy_t;
+
+/* One worker as placement sees it. */
+typedef struct {
+    uint64_t id; /* the registry's worker id (never 0) */
+    duet_worker_role_t role;
+    duet_worker_state_t state;
+    uint32_t free_pages;    /* from the last heartbeat */
+    uint64_t queued_tokens; /* from the last heartbeat */
+    uint32_t inflight;      /* requests the router has on it now */
+} duet_placement_candidate_t;
+
+/* Placement state: the policy and the round-robin cursor per role. Embeddable. */
+typedef struct {
+    duet_placement_policy_t policy;
+    uint64_t last_id[3]; /* indexed by role: the id picked last (0 = none yet) */
+} duet_placement_t;
+
+/* "round_robin" / "least_loaded" -> policy; DUET_ERR_INVALID (with detail) otherwise. */
+duet_status_t duet_placement_policy_parse(const char *s, duet_placement_policy_t *policy_p);
+
+/* "round_robin" / "least_loaded". */
+const char *duet_placement_policy_name(duet_placement_policy_t policy);
+
+/* Start with no history. */
+void duet_placement_init(duet_placement_t *pl, duet_placement_policy_t policy);
+
+/*
+ * Pick a worker of `role` among c[0..n): *idx_p = its index in c. Workers whose id is in
+ * exclude[0..n_exclude) are skipped (exclude may be NULL when n_exclude is 0). Updates the
+ * round-robin cursor of that role. DUET_ERR_NOT_FOUND when no worker is eligible (*idx_p then
+ * untouched); DUET_ERR_INVALID for a NULL c with n > 0 or a role that is neither ctx nor gen.
+ */
+duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
+                                  const duet_placement_candidate_t *c, size_t n,
+                                  const uint64_t *exclude, size_t n_exclude, size_t *idx_p);
+
+#endif

@@ -1,0 +1,3 @@
+# The router's core modules: placement (pure) and the worker registry (libuv, over loopback).
+duet_add_test(test_router_placement SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_router_placement.c
+              LIBS duet_router_placement TIMEOUT 120)
