@@ -106,9 +106,8 @@ static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob
                 st = duet_strbuf_append(blob, (const char *)b, bl);
         }
         if (st == DUET_OK)
-            st = tpl_seq_push(seq, (tpl_part_t){.kind = TPL_PART_TEXT,
-                                                .off = off,
-                                                .len = blob->len - off});
+            st = tpl_seq_push(
+                seq, (tpl_part_t){.kind = TPL_PART_TEXT, .off = off, .len = blob->len - off});
         i = j;
     }
     free(ids);
@@ -191,9 +190,9 @@ void duet_oai_template_destroy(duet_oai_template_t *tmpl)
     free(tmpl);
 }
 
-static const char *const tpl_keys[] = {"duet_chat_template", "prefix",    "message",
-                                       "system",             "user",      "assistant",
-                                       "generation_prompt",  "completion_prefix"};
+static const char *const tpl_keys[] = {
+    "duet_chat_template", "prefix",           "message", "system", "user", "assistant",
+    "generation_prompt",  "completion_prefix"};
 
 duet_status_t duet_oai_template_create(const char *json, size_t len, const char *source,
                                        const duet_tokenizer_t *tok, duet_oai_template_t **tmpl_p)
@@ -228,10 +227,11 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
         int64_t version = 0;
         if (json_object_get(root, "duet_chat_template") == NULL &&
             json_object_get(root, "chat_template") != NULL) {
-            st = duet_error_set(DUET_ERR_UNSUPPORTED,
-                                "%s: holds a Jinja \"chat_template\"; Jinja is not supported: write "
-                                "duet's own chat_template.json (see router/CHAT_TEMPLATE.md)",
-                                source);
+            st =
+                duet_error_set(DUET_ERR_UNSUPPORTED,
+                               "%s: holds a Jinja \"chat_template\"; Jinja is not supported: write "
+                               "duet's own chat_template.json (see router/CHAT_TEMPLATE.md)",
+                               source);
             goto fail;
         }
         st = duet_json_get_int(root, source, "duet_chat_template", INT64_MIN, INT64_MAX, &version);

@@ -17,7 +17,7 @@
  *
  * The built-in default (used when a model folder ships no template) is the demo model's:
  *
- *   <|bos|>system: ...\nuser: ...\nassistant: ...\nassistant: 
+ *   <|bos|>system: ...\nuser: ...\nassistant: ...\nassistant:
  *
  * i.e. prefix "<|bos|>", message "{role}: {content}\n", generation_prompt "assistant: ",
  * completion_prefix "<|bos|>". Role names are "system", "user", "assistant" (a "developer" message

@@ -415,8 +415,8 @@ static duet_status_t oai_prompt_ids(oai_parse_t *p, const json_t *arr, const cha
     duet_oai_request_t *req = p->req;
     if (p->lim->max_prompt_tokens > 0 && n > p->lim->max_prompt_tokens)
         return duet_oai_error_make(p->err, 400, NULL, "context_length_exceeded", param,
-                                   "The prompt has %zu tokens; this server accepts at most %zu.",
-                                   n, p->lim->max_prompt_tokens);
+                                   "The prompt has %zu tokens; this server accepts at most %zu.", n,
+                                   p->lim->max_prompt_tokens);
     req->prompt_ids = malloc(n * sizeof(*req->prompt_ids));
     if (req->prompt_ids == NULL)
         return oai_nomem(p);
@@ -429,8 +429,9 @@ static duet_status_t oai_prompt_ids(oai_parse_t *p, const json_t *arr, const cha
         json_int_t id = json_integer_value(e);
         uint32_t vocab = p->lim->vocab_size > 0 ? p->lim->vocab_size : DUET_TOKENIZER_MAX_ID + 1;
         if (id < 0 || id >= (json_int_t)vocab)
-            return oai_bad_value(p, where, "Invalid token id %" JSON_INTEGER_FORMAT
-                                           " in '%s': ids must be in [0, %u).",
+            return oai_bad_value(p, where,
+                                 "Invalid token id %" JSON_INTEGER_FORMAT
+                                 " in '%s': ids must be in [0, %u).",
                                  id, where, vocab);
         req->prompt_ids[i] = (uint32_t)id;
     }
@@ -528,8 +529,7 @@ static duet_status_t oai_parse_content(oai_parse_t *p, size_t i, const json_t *c
             st = oai_bad_type(p, tw, "a string", text);
             break;
         }
-        if (duet_strbuf_append(&sb, json_string_value(text), json_string_length(text)) !=
-            DUET_OK) {
+        if (duet_strbuf_append(&sb, json_string_value(text), json_string_length(text)) != DUET_OK) {
             st = oai_nomem(p);
             break;
         }
@@ -623,8 +623,9 @@ static duet_status_t oai_parse_messages(oai_parse_t *p)
     size_t n = json_array_size(v);
     size_t cap = p->lim->max_messages > 0 ? p->lim->max_messages : OAI_DEFAULT_MAX_MESSAGES;
     if (n == 0)
-        return oai_bad_value(p, "messages", "Invalid 'messages': empty array. Expected an array "
-                                            "with at least one message.");
+        return oai_bad_value(p, "messages",
+                             "Invalid 'messages': empty array. Expected an array "
+                             "with at least one message.");
     if (n > cap)
         return oai_bad_value(p, "messages",
                              "Invalid 'messages': %zu messages; this server accepts at most %zu.",
@@ -764,8 +765,7 @@ static duet_status_t oai_parse_stop(oai_parse_t *p)
     if (!json_is_array(v))
         return oai_bad_type(p, "stop", "a string or an array of strings", v);
     if (json_array_size(v) > DUET_OAI_MAX_STOP)
-        return oai_bad_value(p, "stop",
-                             "Invalid 'stop': %zu stop strings; at most %d are allowed.",
+        return oai_bad_value(p, "stop", "Invalid 'stop': %zu stop strings; at most %d are allowed.",
                              json_array_size(v), DUET_OAI_MAX_STOP);
     size_t i;
     json_t *s;
@@ -938,8 +938,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
                             len, lim->max_body_bytes);
         return DUET_ERR_RANGE;
     }
-    duet_status_t st = duet_json_load_buffer(body != NULL ? body : "", len, "request body",
-                                             (size_t)-1, &p.root);
+    duet_status_t st =
+        duet_json_load_buffer(body != NULL ? body : "", len, "request body", (size_t)-1, &p.root);
     if (st != DUET_OK) {
         duet_oai_error_make(err_p, 400, NULL, NULL, NULL,
                             "We could not parse the JSON body of your request: %s. (The body "
@@ -949,9 +949,9 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         return DUET_ERR_INVALID;
     }
     if (!json_is_object(p.root)) {
-        st = duet_oai_error_make(err_p, 400, NULL, NULL, NULL,
-                                 "The request body must be a JSON object, not %s.",
-                                 oai_got(p.root));
+        st =
+            duet_oai_error_make(err_p, 400, NULL, NULL, NULL,
+                                "The request body must be a JSON object, not %s.", oai_got(p.root));
         goto fail;
     }
 
@@ -1266,8 +1266,8 @@ duet_status_t duet_oai_stream_finish(duet_oai_stream_t *s, duet_oai_finish_t fin
 
 void duet_oai_response_id(duet_oai_endpoint_t endpoint, uint64_t req_id, char *buf, size_t cap)
 {
-    snprintf(buf, cap, "%s-%016" PRIx64,
-             endpoint == DUET_OAI_ENDPOINT_CHAT ? "chatcmpl" : "cmpl", req_id);
+    snprintf(buf, cap, "%s-%016" PRIx64, endpoint == DUET_OAI_ENDPOINT_CHAT ? "chatcmpl" : "cmpl",
+             req_id);
 }
 
 static const char *oai_object(const duet_oai_resp_meta_t *m, bool chunk)
@@ -1301,11 +1301,9 @@ static void oai_finish_value(duet_strbuf_t *out, duet_oai_finish_t f)
 
 static void oai_usage(duet_strbuf_t *out, uint32_t prompt_tokens, uint32_t completion_tokens)
 {
-    duet_strbuf_printf(out,
-                       "{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%" PRIu64
-                       "}",
-                       prompt_tokens, completion_tokens,
-                       (uint64_t)prompt_tokens + completion_tokens);
+    duet_strbuf_printf(
+        out, "{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%" PRIu64 "}",
+        prompt_tokens, completion_tokens, (uint64_t)prompt_tokens + completion_tokens);
 }
 
 duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *text, size_t len,

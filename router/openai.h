@@ -60,9 +60,9 @@ typedef struct {
 typedef struct {
     duet_oai_endpoint_t endpoint;
     /* /v1/completions: exactly one of prompt (text) or prompt_ids is set. */
-    char *prompt;          /* NUL-terminated, valid UTF-8, may hold NULs; NULL when ids */
-    size_t prompt_len;     /* bytes */
-    uint32_t *prompt_ids;  /* (n_prompt_ids) when the prompt was given as token ids */
+    char *prompt;         /* NUL-terminated, valid UTF-8, may hold NULs; NULL when ids */
+    size_t prompt_len;    /* bytes */
+    uint32_t *prompt_ids; /* (n_prompt_ids) when the prompt was given as token ids */
     size_t n_prompt_ids;
     /* /v1/chat/completions */
     duet_oai_message_t *messages; /* (n_messages) */

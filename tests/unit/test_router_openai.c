@@ -77,8 +77,10 @@ Test(router_openai, completion_fields, .timeout = 10)
     duet_oai_error_t e;
     const char *body =
         "{\"model\":\"duet-demo\",\"prompt\":\"Once upon\",\"max_tokens\":32,\"temperature\":0,"
-        "\"top_p\":0.5,\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"ignore_eos\":true,\"stream\":true,"
-        "\"stream_options\":{\"include_usage\":true},\"n\":1,\"user\":\"u1\",\"frequency_penalty\":0,"
+        "\"top_p\":0.5,\"seed\":-7,\"stop\":[\"\\n\\n\",\"END\"],\"ignore_eos\":true,\"stream\":"
+        "true,"
+        "\"stream_options\":{\"include_usage\":true},\"n\":1,\"user\":\"u1\",\"frequency_penalty\":"
+        "0,"
         "\"presence_penalty\":0.0,\"best_of\":1,\"echo\":false,\"logprobs\":null,\"top_k\":-1,"
         "\"suffix\":\"\",\"logit_bias\":{}}";
     cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS, body, &r, &e), DUET_OK, "%s", e.message);
@@ -100,9 +102,9 @@ Test(router_openai, completion_fields, .timeout = 10)
     duet_oai_request_free(&r);
 
     /* Defaults. */
-    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS, "{\"model\":\"duet-demo\",\"prompt\":\"x\"}",
-                       &r, &e),
-                 DUET_OK);
+    cr_assert_eq(
+        parse(DUET_OAI_ENDPOINT_COMPLETIONS, "{\"model\":\"duet-demo\",\"prompt\":\"x\"}", &r, &e),
+        DUET_OK);
     cr_assert_eq(r.max_tokens, lim.max_tokens_default);
     cr_assert_eq(r.temperature, 1.0);
     cr_assert_eq(r.top_p, 1.0);
@@ -193,14 +195,14 @@ typedef struct {
     duet_oai_endpoint_t ep;
     const char *body;
     int status;
-    const char *code;  /* NULL = null */
-    const char *param; /* NULL = null */
+    const char *code;   /* NULL = null */
+    const char *param;  /* NULL = null */
     const char *needle; /* a substring the message must hold (NULL = none) */
 } bad_case_t;
 
-#define C DUET_OAI_ENDPOINT_COMPLETIONS
-#define H DUET_OAI_ENDPOINT_CHAT
-#define M "\"model\":\"duet-demo\","
+#define C   DUET_OAI_ENDPOINT_COMPLETIONS
+#define H   DUET_OAI_ENDPOINT_CHAT
+#define M   "\"model\":\"duet-demo\","
 #define MSG "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]"
 
 static const bad_case_t bad_cases[] = {
@@ -237,8 +239,9 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M "\"messages\":[\"hi\"]}", 400, "invalid_type", "messages[0]", NULL},
     {H, "{" M "\"messages\":[{\"content\":\"hi\"}]}", 400, "missing_required_parameter",
      "messages[0].role", NULL},
-    {H, "{" M "\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":"
-        "\"x\"}]}",
+    {H,
+     "{" M "\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":"
+     "\"x\"}]}",
      400, "invalid_value", "messages[1].role", "'tool'"},
     {H, "{" M "\"messages\":[{\"role\":\"robot\",\"content\":\"x\"}]}", 400, "invalid_value",
      "messages[0].role", "robot"},
@@ -248,8 +251,9 @@ static const bad_case_t bad_cases[] = {
      "messages[0].content", NULL},
     {H, "{" M "\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400, "invalid_type",
      "messages[0].content", NULL},
-    {H, "{" M "\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
-        "{\"type\":\"image_url\",\"image_url\":{\"url\":\"http://x\"}}]}]}",
+    {H,
+     "{" M "\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+     "{\"type\":\"image_url\",\"image_url\":{\"url\":\"http://x\"}}]}]}",
      400, "unsupported_value", "messages[0].content[1].type", "image_url"},
     {H, "{" M "\"messages\":[{\"role\":\"user\",\"content\":[{\"text\":\"a\"}]}]}", 400,
      "missing_required_parameter", "messages[0].content[0].type", NULL},
@@ -298,16 +302,16 @@ static const bad_case_t bad_cases[] = {
     {C, "{" M "\"prompt\":\"x\",\"stop\":5}", 400, "invalid_type", "stop", NULL},
     /* stream */
     {C, "{" M "\"prompt\":\"x\",\"stream\":\"yes\"}", 400, "invalid_type", "stream", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}", 400,
-     "invalid_value", "stream_options", "only allowed when 'stream'"},
+    {C, "{" M "\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}", 400, "invalid_value",
+     "stream_options", "only allowed when 'stream'"},
     {C, "{" M "\"prompt\":\"x\",\"stream\":false,\"stream_options\":{}}", 400, "invalid_value",
      "stream_options", NULL},
-    {H, "{" M MSG ",\"stream\":true,\"stream_options\":{\"include_usage\":1}}", 400,
-     "invalid_type", "stream_options.include_usage", NULL},
-    {H, "{" M MSG ",\"stream\":true,\"stream_options\":{\"x\":true}}", 400,
-     "unrecognized_argument", "stream_options.x", NULL},
-    {H, "{" M MSG ",\"stream\":true,\"stream_options\":[]}", 400, "invalid_type",
-     "stream_options", NULL},
+    {H, "{" M MSG ",\"stream\":true,\"stream_options\":{\"include_usage\":1}}", 400, "invalid_type",
+     "stream_options.include_usage", NULL},
+    {H, "{" M MSG ",\"stream\":true,\"stream_options\":{\"x\":true}}", 400, "unrecognized_argument",
+     "stream_options.x", NULL},
+    {H, "{" M MSG ",\"stream\":true,\"stream_options\":[]}", 400, "invalid_type", "stream_options",
+     NULL},
     /* unsupported */
     {H, "{" M MSG ",\"logprobs\":true}", 400, "unsupported_parameter", "logprobs", "logprobs"},
     {C, "{" M "\"prompt\":\"x\",\"logprobs\":2}", 400, "unsupported_parameter", "logprobs", NULL},
@@ -322,21 +326,20 @@ static const bad_case_t bad_cases[] = {
      NULL},
     {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "unsupported_parameter", "tool_choice",
      NULL},
-    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\"}}", 400,
-     "unsupported_parameter", "response_format", NULL},
+    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\"}}", 400, "unsupported_parameter",
+     "response_format", NULL},
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
      "modalities", NULL},
     {H, "{" M MSG ",\"audio\":{}}", 400, "unsupported_parameter", "audio", NULL},
-    {H, "{" M MSG ",\"frequency_penalty\":0.5}", 400, "unsupported_parameter",
-     "frequency_penalty", NULL},
+    {H, "{" M MSG ",\"frequency_penalty\":0.5}", 400, "unsupported_parameter", "frequency_penalty",
+     NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":-1}", 400, "unsupported_parameter",
      "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
      "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_parameter", "best_of", NULL},
     {C, "{" M "\"prompt\":\"x\",\"echo\":true}", 400, "unsupported_parameter", "echo", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix",
-     NULL},
+    {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix", NULL},
     {C, "{" M "\"prompt\":\"x\",\"repetition_penalty\":1.2}", 400, "unsupported_parameter",
      "repetition_penalty", NULL},
 };
@@ -375,9 +378,9 @@ Test(router_openai, body_too_large_is_413, .timeout = 10)
     const char *body = "{\"model\":\"duet-demo\",\"prompt\":\"a long prompt\"}";
     duet_oai_request_t r;
     duet_oai_error_t e;
-    cr_assert_eq(duet_oai_request_parse(&small, DUET_OAI_ENDPOINT_COMPLETIONS, body, strlen(body),
-                                        &r, &e),
-                 DUET_ERR_RANGE);
+    cr_assert_eq(
+        duet_oai_request_parse(&small, DUET_OAI_ENDPOINT_COMPLETIONS, body, strlen(body), &r, &e),
+        DUET_ERR_RANGE);
     cr_assert_eq(e.http_status, 413);
     check_error_json(&e);
 }
@@ -386,12 +389,13 @@ Test(router_openai, messages_over_the_limit, .timeout = 10)
 {
     duet_oai_limits_t l2 = lim;
     l2.max_messages = 2;
-    const char *body = "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"},"
-                       "{\"role\":\"user\",\"content\":\"b\"},{\"role\":\"user\",\"content\":\"c\"}]}";
+    const char *body =
+        "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"},"
+        "{\"role\":\"user\",\"content\":\"b\"},{\"role\":\"user\",\"content\":\"c\"}]}";
     duet_oai_request_t r;
     duet_oai_error_t e;
-    cr_assert_neq(
-        duet_oai_request_parse(&l2, DUET_OAI_ENDPOINT_CHAT, body, strlen(body), &r, &e), DUET_OK);
+    cr_assert_neq(duet_oai_request_parse(&l2, DUET_OAI_ENDPOINT_CHAT, body, strlen(body), &r, &e),
+                  DUET_OK);
     cr_assert_eq(e.http_status, 400);
     cr_assert_str_eq(e.param, "messages");
 }
@@ -412,8 +416,9 @@ Test(router_openai, error_json_escapes_and_truncates, .timeout = 10)
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_oai_error_json(&e, &sb), DUET_OK);
-    cr_assert_str_eq(sb.data, "{\"error\":{\"message\":\"line\\n\\\"two\\\"\\\\ \xef\xbf\xbd tail\","
-                              "\"type\":\"rate_limit_error\",\"param\":null,\"code\":\"busy\"}}");
+    cr_assert_str_eq(sb.data,
+                     "{\"error\":{\"message\":\"line\\n\\\"two\\\"\\\\ \xef\xbf\xbd tail\","
+                     "\"type\":\"rate_limit_error\",\"param\":null,\"code\":\"busy\"}}");
     duet_strbuf_free(&sb);
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_oai_sse_error(&e, &sb), DUET_OK);
@@ -450,8 +455,7 @@ Test(router_openai, default_chat_template_bytes, .timeout = 10)
     cr_assert_eq(parse(DUET_OAI_ENDPOINT_CHAT, body, &r, &e), DUET_OK, "%s", e.message);
     uint32_t *ids = NULL;
     size_t n = 0;
-    cr_assert_eq(duet_oai_request_tokens(&r, &lim, t, tok, &ids, &n, &e), DUET_OK, "%s",
-                 e.message);
+    cr_assert_eq(duet_oai_request_tokens(&r, &lim, t, tok, &ids, &n, &e), DUET_OK, "%s", e.message);
     const uint32_t head[] = {BOS};
     expect_ids(ids, n, head, 1,
                "system: Be brief.\nuser: Hi <|eos|> there <|bos|>\nassistant: Hello\nuser: "
@@ -476,10 +480,9 @@ Test(router_openai, custom_template, .timeout = 10)
 {
     duet_tokenizer_t *tok = byte_tok();
     duet_oai_template_t *t = NULL;
-    const char *json =
-        "{\"duet_chat_template\":1,\"prefix\":\"<|bos|>[\","
-        "\"message\":\"{role}={{{content}}}<|eos|>\",\"user\":\"U:{content}|\","
-        "\"generation_prompt\":\"]A:\",\"completion_prefix\":\"\"}";
+    const char *json = "{\"duet_chat_template\":1,\"prefix\":\"<|bos|>[\","
+                       "\"message\":\"{role}={{{content}}}<|eos|>\",\"user\":\"U:{content}|\","
+                       "\"generation_prompt\":\"]A:\",\"completion_prefix\":\"\"}";
     cr_assert_eq(duet_oai_template_create(json, strlen(json), "test.json", tok, &t), DUET_OK, "%s",
                  duet_error_last());
     duet_oai_message_t msgs[2] = {
@@ -572,8 +575,9 @@ Test(router_openai, template_load_from_model_folder, .timeout = 10)
     cr_assert(strstr(duet_error_last(), "chat_template.json") != NULL, "%s", duet_error_last());
 
     /* Our own file wins. */
-    write_file(dir, "chat_template.json",
-               "{\"duet_chat_template\":1,\"message\":\"<{content}>\",\"generation_prompt\":\"=\"}");
+    write_file(
+        dir, "chat_template.json",
+        "{\"duet_chat_template\":1,\"message\":\"<{content}>\",\"generation_prompt\":\"=\"}");
     cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK, "%s", duet_error_last());
     cr_assert_eq(duet_oai_chat_prompt(t, tok, &m, 1, &ids, &n), DUET_OK);
     expect_ids(ids, n, NULL, 0, "<hi>=");
@@ -626,8 +630,8 @@ Test(router_openai, completion_prompt_tokens_and_context, .timeout = 10)
 
     /* prompt + max_tokens over the context. */
     cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS,
-                       "{\"model\":\"duet-demo\",\"prompt\":\"abcdefghij\",\"max_tokens\":500}",
-                       &r, &e),
+                       "{\"model\":\"duet-demo\",\"prompt\":\"abcdefghij\",\"max_tokens\":500}", &r,
+                       &e),
                  DUET_OK);
     duet_oai_limits_t l2 = lim;
     l2.max_context = 510;
@@ -683,9 +687,9 @@ Test(router_openai, response_json_parses_back, .timeout = 10)
         duet_strbuf_t sb;
         duet_strbuf_init(&sb);
         const char text[] = "Hi \"there\"\n\xf0\x9f\x98\x80 \x01";
-        cr_assert_eq(duet_oai_response_json(&m, text, sizeof(text) - 1, DUET_OAI_FINISH_LENGTH, 5,
-                                            3, &sb),
-                     DUET_OK);
+        cr_assert_eq(
+            duet_oai_response_json(&m, text, sizeof(text) - 1, DUET_OAI_FINISH_LENGTH, 5, 3, &sb),
+            DUET_OK);
         json_error_t je;
         json_t *root = json_loads(sb.data, 0, &je);
         cr_assert_not_null(root, "%s: %s", sb.data, je.text);
@@ -756,8 +760,7 @@ Test(router_openai, sse_chat_with_usage, .timeout = 10)
         json_error_t je;
         json_t *c = json_loads(ev[i], 0, &je);
         cr_assert_not_null(c, "%s: %s", ev[i], je.text);
-        cr_assert_str_eq(json_string_value(json_object_get(c, "object")),
-                         "chat.completion.chunk");
+        cr_assert_str_eq(json_string_value(json_object_get(c, "object")), "chat.completion.chunk");
         cr_assert_str_eq(json_string_value(json_object_get(c, "id")), chat_meta.id);
         cr_assert_str_eq(json_string_value(json_object_get(c, "model")), "duet-demo");
         cr_assert(json_is_integer(json_object_get(c, "created")));
@@ -931,14 +934,16 @@ Test(router_openai, stream_stop_strings, .timeout = 10)
     duet_oai_stream_destroy(s);
 
     /* A stop string completed by the max_tokens-th token: "stop" wins over "length". */
-    s = make_stream(tok, "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"max_tokens\":4,\"stop\":\"cd\"}");
+    s = make_stream(tok,
+                    "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"max_tokens\":4,\"stop\":\"cd\"}");
     r = run_text(s, "abcdef", UINT32_MAX);
     cr_assert_str_eq(r.text, "ab");
     cr_assert_eq(r.finish, DUET_OAI_FINISH_STOP);
     duet_oai_stream_destroy(s);
 
     /* Held text at the length limit is released. */
-    s = make_stream(tok, "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"max_tokens\":4,\"stop\":\"cde\"}");
+    s = make_stream(tok,
+                    "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"max_tokens\":4,\"stop\":\"cde\"}");
     r = run_text(s, "abcdef", UINT32_MAX);
     cr_assert_str_eq(r.text, "abcd");
     cr_assert_eq(r.finish, DUET_OAI_FINISH_LENGTH);
@@ -1026,7 +1031,8 @@ Test(router_openai, stream_matches_reference, .timeout = 30)
         run_t r = run_text(s, in, EOS);
         /* Reference: the first stop occurrence in the input (valid UTF-8 by construction except
          * where a lone byte of é is picked, so compare only on valid prefixes). */
-        const char *c1 = strstr(in, "ab\n"), *c2 = strstr(in, "\xc3\xa9\xc3\xa9" "a");
+        const char *c1 = strstr(in, "ab\n"), *c2 = strstr(in, "\xc3\xa9\xc3\xa9"
+                                                              "a");
         const char *cut = c1 == NULL ? c2 : (c2 == NULL || c1 < c2 ? c1 : c2);
         size_t ref_len = cut != NULL ? (size_t)(cut - in) : n;
         bool valid = true;
@@ -1064,10 +1070,35 @@ static const char *const fuzz_seeds[] = {
 };
 
 static const char *const fuzz_tokens[] = {
-    "{", "}", "[", "]", ",", ":", "null", "true", "false", "0", "-1", "1e309", "2.5",
-    "\"model\"", "\"prompt\"", "\"messages\"", "\"role\"", "\"content\"", "\"stop\"", "\"n\"",
-    "\"\\u0000\"", "\"\\ud800\"", "\"\xff\"", "\"duet-demo\"", "9223372036854775807",
-    "{\"type\":\"text\",\"text\":\"t\"}", "[[]]", "\"max_tokens\"", "\"stream_options\"",
+    "{",
+    "}",
+    "[",
+    "]",
+    ",",
+    ":",
+    "null",
+    "true",
+    "false",
+    "0",
+    "-1",
+    "1e309",
+    "2.5",
+    "\"model\"",
+    "\"prompt\"",
+    "\"messages\"",
+    "\"role\"",
+    "\"content\"",
+    "\"stop\"",
+    "\"n\"",
+    "\"\\u0000\"",
+    "\"\\ud800\"",
+    "\"\xff\"",
+    "\"duet-demo\"",
+    "9223372036854775807",
+    "{\"type\":\"text\",\"text\":\"t\"}",
+    "[[]]",
+    "\"max_tokens\"",
+    "\"stream_options\"",
 };
 
 Test(router_openai, fuzz_parsers, .timeout = 120)
@@ -1122,10 +1153,11 @@ Test(router_openai, fuzz_parsers, .timeout = 120)
         duet_status_t st = duet_oai_request_parse(&lim, ep, buf, len, &r, &e);
         if (st == DUET_OK) {
             n_ok++;
-            bool sane = r.max_tokens >= 1 && r.max_tokens <= lim.max_tokens_cap &&
-                        r.n_stop <= DUET_OAI_MAX_STOP &&
-                        (ep == DUET_OAI_ENDPOINT_CHAT ? r.n_messages > 0
-                                                      : (r.prompt != NULL) != (r.prompt_ids != NULL));
+            bool sane =
+                r.max_tokens >= 1 && r.max_tokens <= lim.max_tokens_cap &&
+                r.n_stop <= DUET_OAI_MAX_STOP &&
+                (ep == DUET_OAI_ENDPOINT_CHAT ? r.n_messages > 0
+                                              : (r.prompt != NULL) != (r.prompt_ids != NULL));
             cr_assert(sane, "accepted an insane request: %.*s", (int)len, buf);
             duet_oai_request_free(&r);
         } else {
