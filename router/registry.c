@@ -1,0 +1,913 @@
+/*
+ * Worker registry (see registry.h). One reg_conn_t per TCP connection, one reg_worker_t per
+ * accepted registration, in a fixed table made at start. A connection and its worker point at
+ * each other until the worker dies; the connection is then closed and freed in its close
+ * callback, while the worker entry stays (state DEAD) for the admin API.
+ *
+ * Writes copy the frame into one allocation with its uv_write_t: worker messages are small and
+ * few per token, and this keeps the lifetime rule trivial (the write callback frees it).
+ */
+#include "router/registry.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "common/log.h"
+#include "common/strbuf.h"
+
+typedef struct reg_worker reg_worker_t;
+
+typedef struct reg_conn {
+    uv_tcp_t tcp;             /* the handle; freed in reg_conn_closed */
+    duet_registry_t *reg;     /* not owned */
+    duet_frame_decoder_t dec; /* owned */
+    reg_worker_t *w;          /* the accepted worker, NULL before Register / after death */
+    bool closing;             /* uv_close called */
+    bool close_after_write;   /* refused: close once the ack is flushed */
+    size_t writes_pending;
+    uint64_t connected_ms;
+    char peer[64];
+    struct reg_conn *prev, *next; /* in reg->conns */
+} reg_conn_t;
+
+struct reg_worker {
+    duet_worker_info_t info; /* info.id == 0: free slot */
+    reg_conn_t *conn;        /* NULL once dead */
+};
+
+struct duet_registry {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    uv_timer_t timer;
+    duet_registry_options_t opts;
+    char host[64];
+    char fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1];
+    bool adopt; /* fingerprint comes from the first accepted worker */
+    reg_worker_t *workers; /* (max_workers) owned */
+    reg_conn_t *conns;     /* open connections */
+    uint64_t next_id;
+    uint16_t port;
+    int open_handles; /* listener + timer + connections not yet closed */
+    bool closing;
+    duet_registry_close_cb close_cb;
+    void *close_user;
+};
+
+typedef struct {
+    uv_write_t req;
+    uv_buf_t buf;
+    reg_conn_t *conn;
+    uint8_t data[];
+} reg_write_t;
+
+/* ------------------------------------------------------------------------------ names */
+
+const char *duet_worker_state_name(duet_worker_state_t state)
+{
+    switch (state) {
+    case DUET_WORKER_STATE_UP: return "up";
+    case DUET_WORKER_STATE_DRAINING: return "draining";
+    case DUET_WORKER_STATE_DEAD: return "dead";
+    default: return "unknown";
+    }
+}
+
+const char *duet_worker_role_name(duet_worker_role_t role)
+{
+    return role == DUET_WORKER_ROLE_CTX ? "ctx" : role == DUET_WORKER_ROLE_GEN ? "gen" : "unknown";
+}
+
+void duet_registry_options_default(duet_registry_options_t *opts)
+{
+    memset(opts, 0, sizeof(*opts));
+    opts->host                 = "127.0.0.1";
+    opts->heartbeat_timeout_ms = 5000;
+}
+
+/* ------------------------------------------------------------------------------ teardown */
+
+static void reg_maybe_freed(duet_registry_t *reg)
+{
+    if (!reg->closing || reg->open_handles > 0)
+        return;
+    duet_registry_close_cb cb   = reg->close_cb;
+    void                  *user = reg->close_user;
+    free(reg->workers);
+    free(reg);
+    if (cb != NULL)
+        cb(user);
+}
+
+static void reg_conn_closed(uv_handle_t *h)
+{
+    reg_conn_t      *c   = h->data;
+    duet_registry_t *reg = c->reg;
+    if (c->prev != NULL)
+        c->prev->next = c->next;
+    else
+        reg->conns = c->next;
+    if (c->next != NULL)
+        c->next->prev = c->prev;
+    duet_frame_decoder_free(&c->dec);
+    free(c);
+    reg->open_handles--;
+    reg_maybe_freed(reg);
+}
+
+static void reg_conn_close(reg_conn_t *c)
+{
+    if (c->closing)
+        return;
+    c->closing = true;
+    uv_close((uv_handle_t *)&c->tcp, reg_conn_closed);
+}
+
+/* Mark w dead (once), close its connection, tell the router core. */
+static void reg_worker_dead(duet_registry_t *reg, reg_worker_t *w, const char *reason)
+{
+    if (w->info.state == DUET_WORKER_STATE_DEAD)
+        return;
+    w->info.state    = DUET_WORKER_STATE_DEAD;
+    w->info.inflight = 0;
+    if (w->conn != NULL) {
+        w->conn->w = NULL;
+        reg_conn_close(w->conn);
+        w->conn = NULL;
+    }
+    DUET_LOG_WARN("registry: worker %llu (%s %s, %s) is dead: %s", (unsigned long long)w->info.id,
+                  duet_worker_role_name(w->info.role), w->info.name, w->info.peer, reason);
+    if (!reg->closing && reg->opts.on_worker_down != NULL) {
+        duet_worker_info_t copy = w->info;
+        reg->opts.on_worker_down(&copy, reason, reg->opts.user);
+    }
+}
+
+/* ------------------------------------------------------------------------------ writing */
+
+static void reg_write_done(uv_write_t *req, int status)
+{
+    reg_write_t *wr = (reg_write_t *)req;
+    reg_conn_t  *c  = wr->conn;
+    free(wr);
+    c->writes_pending--;
+    if (status < 0 && !c->closing) {
+        DUET_LOG_WARN("registry: write to %s failed: %s", c->peer, uv_strerror(status));
+        if (c->w != NULL)
+            reg_worker_dead(c->reg, c->w, "write to the worker failed");
+        else
+            reg_conn_close(c);
+        return;
+    }
+    if (c->close_after_write && c->writes_pending == 0)
+        reg_conn_close(c);
+}
+
+static duet_status_t reg_conn_send(reg_conn_t *c, Duet__Envelope *env)
+{
+    if (c->closing)
+        return DUET_ERR_NOT_FOUND;
+    if (env->version == 0)
+        env->version = DUET_PROTO_VERSION;
+    size_t       n  = duet_frame_size(env);
+    reg_write_t *wr = malloc(sizeof(*wr) + n);
+    if (wr == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "registry: %zu-byte frame", n);
+    size_t        len = 0;
+    duet_status_t st  = duet_frame_encode(env, wr->data, n, &len);
+    if (st < 0) {
+        free(wr);
+        return st;
+    }
+    wr->conn = c;
+    wr->buf  = uv_buf_init((char *)wr->data, (unsigned)len);
+    int rc   = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &wr->buf, 1, reg_write_done);
+    if (rc < 0) {
+        free(wr);
+        return DUET_FAIL(DUET_ERR_TRANSPORT, "registry: write to %s: %s", c->peer, uv_strerror(rc));
+    }
+    c->writes_pending++;
+    return DUET_OK;
+}
+
+/* ------------------------------------------------------------------------------ registration */
+
+static reg_worker_t *reg_find(const duet_registry_t *reg, uint64_t id)
+{
+    if (id == 0)
+        return NULL;
+    for (size_t i = 0; i < reg->opts.max_workers; i++)
+        if (reg->workers[i].info.id == id)
+            return &reg->workers[i];
+    return NULL;
+}
+
+/* A free slot, else the oldest dead entry, else NULL. */
+static reg_worker_t *reg_slot(duet_registry_t *reg)
+{
+    reg_worker_t *oldest = NULL;
+    for (size_t i = 0; i < reg->opts.max_workers; i++) {
+        reg_worker_t *w = &reg->workers[i];
+        if (w->info.id == 0)
+            return w;
+        if (w->info.state == DUET_WORKER_STATE_DEAD && (oldest == NULL || w->info.id < oldest->info.id))
+            oldest = w;
+    }
+    return oldest;
+}
+
+static void reg_refuse(reg_conn_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void reg_refuse(reg_conn_t *c, const char *fmt, ...)
+{
+    char    reason[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof(reason), fmt, ap);
+    va_end(ap);
+    DUET_LOG_WARN("registry: refused worker at %s: %s", c->peer, reason);
+    Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
+    ack.accepted          = false;
+    ack.reason            = reason;
+    Duet__Envelope env    = DUET__ENVELOPE__INIT;
+    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
+    env.register_ack      = &ack;
+    c->close_after_write  = true;
+    if (reg_conn_send(c, &env) < 0)
+        reg_conn_close(c);
+    uv_read_stop((uv_stream_t *)&c->tcp);
+}
+
+static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Register *r)
+{
+    if (r->version != DUET_PROTO_VERSION) {
+        reg_refuse(c, "protocol version %u, the router speaks %u", r->version, DUET_PROTO_VERSION);
+        return;
+    }
+    if (r->role != DUET__WORKER_ROLE__WORKER_ROLE_CTX && r->role != DUET__WORKER_ROLE__WORKER_ROLE_GEN) {
+        reg_refuse(c, "role %d is neither ctx (1) nor gen (2)", (int)r->role);
+        return;
+    }
+    const char *fp = r->model_fingerprint != NULL ? r->model_fingerprint : "";
+    if (fp[0] == '\0' || strlen(fp) > DUET_REGISTRY_FINGERPRINT_MAX) {
+        reg_refuse(c, "model fingerprint missing or longer than %d bytes",
+                   DUET_REGISTRY_FINGERPRINT_MAX);
+        return;
+    }
+    if (!(reg->adopt && reg->fingerprint[0] == '\0') && strcmp(fp, reg->fingerprint) != 0) {
+        reg_refuse(c, "model fingerprint %s differs from the router's %s", fp, reg->fingerprint);
+        return;
+    }
+    reg_worker_t *w = reg_slot(reg);
+    if (w == NULL) {
+        reg_refuse(c, "worker table full (%zu workers)", reg->opts.max_workers);
+        return;
+    }
+    if (reg->fingerprint[0] == '\0') {
+        snprintf(reg->fingerprint, sizeof(reg->fingerprint), "%s", fp);
+        DUET_LOG_INFO("registry: adopted model fingerprint %s from the first worker", fp);
+    }
+    memset(w, 0, sizeof(*w));
+    duet_worker_info_t *i = &w->info;
+    i->id                 = reg->next_id++;
+    i->role  = r->role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? DUET_WORKER_ROLE_CTX : DUET_WORKER_ROLE_GEN;
+    i->state = DUET_WORKER_STATE_UP;
+    snprintf(i->name, sizeof(i->name), "%s",
+             r->worker_name != NULL && r->worker_name[0] != '\0' ? r->worker_name : "unnamed");
+    snprintf(i->peer, sizeof(i->peer), "%s", c->peer);
+    if (r->capacity != NULL) {
+        i->kv_pages         = r->capacity->kv_pages;
+        i->page_tokens      = r->capacity->page_tokens;
+        i->max_seqs         = r->capacity->max_seqs;
+        i->max_batch_tokens = r->capacity->max_batch_tokens;
+    }
+    i->free_pages        = i->kv_pages;
+    i->registered_ms     = uv_now(reg->loop);
+    i->last_heartbeat_ms = i->registered_ms;
+    w->conn              = c;
+    c->w                 = w;
+
+    Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
+    ack.accepted          = true;
+    ack.reason            = "";
+    ack.worker_id         = i->id;
+    Duet__Envelope env    = DUET__ENVELOPE__INIT;
+    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
+    env.register_ack      = &ack;
+    if (reg_conn_send(c, &env) < 0) {
+        reg_worker_dead(reg, w, "could not send RegisterAck");
+        return;
+    }
+    DUET_LOG_INFO("registry: worker %llu registered: %s %s at %s, %u pages of %u tokens",
+                  (unsigned long long)i->id, duet_worker_role_name(i->role), i->name, i->peer,
+                  i->kv_pages, i->page_tokens);
+    if (reg->opts.on_worker_up != NULL) {
+        duet_worker_info_t copy = *i;
+        reg->opts.on_worker_up(&copy, reg->opts.user);
+    }
+}
+
+static void reg_set_state(duet_registry_t *reg, reg_worker_t *w, duet_worker_state_t st)
+{
+    if (w->info.state == st || w->info.state == DUET_WORKER_STATE_DEAD)
+        return;
+    w->info.state = st;
+    DUET_LOG_INFO("registry: worker %llu (%s) is %s", (unsigned long long)w->info.id, w->info.name,
+                  duet_worker_state_name(st));
+    if (reg->opts.on_worker_state != NULL) {
+        duet_worker_info_t copy = w->info;
+        reg->opts.on_worker_state(&copy, reg->opts.user);
+    }
+}
+
+/* One decoded Envelope from connection c. Returns false when the connection was closed. */
+static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope *env)
+{
+    if (env->version != DUET_PROTO_VERSION) {
+        if (c->w == NULL && env->body_case == DUET__ENVELOPE__BODY_REGISTER) {
+            reg_refuse(c, "envelope version %u, the router speaks %u", env->version,
+                       DUET_PROTO_VERSION);
+            return false;
+        }
+        DUET_LOG_WARN("registry: %s sent envelope version %u (want %u): closing", c->peer,
+                      env->version, DUET_PROTO_VERSION);
+        goto protocol_error;
+    }
+    if (c->w == NULL) {
+        if (env->body_case != DUET__ENVELOPE__BODY_REGISTER) {
+            DUET_LOG_WARN("registry: %s sent body %d before Register: closing", c->peer,
+                          (int)env->body_case);
+            goto protocol_error;
+        }
+        reg_on_register(reg, c, env->register_);
+        return !c->closing && !c->close_after_write;
+    }
+    reg_worker_t *w = c->w;
+    switch (env->body_case) {
+    case DUET__ENVELOPE__BODY_HEARTBEAT: {
+        const Duet__Heartbeat *hb = env->heartbeat;
+        w->info.free_pages        = hb->free_pages;
+        w->info.running           = hb->running;
+        w->info.queued            = hb->queued;
+        w->info.queued_tokens     = hb->queued_tokens;
+        w->info.last_heartbeat_ms = uv_now(reg->loop);
+        if (hb->draining)
+            reg_set_state(reg, w, DUET_WORKER_STATE_DRAINING);
+        return true;
+    }
+    case DUET__ENVELOPE__BODY_DEREGISTER:
+        reg_worker_dead(reg, w, "deregistered");
+        return false;
+    case DUET__ENVELOPE__BODY_RESERVED:
+    case DUET__ENVELOPE__BODY_REFUSED:
+    case DUET__ENVELOPE__BODY_TOKENS:
+        reg->opts.on_message(w->info.id, env, reg->opts.user);
+        return !c->closing;
+    default:
+        DUET_LOG_WARN("registry: worker %llu (%s) sent body %d, which workers may not send: closing",
+                      (unsigned long long)w->info.id, w->info.name, (int)env->body_case);
+        reg_worker_dead(reg, w, "protocol error (unexpected message)");
+        return false;
+    }
+protocol_error:
+    if (c->w != NULL)
+        reg_worker_dead(reg, c->w, "protocol error");
+    else
+        reg_conn_close(c);
+    return false;
+}
+
+/* ------------------------------------------------------------------------------ reading */
+
+static void reg_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
+{
+    static char slab[65536]; /* the loop is single-threaded and reads are consumed at once */
+    (void)h;
+    (void)hint;
+    *buf = uv_buf_init(slab, sizeof(slab));
+}
+
+static void reg_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    reg_conn_t      *c   = s->data;
+    duet_registry_t *reg = c->reg;
+    if (nread == 0 || c->closing)
+        return;
+    if (nread < 0) {
+        const char *why = nread == UV_EOF ? "connection closed" : uv_strerror((int)nread);
+        if (c->w != NULL)
+            reg_worker_dead(reg, c->w, why);
+        else
+            reg_conn_close(c);
+        return;
+    }
+    const uint8_t *p = (const uint8_t *)buf->base;
+    size_t         n = (size_t)nread;
+    while (n > 0 && !c->closing && !c->close_after_write) {
+        size_t          used = 0;
+        Duet__Envelope *env  = NULL;
+        duet_status_t   st   = duet_frame_decoder_feed(&c->dec, p, n, &used, &env);
+        if (st < 0) {
+            DUET_LOG_WARN("registry: malformed frame from %s (%s): closing", c->peer,
+                          duet_error_last());
+            if (c->w != NULL)
+                reg_worker_dead(reg, c->w, "malformed frame");
+            else
+                reg_conn_close(c);
+            return;
+        }
+        p += used;
+        n -= used;
+        if (env != NULL) {
+            bool open = reg_on_envelope(reg, c, env);
+            duet_envelope_free(env);
+            if (!open)
+                return;
+        }
+    }
+}
+
+static void reg_on_connection(uv_stream_t *server, int status)
+{
+    duet_registry_t *reg = server->data;
+    if (status < 0) {
+        DUET_LOG_WARN("registry: accept: %s", uv_strerror(status));
+        return;
+    }
+    reg_conn_t *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return;
+    c->reg = reg;
+    if (duet_frame_decoder_init(&c->dec, reg->opts.max_frame) < 0 ||
+        uv_tcp_init(reg->loop, &c->tcp) < 0) {
+        duet_frame_decoder_free(&c->dec);
+        free(c);
+        return;
+    }
+    c->tcp.data = c;
+    reg->open_handles++;
+    c->next = reg->conns;
+    if (reg->conns != NULL)
+        reg->conns->prev = c;
+    reg->conns      = c;
+    c->connected_ms = uv_now(reg->loop);
+    if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0) {
+        reg_conn_close(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->tcp, 1);
+    struct sockaddr_storage ss;
+    int                     len = sizeof(ss);
+    snprintf(c->peer, sizeof(c->peer), "?");
+    if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
+        char ip[48] = "?";
+        int  port   = 0;
+        if (ss.ss_family == AF_INET) {
+            uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
+            port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+            snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
+        } else if (ss.ss_family == AF_INET6) {
+            uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof(ip));
+            port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+            snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, port);
+        }
+    }
+    if (uv_read_start((uv_stream_t *)&c->tcp, reg_alloc, reg_read) < 0)
+        reg_conn_close(c);
+}
+
+/* Heartbeat deadlines of workers and Register deadlines of fresh connections. */
+static void reg_tick(uv_timer_t *t)
+{
+    duet_registry_t *reg = t->data;
+    uint64_t         now = uv_now(reg->loop);
+    uint64_t         to  = reg->opts.heartbeat_timeout_ms;
+    for (size_t i = 0; i < reg->opts.max_workers; i++) {
+        reg_worker_t *w = &reg->workers[i];
+        if (w->info.id != 0 && w->info.state != DUET_WORKER_STATE_DEAD &&
+            now - w->info.last_heartbeat_ms > to) {
+            char why[96];
+            snprintf(why, sizeof(why), "heartbeat timeout (none for %llu ms)",
+                     (unsigned long long)(now - w->info.last_heartbeat_ms));
+            reg_worker_dead(reg, w, why);
+        }
+    }
+    for (reg_conn_t *c = reg->conns; c != NULL; c = c->next)
+        if (c->w == NULL && !c->closing && now - c->connected_ms > to) {
+            DUET_LOG_WARN("registry: %s did not register within %llu ms: closing", c->peer,
+                          (unsigned long long)to);
+            reg_conn_close(c);
+        }
+}
+
+/* ------------------------------------------------------------------------------ public */
+
+static void reg_handle_closed(uv_handle_t *h)
+{
+    duet_registry_t *reg = h->data;
+    reg->open_handles--;
+    reg_maybe_freed(reg);
+}
+
+duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t *opts,
+                                  duet_registry_t **reg_p)
+{
+    if (opts->on_message == NULL || opts->heartbeat_timeout_ms == 0 || opts->host == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "registry: on_message, host and a timeout are required");
+    duet_registry_t *reg = calloc(1, sizeof(*reg));
+    if (reg == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "registry");
+    reg->loop = loop;
+    reg->opts = *opts;
+    if (reg->opts.max_workers == 0)
+        reg->opts.max_workers = 256;
+    snprintf(reg->host, sizeof(reg->host), "%s", opts->host);
+    reg->opts.host = reg->host;
+    reg->adopt     = opts->fingerprint == NULL || opts->fingerprint[0] == '\0';
+    if (!reg->adopt) {
+        if (strlen(opts->fingerprint) > DUET_REGISTRY_FINGERPRINT_MAX) {
+            free(reg);
+            return DUET_FAIL(DUET_ERR_RANGE, "registry: fingerprint longer than %d bytes",
+                             DUET_REGISTRY_FINGERPRINT_MAX);
+        }
+        snprintf(reg->fingerprint, sizeof(reg->fingerprint), "%s", opts->fingerprint);
+    }
+    reg->opts.fingerprint = NULL;
+    reg->next_id          = 1;
+    reg->workers          = calloc(reg->opts.max_workers, sizeof(*reg->workers));
+    if (reg->workers == NULL) {
+        free(reg);
+        return DUET_FAIL(DUET_ERR_NOMEM, "registry: worker table");
+    }
+
+    struct sockaddr_storage addr;
+    if (uv_ip4_addr(reg->host, opts->port, (struct sockaddr_in *)&addr) != 0 &&
+        uv_ip6_addr(reg->host, opts->port, (struct sockaddr_in6 *)&addr) != 0) {
+        free(reg->workers);
+        free(reg);
+        return DUET_FAIL(DUET_ERR_INVALID, "registry: bad address %s", opts->host);
+    }
+    uv_tcp_init(loop, &reg->listener);
+    reg->listener.data = reg;
+    reg->open_handles++;
+    int rc = uv_tcp_bind(&reg->listener, (struct sockaddr *)&addr, 0);
+    if (rc == 0)
+        rc = uv_listen((uv_stream_t *)&reg->listener, 128, reg_on_connection);
+    if (rc < 0) {
+        duet_status_t st = DUET_FAIL(DUET_ERR_IO, "registry: cannot listen on %s:%u: %s",
+                                     reg->host, opts->port, uv_strerror(rc));
+        reg->closing = true;
+        uv_close((uv_handle_t *)&reg->listener, reg_handle_closed);
+        return st;
+    }
+    struct sockaddr_storage bound;
+    int                     blen = sizeof(bound);
+    uv_tcp_getsockname(&reg->listener, (struct sockaddr *)&bound, &blen);
+    reg->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                  : ((struct sockaddr_in *)&bound)->sin_port);
+    uv_timer_init(loop, &reg->timer);
+    reg->timer.data = reg;
+    reg->open_handles++;
+    uint64_t period = opts->heartbeat_timeout_ms / 4;
+    if (period < 10)
+        period = 10;
+    if (period > 250)
+        period = 250;
+    uv_timer_start(&reg->timer, reg_tick, period, period);
+    DUET_LOG_INFO("registry: listening for workers on %s:%u (heartbeat timeout %u ms, fingerprint %s)",
+                  reg->host, reg->port, opts->heartbeat_timeout_ms,
+                  reg->adopt ? "adopted from the first worker" : reg->fingerprint);
+    *reg_p = reg;
+    return DUET_OK;
+}
+
+uint16_t duet_registry_port(const duet_registry_t *reg)
+{
+    return reg->port;
+}
+
+const char *duet_registry_fingerprint(const duet_registry_t *reg)
+{
+    return reg->fingerprint;
+}
+
+void duet_registry_close(duet_registry_t *reg, duet_registry_close_cb cb, void *user)
+{
+    DUET_ASSERT(!reg->closing);
+    reg->closing    = true;
+    reg->close_cb   = cb;
+    reg->close_user = user;
+    for (size_t i = 0; i < reg->opts.max_workers; i++) {
+        reg_worker_t *w = &reg->workers[i];
+        if (w->conn != NULL) {
+            w->conn->w = NULL;
+            w->conn    = NULL;
+        }
+        if (w->info.id != 0)
+            w->info.state = DUET_WORKER_STATE_DEAD;
+    }
+    for (reg_conn_t *c = reg->conns; c != NULL; c = c->next)
+        reg_conn_close(c);
+    uv_timer_stop(&reg->timer);
+    uv_close((uv_handle_t *)&reg->timer, reg_handle_closed);
+    uv_close((uv_handle_t *)&reg->listener, reg_handle_closed);
+}
+
+duet_status_t duet_registry_send(duet_registry_t *reg, uint64_t worker_id, Duet__Envelope *env)
+{
+    reg_worker_t *w = reg_find(reg, worker_id);
+    if (w == NULL || w->conn == NULL || w->info.state == DUET_WORKER_STATE_DEAD)
+        return duet_error_set(DUET_ERR_NOT_FOUND, "worker %llu is not connected",
+                              (unsigned long long)worker_id);
+    duet_status_t st = reg_conn_send(w->conn, env);
+    if (st < 0)
+        reg_worker_dead(reg, w, "write to the worker failed");
+    return st;
+}
+
+duet_status_t duet_registry_set_draining(duet_registry_t *reg, uint64_t worker_id, bool draining)
+{
+    reg_worker_t *w = reg_find(reg, worker_id);
+    if (w == NULL || w->info.state == DUET_WORKER_STATE_DEAD)
+        return duet_error_set(DUET_ERR_NOT_FOUND, "worker %llu is not live",
+                              (unsigned long long)worker_id);
+    Duet__Drain    d   = DUET__DRAIN__INIT;
+    Duet__Undrain  u   = DUET__UNDRAIN__INIT;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    if (draining) {
+        env.body_case = DUET__ENVELOPE__BODY_DRAIN;
+        env.drain     = &d;
+    } else {
+        env.body_case = DUET__ENVELOPE__BODY_UNDRAIN;
+        env.undrain   = &u;
+    }
+    duet_status_t st = duet_registry_send(reg, worker_id, &env);
+    if (st < 0)
+        return st;
+    reg_set_state(reg, w, draining ? DUET_WORKER_STATE_DRAINING : DUET_WORKER_STATE_UP);
+    return DUET_OK;
+}
+
+void duet_registry_kill(duet_registry_t *reg, uint64_t worker_id, const char *reason)
+{
+    reg_worker_t *w = reg_find(reg, worker_id);
+    if (w != NULL)
+        reg_worker_dead(reg, w, reason);
+}
+
+void duet_registry_inflight_add(duet_registry_t *reg, uint64_t worker_id, int delta)
+{
+    reg_worker_t *w = reg_find(reg, worker_id);
+    if (w == NULL || w->info.state == DUET_WORKER_STATE_DEAD)
+        return;
+    if (delta < 0 && w->info.inflight < (uint32_t)-delta)
+        w->info.inflight = 0;
+    else
+        w->info.inflight = (uint32_t)((int64_t)w->info.inflight + delta);
+}
+
+duet_status_t duet_registry_get(const duet_registry_t *reg, uint64_t worker_id,
+                                duet_worker_info_t *info_p)
+{
+    const reg_worker_t *w = reg_find(reg, worker_id);
+    if (w == NULL)
+        return duet_error_set(DUET_ERR_NOT_FOUND, "no worker %llu", (unsigned long long)worker_id);
+    *info_p = w->info;
+    return DUET_OK;
+}
+
+size_t duet_registry_count(const duet_registry_t *reg, int role, duet_worker_state_t state)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < reg->opts.max_workers; i++) {
+        const duet_worker_info_t *w = &reg->workers[i].info;
+        if (w->id != 0 && w->state == state && (role == 0 || (int)w->role == role))
+            n++;
+    }
+    return n;
+}
+
+void duet_registry_foreach(const duet_registry_t *reg, duet_registry_worker_cb cb, void *user)
+{
+    uint64_t last = 0;
+    for (;;) { /* id order without sorting: the smallest id above the last one visited */
+        const reg_worker_t *next = NULL;
+        for (size_t i = 0; i < reg->opts.max_workers; i++) {
+            const reg_worker_t *w = &reg->workers[i];
+            if (w->info.id > last && (next == NULL || w->info.id < next->info.id))
+                next = w;
+        }
+        if (next == NULL)
+            return;
+        duet_worker_info_t copy = next->info;
+        last                    = copy.id;
+        cb(&copy, user);
+    }
+}
+
+size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candidate_t *out,
+                                size_t cap)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < reg->opts.max_workers && n < cap; i++) {
+        const duet_worker_info_t *w = &reg->workers[i].info;
+        if (w->id == 0 || w->state == DUET_WORKER_STATE_DEAD)
+            continue;
+        out[n].id            = w->id;
+        out[n].role          = w->role;
+        out[n].state         = w->state;
+        out[n].free_pages    = w->free_pages;
+        out[n].queued_tokens = w->queued_tokens;
+        out[n].inflight      = w->inflight;
+        n++;
+    }
+    return n;
+}
+
+/* ------------------------------------------------------------------------------ fingerprint */
+
+/* SHA-256 (FIPS 180-4), small and self-contained: the router must not pull in a crypto library
+   for one start-up hash. */
+typedef struct {
+    uint32_t h[8];
+    uint64_t len;
+    uint8_t buf[64];
+    size_t n;
+} reg_sha256_t;
+
+static const uint32_t reg_sha_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+#define REG_ROR(x, r) (((x) >> (r)) | ((x) << (32 - (r))))
+
+static void reg_sha256_block(reg_sha256_t *s, const uint8_t *p)
+{
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
+               (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = REG_ROR(w[i - 15], 7) ^ REG_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = REG_ROR(w[i - 2], 17) ^ REG_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i]        = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = s->h[0], b = s->h[1], c = s->h[2], d = s->h[3];
+    uint32_t e = s->h[4], f = s->h[5], g = s->h[6], h = s->h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (REG_ROR(e, 6) ^ REG_ROR(e, 11) ^ REG_ROR(e, 25)) + ((e & f) ^ (~e & g)) +
+                      reg_sha_k[i] + w[i];
+        uint32_t t2 = (REG_ROR(a, 2) ^ REG_ROR(a, 13) ^ REG_ROR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        h = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    s->h[0] += a;
+    s->h[1] += b;
+    s->h[2] += c;
+    s->h[3] += d;
+    s->h[4] += e;
+    s->h[5] += f;
+    s->h[6] += g;
+    s->h[7] += h;
+}
+
+static void reg_sha256_init(reg_sha256_t *s)
+{
+    static const uint32_t h0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(s->h, h0, sizeof(h0));
+    s->len = 0;
+    s->n   = 0;
+}
+
+static void reg_sha256_update(reg_sha256_t *s, const void *data, size_t len)
+{
+    const uint8_t *p = data;
+    s->len += len;
+    while (len > 0) {
+        size_t take = 64 - s->n < len ? 64 - s->n : len;
+        memcpy(s->buf + s->n, p, take);
+        s->n += take;
+        p += take;
+        len -= take;
+        if (s->n == 64) {
+            reg_sha256_block(s, s->buf);
+            s->n = 0;
+        }
+    }
+}
+
+static void reg_sha256_final(reg_sha256_t *s, uint8_t out[32])
+{
+    uint64_t bits = s->len * 8;
+    uint8_t  pad  = 0x80;
+    reg_sha256_update(s, &pad, 1);
+    pad = 0;
+    while (s->n != 56)
+        reg_sha256_update(s, &pad, 1);
+    uint8_t lenb[8];
+    for (int i = 0; i < 8; i++)
+        lenb[i] = (uint8_t)(bits >> (56 - 8 * i));
+    reg_sha256_update(s, lenb, 8);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i]     = (uint8_t)(s->h[i] >> 24);
+        out[4 * i + 1] = (uint8_t)(s->h[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(s->h[i] >> 8);
+        out[4 * i + 3] = (uint8_t)s->h[i];
+    }
+}
+
+/* Exposed for the unit test (NIST vectors). */
+void duet__registry_sha256(const void *data, size_t len, uint8_t out[32]);
+void duet__registry_sha256(const void *data, size_t len, uint8_t out[32])
+{
+    reg_sha256_t s;
+    reg_sha256_init(&s);
+    reg_sha256_update(&s, data, len);
+    reg_sha256_final(&s, out);
+}
+
+static duet_status_t reg_hash_file(reg_sha256_t *s, const char *path, size_t max)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, max);
+    if (st == DUET_OK)
+        reg_sha256_update(s, sb.data != NULL ? sb.data : "", sb.len);
+    duet_strbuf_free(&sb);
+    return st;
+}
+
+duet_status_t duet_registry_model_fingerprint(const char *dir, char *out, size_t cap)
+{
+    if (cap < 72)
+        return duet_error_set(DUET_ERR_NO_SPACE, "fingerprint buffer too small");
+    char         path[4096];
+    reg_sha256_t s;
+    reg_sha256_init(&s);
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    duet_status_t st = reg_hash_file(&s, path, (size_t)16 << 20);
+    if (st < 0)
+        return st;
+    reg_sha256_update(&s, "\n--\n", 4);
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+    if (stat(path, &sb) == 0) {
+        st = reg_hash_file(&s, path, (size_t)64 << 20);
+        if (st < 0)
+            return st;
+    } else {
+        /* a single-file checkpoint: its header (8-byte LE length + JSON) names every tensor */
+        snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+        FILE *f = fopen(path, "rb");
+        if (f == NULL)
+            return duet_error_set(DUET_ERR_NOT_FOUND,
+                                  "%s: neither model.safetensors.index.json nor model.safetensors",
+                                  dir);
+        uint8_t  lb[8];
+        uint64_t hl = 0;
+        if (fread(lb, 1, 8, f) != 8) {
+            fclose(f);
+            return duet_error_set(DUET_ERR_FORMAT, "%s: shorter than 8 bytes", path);
+        }
+        for (int i = 7; i >= 0; i--)
+            hl = hl << 8 | lb[i];
+        if (hl > ((uint64_t)100 << 20)) {
+            fclose(f);
+            return duet_error_set(DUET_ERR_FORMAT, "%s: header length %llu is too large", path,
+                                  (unsigned long long)hl);
+        }
+        reg_sha256_update(&s, lb, 8);
+        uint8_t chunk[8192];
+        while (hl > 0) {
+            size_t want = hl < sizeof(chunk) ? (size_t)hl : sizeof(chunk);
+            size_t got  = fread(chunk, 1, want, f);
+            if (got != want) {
+                fclose(f);
+                return duet_error_set(DUET_ERR_FORMAT, "%s: truncated header", path);
+            }
+            reg_sha256_update(&s, chunk, got);
+            hl -= got;
+        }
+        fclose(f);
+    }
+    uint8_t d[32];
+    reg_sha256_final(&s, d);
+    int at = snprintf(out, cap, "sha256:");
+    for (int i = 0; i < 32; i++)
+        at += snprintf(out + at, cap - (size_t)at, "%02x", d[i]);
+    return DUET_OK;
+}

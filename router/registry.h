@@ -1,0 +1,169 @@
+/*
+ * The router's worker registry (DESIGN §6): a libuv TCP listener on its own port (not the HTTP
+ * one), where context and generation workers connect, register, heartbeat and exchange the
+ * request-path messages with the router core.
+ *
+ * Connection life. A worker connects and must send Register within the heartbeat timeout. The
+ * registry answers RegisterAck: refused (and the connection closed once the ack is written) when
+ * Register.version differs from DUET_PROTO_VERSION, the role is neither ctx nor gen, or the
+ * model fingerprint differs from the expected one; accepted with a fresh worker id otherwise.
+ * Every later frame must carry Envelope.version == DUET_PROTO_VERSION. A frame that does not
+ * decode, a wrong version, a second Register or a body a worker may not send closes that one
+ * connection (logged with the peer address); nothing else is affected.
+ *
+ * Fingerprint policy. options.fingerprint is what a worker must present. The router computes it
+ * from its model folder with duet_registry_model_fingerprint() (sha256 of config.json and the
+ * safetensors index or header, the same function a worker runs on its own copy); NULL or ""
+ * means "adopt the first accepted worker's fingerprint" (for a router that has no copy of the
+ * model), after which every worker must match that one. duet_registry_fingerprint() tells which.
+ *
+ * Liveness. Only Heartbeat (and Register) refresh a worker's deadline; a worker that sends no
+ * heartbeat for heartbeat_timeout_ms is marked dead and its connection closed. A closed or reset
+ * connection and a Deregister also mark it dead. Either way on_worker_down runs exactly once per
+ * accepted worker, from the loop, after the state changed: the router core owns the requests and
+ * retries or fails the ones that were on that worker. Dead workers stay listed (state DEAD) for
+ * the admin API until the table is full, when the oldest dead entry is reused.
+ *
+ * Drain. duet_registry_set_draining() sends Drain / Undrain and moves the worker between UP and
+ * DRAINING; a worker's own Heartbeat.draining also shows as DRAINING. Placement never picks a
+ * draining worker; messages for requests already on it keep flowing.
+ *
+ * Messages. Every other body from an accepted worker (Reserved, Refused, Tokens, ...) goes to
+ * on_message(worker_id, env): the callee may read env only during the call (the registry frees it
+ * after). duet_registry_send() frames and queues an Envelope to a worker.
+ *
+ * Threads: everything on the loop thread given to duet_registry_start.
+ */
+#ifndef DUET_ROUTER_REGISTRY_H
+#define DUET_ROUTER_REGISTRY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/status.h"
+#include "proto/frame.h"
+#include "router/placement.h"
+
+#define DUET_REGISTRY_NAME_MAX        64  /* worker_name bytes kept (longer names are cut) */
+#define DUET_REGISTRY_FINGERPRINT_MAX 128 /* longest fingerprint accepted */
+
+typedef struct duet_registry duet_registry_t;
+
+/* A copy of one worker's state, for callbacks and the query API. */
+typedef struct {
+    uint64_t id; /* registry-assigned, 1, 2, ...; never reused */
+    duet_worker_role_t role;
+    duet_worker_state_t state;
+    char name[DUET_REGISTRY_NAME_MAX];
+    char peer[64];         /* "ip:port" of the connection */
+    uint32_t kv_pages;     /* capacity, from Register */
+    uint32_t page_tokens;
+    uint32_t max_seqs;
+    uint32_t max_batch_tokens;
+    uint32_t free_pages;   /* load, from the last Heartbeat (kv_pages until the first) */
+    uint32_t running;
+    uint32_t queued;
+    uint64_t queued_tokens;
+    uint32_t inflight;     /* requests the router has on it (duet_registry_inflight_add) */
+    uint64_t registered_ms;     /* uv_now at registration */
+    uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
+} duet_worker_info_t;
+
+typedef void (*duet_registry_worker_cb)(const duet_worker_info_t *w, void *user);
+typedef void (*duet_registry_down_cb)(const duet_worker_info_t *w, const char *reason, void *user);
+typedef void (*duet_registry_message_cb)(uint64_t worker_id, const Duet__Envelope *env,
+                                         void *user);
+typedef void (*duet_registry_close_cb)(void *user);
+
+typedef struct {
+    const char *host;              /* address to bind ("127.0.0.1", "::") */
+    uint16_t port;                 /* 0 = ephemeral; see duet_registry_port */
+    uint32_t heartbeat_timeout_ms; /* no Heartbeat for this long = dead */
+    const char *fingerprint;       /* expected model fingerprint; NULL/"" = adopt the first */
+    size_t max_frame;              /* largest frame body accepted (0 = DUET_FRAME_MAX_DEFAULT) */
+    size_t max_workers;            /* table size, live and dead (0 = 256) */
+
+    duet_registry_worker_cb on_worker_up;  /* optional: accepted */
+    duet_registry_down_cb on_worker_down;  /* optional: dead, with the reason */
+    duet_registry_worker_cb on_worker_state; /* optional: UP <-> DRAINING */
+    duet_registry_message_cb on_message;   /* required: request-path bodies */
+    void *user;
+} duet_registry_options_t;
+
+/* Defaults: 127.0.0.1, port 0, heartbeat timeout 5000 ms, adopt the first fingerprint. */
+void duet_registry_options_default(duet_registry_options_t *opts);
+
+/*
+ * Bind and listen on `loop`. Options are copied (strings too). DUET_ERR_INVALID for a missing
+ * on_message or a zero timeout, DUET_ERR_IO (with detail) when the address cannot be bound.
+ */
+duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t *opts,
+                                  duet_registry_t **reg_p);
+
+/* The bound port. */
+uint16_t duet_registry_port(const duet_registry_t *reg);
+
+/*
+ * Close the listener and every connection (no on_worker_down calls from here on), free the
+ * registry once every handle is closed, then cb(user) (may be NULL). Call once.
+ */
+void duet_registry_close(duet_registry_t *reg, duet_registry_close_cb cb, void *user);
+
+/* The fingerprint workers must present now ("" while adopting and nobody registered yet). */
+const char *duet_registry_fingerprint(const duet_registry_t *reg);
+
+/*
+ * Frame `env` and queue it to worker `worker_id` (env->version is set to DUET_PROTO_VERSION by
+ * the caller or left 0 to be filled here). DUET_ERR_NOT_FOUND when the worker is unknown or
+ * dead, DUET_ERR_NOMEM.
+ */
+duet_status_t duet_registry_send(duet_registry_t *reg, uint64_t worker_id, Duet__Envelope *env);
+
+/*
+ * Drain (true) or undrain (false) a live worker: sends Drain/Undrain and sets its state.
+ * DUET_ERR_NOT_FOUND for an unknown or dead worker.
+ */
+duet_status_t duet_registry_set_draining(duet_registry_t *reg, uint64_t worker_id, bool draining);
+
+/* Mark worker dead now and close it (e.g. it broke the protocol of a request). No-op if dead. */
+void duet_registry_kill(duet_registry_t *reg, uint64_t worker_id, const char *reason);
+
+/* Adjust the router's in-flight count of a worker (delta +1 / -1; never below 0). */
+void duet_registry_inflight_add(duet_registry_t *reg, uint64_t worker_id, int delta);
+
+/* A copy of worker `worker_id`; DUET_ERR_NOT_FOUND when unknown. */
+duet_status_t duet_registry_get(const duet_registry_t *reg, uint64_t worker_id,
+                                duet_worker_info_t *info_p);
+
+/* Number of workers of `role` (0 = any role) in `state`. */
+size_t duet_registry_count(const duet_registry_t *reg, int role, duet_worker_state_t state);
+
+/*
+ * Call cb for every listed worker (live and dead), in id order. cb must not call back into the
+ * registry's mutating functions.
+ */
+void duet_registry_foreach(const duet_registry_t *reg, duet_registry_worker_cb cb, void *user);
+
+/*
+ * Fill out[0..cap) with placement candidates (live workers only) and return how many were
+ * written (at most cap).
+ */
+size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candidate_t *out,
+                                size_t cap);
+
+/* "up", "draining", "dead"; "ctx", "gen". */
+const char *duet_worker_state_name(duet_worker_state_t state);
+const char *duet_worker_role_name(duet_worker_role_t role);
+
+/*
+ * The model fingerprint of folder `dir`: "sha256:" + 64 hex digits over the bytes of
+ * config.json, then "\n--\n", then model.safetensors.index.json when present, else the JSON
+ * header of model.safetensors. Written to out (cap >= 72). DUET_ERR_IO / DUET_ERR_NOT_FOUND /
+ * DUET_ERR_FORMAT with detail naming the file.
+ */
+duet_status_t duet_registry_model_fingerprint(const char *dir, char *out, size_t cap);
+
+#endif
