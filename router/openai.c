@@ -648,7 +648,9 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
 {
     const char *keys[2] = {"max_tokens", "max_completion_tokens"};
     duet_oai_request_t *req = p->req;
-    req->max_tokens = p->lim->max_tokens_default;
+    req->max_tokens = p->lim->max_tokens_default < p->lim->max_tokens_cap
+                          ? p->lim->max_tokens_default
+                          : p->lim->max_tokens_cap;
     for (int k = 0; k < 2; k++) {
         if (k == 1 && p->ep != DUET_OAI_ENDPOINT_CHAT)
             break;

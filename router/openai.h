@@ -47,7 +47,7 @@ typedef enum {
 /* Limits and defaults of the served model, fixed at start-up. */
 typedef struct {
     const char *model_name;      /* the served name; requests must name it; not owned */
-    uint32_t max_tokens_default; /* max_tokens when the request gives none */
+    uint32_t max_tokens_default; /* max_tokens when the request gives none (at most the cap) */
     uint32_t max_tokens_cap;     /* largest max_tokens accepted */
     size_t max_body_bytes;       /* larger bodies get 413 */
     uint32_t vocab_size;         /* token-id prompts must be < this (0 = not checked) */

@@ -5,6 +5,7 @@
  * streaming text state (stop strings across tokens, UTF-8 split across byte tokens, EOS, length),
  * and a deterministic fuzz of the parser.
  */
+#define _GNU_SOURCE /* memmem */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -1101,8 +1102,53 @@ static const char *const fuzz_tokens[] = {
     "\"stream_options\"",
 };
 
+/*
+ * An accepted request must tokenize, and its stream, fed random ids, must never emit a stop string,
+ * must emit valid UTF-8 (it round-trips through jansson), and must end by max_tokens.
+ */
+static void fuzz_generate(duet_tokenizer_t *tok, duet_oai_template_t *tmpl,
+                          const duet_oai_request_t *r, uint64_t *seed)
+{
+    uint32_t *ids = NULL;
+    size_t n = 0;
+    duet_oai_error_t e;
+    duet_status_t st = duet_oai_request_tokens(r, &lim, tmpl, tok, &ids, &n, &e);
+    cr_assert(st == DUET_OK || e.http_status == 400, "tokens: %s", e.message);
+    free(ids);
+    duet_oai_stream_t *s = NULL;
+    const uint32_t eos = EOS;
+    cr_assert_eq(duet_oai_stream_create(tok, r, &eos, 1, true, &s), DUET_OK);
+    char out[8192];
+    size_t out_len = 0;
+    duet_oai_finish_t f = DUET_OAI_FINISH_NONE;
+    for (uint32_t i = 0; i < 600 && f == DUET_OAI_FINISH_NONE; i++) {
+        const char *t;
+        size_t len;
+        uint32_t id = (uint32_t)(rng_next(seed) % 40 == 0 ? EOS : rng_next(seed) % 256);
+        cr_assert_eq(duet_oai_stream_feed(s, id, &t, &len, &f), DUET_OK);
+        cr_assert_lt(out_len + len, sizeof(out));
+        memcpy(out + out_len, t, len);
+        out_len += len;
+    }
+    cr_assert_neq(f, DUET_OAI_FINISH_NONE);
+    cr_assert_leq(duet_oai_stream_n_tokens(s), r->max_tokens);
+    for (size_t k = 0; k < r->n_stop; k++)
+        cr_assert_null(memmem(out, out_len, r->stop[k], r->stop_len[k]));
+    json_t *js = json_stringn(out, out_len);
+    cr_assert_not_null(js, "stream emitted ill-formed UTF-8");
+    json_decref(js);
+    const char *kept;
+    size_t kept_len;
+    duet_oai_stream_text(s, &kept, &kept_len);
+    cr_assert(kept_len == out_len && memcmp(kept, out, out_len) == 0);
+    duet_oai_stream_destroy(s);
+}
+
 Test(router_openai, fuzz_parsers, .timeout = 120)
 {
+    duet_tokenizer_t *tok = byte_tok();
+    duet_oai_template_t *tmpl = NULL;
+    cr_assert_eq(duet_oai_template_create(NULL, 0, "default", tok, &tmpl), DUET_OK);
     uint64_t seed = 20240601;
     char buf[4096];
     size_t n_ok = 0, n_err = 0;
@@ -1159,6 +1205,7 @@ Test(router_openai, fuzz_parsers, .timeout = 120)
                 (ep == DUET_OAI_ENDPOINT_CHAT ? r.n_messages > 0
                                               : (r.prompt != NULL) != (r.prompt_ids != NULL));
             cr_assert(sane, "accepted an insane request: %.*s", (int)len, buf);
+            fuzz_generate(tok, tmpl, &r, &seed);
             duet_oai_request_free(&r);
         } else {
             n_err++;
@@ -1170,4 +1217,6 @@ Test(router_openai, fuzz_parsers, .timeout = 120)
     cr_log_info("fuzz: %zu accepted, %zu refused", n_ok, n_err);
     cr_assert_gt(n_ok, 50, "mutations should leave some bodies valid");
     cr_assert_gt(n_err, 3000);
+    duet_oai_template_destroy(tmpl);
+    duet_tokenizer_destroy(tok);
 }
