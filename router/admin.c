@@ -73,7 +73,7 @@ void duet_admin_options_default(duet_admin_options_t *opts)
     opts->max_drain_wait_timeout_ms = 3600 * 1000;
 }
 
-void duet_admin_options_from_config(duet_admin_options_t *opts, const struct duet_config *cfg)
+void duet_admin_options_from_config(duet_admin_options_t *opts, const duet_config_t *cfg)
 {
     opts->host = duet_config_get_string(cfg, "admin.host");
     opts->port = (uint16_t)duet_config_get_int(cfg, "admin.port");
@@ -113,6 +113,9 @@ static void respond_error_h(duet_http_request_t *req, int status, const duet_htt
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    for (char *p = msg; *p != '\0'; p++) /* keep the JSON valid whatever the input echoed */
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p >= 0x7f)
+            *p = '?';
     DUET_RLOG_INFO(duet_http_request_id(req), "admin: %s %s from %s -> %d: %s",
                    duet_http_request_method(req), duet_http_request_path(req),
                    duet_http_request_peer(req), status, msg);
@@ -522,7 +525,7 @@ static bool decode_name(const char *s, size_t n, char *out, size_t cap)
             c = (unsigned char)(hi * 16 + lo);
             i += 2;
         }
-        if (c < 0x20 || c == 0x7f || c == '/')
+        if (c <= 0x20 || c >= 0x7f || c == '/') /* names are printable ASCII */
             return false;
         if (k + 1 >= cap)
             return false;

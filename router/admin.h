@@ -38,6 +38,7 @@
 
 #include <uv.h>
 
+#include "common/config.h"
 #include "common/status.h"
 #include "router/admission.h"
 
@@ -134,9 +135,9 @@ uint16_t duet_admin_port(const duet_admin_t *admin);
 void duet_admin_close(duet_admin_t *admin, void (*cb)(void *user), void *user);
 
 /*
- * Config keys for the router's table, to splice into its duet_config_key_t array (include
- * common/config.h): admin.host, admin.port, admin.token (secret; env DUET_ADMIN_TOKEN),
- * admin.insecure_no_token (flag --admin.insecure-no-token), admin.drain_wait_timeout_s.
+ * Config keys for the router's table, to splice into its duet_config_key_t array: admin.host,
+ * admin.port, admin.token (secret; env DUET_ADMIN_TOKEN), admin.insecure_no_token (flag
+ * --admin.insecure-no-token), admin.drain_wait_timeout_s.
  */
 #define DUET_ADMIN_CONFIG_KEYS                                                                     \
     {.name = "admin.host",                                                                         \
@@ -167,7 +168,6 @@ void duet_admin_close(duet_admin_t *admin, void (*cb)(void *user), void *user);
  * Fill opts' host, port, token, insecure_no_token and drain_wait_timeout_ms from a configuration
  * declared with DUET_ADMIN_CONFIG_KEYS (strings stay owned by cfg). Other fields are untouched.
  */
-struct duet_config;
-void duet_admin_options_from_config(duet_admin_options_t *opts, const struct duet_config *cfg);
+void duet_admin_options_from_config(duet_admin_options_t *opts, const duet_config_t *cfg);
 
 #endif

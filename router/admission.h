@@ -49,6 +49,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/config.h"
 #include "common/metrics.h"
 #include "common/status.h"
 

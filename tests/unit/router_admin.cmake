@@ -2,3 +2,6 @@
 # router/duetctl_main.c).
 duet_add_test(test_router_admission SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_router_admission.c
               LIBS duet_router_admin TIMEOUT 120)
+# The admin API over real HTTP on loopback with a fake ops table (tests/unit/router_admin_fake.h).
+duet_add_test(test_router_admin SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_router_admin.c
+              LIBS duet_router_admin PkgConfig::JANSSON Threads::Threads TIMEOUT 180)
