@@ -5,3 +5,7 @@ duet_add_test(test_router_admission SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_route
 # The admin API over real HTTP on loopback with a fake ops table (tests/unit/router_admin_fake.h).
 duet_add_test(test_router_admin SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_router_admin.c
               LIBS duet_router_admin PkgConfig::JANSSON Threads::Threads TIMEOUT 180)
+# duetctl as a real process against an admin API started inside the test.
+duet_add_test(test_duetctl SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_duetctl.c
+              LIBS duet_router_admin PkgConfig::JANSSON Threads::Threads TIMEOUT 180)
+add_dependencies(test_duetctl duetctl)

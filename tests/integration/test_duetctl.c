@@ -1,0 +1,239 @@
+/*
+ * duetctl as a real process against an admin API started by the test (with the FAKE ops table of
+ * tests/unit/router_admin_fake.h and a real admission controller): every command's output and
+ * exit status, --help, usage errors (1), connection refused and protocol errors (2), and the
+ * server's refusals (3: wrong token, unknown worker, dead worker, drain wait timeout) with the
+ * server's message printed.
+ */
+#include "tests/unit/router_admin_fake.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define DUETCTL DUET_BINARY_DIR "/router/duetctl"
+
+static char OUT[65536];
+
+/* Run duetctl with args (shell words), stdout+stderr into OUT; returns the exit status. */
+static int ctl(const char *args)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN %s --admin http://127.0.0.1:%u %s 2>&1",
+             DUETCTL, AH.port, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+#define TOK "--token " TEST_TOKEN " "
+
+#define expect_out(frag)                                                                           \
+    cr_expect(strstr(OUT, (frag)) != NULL, "output lacks \"%s\":\n%s", (frag), OUT)
+
+Test(duetctl, help_and_usage_errors, .timeout = 60)
+{
+    ah_start();
+    cr_expect_eq(ctl("--help"), 0);
+    expect_out("usage: duetctl");
+    expect_out("exit status");
+    cr_expect_eq(ctl("drain --help"), 0);
+    expect_out("--wait");
+    cr_expect_eq(ctl("admission --help"), 0);
+    expect_out("--max-inflight");
+    cr_expect_eq(ctl("status --help"), 0);
+    expect_out("usage: duetctl status");
+    cr_expect_eq(ctl("undrain --help"), 0);
+    cr_expect_eq(ctl(""), 1);
+    expect_out("usage: duetctl");
+    cr_expect_eq(ctl("frobnicate"), 1);
+    expect_out("unknown command \"frobnicate\"");
+    cr_expect_eq(ctl("drain"), 1);
+    expect_out("which worker");
+    cr_expect_eq(ctl("drain gen-0 --timeout 5"), 1);
+    expect_out("--timeout only applies with --wait");
+    cr_expect_eq(ctl("drain gen-0 --wait --timeout abc"), 1);
+    cr_expect_eq(ctl("drain gen-0 --bogus"), 1);
+    cr_expect_eq(ctl("admission"), 1);
+    cr_expect_eq(ctl("admission set"), 1);
+    expect_out("--max-inflight");
+    cr_expect_eq(ctl("admission set --max-inflight 0"), 1);
+    cr_expect_eq(ctl("admission set --max-queue -1"), 1);
+    cr_expect_eq(ctl("admission set --max-queue 2.5"), 1);
+    cr_expect_eq(ctl("admission explode"), 1);
+    cr_expect_eq(ctl("--admin ftp://x status"), 1);
+    expect_out("only http://");
+    cr_expect_eq(ctl("--admin http://127.0.0.1:99999 status"), 1);
+    cr_expect_eq(atomic_load(&AH.fake.drains), 0, "usage errors send nothing");
+    ah_stop();
+}
+
+Test(duetctl, status_prints_workers_and_admission, .timeout = 60)
+{
+    ah_start();
+    cr_expect_eq(ctl(TOK "status"), 0, "%s", OUT);
+    expect_out("WORKER");
+    expect_out("FREE_PAGES");
+    cr_expect(strstr(OUT, "gen-0   gen   live") != NULL, "%s", OUT);
+    expect_out("1024");
+    cr_expect(strstr(OUT, "ctx-0   ctx   dead") != NULL, "%s", OUT);
+    expect_out("admission: accepting, in flight 0/8, queued 0/16");
+    /* DUET_ADMIN_TOKEN works like --token. */
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "DUET_ADMIN_TOKEN=%s %s --admin http://127.0.0.1:%u status 2>&1",
+             TEST_TOKEN, DUETCTL, AH.port);
+    FILE *p = popen(cmd, "r");
+    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    cr_expect_eq(WEXITSTATUS(pclose(p)), 0, "%s", OUT);
+    expect_out("gen-1");
+    ah_stop();
+}
+
+Test(duetctl, wrong_or_missing_token_is_refused, .timeout = 60)
+{
+    ah_start();
+    cr_expect_eq(ctl("--token wrong status"), 3);
+    expect_out("server refused (HTTP 401): invalid admin token");
+    cr_expect_eq(ctl("status"), 3);
+    expect_out("HTTP 401");
+    expect_out("missing Authorization");
+    expect_out("--token or DUET_ADMIN_TOKEN");
+    ah_stop();
+}
+
+Test(duetctl, drain_undrain_and_refusals, .timeout = 60)
+{
+    ah_start();
+    cr_expect_eq(ctl(TOK "drain gen-0"), 0, "%s", OUT);
+    expect_out("worker gen-0: draining (requests still running)");
+    cr_expect_eq(ctl(TOK "status"), 0);
+    cr_expect(strstr(OUT, "gen-0   gen   draining") != NULL, "%s", OUT);
+    cr_expect_eq(ctl(TOK "undrain gen-0"), 0, "%s", OUT);
+    expect_out("worker gen-0: live");
+    cr_expect_eq(ctl(TOK "drain gen-1 --wait"), 0, "%s", OUT);
+    expect_out("worker gen-1: drained");
+    cr_expect_eq(ctl(TOK "drain nope"), 3);
+    expect_out("server refused (HTTP 404): unknown worker \"nope\"");
+    cr_expect_eq(ctl(TOK "undrain nope"), 3);
+    expect_out("HTTP 404");
+    cr_expect_eq(ctl(TOK "drain ctx-0"), 3);
+    expect_out("server refused (HTTP 409)");
+    expect_out("dead");
+    ah_stop();
+}
+
+Test(duetctl, drain_wait_completes_and_times_out, .timeout = 60)
+{
+    ah_start();
+    /* Completes when the fake reports gen-0 idle half a second in. */
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%u --token %s drain gen-0 --wait 2>&1",
+             DUETCTL, AH.port, TEST_TOKEN);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    for (int i = 0; i < 300 && atomic_load(&AH.fake.drains) == 0; i++)
+        usleep(10000);
+    usleep(300000);
+    ah_make_idle("gen-0");
+    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    cr_expect_eq(WEXITSTATUS(pclose(p)), 0, "%s", OUT);
+    expect_out("worker gen-0: drained (no running requests");
+
+    /* gen-0 is idle now; make a fresh busy worker time out. */
+    cr_expect_eq(ctl(TOK "undrain gen-0"), 0);
+    ah_stop();
+    ah_start();
+    cr_expect_eq(ctl(TOK "drain gen-0 --wait --timeout 0.5"), 3, "%s", OUT);
+    expect_out("server refused (HTTP 504): worker gen-0 still has running requests after 0.5 s");
+    ah_stop();
+}
+
+Test(duetctl, admission_pause_resume_set, .timeout = 60)
+{
+    ah_start();
+    cr_expect_eq(ctl(TOK "admission pause"), 0, "%s", OUT);
+    expect_out("admission: PAUSED");
+    cr_expect_eq(ctl(TOK "admission resume"), 0, "%s", OUT);
+    expect_out("admission: accepting");
+    cr_expect_eq(ctl(TOK "admission set --max-inflight 3 --max-queue=5"), 0, "%s", OUT);
+    expect_out("in flight 0/3, queued 0/5");
+    cr_expect_eq(ctl(TOK "admission set --max-queue 9"), 0, "%s", OUT);
+    expect_out("in flight 0/3, queued 0/9");
+    cr_expect_eq(ctl(TOK "admission set --max-inflight 2000000"), 3, "%s", OUT);
+    expect_out("HTTP 400");
+    expect_out("max_inflight");
+    ah_stop();
+}
+
+Test(duetctl, connection_refused_and_not_http, .timeout = 60)
+{
+    /* A port with nothing listening: bind one, note it, close it. */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t al = sizeof(a);
+    getsockname(fd, (struct sockaddr *)&a, &al);
+    unsigned port = ntohs(a.sin_port);
+    close(fd);
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%u --token x status 2>&1", DUETCTL,
+             port);
+    FILE *p = popen(cmd, "r");
+    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    cr_expect_eq(WEXITSTATUS(pclose(p)), 2, "%s", OUT);
+    expect_out("cannot connect to http://127.0.0.1:");
+    expect_out("Connection refused");
+
+    /* A server that answers garbage and closes. */
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    a.sin_port = 0;
+    cr_assert_eq(bind(ls, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(listen(ls, 4), 0);
+    al = sizeof(a);
+    getsockname(ls, (struct sockaddr *)&a, &al);
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%u --token x status 2>&1", DUETCTL,
+             ntohs(a.sin_port));
+    p = popen(cmd, "r");
+    int c = accept(ls, NULL, NULL);
+    cr_assert_geq(c, 0);
+    char buf[4096];
+    ssize_t r = recv(c, buf, sizeof(buf), 0);
+    cr_expect_gt(r, 0);
+    const char *junk = "SSH-2.0-OpenSSH\r\n";
+    send(c, junk, strlen(junk), MSG_NOSIGNAL);
+    close(c);
+    n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    cr_expect_eq(WEXITSTATUS(pclose(p)), 2, "%s", OUT);
+    expect_out("not an HTTP/1.x response");
+
+    /* A chunked answer is decoded. */
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%u --token x admission pause 2>&1",
+             DUETCTL, ntohs(a.sin_port));
+    p = popen(cmd, "r");
+    c = accept(ls, NULL, NULL);
+    cr_assert_geq(c, 0);
+    r = recv(c, buf, sizeof(buf), 0);
+    const char *chunked = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          "d\r\n{\"paused\":tru\r\n"
+                          "16\r\ne,\"max_inflight\":7,\"ma\r\n"
+                          "d\r\nx_queue\":11}\n\r\n0\r\n\r\n";
+    send(c, chunked, strlen(chunked), MSG_NOSIGNAL);
+    close(c);
+    n = fread(OUT, 1, sizeof(OUT) - 1, p);
+    OUT[n] = '\0';
+    cr_expect_eq(WEXITSTATUS(pclose(p)), 0, "%s", OUT);
+    expect_out("admission: PAUSED, in flight 0/7, queued 0/11");
+    close(ls);
+}
