@@ -1,0 +1,460 @@
+/*
+ * duet-router with duet-test-worker processes (a test tool that fakes ctx/gen workers with
+ * deterministic tokens: the prompt ids reversed) on loopback: /health before and after a gen
+ * worker registers, completions and chat (streaming and not) through Reserve -> Prefill ->
+ * PrefillDone, local prefill (Generate) below the threshold, both gen workers used, a client
+ * disconnect reaches the worker as Cancel, a dying ctx worker's prefill is retried once on
+ * another, a gen worker that stops heartbeating fails its request with a clear error, refused
+ * reservations give 429 with Retry-After, a wrong-version worker is refused, drain via the
+ * admin API.
+ *
+ * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
+ * literal "test" (--model.fingerprint), which the workers present.
+ */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ROUTER DUET_BINARY_DIR "/router/duet-router"
+#define WORKER DUET_BINARY_DIR "/router/duet-test-worker"
+
+static char  dir[256];
+static int   http_port, worker_port, admin_port;
+static pid_t pids[16];
+static int   n_pids;
+
+static int free_port(void)
+{
+    int                fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a  = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t l = sizeof(a);
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static void write_file(const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static pid_t spawn(char *const argv[], const char *log)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", dir, log);
+        int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        setenv("DUET_LOG_LEVEL", "info", 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    pids[n_pids++] = pid;
+    return pid;
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* One HTTP request with Connection: close; the whole response in out. Returns the status. */
+static int http(int port, const char *method, const char *path, const char *body, char *out,
+                size_t cap)
+{
+    int                fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        return -1;
+    }
+    char req[8192];
+    int  n = snprintf(req, sizeof(req),
+                      "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                      "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                      method, path, body != NULL ? strlen(body) : 0, body != NULL ? body : "");
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    size_t at = 0;
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 10000) <= 0)
+            break;
+        ssize_t r = read(fd, out + at, cap - 1 - at);
+        if (r <= 0)
+            break;
+        at += (size_t)r;
+    }
+    out[at] = '\0';
+    close(fd);
+    int status = -1;
+    sscanf(out, "HTTP/1.1 %d", &status);
+    return status;
+}
+
+static int wait_status(const char *path, int want, int ms)
+{
+    static char buf[65536];
+    uint64_t    end = now_ms() + (uint64_t)ms;
+    int         st  = -1;
+    while (now_ms() < end) {
+        st = http(http_port, "GET", path, NULL, buf, sizeof(buf));
+        if (st == want)
+            return st;
+        usleep(20000);
+    }
+    return st;
+}
+
+/* Whether the events file of `name` has a line starting with `prefix` (waits up to ms). */
+static int has_event(const char *name, const char *prefix, int ms)
+{
+    char path[512], line[512];
+    snprintf(path, sizeof(path), "%s/%s.events", dir, name);
+    uint64_t end = now_ms() + (uint64_t)ms;
+    do {
+        FILE *f = fopen(path, "r");
+        if (f != NULL) {
+            while (fgets(line, sizeof(line), f) != NULL)
+                if (strncmp(line, prefix, strlen(prefix)) == 0) {
+                    fclose(f);
+                    return 1;
+                }
+            fclose(f);
+        }
+        usleep(20000);
+    } while (now_ms() < end);
+    return 0;
+}
+
+static void start_router(const char *extra1, const char *extra2)
+{
+    char tmpl[] = "/tmp/duet-router-test-XXXXXX";
+    cr_assert_not_null(mkdtemp(tmpl));
+    snprintf(dir, sizeof(dir), "%s", tmpl);
+    write_file("config.json", "{\"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+    write_file("duet_tokenizer.json",
+               "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
+    http_port   = free_port();
+    worker_port = free_port();
+    admin_port  = free_port();
+    char hp[16], wp[16], ap[16];
+    snprintf(hp, sizeof(hp), "%d", http_port);
+    snprintf(wp, sizeof(wp), "%d", worker_port);
+    snprintf(ap, sizeof(ap), "%d", admin_port);
+    char *argv[] = {ROUTER, "--model", dir, "--model.name", "m", "--model.fingerprint", "test",
+                    "--http.port", hp, "--workers.port", wp, "--admin.port", ap,
+                    "--admin.insecure-no-token", "--placement.policy", "round_robin",
+                    "--workers.heartbeat-timeout-ms", "600", (char *)extra1, (char *)extra2, NULL};
+    if (extra1 == NULL)
+        argv[18] = NULL;
+    spawn(argv, "router.log");
+    cr_assert_eq(wait_status("/live", 200, 5000), 200, "router did not come up");
+}
+
+/* Start a test worker and wait until it registered. Extra flags: up to 3. */
+static void start_worker(const char *role, const char *name, const char *f1, const char *f2,
+                         const char *f3)
+{
+    char rt[64], ev[512];
+    snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
+    snprintf(ev, sizeof(ev), "%s/%s.events", dir, name);
+    char *argv[16] = {WORKER, "--router", rt, "--role", (char *)role, "--name", (char *)name,
+                      "--fingerprint", "test", "--events", ev, "--heartbeat-ms", "100"};
+    int   n        = 13;
+    if (f1 != NULL)
+        argv[n++] = (char *)f1;
+    if (f2 != NULL)
+        argv[n++] = (char *)f2;
+    if (f3 != NULL)
+        argv[n++] = (char *)f3;
+    argv[n] = NULL;
+    char log[128];
+    snprintf(log, sizeof(log), "%s.log", name);
+    spawn(argv, log);
+    cr_assert(has_event(name, "registered", 5000), "worker %s did not register", name);
+}
+
+static void stop_all(void)
+{
+    for (int i = n_pids - 1; i >= 0; i--) {
+        kill(pids[i], SIGTERM);
+        int st;
+        for (int k = 0; k < 100 && waitpid(pids[i], &st, WNOHANG) == 0; k++)
+            usleep(20000);
+        kill(pids[i], SIGKILL);
+        waitpid(pids[i], &st, 0);
+    }
+    n_pids = 0;
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    if (getenv("DUET_KEEP_TEST_DIR") == NULL && system(cmd) != 0)
+        cr_log_warn("could not remove %s", dir);
+}
+
+static const char *body_of(const char *resp)
+{
+    const char *b = strstr(resp, "\r\n\r\n");
+    return b != NULL ? b + 4 : "";
+}
+
+/* Concatenate the "content"/"text" deltas of an SSE stream (naive: our own JSON, no escapes). */
+static void sse_text(const char *resp, const char *key, char *out, size_t cap)
+{
+    size_t      at = 0;
+    char        pat[32];
+    snprintf(pat, sizeof(pat), "\"%s\":\"", key);
+    for (const char *p = strstr(resp, pat); p != NULL; p = strstr(p + 1, pat)) {
+        p += strlen(pat);
+        while (*p != '"' && at + 1 < cap)
+            out[at++] = *p++;
+    }
+    out[at] = '\0';
+}
+
+/* ---------------------------------------------------------------- tests */
+
+Test(router_cluster, health_503_without_gen_then_200, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    cr_assert_eq(http(http_port, "GET", "/health", NULL, buf, sizeof(buf)), 503);
+    cr_assert(strstr(buf, "no live generation worker") != NULL, "%s", buf);
+    cr_assert_eq(http(http_port, "GET", "/live", NULL, buf, sizeof(buf)), 200);
+    /* a completion with no gen worker: 503 with Retry-After, not a hang */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2}", buf, sizeof(buf));
+    cr_assert_eq(st, 503, "%s", buf);
+    cr_assert(strstr(buf, "Retry-After:") != NULL, "%s", buf);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(http(http_port, "GET", "/health", NULL, buf, sizeof(buf)), 503, "ctx only");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_assert(strstr(buf, "duet_router_workers{role=\"gen\",state=\"up\"} 1") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "duet_router_workers{role=\"ctx\",state=\"up\"} 1") != NULL);
+    stop_all();
+}
+
+Test(router_cluster, completions_and_chat_streaming_and_not, .timeout = 90)
+{
+    static char buf[65536], text[4096];
+    start_router("--placement.local-prefill-tokens", "8");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("gen", "gen-1", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+
+    /* "<|bos|>hello world" = 12 tokens >= 8: Reserve -> Prefill -> PrefillDone */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"text\":\"dlrow\"") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "\"finish_reason\":\"length\"") != NULL);
+    cr_assert(strstr(buf, "\"prompt_tokens\":12,\"completion_tokens\":5") != NULL, "%s", buf);
+    cr_assert(has_event("ctx-0", "prefill 1 12", 1000));
+
+    /* the same streamed: the text arrives in chunks, then [DONE] */
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5,\"stream\":true}", buf,
+              sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    sse_text(buf, "text", text, sizeof(text));
+    cr_assert_str_eq(text, "dlrow", "%s", buf);
+    cr_assert(strstr(buf, "data: [DONE]") != NULL);
+
+    /* both gen workers got a reservation (round robin) */
+    cr_assert(has_event("gen-0", "reserve", 1000));
+    cr_assert(has_event("gen-1", "reserve", 1000));
+
+    /* chat, streaming: prompt "<|bos|>user: abc\nassistant: " reversed -> " :tnatsissa" */
+    st = http(http_port, "POST", "/v1/chat/completions",
+              "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"abc\"}],"
+              "\"max_tokens\":11,\"stream\":true}",
+              buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    sse_text(buf, "content", text, sizeof(text));
+    cr_assert_str_eq(text, " :tnatsissa", "%s", buf);
+    cr_assert(strstr(buf, "\"role\":\"assistant\"") != NULL);
+    /* chat, not streaming, with a stop string */
+    st = http(http_port, "POST", "/v1/chat/completions",
+              "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"abc\"}],"
+              "\"max_tokens\":11,\"stop\":[\"ss\"]}",
+              buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(buf, "\"content\":\" :tnatsi\"") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "\"finish_reason\":\"stop\"") != NULL, "%s", buf);
+
+    /* "<|bos|>hi" = 3 tokens < 8: local prefill (Generate) on a gen worker */
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(buf, "\"text\":\"ih\"") != NULL, "%s", buf);
+    cr_assert(has_event("gen-0", "generate", 500) || has_event("gen-1", "generate", 500));
+
+    /* validation errors come back OpenAI-shaped */
+    st = http(http_port, "POST", "/v1/completions", "{\"model\":\"other\",\"prompt\":\"x\"}", buf,
+              sizeof(buf));
+    cr_assert_eq(st, 404, "%s", buf);
+    cr_assert_eq(http(http_port, "GET", "/v1/models", NULL, buf, sizeof(buf)), 200);
+    cr_assert(strstr(buf, "\"id\":\"m\"") != NULL);
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_assert(strstr(buf, "duet_router_ttft_seconds_count 5") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "duet_router_http_requests_total{method=\"POST\",path=\"/v1/completions\","
+                          "status=\"200\"} 3") != NULL, "%s", buf);
+    stop_all();
+}
+
+Test(router_cluster, client_disconnect_sends_cancel, .timeout = 60)
+{
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--delay-ms", "50", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    int                fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)http_port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    const char *body = "{\"model\":\"m\",\"prompt\":\"a long enough prompt\",\"max_tokens\":200,"
+                       "\"stream\":true}";
+    char req[1024];
+    int  n = snprintf(req, sizeof(req),
+                      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                      strlen(body), body);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    char buf[4096];
+    size_t at = 0;
+    while (strstr(buf, "data:") == NULL && at < sizeof(buf) - 1) { /* the first chunks */
+        buf[at]        = '\0';
+        ssize_t r      = read(fd, buf + at, sizeof(buf) - 1 - at);
+        cr_assert_gt(r, 0);
+        at            += (size_t)r;
+        buf[at]        = '\0';
+    }
+    close(fd); /* mid-stream */
+    cr_assert(has_event("gen-0", "cancel 1 client disconnected", 3000),
+              "the gen worker did not get Cancel");
+    stop_all();
+}
+
+Test(router_cluster, dead_ctx_prefill_is_retried_once_elsewhere, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-bad", "--die-after", "0", NULL);  /* id 2: picked first */
+    start_worker("ctx", "ctx-good", NULL, NULL, NULL);         /* id 3 */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(buf, "\"text\":\"dlrow\"") != NULL, "%s", buf);
+    cr_assert(has_event("ctx-bad", "prefill 1", 100));
+    cr_assert(has_event("ctx-good", "prefill 1", 100));
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_assert(strstr(buf, "duet_router_prefill_retries_total 1") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "duet_router_workers{role=\"ctx\",state=\"dead\"} 1") != NULL, "%s", buf);
+    stop_all();
+}
+
+Test(router_cluster, heartbeat_loss_fails_request_with_clear_error, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--stall-after", "2", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    /* ctx gives token 1, gen token 2, then the gen worker goes silent (still connected) */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":8}", buf, sizeof(buf));
+    cr_assert_eq(st, 502, "%s", buf);
+    cr_assert(strstr(buf, "gen worker 1 (gen-0) lost: heartbeat timeout") != NULL, "%s", buf);
+    cr_assert_eq(wait_status("/health", 503, 2000), 503, "no gen capacity left");
+    /* streaming: the failure after the first token is an SSE error event */
+    start_worker("gen", "gen-1", "--stall-after", "2", NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":8,\"stream\":true}", buf,
+              sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(buf, "\"error\"") != NULL && strstr(buf, "heartbeat timeout") != NULL, "%s",
+              buf);
+    stop_all();
+}
+
+Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--refuse", NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 429, "%s", buf);
+    cr_assert(strstr(buf, "Retry-After: 2") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "refuses every reservation") != NULL, "%s", buf);
+
+    /* a worker with another protocol version or fingerprint is refused and exits (status 4) */
+    char rt[64];
+    snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
+    char *v[] = {WORKER, "--router", rt, "--role", "gen", "--version", "99", "--quiet", NULL};
+    pid_t p   = spawn(v, "old.log");
+    int   ws;
+    cr_assert_eq(waitpid(p, &ws, 0), p);
+    cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
+    char *f[] = {WORKER, "--router", rt, "--role", "gen", "--fingerprint", "other", "--quiet", NULL};
+    p         = spawn(f, "fp.log");
+    cr_assert_eq(waitpid(p, &ws, 0), p);
+    cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
+    n_pids -= 2;
+    stop_all();
+}
+
+Test(router_cluster, drain_through_the_admin_api, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    int st = http(admin_port, "POST", "/admin/workers/gen-0/drain", "", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(has_event("gen-0", "drain", 2000));
+    cr_assert_eq(wait_status("/health", 503, 2000), 503, "the only gen worker drains");
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 503, "never placed on a draining worker: %s", buf);
+    st = http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf));
+    cr_assert_eq(st, 200);
+    cr_assert(strstr(buf, "draining") != NULL, "%s", buf);
+    st = http(admin_port, "POST", "/admin/workers/gen-0/undrain", "", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert_eq(wait_status("/health", 200, 2000), 200);
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    stop_all();
+}
