@@ -6,6 +6,7 @@ pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-venv
       libucx-dev ucx-utils libuv1-dev libprotobuf-c-dev protobuf-c-compiler
       libopenmpi-dev openmpi-bin libcriterion-dev libhttp-parser-dev libjansson-dev
       libyaml-dev libpcre2-dev libxxhash-dev)
+pkgs+=(prometheus)  # promtool: the router_openai_client test runs promtool check metrics on /metrics
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

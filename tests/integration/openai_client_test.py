@@ -1,0 +1,266 @@
+"""The official `openai` Python client against duet-router.
+
+Run by tests/integration/run_openai_client_test.sh, which starts duet-router (model "m", byte
+tokenizer with <|bos|>, the default chat template) with 1 ctx and 2 gen duet-test-worker
+processes and passes the router's base URL as argv[1].
+
+The test worker answers with the prompt's token ids reversed (cycling), so the text is
+deterministic: with the byte tokenizer a token is a byte.
+  completions "hello world" -> prompt "<|bos|>hello world" (12 tokens) -> "dlrow olleh..."
+  chat [user "abc"] -> prompt "<|bos|>user: abc\nassistant: " (22 tokens) -> " :tnatsissa\ncba :resu"
+Keep max_tokens below the prompt's byte count so the cycle never reaches <|bos|>.
+
+Plain asserts; prints "N passed, M failed" and exits non-zero on any failure.
+"""
+
+import sys
+import traceback
+
+import openai
+from openai import OpenAI
+
+BASE = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000/v1"
+MODEL = "m"
+client = OpenAI(base_url=BASE, api_key="unused", max_retries=0, timeout=30)
+
+PROMPT = "hello world"
+PROMPT_REV = PROMPT[::-1]  # "dlrow olleh"
+PROMPT_TOKENS = 1 + len(PROMPT)  # <|bos|> + bytes
+CHAT = [{"role": "user", "content": "abc"}]
+CHAT_PROMPT = "user: abc\nassistant: "
+CHAT_REV = CHAT_PROMPT[::-1]  # " :tnatsissa\ncba :resu"
+CHAT_TOKENS = 1 + len(CHAT_PROMPT)
+
+tests = []
+
+
+def test(fn):
+    tests.append(fn)
+    return fn
+
+
+@test
+def completions_non_streaming_length():
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    assert r.object == "text_completion", r
+    assert r.model == MODEL, r.model
+    assert len(r.choices) == 1, r.choices
+    assert r.choices[0].text == PROMPT_REV[:5], repr(r.choices[0].text)
+    assert r.choices[0].finish_reason == "length", r.choices[0].finish_reason
+    assert r.usage.prompt_tokens == PROMPT_TOKENS, r.usage
+    assert r.usage.completion_tokens == 5, r.usage
+    assert r.usage.total_tokens == PROMPT_TOKENS + 5, r.usage
+
+
+@test
+def completions_non_streaming_stop():
+    # "dlrow olleh": the stop string "ol" cuts before "olleh" -> "dlrow ", finish "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, stop=["ol"])
+    assert r.choices[0].text == "dlrow ", repr(r.choices[0].text)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].finish_reason
+
+
+@test
+def completions_streaming():
+    text, finishes = "", []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True):
+        assert chunk.object == "text_completion", chunk
+        assert chunk.usage is None, chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            if c.finish_reason is not None:
+                finishes.append(c.finish_reason)
+    assert text == PROMPT_REV[:5], repr(text)
+    assert finishes == ["length"], finishes
+
+
+@test
+def completions_streaming_include_usage():
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [], last
+    assert last.usage is not None, last
+    assert last.usage.prompt_tokens == PROMPT_TOKENS, last.usage
+    assert last.usage.completion_tokens == 5, last.usage
+    assert last.usage.total_tokens == PROMPT_TOKENS + 5, last.usage
+    for c in chunks[:-1]:
+        assert c.usage is None, c  # "usage": null on every other chunk
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert text == PROMPT_REV[:5], repr(text)
+
+
+@test
+def chat_non_streaming_length():
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=11)
+    assert r.object == "chat.completion", r
+    assert r.model == MODEL, r.model
+    m = r.choices[0].message
+    assert m.role == "assistant", m
+    assert m.content == CHAT_REV[:11] == " :tnatsissa", repr(m.content)
+    assert r.choices[0].finish_reason == "length", r.choices[0].finish_reason
+    assert r.usage.prompt_tokens == CHAT_TOKENS, r.usage
+    assert r.usage.completion_tokens == 11, r.usage
+
+
+@test
+def chat_non_streaming_stop():
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, stop="ss")
+    assert r.choices[0].message.content == " :tnatsi", repr(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].finish_reason
+
+
+@test
+def chat_streaming_role_first_and_finish():
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=11,
+                                                 stream=True))
+    assert chunks, "no chunks"
+    first = chunks[0]
+    assert first.object == "chat.completion.chunk", first
+    assert first.choices[0].delta.role == "assistant", first
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == CHAT_REV[:11], repr(text)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason is not None]
+    assert finishes == ["length"], finishes
+    assert chunks[-1].choices[0].finish_reason == "length", chunks[-1]
+
+
+@test
+def chat_streaming_stop_include_usage():
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20,
+                                                 stop=["ss"], stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+    last = chunks[-1]
+    assert last.choices == [], last
+    assert last.usage is not None and last.usage.prompt_tokens == CHAT_TOKENS, last.usage
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " :tnatsi", repr(text)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason is not None]
+    assert finishes == ["stop"], finishes
+
+
+@test
+def chat_content_parts():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "bc"}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                       max_tokens=11)
+    # parts are concatenated without a separator: the same prompt as "abc"
+    assert r.choices[0].message.content == CHAT_REV[:11], repr(r.choices[0].message.content)
+    assert r.usage.prompt_tokens == CHAT_TOKENS, r.usage
+
+
+@test
+def chat_system_message_in_template():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "abc"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30)
+    full = "system: S\nuser: abc\nassistant: "
+    assert r.usage.prompt_tokens == 1 + len(full), r.usage
+    assert r.choices[0].message.content == full[::-1][:30], repr(r.choices[0].message.content)
+
+
+@test
+def chat_stream_helper():
+    # events + get_final_completion(), finish "stop" (a stop string)
+    events = []
+    with client.chat.completions.stream(model=MODEL, messages=CHAT, max_tokens=20,
+                                        stop=["ss"]) as stream:
+        for ev in stream:
+            events.append(ev)
+        final = stream.get_final_completion()
+    types = [e.type for e in events]
+    assert "chunk" in types, types
+    assert "content.done" in types, types
+    chunks = [e.chunk for e in events if e.type == "chunk"]
+    assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+    deltas = "".join(e.delta for e in events if e.type == "content.delta")
+    assert deltas == " :tnatsi", repr(deltas)
+    done = [e for e in events if e.type == "content.done"]
+    assert len(done) == 1 and done[0].content == " :tnatsi", done
+    m = final.choices[0].message
+    assert m.role == "assistant" and m.content == " :tnatsi", final
+    assert final.choices[0].finish_reason == "stop", final.choices[0].finish_reason
+    assert final.usage is None or final.usage.prompt_tokens == CHAT_TOKENS, final.usage
+
+
+@test
+def chat_stream_helper_length():
+    # finish "length": the helper's get_final_completion() raises LengthFinishReasonError (the
+    # library's documented behaviour) carrying the completion, whose text is still ours
+    with client.chat.completions.stream(model=MODEL, messages=CHAT, max_tokens=11,
+                                        stream_options={"include_usage": True}) as stream:
+        text = "".join(e.delta for e in stream if e.type == "content.delta")
+        try:
+            stream.get_final_completion()
+        except openai.LengthFinishReasonError as e:
+            c = e.completion
+            assert c.choices[0].finish_reason == "length", c
+            assert c.choices[0].message.content == CHAT_REV[:11], c
+            assert c.usage is not None and c.usage.prompt_tokens == CHAT_TOKENS, c.usage
+            assert c.usage.completion_tokens == 11, c.usage
+        else:
+            raise AssertionError("finish 'length' did not raise LengthFinishReasonError")
+    assert text == CHAT_REV[:11], repr(text)
+
+
+@test
+def models_list():
+    ids = [m.id for m in client.models.list()]
+    assert MODEL in ids, ids
+
+
+@test
+def n2_is_bad_request():
+    try:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
+    except openai.BadRequestError as e:
+        assert e.status_code == 400, e.status_code
+        assert "n = 2 is not supported" in e.message, e.message
+        assert e.param == "n", e.param
+        assert e.code == "unsupported_value", e.code
+    else:
+        raise AssertionError("n=2 did not raise openai.BadRequestError")
+
+
+@test
+def n2_is_bad_request_completions():
+    try:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
+    except openai.BadRequestError as e:
+        assert "n = 2 is not supported" in e.message, e.message
+    else:
+        raise AssertionError("n=2 did not raise openai.BadRequestError")
+
+
+@test
+def unknown_model_is_not_found():
+    try:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    except openai.NotFoundError as e:
+        assert e.status_code == 404, e.status_code
+    else:
+        raise AssertionError("an unknown model did not raise openai.NotFoundError")
+
+
+def main():
+    print(f"openai {openai.__version__} against {BASE}")
+    passed = failed = 0
+    for fn in tests:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - report every failure, keep going
+            failed += 1
+            print(f"FAIL {fn.__name__}")
+            traceback.print_exc()
+        else:
+            passed += 1
+            print(f"ok   {fn.__name__}")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
