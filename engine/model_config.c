@@ -37,6 +37,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "common/json.h"
 #include "common/log.h"
 
 #define CFG_MAX_VOCAB  ((int64_t)1 << 24) /* token ids are int32 */
@@ -52,28 +53,6 @@ typedef struct {
     const char *origin; /* file name for messages */
     const json_t *root;
 } cfg_ctx_t;
-
-static const char *json_type_name(const json_t *v)
-{
-    switch (json_typeof(v)) {
-    case JSON_OBJECT:
-        return "object";
-    case JSON_ARRAY:
-        return "array";
-    case JSON_STRING:
-        return "string";
-    case JSON_INTEGER:
-        return "integer";
-    case JSON_REAL:
-        return "real";
-    case JSON_TRUE:
-    case JSON_FALSE:
-        return "boolean";
-    case JSON_NULL:
-        return "null";
-    }
-    return "?";
-}
 
 /* The value of `key` in `obj`, NULL when absent or null. */
 static const json_t *get_present(const json_t *obj, const char *key)
@@ -107,7 +86,7 @@ static duet_status_t check_int(const cfg_ctx_t *c, const char *name, const json_
 {
     if (!json_is_integer(v))
         return duet_error_set(DUET_ERR_FORMAT, "%s: field \"%s\": expected integer, got %s",
-                              c->origin, name, json_type_name(v));
+                              c->origin, name, duet_json_type_name(v));
     int64_t x = (int64_t)json_integer_value(v);
     if (x < min || x > max)
         return duet_error_set(DUET_ERR_RANGE,
@@ -141,7 +120,7 @@ static duet_status_t check_real(const cfg_ctx_t *c, const char *name, const json
 {
     if (!json_is_number(v))
         return duet_error_set(DUET_ERR_FORMAT, "%s: field \"%s\": expected number, got %s",
-                              c->origin, name, json_type_name(v));
+                              c->origin, name, duet_json_type_name(v));
     double x = json_number_value(v);
     if (!(x >= min && x <= max))
         return duet_error_set(DUET_ERR_RANGE, "%s: field \"%s\": %g is outside [%g, %g]", c->origin,
@@ -179,7 +158,7 @@ static duet_status_t get_bool(const cfg_ctx_t *c, const char *key, const char *a
     }
     if (!json_is_boolean(v))
         return duet_error_set(DUET_ERR_FORMAT, "%s: field \"%s\": expected boolean, got %s",
-                              c->origin, name, json_type_name(v));
+                              c->origin, name, duet_json_type_name(v));
     *out_p = json_is_true(v);
     return DUET_OK;
 }
@@ -194,7 +173,7 @@ static duet_status_t get_str(const cfg_ctx_t *c, const char *key, const char **o
     }
     if (!json_is_string(v))
         return duet_error_set(DUET_ERR_FORMAT, "%s: field \"%s\": expected string, got %s",
-                              c->origin, key, json_type_name(v));
+                              c->origin, key, duet_json_type_name(v));
     *out_p = json_string_value(v);
     return DUET_OK;
 }
@@ -221,7 +200,7 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
         if (!json_is_array(lt))
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"layer_types\": expected array, got %s", c->origin,
-                                  json_type_name(lt));
+                                  duet_json_type_name(lt));
         if ((int64_t)json_array_size(lt) != L)
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"layer_types\": %zu entries for %" PRId64 " layers",
@@ -265,7 +244,7 @@ static duet_status_t parse_layer_types(const cfg_ctx_t *c, const json_t *lac,
         if (!json_is_array(lists[l].list))
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"linear_attn_config.%s\": expected array, got %s",
-                                  c->origin, lists[l].name, json_type_name(lists[l].list));
+                                  c->origin, lists[l].name, duet_json_type_name(lists[l].list));
         for (size_t j = 0; j < json_array_size(lists[l].list); j++) {
             const json_t *e = json_array_get(lists[l].list, j);
             char name[64];
@@ -300,7 +279,7 @@ static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cf
         if (!json_is_array(mt))
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"mlp_layer_types\": expected array, got %s",
-                                  c->origin, json_type_name(mt));
+                                  c->origin, duet_json_type_name(mt));
         if ((int64_t)json_array_size(mt) != L)
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s: field \"mlp_layer_types\": %zu entries for %" PRId64
@@ -409,7 +388,7 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     if (lac != NULL && !json_is_object(lac))
         return duet_error_set(DUET_ERR_FORMAT,
                               "%s: field \"linear_attn_config\": expected object, got %s",
-                              c->origin, json_type_name(lac));
+                              c->origin, duet_json_type_name(lac));
     TRY(get_int(c, "linear_num_heads", NULL, 0, 32, 1, CFG_MAX_HEADS, &cfg->kda_heads));
     TRY(get_int(c, "linear_head_dim", NULL, 0, 128, 1, CFG_MAX_HDIM, &cfg->kda_head_dim));
     TRY(get_int(c, "linear_conv_kernel_dim", NULL, 0, 4, 1, CFG_MAX_CONV, &cfg->conv_kernel));
