@@ -19,6 +19,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "common/strbuf.h"
+#include "router/jinja.h"
 
 typedef enum {
     TPL_PART_TEXT = 0, /* off/len into the template's text blob */
@@ -53,6 +54,8 @@ struct duet_oai_template {
     tpl_seq_t seq[TPL_SEQ_COUNT];
     char *blob; /* (blob_len) owned: the ordinary text of every TEXT part */
     size_t blob_len;
+    duet_jinja_t *jinja; /* owned; non-NULL for a Jinja template (then seq[] is empty) */
+    char *bos, *eos;     /* owned; the Jinja template's bos_token / eos_token ("" if none) */
 };
 
 static const char *const tpl_role_names[DUET_OAI_ROLE_COUNT] = {"system", "user", "assistant"};
@@ -187,6 +190,9 @@ void duet_oai_template_destroy(duet_oai_template_t *tmpl)
     for (int i = 0; i < TPL_SEQ_COUNT; i++)
         free(tmpl->seq[i].parts);
     free(tmpl->blob);
+    duet_jinja_destroy(tmpl->jinja);
+    free(tmpl->bos);
+    free(tmpl->eos);
     free(tmpl);
 }
 
@@ -315,6 +321,40 @@ fail:
     return st;
 }
 
+/* A token string from tokenizer_config.json: a string, or {"content": "..."}; "" if absent. */
+static char *tpl_config_token(const json_t *root, const char *key)
+{
+    const json_t *v = root != NULL ? json_object_get(root, key) : NULL;
+    if (json_is_object(v))
+        v = json_object_get(v, "content");
+    return strdup(json_is_string(v) ? json_string_value(v) : "");
+}
+
+/* Compile a Jinja chat template (parsed whole, now: a bad one is refused at start-up). */
+static duet_status_t tpl_create_jinja(const char *src, size_t len, const char *source,
+                                      const json_t *config, const duet_tokenizer_t *tok,
+                                      duet_oai_template_t **tmpl_p)
+{
+    duet_oai_template_t *t = calloc(1, sizeof(*t));
+    if (t == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", source);
+    t->tok = tok;
+    duet_status_t st = duet_jinja_parse(src, len, source, &t->jinja);
+    if (st != DUET_OK) {
+        DUET_LOG_ERROR("%s", duet_error_last());
+        duet_oai_template_destroy(t);
+        return st;
+    }
+    t->bos = tpl_config_token(config, "bos_token");
+    t->eos = tpl_config_token(config, "eos_token");
+    if (t->bos == NULL || t->eos == NULL) {
+        duet_oai_template_destroy(t);
+        return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", source);
+    }
+    *tmpl_p = t;
+    return DUET_OK;
+}
+
 static bool tpl_file_exists(const char *path)
 {
     struct stat sb;
@@ -346,39 +386,59 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
         return st;
     }
 
-    path.len = 0;
-    st = duet_strbuf_printf(&path, "%s/chat_template.jinja", dir);
-    if (st == DUET_OK && tpl_file_exists(path.data)) {
-        st = DUET_FAIL(DUET_ERR_UNSUPPORTED,
-                       "%s: Jinja chat templates are not supported: write duet's own "
-                       "chat_template.json beside it (see router/CHAT_TEMPLATE.md)",
-                       path.data);
-        duet_strbuf_free(&path);
-        return st;
-    }
-
+    /* Jinja: chat_template.jinja beside tokenizer_config.json (newer transformers), else the
+     * config's string "chat_template". bos/eos come from the config either way. */
     path.len = 0;
     st = duet_strbuf_printf(&path, "%s/tokenizer_config.json", dir);
+    json_t *root = NULL;
     if (st == DUET_OK && tpl_file_exists(path.data)) {
-        json_t *root = NULL;
         st = duet_json_load_file(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &root);
         if (st != DUET_OK) {
             DUET_LOG_ERROR("%s", duet_error_last());
             duet_strbuf_free(&path);
             return st;
         }
-        bool jinja = json_is_object(root) && json_object_get(root, "chat_template") != NULL &&
-                     !json_is_null(json_object_get(root, "chat_template"));
-        json_decref(root);
-        if (jinja) {
-            st = DUET_FAIL(DUET_ERR_UNSUPPORTED,
-                           "%s: its \"chat_template\" is Jinja, which duet does not run: write "
-                           "duet's own chat_template.json in %s (see router/CHAT_TEMPLATE.md)",
-                           path.data, dir);
-            duet_strbuf_free(&path);
-            return st;
+        if (!json_is_object(root)) {
+            json_decref(root);
+            root = NULL;
         }
     }
+    duet_strbuf_t jpath, jtext;
+    duet_strbuf_init(&jpath);
+    duet_strbuf_init(&jtext);
+    const char *jsrc = NULL;
+    size_t jlen = 0;
+    st = duet_strbuf_printf(&jpath, "%s/chat_template.jinja", dir);
+    if (st == DUET_OK && tpl_file_exists(jpath.data)) {
+        st = duet_strbuf_read_file(&jtext, jpath.data, DUET_JSON_DEFAULT_MAX_BYTES);
+        jsrc = jtext.data != NULL ? jtext.data : "";
+        jlen = jtext.len;
+    } else if (st == DUET_OK && root != NULL) {
+        json_t *ct = json_object_get(root, "chat_template");
+        if (ct != NULL && !json_is_null(ct) && !json_is_string(ct)) {
+            st = duet_error_set(DUET_ERR_UNSUPPORTED,
+                                "%s: \"chat_template\" is %s; only a string (one Jinja template) is "
+                                "supported",
+                                path.data, duet_json_type_name(ct));
+        } else if (json_is_string(ct)) {
+            jsrc = json_string_value(ct);
+            jlen = json_string_length(ct);
+            jpath.len = 0;
+            st = duet_strbuf_printf(&jpath, "%s:chat_template", path.data);
+        }
+    }
+    if (st == DUET_OK && jsrc != NULL)
+        st = tpl_create_jinja(jsrc, jlen, jpath.data, root, tok, tmpl_p);
+    else if (st != DUET_OK)
+        DUET_LOG_ERROR("%s", duet_error_last());
+    json_decref(root);
+    duet_strbuf_free(&jtext);
+    if (st != DUET_OK || jsrc != NULL) {
+        duet_strbuf_free(&jpath);
+        duet_strbuf_free(&path);
+        return st;
+    }
+    duet_strbuf_free(&jpath);
     duet_strbuf_free(&path);
     return duet_oai_template_create(NULL, 0, "default chat template", tok, tmpl_p);
 }
@@ -474,6 +534,98 @@ static duet_status_t tpl_out_finish(tpl_out_t *o, duet_status_t st, uint32_t **i
     return DUET_OK;
 }
 
+/*
+ * Template-origin text: split at special tokens (encoded with specials allowed); the ordinary
+ * runs go back to bytes in the pending buffer so BPE still merges across template and content.
+ */
+static duet_status_t tpl_out_trusted(tpl_out_t *o, const char *s, size_t len)
+{
+    if (len == 0)
+        return DUET_OK;
+    uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
+    if (ids == NULL)
+        return DUET_ERR_NOMEM;
+    size_t n = 0;
+    duet_status_t st =
+        duet_tokenizer_encode(o->tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
+    for (size_t i = 0; st == DUET_OK && i < n; i++) {
+        if (duet_tokenizer_is_special(o->tok, ids[i])) {
+            st = tpl_out_special(o, ids[i]);
+        } else {
+            const uint8_t *b = NULL;
+            size_t bl = 0;
+            st = duet_tokenizer_token_bytes(o->tok, ids[i], &b, &bl);
+            if (st == DUET_OK)
+                st = duet_strbuf_append(&o->text, (const char *)b, bl);
+        }
+    }
+    free(ids);
+    return st;
+}
+
+/* The Jinja variables for one request: messages (role, content), generation prompt, tokens. */
+static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai_message_t *msgs,
+                                    size_t n_msgs, duet_jinja_vars_t *vars)
+{
+    duet_jinja_value_t *list = duet_jinja_list(vars);
+    if (list == NULL)
+        return DUET_ERR_NOMEM;
+    for (size_t i = 0; i < n_msgs; i++) {
+        if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT)
+            return DUET_FAIL(DUET_ERR_INVALID, "chat template: message %zu has a bad role", i);
+        const char *role = duet_oai_role_name(msgs[i].role);
+        duet_jinja_value_t *m = duet_jinja_map(vars);
+        duet_jinja_value_t *r =
+            duet_jinja_string(vars, role, strlen(role), DUET_JINJA_ORIGIN_DATA);
+        duet_jinja_value_t *c = duet_jinja_string(vars, msgs[i].content, msgs[i].content_len,
+                                                  DUET_JINJA_ORIGIN_DATA);
+        if (m == NULL || r == NULL || c == NULL ||
+            duet_jinja_map_set(vars, m, "role", r) != DUET_OK ||
+            duet_jinja_map_set(vars, m, "content", c) != DUET_OK ||
+            duet_jinja_list_push(vars, list, m) != DUET_OK)
+            return DUET_ERR_NOMEM;
+    }
+    duet_jinja_value_t *gen = duet_jinja_bool(vars, true), *tools = duet_jinja_none(vars);
+    duet_jinja_value_t *bos = duet_jinja_string(vars, t->bos, strlen(t->bos),
+                                                DUET_JINJA_ORIGIN_TEMPLATE);
+    duet_jinja_value_t *eos = duet_jinja_string(vars, t->eos, strlen(t->eos),
+                                                DUET_JINJA_ORIGIN_TEMPLATE);
+    if (gen == NULL || tools == NULL || bos == NULL || eos == NULL ||
+        duet_jinja_vars_set(vars, "messages", list) != DUET_OK ||
+        duet_jinja_vars_set(vars, "add_generation_prompt", gen) != DUET_OK ||
+        duet_jinja_vars_set(vars, "bos_token", bos) != DUET_OK ||
+        duet_jinja_vars_set(vars, "eos_token", eos) != DUET_OK ||
+        duet_jinja_vars_set(vars, "tools", tools) != DUET_OK)
+        return DUET_ERR_NOMEM;
+    return DUET_OK;
+}
+
+static duet_status_t tpl_jinja_prompt(tpl_out_t *o, const duet_oai_template_t *t,
+                                      const duet_oai_message_t *msgs, size_t n_msgs)
+{
+    duet_jinja_vars_t *vars = NULL;
+    duet_jinja_output_t out;
+    memset(&out, 0, sizeof(out));
+    duet_status_t st = duet_jinja_vars_create(0, &vars);
+    if (st == DUET_OK)
+        st = tpl_jinja_vars(t, msgs, n_msgs, vars);
+    if (st == DUET_OK) {
+        st = duet_jinja_render(t->jinja, vars, NULL, &out);
+        if (st != DUET_OK && st != DUET_ERR_NOMEM)
+            DUET_LOG_WARN("%s", duet_error_last());
+    }
+    for (size_t i = 0; st == DUET_OK && i < out.n_segs; i++) {
+        const duet_jinja_segment_t *sg = &out.segs[i];
+        if (sg->origin == DUET_JINJA_ORIGIN_TEMPLATE)
+            st = tpl_out_trusted(o, out.text.data + sg->off, sg->len);
+        else
+            st = duet_strbuf_append(&o->text, out.text.data + sg->off, sg->len);
+    }
+    duet_jinja_output_free(&out);
+    duet_jinja_vars_destroy(vars);
+    return st;
+}
+
 duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
                                    const duet_oai_message_t *msgs, size_t n_msgs, uint32_t **ids_p,
                                    size_t *n_p)
@@ -483,6 +635,8 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: bad arguments");
     tpl_out_t o = {.tok = tok};
     duet_strbuf_init(&o.text);
+    if (tmpl->jinja != NULL)
+        return tpl_out_finish(&o, tpl_jinja_prompt(&o, tmpl, msgs, n_msgs), ids_p, n_p);
     duet_status_t st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_PREFIX], NULL);
     for (size_t i = 0; i < n_msgs && st == DUET_OK; i++) {
         if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT) {
