@@ -1,8 +1,9 @@
 /*
  * Chat templates: how a list of chat messages becomes the prompt's token ids.
  *
- * Full Jinja (Hugging Face's `tokenizer_config.json` "chat_template") is out of scope for a C
- * router, so duet has its own small format, documented in router/CHAT_TEMPLATE.md:
+ * Two sources: a checkpoint's own Jinja template (`chat_template.jinja`, or the string
+ * "chat_template" of `tokenizer_config.json`), rendered by the Jinja subset in router/jinja.h,
+ * and duet's own small format, documented in router/CHAT_TEMPLATE.md:
  *
  *   chat_template.json = {
  *     "duet_chat_template": 1,
@@ -72,9 +73,10 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
                                        const duet_tokenizer_t *tok, duet_oai_template_t **tmpl_p);
 
 /*
- * The template for a model folder: `dir/chat_template.json` when present; else, when
- * `dir/tokenizer_config.json` has a "chat_template" (Jinja), DUET_ERR_UNSUPPORTED with a message
- * that says to write a chat_template.json (start-up refuses rather than guess); else the default.
+ * The template for a model folder, first found of: `dir/chat_template.json` (duet's format),
+ * `dir/chat_template.jinja`, the string "chat_template" of `dir/tokenizer_config.json` (Jinja,
+ * parsed once here: a template outside the supported subset or malformed is refused with
+ * file:line:column, start-up refuses rather than guess), else the default.
  */
 duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
                                      duet_oai_template_t **tmpl_p);

@@ -565,15 +565,29 @@ Test(router_openai, template_load_from_model_folder, .timeout = 10)
     free(ids);
     duet_oai_template_destroy(t);
 
-    /* A tokenizer_config.json without a template changes nothing; with Jinja it is refused. */
+    /* A tokenizer_config.json without a template changes nothing; its Jinja template is used
+     * (router/jinja.c); a malformed one is refused at load with the file and line:column. */
     write_file(dir, "tokenizer_config.json", "{\"bos_token\":\"<|bos|>\"}");
     cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK);
     duet_oai_template_destroy(t);
     t = NULL;
-    write_file(dir, "tokenizer_config.json", "{\"chat_template\":\"{{ bos_token }}\"}");
-    cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_ERR_UNSUPPORTED);
+    write_file(dir, "tokenizer_config.json",
+               "{\"chat_template\":\"{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+               "{% endfor %}{% if add_generation_prompt %}>{% endif %}\"}");
+    cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_oai_chat_prompt(t, tok, &m, 1, &ids, &n), DUET_OK);
+    expect_ids(ids, n, NULL, 0, "[user]hi>");
+    free(ids);
+    duet_oai_template_destroy(t);
+    t = NULL;
+    write_file(dir, "tokenizer_config.json", "{\"chat_template\":\"{% if %}x{% endif %}\"}");
+    cr_assert_neq(duet_oai_template_load(dir, tok, &t), DUET_OK);
     cr_assert_null(t);
-    cr_assert(strstr(duet_error_last(), "chat_template.json") != NULL, "%s", duet_error_last());
+    cr_assert(strstr(duet_error_last(), "tokenizer_config.json") != NULL, "%s", duet_error_last());
+    cr_assert(strstr(duet_error_last(), ":1:") != NULL, "%s", duet_error_last());
+    char tc_path[600];
+    snprintf(tc_path, sizeof(tc_path), "%s/tokenizer_config.json", dir);
+    unlink(tc_path);
 
     /* Our own file wins. */
     write_file(
