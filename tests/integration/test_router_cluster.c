@@ -5,7 +5,8 @@
  * PrefillDone, local prefill (Generate) below the threshold, both gen workers used, a client
  * disconnect reaches the worker as Cancel, a dying ctx worker's prefill is retried once on
  * another, a gen worker that stops heartbeating fails its request with a clear error, refused
- * reservations give 429 with Retry-After, a wrong-version worker is refused, drain via the
+ * reservations give 429 with Retry-After, a full admission queue gives 429 and a paused one 503,
+ * a wrong-version worker is refused, drain via the
  * admin API.
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
@@ -469,5 +470,50 @@ Test(router_cluster, drain_through_the_admin_api, .timeout = 60)
     st = http(http_port, "POST", "/v1/completions",
               "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
     cr_assert_eq(st, 200, "%s", buf);
+    stop_all();
+}
+
+/* Run one completion in a child process; its exit status is 0 when the answer was 200. */
+static pid_t request_in_child(const char *body)
+{
+    pid_t p = fork();
+    cr_assert_geq(p, 0);
+    if (p == 0) {
+        static char out[65536];
+        _exit(http(http_port, "POST", "/v1/completions", body, out, sizeof(out)) == 200 ? 0 : 1);
+    }
+    return p;
+}
+
+Test(router_cluster, admission_queue_429_and_pause_through_the_admin_api, .timeout = 60)
+{
+    static char buf[65536];
+    static const char *body = "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":3}";
+    start_router("--admission.max-inflight=1", "--admission.max-queue=1");
+    start_worker("gen", "gen-0", "--delay-ms", "300", NULL); /* ~1 s per request */
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    /* one runs, one waits in the queue, the third finds the queue full */
+    pid_t a = request_in_child(body);
+    usleep(200000);
+    pid_t b = request_in_child(body);
+    usleep(200000);
+    int st = http(http_port, "POST", "/v1/completions", body, buf, sizeof(buf));
+    cr_assert_eq(st, 429, "queue full: %s", buf);
+    cr_assert(strstr(buf, "Retry-After: ") != NULL, "%s", buf);
+    int ws;
+    cr_assert_eq(waitpid(a, &ws, 0), a);
+    cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "the running request completes");
+    cr_assert_eq(waitpid(b, &ws, 0), b);
+    cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "the queued request runs after it");
+    /* paused admission answers 503; resumed, requests run again */
+    st = http(admin_port, "POST", "/admin/admission/pause", "", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    st = http(http_port, "POST", "/v1/completions", body, buf, sizeof(buf));
+    cr_assert_eq(st, 503, "paused: %s", buf);
+    st = http(admin_port, "POST", "/admin/admission/resume", "", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    st = http(http_port, "POST", "/v1/completions", body, buf, sizeof(buf));
+    cr_assert_eq(st, 200, "resumed: %s", buf);
     stop_all();
 }
