@@ -79,42 +79,71 @@ static duet_status_t tpl_seq_push(tpl_seq_t *seq, tpl_part_t part)
     return DUET_OK;
 }
 
-/* Append literal template text: split at special tokens into TEXT and SPECIAL parts. */
-static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
-                                     const char *s, size_t len)
+/*
+ * Template text may name special tokens: encode it with specials allowed, append the bytes of
+ * the ordinary tokens to `text` and call on_special(user, id) at each special token, in order.
+ * Shared by duet's format (compiled once) and Jinja output (rendered per request).
+ */
+static duet_status_t tpl_split_specials(const duet_tokenizer_t *tok, const char *s, size_t len,
+                                        duet_strbuf_t *text,
+                                        duet_status_t (*on_special)(void *user, uint32_t id),
+                                        void *user)
 {
     if (len == 0)
         return DUET_OK;
     uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
     if (ids == NULL)
         return DUET_ERR_NOMEM;
-    size_t n = 0;
-    duet_status_t st =
-        duet_tokenizer_encode(t->tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
-    for (size_t i = 0; st == DUET_OK && i < n;) {
-        if (duet_tokenizer_is_special(t->tok, ids[i])) {
-            st = tpl_seq_push(seq, (tpl_part_t){.kind = TPL_PART_SPECIAL, .id = ids[i]});
-            i++;
-            continue;
-        }
-        size_t j = i;
-        while (j < n && !duet_tokenizer_is_special(t->tok, ids[j]))
-            j++;
-        size_t off = blob->len;
-        for (size_t k = i; st == DUET_OK && k < j; k++) {
-            const uint8_t *b = NULL;
-            size_t bl = 0;
-            st = duet_tokenizer_token_bytes(t->tok, ids[k], &b, &bl);
+    size_t        n  = 0;
+    duet_status_t st = duet_tokenizer_encode(tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
+    for (size_t i = 0; st == DUET_OK && i < n; i++) {
+        if (duet_tokenizer_is_special(tok, ids[i])) {
+            st = on_special(user, ids[i]);
+        } else {
+            const uint8_t *b  = NULL;
+            size_t         bl = 0;
+            st = duet_tokenizer_token_bytes(tok, ids[i], &b, &bl);
             if (st == DUET_OK)
-                st = duet_strbuf_append(blob, (const char *)b, bl);
+                st = duet_strbuf_append(text, (const char *)b, bl);
         }
-        if (st == DUET_OK)
-            st = tpl_seq_push(
-                seq, (tpl_part_t){.kind = TPL_PART_TEXT, .off = off, .len = blob->len - off});
-        i = j;
     }
     free(ids);
     return st;
+}
+
+/* tpl_add_literal's state: ordinary bytes since `off` in the blob become one TEXT part. */
+typedef struct {
+    duet_strbuf_t *blob;
+    tpl_seq_t     *seq;
+    size_t         off;
+} tpl_lit_t;
+
+static duet_status_t tpl_lit_text(tpl_lit_t *l)
+{
+    duet_status_t st = DUET_OK;
+    if (l->blob->len > l->off)
+        st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_TEXT, .off = l->off,
+                                               .len = l->blob->len - l->off});
+    l->off = l->blob->len;
+    return st;
+}
+
+static duet_status_t tpl_lit_special(void *user, uint32_t id)
+{
+    tpl_lit_t    *l  = user;
+    duet_status_t st = tpl_lit_text(l);
+    if (st == DUET_OK)
+        st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_SPECIAL, .id = id});
+    return st;
+}
+
+/* Append literal template text: split at special tokens into TEXT and SPECIAL parts. */
+static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
+                                     const char *s, size_t len)
+{
+    tpl_lit_t     l  = {.blob = blob, .seq = seq, .off = blob->len};
+    duet_status_t st = tpl_split_specials(t->tok, s, len, blob, tpl_lit_special, &l);
+    return st == DUET_OK ? tpl_lit_text(&l) : st;
 }
 
 /*
@@ -538,29 +567,14 @@ static duet_status_t tpl_out_finish(tpl_out_t *o, duet_status_t st, uint32_t **i
  * Template-origin text: split at special tokens (encoded with specials allowed); the ordinary
  * runs go back to bytes in the pending buffer so BPE still merges across template and content.
  */
+static duet_status_t tpl_out_special_cb(void *user, uint32_t id)
+{
+    return tpl_out_special(user, id);
+}
+
 static duet_status_t tpl_out_trusted(tpl_out_t *o, const char *s, size_t len)
 {
-    if (len == 0)
-        return DUET_OK;
-    uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
-    if (ids == NULL)
-        return DUET_ERR_NOMEM;
-    size_t n = 0;
-    duet_status_t st =
-        duet_tokenizer_encode(o->tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
-    for (size_t i = 0; st == DUET_OK && i < n; i++) {
-        if (duet_tokenizer_is_special(o->tok, ids[i])) {
-            st = tpl_out_special(o, ids[i]);
-        } else {
-            const uint8_t *b = NULL;
-            size_t bl = 0;
-            st = duet_tokenizer_token_bytes(o->tok, ids[i], &b, &bl);
-            if (st == DUET_OK)
-                st = duet_strbuf_append(&o->text, (const char *)b, bl);
-        }
-    }
-    free(ids);
-    return st;
+    return tpl_split_specials(o->tok, s, len, &o->text, tpl_out_special_cb, o);
 }
 
 /* The Jinja variables for one request: messages (role, content), generation prompt, tokens. */
