@@ -61,7 +61,7 @@ static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
 
 struct duet_kv_pool {
     duet_kv_pool_desc_t desc;
-    uint8_t            *base;       /* owned, aligned */
+    uint8_t            *base;       /* aligned; owned unless desc.mem was given */
     size_t              bytes;
     size_t              block_bytes;
     duet__id_stack_t    free_pages;
@@ -69,7 +69,7 @@ struct duet_kv_pool {
 
 struct duet_kda_pool {
     duet_kda_pool_desc_t desc;
-    uint8_t             *base; /* owned, aligned */
+    uint8_t             *base; /* aligned; owned unless desc.mem was given */
     size_t               bytes;
     size_t               layer_bytes;
     size_t               slot_bytes;
@@ -86,6 +86,19 @@ static void *duet__cache_alloc(size_t bytes)
     return p;
 }
 
+size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
+{
+    size_t block = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
+    return block * (size_t)desc->n_pages * (size_t)(desc->n_layers > 0 ? desc->n_layers : 1);
+}
+
+size_t duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc)
+{
+    int64_t hk    = desc->heads * desc->head_dim;
+    size_t  layer = (size_t)(hk * desc->head_dim + 3 * hk * (desc->conv_kernel - 1)) * sizeof(float);
+    return layer * (size_t)desc->n_layers * (size_t)desc->n_slots;
+}
+
 duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_t **pool_p)
 {
     if (desc->page_tokens <= 0 || desc->n_pages <= 0 || desc->n_pages > INT32_MAX ||
@@ -99,8 +112,8 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
         goto err_nomem;
     pool->desc        = *desc;
     pool->block_bytes = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
-    pool->bytes       = pool->block_bytes * (size_t)desc->n_pages * (size_t)(desc->n_layers > 0 ? desc->n_layers : 1);
-    pool->base        = duet__cache_alloc(pool->bytes);
+    pool->bytes       = duet_kv_pool_bytes_needed(desc);
+    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
@@ -109,7 +122,8 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     return DUET_OK;
 
 err_free_base:
-    free(pool->base);
+    if (desc->mem == NULL)
+        free(pool->base);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -122,7 +136,8 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
     if (pool == NULL)
         return;
     duet__ids_destroy(&pool->free_pages);
-    free(pool->base);
+    if (pool->desc.mem == NULL)
+        free(pool->base);
     free(pool);
 }
 
@@ -188,8 +203,8 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     pool->desc        = *desc;
     pool->layer_bytes = (size_t)(hk * desc->head_dim + 3 * hk * (desc->conv_kernel - 1)) * sizeof(float);
     pool->slot_bytes  = pool->layer_bytes * (size_t)desc->n_layers;
-    pool->bytes       = pool->slot_bytes * (size_t)desc->n_slots;
-    pool->base        = duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
+    pool->bytes       = duet_kda_pool_bytes_needed(desc);
+    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_slots, desc->n_slots) != 0)
@@ -198,7 +213,8 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     return DUET_OK;
 
 err_free_base:
-    free(pool->base);
+    if (desc->mem == NULL)
+        free(pool->base);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -211,7 +227,8 @@ void duet_kda_pool_destroy(duet_kda_pool_t *pool)
     if (pool == NULL)
         return;
     duet__ids_destroy(&pool->free_slots);
-    free(pool->base);
+    if (pool->desc.mem == NULL)
+        free(pool->base);
     free(pool);
 }
 

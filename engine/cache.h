@@ -38,11 +38,16 @@ typedef struct {
     int64_t      n_layers;    /* MLA layers */
     int64_t      token_dim;   /* kv_lora_rank + qk_rope_head_dim */
     duet_dtype_t dtype;       /* F32 on the CPU */
+    void        *mem;         /* NULL = the pool allocates; else caller memory of at least
+                                 duet_kv_pool_bytes_needed() bytes, zeroed, 64-byte aligned,
+                                 not owned (e.g. a UCX-allocated segment that receives puts) */
 } duet_kv_pool_desc_t;
 
 typedef struct duet_kv_pool duet_kv_pool_t;
 
 duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_t **pool_p);
+/* Bytes of the pool's one allocation for desc (what desc->mem must hold). */
+size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc);
 void          duet_kv_pool_destroy(duet_kv_pool_t *pool); /* accepts NULL */
 const duet_kv_pool_desc_t *duet_kv_pool_desc(const duet_kv_pool_t *pool);
 
@@ -65,11 +70,13 @@ typedef struct {
     int64_t heads;       /* H */
     int64_t head_dim;    /* K = V */
     int64_t conv_kernel; /* W */
+    void   *mem;         /* as duet_kv_pool_desc_t.mem, duet_kda_pool_bytes_needed() bytes */
 } duet_kda_pool_desc_t;
 
 typedef struct duet_kda_pool duet_kda_pool_t;
 
 duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_pool_t **pool_p);
+size_t        duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc);
 void          duet_kda_pool_destroy(duet_kda_pool_t *pool); /* accepts NULL */
 const duet_kda_pool_desc_t *duet_kda_pool_desc(const duet_kda_pool_t *pool);
 /* Take a slot, zeroed (state of an empty sequence). DUET_ERR_NO_SPACE when none is free. */

@@ -59,6 +59,8 @@ struct duet_model {
     duet__kda_f32_t    *kda_f32; /* [num_layers], owned */
     duet__mla_f32_t    *mla_f32; /* [num_layers], owned */
     duet__moe_f32_t    *moe_f32; /* [num_layers], owned */
+    duet_model_layer_hook_fn layer_hook; /* NULL = none */
+    void                    *layer_hook_user;
 
     /* sequence table */
     int64_t  max_pages_per_seq;
@@ -386,6 +388,15 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
             .token_dim   = c->kv_lora_rank + c->qk_rope_head_dim,
             .dtype       = DUET_DTYPE_F32,
         };
+        if (opts.pool_alloc != NULL) {
+            size_t bytes = duet_kv_pool_bytes_needed(&kd);
+            kd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KV, bytes);
+            if (kd.mem == NULL) {
+                st = DUET_FAIL(DUET_ERR_NOMEM, "model: the KV pool allocator gave no %zu bytes",
+                               bytes);
+                goto err;
+            }
+        }
         st = duet_kv_pool_create(&kd, &m->kv);
         if (st != DUET_OK)
             goto err;
@@ -398,6 +409,15 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
             .head_dim    = c->kda_head_dim,
             .conv_kernel = c->conv_kernel,
         };
+        if (opts.pool_alloc != NULL) {
+            size_t bytes = duet_kda_pool_bytes_needed(&sd);
+            sd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KDA, bytes);
+            if (sd.mem == NULL) {
+                st = DUET_FAIL(DUET_ERR_NOMEM, "model: the KDA pool allocator gave no %zu bytes",
+                               bytes);
+                goto err;
+            }
+        }
         st = duet_kda_pool_create(&sd, &m->kda);
         if (st != DUET_OK)
             goto err;
@@ -507,6 +527,25 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     seq_p->kda_slot   = slot;
     seq_p->cap_tokens = m->kv != NULL ? n_pages * m->opts.page_tokens : max_tokens;
     return DUET_OK;
+}
+
+duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
+{
+    if (seq == NULL || seq->id < 0 || seq->id >= m->opts.max_seqs || !m->seq_used[seq->id])
+        return duet_error_set(DUET_ERR_INVALID, "set_filled: not an open sequence");
+    if (n_tokens < 0 || n_tokens > seq->cap_tokens || seq->n_tokens != 0)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "set_filled: %lld tokens into a sequence of capacity %lld holding "
+                              "%lld", (long long)n_tokens, (long long)seq->cap_tokens,
+                              (long long)seq->n_tokens);
+    seq->n_tokens = n_tokens;
+    return DUET_OK;
+}
+
+void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, void *user)
+{
+    m->layer_hook      = fn;
+    m->layer_hook_user = user;
 }
 
 void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq)
@@ -1038,6 +1077,10 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
         s = c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(st, l) : duet__mla_layer(st, l);
         if (s != DUET_OK)
             return s;
+        if (m->layer_hook != NULL)
+            m->layer_hook(m->layer_hook_user, l,
+                          c->mixer[l] == DUET_MIXER_KDA ? -1 : m->layer_sub[l],
+                          c->mixer[l] == DUET_MIXER_KDA ? m->layer_sub[l] : -1);
         duet_k_rmsnorm(m->k, m->xn, m->x, &lw->post_attention_layernorm, rows, D, c->rms_norm_eps);
         if (c->ffn[l] == DUET_FFN_MOE)
             s = duet__moe_layer(st, l);

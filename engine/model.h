@@ -20,6 +20,19 @@
 
 typedef struct duet_model duet_model_t;
 
+/* Which cache pool a pool_alloc call is for. */
+typedef enum {
+    DUET_MODEL_POOL_KV  = 0, /* the MLA KV pool */
+    DUET_MODEL_POOL_KDA = 1, /* the KDA state pool */
+} duet_model_pool_t;
+
+/*
+ * Memory for a cache pool: `bytes` zeroed bytes, 64-byte aligned, that outlive the model (the
+ * model never frees them); NULL = out of memory. A generation worker passes an allocator that
+ * returns UCX-registered segments so that a context worker's puts land in them directly.
+ */
+typedef void *(*duet_model_pool_alloc_fn)(void *user, duet_model_pool_t which, size_t bytes);
+
 typedef struct {
     int     n_threads;        /* CPU threads, 0 = all online CPUs (or DUET_THREADS) */
     int64_t max_batch_tokens; /* rows one forward call may carry (default 512) */
@@ -27,6 +40,8 @@ typedef struct {
     int64_t max_seq_len;      /* tokens one sequence may hold (default 4096) */
     int64_t page_tokens;      /* MLA KV page size in tokens (default 128) */
     int64_t kv_pages;         /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
+    duet_model_pool_alloc_fn pool_alloc; /* NULL = the model allocates its pools */
+    void                    *pool_alloc_user;
 } duet_model_opts_t;
 
 /* Fill opts with the defaults above. */
@@ -60,6 +75,13 @@ typedef struct {
  * DUET_ERR_NO_SPACE when the pools cannot hold it; DUET_ERR_RANGE above max_seq_len.
  */
 duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p);
+/*
+ * The sequence's caches were filled from outside (a cache transfer from a context worker): they
+ * now hold the first n_tokens tokens (KV pages and KDA state + conv windows after token n-1).
+ * DUET_ERR_RANGE when n_tokens > cap_tokens or the sequence already holds tokens.
+ */
+duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens);
+
 /* Return the sequence's pages and slot. Accepts an already closed sequence. */
 void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq);
 
@@ -78,10 +100,25 @@ typedef struct {
 } duet_batch_item_t;
 
 /*
+ * Called during duet_model_forward() right after the token mixer of `layer` ran for every item of
+ * the batch: for an MLA layer (mla_index >= 0) that layer's KV of every item is then final in the
+ * pool; for a KDA layer (kda_index >= 0) its state and conv windows. A context worker streams the
+ * layer's pages from here. The hook must not call into the model.
+ */
+typedef void (*duet_model_layer_hook_fn)(void *user, int64_t layer, int64_t mla_index,
+                                         int64_t kda_index);
+void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, void *user);
+
+/*
  * Run one step over the batch: append each item's tokens to its sequence, update the caches
  * and write the requested logits. The total of n_tokens must be <= max_batch_tokens, a sequence
  * may appear once per call, tokens must be in [0, vocab). On error no sequence is advanced only
  * if the error is detected before compute (validation); errors are DUET_ERR_INVALID/RANGE.
+ *
+ * Batch invariance: an item's results (logits, caches) are bit-identical whatever else is in the
+ * batch and wherever it sits in it (every kernel computes a row the same way for any row count),
+ * so a request served in a continuous batch gives exactly duet-generate's output, provided its
+ * prompt is cut into the same prefill chunks.
  */
 duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int64_t n_items);
 

@@ -7,6 +7,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include <math.h>
 
 /* Horizontal sums of four vectors as one __m128 {sum a, sum b, sum c, sum d}. */
 static inline __attribute__((always_inline)) __m128 duet__vsum4_256(__m256 a, __m256 b, __m256 c,

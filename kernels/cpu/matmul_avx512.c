@@ -7,6 +7,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include <math.h>
 
 /*
  * Horizontal sums of four vectors as one __m128 {sum a, sum b, sum c, sum d}: unpack/shuffle

@@ -89,8 +89,9 @@ DUET__AI void duet__tile(const int MR, const int NR, const duet_dtype_t dt, floa
         for (int j = 0; j < NR; j++) {
             float wv = duet__sload_w(dt, wr[j], k);
 #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++)
-                s[i][j] += xr[i][k] * wv;
+            for (int i = 0; i < MR; i++) /* fmaf: never left to contraction, which differs
+                                            between the MR x NR instantiations */
+                s[i][j] = fmaf(xr[i][k], wv, s[i][j]);
         }
     }
 #pragma GCC unroll 8
@@ -104,7 +105,9 @@ DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const fl
                           int64_t n1, int64_t K, int accumulate)
 {
     const size_t  es = dt == DUET_DTYPE_F32 ? 4 : 2;
-    const int64_t KB = (m1 - m0 <= 8 || K <= 1536) ? K : 1024;
+    /* K blocking never depends on the row count, so a row's sums are the same for any M (batch
+     * invariance: a request gets the same logits alone or in a batch). */
+    const int64_t KB = K <= 1536 ? K : 1024;
     const int64_t MB = 64;
 
     for (int64_t kb = 0; kb < K; kb += KB) {

@@ -321,6 +321,65 @@ Test(engine_golden, mixed_batch_equals_each_alone, .timeout = 600)
     free_fixtures(fx, n);
 }
 
+/*
+ * Batch invariance, exactly: with the same chunking, each item of a mixed batch (a decode step, a
+ * prefill continuation, a fresh prefill) gets bit-identical logits to the same step run alone.
+ * This is what lets a cluster's continuous batch reproduce duet-generate token for token.
+ */
+Test(engine_golden, mixed_batch_bit_identical_to_alone, .timeout = 600)
+{
+    fixture_t fx[MAX_FIXTURES];
+    int       n = load_fixtures(fx, MAX_FIXTURES);
+    cr_assert_geq(n, 1);
+    for (int i = 0; i < n; i++) {
+        fixture_t    *x = &fx[i];
+        duet_model_t *m = load_model(x, 512);
+        const int64_t V = x->vocab, P = x->n_prompt;
+        const int64_t a_len = P / 2, b_len = P / 3, b_rest = P - 1 - b_len;
+        float        *scratch = malloc(sizeof(float) * (size_t)(P * V));
+        float        *got[3], *want[3];
+        int64_t       rows[3] = {1, b_rest, 1};
+        for (int k = 0; k < 3; k++) {
+            got[k]  = malloc(sizeof(float) * (size_t)(rows[k] * V));
+            want[k] = malloc(sizeof(float) * (size_t)(rows[k] * V));
+        }
+        duet_seq_t s[3];
+        for (int pass = 0; pass < 2; pass++) { /* 0: batched, 1: each alone */
+            for (int k = 0; k < 3; k++)
+                cr_assert_eq(duet_model_seq_open(m, P + 8, &s[k]), DUET_OK);
+            prefill(m, &s[0], x->prompt, a_len, 512, scratch, V);
+            prefill(m, &s[1], x->prompt + 1, b_len, 512, scratch, V);
+            float           **out = pass == 0 ? got : want;
+            duet_batch_item_t items[3] = {
+                {.seq = &s[0], .tokens = x->prompt + a_len, .n_tokens = 1,
+                 .logits_mode = DUET_LOGITS_LAST, .logits = out[0]},
+                {.seq = &s[1], .tokens = x->prompt + 1 + b_len, .n_tokens = b_rest,
+                 .logits_mode = DUET_LOGITS_ALL, .logits = out[1]},
+                {.seq = &s[2], .tokens = x->prompt + 2, .n_tokens = P - 2,
+                 .logits_mode = DUET_LOGITS_LAST, .logits = out[2]},
+            };
+            if (pass == 0) {
+                cr_assert_eq(duet_model_forward(m, items, 3), DUET_OK, "%s", duet_error_last());
+            } else {
+                for (int k = 2; k >= 0; k--) /* other order too */
+                    cr_assert_eq(duet_model_forward(m, &items[k], 1), DUET_OK, "%s",
+                                 duet_error_last());
+            }
+            for (int k = 0; k < 3; k++)
+                duet_model_seq_close(m, &s[k]);
+        }
+        for (int k = 0; k < 3; k++) {
+            cr_expect(memcmp(got[k], want[k], sizeof(float) * (size_t)(rows[k] * V)) == 0,
+                      "%s: batch item %d differs from the same step alone", x->name, k);
+            free(got[k]);
+            free(want[k]);
+        }
+        free(scratch);
+        duet_model_free(m);
+    }
+    free_fixtures(fx, n);
+}
+
 Test(engine_golden, bad_batches_are_refused, .timeout = 120)
 {
     fixture_t fx[MAX_FIXTURES];

@@ -586,6 +586,54 @@ Test(kernels_cpu, matmul_views_and_empty, .timeout = 10)
     duet_kernels_destroy(k);
 }
 
+/*
+ * Batch invariance: row m of y = x W^T is bit-identical whether it is computed alone (M = 1),
+ * inside a batch of any size at any position, and with any thread count; K past the blocking
+ * threshold (1536) and N not a multiple of the tile are included. The serving workers rely on
+ * this to match duet-generate token for token.
+ */
+Test(kernels_cpu, matmul_batch_invariant, .timeout = 120)
+{
+    static const int64_t Ks[] = {64, 1000, 1537, 3000};
+    static const int64_t Ms[] = {1, 2, 3, 5, 8, 9, 17, 64, 65, 130};
+    duet_kernels_t      *k1   = make_k(1);
+    duet_kernels_t      *k3   = make_k(3);
+    for (int dt_i = 0; dt_i < 2; dt_i++) {
+        duet_dtype_t dt = dt_i == 0 ? DUET_DTYPE_F32 : DUET_DTYPE_BF16;
+        for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
+            int64_t K = Ks[ki], N = 75, Mmax = 130;
+            double *wide;
+            void   *wd = make_weights(dt, N * K, 1.0f, &wide);
+            free(wide);
+            duet_tensor_t w = {.data = wd, .dtype = dt, .ndim = 2, .shape = {N, K}};
+            float *x   = malloc(sizeof(float) * (size_t)(Mmax * K));
+            float *y1  = malloc(sizeof(float) * (size_t)(Mmax * N));
+            float *yb  = malloc(sizeof(float) * (size_t)(Mmax * N));
+            for (int64_t i = 0; i < Mmax * K; i++)
+                x[i] = rng_f();
+            for (int64_t m = 0; m < Mmax; m++) /* every row alone */
+                CHECK(duet_k_matmul(k1, y1 + m * N, N, x + m * K, K, 1, &w, 0) == DUET_OK);
+            for (size_t mi = 0; mi < sizeof(Ms) / sizeof(Ms[0]); mi++) {
+                int64_t M   = Ms[mi];
+                int64_t off = (Mmax - M) / 2; /* a batch starting mid-way */
+                for (int t = 0; t < 2; t++) {
+                    CHECK(duet_k_matmul(t == 0 ? k1 : k3, yb, N, x + off * K, K, M, &w, 0) ==
+                          DUET_OK);
+                    CHECK(memcmp(yb, y1 + off * N, sizeof(float) * (size_t)(M * N)) == 0,
+                          "K=%lld M=%lld threads=%d dtype=%d: a row differs from its M=1 result",
+                          (long long)K, (long long)M, t == 0 ? 1 : 3, (int)dt);
+                }
+            }
+            free(x);
+            free(y1);
+            free(yb);
+            free(wd);
+        }
+    }
+    duet_kernels_destroy(k1);
+    duet_kernels_destroy(k3);
+}
+
 /* ---- rmsnorm, activations, add, embed ------------------------------------------------------ */
 
 Test(kernels_cpu, rmsnorm, .timeout = 30)
