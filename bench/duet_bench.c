@@ -1,0 +1,1223 @@
+/*
+ * duet-bench: a serving benchmark client for OpenAI-compatible HTTP servers (duet-router, vLLM,
+ * ...), measuring what vLLM's benchmarks/benchmark_serving.py measures with the same definitions
+ * (bench/serving_stats.h), plus the router's decode counters from /metrics, and checking
+ * performance gates (bench/serving_gates.h).
+ *
+ * Shape of a run: read the prompts and the baseline (bad input fails here, before any load),
+ * find the model (GET /v1/models unless --model), scrape /metrics, build every request body,
+ * then drive all requests through one libuv loop with one TCP connection per request: a closed
+ * loop of N in flight (--concurrency) or Poisson arrivals (--request-rate, optionally capped by
+ * --concurrency). Every streamed byte is timestamped as it is read (uv_hrtime) and parsed by
+ * serving_sse. After the last request: wait --metrics-settle-ms, scrape /metrics again,
+ * summarise, print, write --json, check gates.
+ *
+ * Request bodies are built before the clock starts so the timed path only connects, writes and
+ * parses. The send time of a request is taken just before its connect: TTFT and E2EL include the
+ * loopback connect, as a fresh HTTP client's would.
+ *
+ * Exit codes: 0 ok; 1 the run could not happen or nothing completed (no server, no model, cannot
+ * write --json); 2 usage (bad flag, unreadable or malformed prompts/baseline file); 3 a gate
+ * failed.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "bench/serving_gates.h"
+#include "bench/serving_http.h"
+#include "bench/serving_sse.h"
+#include "bench/serving_stats.h"
+#include "common/json.h"
+#include "common/strbuf.h"
+
+#define BENCH_EXIT_OK    0
+#define BENCH_EXIT_RUN   1
+#define BENCH_EXIT_USAGE 2
+#define BENCH_EXIT_GATE  3
+
+#define BENCH_MAX_PROMPT_FILE ((size_t)256 << 20)
+#define BENCH_ERR_BODY_MAX    240  /* bytes of an error response kept for the reason */
+#define BENCH_TICK_MS         100  /* timeout checks */
+#define BENCH_PROGRESS_MS     1000 /* progress line period */
+#define BENCH_MAX_REASONS     16   /* distinct failure reasons reported */
+
+/* The router counters read from /metrics before and after the run (DESIGN §7). */
+static const char *const bench_server_counters[] = {
+    "duet_gen_decode_steps_total",
+    "duet_gen_decode_seq_steps_total",
+    "duet_gen_decoded_tokens_total",
+    "duet_gen_step_seconds_total",
+};
+#define BENCH_N_COUNTERS 4
+
+typedef enum { BENCH_EP_COMPLETIONS = 0, BENCH_EP_CHAT = 1 } bench_endpoint_t;
+
+typedef struct {
+    const char *url;
+    char host[256];
+    int port;
+    const char *model; /* NULL: first id of /v1/models */
+    bench_endpoint_t endpoint;
+    long concurrency;    /* 0 = not given */
+    double request_rate; /* 0 = not given; INFINITY = all at once */
+    long num_prompts;
+    long max_tokens;
+    bool ignore_eos;
+    double temperature;
+    const char *prompts_file;
+    long prompt_chars_max;  /* 0 = no truncation */
+    long random_prompt_len; /* 0 = not given */
+    uint64_t seed;
+    double timeout_s;
+    serving_slo_t slo;
+    long settle_ms;
+    const char *json_path;
+    const char *baseline_path;
+    bool quiet;
+} bench_opts_t;
+
+typedef struct bench_run bench_run_t;
+
+typedef struct {
+    serving_http_req_t http;
+    serving_stream_t stream;
+    bench_run_t *run; /* not owned */
+    const char *body; /* not owned: bench_run_t.bodies[prompt index] */
+    size_t body_len;
+    uint64_t t_send_ns, t_last_ns;
+    int status;
+    bool sse; /* 200 with Content-Type text/event-stream */
+    bool in_flight, ok;
+    char err_body[BENCH_ERR_BODY_MAX + 1];
+    size_t err_len;
+    char error[256]; /* failure reason, "" when ok */
+} bench_req_t;
+
+struct bench_run {
+    const bench_opts_t *o;
+    uv_loop_t *loop;
+    struct sockaddr_storage addr;
+    const char *path;  /* endpoint path */
+    bench_req_t *reqs; /* (n) */
+    size_t n;
+    uint64_t *arrival_ns; /* (n) offsets from t0 for --request-rate, NULL for closed loop */
+    size_t cap;           /* most requests in flight */
+    size_t next, in_flight, done, failed;
+    uint64_t out_tokens_done;
+    uint64_t t0_ns, t_end_ns, last_progress_ns;
+    uv_timer_t tick, arrive;
+    bool timers_closed;
+};
+
+/* ---------------------------------------------------------------- small helpers */
+
+/* splitmix64: deterministic random numbers from --seed, the same on every platform. */
+static uint64_t bench_rand(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in (0, 1]. */
+static double bench_rand_unit(uint64_t *state)
+{
+    return ((double)(bench_rand(state) >> 11) + 1.0) / 9007199254740992.0;
+}
+
+static bool bench_parse_long(const char *s, long min, long max, long *v_p)
+{
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || errno != 0 || v < min || v > max)
+        return false;
+    *v_p = v;
+    return true;
+}
+
+static bool bench_parse_double(const char *s, double min, double max, double *v_p)
+{
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end != '\0' || errno != 0 || isnan(v) || v < min || v > max)
+        return false;
+    *v_p = v;
+    return true;
+}
+
+/* Cut s to at most max bytes without splitting a UTF-8 sequence. */
+static void bench_truncate_utf8(char *s, size_t max)
+{
+    size_t n = strlen(s);
+    if (n <= max)
+        return;
+    while (max > 0 && ((unsigned char)s[max] & 0xC0) == 0x80)
+        max--;
+    s[max] = '\0';
+}
+
+/* ---------------------------------------------------------------- options */
+
+static const char bench_usage_text[] =
+    "usage: duet-bench [options]\n"
+    "\n"
+    "Benchmark an OpenAI-compatible server (duet-router, vLLM, ...) with streamed requests, the\n"
+    "way vLLM's benchmark_serving.py does, and check performance gates.\n"
+    "\n"
+    "server and request:\n"
+    "  --url URL               server, http://HOST[:PORT] (default http://127.0.0.1:8000)\n"
+    "  --model NAME            model name (default: the first id of GET /v1/models)\n"
+    "  --endpoint E            completions (POST /v1/completions, \"prompt\") or chat\n"
+    "                          (POST /v1/chat/completions, one user message); default completions\n"
+    "  --max-tokens M          max_tokens of every request (default 64)\n"
+    "  --ignore-eos            send \"ignore_eos\": true (fixed output lengths)\n"
+    "  --temperature T         default 0\n"
+    "  --timeout-s S           a request still running after S seconds fails (default 600)\n"
+    "load:\n"
+    "  --concurrency N         closed loop: N requests in flight at all times (default 1 when\n"
+    "                          no --request-rate); with --request-rate: at most N in flight\n"
+    "  --request-rate R        Poisson arrivals at R requests/s; inf = all at once\n"
+    "  --num-prompts N         requests in the run (default 32)\n"
+    "  --seed S                seed for arrivals and random prompts (default 0)\n"
+    "prompts (used in order, cycling):\n"
+    "  --prompts FILE          JSONL, one object a line with a \"question\", \"prompt\" or\n"
+    "                          \"text\" string (e.g. gsm8k-test.jsonl)\n"
+    "  --prompt-chars-max N    cut each prompt to N bytes (at a UTF-8 boundary)\n"
+    "  --random-prompt-len N   synthetic prompts of N random words (~N BPE tokens; default\n"
+    "                          source when no --prompts: 32 words)\n"
+    "metrics and output:\n"
+    "  --goodput SLO...        SLOs for goodput: ttft:MS tpot:MS e2el:MS (one or more items,\n"
+    "                          in one argument separated by spaces/commas or as following args)\n"
+    "  --metrics-settle-ms MS  wait before the final /metrics scrape (default 1500)\n"
+    "  --json FILE             write every metric and the configuration as JSON\n"
+    "  --baseline FILE         perf gates, exit 3 when one fails (format below)\n"
+    "  --quiet                 no progress lines on stderr\n"
+    "  -h, --help              this text\n"
+    "\n"
+    "metrics (vLLM's definitions; times in ms, statistics over completed requests):\n"
+    "  ttft   send -> first chunk carrying text;  e2el  send -> last byte\n"
+    "  tpot   per request (e2el - ttft) / (output_tokens - 1); 1-token requests excluded\n"
+    "  itl    gaps between successive text chunks, all requests pooled\n"
+    "  output_tokens = usage.completion_tokens of the final chunk (stream_options.include_usage),\n"
+    "         else the number of text chunks\n"
+    "  output_throughput = total output tokens / duration; request_throughput, total_token_\n"
+    "         throughput (prompt + output) likewise; duration = first send -> last response\n"
+    "  user_throughput = mean over requests with >= 2 output tokens of\n"
+    "         (output_tokens - 1) / (e2el - ttft) in tok/s, i.e. mean of 1000 / tpot_i\n"
+    "  goodput = completed requests meeting every --goodput SLO / duration\n"
+    "  error_rate = failed / all requests (HTTP error, connection failure, malformed stream,\n"
+    "         SSE error event, no text, timeout)\n"
+    "  server side (deltas of the router's /metrics over the run, null when absent):\n"
+    "  avg_decoded_tokens_per_iter = d duet_gen_decoded_tokens_total /\n"
+    "                                d duet_gen_decode_seq_steps_total\n"
+    "  device_step_time_ms = 1000 * d duet_gen_step_seconds_total / d duet_gen_decode_steps_total\n"
+    "\n"
+    "baseline file (--baseline):\n"
+    "  {\"description\": \"...\", \"gates\": {\"error_rate\": {\"max\": 0},\n"
+    "   \"output_throughput\": {\"min\": 50}, \"mean_tpot_ms\": {\"min\": 1, \"max\": 200}}}\n"
+    "  Each key is a top-level number of the --json output; min/max are inclusive. A gated metric\n"
+    "  that is missing or null fails. Each gate prints PASS/FAIL with measured value and bound.\n"
+    "\n"
+    "exit: 0 ok, 1 run failed (no server/model, nothing completed), 2 usage, 3 a gate failed\n";
+
+static int bench_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int bench_usage_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("duet-bench: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputs(" (duet-bench --help)\n", stderr);
+    va_end(ap);
+    return BENCH_EXIT_USAGE;
+}
+
+/* http://HOST[:PORT][/] -> host, port. */
+static bool bench_parse_url(const char *url, char *host, size_t cap, int *port_p)
+{
+    const char *p = url;
+    if (strncmp(p, "http://", 7) != 0)
+        return false;
+    p += 7;
+    size_t hl = strcspn(p, ":/");
+    if (hl == 0 || hl >= cap)
+        return false;
+    memcpy(host, p, hl);
+    host[hl] = '\0';
+    p += hl;
+    long port = 80;
+    if (*p == ':') {
+        char num[8];
+        size_t k = strcspn(p + 1, "/");
+        if (k == 0 || k >= sizeof(num))
+            return false;
+        memcpy(num, p + 1, k);
+        num[k] = '\0';
+        if (!bench_parse_long(num, 1, 65535, &port))
+            return false;
+        p += 1 + k;
+    }
+    if (*p != '\0' && strcmp(p, "/") != 0)
+        return false;
+    *port_p = (int)port;
+    return true;
+}
+
+/* One or more goodput items separated by spaces or commas. */
+static int bench_parse_goodput(const char *arg, serving_slo_t *slo)
+{
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", arg);
+    int n = 0;
+    for (char *save = NULL, *it = strtok_r(buf, " ,", &save); it != NULL;
+         it = strtok_r(NULL, " ,", &save), n++)
+        if (serving_slo_parse_item(it, slo) != DUET_OK)
+            return -1;
+    return n;
+}
+
+enum {
+    OPT_URL = 256,
+    OPT_MODEL,
+    OPT_ENDPOINT,
+    OPT_CONC,
+    OPT_RATE,
+    OPT_NUM,
+    OPT_MAXTOK,
+    OPT_IGNORE_EOS,
+    OPT_TEMP,
+    OPT_PROMPTS,
+    OPT_CHARS,
+    OPT_RANDOM,
+    OPT_SEED,
+    OPT_TIMEOUT,
+    OPT_GOODPUT,
+    OPT_SETTLE,
+    OPT_JSON,
+    OPT_BASELINE,
+    OPT_QUIET,
+};
+
+/* Parse argv into *o. Returns -1 to go on, else the exit code (help: 0, bad flag: 2). */
+static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
+{
+    static const struct option longopts[] = {
+        {"url", 1, 0, OPT_URL},
+        {"model", 1, 0, OPT_MODEL},
+        {"endpoint", 1, 0, OPT_ENDPOINT},
+        {"concurrency", 1, 0, OPT_CONC},
+        {"request-rate", 1, 0, OPT_RATE},
+        {"num-prompts", 1, 0, OPT_NUM},
+        {"max-tokens", 1, 0, OPT_MAXTOK},
+        {"ignore-eos", 0, 0, OPT_IGNORE_EOS},
+        {"temperature", 1, 0, OPT_TEMP},
+        {"prompts", 1, 0, OPT_PROMPTS},
+        {"prompt-chars-max", 1, 0, OPT_CHARS},
+        {"random-prompt-len", 1, 0, OPT_RANDOM},
+        {"seed", 1, 0, OPT_SEED},
+        {"timeout-s", 1, 0, OPT_TIMEOUT},
+        {"goodput", 1, 0, OPT_GOODPUT},
+        {"metrics-settle-ms", 1, 0, OPT_SETTLE},
+        {"json", 1, 0, OPT_JSON},
+        {"baseline", 1, 0, OPT_BASELINE},
+        {"quiet", 0, 0, OPT_QUIET},
+        {"help", 0, 0, 'h'},
+        {0, 0, 0, 0},
+    };
+    *o = (bench_opts_t){.url = "http://127.0.0.1:8000",
+                        .num_prompts = 32,
+                        .max_tokens = 64,
+                        .timeout_s = 600,
+                        .settle_ms = 1500};
+    long seed = 0;
+    int c;
+    opterr = 0;
+    /* '+': stop at the first non-option, so --goodput can take the items that follow it */
+    while ((c = getopt_long(argc, argv, "+h", longopts, NULL)) != -1) {
+        const char *a = optarg;
+        switch (c) {
+        case 'h':
+            fputs(bench_usage_text, stdout);
+            return BENCH_EXIT_OK;
+        case OPT_URL:
+            o->url = a;
+            break;
+        case OPT_MODEL:
+            o->model = a;
+            break;
+        case OPT_ENDPOINT:
+            if (strcmp(a, "completions") == 0)
+                o->endpoint = BENCH_EP_COMPLETIONS;
+            else if (strcmp(a, "chat") == 0)
+                o->endpoint = BENCH_EP_CHAT;
+            else
+                return bench_usage_error("--endpoint must be completions or chat, not \"%s\"", a);
+            break;
+        case OPT_CONC:
+            if (!bench_parse_long(a, 1, 100000, &o->concurrency))
+                return bench_usage_error("--concurrency must be an integer in [1, 100000]");
+            break;
+        case OPT_RATE:
+            if (strcmp(a, "inf") == 0 || strcmp(a, "infinity") == 0)
+                o->request_rate = INFINITY;
+            else if (!bench_parse_double(a, 1e-9, 1e9, &o->request_rate))
+                return bench_usage_error("--request-rate must be a positive number or inf");
+            break;
+        case OPT_NUM:
+            if (!bench_parse_long(a, 1, 10000000, &o->num_prompts))
+                return bench_usage_error("--num-prompts must be an integer in [1, 10^7]");
+            break;
+        case OPT_MAXTOK:
+            if (!bench_parse_long(a, 1, 1000000, &o->max_tokens))
+                return bench_usage_error("--max-tokens must be an integer in [1, 10^6]");
+            break;
+        case OPT_IGNORE_EOS:
+            o->ignore_eos = true;
+            break;
+        case OPT_TEMP:
+            if (!bench_parse_double(a, 0, 100, &o->temperature))
+                return bench_usage_error("--temperature must be a number in [0, 100]");
+            break;
+        case OPT_PROMPTS:
+            o->prompts_file = a;
+            break;
+        case OPT_CHARS:
+            if (!bench_parse_long(a, 1, 100000000, &o->prompt_chars_max))
+                return bench_usage_error("--prompt-chars-max must be a positive integer");
+            break;
+        case OPT_RANDOM:
+            if (!bench_parse_long(a, 1, 1000000, &o->random_prompt_len))
+                return bench_usage_error("--random-prompt-len must be an integer in [1, 10^6]");
+            break;
+        case OPT_SEED:
+            if (!bench_parse_long(a, 0, LONG_MAX, &seed))
+                return bench_usage_error("--seed must be a non-negative integer");
+            o->seed = (uint64_t)seed;
+            break;
+        case OPT_TIMEOUT:
+            if (!bench_parse_double(a, 0.001, 1e7, &o->timeout_s))
+                return bench_usage_error("--timeout-s must be a positive number of seconds");
+            break;
+        case OPT_GOODPUT:
+            if (bench_parse_goodput(a, &o->slo) <= 0)
+                return bench_usage_error("--goodput: %s", duet_error_last()[0] != '\0'
+                                                              ? duet_error_last()
+                                                              : "no SLO given");
+            /* vLLM style: items may follow as separate arguments */
+            while (optind < argc && argv[optind][0] != '-' && strchr(argv[optind], ':') != NULL) {
+                if (bench_parse_goodput(argv[optind], &o->slo) < 0)
+                    return bench_usage_error("--goodput: %s", duet_error_last());
+                optind++;
+            }
+            break;
+        case OPT_SETTLE:
+            if (!bench_parse_long(a, 0, 600000, &o->settle_ms))
+                return bench_usage_error("--metrics-settle-ms must be an integer in [0, 600000]");
+            break;
+        case OPT_JSON:
+            o->json_path = a;
+            break;
+        case OPT_BASELINE:
+            o->baseline_path = a;
+            break;
+        case OPT_QUIET:
+            o->quiet = true;
+            break;
+        case ':':
+            return bench_usage_error("%s needs a value", argv[optind - 1]);
+        default:
+            return bench_usage_error("unknown option %s", argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        return bench_usage_error("unexpected argument \"%s\"", argv[optind]);
+    if (!bench_parse_url(o->url, o->host, sizeof(o->host), &o->port))
+        return bench_usage_error("--url must be http://HOST[:PORT], not \"%s\"", o->url);
+    if (o->prompts_file != NULL && o->random_prompt_len > 0)
+        return bench_usage_error("--prompts and --random-prompt-len exclude each other");
+    if (o->request_rate == 0 && o->concurrency == 0)
+        o->concurrency = 1;
+    return -1;
+}
+
+/* ---------------------------------------------------------------- prompts */
+
+typedef struct {
+    char **v; /* owned strings, (n) */
+    size_t n;
+} bench_prompts_t;
+
+static void bench_prompts_free(bench_prompts_t *p)
+{
+    for (size_t i = 0; i < p->n; i++)
+        free(p->v[i]);
+    free(p->v);
+    p->v = NULL;
+    p->n = 0;
+}
+
+static duet_status_t bench_prompts_push(bench_prompts_t *p, size_t *cap, const char *s)
+{
+    if (p->n == *cap) {
+        size_t ncap = *cap != 0 ? *cap * 2 : 256;
+        char **nv = realloc(p->v, ncap * sizeof(*nv));
+        if (nv == NULL)
+            return duet_error_set(DUET_ERR_NOMEM, "prompt list");
+        p->v = nv;
+        *cap = ncap;
+    }
+    p->v[p->n] = strdup(s);
+    if (p->v[p->n] == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "prompt");
+    p->n++;
+    return DUET_OK;
+}
+
+/* JSONL: one object a line; the first string field of "question", "prompt", "text". */
+static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, BENCH_MAX_PROMPT_FILE);
+    if (st != DUET_OK)
+        return st;
+    static const char *const keys[] = {"question", "prompt", "text"};
+    size_t cap = 0, lineno = 0;
+    char *save = NULL;
+    for (char *line = strtok_r(sb.data != NULL ? sb.data : "", "\n", &save); line != NULL;
+         line = strtok_r(NULL, "\n", &save)) {
+        lineno++; /* strtok skips empty lines; numbers count non-empty lines */
+        if (strspn(line, " \t\r") == strlen(line))
+            continue;
+        json_error_t jerr;
+        json_t *obj = json_loads(line, 0, &jerr);
+        if (!json_is_object(obj)) {
+            st = duet_error_set(DUET_ERR_FORMAT, "%s: record %zu: %s", path, lineno,
+                                obj == NULL ? jerr.text : "not a JSON object");
+            json_decref(obj);
+            goto fail;
+        }
+        const char *text = NULL;
+        for (size_t k = 0; k < 3 && text == NULL; k++) {
+            json_t *v = json_object_get(obj, keys[k]);
+            if (json_is_string(v))
+                text = json_string_value(v);
+        }
+        if (text == NULL) {
+            json_decref(obj);
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: record %zu: no \"question\", \"prompt\" or \"text\" string",
+                                path, lineno);
+            goto fail;
+        }
+        st = bench_prompts_push(p, &cap, text);
+        json_decref(obj);
+        if (st != DUET_OK)
+            goto fail;
+    }
+    duet_strbuf_free(&sb);
+    if (p->n == 0)
+        return duet_error_set(DUET_ERR_FORMAT, "%s: no prompts", path);
+    return DUET_OK;
+fail:
+    duet_strbuf_free(&sb);
+    bench_prompts_free(p);
+    return st;
+}
+
+/* n synthetic prompts of `words` random words each, deterministic in seed. */
+static duet_status_t bench_prompts_random(size_t n, long words, uint64_t seed, bench_prompts_t *p)
+{
+    static const char *const vocab[] = {
+        "the",      "of",     "and",    "to",     "in",      "is",       "was",     "for",
+        "on",       "with",   "as",     "by",     "at",      "from",     "time",    "year",
+        "people",   "way",    "day",    "man",    "thing",   "woman",    "life",    "child",
+        "world",    "school", "state",  "family", "student", "group",    "country", "problem",
+        "hand",     "part",   "place",  "case",   "week",    "company",  "system",  "program",
+        "question", "work",   "number", "night",  "point",   "home",     "water",   "room",
+        "mother",   "area",   "money",  "story",  "fact",    "month",    "lot",     "right",
+        "study",    "book",   "eye",    "job",    "word",    "business", "issue",   "side"};
+    size_t nv = sizeof(vocab) / sizeof(vocab[0]);
+    uint64_t state = seed ^ 0x5EEDB0A7ull;
+    size_t cap = 0;
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    for (size_t i = 0; i < n; i++) {
+        sb.len = 0;
+        for (long w = 0; w < words; w++)
+            duet_strbuf_printf(&sb, "%s%s", w > 0 ? " " : "", vocab[bench_rand(&state) % nv]);
+        duet_status_t st = duet_strbuf_status(&sb);
+        if (st == DUET_OK)
+            st = bench_prompts_push(p, &cap, sb.data);
+        if (st != DUET_OK) {
+            duet_strbuf_free(&sb);
+            bench_prompts_free(p);
+            return st;
+        }
+    }
+    duet_strbuf_free(&sb);
+    return DUET_OK;
+}
+
+/* The JSON body of one request. Returns a malloc'd string or NULL (out of memory / bad UTF-8). */
+static char *bench_body(const bench_opts_t *o, const char *model, const char *prompt)
+{
+    json_t *b = json_object();
+    json_object_set_new(b, "model", json_string(model));
+    json_t *text = json_string(prompt);
+    if (text == NULL) { /* invalid UTF-8 */
+        json_decref(b);
+        return NULL;
+    }
+    if (o->endpoint == BENCH_EP_CHAT) {
+        json_t *msg = json_pack("{s:s, s:o}", "role", "user", "content", text);
+        json_object_set_new(b, "messages", json_pack("[o]", msg));
+    } else {
+        json_object_set_new(b, "prompt", text);
+    }
+    json_object_set_new(b, "max_tokens", json_integer(o->max_tokens));
+    json_object_set_new(b, "temperature", json_real(o->temperature));
+    json_object_set_new(b, "stream", json_true());
+    json_object_set_new(b, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (o->ignore_eos)
+        json_object_set_new(b, "ignore_eos", json_true());
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    return s;
+}
+
+/* ---------------------------------------------------------------- the run */
+
+static void bench_pump(bench_run_t *run);
+static void bench_on_arrive(uv_timer_t *t);
+
+static void bench_req_headers(serving_http_req_t *h, int status, const char *ct)
+{
+    bench_req_t *r = h->arg;
+    r->status = status;
+    if (status == 200) {
+        if (strncasecmp(ct, "text/event-stream", 17) != 0)
+            serving_http_abort(h, "HTTP 200 but not an event stream (Content-Type \"%.60s\")", ct);
+        else
+            r->sse = true;
+    }
+}
+
+static void bench_req_body(serving_http_req_t *h, const char *data, size_t len, uint64_t now_ns)
+{
+    bench_req_t *r = h->arg;
+    r->t_last_ns = now_ns;
+    if (!r->sse) { /* an error status: keep the start of its body for the reason */
+        size_t room = BENCH_ERR_BODY_MAX - r->err_len;
+        size_t n = len < room ? len : room;
+        memcpy(r->err_body + r->err_len, data, n);
+        r->err_len += n;
+        r->err_body[r->err_len] = '\0';
+        return;
+    }
+    if (serving_stream_feed(&r->stream, data, len, now_ns) != DUET_OK)
+        serving_http_abort(h, "%s", r->stream.error);
+}
+
+static void bench_req_done(serving_http_req_t *h, const char *error)
+{
+    bench_req_t *r = h->arg;
+    bench_run_t *run = r->run;
+    uint64_t now = uv_hrtime();
+    if (r->t_last_ns == 0)
+        r->t_last_ns = now;
+    if (error != NULL) {
+        snprintf(r->error, sizeof(r->error), "%s", error);
+    } else if (r->status != 200) {
+        for (size_t i = 0; i < r->err_len; i++) /* one line in reports */
+            if (r->err_body[i] == '\n' || r->err_body[i] == '\r')
+                r->err_body[i] = ' ';
+        snprintf(r->error, sizeof(r->error), "HTTP %d: %s", r->status, r->err_body);
+    } else if (serving_stream_finish(&r->stream) != DUET_OK) {
+        snprintf(r->error, sizeof(r->error), "%s", r->stream.error);
+    } else if (r->stream.n_text_chunks == 0) {
+        snprintf(r->error, sizeof(r->error), "the response carried no text");
+    } else {
+        r->ok = true;
+    }
+    r->in_flight = false;
+    run->in_flight--;
+    run->done++;
+    if (!r->ok)
+        run->failed++;
+    else
+        run->out_tokens_done +=
+            r->stream.has_usage ? r->stream.usage_completion_tokens : r->stream.n_text_chunks;
+    if (run->done == run->n)
+        run->t_end_ns = now;
+    bench_pump(run);
+}
+
+static const serving_http_cbs_t bench_req_cbs = {bench_req_headers, bench_req_body, bench_req_done};
+
+static void bench_progress(bench_run_t *run, uint64_t now, bool last)
+{
+    if (run->o->quiet)
+        return;
+    double el = (double)(now - run->t0_ns) / 1e9;
+    fprintf(stderr,
+            "duet-bench: %zu/%zu done, %zu failed, %zu in flight, %.1f s, %.1f out tok/s%s\n",
+            run->done, run->n, run->failed, run->in_flight, el,
+            el > 0 ? (double)run->out_tokens_done / el : 0.0, last ? " (finished)" : "");
+}
+
+static void bench_timer_closed(uv_handle_t *h) {}
+
+/* Start requests while the load shape allows; stop the timers when everything is done. */
+static void bench_pump(bench_run_t *run)
+{
+    uint64_t now = uv_hrtime();
+    while (run->next < run->n && run->in_flight < run->cap) {
+        if (run->arrival_ns != NULL && run->t0_ns + run->arrival_ns[run->next] > now)
+            break;
+        bench_req_t *r = &run->reqs[run->next++];
+        r->t_send_ns = uv_hrtime();
+        r->in_flight = true;
+        run->in_flight++;
+        duet_status_t st =
+            serving_http_start(run->loop, &r->http, (struct sockaddr *)&run->addr, run->o->host,
+                               "POST", run->path, r->body, r->body_len, &bench_req_cbs, r);
+        if (st != DUET_OK) { /* nothing started: account it here */
+            snprintf(r->error, sizeof(r->error), "%s", duet_error_last());
+            r->in_flight = false;
+            run->in_flight--;
+            run->done++;
+            run->failed++;
+            if (run->done == run->n)
+                run->t_end_ns = uv_hrtime();
+        }
+    }
+    if (run->done == run->n) {
+        if (!run->timers_closed) {
+            run->timers_closed = true;
+            bench_progress(run, run->t_end_ns, true);
+            uv_close((uv_handle_t *)&run->tick, bench_timer_closed);
+            uv_close((uv_handle_t *)&run->arrive, bench_timer_closed);
+        }
+        return;
+    }
+    if (run->arrival_ns != NULL && run->next < run->n && run->in_flight < run->cap) {
+        uint64_t due = run->t0_ns + run->arrival_ns[run->next];
+        uint64_t ms = due > now ? (due - now + 999999) / 1000000 : 0;
+        uv_timer_start(&run->arrive, bench_on_arrive, ms, 0);
+    }
+}
+
+static void bench_on_arrive(uv_timer_t *t)
+{
+    bench_pump(t->data);
+}
+
+static void bench_on_tick(uv_timer_t *t)
+{
+    bench_run_t *run = t->data;
+    uint64_t now = uv_hrtime();
+    uint64_t limit = (uint64_t)(run->o->timeout_s * 1e9);
+    for (size_t i = 0; i < run->next; i++) {
+        bench_req_t *r = &run->reqs[i];
+        if (r->in_flight && now - r->t_send_ns > limit)
+            serving_http_abort(&r->http, "timed out after %g s", run->o->timeout_s);
+    }
+    if (now - run->last_progress_ns >= (uint64_t)BENCH_PROGRESS_MS * 1000000) {
+        run->last_progress_ns = now;
+        bench_progress(run, now, false);
+    }
+}
+
+/* Poisson arrival offsets (exponential gaps at rate R), or all zero for R = inf. */
+static uint64_t *bench_arrivals(size_t n, double rate, uint64_t seed)
+{
+    uint64_t *a = calloc(n, sizeof(*a));
+    if (a == NULL || isinf(rate))
+        return a;
+    uint64_t state = seed ^ 0xA77A1Full;
+    double t = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0)
+            t += -log(bench_rand_unit(&state)) / rate;
+        a[i] = (uint64_t)(t * 1e9);
+    }
+    return a;
+}
+
+/* ---------------------------------------------------------------- server metrics */
+
+typedef struct {
+    bool ok; /* the scrape answered 200 */
+    bool found[BENCH_N_COUNTERS];
+    double value[BENCH_N_COUNTERS];
+} bench_scrape_t;
+
+static void bench_scrape(bench_run_t *run, bench_scrape_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    duet_strbuf_t body;
+    duet_strbuf_init(&body);
+    int status = 0;
+    if (serving_http_get(run->loop, (struct sockaddr *)&run->addr, run->o->host, "/metrics", 10000,
+                         &status, &body) == DUET_OK &&
+        status == 200) {
+        s->ok = true;
+        for (int i = 0; i < BENCH_N_COUNTERS; i++)
+            serving_prom_sum(body.data != NULL ? body.data : "", body.len, bench_server_counters[i],
+                             &s->value[i], &s->found[i]);
+    }
+    duet_strbuf_free(&body);
+}
+
+/* ---------------------------------------------------------------- model discovery */
+
+static duet_status_t bench_find_model(bench_run_t *run, char **model_p)
+{
+    duet_strbuf_t body;
+    duet_strbuf_init(&body);
+    int status = 0;
+    duet_status_t st = serving_http_get(run->loop, (struct sockaddr *)&run->addr, run->o->host,
+                                        "/v1/models", 10000, &status, &body);
+    if (st != DUET_OK)
+        goto out;
+    if (status != 200) {
+        st = duet_error_set(DUET_ERR_TRANSPORT, "GET /v1/models: HTTP %d: %.200s", status,
+                            body.data != NULL ? body.data : "");
+        goto out;
+    }
+    json_t *root = NULL;
+    st = duet_json_load_buffer(body.data != NULL ? body.data : "", body.len, "GET /v1/models",
+                               1u << 24, &root);
+    if (st != DUET_OK)
+        goto out;
+    const char *id = NULL;
+    st = duet_json_get_string(root, "GET /v1/models", "data[0].id", &id);
+    if (st == DUET_OK) {
+        *model_p = strdup(id);
+        if (*model_p == NULL)
+            st = duet_error_set(DUET_ERR_NOMEM, "model name");
+    }
+    json_decref(root);
+out:
+    duet_strbuf_free(&body);
+    return st;
+}
+
+/* ---------------------------------------------------------------- results */
+
+/* A number, or null for NaN (JSON has no NaN). */
+static json_t *bench_num(double v)
+{
+    return isfinite(v) ? json_real(v) : json_null();
+}
+
+static void bench_put_dist(json_t *res, const char *name, const serving_dist_t *d)
+{
+    static const char *const stat[] = {"mean", "median", "std", "p90", "p99", "min", "max"};
+    double v[] = {d->mean, d->median, d->std, d->p90, d->p99, d->min, d->max};
+    json_t *block = json_object();
+    char key[64];
+    for (size_t i = 0; i < 7; i++) {
+        snprintf(key, sizeof(key), "%s_%s_ms", stat[i], name);
+        json_object_set_new(res, key, bench_num(v[i]));
+        json_object_set_new(block, stat[i], bench_num(v[i]));
+    }
+    json_object_set_new(block, "n", json_integer((json_int_t)d->n));
+    snprintf(key, sizeof(key), "%s_ms", name);
+    json_object_set_new(res, key, block);
+}
+
+typedef struct {
+    const char *reason;
+    size_t count;
+} bench_reason_t;
+
+static json_t *bench_results_json(const bench_run_t *run, const char *model,
+                                  const serving_summary_t *s, const bench_scrape_t *before,
+                                  const bench_scrape_t *after)
+{
+    const bench_opts_t *o = run->o;
+    json_t *res = json_object();
+    json_object_set_new(res, "completed", json_integer((json_int_t)s->completed));
+    json_object_set_new(res, "failed", json_integer((json_int_t)s->failed));
+    json_object_set_new(res, "error_rate", bench_num(s->error_rate));
+    json_object_set_new(res, "duration_s", bench_num(s->duration_s));
+    json_object_set_new(res, "total_input_tokens", json_integer((json_int_t)s->total_input_tokens));
+    json_object_set_new(res, "total_output_tokens",
+                        json_integer((json_int_t)s->total_output_tokens));
+    json_object_set_new(res, "request_throughput", bench_num(s->request_throughput));
+    json_object_set_new(res, "output_throughput", bench_num(s->output_throughput));
+    json_object_set_new(res, "total_token_throughput", bench_num(s->total_token_throughput));
+    json_object_set_new(res, "user_throughput", bench_num(s->user_throughput));
+    json_object_set_new(res, "goodput", bench_num(s->goodput));
+    if (s->has_goodput)
+        json_object_set_new(res, "good_requests", json_integer((json_int_t)s->good));
+    bench_put_dist(res, "ttft", &s->ttft);
+    bench_put_dist(res, "tpot", &s->tpot);
+    bench_put_dist(res, "itl", &s->itl);
+    bench_put_dist(res, "e2el", &s->e2el);
+
+    /* server-side counters: deltas, null when absent in either scrape */
+    double d[BENCH_N_COUNTERS];
+    json_t *srv = json_object();
+    for (int i = 0; i < BENCH_N_COUNTERS; i++) {
+        bool have = before->found[i] && after->found[i];
+        d[i] = have ? after->value[i] - before->value[i] : NAN;
+        json_object_set_new(srv, bench_server_counters[i], bench_num(d[i]));
+    }
+    json_object_set_new(srv, "scraped", json_boolean(before->ok && after->ok));
+    json_object_set_new(res, "server_metrics_delta", srv);
+    double per_iter = d[1] > 0 ? d[2] / d[1] : NAN;
+    double step_ms = d[0] > 0 ? 1000.0 * d[3] / d[0] : NAN;
+    json_object_set_new(res, "avg_decoded_tokens_per_iter", bench_num(per_iter));
+    json_object_set_new(res, "device_step_time_ms", bench_num(step_ms));
+
+    /* the distinct failure reasons with counts */
+    bench_reason_t reasons[BENCH_MAX_REASONS];
+    size_t n_reasons = 0;
+    for (size_t i = 0; i < run->n; i++) {
+        const bench_req_t *r = &run->reqs[i];
+        if (r->ok)
+            continue;
+        size_t k = 0;
+        while (k < n_reasons && strcmp(reasons[k].reason, r->error) != 0)
+            k++;
+        if (k < n_reasons)
+            reasons[k].count++;
+        else if (n_reasons < BENCH_MAX_REASONS)
+            reasons[n_reasons++] = (bench_reason_t){r->error, 1};
+    }
+    json_t *errs = json_array();
+    for (size_t k = 0; k < n_reasons; k++)
+        json_array_append_new(errs, json_pack("{s:s, s:I}", "reason", reasons[k].reason, "count",
+                                              (json_int_t)reasons[k].count));
+    json_object_set_new(res, "errors", errs);
+
+    /* configuration */
+    char date[64];
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    json_t *cfg = json_object();
+    json_object_set_new(cfg, "url", json_string(o->url));
+    json_object_set_new(cfg, "model", json_string(model));
+    json_object_set_new(cfg, "endpoint",
+                        json_string(o->endpoint == BENCH_EP_CHAT ? "chat" : "completions"));
+    json_object_set_new(cfg, "concurrency",
+                        o->concurrency > 0 ? json_integer(o->concurrency) : json_null());
+    json_object_set_new(cfg, "request_rate",
+                        o->request_rate == 0     ? json_null()
+                        : isinf(o->request_rate) ? json_string("inf")
+                                                 : json_real(o->request_rate));
+    json_object_set_new(cfg, "num_prompts", json_integer(o->num_prompts));
+    json_object_set_new(cfg, "max_tokens", json_integer(o->max_tokens));
+    json_object_set_new(cfg, "ignore_eos", json_boolean(o->ignore_eos));
+    json_object_set_new(cfg, "temperature", json_real(o->temperature));
+    json_object_set_new(cfg, "prompts",
+                        o->prompts_file != NULL ? json_string(o->prompts_file) : json_null());
+    json_object_set_new(cfg, "prompt_chars_max",
+                        o->prompt_chars_max > 0 ? json_integer(o->prompt_chars_max) : json_null());
+    json_object_set_new(cfg, "random_prompt_len",
+                        o->prompts_file == NULL ? json_integer(o->random_prompt_len) : json_null());
+    json_object_set_new(cfg, "seed", json_integer((json_int_t)o->seed));
+    json_object_set_new(cfg, "timeout_s", json_real(o->timeout_s));
+    json_object_set_new(
+        cfg, "goodput_slo_ms",
+        json_pack("{s:o, s:o, s:o}", "ttft",
+                  o->slo.ttft_ms > 0 ? json_real(o->slo.ttft_ms) : json_null(), "tpot",
+                  o->slo.tpot_ms > 0 ? json_real(o->slo.tpot_ms) : json_null(), "e2el",
+                  o->slo.e2el_ms > 0 ? json_real(o->slo.e2el_ms) : json_null()));
+    json_object_set_new(cfg, "metrics_settle_ms", json_integer(o->settle_ms));
+    json_object_set_new(cfg, "date", json_string(date));
+    json_object_set_new(res, "config", cfg);
+    return res;
+}
+
+static void bench_row_f(const char *label, double v, int prec)
+{
+    if (isfinite(v))
+        printf("%-40s %.*f\n", label, prec, v);
+    else
+        printf("%-40s %s\n", label, "n/a");
+}
+
+static void bench_print_dist(const char *title, const char *tag, const serving_dist_t *d)
+{
+    char line[64], label[64];
+    snprintf(line, sizeof(line), "%s", title);
+    printf("%s\n", line);
+    static const char *const names[] = {"Mean", "Median", "Std", "P90", "P99", "Min", "Max"};
+    double v[] = {d->mean, d->median, d->std, d->p90, d->p99, d->min, d->max};
+    for (size_t i = 0; i < 7; i++) {
+        snprintf(label, sizeof(label), "%s %s (ms):", names[i], tag);
+        bench_row_f(label, v[i], 2);
+    }
+}
+
+static void bench_print(const json_t *res, const serving_summary_t *s)
+{
+    printf("============ Serving Benchmark Result ============\n");
+    printf("%-40s %zu\n", "Successful requests:", s->completed);
+    printf("%-40s %zu\n", "Failed requests:", s->failed);
+    bench_row_f("Error rate:", s->error_rate, 4);
+    bench_row_f("Benchmark duration (s):", s->duration_s, 2);
+    printf("%-40s %llu\n", "Total input tokens:", (unsigned long long)s->total_input_tokens);
+    printf("%-40s %llu\n", "Total generated tokens:", (unsigned long long)s->total_output_tokens);
+    bench_row_f("Request throughput (req/s):", s->request_throughput, 2);
+    bench_row_f("Output token throughput (tok/s):", s->output_throughput, 2);
+    bench_row_f("Total Token throughput (tok/s):", s->total_token_throughput, 2);
+    bench_row_f("User throughput (tok/s per request):", s->user_throughput, 2);
+    if (s->has_goodput)
+        bench_row_f("Request goodput (req/s):", s->goodput, 2);
+    bench_print_dist("---------------Time to First Token----------------", "TTFT", &s->ttft);
+    bench_print_dist("-----Time per Output Token (excl. 1st token)------", "TPOT", &s->tpot);
+    bench_print_dist("---------------Inter-token Latency----------------", "ITL", &s->itl);
+    bench_print_dist("----------------End-to-end Latency----------------", "E2EL", &s->e2el);
+    printf("--------Server side (router /metrics deltas)------\n");
+    json_t *srv = json_object_get(res, "server_metrics_delta");
+    for (int i = 0; i < BENCH_N_COUNTERS; i++) {
+        char label[64];
+        snprintf(label, sizeof(label), "%s:", bench_server_counters[i]);
+        json_t *v = json_object_get(srv, bench_server_counters[i]);
+        bench_row_f(label, json_is_number(v) ? json_number_value(v) : NAN, 3);
+    }
+    json_t *v = json_object_get(res, "avg_decoded_tokens_per_iter");
+    bench_row_f("Avg decoded tokens per iteration:", json_is_number(v) ? json_number_value(v) : NAN,
+                3);
+    v = json_object_get(res, "device_step_time_ms");
+    bench_row_f("Device step time (ms):", json_is_number(v) ? json_number_value(v) : NAN, 3);
+    json_t *errs = json_object_get(res, "errors");
+    if (json_array_size(errs) > 0) {
+        printf("---------------------Failures---------------------\n");
+        size_t i;
+        json_t *e;
+        json_array_foreach(errs, i, e)
+        {
+            printf("%6lld x %s\n", (long long)json_integer_value(json_object_get(e, "count")),
+                   json_string_value(json_object_get(e, "reason")));
+        }
+    }
+    printf("==================================================\n");
+}
+
+/* ---------------------------------------------------------------- main */
+
+/* Load and validate the baseline before any load is sent. Exit code on failure, else -1. */
+static int bench_load_baseline(const char *path, serving_gates_t *g)
+{
+    json_t *root = NULL;
+    duet_status_t st = duet_json_load_file(path, 1u << 20, &root);
+    if (st == DUET_OK) {
+        st = serving_gates_parse(root, path, g);
+        json_decref(root);
+    }
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-bench: --baseline: %s\n", duet_error_last());
+        return BENCH_EXIT_USAGE;
+    }
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    bench_opts_t o;
+    int rc = bench_parse_args(argc, argv, &o);
+    if (rc >= 0)
+        return rc;
+    signal(SIGPIPE, SIG_IGN);
+
+    serving_gates_t gates = {0};
+    bench_prompts_t prompts = {0};
+    bench_run_t run = {.o = &o};
+    char *model = NULL;
+    char **bodies = NULL; /* (prompts.n) request bodies, one per distinct prompt */
+    json_t *res = NULL;
+    rc = BENCH_EXIT_RUN;
+
+    if (o.baseline_path != NULL && (rc = bench_load_baseline(o.baseline_path, &gates)) >= 0)
+        goto out;
+    rc = BENCH_EXIT_USAGE;
+    duet_status_t st;
+    if (o.prompts_file != NULL)
+        st = bench_prompts_load(o.prompts_file, &prompts);
+    else
+        st = bench_prompts_random((size_t)o.num_prompts,
+                                  o.random_prompt_len > 0 ? o.random_prompt_len : 32, o.seed,
+                                  &prompts);
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-bench: prompts: %s\n", duet_error_last());
+        goto out;
+    }
+    for (size_t i = 0; o.prompt_chars_max > 0 && i < prompts.n; i++)
+        bench_truncate_utf8(prompts.v[i], (size_t)o.prompt_chars_max);
+
+    rc = BENCH_EXIT_RUN;
+    run.loop = uv_default_loop();
+    if (serving_http_resolve(run.loop, o.host, o.port, &run.addr) != DUET_OK) {
+        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+        goto out;
+    }
+    if (o.model != NULL) {
+        model = strdup(o.model);
+    } else if (bench_find_model(&run, &model) != DUET_OK) {
+        fprintf(stderr, "duet-bench: cannot find the model (pass --model): %s\n",
+                duet_error_last());
+        goto out;
+    }
+    if (model == NULL)
+        goto out;
+
+    /* every request body, before the clock starts */
+    run.n = (size_t)o.num_prompts;
+    run.path = o.endpoint == BENCH_EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
+    run.reqs = calloc(run.n, sizeof(*run.reqs));
+    bodies = calloc(prompts.n, sizeof(*bodies));
+    if (run.reqs == NULL || bodies == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        goto out;
+    }
+    size_t n_bodies = run.n < prompts.n ? run.n : prompts.n;
+    for (size_t i = 0; i < n_bodies; i++) {
+        bodies[i] = bench_body(&o, model, prompts.v[i]);
+        if (bodies[i] == NULL) {
+            fprintf(stderr, "duet-bench: prompt %zu: not valid UTF-8 (or out of memory)\n", i + 1);
+            goto out;
+        }
+    }
+    for (size_t i = 0; i < run.n; i++) {
+        run.reqs[i].run = &run;
+        run.reqs[i].body = bodies[i % prompts.n];
+        run.reqs[i].body_len = strlen(run.reqs[i].body);
+        serving_stream_init(&run.reqs[i].stream);
+    }
+    if (o.request_rate > 0) {
+        run.arrival_ns = bench_arrivals(run.n, o.request_rate, o.seed);
+        if (run.arrival_ns == NULL) {
+            fprintf(stderr, "duet-bench: out of memory\n");
+            goto out;
+        }
+        run.cap = o.concurrency > 0 ? (size_t)o.concurrency : run.n;
+    } else {
+        run.cap = (size_t)o.concurrency;
+    }
+
+    bench_scrape_t before, after;
+    bench_scrape(&run, &before);
+    if (!o.quiet)
+        fprintf(stderr, "duet-bench: %s model %s, %zu requests, %s, max_tokens %ld%s\n", o.url,
+                model, run.n, o.request_rate > 0 ? "Poisson arrivals" : "closed loop", o.max_tokens,
+                before.ok ? "" : " (no /metrics: server-side metrics will be null)");
+
+    uv_timer_init(run.loop, &run.tick);
+    uv_timer_init(run.loop, &run.arrive);
+    run.tick.data = &run;
+    run.arrive.data = &run;
+    run.t0_ns = run.last_progress_ns = uv_hrtime();
+    uv_timer_start(&run.tick, bench_on_tick, BENCH_TICK_MS, BENCH_TICK_MS);
+    bench_pump(&run);
+    uv_run(run.loop, UV_RUN_DEFAULT);
+
+    if (o.settle_ms > 0)
+        usleep((useconds_t)o.settle_ms * 1000);
+    bench_scrape(&run, &after);
+
+    /* records for the stats module */
+    serving_record_t *recs = calloc(run.n, sizeof(*recs));
+    if (recs == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        goto out;
+    }
+    for (size_t i = 0; i < run.n; i++) {
+        const bench_req_t *r = &run.reqs[i];
+        serving_record_t *c = &recs[i];
+        c->ok = r->ok;
+        if (!r->ok)
+            continue;
+        c->ttft_ms = (double)(r->stream.first_text_ns - r->t_send_ns) / 1e6;
+        c->e2el_ms = (double)(r->t_last_ns - r->t_send_ns) / 1e6;
+        c->prompt_tokens = r->stream.usage_prompt_tokens;
+        c->output_tokens =
+            r->stream.has_usage ? r->stream.usage_completion_tokens : r->stream.n_text_chunks;
+        c->itl_ms = r->stream.itl_ms;
+        c->n_itl = r->stream.n_itl;
+    }
+    double duration = (double)(run.t_end_ns - run.t0_ns) / 1e9;
+    serving_summary_t sum;
+    st = serving_summarize(recs, run.n, duration > 0 ? duration : 1e-9, &o.slo, &sum);
+    free(recs);
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+        goto out;
+    }
+    res = bench_results_json(&run, model, &sum, &before, &after);
+    bench_print(res, &sum);
+
+    rc = sum.completed > 0 ? BENCH_EXIT_OK : BENCH_EXIT_RUN;
+    if (sum.completed == 0)
+        fprintf(stderr, "duet-bench: no request completed\n");
+    if (gates.n > 0) {
+        duet_strbuf_t report;
+        duet_strbuf_init(&report);
+        size_t failed = serving_gates_check(&gates, res, &report);
+        printf("--------------- Perf gates (%s) ---------------\n%s", o.baseline_path,
+               report.data != NULL ? report.data : "");
+        printf("gates: %zu of %zu failed\n", failed, gates.n);
+        json_t *gj = json_array();
+        for (size_t i = 0; i < gates.n; i++) {
+            char why[128];
+            double v;
+            bool pass = serving_gate_eval(&gates.gates[i], res, &v, why, sizeof(why));
+            json_array_append_new(gj,
+                                  json_pack("{s:s, s:o, s:b, s:s}", "metric", gates.gates[i].metric,
+                                            "value", bench_num(v), "pass", pass, "reason", why));
+        }
+        json_object_set_new(res, "gates", gj);
+        json_object_set_new(res, "gates_failed", json_integer((json_int_t)failed));
+        duet_strbuf_free(&report);
+        if (failed > 0)
+            rc = BENCH_EXIT_GATE;
+    }
+    if (o.json_path != NULL &&
+        json_dump_file(res, o.json_path,
+                       JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(10)) != 0) {
+        fprintf(stderr, "duet-bench: cannot write --json %s: %s\n", o.json_path, strerror(errno));
+        if (rc == BENCH_EXIT_OK)
+            rc = BENCH_EXIT_RUN;
+    }
+    fflush(stdout);
+
+out:
+    for (size_t i = 0; i < prompts.n && bodies != NULL; i++)
+        free(bodies[i]);
+    free(bodies);
+    if (run.reqs != NULL)
+        for (size_t i = 0; i < run.n; i++)
+            serving_stream_free(&run.reqs[i].stream);
+    if (run.loop != NULL) {
+        uv_run(run.loop, UV_RUN_NOWAIT);
+        uv_loop_close(run.loop);
+    }
+    json_decref(res);
+    free(run.reqs);
+    free(run.arrival_ns);
+    free(model);
+    bench_prompts_free(&prompts);
+    serving_gates_free(&gates);
+    return rc;
+}

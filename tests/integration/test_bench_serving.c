@@ -1,0 +1,401 @@
+/*
+ * duet-bench against a real duet-router with duet-test-worker processes (a test tool: fake
+ * deterministic tokens, the prompt ids reversed; --delay-ms before each token) on loopback.
+ *
+ * Checks the JSON of a closed-loop run (completed, failed, output tokens = usage counts, TTFT,
+ * TPOT measured against the workers' 20 ms per-token delay), the exit codes of a failing (3) and
+ * a passing (0) baseline, a malformed baseline (2, before any load), the chat endpoint with
+ * Poisson arrivals, and a server that is not there (every request fails with a reason, exit 1).
+ *
+ * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
+ * literal "test", which the workers present.
+ */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BENCH  DUET_BINARY_DIR "/bench/duet-bench"
+#define ROUTER DUET_BINARY_DIR "/router/duet-router"
+#define WORKER DUET_BINARY_DIR "/router/duet-test-worker"
+
+#define DELAY_MS "20"
+
+static char tdir[256];
+static int port_http, port_workers, port_admin;
+static pid_t procs[8];
+static int n_procs;
+
+static int pick_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t l = sizeof(a);
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static void put_file(const char *name, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", tdir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* fork + exec argv with stdout and stderr appended to tdir/log. */
+static pid_t launch(char *const argv[], const char *log)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s", tdir, log);
+        int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Whether tdir/file contains `needle`, waiting up to `s` seconds. */
+static bool file_has(const char *file, const char *needle, double s)
+{
+    char path[512], buf[8192];
+    snprintf(path, sizeof(path), "%s/%s", tdir, file);
+    double end = mono_s() + s;
+    do {
+        FILE *f = fopen(path, "r");
+        if (f != NULL) {
+            size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+            fclose(f);
+            buf[n] = '\0';
+            if (strstr(buf, needle) != NULL)
+                return true;
+        }
+        usleep(20000);
+    } while (mono_s() < end);
+    return false;
+}
+
+/* Whether 127.0.0.1:port accepts a connection, trying for up to `s` seconds. */
+static bool port_accepts(int port, double s)
+{
+    double end = mono_s() + s;
+    do {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        int r = connect(fd, (struct sockaddr *)&a, sizeof(a));
+        close(fd);
+        if (r == 0)
+            return true;
+        usleep(20000);
+    } while (mono_s() < end);
+    return false;
+}
+
+static void cluster_start(void)
+{
+    char tmpl[] = "/tmp/duet-bench-test-XXXXXX";
+    cr_assert_not_null(mkdtemp(tmpl));
+    snprintf(tdir, sizeof(tdir), "%s", tmpl);
+    put_file("config.json", "{\"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+    put_file("duet_tokenizer.json",
+             "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
+    port_http = pick_port();
+    port_workers = pick_port();
+    port_admin = pick_port();
+    char hp[16], wp[16], ap[16], rt[64];
+    snprintf(hp, sizeof(hp), "%d", port_http);
+    snprintf(wp, sizeof(wp), "%d", port_workers);
+    snprintf(ap, sizeof(ap), "%d", port_admin);
+    snprintf(rt, sizeof(rt), "127.0.0.1:%d", port_workers);
+    char *router[] = {ROUTER, "--model",
+                      tdir,   "--model.name",
+                      "m",    "--model.fingerprint",
+                      "test", "--http.port",
+                      hp,     "--workers.port",
+                      wp,     "--admin.port",
+                      ap,     "--admin.insecure-no-token",
+                      NULL};
+    procs[n_procs++] = launch(router, "router.log");
+    cr_assert(port_accepts(port_http, 5.0), "router did not come up (log %s/router.log)", tdir);
+    static const char *roles[] = {"gen", "ctx"};
+    for (int i = 0; i < 2; i++) {
+        char name[16], ev[512];
+        snprintf(name, sizeof(name), "%s-0", roles[i]);
+        snprintf(ev, sizeof(ev), "%s/%s.events", tdir, name);
+        char *w[] = {WORKER,
+                     "--router",
+                     rt,
+                     "--role",
+                     (char *)roles[i],
+                     "--name",
+                     name,
+                     "--fingerprint",
+                     "test",
+                     "--events",
+                     ev,
+                     "--heartbeat-ms",
+                     "100",
+                     "--delay-ms",
+                     DELAY_MS,
+                     "--quiet",
+                     NULL};
+        char log[32];
+        snprintf(log, sizeof(log), "%s.log", name);
+        procs[n_procs++] = launch(w, log);
+        snprintf(ev, sizeof(ev), "%s.events", name);
+        cr_assert(file_has(ev, "registered", 5.0), "worker %s did not register", name);
+    }
+}
+
+static void cluster_stop(void)
+{
+    for (int i = n_procs - 1; i >= 0; i--) {
+        kill(procs[i], SIGTERM);
+        int st;
+        for (int k = 0; k < 100 && waitpid(procs[i], &st, WNOHANG) == 0; k++)
+            usleep(20000);
+        kill(procs[i], SIGKILL);
+        waitpid(procs[i], &st, 0);
+    }
+    n_procs = 0;
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tdir);
+    if (getenv("DUET_KEEP_TEST_DIR") == NULL && system(cmd) != 0)
+        cr_log_warn("could not remove %s", tdir);
+}
+
+/* Run duet-bench with up to 24 extra arguments; returns its exit code (-1 on a signal). */
+static int run_bench(const char *log, const char *const *args)
+{
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", port_http);
+    char *argv[32] = {BENCH, "--url", url, "--quiet"};
+    int n = 4;
+    for (int i = 0; args[i] != NULL && n < 31; i++)
+        argv[n++] = (char *)args[i];
+    argv[n] = NULL;
+    pid_t pid = launch(argv, log);
+    int st;
+    double end = mono_s() + 120;
+    while (waitpid(pid, &st, WNOHANG) == 0) {
+        if (mono_s() > end) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            cr_assert_fail("duet-bench did not finish in 120 s (log %s/%s)", tdir, log);
+        }
+        usleep(20000);
+    }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static json_t *load_json(const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", tdir, name);
+    json_error_t e;
+    json_t *j = json_load_file(path, 0, &e);
+    cr_assert_not_null(j, "%s: %s", path, e.text);
+    return j;
+}
+
+static double num(const json_t *j, const char *key)
+{
+    json_t *v = json_object_get(j, key);
+    cr_assert(json_is_number(v), "%s is not a number", key);
+    return json_number_value(v);
+}
+
+/* 16 distinct ASCII prompts, each longer than 8 tokens so 8 reversed tokens are plain text. */
+static void write_prompts(void)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/prompts.jsonl", tdir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 16; i++)
+        fprintf(f,
+                "{\"question\": \"Question number %d: what is %d plus %d?\", \"answer\": \"x\"}\n",
+                i, i, i + 1);
+    fclose(f);
+}
+
+Test(bench_serving, closed_loop_json_tpot_and_gates, .timeout = 240)
+{
+    cluster_start();
+    write_prompts();
+    char prompts[512], out[512], pass[512], fail[512];
+    snprintf(prompts, sizeof(prompts), "%s/prompts.jsonl", tdir);
+    snprintf(out, sizeof(out), "%s/out.json", tdir);
+    const char *args[] = {"--concurrency",
+                          "4",
+                          "--num-prompts",
+                          "16",
+                          "--max-tokens",
+                          "8",
+                          "--ignore-eos",
+                          "--prompts",
+                          prompts,
+                          "--json",
+                          out,
+                          "--metrics-settle-ms",
+                          "200",
+                          "--goodput",
+                          "ttft:5000",
+                          "tpot:1000",
+                          NULL};
+    int rc = run_bench("bench1.log", args);
+    cr_assert_eq(rc, 0, "exit %d (log %s/bench1.log)", rc, tdir);
+
+    json_t *j = load_json("out.json");
+    cr_assert_eq(num(j, "completed"), 16);
+    cr_assert_eq(num(j, "failed"), 0);
+    cr_assert_eq(num(j, "error_rate"), 0);
+    cr_assert_eq(num(j, "total_output_tokens"), 16 * 8);
+    cr_assert_gt(num(j, "total_input_tokens"), 16 * 20, "usage.prompt_tokens summed");
+    cr_assert_gt(num(j, "mean_ttft_ms"), 0);
+    cr_assert_gt(num(j, "median_ttft_ms"), 0);
+    cr_assert_geq(num(j, "p99_ttft_ms"), num(j, "median_ttft_ms"));
+    double tpot = num(j, "mean_tpot_ms");
+    cr_assert_geq(tpot, 20.0, "mean TPOT %.2f ms below the workers' 20 ms delay", tpot);
+    cr_assert_lt(tpot, 200.0, "mean TPOT %.2f ms", tpot);
+    cr_assert_geq(num(j, "mean_itl_ms"), 15.0);
+    cr_assert_gt(num(j, "mean_e2el_ms"), num(j, "mean_ttft_ms"));
+    cr_assert_gt(num(j, "output_throughput"), 0);
+    cr_assert_gt(num(j, "request_throughput"), 0);
+    cr_assert_gt(num(j, "total_token_throughput"), num(j, "output_throughput"));
+    double user = num(j, "user_throughput");
+    cr_assert(user > 0 && user <= 1000.0 / 20.0 + 1e-6, "user_throughput %.2f", user);
+    cr_assert_eq(num(j, "goodput"), num(j, "request_throughput"), "every request meets loose SLOs");
+    cr_assert_gt(num(j, "duration_s"), 0);
+    /* the server counters: null until the router exports them, a number after */
+    json_t *v = json_object_get(j, "avg_decoded_tokens_per_iter");
+    cr_assert(v != NULL && (json_is_null(v) || json_is_number(v)));
+    v = json_object_get(j, "device_step_time_ms");
+    cr_assert(v != NULL && (json_is_null(v) || json_is_number(v)));
+    json_t *cfg = json_object_get(j, "config");
+    cr_assert_str_eq(json_string_value(json_object_get(cfg, "model")), "m", "from /v1/models");
+    cr_assert_eq(json_integer_value(json_object_get(cfg, "max_tokens")), 8);
+    json_decref(j);
+
+    /* gates: one that must fail -> 3, loose ones -> 0 */
+    snprintf(fail, sizeof(fail), "%s/fail.json", tdir);
+    snprintf(pass, sizeof(pass), "%s/pass.json", tdir);
+    put_file("fail.json", "{\"gates\": {\"error_rate\": {\"max\": 0},"
+                          " \"output_throughput\": {\"min\": 1e9}}}");
+    put_file("pass.json", "{\"gates\": {\"error_rate\": {\"max\": 0}, \"completed\": {\"min\": 4},"
+                          " \"mean_tpot_ms\": {\"min\": 20, \"max\": 500}}}");
+    const char *gate_fail[] = {"--concurrency",
+                               "4",
+                               "--num-prompts",
+                               "4",
+                               "--max-tokens",
+                               "4",
+                               "--prompts",
+                               prompts,
+                               "--metrics-settle-ms",
+                               "0",
+                               "--baseline",
+                               fail,
+                               NULL};
+    rc = run_bench("bench2.log", gate_fail);
+    cr_assert_eq(rc, 3, "failing gate: exit %d", rc);
+    cr_assert(file_has("bench2.log", "FAIL output_throughput", 0),
+              "no FAIL line (log %s/bench2.log)", tdir);
+    cr_assert(file_has("bench2.log", "PASS error_rate", 0));
+    const char *gate_pass[] = {
+        "--concurrency", "4",     "--num-prompts",       "4", "--max-tokens", "4",  "--ignore-eos",
+        "--prompts",     prompts, "--metrics-settle-ms", "0", "--baseline",   pass, NULL};
+    rc = run_bench("bench3.log", gate_pass);
+    cr_assert_eq(rc, 0, "passing gates: exit %d (log %s/bench3.log)", rc, tdir);
+
+    /* a malformed baseline: usage error before any request */
+    put_file("bad.json", "{\"gates\": {\"error_rate\": {\"max\": \"zero\"}}}");
+    char bad[512];
+    snprintf(bad, sizeof(bad), "%s/bad.json", tdir);
+    const char *gate_bad[] = {"--baseline", bad, NULL};
+    cr_assert_eq(run_bench("bench4.log", gate_bad), 2);
+    cr_assert(file_has("bench4.log", "gates.error_rate.max: expected a number", 0));
+    cluster_stop();
+}
+
+Test(bench_serving, chat_poisson_and_no_server, .timeout = 180)
+{
+    cluster_start();
+    char out[512];
+    snprintf(out, sizeof(out), "%s/chat.json", tdir);
+    const char *chat[] = {"--endpoint",
+                          "chat",
+                          "--request-rate",
+                          "50",
+                          "--seed",
+                          "3",
+                          "--num-prompts",
+                          "6",
+                          "--max-tokens",
+                          "5",
+                          "--ignore-eos",
+                          "--random-prompt-len",
+                          "12",
+                          "--json",
+                          out,
+                          "--metrics-settle-ms",
+                          "0",
+                          NULL};
+    int rc = run_bench("chat.log", chat);
+    cr_assert_eq(rc, 0, "exit %d (log %s/chat.log)", rc, tdir);
+    json_t *j = load_json("chat.json");
+    cr_assert_eq(num(j, "completed"), 6);
+    cr_assert_eq(num(j, "total_output_tokens"), 6 * 5);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(j, "config"), "endpoint")),
+                     "chat");
+    json_decref(j);
+    cluster_stop();
+
+    /* nobody listens on the port any more: every request fails with a connect reason */
+    snprintf(out, sizeof(out), "/tmp/duet-bench-none-%d.json", (int)getpid());
+    const char *none[] = {
+        "--model", "m", "--num-prompts", "3", "--json", out, "--metrics-settle-ms", "0", NULL};
+    cr_assert_not_null(mkdtemp(strcpy(tdir, "/tmp/duet-bench-test-XXXXXX")));
+    rc = run_bench("none.log", none);
+    cr_assert_eq(rc, 1, "nothing completed: exit %d", rc);
+    json_error_t e;
+    j = json_load_file(out, 0, &e);
+    cr_assert_not_null(j, "%s", e.text);
+    cr_assert_eq(num(j, "failed"), 3);
+    cr_assert_eq(num(j, "error_rate"), 1);
+    cr_assert(json_is_null(json_object_get(j, "mean_ttft_ms")));
+    json_t *errs = json_object_get(j, "errors");
+    cr_assert(strstr(json_string_value(json_object_get(json_array_get(errs, 0), "reason")),
+                     "connect") != NULL);
+    json_decref(j);
+    unlink(out);
+    cluster_stop();
+}
