@@ -324,6 +324,7 @@ static void usage(FILE *f)
             "  --refuse               answer every Reserve with Refused\n"
             "  --events FILE          append one line per message received\n"
             "  --quiet                no log lines on stderr\n"
+            "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
             "  -h, --help             this text\n",
             DUET_PROTO_VERSION);
 }
@@ -335,7 +336,8 @@ int main(int argc, char **argv)
         {"fingerprint", 1, 0, 'f'}, {"version", 1, 0, 'v'},     {"kv-pages", 1, 0, 'k'},
         {"heartbeat-ms", 1, 0, 'b'}, {"delay-ms", 1, 0, 'd'},   {"die-after", 1, 0, 'x'},
         {"stall-after", 1, 0, 's'}, {"refuse", 0, 0, 'R'},      {"events", 1, 0, 'e'},
-        {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},        {0, 0, 0, 0},
+        {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},        {"model", 1, 0, 'm'},
+        {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
     int c;
@@ -356,6 +358,7 @@ int main(int argc, char **argv)
         case 'R': opt.refuse = 1; break;
         case 'e': opt.events = optarg; break;
         case 'q': opt.quiet = 1; break;
+        case 'm': break; /* workers take the model folder; the fake one has no use for it */
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 1;
         }
