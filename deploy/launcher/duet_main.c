@@ -453,7 +453,10 @@ static void up_shell_quote(duet_strbuf_t *sb, const char *s)
     duet_strbuf_puts(sb, "'");
 }
 
-/* The served model's name from /v1/models (the request must name it); a copy, or NULL. */
+/*
+ * The served model's name from /v1/models (the request must name it); else the model folder's
+ * name, the router's default. A copy, or NULL when out of memory.
+ */
 static char *up_model_name(up_t *up)
 {
     int status = 0;
@@ -469,6 +472,15 @@ static char *up_model_name(up_t *up)
         json_decref(j);
     }
     free(body);
+    if (name == NULL) {
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof(dir), "%s", up->spec->model);
+        size_t l = strlen(dir);
+        while (l > 1 && dir[l - 1] == '/')
+            dir[--l] = '\0';
+        const char *slash = strrchr(dir, '/');
+        name = strdup(slash != NULL ? slash + 1 : dir);
+    }
     return name;
 }
 

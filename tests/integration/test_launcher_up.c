@@ -4,7 +4,9 @@
  * role's `binary:`: --once with 2 ctx + 2 gen answers the sample and exits 0 leaving nothing
  * running; SIGTERM to a foreground launcher stops every child within the grace period and exits
  * 0; a worker that exits at once fails start-up with a message naming it; a SIGKILLed launcher's
- * children die too (PR_SET_PDEATHSIG); --log-dir writes one file per process.
+ * children die too (PR_SET_PDEATHSIG); --log-dir writes one file per process; a worker killed
+ * after start-up is reported while the rest keep serving, or stops everything with
+ * --exit-on-child-death; a missing binary and a busy port are refused before anything starts.
  *
  * "Nothing running" is checked two ways: no process whose command line holds this test's
  * private model folder (every child gets --model DIR), and both router ports refuse connections.
@@ -175,9 +177,18 @@ static int wait_exit(pid_t pid, int ms, uint64_t *took_ms_p)
     }
 }
 
-/* Live processes (not zombies) whose command line holds this test's model folder. */
-static int count_children(void)
+/*
+ * Live processes (not zombies) whose command line holds this test's model folder (every child
+ * gets --model DIR/model; the launcher itself does not), and of those the one named `name`
+ * (--name NAME) when name is not NULL. Returns the count; *pid_p (may be NULL) the last match.
+ */
+static int scan_children(const char *name, pid_t *pid_p)
 {
+    char needle[300];
+    if (name != NULL)
+        snprintf(needle, sizeof(needle), "%s/model --name %s ", dir, name);
+    else
+        snprintf(needle, sizeof(needle), "%s/model", dir);
     DIR *d = opendir("/proc");
     cr_assert_not_null(d);
     int n = 0;
@@ -198,12 +209,27 @@ static int count_children(void)
             if (buf[i] == '\0')
                 buf[i] = ' ';
         buf[r] = '\0';
-        char needle[300]; /* every child has --model DIR/model; the launcher itself does not */
-        snprintf(needle, sizeof(needle), "%s/model", dir);
-        n += strstr(buf, needle) != NULL;
+        if (strstr(buf, needle) != NULL) {
+            n++;
+            if (pid_p != NULL)
+                *pid_p = (pid_t)atoi(e->d_name);
+        }
     }
     closedir(d);
     return n;
+}
+
+static int count_children(void)
+{
+    return scan_children(NULL, NULL);
+}
+
+/* The pid of this test's child named `name`, or -1. */
+static pid_t find_child(const char *name)
+{
+    pid_t pid = -1;
+    scan_children(name, &pid);
+    return pid;
 }
 
 /* Wait until no child of this test is left (up to ms); the number still there. */
@@ -342,4 +368,43 @@ Test(launcher_up, port_in_use_is_refused)
     cr_assert_eq(rc, 2);
     cr_assert_not_null(strstr(read_file("err"), "already listens"), "%s", read_file("err"));
     cr_assert_eq(wait_no_children(3000), 0);
+}
+
+Test(launcher_up, worker_death_after_startup_is_reported_and_the_rest_keep_serving)
+{
+    setup_cluster(1, 2, NULL, NULL);
+    pid_t pid = start_up("--no-sample", NULL, NULL, NULL);
+    cr_assert(wait_output(pid, "duet is up", 30000), "never came up:\n%s", read_file("err"));
+    pid_t gen1 = find_child("gen-1");
+    cr_assert_gt(gen1, 0);
+    kill(gen1, SIGKILL);
+    uint64_t end = now_ms() + 5000;
+    while (strstr(read_file("err"), "gen-1 (") == NULL && now_ms() < end)
+        usleep(20000);
+    cr_assert_not_null(strstr(read_file("err"), "was killed by signal 9 (Killed); the rest keep "
+                                                "running"),
+                       "%s", read_file("err"));
+    usleep(200000);
+    cr_assert_eq(waitpid(pid, NULL, WNOHANG), 0, "the launcher stopped");
+    cr_assert_eq(count_children(), 3, "router + ctx-0 + gen-0 expected");
+    kill(pid, SIGINT);
+    int rc = wait_exit(pid, 15000, NULL);
+    cr_assert_eq(rc, 0, "exit %d:\n%s", rc, read_file("err"));
+    cr_assert_not_null(strstr(read_file("err"), "SIGINT received"));
+    assert_all_gone();
+}
+
+Test(launcher_up, exit_on_child_death_stops_everything)
+{
+    setup_cluster(1, 1, NULL, NULL);
+    pid_t pid = start_up("--no-sample", "--exit-on-child-death", NULL, NULL);
+    cr_assert(wait_output(pid, "duet is up", 30000), "never came up:\n%s", read_file("err"));
+    pid_t ctx0 = find_child("ctx-0");
+    cr_assert_gt(ctx0, 0);
+    kill(ctx0, SIGKILL);
+    int rc = wait_exit(pid, 15000, NULL);
+    cr_assert_eq(rc, 1, "exit %d:\n%s", rc, read_file("err"));
+    cr_assert_not_null(strstr(read_file("err"), "stopping the cluster (--exit-on-child-death)"),
+                       "%s", read_file("err"));
+    assert_all_gone();
 }
