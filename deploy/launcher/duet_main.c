@@ -429,11 +429,11 @@ static duet_status_t up_wait_ready(up_t *up)
             next_progress = now + UP_PROGRESS_EVERY_MS;
         }
         last_up = n_up;
-        uint64_t until = now + UP_HEALTH_EVERY_MS;
-        while (up_now_ms() < until) {
+        uint64_t until = now + UP_HEALTH_EVERY_MS, t;
+        while ((t = up_now_ms()) < until) {
             if (up_watch(up) != DUET_OK)
                 return up->abort;
-            duet_procs_poll(up->ps, (int)(until - up_now_ms()) + 1, -1, 0, NULL);
+            duet_procs_poll(up->ps, (int)(until - t), -1, 0, NULL);
         }
     }
 }
