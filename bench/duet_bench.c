@@ -347,7 +347,7 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
     int c;
     opterr = 0;
     /* '+': stop at the first non-option, so --goodput can take the items that follow it */
-    while ((c = getopt_long(argc, argv, "+h", longopts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "+:h", longopts, NULL)) != -1) {
         const char *a = optarg;
         switch (c) {
         case 'h':
