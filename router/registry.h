@@ -12,8 +12,9 @@
  * connection (logged with the peer address); nothing else is affected.
  *
  * Fingerprint policy. options.fingerprint is what a worker must present. The router computes it
- * from its model folder with duet_registry_model_fingerprint() (sha256 of config.json and the
- * safetensors index or header, the same function a worker runs on its own copy); NULL or ""
+ * from its model folder with duet_model_fingerprint() of common/fingerprint.h (sha256 of
+ * config.json and the safetensors index or header, the same function a worker runs on its own
+ * copy); NULL or ""
  * means "adopt the first accepted worker's fingerprint" (for a router that has no copy of the
  * model), after which every worker must match that one. duet_registry_fingerprint() tells which.
  *
@@ -52,6 +53,12 @@
 
 typedef struct duet_registry duet_registry_t;
 
+/* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-10). */
+typedef struct {
+    uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
+    double   step_seconds;
+} duet_worker_stats_t;
+
 /* A copy of one worker's state, for callbacks and the query API. */
 typedef struct {
     uint64_t id; /* registry-assigned, 1, 2, ...; never reused */
@@ -70,9 +77,12 @@ typedef struct {
     uint32_t inflight;     /* requests the router has on it (duet_registry_inflight_add) */
     uint64_t registered_ms;     /* uv_now at registration */
     uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
+    duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
 } duet_worker_info_t;
 
 typedef void (*duet_registry_worker_cb)(const duet_worker_info_t *w, void *user);
+typedef void (*duet_registry_stats_cb)(const duet_worker_info_t *w,
+                                       const duet_worker_stats_t *delta, void *user);
 typedef void (*duet_registry_down_cb)(const duet_worker_info_t *w, const char *reason, void *user);
 typedef void (*duet_registry_message_cb)(uint64_t worker_id, const Duet__Envelope *env,
                                          void *user);
@@ -90,6 +100,8 @@ typedef struct {
     duet_registry_down_cb on_worker_down;  /* optional: dead, with the reason */
     duet_registry_worker_cb on_worker_state; /* optional: UP <-> DRAINING */
     duet_registry_message_cb on_message;   /* required: request-path bodies */
+    duet_registry_stats_cb on_stats;       /* optional: counter increments per heartbeat (a
+                                              counter that went backwards counts from 0) */
     void *user;
 } duet_registry_options_t;
 
@@ -158,12 +170,5 @@ size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candi
 const char *duet_worker_state_name(duet_worker_state_t state);
 const char *duet_worker_role_name(duet_worker_role_t role);
 
-/*
- * The model fingerprint of folder `dir`: "sha256:" + 64 hex digits over the bytes of
- * config.json, then "\n--\n", then model.safetensors.index.json when present, else the JSON
- * header of model.safetensors. Written to out (cap >= 72). DUET_ERR_IO / DUET_ERR_NOT_FOUND /
- * DUET_ERR_FORMAT with detail naming the file.
- */
-duet_status_t duet_registry_model_fingerprint(const char *dir, char *out, size_t cap);
 
 #endif

@@ -26,6 +26,7 @@
 #include <libgen.h>
 #include <math.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +36,7 @@
 #include <uv.h>
 
 #include "common/config.h"
+#include "common/fingerprint.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -169,6 +171,7 @@ struct rt {
     duet_metrics_t *metrics;
     duet_http_metrics_t http_fams;
     duet_metric_t *m_ttft, *m_tpot, *m_e2e, *m_tok_in, *m_tok_out;
+    duet_metric_t *m_gen_steps, *m_gen_seq_steps, *m_gen_tokens, *m_gen_step_s, *m_prefill_tok;
     duet_metric_family_t *f_workers, *f_results, *f_retries;
 };
 
@@ -619,6 +622,19 @@ static void rt_on_worker_down(const duet_worker_info_t *w, const char *reason, v
     free(v);
     rt_drain_waiters_check(rt, w->id, DUET_ERR_TRANSPORT, what);
     rt_update_capacity(rt);
+}
+
+/* Workers' work counters (heartbeats) become router counters, for duet-bench and dashboards. */
+static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *d, void *user)
+{
+    rt_t *rt = user;
+    if (w->role == DUET_WORKER_ROLE_GEN) {
+        duet_metrics_counter_add(rt->m_gen_steps, (double)d->decode_steps);
+        duet_metrics_counter_add(rt->m_gen_seq_steps, (double)d->decode_seq_steps);
+        duet_metrics_counter_add(rt->m_gen_tokens, (double)d->decoded_tokens);
+        duet_metrics_counter_add(rt->m_gen_step_s, d->step_seconds);
+    }
+    duet_metrics_counter_add(rt->m_prefill_tok, (double)d->prefill_tokens);
 }
 
 static void rt_on_message(uint64_t wid, const Duet__Envelope *env, void *user)
@@ -1216,6 +1232,26 @@ static duet_status_t rt_metrics_init(rt_t *rt)
                                        &f)) < 0)
         return st;
     rt->m_tok_out = duet_metrics_single(f);
+    static const struct {
+        const char *name, *help;
+        size_t      off;
+    } wc[] = {
+        {"duet_gen_decode_steps_total", "generation workers' forward steps that decoded",
+         offsetof(rt_t, m_gen_steps)},
+        {"duet_gen_decode_seq_steps_total",
+         "sum over those steps of the requests decoding in each", offsetof(rt_t, m_gen_seq_steps)},
+        {"duet_gen_decoded_tokens_total", "tokens produced by those steps",
+         offsetof(rt_t, m_gen_tokens)},
+        {"duet_gen_step_seconds_total", "wall time of those steps",
+         offsetof(rt_t, m_gen_step_s)},
+        {"duet_worker_prefill_tokens_total", "prompt tokens prefilled by workers",
+         offsetof(rt_t, m_prefill_tok)},
+    };
+    for (size_t i = 0; i < sizeof(wc) / sizeof(wc[0]); i++) {
+        if ((st = duet_metrics_counter_new(m, wc[i].name, wc[i].help, NULL, 0, &f)) < 0)
+            return st;
+        *(duet_metric_t **)((char *)rt + wc[i].off) = duet_metrics_single(f);
+    }
     if ((st = duet_metrics_gauge_new(m, "duet_router_workers", "registered workers by role and state",
                                      wk, 2, &rt->f_workers)) < 0 ||
         (st = duet_metrics_counter_new(m, "duet_router_request_results_total",
@@ -1284,7 +1320,7 @@ int main(int argc, char **argv)
         goto out;
     }
     if (fp_cfg == NULL || fp_cfg[0] == '\0') {
-        if ((st = duet_registry_model_fingerprint(dir, fingerprint, sizeof(fingerprint))) < 0) {
+        if ((st = duet_model_fingerprint(dir, fingerprint, sizeof(fingerprint))) < 0) {
             fprintf(stderr, "duet-router: model fingerprint: %s\n", duet_error_last());
             goto out;
         }
@@ -1334,6 +1370,7 @@ int main(int argc, char **argv)
     ro.on_worker_down       = rt_on_worker_down;
     ro.on_worker_state      = rt_on_worker_state;
     ro.on_message           = rt_on_message;
+    ro.on_stats             = rt_on_stats;
     ro.user                 = rt;
     if ((st = duet_registry_start(rt->loop, &ro, &rt->reg)) < 0) {
         fprintf(stderr, "duet-router: %s\n", duet_error_last());

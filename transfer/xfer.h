@@ -12,7 +12,8 @@
  *   duet_xfer_recv_reserve() takes the request's destination pages and KDA slot (which the owner
  *   already took from its pools) and a deadline, and produces the Reservation (worker address,
  *   rkeys, pool bases, layout, pages, deadline) that travels to the sender through the router.
- *   The transfer is then RESERVED -> RECEIVING (the sender said hello) -> DONE | ABORTED, and the
+ *   The transfer is then RESERVED -> RECEIVING (the sender said hello; a later hello from another
+ *   sender replaces it: a prefill retried elsewhere rewrites every byte) -> DONE | ABORTED, and the
  *   owner's callback is told exactly one outcome: DONE once the sender's completion message came
  *   (byte count checked, checksum verified when sent), or ABORTED with a reason: the sender's
  *   abort message, the deadline, a bad completion, the owner's cancel, or shutdown. A sender that

@@ -292,7 +292,11 @@ void duet__xfer_recv_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void 
     }
     duet__xfer_t *x = duet__xfer_find(ctx, DUET_XFER_ROLE_RECV, id);
     if (kind == DUET__XFER_AM_HELLO) {
-        if (x == NULL || x->state != DUET__X_RESERVED || len == 0 || len > DUET__XFER_ADDR_MAX) {
+        /* A hello while RECEIVING is a replacement sender: the router prefills a request once
+         * more on another context worker when the first one died or gave up mid-transfer; the
+         * new sender rewrites every byte, and the abort address becomes the new one. */
+        if (x == NULL || (x->state != DUET__X_RESERVED && x->state != DUET__X_RECEIVING) ||
+            len == 0 || len > DUET__XFER_ADDR_MAX) {
             DUET_LOG_INFO("xfer: hello for transfer %016llx refused (%s)",
                           (unsigned long long)id, x == NULL ? "unknown or ended" : "bad state");
             if (reply_ep != NULL)

@@ -6,6 +6,8 @@
  * on_message, and the fingerprint hash against NIST vectors.
  */
 #include <criterion/criterion.h>
+
+#include "common/fingerprint.h"
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -21,7 +23,6 @@
 #include "proto/frame.h"
 #include "router/registry.h"
 
-void duet__registry_sha256(const void *data, size_t len, uint8_t out[32]);
 
 /* ---------------------------------------------------------------- the loop thread */
 
@@ -485,24 +486,24 @@ Test(registry, sha256_nist_vectors_and_model_fingerprint, .timeout = 20)
 {
     uint8_t d[32];
     char    hex[65];
-    duet__registry_sha256("abc", 3, d);
+    duet__sha256("abc", 3, d);
     for (int i = 0; i < 32; i++)
         sprintf(hex + 2 * i, "%02x", d[i]);
     cr_assert_str_eq(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     const char *two = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
-    duet__registry_sha256(two, strlen(two), d);
+    duet__sha256(two, strlen(two), d);
     for (int i = 0; i < 32; i++)
         sprintf(hex + 2 * i, "%02x", d[i]);
     cr_assert_str_eq(hex, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
 
     char fp1[80], fp2[80];
-    cr_assert_eq(duet_registry_model_fingerprint(DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32",
+    cr_assert_eq(duet_model_fingerprint(DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32",
                                                  fp1, sizeof(fp1)), DUET_OK, "%s", duet_error_last());
     cr_assert_eq(strncmp(fp1, "sha256:", 7), 0);
     cr_assert_eq(strlen(fp1), 71);
-    cr_assert_eq(duet_registry_model_fingerprint(
+    cr_assert_eq(duet_model_fingerprint(
                      DUET_SOURCE_DIR "/tests/fixtures/mla-first-bf16-sharded-hub", fp2, sizeof(fp2)),
                  DUET_OK);
     cr_assert_str_neq(fp1, fp2);
-    cr_assert_eq(duet_registry_model_fingerprint("/nonexistent", fp2, sizeof(fp2)), DUET_ERR_IO);
+    cr_assert_eq(duet_model_fingerprint("/nonexistent", fp2, sizeof(fp2)), DUET_ERR_IO);
 }
