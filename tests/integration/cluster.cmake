@@ -1,0 +1,5 @@
+# The cluster end to end: duet-router + duet-ctx + duet-gen on loopback with the demo model,
+# against duet-generate (tests/integration/test_cluster.c).
+duet_add_test(test_cluster SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_cluster.c
+              LIBS PkgConfig::JANSSON Threads::Threads TIMEOUT 900)
+add_dependencies(test_cluster duet-router duet-ctx duet-gen duet-generate)

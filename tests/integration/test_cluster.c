@@ -1,0 +1,699 @@
+/*
+ * The cluster end to end: duet-router + duet-ctx + duet-gen processes on loopback serving the
+ * bundled demo model (models/duet-demo), against duet-generate as the reference.
+ *
+ *   greedy_32_concurrent_equal_duet_generate  32 concurrent requests of mixed lengths (prompts
+ *        over many KV pages, ctx pages of 16 tokens into gen pages of 32, prompts cut in several
+ *        prefill chunks, and short ones prefilled on the gen worker itself) give exactly
+ *        duet-generate's text and token count; every prompt token is prefilled exactly once
+ *        (router metric); afterwards every page is back on every worker (admin API)
+ *   client_cancel_frees_pages_on_both_workers  a client that goes away mid-prefill and one that
+ *        goes away mid-stream: both workers end up with all pages free and nothing running
+ *   ctx_killed_during_prefill_is_retried  kill -9 of the context worker that is prefilling:
+ *        the request is prefilled again on the other one and still equals duet-generate;
+ *        with no other context worker it fails with a clear error; no pages leak
+ *   gen_killed_fails_its_requests_router_stays_healthy  kill -9 of a generation worker mid-stream:
+ *        its requests end with a clear error, the other worker's complete, /health stays 200 and
+ *        new requests succeed
+ *   drain_under_load_loses_nothing  draining a generation worker while 12 requests run: all
+ *        complete correctly, drain --wait returns, new requests avoid the drained worker
+ *
+ * Every process runs with one compute thread so the suite fits the 2-core CI machine.
+ */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ROUTER   DUET_BINARY_DIR "/router/duet-router"
+#define CTX      DUET_BINARY_DIR "/ctx_worker/duet-ctx"
+#define GEN      DUET_BINARY_DIR "/gen_worker/duet-gen"
+#define GENERATE DUET_BINARY_DIR "/engine/duet-generate"
+#define MODEL    DUET_SOURCE_DIR "/models/duet-demo"
+
+#define CTX_PAGES 400 /* 16-token pages */
+#define GEN_PAGES 300 /* 32-token pages */
+#define LOCAL_BELOW 24
+#define CHUNK       64
+
+static char  dir[256];
+static int   http_port, worker_port, admin_port;
+static pid_t pids[16];
+static char  names[16][32];
+static int   n_pids;
+
+/* ---------------------------------------------------------------- processes and HTTP */
+
+static int free_port(void)
+{
+    int                fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a  = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t l = sizeof(a);
+    getsockname(fd, (struct sockaddr *)&a, &l);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static pid_t spawn(const char *name, char *const argv[])
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        char path[512];
+        snprintf(path, sizeof(path), "%s/%s.log", dir, name);
+        int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        setenv("DUET_LOG_LEVEL", "info", 1);
+        setenv("UCX_TLS", "tcp,self,sm", 1); /* tcp: dead peers are detected, not only timed out */
+        setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    snprintf(names[n_pids], sizeof(names[0]), "%s", name);
+    pids[n_pids++] = pid;
+    return pid;
+}
+
+static pid_t pid_of(const char *name)
+{
+    for (int i = 0; i < n_pids; i++)
+        if (strcmp(names[i], name) == 0)
+            return pids[i];
+    return -1;
+}
+
+/* Open a connection and send one request; returns the fd (or -1). */
+static int http_send(int port, const char *method, const char *path, const char *body)
+{
+    int                fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        close(fd);
+        return -1;
+    }
+    size_t blen = body != NULL ? strlen(body) : 0;
+    char  *req  = malloc(blen + 512);
+    int    n    = snprintf(req, blen + 512,
+                           "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                           "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                           method, path, blen, body != NULL ? body : "");
+    ssize_t w   = write(fd, req, (size_t)n);
+    free(req);
+    if (w != n) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Read the whole response (until close or timeout_ms of silence) into out. Returns the status. */
+static int http_recv(int fd, char *out, size_t cap, int timeout_ms)
+{
+    size_t at = 0;
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, timeout_ms) <= 0)
+            break;
+        ssize_t r = read(fd, out + at, cap - 1 - at);
+        if (r <= 0)
+            break;
+        at += (size_t)r;
+    }
+    out[at] = '\0';
+    close(fd);
+    int status = -1;
+    sscanf(out, "HTTP/1.1 %d", &status);
+    return status;
+}
+
+static int http(int port, const char *method, const char *path, const char *body, char *out,
+                size_t cap)
+{
+    int fd = http_send(port, method, path, body);
+    if (fd < 0)
+        return -1;
+    return http_recv(fd, out, cap, 120000);
+}
+
+static const char *body_of(const char *resp)
+{
+    const char *b = strstr(resp, "\r\n\r\n");
+    return b != NULL ? b + 4 : "";
+}
+
+/* Admin API: sum of running over workers and whether every live worker has all its pages. */
+static int workers_idle(int expect_workers)
+{
+    static char buf[65536];
+    if (http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf)) != 200)
+        return 0;
+    json_error_t e;
+    json_t      *o = json_loads(body_of(buf), 0, &e);
+    json_t      *a = json_is_array(o) ? o : json_object_get(o, "workers");
+    int          ok = json_is_array(a), live = 0;
+    for (size_t i = 0; ok && i < json_array_size(a); i++) {
+        json_t     *w     = json_array_get(a, i);
+        const char *state = json_string_value(json_object_get(w, "state"));
+        const char *role  = json_string_value(json_object_get(w, "role"));
+        if (state == NULL || strcmp(state, "dead") == 0)
+            continue;
+        live++;
+        json_t *load  = json_object_get(w, "load");
+        int     pages = (int)json_integer_value(json_object_get(load, "free_pages"));
+        int     run   = (int)json_integer_value(json_object_get(load, "running"));
+        int     want  = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : GEN_PAGES;
+        if (pages != want || run != 0)
+            ok = 0;
+    }
+    json_decref(o);
+    return ok && live == expect_workers;
+}
+
+static void wait_idle(int expect_workers, int ms)
+{
+    uint64_t end = now_ms() + (uint64_t)ms;
+    while (now_ms() < end) {
+        if (workers_idle(expect_workers))
+            return;
+        usleep(50000);
+    }
+    static char buf[65536];
+    http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf));
+    cr_assert(0, "workers did not return every page within %d ms: %s", ms, body_of(buf));
+}
+
+static int wait_workers(int n_up, int ms)
+{
+    static char buf[65536];
+    uint64_t    end = now_ms() + (uint64_t)ms;
+    while (now_ms() < end) {
+        if (http(http_port, "GET", "/health", NULL, buf, sizeof(buf)) == 200) {
+            json_t *o   = json_loads(body_of(buf), 0, NULL);
+            int     got = (int)(json_integer_value(json_object_get(o, "gen_workers")) +
+                              json_integer_value(json_object_get(o, "ctx_workers")));
+            json_decref(o);
+            if (got == n_up)
+                return 1;
+        }
+        usleep(50000);
+    }
+    return 0;
+}
+
+static void start_cluster(int n_ctx, int n_gen)
+{
+    char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
+    cr_assert_not_null(mkdtemp(tmpl));
+    snprintf(dir, sizeof(dir), "%s", tmpl);
+    http_port   = free_port();
+    worker_port = free_port();
+    admin_port  = free_port();
+    char hp[16], wp[16], ap[16], lp[16], rt[64];
+    snprintf(hp, sizeof(hp), "%d", http_port);
+    snprintf(wp, sizeof(wp), "%d", worker_port);
+    snprintf(ap, sizeof(ap), "%d", admin_port);
+    snprintf(lp, sizeof(lp), "%d", LOCAL_BELOW);
+    snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
+    char *rargv[] = {ROUTER, "--model", MODEL, "--http.port", hp, "--workers.port", wp,
+                     "--admin.port", ap, "--admin.insecure-no-token",
+                     "--placement.local_prefill_tokens", lp, "--placement.policy", "round_robin",
+                     "--workers.heartbeat-timeout-ms", "5000", "--admission.max_inflight", "64",
+                     NULL};
+    spawn("router", rargv);
+    for (int i = 0; i < n_ctx; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "ctx-%d", i);
+        char *argv[] = {CTX, "--router", rt, "--model", MODEL, "--name", name, "--threads", "1",
+                        "--cache.page_tokens", "16", "--cache.kv_pages", "400",
+                        "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
+                        "--batch.max_seqs", "8", "--heartbeat_ms", "100", "--transfer.checksum",
+                        NULL};
+        spawn(name, argv);
+    }
+    for (int i = 0; i < n_gen; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "gen-%d", i);
+        char *argv[] = {GEN, "--router", rt, "--model", MODEL, "--name", name, "--threads", "1",
+                        "--cache.page_tokens", "32", "--cache.kv_pages", "300",
+                        "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
+                        "--batch.max_seqs", "40", "--heartbeat_ms", "100",
+                        "--cache.quarantine_ms", "500", NULL};
+        spawn(name, argv);
+    }
+    cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
+}
+
+static void stop_all(void)
+{
+    for (int i = n_pids - 1; i >= 0; i--) {
+        kill(pids[i], SIGTERM);
+        int st;
+        for (int k = 0; k < 150 && waitpid(pids[i], &st, WNOHANG) == 0; k++)
+            usleep(20000);
+        kill(pids[i], SIGKILL);
+        waitpid(pids[i], &st, 0);
+    }
+    n_pids = 0;
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    if (getenv("DUET_KEEP_TEST_DIR") == NULL && system(cmd) != 0)
+        cr_log_warn("could not remove %s", dir);
+}
+
+/* ---------------------------------------------------------------- prompts and references */
+
+static const char *const corpus =
+    "In the beginning God created the heaven and the earth. And the earth was without form, "
+    "and void; and darkness was upon the face of the deep. And the Spirit of God moved upon the "
+    "face of the waters. And God said, Let there be light: and there was light. And God saw the "
+    "light, that it was good: and God divided the light from the darkness. And God called the "
+    "light Day, and the darkness he called Night. And the evening and the morning were the first "
+    "day. And God said, Let there be a firmament in the midst of the waters, and let it divide "
+    "the waters from the waters. And God made the firmament, and divided the waters which were "
+    "under the firmament from the waters which were above the firmament: and it was so.";
+
+typedef struct {
+    char    prompt[1024];
+    int     max_tokens;
+    char   *want_text; /* duet-generate's */
+    int     want_tokens;
+    char   *got_text;
+    int     got_tokens;
+    int     status;
+    int     stream;
+    int     ignore_eos;
+} job_t;
+
+static void prompt_of(job_t *j, int i, int len, int max_tokens)
+{
+    size_t n   = strlen(corpus);
+    size_t off = ((size_t)i * 53) % (n - 1);
+    size_t at  = 0;
+    for (int k = 0; k < len; k++)
+        j->prompt[at++] = corpus[(off + (size_t)k) % n];
+    j->prompt[at]  = '\0';
+    j->max_tokens  = max_tokens;
+}
+
+/* JSON-escape s into out. */
+static void json_str(const char *s, char *out, size_t cap)
+{
+    json_t *v = json_string(s);
+    char   *t = json_dumps(v, JSON_ENCODE_ANY);
+    snprintf(out, cap, "%s", t);
+    free(t);
+    json_decref(v);
+}
+
+/* duet-generate's greedy continuation (same prefill chunk as the workers). */
+static void reference(job_t *j)
+{
+    char outpath[512], mt[16];
+    snprintf(outpath, sizeof(outpath), "%s/ref.json", dir);
+    snprintf(mt, sizeof(mt), "%d", j->max_tokens);
+    pid_t p = fork();
+    cr_assert_geq(p, 0);
+    if (p == 0) {
+        int fd = open(outpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1);
+        int nul = open("/dev/null", O_WRONLY);
+        dup2(nul, 2);
+        execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
+              "--prefill-chunk", "64", "--threads", "1", "--json",
+              j->ignore_eos ? "--ignore-eos" : (char *)NULL, (char *)NULL);
+        _exit(127);
+    }
+    int st;
+    waitpid(p, &st, 0);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "duet-generate failed");
+    json_error_t e;
+    json_t      *o = json_load_file(outpath, 0, &e);
+    cr_assert_not_null(o, "duet-generate output: %s", e.text);
+    j->want_text   = strdup(json_string_value(json_object_get(o, "text")));
+    j->want_tokens = (int)json_array_size(json_object_get(o, "tokens"));
+    json_decref(o);
+}
+
+/* Concatenate the "text" of every SSE chunk; the usage chunk gives completion_tokens. */
+static void parse_sse(job_t *j, const char *body)
+{
+    size_t cap = strlen(body) + 1, at = 0;
+    j->got_text = calloc(1, cap);
+    for (const char *p = strstr(body, "data: "); p != NULL; p = strstr(p, "data: ")) {
+        p += 6;
+        const char *e = strstr(p, "\n\n");
+        if (e == NULL)
+            break;
+        if (strncmp(p, "[DONE]", 6) != 0) {
+            json_t *o = json_loadb(p, (size_t)(e - p), 0, NULL);
+            json_t *c = json_array_get(json_object_get(o, "choices"), 0);
+            const char *t = json_string_value(json_object_get(c, "text"));
+            if (t != NULL) {
+                memcpy(j->got_text + at, t, strlen(t));
+                at += strlen(t);
+            }
+            const char *err = json_string_value(
+                json_object_get(json_object_get(o, "error"), "message"));
+            if (err != NULL) { /* an error event ends a started stream */
+                j->got_text = realloc(j->got_text, cap += strlen(err) + 16);
+                at += (size_t)sprintf(j->got_text + at, "\n[error] %s", err);
+            }
+            json_t *u = json_object_get(o, "usage");
+            if (json_is_object(u))
+                j->got_tokens = (int)json_integer_value(json_object_get(u, "completion_tokens"));
+            json_decref(o);
+        }
+        p = e;
+    }
+}
+
+static void *run_job(void *arg)
+{
+    job_t *j = arg;
+    char   ps[2048];
+    json_str(j->prompt, ps, sizeof(ps));
+    char body[4096];
+    snprintf(body, sizeof(body),
+             "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0%s%s}",
+             ps, j->max_tokens,
+             j->stream ? ",\"stream\":true,\"stream_options\":{\"include_usage\":true}" : "",
+             j->ignore_eos ? ",\"ignore_eos\":true" : "");
+    static __thread char resp[1 << 20];
+    j->status = http(http_port, "POST", "/v1/completions", body, resp, sizeof(resp));
+    if (j->status != 200) {
+        j->got_text = strdup(resp);
+        return NULL;
+    }
+    if (j->stream) {
+        parse_sse(j, body_of(resp));
+        return NULL;
+    }
+    json_t *o   = json_loads(body_of(resp), 0, NULL);
+    json_t *c   = json_array_get(json_object_get(o, "choices"), 0);
+    const char *t = json_string_value(json_object_get(c, "text"));
+    j->got_text   = strdup(t != NULL ? t : "(no text)");
+    j->got_tokens = (int)json_integer_value(
+        json_object_get(json_object_get(o, "usage"), "completion_tokens"));
+    json_decref(o);
+    return NULL;
+}
+
+static double metric(const char *name)
+{
+    static char buf[1 << 18];
+    if (http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)) != 200)
+        return -1;
+    char pat[128];
+    snprintf(pat, sizeof(pat), "\n%s ", name);
+    const char *p = strstr(buf, pat);
+    return p != NULL ? atof(p + strlen(pat)) : -1;
+}
+
+static void check_job(const job_t *j, int i)
+{
+    cr_expect_eq(j->status, 200, "request %d: HTTP %d: %s", i, j->status, j->got_text);
+    cr_expect_str_eq(j->got_text, j->want_text,
+                     "request %d (%zu-byte prompt, max_tokens %d): cluster text differs from "
+                     "duet-generate's", i, strlen(j->prompt), j->max_tokens);
+    cr_expect_eq(j->got_tokens, j->want_tokens, "request %d: token count", i);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
+{
+    static const int lens[] = {3,   9,   15,  20,  22,  25,  31,  40,  63,  64,  65,
+                               90,  127, 128, 129, 150, 200, 255, 256, 257, 300, 333,
+                               400, 450, 500, 511, 520, 5,   12,  18,  70,  140};
+    enum { N = 32 };
+    static job_t jobs[N];
+    start_cluster(2, 2);
+    uint64_t prompt_tokens = 0;
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, lens[i], 8 + (i * 7) % 41);
+        jobs[i].stream = i % 3 == 0;
+        reference(&jobs[i]);
+        prompt_tokens += (uint64_t)lens[i] + 1; /* + BOS */
+    }
+    double    before = metric("duet_worker_prefill_tokens_total");
+    pthread_t th[N];
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++)
+        check_job(&jobs[i], i);
+    wait_idle(4, 10000);
+    usleep(400000); /* a heartbeat carries the last counters */
+    double after = metric("duet_worker_prefill_tokens_total");
+    cr_expect_eq((uint64_t)(after - before), prompt_tokens,
+                 "every prompt token is prefilled exactly once (on a ctx or, for short prompts, "
+                 "the gen worker): %.0f vs %llu", after - before,
+                 (unsigned long long)prompt_tokens);
+    cr_expect_gt(metric("duet_gen_decode_steps_total"), 0);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    stop_all();
+}
+
+Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
+{
+    static char buf[1 << 16];
+    start_cluster(1, 1);
+    /* mid-prefill: a long prompt, the client leaves right after sending it */
+    char prompt[4000], ps[8192], body[9000];
+    for (int i = 0; i < 3000; i++)
+        prompt[i] = corpus[i % strlen(corpus)];
+    prompt[3000] = '\0';
+    json_str(prompt, ps, sizeof(ps));
+    snprintf(body, sizeof(body),
+             "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":200,\"stream\":true}", ps);
+    int fd = http_send(http_port, "POST", "/v1/completions", body);
+    cr_assert_geq(fd, 0);
+    usleep(1500000); /* the ctx worker is prefilling 3000 tokens at ~400/s */
+    close(fd);
+    wait_idle(2, 15000);
+    /* mid-stream: read a few chunks, then leave */
+    snprintf(body, sizeof(body),
+             "{\"model\":\"duet-demo\",\"prompt\":\"And God said, Let there be\",\"max_tokens\":"
+             "3000,\"ignore_eos\":true,\"stream\":true}");
+    fd = http_send(http_port, "POST", "/v1/completions", body);
+    cr_assert_geq(fd, 0);
+    size_t   at  = 0;
+    uint64_t end = now_ms() + 20000;
+    int      chunks = 0;
+    while (chunks < 10 && now_ms() < end) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 1000) <= 0)
+            continue;
+        ssize_t r = read(fd, buf + at, sizeof(buf) - 1 - at);
+        cr_assert_gt(r, 0);
+        at += (size_t)r;
+        buf[at] = '\0';
+        chunks  = 0;
+        for (const char *q = strstr(buf, "data: "); q != NULL; q = strstr(q + 1, "data: "))
+            chunks++;
+    }
+    cr_assert_geq(chunks, 10, "the stream started: %s", buf);
+    close(fd);
+    wait_idle(2, 15000);
+    /* and the cluster still answers */
+    job_t j = {0};
+    prompt_of(&j, 7, 100, 20);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+}
+
+/* Wait until a ctx worker reports a running prefill; returns its name's index or -1. */
+static int busy_ctx(int n_ctx, int ms)
+{
+    static char buf[65536];
+    uint64_t    end = now_ms() + (uint64_t)ms;
+    while (now_ms() < end) {
+        if (http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf)) == 200) {
+            json_t *o = json_loads(body_of(buf), 0, NULL);
+            json_t *a = json_is_array(o) ? o : json_object_get(o, "workers");
+            for (size_t i = 0; i < json_array_size(a); i++) {
+                json_t     *w    = json_array_get(a, i);
+                const char *name  = json_string_value(json_object_get(w, "name"));
+                const char *state = json_string_value(json_object_get(w, "state"));
+                if (state == NULL || strcmp(state, "dead") == 0)
+                    continue;
+                int run = (int)json_integer_value(json_object_get(json_object_get(w, "load"),
+                                                                  "running"));
+                if (name != NULL && strncmp(name, "ctx-", 4) == 0 && run > 0) {
+                    int idx = atoi(name + 4);
+                    json_decref(o);
+                    return idx < n_ctx ? idx : -1;
+                }
+            }
+            json_decref(o);
+        }
+        usleep(20000);
+    }
+    return -1;
+}
+
+Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
+{
+    start_cluster(2, 1);
+    job_t j = {0};
+    prompt_of(&j, 3, 900, 16); /* ~2 s of prefill on one thread */
+    reference(&j);
+    pthread_t th;
+    pthread_create(&th, NULL, run_job, &j);
+    int victim = busy_ctx(2, 10000);
+    cr_assert_geq(victim, 0, "no ctx worker took the prefill");
+    char name[16];
+    snprintf(name, sizeof(name), "ctx-%d", victim);
+    usleep(300000);
+    kill(pid_of(name), SIGKILL);
+    pthread_join(th, NULL);
+    check_job(&j, 0); /* prefilled again on the other ctx worker, same tokens */
+    free(j.want_text);
+    free(j.got_text);
+    wait_idle(2, 15000); /* the gen worker and the surviving ctx worker hold nothing */
+
+    /* now the last ctx worker dies during a prefill: a clear error, nothing leaks */
+    job_t k = {0};
+    prompt_of(&k, 4, 900, 16);
+    pthread_create(&th, NULL, run_job, &k);
+    int last = busy_ctx(2, 10000);
+    cr_assert_geq(last, 0);
+    usleep(300000);
+    snprintf(name, sizeof(name), "ctx-%d", last);
+    kill(pid_of(name), SIGKILL);
+    pthread_join(th, NULL);
+    cr_expect_eq(k.status, 502, "HTTP %d: %s", k.status, k.got_text);
+    cr_expect(strstr(k.got_text, "prefill failed") != NULL, "a clear error: %s", k.got_text);
+    free(k.got_text);
+    wait_idle(1, 15000);
+    stop_all();
+}
+
+Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
+{
+    enum { N = 8 };
+    static job_t jobs[N];
+    start_cluster(1, 2);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, 30 + i * 10, 300);
+        jobs[i].stream     = 1;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    usleep(800000);
+    kill(pid_of("gen-0"), SIGKILL);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    int ok = 0, failed = 0;
+    for (int i = 0; i < N; i++) {
+        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
+            jobs[i].got_tokens == jobs[i].want_tokens) {
+            ok++;
+        } else {
+            failed++;
+            /* a stream that had started ends with an error event naming the lost worker;
+             * one that had not got a 502 */
+            cr_expect(strstr(jobs[i].got_text, "gen-0") != NULL ||
+                          strstr(jobs[i].got_text, "lost") != NULL ||
+                          strstr(jobs[i].got_text, "502") != NULL,
+                      "request %d failed without naming the lost worker: %.300s", i,
+                      jobs[i].got_text);
+        }
+    }
+    cr_expect_gt(ok, 0, "requests on the surviving worker completed");
+    cr_expect_gt(failed, 0, "requests on the killed worker failed");
+    static char buf[4096];
+    cr_expect_eq(http(http_port, "GET", "/health", NULL, buf, sizeof(buf)), 200, "%s", buf);
+    job_t j = {0};
+    prompt_of(&j, 11, 120, 24);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    wait_idle(2, 15000);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+}
+
+Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
+{
+    enum { N = 12 };
+    static job_t jobs[N];
+    static char  buf[65536];
+    start_cluster(1, 2);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + 40, 20 + i * 17, 120);
+        jobs[i].stream = i % 2;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    usleep(700000);
+    uint64_t t0 = now_ms();
+    int      st = http(admin_port, "POST", "/admin/workers/gen-0/drain?wait=1", "", buf,
+                       sizeof(buf));
+    cr_expect_eq(st, 200, "drain --wait: %s", buf);
+    cr_log_info("drain took %llu ms", (unsigned long long)(now_ms() - t0));
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++)
+        check_job(&jobs[i], i);
+    /* new work goes to gen-1 only */
+    job_t j = {0};
+    prompt_of(&j, 5, 60, 16);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf));
+    cr_expect(strstr(buf, "draining") != NULL, "gen-0 stays draining: %s", body_of(buf));
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+}

@@ -1,0 +1,296 @@
+/* What duet-ctx and duet-gen share; see worker/worker.h. */
+#include "worker/worker.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/fingerprint.h"
+
+#include "common/log.h"
+
+void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
+{
+    duet_model_opts_default(o);
+    o->n_threads        = (int)duet_config_get_int(cfg, "threads");
+    o->max_batch_tokens = duet_config_get_int(cfg, "batch.max_tokens");
+    o->max_seqs         = duet_config_get_int(cfg, "batch.max_seqs");
+    o->max_seq_len      = duet_config_get_int(cfg, "cache.max_seq_len");
+    o->page_tokens      = duet_config_get_int(cfg, "cache.page_tokens");
+    o->kv_pages         = duet_config_get_int(cfg, "cache.kv_pages");
+}
+
+void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
+{
+    const duet_model_config_t *c   = duet_model_config(m);
+    duet_kv_pool_t            *kv  = duet_model_kv_pool(m);
+    duet_kda_pool_t           *kda = duet_model_kda_pool(m);
+    memset(l, 0, sizeof(*l));
+    l->page_tokens = (uint32_t)duet_model_opts(m)->page_tokens;
+    if (kv != NULL) {
+        const duet_kv_pool_desc_t *d = duet_kv_pool_desc(kv);
+        l->n_mla_layers              = (uint32_t)d->n_layers;
+        l->token_bytes = (uint32_t)(d->token_dim * (int64_t)duet_dtype_size(d->dtype));
+    } else {
+        l->token_bytes = (uint32_t)((c->kv_lora_rank + c->qk_rope_head_dim) * 4);
+    }
+    l->state_elem = 4;
+    if (kda != NULL) {
+        const duet_kda_pool_desc_t *d = duet_kda_pool_desc(kda);
+        l->n_kda_layers               = (uint32_t)d->n_layers;
+        l->kda_heads                  = (uint32_t)d->heads;
+        l->kda_head_dim               = (uint32_t)d->head_dim;
+        l->conv_kernel                = (uint32_t)d->conv_kernel;
+    } else {
+        l->kda_heads    = 1;
+        l->kda_head_dim = 1;
+        l->conv_kernel  = 1;
+    }
+}
+
+/* ---- UCX on the loop ------------------------------------------------------------------ */
+
+static void pump_progress(duet_xfer_pump_t *p)
+{
+    while (duet_xfer_ctx_progress(p->x) > 0) {
+    }
+}
+
+static void pump_on_timer(uv_timer_t *t)
+{
+    pump_progress(t->data);
+}
+
+static void pump_on_poll(uv_poll_t *h, int status, int events)
+{
+    pump_progress(h->data);
+}
+
+/* Before the loop sleeps: drain UCX, arm its fd, and wake at its next deadline. */
+static void pump_on_prepare(uv_prepare_t *h)
+{
+    duet_xfer_pump_t *p = h->data;
+    for (int i = 0; i < 64; i++) {
+        pump_progress(p);
+        if (duet_xfer_ctx_arm(p->x) == DUET_OK)
+            break;
+    }
+    int ms = duet_xfer_ctx_timeout_ms(p->x);
+    if (ms >= 0)
+        uv_timer_start(&p->timer, pump_on_timer, (uint64_t)ms, 0);
+    else
+        uv_timer_stop(&p->timer);
+}
+
+duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfer_pump_t *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->x   = x;
+    int rc = uv_poll_init(loop, &p->poll, duet_xfer_ctx_fd(x));
+    if (rc == 0)
+        rc = uv_prepare_init(loop, &p->prep);
+    if (rc == 0)
+        rc = uv_timer_init(loop, &p->timer);
+    if (rc < 0)
+        return duet_error_set(DUET_ERR_IO, "libuv: %s", uv_strerror(rc));
+    p->poll.data  = p;
+    p->prep.data  = p;
+    p->timer.data = p;
+    uv_poll_start(&p->poll, UV_READABLE, pump_on_poll);
+    uv_prepare_start(&p->prep, pump_on_prepare);
+    return DUET_OK;
+}
+
+void duet_xfer_pump_stop(duet_xfer_pump_t *p)
+{
+    if (!uv_is_closing((uv_handle_t *)&p->poll)) {
+        uv_close((uv_handle_t *)&p->poll, NULL);
+        uv_close((uv_handle_t *)&p->prep, NULL);
+        uv_close((uv_handle_t *)&p->timer, NULL);
+    }
+}
+
+/* ---- messages ------------------------------------------------------------------------- */
+
+void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
+                             int finish, const char *error)
+{
+    Duet__Tokens t     = DUET__TOKENS__INIT;
+    t.request_id       = rid;
+    t.ids              = (uint32_t *)ids;
+    t.n_ids            = n;
+    t.finish_reason    = finish;
+    t.error            = (char *)(error != NULL ? error : "");
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case      = DUET__ENVELOPE__BODY_TOKENS;
+    env.tokens         = &t;
+    if (duet_link_send(link, &env) < 0)
+        DUET_RLOG_WARN(rid, "tokens not sent: %s", duet_error_last());
+}
+
+void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reason,
+                              uint32_t retry_after_ms)
+{
+    Duet__Refused r    = DUET__REFUSED__INIT;
+    r.request_id       = rid;
+    r.reason           = (char *)reason;
+    r.retry_after_ms   = retry_after_ms;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case      = DUET__ENVELOPE__BODY_REFUSED;
+    env.refused        = &r;
+    if (duet_link_send(link, &env) < 0)
+        DUET_RLOG_WARN(rid, "refusal not sent: %s", duet_error_last());
+}
+
+double duet_worker_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- start-up and the loop ------------------------------------------------------------ */
+
+int duet_worker_configure(const duet_config_key_t *keys, size_t n_keys, int argc, char **argv,
+                          const char *prog, const char *usage, duet_config_t **cfg_p)
+{
+    duet_config_t *cfg   = NULL;
+    int            n_pos = 0;
+    duet_status_t  st    = duet_config_create(keys, n_keys, &cfg);
+    if (st == DUET_OK)
+        st = duet_config_load_all(cfg, argc, argv, &n_pos);
+    if (st == DUET_OK && duet_config_help_requested(cfg)) {
+        char *text = NULL;
+        if (duet_config_help(cfg, usage, &text) == DUET_OK)
+            fputs(text, stdout);
+        free(text);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK && n_pos > 0)
+        st = duet_error_set(DUET_ERR_INVALID, "unexpected argument '%s' (see --help)", argv[1]);
+    if (st == DUET_OK)
+        st = duet_config_check_required(cfg);
+    if (st != DUET_OK) {
+        fprintf(stderr, "%s: %s\n", prog, duet_error_last());
+        duet_config_destroy(cfg);
+        return 2;
+    }
+    duet_config_log(cfg);
+    *cfg_p = cfg;
+    return -1;
+}
+
+static void rt_on_closed(const char *reason, void *user)
+{
+    duet_worker_rt_stop(user, reason);
+}
+
+static void rt_on_signal(uv_signal_t *s, int signum)
+{
+    duet_worker_rt_stop(s->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const duet_config_t *cfg,
+                                   Duet__WorkerRole role, duet_model_t *m, uv_timer_cb tick,
+                                   uv_idle_cb step, duet_link_message_cb on_message)
+{
+    memset(rt, 0, sizeof(*rt));
+    rt->loop = loop;
+    rt->step = step;
+    const char *role_name = role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? "ctx" : "gen";
+    snprintf(rt->name, sizeof(rt->name), "%s", duet_config_get_string(cfg, "name"));
+    if (rt->name[0] == '\0')
+        snprintf(rt->name, sizeof(rt->name), "%s-%d", role_name, (int)getpid());
+    char          fp[DUET_FINGERPRINT_LEN];
+    duet_status_t st = duet_model_fingerprint(duet_config_get_string(cfg, "model.dir"), fp,
+                                              sizeof(fp));
+    if (st != DUET_OK)
+        return st;
+    const duet_model_opts_t *mo  = duet_model_opts(m);
+    duet_kv_pool_t          *kv  = duet_model_kv_pool(m);
+    Duet__Capacity           cap = DUET__CAPACITY__INIT;
+    cap.kv_pages          = kv != NULL ? (uint32_t)duet_kv_pool_desc(kv)->n_pages : 0;
+    cap.page_tokens       = (uint32_t)mo->page_tokens;
+    cap.max_seqs          = (uint32_t)mo->max_seqs;
+    cap.max_batch_tokens  = (uint32_t)mo->max_batch_tokens;
+    Duet__Register reg    = DUET__REGISTER__INIT;
+    reg.role              = role;
+    reg.worker_name       = rt->name;
+    reg.model_fingerprint = fp;
+    reg.capacity          = &cap;
+    duet_link_opts_t lo   = {
+          .router             = duet_config_get_string(cfg, "router"),
+          .connect_timeout_ms = (uint32_t)duet_config_get_int(cfg, "router_connect_timeout_ms"),
+          .reg                = &reg,
+          .on_message         = on_message,
+          .on_closed          = rt_on_closed,
+          .user               = rt,
+    };
+    uint64_t wid = 0;
+    if ((st = duet_link_open(loop, &lo, &rt->link, &wid)) != DUET_OK)
+        return st;
+    DUET_LOG_INFO("%s registered with the router at %s as worker %llu (%u KV pages of %u tokens, "
+                  "%u sequences, %u tokens per step)", rt->name, lo.router,
+                  (unsigned long long)wid, cap.kv_pages, cap.page_tokens, cap.max_seqs,
+                  cap.max_batch_tokens);
+    uv_idle_init(loop, &rt->idle);
+    uv_timer_init(loop, &rt->hb);
+    uv_signal_init(loop, &rt->sigint);
+    uv_signal_init(loop, &rt->sigterm);
+    rt->idle.data    = rt;
+    rt->sigint.data  = rt;
+    rt->sigterm.data = rt;
+    uv_timer_start(&rt->hb, tick, 0, (uint64_t)duet_config_get_int(cfg, "heartbeat_ms"));
+    uv_signal_start(&rt->sigint, rt_on_signal, SIGINT);
+    uv_signal_start(&rt->sigterm, rt_on_signal, SIGTERM);
+    signal(SIGPIPE, SIG_IGN);
+    return DUET_OK;
+}
+
+void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work)
+{
+    if (rt->stopping)
+        work = false;
+    if (work && !rt->idle_on)
+        uv_idle_start(&rt->idle, rt->step);
+    else if (!work && rt->idle_on)
+        uv_idle_stop(&rt->idle);
+    rt->idle_on = work;
+}
+
+void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why)
+{
+    if (rt->stopping)
+        return;
+    DUET_LOG_INFO("stopping: %s", why);
+    duet_worker_rt_busy(rt, false);
+    rt->stopping = true;
+    uv_timer_stop(&rt->hb);
+    uv_signal_stop(&rt->sigint);
+    uv_signal_stop(&rt->sigterm);
+    uv_stop(rt->loop);
+}
+
+void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const char *reason)
+{
+    Duet__Deregister dr = DUET__DEREGISTER__INIT;
+    dr.reason           = (char *)reason;
+    Duet__Envelope env  = DUET__ENVELOPE__INIT;
+    env.body_case       = DUET__ENVELOPE__BODY_DEREGISTER;
+    env.deregister      = &dr;
+    (void)duet_link_send(rt->link, &env);
+    duet_link_close(rt->link, 1000);
+    rt->link = NULL;
+    if (pump != NULL)
+        duet_xfer_pump_stop(pump);
+    uv_close((uv_handle_t *)&rt->idle, NULL);
+    uv_close((uv_handle_t *)&rt->hb, NULL);
+    uv_close((uv_handle_t *)&rt->sigint, NULL);
+    uv_close((uv_handle_t *)&rt->sigterm, NULL);
+    uv_run(rt->loop, UV_RUN_DEFAULT);
+    uv_loop_close(rt->loop);
+}

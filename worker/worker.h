@@ -1,0 +1,116 @@
+/*
+ * What duet-ctx and duet-gen share (DESIGN §1, §6): the config keys every worker has, the cache
+ * layout both sides of a transfer describe, UCX progress driven by the worker's libuv loop, and
+ * Tokens / Refused messages to the router.
+ */
+#ifndef DUET_WORKER_WORKER_H
+#define DUET_WORKER_WORKER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/config.h"
+#include "engine/model.h"
+#include "transfer/xfer.h"
+#include "worker/link.h"
+
+/* Keys of both workers (each binary adds its own, e.g. batch.max_seqs with its default). */
+#define DUET_WORKER_CONFIG_KEYS                                                                    \
+    {"router", DUET_CONFIG_STRING, "127.0.0.1:8100", "the router's worker port, HOST:PORT",        \
+     .min = NULL},                                                                                 \
+    {"model.dir", DUET_CONFIG_STRING, NULL, "model folder (config.json + safetensors)",            \
+     .required = true, .alias = "model"},                                                          \
+    {"name", DUET_CONFIG_STRING, "", "worker name shown by duetctl (default: role-pid)",           \
+     .min = NULL},                                                                                 \
+    {"threads", DUET_CONFIG_INT, "0", "compute threads (0 = all online CPUs)", .min = "0",         \
+     .max = "1024"},                                                                               \
+    {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"},     \
+    {"router_connect_timeout_ms", DUET_CONFIG_INT, "60000",                                        \
+     "keep trying to reach the router this long at start", .min = "0", .max = "3600000"},          \
+    {"cache.page_tokens", DUET_CONFIG_INT, "128", "tokens per MLA KV page", .min = "1",            \
+     .max = "65536"},                                                                              \
+    {"cache.max_seq_len", DUET_CONFIG_INT, "4096", "tokens one request may hold (prompt + output)",\
+     .min = "1", .max = "16777216"},                                                               \
+    {"cache.kv_pages", DUET_CONFIG_INT, "0",                                                       \
+     "KV pages in the pool (0 = batch.max_seqs * max_seq_len / page_tokens)", .min = "0",          \
+     .max = "100000000"},                                                                          \
+    {"batch.max_tokens", DUET_CONFIG_INT, "2048", "tokens per forward step at most", .min = "1",   \
+     .max = "1048576"},                                                                            \
+    {"batch.prefill_chunk", DUET_CONFIG_INT, "512",                                                \
+     "prompt tokens of one request per step (chunks start at multiples of it, as in "              \
+     "duet-generate --prefill-chunk)", .min = "1", .max = "1048576"}
+
+/* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */
+void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
+
+/* The transfer layout of a loaded model's pools (fp32 KV and state on the CPU path). */
+void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l);
+
+/* UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines. */
+typedef struct {
+    duet_xfer_ctx_t *x;
+    uv_poll_t        poll;
+    uv_prepare_t     prep;
+    uv_timer_t       timer;
+    int              open_handles;
+} duet_xfer_pump_t;
+
+duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfer_pump_t *p);
+/* Close the handles (run the loop afterwards to finish closing). */
+void duet_xfer_pump_stop(duet_xfer_pump_t *p);
+
+/*
+ * Start-up: parse the command line, the --config YAML and DUET_* variables into a configuration
+ * of `keys`; print --help (`usage` first) and check required keys. Returns -1 to go on with
+ * *cfg_p set, else the exit status to return (0 after --help, 2 for bad flags / values).
+ */
+int duet_worker_configure(const duet_config_key_t *keys, size_t n_keys, int argc, char **argv,
+                          const char *prog, const char *usage, duet_config_t **cfg_p);
+
+/* A worker's loop: router link, heartbeat timer, step idle handle, signals. */
+typedef struct {
+    uv_loop_t   *loop;
+    duet_link_t *link;
+    uv_idle_t    idle;
+    uv_timer_t   hb;
+    uv_signal_t  sigint, sigterm;
+    uv_idle_cb   step;
+    bool         stopping, idle_on;
+    char         name[64];
+} duet_worker_rt_t;
+
+/*
+ * Register with the router named by cfg ("router", "name", "model.dir" for the fingerprint,
+ * capacity from the loaded model) and arm the loop: `tick` every heartbeat_ms (sends heartbeats),
+ * `step` while duet_worker_rt_busy(rt, true), SIGINT / SIGTERM and a lost router stop the loop.
+ * Errors carry a detail (DUET_ERR_TIMEOUT: no router; DUET_ERR_UNSUPPORTED: refused).
+ */
+duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const duet_config_t *cfg,
+                                   Duet__WorkerRole role, duet_model_t *m, uv_timer_cb tick,
+                                   uv_idle_cb step, duet_link_message_cb on_message);
+
+/* Run the step handle on every loop turn while there is work. */
+void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work);
+
+/* Stop the loop (uv_run returns). */
+void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why);
+
+/*
+ * After uv_run returned: Deregister(reason), flush and close the link, close the handles (and the
+ * pump's, when given), run the loop until they are closed, close the loop.
+ */
+void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const char *reason);
+
+/* Send Tokens(ids, finish, error) for request rid. */
+void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
+                             int finish, const char *error);
+/* Send Refused(reason, retry_after_ms) for request rid. */
+void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reason,
+                              uint32_t retry_after_ms);
+
+/* Monotonic seconds. */
+double duet_worker_now(void);
+
+#endif
