@@ -38,6 +38,9 @@ static const duet_config_key_t ctx_keys[] = {
     DUET_WORKER_CONFIG_KEYS,
     {"batch.max_seqs", DUET_CONFIG_INT, "8", "prompts prefilled or sending at once", .min = "1",
      .max = "65536"},
+    {"batch.max_tokens", DUET_CONFIG_INT, "512",
+     "prompt tokens per step at most: a smaller step finishes the oldest prompts sooner (lower "
+     "TTFT), a larger one batches more prompts per step", .min = "1", .max = "1048576"},
     {"batch.max_queue", DUET_CONFIG_INT, "256", "prompts waiting for a slot at most", .min = "0",
      .max = "1000000"},
     {"transfer.checksum", DUET_CONFIG_BOOL, "false",

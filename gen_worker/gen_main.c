@@ -45,6 +45,9 @@ static const duet_config_key_t gen_keys[] = {
     DUET_WORKER_CONFIG_KEYS,
     {"batch.max_seqs", DUET_CONFIG_INT, "16", "requests held at once (state slots)", .min = "1",
      .max = "65536"},
+    {"batch.max_tokens", DUET_CONFIG_INT, "2048",
+     "tokens per step at most (decodes + local prefill chunks): larger steps prefill waiting "
+     "prompts together and interrupt decoding less often", .min = "1", .max = "1048576"},
     {"cache.quarantine_ms", DUET_CONFIG_INT, "2000",
      "pages of an aborted reservation are reused after this long", .min = "0", .max = "600000"},
     {"cache.slack_tokens", DUET_CONFIG_INT, "0",

@@ -16,7 +16,8 @@
 #include "transfer/xfer.h"
 #include "worker/link.h"
 
-/* Keys of both workers (each binary adds its own, e.g. batch.max_seqs with its default). */
+/* Keys of both workers (each binary adds its own: batch.max_seqs and batch.max_tokens, with its
+ * own defaults). */
 #define DUET_WORKER_CONFIG_KEYS                                                                    \
     {"router", DUET_CONFIG_STRING, "127.0.0.1:8100", "the router's worker port, HOST:PORT",        \
      .min = NULL},                                                                                 \
@@ -36,8 +37,6 @@
     {"cache.kv_pages", DUET_CONFIG_INT, "0",                                                       \
      "KV pages in the pool (0 = batch.max_seqs * max_seq_len / page_tokens)", .min = "0",          \
      .max = "100000000"},                                                                          \
-    {"batch.max_tokens", DUET_CONFIG_INT, "2048", "tokens per forward step at most", .min = "1",   \
-     .max = "1048576"},                                                                            \
     {"batch.prefill_chunk", DUET_CONFIG_INT, "512",                                                \
      "prompt tokens of one request per step (chunks start at multiples of it, as in "              \
      "duet-generate --prefill-chunk)", .min = "1", .max = "1048576"}

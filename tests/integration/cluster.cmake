@@ -2,4 +2,4 @@
 # against duet-generate (tests/integration/test_cluster.c).
 duet_add_test(test_cluster SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_cluster.c
               LIBS PkgConfig::JANSSON Threads::Threads TIMEOUT 900)
-add_dependencies(test_cluster duet-router duet-ctx duet-gen duet-generate)
+add_dependencies(test_cluster duet-router duet-ctx duet-gen duet-generate duet-bench)

@@ -15,6 +15,9 @@
  *   gen_killed_fails_its_requests_router_stays_healthy  kill -9 of a generation worker mid-stream:
  *        its requests end with a clear error, the other worker's complete, /health stays 200 and
  *        new requests succeed
+ *   perf_gates_on_the_real_cluster  duet-bench against the cluster: a baseline the cluster meets
+ *        passes (exit 0; the server-side metrics avg_decoded_tokens_per_iter = 1 and
+ *        device_step_time_ms come through the router), an impossible one fails (exit 3)
  *   drain_under_load_loses_nothing  draining a generation worker while 12 requests run: all
  *        complete correctly, drain --wait returns, new requests avoid the drained worker
  *
@@ -42,6 +45,7 @@
 #define CTX      DUET_BINARY_DIR "/ctx_worker/duet-ctx"
 #define GEN      DUET_BINARY_DIR "/gen_worker/duet-gen"
 #define GENERATE DUET_BINARY_DIR "/engine/duet-generate"
+#define BENCH    DUET_BINARY_DIR "/bench/duet-bench"
 #define MODEL    DUET_SOURCE_DIR "/models/duet-demo"
 
 #define CTX_PAGES 400 /* 16-token pages */
@@ -695,5 +699,52 @@ Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
     }
     free(j.want_text);
     free(j.got_text);
+    stop_all();
+}
+
+/* Run duet-bench against the cluster; returns its exit status, its stdout in out. */
+static int run_bench(const char *baseline, const char *json, char *out, size_t cap)
+{
+    char url[64], cmd[2048];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", http_port);
+    snprintf(cmd, sizeof(cmd),
+             "%s --url %s --concurrency 4 --num-prompts 16 --max-tokens 24 --ignore-eos "
+             "--random-prompt-len 60 --seed 3 --metrics-settle-ms 600 --quiet --json %s "
+             "--baseline %s 2>&1",
+             BENCH, url, json, baseline);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n]   = '\0';
+    int st   = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)
+{
+    static char out[1 << 16];
+    start_cluster(1, 1);
+    char json[512], bad[512];
+    snprintf(json, sizeof(json), "%s/bench.json", dir);
+    int rc = run_bench(DUET_SOURCE_DIR "/bench/baselines/demo-cluster-ci.json", json, out,
+                       sizeof(out));
+    cr_expect_eq(rc, 0, "duet-bench with the CI baseline: exit %d\n%s", rc, out);
+    json_error_t e;
+    json_t      *o = json_load_file(json, 0, &e);
+    cr_assert_not_null(o, "%s", e.text);
+    cr_expect_eq(json_integer_value(json_object_get(o, "completed")), 16);
+    cr_expect_eq(json_integer_value(json_object_get(o, "total_output_tokens")), 16 * 24);
+    cr_expect_float_eq(json_real_value(json_object_get(o, "avg_decoded_tokens_per_iter")), 1.0,
+                       1e-9, "no drafts: one token per request per decode step");
+    cr_expect_gt(json_real_value(json_object_get(o, "device_step_time_ms")), 0.0);
+    json_decref(o);
+    snprintf(bad, sizeof(bad), "%s/impossible.json", dir);
+    FILE *f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fputs("{\"gates\": {\"output_throughput\": {\"min\": 1e9}}}\n", f);
+    fclose(f);
+    rc = run_bench(bad, json, out, sizeof(out));
+    cr_expect_eq(rc, 3, "an unmet gate fails the run: exit %d\n%s", rc, out);
+    cr_expect(strstr(out, "output_throughput") != NULL, "the failed gate is named: %s", out);
     stop_all();
 }
