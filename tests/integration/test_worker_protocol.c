@@ -1,0 +1,361 @@
+/*
+ * duet-ctx and duet-gen against bad input from their peer. The test plays the router: it listens,
+ * accepts the worker's Register, and sends it malformed, out-of-range and out-of-order messages,
+ * checking that each gets the clear answer the protocol defines (Refused, Tokens ERROR with a
+ * reason, or nothing for a harmless stray) and that the worker keeps serving, then that a frame
+ * that is not a frame makes it leave cleanly (exit status, never a signal).
+ */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "proto/frame.h"
+#include "transfer/reservation.h"
+
+#define CTX   DUET_BINARY_DIR "/ctx_worker/duet-ctx"
+#define GEN   DUET_BINARY_DIR "/gen_worker/duet-gen"
+#define MODEL DUET_SOURCE_DIR "/models/duet-demo"
+#define VOCAB 258
+
+static int                  lfd = -1, cfd = -1;
+static pid_t                wpid;
+static duet_frame_decoder_t dec;
+
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void send_env(Duet__Envelope *env)
+{
+    env->version = DUET_PROTO_VERSION;
+    uint8_t buf[65536];
+    size_t  len = 0;
+    cr_assert_eq(duet_frame_encode(env, buf, sizeof(buf), &len), DUET_OK);
+    cr_assert_eq(write(cfd, buf, len), (ssize_t)len);
+}
+
+/* Next Envelope from the worker that is not a Heartbeat (NULL after ms). Caller frees. */
+static Duet__Envelope *recv_env(int ms)
+{
+    uint64_t end = now_ms() + (uint64_t)ms;
+    for (;;) {
+        uint8_t b;
+        size_t  used = 0;
+        Duet__Envelope *env = NULL;
+        int     left = (int)(end - now_ms());
+        if (left <= 0)
+            return NULL;
+        struct pollfd p = {.fd = cfd, .events = POLLIN};
+        if (poll(&p, 1, left) <= 0)
+            return NULL;
+        if (read(cfd, &b, 1) != 1)
+            return NULL;
+        cr_assert_geq(duet_frame_decoder_feed(&dec, &b, 1, &used, &env), 0, "worker sent junk");
+        if (env == NULL)
+            continue;
+        if (env->body_case == DUET__ENVELOPE__BODY_HEARTBEAT) {
+            duet_envelope_free(env);
+            continue;
+        }
+        return env;
+    }
+}
+
+static void start(const char *bin, const char *extra)
+{
+    lfd                  = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(listen(lfd, 4), 0);
+    socklen_t l = sizeof(a);
+    getsockname(lfd, (struct sockaddr *)&a, &l);
+    char rt[64];
+    snprintf(rt, sizeof(rt), "127.0.0.1:%d", ntohs(a.sin_port));
+    wpid = fork();
+    cr_assert_geq(wpid, 0);
+    if (wpid == 0) {
+        int nul = open("/dev/null", O_WRONLY);
+        dup2(nul, 1);
+        if (getenv("DUET_TEST_VERBOSE") == NULL)
+            dup2(nul, 2);
+        setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+        execl(bin, bin, "--router", rt, "--model", MODEL, "--threads", "1", "--heartbeat_ms",
+              "100", "--cache.page_tokens", "16", "--cache.kv_pages", "64",
+              "--cache.max_seq_len", "512", extra, (char *)NULL);
+        _exit(127);
+    }
+    struct pollfd p = {.fd = lfd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 20000), 1, "the worker did not connect");
+    cfd = accept(lfd, NULL, NULL);
+    cr_assert_geq(cfd, 0);
+    duet_frame_decoder_init(&dec, 0);
+    Duet__Envelope *reg = recv_env(10000);
+    cr_assert_not_null(reg);
+    cr_assert_eq(reg->body_case, DUET__ENVELOPE__BODY_REGISTER);
+    cr_assert(strncmp(reg->register_->model_fingerprint, "sha256:", 7) == 0);
+    duet_envelope_free(reg);
+    Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
+    ack.accepted          = true;
+    ack.worker_id         = 1;
+    Duet__Envelope env    = DUET__ENVELOPE__INIT;
+    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
+    env.register_ack      = &ack;
+    send_env(&env);
+}
+
+/* Send bytes that are not a frame; the worker must leave by itself, without a signal. */
+static void finish_with_garbage(void)
+{
+    uint8_t junk[8] = {0x7f, 0xff, 0xff, 0xff, 1, 2, 3, 4}; /* a 2 GiB frame header */
+    cr_assert_eq(write(cfd, junk, sizeof(junk)), (ssize_t)sizeof(junk));
+    int st = 0;
+    for (int i = 0; i < 200 && waitpid(wpid, &st, WNOHANG) == 0; i++)
+        usleep(25000);
+    if (waitpid(wpid, &st, WNOHANG) == 0) {
+        kill(wpid, SIGKILL);
+        waitpid(wpid, &st, 0);
+        cr_assert(0, "the worker did not leave after a malformed frame");
+    }
+    cr_expect(WIFEXITED(st), "the worker died of signal %d", WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+    close(cfd);
+    close(lfd);
+    duet_frame_decoder_free(&dec);
+}
+
+static void expect_refused(uint64_t rid, const char *why_part)
+{
+    Duet__Envelope *e = recv_env(5000);
+    cr_assert_not_null(e, "no answer for request %llu", (unsigned long long)rid);
+    cr_expect_eq(e->body_case, DUET__ENVELOPE__BODY_REFUSED, "request %llu: body %d",
+                 (unsigned long long)rid, (int)e->body_case);
+    if (e->body_case == DUET__ENVELOPE__BODY_REFUSED) {
+        cr_expect_eq(e->refused->request_id, rid);
+        cr_expect(strstr(e->refused->reason, why_part) != NULL, "reason '%s' lacks '%s'",
+                  e->refused->reason, why_part);
+    }
+    duet_envelope_free(e);
+}
+
+static void expect_tokens(uint64_t rid, int finish, const char *err_part)
+{
+    Duet__Envelope *e = recv_env(5000);
+    cr_assert_not_null(e, "no answer for request %llu", (unsigned long long)rid);
+    cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_TOKENS, "request %llu: body %d",
+                 (unsigned long long)rid, (int)e->body_case);
+    cr_expect_eq(e->tokens->request_id, rid);
+    cr_expect_eq((int)e->tokens->finish_reason, finish, "request %llu: finish %d (%s)",
+                 (unsigned long long)rid, (int)e->tokens->finish_reason, e->tokens->error);
+    if (err_part != NULL)
+        cr_expect(strstr(e->tokens->error, err_part) != NULL, "error '%s' lacks '%s'",
+                  e->tokens->error, err_part);
+    duet_envelope_free(e);
+}
+
+static void send_reserve(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n, uint32_t max)
+{
+    Duet__Reserve r    = DUET__RESERVE__INIT;
+    r.request_id       = rid;
+    r.prompt_tokens    = prompt;
+    r.tokens           = toks;
+    r.n_tokens         = n;
+    r.max_tokens       = max;
+    r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case      = DUET__ENVELOPE__BODY_RESERVE;
+    env.reserve        = &r;
+    send_env(&env);
+}
+
+Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
+{
+    start(GEN, "--cache.quarantine_ms=100");
+    uint32_t toks[8] = {256, 72, 101, 108, 108, 111, 32, 87};
+
+    send_reserve(1, 0, NULL, 0, 4);
+    expect_refused(1, "empty prompt");
+    send_reserve(2, 8, toks, 8, 100000);
+    expect_refused(2, "tokens"); /* 8 + 100000 tokens > max_seq_len 512 */
+    send_reserve(3, 8, toks, 5, 4);
+    expect_refused(3, "differ");
+
+    Duet__PrefillDone pd = DUET__PREFILL_DONE__INIT;
+    pd.request_id        = 99;
+    pd.first_token       = 5;
+    Duet__Envelope env   = DUET__ENVELOPE__INIT;
+    env.body_case        = DUET__ENVELOPE__BODY_PREFILL_DONE;
+    env.prefill_done     = &pd;
+    send_env(&env);
+    expect_tokens(99, DUET__TOKENS__FINISH_REASON__ERROR, "no reservation");
+
+    uint32_t       bad[2] = {72, VOCAB + 40};
+    Duet__Generate g      = DUET__GENERATE__INIT;
+    g.request_id          = 4;
+    g.tokens              = bad;
+    g.n_tokens            = 2;
+    g.max_tokens          = 3;
+    env.body_case         = DUET__ENVELOPE__BODY_GENERATE;
+    env.generate          = &g;
+    send_env(&env);
+    expect_tokens(4, DUET__TOKENS__FINISH_REASON__ERROR, "vocabulary");
+
+    /* a stray Cancel and a body workers never get: ignored */
+    Duet__Cancel c = DUET__CANCEL__INIT;
+    c.request_id   = 12345;
+    c.reason       = "nothing to cancel";
+    env.body_case  = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel     = &c;
+    send_env(&env);
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    env.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat      = &hb;
+    send_env(&env);
+
+    /* a valid reservation: its bytes decode, the same id twice is refused, cancel frees it */
+    send_reserve(6, 8, toks, 8, 20);
+    Duet__Envelope *e = recv_env(5000);
+    cr_assert_not_null(e);
+    cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_RESERVED);
+    duet_xfer_reservation_t res;
+    cr_expect_eq(duet_xfer_reservation_decode(e->reserved->reservation.data,
+                                              e->reserved->reservation.len, 0, &res),
+                 DUET_OK, "%s", duet_error_last());
+    cr_expect_eq(res.n_pages, 1u, "an 8-token prompt fills one 16-token page");
+    cr_expect_eq(res.n_tokens, 8u);
+    duet_xfer_reservation_free(&res);
+    duet_envelope_free(e);
+    send_reserve(6, 8, toks, 8, 20);
+    expect_refused(6, "already");
+    c.request_id  = 6;
+    c.reason      = "test";
+    env.body_case = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel    = &c;
+    send_env(&env);
+    expect_tokens(6, DUET__TOKENS__FINISH_REASON__CANCELLED, NULL);
+
+    /* and it still serves: a local prompt gives 3 tokens, the last one LENGTH */
+    g.request_id  = 5;
+    g.tokens      = toks;
+    g.n_tokens    = 8;
+    g.max_tokens  = 3;
+    env.body_case = DUET__ENVELOPE__BODY_GENERATE;
+    env.generate  = &g;
+    send_env(&env);
+    expect_tokens(5, DUET__TOKENS__FINISH_REASON__NONE, NULL);
+    expect_tokens(5, DUET__TOKENS__FINISH_REASON__NONE, NULL);
+    expect_tokens(5, DUET__TOKENS__FINISH_REASON__LENGTH, NULL);
+
+    /* every page is free again once the cancelled reservation's quarantine ended */
+    uint64_t end = now_ms() + 5000;
+    uint32_t free_pages = 0;
+    while (now_ms() < end && free_pages != 64) {
+        uint8_t b;
+        size_t  used = 0;
+        Duet__Envelope *h = NULL;
+        struct pollfd   p = {.fd = cfd, .events = POLLIN};
+        if (poll(&p, 1, 500) <= 0 || read(cfd, &b, 1) != 1)
+            continue;
+        cr_assert_geq(duet_frame_decoder_feed(&dec, &b, 1, &used, &h), 0);
+        if (h != NULL && h->body_case == DUET__ENVELOPE__BODY_HEARTBEAT)
+            free_pages = h->heartbeat->free_pages;
+        duet_envelope_free(h);
+    }
+    cr_expect_eq(free_pages, 64u, "pages back after cancel + quarantine");
+    finish_with_garbage();
+}
+
+static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res, size_t rlen)
+{
+    Duet__Prefill p      = DUET__PREFILL__INIT;
+    p.request_id         = rid;
+    p.tokens             = toks;
+    p.n_tokens           = n;
+    p.max_tokens         = 4;
+    p.reservation.data   = (uint8_t *)res;
+    p.reservation.len    = rlen;
+    p.deadline_unix_ms   = duet_xfer_now_unix_ms() + 60000;
+    Duet__Envelope env   = DUET__ENVELOPE__INIT;
+    env.body_case        = DUET__ENVELOPE__BODY_PREFILL;
+    env.prefill          = &p;
+    send_env(&env);
+}
+
+Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
+{
+    start(CTX, "--batch.max_queue=4");
+    uint32_t toks[8] = {256, 72, 101, 108, 108, 111, 32, 87};
+    uint8_t  junk[40];
+    for (size_t i = 0; i < sizeof(junk); i++)
+        junk[i] = (uint8_t)(i * 37 + 11);
+
+    send_prefill(1, toks, 8, junk, sizeof(junk));
+    expect_tokens(1, DUET__TOKENS__FINISH_REASON__ERROR, "unusable reservation");
+    send_prefill(2, toks, 0, junk, sizeof(junk));
+    expect_tokens(2, DUET__TOKENS__FINISH_REASON__ERROR, "empty prompt");
+    uint32_t bad[2] = {72, VOCAB};
+    send_prefill(3, bad, 2, junk, sizeof(junk));
+    expect_tokens(3, DUET__TOKENS__FINISH_REASON__ERROR, "vocabulary");
+    static uint32_t long_prompt[600];
+    for (int i = 0; i < 600; i++)
+        long_prompt[i] = 65;
+    send_prefill(4, long_prompt, 600, junk, sizeof(junk));
+    expect_tokens(4, DUET__TOKENS__FINISH_REASON__ERROR, "max_seq_len");
+
+    /* well-formed reservations that cannot be used: stale, then a layout that does not match */
+    int32_t                 pages[1] = {0};
+    uint8_t                 addr[16] = {1, 2, 3}, rkey[16] = {4, 5, 6};
+    duet_xfer_reservation_t r        = {
+               .version = DUET_XFER_RESERVATION_VERSION, .transfer_id = 7, .request_id = 5, .rank = 0,
+               .group_size = 1, .worker_address = {addr, sizeof(addr)}, .kv_rkey = {rkey, sizeof(rkey)},
+               .kv_base = 1 << 20, .kv_bytes = 64 << 20, .kda_rkey = {rkey, sizeof(rkey)},
+               .kda_base = 1 << 30, .kda_bytes = 64 << 20,
+               .layout = {.page_tokens = 16, .n_mla_layers = 2, .token_bytes = 640,
+                          .n_kda_layers = 6, .kda_heads = 4, .kda_head_dim = 64, .conv_kernel = 4,
+                          .state_elem = 4},
+               .pages = pages, .n_pages = 1, .kda_slot = 0, .n_tokens = 8,
+               .deadline_unix_ms = duet_xfer_now_unix_ms() - 1000};
+    uint8_t buf[4096];
+    size_t  len = 0;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
+                 duet_error_last());
+    send_prefill(5, toks, 8, buf, len);
+    expect_tokens(5, DUET__TOKENS__FINISH_REASON__ERROR, "stale");
+    r.deadline_unix_ms  = duet_xfer_now_unix_ms() + 60000;
+    r.layout.token_bytes = 1000; /* the demo model's is (128 + 32) * 4 = 640 */
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
+    send_prefill(6, toks, 8, buf, len);
+    expect_tokens(6, DUET__TOKENS__FINISH_REASON__ERROR, "transfer");
+    r.layout.token_bytes = 640; /* matching layout, but rkey and address are not UCX's */
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
+    send_prefill(7, toks, 8, buf, len);
+    expect_tokens(7, DUET__TOKENS__FINISH_REASON__ERROR, "transfer");
+
+    /* Cancel for a request it does not have: nothing; Drain: it refuses new prompts */
+    Duet__Cancel   c   = DUET__CANCEL__INIT;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    c.request_id       = 4242;
+    c.reason           = "none";
+    env.body_case      = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel         = &c;
+    send_env(&env);
+    Duet__Drain d = DUET__DRAIN__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_DRAIN;
+    env.drain     = &d;
+    send_env(&env);
+    send_prefill(8, toks, 8, junk, sizeof(junk));
+    expect_tokens(8, DUET__TOKENS__FINISH_REASON__ERROR, "draining");
+    finish_with_garbage();
+}
