@@ -8,7 +8,9 @@
  *        duet-generate's text and token count; every prompt token is prefilled exactly once
  *        (router metric); afterwards every page is back on every worker (admin API)
  *   client_cancel_frees_pages_on_both_workers  a client that goes away mid-prefill and one that
- *        goes away mid-stream: both workers end up with all pages free and nothing running
+ *        goes away mid-stream: both workers end up with all pages free and nothing running;
+ *        then seeded sampling (temperature 0.8, top_p 0.95) equals duet-generate --seed on the
+ *        disaggregated and the local path
  *   ctx_killed_during_prefill_is_retried  kill -9 of the context worker that is prefilling:
  *        the request is prefilled again on the other one and still equals duet-generate;
  *        with no other context worker it fails with a clear error; no pages leak
@@ -310,6 +312,7 @@ typedef struct {
     int     status;
     int     stream;
     int     ignore_eos;
+    int     seed; /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
 } job_t;
 
 static void prompt_of(job_t *j, int i, int len, int max_tokens)
@@ -346,6 +349,12 @@ static void reference(job_t *j)
         dup2(fd, 1);
         int nul = open("/dev/null", O_WRONLY);
         dup2(nul, 2);
+        char seed[16];
+        snprintf(seed, sizeof(seed), "%d", j->seed);
+        if (j->seed > 0)
+            execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
+                  "--prefill-chunk", "64", "--threads", "1", "--json", "--temperature", "0.8",
+                  "--top-p", "0.95", "--seed", seed, (char *)NULL);
         execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
               "--prefill-chunk", "64", "--threads", "1", "--json",
               j->ignore_eos ? "--ignore-eos" : (char *)NULL, (char *)NULL);
@@ -401,9 +410,12 @@ static void *run_job(void *arg)
     char   ps[2048];
     json_str(j->prompt, ps, sizeof(ps));
     char body[4096];
-    snprintf(body, sizeof(body),
-             "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":%d,\"temperature\":0%s%s}",
-             ps, j->max_tokens,
+    char sampling[96] = "\"temperature\":0";
+    if (j->seed > 0)
+        snprintf(sampling, sizeof(sampling), "\"temperature\":0.8,\"top_p\":0.95,\"seed\":%d",
+                 j->seed);
+    snprintf(body, sizeof(body), "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":%d,%s%s%s}",
+             ps, j->max_tokens, sampling,
              j->stream ? ",\"stream\":true,\"stream_options\":{\"include_usage\":true}" : "",
              j->ignore_eos ? ",\"ignore_eos\":true" : "");
     static __thread char resp[1 << 20];
@@ -528,14 +540,20 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
     cr_assert_geq(chunks, 10, "the stream started: %s", buf);
     close(fd);
     wait_idle(2, 15000);
-    /* and the cluster still answers */
-    job_t j = {0};
-    prompt_of(&j, 7, 100, 20);
-    reference(&j);
-    run_job(&j);
-    check_job(&j, 0);
-    free(j.want_text);
-    free(j.got_text);
+    /* and the cluster still answers, also seeded sampling: the context worker draws the first
+     * token from the request's stream, the generation worker continues that stream, so both
+     * paths (disaggregated 100-byte prompt, local 10-byte prompt) equal duet-generate --seed */
+    static const int lens[3] = {100, 10, 60};
+    for (int k = 0; k < 3; k++) {
+        job_t j = {0};
+        prompt_of(&j, 7 + k, lens[k], 30);
+        j.seed = k == 2 ? 0 : 7 + k;
+        reference(&j);
+        run_job(&j);
+        check_job(&j, k);
+        free(j.want_text);
+        free(j.got_text);
+    }
     stop_all();
 }
 
