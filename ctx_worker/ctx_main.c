@@ -240,8 +240,11 @@ static void ctx_on_xfer(const duet_xfer_outcome_t *o, void *user)
 }
 
 /* Layer hook: the step's finished prompts stream MLA layer `mla` now. */
+static void ctx_heartbeat(void);
 static void ctx_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
 {
+    if (duet_worker_rt_heartbeat_due(&c.rt)) /* a long step still shows the worker alive */
+        ctx_heartbeat();
     if (mla < 0)
         return;
     for (int64_t i = 0; i < c.n_reqs; i++) {
@@ -429,21 +432,15 @@ static void ctx_update_idle(void)
 
 /* ------------------------------------------------------------------------------ heartbeat */
 
-static void ctx_tick(uv_timer_t *t)
+/* Heartbeat from the current state; no side effects, so the layer hook may call it mid-step. */
+static void ctx_heartbeat(void)
 {
-    uint64_t wall    = duet_xfer_now_unix_ms();
     uint32_t running = 0, queued = 0;
     uint64_t queued_tokens = 0;
     for (int64_t i = 0; i < c.n_reqs; i++) {
-        cr_t *r = &c.reqs[i];
+        const cr_t *r = &c.reqs[i];
         if (r->phase == CR_FREE || r->ended)
             continue;
-        if (r->deadline_unix_ms != 0 && wall > r->deadline_unix_ms) {
-            DUET_RLOG_WARN(r->rid, "deadline passed before the prefill finished");
-            cr_end(r, DUET__TOKENS__FINISH_REASON__ERROR,
-                   "the request's deadline passed before its prefill finished");
-            continue;
-        }
         if (r->phase == CR_WAITING) {
             queued++;
             queued_tokens += (uint64_t)r->n_prompt;
@@ -452,18 +449,32 @@ static void ctx_tick(uv_timer_t *t)
             queued_tokens += (uint64_t)(r->n_prompt - r->prefilled);
         }
     }
-    duet_kv_pool_t *kv  = duet_model_kv_pool(c.m);
-    Duet__Heartbeat hb  = DUET__HEARTBEAT__INIT;
-    hb.free_pages       = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
-    hb.running          = running;
-    hb.queued           = queued;
-    hb.queued_tokens    = queued_tokens;
-    hb.draining         = c.draining;
-    hb.prefill_tokens   = c.prefill_tokens;
-    Duet__Envelope env  = DUET__ENVELOPE__INIT;
-    env.body_case       = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat       = &hb;
-    (void)duet_link_send(c.rt.link, &env);
+    duet_kv_pool_t *kv = duet_model_kv_pool(c.m);
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    hb.free_pages      = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
+    hb.running         = running;
+    hb.queued          = queued;
+    hb.queued_tokens   = queued_tokens;
+    hb.draining        = c.draining;
+    hb.prefill_tokens  = c.prefill_tokens;
+    duet_worker_rt_heartbeat(&c.rt, &hb);
+}
+
+/* Every heartbeat period: end overdue requests, heartbeat, admit waiting ones. */
+static void ctx_tick(uv_timer_t *t)
+{
+    uint64_t wall = duet_xfer_now_unix_ms();
+    for (int64_t i = 0; i < c.n_reqs; i++) {
+        cr_t *r = &c.reqs[i];
+        if (r->phase == CR_FREE || r->ended)
+            continue;
+        if (r->deadline_unix_ms != 0 && wall > r->deadline_unix_ms) {
+            DUET_RLOG_WARN(r->rid, "deadline passed before the prefill finished");
+            cr_end(r, DUET__TOKENS__FINISH_REASON__ERROR,
+                   "the request's deadline passed before its prefill finished");
+        }
+    }
+    ctx_heartbeat();
     ctx_admit();
 }
 

@@ -559,12 +559,49 @@ static void gen_update_idle(void)
 
 /* ------------------------------------------------------------------------------ heartbeat */
 
+/* Heartbeat from the current state; no side effects, so a layer hook may call it mid-step. */
+static void gen_heartbeat(void)
+{
+    uint32_t running = 0, queued = 0;
+    uint64_t queued_tokens = 0;
+    for (int64_t i = 0; i < g.n_reqs; i++) {
+        const gr_t *r = &g.reqs[i];
+        if (r->phase == GR_FREE || r->phase == GR_QUARANTINE)
+            continue;
+        running++;
+        if (r->phase == GR_PREFILL) {
+            queued++;
+            queued_tokens += (uint64_t)(r->n_prompt - r->prefilled);
+        }
+    }
+    duet_kv_pool_t *kv  = duet_model_kv_pool(g.m);
+    Duet__Heartbeat hb  = DUET__HEARTBEAT__INIT;
+    hb.free_pages       = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
+    hb.running          = running;
+    hb.queued           = queued;
+    hb.queued_tokens    = queued_tokens;
+    hb.draining         = g.draining;
+    hb.decode_steps     = g.decode_steps;
+    hb.decode_seq_steps = g.decode_seq_steps;
+    hb.decoded_tokens   = g.decoded_tokens;
+    hb.step_seconds     = g.step_seconds;
+    hb.prefill_tokens   = g.prefill_tokens;
+    duet_worker_rt_heartbeat(&g.rt, &hb);
+}
+
+/* Layer hook: a long step still heartbeats between layers, so the router does not take a busy
+ * worker for a dead one. */
+static void gen_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
+{
+    if (duet_worker_rt_heartbeat_due(&g.rt))
+        gen_heartbeat();
+}
+
+/* Every heartbeat period: end quarantines and overdue requests, then heartbeat. */
 static void gen_tick(uv_timer_t *t)
 {
     double   now  = duet_worker_now();
     uint64_t wall = duet_xfer_now_unix_ms();
-    uint32_t running = 0, queued = 0;
-    uint64_t queued_tokens = 0;
     for (int64_t i = 0; i < g.n_reqs; i++) {
         gr_t *r = &g.reqs[i];
         if (r->phase == GR_QUARANTINE && now >= r->release_at) {
@@ -579,30 +616,9 @@ static void gen_tick(uv_timer_t *t)
             duet_worker_send_tokens(g.rt.link, r->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
                                     "the request's deadline passed");
             gr_free(r);
-            continue;
-        }
-        running++;
-        if (r->phase == GR_PREFILL) {
-            queued++;
-            queued_tokens += (uint64_t)(r->n_prompt - r->prefilled);
         }
     }
-    duet_kv_pool_t *kv   = duet_model_kv_pool(g.m);
-    Duet__Heartbeat hb   = DUET__HEARTBEAT__INIT;
-    hb.free_pages        = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
-    hb.running           = running;
-    hb.queued            = queued;
-    hb.queued_tokens     = queued_tokens;
-    hb.draining          = g.draining;
-    hb.decode_steps      = g.decode_steps;
-    hb.decode_seq_steps  = g.decode_seq_steps;
-    hb.decoded_tokens    = g.decoded_tokens;
-    hb.step_seconds      = g.step_seconds;
-    hb.prefill_tokens    = g.prefill_tokens;
-    Duet__Envelope env   = DUET__ENVELOPE__INIT;
-    env.body_case        = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat        = &hb;
-    (void)duet_link_send(g.rt.link, &env);
+    gen_heartbeat();
     gen_update_idle();
 }
 
@@ -630,6 +646,7 @@ int main(int argc, char **argv)
     duet_status_t        st;
     duet_xfer_ctx_opts_t xo;
     duet_xfer_ctx_opts_default(&xo);
+    xo.recv_no_abort_back = true; /* the router cancels the context worker itself */
     if ((st = duet_xfer_ctx_create(&xo, &g.x)) != DUET_OK) {
         fprintf(stderr, "duet-gen: cannot start UCX: %s\n", duet_error_last());
         return 1;
@@ -646,6 +663,7 @@ int main(int argc, char **argv)
     g.page_tokens = mo.page_tokens;
     g.n_reqs      = mo.max_seqs;
     duet_worker_layout(g.m, &g.layout);
+    duet_model_set_layer_hook(g.m, gen_on_layer, NULL);
     g.reqs     = calloc((size_t)g.n_reqs, sizeof(*g.reqs));
     g.items    = calloc((size_t)g.n_reqs, sizeof(*g.items));
     g.item_req = calloc((size_t)g.n_reqs, sizeof(*g.item_req));

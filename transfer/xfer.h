@@ -139,6 +139,12 @@ typedef struct {
     uint32_t        max_peers;       /* cached endpoints (default 64) */
     uint32_t        max_pages;       /* pages per reservation (default 65536) */
     uint32_t        abort_grace_ms;  /* sender: how long an abort may wait for its flush (1000) */
+    bool            recv_no_abort_back; /* receiver: never send XferAbort back to a sender (on
+                                        cancel, deadline, shutdown; default false = send). A
+                                        generation worker sets it: the router cancels the sender
+                                        itself, and with UCX 1.13 over tcp, connecting back to a
+                                        sender that was just killed can trip an assertion inside
+                                        UCX's wireup and take the receiver down. */
     duet_metrics_t *metrics;         /* registry for duet_xfer_*; not owned; NULL = none */
 } duet_xfer_ctx_opts_t;
 

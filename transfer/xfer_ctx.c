@@ -755,6 +755,7 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
     ctx->max_peers = o.max_peers;
     ctx->max_pages = o.max_pages;
     ctx->abort_grace_ms = o.abort_grace_ms;
+    ctx->recv_no_abort_back = o.recv_no_abort_back;
     ctx->n_msgs = 4 * o.max_transfers + 64;
     if (getrandom(&ctx->nonce, sizeof(ctx->nonce), 0) != sizeof(ctx->nonce))
         ctx->nonce = (uint32_t)duet__xfer_now_ns() ^ (uint32_t)getpid() * 2654435761u;

@@ -173,6 +173,7 @@ struct duet_xfer_ctx {
 
     uint32_t      cap, max_peers, max_pages, n_msgs;
     uint32_t      abort_grace_ms;
+    bool          recv_no_abort_back;
     duet__xfer_t *xs;        /* owned, [cap] */
     uint32_t      n_active[2];
     duet__peer_t *peers;     /* owned, [max_peers] */

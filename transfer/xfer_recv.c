@@ -168,7 +168,7 @@ void duet__xfer_recv_abort(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_reas
                            bool tell_peer)
 {
     duet__xfer_set_reason(x, reason, "%s", duet_xfer_reason_str(reason));
-    if (tell_peer && x->hello_len > 0) {
+    if (tell_peer && x->hello_len > 0 && !ctx->recv_no_abort_back) {
         int32_t p;
         if (duet__xfer_peer_get(ctx, x->hello_addr, x->hello_len, &p) == DUET_OK) {
             (void)duet__xfer_send_abort(ctx, NULL, p, DUET__XFER_AM_TO_SEND, x->id, x->reason,

@@ -169,6 +169,22 @@ static void link_flush(duet_link_t *l)
 {
     if (l->writing || l->pending.len == 0 || l->closing)
         return;
+    /* Write at once what the socket takes (also from inside a long step, where the loop cannot
+     * run a write callback); only a remainder waits for uv_write. */
+    uv_buf_t now = uv_buf_init(l->pending.data, (unsigned)l->pending.len);
+    int      n   = uv_try_write((uv_stream_t *)&l->tcp, &now, 1);
+    if (n < 0 && n != UV_EAGAIN) {
+        link_closed(l, uv_strerror(n));
+        return;
+    }
+    if (n < 0)
+        n = 0;
+    if ((size_t)n == l->pending.len) {
+        l->pending.len = 0;
+        return;
+    }
+    memmove(l->pending.data, l->pending.data + n, l->pending.len - (size_t)n);
+    l->pending.len -= (size_t)n;
     duet_strbuf_t t = l->inflight;
     l->inflight     = l->pending;
     l->pending      = t;

@@ -244,11 +244,26 @@ duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const 
     rt->idle.data    = rt;
     rt->sigint.data  = rt;
     rt->sigterm.data = rt;
+    rt->hb_period_s = (double)duet_config_get_int(cfg, "heartbeat_ms") / 1000.0;
     uv_timer_start(&rt->hb, tick, 0, (uint64_t)duet_config_get_int(cfg, "heartbeat_ms"));
     uv_signal_start(&rt->sigint, rt_on_signal, SIGINT);
     uv_signal_start(&rt->sigterm, rt_on_signal, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
     return DUET_OK;
+}
+
+void duet_worker_rt_heartbeat(duet_worker_rt_t *rt, Duet__Heartbeat *hb)
+{
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat      = hb;
+    (void)duet_link_send(rt->link, &env);
+    rt->last_hb = duet_worker_now();
+}
+
+bool duet_worker_rt_heartbeat_due(const duet_worker_rt_t *rt)
+{
+    return rt->link != NULL && !rt->stopping && duet_worker_now() - rt->last_hb >= rt->hb_period_s;
 }
 
 void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work)

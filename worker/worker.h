@@ -78,6 +78,7 @@ typedef struct {
     uv_idle_cb   step;
     bool         stopping, idle_on;
     char         name[64];
+    double       hb_period_s, last_hb; /* seconds (duet_worker_now) */
 } duet_worker_rt_t;
 
 /*
@@ -89,6 +90,13 @@ typedef struct {
 duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const duet_config_t *cfg,
                                    Duet__WorkerRole role, duet_model_t *m, uv_timer_cb tick,
                                    uv_idle_cb step, duet_link_message_cb on_message);
+
+/* Send a Heartbeat now (and remember when). */
+void duet_worker_rt_heartbeat(duet_worker_rt_t *rt, Duet__Heartbeat *hb);
+
+/* Whether a heartbeat period has passed since the last one (for layer hooks inside long steps:
+ * the loop's timer cannot fire while a step runs on the loop thread). */
+bool duet_worker_rt_heartbeat_due(const duet_worker_rt_t *rt);
 
 /* Run the step handle on every loop turn while there is work. */
 void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work);
