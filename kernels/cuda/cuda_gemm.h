@@ -1,0 +1,91 @@
+/*
+ * cuda_gemm.h: the CUDA backend's GEMM, y[M, N] (+)= x[M, K] · W[N, K]ᵀ through cuBLASLt, with the
+ * same row-major meaning as duet_k_matmul on the CPU (kernels.h), which is its reference.
+ *
+ * Host code is C11; this header is the extern "C" boundary (DESIGN §2): every call takes the
+ * cudaStream_t it is queued on and returns a duet status, with the CUDA or cuBLAS error named in
+ * duet_error_last(). All pointers are device pointers.
+ *
+ * Precision. Activations x and outputs y are fp32 (the engine's convention); W is F32, BF16 or
+ * F16. cuBLASLt multiplies A and B of one type (its type table for cublasLtMatmul pairs fp32 only
+ * with fp32 and bf16 only with bf16; mixed A/B types exist only for FP8), so for a BF16 or F16 W
+ * the rows of x are first rounded on the device to W's dtype (round-to-nearest-even) into a
+ * staging buffer owned by the handle, then multiplied on the tensor cores with fp32 accumulation
+ * (CUBLAS_COMPUTE_32F) and fp32 output. The CPU path keeps x in fp32, so the two differ by the
+ * rounding of x: at most 2^-8 (bf16) or 2^-11 (f16) of Σ|x·w| per output. For an F32 W nothing
+ * is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
+ * (CUBLAS_COMPUTE_32F_FAST_TF32, ~2^-10 relative), without it the product is full fp32.
+ *
+ * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
+ * for x. Per call, cuBLASLt's descriptors and heuristic algorithm are looked up in a small cache
+ * keyed by shape, strides, dtype and pointer alignment, so a steady-state call does no host-side
+ * setup and no allocation. A handle is not thread-safe: use one per host thread (the stream may
+ * differ per call; the workspace and staging buffer are then reused in stream order only, so
+ * callers alternating streams must order them).
+ */
+#ifndef DUET_KERNELS_CUDA_GEMM_H
+#define DUET_KERNELS_CUDA_GEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+/* status.h and kernels.h are C headers without their own extern "C" guards. */
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+typedef struct duet_cuda_gemm duet_cuda_gemm_t;
+
+/* Flags for duet_cuda_gemm_matmul. */
+enum {
+    DUET_CUDA_GEMM_TF32 = 1 << 0, /* F32 weights: allow TF32 tensor cores (else exact fp32) */
+};
+
+/*
+ * Create a GEMM handle on the current CUDA device: a cuBLASLt handle, `workspace_bytes` of
+ * cuBLASLt workspace (0 = 32 MiB, what Hopper kernels want) and a staging buffer for
+ * `max_x_elems` elements of x converted to 16 bits (M * K of the largest BF16/F16 call; 0 if
+ * only F32 weights will be used). DUET_ERR_DEVICE when there is no usable device.
+ */
+duet_status_t duet_cuda_gemm_create(size_t workspace_bytes, int64_t max_x_elems,
+                                    duet_cuda_gemm_t **g_p);
+/* Frees everything create made (synchronises the device first). Accepts NULL. */
+void duet_cuda_gemm_destroy(duet_cuda_gemm_t *g);
+
+/*
+ * y[M, N] = x[M, K] · Wᵀ (or y += ... if accumulate != 0) on `stream`, W = w of shape [N, K]
+ * (a CUDA tensor, any dtype, rows contiguous: may be a view of rows of a larger matrix). ldx and
+ * ldy are the row strides of x and y in elements (>= K, >= N). For BF16/F16 W, M * K must not
+ * exceed the handle's max_x_elems (DUET_ERR_RANGE). Asynchronous: returns once queued.
+ */
+duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y, int64_t ldy,
+                                    const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w,
+                                    int accumulate, unsigned flags);
+
+/*
+ * The GEMM alone, for an x already stored in W's dtype (x: M rows of ldx elements of w->dtype):
+ * what duet_cuda_gemm_matmul runs after converting x. Benchmarks use it to time cuBLASLt by
+ * itself; a caller that keeps its activations in bf16 can use it directly.
+ */
+duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                         int64_t ldy, const void *x, int64_t ldx, int64_t M,
+                                         const duet_tensor_t *w, int accumulate, unsigned flags);
+
+/*
+ * dst[m, k] = (dtype) src[m * ld_src + k] for m < M, k < K, dst contiguous [M, K] in `dtype`
+ * (BF16 or F16, round-to-nearest-even; F32 is a strided copy). Queued on `stream`.
+ */
+duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtype, const float *src,
+                                         int64_t ld_src, int64_t M, int64_t K, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

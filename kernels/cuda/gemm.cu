@@ -1,0 +1,443 @@
+/*
+ * gemm.cu: duet_cuda_gemm_*, the cuBLASLt GEMM behind cuda_gemm.h (read that header for the
+ * contract and the precision choices).
+ *
+ * Layout. duet's matrices are row-major; cuBLASLt's are column-major. A row-major [R, C] matrix
+ * with row stride ld is, byte for byte, a column-major [C, R] matrix with leading dimension ld.
+ * So the row-major product y[M, N] = x[M, K] · W[N, K]ᵀ is, in column-major terms,
+ *     yᶜ[N, M] = Wᶜ[K, N]ᵀ · xᶜ[K, M]
+ * i.e. cuBLASLt's D = op(A) · op(B) with A = W (K×N, lda = K, op = T), B = x (K×M, ldb = ldx,
+ * op = N), C = D = y (N×M, ldc = ldy), m = N, n = M, k = K. This "TN" form is also the layout
+ * cuBLASLt's Hopper kernels prefer. accumulate is β = 1 with C = D = y (cuBLASLt reads C before
+ * it writes D element by element, which it supports in place), else β = 0.
+ *
+ * Algorithm cache. Building the descriptors and running the heuristic costs tens of
+ * microseconds of host time, as much as a decode-sized GEMM. Each distinct (dtype, compute type,
+ * M, N, K, ldx, ldy, pointer alignments) gets one entry holding its descriptors and the
+ * heuristic's first choice; the cache is a small array searched linearly (a forward pass has a
+ * few dozen shapes) and evicts round-robin when full. α/β are not part of the key: the
+ * heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
+ * operands unless told otherwise, and a weight view into a larger matrix or an offset row of
+ * y may be less aligned, so the alignment of each pointer (capped at 256) is passed as a
+ * preference and keyed on.
+ */
+#include <stdlib.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cublasLt.h>
+
+#include "kernels/cuda/cuda_gemm.h"
+
+#define DUET_CUDA_GEMM_CACHE    64
+#define DUET_CUDA_GEMM_WS_BYTES ((size_t)32 << 20)
+
+typedef struct {
+    int valid;
+    /* key */
+    duet_dtype_t dtype;
+    cublasComputeType_t compute;
+    int64_t M, N, K, ldx, ldy;
+    unsigned align_a, align_b, align_c;
+    /* value: owned by the entry, destroyed on eviction or at handle destroy */
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, lc; /* A = W, B = x, C = D = y */
+    cublasLtMatmulAlgo_t algo;
+} duet__gemm_entry_t;
+
+struct duet_cuda_gemm {
+    cublasLtHandle_t lt;
+    void *workspace; /* device, owned, ws_bytes */
+    size_t ws_bytes;
+    void *stage; /* device, owned, stage_elems 16-bit elements of x */
+    int64_t stage_elems;
+    duet__gemm_entry_t cache[DUET_CUDA_GEMM_CACHE];
+    int next_evict; /* round-robin victim when the cache is full */
+};
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static duet_status_t duet__cuda_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "cuda gemm: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+static duet_status_t duet__lt_fail(cublasStatus_t s, const char *what)
+{
+    duet_status_t st = DUET_ERR_DEVICE;
+    if (s == CUBLAS_STATUS_ALLOC_FAILED)
+        st = DUET_ERR_NOMEM;
+    else if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH)
+        st = DUET_ERR_UNSUPPORTED;
+    else if (s == CUBLAS_STATUS_INVALID_VALUE)
+        st = DUET_ERR_INVALID;
+    return duet_error_set(st, "cuda gemm: %s: cuBLASLt %s (%d)", what, cublasLtGetStatusString(s),
+                          (int)s);
+}
+
+#define DUET__CUDA_TRY(call, what)                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return duet__cuda_fail(e_, what);                                                      \
+    } while (0)
+
+/* ---- x conversion ------------------------------------------------------------------------- */
+
+/* One thread per element; blocks tile K along x and rows along y (grid-strided past 65535). */
+template <typename T> __device__ T duet__from_f32(float v);
+template <> __device__ __nv_bfloat16 duet__from_f32<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __half duet__from_f32<__half>(float v)
+{
+    return __float2half_rn(v);
+}
+template <> __device__ float duet__from_f32<float>(float v)
+{
+    return v;
+}
+
+template <typename T>
+__global__ void duet__convert_kernel(T *dst, const float *src, int64_t ld_src, int64_t M, int64_t K)
+{
+    int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= K)
+        return;
+    for (int64_t m = blockIdx.y; m < M; m += gridDim.y)
+        dst[m * K + k] = duet__from_f32<T>(src[m * ld_src + k]);
+}
+
+extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtype, const float *src,
+                                                    int64_t ld_src, int64_t M, int64_t K,
+                                                    cudaStream_t stream)
+{
+    if (M < 0 || K < 0 || ld_src < K || (M > 0 && K > 0 && (dst == NULL || src == NULL)))
+        return duet_error_set(DUET_ERR_INVALID, "cuda convert: bad shape M=%lld K=%lld ld=%lld",
+                              (long long)M, (long long)K, (long long)ld_src);
+    if (M == 0 || K == 0)
+        return DUET_OK;
+    const int threads = 256;
+    dim3 grid((unsigned)((K + threads - 1) / threads), (unsigned)(M < 65535 ? M : 65535));
+    switch (dtype) {
+    case DUET_DTYPE_BF16:
+        duet__convert_kernel<<<grid, threads, 0, stream>>>((__nv_bfloat16 *)dst, src, ld_src, M, K);
+        break;
+    case DUET_DTYPE_F16:
+        duet__convert_kernel<<<grid, threads, 0, stream>>>((__half *)dst, src, ld_src, M, K);
+        break;
+    case DUET_DTYPE_F32:
+        duet__convert_kernel<<<grid, threads, 0, stream>>>((float *)dst, src, ld_src, M, K);
+        break;
+    default:
+        return duet_error_set(DUET_ERR_INVALID, "cuda convert: unknown dtype %d", (int)dtype);
+    }
+    DUET__CUDA_TRY(cudaGetLastError(), "convert kernel launch");
+    return DUET_OK;
+}
+
+/* ---- handle ------------------------------------------------------------------------------- */
+
+static void duet__entry_clear(duet__gemm_entry_t *e)
+{
+    if (!e->valid)
+        return;
+    cublasLtMatrixLayoutDestroy(e->lc);
+    cublasLtMatrixLayoutDestroy(e->lb);
+    cublasLtMatrixLayoutDestroy(e->la);
+    cublasLtMatmulDescDestroy(e->desc);
+    e->valid = 0;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_create(size_t workspace_bytes, int64_t max_x_elems,
+                                               duet_cuda_gemm_t **g_p)
+{
+    if (g_p == NULL || max_x_elems < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad create arguments");
+    if (workspace_bytes == 0)
+        workspace_bytes = DUET_CUDA_GEMM_WS_BYTES;
+
+    int n_dev = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n_dev);
+    if (ce != cudaSuccess || n_dev == 0) {
+        (void)cudaGetLastError();
+        return duet_error_set(DUET_ERR_DEVICE, "cuda gemm: no CUDA device (%s)",
+                              ce != cudaSuccess ? cudaGetErrorString(ce) : "none visible");
+    }
+
+    duet_status_t st;
+    cublasStatus_t ls;
+    duet_cuda_gemm_t *g = (duet_cuda_gemm_t *)calloc(1, sizeof(*g));
+    if (g == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "cuda gemm: out of host memory");
+    ls = cublasLtCreate(&g->lt);
+    if (ls != CUBLAS_STATUS_SUCCESS) {
+        st = duet__lt_fail(ls, "cublasLtCreate");
+        goto free_g;
+    }
+    ce = cudaMalloc(&g->workspace, workspace_bytes);
+    if (ce != cudaSuccess) {
+        st = duet__cuda_fail(ce, "workspace cudaMalloc");
+        goto destroy_lt;
+    }
+    g->ws_bytes = workspace_bytes;
+    if (max_x_elems > 0) {
+        ce = cudaMalloc(&g->stage, (size_t)max_x_elems * sizeof(uint16_t));
+        if (ce != cudaSuccess) {
+            st = duet__cuda_fail(ce, "staging cudaMalloc");
+            goto free_workspace;
+        }
+    }
+    g->stage_elems = max_x_elems;
+    *g_p = g;
+    return DUET_OK;
+
+free_workspace:
+    cudaFree(g->workspace);
+destroy_lt:
+    cublasLtDestroy(g->lt);
+free_g:
+    free(g);
+    return st;
+}
+
+extern "C" void duet_cuda_gemm_destroy(duet_cuda_gemm_t *g)
+{
+    if (g == NULL)
+        return;
+    for (int i = 0; i < DUET_CUDA_GEMM_CACHE; i++)
+        duet__entry_clear(&g->cache[i]);
+    cudaFree(g->stage); /* cudaFree waits for work still using the buffers */
+    cudaFree(g->workspace);
+    cublasLtDestroy(g->lt);
+    free(g);
+}
+
+/* ---- the GEMM ----------------------------------------------------------------------------- */
+
+static unsigned duet__align_of(const void *p)
+{
+    uintptr_t u = (uintptr_t)p;
+    uintptr_t a = u & (~u + 1); /* lowest set bit */
+    return a == 0 || a > 256 ? 256u : (unsigned)a;
+}
+
+static cudaDataType_t duet__cuda_type(duet_dtype_t dt)
+{
+    return dt == DUET_DTYPE_BF16 ? CUDA_R_16BF : dt == DUET_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* Build the descriptors and pick the algorithm for e's key (already filled in). */
+static duet_status_t duet__entry_build(duet_cuda_gemm_t *g, duet__gemm_entry_t *e)
+{
+    cublasStatus_t s;
+    duet_status_t st;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int n_res = 0;
+    cudaDataType_t in_t = duet__cuda_type(e->dtype);
+    cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+
+    e->desc = NULL;
+    e->la = e->lb = e->lc = NULL;
+#define DUET__LT(call, what)                                                                       \
+    do {                                                                                           \
+        s = (call);                                                                                \
+        if (s != CUBLAS_STATUS_SUCCESS) {                                                          \
+            st = duet__lt_fail(s, what);                                                           \
+            goto fail;                                                                             \
+        }                                                                                          \
+    } while (0)
+    DUET__LT(cublasLtMatmulDescCreate(&e->desc, e->compute, CUDA_R_32F), "matmul desc");
+    DUET__LT(
+        cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)),
+        "transa");
+    DUET__LT(
+        cublasLtMatmulDescSetAttribute(e->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)),
+        "transb");
+    DUET__LT(cublasLtMatrixLayoutCreate(&e->la, in_t, (uint64_t)e->K, (uint64_t)e->N, e->K),
+             "layout A (W)");
+    DUET__LT(cublasLtMatrixLayoutCreate(&e->lb, in_t, (uint64_t)e->K, (uint64_t)e->M, e->ldx),
+             "layout B (x)");
+    DUET__LT(cublasLtMatrixLayoutCreate(&e->lc, CUDA_R_32F, (uint64_t)e->N, (uint64_t)e->M, e->ldy),
+             "layout C (y)");
+
+    DUET__LT(cublasLtMatmulPreferenceCreate(&pref), "preference");
+    DUET__LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &g->ws_bytes, sizeof(g->ws_bytes)),
+             "preference workspace");
+    {
+        uint32_t aa = e->align_a, ab = e->align_b, ac = e->align_c;
+        DUET__LT(cublasLtMatmulPreferenceSetAttribute(
+                     pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aa, sizeof(aa)),
+                 "preference align A");
+        DUET__LT(cublasLtMatmulPreferenceSetAttribute(
+                     pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ab, sizeof(ab)),
+                 "preference align B");
+        DUET__LT(cublasLtMatmulPreferenceSetAttribute(
+                     pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ac, sizeof(ac)),
+                 "preference align C");
+        DUET__LT(cublasLtMatmulPreferenceSetAttribute(
+                     pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof(ac)),
+                 "preference align D");
+    }
+    DUET__LT(cublasLtMatmulAlgoGetHeuristic(g->lt, e->desc, e->la, e->lb, e->lc, e->lc, pref, 1,
+                                            &res, &n_res),
+             "heuristic");
+#undef DUET__LT
+    if (n_res < 1) {
+        st = duet_error_set(DUET_ERR_UNSUPPORTED,
+                            "cuda gemm: cuBLASLt has no algorithm for %s M=%lld N=%lld K=%lld "
+                            "ldx=%lld ldy=%lld (alignment %u/%u/%u)",
+                            duet_dtype_name(e->dtype), (long long)e->M, (long long)e->N,
+                            (long long)e->K, (long long)e->ldx, (long long)e->ldy, e->align_a,
+                            e->align_b, e->align_c);
+        goto fail;
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    e->algo = res.algo;
+    e->valid = 1;
+    return DUET_OK;
+
+fail:
+    if (pref != NULL)
+        cublasLtMatmulPreferenceDestroy(pref);
+    if (e->lc != NULL)
+        cublasLtMatrixLayoutDestroy(e->lc);
+    if (e->lb != NULL)
+        cublasLtMatrixLayoutDestroy(e->lb);
+    if (e->la != NULL)
+        cublasLtMatrixLayoutDestroy(e->la);
+    if (e->desc != NULL)
+        cublasLtMatmulDescDestroy(e->desc);
+    e->valid = 0;
+    return st;
+}
+
+static duet_status_t duet__entry_get(duet_cuda_gemm_t *g, const duet__gemm_entry_t *key,
+                                     duet__gemm_entry_t **e_p)
+{
+    duet__gemm_entry_t *free_slot = NULL;
+    for (int i = 0; i < DUET_CUDA_GEMM_CACHE; i++) {
+        duet__gemm_entry_t *e = &g->cache[i];
+        if (!e->valid) {
+            if (free_slot == NULL)
+                free_slot = e;
+            continue;
+        }
+        if (e->dtype == key->dtype && e->compute == key->compute && e->M == key->M &&
+            e->N == key->N && e->K == key->K && e->ldx == key->ldx && e->ldy == key->ldy &&
+            e->align_a == key->align_a && e->align_b == key->align_b &&
+            e->align_c == key->align_c) {
+            *e_p = e;
+            return DUET_OK;
+        }
+    }
+    if (free_slot == NULL) {
+        free_slot = &g->cache[g->next_evict];
+        g->next_evict = (g->next_evict + 1) % DUET_CUDA_GEMM_CACHE;
+        duet__entry_clear(free_slot);
+    }
+    *free_slot = *key;
+    free_slot->valid = 0;
+    duet_status_t st = duet__entry_build(g, free_slot);
+    if (st != DUET_OK)
+        return st;
+    *e_p = free_slot;
+    return DUET_OK;
+}
+
+static duet_status_t duet__check_w(const duet_tensor_t *w, int64_t M, int64_t ldx, int64_t ldy,
+                                   const void *x, const float *y)
+{
+    if (w == NULL || w->ndim != 2 || w->device != DUET_DEVICE_CUDA ||
+        duet_dtype_size(w->dtype) == 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda gemm: weight must be a 2-D CUDA tensor of F32, BF16 or F16");
+    int64_t N = w->shape[0], K = w->shape[1];
+    if (M < 0 || N < 0 || K < 0 || ldx < K || ldy < N)
+        return duet_error_set(
+            DUET_ERR_INVALID, "cuda gemm: bad shape M=%lld N=%lld K=%lld ldx=%lld ldy=%lld",
+            (long long)M, (long long)N, (long long)K, (long long)ldx, (long long)ldy);
+    if (M > 0 && N > 0 && (y == NULL || (K > 0 && (x == NULL || w->data == NULL))))
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                    float *y, int64_t ldy, const void *x,
+                                                    int64_t ldx, int64_t M, const duet_tensor_t *w,
+                                                    int accumulate, unsigned flags)
+{
+    if (g == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
+    duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
+    if (st != DUET_OK)
+        return st;
+    int64_t N = w->shape[0], K = w->shape[1];
+    if (M == 0 || N == 0)
+        return DUET_OK;
+    if (K == 0) { /* an empty sum: y = 0, or y unchanged */
+        if (!accumulate)
+            DUET__CUDA_TRY(cudaMemset2DAsync(y, (size_t)ldy * sizeof(float), 0,
+                                             (size_t)N * sizeof(float), (size_t)M, stream),
+                           "zero y");
+        return DUET_OK;
+    }
+
+    duet__gemm_entry_t key;
+    memset(&key, 0, sizeof(key));
+    key.dtype = w->dtype;
+    key.compute = w->dtype == DUET_DTYPE_F32 && (flags & DUET_CUDA_GEMM_TF32)
+                      ? CUBLAS_COMPUTE_32F_FAST_TF32
+                      : CUBLAS_COMPUTE_32F;
+    key.M = M;
+    key.N = N;
+    key.K = K;
+    key.ldx = ldx;
+    key.ldy = ldy;
+    key.align_a = duet__align_of(w->data);
+    key.align_b = duet__align_of(x);
+    key.align_c = duet__align_of(y);
+    duet__gemm_entry_t *e;
+    st = duet__entry_get(g, &key, &e);
+    if (st != DUET_OK)
+        return st;
+
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    cublasStatus_t s = cublasLtMatmul(g->lt, e->desc, &alpha, w->data, e->la, x, e->lb, &beta, y,
+                                      e->lc, y, e->lc, &e->algo, g->workspace, g->ws_bytes, stream);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return duet__lt_fail(s, "cublasLtMatmul");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                               int64_t ldy, const float *x, int64_t ldx, int64_t M,
+                                               const duet_tensor_t *w, int accumulate,
+                                               unsigned flags)
+{
+    if (g == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
+    duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
+    if (st != DUET_OK)
+        return st;
+    if (w->dtype == DUET_DTYPE_F32)
+        return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
+
+    int64_t K = w->shape[1];
+    if (M * K > g->stage_elems)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
+                              "elements; raise max_x_elems at create)",
+                              (long long)M, (long long)K, (long long)g->stage_elems);
+    st = duet_cuda_convert_from_f32(g->stage, w->dtype, x, ldx, M, K, stream);
+    if (st != DUET_OK)
+        return st;
+    return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
+}

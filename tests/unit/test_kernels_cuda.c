@@ -1,0 +1,337 @@
+/*
+ * test_kernels_cuda.c: the cuBLASLt GEMM (kernels/cuda/cuda_gemm.h) against the CPU reference
+ * duet_k_matmul on the same inputs: M in {1, 3, 64, 257}, N and K including non-multiples of
+ * 8/16, padded strides and a weight that is a misaligned view of rows of a larger matrix,
+ * accumulate on and off, BF16 / F16 / F32 weights (F32 with TF32 off and on). Without a CUDA
+ * device (this build VM, CI) the GPU tests skip with a reason and the error test checks that
+ * create fails cleanly instead.
+ *
+ * Error measure. For each output, err = |y_gpu - y_cpu| / S with S = Σ_k |x_k·w_k| (+ |y0| when
+ * accumulating): the rounding bound of a dot product is proportional to S, not to |y|, which
+ * can cancel to ~0. The tolerances follow from what differs between the two paths:
+ *   BF16 W: the GPU rounds x to bf16 (unit roundoff 2^-8), the CPU keeps x in fp32 and widens W
+ *           exactly, so each product differs by at most 2^-8 relative: tol 2^-8 + 2e-5.
+ *   F16 W:  the same with f16's unit roundoff 2^-11: tol 2^-11 + 2e-5.
+ *   F32 W, TF32 off: both fp32 with fp32 accumulation in different orders; the difference is a
+ *           few ulps times sqrt(K) in practice (the worst-case bound K·2^-24 is 1.4e-4 at
+ *           K = 2304): tol 2e-5.
+ *   F32 W, TF32 on: both x and W rounded to TF32 (10 stored bits, 2^-11 each, 2^-10 if
+ *           truncated): tol 2^-9 + 2e-5.
+ * The 2e-5 term covers the fp32 accumulation-order difference; an absolute 1e-6 covers
+ * outputs whose S is itself tiny (f16 subnormals in x). Each case prints its max error on stdout
+ * (`--verbose` / `ctest -V`), and a summary per dtype closes the run.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+
+#include "kernels/cuda/cuda_gemm.h"
+#include "kernels/kernels.h"
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
+    } while (0)
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
+    } while (0)
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+
+static uint32_t rng_u32(void)
+{
+    uint64_t x = rng_state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    rng_state = x;
+    return (uint32_t)(x >> 16);
+}
+
+/* Uniform in [-1, 1). */
+static float rng_f(void)
+{
+    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n > 0 ? n : 1);
+    cr_assert_not_null(p);
+    return p;
+}
+
+static void *dev_alloc(size_t n)
+{
+    void *p = NULL;
+    CUDA_OK(cudaMalloc(&p, n > 0 ? n : 1));
+    return p;
+}
+
+static void skip_without_device(void)
+{
+    if (duet_cuda_device_count() == 0)
+        cr_skip_test("no CUDA device visible (duet_cuda_device_count() == 0): the cuBLASLt GEMM "
+                     "is only compiled here");
+}
+
+/* ---- errors -----------------------------------------------------------------------------------
+ */
+
+Test(kernels_cuda, create_and_errors, .timeout = 60)
+{
+    duet_cuda_gemm_t *g = NULL;
+    duet_status_t st = duet_cuda_gemm_create(0, 16, &g);
+    if (duet_cuda_device_count() == 0) {
+        /* No device: a clear status and message, no crash, no handle. */
+        CHECK(st == DUET_ERR_DEVICE, "got %s", duet_status_name(st));
+        CHECK(g == NULL);
+        CHECK(strstr(duet_error_last(), "no CUDA device") != NULL, "%s", duet_error_last());
+        printf("[kernels_cuda] no device: create -> %s: %s\n", duet_status_name(st),
+               duet_error_last());
+        return;
+    }
+    CHECK(st == DUET_OK, "create: %s", duet_error_last());
+
+    float *y = dev_alloc(64 * sizeof(float)), *x = dev_alloc(64 * sizeof(float));
+    uint16_t host_w[16];
+    duet_tensor_t w = {.data = host_w,
+                       .dtype = DUET_DTYPE_BF16,
+                       .device = DUET_DEVICE_CPU,
+                       .ndim = 2,
+                       .shape = {4, 4}};
+    /* A CPU weight is refused. */
+    st = duet_cuda_gemm_matmul(g, 0, y, 4, x, 4, 2, &w, 0, 0);
+    CHECK(st == DUET_ERR_INVALID, "%s", duet_status_name(st));
+    /* Bad strides are refused. */
+    w.device = DUET_DEVICE_CUDA;
+    w.data = dev_alloc(16 * sizeof(uint16_t));
+    st = duet_cuda_gemm_matmul(g, 0, y, 3, x, 4, 2, &w, 0, 0);
+    CHECK(st == DUET_ERR_INVALID, "%s", duet_status_name(st));
+    /* x larger than the staging buffer (16 elements) is refused with RANGE, naming the fix. */
+    st = duet_cuda_gemm_matmul(g, 0, y, 4, x, 4, 5, &w, 0, 0);
+    CHECK(st == DUET_ERR_RANGE, "%s", duet_status_name(st));
+    CHECK(strstr(duet_error_last(), "max_x_elems") != NULL, "%s", duet_error_last());
+    /* An F32 weight needs no staging. */
+    w.dtype = DUET_DTYPE_F32;
+    cudaFree(w.data);
+    w.data = dev_alloc(16 * sizeof(float));
+    st = duet_cuda_gemm_matmul(g, 0, y, 4, x, 4, 5, &w, 0, 0);
+    CHECK(st == DUET_OK, "%s: %s", duet_status_name(st), duet_error_last());
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaFree(w.data);
+    cudaFree(x);
+    cudaFree(y);
+    duet_cuda_gemm_destroy(g);
+    duet_cuda_gemm_destroy(NULL);
+}
+
+/* ---- GEMM vs CPU --------------------------------------------------------------------------------
+ */
+
+typedef struct {
+    duet_dtype_t dt;
+    unsigned flags;
+    const char *name;
+    double tol;
+} gemm_mode_t;
+
+typedef struct {
+    double max_err; /* max |gpu - cpu| / S over outputs */
+    double max_rel; /* max |gpu - cpu| / |cpu| over outputs with |cpu| >= 1e-2 S (for reading) */
+} err_t;
+
+/*
+ * One case: W = rows [row0, row0 + N) of a [N + row0, K] matrix, x [M, ldx], y [M, ldy];
+ * returns the errors against duet_k_matmul on the same inputs.
+ */
+static err_t run_case(duet_kernels_t *cpu, duet_cuda_gemm_t *g, const gemm_mode_t *md, int64_t M,
+                      int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t row0, int accumulate)
+{
+    size_t es = duet_dtype_size(md->dt);
+    int64_t wrows = N + row0;
+    uint8_t *w = xmalloc((size_t)(wrows * K) * es);
+    float *wf = xmalloc((size_t)(wrows * K) * sizeof(float)); /* W widened, for S */
+    for (int64_t i = 0; i < wrows * K; i++) {
+        float v = rng_f();
+        if (md->dt == DUET_DTYPE_F32) {
+            ((float *)w)[i] = v;
+            wf[i] = v;
+        } else if (md->dt == DUET_DTYPE_BF16) {
+            ((uint16_t *)w)[i] = duet_f32_to_bf16(v);
+            wf[i] = duet_bf16_to_f32(((uint16_t *)w)[i]);
+        } else {
+            ((uint16_t *)w)[i] = duet_f32_to_f16(v);
+            wf[i] = duet_f16_to_f32(((uint16_t *)w)[i]);
+        }
+    }
+    float *x = xmalloc((size_t)(M * ldx) * sizeof(float));
+    float *y0 = xmalloc((size_t)(M * ldy) * sizeof(float));
+    float *yc = xmalloc((size_t)(M * ldy) * sizeof(float));
+    float *yg = xmalloc((size_t)(M * ldy) * sizeof(float));
+    for (int64_t i = 0; i < M * ldx; i++)
+        x[i] = rng_f();
+    for (int64_t i = 0; i < M * ldy; i++)
+        y0[i] = rng_f();
+    memcpy(yc, y0, (size_t)(M * ldy) * sizeof(float));
+
+    duet_tensor_t wc = {.data = w + (size_t)(row0 * K) * es,
+                        .dtype = md->dt,
+                        .device = DUET_DEVICE_CPU,
+                        .ndim = 2,
+                        .shape = {N, K}};
+    duet_status_t st = duet_k_matmul(cpu, yc, ldy, x, ldx, M, &wc, accumulate);
+    CHECK(st == DUET_OK, "cpu matmul: %s", duet_error_last());
+
+    uint8_t *dw = dev_alloc((size_t)(wrows * K) * es);
+    float *dx = dev_alloc((size_t)(M * ldx) * sizeof(float));
+    float *dy = dev_alloc((size_t)(M * ldy) * sizeof(float));
+    CUDA_OK(cudaMemcpy(dw, w, (size_t)(wrows * K) * es, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dx, x, (size_t)(M * ldx) * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dy, y0, (size_t)(M * ldy) * sizeof(float), cudaMemcpyHostToDevice));
+    duet_tensor_t wd = wc;
+    wd.data = dw + (size_t)(row0 * K) * es;
+    wd.device = DUET_DEVICE_CUDA;
+    st = duet_cuda_gemm_matmul(g, 0, dy, ldy, dx, ldx, M, &wd, accumulate, md->flags);
+    CHECK(st == DUET_OK, "cuda matmul %s M=%lld N=%lld K=%lld: %s", md->name, (long long)M,
+          (long long)N, (long long)K, duet_error_last());
+    CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * ldy) * sizeof(float), cudaMemcpyDeviceToHost));
+
+    err_t e = {0, 0};
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t n = 0; n < ldy; n++) {
+            size_t i = (size_t)(m * ldy + n);
+            if (n >= N) { /* padding between rows must be untouched */
+                CHECK(yg[i] == y0[i], "padding y[%lld, %lld] written", (long long)m, (long long)n);
+                continue;
+            }
+            const float *wr = wf + (row0 + n) * K;
+            double S = accumulate ? fabs(y0[i]) : 0.0;
+            for (int64_t k = 0; k < K; k++)
+                S += fabs((double)x[m * ldx + k] * wr[k]);
+            double d = fabs((double)yg[i] - yc[i]);
+            CHECK(d <= md->tol * S + 1e-6,
+                  "%s M=%lld N=%lld K=%lld acc=%d y[%lld, %lld]: gpu %.9g cpu %.9g S %.4g",
+                  md->name, (long long)M, (long long)N, (long long)K, accumulate, (long long)m,
+                  (long long)n, yg[i], yc[i], S);
+            if (S > 0 && d / S > e.max_err)
+                e.max_err = d / S;
+            if (fabs(yc[i]) >= 1e-2 * S && S > 0 && d / fabs(yc[i]) > e.max_rel)
+                e.max_rel = d / fabs(yc[i]);
+        }
+    }
+    cudaFree(dy);
+    cudaFree(dx);
+    cudaFree(dw);
+    free(yg);
+    free(yc);
+    free(y0);
+    free(x);
+    free(wf);
+    free(w);
+    return e;
+}
+
+Test(kernels_cuda, matmul_vs_cpu, .timeout = 600)
+{
+    skip_without_device();
+
+    static const gemm_mode_t modes[] = {
+        {DUET_DTYPE_BF16, 0, "BF16", 1.0 / 256 + 2e-5},
+        {DUET_DTYPE_F16, 0, "F16", 1.0 / 2048 + 2e-5},
+        {DUET_DTYPE_F32, 0, "F32", 2e-5},
+        {DUET_DTYPE_F32, DUET_CUDA_GEMM_TF32, "F32+TF32", 1.0 / 512 + 2e-5},
+    };
+    static const int64_t Ms[] = {1, 3, 64, 257};
+    static const struct {
+        int64_t N, K;
+    } shapes[] = {{1, 1}, {8, 16}, {17, 33}, {64, 64}, {129, 250}, {1000, 515}, {384, 2304}};
+
+    duet_kernels_t *cpu = NULL;
+    duet_status_t st = duet_kernels_create(DUET_DEVICE_CPU, 0, &cpu);
+    CHECK(st == DUET_OK, "cpu create: %s", duet_error_last());
+    duet_cuda_gemm_t *g = NULL;
+    st = duet_cuda_gemm_create(0, 257 * (2304 + 7), &g);
+    CHECK(st == DUET_OK, "cuda create: %s", duet_error_last());
+
+    printf("[kernels_cuda] cuBLASLt GEMM vs CPU duet_k_matmul; err = max |gpu-cpu| / sum|x*w|, "
+           "rel = max |gpu-cpu| / |cpu|\n");
+    for (size_t mi = 0; mi < sizeof(modes) / sizeof(modes[0]); mi++) {
+        const gemm_mode_t *md = &modes[mi];
+        double worst = 0, worst_rel = 0;
+        int n_case = 0;
+        for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+            for (size_t a = 0; a < sizeof(Ms) / sizeof(Ms[0]); a++) {
+                int64_t M = Ms[a], N = shapes[si].N, K = shapes[si].K;
+                /* Every other case: padded strides and a weight view one row in (misaligned). */
+                int odd = (int)((si + a) & 1);
+                int64_t ldx = odd ? K + 3 : K, ldy = odd ? N + 5 : N, row0 = odd ? 1 : 0;
+                err_t e0 = run_case(cpu, g, md, M, N, K, ldx, ldy, row0, 0);
+                err_t e1 = run_case(cpu, g, md, M, N, K, ldx, ldy, row0, 1);
+                printf("[kernels_cuda] %-8s M=%-3lld N=%-4lld K=%-4lld %s err acc0 %.2e acc1 %.2e "
+                       "rel %.2e/%.2e (tol %.1e)\n",
+                       md->name, (long long)M, (long long)N, (long long)K,
+                       odd ? "strided" : "dense  ", e0.max_err, e1.max_err, e0.max_rel, e1.max_rel,
+                       md->tol);
+                worst = fmax(worst, fmax(e0.max_err, e1.max_err));
+                worst_rel = fmax(worst_rel, fmax(e0.max_rel, e1.max_rel));
+                n_case += 2;
+            }
+        }
+        printf("[kernels_cuda] SUMMARY %-8s %d cases: max err %.3e (tol %.2e), max rel %.3e\n",
+               md->name, n_case, worst, md->tol, worst_rel);
+        fflush(stdout);
+    }
+    duet_cuda_gemm_destroy(g);
+    duet_kernels_destroy(cpu);
+}
+
+/* The same call twice (second from the algorithm cache) gives bit-identical results. */
+Test(kernels_cuda, cached_call_is_deterministic, .timeout = 60)
+{
+    skip_without_device();
+    const int64_t M = 64, N = 200, K = 96;
+    duet_cuda_gemm_t *g = NULL;
+    duet_status_t st = duet_cuda_gemm_create(0, M * K, &g);
+    CHECK(st == DUET_OK, "create: %s", duet_error_last());
+    uint16_t *w = xmalloc((size_t)(N * K) * sizeof(*w));
+    float *x = xmalloc((size_t)(M * K) * sizeof(*x));
+    float *y1 = xmalloc((size_t)(M * N) * sizeof(*y1)),
+          *y2 = xmalloc((size_t)(M * N) * sizeof(*y2));
+    for (int64_t i = 0; i < N * K; i++)
+        w[i] = duet_f32_to_bf16(rng_f());
+    for (int64_t i = 0; i < M * K; i++)
+        x[i] = rng_f();
+    void *dw = dev_alloc((size_t)(N * K) * sizeof(*w));
+    float *dx = dev_alloc((size_t)(M * K) * sizeof(*x)), *dy = dev_alloc((size_t)(M * N) * 4);
+    CUDA_OK(cudaMemcpy(dw, w, (size_t)(N * K) * sizeof(*w), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dx, x, (size_t)(M * K) * sizeof(*x), cudaMemcpyHostToDevice));
+    duet_tensor_t wd = {.data = dw,
+                        .dtype = DUET_DTYPE_BF16,
+                        .device = DUET_DEVICE_CUDA,
+                        .ndim = 2,
+                        .shape = {N, K}};
+    CHECK(duet_cuda_gemm_matmul(g, 0, dy, N, dx, K, M, &wd, 0, 0) == DUET_OK, "%s",
+          duet_error_last());
+    CUDA_OK(cudaMemcpy(y1, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemset(dy, 0xff, (size_t)(M * N) * 4));
+    CHECK(duet_cuda_gemm_matmul(g, 0, dy, N, dx, K, M, &wd, 0, 0) == DUET_OK, "%s",
+          duet_error_last());
+    CUDA_OK(cudaMemcpy(y2, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(y1, y2, (size_t)(M * N) * 4) == 0, "cached call differs");
+    cudaFree(dy);
+    cudaFree(dx);
+    cudaFree(dw);
+    free(y2);
+    free(y1);
+    free(x);
+    free(w);
+    duet_cuda_gemm_destroy(g);
+}
