@@ -7,9 +7,9 @@
  * duet_error_last(). All pointers are device pointers.
  *
  * Precision. Activations x and outputs y are fp32 (the engine's convention); W is F32, BF16 or
- * F16. cuBLASLt multiplies A and B of one type (its type table for cublasLtMatmul pairs fp32 only
- * with fp32 and bf16 only with bf16; mixed A/B types exist only for FP8), so for a BF16 or F16 W
- * the rows of x are first rounded on the device to W's dtype (round-to-nearest-even) into a
+ * F16. We multiply A and B of one type (our reading of cublasLtMatmul's supported type
+ * combinations is that fp32 x bf16 operands are not among them; not verified against NVIDIA's
+ * table), so for a BF16 or F16 W the rows of x are first rounded on the device to W's dtype (round-to-nearest-even) into a
  * staging buffer owned by the handle, then multiplied on the tensor cores with fp32 accumulation
  * (CUBLAS_COMPUTE_32F) and fp32 output. The CPU path keeps x in fp32, so the two differ by the
  * rounding of x: at most 2^-8 (bf16) or 2^-11 (f16) of Σ|x·w| per output. For an F32 W nothing
