@@ -96,6 +96,14 @@ static struct {
     cr_t             **order;
     float             *logits; /* [max_seqs][V] */
     uint64_t           prefill_tokens;
+    /* outcomes that arrive while a step runs (UCX progress in the layer hook) wait for its end:
+     * their handler frees sequences the step may still be using */
+    bool               in_step;
+    struct ctx_deferred {
+        duet_xfer_outcome_t o;
+        char                msg[256];
+    }                 *deferred; /* [n_reqs]: one outcome per transfer at most */
+    int64_t            n_deferred;
 } c;
 
 /* ------------------------------------------------------------------------------ requests */
@@ -207,6 +215,13 @@ static bool cr_is_stop(const cr_t *r, int32_t tok)
 
 static void ctx_on_xfer(const duet_xfer_outcome_t *o, void *user)
 {
+    if (c.in_step && c.n_deferred < c.n_reqs) {
+        struct ctx_deferred *d = &c.deferred[c.n_deferred++];
+        d->o                   = *o;
+        snprintf(d->msg, sizeof(d->msg), "%s", o->message != NULL ? o->message : "");
+        d->o.message = d->msg;
+        return;
+    }
     cr_t *r = cr_find_xfer(o->id);
     if (r == NULL)
         return;
@@ -245,12 +260,15 @@ static void ctx_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
 {
     if (duet_worker_rt_heartbeat_due(&c.rt)) /* a long step still shows the worker alive */
         ctx_heartbeat();
-    if (mla < 0)
-        return;
-    for (int64_t i = 0; i < c.n_reqs; i++) {
-        cr_t *r = &c.reqs[i];
-        if (r->phase == CR_PREFILL && r->last_in_step && r->xfer_live)
-            (void)duet_xfer_send_layer_ready(c.x, r->xid, (uint32_t)mla);
+    if (mla >= 0)
+        for (int64_t i = 0; i < c.n_reqs; i++) {
+            cr_t *r = &c.reqs[i];
+            if (r->phase == CR_PREFILL && r->last_in_step && r->xfer_live)
+                (void)duet_xfer_send_layer_ready(c.x, r->xid, (uint32_t)mla);
+        }
+    /* keep UCX moving between layers: connection handshakes and puts (over tcp the sender must
+     * progress) do not wait for the step; outcomes are deferred to its end (c.in_step) */
+    while (duet_xfer_ctx_progress(c.x) > 0) {
     }
 }
 
@@ -396,7 +414,9 @@ static void ctx_step(uv_idle_t *h)
         ctx_update_idle();
         return;
     }
+    c.in_step        = true;
     duet_status_t st = duet_model_forward(c.m, c.items, n);
+    c.in_step        = false;
     for (int64_t i = 0; i < n; i++) {
         cr_t *r         = c.item_req[i];
         bool  last      = r->last_in_step;
@@ -419,6 +439,9 @@ static void ctx_step(uv_idle_t *h)
         DUET_LOG_ERROR("prefill step failed: %s", duet_error_last());
     else
         c.prefill_tokens += (uint64_t)tokens;
+    for (int64_t i = 0; i < c.n_deferred; i++) /* outcomes that came during the step */
+        ctx_on_xfer(&c.deferred[i].o, NULL);
+    c.n_deferred = 0;
     ctx_update_idle();
 }
 
@@ -534,8 +557,9 @@ int main(int argc, char **argv)
     c.item_req = calloc((size_t)c.max_seqs, sizeof(*c.item_req));
     c.order    = calloc((size_t)c.n_reqs, sizeof(*c.order));
     c.logits   = malloc(sizeof(float) * (size_t)(c.max_seqs * c.V));
+    c.deferred = calloc((size_t)c.n_reqs, sizeof(*c.deferred));
     if (c.reqs == NULL || c.items == NULL || c.item_req == NULL || c.order == NULL ||
-        c.logits == NULL || duet_sampler_create(c.V, &c.smp) != DUET_OK) {
+        c.logits == NULL || c.deferred == NULL || duet_sampler_create(c.V, &c.smp) != DUET_OK) {
         fprintf(stderr, "duet-ctx: out of memory\n");
         return 1;
     }
@@ -566,6 +590,7 @@ int main(int argc, char **argv)
     free(c.item_req);
     free(c.order);
     free(c.logits);
+    free(c.deferred);
     duet_config_destroy(c.cfg);
     DUET_LOG_INFO("stopped");
     return 0;

@@ -595,6 +595,10 @@ static void gen_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
 {
     if (duet_worker_rt_heartbeat_due(&g.rt))
         gen_heartbeat();
+    /* keep UCX moving between layers (handshakes, tcp puts into our pools); the outcomes touch
+     * only RECEIVING requests, never one in the running step */
+    while (duet_xfer_ctx_progress(g.x) > 0) {
+    }
 }
 
 /* Every heartbeat period: end quarantines and overdue requests, then heartbeat. */
