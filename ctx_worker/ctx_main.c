@@ -23,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <uv.h>
@@ -47,8 +46,6 @@ static const duet_config_key_t ctx_keys[] = {
      "send an XXH3-64 of each transfer's bytes (the gen worker verifies it)", .min = NULL},
 };
 
-#define CTX_MAX_STOP 16
-
 typedef enum {
     CR_FREE = 0,
     CR_WAITING,
@@ -63,10 +60,7 @@ typedef struct {
     int32_t                *prompt; /* (n_prompt) owned */
     int64_t                 n_prompt, prefilled;
     uint32_t                max_tokens;
-    duet_sampling_t         sp;
-    duet_rng_t              rng;
-    uint32_t                stop[CTX_MAX_STOP];
-    size_t                  n_stop;
+    duet_worker_sampling_t  sampling;
     duet_xfer_reservation_t res; /* decoded; owns its message */
     duet_xfer_id_t          xid;
     bool                    xfer_live; /* started, outcome not yet reported */
@@ -203,14 +197,6 @@ static void ctx_admit(void)
     ctx_update_idle();
 }
 
-static bool cr_is_stop(const cr_t *r, int32_t tok)
-{
-    for (size_t i = 0; i < r->n_stop; i++)
-        if ((int32_t)r->stop[i] == tok)
-            return true;
-    return false;
-}
-
 /* ------------------------------------------------------------------------------ transfer */
 
 static void ctx_on_xfer(const duet_xfer_outcome_t *o, void *user)
@@ -233,7 +219,7 @@ static void ctx_on_xfer(const duet_xfer_outcome_t *o, void *user)
     }
     if (o->kind == DUET_XFER_OUTCOME_DONE && r->phase == CR_SENDING) {
         int finish = DUET__TOKENS__FINISH_REASON__NONE;
-        if (cr_is_stop(r, r->first))
+        if (duet_worker_is_stop(&r->sampling, r->first))
             finish = DUET__TOKENS__FINISH_REASON__STOP;
         else if (r->max_tokens <= 1)
             finish = DUET__TOKENS__FINISH_REASON__LENGTH;
@@ -268,8 +254,7 @@ static void ctx_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
         }
     /* keep UCX moving between layers: connection handshakes and puts (over tcp the sender must
      * progress) do not wait for the step; outcomes are deferred to its end (c.in_step) */
-    while (duet_xfer_ctx_progress(c.x) > 0) {
-    }
+    duet_xfer_pump_progress(&c.pump);
 }
 
 /* ------------------------------------------------------------------------------ messages */
@@ -328,22 +313,7 @@ static void ctx_on_prefill(const Duet__Prefill *m)
     r->arrival          = ++c.arrivals;
     r->deadline_unix_ms = m->deadline_unix_ms;
     r->t_arrive         = duet_worker_now();
-    duet_sampling_default(&r->sp);
-    uint64_t              seed = 0;
-    const Duet__Sampling *s    = m->sampling;
-    if (s != NULL) {
-        r->sp.temperature = s->temperature > 0 ? s->temperature : 0.0f;
-        r->sp.top_p       = s->top_p > 0 && s->top_p <= 1 ? s->top_p : 1.0f;
-        r->sp.top_k       = s->top_k;
-        for (size_t i = 0; i < s->n_stop_token_ids && r->n_stop < CTX_MAX_STOP; i++)
-            r->stop[r->n_stop++] = s->stop_token_ids[i];
-        seed = s->seed;
-    }
-    if (s == NULL || !s->has_seed)
-        if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
-            seed = r->rid * 0x9e3779b97f4a7c15ull ^ (uint64_t)(duet_worker_now() * 1e9);
-    r->sp.seed = seed;
-    duet_rng_seed(&r->rng, seed);
+    duet_worker_sampling_init(&r->sampling, m->sampling, r->rid);
     ctx_admit();
 }
 
@@ -394,9 +364,7 @@ static void ctx_step(uv_idle_t *h)
     int64_t n = 0, budget = c.budget, tokens = 0;
     for (int64_t i = 0; i < n_pre; i++) {
         cr_t   *r   = c.order[i];
-        int64_t end = (r->prefilled / c.chunk + 1) * c.chunk;
-        if (end > r->n_prompt)
-            end = r->n_prompt;
+        int64_t end = duet_worker_chunk_end(r->prefilled, r->n_prompt, c.chunk);
         int64_t len = end - r->prefilled;
         if (len > budget)
             continue; /* whole chunks only: the cut must match duet-generate's */
@@ -428,7 +396,7 @@ static void ctx_step(uv_idle_t *h)
         r->prefilled += c.items[i].n_tokens;
         if (!last)
             continue;
-        r->first = duet_sampler_sample(c.smp, &r->sp, &r->rng, c.items[i].logits);
+        r->first = duet_sampler_sample(c.smp, &r->sampling.sp, &r->sampling.rng, c.items[i].logits);
         r->phase = CR_SENDING;
         if (r->xfer_live)
             (void)duet_xfer_send_kda_ready(c.x, r->xid);

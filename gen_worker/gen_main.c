@@ -30,7 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <uv.h>
@@ -55,8 +54,6 @@ static const duet_config_key_t gen_keys[] = {
      .max = "65536"},
 };
 
-#define GEN_MAX_STOP 16
-
 typedef enum {
     GR_FREE = 0,
     GR_RECEIVING,
@@ -72,10 +69,7 @@ typedef struct {
     int32_t        *prompt; /* (n_prompt) owned, local prefill only */
     int64_t         n_prompt, prefilled;
     uint32_t        max_tokens, produced;
-    duet_sampling_t sp;
-    duet_rng_t      rng;
-    uint32_t        stop[GEN_MAX_STOP];
-    size_t          n_stop;
+    duet_worker_sampling_t sampling;
     duet_xfer_id_t  xid;
     bool            xfer_live, xfer_done, have_first, cancelling;
     int32_t         next; /* the next input token (DECODE) */
@@ -176,39 +170,15 @@ static gr_t *gr_new(uint64_t rid, uint32_t prompt_tokens, uint32_t max_tokens,
     r->max_tokens       = max_tokens;
     r->deadline_unix_ms = deadline;
     r->arrival          = ++g.arrivals;
-    duet_sampling_default(&r->sp);
-    uint64_t seed = 0;
-    if (s != NULL) {
-        r->sp.temperature = s->temperature > 0 ? s->temperature : 0.0f;
-        r->sp.top_p       = s->top_p > 0 && s->top_p <= 1 ? s->top_p : 1.0f;
-        r->sp.top_k       = s->top_k;
-        for (size_t i = 0; i < s->n_stop_token_ids && r->n_stop < GEN_MAX_STOP; i++)
-            r->stop[r->n_stop++] = s->stop_token_ids[i];
-        if (s->has_seed)
-            seed = s->seed;
-    }
-    if (s == NULL || !s->has_seed) {
-        if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
-            seed = rid * 0x9e3779b97f4a7c15ull ^ (uint64_t)(duet_worker_now() * 1e9);
-    }
-    r->sp.seed = seed;
-    duet_rng_seed(&r->rng, seed);
+    duet_worker_sampling_init(&r->sampling, s, rid);
     return r;
-}
-
-static bool gr_is_stop(const gr_t *r, int32_t tok)
-{
-    for (size_t i = 0; i < r->n_stop; i++)
-        if ((int32_t)r->stop[i] == tok)
-            return true;
-    return false;
 }
 
 /* A token was produced (r->produced already counts it): stream it, end the request or go on. */
 static void gr_emit(gr_t *r, int32_t tok)
 {
     int finish = DUET__TOKENS__FINISH_REASON__NONE;
-    if (gr_is_stop(r, tok))
+    if (duet_worker_is_stop(&r->sampling, tok))
         finish = DUET__TOKENS__FINISH_REASON__STOP;
     else if (r->produced >= r->max_tokens || r->seq.n_tokens + 1 > r->seq.cap_tokens)
         finish = DUET__TOKENS__FINISH_REASON__LENGTH;
@@ -234,10 +204,10 @@ static void gr_start_decode(gr_t *r)
         return;
     }
     r->produced = 1; /* the context worker's token, already streamed by the router */
-    if (r->sp.temperature > 0.0f && r->sp.top_k != 1)
-        (void)duet_rng_uniform(&r->rng); /* the draw the context worker made for it */
+    if (r->sampling.sp.temperature > 0.0f && r->sampling.sp.top_k != 1)
+        (void)duet_rng_uniform(&r->sampling.rng); /* the draw the context worker made for it */
     int finish = DUET__TOKENS__FINISH_REASON__NONE;
-    if (gr_is_stop(r, r->next))
+    if (duet_worker_is_stop(&r->sampling, r->next))
         finish = DUET__TOKENS__FINISH_REASON__STOP;
     else if (r->produced >= r->max_tokens)
         finish = DUET__TOKENS__FINISH_REASON__LENGTH;
@@ -492,9 +462,7 @@ static void gen_step(uv_idle_t *h)
     qsort(pre, (size_t)n_pre, sizeof(pre[0]), gr_by_arrival);
     for (int64_t i = 0; i < n_pre; i++) {
         gr_t   *r   = pre[i];
-        int64_t end = (r->prefilled / g.chunk + 1) * g.chunk;
-        if (end > r->n_prompt)
-            end = r->n_prompt;
+        int64_t end = duet_worker_chunk_end(r->prefilled, r->n_prompt, g.chunk);
         int64_t len = end - r->prefilled;
         if (len > budget)
             continue;
@@ -542,7 +510,7 @@ static void gen_step(uv_idle_t *h)
             free(r->prompt);
             r->prompt = NULL;
         }
-        int32_t tok = duet_sampler_sample(g.smp, &r->sp, &r->rng, g.items[i].logits);
+        int32_t tok = duet_sampler_sample(g.smp, &r->sampling.sp, &r->sampling.rng, g.items[i].logits);
         r->produced++;
         gr_emit(r, tok);
     }
@@ -597,8 +565,7 @@ static void gen_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
         gen_heartbeat();
     /* keep UCX moving between layers (handshakes, tcp puts into our pools); the outcomes touch
      * only RECEIVING requests, never one in the running step */
-    while (duet_xfer_ctx_progress(g.x) > 0) {
-    }
+    duet_xfer_pump_progress(&g.pump);
 }
 
 /* Every heartbeat period: end quarantines and overdue requests, then heartbeat. */

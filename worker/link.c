@@ -86,7 +86,7 @@ static duet_status_t link_write_all(int fd, const uint8_t *p, size_t n)
 static duet_status_t link_read_one(int fd, duet_frame_decoder_t *dec, uint64_t deadline_ms,
                                    Duet__Envelope **env_p)
 {
-    uint8_t buf[4096];
+    uint8_t b;
     for (;;) {
         uint64_t now = link_now_ms();
         if (now >= deadline_ms)
@@ -99,7 +99,7 @@ static duet_status_t link_read_one(int fd, duet_frame_decoder_t *dec, uint64_t d
             continue;
         /* one byte at a time: never read past the RegisterAck, whatever follows it belongs to
          * the loop (a handful of bytes, once per worker start) */
-        ssize_t n = read(fd, buf, 1);
+        ssize_t n = read(fd, &b, 1);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
@@ -107,7 +107,7 @@ static duet_status_t link_read_one(int fd, duet_frame_decoder_t *dec, uint64_t d
                                                "registration");
         size_t          used = 0;
         Duet__Envelope *env  = NULL;
-        duet_status_t   st   = duet_frame_decoder_feed(dec, buf, (size_t)n, &used, &env);
+        duet_status_t   st   = duet_frame_decoder_feed(dec, &b, (size_t)n, &used, &env);
         if (st < 0)
             return duet_error_set(DUET_ERR_FORMAT, "malformed frame from the router");
         if (env != NULL) {

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -53,7 +54,7 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
 
 /* ---- UCX on the loop ------------------------------------------------------------------ */
 
-static void pump_progress(duet_xfer_pump_t *p)
+void duet_xfer_pump_progress(duet_xfer_pump_t *p)
 {
     while (duet_xfer_ctx_progress(p->x) > 0) {
     }
@@ -61,12 +62,12 @@ static void pump_progress(duet_xfer_pump_t *p)
 
 static void pump_on_timer(uv_timer_t *t)
 {
-    pump_progress(t->data);
+    duet_xfer_pump_progress(t->data);
 }
 
 static void pump_on_poll(uv_poll_t *h, int status, int events)
 {
-    pump_progress(h->data);
+    duet_xfer_pump_progress(h->data);
 }
 
 /* Before the loop sleeps: drain UCX, arm its fd, and wake at its next deadline. */
@@ -74,7 +75,7 @@ static void pump_on_prepare(uv_prepare_t *h)
 {
     duet_xfer_pump_t *p = h->data;
     for (int i = 0; i < 64; i++) {
-        pump_progress(p);
+        duet_xfer_pump_progress(p);
         if (duet_xfer_ctx_arm(p->x) == DUET_OK)
             break;
     }
@@ -111,6 +112,43 @@ void duet_xfer_pump_stop(duet_xfer_pump_t *p)
         uv_close((uv_handle_t *)&p->prep, NULL);
         uv_close((uv_handle_t *)&p->timer, NULL);
     }
+}
+
+/* ---- requests ------------------------------------------------------------------------- */
+
+void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *s, uint64_t rid)
+{
+    memset(w, 0, sizeof(*w));
+    duet_sampling_default(&w->sp);
+    uint64_t seed = 0;
+    if (s != NULL) {
+        w->sp.temperature = s->temperature > 0 ? s->temperature : 0.0f;
+        w->sp.top_p       = s->top_p > 0 && s->top_p <= 1 ? s->top_p : 1.0f;
+        w->sp.top_k       = s->top_k;
+        for (size_t i = 0; i < s->n_stop_token_ids && w->n_stop < DUET_WORKER_MAX_STOP; i++)
+            w->stop[w->n_stop++] = s->stop_token_ids[i];
+        if (s->has_seed)
+            seed = s->seed;
+    }
+    if (s == NULL || !s->has_seed)
+        if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
+            seed = rid * 0x9e3779b97f4a7c15ull ^ (uint64_t)(duet_worker_now() * 1e9);
+    w->sp.seed = seed;
+    duet_rng_seed(&w->rng, seed);
+}
+
+bool duet_worker_is_stop(const duet_worker_sampling_t *w, int32_t tok)
+{
+    for (size_t i = 0; i < w->n_stop; i++)
+        if ((int32_t)w->stop[i] == tok)
+            return true;
+    return false;
+}
+
+int64_t duet_worker_chunk_end(int64_t prefilled, int64_t n_prompt, int64_t chunk)
+{
+    int64_t end = (prefilled / chunk + 1) * chunk;
+    return end < n_prompt ? end : n_prompt;
 }
 
 /* ---- messages ------------------------------------------------------------------------- */

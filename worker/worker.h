@@ -13,6 +13,7 @@
 
 #include "common/config.h"
 #include "engine/model.h"
+#include "engine/sampler.h"
 #include "transfer/xfer.h"
 #include "worker/link.h"
 
@@ -57,6 +58,8 @@ typedef struct {
 } duet_xfer_pump_t;
 
 duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfer_pump_t *p);
+/* Progress UCX until it has nothing left to do now (layer hooks call it inside long steps). */
+void duet_xfer_pump_progress(duet_xfer_pump_t *p);
 /* Close the handles (run the loop afterwards to finish closing). */
 void duet_xfer_pump_stop(duet_xfer_pump_t *p);
 
@@ -109,6 +112,27 @@ void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why);
  * pump's, when given), run the loop until they are closed, close the loop.
  */
 void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const char *reason);
+
+/* Stop ids kept per request; the router sends at most DUET_OAI_MAX_EOS (8). */
+#define DUET_WORKER_MAX_STOP 16
+
+/* How one request samples: parameters, its own RNG stream, and the ids that end it. */
+typedef struct {
+    duet_sampling_t sp;
+    duet_rng_t      rng;
+    uint32_t        stop[DUET_WORKER_MAX_STOP];
+    size_t          n_stop;
+} duet_worker_sampling_t;
+
+/* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random. */
+void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *s, uint64_t rid);
+
+/* Whether tok is one of the request's stop ids. */
+bool duet_worker_is_stop(const duet_worker_sampling_t *w, int32_t tok);
+
+/* End of the prefill chunk that starts at `prefilled`: chunks start at multiples of `chunk`
+ * (duet-generate's cut, which batch invariance needs to give its exact output). */
+int64_t duet_worker_chunk_end(int64_t prefilled, int64_t n_prompt, int64_t chunk);
 
 /* Send Tokens(ids, finish, error) for request rid. */
 void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
