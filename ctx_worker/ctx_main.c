@@ -77,7 +77,7 @@ static struct {
         duet_model_t      *m;
     duet_sampler_t    *smp;
     duet_xfer_ctx_t   *x;
-    duet_xfer_pump_t   pump;
+    duet_worker_pump_t   pump;
     duet_xfer_layout_t layout;
     duet_worker_rt_t   rt;
     cr_t              *reqs; /* [n_reqs] = max_seqs + max_queue */
@@ -254,7 +254,7 @@ static void ctx_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
         }
     /* keep UCX moving between layers: connection handshakes and puts (over tcp the sender must
      * progress) do not wait for the step; outcomes are deferred to its end (c.in_step) */
-    duet_xfer_pump_progress(&c.pump);
+    duet_worker_pump_progress(&c.pump);
 }
 
 /* ------------------------------------------------------------------------------ messages */
@@ -535,7 +535,7 @@ int main(int argc, char **argv)
         c.reqs[i].seq.id = -1;
 
     uv_loop_t *loop = uv_default_loop();
-    if ((st = duet_xfer_pump_start(loop, c.x, &c.pump)) != DUET_OK ||
+    if ((st = duet_worker_pump_start(loop, c.x, &c.pump)) != DUET_OK ||
         (st = duet_worker_rt_start(&c.rt, loop, c.cfg, DUET__WORKER_ROLE__WORKER_ROLE_CTX, c.m,
                                    ctx_tick, ctx_step, ctx_on_message)) != DUET_OK) {
         fprintf(stderr, "duet-ctx: %s\n", duet_error_last());

@@ -83,7 +83,7 @@ static struct {
         duet_model_t      *m;
     duet_sampler_t    *smp;
     duet_xfer_ctx_t   *x;
-    duet_xfer_pump_t   pump;
+    duet_worker_pump_t   pump;
     duet_xfer_layout_t layout;
     duet_worker_rt_t   rt;
     gr_t              *reqs;  /* [n_reqs] */
@@ -565,7 +565,7 @@ static void gen_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
         gen_heartbeat();
     /* keep UCX moving between layers (handshakes, tcp puts into our pools); the outcomes touch
      * only RECEIVING requests, never one in the running step */
-    duet_xfer_pump_progress(&g.pump);
+    duet_worker_pump_progress(&g.pump);
 }
 
 /* Every heartbeat period: end quarantines and overdue requests, then heartbeat. */
@@ -649,7 +649,7 @@ int main(int argc, char **argv)
         g.reqs[i].seq.id = -1;
 
     uv_loop_t *loop = uv_default_loop();
-    if ((st = duet_xfer_pump_start(loop, g.x, &g.pump)) != DUET_OK ||
+    if ((st = duet_worker_pump_start(loop, g.x, &g.pump)) != DUET_OK ||
         (st = duet_worker_rt_start(&g.rt, loop, g.cfg, DUET__WORKER_ROLE__WORKER_ROLE_GEN, g.m,
                                    gen_tick, gen_step, gen_on_message)) != DUET_OK) {
         fprintf(stderr, "duet-gen: %s\n", duet_error_last());

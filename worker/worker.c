@@ -54,7 +54,7 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
 
 /* ---- UCX on the loop ------------------------------------------------------------------ */
 
-void duet_xfer_pump_progress(duet_xfer_pump_t *p)
+void duet_worker_pump_progress(duet_worker_pump_t *p)
 {
     while (duet_xfer_ctx_progress(p->x) > 0) {
     }
@@ -62,20 +62,20 @@ void duet_xfer_pump_progress(duet_xfer_pump_t *p)
 
 static void pump_on_timer(uv_timer_t *t)
 {
-    duet_xfer_pump_progress(t->data);
+    duet_worker_pump_progress(t->data);
 }
 
 static void pump_on_poll(uv_poll_t *h, int status, int events)
 {
-    duet_xfer_pump_progress(h->data);
+    duet_worker_pump_progress(h->data);
 }
 
 /* Before the loop sleeps: drain UCX, arm its fd, and wake at its next deadline. */
 static void pump_on_prepare(uv_prepare_t *h)
 {
-    duet_xfer_pump_t *p = h->data;
+    duet_worker_pump_t *p = h->data;
     for (int i = 0; i < 64; i++) {
-        duet_xfer_pump_progress(p);
+        duet_worker_pump_progress(p);
         if (duet_xfer_ctx_arm(p->x) == DUET_OK)
             break;
     }
@@ -86,7 +86,7 @@ static void pump_on_prepare(uv_prepare_t *h)
         uv_timer_stop(&p->timer);
 }
 
-duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfer_pump_t *p)
+duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p)
 {
     memset(p, 0, sizeof(*p));
     p->x   = x;
@@ -105,7 +105,7 @@ duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfe
     return DUET_OK;
 }
 
-void duet_xfer_pump_stop(duet_xfer_pump_t *p)
+void duet_worker_pump_stop(duet_worker_pump_t *p)
 {
     if (!uv_is_closing((uv_handle_t *)&p->poll)) {
         uv_close((uv_handle_t *)&p->poll, NULL);
@@ -328,7 +328,7 @@ void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why)
     uv_stop(rt->loop);
 }
 
-void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const char *reason)
+void duet_worker_rt_close(duet_worker_rt_t *rt, duet_worker_pump_t *pump, const char *reason)
 {
     Duet__Deregister dr = DUET__DEREGISTER__INIT;
     dr.reason           = (char *)reason;
@@ -339,7 +339,7 @@ void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const ch
     duet_link_close(rt->link, 1000);
     rt->link = NULL;
     if (pump != NULL)
-        duet_xfer_pump_stop(pump);
+        duet_worker_pump_stop(pump);
     uv_close((uv_handle_t *)&rt->idle, NULL);
     uv_close((uv_handle_t *)&rt->hb, NULL);
     uv_close((uv_handle_t *)&rt->sigint, NULL);

@@ -55,13 +55,13 @@ typedef struct {
     uv_prepare_t     prep;
     uv_timer_t       timer;
     int              open_handles;
-} duet_xfer_pump_t;
+} duet_worker_pump_t;
 
-duet_status_t duet_xfer_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_xfer_pump_t *p);
+duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p);
 /* Progress UCX until it has nothing left to do now (layer hooks call it inside long steps). */
-void duet_xfer_pump_progress(duet_xfer_pump_t *p);
+void duet_worker_pump_progress(duet_worker_pump_t *p);
 /* Close the handles (run the loop afterwards to finish closing). */
-void duet_xfer_pump_stop(duet_xfer_pump_t *p);
+void duet_worker_pump_stop(duet_worker_pump_t *p);
 
 /*
  * Start-up: parse the command line, the --config YAML and DUET_* variables into a configuration
@@ -111,7 +111,7 @@ void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why);
  * After uv_run returned: Deregister(reason), flush and close the link, close the handles (and the
  * pump's, when given), run the loop until they are closed, close the loop.
  */
-void duet_worker_rt_close(duet_worker_rt_t *rt, duet_xfer_pump_t *pump, const char *reason);
+void duet_worker_rt_close(duet_worker_rt_t *rt, duet_worker_pump_t *pump, const char *reason);
 
 /* Stop ids kept per request; the router sends at most DUET_OAI_MAX_EOS (8). */
 #define DUET_WORKER_MAX_STOP 16
