@@ -3,7 +3,8 @@
  * accepts the worker's Register, and sends it malformed, out-of-range and out-of-order messages,
  * checking that each gets the clear answer the protocol defines (Refused, Tokens ERROR with a
  * reason, or nothing for a harmless stray) and that the worker keeps serving, then that a frame
- * that is not a frame makes it leave cleanly (exit status, never a signal).
+ * that is not a frame makes it leave cleanly (exit status, never a signal). Bad command lines end
+ * at start-up with status 2 and a message naming the problem.
  */
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
@@ -358,4 +359,53 @@ Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
     send_prefill(8, toks, 8, junk, sizeof(junk));
     expect_tokens(8, DUET__TOKENS__FINISH_REASON__ERROR, "draining");
     finish_with_garbage();
+}
+
+/* Run bin with args; exit status and stderr in err. */
+static int run_capture(char *const argv[], char *err, size_t cap)
+{
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        dup2(p[1], 2);
+        int nul = open("/dev/null", O_WRONLY);
+        dup2(nul, 1);
+        close(p[0]);
+        execv(argv[0], argv);
+        _exit(127);
+    }
+    close(p[1]);
+    size_t at = 0;
+    ssize_t n;
+    while (at + 1 < cap && (n = read(p[0], err + at, cap - 1 - at)) > 0)
+        at += (size_t)n;
+    err[at] = '\0';
+    close(p[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Bad command lines end at start-up with status 2 and a message naming the problem. */
+Test(worker_protocol, bad_command_lines_are_refused, .timeout = 60)
+{
+    static char err[1 << 16];
+    char *unknown[] = {CTX, "--model", MODEL, "--bogus", NULL};
+    cr_expect_eq(run_capture(unknown, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "--bogus") != NULL, "%s", err);
+    char *positional[] = {GEN, "--model", MODEL, "stray", NULL};
+    cr_expect_eq(run_capture(positional, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "unexpected argument 'stray'") != NULL, "%s", err);
+    char *chunk[] = {CTX, "--model", MODEL, "--batch.prefill_chunk", "1024",
+                     "--batch.max_tokens", "512", NULL};
+    cr_expect_eq(run_capture(chunk, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "must not exceed batch.max_tokens") != NULL, "%s", err);
+    char *range[] = {GEN, "--model", MODEL, "--batch.max_seqs", "0", NULL};
+    cr_expect_eq(run_capture(range, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "batch.max_seqs") != NULL, "%s", err);
+    char *nomodel[] = {GEN, "--router", "127.0.0.1:1", NULL};
+    cr_expect_eq(run_capture(nomodel, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "model.dir") != NULL, "%s", err);
 }
