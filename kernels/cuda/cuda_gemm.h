@@ -78,6 +78,19 @@ duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t strea
                                          const duet_tensor_t *w, int accumulate, unsigned flags);
 
 /*
+ * B independent GEMMs in one call: for b < B, y_b[M, N] (+)= x_b[M, K] · W_bᵀ where W = w is a
+ * 3-D CUDA tensor [B][N][K], x_b starts at x + b * stride_x and y_b at y + b * stride_y (rows ldx
+ * and ldy apart). The engine's per-head MLA products (q̂ = W_UK[h]ᵀ q_nope_h, o_h = W_UV[h] ·
+ * latent_h) are this with B = heads. For BF16/F16 W the M rows of x are converted over
+ * (B-1)·stride_x + K columns, which must fit max_x_elems.
+ */
+duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                            int64_t ldy, int64_t stride_y, const float *x,
+                                            int64_t ldx, int64_t stride_x, int64_t M,
+                                            const duet_tensor_t *w, int accumulate,
+                                            unsigned flags);
+
+/*
  * dst[m, k] = (dtype) src[m * ld_src + k] for m < M, k < K, dst contiguous [M, K] in `dtype`
  * (BF16 or F16, round-to-nearest-even; F32 is a strided copy). Queued on `stream`.
  */

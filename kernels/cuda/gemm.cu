@@ -39,6 +39,8 @@ typedef struct {
     duet_dtype_t dtype;
     cublasComputeType_t compute;
     int64_t M, N, K, ldx, ldy;
+    int32_t batch;                      /* 1 = a plain GEMM */
+    int64_t stride_w, stride_x, stride_y; /* element offsets between batch entries */
     unsigned align_a, align_b, align_c;
     /* value: owned by the entry, destroyed on eviction or at handle destroy */
     cublasLtMatmulDesc_t desc;
@@ -266,6 +268,19 @@ static duet_status_t duet__entry_build(duet_cuda_gemm_t *g, duet__gemm_entry_t *
              "layout B (x)");
     DUET__LT(cublasLtMatrixLayoutCreate(&e->lc, CUDA_R_32F, (uint64_t)e->N, (uint64_t)e->M, e->ldy),
              "layout C (y)");
+    if (e->batch > 1) {
+        cublasLtMatrixLayout_t ls[3] = {e->la, e->lb, e->lc};
+        int64_t strides[3] = {e->stride_w, e->stride_x, e->stride_y};
+        for (int i = 0; i < 3; i++) {
+            DUET__LT(cublasLtMatrixLayoutSetAttribute(ls[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                      &e->batch, sizeof(e->batch)),
+                     "batch count");
+            DUET__LT(cublasLtMatrixLayoutSetAttribute(ls[i],
+                                                      CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &strides[i], sizeof(strides[i])),
+                     "batch stride");
+        }
+    }
 
     DUET__LT(cublasLtMatmulPreferenceCreate(&pref), "preference");
     DUET__LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -332,6 +347,8 @@ static duet_status_t duet__entry_get(duet_cuda_gemm_t *g, const duet__gemm_entry
         }
         if (e->dtype == key->dtype && e->compute == key->compute && e->M == key->M &&
             e->N == key->N && e->K == key->K && e->ldx == key->ldx && e->ldy == key->ldy &&
+            e->batch == key->batch && e->stride_w == key->stride_w &&
+            e->stride_x == key->stride_x && e->stride_y == key->stride_y &&
             e->align_a == key->align_a && e->align_b == key->align_b &&
             e->align_c == key->align_c) {
             *e_p = e;
@@ -369,6 +386,64 @@ static duet_status_t duet__check_w(const duet_tensor_t *w, int64_t M, int64_t ld
     return DUET_OK;
 }
 
+/* The low-precision-input GEMM over `batch` matrices (checked by the callers). */
+static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                       int64_t ldy, int64_t stride_y, const void *x, int64_t ldx,
+                                       int64_t stride_x, int64_t M, const void *w_data,
+                                       duet_dtype_t w_dtype, int64_t N, int64_t K, int32_t batch,
+                                       int accumulate, unsigned flags)
+{
+    if (M == 0 || N == 0 || batch == 0)
+        return DUET_OK;
+    if (K == 0) { /* an empty sum: y = 0, or y unchanged */
+        if (!accumulate)
+            for (int32_t b = 0; b < batch; b++)
+                DUET__CUDA_TRY(cudaMemset2DAsync(y + b * stride_y, (size_t)ldy * sizeof(float), 0,
+                                                 (size_t)N * sizeof(float), (size_t)M, stream),
+                               "zero y");
+        return DUET_OK;
+    }
+
+    duet__gemm_entry_t key;
+    memset(&key, 0, sizeof(key));
+    key.dtype = w_dtype;
+    key.compute = w_dtype == DUET_DTYPE_F32 && (flags & DUET_CUDA_GEMM_TF32)
+                      ? CUBLAS_COMPUTE_32F_FAST_TF32
+                      : CUBLAS_COMPUTE_32F;
+    key.M = M;
+    key.N = N;
+    key.K = K;
+    key.ldx = ldx;
+    key.ldy = ldy;
+    key.batch = batch;
+    key.stride_w = batch > 1 ? N * K : 0;
+    key.stride_x = batch > 1 ? stride_x : 0;
+    key.stride_y = batch > 1 ? stride_y : 0;
+    key.align_a = duet__align_of(w_data);
+    key.align_b = duet__align_of(x);
+    key.align_c = duet__align_of(y);
+    if (batch > 1) { /* every batch entry's pointer must meet the alignment claimed */
+        size_t es = duet_dtype_size(w_dtype);
+        unsigned a = duet__align_of((const void *)(uintptr_t)(N * K * es));
+        key.align_a = key.align_a < a ? key.align_a : a;
+        a = duet__align_of((const void *)(uintptr_t)(stride_x * es));
+        key.align_b = key.align_b < a ? key.align_b : a;
+        a = duet__align_of((const void *)(uintptr_t)(stride_y * sizeof(float)));
+        key.align_c = key.align_c < a ? key.align_c : a;
+    }
+    duet__gemm_entry_t *e;
+    duet_status_t st = duet__entry_get(g, &key, &e);
+    if (st != DUET_OK)
+        return st;
+
+    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    cublasStatus_t s = cublasLtMatmul(g->lt, e->desc, &alpha, w_data, e->la, x, e->lb, &beta, y,
+                                      e->lc, y, e->lc, &e->algo, g->workspace, g->ws_bytes, stream);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return duet__lt_fail(s, "cublasLtMatmul");
+    return DUET_OK;
+}
+
 extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
                                                     float *y, int64_t ldy, const void *x,
                                                     int64_t ldx, int64_t M, const duet_tensor_t *w,
@@ -379,42 +454,50 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStr
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
     if (st != DUET_OK)
         return st;
-    int64_t N = w->shape[0], K = w->shape[1];
-    if (M == 0 || N == 0)
-        return DUET_OK;
-    if (K == 0) { /* an empty sum: y = 0, or y unchanged */
-        if (!accumulate)
-            DUET__CUDA_TRY(cudaMemset2DAsync(y, (size_t)ldy * sizeof(float), 0,
-                                             (size_t)N * sizeof(float), (size_t)M, stream),
-                           "zero y");
-        return DUET_OK;
-    }
+    return duet__matmul_lowp(g, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, w->shape[0],
+                             w->shape[1], 1, accumulate, flags);
+}
 
-    duet__gemm_entry_t key;
-    memset(&key, 0, sizeof(key));
-    key.dtype = w->dtype;
-    key.compute = w->dtype == DUET_DTYPE_F32 && (flags & DUET_CUDA_GEMM_TF32)
-                      ? CUBLAS_COMPUTE_32F_FAST_TF32
-                      : CUBLAS_COMPUTE_32F;
-    key.M = M;
-    key.N = N;
-    key.K = K;
-    key.ldx = ldx;
-    key.ldy = ldy;
-    key.align_a = duet__align_of(w->data);
-    key.align_b = duet__align_of(x);
-    key.align_c = duet__align_of(y);
-    duet__gemm_entry_t *e;
-    st = duet__entry_get(g, &key, &e);
+extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                       float *y, int64_t ldy, int64_t stride_y,
+                                                       const float *x, int64_t ldx,
+                                                       int64_t stride_x, int64_t M,
+                                                       const duet_tensor_t *w, int accumulate,
+                                                       unsigned flags)
+{
+    if (g == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
+    if (w == NULL || w->ndim != 3 || w->device != DUET_DEVICE_CUDA ||
+        duet_dtype_size(w->dtype) == 0 || w->shape[0] < 0 || w->shape[0] > INT32_MAX)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda gemm: batched weight must be a 3-D CUDA tensor [B][N][K]");
+    const int64_t B = w->shape[0], N = w->shape[1], K = w->shape[2];
+    /* the batch entries' x columns span `width` elements of each row */
+    const int64_t width = B > 0 ? (B - 1) * stride_x + K : 0;
+    if (M < 0 || N < 0 || K < 0 || stride_x < 0 || stride_y < 0 || ldx < width ||
+        ldy < (B > 0 ? (B - 1) * stride_y + N : 0) || (B > 1 && (stride_x < K || stride_y < N)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda gemm: bad batched shape B=%lld M=%lld N=%lld K=%lld ldx=%lld "
+                              "stride_x=%lld ldy=%lld stride_y=%lld", (long long)B, (long long)M,
+                              (long long)N, (long long)K, (long long)ldx, (long long)stride_x,
+                              (long long)ldy, (long long)stride_y);
+    if (M == 0 || N == 0 || B == 0)
+        return DUET_OK;
+    if (x == NULL || y == NULL || w->data == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
+    if (w->dtype == DUET_DTYPE_F32)
+        return duet__matmul_lowp(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data,
+                                 w->dtype, N, K, (int32_t)B, accumulate, flags);
+    if (M * width > g->stage_elems)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
+                              "elements; raise max_x_elems at create)",
+                              (long long)M, (long long)width, (long long)g->stage_elems);
+    duet_status_t st = duet_cuda_convert_from_f32(g->stage, w->dtype, x, ldx, M, width, stream);
     if (st != DUET_OK)
         return st;
-
-    const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    cublasStatus_t s = cublasLtMatmul(g->lt, e->desc, &alpha, w->data, e->la, x, e->lb, &beta, y,
-                                      e->lc, y, e->lc, &e->algo, g->workspace, g->ws_bytes, stream);
-    if (s != CUBLAS_STATUS_SUCCESS)
-        return duet__lt_fail(s, "cublasLtMatmul");
-    return DUET_OK;
+    return duet__matmul_lowp(g, stream, y, ldy, stride_y, g->stage, width, stride_x, M, w->data,
+                             w->dtype, N, K, (int32_t)B, accumulate, flags);
 }
 
 extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,

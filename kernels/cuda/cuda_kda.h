@@ -1,0 +1,71 @@
+/*
+ * cuda_kda.h: the KDA mixer's sequence-dependent parts on the GPU (MATH.md "KDA mixer"; the CPU
+ * reference is engine/model.c duet__kda_{conv,prep,core,out}_task and engine/kda.c).
+ * All pointers are device pointers, every call is queued on `stream` and returns a duet status
+ * (DUET_ERR_DEVICE naming the CUDA error on a launch failure). None of these synchronises or
+ * allocates, so all can be captured in a CUDA graph. fp32 everywhere; the state stays fp32.
+ * Layout of the rows (as the CPU path): proj / qkv are [n_rows][3*H*K] (q | k | v), g is
+ * [n_rows][H*K], beta [n_rows][H], gate and o [n_rows][H*K].
+ */
+#ifndef DUET_KERNELS_CUDA_KDA_H
+#define DUET_KERNELS_CUDA_KDA_H
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_step.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "common/status.h"
+
+typedef struct {
+    float  *kda_base;         /* the KDA pool */
+    int64_t kda_n_layers;     /* KDA layers per slot */
+    int64_t kda_layer_floats; /* H*K*V + 3*H*K*(W-1) */
+    int64_t layer;            /* this KDA layer's index among KDA layers */
+    int64_t H, K, W;          /* heads, head dim (= V), conv kernel size */
+} duet_cuda_kda_layer_t;
+
+/*
+ * Causal depthwise conv + SiLU of every item's rows: qkv[row][ch] = SiLU(Σ_j taps[ch][j] ·
+ * u[t - (W-1) + j][ch]) where u is the item's conv window (W-1 earlier pre-conv inputs) followed
+ * by its proj rows; then the window keeps the last W-1 pre-conv inputs. taps: fp32 [3*H*K][W].
+ * Supports W <= 8 and K <= 128 (DUET_ERR_UNSUPPORTED otherwise).
+ */
+duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
+                                 const duet_cuda_kda_layer_t *ly, const float *taps,
+                                 const float *proj, float *qkv);
+
+/*
+ * Per row: g[i] = neg_A[i / K] · softplus(g[i] + dt_bias[i]) (in place), beta = σ(beta) (in
+ * place), q and k of every head L2-normalised (eps 1e-6 inside the sqrt), q also scaled by K^-1/2
+ * (in place in qkv). neg_A: [H] = -exp(A_log); dt_bias: [H*K].
+ */
+duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows, const duet_cuda_kda_layer_t *ly,
+                                 const float *neg_A, const float *dt_bias, float *qkv, float *g,
+                                 float *beta);
+
+/*
+ * The delta-rule core of every (item, head): reads q, k, v from qkv, g, beta; writes o
+ * [n_rows][H*K]; updates the item's state S in the pool. Items with one new token use the
+ * recurrent form, longer items the chunked form (chunks of 64), as the CPU path does; both are
+ * the same function. `scratch` has duet_cuda_kda_scratch_bytes(...) bytes (currently 0: it may
+ * be NULL). K must be a multiple of 16 in [16, 128] (DUET_ERR_UNSUPPORTED otherwise) and g <= 0.
+ */
+size_t        duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
+                                          int64_t K);
+duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda_step_t *st,
+                                 const duet_cuda_kda_layer_t *ly, const float *qkv, const float *g,
+                                 const float *beta, float *o, void *scratch);
+
+/* o[row][h*K + d] = o_norm[d] · o / sqrt(mean_d(o²) + eps) · σ(gate[row][h*K + d]), in place. */
+duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H, int64_t K,
+                                const float *o_norm, float eps, const float *gate, float *o);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,64 @@
+/*
+ * cuda_mla.h: MLA attention over the paged latent cache on the GPU, weight-absorbed form (MATH.md
+ * "MLA mixer"; CPU reference: engine/model.c duet__mla_layer / duet__mla_attn_task). Kimi
+ * Linear's MLA has no rotary embedding: q_r and k_r are used as they are.
+ * All pointers are device pointers; calls are queued on `stream`, never synchronise or allocate
+ * (graph-capturable) and return a duet status.
+ */
+#ifndef DUET_KERNELS_CUDA_MLA_H
+#define DUET_KERNELS_CUDA_MLA_H
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_step.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+typedef struct {
+    void        *kv_base;     /* the KV pool */
+    duet_dtype_t kv_dtype;    /* F32 or BF16 */
+    int64_t      kv_n_layers; /* MLA layers per page */
+    int64_t      page_tokens;
+    int64_t      layer;       /* this MLA layer's index among MLA layers */
+    int64_t      n_heads;     /* n */
+    int64_t      r, dr;       /* kv_lora_rank, qk_rope_head_dim: td = r + dr */
+} duet_cuda_mla_layer_t;
+
+/*
+ * For every row: c = RMSNorm(ckr[row][0:r]) · norm_w (eps), then [c | ckr[row][r:r+dr]] is
+ * stored (rounded to kv_dtype) at the row's position (row_pos) in its item's pages. ckr is
+ * [n_rows][r + dr] fp32 and is not modified.
+ */
+duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_cuda_step_t *st,
+                                     const duet_cuda_mla_layer_t *ly, const float *ckr,
+                                     const float *norm_w, float eps);
+
+/*
+ * Attention of every row and head over its item's positions 0 .. row_pos (causal, the row's own
+ * token included, already written by kv_write): score_s = (q̂·c_s + q_r·k_r,s) · scale,
+ * lat = softmax(score) · c. qhat: [n_rows][n][r]; q_r of head h at qr + row*ldqr + h*dqr_stride
+ * (dr values); lat: [n_rows][n][r] out.
+ * Split-KV: each (item, head-group) is cut into `kv_splits` ranges of positions processed by
+ * separate blocks; partial (max, sum, acc) results are merged by a reducer weighing them by
+ * exp(max_i - max) (log-sum-exp merge). kv_splits = 1 is the unsplit kernel; any value >= 1 gives
+ * the same result up to fp32 rounding. `scratch` has duet_cuda_mla_scratch_bytes(...) bytes.
+ */
+size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads, int64_t r, int64_t kv_splits);
+duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *st,
+                                   const duet_cuda_mla_layer_t *ly, const float *qhat,
+                                   const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
+                                   int kv_splits, float *lat, void *scratch);
+
+/* A split count for a step (enough blocks to fill the GPU, ranges of at least 256 positions). */
+int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,102 @@
+/*
+ * cuda_ops.h: the engine's elementwise ops, norms, MoE routing and experts, and sampling on the
+ * GPU. CPU references: kernels/cpu/ops.c, engine/model.c (duet__route_row, duet__moe_layer),
+ * engine/sampler.c. All pointers are device pointers; calls are queued on `stream`, return a duet
+ * status (DUET_ERR_DEVICE naming the CUDA error) and, unless said otherwise, never synchronise or
+ * allocate (graph-capturable). Activations are fp32; weight matrices are F32, BF16 or F16.
+ */
+#ifndef DUET_KERNELS_CUDA_OPS_H
+#define DUET_KERNELS_CUDA_OPS_H
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+/* out[t][:] = table[ids[t]][:] as fp32; table [V][D] of `dtype`. */
+duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const void *table,
+                              duet_dtype_t dtype, int64_t D, const int32_t *ids, int64_t n);
+
+/* y[m][:] = w ⊙ x[m][:] / sqrt(mean(x[m]²) + eps); w fp32 [D]; row strides ldy, ldx; y may be x. */
+duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy, const float *x,
+                                int64_t ldx, const float *w, int64_t M, int64_t D, float eps);
+
+/* Fused residual + norm: x[m] += a[m] (when a != NULL), then y[m] = RMSNorm(x[m]) · w. */
+duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x, const float *a,
+                                    const float *w, int64_t M, int64_t D, float eps);
+
+typedef enum { DUET_CUDA_ACT_SILU = 0, DUET_CUDA_ACT_SITU = 1 } duet_cuda_act_t;
+/* gate[m][i] = act(gate[m][i]) · up[m][i] for m < M, i < I (row strides ld). SiTU: see kernels.h. */
+duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up, int64_t M,
+                                int64_t I, int64_t ld, duet_cuda_act_t act, float beta,
+                                float beta_lin);
+
+/*
+ * MoE routing, per row (engine/model.c duet__route_row): score = σ(logit), choice = score + bias,
+ * group-limited (n_group groups; a group's score = sum of its best two choices, or its best if a
+ * group has one expert; keep the topk_group best groups), top_k experts by choice (first index on
+ * ties), weights = score (renormalised to sum 1 when renorm), times scale. logits [T][E];
+ * idx, wts [T][top_k], in descending choice order.
+ */
+duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits, const float *bias,
+                                  int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
+                                  int64_t top_k, int renorm, float scale, int32_t *idx,
+                                  float *wts);
+
+/* The routed experts of one MoE layer, stored contiguously on the device. */
+typedef struct {
+    const void  *w1;    /* [E][I][D] gate_proj */
+    const void  *w3;    /* [E][I][D] up_proj */
+    const void  *w2;    /* [E][D][I] down_proj */
+    duet_dtype_t dtype; /* of all three */
+    int64_t      E, I, D;
+} duet_cuda_experts_t;
+
+/*
+ * y[t] += Σ_k wts[t][k] · W2[e] (act(W1[e] x[t]) ⊙ W3[e] x[t]), e = idx[t][k], for t < T; x is
+ * [T][D] fp32 (row stride D), y [T][D]. fp32 accumulation; the sum over k is in k order (the
+ * result does not depend on how rows are grouped). Rows are grouped by expert on the device, so
+ * each selected expert's weights are read once per call whatever T is. `scratch` has
+ * duet_cuda_moe_scratch_bytes(max_T, top_k, E, I, D) bytes.
+ */
+size_t        duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I,
+                                          int64_t D);
+duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,
+                                    const float *x, int64_t T, const int32_t *idx,
+                                    const float *wts, int64_t top_k, duet_cuda_act_t act,
+                                    float beta, float beta_lin, float *y, void *scratch);
+
+/* out[m] = index of the largest logits[m * ld + v], v < V (first index on ties). */
+duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logits, int64_t ld, int64_t V,
+                               int64_t M, int32_t *out);
+
+/*
+ * Sampling with engine/sampler.c's rule, one row per request: temperature <= 0 or top_k == 1 →
+ * argmax; else candidates sorted by logit descending (ties: lower index first), cut to top_k
+ * (0 = all), p_i = exp((l_i - l_max) / T), nucleus = shortest prefix whose normalised mass reaches
+ * top_p, then the first candidate whose running mass exceeds u · (kept mass). `u` is the
+ * request's uniform draw for this token (duet_rng_uniform on the host), so the host keeps each
+ * request's RNG stream and a seeded request draws the same tokens on either device (up to
+ * rounding of the sums). params: device array of M rows. `scratch` has
+ * duet_cuda_sample_scratch_bytes(max_M, V) bytes.
+ */
+typedef struct {
+    float   temperature;
+    int32_t top_k;
+    float   top_p;
+    float   u;
+} duet_cuda_sample_params_t;
+size_t        duet_cuda_sample_scratch_bytes(int64_t max_M, int64_t V);
+duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logits, int64_t ld, int64_t V,
+                               int64_t M, const duet_cuda_sample_params_t *params, int32_t *out,
+                               void *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,747 @@
+/*
+ * kda.cu: the KDA mixer's sequence-dependent kernels (cuda_kda.h has the contract; the CPU
+ * reference is engine/model.c duet__kda_*_task and engine/kda.c).
+ *
+ * conv: one thread per (channel, run of consecutive rows) slides the last W-1 inputs along in
+ *   registers (starting from the item's window), so runs are independent of each other and
+ *   each input is read once. A second launch then rolls each (item, channel) window
+ *   forward: a separate kernel because the first one still reads the old windows.
+ * prep / out: one warp per (row, head); lanes stride over the head's K channels.
+ * core, recurrent (items of one token, the decode path): the state is the traffic, 64 KiB per
+ *   head at K = V = 128. Column x of S evolves on its own (o[x], the delta u[x] and S[:, x] only
+ *   need column x plus the shared q, k, g), so a block of 32 columns x 8 row groups loads each
+ *   element of S once into a register, decays it, forms the two column sums Σ S k and Σ S q
+ *   (8-way shared-memory reduction), and writes S back once: o = Σ_d S'[d] q[d] + u (k·q).
+ * core, chunked (items of 2+ tokens): one block per (item, head), 4·K threads, chunks of 64
+ *   tokens in order. Thread (x, dq) keeps the quarter dq of column x of S in registers for the
+ *   whole item, so S is read and written once per item. Per chunk, in shared memory:
+ *     Γ     cumulative log-decay, stored in log2 units so every decay is one ex2;
+ *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
+ *           (j <= i): each pairwise decay is exp2 of a *difference* Γi − Γj <= 0 (clamped to <= 0
+ *           so the masked j > i half cannot overflow either), never a ratio of exponentials,
+ *           the property engine/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
+ *     Y     = β V − (β e^Γ ⊙ K) S,    V_new = (I − L)^{-1} Y by forward substitution,
+ *     O     = (e^Γ ⊙ Q) S + Aqk V_new,    S ← e^{Γlast} S + (e^{Γlast−Γ} ⊙ K)ᵀ V_new.
+ *   Γ is an fp32 running sum, so a decay carries an absolute error of about |Γ|·2^-24 in its
+ *   exponent (as in the usual chunked GPU kernels); the CPU's products of per-token decays do
+ *   not, which is where the two differ most when decays are large within a chunk.
+ *   This is engine/kda.c's U − W S = T(βV) − T(βe^Γ K) S with T applied once, to Y. Everything
+ *   after L and Aqk is local to a column of V, whose four quarter-owners sit in one warp, so
+ *   those phases need shuffles and no block barriers; V_new never leaves registers.
+ * The core's kernels are templated on K (16, 32, ..., 128) so the register arrays are static.
+ */
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_kda.h"
+
+#define DUET_KDA_C      64 /* chunk length, engine/kda.h DUET_KDA_CHUNK */
+#define DUET_KDA_MAX_K  128
+#define DUET_KDA_MAX_W  8
+#define DUET_KDA_L2_EPS 1e-6f /* engine/model.c DUET_L2_EPS */
+#define DUET_LOG2E      1.4426950408889634f
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static duet_status_t duet__kda_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "cuda kda: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+#define DUET__KDA_TRY(call, what)                                                                  \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return duet__kda_fail(e_, what);                                                       \
+    } while (0)
+
+/* Shapes every kernel here supports; the core also needs K % 16 == 0 (checked where used). */
+static duet_status_t duet__kda_check(const duet_cuda_kda_layer_t *ly, const char *what)
+{
+    if (ly == NULL || ly->kda_base == NULL || ly->H < 1 || ly->K < 1 || ly->W < 1 ||
+        ly->layer < 0 || ly->layer >= ly->kda_n_layers ||
+        ly->kda_layer_floats < ly->H * ly->K * ly->K + 3 * ly->H * ly->K * (ly->W - 1))
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda %s: bad layer description", what);
+    if (ly->K > DUET_KDA_MAX_K || ly->W > DUET_KDA_MAX_W)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda kda %s: K = %lld, W = %lld (supported: K <= %d, W <= %d)", what,
+                              (long long)ly->K, (long long)ly->W, DUET_KDA_MAX_K, DUET_KDA_MAX_W);
+    return DUET_OK;
+}
+
+static unsigned duet__blocks(int64_t n, int per_block, int64_t cap)
+{
+    int64_t b = (n + per_block - 1) / per_block;
+    return (unsigned)(b < 1 ? 1 : (b > cap ? cap : b));
+}
+
+/* ---- small device helpers ----------------------------------------------------------------- */
+
+__device__ static inline float duet__sigmoid(float x)
+{
+    return 1.0f / (1.0f + expf(-x));
+}
+
+__device__ static inline float duet__silu(float x)
+{
+    return x / (1.0f + expf(-x));
+}
+
+__device__ static inline float duet__softplus(float x)
+{
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+/* 2^x with one MUFU instruction (relative error ~2^-22; results below 2^-126 flush to 0, which
+ * only happens where the true decay is already negligible). */
+__device__ static inline float duet__ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* 4-byte asynchronous global → shared copy; with ok false nothing is read and *dst becomes 0. */
+__device__ static inline void duet__cp_async4(float *dst, const float *src, bool ok)
+{
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+                 "r"(ok ? 4 : 0)
+                 : "memory");
+}
+
+__device__ static inline void duet__cp_async_wait_all(void)
+{
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+/* a[t] for a runtime t of a register array (a chain of selects: a dynamic index would move the
+ * array to local memory), and a[t] = v. */
+template <int N> __device__ static inline float duet__pick(const float (&a)[N], int t)
+{
+    float v = a[0];
+#pragma unroll
+    for (int p = 1; p < N; p++)
+        v = p == t ? a[p] : v;
+    return v;
+}
+
+template <int N> __device__ static inline void duet__put(float (&a)[N], int t, float v)
+{
+#pragma unroll
+    for (int p = 0; p < N; p++)
+        a[p] = p == t ? v : a[p];
+}
+
+__device__ static inline float duet__warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* The KDA layer block of (slot, layer): S [H][K][V], then the windows [3*H*K][W-1]. */
+__device__ static inline float *duet__kda_block(const duet_cuda_kda_layer_t &ly, int32_t slot)
+{
+    return ly.kda_base + ((int64_t)slot * ly.kda_n_layers + ly.layer) * ly.kda_layer_floats;
+}
+
+/* ---- conv --------------------------------------------------------------------------------- */
+
+/* qkv[row][ch] = SiLU(Σ_j taps[ch][j] · u[t-(W-1)+j][ch]); u is the window then the item's rows.
+ * Summation order j = 0..W-1, as the CPU loop. A thread runs down R consecutive rows of one
+ * channel with the last W-1 inputs in registers, so each input is loaded once and the row's
+ * item is looked up only when the rows cross into the next item (R = 1 for decode batches, where
+ * every row is its own item and parallelism matters more). The arrays are sized for W <= 8 and
+ * indexed statically; positions past W-2 are ignored. */
+__global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
+                                             const float *__restrict__ taps,
+                                             const float *__restrict__ proj,
+                                             float *__restrict__ qkv, int R)
+{
+    const int64_t C3 = 3 * ly.H * ly.K, W = ly.W, HKK = ly.H * ly.K * ly.K;
+    const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C3)
+        return;
+    float tp[DUET_KDA_MAX_W - 1];
+#pragma unroll
+    for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+        tp[j] = j < W - 1 ? taps[ch * W + j] : 0.0f;
+    const float tlast = taps[ch * W + W - 1];
+    for (int64_t ra = (int64_t)blockIdx.y * R; ra < st.n_rows; ra += (int64_t)gridDim.y * R) {
+        const int64_t rb = ra + R < st.n_rows ? ra + R : st.n_rows;
+        int32_t it = st.row_item[ra];
+        int64_t r0 = st.item_row0[it], r1 = st.item_row0[it + 1];
+        const float *win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch * (W - 1);
+        float u[DUET_KDA_MAX_W - 1]; /* u[j]: input at t-(W-1)+j for the next row t */
+#pragma unroll
+        for (int j = 0; j < DUET_KDA_MAX_W - 1; j++) {
+            const int64_t tau = (ra - r0) - (W - 1) + j;
+            u[j] = j >= W - 1 ? 0.0f : tau >= 0 ? proj[(r0 + tau) * C3 + ch] : win[(W - 1) + tau];
+        }
+        for (int64_t row = ra; row < rb; row++) {
+            if (row >= r1) { /* the next item starts here: its inputs so far are its window */
+                do {
+                    it++;
+                    r0 = r1;
+                    r1 = st.item_row0[it + 1];
+                } while (row >= r1);
+                win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch * (W - 1);
+#pragma unroll
+                for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+                    u[j] = j < W - 1 ? win[j] : 0.0f;
+            }
+            const float x = proj[row * C3 + ch];
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+                if (j < W - 1)
+                    acc += tp[j] * u[j];
+            acc += tlast * x;
+            qkv[row * C3 + ch] = duet__silu(acc);
+#pragma unroll
+            for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+                u[j] = j == W - 2 ? x : (j + 1 < DUET_KDA_MAX_W - 1 ? u[j + 1] : u[j]);
+        }
+    }
+}
+
+/* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1). */
+__global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
+                                               const float *proj)
+{
+    const int64_t C3 = 3 * ly.H * ly.K, W = ly.W;
+    const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C3)
+        return;
+    for (int64_t it = blockIdx.y; it < st.n_items; it += gridDim.y) {
+        const int64_t r0 = st.item_row0[it], n = st.item_row0[it + 1] - r0;
+        float *win = duet__kda_block(ly, st.item_slot[it]) + ly.H * ly.K * ly.K + ch * (W - 1);
+        float old[DUET_KDA_MAX_W];
+        for (int64_t j = 0; j < W - 1; j++)
+            old[j] = win[j];
+        for (int64_t j = 0; j < W - 1; j++) {
+            const int64_t i = n + j;
+            win[j] = i < W - 1 ? old[i] : proj[(r0 + i - (W - 1)) * C3 + ch];
+        }
+    }
+}
+
+extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
+                                            const duet_cuda_kda_layer_t *ly, const float *taps,
+                                            const float *proj, float *qkv)
+{
+    duet_status_t s = duet__kda_check(ly, "conv");
+    if (s != DUET_OK)
+        return s;
+    if (st == NULL || st->n_items < 0 || st->n_rows < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda conv: bad step");
+    if (st->n_rows == 0 || st->n_items == 0)
+        return DUET_OK;
+    const int th = 256;
+    const int64_t C3 = 3 * ly->H * ly->K;
+    const int R = st->n_rows >= 4096 ? 16 : st->n_rows >= 256 ? st->n_rows / 256 : 1;
+    dim3 grid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
+    duet__kda_conv_kernel<<<grid, th, 0, stream>>>(*st, *ly, taps, proj, qkv, R);
+    DUET__KDA_TRY(cudaGetLastError(), "conv launch");
+    if (ly->W > 1) {
+        dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
+        duet__kda_window_kernel<<<wgrid, th, 0, stream>>>(*st, *ly, proj);
+        DUET__KDA_TRY(cudaGetLastError(), "conv window launch");
+    }
+    return DUET_OK;
+}
+
+/* ---- prep --------------------------------------------------------------------------------- */
+
+__global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
+                                             const float *neg_A, const float *dt_bias, float *qkv,
+                                             float *g, float *beta)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t HK = H * K, C3 = 3 * HK;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    const float scale = 1.0f / sqrtf((float)K);
+    for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
+         wi += warps) {
+        const int64_t row = wi / H, h = wi % H;
+        float *gr = g + row * HK + h * K;
+        const float nA = neg_A[h];
+        for (int64_t d = lane; d < K; d += 32)
+            gr[d] = nA * duet__softplus(gr[d] + dt_bias[h * K + d]);
+        if (lane == 0)
+            beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
+        for (int part = 0; part < 2; part++) {
+            float *x = qkv + row * C3 + part * HK + h * K;
+            float ss = 0.0f;
+            for (int64_t d = lane; d < K; d += 32)
+                ss += x[d] * x[d];
+            ss = duet__warp_sum(ss);
+            float inv = 1.0f / sqrtf(ss + DUET_KDA_L2_EPS);
+            if (part == 0)
+                inv *= scale;
+            for (int64_t d = lane; d < K; d += 32)
+                x[d] *= inv;
+        }
+    }
+}
+
+extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
+                                            const duet_cuda_kda_layer_t *ly, const float *neg_A,
+                                            const float *dt_bias, float *qkv, float *g, float *beta)
+{
+    if (ly == NULL || ly->H < 1 || ly->K < 1 || n_rows < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda prep: bad arguments");
+    if (n_rows == 0)
+        return DUET_OK;
+    const int th = 256;
+    duet__kda_prep_kernel<<<duet__blocks(n_rows * ly->H, th / 32, 1 << 20), th, 0, stream>>>(
+        n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta);
+    DUET__KDA_TRY(cudaGetLastError(), "prep launch");
+    return DUET_OK;
+}
+
+/* ---- out ---------------------------------------------------------------------------------- */
+
+__global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K,
+                                            const float *o_norm, float eps, const float *gate,
+                                            float *o)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
+         wi += warps) {
+        float *x = o + wi * K; /* row * HK + h * K */
+        const float *gt = gate + wi * K;
+        float ss = 0.0f;
+        for (int64_t d = lane; d < K; d += 32)
+            ss += x[d] * x[d];
+        ss = duet__warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t d = lane; d < K; d += 32)
+            x[d] = o_norm[d] * (x[d] * inv) * duet__sigmoid(gt[d]);
+    }
+}
+
+extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H,
+                                           int64_t K, const float *o_norm, float eps,
+                                           const float *gate, float *o)
+{
+    if (H < 1 || K < 1 || n_rows < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda out: bad arguments");
+    if (n_rows == 0)
+        return DUET_OK;
+    const int th = 256;
+    duet__kda_out_kernel<<<duet__blocks(n_rows * H, th / 32, 1 << 20), th, 0, stream>>>(
+        n_rows, H, K, o_norm, eps, gate, o);
+    DUET__KDA_TRY(cudaGetLastError(), "out launch");
+    return DUET_OK;
+}
+
+/* ---- core: recurrent (items of one token) ------------------------------------------------- */
+
+typedef struct {
+    duet_cuda_step_t st;
+    duet_cuda_kda_layer_t ly;
+    const float *qkv, *g, *beta;
+    float *o;
+} duet__kda_core_args_t;
+
+#define DUET_KDA_RY 8 /* row groups of the recurrent kernel's block (32 columns x 8) */
+
+/* Block (item·H + h, column slice of 32); thread (tx, ty) holds S[ty + 8r][x], r < K/8. */
+template <int K>
+__global__ static void __launch_bounds__(32 * DUET_KDA_RY)
+    duet__kda_recur_kernel(duet__kda_core_args_t a)
+{
+    constexpr int V = K, RPT = K / DUET_KDA_RY;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int64_t row = a.st.item_row0[it];
+    if (a.st.item_row0[it + 1] - row != 1)
+        return;
+    __shared__ float sq[K], sk[K], se[K];
+    __shared__ float red[3][DUET_KDA_RY][33];
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int x = blockIdx.y * 32 + tx;
+    const bool active = x < V;
+    float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
+    float s[RPT];
+    /* The state loads go out first: they need nothing from the barrier below. */
+#pragma unroll
+    for (int r = 0; r < RPT; r++)
+        s[r] = active ? S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] : 0.0f;
+    for (int d = tid; d < K; d += 32 * DUET_KDA_RY) {
+        sq[d] = a.qkv[row * C3 + h * K + d];
+        sk[d] = a.qkv[row * C3 + HK + h * K + d];
+        se[d] = expf(a.g[row * HK + h * K + d]);
+    }
+    __syncthreads();
+
+    float pk = 0.0f, pq = 0.0f, pkq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < RPT; r++) {
+        const int d = ty + DUET_KDA_RY * r;
+        s[r] *= se[d];
+        pk += s[r] * sk[d];
+        pq += s[r] * sq[d];
+        pkq += sk[d] * sq[d];
+    }
+    red[0][ty][tx] = pk;
+    red[1][ty][tx] = pq;
+    red[2][ty][tx] = pkq;
+    __syncthreads();
+    float kv = 0.0f, qs = 0.0f, kq = 0.0f;
+#pragma unroll
+    for (int y = 0; y < DUET_KDA_RY; y++) {
+        kv += red[0][y][tx];
+        qs += red[1][y][tx];
+        kq += red[2][y][tx];
+    }
+    if (!active)
+        return;
+    const float u = a.beta[row * H + h] * (a.qkv[row * C3 + 2 * HK + h * K + x] - kv);
+    if (ty == 0)
+        a.o[row * HK + h * K + x] = qs + u * kq;
+#pragma unroll
+    for (int r = 0; r < RPT; r++) {
+        const int d = ty + DUET_KDA_RY * r;
+        S[(int64_t)d * V + x] = s[r] + sk[d] * u;
+    }
+}
+
+/* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
+
+/*
+ * Shared-memory layout of the chunked kernel (floats). Rows of Q, K, G are KR = K + 20 floats
+ * and channel d sits at col(d) = d + 4·(d / (K/4)): a 4-float gap after each quarter. Readers
+ * are float4 loads in two patterns, (a) 32 lanes on 32 rows at the same d and (b) 4 quarter
+ * owners on one row; the odd KR/4 and the gaps put both on distinct 16-byte bank groups. The L
+ * and Aqk rows (LR = 80) hold their 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2), so
+ * the owner of residue dq reads its 16 entries as four float4 loads.
+ */
+template <int K> struct duet__kda_chunk_layout {
+    static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
+    static constexpr int Q = 0, KK = Q + C * KR, G = KK + C * KR, VV = G + C * KR, L = VV + C * VR,
+                         A = L + C * LR, B = A + C * LR, GL = B + C, FLOATS = GL + K;
+    __device__ static constexpr int col(int d)
+    {
+        return d + 4 * (d / Kq);
+    }
+    __device__ static constexpr int grp(int i)
+    {
+        return (i & 3) * 20 + (i >> 2);
+    }
+};
+
+template <int K>
+__global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda_core_args_t a)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, V = K, Kq = Ly::Kq, KR = Ly::KR, VR = Ly::VR, LR = Ly::LR;
+    constexpr int NT = 4 * K, NW = NT / 32;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
+    if (n_tok < 2)
+        return;
+
+    extern __shared__ float4 duet__kda_smem4[];
+    float *sm = reinterpret_cast<float *>(duet__kda_smem4);
+    float *sQ = sm + Ly::Q;   /* [C][KR] q, then q e^Γ */
+    float *sK = sm + Ly::KK;  /* [C][KR] k, then k e^{Γlast−Γ} */
+    float *sG = sm + Ly::G;   /* [C][KR] Γ·log2(e), then β k e^Γ */
+    float *sV = sm + Ly::VV;  /* [C][VR] v */
+    float *sL = sm + Ly::L;   /* [C (j)][LR (grp i)] L[i][j], zero for i <= j */
+    float *sA = sm + Ly::A;   /* [C (i)][LR (grp j)] Aqk[i][j], zero for j > i */
+    float *sB = sm + Ly::B;   /* [C] β */
+    float *sGl = sm + Ly::GL; /* [K] Γ of the chunk's last row, log2 units */
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int dq = lane & 3, x = warp * 8 + (lane >> 2); /* column x, quarter dq of S */
+    const int qoff = dq * (Kq + 4);                      /* col(dq·Kq) */
+    float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
+    float s[Kq]; /* S[dq·Kq + r][x] */
+#pragma unroll
+    for (int r = 0; r < Kq; r++)
+        s[r] = S[(int64_t)(dq * Kq + r) * V + x];
+
+    for (int64_t c0 = 0; c0 < n_tok; c0 += C) {
+        const int n = n_tok - c0 < C ? (int)(n_tok - c0) : C;
+        /* 1. Load the chunk; rows past n are zero (β = 0, k = 0, g = 0 change nothing). The
+         * copies are asynchronous (cp.async, zero-filled past n), so all of them are in flight
+         * at once instead of one round trip per loop iteration. */
+        for (int idx = tid; idx < C * K; idx += NT) {
+            const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
+            const bool ok = i < n;
+            const int64_t row = r0 + c0 + (ok ? i : 0);
+            const float *qr = a.qkv + row * C3 + h * K + d;
+            duet__cp_async4(&sQ[c], qr, ok);
+            duet__cp_async4(&sK[c], qr + HK, ok);
+            duet__cp_async4(&sV[i * VR + d], qr + 2 * HK, ok);
+            duet__cp_async4(&sG[c], a.g + row * HK + h * K + d, ok);
+        }
+        if (tid < C)
+            sB[tid] = tid < n ? a.beta[(r0 + c0 + tid) * H + h] : 0.0f;
+        duet__cp_async_wait_all();
+        __syncthreads();
+
+        /* 2. Γ = cumulative sum of g down the chunk, per channel, then to log2 units. */
+        if (tid < K) {
+            const int cd = Ly::col(tid);
+            float acc = 0.0f;
+            for (int i = 0; i < C; i++) {
+                acc += sG[i * KR + cd];
+                sG[i * KR + cd] = acc * DUET_LOG2E;
+            }
+            sGl[tid] = acc * DUET_LOG2E;
+        }
+        __syncthreads();
+
+        /* 3. L and Aqk. Task (ih, jg): lanes on rows i = 32·ih + lane, columns j = 4·jg .. +3.
+         * Tasks wholly above the diagonal (ih = 0, jg >= 8) only write their zeros. */
+        for (int task = warp; task < 32; task += NW) {
+            const int ih = task >> 4, jg = task & 15, i = ih * 32 + lane, j0 = jg * 4;
+            float skk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (!(ih == 0 && jg >= 8)) {
+#pragma unroll 2
+                for (int d = 0; d < K; d += 4) {
+                    const int cd = Ly::col(d);
+                    const float4 ki = *reinterpret_cast<const float4 *>(&sK[i * KR + cd]);
+                    const float4 qi = *reinterpret_cast<const float4 *>(&sQ[i * KR + cd]);
+                    const float4 gi = *reinterpret_cast<const float4 *>(&sG[i * KR + cd]);
+#pragma unroll
+                    for (int jj = 0; jj < 4; jj++) {
+                        const int j = j0 + jj;
+                        const float4 kj = *reinterpret_cast<const float4 *>(&sK[j * KR + cd]);
+                        const float4 gj = *reinterpret_cast<const float4 *>(&sG[j * KR + cd]);
+                        float t;
+                        t = kj.x * duet__ex2(fminf(gi.x - gj.x, 0.0f));
+                        skk[jj] += ki.x * t;
+                        sqk[jj] += qi.x * t;
+                        t = kj.y * duet__ex2(fminf(gi.y - gj.y, 0.0f));
+                        skk[jj] += ki.y * t;
+                        sqk[jj] += qi.y * t;
+                        t = kj.z * duet__ex2(fminf(gi.z - gj.z, 0.0f));
+                        skk[jj] += ki.z * t;
+                        sqk[jj] += qi.z * t;
+                        t = kj.w * duet__ex2(fminf(gi.w - gj.w, 0.0f));
+                        skk[jj] += ki.w * t;
+                        sqk[jj] += qi.w * t;
+                    }
+                }
+            }
+            const float bi = sB[i];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = j0 + jj;
+                sA[i * LR + Ly::grp(j)] = j <= i ? sqk[jj] : 0.0f;
+                sL[j * LR + Ly::grp(i)] = j < i ? -bi * skk[jj] : 0.0f;
+            }
+        }
+        __syncthreads();
+
+        /* 4. In place: Q ← q e^Γ, K ← k e^{Γlast−Γ}, G ← β k e^Γ. */
+        for (int idx = tid; idx < C * K; idx += NT) {
+            const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
+            const float gam = sG[c], k = sK[c], eg = duet__ex2(gam);
+            sQ[c] = sQ[c] * eg;
+            sK[c] = k * duet__ex2(sGl[d] - gam);
+            sG[c] = sB[i] * k * eg;
+        }
+        __syncthreads();
+
+        /* 5. Column-local from here (the four quarter owners of column x share a warp), and
+         * only over the row blocks that hold tokens (rows past n are zero throughout).
+         * Y[i][x] = β_i v_i[x] − Σ_d (β k e^Γ)[i][d] S[d][x]; the owner of row i (i mod 4 = dq)
+         * keeps it in y[i / 4]. Row blocks run in a loop, not unrolled (code size); y is only
+         * ever indexed statically, a runtime block index t goes through duet__pick/duet__put. */
+        const int nb = (n + 3) / 4;
+        float y[C / 4];
+#pragma unroll
+        for (int t = 0; t < C / 4; t++)
+            y[t] = 0.0f;
+#pragma unroll 1
+        for (int t = 0; t < nb; t++) {
+            float mine = 0.0f;
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int i = 4 * t + m;
+                const float *w = &sG[i * KR + qoff];
+                float acc = 0.0f;
+#pragma unroll
+                for (int r = 0; r < Kq; r += 4) {
+                    const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
+                    acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
+                }
+                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+                if (m == dq)
+                    mine = sB[i] * sV[i * VR + x] - acc;
+            }
+            duet__put<C / 4>(y, t, mine);
+        }
+        /* 6. V_new = Y + L V_new, row by row: once row j is final it is broadcast from its owner
+         * and added into every row (L[i][j] is zero for i <= j, so finished rows stay). `cur`
+         * tracks the current block's row of this owner, whose y slot has a runtime index. */
+#pragma unroll 1
+        for (int t = 0; t < nb; t++) {
+            float cur = duet__pick<C / 4>(y, t);
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int j = 4 * t + m;
+                const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
+                const float *l = &sL[j * LR + dq * 20];
+#pragma unroll
+                for (int u = 0; u < C / 4; u += 4) {
+                    const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
+                    y[u] += l4.x * vj;
+                    y[u + 1] += l4.y * vj;
+                    y[u + 2] += l4.z * vj;
+                    y[u + 3] += l4.w * vj;
+                }
+                cur += l[t] * vj;
+            }
+        }
+        /* 7. O[i][x] = Σ_d (q e^Γ)[i][d] S[d][x] + Σ_j Aqk[i][j] V_new[j][x]: each owner adds
+         * its quarter of d and its residue class of j, the shuffles finish the sum. Four rows
+         * at a time, so their sums and shuffles overlap. */
+        float *orow = a.o + (r0 + c0) * HK + h * K + x;
+#pragma unroll 1
+        for (int t = 0; t < nb; t++) {
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int i = 4 * t + m;
+                const float *qe = &sQ[i * KR + qoff];
+                const float *ar = &sA[i * LR + dq * 20];
+                float acc = 0.0f;
+#pragma unroll
+                for (int r = 0; r < Kq; r += 4) {
+                    const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
+                    acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
+                }
+#pragma unroll
+                for (int u = 0; u < C / 4; u += 4) {
+                    const float4 a4 = *reinterpret_cast<const float4 *>(&ar[u]);
+                    acc += a4.x * y[u] + a4.y * y[u + 1] + a4.z * y[u + 2] + a4.w * y[u + 3];
+                }
+                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+                if (m == dq && i < n)
+                    orow[(int64_t)i * HK] = acc;
+            }
+        }
+        /* 8. S ← e^{Γlast} S + Σ_i (k e^{Γlast−Γ})[i][d] V_new[i][x]. */
+#pragma unroll
+        for (int r = 0; r < Kq; r++)
+            s[r] *= duet__ex2(sGl[dq * Kq + r]);
+#pragma unroll 1
+        for (int t = 0; t < nb; t++) {
+            const float cur = duet__pick<C / 4>(y, t);
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int i = 4 * t + m;
+                const float vi = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
+                const float *kd = &sK[i * KR + qoff];
+#pragma unroll
+                for (int r = 0; r < Kq; r += 4) {
+                    const float4 k4 = *reinterpret_cast<const float4 *>(&kd[r]);
+                    s[r] += k4.x * vi;
+                    s[r + 1] += k4.y * vi;
+                    s[r + 2] += k4.z * vi;
+                    s[r + 3] += k4.w * vi;
+                }
+            }
+        }
+        __syncthreads(); /* the next chunk overwrites the shared buffers */
+    }
+#pragma unroll
+    for (int r = 0; r < Kq; r++)
+        S[(int64_t)(dq * Kq + r) * V + x] = s[r];
+}
+
+/* ---- core: dispatch ----------------------------------------------------------------------- */
+
+extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
+                                              int64_t K)
+{
+    (void)max_items, (void)max_rows, (void)H, (void)K;
+    return 0; /* both forms keep their working set in registers and shared memory */
+}
+
+/* The chunked kernel's dynamic shared memory exceeds the 48 KiB default, so it must be allowed
+ * once per device; done on the first call (a host-side attribute, not a stream operation). */
+template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
+{
+    static int done[64];
+    int dev = 0;
+    DUET__KDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev >= 0 && dev < 64 && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE))
+        return DUET_OK;
+    DUET__KDA_TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                  "chunk kernel shared-memory attribute");
+    if (dev >= 0 && dev < 64)
+        __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
+    return DUET_OK;
+}
+
+template <int K>
+static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_core_args_t &a)
+{
+    const int64_t H = a.ly.H;
+    dim3 rgrid((unsigned)(a.st.n_items * H), (unsigned)((K + 31) / 32));
+    duet__kda_recur_kernel<K><<<rgrid, dim3(32, DUET_KDA_RY), 0, stream>>>(a);
+    DUET__KDA_TRY(cudaGetLastError(), "recurrent core launch");
+    if (a.st.max_item_tokens > 1) {
+        const size_t bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
+        duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
+        if (s != DUET_OK)
+            return s;
+        duet__kda_chunk_kernel<K><<<(unsigned)(a.st.n_items * H), 4 * K, bytes, stream>>>(a);
+        DUET__KDA_TRY(cudaGetLastError(), "chunked core launch");
+    }
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda_step_t *st,
+                                            const duet_cuda_kda_layer_t *ly, const float *qkv,
+                                            const float *g, const float *beta, float *o,
+                                            void *scratch)
+{
+    (void)scratch;
+    duet_status_t s = duet__kda_check(ly, "core");
+    if (s != DUET_OK)
+        return s;
+    if (ly->K % 16 != 0)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda kda core: K = %lld is not a multiple of 16", (long long)ly->K);
+    if (st == NULL || st->n_items < 0 || st->n_rows < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda core: bad step");
+    if (st->n_items == 0 || st->n_rows == 0)
+        return DUET_OK;
+    if ((int64_t)st->n_items * ly->H > 0x7fffffff)
+        return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items x %lld heads", st->n_items,
+                              (long long)ly->H);
+    const duet__kda_core_args_t a = {*st, *ly, qkv, g, beta, o};
+    switch (ly->K) {
+    case 16:
+        return duet__kda_core_launch<16>(stream, a);
+    case 32:
+        return duet__kda_core_launch<32>(stream, a);
+    case 48:
+        return duet__kda_core_launch<48>(stream, a);
+    case 64:
+        return duet__kda_core_launch<64>(stream, a);
+    case 80:
+        return duet__kda_core_launch<80>(stream, a);
+    case 96:
+        return duet__kda_core_launch<96>(stream, a);
+    case 112:
+        return duet__kda_core_launch<112>(stream, a);
+    default:
+        return duet__kda_core_launch<128>(stream, a);
+    }
+}

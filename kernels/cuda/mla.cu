@@ -1,0 +1,1171 @@
+/*
+ * mla.cu: MLA attention over the paged latent cache (cuda_mla.h has the contract; the CPU
+ * reference is engine/model.c duet__mla_layer / duet__mla_attn_task).
+ *
+ * kv_write: one block per row: RMSNorm of c (sum of squares in double, the scale formed exactly
+ *   as the CPU's duet_k_rmsnorm forms it), then [c | k_r] rounded to the cache dtype (bf16: RNE)
+ *   into the row's page slot.
+ *
+ * attend. Every head reads the same latent row [c | k_r] of a position, so the unit of work is
+ *   not a head but a *block of 32 query slots*: all heads of one row (n = 32), or several rows
+ *   of one item times all heads (small n; slot = row_in_block · hb + head_in_block). A block
+ *   owns (row block, head group, KV split) and streams its split's positions through shared
+ *   memory in tiles (cp.async, multi-buffered, page lookups per token), so each KV byte leaves
+ *   global memory once per block and serves 32 query vectors: decode is bandwidth-bound, not
+ *   n_heads × the traffic. Per tile: scores of 32 slots × tile tokens, an online softmax per slot
+ *   (running max m and sum l in log2 units: q is pre-scaled by scale · log2 e so every
+ *   exponential is one ex2), and acc = acc · 2^(m_old − m_new) + P · c.
+ *   Two compute paths share that skeleton:
+ *   - tensor cores (BF16 cache, r + dr <= 576): mma.sync m16n8k16 bf16 with fp32 accumulation.
+ *     The cache values are exact in bf16, but q̂ and the probabilities P are fp32, so each is
+ *     split as x = hi + lo (two bf16, |x − hi − lo| <= 2^-18 |x|) and multiplied twice: scores
+ *     and outputs keep ~fp32 accuracy, where rounding q̂ to bf16 alone would cost 2^-9 · |score|
+ *     (about 1% of a probability at typical score magnitudes). Warp w computes the scores of
+ *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
+ *     registers for the whole block, the four quarters meet in shared memory; for P · c warp w
+ *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 32
+ *     positions, 4 in shared memory, 3 of them in flight while one is computed.
+ *   - CUDA cores (F32 cache, or dims outside the tensor-core limits): each warp holds the q of 4
+ *     slots for the lane's dims in registers and reduces the 8 tokens × 4 slots dot products of
+ *     a token group with one 31-shuffle reduce-scatter; for P · c each thread owns 8 slots × 8
+ *     dims. Double-buffered tiles of 64 (BF16) or 32 (F32) positions. fp32 FMA throughput, not
+ *     memory, bounds this path (~4× slower than the tensor cores at Kimi's shape).
+ *   Split-KV: positions 0 .. L−1 (L = the block's largest row_pos + 1, read on the device) are cut
+ *   into kv_splits ranges of ceil(L / kv_splits) rounded up to a tile; a block whose range is
+ *   empty (short items in a batch planned for long ones) writes the neutral partial (m = −inf,
+ *   l = 0) and no accumulator, and the reducer skips those. With kv_splits = 1 the block writes
+ *   lat = acc / l itself and no reducer runs.
+ *   Row blocks: block x of the grid is the x-th block of rb rows in item order; a warp scan over
+ *   item_row0 finds it, so the grid is sized from host counts only (graph capture) and blocks
+ *   past the real count exit. Prefill rows of one item share a block only when n < 32 (rb =
+ *   32 / n); at n = 32 each row is its own block and the item's KV is re-read per row, mostly
+ *   from L2. Plan prefill splits with n_items = the number of row blocks (or use 1): splitting a
+ *   long prefill by its item count multiplies the fp32 partials by the row count.
+ *   Graph capture: the first attend per kernel and device opts the kernel into its shared memory
+ *   (cudaFuncSetAttribute, not a stream operation); later calls only launch.
+ *
+ * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
+ * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
+ * (Kimi Linear: 512 + 64); larger latent rows fall back to CUDA cores.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_mla.h"
+
+#define DUET_MLA_THREADS   256 /* 8 warps per attention block */
+#define DUET_MLA_WARPS     (DUET_MLA_THREADS / 32)
+#define DUET_MLA_SLOTS     32  /* (row, head) query vectors per block */
+#define DUET_MLA_MAX_R     512 /* P · c: 4 slot groups × r / 8 dim groups <= 256 threads */
+#define DUET_MLA_MAX_TD    640 /* CUDA-core scores: 5 chunks of 128 dims per lane */
+#define DUET_MLA_TC_MAX_TD 576 /* tensor-core scores: 9 k-steps of 16 per warp quarter */
+#define DUET_MLA_TC_TK     32  /* tokens per tile, tensor-core path */
+#define DUET_MLA_TC_STAGES 4   /* tiles in shared memory, tensor-core path (3 in flight) */
+#define DUET_MLA_MAX_DEV   16  /* devices whose shared-memory opt-in is remembered */
+#define DUET_MLA_MIN_SPLIT 256 /* plan_splits: fewest positions per split */
+#define DUET_MLA_MAX_SPLIT 1024
+#define DUET_LOG2E         1.4426950408889634f
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static duet_status_t duet__mla_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "cuda mla: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+#define DUET__MLA_TRY(call, what)                                                                  \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return duet__mla_fail(e_, what);                                                       \
+    } while (0)
+
+/* Test hook (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well. */
+static int duet__mla_simt_only = 0;
+
+extern "C" void duet__cuda_mla_force_simt(int on)
+{
+    duet__mla_simt_only = on;
+}
+
+/* ---- kernel arguments --------------------------------------------------------------------- */
+
+typedef struct {
+    const int32_t *item_row0;  /* device [n_items + 1] */
+    const int32_t *item_pages; /* device [n_items][max_pages] */
+    const int32_t *row_pos;    /* device [n_rows] */
+    int32_t n_items, n_rows, max_pages;
+    const void *kv; /* device, the KV pool */
+    int64_t kv_n_layers, layer;
+    int page_tokens;
+    int n, r, td;
+    int hb, rb;        /* heads and rows per block: slot = row_in_block · hb + head */
+    const float *qhat; /* device [n_rows][n][r] */
+    const float *qr;   /* device, q_r of (row, head) at row · ldqr + head · dqr_stride */
+    int64_t ldqr, dqr_stride;
+    float qscale; /* scale · log2 e */
+    int kv_splits;
+    float *lat;     /* device [n_rows][n][r] */
+    float *part_o;  /* device scratch [kv_splits][n_rows][n][r] */
+    float *part_ml; /* device scratch [kv_splits][n_rows][n][2]: (m, l) */
+} duet__mla_args_t;
+
+/* What one attention block knows about itself (shared memory). */
+typedef struct {
+    int item, k0, k1;        /* item; this split's positions [k0, k1) */
+    int row[DUET_MLA_SLOTS]; /* row of each slot, -1 for an unused slot */
+    int head[DUET_MLA_SLOTS];
+    int pos[DUET_MLA_SLOTS];     /* last visible position; -1 (all masked) when unused */
+    float m[DUET_MLA_SLOTS];     /* running max, log2 units */
+    float l[DUET_MLA_SLOTS];     /* running sum of probabilities */
+    float alpha[DUET_MLA_SLOTS]; /* this tile's rescale of the accumulators */
+} duet__mla_block_t;
+
+/* ---- small device helpers ----------------------------------------------------------------- */
+
+__device__ static inline void duet__cp_async16(void *smem, const void *gmem, int bytes)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
+                 : "memory");
+}
+
+__device__ static inline void duet__cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ static inline void duet__cp_async_wait_all(void)
+{
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+/* Wait until at most N of this thread's committed copy groups are still in flight. */
+template <int N> __device__ static inline void duet__cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* 2^x, hardware approximation (~2 ulp); 2^-inf = 0. */
+__device__ static inline float duet__mla_ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ static inline float duet__bf16_lo(uint32_t u)
+{
+    return __uint_as_float(u << 16);
+}
+
+__device__ static inline float duet__bf16_hi(uint32_t u)
+{
+    return __uint_as_float(u & 0xffff0000u);
+}
+
+/* 4 consecutive cache elements as fp32 (16- / 8-byte aligned). */
+__device__ static inline float4 duet__ld4(const float *p)
+{
+    return *(const float4 *)p;
+}
+
+__device__ static inline float4 duet__ld4(const __nv_bfloat16 *p)
+{
+    const uint2 u = *(const uint2 *)p;
+    return make_float4(duet__bf16_lo(u.x), duet__bf16_hi(u.x), duet__bf16_lo(u.y),
+                       duet__bf16_hi(u.y));
+}
+
+/* 8 consecutive cache elements as fp32 (32- / 16-byte aligned). */
+__device__ static inline void duet__ld8(const float *p, float v[8])
+{
+    const float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ static inline void duet__ld8(const __nv_bfloat16 *p, float v[8])
+{
+    const uint4 u = *(const uint4 *)p;
+    v[0] = duet__bf16_lo(u.x), v[1] = duet__bf16_hi(u.x), v[2] = duet__bf16_lo(u.y);
+    v[3] = duet__bf16_hi(u.y), v[4] = duet__bf16_lo(u.z), v[5] = duet__bf16_hi(u.z);
+    v[6] = duet__bf16_lo(u.w), v[7] = duet__bf16_hi(u.w);
+}
+
+template <typename T> __device__ static inline T duet__mla_to(float v);
+template <> __device__ inline float duet__mla_to<float>(float v)
+{
+    return v;
+}
+template <> __device__ inline __nv_bfloat16 duet__mla_to<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+/* x = hi + lo in bf16 for a pair (first element in the low half, as mma fragments want). */
+__device__ static inline void duet__split2(float x0, float x1, uint32_t *hi, uint32_t *lo)
+{
+    const __nv_bfloat16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+    const __nv_bfloat16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
+    const __nv_bfloat16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
+    *hi = (uint32_t)__bfloat16_as_ushort(h0) | ((uint32_t)__bfloat16_as_ushort(h1) << 16);
+    *lo = (uint32_t)__bfloat16_as_ushort(l0) | ((uint32_t)__bfloat16_as_ushort(l1) << 16);
+}
+
+__device__ static inline void duet__ldsm_x4(const void *p, uint32_t v[4])
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(s)
+                 : "memory");
+}
+
+__device__ static inline void duet__ldsm_x4_t(const void *p, uint32_t v[4])
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(s)
+                 : "memory");
+}
+
+/* c (16×8 fp32) += a (16×16 bf16, row) · b (16×8 bf16, col). */
+__device__ static inline void duet__mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* One butterfly step of a warp reduce-scatter over 2·O values (see the CUDA-core scores). */
+template <int O> __device__ static inline void duet__rs_step(float *v, int lane)
+{
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < O; i++) {
+        const float send = up ? v[i] : v[i + O];
+        const float keep = up ? v[i + O] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+
+/* ---- kv_write ----------------------------------------------------------------------------- */
+
+template <typename T>
+__global__ static void duet__mla_kv_write_kernel(const int32_t *row_item, const int32_t *row_pos,
+                                                 const int32_t *item_pages, int max_pages, T *kv,
+                                                 int64_t kv_n_layers, int64_t layer, int pt, int r,
+                                                 int td, const float *ckr, const float *w,
+                                                 float eps)
+{
+    __shared__ double red[32];
+    __shared__ float s_scale;
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const float *x = ckr + (int64_t)row * td;
+
+    double ss = 0.0;
+    for (int j = tid; j < r; j += blockDim.x)
+        ss += (double)x[j] * (double)x[j];
+    for (int o = 16; o > 0; o >>= 1)
+        ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((tid & 31) == 0)
+        red[tid >> 5] = ss;
+    __syncthreads();
+    if (tid == 0) {
+        double tot = 0.0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++)
+            tot += red[i];
+        s_scale = (float)(1.0 / sqrt(tot / (double)r + (double)eps));
+    }
+    __syncthreads();
+
+    const float scale = s_scale;
+    const int item = row_item[row], pos = row_pos[row];
+    const int64_t page = item_pages[(int64_t)item * max_pages + pos / pt];
+    T *dst = kv + ((page * kv_n_layers + layer) * pt + pos % pt) * td;
+    for (int j = tid; j < td; j += blockDim.x) {
+        float v = x[j];
+        if (j < r)
+            v = w[j] * (v * scale);
+        dst[j] = duet__mla_to<T>(v);
+    }
+}
+
+/* ---- attention: shared pieces ------------------------------------------------------------- */
+
+/*
+ * Find this block's rows, slots and position range; false when block x is past the real row
+ * blocks (the grid is an upper bound). Warp 0 scans ceil(rows_i / rb) over the items.
+ */
+__device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__mla_block_t *b)
+{
+    if (threadIdx.x < 32) {
+        const unsigned full = 0xffffffffu;
+        const int lane = threadIdx.x, bx = blockIdx.x;
+        int item = -1, rs = 0, re = 0, base = 0;
+        for (int i0 = 0; i0 < a.n_items; i0 += 32) {
+            const int i = i0 + lane;
+            int r0 = 0, r1 = 0, cnt = 0;
+            if (i < a.n_items) {
+                r0 = a.item_row0[i];
+                r1 = a.item_row0[i + 1];
+                cnt = (r1 - r0 + a.rb - 1) / a.rb;
+            }
+            int inc = cnt;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(full, inc, o);
+                if (lane >= o)
+                    inc += y;
+            }
+            const int ex = base + inc - cnt;
+            const unsigned hit = __ballot_sync(full, cnt > 0 && bx >= ex && bx < ex + cnt);
+            if (hit != 0) {
+                const int src = __ffs(hit) - 1;
+                item = __shfl_sync(full, i, src);
+                rs = __shfl_sync(full, r0 + (bx - ex) * a.rb, src);
+                re = __shfl_sync(full, r1, src);
+                break;
+            }
+            base += __shfl_sync(full, inc, 31);
+        }
+        re = min(re, rs + a.rb);
+        int row = -1, head = 0, pos = -1;
+        if (item >= 0) {
+            const int hl = lane % a.hb, rr = lane / a.hb;
+            head = (int)blockIdx.y * a.hb + hl;
+            if (rr < a.rb && rs + rr < re && head < a.n) {
+                row = rs + rr;
+                pos = a.row_pos[row];
+            }
+        }
+        int mx = pos;
+        for (int o = 16; o > 0; o >>= 1)
+            mx = max(mx, __shfl_xor_sync(full, mx, o));
+        const int L = mx + 1, S = a.kv_splits;
+        const int chunk = ((L + S - 1) / S + tk - 1) / tk * tk;
+        b->row[lane] = row;
+        b->head[lane] = head;
+        b->pos[lane] = pos;
+        b->m[lane] = -INFINITY;
+        b->l[lane] = 0.0f;
+        b->alpha[lane] = 1.0f;
+        if (lane == 0) {
+            b->item = item;
+            b->k0 = min(L, (int)blockIdx.z * chunk);
+            b->k1 = min(L, (int)blockIdx.z * chunk + chunk);
+        }
+    }
+    __syncthreads();
+    return b->item >= 0;
+}
+
+/* The query value of a slot at dim d (0 past td or for an unused slot), pre-scaled. */
+__device__ static inline float duet__mla_q(const duet__mla_args_t &a, const duet__mla_block_t *b,
+                                           int slot, int d)
+{
+    const int row = b->row[slot], h = b->head[slot];
+    if (row < 0 || d >= a.td)
+        return 0.0f;
+    const float v = d < a.r ? a.qhat[((int64_t)row * a.n + h) * a.r + d]
+                            : a.qr[(int64_t)row * a.ldqr + (int64_t)h * a.dqr_stride + (d - a.r)];
+    return v * a.qscale;
+}
+
+/*
+ * Element offsets in the pool of the rows of positions t .. t + 63 that lie before k1 (-1 past
+ * it): lane l holds positions t + l (lo) and t + 32 + l (hi). Computed one tile ahead, so the
+ * page-table reads overlap the current tile's math instead of stalling the next copy.
+ */
+typedef struct {
+    int64_t lo, hi;
+} duet__mla_offs_t;
+
+__device__ static inline duet__mla_offs_t duet__mla_tile_offs(const duet__mla_args_t &a,
+                                                              const int32_t *pages, int t, int k1)
+{
+    const int lane = threadIdx.x & 31, pt = a.page_tokens;
+    duet__mla_offs_t o = {-1, -1};
+    const int s0 = t + lane, s1 = t + 32 + lane;
+    if (s0 < k1)
+        o.lo = (((int64_t)pages[s0 / pt] * a.kv_n_layers + a.layer) * pt + s0 % pt) * a.td;
+    if (s1 < k1)
+        o.hi = (((int64_t)pages[s1 / pt] * a.kv_n_layers + a.layer) * pt + s1 % pt) * a.td;
+    return o;
+}
+
+/*
+ * Queue the copy of the tile whose offsets are `o` (tk <= 64 positions) into dst (row stride ld
+ * elements); positions past k1 are zero-filled, so masked keys multiply as 0, never as stale
+ * shared memory. One warp per position, lanes over its 16-byte chunks.
+ */
+template <typename T>
+__device__ static void duet__mla_load_tile(T *dst, int ld, const duet__mla_args_t &a,
+                                           duet__mla_offs_t o, int tk)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int cpr = a.td * (int)sizeof(T) / 16;
+    const T *kv = (const T *)a.kv;
+    for (int t = warp; t < tk; t += DUET_MLA_WARPS) {
+        const int64_t off = __shfl_sync(0xffffffffu, t < 32 ? o.lo : o.hi, t & 31);
+        const char *src = (const char *)(off >= 0 ? kv + off : kv);
+        const int bytes = off >= 0 ? 16 : 0;
+        char *d = (char *)(dst + (int64_t)t * ld);
+        for (int c = lane; c < cpr; c += 32)
+            duet__cp_async16(d + 16 * c, bytes != 0 ? src + 16 * c : src, bytes);
+    }
+}
+
+/* Softmax output writers: store p for (slot, token), return the value the accumulation uses. */
+struct duet__mla_put_f32 {
+    float *p; /* [tk][ld], token-major (CUDA-core P · c reads 8 slots of one token) */
+    int ld;
+    __device__ float operator()(int slot, int tok, float x) const
+    {
+        p[tok * ld + slot] = x;
+        return x;
+    }
+};
+
+struct duet__mla_put_split {
+    __nv_bfloat16 *hi, *lo; /* [32][ld], slot-major (mma A operand) */
+    int ld;
+    __device__ float operator()(int slot, int tok, float x) const
+    {
+        const __nv_bfloat16 h = __float2bfloat16_rn(x);
+        const __nv_bfloat16 l = __float2bfloat16_rn(x - __bfloat162float(h));
+        hi[slot * ld + tok] = h;
+        lo[slot * ld + tok] = l;
+        return __bfloat162float(h) + __bfloat162float(l);
+    }
+};
+
+/*
+ * Online softmax of one tile: scores (sum of n_part partial buffers [32][ld], part_stride apart)
+ * of positions t0 + tok, masked past the split's end and past each slot's own position. Warp w
+ * owns slots 4w .. 4w+3, all four processed together (their shuffle chains interleave); updates
+ * m, l and writes alpha for the accumulators.
+ */
+template <int TK, typename PW>
+__device__ static void duet__mla_softmax(duet__mla_block_t *b, const float *s, int ld, int n_part,
+                                         int part_stride, int t0, PW put)
+{
+    const unsigned full = 0xffffffffu;
+    const int SW = DUET_MLA_SLOTS / DUET_MLA_WARPS; /* slots per warp */
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int k1 = b->k1;
+    float v[SW][TK / 32], mx[SW], base[SW], alpha[SW], m_new[SW], sum[SW];
+#pragma unroll
+    for (int si = 0; si < SW; si++) {
+        const int slot = warp * SW + si, pos = b->pos[slot];
+        mx[si] = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < TK / 32; u++) {
+            const int tok = lane + 32 * u;
+            float x = 0.0f;
+            for (int p = 0; p < n_part; p++)
+                x += s[p * part_stride + slot * ld + tok];
+            if (t0 + tok >= k1 || t0 + tok > pos)
+                x = -INFINITY;
+            v[si][u] = x;
+            mx[si] = fmaxf(mx[si], x);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int si = 0; si < SW; si++)
+            mx[si] = fmaxf(mx[si], __shfl_xor_sync(full, mx[si], o));
+#pragma unroll
+    for (int si = 0; si < SW; si++) {
+        const float m_old = b->m[warp * SW + si];
+        m_new[si] = fmaxf(m_old, mx[si]);
+        alpha[si] = 1.0f; /* all masked so far: keep zeros, no NaN */
+        base[si] = 0.0f;
+        if (m_new[si] != -INFINITY) {
+            alpha[si] = duet__mla_ex2(m_old - m_new[si]);
+            base[si] = m_new[si];
+        }
+        sum[si] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < TK / 32; u++)
+            sum[si] += put(warp * SW + si, lane + 32 * u, duet__mla_ex2(v[si][u] - base[si]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int si = 0; si < SW; si++)
+            sum[si] += __shfl_xor_sync(full, sum[si], o);
+    __syncwarp(); /* every lane has read m before lane 0 replaces it */
+    if (lane == 0) {
+#pragma unroll
+        for (int si = 0; si < SW; si++) {
+            const int slot = warp * SW + si;
+            b->m[slot] = m_new[si];
+            b->l[slot] = b->l[slot] * alpha[si] + sum[si];
+            b->alpha[slot] = alpha[si];
+        }
+    }
+}
+
+/* (m, l) of every used slot into the split's partial (split runs only). */
+__device__ static void duet__mla_write_ml(const duet__mla_args_t &a, const duet__mla_block_t *b)
+{
+    const int slot = threadIdx.x;
+    if (a.kv_splits > 1 && slot < DUET_MLA_SLOTS && b->row[slot] >= 0) {
+        const int64_t i = ((int64_t)blockIdx.z * a.n_rows + b->row[slot]) * a.n + b->head[slot];
+        a.part_ml[2 * i] = b->m[slot];
+        a.part_ml[2 * i + 1] = b->l[slot];
+    }
+}
+
+/*
+ * Where the accumulator of (slot, dim) goes: lat (already divided by l) without splits, the
+ * split's partial otherwise; NULL when nothing is written (unused slot, or a split that saw none
+ * of the slot's positions: the reducer skips it by its m = -inf).
+ */
+__device__ static inline float *duet__mla_out(const duet__mla_args_t &a, const duet__mla_block_t *b,
+                                              int slot, int dim, float *mul)
+{
+    const int row = b->row[slot];
+    if (row < 0)
+        return NULL;
+    const int64_t rh = (int64_t)row * a.n + b->head[slot];
+    if (a.kv_splits == 1) {
+        *mul = 1.0f / b->l[slot];
+        return a.lat + rh * a.r + dim;
+    }
+    if (b->l[slot] == 0.0f)
+        return NULL;
+    *mul = 1.0f;
+    return a.part_o + ((int64_t)blockIdx.z * a.n_rows * a.n + rh) * a.r + dim;
+}
+
+/* ---- attention, CUDA cores ---------------------------------------------------------------- */
+
+/*
+ * Shared memory: KV tiles [2][TK][td] (T), scores [32][TK + 4] fp32, P [TK][36] fp32.
+ * Scores: warp w, slots 4w .. 4w+3; lane holds q at dims 128 j + 4 lane + e (j < 5) in registers
+ * and accumulates partial dot products of 8 tokens × 4 slots; a reduce-scatter (31 shuffles)
+ * leaves lane l with the full score of (token l / 4, slot l % 4).
+ * P · c: thread (slot group sg of 8, dim group dg of 8 dims) keeps acc[8][8] in registers.
+ */
+template <typename T, int TK>
+__global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
+    duet__mla_attn_simt(const duet__mla_args_t a)
+{
+    extern __shared__ __align__(16) unsigned char duet__mla_smem[];
+    __shared__ duet__mla_block_t blk;
+    if (!duet__mla_setup(a, TK, &blk))
+        return;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int td = a.td, r = a.r;
+    const int sld = TK + 4, pld = DUET_MLA_SLOTS + 4;
+    T *kvs = (T *)duet__mla_smem;
+    float *ss = (float *)(kvs + 2 * TK * td);
+    float *pt = ss + DUET_MLA_SLOTS * sld;
+
+    const int ndg = r / 8, sg = tid / ndg, dg = tid % ndg;
+    const bool pv = sg < DUET_MLA_SLOTS / 8;
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            acc[i][j] = 0.0f;
+
+    const int32_t *pages = a.item_pages + (int64_t)blk.item * a.max_pages;
+    const int k0 = blk.k0, k1 = blk.k1;
+    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1);
+    if (k0 < k1)
+        duet__mla_load_tile(kvs, td, a, next, TK);
+    duet__cp_async_commit();
+    next = duet__mla_tile_offs(a, pages, k0 + TK, k1);
+
+    /* q of this warp's 4 slots at the lane's dims, loaded while the first tile is in flight */
+    const int nj = (td + 127) / 128;
+    float q[5][4][4];
+#pragma unroll
+    for (int j = 0; j < 5; j++)
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                q[j][s][e] = duet__mla_q(a, &blk, warp * 4 + s, 128 * j + 4 * lane + e);
+
+    int buf = 0;
+    for (int t0 = k0; t0 < k1; t0 += TK, buf ^= 1) {
+        duet__cp_async_wait_all();
+        __syncthreads(); /* tile t0 landed; every warp is done with the other buffer */
+        if (t0 + TK < k1)
+            duet__mla_load_tile(kvs + (buf ^ 1) * TK * td, td, a, next, TK);
+        duet__cp_async_commit();
+        next = duet__mla_tile_offs(a, pages, t0 + 2 * TK, k1);
+        const T *kt = kvs + buf * TK * td;
+
+        for (int g = 0; g < TK; g += 8) {
+            float sc[32]; /* [token u][slot s] at 4 u + s */
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                sc[i] = 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const T *kr = kt + (g + u) * td;
+#pragma unroll
+                for (int j = 0; j < 5; j++) {
+                    const int d = 128 * j + 4 * lane;
+                    if (j < nj && d < td) {
+                        const float4 k4 = duet__ld4(kr + d);
+#pragma unroll
+                        for (int s = 0; s < 4; s++)
+                            sc[4 * u + s] += q[j][s][0] * k4.x + q[j][s][1] * k4.y +
+                                             q[j][s][2] * k4.z + q[j][s][3] * k4.w;
+                    }
+                }
+            }
+            duet__rs_step<16>(sc, lane);
+            duet__rs_step<8>(sc, lane);
+            duet__rs_step<4>(sc, lane);
+            duet__rs_step<2>(sc, lane);
+            duet__rs_step<1>(sc, lane);
+            ss[(warp * 4 + (lane & 3)) * sld + g + (lane >> 2)] = sc[0];
+        }
+        __syncthreads();
+        duet__mla_softmax<TK>(&blk, ss, sld, 1, 0, t0, duet__mla_put_f32{pt, pld});
+        __syncthreads();
+        if (pv) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float al = blk.alpha[sg * 8 + i];
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    acc[i][j] *= al;
+            }
+#pragma unroll 2
+            for (int tok = 0; tok < TK; tok++) {
+                const float4 p0 = *(const float4 *)(pt + tok * pld + sg * 8);
+                const float4 p1 = *(const float4 *)(pt + tok * pld + sg * 8 + 4);
+                const float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+                float v[8];
+                duet__ld8(kt + tok * td + dg * 8, v);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        acc[i][j] += p[i] * v[j];
+            }
+        }
+    }
+    __syncthreads();
+
+    if (pv) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float mul = 1.0f;
+            float *o = duet__mla_out(a, &blk, sg * 8 + i, dg * 8, &mul);
+            if (o == NULL)
+                continue;
+            *(float4 *)o =
+                make_float4(acc[i][0] * mul, acc[i][1] * mul, acc[i][2] * mul, acc[i][3] * mul);
+            *(float4 *)(o + 4) =
+                make_float4(acc[i][4] * mul, acc[i][5] * mul, acc[i][6] * mul, acc[i][7] * mul);
+        }
+    }
+    duet__mla_write_ml(a, &blk);
+}
+
+/* ---- attention, tensor cores (BF16 cache) ------------------------------------------------- */
+
+/*
+ * Shared memory: KV tiles [STAGES][TK][ld] bf16 (ld = td rounded up to 16, + 8: an odd 16-byte
+ * row stride, so the 8 rows of an ldmatrix hit distinct banks; the columns td .. round16(td) are
+ * zeroed once), partial scores [4 quarters][32][TK + 8] fp32, P hi and lo [32][TK + 8] bf16.
+ * STAGES - 1 tiles are in flight while one is computed: a decode block is otherwise idle while
+ * its next tile crosses the memory system, and one tile per SM is too little to cover HBM
+ * latency at full bandwidth.
+ * Scores: warp w = (m-tile w & 1: slots 16 (w & 1) ..+15, quarter w >> 1 of the k-steps), q̂
+ * fragments (hi and lo) in registers for the whole block, TK / 8 n-tiles of 8 tokens. P · c:
+ * warp w owns the 16-dim column pairs w, w + 8, w + 16, w + 24 (r <= 512) for both m-tiles.
+ */
+template <int TK, int STAGES>
+__global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
+    duet__mla_attn_tc(const duet__mla_args_t a)
+{
+    const int NT = TK / 8, NP = TK / 16; /* n-tiles of scores, k-steps of P · c */
+    extern __shared__ __align__(16) unsigned char duet__mla_smem[];
+    __shared__ duet__mla_block_t blk;
+    if (!duet__mla_setup(a, TK, &blk))
+        return;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    const int td = a.td, tdp = (td + 15) & ~15, ld = tdp + 8;
+    const int n_ks = tdp / 16, n_kq = (n_ks + 3) / 4, n_pair = a.r / 16;
+    const int sld = TK + 8, pst = DUET_MLA_SLOTS * sld, pld = TK + 8;
+    __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
+    float *sp = (float *)(kvs + STAGES * TK * ld);
+    __nv_bfloat16 *ph = (__nv_bfloat16 *)(sp + 4 * pst);
+    __nv_bfloat16 *pl = ph + DUET_MLA_SLOTS * pld;
+
+    if (tdp > td) {
+        const int w = tdp - td;
+        for (int i = tid; i < STAGES * TK * w; i += DUET_MLA_THREADS)
+            kvs[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
+    }
+
+    const int mt = warp & 1, kq = warp >> 1;
+    float o[2][8][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                o[m][nt][c] = 0.0f;
+
+    /* queue tiles 0 .. STAGES-2, one copy group each; `next` then holds tile STAGES-1 */
+    const int32_t *pages = a.item_pages + (int64_t)blk.item * a.max_pages;
+    const int k0 = blk.k0, k1 = blk.k1;
+    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (k0 + st * TK < k1)
+            duet__mla_load_tile(kvs + st * TK * ld, ld, a, next, TK);
+        duet__cp_async_commit();
+        next = duet__mla_tile_offs(a, pages, k0 + (st + 1) * TK, k1);
+    }
+
+    /* q fragments (hi and lo) of this warp's m-tile and k-quarter, while the first tiles load */
+    uint32_t qh[9][4], ql[9][4];
+#pragma unroll
+    for (int i = 0; i < 9; i++) {
+        const int ks = kq * n_kq + i;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            /* a0a1: (g, 2tg), a2a3: (g + 8, 2tg), a4a5: (g, 2tg + 8), a6a7: (g + 8, 2tg + 8) */
+            const int slot = mt * 16 + g + (x & 1) * 8, d = ks * 16 + 2 * tg + (x >> 1) * 8;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (i < n_kq && ks < n_ks) {
+                x0 = duet__mla_q(a, &blk, slot, d);
+                x1 = duet__mla_q(a, &blk, slot, d + 1);
+            }
+            duet__split2(x0, x1, &qh[i][x], &ql[i][x]);
+        }
+    }
+
+    int stage = 0;
+    for (int t0 = k0; t0 < k1; t0 += TK) {
+        duet__cp_async_wait<STAGES - 2>(); /* tile t0's group has landed (this thread's part) */
+        __syncthreads(); /* ... everyone's part; and every warp is done with the previous tile */
+        {
+            /* refill the stage the previous tile used with tile t0 + (STAGES-1) TK */
+            const int tn = t0 + (STAGES - 1) * TK;
+            const int sn = stage == 0 ? STAGES - 1 : stage - 1;
+            if (tn < k1)
+                duet__mla_load_tile(kvs + sn * TK * ld, ld, a, next, TK);
+            duet__cp_async_commit();
+            next = duet__mla_tile_offs(a, pages, tn + TK, k1);
+        }
+        const __nv_bfloat16 *kt = kvs + stage * TK * ld;
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+
+        /* scores of this warp's m-tile over its k-quarter */
+        float sacc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                sacc[nt][c] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 9; i++) {
+            const int ks = kq * n_kq + i;
+            if (i < n_kq && ks < n_ks) {
+#pragma unroll
+                for (int np = 0; np < NT / 2; np++) {
+                    /* matrices: (tokens 16np +0..7 | +8..15) × (dims 16ks +0..7 | +8..15) */
+                    uint32_t bf[4];
+                    duet__ldsm_x4(kt + (16 * np + (lane & 7) + ((lane >> 4) << 3)) * ld + ks * 16 +
+                                      ((lane >> 3) & 1) * 8,
+                                  bf);
+                    duet__mma(sacc[2 * np], qh[i], bf[0], bf[1]);
+                    duet__mma(sacc[2 * np], ql[i], bf[0], bf[1]);
+                    duet__mma(sacc[2 * np + 1], qh[i], bf[2], bf[3]);
+                    duet__mma(sacc[2 * np + 1], ql[i], bf[2], bf[3]);
+                }
+            }
+        }
+        float *spw = sp + kq * pst + (mt * 16 + g) * sld + 2 * tg;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            *(float2 *)(spw + nt * 8) = make_float2(sacc[nt][0], sacc[nt][1]);
+            *(float2 *)(spw + 8 * sld + nt * 8) = make_float2(sacc[nt][2], sacc[nt][3]);
+        }
+        __syncthreads();
+        duet__mla_softmax<TK>(&blk, sp, sld, 4, pst, t0, duet__mla_put_split{ph, pl, pld});
+        __syncthreads();
+
+        /* o = o · alpha + P · c */
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const float a0 = blk.alpha[m * 16 + g], a1 = blk.alpha[m * 16 + g + 8];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                o[m][nt][0] *= a0;
+                o[m][nt][1] *= a0;
+                o[m][nt][2] *= a1;
+                o[m][nt][3] *= a1;
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < NP; ks++) {
+            uint32_t ah[2][4], al[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                /* matrices: (slots +0..7 | +8..15) × (tokens 16ks +0..7), then tokens +8..15 */
+                const int off =
+                    (m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * pld + ks * 16 + (lane >> 4) * 8;
+                duet__ldsm_x4(ph + off, ah[m]);
+                duet__ldsm_x4(pl + off, al[m]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int p = warp + 8 * i;
+                if (p < n_pair) {
+                    /* transposed: (tokens +0..7 | +8..15) × (dims 16p +0..7), then dims +8..15 */
+                    uint32_t v[4];
+                    duet__ldsm_x4_t(kt + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld +
+                                        p * 16 + (lane >> 4) * 8,
+                                    v);
+#pragma unroll
+                    for (int m = 0; m < 2; m++) {
+                        duet__mma(o[m][2 * i], ah[m], v[0], v[1]);
+                        duet__mma(o[m][2 * i], al[m], v[0], v[1]);
+                        duet__mma(o[m][2 * i + 1], ah[m], v[2], v[3]);
+                        duet__mma(o[m][2 * i + 1], al[m], v[2], v[3]);
+                    }
+                }
+            }
+        }
+    }
+    duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int p = warp + 8 * i;
+        if (p >= n_pair)
+            continue;
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int half = 0; half < 2; half++)
+#pragma unroll
+                for (int rh = 0; rh < 2; rh++) {
+                    float mul = 1.0f;
+                    float *out = duet__mla_out(a, &blk, m * 16 + g + 8 * rh,
+                                               p * 16 + half * 8 + 2 * tg, &mul);
+                    if (out != NULL)
+                        *(float2 *)out = make_float2(o[m][2 * i + half][2 * rh] * mul,
+                                                     o[m][2 * i + half][2 * rh + 1] * mul);
+                }
+    }
+    duet__mla_write_ml(a, &blk);
+}
+
+/* ---- split reducer ------------------------------------------------------------------------ */
+
+/*
+ * lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (row, head). Block
+ * (row · n + head, slice of 4 · cols dims), 256 threads: the weights are formed once into shared
+ * memory, then `cols` float4 columns × 256 / cols split groups accumulate and meet in shared
+ * memory. The host picks narrow slices when there are few (row, head) pairs (a lone decode item
+ * split 128 ways still spreads over hundreds of blocks) and whole rows when there are many.
+ */
+__global__ static void __launch_bounds__(256)
+    duet__mla_reduce_kernel(const float *part_o, const float *part_ml, float *lat, int64_t n_rh,
+                            int r, int n_splits, int cols)
+{
+    __shared__ float s_w[DUET_MLA_MAX_SPLIT];
+    __shared__ float s_red[8];
+    __shared__ float4 s_acc[256];
+    const int64_t rh = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    float mx = -INFINITY;
+    for (int s = tid; s < n_splits; s += 256)
+        mx = fmaxf(mx, part_ml[2 * (s * n_rh + rh)]);
+    for (int o = 16; o > 0; o >>= 1)
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0)
+        s_red[warp] = mx;
+    __syncthreads();
+    float M = s_red[0];
+    for (int w = 1; w < 8; w++)
+        M = fmaxf(M, s_red[w]);
+    __syncthreads();
+
+    float lsum = 0.0f;
+    for (int s = tid; s < n_splits; s += 256) {
+        const float m = part_ml[2 * (s * n_rh + rh)];
+        /* a neutral partial (m = -inf) has no accumulator written: weight 0, never read */
+        const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
+        s_w[s] = w;
+        lsum += w * part_ml[2 * (s * n_rh + rh) + 1];
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+    if (lane == 0)
+        s_red[warp] = lsum;
+    __syncthreads();
+    float L = 0.0f;
+    for (int w = 0; w < 8; w++)
+        L += s_red[w];
+
+    const int groups = 256 / cols, col = tid % cols, grp = tid / cols;
+    const int dim = (blockIdx.y * cols + col) * 4;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (grp < groups && dim < r) {
+#pragma unroll 4
+        for (int s = grp; s < n_splits; s += groups) {
+            const float w = s_w[s];
+            if (w != 0.0f) {
+                const float4 v = *(const float4 *)(part_o + (s * n_rh + rh) * r + dim);
+                acc.x += w * v.x;
+                acc.y += w * v.y;
+                acc.z += w * v.z;
+                acc.w += w * v.w;
+            }
+        }
+    }
+    s_acc[tid] = acc;
+    __syncthreads();
+    if (grp == 0 && dim < r) {
+        for (int g = 1; g < groups; g++) {
+            const float4 v = s_acc[g * cols + col];
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        const float inv = 1.0f / L;
+        *(float4 *)(lat + rh * r + dim) =
+            make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    }
+}
+
+/* ---- host entry points -------------------------------------------------------------------- */
+
+static duet_status_t duet__mla_check(const duet_cuda_step_t *st, const duet_cuda_mla_layer_t *ly,
+                                     const char *what)
+{
+    if (st == NULL || ly == NULL || ly->kv_base == NULL || ly->n_heads < 1 || ly->page_tokens < 1 ||
+        ly->page_tokens > (1 << 20) || ly->kv_n_layers < 1 || ly->layer < 0 ||
+        ly->layer >= ly->kv_n_layers || st->n_rows < 0 || st->n_items < 0 || st->max_pages < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla %s: bad layer or step description", what);
+    if (ly->kv_dtype != DUET_DTYPE_F32 && ly->kv_dtype != DUET_DTYPE_BF16)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda mla %s: kv dtype %d (F32 or BF16)", what,
+                              (int)ly->kv_dtype);
+    if (ly->r < 32 || ly->r > DUET_MLA_MAX_R || ly->r % 32 != 0 || ly->dr < 0 || ly->dr % 8 != 0 ||
+        ly->r + ly->dr > DUET_MLA_MAX_TD || ly->n_heads > (1 << 20))
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda mla %s: r = %lld, dr = %lld (supported: r a multiple of 32 "
+                              "<= %d, dr a multiple of 8, r + dr <= %d)",
+                              what, (long long)ly->r, (long long)ly->dr, DUET_MLA_MAX_R,
+                              DUET_MLA_MAX_TD);
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_cuda_step_t *st,
+                                                const duet_cuda_mla_layer_t *ly, const float *ckr,
+                                                const float *norm_w, float eps)
+{
+    duet_status_t s = duet__mla_check(st, ly, "kv_write");
+    if (s != DUET_OK)
+        return s;
+    if (st->n_rows == 0)
+        return DUET_OK;
+    if (ckr == NULL || norm_w == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla kv_write: NULL input");
+    const int r = (int)ly->r, td = (int)(ly->r + ly->dr), pt = (int)ly->page_tokens;
+    if (ly->kv_dtype == DUET_DTYPE_BF16)
+        duet__mla_kv_write_kernel<__nv_bfloat16><<<st->n_rows, 128, 0, stream>>>(
+            st->row_item, st->row_pos, st->item_pages, st->max_pages, (__nv_bfloat16 *)ly->kv_base,
+            ly->kv_n_layers, ly->layer, pt, r, td, ckr, norm_w, eps);
+    else
+        duet__mla_kv_write_kernel<float><<<st->n_rows, 128, 0, stream>>>(
+            st->row_item, st->row_pos, st->item_pages, st->max_pages, (float *)ly->kv_base,
+            ly->kv_n_layers, ly->layer, pt, r, td, ckr, norm_w, eps);
+    DUET__MLA_TRY(cudaGetLastError(), "kv_write launch");
+    return DUET_OK;
+}
+
+static size_t duet__align256(size_t n)
+{
+    return (n + 255) & ~(size_t)255;
+}
+
+extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads, int64_t r,
+                                              int64_t kv_splits)
+{
+    if (kv_splits <= 1 || max_rows < 1 || n_heads < 1 || r < 1)
+        return 0;
+    const size_t rh = (size_t)kv_splits * (size_t)max_rows * (size_t)n_heads;
+    return duet__align256(rh * (size_t)r * sizeof(float)) + rh * 2 * sizeof(float);
+}
+
+/*
+ * Cost model, in times of one 64-position tile load per SM. The attention kernels run one block
+ * per SM (150-200 KiB of shared memory) and round each split's range up to whole tiles, so with
+ * s splits of a context of T tiles a block streams tps = ceil(T / s) tiles (+ ~1 for its
+ * prologue and the first, unhidden load), ceil(T / tps) blocks per item carry work, and they
+ * run in ceil(n_items · busy / n_sms) waves. Every busy split also writes and the reducer reads
+ * back one fp32 partial per (head, dim) (Kimi: 32 · 512 · 4 B, ~2 tile loads, spread over all
+ * SMs). The cheapest s (fewest on ties) with s · DUET_MLA_MIN_SPLIT <= max_context is returned,
+ * counted in busy splits.
+ */
+extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms)
+{
+    if (n_items < 1 || n_sms < 1 || max_context < 2 * DUET_MLA_MIN_SPLIT)
+        return 1;
+    const int64_t tiles = (max_context + 63) / 64;
+    int64_t s_max = max_context / DUET_MLA_MIN_SPLIT;
+    if (s_max > DUET_MLA_MAX_SPLIT)
+        s_max = DUET_MLA_MAX_SPLIT;
+    int best = 1;
+    double best_cost = 0.0;
+    for (int64_t s = 1; s <= s_max; s++) {
+        const int64_t tps = (tiles + s - 1) / s;
+        const int64_t busy = (tiles + tps - 1) / tps;
+        const int64_t waves = (n_items * busy + n_sms - 1) / n_sms;
+        const double cost = (double)waves * (double)(tps + 1) +
+                            (busy > 1 ? 2.0 * (double)(n_items * busy) / n_sms : 0.0);
+        if (s == 1 || cost < best_cost - 1e-9) {
+            best = (int)busy;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+/*
+ * Launch attention kernel `which` with `smem` dynamic bytes. Above 48 KiB a kernel must be opted
+ * in (cudaFuncSetAttribute); that is done once per kernel and device and remembered, so steady
+ * calls (and calls inside a stream capture) are launches only. Concurrent first calls may both
+ * set the attribute, which is harmless.
+ */
+static int duet__mla_smem_set[3][DUET_MLA_MAX_DEV];
+
+template <typename K>
+static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
+                                      cudaStream_t stream, const duet__mla_args_t &a)
+{
+    int dev = 0;
+    DUET__MLA_TRY(cudaGetDevice(&dev), "attend cudaGetDevice");
+    if (dev < 0 || dev >= DUET_MLA_MAX_DEV || duet__mla_smem_set[which][dev] < (int)smem) {
+        DUET__MLA_TRY(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+            "attend shared memory opt-in");
+        if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
+            duet__mla_smem_set[which][dev] = (int)smem;
+    }
+    kernel<<<grid, DUET_MLA_THREADS, smem, stream>>>(a);
+    DUET__MLA_TRY(cudaGetLastError(), "attend launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *st,
+                                              const duet_cuda_mla_layer_t *ly, const float *qhat,
+                                              const float *qr, int64_t ldqr, int64_t dqr_stride,
+                                              float scale, int kv_splits, float *lat, void *scratch)
+{
+    duet_status_t s = duet__mla_check(st, ly, "attend");
+    if (s != DUET_OK)
+        return s;
+    if (kv_splits < 1 || kv_splits > DUET_MLA_MAX_SPLIT || (kv_splits > 1 && scratch == NULL))
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: kv_splits = %d%s", kv_splits,
+                              kv_splits > 1 ? " without scratch" : "");
+    if (st->n_rows == 0 || st->n_items == 0)
+        return DUET_OK;
+    if (qhat == NULL || lat == NULL || (ly->dr > 0 && qr == NULL))
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: NULL input or output");
+
+    duet__mla_args_t a;
+    a.item_row0 = st->item_row0;
+    a.item_pages = st->item_pages;
+    a.row_pos = st->row_pos;
+    a.n_items = st->n_items;
+    a.n_rows = st->n_rows;
+    a.max_pages = st->max_pages;
+    a.kv = ly->kv_base;
+    a.kv_n_layers = ly->kv_n_layers;
+    a.layer = ly->layer;
+    a.page_tokens = (int)ly->page_tokens;
+    a.n = (int)ly->n_heads;
+    a.r = (int)ly->r;
+    a.td = (int)(ly->r + ly->dr);
+    a.hb = a.n < DUET_MLA_SLOTS ? a.n : DUET_MLA_SLOTS;
+    a.rb = DUET_MLA_SLOTS / a.hb;
+    a.qhat = qhat;
+    a.qr = qr;
+    a.ldqr = ldqr;
+    a.dqr_stride = dqr_stride;
+    a.qscale = scale * DUET_LOG2E;
+    a.kv_splits = kv_splits;
+    a.lat = lat;
+    a.part_o = NULL;
+    a.part_ml = NULL;
+    if (kv_splits > 1) {
+        const size_t rh = (size_t)kv_splits * (size_t)a.n_rows * (size_t)a.n;
+        a.part_o = (float *)scratch;
+        a.part_ml = (float *)((char *)scratch + duet__align256(rh * (size_t)a.r * sizeof(float)));
+    }
+
+    /* row blocks: sum over items of ceil(rows_i / rb) <= (n_rows + n_items (rb - 1)) / rb */
+    int64_t nrb = ((int64_t)a.n_rows + (int64_t)a.n_items * (a.rb - 1)) / a.rb;
+    if (nrb > a.n_rows)
+        nrb = a.n_rows;
+    const dim3 grid((unsigned)nrb, (unsigned)((a.n + a.hb - 1) / a.hb), (unsigned)kv_splits);
+
+    const int tdp = (a.td + 15) & ~15;
+    if (ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only) {
+        const int tk = DUET_MLA_TC_TK;
+        const size_t smem = (size_t)DUET_MLA_TC_STAGES * tk * (tdp + 8) * 2 +
+                            (size_t)4 * DUET_MLA_SLOTS * (tk + 8) * 4 +
+                            (size_t)2 * DUET_MLA_SLOTS * (tk + 8) * 2;
+        s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES>, 0, grid, smem,
+                             stream, a);
+    } else if (ly->kv_dtype == DUET_DTYPE_BF16) {
+        const int tk = 64;
+        const size_t smem = (size_t)2 * tk * a.td * 2 + (size_t)DUET_MLA_SLOTS * (tk + 4) * 4 +
+                            (size_t)tk * (DUET_MLA_SLOTS + 4) * 4;
+        s = duet__mla_launch(duet__mla_attn_simt<__nv_bfloat16, 64>, 1, grid, smem, stream, a);
+    } else {
+        const int tk = 32;
+        const size_t smem = (size_t)2 * tk * a.td * 4 + (size_t)DUET_MLA_SLOTS * (tk + 4) * 4 +
+                            (size_t)tk * (DUET_MLA_SLOTS + 4) * 4;
+        s = duet__mla_launch(duet__mla_attn_simt<float, 32>, 2, grid, smem, stream, a);
+    }
+    if (s != DUET_OK)
+        return s;
+
+    if (kv_splits > 1) {
+        /* widest slice (<= 128 float4 columns, the whole row at r = 512) that still gives >= 512
+         * blocks, at least 16 columns */
+        const int64_t n_rh = (int64_t)a.n_rows * a.n;
+        int cols = a.r / 4 < 128 ? a.r / 4 : 128;
+        while (cols > 16 && n_rh * ((a.r / 4 + cols - 1) / cols) < 512)
+            cols /= 2;
+        const dim3 rgrid((unsigned)n_rh, (unsigned)((a.r / 4 + cols - 1) / cols));
+        duet__mla_reduce_kernel<<<rgrid, 256, 0, stream>>>(a.part_o, a.part_ml, lat, n_rh, a.r,
+                                                           kv_splits, cols);
+        DUET__MLA_TRY(cudaGetLastError(), "attend reduce launch");
+    }
+    return DUET_OK;
+}

@@ -1,0 +1,1213 @@
+/*
+ * moe.cu: MoE routing (duet_cuda_moe_route) and the routed experts of one layer
+ * (duet_cuda_moe_experts). CPU reference: engine/model.c (duet__route_row, duet__moe_layer).
+ *
+ * Routing is one warp per row: the scores and choices live in shared memory and each of the
+ * top_k picks (and each of the topk_group group picks) is a warp arg-max with the CPU's tie
+ * rule (lower index first). The sigmoid is evaluated as the CPU does, in float, with exp taken
+ * in double and rounded (glibc's expf is within 0.502 ulp, so the two agree to the last bit
+ * except in rare double-rounding cases); bit-equal scores make the GPU pick the same experts.
+ *
+ * Experts. The routing result exists only on the device, and everything must stay
+ * graph-capturable, so the grouping of (row, k) pairs by expert is done on the device by a
+ * one-block plan kernel: count per expert, scan, scatter the pair ids into per-expert lists,
+ * and cut each list into work items (slots of <= NR rows for the GEMV path, tiles of BM rows
+ * for the tensor-core path). Grids are sized on the host for the worst case that T allows; the
+ * blocks past the device-side item count exit at once. Each pair's expert output goes to its
+ * own row of scratch (out[p], p = t * top_k + k) and a combine kernel adds
+ * y[t] += Σ_k wts[t][k] · out[t * top_k + k] in k order, so y sees no float atomics and the
+ * result is the same however rows were grouped.
+ *
+ * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
+ *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
+ *    sit in shared memory) and 16 gate/up outputs (phase 1) or 32 down outputs (phase 2); a
+ *    warp reads whole weight rows with coalesced 16-byte loads that skip L1, converts to fp32
+ *    and dots them with every row of the slot, fp32 accumulation, warp-shuffle reduction. An
+ *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
+ *    per call and from L2 for its other slots. x and the activation h stay fp32, like the CPU
+ *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p. The
+ *    kernels after the plan use programmatic dependent launch, and phase 2 pulls its W2 rows
+ *    into L2 while phase 1 finishes (both worth a few microseconds at decode sizes).
+ *  - MMA (prefill; BF16 weights, D and I multiples of 32): per tile of BM rows of one expert,
+ *    mma.sync m16n8k16 bf16 with fp32 accumulation, 4-stage cp.async pipeline, XOR-swizzled
+ *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
+ *    applies the activation in registers, storing h in bf16; phase 2 multiplies h by W2 into
+ *    out. x (and h) are rounded to bf16 on this path, like the cuBLASLt GEMM (cuda_gemm.h).
+ *    No wgmma (sm_90a) yet: ~245 TFLOP/s at T = 8192 on an H200.
+ * The automatic choice takes MMA when the average rows per selected expert reaches 8 and the
+ * weights are BF16 (at the real dims GEMV is 2x slower than MMA at T = 256, while T <= 64
+ * never qualifies); duet__cuda_moe_experts_path lets tests force either path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_ops.h"
+
+/* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tuning, bits 4..7
+ * may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64, 2: 128),
+ * and DUET__MOE_NO_PDL turns programmatic dependent launch off. */
+#define DUET__MOE_PATH_AUTO 0
+#define DUET__MOE_PATH_GEMV 1
+#define DUET__MOE_PATH_MMA  2
+#define DUET__MOE_NO_PDL    0x1000 /* launch everything normally (for comparison) */
+
+#define DUET__GV_WARPS   8 /* warps per GEMV block */
+#define DUET__GV_THREADS (DUET__GV_WARPS * 32)
+#define DUET__GV_RI      2 /* phase 1: gate/up outputs per warp (W1 and W3 rows each) */
+#define DUET__GV_RD      4 /* phase 2: down outputs per warp */
+#define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
+#define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
+
+#define DUET__MMA_BK      32
+#define DUET__MMA_STAGES  4
+#define DUET__MMA_THREADS 256
+#define DUET__MMA_BROWS   128 /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
+
+#define DUET__SMEM_CAP (200 * 1024) /* opt-in dynamic shared memory we allow a kernel */
+
+#define DUET__PLAN_THREADS 1024
+
+static duet_status_t duet__moe_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError();
+    return duet_error_set(DUET_ERR_DEVICE, "cuda moe: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+#define DUET__MOE_LAUNCHED(what)                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = cudaGetLastError();                                                       \
+        if (e_ != cudaSuccess)                                                                     \
+            return duet__moe_fail(e_, what);                                                       \
+    } while (0)
+
+/* ---- shared device helpers ----------------------------------------------------------------- */
+
+/* The CPU's float sigmoid 1 / (1 + expf(-x)), with expf correctly rounded via double. */
+static __device__ __forceinline__ float duet__sigmoid_cpu(float x)
+{
+    const float ex = (float)exp(-(double)x);
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, ex));
+}
+
+/* act(g) · u, the CPU's expressions (kernels/cpu/ops.c). */
+static __device__ __forceinline__ float duet__act(float g, float u, int act, float beta,
+                                                  float beta_lin)
+{
+    if (act == DUET_CUDA_ACT_SILU)
+        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+    const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
+    return __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
+}
+
+/* Exclusive prefix sum of one int per thread over the block; *total_p gets the block's sum. */
+static __device__ int duet__block_excl_scan(int v, int *total_p)
+{
+    __shared__ int warp_tot[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    int inc = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int nb = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o)
+            inc += nb;
+    }
+    __syncthreads(); /* warp_tot may still be read by a previous call */
+    if (lane == 31)
+        warp_tot[warp] = inc;
+    __syncthreads();
+    int base = 0, tot = 0;
+    for (int w = 0; w < n_warps; w++) {
+        if (w < warp)
+            base += warp_tot[w];
+        tot += warp_tot[w];
+    }
+    *total_p = tot;
+    return base + inc - v;
+}
+
+/* ---- routing ------------------------------------------------------------------------------- */
+
+/* Warp arg-max merge with the CPU's rule: larger value first, lower index on ties. i < 0 is
+ * "no candidate". NaN values never win (the CPU's > never picks them either). */
+static __device__ __forceinline__ void duet__pick_merge(float *v, int *i, float ov, int oi)
+{
+    if (oi >= 0 && (*i < 0 || ov > *v || (ov == *v && oi < *i))) {
+        *v = ov;
+        *i = oi;
+    }
+}
+
+static __device__ __forceinline__ int duet__warp_pick(float v, int i)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        duet__pick_merge(&v, &i, __shfl_xor_sync(0xffffffffu, v, o),
+                         __shfl_xor_sync(0xffffffffu, i, o));
+    return i;
+}
+
+/*
+ * One warp per row; shared memory per warp: score[E], choice[E], gscore[G], gkeep[G].
+ * A taken expert's choice is overwritten with NaN, which the pick skips.
+ */
+__global__ void duet__route_kernel(const float *logits, const float *bias, int T, int E, int G,
+                                   int topk_group, int top_k, int renorm, float scale, int32_t *idx,
+                                   float *wts)
+{
+    extern __shared__ float route_sh[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (t >= T)
+        return;
+    float *score = route_sh + (size_t)warp * (2 * E + 2 * G);
+    float *choice = score + E;
+    float *gscore = choice + E;
+    int *gkeep = (int *)(gscore + G);
+    const float *lg = logits + (size_t)t * E;
+
+    for (int e = lane; e < E; e += 32) {
+        const float s = duet__sigmoid_cpu(lg[e]);
+        score[e] = s;
+        choice[e] = __fadd_rn(s, bias != NULL ? bias[e] : 0.0f);
+    }
+    __syncwarp();
+    if (G > 1) {
+        const int gs = E / G;
+        for (int g = lane; g < G; g += 32) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = g * gs; e < (g + 1) * gs; e++) {
+                const float c = choice[e];
+                if (c > b1) {
+                    b2 = b1;
+                    b1 = c;
+                } else if (c > b2) {
+                    b2 = c;
+                }
+            }
+            gscore[g] = gs >= 2 ? __fadd_rn(b1, b2) : b1;
+            gkeep[g] = 0;
+        }
+        __syncwarp();
+        for (int k = 0; k < topk_group; k++) {
+            float bv = 0.0f;
+            int bi = -1;
+            for (int g = lane; g < G; g += 32)
+                if (!gkeep[g])
+                    duet__pick_merge(&bv, &bi, gscore[g], g);
+            bi = duet__warp_pick(bv, bi);
+            if (lane == 0 && bi >= 0)
+                gkeep[bi] = 1;
+            __syncwarp();
+        }
+        for (int e = lane; e < E; e += 32)
+            if (!gkeep[e / gs])
+                choice[e] = -INFINITY;
+        __syncwarp();
+    }
+    /* Lane k keeps pick k; every lane adds the weights in k order, as the CPU does. */
+    float sum = 0.0f, my_w = 0.0f;
+    int my_i = 0;
+    for (int k = 0; k < top_k; k++) {
+        float bv = 0.0f;
+        int bi = -1;
+        for (int e = lane; e < E; e += 32) {
+            const float c = choice[e];
+            if (!isnan(c))
+                duet__pick_merge(&bv, &bi, c, e);
+        }
+        bi = duet__warp_pick(bv, bi);
+        if (bi < 0)
+            bi = 0; /* only with NaN choices; the CPU has no rule for those either */
+        const float w = score[bi];
+        __syncwarp();
+        if (lane == 0)
+            choice[bi] = NAN;
+        __syncwarp();
+        if (lane == k) {
+            my_i = bi;
+            my_w = w;
+        }
+        sum = __fadd_rn(sum, w);
+    }
+    if (lane < top_k) {
+        if (renorm)
+            my_w = __fdiv_rn(my_w, __fadd_rn(sum, 1e-20f));
+        idx[(size_t)t * top_k + lane] = my_i;
+        wts[(size_t)t * top_k + lane] = __fmul_rn(my_w, scale);
+    }
+}
+
+extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits,
+                                             const float *bias, int64_t T, int64_t E,
+                                             int64_t n_group, int64_t topk_group, int64_t top_k,
+                                             int renorm, float scale, int32_t *idx, float *wts)
+{
+    const int64_t G = n_group > 0 ? n_group : 1;
+    if (T < 0 || T > 0x7fffffff || E <= 0 || top_k <= 0 || top_k > E || E % G != 0 ||
+        (G > 1 && (topk_group <= 0 || topk_group > G)) ||
+        (T > 0 && (logits == NULL || idx == NULL || wts == NULL)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_route: bad arguments T=%lld E=%lld n_group=%lld "
+                              "topk_group=%lld top_k=%lld",
+                              (long long)T, (long long)E, (long long)n_group, (long long)topk_group,
+                              (long long)top_k);
+    if (top_k > 32)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: top_k %lld > 32",
+                              (long long)top_k);
+    const size_t per_warp = (size_t)(2 * E + 2 * G) * sizeof(float);
+    if (per_warp > 48 * 1024)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: %lld experts is too many",
+                              (long long)E);
+    if (T == 0)
+        return DUET_OK;
+    int warps = (int)((48 * 1024) / per_warp);
+    warps = warps > 4 ? 4 : warps;
+    const unsigned blocks = (unsigned)((T + warps - 1) / warps);
+    duet__route_kernel<<<blocks, warps * 32, per_warp * warps, stream>>>(
+        logits, bias, (int)T, (int)E, (int)G, (int)topk_group, (int)top_k, renorm, scale, idx, wts);
+    DUET__MOE_LAUNCHED("route kernel launch");
+    return DUET_OK;
+}
+
+/* ---- plan: group (row, k) pairs by expert --------------------------------------------------- */
+
+/* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
+ * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p]. */
+typedef struct {
+    int *off;           /* [E + 1] start of each expert's list */
+    int *list;          /* [P] pair ids grouped by expert */
+    int *meta;          /* [4] */
+    int2 *slots;        /* [max_slots] (expert, list start), <= nr rows each */
+    int2 *tiles;        /* [max_tiles] (expert, list start), <= bm rows each */
+    const int32_t *idx; /* [P] the routing (direct mode) */
+    int E;
+} duet__moe_plan_t;
+
+/*
+ * Programmatic dependent launch (GEMV path). The kernels after the plan are launched with
+ * programmatic stream serialisation, so a kernel's blocks may start while its predecessor's last
+ * wave runs: each kernel calls duet__pdl_wait() before it reads what its predecessor wrote (a
+ * no-op when launched normally), and duet__pdl_trigger() once it has passed its own wait, so
+ * that the successor, which may then start, only ever reads outputs of kernels that have
+ * completed (the plan, the routing) before its own wait. The phase-2 blocks use the overlap to
+ * pull their W2 rows into L2.
+ */
+static __device__ __forceinline__ void duet__pdl_wait(void)
+{
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void duet__pdl_trigger(void)
+{
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+/*
+ * One block. The order of pairs inside an expert's list depends on atomics, which is harmless:
+ * every pair's output is computed on its own with a fixed operation order, wherever it sits.
+ */
+__global__ void __launch_bounds__(DUET__PLAN_THREADS)
+    duet__moe_plan_kernel(const int32_t *idx, int P, int E, int nr, int bm, duet__moe_plan_t pl)
+{
+    extern __shared__ int plan_sh[];
+    int *cnt = plan_sh, *cur = plan_sh + E;
+    duet__pdl_trigger(); /* phase 1 may start; it waits for this grid before reading the plan */
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = idx[p];
+        if (e >= 0 && e < E)
+            atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    const int chunk = (E + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int e0 = min(E, (int)threadIdx.x * chunk), e1 = min(E, e0 + chunk);
+    int c = 0, s = 0, q = 0;
+    for (int e = e0; e < e1; e++) {
+        c += cnt[e];
+        s += (cnt[e] + nr - 1) / nr;
+        q += (cnt[e] + bm - 1) / bm;
+    }
+    int c_tot, s_tot, q_tot;
+    int cb = duet__block_excl_scan(c, &c_tot);
+    int sb = duet__block_excl_scan(s, &s_tot);
+    int qb = duet__block_excl_scan(q, &q_tot);
+    for (int e = e0; e < e1; e++) {
+        const int n = cnt[e];
+        pl.off[e] = cb;
+        cur[e] = cb;
+        for (int j = 0; j < n; j += nr)
+            pl.slots[sb++] = make_int2(e, cb + j);
+        for (int j = 0; j < n; j += bm)
+            pl.tiles[qb++] = make_int2(e, cb + j);
+        cb += n;
+    }
+    if (threadIdx.x == 0) {
+        pl.off[E] = c_tot;
+        pl.meta[0] = s_tot;
+        pl.meta[1] = q_tot;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = idx[p];
+        if (e >= 0 && e < E)
+            pl.list[atomicAdd(&cur[e], 1)] = p;
+    }
+}
+
+/* ---- GEMV path ------------------------------------------------------------------------------ */
+
+/* Weight dtype tags: 16-byte chunks hold VEC elements. */
+template <int DT> struct duet__wt;
+template <> struct duet__wt<DUET_DTYPE_F32> {
+    static constexpr int VEC = 4;
+    static __device__ __forceinline__ void cvt(uint4 v, float *f)
+    {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+};
+template <> struct duet__wt<DUET_DTYPE_BF16> {
+    static constexpr int VEC = 8;
+    static __device__ __forceinline__ void cvt(uint4 v, float *f)
+    {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[2 * k] = __uint_as_float(w[k] << 16);
+            f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        }
+    }
+};
+template <> struct duet__wt<DUET_DTYPE_F16> {
+    static constexpr int VEC = 8;
+    static __device__ __forceinline__ void cvt(uint4 v, float *f)
+    {
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            __half2 h;
+            memcpy(&h, &w[k], sizeof(h));
+            const float2 p = __half22float2(h);
+            f[2 * k] = p.x;
+            f[2 * k + 1] = p.y;
+        }
+    }
+};
+
+/*
+ * Shared-memory layout of one fp32 activation row of K elements for the GEMV dot products.
+ * With 8-element chunks a lane needs elements [8c, 8c + 8) of chunk c; stored plainly, two
+ * float4 reads 32 bytes apart per lane would conflict two ways, so the row is split into halves:
+ * element 8c + 4h + j sits at h * K/2 + 4c + j, and each float4 read by the warp is contiguous.
+ */
+template <int VEC> static __device__ __forceinline__ int duet__xs_pos(int k, int K)
+{
+    if constexpr (VEC == 4)
+        return k;
+    return ((k >> 2) & 1) * (K >> 1) + ((k >> 3) << 2) + (k & 3);
+}
+
+/* Load row `src` (K fp32, 16-byte aligned) into xs in the layout above; all threads help. */
+template <int VEC>
+static __device__ __forceinline__ void duet__xs_load(float *xs, const float *src, int K)
+{
+    for (int k4 = threadIdx.x; k4 < K / 4; k4 += blockDim.x) {
+        const float4 v = reinterpret_cast<const float4 *>(src)[k4];
+        *reinterpret_cast<float4 *>(xs + duet__xs_pos<VEC>(4 * k4, K)) = v;
+    }
+}
+
+/* A 16-byte weight load that skips L1 (read once per block) but stays in L2, where the next
+ * slot of the same expert, scheduled alongside, finds it. */
+static __device__ __forceinline__ uint4 duet__ld_weight(const uint4 *p)
+{
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+/*
+ * One warp: acc[j][r] = W_j · xs_r for NW weight rows (global, 16-byte aligned, K elements) and
+ * NR activation rows (shared, layout above). Lane l takes chunks l, l + 32, ...; fp32 FMA.
+ */
+template <int DT, int NR, int NW>
+static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, const float *xs,
+                                                       int K, int n, int lane, float (&acc)[NW][NR])
+{
+    constexpr int VEC = duet__wt<DT>::VEC, U = DUET__GV_UNROLL;
+    const int nchunk = K / VEC;
+#pragma unroll
+    for (int j = 0; j < NW; j++)
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            acc[j][r] = 0.0f;
+    for (int c0 = lane; c0 < nchunk; c0 += 32 * U) {
+        uint4 wv[U][NW];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int j = 0; j < NW; j++)
+                wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
+                                                : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= nchunk)
+                break;
+            float wf[NW][VEC];
+#pragma unroll
+            for (int j = 0; j < NW; j++)
+                duet__wt<DT>::cvt(wv[u][j], wf[j]);
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                /* padding rows (r >= n) repeat row n - 1; their sums are not stored */
+                const float *xr = xs + (r < n ? r : n - 1) * K;
+                float xv[VEC];
+                const float4 lo =
+                    *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC, K));
+                xv[0] = lo.x;
+                xv[1] = lo.y;
+                xv[2] = lo.z;
+                xv[3] = lo.w;
+                if constexpr (VEC == 8) {
+                    const float4 hi =
+                        *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC + 4, K));
+                    xv[4] = hi.x;
+                    xv[5] = hi.y;
+                    xv[6] = hi.z;
+                    xv[7] = hi.w;
+                }
+#pragma unroll
+                for (int j = 0; j < NW; j++)
+#pragma unroll
+                    for (int v = 0; v < VEC; v++)
+                        acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NW; j++)
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                acc[j][r] += __shfl_xor_sync(0xffffffffu, acc[j][r], o);
+}
+
+/* Phase 1 for one warp: RI outputs i0.. of h for the slot's n rows (NR >= n, padding rows
+ * repeat row n - 1 and are not stored). */
+template <int DT, int NR>
+static __device__ __forceinline__ void
+duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, int n,
+                  const int *pairs, int act, float beta, float beta_lin, float *h, int lane)
+{
+    float acc[2 * DUET__GV_RI][NR];
+    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI>(w, xs, D, n, lane, acc);
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RI; j++)
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            if (lane == ((j * NR + r) & 31) && r < n && i0 + j < I)
+                h[(size_t)pairs[r] * I + i0 + j] =
+                    duet__act(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
+}
+
+template <int DT, int NR>
+static __device__ __forceinline__ void duet__gemv2_rows(const uint4 *const *w, const float *hs,
+                                                        int I, int D, int d0, int n,
+                                                        const int *pairs, float *out, int lane)
+{
+    float acc[DUET__GV_RD][NR];
+    duet__gemv_warp<DT, NR, DUET__GV_RD>(w, hs, I, n, lane, acc);
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RD; j++)
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            if (lane == ((j * NR + r) & 31) && r < n && d0 + j < D)
+                out[(size_t)pairs[r] * D + d0 + j] = acc[j][r];
+}
+
+/* The slot of this block, or -1 when past the device-side count. */
+static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int nrmax, int *e_p,
+                                                 int *pairs)
+{
+    if (pl.list == NULL) {
+        const int e = pl.idx[blockIdx.x];
+        if (e < 0 || e >= pl.E)
+            return -1;
+        if (threadIdx.x < (unsigned)nrmax)
+            pairs[threadIdx.x] = blockIdx.x;
+        *e_p = e;
+        return 1;
+    }
+    if ((int)blockIdx.x >= pl.meta[0])
+        return -1;
+    const int2 sl = pl.slots[blockIdx.x];
+    const int n = min(nrmax, pl.off[sl.x + 1] - sl.y);
+    if (threadIdx.x < (unsigned)nrmax)
+        pairs[threadIdx.x] = pl.list[sl.y + min((int)threadIdx.x, n - 1)];
+    *e_p = sl.x;
+    return n;
+}
+
+/* h[p][i] = act(W1[e][i] · x[t]) · (W3[e][i] · x[t]) for the slot's pairs p = (t, k). */
+template <int DT, int NRMAX>
+__global__ void __launch_bounds__(DUET__GV_THREADS)
+    duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
+                            int top_k, int I, int D, int act, float beta, float beta_lin, float *h)
+{
+    extern __shared__ float4 gv_sh[];
+    __shared__ int pairs[DUET__GV_NR];
+    float *xs = reinterpret_cast<float *>(gv_sh);
+    int e;
+    duet__pdl_wait(); /* the plan */
+    duet__pdl_trigger();
+    const int n = duet__slot(pl, NRMAX, &e, pairs);
+    if (n < 0)
+        return;
+    __syncthreads();
+    constexpr int VEC = duet__wt<DT>::VEC;
+    for (int r = 0; r < n; r++)
+        duet__xs_load<VEC>(xs + (size_t)r * D, x + (size_t)(pairs[r] / top_k) * D, D);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RI;
+    if (i0 >= I)
+        return;
+    const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
+    const uint4 *w[2 * DUET__GV_RI];
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RI; j++) {
+        const size_t row = (size_t)e * I + min(i0 + j, I - 1);
+        w[j] = reinterpret_cast<const uint4 *>((const char *)w1 + row * D * es);
+        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)w3 + row * D * es);
+    }
+    const float *xsp = xs;
+    if (NRMAX == 1 || n == 1)
+        duet__gemv13_rows<DT, 1>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+    else if (NRMAX == 2 || n == 2)
+        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin,
+                                                    h, lane);
+    else if (NRMAX == 4 || n <= 4)
+        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin,
+                                                    h, lane);
+    else
+        duet__gemv13_rows<DT, NRMAX>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+}
+
+/* out[p][d] = W2[e][d] · h[p] for the slot's pairs. */
+template <int DT, int NRMAX>
+__global__ void __launch_bounds__(DUET__GV_THREADS)
+    duet__moe_gemv2_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
+                           float *out)
+{
+    extern __shared__ float4 gv_sh[];
+    __shared__ int pairs[DUET__GV_NR];
+    float *hs = reinterpret_cast<float *>(gv_sh);
+    int e;
+    const int n = duet__slot(pl, NRMAX, &e, pairs); /* the plan is complete */
+    if (n < 0)
+        return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int d0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RD;
+    const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
+    const uint4 *w[DUET__GV_RD];
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RD; j++) {
+        const size_t row = (size_t)e * D + min(d0 + j, D - 1);
+        w[j] = reinterpret_cast<const uint4 *>((const char *)w2 + row * I * es);
+    }
+    /* While phase 1 finishes: pull this warp's W2 rows into L2 (they do not depend on it). */
+    if (d0 < D)
+        for (int off = lane * 128; off < (int)(I * es); off += 32 * 128)
+#pragma unroll
+            for (int j = 0; j < DUET__GV_RD; j++)
+                asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)w[j] + off));
+    duet__pdl_wait(); /* h */
+    duet__pdl_trigger();
+    __syncthreads();
+    constexpr int VEC = duet__wt<DT>::VEC;
+    for (int r = 0; r < n; r++)
+        duet__xs_load<VEC>(hs + (size_t)r * I, h + (size_t)pairs[r] * I, I);
+    __syncthreads();
+    if (d0 >= D)
+        return;
+    if (NRMAX == 1 || n == 1)
+        duet__gemv2_rows<DT, 1>(w, hs, I, D, d0, n, pairs, out, lane);
+    else if (NRMAX == 2 || n == 2)
+        duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+    else if (NRMAX == 4 || n <= 4)
+        duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+    else
+        duet__gemv2_rows<DT, NRMAX>(w, hs, I, D, d0, n, pairs, out, lane);
+}
+
+/* ---- MMA path ------------------------------------------------------------------------------- */
+
+static __device__ __forceinline__ void duet__cp_async16(unsigned dst, const void *src, bool pred)
+{
+    const int n = pred ? 16 : 0; /* 0: zero-fill, nothing read */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void duet__cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void duet__ldmatrix_x4(unsigned addr, unsigned (&r)[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+static __device__ __forceinline__ void duet__mma_bf16(float (&c)[4], const unsigned (&a)[4],
+                                                      unsigned b0, unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Byte offset of 16-byte chunk c (0..3) of row r in a [rows][32] bf16 tile: 64-byte rows, the
+ * chunk XOR-ed with bits 1..2 of the row so ldmatrix's 8 rows hit 8 distinct bank groups. */
+static __device__ __forceinline__ unsigned duet__swz(int r, int c)
+{
+    return (unsigned)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
+}
+
+/*
+ * One tile of BM rows (pairs of one expert) × one block of weight rows, K in steps of 32.
+ * DUAL (phase 1): weight rows are 64 of W1 and the same 64 of W3 (B0, B1); the epilogue
+ * applies act and stores h (bf16) at h_out[p][n]. Otherwise (phase 2): 128 rows of B0 = W2,
+ * stored fp32 at o_out[p][n]. A row of pair p is A[(p / a_div)][:] (x for phase 1, h for 2).
+ * 8 warps as 2 (M) × 4 (N): a warp owns BM/2 rows × 32 weight rows (DUAL: 16 of W1 + the
+ * matching 16 of W3, so gate and up of one output land in the same thread).
+ */
+template <int BM, bool DUAL>
+__global__ void __launch_bounds__(DUET__MMA_THREADS)
+    duet__moe_mma_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
+                         const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, int act,
+                         float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+{
+    constexpr int BK = DUET__MMA_BK, S = DUET__MMA_STAGES, MT = BM / 32;
+    constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + DUET__MMA_BROWS * BK * 2;
+    constexpr int A_CH = BM * 4 / DUET__MMA_THREADS; /* A chunks per thread per stage */
+    extern __shared__ float4 mma_sh[];
+    __shared__ int rows[BM];
+
+    if ((int)blockIdx.y >= pl.meta[1])
+        return;
+    const int2 tl = pl.tiles[blockIdx.y];
+    const int e = tl.x;
+    const int n_r = min(BM, pl.off[e + 1] - tl.y);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+    for (int m = tid; m < BM; m += DUET__MMA_THREADS)
+        rows[m] = m < n_r ? pl.list[tl.y + m] : -1;
+    __syncthreads();
+
+    const int n0 = blockIdx.x * (DUAL ? 64 : 128);
+    const unsigned sbase = (unsigned)__cvta_generic_to_shared(mma_sh);
+
+    const __nv_bfloat16 *a_src[A_CH];
+    unsigned a_dst[A_CH];
+    bool a_ok[A_CH];
+#pragma unroll
+    for (int j = 0; j < A_CH; j++) {
+        const int q = tid + DUET__MMA_THREADS * j, r = q >> 2, c = q & 3;
+        const int p = rows[r];
+        a_ok[j] = p >= 0;
+        a_src[j] = a_ok[j] ? A + (size_t)(p / a_div) * K + c * 8 : A;
+        a_dst[j] = duet__swz(r, c);
+    }
+    const __nv_bfloat16 *b_src[2];
+    unsigned b_dst[2];
+    bool b_ok[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const int q = tid + DUET__MMA_THREADS * j, r = q >> 2, c = q & 3;
+        const int n = DUAL ? n0 + (r & 63) : n0 + r;
+        const __nv_bfloat16 *B = DUAL && r >= 64 ? B1 : B0;
+        b_ok[j] = n < N;
+        b_src[j] = b_ok[j] ? B + ((size_t)e * N + n) * K + c * 8 : B0;
+        b_dst[j] = A_BYTES + duet__swz(r, c);
+    }
+    const int KT = K / BK;
+    auto load = [&](int stage, int kt) {
+        const unsigned s = sbase + stage * STAGE;
+#pragma unroll
+        for (int j = 0; j < A_CH; j++)
+            duet__cp_async16(s + a_dst[j], a_src[j] + (a_ok[j] ? kt * BK : 0), a_ok[j]);
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            duet__cp_async16(s + b_dst[j], b_src[j] + (b_ok[j] ? kt * BK : 0), b_ok[j]);
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; s++) {
+        if (s < KT)
+            load(s, s);
+        duet__cp_async_commit();
+    }
+
+    float acc[MT][4][4];
+#pragma unroll
+    for (int mi = 0; mi < MT; mi++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++)
+                acc[mi][j][v] = 0.0f;
+
+    /* B-tile row of this warp's n8 tile pair (0,1) and (2,3). */
+    const int brow0 = DUAL ? 16 * wn : 32 * wn;
+    const int brow1 = DUAL ? 64 + 16 * wn : 32 * wn + 16;
+
+    for (int kt = 0; kt < KT; kt++) {
+        duet__cp_async_wait<S - 2>();
+        __syncthreads(); /* stage kt landed for all; stage kt-1 is free to refill */
+        if (kt + S - 1 < KT)
+            load((kt + S - 1) % S, kt + S - 1);
+        duet__cp_async_commit();
+        const unsigned st = sbase + (kt % S) * STAGE;
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            unsigned af[MT][4], bf[4][2];
+#pragma unroll
+            for (int mi = 0; mi < MT; mi++) {
+                const int r = wm * (BM / 2) + mi * 16 + (lane & 15);
+                duet__ldmatrix_x4(st + duet__swz(r, ks * 2 + (lane >> 4)), af[mi]);
+            }
+#pragma unroll
+            for (int jp = 0; jp < 2; jp++) {
+                const int r = (jp == 0 ? brow0 : brow1) + ((lane >> 4) << 3) + (lane & 7);
+                unsigned q[4];
+                duet__ldmatrix_x4(st + A_BYTES + duet__swz(r, ks * 2 + ((lane >> 3) & 1)), q);
+                bf[2 * jp][0] = q[0];
+                bf[2 * jp][1] = q[1];
+                bf[2 * jp + 1][0] = q[2];
+                bf[2 * jp + 1][1] = q[3];
+            }
+#pragma unroll
+            for (int mi = 0; mi < MT; mi++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    duet__mma_bf16(acc[mi][j], af[mi], bf[j][0], bf[j][1]);
+        }
+    }
+    duet__cp_async_wait<0>();
+
+#pragma unroll
+    for (int mi = 0; mi < MT; mi++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int m = wm * (BM / 2) + mi * 16 + (lane >> 2) + half * 8;
+            const int p = rows[m];
+            if (p < 0)
+                continue;
+            if (DUAL) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int n = n0 + 16 * wn + 8 * j + 2 * (lane & 3);
+                    if (n >= N)
+                        continue;
+                    const float h0 = duet__act(acc[mi][j][2 * half], acc[mi][j + 2][2 * half], act,
+                                               beta, beta_lin);
+                    const float h1 = duet__act(acc[mi][j][2 * half + 1],
+                                               acc[mi][j + 2][2 * half + 1], act, beta, beta_lin);
+                    *reinterpret_cast<__nv_bfloat162 *>(h_out + (size_t)p * N + n) =
+                        __floats2bfloat162_rn(h0, h1);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const int n = n0 + 32 * wn + 8 * j + 2 * (lane & 3);
+                    if (n >= N)
+                        continue;
+                    *reinterpret_cast<float2 *>(o_out + (size_t)p * N + n) =
+                        make_float2(acc[mi][j][2 * half], acc[mi][j][2 * half + 1]);
+                }
+            }
+        }
+}
+
+/* xb[t][d] = bf16(x[t][d]), round to nearest even. */
+__global__ void duet__to_bf16_kernel(__nv_bfloat16 *xb, const float *x, int64_t n)
+{
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        xb[i] = __float2bfloat16_rn(x[i]);
+}
+
+/* ---- combine -------------------------------------------------------------------------------- */
+
+/* y[t] += Σ_k wts[t][k] · out[t * top_k + k], k in order; a pair with an invalid expert adds
+ * nothing (the plan skipped it too). D is a multiple of 4. */
+__global__ void duet__moe_combine_kernel(float *y, const float *out, const int32_t *idx,
+                                         const float *wts, int top_k, int E, int D)
+{
+    const int64_t t = blockIdx.x;
+    float4 *yr = reinterpret_cast<float4 *>(y + t * D);
+    duet__pdl_wait(); /* out */
+    for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
+        float4 a = yr[d4];
+        for (int k = 0; k < top_k; k++) {
+            const int64_t p = t * top_k + k;
+            const int e = idx[p];
+            if (e < 0 || e >= E)
+                continue;
+            const float w = wts[p];
+            const float4 o = reinterpret_cast<const float4 *>(out + p * D)[d4];
+            a.x = __fadd_rn(a.x, __fmul_rn(w, o.x));
+            a.y = __fadd_rn(a.y, __fmul_rn(w, o.y));
+            a.z = __fadd_rn(a.z, __fmul_rn(w, o.z));
+            a.w = __fadd_rn(a.w, __fmul_rn(w, o.w));
+        }
+        yr[d4] = a;
+    }
+}
+
+/* ---- host side ------------------------------------------------------------------------------ */
+
+typedef struct {
+    size_t off, list, meta, slots, tiles, xb, h, out, total;
+    int64_t max_slots, max_tiles;
+} duet__moe_layout_t;
+
+static size_t duet__align256(size_t n)
+{
+    return (n + 255) & ~(size_t)255;
+}
+
+/* Scratch carve-up for T rows: sizes grow with T, so a layout for T <= max_T fits in
+ * duet_cuda_moe_scratch_bytes(max_T, ...). Slots are sized for nr = 1 and tiles for bm = 64,
+ * the smallest cuts used. */
+static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, int64_t I,
+                                           int64_t D)
+{
+    duet__moe_layout_t L;
+    const int64_t P = T * top_k, A = P < E ? P : E;
+    L.max_slots = P + A;
+    L.max_tiles = (P + 63) / 64 + A;
+    size_t at = 0;
+    L.off = at;
+    at += duet__align256((size_t)(E + 1) * sizeof(int));
+    L.list = at;
+    at += duet__align256((size_t)P * sizeof(int));
+    L.meta = at;
+    at += duet__align256(4 * sizeof(int));
+    L.slots = at;
+    at += duet__align256((size_t)L.max_slots * sizeof(int2));
+    L.tiles = at;
+    at += duet__align256((size_t)L.max_tiles * sizeof(int2));
+    L.xb = at;
+    at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
+    L.h = at;
+    at += duet__align256((size_t)P * I * sizeof(float));
+    L.out = at;
+    at += duet__align256((size_t)P * D * sizeof(float));
+    L.total = at;
+    return L;
+}
+
+extern "C" size_t duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I,
+                                              int64_t D)
+{
+    if (max_T < 0 || top_k < 0 || E < 0 || I < 0 || D < 0)
+        return 0;
+    return duet__moe_layout(max_T, top_k, E, I, D).total + 256; /* + 256: base alignment */
+}
+
+/* Allow a kernel up to DUET__SMEM_CAP of dynamic shared memory, once per kernel and device
+ * (the attribute belongs to the device's context). `done` has a bit per device; racing first
+ * calls set the same value, and a lost bit only costs a second call. */
+template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned long long *done)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return e;
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    if (bit != 0 && (*done & bit) != 0)
+        return cudaSuccess;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DUET__SMEM_CAP);
+    if (e == cudaSuccess)
+        *done |= bit;
+    return e;
+}
+
+/* Launch kernel k, with programmatic stream serialisation when pdl != 0 (see duet__pdl_wait). */
+template <typename... KArgs, typename... Args>
+static cudaError_t duet__launch(int pdl, dim3 grid, unsigned threads, size_t smem,
+                                cudaStream_t stream, void (*k)(KArgs...), Args... args)
+{
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    memset(&cfg, 0, sizeof(cfg));
+    memset(&attr, 0, sizeof(attr));
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, k, args...);
+}
+
+/* Phase 1 follows the plan kernel (pdl1: programmatic launch) or nothing of ours (direct
+ * mode: a normal launch); phase 2 follows phase 1. */
+template <int DT, int NRMAX>
+static duet_status_t
+duet__launch_gemv(cudaStream_t stream, int pdl1, int pdl2, const duet_cuda_experts_t *ex,
+                  const float *x, const duet__moe_plan_t &pl, int64_t max_slots, int top_k,
+                  duet_cuda_act_t act, float beta, float beta_lin, float *h, float *out)
+{
+    static unsigned long long optin13 = 0, optin2 = 0;
+    const int I = (int)ex->I, D = (int)ex->D;
+    const size_t sm13 = (size_t)NRMAX * D * sizeof(float), sm2 = (size_t)NRMAX * I * sizeof(float);
+    cudaError_t e;
+    if ((e = duet__smem_optin(duet__moe_gemv13_kernel<DT, NRMAX>, &optin13)) != cudaSuccess ||
+        (e = duet__smem_optin(duet__moe_gemv2_kernel<DT, NRMAX>, &optin2)) != cudaSuccess)
+        return duet__moe_fail(e, "gemv shared-memory opt-in");
+    dim3 g13((unsigned)max_slots,
+             (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
+    e = duet__launch(pdl1, g13, DUET__GV_THREADS, sm13, stream, duet__moe_gemv13_kernel<DT, NRMAX>,
+                     ex->w1, ex->w3, x, pl, top_k, I, D, (int)act, beta, beta_lin, h);
+    if (e != cudaSuccess)
+        return duet__moe_fail(e, "gemv gate/up kernel launch");
+    dim3 g2((unsigned)max_slots,
+            (unsigned)((D + DUET__GV_WARPS * DUET__GV_RD - 1) / (DUET__GV_WARPS * DUET__GV_RD)));
+    e = duet__launch(pdl2, g2, DUET__GV_THREADS, sm2, stream, duet__moe_gemv2_kernel<DT, NRMAX>,
+                     ex->w2, (const float *)h, pl, I, D, out);
+    if (e != cudaSuccess)
+        return duet__moe_fail(e, "gemv down kernel launch");
+    return DUET_OK;
+}
+
+template <int DT>
+static duet_status_t duet__launch_gemv_nr(int nrmax, cudaStream_t stream, int pdl1, int pdl2,
+                                          const duet_cuda_experts_t *ex, const float *x,
+                                          const duet__moe_plan_t &pl, int64_t max_slots, int top_k,
+                                          duet_cuda_act_t act, float beta, float beta_lin, float *h,
+                                          float *out)
+{
+    switch (nrmax) {
+    case 1:
+        return duet__launch_gemv<DT, 1>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
+                                        beta_lin, h, out);
+    case 2:
+        return duet__launch_gemv<DT, 2>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
+                                        beta_lin, h, out);
+    case 4:
+        return duet__launch_gemv<DT, 4>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
+                                        beta_lin, h, out);
+    default:
+        return duet__launch_gemv<DT, 8>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
+                                        beta_lin, h, out);
+    }
+}
+
+template <int BM>
+static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex,
+                                      const __nv_bfloat16 *xb, const duet__moe_plan_t &pl,
+                                      int64_t max_tiles, int top_k, duet_cuda_act_t act, float beta,
+                                      float beta_lin, __nv_bfloat16 *hb, float *out)
+{
+    static unsigned long long optin1 = 0, optin2 = 0;
+    const int I = (int)ex->I, D = (int)ex->D;
+    const size_t smem = (size_t)DUET__MMA_STAGES * (BM + DUET__MMA_BROWS) * DUET__MMA_BK * 2;
+    cudaError_t e;
+    if ((e = duet__smem_optin(duet__moe_mma_kernel<BM, true>, &optin1)) != cudaSuccess ||
+        (e = duet__smem_optin(duet__moe_mma_kernel<BM, false>, &optin2)) != cudaSuccess)
+        return duet__moe_fail(e, "mma shared-memory opt-in");
+    const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
+    const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
+    dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
+    duet__moe_mma_kernel<BM, true><<<g1, DUET__MMA_THREADS, smem, stream>>>(
+        xb, top_k, w1, w3, I, D, pl, (int)act, beta, beta_lin, hb, NULL);
+    DUET__MOE_LAUNCHED("mma gate/up kernel launch");
+    dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
+    duet__moe_mma_kernel<BM, false><<<g2, DUET__MMA_THREADS, smem, stream>>>(
+        hb, 1, w2, w2, D, I, pl, (int)act, beta, beta_lin, NULL, out);
+    DUET__MOE_LAUNCHED("mma down kernel launch");
+    return DUET_OK;
+}
+
+static int duet__aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+/*
+ * duet_cuda_moe_experts with the path chosen by the caller (DUET__MOE_PATH_*): the tests run
+ * both paths on the same inputs. Internal; not in the header.
+ */
+extern "C" duet_status_t
+duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
+                            int64_t T, const int32_t *idx, const float *wts, int64_t top_k,
+                            duet_cuda_act_t act, float beta, float beta_lin, float *y,
+                            void *scratch, int path)
+{
+    if (ex == NULL || T < 0 || top_k <= 0 || ex->E <= 0 || ex->I <= 0 || ex->D <= 0 ||
+        top_k > ex->E || T * top_k > 0x7fffffff || ex->E > 0x7fffffff || ex->I > 0x7fffffff ||
+        ex->D > 0x7fffffff)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_experts: bad arguments T=%lld top_k=%lld E=%lld I=%lld "
+                              "D=%lld",
+                              (long long)T, (long long)top_k, ex ? (long long)ex->E : 0LL,
+                              ex ? (long long)ex->I : 0LL, ex ? (long long)ex->D : 0LL);
+    if (ex->dtype != DUET_DTYPE_F32 && ex->dtype != DUET_DTYPE_BF16 && ex->dtype != DUET_DTYPE_F16)
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe_experts: unknown dtype %d",
+                              (int)ex->dtype);
+    if (act != DUET_CUDA_ACT_SILU && act != DUET_CUDA_ACT_SITU)
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe_experts: unknown activation %d",
+                              (int)act);
+    if (act == DUET_CUDA_ACT_SITU && (beta == 0.0f || beta_lin == 0.0f))
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe_experts: SiTU needs non-zero betas");
+    if (T == 0)
+        return DUET_OK;
+    if (x == NULL || idx == NULL || wts == NULL || y == NULL || scratch == NULL || ex->w1 == NULL ||
+        ex->w2 == NULL || ex->w3 == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe_experts: NULL operand");
+    /* 16-byte weight and activation rows for the vector loads. */
+    if (ex->D % 8 != 0 || ex->I % 8 != 0 || !duet__aligned16(ex->w1) || !duet__aligned16(ex->w2) ||
+        !duet__aligned16(ex->w3) || !duet__aligned16(x) || !duet__aligned16(y))
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda moe_experts: D (%lld) and I (%lld) must be multiples of 8 "
+                              "and x, y and the weights 16-byte aligned",
+                              (long long)ex->D, (long long)ex->I);
+    if ((size_t)2 * ex->E * sizeof(int) > 48 * 1024)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_experts: %lld experts is too many",
+                              (long long)ex->E);
+
+    const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
+    const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
+    const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
+    const int pdl = !(path & DUET__MOE_NO_PDL);
+    path &= 0xf;
+    if (path == DUET__MOE_PATH_MMA && !mma_ok)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda moe_experts: the MMA path needs BF16 weights and D, I "
+                              "multiples of 32");
+    if (path == DUET__MOE_PATH_AUTO)
+        path = mma_ok && P >= 8 * A ? DUET__MOE_PATH_MMA : DUET__MOE_PATH_GEMV;
+
+    /*
+     * GEMV slot size: 4 rows, fewer only if the rows would not fit in shared memory. Measured on
+     * an H200 at the real dims (graph replay): T = 64, slots of 4 beat 8 by 25 % and 2 by 1 %
+     * (more rows per slot cost registers, and an expert's next slot runs alongside and finds
+     * its weights in L2); T = 8, 4 and 2 tie; T = 1, the 4-row kernel (2 blocks per SM) beats
+     * the 1-row one (3 per SM) by 10 %, 40.5 against 45.3 us.
+     */
+    int nrmax = 4;
+    while (nrmax > 1 && (size_t)nrmax * (D > I ? D : I) * sizeof(float) > DUET__SMEM_CAP)
+        nrmax /= 2;
+    if (force_nr == 1 || force_nr == 2 || force_nr == 4 || force_nr == 8)
+        nrmax = force_nr;
+    if ((size_t)nrmax * (D > I ? D : I) * sizeof(float) > DUET__SMEM_CAP)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_experts: D=%lld or I=%lld too large",
+                              (long long)D, (long long)I);
+    const int bm = force_bm == 1 ? 64 : force_bm == 2 ? 128 : P >= 96 * A ? 128 : 64;
+
+    char *base = (char *)(((uintptr_t)scratch + 255) & ~(uintptr_t)255);
+    const duet__moe_layout_t L = duet__moe_layout(T, top_k, E, I, D);
+    duet__moe_plan_t pl;
+    pl.off = (int *)(base + L.off);
+    pl.list = (int *)(base + L.list);
+    pl.meta = (int *)(base + L.meta);
+    pl.slots = (int2 *)(base + L.slots);
+    pl.tiles = (int2 *)(base + L.tiles);
+    pl.idx = idx;
+    pl.E = (int)E;
+    float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
+
+    /* One token on the GEMV path needs no grouping: each pair is its own slot (direct mode). */
+    const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
+    if (direct) {
+        pl.list = NULL;
+    } else {
+        duet__moe_plan_kernel<<<1, DUET__PLAN_THREADS, 2 * E * sizeof(int), stream>>>(
+            idx, (int)P, (int)E, nrmax, bm, pl);
+        DUET__MOE_LAUNCHED("plan kernel launch");
+    }
+
+    duet_status_t st;
+    if (path == DUET__MOE_PATH_MMA) {
+        __nv_bfloat16 *xb = (__nv_bfloat16 *)(base + L.xb);
+        const int64_t n = T * D;
+        duet__to_bf16_kernel<<<(unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096), 256, 0,
+                               stream>>>(xb, x, n);
+        DUET__MOE_LAUNCHED("x to bf16 kernel launch");
+        int64_t max_tiles = (P + bm - 1) / bm + A; /* each expert's last tile may be partial */
+        max_tiles = max_tiles < P ? max_tiles : P;
+        if (max_tiles > 65535)
+            return duet_error_set(DUET_ERR_UNSUPPORTED,
+                                  "cuda moe_experts: T * top_k = %lld is too many rows",
+                                  (long long)P);
+        if (bm == 128)
+            st = duet__launch_mma<128>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
+                                       beta_lin, (__nv_bfloat16 *)h, out);
+        else
+            st = duet__launch_mma<64>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
+                                      beta_lin, (__nv_bfloat16 *)h, out);
+    } else {
+        int64_t max_slots = (P + nrmax - 1) / nrmax + A; /* the last slot may be partial */
+        max_slots = max_slots < P ? max_slots : P;
+        if (direct)
+            max_slots = P;
+        switch (ex->dtype) {
+        case DUET_DTYPE_BF16:
+            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, pdl && !direct, pdl, ex, x,
+                                                       pl, max_slots, (int)top_k, act, beta,
+                                                       beta_lin, h, out);
+            break;
+        case DUET_DTYPE_F16:
+            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, pdl && !direct, pdl, ex, x, pl,
+                                                      max_slots, (int)top_k, act, beta, beta_lin, h,
+                                                      out);
+            break;
+        default:
+            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, pdl && !direct, pdl, ex, x, pl,
+                                                      max_slots, (int)top_k, act, beta, beta_lin, h,
+                                                      out);
+            break;
+        }
+    }
+    if (st != DUET_OK)
+        return st;
+
+    cudaError_t e = duet__launch(pdl && path == DUET__MOE_PATH_GEMV, dim3((unsigned)T), 256, 0,
+                                 stream, duet__moe_combine_kernel, y, (const float *)out, idx, wts,
+                                 (int)top_k, (int)E, (int)D);
+    if (e != cudaSuccess)
+        return duet__moe_fail(e, "combine kernel launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,
+                                               const float *x, int64_t T, const int32_t *idx,
+                                               const float *wts, int64_t top_k, duet_cuda_act_t act,
+                                               float beta, float beta_lin, float *y, void *scratch)
+{
+    return duet__cuda_moe_experts_path(stream, ex, x, T, idx, wts, top_k, act, beta, beta_lin, y,
+                                       scratch, DUET__MOE_PATH_AUTO);
+}

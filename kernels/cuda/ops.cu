@@ -1,0 +1,222 @@
+/*
+ * ops.cu: the per-row and element-wise ops of cuda_ops.h (embedding gather, RMSNorm, fused
+ * residual + RMSNorm, gated activations). CPU reference: kernels/cpu/ops.c.
+ *
+ * All of these are memory-bound, so each is one plain kernel: a block per row for the norms
+ * and the gather, a grid-stride loop for the activations. Numerics follow the CPU closely:
+ * RMSNorm sums squares in double (the CPU does too) and rounds the scale once to fp32, the
+ * activations use the accurate expf/tanhf (not the __expf intrinsics), so results agree with
+ * the CPU to a few ulps.
+ */
+#include <math.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_ops.h"
+
+#define DUET__ROW_THREADS 256
+
+static duet_status_t duet__ops_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
+    return duet_error_set(DUET_ERR_DEVICE, "cuda ops: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+static duet_status_t duet__launched(const char *what)
+{
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? DUET_OK : duet__ops_fail(e, what);
+}
+
+/* ---- block reductions ---------------------------------------------------------------------- */
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the sum. */
+static __device__ double duet__block_sum_f64(double v)
+{
+    __shared__ double part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads(); /* part[] may still be read by a previous call */
+    if (lane == 0)
+        part[warp] = v;
+    __syncthreads();
+    double s = 0.0;
+    for (int w = 0; w < n_warps; w++) /* fixed order: the result does not depend on timing */
+        s += part[w];
+    return s;
+}
+
+/* ---- embed --------------------------------------------------------------------------------- */
+
+template <typename T> static __device__ __forceinline__ float duet__to_f32(T v);
+template <> __device__ __forceinline__ float duet__to_f32<float>(float v)
+{
+    return v;
+}
+template <> __device__ __forceinline__ float duet__to_f32<__nv_bfloat16>(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ float duet__to_f32<__half>(__half v)
+{
+    return __half2float(v);
+}
+
+/* One block per id. The engine validates ids against the vocabulary (the table's row count is
+ * not passed); a negative id, which can only be a bug upstream, gives a zero row. */
+template <typename T>
+__global__ void duet__embed_kernel(float *out, const T *table, int64_t D, const int32_t *ids)
+{
+    const int64_t t = blockIdx.x;
+    const int32_t id = ids[t];
+    float *o = out + t * D;
+    if (id < 0) {
+        for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+            o[d] = 0.0f;
+        return;
+    }
+    const T *row = table + (int64_t)id * D;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+        o[d] = duet__to_f32<T>(row[d]);
+}
+
+extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const void *table,
+                                         duet_dtype_t dtype, int64_t D, const int32_t *ids,
+                                         int64_t n)
+{
+    if (n < 0 || D < 0 || n > 0x7fffffff ||
+        (n > 0 && D > 0 && (out == NULL || table == NULL || ids == NULL)))
+        return duet_error_set(DUET_ERR_INVALID, "cuda embed: bad arguments n=%lld D=%lld",
+                              (long long)n, (long long)D);
+    if (n == 0 || D == 0)
+        return DUET_OK;
+    switch (dtype) {
+    case DUET_DTYPE_F32:
+        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(out, (const float *)table,
+                                                                          D, ids);
+        break;
+    case DUET_DTYPE_BF16:
+        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(
+            out, (const __nv_bfloat16 *)table, D, ids);
+        break;
+    case DUET_DTYPE_F16:
+        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(
+            out, (const __half *)table, D, ids);
+        break;
+    default:
+        return duet_error_set(DUET_ERR_INVALID, "cuda embed: unknown dtype %d", (int)dtype);
+    }
+    return duet__launched("embed kernel launch");
+}
+
+/* ---- rmsnorm ------------------------------------------------------------------------------- */
+
+/*
+ * One block per row. When a != NULL the row of x is first updated in place (x += a), which is
+ * what the fused residual + norm needs. Each thread reads and writes only its own elements, so
+ * y may be x: the only cross-thread step is the reduction, finished before any write to y.
+ */
+__global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ldx, const float *a,
+                                     const float *w, int64_t D, float eps)
+{
+    const int64_t m = blockIdx.x;
+    float *xr = x + m * ldx;
+    float *yr = y + m * ldy;
+    double ss = 0.0;
+    if (a != NULL) {
+        const float *ar = a + m * D;
+        for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+            float v = __fadd_rn(xr[d], ar[d]);
+            xr[d] = v;
+            ss += (double)v * (double)v;
+        }
+    } else {
+        for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+            double v = (double)xr[d];
+            ss += v * v;
+        }
+    }
+    ss = duet__block_sum_f64(ss);
+    const float scale = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+        yr[d] = __fmul_rn(w[d], __fmul_rn(xr[d], scale));
+}
+
+extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy,
+                                           const float *x, int64_t ldx, const float *w, int64_t M,
+                                           int64_t D, float eps)
+{
+    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
+        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda rmsnorm: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
+                              (long long)M, (long long)D, (long long)ldx, (long long)ldy);
+    if (M == 0 || D == 0)
+        return DUET_OK;
+    /* x is only read when a == NULL; the kernel's x is non-const for the fused variant. */
+    duet__rmsnorm_kernel<<<(unsigned)M, DUET__ROW_THREADS, 0, stream>>>(y, ldy, (float *)x, ldx,
+                                                                        NULL, w, D, eps);
+    return duet__launched("rmsnorm kernel launch");
+}
+
+extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x,
+                                               const float *a, const float *w, int64_t M, int64_t D,
+                                               float eps)
+{
+    if (M < 0 || D < 0 || M > 0x7fffffff ||
+        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
+        return duet_error_set(DUET_ERR_INVALID, "cuda add_rmsnorm: bad arguments M=%lld D=%lld",
+                              (long long)M, (long long)D);
+    if (M == 0 || D == 0)
+        return DUET_OK;
+    duet__rmsnorm_kernel<<<(unsigned)M, DUET__ROW_THREADS, 0, stream>>>(y, D, x, D, a, w, D, eps);
+    return duet__launched("add_rmsnorm kernel launch");
+}
+
+/* ---- gated activations --------------------------------------------------------------------- */
+
+/* The CPU's expressions, operation for operation (kernels/cpu/ops.c). */
+__global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, int64_t I, int64_t ld,
+                                     int act, float beta, float beta_lin)
+{
+    const int64_t n = M * I;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
+        const int64_t m = k / I, i = k - m * I;
+        const float g = gate[m * ld + i], u = up[m * ld + i];
+        float r;
+        if (act == DUET_CUDA_ACT_SILU) {
+            r = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+        } else {
+            const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+            const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
+            r = __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
+        }
+        gate[m * ld + i] = r;
+    }
+}
+
+extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up,
+                                           int64_t M, int64_t I, int64_t ld, duet_cuda_act_t act,
+                                           float beta, float beta_lin)
+{
+    if (M < 0 || I < 0 || ld < I || (M > 0 && I > 0 && (gate == NULL || up == NULL)))
+        return duet_error_set(DUET_ERR_INVALID, "cuda act_mul: bad arguments M=%lld I=%lld ld=%lld",
+                              (long long)M, (long long)I, (long long)ld);
+    if (act != DUET_CUDA_ACT_SILU && act != DUET_CUDA_ACT_SITU)
+        return duet_error_set(DUET_ERR_INVALID, "cuda act_mul: unknown activation %d", (int)act);
+    if (act == DUET_CUDA_ACT_SITU && (beta == 0.0f || beta_lin == 0.0f))
+        return duet_error_set(DUET_ERR_INVALID, "cuda act_mul: SiTU needs non-zero betas");
+    const int64_t n = M * I;
+    if (n == 0)
+        return DUET_OK;
+    const int threads = 256;
+    const int64_t blocks = (n + threads - 1) / threads;
+    duet__act_mul_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), threads, 0, stream>>>(
+        gate, up, M, I, ld, (int)act, beta, beta_lin);
+    return duet__launched("act_mul kernel launch");
+}

@@ -1,0 +1,170 @@
+/*
+ * util.cu: the helpers of cuda_util.h.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_util.h"
+
+static duet_status_t duet__util_fail(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError();
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "cuda: %s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+#define DUET__UTIL_TRY(call, what)                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return duet__util_fail(e_, what);                                                      \
+    } while (0)
+
+static unsigned duet__grid(int64_t n, int threads)
+{
+    int64_t b = (n + threads - 1) / threads;
+    return (unsigned)(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16);
+}
+
+/* splitmix64 of (seed, i): a counter-based generator, so any thread can draw element i. */
+__device__ static inline float duet__hash_uniform(uint64_t seed, uint64_t i)
+{
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (2.0f / 16777216.0f) - 1.0f; /* 24 bits → [-1, 1) */
+}
+
+template <typename T> __device__ static inline T duet__store(float v);
+template <> __device__ inline float duet__store<float>(float v)
+{
+    return v;
+}
+template <> __device__ inline __nv_bfloat16 duet__store<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ inline __half duet__store<__half>(float v)
+{
+    return __float2half_rn(v);
+}
+
+template <typename T>
+__global__ static void duet__fill_random_kernel(T *p, int64_t n, uint64_t seed, float scale,
+                                                float offset)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        p[i] = duet__store<T>(offset + scale * duet__hash_uniform(seed, (uint64_t)i));
+}
+
+extern "C" duet_status_t duet_cuda_fill_random(cudaStream_t stream, void *p, duet_dtype_t dtype,
+                                               int64_t n, uint64_t seed, float scale, float offset)
+{
+    if (n < 0 || (n > 0 && p == NULL))
+        return duet_error_set(DUET_ERR_INVALID, "cuda fill: bad arguments");
+    if (n == 0)
+        return DUET_OK;
+    const int th = 256;
+    switch (dtype) {
+    case DUET_DTYPE_F32:
+        duet__fill_random_kernel<<<duet__grid(n, th), th, 0, stream>>>((float *)p, n, seed, scale,
+                                                                       offset);
+        break;
+    case DUET_DTYPE_BF16:
+        duet__fill_random_kernel<<<duet__grid(n, th), th, 0, stream>>>((__nv_bfloat16 *)p, n, seed,
+                                                                       scale, offset);
+        break;
+    case DUET_DTYPE_F16:
+        duet__fill_random_kernel<<<duet__grid(n, th), th, 0, stream>>>((__half *)p, n, seed, scale,
+                                                                       offset);
+        break;
+    default:
+        return duet_error_set(DUET_ERR_INVALID, "cuda fill: unknown dtype %d", (int)dtype);
+    }
+    DUET__UTIL_TRY(cudaGetLastError(), "fill launch");
+    return DUET_OK;
+}
+
+__global__ static void duet__gather_kernel(float *dst, const float *src, int64_t D,
+                                           const int32_t *rows, int64_t n)
+{
+    for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+        const float *s = src + (int64_t)rows[i] * D;
+        float *d = dst + i * D;
+        for (int64_t j = threadIdx.x; j < D; j += blockDim.x)
+            d[j] = s[j];
+    }
+}
+
+extern "C" duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, const float *src,
+                                               int64_t D, const int32_t *rows, int64_t n)
+{
+    if (n < 0 || D < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gather: bad arguments");
+    if (n == 0 || D == 0)
+        return DUET_OK;
+    duet__gather_kernel<<<(unsigned)(n < 65535 ? n : 65535), 256, 0, stream>>>(dst, src, D, rows,
+                                                                               n);
+    DUET__UTIL_TRY(cudaGetLastError(), "gather launch");
+    return DUET_OK;
+}
+
+__global__ static void duet__neg_exp_kernel(float *p, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        p[i] = -expf(p[i]);
+}
+
+extern "C" duet_status_t duet_cuda_neg_exp(cudaStream_t stream, float *p, int64_t n)
+{
+    if (n <= 0)
+        return DUET_OK;
+    duet__neg_exp_kernel<<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
+    DUET__UTIL_TRY(cudaGetLastError(), "neg_exp launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_copy_bandwidth(size_t bytes, int iters, double *bytes_per_s)
+{
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    duet_status_t st = DUET_OK;
+    cudaError_t ce;
+    float ms = 0.0f;
+    if (bytes == 0 || iters <= 0 || bytes_per_s == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda bandwidth: bad arguments");
+#define DUET__BW(call, what)                                                                       \
+    do {                                                                                           \
+        if ((ce = (call)) != cudaSuccess) {                                                        \
+            st = duet__util_fail(ce, what);                                                        \
+            goto out;                                                                              \
+        }                                                                                          \
+    } while (0)
+    DUET__BW(cudaMalloc(&a, bytes), "bandwidth cudaMalloc");
+    DUET__BW(cudaMalloc(&b, bytes), "bandwidth cudaMalloc");
+    DUET__BW(cudaMemset(a, 1, bytes), "bandwidth memset");
+    DUET__BW(cudaEventCreate(&e0), "event");
+    DUET__BW(cudaEventCreate(&e1), "event");
+    DUET__BW(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "warm-up copy");
+    DUET__BW(cudaEventRecord(e0, 0), "event record");
+    for (int i = 0; i < iters; i++)
+        DUET__BW(cudaMemcpyAsync(i % 2 ? a : b, i % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, 0),
+                 "copy");
+    DUET__BW(cudaEventRecord(e1, 0), "event record");
+    DUET__BW(cudaEventSynchronize(e1), "event sync");
+    DUET__BW(cudaEventElapsedTime(&ms, e0, e1), "elapsed");
+    *bytes_per_s = 2.0 * (double)bytes * iters / ((double)ms * 1e-3);
+#undef DUET__BW
+out:
+    if (e0 != NULL)
+        cudaEventDestroy(e0);
+    if (e1 != NULL)
+        cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    return st;
+}
