@@ -5,6 +5,7 @@
 #include "engine/cache.h"
 
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -76,14 +77,20 @@ struct duet_kda_pool {
     duet__id_stack_t     free_slots;
 };
 
+/* Zeroed, page-aligned memory from the kernel: pages are materialised on first touch, so a pool
+ * that is only bookkeeping (a CUDA model's host side) costs address space, not memory. */
 static void *duet__cache_alloc(size_t bytes)
 {
-    void *p = NULL;
-    size_t rounded = (bytes + DUET_CACHE_ALIGN - 1) / DUET_CACHE_ALIGN * DUET_CACHE_ALIGN;
-    if (rounded == 0 || posix_memalign(&p, DUET_CACHE_ALIGN, rounded) != 0)
+    if (bytes == 0)
         return NULL;
-    memset(p, 0, rounded);
-    return p;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void duet__cache_release(void *p, size_t bytes)
+{
+    if (p != NULL)
+        munmap(p, bytes);
 }
 
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
@@ -113,7 +120,7 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     pool->desc        = *desc;
     pool->block_bytes = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
     pool->bytes       = duet_kv_pool_bytes_needed(desc);
-    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
+    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
@@ -123,7 +130,7 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
 
 err_free_base:
     if (desc->mem == NULL)
-        free(pool->base);
+        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -137,7 +144,7 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
         return;
     duet__ids_destroy(&pool->free_pages);
     if (pool->desc.mem == NULL)
-        free(pool->base);
+        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
     free(pool);
 }
 
@@ -214,7 +221,7 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
 
 err_free_base:
     if (desc->mem == NULL)
-        free(pool->base);
+        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -228,7 +235,7 @@ void duet_kda_pool_destroy(duet_kda_pool_t *pool)
         return;
     duet__ids_destroy(&pool->free_slots);
     if (pool->desc.mem == NULL)
-        free(pool->base);
+        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
     free(pool);
 }
 

@@ -26,6 +26,7 @@
 #include "common/log.h"
 #include "engine/checkpoint.h"
 #include "engine/kda.h"
+#include "engine/model_cuda.h"
 #include "engine/weights.h"
 
 #define DUET_MLA_NORM_EPS 1e-6f /* q_a_layernorm / kv_a_layernorm (transformers' default) */
@@ -59,6 +60,9 @@ struct duet_model {
     duet__kda_f32_t    *kda_f32; /* [num_layers], owned */
     duet__mla_f32_t    *mla_f32; /* [num_layers], owned */
     duet__moe_f32_t    *moe_f32; /* [num_layers], owned */
+    duet_cuda_model_t  *dev;     /* owned; the CUDA forward pass, NULL on the CPU */
+    duet_sampler_t     *sampler; /* owned; DUET_LOGITS_TOKEN on the CPU */
+    float              *tok_logits; /* (vocab) logits of a DUET_LOGITS_TOKEN item, CPU */
     duet_model_layer_hook_fn layer_hook; /* NULL = none */
     void                    *layer_hook_user;
 
@@ -175,6 +179,50 @@ void duet_model_opts_default(duet_model_opts_t *opts)
     opts->max_seq_len      = 4096;
     opts->page_tokens      = 128;
     opts->kv_pages         = 0;
+    opts->device           = DUET_DEVICE_CPU;
+    opts->compute_dtype    = DUET_DTYPE_F32;
+    opts->kv_dtype         = DUET_DTYPE_F32;
+    opts->cuda_graphs      = 1;
+}
+
+duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p)
+{
+    if (s != NULL && strcmp(s, "cpu") == 0) {
+        *dev_p = DUET_DEVICE_CPU;
+    } else if (s != NULL && strcmp(s, "cuda") == 0) {
+        *dev_p = DUET_DEVICE_CUDA;
+    } else if (s != NULL && strcmp(s, "auto") == 0) {
+        *dev_p = duet_cuda_device_count() > 0 ? DUET_DEVICE_CUDA : DUET_DEVICE_CPU;
+    } else {
+        return duet_error_set(DUET_ERR_INVALID, "device '%s': expected auto, cpu or cuda",
+                              s != NULL ? s : "(null)");
+    }
+    return DUET_OK;
+}
+
+const char *duet_model_device_name(duet_device_kind_t dev)
+{
+    return dev == DUET_DEVICE_CUDA ? "cuda" : "cpu";
+}
+
+void duet_model_describe_backend(const duet_model_t *m, char *buf, size_t cap)
+{
+    if (m->dev != NULL)
+        snprintf(buf, cap, "cuda, %s weights, %s KV, graphs %s",
+                 duet_dtype_name(m->opts.compute_dtype), duet_dtype_name(m->opts.kv_dtype),
+                 m->opts.cuda_graphs ? "on" : "off");
+    else
+        snprintf(buf, cap, "cpu, %d threads (%s)", duet_kernels_n_threads(m->k),
+                 duet_kernels_cpu_isa(m->k));
+}
+
+void duet_model_device_pools(duet_model_t *m, void **kv, size_t *kv_bytes, void **kda,
+                             size_t *kda_bytes)
+{
+    *kv = *kda = NULL;
+    *kv_bytes = *kda_bytes = 0;
+    if (m->dev != NULL)
+        duet_cuda_model_pools(m->dev, kv, kv_bytes, kda, kda_bytes);
 }
 
 const duet_model_config_t *duet_model_config(const duet_model_t *m)
@@ -335,45 +383,36 @@ static duet_status_t duet__model_alloc_ws(duet_model_t *m)
     return DUET_OK;
 }
 
-duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
-                              duet_model_t **m_p)
+static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
 {
-    duet_status_t     st;
-    duet_model_opts_t opts;
-    if (opts_in != NULL)
-        opts = *opts_in;
-    else
-        duet_model_opts_default(&opts);
-    if (opts.max_batch_tokens <= 0 || opts.max_seqs <= 0 || opts.max_seq_len <= 0 ||
-        opts.page_tokens <= 0 || opts.kv_pages < 0 || opts.n_threads < 0)
+    if (opts->max_batch_tokens <= 0 || opts->max_seqs <= 0 || opts->max_seq_len <= 0 ||
+        opts->page_tokens <= 0 || opts->kv_pages < 0 || opts->n_threads < 0)
         return DUET_FAIL(DUET_ERR_INVALID, "model: invalid options (batch tokens %lld, seqs %lld, "
                          "seq len %lld, page tokens %lld, pages %lld)",
-                         (long long)opts.max_batch_tokens, (long long)opts.max_seqs,
-                         (long long)opts.max_seq_len, (long long)opts.page_tokens,
-                         (long long)opts.kv_pages);
+                         (long long)opts->max_batch_tokens, (long long)opts->max_seqs,
+                         (long long)opts->max_seq_len, (long long)opts->page_tokens,
+                         (long long)opts->kv_pages);
+    if (opts->device != DUET_DEVICE_CPU && opts->device != DUET_DEVICE_CUDA)
+        return DUET_FAIL(DUET_ERR_INVALID, "model: unknown device %d", (int)opts->device);
+    if (opts->kv_dtype != DUET_DTYPE_F32 &&
+        !(opts->kv_dtype == DUET_DTYPE_BF16 && opts->device == DUET_DEVICE_CUDA))
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: KV cache dtype %s is not supported on %s "
+                         "(F32 everywhere, BF16 on cuda)", duet_dtype_name(opts->kv_dtype),
+                         duet_model_device_name(opts->device));
+    if (opts->device == DUET_DEVICE_CUDA && opts->compute_dtype != DUET_DTYPE_F32 &&
+        opts->compute_dtype != DUET_DTYPE_BF16)
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: compute dtype %s on cuda (F32 or BF16)",
+                         duet_dtype_name(opts->compute_dtype));
+    return DUET_OK;
+}
 
-    duet_model_t *m = calloc(1, sizeof(*m));
-    if (m == NULL)
-        return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
-    m->opts = opts;
-
-    st = duet_model_config_load(dir, &m->cfg);
-    if (st != DUET_OK)
-        goto err;
-    const duet_model_config_t *c = &m->cfg;
-    char                       desc[512];
-    duet_model_config_describe(c, desc, sizeof(desc));
-    DUET_LOG_INFO("model %s: %s", dir, desc);
-
-    st = duet_checkpoint_open(dir, &m->ck);
-    if (st != DUET_OK)
-        goto err;
-    st = duet_weights_bind(m->ck, c, &m->w);
-    if (st != DUET_OK)
-        goto err;
-    st = duet_kernels_create(DUET_DEVICE_CPU, opts.n_threads, &m->k);
-    if (st != DUET_OK)
-        goto err;
+/* Pools, sequence table, sampler and the backend, once m->cfg (and m->w for a checkpoint) are
+ * set. from_checkpoint == 0: random device weights from `seed`. */
+static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, uint64_t seed)
+{
+    const duet_model_config_t *c    = &m->cfg;
+    const duet_model_opts_t    opts = m->opts;
+    duet_status_t              st;
 
     int64_t n_kda = 0, n_mla = 0;
     for (int64_t l = 0; l < c->num_layers; l++)
@@ -386,20 +425,17 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
             .n_pages     = opts.kv_pages > 0 ? opts.kv_pages : opts.max_seqs * m->max_pages_per_seq,
             .n_layers    = n_mla,
             .token_dim   = c->kv_lora_rank + c->qk_rope_head_dim,
-            .dtype       = DUET_DTYPE_F32,
+            .dtype       = opts.kv_dtype,
         };
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kv_pool_bytes_needed(&kd);
             kd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KV, bytes);
-            if (kd.mem == NULL) {
-                st = DUET_FAIL(DUET_ERR_NOMEM, "model: the KV pool allocator gave no %zu bytes",
-                               bytes);
-                goto err;
-            }
+            if (kd.mem == NULL)
+                return DUET_FAIL(DUET_ERR_NOMEM, "model: the KV pool allocator gave no %zu bytes",
+                                 bytes);
         }
-        st = duet_kv_pool_create(&kd, &m->kv);
-        if (st != DUET_OK)
-            goto err;
+        if ((st = duet_kv_pool_create(&kd, &m->kv)) != DUET_OK)
+            return st;
     }
     if (n_kda > 0) {
         duet_kda_pool_desc_t sd = {
@@ -412,38 +448,122 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kda_pool_bytes_needed(&sd);
             sd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KDA, bytes);
-            if (sd.mem == NULL) {
-                st = DUET_FAIL(DUET_ERR_NOMEM, "model: the KDA pool allocator gave no %zu bytes",
-                               bytes);
-                goto err;
-            }
+            if (sd.mem == NULL)
+                return DUET_FAIL(DUET_ERR_NOMEM, "model: the KDA pool allocator gave no %zu bytes",
+                                 bytes);
         }
-        st = duet_kda_pool_create(&sd, &m->kda);
-        if (st != DUET_OK)
-            goto err;
+        if ((st = duet_kda_pool_create(&sd, &m->kda)) != DUET_OK)
+            return st;
     }
     m->page_table = calloc((size_t)(opts.max_seqs * m->max_pages_per_seq), sizeof(int32_t));
     m->seq_used   = calloc((size_t)opts.max_seqs, 1);
-    if (m->page_table == NULL || m->seq_used == NULL) {
-        st = DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
-        goto err;
+    if (m->page_table == NULL || m->seq_used == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+    if ((st = duet_sampler_create(c->vocab_size, &m->sampler)) != DUET_OK)
+        return st;
+
+    if (opts.device == DUET_DEVICE_CPU) {
+        m->tok_logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+        if (m->tok_logits == NULL)
+            return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+        if ((st = duet_kernels_create(DUET_DEVICE_CPU, opts.n_threads, &m->k)) != DUET_OK ||
+            (st = duet__model_prepare_f32(m)) != DUET_OK ||
+            (st = duet__model_alloc_ws(m)) != DUET_OK)
+            return st;
+    } else {
+        duet_cuda_model_host_t host, *hp = NULL;
+        float **arr = NULL;
+        if (from_checkpoint) {
+            if ((st = duet__model_prepare_f32(m)) != DUET_OK)
+                return st;
+            const int64_t L = c->num_layers;
+            arr = calloc((size_t)(6 * L), sizeof(float *));
+            if (arr == NULL)
+                return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+            for (int64_t l = 0; l < L; l++) {
+                arr[l]         = m->kda_f32[l].conv_w;
+                arr[L + l]     = m->kda_f32[l].dt_bias;
+                arr[2 * L + l] = m->kda_f32[l].neg_A;
+                arr[3 * L + l] = m->kda_f32[l].o_norm;
+                arr[4 * L + l] = m->mla_f32[l].wuk_t;
+                arr[5 * L + l] = m->moe_f32[l].bias;
+            }
+            host = (duet_cuda_model_host_t){.conv_w = arr, .dt_bias = arr + L,
+                                            .neg_A = arr + 2 * L, .o_norm = arr + 3 * L,
+                                            .wuk_t = arr + 4 * L, .moe_bias = arr + 5 * L};
+            hp = &host;
+        }
+        st = duet_cuda_model_create(c, &opts, from_checkpoint ? &m->w : NULL, hp, seed, m->kv,
+                                    m->kda, m->max_pages_per_seq, m->layer_sub, &m->dev);
+        free(arr);
+        if (st != DUET_OK)
+            return st;
     }
-    st = duet__model_prepare_f32(m);
-    if (st != DUET_OK)
-        goto err;
-    st = duet__model_alloc_ws(m);
-    if (st != DUET_OK)
-        goto err;
-    DUET_LOG_INFO("model ready: %d threads, %lld KV pages of %lld tokens, %lld state slots",
-                  duet_kernels_n_threads(m->k),
+    char be[160];
+    duet_model_describe_backend(m, be, sizeof(be));
+    DUET_LOG_INFO("model ready: %s, %lld KV pages of %lld tokens, %lld state slots", be,
                   (long long)(m->kv != NULL ? duet_kv_pool_desc(m->kv)->n_pages : 0),
                   (long long)opts.page_tokens, (long long)opts.max_seqs);
+    return DUET_OK;
+}
+
+duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
+                              duet_model_t **m_p)
+{
+    duet_status_t     st;
+    duet_model_opts_t opts;
+    if (opts_in != NULL)
+        opts = *opts_in;
+    else
+        duet_model_opts_default(&opts);
+    if ((st = duet__check_opts(&opts)) != DUET_OK)
+        return st;
+
+    duet_model_t *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+    m->opts = opts;
+
+    st = duet_model_config_load(dir, &m->cfg);
+    if (st != DUET_OK)
+        goto err;
+    char desc[512];
+    duet_model_config_describe(&m->cfg, desc, sizeof(desc));
+    DUET_LOG_INFO("model %s: %s", dir, desc);
+
+    if ((st = duet_checkpoint_open(dir, &m->ck)) != DUET_OK ||
+        (st = duet_weights_bind(m->ck, &m->cfg, &m->w)) != DUET_OK ||
+        (st = duet__model_finish(m, 1, 0)) != DUET_OK)
+        goto err;
     *m_p = m;
     return DUET_OK;
 
 err:
     duet_model_free(m);
     return st;
+}
+
+duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
+                                       const duet_model_opts_t *opts, uint64_t seed,
+                                       duet_model_t **m_p)
+{
+    duet_status_t st;
+    if ((st = duet__check_opts(opts)) != DUET_OK)
+        return st;
+    if (opts->device != DUET_DEVICE_CUDA)
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: random weights are generated on a CUDA "
+                         "device only");
+    duet_model_t *m = calloc(1, sizeof(*m));
+    if (m == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+    m->opts = *opts;
+    m->cfg  = *cfg;
+    if ((st = duet__model_finish(m, 0, seed)) != DUET_OK) {
+        duet_model_free(m);
+        return st;
+    }
+    *m_p = m;
+    return DUET_OK;
 }
 
 void duet_model_free(duet_model_t *m)
@@ -473,6 +593,9 @@ void duet_model_free(duet_model_t *m)
     free(m->item_row0);
     free(m->page_table);
     free(m->seq_used);
+    duet_cuda_model_destroy(m->dev);
+    duet_sampler_destroy(m->sampler);
+    free(m->tok_logits);
     duet_kda_pool_destroy(m->kda);
     duet_kv_pool_destroy(m->kv);
     duet_kernels_destroy(m->k);
@@ -505,8 +628,10 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
         if (st != DUET_OK)
             return st;
         /* Stale KV of earlier owners is never read (attention stops at n_tokens), but zero
-         * anyway so a cache dump of a fresh sequence is deterministic. */
-        for (int64_t p = 0; p < n_pages; p++)
+         * anyway so a cache dump of a fresh sequence is deterministic. A CUDA model's host pool
+         * is only a staging mirror: touched only when mirrored. */
+        const int host_zero = m->dev == NULL || m->opts.mirror_in || m->opts.mirror_out;
+        for (int64_t p = 0; host_zero && p < n_pages; p++)
             memset(duet_kv_pool_block(m->kv, pages[p], 0), 0,
                    duet_kv_pool_block_bytes(m->kv) * (size_t)duet_kv_pool_desc(m->kv)->n_layers);
     }
@@ -516,6 +641,17 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
         if (st != DUET_OK) {
             if (m->kv != NULL)
                 duet_kv_pool_free(m->kv, pages, n_pages);
+            return st;
+        }
+    }
+    if (m->dev != NULL) {
+        duet_seq_t tmp = {.pages = pages, .n_pages = n_pages, .kda_slot = slot};
+        duet_status_t st = duet_cuda_model_seq_opened(m->dev, &tmp);
+        if (st != DUET_OK) {
+            if (m->kv != NULL)
+                duet_kv_pool_free(m->kv, pages, n_pages);
+            if (m->kda != NULL)
+                duet_kda_pool_free(m->kda, slot);
             return st;
         }
     }
@@ -538,6 +674,11 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
                               "set_filled: %lld tokens into a sequence of capacity %lld holding "
                               "%lld", (long long)n_tokens, (long long)seq->cap_tokens,
                               (long long)seq->n_tokens);
+    if (m->dev != NULL) {
+        duet_status_t st = duet_cuda_model_seq_filled(m->dev, seq, n_tokens);
+        if (st != DUET_OK)
+            return st;
+    }
     seq->n_tokens = n_tokens;
     return DUET_OK;
 }
@@ -1030,7 +1171,14 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
                                   "forward: item %lld: %lld + %lld tokens exceed the sequence's "
                                   "%lld reserved", (long long)i, (long long)it->seq->n_tokens,
                                   (long long)it->n_tokens, (long long)it->seq->cap_tokens);
-        if (it->logits_mode != DUET_LOGITS_NONE && it->logits == NULL)
+        if (it->logits_mode == DUET_LOGITS_TOKEN) {
+            if (it->token_out == NULL)
+                return duet_error_set(DUET_ERR_INVALID, "forward: item %lld wants a token but "
+                                      "has nowhere to put it", (long long)i);
+            duet_status_t st = duet_sampling_validate(&it->sampling);
+            if (st != DUET_OK)
+                return st;
+        } else if (it->logits_mode != DUET_LOGITS_NONE && it->logits == NULL)
             return duet_error_set(DUET_ERR_INVALID, "forward: item %lld wants logits but has "
                                   "no buffer", (long long)i);
         for (int64_t t = 0; t < it->n_tokens; t++)
@@ -1059,6 +1207,16 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
     duet_status_t              s = duet__validate_batch(m, items, n_items, &rows);
     if (s != DUET_OK)
         return s;
+
+    if (m->dev != NULL) {
+        s = duet_cuda_model_forward(m->dev, items, n_items, rows, m->layer_hook,
+                                    m->layer_hook_user);
+        if (s != DUET_OK)
+            return s;
+        for (int64_t i = 0; i < n_items; i++)
+            items[i].seq->n_tokens += items[i].n_tokens;
+        return DUET_OK;
+    }
 
     duet__step_t  step = {.m = m, .items = items, .n_items = n_items, .n_rows = rows,
                           .row0 = m->item_row0};
@@ -1093,7 +1251,7 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
     for (int64_t i = 0; i < n_items; i++) {
         duet_batch_item_t *it = &items[i];
         int64_t            r0 = st->row0[i], nr = 0;
-        if (it->logits_mode == DUET_LOGITS_LAST) {
+        if (it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN) {
             r0 = st->row0[i + 1] - 1;
             nr = 1;
         } else if (it->logits_mode == DUET_LOGITS_ALL) {
@@ -1101,10 +1259,12 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
         }
         if (nr > 0) {
             duet_k_rmsnorm(m->k, m->xn + r0 * D, m->x + r0 * D, &m->w.norm, nr, D, c->rms_norm_eps);
-            s = duet_k_matmul(m->k, it->logits, c->vocab_size, m->xn + r0 * D, D, nr,
-                              &m->w.lm_head, 0);
+            float *dst = it->logits_mode == DUET_LOGITS_TOKEN ? m->tok_logits : it->logits;
+            s = duet_k_matmul(m->k, dst, c->vocab_size, m->xn + r0 * D, D, nr, &m->w.lm_head, 0);
             if (s != DUET_OK)
                 return s;
+            if (it->logits_mode == DUET_LOGITS_TOKEN)
+                *it->token_out = duet_sampler_sample_u(m->sampler, &it->sampling, it->u, dst);
         }
         it->seq->n_tokens += it->n_tokens;
     }

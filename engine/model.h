@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "engine/cache.h"
 #include "engine/model_config.h"
+#include "engine/sampler.h"
 #include "kernels/kernels.h"
 
 typedef struct duet_model duet_model_t;
@@ -42,7 +43,25 @@ typedef struct {
     int64_t kv_pages;         /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
     duet_model_pool_alloc_fn pool_alloc; /* NULL = the model allocates its pools */
     void                    *pool_alloc_user;
+    /* Where the forward pass runs (DUET_DEVICE_CPU default). With CUDA, weights, caches and
+     * workspaces live on the GPU (engine/model_cuda.h); the pools above stay on the host for
+     * page / slot bookkeeping and as the transfer staging area. */
+    duet_device_kind_t device;
+    duet_dtype_t       compute_dtype; /* CUDA: F32 (default; exact fp32, TF32 off) or BF16 */
+    duet_dtype_t       kv_dtype;      /* KV pool elements: F32 (default), BF16 on CUDA only */
+    int mirror_in;   /* CUDA: seq_set_filled copies the host pools' sequence to the device */
+    int mirror_out;  /* CUDA: each layer's new KV / state is copied to the host pools before
+                        the layer hook runs (a context worker streaming them) */
+    int cuda_graphs; /* CUDA: replay decode steps as CUDA graphs (default 1) */
 } duet_model_opts_t;
+
+/*
+ * Parse a --device value: "cpu", "cuda", or "auto" (cuda when this build has the CUDA backend
+ * and a device is visible, else cpu). DUET_ERR_INVALID naming the value otherwise.
+ */
+duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p);
+/* "cpu" / "cuda". */
+const char *duet_model_device_name(duet_device_kind_t dev);
 
 /* Fill opts with the defaults above. */
 void duet_model_opts_default(duet_model_opts_t *opts);
@@ -52,6 +71,18 @@ void duet_model_opts_default(duet_model_opts_t *opts);
  * create the CPU backend and the cache pools. Errors carry a detail naming the file/tensor.
  */
 duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts, duet_model_t **m_p);
+/*
+ * A model of config `cfg` with random weights generated on the device from `seed`, no
+ * checkpoint (benchmarks of real model sizes). CUDA only: DUET_ERR_UNSUPPORTED on the CPU.
+ */
+duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
+                                       const duet_model_opts_t *opts, uint64_t seed,
+                                       duet_model_t **m_p);
+/* CUDA models: the device pools (NULL / 0 on the CPU), for benchmarks that fill a context. */
+void duet_model_device_pools(duet_model_t *m, void **kv, size_t *kv_bytes, void **kda,
+                             size_t *kda_bytes);
+/* Human-readable backend summary for logs ("cpu, 8 threads" / "cuda, BF16 weights, ..."). */
+void duet_model_describe_backend(const duet_model_t *m, char *buf, size_t cap);
 void          duet_model_free(duet_model_t *m); /* accepts NULL */
 
 const duet_model_config_t *duet_model_config(const duet_model_t *m);
@@ -89,6 +120,8 @@ typedef enum {
     DUET_LOGITS_NONE = 0, /* no logits (a prefill chunk that is not the prompt's last) */
     DUET_LOGITS_LAST = 1, /* logits of the item's last token: [1][vocab] */
     DUET_LOGITS_ALL  = 2, /* logits of every token of the item: [n_tokens][vocab] */
+    DUET_LOGITS_TOKEN = 3, /* no logits: the model draws the next token (on the device for
+                              CUDA) with `sampling` and the uniform `u` into *token_out */
 } duet_logits_mode_t;
 
 typedef struct {
@@ -97,6 +130,9 @@ typedef struct {
     int64_t            n_tokens; /* >= 1 */
     duet_logits_mode_t logits_mode;
     float             *logits;   /* caller-owned, rows per logits_mode */
+    duet_sampling_t    sampling;  /* DUET_LOGITS_TOKEN: the rule (duet_sampler_sample's) */
+    float              u;         /* DUET_LOGITS_TOKEN: this token's draw, duet_sampling_draw() */
+    int32_t           *token_out; /* DUET_LOGITS_TOKEN: where the token goes */
 } duet_batch_item_t;
 
 /*

@@ -123,8 +123,21 @@ static int duet__by_logit_desc(const void *a, const void *b)
     return *(const int32_t *)a - *(const int32_t *)b;
 }
 
+float duet_sampling_draw(const duet_sampling_t *p, duet_rng_t *rng)
+{
+    if (p->temperature <= 0.0f || p->top_k == 1)
+        return 0.0f;
+    return duet_rng_uniform(rng);
+}
+
 int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rng,
                             const float *logits)
+{
+    return duet_sampler_sample_u(s, p, duet_sampling_draw(p, rng), logits);
+}
+
+int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u_draw,
+                              const float *logits)
 {
     const int64_t V = s->vocab;
     if (p->temperature <= 0.0f || p->top_k == 1)
@@ -177,7 +190,7 @@ int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rn
         for (int64_t i = 0; i < n; i++)
             sum += s->prob[i];
     }
-    double u   = (double)duet_rng_uniform(rng) * sum;
+    double u   = (double)u_draw * sum;
     double acc = 0.0;
     for (int64_t i = 0; i < n; i++) {
         acc += s->prob[i];

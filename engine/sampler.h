@@ -46,4 +46,14 @@ int32_t duet_argmax(const float *logits, int64_t n);
 int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rng,
                             const float *logits);
 
+/*
+ * The same rule with the uniform draw given: duet_sampler_sample(s, p, rng, l) ==
+ * duet_sampler_sample_u(s, p, duet_sampling_draw(p, rng), l). Lets a device sampler and the CPU
+ * one consume a request's RNG stream identically.
+ */
+int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u,
+                              const float *logits);
+/* The draw one token of p consumes: duet_rng_uniform(rng) when p samples, else 0 (no draw). */
+float duet_sampling_draw(const duet_sampling_t *p, duet_rng_t *rng);
+
 #endif

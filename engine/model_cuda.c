@@ -1,0 +1,1208 @@
+/*
+ * model_cuda.c: the forward pass on the GPU (model_cuda.h says what lives where). The step is the
+ * CPU path's (engine/model.c) with the same row layout, kernel for loop:
+ *   embed → per layer: RMSNorm → mixer (KDA: 5 GEMMs, conv, prep, core, out-norm, o_proj that
+ *   accumulates into the residual; MLA: q / kv_a GEMMs, kv_a norm + page write, per-head
+ *   absorbed W_UK (one batched GEMM), paged attention with split-KV, per-head W_UV (batched),
+ *   o_proj into the residual) → RMSNorm → FFN (dense MLP, or router GEMM + device routing +
+ *   grouped experts + shared expert) → final norm of the logits rows, lm_head, sampling.
+ * Residual adds are the GEMMs' accumulate epilogue (β = 1), so no separate add kernel runs.
+ * q, k, v projections are one GEMM over a concatenated weight, f_a and g_a another.
+ */
+#include "engine/model_cuda.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+
+#ifndef DUET_HAVE_CUDA
+
+duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_model_opts_t *opts,
+                                     const duet_weights_t *w, const duet_cuda_model_host_t *host,
+                                     uint64_t seed, duet_kv_pool_t *kv, duet_kda_pool_t *kda,
+                                     int64_t max_pages_per_seq, const int64_t *layer_sub,
+                                     duet_cuda_model_t **dm_p)
+{
+    (void)cfg, (void)opts, (void)w, (void)host, (void)seed, (void)kv, (void)kda;
+    (void)max_pages_per_seq, (void)layer_sub, (void)dm_p;
+    return duet_error_set(DUET_ERR_UNSUPPORTED, "this build has no CUDA backend (nvcc was not "
+                          "found when it was configured)");
+}
+void duet_cuda_model_destroy(duet_cuda_model_t *dm)
+{
+    (void)dm;
+}
+duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t *seq)
+{
+    (void)dm, (void)seq;
+    return DUET_ERR_UNSUPPORTED;
+}
+duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t *seq,
+                                         int64_t n_tokens)
+{
+    (void)dm, (void)seq, (void)n_tokens;
+    return DUET_ERR_UNSUPPORTED;
+}
+duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *items,
+                                      int64_t n_items, int64_t rows,
+                                      duet_model_layer_hook_fn hook, void *hook_user)
+{
+    (void)dm, (void)items, (void)n_items, (void)rows, (void)hook, (void)hook_user;
+    return DUET_ERR_UNSUPPORTED;
+}
+void duet_cuda_model_pools(duet_cuda_model_t *dm, void **kv, size_t *kv_bytes, void **kda,
+                           size_t *kda_bytes)
+{
+    (void)dm;
+    *kv = *kda = NULL;
+    *kv_bytes = *kda_bytes = 0;
+}
+size_t duet_cuda_model_device_bytes(const duet_cuda_model_t *dm)
+{
+    (void)dm;
+    return 0;
+}
+int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
+{
+    (void)dm;
+    return 0;
+}
+
+#else /* DUET_HAVE_CUDA */
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_kda.h"
+#include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_step.h"
+#include "kernels/cuda/cuda_util.h"
+
+#define DUET_MLA_NORM_EPS 1e-6f
+#define DUET_CUDA_MAX_GRAPHS 128
+
+typedef struct {
+    duet_tensor_t qkv;   /* (3*H*K, D): q | k | v projections */
+    duet_tensor_t fg_a;  /* (2*K, D): f_a | g_a */
+    duet_tensor_t b;     /* (H, D) */
+    duet_tensor_t f_b;   /* (H*K, K) */
+    duet_tensor_t g_b;   /* (H*K, K) */
+    duet_tensor_t o;     /* (D, H*K) */
+    float        *taps;  /* (3*H*K, W) fp32 */
+    float        *dt_bias, *neg_A, *o_norm;
+} duet__dkda_t;
+
+typedef struct {
+    duet_tensor_t q, q_a, q_b; /* q (n*dqk, D) or q_a (ql, D) + q_b (n*dqk, ql) */
+    float        *q_a_norm;
+    duet_tensor_t kv_a;  /* (r+dr, D) */
+    float        *kv_a_norm;
+    duet_tensor_t wuk_t; /* (n, r, dn) */
+    duet_tensor_t wuv;   /* (n, dv, r) */
+    duet_tensor_t o;     /* (D, n*dv) */
+} duet__dmla_t;
+
+typedef struct {
+    duet_tensor_t gate, up, down;
+} duet__dmlp_t;
+
+typedef struct {
+    float              *in_norm, *post_norm;
+    duet__dkda_t        kda;
+    duet__dmla_t        mla;
+    duet__dmlp_t        mlp;    /* dense FFN, or the shared expert of a MoE layer */
+    int                 has_shared;
+    duet_tensor_t       router; /* (E, D) fp32 */
+    float              *router_bias;
+    duet_cuda_experts_t ex;
+} duet__dlayer_t;
+
+typedef struct {
+    int             bucket, splits, sampled;
+    cudaGraphExec_t exec;
+} duet__graph_t;
+
+/* Offsets (in int32 units) of the step metadata inside its one host / device block. */
+typedef struct {
+    size_t item_row0, item_pos0, item_slot, item_pages, row_item, row_pos, tokens, logit_rows,
+        params, total;
+} duet__meta_layout_t;
+
+struct duet_cuda_model {
+    duet_model_config_t cfg;
+    duet_model_opts_t   opts;
+    duet_dtype_t        wdt; /* compute dtype of the weights */
+    int64_t             layer_sub[DUET_MAX_LAYERS];
+    cudaStream_t        stream, copy_stream;
+    cudaEvent_t        *layer_done, *copy_done; /* [num_layers] for mirror_out */
+    duet_cuda_gemm_t   *gemm;
+    unsigned            gemm_flags;
+    int                 n_sms;
+
+    /* allocations, freed in reverse at destroy */
+    void  **allocs;
+    int64_t n_allocs, cap_allocs;
+    size_t  dev_bytes;
+
+    duet_tensor_t   embed, lm_head;
+    float          *final_norm;
+    duet__dlayer_t *layers;
+
+    /* pools */
+    duet_kv_pool_t  *kv_host;
+    duet_kda_pool_t *kda_host;
+    void            *kv_dev;
+    size_t           kv_dev_bytes, kv_page_bytes, kv_token_bytes;
+    int64_t          kv_spare_page;
+    float           *kda_dev;
+    size_t           kda_dev_bytes, kda_slot_bytes;
+    int64_t          kda_layer_floats;
+    int32_t          kda_spare_slot;
+    int64_t          max_pages;
+
+    /* workspace (fp32 unless said) */
+    int64_t  T, imax_items, logit_rows_cap;
+    float   *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
+        *f2, *router, *topk_w, *logits;
+    int32_t *topk_idx, *token_out;
+    int32_t *token_out_h; /* pinned */
+    void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch;
+    int      max_splits;
+
+    /* step metadata: pinned host block → device block, one copy per step */
+    duet__meta_layout_t ml;
+    int32_t            *meta_h, *meta_d;
+    duet_cuda_step_t    step; /* device pointers into meta_d; counts set per step */
+
+    duet__graph_t graphs[DUET_CUDA_MAX_GRAPHS];
+    int           n_graphs;
+    int           mirrored; /* host pools registered as pinned memory */
+};
+
+/* ---- errors and allocation ---------------------------------------------------------------- */
+
+static duet_status_t duet__cu(cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess)
+        return DUET_OK;
+    (void)cudaGetLastError();
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "cuda model: %s: %s (%s)", what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
+}
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        duet_status_t s_ = (expr);                                                                 \
+        if (s_ != DUET_OK)                                                                         \
+            return s_;                                                                             \
+    } while (0)
+#define CU(call, what) TRY(duet__cu((call), (what)))
+
+static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)
+{
+    if (bytes == 0)
+        bytes = 16;
+    if (dm->n_allocs == dm->cap_allocs) {
+        int64_t cap = dm->cap_allocs ? dm->cap_allocs * 2 : 256;
+        void  **a   = realloc(dm->allocs, sizeof(void *) * (size_t)cap);
+        if (a == NULL)
+            return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+        dm->allocs     = a;
+        dm->cap_allocs = cap;
+    }
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return duet_error_set(DUET_ERR_NOMEM,
+                              "cuda model: cannot allocate %.1f MiB of device memory (%.1f GiB "
+                              "held so far): %s", (double)bytes / 1048576.0,
+                              (double)dm->dev_bytes / 1073741824.0, cudaGetErrorString(e));
+    }
+    dm->allocs[dm->n_allocs++] = *p;
+    dm->dev_bytes += bytes;
+    return DUET_OK;
+}
+
+static duet_status_t duet__dalloc_f(duet_cuda_model_t *dm, int64_t n, float **p)
+{
+    return duet__dalloc(dm, sizeof(float) * (size_t)(n > 0 ? n : 1), (void **)p);
+}
+
+/* ---- weights -------------------------------------------------------------------------------- */
+
+/* A device tensor of `dt` with the given shape, allocated. */
+static duet_status_t duet__dtensor(duet_cuda_model_t *dm, duet_dtype_t dt, int ndim,
+                                   const int64_t *shape, duet_tensor_t *t)
+{
+    memset(t, 0, sizeof(*t));
+    t->dtype  = dt;
+    t->device = DUET_DEVICE_CUDA;
+    t->ndim   = ndim;
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i];
+        n *= shape[i];
+    }
+    return duet__dalloc(dm, (size_t)n * duet_dtype_size(dt), &t->data);
+}
+
+/* Copy n host fp32 values into device memory of dtype dt at element offset `at`. */
+static duet_status_t duet__upload_f32(duet_cuda_model_t *dm, void *dst, duet_dtype_t dt,
+                                      int64_t at, const float *src, int64_t n)
+{
+    size_t es = duet_dtype_size(dt);
+    void  *buf = (void *)src;
+    if (dt != DUET_DTYPE_F32) {
+        buf = malloc((size_t)n * es);
+        if (buf == NULL)
+            return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+        uint16_t *h = buf;
+        for (int64_t i = 0; i < n; i++)
+            h[i] = dt == DUET_DTYPE_BF16 ? duet_f32_to_bf16(src[i]) : duet_f32_to_f16(src[i]);
+    }
+    cudaError_t e = cudaMemcpy((uint8_t *)dst + (size_t)at * es, buf, (size_t)n * es,
+                               cudaMemcpyHostToDevice);
+    if (buf != src)
+        free(buf);
+    (void)dm;
+    return duet__cu(e, "weight upload");
+}
+
+/* Rows of a host tensor (any dtype) to fp32, then into dst at element offset `at`. */
+static duet_status_t duet__upload_tensor(duet_cuda_model_t *dm, void *dst, duet_dtype_t dt,
+                                         int64_t at, const duet_tensor_t *src)
+{
+    int64_t n = duet_tensor_numel(src);
+    if (src->dtype == dt) { /* stored as computed: no conversion */
+        size_t es = duet_dtype_size(dt);
+        return duet__cu(cudaMemcpy((uint8_t *)dst + (size_t)at * es, src->data, (size_t)n * es,
+                                   cudaMemcpyHostToDevice),
+                        "weight upload");
+    }
+    float *f = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (f == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+    duet_convert_to_f32(f, src->data, src->dtype, n);
+    duet_status_t st = duet__upload_f32(dm, dst, dt, at, f, n);
+    free(f);
+    return st;
+}
+
+/*
+ * A device weight built from host tensors stacked along rows (srcs[i] are [rows_i][cols]), or,
+ * with w == NULL, filled with uniform(-a, a), a = sqrt(3 / cols) (unit-variance outputs).
+ */
+static duet_status_t duet__weight(duet_cuda_model_t *dm, int from_host, duet_dtype_t dt,
+                                  const duet_tensor_t *const *srcs, int n_src, int64_t rows,
+                                  int64_t cols, uint64_t *seed, duet_tensor_t *t)
+{
+    int64_t shape[2] = {rows, cols};
+    TRY(duet__dtensor(dm, dt, 2, shape, t));
+    if (!from_host)
+        return duet_cuda_fill_random(dm->stream, t->data, dt, rows * cols, (*seed)++,
+                                     sqrtf(3.0f / (float)cols), 0.0f);
+    int64_t at = 0;
+    for (int i = 0; i < n_src; i++) {
+        TRY(duet__upload_tensor(dm, t->data, dt, at, srcs[i]));
+        at += duet_tensor_numel(srcs[i]);
+    }
+    if (at != rows * cols)
+        return duet_error_set(DUET_ERR_INVALID, "cuda model: weight of %lld values for a %lld x "
+                              "%lld matrix", (long long)at, (long long)rows, (long long)cols);
+    return DUET_OK;
+}
+
+/* An fp32 vector: from host fp32 values, from a host tensor, or constant / random. */
+static duet_status_t duet__vec(duet_cuda_model_t *dm, const float *host_f32,
+                               const duet_tensor_t *host_t, int64_t n, uint64_t *seed,
+                               float scale, float offset, float **p)
+{
+    TRY(duet__dalloc_f(dm, n, p));
+    if (host_f32 != NULL)
+        return duet__upload_f32(dm, *p, DUET_DTYPE_F32, 0, host_f32, n);
+    if (host_t != NULL && host_t->data != NULL)
+        return duet__upload_tensor(dm, *p, DUET_DTYPE_F32, 0, host_t);
+    return duet_cuda_fill_random(dm->stream, *p, DUET_DTYPE_F32, n, (*seed)++, scale, offset);
+}
+
+static duet_status_t duet__mlp_weights(duet_cuda_model_t *dm, const duet_mlp_weights_t *hw,
+                                       int64_t I, uint64_t *seed, duet__dmlp_t *d)
+{
+    const int64_t        D = dm->cfg.hidden_size;
+    const duet_tensor_t *g = hw ? &hw->gate_proj : NULL, *u = hw ? &hw->up_proj : NULL,
+                        *dn = hw ? &hw->down_proj : NULL;
+    TRY(duet__weight(dm, hw != NULL, dm->wdt, &g, 1, I, D, seed, &d->gate));
+    TRY(duet__weight(dm, hw != NULL, dm->wdt, &u, 1, I, D, seed, &d->up));
+    return duet__weight(dm, hw != NULL, dm->wdt, &dn, 1, D, I, seed, &d->down);
+}
+
+static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
+                                         const duet_weights_t *w,
+                                         const duet_cuda_model_host_t *host, uint64_t *seed)
+{
+    const duet_model_config_t  *c  = &dm->cfg;
+    const duet_layer_weights_t *lw = w != NULL ? &w->layers[l] : NULL;
+    duet__dlayer_t             *d  = &dm->layers[l];
+    const int64_t D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim, HK = H * K;
+    const int     fh = w != NULL;
+
+    TRY(duet__vec(dm, NULL, lw ? &lw->input_layernorm : NULL, D, seed, 0.0f, 1.0f, &d->in_norm));
+    TRY(duet__vec(dm, NULL, lw ? &lw->post_attention_layernorm : NULL, D, seed, 0.0f, 1.0f,
+                  &d->post_norm));
+    if (c->mixer[l] == DUET_MIXER_KDA) {
+        const duet_kda_weights_t *kw = lw ? &lw->kda : NULL;
+        duet__dkda_t             *k  = &d->kda;
+        const duet_tensor_t *qkv[3] = {kw ? &kw->q_proj : NULL, kw ? &kw->k_proj : NULL,
+                                       kw ? &kw->v_proj : NULL};
+        const duet_tensor_t *fga[2] = {kw ? &kw->f_a_proj : NULL, kw ? &kw->g_a_proj : NULL};
+        const duet_tensor_t *b = kw ? &kw->b_proj : NULL, *fb = kw ? &kw->f_b_proj : NULL,
+                            *gb = kw ? &kw->g_b_proj : NULL, *o = kw ? &kw->o_proj : NULL;
+        TRY(duet__weight(dm, fh, dm->wdt, qkv, 3, 3 * HK, D, seed, &k->qkv));
+        TRY(duet__weight(dm, fh, dm->wdt, fga, 2, 2 * K, D, seed, &k->fg_a));
+        TRY(duet__weight(dm, fh, dm->wdt, &b, 1, H, D, seed, &k->b));
+        TRY(duet__weight(dm, fh, dm->wdt, &fb, 1, HK, K, seed, &k->f_b));
+        TRY(duet__weight(dm, fh, dm->wdt, &gb, 1, HK, K, seed, &k->g_b));
+        TRY(duet__weight(dm, fh, dm->wdt, &o, 1, D, HK, seed, &k->o));
+        TRY(duet__vec(dm, host ? host->conv_w[l] : NULL, NULL, 3 * HK * c->conv_kernel, seed,
+                      0.5f, 0.0f, &k->taps));
+        TRY(duet__vec(dm, host ? host->dt_bias[l] : NULL, NULL, HK, seed, 0.5f, 0.0f,
+                      &k->dt_bias));
+        TRY(duet__vec(dm, host ? host->neg_A[l] : NULL, NULL, H, seed, 0.5f, -1.0f, &k->neg_A));
+        TRY(duet__vec(dm, host ? host->o_norm[l] : NULL, NULL, K, seed, 0.0f, 1.0f, &k->o_norm));
+    } else {
+        const duet_mla_weights_t *mw = lw ? &lw->mla : NULL;
+        duet__dmla_t             *m  = &dm->layers[l].mla;
+        const int64_t n = c->mla_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
+                      dv = c->v_head_dim, r = c->kv_lora_rank, dqk = dn + dr;
+        if (c->q_lora_rank > 0) {
+            const duet_tensor_t *qa = mw ? &mw->q_a_proj : NULL, *qb = mw ? &mw->q_b_proj : NULL;
+            TRY(duet__weight(dm, fh, dm->wdt, &qa, 1, c->q_lora_rank, D, seed, &m->q_a));
+            TRY(duet__weight(dm, fh, dm->wdt, &qb, 1, n * dqk, c->q_lora_rank, seed, &m->q_b));
+            TRY(duet__vec(dm, NULL, mw ? &mw->q_a_layernorm : NULL, c->q_lora_rank, seed, 0.0f,
+                          1.0f, &m->q_a_norm));
+        } else {
+            const duet_tensor_t *q = mw ? &mw->q_proj : NULL;
+            TRY(duet__weight(dm, fh, dm->wdt, &q, 1, n * dqk, D, seed, &m->q));
+        }
+        const duet_tensor_t *kva = mw ? &mw->kv_a_proj_with_mqa : NULL, *o = mw ? &mw->o_proj : NULL;
+        TRY(duet__weight(dm, fh, dm->wdt, &kva, 1, r + dr, D, seed, &m->kv_a));
+        TRY(duet__vec(dm, NULL, mw ? &mw->kv_a_layernorm : NULL, r, seed, 0.0f, 1.0f,
+                      &m->kv_a_norm));
+        TRY(duet__weight(dm, fh, dm->wdt, &o, 1, D, n * dv, seed, &m->o));
+        int64_t s_uk[3] = {n, r, dn}, s_uv[3] = {n, dv, r};
+        TRY(duet__dtensor(dm, dm->wdt, 3, s_uk, &m->wuk_t));
+        TRY(duet__dtensor(dm, dm->wdt, 3, s_uv, &m->wuv));
+        if (!fh) {
+            TRY(duet_cuda_fill_random(dm->stream, m->wuk_t.data, dm->wdt, n * r * dn, (*seed)++,
+                                      sqrtf(3.0f / (float)dn), 0.0f));
+            TRY(duet_cuda_fill_random(dm->stream, m->wuv.data, dm->wdt, n * dv * r, (*seed)++,
+                                      sqrtf(3.0f / (float)r), 0.0f));
+        } else {
+            TRY(duet__upload_f32(dm, m->wuk_t.data, dm->wdt, 0, host->wuk_t[l], n * r * dn));
+            /* W_UV[h] = rows h*(dn+dv)+dn .. +dv of kv_b_proj (n*(dn+dv), r) */
+            const duet_tensor_t *kvb = &mw->kv_b_proj;
+            float *f = malloc(sizeof(float) * (size_t)(n * (dn + dv) * r));
+            float *g = malloc(sizeof(float) * (size_t)(n * dv * r));
+            if (f == NULL || g == NULL) {
+                free(f);
+                free(g);
+                return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+            }
+            duet_convert_to_f32(f, kvb->data, kvb->dtype, n * (dn + dv) * r);
+            for (int64_t h = 0; h < n; h++)
+                memcpy(g + h * dv * r, f + (h * (dn + dv) + dn) * r, sizeof(float) * (size_t)(dv * r));
+            duet_status_t st = duet__upload_f32(dm, m->wuv.data, dm->wdt, 0, g, n * dv * r);
+            free(f);
+            free(g);
+            TRY(st);
+        }
+    }
+    if (c->ffn[l] == DUET_FFN_MOE) {
+        const duet_moe_weights_t *mw = lw ? &lw->moe : NULL;
+        const int64_t E = c->n_experts, I = c->moe_intermediate;
+        const duet_tensor_t *rg = mw ? &mw->gate : NULL;
+        TRY(duet__weight(dm, fh, DUET_DTYPE_F32, &rg, 1, E, D, seed, &d->router));
+        TRY(duet__vec(dm, host ? host->moe_bias[l] : NULL, NULL, E, seed, 0.0f, 0.0f,
+                      &d->router_bias));
+        /* experts contiguous: w1, w3 [E][I][D], w2 [E][D][I] */
+        duet_tensor_t t1, t3, t2;
+        int64_t s13[3] = {E, I, D}, s2[3] = {E, D, I};
+        TRY(duet__dtensor(dm, dm->wdt, 3, s13, &t1));
+        TRY(duet__dtensor(dm, dm->wdt, 3, s13, &t3));
+        TRY(duet__dtensor(dm, dm->wdt, 3, s2, &t2));
+        if (fh) {
+            for (int64_t e = 0; e < E; e++) {
+                TRY(duet__upload_tensor(dm, t1.data, dm->wdt, e * I * D, &mw->w1[e]));
+                TRY(duet__upload_tensor(dm, t3.data, dm->wdt, e * I * D, &mw->w3[e]));
+                TRY(duet__upload_tensor(dm, t2.data, dm->wdt, e * D * I, &mw->w2[e]));
+            }
+        } else {
+            TRY(duet_cuda_fill_random(dm->stream, t1.data, dm->wdt, E * I * D, (*seed)++,
+                                      sqrtf(3.0f / (float)D), 0.0f));
+            TRY(duet_cuda_fill_random(dm->stream, t3.data, dm->wdt, E * I * D, (*seed)++,
+                                      sqrtf(3.0f / (float)D), 0.0f));
+            TRY(duet_cuda_fill_random(dm->stream, t2.data, dm->wdt, E * D * I, (*seed)++,
+                                      sqrtf(3.0f / (float)I), 0.0f));
+        }
+        d->ex = (duet_cuda_experts_t){.w1 = t1.data, .w3 = t3.data, .w2 = t2.data,
+                                      .dtype = dm->wdt, .E = E, .I = I, .D = D};
+        if (c->n_shared_experts > 0) {
+            d->has_shared = 1;
+            TRY(duet__mlp_weights(dm, mw ? &mw->shared : NULL, I * c->n_shared_experts, seed,
+                                  &d->mlp));
+        }
+    } else {
+        TRY(duet__mlp_weights(dm, lw ? &lw->mlp : NULL, c->dense_intermediate, seed, &d->mlp));
+    }
+    return DUET_OK;
+}
+
+/* ---- create ----------------------------------------------------------------------------------- */
+
+static int64_t duet__pow2_at_least(int64_t n)
+{
+    int64_t p = 1;
+    while (p < n)
+        p *= 2;
+    return p;
+}
+
+static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const int64_t T = dm->T, D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim,
+                  HK = H * K, n = c->mla_heads, dqk = c->qk_nope_head_dim + c->qk_rope_head_dim,
+                  r = c->kv_lora_rank, dr = c->qk_rope_head_dim, V = c->vocab_size;
+    const int has_kda = c->n_kda_layers > 0, has_mla = c->n_mla_layers > 0;
+    int64_t imax = c->dense_intermediate;
+    if (c->n_moe_layers > 0 && c->moe_intermediate * c->n_shared_experts > imax)
+        imax = c->moe_intermediate * c->n_shared_experts;
+    const int64_t omax = (has_kda && HK > n * c->v_head_dim) || !has_mla ? HK : n * c->v_head_dim;
+    const int64_t E = c->n_experts > 0 ? c->n_experts : 1, TK = c->top_k > 0 ? c->top_k : 1;
+
+    TRY(duet__dalloc_f(dm, T * D, &dm->x));
+    TRY(duet__dalloc_f(dm, T * D, &dm->xn));
+    if (has_kda) {
+        TRY(duet__dalloc_f(dm, T * 3 * HK, &dm->proj));
+        TRY(duet__dalloc_f(dm, T * 3 * HK, &dm->qkv));
+        TRY(duet__dalloc_f(dm, T * 2 * K, &dm->fg));
+        TRY(duet__dalloc_f(dm, T * HK, &dm->gk));
+        TRY(duet__dalloc_f(dm, T * H, &dm->beta));
+        TRY(duet__dalloc_f(dm, T * HK, &dm->gate));
+        TRY(duet__dalloc(dm, duet_cuda_kda_scratch_bytes(dm->imax_items, T, H, K),
+                         &dm->kda_scratch));
+    }
+    TRY(duet__dalloc_f(dm, T * omax, &dm->o));
+    if (has_mla) {
+        TRY(duet__dalloc_f(dm, T * n * dqk, &dm->mq));
+        if (c->q_lora_rank > 0)
+            TRY(duet__dalloc_f(dm, T * c->q_lora_rank, &dm->mqa));
+        TRY(duet__dalloc_f(dm, T * (r + dr), &dm->ckr));
+        TRY(duet__dalloc_f(dm, T * n * r, &dm->qhat));
+        TRY(duet__dalloc_f(dm, T * n * r, &dm->lat));
+        /* enough splits to fill the GPU at batch 1 over the longest sequence */
+        dm->max_splits = duet_cuda_mla_plan_splits(1, dm->opts.max_seq_len, dm->n_sms);
+        for (int64_t b = 2; b <= dm->imax_items; b *= 2) {
+            int s = duet_cuda_mla_plan_splits(b, dm->opts.max_seq_len, dm->n_sms);
+            if (s > dm->max_splits)
+                dm->max_splits = s;
+        }
+        if (dm->max_splits < 1)
+            dm->max_splits = 1;
+        /* split-KV partials exist for decode steps only (rows = items <= imax_items); a step
+         * with a prefill chunk runs unsplit (kv_splits 1 needs no scratch) */
+        TRY(duet__dalloc(dm, duet_cuda_mla_scratch_bytes(dm->imax_items, n, r, dm->max_splits),
+                         &dm->mla_scratch));
+    }
+    TRY(duet__dalloc_f(dm, T * imax, &dm->f1));
+    TRY(duet__dalloc_f(dm, T * imax, &dm->f2));
+    if (c->n_moe_layers > 0) {
+        TRY(duet__dalloc_f(dm, T * E, &dm->router));
+        TRY(duet__dalloc_f(dm, T * TK, &dm->topk_w));
+        TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T * TK), (void **)&dm->topk_idx));
+        TRY(duet__dalloc(dm, duet_cuda_moe_scratch_bytes(T, TK, E, c->moe_intermediate, D),
+                         &dm->moe_scratch));
+    }
+    /* logits: as many rows as fit in 1 GiB, at least one per sequence of a bucket */
+    int64_t cap = ((int64_t)1 << 28) / (V > 0 ? V : 1);
+    if (cap < dm->imax_items)
+        cap = dm->imax_items;
+    if (cap > T)
+        cap = T > dm->imax_items ? T : dm->imax_items;
+    dm->logit_rows_cap = cap;
+    TRY(duet__dalloc_f(dm, cap * V, &dm->logits));
+    TRY(duet__dalloc(dm, duet_cuda_sample_scratch_bytes(dm->imax_items, V), &dm->sample_scratch));
+    TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)dm->imax_items, (void **)&dm->token_out));
+    CU(cudaMallocHost((void **)&dm->token_out_h, sizeof(int32_t) * (size_t)dm->imax_items),
+       "pinned token buffer");
+
+    /* metadata block */
+    duet__meta_layout_t *ml = &dm->ml;
+    const int64_t        I  = dm->imax_items;
+    size_t               at = 0;
+#define DUET__META(field, n_i32)                                                                   \
+    do {                                                                                           \
+        ml->field = at;                                                                            \
+        at += ((size_t)(n_i32) + 31) / 32 * 32; /* 128-byte aligned parts */                      \
+    } while (0)
+    DUET__META(item_row0, I + 1);
+    DUET__META(item_pos0, I);
+    DUET__META(item_slot, I);
+    DUET__META(row_item, T + I);
+    DUET__META(row_pos, T + I);
+    DUET__META(tokens, T + I);
+    DUET__META(logit_rows, T + I);
+    DUET__META(params, I * (sizeof(duet_cuda_sample_params_t) / sizeof(int32_t)));
+    DUET__META(item_pages, I * (dm->max_pages > 0 ? dm->max_pages : 1));
+#undef DUET__META
+    ml->total = at;
+    CU(cudaMallocHost((void **)&dm->meta_h, sizeof(int32_t) * at), "pinned metadata");
+    memset(dm->meta_h, 0, sizeof(int32_t) * at);
+    TRY(duet__dalloc(dm, sizeof(int32_t) * at, (void **)&dm->meta_d));
+    dm->step.item_row0  = dm->meta_d + ml->item_row0;
+    dm->step.item_pos0  = dm->meta_d + ml->item_pos0;
+    dm->step.item_slot  = dm->meta_d + ml->item_slot;
+    dm->step.item_pages = dm->meta_d + ml->item_pages;
+    dm->step.max_pages  = (int32_t)(dm->max_pages > 0 ? dm->max_pages : 1);
+    dm->step.row_item   = dm->meta_d + ml->row_item;
+    dm->step.row_pos    = dm->meta_d + ml->row_pos;
+    return DUET_OK;
+}
+
+static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
+{
+    if (dm->kv_host != NULL) {
+        const duet_kv_pool_desc_t *kd = duet_kv_pool_desc(dm->kv_host);
+        dm->kv_token_bytes = (size_t)kd->token_dim * duet_dtype_size(kd->dtype);
+        dm->kv_page_bytes  = duet_kv_pool_block_bytes(dm->kv_host) * (size_t)kd->n_layers;
+        dm->kv_spare_page  = kd->n_pages;
+        dm->kv_dev_bytes   = dm->kv_page_bytes * (size_t)(kd->n_pages + 1);
+        TRY(duet__dalloc(dm, dm->kv_dev_bytes, &dm->kv_dev));
+        CU(cudaMemsetAsync(dm->kv_dev, 0, dm->kv_dev_bytes, dm->stream), "zero KV pool");
+    }
+    if (dm->kda_host != NULL) {
+        const duet_kda_pool_desc_t *sd = duet_kda_pool_desc(dm->kda_host);
+        dm->kda_layer_floats = (int64_t)(duet_kda_pool_layer_bytes(dm->kda_host) / sizeof(float));
+        dm->kda_slot_bytes   = duet_kda_pool_layer_bytes(dm->kda_host) * (size_t)sd->n_layers;
+        dm->kda_spare_slot   = (int32_t)sd->n_slots;
+        dm->kda_dev_bytes    = dm->kda_slot_bytes * (size_t)(sd->n_slots + 1);
+        TRY(duet__dalloc(dm, dm->kda_dev_bytes, (void **)&dm->kda_dev));
+        CU(cudaMemsetAsync(dm->kda_dev, 0, dm->kda_dev_bytes, dm->stream), "zero KDA pool");
+    }
+    /* Staging mirrors: pin the host pools so the copies are asynchronous DMA. Memory the
+     * transport already registered (or that cannot be pinned) still works, synchronously. */
+    if (dm->opts.mirror_in || dm->opts.mirror_out) {
+        void  *b[2] = {dm->kv_host ? duet_kv_pool_base(dm->kv_host) : NULL,
+                       dm->kda_host ? duet_kda_pool_base(dm->kda_host) : NULL};
+        size_t n[2] = {dm->kv_host ? duet_kv_pool_bytes(dm->kv_host) : 0,
+                       dm->kda_host ? duet_kda_pool_bytes(dm->kda_host) : 0};
+        for (int i = 0; i < 2; i++) {
+            if (b[i] == NULL)
+                continue;
+            cudaError_t e = cudaHostRegister(b[i], n[i], cudaHostRegisterDefault);
+            if (e == cudaSuccess) {
+                dm->mirrored |= 1 << i;
+            } else {
+                (void)cudaGetLastError();
+                DUET_LOG_WARN("cuda model: cannot pin the host %s pool (%s); staging copies "
+                              "will not overlap", i == 0 ? "KV" : "KDA", cudaGetErrorString(e));
+            }
+        }
+    }
+    return DUET_OK;
+}
+
+duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_model_opts_t *opts,
+                                     const duet_weights_t *w, const duet_cuda_model_host_t *host,
+                                     uint64_t seed, duet_kv_pool_t *kv, duet_kda_pool_t *kda,
+                                     int64_t max_pages_per_seq, const int64_t *layer_sub,
+                                     duet_cuda_model_t **dm_p)
+{
+    if (duet_cuda_device_count() <= 0)
+        return duet_error_set(DUET_ERR_DEVICE, "--device cuda: no CUDA device is visible (driver "
+                              "missing, or CUDA_VISIBLE_DEVICES hides them)");
+    if (opts->compute_dtype != DUET_DTYPE_F32 && opts->compute_dtype != DUET_DTYPE_BF16)
+        return duet_error_set(DUET_ERR_INVALID, "cuda model: compute dtype must be F32 or BF16");
+    duet_cuda_model_t *dm = calloc(1, sizeof(*dm));
+    if (dm == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+    duet_status_t st;
+    dm->cfg       = *cfg;
+    dm->opts      = *opts;
+    dm->wdt       = opts->compute_dtype;
+    dm->kv_host   = kv;
+    dm->kda_host  = kda;
+    dm->max_pages = max_pages_per_seq;
+    memcpy(dm->layer_sub, layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
+    dm->T          = opts->max_batch_tokens;
+    dm->imax_items = duet__pow2_at_least(opts->max_seqs);
+    dm->gemm_flags = 0; /* fp32 weights: exact fp32 products (TF32 off) */
+
+#define STEP(expr)                                                                                 \
+    do {                                                                                           \
+        if ((st = (expr)) != DUET_OK)                                                              \
+            goto fail;                                                                             \
+    } while (0)
+    STEP(duet__cu(cudaSetDevice(0), "cudaSetDevice"));
+    STEP(duet__cu(cudaDeviceGetAttribute(&dm->n_sms, cudaDevAttrMultiProcessorCount, 0),
+                  "device attributes"));
+    STEP(duet__cu(cudaStreamCreateWithFlags(&dm->stream, cudaStreamNonBlocking), "stream"));
+    STEP(duet__cu(cudaStreamCreateWithFlags(&dm->copy_stream, cudaStreamNonBlocking), "stream"));
+    dm->layer_done = calloc((size_t)cfg->num_layers, sizeof(cudaEvent_t));
+    dm->copy_done  = calloc((size_t)cfg->num_layers, sizeof(cudaEvent_t));
+    dm->layers     = calloc((size_t)cfg->num_layers, sizeof(duet__dlayer_t));
+    if (dm->layer_done == NULL || dm->copy_done == NULL || dm->layers == NULL) {
+        st = duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
+        goto fail;
+    }
+    for (int64_t l = 0; l < cfg->num_layers; l++) {
+        STEP(duet__cu(cudaEventCreateWithFlags(&dm->layer_done[l], cudaEventDisableTiming),
+                      "event"));
+        STEP(duet__cu(cudaEventCreateWithFlags(&dm->copy_done[l], cudaEventDisableTiming),
+                      "event"));
+    }
+
+    {
+        const int64_t D = cfg->hidden_size, HK = cfg->kda_heads * cfg->kda_head_dim;
+        const int64_t n = cfg->mla_heads, dqk = cfg->qk_nope_head_dim + cfg->qk_rope_head_dim;
+        int64_t width = D;
+        int64_t cand[] = {3 * HK, n * dqk, n * cfg->kv_lora_rank, n * cfg->v_head_dim,
+                          cfg->dense_intermediate, cfg->moe_intermediate * cfg->n_shared_experts,
+                          cfg->q_lora_rank, 2 * cfg->kda_head_dim};
+        for (size_t i = 0; i < sizeof(cand) / sizeof(cand[0]); i++)
+            if (cand[i] > width)
+                width = cand[i];
+        STEP(duet_cuda_gemm_create(0, dm->wdt == DUET_DTYPE_F32 ? 0 : dm->T * width, &dm->gemm));
+    }
+
+    uint64_t s = seed;
+    {
+        const duet_tensor_t *et = w ? &w->embed_tokens : NULL, *lh = w ? &w->lm_head : NULL;
+        STEP(duet__weight(dm, w != NULL, dm->wdt, &et, 1, cfg->vocab_size, cfg->hidden_size, &s,
+                          &dm->embed));
+        if (w != NULL && w->lm_head.data == w->embed_tokens.data)
+            dm->lm_head = dm->embed;
+        else
+            STEP(duet__weight(dm, w != NULL, dm->wdt, &lh, 1, cfg->vocab_size, cfg->hidden_size,
+                              &s, &dm->lm_head));
+        STEP(duet__vec(dm, NULL, w ? &w->norm : NULL, cfg->hidden_size, &s, 0.0f, 1.0f,
+                       &dm->final_norm));
+    }
+    for (int64_t l = 0; l < cfg->num_layers; l++) {
+        STEP(duet__layer_weights(dm, l, w, host, &s));
+        if (w == NULL && l % 4 == 3)
+            DUET_LOG_INFO("cuda model: random weights for layer %lld / %lld (%.1f GiB)",
+                          (long long)l + 1, (long long)cfg->num_layers,
+                          (double)dm->dev_bytes / 1073741824.0);
+    }
+    STEP(duet__create_pools(dm));
+    STEP(duet__alloc_workspace(dm));
+    STEP(duet__cu(cudaStreamSynchronize(dm->stream), "weights ready"));
+#undef STEP
+    DUET_LOG_INFO("cuda model ready: %s weights, %.2f GiB on the device, %d SMs, graphs %s",
+                  duet_dtype_name(dm->wdt), (double)dm->dev_bytes / 1073741824.0, dm->n_sms,
+                  dm->opts.cuda_graphs ? "on" : "off");
+    *dm_p = dm;
+    return DUET_OK;
+
+fail:
+    duet_cuda_model_destroy(dm);
+    return st;
+}
+
+void duet_cuda_model_destroy(duet_cuda_model_t *dm)
+{
+    if (dm == NULL)
+        return;
+    if (dm->stream != NULL)
+        cudaStreamSynchronize(dm->stream);
+    for (int i = 0; i < dm->n_graphs; i++)
+        cudaGraphExecDestroy(dm->graphs[i].exec);
+    if (dm->mirrored & 1)
+        cudaHostUnregister(duet_kv_pool_base(dm->kv_host));
+    if (dm->mirrored & 2)
+        cudaHostUnregister(duet_kda_pool_base(dm->kda_host));
+    duet_cuda_gemm_destroy(dm->gemm);
+    for (int64_t i = dm->n_allocs - 1; i >= 0; i--)
+        cudaFree(dm->allocs[i]);
+    free(dm->allocs);
+    if (dm->meta_h != NULL)
+        cudaFreeHost(dm->meta_h);
+    if (dm->token_out_h != NULL)
+        cudaFreeHost(dm->token_out_h);
+    if (dm->layer_done != NULL)
+        for (int64_t l = 0; l < dm->cfg.num_layers; l++) {
+            if (dm->layer_done[l] != NULL)
+                cudaEventDestroy(dm->layer_done[l]);
+            if (dm->copy_done[l] != NULL)
+                cudaEventDestroy(dm->copy_done[l]);
+        }
+    free(dm->layer_done);
+    free(dm->copy_done);
+    free(dm->layers);
+    if (dm->copy_stream != NULL)
+        cudaStreamDestroy(dm->copy_stream);
+    if (dm->stream != NULL)
+        cudaStreamDestroy(dm->stream);
+    free(dm);
+}
+
+void duet_cuda_model_pools(duet_cuda_model_t *dm, void **kv, size_t *kv_bytes, void **kda,
+                           size_t *kda_bytes)
+{
+    *kv        = dm->kv_dev;
+    *kv_bytes  = dm->kv_dev_bytes;
+    *kda       = dm->kda_dev;
+    *kda_bytes = dm->kda_dev_bytes;
+}
+
+size_t duet_cuda_model_device_bytes(const duet_cuda_model_t *dm)
+{
+    return dm->dev_bytes;
+}
+
+int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
+{
+    return dm->n_graphs;
+}
+
+/* ---- sequences ------------------------------------------------------------------------------ */
+
+duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t *seq)
+{
+    for (int64_t p = 0; p < seq->n_pages; p++)
+        CU(cudaMemsetAsync((uint8_t *)dm->kv_dev + (size_t)seq->pages[p] * dm->kv_page_bytes, 0,
+                           dm->kv_page_bytes, dm->stream),
+           "zero pages");
+    if (dm->kda_dev != NULL && seq->kda_slot >= 0)
+        CU(cudaMemsetAsync((uint8_t *)dm->kda_dev + (size_t)seq->kda_slot * dm->kda_slot_bytes, 0,
+                           dm->kda_slot_bytes, dm->stream),
+           "zero state slot");
+    return DUET_OK;
+}
+
+duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t *seq,
+                                         int64_t n_tokens)
+{
+    if (!dm->opts.mirror_in)
+        return DUET_OK;
+    if (dm->kv_dev != NULL && n_tokens > 0) {
+        const int64_t PT = dm->opts.page_tokens, np = (n_tokens + PT - 1) / PT;
+        for (int64_t p = 0; p < np; p++) {
+            size_t off = (size_t)seq->pages[p] * dm->kv_page_bytes;
+            CU(cudaMemcpyAsync((uint8_t *)dm->kv_dev + off,
+                               (uint8_t *)duet_kv_pool_base(dm->kv_host) + off, dm->kv_page_bytes,
+                               cudaMemcpyHostToDevice, dm->stream),
+               "KV pages host → device");
+        }
+    }
+    if (dm->kda_dev != NULL && seq->kda_slot >= 0) {
+        size_t off = (size_t)seq->kda_slot * dm->kda_slot_bytes;
+        CU(cudaMemcpyAsync((uint8_t *)dm->kda_dev + off,
+                           (uint8_t *)duet_kda_pool_base(dm->kda_host) + off, dm->kda_slot_bytes,
+                           cudaMemcpyHostToDevice, dm->stream),
+           "KDA state host → device");
+    }
+    return duet__cu(cudaStreamSynchronize(dm->stream), "staging copy");
+}
+
+/* ---- the step ------------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t n_items, n_rows, n_logit_rows;
+    int     splits;
+    int     sample; /* 0 none, 1 argmax, 2 full sampling rule */
+} duet__shape_t;
+
+static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const duet__dkda_t        *w = &dm->layers[l].kda;
+    const int64_t T = sh->n_rows, D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim,
+                  HK = H * K;
+    cudaStream_t  s  = dm->stream;
+    duet_cuda_gemm_t *g = dm->gemm;
+    const unsigned    f = dm->gemm_flags;
+    duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev, .kda_n_layers = c->n_kda_layers,
+                                .kda_layer_floats = dm->kda_layer_floats,
+                                .layer = dm->layer_sub[l], .H = H, .K = K, .W = c->conv_kernel};
+    TRY(duet_cuda_gemm_matmul(g, s, dm->proj, 3 * HK, dm->xn, D, T, &w->qkv, 0, f));
+    TRY(duet_cuda_gemm_matmul(g, s, dm->fg, 2 * K, dm->xn, D, T, &w->fg_a, 0, f));
+    TRY(duet_cuda_gemm_matmul(g, s, dm->beta, H, dm->xn, D, T, &w->b, 0, f));
+    TRY(duet_cuda_gemm_matmul(g, s, dm->gk, HK, dm->fg, 2 * K, T, &w->f_b, 0, f));
+    TRY(duet_cuda_gemm_matmul(g, s, dm->gate, HK, dm->fg + K, 2 * K, T, &w->g_b, 0, f));
+    TRY(duet_cuda_kda_conv(s, &dm->step, &ly, w->taps, dm->proj, dm->qkv));
+    TRY(duet_cuda_kda_prep(s, T, &ly, w->neg_A, w->dt_bias, dm->qkv, dm->gk, dm->beta));
+    TRY(duet_cuda_kda_core(s, &dm->step, &ly, dm->qkv, dm->gk, dm->beta, dm->o,
+                           dm->kda_scratch));
+    TRY(duet_cuda_kda_out(s, T, H, K, w->o_norm, c->rms_norm_eps, dm->gate, dm->o));
+    return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, HK, T, &w->o, 1, f);
+}
+
+static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const duet__dmla_t        *w = &dm->layers[l].mla;
+    const int64_t T = sh->n_rows, D = c->hidden_size, n = c->mla_heads;
+    const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int64_t r = c->kv_lora_rank, dqk = dn + dr;
+    cudaStream_t  s = dm->stream;
+    duet_cuda_gemm_t *g = dm->gemm;
+    const unsigned    f = dm->gemm_flags;
+    duet_cuda_mla_layer_t ly = {.kv_base = dm->kv_dev,
+                                .kv_dtype = duet_kv_pool_desc(dm->kv_host)->dtype,
+                                .kv_n_layers = c->n_mla_layers,
+                                .page_tokens = dm->opts.page_tokens, .layer = dm->layer_sub[l],
+                                .n_heads = n, .r = r, .dr = dr};
+    if (c->q_lora_rank > 0) {
+        const int64_t ql = c->q_lora_rank;
+        TRY(duet_cuda_gemm_matmul(g, s, dm->mqa, ql, dm->xn, D, T, &w->q_a, 0, f));
+        TRY(duet_cuda_rmsnorm(s, dm->mqa, ql, dm->mqa, ql, w->q_a_norm, T, ql, DUET_MLA_NORM_EPS));
+        TRY(duet_cuda_gemm_matmul(g, s, dm->mq, n * dqk, dm->mqa, ql, T, &w->q_b, 0, f));
+    } else {
+        TRY(duet_cuda_gemm_matmul(g, s, dm->mq, n * dqk, dm->xn, D, T, &w->q, 0, f));
+    }
+    TRY(duet_cuda_gemm_matmul(g, s, dm->ckr, r + dr, dm->xn, D, T, &w->kv_a, 0, f));
+    TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
+    /* q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM */
+    TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
+                                      &w->wuk_t, 0, f));
+    TRY(duet_cuda_mla_attend(s, &dm->step, &ly, dm->qhat, dm->mq + dn, n * dqk, dqk,
+                             1.0f / sqrtf((float)dqk), sh->splits, dm->lat, dm->mla_scratch));
+    TRY(duet_cuda_gemm_matmul_batched(g, s, dm->o, n * dv, dv, dm->lat, n * r, r, T, &w->wuv, 0,
+                                      f));
+    return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
+}
+
+static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const int64_t D = c->hidden_size, I = w->gate.shape[0];
+    cudaStream_t  s = dm->stream;
+    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f1, I, dm->xn, D, T, &w->gate, 0, dm->gemm_flags));
+    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f2, I, dm->xn, D, T, &w->up, 0, dm->gemm_flags));
+    TRY(duet_cuda_act_mul(s, dm->f1, dm->f2, T, I, I,
+                          c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
+                          c->situ_beta, c->situ_linear_beta));
+    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, I, T, &w->down, 1, dm->gemm_flags);
+}
+
+static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const duet__dlayer_t      *w = &dm->layers[l];
+    const int64_t T = sh->n_rows, D = c->hidden_size, E = c->n_experts;
+    cudaStream_t  s = dm->stream;
+    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->router, E, dm->xn, D, T, &w->router, 0, 0));
+    TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, c->n_group > 0 ? c->n_group : 1,
+                            c->topk_group, c->top_k, c->moe_renormalize, c->routed_scaling_factor,
+                            dm->topk_idx, dm->topk_w));
+    TRY(duet_cuda_moe_experts(s, &w->ex, dm->xn, T, dm->topk_idx, dm->topk_w, c->top_k,
+                              c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
+                              c->situ_beta, c->situ_linear_beta, dm->x, dm->moe_scratch));
+    if (w->has_shared)
+        return duet__mlp(dm, &w->mlp, T);
+    return DUET_OK;
+}
+
+/* Queue device → host copies of layer l's new KV / state of every item (mirror_out). */
+static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_item_t *items,
+                                      int64_t n_items, int64_t l)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const int64_t              sub = dm->layer_sub[l];
+    cudaStream_t               cs  = dm->copy_stream;
+    CU(cudaEventRecord(dm->layer_done[l], dm->stream), "event");
+    CU(cudaStreamWaitEvent(cs, dm->layer_done[l], 0), "event wait");
+    for (int64_t i = 0; i < n_items; i++) {
+        const duet_seq_t *seq = items[i].seq;
+        if (c->mixer[l] == DUET_MIXER_KDA) {
+            size_t off = (size_t)seq->kda_slot * dm->kda_slot_bytes +
+                         (size_t)sub * (size_t)dm->kda_layer_floats * sizeof(float);
+            CU(cudaMemcpyAsync((uint8_t *)duet_kda_pool_base(dm->kda_host) + off,
+                               (uint8_t *)dm->kda_dev + off,
+                               (size_t)dm->kda_layer_floats * sizeof(float),
+                               cudaMemcpyDeviceToHost, cs),
+               "KDA state device → host");
+        } else {
+            const int64_t PT = dm->opts.page_tokens;
+            int64_t       pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;
+            while (pos < end) {
+                int64_t in_page = PT - pos % PT, n = end - pos < in_page ? end - pos : in_page;
+                uint8_t *blk = duet_kv_pool_block(dm->kv_host, seq->pages[pos / PT], sub);
+                size_t   off = (size_t)(blk - (uint8_t *)duet_kv_pool_base(dm->kv_host)) +
+                             (size_t)(pos % PT) * dm->kv_token_bytes;
+                CU(cudaMemcpyAsync((uint8_t *)duet_kv_pool_base(dm->kv_host) + off,
+                                   (uint8_t *)dm->kv_dev + off, (size_t)n * dm->kv_token_bytes,
+                                   cudaMemcpyDeviceToHost, cs),
+                   "KV rows device → host");
+                pos += n;
+            }
+        }
+    }
+    CU(cudaEventRecord(dm->copy_done[l], cs), "event");
+    return DUET_OK;
+}
+
+/*
+ * Queue the whole step on dm->stream. With `hook` (not under graph capture), layer l's hook runs
+ * once layer l's outputs are final in the host mirror (mirror_out) or on the device, one layer
+ * behind the queueing so the GPU keeps working while the host waits.
+ */
+static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *sh,
+                                   const duet_batch_item_t *items, duet_model_layer_hook_fn hook,
+                                   void *hook_user)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const int64_t T = sh->n_rows, D = c->hidden_size, V = c->vocab_size;
+    cudaStream_t  s = dm->stream;
+    const int     mirror = dm->opts.mirror_out && hook != NULL;
+    int64_t       pending = -1; /* layer whose hook has not run yet */
+
+    TRY(duet_cuda_embed(s, dm->x, dm->embed.data, dm->embed.dtype, D, dm->meta_d + dm->ml.tokens,
+                        T));
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        const duet__dlayer_t *w = &dm->layers[l];
+        TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->x, D, w->in_norm, T, D, c->rms_norm_eps));
+        TRY(c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(dm, sh, l) : duet__mla_layer(dm, sh, l));
+        if (mirror)
+            TRY(duet__mirror_out(dm, items, sh->n_items, l));
+        else if (hook != NULL)
+            CU(cudaEventRecord(dm->layer_done[l], s), "event");
+        if (hook != NULL && pending >= 0) {
+            CU(cudaEventSynchronize(mirror ? dm->copy_done[pending] : dm->layer_done[pending]),
+               "layer wait");
+            hook(hook_user, pending, c->mixer[pending] == DUET_MIXER_KDA ? -1 : dm->layer_sub[pending],
+                 c->mixer[pending] == DUET_MIXER_KDA ? dm->layer_sub[pending] : -1);
+        }
+        pending = l;
+        TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->x, D, w->post_norm, T, D, c->rms_norm_eps));
+        TRY(c->ffn[l] == DUET_FFN_MOE ? duet__moe_layer(dm, sh, l) : duet__mlp(dm, &w->mlp, T));
+    }
+    if (hook != NULL && pending >= 0) {
+        CU(cudaEventSynchronize(mirror ? dm->copy_done[pending] : dm->layer_done[pending]),
+           "layer wait");
+        hook(hook_user, pending, c->mixer[pending] == DUET_MIXER_KDA ? -1 : dm->layer_sub[pending],
+             c->mixer[pending] == DUET_MIXER_KDA ? dm->layer_sub[pending] : -1);
+    }
+    if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
+        TRY(duet_cuda_gather_rows(s, dm->xn, dm->x, D, dm->meta_d + dm->ml.logit_rows,
+                                  sh->n_logit_rows));
+        TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->xn, D, dm->final_norm, sh->n_logit_rows, D,
+                              c->rms_norm_eps));
+        TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->logits, V, dm->xn, D, sh->n_logit_rows,
+                                  &dm->lm_head, 0, dm->gemm_flags));
+        if (sh->sample == 1)
+            TRY(duet_cuda_argmax(s, dm->logits, V, V, sh->n_logit_rows, dm->token_out));
+        else if (sh->sample == 2)
+            TRY(duet_cuda_sample(s, dm->logits, V, V, sh->n_logit_rows,
+                                 (const duet_cuda_sample_params_t *)(dm->meta_d + dm->ml.params),
+                                 dm->token_out, dm->sample_scratch));
+    }
+    return DUET_OK;
+}
+
+static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape_t *sh)
+{
+    duet__graph_t *gr = NULL;
+    for (int i = 0; i < dm->n_graphs; i++)
+        if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].splits == sh->splits &&
+            dm->graphs[i].sampled == sh->sample)
+            gr = &dm->graphs[i];
+    if (gr == NULL) {
+        if (dm->n_graphs == DUET_CUDA_MAX_GRAPHS) { /* full: drop the oldest */
+            cudaGraphExecDestroy(dm->graphs[0].exec);
+            memmove(dm->graphs, dm->graphs + 1, sizeof(dm->graphs[0]) * (DUET_CUDA_MAX_GRAPHS - 1));
+            dm->n_graphs--;
+        }
+        cudaGraph_t graph = NULL;
+        CU(cudaStreamBeginCapture(dm->stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+        duet_status_t st = duet__enqueue(dm, sh, NULL, NULL, NULL);
+        cudaError_t   e  = cudaStreamEndCapture(dm->stream, &graph);
+        TRY(st);
+        CU(e, "end capture");
+        cudaGraphExec_t exec = NULL;
+        e = cudaGraphInstantiate(&exec, graph, 0);
+        cudaGraphDestroy(graph);
+        CU(e, "graph instantiate");
+        gr         = &dm->graphs[dm->n_graphs++];
+        gr->bucket = (int)sh->n_items;
+        gr->splits = sh->splits;
+        gr->sampled = sh->sample;
+        gr->exec   = exec;
+        DUET_LOG_DEBUG("cuda model: captured the decode graph for %d sequences, %d KV splits",
+                       gr->bucket, gr->splits);
+    }
+    CU(cudaGraphLaunch(gr->exec, dm->stream), "graph launch");
+    return DUET_OK;
+}
+
+duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *items,
+                                      int64_t n_items, int64_t rows,
+                                      duet_model_layer_hook_fn hook, void *hook_user)
+{
+    const duet_model_config_t *c  = &dm->cfg;
+    const duet__meta_layout_t *ml = &dm->ml;
+    int32_t                   *mh = dm->meta_h;
+    int64_t max_tokens = 1, max_ctx = 1, n_logits = 0;
+    int     any_sampled = 0, any_token = 0, any_all = 0;
+
+    for (int64_t i = 0; i < n_items; i++) {
+        const duet_batch_item_t *it = &items[i];
+        if (it->n_tokens > max_tokens)
+            max_tokens = it->n_tokens;
+        if (it->seq->n_tokens + it->n_tokens > max_ctx)
+            max_ctx = it->seq->n_tokens + it->n_tokens;
+        any_all |= it->logits_mode == DUET_LOGITS_ALL;
+        if (it->logits_mode == DUET_LOGITS_TOKEN) {
+            any_token = 1;
+            any_sampled |= it->sampling.temperature > 0.0f && it->sampling.top_k != 1;
+        }
+    }
+    /* a pure decode step of at most a bucket of sequences runs as a graph */
+    const int use_graph = dm->opts.cuda_graphs && max_tokens == 1 && !any_all &&
+                          !(dm->opts.mirror_out && hook != NULL) && n_items <= dm->imax_items;
+    const int64_t n_eff = use_graph ? duet__pow2_at_least(n_items) : n_items;
+
+    /* metadata (padding items of a bucket use the spare page and slot) */
+    int64_t row = 0;
+    duet_cuda_sample_params_t *pp = (duet_cuda_sample_params_t *)(mh + ml->params);
+    for (int64_t i = 0; i < n_eff; i++) {
+        const int real = i < n_items;
+        const duet_batch_item_t *it = real ? &items[i] : NULL;
+        const int64_t nt = real ? it->n_tokens : 1, pos0 = real ? it->seq->n_tokens : 0;
+        mh[ml->item_row0 + i] = (int32_t)row;
+        mh[ml->item_pos0 + i] = (int32_t)pos0;
+        mh[ml->item_slot + i] = real ? (it->seq->kda_slot >= 0 ? it->seq->kda_slot : 0)
+                                     : dm->kda_spare_slot;
+        int32_t *pg = mh + ml->item_pages + i * dm->step.max_pages;
+        if (dm->kv_host != NULL) {
+            if (real)
+                memcpy(pg, it->seq->pages, sizeof(int32_t) * (size_t)it->seq->n_pages);
+            else
+                pg[0] = (int32_t)dm->kv_spare_page;
+        }
+        for (int64_t t = 0; t < nt; t++, row++) {
+            mh[ml->row_item + row] = (int32_t)i;
+            mh[ml->row_pos + row]  = (int32_t)(pos0 + t);
+            mh[ml->tokens + row]   = real ? it->tokens[t] : 0;
+        }
+        if (!real || it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN ||
+            (use_graph && it->logits_mode == DUET_LOGITS_NONE)) {
+            mh[ml->logit_rows + n_logits] = (int32_t)(row - 1);
+            duet_cuda_sample_params_t p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .u = 0};
+            if (real && it->logits_mode == DUET_LOGITS_TOKEN) {
+                p.temperature = it->sampling.temperature;
+                p.top_k       = (int32_t)(it->sampling.top_k > INT32_MAX ? INT32_MAX
+                                                                        : it->sampling.top_k);
+                p.top_p = it->sampling.top_p;
+                p.u     = it->u;
+            }
+            pp[n_logits++] = p;
+        } else if (it->logits_mode == DUET_LOGITS_ALL) {
+            for (int64_t t = 0; t < nt; t++)
+                mh[ml->logit_rows + n_logits++] = (int32_t)(row - nt + t);
+        }
+    }
+    mh[ml->item_row0 + n_eff] = (int32_t)row;
+    (void)rows;
+
+    duet__shape_t sh = {.n_items = n_eff, .n_rows = row, .n_logit_rows = n_logits,
+                        .sample = any_token ? (any_sampled ? 2 : 1) : 0};
+    sh.splits = c->n_mla_layers > 0 && max_tokens == 1
+                    ? duet_cuda_mla_plan_splits(n_eff, max_ctx, dm->n_sms)
+                    : 1;
+    if (sh.splits > dm->max_splits)
+        sh.splits = dm->max_splits;
+    if (sh.splits < 1)
+        sh.splits = 1;
+    dm->step.n_items         = (int32_t)n_eff;
+    dm->step.n_rows          = (int32_t)row;
+    dm->step.max_item_tokens = (int32_t)max_tokens;
+
+    CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->total, cudaMemcpyHostToDevice,
+                       dm->stream),
+       "step metadata");
+    if (use_graph) {
+        TRY(duet__graph_launch(dm, &sh));
+    } else if (n_logits <= dm->logit_rows_cap) {
+        TRY(duet__enqueue(dm, &sh, items, hook, hook_user));
+    } else {
+        /* more logits rows than the buffer holds (DUET_LOGITS_ALL of a long chunk): the body
+         * once without logits, then the head in slices */
+        duet__shape_t body = sh;
+        body.n_logit_rows  = 0;
+        TRY(duet__enqueue(dm, &body, items, hook, hook_user));
+    }
+
+    /* outputs: copy logits rows to the items' buffers, tokens to theirs */
+    const int64_t V = c->vocab_size, D = c->hidden_size;
+    int64_t       lr = 0; /* logits row of the next item */
+    for (int64_t done = 0; done < n_logits;) {
+        int64_t slice = n_logits - done;
+        if (n_logits > dm->logit_rows_cap) { /* sliced head */
+            slice = slice < dm->logit_rows_cap ? slice : dm->logit_rows_cap;
+            TRY(duet_cuda_gather_rows(dm->stream, dm->xn, dm->x, D,
+                                      dm->meta_d + ml->logit_rows + done, slice));
+            TRY(duet_cuda_rmsnorm(dm->stream, dm->xn, D, dm->xn, D, dm->final_norm, slice, D,
+                                  c->rms_norm_eps));
+            TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->logits, V, dm->xn, D, slice,
+                                      &dm->lm_head, 0, dm->gemm_flags));
+        }
+        /* walk the items whose logits rows fall in [done, done + slice) */
+        for (int64_t i = 0; i < n_items; i++) {
+            duet_batch_item_t *it = &items[i];
+            int64_t            nr = 0;
+            if (it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN)
+                nr = 1;
+            else if (it->logits_mode == DUET_LOGITS_ALL)
+                nr = it->n_tokens;
+            else if (use_graph)
+                nr = 1;
+            int64_t first = lr, last = lr + nr; /* this item's rows [first, last) */
+            lr += nr;
+            if (it->logits_mode != DUET_LOGITS_LAST && it->logits_mode != DUET_LOGITS_ALL)
+                continue;
+            int64_t a = first > done ? first : done, b = last < done + slice ? last : done + slice;
+            if (a >= b)
+                continue;
+            CU(cudaMemcpyAsync(it->logits + (a - first) * V, dm->logits + (a - done) * V,
+                               sizeof(float) * (size_t)((b - a) * V), cudaMemcpyDeviceToHost,
+                               dm->stream),
+               "logits device → host");
+        }
+        lr = 0;
+        done += slice;
+        if (n_logits > dm->logit_rows_cap)
+            CU(cudaStreamSynchronize(dm->stream), "logits slice");
+    }
+    if (any_token)
+        CU(cudaMemcpyAsync(dm->token_out_h, dm->token_out, sizeof(int32_t) * (size_t)n_logits,
+                           cudaMemcpyDeviceToHost, dm->stream),
+           "tokens device → host");
+    CU(cudaStreamSynchronize(dm->stream), "step");
+    if (any_token) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < n_items; i++) {
+            duet_batch_item_t *it = &items[i];
+            if (it->logits_mode == DUET_LOGITS_TOKEN)
+                *it->token_out = dm->token_out_h[k];
+            k += it->logits_mode == DUET_LOGITS_ALL ? it->n_tokens
+                 : it->logits_mode == DUET_LOGITS_NONE ? (use_graph ? 1 : 0)
+                                                       : 1;
+        }
+    }
+    /* a graph step has no hook points inside: report every layer as done now */
+    if (use_graph && hook != NULL)
+        for (int64_t l = 0; l < c->num_layers; l++)
+            hook(hook_user, l, c->mixer[l] == DUET_MIXER_KDA ? -1 : dm->layer_sub[l],
+                 c->mixer[l] == DUET_MIXER_KDA ? dm->layer_sub[l] : -1);
+    return DUET_OK;
+}
+
+#endif /* DUET_HAVE_CUDA */
