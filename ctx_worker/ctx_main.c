@@ -492,6 +492,7 @@ int main(int argc, char **argv)
     duet_status_t     st;
     duet_model_opts_t mo;
     duet_worker_model_opts(c.cfg, &mo);
+    mo.mirror_out = 1; /* a GPU model stages each layer in the host pools the transfer reads */
     if ((st = duet_model_load(dir, &mo, &c.m)) != DUET_OK) {
         fprintf(stderr, "duet-ctx: cannot load %s: %s\n", dir, duet_error_last());
         return 1;

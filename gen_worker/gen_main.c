@@ -624,6 +624,7 @@ int main(int argc, char **argv)
     }
     duet_model_opts_t mo;
     duet_worker_model_opts(g.cfg, &mo);
+    mo.mirror_in = 1; /* a GPU model copies received sequences from the host pools UCX wrote */
     mo.pool_alloc = gen_pool_alloc; /* receiving pools: UCX segments, so shm puts are copies */
     if ((st = duet_model_load(dir, &mo, &g.m)) != DUET_OK) {
         fprintf(stderr, "duet-gen: cannot load %s: %s\n", dir, duet_error_last());

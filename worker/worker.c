@@ -13,6 +13,9 @@
 
 #include "common/log.h"
 
+const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
+const char *const duet_worker_dtypes[]  = {"f32", "bf16", NULL};
+
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
 {
     duet_model_opts_default(o);
@@ -22,6 +25,11 @@ void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
     o->max_seq_len      = duet_config_get_int(cfg, "cache.max_seq_len");
     o->page_tokens      = duet_config_get_int(cfg, "cache.page_tokens");
     o->kv_pages         = duet_config_get_int(cfg, "cache.kv_pages");
+    /* the enum was validated by the config: only auto / cpu / cuda reach here */
+    if (duet_model_device_parse(duet_config_get_enum(cfg, "device"), &o->device) != DUET_OK)
+        o->device = DUET_DEVICE_CPU;
+    o->compute_dtype = strcmp(duet_config_get_enum(cfg, "dtype"), "bf16") == 0 ? DUET_DTYPE_BF16
+                                                                              : DUET_DTYPE_F32;
 }
 
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)

@@ -28,6 +28,10 @@
      .min = NULL},                                                                                 \
     {"threads", DUET_CONFIG_INT, "0", "compute threads (0 = all online CPUs)", .min = "0",         \
      .max = "1024"},                                                                               \
+    {"device", DUET_CONFIG_ENUM, "auto", "where the model runs: auto (cuda when a GPU is "         \
+     "visible), cpu or cuda", .choices = duet_worker_devices},                                    \
+    {"dtype", DUET_CONFIG_ENUM, "f32", "cuda: weights and GEMM inputs in f32 (exact, TF32 off) "  \
+     "or bf16", .choices = duet_worker_dtypes},                                                   \
     {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"},     \
     {"router_connect_timeout_ms", DUET_CONFIG_INT, "60000",                                        \
      "keep trying to reach the router this long at start", .min = "0", .max = "3600000"},          \
@@ -41,6 +45,9 @@
     {"batch.prefill_chunk", DUET_CONFIG_INT, "512",                                                \
      "prompt tokens of one request per step (chunks start at multiples of it, as in "              \
      "duet-generate --prefill-chunk)", .min = "1", .max = "1048576"}
+
+extern const char *const duet_worker_devices[]; /* "auto", "cpu", "cuda" */
+extern const char *const duet_worker_dtypes[];  /* "f32", "bf16" */
 
 /* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
