@@ -107,7 +107,8 @@ typedef struct {
 } duet__dmla_t;
 
 typedef struct {
-    duet_tensor_t gate, up, down;
+    duet_tensor_t gu;   /* (2*I, D): gate_proj rows then up_proj rows, one GEMM */
+    duet_tensor_t down; /* (D, I) */
 } duet__dmlp_t;
 
 typedef struct {
@@ -167,7 +168,7 @@ struct duet_cuda_model {
     /* workspace (fp32 unless said) */
     int64_t  T, imax_items, logit_rows_cap;
     float   *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
-        *f2, *router, *topk_w, *logits;
+        *router, *topk_w, *logits;
     int32_t *topk_idx, *token_out;
     int32_t *token_out_h; /* pinned */
     void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch;
@@ -334,10 +335,9 @@ static duet_status_t duet__mlp_weights(duet_cuda_model_t *dm, const duet_mlp_wei
                                        int64_t I, uint64_t *seed, duet__dmlp_t *d)
 {
     const int64_t        D = dm->cfg.hidden_size;
-    const duet_tensor_t *g = hw ? &hw->gate_proj : NULL, *u = hw ? &hw->up_proj : NULL,
-                        *dn = hw ? &hw->down_proj : NULL;
-    TRY(duet__weight(dm, hw != NULL, dm->wdt, &g, 1, I, D, seed, &d->gate));
-    TRY(duet__weight(dm, hw != NULL, dm->wdt, &u, 1, I, D, seed, &d->up));
+    const duet_tensor_t *gu[2] = {hw ? &hw->gate_proj : NULL, hw ? &hw->up_proj : NULL};
+    const duet_tensor_t *dn    = hw ? &hw->down_proj : NULL;
+    TRY(duet__weight(dm, hw != NULL, dm->wdt, gu, 2, 2 * I, D, seed, &d->gu));
     return duet__weight(dm, hw != NULL, dm->wdt, &dn, 1, D, I, seed, &d->down);
 }
 
@@ -519,8 +519,7 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         TRY(duet__dalloc(dm, duet_cuda_mla_scratch_bytes(dm->imax_items, n, r, dm->max_splits),
                          &dm->mla_scratch));
     }
-    TRY(duet__dalloc_f(dm, T * imax, &dm->f1));
-    TRY(duet__dalloc_f(dm, T * imax, &dm->f2));
+    TRY(duet__dalloc_f(dm, T * 2 * imax, &dm->f1)); /* [T][gate | up] */
     if (c->n_moe_layers > 0) {
         TRY(duet__dalloc_f(dm, T * E, &dm->router));
         TRY(duet__dalloc_f(dm, T * TK, &dm->topk_w));
@@ -882,14 +881,15 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
 static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const int64_t D = c->hidden_size, I = w->gate.shape[0];
+    const int64_t D = c->hidden_size, I = w->down.shape[1];
     cudaStream_t  s = dm->stream;
-    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f1, I, dm->xn, D, T, &w->gate, 0, dm->gemm_flags));
-    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f2, I, dm->xn, D, T, &w->up, 0, dm->gemm_flags));
-    TRY(duet_cuda_act_mul(s, dm->f1, dm->f2, T, I, I,
+    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
+                              dm->gemm_flags));
+    TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
                           c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
                           c->situ_beta, c->situ_linear_beta));
-    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, I, T, &w->down, 1, dm->gemm_flags);
+    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
+                                 dm->gemm_flags);
 }
 
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)

@@ -143,6 +143,129 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
     return DUET_OK;
 }
 
+
+/* ---- small-M path: a weight-streaming GEMV ---------------------------------------------------- */
+
+/*
+ * For M <= 8 rows (decode steps) the product is bound by reading W once, and cuBLASLt's kernels
+ * plus the x conversion launch cost more than the read itself for the engine's smaller matrices.
+ * This kernel gives each warp one output row n: lanes stream W's row in 16-byte pieces (8 bf16 /
+ * f16 values, or 2 x 4 fp32), multiply with every x row (fp32, from L1/L2: x is small) and reduce
+ * with shuffles; W is read exactly once, x is never rounded (so it is at least as accurate as the
+ * converted path). Used when K % 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
+ */
+#define DUET_GEMV_MAX_M 8
+#define DUET_GEMV_WARPS 8
+
+__device__ static inline void duet__load8(const __nv_bfloat16 *p, float *v)
+{
+    uint4 u = __ldg((const uint4 *)p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i]     = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ static inline void duet__load8(const __half *p, float *v)
+{
+    uint4 u = __ldg((const uint4 *)p);
+    const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = __half22float2(h[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+__device__ static inline void duet__load8(const float *p, float *v)
+{
+    float4 a = __ldg((const float4 *)p), b = __ldg((const float4 *)p + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+template <typename WT, int MR>
+__global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
+    duet__gemv_kernel(float *y, int64_t ldy, const float *x, int64_t ldx, int M, const WT *w,
+                      int64_t N, int64_t K, int accumulate)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t n = (int64_t)blockIdx.x * DUET_GEMV_WARPS + (threadIdx.x >> 5);
+    if (n >= N)
+        return;
+    const WT *wr = w + n * K;
+    float acc[MR];
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+        acc[m] = 0.0f;
+#pragma unroll 4
+    for (int64_t k = (int64_t)lane * 8; k < K; k += 256) {
+        float wv[8];
+        duet__load8(wr + k, wv);
+#pragma unroll
+        for (int m = 0; m < MR; m++) {
+            if (m < M) {
+                const float4 a = *(const float4 *)(x + m * ldx + k);
+                const float4 b = *(const float4 *)(x + m * ldx + k + 4);
+                acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
+                          wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MR; m++) {
+        float v = acc[m];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+            v += __shfl_xor_sync(0xffffffffu, v, off);
+        acc[m] = v;
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < MR; m++)
+            if (m < M)
+                y[m * ldy + n] = accumulate ? y[m * ldy + n] + acc[m] : acc[m];
+}
+
+template <typename WT>
+static void duet__gemv_launch(cudaStream_t stream, float *y, int64_t ldy, const float *x,
+                              int64_t ldx, int64_t M, const void *w, int64_t N, int64_t K,
+                              int accumulate)
+{
+    const unsigned blocks = (unsigned)((N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+    const int th = 32 * DUET_GEMV_WARPS;
+    if (M == 1)
+        duet__gemv_kernel<WT, 1><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, 1, (const WT *)w, N,
+                                                            K, accumulate);
+    else if (M <= 4)
+        duet__gemv_kernel<WT, 4><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, (int)M,
+                                                            (const WT *)w, N, K, accumulate);
+    else
+        duet__gemv_kernel<WT, 8><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, (int)M,
+                                                            (const WT *)w, N, K, accumulate);
+}
+
+/* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
+static int duet__gemv_disabled(void)
+{
+    static int off = -1;
+    if (off < 0)
+        off = getenv("DUET_CUDA_NO_GEMV") != NULL;
+    return off;
+}
+
+/* Whether the GEMV path takes this call (alignment of every 16-byte load it makes). */
+static int duet__gemv_fits(const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w)
+{
+    const int64_t K = w->shape[1];
+    return M >= 1 && M <= DUET_GEMV_MAX_M && K % 8 == 0 && ldx % 4 == 0 &&
+           ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w->data & 15u) == 0 && K <= INT32_MAX &&
+           !duet__gemv_disabled();
+}
+
 /* ---- handle ------------------------------------------------------------------------------- */
 
 static void duet__entry_clear(duet__gemm_entry_t *e)
@@ -510,6 +633,18 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
     if (st != DUET_OK)
         return st;
+    if (w->shape[0] > 0 && duet__gemv_fits(x, ldx, M, w) &&
+        (w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32))) {
+        const int64_t N = w->shape[0], K = w->shape[1];
+        if (w->dtype == DUET_DTYPE_BF16)
+            duet__gemv_launch<__nv_bfloat16>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
+        else if (w->dtype == DUET_DTYPE_F16)
+            duet__gemv_launch<__half>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
+        else
+            duet__gemv_launch<float>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
+        DUET__CUDA_TRY(cudaGetLastError(), "gemv launch");
+        return DUET_OK;
+    }
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
 
