@@ -16,7 +16,7 @@
  * is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
  * (CUBLAS_COMPUTE_32F_FAST_TF32, ~2^-10 relative), without it the product is full fp32.
  *
- * Small M. For M <= 8 (decode steps) with K % 8 == 0 and 16-byte aligned x rows and W, the call
+ * Small M. For M <= 2 (small decode steps) with K % 8 == 0 and 16-byte aligned x rows and W, the call
  * runs duet's own weight-streaming GEMV instead (one warp per output, W read once, x kept in
  * fp32 and never rounded, fp32 accumulation; TF32 requests go to cuBLASLt): at these sizes the
  * cost is reading W, and cuBLASLt's launch plus the x conversion cost more than that for the

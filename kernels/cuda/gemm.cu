@@ -147,14 +147,16 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
 /* ---- small-M path: a weight-streaming GEMV ---------------------------------------------------- */
 
 /*
- * For M <= 8 rows (decode steps) the product is bound by reading W once, and cuBLASLt's kernels
+ * For M <= 2 rows (small decode steps) the product is bound by reading W once, and cuBLASLt's kernels
  * plus the x conversion launch cost more than the read itself for the engine's smaller matrices.
  * This kernel gives each warp one output row n: lanes stream W's row in 16-byte pieces (8 bf16 /
  * f16 values, or 2 x 4 fp32), multiply with every x row (fp32, from L1/L2: x is small) and reduce
  * with shuffles; W is read exactly once, x is never rounded (so it is at least as accurate as the
- * converted path). Used when K % 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
+ * converted path). Each warp reads every x row from L1 per 16-byte piece of W, so the cost grows
+ * with M: on the H200 batch-8 decode of the 48B model took 13.5 ms/step through it against
+ * 10.3 ms through cuBLASLt, hence the cap at 2. Used when K % 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
  */
-#define DUET_GEMV_MAX_M 8
+#define DUET_GEMV_MAX_M 2
 #define DUET_GEMV_WARPS 8
 
 __device__ static inline void duet__load8(const __nv_bfloat16 *p, float *v)

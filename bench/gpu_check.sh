@@ -1,0 +1,65 @@
+#!/bin/bash
+# The CUDA backend's checks and benchmarks on a GPU machine, in one command (issue 6):
+#   build → every CUDA kernel test against the CPU path → the engine against transformers'
+#   fixtures (f32 and bf16) → the local cluster with GPU workers → duet-bench-model-cuda at
+#   Kimi-Linear-48B's dimensions (27 and 8 layers) → transformers' KimiLinearForCausalLM at the
+#   same dimensions, right after, on the same GPU (tools/bench_transformers.py).
+# Usage: bench/gpu_check.sh [OUT_DIR]   (default: ./gpu-check-out)
+# Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: ../shared/gpu/README.md),
+#      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
+#      python3), STAGES="build tests cluster bench tf" to run a subset, TARGETS="..." to build
+#      only some targets.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check-out}
+mkdir -p "$out"
+stages=${STAGES:-build tests cluster bench tf}
+py=${PY:-$( [ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
+if [ -n "${DEPS:-}" ]; then eval "$(bash "$DEPS/unpack-debs.sh" "$DEPS")"; fi
+export PATH=/usr/local/cuda/bin:$PATH
+has() { case " $stages " in *" $1 "*) return 0;; esac; return 1; }
+say() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/summary.txt"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+
+if has build; then
+  say build
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_ARCHITECTURES=90 \
+    >"$out/cmake.log" 2>&1 || { tail -30 "$out/cmake.log"; exit 1; }
+  cmake --build build-gpu -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+fi
+if has tests; then
+  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda; do
+    bin=$(find build-gpu/tests -name "$t" -type f | head -1)
+    [ -n "$bin" ] || { say "$t: not built"; continue; }
+    say "$t"
+    "$bin" --verbose=0 -j1 >"$out/$t.log" 2>&1; rc=$?
+    grep -E "max|rel L2|err|Synthesis|FAIL|fail|equal|tokens" "$out/$t.log" | grep -v "INFO" | tail -40
+    say "$t exit $rc"
+  done
+fi
+if has cluster; then
+  say "cluster (GPU workers: --device auto picks cuda)"
+  bin=$(find build-gpu/tests -name test_cluster -type f | head -1)
+  timeout "${CLUSTER_TIMEOUT:-400}" "$bin" --verbose=0 -j1 ${CLUSTER_FILTER:+--filter "$CLUSTER_FILTER"} \
+    >"$out/test_cluster.log" 2>&1; rc=$?
+  grep -E "Synthesis|FAIL|fail|\[----\]" "$out/test_cluster.log" | tail -30
+  say "test_cluster exit $rc"
+fi
+if has bench; then
+  say "duet-bench-model-cuda 27 layers"
+  build-gpu/bench/duet-bench-model-cuda --config bench/configs/kimi-linear-48b --layers 27 \
+    2>"$out/bench27.err" | tee "$out/bench27.jsonl"
+  tail -3 "$out/bench27.err"
+  say "duet-bench-model-cuda 8 layers"
+  build-gpu/bench/duet-bench-model-cuda --config bench/configs/kimi-linear-48b --layers 8 \
+    2>"$out/bench8.err" | tee "$out/bench8.jsonl"
+  tail -3 "$out/bench8.err"
+fi
+if has tf; then
+  for L in 27 8; do
+    say "transformers $L layers"
+    timeout 400 "$py" tools/bench_transformers.py --layers "$L" --steps 10 2>"$out/tf$L.err" | tee "$out/tf$L.jsonl"
+    tail -3 "$out/tf$L.err"
+  done
+fi
+say done
