@@ -1,0 +1,409 @@
+/*
+ * duet-bench-model-cuda: the CUDA engine at a real model's dimensions with random weights
+ * generated on the device (no checkpoint): decode step time per batch and context against the
+ * memory roofline, and prefill tokens/s against the cuBLASLt bf16 GEMM rate, all measured in one
+ * run on one device.
+ *
+ *   duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64] [--context 2048,32768]
+ *                         [--steps 20] [--prefill 2048,8192] [--dtype bf16|f32] [--kv bf16|f32]
+ *
+ * Decode: B sequences are opened with C tokens of context "filled" (device pools hold random
+ * KV and state, which costs the same to read as real ones), then `steps` decode steps run with
+ * the next token drawn on the device (greedy); the median wall time per step is reported (host
+ * included: this is what a serving loop sees). The roofline is the bytes one step must move
+ * (every weight it reads once, the experts its rows route to, every KV row of every sequence,
+ * the KDA states read and written) divided by the device-to-device copy bandwidth measured in
+ * the same run (bytes read + written per second). Experts touched per layer at batch B are the
+ * expectation under uniform routing, E·(1 − (1 − k/E)^B).
+ * Prefill: one sequence of P tokens in one forward call; tokens/s, and the step's GEMM FLOPs
+ * (2 · active matrix parameters · P) per second against a cuBLASLt bf16 GEMM of the model's
+ * largest projection shape at M = P timed in the same run.
+ * Output: one JSON object per measurement on stdout, progress on stderr. Exits 0 without a
+ * device (nothing to measure), 1 on errors.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+
+#include "common/log.h"
+#include "engine/model.h"
+#include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_util.h"
+
+#define MAX_LIST 16
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int parse_list(const char *s, int64_t *out, int cap)
+{
+    int n = 0;
+    while (*s != '\0' && n < cap) {
+        char *end;
+        long long v = strtoll(s, &end, 10);
+        if (end == s || v <= 0)
+            return -1;
+        out[n++] = v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end != ',' && *end != '\0')
+            return -1;
+    }
+    return n;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Truncate a config to its first n layers (mixer / FFN kinds kept), recounting the kinds. */
+static void keep_layers(duet_model_config_t *c, int64_t n)
+{
+    if (n <= 0 || n >= c->num_layers)
+        return;
+    c->num_layers   = n;
+    c->n_kda_layers = c->n_mla_layers = c->n_moe_layers = 0;
+    for (int64_t l = 0; l < n; l++) {
+        c->n_kda_layers += c->mixer[l] == DUET_MIXER_KDA;
+        c->n_mla_layers += c->mixer[l] == DUET_MIXER_MLA;
+        c->n_moe_layers += c->ffn[l] == DUET_FFN_MOE;
+    }
+}
+
+/* Parameters of every matrix a token's forward reads, split into always-read and per-expert. */
+static void count_params(const duet_model_config_t *c, double *dense, double *expert,
+                         double *embed)
+{
+    const double D = (double)c->hidden_size, H = (double)c->kda_heads, K = (double)c->kda_head_dim;
+    const double n = (double)c->mla_heads, dn = (double)c->qk_nope_head_dim,
+                 dr = (double)c->qk_rope_head_dim, dv = (double)c->v_head_dim,
+                 r = (double)c->kv_lora_rank;
+    double d = (double)c->vocab_size * D; /* lm_head */
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        if (c->mixer[l] == DUET_MIXER_KDA)
+            d += 3 * H * K * D + 2 * K * D + H * D + 2 * H * K * K + D * H * K;
+        else
+            d += n * (dn + dr) * D + (r + dr) * D + n * r * dn + n * dv * r + D * n * dv;
+        if (c->ffn[l] == DUET_FFN_MOE)
+            d += (double)c->n_experts * D + 3.0 * D * (double)(c->moe_intermediate * c->n_shared_experts);
+        else
+            d += 3.0 * D * (double)c->dense_intermediate;
+    }
+    *dense  = d;
+    *expert = 3.0 * D * (double)c->moe_intermediate;
+    *embed  = (double)c->vocab_size * D;
+}
+
+int main(int argc, char **argv)
+{
+    const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16";
+    int64_t     layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
+            pre[MAX_LIST] = {2048, 8192};
+    int n_batch = 3, n_ctx = 2, n_pre = 2;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            printf("usage: duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64]\n"
+                   "       [--context 2048,32768] [--steps 20] [--prefill 2048,8192]\n"
+                   "       [--dtype bf16|f32] [--kv bf16|f32]\n"
+                   "Decode step time vs the memory roofline and prefill tok/s vs the cuBLASLt\n"
+                   "GEMM rate of a model with DIR/config.json's dimensions and random weights\n"
+                   "generated on the GPU. JSON lines on stdout. --prefill 0 skips prefill,\n"
+                   "--batch 0 skips decode.\n");
+            return 0;
+        }
+        if (v == NULL) {
+            fprintf(stderr, "duet-bench-model-cuda: %s needs a value (see --help)\n", a);
+            return 2;
+        }
+        i++;
+        int bad = 0;
+        if (strcmp(a, "--config") == 0)
+            cfg_dir = v;
+        else if (strcmp(a, "--layers") == 0)
+            bad = (layers = strtoll(v, NULL, 10)) <= 0;
+        else if (strcmp(a, "--steps") == 0)
+            bad = (steps = strtoll(v, NULL, 10)) <= 0;
+        else if (strcmp(a, "--batch") == 0)
+            bad = strcmp(v, "0") == 0 ? (n_batch = 0) : (n_batch = parse_list(v, batch, MAX_LIST)) < 0;
+        else if (strcmp(a, "--context") == 0)
+            bad = (n_ctx = parse_list(v, ctx, MAX_LIST)) <= 0;
+        else if (strcmp(a, "--prefill") == 0)
+            bad = strcmp(v, "0") == 0 ? (n_pre = 0) : (n_pre = parse_list(v, pre, MAX_LIST)) < 0;
+        else if (strcmp(a, "--dtype") == 0)
+            bad = strcmp(dtype = v, "bf16") != 0 && strcmp(v, "f32") != 0;
+        else if (strcmp(a, "--kv") == 0)
+            bad = strcmp(kvdt = v, "bf16") != 0 && strcmp(v, "f32") != 0;
+        else {
+            fprintf(stderr, "duet-bench-model-cuda: unknown option %s (see --help)\n", a);
+            return 2;
+        }
+        if (bad) {
+            fprintf(stderr, "duet-bench-model-cuda: bad value '%s' for %s\n", v, a);
+            return 2;
+        }
+    }
+    if (cfg_dir == NULL) {
+        fprintf(stderr, "duet-bench-model-cuda: --config DIR is required (see --help)\n");
+        return 2;
+    }
+    duet_model_config_t cfg;
+    if (duet_model_config_load(cfg_dir, &cfg) != DUET_OK) {
+        fprintf(stderr, "duet-bench-model-cuda: %s\n", duet_error_last());
+        return 1;
+    }
+    keep_layers(&cfg, layers);
+    if (duet_cuda_device_count() <= 0) {
+        fprintf(stderr, "duet-bench-model-cuda: no CUDA device: nothing to measure\n");
+        return 0;
+    }
+    struct cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    double dense, expert, embed;
+    count_params(&cfg, &dense, &expert, &embed);
+    const double total_params =
+        dense + embed + expert * (double)cfg.n_experts * (double)cfg.n_moe_layers;
+    const size_t wb = strcmp(dtype, "bf16") == 0 ? 2 : 4, kvb = strcmp(kvdt, "bf16") == 0 ? 2 : 4;
+
+    /* 1. the roofline's bandwidth, and the GEMM rate prefill is compared against */
+    double bw = 0;
+    if (duet_cuda_copy_bandwidth((size_t)1 << 30, 20, &bw) != DUET_OK) {
+        fprintf(stderr, "duet-bench-model-cuda: %s\n", duet_error_last());
+        return 1;
+    }
+    printf("{\"device\":\"%s\",\"layers\":%lld,\"params\":%.0f,\"weights\":\"%s\",\"kv\":\"%s\","
+           "\"d2d_GBps\":%.1f}\n", prop.name, (long long)cfg.num_layers, total_params, dtype,
+           kvdt, bw / 1e9);
+    fflush(stdout);
+
+    int64_t max_b = 1, max_c = 1, max_p = 1;
+    for (int i = 0; i < n_batch; i++)
+        max_b = batch[i] > max_b ? batch[i] : max_b;
+    for (int i = 0; i < n_ctx; i++)
+        max_c = ctx[i] > max_c ? ctx[i] : max_c;
+    for (int i = 0; i < n_pre; i++)
+        max_p = pre[i] > max_p ? pre[i] : max_p;
+
+    duet_model_opts_t o;
+    duet_model_opts_default(&o);
+    o.device           = DUET_DEVICE_CUDA;
+    o.compute_dtype    = wb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    o.kv_dtype         = kvb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    o.page_tokens      = 64;
+    o.max_seqs         = max_b;
+    o.max_seq_len      = (n_batch > 0 ? max_c : 0) + steps + 16 > max_p ? (n_batch > 0 ? max_c : 0) + steps + 16 : max_p;
+    o.max_batch_tokens = max_p > max_b ? max_p : max_b;
+    /* the pool holds max_b sequences of the longest context, or one prefill */
+    o.kv_pages = (o.max_seq_len + o.page_tokens - 1) / o.page_tokens * max_b;
+    double t0 = now_s();
+    duet_model_t *m = NULL;
+    if (duet_model_create_random(&cfg, &o, 1234, &m) != DUET_OK) {
+        fprintf(stderr, "duet-bench-model-cuda: %s\n", duet_error_last());
+        return 1;
+    }
+    fprintf(stderr, "model built in %.1f s\n", now_s() - t0);
+    void  *kv_dev, *kda_dev;
+    size_t kv_bytes, kda_bytes;
+    duet_model_device_pools(m, &kv_dev, &kv_bytes, &kda_dev, &kda_bytes);
+    /* stand-in context: random KV rows, small random states */
+    if ((kv_dev != NULL && duet_cuda_fill_random(0, kv_dev, o.kv_dtype,
+                                                 (int64_t)(kv_bytes / kvb), 99, 1.0f, 0.0f) != DUET_OK) ||
+        (kda_dev != NULL && duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32,
+                                                  (int64_t)(kda_bytes / 4), 98, 0.05f, 0.0f) != DUET_OK) ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+        fprintf(stderr, "duet-bench-model-cuda: filling the pools failed: %s\n", duet_error_last());
+        return 1;
+    }
+    const duet_model_config_t *c = duet_model_config(m);
+    const double kda_state_bytes = (double)c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4.0 +
+                                   3.0 * c->kda_heads * c->kda_head_dim * (c->conv_kernel - 1) * 4.0;
+    const double kv_row_bytes = (double)(c->kv_lora_rank + c->qk_rope_head_dim) * (double)kvb;
+
+    /* 2. decode */
+    int rc = 0;
+    for (int ic = 0; ic < n_ctx && n_batch > 0; ic++)
+        for (int ib = 0; ib < n_batch; ib++) {
+            const int64_t B = batch[ib], C = ctx[ic];
+            duet_seq_t   *seqs = calloc((size_t)B, sizeof(*seqs));
+            duet_batch_item_t *items = calloc((size_t)B, sizeof(*items));
+            int32_t *tok = calloc((size_t)B, sizeof(int32_t)), *out = calloc((size_t)B, sizeof(int32_t));
+            double  *ts  = calloc((size_t)steps, sizeof(double));
+            int      ok  = 1;
+            for (int64_t s = 0; s < B; s++)
+                seqs[s].id = -1;
+            for (int64_t s = 0; s < B && ok; s++) {
+                ok = duet_model_seq_open(m, C + steps + 8, &seqs[s]) == DUET_OK &&
+                     duet_model_seq_set_filled(m, &seqs[s], C) == DUET_OK;
+                tok[s] = (int32_t)((s * 7919) % c->vocab_size);
+            }
+            if (!ok) {
+                fprintf(stderr, "decode B=%lld C=%lld: %s\n", (long long)B, (long long)C,
+                        duet_error_last());
+                rc = 1;
+            }
+            /* the KV/state of a fresh sequence was zeroed at open: refill the pools */
+            if (ok && ((kv_dev != NULL && duet_cuda_fill_random(0, kv_dev, o.kv_dtype,
+                                                                (int64_t)(kv_bytes / kvb), 99 + (uint64_t)C,
+                                                                1.0f, 0.0f) != DUET_OK) ||
+                       (kda_dev != NULL && duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32,
+                                                                 (int64_t)(kda_bytes / 4), 98, 0.05f,
+                                                                 0.0f) != DUET_OK) ||
+                       cudaDeviceSynchronize() != cudaSuccess))
+                ok = 0, rc = 1;
+            for (int64_t it = -3; it < steps && ok; it++) {
+                for (int64_t s = 0; s < B; s++)
+                    items[s] = (duet_batch_item_t){.seq = &seqs[s], .tokens = &tok[s],
+                                                   .n_tokens = 1,
+                                                   .logits_mode = DUET_LOGITS_TOKEN,
+                                                   .token_out = &out[s]};
+                for (int64_t s = 0; s < B; s++)
+                    duet_sampling_default(&items[s].sampling);
+                double a = now_s();
+                if (duet_model_forward(m, items, B) != DUET_OK) {
+                    fprintf(stderr, "decode B=%lld C=%lld: %s\n", (long long)B, (long long)C,
+                            duet_error_last());
+                    ok = 0, rc = 1;
+                    break;
+                }
+                if (it >= 0)
+                    ts[it] = now_s() - a;
+                memcpy(tok, out, sizeof(int32_t) * (size_t)B);
+            }
+            if (ok) {
+                qsort(ts, (size_t)steps, sizeof(double), cmp_d);
+                const double med = ts[steps / 2];
+                const double E = (double)c->n_experts, k = (double)c->top_k;
+                const double touched = c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)B)) : 0;
+                const double w_bytes = (dense + touched * expert * (double)c->n_moe_layers) * (double)wb;
+                const double kv      = (double)B * (double)(C + steps / 2) * kv_row_bytes * (double)c->n_mla_layers;
+                const double st      = 2.0 * (double)B * kda_state_bytes * (double)c->n_kda_layers;
+                const double bytes   = w_bytes + kv + st;
+                /* the copy's rate counts bytes read + written: the rate at which the memory
+                 * system moves bytes, the same unit as the bytes a step reads or writes */
+                const double roof    = bytes / bw;
+                printf("{\"impl\":\"duet\",\"layers\":%lld,\"batch\":%lld,\"context\":%lld,"
+                       "\"step_ms\":%.3f,\"min_ms\":%.3f,\"bytes_GB\":%.3f,\"weights_GB\":%.3f,"
+                       "\"kv_GB\":%.3f,\"state_GB\":%.3f,\"roofline_ms\":%.3f,"
+                       "\"roofline_frac\":%.3f,\"tok_s\":%.1f}\n",
+                       (long long)c->num_layers, (long long)B, (long long)C, med * 1e3,
+                       ts[0] * 1e3, bytes / 1e9, w_bytes / 1e9, kv / 1e9, st / 1e9, roof * 1e3,
+                       roof / med, (double)B / med);
+                fflush(stdout);
+                fprintf(stderr, "decode B=%lld C=%lld: %.3f ms/step (roofline %.3f ms, %.0f%%)\n",
+                        (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
+            }
+            for (int64_t s = 0; s < B; s++)
+                if (seqs[s].id >= 0)
+                    duet_model_seq_close(m, &seqs[s]);
+            free(seqs);
+            free(items);
+            free(tok);
+            free(out);
+            free(ts);
+        }
+
+    /* 3. prefill, against the GEMM rate of the largest projection at M = P */
+    duet_cuda_gemm_t *g = NULL;
+    const int64_t     N = 3 * c->kda_heads * c->kda_head_dim > c->hidden_size
+                              ? 3 * c->kda_heads * c->kda_head_dim
+                              : c->hidden_size,
+                  Kd = c->hidden_size;
+    for (int ip = 0; ip < n_pre && rc == 0; ip++) {
+        const int64_t P = pre[ip];
+        /* cuBLASLt alone: x already bf16 */
+        double gemm_tflops = 0;
+        {
+            void *x = NULL, *w = NULL;
+            float *y = NULL;
+            cudaEvent_t e0, e1;
+            cudaEventCreate(&e0);
+            cudaEventCreate(&e1);
+            if (g == NULL && duet_cuda_gemm_create(0, 0, &g) != DUET_OK) {
+                fprintf(stderr, "%s\n", duet_error_last());
+                return 1;
+            }
+            if (cudaMalloc(&x, (size_t)(P * Kd) * 2) != cudaSuccess ||
+                cudaMalloc(&w, (size_t)(N * Kd) * 2) != cudaSuccess ||
+                cudaMalloc((void **)&y, (size_t)(P * N) * 4) != cudaSuccess) {
+                fprintf(stderr, "duet-bench-model-cuda: no memory for the GEMM reference\n");
+                return 1;
+            }
+            duet_cuda_fill_random(0, x, DUET_DTYPE_BF16, P * Kd, 5, 1.0f, 0.0f);
+            duet_cuda_fill_random(0, w, DUET_DTYPE_BF16, N * Kd, 6, 0.02f, 0.0f);
+            duet_tensor_t wt = {.data = w, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
+                                .ndim = 2, .shape = {N, Kd}};
+            for (int i = 0; i < 3; i++)
+                duet_cuda_gemm_matmul_lowp(g, 0, y, N, x, Kd, P, &wt, 0, 0);
+            cudaEventRecord(e0, 0);
+            for (int i = 0; i < 20; i++)
+                duet_cuda_gemm_matmul_lowp(g, 0, y, N, x, Kd, P, &wt, 0, 0);
+            cudaEventRecord(e1, 0);
+            cudaEventSynchronize(e1);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            gemm_tflops = 2.0 * (double)P * (double)N * (double)Kd * 20.0 / ((double)ms * 1e-3) / 1e12;
+            cudaFree(x);
+            cudaFree(w);
+            cudaFree(y);
+            cudaEventDestroy(e0);
+            cudaEventDestroy(e1);
+        }
+        duet_seq_t seq;
+        int32_t   *toks = malloc(sizeof(int32_t) * (size_t)P);
+        int32_t    next = 0;
+        for (int64_t t = 0; t < P; t++)
+            toks[t] = (int32_t)((t * 31 + 7) % c->vocab_size);
+        double best = 1e30;
+        int    ok   = 1;
+        for (int rep = 0; rep < 3 && ok; rep++) {
+            if (duet_model_seq_open(m, P, &seq) != DUET_OK) {
+                fprintf(stderr, "prefill %lld: %s\n", (long long)P, duet_error_last());
+                ok = 0, rc = 1;
+                break;
+            }
+            duet_batch_item_t it = {.seq = &seq, .tokens = toks, .n_tokens = P,
+                                    .logits_mode = DUET_LOGITS_TOKEN, .token_out = &next};
+            duet_sampling_default(&it.sampling);
+            double a = now_s();
+            if (duet_model_forward(m, &it, 1) != DUET_OK) {
+                fprintf(stderr, "prefill %lld: %s\n", (long long)P, duet_error_last());
+                ok = 0, rc = 1;
+            }
+            double dt = now_s() - a;
+            if (rep > 0 && dt < best) /* the first run pays the algorithm searches */
+                best = dt;
+            duet_model_seq_close(m, &seq);
+        }
+        free(toks);
+        if (ok) {
+            const double E = (double)c->n_experts, k = (double)c->top_k;
+            const double touched = c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)P)) : 0;
+            (void)touched;
+            /* GEMM FLOPs: every token multiplies the dense matrices and k experts */
+            const double flops = 2.0 * (double)P * (dense + k * expert * (double)c->n_moe_layers) -
+                                 2.0 * (double)P * (double)c->vocab_size * (double)c->hidden_size +
+                                 2.0 * (double)c->vocab_size * (double)c->hidden_size;
+            printf("{\"impl\":\"duet\",\"layers\":%lld,\"prefill\":%lld,\"ms\":%.2f,"
+                   "\"tok_s\":%.0f,\"gemm_TFLOPs\":%.1f,\"cublaslt_bf16_TFLOPs\":%.1f,"
+                   "\"gemm_frac\":%.3f}\n",
+                   (long long)c->num_layers, (long long)P, best * 1e3, (double)P / best,
+                   flops / best / 1e12, gemm_tflops, flops / best / 1e12 / gemm_tflops);
+            fflush(stdout);
+            fprintf(stderr, "prefill %lld: %.1f ms, %.0f tok/s (GEMM part %.1f TFLOP/s; cuBLASLt "
+                    "%lldx%lldx%lld %.1f TFLOP/s)\n", (long long)P, best * 1e3, (double)P / best,
+                    flops / best / 1e12, (long long)P, (long long)N, (long long)Kd, gemm_tflops);
+        }
+    }
+    duet_cuda_gemm_destroy(g);
+    duet_model_free(m);
+    return rc;
+}
