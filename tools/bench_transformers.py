@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reference benchmark: Hugging Face transformers' KimiLinearForCausalLM at Kimi-Linear-48B-A3B's dims.
 
-Random weights, exact dimensions (tools/kimi48b_config.json, hub spelling), bf16, one GPU. Measures:
+Random weights, exact dimensions (bench/configs/kimi-linear-48b/config.json, hub spelling; the file duet-bench-model-cuda reads), bf16, one GPU. Measures:
 
   * decode-step time: model(input_ids=[B,1], past_key_values=cache, use_cache=True) at batch B with a
     cache that already holds C tokens of context (median over --steps timed steps after --warmup steps);
@@ -45,7 +45,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CONFIG = os.path.join(HERE, "kimi48b_config.json")
+DEFAULT_CONFIG = os.path.join(HERE, "..", "bench", "configs", "kimi-linear-48b", "config.json")
 
 # Tiny dims for the CPU self-test (same structure: MLA without q_lora, KDA, dense layer 0 + MoE).
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -87,7 +87,7 @@ def parse_args():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny dims (CPU self-test)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="hub-spelling config.json (default tools/kimi48b_config.json)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="hub-spelling config.json (default bench/configs/kimi-linear-48b/config.json)")
     p.add_argument("--attn-impl", default=None,
                    help="transformers attn_implementation (default: transformers' choice, normally sdpa)")
     p.add_argument("--experts-impl", default=None,
