@@ -90,26 +90,7 @@ static void fill(float *p, size_t n, float lo, float hi)
         p[i] = rng_range(lo, hi);
 }
 
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n > 0 ? n : 1);
-    cr_assert_not_null(p);
-    return p;
-}
-
-static void *dev_alloc(size_t n)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n > 0 ? n : 1));
-    return p;
-}
-
-static void *dev_copy(const void *h, size_t n)
-{
-    void *p = dev_alloc(n);
-    CUDA_OK(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice));
-    return p;
-}
+#include "cuda_test_util.h"
 
 static void skip_without_device(void)
 {

@@ -97,26 +97,7 @@ static float rng_f(void)
     return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
 }
 
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n > 0 ? n : 1);
-    cr_assert_not_null(p);
-    return p;
-}
-
-static void *dev_alloc(size_t n)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n > 0 ? n : 1));
-    return p;
-}
-
-static void *dev_copy(const void *h, size_t n)
-{
-    void *d = dev_alloc(n);
-    CUDA_OK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
-    return d;
-}
+#include "cuda_test_util.h"
 
 static void skip_without_device(void)
 {

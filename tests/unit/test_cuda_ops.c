@@ -74,26 +74,7 @@ static float rng_n(void)
     return (rng_f() + rng_f() + rng_f() + rng_f()) * 0.8660254f;
 }
 
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n > 0 ? n : 1);
-    cr_assert_not_null(p);
-    return p;
-}
-
-static void *dev_alloc(size_t n)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n > 0 ? n : 1));
-    return p;
-}
-
-static void *dev_copy(const void *h, size_t n)
-{
-    void *d = dev_alloc(n);
-    CUDA_OK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
-    return d;
-}
+#include "cuda_test_util.h"
 
 static void host_copy(void *h, const void *d, size_t n)
 {
