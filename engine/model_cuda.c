@@ -812,6 +812,8 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
+static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T);
+
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
     int     splits;
@@ -830,11 +832,16 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
     duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev, .kda_n_layers = c->n_kda_layers,
                                 .kda_layer_floats = dm->kda_layer_floats,
                                 .layer = dm->layer_sub[l], .H = H, .K = K, .W = c->conv_kernel};
-    TRY(duet_cuda_gemm_matmul(g, s, dm->proj, 3 * HK, dm->xn, D, T, &w->qkv, 0, f));
-    TRY(duet_cuda_gemm_matmul(g, s, dm->fg, 2 * K, dm->xn, D, T, &w->fg_a, 0, f));
-    TRY(duet_cuda_gemm_matmul(g, s, dm->beta, H, dm->xn, D, T, &w->b, 0, f));
-    TRY(duet_cuda_gemm_matmul(g, s, dm->gk, HK, dm->fg, 2 * K, T, &w->f_b, 0, f));
-    TRY(duet_cuda_gemm_matmul(g, s, dm->gate, HK, dm->fg + K, 2 * K, T, &w->g_b, 0, f));
+    /* projections of xn, then the two low-rank second halves: one launch each at decode sizes */
+    const duet_cuda_gemm_op_t in[3] = {
+        {.y = dm->proj, .ldy = 3 * HK, .x = dm->xn, .ldx = D, .w = &w->qkv},
+        {.y = dm->fg, .ldy = 2 * K, .x = dm->xn, .ldx = D, .w = &w->fg_a},
+        {.y = dm->beta, .ldy = H, .x = dm->xn, .ldx = D, .w = &w->b}};
+    TRY(duet_cuda_gemm_matmul_multi(g, s, T, in, 3, f));
+    const duet_cuda_gemm_op_t lr[2] = {
+        {.y = dm->gk, .ldy = HK, .x = dm->fg, .ldx = 2 * K, .w = &w->f_b},
+        {.y = dm->gate, .ldy = HK, .x = dm->fg + K, .ldx = 2 * K, .w = &w->g_b}};
+    TRY(duet_cuda_gemm_matmul_multi(g, s, T, lr, 2, f));
     TRY(duet_cuda_kda_conv(s, &dm->step, &ly, w->taps, dm->proj, dm->qkv));
     TRY(duet_cuda_kda_prep(s, T, &ly, w->neg_A, w->dt_bias, dm->qkv, dm->gk, dm->beta));
     TRY(duet_cuda_kda_core(s, &dm->step, &ly, dm->qkv, dm->gk, dm->beta, dm->o,
@@ -863,10 +870,13 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
         TRY(duet_cuda_gemm_matmul(g, s, dm->mqa, ql, dm->xn, D, T, &w->q_a, 0, f));
         TRY(duet_cuda_rmsnorm(s, dm->mqa, ql, dm->mqa, ql, w->q_a_norm, T, ql, DUET_MLA_NORM_EPS));
         TRY(duet_cuda_gemm_matmul(g, s, dm->mq, n * dqk, dm->mqa, ql, T, &w->q_b, 0, f));
+        TRY(duet_cuda_gemm_matmul(g, s, dm->ckr, r + dr, dm->xn, D, T, &w->kv_a, 0, f));
     } else {
-        TRY(duet_cuda_gemm_matmul(g, s, dm->mq, n * dqk, dm->xn, D, T, &w->q, 0, f));
+        const duet_cuda_gemm_op_t ops[2] = {
+            {.y = dm->mq, .ldy = n * dqk, .x = dm->xn, .ldx = D, .w = &w->q},
+            {.y = dm->ckr, .ldy = r + dr, .x = dm->xn, .ldx = D, .w = &w->kv_a}};
+        TRY(duet_cuda_gemm_matmul_multi(g, s, T, ops, 2, f));
     }
-    TRY(duet_cuda_gemm_matmul(g, s, dm->ckr, r + dr, dm->xn, D, T, &w->kv_a, 0, f));
     TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
     /* q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM */
     TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
@@ -880,11 +890,18 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
 
 static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
 {
+    const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
+    TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
+                              dm->gemm_flags));
+    return duet__mlp_rest(dm, w, T);
+}
+
+/* act(gate) ⊙ up and the down projection into the residual, f1 = [T][gate | up] computed. */
+static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
+{
     const duet_model_config_t *c = &dm->cfg;
     const int64_t D = c->hidden_size, I = w->down.shape[1];
     cudaStream_t  s = dm->stream;
-    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
-                              dm->gemm_flags));
     TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
                           c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
                           c->situ_beta, c->situ_linear_beta));
@@ -898,7 +915,16 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const duet__dlayer_t      *w = &dm->layers[l];
     const int64_t T = sh->n_rows, D = c->hidden_size, E = c->n_experts;
     cudaStream_t  s = dm->stream;
-    TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->router, E, dm->xn, D, T, &w->router, 0, 0));
+    /* the router and the shared expert's gate|up read the same xn: one launch at decode sizes */
+    if (w->has_shared) {
+        const duet_cuda_gemm_op_t ops[2] = {
+            {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router},
+            {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D,
+             .w = &w->mlp.gu}};
+        TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, ops, 2, dm->gemm_flags));
+    } else {
+        TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->router, E, dm->xn, D, T, &w->router, 0, 0));
+    }
     TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, c->n_group > 0 ? c->n_group : 1,
                             c->topk_group, c->top_k, c->moe_renormalize, c->routed_scaling_factor,
                             dm->topk_idx, dm->topk_w));
@@ -906,7 +932,7 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
                               c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
                               c->situ_beta, c->situ_linear_beta, dm->x, dm->moe_scratch));
     if (w->has_shared)
-        return duet__mlp(dm, &w->mlp, T);
+        return duet__mlp_rest(dm, &w->mlp, T);
     return DUET_OK;
 }
 

@@ -84,6 +84,26 @@ duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t strea
                                          const duet_tensor_t *w, int accumulate, unsigned flags);
 
 /*
+ * Several products of the same row count in one call: ops[i] is y_i (+)= x_i · W_iᵀ as
+ * duet_cuda_gemm_matmul would compute it. When every op takes the small-M GEMV path (see above)
+ * they run as ONE kernel launch (at most DUET_CUDA_GEMV_MAX_SEGS ops; W dtypes may differ), which
+ * is what a decode step at batch 1 needs: its time is set by launches, not bytes. Otherwise each
+ * op is its own call. Ops must not write what another op of the call reads.
+ */
+#define DUET_CUDA_GEMV_MAX_SEGS 4
+typedef struct {
+    float               *y;
+    int64_t              ldy;
+    const float         *x;
+    int64_t              ldx;
+    const duet_tensor_t *w;
+    int                  accumulate;
+} duet_cuda_gemm_op_t;
+duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
+                                          const duet_cuda_gemm_op_t *ops, int n_ops,
+                                          unsigned flags);
+
+/*
  * B independent GEMMs in one call: for b < B, y_b[M, N] (+)= x_b[M, K] · W_bᵀ where W = w is a
  * 3-D CUDA tensor [B][N][K], x_b starts at x + b * stride_x and y_b at y + b * stride_y (rows ldx
  * and ldy apart). The engine's per-head MLA products (q̂ = W_UK[h]ᵀ q_nope_h, o_h = W_UV[h] ·

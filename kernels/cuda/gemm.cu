@@ -189,29 +189,41 @@ __device__ static inline void duet__load8(const float *p, float *v)
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+/* One matrix of a (multi-)GEMV launch: y[m][n] (+)= Σ_k W[n][k] x[m][k], blocks [b0, b0 + nb). */
+typedef struct {
+    float *y;
+    const float *x;
+    const void *w;
+    int64_t ldy, ldx, N, K;
+    int dtype; /* duet_dtype_t */
+    int accumulate;
+    unsigned b0;
+} duet__gemv_seg_t;
+
+typedef struct {
+    duet__gemv_seg_t seg[DUET_CUDA_GEMV_MAX_SEGS];
+    int n;
+} duet__gemv_args_t;
+
 template <typename WT, int MR>
-__global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
-    duet__gemv_kernel(float *y, int64_t ldy, const float *x, int64_t ldx, int M, const WT *w,
-                      int64_t N, int64_t K, int accumulate)
+__device__ static inline void duet__gemv_row(const duet__gemv_seg_t &sg, int M, int64_t n,
+                                             int lane)
 {
-    const int lane = threadIdx.x & 31;
-    const int64_t n = (int64_t)blockIdx.x * DUET_GEMV_WARPS + (threadIdx.x >> 5);
-    if (n >= N)
-        return;
-    const WT *wr = w + n * K;
+    const WT *wr = (const WT *)sg.w + n * sg.K;
+    const float *x = sg.x;
     float acc[MR];
 #pragma unroll
     for (int m = 0; m < MR; m++)
         acc[m] = 0.0f;
 #pragma unroll 4
-    for (int64_t k = (int64_t)lane * 8; k < K; k += 256) {
+    for (int64_t k = (int64_t)lane * 8; k < sg.K; k += 256) {
         float wv[8];
         duet__load8(wr + k, wv);
 #pragma unroll
         for (int m = 0; m < MR; m++) {
             if (m < M) {
-                const float4 a = *(const float4 *)(x + m * ldx + k);
-                const float4 b = *(const float4 *)(x + m * ldx + k + 4);
+                const float4 a = *(const float4 *)(x + m * sg.ldx + k);
+                const float4 b = *(const float4 *)(x + m * sg.ldx + k + 4);
                 acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
                           wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
             }
@@ -228,26 +240,48 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     if (lane == 0)
 #pragma unroll
         for (int m = 0; m < MR; m++)
-            if (m < M)
-                y[m * ldy + n] = accumulate ? y[m * ldy + n] + acc[m] : acc[m];
+            if (m < M) {
+                float *yp = sg.y + m * sg.ldy + n;
+                *yp = sg.accumulate ? *yp + acc[m] : acc[m];
+            }
 }
 
-template <typename WT>
-static void duet__gemv_launch(cudaStream_t stream, float *y, int64_t ldy, const float *x,
-                              int64_t ldx, int64_t M, const void *w, int64_t N, int64_t K,
-                              int accumulate)
+template <int MR>
+__global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
+    duet__gemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M)
 {
-    const unsigned blocks = (unsigned)((N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
-    const int th = 32 * DUET_GEMV_WARPS;
-    if (M == 1)
-        duet__gemv_kernel<WT, 1><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, 1, (const WT *)w, N,
-                                                            K, accumulate);
-    else if (M <= 4)
-        duet__gemv_kernel<WT, 4><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, (int)M,
-                                                            (const WT *)w, N, K, accumulate);
+    int si = 0;
+    while (si + 1 < args.n && blockIdx.x >= args.seg[si + 1].b0)
+        si++;
+    const duet__gemv_seg_t &sg = args.seg[si];
+    const int lane = threadIdx.x & 31;
+    const int64_t n = (int64_t)(blockIdx.x - sg.b0) * DUET_GEMV_WARPS + (threadIdx.x >> 5);
+    if (n >= sg.N)
+        return;
+    if (sg.dtype == DUET_DTYPE_BF16)
+        duet__gemv_row<__nv_bfloat16, MR>(sg, M, n, lane);
+    else if (sg.dtype == DUET_DTYPE_F16)
+        duet__gemv_row<__half, MR>(sg, M, n, lane);
     else
-        duet__gemv_kernel<WT, 8><<<blocks, th, 0, stream>>>(y, ldy, x, ldx, (int)M,
-                                                            (const WT *)w, N, K, accumulate);
+        duet__gemv_row<float, MR>(sg, M, n, lane);
+}
+
+/* Launch the segments (already checked by duet__gemv_fits) as one kernel. */
+static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+{
+    unsigned blocks = 0;
+    for (int i = 0; i < args->n; i++) {
+        args->seg[i].b0 = blocks;
+        blocks += (unsigned)((args->seg[i].N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+    }
+    if (blocks == 0)
+        return cudaSuccess;
+    if (M == 1)
+        duet__gemv_kernel<1><<<blocks, 32 * DUET_GEMV_WARPS, 0, stream>>>(*args, 1);
+    else
+        duet__gemv_kernel<DUET_GEMV_MAX_M><<<blocks, 32 * DUET_GEMV_WARPS, 0, stream>>>(*args,
+                                                                                     (int)M);
+    return cudaGetLastError();
 }
 
 /* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
@@ -637,14 +671,13 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
         return st;
     if (w->shape[0] > 0 && duet__gemv_fits(x, ldx, M, w) &&
         (w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32))) {
-        const int64_t N = w->shape[0], K = w->shape[1];
-        if (w->dtype == DUET_DTYPE_BF16)
-            duet__gemv_launch<__nv_bfloat16>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
-        else if (w->dtype == DUET_DTYPE_F16)
-            duet__gemv_launch<__half>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
-        else
-            duet__gemv_launch<float>(stream, y, ldy, x, ldx, M, w->data, N, K, accumulate);
-        DUET__CUDA_TRY(cudaGetLastError(), "gemv launch");
+        duet__gemv_args_t args;
+        memset(&args, 0, sizeof(args));
+        args.n      = 1;
+        args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
+                                         .N = w->shape[0], .K = w->shape[1],
+                                         .dtype = (int)w->dtype, .accumulate = accumulate};
+        DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "gemv launch");
         return DUET_OK;
     }
     if (w->dtype == DUET_DTYPE_F32)
@@ -660,4 +693,41 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     if (st != DUET_OK)
         return st;
     return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
+}
+
+extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                     int64_t M, const duet_cuda_gemm_op_t *ops,
+                                                     int n_ops, unsigned flags)
+{
+    if (g == NULL || ops == NULL || n_ops < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad multi arguments");
+    int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS;
+    for (int i = 0; i < n_ops; i++) {
+        duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
+        if (st != DUET_OK)
+            return st;
+        fits = fits && ops[i].w->shape[0] > 0 && duet__gemv_fits(ops[i].x, ops[i].ldx, M, ops[i].w) &&
+               (ops[i].w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32));
+    }
+    if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
+        for (int i = 0; i < n_ops; i++) {
+            duet_status_t st = duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x,
+                                                     ops[i].ldx, M, ops[i].w, ops[i].accumulate,
+                                                     flags);
+            if (st != DUET_OK)
+                return st;
+        }
+        return DUET_OK;
+    }
+    duet__gemv_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.n = n_ops;
+    for (int i = 0; i < n_ops; i++)
+        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
+                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
+                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+                                         .dtype = (int)ops[i].w->dtype,
+                                         .accumulate = ops[i].accumulate};
+    DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
+    return DUET_OK;
 }
