@@ -198,6 +198,10 @@ typedef struct {
     int dtype; /* duet_dtype_t */
     int accumulate;
     unsigned b0;
+    /* a batch of B same-shape products (B = 1: one matrix): entry b reads W + b·N·K, x + b·sx
+     * and writes y + b·sy; each entry has nb blocks */
+    int64_t sx, sy;
+    unsigned B, nb;
 } duet__gemv_seg_t;
 
 typedef struct {
@@ -253,11 +257,18 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     int si = 0;
     while (si + 1 < args.n && blockIdx.x >= args.seg[si + 1].b0)
         si++;
-    const duet__gemv_seg_t &sg = args.seg[si];
+    duet__gemv_seg_t sg = args.seg[si];
     const int lane = threadIdx.x & 31;
-    const int64_t n = (int64_t)(blockIdx.x - sg.b0) * DUET_GEMV_WARPS + (threadIdx.x >> 5);
+    const unsigned local = blockIdx.x - sg.b0, b = local / sg.nb;
+    const int64_t n = (int64_t)(local % sg.nb) * DUET_GEMV_WARPS + (threadIdx.x >> 5);
     if (n >= sg.N)
         return;
+    if (b > 0) {
+        const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2;
+        sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * es;
+        sg.x += (int64_t)b * sg.sx;
+        sg.y += (int64_t)b * sg.sy;
+    }
     if (sg.dtype == DUET_DTYPE_BF16)
         duet__gemv_row<__nv_bfloat16, MR>(sg, M, n, lane);
     else if (sg.dtype == DUET_DTYPE_F16)
@@ -271,8 +282,12 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
 {
     unsigned blocks = 0;
     for (int i = 0; i < args->n; i++) {
-        args->seg[i].b0 = blocks;
-        blocks += (unsigned)((args->seg[i].N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+        duet__gemv_seg_t *sg = &args->seg[i];
+        if (sg->B == 0)
+            sg->B = 1;
+        sg->b0 = blocks;
+        sg->nb = (unsigned)((sg->N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+        blocks += sg->nb * sg->B;
     }
     if (blocks == 0)
         return cudaSuccess;
@@ -644,6 +659,20 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cuda
         return DUET_OK;
     if (x == NULL || y == NULL || w->data == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
+    if (M <= DUET_GEMV_MAX_M && K % 8 == 0 && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
+        ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w->data & 15u) == 0 && N > 0 &&
+        B <= 65535 && !duet__gemv_disabled() &&
+        (w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32))) {
+        duet__gemv_args_t args;
+        memset(&args, 0, sizeof(args));
+        args.n      = 1;
+        args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
+                                         .N = N, .K = K, .dtype = (int)w->dtype,
+                                         .accumulate = accumulate, .sx = stride_x,
+                                         .sy = stride_y, .B = (unsigned)B};
+        DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "batched gemv launch");
+        return DUET_OK;
+    }
     if (w->dtype == DUET_DTYPE_F32)
         return duet__matmul_lowp(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data,
                                  w->dtype, N, K, (int32_t)B, accumulate, flags);

@@ -323,3 +323,112 @@ Test(kernels_cuda, cached_call_is_deterministic, .timeout = 60)
     free(w);
     duet_cuda_gemm_destroy(g);
 }
+
+/*
+ * duet_cuda_gemm_matmul_batched (per-head MLA products) and duet_cuda_gemm_matmul_multi (a
+ * decode step's products of one input) against duet_k_matmul entry by entry: M = 1 and 2 take
+ * the GEMV (one launch), M = 5 cuBLASLt. Same S-relative measure and tolerances as above (BF16:
+ * 2^-8 + 2e-5, which the GEMV, keeping x in fp32, is far inside; F32: 2e-5).
+ */
+static double check_rows(const float *g, const float *c, const float *x, int64_t ldx,
+                         const float *wf, int64_t M, int64_t N, int64_t K, int64_t ldy, double tol,
+                         const char *what)
+{
+    double worst = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double S = 0;
+            for (int64_t k = 0; k < K; k++)
+                S += fabs((double)x[m * ldx + k] * wf[n * K + k]);
+            double d = fabs((double)g[m * ldy + n] - c[m * ldy + n]);
+            CHECK(d <= tol * S + 1e-6, "%s M=%lld y[%lld, %lld]: gpu %.9g cpu %.9g", what,
+                  (long long)M, (long long)m, (long long)n, g[m * ldy + n], c[m * ldy + n]);
+            worst = S > 0 && d / S > worst ? d / S : worst;
+        }
+    return worst;
+}
+
+Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
+{
+    skip_without_device();
+    duet_kernels_t *cpu = NULL;
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_kernels_create(DUET_DEVICE_CPU, 1, &cpu) == DUET_OK);
+    CHECK(duet_cuda_gemm_create(0, 1 << 16, &g) == DUET_OK, "%s", duet_error_last());
+    const int64_t B = 3, N = 40, K = 48, sx = 56, ldx = B * sx, sy = N, ldy = B * N;
+    const double tol = 1.0 / 256 + 2e-5;
+    double worst_b = 0, worst_m = 0;
+    for (int64_t M = 1; M <= 5; M += M == 2 ? 3 : 1) {
+        /* batched, BF16 W [B][N][K] */
+        uint16_t *w = xmalloc((size_t)(B * N * K) * 2);
+        float *wf = xmalloc((size_t)(B * N * K) * 4), *x = xmalloc((size_t)(M * ldx) * 4);
+        float *yc = xmalloc((size_t)(M * ldy) * 4), *yg = xmalloc((size_t)(M * ldy) * 4);
+        for (int64_t i = 0; i < B * N * K; i++) {
+            w[i] = duet_f32_to_bf16(rng_f());
+            wf[i] = duet_bf16_to_f32(w[i]);
+        }
+        for (int64_t i = 0; i < M * ldx; i++)
+            x[i] = rng_f();
+        for (int64_t b = 0; b < B; b++) {
+            duet_tensor_t wc = {.data = w + b * N * K, .dtype = DUET_DTYPE_BF16,
+                                .device = DUET_DEVICE_CPU, .ndim = 2, .shape = {N, K}};
+            CHECK(duet_k_matmul(cpu, yc + b * sy, ldy, x + b * sx, ldx, M, &wc, 0) == DUET_OK);
+        }
+        void *dw = dev_copy(w, (size_t)(B * N * K) * 2);
+        float *dx = dev_copy(x, (size_t)(M * ldx) * 4), *dy = dev_alloc((size_t)(M * ldy) * 4);
+        duet_tensor_t wd = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
+                            .ndim = 3, .shape = {B, N, K}};
+        duet_status_t st = duet_cuda_gemm_matmul_batched(g, 0, dy, ldy, sy, dx, ldx, sx, M, &wd,
+                                                          0, 0);
+        CHECK(st == DUET_OK, "batched M=%lld: %s", (long long)M, duet_error_last());
+        CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * ldy) * 4, cudaMemcpyDeviceToHost));
+        for (int64_t b = 0; b < B; b++) {
+            double e = check_rows(yg + b * sy, yc + b * sy, x + b * sx, ldx, wf + b * N * K, M, N,
+                                  K, ldy, tol, "batched");
+            worst_b = e > worst_b ? e : worst_b;
+        }
+
+        /* multi: an F32 and a BF16 weight reading x, the second accumulating */
+        const int64_t N2 = 24;
+        float *w2 = xmalloc((size_t)(N2 * K) * 4), *y2c = xmalloc((size_t)(M * N2) * 4),
+              *y2g = xmalloc((size_t)(M * N2) * 4), *y2 = xmalloc((size_t)(M * N2) * 4);
+        for (int64_t i = 0; i < N2 * K; i++)
+            w2[i] = rng_f();
+        for (int64_t i = 0; i < M * N2; i++)
+            y2[i] = y2c[i] = rng_f();
+        duet_tensor_t w2c = {.data = w2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CPU,
+                             .ndim = 2, .shape = {N2, K}};
+        duet_tensor_t w1c = {.data = w, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CPU,
+                             .ndim = 2, .shape = {N, K}};
+        CHECK(duet_k_matmul(cpu, yc, N, x, ldx, M, &w1c, 0) == DUET_OK);
+        CHECK(duet_k_matmul(cpu, y2c, N2, x, ldx, M, &w2c, 1) == DUET_OK);
+        float *dw2 = dev_copy(w2, (size_t)(N2 * K) * 4), *dy2 = dev_copy(y2, (size_t)(M * N2) * 4);
+        duet_tensor_t w2d = {.data = dw2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CUDA,
+                             .ndim = 2, .shape = {N2, K}};
+        duet_tensor_t w1d = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
+                             .ndim = 2, .shape = {N, K}};
+        const duet_cuda_gemm_op_t ops[2] = {{.y = dy, .ldy = N, .x = dx, .ldx = ldx, .w = &w1d},
+                                            {.y = dy2, .ldy = N2, .x = dx, .ldx = ldx, .w = &w2d,
+                                             .accumulate = 1}};
+        st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
+        CHECK(st == DUET_OK, "multi M=%lld: %s", (long long)M, duet_error_last());
+        CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(y2g, dy2, (size_t)(M * N2) * 4, cudaMemcpyDeviceToHost));
+        double e1 = check_rows(yg, yc, x, ldx, wf, M, N, K, N, tol, "multi bf16");
+        /* the accumulated F32 op: its S excludes y0, so allow 2e-5 relative plus 1e-5 */
+        double e2 = check_rows(y2g, y2c, x, ldx, w2, M, N2, K, N2, 2e-5 + 1e-5, "multi f32 acc");
+        worst_m = e1 > worst_m ? e1 : worst_m;
+        worst_m = e2 > worst_m ? e2 : worst_m;
+        cudaFree(dw2);
+        cudaFree(dy2);
+        cudaFree(dw);
+        cudaFree(dx);
+        cudaFree(dy);
+        free(w2), free(y2c), free(y2g), free(y2);
+        free(w), free(wf), free(x), free(yc), free(yg);
+    }
+    printf("batched (B=3) max err %.3g, multi max err %.3g (M = 1, 2: GEMV; 5: cuBLASLt)\n",
+           worst_b, worst_m);
+    duet_cuda_gemm_destroy(g);
+    duet_kernels_destroy(cpu);
+}
