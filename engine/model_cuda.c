@@ -75,6 +75,7 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_kda.h"
 #include "kernels/cuda/cuda_mla.h"
@@ -188,12 +189,7 @@ struct duet_cuda_model {
 
 static duet_status_t duet__cu(cudaError_t e, const char *what)
 {
-    if (e == cudaSuccess)
-        return DUET_OK;
-    (void)cudaGetLastError();
-    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
-                          "cuda model: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
+    return duet_cuda_status(e, "cuda model", what);
 }
 
 #define TRY(expr)                                                                                  \

@@ -8,6 +8,8 @@
  */
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
+
 extern "C" int duet_cuda_device_count(void)
 {
     int n = 0;
@@ -16,4 +18,14 @@ extern "C" int duet_cuda_device_count(void)
         return 0;
     }
     return n;
+}
+
+extern "C" duet_status_t duet_cuda_status(cudaError_t e, const char *module, const char *what)
+{
+    if (e == cudaSuccess)
+        return DUET_OK;
+    (void)cudaGetLastError();
+    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
+                          "%s: %s: %s (%s)", module, what, cudaGetErrorName(e),
+                          cudaGetErrorString(e));
 }

@@ -28,7 +28,11 @@
 #include <cuda_runtime.h>
 #include <cublasLt.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_gemm.h"
+
+#define DUET__MODULE "cuda gemm" /* the prefix of this file's error details */
+#define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 #define DUET_CUDA_GEMM_CACHE    64
 #define DUET_CUDA_GEMM_WS_BYTES ((size_t)32 << 20)
@@ -60,14 +64,6 @@ struct duet_cuda_gemm {
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
-static duet_status_t duet__cuda_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
-    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
-                          "cuda gemm: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
-
 static duet_status_t duet__lt_fail(cublasStatus_t s, const char *what)
 {
     duet_status_t st = DUET_ERR_DEVICE;
@@ -80,13 +76,6 @@ static duet_status_t duet__lt_fail(cublasStatus_t s, const char *what)
     return duet_error_set(st, "cuda gemm: %s: cuBLASLt %s (%d)", what, cublasLtGetStatusString(s),
                           (int)s);
 }
-
-#define DUET__CUDA_TRY(call, what)                                                                 \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return duet__cuda_fail(e_, what);                                                      \
-    } while (0)
 
 /* ---- x conversion ------------------------------------------------------------------------- */
 
@@ -139,7 +128,7 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
     default:
         return duet_error_set(DUET_ERR_INVALID, "cuda convert: unknown dtype %d", (int)dtype);
     }
-    DUET__CUDA_TRY(cudaGetLastError(), "convert kernel launch");
+    DUET__TRY(cudaGetLastError(), "convert kernel launch");
     return DUET_OK;
 }
 
@@ -358,14 +347,14 @@ extern "C" duet_status_t duet_cuda_gemm_create(size_t workspace_bytes, int64_t m
     }
     ce = cudaMalloc(&g->workspace, workspace_bytes);
     if (ce != cudaSuccess) {
-        st = duet__cuda_fail(ce, "workspace cudaMalloc");
+        st = duet_cuda_status(ce, DUET__MODULE, "workspace cudaMalloc");
         goto destroy_lt;
     }
     g->ws_bytes = workspace_bytes;
     if (max_x_elems > 0) {
         ce = cudaMalloc(&g->stage, (size_t)max_x_elems * sizeof(uint16_t));
         if (ce != cudaSuccess) {
-            st = duet__cuda_fail(ce, "staging cudaMalloc");
+            st = duet_cuda_status(ce, DUET__MODULE, "staging cudaMalloc");
             goto free_workspace;
         }
     }
@@ -572,7 +561,7 @@ static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
     if (K == 0) { /* an empty sum: y = 0, or y unchanged */
         if (!accumulate)
             for (int32_t b = 0; b < batch; b++)
-                DUET__CUDA_TRY(cudaMemset2DAsync(y + b * stride_y, (size_t)ldy * sizeof(float), 0,
+                DUET__TRY(cudaMemset2DAsync(y + b * stride_y, (size_t)ldy * sizeof(float), 0,
                                                  (size_t)N * sizeof(float), (size_t)M, stream),
                                "zero y");
         return DUET_OK;
@@ -670,7 +659,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cuda
                                          .N = N, .K = K, .dtype = (int)w->dtype,
                                          .accumulate = accumulate, .sx = stride_x,
                                          .sy = stride_y, .B = (unsigned)B};
-        DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "batched gemv launch");
+        DUET__TRY(duet__gemv_run(stream, M, &args), "batched gemv launch");
         return DUET_OK;
     }
     if (w->dtype == DUET_DTYPE_F32)
@@ -706,7 +695,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
         args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
                                          .N = w->shape[0], .K = w->shape[1],
                                          .dtype = (int)w->dtype, .accumulate = accumulate};
-        DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "gemv launch");
+        DUET__TRY(duet__gemv_run(stream, M, &args), "gemv launch");
         return DUET_OK;
     }
     if (w->dtype == DUET_DTYPE_F32)
@@ -757,6 +746,6 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
                                          .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
                                          .dtype = (int)ops[i].w->dtype,
                                          .accumulate = ops[i].accumulate};
-    DUET__CUDA_TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
+    DUET__TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
     return DUET_OK;
 }

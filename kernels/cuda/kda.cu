@@ -32,7 +32,11 @@
  */
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kda.h"
+
+#define DUET__MODULE "cuda kda" /* the prefix of this file's error details */
+#define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 #define DUET_KDA_C      64 /* chunk length, engine/kda.h DUET_KDA_CHUNK */
 #define DUET_KDA_MAX_K  128
@@ -40,22 +44,7 @@
 #define DUET_KDA_L2_EPS 1e-6f /* engine/model.c DUET_L2_EPS */
 #define DUET_LOG2E      1.4426950408889634f
 
-/* ---- errors ------------------------------------------------------------------------------- */
-
-static duet_status_t duet__kda_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
-    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
-                          "cuda kda: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
-
-#define DUET__KDA_TRY(call, what)                                                                  \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return duet__kda_fail(e_, what);                                                       \
-    } while (0)
+/* ---- argument checks ---------------------------------------------------------------------- */
 
 /* Shapes every kernel here supports; the core also needs K % 16 == 0 (checked where used). */
 static duet_status_t duet__kda_check(const duet_cuda_kda_layer_t *ly, const char *what)
@@ -245,11 +234,11 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     const int R = st->n_rows >= 4096 ? 16 : st->n_rows >= 256 ? st->n_rows / 256 : 1;
     dim3 grid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
     duet__kda_conv_kernel<<<grid, th, 0, stream>>>(*st, *ly, taps, proj, qkv, R);
-    DUET__KDA_TRY(cudaGetLastError(), "conv launch");
+    DUET__TRY(cudaGetLastError(), "conv launch");
     if (ly->W > 1) {
         dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
         duet__kda_window_kernel<<<wgrid, th, 0, stream>>>(*st, *ly, proj);
-        DUET__KDA_TRY(cudaGetLastError(), "conv window launch");
+        DUET__TRY(cudaGetLastError(), "conv window launch");
     }
     return DUET_OK;
 }
@@ -299,7 +288,7 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
     const int th = 256;
     duet__kda_prep_kernel<<<duet__blocks(n_rows * ly->H, th / 32, 1 << 20), th, 0, stream>>>(
         n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta);
-    DUET__KDA_TRY(cudaGetLastError(), "prep launch");
+    DUET__TRY(cudaGetLastError(), "prep launch");
     return DUET_OK;
 }
 
@@ -336,7 +325,7 @@ extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, 
     const int th = 256;
     duet__kda_out_kernel<<<duet__blocks(n_rows * H, th / 32, 1 << 20), th, 0, stream>>>(
         n_rows, H, K, o_norm, eps, gate, o);
-    DUET__KDA_TRY(cudaGetLastError(), "out launch");
+    DUET__TRY(cudaGetLastError(), "out launch");
     return DUET_OK;
 }
 
@@ -677,10 +666,10 @@ template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
 {
     static int done[64];
     int dev = 0;
-    DUET__KDA_TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    DUET__TRY(cudaGetDevice(&dev), "cudaGetDevice");
     if (dev >= 0 && dev < 64 && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE))
         return DUET_OK;
-    DUET__KDA_TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
                   "chunk kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
@@ -694,14 +683,14 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
     const int64_t H = a.ly.H;
     dim3 rgrid((unsigned)(a.st.n_items * H), (unsigned)((K + 31) / 32));
     duet__kda_recur_kernel<K><<<rgrid, dim3(32, DUET_KDA_RY), 0, stream>>>(a);
-    DUET__KDA_TRY(cudaGetLastError(), "recurrent core launch");
+    DUET__TRY(cudaGetLastError(), "recurrent core launch");
     if (a.st.max_item_tokens > 1) {
         const size_t bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
         duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
         if (s != DUET_OK)
             return s;
         duet__kda_chunk_kernel<K><<<(unsigned)(a.st.n_items * H), 4 * K, bytes, stream>>>(a);
-        DUET__KDA_TRY(cudaGetLastError(), "chunked core launch");
+        DUET__TRY(cudaGetLastError(), "chunked core launch");
     }
     return DUET_OK;
 }

@@ -54,7 +54,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_mla.h"
+
+#define DUET__MODULE "cuda mla" /* the prefix of this file's error details */
+#define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 #define DUET_MLA_THREADS   256 /* 8 warps per attention block */
 #define DUET_MLA_WARPS     (DUET_MLA_THREADS / 32)
@@ -68,23 +72,6 @@
 #define DUET_MLA_MIN_SPLIT 256 /* plan_splits: fewest positions per split */
 #define DUET_MLA_MAX_SPLIT 1024
 #define DUET_LOG2E         1.4426950408889634f
-
-/* ---- errors ------------------------------------------------------------------------------- */
-
-static duet_status_t duet__mla_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
-    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
-                          "cuda mla: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
-
-#define DUET__MLA_TRY(call, what)                                                                  \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return duet__mla_fail(e_, what);                                                       \
-    } while (0)
 
 /* Test hook (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well. */
 static int duet__mla_simt_only = 0;
@@ -1002,7 +989,7 @@ extern "C" duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_
         duet__mla_kv_write_kernel<float><<<st->n_rows, 128, 0, stream>>>(
             st->row_item, st->row_pos, st->item_pages, st->max_pages, (float *)ly->kv_base,
             ly->kv_n_layers, ly->layer, pt, r, td, ckr, norm_w, eps);
-    DUET__MLA_TRY(cudaGetLastError(), "kv_write launch");
+    DUET__TRY(cudaGetLastError(), "kv_write launch");
     return DUET_OK;
 }
 
@@ -1067,16 +1054,16 @@ static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t sme
                                       cudaStream_t stream, const duet__mla_args_t &a)
 {
     int dev = 0;
-    DUET__MLA_TRY(cudaGetDevice(&dev), "attend cudaGetDevice");
+    DUET__TRY(cudaGetDevice(&dev), "attend cudaGetDevice");
     if (dev < 0 || dev >= DUET_MLA_MAX_DEV || duet__mla_smem_set[which][dev] < (int)smem) {
-        DUET__MLA_TRY(
+        DUET__TRY(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
             "attend shared memory opt-in");
         if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
             duet__mla_smem_set[which][dev] = (int)smem;
     }
     kernel<<<grid, DUET_MLA_THREADS, smem, stream>>>(a);
-    DUET__MLA_TRY(cudaGetLastError(), "attend launch");
+    DUET__TRY(cudaGetLastError(), "attend launch");
     return DUET_OK;
 }
 
@@ -1165,7 +1152,7 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
         const dim3 rgrid((unsigned)n_rh, (unsigned)((a.r / 4 + cols - 1) / cols));
         duet__mla_reduce_kernel<<<rgrid, 256, 0, stream>>>(a.part_o, a.part_ml, lat, n_rh, a.r,
                                                            kv_splits, cols);
-        DUET__MLA_TRY(cudaGetLastError(), "attend reduce launch");
+        DUET__TRY(cudaGetLastError(), "attend reduce launch");
     }
     return DUET_OK;
 }

@@ -46,7 +46,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+
+#define DUET__MODULE "cuda moe" /* the prefix of this file's error details */
+#define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 /* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tuning, bits 4..7
  * may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64, 2: 128),
@@ -72,19 +76,7 @@
 
 #define DUET__PLAN_THREADS 1024
 
-static duet_status_t duet__moe_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError();
-    return duet_error_set(DUET_ERR_DEVICE, "cuda moe: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
-
-#define DUET__MOE_LAUNCHED(what)                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = cudaGetLastError();                                                       \
-        if (e_ != cudaSuccess)                                                                     \
-            return duet__moe_fail(e_, what);                                                       \
-    } while (0)
+#define DUET__MOE_LAUNCHED(what) DUET__TRY(cudaGetLastError(), what)
 
 /* ---- shared device helpers ----------------------------------------------------------------- */
 
@@ -987,19 +979,19 @@ duet__launch_gemv(cudaStream_t stream, int pdl1, int pdl2, const duet_cuda_exper
     cudaError_t e;
     if ((e = duet__smem_optin(duet__moe_gemv13_kernel<DT, NRMAX>, &optin13)) != cudaSuccess ||
         (e = duet__smem_optin(duet__moe_gemv2_kernel<DT, NRMAX>, &optin2)) != cudaSuccess)
-        return duet__moe_fail(e, "gemv shared-memory opt-in");
+        return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
     dim3 g13((unsigned)max_slots,
              (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
     e = duet__launch(pdl1, g13, DUET__GV_THREADS, sm13, stream, duet__moe_gemv13_kernel<DT, NRMAX>,
                      ex->w1, ex->w3, x, pl, top_k, I, D, (int)act, beta, beta_lin, h);
     if (e != cudaSuccess)
-        return duet__moe_fail(e, "gemv gate/up kernel launch");
+        return duet_cuda_status(e, DUET__MODULE, "gemv gate/up kernel launch");
     dim3 g2((unsigned)max_slots,
             (unsigned)((D + DUET__GV_WARPS * DUET__GV_RD - 1) / (DUET__GV_WARPS * DUET__GV_RD)));
     e = duet__launch(pdl2, g2, DUET__GV_THREADS, sm2, stream, duet__moe_gemv2_kernel<DT, NRMAX>,
                      ex->w2, (const float *)h, pl, I, D, out);
     if (e != cudaSuccess)
-        return duet__moe_fail(e, "gemv down kernel launch");
+        return duet_cuda_status(e, DUET__MODULE, "gemv down kernel launch");
     return DUET_OK;
 }
 
@@ -1038,7 +1030,7 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
     cudaError_t e;
     if ((e = duet__smem_optin(duet__moe_mma_kernel<BM, true>, &optin1)) != cudaSuccess ||
         (e = duet__smem_optin(duet__moe_mma_kernel<BM, false>, &optin2)) != cudaSuccess)
-        return duet__moe_fail(e, "mma shared-memory opt-in");
+        return duet_cuda_status(e, DUET__MODULE, "mma shared-memory opt-in");
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
     dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
@@ -1199,7 +1191,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                                  stream, duet__moe_combine_kernel, y, (const float *)out, idx, wts,
                                  (int)top_k, (int)E, (int)D);
     if (e != cudaSuccess)
-        return duet__moe_fail(e, "combine kernel launch");
+        return duet_cuda_status(e, DUET__MODULE, "combine kernel launch");
     return DUET_OK;
 }
 

@@ -14,21 +14,17 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
 
-#define DUET__ROW_THREADS 256
+#define DUET__MODULE "cuda ops" /* the prefix of this file's error details */
 
-static duet_status_t duet__ops_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError(); /* clear a non-sticky error so later calls start clean */
-    return duet_error_set(DUET_ERR_DEVICE, "cuda ops: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
+#define DUET__ROW_THREADS 256
 
 static duet_status_t duet__launched(const char *what)
 {
     cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? DUET_OK : duet__ops_fail(e, what);
+    return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, what);
 }
 
 /* ---- block reductions ---------------------------------------------------------------------- */

@@ -31,20 +31,16 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+
+#define DUET__MODULE "cuda sample" /* the prefix of this file's error details */
 
 #define DUET__SAMPLE_THREADS 1024
 #define DUET__SAMPLE_PER_T   8                 /* candidates per thread per select tile */
 #define DUET__SAMPLE_CUB     ((size_t)1 << 20) /* scratch reserved for cub's temp storage */
 #define DUET__SAMPLE_BINS    4096              /* key histogram: the keys' top 12 bits */
 #define DUET__SAMPLE_HEAD    16384             /* most candidates in a row's head */
-
-static duet_status_t duet__sample_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError();
-    return duet_error_set(DUET_ERR_DEVICE, "cuda sample: %s: %s (%s)", what, cudaGetErrorName(e),
-                          cudaGetErrorString(e));
-}
 
 /* ---- block helpers ------------------------------------------------------------------------- */
 
@@ -186,7 +182,7 @@ extern "C" duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logi
         return DUET_OK;
     duet__argmax_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(logits, ld, (int)V, out);
     cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? DUET_OK : duet__sample_fail(e, "argmax kernel launch");
+    return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, "argmax kernel launch");
 }
 
 /* ---- sampling ------------------------------------------------------------------------------ */
@@ -496,7 +492,7 @@ extern "C" duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logi
     duet__sample_prep_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(
         logits, ld, (int)V, params, out, k0, v0, sb, se, tl);
     if ((e = cudaGetLastError()) != cudaSuccess)
-        return duet__sample_fail(e, "prep kernel launch");
+        return duet_cuda_status(e, DUET__MODULE, "prep kernel launch");
 
     cub::DoubleBuffer<uint32_t> keys(k0, k1);
     cub::DoubleBuffer<int32_t> vals(v0, v1);
@@ -504,7 +500,7 @@ extern "C" duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logi
     e = cub::DeviceSegmentedRadixSort::SortPairs(NULL, tmp, keys, vals, (int)(M * V), (int)M, sb,
                                                  se, 0, 32, stream);
     if (e != cudaSuccess)
-        return duet__sample_fail(e, "cub sort size query");
+        return duet_cuda_status(e, DUET__MODULE, "cub sort size query");
     if (tmp > DUET__SAMPLE_CUB)
         return duet_error_set(DUET_ERR_INTERNAL,
                               "cuda sample: cub wants %zu bytes of temp storage, %zu reserved", tmp,
@@ -513,12 +509,12 @@ extern "C" duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logi
     e = cub::DeviceSegmentedRadixSort::SortPairs(base + L.cub, tmp, keys, vals, (int)(M * V),
                                                  (int)M, sb, se, 0, 32, stream);
     if (e != cudaSuccess)
-        return duet__sample_fail(e, "cub segmented sort");
+        return duet_cuda_status(e, DUET__MODULE, "cub segmented sort");
 
     /* The sort's other key buffer is free again: it holds the probabilities. */
     duet__sample_select_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(
         (int)V, params, keys.Current(), vals.Current(), sb, se, tl, (float *)keys.Alternate(), out);
     if ((e = cudaGetLastError()) != cudaSuccess)
-        return duet__sample_fail(e, "select kernel launch");
+        return duet_cuda_status(e, DUET__MODULE, "select kernel launch");
     return DUET_OK;
 }

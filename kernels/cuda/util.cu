@@ -5,21 +5,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_util.h"
 
-static duet_status_t duet__util_fail(cudaError_t e, const char *what)
-{
-    (void)cudaGetLastError();
-    return duet_error_set(e == cudaErrorMemoryAllocation ? DUET_ERR_NOMEM : DUET_ERR_DEVICE,
-                          "cuda: %s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-#define DUET__UTIL_TRY(call, what)                                                                 \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return duet__util_fail(e_, what);                                                      \
-    } while (0)
+#define DUET__MODULE "cuda" /* the prefix of this file's error details */
+#define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 static unsigned duet__grid(int64_t n, int threads)
 {
@@ -84,7 +74,7 @@ extern "C" duet_status_t duet_cuda_fill_random(cudaStream_t stream, void *p, due
     default:
         return duet_error_set(DUET_ERR_INVALID, "cuda fill: unknown dtype %d", (int)dtype);
     }
-    DUET__UTIL_TRY(cudaGetLastError(), "fill launch");
+    DUET__TRY(cudaGetLastError(), "fill launch");
     return DUET_OK;
 }
 
@@ -108,7 +98,7 @@ extern "C" duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, 
         return DUET_OK;
     duet__gather_kernel<<<(unsigned)(n < 65535 ? n : 65535), 256, 0, stream>>>(dst, src, D, rows,
                                                                                n);
-    DUET__UTIL_TRY(cudaGetLastError(), "gather launch");
+    DUET__TRY(cudaGetLastError(), "gather launch");
     return DUET_OK;
 }
 
@@ -124,7 +114,7 @@ extern "C" duet_status_t duet_cuda_neg_exp(cudaStream_t stream, float *p, int64_
     if (n <= 0)
         return DUET_OK;
     duet__neg_exp_kernel<<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
-    DUET__UTIL_TRY(cudaGetLastError(), "neg_exp launch");
+    DUET__TRY(cudaGetLastError(), "neg_exp launch");
     return DUET_OK;
 }
 
@@ -140,7 +130,7 @@ extern "C" duet_status_t duet_cuda_copy_bandwidth(size_t bytes, int iters, doubl
 #define DUET__BW(call, what)                                                                       \
     do {                                                                                           \
         if ((ce = (call)) != cudaSuccess) {                                                        \
-            st = duet__util_fail(ce, what);                                                        \
+            st = duet_cuda_status(ce, DUET__MODULE, what);                                         \
             goto out;                                                                              \
         }                                                                                          \
     } while (0)
