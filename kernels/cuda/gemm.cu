@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
         duet__gemv_row<float, MR>(sg, M, n, lane);
 }
 
-/* Launch the segments (already checked by duet__gemv_fits) as one kernel. */
+/* Launch the segments (each checked by duet__gemv_fits) as one kernel. */
 static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
     unsigned blocks = 0;
@@ -297,13 +297,34 @@ static int duet__gemv_disabled(void)
     return off;
 }
 
-/* Whether the GEMV path takes this call (alignment of every 16-byte load it makes). */
-static int duet__gemv_fits(const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w)
+/*
+ * Whether the GEMV path takes a call of B products [N, K] (B = 1: a plain one): every 16-byte
+ * load it makes is aligned, sizes fit its indexing, and no TF32 was asked for.
+ */
+static int duet__gemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64_t B, int64_t M,
+                           const void *w_data, duet_dtype_t dt, int64_t N, int64_t K,
+                           unsigned flags)
 {
-    const int64_t K = w->shape[1];
-    return M >= 1 && M <= DUET_GEMV_MAX_M && K % 8 == 0 && ldx % 4 == 0 &&
-           ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w->data & 15u) == 0 && K <= INT32_MAX &&
-           !duet__gemv_disabled();
+    return M >= 1 && M <= DUET_GEMV_MAX_M && N > 0 && K % 8 == 0 && K <= INT32_MAX &&
+           ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) && B <= 65535 &&
+           ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w_data & 15u) == 0 &&
+           (dt != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32)) && !duet__gemv_disabled();
+}
+
+/* One (possibly batched) product on the GEMV path, checked by duet__gemv_fits. */
+static duet_status_t duet__gemv_one(cudaStream_t stream, float *y, int64_t ldy, int64_t stride_y,
+                                    const float *x, int64_t ldx, int64_t stride_x, int64_t M,
+                                    const void *w_data, duet_dtype_t dt, int64_t N, int64_t K,
+                                    int64_t B, int accumulate)
+{
+    duet__gemv_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.n      = 1;
+    args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w_data, .ldy = ldy, .ldx = ldx,
+                                     .N = N, .K = K, .dtype = (int)dt, .accumulate = accumulate,
+                                     .sx = stride_x, .sy = stride_y, .B = (unsigned)B};
+    DUET__TRY(duet__gemv_run(stream, M, &args), "gemv launch");
+    return DUET_OK;
 }
 
 /* ---- handle ------------------------------------------------------------------------------- */
@@ -648,20 +669,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cuda
         return DUET_OK;
     if (x == NULL || y == NULL || w->data == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
-    if (M <= DUET_GEMV_MAX_M && K % 8 == 0 && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
-        ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w->data & 15u) == 0 && N > 0 &&
-        B <= 65535 && !duet__gemv_disabled() &&
-        (w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32))) {
-        duet__gemv_args_t args;
-        memset(&args, 0, sizeof(args));
-        args.n      = 1;
-        args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
-                                         .N = N, .K = K, .dtype = (int)w->dtype,
-                                         .accumulate = accumulate, .sx = stride_x,
-                                         .sy = stride_y, .B = (unsigned)B};
-        DUET__TRY(duet__gemv_run(stream, M, &args), "batched gemv launch");
-        return DUET_OK;
-    }
+    if (duet__gemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K, flags))
+        return duet__gemv_one(stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data, w->dtype, N,
+                              K, B, accumulate);
     if (w->dtype == DUET_DTYPE_F32)
         return duet__matmul_lowp(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data,
                                  w->dtype, N, K, (int32_t)B, accumulate, flags);
@@ -687,17 +697,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
     if (st != DUET_OK)
         return st;
-    if (w->shape[0] > 0 && duet__gemv_fits(x, ldx, M, w) &&
-        (w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32))) {
-        duet__gemv_args_t args;
-        memset(&args, 0, sizeof(args));
-        args.n      = 1;
-        args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
-                                         .N = w->shape[0], .K = w->shape[1],
-                                         .dtype = (int)w->dtype, .accumulate = accumulate};
-        DUET__TRY(duet__gemv_run(stream, M, &args), "gemv launch");
-        return DUET_OK;
-    }
+    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1], flags))
+        return duet__gemv_one(stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, w->shape[0],
+                              w->shape[1], 1, accumulate);
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
 
@@ -724,8 +726,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
             return st;
-        fits = fits && ops[i].w->shape[0] > 0 && duet__gemv_fits(ops[i].x, ops[i].ldx, M, ops[i].w) &&
-               (ops[i].w->dtype != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32));
+        fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
+                                       ops[i].w->dtype, ops[i].w->shape[0], ops[i].w->shape[1],
+                                       flags);
     }
     if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
         for (int i = 0; i < n_ops; i++) {
