@@ -249,8 +249,8 @@ static duet_status_t duet__dtensor(duet_cuda_model_t *dm, duet_dtype_t dt, int n
 }
 
 /* Copy n host fp32 values into device memory of dtype dt at element offset `at`. */
-static duet_status_t duet__upload_f32(duet_cuda_model_t *dm, void *dst, duet_dtype_t dt,
-                                      int64_t at, const float *src, int64_t n)
+static duet_status_t duet__upload_f32(void *dst, duet_dtype_t dt, int64_t at, const float *src,
+                                      int64_t n)
 {
     size_t es = duet_dtype_size(dt);
     void  *buf = (void *)src;
@@ -266,13 +266,12 @@ static duet_status_t duet__upload_f32(duet_cuda_model_t *dm, void *dst, duet_dty
                                cudaMemcpyHostToDevice);
     if (buf != src)
         free(buf);
-    (void)dm;
     return duet__cu(e, "weight upload");
 }
 
 /* Rows of a host tensor (any dtype) to fp32, then into dst at element offset `at`. */
-static duet_status_t duet__upload_tensor(duet_cuda_model_t *dm, void *dst, duet_dtype_t dt,
-                                         int64_t at, const duet_tensor_t *src)
+static duet_status_t duet__upload_tensor(void *dst, duet_dtype_t dt, int64_t at,
+                                         const duet_tensor_t *src)
 {
     int64_t n = duet_tensor_numel(src);
     if (src->dtype == dt) { /* stored as computed: no conversion */
@@ -285,7 +284,7 @@ static duet_status_t duet__upload_tensor(duet_cuda_model_t *dm, void *dst, duet_
     if (f == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
     duet_convert_to_f32(f, src->data, src->dtype, n);
-    duet_status_t st = duet__upload_f32(dm, dst, dt, at, f, n);
+    duet_status_t st = duet__upload_f32(dst, dt, at, f, n);
     free(f);
     return st;
 }
@@ -305,7 +304,7 @@ static duet_status_t duet__weight(duet_cuda_model_t *dm, int from_host, duet_dty
                                      sqrtf(3.0f / (float)cols), 0.0f);
     int64_t at = 0;
     for (int i = 0; i < n_src; i++) {
-        TRY(duet__upload_tensor(dm, t->data, dt, at, srcs[i]));
+        TRY(duet__upload_tensor(t->data, dt, at, srcs[i]));
         at += duet_tensor_numel(srcs[i]);
     }
     if (at != rows * cols)
@@ -321,9 +320,9 @@ static duet_status_t duet__vec(duet_cuda_model_t *dm, const float *host_f32,
 {
     TRY(duet__dalloc_f(dm, n, p));
     if (host_f32 != NULL)
-        return duet__upload_f32(dm, *p, DUET_DTYPE_F32, 0, host_f32, n);
+        return duet__upload_f32(*p, DUET_DTYPE_F32, 0, host_f32, n);
     if (host_t != NULL && host_t->data != NULL)
-        return duet__upload_tensor(dm, *p, DUET_DTYPE_F32, 0, host_t);
+        return duet__upload_tensor(*p, DUET_DTYPE_F32, 0, host_t);
     return duet_cuda_fill_random(dm->stream, *p, DUET_DTYPE_F32, n, (*seed)++, scale, offset);
 }
 
@@ -399,7 +398,7 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             TRY(duet_cuda_fill_random(dm->stream, m->wuv.data, dm->wdt, n * dv * r, (*seed)++,
                                       sqrtf(3.0f / (float)r), 0.0f));
         } else {
-            TRY(duet__upload_f32(dm, m->wuk_t.data, dm->wdt, 0, host->wuk_t[l], n * r * dn));
+            TRY(duet__upload_f32(m->wuk_t.data, dm->wdt, 0, host->wuk_t[l], n * r * dn));
             /* W_UV[h] = rows h*(dn+dv)+dn .. +dv of kv_b_proj (n*(dn+dv), r) */
             const duet_tensor_t *kvb = &mw->kv_b_proj;
             float *f = malloc(sizeof(float) * (size_t)(n * (dn + dv) * r));
@@ -412,7 +411,7 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             duet_convert_to_f32(f, kvb->data, kvb->dtype, n * (dn + dv) * r);
             for (int64_t h = 0; h < n; h++)
                 memcpy(g + h * dv * r, f + (h * (dn + dv) + dn) * r, sizeof(float) * (size_t)(dv * r));
-            duet_status_t st = duet__upload_f32(dm, m->wuv.data, dm->wdt, 0, g, n * dv * r);
+            duet_status_t st = duet__upload_f32(m->wuv.data, dm->wdt, 0, g, n * dv * r);
             free(f);
             free(g);
             TRY(st);
@@ -433,9 +432,9 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
         TRY(duet__dtensor(dm, dm->wdt, 3, s2, &t2));
         if (fh) {
             for (int64_t e = 0; e < E; e++) {
-                TRY(duet__upload_tensor(dm, t1.data, dm->wdt, e * I * D, &mw->w1[e]));
-                TRY(duet__upload_tensor(dm, t3.data, dm->wdt, e * I * D, &mw->w3[e]));
-                TRY(duet__upload_tensor(dm, t2.data, dm->wdt, e * D * I, &mw->w2[e]));
+                TRY(duet__upload_tensor(t1.data, dm->wdt, e * I * D, &mw->w1[e]));
+                TRY(duet__upload_tensor(t3.data, dm->wdt, e * I * D, &mw->w3[e]));
+                TRY(duet__upload_tensor(t2.data, dm->wdt, e * D * I, &mw->w2[e]));
             }
         } else {
             TRY(duet_cuda_fill_random(dm->stream, t1.data, dm->wdt, E * I * D, (*seed)++,
@@ -532,8 +531,9 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     dm->logit_rows_cap = cap;
     TRY(duet__dalloc_f(dm, cap * V, &dm->logits));
     TRY(duet__dalloc(dm, duet_cuda_sample_scratch_bytes(dm->imax_items, V), &dm->sample_scratch));
-    TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)dm->imax_items, (void **)&dm->token_out));
-    CU(cudaMallocHost((void **)&dm->token_out_h, sizeof(int32_t) * (size_t)dm->imax_items),
+    /* one token slot per logits row a step can have (T rows + a bucket's padding) */
+    TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T + dm->imax_items), (void **)&dm->token_out));
+    CU(cudaMallocHost((void **)&dm->token_out_h, sizeof(int32_t) * (size_t)(T + dm->imax_items)),
        "pinned token buffer");
 
     /* metadata block */
@@ -552,7 +552,7 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     DUET__META(row_pos, T + I);
     DUET__META(tokens, T + I);
     DUET__META(logit_rows, T + I);
-    DUET__META(params, I * (sizeof(duet_cuda_sample_params_t) / sizeof(int32_t)));
+    DUET__META(params, (T + I) * (sizeof(duet_cuda_sample_params_t) / sizeof(int32_t)));
     DUET__META(item_pages, I * (dm->max_pages > 0 ? dm->max_pages : 1));
 #undef DUET__META
     ml->total = at;
@@ -808,7 +808,6 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
-static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T);
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
@@ -884,14 +883,6 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
 }
 
-static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
-{
-    const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
-    TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
-                              dm->gemm_flags));
-    return duet__mlp_rest(dm, w, T);
-}
-
 /* act(gate) ⊙ up and the down projection into the residual, f1 = [T][gate | up] computed. */
 static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
 {
@@ -903,6 +894,14 @@ static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w
                           c->situ_beta, c->situ_linear_beta));
     return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
                                  dm->gemm_flags);
+}
+
+static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
+{
+    const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
+    TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
+                              dm->gemm_flags));
+    return duet__mlp_rest(dm, w, T);
 }
 
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
@@ -972,6 +971,45 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
 }
 
 /*
+ * Next tokens of logits rows [0, M) (row stride V) into out, with the step's parameters of those
+ * rows: argmax (kind 1) or the sampling rule (kind 2), in pieces of at most imax_items rows, the
+ * rows the sampler's scratch was sized for.
+ */
+static duet_status_t duet__draw(duet_cuda_model_t *dm, int kind, const float *logits, int64_t M,
+                                const duet_cuda_sample_params_t *par, int32_t *out)
+{
+    const int64_t V = dm->cfg.vocab_size;
+    if (kind == 1)
+        return duet_cuda_argmax(dm->stream, logits, V, V, M, out);
+    for (int64_t r0 = 0; r0 < M; r0 += dm->imax_items) {
+        const int64_t m = M - r0 < dm->imax_items ? M - r0 : dm->imax_items;
+        TRY(duet_cuda_sample(dm->stream, logits + r0 * V, V, V, m, par + r0, out + r0,
+                             dm->sample_scratch));
+    }
+    return DUET_OK;
+}
+
+/* Tell the caller layer l's mixer outputs are final (model.h's layer hook contract). */
+static void duet__run_hook(const duet_cuda_model_t *dm, duet_model_layer_hook_fn hook,
+                           void *hook_user, int64_t l)
+{
+    const int kda = dm->cfg.mixer[l] == DUET_MIXER_KDA;
+    hook(hook_user, l, kda ? -1 : dm->layer_sub[l], kda ? dm->layer_sub[l] : -1);
+}
+
+/* Rows of logits an item owns in a step: its last row (LAST, TOKEN; and NONE in a graph step,
+ * whose fixed shape computes one per item), all its rows (ALL), else none. */
+static int64_t duet__logit_rows(const duet_batch_item_t *it, int use_graph)
+{
+    switch (it->logits_mode) {
+    case DUET_LOGITS_LAST:
+    case DUET_LOGITS_TOKEN: return 1;
+    case DUET_LOGITS_ALL: return it->n_tokens;
+    default: return use_graph ? 1 : 0;
+    }
+}
+
+/*
  * Queue the whole step on dm->stream. With `hook` (not under graph capture), layer l's hook runs
  * once layer l's outputs are final in the host mirror (mirror_out) or on the device, one layer
  * behind the queueing so the GPU keeps working while the host waits.
@@ -999,8 +1037,7 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
         if (hook != NULL && pending >= 0) {
             CU(cudaEventSynchronize(mirror ? dm->copy_done[pending] : dm->layer_done[pending]),
                "layer wait");
-            hook(hook_user, pending, c->mixer[pending] == DUET_MIXER_KDA ? -1 : dm->layer_sub[pending],
-                 c->mixer[pending] == DUET_MIXER_KDA ? dm->layer_sub[pending] : -1);
+            duet__run_hook(dm, hook, hook_user, pending);
         }
         pending = l;
         TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->x, D, w->post_norm, T, D, c->rms_norm_eps));
@@ -1009,8 +1046,7 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
     if (hook != NULL && pending >= 0) {
         CU(cudaEventSynchronize(mirror ? dm->copy_done[pending] : dm->layer_done[pending]),
            "layer wait");
-        hook(hook_user, pending, c->mixer[pending] == DUET_MIXER_KDA ? -1 : dm->layer_sub[pending],
-             c->mixer[pending] == DUET_MIXER_KDA ? dm->layer_sub[pending] : -1);
+        duet__run_hook(dm, hook, hook_user, pending);
     }
     if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
         TRY(duet_cuda_gather_rows(s, dm->xn, dm->x, D, dm->meta_d + dm->ml.logit_rows,
@@ -1019,12 +1055,10 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
                               c->rms_norm_eps));
         TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->logits, V, dm->xn, D, sh->n_logit_rows,
                                   &dm->lm_head, 0, dm->gemm_flags));
-        if (sh->sample == 1)
-            TRY(duet_cuda_argmax(s, dm->logits, V, V, sh->n_logit_rows, dm->token_out));
-        else if (sh->sample == 2)
-            TRY(duet_cuda_sample(s, dm->logits, V, V, sh->n_logit_rows,
-                                 (const duet_cuda_sample_params_t *)(dm->meta_d + dm->ml.params),
-                                 dm->token_out, dm->sample_scratch));
+        if (sh->sample != 0)
+            TRY(duet__draw(dm, sh->sample, dm->logits, sh->n_logit_rows,
+                           (const duet_cuda_sample_params_t *)(dm->meta_d + dm->ml.params),
+                           dm->token_out));
     }
     return DUET_OK;
 }
@@ -1114,9 +1148,10 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
             mh[ml->row_pos + row]  = (int32_t)(pos0 + t);
             mh[ml->tokens + row]   = real ? it->tokens[t] : 0;
         }
-        if (!real || it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN ||
-            (use_graph && it->logits_mode == DUET_LOGITS_NONE)) {
-            mh[ml->logit_rows + n_logits] = (int32_t)(row - 1);
+        /* the item's logits rows are its last nl rows; each gets sampling parameters (greedy,
+         * and ignored, unless the item draws its token here) */
+        const int64_t nl = real ? duet__logit_rows(it, use_graph) : 1;
+        for (int64_t t = 0; t < nl; t++) {
             duet_cuda_sample_params_t p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .u = 0};
             if (real && it->logits_mode == DUET_LOGITS_TOKEN) {
                 p.temperature = it->sampling.temperature;
@@ -1125,10 +1160,8 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
                 p.top_p = it->sampling.top_p;
                 p.u     = it->u;
             }
-            pp[n_logits++] = p;
-        } else if (it->logits_mode == DUET_LOGITS_ALL) {
-            for (int64_t t = 0; t < nt; t++)
-                mh[ml->logit_rows + n_logits++] = (int32_t)(row - nt + t);
+            mh[ml->logit_rows + n_logits] = (int32_t)(row - nl + t);
+            pp[n_logits++]                = p;
         }
     }
     mh[ml->item_row0 + n_eff] = (int32_t)row;
@@ -1175,17 +1208,16 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
                                   c->rms_norm_eps));
             TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->logits, V, dm->xn, D, slice,
                                       &dm->lm_head, 0, dm->gemm_flags));
+            /* the slice's tokens, as the unsliced step draws them in duet__enqueue */
+            if (sh.sample != 0)
+                TRY(duet__draw(dm, sh.sample, dm->logits, slice,
+                               (const duet_cuda_sample_params_t *)(dm->meta_d + ml->params) + done,
+                               dm->token_out + done));
         }
         /* walk the items whose logits rows fall in [done, done + slice) */
         for (int64_t i = 0; i < n_items; i++) {
             duet_batch_item_t *it = &items[i];
-            int64_t            nr = 0;
-            if (it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN)
-                nr = 1;
-            else if (it->logits_mode == DUET_LOGITS_ALL)
-                nr = it->n_tokens;
-            else if (use_graph)
-                nr = 1;
+            const int64_t      nr = duet__logit_rows(it, use_graph);
             int64_t first = lr, last = lr + nr; /* this item's rows [first, last) */
             lr += nr;
             if (it->logits_mode != DUET_LOGITS_LAST && it->logits_mode != DUET_LOGITS_ALL)
@@ -1214,16 +1246,13 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
             duet_batch_item_t *it = &items[i];
             if (it->logits_mode == DUET_LOGITS_TOKEN)
                 *it->token_out = dm->token_out_h[k];
-            k += it->logits_mode == DUET_LOGITS_ALL ? it->n_tokens
-                 : it->logits_mode == DUET_LOGITS_NONE ? (use_graph ? 1 : 0)
-                                                       : 1;
+            k += duet__logit_rows(it, use_graph);
         }
     }
     /* a graph step has no hook points inside: report every layer as done now */
     if (use_graph && hook != NULL)
         for (int64_t l = 0; l < c->num_layers; l++)
-            hook(hook_user, l, c->mixer[l] == DUET_MIXER_KDA ? -1 : dm->layer_sub[l],
-                 c->mixer[l] == DUET_MIXER_KDA ? dm->layer_sub[l] : -1);
+            duet__run_hook(dm, hook, hook_user, l);
     return DUET_OK;
 }
 

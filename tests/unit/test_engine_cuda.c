@@ -360,3 +360,57 @@ Test(engine_cuda, staged_sequence_continues_like_the_original, .timeout = 600)
     }
     free_fixtures(fx, n);
 }
+
+/*
+ * A step that mixes a prompt wanting every row's logits (more logits rows than a decode bucket
+ * has sequences) with an item drawing its token on the device: the drawn token equals the one a
+ * token-only step draws for the same sequence state and draw, and the prompt's logits equal a
+ * prefill alone (<= 1e-5 rel L2, the GPU path's batch variance).
+ */
+Test(engine_cuda, token_item_beside_all_rows_item, .timeout = 300)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int       n = load_fixtures(fx, MAX_FIXTURES);
+    const duet_sampling_t rule = {.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = 3};
+    for (int i = 0; i < n; i++) {
+        fixture_t    *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt;
+        cr_assert_gt(np, 4, "%s: the prompt must have more rows than max_seqs", x->name);
+        duet_model_t *g = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+        duet_seq_t    a, b, c;
+        cr_assert_eq(duet_model_seq_open(g, np, &a), DUET_OK);
+        cr_assert_eq(duet_model_seq_open(g, np + 1, &b), DUET_OK);
+        cr_assert_eq(duet_model_seq_open(g, np + 1, &c), DUET_OK);
+        float *ref = malloc(sizeof(float) * (size_t)(np * V)), *got = malloc(sizeof(float) * (size_t)(np * V));
+        prefill_all(g, &b, x->prompt, np - 1, ref);
+        prefill_all(g, &c, x->prompt, np - 1, ref);
+        prefill_all(g, &a, x->prompt, np, ref); /* a's reference logits, alone */
+        duet_model_seq_close(g, &a);
+        cr_assert_eq(duet_model_seq_open(g, np, &a), DUET_OK);
+        duet_rng_t rng;
+        duet_rng_seed(&rng, rule.seed);
+        const float u = duet_sampling_draw(&rule, &rng);
+        int32_t tb = -1, tc = -1;
+        duet_batch_item_t mixed[2] = {
+            {.seq = &a, .tokens = x->prompt, .n_tokens = np, .logits_mode = DUET_LOGITS_ALL,
+             .logits = got},
+            {.seq = &b, .tokens = x->prompt + np - 1, .n_tokens = 1,
+             .logits_mode = DUET_LOGITS_TOKEN, .sampling = rule, .u = u, .token_out = &tb}};
+        cr_assert_eq(duet_model_forward(g, mixed, 2), DUET_OK, "%s", duet_error_last());
+        duet_batch_item_t alone = {.seq = &c, .tokens = x->prompt + np - 1, .n_tokens = 1,
+                                   .logits_mode = DUET_LOGITS_TOKEN, .sampling = rule, .u = u,
+                                   .token_out = &tc};
+        cr_assert_eq(duet_model_forward(g, &alone, 1), DUET_OK, "%s", duet_error_last());
+        double e = rel_l2(got, ref, np * V);
+        printf("cuda %-30s ALL item (%lld rows) beside a TOKEN item: rel L2 %.3g, token %d vs "
+               "%d alone\n", x->name, (long long)np, e, tb, tc);
+        cr_expect_leq(e, 1e-5, "%s: ALL logits beside a TOKEN item, rel L2 %g", x->name, e);
+        cr_expect_geq(tb, 0, "%s: no token drawn", x->name);
+        cr_expect_eq(tb, tc, "%s: token %d beside an ALL item, %d alone", x->name, tb, tc);
+        free(ref);
+        free(got);
+        duet_model_free(g);
+    }
+    free_fixtures(fx, n);
+}
