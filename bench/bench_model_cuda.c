@@ -385,9 +385,7 @@ int main(int argc, char **argv)
         }
         free(toks);
         if (ok) {
-            const double E = (double)c->n_experts, k = (double)c->top_k;
-            const double touched = c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)P)) : 0;
-            (void)touched;
+            const double k = (double)c->top_k;
             /* GEMM FLOPs: every token multiplies the dense matrices and k experts */
             const double flops = 2.0 * (double)P * (dense + k * expert * (double)c->n_moe_layers) -
                                  2.0 * (double)P * (double)c->vocab_size * (double)c->hidden_size +

@@ -81,16 +81,14 @@ struct duet_kda_pool {
  * that is only bookkeeping (a CUDA model's host side) costs address space, not memory. */
 static void *duet__cache_alloc(size_t bytes)
 {
-    if (bytes == 0)
-        return NULL;
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *p = mmap(NULL, bytes > 0 ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
 static void duet__cache_release(void *p, size_t bytes)
 {
     if (p != NULL)
-        munmap(p, bytes);
+        munmap(p, bytes > 0 ? bytes : 1);
 }
 
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
@@ -120,7 +118,7 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     pool->desc        = *desc;
     pool->block_bytes = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
     pool->bytes       = duet_kv_pool_bytes_needed(desc);
-    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
+    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
@@ -130,7 +128,7 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
 
 err_free_base:
     if (desc->mem == NULL)
-        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
+        duet__cache_release(pool->base, pool->bytes);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -144,7 +142,7 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
         return;
     duet__ids_destroy(&pool->free_pages);
     if (pool->desc.mem == NULL)
-        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
+        duet__cache_release(pool->base, pool->bytes);
     free(pool);
 }
 
@@ -211,7 +209,7 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     pool->layer_bytes = (size_t)(hk * desc->head_dim + 3 * hk * (desc->conv_kernel - 1)) * sizeof(float);
     pool->slot_bytes  = pool->layer_bytes * (size_t)desc->n_layers;
     pool->bytes       = duet_kda_pool_bytes_needed(desc);
-    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes > 0 ? pool->bytes : 1);
+    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_slots, desc->n_slots) != 0)
@@ -221,7 +219,7 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
 
 err_free_base:
     if (desc->mem == NULL)
-        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
+        duet__cache_release(pool->base, pool->bytes);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -235,7 +233,7 @@ void duet_kda_pool_destroy(duet_kda_pool_t *pool)
         return;
     duet__ids_destroy(&pool->free_slots);
     if (pool->desc.mem == NULL)
-        duet__cache_release(pool->base, pool->bytes > 0 ? pool->bytes : 1);
+        duet__cache_release(pool->base, pool->bytes);
     free(pool);
 }
 

@@ -459,10 +459,11 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
     m->seq_used   = calloc((size_t)opts.max_seqs, 1);
     if (m->page_table == NULL || m->seq_used == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
-    if ((st = duet_sampler_create(c->vocab_size, &m->sampler)) != DUET_OK)
-        return st;
-
     if (opts.device == DUET_DEVICE_CPU) {
+        /* DUET_LOGITS_TOKEN on the CPU: the sampler and one row of logits (CUDA draws on the
+         * device) */
+        if ((st = duet_sampler_create(c->vocab_size, &m->sampler)) != DUET_OK)
+            return st;
         m->tok_logits = malloc(sizeof(float) * (size_t)c->vocab_size);
         if (m->tok_logits == NULL)
             return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
