@@ -35,6 +35,15 @@ duet_status_t duet_cuda_neg_exp(cudaStream_t stream, float *p, int64_t n);
  */
 duet_status_t duet_cuda_copy_bandwidth(size_t bytes, int iters, double *bytes_per_s);
 
+/*
+ * Whether step kernels launch with programmatic dependent launch (cuda_pdl.cuh): on when the
+ * current device is sm_90 or newer, unless DUET_CUDA_NO_PDL is set in the environment or
+ * duet_cuda_pdl_set(0) was called (a test compares both ways: PDL changes no arithmetic).
+ * duet_cuda_pdl_set(-1) returns to the default. Not thread-safe against concurrent launches.
+ */
+int  duet_cuda_pdl_enabled(void);
+void duet_cuda_pdl_set(int on);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_util.h"
@@ -157,4 +158,29 @@ out:
     cudaFree(a);
     cudaFree(b);
     return st;
+}
+
+/* ---- programmatic dependent launch switch (cuda_pdl.cuh) ------------------------------------ */
+
+static int duet__pdl_forced = -1; /* -1: the default below; 0 / 1: duet_cuda_pdl_set */
+static int duet__pdl_default = -1;
+
+extern "C" int duet_cuda_pdl_enabled(void)
+{
+    if (duet__pdl_forced >= 0)
+        return duet__pdl_forced;
+    if (duet__pdl_default < 0) {
+        int dev = 0, major = 0;
+        duet__pdl_default = getenv("DUET_CUDA_NO_PDL") == NULL && cudaGetDevice(&dev) == cudaSuccess &&
+                            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+                                cudaSuccess &&
+                            major >= 9;
+        (void)cudaGetLastError();
+    }
+    return duet__pdl_default;
+}
+
+extern "C" void duet_cuda_pdl_set(int on)
+{
+    duet__pdl_forced = on < 0 ? -1 : on != 0;
 }
