@@ -815,7 +815,13 @@ typedef struct {
     int     sample; /* 0 none, 1 argmax, 2 full sampling rule */
 } duet__shape_t;
 
-static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+/*
+ * Each block's first projections read xn = RMSNorm(x) of the layer's norm `nrm`: they go through
+ * duet_cuda_gemm_norm_multi, which at decode sizes normalises inside the projection's own launch
+ * (and stores xn for the block's later readers) and otherwise runs the norm first.
+ */
+static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
+                                     const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
     const duet__dkda_t        *w = &dm->layers[l].kda;
@@ -832,7 +838,7 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
         {.y = dm->proj, .ldy = 3 * HK, .x = dm->xn, .ldx = D, .w = &w->qkv},
         {.y = dm->fg, .ldy = 2 * K, .x = dm->xn, .ldx = D, .w = &w->fg_a},
         {.y = dm->beta, .ldy = H, .x = dm->xn, .ldx = D, .w = &w->b}};
-    TRY(duet_cuda_gemm_matmul_multi(g, s, T, in, 3, f));
+    TRY(duet_cuda_gemm_norm_multi(g, s, T, nrm, in, 3, f));
     const duet_cuda_gemm_op_t lr[2] = {
         {.y = dm->gk, .ldy = HK, .x = dm->fg, .ldx = 2 * K, .w = &w->f_b},
         {.y = dm->gate, .ldy = HK, .x = dm->fg + K, .ldx = 2 * K, .w = &w->g_b}};
@@ -845,7 +851,8 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, HK, T, &w->o, 1, f);
 }
 
-static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
+                                     const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
     const duet__dmla_t        *w = &dm->layers[l].mla;
@@ -862,15 +869,17 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                 .n_heads = n, .r = r, .dr = dr};
     if (c->q_lora_rank > 0) {
         const int64_t ql = c->q_lora_rank;
-        TRY(duet_cuda_gemm_matmul(g, s, dm->mqa, ql, dm->xn, D, T, &w->q_a, 0, f));
+        const duet_cuda_gemm_op_t ops[2] = {
+            {.y = dm->mqa, .ldy = ql, .x = dm->xn, .ldx = D, .w = &w->q_a},
+            {.y = dm->ckr, .ldy = r + dr, .x = dm->xn, .ldx = D, .w = &w->kv_a}};
+        TRY(duet_cuda_gemm_norm_multi(g, s, T, nrm, ops, 2, f));
         TRY(duet_cuda_rmsnorm(s, dm->mqa, ql, dm->mqa, ql, w->q_a_norm, T, ql, DUET_MLA_NORM_EPS));
         TRY(duet_cuda_gemm_matmul(g, s, dm->mq, n * dqk, dm->mqa, ql, T, &w->q_b, 0, f));
-        TRY(duet_cuda_gemm_matmul(g, s, dm->ckr, r + dr, dm->xn, D, T, &w->kv_a, 0, f));
     } else {
         const duet_cuda_gemm_op_t ops[2] = {
             {.y = dm->mq, .ldy = n * dqk, .x = dm->xn, .ldx = D, .w = &w->q},
             {.y = dm->ckr, .ldy = r + dr, .x = dm->xn, .ldx = D, .w = &w->kv_a}};
-        TRY(duet_cuda_gemm_matmul_multi(g, s, T, ops, 2, f));
+        TRY(duet_cuda_gemm_norm_multi(g, s, T, nrm, ops, 2, f));
     }
     TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
     /* q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM */
@@ -896,15 +905,17 @@ static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w
                                  dm->gemm_flags);
 }
 
-static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
+static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T,
+                               const duet_cuda_gemm_norm_t *nrm)
 {
     const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
-    TRY(duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->f1, 2 * I, dm->xn, D, T, &w->gu, 0,
-                              dm->gemm_flags));
+    const duet_cuda_gemm_op_t op = {.y = dm->f1, .ldy = 2 * I, .x = dm->xn, .ldx = D, .w = &w->gu};
+    TRY(duet_cuda_gemm_norm_multi(dm->gemm, dm->stream, T, nrm, &op, 1, dm->gemm_flags));
     return duet__mlp_rest(dm, w, T);
 }
 
-static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l)
+static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
+                                     const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
     const duet__dlayer_t      *w = &dm->layers[l];
@@ -916,9 +927,11 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
             {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router},
             {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D,
              .w = &w->mlp.gu}};
-        TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, ops, 2, dm->gemm_flags));
+        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, 2, dm->gemm_flags));
     } else {
-        TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->router, E, dm->xn, D, T, &w->router, 0, 0));
+        const duet_cuda_gemm_op_t op = {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D,
+                                        .w = &w->router};
+        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, &op, 1, 0));
     }
     TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, c->n_group > 0 ? c->n_group : 1,
                             c->topk_group, c->top_k, c->moe_renormalize, c->routed_scaling_factor,
@@ -1028,8 +1041,10 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
                         T));
     for (int64_t l = 0; l < c->num_layers; l++) {
         const duet__dlayer_t *w = &dm->layers[l];
-        TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->x, D, w->in_norm, T, D, c->rms_norm_eps));
-        TRY(c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(dm, sh, l) : duet__mla_layer(dm, sh, l));
+        const duet_cuda_gemm_norm_t in_norm = {.x = dm->x, .ldx = D, .w = w->in_norm, .y = dm->xn,
+                                               .ldy = D, .D = D, .eps = c->rms_norm_eps};
+        TRY(c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(dm, sh, l, &in_norm)
+                                          : duet__mla_layer(dm, sh, l, &in_norm));
         if (mirror)
             TRY(duet__mirror_out(dm, items, sh->n_items, l));
         else if (hook != NULL)
@@ -1040,8 +1055,11 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
             duet__run_hook(dm, hook, hook_user, pending);
         }
         pending = l;
-        TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->x, D, w->post_norm, T, D, c->rms_norm_eps));
-        TRY(c->ffn[l] == DUET_FFN_MOE ? duet__moe_layer(dm, sh, l) : duet__mlp(dm, &w->mlp, T));
+        const duet_cuda_gemm_norm_t post_norm = {.x = dm->x, .ldx = D, .w = w->post_norm,
+                                                 .y = dm->xn, .ldy = D, .D = D,
+                                                 .eps = c->rms_norm_eps};
+        TRY(c->ffn[l] == DUET_FFN_MOE ? duet__moe_layer(dm, sh, l, &post_norm)
+                                      : duet__mlp(dm, &w->mlp, T, &post_norm));
     }
     if (hook != NULL && pending >= 0) {
         CU(cudaEventSynchronize(mirror ? dm->copy_done[pending] : dm->layer_done[pending]),

@@ -104,6 +104,27 @@ duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stre
                                           unsigned flags);
 
 /*
+ * RMSNorm fused in front of a multi call: norm->y[m] = RMSNorm(norm->x[m]) ⊙ norm->w for m < M
+ * (duet_cuda_rmsnorm's exact arithmetic, so the result is bit-identical to calling it first),
+ * then the ops, which read the normalised rows (ops[i].x == norm->y, ldx == norm->ldy, K ==
+ * norm->D). When every op takes the GEMV path, the M·D floats fit 48 KiB and x and y do not
+ * overlap, this is ONE launch: each block normalises the rows itself in shared memory and block
+ * 0 also stores them at norm->y for later readers (a decode step's norm costs no launch of its
+ * own). Otherwise duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi.
+ */
+typedef struct {
+    const float *x; /* M rows to normalise, ldx apart */
+    int64_t      ldx;
+    const float *w; /* [D] */
+    float       *y; /* M normalised rows, ldy apart: what the ops read */
+    int64_t      ldy;
+    int64_t      D;
+    float        eps;
+} duet_cuda_gemm_norm_t;
+duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
+                                        const duet_cuda_gemm_norm_t *norm,
+                                        const duet_cuda_gemm_op_t *ops, int n_ops, unsigned flags);
+/*
  * B independent GEMMs in one call: for b < B, y_b[M, N] (+)= x_b[M, K] · W_bᵀ where W = w is a
  * 3-D CUDA tensor [B][N][K], x_b starts at x + b * stride_x and y_b at y + b * stride_y (rows ldx
  * and ldy apart). The engine's per-head MLA products (q̂ = W_UK[h]ᵀ q_nope_h, o_h = W_UV[h] ·

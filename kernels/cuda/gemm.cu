@@ -30,6 +30,8 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE "cuda gemm" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -98,6 +100,8 @@ template <typename T>
 __global__ void duet__convert_kernel(T *dst, const float *src, int64_t ld_src, int64_t M, int64_t K)
 {
     int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    duet_pdl_wait(); /* src, and the staging buffer the previous GEMM read */
+    duet_pdl_trigger();
     if (k >= K)
         return;
     for (int64_t m = blockIdx.y; m < M; m += gridDim.y)
@@ -115,20 +119,24 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
         return DUET_OK;
     const int threads = 256;
     dim3 grid((unsigned)((K + threads - 1) / threads), (unsigned)(M < 65535 ? M : 65535));
+    cudaError_t e;
     switch (dtype) {
     case DUET_DTYPE_BF16:
-        duet__convert_kernel<<<grid, threads, 0, stream>>>((__nv_bfloat16 *)dst, src, ld_src, M, K);
+        e = duet_pdl_launch(duet__convert_kernel<__nv_bfloat16>, grid, dim3(threads), 0, stream,
+                            (__nv_bfloat16 *)dst, src, ld_src, M, K);
         break;
     case DUET_DTYPE_F16:
-        duet__convert_kernel<<<grid, threads, 0, stream>>>((__half *)dst, src, ld_src, M, K);
+        e = duet_pdl_launch(duet__convert_kernel<__half>, grid, dim3(threads), 0, stream,
+                            (__half *)dst, src, ld_src, M, K);
         break;
     case DUET_DTYPE_F32:
-        duet__convert_kernel<<<grid, threads, 0, stream>>>((float *)dst, src, ld_src, M, K);
+        e = duet_pdl_launch(duet__convert_kernel<float>, grid, dim3(threads), 0, stream,
+                            (float *)dst, src, ld_src, M, K);
         break;
     default:
         return duet_error_set(DUET_ERR_INVALID, "cuda convert: unknown dtype %d", (int)dtype);
     }
-    DUET__TRY(cudaGetLastError(), "convert kernel launch");
+    DUET__TRY(e, "convert kernel launch");
     return DUET_OK;
 }
 
@@ -196,6 +204,13 @@ typedef struct {
 typedef struct {
     duet__gemv_seg_t seg[DUET_CUDA_GEMV_MAX_SEGS];
     int n;
+    /* Fused RMSNorm (nx != NULL, duet_cuda_gemm_norm_multi): every block normalises the M rows
+     * of nx into shared memory and the segments read x from there; block 0 also stores them at
+     * ny for later kernels. */
+    const float *nx, *nw;
+    float *ny;
+    int64_t ldnx, ldny, D;
+    float eps;
 } duet__gemv_args_t;
 
 template <typename WT, int MR>
@@ -239,10 +254,59 @@ __device__ static inline void duet__gemv_row(const duet__gemv_seg_t &sg, int M, 
             }
 }
 
+/*
+ * RMSNorm of the M rows of a.nx into xs (shared, M·D floats), with duet_cuda_rmsnorm's exact
+ * arithmetic: the same 256-thread strided double sums, the same fixed-order block reduction, the
+ * same rounding of the scale and of w·(x·scale). Block 0 also writes the rows to a.ny.
+ */
+__device__ static void duet__gemv_norm(const duet__gemv_args_t &a, int M, float *xs)
+{
+    __shared__ double part[DUET_GEMV_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int m = 0; m < M; m++) {
+        const float *xr = a.nx + m * a.ldnx;
+        float *sr = xs + m * a.D;
+        double ss = 0.0;
+        for (int64_t d = threadIdx.x; d < a.D; d += blockDim.x) {
+            const float v = xr[d];
+            sr[d] = v;
+            ss += (double)v * (double)v;
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        __syncthreads(); /* part[] of the previous row has been read */
+        if (lane == 0)
+            part[warp] = ss;
+        __syncthreads();
+        double tot = 0.0;
+        for (int w = 0; w < DUET_GEMV_WARPS; w++)
+            tot += part[w];
+        const float scale = (float)(1.0 / sqrt(tot / (double)a.D + (double)a.eps));
+        for (int64_t d = threadIdx.x; d < a.D; d += blockDim.x) {
+            const float v = __fmul_rn(a.nw[d], __fmul_rn(sr[d], scale));
+            sr[d] = v;
+            if (blockIdx.x == 0)
+                a.ny[m * a.ldny + d] = v;
+        }
+    }
+    __syncthreads();
+}
+
+/* Pull a warp's W row toward L2 (128-byte lines, one per lane per pass): issued before the PDL
+ * wait, so the row streams in while the previous kernel finishes. */
+__device__ static inline void duet__gemv_prefetch(const duet__gemv_seg_t &sg, int64_t n, int lane)
+{
+    const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2, bytes = (size_t)sg.K * es;
+    const char *row = (const char *)sg.w + (size_t)n * bytes;
+    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+}
+
 template <int MR>
 __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     duet__gemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M)
 {
+    extern __shared__ float4 gemv_sh[];
     int si = 0;
     while (si + 1 < args.n && blockIdx.x >= args.seg[si + 1].b0)
         si++;
@@ -250,14 +314,23 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     const int lane = threadIdx.x & 31;
     const unsigned local = blockIdx.x - sg.b0, b = local / sg.nb;
     const int64_t n = (int64_t)(local % sg.nb) * DUET_GEMV_WARPS + (threadIdx.x >> 5);
-    if (n >= sg.N)
-        return;
     if (b > 0) {
         const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2;
         sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * es;
         sg.x += (int64_t)b * sg.sx;
         sg.y += (int64_t)b * sg.sy;
     }
+    if (n < sg.N)
+        duet__gemv_prefetch(sg, n, lane);
+    duet_pdl_wait(); /* x (and y when accumulating) come from earlier kernels */
+    duet_pdl_trigger();
+    if (args.nx != NULL) {
+        duet__gemv_norm(args, M, (float *)gemv_sh);
+        sg.x = (const float *)gemv_sh;
+        sg.ldx = args.D;
+    }
+    if (n >= sg.N)
+        return;
     if (sg.dtype == DUET_DTYPE_BF16)
         duet__gemv_row<__nv_bfloat16, MR>(sg, M, n, lane);
     else if (sg.dtype == DUET_DTYPE_F16)
@@ -280,12 +353,12 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
     }
     if (blocks == 0)
         return cudaSuccess;
+    const size_t smem = args->nx != NULL ? (size_t)M * (size_t)args->D * sizeof(float) : 0;
     if (M == 1)
-        duet__gemv_kernel<1><<<blocks, 32 * DUET_GEMV_WARPS, 0, stream>>>(*args, 1);
-    else
-        duet__gemv_kernel<DUET_GEMV_MAX_M><<<blocks, 32 * DUET_GEMV_WARPS, 0, stream>>>(*args,
-                                                                                     (int)M);
-    return cudaGetLastError();
+        return duet_pdl_launch(duet__gemv_kernel<1>, dim3(blocks), dim3(32 * DUET_GEMV_WARPS),
+                               smem, stream, *args, 1);
+    return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M>, dim3(blocks),
+                           dim3(32 * DUET_GEMV_WARPS), smem, stream, *args, (int)M);
 }
 
 /* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
@@ -750,5 +823,56 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
                                          .dtype = (int)ops[i].w->dtype,
                                          .accumulate = ops[i].accumulate};
     DUET__TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                    int64_t M, const duet_cuda_gemm_norm_t *norm,
+                                                    const duet_cuda_gemm_op_t *ops, int n_ops,
+                                                    unsigned flags)
+{
+    if (g == NULL || norm == NULL || ops == NULL || n_ops < 0 || M < 0 || norm->D <= 0 ||
+        norm->ldx < norm->D || norm->ldy < norm->D ||
+        (M > 0 && (norm->x == NULL || norm->w == NULL || norm->y == NULL)))
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad norm_multi arguments");
+    if (M == 0)
+        return DUET_OK;
+    /* Fused only at GEMV sizes, with every op reading the normalised rows, the rows fitting
+     * the default shared memory, and x and y apart (block 0 writes y while others read x). */
+    const float *x0 = norm->x, *x1 = norm->x + (M - 1) * norm->ldx + norm->D;
+    const float *y0 = norm->y, *y1 = norm->y + (M - 1) * norm->ldy + norm->D;
+    int fused = n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS &&
+                (size_t)M * (size_t)norm->D * sizeof(float) <= 48 * 1024 && (x1 <= y0 || y1 <= x0);
+    for (int i = 0; i < n_ops; i++) {
+        duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
+        if (st != DUET_OK)
+            return st;
+        fused = fused && ops[i].x == norm->y && ops[i].ldx == norm->ldy &&
+                ops[i].w->shape[1] == norm->D &&
+                duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
+                                ops[i].w->shape[0], ops[i].w->shape[1], flags);
+    }
+    if (!fused) {
+        duet_status_t st = duet_cuda_rmsnorm(stream, norm->y, norm->ldy, norm->x, norm->ldx,
+                                             norm->w, M, norm->D, norm->eps);
+        return st != DUET_OK ? st : duet_cuda_gemm_matmul_multi(g, stream, M, ops, n_ops, flags);
+    }
+    duet__gemv_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.n = n_ops;
+    for (int i = 0; i < n_ops; i++)
+        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
+                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
+                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+                                         .dtype = (int)ops[i].w->dtype,
+                                         .accumulate = ops[i].accumulate};
+    args.nx = norm->x;
+    args.ldnx = norm->ldx;
+    args.nw = norm->w;
+    args.ny = norm->y;
+    args.ldny = norm->ldy;
+    args.D = norm->D;
+    args.eps = norm->eps;
+    DUET__TRY(duet__gemv_run(stream, M, &args), "norm gemv launch");
     return DUET_OK;
 }

@@ -16,14 +16,14 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE "cuda ops" /* the prefix of this file's error details */
 
 #define DUET__ROW_THREADS 256
 
-static duet_status_t duet__launched(const char *what)
+static duet_status_t duet__launched(cudaError_t e, const char *what)
 {
-    cudaError_t e = cudaGetLastError();
     return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, what);
 }
 
@@ -68,6 +68,8 @@ template <typename T>
 __global__ void duet__embed_kernel(float *out, const T *table, int64_t D, const int32_t *ids)
 {
     const int64_t t = blockIdx.x;
+    duet_pdl_wait(); /* inputs come from earlier kernels of the step */
+    duet_pdl_trigger();
     const int32_t id = ids[t];
     float *o = out + t * D;
     if (id < 0) {
@@ -90,23 +92,25 @@ extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const 
                               (long long)n, (long long)D);
     if (n == 0 || D == 0)
         return DUET_OK;
+    cudaError_t e;
     switch (dtype) {
     case DUET_DTYPE_F32:
-        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(out, (const float *)table,
-                                                                          D, ids);
+        e = duet_pdl_launch(duet__embed_kernel<float>, dim3((unsigned)n), dim3(DUET__ROW_THREADS),
+                            0, stream, out, (const float *)table, D, ids);
         break;
     case DUET_DTYPE_BF16:
-        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(
-            out, (const __nv_bfloat16 *)table, D, ids);
+        e = duet_pdl_launch(duet__embed_kernel<__nv_bfloat16>, dim3((unsigned)n),
+                            dim3(DUET__ROW_THREADS), 0, stream, out,
+                            (const __nv_bfloat16 *)table, D, ids);
         break;
     case DUET_DTYPE_F16:
-        duet__embed_kernel<<<(unsigned)n, DUET__ROW_THREADS, 0, stream>>>(
-            out, (const __half *)table, D, ids);
+        e = duet_pdl_launch(duet__embed_kernel<__half>, dim3((unsigned)n), dim3(DUET__ROW_THREADS),
+                            0, stream, out, (const __half *)table, D, ids);
         break;
     default:
         return duet_error_set(DUET_ERR_INVALID, "cuda embed: unknown dtype %d", (int)dtype);
     }
-    return duet__launched("embed kernel launch");
+    return duet__launched(e, "embed kernel launch");
 }
 
 /* ---- rmsnorm ------------------------------------------------------------------------------- */
@@ -120,6 +124,8 @@ __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ld
                                      const float *w, int64_t D, float eps)
 {
     const int64_t m = blockIdx.x;
+    duet_pdl_wait(); /* inputs come from earlier kernels of the step */
+    duet_pdl_trigger();
     float *xr = x + m * ldx;
     float *yr = y + m * ldy;
     double ss = 0.0;
@@ -154,9 +160,10 @@ extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_
     if (M == 0 || D == 0)
         return DUET_OK;
     /* x is only read when a == NULL; the kernel's x is non-const for the fused variant. */
-    duet__rmsnorm_kernel<<<(unsigned)M, DUET__ROW_THREADS, 0, stream>>>(y, ldy, (float *)x, ldx,
-                                                                        NULL, w, D, eps);
-    return duet__launched("rmsnorm kernel launch");
+    cudaError_t e = duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M),
+                                    dim3(DUET__ROW_THREADS), 0, stream, y, ldy, (float *)x, ldx,
+                                    (const float *)NULL, w, D, eps);
+    return duet__launched(e, "rmsnorm kernel launch");
 }
 
 extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x,
@@ -169,8 +176,9 @@ extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, fl
                               (long long)M, (long long)D);
     if (M == 0 || D == 0)
         return DUET_OK;
-    duet__rmsnorm_kernel<<<(unsigned)M, DUET__ROW_THREADS, 0, stream>>>(y, D, x, D, a, w, D, eps);
-    return duet__launched("add_rmsnorm kernel launch");
+    cudaError_t e = duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M),
+                                    dim3(DUET__ROW_THREADS), 0, stream, y, D, x, D, a, w, D, eps);
+    return duet__launched(e, "add_rmsnorm kernel launch");
 }
 
 /* ---- gated activations --------------------------------------------------------------------- */
@@ -181,6 +189,8 @@ __global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, in
 {
     const int64_t n = M * I;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    duet_pdl_wait(); /* inputs come from earlier kernels of the step */
+    duet_pdl_trigger();
     for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
         const int64_t m = k / I, i = k - m * I;
         const float g = gate[m * ld + i], u = up[m * ld + i];
@@ -212,7 +222,9 @@ extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, con
         return DUET_OK;
     const int threads = 256;
     const int64_t blocks = (n + threads - 1) / threads;
-    duet__act_mul_kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), threads, 0, stream>>>(
-        gate, up, M, I, ld, (int)act, beta, beta_lin);
-    return duet__launched("act_mul kernel launch");
+    cudaError_t e = duet_pdl_launch(duet__act_mul_kernel,
+                                    dim3((unsigned)(blocks < 65536 ? blocks : 65536)),
+                                    dim3(threads), 0, stream, gate, up, M, I, ld, (int)act, beta,
+                                    beta_lin);
+    return duet__launched(e, "act_mul kernel launch");
 }

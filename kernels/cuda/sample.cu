@@ -33,6 +33,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE "cuda sample" /* the prefix of this file's error details */
 
@@ -166,6 +167,8 @@ static __device__ __forceinline__ bool duet__greedy(const duet_cuda_sample_param
 
 __global__ void duet__argmax_kernel(const float *logits, int64_t ld, int V, int32_t *out)
 {
+    duet_pdl_wait(); /* logits and parameters come from earlier work of the step */
+    duet_pdl_trigger();
     const int bi = duet__block_argmax(logits + (int64_t)blockIdx.x * ld, V);
     if (threadIdx.x == 0)
         out[blockIdx.x] = bi;
@@ -180,8 +183,8 @@ extern "C" duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logi
                               (long long)M, (long long)V, (long long)ld);
     if (M == 0)
         return DUET_OK;
-    duet__argmax_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(logits, ld, (int)V, out);
-    cudaError_t e = cudaGetLastError();
+    cudaError_t e = duet_pdl_launch(duet__argmax_kernel, dim3((unsigned)M),
+                                    dim3(DUET__SAMPLE_THREADS), 0, stream, logits, ld, (int)V, out);
     return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, "argmax kernel launch");
 }
 
@@ -209,6 +212,8 @@ __global__ void __launch_bounds__(DUET__SAMPLE_THREADS)
     __shared__ int hist[DUET__SAMPLE_BINS];
     __shared__ int head_bin, head_n;
     const int r = blockIdx.x;
+    duet_pdl_wait(); /* logits and parameters come from earlier work of the step */
+    duet_pdl_trigger();
     const float *row = logits + (int64_t)r * ld;
     const bool vec = ((uintptr_t)row & 15) == 0;
     const int lane = threadIdx.x & 31;
@@ -404,6 +409,8 @@ __global__ void __launch_bounds__(DUET__SAMPLE_THREADS)
                                const double *tail, float *prob, int32_t *out)
 {
     const int r = blockIdx.x;
+    duet_pdl_wait(); /* logits and parameters come from earlier work of the step */
+    duet_pdl_trigger();
     const duet_cuda_sample_params_t p = params[r];
     if (duet__greedy(p))
         return;
@@ -489,9 +496,9 @@ extern "C" duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logi
     double *tl = (double *)(base + L.tail);
     cudaError_t e;
 
-    duet__sample_prep_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(
-        logits, ld, (int)V, params, out, k0, v0, sb, se, tl);
-    if ((e = cudaGetLastError()) != cudaSuccess)
+    e = duet_pdl_launch(duet__sample_prep_kernel, dim3((unsigned)M), dim3(DUET__SAMPLE_THREADS), 0,
+                        stream, logits, ld, (int)V, params, out, k0, v0, sb, se, tl);
+    if (e != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "prep kernel launch");
 
     cub::DoubleBuffer<uint32_t> keys(k0, k1);
@@ -512,9 +519,11 @@ extern "C" duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logi
         return duet_cuda_status(e, DUET__MODULE, "cub segmented sort");
 
     /* The sort's other key buffer is free again: it holds the probabilities. */
-    duet__sample_select_kernel<<<(unsigned)M, DUET__SAMPLE_THREADS, 0, stream>>>(
-        (int)V, params, keys.Current(), vals.Current(), sb, se, tl, (float *)keys.Alternate(), out);
-    if ((e = cudaGetLastError()) != cudaSuccess)
+    e = duet_pdl_launch(duet__sample_select_kernel, dim3((unsigned)M), dim3(DUET__SAMPLE_THREADS),
+                        0, stream, (int)V, params, (const uint32_t *)keys.Current(),
+                        (const int32_t *)vals.Current(), (const int *)sb, (const int *)se,
+                        (const double *)tl, (float *)keys.Alternate(), out);
+    if (e != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "select kernel launch");
     return DUET_OK;
 }

@@ -8,6 +8,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE "cuda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -82,6 +83,8 @@ extern "C" duet_status_t duet_cuda_fill_random(cudaStream_t stream, void *p, due
 __global__ static void duet__gather_kernel(float *dst, const float *src, int64_t D,
                                            const int32_t *rows, int64_t n)
 {
+    duet_pdl_wait(); /* inputs come from earlier kernels of the step */
+    duet_pdl_trigger();
     for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
         const float *s = src + (int64_t)rows[i] * D;
         float *d = dst + i * D;
@@ -97,9 +100,9 @@ extern "C" duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, 
         return duet_error_set(DUET_ERR_INVALID, "cuda gather: bad arguments");
     if (n == 0 || D == 0)
         return DUET_OK;
-    duet__gather_kernel<<<(unsigned)(n < 65535 ? n : 65535), 256, 0, stream>>>(dst, src, D, rows,
-                                                                               n);
-    DUET__TRY(cudaGetLastError(), "gather launch");
+    DUET__TRY(duet_pdl_launch(duet__gather_kernel, dim3((unsigned)(n < 65535 ? n : 65535)),
+                              dim3(256), 0, stream, dst, src, D, rows, n),
+              "gather launch");
     return DUET_OK;
 }
 

@@ -25,6 +25,7 @@
 #include "engine/cache.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "kernels/cuda/cuda_util.h"
 
 #include "golden_fixtures.h"
 
@@ -411,6 +412,71 @@ Test(engine_cuda, token_item_beside_all_rows_item, .timeout = 300)
         free(ref);
         free(got);
         duet_model_free(g);
+    }
+    free_fixtures(fx, n);
+}
+
+/*
+ * Programmatic dependent launch lets a kernel start while its predecessor finishes; its
+ * contract (kernels/cuda/cuda_pdl.cuh) is that nothing a predecessor writes is touched before the
+ * wait. A kernel breaking it races, which shows as different numbers. So the same prefill and
+ * graph-replayed decode steps (batch 1 and 3, f32 and bf16) must give bit-identical logits with
+ * PDL off and on (two models, each captured under its own setting).
+ */
+Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int       n = load_fixtures(fx, MAX_FIXTURES);
+    for (int i = 0; i < n; i++) {
+        fixture_t    *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt, steps = 5;
+        for (int d = 0; d < 2; d++) {
+            const duet_dtype_t dt = d ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+            float  *out[2];
+            int64_t n_rows = 0;
+            for (int pdl = 0; pdl <= 1; pdl++) {
+                duet_cuda_pdl_set(pdl);
+                duet_model_t *m = load(x, DUET_DEVICE_CUDA, dt, 1, 0, 0);
+                const int64_t lens[3] = {np, np / 2 > 0 ? np / 2 : 1, np / 3 > 0 ? np / 3 : 1};
+                duet_seq_t    seq[3];
+                float        *all = malloc(sizeof(float) * (size_t)(np * V));
+                out[pdl] = malloc(sizeof(float) * (size_t)((1 + 2 * steps) * 3 * V));
+                int64_t rows = 0;
+                int32_t tok[3];
+                for (int s = 0; s < 3; s++) {
+                    cr_assert_eq(duet_model_seq_open(m, lens[s] + 2 * steps, &seq[s]), DUET_OK);
+                    prefill_all(m, &seq[s], x->prompt, lens[s], all);
+                    memcpy(out[pdl] + rows++ * V, all + (lens[s] - 1) * V, sizeof(float) * V);
+                    tok[s] = duet_argmax(all + (lens[s] - 1) * V, V);
+                }
+                for (int64_t t = 0; t < 2 * steps; t++) {
+                    const int nb = t < steps ? 1 : 3; /* batch 1, then batch 3 */
+                    duet_batch_item_t b[3];
+                    for (int s = 0; s < nb; s++)
+                        b[s] = (duet_batch_item_t){.seq = &seq[s], .tokens = &tok[s],
+                                                   .n_tokens = 1, .logits_mode = DUET_LOGITS_LAST,
+                                                   .logits = out[pdl] + (rows + s) * V};
+                    cr_assert_eq(duet_model_forward(m, b, nb), DUET_OK, "%s", duet_error_last());
+                    for (int s = 0; s < nb; s++)
+                        tok[s] = duet_argmax(out[pdl] + (rows + s) * V, V);
+                    rows += nb;
+                }
+                n_rows = rows;
+                free(all);
+                duet_model_free(m);
+            }
+            duet_cuda_pdl_set(-1);
+            int64_t differ = 0;
+            for (int64_t r = 0; r < n_rows; r++)
+                differ += memcmp(out[0] + r * V, out[1] + r * V, sizeof(float) * V) != 0;
+            printf("cuda %-30s %s: PDL on vs off, %lld logits rows, %lld differ\n", x->name,
+                   d ? "bf16" : "f32", (long long)n_rows, (long long)differ);
+            cr_expect_eq(differ, 0, "%s %s: %lld of %lld logits rows differ with PDL on",
+                         x->name, d ? "bf16" : "f32", (long long)differ, (long long)n_rows);
+            free(out[0]);
+            free(out[1]);
+        }
     }
     free_fixtures(fx, n);
 }

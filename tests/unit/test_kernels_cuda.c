@@ -29,6 +29,8 @@
 #include <criterion/criterion.h>
 
 #include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
 #define CHECK(cond, ...)                                                                           \
@@ -431,4 +433,102 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
            worst_b, worst_m);
     duet_cuda_gemm_destroy(g);
     duet_kernels_destroy(cpu);
+}
+
+/*
+ * duet_cuda_gemm_norm_multi against its definition: duet_cuda_rmsnorm, then
+ * duet_cuda_gemm_matmul_multi on the normalised rows. The fused launch (M <= 2: every block
+ * normalises in shared memory, block 0 stores the rows) repeats the norm's arithmetic, so both the
+ * stored rows and the products must be bit-identical; M = 3 and an in-place norm (x == y) take the
+ * two-call path. Run with programmatic dependent launch off and on: PDL changes no arithmetic.
+ */
+Test(kernels_cuda, norm_multi_equals_norm_then_multi, .timeout = 120)
+{
+    skip_without_device();
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_cuda_gemm_create(0, 1 << 16, &g) == DUET_OK, "%s", duet_error_last());
+    const int64_t D = 2304, N1 = 100, N2 = 40, ld = D + 8;
+    uint16_t *w1 = xmalloc((size_t)(N1 * D) * 2);
+    float *w2 = xmalloc((size_t)(N2 * D) * 4), *nw = xmalloc((size_t)D * 4);
+    for (int64_t i = 0; i < N1 * D; i++)
+        w1[i] = duet_f32_to_bf16(rng_f());
+    for (int64_t i = 0; i < N2 * D; i++)
+        w2[i] = rng_f();
+    for (int64_t i = 0; i < D; i++)
+        nw[i] = 1.0f + 0.5f * rng_f();
+    void *dw1 = dev_copy(w1, (size_t)(N1 * D) * 2);
+    float *dw2 = dev_copy(w2, (size_t)(N2 * D) * 4), *dnw = dev_copy(nw, (size_t)D * 4);
+    duet_tensor_t t1 = {.data = dw1, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
+                        .ndim = 2, .shape = {N1, D}};
+    duet_tensor_t t2 = {.data = dw2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CUDA,
+                        .ndim = 2, .shape = {N2, D}};
+    int cases = 0;
+    for (int pdl = 0; pdl <= 1; pdl++) {
+        duet_cuda_pdl_set(pdl);
+        for (int64_t M = 1; M <= 3; M++)
+            for (int in_place = 0; in_place <= 1; in_place++) {
+                float *x = xmalloc((size_t)(M * ld) * 4), *y0 = xmalloc((size_t)(M * N2) * 4);
+                for (int64_t i = 0; i < M * ld; i++)
+                    x[i] = 3.0f * rng_f();
+                for (int64_t i = 0; i < M * N2; i++)
+                    y0[i] = rng_f();
+                float *res[2][3];
+                for (int fused = 0; fused <= 1; fused++) {
+                    float *dx = dev_copy(x, (size_t)(M * ld) * 4);
+                    float *dn = in_place ? dx : dev_alloc((size_t)(M * ld) * 4);
+                    float *dy1 = dev_alloc((size_t)(M * N1) * 4);
+                    float *dy2 = dev_copy(y0, (size_t)(M * N2) * 4);
+                    const duet_cuda_gemm_op_t ops[2] = {
+                        {.y = dy1, .ldy = N1, .x = dn, .ldx = ld, .w = &t1},
+                        {.y = dy2, .ldy = N2, .x = dn, .ldx = ld, .w = &t2, .accumulate = 1}};
+                    const duet_cuda_gemm_norm_t nrm = {.x = dx, .ldx = ld, .w = dnw, .y = dn,
+                                                       .ldy = ld, .D = D, .eps = 1e-5f};
+                    duet_status_t st;
+                    if (fused) {
+                        st = duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops, 2, 0);
+                    } else {
+                        st = duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f);
+                        if (st == DUET_OK)
+                            st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
+                    }
+                    CHECK(st == DUET_OK, "M=%lld fused=%d: %s", (long long)M, fused,
+                          duet_error_last());
+                    res[fused][0] = xmalloc((size_t)(M * ld) * 4);
+                    res[fused][1] = xmalloc((size_t)(M * N1) * 4);
+                    res[fused][2] = xmalloc((size_t)(M * N2) * 4);
+                    CUDA_OK(cudaMemcpy(res[fused][0], dn, (size_t)(M * ld) * 4,
+                                       cudaMemcpyDeviceToHost));
+                    CUDA_OK(cudaMemcpy(res[fused][1], dy1, (size_t)(M * N1) * 4,
+                                       cudaMemcpyDeviceToHost));
+                    CUDA_OK(cudaMemcpy(res[fused][2], dy2, (size_t)(M * N2) * 4,
+                                       cudaMemcpyDeviceToHost));
+                    if (!in_place)
+                        cudaFree(dn);
+                    cudaFree(dx);
+                    cudaFree(dy1);
+                    cudaFree(dy2);
+                }
+                for (int64_t m = 0; m < M; m++)
+                    CHECK(memcmp(res[0][0] + m * ld, res[1][0] + m * ld, (size_t)D * 4) == 0,
+                          "normalised row %lld differs (M=%lld in_place=%d pdl=%d)",
+                          (long long)m, (long long)M, in_place, pdl);
+                CHECK(memcmp(res[0][1], res[1][1], (size_t)(M * N1) * 4) == 0,
+                      "bf16 op differs (M=%lld in_place=%d pdl=%d)", (long long)M, in_place, pdl);
+                CHECK(memcmp(res[0][2], res[1][2], (size_t)(M * N2) * 4) == 0,
+                      "f32 accumulating op differs (M=%lld in_place=%d pdl=%d)", (long long)M,
+                      in_place, pdl);
+                /* the norm did something: rows are not the input */
+                CHECK(memcmp(res[1][0], x, (size_t)D * 4) != 0, "row 0 was not normalised");
+                for (int f = 0; f < 2; f++)
+                    for (int j = 0; j < 3; j++)
+                        free(res[f][j]);
+                free(x), free(y0);
+                cases++;
+            }
+    }
+    duet_cuda_pdl_set(-1);
+    printf("norm_multi: %d cases bit-identical to rmsnorm + multi (PDL off and on)\n", cases);
+    cudaFree(dw1), cudaFree(dw2), cudaFree(dnw);
+    free(w1), free(w2), free(nw);
+    duet_cuda_gemm_destroy(g);
 }
