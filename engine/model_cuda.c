@@ -892,17 +892,17 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
 }
 
-/* act(gate) ⊙ up and the down projection into the residual, f1 = [T][gate | up] computed. */
+/* act(gate) ⊙ up and the down projection into the residual, f1 = [T][gate | up] computed
+ * (one launch at decode sizes: duet_cuda_gemm_act_matmul). */
 static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
 {
     const duet_model_config_t *c = &dm->cfg;
     const int64_t D = c->hidden_size, I = w->down.shape[1];
-    cudaStream_t  s = dm->stream;
-    TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
-                          c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
-                          c->situ_beta, c->situ_linear_beta));
-    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
-                                 dm->gemm_flags);
+    return duet_cuda_gemm_act_matmul(dm->gemm, dm->stream, dm->x, D, dm->f1, 2 * I, I, T, &w->down,
+                                     1,
+                                     c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU
+                                                             : DUET_CUDA_ACT_SILU,
+                                     c->situ_beta, c->situ_linear_beta, dm->gemm_flags);
 }
 
 static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T,

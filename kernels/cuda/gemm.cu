@@ -29,6 +29,7 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -204,34 +205,81 @@ typedef struct {
 typedef struct {
     duet__gemv_seg_t seg[DUET_CUDA_GEMV_MAX_SEGS];
     int n;
-    /* Fused RMSNorm (nx != NULL, duet_cuda_gemm_norm_multi): every block normalises the M rows
-     * of nx into shared memory and the segments read x from there; block 0 also stores them at
-     * ny for later kernels. */
+    /* Fused RMSNorm (nx != NULL, duet_cuda_gemm_norm_multi): every segment reads x = RMSNorm(nx)
+     * ⊙ nw (K == D), formed on the fly (duet__gemv_row); warp 0 of block 0 also stores the
+     * normalised rows at ny for later kernels. */
     const float *nx, *nw;
     float *ny;
     int64_t ldnx, ldny, D;
     float eps;
+    /* Fused gated activation (act_on, duet_cuda_gemm_act_matmul): the one segment reads
+     * x = act(gate) ⊙ up with gate = its x rows and up = x + up_off, formed on the fly. */
+    int act_on, act;
+    float beta, beta_lin;
+    int64_t up_off;
 } duet__gemv_args_t;
 
-template <typename WT, int MR>
-__device__ static inline void duet__gemv_row(const duet__gemv_seg_t &sg, int M, int64_t n,
-                                             int lane)
+/*
+ * One output n of a segment: y[m][n] (+)= Σ_k W[n][k]·x[m][k] for m < M.
+ *
+ * With NORM (duet_cuda_gemm_norm_multi) x is RMSNorm(nx) ⊙ nw, computed without a pass of its
+ * own: every warp already walks its row over all K = D columns, so it multiplies W with nx ⊙ nw
+ * and sums nx² (double, like duet_cuda_rmsnorm) on the way, then scales its dot product by
+ * 1/sqrt(Σ/D + eps) at the end: no shared memory, no block barrier, no prologue latency.
+ * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
+ * them, for later kernels. The product differs from normalising first by the rounding of one
+ * multiplication per term (the scale is applied to the sum instead of to each x).
+ */
+enum { DUET__PRO_NONE, DUET__PRO_NORM, DUET__PRO_ACT };
+
+template <typename WT, int MR, int PRO>
+__device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
+                                             const duet__gemv_seg_t &sg, int M, int64_t n, int lane)
 {
+    constexpr bool NORM = PRO == DUET__PRO_NORM;
     const WT *wr = (const WT *)sg.w + n * sg.K;
-    const float *x = sg.x;
+    const float *x = NORM ? args.nx : sg.x;
+    const int64_t ldx = NORM ? args.ldnx : sg.ldx;
     float acc[MR];
+    double ss[MR];
 #pragma unroll
     for (int m = 0; m < MR; m++)
-        acc[m] = 0.0f;
+        acc[m] = 0.0f, ss[m] = 0.0;
 #pragma unroll 4
     for (int64_t k = (int64_t)lane * 8; k < sg.K; k += 256) {
         float wv[8];
         duet__load8(wr + k, wv);
+        float4 g0, g1;
+        if (NORM) {
+            g0 = *(const float4 *)(args.nw + k);
+            g1 = *(const float4 *)(args.nw + k + 4);
+        }
 #pragma unroll
         for (int m = 0; m < MR; m++) {
             if (m < M) {
-                const float4 a = *(const float4 *)(x + m * sg.ldx + k);
-                const float4 b = *(const float4 *)(x + m * sg.ldx + k + 4);
+                float4 a = *(const float4 *)(x + m * ldx + k);
+                float4 b = *(const float4 *)(x + m * ldx + k + 4);
+                if (NORM) {
+                    ss[m] += (double)a.x * a.x + (double)a.y * a.y + (double)a.z * a.z +
+                             (double)a.w * a.w + (double)b.x * b.x + (double)b.y * b.y +
+                             (double)b.z * b.z + (double)b.w * b.w;
+                    a = make_float4(a.x * g0.x, a.y * g0.y, a.z * g0.z, a.w * g0.w);
+                    b = make_float4(b.x * g1.x, b.y * g1.y, b.z * g1.z, b.w * g1.w);
+                }
+                if (PRO == DUET__PRO_ACT) {
+                    const float4 c = *(const float4 *)(x + m * ldx + args.up_off + k);
+                    const float4 d = *(const float4 *)(x + m * ldx + args.up_off + k + 4);
+                    const int f = args.act;
+                    const float be = args.beta, bl = args.beta_lin;
+                    a = make_float4(duet_act_gate(a.x, c.x, f, be, bl),
+                                    duet_act_gate(a.y, c.y, f, be, bl),
+                                    duet_act_gate(a.z, c.z, f, be, bl),
+                                    duet_act_gate(a.w, c.w, f, be, bl));
+                    b = make_float4(duet_act_gate(b.x, d.x, f, be, bl),
+                                    duet_act_gate(b.y, d.y, f, be, bl),
+                                    duet_act_gate(b.z, d.z, f, be, bl),
+                                    duet_act_gate(b.w, d.w, f, be, bl));
+                }
                 acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
                           wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
             }
@@ -244,6 +292,18 @@ __device__ static inline void duet__gemv_row(const duet__gemv_seg_t &sg, int M, 
         for (int off = 16; off > 0; off >>= 1)
             v += __shfl_xor_sync(0xffffffffu, v, off);
         acc[m] = v;
+        if (NORM) {
+            double q = ss[m];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                q += __shfl_xor_sync(0xffffffffu, q, off);
+            const float scale = (float)(1.0 / sqrt(q / (double)sg.K + (double)args.eps));
+            acc[m] *= scale;
+            if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
+                for (int64_t k = lane; k < sg.K; k += 32)
+                    args.ny[m * args.ldny + k] =
+                        __fmul_rn(args.nw[k], __fmul_rn(x[m * ldx + k], scale));
+        }
     }
     if (lane == 0)
 #pragma unroll
@@ -254,59 +314,23 @@ __device__ static inline void duet__gemv_row(const duet__gemv_seg_t &sg, int M, 
             }
 }
 
-/*
- * RMSNorm of the M rows of a.nx into xs (shared, M·D floats), with duet_cuda_rmsnorm's exact
- * arithmetic: the same 256-thread strided double sums, the same fixed-order block reduction, the
- * same rounding of the scale and of w·(x·scale). Block 0 also writes the rows to a.ny.
- */
-__device__ static void duet__gemv_norm(const duet__gemv_args_t &a, int M, float *xs)
+template <int MR, int PRO>
+__device__ static inline void duet__gemv_dispatch(const duet__gemv_args_t &args,
+                                                  const duet__gemv_seg_t &sg, int M, int64_t n,
+                                                  int lane)
 {
-    __shared__ double part[DUET_GEMV_WARPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int m = 0; m < M; m++) {
-        const float *xr = a.nx + m * a.ldnx;
-        float *sr = xs + m * a.D;
-        double ss = 0.0;
-        for (int64_t d = threadIdx.x; d < a.D; d += blockDim.x) {
-            const float v = xr[d];
-            sr[d] = v;
-            ss += (double)v * (double)v;
-        }
-        for (int o = 16; o > 0; o >>= 1)
-            ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        __syncthreads(); /* part[] of the previous row has been read */
-        if (lane == 0)
-            part[warp] = ss;
-        __syncthreads();
-        double tot = 0.0;
-        for (int w = 0; w < DUET_GEMV_WARPS; w++)
-            tot += part[w];
-        const float scale = (float)(1.0 / sqrt(tot / (double)a.D + (double)a.eps));
-        for (int64_t d = threadIdx.x; d < a.D; d += blockDim.x) {
-            const float v = __fmul_rn(a.nw[d], __fmul_rn(sr[d], scale));
-            sr[d] = v;
-            if (blockIdx.x == 0)
-                a.ny[m * a.ldny + d] = v;
-        }
-    }
-    __syncthreads();
-}
-
-/* Pull a warp's W row toward L2 (128-byte lines, one per lane per pass): issued before the PDL
- * wait, so the row streams in while the previous kernel finishes. */
-__device__ static inline void duet__gemv_prefetch(const duet__gemv_seg_t &sg, int64_t n, int lane)
-{
-    const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2, bytes = (size_t)sg.K * es;
-    const char *row = (const char *)sg.w + (size_t)n * bytes;
-    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    if (sg.dtype == DUET_DTYPE_BF16)
+        duet__gemv_row<__nv_bfloat16, MR, PRO>(args, sg, M, n, lane);
+    else if (sg.dtype == DUET_DTYPE_F16)
+        duet__gemv_row<__half, MR, PRO>(args, sg, M, n, lane);
+    else
+        duet__gemv_row<float, MR, PRO>(args, sg, M, n, lane);
 }
 
 template <int MR>
 __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     duet__gemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M)
 {
-    extern __shared__ float4 gemv_sh[];
     int si = 0;
     while (si + 1 < args.n && blockIdx.x >= args.seg[si + 1].b0)
         si++;
@@ -320,23 +344,16 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
         sg.x += (int64_t)b * sg.sx;
         sg.y += (int64_t)b * sg.sy;
     }
-    if (n < sg.N)
-        duet__gemv_prefetch(sg, n, lane);
     duet_pdl_wait(); /* x (and y when accumulating) come from earlier kernels */
     duet_pdl_trigger();
-    if (args.nx != NULL) {
-        duet__gemv_norm(args, M, (float *)gemv_sh);
-        sg.x = (const float *)gemv_sh;
-        sg.ldx = args.D;
-    }
     if (n >= sg.N)
         return;
-    if (sg.dtype == DUET_DTYPE_BF16)
-        duet__gemv_row<__nv_bfloat16, MR>(sg, M, n, lane);
-    else if (sg.dtype == DUET_DTYPE_F16)
-        duet__gemv_row<__half, MR>(sg, M, n, lane);
+    if (args.nx != NULL)
+        duet__gemv_dispatch<MR, DUET__PRO_NORM>(args, sg, M, n, lane);
+    else if (args.act_on)
+        duet__gemv_dispatch<MR, DUET__PRO_ACT>(args, sg, M, n, lane);
     else
-        duet__gemv_row<float, MR>(sg, M, n, lane);
+        duet__gemv_dispatch<MR, DUET__PRO_NONE>(args, sg, M, n, lane);
 }
 
 /* Launch the segments (each checked by duet__gemv_fits) as one kernel. */
@@ -353,12 +370,11 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
     }
     if (blocks == 0)
         return cudaSuccess;
-    const size_t smem = args->nx != NULL ? (size_t)M * (size_t)args->D * sizeof(float) : 0;
     if (M == 1)
-        return duet_pdl_launch(duet__gemv_kernel<1>, dim3(blocks), dim3(32 * DUET_GEMV_WARPS),
-                               smem, stream, *args, 1);
+        return duet_pdl_launch(duet__gemv_kernel<1>, dim3(blocks), dim3(32 * DUET_GEMV_WARPS), 0,
+                               stream, *args, 1);
     return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M>, dim3(blocks),
-                           dim3(32 * DUET_GEMV_WARPS), smem, stream, *args, (int)M);
+                           dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, (int)M);
 }
 
 /* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
@@ -837,12 +853,13 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad norm_multi arguments");
     if (M == 0)
         return DUET_OK;
-    /* Fused only at GEMV sizes, with every op reading the normalised rows, the rows fitting
-     * the default shared memory, and x and y apart (block 0 writes y while others read x). */
+    /* Fused only at GEMV sizes with every op reading the normalised rows, 16-byte loads of nx
+     * and nw, and x and y apart (warp 0 of block 0 writes y while other warps read x). */
     const float *x0 = norm->x, *x1 = norm->x + (M - 1) * norm->ldx + norm->D;
     const float *y0 = norm->y, *y1 = norm->y + (M - 1) * norm->ldy + norm->D;
-    int fused = n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS &&
-                (size_t)M * (size_t)norm->D * sizeof(float) <= 48 * 1024 && (x1 <= y0 || y1 <= x0);
+    int fused = n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS && norm->ldx % 4 == 0 &&
+                ((uintptr_t)norm->x & 15u) == 0 && ((uintptr_t)norm->w & 15u) == 0 &&
+                (x1 <= y0 || y1 <= x0);
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
@@ -874,5 +891,45 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
     args.D = norm->D;
     args.eps = norm->eps;
     DUET__TRY(duet__gemv_run(stream, M, &args), "norm gemv launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_act_matmul(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                    float *y, int64_t ldy, float *x, int64_t ldx,
+                                                    int64_t up_off, int64_t M,
+                                                    const duet_tensor_t *w, int accumulate,
+                                                    int act, float beta, float beta_lin,
+                                                    unsigned flags)
+{
+    if (g == NULL || w == NULL || M < 0 || w->ndim != 2 || up_off < w->shape[1] ||
+        ldx < up_off + w->shape[1] || (act != DUET_CUDA_ACT_SILU && act != DUET_CUDA_ACT_SITU))
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad act_matmul arguments");
+    if (M == 0)
+        return DUET_OK;
+    const int64_t I = w->shape[1];
+    duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
+    if (st != DUET_OK)
+        return st;
+    if (act == DUET_CUDA_ACT_SITU && (beta == 0.0f || beta_lin == 0.0f))
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: act_matmul: SiTU needs non-zero betas");
+    if (up_off % 4 != 0 ||
+        !duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], I, flags)) {
+        st = duet_cuda_act_mul(stream, x, x + up_off, M, I, ldx, (duet_cuda_act_t)act, beta,
+                               beta_lin);
+        return st != DUET_OK ? st : duet_cuda_gemm_matmul(g, stream, y, ldy, x, ldx, M, w,
+                                                          accumulate, flags);
+    }
+    duet__gemv_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.n = 1;
+    args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
+                                     .N = w->shape[0], .K = I, .dtype = (int)w->dtype,
+                                     .accumulate = accumulate};
+    args.act_on = 1;
+    args.act = act;
+    args.beta = beta;
+    args.beta_lin = beta_lin;
+    args.up_off = up_off;
+    DUET__TRY(duet__gemv_run(stream, M, &args), "act gemv launch");
     return DUET_OK;
 }
