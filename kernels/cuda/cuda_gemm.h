@@ -131,7 +131,7 @@ duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream
  * The gated MLP's second product with its activation fused: y (+)= (act(gate) ⊙ up) · Wᵀ, W =
  * w [N][I], gate = x[m][0, I) and up = x[m][up_off, up_off + I) (x rows ldx apart; the engine's
  * f1 = [gate | up]). act is a duet_cuda_act_t (SiLU, or SiTU with non-zero beta, beta_lin). At
- * GEMV sizes (and up_off % 4 == 0) ONE launch forms act(gate) ⊙ up on the fly with
+ * GEMV sizes (and up_off % 4 == 0, N·I ≤ 4 M: each warp evaluates all I activations) ONE launch forms act(gate) ⊙ up on the fly with
  * duet_cuda_act_mul's arithmetic, so y is bit-identical to the two-call path, and x is left as
  * it was; otherwise duet_cuda_act_mul (which overwrites gate with the product) then
  * duet_cuda_gemm_matmul.

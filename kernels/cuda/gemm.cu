@@ -912,7 +912,9 @@ extern "C" duet_status_t duet_cuda_gemm_act_matmul(duet_cuda_gemm_t *g, cudaStre
         return st;
     if (act == DUET_CUDA_ACT_SITU && (beta == 0.0f || beta_lin == 0.0f))
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: act_matmul: SiTU needs non-zero betas");
-    if (up_off % 4 != 0 ||
+    /* Every warp forms the activation of all I columns: N·I evaluations. Past ~4 M of them
+     * (the 48B model's dense MLP has 21 M) the separate kernel is cheaper. */
+    if (up_off % 4 != 0 || w->shape[0] * I > ((int64_t)1 << 22) ||
         !duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], I, flags)) {
         st = duet_cuda_act_mul(stream, x, x + up_off, M, I, ldx, (duet_cuda_act_t)act, beta,
                                beta_lin);
