@@ -16,7 +16,8 @@
  * programmatic dependent launch from the same pool (results and every pool element, tolerance
  * TOL_FUSED: the fused kernel computes each element with the same expression, so 0 is expected),
  * at batch 1, at several items, for every cluster size (K = 16 .. 128), W from 1 to 8, and on
- * prefill / mixed steps (where it runs the separate kernels), plus a captured graph.
+ * prefill / mixed steps and a large decode batch (where it runs the separate kernels), plus a
+ * captured graph.
  *
  * Error measure: max |gpu − cpu| over a tensor divided by max |cpu| of that tensor (a rounding
  * error scales with the magnitudes summed, not with an element that may cancel to ~0). Both
@@ -716,12 +717,22 @@ Test(cuda_kda, chain_decode_items, .timeout = 120)
     const kda_shape_t e = {"H2 K16 W1 b2", 2, 16, 1, 2, {1, 1}, -2.0f, 0.5f};
     const kda_shape_t f = {"H2 K112 W3 b4", 2, 112, 3, 4, {1, 1, 1, 1}, 1.5f, 2.5f};
     const kda_shape_t g = {"H5 K96 W4 b2", 5, 96, 4, 2, {1, 1}, -6.0f, -4.0f};
+    /* 13 x 64 (item, head) pairs: more than the fused kernel takes, so the separate kernels */
+    const kda_shape_t l = {"H64 K16 W4 b13 (separate)",
+                           64,
+                           16,
+                           4,
+                           13,
+                           {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+                           -2.0f,
+                           0.5f};
     run_chain_fused(&a);
     run_chain_fused(&b);
     run_chain_fused(&d);
     run_chain_fused(&e);
     run_chain_fused(&f);
     run_chain_fused(&g);
+    run_chain_fused(&l);
 }
 
 /* Prefill and mixed steps (the separate kernels), each followed by a decode step (fused). */
