@@ -64,6 +64,30 @@ duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda_step_t *st
 duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H, int64_t K,
                                 const float *o_norm, float eps, const float *gate, float *o);
 
+/* A KDA layer's weights the chain reads (device pointers, not owned). */
+typedef struct {
+    const float *taps;    /* [3*H*K][W] conv taps */
+    const float *neg_A;   /* [H] -exp(A_log) */
+    const float *dt_bias; /* [H*K] */
+    const float *o_norm;  /* [K] out-norm weight */
+    float        eps;     /* out-norm epsilon (rms_norm_eps) */
+} duet_cuda_kda_weights_t;
+
+/*
+ * The mixer after its projections, in one call: conv, prep, core and out with the arguments the
+ * four calls above take (n_rows = st->n_rows). Same results and the same buffers written: qkv
+ * (from proj), g and beta (prepared in place), o (normed and gated), the items' S and windows.
+ * A pure decode step (st->max_item_tokens == 1) of at most 768 (item, head) pairs on a device
+ * with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four calls (at
+ * batch 1 of 32 heads x 128: 7 us instead of 17); anything else runs the four calls, which are
+ * faster from a few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS).
+ * Needs K a multiple of 16 in [16, 128] and W <= 8 (DUET_ERR_UNSUPPORTED otherwise).
+ */
+duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,
+                                  const duet_cuda_kda_layer_t *ly, const duet_cuda_kda_weights_t *w,
+                                  const float *proj, const float *gate, float *qkv, float *g,
+                                  float *beta, float *o, void *scratch);
+
 #ifdef __cplusplus
 }
 #endif

@@ -29,13 +29,23 @@
  *   after L and Aqk is local to a column of V, whose four quarter-owners sit in one warp, so
  *   those phases need shuffles and no block barriers; V_new never leaves registers.
  * The core's kernels are templated on K (16, 32, ..., 128) so the register arrays are static.
+ * chain, decode (duet_cuda_kda_chain with one token per item): at batch 1 the five kernels above
+ *   are ~21 us of mostly launch and dependency latency for ~2 MB, so one kernel does all of it:
+ *   a thread-block cluster per (item, head), one block per 32-channel slice (the recurrent
+ *   kernel's blocks), exchanging the head's q, k, g and then o through distributed shared memory
+ *   so each block can take the head-wide norms. Prefill and large decode batches (over
+ *   DUET_KDA_FUSED_MAX_CLUSTERS (item, head) pairs) keep the separate kernels.
+ * Every kernel launches with programmatic dependent launch (cuda_pdl.cuh): before its wait it
+ * only reads weights and the step's metadata, and prefetches the state S into L2 (only this
+ * layer's core writes S, and a prefetch cannot return stale data).
  */
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kda.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
-#define DUET__MODULE "cuda kda" /* the prefix of this file's error details */
+#define DUET__MODULE          "cuda kda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 #define DUET_KDA_C      64 /* chunk length, engine/kda.h DUET_KDA_CHUNK */
@@ -43,6 +53,12 @@
 #define DUET_KDA_MAX_W  8
 #define DUET_KDA_L2_EPS 1e-6f /* engine/model.c DUET_L2_EPS */
 #define DUET_LOG2E      1.4426950408889634f
+/* The chain fuses a decode step only up to this many (item, head) clusters. Measured on an H200
+ * (ncu, H = 32, K = 128): at 1 item the fused kernel takes 7.3 us against 17.0 for the five
+ * separate kernels, at 8 items 17.9 against 25.3, but at 64 items 133 against 123: its blocks
+ * live longer (three cluster barriers, serial phases), so once there are many waves the state
+ * streams more slowly than in the recurrent kernel. Interpolated, the two cross near 1000. */
+#define DUET_KDA_FUSED_MAX_CLUSTERS 768
 
 /* ---- argument checks ---------------------------------------------------------------------- */
 
@@ -124,6 +140,14 @@ template <int N> __device__ static inline void duet__put(float (&a)[N], int t, f
         a[p] = p == t ? v : a[p];
 }
 
+/* A hint that the 128-byte line at p will be read soon: it is fetched into L2. Never changes
+ * what a later load returns (L2 is where global memory is coherent), so it may target data an
+ * earlier kernel is still writing. */
+__device__ static inline void duet__prefetch_l2(const float *p)
+{
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
 __device__ static inline float duet__warp_sum(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
@@ -152,13 +176,16 @@ __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_
 {
     const int64_t C3 = 3 * ly.H * ly.K, W = ly.W, HKK = ly.H * ly.K * ly.K;
     const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= C3)
-        return;
-    float tp[DUET_KDA_MAX_W - 1];
+    const bool on = ch < C3;
+    float tp[DUET_KDA_MAX_W - 1]; /* weights: loaded ahead of the wait */
 #pragma unroll
     for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
-        tp[j] = j < W - 1 ? taps[ch * W + j] : 0.0f;
-    const float tlast = taps[ch * W + W - 1];
+        tp[j] = on && j < W - 1 ? taps[ch * W + j] : 0.0f;
+    const float tlast = on ? taps[ch * W + W - 1] : 0.0f;
+    duet_pdl_wait(); /* proj */
+    duet_pdl_trigger();
+    if (!on)
+        return;
     for (int64_t ra = (int64_t)blockIdx.y * R; ra < st.n_rows; ra += (int64_t)gridDim.y * R) {
         const int64_t rb = ra + R < st.n_rows ? ra + R : st.n_rows;
         int32_t it = st.row_item[ra];
@@ -203,6 +230,8 @@ __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kd
 {
     const int64_t C3 = 3 * ly.H * ly.K, W = ly.W;
     const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    duet_pdl_wait(); /* the conv kernel still reads the old windows */
+    duet_pdl_trigger();
     if (ch >= C3)
         return;
     for (int64_t it = blockIdx.y; it < st.n_items; it += gridDim.y) {
@@ -233,12 +262,14 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     const int64_t C3 = 3 * ly->H * ly->K;
     const int R = st->n_rows >= 4096 ? 16 : st->n_rows >= 256 ? st->n_rows / 256 : 1;
     dim3 grid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
-    duet__kda_conv_kernel<<<grid, th, 0, stream>>>(*st, *ly, taps, proj, qkv, R);
-    DUET__TRY(cudaGetLastError(), "conv launch");
+    DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel, grid, dim3(th), 0, stream, *st, *ly, taps,
+                              proj, qkv, R),
+              "conv launch");
     if (ly->W > 1) {
         dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
-        duet__kda_window_kernel<<<wgrid, th, 0, stream>>>(*st, *ly, proj);
-        DUET__TRY(cudaGetLastError(), "conv window launch");
+        DUET__TRY(
+            duet_pdl_launch(duet__kda_window_kernel, wgrid, dim3(th), 0, stream, *st, *ly, proj),
+            "conv window launch");
     }
     return DUET_OK;
 }
@@ -253,6 +284,8 @@ __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t 
     const int64_t HK = H * K, C3 = 3 * HK;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
     const float scale = 1.0f / sqrtf((float)K);
+    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_trigger();
     for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
          wi += warps) {
         const int64_t row = wi / H, h = wi % H;
@@ -286,9 +319,10 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    duet__kda_prep_kernel<<<duet__blocks(n_rows * ly->H, th / 32, 1 << 20), th, 0, stream>>>(
-        n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta);
-    DUET__TRY(cudaGetLastError(), "prep launch");
+    DUET__TRY(duet_pdl_launch(duet__kda_prep_kernel,
+                              dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0,
+                              stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
+              "prep launch");
     return DUET_OK;
 }
 
@@ -300,6 +334,8 @@ __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K
 {
     const int lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    duet_pdl_wait(); /* o, gate */
+    duet_pdl_trigger();
     for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
          wi += warps) {
         float *x = o + wi * K; /* row * HK + h * K */
@@ -323,9 +359,10 @@ extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, 
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    duet__kda_out_kernel<<<duet__blocks(n_rows * H, th / 32, 1 << 20), th, 0, stream>>>(
-        n_rows, H, K, o_norm, eps, gate, o);
-    DUET__TRY(cudaGetLastError(), "out launch");
+    DUET__TRY(duet_pdl_launch(duet__kda_out_kernel,
+                              dim3(duet__blocks(n_rows * H, th / 32, 1 << 20)), dim3(th), 0, stream,
+                              n_rows, H, K, o_norm, eps, gate, o),
+              "out launch");
     return DUET_OK;
 }
 
@@ -348,15 +385,21 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     constexpr int V = K, RPT = K / DUET_KDA_RY;
     const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    /* The step's metadata is written before the step: it may be read ahead of the wait. */
     const int64_t row = a.st.item_row0[it];
-    if (a.st.item_row0[it + 1] - row != 1)
-        return;
+    const bool one = a.st.item_row0[it + 1] - row == 1;
     __shared__ float sq[K], sk[K], se[K];
     __shared__ float red[3][DUET_KDA_RY][33];
     const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
     const int x = blockIdx.y * 32 + tx;
     const bool active = x < V;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
+    if (one && tid < K) /* only this kernel writes S: pull this block's columns towards L2 */
+        duet__prefetch_l2(&S[(int64_t)tid * V + blockIdx.y * 32]);
+    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_trigger();
+    if (!one)
+        return;
     float s[RPT];
     /* The state loads go out first: they need nothing from the barrier below. */
 #pragma unroll
@@ -434,6 +477,8 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
     const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
+    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_trigger();
     if (n_tok < 2)
         return;
 
@@ -670,8 +715,8 @@ template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
     if (dev >= 0 && dev < 64 && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE))
         return DUET_OK;
     DUET__TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                  "chunk kernel shared-memory attribute");
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+              "chunk kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
         __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
     return DUET_OK;
@@ -682,15 +727,17 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
 {
     const int64_t H = a.ly.H;
     dim3 rgrid((unsigned)(a.st.n_items * H), (unsigned)((K + 31) / 32));
-    duet__kda_recur_kernel<K><<<rgrid, dim3(32, DUET_KDA_RY), 0, stream>>>(a);
-    DUET__TRY(cudaGetLastError(), "recurrent core launch");
+    DUET__TRY(
+        duet_pdl_launch(duet__kda_recur_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
+        "recurrent core launch");
     if (a.st.max_item_tokens > 1) {
         const size_t bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
         duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
         if (s != DUET_OK)
             return s;
-        duet__kda_chunk_kernel<K><<<(unsigned)(a.st.n_items * H), 4 * K, bytes, stream>>>(a);
-        DUET__TRY(cudaGetLastError(), "chunked core launch");
+        DUET__TRY(duet_pdl_launch(duet__kda_chunk_kernel<K>, dim3((unsigned)(a.st.n_items * H)),
+                                  dim3(4 * K), bytes, stream, a),
+                  "chunked core launch");
     }
     return DUET_OK;
 }
@@ -732,5 +779,336 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
         return duet__kda_core_launch<112>(stream, a);
     default:
         return duet__kda_core_launch<128>(stream, a);
+    }
+}
+
+/* ---- chain: conv → prep → core → out, fused for decode batches ---------------------------- */
+
+/* Distributed shared memory and the cluster barrier (sm_90). The arrive/wait pair is split so a
+ * block can announce it is done with its peers' shared memory and keep working until it must
+ * know they are done with its own. Every thread of each block executes both, once per phase. */
+__device__ static inline void duet__cluster_arrive(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+#endif
+}
+
+__device__ static inline void duet__cluster_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+
+/* *p in the shared memory of the cluster's block `rank` (p is this block's copy of the array). */
+__device__ static inline float duet__dsmem_load(const float *p, unsigned rank)
+{
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned local = (unsigned)__cvta_generic_to_shared(p);
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+#endif
+    return v;
+}
+
+typedef struct {
+    duet_cuda_step_t st;
+    duet_cuda_kda_layer_t ly;
+    duet_cuda_kda_weights_t w;
+    const float *proj, *gate;
+    float *qkv, *g, *beta, *o;
+} duet__kda_chain_args_t;
+
+/*
+ * The whole chain for items of one token. Cluster (item, head) of ceil(K/32) blocks; block j
+ * owns channel slice [32j, 32j+32) of q, k, v and g, and the same slice of S's columns, with the
+ * recurrent kernel's thread layout (32 columns x 8 row groups, S in registers).
+ *   1. its slice of the conv + SiLU (conv kernel's arithmetic) and of the window roll, g and β
+ *      (prep's), into its shared memory;
+ *   2. cluster barrier; every block gathers the head's q, k and g from its peers' shared memory,
+ *      L2-normalises q and k (prep's lane-strided sums, so bit-identical), and runs the
+ *      recurrent kernel's update on its columns;
+ *   3. cluster barrier; every block gathers the head's o and applies the out kernel's RMS norm
+ *      and gate to its columns; a last barrier keeps each block's shared memory alive until its
+ *      peers have read it.
+ * Every element is computed by the same expression as in the separate kernels, so the results
+ * are the unfused chain's bit for bit. It writes what the chain writes: qkv, g, β, o, S and the
+ * windows. Items without exactly one token (only zero-token ones can reach it) change nothing.
+ */
+template <int K>
+__global__ static void __launch_bounds__(32 * DUET_KDA_RY)
+    duet__kda_decode_kernel(duet__kda_chain_args_t a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int V = K, RPT = K / DUET_KDA_RY;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK, W = a.ly.W, HKK = H * K * K;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int j = blockIdx.y; /* rank in the cluster (cluster dims (1, gridDim.y, 1)) */
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int x = j * 32 + tx; /* this thread's channel (phase 1) and column of S */
+    const bool active = x < K;
+    __shared__ float sx[4][32]; /* this slice: q, k before the norm, v, g prepared */
+    __shared__ float sq[K], sk[K], se[K], sall[K], so[32], sinv[2], sbeta;
+    __shared__ float red[3][DUET_KDA_RY][33];
+
+    /* Ahead of the wait: the step's metadata, weights, and an L2 prefetch of this block's
+     * columns of S (only this layer's chain writes S; a prefetch never returns stale data). */
+    const int64_t row = a.st.item_row0[it];
+    const bool one = a.st.item_row0[it + 1] - row == 1;
+    float *blk = duet__kda_block(a.ly, a.st.item_slot[it]);
+    float *S = blk + h * K * V;
+    if (one && tid < K)
+        duet__prefetch_l2(&S[(int64_t)tid * V + j * 32]);
+    const int64_t ch = (int64_t)ty * HK + h * K + x; /* phase 1, ty < 3: q, k or v channel */
+    float tp[DUET_KDA_MAX_W - 1], tlast = 0.0f, wgt = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+        tp[jj] = ty < 3 && active && jj < W - 1 ? a.w.taps[ch * W + jj] : 0.0f;
+    if (ty < 3 && active)
+        tlast = a.w.taps[ch * W + W - 1];
+    else if (ty == 3 && active)
+        wgt = a.w.dt_bias[h * K + x];
+    else if (ty == 4 && active)
+        wgt = a.w.o_norm[x];
+    const float nA = a.w.neg_A[h];
+
+    duet_pdl_wait(); /* proj, g, beta, gate */
+    duet_pdl_trigger();
+
+    float s[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; r++)
+        s[r] = one && active ? S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] : 0.0f;
+
+    /* 1. conv + SiLU and window roll (ty 0..2), g (ty 3), β (thread 5·32). */
+    if (one && active && ty < 3) {
+        float *win = blk + HKK + ch * (W - 1);
+        float u[DUET_KDA_MAX_W - 1];
+#pragma unroll
+        for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+            u[jj] = jj < W - 1 ? win[jj] : 0.0f;
+        const float xin = a.proj[row * C3 + ch];
+        float acc = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+            if (jj < W - 1)
+                acc += tp[jj] * u[jj];
+        acc += tlast * xin;
+        const float y = duet__silu(acc);
+        sx[ty][tx] = y;
+        if (ty == 2)
+            a.qkv[row * C3 + ch] = y;
+#pragma unroll
+        for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+            if (jj < W - 1)
+                win[jj] = jj == W - 2 ? xin : u[jj + 1 < DUET_KDA_MAX_W - 1 ? jj + 1 : jj];
+    } else if (one && active && ty == 3) {
+        float *gp = a.g + row * HK + h * K + x;
+        const float gv = nA * duet__softplus(*gp + wgt);
+        sx[3][tx] = gv;
+        *gp = gv; /* in place: only this thread reads or writes this element */
+    }
+    if (tid == 5 * 32)
+        sbeta = one ? duet__sigmoid(a.beta[row * H + h]) : 0.0f;
+    duet__cluster_arrive(); /* every block has read the raw β before block 0 overwrites it */
+    duet__cluster_wait();
+
+    /* 2. The head's q, k, g from the slices' owners; norms as prep (lane-strided, then the
+     * butterfly), then the recurrent update. */
+    if (tid < K) {
+        const unsigned owner = (unsigned)tid >> 5;
+        sq[tid] = duet__dsmem_load(&sx[0][tid & 31], owner);
+        sk[tid] = duet__dsmem_load(&sx[1][tid & 31], owner);
+        se[tid] = expf(duet__dsmem_load(&sx[3][tid & 31], owner));
+    }
+    __syncthreads();
+    if (ty < 2) {
+        const float *xv = ty == 0 ? sq : sk;
+        float ss = 0.0f;
+        for (int d = tx; d < K; d += 32)
+            ss += xv[d] * xv[d];
+        ss = duet__warp_sum(ss);
+        float inv = 1.0f / sqrtf(ss + DUET_KDA_L2_EPS);
+        if (ty == 0)
+            inv *= 1.0f / sqrtf((float)K);
+        if (tx == 0)
+            sinv[ty] = inv;
+    }
+    __syncthreads();
+    if (tid < K) {
+        sq[tid] *= sinv[0];
+        sk[tid] *= sinv[1];
+    }
+    if (one && active && ty < 2)
+        a.qkv[row * C3 + ch] = sx[ty][tx] * sinv[ty];
+    if (one && j == 0 && tid == 0)
+        a.beta[row * H + h] = sbeta;
+    __syncthreads();
+
+    float pk = 0.0f, pq = 0.0f, pkq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < RPT; r++) {
+        const int d = ty + DUET_KDA_RY * r;
+        s[r] *= se[d];
+        pk += s[r] * sk[d];
+        pq += s[r] * sq[d];
+        pkq += sk[d] * sq[d];
+    }
+    red[0][ty][tx] = pk;
+    red[1][ty][tx] = pq;
+    red[2][ty][tx] = pkq;
+    __syncthreads();
+    float kv = 0.0f, qs = 0.0f, kq = 0.0f;
+#pragma unroll
+    for (int y = 0; y < DUET_KDA_RY; y++) {
+        kv += red[0][y][tx];
+        qs += red[1][y][tx];
+        kq += red[2][y][tx];
+    }
+    const float u = sbeta * (sx[2][tx] - kv);
+    if (ty == 0)
+        so[tx] = qs + u * kq;
+    if (one && active) {
+#pragma unroll
+        for (int r = 0; r < RPT; r++) {
+            const int d = ty + DUET_KDA_RY * r;
+            S[(int64_t)d * V + x] = s[r] + sk[d] * u;
+        }
+    }
+    duet__cluster_arrive(); /* so is complete in every block */
+    duet__cluster_wait();
+
+    /* 3. The head's o, then out's norm and gate on this block's columns. */
+    if (tid < K)
+        sall[tid] = duet__dsmem_load(&so[tid & 31], (unsigned)tid >> 5);
+    duet__cluster_arrive(); /* done with the peers' shared memory */
+    __syncthreads();
+    if (ty == 4) {
+        float ss = 0.0f;
+        for (int d = tx; d < K; d += 32)
+            ss += sall[d] * sall[d];
+        ss = duet__warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)K + a.w.eps);
+        if (one && active) {
+            const int64_t e = row * HK + h * K + x;
+            a.o[e] = wgt * (sall[x] * inv) * duet__sigmoid(a.gate[e]);
+        }
+    }
+    duet__cluster_wait(); /* the peers are done with this block's shared memory */
+#else
+    (void)a;
+#endif
+}
+
+/* Launch with a cluster of (1, cl, 1) blocks and, when enabled, programmatic dependent launch
+ * (duet_pdl_launch's contract; it takes one launch attribute, this needs two). */
+template <typename... KArgs, typename... Args>
+static cudaError_t duet__kda_cluster_launch(void (*k)(KArgs...), dim3 grid, dim3 block, unsigned cl,
+                                            cudaStream_t stream, Args... args)
+{
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[2];
+    memset(&cfg, 0, sizeof(cfg));
+    memset(attr, 0, sizeof(attr));
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = cl;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = duet_cuda_pdl_enabled() ? 2 : 1;
+    return cudaLaunchKernelEx(&cfg, k, static_cast<KArgs>(args)...);
+}
+
+/* Whether the current device launches thread-block clusters (sm_90+); asked once per device. */
+static duet_status_t duet__kda_clusters(int *ok_p)
+{
+    static int known[64]; /* 0 unknown, 1 no, 2 yes */
+    int dev = 0;
+    DUET__TRY(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev >= 0 && dev < 64) {
+        const int k = __atomic_load_n(&known[dev], __ATOMIC_ACQUIRE);
+        if (k != 0) {
+            *ok_p = k == 2;
+            return DUET_OK;
+        }
+    }
+    int v = 0;
+    DUET__TRY(cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, dev), "cluster attribute");
+    if (dev >= 0 && dev < 64)
+        __atomic_store_n(&known[dev], v ? 2 : 1, __ATOMIC_RELEASE);
+    *ok_p = v != 0;
+    return DUET_OK;
+}
+
+template <int K>
+static duet_status_t duet__kda_decode_launch(cudaStream_t stream, const duet__kda_chain_args_t &a)
+{
+    const unsigned cl = (unsigned)((K + 31) / 32);
+    dim3 grid((unsigned)(a.st.n_items * a.ly.H), cl);
+    DUET__TRY(duet__kda_cluster_launch(duet__kda_decode_kernel<K>, grid, dim3(32, DUET_KDA_RY), cl,
+                                       stream, a),
+              "decode chain launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,
+                                             const duet_cuda_kda_layer_t *ly,
+                                             const duet_cuda_kda_weights_t *w, const float *proj,
+                                             const float *gate, float *qkv, float *g, float *beta,
+                                             float *o, void *scratch)
+{
+    duet_status_t s = duet__kda_check(ly, "chain");
+    if (s != DUET_OK)
+        return s;
+    if (ly->K % 16 != 0)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda kda chain: K = %lld is not a multiple of 16", (long long)ly->K);
+    if (st == NULL || st->n_items < 0 || st->n_rows < 0 || w == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda chain: bad step or weights");
+    if (st->n_items == 0 || st->n_rows == 0)
+        return DUET_OK;
+    if ((int64_t)st->n_items * ly->H > 0x7fffffff)
+        return duet_error_set(DUET_ERR_RANGE, "cuda kda chain: %d items x %lld heads", st->n_items,
+                              (long long)ly->H);
+    const bool small =
+        st->max_item_tokens == 1 && (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
+    int clusters = 0;
+    if (small && (s = duet__kda_clusters(&clusters)) != DUET_OK)
+        return s;
+    if (!small || !clusters) { /* prefill, large batches, no clusters: the separate kernels */
+        if ((s = duet_cuda_kda_conv(stream, st, ly, w->taps, proj, qkv)) != DUET_OK ||
+            (s = duet_cuda_kda_prep(stream, st->n_rows, ly, w->neg_A, w->dt_bias, qkv, g, beta)) !=
+                DUET_OK ||
+            (s = duet_cuda_kda_core(stream, st, ly, qkv, g, beta, o, scratch)) != DUET_OK)
+            return s;
+        return duet_cuda_kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o);
+    }
+    const duet__kda_chain_args_t a = {*st, *ly, *w, proj, gate, qkv, g, beta, o};
+    switch (ly->K) {
+    case 16:
+        return duet__kda_decode_launch<16>(stream, a);
+    case 32:
+        return duet__kda_decode_launch<32>(stream, a);
+    case 48:
+        return duet__kda_decode_launch<48>(stream, a);
+    case 64:
+        return duet__kda_decode_launch<64>(stream, a);
+    case 80:
+        return duet__kda_decode_launch<80>(stream, a);
+    case 96:
+        return duet__kda_decode_launch<96>(stream, a);
+    case 112:
+        return duet__kda_decode_launch<112>(stream, a);
+    default:
+        return duet__kda_decode_launch<128>(stream, a);
     }
 }

@@ -11,6 +11,14 @@
  * recurrent forms agree (one 150-token item versus 150 one-token steps), one replays the chain
  * as a captured CUDA graph, and one only times the kernels at the real model's shapes.
  *
+ * duet_cuda_kda_chain (the four calls in one, a single fused kernel for decode steps) is checked
+ * the same way against the CPU reference, and against the four separate calls launched without
+ * programmatic dependent launch from the same pool (results and every pool element, tolerance
+ * TOL_FUSED: the fused kernel computes each element with the same expression, so 0 is expected),
+ * at batch 1, at several items, for every cluster size (K = 16 .. 128), W from 1 to 8, and on
+ * prefill / mixed steps and a large decode batch (where it runs the separate kernels), plus a
+ * captured graph.
+ *
  * Error measure: max |gpu − cpu| over a tensor divided by max |cpu| of that tensor (a rounding
  * error scales with the magnitudes summed, not with an element that may cancel to ~0). Both
  * sides are fp32 and compute the same sums in different orders; the GPU also takes the decays
@@ -39,6 +47,7 @@
 
 #include "engine/kda.h"
 #include "kernels/cuda/cuda_kda.h"
+#include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
 #define CHECK(cond, ...)                                                                           \
@@ -63,6 +72,7 @@
 #define TOL_PREP  1e-5
 #define TOL_CORE  1e-4
 #define TOL_OUT   1e-3
+#define TOL_FUSED 1e-6 /* chain vs the four calls: the fused kernel repeats their expressions */
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
@@ -510,6 +520,101 @@ static void run_chain(const kda_shape_t *sh)
     case_free(&c);
 }
 
+/* ---- the chain entry point ---------------------------------------------------------------- */
+
+static void chain_enqueue(kda_case_t *c, cudaStream_t s)
+{
+    const int64_t T = c->n_rows;
+    const duet_cuda_kda_weights_t w = {.taps = c->d_taps,
+                                       .neg_A = c->d_neg_A,
+                                       .dt_bias = c->d_dt_bias,
+                                       .o_norm = c->d_o_norm,
+                                       .eps = c->eps};
+    CUDA_OK(cudaMemcpyAsync(c->d_g, c->d_graw, sizeof(float) * (size_t)(T * c->HK),
+                            cudaMemcpyDeviceToDevice, s));
+    CUDA_OK(cudaMemcpyAsync(c->d_beta, c->d_braw, sizeof(float) * (size_t)(T * c->sh.H),
+                            cudaMemcpyDeviceToDevice, s));
+    DUET_OK_(duet_cuda_kda_chain(s, &c->st, &c->ly, &w, c->d_proj, c->d_gate, c->d_qkv, c->d_g,
+                                 c->d_beta, c->d_o, NULL));
+}
+
+/* Host copies of everything a step writes. */
+typedef struct {
+    float *qkv, *g, *beta, *o, *pool;
+} gpu_out_t;
+
+static void gpu_out_get(kda_case_t *c, gpu_out_t *r)
+{
+    const int64_t T = c->n_rows;
+    const size_t nq = (size_t)(T * c->C3), ng = (size_t)(T * c->HK), nb = (size_t)(T * c->sh.H);
+    r->qkv = xmalloc(sizeof(float) * nq);
+    r->g = xmalloc(sizeof(float) * ng);
+    r->beta = xmalloc(sizeof(float) * nb);
+    r->o = xmalloc(sizeof(float) * ng);
+    r->pool = xmalloc(sizeof(float) * c->pool_floats);
+    CUDA_OK(cudaMemcpy(r->qkv, c->d_qkv, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(r->g, c->d_g, sizeof(float) * ng, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(r->beta, c->d_beta, sizeof(float) * nb, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(r->o, c->d_o, sizeof(float) * ng, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(r->pool, c->d_pool, sizeof(float) * c->pool_floats, cudaMemcpyDeviceToHost));
+}
+
+static void gpu_out_free(gpu_out_t *r)
+{
+    free(r->qkv), free(r->g), free(r->beta), free(r->o), free(r->pool);
+}
+
+/* As run_chain, through duet_cuda_kda_chain; each step first runs the four separate calls
+ * (programmatic dependent launch off) from the same pool and compares the two GPU paths. */
+static void run_chain_fused(const kda_shape_t *sh)
+{
+    kda_case_t c;
+    cudaStream_t s;
+    char what[96];
+    case_init(&c, sh);
+    CUDA_OK(cudaStreamCreate(&s));
+    const size_t pool_bytes = sizeof(float) * c.pool_floats;
+    float *d_save = dev_alloc(pool_bytes);
+    for (int step = 0; step < 2; step++) {
+        int n_tok[16];
+        for (int i = 0; i < sh->n_items; i++)
+            n_tok[i] = step == 0 ? sh->n_tok[i] : 1;
+        case_batch(&c, n_tok);
+        const size_t nq = (size_t)(c.n_rows * c.C3), ng = (size_t)(c.n_rows * c.HK);
+        const size_t nb = (size_t)(c.n_rows * sh->H);
+
+        CUDA_OK(cudaMemcpy(d_save, c.d_pool, pool_bytes, cudaMemcpyDeviceToDevice));
+        duet_cuda_pdl_set(0);
+        gpu_step_enqueue(&c, s, NULL);
+        CUDA_OK(cudaStreamSynchronize(s));
+        duet_cuda_pdl_set(-1);
+        gpu_out_t sep, fus;
+        gpu_out_get(&c, &sep);
+        CUDA_OK(cudaMemcpy(c.d_pool, d_save, pool_bytes, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemset(c.d_qkv, 0, sizeof(float) * nq));
+        CUDA_OK(cudaMemset(c.d_o, 0, sizeof(float) * ng));
+
+        chain_enqueue(&c, s);
+        CUDA_OK(cudaStreamSynchronize(s));
+        ref_step(&c);
+        snprintf(what, sizeof(what), "%s chain step %d (T=%d)", sh->name, step + 1, c.n_rows);
+        compare_step(&c, what, NULL);
+        gpu_out_get(&c, &fus);
+        expect_close(what, "qkv ~sep", fus.qkv, sep.qkv, nq, TOL_FUSED);
+        expect_close(what, "g ~sep", fus.g, sep.g, ng, TOL_FUSED);
+        expect_close(what, "beta ~sep", fus.beta, sep.beta, nb, TOL_FUSED);
+        expect_close(what, "o ~sep", fus.o, sep.o, ng, TOL_FUSED);
+        expect_close(what, "pool ~sep", fus.pool, sep.pool, c.pool_floats, TOL_FUSED);
+        gpu_out_free(&sep);
+        gpu_out_free(&fus);
+        for (int i = 0; i < sh->n_items; i++)
+            c.pos0[i] += n_tok[i];
+    }
+    cudaFree(d_save);
+    CUDA_OK(cudaStreamDestroy(s));
+    case_free(&c);
+}
+
 /* ---- tests -------------------------------------------------------------------------------- */
 
 Test(cuda_kda, bad_shapes_refused, .timeout = 30)
@@ -545,6 +650,19 @@ Test(cuda_kda, bad_shapes_refused, .timeout = 30)
     CHECK(duet_cuda_kda_prep(0, 0, &ly, NULL, NULL, NULL, NULL, NULL) == DUET_OK);
     CHECK(duet_cuda_kda_out(0, 0, 2, 64, NULL, 1e-6f, NULL, NULL) == DUET_OK);
     CHECK(duet_cuda_kda_scratch_bytes(8, 64, 2, 64) < ((size_t)1 << 30));
+    const duet_cuda_kda_weights_t w = {.eps = 1e-6f};
+    st.n_rows = 1;
+    st.n_items = 1;
+    ly.K = 24;
+    r = duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+    CHECK(r == DUET_ERR_UNSUPPORTED, "chain K=24: %s", duet_status_name(r));
+    ly.K = 64;
+    r = duet_cuda_kda_chain(0, &st, &ly, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+    CHECK(r == DUET_ERR_INVALID, "chain without weights: %s", duet_status_name(r));
+    st.n_rows = 0;
+    st.n_items = 0;
+    CHECK(duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL) ==
+          DUET_OK);
 }
 
 Test(cuda_kda, chain_small_heads, .timeout = 120)
@@ -578,6 +696,53 @@ Test(cuda_kda, chain_decay_extremes, .timeout = 120)
     const kda_shape_t fast = {"H2 K64 fast decay", 2, 64, 4, 3, {1, 150, 66}, 1.5f, 2.5f};
     run_chain(&slow);
     run_chain(&fast);
+}
+
+/* The chain entry point at batch 1 with the real model's heads (both steps decode). */
+Test(cuda_kda, chain_decode_batch1, .timeout = 120)
+{
+    skip_without_device();
+    const kda_shape_t a = {"H32 K128 W4 b1", 32, 128, 4, 1, {1}, -2.0f, 0.5f};
+    run_chain_fused(&a);
+}
+
+/* Decode batches of several items, every cluster size (K/32 rounded up: 1 to 4 blocks, full and
+ * partial last blocks) and W from 1 (no window) to 8. */
+Test(cuda_kda, chain_decode_items, .timeout = 120)
+{
+    skip_without_device();
+    const kda_shape_t a = {"H4 K128 W4 b9", 4, 128, 4, 9, {1, 1, 1, 1, 1, 1, 1, 1, 1}, -2.0f, 0.5f};
+    const kda_shape_t b = {"H2 K48 W8 b3", 2, 48, 8, 3, {1, 1, 1}, -2.0f, 0.5f};
+    const kda_shape_t d = {"H3 K80 W2 b5", 3, 80, 2, 5, {1, 1, 1, 1, 1}, -2.0f, 0.5f};
+    const kda_shape_t e = {"H2 K16 W1 b2", 2, 16, 1, 2, {1, 1}, -2.0f, 0.5f};
+    const kda_shape_t f = {"H2 K112 W3 b4", 2, 112, 3, 4, {1, 1, 1, 1}, 1.5f, 2.5f};
+    const kda_shape_t g = {"H5 K96 W4 b2", 5, 96, 4, 2, {1, 1}, -6.0f, -4.0f};
+    /* 13 x 64 (item, head) pairs: more than the fused kernel takes, so the separate kernels */
+    const kda_shape_t l = {"H64 K16 W4 b13 (separate)",
+                           64,
+                           16,
+                           4,
+                           13,
+                           {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+                           -2.0f,
+                           0.5f};
+    run_chain_fused(&a);
+    run_chain_fused(&b);
+    run_chain_fused(&d);
+    run_chain_fused(&e);
+    run_chain_fused(&f);
+    run_chain_fused(&g);
+    run_chain_fused(&l);
+}
+
+/* Prefill and mixed steps (the separate kernels), each followed by a decode step (fused). */
+Test(cuda_kda, chain_prefill, .timeout = 120)
+{
+    skip_without_device();
+    const kda_shape_t a = {"H3 K64 W4 mixed", 3, 64, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f};
+    const kda_shape_t b = {"H2 K128 W4 prefill", 2, 128, 4, 1, {130}, -2.0f, 0.5f};
+    run_chain_fused(&a);
+    run_chain_fused(&b);
 }
 
 /* The GPU's two forms of the core on the same inputs: one item of n tokens (chunked) versus n
@@ -734,6 +899,43 @@ Test(cuda_kda, graph_capture, .timeout = 120)
     case_free(&c);
 }
 
+/* duet_cuda_kda_chain captured as a graph: a decode step (the fused kernel) and a mixed one. */
+static void chain_graph(const kda_shape_t *sh)
+{
+    kda_case_t c;
+    cudaStream_t s;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    char what[96];
+    case_init(&c, sh);
+    case_batch(&c, sh->n_tok);
+    CUDA_OK(cudaStreamCreate(&s));
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    chain_enqueue(&c, s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; rep++) {
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        ref_step(&c);
+        snprintf(what, sizeof(what), "%s launch %d", sh->name, rep + 1);
+        compare_step(&c, what, NULL);
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(s));
+    case_free(&c);
+}
+
+Test(cuda_kda, chain_graph_capture, .timeout = 120)
+{
+    skip_without_device();
+    const kda_shape_t a = {"graph chain H2 K128 decode", 2, 128, 4, 3, {1, 1, 1}, -2.0f, 0.5f};
+    const kda_shape_t b = {"graph chain H2 K64 mixed", 2, 64, 4, 4, {1, 90, 1, 2}, -2.0f, 0.5f};
+    chain_graph(&a);
+    chain_graph(&b);
+}
+
 /* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints only. */
 Test(cuda_kda, timing_real_shape, .timeout = 120)
 {
@@ -831,5 +1033,98 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         CUDA_OK(cudaEventDestroy(e1));
         cudaFree(d_pool), cudaFree(d_proj), cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_b);
         cudaFree(d_o), cudaFree(d_taps), cudaFree(d_w), cudaFree(d_m);
+    }
+}
+
+/* A decode step at the real model's head shape (H = 32, K = V = 128, W = 4) for n_items items:
+ * the four separate calls versus duet_cuda_kda_chain, back to back in a stream as the engine
+ * queues them; prints only (under Nsight Compute the per-kernel times come from its report). */
+Test(cuda_kda, timing_chain_decode, .timeout = 120)
+{
+    skip_without_device();
+    const int batches[] = {1, 8, 64};
+    for (size_t bi = 0; bi < sizeof(batches) / sizeof(batches[0]); bi++) {
+        const int n = batches[bi];
+        const int64_t H = 32, K = 128, HK = H * K, C3 = 3 * HK, T = n;
+        const int64_t lf = H * K * K + C3 * 3;
+        float *d_pool = dev_alloc(sizeof(float) * (size_t)((n + 1) * lf));
+        float *d_proj = dev_alloc(sizeof(float) * (size_t)(T * C3));
+        float *d_qkv = dev_alloc(sizeof(float) * (size_t)(T * C3));
+        float *d_g = dev_alloc(sizeof(float) * (size_t)(T * HK));
+        float *d_b = dev_alloc(sizeof(float) * (size_t)(T * H));
+        float *d_o = dev_alloc(sizeof(float) * (size_t)(T * HK));
+        float *d_gate = dev_alloc(sizeof(float) * (size_t)(T * HK));
+        float *d_taps = dev_alloc(sizeof(float) * (size_t)(C3 * 4));
+        float *d_w = dev_alloc(sizeof(float) * (size_t)HK);
+        /* zero weights (g = 0, q = k = 0): every value stays finite however often it runs */
+        CUDA_OK(cudaMemset(d_pool, 0, sizeof(float) * (size_t)((n + 1) * lf)));
+        CUDA_OK(cudaMemset(d_taps, 0, sizeof(float) * (size_t)(C3 * 4)));
+        CUDA_OK(cudaMemset(d_w, 0, sizeof(float) * (size_t)HK));
+        CUDA_OK(cudaMemset(d_proj, 0, sizeof(float) * (size_t)(T * C3)));
+        CUDA_OK(cudaMemset(d_g, 0, sizeof(float) * (size_t)(T * HK)));
+        CUDA_OK(cudaMemset(d_b, 0, sizeof(float) * (size_t)(T * H)));
+        CUDA_OK(cudaMemset(d_gate, 0, sizeof(float) * (size_t)(T * HK)));
+        int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
+        for (int i = 0; i <= n; i++)
+            m[i] = i;
+        for (int i = 0; i < n; i++) {
+            m[n + 1 + i] = 0;
+            m[2 * n + 1 + i] = i + 1;
+            m[3 * n + 1 + i] = 0;
+            m[4 * n + 1 + i] = i;
+            m[4 * n + 1 + T + i] = 0;
+        }
+        int32_t *d_m = dev_copy(m, sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
+        free(m);
+        duet_cuda_step_t st = {.n_items = n,
+                               .n_rows = (int32_t)T,
+                               .max_item_tokens = 1,
+                               .item_row0 = d_m,
+                               .item_pos0 = d_m + n + 1,
+                               .item_slot = d_m + 2 * n + 1,
+                               .item_pages = d_m + 3 * n + 1,
+                               .max_pages = 1,
+                               .row_item = d_m + 4 * n + 1,
+                               .row_pos = d_m + 4 * n + 1 + T};
+        duet_cuda_kda_layer_t ly = {.kda_base = d_pool,
+                                    .kda_n_layers = 1,
+                                    .kda_layer_floats = lf,
+                                    .layer = 0,
+                                    .H = H,
+                                    .K = K,
+                                    .W = 4};
+        const duet_cuda_kda_weights_t w = {
+            .taps = d_taps, .neg_A = d_w, .dt_bias = d_w, .o_norm = d_w, .eps = 1e-6f};
+        cudaEvent_t e0, e1;
+        CUDA_OK(cudaEventCreate(&e0));
+        CUDA_OK(cudaEventCreate(&e1));
+        const int iters = 20;
+        float ms_sep = 0.0f, ms_chain = 0.0f;
+        DUET_OK_(duet_cuda_kda_chain(0, &st, &ly, &w, d_proj, d_gate, d_qkv, d_g, d_b, d_o, NULL));
+        CUDA_OK(cudaEventRecord(e0, 0));
+        for (int i = 0; i < iters; i++) {
+            DUET_OK_(duet_cuda_kda_conv(0, &st, &ly, d_taps, d_proj, d_qkv));
+            DUET_OK_(duet_cuda_kda_prep(0, T, &ly, d_w, d_w, d_qkv, d_g, d_b));
+            DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_b, d_o, NULL));
+            DUET_OK_(duet_cuda_kda_out(0, T, H, K, d_w, 1e-6f, d_gate, d_o));
+        }
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&ms_sep, e0, e1));
+        CUDA_OK(cudaEventRecord(e0, 0));
+        for (int i = 0; i < iters; i++)
+            DUET_OK_(
+                duet_cuda_kda_chain(0, &st, &ly, &w, d_proj, d_gate, d_qkv, d_g, d_b, d_o, NULL));
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&ms_chain, e0, e1));
+        printf("[cuda_kda] timing decode chain H32 K128 W4, %2d items: separate %.1f us, chain "
+               "%.1f us per step\n",
+               n, 1e3 * ms_sep / iters, 1e3 * ms_chain / iters);
+        fflush(stdout);
+        CUDA_OK(cudaEventDestroy(e0));
+        CUDA_OK(cudaEventDestroy(e1));
+        cudaFree(d_pool), cudaFree(d_proj), cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_b);
+        cudaFree(d_o), cudaFree(d_gate), cudaFree(d_taps), cudaFree(d_w), cudaFree(d_m);
     }
 }
