@@ -843,11 +843,11 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
         {.y = dm->gk, .ldy = HK, .x = dm->fg, .ldx = 2 * K, .w = &w->f_b},
         {.y = dm->gate, .ldy = HK, .x = dm->fg + K, .ldx = 2 * K, .w = &w->g_b}};
     TRY(duet_cuda_gemm_matmul_multi(g, s, T, lr, 2, f));
-    TRY(duet_cuda_kda_conv(s, &dm->step, &ly, w->taps, dm->proj, dm->qkv));
-    TRY(duet_cuda_kda_prep(s, T, &ly, w->neg_A, w->dt_bias, dm->qkv, dm->gk, dm->beta));
-    TRY(duet_cuda_kda_core(s, &dm->step, &ly, dm->qkv, dm->gk, dm->beta, dm->o,
-                           dm->kda_scratch));
-    TRY(duet_cuda_kda_out(s, T, H, K, w->o_norm, c->rms_norm_eps, dm->gate, dm->o));
+    /* conv → window roll → prep → core → out-norm × σ(gate): one kernel at decode sizes */
+    const duet_cuda_kda_weights_t kw = {.taps = w->taps, .neg_A = w->neg_A, .dt_bias = w->dt_bias,
+                                        .o_norm = w->o_norm, .eps = c->rms_norm_eps};
+    TRY(duet_cuda_kda_chain(s, &dm->step, &ly, &kw, dm->proj, dm->gate, dm->qkv, dm->gk, dm->beta,
+                            dm->o, dm->kda_scratch));
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, HK, T, &w->o, 1, f);
 }
 
