@@ -172,7 +172,7 @@ struct duet_cuda_model {
         *router, *topk_w, *logits;
     int32_t *topk_idx, *token_out;
     int32_t *token_out_h; /* pinned */
-    void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch;
+    void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
     int      max_splits;
 
     /* step metadata: pinned host block → device block, one copy per step */
@@ -531,6 +531,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     dm->logit_rows_cap = cap;
     TRY(duet__dalloc_f(dm, cap * V, &dm->logits));
     TRY(duet__dalloc(dm, duet_cuda_sample_scratch_bytes(dm->imax_items, V), &dm->sample_scratch));
+    TRY(duet__dalloc(dm, duet_cuda_argmax_scratch_bytes(cap < 65535 ? cap : 65535),
+                     &dm->argmax_scratch));
     /* one token slot per logits row a step can have (T rows + a bucket's padding) */
     TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T + dm->imax_items), (void **)&dm->token_out));
     CU(cudaMallocHost((void **)&dm->token_out_h, sizeof(int32_t) * (size_t)(T + dm->imax_items)),
@@ -992,8 +994,14 @@ static duet_status_t duet__draw(duet_cuda_model_t *dm, int kind, const float *lo
                                 const duet_cuda_sample_params_t *par, int32_t *out)
 {
     const int64_t V = dm->cfg.vocab_size;
-    if (kind == 1)
-        return duet_cuda_argmax(dm->stream, logits, V, V, M, out);
+    if (kind == 1) {
+        for (int64_t r0 = 0; r0 < M; r0 += 65535) {
+            const int64_t m = M - r0 < 65535 ? M - r0 : 65535;
+            TRY(duet_cuda_argmax_split(dm->stream, logits + r0 * V, V, V, m, out + r0,
+                                       dm->argmax_scratch));
+        }
+        return DUET_OK;
+    }
     for (int64_t r0 = 0; r0 < M; r0 += dm->imax_items) {
         const int64_t m = M - r0 < dm->imax_items ? M - r0 : dm->imax_items;
         TRY(duet_cuda_sample(dm->stream, logits + r0 * V, V, V, m, par + r0, out + r0,
@@ -1066,13 +1074,23 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
            "layer wait");
         duet__run_hook(dm, hook, hook_user, pending);
     }
-    if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
+    if (sh->n_logit_rows > 0 && sh->n_logit_rows == T && T <= dm->logit_rows_cap) {
+        /* every row is a logits row (a decode step): the gather would be the identity, so the
+         * final norm goes into the head's own launch */
+        const duet_cuda_gemm_norm_t fin = {.x = dm->x, .ldx = D, .w = dm->final_norm, .y = dm->xn,
+                                           .ldy = D, .D = D, .eps = c->rms_norm_eps};
+        const duet_cuda_gemm_op_t head = {.y = dm->logits, .ldy = V, .x = dm->xn, .ldx = D,
+                                          .w = &dm->lm_head};
+        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, &fin, &head, 1, dm->gemm_flags));
+    } else if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
         TRY(duet_cuda_gather_rows(s, dm->xn, dm->x, D, dm->meta_d + dm->ml.logit_rows,
                                   sh->n_logit_rows));
         TRY(duet_cuda_rmsnorm(s, dm->xn, D, dm->xn, D, dm->final_norm, sh->n_logit_rows, D,
                               c->rms_norm_eps));
         TRY(duet_cuda_gemm_matmul(dm->gemm, s, dm->logits, V, dm->xn, D, sh->n_logit_rows,
                                   &dm->lm_head, 0, dm->gemm_flags));
+    }
+    if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
         if (sh->sample != 0)
             TRY(duet__draw(dm, sh->sample, dm->logits, sh->n_logit_rows,
                            (const duet_cuda_sample_params_t *)(dm->meta_d + dm->ml.params),

@@ -74,6 +74,12 @@ duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts
 duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logits, int64_t ld, int64_t V,
                                int64_t M, int32_t *out);
 
+/* The same result from many blocks per row (the one-block kernel is latency-bound on a 160k
+ * vocabulary): two launches, scratch of duet_cuda_argmax_scratch_bytes(M) bytes, M <= 65535. */
+size_t        duet_cuda_argmax_scratch_bytes(int64_t max_M);
+duet_status_t duet_cuda_argmax_split(cudaStream_t stream, const float *logits, int64_t ld,
+                                     int64_t V, int64_t M, int32_t *out, void *scratch);
+
 /*
  * Sampling with engine/sampler.c's rule, one row per request: temperature <= 0 or top_k == 1 →
  * argmax; else candidates sorted by logit descending (ties: lower index first), cut to top_k

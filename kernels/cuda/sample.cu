@@ -188,6 +188,81 @@ extern "C" duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logi
     return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, "argmax kernel launch");
 }
 
+/*
+ * The same arg-max spread over many blocks (a 160k-entry row read by one block takes ~20 us):
+ * block (c, r) takes chunk c of row r (DUET__AM_CHUNK-aligned, so 16-byte loads stay aligned)
+ * and writes its first maximum; one warp per row then merges the chunks with the CPU's order
+ * (larger value, then lower index), which gives the row's first maximum as the one-block kernel does.
+ */
+#define DUET__AM_THREADS 256
+#define DUET__AM_CHUNKS  128
+
+static int64_t duet__am_chunk(int64_t V)
+{
+    int64_t L = (V + DUET__AM_CHUNKS - 1) / DUET__AM_CHUNKS;
+    L = (L + 3) / 4 * 4;
+    return L < 1024 ? 1024 : L;
+}
+
+__global__ void __launch_bounds__(DUET__AM_THREADS)
+    duet__argmax_part_kernel(const float *logits, int64_t ld, int V, int L, int C, float *pv,
+                             int32_t *pi)
+{
+    const int c = blockIdx.x, r = blockIdx.y, c0 = c * L;
+    duet_pdl_wait(); /* the logits */
+    duet_pdl_trigger();
+    const int len = V - c0 < L ? V - c0 : L;
+    const int bi = duet__block_argmax(logits + (int64_t)r * ld + c0, len);
+    if (threadIdx.x == 0) {
+        pv[(int64_t)r * C + c] = logits[(int64_t)r * ld + c0 + bi];
+        pi[(int64_t)r * C + c] = c0 + bi;
+    }
+}
+
+__global__ void duet__argmax_merge_kernel(const float *pv, const int32_t *pi, int C, int32_t *out)
+{
+    const int r = blockIdx.x, lane = threadIdx.x;
+    duet_pdl_wait(); /* the partial maxima */
+    duet_pdl_trigger();
+    float best = 0.0f;
+    int bi = -1;
+    for (int c = lane; c < C; c += 32)
+        duet__argmax_merge(&best, &bi, pv[(int64_t)r * C + c], pi[(int64_t)r * C + c]);
+    for (int o = 16; o > 0; o >>= 1)
+        duet__argmax_merge(&best, &bi, __shfl_xor_sync(0xffffffffu, best, o),
+                           __shfl_xor_sync(0xffffffffu, bi, o));
+    if (lane == 0)
+        out[r] = bi < 0 ? 0 : bi;
+}
+
+extern "C" size_t duet_cuda_argmax_scratch_bytes(int64_t max_M)
+{
+    return max_M <= 0 ? 0 : (size_t)max_M * DUET__AM_CHUNKS * 8 + 256;
+}
+
+extern "C" duet_status_t duet_cuda_argmax_split(cudaStream_t stream, const float *logits,
+                                                int64_t ld, int64_t V, int64_t M, int32_t *out,
+                                                void *scratch)
+{
+    if (M < 0 || V <= 0 || V > 0x7fffffff || ld < V || M > 65535 ||
+        (M > 0 && (logits == NULL || out == NULL || scratch == NULL)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda argmax_split: bad arguments M=%lld V=%lld ld=%lld",
+                              (long long)M, (long long)V, (long long)ld);
+    if (M == 0)
+        return DUET_OK;
+    const int64_t L = duet__am_chunk(V), C = (V + L - 1) / L;
+    float *pv = (float *)(((uintptr_t)scratch + 255) & ~(uintptr_t)255);
+    int32_t *pi = (int32_t *)(pv + M * C);
+    cudaError_t e = duet_pdl_launch(duet__argmax_part_kernel, dim3((unsigned)C, (unsigned)M),
+                                    dim3(DUET__AM_THREADS), 0, stream, logits, ld, (int)V, (int)L,
+                                    (int)C, pv, pi);
+    if (e == cudaSuccess)
+        e = duet_pdl_launch(duet__argmax_merge_kernel, dim3((unsigned)M), dim3(32), 0, stream,
+                            (const float *)pv, (const int32_t *)pi, (int)C, out);
+    return e == cudaSuccess ? DUET_OK : duet_cuda_status(e, DUET__MODULE, "argmax kernel launch");
+}
+
 /* ---- sampling ------------------------------------------------------------------------------ */
 
 /*

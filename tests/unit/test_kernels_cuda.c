@@ -621,3 +621,62 @@ Test(kernels_cuda, act_matmul_equals_act_then_matmul, .timeout = 120)
     free(w);
     duet_cuda_gemm_destroy(g);
 }
+
+/*
+ * duet_cuda_argmax_split (many blocks per row) against the CPU's rule — the first index of the
+ * largest value — and the one-block duet_cuda_argmax: vocabularies from 1 to 163840 (chunk edges,
+ * V not a multiple of 4), a row stride that breaks 16-byte alignment, ties planted across chunks
+ * (the lower index must win), -inf entries, and 300 rows at once.
+ */
+Test(kernels_cuda, argmax_split_first_max, .timeout = 120)
+{
+    skip_without_device();
+    const int64_t Vs[] = {1, 3, 1023, 1024, 1025, 4099, 131072, 163840, 163841};
+    int rows_checked = 0;
+    for (size_t vi = 0; vi < sizeof(Vs) / sizeof(Vs[0]); vi++)
+        for (int odd = 0; odd <= 1; odd++) {
+            const int64_t V = Vs[vi], ld = V + odd, M = V > 100000 ? 5 : 300;
+            float *h = xmalloc((size_t)(M * ld) * 4);
+            for (int64_t i = 0; i < M * ld; i++)
+                h[i] = rng_f();
+            for (int64_t m = 0; m < M; m++) {
+                float *r = h + m * ld;
+                if (m % 3 == 1 && V > 2) { /* a tie between two chunks: the first must win */
+                    const int64_t a = (int64_t)(rng_u32() % (uint32_t)(V / 2)),
+                                  b = V / 2 + (int64_t)(rng_u32() % (uint32_t)(V - V / 2));
+                    r[a] = r[b] = 2.0f;
+                }
+                if (m % 5 == 2)
+                    for (int64_t k = 0; k < V; k += 7)
+                        r[k] = -INFINITY;
+            }
+            int32_t *want = xmalloc((size_t)M * 4), *got = xmalloc((size_t)M * 4),
+                    *one = xmalloc((size_t)M * 4);
+            for (int64_t m = 0; m < M; m++) {
+                int64_t bi = 0;
+                for (int64_t k = 1; k < V; k++)
+                    if (h[m * ld + k] > h[m * ld + bi])
+                        bi = k;
+                want[m] = (int32_t)bi;
+            }
+            float *dl = dev_copy(h, (size_t)(M * ld) * 4);
+            int32_t *dout = dev_alloc((size_t)M * 4), *done = dev_alloc((size_t)M * 4);
+            void *scr = dev_alloc(duet_cuda_argmax_scratch_bytes(M));
+            CHECK(duet_cuda_argmax_split(0, dl, ld, V, M, dout, scr) == DUET_OK, "%s",
+                  duet_error_last());
+            CHECK(duet_cuda_argmax(0, dl, ld, V, M, done) == DUET_OK, "%s", duet_error_last());
+            CUDA_OK(cudaMemcpy(got, dout, (size_t)M * 4, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(one, done, (size_t)M * 4, cudaMemcpyDeviceToHost));
+            for (int64_t m = 0; m < M; m++) {
+                CHECK(got[m] == want[m], "V=%lld ld=%lld row %lld: split %d, CPU %d",
+                      (long long)V, (long long)ld, (long long)m, got[m], want[m]);
+                CHECK(one[m] == want[m], "V=%lld row %lld: one-block %d, CPU %d", (long long)V,
+                      (long long)m, one[m], want[m]);
+            }
+            rows_checked += (int)M;
+            cudaFree(dl), cudaFree(dout), cudaFree(done), cudaFree(scr);
+            free(h), free(want), free(got), free(one);
+        }
+    CHECK(duet_cuda_argmax_split(0, NULL, 10, 10, 1, NULL, NULL) == DUET_ERR_INVALID);
+    printf("argmax_split: %d rows equal to the CPU's first maximum\n", rows_checked);
+}
