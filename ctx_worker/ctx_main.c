@@ -75,7 +75,6 @@ typedef struct {
 static struct {
     duet_config_t     *cfg;
         duet_model_t      *m;
-    duet_sampler_t    *smp;
     duet_xfer_ctx_t   *x;
     duet_worker_pump_t   pump;
     duet_xfer_layout_t layout;
@@ -88,7 +87,6 @@ static struct {
     duet_batch_item_t *items;
     cr_t             **item_req;
     cr_t             **order;
-    float             *logits; /* [max_seqs][V] */
     uint64_t           prefill_tokens;
     /* outcomes that arrive while a step runs (UCX progress in the layer hook) wait for its end:
      * their handler frees sequences the step may still be using */
@@ -369,10 +367,16 @@ static void ctx_step(uv_idle_t *h)
         if (len > budget)
             continue; /* whole chunks only: the cut must match duet-generate's */
         r->last_in_step = end == r->n_prompt;
-        c.items[n]      = (duet_batch_item_t){
-                 .seq = &r->seq, .tokens = r->prompt + r->prefilled, .n_tokens = len,
-                 .logits_mode = r->last_in_step ? DUET_LOGITS_LAST : DUET_LOGITS_NONE,
-                 .logits = c.logits + n * c.V};
+        /* the prompt's last chunk draws the first token inside the step (on the device for a
+         * CUDA model): the request's rule and its next draw, as duet_sampler_sample would */
+        c.items[n] = (duet_batch_item_t){
+            .seq = &r->seq, .tokens = r->prompt + r->prefilled, .n_tokens = len,
+            .logits_mode = r->last_in_step ? DUET_LOGITS_TOKEN : DUET_LOGITS_NONE};
+        if (r->last_in_step) {
+            c.items[n].sampling  = r->sampling.sp;
+            c.items[n].u         = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
+            c.items[n].token_out = &r->first;
+        }
         c.item_req[n] = r;
         n++;
         budget -= len;
@@ -396,8 +400,7 @@ static void ctx_step(uv_idle_t *h)
         r->prefilled += c.items[i].n_tokens;
         if (!last)
             continue;
-        r->first = duet_sampler_sample(c.smp, &r->sampling.sp, &r->sampling.rng, c.items[i].logits);
-        r->phase = CR_SENDING;
+        r->phase = CR_SENDING; /* r->first was drawn by the step */
         if (r->xfer_live)
             (void)duet_xfer_send_kda_ready(c.x, r->xid);
         DUET_RLOG_DEBUG(r->rid, "prefill done in %.1f ms since arrival",
@@ -525,10 +528,9 @@ int main(int argc, char **argv)
     c.items    = calloc((size_t)c.max_seqs, sizeof(*c.items));
     c.item_req = calloc((size_t)c.max_seqs, sizeof(*c.item_req));
     c.order    = calloc((size_t)c.n_reqs, sizeof(*c.order));
-    c.logits   = malloc(sizeof(float) * (size_t)(c.max_seqs * c.V));
     c.deferred = calloc((size_t)c.n_reqs, sizeof(*c.deferred));
     if (c.reqs == NULL || c.items == NULL || c.item_req == NULL || c.order == NULL ||
-        c.logits == NULL || c.deferred == NULL || duet_sampler_create(c.V, &c.smp) != DUET_OK) {
+        c.deferred == NULL) {
         fprintf(stderr, "duet-ctx: out of memory\n");
         return 1;
     }
@@ -553,12 +555,10 @@ int main(int argc, char **argv)
         if (c.reqs[i].phase != CR_FREE)
             cr_free(&c.reqs[i]);
     duet_model_free(c.m);
-    duet_sampler_destroy(c.smp);
     free(c.reqs);
     free(c.items);
     free(c.item_req);
     free(c.order);
-    free(c.logits);
     free(c.deferred);
     duet_config_destroy(c.cfg);
     DUET_LOG_INFO("stopped");

@@ -81,7 +81,6 @@ typedef struct {
 static struct {
     duet_config_t     *cfg;
         duet_model_t      *m;
-    duet_sampler_t    *smp;
     duet_xfer_ctx_t   *x;
     duet_worker_pump_t   pump;
     duet_xfer_layout_t layout;
@@ -96,7 +95,7 @@ static struct {
     duet_batch_item_t *items;
     gr_t             **item_req;
     gr_t             **pre;    /* prefilling requests, by arrival */
-    float             *logits; /* [n_reqs][V] */
+    int32_t           *tok; /* [n_reqs] tokens the step drew (DUET_LOGITS_TOKEN) */
     /* work counters (Heartbeat 6-10) */
     uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
     double   step_seconds;
@@ -445,9 +444,10 @@ static void gen_step(uv_idle_t *h)
         gr_t *r = &g.reqs[i];
         if (r->phase != GR_DECODE)
             continue;
-        g.items[n]    = (duet_batch_item_t){.seq = &r->seq, .tokens = &r->next, .n_tokens = 1,
-                                            .logits_mode = DUET_LOGITS_LAST,
-                                            .logits = g.logits + n * g.V};
+        g.items[n] = (duet_batch_item_t){.seq = &r->seq, .tokens = &r->next, .n_tokens = 1,
+                                         .logits_mode = DUET_LOGITS_TOKEN,
+                                         .sampling = r->sampling.sp, .token_out = &g.tok[n]};
+        g.items[n].u  = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
         g.item_req[n] = r;
         n++;
         n_decode++;
@@ -466,11 +466,15 @@ static void gen_step(uv_idle_t *h)
         int64_t len = end - r->prefilled;
         if (len > budget)
             continue;
-        bool last     = end == r->n_prompt;
-        g.items[n]    = (duet_batch_item_t){.seq = &r->seq, .tokens = r->prompt + r->prefilled,
-                                            .n_tokens = len,
-                                            .logits_mode = last ? DUET_LOGITS_LAST : DUET_LOGITS_NONE,
-                                            .logits = g.logits + n * g.V};
+        bool last  = end == r->n_prompt;
+        g.items[n] = (duet_batch_item_t){.seq = &r->seq, .tokens = r->prompt + r->prefilled,
+                                         .n_tokens = len,
+                                         .logits_mode = last ? DUET_LOGITS_TOKEN : DUET_LOGITS_NONE,
+                                         .token_out = &g.tok[n]};
+        if (last) {
+            g.items[n].sampling = r->sampling.sp;
+            g.items[n].u        = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
+        }
         g.item_req[n] = r;
         n++;
         budget -= len;
@@ -510,7 +514,7 @@ static void gen_step(uv_idle_t *h)
             free(r->prompt);
             r->prompt = NULL;
         }
-        int32_t tok = duet_sampler_sample(g.smp, &r->sampling.sp, &r->sampling.rng, g.items[i].logits);
+        int32_t tok = g.tok[i]; /* drawn by the step (DUET_LOGITS_TOKEN) */
         r->produced++;
         gr_emit(r, tok);
     }
@@ -640,9 +644,9 @@ int main(int argc, char **argv)
     g.items    = calloc((size_t)g.n_reqs, sizeof(*g.items));
     g.item_req = calloc((size_t)g.n_reqs, sizeof(*g.item_req));
     g.pre      = calloc((size_t)g.n_reqs, sizeof(*g.pre));
-    g.logits   = malloc(sizeof(float) * (size_t)(g.n_reqs * g.V));
+    g.tok      = calloc((size_t)g.n_reqs, sizeof(*g.tok));
     if (g.reqs == NULL || g.items == NULL || g.item_req == NULL || g.pre == NULL ||
-        g.logits == NULL || duet_sampler_create(g.V, &g.smp) != DUET_OK) {
+        g.tok == NULL) {
         fprintf(stderr, "duet-gen: out of memory\n");
         return 1;
     }
@@ -665,12 +669,11 @@ int main(int argc, char **argv)
             gr_free(&g.reqs[i]);
     duet_model_free(g.m);
     duet_xfer_ctx_destroy(g.x); /* aborts live transfers; the pools were its allocations */
-    duet_sampler_destroy(g.smp);
     free(g.reqs);
     free(g.items);
     free(g.item_req);
     free(g.pre);
-    free(g.logits);
+    free(g.tok);
     duet_config_destroy(g.cfg);
     DUET_LOG_INFO("stopped");
     return 0;
