@@ -23,12 +23,15 @@
  *     (about 1% of a probability at typical score magnitudes). Warp w computes the scores of
  *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
  *     registers for the whole block, the four quarters meet in shared memory; for P · c warp w
- *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 32
- *     positions, 4 in shared memory, 3 of them in flight while one is computed (a test hook
- *     selects tiles of 64, 2 in shared memory: fewer instructions per position, less in
- *     flight). Kimi's rows (r = 512, dr = 64) get an instance with the dims compiled in, so the
- *     per-tile shared-memory addresses and loop bounds are immediates (~30% fewer instructions
- *     per tile than the generic instance, which other shapes use).
+ *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 64
+ *     positions, 2 in shared memory, one in flight while the other is computed. A test hook
+ *     selects tiles of 32, 4 in shared memory, 3 in flight: ~20% more instructions per
+ *     position, and on an H200 5-15% slower at 32K and long prefill, even at 2K (timing test).
+ *     The tensor cores bound this kernel, not memory: q̂ and P split in two make 34 mma per
+ *     position (2.6-3.5 us per 32 positions and block at 32K, about half the HBM rate with
+ *     every SM busy). Kimi's rows (r = 512, dr = 64) get an instance with the dims compiled
+ *     in, so the per-tile shared-memory addresses and loop bounds are immediates (~30% fewer
+ *     instructions per tile than the generic instance, which other shapes use).
  *   - CUDA cores (F32 cache, or dims outside the tensor-core limits): each warp holds the q of 4
  *     slots for the lane's dims in registers and reduces the 8 tokens × 4 slots dot products of
  *     a token group with one 31-shuffle reduce-scatter; for P · c each thread owns 8 slots × 8
@@ -61,7 +64,9 @@
  *   went out one round trip at a time, tens of microseconds per block whatever its range; they
  *   are now unconditional (clamped addresses, zero by select) and in flight together. With
  *   the prologue cheap, the planner cuts a lone sequence into ranges of 64 positions (64
- *   splits at 2K, 128 at 32K).
+ *   splits at 2K, 128 at 32K). Measured (ncu, H200, 32-position tiles): attention at batch 1 ×
+ *   2K 70 -> 18 us; a block still has ~11 us of fixed cost (launch, setup, q prologue, first
+ *   load, partial write), ~3 tiles' worth, which the planner's cost model uses.
  *
  * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
  * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
@@ -86,10 +91,10 @@
 #define DUET_MLA_MAX_R     512 /* P · c: 4 slot groups × r / 8 dim groups <= 256 threads */
 #define DUET_MLA_MAX_TD    640 /* CUDA-core scores: 5 chunks of 128 dims per lane */
 #define DUET_MLA_TC_MAX_TD 576 /* tensor-core scores: 9 k-steps of 16 per warp quarter */
-#define DUET_MLA_TC_TK     32  /* tokens per tile, tensor-core path */
-#define DUET_MLA_TC_STAGES 4   /* tiles in shared memory, tensor-core path (3 in flight) */
-#define DUET_MLA_TC2_TK    64  /* the other tensor-core shape (test hook): 2 tiles of 64 */
-#define DUET_MLA_TC2_STAGES 2
+#define DUET_MLA_TC_TK     64  /* tokens per tile, tensor-core path */
+#define DUET_MLA_TC_STAGES 2   /* tiles in shared memory, tensor-core path (1 in flight) */
+#define DUET_MLA_TC2_TK    32  /* the other tensor-core shape (test hook): 4 tiles of 32 */
+#define DUET_MLA_TC2_STAGES 4
 #define DUET_MLA_MAX_DEV   16  /* devices whose shared-memory opt-in is remembered */
 #define DUET_MLA_KVW_THREADS 128 /* kv_write block */
 #define DUET_MLA_MIN_SPLIT 64  /* plan_splits: fewest positions per busy split */
@@ -1178,7 +1183,7 @@ extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads,
  * at least DUET_MLA_MIN_SPLIT positions. The cheapest count (fewest on ties) is returned;
  * blocks past the busy ones leave neutral partials.
  */
-#define DUET_MLA_PLAN_TK    DUET_MLA_TC_TK
+#define DUET_MLA_PLAN_TK    32 /* ranges are whole tiles of either tensor-core shape */
 #define DUET_MLA_PLAN_FIXED 3.0
 #define DUET_MLA_PLAN_RED   2.0
 #define DUET_MLA_PLAN_PART  4.0

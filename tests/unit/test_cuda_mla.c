@@ -477,8 +477,8 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
     CHECK(duet_cuda_mla_plan_splits(1, 32768, 0) == 1);
     /*
      * Every count is a power of two (a growing context changes the plan, and so the engine's
-     * graph, only a few times) and every split range, ceil(ctx / s) rounded up to the kernel's
-     * 32-position tile, keeps >= 64 positions.
+     * graph, only a few times) and every split range, ceil(ctx / s) rounded up to 32
+     * positions (both tensor-core tiles are multiples of it), keeps >= 64 positions.
      */
     const int64_t items[] = {1, 2, 7, 8, 64, 100, 256};
     const int64_t ctxs[] = {512, 1000, 2049, 4096, 32768, 131072};
@@ -574,7 +574,7 @@ Test(cuda_mla, small_heads, .timeout = 300)
         {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0},
         {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0},
         {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0},
-        {"n8 r128 dr64 bf16 tc64", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 64},
+        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32},
         {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0},
         {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0},
         {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0}, /* pages not 2^k */
@@ -591,7 +591,7 @@ Test(cuda_mla, many_heads, .timeout = 300)
         {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0},
         {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0},
         {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0},
-        {"n40 r96 dr24 bf16 tc64", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 64},
+        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -602,7 +602,7 @@ Test(cuda_mla, kimi_shape, .timeout = 300)
         {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0},
         {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0},
         {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0},
-        {"n32 r512 dr64 bf16 tc64", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 64},
+        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
