@@ -54,7 +54,11 @@ duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *
                                    const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
                                    int kv_splits, float *lat, void *scratch);
 
-/* A split count for a step (enough blocks to fill the GPU, ranges of at least 256 positions). */
+/*
+ * A split count for a decode step of n_items sequences of at most max_context positions on a
+ * GPU of n_sms SMs: a power of two (1 for short contexts) that fills the GPU while keeping the
+ * per-block fixed cost and the reducer's traffic in check, each busy range >= 64 positions.
+ */
 int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms);
 
 #ifdef __cplusplus

@@ -23,8 +23,15 @@
  *     (about 1% of a probability at typical score magnitudes). Warp w computes the scores of
  *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
  *     registers for the whole block, the four quarters meet in shared memory; for P · c warp w
- *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 32
- *     positions, 4 in shared memory, 3 of them in flight while one is computed.
+ *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 64
+ *     positions, 2 in shared memory, one in flight while the other is computed. A test hook
+ *     selects tiles of 32, 4 in shared memory, 3 in flight: ~20% more instructions per
+ *     position, and on an H200 5-15% slower at 32K and long prefill, even at 2K (timing test).
+ *     The tensor cores bound this kernel, not memory: q̂ and P split in two make 34 mma per
+ *     position (2.6-3.5 us per 32 positions and block at 32K, about half the HBM rate with
+ *     every SM busy). Kimi's rows (r = 512, dr = 64) get an instance with the dims compiled
+ *     in, so the per-tile shared-memory addresses and loop bounds are immediates (~30% fewer
+ *     instructions per tile than the generic instance, which other shapes use).
  *   - CUDA cores (F32 cache, or dims outside the tensor-core limits): each warp holds the q of 4
  *     slots for the lane's dims in registers and reduces the 8 tokens × 4 slots dot products of
  *     a token group with one 31-shuffle reduce-scatter; for P · c each thread owns 8 slots × 8
@@ -44,6 +51,23 @@
  *   Graph capture: the first attend per kernel and device opts the kernel into its shared memory
  *   (cudaFuncSetAttribute, not a stream operation); later calls only launch.
  *
+ * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
+ *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
+ *   (copied in by the host ahead of the step) and weights; the tensor-core attention also
+ *   starts copying its first tiles when they end before the item's first new position
+ *   (item_pos0): those rows were cached by earlier steps and nothing in this step writes them,
+ *   so at batch 1 a short split's cache traffic overlaps the W_UK product before it. q̂ and the
+ *   rows kv_write adds are read after the wait.
+ *
+ * Why batch-1 decode was slow: the q prologue read each of a thread's ~80 q values behind its
+ *   own branch (the SASS had each load's use right after it, inside the branch), so the loads
+ *   went out one round trip at a time, tens of microseconds per block whatever its range; they
+ *   are now unconditional (clamped addresses, zero by select) and in flight together. With
+ *   the prologue cheap, the planner cuts a lone sequence into ranges of 64 positions (64
+ *   splits at 2K, 128 at 32K). Measured (ncu, H200, 32-position tiles): attention at batch 1 ×
+ *   2K 70 -> 18 us; a block still has ~11 us of fixed cost (launch, setup, q prologue, first
+ *   load, partial write), ~3 tiles' worth, which the planner's cost model uses.
+ *
  * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
  * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
  * (Kimi Linear: 512 + 64); larger latent rows fall back to CUDA cores.
@@ -56,6 +80,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE "cuda mla" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -66,31 +91,43 @@
 #define DUET_MLA_MAX_R     512 /* P · c: 4 slot groups × r / 8 dim groups <= 256 threads */
 #define DUET_MLA_MAX_TD    640 /* CUDA-core scores: 5 chunks of 128 dims per lane */
 #define DUET_MLA_TC_MAX_TD 576 /* tensor-core scores: 9 k-steps of 16 per warp quarter */
-#define DUET_MLA_TC_TK     32  /* tokens per tile, tensor-core path */
-#define DUET_MLA_TC_STAGES 4   /* tiles in shared memory, tensor-core path (3 in flight) */
+#define DUET_MLA_TC_TK     64  /* tokens per tile, tensor-core path */
+#define DUET_MLA_TC_STAGES 2   /* tiles in shared memory, tensor-core path (1 in flight) */
+#define DUET_MLA_TC2_TK    32  /* the other tensor-core shape (test hook): 4 tiles of 32 */
+#define DUET_MLA_TC2_STAGES 4
 #define DUET_MLA_MAX_DEV   16  /* devices whose shared-memory opt-in is remembered */
-#define DUET_MLA_MIN_SPLIT 256 /* plan_splits: fewest positions per split */
+#define DUET_MLA_KVW_THREADS 128 /* kv_write block */
+#define DUET_MLA_MIN_SPLIT 64  /* plan_splits: fewest positions per busy split */
 #define DUET_MLA_MAX_SPLIT 1024
 #define DUET_LOG2E         1.4426950408889634f
 
-/* Test hook (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well. */
+/* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
+ * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
 static int duet__mla_simt_only = 0;
+static int duet__mla_tc_tile   = 0;
 
 extern "C" void duet__cuda_mla_force_simt(int on)
 {
     duet__mla_simt_only = on;
 }
 
+extern "C" void duet__cuda_mla_tc_tile(int tk)
+{
+    duet__mla_tc_tile = tk;
+}
+
 /* ---- kernel arguments --------------------------------------------------------------------- */
 
 typedef struct {
     const int32_t *item_row0;  /* device [n_items + 1] */
+    const int32_t *item_pos0;  /* device [n_items] */
     const int32_t *item_pages; /* device [n_items][max_pages] */
     const int32_t *row_pos;    /* device [n_rows] */
     int32_t n_items, n_rows, max_pages;
     const void *kv; /* device, the KV pool */
     int64_t kv_n_layers, layer;
     int page_tokens;
+    int pt_shift; /* log2(page_tokens) when a power of two, else -1 (no division per token) */
     int n, r, td;
     int hb, rb;        /* heads and rows per block: slot = row_in_block · hb + head */
     const float *qhat; /* device [n_rows][n][r] */
@@ -106,9 +143,12 @@ typedef struct {
 /* What one attention block knows about itself (shared memory). */
 typedef struct {
     int item, k0, k1;        /* item; this split's positions [k0, k1) */
+    int safe;                /* positions below it were cached before this step */
     int row[DUET_MLA_SLOTS]; /* row of each slot, -1 for an unused slot */
     int head[DUET_MLA_SLOTS];
-    int pos[DUET_MLA_SLOTS];     /* last visible position; -1 (all masked) when unused */
+    int pos[DUET_MLA_SLOTS];         /* last visible position; -1 (all masked) when unused */
+    const float *qp[DUET_MLA_SLOTS];  /* q̂ of the slot (row 0 head 0 for an unused slot) */
+    const float *qrp[DUET_MLA_SLOTS]; /* its q_r (likewise; never read when dr = 0) */
     float m[DUET_MLA_SLOTS];     /* running max, log2 units */
     float l[DUET_MLA_SLOTS];     /* running sum of probabilities */
     float alpha[DUET_MLA_SLOTS]; /* this tile's rescale of the accumulators */
@@ -246,43 +286,67 @@ template <int O> __device__ static inline void duet__rs_step(float *v, int lane)
 
 /* ---- kv_write ----------------------------------------------------------------------------- */
 
+/*
+ * One block of DUET_MLA_KVW_THREADS per row. Before the PDL wait it reads only what no kernel of
+ * the step writes (the step's metadata, copied in by the host ahead of the step, and the norm
+ * weights), so the destination and the weights are at hand when ckr becomes readable. The sum
+ * of squares is formed in the order the one-thread version used (per thread j = tid, tid + 128,
+ * …; a butterfly per warp; warps 0, 1, … added in order), by every thread, so no second barrier
+ * broadcasts the scale.
+ */
 template <typename T>
-__global__ static void duet__mla_kv_write_kernel(const int32_t *row_item, const int32_t *row_pos,
-                                                 const int32_t *item_pages, int max_pages, T *kv,
-                                                 int64_t kv_n_layers, int64_t layer, int pt, int r,
-                                                 int td, const float *ckr, const float *w,
-                                                 float eps)
+__global__ static void __launch_bounds__(DUET_MLA_KVW_THREADS)
+    duet__mla_kv_write_kernel(const int32_t *row_item, const int32_t *row_pos,
+                              const int32_t *item_pages, int max_pages, T *kv, int64_t kv_n_layers,
+                              int64_t layer, int pt, int r, int td, const float *ckr,
+                              const float *w, float eps)
 {
-    __shared__ double red[32];
-    __shared__ float s_scale;
+    const int NT = DUET_MLA_KVW_THREADS, NW = NT / 32;
+    const int PER = (DUET_MLA_MAX_TD + NT - 1) / NT; /* elements per thread */
+    __shared__ double red[NW];
     const int row = blockIdx.x, tid = threadIdx.x;
-    const float *x = ckr + (int64_t)row * td;
 
+    const int item = row_item[row], pos = row_pos[row];
+    const int64_t page = item_pages[(int64_t)item * max_pages + pos / pt];
+    T *dst = kv + ((page * kv_n_layers + layer) * pt + pos % pt) * td;
+    float wv[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+        const int j = tid + k * NT;
+        wv[k] = j < r ? w[j] : 1.0f;
+    }
+
+    duet_pdl_wait();
+    duet_pdl_trigger();
+
+    const float *x = ckr + (int64_t)row * td;
+    float xv[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+        const int j = tid + k * NT;
+        xv[k] = j < td ? x[j] : 0.0f;
+    }
     double ss = 0.0;
-    for (int j = tid; j < r; j += blockDim.x)
-        ss += (double)x[j] * (double)x[j];
+#pragma unroll
+    for (int k = 0; k < PER; k++)
+        if (tid + k * NT < r)
+            ss += (double)xv[k] * (double)xv[k];
     for (int o = 16; o > 0; o >>= 1)
         ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((tid & 31) == 0)
         red[tid >> 5] = ss;
     __syncthreads();
-    if (tid == 0) {
-        double tot = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++)
-            tot += red[i];
-        s_scale = (float)(1.0 / sqrt(tot / (double)r + (double)eps));
-    }
-    __syncthreads();
+    double tot = 0.0;
+#pragma unroll
+    for (int i = 0; i < NW; i++)
+        tot += red[i];
+    const float scale = (float)(1.0 / sqrt(tot / (double)r + (double)eps));
 
-    const float scale = s_scale;
-    const int item = row_item[row], pos = row_pos[row];
-    const int64_t page = item_pages[(int64_t)item * max_pages + pos / pt];
-    T *dst = kv + ((page * kv_n_layers + layer) * pt + pos % pt) * td;
-    for (int j = tid; j < td; j += blockDim.x) {
-        float v = x[j];
-        if (j < r)
-            v = w[j] * (v * scale);
-        dst[j] = duet__mla_to<T>(v);
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+        const int j = tid + k * NT;
+        if (j < td)
+            dst[j] = duet__mla_to<T>(j < r ? wv[k] * (xv[k] * scale) : xv[k]);
     }
 }
 
@@ -290,14 +354,16 @@ __global__ static void duet__mla_kv_write_kernel(const int32_t *row_item, const 
 
 /*
  * Find this block's rows, slots and position range; false when block x is past the real row
- * blocks (the grid is an upper bound). Warp 0 scans ceil(rows_i / rb) over the items.
+ * blocks (the grid is an upper bound). Warp 0 scans ceil(rows_i / rb) over the items. Reads
+ * only the step's metadata (the host copies it in ahead of the step), so it may run before the
+ * PDL wait.
  */
 __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__mla_block_t *b)
 {
     if (threadIdx.x < 32) {
         const unsigned full = 0xffffffffu;
         const int lane = threadIdx.x, bx = blockIdx.x;
-        int item = -1, rs = 0, re = 0, base = 0;
+        int item = -1, rs = 0, re = 0, first = 0, base = 0;
         for (int i0 = 0; i0 < a.n_items; i0 += 32) {
             const int i = i0 + lane;
             int r0 = 0, r1 = 0, cnt = 0;
@@ -319,6 +385,7 @@ __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__
                 item = __shfl_sync(full, i, src);
                 rs = __shfl_sync(full, r0 + (bx - ex) * a.rb, src);
                 re = __shfl_sync(full, r1, src);
+                first = __shfl_sync(full, r0, src);
                 break;
             }
             base += __shfl_sync(full, inc, 31);
@@ -341,6 +408,10 @@ __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__
         b->row[lane] = row;
         b->head[lane] = head;
         b->pos[lane] = pos;
+        b->qp[lane] = row >= 0 ? a.qhat + ((int64_t)row * a.n + head) * a.r : a.qhat;
+        b->qrp[lane] = row >= 0 && a.td > a.r
+                           ? a.qr + (int64_t)row * a.ldqr + (int64_t)head * a.dqr_stride
+                           : a.qr;
         b->m[lane] = -INFINITY;
         b->l[lane] = 0.0f;
         b->alpha[lane] = 1.0f;
@@ -348,22 +419,28 @@ __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__
             b->item = item;
             b->k0 = min(L, (int)blockIdx.z * chunk);
             b->k1 = min(L, (int)blockIdx.z * chunk + chunk);
+            /* the item's rows of this step are written by this step's kv_write: the positions
+             * before its first one (and before item_pos0) are older */
+            b->safe = item >= 0 ? min(a.item_pos0[item], a.row_pos[first]) : 0;
         }
     }
     __syncthreads();
     return b->item >= 0;
 }
 
-/* The query value of a slot at dim d (0 past td or for an unused slot), pre-scaled. */
+/*
+ * The query value of a slot at dim d (0 past td or for an unused slot), pre-scaled. The load is
+ * unconditional (from a clamped address) and the zero a select: behind a branch each of the
+ * ~80 loads per thread waited for its own round trip before the next was issued, which made
+ * the q prologue most of a short block's time.
+ */
 __device__ static inline float duet__mla_q(const duet__mla_args_t &a, const duet__mla_block_t *b,
                                            int slot, int d)
 {
-    const int row = b->row[slot], h = b->head[slot];
-    if (row < 0 || d >= a.td)
-        return 0.0f;
-    const float v = d < a.r ? a.qhat[((int64_t)row * a.n + h) * a.r + d]
-                            : a.qr[(int64_t)row * a.ldqr + (int64_t)h * a.dqr_stride + (d - a.r)];
-    return v * a.qscale;
+    const int dd = min(d, a.td - 1);
+    const float *p = dd < a.r ? b->qp[slot] + dd : b->qrp[slot] + (dd - a.r);
+    const float v = *p;
+    return b->row[slot] >= 0 && d < a.td ? v * a.qscale : 0.0f;
 }
 
 /*
@@ -376,37 +453,57 @@ typedef struct {
 } duet__mla_offs_t;
 
 __device__ static inline duet__mla_offs_t duet__mla_tile_offs(const duet__mla_args_t &a,
-                                                              const int32_t *pages, int t, int k1)
+                                                              const int32_t *pages, int t, int k1,
+                                                              int td)
 {
     const int lane = threadIdx.x & 31, pt = a.page_tokens;
     duet__mla_offs_t o = {-1, -1};
     const int s0 = t + lane, s1 = t + 32 + lane;
-    if (s0 < k1)
-        o.lo = (((int64_t)pages[s0 / pt] * a.kv_n_layers + a.layer) * pt + s0 % pt) * a.td;
-    if (s1 < k1)
-        o.hi = (((int64_t)pages[s1 / pt] * a.kv_n_layers + a.layer) * pt + s1 % pt) * a.td;
+    const int sh = a.pt_shift;
+    if (s0 < k1) {
+        const int pg = sh >= 0 ? s0 >> sh : s0 / pt, in = sh >= 0 ? s0 & (pt - 1) : s0 % pt;
+        o.lo = (((int64_t)pages[pg] * a.kv_n_layers + a.layer) * pt + in) * td;
+    }
+    if (s1 < k1) {
+        const int pg = sh >= 0 ? s1 >> sh : s1 / pt, in = sh >= 0 ? s1 & (pt - 1) : s1 % pt;
+        o.hi = (((int64_t)pages[pg] * a.kv_n_layers + a.layer) * pt + in) * td;
+    }
     return o;
 }
 
 /*
  * Queue the copy of the tile whose offsets are `o` (tk <= 64 positions) into dst (row stride ld
- * elements); positions past k1 are zero-filled, so masked keys multiply as 0, never as stale
- * shared memory. One warp per position, lanes over its 16-byte chunks.
+ * elements, rows of td); positions past k1 are zero-filled, so masked keys multiply as 0, never
+ * as stale shared memory. One warp per position, lanes over its 16-byte chunks.
  */
-template <typename T>
-__device__ static void duet__mla_load_tile(T *dst, int ld, const duet__mla_args_t &a,
-                                           duet__mla_offs_t o, int tk)
+template <typename T, int TD = 0>
+__device__ static __forceinline__ void duet__mla_load_tile(T *dst, int ld,
+                                                           const duet__mla_args_t &a,
+                                                           duet__mla_offs_t o, int tk, int td)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int cpr = a.td * (int)sizeof(T) / 16;
+    const int CPR = TD * (int)sizeof(T) / 16, cpr = td * (int)sizeof(T) / 16; /* 16-B chunks */
     const T *kv = (const T *)a.kv;
-    for (int t = warp; t < tk; t += DUET_MLA_WARPS) {
-        const int64_t off = __shfl_sync(0xffffffffu, t < 32 ? o.lo : o.hi, t & 31);
+#pragma unroll
+    for (int i = 0; i < tk / DUET_MLA_WARPS; i++) { /* tk: a multiple of the warp count */
+        const int t = warp + DUET_MLA_WARPS * i;
+        const int64_t off =
+            __shfl_sync(0xffffffffu, i < 32 / DUET_MLA_WARPS ? o.lo : o.hi, t & 31);
+        /* a zero fill reads no bytes; its address stays inside the pool's first row */
         const char *src = (const char *)(off >= 0 ? kv + off : kv);
         const int bytes = off >= 0 ? 16 : 0;
         char *d = (char *)(dst + (int64_t)t * ld);
-        for (int c = lane; c < cpr; c += 32)
-            duet__cp_async16(d + 16 * c, bytes != 0 ? src + 16 * c : src, bytes);
+        if (TD > 0) {
+#pragma unroll
+            for (int k = 0; k < (CPR + 31) / 32; k++) {
+                const int c = lane + 32 * k;
+                if (CPR % 32 == 0 || c < CPR)
+                    duet__cp_async16(d + 16 * c, src + 16 * c, bytes);
+            }
+        } else {
+            for (int c = lane; c < cpr; c += 32)
+                duet__cp_async16(d + 16 * c, src + 16 * c, bytes);
+        }
     }
 }
 
@@ -550,7 +647,10 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 {
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;
-    if (!duet__mla_setup(a, TK, &blk))
+    const bool busy = duet__mla_setup(a, TK, &blk);
+    duet_pdl_wait(); /* q̂ and this step's cache rows are written by earlier kernels */
+    duet_pdl_trigger();
+    if (!busy)
         return;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -571,11 +671,11 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 
     const int32_t *pages = a.item_pages + (int64_t)blk.item * a.max_pages;
     const int k0 = blk.k0, k1 = blk.k1;
-    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1);
+    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1, td);
     if (k0 < k1)
-        duet__mla_load_tile(kvs, td, a, next, TK);
+        duet__mla_load_tile(kvs, td, a, next, TK, td);
     duet__cp_async_commit();
-    next = duet__mla_tile_offs(a, pages, k0 + TK, k1);
+    next = duet__mla_tile_offs(a, pages, k0 + TK, k1, td);
 
     /* q of this warp's 4 slots at the lane's dims, loaded while the first tile is in flight */
     const int nj = (td + 127) / 128;
@@ -593,9 +693,9 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
         duet__cp_async_wait_all();
         __syncthreads(); /* tile t0 landed; every warp is done with the other buffer */
         if (t0 + TK < k1)
-            duet__mla_load_tile(kvs + (buf ^ 1) * TK * td, td, a, next, TK);
+            duet__mla_load_tile(kvs + (buf ^ 1) * TK * td, td, a, next, TK, td);
         duet__cp_async_commit();
-        next = duet__mla_tile_offs(a, pages, t0 + 2 * TK, k1);
+        next = duet__mla_tile_offs(a, pages, t0 + 2 * TK, k1, td);
         const T *kt = kvs + buf * TK * td;
 
         for (int g = 0; g < TK; g += 8) {
@@ -682,19 +782,21 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
  * fragments (hi and lo) in registers for the whole block, TK / 8 n-tiles of 8 tokens. P · c:
  * warp w owns the 16-dim column pairs w, w + 8, w + 16, w + 24 (r <= 512) for both m-tiles.
  */
-template <int TK, int STAGES>
+template <int TK, int STAGES, int TD, int R>
 __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     duet__mla_attn_tc(const duet__mla_args_t a)
 {
     const int NT = TK / 8, NP = TK / 16; /* n-tiles of scores, k-steps of P · c */
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;
-    if (!duet__mla_setup(a, TK, &blk))
+    if (!duet__mla_setup(a, TK, &blk)) {
+        duet_pdl_wait(); /* every block waits: the grid completes after its predecessor */
         return;
+    }
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
-    const int td = a.td, tdp = (td + 15) & ~15, ld = tdp + 8;
-    const int n_ks = tdp / 16, n_kq = (n_ks + 3) / 4, n_pair = a.r / 16;
+    const int td = TD > 0 ? TD : a.td, tdp = (td + 15) & ~15, ld = tdp + 8;
+    const int n_ks = tdp / 16, n_kq = (n_ks + 3) / 4, n_pair = (R > 0 ? R : a.r) / 16;
     const int sld = TK + 8, pst = DUET_MLA_SLOTS * sld, pld = TK + 8;
     __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
     float *sp = (float *)(kvs + STAGES * TK * ld);
@@ -702,7 +804,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     __nv_bfloat16 *pl = ph + DUET_MLA_SLOTS * pld;
 
     if (tdp > td) {
-        const int w = tdp - td;
+        const int w = tdp - td > 0 ? tdp - td : 1; /* (a compiled-in td has no padding) */
         for (int i = tid; i < STAGES * TK * w; i += DUET_MLA_THREADS)
             kvs[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
     }
@@ -717,35 +819,66 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             for (int c = 0; c < 4; c++)
                 o[m][nt][c] = 0.0f;
 
-    /* queue tiles 0 .. STAGES-2, one copy group each; `next` then holds tile STAGES-1 */
+    /*
+     * Queue tiles 0 .. STAGES-2, one copy group each, in order; `next` then holds tile
+     * STAGES-1. The leading tiles that end before blk.safe hold rows cached by earlier steps,
+     * which no kernel of this step writes: their copies start before the PDL wait, under the
+     * tail of the previous kernels (at batch 1 that is all of a short split's cache traffic).
+     */
     const int32_t *pages = a.item_pages + (int64_t)blk.item * a.max_pages;
-    const int k0 = blk.k0, k1 = blk.k1;
-    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1);
-#pragma unroll
-    for (int st = 0; st < STAGES - 1; st++) {
-        if (k0 + st * TK < k1)
-            duet__mla_load_tile(kvs + st * TK * ld, ld, a, next, TK);
+    const int k0 = blk.k0, k1 = blk.k1, safe = blk.safe;
+    duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1, td);
+    int st = 0;
+    for (; st < STAGES - 1; st++) {
+        const int t = k0 + st * TK;
+        if (t >= k1 || min(t + TK, k1) > safe)
+            break;
+        duet__mla_load_tile<__nv_bfloat16, TD>(kvs + st * TK * ld, ld, a, next, TK, td);
         duet__cp_async_commit();
-        next = duet__mla_tile_offs(a, pages, k0 + (st + 1) * TK, k1);
+        next = duet__mla_tile_offs(a, pages, t + TK, k1, td);
+    }
+    duet_pdl_wait(); /* q̂ and this step's cache rows are written by earlier kernels */
+    duet_pdl_trigger();
+    for (; st < STAGES - 1; st++) {
+        const int t = k0 + st * TK;
+        if (t < k1)
+            duet__mla_load_tile<__nv_bfloat16, TD>(kvs + st * TK * ld, ld, a, next, TK, td);
+        duet__cp_async_commit();
+        next = duet__mla_tile_offs(a, pages, t + TK, k1, td);
     }
 
-    /* q fragments (hi and lo) of this warp's m-tile and k-quarter, while the first tiles load */
+    /*
+     * q fragments (hi and lo) of this warp's m-tile and k-quarter, while the first tiles load:
+     * all 72 loads first (independent, so they are in flight together), then the splits.
+     */
     uint32_t qh[9][4], ql[9][4];
+    {
+        float qv[9][4][2];
 #pragma unroll
-    for (int i = 0; i < 9; i++) {
-        const int ks = kq * n_kq + i;
+        for (int i = 0; i < 9; i++) {
+            const int ks = kq * n_kq + i;
 #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            /* a0a1: (g, 2tg), a2a3: (g + 8, 2tg), a4a5: (g, 2tg + 8), a6a7: (g + 8, 2tg + 8) */
-            const int slot = mt * 16 + g + (x & 1) * 8, d = ks * 16 + 2 * tg + (x >> 1) * 8;
-            float x0 = 0.0f, x1 = 0.0f;
-            if (i < n_kq && ks < n_ks) {
-                x0 = duet__mla_q(a, &blk, slot, d);
-                x1 = duet__mla_q(a, &blk, slot, d + 1);
+            for (int x = 0; x < 4; x++) {
+                /* a0a1: (g, 2tg), a2a3: (g + 8, 2tg), a4a5: (g, 2tg + 8), a6a7: (g + 8, 2tg + 8) */
+                const int slot = mt * 16 + g + (x & 1) * 8, d = ks * 16 + 2 * tg + (x >> 1) * 8;
+                /* k-steps past this quarter's share read dim td (clamped, then zeroed) */
+                const int dq = i < n_kq && ks < n_ks ? d : a.td;
+                qv[i][x][0] = duet__mla_q(a, &blk, slot, dq);
+                qv[i][x][1] = duet__mla_q(a, &blk, slot, dq + 1);
             }
-            duet__split2(x0, x1, &qh[i][x], &ql[i][x]);
         }
+#pragma unroll
+        for (int i = 0; i < 9; i++)
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+                duet__split2(qv[i][x][0], qv[i][x][1], &qh[i][x], &ql[i][x]);
     }
+
+    /* per-thread ldmatrix offsets (elements) into a stage: K for the scores (this warp's
+     * k-quarter), V for P · c (column pair `warp`), and into P */
+    const int kb_off = ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8 + kq * n_kq * 16;
+    const int vb_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + warp * 16 + (lane >> 4) * 8;
+    const int pa_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * pld + (lane >> 4) * 8;
 
     int stage = 0;
     for (int t0 = k0; t0 < k1; t0 += TK) {
@@ -756,9 +889,9 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             const int tn = t0 + (STAGES - 1) * TK;
             const int sn = stage == 0 ? STAGES - 1 : stage - 1;
             if (tn < k1)
-                duet__mla_load_tile(kvs + sn * TK * ld, ld, a, next, TK);
+                duet__mla_load_tile<__nv_bfloat16, TD>(kvs + sn * TK * ld, ld, a, next, TK, td);
             duet__cp_async_commit();
-            next = duet__mla_tile_offs(a, pages, tn + TK, k1);
+            next = duet__mla_tile_offs(a, pages, tn + TK, k1, td);
         }
         const __nv_bfloat16 *kt = kvs + stage * TK * ld;
         stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -770,17 +903,16 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 #pragma unroll
             for (int c = 0; c < 4; c++)
                 sacc[nt][c] = 0.0f;
+        const __nv_bfloat16 *kb = kt + kb_off;
 #pragma unroll
         for (int i = 0; i < 9; i++) {
-            const int ks = kq * n_kq + i;
-            if (i < n_kq && ks < n_ks) {
+            /* (kq <= 3: when the quarters tile the k-steps exactly, every i < n_kq is in range) */
+            if (i < n_kq && (4 * n_kq <= n_ks || kq * n_kq + i < n_ks)) {
 #pragma unroll
                 for (int np = 0; np < NT / 2; np++) {
                     /* matrices: (tokens 16np +0..7 | +8..15) × (dims 16ks +0..7 | +8..15) */
                     uint32_t bf[4];
-                    duet__ldsm_x4(kt + (16 * np + (lane & 7) + ((lane >> 4) << 3)) * ld + ks * 16 +
-                                      ((lane >> 3) & 1) * 8,
-                                  bf);
+                    duet__ldsm_x4(kb + 16 * np * ld + 16 * i, bf);
                     duet__mma(sacc[2 * np], qh[i], bf[0], bf[1]);
                     duet__mma(sacc[2 * np], ql[i], bf[0], bf[1]);
                     duet__mma(sacc[2 * np + 1], qh[i], bf[2], bf[3]);
@@ -816,20 +948,17 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 #pragma unroll
             for (int m = 0; m < 2; m++) {
                 /* matrices: (slots +0..7 | +8..15) × (tokens 16ks +0..7), then tokens +8..15 */
-                const int off =
-                    (m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * pld + ks * 16 + (lane >> 4) * 8;
+                const int off = pa_off + m * 16 * pld + ks * 16;
                 duet__ldsm_x4(ph + off, ah[m]);
                 duet__ldsm_x4(pl + off, al[m]);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int p = warp + 8 * i;
-                if (p < n_pair) {
+                /* column pair p = warp + 8 i (warp <= 7) */
+                if (8 * i + 8 <= n_pair || warp + 8 * i < n_pair) {
                     /* transposed: (tokens +0..7 | +8..15) × (dims 16p +0..7), then dims +8..15 */
                     uint32_t v[4];
-                    duet__ldsm_x4_t(kt + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld +
-                                        p * 16 + (lane >> 4) * 8,
-                                    v);
+                    duet__ldsm_x4_t(kt + vb_off + 16 * ks * ld + 128 * i, v);
 #pragma unroll
                     for (int m = 0; m < 2; m++) {
                         duet__mma(o[m][2 * i], ah[m], v[0], v[1]);
@@ -847,7 +976,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int p = warp + 8 * i;
-        if (p >= n_pair)
+        if (!(8 * i + 8 <= n_pair || p < n_pair))
             continue;
 #pragma unroll
         for (int m = 0; m < 2; m++)
@@ -870,24 +999,49 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 
 /*
  * lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (row, head). Block
- * (row · n + head, slice of 4 · cols dims), 256 threads: the weights are formed once into shared
- * memory, then `cols` float4 columns × 256 / cols split groups accumulate and meet in shared
- * memory. The host picks narrow slices when there are few (row, head) pairs (a lone decode item
- * split 128 ways still spreads over hundreds of blocks) and whole rows when there are many.
+ * (row · n + head, slice of 4 · cols dims), 256 threads: `cols` float4 columns × 256 / cols
+ * split groups accumulate and meet in shared memory. The host picks narrow slices when there
+ * are few (row, head) pairs (a lone decode item split 64 ways still spreads over hundreds of
+ * blocks) and whole rows when there are many.
+ * Latency: everything here waits on the attention kernel, so the loads are issued together
+ * right after the PDL wait: each thread's first DUET_MLA_RED_PF accumulators (all of them for
+ * the usual split counts) with the (m, l) pairs, and only the weighting waits for the max.
+ * A neutral partial (m = −inf) has no accumulator written: its weight is 0 and the garbage
+ * read in its place is dropped by a select, never multiplied.
  */
+#define DUET_MLA_RED_PF 4
+
 __global__ static void __launch_bounds__(256)
     duet__mla_reduce_kernel(const float *part_o, const float *part_ml, float *lat, int64_t n_rh,
                             int r, int n_splits, int cols)
 {
-    __shared__ float s_w[DUET_MLA_MAX_SPLIT];
+    __shared__ float s_w[DUET_MLA_MAX_SPLIT]; /* m_s, then the weight 2^(m_s − M) */
+    __shared__ float s_l[DUET_MLA_MAX_SPLIT];
     __shared__ float s_red[8];
     __shared__ float4 s_acc[256];
     const int64_t rh = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int groups = 256 / cols, col = tid % cols, grp = tid / cols;
+    const int dim = (blockIdx.y * cols + col) * 4;
+    const bool act = grp < groups && dim < r;
 
+    duet_pdl_wait();
+    duet_pdl_trigger();
+
+    float4 pf[DUET_MLA_RED_PF];
+#pragma unroll
+    for (int k = 0; k < DUET_MLA_RED_PF; k++) {
+        const int s = grp + k * groups;
+        const int sc = act && s < n_splits ? s : 0, dc = act ? dim : 0; /* clamped, always valid */
+        pf[k] = *(const float4 *)(part_o + (sc * n_rh + rh) * r + dc);
+    }
     float mx = -INFINITY;
-    for (int s = tid; s < n_splits; s += 256)
-        mx = fmaxf(mx, part_ml[2 * (s * n_rh + rh)]);
+    for (int s = tid; s < n_splits; s += 256) {
+        const float2 ml = *(const float2 *)(part_ml + 2 * (s * n_rh + rh));
+        s_w[s] = ml.x;
+        s_l[s] = ml.y;
+        mx = fmaxf(mx, ml.x);
+    }
     for (int o = 16; o > 0; o >>= 1)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (lane == 0)
@@ -900,11 +1054,10 @@ __global__ static void __launch_bounds__(256)
 
     float lsum = 0.0f;
     for (int s = tid; s < n_splits; s += 256) {
-        const float m = part_ml[2 * (s * n_rh + rh)];
-        /* a neutral partial (m = -inf) has no accumulator written: weight 0, never read */
+        const float m = s_w[s];
         const float w = m == -INFINITY ? 0.0f : exp2f(m - M);
         s_w[s] = w;
-        lsum += w * part_ml[2 * (s * n_rh + rh) + 1];
+        lsum += w * s_l[s];
     }
     for (int o = 16; o > 0; o >>= 1)
         lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
@@ -915,20 +1068,25 @@ __global__ static void __launch_bounds__(256)
     for (int w = 0; w < 8; w++)
         L += s_red[w];
 
-    const int groups = 256 / cols, col = tid % cols, grp = tid / cols;
-    const int dim = (blockIdx.y * cols + col) * 4;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (grp < groups && dim < r) {
+    if (act) {
+#pragma unroll
+        for (int k = 0; k < DUET_MLA_RED_PF; k++) {
+            const int s = grp + k * groups;
+            const float w = s < n_splits ? s_w[s] : 0.0f;
+            acc.x += w != 0.0f ? w * pf[k].x : 0.0f;
+            acc.y += w != 0.0f ? w * pf[k].y : 0.0f;
+            acc.z += w != 0.0f ? w * pf[k].z : 0.0f;
+            acc.w += w != 0.0f ? w * pf[k].w : 0.0f;
+        }
 #pragma unroll 4
-        for (int s = grp; s < n_splits; s += groups) {
+        for (int s = grp + DUET_MLA_RED_PF * groups; s < n_splits; s += groups) {
+            const float4 v = *(const float4 *)(part_o + (s * n_rh + rh) * r + dim);
             const float w = s_w[s];
-            if (w != 0.0f) {
-                const float4 v = *(const float4 *)(part_o + (s * n_rh + rh) * r + dim);
-                acc.x += w * v.x;
-                acc.y += w * v.y;
-                acc.z += w * v.z;
-                acc.w += w * v.w;
-            }
+            acc.x += w != 0.0f ? w * v.x : 0.0f;
+            acc.y += w != 0.0f ? w * v.y : 0.0f;
+            acc.z += w != 0.0f ? w * v.z : 0.0f;
+            acc.w += w != 0.0f ? w * v.w : 0.0f;
         }
     }
     s_acc[tid] = acc;
@@ -981,15 +1139,19 @@ extern "C" duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_
     if (ckr == NULL || norm_w == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda mla kv_write: NULL input");
     const int r = (int)ly->r, td = (int)(ly->r + ly->dr), pt = (int)ly->page_tokens;
+    const dim3 grid((unsigned)st->n_rows), block(DUET_MLA_KVW_THREADS);
     if (ly->kv_dtype == DUET_DTYPE_BF16)
-        duet__mla_kv_write_kernel<__nv_bfloat16><<<st->n_rows, 128, 0, stream>>>(
-            st->row_item, st->row_pos, st->item_pages, st->max_pages, (__nv_bfloat16 *)ly->kv_base,
-            ly->kv_n_layers, ly->layer, pt, r, td, ckr, norm_w, eps);
+        DUET__TRY(duet_pdl_launch(duet__mla_kv_write_kernel<__nv_bfloat16>, grid, block, 0, stream,
+                                  st->row_item, st->row_pos, st->item_pages, (int)st->max_pages,
+                                  (__nv_bfloat16 *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, r,
+                                  td, ckr, norm_w, eps),
+                  "kv_write launch");
     else
-        duet__mla_kv_write_kernel<float><<<st->n_rows, 128, 0, stream>>>(
-            st->row_item, st->row_pos, st->item_pages, st->max_pages, (float *)ly->kv_base,
-            ly->kv_n_layers, ly->layer, pt, r, td, ckr, norm_w, eps);
-    DUET__TRY(cudaGetLastError(), "kv_write launch");
+        DUET__TRY(duet_pdl_launch(duet__mla_kv_write_kernel<float>, grid, block, 0, stream,
+                                  st->row_item, st->row_pos, st->item_pages, (int)st->max_pages,
+                                  (float *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, r, td, ckr,
+                                  norm_w, eps),
+                  "kv_write launch");
     return DUET_OK;
 }
 
@@ -1008,33 +1170,43 @@ extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads,
 }
 
 /*
- * Cost model, in times of one 64-position tile load per SM. The attention kernels run one block
- * per SM (150-200 KiB of shared memory) and round each split's range up to whole tiles, so with
- * s splits of a context of T tiles a block streams tps = ceil(T / s) tiles (+ ~1 for its
- * prologue and the first, unhidden load), ceil(T / tps) blocks per item carry work, and they
- * run in ceil(n_items · busy / n_sms) waves. Every busy split also writes and the reducer reads
- * back one fp32 partial per (head, dim) (Kimi: 32 · 512 · 4 B, ~2 tile loads, spread over all
- * SMs). The cheapest s (fewest on ties) with s · DUET_MLA_MIN_SPLIT <= max_context is returned,
- * counted in busy splits.
+ * Cost model, in times of one tile (DUET_MLA_PLAN_TK positions) of the tensor-core kernel on
+ * one SM. The attention kernels run one block per SM (150-200 KiB of shared memory) and round
+ * each split's range up to whole tiles, so with s splits of a context of T tiles a block
+ * streams tps = ceil(T / s) tiles after a fixed cost (launch, the block's setup and q prologue,
+ * the first tile's unhidden load: DUET_MLA_PLAN_FIXED), ceil(T / tps) blocks per item carry
+ * work, and they run in ceil(n_items · busy / n_sms) waves. A split run adds the reducer
+ * (DUET_MLA_PLAN_RED) and the traffic of one fp32 partial per (head, dim) per busy split,
+ * written and read back (Kimi: 32 · 512 · 4 B twice, ~4 tiles of cache bytes, spread over all
+ * SMs: DUET_MLA_PLAN_PART). Split counts are powers of two, so a context growing token by
+ * token changes the plan (and the engine's graph for it) only a few times; a busy split keeps
+ * at least DUET_MLA_MIN_SPLIT positions. The cheapest count (fewest on ties) is returned;
+ * blocks past the busy ones leave neutral partials.
  */
+#define DUET_MLA_PLAN_TK    32 /* ranges are whole tiles of either tensor-core shape */
+#define DUET_MLA_PLAN_FIXED 3.0
+#define DUET_MLA_PLAN_RED   2.0
+#define DUET_MLA_PLAN_PART  4.0
+
 extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms)
 {
     if (n_items < 1 || n_sms < 1 || max_context < 2 * DUET_MLA_MIN_SPLIT)
         return 1;
-    const int64_t tiles = (max_context + 63) / 64;
-    int64_t s_max = max_context / DUET_MLA_MIN_SPLIT;
-    if (s_max > DUET_MLA_MAX_SPLIT)
-        s_max = DUET_MLA_MAX_SPLIT;
+    const int64_t tiles = (max_context + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
+    const int64_t min_tps = (DUET_MLA_MIN_SPLIT + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
     int best = 1;
     double best_cost = 0.0;
-    for (int64_t s = 1; s <= s_max; s++) {
+    for (int64_t s = 1; s <= DUET_MLA_MAX_SPLIT; s *= 2) {
         const int64_t tps = (tiles + s - 1) / s;
+        if (s > 1 && tps < min_tps)
+            break;
         const int64_t busy = (tiles + tps - 1) / tps;
         const int64_t waves = (n_items * busy + n_sms - 1) / n_sms;
-        const double cost = (double)waves * (double)(tps + 1) +
-                            (busy > 1 ? 2.0 * (double)(n_items * busy) / n_sms : 0.0);
+        double cost = (double)waves * ((double)tps + DUET_MLA_PLAN_FIXED);
+        if (busy > 1)
+            cost += DUET_MLA_PLAN_RED + DUET_MLA_PLAN_PART * (double)(n_items * busy) / n_sms;
         if (s == 1 || cost < best_cost - 1e-9) {
-            best = (int)busy;
+            best = (int)s;
             best_cost = cost;
         }
     }
@@ -1047,7 +1219,7 @@ extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, i
  * calls (and calls inside a stream capture) are launches only. Concurrent first calls may both
  * set the attribute, which is harmless.
  */
-static int duet__mla_smem_set[3][DUET_MLA_MAX_DEV];
+static int duet__mla_smem_set[6][DUET_MLA_MAX_DEV];
 
 template <typename K>
 static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
@@ -1062,8 +1234,8 @@ static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t sme
         if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
             duet__mla_smem_set[which][dev] = (int)smem;
     }
-    kernel<<<grid, DUET_MLA_THREADS, smem, stream>>>(a);
-    DUET__TRY(cudaGetLastError(), "attend launch");
+    DUET__TRY(duet_pdl_launch(kernel, grid, dim3(DUET_MLA_THREADS), smem, stream, a),
+              "attend launch");
     return DUET_OK;
 }
 
@@ -1085,6 +1257,7 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
 
     duet__mla_args_t a;
     a.item_row0 = st->item_row0;
+    a.item_pos0 = st->item_pos0;
     a.item_pages = st->item_pages;
     a.row_pos = st->row_pos;
     a.n_items = st->n_items;
@@ -1094,6 +1267,10 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
     a.kv_n_layers = ly->kv_n_layers;
     a.layer = ly->layer;
     a.page_tokens = (int)ly->page_tokens;
+    a.pt_shift = -1;
+    for (int k = 0; k < 21; k++)
+        if (ly->page_tokens == ((int64_t)1 << k))
+            a.pt_shift = k;
     a.n = (int)ly->n_heads;
     a.r = (int)ly->r;
     a.td = (int)(ly->r + ly->dr);
@@ -1122,12 +1299,26 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
 
     const int tdp = (a.td + 15) & ~15;
     if (ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only) {
-        const int tk = DUET_MLA_TC_TK;
-        const size_t smem = (size_t)DUET_MLA_TC_STAGES * tk * (tdp + 8) * 2 +
+        const int tk = duet__mla_tc_tile == DUET_MLA_TC2_TK ? DUET_MLA_TC2_TK : DUET_MLA_TC_TK;
+        const int stages = tk == DUET_MLA_TC_TK ? DUET_MLA_TC_STAGES : DUET_MLA_TC2_STAGES;
+        const size_t smem = (size_t)stages * tk * (tdp + 8) * 2 +
                             (size_t)4 * DUET_MLA_SLOTS * (tk + 8) * 4 +
                             (size_t)2 * DUET_MLA_SLOTS * (tk + 8) * 2;
-        s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES>, 0, grid, smem,
-                             stream, a);
+        /* Kimi Linear's rows (512 + 64) get a kernel with the dims compiled in: its shared-
+         * memory addresses fold into immediates instead of being recomputed every tile */
+        const bool kimi = a.r == 512 && a.td == 576;
+        if (tk == DUET_MLA_TC_TK && kimi)
+            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 576, 512>, 4,
+                                 grid, smem, stream, a);
+        else if (tk == DUET_MLA_TC_TK)
+            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 0, 0>, 0,
+                                 grid, smem, stream, a);
+        else if (kimi)
+            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 576, 512>,
+                                 5, grid, smem, stream, a);
+        else
+            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 0, 0>, 3,
+                                 grid, smem, stream, a);
     } else if (ly->kv_dtype == DUET_DTYPE_BF16) {
         const int tk = 64;
         const size_t smem = (size_t)2 * tk * a.td * 2 + (size_t)DUET_MLA_SLOTS * (tk + 4) * 4 +
@@ -1150,9 +1341,10 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
         while (cols > 16 && n_rh * ((a.r / 4 + cols - 1) / cols) < 512)
             cols /= 2;
         const dim3 rgrid((unsigned)n_rh, (unsigned)((a.r / 4 + cols - 1) / cols));
-        duet__mla_reduce_kernel<<<rgrid, 256, 0, stream>>>(a.part_o, a.part_ml, lat, n_rh, a.r,
-                                                           kv_splits, cols);
-        DUET__TRY(cudaGetLastError(), "attend reduce launch");
+        DUET__TRY(duet_pdl_launch(duet__mla_reduce_kernel, rgrid, dim3(256), 0, stream,
+                                  (const float *)a.part_o, (const float *)a.part_ml, lat, n_rh,
+                                  a.r, kv_splits, cols),
+                  "attend reduce launch");
     }
     return DUET_OK;
 }

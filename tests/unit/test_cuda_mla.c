@@ -11,10 +11,14 @@
  * else in the pool changed), then attend with kv_splits 1, 3, 7, 64 (more splits than tiles:
  * most blocks see an empty range and must leave a neutral partial) and the planned count, each
  * compared with the reference computed from the cache as the GPU left it (for BF16 the
- * reference reads the same bf16-rounded rows). Shapes cover n = 2, 6, 8, 32 and 40 heads (one
- * to sixteen rows per block, a partial second head group), r = 32 .. 512 and dr = 8 .. 64
- * (r + dr not a multiple of 16), on the tensor-core path (BF16) and the CUDA-core path (F32,
- * and BF16 forced through it).
+ * reference reads the same bf16-rounded rows); last, the new rows' slots are put back to their
+ * old contents and kv_write + attend run back to back on one stream, as in a step (attend,
+ * a programmatic dependent launch, copies older rows before its wait: it must still see the
+ * new ones). Shapes cover n = 2, 6, 8, 32 and 40 heads (one to sixteen rows per block, a
+ * partial second head group), r = 32 .. 512 and dr = 8 .. 64 (r + dr not a multiple of 16),
+ * pages of 16 and 12 tokens, on the tensor-core path (BF16; tiles of 32 and of 64 positions;
+ * Kimi's 512 + 64 has its own compiled-in kernel) and the CUDA-core path (F32, and BF16 forced
+ * through it).
  *
  * Error measure. For output j of a (row, head), err = |lat_gpu − lat_ref| / S_j with
  * S_j = Σ_s p_s |c_s,j| (p the reference softmax): the output is a p-weighted mean, so both an
@@ -35,10 +39,11 @@
  *
  * Without a CUDA device (this build VM, CI) the GPU tests skip with a reason; the planner, the
  * scratch size and the argument checks run anyway (they touch no device). A last test times
- * attend at Kimi Linear's shape (n = 32, r = 512, dr = 64, BF16): decode at 32K context for
- * batches 64, 8 and 1 with the planned splits, and a 1024-row prefill chunk ending at 8K. The
- * calls are captured into a CUDA graph (which also proves attend capturable) and timed with
- * events; it prints microseconds and the KV bytes read per second.
+ * attend (attention + split reducer) at Kimi Linear's shape (n = 32, r = 512, dr = 64, BF16):
+ * decode at 32K context for batches 64, 8 and 1 and at 2K for batches 1 and 8 with the planned
+ * splits, and a 1024-row prefill chunk ending at 8K. The calls are captured into a CUDA graph
+ * (which also proves attend capturable) and timed with events; it prints microseconds and the
+ * KV bytes read per second.
  */
 #include <math.h>
 #include <stdio.h>
@@ -51,8 +56,10 @@
 #include "kernels/cuda/cuda_mla.h"
 #include "kernels/kernels.h"
 
-/* mla.cu test hook: 1 routes BF16 caches through the CUDA-core kernel too. */
+/* mla.cu test hooks: 1 routes BF16 caches through the CUDA-core kernel too; the tensor-core
+ * tile (0: the default, 32 or 64 positions). */
 void duet__cuda_mla_force_simt(int on);
+void duet__cuda_mla_tc_tile(int tk);
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -127,7 +134,7 @@ typedef struct {
     int pos0, n_tok; /* tokens already cached, new tokens this step */
 } item_spec_t;
 
-/* PT = 16, attention tiles of 64 (32 on the F32 path). */
+/* PT = 16 (12 in one case), attention tiles of 32 or 64 positions. */
 static const item_spec_t MIXED[] = {
     {0, 1},    /* context 1 */
     {15, 1},   /* context 16: exactly one page */
@@ -147,6 +154,7 @@ typedef struct {
     int n, r, dr, pt;
     duet_dtype_t dt;
     int simt; /* force the CUDA-core kernel for a BF16 cache */
+    int tile; /* tensor-core tile (duet__cuda_mla_tc_tile), 0 = the default */
 } cfg_t;
 
 typedef struct {
@@ -384,16 +392,32 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
 
     /* ---- attend at several split counts ---- */
     const int planned = duet_cuda_mla_plan_splits(n_items, b.max_ctx, n_sms());
-    const int splits[5] = {1, 3, 7, 64, planned};
+    /* the last run repeats the planned count with kv_write right before it (see below) */
+    const int splits[6] = {1, 3, 7, 64, planned, planned};
     void *d_scratch = dev_alloc(duet_cuda_mla_scratch_bytes(R, n, r, planned > 64 ? planned : 64));
     float *lat = xmalloc(sizeof(float) * (size_t)R * n * r);
     const double tol = (dt == DUET_DTYPE_BF16 && !c->simt) ? TOL_TC : TOL_SIMT;
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     duet__cuda_mla_force_simt(c->simt);
-    for (int k = 0; k < 5; k++) {
-        CUDA_OK(cudaMemset(d_lat, 0xff, sizeof(float) * (size_t)R * n * r)); /* NaN */
-        DUET_OK_OR_FAIL(duet_cuda_mla_attend(0, &b.st, &ly, d_qhat, d_mq + 16, (int64_t)n * dqk,
-                                             dqk, scale, splits[k], d_lat, d_scratch));
-        CUDA_OK(cudaDeviceSynchronize());
+    duet__cuda_mla_tc_tile(c->tile);
+    for (int k = 0; k < 6; k++) {
+        CUDA_OK(cudaMemsetAsync(d_lat, 0xff, sizeof(float) * (size_t)R * n * r, stream)); /* NaN */
+        if (k == 5) {
+            /*
+             * kv_write and attend back to back on one stream, as a step runs them: the new
+             * rows' slots hold their old contents again, and attend (launched with
+             * programmatic dependent launch where the device has it) may start copying older
+             * rows while kv_write runs; it must still see every row kv_write writes.
+             */
+            CUDA_OK(cudaMemcpyAsync(d_pool, pool0, (size_t)pool_elems * esz,
+                                    cudaMemcpyHostToDevice, stream));
+            DUET_OK_OR_FAIL(duet_cuda_mla_kv_write(stream, &b.st, &ly, d_ckr, d_w, NORM_EPS));
+        }
+        DUET_OK_OR_FAIL(duet_cuda_mla_attend(stream, &b.st, &ly, d_qhat, d_mq + 16,
+                                             (int64_t)n * dqk, dqk, scale, splits[k], d_lat,
+                                             d_scratch));
+        CUDA_OK(cudaStreamSynchronize(stream));
         CUDA_OK(cudaMemcpy(lat, d_lat, sizeof(float) * (size_t)R * n * r, cudaMemcpyDeviceToHost));
         double err = 0.0;
         int64_t bad = 0, worst = 0;
@@ -407,14 +431,18 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
             }
         }
         printf("[cuda_mla] %-28s attend kv_splits %2d: max err %.3g (tol %.3g)%s\n", c->name,
-               splits[k], err, tol, k == 4 ? " [planned]" : "");
+               splits[k], err, tol,
+               k == 4 ? " [planned]" : k == 5 ? " [planned, right after kv_write]" : "");
         CHECK(bad == 0,
-              "%s, kv_splits %d: %lld outputs over tolerance, worst %g at row %lld head "
+              "%s, kv_splits %d%s: %lld outputs over tolerance, worst %g at row %lld head "
               "%lld dim %lld (gpu %g, ref %g)",
-              c->name, splits[k], (long long)bad, err, (long long)(worst / ((int64_t)n * r)),
-              (long long)(worst / r % n), (long long)(worst % r), lat[worst], ref[worst]);
+              c->name, splits[k], k == 5 ? " after kv_write" : "", (long long)bad, err,
+              (long long)(worst / ((int64_t)n * r)), (long long)(worst / r % n),
+              (long long)(worst % r), lat[worst], ref[worst]);
     }
+    CUDA_OK(cudaStreamDestroy(stream));
     duet__cuda_mla_force_simt(0);
+    duet__cuda_mla_tc_tile(0);
 
     cudaFree(d_scratch);
     cudaFree(d_lat);
@@ -442,23 +470,38 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
 
 Test(cuda_mla, plan_and_scratch, .timeout = 30)
 {
-    /* short contexts are never split; every planned range keeps >= 256 positions */
+    /* short contexts are never split */
+    CHECK(duet_cuda_mla_plan_splits(1, 100, 132) == 1);
     CHECK(duet_cuda_mla_plan_splits(64, 300, 132) == 1);
     CHECK(duet_cuda_mla_plan_splits(0, 32768, 132) == 1);
     CHECK(duet_cuda_mla_plan_splits(1, 32768, 0) == 1);
-    const int64_t items[] = {1, 2, 7, 64, 100, 256};
-    const int64_t ctxs[] = {512, 1000, 4096, 32768, 131072};
-    for (int i = 0; i < 6; i++)
-        for (int k = 0; k < 5; k++) {
+    /*
+     * Every count is a power of two (a growing context changes the plan, and so the engine's
+     * graph, only a few times) and every split range, ceil(ctx / s) rounded up to 32
+     * positions (both tensor-core tiles are multiples of it), keeps >= 64 positions.
+     */
+    const int64_t items[] = {1, 2, 7, 8, 64, 100, 256};
+    const int64_t ctxs[] = {512, 1000, 2049, 4096, 32768, 131072};
+    for (int k = 0; k < 6; k++)
+        for (int i = 0; i < 7; i++) {
             const int s = duet_cuda_mla_plan_splits(items[i], ctxs[k], 132);
-            CHECK(s >= 1 && (s == 1 || ctxs[k] / s >= 256), "items %lld ctx %lld -> %d",
-                  (long long)items[i], (long long)ctxs[k], s);
+            const int64_t range = ((ctxs[k] + s - 1) / s + 31) / 32 * 32;
+            CHECK(s >= 1 && (s & (s - 1)) == 0 && (s == 1 || range >= 64),
+                  "items %lld ctx %lld -> %d (range %lld)", (long long)items[i],
+                  (long long)ctxs[k], s, (long long)range);
         }
-    /* a lone long decode fills the GPU; a full batch needs few splits */
+    /* a lone decode fills the GPU even at 2K (short ranges: the block's fixed cost dominated
+     * with 256-position ranges); a full batch needs few splits */
+    const int s1_2k = duet_cuda_mla_plan_splits(1, 2049, 132);
     const int s1 = duet_cuda_mla_plan_splits(1, 32768, 132);
+    const int s8 = duet_cuda_mla_plan_splits(8, 32768, 132);
     const int s64 = duet_cuda_mla_plan_splits(64, 32768, 132);
-    printf("[cuda_mla] planned splits at 32K, 132 SMs: batch 1 -> %d, batch 64 -> %d\n", s1, s64);
+    printf("[cuda_mla] planned splits, 132 SMs: batch 1 at 2K -> %d; at 32K: batch 1 -> %d, "
+           "batch 8 -> %d, batch 64 -> %d\n",
+           s1_2k, s1, s8, s64);
+    CHECK(s1_2k >= 16, "%d", s1_2k);
     CHECK(s1 >= 64, "%d", s1);
+    CHECK(s8 >= 8 && s8 <= 32, "%d", s8);
     CHECK(s64 >= 2 && s64 <= 8, "%d", s64);
 
     CHECK(duet_cuda_mla_scratch_bytes(64, 32, 512, 1) == 0);
@@ -528,13 +571,15 @@ static void run_cfgs(const cfg_t *cfgs, int n)
 Test(cuda_mla, small_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0},
-        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0},
-        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1},
-        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0},
-        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0},
-        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0},
-        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0},
+        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0},
+        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0},
+        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32},
+        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0},
+        {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0}, /* pages not 2^k */
+        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0, 0},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -542,10 +587,11 @@ Test(cuda_mla, small_heads, .timeout = 300)
 Test(cuda_mla, many_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0},
-        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0},
-        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0},
-        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0},
+        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0},
+        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0},
+        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -553,9 +599,10 @@ Test(cuda_mla, many_heads, .timeout = 300)
 Test(cuda_mla, kimi_shape, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0},
-        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0},
-        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1},
+        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0},
+        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0},
+        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0},
+        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -658,8 +705,9 @@ static void timing_batch(batch_t *b, int n_items, int rows_per_item, int pos0, i
 
 /*
  * attend at Kimi Linear's shape, BF16 cache: decode (one row per item) at 32K context for
- * batches 64 and 1 with the planned splits, on both paths, and a 1024-row prefill chunk ending
- * at 8K. Every cache byte is 0x3c (bf16 0.011474609375), so every output must equal that value
+ * batches 64, 8 and 1 and at 2K for batches 1 and 8, with the planned splits, on every path
+ * (both tensor-core tiles, and CUDA cores for decode), and a 1024-row prefill chunk ending at
+ * 8K. Every cache byte is 0x3c (bf16 0.011474609375), so every output must equal that value
  * (equal scores, weights summing to 1): a check that the long split paths add up at full shape.
  */
 Test(cuda_mla, timing_32k, .timeout = 300)
@@ -694,9 +742,10 @@ Test(cuda_mla, timing_32k, .timeout = 300)
                                       .r = r,
                                       .dr = dr};
     /* (items, rows per item, pos0, kv_splits: 0 = planned) */
-    const int cases[4][4] = {
-        {64, 1, ctx - 1, 0}, {8, 1, ctx - 1, 0}, {1, 1, ctx - 1, 0}, {1, 1024, 8192 - 1024, 1}};
-    for (int ci = 0; ci < 4; ci++) {
+    const int cases[6][4] = {{64, 1, ctx - 1, 0},  {8, 1, ctx - 1, 0},
+                             {1, 1, ctx - 1, 0},   {1, 1, 2048, 0},
+                             {8, 1, 2048, 0},      {1, 1024, 8192 - 1024, 1}};
+    for (int ci = 0; ci < 6; ci++) {
         const int B = cases[ci][0], T = cases[ci][1], pos0 = cases[ci][2];
         batch_t b;
         timing_batch(&b, B, T, pos0, ppi);
@@ -708,14 +757,15 @@ Test(cuda_mla, timing_32k, .timeout = 300)
         for (int t = 0; t < T; t++)
             kv_bytes += (double)B * (pos0 + t + 1) * td * 2;
 
-        const char *paths[2] = {"tensor cores", "CUDA cores"};
+        const char *paths[3] = {"tc, tile 32", "tc, tile 64", "CUDA cores"};
         const attend_args_t args = {&b, &ly, d_qhat, d_mq, dqk, splits, d_lat, d_scr};
-        for (int path = 0; path < 2; path++) {
-            if (path == 1 && T > 1)
+        for (int path = 0; path < 3; path++) {
+            if (path == 2 && T > 1)
                 continue; /* the CUDA-core prefill is only slower; skip its seconds */
-            duet__cuda_mla_force_simt(path);
+            duet__cuda_mla_force_simt(path == 2);
+            duet__cuda_mla_tc_tile(path == 1 ? 64 : 32);
             double direct = 0.0;
-            const double us = time_attend(&args, path == 0 ? 20 : 3, &direct);
+            const double us = time_attend(&args, path == 2 ? 3 : 20, &direct);
             printf("[cuda_mla] timing n32 r512 dr64 bf16, %4d item(s) x %4d row(s) at ctx %5d, "
                    "kv_splits %3d, %-12s: %9.1f us (graph), %9.1f us (direct launches), "
                    "%7.1f GB/s of KV\n",
@@ -729,6 +779,7 @@ Test(cuda_mla, timing_32k, .timeout = 300)
             }
             CHECK(err <= 1e-5, "%d x %d %s: flat-cache output off by %g", B, T, paths[path], err);
         }
+        duet__cuda_mla_tc_tile(0);
         duet__cuda_mla_force_simt(0);
         cudaFree(d_scr);
         batch_free(&b);
