@@ -2,15 +2,16 @@
  * moe.cu: MoE routing (duet_cuda_moe_route) and the routed experts of one layer
  * (duet_cuda_moe_experts). CPU reference: engine/model.c (duet__route_row, duet__moe_layer).
  *
- * Routing is one warp per row. The sigmoid is evaluated as the CPU does, in float, with exp
- * taken in double and rounded (glibc's expf is within 0.502 ulp, so the two agree to the last
- * bit except in rare double-rounding cases); bit-equal scores make the GPU pick the same
- * experts. Each choice becomes an unsigned key that orders as the CPU's pick does (larger
- * first; the lower index breaks ties, as the CPU's strict > does); each lane keeps the best key
- * of its experts (e = lane + 32j), and a pick is two warp reductions (max key, then min index
- * with that key) after which only the lane that owned the winner rescans its own experts. At
- * T = 1 the bias is read before the PDL wait and the logits with all loads in flight at once:
- * the kernel is a couple of memory round trips and top_k short rounds.
+ * Routing: a block of 256 threads computes the scores and choices of its rows together (one
+ * row per block at decode sizes, up to 8 for prefill; at E = 256 one sigmoid per thread),
+ * then a warp per row picks. The sigmoid is evaluated as
+ * the CPU does, in float, with exp taken in double and rounded (glibc's expf is within 0.502
+ * ulp, so the two agree to the last bit except in rare double-rounding cases); bit-equal
+ * scores make the GPU pick the same experts. Each choice becomes an unsigned key that orders as
+ * the CPU's pick does (larger first; the lower index breaks ties, as the CPU's strict > does);
+ * each lane keeps the best key of its experts (e = lane + 32j), and a pick is two warp
+ * reductions (max key, then min index with that key) after which only the lane that owned the
+ * winner rescans its own experts. The bias is read before the PDL wait.
  *
  * Experts. The routing result exists only on the device, and everything must stay
  * graph-capturable, so the grouping of (row, k) pairs by expert is done on the device by a
@@ -18,13 +19,13 @@
  * and cut each list into work items (slots of <= NR rows for the GEMV path, tiles of BM rows
  * for the tensor-core path). Grids are sized on the host for the worst case that T allows; the
  * blocks past the device-side item count exit at once. Each pair's expert output goes to its
- * own row of scratch (out[p], p = t * top_k + k) and y[t] += Σ_k wts[t][k] · out[t * top_k + k]
- * is added in k order, so y sees no float atomics and the result is the same however rows were
- * grouped. On the GEMV path that sum is done by gemv2 itself: its blocks cover 32 outputs (a
- * slice) of their pairs, and each (row, slice) has a ticket counter; the block that brings a
- * row's count to top_k (every pair of the row has its slice in out) adds that row's slice into
- * y in k order, with the combine kernel's arithmetic, so the result is bit-identical to a
- * separate combine (which the MMA path still launches). That saves a kernel at decode.
+ * own row of scratch (out[p], p = t * top_k + k) and a combine kernel adds
+ * y[t] += Σ_k wts[t][k] · out[t * top_k + k] in k order, so y sees no float atomics and the
+ * result is the same however rows were grouped. At T = 1 on the GEMV path there is no combine
+ * kernel: gemv2's blocks cover 32 outputs (a slice) of their pair, each slice has a ticket
+ * counter, and the block that brings it to top_k (every pair has its slice in out) adds the
+ * slice into y in k order with the combine kernel's arithmetic, so y is bit-identical to a
+ * separate combine, with one kernel less at decode.
  *
  * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
  *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
@@ -33,10 +34,10 @@
  *    and dots them with every row of the slot, fp32 accumulation, warp-shuffle reduction. An
  *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
  *    per call and from L2 for its other slots. x and the activation h stay fp32, like the CPU
- *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p. As
- *    soon as a block knows its expert it asks L2 for all its weight rows (phase 1 while its x
- *    rows load, phase 2 while phase 1 finishes), so each block pays one DRAM latency, not one
- *    per loop step.
+ *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p.
+ *    Phase 2 pulls its W2 rows into L2 while phase 1 finishes (worth a few microseconds at
+ *    decode sizes; the same prefetch in phase 1, right after the routing, measured 3 us slower
+ *    at T = 1 and 4 % at T = 8 and 64 on an H200).
  *  - MMA (prefill; BF16 weights, D and I multiples of 32): per tile of BM rows of one expert,
  *    mma.sync m16n8k16 bf16 with fp32 accumulation, 4-stage cp.async pipeline, XOR-swizzled
  *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
@@ -75,8 +76,7 @@
 #define DUET__MOE_PATH_AUTO        0
 #define DUET__MOE_PATH_GEMV        1
 #define DUET__MOE_PATH_MMA         2
-#define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV path: the combine kernel, not gemv2's tickets */
-#define DUET__MOE_NO_PREFETCH      0x4000 /* GEMV path: no L2 prefetch of gemv13's weight rows */
+#define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
@@ -97,8 +97,8 @@ static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
 
 #define DUET__PLAN_THREADS 1024
 
-#define DUET__ROUTE_WARPS  4 /* rows per routing block (T >= 4) */
-#define DUET__ROUTE_UNROLL 8 /* experts per lane whose loads are in flight together */
+#define DUET__ROUTE_THREADS 256 /* per routing block: up to 8 rows */
+#define DUET__ROUTE_UNROLL  8   /* scores per thread whose loads are in flight together */
 
 /* ---- shared device helpers ----------------------------------------------------------------- */
 
@@ -221,54 +221,61 @@ static __device__ __forceinline__ unsigned duet__lane_best(const float *keys, in
 }
 
 /*
- * One warp per row; shared memory per warp: score[E], choice[E] (then the keys, stored as float
- * bit patterns), gscore[G], gkeep[G]. A lane only ever writes the choices and keys of its own
- * experts (e = lane + 32j); the group step reads all of them after a __syncwarp.
+ * A block of DUET__ROUTE_THREADS threads routes R rows (R <= the block's warps): all its threads
+ * compute the R rows' scores and choices together (at T = 1, one sigmoid per thread), then warp
+ * r picks row r's experts. Shared memory per row: score[E], choice[E] (then the keys, stored as
+ * float bit patterns), gscore[G], gkeep[G]. In the pick a lane only writes its own experts'
+ * keys (e = lane + 32j).
  */
-__global__ void __launch_bounds__(DUET__ROUTE_WARPS * 32)
+__global__ void __launch_bounds__(DUET__ROUTE_THREADS)
     duet__route_kernel(const float *logits, const float *bias, int T, int E, int G, int topk_group,
-                       int top_k, int renorm, float scale, int32_t *idx, float *wts)
+                       int top_k, int renorm, float scale, int R, int32_t *idx, float *wts)
 {
     constexpr int U = DUET__ROUTE_UNROLL;
     extern __shared__ float route_sh[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int t0 = blockIdx.x * R, n = min(R, T - t0) * E; /* this block's rows × E */
+    const int nt = (int)blockDim.x;
+
+    /* The bias is a weight: its first values load while the router GEMV finishes. */
+    float b0[U];
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const int i = threadIdx.x + nt * j;
+        b0[j] = bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
+    }
+    duet_pdl_wait(); /* the logits */
+    duet_pdl_trigger();
+    const float *lg = logits + (size_t)t0 * E; /* the block's rows are contiguous */
+    for (int i0 = 0; i0 < n; i0 += nt * U) {
+        float l[U], b[U];
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + threadIdx.x + nt * j;
+            l[j] = i < n ? lg[i] : 0.0f;
+            b[j] = i0 == 0 ? b0[j] : bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + threadIdx.x + nt * j;
+            if (i < n) {
+                const int r = i / E, e = i - r * E;
+                float *sr = route_sh + (size_t)r * (2 * E + 2 * G);
+                const float s = duet__sigmoid_cpu(l[j]);
+                const float c = __fadd_rn(s, b[j]);
+                sr[e] = s;
+                sr[E + e] = G > 1 ? c : __uint_as_float(duet__route_key(c)); /* groups: later */
+            }
+        }
+    }
+    __syncthreads();
+    const int t = t0 + warp;
+    if (warp >= R || t >= T)
+        return;
     float *score = route_sh + (size_t)warp * (2 * E + 2 * G);
     float *choice = score + E;
     float *gscore = choice + E;
     int *gkeep = (int *)(gscore + G);
-
-    /* The bias is a weight: its first U values per lane load while the router GEMV finishes. */
-    float b0[U];
-#pragma unroll
-    for (int j = 0; j < U; j++) {
-        const int e = lane + 32 * j;
-        b0[j] = bias != NULL && e < E ? __ldg(bias + e) : 0.0f;
-    }
-    duet_pdl_wait(); /* the logits */
-    duet_pdl_trigger();
-    if (t >= T)
-        return;
-    const float *lg = logits + (size_t)t * E;
-    for (int e0 = 0; e0 < E; e0 += 32 * U) {
-        float l[U], b[U];
-#pragma unroll
-        for (int j = 0; j < U; j++) {
-            const int e = e0 + lane + 32 * j;
-            l[j] = e < E ? lg[e] : 0.0f;
-            b[j] = e0 == 0 ? b0[j] : bias != NULL && e < E ? __ldg(bias + e) : 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < U; j++) {
-            const int e = e0 + lane + 32 * j;
-            if (e < E) {
-                const float s = duet__sigmoid_cpu(l[j]);
-                score[e] = s;
-                choice[e] = __fadd_rn(s, b[j]);
-            }
-        }
-    }
-    __syncwarp();
     if (G > 1) {
         const int gs = E / G;
         for (int g = lane; g < G; g += 32) {
@@ -301,9 +308,9 @@ __global__ void __launch_bounds__(DUET__ROUTE_WARPS * 32)
             if (!gkeep[e / gs])
                 choice[e] = -INFINITY;
         __syncwarp();
+        for (int e = lane; e < E; e += 32)
+            choice[e] = __uint_as_float(duet__route_key(choice[e]));
     }
-    for (int e = lane; e < E; e += 32)
-        choice[e] = __uint_as_float(duet__route_key(choice[e]));
     int be;
     unsigned bk = duet__lane_best(choice, E, lane, &be);
 
@@ -351,19 +358,22 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     if (top_k > 32)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: top_k %lld > 32",
                               (long long)top_k);
-    const size_t per_warp = (size_t)(2 * E + 2 * G) * sizeof(float);
-    if (per_warp > 48 * 1024)
+    const size_t per_row = (size_t)(2 * E + 2 * G) * sizeof(float);
+    if (per_row > 48 * 1024)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: %lld experts is too many",
                               (long long)E);
     if (T == 0)
         return DUET_OK;
-    int64_t warps = (int64_t)((48 * 1024) / per_warp);
-    warps = warps < DUET__ROUTE_WARPS ? warps : DUET__ROUTE_WARPS;
-    warps = warps < T ? warps : T; /* T = 1: one warp, no idle ones */
-    const unsigned blocks = (unsigned)((T + warps - 1) / warps);
-    DUET__TRY(duet_pdl_launch(duet__route_kernel, dim3(blocks), dim3((unsigned)warps * 32),
-                              per_warp * (size_t)warps, stream, logits, bias, (int)T, (int)E,
-                              (int)G, (int)topk_group, (int)top_k, renorm, scale, idx, wts),
+    /* Rows per block: one at decode sizes, so that T rows take as long as one, side by side on
+     * T SMs (the double exp is bound by an SM's FP64 rate: 8 rows per block measured 7.7 us at
+     * T = 64 under Nsight Compute, against 5.4 us for T = 1); up to 8 for prefill. */
+    int64_t R = (int64_t)((48 * 1024) / per_row);
+    R = R < DUET__ROUTE_THREADS / 32 ? R : DUET__ROUTE_THREADS / 32;
+    R = T <= 64 ? 1 : R;
+    const unsigned blocks = (unsigned)((T + R - 1) / R);
+    DUET__TRY(duet_pdl_launch(duet__route_kernel, dim3(blocks), dim3(DUET__ROUTE_THREADS),
+                              per_row * (size_t)R, stream, logits, bias, (int)T, (int)E, (int)G,
+                              (int)topk_group, (int)top_k, renorm, scale, (int)R, idx, wts),
               "route kernel launch");
     return DUET_OK;
 }
@@ -373,20 +383,18 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 /* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
  * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
  *
- * gemv2's tickets: cnt[t][s] counts the pairs of row t whose slice s of out is written; the
- * block that brings it to top_k adds row t's slice into y. The count starts at the number of
- * row t's pairs no gemv2 block will bring (an invalid expert id, which the plan skips): the
- * plan kernel sets that up, or, without a plan, gemv13 zeroes the counters (then every pair,
- * valid or not, has its gemv2 block). */
+ * gemv2's tickets (T = 1 only): cnt[s] counts the pairs whose slice s of out is written; the
+ * gemv2 block that brings it to top_k adds the slice into y. gemv13 zeroes the counters; every
+ * pair, valid or not, has its gemv2 block. */
 typedef struct {
-    int *off;           /* [E + 1] start of each expert's list */
-    int *list;          /* [P] pair ids grouped by expert */
-    int *meta;          /* [4] */
-    int2 *slots;        /* [max_slots] (expert, list start), <= nr rows each */
-    int2 *tiles;        /* [max_tiles] (expert, list start), <= bm rows each */
-    const int32_t *idx; /* [P] the routing */
-    int *cnt;           /* [T][n_slices] gemv2 tickets, or NULL: a separate combine kernel */
-    int E, top_k, n_slices, n_cnt; /* n_cnt = T * n_slices */
+    int *off;                      /* [E + 1] start of each expert's list */
+    int *list;                     /* [P] pair ids grouped by expert */
+    int *meta;                     /* [4] */
+    int2 *slots;                   /* [max_slots] (expert, list start), <= nr rows each */
+    int2 *tiles;                   /* [max_tiles] (expert, list start), <= bm rows each */
+    const int32_t *idx;            /* [P] the routing */
+    int *cnt;                      /* [n_slices] gemv2 tickets, or NULL: no tickets */
+    int E, top_k, n_slices, n_cnt; /* n_cnt = n_slices (T = 1) */
 } duet__moe_plan_t;
 
 /*
@@ -402,16 +410,11 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
         cnt[e] = 0;
     duet_pdl_wait(); /* the routing; the previous call's kernels are done with the scratch */
     duet_pdl_trigger();
-    for (int i = threadIdx.x; pl.cnt != NULL && i < pl.n_cnt; i += blockDim.x)
-        pl.cnt[i] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         const int e = idx[p];
         if (e >= 0 && e < E)
             atomicAdd(&cnt[e], 1);
-        else if (pl.cnt != NULL)
-            for (int s = 0; s < pl.n_slices; s++) /* rare: a pair no gemv2 block brings */
-                atomicAdd(&pl.cnt[(size_t)(p / pl.top_k) * pl.n_slices + s], 1);
     }
     __syncthreads();
     const int chunk = (E + (int)blockDim.x - 1) / (int)blockDim.x;
@@ -686,8 +689,7 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
 template <int DT, int NRMAX>
 __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
-                            int I, int D, int act, float beta, float beta_lin, int prefetch,
-                            float *h)
+                            int I, int D, int act, float beta, float beta_lin, float *h)
 {
     extern __shared__ float4 gv_sh[];
     __shared__ int pairs[DUET__GV_NR];
@@ -715,8 +717,6 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         w[j] = reinterpret_cast<const uint4 *>((const char *)w1 + row * D * es);
         w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)w3 + row * D * es);
     }
-    if (prefetch && i0 < I) /* the whole rows, while x loads */
-        duet__prefetch_rows<2 * DUET__GV_RI>(w, (size_t)D * es, lane);
     __syncthreads();
     duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return pairs[r] / top_k; });
     __syncthreads();
@@ -1096,8 +1096,8 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.max_slots * sizeof(int2));
     L.tiles = at;
     at += duet__align256((size_t)L.max_tiles * sizeof(int2));
-    L.cnt = at;
-    at += duet__align256((size_t)T * L.n_slices * sizeof(int));
+    L.cnt = at; /* tickets: T = 1 only */
+    at += duet__align256((size_t)L.n_slices * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
     L.h = at;
@@ -1139,7 +1139,7 @@ template <int DT, int NRMAX>
 static duet_status_t
 duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
                   const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
-                  float beta_lin, int prefetch, float *h, float *out, const float *wts, float *y)
+                  float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     static unsigned long long optin13 = 0, optin2 = 0;
     const int I = (int)ex->I, D = (int)ex->D;
@@ -1151,8 +1151,7 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
     dim3 g13((unsigned)max_slots,
              (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
     DUET__TRY(duet_pdl_launch(duet__moe_gemv13_kernel<DT, NRMAX>, g13, dim3(DUET__GV_THREADS), sm13,
-                              stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin,
-                              prefetch, h),
+                              stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin, h),
               "gemv gate/up kernel launch");
     dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
     DUET__TRY(duet_pdl_launch(duet__moe_gemv2_kernel<DT, NRMAX>, g2, dim3(DUET__GV_THREADS), sm2,
@@ -1165,21 +1164,21 @@ template <int DT>
 static duet_status_t
 duet__launch_gemv_nr(int nrmax, cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
                      const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
-                     float beta_lin, int prefetch, float *h, float *out, const float *wts, float *y)
+                     float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     switch (nrmax) {
     case 1:
-        return duet__launch_gemv<DT, 1>(stream, ex, x, pl, max_slots, act, beta, beta_lin, prefetch,
-                                        h, out, wts, y);
+        return duet__launch_gemv<DT, 1>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     case 2:
-        return duet__launch_gemv<DT, 2>(stream, ex, x, pl, max_slots, act, beta, beta_lin, prefetch,
-                                        h, out, wts, y);
+        return duet__launch_gemv<DT, 2>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     case 4:
-        return duet__launch_gemv<DT, 4>(stream, ex, x, pl, max_slots, act, beta, beta_lin, prefetch,
-                                        h, out, wts, y);
+        return duet__launch_gemv<DT, 4>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     default:
-        return duet__launch_gemv<DT, 8>(stream, ex, x, pl, max_slots, act, beta, beta_lin, prefetch,
-                                        h, out, wts, y);
+        return duet__launch_gemv<DT, 8>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     }
 }
 
@@ -1261,7 +1260,6 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
-    const int prefetch = (path & DUET__MOE_NO_PREFETCH) == 0;
     path &= 0xf;
     if (path == DUET__MOE_PATH_MMA && !mma_ok)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
@@ -1301,17 +1299,21 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     pl.n_slices = (int)L.n_slices;
     pl.n_cnt = 0;
     pl.cnt = NULL;
-    if (path == DUET__MOE_PATH_GEMV && !separate) {
-        if (T * L.n_slices > 0x7fffffff)
-            return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_experts: T=%lld is too many rows",
-                                  (long long)T);
-        pl.cnt = (int *)(base + L.cnt);
-        pl.n_cnt = (int)(T * L.n_slices);
-    }
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
-    /* One token on the GEMV path needs no grouping: each pair is its own slot (direct mode). */
+    /*
+     * One token on the GEMV path needs no grouping: each pair is its own slot (direct mode), and
+     * gemv2 adds into y through its tickets. Measured on an H200 at the real dims (graph replay,
+     * T = 1): 37.5 us against 41.3 with the combine kernel; a kernel whose blocks own a slice of
+     * outputs for all top_k pairs (h of every pair in each block, 3 blocks per SM) was not
+     * faster (about 39.5). For T > 1 the combine kernel: tickets there measured 7 % slower at
+     * T = 64 (a fence and an atomic round trip in each of thousands of gemv2 blocks).
+     */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
+    if (direct && !separate) {
+        pl.cnt = (int *)(base + L.cnt);
+        pl.n_cnt = (int)L.n_slices;
+    }
     if (direct)
         pl.list = NULL;
     else
@@ -1346,15 +1348,15 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
             st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                       beta, beta_lin, prefetch, h, out, wts, y);
+                                                       beta, beta_lin, h, out, wts, y);
             break;
         case DUET_DTYPE_F16:
             st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                      beta, beta_lin, prefetch, h, out, wts, y);
+                                                      beta, beta_lin, h, out, wts, y);
             break;
         default:
             st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                      beta, beta_lin, prefetch, h, out, wts, y);
+                                                      beta, beta_lin, h, out, wts, y);
             break;
         }
     }

@@ -33,16 +33,10 @@ duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_e
                                           int path);
 
 /* PATH_NO_PDL is this file's: moe_call turns programmatic dependent launch off around the call
- * (duet_cuda_pdl_set). PATH_SEPARATE (the combine kernel after gemv2 instead of gemv2's
- * tickets) and PATH_NO_PREFETCH (no L2 prefetch of gemv13's rows) are moe.cu's. */
-enum {
-    PATH_AUTO = 0,
-    PATH_GEMV = 1,
-    PATH_MMA = 2,
-    PATH_NO_PDL = 0x1000,
-    PATH_SEPARATE = 0x2000,
-    PATH_NO_PREFETCH = 0x4000
-};
+ * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
+ * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
+ * launches the combine kernel). */
+enum { PATH_AUTO = 0, PATH_GEMV = 1, PATH_MMA = 2, PATH_NO_PDL = 0x1000, PATH_SEPARATE = 0x2000 };
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -427,8 +421,8 @@ static void route_ref(const float *logits, const float *bias, int64_t E, int64_t
  * ties must go to the lower index, as on the CPU. Cases: Kimi-Linear's router (256, top 8,
  * no groups), DeepSeek-V3's (256 in 8 groups, keep 4), Kimi K2's 384 experts, 1000 experts
  * (several loads per lane), groups that leave fewer experts than top_k (the rest are picked
- * among the -inf choices, lowest index first), top_k 32; each at T = 1 (one warp), 4 (one
- * full block) and 37; without a bias (NULL) in the even cases.
+ * among the -inf choices, lowest index first), top_k 32; each at T = 1, 4, 37 (a row per
+ * block) and 100 (several rows per block); without a bias (NULL) in the even cases.
  */
 Test(cuda_ops, moe_route, .timeout = 60)
 {
@@ -441,7 +435,7 @@ Test(cuda_ops, moe_route, .timeout = 60)
                  {16, 16, 4, 3, 1, 0.5f},   {256, 8, 4, 8, 1, 2.5f},  {40, 1, 1, 32, 0, 1.0f},
                  {384, 1, 1, 8, 1, 2.827f}, {1000, 1, 1, 8, 0, 1.0f}, {16, 8, 1, 5, 1, 1.0f},
                  {384, 12, 3, 16, 1, 1.5f}};
-    static const int64_t Ts[] = {1, 4, 37};
+    static const int64_t Ts[] = {1, 4, 37, 100}; /* 100: several rows per block */
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
         for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
             const int64_t E = cases[c].E, K = cases[c].k, T = Ts[ti];
@@ -711,22 +705,21 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
-             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "",
-             path & PATH_NO_PREFETCH ? "-nopf" : "");
+             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "");
     return buf;
 }
 
 /*
  * Runs one configuration on the given paths; returns the max error over them. With n_bad > 0,
  * that many pairs get an invalid expert id (-1 or E), which must add nothing (the reference
- * skips them). Every GEMV-path variant (PDL off, a separate combine kernel, no prefetch, the
- * automatic choice where it is GEMV) must give bit-identical y: each pair's dot products have
- * one operation order, and y gets Σ_k in k order with the combine kernel's arithmetic. The same
- * holds among the MMA-path variants.
+ * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
+ * tickets at T = 1, the automatic choice where it is GEMV) must give bit-identical y: each pair's
+ * dot products have one operation order, and y gets Σ_k in k order with the combine kernel's
+ * arithmetic. The same holds among the MMA-path variants.
  */
 static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64_t K,
                        const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma,
@@ -849,20 +842,28 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                              PATH_MMA,
                                              PATH_GEMV | PATH_NO_PDL,
                                              PATH_GEMV | PATH_SEPARATE,
-                                             PATH_GEMV | PATH_NO_PREFETCH,
                                              PATH_GEMV | PATH_SEPARATE | PATH_NO_PDL,
                                              PATH_MMA | PATH_NO_PDL};
             static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, 0);
             else
                 moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 8, auto_mma, 0);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 7, auto_mma, 0);
             /* invalid expert ids: skipped by the plan, the tickets and the combine */
             if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, T == 1 ? 1 : 3);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, T == 1 ? 1 : 3);
         }
+        experts_free(&X);
+    }
+    /* top_k 10 (more pairs than gemv2 has warps; at T = 1 one of them invalid) */
+    {
+        static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, 16, I, D);
+        moe_case(cpu, &X, 1, 10, &silu, decode, 2, 0, 1);
+        moe_case(cpu, &X, 3, 10, &silu, decode, 2, 0, 0);
         experts_free(&X);
     }
     /* the MMA path refuses weights it has no kernel for */
@@ -881,7 +882,7 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
  * without programmatic dependent launch), T = 1 and 8 on the automatic (GEMV) path, which must
- * match its variants bit for bit (separate combine kernel, no PDL, no prefetch). */
+ * match its variants bit for bit (separate combine kernel, no PDL). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -890,11 +891,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     experts_make(&X, DUET_DTYPE_BF16, 256, 1024, 2304);
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
     static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL};
-    static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
-                                 PATH_GEMV | PATH_NO_PREFETCH};
+    static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL};
     moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0);
-    moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0);
-    moe_case(cpu, &X, 8, 8, &silu, decode, 4, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0);
+    moe_case(cpu, &X, 8, 8, &silu, decode, 3, 0, 0);
     experts_free(&X);
     duet_kernels_destroy(cpu);
 }
@@ -1315,18 +1315,13 @@ Test(cuda_ops, bench_moe, .timeout = 300)
                 "[cuda_ops] BENCH moe_experts BF16 T=%-5lld auto %7.1f us/call (graph %7.1f us): "
                 "%.1f MB of experts, %.0f GB/s (graph %.0f GB/s)\n",
                 (long long)T, us, gus, bytes / 1e6, bytes / us / 1e3, bytes / gus / 1e3);
-            const int variants[] = {PATH_AUTO | PATH_NO_PDL,
-                                    GEMV_NR(2),
-                                    GEMV_NR(4),
-                                    GEMV_NR(8),
-                                    PATH_GEMV | PATH_SEPARATE,
-                                    PATH_GEMV | PATH_NO_PREFETCH,
-                                    PATH_GEMV | PATH_SEPARATE | PATH_NO_PREFETCH};
-            const char *names[] = {"auto, no PDL       ", "slots of 2         ",
-                                   "slots of 4         ", "slots of 8         ",
-                                   "separate combine   ", "no gemv13 prefetch ",
-                                   "sep. comb., no pf. "};
-            for (int v = 0; v < 7; v++) {
+            const int variants[] = {
+                PATH_AUTO | PATH_NO_PDL,  GEMV_NR(1), GEMV_NR(2), GEMV_NR(4), GEMV_NR(8),
+                PATH_GEMV | PATH_SEPARATE};
+            const char *names[] = {"auto, no PDL       ", "slots of 1         ",
+                                   "slots of 2         ", "slots of 4         ",
+                                   "slots of 8         ", "T=1: gemv2+combine "};
+            for (int v = 0; v < 6; v++) {
                 const double t = moe_time(&b, variants[v], 40, 1);
                 printf("[cuda_ops] BENCH   T=%-5lld gemv %s: graph %7.1f us, %.0f GB/s\n",
                        (long long)T, names[v], t, bytes / t / 1e3);
