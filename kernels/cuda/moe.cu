@@ -2,11 +2,16 @@
  * moe.cu: MoE routing (duet_cuda_moe_route) and the routed experts of one layer
  * (duet_cuda_moe_experts). CPU reference: engine/model.c (duet__route_row, duet__moe_layer).
  *
- * Routing is one warp per row: the scores and choices live in shared memory and each of the
- * top_k picks (and each of the topk_group group picks) is a warp arg-max with the CPU's tie
- * rule (lower index first). The sigmoid is evaluated as the CPU does, in float, with exp taken
- * in double and rounded (glibc's expf is within 0.502 ulp, so the two agree to the last bit
- * except in rare double-rounding cases); bit-equal scores make the GPU pick the same experts.
+ * Routing: a block of 256 threads computes the scores and choices of its rows together (one
+ * row per block at decode sizes, up to 8 for prefill; at E = 256 one sigmoid per thread),
+ * then a warp per row picks. The sigmoid is evaluated as
+ * the CPU does, in float, with exp taken in double and rounded (glibc's expf is within 0.502
+ * ulp, so the two agree to the last bit except in rare double-rounding cases); bit-equal
+ * scores make the GPU pick the same experts. Each choice becomes an unsigned key that orders as
+ * the CPU's pick does (larger first; the lower index breaks ties, as the CPU's strict > does);
+ * each lane keeps the best key of its experts (e = lane + 32j), and a pick is two warp
+ * reductions (max key, then min index with that key) after which only the lane that owned the
+ * winner rescans its own experts. The bias is read before the PDL wait.
  *
  * Experts. The routing result exists only on the device, and everything must stay
  * graph-capturable, so the grouping of (row, k) pairs by expert is done on the device by a
@@ -16,7 +21,11 @@
  * blocks past the device-side item count exit at once. Each pair's expert output goes to its
  * own row of scratch (out[p], p = t * top_k + k) and a combine kernel adds
  * y[t] += Σ_k wts[t][k] · out[t * top_k + k] in k order, so y sees no float atomics and the
- * result is the same however rows were grouped.
+ * result is the same however rows were grouped. At T = 1 on the GEMV path there is no combine
+ * kernel: gemv2's blocks cover 32 outputs (a slice) of their pair, each slice has a ticket
+ * counter, and the block that brings it to top_k (every pair has its slice in out) adds the
+ * slice into y in k order with the combine kernel's arithmetic, so y is bit-identical to a
+ * separate combine, with one kernel less at decode.
  *
  * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
  *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
@@ -25,9 +34,10 @@
  *    and dots them with every row of the slot, fp32 accumulation, warp-shuffle reduction. An
  *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
  *    per call and from L2 for its other slots. x and the activation h stay fp32, like the CPU
- *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p. The
- *    kernels after the plan use programmatic dependent launch, and phase 2 pulls its W2 rows
- *    into L2 while phase 1 finishes (both worth a few microseconds at decode sizes).
+ *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p.
+ *    Phase 2 pulls its W2 rows into L2 while phase 1 finishes (worth a few microseconds at
+ *    decode sizes; the same prefetch in phase 1, right after the routing, measured 3 us slower
+ *    at T = 1 and 4 % at T = 8 and 64 on an H200).
  *  - MMA (prefill; BF16 weights, D and I multiples of 32): per tile of BM rows of one expert,
  *    mma.sync m16n8k16 bf16 with fp32 accumulation, 4-stage cp.async pipeline, XOR-swizzled
  *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
@@ -37,6 +47,12 @@
  * The automatic choice takes MMA when the average rows per selected expert reaches 8 and the
  * weights are BF16 (at the real dims GEMV is 2x slower than MMA at T = 256, while T <= 64
  * never qualifies); duet__cuda_moe_experts_path lets tests force either path.
+ *
+ * Every kernel here is launched with duet_pdl_launch (cuda_pdl.cuh) and follows its contract,
+ * with one exception inside the module, written down where it happens: gemv2 reads its slot
+ * (the plan or the routing) before its wait, to prefetch its W2 rows. That is safe because its
+ * predecessor, gemv13, triggers only after its own wait, which returns once the plan (or the
+ * routing, at T = 1) has completed: gemv2 cannot start before those writes are done.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,17 +64,19 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_pdl.cuh"
 
-#define DUET__MODULE "cuda moe" /* the prefix of this file's error details */
+#define DUET__MODULE          "cuda moe" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
-/* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tuning, bits 4..7
- * may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64, 2: 128),
- * and DUET__MOE_NO_PDL turns programmatic dependent launch off. */
-#define DUET__MOE_PATH_AUTO 0
-#define DUET__MOE_PATH_GEMV 1
-#define DUET__MOE_PATH_MMA  2
-#define DUET__MOE_NO_PDL    0x1000 /* launch everything normally (for comparison) */
+/* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tests and tuning,
+ * bits 4..7 may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64,
+ * 2: 128), and the flags below. (Programmatic dependent launch is switched for the whole
+ * process by duet_cuda_pdl_set.) */
+#define DUET__MOE_PATH_AUTO        0
+#define DUET__MOE_PATH_GEMV        1
+#define DUET__MOE_PATH_MMA         2
+#define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
@@ -66,6 +84,9 @@
 #define DUET__GV_RD      4 /* phase 2: down outputs per warp */
 #define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
+#define DUET__GV_SLICE   (DUET__GV_WARPS * DUET__GV_RD) /* gemv2 outputs per block (a slice) */
+static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
+              "gemv2 completes a slice per thread");
 
 #define DUET__MMA_BK      32
 #define DUET__MMA_STAGES  4
@@ -76,7 +97,8 @@
 
 #define DUET__PLAN_THREADS 1024
 
-#define DUET__MOE_LAUNCHED(what) DUET__TRY(cudaGetLastError(), what)
+#define DUET__ROUTE_THREADS 256 /* per routing block: up to 8 rows */
+#define DUET__ROUTE_UNROLL  8   /* scores per thread whose loads are in flight together */
 
 /* ---- shared device helpers ----------------------------------------------------------------- */
 
@@ -144,30 +166,116 @@ static __device__ __forceinline__ int duet__warp_pick(float v, int i)
 }
 
 /*
- * One warp per row; shared memory per warp: score[E], choice[E], gscore[G], gkeep[G].
- * A taken expert's choice is overwritten with NaN, which the pick skips.
+ * The routing key of a choice: unsigned keys order as the CPU's pick does (a larger key is a
+ * larger choice). -0 and +0 get one key (the CPU's > does not tell them apart), so the lower
+ * index wins between them as between any tie. NaN gets 1, below every number (the CPU has no
+ * rule for NaN choices; here they are picked last, lowest index first), and 0 marks a taken or
+ * absent expert: every real number maps to 0x007fffff (-INF) or above.
  */
-__global__ void duet__route_kernel(const float *logits, const float *bias, int T, int E, int G,
-                                   int topk_group, int top_k, int renorm, float scale, int32_t *idx,
-                                   float *wts)
+static __device__ __forceinline__ unsigned duet__route_key(float c)
 {
+    if (isnan(c))
+        return 1u;
+    const unsigned u = __float_as_uint(__fadd_rn(c, 0.0f)); /* -0 + +0 = +0 */
+    return (u & 0x80000000u) != 0 ? ~u : u | 0x80000000u;
+}
+
+static __device__ __forceinline__ unsigned duet__warp_max_u32(unsigned v)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    for (int o = 16; o > 0; o >>= 1)
+        v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#else
+    return __reduce_max_sync(0xffffffffu, v);
+#endif
+}
+
+static __device__ __forceinline__ unsigned duet__warp_min_u32(unsigned v)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    for (int o = 16; o > 0; o >>= 1)
+        v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#else
+    return __reduce_min_sync(0xffffffffu, v);
+#endif
+}
+
+/* This lane's best key among its experts e = lane + 32j (the lowest such e on ties). */
+static __device__ __forceinline__ unsigned duet__lane_best(const float *keys, int E, int lane,
+                                                           int *e_p)
+{
+    unsigned bk = 0;
+    int be = 0;
+#pragma unroll 8
+    for (int e = lane; e < E; e += 32) {
+        const unsigned k = __float_as_uint(keys[e]);
+        if (k > bk) {
+            bk = k;
+            be = e;
+        }
+    }
+    *e_p = be;
+    return bk;
+}
+
+/*
+ * A block of DUET__ROUTE_THREADS threads routes R rows (R <= the block's warps): all its threads
+ * compute the R rows' scores and choices together (at T = 1, one sigmoid per thread), then warp
+ * r picks row r's experts. Shared memory per row: score[E], choice[E] (then the keys, stored as
+ * float bit patterns), gscore[G], gkeep[G]. In the pick a lane only writes its own experts'
+ * keys (e = lane + 32j).
+ */
+__global__ void __launch_bounds__(DUET__ROUTE_THREADS)
+    duet__route_kernel(const float *logits, const float *bias, int T, int E, int G, int topk_group,
+                       int top_k, int renorm, float scale, int R, int32_t *idx, float *wts)
+{
+    constexpr int U = DUET__ROUTE_UNROLL;
     extern __shared__ float route_sh[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t = blockIdx.x * (blockDim.x >> 5) + warp;
-    if (t >= T)
+    const int t0 = blockIdx.x * R, n = min(R, T - t0) * E; /* this block's rows × E */
+    const int nt = (int)blockDim.x;
+
+    /* The bias is a weight: its first values load while the router GEMV finishes. */
+    float b0[U];
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const int i = threadIdx.x + nt * j;
+        b0[j] = bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
+    }
+    duet_pdl_wait(); /* the logits */
+    duet_pdl_trigger();
+    const float *lg = logits + (size_t)t0 * E; /* the block's rows are contiguous */
+    for (int i0 = 0; i0 < n; i0 += nt * U) {
+        float l[U], b[U];
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + threadIdx.x + nt * j;
+            l[j] = i < n ? lg[i] : 0.0f;
+            b[j] = i0 == 0 ? b0[j] : bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + threadIdx.x + nt * j;
+            if (i < n) {
+                const int r = i / E, e = i - r * E;
+                float *sr = route_sh + (size_t)r * (2 * E + 2 * G);
+                const float s = duet__sigmoid_cpu(l[j]);
+                const float c = __fadd_rn(s, b[j]);
+                sr[e] = s;
+                sr[E + e] = G > 1 ? c : __uint_as_float(duet__route_key(c)); /* groups: later */
+            }
+        }
+    }
+    __syncthreads();
+    const int t = t0 + warp;
+    if (warp >= R || t >= T)
         return;
     float *score = route_sh + (size_t)warp * (2 * E + 2 * G);
     float *choice = score + E;
     float *gscore = choice + E;
     int *gkeep = (int *)(gscore + G);
-    const float *lg = logits + (size_t)t * E;
-
-    for (int e = lane; e < E; e += 32) {
-        const float s = duet__sigmoid_cpu(lg[e]);
-        score[e] = s;
-        choice[e] = __fadd_rn(s, bias != NULL ? bias[e] : 0.0f);
-    }
-    __syncwarp();
     if (G > 1) {
         const int gs = E / G;
         for (int g = lane; g < G; g += 32) {
@@ -200,31 +308,30 @@ __global__ void duet__route_kernel(const float *logits, const float *bias, int T
             if (!gkeep[e / gs])
                 choice[e] = -INFINITY;
         __syncwarp();
+        for (int e = lane; e < E; e += 32)
+            choice[e] = __uint_as_float(duet__route_key(choice[e]));
     }
-    /* Lane k keeps pick k; every lane adds the weights in k order, as the CPU does. */
+    int be;
+    unsigned bk = duet__lane_best(choice, E, lane, &be);
+
+    /* Pick k: the largest key, the lowest expert among equal keys; its lane takes it and finds
+     * its next best. Lane k keeps pick k; every lane adds the weights in k order, as the CPU
+     * does. top_k <= E, so an untaken expert (key >= 1) is always left. */
     float sum = 0.0f, my_w = 0.0f;
     int my_i = 0;
     for (int k = 0; k < top_k; k++) {
-        float bv = 0.0f;
-        int bi = -1;
-        for (int e = lane; e < E; e += 32) {
-            const float c = choice[e];
-            if (!isnan(c))
-                duet__pick_merge(&bv, &bi, c, e);
+        const unsigned m = duet__warp_max_u32(bk);
+        const int w = (int)duet__warp_min_u32(bk == m ? (unsigned)be : 0xffffffffu);
+        if ((w & 31) == lane) {
+            choice[w] = __uint_as_float(0u);
+            bk = duet__lane_best(choice, E, lane, &be);
         }
-        bi = duet__warp_pick(bv, bi);
-        if (bi < 0)
-            bi = 0; /* only with NaN choices; the CPU has no rule for those either */
-        const float w = score[bi];
-        __syncwarp();
-        if (lane == 0)
-            choice[bi] = NAN;
-        __syncwarp();
+        const float s = score[w];
         if (lane == k) {
-            my_i = bi;
-            my_w = w;
+            my_i = w;
+            my_w = s;
         }
-        sum = __fadd_rn(sum, w);
+        sum = __fadd_rn(sum, s);
     }
     if (lane < top_k) {
         if (renorm)
@@ -251,53 +358,44 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     if (top_k > 32)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: top_k %lld > 32",
                               (long long)top_k);
-    const size_t per_warp = (size_t)(2 * E + 2 * G) * sizeof(float);
-    if (per_warp > 48 * 1024)
+    const size_t per_row = (size_t)(2 * E + 2 * G) * sizeof(float);
+    if (per_row > 48 * 1024)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: %lld experts is too many",
                               (long long)E);
     if (T == 0)
         return DUET_OK;
-    int warps = (int)((48 * 1024) / per_warp);
-    warps = warps > 4 ? 4 : warps;
-    const unsigned blocks = (unsigned)((T + warps - 1) / warps);
-    duet__route_kernel<<<blocks, warps * 32, per_warp * warps, stream>>>(
-        logits, bias, (int)T, (int)E, (int)G, (int)topk_group, (int)top_k, renorm, scale, idx, wts);
-    DUET__MOE_LAUNCHED("route kernel launch");
+    /* Rows per block: one at decode sizes, so that T rows take as long as one, side by side on
+     * T SMs (the double exp is bound by an SM's FP64 rate: 8 rows per block measured 7.7 us at
+     * T = 64 under Nsight Compute, against 5.4 us for T = 1); up to 8 for prefill. */
+    int64_t R = (int64_t)((48 * 1024) / per_row);
+    R = R < DUET__ROUTE_THREADS / 32 ? R : DUET__ROUTE_THREADS / 32;
+    R = T <= 64 ? 1 : R;
+    const unsigned blocks = (unsigned)((T + R - 1) / R);
+    DUET__TRY(duet_pdl_launch(duet__route_kernel, dim3(blocks), dim3(DUET__ROUTE_THREADS),
+                              per_row * (size_t)R, stream, logits, bias, (int)T, (int)E, (int)G,
+                              (int)topk_group, (int)top_k, renorm, scale, (int)R, idx, wts),
+              "route kernel launch");
     return DUET_OK;
 }
 
 /* ---- plan: group (row, k) pairs by expert --------------------------------------------------- */
 
 /* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
- * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p]. */
+ * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
+ *
+ * gemv2's tickets (T = 1 only): cnt[s] counts the pairs whose slice s of out is written; the
+ * gemv2 block that brings it to top_k adds the slice into y. gemv13 zeroes the counters; every
+ * pair, valid or not, has its gemv2 block. */
 typedef struct {
-    int *off;           /* [E + 1] start of each expert's list */
-    int *list;          /* [P] pair ids grouped by expert */
-    int *meta;          /* [4] */
-    int2 *slots;        /* [max_slots] (expert, list start), <= nr rows each */
-    int2 *tiles;        /* [max_tiles] (expert, list start), <= bm rows each */
-    const int32_t *idx; /* [P] the routing (direct mode) */
-    int E;
+    int *off;                      /* [E + 1] start of each expert's list */
+    int *list;                     /* [P] pair ids grouped by expert */
+    int *meta;                     /* [4] */
+    int2 *slots;                   /* [max_slots] (expert, list start), <= nr rows each */
+    int2 *tiles;                   /* [max_tiles] (expert, list start), <= bm rows each */
+    const int32_t *idx;            /* [P] the routing */
+    int *cnt;                      /* [n_slices] gemv2 tickets, or NULL: no tickets */
+    int E, top_k, n_slices, n_cnt; /* n_cnt = n_slices (T = 1) */
 } duet__moe_plan_t;
-
-/*
- * Programmatic dependent launch (GEMV path). The kernels after the plan are launched with
- * programmatic stream serialisation, so a kernel's blocks may start while its predecessor's last
- * wave runs: each kernel calls duet__pdl_wait() before it reads what its predecessor wrote (a
- * no-op when launched normally), and duet__pdl_trigger() once it has passed its own wait, so
- * that the successor, which may then start, only ever reads outputs of kernels that have
- * completed (the plan, the routing) before its own wait. The phase-2 blocks use the overlap to
- * pull their W2 rows into L2.
- */
-static __device__ __forceinline__ void duet__pdl_wait(void)
-{
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void duet__pdl_trigger(void)
-{
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
 
 /*
  * One block. The order of pairs inside an expert's list depends on atomics, which is harmless:
@@ -308,9 +406,10 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
 {
     extern __shared__ int plan_sh[];
     int *cnt = plan_sh, *cur = plan_sh + E;
-    duet__pdl_trigger(); /* phase 1 may start; it waits for this grid before reading the plan */
     for (int e = threadIdx.x; e < E; e += blockDim.x)
         cnt[e] = 0;
+    duet_pdl_wait(); /* the routing; the previous call's kernels are done with the scratch */
+    duet_pdl_trigger();
     __syncthreads();
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         const int e = idx[p];
@@ -408,14 +507,44 @@ template <int VEC> static __device__ __forceinline__ int duet__xs_pos(int k, int
     return ((k >> 2) & 1) * (K >> 1) + ((k >> 3) << 2) + (k & 3);
 }
 
-/* Load row `src` (K fp32, 16-byte aligned) into xs in the layout above; all threads help. */
-template <int VEC>
-static __device__ __forceinline__ void duet__xs_load(float *xs, const float *src, int K)
+/*
+ * Load n rows (K fp32 each, 16-byte aligned; row r from src + row_of(r) * K) into xs, row r at
+ * xs + r * K, in the layout above; all threads help. Each thread issues up to 4 loads before it
+ * stores any, so a row of up to 4096 floats costs one memory round trip, not one per pass.
+ */
+template <int VEC, typename RowOf>
+static __device__ __forceinline__ void duet__xs_load(float *xs, const float *src, int K, int n,
+                                                     RowOf row_of)
 {
-    for (int k4 = threadIdx.x; k4 < K / 4; k4 += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4 *>(src)[k4];
-        *reinterpret_cast<float4 *>(xs + duet__xs_pos<VEC>(4 * k4, K)) = v;
+    constexpr int U = 4;
+    const int k4n = K / 4, total = n * k4n, step = (int)blockDim.x;
+    for (int q0 = threadIdx.x; q0 < total; q0 += U * step) {
+        float4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int q = q0 + u * step, r = q / k4n, k4 = q - r * k4n;
+            if (q < total)
+                v[u] = reinterpret_cast<const float4 *>(src + (size_t)row_of(r) * K)[k4];
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int q = q0 + u * step, r = q / k4n, k4 = q - r * k4n;
+            if (q < total)
+                *reinterpret_cast<float4 *>(xs + (size_t)r * K + duet__xs_pos<VEC>(4 * k4, K)) =
+                    v[u];
+        }
     }
+}
+
+/* Ask L2 for the `bytes` bytes of each of NW weight rows (one warp; no registers held). */
+template <int NW>
+static __device__ __forceinline__ void duet__prefetch_rows(const uint4 *const *w, size_t bytes,
+                                                           int lane)
+{
+    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
+#pragma unroll
+        for (int j = 0; j < NW; j++)
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)w[j] + off));
 }
 
 /* A 16-byte weight load that skips L1 (read once per block) but stays in L2, where the next
@@ -530,17 +659,20 @@ static __device__ __forceinline__ void duet__gemv2_rows(const uint4 *const *w, c
                 out[(size_t)pairs[r] * D + d0 + j] = acc[j][r];
 }
 
-/* The slot of this block, or -1 when past the device-side count. */
+/*
+ * The slot of this block: its row count n (-1 when past the device-side count), its expert in
+ * *e_p and its pairs in `pairs` (padded to nrmax with the last one). Without a plan the block is
+ * pair blockIdx.x alone, also when its expert id is invalid (then *e_p = -1: nothing to compute,
+ * but gemv2's block still takes the pair's ticket).
+ */
 static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int nrmax, int *e_p,
                                                  int *pairs)
 {
     if (pl.list == NULL) {
         const int e = pl.idx[blockIdx.x];
-        if (e < 0 || e >= pl.E)
-            return -1;
         if (threadIdx.x < (unsigned)nrmax)
             pairs[threadIdx.x] = blockIdx.x;
-        *e_p = e;
+        *e_p = e >= 0 && e < pl.E ? e : -1;
         return 1;
     }
     if ((int)blockIdx.x >= pl.meta[0])
@@ -557,26 +689,26 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
 template <int DT, int NRMAX>
 __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
-                            int top_k, int I, int D, int act, float beta, float beta_lin, float *h)
+                            int I, int D, int act, float beta, float beta_lin, float *h)
 {
     extern __shared__ float4 gv_sh[];
     __shared__ int pairs[DUET__GV_NR];
     float *xs = reinterpret_cast<float *>(gv_sh);
-    int e;
-    duet__pdl_wait(); /* the plan */
-    duet__pdl_trigger();
-    const int n = duet__slot(pl, NRMAX, &e, pairs);
-    if (n < 0)
-        return;
-    __syncthreads();
     constexpr int VEC = duet__wt<DT>::VEC;
-    for (int r = 0; r < n; r++)
-        duet__xs_load<VEC>(xs + (size_t)r * D, x + (size_t)(pairs[r] / top_k) * D, D);
-    __syncthreads();
+    const int top_k = pl.top_k;
+    int e;
+    duet_pdl_wait(); /* the plan or the routing */
+    duet_pdl_trigger();
+    if (pl.list == NULL && pl.cnt != NULL) { /* no plan: the tickets start at 0 */
+        const int nb = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
+        for (int i = b * blockDim.x + threadIdx.x; i < pl.n_cnt; i += nb * blockDim.x)
+            pl.cnt[i] = 0;
+    }
+    const int n = duet__slot(pl, NRMAX, &e, pairs);
+    if (n < 0 || e < 0)
+        return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RI;
-    if (i0 >= I)
-        return;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[2 * DUET__GV_RI];
 #pragma unroll
@@ -585,6 +717,11 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         w[j] = reinterpret_cast<const uint4 *>((const char *)w1 + row * D * es);
         w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)w3 + row * D * es);
     }
+    __syncthreads();
+    duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return pairs[r] / top_k; });
+    __syncthreads();
+    if (i0 >= I)
+        return;
     const float *xsp = xs;
     if (NRMAX == 1 || n == 1)
         duet__gemv13_rows<DT, 1>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
@@ -598,51 +735,95 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         duet__gemv13_rows<DT, NRMAX>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
 }
 
-/* out[p][d] = W2[e][d] · h[p] for the slot's pairs. */
+/* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order; a pair with an invalid expert
+ * adds nothing (the plan skipped it too). The combine kernel's arithmetic, one element. */
+static __device__ __forceinline__ float duet__combine_elem(float a, const float *out,
+                                                           const int32_t *idx, const float *wts,
+                                                           int64_t t, int top_k, int E, int D,
+                                                           int d)
+{
+    /* out's row exists for every pair (garbage for an invalid one, never used), so all loads
+     * can be in flight together */
+#pragma unroll 8
+    for (int k = 0; k < top_k; k++) {
+        const int64_t p = t * top_k + k;
+        const int e = idx[p];
+        const float w = wts[p], o = __ldcg(out + p * D + d); /* L2: other blocks' rows */
+        if (e >= 0 && e < E)
+            a = __fadd_rn(a, __fmul_rn(w, o));
+    }
+    return a;
+}
+
+/*
+ * out[p][d] = W2[e][d] · h[p] for the slot's pairs, on slice blockIdx.y (32 outputs); then, with
+ * tickets (pl.cnt), y[t] += Σ_k wts[t][k] · out[t * top_k + k] on the slice for every row t
+ * this block completes (see duet__moe_plan_t).
+ */
 template <int DT, int NRMAX>
 __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv2_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
-                           float *out)
+                           float *out, const float *wts, float *y)
 {
     extern __shared__ float4 gv_sh[];
-    __shared__ int pairs[DUET__GV_NR];
+    __shared__ int pairs[DUET__GV_NR], done[DUET__GV_NR];
     float *hs = reinterpret_cast<float *>(gv_sh);
+    constexpr int VEC = duet__wt<DT>::VEC;
     int e;
-    const int n = duet__slot(pl, NRMAX, &e, pairs); /* the plan is complete */
-    if (n < 0)
-        return;
+    /* Before the wait, against the contract of cuda_pdl.cuh but safely (see the file comment):
+     * gemv13 triggered us after its wait, so the plan and the routing are complete. */
+    const int n = duet__slot(pl, NRMAX, &e, pairs);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int d0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RD;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[DUET__GV_RD];
 #pragma unroll
     for (int j = 0; j < DUET__GV_RD; j++) {
-        const size_t row = (size_t)e * D + min(d0 + j, D - 1);
+        const size_t row = (size_t)(e < 0 ? 0 : e) * D + min(d0 + j, D - 1);
         w[j] = reinterpret_cast<const uint4 *>((const char *)w2 + row * I * es);
     }
     /* While phase 1 finishes: pull this warp's W2 rows into L2 (they do not depend on it). */
-    if (d0 < D)
-        for (int off = lane * 128; off < (int)(I * es); off += 32 * 128)
-#pragma unroll
-            for (int j = 0; j < DUET__GV_RD; j++)
-                asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)w[j] + off));
-    duet__pdl_wait(); /* h */
-    duet__pdl_trigger();
-    __syncthreads();
-    constexpr int VEC = duet__wt<DT>::VEC;
-    for (int r = 0; r < n; r++)
-        duet__xs_load<VEC>(hs + (size_t)r * I, h + (size_t)pairs[r] * I, I);
-    __syncthreads();
-    if (d0 >= D)
+    if (n > 0 && e >= 0 && d0 < D)
+        duet__prefetch_rows<DUET__GV_RD>(w, (size_t)I * es, lane);
+    duet_pdl_wait(); /* h, and the tickets gemv13 zeroed */
+    duet_pdl_trigger();
+    if (n < 0)
         return;
-    if (NRMAX == 1 || n == 1)
-        duet__gemv2_rows<DT, 1>(w, hs, I, D, d0, n, pairs, out, lane);
-    else if (NRMAX == 2 || n == 2)
-        duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
-    else if (NRMAX == 4 || n <= 4)
-        duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
-    else
-        duet__gemv2_rows<DT, NRMAX>(w, hs, I, D, d0, n, pairs, out, lane);
+    if (e >= 0) {
+        __syncthreads();
+        duet__xs_load<VEC>(hs, h, I, n, [&](int r) { return pairs[r]; });
+        __syncthreads();
+        if (d0 < D) {
+            if (NRMAX == 1 || n == 1)
+                duet__gemv2_rows<DT, 1>(w, hs, I, D, d0, n, pairs, out, lane);
+            else if (NRMAX == 2 || n == 2)
+                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+            else if (NRMAX == 4 || n <= 4)
+                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+            else
+                duet__gemv2_rows<DT, NRMAX>(w, hs, I, D, d0, n, pairs, out, lane);
+        }
+    }
+    if (pl.cnt == NULL)
+        return;
+    /* Tickets: this block's out slices are visible device-wide before it counts them; the
+     * block that completes a row (count top_k) reads the other blocks' slices from L2. */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x < (unsigned)n) {
+        const int t = pairs[threadIdx.x] / pl.top_k;
+        const int c = atomicAdd(pl.cnt + (size_t)t * pl.n_slices + blockIdx.y, 1);
+        done[threadIdx.x] = c == pl.top_k - 1 ? t : -1;
+        __threadfence();
+    }
+    __syncthreads();
+    const int r = threadIdx.x / DUET__GV_SLICE,
+              d = blockIdx.y * DUET__GV_SLICE + threadIdx.x % DUET__GV_SLICE;
+    if (r < n && d < D && done[r] >= 0) {
+        const int64_t t = done[r];
+        float *yp = y + t * D + d;
+        *yp = duet__combine_elem(*yp, out, pl.idx, wts, t, pl.top_k, pl.E, D, d);
+    }
 }
 
 /* ---- MMA path ------------------------------------------------------------------------------- */
@@ -706,6 +887,8 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
     extern __shared__ float4 mma_sh[];
     __shared__ int rows[BM];
 
+    duet_pdl_wait(); /* the plan and A (x in bf16, or h) */
+    duet_pdl_trigger();
     if ((int)blockIdx.y >= pl.meta[1])
         return;
     const int2 tl = pl.tiles[blockIdx.y];
@@ -844,6 +1027,8 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
 __global__ void duet__to_bf16_kernel(__nv_bfloat16 *xb, const float *x, int64_t n)
 {
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    duet_pdl_wait(); /* x */
+    duet_pdl_trigger();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         xb[i] = __float2bfloat16_rn(x[i]);
 }
@@ -857,7 +1042,8 @@ __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32
 {
     const int64_t t = blockIdx.x;
     float4 *yr = reinterpret_cast<float4 *>(y + t * D);
-    duet__pdl_wait(); /* out */
+    duet_pdl_wait(); /* out */
+    duet_pdl_trigger();
     for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
         float4 a = yr[d4];
         for (int k = 0; k < top_k; k++) {
@@ -879,8 +1065,8 @@ __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32
 /* ---- host side ------------------------------------------------------------------------------ */
 
 typedef struct {
-    size_t off, list, meta, slots, tiles, xb, h, out, total;
-    int64_t max_slots, max_tiles;
+    size_t off, list, meta, slots, tiles, cnt, xb, h, out, total;
+    int64_t max_slots, max_tiles, n_slices;
 } duet__moe_layout_t;
 
 static size_t duet__align256(size_t n)
@@ -898,6 +1084,7 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     const int64_t P = T * top_k, A = P < E ? P : E;
     L.max_slots = P + A;
     L.max_tiles = (P + 63) / 64 + A;
+    L.n_slices = (D + DUET__GV_SLICE - 1) / DUET__GV_SLICE;
     size_t at = 0;
     L.off = at;
     at += duet__align256((size_t)(E + 1) * sizeof(int));
@@ -909,6 +1096,8 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.max_slots * sizeof(int2));
     L.tiles = at;
     at += duet__align256((size_t)L.max_tiles * sizeof(int2));
+    L.cnt = at; /* tickets: T = 1 only */
+    at += duet__align256((size_t)L.n_slices * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
     L.h = at;
@@ -945,33 +1134,12 @@ template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned lon
     return e;
 }
 
-/* Launch kernel k, with programmatic stream serialisation when pdl != 0 (see duet__pdl_wait). */
-template <typename... KArgs, typename... Args>
-static cudaError_t duet__launch(int pdl, dim3 grid, unsigned threads, size_t smem,
-                                cudaStream_t stream, void (*k)(KArgs...), Args... args)
-{
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute attr;
-    memset(&cfg, 0, sizeof(cfg));
-    memset(&attr, 0, sizeof(attr));
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, k, args...);
-}
-
-/* Phase 1 follows the plan kernel (pdl1: programmatic launch) or nothing of ours (direct
- * mode: a normal launch); phase 2 follows phase 1. */
+/* Phase 1 then phase 2 (gemv2 also adds into y when the plan has tickets). */
 template <int DT, int NRMAX>
 static duet_status_t
-duet__launch_gemv(cudaStream_t stream, int pdl1, int pdl2, const duet_cuda_experts_t *ex,
-                  const float *x, const duet__moe_plan_t &pl, int64_t max_slots, int top_k,
-                  duet_cuda_act_t act, float beta, float beta_lin, float *h, float *out)
+duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
+                  const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
+                  float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     static unsigned long long optin13 = 0, optin2 = 0;
     const int I = (int)ex->I, D = (int)ex->D;
@@ -982,39 +1150,35 @@ duet__launch_gemv(cudaStream_t stream, int pdl1, int pdl2, const duet_cuda_exper
         return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
     dim3 g13((unsigned)max_slots,
              (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
-    e = duet__launch(pdl1, g13, DUET__GV_THREADS, sm13, stream, duet__moe_gemv13_kernel<DT, NRMAX>,
-                     ex->w1, ex->w3, x, pl, top_k, I, D, (int)act, beta, beta_lin, h);
-    if (e != cudaSuccess)
-        return duet_cuda_status(e, DUET__MODULE, "gemv gate/up kernel launch");
-    dim3 g2((unsigned)max_slots,
-            (unsigned)((D + DUET__GV_WARPS * DUET__GV_RD - 1) / (DUET__GV_WARPS * DUET__GV_RD)));
-    e = duet__launch(pdl2, g2, DUET__GV_THREADS, sm2, stream, duet__moe_gemv2_kernel<DT, NRMAX>,
-                     ex->w2, (const float *)h, pl, I, D, out);
-    if (e != cudaSuccess)
-        return duet_cuda_status(e, DUET__MODULE, "gemv down kernel launch");
+    DUET__TRY(duet_pdl_launch(duet__moe_gemv13_kernel<DT, NRMAX>, g13, dim3(DUET__GV_THREADS), sm13,
+                              stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin, h),
+              "gemv gate/up kernel launch");
+    dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
+    DUET__TRY(duet_pdl_launch(duet__moe_gemv2_kernel<DT, NRMAX>, g2, dim3(DUET__GV_THREADS), sm2,
+                              stream, ex->w2, (const float *)h, pl, I, D, out, wts, y),
+              "gemv down kernel launch");
     return DUET_OK;
 }
 
 template <int DT>
-static duet_status_t duet__launch_gemv_nr(int nrmax, cudaStream_t stream, int pdl1, int pdl2,
-                                          const duet_cuda_experts_t *ex, const float *x,
-                                          const duet__moe_plan_t &pl, int64_t max_slots, int top_k,
-                                          duet_cuda_act_t act, float beta, float beta_lin, float *h,
-                                          float *out)
+static duet_status_t
+duet__launch_gemv_nr(int nrmax, cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
+                     const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
+                     float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     switch (nrmax) {
     case 1:
-        return duet__launch_gemv<DT, 1>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
-                                        beta_lin, h, out);
+        return duet__launch_gemv<DT, 1>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     case 2:
-        return duet__launch_gemv<DT, 2>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
-                                        beta_lin, h, out);
+        return duet__launch_gemv<DT, 2>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     case 4:
-        return duet__launch_gemv<DT, 4>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
-                                        beta_lin, h, out);
+        return duet__launch_gemv<DT, 4>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     default:
-        return duet__launch_gemv<DT, 8>(stream, pdl1, pdl2, ex, x, pl, max_slots, top_k, act, beta,
-                                        beta_lin, h, out);
+        return duet__launch_gemv<DT, 8>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
+                                        wts, y);
     }
 }
 
@@ -1033,14 +1197,15 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
         return duet_cuda_status(e, DUET__MODULE, "mma shared-memory opt-in");
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
-    dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
-    duet__moe_mma_kernel<BM, true><<<g1, DUET__MMA_THREADS, smem, stream>>>(
-        xb, top_k, w1, w3, I, D, pl, (int)act, beta, beta_lin, hb, NULL);
-    DUET__MOE_LAUNCHED("mma gate/up kernel launch");
-    dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
-    duet__moe_mma_kernel<BM, false><<<g2, DUET__MMA_THREADS, smem, stream>>>(
-        hb, 1, w2, w2, D, I, pl, (int)act, beta, beta_lin, NULL, out);
-    DUET__MOE_LAUNCHED("mma down kernel launch");
+    const dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles), blk(DUET__MMA_THREADS);
+    DUET__TRY(duet_pdl_launch(duet__moe_mma_kernel<BM, true>, g1, blk, smem, stream, xb, top_k, w1,
+                              w3, I, D, pl, (int)act, beta, beta_lin, hb, (float *)NULL),
+              "mma gate/up kernel launch");
+    const dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
+    DUET__TRY(duet_pdl_launch(duet__moe_mma_kernel<BM, false>, g2, blk, smem, stream,
+                              (const __nv_bfloat16 *)hb, 1, w2, w2, D, I, pl, (int)act, beta,
+                              beta_lin, (__nv_bfloat16 *)NULL, out),
+              "mma down kernel launch");
     return DUET_OK;
 }
 
@@ -1094,7 +1259,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
-    const int pdl = !(path & DUET__MOE_NO_PDL);
+    const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
     path &= 0xf;
     if (path == DUET__MOE_PATH_MMA && !mma_ok)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
@@ -1130,25 +1295,39 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     pl.tiles = (int2 *)(base + L.tiles);
     pl.idx = idx;
     pl.E = (int)E;
+    pl.top_k = (int)top_k;
+    pl.n_slices = (int)L.n_slices;
+    pl.n_cnt = 0;
+    pl.cnt = NULL;
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
-    /* One token on the GEMV path needs no grouping: each pair is its own slot (direct mode). */
+    /*
+     * One token on the GEMV path needs no grouping: each pair is its own slot (direct mode), and
+     * gemv2 adds into y through its tickets. Measured on an H200 at the real dims (graph replay,
+     * T = 1): 37.5 us against 41.3 with the combine kernel; a kernel whose blocks own a slice of
+     * outputs for all top_k pairs (h of every pair in each block, 3 blocks per SM) was not
+     * faster (about 39.5). For T > 1 the combine kernel: tickets there measured 7 % slower at
+     * T = 64 (a fence and an atomic round trip in each of thousands of gemv2 blocks).
+     */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
-    if (direct) {
-        pl.list = NULL;
-    } else {
-        duet__moe_plan_kernel<<<1, DUET__PLAN_THREADS, 2 * E * sizeof(int), stream>>>(
-            idx, (int)P, (int)E, nrmax, bm, pl);
-        DUET__MOE_LAUNCHED("plan kernel launch");
+    if (direct && !separate) {
+        pl.cnt = (int *)(base + L.cnt);
+        pl.n_cnt = (int)L.n_slices;
     }
+    if (direct)
+        pl.list = NULL;
+    else
+        DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3(1), dim3(DUET__PLAN_THREADS),
+                                  2 * E * sizeof(int), stream, idx, (int)P, (int)E, nrmax, bm, pl),
+                  "plan kernel launch");
 
     duet_status_t st;
     if (path == DUET__MOE_PATH_MMA) {
         __nv_bfloat16 *xb = (__nv_bfloat16 *)(base + L.xb);
         const int64_t n = T * D;
-        duet__to_bf16_kernel<<<(unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096), 256, 0,
-                               stream>>>(xb, x, n);
-        DUET__MOE_LAUNCHED("x to bf16 kernel launch");
+        const unsigned nb = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
+        DUET__TRY(duet_pdl_launch(duet__to_bf16_kernel, dim3(nb), dim3(256), 0, stream, xb, x, n),
+                  "x to bf16 kernel launch");
         int64_t max_tiles = (P + bm - 1) / bm + A; /* each expert's last tile may be partial */
         max_tiles = max_tiles < P ? max_tiles : P;
         if (max_tiles > 65535)
@@ -1168,30 +1347,26 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             max_slots = P;
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, pdl && !direct, pdl, ex, x,
-                                                       pl, max_slots, (int)top_k, act, beta,
-                                                       beta_lin, h, out);
+            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, ex, x, pl, max_slots, act,
+                                                       beta, beta_lin, h, out, wts, y);
             break;
         case DUET_DTYPE_F16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, pdl && !direct, pdl, ex, x, pl,
-                                                      max_slots, (int)top_k, act, beta, beta_lin, h,
-                                                      out);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, ex, x, pl, max_slots, act,
+                                                      beta, beta_lin, h, out, wts, y);
             break;
         default:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, pdl && !direct, pdl, ex, x, pl,
-                                                      max_slots, (int)top_k, act, beta, beta_lin, h,
-                                                      out);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, ex, x, pl, max_slots, act,
+                                                      beta, beta_lin, h, out, wts, y);
             break;
         }
     }
     if (st != DUET_OK)
         return st;
-
-    cudaError_t e = duet__launch(pdl && path == DUET__MOE_PATH_GEMV, dim3((unsigned)T), 256, 0,
-                                 stream, duet__moe_combine_kernel, y, (const float *)out, idx, wts,
-                                 (int)top_k, (int)E, (int)D);
-    if (e != cudaSuccess)
-        return duet_cuda_status(e, DUET__MODULE, "combine kernel launch");
+    if (pl.cnt != NULL)
+        return DUET_OK; /* gemv2 added into y */
+    DUET__TRY(duet_pdl_launch(duet__moe_combine_kernel, dim3((unsigned)T), dim3(256), 0, stream, y,
+                              (const float *)out, idx, wts, (int)top_k, (int)E, (int)D),
+              "combine kernel launch");
     return DUET_OK;
 }
 

@@ -21,16 +21,22 @@
 
 #include "engine/sampler.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
-/* moe.cu's internal entry point that forces the expert path (0 auto, 1 GEMV, 2 MMA). */
+/* moe.cu's internal entry point that forces the expert path (0 auto, 1 GEMV, 2 MMA, plus the
+ * flags below). */
 duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                           const float *x, int64_t T, const int32_t *idx,
                                           const float *wts, int64_t top_k, duet_cuda_act_t act,
                                           float beta, float beta_lin, float *y, void *scratch,
                                           int path);
 
-enum { PATH_AUTO = 0, PATH_GEMV = 1, PATH_MMA = 2, PATH_NO_PDL = 0x1000 };
+/* PATH_NO_PDL is this file's: moe_call turns programmatic dependent launch off around the call
+ * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
+ * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
+ * launches the combine kernel). */
+enum { PATH_AUTO = 0, PATH_GEMV = 1, PATH_MMA = 2, PATH_NO_PDL = 0x1000, PATH_SEPARATE = 0x2000 };
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -98,6 +104,20 @@ static duet_kernels_t *cpu_create(void)
 static uint16_t to_dtype16(float v, duet_dtype_t dt)
 {
     return dt == DUET_DTYPE_BF16 ? duet_f32_to_bf16(v) : duet_f32_to_f16(v);
+}
+
+static duet_status_t moe_call(cudaStream_t st, const duet_cuda_experts_t *ex, const float *x,
+                              int64_t T, const int32_t *idx, const float *wts, int64_t K,
+                              duet_cuda_act_t act, float beta, float beta_lin, float *y,
+                              void *scratch, int path)
+{
+    if (path & PATH_NO_PDL)
+        duet_cuda_pdl_set(0);
+    const duet_status_t s = duet__cuda_moe_experts_path(st, ex, x, T, idx, wts, K, act, beta,
+                                                        beta_lin, y, scratch, path & ~PATH_NO_PDL);
+    if (path & PATH_NO_PDL)
+        duet_cuda_pdl_set(-1);
+    return s;
 }
 
 /* ---- embed ----------------------------------------------------------------------------------- */
@@ -398,7 +418,11 @@ static void route_ref(const float *logits, const float *bias, int64_t E, int64_t
  * except in rare double-rounding cases of glibc's expf (< 0.502 ulp), and the choices with them:
  * expert ids must be equal, weights equal to 1e-6 relative (a 1-ulp score and the
  * renormalising sum). Logits and biases are coarse multiples so many choices tie exactly:
- * ties must go to the lower index, as on the CPU.
+ * ties must go to the lower index, as on the CPU. Cases: Kimi-Linear's router (256, top 8,
+ * no groups), DeepSeek-V3's (256 in 8 groups, keep 4), Kimi K2's 384 experts, 1000 experts
+ * (several loads per lane), groups that leave fewer experts than top_k (the rest are picked
+ * among the -inf choices, lowest index first), top_k 32; each at T = 1, 4, 37 (a row per
+ * block) and 100 (several rows per block); without a bias (NULL) in the even cases.
  */
 Test(cuda_ops, moe_route, .timeout = 60)
 {
@@ -407,55 +431,59 @@ Test(cuda_ops, moe_route, .timeout = 60)
         int64_t E, G, tg, k;
         int renorm;
         float scale;
-    } cases[] = {{256, 1, 1, 8, 1, 2.446f}, {64, 8, 3, 6, 0, 1.0f},  {72, 24, 5, 4, 1, 1.0f},
-                 {16, 16, 4, 3, 1, 0.5f},   {256, 8, 4, 8, 1, 2.5f}, {40, 1, 1, 32, 0, 1.0f}};
-    const int64_t T = 37;
-    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
-        const int64_t E = cases[c].E, K = cases[c].k;
-        float *lg = xmalloc(sizeof(float) * T * E), *bias = xmalloc(sizeof(float) * E);
-        for (int64_t i = 0; i < T * E; i++)
-            lg[i] = (float)((int)(rng_u32() % 33) - 16) / 4.0f;
-        for (int64_t t = 0; t < E; t++) /* row 0: all equal, so picks are 0..k-1 by index */
-            lg[t] = 0.5f;
-        for (int64_t e = 0; e < E; e++)
-            bias[e] = (c & 1) ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
-        int32_t *ri = xmalloc(sizeof(int32_t) * T * K), *gi = xmalloc(sizeof(int32_t) * T * K);
-        float *rw = xmalloc(sizeof(float) * T * K), *gw = xmalloc(sizeof(float) * T * K);
-        for (int64_t t = 0; t < T; t++)
-            route_ref(lg + t * E, bias, E, cases[c].G, cases[c].tg, K, cases[c].renorm,
-                      cases[c].scale, ri + t * K, rw + t * K);
-        float *dl = dev_copy(lg, sizeof(float) * T * E), *db = dev_copy(bias, sizeof(float) * E);
-        int32_t *di = dev_alloc(sizeof(int32_t) * T * K);
-        float *dw = dev_alloc(sizeof(float) * T * K);
-        DUET_OK_OR_FAIL(duet_cuda_moe_route(0, dl, db, T, E, cases[c].G, cases[c].tg, K,
-                                            cases[c].renorm, cases[c].scale, di, dw));
-        host_copy(gi, di, sizeof(int32_t) * T * K);
-        host_copy(gw, dw, sizeof(float) * T * K);
-        int n_idx_diff = 0;
-        double e = 0;
-        for (int64_t i = 0; i < T * K; i++) {
-            n_idx_diff += gi[i] != ri[i];
-            e = fmax(e, rel_err(gw[i], rw[i]));
+    } cases[] = {{256, 1, 1, 8, 1, 2.446f}, {64, 8, 3, 6, 0, 1.0f},   {72, 24, 5, 4, 1, 1.0f},
+                 {16, 16, 4, 3, 1, 0.5f},   {256, 8, 4, 8, 1, 2.5f},  {40, 1, 1, 32, 0, 1.0f},
+                 {384, 1, 1, 8, 1, 2.827f}, {1000, 1, 1, 8, 0, 1.0f}, {16, 8, 1, 5, 1, 1.0f},
+                 {384, 12, 3, 16, 1, 1.5f}};
+    static const int64_t Ts[] = {1, 4, 37, 100}; /* 100: several rows per block */
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
+        for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
+            const int64_t E = cases[c].E, K = cases[c].k, T = Ts[ti];
+            float *lg = xmalloc(sizeof(float) * T * E), *bias = xmalloc(sizeof(float) * E);
+            for (int64_t i = 0; i < T * E; i++)
+                lg[i] = (float)((int)(rng_u32() % 33) - 16) / 4.0f;
+            for (int64_t t = 0; t < E; t++) /* row 0: all equal, so picks are 0..k-1 by index */
+                lg[t] = 0.5f;
+            for (int64_t e = 0; e < E; e++)
+                bias[e] = (c & 1) ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
+            int32_t *ri = xmalloc(sizeof(int32_t) * T * K), *gi = xmalloc(sizeof(int32_t) * T * K);
+            float *rw = xmalloc(sizeof(float) * T * K), *gw = xmalloc(sizeof(float) * T * K);
+            for (int64_t t = 0; t < T; t++)
+                route_ref(lg + t * E, bias, E, cases[c].G, cases[c].tg, K, cases[c].renorm,
+                          cases[c].scale, ri + t * K, rw + t * K);
+            float *dl = dev_copy(lg, sizeof(float) * T * E);
+            float *db = (c & 1) ? dev_copy(bias, sizeof(float) * E) : NULL;
+            int32_t *di = dev_alloc(sizeof(int32_t) * T * K);
+            float *dw = dev_alloc(sizeof(float) * T * K);
+            DUET_OK_OR_FAIL(duet_cuda_moe_route(0, dl, db, T, E, cases[c].G, cases[c].tg, K,
+                                                cases[c].renorm, cases[c].scale, di, dw));
+            host_copy(gi, di, sizeof(int32_t) * T * K);
+            host_copy(gw, dw, sizeof(float) * T * K);
+            int n_idx_diff = 0;
+            double e = 0;
+            for (int64_t i = 0; i < T * K; i++) {
+                n_idx_diff += gi[i] != ri[i];
+                e = fmax(e, rel_err(gw[i], rw[i]));
+            }
+            printf("[cuda_ops] moe_route E=%lld n_group=%lld topk_group=%lld k=%lld T=%lld%s: %d "
+                   "expert ids differ (must be 0), weights max rel err %.2e (tol 1e-6)\n",
+                   (long long)E, (long long)cases[c].G, (long long)cases[c].tg, (long long)K,
+                   (long long)T, db == NULL ? " (no bias)" : "", n_idx_diff, e);
+            CHECK(n_idx_diff == 0 && e <= 1e-6, "route case %zu T=%lld", c, (long long)T);
+            if (cases[c].G == 1 && !(c & 1)) /* no bias: row 0's choices all tie */
+                for (int64_t k = 0; k < K; k++)
+                    CHECK(gi[k] == k, "tie row: pick %lld is %d", (long long)k, gi[k]);
+            cudaFree(dw);
+            cudaFree(di);
+            cudaFree(db);
+            cudaFree(dl);
+            free(gw);
+            free(rw);
+            free(gi);
+            free(ri);
+            free(bias);
+            free(lg);
         }
-        printf("[cuda_ops] moe_route E=%lld n_group=%lld topk_group=%lld k=%lld: %d expert ids "
-               "differ (must be 0), weights max rel err %.2e (tol 1e-6)\n",
-               (long long)E, (long long)cases[c].G, (long long)cases[c].tg, (long long)K,
-               n_idx_diff, e);
-        CHECK(n_idx_diff == 0 && e <= 1e-6, "route case %zu", c);
-        if (cases[c].G == 1 && !(c & 1)) /* no bias: row 0's choices all tie */
-            for (int64_t k = 0; k < K; k++)
-                CHECK(gi[k] == k, "tie row: pick %lld is %d", (long long)k, gi[k]);
-        cudaFree(dw);
-        cudaFree(di);
-        cudaFree(db);
-        cudaFree(dl);
-        free(gw);
-        free(rw);
-        free(gi);
-        free(ri);
-        free(bias);
-        free(lg);
-    }
 }
 
 /* ---- MoE experts ----------------------------------------------------------------------------- */
@@ -675,14 +703,27 @@ static void moe_ref(duet_kernels_t *cpu, const experts_t *X, const float *x, int
 
 static const char *path_name(int path)
 {
-    if (path & PATH_NO_PDL)
-        return (path & 0xf) == PATH_GEMV ? "gemv-nopdl" : "auto-nopdl";
-    return path == PATH_GEMV ? "gemv" : path == PATH_MMA ? "mma" : "auto";
+    static char buf[64];
+    const int p = path & 0xf;
+    snprintf(buf, sizeof(buf), "%s%s%s",
+             p == PATH_GEMV  ? "gemv"
+             : p == PATH_MMA ? "mma"
+                             : "auto",
+             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "");
+    return buf;
 }
 
-/* Runs one configuration on the given paths; returns the max error over them. */
+/*
+ * Runs one configuration on the given paths; returns the max error over them. With n_bad > 0,
+ * that many pairs get an invalid expert id (-1 or E), which must add nothing (the reference
+ * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
+ * tickets at T = 1, the automatic choice where it is GEMV) must give bit-identical y: each pair's
+ * dot products have one operation order, and y gets Σ_k in k order with the combine kernel's
+ * arithmetic. The same holds among the MMA-path variants.
+ */
 static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64_t K,
-                       const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma)
+                       const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma,
+                       int n_bad)
 {
     const int64_t E = X->E, D = X->D, I = X->I;
     float *x = xmalloc(sizeof(float) * T * D), *y0 = xmalloc(sizeof(float) * T * D);
@@ -695,6 +736,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         y0[i] = rng_f();
     }
     make_routing(T, E, K, idx, wts);
+    for (int j = 0; j < n_bad; j++)
+        idx[(rng_u32() % T) * K + rng_u32() % K] = (j & 1) ? (int32_t)E : -1;
     memcpy(yr, y0, sizeof(float) * T * D);
     moe_ref(cpu, X, x, T, idx, wts, K, a, yr, S);
 
@@ -703,6 +746,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     float *dwt = dev_copy(wts, sizeof(float) * T * K);
     const size_t sb = duet_cuda_moe_scratch_bytes(T, K, E, I, D);
     void *scratch = dev_alloc(sb);
+    float *yfirst[2] = {xmalloc(sizeof(float) * T * D), xmalloc(sizeof(float) * T * D)};
+    int first_path[2] = {-1, -1}; /* the path yfirst[mma] holds, per family */
     double worst = 0;
     for (int pi = 0; pi < n_paths; pi++) {
         const int path = paths[pi];
@@ -710,9 +755,25 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         const double tol = mma ? MOE_TOL_MMA : MOE_TOL_GEMV;
         CUDA_OK(cudaMemcpy(dy, y0, sizeof(float) * T * D, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(scratch, 0xff, sb)); /* no reliance on zeroed scratch */
-        DUET_OK_OR_FAIL(duet__cuda_moe_experts_path(0, &X->ex, dx, T, di, dwt, K, a->act, a->beta,
-                                                    a->beta_lin, dy, scratch, path));
+        DUET_OK_OR_FAIL(moe_call(0, &X->ex, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy,
+                                 scratch, path));
         host_copy(yg, dy, sizeof(float) * T * D);
+        if (first_path[mma] < 0) {
+            memcpy(yfirst[mma], yg, sizeof(float) * T * D);
+            first_path[mma] = path;
+        } else {
+            int64_t n_diff = 0;
+            for (int64_t i = 0; i < T * D; i++)
+                n_diff += memcmp(&yg[i], &yfirst[mma][i], sizeof(float)) != 0;
+            char first[64];
+            snprintf(first, sizeof(first), "%s", path_name(first_path[mma]));
+            printf("[cuda_ops] moe_experts %-4s T=%-4lld %s vs %s: %lld of %lld outputs differ "
+                   "(must be 0)\n",
+                   duet_dtype_name(X->dt), (long long)T, path_name(path), first, (long long)n_diff,
+                   (long long)(T * D));
+            CHECK(n_diff == 0, "moe T=%lld: %s is not bit-identical to %s", (long long)T,
+                  path_name(path), first);
+        }
         const double rms_tol = mma ? MOE_RMS_MMA : MOE_RMS_GEMV;
         double e = 0, se = 0, su = 0;
         int64_t at = 0;
@@ -729,10 +790,11 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         }
         const double rms = sqrt(se / (su + 1e-300));
         printf("[cuda_ops] moe_experts %-4s %-4s %s E=%lld k=%lld D=%lld I=%lld T=%-4lld: max "
-               "err/S %.2e (tol %.1e), rms err/rms update %.2e (tol %.0e)\n",
+               "err/S %.2e (tol %.1e), rms err/rms update %.2e (tol %.0e)%s\n",
                duet_dtype_name(X->dt), path_name(path),
                a->act == DUET_CUDA_ACT_SILU ? "SiLU" : "SiTU", (long long)E, (long long)K,
-               (long long)D, (long long)I, (long long)T, e, tol, rms, rms_tol);
+               (long long)D, (long long)I, (long long)T, e, tol, rms, rms_tol,
+               n_bad > 0 ? " (invalid ids)" : "");
         fflush(stdout);
         CHECK(e <= tol, "moe %s %s T=%lld: y[%lld] gpu %.9g cpu %.9g S %.3g",
               duet_dtype_name(X->dt), path_name(path), (long long)T, (long long)at, yg[at], yr[at],
@@ -741,6 +803,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
               path_name(path), (long long)T, rms);
         worst = fmax(worst, e);
     }
+    free(yfirst[1]);
+    free(yfirst[0]);
     cudaFree(scratch);
     cudaFree(dwt);
     cudaFree(di);
@@ -756,7 +820,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     return worst;
 }
 
-/* Small dims, T in {1, 5, 64, 300}, BF16 on both paths, F32 and F16 on the GEMV path. */
+/* Small dims, T in {1, 5, 64, 300}, BF16 on both paths (and the GEMV path's variants, which
+ * must agree bit for bit), F32 and F16 on the GEMV path; some invalid expert ids. */
 Test(cuda_ops, moe_experts_small, .timeout = 300)
 {
     skip_without_device();
@@ -772,16 +837,33 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
             const int64_t T = Ts[ti], P = T * K, A = P < E ? P : E;
             /* moe.cu's automatic choice: MMA for BF16 once rows per expert average 8 */
             const int auto_mma = dts[di] == DUET_DTYPE_BF16 && P >= 8 * A;
-            static const int bf16_paths[] = {PATH_AUTO, PATH_GEMV, PATH_MMA,
-                                             PATH_GEMV | PATH_NO_PDL};
-            static const int other_paths[] = {PATH_AUTO};
+            static const int bf16_paths[] = {PATH_AUTO,
+                                             PATH_GEMV,
+                                             PATH_MMA,
+                                             PATH_GEMV | PATH_NO_PDL,
+                                             PATH_GEMV | PATH_SEPARATE,
+                                             PATH_GEMV | PATH_SEPARATE | PATH_NO_PDL,
+                                             PATH_MMA | PATH_NO_PDL};
+            static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 4, auto_mma);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, 0);
             else
-                moe_case(cpu, &X, T, K, &silu, other_paths, 1, auto_mma);
+                moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 4, auto_mma);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 7, auto_mma, 0);
+            /* invalid expert ids: skipped by the plan, the tickets and the combine */
+            if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, T == 1 ? 1 : 3);
         }
+        experts_free(&X);
+    }
+    /* top_k 10 (more pairs than gemv2 has warps; at T = 1 one of them invalid) */
+    {
+        static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, 16, I, D);
+        moe_case(cpu, &X, 1, 10, &silu, decode, 2, 0, 1);
+        moe_case(cpu, &X, 3, 10, &silu, decode, 2, 0, 0);
         experts_free(&X);
     }
     /* the MMA path refuses weights it has no kernel for */
@@ -799,7 +881,8 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 }
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
- * without programmatic dependent launch), T = 1 and 8 on the automatic (GEMV) path. */
+ * without programmatic dependent launch), T = 1 and 8 on the automatic (GEMV) path, which must
+ * match its variants bit for bit (separate combine kernel, no PDL). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -808,10 +891,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     experts_make(&X, DUET_DTYPE_BF16, 256, 1024, 2304);
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
     static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL};
-    static const int auto_only[] = {PATH_AUTO};
-    moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0);
-    moe_case(cpu, &X, 1, 8, &silu, auto_only, 1, 0);
-    moe_case(cpu, &X, 8, 8, &silu, auto_only, 1, 0);
+    static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL};
+    moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0);
+    moe_case(cpu, &X, 8, 8, &silu, decode, 3, 0, 0);
     experts_free(&X);
     duet_kernels_destroy(cpu);
 }
@@ -1014,9 +1097,10 @@ Test(cuda_ops, sample, .timeout = 300)
 
 /* ---- graph capture --------------------------------------------------------------------------- */
 
-/* The experts (both paths, with programmatic dependent launch on the GEMV path) and the sampler
- * captured into a CUDA graph give bit-identical results to direct calls: nothing in them
- * synchronises, allocates or reads device data on the host. */
+/* The experts (both paths, with programmatic dependent launch) and the sampler captured into a
+ * CUDA graph give bit-identical results to direct calls: nothing in them synchronises,
+ * allocates or reads device data on the host. The experts' graph is replayed twice: the second
+ * replay finds gemv2's ticket counters as the first left them and must reset them itself. */
 Test(cuda_ops, graph_capture, .timeout = 120)
 {
     skip_without_device();
@@ -1052,12 +1136,16 @@ Test(cuda_ops, graph_capture, .timeout = 120)
                                               dy, scratch));
         CUDA_OK(cudaStreamEndCapture(st, &g));
         CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
-        CUDA_OK(cudaGraphLaunch(ge, st));
-        CUDA_OK(cudaStreamSynchronize(st));
-        host_copy(y2, dy, sizeof(float) * T * D);
-        CHECK(memcmp(y1, y2, sizeof(float) * T * D) == 0, "graph replay of moe T=%lld differs",
-              (long long)T);
-        printf("[cuda_ops] graph capture: moe_experts T=%lld replay bit-identical\n", (long long)T);
+        for (int rep = 0; rep < 2; rep++) {
+            CUDA_OK(cudaMemsetAsync(dy, 0, sizeof(float) * T * D, st));
+            CUDA_OK(cudaGraphLaunch(ge, st));
+            CUDA_OK(cudaStreamSynchronize(st));
+            host_copy(y2, dy, sizeof(float) * T * D);
+            CHECK(memcmp(y1, y2, sizeof(float) * T * D) == 0,
+                  "graph replay %d of moe T=%lld differs", rep, (long long)T);
+        }
+        printf("[cuda_ops] graph capture: moe_experts T=%lld two replays bit-identical\n",
+               (long long)T);
         cudaGraphExecDestroy(ge);
         cudaGraphDestroy(g);
         cudaFree(scratch);
@@ -1149,18 +1237,17 @@ static double moe_time(const moe_bench_t *b, int path, int iters, int graph)
     cudaGraph_t g = NULL;
     cudaGraphExec_t ge = NULL;
     for (int w = 0; w < 2; w++)
-        DUET_OK_OR_FAIL(duet__cuda_moe_experts_path(b->st, &b->X->ex, b->dx, b->T, b->di, b->dw,
-                                                    b->K, DUET_CUDA_ACT_SILU, 0, 0, b->dy,
-                                                    b->scratch, path));
+        DUET_OK_OR_FAIL(moe_call(b->st, &b->X->ex, b->dx, b->T, b->di, b->dw, b->K,
+                                 DUET_CUDA_ACT_SILU, 0, 0, b->dy, b->scratch, path));
     if (graph)
         CUDA_OK(cudaStreamBeginCapture(b->st, cudaStreamCaptureModeThreadLocal));
     else
         CUDA_OK(cudaEventRecord(e0, b->st));
     for (int it = 0; it < iters; it++) {
         const int64_t s = it % b->nset;
-        DUET_OK_OR_FAIL(duet__cuda_moe_experts_path(
-            b->st, &b->X->ex, b->dx, b->T, b->di + s * b->T * b->K, b->dw + s * b->T * b->K, b->K,
-            DUET_CUDA_ACT_SILU, 0, 0, b->dy, b->scratch, path));
+        DUET_OK_OR_FAIL(moe_call(b->st, &b->X->ex, b->dx, b->T, b->di + s * b->T * b->K,
+                                 b->dw + s * b->T * b->K, b->K, DUET_CUDA_ACT_SILU, 0, 0, b->dy,
+                                 b->scratch, path));
     }
     if (graph) {
         CUDA_OK(cudaStreamEndCapture(b->st, &g));
@@ -1228,9 +1315,13 @@ Test(cuda_ops, bench_moe, .timeout = 300)
                 "[cuda_ops] BENCH moe_experts BF16 T=%-5lld auto %7.1f us/call (graph %7.1f us): "
                 "%.1f MB of experts, %.0f GB/s (graph %.0f GB/s)\n",
                 (long long)T, us, gus, bytes / 1e6, bytes / us / 1e3, bytes / gus / 1e3);
-            const int variants[] = {PATH_AUTO | PATH_NO_PDL, GEMV_NR(2), GEMV_NR(4), GEMV_NR(8)};
-            const char *names[] = {"auto, no PDL", "slots of 2  ", "slots of 4  ", "slots of 8  "};
-            for (int v = 0; v < 4; v++) {
+            const int variants[] = {
+                PATH_AUTO | PATH_NO_PDL,  GEMV_NR(1), GEMV_NR(2), GEMV_NR(4), GEMV_NR(8),
+                PATH_GEMV | PATH_SEPARATE};
+            const char *names[] = {"auto, no PDL       ", "slots of 1         ",
+                                   "slots of 2         ", "slots of 4         ",
+                                   "slots of 8         ", "T=1: gemv2+combine "};
+            for (int v = 0; v < 6; v++) {
                 const double t = moe_time(&b, variants[v], 40, 1);
                 printf("[cuda_ops] BENCH   T=%-5lld gemv %s: graph %7.1f us, %.0f GB/s\n",
                        (long long)T, names[v], t, bytes / t / 1e3);
@@ -1263,6 +1354,67 @@ Test(cuda_ops, bench_moe, .timeout = 300)
     free(x);
     cudaFree(scratch);
     experts_free(&X);
+}
+
+/* Routing at Kimi-Linear's sizes (E = 256, top 8, no groups) and DeepSeek-V3's (8 groups, keep
+ * 4): microseconds per call from a CUDA graph of 100 calls, with and without programmatic
+ * dependent launch (with it, consecutive calls overlap, so it is a lower bound). */
+Test(cuda_ops, bench_route, .timeout = 120)
+{
+    skip_without_device();
+    const int64_t E = 256, K = 8, maxT = 64, iters = 100;
+    static const int64_t Ts[] = {1, 8, 64};
+    static const int64_t Gs[][2] = {{1, 1}, {8, 4}};
+    float *lg = xmalloc(sizeof(float) * maxT * E), *bias = xmalloc(sizeof(float) * E);
+    for (int64_t i = 0; i < maxT * E; i++)
+        lg[i] = rng_n() * 2.0f;
+    for (int64_t e = 0; e < E; e++)
+        bias[e] = rng_f() * 0.1f;
+    float *dl = dev_copy(lg, sizeof(float) * maxT * E), *db = dev_copy(bias, sizeof(float) * E);
+    int32_t *di = dev_alloc(sizeof(int32_t) * maxT * K);
+    float *dw = dev_alloc(sizeof(float) * maxT * K);
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    for (int gi = 0; gi < 2; gi++)
+        for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++)
+            for (int pdl = 1; pdl >= 0; pdl--) {
+                const int64_t T = Ts[ti];
+                duet_cuda_pdl_set(pdl);
+                cudaGraph_t g;
+                cudaGraphExec_t ge;
+                CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                for (int64_t it = 0; it < iters; it++)
+                    DUET_OK_OR_FAIL(duet_cuda_moe_route(st, dl, db, T, E, Gs[gi][0], Gs[gi][1], K,
+                                                        1, 2.446f, di, dw));
+                CUDA_OK(cudaStreamEndCapture(st, &g));
+                duet_cuda_pdl_set(-1);
+                CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+                CUDA_OK(cudaGraphLaunch(ge, st));
+                CUDA_OK(cudaEventRecord(e0, st));
+                CUDA_OK(cudaGraphLaunch(ge, st));
+                CUDA_OK(cudaEventRecord(e1, st));
+                CUDA_OK(cudaEventSynchronize(e1));
+                float ms = 0;
+                CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+                printf("[cuda_ops] BENCH moe_route E=%lld k=%lld n_group=%lld T=%-3lld %s: graph "
+                       "%.2f us/call\n",
+                       (long long)E, (long long)K, (long long)Gs[gi][0], (long long)T,
+                       pdl ? "PDL   " : "no PDL", 1e3 * ms / iters);
+                cudaGraphExecDestroy(ge);
+                cudaGraphDestroy(g);
+            }
+    CUDA_OK(cudaEventDestroy(e1));
+    CUDA_OK(cudaEventDestroy(e0));
+    CUDA_OK(cudaStreamDestroy(st));
+    cudaFree(dw);
+    cudaFree(di);
+    cudaFree(db);
+    cudaFree(dl);
+    free(bias);
+    free(lg);
 }
 
 /* Sampling at M = 64, V = 163840 on two kinds of logits: "flat" N(0, 3^2) (at T = 1 the top 10 %
