@@ -33,7 +33,7 @@ if has tests; then
     [ -n "$bin" ] || { say "$t: not built"; continue; }
     say "$t"
     "$bin" --verbose=0 -j1 >"$out/$t.log" 2>&1; rc=$?
-    grep -E "max|rel L2|err|Synthesis|FAIL|fail|equal|tokens" "$out/$t.log" | grep -v "INFO" | tail -40
+    grep -E "max|rel L2|err|Synthesis|FAIL|fail|equal|tokens|differ|identical" "$out/$t.log" | grep -v "INFO" | tail -40
     say "$t exit $rc"
   done
 fi
