@@ -110,10 +110,9 @@ duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stre
  * overlap) this is ONE launch: each warp forms RMSNorm(x) ⊙ w on the fly while it walks its
  * weight row and applies the 1/rms scale to its sum, and one warp stores the normalised rows at
  * norm->y for later readers, so a decode step's norm costs no launch of its own. Those rows are
- * duet_cuda_rmsnorm's (its per-element rounding; the double sum of squares is taken in another
- * order, so the scale can differ in the last bit); the products differ from normalising first
- * by the rounding of one multiplication per term. Otherwise duet_cuda_rmsnorm then
- * duet_cuda_gemm_matmul_multi.
+ * duet_cuda_rmsnorm's per-element rounding with a scale from an fp32 sum of squares (the
+ * separate kernel sums in double), so rows and products agree with normalising first to a few
+ * 1e-7 relative. Otherwise duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi.
  */
 typedef struct {
     const float *x; /* M rows to normalise, ldx apart */
@@ -127,19 +126,6 @@ typedef struct {
 duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                         const duet_cuda_gemm_norm_t *norm,
                                         const duet_cuda_gemm_op_t *ops, int n_ops, unsigned flags);
-/*
- * The gated MLP's second product with its activation fused: y (+)= (act(gate) ⊙ up) · Wᵀ, W =
- * w [N][I], gate = x[m][0, I) and up = x[m][up_off, up_off + I) (x rows ldx apart; the engine's
- * f1 = [gate | up]). act is a duet_cuda_act_t (SiLU, or SiTU with non-zero beta, beta_lin). At
- * GEMV sizes (and up_off % 4 == 0, N·I ≤ 4 M: each warp evaluates all I activations) ONE launch forms act(gate) ⊙ up on the fly with
- * duet_cuda_act_mul's arithmetic, so y is bit-identical to the two-call path, and x is left as
- * it was; otherwise duet_cuda_act_mul (which overwrites gate with the product) then
- * duet_cuda_gemm_matmul.
- */
-duet_status_t duet_cuda_gemm_act_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
-                                        int64_t ldy, float *x, int64_t ldx, int64_t up_off,
-                                        int64_t M, const duet_tensor_t *w, int accumulate,
-                                        int act, float beta, float beta_lin, unsigned flags);
 /*
  * B independent GEMMs in one call: for b < B, y_b[M, N] (+)= x_b[M, K] · W_bᵀ where W = w is a
  * 3-D CUDA tensor [B][N][K], x_b starts at x + b * stride_x and y_b at y + b * stride_y (rows ldx

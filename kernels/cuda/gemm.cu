@@ -29,7 +29,6 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -212,11 +211,6 @@ typedef struct {
     float *ny;
     int64_t ldnx, ldny, D;
     float eps;
-    /* Fused gated activation (act_on, duet_cuda_gemm_act_matmul): the one segment reads
-     * x = act(gate) ⊙ up with gate = its x rows and up = x + up_off, formed on the fly. */
-    int act_on, act;
-    float beta, beta_lin;
-    int64_t up_off;
 } duet__gemv_args_t;
 
 /*
@@ -224,13 +218,15 @@ typedef struct {
  *
  * With NORM (duet_cuda_gemm_norm_multi) x is RMSNorm(nx) ⊙ nw, computed without a pass of its
  * own: every warp already walks its row over all K = D columns, so it multiplies W with nx ⊙ nw
- * and sums nx² (double, like duet_cuda_rmsnorm) on the way, then scales its dot product by
- * 1/sqrt(Σ/D + eps) at the end: no shared memory, no block barrier, no prologue latency.
+ * and sums nx² on the way, then scales its dot product by 1/sqrt(Σ/D + eps) at the end: no
+ * shared memory, no block barrier, no prologue latency. The sum is fp32 (~1e-7 relative over a
+ * few thousand squares): in double, the conversions made the H200's 58 MB q|k|v projection 35%
+ * slower than without the norm.
  * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
  * them, for later kernels. The product differs from normalising first by the rounding of one
  * multiplication per term (the scale is applied to the sum instead of to each x).
  */
-enum { DUET__PRO_NONE, DUET__PRO_NORM, DUET__PRO_ACT };
+enum { DUET__PRO_NONE, DUET__PRO_NORM };
 
 template <typename WT, int MR, int PRO>
 __device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
@@ -240,11 +236,10 @@ __device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
     const WT *wr = (const WT *)sg.w + n * sg.K;
     const float *x = NORM ? args.nx : sg.x;
     const int64_t ldx = NORM ? args.ldnx : sg.ldx;
-    float acc[MR];
-    double ss[MR];
+    float acc[MR], ss[MR];
 #pragma unroll
     for (int m = 0; m < MR; m++)
-        acc[m] = 0.0f, ss[m] = 0.0;
+        acc[m] = 0.0f, ss[m] = 0.0f;
 #pragma unroll 4
     for (int64_t k = (int64_t)lane * 8; k < sg.K; k += 256) {
         float wv[8];
@@ -260,25 +255,10 @@ __device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
                 float4 a = *(const float4 *)(x + m * ldx + k);
                 float4 b = *(const float4 *)(x + m * ldx + k + 4);
                 if (NORM) {
-                    ss[m] += (double)a.x * a.x + (double)a.y * a.y + (double)a.z * a.z +
-                             (double)a.w * a.w + (double)b.x * b.x + (double)b.y * b.y +
-                             (double)b.z * b.z + (double)b.w * b.w;
+                    ss[m] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x +
+                             b.y * b.y + b.z * b.z + b.w * b.w;
                     a = make_float4(a.x * g0.x, a.y * g0.y, a.z * g0.z, a.w * g0.w);
                     b = make_float4(b.x * g1.x, b.y * g1.y, b.z * g1.z, b.w * g1.w);
-                }
-                if (PRO == DUET__PRO_ACT) {
-                    const float4 c = *(const float4 *)(x + m * ldx + args.up_off + k);
-                    const float4 d = *(const float4 *)(x + m * ldx + args.up_off + k + 4);
-                    const int f = args.act;
-                    const float be = args.beta, bl = args.beta_lin;
-                    a = make_float4(duet_act_gate(a.x, c.x, f, be, bl),
-                                    duet_act_gate(a.y, c.y, f, be, bl),
-                                    duet_act_gate(a.z, c.z, f, be, bl),
-                                    duet_act_gate(a.w, c.w, f, be, bl));
-                    b = make_float4(duet_act_gate(b.x, d.x, f, be, bl),
-                                    duet_act_gate(b.y, d.y, f, be, bl),
-                                    duet_act_gate(b.z, d.z, f, be, bl),
-                                    duet_act_gate(b.w, d.w, f, be, bl));
                 }
                 acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
                           wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
@@ -293,11 +273,11 @@ __device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
             v += __shfl_xor_sync(0xffffffffu, v, off);
         acc[m] = v;
         if (NORM) {
-            double q = ss[m];
+            float q = ss[m];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1)
                 q += __shfl_xor_sync(0xffffffffu, q, off);
-            const float scale = (float)(1.0 / sqrt(q / (double)sg.K + (double)args.eps));
+            const float scale = (float)(1.0 / sqrt((double)q / (double)sg.K + (double)args.eps));
             acc[m] *= scale;
             if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
                 for (int64_t k = lane; k < sg.K; k += 32)
@@ -350,8 +330,6 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
         return;
     if (args.nx != NULL)
         duet__gemv_dispatch<MR, DUET__PRO_NORM>(args, sg, M, n, lane);
-    else if (args.act_on)
-        duet__gemv_dispatch<MR, DUET__PRO_ACT>(args, sg, M, n, lane);
     else
         duet__gemv_dispatch<MR, DUET__PRO_NONE>(args, sg, M, n, lane);
 }
@@ -891,47 +869,5 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
     args.D = norm->D;
     args.eps = norm->eps;
     DUET__TRY(duet__gemv_run(stream, M, &args), "norm gemv launch");
-    return DUET_OK;
-}
-
-extern "C" duet_status_t duet_cuda_gemm_act_matmul(duet_cuda_gemm_t *g, cudaStream_t stream,
-                                                    float *y, int64_t ldy, float *x, int64_t ldx,
-                                                    int64_t up_off, int64_t M,
-                                                    const duet_tensor_t *w, int accumulate,
-                                                    int act, float beta, float beta_lin,
-                                                    unsigned flags)
-{
-    if (g == NULL || w == NULL || M < 0 || w->ndim != 2 || up_off < w->shape[1] ||
-        ldx < up_off + w->shape[1] || (act != DUET_CUDA_ACT_SILU && act != DUET_CUDA_ACT_SITU))
-        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad act_matmul arguments");
-    if (M == 0)
-        return DUET_OK;
-    const int64_t I = w->shape[1];
-    duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
-    if (st != DUET_OK)
-        return st;
-    if (act == DUET_CUDA_ACT_SITU && (beta == 0.0f || beta_lin == 0.0f))
-        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: act_matmul: SiTU needs non-zero betas");
-    /* Every warp forms the activation of all I columns: N·I evaluations. Past ~4 M of them
-     * (the 48B model's dense MLP has 21 M) the separate kernel is cheaper. */
-    if (up_off % 4 != 0 || w->shape[0] * I > ((int64_t)1 << 22) ||
-        !duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], I, flags)) {
-        st = duet_cuda_act_mul(stream, x, x + up_off, M, I, ldx, (duet_cuda_act_t)act, beta,
-                               beta_lin);
-        return st != DUET_OK ? st : duet_cuda_gemm_matmul(g, stream, y, ldy, x, ldx, M, w,
-                                                          accumulate, flags);
-    }
-    duet__gemv_args_t args;
-    memset(&args, 0, sizeof(args));
-    args.n = 1;
-    args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w->data, .ldy = ldy, .ldx = ldx,
-                                     .N = w->shape[0], .K = I, .dtype = (int)w->dtype,
-                                     .accumulate = accumulate};
-    args.act_on = 1;
-    args.act = act;
-    args.beta = beta;
-    args.beta_lin = beta_lin;
-    args.up_off = up_off;
-    DUET__TRY(duet__gemv_run(stream, M, &args), "act gemv launch");
     return DUET_OK;
 }

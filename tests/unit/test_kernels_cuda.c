@@ -439,9 +439,10 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
  * duet_cuda_gemm_norm_multi against its definition: duet_cuda_rmsnorm, then
  * duet_cuda_gemm_matmul_multi on the normalised rows. The fused launch (M <= 2) forms the norm on
  * the fly and scales each sum at the end, so it may differ from the two-call path by rounding:
- * stored rows within 2 ulp (the scale's double sum runs in another order), products within
- * 1e-6 · S, S = Σ|W|·|xn| (+ |y0| when accumulating) — two roundings per term at most, far
- * below any error that a wrong scale or a missed element would make (≥ 1e-3 here). M = 3 and an
+ * its scale comes from an fp32 sum of D = 2304 squares (the separate kernel sums in double),
+ * ~1e-7 relative typically and at most ~2e-6 (72 sequential terms per lane, then 32), so stored
+ * rows must agree within 4e-6 relative and products within 4e-6 · S, S = Σ|W|·|xn| (+ |y0|
+ * when accumulating) — far below what a wrong scale or a missed element makes (≥ 1e-3 here). M = 3 and an
  * in-place norm (x == y) take the two-call path and must be bit-identical. Programmatic
  * dependent launch off and on: PDL changes no arithmetic.
  */
@@ -520,7 +521,7 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
                     const float *a = res[1][0] + m * ld, *b = res[0][0] + m * ld;
                     for (int64_t k = 0; k < D; k++) {
                         const double d = fabs((double)a[k] - b[k]), r = d / (fabs(b[k]) + 1e-30);
-                        CHECK(exact ? d == 0 : d <= 2.4e-7 * fabs(b[k]),
+                        CHECK(exact ? d == 0 : d <= 4e-6 * fabs(b[k]),
                               "row %lld col %lld: fused %.9g two-call %.9g (M=%lld in_place=%d)",
                               (long long)m, (long long)k, a[k], b[k], (long long)M, in_place);
                         worst_row = r > worst_row ? r : worst_row;
@@ -538,7 +539,7 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
                                 S += fabs((double)wf[nn * D + k] * res[0][0][m * ld + k]);
                             const double a = res[1][1 + op][m * N + nn],
                                          b = res[0][1 + op][m * N + nn], d = fabs(a - b);
-                            CHECK(exact ? d == 0 : d <= 1e-6 * S,
+                            CHECK(exact ? d == 0 : d <= 4e-6 * S,
                                   "op %d y[%lld, %lld]: fused %.9g two-call %.9g S %.3g", op,
                                   (long long)m, (long long)nn, a, b, S);
                             worst_y = d / S > worst_y ? d / S : worst_y;
@@ -557,68 +558,6 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
            cases, worst_row, worst_y);
     cudaFree(dw1), cudaFree(dw2), cudaFree(dnw);
     free(w1), free(w1f), free(w2), free(nw);
-    duet_cuda_gemm_destroy(g);
-}
-
-/*
- * duet_cuda_gemm_act_matmul against its definition: duet_cuda_act_mul (gate ← act(gate)·up), then
- * duet_cuda_gemm_matmul reading the gate half. The fused launch (M <= 2) forms the same values
- * with the same arithmetic (cuda_act.cuh) on the fly, so y must be bit-identical; M = 3 is the
- * two-call path itself. SiLU and SiTU, accumulating into y.
- */
-Test(kernels_cuda, act_matmul_equals_act_then_matmul, .timeout = 120)
-{
-    skip_without_device();
-    duet_cuda_gemm_t *g = NULL;
-    CHECK(duet_cuda_gemm_create(0, 1 << 16, &g) == DUET_OK, "%s", duet_error_last());
-    const int64_t I = 1024, N = 72, ldx = 2 * I + 16;
-    uint16_t *w = xmalloc((size_t)(N * I) * 2);
-    for (int64_t i = 0; i < N * I; i++)
-        w[i] = duet_f32_to_bf16(rng_f());
-    void *dw = dev_copy(w, (size_t)(N * I) * 2);
-    duet_tensor_t t = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
-                       .ndim = 2, .shape = {N, I}};
-    int cases = 0;
-    for (int act = 0; act <= 1; act++)
-        for (int64_t M = 1; M <= 3; M++) {
-            float *x = xmalloc((size_t)(M * ldx) * 4), *y0 = xmalloc((size_t)(M * N) * 4);
-            float *r[2] = {xmalloc((size_t)(M * N) * 4), xmalloc((size_t)(M * N) * 4)};
-            for (int64_t i = 0; i < M * ldx; i++)
-                x[i] = 4.0f * rng_f();
-            for (int64_t i = 0; i < M * N; i++)
-                y0[i] = rng_f();
-            for (int fused = 0; fused <= 1; fused++) {
-                float *dx = dev_copy(x, (size_t)(M * ldx) * 4), *dy = dev_copy(y0, (size_t)(M * N) * 4);
-                duet_status_t st;
-                if (fused) {
-                    st = duet_cuda_gemm_act_matmul(g, 0, dy, N, dx, ldx, I, M, &t, 1, act, 1.5f,
-                                                   2.0f, 0);
-                } else {
-                    st = duet_cuda_act_mul(0, dx, dx + I, M, I, ldx, (duet_cuda_act_t)act, 1.5f,
-                                           2.0f);
-                    if (st == DUET_OK)
-                        st = duet_cuda_gemm_matmul(g, 0, dy, N, dx, ldx, M, &t, 1, 0);
-                }
-                CHECK(st == DUET_OK, "act %d M=%lld fused=%d: %s", act, (long long)M, fused,
-                      duet_error_last());
-                CUDA_OK(cudaMemcpy(r[fused], dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
-                cudaFree(dx);
-                cudaFree(dy);
-            }
-            int64_t moved = 0;
-            for (int64_t i = 0; i < M * N; i++)
-                moved += r[1][i] != y0[i];
-            CHECK(moved > M * N / 2, "the product barely changed y (%lld of %lld)",
-                  (long long)moved, (long long)(M * N));
-            CHECK(memcmp(r[0], r[1], (size_t)(M * N) * 4) == 0,
-                  "act %d M=%lld: fused differs from act_mul + matmul", act, (long long)M);
-            free(x), free(y0), free(r[0]), free(r[1]);
-            cases++;
-        }
-    printf("act_matmul: %d cases bit-identical to act_mul + matmul (SiLU, SiTU; M = 1..3)\n",
-           cases);
-    cudaFree(dw);
-    free(w);
     duet_cuda_gemm_destroy(g);
 }
 
