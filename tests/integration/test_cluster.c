@@ -230,6 +230,10 @@ static int wait_workers(int n_up, int ms)
     return 0;
 }
 
+/* --device of every worker: auto (a GPU when there is one). The fault tests that kill a worker
+ * mid-prefill or mid-decode pin it to cpu: on a GPU the work ends long before the kill lands. */
+static const char *worker_device = "auto";
+
 static void start_cluster(int n_ctx, int n_gen)
 {
     char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
@@ -257,7 +261,7 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--cache.page_tokens", "16", "--cache.kv_pages", "400",
                         "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
                         "--batch.max_seqs", "8", "--heartbeat_ms", "100", "--transfer.checksum",
-                        NULL};
+                        "--device", (char *)worker_device, NULL};
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -267,7 +271,7 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--cache.page_tokens", "32", "--cache.kv_pages", "300",
                         "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
                         "--batch.max_seqs", "40", "--heartbeat_ms", "100",
-                        "--cache.quarantine_ms", "500", NULL};
+                        "--cache.quarantine_ms", "500", "--device", (char *)worker_device, NULL};
         spawn(name, argv);
     }
     cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
@@ -589,6 +593,7 @@ static int busy_ctx(int n_ctx, int ms)
 
 Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
 {
+    worker_device = "cpu"; /* the kill must land inside a ~2 s prefill */
     start_cluster(2, 1);
     job_t j = {0};
     prompt_of(&j, 3, 900, 16); /* ~2 s of prefill on one thread */
@@ -628,6 +633,7 @@ Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180
 {
     enum { N = 8 };
     static job_t jobs[N];
+    worker_device = "cpu"; /* the kill must land while the streams are still decoding */
     start_cluster(1, 2);
     pthread_t th[N];
     for (int i = 0; i < N; i++) {
