@@ -619,3 +619,91 @@ Test(kernels_cuda, argmax_split_first_max, .timeout = 120)
     CHECK(duet_cuda_argmax_split(0, NULL, 10, 10, 1, NULL, NULL) == DUET_ERR_INVALID);
     printf("argmax_split: %d rows equal to the CPU's first maximum\n", rows_checked);
 }
+
+/*
+ * A gated op (duet_cuda_gemm_op_t.glu) against its definition: the same product without glu,
+ * then duet_cuda_act_mul on [gate | up]. On the GEMV path (M <= 2) the warp of output i computes
+ * rows i and I + i and applies the activation itself; the dot products and the activation's
+ * arithmetic are the same, so y[., 0, I) must be bit-identical, through matmul_multi (beside a
+ * plain op) and through norm_multi (compared with norm_multi without glu + act_mul). M = 3 is
+ * the two-call path. SiLU and SiTU.
+ */
+Test(kernels_cuda, gated_op_equals_product_then_act, .timeout = 120)
+{
+    skip_without_device();
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_cuda_gemm_create(0, 1 << 16, &g) == DUET_OK, "%s", duet_error_last());
+    const int64_t D = 256, I = 72, N2 = 24;
+    uint16_t *w = xmalloc((size_t)(2 * I * D) * 2);
+    float *w2 = xmalloc((size_t)(N2 * D) * 4), *nw = xmalloc((size_t)D * 4);
+    for (int64_t i = 0; i < 2 * I * D; i++)
+        w[i] = duet_f32_to_bf16(rng_f());
+    for (int64_t i = 0; i < N2 * D; i++)
+        w2[i] = rng_f();
+    for (int64_t i = 0; i < D; i++)
+        nw[i] = 1.0f + 0.5f * rng_f();
+    void *dw = dev_copy(w, (size_t)(2 * I * D) * 2);
+    float *dw2 = dev_copy(w2, (size_t)(N2 * D) * 4), *dnw = dev_copy(nw, (size_t)D * 4);
+    duet_tensor_t tw = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
+                        .ndim = 2, .shape = {2 * I, D}};
+    duet_tensor_t t2 = {.data = dw2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CUDA,
+                        .ndim = 2, .shape = {N2, D}};
+    int cases = 0;
+    for (int act = 0; act <= 1; act++)
+        for (int norm = 0; norm <= 1; norm++)
+            for (int64_t M = 1; M <= 3; M++) {
+                float *x = xmalloc((size_t)(M * D) * 4), *r[2];
+                for (int64_t i = 0; i < M * D; i++)
+                    x[i] = 2.0f * rng_f();
+                for (int gated = 0; gated <= 1; gated++) {
+                    float *dx = dev_copy(x, (size_t)(M * D) * 4);
+                    float *dn = dev_alloc((size_t)(M * D) * 4);
+                    float *dy = dev_alloc((size_t)(M * 2 * I) * 4), *dy2 = dev_alloc((size_t)(M * N2) * 4);
+                    const float *xin = norm ? dn : dx;
+                    duet_cuda_gemm_op_t ops[2] = {
+                        {.y = dy2, .ldy = N2, .x = xin, .ldx = D, .w = &t2},
+                        {.y = dy, .ldy = 2 * I, .x = xin, .ldx = D, .w = &tw, .glu = gated,
+                         .act = act, .beta = 1.5f, .beta_lin = 2.0f}};
+                    const duet_cuda_gemm_norm_t nrm = {.x = dx, .ldx = D, .w = dnw, .y = dn,
+                                                       .ldy = D, .D = D, .eps = 1e-5f};
+                    duet_status_t st = norm ? duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops, 2, 0)
+                                            : duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
+                    if (st == DUET_OK && !gated)
+                        st = duet_cuda_act_mul(0, dy, dy + I, M, I, 2 * I, (duet_cuda_act_t)act,
+                                               1.5f, 2.0f);
+                    CHECK(st == DUET_OK, "act %d norm %d M=%lld gated %d: %s", act, norm,
+                          (long long)M, gated, duet_error_last());
+                    r[gated] = xmalloc((size_t)(M * 2 * I) * 4);
+                    CUDA_OK(cudaMemcpy(r[gated], dy, (size_t)(M * 2 * I) * 4,
+                                       cudaMemcpyDeviceToHost));
+                    cudaFree(dx), cudaFree(dn), cudaFree(dy), cudaFree(dy2);
+                }
+                int64_t nonzero = 0;
+                for (int64_t m = 0; m < M; m++) {
+                    CHECK(memcmp(r[0] + m * 2 * I, r[1] + m * 2 * I, (size_t)I * 4) == 0,
+                          "act %d norm %d M=%lld row %lld: gated op differs from product + act",
+                          act, norm, (long long)M, (long long)m);
+                    for (int64_t i = 0; i < I; i++)
+                        nonzero += r[1][m * 2 * I + i] != 0.0f;
+                }
+                CHECK(nonzero > M * I / 2, "the gated op wrote (almost) nothing");
+                free(x), free(r[0]), free(r[1]);
+                cases++;
+            }
+    float *by = dev_alloc((size_t)(2 * I) * 4), *bx = dev_alloc((size_t)D * 4);
+    duet_cuda_gemm_op_t bad = {.y = by, .ldy = 2 * I, .x = bx, .ldx = D, .w = &tw, .glu = 1,
+                               .act = 0, .accumulate = 1};
+    CHECK(duet_cuda_gemm_matmul_multi(g, 0, 1, &bad, 1, 0) == DUET_ERR_INVALID,
+          "a gated op that accumulates must be refused");
+    bad.accumulate = 0;
+    bad.ldy = I; /* no room for the up half */
+    CHECK(duet_cuda_gemm_matmul_multi(g, 0, 1, &bad, 1, 0) == DUET_ERR_INVALID,
+          "a gated op with ldy < N must be refused");
+    cudaFree(by), cudaFree(bx);
+    printf("gated op: %d cases bit-identical to product + act_mul (SiLU, SiTU; M = 1..3; with "
+           "and without the fused norm)\n",
+           cases);
+    cudaFree(dw), cudaFree(dw2), cudaFree(dnw);
+    free(w), free(w2), free(nw);
+    duet_cuda_gemm_destroy(g);
+}
