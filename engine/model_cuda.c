@@ -894,30 +894,24 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
 }
 
-/* The gate|up product of an MLP as a gated op: f1[t][0, I) = act(gate)·up (see
- * duet_cuda_gemm_op_t.glu: no activation launch at decode sizes). */
-static duet_cuda_gemm_op_t duet__gu_op(const duet_cuda_model_t *dm, const duet__dmlp_t *w)
-{
-    const duet_model_config_t *c = &dm->cfg;
-    return (duet_cuda_gemm_op_t){.y = dm->f1, .ldy = 2 * w->down.shape[1], .x = dm->xn,
-                                 .ldx = c->hidden_size, .w = &w->gu, .glu = 1,
-                                 .act = c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU
-                                                                : DUET_CUDA_ACT_SILU,
-                                 .beta = c->situ_beta, .beta_lin = c->situ_linear_beta};
-}
-
-/* The down projection into the residual, f1[t][0, I) = act(gate)·up computed. */
+/* act(gate) ⊙ up and the down projection into the residual, f1 = [T][gate | up] computed. */
 static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T)
 {
-    const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
-    return duet_cuda_gemm_matmul(dm->gemm, dm->stream, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
+    const duet_model_config_t *c = &dm->cfg;
+    const int64_t D = c->hidden_size, I = w->down.shape[1];
+    cudaStream_t  s = dm->stream;
+    TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
+                          c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
+                          c->situ_beta, c->situ_linear_beta));
+    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
                                  dm->gemm_flags);
 }
 
 static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T,
                                const duet_cuda_gemm_norm_t *nrm)
 {
-    const duet_cuda_gemm_op_t op = duet__gu_op(dm, w);
+    const int64_t D = dm->cfg.hidden_size, I = w->down.shape[1];
+    const duet_cuda_gemm_op_t op = {.y = dm->f1, .ldy = 2 * I, .x = dm->xn, .ldx = D, .w = &w->gu};
     TRY(duet_cuda_gemm_norm_multi(dm->gemm, dm->stream, T, nrm, &op, 1, dm->gemm_flags));
     return duet__mlp_rest(dm, w, T);
 }
@@ -933,7 +927,8 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     if (w->has_shared) {
         const duet_cuda_gemm_op_t ops[2] = {
             {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router},
-            duet__gu_op(dm, &w->mlp)};
+            {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D,
+             .w = &w->mlp.gu}};
         TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, 2, dm->gemm_flags));
     } else {
         const duet_cuda_gemm_op_t op = {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D,

@@ -98,14 +98,6 @@ typedef struct {
     int64_t              ldx;
     const duet_tensor_t *w;
     int                  accumulate;
-    /* Gated pair (glu != 0): W = [gate rows | up rows] (N = 2·I) and the op's result is
-     * y[m][i] = act(gate_i)·up_i for i < I, act a duet_cuda_act_t (SiLU, or SiTU with non-zero
-     * beta, beta_lin), with duet_cuda_act_mul's arithmetic; y[m][I, N) is scratch (the two-call
-     * path keeps up there), so ldy >= N, and accumulate must be 0. On the GEMV path the warp of
-     * output i computes both rows: no activation launch. */
-    int                  glu;
-    int                  act;
-    float                beta, beta_lin;
 } duet_cuda_gemm_op_t;
 duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                           const duet_cuda_gemm_op_t *ops, int n_ops,

@@ -29,7 +29,6 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -200,10 +199,6 @@ typedef struct {
      * and writes y + b·sy; each entry has nb blocks */
     int64_t sx, sy;
     unsigned B, nb;
-    /* gated pair (duet_cuda_gemm_op_t.glu): W is [gate rows | up rows], N = 2·I; the warp of
-     * output i < I computes both rows i and I + i and stores act(gate)·up at y[m][i] */
-    int glu, act;
-    float beta, beta_lin;
 } duet__gemv_seg_t;
 
 typedef struct {
@@ -234,15 +229,14 @@ typedef struct {
 enum { DUET__PRO_NONE, DUET__PRO_NORM };
 
 template <typename WT, int MR, int PRO>
-__device__ static inline void duet__gemv_dot(const duet__gemv_args_t &args,
-                                             const duet__gemv_seg_t &sg, int M, int64_t n, int lane,
-                                             bool store_norm, float (&acc)[MR])
+__device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
+                                             const duet__gemv_seg_t &sg, int M, int64_t n, int lane)
 {
     constexpr bool NORM = PRO == DUET__PRO_NORM;
     const WT *wr = (const WT *)sg.w + n * sg.K;
     const float *x = NORM ? args.nx : sg.x;
     const int64_t ldx = NORM ? args.ldnx : sg.ldx;
-    float ss[MR];
+    float acc[MR], ss[MR];
 #pragma unroll
     for (int m = 0; m < MR; m++)
         acc[m] = 0.0f, ss[m] = 0.0f;
@@ -285,30 +279,11 @@ __device__ static inline void duet__gemv_dot(const duet__gemv_args_t &args,
                 q += __shfl_xor_sync(0xffffffffu, q, off);
             const float scale = (float)(1.0 / sqrt((double)q / (double)sg.K + (double)args.eps));
             acc[m] *= scale;
-            if (store_norm && blockIdx.x == 0 && threadIdx.x < 32 && m < M)
+            if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
                 for (int64_t k = lane; k < sg.K; k += 32)
                     args.ny[m * args.ldny + k] =
                         __fmul_rn(args.nw[k], __fmul_rn(x[m * ldx + k], scale));
         }
-    }
-}
-
-template <typename WT, int MR, int PRO>
-__device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
-                                             const duet__gemv_seg_t &sg, int M, int64_t n, int lane)
-{
-    float acc[MR];
-    duet__gemv_dot<WT, MR, PRO>(args, sg, M, n, lane, true, acc);
-    if (sg.glu) {
-        float up[MR];
-        duet__gemv_dot<WT, MR, PRO>(args, sg, M, n + sg.N / 2, lane, false, up);
-        if (lane == 0)
-#pragma unroll
-            for (int m = 0; m < MR; m++)
-                if (m < M)
-                    sg.y[m * sg.ldy + n] =
-                        duet_act_gate(acc[m], up[m], sg.act, sg.beta, sg.beta_lin);
-        return;
     }
     if (lane == 0)
 #pragma unroll
@@ -351,7 +326,7 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     }
     duet_pdl_wait(); /* x (and y when accumulating) come from earlier kernels */
     duet_pdl_trigger();
-    if (n >= (sg.glu ? sg.N / 2 : sg.N))
+    if (n >= sg.N)
         return;
     if (args.nx != NULL)
         duet__gemv_dispatch<MR, DUET__PRO_NORM>(args, sg, M, n, lane);
@@ -368,8 +343,7 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
         if (sg->B == 0)
             sg->B = 1;
         sg->b0 = blocks;
-        const int64_t outs = sg->glu ? sg->N / 2 : sg->N;
-        sg->nb = (unsigned)((outs + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+        sg->nb = (unsigned)((sg->N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
         blocks += sg->nb * sg->B;
     }
     if (blocks == 0)
@@ -808,45 +782,6 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
 }
 
-/* A multi op's arguments beyond duet__check_w: a gated pair needs an even N, no accumulate, a
- * known activation (SiTU: non-zero betas) and room for the up half in y (the two-call path). */
-static duet_status_t duet__check_op(const duet_cuda_gemm_op_t *op)
-{
-    if (!op->glu)
-        return DUET_OK;
-    const int64_t N = op->w->shape[0];
-    if (N % 2 != 0 || op->accumulate || op->ldy < N ||
-        (op->act != DUET_CUDA_ACT_SILU && op->act != DUET_CUDA_ACT_SITU) ||
-        (op->act == DUET_CUDA_ACT_SITU && (op->beta == 0.0f || op->beta_lin == 0.0f)))
-        return duet_error_set(DUET_ERR_INVALID,
-                              "cuda gemm: a gated op needs an even N (%lld), no accumulate, ldy "
-                              ">= N and a known activation",
-                              (long long)N);
-    return DUET_OK;
-}
-
-static duet__gemv_seg_t duet__op_seg(const duet_cuda_gemm_op_t *op)
-{
-    return (duet__gemv_seg_t){.y = op->y, .x = op->x, .w = op->w->data, .ldy = op->ldy,
-                              .ldx = op->ldx, .N = op->w->shape[0], .K = op->w->shape[1],
-                              .dtype = (int)op->w->dtype, .accumulate = op->accumulate,
-                              .glu = op->glu, .act = op->act, .beta = op->beta,
-                              .beta_lin = op->beta_lin};
-}
-
-/* One op on its own: cuBLASLt or the GEMV, then the gate activation for a gated pair. */
-static duet_status_t duet__op_alone(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
-                                    const duet_cuda_gemm_op_t *op, unsigned flags)
-{
-    duet_status_t st = duet_cuda_gemm_matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w,
-                                             op->accumulate, flags);
-    if (st != DUET_OK || !op->glu)
-        return st;
-    const int64_t I = op->w->shape[0] / 2;
-    return duet_cuda_act_mul(stream, op->y, op->y + I, M, I, op->ldy, (duet_cuda_act_t)op->act,
-                             op->beta, op->beta_lin);
-}
-
 extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
                                                      int64_t M, const duet_cuda_gemm_op_t *ops,
                                                      int n_ops, unsigned flags)
@@ -856,8 +791,6 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS;
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
-        if (st == DUET_OK)
-            st = duet__check_op(&ops[i]);
         if (st != DUET_OK)
             return st;
         fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
@@ -866,7 +799,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     }
     if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
         for (int i = 0; i < n_ops; i++) {
-            duet_status_t st = duet__op_alone(g, stream, M, &ops[i], flags);
+            duet_status_t st = duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x,
+                                                     ops[i].ldx, M, ops[i].w, ops[i].accumulate,
+                                                     flags);
             if (st != DUET_OK)
                 return st;
         }
@@ -876,7 +811,11 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     memset(&args, 0, sizeof(args));
     args.n = n_ops;
     for (int i = 0; i < n_ops; i++)
-        args.seg[i] = duet__op_seg(&ops[i]);
+        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
+                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
+                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+                                         .dtype = (int)ops[i].w->dtype,
+                                         .accumulate = ops[i].accumulate};
     DUET__TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
     return DUET_OK;
 }
@@ -901,8 +840,6 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
                 (x1 <= y0 || y1 <= x0);
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
-        if (st == DUET_OK)
-            st = duet__check_op(&ops[i]);
         if (st != DUET_OK)
             return st;
         fused = fused && ops[i].x == norm->y && ops[i].ldx == norm->ldy &&
@@ -919,7 +856,11 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
     memset(&args, 0, sizeof(args));
     args.n = n_ops;
     for (int i = 0; i < n_ops; i++)
-        args.seg[i] = duet__op_seg(&ops[i]);
+        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
+                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
+                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+                                         .dtype = (int)ops[i].w->dtype,
+                                         .accumulate = ops[i].accumulate};
     args.nx = norm->x;
     args.ldnx = norm->ldx;
     args.nw = norm->w;

@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -194,7 +193,15 @@ __global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, in
     duet_pdl_trigger();
     for (int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += stride) {
         const int64_t m = k / I, i = k - m * I;
-        const float r = duet_act_gate(gate[m * ld + i], up[m * ld + i], act, beta, beta_lin);
+        const float g = gate[m * ld + i], u = up[m * ld + i];
+        float r;
+        if (act == DUET_CUDA_ACT_SILU) {
+            r = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+        } else {
+            const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
+            const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
+            r = __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
+        }
         gate[m * ld + i] = r;
     }
 }
