@@ -782,6 +782,19 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
 }
 
+/* The GEMV launch arguments of multi-call ops (already checked to fit the GEMV path). */
+static void duet__ops_args(const duet_cuda_gemm_op_t *ops, int n_ops, duet__gemv_args_t *args)
+{
+    memset(args, 0, sizeof(*args));
+    args->n = n_ops;
+    for (int i = 0; i < n_ops; i++)
+        args->seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
+                                          .ldy = ops[i].ldy, .ldx = ops[i].ldx,
+                                          .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+                                          .dtype = (int)ops[i].w->dtype,
+                                          .accumulate = ops[i].accumulate};
+}
+
 extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
                                                      int64_t M, const duet_cuda_gemm_op_t *ops,
                                                      int n_ops, unsigned flags)
@@ -808,14 +821,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
         return DUET_OK;
     }
     duet__gemv_args_t args;
-    memset(&args, 0, sizeof(args));
-    args.n = n_ops;
-    for (int i = 0; i < n_ops; i++)
-        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
-                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
-                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
-                                         .dtype = (int)ops[i].w->dtype,
-                                         .accumulate = ops[i].accumulate};
+    duet__ops_args(ops, n_ops, &args);
     DUET__TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
     return DUET_OK;
 }
@@ -853,14 +859,7 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         return st != DUET_OK ? st : duet_cuda_gemm_matmul_multi(g, stream, M, ops, n_ops, flags);
     }
     duet__gemv_args_t args;
-    memset(&args, 0, sizeof(args));
-    args.n = n_ops;
-    for (int i = 0; i < n_ops; i++)
-        args.seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
-                                         .ldy = ops[i].ldy, .ldx = ops[i].ldx,
-                                         .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
-                                         .dtype = (int)ops[i].w->dtype,
-                                         .accumulate = ops[i].accumulate};
+    duet__ops_args(ops, n_ops, &args);
     args.nx = norm->x;
     args.ldnx = norm->ldx;
     args.nw = norm->w;

@@ -377,6 +377,54 @@ typedef struct {
 
 #define DUET_KDA_RY 8 /* row groups of the recurrent kernel's block (32 columns x 8) */
 
+/*
+ * One decode step on the rows a thread holds (S[ty + 8r][x], r < RPT) — shared by the recurrent
+ * kernel and the decode chain: decay them by se = exp(g), then the column's kv = Σ_d S[d]·k[d]
+ * and qs = Σ_d S[d]·q[d] (decayed S) and kq = Σ_d k[d]·q[d], reduced over the block's row
+ * groups in a fixed order through red. Ends with every thread holding the three sums.
+ */
+template <int RPT>
+static __device__ __forceinline__ void
+duet__kda_decay_dots(float (&s)[RPT], const float *se, const float *sk, const float *sq,
+                     float (&red)[3][DUET_KDA_RY][33], int tx, int ty, float *kv, float *qs,
+                     float *kq)
+{
+    float pk = 0.0f, pq = 0.0f, pkq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < RPT; r++) {
+        const int d = ty + DUET_KDA_RY * r;
+        s[r] *= se[d];
+        pk += s[r] * sk[d];
+        pq += s[r] * sq[d];
+        pkq += sk[d] * sq[d];
+    }
+    red[0][ty][tx] = pk;
+    red[1][ty][tx] = pq;
+    red[2][ty][tx] = pkq;
+    __syncthreads();
+    float a = 0.0f, b = 0.0f, c = 0.0f;
+#pragma unroll
+    for (int y = 0; y < DUET_KDA_RY; y++) {
+        a += red[0][y][tx];
+        b += red[1][y][tx];
+        c += red[2][y][tx];
+    }
+    *kv = a, *qs = b, *kq = c;
+}
+
+/* The delta-rule update of the same rows: S[d][x] = s[d] + k[d]·u. */
+template <int RPT>
+static __device__ __forceinline__ void duet__kda_state_store(float *S, int V, int x, int ty,
+                                                             const float (&s)[RPT],
+                                                             const float *sk, float u)
+{
+#pragma unroll
+    for (int r = 0; r < RPT; r++) {
+        const int d = ty + DUET_KDA_RY * r;
+        S[(int64_t)d * V + x] = s[r] + sk[d] * u;
+    }
+}
+
 /* Block (item·H + h, column slice of 32); thread (tx, ty) holds S[ty + 8r][x], r < K/8. */
 template <int K>
 __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
@@ -412,36 +460,14 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     }
     __syncthreads();
 
-    float pk = 0.0f, pq = 0.0f, pkq = 0.0f;
-#pragma unroll
-    for (int r = 0; r < RPT; r++) {
-        const int d = ty + DUET_KDA_RY * r;
-        s[r] *= se[d];
-        pk += s[r] * sk[d];
-        pq += s[r] * sq[d];
-        pkq += sk[d] * sq[d];
-    }
-    red[0][ty][tx] = pk;
-    red[1][ty][tx] = pq;
-    red[2][ty][tx] = pkq;
-    __syncthreads();
-    float kv = 0.0f, qs = 0.0f, kq = 0.0f;
-#pragma unroll
-    for (int y = 0; y < DUET_KDA_RY; y++) {
-        kv += red[0][y][tx];
-        qs += red[1][y][tx];
-        kq += red[2][y][tx];
-    }
+    float kv, qs, kq;
+    duet__kda_decay_dots<RPT>(s, se, sk, sq, red, tx, ty, &kv, &qs, &kq);
     if (!active)
         return;
     const float u = a.beta[row * H + h] * (a.qkv[row * C3 + 2 * HK + h * K + x] - kv);
     if (ty == 0)
         a.o[row * HK + h * K + x] = qs + u * kq;
-#pragma unroll
-    for (int r = 0; r < RPT; r++) {
-        const int d = ty + DUET_KDA_RY * r;
-        S[(int64_t)d * V + x] = s[r] + sk[d] * u;
-    }
+    duet__kda_state_store<RPT>(S, V, x, ty, s, sk, u);
 }
 
 /* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
@@ -948,35 +974,13 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
         a.beta[row * H + h] = sbeta;
     __syncthreads();
 
-    float pk = 0.0f, pq = 0.0f, pkq = 0.0f;
-#pragma unroll
-    for (int r = 0; r < RPT; r++) {
-        const int d = ty + DUET_KDA_RY * r;
-        s[r] *= se[d];
-        pk += s[r] * sk[d];
-        pq += s[r] * sq[d];
-        pkq += sk[d] * sq[d];
-    }
-    red[0][ty][tx] = pk;
-    red[1][ty][tx] = pq;
-    red[2][ty][tx] = pkq;
-    __syncthreads();
-    float kv = 0.0f, qs = 0.0f, kq = 0.0f;
-#pragma unroll
-    for (int y = 0; y < DUET_KDA_RY; y++) {
-        kv += red[0][y][tx];
-        qs += red[1][y][tx];
-        kq += red[2][y][tx];
-    }
+    float kv, qs, kq;
+    duet__kda_decay_dots<RPT>(s, se, sk, sq, red, tx, ty, &kv, &qs, &kq);
     const float u = sbeta * (sx[2][tx] - kv);
     if (ty == 0)
         so[tx] = qs + u * kq;
     if (one && active) {
-#pragma unroll
-        for (int r = 0; r < RPT; r++) {
-            const int d = ty + DUET_KDA_RY * r;
-            S[(int64_t)d * V + x] = s[r] + sk[d] * u;
-        }
+        duet__kda_state_store<RPT>(S, V, x, ty, s, sk, u);
     }
     duet__cluster_arrive(); /* so is complete in every block */
     duet__cluster_wait();

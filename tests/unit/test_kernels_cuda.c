@@ -553,6 +553,24 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
             }
     }
     duet_cuda_pdl_set(-1);
+    { /* bad arguments are refused before anything is queued */
+        float *bx = dev_alloc((size_t)D * 4), *by = dev_alloc((size_t)D * 4),
+              *bo = dev_alloc((size_t)N1 * 4);
+        const duet_cuda_gemm_op_t op = {.y = bo, .ldy = N1, .x = by, .ldx = D, .w = &t1};
+        duet_cuda_gemm_norm_t bad = {.x = bx, .ldx = D, .w = dnw, .y = by, .ldy = D, .D = 0,
+                                     .eps = 1e-5f};
+        CHECK(duet_cuda_gemm_norm_multi(g, 0, 1, &bad, &op, 1, 0) == DUET_ERR_INVALID,
+              "D = 0 must be refused");
+        bad.D = D;
+        bad.ldx = D - 1;
+        CHECK(duet_cuda_gemm_norm_multi(g, 0, 1, &bad, &op, 1, 0) == DUET_ERR_INVALID,
+              "ldx < D must be refused");
+        bad.ldx = D;
+        bad.w = NULL;
+        CHECK(duet_cuda_gemm_norm_multi(g, 0, 1, &bad, &op, 1, 0) == DUET_ERR_INVALID,
+              "a NULL norm weight must be refused");
+        cudaFree(bx), cudaFree(by), cudaFree(bo);
+    }
     printf("norm_multi: %d cases; fused vs rmsnorm + multi: rows max rel %.3g, products max "
            "err/S %.3g (two-call cases bit-identical)\n",
            cases, worst_row, worst_y);
