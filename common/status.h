@@ -56,4 +56,12 @@ const char *duet_error_last(void);
 /* Forget the detail recorded on this thread. */
 void duet_error_clear(void);
 
+/* Return the status of `expr` from the calling function unless it is DUET_OK. */
+#define DUET_TRY(expr)                                                                             \
+    do {                                                                                           \
+        duet_status_t duet_try_st_ = (expr);                                                       \
+        if (duet_try_st_ != DUET_OK)                                                               \
+            return duet_try_st_;                                                                   \
+    } while (0)
+
 #endif

@@ -192,12 +192,7 @@ static duet_status_t duet__cu(cudaError_t e, const char *what)
     return duet_cuda_status(e, "cuda model", what);
 }
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        duet_status_t s_ = (expr);                                                                 \
-        if (s_ != DUET_OK)                                                                         \
-            return s_;                                                                             \
-    } while (0)
+#define TRY(expr) DUET_TRY(expr)
 #define CU(call, what) TRY(duet__cu((call), (what)))
 
 static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)

@@ -38,12 +38,7 @@ static duet_status_t bind(duet_checkpoint_t *ck, duet_tensor_t *t, int ndim, con
 #define DIMS(...) (int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), (int64_t[]){__VA_ARGS__}
 // clang-format on
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        duet_status_t st__ = (expr);                                                               \
-        if (st__ != DUET_OK)                                                                       \
-            return st__;                                                                           \
-    } while (0)
+#define TRY(expr) DUET_TRY(expr)
 
 static duet_status_t bind_kda(duet_checkpoint_t *ck, const duet_model_config_t *c, int l,
                               duet_kda_weights_t *w)
