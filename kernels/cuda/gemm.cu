@@ -33,7 +33,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
-#define DUET__MODULE "cuda gemm" /* the prefix of this file's error details */
+#define DUET__MODULE          "cuda gemm" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 #define DUET_CUDA_GEMM_CACHE    64
@@ -45,7 +45,7 @@ typedef struct {
     duet_dtype_t dtype;
     cublasComputeType_t compute;
     int64_t M, N, K, ldx, ldy;
-    int32_t batch;                      /* 1 = a plain GEMM */
+    int32_t batch;                        /* 1 = a plain GEMM */
     int64_t stride_w, stride_x, stride_y; /* element offsets between batch entries */
     unsigned align_a, align_b, align_c;
     /* value: owned by the entry, destroyed on eviction or at handle destroy */
@@ -140,18 +140,19 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
     return DUET_OK;
 }
 
-
-/* ---- small-M path: a weight-streaming GEMV ---------------------------------------------------- */
+/* ---- small-M path: a weight-streaming GEMV ----------------------------------------------------
+ */
 
 /*
- * For M <= 2 rows (small decode steps) the product is bound by reading W once, and cuBLASLt's kernels
- * plus the x conversion launch cost more than the read itself for the engine's smaller matrices.
- * This kernel gives each warp one output row n: lanes stream W's row in 16-byte pieces (8 bf16 /
- * f16 values, or 2 x 4 fp32), multiply with every x row (fp32, from L1/L2: x is small) and reduce
- * with shuffles; W is read exactly once, x is never rounded (so it is at least as accurate as the
- * converted path). Each warp reads every x row from L1 per 16-byte piece of W, so the cost grows
- * with M: on the H200 batch-8 decode of the 48B model took 13.5 ms/step through it against
- * 10.3 ms through cuBLASLt, hence the cap at 2. Used when K % 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
+ * For M <= 2 rows (small decode steps) the product is bound by reading W once, and cuBLASLt's
+ * kernels plus the x conversion launch cost more than the read itself for the engine's smaller
+ * matrices. This kernel gives each warp one output row n: lanes stream W's row in 16-byte pieces (8
+ * bf16 / f16 values, or 2 x 4 fp32), multiply with every x row (fp32, from L1/L2: x is small) and
+ * reduce with shuffles; W is read exactly once, x is never rounded (so it is at least as accurate
+ * as the converted path). Each warp reads every x row from L1 per 16-byte piece of W, so the cost
+ * grows with M: on the H200 batch-8 decode of the 48B model took 13.5 ms/step through it against
+ * 10.3 ms through cuBLASLt, hence the cap at 2. Used when K % 8 == 0 and x, ldx and W allow 16-byte
+ * loads; otherwise cuBLASLt.
  */
 #define DUET_GEMV_MAX_M 2
 #define DUET_GEMV_WARPS 8
@@ -162,7 +163,7 @@ __device__ static inline void duet__load8(const __nv_bfloat16 *p, float *v)
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        v[2 * i]     = __uint_as_float(w[i] << 16);
+        v[2 * i] = __uint_as_float(w[i] << 16);
         v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
@@ -255,8 +256,8 @@ __device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
                 float4 a = *(const float4 *)(x + m * ldx + k);
                 float4 b = *(const float4 *)(x + m * ldx + k + 4);
                 if (NORM) {
-                    ss[m] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x +
-                             b.y * b.y + b.z * b.z + b.w * b.w;
+                    ss[m] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y +
+                             b.z * b.z + b.w * b.w;
                     a = make_float4(a.x * g0.x, a.y * g0.y, a.z * g0.z, a.w * g0.w);
                     b = make_float4(b.x * g1.x, b.y * g1.y, b.z * g1.z, b.w * g1.w);
                 }
@@ -386,10 +387,19 @@ static duet_status_t duet__gemv_one(cudaStream_t stream, float *y, int64_t ldy, 
 {
     duet__gemv_args_t args;
     memset(&args, 0, sizeof(args));
-    args.n      = 1;
-    args.seg[0] = (duet__gemv_seg_t){.y = y, .x = x, .w = w_data, .ldy = ldy, .ldx = ldx,
-                                     .N = N, .K = K, .dtype = (int)dt, .accumulate = accumulate,
-                                     .sx = stride_x, .sy = stride_y, .B = (unsigned)B};
+    args.n = 1;
+    args.seg[0] = (duet__gemv_seg_t){.y = y,
+                                     .x = x,
+                                     .w = w_data,
+                                     .ldy = ldy,
+                                     .ldx = ldx,
+                                     .N = N,
+                                     .K = K,
+                                     .dtype = (int)dt,
+                                     .accumulate = accumulate,
+                                     .sx = stride_x,
+                                     .sy = stride_y,
+                                     .B = (unsigned)B};
     DUET__TRY(duet__gemv_run(stream, M, &args), "gemv launch");
     return DUET_OK;
 }
@@ -650,8 +660,8 @@ static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
         if (!accumulate)
             for (int32_t b = 0; b < batch; b++)
                 DUET__TRY(cudaMemset2DAsync(y + b * stride_y, (size_t)ldy * sizeof(float), 0,
-                                                 (size_t)N * sizeof(float), (size_t)M, stream),
-                               "zero y");
+                                            (size_t)N * sizeof(float), (size_t)M, stream),
+                          "zero y");
         return DUET_OK;
     }
 
@@ -709,12 +719,10 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStr
                              w->shape[1], 1, accumulate, flags);
 }
 
-extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream,
-                                                       float *y, int64_t ldy, int64_t stride_y,
-                                                       const float *x, int64_t ldx,
-                                                       int64_t stride_x, int64_t M,
-                                                       const duet_tensor_t *w, int accumulate,
-                                                       unsigned flags)
+extern "C" duet_status_t
+duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y, int64_t ldy,
+                              int64_t stride_y, const float *x, int64_t ldx, int64_t stride_x,
+                              int64_t M, const duet_tensor_t *w, int accumulate, unsigned flags)
 {
     if (g == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
@@ -729,9 +737,10 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cuda
         ldy < (B > 0 ? (B - 1) * stride_y + N : 0) || (B > 1 && (stride_x < K || stride_y < N)))
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda gemm: bad batched shape B=%lld M=%lld N=%lld K=%lld ldx=%lld "
-                              "stride_x=%lld ldy=%lld stride_y=%lld", (long long)B, (long long)M,
-                              (long long)N, (long long)K, (long long)ldx, (long long)stride_x,
-                              (long long)ldy, (long long)stride_y);
+                              "stride_x=%lld ldy=%lld stride_y=%lld",
+                              (long long)B, (long long)M, (long long)N, (long long)K,
+                              (long long)ldx, (long long)stride_x, (long long)ldy,
+                              (long long)stride_y);
     if (M == 0 || N == 0 || B == 0)
         return DUET_OK;
     if (x == NULL || y == NULL || w->data == NULL)
@@ -788,9 +797,13 @@ static void duet__ops_args(const duet_cuda_gemm_op_t *ops, int n_ops, duet__gemv
     memset(args, 0, sizeof(*args));
     args->n = n_ops;
     for (int i = 0; i < n_ops; i++)
-        args->seg[i] = (duet__gemv_seg_t){.y = ops[i].y, .x = ops[i].x, .w = ops[i].w->data,
-                                          .ldy = ops[i].ldy, .ldx = ops[i].ldx,
-                                          .N = ops[i].w->shape[0], .K = ops[i].w->shape[1],
+        args->seg[i] = (duet__gemv_seg_t){.y = ops[i].y,
+                                          .x = ops[i].x,
+                                          .w = ops[i].w->data,
+                                          .ldy = ops[i].ldy,
+                                          .ldx = ops[i].ldx,
+                                          .N = ops[i].w->shape[0],
+                                          .K = ops[i].w->shape[1],
                                           .dtype = (int)ops[i].w->dtype,
                                           .accumulate = ops[i].accumulate};
 }
@@ -806,15 +819,15 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
             return st;
-        fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
-                                       ops[i].w->dtype, ops[i].w->shape[0], ops[i].w->shape[1],
-                                       flags);
+        fits =
+            fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
+                                    ops[i].w->shape[0], ops[i].w->shape[1], flags);
     }
     if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
         for (int i = 0; i < n_ops; i++) {
-            duet_status_t st = duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x,
-                                                     ops[i].ldx, M, ops[i].w, ops[i].accumulate,
-                                                     flags);
+            duet_status_t st =
+                duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x, ops[i].ldx, M,
+                                      ops[i].w, ops[i].accumulate, flags);
             if (st != DUET_OK)
                 return st;
         }
@@ -827,9 +840,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
 }
 
 extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
-                                                    int64_t M, const duet_cuda_gemm_norm_t *norm,
-                                                    const duet_cuda_gemm_op_t *ops, int n_ops,
-                                                    unsigned flags)
+                                                   int64_t M, const duet_cuda_gemm_norm_t *norm,
+                                                   const duet_cuda_gemm_op_t *ops, int n_ops,
+                                                   unsigned flags)
 {
     if (g == NULL || norm == NULL || ops == NULL || n_ops < 0 || M < 0 || norm->D <= 0 ||
         norm->ldx < norm->D || norm->ldy < norm->D ||

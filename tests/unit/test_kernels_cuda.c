@@ -372,16 +372,22 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
         for (int64_t i = 0; i < M * ldx; i++)
             x[i] = rng_f();
         for (int64_t b = 0; b < B; b++) {
-            duet_tensor_t wc = {.data = w + b * N * K, .dtype = DUET_DTYPE_BF16,
-                                .device = DUET_DEVICE_CPU, .ndim = 2, .shape = {N, K}};
+            duet_tensor_t wc = {.data = w + b * N * K,
+                                .dtype = DUET_DTYPE_BF16,
+                                .device = DUET_DEVICE_CPU,
+                                .ndim = 2,
+                                .shape = {N, K}};
             CHECK(duet_k_matmul(cpu, yc + b * sy, ldy, x + b * sx, ldx, M, &wc, 0) == DUET_OK);
         }
         void *dw = dev_copy(w, (size_t)(B * N * K) * 2);
         float *dx = dev_copy(x, (size_t)(M * ldx) * 4), *dy = dev_alloc((size_t)(M * ldy) * 4);
-        duet_tensor_t wd = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
-                            .ndim = 3, .shape = {B, N, K}};
-        duet_status_t st = duet_cuda_gemm_matmul_batched(g, 0, dy, ldy, sy, dx, ldx, sx, M, &wd,
-                                                          0, 0);
+        duet_tensor_t wd = {.data = dw,
+                            .dtype = DUET_DTYPE_BF16,
+                            .device = DUET_DEVICE_CUDA,
+                            .ndim = 3,
+                            .shape = {B, N, K}};
+        duet_status_t st =
+            duet_cuda_gemm_matmul_batched(g, 0, dy, ldy, sy, dx, ldx, sx, M, &wd, 0, 0);
         CHECK(st == DUET_OK, "batched M=%lld: %s", (long long)M, duet_error_last());
         CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * ldy) * 4, cudaMemcpyDeviceToHost));
         for (int64_t b = 0; b < B; b++) {
@@ -398,20 +404,32 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
             w2[i] = rng_f();
         for (int64_t i = 0; i < M * N2; i++)
             y2[i] = y2c[i] = rng_f();
-        duet_tensor_t w2c = {.data = w2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CPU,
-                             .ndim = 2, .shape = {N2, K}};
-        duet_tensor_t w1c = {.data = w, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CPU,
-                             .ndim = 2, .shape = {N, K}};
+        duet_tensor_t w2c = {.data = w2,
+                             .dtype = DUET_DTYPE_F32,
+                             .device = DUET_DEVICE_CPU,
+                             .ndim = 2,
+                             .shape = {N2, K}};
+        duet_tensor_t w1c = {.data = w,
+                             .dtype = DUET_DTYPE_BF16,
+                             .device = DUET_DEVICE_CPU,
+                             .ndim = 2,
+                             .shape = {N, K}};
         CHECK(duet_k_matmul(cpu, yc, N, x, ldx, M, &w1c, 0) == DUET_OK);
         CHECK(duet_k_matmul(cpu, y2c, N2, x, ldx, M, &w2c, 1) == DUET_OK);
         float *dw2 = dev_copy(w2, (size_t)(N2 * K) * 4), *dy2 = dev_copy(y2, (size_t)(M * N2) * 4);
-        duet_tensor_t w2d = {.data = dw2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CUDA,
-                             .ndim = 2, .shape = {N2, K}};
-        duet_tensor_t w1d = {.data = dw, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
-                             .ndim = 2, .shape = {N, K}};
-        const duet_cuda_gemm_op_t ops[2] = {{.y = dy, .ldy = N, .x = dx, .ldx = ldx, .w = &w1d},
-                                            {.y = dy2, .ldy = N2, .x = dx, .ldx = ldx, .w = &w2d,
-                                             .accumulate = 1}};
+        duet_tensor_t w2d = {.data = dw2,
+                             .dtype = DUET_DTYPE_F32,
+                             .device = DUET_DEVICE_CUDA,
+                             .ndim = 2,
+                             .shape = {N2, K}};
+        duet_tensor_t w1d = {.data = dw,
+                             .dtype = DUET_DTYPE_BF16,
+                             .device = DUET_DEVICE_CUDA,
+                             .ndim = 2,
+                             .shape = {N, K}};
+        const duet_cuda_gemm_op_t ops[2] = {
+            {.y = dy, .ldy = N, .x = dx, .ldx = ldx, .w = &w1d},
+            {.y = dy2, .ldy = N2, .x = dx, .ldx = ldx, .w = &w2d, .accumulate = 1}};
         st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
         CHECK(st == DUET_OK, "multi M=%lld: %s", (long long)M, duet_error_last());
         CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
@@ -442,8 +460,8 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
  * its scale comes from an fp32 sum of D = 2304 squares (the separate kernel sums in double),
  * ~1e-7 relative typically and at most ~2e-6 (72 sequential terms per lane, then 32), so stored
  * rows must agree within 4e-6 relative and products within 4e-6 · S, S = Σ|W|·|xn| (+ |y0|
- * when accumulating) — far below what a wrong scale or a missed element makes (≥ 1e-3 here). M = 3 and an
- * in-place norm (x == y) take the two-call path and must be bit-identical. Programmatic
+ * when accumulating) — far below what a wrong scale or a missed element makes (≥ 1e-3 here). M = 3
+ * and an in-place norm (x == y) take the two-call path and must be bit-identical. Programmatic
  * dependent launch off and on: PDL changes no arithmetic.
  */
 Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
@@ -465,10 +483,16 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
         nw[i] = 1.0f + 0.5f * rng_f();
     void *dw1 = dev_copy(w1, (size_t)(N1 * D) * 2);
     float *dw2 = dev_copy(w2, (size_t)(N2 * D) * 4), *dnw = dev_copy(nw, (size_t)D * 4);
-    duet_tensor_t t1 = {.data = dw1, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
-                        .ndim = 2, .shape = {N1, D}};
-    duet_tensor_t t2 = {.data = dw2, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CUDA,
-                        .ndim = 2, .shape = {N2, D}};
+    duet_tensor_t t1 = {.data = dw1,
+                        .dtype = DUET_DTYPE_BF16,
+                        .device = DUET_DEVICE_CUDA,
+                        .ndim = 2,
+                        .shape = {N1, D}};
+    duet_tensor_t t2 = {.data = dw2,
+                        .dtype = DUET_DTYPE_F32,
+                        .device = DUET_DEVICE_CUDA,
+                        .ndim = 2,
+                        .shape = {N2, D}};
     int cases = 0;
     double worst_row = 0, worst_y = 0;
     for (int pdl = 0; pdl <= 1; pdl++) {
@@ -489,8 +513,8 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
                     const duet_cuda_gemm_op_t ops[2] = {
                         {.y = dy1, .ldy = N1, .x = dn, .ldx = ld, .w = &t1},
                         {.y = dy2, .ldy = N2, .x = dn, .ldx = ld, .w = &t2, .accumulate = 1}};
-                    const duet_cuda_gemm_norm_t nrm = {.x = dx, .ldx = ld, .w = dnw, .y = dn,
-                                                       .ldy = ld, .D = D, .eps = 1e-5f};
+                    const duet_cuda_gemm_norm_t nrm = {
+                        .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
                     duet_status_t st;
                     if (fused) {
                         st = duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops, 2, 0);
@@ -557,8 +581,8 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
         float *bx = dev_alloc((size_t)D * 4), *by = dev_alloc((size_t)D * 4),
               *bo = dev_alloc((size_t)N1 * 4);
         const duet_cuda_gemm_op_t op = {.y = bo, .ldy = N1, .x = by, .ldx = D, .w = &t1};
-        duet_cuda_gemm_norm_t bad = {.x = bx, .ldx = D, .w = dnw, .y = by, .ldy = D, .D = 0,
-                                     .eps = 1e-5f};
+        duet_cuda_gemm_norm_t bad = {
+            .x = bx, .ldx = D, .w = dnw, .y = by, .ldy = D, .D = 0, .eps = 1e-5f};
         CHECK(duet_cuda_gemm_norm_multi(g, 0, 1, &bad, &op, 1, 0) == DUET_ERR_INVALID,
               "D = 0 must be refused");
         bad.D = D;
@@ -625,8 +649,8 @@ Test(kernels_cuda, argmax_split_first_max, .timeout = 120)
             CUDA_OK(cudaMemcpy(got, dout, (size_t)M * 4, cudaMemcpyDeviceToHost));
             CUDA_OK(cudaMemcpy(one, done, (size_t)M * 4, cudaMemcpyDeviceToHost));
             for (int64_t m = 0; m < M; m++) {
-                CHECK(got[m] == want[m], "V=%lld ld=%lld row %lld: split %d, CPU %d",
-                      (long long)V, (long long)ld, (long long)m, got[m], want[m]);
+                CHECK(got[m] == want[m], "V=%lld ld=%lld row %lld: split %d, CPU %d", (long long)V,
+                      (long long)ld, (long long)m, got[m], want[m]);
                 CHECK(one[m] == want[m], "V=%lld row %lld: one-block %d, CPU %d", (long long)V,
                       (long long)m, one[m], want[m]);
             }
