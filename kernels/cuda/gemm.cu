@@ -140,52 +140,21 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
     return DUET_OK;
 }
 
-/* ---- small-M path: a weight-streaming GEMV ----------------------------------------------------
- */
+/* ---- small-M path: a weight-streaming GEMV ------------------------------------------------ */
 
 /*
  * For M <= 2 rows (small decode steps) the product is bound by reading W once, and cuBLASLt's
  * kernels plus the x conversion launch cost more than the read itself for the engine's smaller
- * matrices. This kernel gives each warp one output row n: lanes stream W's row in 16-byte pieces (8
- * bf16 / f16 values, or 2 x 4 fp32), multiply with every x row (fp32, from L1/L2: x is small) and
- * reduce with shuffles; W is read exactly once, x is never rounded (so it is at least as accurate
- * as the converted path). Each warp reads every x row from L1 per 16-byte piece of W, so the cost
- * grows with M: on the H200 batch-8 decode of the 48B model took 13.5 ms/step through it against
- * 10.3 ms through cuBLASLt, hence the cap at 2. Used when K % 8 == 0 and x, ldx and W allow 16-byte
- * loads; otherwise cuBLASLt.
+ * matrices. This kernel gives each warp 1, 2 or 4 output rows (duet__gemv_run picks): lanes stream
+ * W's rows in 16-byte pieces (8 bf16 / f16 values, or 2 x 4 fp32), multiply with every x row
+ * (fp32, from L1/L2: x is small) and reduce with shuffles; W is read exactly once, x is never
+ * rounded (so it is at least as accurate as the converted path). Each warp reads every x row from
+ * L1 per 16-byte piece of W, so the cost grows with M: on the H200 batch-8 decode of the 48B model
+ * took 13.5 ms/step through it against 10.3 ms through cuBLASLt, hence the cap at 2. Used when K %
+ * 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
  */
 #define DUET_GEMV_MAX_M 2
 #define DUET_GEMV_WARPS 8
-
-__device__ static inline void duet__load8(const __nv_bfloat16 *p, float *v)
-{
-    uint4 u = __ldg((const uint4 *)p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
-__device__ static inline void duet__load8(const __half *p, float *v)
-{
-    uint4 u = __ldg((const uint4 *)p);
-    const __half2 *h = (const __half2 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 f = __half22float2(h[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ static inline void duet__load8(const float *p, float *v)
-{
-    float4 a = __ldg((const float4 *)p), b = __ldg((const float4 *)p + 1);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 
 /* One matrix of a (multi-)GEMV launch: y[m][n] (+)= Σ_k W[n][k] x[m][k], blocks [b0, b0 + nb). */
 typedef struct {
@@ -229,86 +198,191 @@ typedef struct {
  */
 enum { DUET__PRO_NONE, DUET__PRO_NORM };
 
-template <typename WT, int MR, int PRO>
-__device__ static inline void duet__gemv_row(const duet__gemv_args_t &args,
-                                             const duet__gemv_seg_t &sg, int M, int64_t n, int lane)
+/* Eight weights as loaded (one 16-byte piece for 16-bit types, two for fp32), converted later:
+ * loads of several pieces can be in flight before the first is used. */
+template <typename WT> struct duet__wraw {
+    uint4 v;
+    __device__ inline void load(const WT *p)
+    {
+        v = __ldg((const uint4 *)p);
+    }
+    __device__ inline void zero(void)
+    {
+        v = make_uint4(0, 0, 0, 0);
+    }
+    __device__ inline void cvt(float *f) const;
+};
+template <> __device__ inline void duet__wraw<__nv_bfloat16>::cvt(float *f) const
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+template <> __device__ inline void duet__wraw<__half>::cvt(float *f) const
+{
+    const __half2 *h = (const __half2 *)&v;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 t = __half22float2(h[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+template <> struct duet__wraw<float> {
+    float4 a, b;
+    __device__ inline void load(const float *p)
+    {
+        a = __ldg((const float4 *)p);
+        b = __ldg((const float4 *)p + 1);
+    }
+    __device__ inline void zero(void)
+    {
+        a = b = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __device__ inline void cvt(float *f) const
+    {
+        f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+        f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+    }
+};
+
+/*
+ * R consecutive outputs n0.. of a segment (one warp): y[m][n] (+)= Σ_k W[n][k]·x[m][k] for m < M.
+ * Lane l takes the 8-element pieces l, l + 32, ... of every row, U pieces of each of the R rows
+ * in flight at once; each piece of x (and of the norm weight) is read once for the R rows.
+ * Rows past N repeat row N - 1 and are not stored. Every output's sum runs over the same pieces
+ * in the same order whatever R and U are, so they do not change a bit of the result.
+ *
+ * With NORM (duet_cuda_gemm_norm_multi) x is RMSNorm(nx) ⊙ nw, computed without a pass of its
+ * own: every warp already walks its rows over all K = D columns, so it multiplies W with nx ⊙ nw
+ * and sums nx² on the way, then scales its dot products by 1/sqrt(Σ/D + eps) at the end: no
+ * shared memory, no block barrier, no prologue latency. The sum is fp32 (~1e-7 relative over a
+ * few thousand squares): in double, the conversions made the H200's 58 MB q|k|v projection 35%
+ * slower than without the norm.
+ * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
+ * them, for later kernels. The product differs from normalising first by the rounding of one
+ * multiplication per term (the scale is applied to the sum instead of to each x).
+ */
+template <typename WT, int MR, int PRO, int R, int U>
+__device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
+                                              const duet__gemv_seg_t &sg, int M, int64_t n0,
+                                              int lane)
 {
     constexpr bool NORM = PRO == DUET__PRO_NORM;
-    const WT *wr = (const WT *)sg.w + n * sg.K;
+    const WT *wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        wr[r] = (const WT *)sg.w + (n0 + r < sg.N ? n0 + r : sg.N - 1) * sg.K;
     const float *x = NORM ? args.nx : sg.x;
     const int64_t ldx = NORM ? args.ldnx : sg.ldx;
-    float acc[MR], ss[MR];
+    float acc[R][MR], ss[MR];
 #pragma unroll
-    for (int m = 0; m < MR; m++)
-        acc[m] = 0.0f, ss[m] = 0.0f;
-#pragma unroll 4
-    for (int64_t k = (int64_t)lane * 8; k < sg.K; k += 256) {
-        float wv[8];
-        duet__load8(wr + k, wv);
-        float4 g0, g1;
-        if (NORM) {
-            g0 = *(const float4 *)(args.nw + k);
-            g1 = *(const float4 *)(args.nw + k + 4);
-        }
+    for (int m = 0; m < MR; m++) {
+        ss[m] = 0.0f;
 #pragma unroll
-        for (int m = 0; m < MR; m++) {
-            if (m < M) {
-                float4 a = *(const float4 *)(x + m * ldx + k);
-                float4 b = *(const float4 *)(x + m * ldx + k + 4);
-                if (NORM) {
-                    ss[m] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y +
-                             b.z * b.z + b.w * b.w;
-                    a = make_float4(a.x * g0.x, a.y * g0.y, a.z * g0.z, a.w * g0.w);
-                    b = make_float4(b.x * g1.x, b.y * g1.y, b.z * g1.z, b.w * g1.w);
+        for (int r = 0; r < R; r++)
+            acc[r][m] = 0.0f;
+    }
+    for (int64_t k0 = (int64_t)lane * 8; k0 < sg.K; k0 += 256 * U) {
+        duet__wraw<WT> wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (k0 + 256 * u < sg.K)
+                    wv[u][r].load(wr[r] + k0 + 256 * u);
+                else
+                    wv[u][r].zero();
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t k = k0 + 256 * u;
+            if (k >= sg.K)
+                break;
+            float4 g0, g1;
+            if (NORM) {
+                g0 = *(const float4 *)(args.nw + k);
+                g1 = *(const float4 *)(args.nw + k + 4);
+            }
+#pragma unroll
+            for (int m = 0; m < MR; m++) {
+                if (m < M) {
+                    float4 a = *(const float4 *)(x + m * ldx + k);
+                    float4 b = *(const float4 *)(x + m * ldx + k + 4);
+                    if (NORM) {
+                        ss[m] += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x +
+                                 b.y * b.y + b.z * b.z + b.w * b.w;
+                        a = make_float4(a.x * g0.x, a.y * g0.y, a.z * g0.z, a.w * g0.w);
+                        b = make_float4(b.x * g1.x, b.y * g1.y, b.z * g1.z, b.w * g1.w);
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        float wf[8];
+                        wv[u][r].cvt(wf);
+                        acc[r][m] += wf[0] * a.x + wf[1] * a.y + wf[2] * a.z + wf[3] * a.w +
+                                     wf[4] * b.x + wf[5] * b.y + wf[6] * b.z + wf[7] * b.w;
+                    }
                 }
-                acc[m] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x +
-                          wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < MR; m++) {
-        float v = acc[m];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-            v += __shfl_xor_sync(0xffffffffu, v, off);
-        acc[m] = v;
+        float scale = 1.0f;
         if (NORM) {
             float q = ss[m];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1)
                 q += __shfl_xor_sync(0xffffffffu, q, off);
-            const float scale = (float)(1.0 / sqrt((double)q / (double)sg.K + (double)args.eps));
-            acc[m] *= scale;
+            scale = (float)(1.0 / sqrt((double)q / (double)sg.K + (double)args.eps));
             if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
                 for (int64_t k = lane; k < sg.K; k += 32)
                     args.ny[m * args.ldny + k] =
                         __fmul_rn(args.nw[k], __fmul_rn(x[m * ldx + k], scale));
         }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = acc[r][m];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                v += __shfl_xor_sync(0xffffffffu, v, off);
+            acc[r][m] = NORM ? v * scale : v;
+        }
     }
     if (lane == 0)
 #pragma unroll
-        for (int m = 0; m < MR; m++)
-            if (m < M) {
-                float *yp = sg.y + m * sg.ldy + n;
-                *yp = sg.accumulate ? *yp + acc[m] : acc[m];
-            }
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+                if (m < M && n0 + r < sg.N) {
+                    float *yp = sg.y + m * sg.ldy + n0 + r;
+                    *yp = sg.accumulate ? *yp + acc[r][m] : acc[r][m];
+                }
 }
 
-template <int MR, int PRO>
-__device__ static inline void duet__gemv_dispatch(const duet__gemv_args_t &args,
-                                                  const duet__gemv_seg_t &sg, int M, int64_t n,
-                                                  int lane)
+/* One output block of a segment whose weights are of type WT: NORM or not. */
+template <typename WT, int MR, int R, int U>
+__device__ static inline void duet__gemv_pro(const duet__gemv_args_t &args,
+                                             const duet__gemv_seg_t &sg, int M, int64_t n0,
+                                             int lane)
 {
-    if (sg.dtype == DUET_DTYPE_BF16)
-        duet__gemv_row<__nv_bfloat16, MR, PRO>(args, sg, M, n, lane);
-    else if (sg.dtype == DUET_DTYPE_F16)
-        duet__gemv_row<__half, MR, PRO>(args, sg, M, n, lane);
+    if (args.nx != NULL)
+        duet__gemv_rows<WT, MR, DUET__PRO_NORM, R, U>(args, sg, M, n0, lane);
     else
-        duet__gemv_row<float, MR, PRO>(args, sg, M, n, lane);
+        duet__gemv_rows<WT, MR, DUET__PRO_NONE, R, U>(args, sg, M, n0, lane);
 }
 
-template <int MR>
+#define DUET__GEMV_ANY_DT (-1) /* segments of different weight types in one launch */
+
+/*
+ * Blocks of DUET_GEMV_WARPS warps, R outputs per warp (sg.nb blocks per product). DT is the
+ * weight type of every segment, or DUET__GEMV_ANY_DT (each segment's own, picked per block):
+ * a kernel per type holds only that type's registers (fp32 pieces take twice as many).
+ */
+template <int MR, int DT, int R, int U>
 __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     duet__gemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M)
 {
@@ -318,7 +392,7 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     duet__gemv_seg_t sg = args.seg[si];
     const int lane = threadIdx.x & 31;
     const unsigned local = blockIdx.x - sg.b0, b = local / sg.nb;
-    const int64_t n = (int64_t)(local % sg.nb) * DUET_GEMV_WARPS + (threadIdx.x >> 5);
+    const int64_t n0 = ((int64_t)(local % sg.nb) * DUET_GEMV_WARPS + (threadIdx.x >> 5)) * R;
     if (b > 0) {
         const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2;
         sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * es;
@@ -327,33 +401,78 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     }
     duet_pdl_wait(); /* x (and y when accumulating) come from earlier kernels */
     duet_pdl_trigger();
-    if (n >= sg.N)
+    if (n0 >= sg.N)
         return;
-    if (args.nx != NULL)
-        duet__gemv_dispatch<MR, DUET__PRO_NORM>(args, sg, M, n, lane);
+    const int dt = DT == DUET__GEMV_ANY_DT ? sg.dtype : DT;
+    if (dt == DUET_DTYPE_BF16)
+        duet__gemv_pro<__nv_bfloat16, MR, R, U>(args, sg, M, n0, lane);
+    else if (dt == DUET_DTYPE_F16)
+        duet__gemv_pro<__half, MR, R, U>(args, sg, M, n0, lane);
     else
-        duet__gemv_dispatch<MR, DUET__PRO_NONE>(args, sg, M, n, lane);
+        duet__gemv_pro<float, MR, R, U>(args, sg, M, n0, lane);
 }
 
-/* Launch the segments (each checked by duet__gemv_fits) as one kernel. */
-static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+template <int DT, int R, int U>
+static cudaError_t duet__gemv_launch(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
     unsigned blocks = 0;
     for (int i = 0; i < args->n; i++) {
         duet__gemv_seg_t *sg = &args->seg[i];
-        if (sg->B == 0)
-            sg->B = 1;
         sg->b0 = blocks;
-        sg->nb = (unsigned)((sg->N + DUET_GEMV_WARPS - 1) / DUET_GEMV_WARPS);
+        sg->nb = (unsigned)((sg->N + DUET_GEMV_WARPS * R - 1) / (DUET_GEMV_WARPS * R));
         blocks += sg->nb * sg->B;
     }
-    if (blocks == 0)
-        return cudaSuccess;
     if (M == 1)
-        return duet_pdl_launch(duet__gemv_kernel<1>, dim3(blocks), dim3(32 * DUET_GEMV_WARPS), 0,
-                               stream, *args, 1);
-    return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M>, dim3(blocks),
+        return duet_pdl_launch(duet__gemv_kernel<1, DT, R, U>, dim3(blocks),
+                               dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, 1);
+    return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M, DT, R, U>, dim3(blocks),
                            dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, (int)M);
+}
+
+template <int R, int U>
+static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+{
+    int dt = args->seg[0].dtype;
+    for (int i = 1; i < args->n; i++)
+        if (args->seg[i].dtype != dt)
+            dt = DUET__GEMV_ANY_DT;
+    switch (dt) {
+    case DUET_DTYPE_BF16:
+        return duet__gemv_launch<DUET_DTYPE_BF16, R, U>(stream, M, args);
+    case DUET_DTYPE_F16:
+        return duet__gemv_launch<DUET_DTYPE_F16, R, U>(stream, M, args);
+    case DUET_DTYPE_F32:
+        return duet__gemv_launch<DUET_DTYPE_F32, R, U>(stream, M, args);
+    default:
+        return duet__gemv_launch<DUET__GEMV_ANY_DT, R, U>(stream, M, args);
+    }
+}
+
+/*
+ * Launch the segments (each checked by duet__gemv_fits) as one kernel. Outputs per warp: 4 (two
+ * pieces of each row in flight) when that still makes DUET__GEMV_MIN_BLOCKS blocks, else 2, else
+ * 1 (four pieces in flight). Measured per kernel on an H200 at Kimi-Linear-48B's dims (Nsight
+ * Compute, batch 1): 4 per warp took q|k|v with its norm (12576 × 2304) from 27.3 to 17.8 us
+ * and MLA's q_a|kv_a (6720 × 2304, 210 blocks) from 20.5 to 13.6, while o_proj (2304 × 4096)
+ * wants every warp it can get: 8.9 us with 1 per warp (288 blocks), 10.7 with 4 (72).
+ */
+#define DUET__GEMV_MIN_BLOCKS 200
+static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+{
+    int64_t rows = 0; /* warps' worth of outputs, over every segment and batch entry */
+    for (int i = 0; i < args->n; i++) {
+        if (args->seg[i].B == 0)
+            args->seg[i].B = 1;
+        rows += (int64_t)args->seg[i].B * args->seg[i].N;
+    }
+    if (args->n == 0 || rows == 0)
+        return cudaSuccess;
+    const int64_t min_rows = (int64_t)DUET__GEMV_MIN_BLOCKS * DUET_GEMV_WARPS;
+    if (rows >= 4 * min_rows)
+        return duet__gemv_launch_r<4, 2>(stream, M, args);
+    if (rows >= 2 * min_rows)
+        return duet__gemv_launch_r<2, 2>(stream, M, args);
+    return duet__gemv_launch_r<1, 4>(stream, M, args);
 }
 
 /* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */

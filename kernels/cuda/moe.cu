@@ -84,7 +84,13 @@
 #define DUET__GV_RD      4 /* phase 2: down outputs per warp */
 #define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
-#define DUET__GV_SLICE   (DUET__GV_WARPS * DUET__GV_RD) /* gemv2 outputs per block (a slice) */
+/* At T = 1 (one row per slot) more of each row in flight: the real dims' rows are 9 (gate/up,
+ * D = 2304) and 4 (down, I = 1024) chunks per lane, so 2 and 1 round trips. Measured on an H200,
+ * 27 layers at batch 1 (graph replay): 2.969 ms/step against 3.019 with the 4-row kernel and
+ * 2 in flight; 3 + 4 took 2.975, 9 + 4 (one round trip, 184 registers) 3.000. */
+#define DUET__GV_U13_T1 5
+#define DUET__GV_U2_T1  4
+#define DUET__GV_SLICE  (DUET__GV_WARPS * DUET__GV_RD) /* gemv2 outputs per block (a slice) */
 static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
               "gemv2 completes a slice per thread");
 
@@ -562,11 +568,11 @@ static __device__ __forceinline__ uint4 duet__ld_weight(const uint4 *p)
  * One warp: acc[j][r] = W_j · xs_r for NW weight rows (global, 16-byte aligned, K elements) and
  * NR activation rows (shared, layout above). Lane l takes chunks l, l + 32, ...; fp32 FMA.
  */
-template <int DT, int NR, int NW>
+template <int DT, int NR, int NW, int U>
 static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, const float *xs,
                                                        int K, int n, int lane, float (&acc)[NW][NR])
 {
-    constexpr int VEC = duet__wt<DT>::VEC, U = DUET__GV_UNROLL;
+    constexpr int VEC = duet__wt<DT>::VEC;
     const int nchunk = K / VEC;
 #pragma unroll
     for (int j = 0; j < NW; j++)
@@ -628,13 +634,13 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
 
 /* Phase 1 for one warp: RI outputs i0.. of h for the slot's n rows (NR >= n, padding rows
  * repeat row n - 1 and are not stored). */
-template <int DT, int NR>
+template <int DT, int NR, int U>
 static __device__ __forceinline__ void
 duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, int n,
                   const int *pairs, int act, float beta, float beta_lin, float *h, int lane)
 {
     float acc[2 * DUET__GV_RI][NR];
-    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI>(w, xs, D, n, lane, acc);
+    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U>(w, xs, D, n, lane, acc);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RI; j++)
 #pragma unroll
@@ -644,13 +650,13 @@ duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, 
                     duet__act(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
 }
 
-template <int DT, int NR>
+template <int DT, int NR, int U>
 static __device__ __forceinline__ void duet__gemv2_rows(const uint4 *const *w, const float *hs,
                                                         int I, int D, int d0, int n,
                                                         const int *pairs, float *out, int lane)
 {
     float acc[DUET__GV_RD][NR];
-    duet__gemv_warp<DT, NR, DUET__GV_RD>(w, hs, I, n, lane, acc);
+    duet__gemv_warp<DT, NR, DUET__GV_RD, U>(w, hs, I, n, lane, acc);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RD; j++)
 #pragma unroll
@@ -686,7 +692,7 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
 }
 
 /* h[p][i] = act(W1[e][i] · x[t]) · (W3[e][i] · x[t]) for the slot's pairs p = (t, k). */
-template <int DT, int NRMAX>
+template <int DT, int NRMAX, int U>
 __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
                             int I, int D, int act, float beta, float beta_lin, float *h)
@@ -724,15 +730,15 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         return;
     const float *xsp = xs;
     if (NRMAX == 1 || n == 1)
-        duet__gemv13_rows<DT, 1>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+        duet__gemv13_rows<DT, 1, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
     else if (NRMAX == 2 || n == 2)
-        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin,
-                                                    h, lane);
+        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane);
     else if (NRMAX == 4 || n <= 4)
-        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin,
-                                                    h, lane);
+        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane);
     else
-        duet__gemv13_rows<DT, NRMAX>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+        duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
 }
 
 /* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order; a pair with an invalid expert
@@ -760,7 +766,7 @@ static __device__ __forceinline__ float duet__combine_elem(float a, const float 
  * tickets (pl.cnt), y[t] += Σ_k wts[t][k] · out[t * top_k + k] on the slice for every row t
  * this block completes (see duet__moe_plan_t).
  */
-template <int DT, int NRMAX>
+template <int DT, int NRMAX, int U>
 __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv2_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
                            float *out, const float *wts, float *y)
@@ -795,13 +801,13 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         __syncthreads();
         if (d0 < D) {
             if (NRMAX == 1 || n == 1)
-                duet__gemv2_rows<DT, 1>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane);
             else if (NRMAX == 2 || n == 2)
-                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane);
             else if (NRMAX == 4 || n <= 4)
-                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1)>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane);
             else
-                duet__gemv2_rows<DT, NRMAX>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane);
         }
     }
     if (pl.cnt == NULL)
@@ -1135,7 +1141,7 @@ template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned lon
 }
 
 /* Phase 1 then phase 2 (gemv2 also adds into y when the plan has tickets). */
-template <int DT, int NRMAX>
+template <int DT, int NRMAX, int U13 = DUET__GV_UNROLL, int U2 = DUET__GV_UNROLL>
 static duet_status_t
 duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
                   const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
@@ -1145,17 +1151,18 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
     const int I = (int)ex->I, D = (int)ex->D;
     const size_t sm13 = (size_t)NRMAX * D * sizeof(float), sm2 = (size_t)NRMAX * I * sizeof(float);
     cudaError_t e;
-    if ((e = duet__smem_optin(duet__moe_gemv13_kernel<DT, NRMAX>, &optin13)) != cudaSuccess ||
-        (e = duet__smem_optin(duet__moe_gemv2_kernel<DT, NRMAX>, &optin2)) != cudaSuccess)
+    if ((e = duet__smem_optin(duet__moe_gemv13_kernel<DT, NRMAX, U13>, &optin13)) != cudaSuccess ||
+        (e = duet__smem_optin(duet__moe_gemv2_kernel<DT, NRMAX, U2>, &optin2)) != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
     dim3 g13((unsigned)max_slots,
              (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
-    DUET__TRY(duet_pdl_launch(duet__moe_gemv13_kernel<DT, NRMAX>, g13, dim3(DUET__GV_THREADS), sm13,
-                              stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin, h),
+    DUET__TRY(duet_pdl_launch(duet__moe_gemv13_kernel<DT, NRMAX, U13>, g13, dim3(DUET__GV_THREADS),
+                              sm13, stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin,
+                              h),
               "gemv gate/up kernel launch");
     dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
-    DUET__TRY(duet_pdl_launch(duet__moe_gemv2_kernel<DT, NRMAX>, g2, dim3(DUET__GV_THREADS), sm2,
-                              stream, ex->w2, (const float *)h, pl, I, D, out, wts, y),
+    DUET__TRY(duet_pdl_launch(duet__moe_gemv2_kernel<DT, NRMAX, U2>, g2, dim3(DUET__GV_THREADS),
+                              sm2, stream, ex->w2, (const float *)h, pl, I, D, out, wts, y),
               "gemv down kernel launch");
     return DUET_OK;
 }
@@ -1272,8 +1279,9 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
      * GEMV slot size: 4 rows, fewer only if the rows would not fit in shared memory. Measured on
      * an H200 at the real dims (graph replay): T = 64, slots of 4 beat 8 by 25 % and 2 by 1 %
      * (more rows per slot cost registers, and an expert's next slot runs alongside and finds
-     * its weights in L2); T = 8, 4 and 2 tie; T = 1, the 4-row kernel (2 blocks per SM) beats
-     * the 1-row one (3 per SM) by 10 %, 40.5 against 45.3 us.
+     * its weights in L2); T = 8, 4 and 2 tie. T = 1 (direct, below) takes the 1-row kernels with
+     * more of each row in flight (DUET__GV_U13_T1, DUET__GV_U2_T1); with 2 in flight the 4-row
+     * kernel (2 blocks per SM) had beaten the 1-row one (3 per SM) by 10 %.
      */
     int nrmax = 4;
     while (nrmax > 1 && (size_t)nrmax * (D > I ? D : I) * sizeof(float) > DUET__SMEM_CAP)
@@ -1347,14 +1355,29 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             max_slots = P;
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
+            if (direct) {
+                st = duet__launch_gemv<DUET_DTYPE_BF16, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
+                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+                break;
+            }
             st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, ex, x, pl, max_slots, act,
                                                        beta, beta_lin, h, out, wts, y);
             break;
         case DUET_DTYPE_F16:
+            if (direct) {
+                st = duet__launch_gemv<DUET_DTYPE_F16, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
+                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+                break;
+            }
             st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, ex, x, pl, max_slots, act,
                                                       beta, beta_lin, h, out, wts, y);
             break;
         default:
+            if (direct) {
+                st = duet__launch_gemv<DUET_DTYPE_F32, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
+                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+                break;
+            }
             st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, ex, x, pl, max_slots, act,
                                                       beta, beta_lin, h, out, wts, y);
             break;

@@ -350,6 +350,76 @@ static double check_rows(const float *g, const float *c, const float *x, int64_t
     return worst;
 }
 
+/* Random BF16 weights [B][N][K] (*wf_p: their exact fp32 values) and the CPU's products
+ * yc + b·sy = x + b·sx times entry b, rows ldx / ldy apart. */
+static uint16_t *bf16_weights_and_ref(duet_kernels_t *cpu, int64_t B, int64_t N, int64_t K,
+                                      const float *x, int64_t ldx, int64_t sx, int64_t M, float *yc,
+                                      int64_t ldy, int64_t sy, float **wf_p)
+{
+    uint16_t *w = xmalloc((size_t)(B * N * K) * 2);
+    float *wf = xmalloc((size_t)(B * N * K) * 4);
+    for (int64_t i = 0; i < B * N * K; i++) {
+        w[i] = duet_f32_to_bf16(rng_f());
+        wf[i] = duet_bf16_to_f32(w[i]);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        duet_tensor_t wc = {.data = w + b * N * K,
+                            .dtype = DUET_DTYPE_BF16,
+                            .device = DUET_DEVICE_CPU,
+                            .ndim = 2,
+                            .shape = {N, K}};
+        CHECK(duet_k_matmul(cpu, yc + b * sy, ldy, x + b * sx, ldx, M, &wc, 0) == DUET_OK);
+    }
+    *wf_p = wf;
+    return w;
+}
+
+/* An accumulating F32 product y2 (+)= x · W2ᵀ beside others in a multi call: random W2 [N2][K]
+ * and y2, the CPU's result, device copies and the op reading the device x. */
+typedef struct {
+    int64_t N2, K, M;
+    float *w2, *y2c, *dw2, *dy2;
+    duet_tensor_t wd;
+} f32_acc_op_t;
+
+static duet_cuda_gemm_op_t f32_acc_op_make(f32_acc_op_t *o, duet_kernels_t *cpu, int64_t N2,
+                                           int64_t K, const float *x, const float *dx, int64_t ldx,
+                                           int64_t M)
+{
+    o->N2 = N2, o->K = K, o->M = M;
+    o->w2 = xmalloc((size_t)(N2 * K) * 4);
+    o->y2c = xmalloc((size_t)(M * N2) * 4);
+    for (int64_t i = 0; i < N2 * K; i++)
+        o->w2[i] = rng_f();
+    for (int64_t i = 0; i < M * N2; i++)
+        o->y2c[i] = rng_f();
+    o->dw2 = dev_copy(o->w2, (size_t)(N2 * K) * 4);
+    o->dy2 = dev_copy(o->y2c, (size_t)(M * N2) * 4);
+    duet_tensor_t wc = {.data = o->w2,
+                        .dtype = DUET_DTYPE_F32,
+                        .device = DUET_DEVICE_CPU,
+                        .ndim = 2,
+                        .shape = {N2, K}};
+    CHECK(duet_k_matmul(cpu, o->y2c, N2, x, ldx, M, &wc, 1) == DUET_OK);
+    o->wd = wc;
+    o->wd.data = o->dw2;
+    o->wd.device = DUET_DEVICE_CUDA;
+    return (duet_cuda_gemm_op_t){
+        .y = o->dy2, .ldy = N2, .x = dx, .ldx = ldx, .w = &o->wd, .accumulate = 1};
+}
+
+/* The device result against the CPU's (its S excludes y0, so 2e-5 relative plus 1e-5); frees. */
+static double f32_acc_op_check(f32_acc_op_t *o, const float *x, int64_t ldx, const char *what)
+{
+    float *y2g = xmalloc((size_t)(o->M * o->N2) * 4);
+    CUDA_OK(cudaMemcpy(y2g, o->dy2, (size_t)(o->M * o->N2) * 4, cudaMemcpyDeviceToHost));
+    const double e =
+        check_rows(y2g, o->y2c, x, ldx, o->w2, o->M, o->N2, o->K, o->N2, 2e-5 + 1e-5, what);
+    cudaFree(o->dw2), cudaFree(o->dy2);
+    free(o->w2), free(o->y2c), free(y2g);
+    return e;
+}
+
 Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
 {
     skip_without_device();
@@ -362,23 +432,11 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
     double worst_b = 0, worst_m = 0;
     for (int64_t M = 1; M <= 5; M += M == 2 ? 3 : 1) {
         /* batched, BF16 W [B][N][K] */
-        uint16_t *w = xmalloc((size_t)(B * N * K) * 2);
-        float *wf = xmalloc((size_t)(B * N * K) * 4), *x = xmalloc((size_t)(M * ldx) * 4);
+        float *wf, *x = xmalloc((size_t)(M * ldx) * 4);
         float *yc = xmalloc((size_t)(M * ldy) * 4), *yg = xmalloc((size_t)(M * ldy) * 4);
-        for (int64_t i = 0; i < B * N * K; i++) {
-            w[i] = duet_f32_to_bf16(rng_f());
-            wf[i] = duet_bf16_to_f32(w[i]);
-        }
         for (int64_t i = 0; i < M * ldx; i++)
             x[i] = rng_f();
-        for (int64_t b = 0; b < B; b++) {
-            duet_tensor_t wc = {.data = w + b * N * K,
-                                .dtype = DUET_DTYPE_BF16,
-                                .device = DUET_DEVICE_CPU,
-                                .ndim = 2,
-                                .shape = {N, K}};
-            CHECK(duet_k_matmul(cpu, yc + b * sy, ldy, x + b * sx, ldx, M, &wc, 0) == DUET_OK);
-        }
+        uint16_t *w = bf16_weights_and_ref(cpu, B, N, K, x, ldx, sx, M, yc, ldy, sy, &wf);
         void *dw = dev_copy(w, (size_t)(B * N * K) * 2);
         float *dx = dev_copy(x, (size_t)(M * ldx) * 4), *dy = dev_alloc((size_t)(M * ldy) * 4);
         duet_tensor_t wd = {.data = dw,
@@ -398,57 +456,112 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
 
         /* multi: an F32 and a BF16 weight reading x, the second accumulating */
         const int64_t N2 = 24;
-        float *w2 = xmalloc((size_t)(N2 * K) * 4), *y2c = xmalloc((size_t)(M * N2) * 4),
-              *y2g = xmalloc((size_t)(M * N2) * 4), *y2 = xmalloc((size_t)(M * N2) * 4);
-        for (int64_t i = 0; i < N2 * K; i++)
-            w2[i] = rng_f();
-        for (int64_t i = 0; i < M * N2; i++)
-            y2[i] = y2c[i] = rng_f();
-        duet_tensor_t w2c = {.data = w2,
-                             .dtype = DUET_DTYPE_F32,
-                             .device = DUET_DEVICE_CPU,
-                             .ndim = 2,
-                             .shape = {N2, K}};
         duet_tensor_t w1c = {.data = w,
                              .dtype = DUET_DTYPE_BF16,
                              .device = DUET_DEVICE_CPU,
                              .ndim = 2,
                              .shape = {N, K}};
         CHECK(duet_k_matmul(cpu, yc, N, x, ldx, M, &w1c, 0) == DUET_OK);
-        CHECK(duet_k_matmul(cpu, y2c, N2, x, ldx, M, &w2c, 1) == DUET_OK);
-        float *dw2 = dev_copy(w2, (size_t)(N2 * K) * 4), *dy2 = dev_copy(y2, (size_t)(M * N2) * 4);
-        duet_tensor_t w2d = {.data = dw2,
-                             .dtype = DUET_DTYPE_F32,
-                             .device = DUET_DEVICE_CUDA,
-                             .ndim = 2,
-                             .shape = {N2, K}};
         duet_tensor_t w1d = {.data = dw,
                              .dtype = DUET_DTYPE_BF16,
                              .device = DUET_DEVICE_CUDA,
                              .ndim = 2,
                              .shape = {N, K}};
-        const duet_cuda_gemm_op_t ops[2] = {
-            {.y = dy, .ldy = N, .x = dx, .ldx = ldx, .w = &w1d},
-            {.y = dy2, .ldy = N2, .x = dx, .ldx = ldx, .w = &w2d, .accumulate = 1}};
+        f32_acc_op_t acc;
+        const duet_cuda_gemm_op_t ops[2] = {{.y = dy, .ldy = N, .x = dx, .ldx = ldx, .w = &w1d},
+                                            f32_acc_op_make(&acc, cpu, N2, K, x, dx, ldx, M)};
         st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
         CHECK(st == DUET_OK, "multi M=%lld: %s", (long long)M, duet_error_last());
         CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(y2g, dy2, (size_t)(M * N2) * 4, cudaMemcpyDeviceToHost));
         double e1 = check_rows(yg, yc, x, ldx, wf, M, N, K, N, tol, "multi bf16");
-        /* the accumulated F32 op: its S excludes y0, so allow 2e-5 relative plus 1e-5 */
-        double e2 = check_rows(y2g, y2c, x, ldx, w2, M, N2, K, N2, 2e-5 + 1e-5, "multi f32 acc");
+        double e2 = f32_acc_op_check(&acc, x, ldx, "multi f32 acc");
         worst_m = e1 > worst_m ? e1 : worst_m;
         worst_m = e2 > worst_m ? e2 : worst_m;
-        cudaFree(dw2);
-        cudaFree(dy2);
         cudaFree(dw);
         cudaFree(dx);
         cudaFree(dy);
-        free(w2), free(y2c), free(y2g), free(y2);
         free(w), free(wf), free(x), free(yc), free(yg);
     }
     printf("batched (B=3) max err %.3g, multi max err %.3g (M = 1, 2: GEMV; 5: cuBLASLt)\n",
            worst_b, worst_m);
+    duet_cuda_gemm_destroy(g);
+    duet_kernels_destroy(cpu);
+}
+
+/*
+ * The GEMV's wide launches against duet_k_matmul: products with many outputs take 2 or 4
+ * outputs per warp (at least 3200 / 6400 rows in the launch), whose last warp repeats the
+ * final row and must not store it; segments of different weight types share one launch. N is
+ * never a multiple of the rows per block and K leaves part of the last round of pieces empty.
+ * Same tolerances as above (BF16 2^-8 + 2e-5 of S, F32 2e-5, accumulated F32 + 1e-5).
+ */
+Test(kernels_cuda, gemv_wide_launches_vs_cpu, .timeout = 300)
+{
+    skip_without_device();
+    duet_kernels_t *cpu = NULL;
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_kernels_create(DUET_DEVICE_CPU, 1, &cpu) == DUET_OK);
+    CHECK(duet_cuda_gemm_create(0, 1 << 20, &g) == DUET_OK, "%s", duet_error_last());
+    const double tol16 = 1.0 / 256 + 2e-5;
+    /* {N of the BF16 op, N of the accumulated F32 op (0: none), K, batch entries} */
+    const int64_t shapes[][4] = {{6403, 37, 264, 1},
+                                 {3205, 0, 1032, 1},
+                                 {130, 0, 136, 50},
+                                 {7001, 0, 2304, 1},
+                                 {1601, 1603, 72, 1}};
+    double worst = 0;
+    int cases = 0;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int64_t N = shapes[si][0], N2 = shapes[si][1], K = shapes[si][2], B = shapes[si][3];
+        for (int64_t M = 1; M <= 2; M++) {
+            const int64_t ldx = B * K + 4, ldy = B * N;
+            float *wf, *x = xmalloc((size_t)(M * ldx) * 4);
+            float *yc = xmalloc((size_t)(M * ldy) * 4), *yg = xmalloc((size_t)(M * ldy) * 4);
+            for (int64_t i = 0; i < M * ldx; i++)
+                x[i] = rng_f();
+            uint16_t *w = bf16_weights_and_ref(cpu, B, N, K, x, ldx, K, M, yc, ldy, N, &wf);
+            void *dw = dev_copy(w, (size_t)(B * N * K) * 2);
+            float *dx = dev_copy(x, (size_t)(M * ldx) * 4), *dy = dev_alloc((size_t)(M * ldy) * 4);
+            f32_acc_op_t acc;
+            duet_status_t st;
+            if (B > 1) {
+                duet_tensor_t wd = {.data = dw,
+                                    .dtype = DUET_DTYPE_BF16,
+                                    .device = DUET_DEVICE_CUDA,
+                                    .ndim = 3,
+                                    .shape = {B, N, K}};
+                st = duet_cuda_gemm_matmul_batched(g, 0, dy, ldy, N, dx, ldx, K, M, &wd, 0, 0);
+            } else {
+                duet_tensor_t wd = {.data = dw,
+                                    .dtype = DUET_DTYPE_BF16,
+                                    .device = DUET_DEVICE_CUDA,
+                                    .ndim = 2,
+                                    .shape = {N, K}};
+                duet_cuda_gemm_op_t ops[2] = {{.y = dy, .ldy = ldy, .x = dx, .ldx = ldx, .w = &wd}};
+                if (N2 > 0)
+                    ops[1] = f32_acc_op_make(&acc, cpu, N2, K, x, dx, ldx, M);
+                st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, N2 > 0 ? 2 : 1, 0);
+            }
+            CHECK(st == DUET_OK, "N=%lld K=%lld B=%lld M=%lld: %s", (long long)N, (long long)K,
+                  (long long)B, (long long)M, duet_error_last());
+            CUDA_OK(cudaMemcpy(yg, dy, (size_t)(M * ldy) * 4, cudaMemcpyDeviceToHost));
+            for (int64_t b = 0; b < B; b++) {
+                const double e = check_rows(yg + b * N, yc + b * N, x + b * K, ldx, wf + b * N * K,
+                                            M, N, K, ldy, tol16, "wide bf16");
+                worst = e > worst ? e : worst;
+            }
+            if (N2 > 0) {
+                const double e = f32_acc_op_check(&acc, x, ldx, "wide f32 acc");
+                worst = e > worst ? e : worst;
+            }
+            cudaFree(dw), cudaFree(dx), cudaFree(dy);
+            free(w), free(wf), free(x), free(yc), free(yg);
+            cases++;
+        }
+    }
+    printf("gemv wide launches: %d cases (2 and 4 outputs per warp, mixed weight types), max "
+           "err/S %.3g\n",
+           cases, worst);
     duet_cuda_gemm_destroy(g);
     duet_kernels_destroy(cpu);
 }
@@ -464,12 +577,11 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
  * and an in-place norm (x == y) take the two-call path and must be bit-identical. Programmatic
  * dependent launch off and on: PDL changes no arithmetic.
  */
-Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
+static void norm_multi_run(int64_t N1)
 {
-    skip_without_device();
     duet_cuda_gemm_t *g = NULL;
     CHECK(duet_cuda_gemm_create(0, 1 << 16, &g) == DUET_OK, "%s", duet_error_last());
-    const int64_t D = 2304, N1 = 100, N2 = 40, ld = D + 8;
+    const int64_t D = 2304, N2 = 40, ld = D + 8;
     uint16_t *w1 = xmalloc((size_t)(N1 * D) * 2);
     float *w1f = xmalloc((size_t)(N1 * D) * 4), *w2 = xmalloc((size_t)(N2 * D) * 4),
           *nw = xmalloc((size_t)D * 4);
@@ -595,12 +707,20 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 120)
               "a NULL norm weight must be refused");
         cudaFree(bx), cudaFree(by), cudaFree(bo);
     }
-    printf("norm_multi: %d cases; fused vs rmsnorm + multi: rows max rel %.3g, products max "
-           "err/S %.3g (two-call cases bit-identical)\n",
-           cases, worst_row, worst_y);
+    printf("norm_multi (N = %lld + 40): %d cases; fused vs rmsnorm + multi: rows max rel %.3g, "
+           "products max err/S %.3g (two-call cases bit-identical)\n",
+           (long long)N1, cases, worst_row, worst_y);
     cudaFree(dw1), cudaFree(dw2), cudaFree(dnw);
     free(w1), free(w1f), free(w2), free(nw);
     duet_cuda_gemm_destroy(g);
+}
+
+/* 100 + 40 outputs: one per warp; 6500 + 40: four per warp, mixed weight types in the launch. */
+Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 300)
+{
+    skip_without_device();
+    norm_multi_run(100);
+    norm_multi_run(6500);
 }
 
 /*
