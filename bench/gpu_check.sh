@@ -8,7 +8,9 @@
 # Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: ../shared/gpu/README.md),
 #      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
 #      python3), STAGES="build tests cluster bench tf" to run a subset, TARGETS="..." to build
-#      only some targets.
+#      only some targets, CUDA_UCX=DIR a CUDA-built UCX (tools/build_ucx_cuda.sh): the tests
+#      stage then also runs transfer_cuda and the cluster's greedy test with it, the workers'
+#      transfers moving the device pools directly (UCX_TLS=self,sm,cuda_copy,cuda_ipc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check-out}
@@ -28,7 +30,7 @@ if has build; then
   cmake --build build-gpu -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 fi
 if has tests; then
-  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda; do
+  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda transfer_cuda; do
     bin=$(find build-gpu/tests -name "$t" -type f | head -1)
     [ -n "$bin" ] || { say "$t: not built"; continue; }
     say "$t"
@@ -36,6 +38,20 @@ if has tests; then
     grep -E "max|rel L2|err|Synthesis|FAIL|fail|equal|tokens|differ|identical" "$out/$t.log" | grep -v "INFO" | tail -40
     say "$t exit $rc"
   done
+fi
+if has tests && [ -n "${CUDA_UCX:-}" ]; then
+  ucx_lib=$(cd "$CUDA_UCX" && pwd)/lib
+  say "transfer_cuda with the CUDA-built UCX ($CUDA_UCX)"
+  LD_LIBRARY_PATH=$ucx_lib:${LD_LIBRARY_PATH:-} build-gpu/tests/transfer_cuda --verbose=0 -j1 \
+    >"$out/transfer_cuda_ucx.log" 2>&1; rc=$?
+  grep -E "transfer_cuda |Synthesis|FAIL|SKIP" "$out/transfer_cuda_ucx.log" | tail -12
+  say "transfer_cuda (CUDA UCX) exit $rc"
+  say "cluster greedy test, transfers moving the device pools (CUDA UCX)"
+  DUET_TEST_UCX_TLS=self,sm,cuda_copy,cuda_ipc DUET_TEST_EXPECT_DEVICE_POOLS=1 \
+    LD_LIBRARY_PATH=$ucx_lib:${LD_LIBRARY_PATH:-} timeout 300 build-gpu/tests/test_cluster \
+    --verbose=0 -j1 --filter 'cluster/greedy*' >"$out/test_cluster_devpools.log" 2>&1; rc=$?
+  grep -E "cluster:|Synthesis|FAIL" "$out/test_cluster_devpools.log" | tail -8
+  say "test_cluster greedy (device pools) exit $rc"
 fi
 if has cluster; then
   say "cluster (GPU workers: --device auto picks cuda)"

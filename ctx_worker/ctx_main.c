@@ -43,7 +43,8 @@ static const duet_config_key_t ctx_keys[] = {
     {"batch.max_queue", DUET_CONFIG_INT, "256", "prompts waiting for a slot at most", .min = "0",
      .max = "1000000"},
     {"transfer.checksum", DUET_CONFIG_BOOL, "false",
-     "send an XXH3-64 of each transfer's bytes (the gen worker verifies it)", .min = NULL},
+     "send an XXH3-64 of each transfer's bytes (the gen worker verifies it; host pools only: "
+     "not with transfer.device_pools moving the GPU's pools)", .min = NULL},
 };
 
 typedef enum {
@@ -492,29 +493,25 @@ int main(int argc, char **argv)
                         "(%lld)\n", (long long)c.chunk, (long long)c.budget);
         return 2;
     }
-    duet_status_t     st;
-    duet_model_opts_t mo;
-    duet_worker_model_opts(c.cfg, &mo);
-    mo.mirror_out = 1; /* a GPU model stages each layer in the host pools the transfer reads */
-    if ((st = duet_model_load(dir, &mo, &c.m)) != DUET_OK) {
-        fprintf(stderr, "duet-ctx: cannot load %s: %s\n", dir, duet_error_last());
-        return 1;
-    }
+    duet_status_t        st;
     duet_xfer_ctx_opts_t xo;
     duet_xfer_ctx_opts_default(&xo);
     if ((st = duet_xfer_ctx_create(&xo, &c.x)) != DUET_OK) {
         fprintf(stderr, "duet-ctx: cannot start UCX: %s\n", duet_error_last());
         return 1;
     }
-    /* sending pools: registered where they are (puts read them) */
-    duet_kv_pool_t  *kv  = duet_model_kv_pool(c.m);
-    duet_kda_pool_t *kda = duet_model_kda_pool(c.m);
-    if ((kv != NULL && duet_xfer_ctx_register(c.x, DUET_XFER_POOL_KV, duet_kv_pool_base(kv),
-                                              duet_kv_pool_bytes(kv),
-                                              DUET_XFER_MEM_HOST) != DUET_OK) ||
-        (kda != NULL && duet_xfer_ctx_register(c.x, DUET_XFER_POOL_KDA, duet_kda_pool_base(kda),
-                                               duet_kda_pool_bytes(kda),
-                                               DUET_XFER_MEM_HOST) != DUET_OK)) {
+    duet_model_opts_t mo;
+    duet_worker_model_opts(c.cfg, &mo);
+    /* sending pools: UCX reads a GPU model's device pools directly when it can, else each
+     * layer is staged in the host pools the puts read */
+    const bool device_pools = duet_worker_device_pools(c.cfg, &mo, c.x);
+    mo.mirror_out = !device_pools;
+    if ((st = duet_model_load(dir, &mo, &c.m)) != DUET_OK) {
+        fprintf(stderr, "duet-ctx: cannot load %s: %s\n", dir, duet_error_last());
+        duet_xfer_ctx_destroy(c.x);
+        return 1;
+    }
+    if ((st = duet_worker_register_pools(c.x, c.m, device_pools)) != DUET_OK) {
         fprintf(stderr, "duet-ctx: cannot register the cache pools with UCX: %s\n",
                 duet_error_last());
         return 1;

@@ -53,6 +53,8 @@ typedef struct {
     int mirror_out;  /* CUDA: each layer's new KV / state is copied to the host pools before
                         the layer hook runs (a context worker streaming them) */
     int cuda_graphs; /* CUDA: replay decode steps as CUDA graphs (default 1) */
+    int device_pools_shared; /* CUDA: others (a CUDA-aware UCX) write the device pools directly:
+                                seq_open returns once its zeroing of them is done */
 } duet_model_opts_t;
 
 /*

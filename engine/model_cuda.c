@@ -775,6 +775,9 @@ duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t
         CU(cudaMemsetAsync((uint8_t *)dm->kda_dev + (size_t)seq->kda_slot * dm->kda_slot_bytes, 0,
                            dm->kda_slot_bytes, dm->stream),
            "zero state slot");
+    /* a transfer writing these pages from outside the stream must not race the zeroing */
+    if (dm->opts.device_pools_shared)
+        return duet__cu(cudaStreamSynchronize(dm->stream), "zero pages");
     return DUET_OK;
 }
 

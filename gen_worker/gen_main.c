@@ -628,13 +628,25 @@ int main(int argc, char **argv)
     }
     duet_model_opts_t mo;
     duet_worker_model_opts(g.cfg, &mo);
-    mo.mirror_in = 1; /* a GPU model copies received sequences from the host pools UCX wrote */
-    mo.pool_alloc = gen_pool_alloc; /* receiving pools: UCX segments, so shm puts are copies */
+    /* receiving pools: a GPU model's device pools when UCX can write them; else UCX segments
+     * on the host (shm puts are copies) that a GPU model copies received sequences from */
+    const bool device_pools = duet_worker_device_pools(g.cfg, &mo, g.x);
+    mo.mirror_in = !device_pools;
+    mo.device_pools_shared = device_pools;
+    mo.pool_alloc = device_pools ? NULL : gen_pool_alloc;
     if ((st = duet_model_load(dir, &mo, &g.m)) != DUET_OK) {
         fprintf(stderr, "duet-gen: cannot load %s: %s\n", dir, duet_error_last());
         duet_xfer_ctx_destroy(g.x);
         return 1;
     }
+    if (device_pools && (st = duet_worker_register_pools(g.x, g.m, true)) != DUET_OK) {
+        fprintf(stderr, "duet-gen: cannot register the device pools with UCX: %s\n",
+                duet_error_last());
+        duet_xfer_ctx_destroy(g.x);
+        return 1;
+    }
+    if (!device_pools)
+        DUET_LOG_INFO("transfers move the host pools");
     g.V           = duet_model_config(g.m)->vocab_size;
     g.page_tokens = mo.page_tokens;
     g.n_reqs      = mo.max_seqs;

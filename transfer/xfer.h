@@ -69,10 +69,21 @@ typedef struct duet_xfer_ctx duet_xfer_ctx_t;
 /* A transfer's id: on the receiver the Reservation's transfer_id, on the sender a local handle. */
 typedef uint64_t duet_xfer_id_t;
 
-/* Where a pool lives. Only host memory for now; device memory comes with the CUDA issue. */
+/*
+ * Where a pool lives. CUDA device memory (cudaMalloc'ed by its owner, then registered) needs a
+ * UCX with CUDA transports (cuda_copy, cuda_ipc) enabled: duet_xfer_ctx_mem_supported() says
+ * whether this process's UCX has them, and registering device memory without them is refused
+ * with DUET_ERR_UNSUPPORTED. Such a context runs UCX's new protocol layer (UCX_PROTO_ENABLE=y
+ * unless set otherwise; 1.13's default protocols crash putting into device memory), and device
+ * memory stays off when UCX_TLS allows tcp (1.13's new protocols crash sending active messages
+ * over it: measured, see xfer_ctx.c), e.g. UCX_TLS=sm,self,cuda_copy,cuda_ipc on one node. Debian's UCX has none, so the workers stage device pools through
+ * registered host pools (engine/model_cuda.h: mirror_in / mirror_out). A transfer whose sender
+ * or receiver has a device pool carries no verified checksum: the CPU cannot read those bytes
+ * (the sender sends none; a receiver with device pools reports has_checksum = false).
+ */
 typedef enum {
     DUET_XFER_MEM_HOST = 0,
-    DUET_XFER_MEM_CUDA = 1, /* refused (DUET_ERR_UNSUPPORTED) until UCX has CUDA transports */
+    DUET_XFER_MEM_CUDA = 1,
 } duet_xfer_mem_kind_t;
 
 /* The registered pools; the values match duet_xfer_seg_kind_t so plan entries index them. */
@@ -165,9 +176,10 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
 void duet_xfer_ctx_destroy(duet_xfer_ctx_t *ctx);
 
 /*
- * Register pool `pool` (ucp_mem_map of the existing buffer base[0..bytes)) and pack its rkey.
- * Once per pool; DUET_ERR_INVALID when already registered, DUET_ERR_UNSUPPORTED for device memory.
- * The buffer must outlive the context.
+ * Register pool `pool` (ucp_mem_map of the existing buffer base[0..bytes), host or CUDA device
+ * memory as `kind` says) and pack its rkey. Once per pool; DUET_ERR_INVALID when already
+ * registered, DUET_ERR_UNSUPPORTED for device memory when this UCX cannot move it. The buffer
+ * must outlive the context.
  */
 duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, void *base,
                                      size_t bytes, duet_xfer_mem_kind_t kind);
@@ -178,10 +190,15 @@ duet_status_t duet_xfer_ctx_register(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool
  * owned by the context until destroy. Use this for pools that *receive*: with UCX 1.13, RMA into
  * an ordinary malloc'ed buffer over shared memory falls back to a software emulation over active
  * messages (~0.1-2 GB/s), while puts into a UCX-allocated segment are plain copies into the
- * mapped segment (see bench/RESULTS.md). Same errors as duet_xfer_ctx_register.
+ * mapped segment (see bench/RESULTS.md). Host pools only (device pools: DUET_ERR_UNSUPPORTED);
+ * otherwise the same errors as duet_xfer_ctx_register.
  */
 duet_status_t duet_xfer_ctx_alloc(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, size_t bytes,
                                   duet_xfer_mem_kind_t kind, void **base_p);
+
+/* Whether this process's UCX can register and move memory of `kind` (host: always; CUDA: only
+ * with CUDA transports built in and enabled). */
+bool duet_xfer_ctx_mem_supported(const duet_xfer_ctx_t *ctx, duet_xfer_mem_kind_t kind);
 
 /* The worker's event fd: readable when progress may have work (after duet_xfer_ctx_arm). */
 int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx);
@@ -255,7 +272,7 @@ typedef struct {
     duet_xfer_layout_t     layout;           /* the source pools' layout */
     duet_xfer_src_t        src;              /* source pages / slot / n_tokens; pages copied */
     uint64_t               deadline_unix_ms; /* 0 = the reservations' (earliest) deadline */
-    bool                   checksum;         /* send XXH3-64 of each rank's bytes */
+    bool                   checksum;         /* send XXH3-64 of each rank's bytes (host pools) */
     duet_xfer_outcome_cb_t cb;
     void                  *user;
 } duet_xfer_send_args_t;

@@ -732,6 +732,47 @@ void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_
 
 /* --- context ------------------------------------------------------------------------------ */
 
+/* Whether a UCX_TLS value lets UCX use tcp: unset, "all", a list naming tcp, or an exclusion
+ * list ("^a,b") that does not name it. */
+bool duet__tls_may_use_tcp(const char *tls)
+{
+    if (tls == NULL || *tls == '\0')
+        return true;
+    const bool exclude = *tls == '^';
+    bool named = false, all = false;
+    for (const char *p = tls + exclude; *p != '\0';) {
+        const char *e = strchr(p, ',');
+        const size_t n = e != NULL ? (size_t)(e - p) : strlen(p);
+        named = named || (n == 3 && strncmp(p, "tcp", 3) == 0);
+        all = all || (n == 3 && strncmp(p, "all", 3) == 0);
+        p += n + (e != NULL);
+    }
+    return exclude ? !named : named || all;
+}
+
+/* ucp_init with the environment's configuration (UCX_*), plus PROTO_ENABLE=y when proto_v2. */
+static ucs_status_t duet__ucp_init(const ucp_params_t *up, bool proto_v2, ucp_context_h *ucp_p)
+{
+    ucp_config_t *cfg = NULL;
+    ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
+    if (us != UCS_OK)
+        return us;
+    if (proto_v2)
+        us = ucp_config_modify(cfg, "PROTO_ENABLE", "y");
+    if (us == UCS_OK)
+        us = ucp_init(up, cfg, ucp_p);
+    ucp_config_release(cfg);
+    return us;
+}
+
+/* UCS_BIT(ucs_memory_type_t) of every memory type the context can register and move. */
+static uint64_t duet__ucp_mem_types(ucp_context_h ucp)
+{
+    ucp_context_attr_t ca = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    uint64_t m = ucp_context_query(ucp, &ca) == UCS_OK ? ca.memory_types : 0;
+    return m | UCS_BIT(UCS_MEMORY_TYPE_HOST);
+}
+
 duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_ctx_t **ctx_p)
 {
     duet_xfer_ctx_opts_t o;
@@ -802,17 +843,39 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
         .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
         .name = "duet-xfer",
     };
-    ucp_config_t *cfg = NULL;
-    ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
-    if (us != UCS_OK) {
-        st = DUET_FAIL(DUET_ERR_TRANSPORT, "xfer: ucp_config_read: %s", ucs_status_string(us));
-        goto fail;
-    }
-    us = ucp_init(&up, cfg, &ctx->ucp);
-    ucp_config_release(cfg);
+    ucs_status_t us = duet__ucp_init(&up, false, &ctx->ucp);
     if (us != UCS_OK) {
         st = DUET_FAIL(DUET_ERR_TRANSPORT, "xfer: ucp_init: %s", ucs_status_string(us));
         goto fail;
+    }
+    /* Which memory this UCX can register and move: host always; CUDA only when it was built with
+     * CUDA transports (cuda_copy / cuda_ipc) and they are enabled (UCX_TLS). */
+    ctx->mem_types = duet__ucp_mem_types(ctx->ucp);
+    const bool cuda = (ctx->mem_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    if (cuda && duet__tls_may_use_tcp(getenv("UCX_TLS"))) {
+        /* Measured with a CUDA-built UCX 1.13.1 on an H200: with tcp among the transports, a
+         * context on the new protocol layer (needed for device memory, below) crashes in
+         * ucp_am_send_nbx on its first active message. Device memory stays off: the owner
+         * stages through host pools. */
+        DUET_LOG_INFO("xfer: UCX has CUDA transports, but UCX_TLS allows tcp, with which UCX "
+                      "1.13 cannot move device memory safely: device pools stay off (set "
+                      "UCX_TLS to e.g. sm,self,cuda_copy,cuda_ipc to move them directly)");
+        ctx->mem_types &= ~UCS_BIT(UCS_MEMORY_TYPE_CUDA);
+    } else if (cuda && getenv("UCX_PROTO_ENABLE") == NULL) {
+        /* UCX 1.13's default protocols carry a put into device memory over shared memory as an
+         * active message that the target copies with the CPU: a crash (measured on an H200 with
+         * a CUDA-built UCX 1.13.1, cuda_copy + cuda_ipc + posix). Its new protocol layer moves
+         * device memory correctly, so a context that can see CUDA memory uses it (unless the
+         * operator chose with UCX_PROTO_ENABLE). */
+        ucp_cleanup(ctx->ucp);
+        ctx->ucp = NULL;
+        us = duet__ucp_init(&up, true, &ctx->ucp);
+        if (us != UCS_OK) {
+            st = DUET_FAIL(DUET_ERR_TRANSPORT, "xfer: ucp_init (PROTO_ENABLE=y): %s",
+                           ucs_status_string(us));
+            goto fail;
+        }
+        ctx->mem_types = duet__ucp_mem_types(ctx->ucp);
     }
     ucp_worker_params_t wp = {
         .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS,
@@ -955,9 +1018,20 @@ static duet_status_t duet__xfer_map(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool,
     if ((unsigned)pool >= DUET_XFER_N_POOLS || (base == NULL && base_p == NULL) || bytes == 0)
         return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d, base %p, %zu bytes", (int)pool,
                          base, bytes);
-    if (kind != DUET_XFER_MEM_HOST)
+    if (kind != DUET_XFER_MEM_HOST && kind != DUET_XFER_MEM_CUDA)
+        return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d: unknown memory kind %d",
+                         (int)pool, (int)kind);
+    if (!duet_xfer_ctx_mem_supported(ctx, kind))
         return DUET_FAIL(DUET_ERR_UNSUPPORTED,
-                         "xfer register: device memory needs UCX CUDA transports (not built)");
+                         "xfer register: pool %d is CUDA device memory, and this UCX has no CUDA "
+                         "transports (cuda_copy / cuda_ipc: not built in, or left out of UCX_TLS); "
+                         "stage the pool through registered host memory instead",
+                         (int)pool);
+    if (kind == DUET_XFER_MEM_CUDA && base == NULL)
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "xfer alloc: pool %d: device pools are allocated by their owner "
+                         "(cudaMalloc) and registered",
+                         (int)pool);
     if (ctx->pools[pool].memh != NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "xfer register: pool %d already registered", (int)pool);
     ucp_mem_map_params_t mp = {
@@ -965,7 +1039,7 @@ static duet_status_t duet__xfer_map(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool,
                       UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_FLAGS,
         .address = base,
         .length = bytes,
-        .memory_type = UCS_MEMORY_TYPE_HOST,
+        .memory_type = kind == DUET_XFER_MEM_CUDA ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST,
         .flags = base == NULL ? UCP_MEM_MAP_ALLOCATE : 0,
     };
     ucp_mem_h memh;
@@ -997,6 +1071,7 @@ static duet_status_t duet__xfer_map(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool,
     ctx->pools[pool].memh = memh;
     ctx->pools[pool].rkey = rkey;
     ctx->pools[pool].rkey_len = rkey_len;
+    ctx->pools[pool].kind = kind;
     if (base_p != NULL)
         *base_p = base;
     return DUET_OK;
@@ -1014,6 +1089,21 @@ duet_status_t duet_xfer_ctx_alloc(duet_xfer_ctx_t *ctx, duet_xfer_pool_t pool, s
                                   duet_xfer_mem_kind_t kind, void **base_p)
 {
     return duet__xfer_map(ctx, pool, NULL, bytes, kind, base_p);
+}
+
+bool duet_xfer_ctx_mem_supported(const duet_xfer_ctx_t *ctx, duet_xfer_mem_kind_t kind)
+{
+    if (kind == DUET_XFER_MEM_HOST)
+        return true;
+    return kind == DUET_XFER_MEM_CUDA && (ctx->mem_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+}
+
+bool duet__xfer_pools_on_host(const duet_xfer_ctx_t *ctx)
+{
+    for (int p = 0; p < DUET_XFER_N_POOLS; p++)
+        if (ctx->pools[p].memh != NULL && ctx->pools[p].kind != DUET_XFER_MEM_HOST)
+            return false;
+    return true;
 }
 
 int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx)

@@ -169,7 +169,9 @@ struct duet_xfer_ctx {
         ucp_mem_h   memh;
         void       *rkey;     /* packed; ucp_rkey_buffer_release */
         size_t      rkey_len;
+        duet_xfer_mem_kind_t kind;
     } pools[DUET_XFER_N_POOLS];
+    uint64_t      mem_types; /* UCS_BIT(ucs_memory_type_t) for each type this UCX can move */
 
     uint32_t      cap, max_peers, max_pages, n_msgs;
     uint32_t      abort_grace_ms;
@@ -202,6 +204,10 @@ typedef struct {
 
 /* xfer_ctx.c */
 uint64_t duet__xfer_now_ns(void);
+/* Whether a UCX_TLS value lets UCX use tcp (see xfer_ctx.c: device memory stays off then). */
+bool duet__tls_may_use_tcp(const char *tls);
+/* Every registered pool is host memory (checksums read pool bytes on the CPU). */
+bool duet__xfer_pools_on_host(const duet_xfer_ctx_t *ctx);
 duet__xfer_t *duet__xfer_slot_take(duet_xfer_ctx_t *ctx, duet_xfer_role_t role);
 void duet__xfer_slot_release(duet_xfer_ctx_t *ctx, duet__xfer_t *x);
 duet__xfer_t *duet__xfer_find(duet_xfer_ctx_t *ctx, duet_xfer_role_t role, duet_xfer_id_t id);

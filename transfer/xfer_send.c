@@ -475,7 +475,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
     x->req_id = a->req_id != 0 ? a->req_id : a->reservations[0].request_id;
     x->cb = a->cb;
     x->user = a->user;
-    x->checksum = a->checksum;
+    x->checksum = a->checksum && duet__xfer_pools_on_host(ctx); /* see xfer.h: device pools */
     x->deadline_ns = x->t0_ns + (deadline - now_ms) * 1000000ull;
     x->n_mla = l->n_mla_layers;
     x->n_groups = l->n_mla_layers + l->n_kda_layers;

@@ -15,6 +15,7 @@
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
 const char *const duet_worker_dtypes[]  = {"f32", "bf16", NULL};
+const char *const duet_worker_device_pools_modes[] = {"auto", "off", NULL};
 
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
 {
@@ -30,6 +31,41 @@ void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
         o->device = DUET_DEVICE_CPU;
     o->compute_dtype = strcmp(duet_config_get_enum(cfg, "dtype"), "bf16") == 0 ? DUET_DTYPE_BF16
                                                                               : DUET_DTYPE_F32;
+}
+
+bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t *mo,
+                              duet_xfer_ctx_t *x)
+{
+    return mo->device == DUET_DEVICE_CUDA &&
+           strcmp(duet_config_get_enum(cfg, "transfer.device_pools"), "auto") == 0 &&
+           duet_xfer_ctx_mem_supported(x, DUET_XFER_MEM_CUDA);
+}
+
+duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bool device)
+{
+    duet_kv_pool_t  *kv  = duet_model_kv_pool(m);
+    duet_kda_pool_t *kda = duet_model_kda_pool(m);
+    void            *kv_base = kv != NULL ? duet_kv_pool_base(kv) : NULL;
+    void            *kda_base = kda != NULL ? duet_kda_pool_base(kda) : NULL;
+    const duet_xfer_mem_kind_t kind = device ? DUET_XFER_MEM_CUDA : DUET_XFER_MEM_HOST;
+    if (device) {
+        size_t kv_dev_bytes, kda_dev_bytes;
+        duet_model_device_pools(m, &kv_base, &kv_dev_bytes, &kda_base, &kda_dev_bytes);
+        if ((kv != NULL && (kv_base == NULL || kv_dev_bytes < duet_kv_pool_bytes(kv))) ||
+            (kda != NULL && (kda_base == NULL || kda_dev_bytes < duet_kda_pool_bytes(kda))))
+            return duet_error_set(DUET_ERR_INTERNAL,
+                                  "the model's device pools do not cover its host pools");
+    }
+    duet_status_t st = DUET_OK;
+    if (kv != NULL)
+        st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KV, kv_base, duet_kv_pool_bytes(kv), kind);
+    if (st == DUET_OK && kda != NULL)
+        st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KDA, kda_base, duet_kda_pool_bytes(kda),
+                                    kind);
+    if (st == DUET_OK)
+        DUET_LOG_INFO("transfers move the %s pools%s", device ? "device" : "host",
+                      device ? " directly (UCX has CUDA transports)" : "");
+    return st;
 }
 
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)

@@ -93,7 +93,10 @@ static pid_t spawn(const char *name, char *const argv[])
         dup2(fd, 1);
         dup2(fd, 2);
         setenv("DUET_LOG_LEVEL", "info", 1);
-        setenv("UCX_TLS", "tcp,self,sm", 1); /* tcp: dead peers are detected, not only timed out */
+        /* tcp: dead peers are detected, not only timed out. DUET_TEST_UCX_TLS replaces the list
+         * (a GPU run adds cuda_copy,cuda_ipc so that a CUDA-built UCX moves device pools) */
+        const char *tls = getenv("DUET_TEST_UCX_TLS");
+        setenv("UCX_TLS", tls != NULL ? tls : "tcp,self,sm", 1);
         setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
         execv(argv[0], argv);
         _exit(127);
@@ -499,6 +502,26 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
     for (int i = 0; i < N; i++) {
         free(jobs[i].want_text);
         free(jobs[i].got_text);
+    }
+    /* which pools the transfers moved (each worker logs it at start); a GPU run with a
+     * CUDA-built UCX sets DUET_TEST_EXPECT_DEVICE_POOLS to require the device pools */
+    const int expect_dev = getenv("DUET_TEST_EXPECT_DEVICE_POOLS") != NULL;
+    static const char *const ws[] = {"ctx-0", "ctx-1", "gen-0", "gen-1"};
+    for (int i = 0; i < 4; i++) {
+        char path[512], line[1024];
+        snprintf(path, sizeof(path), "%s/%s.log", dir, ws[i]);
+        FILE *f = fopen(path, "r");
+        cr_assert_not_null(f, "%s", path);
+        int dev = -1;
+        while (fgets(line, sizeof(line), f) != NULL)
+            if (strstr(line, "transfers move the ") != NULL)
+                dev = strstr(line, "transfers move the device pools") != NULL;
+        fclose(f);
+        cr_expect_neq(dev, -1, "%s did not say which pools its transfers move", ws[i]);
+        printf("cluster: %s transfers move the %s pools\n", ws[i], dev == 1 ? "device" : "host");
+        if (expect_dev)
+            cr_expect_eq(dev, 1, "%s: DUET_TEST_EXPECT_DEVICE_POOLS, but it staged through the "
+                                 "host pools", ws[i]);
     }
     stop_all();
 }

@@ -10,3 +10,9 @@ target_compile_definitions(transfer_procs PRIVATE DUET_XFER_PEER="$<TARGET_FILE:
 add_dependencies(transfer_procs duet-xfer-peer)
 duet_add_test(transfer_local SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_transfer_local.c
               LIBS duet_transfer TIMEOUT 60)
+# Device pools (DUET_XFER_MEM_CUDA): refused without UCX CUDA transports (everywhere); real
+# transfers between device and host pools where a device and a CUDA-built UCX are present.
+if(DUET_HAVE_CUDA)
+  duet_add_test(transfer_cuda SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_transfer_cuda.c
+                LIBS duet_transfer CUDA::cudart_static TIMEOUT 120)
+endif()
