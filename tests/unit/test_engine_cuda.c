@@ -35,23 +35,23 @@ static void need_gpu(void)
         cr_skip_test("no CUDA device visible: the GPU forward pass cannot run here");
 }
 
-static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt,
-                          int graphs, int mirror_in, int mirror_out)
+static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
+                          int mirror_in, int mirror_out)
 {
     duet_model_opts_t o;
     duet_model_opts_default(&o);
-    o.n_threads        = 2;
-    o.max_seqs         = 4;
-    o.max_seq_len      = 512;
+    o.n_threads = 2;
+    o.max_seqs = 4;
+    o.max_seq_len = 512;
     o.max_batch_tokens = 512;
-    o.page_tokens      = 16;
-    o.device           = dev;
-    o.compute_dtype    = dt;
-    o.cuda_graphs      = graphs;
-    o.mirror_in        = mirror_in;
-    o.mirror_out       = mirror_out;
-    duet_model_t *m    = NULL;
-    duet_status_t st   = duet_model_load(x->dir, &o, &m);
+    o.page_tokens = 16;
+    o.device = dev;
+    o.compute_dtype = dt;
+    o.cuda_graphs = graphs;
+    o.mirror_in = mirror_in;
+    o.mirror_out = mirror_out;
+    duet_model_t *m = NULL;
+    duet_status_t st = duet_model_load(x->dir, &o, &m);
     cr_assert_eq(st, DUET_OK, "%s: load (%s) failed: %s", x->name, duet_model_device_name(dev),
                  duet_error_last());
     return m;
@@ -60,8 +60,11 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
 static void prefill_all(duet_model_t *m, duet_seq_t *seq, const int32_t *toks, int64_t n,
                         float *logits)
 {
-    duet_batch_item_t it = {.seq = seq, .tokens = toks, .n_tokens = n,
-                            .logits_mode = DUET_LOGITS_ALL, .logits = logits};
+    duet_batch_item_t it = {.seq = seq,
+                            .tokens = toks,
+                            .n_tokens = n,
+                            .logits_mode = DUET_LOGITS_ALL,
+                            .logits = logits};
     cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
 }
 
@@ -73,8 +76,11 @@ static void greedy(duet_model_t *m, duet_seq_t *seq, float *last, int64_t V, int
         got[t] = duet_argmax(last, V);
         if (t + 1 == n)
             break;
-        duet_batch_item_t it = {.seq = seq, .tokens = &got[t], .n_tokens = 1,
-                                .logits_mode = DUET_LOGITS_LAST, .logits = last};
+        duet_batch_item_t it = {.seq = seq,
+                                .tokens = &got[t],
+                                .n_tokens = 1,
+                                .logits_mode = DUET_LOGITS_LAST,
+                                .logits = last};
         cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
     }
 }
@@ -84,11 +90,11 @@ Test(engine_cuda, no_device_fails_cleanly)
     if (duet_cuda_device_count() > 0)
         cr_skip_test("a CUDA device is visible: this checks the no-device error path");
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     duet_model_opts_t o;
     duet_model_opts_default(&o);
-    o.device        = DUET_DEVICE_CUDA;
+    o.device = DUET_DEVICE_CUDA;
     duet_model_t *m = NULL;
     duet_status_t st = duet_model_load(fx[0].dir, &o, &m);
     cr_assert_neq(st, DUET_OK, "a CUDA model loaded without a device");
@@ -105,14 +111,15 @@ Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 5, "expected the 5 committed fixtures, found %d", n);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x   = &fx[i];
+        fixture_t *x = &fx[i];
         duet_model_t *gpu = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
         duet_model_t *cpu = load(x, DUET_DEVICE_CPU, DUET_DTYPE_F32, 0, 0, 0);
         const int64_t V = x->vocab, np = x->n_prompt;
-        float *lg = malloc(sizeof(float) * (size_t)(np * V)), *lc = malloc(sizeof(float) * (size_t)(np * V));
+        float *lg = malloc(sizeof(float) * (size_t)(np * V)),
+              *lc = malloc(sizeof(float) * (size_t)(np * V));
         duet_seq_t sg, sc;
         cr_assert_eq(duet_model_seq_open(gpu, np + x->n_greedy, &sg), DUET_OK);
         cr_assert_eq(duet_model_seq_open(cpu, np + x->n_greedy, &sc), DUET_OK);
@@ -124,7 +131,7 @@ Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
         cr_expect_leq(e_tf, 1e-4, "%s: rel L2 vs transformers %g", x->name, e_tf);
         cr_expect_leq(e_cpu, 1e-5, "%s: rel L2 vs the CPU path %g", x->name, e_cpu);
         int32_t got[64];
-        float  *last = malloc(sizeof(float) * (size_t)V);
+        float *last = malloc(sizeof(float) * (size_t)V);
         memcpy(last, lg + (np - 1) * V, sizeof(float) * (size_t)V);
         greedy(gpu, &sg, last, V, got, x->n_greedy);
         for (int64_t t = 0; t < x->n_greedy; t++)
@@ -143,20 +150,22 @@ Test(engine_cuda, bf16_within_transformers_bf16_error, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES), checked = 0;
+    int n = load_fixtures(fx, MAX_FIXTURES), checked = 0;
     for (int i = 0; i < n; i++) {
         fixture_t *x = &fx[i];
         if (x->logits_bf16 == NULL)
             continue;
         duet_model_t *gpu = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_BF16, 1, 0, 0);
         const int64_t V = x->vocab, np = x->n_prompt;
-        float     *lg = malloc(sizeof(float) * (size_t)(np * V));
+        float *lg = malloc(sizeof(float) * (size_t)(np * V));
         duet_seq_t sg;
         cr_assert_eq(duet_model_seq_open(gpu, np, &sg), DUET_OK);
         prefill_all(gpu, &sg, x->prompt, np, lg);
-        double ours = rel_l2(lg, x->logits, np * V), theirs = rel_l2(x->logits_bf16, x->logits, np * V);
+        double ours = rel_l2(lg, x->logits, np * V),
+               theirs = rel_l2(x->logits_bf16, x->logits, np * V);
         printf("cuda bf16 %-30s rel L2 vs fp32 reference: ours %.3g, transformers bf16 %.3g "
-               "(ratio %.2f)\n", x->name, ours, theirs, ours / theirs);
+               "(ratio %.2f)\n",
+               x->name, ours, theirs, ours / theirs);
         cr_expect_leq(ours, 1.5 * theirs, "%s: bf16 rel L2 %g > 1.5 x transformers' %g", x->name,
                       ours, theirs);
         checked++;
@@ -173,17 +182,18 @@ Test(engine_cuda, graph_batch_equals_eager_and_alone, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt, steps = 6;
         duet_model_t *mg = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
         duet_model_t *me = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 0, 0, 0);
         const int64_t lens[3] = {np, np / 2 > 0 ? np / 2 : 1, np / 3 > 0 ? np / 3 : 1};
-        duet_seq_t    sg[3], se[3];
-        float        *all = malloc(sizeof(float) * (size_t)(np * V));
-        float        *lg = malloc(sizeof(float) * (size_t)(3 * V)), *le = malloc(sizeof(float) * (size_t)(3 * V));
-        int32_t       tok[3];
+        duet_seq_t sg[3], se[3];
+        float *all = malloc(sizeof(float) * (size_t)(np * V));
+        float *lg = malloc(sizeof(float) * (size_t)(3 * V)),
+              *le = malloc(sizeof(float) * (size_t)(3 * V));
+        int32_t tok[3];
         for (int s = 0; s < 3; s++) {
             cr_assert_eq(duet_model_seq_open(mg, lens[s] + steps, &sg[s]), DUET_OK);
             cr_assert_eq(duet_model_seq_open(me, lens[s] + steps, &se[s]), DUET_OK);
@@ -195,10 +205,13 @@ Test(engine_cuda, graph_batch_equals_eager_and_alone, .timeout = 600)
         for (int64_t t = 0; t < steps; t++) {
             duet_batch_item_t bg[3], be[3];
             for (int s = 0; s < 3; s++) {
-                bg[s] = (duet_batch_item_t){.seq = &sg[s], .tokens = &tok[s], .n_tokens = 1,
-                                            .logits_mode = DUET_LOGITS_LAST, .logits = lg + s * V};
+                bg[s] = (duet_batch_item_t){.seq = &sg[s],
+                                            .tokens = &tok[s],
+                                            .n_tokens = 1,
+                                            .logits_mode = DUET_LOGITS_LAST,
+                                            .logits = lg + s * V};
                 be[s] = bg[s];
-                be[s].seq    = &se[s];
+                be[s].seq = &se[s];
                 be[s].logits = le + s * V;
             }
             cr_assert_eq(duet_model_forward(mg, bg, 3), DUET_OK, "%s", duet_error_last());
@@ -206,7 +219,7 @@ Test(engine_cuda, graph_batch_equals_eager_and_alone, .timeout = 600)
                 cr_assert_eq(duet_model_forward(me, &be[s], 1), DUET_OK, "%s", duet_error_last());
             for (int s = 0; s < 3; s++) {
                 double e = rel_l2(lg + s * V, le + s * V, V);
-                worst    = e > worst ? e : worst;
+                worst = e > worst ? e : worst;
                 int32_t a = duet_argmax(lg + s * V, V), b = duet_argmax(le + s * V, V);
                 cr_expect_eq(a, b, "%s: step %lld seq %d: graph batch token %d vs alone %d",
                              x->name, (long long)t, s, a, b);
@@ -230,17 +243,18 @@ Test(engine_cuda, device_sampling_matches_cpu_sampler, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     const duet_sampling_t rules[3] = {{.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = 7},
                                       {.temperature = 1.3f, .top_k = 20, .top_p = 1.0f, .seed = 9},
                                       {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .seed = 0}};
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt, steps = 12;
         duet_model_t *g = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
         duet_sampler_t *smp = NULL;
         cr_assert_eq(duet_sampler_create(V, &smp), DUET_OK);
-        float *all = malloc(sizeof(float) * (size_t)(np * V)), *lg = malloc(sizeof(float) * (size_t)V);
+        float *all = malloc(sizeof(float) * (size_t)(np * V)),
+              *lg = malloc(sizeof(float) * (size_t)V);
         for (int r = 0; r < 3; r++) {
             /* the reference: logits on the device, the CPU sampler on them */
             duet_seq_t a, b;
@@ -255,13 +269,19 @@ Test(engine_cuda, device_sampling_matches_cpu_sampler, .timeout = 600)
             (void)duet_sampling_draw(&rules[r], &rb); /* b's first token is ta too */
             int same = 0;
             for (int64_t t = 0; t < steps; t++) {
-                duet_batch_item_t ia = {.seq = &a, .tokens = &ta, .n_tokens = 1,
-                                        .logits_mode = DUET_LOGITS_LAST, .logits = lg};
+                duet_batch_item_t ia = {.seq = &a,
+                                        .tokens = &ta,
+                                        .n_tokens = 1,
+                                        .logits_mode = DUET_LOGITS_LAST,
+                                        .logits = lg};
                 cr_assert_eq(duet_model_forward(g, &ia, 1), DUET_OK, "%s", duet_error_last());
                 int32_t next_a = duet_sampler_sample(smp, &rules[r], &ra, lg);
                 int32_t next_b = -1;
-                duet_batch_item_t ib = {.seq = &b, .tokens = &tb, .n_tokens = 1,
-                                        .logits_mode = DUET_LOGITS_TOKEN, .sampling = rules[r],
+                duet_batch_item_t ib = {.seq = &b,
+                                        .tokens = &tb,
+                                        .n_tokens = 1,
+                                        .logits_mode = DUET_LOGITS_TOKEN,
+                                        .sampling = rules[r],
                                         .u = duet_sampling_draw(&rules[r], &rb),
                                         .token_out = &next_b};
                 cr_assert_eq(duet_model_forward(g, &ib, 1), DUET_OK, "%s", duet_error_last());
@@ -272,8 +292,9 @@ Test(engine_cuda, device_sampling_matches_cpu_sampler, .timeout = 600)
                 tb = next_b;
             }
             printf("cuda %-30s sampling T=%.1f k=%lld p=%.2f: %d / %lld tokens equal the CPU "
-                   "sampler's\n", x->name, (double)rules[r].temperature,
-                   (long long)rules[r].top_k, (double)rules[r].top_p, same, (long long)steps);
+                   "sampler's\n",
+                   x->name, (double)rules[r].temperature, (long long)rules[r].top_k,
+                   (double)rules[r].top_p, same, (long long)steps);
             cr_expect_eq(same, steps, "%s: device sampling diverged at token %d", x->name, same);
             duet_model_seq_close(g, &a);
             duet_model_seq_close(g, &b);
@@ -303,9 +324,9 @@ Test(engine_cuda, staged_sequence_continues_like_the_original, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt, steps = 8;
         duet_model_t *ctx = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 0, 0, 1);
         duet_model_t *gen = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 1, 0);
@@ -325,27 +346,30 @@ Test(engine_cuda, staged_sequence_continues_like_the_original, .timeout = 600)
         if (kc != NULL)
             for (int64_t p = 0; p < a.n_pages; p++)
                 for (int64_t l = 0; l < duet_kv_pool_desc(kc)->n_layers; l++)
-                    memcpy(duet_kv_pool_block(kg, b.pages[p], l), duet_kv_pool_block(kc, a.pages[p], l),
-                           duet_kv_pool_block_bytes(kc));
+                    memcpy(duet_kv_pool_block(kg, b.pages[p], l),
+                           duet_kv_pool_block(kc, a.pages[p], l), duet_kv_pool_block_bytes(kc));
         duet_kda_pool_t *sc = duet_model_kda_pool(ctx), *sg = duet_model_kda_pool(gen);
         if (sc != NULL)
             for (int64_t l = 0; l < duet_kda_pool_desc(sc)->n_layers; l++)
-                memcpy(duet_kda_pool_state(sg, b.kda_slot, l), duet_kda_pool_state(sc, a.kda_slot, l),
-                       duet_kda_pool_layer_bytes(sc));
+                memcpy(duet_kda_pool_state(sg, b.kda_slot, l),
+                       duet_kda_pool_state(sc, a.kda_slot, l), duet_kda_pool_layer_bytes(sc));
         cr_assert_eq(duet_model_seq_set_filled(gen, &b, np), DUET_OK, "%s", duet_error_last());
-        float  *la = malloc(sizeof(float) * (size_t)V), *lb = malloc(sizeof(float) * (size_t)V);
-        int32_t t  = duet_argmax(all + (np - 1) * V, V);
-        double  worst = 0;
+        float *la = malloc(sizeof(float) * (size_t)V), *lb = malloc(sizeof(float) * (size_t)V);
+        int32_t t = duet_argmax(all + (np - 1) * V, V);
+        double worst = 0;
         for (int64_t s = 0; s < steps; s++) {
-            duet_batch_item_t ia = {.seq = &a, .tokens = &t, .n_tokens = 1,
-                                    .logits_mode = DUET_LOGITS_LAST, .logits = la};
+            duet_batch_item_t ia = {.seq = &a,
+                                    .tokens = &t,
+                                    .n_tokens = 1,
+                                    .logits_mode = DUET_LOGITS_LAST,
+                                    .logits = la};
             duet_batch_item_t ib = ia;
-            ib.seq    = &b;
+            ib.seq = &b;
             ib.logits = lb;
             cr_assert_eq(duet_model_forward(ctx, &ia, 1), DUET_OK, "%s", duet_error_last());
             cr_assert_eq(duet_model_forward(gen, &ib, 1), DUET_OK, "%s", duet_error_last());
             double e = rel_l2(lb, la, V);
-            worst    = e > worst ? e : worst;
+            worst = e > worst ? e : worst;
             cr_expect_eq(duet_argmax(la, V), duet_argmax(lb, V), "%s: step %lld differs", x->name,
                          (long long)s);
             t = duet_argmax(la, V);
@@ -372,18 +396,19 @@ Test(engine_cuda, token_item_beside_all_rows_item, .timeout = 300)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     const duet_sampling_t rule = {.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = 3};
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt;
         cr_assert_gt(np, 4, "%s: the prompt must have more rows than max_seqs", x->name);
         duet_model_t *g = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
-        duet_seq_t    a, b, c;
+        duet_seq_t a, b, c;
         cr_assert_eq(duet_model_seq_open(g, np, &a), DUET_OK);
         cr_assert_eq(duet_model_seq_open(g, np + 1, &b), DUET_OK);
         cr_assert_eq(duet_model_seq_open(g, np + 1, &c), DUET_OK);
-        float *ref = malloc(sizeof(float) * (size_t)(np * V)), *got = malloc(sizeof(float) * (size_t)(np * V));
+        float *ref = malloc(sizeof(float) * (size_t)(np * V)),
+              *got = malloc(sizeof(float) * (size_t)(np * V));
         prefill_all(g, &b, x->prompt, np - 1, ref);
         prefill_all(g, &c, x->prompt, np - 1, ref);
         prefill_all(g, &a, x->prompt, np, ref); /* a's reference logits, alone */
@@ -393,19 +418,31 @@ Test(engine_cuda, token_item_beside_all_rows_item, .timeout = 300)
         duet_rng_seed(&rng, rule.seed);
         const float u = duet_sampling_draw(&rule, &rng);
         int32_t tb = -1, tc = -1;
-        duet_batch_item_t mixed[2] = {
-            {.seq = &a, .tokens = x->prompt, .n_tokens = np, .logits_mode = DUET_LOGITS_ALL,
-             .logits = got},
-            {.seq = &b, .tokens = x->prompt + np - 1, .n_tokens = 1,
-             .logits_mode = DUET_LOGITS_TOKEN, .sampling = rule, .u = u, .token_out = &tb}};
+        duet_batch_item_t mixed[2] = {{.seq = &a,
+                                       .tokens = x->prompt,
+                                       .n_tokens = np,
+                                       .logits_mode = DUET_LOGITS_ALL,
+                                       .logits = got},
+                                      {.seq = &b,
+                                       .tokens = x->prompt + np - 1,
+                                       .n_tokens = 1,
+                                       .logits_mode = DUET_LOGITS_TOKEN,
+                                       .sampling = rule,
+                                       .u = u,
+                                       .token_out = &tb}};
         cr_assert_eq(duet_model_forward(g, mixed, 2), DUET_OK, "%s", duet_error_last());
-        duet_batch_item_t alone = {.seq = &c, .tokens = x->prompt + np - 1, .n_tokens = 1,
-                                   .logits_mode = DUET_LOGITS_TOKEN, .sampling = rule, .u = u,
+        duet_batch_item_t alone = {.seq = &c,
+                                   .tokens = x->prompt + np - 1,
+                                   .n_tokens = 1,
+                                   .logits_mode = DUET_LOGITS_TOKEN,
+                                   .sampling = rule,
+                                   .u = u,
                                    .token_out = &tc};
         cr_assert_eq(duet_model_forward(g, &alone, 1), DUET_OK, "%s", duet_error_last());
         double e = rel_l2(got, ref, np * V);
         printf("cuda %-30s ALL item (%lld rows) beside a TOKEN item: rel L2 %.3g, token %d vs "
-               "%d alone\n", x->name, (long long)np, e, tb, tc);
+               "%d alone\n",
+               x->name, (long long)np, e, tb, tc);
         cr_expect_leq(e, 1e-5, "%s: ALL logits beside a TOKEN item, rel L2 %g", x->name, e);
         cr_expect_geq(tb, 0, "%s: no token drawn", x->name);
         cr_expect_eq(tb, tc, "%s: token %d beside an ALL item, %d alone", x->name, tb, tc);
@@ -427,20 +464,20 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
 {
     need_gpu();
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt, steps = 5;
         for (int d = 0; d < 2; d++) {
             const duet_dtype_t dt = d ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
-            float  *out[2];
+            float *out[2];
             int64_t n_rows = 0;
             for (int pdl = 0; pdl <= 1; pdl++) {
                 duet_cuda_pdl_set(pdl);
                 duet_model_t *m = load(x, DUET_DEVICE_CUDA, dt, 1, 0, 0);
                 const int64_t lens[3] = {np, np / 2 > 0 ? np / 2 : 1, np / 3 > 0 ? np / 3 : 1};
-                duet_seq_t    seq[3];
-                float        *all = malloc(sizeof(float) * (size_t)(np * V));
+                duet_seq_t seq[3];
+                float *all = malloc(sizeof(float) * (size_t)(np * V));
                 out[pdl] = malloc(sizeof(float) * (size_t)((1 + 2 * steps) * 3 * V));
                 int64_t rows = 0;
                 int32_t tok[3];
@@ -454,8 +491,10 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
                     const int nb = t < steps ? 1 : 3; /* batch 1, then batch 3 */
                     duet_batch_item_t b[3];
                     for (int s = 0; s < nb; s++)
-                        b[s] = (duet_batch_item_t){.seq = &seq[s], .tokens = &tok[s],
-                                                   .n_tokens = 1, .logits_mode = DUET_LOGITS_LAST,
+                        b[s] = (duet_batch_item_t){.seq = &seq[s],
+                                                   .tokens = &tok[s],
+                                                   .n_tokens = 1,
+                                                   .logits_mode = DUET_LOGITS_LAST,
                                                    .logits = out[pdl] + (rows + s) * V};
                     cr_assert_eq(duet_model_forward(m, b, nb), DUET_OK, "%s", duet_error_last());
                     for (int s = 0; s < nb; s++)
@@ -472,8 +511,8 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
                 differ += memcmp(out[0] + r * V, out[1] + r * V, sizeof(float) * V) != 0;
             printf("cuda %-30s %s: PDL on vs off, %lld logits rows, %lld differ\n", x->name,
                    d ? "bf16" : "f32", (long long)n_rows, (long long)differ);
-            cr_expect_eq(differ, 0, "%s %s: %lld of %lld logits rows differ with PDL on",
-                         x->name, d ? "bf16" : "f32", (long long)differ, (long long)n_rows);
+            cr_expect_eq(differ, 0, "%s %s: %lld of %lld logits rows differ with PDL on", x->name,
+                         d ? "bf16" : "f32", (long long)differ, (long long)n_rows);
             free(out[0]);
             free(out[1]);
         }
