@@ -55,6 +55,9 @@ typedef struct {
     int cuda_graphs; /* CUDA: replay decode steps as CUDA graphs (default 1) */
     int device_pools_shared; /* CUDA: others (a CUDA-aware UCX) write the device pools directly:
                                 seq_open returns once its zeroing of them is done */
+    int64_t logit_rows_cap;  /* CUDA: logits rows the device buffer holds (0 = as many as fit in
+                                1 GiB; never below one per sequence of a batch); a step with more
+                                logits rows computes the head in slices of this many */
 } duet_model_opts_t;
 
 /*

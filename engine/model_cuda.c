@@ -519,6 +519,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     }
     /* logits: as many rows as fit in 1 GiB, at least one per sequence of a bucket */
     int64_t cap = ((int64_t)1 << 28) / (V > 0 ? V : 1);
+    if (dm->opts.logit_rows_cap > 0 && dm->opts.logit_rows_cap < cap)
+        cap = dm->opts.logit_rows_cap;
     if (cap < dm->imax_items)
         cap = dm->imax_items;
     if (cap > T)

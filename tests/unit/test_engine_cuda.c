@@ -35,6 +35,8 @@ static void need_gpu(void)
         cr_skip_test("no CUDA device visible: the GPU forward pass cannot run here");
 }
 
+static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the default) */
+
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)
 {
@@ -50,6 +52,7 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     o.cuda_graphs = graphs;
     o.mirror_in = mirror_in;
     o.mirror_out = mirror_out;
+    o.logit_rows_cap = g_logit_rows_cap;
     duet_model_t *m = NULL;
     duet_status_t st = duet_model_load(x->dir, &o, &m);
     cr_assert_eq(st, DUET_OK, "%s: load (%s) failed: %s", x->name, duet_model_device_name(dev),
@@ -449,6 +452,66 @@ Test(engine_cuda, token_item_beside_all_rows_item, .timeout = 300)
         free(ref);
         free(got);
         duet_model_free(g);
+    }
+    free_fixtures(fx, n);
+}
+
+/*
+ * More logits rows in a step than the device buffer holds (a long DUET_LOGITS_ALL chunk at the
+ * real vocabulary: 1 GiB holds 1638 rows of 163840) runs the head in slices after the body. With
+ * the buffer capped at 5 rows (the floor is one per sequence of a batch: 4 here), an ALL prefill
+ * beside a TOKEN item must give the whole-head model's logits (<= 1e-5 rel L2: a slice's GEMM may
+ * pick another algorithm) and the same drawn token, which the sliced path draws slice by slice.
+ */
+Test(engine_cuda, sliced_head_equals_whole_head, .timeout = 300)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    const duet_sampling_t rule = {.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = 5};
+    for (int i = 0; i < n; i++) {
+        fixture_t *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt;
+        cr_assert_gt(np, 10, "%s: the prompt must span slices", x->name);
+        float *out[2] = {malloc(sizeof(float) * (size_t)(np * V)),
+                         malloc(sizeof(float) * (size_t)(np * V))};
+        int32_t tok[2] = {-1, -1};
+        for (int sliced = 0; sliced <= 1; sliced++) {
+            g_logit_rows_cap = sliced ? 5 : 0;
+            duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+            g_logit_rows_cap = 0;
+            duet_seq_t a, b;
+            cr_assert_eq(duet_model_seq_open(m, np, &a), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(m, np + 1, &b), DUET_OK);
+            prefill_all(m, &b, x->prompt, np - 1, out[sliced]);
+            duet_rng_t rng;
+            duet_rng_seed(&rng, rule.seed);
+            const float u = duet_sampling_draw(&rule, &rng);
+            duet_batch_item_t mixed[2] = {{.seq = &a,
+                                           .tokens = x->prompt,
+                                           .n_tokens = np,
+                                           .logits_mode = DUET_LOGITS_ALL,
+                                           .logits = out[sliced]},
+                                          {.seq = &b,
+                                           .tokens = x->prompt + np - 1,
+                                           .n_tokens = 1,
+                                           .logits_mode = DUET_LOGITS_TOKEN,
+                                           .sampling = rule,
+                                           .u = u,
+                                           .token_out = &tok[sliced]}};
+            cr_assert_eq(duet_model_forward(m, mixed, 2), DUET_OK, "%s", duet_error_last());
+            duet_model_free(m);
+        }
+        const double e = rel_l2(out[1], out[0], np * V);
+        printf("cuda %-30s head in slices of 5 rows (%lld + 1 logits rows): rel L2 %.3g, token "
+               "%d vs %d\n",
+               x->name, (long long)np, e, tok[1], tok[0]);
+        cr_expect_leq(e, 1e-5, "%s: sliced head logits, rel L2 %g", x->name, e);
+        cr_expect_geq(tok[0], 0, "%s: no token drawn", x->name);
+        cr_expect_eq(tok[1], tok[0], "%s: token %d from the sliced head, %d whole", x->name, tok[1],
+                     tok[0]);
+        free(out[0]);
+        free(out[1]);
     }
     free_fixtures(fx, n);
 }
