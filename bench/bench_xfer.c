@@ -15,8 +15,11 @@
  *
  * The receiver's pool comes from duet_xfer_ctx_alloc (a UCX-allocated shared segment); --malloc
  * registers a malloc'ed buffer instead, to show what UCX 1.13 does with those over shm.
+ * --transport cuda (builds with CUDA, a CUDA-built UCX: tools/build_ucx_cuda.sh) puts between
+ * device pools (cudaMalloc, UCX_TLS=sm,self,cuda_copy,cuda_ipc); its reference is cudaMemcpy of
+ * the same pieces device to device.
  *
- * Usage: duet-bench-xfer [--quick] [--malloc] [--transport shm|tcp|both]. UCX_NET_DEVICES
+ * Usage: duet-bench-xfer [--quick] [--malloc] [--transport shm|tcp|both|cuda]. UCX_NET_DEVICES
  * defaults to lo.
  */
 #define _GNU_SOURCE
@@ -31,6 +34,10 @@
 #include <unistd.h>
 
 #include "transfer/xfer.h"
+
+#ifdef DUET_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #define MIB (1024.0 * 1024.0)
 
@@ -132,6 +139,40 @@ static void count_cb(const duet_xfer_outcome_t *o, void *user)
 }
 
 static bool g_alloc = true; /* receiver pools from duet_xfer_ctx_alloc (--malloc: register) */
+static bool g_device;      /* --transport cuda: both pools in device memory */
+
+/* A device pool of POOL_BYTES, registered with ctx (exits when this build or UCX cannot). */
+static uint8_t *device_pool(duet_xfer_ctx_t *ctx, int fill)
+{
+#ifdef DUET_HAVE_CUDA
+    void *p = NULL;
+    if (cudaMalloc(&p, POOL_BYTES) != cudaSuccess || cudaMemset(p, fill, POOL_BYTES) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+        fprintf(stderr, "bench: no CUDA device memory: %s\n", cudaGetErrorString(cudaGetLastError()));
+        exit(2);
+    }
+    if (duet_xfer_ctx_register(ctx, DUET_XFER_POOL_KV, p, POOL_BYTES, DUET_XFER_MEM_CUDA) < 0) {
+        fprintf(stderr, "bench: %s\n", duet_error_last());
+        exit(2);
+    }
+    return p;
+#else
+    (void)ctx, (void)fill;
+    fprintf(stderr, "bench: --transport cuda needs a build with CUDA\n");
+    exit(2);
+#endif
+}
+
+static void pool_free(uint8_t *p)
+{
+#ifdef DUET_HAVE_CUDA
+    if (g_device) {
+        cudaFree(p);
+        return;
+    }
+#endif
+    free(p);
+}
 
 static duet_xfer_ctx_t *ctx_with_pool(uint8_t **pool_p, uint32_t max_x, bool receiver)
 {
@@ -146,6 +187,10 @@ static duet_xfer_ctx_t *ctx_with_pool(uint8_t **pool_p, uint32_t max_x, bool rec
     }
     uint8_t *pool = NULL;
     duet_status_t st;
+    if (g_device) {
+        *pool_p = device_pool(ctx, 1);
+        return ctx;
+    }
     if (receiver && g_alloc) {
         void *base;
         st = duet_xfer_ctx_alloc(ctx, DUET_XFER_POOL_KV, POOL_BYTES, DUET_XFER_MEM_HOST, &base);
@@ -206,7 +251,7 @@ static int run_receiver(int in, int out)
         frame_write(out, "ok", 2);
     }
     duet_xfer_ctx_destroy(ctx);
-    free(pool);
+    pool_free(pool);
     free(pages);
     return 0;
 }
@@ -281,6 +326,18 @@ static int run_batch(sender_t *S, lay_t l, uint64_t tokens, unsigned count, doub
     return 0;
 }
 
+/* One piece of the reference copy: memcpy, or cudaMemcpyAsync device to device. */
+static void copy_piece(void *dst, const void *src, size_t n)
+{
+#ifdef DUET_HAVE_CUDA
+    if (g_device) {
+        cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, 0);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* memcpy of the same source bytes (page by page, layer by layer) into a warm buffer. */
 static double time_memcpy(sender_t *S, lay_t l, uint64_t tokens, int reps)
 {
@@ -296,11 +353,16 @@ static double time_memcpy(sender_t *S, lay_t l, uint64_t tokens, int reps)
                 break;
             for (uint32_t layer = 0; layer < l.layers; layer++) {
                 uint64_t n = t * l.token_bytes;
-                memcpy(dst, S->pool + p * page_bytes + (uint64_t)layer * l.page_tokens * l.token_bytes,
-                       n);
+                copy_piece(dst,
+                           S->pool + p * page_bytes + (uint64_t)layer * l.page_tokens * l.token_bytes,
+                           n);
                 dst += n;
             }
         }
+#ifdef DUET_HAVE_CUDA
+        if (g_device)
+            cudaDeviceSynchronize();
+#endif
         double dt = now_s() - t0;
         if (dt < best)
             best = dt;
@@ -316,7 +378,7 @@ static int cmp_double(const void *a, const void *b)
 
 static int bench_transport(const char *name, const char *tls, bool quick)
 {
-    setenv("UCX_TLS", tls, 1);
+    setenv("UCX_TLS", tls, !g_device); /* device pools: an operator's UCX_TLS is kept */
     int p2c[2], c2p[2];
     if (pipe(p2c) != 0 || pipe(c2p) != 0)
         return -1;
@@ -330,8 +392,18 @@ static int bench_transport(const char *name, const char *tls, bool quick)
     close(c2p[1]);
     sender_t S = {.to = p2c[1], .from = c2p[0]};
     S.ctx = ctx_with_pool(&S.pool, 1100, false);
-    S.scratch = malloc(POOL_BYTES);
-    memset(S.scratch, 2, POOL_BYTES);
+    if (g_device) {
+        duet_xfer_ctx_opts_t o;
+        duet_xfer_ctx_opts_default(&o);
+        duet_xfer_ctx_t *scratch_ctx = NULL; /* a device buffer for the reference copy */
+        if (duet_xfer_ctx_create(&o, &scratch_ctx) < 0)
+            return -1;
+        S.scratch = device_pool(scratch_ctx, 2);
+        duet_xfer_ctx_destroy(scratch_ctx);
+    } else {
+        S.scratch = malloc(POOL_BYTES);
+        memset(S.scratch, 2, POOL_BYTES);
+    }
     S.pages = malloc(sizeof(int32_t) * 4096);
     uint64_t token_bytes = (uint64_t)LAY_BIG.layers * LAY_BIG.token_bytes;
 
@@ -380,8 +452,8 @@ static int bench_transport(const char *name, const char *tls, bool quick)
     duet_xfer_ctx_destroy(S.ctx);
     close(S.to);
     close(S.from);
-    free(S.pool);
-    free(S.scratch);
+    pool_free(S.pool);
+    pool_free(S.scratch);
     free(S.pages);
     return rc;
 }
@@ -398,9 +470,15 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--transport") == 0 && i + 1 < argc)
             which = argv[++i];
         else {
-            fprintf(stderr, "usage: duet-bench-xfer [--quick] [--malloc] [--transport shm|tcp|both]\n");
+            fprintf(stderr, "usage: duet-bench-xfer [--quick] [--malloc] [--transport "
+                            "shm|tcp|both|cuda]\n");
             return 64;
         }
+    }
+    if (strcmp(which, "cuda") == 0) {
+        g_device = true;
+        return bench_transport("device pools (CUDA-built UCX)", "sm,self,cuda_copy,cuda_ipc",
+                               quick) != 0;
     }
     setenv("UCX_NET_DEVICES", "lo", 0);
     signal(SIGPIPE, SIG_IGN);

@@ -10,7 +10,8 @@
 #      python3), STAGES="build tests cluster bench tf" to run a subset, TARGETS="..." to build
 #      only some targets, CUDA_UCX=DIR a CUDA-built UCX (tools/build_ucx_cuda.sh): the tests
 #      stage then also runs transfer_cuda and the cluster's greedy test with it, the workers'
-#      transfers moving the device pools directly (UCX_TLS=self,sm,cuda_copy,cuda_ipc).
+#      transfers moving the device pools directly (transfer.device_pools=auto,
+#      UCX_TLS=self,sm,cuda_copy,cuda_ipc).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check-out}
@@ -47,7 +48,8 @@ if has tests && [ -n "${CUDA_UCX:-}" ]; then
   grep -E "transfer_cuda |Synthesis|FAIL|SKIP" "$out/transfer_cuda_ucx.log" | tail -12
   say "transfer_cuda (CUDA UCX) exit $rc"
   say "cluster greedy test, transfers moving the device pools (CUDA UCX)"
-  DUET_TEST_UCX_TLS=self,sm,cuda_copy,cuda_ipc DUET_TEST_EXPECT_DEVICE_POOLS=1 \
+  DUET_TRANSFER_DEVICE_POOLS=auto DUET_TEST_UCX_TLS=self,sm,cuda_copy,cuda_ipc \
+    DUET_TEST_EXPECT_DEVICE_POOLS=1 \
     LD_LIBRARY_PATH=$ucx_lib:${LD_LIBRARY_PATH:-} timeout 300 build-gpu/tests/test_cluster \
     --verbose=0 -j1 --filter 'cluster/greedy*' >"$out/test_cluster_devpools.log" 2>&1; rc=$?
   grep -E "cluster:|Synthesis|FAIL" "$out/test_cluster_devpools.log" | tail -8

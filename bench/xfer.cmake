@@ -4,3 +4,7 @@ add_executable(duet-bench-xfer ${CMAKE_CURRENT_LIST_DIR}/bench_xfer.c)
 duet_target_defaults(duet-bench-xfer)
 target_compile_options(duet-bench-xfer PRIVATE -O2)
 target_link_libraries(duet-bench-xfer PRIVATE duet_transfer)
+if(DUET_HAVE_CUDA) # --transport cuda: device pools
+  target_compile_definitions(duet-bench-xfer PRIVATE DUET_HAVE_CUDA=1)
+  target_link_libraries(duet-bench-xfer PRIVATE CUDA::cudart_static)
+endif()

@@ -15,7 +15,7 @@
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
 const char *const duet_worker_dtypes[]  = {"f32", "bf16", NULL};
-const char *const duet_worker_device_pools_modes[] = {"auto", "off", NULL};
+const char *const duet_worker_device_pools_modes[] = {"off", "auto", NULL};
 
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
 {

@@ -45,23 +45,23 @@
     {"batch.prefill_chunk", DUET_CONFIG_INT, "512",                                                \
      "prompt tokens of one request per step (chunks start at multiples of it, as in "              \
      "duet-generate --prefill-chunk)", .min = "1", .max = "1048576"},                              \
-    {"transfer.device_pools", DUET_CONFIG_ENUM, "auto",                                            \
-     "cuda: auto = UCX reads and writes the GPU's KV and state pools directly when it has CUDA "  \
-     "transports (cuda_copy, cuda_ipc), else they are staged through pinned host pools; off = "   \
-     "always staged", .choices = duet_worker_device_pools_modes}
+    {"transfer.device_pools", DUET_CONFIG_ENUM, "off",                                             \
+     "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes the "    \
+     "GPU's pools directly when it has CUDA transports (experimental: with UCX 1.13.1 slower "    \
+     "than staging, see bench/RESULTS.md)", .choices = duet_worker_device_pools_modes}
 
 extern const char *const duet_worker_devices[]; /* "auto", "cpu", "cuda" */
 extern const char *const duet_worker_dtypes[];  /* "f32", "bf16" */
-extern const char *const duet_worker_device_pools_modes[]; /* "auto", "off" */
+extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
 
 /* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
 
 /*
  * Whether this worker's transfers move its model's device pools directly (decided before the
- * model loads): the model runs on CUDA, transfer.device_pools is auto and x's UCX can move
- * device memory (duet_xfer_ctx_mem_supported). Otherwise the pools are staged through the host
- * pools (model opts mirror_in / mirror_out).
+ * model loads): the model runs on CUDA, transfer.device_pools is auto (default off) and x's UCX
+ * can move device memory (duet_xfer_ctx_mem_supported). Otherwise the pools are staged through
+ * the host pools (model opts mirror_in / mirror_out).
  */
 bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t *mo,
                               duet_xfer_ctx_t *x);
