@@ -38,25 +38,42 @@ static __device__ __forceinline__ void duet_pdl_trigger(void)
 #endif
 }
 
+/* duet_pdl_launch with one more launch attribute, `extra` (e.g. a thread-block cluster shape;
+ * NULL for none), set ahead of the PDL one. */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t duet_pdl_launch_attr(void (*k)(KArgs...), dim3 grid, dim3 block,
+                                               size_t smem, cudaStream_t stream,
+                                               const cudaLaunchAttribute *extra, Args... args)
+{
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    memset(&cfg, 0, sizeof(cfg));
+    memset(attr, 0, sizeof(attr));
+    if (extra != NULL)
+        attr[n++] = *extra;
+    if (duet_cuda_pdl_enabled()) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n].val.programmaticStreamSerializationAllowed = 1;
+        n++;
+    }
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    return cudaLaunchKernelEx(&cfg, k, static_cast<KArgs>(args)...);
+}
+
 /* Launch k<<<grid, block, smem, stream>>>(args...) with programmatic stream serialisation when
  * duet_cuda_pdl_enabled() says so (the kernel must follow the contract above). */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t duet_pdl_launch(void (*k)(KArgs...), dim3 grid, dim3 block, size_t smem,
                                           cudaStream_t stream, Args... args)
 {
-    cudaLaunchConfig_t  cfg;
-    cudaLaunchAttribute attr;
-    memset(&cfg, 0, sizeof(cfg));
-    memset(&attr, 0, sizeof(attr));
-    attr.id                                         = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim                                     = grid;
-    cfg.blockDim                                    = block;
-    cfg.dynamicSmemBytes                            = smem;
-    cfg.stream                                      = stream;
-    cfg.attrs                                       = &attr;
-    cfg.numAttrs                                    = duet_cuda_pdl_enabled() ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, k, static_cast<KArgs>(args)...);
+    return duet_pdl_launch_attr(k, grid, block, smem, stream,
+                                static_cast<const cudaLaunchAttribute *>(NULL), args...);
 }
 
 #endif

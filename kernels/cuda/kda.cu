@@ -1007,31 +1007,6 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 #endif
 }
 
-/* Launch with a cluster of (1, cl, 1) blocks and, when enabled, programmatic dependent launch
- * (duet_pdl_launch's contract; it takes one launch attribute, this needs two). */
-template <typename... KArgs, typename... Args>
-static cudaError_t duet__kda_cluster_launch(void (*k)(KArgs...), dim3 grid, dim3 block, unsigned cl,
-                                            cudaStream_t stream, Args... args)
-{
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute attr[2];
-    memset(&cfg, 0, sizeof(cfg));
-    memset(attr, 0, sizeof(attr));
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = cl;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = duet_cuda_pdl_enabled() ? 2 : 1;
-    return cudaLaunchKernelEx(&cfg, k, static_cast<KArgs>(args)...);
-}
-
 /* Whether the current device launches thread-block clusters (sm_90+); asked once per device. */
 static duet_status_t duet__kda_clusters(int *ok_p)
 {
@@ -1058,8 +1033,14 @@ static duet_status_t duet__kda_decode_launch(cudaStream_t stream, const duet__kd
 {
     const unsigned cl = (unsigned)((K + 31) / 32);
     dim3 grid((unsigned)(a.st.n_items * a.ly.H), cl);
-    DUET__TRY(duet__kda_cluster_launch(duet__kda_decode_kernel<K>, grid, dim3(32, DUET_KDA_RY), cl,
-                                       stream, a),
+    cudaLaunchAttribute cluster; /* (1, cl, 1) blocks share their shared memory */
+    memset(&cluster, 0, sizeof(cluster));
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1;
+    cluster.val.clusterDim.y = cl;
+    cluster.val.clusterDim.z = 1;
+    DUET__TRY(duet_pdl_launch_attr(duet__kda_decode_kernel<K>, grid, dim3(32, DUET_KDA_RY), 0,
+                                   stream, &cluster, a),
               "decode chain launch");
     return DUET_OK;
 }
