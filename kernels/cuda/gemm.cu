@@ -29,6 +29,7 @@
 #include <cublasLt.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_cvt.cuh"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -214,22 +215,11 @@ template <typename WT> struct duet__wraw {
 };
 template <> __device__ inline void duet__wraw<__nv_bfloat16>::cvt(float *f) const
 {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    duet_cvt8_bf16(v, f);
 }
 template <> __device__ inline void duet__wraw<__half>::cvt(float *f) const
 {
-    const __half2 *h = (const __half2 *)&v;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
+    duet_cvt8_f16(v, f);
 }
 template <> struct duet__wraw<float> {
     float4 a, b;

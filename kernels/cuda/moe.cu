@@ -63,6 +63,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_cvt.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -476,27 +477,14 @@ template <> struct duet__wt<DUET_DTYPE_BF16> {
     static constexpr int VEC = 8;
     static __device__ __forceinline__ void cvt(uint4 v, float *f)
     {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[2 * k] = __uint_as_float(w[k] << 16);
-            f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-        }
+        duet_cvt8_bf16(v, f);
     }
 };
 template <> struct duet__wt<DUET_DTYPE_F16> {
     static constexpr int VEC = 8;
     static __device__ __forceinline__ void cvt(uint4 v, float *f)
     {
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            __half2 h;
-            memcpy(&h, &w[k], sizeof(h));
-            const float2 p = __half22float2(h);
-            f[2 * k] = p.x;
-            f[2 * k + 1] = p.y;
-        }
+        duet_cvt8_f16(v, f);
     }
 };
 
