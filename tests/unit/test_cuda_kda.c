@@ -182,6 +182,22 @@ static float *ref_block(kda_case_t *c, int32_t slot)
     return c->pool + ((int64_t)slot * c->n_layers + c->layer) * c->layer_floats;
 }
 
+/* The step of n items and T rows whose device metadata is packed as row0 (n + 1) | pos0 | slot |
+ * pages (n each) | row_item | row_pos (T each), one page per item. */
+static duet_cuda_step_t step_of(const int32_t *d_meta, int n, int64_t T, int max_tok)
+{
+    return (duet_cuda_step_t){.n_items = n,
+                              .n_rows = (int32_t)T,
+                              .max_item_tokens = max_tok,
+                              .item_row0 = d_meta,
+                              .item_pos0 = d_meta + n + 1,
+                              .item_slot = d_meta + 2 * n + 1,
+                              .item_pages = d_meta + 3 * n + 1,
+                              .max_pages = 1,
+                              .row_item = d_meta + 4 * n + 1,
+                              .row_pos = d_meta + 4 * n + 1 + T};
+}
+
 /* Batch metadata and fresh step inputs for the item lengths n_tok (host and device). */
 static void case_batch(kda_case_t *c, const int *n_tok)
 {
@@ -239,16 +255,7 @@ static void case_batch(kda_case_t *c, const int *n_tok)
     cudaFree(c->d_meta);
     c->d_meta = dev_copy(m, sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
     free(m);
-    c->st = (duet_cuda_step_t){.n_items = n,
-                               .n_rows = T,
-                               .max_item_tokens = mx,
-                               .item_row0 = c->d_meta,
-                               .item_pos0 = c->d_meta + n + 1,
-                               .item_slot = c->d_meta + 2 * n + 1,
-                               .item_pages = c->d_meta + 3 * n + 1,
-                               .max_pages = 1,
-                               .row_item = c->d_meta + 4 * n + 1,
-                               .row_pos = c->d_meta + 4 * n + 1 + T};
+    c->st = step_of(c->d_meta, n, T, mx);
 }
 
 static void case_init(kda_case_t *c, const kda_shape_t *sh)
@@ -936,6 +943,70 @@ Test(cuda_kda, chain_graph_capture, .timeout = 120)
     chain_graph(&b);
 }
 
+/*
+ * The real model's head shape (H = 32, K = V = 128, W = 4) on the device, for the timing tests:
+ * zeroed buffers for n_items sequences of n_tok new tokens each (sequence i in state slot i + 1,
+ * at position 0), their step metadata and the layer.
+ */
+typedef struct {
+    int64_t H, K, HK, C3, T, lf;
+    float *pool, *proj, *qkv, *g, *b, *o, *gate, *taps, *w;
+    int32_t *meta;
+    duet_cuda_step_t st;
+    duet_cuda_kda_layer_t ly;
+} real_shape_t;
+
+static float *dev_zeros(size_t floats)
+{
+    float *p = dev_alloc(sizeof(float) * floats);
+    CUDA_OK(cudaMemset(p, 0, sizeof(float) * floats));
+    return p;
+}
+
+static void real_shape_alloc(real_shape_t *r, int n_items, int n_tok)
+{
+    const int64_t H = 32, K = 128, HK = H * K, C3 = 3 * HK, T = (int64_t)n_items * n_tok;
+    *r = (real_shape_t){.H = H, .K = K, .HK = HK, .C3 = C3, .T = T, .lf = H * K * K + C3 * 3};
+    r->pool = dev_zeros((size_t)((n_items + 1) * r->lf));
+    r->proj = dev_zeros((size_t)(T * C3));
+    r->qkv = dev_zeros((size_t)(T * C3));
+    r->g = dev_zeros((size_t)(T * HK));
+    r->b = dev_zeros((size_t)(T * H));
+    r->o = dev_zeros((size_t)(T * HK));
+    r->gate = dev_zeros((size_t)(T * HK));
+    r->taps = dev_zeros((size_t)(C3 * 4));
+    r->w = dev_zeros((size_t)HK);
+    const int n = n_items;
+    int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
+    for (int i = 0; i <= n; i++)
+        m[i] = i * n_tok;
+    for (int i = 0; i < n; i++) {
+        m[n + 1 + i] = 0;
+        m[2 * n + 1 + i] = i + 1;
+        m[3 * n + 1 + i] = 0;
+    }
+    for (int64_t row = 0; row < T; row++) {
+        m[4 * n + 1 + row] = (int32_t)(row / n_tok);
+        m[4 * n + 1 + T + row] = (int32_t)(row % n_tok);
+    }
+    r->meta = dev_copy(m, sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
+    free(m);
+    r->st = step_of(r->meta, n, T, n_tok);
+    r->ly = (duet_cuda_kda_layer_t){.kda_base = r->pool,
+                                    .kda_n_layers = 1,
+                                    .kda_layer_floats = r->lf,
+                                    .layer = 0,
+                                    .H = H,
+                                    .K = K,
+                                    .W = 4};
+}
+
+static void real_shape_free(real_shape_t *r)
+{
+    cudaFree(r->pool), cudaFree(r->proj), cudaFree(r->qkv), cudaFree(r->g), cudaFree(r->b);
+    cudaFree(r->o), cudaFree(r->gate), cudaFree(r->taps), cudaFree(r->w), cudaFree(r->meta);
+}
+
 /* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints only. */
 Test(cuda_kda, timing_real_shape, .timeout = 120)
 {
@@ -943,82 +1014,39 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
     const int cases[][2] = {{64, 1}, {256, 1}, {1, 4096}, {8, 512}};
     for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
         const int n_items = cases[ci][0], n_tok = cases[ci][1];
-        const int64_t H = 32, K = 128, HK = H * K, C3 = 3 * HK, T = (int64_t)n_items * n_tok;
-        const int64_t lf = H * K * K + C3 * 3;
-        float *d_pool = dev_alloc(sizeof(float) * (size_t)((n_items + 1) * lf));
-        float *d_proj = dev_alloc(sizeof(float) * (size_t)(T * C3));
-        float *d_qkv = dev_alloc(sizeof(float) * (size_t)(T * C3));
-        float *d_g = dev_alloc(sizeof(float) * (size_t)(T * HK));
-        float *d_b = dev_alloc(sizeof(float) * (size_t)(T * H));
-        float *d_o = dev_alloc(sizeof(float) * (size_t)(T * HK));
-        float *d_taps = dev_alloc(sizeof(float) * (size_t)(C3 * 4));
-        float *d_w = dev_alloc(sizeof(float) * (size_t)HK);
-        CUDA_OK(cudaMemset(d_pool, 0, sizeof(float) * (size_t)((n_items + 1) * lf)));
-        CUDA_OK(cudaMemset(d_taps, 0, sizeof(float) * (size_t)(C3 * 4)));
-        CUDA_OK(cudaMemset(d_w, 0, sizeof(float) * (size_t)HK));
+        real_shape_t r;
+        real_shape_alloc(&r, n_items, n_tok);
+        const int64_t H = r.H, K = r.K, C3 = r.C3, T = r.T;
         float *h_proj = xmalloc(sizeof(float) * (size_t)(T * C3));
         fill(h_proj, (size_t)(T * C3), -1.0f, 1.0f);
         CUDA_OK(
-            cudaMemcpy(d_proj, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
+            cudaMemcpy(r.proj, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
         CUDA_OK(
-            cudaMemcpy(d_qkv, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
+            cudaMemcpy(r.qkv, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
         free(h_proj);
-        CUDA_OK(cudaMemset(d_g, 0, sizeof(float) * (size_t)(T * HK)));
-        CUDA_OK(cudaMemset(d_b, 0, sizeof(float) * (size_t)(T * H)));
-        int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n_items + 1 + 2 * T));
-        for (int i = 0; i <= n_items; i++)
-            m[i] = i * n_tok;
-        for (int i = 0; i < n_items; i++) {
-            m[n_items + 1 + i] = 0;
-            m[2 * n_items + 1 + i] = i + 1;
-            m[3 * n_items + 1 + i] = 0;
-        }
-        for (int64_t r = 0; r < T; r++) {
-            m[4 * n_items + 1 + r] = (int32_t)(r / n_tok);
-            m[4 * n_items + 1 + T + r] = (int32_t)(r % n_tok);
-        }
-        int32_t *d_m = dev_copy(m, sizeof(int32_t) * (size_t)(4 * n_items + 1 + 2 * T));
-        free(m);
-        duet_cuda_step_t st = {.n_items = n_items,
-                               .n_rows = (int32_t)T,
-                               .max_item_tokens = n_tok,
-                               .item_row0 = d_m,
-                               .item_pos0 = d_m + n_items + 1,
-                               .item_slot = d_m + 2 * n_items + 1,
-                               .item_pages = d_m + 3 * n_items + 1,
-                               .max_pages = 1,
-                               .row_item = d_m + 4 * n_items + 1,
-                               .row_pos = d_m + 4 * n_items + 1 + T};
-        duet_cuda_kda_layer_t ly = {.kda_base = d_pool,
-                                    .kda_n_layers = 1,
-                                    .kda_layer_floats = lf,
-                                    .layer = 0,
-                                    .H = H,
-                                    .K = K,
-                                    .W = 4};
         /* Prepared inputs: prep once on random qkv (neg_A = 0, so g = 0: no decay). */
-        DUET_OK_(duet_cuda_kda_prep(0, T, &ly, d_w, d_w, d_qkv, d_g, d_b));
+        DUET_OK_(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
         cudaEvent_t e0, e1;
         CUDA_OK(cudaEventCreate(&e0));
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = n_tok == 1 ? 50 : 5;
         float ms_core = 0.0f, ms_conv = 0.0f, ms_out = 0.0f;
-        DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_b, d_o, NULL)); /* warm-up */
+        DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL)); /* warm-up */
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_b, d_o, NULL));
+            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_core, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_conv(0, &st, &ly, d_taps, d_proj, d_qkv));
+            DUET_OK_(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_conv, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_out(0, T, H, K, d_w, 1e-6f, d_g, d_o));
+            DUET_OK_(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.g, r.o));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_out, e0, e1));
@@ -1031,8 +1059,7 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         fflush(stdout);
         CUDA_OK(cudaEventDestroy(e0));
         CUDA_OK(cudaEventDestroy(e1));
-        cudaFree(d_pool), cudaFree(d_proj), cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_b);
-        cudaFree(d_o), cudaFree(d_taps), cudaFree(d_w), cudaFree(d_m);
+        real_shape_free(&r);
     }
 }
 
@@ -1045,76 +1072,32 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
     const int batches[] = {1, 8, 64};
     for (size_t bi = 0; bi < sizeof(batches) / sizeof(batches[0]); bi++) {
         const int n = batches[bi];
-        const int64_t H = 32, K = 128, HK = H * K, C3 = 3 * HK, T = n;
-        const int64_t lf = H * K * K + C3 * 3;
-        float *d_pool = dev_alloc(sizeof(float) * (size_t)((n + 1) * lf));
-        float *d_proj = dev_alloc(sizeof(float) * (size_t)(T * C3));
-        float *d_qkv = dev_alloc(sizeof(float) * (size_t)(T * C3));
-        float *d_g = dev_alloc(sizeof(float) * (size_t)(T * HK));
-        float *d_b = dev_alloc(sizeof(float) * (size_t)(T * H));
-        float *d_o = dev_alloc(sizeof(float) * (size_t)(T * HK));
-        float *d_gate = dev_alloc(sizeof(float) * (size_t)(T * HK));
-        float *d_taps = dev_alloc(sizeof(float) * (size_t)(C3 * 4));
-        float *d_w = dev_alloc(sizeof(float) * (size_t)HK);
-        /* zero weights (g = 0, q = k = 0): every value stays finite however often it runs */
-        CUDA_OK(cudaMemset(d_pool, 0, sizeof(float) * (size_t)((n + 1) * lf)));
-        CUDA_OK(cudaMemset(d_taps, 0, sizeof(float) * (size_t)(C3 * 4)));
-        CUDA_OK(cudaMemset(d_w, 0, sizeof(float) * (size_t)HK));
-        CUDA_OK(cudaMemset(d_proj, 0, sizeof(float) * (size_t)(T * C3)));
-        CUDA_OK(cudaMemset(d_g, 0, sizeof(float) * (size_t)(T * HK)));
-        CUDA_OK(cudaMemset(d_b, 0, sizeof(float) * (size_t)(T * H)));
-        CUDA_OK(cudaMemset(d_gate, 0, sizeof(float) * (size_t)(T * HK)));
-        int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
-        for (int i = 0; i <= n; i++)
-            m[i] = i;
-        for (int i = 0; i < n; i++) {
-            m[n + 1 + i] = 0;
-            m[2 * n + 1 + i] = i + 1;
-            m[3 * n + 1 + i] = 0;
-            m[4 * n + 1 + i] = i;
-            m[4 * n + 1 + T + i] = 0;
-        }
-        int32_t *d_m = dev_copy(m, sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
-        free(m);
-        duet_cuda_step_t st = {.n_items = n,
-                               .n_rows = (int32_t)T,
-                               .max_item_tokens = 1,
-                               .item_row0 = d_m,
-                               .item_pos0 = d_m + n + 1,
-                               .item_slot = d_m + 2 * n + 1,
-                               .item_pages = d_m + 3 * n + 1,
-                               .max_pages = 1,
-                               .row_item = d_m + 4 * n + 1,
-                               .row_pos = d_m + 4 * n + 1 + T};
-        duet_cuda_kda_layer_t ly = {.kda_base = d_pool,
-                                    .kda_n_layers = 1,
-                                    .kda_layer_floats = lf,
-                                    .layer = 0,
-                                    .H = H,
-                                    .K = K,
-                                    .W = 4};
+        real_shape_t r; /* zero weights (g = 0, q = k = 0): values stay finite however often */
+        real_shape_alloc(&r, n, 1);
+        const int64_t H = r.H, K = r.K, T = r.T;
         const duet_cuda_kda_weights_t w = {
-            .taps = d_taps, .neg_A = d_w, .dt_bias = d_w, .o_norm = d_w, .eps = 1e-6f};
+            .taps = r.taps, .neg_A = r.w, .dt_bias = r.w, .o_norm = r.w, .eps = 1e-6f};
         cudaEvent_t e0, e1;
         CUDA_OK(cudaEventCreate(&e0));
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = 20;
         float ms_sep = 0.0f, ms_chain = 0.0f;
-        DUET_OK_(duet_cuda_kda_chain(0, &st, &ly, &w, d_proj, d_gate, d_qkv, d_g, d_b, d_o, NULL));
+        DUET_OK_(
+            duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b, r.o, NULL));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++) {
-            DUET_OK_(duet_cuda_kda_conv(0, &st, &ly, d_taps, d_proj, d_qkv));
-            DUET_OK_(duet_cuda_kda_prep(0, T, &ly, d_w, d_w, d_qkv, d_g, d_b));
-            DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_b, d_o, NULL));
-            DUET_OK_(duet_cuda_kda_out(0, T, H, K, d_w, 1e-6f, d_gate, d_o));
+            DUET_OK_(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
+            DUET_OK_(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
+            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL));
+            DUET_OK_(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.gate, r.o));
         }
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_sep, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(
-                duet_cuda_kda_chain(0, &st, &ly, &w, d_proj, d_gate, d_qkv, d_g, d_b, d_o, NULL));
+            DUET_OK_(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b, r.o,
+                                         NULL));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_chain, e0, e1));
@@ -1124,7 +1107,6 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
         fflush(stdout);
         CUDA_OK(cudaEventDestroy(e0));
         CUDA_OK(cudaEventDestroy(e1));
-        cudaFree(d_pool), cudaFree(d_proj), cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_b);
-        cudaFree(d_o), cudaFree(d_gate), cudaFree(d_taps), cudaFree(d_w), cudaFree(d_m);
+        real_shape_free(&r);
     }
 }
