@@ -141,8 +141,8 @@ static void count_cb(const duet_xfer_outcome_t *o, void *user)
 static bool g_alloc = true; /* receiver pools from duet_xfer_ctx_alloc (--malloc: register) */
 static bool g_device;      /* --transport cuda: both pools in device memory */
 
-/* A device pool of POOL_BYTES, registered with ctx (exits when this build or UCX cannot). */
-static uint8_t *device_pool(duet_xfer_ctx_t *ctx, int fill)
+/* POOL_BYTES of device memory filled with `fill` (exits when this build or machine has none). */
+static uint8_t *device_buffer(int fill)
 {
 #ifdef DUET_HAVE_CUDA
     void *p = NULL;
@@ -151,16 +151,23 @@ static uint8_t *device_pool(duet_xfer_ctx_t *ctx, int fill)
         fprintf(stderr, "bench: no CUDA device memory: %s\n", cudaGetErrorString(cudaGetLastError()));
         exit(2);
     }
+    return p;
+#else
+    (void)fill;
+    fprintf(stderr, "bench: --transport cuda needs a build with CUDA\n");
+    exit(2);
+#endif
+}
+
+/* A device pool, registered with ctx (exits when UCX cannot move device memory). */
+static uint8_t *device_pool(duet_xfer_ctx_t *ctx, int fill)
+{
+    uint8_t *p = device_buffer(fill);
     if (duet_xfer_ctx_register(ctx, DUET_XFER_POOL_KV, p, POOL_BYTES, DUET_XFER_MEM_CUDA) < 0) {
         fprintf(stderr, "bench: %s\n", duet_error_last());
         exit(2);
     }
     return p;
-#else
-    (void)ctx, (void)fill;
-    fprintf(stderr, "bench: --transport cuda needs a build with CUDA\n");
-    exit(2);
-#endif
 }
 
 static void pool_free(uint8_t *p)
@@ -393,13 +400,7 @@ static int bench_transport(const char *name, const char *tls, bool quick)
     sender_t S = {.to = p2c[1], .from = c2p[0]};
     S.ctx = ctx_with_pool(&S.pool, 1100, false);
     if (g_device) {
-        duet_xfer_ctx_opts_t o;
-        duet_xfer_ctx_opts_default(&o);
-        duet_xfer_ctx_t *scratch_ctx = NULL; /* a device buffer for the reference copy */
-        if (duet_xfer_ctx_create(&o, &scratch_ctx) < 0)
-            return -1;
-        S.scratch = device_pool(scratch_ctx, 2);
-        duet_xfer_ctx_destroy(scratch_ctx);
+        S.scratch = device_buffer(2); /* the reference copy's destination */
     } else {
         S.scratch = malloc(POOL_BYTES);
         memset(S.scratch, 2, POOL_BYTES);
