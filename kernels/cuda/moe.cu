@@ -1156,11 +1156,15 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
 }
 
 template <int DT>
-static duet_status_t
-duet__launch_gemv_nr(int nrmax, cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
-                     const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
-                     float beta_lin, float *h, float *out, const float *wts, float *y)
+static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, cudaStream_t stream,
+                                          const duet_cuda_experts_t *ex, const float *x,
+                                          const duet__moe_plan_t &pl, int64_t max_slots,
+                                          duet_cuda_act_t act, float beta, float beta_lin, float *h,
+                                          float *out, const float *wts, float *y)
 {
+    if (direct) /* T = 1: one row per slot, more of each row in flight */
+        return duet__launch_gemv<DT, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
+            stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
     switch (nrmax) {
     case 1:
         return duet__launch_gemv<DT, 1>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
@@ -1343,31 +1347,16 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             max_slots = P;
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
-            if (direct) {
-                st = duet__launch_gemv<DUET_DTYPE_BF16, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
-                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
-                break;
-            }
-            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                       beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, direct, stream, ex, x, pl, max_slots,
+                                                       act, beta, beta_lin, h, out, wts, y);
             break;
         case DUET_DTYPE_F16:
-            if (direct) {
-                st = duet__launch_gemv<DUET_DTYPE_F16, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
-                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
-                break;
-            }
-            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                      beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, direct, stream, ex, x, pl, max_slots,
+                                                      act, beta, beta_lin, h, out, wts, y);
             break;
         default:
-            if (direct) {
-                st = duet__launch_gemv<DUET_DTYPE_F32, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
-                    stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
-                break;
-            }
-            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, stream, ex, x, pl, max_slots, act,
-                                                      beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, direct, stream, ex, x, pl, max_slots,
+                                                      act, beta, beta_lin, h, out, wts, y);
             break;
         }
     }
