@@ -171,7 +171,8 @@ struct duet_cuda_model {
     float   *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
         *router, *topk_w, *logits;
     int32_t *topk_idx, *token_out;
-    int32_t *token_out_h; /* pinned */
+    int     *route_ticket; /* duet_cuda_moe_router_route's, 0 between calls */
+    int32_t *token_out_h;  /* pinned */
     void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
     int      max_splits;
 
@@ -514,6 +515,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         TRY(duet__dalloc_f(dm, T * E, &dm->router));
         TRY(duet__dalloc_f(dm, T * TK, &dm->topk_w));
         TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T * TK), (void **)&dm->topk_idx));
+        TRY(duet__dalloc(dm, sizeof(int), (void **)&dm->route_ticket));
+        CU(cudaMemset(dm->route_ticket, 0, sizeof(int)), "route ticket");
         TRY(duet__dalloc(dm, duet_cuda_moe_scratch_bytes(T, TK, E, c->moe_intermediate, D),
                          &dm->moe_scratch));
     }
@@ -916,6 +919,17 @@ static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int
     return duet__mlp_rest(dm, w, T);
 }
 
+/* Whether `name` is set in the environment, read once into *cache (-1: not read yet). For
+ * side-by-side comparisons of a decode step at T = 1: DUET_CUDA_NO_SHARED_FOLD keeps the shared
+ * expert a separate MLP, DUET_CUDA_NO_ROUTER_ROUTE the router GEMV and the routing two kernels. */
+static int duet__no_shared_fold = -1, duet__no_router_route = -1;
+static int duet__env_flag(int *cache, const char *name)
+{
+    if (*cache < 0)
+        *cache = getenv(name) != NULL;
+    return *cache;
+}
+
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
                                      const duet_cuda_gemm_norm_t *nrm)
 {
@@ -923,25 +937,45 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const duet__dlayer_t      *w = &dm->layers[l];
     const int64_t T = sh->n_rows, D = c->hidden_size, E = c->n_experts;
     cudaStream_t  s = dm->stream;
-    /* the router and the shared expert's gate|up read the same xn: one launch at decode sizes */
-    if (w->has_shared) {
-        const duet_cuda_gemm_op_t ops[2] = {
-            {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router},
-            {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D,
-             .w = &w->mlp.gu}};
-        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, 2, dm->gemm_flags));
-    } else {
-        const duet_cuda_gemm_op_t op = {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D,
-                                        .w = &w->router};
-        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, &op, 1, 0));
+    /* One token with a shared expert shaped like the routed ones (n_shared_experts = 1): the
+     * expert kernels compute it as one more slot (cuda_ops.h), so no separate MLP. */
+    duet_cuda_experts_t ex   = w->ex;
+    const int           fold = w->has_shared && T == 1 && w->mlp.down.shape[1] == ex.I &&
+                     w->mlp.gu.dtype == ex.dtype &&
+                     !duet__env_flag(&duet__no_shared_fold, "DUET_CUDA_NO_SHARED_FOLD");
+    if (fold) {
+        const size_t half = (size_t)ex.I * (size_t)D * duet_dtype_size(w->mlp.gu.dtype);
+        ex.sw1 = w->mlp.gu.data;
+        ex.sw3 = (const uint8_t *)w->mlp.gu.data + half;
+        ex.sw2 = w->mlp.down.data;
     }
-    TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, c->n_group > 0 ? c->n_group : 1,
-                            c->topk_group, c->top_k, c->moe_renormalize, c->routed_scaling_factor,
-                            dm->topk_idx, dm->topk_w));
-    TRY(duet_cuda_moe_experts(s, &w->ex, dm->xn, T, dm->topk_idx, dm->topk_w, c->top_k,
+    const int64_t G = c->n_group > 0 ? c->n_group : 1;
+    const duet_cuda_gemm_op_t sgu = {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn,
+                                     .ldx = D, .w = &w->mlp.gu};
+    if (T == 1 && !duet__env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
+        /* one token: the norm, the router and the routing in one kernel */
+        TRY(duet_cuda_moe_router_route(s, nrm->x, nrm->w, nrm->eps, w->router.data, E, D,
+                                       w->router_bias, G, c->topk_group, c->top_k,
+                                       c->moe_renormalize, c->routed_scaling_factor, nrm->y,
+                                       dm->router, dm->topk_idx, dm->topk_w, dm->route_ticket));
+        if (w->has_shared && !fold)
+            TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, &sgu, 1, dm->gemm_flags));
+    } else {
+        /* the router and the shared expert's gate|up read the same xn: one launch at decode
+         * sizes */
+        const duet_cuda_gemm_op_t ops[2] = {
+            {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router}, sgu};
+        const int n_ops = w->has_shared && !fold ? 2 : 1;
+        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, n_ops,
+                                      n_ops == 2 ? dm->gemm_flags : 0));
+        TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, G, c->topk_group, c->top_k,
+                                c->moe_renormalize, c->routed_scaling_factor, dm->topk_idx,
+                                dm->topk_w));
+    }
+    TRY(duet_cuda_moe_experts(s, &ex, dm->xn, T, dm->topk_idx, dm->topk_w, c->top_k,
                               c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
                               c->situ_beta, c->situ_linear_beta, dm->x, dm->moe_scratch));
-    if (w->has_shared)
+    if (w->has_shared && !fold)
         return duet__mlp_rest(dm, &w->mlp, T);
     return DUET_OK;
 }

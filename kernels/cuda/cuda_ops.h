@@ -30,7 +30,8 @@ duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x, con
                                     const float *w, int64_t M, int64_t D, float eps);
 
 typedef enum { DUET_CUDA_ACT_SILU = 0, DUET_CUDA_ACT_SITU = 1 } duet_cuda_act_t;
-/* gate[m][i] = act(gate[m][i]) · up[m][i] for m < M, i < I (row strides ld). SiTU: see kernels.h. */
+/* gate[m][i] = act(gate[m][i]) · up[m][i] for m < M, i < I (row strides ld). SiTU: see kernels.h.
+ */
 duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up, int64_t M,
                                 int64_t I, int64_t ld, duet_cuda_act_t act, float beta,
                                 float beta_lin);
@@ -44,16 +45,33 @@ duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *u
  */
 duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits, const float *bias,
                                   int64_t T, int64_t E, int64_t n_group, int64_t topk_group,
-                                  int64_t top_k, int renorm, float scale, int32_t *idx,
-                                  float *wts);
+                                  int64_t top_k, int renorm, float scale, int32_t *idx, float *wts);
+
+/*
+ * One row (a decode step at batch 1) in one kernel: xn = RMSNorm(x) ⊙ nw (stored, rounded as
+ * duet_cuda_rmsnorm rounds it), logits = W · xn for the fp32 router W [E][D], then
+ * duet_cuda_moe_route's rule on them into idx, wts. The logits' sums are fp32 in their own
+ * order (like the fused-norm GEMV's); the picks from given logits are the route kernel's, bit for
+ * bit. `ticket`: one device int, 0 before the first call; every call leaves it 0.
+ */
+duet_status_t duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
+                                         float eps, const float *w, int64_t E, int64_t D,
+                                         const float *bias, int64_t n_group, int64_t topk_group,
+                                         int64_t top_k, int renorm, float scale, float *xn,
+                                         float *logits, int32_t *idx, float *wts, int *ticket);
 
 /* The routed experts of one MoE layer, stored contiguously on the device. */
 typedef struct {
-    const void  *w1;    /* [E][I][D] gate_proj */
-    const void  *w3;    /* [E][I][D] up_proj */
-    const void  *w2;    /* [E][D][I] down_proj */
+    const void *w1;     /* [E][I][D] gate_proj */
+    const void *w3;     /* [E][I][D] up_proj */
+    const void *w2;     /* [E][D][I] down_proj */
     duet_dtype_t dtype; /* of all three */
-    int64_t      E, I, D;
+    int64_t E, I, D;
+    /* Optional shared expert of the same dtype and I (all NULL: none): gate_proj [I][D],
+     * up_proj [I][D], down_proj [D][I]. Only a call with T = 1 takes one (the decode step's
+     * case, where a separate MLP costs three kernels more): y then also gets its output, with
+     * weight 1, after the routed sum, as engine/model.c adds it. Other T are refused. */
+    const void *sw1, *sw3, *sw2;
 } duet_cuda_experts_t;
 
 /*
@@ -63,12 +81,11 @@ typedef struct {
  * each selected expert's weights are read once per call whatever T is. `scratch` has
  * duet_cuda_moe_scratch_bytes(max_T, top_k, E, I, D) bytes.
  */
-size_t        duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I,
-                                          int64_t D);
+size_t duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I, int64_t D);
 duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,
-                                    const float *x, int64_t T, const int32_t *idx,
-                                    const float *wts, int64_t top_k, duet_cuda_act_t act,
-                                    float beta, float beta_lin, float *y, void *scratch);
+                                    const float *x, int64_t T, const int32_t *idx, const float *wts,
+                                    int64_t top_k, duet_cuda_act_t act, float beta, float beta_lin,
+                                    float *y, void *scratch);
 
 /* out[m] = index of the largest logits[m * ld + v], v < V (first index on ties). */
 duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logits, int64_t ld, int64_t V,
@@ -76,7 +93,7 @@ duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logits, int64_t
 
 /* The same result from many blocks per row (the one-block kernel is latency-bound on a 160k
  * vocabulary): two launches, scratch of duet_cuda_argmax_scratch_bytes(M) bytes, M <= 65535. */
-size_t        duet_cuda_argmax_scratch_bytes(int64_t max_M);
+size_t duet_cuda_argmax_scratch_bytes(int64_t max_M);
 duet_status_t duet_cuda_argmax_split(cudaStream_t stream, const float *logits, int64_t ld,
                                      int64_t V, int64_t M, int32_t *out, void *scratch);
 
@@ -91,12 +108,12 @@ duet_status_t duet_cuda_argmax_split(cudaStream_t stream, const float *logits, i
  * duet_cuda_sample_scratch_bytes(max_M, V) bytes.
  */
 typedef struct {
-    float   temperature;
+    float temperature;
     int32_t top_k;
-    float   top_p;
-    float   u;
+    float top_p;
+    float u;
 } duet_cuda_sample_params_t;
-size_t        duet_cuda_sample_scratch_bytes(int64_t max_M, int64_t V);
+size_t duet_cuda_sample_scratch_bytes(int64_t max_M, int64_t V);
 duet_status_t duet_cuda_sample(cudaStream_t stream, const float *logits, int64_t ld, int64_t V,
                                int64_t M, const duet_cuda_sample_params_t *params, int32_t *out,
                                void *scratch);

@@ -26,6 +26,9 @@
  * counter, and the block that brings it to top_k (every pair has its slice in out) adds the
  * slice into y in k order with the combine kernel's arithmetic, so y is bit-identical to a
  * separate combine, with one kernel less at decode.
+ * A shared expert of the same shape (duet_cuda_experts_t's sw*) rides along at T = 1 as one more
+ * slot, P, computed into row P of h and out and added after the routed sum: the decode step then
+ * has no separate shared MLP (its gate|up, act_mul and down kernels).
  *
  * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
  *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
@@ -35,9 +38,9 @@
  *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
  *    per call and from L2 for its other slots. x and the activation h stay fp32, like the CPU
  *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p.
- *    Phase 2 pulls its W2 rows into L2 while phase 1 finishes (worth a few microseconds at
- *    decode sizes; the same prefetch in phase 1, right after the routing, measured 3 us slower
- *    at T = 1 and 4 % at T = 8 and 64 on an H200).
+ *    Phase 2 loads the first chunks of its W2 rows into registers and pulls the rest into L2
+ *    while phase 1 finishes (W2 does not depend on it; an L2 prefetch of phase 1's rows right
+ *    after the routing measured 3 us slower at T = 1 and 4 % at T = 8 and 64 on an H200).
  *  - MMA (prefill; BF16 weights, D and I multiples of 32): per tile of BM rows of one expert,
  *    mma.sync m16n8k16 bf16 with fp32 accumulation, 4-stage cp.async pipeline, XOR-swizzled
  *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
@@ -106,6 +109,11 @@ static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
 
 #define DUET__ROUTE_THREADS 256 /* per routing block: up to 8 rows */
 #define DUET__ROUTE_UNROLL  8   /* scores per thread whose loads are in flight together */
+
+static int duet__aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
 
 /* ---- shared device helpers ----------------------------------------------------------------- */
 
@@ -234,32 +242,35 @@ static __device__ __forceinline__ unsigned duet__lane_best(const float *keys, in
  * float bit patterns), gscore[G], gkeep[G]. In the pick a lane only writes its own experts'
  * keys (e = lane + 32j).
  */
-__global__ void __launch_bounds__(DUET__ROUTE_THREADS)
-    duet__route_kernel(const float *logits, const float *bias, int T, int E, int G, int topk_group,
-                       int top_k, int renorm, float scale, int R, int32_t *idx, float *wts)
+/* This thread's first DUET__ROUTE_UNROLL bias values for duet__route_block (n = rows × E). */
+static __device__ __forceinline__ void duet__route_bias0(const float *bias, int E, int n,
+                                                         float (&b0)[DUET__ROUTE_UNROLL])
 {
-    constexpr int U = DUET__ROUTE_UNROLL;
-    extern __shared__ float route_sh[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t0 = blockIdx.x * R, n = min(R, T - t0) * E; /* this block's rows × E */
-    const int nt = (int)blockDim.x;
-
-    /* The bias is a weight: its first values load while the router GEMV finishes. */
-    float b0[U];
 #pragma unroll
-    for (int j = 0; j < U; j++) {
-        const int i = threadIdx.x + nt * j;
+    for (int j = 0; j < DUET__ROUTE_UNROLL; j++) {
+        const int i = threadIdx.x + (int)blockDim.x * j;
         b0[j] = bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
     }
-    duet_pdl_wait(); /* the logits */
-    duet_pdl_trigger();
-    const float *lg = logits + (size_t)t0 * E; /* the block's rows are contiguous */
+}
+
+/* The routing of rows t0 .. t0 + R - 1 (logits at `logits`, read through L2: another block of
+ * the same grid may have written them) by the whole block; b0 from duet__route_bias0. */
+static __device__ __forceinline__ void
+duet__route_block(float *route_sh, const float *logits, const float *bias,
+                  const float (&b0)[DUET__ROUTE_UNROLL], int t0, int R, int T, int E, int G,
+                  int topk_group, int top_k, int renorm, float scale, int32_t *idx, float *wts)
+{
+    constexpr int U = DUET__ROUTE_UNROLL;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = min(R, T - t0) * E; /* the rows × E */
+    const int nt = (int)blockDim.x;
+    const float *lg = logits + (size_t)t0 * E; /* the rows are contiguous */
     for (int i0 = 0; i0 < n; i0 += nt * U) {
         float l[U], b[U];
 #pragma unroll
         for (int j = 0; j < U; j++) {
             const int i = i0 + threadIdx.x + nt * j;
-            l[j] = i < n ? lg[i] : 0.0f;
+            l[j] = i < n ? __ldcg(lg + i) : 0.0f;
             b[j] = i0 == 0 ? b0[j] : bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
         }
 #pragma unroll
@@ -348,10 +359,25 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS)
     }
 }
 
-extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits,
-                                             const float *bias, int64_t T, int64_t E,
-                                             int64_t n_group, int64_t topk_group, int64_t top_k,
-                                             int renorm, float scale, int32_t *idx, float *wts)
+__global__ void __launch_bounds__(DUET__ROUTE_THREADS)
+    duet__route_kernel(const float *logits, const float *bias, int T, int E, int G, int topk_group,
+                       int top_k, int renorm, float scale, int R, int32_t *idx, float *wts)
+{
+    extern __shared__ float route_sh[];
+    const int t0 = blockIdx.x * R;
+    /* The bias is a weight: its first values load while the router GEMV finishes. */
+    float b0[DUET__ROUTE_UNROLL];
+    duet__route_bias0(bias, E, min(R, T - t0) * E, b0);
+    duet_pdl_wait(); /* the logits */
+    duet_pdl_trigger();
+    duet__route_block(route_sh, logits, bias, b0, t0, R, T, E, G, topk_group, top_k, renorm, scale,
+                      idx, wts);
+}
+
+/* duet_cuda_moe_route's argument checks; *per_row_p = its shared memory per row. */
+static duet_status_t duet__route_check(const float *logits, int64_t T, int64_t E, int64_t n_group,
+                                       int64_t topk_group, int64_t top_k, const int32_t *idx,
+                                       const float *wts, size_t *per_row_p)
 {
     const int64_t G = n_group > 0 ? n_group : 1;
     if (T < 0 || T > 0x7fffffff || E <= 0 || top_k <= 0 || top_k > E || E % G != 0 ||
@@ -369,6 +395,21 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     if (per_row > 48 * 1024)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: %lld experts is too many",
                               (long long)E);
+    *per_row_p = per_row;
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits,
+                                             const float *bias, int64_t T, int64_t E,
+                                             int64_t n_group, int64_t topk_group, int64_t top_k,
+                                             int renorm, float scale, int32_t *idx, float *wts)
+{
+    const int64_t G = n_group > 0 ? n_group : 1;
+    size_t per_row;
+    const duet_status_t st =
+        duet__route_check(logits, T, E, n_group, topk_group, top_k, idx, wts, &per_row);
+    if (st != DUET_OK)
+        return st;
     if (T == 0)
         return DUET_OK;
     /* Rows per block: one at decode sizes, so that T rows take as long as one, side by side on
@@ -385,14 +426,166 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     return DUET_OK;
 }
 
+/* ---- the router and the routing of one row, one kernel (decode) ------------------------------ */
+
+#define DUET__RR_SPLIT 4 /* warps per router row, each with every DUET__RR_SPLIT-th 32 pieces */
+#define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
+#define DUET__RR_U     5 /* float4 pieces per lane in flight: D = 2304 is 4.5 per lane */
+
+typedef struct {
+    const float *x, *nw, *w, *bias; /* x [D], norm weight [D], router [E][D] fp32, bias [E] */
+    float *xn, *logits;             /* [D], [E] */
+    int32_t *idx;                   /* [top_k] */
+    float *wts;                     /* [top_k] */
+    int *ticket;                    /* 0 between calls */
+    int E, D, G, topk_group, top_k, renorm;
+    float eps, scale;
+} duet__rr_args_t;
+
+/*
+ * Blocks of DUET__RR_ROWS router rows, DUET__RR_SPLIT warps per row: each warp dots its share
+ * of the row with x ⊙ nw and sums x² over the same share, the block adds the shares in order and
+ * scales by 1/rms (the fused-norm GEMV's arithmetic, gemm.cu). The router weights load before
+ * the PDL wait (they are weights), x after it. Block 0 stores xn as duet_cuda_rmsnorm rounds it.
+ * The last block to finish (a ticket) routes the row with duet_cuda_moe_route's code and puts
+ * the ticket back to 0.
+ */
+__global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel(duet__rr_args_t a)
+{
+    extern __shared__ float route_sh[];
+    __shared__ float part[DUET__ROUTE_THREADS / 32][2];
+    __shared__ float row_scale;
+    __shared__ int last;
+    constexpr int U = DUET__RR_U, S = DUET__RR_SPLIT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int q = warp % S, e = blockIdx.x * DUET__RR_ROWS + warp / S;
+    const int nq = a.D / 4;
+    const float4 *w4 = reinterpret_cast<const float4 *>(a.w + (size_t)min(e, a.E - 1) * a.D);
+    const float4 *x4 = reinterpret_cast<const float4 *>(a.x);
+    const float4 *g4 = reinterpret_cast<const float4 *>(a.nw);
+    float4 wv[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int i = (q + S * u) * 32 + lane;
+        wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    duet_pdl_wait(); /* x */
+    duet_pdl_trigger();
+    float dot = 0.0f, ss = 0.0f;
+    for (int i0 = 0; i0 < nq; i0 += S * U * 32) {
+        if (i0 > 0)
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i = i0 + (q + S * u) * 32 + lane;
+                wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i = i0 + (q + S * u) * 32 + lane;
+            if (i < nq) {
+                const float4 xv = x4[i], g = __ldg(g4 + i);
+                ss += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+                dot += wv[u].x * (xv.x * g.x) + wv[u].y * (xv.y * g.y) + wv[u].z * (xv.z * g.z) +
+                       wv[u].w * (xv.w * g.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    }
+    if (lane == 0) {
+        part[warp][0] = dot;
+        part[warp][1] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x < DUET__RR_ROWS) {
+        const int r = threadIdx.x, er = blockIdx.x * DUET__RR_ROWS + r;
+        float d = part[r * S][0], sq = part[r * S][1];
+        for (int j = 1; j < S; j++) {
+            d += part[r * S + j][0];
+            sq += part[r * S + j][1];
+        }
+        const float sc = (float)(1.0 / sqrt((double)sq / (double)a.D + (double)a.eps));
+        if (er < a.E)
+            a.logits[er] = d * sc;
+        if (r == 0)
+            row_scale = sc;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0)
+        for (int k = threadIdx.x; k < a.D; k += blockDim.x)
+            a.xn[k] = __fmul_rn(a.nw[k], __fmul_rn(a.x[k], row_scale));
+    /* The ticket: this block's logits are visible device-wide before it counts itself. */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(a.ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    float b0[DUET__ROUTE_UNROLL];
+    duet__route_bias0(a.bias, a.E, a.E, b0);
+    duet__route_block(route_sh, a.logits, a.bias, b0, 0, 1, 1, a.E, a.G, a.topk_group, a.top_k,
+                      a.renorm, a.scale, a.idx, a.wts);
+    if (threadIdx.x == 0)
+        *a.ticket = 0;
+}
+
+extern "C" duet_status_t
+duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw, float eps,
+                           const float *w, int64_t E, int64_t D, const float *bias, int64_t n_group,
+                           int64_t topk_group, int64_t top_k, int renorm, float scale, float *xn,
+                           float *logits, int32_t *idx, float *wts, int *ticket)
+{
+    size_t per_row;
+    const duet_status_t st =
+        duet__route_check(logits, 1, E, n_group, topk_group, top_k, idx, wts, &per_row);
+    if (st != DUET_OK)
+        return st;
+    if (x == NULL || nw == NULL || w == NULL || xn == NULL || ticket == NULL || D <= 0 ||
+        D > 0x7fffffff || D % 4 != 0 || !duet__aligned16(x) || !duet__aligned16(nw) ||
+        !duet__aligned16(w))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_router_route: bad arguments (D=%lld: a multiple of 4, "
+                              "x, the norm and router weights 16-byte aligned)",
+                              (long long)D);
+    if ((xn < x + D && x < xn + D) || (xn < nw + D && nw < xn + D))
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe_router_route: xn overlaps x or nw");
+    duet__rr_args_t a = {.x = x,
+                         .nw = nw,
+                         .w = w,
+                         .bias = bias,
+                         .xn = xn,
+                         .logits = logits,
+                         .idx = idx,
+                         .wts = wts,
+                         .ticket = ticket,
+                         .E = (int)E,
+                         .D = (int)D,
+                         .G = (int)(n_group > 0 ? n_group : 1),
+                         .topk_group = (int)topk_group,
+                         .top_k = (int)top_k,
+                         .renorm = renorm,
+                         .eps = eps,
+                         .scale = scale};
+    const unsigned blocks = (unsigned)((E + DUET__RR_ROWS - 1) / DUET__RR_ROWS);
+    DUET__TRY(duet_pdl_launch(duet__router_route_kernel, dim3(blocks), dim3(DUET__ROUTE_THREADS),
+                              per_row, stream, a),
+              "router-route kernel launch");
+    return DUET_OK;
+}
+
 /* ---- plan: group (row, k) pairs by expert --------------------------------------------------- */
 
 /* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
  * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
  *
  * gemv2's tickets (T = 1 only): cnt[s] counts the pairs whose slice s of out is written; the
- * gemv2 block that brings it to top_k adds the slice into y. gemv13 zeroes the counters; every
- * pair, valid or not, has its gemv2 block. */
+ * gemv2 block that brings it to top_k (top_k + 1 with the shared expert) adds the slice into y.
+ * gemv13 zeroes the counters; every pair, valid or not, has its gemv2 block. */
 typedef struct {
     int *off;                      /* [E + 1] start of each expert's list */
     int *list;                     /* [P] pair ids grouped by expert */
@@ -402,7 +595,18 @@ typedef struct {
     const int32_t *idx;            /* [P] the routing */
     int *cnt;                      /* [n_slices] gemv2 tickets, or NULL: no tickets */
     int E, top_k, n_slices, n_cnt; /* n_cnt = n_slices (T = 1) */
+    int P;                         /* T * top_k pairs */
+    /* The shared expert folded in (T = 1 only, no plan): slot P computes it, as expert id E,
+     * into row P of h and out; combining adds it after the routed sum, weight 1. */
+    int shared;
+    const void *sw1, *sw3, *sw2;
 } duet__moe_plan_t;
+
+/* The token of pair p: p / top_k, or for the shared expert's row P + t, t. */
+static __device__ __forceinline__ int duet__pair_row(const duet__moe_plan_t &pl, int p)
+{
+    return p < pl.P ? p / pl.top_k : p - pl.P;
+}
 
 /*
  * One block. The order of pairs inside an expert's list depends on atomics, which is harmless:
@@ -530,12 +734,12 @@ static __device__ __forceinline__ void duet__xs_load(float *xs, const float *src
     }
 }
 
-/* Ask L2 for the `bytes` bytes of each of NW weight rows (one warp; no registers held). */
+/* Ask L2 for bytes [from, bytes) of each of NW weight rows (one warp; no registers held). */
 template <int NW>
-static __device__ __forceinline__ void duet__prefetch_rows(const uint4 *const *w, size_t bytes,
-                                                           int lane)
+static __device__ __forceinline__ void duet__prefetch_rows(const uint4 *const *w, size_t from,
+                                                           size_t bytes, int lane)
 {
-    for (size_t off = (size_t)lane * 128; off < bytes; off += 32 * 128)
+    for (size_t off = from + (size_t)lane * 128; off < bytes; off += 32 * 128)
 #pragma unroll
         for (int j = 0; j < NW; j++)
             asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)w[j] + off));
@@ -552,13 +756,33 @@ static __device__ __forceinline__ uint4 duet__ld_weight(const uint4 *p)
     return v;
 }
 
+/* The first U chunks of each of a warp's NW weight rows (lane l: chunks l, l + 32, ...), loaded
+ * ahead of the PDL wait by duet__load_first. */
+template <int NW, int U> struct duet__wfirst {
+    uint4 v[U][NW];
+};
+
+template <int NW, int U>
+static __device__ __forceinline__ void duet__load_first(duet__wfirst<NW, U> &f,
+                                                        const uint4 *const *w, int nchunk, int lane)
+{
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < NW; j++)
+            f.v[u][j] = lane + 32 * u < nchunk ? duet__ld_weight(w[j] + lane + 32 * u)
+                                               : make_uint4(0, 0, 0, 0);
+}
+
 /*
  * One warp: acc[j][r] = W_j · xs_r for NW weight rows (global, 16-byte aligned, K elements) and
  * NR activation rows (shared, layout above). Lane l takes chunks l, l + 32, ...; fp32 FMA.
+ * `first` (or NULL): the first U chunks of each row, already loaded (duet__load_first).
  */
 template <int DT, int NR, int NW, int U>
 static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, const float *xs,
-                                                       int K, int n, int lane, float (&acc)[NW][NR])
+                                                       int K, int n, int lane, float (&acc)[NW][NR],
+                                                       const duet__wfirst<NW, U> *first)
 {
     constexpr int VEC = duet__wt<DT>::VEC;
     const int nchunk = K / VEC;
@@ -569,12 +793,20 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
             acc[j][r] = 0.0f;
     for (int c0 = lane; c0 < nchunk; c0 += 32 * U) {
         uint4 wv[U][NW];
+        if (first != NULL && c0 == lane) {
 #pragma unroll
-        for (int u = 0; u < U; u++)
+            for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int j = 0; j < NW; j++)
-                wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
-                                                : make_uint4(0, 0, 0, 0);
+                for (int j = 0; j < NW; j++)
+                    wv[u][j] = first->v[u][j];
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int j = 0; j < NW; j++)
+                    wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
+                                                    : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int c = c0 + 32 * u;
@@ -628,7 +860,8 @@ duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, 
                   const int *pairs, int act, float beta, float beta_lin, float *h, int lane)
 {
     float acc[2 * DUET__GV_RI][NR];
-    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U>(w, xs, D, n, lane, acc);
+    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U>(w, xs, D, n, lane, acc,
+                                                (const duet__wfirst<2 * DUET__GV_RI, U> *)NULL);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RI; j++)
 #pragma unroll
@@ -639,12 +872,12 @@ duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, 
 }
 
 template <int DT, int NR, int U>
-static __device__ __forceinline__ void duet__gemv2_rows(const uint4 *const *w, const float *hs,
-                                                        int I, int D, int d0, int n,
-                                                        const int *pairs, float *out, int lane)
+static __device__ __forceinline__ void
+duet__gemv2_rows(const uint4 *const *w, const float *hs, int I, int D, int d0, int n,
+                 const int *pairs, float *out, int lane, const duet__wfirst<DUET__GV_RD, U> *first)
 {
     float acc[DUET__GV_RD][NR];
-    duet__gemv_warp<DT, NR, DUET__GV_RD, U>(w, hs, I, n, lane, acc);
+    duet__gemv_warp<DT, NR, DUET__GV_RD, U>(w, hs, I, n, lane, acc, first);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RD; j++)
 #pragma unroll
@@ -657,15 +890,19 @@ static __device__ __forceinline__ void duet__gemv2_rows(const uint4 *const *w, c
  * The slot of this block: its row count n (-1 when past the device-side count), its expert in
  * *e_p and its pairs in `pairs` (padded to nrmax with the last one). Without a plan the block is
  * pair blockIdx.x alone, also when its expert id is invalid (then *e_p = -1: nothing to compute,
- * but gemv2's block still takes the pair's ticket).
+ * but gemv2's block still takes the pair's ticket); block P is the shared expert (*e_p = E).
  */
 static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int nrmax, int *e_p,
                                                  int *pairs)
 {
     if (pl.list == NULL) {
-        const int e = pl.idx[blockIdx.x];
         if (threadIdx.x < (unsigned)nrmax)
             pairs[threadIdx.x] = blockIdx.x;
+        if ((int)blockIdx.x >= pl.P) { /* the shared expert's slot */
+            *e_p = pl.E;
+            return 1;
+        }
+        const int e = pl.idx[blockIdx.x];
         *e_p = e >= 0 && e < pl.E ? e : -1;
         return 1;
     }
@@ -689,7 +926,6 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     __shared__ int pairs[DUET__GV_NR];
     float *xs = reinterpret_cast<float *>(gv_sh);
     constexpr int VEC = duet__wt<DT>::VEC;
-    const int top_k = pl.top_k;
     int e;
     duet_pdl_wait(); /* the plan or the routing */
     duet_pdl_trigger();
@@ -705,14 +941,17 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RI;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[2 * DUET__GV_RI];
+    const size_t e0 = e == pl.E ? 0 : (size_t)e * I; /* first row of the expert's matrices */
+    const char *b1 = (const char *)(e == pl.E ? pl.sw1 : w1),
+               *b3 = (const char *)(e == pl.E ? pl.sw3 : w3);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RI; j++) {
-        const size_t row = (size_t)e * I + min(i0 + j, I - 1);
-        w[j] = reinterpret_cast<const uint4 *>((const char *)w1 + row * D * es);
-        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)w3 + row * D * es);
+        const size_t row = e0 + min(i0 + j, I - 1);
+        w[j] = reinterpret_cast<const uint4 *>(b1 + row * D * es);
+        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>(b3 + row * D * es);
     }
     __syncthreads();
-    duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return pairs[r] / top_k; });
+    duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return duet__pair_row(pl, pairs[r]); });
     __syncthreads();
     if (i0 >= I)
         return;
@@ -729,12 +968,13 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
 }
 
-/* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order; a pair with an invalid expert
- * adds nothing (the plan skipped it too). The combine kernel's arithmetic, one element. */
+/* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order, then the shared expert's
+ * out[P + t][d] when it is folded in; a pair with an invalid expert adds nothing (the plan
+ * skipped it too). The combine kernel's arithmetic, one element. */
 static __device__ __forceinline__ float duet__combine_elem(float a, const float *out,
                                                            const int32_t *idx, const float *wts,
                                                            int64_t t, int top_k, int E, int D,
-                                                           int d)
+                                                           int d, int P, int shared)
 {
     /* out's row exists for every pair (garbage for an invalid one, never used), so all loads
      * can be in flight together */
@@ -746,6 +986,8 @@ static __device__ __forceinline__ float duet__combine_elem(float a, const float 
         if (e >= 0 && e < E)
             a = __fadd_rn(a, __fmul_rn(w, o));
     }
+    if (shared)
+        a = __fadd_rn(a, __ldcg(out + (P + t) * D + d));
     return a;
 }
 
@@ -771,14 +1013,21 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     const int d0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RD;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[DUET__GV_RD];
+    const size_t e0 = e < 0 || e == pl.E ? 0 : (size_t)e * D;
+    const char *b2 = (const char *)(e == pl.E ? pl.sw2 : w2);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RD; j++) {
-        const size_t row = (size_t)(e < 0 ? 0 : e) * D + min(d0 + j, D - 1);
-        w[j] = reinterpret_cast<const uint4 *>((const char *)w2 + row * I * es);
+        const size_t row = e0 + min(d0 + j, D - 1);
+        w[j] = reinterpret_cast<const uint4 *>(b2 + row * I * es);
     }
-    /* While phase 1 finishes: pull this warp's W2 rows into L2 (they do not depend on it). */
-    if (n > 0 && e >= 0 && d0 < D)
-        duet__prefetch_rows<DUET__GV_RD>(w, (size_t)I * es, lane);
+    /* While phase 1 finishes (W2 does not depend on it): the first chunks of this warp's rows
+     * into registers, the rest of the rows into L2. */
+    duet__wfirst<DUET__GV_RD, U> first;
+    const bool pre = n > 0 && e >= 0 && d0 < D;
+    if (pre) {
+        duet__load_first(first, w, I / VEC, lane);
+        duet__prefetch_rows<DUET__GV_RD>(w, (size_t)32 * U * 16, (size_t)I * es, lane);
+    }
     duet_pdl_wait(); /* h, and the tickets gemv13 zeroed */
     duet_pdl_trigger();
     if (n < 0)
@@ -789,13 +1038,17 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         __syncthreads();
         if (d0 < D) {
             if (NRMAX == 1 || n == 1)
-                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane,
+                                           pre ? &first : NULL);
             else if (NRMAX == 2 || n == 2)
-                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
+                                                              pre ? &first : NULL);
             else if (NRMAX == 4 || n <= 4)
-                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
+                                                              pre ? &first : NULL);
             else
-                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane);
+                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane,
+                                               pre ? &first : NULL);
         }
     }
     if (pl.cnt == NULL)
@@ -805,9 +1058,9 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     __threadfence();
     __syncthreads();
     if (threadIdx.x < (unsigned)n) {
-        const int t = pairs[threadIdx.x] / pl.top_k;
+        const int t = duet__pair_row(pl, pairs[threadIdx.x]);
         const int c = atomicAdd(pl.cnt + (size_t)t * pl.n_slices + blockIdx.y, 1);
-        done[threadIdx.x] = c == pl.top_k - 1 ? t : -1;
+        done[threadIdx.x] = c == pl.top_k + pl.shared - 1 ? t : -1;
         __threadfence();
     }
     __syncthreads();
@@ -816,7 +1069,7 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     if (r < n && d < D && done[r] >= 0) {
         const int64_t t = done[r];
         float *yp = y + t * D + d;
-        *yp = duet__combine_elem(*yp, out, pl.idx, wts, t, pl.top_k, pl.E, D, d);
+        *yp = duet__combine_elem(*yp, out, pl.idx, wts, t, pl.top_k, pl.E, D, d, pl.P, pl.shared);
     }
 }
 
@@ -1029,10 +1282,12 @@ __global__ void duet__to_bf16_kernel(__nv_bfloat16 *xb, const float *x, int64_t 
 
 /* ---- combine -------------------------------------------------------------------------------- */
 
-/* y[t] += Σ_k wts[t][k] · out[t * top_k + k], k in order; a pair with an invalid expert adds
- * nothing (the plan skipped it too). D is a multiple of 4. */
+/* y[t] += Σ_k wts[t][k] · out[t * top_k + k], k in order, then out[P + t] when the shared
+ * expert is folded in; a pair with an invalid expert adds nothing (the plan skipped it too).
+ * D is a multiple of 4. */
 __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32_t *idx,
-                                         const float *wts, int top_k, int E, int D)
+                                         const float *wts, int top_k, int E, int D, int P,
+                                         int shared)
 {
     const int64_t t = blockIdx.x;
     float4 *yr = reinterpret_cast<float4 *>(y + t * D);
@@ -1051,6 +1306,13 @@ __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32
             a.y = __fadd_rn(a.y, __fmul_rn(w, o.y));
             a.z = __fadd_rn(a.z, __fmul_rn(w, o.z));
             a.w = __fadd_rn(a.w, __fmul_rn(w, o.w));
+        }
+        if (shared) {
+            const float4 o = reinterpret_cast<const float4 *>(out + (P + t) * D)[d4];
+            a.x = __fadd_rn(a.x, o.x);
+            a.y = __fadd_rn(a.y, o.y);
+            a.z = __fadd_rn(a.z, o.z);
+            a.w = __fadd_rn(a.w, o.w);
         }
         yr[d4] = a;
     }
@@ -1094,10 +1356,10 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.n_slices * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
-    L.h = at;
-    at += duet__align256((size_t)P * I * sizeof(float));
+    L.h = at; /* P pairs' rows, then T for a folded shared expert */
+    at += duet__align256((size_t)(P + T) * I * sizeof(float));
     L.out = at;
-    at += duet__align256((size_t)P * D * sizeof(float));
+    at += duet__align256((size_t)(P + T) * D * sizeof(float));
     L.total = at;
     return L;
 }
@@ -1208,11 +1470,6 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
     return DUET_OK;
 }
 
-static int duet__aligned16(const void *p)
-{
-    return ((uintptr_t)p & 15u) == 0;
-}
-
 /*
  * duet_cuda_moe_experts with the path chosen by the caller (DUET__MOE_PATH_*): the tests run
  * both paths on the same inputs. Internal; not in the header.
@@ -1254,6 +1511,13 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     if ((size_t)2 * ex->E * sizeof(int) > 48 * 1024)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_experts: %lld experts is too many",
                               (long long)ex->E);
+    const int shared = ex->sw1 != NULL || ex->sw3 != NULL || ex->sw2 != NULL;
+    if (shared &&
+        (ex->sw1 == NULL || ex->sw3 == NULL || ex->sw2 == NULL || !duet__aligned16(ex->sw1) ||
+         !duet__aligned16(ex->sw3) || !duet__aligned16(ex->sw2)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_experts: the shared expert needs all three matrices, "
+                              "16-byte aligned");
 
     const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
@@ -1266,6 +1530,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               "multiples of 32");
     if (path == DUET__MOE_PATH_AUTO)
         path = mma_ok && P >= 8 * A ? DUET__MOE_PATH_MMA : DUET__MOE_PATH_GEMV;
+    if (shared && !(path == DUET__MOE_PATH_GEMV && T == 1))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_experts: a shared expert is folded in only at T = 1 on "
+                              "the GEMV path (T = %lld); run it separately",
+                              (long long)T);
 
     /*
      * GEMV slot size: 4 rows, fewer only if the rows would not fit in shared memory. Measured on
@@ -1299,6 +1568,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     pl.n_slices = (int)L.n_slices;
     pl.n_cnt = 0;
     pl.cnt = NULL;
+    pl.P = (int)P;
+    pl.shared = shared;
+    pl.sw1 = ex->sw1;
+    pl.sw3 = ex->sw3;
+    pl.sw2 = ex->sw2;
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
     /*
@@ -1344,7 +1618,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         int64_t max_slots = (P + nrmax - 1) / nrmax + A; /* the last slot may be partial */
         max_slots = max_slots < P ? max_slots : P;
         if (direct)
-            max_slots = P;
+            max_slots = P + shared;
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
             st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, direct, stream, ex, x, pl, max_slots,
@@ -1365,7 +1639,8 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     if (pl.cnt != NULL)
         return DUET_OK; /* gemv2 added into y */
     DUET__TRY(duet_pdl_launch(duet__moe_combine_kernel, dim3((unsigned)T), dim3(256), 0, stream, y,
-                              (const float *)out, idx, wts, (int)top_k, (int)E, (int)D),
+                              (const float *)out, idx, wts, (int)top_k, (int)E, (int)D, (int)P,
+                              shared),
               "combine kernel launch");
     return DUET_OK;
 }

@@ -486,6 +486,187 @@ Test(cuda_ops, moe_route, .timeout = 60)
         }
 }
 
+/*
+ * duet_cuda_moe_router_route: the norm, the router and the routing of one row in one kernel.
+ * References, in double on the host: xn = nw · x / rms(x), within 1e-6 relative per element
+ * (the kernel's scale comes from an fp32 sum of squares); logits = W · xn, within 1e-5 of
+ * S = Σ |W| |xn| (fp32 sums in another order, a few ulps · sqrt(D) in the worst case; a wrong
+ * row or scale is off by ~1). The picks must equal route_ref's on the kernel's own logits, as
+ * in moe_route. Three calls in a row, and a CUDA graph replayed twice, must all agree bit for
+ * bit and leave the ticket at 0 (the last block of each call puts it back). Cases: the real
+ * dims, groups, an odd E (a half-empty last block), D not a multiple of 8, D longer than one
+ * pass of loads (4100), no bias; then the argument checks.
+ */
+Test(cuda_ops, moe_router_route, .timeout = 60)
+{
+    skip_without_device();
+    static const struct {
+        int64_t E, D, G, tg, k;
+        int renorm, bias;
+        float scale;
+    } cases[] = {{256, 2304, 1, 1, 8, 1, 1, 2.446f},
+                 {64, 2304, 8, 3, 6, 0, 1, 1.0f},
+                 {37, 100, 1, 1, 4, 1, 0, 1.0f},
+                 {384, 4100, 12, 3, 16, 1, 1, 1.5f},
+                 {256, 2304, 8, 4, 8, 1, 0, 2.5f}};
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const int64_t E = cases[c].E, D = cases[c].D, K = cases[c].k;
+        const float eps = 1e-6f;
+        float *x = xmalloc(sizeof(float) * D), *nw = xmalloc(sizeof(float) * D);
+        float *w = xmalloc(sizeof(float) * E * D), *bias = xmalloc(sizeof(float) * E);
+        for (int64_t i = 0; i < D; i++) {
+            x[i] = rng_n() * 3.0f;
+            nw[i] = 1.0f + 0.3f * rng_f();
+        }
+        for (int64_t i = 0; i < E * D; i++)
+            w[i] = rng_f() / sqrtf((float)D);
+        for (int64_t e = 0; e < E; e++)
+            bias[e] = cases[c].bias ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
+        float *dx = dev_copy(x, sizeof(float) * D), *dnw = dev_copy(nw, sizeof(float) * D);
+        float *dwr = dev_copy(w, sizeof(float) * E * D);
+        float *db = cases[c].bias ? dev_copy(bias, sizeof(float) * E) : NULL;
+        float *dxn = dev_alloc(sizeof(float) * D), *dlg = dev_alloc(sizeof(float) * E);
+        int32_t *di = dev_alloc(sizeof(int32_t) * K);
+        float *dwt = dev_alloc(sizeof(float) * K);
+        int *dticket = dev_alloc(sizeof(int));
+        CUDA_OK(cudaMemset(dticket, 0, sizeof(int)));
+        float *xn = xmalloc(sizeof(float) * D), *lg = xmalloc(sizeof(float) * E);
+        float *gw = xmalloc(sizeof(float) * K), *rw = xmalloc(sizeof(float) * K);
+        int32_t *gi = xmalloc(sizeof(int32_t) * K), *ri = xmalloc(sizeof(int32_t) * K);
+        float *first = xmalloc(sizeof(float) * (D + E + K));
+        int32_t *first_i = xmalloc(sizeof(int32_t) * K);
+        cudaGraph_t g = NULL;
+        cudaGraphExec_t ge = NULL;
+        for (int call = 0; call < 5; call++) { /* 3 plain calls, then 2 graph replays */
+            CUDA_OK(cudaMemsetAsync(dlg, 0xff, sizeof(float) * E, st));
+            CUDA_OK(cudaMemsetAsync(di, 0xff, sizeof(int32_t) * K, st));
+            if (call == 3) {
+                CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
+                    st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
+                    cases[c].scale, dxn, dlg, di, dwt, dticket));
+                CUDA_OK(cudaStreamEndCapture(st, &g));
+                CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+            }
+            if (call >= 3)
+                CUDA_OK(cudaGraphLaunch(ge, st));
+            else
+                DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
+                    st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
+                    cases[c].scale, dxn, dlg, di, dwt, dticket));
+            CUDA_OK(cudaStreamSynchronize(st));
+            int ticket = -1;
+            host_copy(xn, dxn, sizeof(float) * D);
+            host_copy(lg, dlg, sizeof(float) * E);
+            host_copy(gi, di, sizeof(int32_t) * K);
+            host_copy(gw, dwt, sizeof(float) * K);
+            host_copy(&ticket, dticket, sizeof(int));
+            CHECK(ticket == 0, "case %zu call %d: ticket left at %d", c, call, ticket);
+            if (call == 0) {
+                memcpy(first, xn, sizeof(float) * D);
+                memcpy(first + D, lg, sizeof(float) * E);
+                memcpy(first + D + E, gw, sizeof(float) * K);
+                memcpy(first_i, gi, sizeof(int32_t) * K);
+                continue;
+            }
+            CHECK(memcmp(first, xn, sizeof(float) * D) == 0 &&
+                      memcmp(first + D, lg, sizeof(float) * E) == 0 &&
+                      memcmp(first + D + E, gw, sizeof(float) * K) == 0 &&
+                      memcmp(first_i, gi, sizeof(int32_t) * K) == 0,
+                  "case %zu: call %d%s differs from the first", c, call,
+                  call >= 3 ? " (graph replay)" : "");
+        }
+        double ss = 0;
+        for (int64_t i = 0; i < D; i++)
+            ss += (double)x[i] * x[i];
+        const double inv = 1.0 / sqrt(ss / (double)D + eps);
+        double e_xn = 0, e_lg = 0;
+        for (int64_t i = 0; i < D; i++) {
+            const double r = (double)nw[i] * x[i] * inv;
+            e_xn = fmax(e_xn, fabs(xn[i] - r) / (fabs(r) + 1e-30));
+        }
+        for (int64_t e = 0; e < E; e++) {
+            double r = 0, S = 0;
+            for (int64_t i = 0; i < D; i++) {
+                const double v = (double)nw[i] * x[i] * inv;
+                r += (double)w[e * D + i] * v;
+                S += fabs((double)w[e * D + i] * v);
+            }
+            e_lg = fmax(e_lg, fabs(lg[e] - r) / S);
+        }
+        route_ref(lg, bias, E, cases[c].G, cases[c].tg, K, cases[c].renorm, cases[c].scale, ri, rw);
+        int n_idx_diff = 0;
+        double e_w = 0;
+        for (int64_t k = 0; k < K; k++) {
+            n_idx_diff += gi[k] != ri[k];
+            e_w = fmax(e_w, rel_err(gw[k], rw[k]));
+        }
+        printf("[cuda_ops] moe_router_route E=%lld D=%lld n_group=%lld k=%lld%s: xn max rel err "
+               "%.2e (tol 1e-6), logits max err/S %.2e (tol 1e-5), %d expert ids differ from the "
+               "routing of its logits (must be 0), weights max rel err %.2e (tol 1e-6); 3 calls "
+               "and 2 graph replays bit-identical, ticket back at 0\n",
+               (long long)E, (long long)D, (long long)cases[c].G, (long long)K,
+               cases[c].bias ? "" : " (no bias)", e_xn, e_lg, n_idx_diff, e_w);
+        CHECK(e_xn <= 1e-6 && e_lg <= 1e-5 && n_idx_diff == 0 && e_w <= 1e-6,
+              "router_route case %zu", c);
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+        free(first_i);
+        free(first);
+        free(ri);
+        free(gi);
+        free(rw);
+        free(gw);
+        free(lg);
+        free(xn);
+        cudaFree(dticket);
+        cudaFree(dwt);
+        cudaFree(di);
+        cudaFree(dlg);
+        cudaFree(dxn);
+        cudaFree(db);
+        cudaFree(dwr);
+        cudaFree(dnw);
+        cudaFree(dx);
+        free(bias);
+        free(w);
+        free(nw);
+        free(x);
+    }
+    /* refused before any device access: D not a multiple of 4, a misaligned x, no ticket, xn
+     * over x, top_k > E */
+    {
+        float *buf = dev_alloc(sizeof(float) * 4096);
+        int32_t *ib = dev_alloc(sizeof(int32_t) * 64);
+        int *tk = dev_alloc(sizeof(int));
+        const struct {
+            const float *x;
+            float *xn;
+            int64_t D, k;
+            int *ticket;
+            const char *what;
+        } bad[] = {{buf, buf + 2048, 102, 8, tk, "D = 102"},
+                   {buf + 1, buf + 2048, 100, 8, tk, "x not 16-byte aligned"},
+                   {buf, buf + 2048, 100, 8, NULL, "no ticket"},
+                   {buf, buf + 50, 100, 8, tk, "xn overlaps x"},
+                   {buf, buf + 2048, 100, 300, tk, "top_k > E"}};
+        for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+            duet_status_t rs = duet_cuda_moe_router_route(
+                0, bad[i].x, buf + 1024, 1e-6f, buf, 256, bad[i].D, NULL, 1, 1, bad[i].k, 1, 1.0f,
+                bad[i].xn, buf + 3000, ib, buf + 3500, bad[i].ticket);
+            printf("[cuda_ops] moe_router_route refuses %s: %s (%s)\n", bad[i].what,
+                   duet_status_name(rs), duet_error_last());
+            CHECK(rs == DUET_ERR_INVALID, "%s: %s", bad[i].what, duet_status_name(rs));
+        }
+        cudaFree(tk);
+        cudaFree(ib);
+        cudaFree(buf);
+    }
+    CUDA_OK(cudaStreamDestroy(st));
+}
+
 /* ---- MoE experts ----------------------------------------------------------------------------- */
 
 /*
@@ -494,6 +675,7 @@ Test(cuda_ops, moe_route, .timeout = 60)
  * not a row permutation), yet making E = 256 experts of 2304 × 1024 costs one pool of ~8M
  * values rather than 1.8G. The device gets the same matrices stored contiguously
  * ([E][I][D] etc.), as duet_cuda_experts_t wants, by device-to-device copies from the pool.
+ * The windows of expert E make the shared expert (dsw), which moe_case folds in on request.
  */
 #define POOL_STRIDE 7919
 
@@ -501,11 +683,12 @@ typedef struct {
     duet_dtype_t dt;
     int64_t E, I, D;
     size_t es;
-    uint8_t *pool;  /* host */
-    uint8_t *apool; /* host, |pool| (sign bit cleared), for the error bound */
-    void *dpool;    /* device */
-    void *dw[3];    /* device [E][I][D], [E][I][D], [E][D][I] */
-    duet_cuda_experts_t ex;
+    uint8_t *pool;          /* host */
+    uint8_t *apool;         /* host, |pool| (sign bit cleared), for the error bound */
+    void *dpool;            /* device */
+    void *dw[3];            /* device [E][I][D], [E][I][D], [E][D][I] */
+    void *dsw[3];           /* device: the shared expert's [I][D], [I][D], [D][I] */
+    duet_cuda_experts_t ex; /* without the shared expert */
 } experts_t;
 
 static size_t pool_off(int64_t e, int m)
@@ -521,7 +704,7 @@ static void experts_make(experts_t *X, duet_dtype_t dt, int64_t E, int64_t I, in
     X->I = I;
     X->D = D;
     X->es = duet_dtype_size(dt);
-    const size_t n = pool_off(E, 0) + (size_t)I * D;
+    const size_t n = pool_off(E + 1, 0) + (size_t)I * D;
     X->pool = xmalloc(n * X->es);
     X->apool = xmalloc(n * X->es);
     const float s = 2.0f / sqrtf((float)(D > I ? D : I));
@@ -544,6 +727,9 @@ static void experts_make(experts_t *X, duet_dtype_t dt, int64_t E, int64_t I, in
             CUDA_OK(cudaMemcpy((uint8_t *)X->dw[m] + mat * e,
                                (uint8_t *)X->dpool + pool_off(e, m) * X->es, mat,
                                cudaMemcpyDeviceToDevice));
+        X->dsw[m] = dev_alloc(mat);
+        CUDA_OK(cudaMemcpy(X->dsw[m], (uint8_t *)X->dpool + pool_off(E, m) * X->es, mat,
+                           cudaMemcpyDeviceToDevice));
     }
     X->ex = (duet_cuda_experts_t){
         .w1 = X->dw[0], .w3 = X->dw[1], .w2 = X->dw[2], .dtype = dt, .E = E, .I = I, .D = D};
@@ -551,14 +737,16 @@ static void experts_make(experts_t *X, duet_dtype_t dt, int64_t E, int64_t I, in
 
 static void experts_free(experts_t *X)
 {
-    for (int m = 0; m < 3; m++)
+    for (int m = 0; m < 3; m++) {
         cudaFree(X->dw[m]);
+        cudaFree(X->dsw[m]);
+    }
     cudaFree(X->dpool);
     free(X->apool);
     free(X->pool);
 }
 
-/* Host view of expert e's matrix m (abs: |W|). */
+/* Host view of expert e's matrix m (abs: |W|); e = E is the shared expert. */
 static duet_tensor_t expert_w(const experts_t *X, int64_t e, int m, int abs)
 {
     duet_tensor_t t = {.data = (abs ? X->apool : X->pool) + pool_off(e, m) * X->es,
@@ -607,10 +795,12 @@ static float act_scalar(const act_cfg_t *a, float g)
  * L = max |act'| (SiLU 1.1, SiTU 1 + β/4). A relative perturbation of at most ε of every x_j
  * (in g and u) and of every h_i moves the output by at most ε · S to first order, so
  * |gpu - cpu| / S measures the error in units of such roundings, whatever cancellation.
+ * With `shared`, the shared expert (expert E's windows) comes last for every row, weight 1, as
+ * duet__moe_layer adds it after the routed experts.
  */
 static void moe_ref(duet_kernels_t *cpu, const experts_t *X, const float *x, int64_t T,
                     const int32_t *idx, const float *wts, int64_t K, const act_cfg_t *a, float *y,
-                    double *S)
+                    double *S, int shared)
 {
     const int64_t E = X->E, I = X->I, D = X->D;
     const double L = a->act == DUET_CUDA_ACT_SILU ? 1.1 : 1.0 + a->beta / 4.0;
@@ -623,14 +813,19 @@ static void moe_ref(duet_kernels_t *cpu, const experts_t *X, const float *x, int
     float *eo = xmalloc(sizeof(float) * T * K * D), *eb = xmalloc(sizeof(float) * T * K * D);
     for (int64_t i = 0; i < T * D; i++)
         S[i] = 0.0;
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = 0; e < E + (shared ? 1 : 0); e++) {
         int64_t M = 0;
-        for (int64_t p = 0; p < T * K; p++)
+        for (int64_t p = 0; p < T * K && e < E; p++)
             if (idx[p] == e) {
                 rows[M] = (int32_t)(p / K);
                 wr[M] = wts[p];
                 M++;
             }
+        for (int64_t t = 0; t < T && e == E; t++) { /* the shared expert */
+            rows[M] = (int32_t)t;
+            wr[M] = 1.0f;
+            M++;
+        }
         if (M == 0)
             continue;
         for (int64_t r = 0; r < M; r++)
@@ -719,11 +914,12 @@ static const char *path_name(int path)
  * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
  * tickets at T = 1, the automatic choice where it is GEMV) must give bit-identical y: each pair's
  * dot products have one operation order, and y gets Σ_k in k order with the combine kernel's
- * arithmetic. The same holds among the MMA-path variants.
+ * arithmetic. The same holds among the MMA-path variants. With `shared` the call also folds in
+ * the shared expert (T = 1, GEMV paths only).
  */
 static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64_t K,
                        const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma,
-                       int n_bad)
+                       int n_bad, int shared)
 {
     const int64_t E = X->E, D = X->D, I = X->I;
     float *x = xmalloc(sizeof(float) * T * D), *y0 = xmalloc(sizeof(float) * T * D);
@@ -739,7 +935,13 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     for (int j = 0; j < n_bad; j++)
         idx[(rng_u32() % T) * K + rng_u32() % K] = (j & 1) ? (int32_t)E : -1;
     memcpy(yr, y0, sizeof(float) * T * D);
-    moe_ref(cpu, X, x, T, idx, wts, K, a, yr, S);
+    moe_ref(cpu, X, x, T, idx, wts, K, a, yr, S, shared);
+    duet_cuda_experts_t ex = X->ex;
+    if (shared) {
+        ex.sw1 = X->dsw[0];
+        ex.sw3 = X->dsw[1];
+        ex.sw2 = X->dsw[2];
+    }
 
     float *dx = dev_copy(x, sizeof(float) * T * D), *dy = dev_alloc(sizeof(float) * T * D);
     int32_t *di = dev_copy(idx, sizeof(int32_t) * T * K);
@@ -755,8 +957,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         const double tol = mma ? MOE_TOL_MMA : MOE_TOL_GEMV;
         CUDA_OK(cudaMemcpy(dy, y0, sizeof(float) * T * D, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(scratch, 0xff, sb)); /* no reliance on zeroed scratch */
-        DUET_OK_OR_FAIL(moe_call(0, &X->ex, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy,
-                                 scratch, path));
+        DUET_OK_OR_FAIL(
+            moe_call(0, &ex, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy, scratch, path));
         host_copy(yg, dy, sizeof(float) * T * D);
         if (first_path[mma] < 0) {
             memcpy(yfirst[mma], yg, sizeof(float) * T * D);
@@ -790,11 +992,11 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         }
         const double rms = sqrt(se / (su + 1e-300));
         printf("[cuda_ops] moe_experts %-4s %-4s %s E=%lld k=%lld D=%lld I=%lld T=%-4lld: max "
-               "err/S %.2e (tol %.1e), rms err/rms update %.2e (tol %.0e)%s\n",
+               "err/S %.2e (tol %.1e), rms err/rms update %.2e (tol %.0e)%s%s\n",
                duet_dtype_name(X->dt), path_name(path),
                a->act == DUET_CUDA_ACT_SILU ? "SiLU" : "SiTU", (long long)E, (long long)K,
                (long long)D, (long long)I, (long long)T, e, tol, rms, rms_tol,
-               n_bad > 0 ? " (invalid ids)" : "");
+               n_bad > 0 ? " (invalid ids)" : "", shared ? " (shared expert folded in)" : "");
         fflush(stdout);
         CHECK(e <= tol, "moe %s %s T=%lld: y[%lld] gpu %.9g cpu %.9g S %.3g",
               duet_dtype_name(X->dt), path_name(path), (long long)T, (long long)at, yg[at], yr[at],
@@ -846,14 +1048,22 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                              PATH_MMA | PATH_NO_PDL};
             static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, 0, 0);
             else
-                moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0);
+                moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 7, auto_mma, 0);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 7, auto_mma, 0, 0);
             /* invalid expert ids: skipped by the plan, the tickets and the combine */
             if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, T == 1 ? 1 : 3);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, T == 1 ? 1 : 3, 0);
+            /* the shared expert folded in (T = 1): tickets, the combine kernel, PDL off; with
+             * an invalid expert id too, whose block must still count its ticket */
+            if (T == 1) {
+                static const int fold_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE,
+                                                 PATH_GEMV | PATH_NO_PDL};
+                moe_case(cpu, &X, T, K, &silu, fold_paths, 3, 0, 0, 1);
+                moe_case(cpu, &X, T, K, &situ, fold_paths, 3, 0, 1, 1);
+            }
         }
         experts_free(&X);
     }
@@ -862,8 +1072,36 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, 16, I, D);
-        moe_case(cpu, &X, 1, 10, &silu, decode, 2, 0, 1);
-        moe_case(cpu, &X, 3, 10, &silu, decode, 2, 0, 0);
+        moe_case(cpu, &X, 1, 10, &silu, decode, 2, 0, 1, 0);
+        moe_case(cpu, &X, 3, 10, &silu, decode, 2, 0, 0, 0);
+        experts_free(&X);
+    }
+    /* a shared expert is refused where it cannot be folded in: T > 1, the MMA path, or one of
+     * its matrices missing */
+    {
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, 4, 32, 32);
+        float *buf = X.dw[0];
+        duet_cuda_experts_t ex = X.ex;
+        ex.sw1 = X.dsw[0];
+        ex.sw3 = X.dsw[1];
+        ex.sw2 = X.dsw[2];
+        const struct {
+            int64_t T;
+            int path, drop;
+        } bad[] = {{2, PATH_AUTO, 0}, {1, PATH_MMA, 0}, {1, PATH_AUTO, 1}};
+        for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+            duet_cuda_experts_t e2 = ex;
+            if (bad[i].drop)
+                e2.sw3 = NULL;
+            duet_status_t st =
+                duet__cuda_moe_experts_path(0, &e2, buf, bad[i].T, (int32_t *)buf, buf, 1,
+                                            DUET_CUDA_ACT_SILU, 0, 0, buf, buf, bad[i].path);
+            printf("[cuda_ops] moe_experts shared expert, T=%lld path %d%s: %s (%s)\n",
+                   (long long)bad[i].T, bad[i].path, bad[i].drop ? ", up_proj missing" : "",
+                   duet_status_name(st), duet_error_last());
+            CHECK(st == DUET_ERR_INVALID, "%s", duet_status_name(st));
+        }
         experts_free(&X);
     }
     /* the MMA path refuses weights it has no kernel for */
@@ -892,9 +1130,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
     static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL};
     static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL};
-    moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0);
-    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0);
-    moe_case(cpu, &X, 8, 8, &silu, decode, 3, 0, 0);
+    moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0, 1); /* the decode step's shared expert */
+    moe_case(cpu, &X, 8, 8, &silu, decode, 3, 0, 0, 0);
     experts_free(&X);
     duet_kernels_destroy(cpu);
 }
