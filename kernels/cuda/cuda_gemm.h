@@ -9,18 +9,21 @@
  * Precision. Activations x and outputs y are fp32 (the engine's convention); W is F32, BF16 or
  * F16. We multiply A and B of one type (our reading of cublasLtMatmul's supported type
  * combinations is that fp32 x bf16 operands are not among them; not verified against NVIDIA's
- * table), so for a BF16 or F16 W the rows of x are first rounded on the device to W's dtype (round-to-nearest-even) into a
- * staging buffer owned by the handle, then multiplied on the tensor cores with fp32 accumulation
- * (CUBLAS_COMPUTE_32F) and fp32 output. The CPU path keeps x in fp32, so the two differ by the
- * rounding of x: at most 2^-8 (bf16) or 2^-11 (f16) of Σ|x·w| per output. For an F32 W nothing
- * is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
+ * table), so for a BF16 or F16 W the rows of x are first rounded on the device to W's dtype
+ * (round-to-nearest-even) into a staging buffer owned by the handle, then multiplied on the tensor
+ * cores with fp32 accumulation (CUBLAS_COMPUTE_32F) and fp32 output. The CPU path keeps x in fp32,
+ * so the two differ by the rounding of x: at most 2^-8 (bf16) or 2^-11 (f16) of Σ|x·w| per output.
+ * For an F32 W nothing is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
  * (CUBLAS_COMPUTE_32F_FAST_TF32, ~2^-10 relative), without it the product is full fp32.
  *
- * Small M. For M <= 2 (small decode steps) with K % 8 == 0 and 16-byte aligned x rows and W, the call
- * runs duet's own weight-streaming GEMV instead (one warp per output, W read once, x kept in
+ * Small M. For M <= 2 (small decode steps) with K % 8 == 0 and 16-byte aligned x rows and W, the
+ * call runs duet's own weight-streaming GEMV instead (one warp per output, W read once, x kept in
  * fp32 and never rounded, fp32 accumulation; TF32 requests go to cuBLASLt): at these sizes the
  * cost is reading W, and cuBLASLt's launch plus the x conversion cost more than that for the
- * engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it.
+ * engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it. Launched with programmatic
+ * dependent launch (cuda_pdl.cuh), the GEMV issues its first loads of W before it waits for the
+ * kernels ahead of it in the stream: W must be a weight, which no kernel of the stream writes
+ * (x and y may come from the previous kernel). DUET_CUDA_GEMV_WAIT_FIRST=1 makes it wait first.
  *
  * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
  * for x. Per call, cuBLASLt's descriptors and heuristic algorithm are looked up in a small cache
@@ -92,12 +95,12 @@ duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t strea
  */
 #define DUET_CUDA_GEMV_MAX_SEGS 4
 typedef struct {
-    float               *y;
-    int64_t              ldy;
-    const float         *x;
-    int64_t              ldx;
+    float *y;
+    int64_t ldy;
+    const float *x;
+    int64_t ldx;
     const duet_tensor_t *w;
-    int                  accumulate;
+    int accumulate;
 } duet_cuda_gemm_op_t;
 duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                           const duet_cuda_gemm_op_t *ops, int n_ops,
@@ -116,12 +119,12 @@ duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stre
  */
 typedef struct {
     const float *x; /* M rows to normalise, ldx apart */
-    int64_t      ldx;
+    int64_t ldx;
     const float *w; /* [D] */
-    float       *y; /* M normalised rows, ldy apart: what the ops read */
-    int64_t      ldy;
-    int64_t      D;
-    float        eps;
+    float *y;       /* M normalised rows, ldy apart: what the ops read */
+    int64_t ldy;
+    int64_t D;
+    float eps;
 } duet_cuda_gemm_norm_t;
 duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                         const duet_cuda_gemm_norm_t *norm,
@@ -136,8 +139,7 @@ duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream
 duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
                                             int64_t ldy, int64_t stride_y, const float *x,
                                             int64_t ldx, int64_t stride_x, int64_t M,
-                                            const duet_tensor_t *w, int accumulate,
-                                            unsigned flags);
+                                            const duet_tensor_t *w, int accumulate, unsigned flags);
 
 /*
  * dst[m, k] = (dtype) src[m * ld_src + k] for m < M, k < K, dst contiguous [M, K] in `dtype`

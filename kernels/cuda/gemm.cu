@@ -182,6 +182,7 @@ typedef struct {
     float *ny;
     int64_t ldnx, ldny, D;
     float eps;
+    int wait_first; /* wait for x before the first weight loads (DUET_CUDA_GEMV_WAIT_FIRST) */
 } duet__gemv_args_t;
 
 /*
@@ -276,6 +277,11 @@ __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
         for (int r = 0; r < R; r++)
             acc[r][m] = 0.0f;
     }
+    bool waited = args.wait_first != 0;
+    if (waited) {
+        duet_pdl_wait();
+        duet_pdl_trigger();
+    }
     for (int64_t k0 = (int64_t)lane * 8; k0 < sg.K; k0 += 256 * U) {
         duet__wraw<WT> wv[U][R];
 #pragma unroll
@@ -287,6 +293,11 @@ __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
                 else
                     wv[u][r].zero();
             }
+        if (!waited) { /* the first pieces are in flight: now wait for x (see the kernel) */
+            duet_pdl_wait();
+            duet_pdl_trigger();
+            waited = true;
+        }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int64_t k = k0 + 256 * u;
@@ -318,6 +329,10 @@ __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
                 }
             }
         }
+    }
+    if (!waited) { /* a lane with no piece of the row */
+        duet_pdl_wait();
+        duet_pdl_trigger();
     }
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -389,10 +404,14 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
         sg.x += (int64_t)b * sg.sx;
         sg.y += (int64_t)b * sg.sy;
     }
-    duet_pdl_wait(); /* x (and y when accumulating) come from earlier kernels */
-    duet_pdl_trigger();
-    if (n0 >= sg.N)
+    /* x (and y when accumulating) come from earlier kernels: duet__gemv_rows waits for them
+     * once its first weight pieces are in flight (weights are what the PDL contract lets a
+     * kernel read before its wait), so that round trip overlaps the predecessor's tail. */
+    if (n0 >= sg.N) {
+        duet_pdl_wait();
+        duet_pdl_trigger();
         return;
+    }
     const int dt = DT == DUET__GEMV_ANY_DT ? sg.dtype : DT;
     if (dt == DUET_DTYPE_BF16)
         duet__gemv_pro<__nv_bfloat16, MR, R, U>(args, sg, M, n0, lane);
@@ -447,8 +466,20 @@ static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gem
  * wants every warp it can get: 8.9 us with 1 per warp (288 blocks), 10.7 with 4 (72).
  */
 #define DUET__GEMV_MIN_BLOCKS 200
+
+/* DUET_CUDA_GEMV_WAIT_FIRST=1 in the environment: the GEMV waits for its predecessor before it
+ * loads any weight (side-by-side comparisons of the early loads). */
+static int duet__gemv_wait_first(void)
+{
+    static int on = -1;
+    if (on < 0)
+        on = getenv("DUET_CUDA_GEMV_WAIT_FIRST") != NULL;
+    return on;
+}
+
 static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
+    args->wait_first = duet__gemv_wait_first();
     int64_t rows = 0; /* warps' worth of outputs, over every segment and batch entry */
     for (int i = 0; i < args->n; i++) {
         if (args->seg[i].B == 0)
