@@ -10,7 +10,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
-#define DUET__MODULE "cuda" /* the prefix of this file's error details */
+#define DUET__MODULE          "cuda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 static unsigned duet__grid(int64_t n, int threads)
@@ -174,10 +174,10 @@ extern "C" int duet_cuda_pdl_enabled(void)
         return duet__pdl_forced;
     if (duet__pdl_default < 0) {
         int dev = 0, major = 0;
-        duet__pdl_default = getenv("DUET_CUDA_NO_PDL") == NULL && cudaGetDevice(&dev) == cudaSuccess &&
-                            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
-                                cudaSuccess &&
-                            major >= 9;
+        duet__pdl_default =
+            getenv("DUET_CUDA_NO_PDL") == NULL && cudaGetDevice(&dev) == cudaSuccess &&
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+            major >= 9;
         (void)cudaGetLastError();
     }
     return duet__pdl_default;
