@@ -23,7 +23,8 @@
  * engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it. Launched with programmatic
  * dependent launch (cuda_pdl.cuh), the GEMV issues its first loads of W before it waits for the
  * kernels ahead of it in the stream: W must be a weight, which no kernel of the stream writes
- * (x and y may come from the previous kernel). DUET_CUDA_GEMV_WAIT_FIRST=1 makes it wait first.
+ * (x and y may come from the previous kernel). DUET_CUDA_WAIT_FIRST (cuda_util.h) makes it wait
+ * first.
  *
  * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
  * for x. Per call, cuBLASLt's descriptors and heuristic algorithm are looked up in a small cache

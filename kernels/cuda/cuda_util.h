@@ -41,8 +41,16 @@ duet_status_t duet_cuda_copy_bandwidth(size_t bytes, int iters, double *bytes_pe
  * duet_cuda_pdl_set(0) was called (a test compares both ways: PDL changes no arithmetic).
  * duet_cuda_pdl_set(-1) returns to the default. Not thread-safe against concurrent launches.
  */
-int  duet_cuda_pdl_enabled(void);
+int duet_cuda_pdl_enabled(void);
 void duet_cuda_pdl_set(int on);
+
+/*
+ * Whether the GEMV and MoE kernels issue their first weight loads before their PDL wait (the
+ * contract of cuda_pdl.cuh allows reading weights there), so that round trip overlaps the
+ * previous kernel: on unless DUET_CUDA_WAIT_FIRST is set (side-by-side comparisons; the
+ * arithmetic is the same either way).
+ */
+int duet_cuda_weights_early(void);
 
 #ifdef __cplusplus
 }

@@ -182,7 +182,7 @@ typedef struct {
     float *ny;
     int64_t ldnx, ldny, D;
     float eps;
-    int wait_first; /* wait for x before the first weight loads (DUET_CUDA_GEMV_WAIT_FIRST) */
+    int wait_first; /* wait for x before the first weight loads (duet_cuda_weights_early) */
 } duet__gemv_args_t;
 
 /*
@@ -467,19 +467,9 @@ static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gem
  */
 #define DUET__GEMV_MIN_BLOCKS 200
 
-/* DUET_CUDA_GEMV_WAIT_FIRST=1 in the environment: the GEMV waits for its predecessor before it
- * loads any weight (side-by-side comparisons of the early loads). */
-static int duet__gemv_wait_first(void)
-{
-    static int on = -1;
-    if (on < 0)
-        on = getenv("DUET_CUDA_GEMV_WAIT_FIRST") != NULL;
-    return on;
-}
-
 static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
-    args->wait_first = duet__gemv_wait_first();
+    args->wait_first = !duet_cuda_weights_early();
     int64_t rows = 0; /* warps' worth of outputs, over every segment and batch entry */
     for (int i = 0; i < args->n; i++) {
         if (args->seg[i].B == 0)

@@ -440,6 +440,7 @@ typedef struct {
     int *ticket;                    /* 0 between calls */
     int E, D, G, topk_group, top_k, renorm;
     float eps, scale;
+    int early; /* the weights load before the PDL wait (duet_cuda_weights_early) */
 } duet__rr_args_t;
 
 /*
@@ -464,12 +465,14 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     const float4 *x4 = reinterpret_cast<const float4 *>(a.x);
     const float4 *g4 = reinterpret_cast<const float4 *>(a.nw);
     float4 wv[U];
+    if (!a.early)
+        duet_pdl_wait();
 #pragma unroll
     for (int u = 0; u < U; u++) {
         const int i = (q + S * u) * 32 + lane;
         wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    duet_pdl_wait(); /* x */
+    duet_pdl_wait(); /* x (a second wait returns at once) */
     duet_pdl_trigger();
     float dot = 0.0f, ss = 0.0f;
     for (int i0 = 0; i0 < nq; i0 += S * U * 32) {
@@ -570,7 +573,8 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                          .top_k = (int)top_k,
                          .renorm = renorm,
                          .eps = eps,
-                         .scale = scale};
+                         .scale = scale,
+                         .early = duet_cuda_weights_early()};
     const unsigned blocks = (unsigned)((E + DUET__RR_ROWS - 1) / DUET__RR_ROWS);
     DUET__TRY(duet_pdl_launch(duet__router_route_kernel, dim3(blocks), dim3(DUET__ROUTE_THREADS),
                               per_row, stream, a),
@@ -600,6 +604,7 @@ typedef struct {
      * into row P of h and out; combining adds it after the routed sum, weight 1. */
     int shared;
     const void *sw1, *sw3, *sw2;
+    int early; /* weight loads before x / the PDL wait (duet_cuda_weights_early) */
 } duet__moe_plan_t;
 
 /* The token of pair p: p / top_k, or for the shared expert's row P + t, t. */
@@ -774,15 +779,60 @@ static __device__ __forceinline__ void duet__load_first(duet__wfirst<NW, U> &f,
                                                : make_uint4(0, 0, 0, 0);
 }
 
+/* One pass of duet__gemv_warp: chunks c0, c0 + 32, ... (U of them, those < nchunk) of the NW
+ * rows, already loaded into wv. */
+template <int DT, int NR, int NW, int U>
+static __device__ __forceinline__ void duet__gemv_chunks(const uint4 (&wv)[U][NW], int c0,
+                                                         int nchunk, const float *xs, int K, int n,
+                                                         float (&acc)[NW][NR])
+{
+    constexpr int VEC = duet__wt<DT>::VEC;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int c = c0 + 32 * u;
+        if (c >= nchunk)
+            break;
+        float wf[NW][VEC];
+#pragma unroll
+        for (int j = 0; j < NW; j++)
+            duet__wt<DT>::cvt(wv[u][j], wf[j]);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            /* padding rows (r >= n) repeat row n - 1; their sums are not stored */
+            const float *xr = xs + (r < n ? r : n - 1) * K;
+            float xv[VEC];
+            const float4 lo = *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC, K));
+            xv[0] = lo.x;
+            xv[1] = lo.y;
+            xv[2] = lo.z;
+            xv[3] = lo.w;
+            if constexpr (VEC == 8) {
+                const float4 hi =
+                    *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC + 4, K));
+                xv[4] = hi.x;
+                xv[5] = hi.y;
+                xv[6] = hi.z;
+                xv[7] = hi.w;
+            }
+#pragma unroll
+            for (int j = 0; j < NW; j++)
+#pragma unroll
+                for (int v = 0; v < VEC; v++)
+                    acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
+        }
+    }
+}
+
 /*
  * One warp: acc[j][r] = W_j · xs_r for NW weight rows (global, 16-byte aligned, K elements) and
  * NR activation rows (shared, layout above). Lane l takes chunks l, l + 32, ...; fp32 FMA.
- * `first` (or NULL): the first U chunks of each row, already loaded (duet__load_first).
+ * With PRE the first U chunks of each row are already in `first` (duet__load_first); the pass
+ * that uses them is peeled off, so `first` stays in registers.
  */
-template <int DT, int NR, int NW, int U>
+template <int DT, int NR, int NW, int U, bool PRE>
 static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, const float *xs,
                                                        int K, int n, int lane, float (&acc)[NW][NR],
-                                                       const duet__wfirst<NW, U> *first)
+                                                       const duet__wfirst<NW, U> &first)
 {
     constexpr int VEC = duet__wt<DT>::VEC;
     const int nchunk = K / VEC;
@@ -791,57 +841,20 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
 #pragma unroll
         for (int r = 0; r < NR; r++)
             acc[j][r] = 0.0f;
-    for (int c0 = lane; c0 < nchunk; c0 += 32 * U) {
+    int c0 = lane;
+    if constexpr (PRE) {
+        duet__gemv_chunks<DT, NR, NW, U>(first.v, c0, nchunk, xs, K, n, acc);
+        c0 += 32 * U;
+    }
+    for (; c0 < nchunk; c0 += 32 * U) {
         uint4 wv[U][NW];
-        if (first != NULL && c0 == lane) {
 #pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int j = 0; j < NW; j++)
-                    wv[u][j] = first->v[u][j];
-        } else {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int j = 0; j < NW; j++)
-                    wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
-                                                    : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = c0 + 32 * u;
-            if (c >= nchunk)
-                break;
-            float wf[NW][VEC];
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int j = 0; j < NW; j++)
-                duet__wt<DT>::cvt(wv[u][j], wf[j]);
-#pragma unroll
-            for (int r = 0; r < NR; r++) {
-                /* padding rows (r >= n) repeat row n - 1; their sums are not stored */
-                const float *xr = xs + (r < n ? r : n - 1) * K;
-                float xv[VEC];
-                const float4 lo =
-                    *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC, K));
-                xv[0] = lo.x;
-                xv[1] = lo.y;
-                xv[2] = lo.z;
-                xv[3] = lo.w;
-                if constexpr (VEC == 8) {
-                    const float4 hi =
-                        *reinterpret_cast<const float4 *>(xr + duet__xs_pos<VEC>(c * VEC + 4, K));
-                    xv[4] = hi.x;
-                    xv[5] = hi.y;
-                    xv[6] = hi.z;
-                    xv[7] = hi.w;
-                }
-#pragma unroll
-                for (int j = 0; j < NW; j++)
-#pragma unroll
-                    for (int v = 0; v < VEC; v++)
-                        acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
-            }
-        }
+                wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
+                                                : make_uint4(0, 0, 0, 0);
+        duet__gemv_chunks<DT, NR, NW, U>(wv, c0, nchunk, xs, K, n, acc);
     }
 #pragma unroll
     for (int j = 0; j < NW; j++)
@@ -854,14 +867,14 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
 
 /* Phase 1 for one warp: RI outputs i0.. of h for the slot's n rows (NR >= n, padding rows
  * repeat row n - 1 and are not stored). */
-template <int DT, int NR, int U>
+template <int DT, int NR, int U, bool PRE = false>
 static __device__ __forceinline__ void
 duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, int n,
-                  const int *pairs, int act, float beta, float beta_lin, float *h, int lane)
+                  const int *pairs, int act, float beta, float beta_lin, float *h, int lane,
+                  const duet__wfirst<2 * DUET__GV_RI, U> &first)
 {
     float acc[2 * DUET__GV_RI][NR];
-    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U>(w, xs, D, n, lane, acc,
-                                                (const duet__wfirst<2 * DUET__GV_RI, U> *)NULL);
+    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U, PRE>(w, xs, D, n, lane, acc, first);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RI; j++)
 #pragma unroll
@@ -871,13 +884,13 @@ duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, 
                     duet__act(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
 }
 
-template <int DT, int NR, int U>
+template <int DT, int NR, int U, bool PRE = false>
 static __device__ __forceinline__ void
 duet__gemv2_rows(const uint4 *const *w, const float *hs, int I, int D, int d0, int n,
-                 const int *pairs, float *out, int lane, const duet__wfirst<DUET__GV_RD, U> *first)
+                 const int *pairs, float *out, int lane, const duet__wfirst<DUET__GV_RD, U> &first)
 {
     float acc[DUET__GV_RD][NR];
-    duet__gemv_warp<DT, NR, DUET__GV_RD, U>(w, hs, I, n, lane, acc, first);
+    duet__gemv_warp<DT, NR, DUET__GV_RD, U, PRE>(w, hs, I, n, lane, acc, first);
 #pragma unroll
     for (int j = 0; j < DUET__GV_RD; j++)
 #pragma unroll
@@ -950,22 +963,35 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         w[j] = reinterpret_cast<const uint4 *>(b1 + row * D * es);
         w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>(b3 + row * D * es);
     }
+    /* One row per slot (T = 1): the first weight chunks go out before x's round trip, which
+     * they do not need. (With more rows the registers they hold would cost occupancy.) An
+     * uninitialised `first` is never read: only the PRE instantiation reads it. */
+    constexpr bool PRE = NRMAX == 1;
+    duet__wfirst<2 * DUET__GV_RI, U> first;
+    const bool pre = PRE && pl.early && i0 < I;
+    if (pre)
+        duet__load_first(first, w, D / VEC, lane);
     __syncthreads();
     duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return duet__pair_row(pl, pairs[r]); });
     __syncthreads();
     if (i0 >= I)
         return;
     const float *xsp = xs;
-    if (NRMAX == 1 || n == 1)
-        duet__gemv13_rows<DT, 1, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+    if (PRE && pre)
+        duet__gemv13_rows<DT, 1, U, PRE>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                         first);
+    else if (NRMAX == 1 || n == 1)
+        duet__gemv13_rows<DT, 1, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                    first);
     else if (NRMAX == 2 || n == 2)
         duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                       beta_lin, h, lane);
+                                                       beta_lin, h, lane, first);
     else if (NRMAX == 4 || n <= 4)
         duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                       beta_lin, h, lane);
+                                                       beta_lin, h, lane, first);
     else
-        duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane);
+        duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        first);
 }
 
 /* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order, then the shared expert's
@@ -1020,14 +1046,16 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         const size_t row = e0 + min(d0 + j, D - 1);
         w[j] = reinterpret_cast<const uint4 *>(b2 + row * I * es);
     }
-    /* While phase 1 finishes (W2 does not depend on it): the first chunks of this warp's rows
-     * into registers, the rest of the rows into L2. */
+    /* While phase 1 finishes (W2 does not depend on it): at one row per slot (T = 1) the first
+     * chunks of this warp's rows into registers and the rest into L2; with more rows per slot
+     * (whose registers cost occupancy) the whole rows into L2. */
+    constexpr bool PRE = NRMAX == 1;
     duet__wfirst<DUET__GV_RD, U> first;
-    const bool pre = n > 0 && e >= 0 && d0 < D;
-    if (pre) {
+    const bool pre = PRE && pl.early && n > 0 && e >= 0 && d0 < D;
+    if (pre)
         duet__load_first(first, w, I / VEC, lane);
-        duet__prefetch_rows<DUET__GV_RD>(w, (size_t)32 * U * 16, (size_t)I * es, lane);
-    }
+    if (n > 0 && e >= 0 && d0 < D)
+        duet__prefetch_rows<DUET__GV_RD>(w, pre ? (size_t)32 * U * 16 : 0, (size_t)I * es, lane);
     duet_pdl_wait(); /* h, and the tickets gemv13 zeroed */
     duet_pdl_trigger();
     if (n < 0)
@@ -1037,18 +1065,18 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         duet__xs_load<VEC>(hs, h, I, n, [&](int r) { return pairs[r]; });
         __syncthreads();
         if (d0 < D) {
-            if (NRMAX == 1 || n == 1)
-                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                           pre ? &first : NULL);
+            if (PRE && pre)
+                duet__gemv2_rows<DT, 1, U, PRE>(w, hs, I, D, d0, n, pairs, out, lane, first);
+            else if (NRMAX == 1 || n == 1)
+                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
             else if (NRMAX == 2 || n == 2)
                 duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                                              pre ? &first : NULL);
+                                                              first);
             else if (NRMAX == 4 || n <= 4)
                 duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                                              pre ? &first : NULL);
+                                                              first);
             else
-                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                               pre ? &first : NULL);
+                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
         }
     }
     if (pl.cnt == NULL)
@@ -1573,6 +1601,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     pl.sw1 = ex->sw1;
     pl.sw3 = ex->sw3;
     pl.sw2 = ex->sw2;
+    pl.early = duet_cuda_weights_early();
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
     /*

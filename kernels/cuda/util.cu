@@ -187,3 +187,11 @@ extern "C" void duet_cuda_pdl_set(int on)
 {
     duet__pdl_forced = on < 0 ? -1 : on != 0;
 }
+
+extern "C" int duet_cuda_weights_early(void)
+{
+    static int early = -1;
+    if (early < 0)
+        early = getenv("DUET_CUDA_WAIT_FIRST") == NULL;
+    return early;
+}
