@@ -20,13 +20,13 @@ extern "C" {
 #include "kernels/kernels.h"
 
 typedef struct {
-    void        *kv_base;     /* the KV pool */
-    duet_dtype_t kv_dtype;    /* F32 or BF16 */
-    int64_t      kv_n_layers; /* MLA layers per page */
-    int64_t      page_tokens;
-    int64_t      layer;       /* this MLA layer's index among MLA layers */
-    int64_t      n_heads;     /* n */
-    int64_t      r, dr;       /* kv_lora_rank, qk_rope_head_dim: td = r + dr */
+    void *kv_base;         /* the KV pool */
+    duet_dtype_t kv_dtype; /* F32 or BF16 */
+    int64_t kv_n_layers;   /* MLA layers per page */
+    int64_t page_tokens;
+    int64_t layer;   /* this MLA layer's index among MLA layers */
+    int64_t n_heads; /* n */
+    int64_t r, dr;   /* kv_lora_rank, qk_rope_head_dim: td = r + dr */
 } duet_cuda_mla_layer_t;
 
 /*

@@ -82,29 +82,29 @@
 #include "kernels/cuda/cuda_mla.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
-#define DUET__MODULE "cuda mla" /* the prefix of this file's error details */
+#define DUET__MODULE          "cuda mla" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
-#define DUET_MLA_THREADS   256 /* 8 warps per attention block */
-#define DUET_MLA_WARPS     (DUET_MLA_THREADS / 32)
-#define DUET_MLA_SLOTS     32  /* (row, head) query vectors per block */
-#define DUET_MLA_MAX_R     512 /* P · c: 4 slot groups × r / 8 dim groups <= 256 threads */
-#define DUET_MLA_MAX_TD    640 /* CUDA-core scores: 5 chunks of 128 dims per lane */
-#define DUET_MLA_TC_MAX_TD 576 /* tensor-core scores: 9 k-steps of 16 per warp quarter */
-#define DUET_MLA_TC_TK     64  /* tokens per tile, tensor-core path */
-#define DUET_MLA_TC_STAGES 2   /* tiles in shared memory, tensor-core path (1 in flight) */
-#define DUET_MLA_TC2_TK    32  /* the other tensor-core shape (test hook): 4 tiles of 32 */
-#define DUET_MLA_TC2_STAGES 4
-#define DUET_MLA_MAX_DEV   16  /* devices whose shared-memory opt-in is remembered */
+#define DUET_MLA_THREADS     256 /* 8 warps per attention block */
+#define DUET_MLA_WARPS       (DUET_MLA_THREADS / 32)
+#define DUET_MLA_SLOTS       32  /* (row, head) query vectors per block */
+#define DUET_MLA_MAX_R       512 /* P · c: 4 slot groups × r / 8 dim groups <= 256 threads */
+#define DUET_MLA_MAX_TD      640 /* CUDA-core scores: 5 chunks of 128 dims per lane */
+#define DUET_MLA_TC_MAX_TD   576 /* tensor-core scores: 9 k-steps of 16 per warp quarter */
+#define DUET_MLA_TC_TK       64  /* tokens per tile, tensor-core path */
+#define DUET_MLA_TC_STAGES   2   /* tiles in shared memory, tensor-core path (1 in flight) */
+#define DUET_MLA_TC2_TK      32  /* the other tensor-core shape (test hook): 4 tiles of 32 */
+#define DUET_MLA_TC2_STAGES  4
+#define DUET_MLA_MAX_DEV     16  /* devices whose shared-memory opt-in is remembered */
 #define DUET_MLA_KVW_THREADS 128 /* kv_write block */
-#define DUET_MLA_MIN_SPLIT 64  /* plan_splits: fewest positions per busy split */
-#define DUET_MLA_MAX_SPLIT 1024
-#define DUET_LOG2E         1.4426950408889634f
+#define DUET_MLA_MIN_SPLIT   64  /* plan_splits: fewest positions per busy split */
+#define DUET_MLA_MAX_SPLIT   1024
+#define DUET_LOG2E           1.4426950408889634f
 
 /* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
  * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
 static int duet__mla_simt_only = 0;
-static int duet__mla_tc_tile   = 0;
+static int duet__mla_tc_tile = 0;
 
 extern "C" void duet__cuda_mla_force_simt(int on)
 {
@@ -146,12 +146,12 @@ typedef struct {
     int safe;                /* positions below it were cached before this step */
     int row[DUET_MLA_SLOTS]; /* row of each slot, -1 for an unused slot */
     int head[DUET_MLA_SLOTS];
-    int pos[DUET_MLA_SLOTS];         /* last visible position; -1 (all masked) when unused */
+    int pos[DUET_MLA_SLOTS];          /* last visible position; -1 (all masked) when unused */
     const float *qp[DUET_MLA_SLOTS];  /* q̂ of the slot (row 0 head 0 for an unused slot) */
     const float *qrp[DUET_MLA_SLOTS]; /* its q_r (likewise; never read when dr = 0) */
-    float m[DUET_MLA_SLOTS];     /* running max, log2 units */
-    float l[DUET_MLA_SLOTS];     /* running sum of probabilities */
-    float alpha[DUET_MLA_SLOTS]; /* this tile's rescale of the accumulators */
+    float m[DUET_MLA_SLOTS];          /* running max, log2 units */
+    float l[DUET_MLA_SLOTS];          /* running sum of probabilities */
+    float alpha[DUET_MLA_SLOTS];      /* this tile's rescale of the accumulators */
 } duet__mla_block_t;
 
 /* ---- small device helpers ----------------------------------------------------------------- */
@@ -452,9 +452,8 @@ typedef struct {
     int64_t lo, hi;
 } duet__mla_offs_t;
 
-__device__ static inline duet__mla_offs_t duet__mla_tile_offs(const duet__mla_args_t &a,
-                                                              const int32_t *pages, int t, int k1,
-                                                              int td)
+__device__ static inline duet__mla_offs_t
+duet__mla_tile_offs(const duet__mla_args_t &a, const int32_t *pages, int t, int k1, int td)
 {
     const int lane = threadIdx.x & 31, pt = a.page_tokens;
     duet__mla_offs_t o = {-1, -1};
@@ -477,9 +476,8 @@ __device__ static inline duet__mla_offs_t duet__mla_tile_offs(const duet__mla_ar
  * as stale shared memory. One warp per position, lanes over its 16-byte chunks.
  */
 template <typename T, int TD = 0>
-__device__ static __forceinline__ void duet__mla_load_tile(T *dst, int ld,
-                                                           const duet__mla_args_t &a,
-                                                           duet__mla_offs_t o, int tk, int td)
+__device__ static __forceinline__ void
+duet__mla_load_tile(T *dst, int ld, const duet__mla_args_t &a, duet__mla_offs_t o, int tk, int td)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int CPR = TD * (int)sizeof(T) / 16, cpr = td * (int)sizeof(T) / 16; /* 16-B chunks */
@@ -487,8 +485,7 @@ __device__ static __forceinline__ void duet__mla_load_tile(T *dst, int ld,
 #pragma unroll
     for (int i = 0; i < tk / DUET_MLA_WARPS; i++) { /* tk: a multiple of the warp count */
         const int t = warp + DUET_MLA_WARPS * i;
-        const int64_t off =
-            __shfl_sync(0xffffffffu, i < 32 / DUET_MLA_WARPS ? o.lo : o.hi, t & 31);
+        const int64_t off = __shfl_sync(0xffffffffu, i < 32 / DUET_MLA_WARPS ? o.lo : o.hi, t & 31);
         /* a zero fill reads no bytes; its address stays inside the pool's first row */
         const char *src = (const char *)(off >= 0 ? kv + off : kv);
         const int bytes = off >= 0 ? 16 : 0;
@@ -876,7 +873,8 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 
     /* per-thread ldmatrix offsets (elements) into a stage: K for the scores (this warp's
      * k-quarter), V for P · c (column pair `warp`), and into P */
-    const int kb_off = ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8 + kq * n_kq * 16;
+    const int kb_off =
+        ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8 + kq * n_kq * 16;
     const int vb_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + warp * 16 + (lane >> 4) * 8;
     const int pa_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * pld + (lane >> 4) * 8;
 
@@ -1342,8 +1340,8 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
             cols /= 2;
         const dim3 rgrid((unsigned)n_rh, (unsigned)((a.r / 4 + cols - 1) / cols));
         DUET__TRY(duet_pdl_launch(duet__mla_reduce_kernel, rgrid, dim3(256), 0, stream,
-                                  (const float *)a.part_o, (const float *)a.part_ml, lat, n_rh,
-                                  a.r, kv_splits, cols),
+                                  (const float *)a.part_o, (const float *)a.part_ml, lat, n_rh, a.r,
+                                  kv_splits, cols),
                   "attend reduce launch");
     }
     return DUET_OK;

@@ -410,8 +410,8 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
              * programmatic dependent launch where the device has it) may start copying older
              * rows while kv_write runs; it must still see every row kv_write writes.
              */
-            CUDA_OK(cudaMemcpyAsync(d_pool, pool0, (size_t)pool_elems * esz,
-                                    cudaMemcpyHostToDevice, stream));
+            CUDA_OK(cudaMemcpyAsync(d_pool, pool0, (size_t)pool_elems * esz, cudaMemcpyHostToDevice,
+                                    stream));
             DUET_OK_OR_FAIL(duet_cuda_mla_kv_write(stream, &b.st, &ly, d_ckr, d_w, NORM_EPS));
         }
         DUET_OK_OR_FAIL(duet_cuda_mla_attend(stream, &b.st, &ly, d_qhat, d_mq + 16,
@@ -432,7 +432,9 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
         }
         printf("[cuda_mla] %-28s attend kv_splits %2d: max err %.3g (tol %.3g)%s\n", c->name,
                splits[k], err, tol,
-               k == 4 ? " [planned]" : k == 5 ? " [planned, right after kv_write]" : "");
+               k == 4   ? " [planned]"
+               : k == 5 ? " [planned, right after kv_write]"
+                        : "");
         CHECK(bad == 0,
               "%s, kv_splits %d%s: %lld outputs over tolerance, worst %g at row %lld head "
               "%lld dim %lld (gpu %g, ref %g)",
@@ -487,8 +489,8 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
             const int s = duet_cuda_mla_plan_splits(items[i], ctxs[k], 132);
             const int64_t range = ((ctxs[k] + s - 1) / s + 31) / 32 * 32;
             CHECK(s >= 1 && (s & (s - 1)) == 0 && (s == 1 || range >= 64),
-                  "items %lld ctx %lld -> %d (range %lld)", (long long)items[i],
-                  (long long)ctxs[k], s, (long long)range);
+                  "items %lld ctx %lld -> %d (range %lld)", (long long)items[i], (long long)ctxs[k],
+                  s, (long long)range);
         }
     /* a lone decode fills the GPU even at 2K (short ranges: the block's fixed cost dominated
      * with 256-position ranges); a full batch needs few splits */
@@ -742,9 +744,8 @@ Test(cuda_mla, timing_32k, .timeout = 300)
                                       .r = r,
                                       .dr = dr};
     /* (items, rows per item, pos0, kv_splits: 0 = planned) */
-    const int cases[6][4] = {{64, 1, ctx - 1, 0},  {8, 1, ctx - 1, 0},
-                             {1, 1, ctx - 1, 0},   {1, 1, 2048, 0},
-                             {8, 1, 2048, 0},      {1, 1024, 8192 - 1024, 1}};
+    const int cases[6][4] = {{64, 1, ctx - 1, 0}, {8, 1, ctx - 1, 0}, {1, 1, ctx - 1, 0},
+                             {1, 1, 2048, 0},     {8, 1, 2048, 0},    {1, 1024, 8192 - 1024, 1}};
     for (int ci = 0; ci < 6; ci++) {
         const int B = cases[ci][0], T = cases[ci][1], pos0 = cases[ci][2];
         batch_t b;
