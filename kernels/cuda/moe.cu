@@ -235,13 +235,6 @@ static __device__ __forceinline__ unsigned duet__lane_best(const float *keys, in
     return bk;
 }
 
-/*
- * A block of DUET__ROUTE_THREADS threads routes R rows (R <= the block's warps): all its threads
- * compute the R rows' scores and choices together (at T = 1, one sigmoid per thread), then warp
- * r picks row r's experts. Shared memory per row: score[E], choice[E] (then the keys, stored as
- * float bit patterns), gscore[G], gkeep[G]. In the pick a lane only writes its own experts'
- * keys (e = lane + 32j).
- */
 /* This thread's first DUET__ROUTE_UNROLL bias values for duet__route_block (n = rows × E). */
 static __device__ __forceinline__ void duet__route_bias0(const float *bias, int E, int n,
                                                          float (&b0)[DUET__ROUTE_UNROLL])
@@ -253,8 +246,16 @@ static __device__ __forceinline__ void duet__route_bias0(const float *bias, int 
     }
 }
 
-/* The routing of rows t0 .. t0 + R - 1 (logits at `logits`, read through L2: another block of
- * the same grid may have written them) by the whole block; b0 from duet__route_bias0. */
+/*
+ * A block of DUET__ROUTE_THREADS threads routes R rows (R <= the block's warps): all its threads
+ * compute the R rows' scores and choices together (at T = 1, one sigmoid per thread), then warp
+ * r picks row r's experts. Shared memory per row: score[E], choice[E] (then the keys, stored as
+ * float bit patterns), gscore[G], gkeep[G]. In the pick a lane only writes its own experts'
+ * keys (e = lane + 32j).
+ *
+ * duet__route_block routes rows t0 .. t0 + R - 1 (logits read through L2: another block of the
+ * same grid may have written them); b0 from duet__route_bias0.
+ */
 static __device__ __forceinline__ void
 duet__route_block(float *route_sh, const float *logits, const float *bias,
                   const float (&b0)[DUET__ROUTE_UNROLL], int t0, int R, int T, int E, int G,
