@@ -952,8 +952,10 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const int64_t G = c->n_group > 0 ? c->n_group : 1;
     const duet_cuda_gemm_op_t sgu = {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn,
                                      .ldx = D, .w = &w->mlp.gu};
-    if (T == 1 && !duet__env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
-        /* one token: the norm, the router and the routing in one kernel */
+    if (T == 1 && D % 4 == 0 &&
+        !duet__env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
+        /* one token: the norm, the router and the routing in one kernel (its float4 loads want
+         * D % 4 == 0; other widths take the two-kernel path below) */
         TRY(duet_cuda_moe_router_route(s, nrm->x, nrm->w, nrm->eps, w->router.data, E, D,
                                        w->router_bias, G, c->topk_group, c->top_k,
                                        c->moe_renormalize, c->routed_scaling_factor, nrm->y,
