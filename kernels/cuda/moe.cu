@@ -1385,10 +1385,10 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.n_slices * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
-    L.h = at; /* P pairs' rows, then T for a folded shared expert */
-    at += duet__align256((size_t)(P + T) * I * sizeof(float));
+    L.h = at; /* P pairs' rows, then one for a folded shared expert (only ever at T = 1) */
+    at += duet__align256((size_t)(P + 1) * I * sizeof(float));
     L.out = at;
-    at += duet__align256((size_t)(P + T) * D * sizeof(float));
+    at += duet__align256((size_t)(P + 1) * D * sizeof(float));
     L.total = at;
     return L;
 }
