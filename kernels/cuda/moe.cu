@@ -375,26 +375,27 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS)
                       idx, wts);
 }
 
-/* duet_cuda_moe_route's argument checks; *per_row_p = its shared memory per row. */
-static duet_status_t duet__route_check(const float *logits, int64_t T, int64_t E, int64_t n_group,
-                                       int64_t topk_group, int64_t top_k, const int32_t *idx,
-                                       const float *wts, size_t *per_row_p)
+/* The routing's argument checks, for duet_cuda_moe_route and duet_cuda_moe_router_route (`who`
+ * names the caller in the error); *per_row_p = the routing's shared memory per row. */
+static duet_status_t duet__route_check(const char *who, const float *logits, int64_t T, int64_t E,
+                                       int64_t n_group, int64_t topk_group, int64_t top_k,
+                                       const int32_t *idx, const float *wts, size_t *per_row_p)
 {
     const int64_t G = n_group > 0 ? n_group : 1;
     if (T < 0 || T > 0x7fffffff || E <= 0 || top_k <= 0 || top_k > E || E % G != 0 ||
         (G > 1 && (topk_group <= 0 || topk_group > G)) ||
         (T > 0 && (logits == NULL || idx == NULL || wts == NULL)))
         return duet_error_set(DUET_ERR_INVALID,
-                              "cuda moe_route: bad arguments T=%lld E=%lld n_group=%lld "
+                              "cuda %s: bad arguments T=%lld E=%lld n_group=%lld "
                               "topk_group=%lld top_k=%lld",
-                              (long long)T, (long long)E, (long long)n_group, (long long)topk_group,
-                              (long long)top_k);
+                              who, (long long)T, (long long)E, (long long)n_group,
+                              (long long)topk_group, (long long)top_k);
     if (top_k > 32)
-        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: top_k %lld > 32",
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda %s: top_k %lld > 32", who,
                               (long long)top_k);
     const size_t per_row = (size_t)(2 * E + 2 * G) * sizeof(float);
     if (per_row > 48 * 1024)
-        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_route: %lld experts is too many",
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda %s: %lld experts is too many", who,
                               (long long)E);
     *per_row_p = per_row;
     return DUET_OK;
@@ -407,8 +408,8 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 {
     const int64_t G = n_group > 0 ? n_group : 1;
     size_t per_row;
-    const duet_status_t st =
-        duet__route_check(logits, T, E, n_group, topk_group, top_k, idx, wts, &per_row);
+    const duet_status_t st = duet__route_check("moe_route", logits, T, E, n_group, topk_group,
+                                               top_k, idx, wts, &per_row);
     if (st != DUET_OK)
         return st;
     if (T == 0)
@@ -545,8 +546,8 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                            float *logits, int32_t *idx, float *wts, int *ticket)
 {
     size_t per_row;
-    const duet_status_t st =
-        duet__route_check(logits, 1, E, n_group, topk_group, top_k, idx, wts, &per_row);
+    const duet_status_t st = duet__route_check("moe_router_route", logits, 1, E, n_group,
+                                               topk_group, top_k, idx, wts, &per_row);
     if (st != DUET_OK)
         return st;
     if (x == NULL || nw == NULL || w == NULL || xn == NULL || ticket == NULL || D <= 0 ||

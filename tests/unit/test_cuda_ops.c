@@ -659,6 +659,8 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
             printf("[cuda_ops] moe_router_route refuses %s: %s (%s)\n", bad[i].what,
                    duet_status_name(rs), duet_error_last());
             CHECK(rs == DUET_ERR_INVALID, "%s: %s", bad[i].what, duet_status_name(rs));
+            CHECK(strstr(duet_error_last(), "moe_router_route") != NULL,
+                  "%s: the error does not name the call: %s", bad[i].what, duet_error_last());
         }
         cudaFree(tk);
         cudaFree(ib);
