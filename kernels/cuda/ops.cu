@@ -100,8 +100,8 @@ extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const 
         break;
     case DUET_DTYPE_BF16:
         e = duet_pdl_launch(duet__embed_kernel<__nv_bfloat16>, dim3((unsigned)n),
-                            dim3(DUET__ROW_THREADS), 0, stream, out,
-                            (const __nv_bfloat16 *)table, D, ids);
+                            dim3(DUET__ROW_THREADS), 0, stream, out, (const __nv_bfloat16 *)table,
+                            D, ids);
         break;
     case DUET_DTYPE_F16:
         e = duet_pdl_launch(duet__embed_kernel<__half>, dim3((unsigned)n), dim3(DUET__ROW_THREADS),
@@ -160,9 +160,9 @@ extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_
     if (M == 0 || D == 0)
         return DUET_OK;
     /* x is only read when a == NULL; the kernel's x is non-const for the fused variant. */
-    cudaError_t e = duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M),
-                                    dim3(DUET__ROW_THREADS), 0, stream, y, ldy, (float *)x, ldx,
-                                    (const float *)NULL, w, D, eps);
+    cudaError_t e =
+        duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M), dim3(DUET__ROW_THREADS), 0, stream,
+                        y, ldy, (float *)x, ldx, (const float *)NULL, w, D, eps);
     return duet__launched(e, "rmsnorm kernel launch");
 }
 
@@ -222,9 +222,8 @@ extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, con
         return DUET_OK;
     const int threads = 256;
     const int64_t blocks = (n + threads - 1) / threads;
-    cudaError_t e = duet_pdl_launch(duet__act_mul_kernel,
-                                    dim3((unsigned)(blocks < 65536 ? blocks : 65536)),
-                                    dim3(threads), 0, stream, gate, up, M, I, ld, (int)act, beta,
-                                    beta_lin);
+    cudaError_t e =
+        duet_pdl_launch(duet__act_mul_kernel, dim3((unsigned)(blocks < 65536 ? blocks : 65536)),
+                        dim3(threads), 0, stream, gate, up, M, I, ld, (int)act, beta, beta_lin);
     return duet__launched(e, "act_mul kernel launch");
 }
