@@ -31,6 +31,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_cvt.cuh"
 #include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -342,11 +343,10 @@ __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1)
                 q += __shfl_xor_sync(0xffffffffu, q, off);
-            scale = (float)(1.0 / sqrt((double)q / (double)sg.K + (double)args.eps));
+            scale = duet_rms_scale((double)q, (double)sg.K, args.eps);
             if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
                 for (int64_t k = lane; k < sg.K; k += 32)
-                    args.ny[m * args.ldny + k] =
-                        __fmul_rn(args.nw[k], __fmul_rn(x[m * ldx + k], scale));
+                    args.ny[m * args.ldny + k] = duet_rms_apply(args.nw[k], x[m * ldx + k], scale);
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {

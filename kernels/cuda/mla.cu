@@ -80,6 +80,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE          "cuda mla" /* the prefix of this file's error details */
@@ -340,13 +341,13 @@ __global__ static void __launch_bounds__(DUET_MLA_KVW_THREADS)
 #pragma unroll
     for (int i = 0; i < NW; i++)
         tot += red[i];
-    const float scale = (float)(1.0 / sqrt(tot / (double)r + (double)eps));
+    const float scale = duet_rms_scale(tot, (double)r, eps);
 
 #pragma unroll
     for (int k = 0; k < PER; k++) {
         const int j = tid + k * NT;
         if (j < td)
-            dst[j] = duet__mla_to<T>(j < r ? wv[k] * (xv[k] * scale) : xv[k]);
+            dst[j] = duet__mla_to<T>(j < r ? duet_rms_apply(wv[k], xv[k], scale) : xv[k]);
     }
 }
 

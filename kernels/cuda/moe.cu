@@ -67,6 +67,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_cvt.cuh"
+#include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -448,7 +449,7 @@ typedef struct {
 /*
  * Blocks of DUET__RR_ROWS router rows, DUET__RR_SPLIT warps per row: each warp dots its share
  * of the row with x ⊙ nw and sums x² over the same share, the block adds the shares in order and
- * scales by 1/rms (the fused-norm GEMV's arithmetic, gemm.cu). The router weights load before
+ * scales by 1/rms (cuda_norm.cuh, as the fused-norm GEMV does). The router weights load before
  * the PDL wait (they are weights), x after it. Block 0 stores xn as duet_cuda_rmsnorm rounds it.
  * The last block to finish (a ticket) routes the row with duet_cuda_moe_route's code and puts
  * the ticket back to 0.
@@ -512,7 +513,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
             d += part[r * S + j][0];
             sq += part[r * S + j][1];
         }
-        const float sc = (float)(1.0 / sqrt((double)sq / (double)a.D + (double)a.eps));
+        const float sc = duet_rms_scale((double)sq, (double)a.D, a.eps);
         if (er < a.E)
             a.logits[er] = d * sc;
         if (r == 0)
@@ -521,7 +522,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     __syncthreads();
     if (blockIdx.x == 0)
         for (int k = threadIdx.x; k < a.D; k += blockDim.x)
-            a.xn[k] = __fmul_rn(a.nw[k], __fmul_rn(a.x[k], row_scale));
+            a.xn[k] = duet_rms_apply(a.nw[k], a.x[k], row_scale);
     /* The ticket: this block's logits are visible device-wide before it counts itself. */
     __threadfence();
     __syncthreads();

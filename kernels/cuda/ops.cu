@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -143,9 +144,9 @@ __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ld
         }
     }
     ss = duet__block_sum_f64(ss);
-    const float scale = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+    const float scale = duet_rms_scale(ss, (double)D, eps);
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-        yr[d] = __fmul_rn(w[d], __fmul_rn(xr[d], scale));
+        yr[d] = duet_rms_apply(w[d], xr[d], scale);
 }
 
 extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy,
