@@ -76,7 +76,7 @@ fi
 if has tf; then
   for L in 27 8; do
     say "transformers $L layers"
-    timeout 400 "$py" tools/bench_transformers.py --layers "$L" --steps 10 2>"$out/tf$L.err" | tee "$out/tf$L.jsonl"
+    timeout 400 "$py" tools/bench_transformers.py --layers "$L" --steps 20 2>"$out/tf$L.err" | tee "$out/tf$L.jsonl"
     tail -3 "$out/tf$L.err"
   done
 fi

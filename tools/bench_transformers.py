@@ -459,7 +459,11 @@ def run_decode_case(model, c, args, B, C, torch, device, timer, esz, weight_byte
             wall.append(w)
         finite = bool(torch.isfinite(logits.float()).all().item())
         seq = cache.get_seq_length()
+        # quartiles and max too: at batch 1 the step is bound by Python's launches, and its
+        # spread between runs is what decides a speed-up ratio taken against the median
+        q1, _, q3 = statistics.quantiles(gpu, n=4) if len(gpu) >= 2 else (gpu[0], gpu[0], gpu[0])
         rec = dict(base, step_ms=round(statistics.median(gpu), 3), step_ms_min=round(min(gpu), 3),
+                   step_ms_p25=round(q1, 3), step_ms_p75=round(q3, 3), step_ms_max=round(max(gpu), 3),
                    step_ms_mean=round(statistics.fmean(gpu), 3), wall_ms=round(statistics.median(wall), 3),
                    tok_s=round(B * 1e3 / statistics.median(gpu), 1), steps=steps, warmup=len(warm_ms),
                    final_cache_len=seq, logits_finite=finite, kda_path=KDA_PATH.get("recurrent"))
@@ -469,6 +473,7 @@ def run_decode_case(model, c, args, B, C, torch, device, timer, esz, weight_byte
         if device.type == "cuda":
             rec["peak_gib"] = round(gib(torch.cuda.max_memory_allocated()), 2)
         log(f"decode B={B} C={C}: median {rec['step_ms']:.2f} ms/step (min {rec['step_ms_min']:.2f}, "
+            f"quartiles {rec['step_ms_p25']:.2f} / {rec['step_ms_p75']:.2f}, max {rec['step_ms_max']:.2f}, "
             f"wall {rec['wall_ms']:.2f}), {rec['tok_s']:.0f} tok/s")
         return rec
     except Exception as e:  # noqa: BLE001
