@@ -1612,8 +1612,10 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
      * gemv2 adds into y through its tickets. Measured on an H200 at the real dims (graph replay,
      * T = 1): 37.5 us against 41.3 with the combine kernel; a kernel whose blocks own a slice of
      * outputs for all top_k pairs (h of every pair in each block, 3 blocks per SM) was not
-     * faster (about 39.5). For T > 1 the combine kernel: tickets there measured 7 % slower at
-     * T = 64 (a fence and an atomic round trip in each of thousands of gemv2 blocks).
+     * faster (about 39.5), nor were two one-wave kernels streaming each lane's weight chunks
+     * through a cp.async ring in shared memory (43.0 against 36.7, bench/RESULTS.md). For T > 1
+     * the combine kernel: tickets there measured 7 % slower at T = 64 (a fence and an atomic
+     * round trip in each of thousands of gemv2 blocks).
      */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
     if (direct && !separate) {
