@@ -750,6 +750,27 @@ bool duet__tls_may_use_tcp(const char *tls)
     return exclude ? !named : named || all;
 }
 
+/* Whether a UCX_TLS value may give UCX a transport that detects a dead peer: unset, "all", an
+ * exclusion list, or a list naming tcp or an InfiniBand transport (ib, rc*, ud*, dc*). Shared
+ * memory, self, cma and the CUDA transports cannot in UCX 1.13; with only those an endpoint
+ * asked for UCP_ERR_HANDLING_MODE_PEER fails and UCX prints an error first. */
+bool duet__tls_may_detect_peer_failure(const char *tls)
+{
+    if (tls == NULL || *tls == '\0' || *tls == '^')
+        return true;
+    for (const char *p = tls; *p != '\0';) {
+        const char *e = strchr(p, ',');
+        const size_t n = e != NULL ? (size_t)(e - p) : strlen(p);
+        if ((n == 3 && (strncmp(p, "tcp", 3) == 0 || strncmp(p, "all", 3) == 0)) ||
+            (n == 2 && strncmp(p, "ib", 2) == 0) ||
+            (n >= 2 &&
+             (strncmp(p, "rc", 2) == 0 || strncmp(p, "ud", 2) == 0 || strncmp(p, "dc", 2) == 0)))
+            return true;
+        p += n + (e != NULL);
+    }
+    return false;
+}
+
 /* ucp_init with the environment's configuration (UCX_*), plus PROTO_ENABLE=y when proto_v2. */
 static ucs_status_t duet__ucp_init(const ucp_params_t *up, bool proto_v2, ucp_context_h *ucp_p)
 {
@@ -847,6 +868,14 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
     if (us != UCS_OK) {
         st = DUET_FAIL(DUET_ERR_TRANSPORT, "xfer: ucp_init: %s", ucs_status_string(us));
         goto fail;
+    }
+    /* No transport that could detect a dead peer: endpoints without error handling from the
+     * start (duet__xfer_peer_get), not after a failed first try that UCX reports as an ERROR. */
+    if (!duet__tls_may_detect_peer_failure(getenv("UCX_TLS"))) {
+        ctx->no_peer_err = true;
+        DUET_LOG_INFO("xfer: UCX_TLS=%s has no transport that detects a dead peer; endpoints "
+                      "rely on deadlines",
+                      getenv("UCX_TLS"));
     }
     /* Which memory this UCX can register and move: host always; CUDA only when it was built with
      * CUDA transports (cuda_copy / cuda_ipc) and they are enabled (UCX_TLS). */

@@ -206,6 +206,8 @@ typedef struct {
 uint64_t duet__xfer_now_ns(void);
 /* Whether a UCX_TLS value lets UCX use tcp (see xfer_ctx.c: device memory stays off then). */
 bool duet__tls_may_use_tcp(const char *tls);
+/* Whether a UCX_TLS value may give UCX a transport that detects a dead peer (tcp, InfiniBand). */
+bool duet__tls_may_detect_peer_failure(const char *tls);
 /* Every registered pool is host memory (checksums read pool bytes on the CPU). */
 bool duet__xfer_pools_on_host(const duet_xfer_ctx_t *ctx);
 duet__xfer_t *duet__xfer_slot_take(duet_xfer_ctx_t *ctx, duet_xfer_role_t role);

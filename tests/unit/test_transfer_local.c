@@ -7,6 +7,7 @@
 
 #include "common/metrics.h"
 #include "tests/unit/test_transfer_util.h"
+#include "transfer/xfer_impl.h"
 
 static xt_scn_t g_s;
 static xt_recv_t g_R;
@@ -324,9 +325,9 @@ Test(transfer_local, metrics_count_outcomes)
                                         DUET_XFER_MEM_HOST),
                  DUET_ERR_INVALID);
     if (!duet_xfer_ctx_mem_supported(g_R.ctx, DUET_XFER_MEM_CUDA)) /* Debian's UCX */
-        cr_assert_eq(duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KDA, g_R.kda, 8,
-                                            DUET_XFER_MEM_CUDA),
-                     DUET_ERR_UNSUPPORTED);
+        cr_assert_eq(
+            duet_xfer_ctx_register(g_R.ctx, DUET_XFER_POOL_KDA, g_R.kda, 8, DUET_XFER_MEM_CUDA),
+            DUET_ERR_UNSUPPORTED);
 
     duet_xfer_reservation_t res;
     reserve(0, &res);
@@ -342,7 +343,8 @@ Test(transfer_local, metrics_count_outcomes)
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_metrics_render(mr, &sb), DUET_OK);
-    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"recv\",outcome=\"done\"} 1") != NULL,
+    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"recv\",outcome=\"done\"} 1") !=
+                  NULL,
               "%s", sb.data);
     cr_assert(strstr(sb.data, "duet_xfer_aborts_total{reason=\"cancelled\"} 1") != NULL, "%s",
               sb.data);
@@ -355,7 +357,8 @@ Test(transfer_local, metrics_count_outcomes)
     duet_strbuf_free(&sb);
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_metrics_render(ms, &sb), DUET_OK);
-    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"send\",outcome=\"done\"} 1") != NULL,
+    cr_assert(strstr(sb.data, "duet_xfer_transfers_total{role=\"send\",outcome=\"done\"} 1") !=
+                  NULL,
               "%s", sb.data);
     duet_strbuf_free(&sb);
     xt_send_free(&g_S);
@@ -363,4 +366,53 @@ Test(transfer_local, metrics_count_outcomes)
     duet_metrics_destroy(ms);
     duet_metrics_destroy(mr);
     setup(); /* teardown frees a harness */
+}
+
+/* With a shared-memory-only UCX_TLS (this suite's) no transport can detect a dead peer: the
+ * contexts know it from their creation and never ask UCX for error handling, which UCX would
+ * refuse with an ERROR line on the first endpoint. A transfer still completes. */
+Test(transfer_local, shm_only_tls_skips_peer_error_handling)
+{
+    cr_assert(g_S.ctx->no_peer_err && g_R.ctx->no_peer_err,
+              "UCX_TLS=%s: the contexts should start without peer error handling",
+              getenv("UCX_TLS"));
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 0, 1, l);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    cr_assert_eq(g_S.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_S.x[0].msg);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[0].msg);
+    cr_assert(g_S.ctx->no_peer_err, "the sender asked for error handling after all");
+}
+
+/* Which UCX_TLS values may give UCX a transport that detects a dead peer. */
+Test(transfer_tls, peer_failure_detection_by_ucx_tls)
+{
+    static const struct {
+        const char *tls;
+        bool may;
+    } cases[] = {
+        {NULL, true},
+        {"", true},
+        {"all", true},
+        {"tcp", true},
+        {"sm,self,tcp", true},
+        {"rc_mlx5,sm", true},
+        {"ud_verbs", true},
+        {"dc_x,self", true},
+        {"ib", true},
+        {"^tcp", true}, /* an exclusion list leaves the rest, InfiniBand included */
+        {"sm,self", false},
+        {"posix,sysv,cma,self", false},
+        {"sm,self,cuda_copy,cuda_ipc", false},
+        {"shm", false},
+        {"tcpx", false},
+        {"self,", false},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+        cr_assert_eq(duet__tls_may_detect_peer_failure(cases[i].tls), cases[i].may, "UCX_TLS=%s",
+                     cases[i].tls ? cases[i].tls : "(unset)");
 }
