@@ -39,7 +39,7 @@ typedef struct {
     uint32_t produced;  /* tokens of this request emitted so far (by anyone) */
     uint32_t limit;     /* emit until produced == limit */
     int active;         /* emitting */
-    uint64_t next_ms;
+    uint64_t next_us; /* when the next token is due (CLOCK_MONOTONIC, µs) */
 } tw_req_t;
 
 static struct {
@@ -68,6 +68,15 @@ static uint64_t now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* Token pacing runs on microseconds: with whole milliseconds (truncated) a token could go out
+ * up to 1 ms before its --delay-ms had passed. */
+static uint64_t now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
 }
 
 static void event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -208,7 +217,7 @@ static void on_message(int fd, Duet__Envelope *env)
         r->produced = 1;
         r->limit    = r->max_tokens;
         r->active   = 1;
-        r->next_ms  = now_ms() + (uint64_t)opt.delay_ms;
+        r->next_us  = now_us() + 1000 * (uint64_t)opt.delay_ms;
         return;
     }
     case DUET__ENVELOPE__BODY_PREFILL:
@@ -235,7 +244,7 @@ static void on_message(int fd, Duet__Envelope *env)
         }
         r->limit   = prefill ? 1 : maxt;
         r->active  = 1;
-        r->next_ms = now_ms() + (uint64_t)opt.delay_ms;
+        r->next_us = now_us() + 1000 * (uint64_t)opt.delay_ms;
         return;
     }
     case DUET__ENVELOPE__BODY_CANCEL: {
@@ -265,11 +274,11 @@ static void on_message(int fd, Duet__Envelope *env)
 /* Emit every token that is due. Returns the ms until the next one (-1 = none pending). */
 static int emit_due(int fd)
 {
-    uint64_t now  = now_ms();
+    uint64_t now  = now_us();
     int      wait = -1;
     for (int i = 0; i < TW_MAX_REQ; i++) {
         tw_req_t *r = &tw_reqs[i];
-        while (r->rid != 0 && r->active && !tw_stalled && r->next_ms <= now) {
+        while (r->rid != 0 && r->active && !tw_stalled && r->next_us <= now) {
             if (opt.die_after >= 0 && tw_emitted >= opt.die_after) {
                 event("dying as told (--die-after %ld)", opt.die_after);
                 exit(5);
@@ -291,10 +300,12 @@ static int emit_due(int fd)
                 req_free(r);
                 break;
             }
-            r->next_ms = now + (uint64_t)opt.delay_ms;
+            /* from this token's send, so that no gap is shorter than the delay */
+            r->next_us = now_us() + 1000 * (uint64_t)opt.delay_ms;
         }
         if (r->rid != 0 && r->active && !tw_stalled) {
-            int w = r->next_ms > now ? (int)(r->next_ms - now) : 0;
+            /* poll's timeout in whole ms, rounded up: never wakes before the token is due */
+            int w = r->next_us > now ? (int)((r->next_us - now + 999) / 1000) : 0;
             if (wait < 0 || w < wait)
                 wait = w;
         }

@@ -283,8 +283,11 @@ Test(bench_serving, closed_loop_json_tpot_and_gates, .timeout = 240)
     cr_assert_gt(num(j, "mean_ttft_ms"), 0);
     cr_assert_gt(num(j, "median_ttft_ms"), 0);
     cr_assert_geq(num(j, "p99_ttft_ms"), num(j, "median_ttft_ms"));
+    /* the workers space tokens by at least 20 ms from each send; what the client sees can be
+     * shorter by the difference in delivery delay of the first and last token over n - 1 gaps:
+     * 1 ms of tolerance (a wrong definition, e.g. dividing by n, gives 15 ms at 4 tokens) */
     double tpot = num(j, "mean_tpot_ms");
-    cr_assert_geq(tpot, 20.0, "mean TPOT %.2f ms below the workers' 20 ms delay", tpot);
+    cr_assert_geq(tpot, 19.0, "mean TPOT %.2f ms below the workers' 20 ms delay", tpot);
     cr_assert_lt(tpot, 200.0, "mean TPOT %.2f ms", tpot);
     cr_assert_geq(num(j, "mean_itl_ms"), 15.0);
     cr_assert_gt(num(j, "mean_e2el_ms"), num(j, "mean_ttft_ms"));
@@ -311,7 +314,7 @@ Test(bench_serving, closed_loop_json_tpot_and_gates, .timeout = 240)
     put_file("fail.json", "{\"gates\": {\"error_rate\": {\"max\": 0},"
                           " \"output_throughput\": {\"min\": 1e9}}}");
     put_file("pass.json", "{\"gates\": {\"error_rate\": {\"max\": 0}, \"completed\": {\"min\": 4},"
-                          " \"mean_tpot_ms\": {\"min\": 20, \"max\": 500}}}");
+                          " \"mean_tpot_ms\": {\"min\": 19, \"max\": 500}}}");
     const char *gate_fail[] = {"--concurrency",
                                "4",
                                "--num-prompts",
