@@ -732,22 +732,46 @@ void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_
 
 /* --- context ------------------------------------------------------------------------------ */
 
+/* Whether any name in the comma-separated list (no leading '^') satisfies match(name, length). */
+static bool duet__tls_any(const char *list, bool (*match)(const char *name, size_t n))
+{
+    for (const char *p = list; *p != '\0';) {
+        const char *e = strchr(p, ',');
+        const size_t n = e != NULL ? (size_t)(e - p) : strlen(p);
+        if (match(p, n))
+            return true;
+        p += n + (e != NULL);
+    }
+    return false;
+}
+
+static bool duet__tls_is_tcp(const char *name, size_t n)
+{
+    return n == 3 && strncmp(name, "tcp", 3) == 0;
+}
+
+static bool duet__tls_is_tcp_or_all(const char *name, size_t n)
+{
+    return duet__tls_is_tcp(name, n) || (n == 3 && strncmp(name, "all", 3) == 0);
+}
+
+/* tcp, all, or an InfiniBand transport (ib, rc*, ud*, dc*) */
+static bool duet__tls_detects_peers(const char *name, size_t n)
+{
+    return duet__tls_is_tcp_or_all(name, n) || (n == 2 && strncmp(name, "ib", 2) == 0) ||
+           (n >= 2 && (strncmp(name, "rc", 2) == 0 || strncmp(name, "ud", 2) == 0 ||
+                       strncmp(name, "dc", 2) == 0));
+}
+
 /* Whether a UCX_TLS value lets UCX use tcp: unset, "all", a list naming tcp, or an exclusion
  * list ("^a,b") that does not name it. */
 bool duet__tls_may_use_tcp(const char *tls)
 {
     if (tls == NULL || *tls == '\0')
         return true;
-    const bool exclude = *tls == '^';
-    bool named = false, all = false;
-    for (const char *p = tls + exclude; *p != '\0';) {
-        const char *e = strchr(p, ',');
-        const size_t n = e != NULL ? (size_t)(e - p) : strlen(p);
-        named = named || (n == 3 && strncmp(p, "tcp", 3) == 0);
-        all = all || (n == 3 && strncmp(p, "all", 3) == 0);
-        p += n + (e != NULL);
-    }
-    return exclude ? !named : named || all;
+    if (*tls == '^')
+        return !duet__tls_any(tls + 1, duet__tls_is_tcp);
+    return duet__tls_any(tls, duet__tls_is_tcp_or_all);
 }
 
 /* Whether a UCX_TLS value may give UCX a transport that detects a dead peer: unset, "all", an
@@ -758,17 +782,7 @@ bool duet__tls_may_detect_peer_failure(const char *tls)
 {
     if (tls == NULL || *tls == '\0' || *tls == '^')
         return true;
-    for (const char *p = tls; *p != '\0';) {
-        const char *e = strchr(p, ',');
-        const size_t n = e != NULL ? (size_t)(e - p) : strlen(p);
-        if ((n == 3 && (strncmp(p, "tcp", 3) == 0 || strncmp(p, "all", 3) == 0)) ||
-            (n == 2 && strncmp(p, "ib", 2) == 0) ||
-            (n >= 2 &&
-             (strncmp(p, "rc", 2) == 0 || strncmp(p, "ud", 2) == 0 || strncmp(p, "dc", 2) == 0)))
-            return true;
-        p += n + (e != NULL);
-    }
-    return false;
+    return duet__tls_any(tls, duet__tls_detects_peers);
 }
 
 /* ucp_init with the environment's configuration (UCX_*), plus PROTO_ENABLE=y when proto_v2. */
