@@ -63,13 +63,6 @@ static tw_req_t tw_reqs[TW_MAX_REQ];
 static long     tw_emitted; /* tokens emitted, all requests */
 static int      tw_stalled, tw_draining;
 
-static uint64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
 /* Token pacing runs on microseconds: with whole milliseconds (truncated) a token could go out
  * up to 1 ms before its --delay-ms had passed. */
 static uint64_t now_us(void)
@@ -77,6 +70,17 @@ static uint64_t now_us(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+}
+
+static uint64_t now_ms(void)
+{
+    return now_us() / 1000;
+}
+
+/* When a request's next token is due: --delay-ms from now. */
+static uint64_t token_due(void)
+{
+    return now_us() + 1000 * (uint64_t)opt.delay_ms;
 }
 
 static void event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -217,7 +221,7 @@ static void on_message(int fd, Duet__Envelope *env)
         r->produced = 1;
         r->limit    = r->max_tokens;
         r->active   = 1;
-        r->next_us  = now_us() + 1000 * (uint64_t)opt.delay_ms;
+        r->next_us  = token_due();
         return;
     }
     case DUET__ENVELOPE__BODY_PREFILL:
@@ -244,7 +248,7 @@ static void on_message(int fd, Duet__Envelope *env)
         }
         r->limit   = prefill ? 1 : maxt;
         r->active  = 1;
-        r->next_us = now_us() + 1000 * (uint64_t)opt.delay_ms;
+        r->next_us = token_due();
         return;
     }
     case DUET__ENVELOPE__BODY_CANCEL: {
@@ -301,7 +305,7 @@ static int emit_due(int fd)
                 break;
             }
             /* from this token's send, so that no gap is shorter than the delay */
-            r->next_us = now_us() + 1000 * (uint64_t)opt.delay_ms;
+            r->next_us = token_due();
         }
         if (r->rid != 0 && r->active && !tw_stalled) {
             /* poll's timeout in whole ms, rounded up: never wakes before the token is due */
