@@ -1613,7 +1613,9 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
      * T = 1): 37.5 us against 41.3 with the combine kernel; a kernel whose blocks own a slice of
      * outputs for all top_k pairs (h of every pair in each block, 3 blocks per SM) was not
      * faster (about 39.5), nor were two one-wave kernels streaming each lane's weight chunks
-     * through a cp.async ring in shared memory (43.0 against 36.7, bench/RESULTS.md). For T > 1
+     * through a cp.async ring in shared memory (43.0 against 36.7, bench/RESULTS.md), nor was
+     * one kernel doing the router, the routing and both phases with counters in place of the
+     * grid boundaries (the 27-layer step within 0.02 ms either way, bench/RESULTS.md). For T > 1
      * the combine kernel: tickets there measured 7 % slower at T = 64 (a fence and an atomic
      * round trip in each of thousands of gemv2 blocks).
      */
