@@ -13,7 +13,9 @@
  *   element of S once into a register, decays it, forms the two column sums Σ S k and Σ S q
  *   (8-way shared-memory reduction), and writes S back once: o = Σ_d S'[d] q[d] + u (k·q).
  * core, chunked (items of 2+ tokens): one block per (item, head), 4·K threads, chunks of 64
- *   tokens in order. Thread (x, dq) keeps the quarter dq of column x of S in registers for the
+ *   tokens in order; when that leaves SMs idle, one block per (item, head, slice of the columns),
+ *   each doing the shared steps 1-4 (the kernel's numbering) and steps 5-8 for its own columns
+ *   (duet__kda_vsplit). Thread (x, dq) keeps the quarter dq of column x of S in registers for the
  *   whole item, so S is read and written once per item. Per chunk, in shared memory:
  *     Γ     cumulative log-decay, stored in log2 units so every decay is one ex2;
  *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
@@ -39,6 +41,8 @@
  * only reads weights and the step's metadata, and prefetches the state S into L2 (only this
  * layer's core writes S, and a prefetch cannot return stale data).
  */
+#include <stdlib.h>
+
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -415,8 +419,8 @@ duet__kda_decay_dots(float (&s)[RPT], const float *se, const float *sk, const fl
 /* The delta-rule update of the same rows: S[d][x] = s[d] + k[d]·u. */
 template <int RPT>
 static __device__ __forceinline__ void duet__kda_state_store(float *S, int V, int x, int ty,
-                                                             const float (&s)[RPT],
-                                                             const float *sk, float u)
+                                                             const float (&s)[RPT], const float *sk,
+                                                             float u)
 {
 #pragma unroll
     for (int r = 0; r < RPT; r++) {
@@ -522,11 +526,13 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int dq = lane & 3, x = warp * 8 + (lane >> 2); /* column x, quarter dq of S */
     const int qoff = dq * (Kq + 4);                      /* col(dq·Kq) */
+    /* This block's slice of the columns (whole warps): it owns those columns of S and of o. */
+    const bool mine = x / (V / (int)gridDim.y) == (int)blockIdx.y;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
     float s[Kq]; /* S[dq·Kq + r][x] */
 #pragma unroll
     for (int r = 0; r < Kq; r++)
-        s[r] = S[(int64_t)(dq * Kq + r) * V + x];
+        s[r] = mine ? S[(int64_t)(dq * Kq + r) * V + x] : 0.0f;
 
     for (int64_t c0 = 0; c0 < n_tok; c0 += C) {
         const int n = n_tok - c0 < C ? (int)(n_tok - c0) : C;
@@ -614,112 +620,117 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
         __syncthreads();
 
         /* 5. Column-local from here (the four quarter owners of column x share a warp), and
-         * only over the row blocks that hold tokens (rows past n are zero throughout).
+         * only over the row blocks that hold tokens (rows past n are zero throughout); only
+         * the warps of this block's columns take part.
          * Y[i][x] = β_i v_i[x] − Σ_d (β k e^Γ)[i][d] S[d][x]; the owner of row i (i mod 4 = dq)
          * keeps it in y[i / 4]. Row blocks run in a loop, not unrolled (code size); y is only
          * ever indexed statically, a runtime block index t goes through duet__pick/duet__put. */
-        const int nb = (n + 3) / 4;
-        float y[C / 4];
+        if (mine) {
+            const int nb = (n + 3) / 4;
+            float y[C / 4];
 #pragma unroll
-        for (int t = 0; t < C / 4; t++)
-            y[t] = 0.0f;
+            for (int t = 0; t < C / 4; t++)
+                y[t] = 0.0f;
 #pragma unroll 1
-        for (int t = 0; t < nb; t++) {
-            float mine = 0.0f;
+            for (int t = 0; t < nb; t++) {
+                float mine = 0.0f;
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int i = 4 * t + m;
-                const float *w = &sG[i * KR + qoff];
-                float acc = 0.0f;
+                for (int m = 0; m < 4; m++) {
+                    const int i = 4 * t + m;
+                    const float *w = &sG[i * KR + qoff];
+                    float acc = 0.0f;
 #pragma unroll
-                for (int r = 0; r < Kq; r += 4) {
-                    const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
-                    acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
+                    for (int r = 0; r < Kq; r += 4) {
+                        const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
+                        acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
+                    }
+                    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+                    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+                    if (m == dq)
+                        mine = sB[i] * sV[i * VR + x] - acc;
                 }
-                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-                if (m == dq)
-                    mine = sB[i] * sV[i * VR + x] - acc;
+                duet__put<C / 4>(y, t, mine);
             }
-            duet__put<C / 4>(y, t, mine);
-        }
-        /* 6. V_new = Y + L V_new, row by row: once row j is final it is broadcast from its owner
-         * and added into every row (L[i][j] is zero for i <= j, so finished rows stay). `cur`
-         * tracks the current block's row of this owner, whose y slot has a runtime index. */
+            /* 6. V_new = Y + L V_new, row by row: once row j is final it is broadcast from its
+             * owner and added into every row (L[i][j] is zero for i <= j, so finished rows stay).
+             * `cur` tracks the current block's row of this owner, whose y slot has a runtime index.
+             */
 #pragma unroll 1
-        for (int t = 0; t < nb; t++) {
-            float cur = duet__pick<C / 4>(y, t);
+            for (int t = 0; t < nb; t++) {
+                float cur = duet__pick<C / 4>(y, t);
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int j = 4 * t + m;
-                const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
-                const float *l = &sL[j * LR + dq * 20];
+                for (int m = 0; m < 4; m++) {
+                    const int j = 4 * t + m;
+                    const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
+                    const float *l = &sL[j * LR + dq * 20];
 #pragma unroll
-                for (int u = 0; u < C / 4; u += 4) {
-                    const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
-                    y[u] += l4.x * vj;
-                    y[u + 1] += l4.y * vj;
-                    y[u + 2] += l4.z * vj;
-                    y[u + 3] += l4.w * vj;
+                    for (int u = 0; u < C / 4; u += 4) {
+                        const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
+                        y[u] += l4.x * vj;
+                        y[u + 1] += l4.y * vj;
+                        y[u + 2] += l4.z * vj;
+                        y[u + 3] += l4.w * vj;
+                    }
+                    cur += l[t] * vj;
                 }
-                cur += l[t] * vj;
             }
-        }
-        /* 7. O[i][x] = Σ_d (q e^Γ)[i][d] S[d][x] + Σ_j Aqk[i][j] V_new[j][x]: each owner adds
-         * its quarter of d and its residue class of j, the shuffles finish the sum. Four rows
-         * at a time, so their sums and shuffles overlap. */
-        float *orow = a.o + (r0 + c0) * HK + h * K + x;
+            /* 7. O[i][x] = Σ_d (q e^Γ)[i][d] S[d][x] + Σ_j Aqk[i][j] V_new[j][x]: each owner adds
+             * its quarter of d and its residue class of j, the shuffles finish the sum. Four rows
+             * at a time, so their sums and shuffles overlap. */
+            float *orow = a.o + (r0 + c0) * HK + h * K + x;
 #pragma unroll 1
-        for (int t = 0; t < nb; t++) {
+            for (int t = 0; t < nb; t++) {
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int i = 4 * t + m;
-                const float *qe = &sQ[i * KR + qoff];
-                const float *ar = &sA[i * LR + dq * 20];
-                float acc = 0.0f;
+                for (int m = 0; m < 4; m++) {
+                    const int i = 4 * t + m;
+                    const float *qe = &sQ[i * KR + qoff];
+                    const float *ar = &sA[i * LR + dq * 20];
+                    float acc = 0.0f;
 #pragma unroll
-                for (int r = 0; r < Kq; r += 4) {
-                    const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
-                    acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
+                    for (int r = 0; r < Kq; r += 4) {
+                        const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
+                        acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
+                    }
+#pragma unroll
+                    for (int u = 0; u < C / 4; u += 4) {
+                        const float4 a4 = *reinterpret_cast<const float4 *>(&ar[u]);
+                        acc += a4.x * y[u] + a4.y * y[u + 1] + a4.z * y[u + 2] + a4.w * y[u + 3];
+                    }
+                    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+                    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+                    if (m == dq && i < n)
+                        orow[(int64_t)i * HK] = acc;
                 }
-#pragma unroll
-                for (int u = 0; u < C / 4; u += 4) {
-                    const float4 a4 = *reinterpret_cast<const float4 *>(&ar[u]);
-                    acc += a4.x * y[u] + a4.y * y[u + 1] + a4.z * y[u + 2] + a4.w * y[u + 3];
-                }
-                acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-                acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-                if (m == dq && i < n)
-                    orow[(int64_t)i * HK] = acc;
             }
-        }
-        /* 8. S ← e^{Γlast} S + Σ_i (k e^{Γlast−Γ})[i][d] V_new[i][x]. */
+            /* 8. S ← e^{Γlast} S + Σ_i (k e^{Γlast−Γ})[i][d] V_new[i][x]. */
 #pragma unroll
-        for (int r = 0; r < Kq; r++)
-            s[r] *= duet__ex2(sGl[dq * Kq + r]);
+            for (int r = 0; r < Kq; r++)
+                s[r] *= duet__ex2(sGl[dq * Kq + r]);
 #pragma unroll 1
-        for (int t = 0; t < nb; t++) {
-            const float cur = duet__pick<C / 4>(y, t);
+            for (int t = 0; t < nb; t++) {
+                const float cur = duet__pick<C / 4>(y, t);
 #pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int i = 4 * t + m;
-                const float vi = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
-                const float *kd = &sK[i * KR + qoff];
+                for (int m = 0; m < 4; m++) {
+                    const int i = 4 * t + m;
+                    const float vi = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
+                    const float *kd = &sK[i * KR + qoff];
 #pragma unroll
-                for (int r = 0; r < Kq; r += 4) {
-                    const float4 k4 = *reinterpret_cast<const float4 *>(&kd[r]);
-                    s[r] += k4.x * vi;
-                    s[r + 1] += k4.y * vi;
-                    s[r + 2] += k4.z * vi;
-                    s[r + 3] += k4.w * vi;
+                    for (int r = 0; r < Kq; r += 4) {
+                        const float4 k4 = *reinterpret_cast<const float4 *>(&kd[r]);
+                        s[r] += k4.x * vi;
+                        s[r + 1] += k4.y * vi;
+                        s[r + 2] += k4.z * vi;
+                        s[r + 3] += k4.w * vi;
+                    }
                 }
             }
         }
         __syncthreads(); /* the next chunk overwrites the shared buffers */
     }
+    if (mine)
 #pragma unroll
-    for (int r = 0; r < Kq; r++)
-        S[(int64_t)(dq * Kq + r) * V + x] = s[r];
+        for (int r = 0; r < Kq; r++)
+            S[(int64_t)(dq * Kq + r) * V + x] = s[r];
 }
 
 /* ---- core: dispatch ----------------------------------------------------------------------- */
@@ -748,6 +759,42 @@ template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
     return DUET_OK;
 }
 
+/*
+ * Column slices per (item, head) for the chunked kernel. Its column-local phases (from Y on)
+ * are most of a chunk's time, and one block per (item, head) leaves most SMs idle in a single
+ * prefill (32 heads on 132 SMs): with slices, the blocks of one head each redo the shared
+ * phases (L, Aqk, the decayed q / k) and run the column phases for their own columns only, so
+ * every column's arithmetic is unchanged. Slices double while the blocks still fit on the SMs
+ * and a slice stays whole warps of columns (a multiple of 8: the phases shuffle across a warp).
+ * DUET_CUDA_KDA_NO_SPLIT=1 keeps one block per (item, head), for side-by-side measurements;
+ * tests force a count with duet__cuda_kda_split_set (0: automatic).
+ */
+static int duet__kda_split_forced = 0;
+
+extern "C" void duet__cuda_kda_split_set(int vs)
+{
+    duet__kda_split_forced = vs;
+}
+
+static unsigned duet__kda_vsplit(const duet__kda_core_args_t &a, int K)
+{
+    static int no_split = -1;
+    if (no_split < 0)
+        no_split = getenv("DUET_CUDA_KDA_NO_SPLIT") != NULL;
+    const int f = duet__kda_split_forced;
+    if (f > 0) /* a forced count that does not cut whole warps of columns falls back to 1 */
+        return K % (8 * f) == 0 ? (unsigned)f : 1u;
+    int dev = 0, n_sms = 0;
+    if (no_split || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        return 1;
+    const int64_t pairs = a.st.n_items * a.ly.H;
+    unsigned vs = 1;
+    while (K % (16 * (int)vs) == 0 && pairs * 2 * vs <= n_sms)
+        vs *= 2;
+    return vs;
+}
+
 template <int K>
 static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_core_args_t &a)
 {
@@ -761,7 +808,8 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
         duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
         if (s != DUET_OK)
             return s;
-        DUET__TRY(duet_pdl_launch(duet__kda_chunk_kernel<K>, dim3((unsigned)(a.st.n_items * H)),
+        DUET__TRY(duet_pdl_launch(duet__kda_chunk_kernel<K>,
+                                  dim3((unsigned)(a.st.n_items * H), duet__kda_vsplit(a, K)),
                                   dim3(4 * K), bytes, stream, a),
                   "chunked core launch");
     }

@@ -50,6 +50,9 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
+/* kda.cu's internal switch: column slices per head of the chunked kernel (0: automatic). */
+void duet__cuda_kda_split_set(int vs);
+
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         if (!(cond))                                                                               \
@@ -801,16 +804,17 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
                                 .H = H,
                                 .K = K,
                                 .W = 4};
-    duet_cuda_step_t st = {.n_items = 1,
-                           .n_rows = (int32_t)n,
-                           .max_item_tokens = (int32_t)n,
-                           .item_row0 = d_meta_a,
-                           .item_pos0 = d_meta_a + 2,
-                           .item_slot = d_meta_a + 3,
-                           .item_pages = d_meta_a + 4,
-                           .max_pages = 1,
-                           .row_item = d_rows,
-                           .row_pos = d_rows};
+    const duet_cuda_step_t chunked = {.n_items = 1,
+                                      .n_rows = (int32_t)n,
+                                      .max_item_tokens = (int32_t)n,
+                                      .item_row0 = d_meta_a,
+                                      .item_pos0 = d_meta_a + 2,
+                                      .item_slot = d_meta_a + 3,
+                                      .item_pages = d_meta_a + 4,
+                                      .max_pages = 1,
+                                      .row_item = d_rows,
+                                      .row_pos = d_rows};
+    duet_cuda_step_t st = chunked;
     DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, NULL));
 
     ly.kda_base = d_pool_b;
@@ -827,6 +831,17 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     for (int64_t t = 0; t < n; t++)
         DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv + t * C3, d_g + t * HK, d_beta + t * H,
                                     d_ob + t * HK, NULL));
+    CUDA_OK(cudaDeviceSynchronize());
+
+    /* The chunked form again with one block per head (above, a single item's heads were cut
+     * into column slices across the SMs): the slices must not change a bit. */
+    float *d_pool_c = dev_copy(pool, sizeof(float) * (size_t)lf);
+    float *d_oc = dev_alloc(sizeof(float) * (size_t)(n * HK));
+    ly.kda_base = d_pool_c;
+    st = chunked;
+    duet__cuda_kda_split_set(1);
+    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, NULL));
+    duet__cuda_kda_split_set(0);
     CUDA_OK(cudaDeviceSynchronize());
 
     float *oa = xmalloc(sizeof(float) * (size_t)(n * HK)),
@@ -858,6 +873,19 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     char what[64];
     snprintf(what, sizeof(what), "forms H%lld K%lld n=%lld", (long long)H, (long long)K,
              (long long)n);
+    {
+        float *o1 = xmalloc(sizeof(float) * (size_t)(n * HK)),
+              *s1 = xmalloc(sizeof(float) * (size_t)lf);
+        CUDA_OK(cudaMemcpy(o1, d_oc, sizeof(float) * (size_t)(n * HK), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(s1, d_pool_c, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
+        const int same = memcmp(o1, oa, sizeof(float) * (size_t)(n * HK)) == 0 &&
+                         memcmp(s1, sa, sizeof(float) * (size_t)(H * K * K)) == 0;
+        printf("[cuda_kda] %s: chunked with column slices (automatic count) and with one block "
+               "per head: o and S %s\n",
+               what, same ? "bit-identical" : "DIFFER");
+        CHECK(same, "%s: the column slices changed the chunked result", what);
+        free(o1), free(s1);
+    }
     expect_close(what, "o chk~rec", oa, ob, (size_t)(n * HK), TOL_CORE);
     expect_close(what, "S chk~rec", sa, sb, (size_t)(H * K * K), TOL_CORE);
     expect_close(what, "o rec~cpu", ob, oc, (size_t)(n * HK), TOL_CORE);
@@ -867,6 +895,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     free(sb), free(oc);
     cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_beta), cudaFree(d_pool_a), cudaFree(d_pool_b);
     cudaFree(d_oa), cudaFree(d_ob), cudaFree(d_meta_a), cudaFree(d_rows), cudaFree(d_meta_b);
+    cudaFree(d_pool_c), cudaFree(d_oc);
 }
 
 Test(cuda_kda, chunked_equals_recurrent, .timeout = 120)
