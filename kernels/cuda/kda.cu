@@ -15,7 +15,9 @@
  * core, chunked (items of 2+ tokens): one block per (item, head), 4·K threads, chunks of 64
  *   tokens in order; when that leaves SMs idle, one block per (item, head, slice of the columns),
  *   each doing the shared steps 1-4 (the kernel's numbering) and steps 5-8 for its own columns
- *   (duet__kda_vsplit). Thread (x, dq) keeps the quarter dq of column x of S in registers for the
+ *   (duet__kda_vsplit); with scratch, L and Aqk of every chunk come from duet__kda_lqk_kernel,
+ *   which computes them for all chunks in parallel beforehand (they do not depend on S), and
+ *   load with the chunk. Thread (x, dq) keeps the quarter dq of column x of S in registers for the
  *   whole item, so S is read and written once per item. Per chunk, in shared memory:
  *     Γ     cumulative log-decay, stored in log2 units so every decay is one ex2;
  *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
@@ -377,6 +379,10 @@ typedef struct {
     duet_cuda_kda_layer_t ly;
     const float *qkv, *g, *beta;
     float *o;
+    /* The chunks' L and Aqk, computed ahead by duet__kda_lqk_kernel (NULL: the chunked kernel
+     * computes them itself): [slot][H][2][C][LR], slot = duet__kda_lqk_slot. */
+    float *lqk;
+    int max_chunks; /* of any item: ceil(max_item_tokens / C) */
 } duet__kda_core_args_t;
 
 #define DUET_KDA_RY 8 /* row groups of the recurrent kernel's block (32 columns x 8) */
@@ -498,16 +504,159 @@ template <int K> struct duet__kda_chunk_layout {
     }
 };
 
+/* Where chunk c of item it keeps its L and Aqk in duet__kda_core_args_t.lqk: rows r0.. of an
+ * item start at slot r0 / C + it, so the slots of consecutive items never overlap, and every
+ * slot is below n_rows / C + n_items + 1 (duet_cuda_kda_scratch_bytes). */
+static __device__ __forceinline__ int64_t duet__kda_lqk_slot(const duet__kda_core_args_t &a,
+                                                             int64_t it, int c)
+{
+    return (int64_t)a.st.item_row0[it] / DUET_KDA_C + it + c;
+}
+
+/* Step 1 of a chunk: rows row0 .. row0 + n - 1 of head h into sQ, sK, sG (and sV with v), β into
+ * sB; rows past n are zero (β = 0, k = 0, g = 0 change nothing). The copies are asynchronous
+ * (cp.async, zero-filled past n), so all of them are in flight at once instead of one round
+ * trip per loop iteration; the function returns once they (and any cp.async the thread issued
+ * before) have landed, after a block barrier. */
+template <int K>
+static __device__ __forceinline__ void duet__kda_chunk_load(const duet__kda_core_args_t &a,
+                                                            int64_t row0, int n, int64_t h,
+                                                            float *sm, bool with_v)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, KR = Ly::KR, VR = Ly::VR, NT = 4 * K;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
+    const int tid = threadIdx.x;
+    for (int idx = tid; idx < C * K; idx += NT) {
+        const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
+        const bool ok = i < n;
+        const int64_t row = row0 + (ok ? i : 0);
+        const float *qr = a.qkv + row * C3 + h * K + d;
+        duet__cp_async4(&sm[Ly::Q + c], qr, ok);
+        duet__cp_async4(&sm[Ly::KK + c], qr + HK, ok);
+        if (with_v)
+            duet__cp_async4(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+        duet__cp_async4(&sm[Ly::G + c], a.g + row * HK + h * K + d, ok);
+    }
+    if (tid < C)
+        sm[Ly::B + tid] = tid < n ? a.beta[(row0 + tid) * H + h] : 0.0f;
+    duet__cp_async_wait_all();
+    __syncthreads();
+}
+
+/* Step 2: Γ = cumulative sum of g down the chunk, per channel, then to log2 units (sG, and the
+ * last row's in sGl). */
+template <int K> static __device__ __forceinline__ void duet__kda_chunk_gamma(float *sm)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, KR = Ly::KR;
+    const int tid = threadIdx.x;
+    if (tid < K) {
+        float *sG = sm + Ly::G;
+        const int cd = Ly::col(tid);
+        float acc = 0.0f;
+        for (int i = 0; i < C; i++) {
+            acc += sG[i * KR + cd];
+            sG[i * KR + cd] = acc * DUET_LOG2E;
+        }
+        sm[Ly::GL + tid] = acc * DUET_LOG2E;
+    }
+    __syncthreads();
+}
+
+/* Step 3: L and Aqk from sQ, sK, sG (Γ), sB. Task (ih, jg): lanes on rows i = 32·ih + lane,
+ * columns j = 4·jg .. +3. Tasks wholly above the diagonal (ih = 0, jg >= 8) only write their
+ * zeros. */
+template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(float *sm)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int KR = Ly::KR, LR = Ly::LR, NW = 4 * K / 32;
+    const float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G, *sB = sm + Ly::B;
+    float *sL = sm + Ly::L, *sA = sm + Ly::A;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int task = warp; task < 32; task += NW) {
+        const int ih = task >> 4, jg = task & 15, i = ih * 32 + lane, j0 = jg * 4;
+        float skk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (!(ih == 0 && jg >= 8)) {
+#pragma unroll 2
+            for (int d = 0; d < K; d += 4) {
+                const int cd = Ly::col(d);
+                const float4 ki = *reinterpret_cast<const float4 *>(&sK[i * KR + cd]);
+                const float4 qi = *reinterpret_cast<const float4 *>(&sQ[i * KR + cd]);
+                const float4 gi = *reinterpret_cast<const float4 *>(&sG[i * KR + cd]);
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) {
+                    const int j = j0 + jj;
+                    const float4 kj = *reinterpret_cast<const float4 *>(&sK[j * KR + cd]);
+                    const float4 gj = *reinterpret_cast<const float4 *>(&sG[j * KR + cd]);
+                    float t;
+                    t = kj.x * duet__ex2(fminf(gi.x - gj.x, 0.0f));
+                    skk[jj] += ki.x * t;
+                    sqk[jj] += qi.x * t;
+                    t = kj.y * duet__ex2(fminf(gi.y - gj.y, 0.0f));
+                    skk[jj] += ki.y * t;
+                    sqk[jj] += qi.y * t;
+                    t = kj.z * duet__ex2(fminf(gi.z - gj.z, 0.0f));
+                    skk[jj] += ki.z * t;
+                    sqk[jj] += qi.z * t;
+                    t = kj.w * duet__ex2(fminf(gi.w - gj.w, 0.0f));
+                    skk[jj] += ki.w * t;
+                    sqk[jj] += qi.w * t;
+                }
+            }
+        }
+        const float bi = sB[i];
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+            const int j = j0 + jj;
+            sA[i * LR + Ly::grp(j)] = j <= i ? sqk[jj] : 0.0f;
+            sL[j * LR + Ly::grp(i)] = j < i ? -bi * skk[jj] : 0.0f;
+        }
+    }
+    __syncthreads();
+}
+
+/*
+ * L and Aqk of every chunk, ahead of the chunked kernel: they need only the chunk's q, k, g and
+ * β, not S, so they need not wait for the chunk before in that kernel's sequential loop. One
+ * block per (item, chunk) × head, with the chunked kernel's code and layout; it stores the two
+ * [C][LR] arrays at the chunk's slot, where the chunked kernel loads them back with its chunk.
+ */
+template <int K>
+__global__ static void __launch_bounds__(4 * K) duet__kda_lqk_kernel(duet__kda_core_args_t a)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, LR = Ly::LR, NT = 4 * K;
+    const int64_t it = blockIdx.x / a.max_chunks, h = blockIdx.y;
+    const int c = (int)(blockIdx.x % a.max_chunks);
+    const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
+    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_trigger();
+    if (n_tok < 2 || (int64_t)c * C >= n_tok)
+        return;
+    extern __shared__ float4 duet__kda_smem4[];
+    float *sm = reinterpret_cast<float *>(duet__kda_smem4);
+    const int n = n_tok - (int64_t)c * C < C ? (int)(n_tok - (int64_t)c * C) : C;
+    duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm, false);
+    duet__kda_chunk_gamma<K>(sm);
+    duet__kda_chunk_lqk<K>(sm);
+    float4 *dst = reinterpret_cast<float4 *>(a.lqk + (duet__kda_lqk_slot(a, it, c) * a.ly.H + h) *
+                                                         (2 * C * LR));
+    const float4 *src = reinterpret_cast<const float4 *>(sm + Ly::L);
+    for (int idx = threadIdx.x; idx < 2 * C * LR / 4; idx += NT)
+        dst[idx] = src[idx];
+}
+
 template <int K>
 __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda_core_args_t a)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     constexpr int C = Ly::C, V = K, Kq = Ly::Kq, KR = Ly::KR, VR = Ly::VR, LR = Ly::LR;
-    constexpr int NT = 4 * K, NW = NT / 32;
-    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
+    constexpr int NT = 4 * K;
+    const int64_t H = a.ly.H, HK = H * K;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
-    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_wait(); /* qkv, g, beta (and L, Aqk from duet__kda_lqk_kernel) */
     duet_pdl_trigger();
     if (n_tok < 2)
         return;
@@ -536,78 +685,18 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
 
     for (int64_t c0 = 0; c0 < n_tok; c0 += C) {
         const int n = n_tok - c0 < C ? (int)(n_tok - c0) : C;
-        /* 1. Load the chunk; rows past n are zero (β = 0, k = 0, g = 0 change nothing). The
-         * copies are asynchronous (cp.async, zero-filled past n), so all of them are in flight
-         * at once instead of one round trip per loop iteration. */
-        for (int idx = tid; idx < C * K; idx += NT) {
-            const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
-            const bool ok = i < n;
-            const int64_t row = r0 + c0 + (ok ? i : 0);
-            const float *qr = a.qkv + row * C3 + h * K + d;
-            duet__cp_async4(&sQ[c], qr, ok);
-            duet__cp_async4(&sK[c], qr + HK, ok);
-            duet__cp_async4(&sV[i * VR + d], qr + 2 * HK, ok);
-            duet__cp_async4(&sG[c], a.g + row * HK + h * K + d, ok);
+        /* 1-3: the chunk, Γ, L and Aqk; with a.lqk, L and Aqk (sA follows sL) were computed
+         * ahead by duet__kda_lqk_kernel and load along with the chunk. */
+        if (a.lqk != NULL) {
+            const float *src =
+                a.lqk + (duet__kda_lqk_slot(a, it, (int)(c0 / C)) * H + h) * (2 * C * LR);
+            for (int idx = tid; idx < 2 * C * LR; idx += NT)
+                duet__cp_async4(&sL[idx], src + idx, true);
         }
-        if (tid < C)
-            sB[tid] = tid < n ? a.beta[(r0 + c0 + tid) * H + h] : 0.0f;
-        duet__cp_async_wait_all();
-        __syncthreads();
-
-        /* 2. Γ = cumulative sum of g down the chunk, per channel, then to log2 units. */
-        if (tid < K) {
-            const int cd = Ly::col(tid);
-            float acc = 0.0f;
-            for (int i = 0; i < C; i++) {
-                acc += sG[i * KR + cd];
-                sG[i * KR + cd] = acc * DUET_LOG2E;
-            }
-            sGl[tid] = acc * DUET_LOG2E;
-        }
-        __syncthreads();
-
-        /* 3. L and Aqk. Task (ih, jg): lanes on rows i = 32·ih + lane, columns j = 4·jg .. +3.
-         * Tasks wholly above the diagonal (ih = 0, jg >= 8) only write their zeros. */
-        for (int task = warp; task < 32; task += NW) {
-            const int ih = task >> 4, jg = task & 15, i = ih * 32 + lane, j0 = jg * 4;
-            float skk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (!(ih == 0 && jg >= 8)) {
-#pragma unroll 2
-                for (int d = 0; d < K; d += 4) {
-                    const int cd = Ly::col(d);
-                    const float4 ki = *reinterpret_cast<const float4 *>(&sK[i * KR + cd]);
-                    const float4 qi = *reinterpret_cast<const float4 *>(&sQ[i * KR + cd]);
-                    const float4 gi = *reinterpret_cast<const float4 *>(&sG[i * KR + cd]);
-#pragma unroll
-                    for (int jj = 0; jj < 4; jj++) {
-                        const int j = j0 + jj;
-                        const float4 kj = *reinterpret_cast<const float4 *>(&sK[j * KR + cd]);
-                        const float4 gj = *reinterpret_cast<const float4 *>(&sG[j * KR + cd]);
-                        float t;
-                        t = kj.x * duet__ex2(fminf(gi.x - gj.x, 0.0f));
-                        skk[jj] += ki.x * t;
-                        sqk[jj] += qi.x * t;
-                        t = kj.y * duet__ex2(fminf(gi.y - gj.y, 0.0f));
-                        skk[jj] += ki.y * t;
-                        sqk[jj] += qi.y * t;
-                        t = kj.z * duet__ex2(fminf(gi.z - gj.z, 0.0f));
-                        skk[jj] += ki.z * t;
-                        sqk[jj] += qi.z * t;
-                        t = kj.w * duet__ex2(fminf(gi.w - gj.w, 0.0f));
-                        skk[jj] += ki.w * t;
-                        sqk[jj] += qi.w * t;
-                    }
-                }
-            }
-            const float bi = sB[i];
-#pragma unroll
-            for (int jj = 0; jj < 4; jj++) {
-                const int j = j0 + jj;
-                sA[i * LR + Ly::grp(j)] = j <= i ? sqk[jj] : 0.0f;
-                sL[j * LR + Ly::grp(i)] = j < i ? -bi * skk[jj] : 0.0f;
-            }
-        }
-        __syncthreads();
+        duet__kda_chunk_load<K>(a, r0 + c0, n, h, sm, true);
+        duet__kda_chunk_gamma<K>(sm);
+        if (a.lqk == NULL)
+            duet__kda_chunk_lqk<K>(sm);
 
         /* 4. In place: Q ← q e^Γ, K ← k e^{Γlast−Γ}, G ← β k e^Γ. */
         for (int idx = tid; idx < C * K; idx += NT) {
@@ -738,8 +827,11 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
 extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
                                               int64_t K)
 {
-    (void)max_items, (void)max_rows, (void)H, (void)K;
-    return 0; /* both forms keep their working set in registers and shared memory */
+    (void)K; /* the L and Aqk arrays are [C][LR] whatever K is */
+    if (max_items < 0 || max_rows < 0 || H < 0)
+        return 0;
+    const int64_t slots = max_rows / DUET_KDA_C + max_items + 1; /* duet__kda_lqk_slot */
+    return sizeof(float) * (size_t)(slots * H) * 2 * DUET_KDA_C * duet__kda_chunk_layout<16>::LR;
 }
 
 /* The chunked kernel's dynamic shared memory exceeds the 48 KiB default, so it must be allowed
@@ -754,6 +846,9 @@ template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
     DUET__TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
               "chunk kernel shared-memory attribute");
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_lqk_kernel<K>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+              "L, Aqk kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
         __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
     return DUET_OK;
@@ -808,6 +903,11 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
         duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
         if (s != DUET_OK)
             return s;
+        if (a.lqk != NULL)
+            DUET__TRY(duet_pdl_launch(duet__kda_lqk_kernel<K>,
+                                      dim3((unsigned)(a.st.n_items * a.max_chunks), (unsigned)H),
+                                      dim3(4 * K), bytes, stream, a),
+                      "L, Aqk kernel launch");
         DUET__TRY(duet_pdl_launch(duet__kda_chunk_kernel<K>,
                                   dim3((unsigned)(a.st.n_items * H), duet__kda_vsplit(a, K)),
                                   dim3(4 * K), bytes, stream, a),
@@ -821,7 +921,6 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
                                             const float *g, const float *beta, float *o,
                                             void *scratch)
 {
-    (void)scratch;
     duet_status_t s = duet__kda_check(ly, "core");
     if (s != DUET_OK)
         return s;
@@ -835,7 +934,23 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
     if ((int64_t)st->n_items * ly->H > 0x7fffffff)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items x %lld heads", st->n_items,
                               (long long)ly->H);
-    const duet__kda_core_args_t a = {*st, *ly, qkv, g, beta, o};
+    /* With scratch, L and Aqk of every chunk are computed ahead, in parallel (unless
+     * DUET_CUDA_KDA_NO_AHEAD is set, for side-by-side measurements). */
+    static int no_ahead = -1;
+    if (no_ahead < 0)
+        no_ahead = getenv("DUET_CUDA_KDA_NO_AHEAD") != NULL;
+    const int64_t max_chunks = (st->max_item_tokens + DUET_KDA_C - 1) / DUET_KDA_C;
+    if ((int64_t)st->n_items * max_chunks > 0x7fffffff || ly->H > 65535)
+        return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items of up to %d tokens",
+                              st->n_items, st->max_item_tokens);
+    const duet__kda_core_args_t a = {*st,
+                                     *ly,
+                                     qkv,
+                                     g,
+                                     beta,
+                                     o,
+                                     scratch != NULL && !no_ahead ? (float *)scratch : NULL,
+                                     (int)max_chunks};
     switch (ly->K) {
     case 16:
         return duet__kda_core_launch<16>(stream, a);

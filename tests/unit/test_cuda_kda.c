@@ -842,6 +842,13 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     duet__cuda_kda_split_set(1);
     DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, NULL));
     duet__cuda_kda_split_set(0);
+    /* And with scratch: L and Aqk of every chunk computed ahead by their own kernel. */
+    const size_t scr_bytes = duet_cuda_kda_scratch_bytes(1, n, H, K);
+    void *d_scr = dev_alloc(scr_bytes);
+    float *d_pool_d = dev_copy(pool, sizeof(float) * (size_t)lf);
+    float *d_od = dev_alloc(sizeof(float) * (size_t)(n * HK));
+    ly.kda_base = d_pool_d;
+    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_od, d_scr));
     CUDA_OK(cudaDeviceSynchronize());
 
     float *oa = xmalloc(sizeof(float) * (size_t)(n * HK)),
@@ -880,10 +887,16 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
         CUDA_OK(cudaMemcpy(s1, d_pool_c, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
         const int same = memcmp(o1, oa, sizeof(float) * (size_t)(n * HK)) == 0 &&
                          memcmp(s1, sa, sizeof(float) * (size_t)(H * K * K)) == 0;
+        CUDA_OK(cudaMemcpy(o1, d_od, sizeof(float) * (size_t)(n * HK), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(s1, d_pool_d, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
+        const int same_ahead = memcmp(o1, oa, sizeof(float) * (size_t)(n * HK)) == 0 &&
+                               memcmp(s1, sa, sizeof(float) * (size_t)(H * K * K)) == 0;
         printf("[cuda_kda] %s: chunked with column slices (automatic count) and with one block "
-               "per head: o and S %s\n",
-               what, same ? "bit-identical" : "DIFFER");
+               "per head: o and S %s; with L and Aqk computed ahead (scratch, %zu bytes): %s\n",
+               what, same ? "bit-identical" : "DIFFER", scr_bytes,
+               same_ahead ? "bit-identical" : "DIFFER");
         CHECK(same, "%s: the column slices changed the chunked result", what);
+        CHECK(same_ahead, "%s: computing L and Aqk ahead changed the chunked result", what);
         free(o1), free(s1);
     }
     expect_close(what, "o chk~rec", oa, ob, (size_t)(n * HK), TOL_CORE);
@@ -895,7 +908,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     free(sb), free(oc);
     cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_beta), cudaFree(d_pool_a), cudaFree(d_pool_b);
     cudaFree(d_oa), cudaFree(d_ob), cudaFree(d_meta_a), cudaFree(d_rows), cudaFree(d_meta_b);
-    cudaFree(d_pool_c), cudaFree(d_oc);
+    cudaFree(d_pool_c), cudaFree(d_oc), cudaFree(d_scr), cudaFree(d_pool_d), cudaFree(d_od);
 }
 
 Test(cuda_kda, chunked_equals_recurrent, .timeout = 120)
