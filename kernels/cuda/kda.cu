@@ -676,12 +676,12 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
     const int dq = lane & 3, x = warp * 8 + (lane >> 2); /* column x, quarter dq of S */
     const int qoff = dq * (Kq + 4);                      /* col(dq·Kq) */
     /* This block's slice of the columns (whole warps): it owns those columns of S and of o. */
-    const bool mine = x / (V / (int)gridDim.y) == (int)blockIdx.y;
+    const bool owns = x / (V / (int)gridDim.y) == (int)blockIdx.y;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
     float s[Kq]; /* S[dq·Kq + r][x] */
 #pragma unroll
     for (int r = 0; r < Kq; r++)
-        s[r] = mine ? S[(int64_t)(dq * Kq + r) * V + x] : 0.0f;
+        s[r] = owns ? S[(int64_t)(dq * Kq + r) * V + x] : 0.0f;
 
     for (int64_t c0 = 0; c0 < n_tok; c0 += C) {
         const int n = n_tok - c0 < C ? (int)(n_tok - c0) : C;
@@ -714,7 +714,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
          * Y[i][x] = β_i v_i[x] − Σ_d (β k e^Γ)[i][d] S[d][x]; the owner of row i (i mod 4 = dq)
          * keeps it in y[i / 4]. Row blocks run in a loop, not unrolled (code size); y is only
          * ever indexed statically, a runtime block index t goes through duet__pick/duet__put. */
-        if (mine) {
+        if (owns) {
             const int nb = (n + 3) / 4;
             float y[C / 4];
 #pragma unroll
@@ -816,7 +816,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
         }
         __syncthreads(); /* the next chunk overwrites the shared buffers */
     }
-    if (mine)
+    if (owns)
 #pragma unroll
         for (int r = 0; r < Kq; r++)
             S[(int64_t)(dq * Kq + r) * V + x] = s[r];
