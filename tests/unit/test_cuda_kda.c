@@ -755,6 +755,16 @@ Test(cuda_kda, chain_prefill, .timeout = 120)
     run_chain_fused(&b);
 }
 
+/* Whether the n floats at dev equal host's to the bit. */
+static int device_equals(const float *host, const float *dev, size_t n)
+{
+    float *h = xmalloc(sizeof(float) * n);
+    CUDA_OK(cudaMemcpy(h, dev, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    const int same = memcmp(h, host, sizeof(float) * n) == 0;
+    free(h);
+    return same;
+}
+
 /* The GPU's two forms of the core on the same inputs: one item of n tokens (chunked) versus n
  * one-token steps (recurrent), both from the same nonzero state; and the CPU recurrence. */
 static void forms_agree(int64_t H, int64_t K, int64_t n)
@@ -881,23 +891,15 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     snprintf(what, sizeof(what), "forms H%lld K%lld n=%lld", (long long)H, (long long)K,
              (long long)n);
     {
-        float *o1 = xmalloc(sizeof(float) * (size_t)(n * HK)),
-              *s1 = xmalloc(sizeof(float) * (size_t)lf);
-        CUDA_OK(cudaMemcpy(o1, d_oc, sizeof(float) * (size_t)(n * HK), cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(s1, d_pool_c, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
-        const int same = memcmp(o1, oa, sizeof(float) * (size_t)(n * HK)) == 0 &&
-                         memcmp(s1, sa, sizeof(float) * (size_t)(H * K * K)) == 0;
-        CUDA_OK(cudaMemcpy(o1, d_od, sizeof(float) * (size_t)(n * HK), cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(s1, d_pool_d, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
-        const int same_ahead = memcmp(o1, oa, sizeof(float) * (size_t)(n * HK)) == 0 &&
-                               memcmp(s1, sa, sizeof(float) * (size_t)(H * K * K)) == 0;
+        const size_t no = (size_t)(n * HK), ns = (size_t)(H * K * K);
+        const int same = device_equals(oa, d_oc, no) && device_equals(sa, d_pool_c, ns);
+        const int same_ahead = device_equals(oa, d_od, no) && device_equals(sa, d_pool_d, ns);
         printf("[cuda_kda] %s: chunked with column slices (automatic count) and with one block "
                "per head: o and S %s; with L and Aqk computed ahead (scratch, %zu bytes): %s\n",
                what, same ? "bit-identical" : "DIFFER", scr_bytes,
                same_ahead ? "bit-identical" : "DIFFER");
         CHECK(same, "%s: the column slices changed the chunked result", what);
         CHECK(same_ahead, "%s: computing L and Aqk ahead changed the chunked result", what);
-        free(o1), free(s1);
     }
     expect_close(what, "o chk~rec", oa, ob, (size_t)(n * HK), TOL_CORE);
     expect_close(what, "S chk~rec", sa, sb, (size_t)(H * K * K), TOL_CORE);
