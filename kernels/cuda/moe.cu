@@ -82,6 +82,7 @@
 #define DUET__MOE_PATH_GEMV        1
 #define DUET__MOE_PATH_MMA         2
 #define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
+#define DUET__MOE_T1_DEEP          0x4000 /* GEMV, T = 1: the uncapped kernels (DUET__GV_U13_DEEP) */
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
@@ -89,13 +90,21 @@
 #define DUET__GV_RD      4 /* phase 2: down outputs per warp */
 #define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
-/* At T = 1 (one row per slot) more of each row in flight: the real dims' rows are 9 (gate/up,
- * D = 2304) and 4 (down, I = 1024) chunks per lane, so 2 and 1 round trips. Measured on an H200,
- * 27 layers at batch 1 (graph replay): 2.969 ms/step against 3.019 with the 4-row kernel and
- * 2 in flight; 3 + 4 took 2.975, 9 + 4 (one round trip, 184 registers) 3.000. */
-#define DUET__GV_U13_T1 5
-#define DUET__GV_U2_T1  4
-#define DUET__GV_SLICE  (DUET__GV_WARPS * DUET__GV_RD) /* gemv2 outputs per block (a slice) */
+/* At T = 1 (one row per slot) the 1-row kernels, with their registers capped so that 3 blocks
+ * fit on an SM (80 registers) and 2 chunks of each row in flight (more spill under the cap).
+ * The real dims' rows are 9 (gate/up, D = 2304) and 4 (down, I = 1024) chunks per lane. Measured
+ * on an H200, 27 layers at batch 1 × 2K (graph replay, side by side in one command, two runs):
+ * 2.612 / 2.606 ms/step against 2.662 / 2.677 for the uncapped kernels (2 blocks per SM) with
+ * 5 + 4 chunks in flight (DUET__GV_U13_DEEP / DUET__GV_U2_DEEP, which had measured 2.969
+ * against 3.019 for the 4-row kernel, 2.975 for 3 + 4, 3.000 for 9 + 4). Capped at 3 blocks,
+ * gate/up alone gave about a third of the gain and down alone two thirds; 2 + 2 uncapped
+ * 2.704 / 2.719, 1 + 1 capped at 4 blocks 2.786 / 2.777, 3 + 3 capped at 3 blocks spilled. */
+#define DUET__GV_T1_BLOCKS 3
+#define DUET__GV_U13_T1    2
+#define DUET__GV_U2_T1     2
+#define DUET__GV_U13_DEEP  5
+#define DUET__GV_U2_DEEP   4
+#define DUET__GV_SLICE     (DUET__GV_WARPS * DUET__GV_RD) /* gemv2 outputs per block (a slice) */
 static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
               "gemv2 completes a slice per thread");
 
@@ -934,9 +943,9 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
 
 /* h[p][i] = act(W1[e][i] · x[t]) · (W3[e][i] · x[t]) for the slot's pairs p = (t, k). */
 template <int DT, int NRMAX, int U>
-__global__ void __launch_bounds__(DUET__GV_THREADS)
-    duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
-                            int I, int D, int act, float beta, float beta_lin, float *h)
+static __device__ __forceinline__ void
+duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl, int I,
+                      int D, int act, float beta, float beta_lin, float *h)
 {
     extern __shared__ float4 gv_sh[];
     __shared__ int pairs[DUET__GV_NR];
@@ -997,6 +1006,23 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
                                         first);
 }
 
+template <int DT, int NRMAX, int U>
+__global__ void __launch_bounds__(DUET__GV_THREADS)
+    duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
+                            int I, int D, int act, float beta, float beta_lin, float *h)
+{
+    duet__moe_gemv13_body<DT, NRMAX, U>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
+}
+
+/* The same at T = 1 (one row per slot), registers capped so that DUET__GV_T1_BLOCKS fit. */
+template <int DT, int U>
+__global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_T1_BLOCKS)
+    duet__moe_gemv13_t1_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
+                               int I, int D, int act, float beta, float beta_lin, float *h)
+{
+    duet__moe_gemv13_body<DT, 1, U>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
+}
+
 /* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order, then the shared expert's
  * out[P + t][d] when it is folded in; a pair with an invalid expert adds nothing (the plan
  * skipped it too). The combine kernel's arithmetic, one element. */
@@ -1026,9 +1052,9 @@ static __device__ __forceinline__ float duet__combine_elem(float a, const float 
  * this block completes (see duet__moe_plan_t).
  */
 template <int DT, int NRMAX, int U>
-__global__ void __launch_bounds__(DUET__GV_THREADS)
-    duet__moe_gemv2_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
-                           float *out, const float *wts, float *y)
+static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, const float *h,
+                                                            duet__moe_plan_t pl, int I, int D,
+                                                            float *out, const float *wts, float *y)
 {
     extern __shared__ float4 gv_sh[];
     __shared__ int pairs[DUET__GV_NR], done[DUET__GV_NR];
@@ -1102,6 +1128,23 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         float *yp = y + t * D + d;
         *yp = duet__combine_elem(*yp, out, pl.idx, wts, t, pl.top_k, pl.E, D, d, pl.P, pl.shared);
     }
+}
+
+template <int DT, int NRMAX, int U>
+__global__ void __launch_bounds__(DUET__GV_THREADS)
+    duet__moe_gemv2_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
+                           float *out, const float *wts, float *y)
+{
+    duet__moe_gemv2_body<DT, NRMAX, U>(w2, h, pl, I, D, out, wts, y);
+}
+
+/* The same at T = 1 (one row per slot), registers capped so that DUET__GV_T1_BLOCKS fit. */
+template <int DT, int U>
+__global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_T1_BLOCKS)
+    duet__moe_gemv2_t1_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
+                              float *out, const float *wts, float *y)
+{
+    duet__moe_gemv2_body<DT, 1, U>(w2, h, pl, I, D, out, wts, y);
 }
 
 /* ---- MMA path ------------------------------------------------------------------------------- */
@@ -1421,7 +1464,33 @@ template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned lon
     return e;
 }
 
-/* Phase 1 then phase 2 (gemv2 also adds into y when the plan has tickets). */
+/* Phase 1 then phase 2 with the kernels k13, k2 (gemv2 also adds into y when the plan has
+ * tickets); *optin13 / *optin2 remember the shared-memory opt-in per device. */
+template <int NRMAX, typename K13, typename K2>
+static duet_status_t
+duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long long *optin2,
+                    cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
+                    const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
+                    float beta_lin, float *h, float *out, const float *wts, float *y)
+{
+    const int I = (int)ex->I, D = (int)ex->D;
+    const size_t sm13 = (size_t)NRMAX * D * sizeof(float), sm2 = (size_t)NRMAX * I * sizeof(float);
+    cudaError_t e;
+    if ((e = duet__smem_optin(k13, optin13)) != cudaSuccess ||
+        (e = duet__smem_optin(k2, optin2)) != cudaSuccess)
+        return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
+    dim3 g13((unsigned)max_slots,
+             (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
+    DUET__TRY(duet_pdl_launch(k13, g13, dim3(DUET__GV_THREADS), sm13, stream, ex->w1, ex->w3, x, pl,
+                              I, D, (int)act, beta, beta_lin, h),
+              "gemv gate/up kernel launch");
+    dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
+    DUET__TRY(duet_pdl_launch(k2, g2, dim3(DUET__GV_THREADS), sm2, stream, ex->w2, (const float *)h,
+                              pl, I, D, out, wts, y),
+              "gemv down kernel launch");
+    return DUET_OK;
+}
+
 template <int DT, int NRMAX, int U13 = DUET__GV_UNROLL, int U2 = DUET__GV_UNROLL>
 static duet_status_t
 duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
@@ -1429,35 +1498,49 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
                   float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     static unsigned long long optin13 = 0, optin2 = 0;
-    const int I = (int)ex->I, D = (int)ex->D;
-    const size_t sm13 = (size_t)NRMAX * D * sizeof(float), sm2 = (size_t)NRMAX * I * sizeof(float);
-    cudaError_t e;
-    if ((e = duet__smem_optin(duet__moe_gemv13_kernel<DT, NRMAX, U13>, &optin13)) != cudaSuccess ||
-        (e = duet__smem_optin(duet__moe_gemv2_kernel<DT, NRMAX, U2>, &optin2)) != cudaSuccess)
-        return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
-    dim3 g13((unsigned)max_slots,
-             (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
-    DUET__TRY(duet_pdl_launch(duet__moe_gemv13_kernel<DT, NRMAX, U13>, g13, dim3(DUET__GV_THREADS),
-                              sm13, stream, ex->w1, ex->w3, x, pl, I, D, (int)act, beta, beta_lin,
-                              h),
-              "gemv gate/up kernel launch");
-    dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
-    DUET__TRY(duet_pdl_launch(duet__moe_gemv2_kernel<DT, NRMAX, U2>, g2, dim3(DUET__GV_THREADS),
-                              sm2, stream, ex->w2, (const float *)h, pl, I, D, out, wts, y),
-              "gemv down kernel launch");
-    return DUET_OK;
+    return duet__launch_gemv_k<NRMAX>(
+        duet__moe_gemv13_kernel<DT, NRMAX, U13>, duet__moe_gemv2_kernel<DT, NRMAX, U2>, &optin13,
+        &optin2, stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+}
+
+/* T = 1: the kernels with capped registers, or with `deep` the uncapped ones with more of each
+ * row in flight (the same arithmetic). */
+template <int DT>
+static duet_status_t
+duet__launch_gemv_t1(bool deep, cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
+                     const duet__moe_plan_t &pl, int64_t max_slots, duet_cuda_act_t act, float beta,
+                     float beta_lin, float *h, float *out, const float *wts, float *y)
+{
+    if (deep)
+        return duet__launch_gemv<DT, 1, DUET__GV_U13_DEEP, DUET__GV_U2_DEEP>(
+            stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+    static unsigned long long optin13 = 0, optin2 = 0;
+    return duet__launch_gemv_k<1>(duet__moe_gemv13_t1_kernel<DT, DUET__GV_U13_T1>,
+                                  duet__moe_gemv2_t1_kernel<DT, DUET__GV_U2_T1>, &optin13, &optin2,
+                                  stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts,
+                                  y);
+}
+
+/* DUET_CUDA_MOE_T1_DEEP=1 in the environment (read once) takes the uncapped T = 1 kernels:
+ * side-by-side runs. */
+static bool duet__t1_deep_env(void)
+{
+    static int deep = -1;
+    if (deep < 0)
+        deep = getenv("DUET_CUDA_MOE_T1_DEEP") != NULL;
+    return deep != 0;
 }
 
 template <int DT>
-static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, cudaStream_t stream,
+static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, bool deep, cudaStream_t stream,
                                           const duet_cuda_experts_t *ex, const float *x,
                                           const duet__moe_plan_t &pl, int64_t max_slots,
                                           duet_cuda_act_t act, float beta, float beta_lin, float *h,
                                           float *out, const float *wts, float *y)
 {
-    if (direct) /* T = 1: one row per slot, more of each row in flight */
-        return duet__launch_gemv<DT, 1, DUET__GV_U13_T1, DUET__GV_U2_T1>(
-            stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+    if (direct) /* T = 1: one row per slot */
+        return duet__launch_gemv_t1<DT>(deep, stream, ex, x, pl, max_slots, act, beta, beta_lin, h,
+                                        out, wts, y);
     switch (nrmax) {
     case 1:
         return duet__launch_gemv<DT, 1>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
@@ -1554,6 +1637,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
+    const bool deep = (path & DUET__MOE_T1_DEEP) != 0 || duet__t1_deep_env();
     path &= 0xf;
     if (path == DUET__MOE_PATH_MMA && !mma_ok)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
@@ -1572,8 +1656,8 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
      * an H200 at the real dims (graph replay): T = 64, slots of 4 beat 8 by 25 % and 2 by 1 %
      * (more rows per slot cost registers, and an expert's next slot runs alongside and finds
      * its weights in L2); T = 8, 4 and 2 tie. T = 1 (direct, below) takes the 1-row kernels with
-     * more of each row in flight (DUET__GV_U13_T1, DUET__GV_U2_T1); with 2 in flight the 4-row
-     * kernel (2 blocks per SM) had beaten the 1-row one (3 per SM) by 10 %.
+     * their registers capped (DUET__GV_T1_BLOCKS); the uncapped ones with 2 in flight (2 blocks
+     * per SM) had been 10 % slower than the 4-row kernel.
      */
     int nrmax = 4;
     while (nrmax > 1 && (size_t)nrmax * (D > I ? D : I) * sizeof(float) > DUET__SMEM_CAP)
@@ -1657,16 +1741,19 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             max_slots = P + shared;
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, direct, stream, ex, x, pl, max_slots,
-                                                       act, beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, direct, deep, stream, ex, x, pl,
+                                                       max_slots, act, beta, beta_lin, h, out, wts,
+                                                       y);
             break;
         case DUET_DTYPE_F16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, direct, stream, ex, x, pl, max_slots,
-                                                      act, beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, direct, deep, stream, ex, x, pl,
+                                                      max_slots, act, beta, beta_lin, h, out, wts,
+                                                      y);
             break;
         default:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, direct, stream, ex, x, pl, max_slots,
-                                                      act, beta, beta_lin, h, out, wts, y);
+            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, direct, deep, stream, ex, x, pl,
+                                                      max_slots, act, beta, beta_lin, h, out, wts,
+                                                      y);
             break;
         }
     }

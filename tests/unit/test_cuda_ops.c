@@ -35,8 +35,16 @@ duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_e
 /* PATH_NO_PDL is this file's: moe_call turns programmatic dependent launch off around the call
  * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
  * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
- * launches the combine kernel). */
-enum { PATH_AUTO = 0, PATH_GEMV = 1, PATH_MMA = 2, PATH_NO_PDL = 0x1000, PATH_SEPARATE = 0x2000 };
+ * launches the combine kernel). PATH_DEEP is moe.cu's too: at T = 1 on the GEMV path, the
+ * expert kernels without their register cap, with more of each row in flight. */
+enum {
+    PATH_AUTO = 0,
+    PATH_GEMV = 1,
+    PATH_MMA = 2,
+    PATH_NO_PDL = 0x1000,
+    PATH_SEPARATE = 0x2000,
+    PATH_DEEP = 0x4000
+};
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -902,11 +910,12 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
-             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "");
+             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "",
+             path & PATH_DEEP ? "-deep" : "");
     return buf;
 }
 
@@ -914,10 +923,10 @@ static const char *path_name(int path)
  * Runs one configuration on the given paths; returns the max error over them. With n_bad > 0,
  * that many pairs get an invalid expert id (-1 or E), which must add nothing (the reference
  * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
- * tickets at T = 1, the automatic choice where it is GEMV) must give bit-identical y: each pair's
- * dot products have one operation order, and y gets Σ_k in k order with the combine kernel's
- * arithmetic. The same holds among the MMA-path variants. With `shared` the call also folds in
- * the shared expert (T = 1, GEMV paths only).
+ * tickets at T = 1, the uncapped T = 1 kernels, the automatic choice where it is GEMV) must give
+ * bit-identical y: each pair's dot products have one operation order, and y gets Σ_k in k order
+ * with the combine kernel's arithmetic. The same holds among the MMA-path variants. With
+ * `shared` the call also folds in the shared expert (T = 1, GEMV paths only).
  */
 static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64_t K,
                        const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma,
@@ -1047,24 +1056,25 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                              PATH_GEMV | PATH_NO_PDL,
                                              PATH_GEMV | PATH_SEPARATE,
                                              PATH_GEMV | PATH_SEPARATE | PATH_NO_PDL,
-                                             PATH_MMA | PATH_NO_PDL};
+                                             PATH_MMA | PATH_NO_PDL,
+                                             PATH_GEMV | PATH_DEEP};
             static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, 0, 0);
             else
                 moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 7, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 8, auto_mma, 0, 0);
             /* invalid expert ids: skipped by the plan, the tickets and the combine */
             if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 7, auto_mma, T == 1 ? 1 : 3, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, T == 1 ? 1 : 3, 0);
             /* the shared expert folded in (T = 1): tickets, the combine kernel, PDL off; with
              * an invalid expert id too, whose block must still count its ticket */
             if (T == 1) {
                 static const int fold_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE,
-                                                 PATH_GEMV | PATH_NO_PDL};
-                moe_case(cpu, &X, T, K, &silu, fold_paths, 3, 0, 0, 1);
-                moe_case(cpu, &X, T, K, &situ, fold_paths, 3, 0, 1, 1);
+                                                 PATH_GEMV | PATH_NO_PDL, PATH_GEMV | PATH_DEEP};
+                moe_case(cpu, &X, T, K, &silu, fold_paths, 4, 0, 0, 1);
+                moe_case(cpu, &X, T, K, &situ, fold_paths, 4, 0, 1, 1);
             }
         }
         experts_free(&X);
@@ -1122,7 +1132,8 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
  * without programmatic dependent launch), T = 1 and 8 on the automatic (GEMV) path, which must
- * match its variants bit for bit (separate combine kernel, no PDL). */
+ * match its variants bit for bit (separate combine kernel, no PDL, at T = 1 the uncapped
+ * kernels). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -1131,11 +1142,12 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     experts_make(&X, DUET_DTYPE_BF16, 256, 1024, 2304);
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
     static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL};
-    static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL};
+    static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
+                                 PATH_GEMV | PATH_DEEP};
     moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0, 0);
-    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0, 0);
-    moe_case(cpu, &X, 1, 8, &silu, decode, 3, 0, 0, 1); /* the decode step's shared expert */
-    moe_case(cpu, &X, 8, 8, &silu, decode, 3, 0, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
+    moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
+    moe_case(cpu, &X, 8, 8, &silu, decode, 4, 0, 0, 0);
     experts_free(&X);
     duet_kernels_destroy(cpu);
 }
@@ -1557,12 +1569,13 @@ Test(cuda_ops, bench_moe, .timeout = 300)
                 "%.1f MB of experts, %.0f GB/s (graph %.0f GB/s)\n",
                 (long long)T, us, gus, bytes / 1e6, bytes / us / 1e3, bytes / gus / 1e3);
             const int variants[] = {
-                PATH_AUTO | PATH_NO_PDL,  GEMV_NR(1), GEMV_NR(2), GEMV_NR(4), GEMV_NR(8),
-                PATH_GEMV | PATH_SEPARATE};
+                PATH_AUTO | PATH_NO_PDL,   GEMV_NR(1),           GEMV_NR(2), GEMV_NR(4), GEMV_NR(8),
+                PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_DEEP};
             const char *names[] = {"auto, no PDL       ", "slots of 1         ",
                                    "slots of 2         ", "slots of 4         ",
-                                   "slots of 8         ", "T=1: gemv2+combine "};
-            for (int v = 0; v < 6; v++) {
+                                   "slots of 8         ", "T=1: gemv2+combine ",
+                                   "T=1: uncapped      "};
+            for (int v = 0; v < 7; v++) {
                 const double t = moe_time(&b, variants[v], 40, 1);
                 printf("[cuda_ops] BENCH   T=%-5lld gemv %s: graph %7.1f us, %.0f GB/s\n",
                        (long long)T, names[v], t, bytes / t / 1e3);
