@@ -458,12 +458,84 @@ static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gem
 }
 
 /*
+ * Whether the 4-outputs-per-warp kernel's blocks for these segments fill at least 95% of one wave
+ * of the current device (its SMs × the blocks of that kernel that fit on one; at batch 1 with
+ * 16-bit weights its 80 registers allow 3). Below that, 2 per warp (64 registers, 4 blocks per
+ * SM, twice the blocks) keeps more of the GPU busy. The occupancy is asked once per kernel.
+ * DUET_CUDA_GEMV_NO_WAVE=1 in the environment (read once; side-by-side runs) answers yes always.
+ */
+template <int MR, int DT> static int duet__gemv_r4_per_sm(void)
+{
+    static int per_sm = 0; /* racing first calls store the same value */
+    if (per_sm == 0) {
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, duet__gemv_kernel<MR, DT, 4, 2>,
+                                                          32 * DUET_GEMV_WARPS, 0) != cudaSuccess) {
+            (void)cudaGetLastError(); /* that call's own error: not a launch's */
+            n = 0;
+        }
+        per_sm = n > 0 ? n : -1;
+    }
+    return per_sm;
+}
+
+template <int DT> static int duet__gemv_r4_per_sm_m(int64_t M)
+{
+    return M == 1 ? duet__gemv_r4_per_sm<1, DT>() : duet__gemv_r4_per_sm<DUET_GEMV_MAX_M, DT>();
+}
+
+static int duet__gemv_r4_fills(int64_t M, const duet__gemv_args_t *args)
+{
+    static int off = -1;
+    if (off < 0)
+        off = getenv("DUET_CUDA_GEMV_NO_WAVE") != NULL;
+    if (off)
+        return 1;
+    int dt = args->seg[0].dtype, per_sm, dev = 0, n_sms = 0;
+    int64_t blocks = 0;
+    for (int i = 0; i < args->n; i++) {
+        if (args->seg[i].dtype != dt)
+            dt = DUET__GEMV_ANY_DT;
+        blocks += (int64_t)args->seg[i].B *
+                  ((args->seg[i].N + 4 * DUET_GEMV_WARPS - 1) / (4 * DUET_GEMV_WARPS));
+    }
+    switch (dt) {
+    case DUET_DTYPE_BF16:
+        per_sm = duet__gemv_r4_per_sm_m<DUET_DTYPE_BF16>(M);
+        break;
+    case DUET_DTYPE_F16:
+        per_sm = duet__gemv_r4_per_sm_m<DUET_DTYPE_F16>(M);
+        break;
+    case DUET_DTYPE_F32:
+        per_sm = duet__gemv_r4_per_sm_m<DUET_DTYPE_F32>(M);
+        break;
+    default:
+        per_sm = duet__gemv_r4_per_sm_m<DUET__GEMV_ANY_DT>(M);
+        break;
+    }
+    if (per_sm < 1)
+        return 1; /* unknown: the rows alone decide */
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+        (void)cudaGetLastError(); /* that call's own error: not a launch's */
+        return 1;
+    }
+    return blocks * 100 >= (int64_t)per_sm * n_sms * 95;
+}
+
+/*
  * Launch the segments (each checked by duet__gemv_fits) as one kernel. Outputs per warp: 4 (two
- * pieces of each row in flight) when that still makes DUET__GEMV_MIN_BLOCKS blocks, else 2, else
- * 1 (four pieces in flight). Measured per kernel on an H200 at Kimi-Linear-48B's dims (Nsight
- * Compute, batch 1): 4 per warp took q|k|v with its norm (12576 × 2304) from 27.3 to 17.8 us
- * and MLA's q_a|kv_a (6720 × 2304, 210 blocks) from 20.5 to 13.6, while o_proj (2304 × 4096)
- * wants every warp it can get: 8.9 us with 1 per warp (288 blocks), 10.7 with 4 (72).
+ * pieces of each row in flight) when that still makes DUET__GEMV_MIN_BLOCKS blocks and fills a
+ * wave (duet__gemv_r4_fills), else 2 when that makes DUET__GEMV_MIN_BLOCKS blocks, else 1 (four
+ * pieces in flight). Measured per kernel on an H200 at Kimi-Linear-48B's dims (Nsight Compute,
+ * batch 1): 4 per warp took q|k|v with its norm (12576 × 2304) from 27.3 to 17.8 us and MLA's
+ * q_a|kv_a (6720 × 2304, 210 blocks) from 20.5 to 13.6 against 1 per warp, while o_proj
+ * (2304 × 4096) wants every warp it can get: 8.9 us with 1 per warp (288 blocks), 10.7 with 4
+ * (72). In the graph (27 layers, batch 1 × 2K, side by side in one command, two runs) the
+ * products between 6400 and 12000 rows (KDA f_b|g_b: 8192 × 128, 256 blocks of 4 per warp on
+ * 396 slots; MLA q_a|kv_a: 210) took 2.600 / 2.587 ms/step with 2 per warp against 2.611 / 2.615
+ * with 4, while q|k|v (393 blocks) and the dense gate|up (576) with 2 per warp took 2.625 /
+ * 2.621; 2 per warp with 3 pieces in flight, and 1 per warp with 2 or 4, were slower.
  */
 #define DUET__GEMV_MIN_BLOCKS 200
 
@@ -479,7 +551,7 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
     if (args->n == 0 || rows == 0)
         return cudaSuccess;
     const int64_t min_rows = (int64_t)DUET__GEMV_MIN_BLOCKS * DUET_GEMV_WARPS;
-    if (rows >= 4 * min_rows)
+    if (rows >= 4 * min_rows && duet__gemv_r4_fills(M, args))
         return duet__gemv_launch_r<4, 2>(stream, M, args);
     if (rows >= 2 * min_rows)
         return duet__gemv_launch_r<2, 2>(stream, M, args);
