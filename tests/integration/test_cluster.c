@@ -584,8 +584,8 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
     stop_all();
 }
 
-/* Wait until a ctx worker reports a running prefill; returns its name's index or -1. */
-static int busy_ctx(int n_ctx, int ms)
+/* Wait until a worker named prefix<i> (i < n) reports a running request; returns i or -1. */
+static int busy_worker(const char *prefix, int n, int ms)
 {
     static char buf[65536];
     uint64_t    end = now_ms() + (uint64_t)ms;
@@ -601,10 +601,13 @@ static int busy_ctx(int n_ctx, int ms)
                     continue;
                 int run = (int)json_integer_value(json_object_get(json_object_get(w, "load"),
                                                                   "running"));
-                if (name != NULL && strncmp(name, "ctx-", 4) == 0 && run > 0) {
-                    int idx = atoi(name + 4);
-                    json_decref(o);
-                    return idx < n_ctx ? idx : -1;
+                const size_t pl = strlen(prefix);
+                if (name != NULL && strncmp(name, prefix, pl) == 0 && run > 0) {
+                    const int idx = atoi(name + pl);
+                    if (idx >= 0 && idx < n) {
+                        json_decref(o);
+                        return idx;
+                    }
                 }
             }
             json_decref(o);
@@ -612,6 +615,12 @@ static int busy_ctx(int n_ctx, int ms)
         usleep(20000);
     }
     return -1;
+}
+
+/* Wait until a ctx worker reports a running prefill; returns its name's index or -1. */
+static int busy_ctx(int n_ctx, int ms)
+{
+    return busy_worker("ctx-", n_ctx, ms);
 }
 
 Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
@@ -668,7 +677,9 @@ Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180
     }
     for (int i = 0; i < N; i++)
         pthread_create(&th[i], NULL, run_job, &jobs[i]);
-    usleep(800000);
+    /* kill gen-0 once it decodes (a fixed delay let every stream finish first on a fast
+     * host): each stream is 300 tokens, so what it runs then is still running at the kill */
+    cr_assert_eq(busy_worker("gen-", 1, 20000), 0, "gen-0 never ran a request");
     kill(pid_of("gen-0"), SIGKILL);
     for (int i = 0; i < N; i++)
         pthread_join(th[i], NULL);
