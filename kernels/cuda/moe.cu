@@ -440,9 +440,13 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 
 /* ---- the router and the routing of one row, one kernel (decode) ------------------------------ */
 
-#define DUET__RR_SPLIT 4 /* warps per router row, each with every DUET__RR_SPLIT-th 32 pieces */
+/* Warps per router row, each with every DUET__RR_SPLIT-th 32 pieces. Measured on an H200 (27
+ * layers, batch 1, side by side in one command, two runs, ms/step at 2K / 32K): 8 (one row per
+ * block, 256 blocks) 2.579 / 2.746 and 2.577 / 2.742; 4 2.585 / 2.763 and 2.586 / 2.755; 2
+ * 2.631 / 2.775 and 2.627 / 2.787; 1 2.698 / 2.868 and 2.695 / 2.862. */
+#define DUET__RR_SPLIT 8
 #define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
-#define DUET__RR_U     5 /* float4 pieces per lane in flight: D = 2304 is 4.5 per lane */
+#define DUET__RR_U     3 /* float4 pieces per lane in flight: D = 2304 is 2.25 per lane */
 
 typedef struct {
     const float *x, *nw, *w, *bias; /* x [D], norm weight [D], router [E][D] fp32, bias [E] */
