@@ -52,6 +52,10 @@ void duet_cuda_pdl_set(int on);
  */
 int duet_cuda_weights_early(void);
 
+/* The current device's SM count, asked once per device (0 when CUDA cannot tell); launch-shape
+ * rules call it per launch. */
+int duet_cuda_sm_count(void);
+
 #ifdef __cplusplus
 }
 #endif

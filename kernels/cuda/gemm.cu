@@ -438,14 +438,20 @@ static cudaError_t duet__gemv_launch(cudaStream_t stream, int64_t M, duet__gemv_
                            dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, (int)M);
 }
 
-template <int R, int U>
-static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+/* The weight type of every segment, or DUET__GEMV_ANY_DT when they differ. */
+static int duet__gemv_dt(const duet__gemv_args_t *args)
 {
     int dt = args->seg[0].dtype;
     for (int i = 1; i < args->n; i++)
         if (args->seg[i].dtype != dt)
             dt = DUET__GEMV_ANY_DT;
-    switch (dt) {
+    return dt;
+}
+
+template <int R, int U>
+static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+{
+    switch (duet__gemv_dt(args)) {
     case DUET_DTYPE_BF16:
         return duet__gemv_launch<DUET_DTYPE_BF16, R, U>(stream, M, args);
     case DUET_DTYPE_F16:
@@ -461,7 +467,8 @@ static cudaError_t duet__gemv_launch_r(cudaStream_t stream, int64_t M, duet__gem
  * Whether the 4-outputs-per-warp kernel's blocks for these segments fill at least 95% of one wave
  * of the current device (its SMs × the blocks of that kernel that fit on one; at batch 1 with
  * 16-bit weights its 80 registers allow 3). Below that, 2 per warp (64 registers, 4 blocks per
- * SM, twice the blocks) keeps more of the GPU busy. The occupancy is asked once per kernel.
+ * SM, twice the blocks) keeps more of the GPU busy. The occupancy is asked once per kernel, the
+ * SM count once per device (duet_cuda_sm_count).
  * DUET_CUDA_GEMV_NO_WAVE=1 in the environment (read once; side-by-side runs) answers yes always.
  */
 template <int MR, int DT> static int duet__gemv_r4_per_sm(void)
@@ -491,15 +498,12 @@ static int duet__gemv_r4_fills(int64_t M, const duet__gemv_args_t *args)
         off = getenv("DUET_CUDA_GEMV_NO_WAVE") != NULL;
     if (off)
         return 1;
-    int dt = args->seg[0].dtype, per_sm, dev = 0, n_sms = 0;
+    int per_sm;
     int64_t blocks = 0;
-    for (int i = 0; i < args->n; i++) {
-        if (args->seg[i].dtype != dt)
-            dt = DUET__GEMV_ANY_DT;
+    for (int i = 0; i < args->n; i++)
         blocks += (int64_t)args->seg[i].B *
                   ((args->seg[i].N + 4 * DUET_GEMV_WARPS - 1) / (4 * DUET_GEMV_WARPS));
-    }
-    switch (dt) {
+    switch (duet__gemv_dt(args)) {
     case DUET_DTYPE_BF16:
         per_sm = duet__gemv_r4_per_sm_m<DUET_DTYPE_BF16>(M);
         break;
@@ -513,13 +517,9 @@ static int duet__gemv_r4_fills(int64_t M, const duet__gemv_args_t *args)
         per_sm = duet__gemv_r4_per_sm_m<DUET__GEMV_ANY_DT>(M);
         break;
     }
-    if (per_sm < 1)
+    const int n_sms = duet_cuda_sm_count();
+    if (per_sm < 1 || n_sms < 1)
         return 1; /* unknown: the rows alone decide */
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-        (void)cudaGetLastError(); /* that call's own error: not a launch's */
-        return 1;
-    }
     return blocks * 100 >= (int64_t)per_sm * n_sms * 95;
 }
 

@@ -564,6 +564,16 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_gamma(fl
     __syncthreads();
 }
 
+/* One channel's term of L and Aqk: t = k_j e^{min(Γi−Γj, 0)} (log2 units), skk += k_i t,
+ * sqk += q_i t. */
+static __device__ __forceinline__ void duet__kda_lqk_term(float ki, float qi, float kj, float gi,
+                                                          float gj, float &skk, float &sqk)
+{
+    const float t = kj * duet__ex2(fminf(gi - gj, 0.0f));
+    skk += ki * t;
+    sqk += qi * t;
+}
+
 /* Step 3: L and Aqk from sQ, sK, sG (Γ), sB. Task (ih, jg): lanes on rows i = 32·ih + lane,
  * columns j = 4·jg .. +3. Tasks wholly above the diagonal (ih = 0, jg >= 8) only write their
  * zeros. */
@@ -589,19 +599,10 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
                     const int j = j0 + jj;
                     const float4 kj = *reinterpret_cast<const float4 *>(&sK[j * KR + cd]);
                     const float4 gj = *reinterpret_cast<const float4 *>(&sG[j * KR + cd]);
-                    float t;
-                    t = kj.x * duet__ex2(fminf(gi.x - gj.x, 0.0f));
-                    skk[jj] += ki.x * t;
-                    sqk[jj] += qi.x * t;
-                    t = kj.y * duet__ex2(fminf(gi.y - gj.y, 0.0f));
-                    skk[jj] += ki.y * t;
-                    sqk[jj] += qi.y * t;
-                    t = kj.z * duet__ex2(fminf(gi.z - gj.z, 0.0f));
-                    skk[jj] += ki.z * t;
-                    sqk[jj] += qi.z * t;
-                    t = kj.w * duet__ex2(fminf(gi.w - gj.w, 0.0f));
-                    skk[jj] += ki.w * t;
-                    sqk[jj] += qi.w * t;
+                    duet__kda_lqk_term(ki.x, qi.x, kj.x, gi.x, gj.x, skk[jj], sqk[jj]);
+                    duet__kda_lqk_term(ki.y, qi.y, kj.y, gi.y, gj.y, skk[jj], sqk[jj]);
+                    duet__kda_lqk_term(ki.z, qi.z, kj.z, gi.z, gj.z, skk[jj], sqk[jj]);
+                    duet__kda_lqk_term(ki.w, qi.w, kj.w, gi.w, gj.w, skk[jj], sqk[jj]);
                 }
             }
         }
@@ -879,9 +880,8 @@ static unsigned duet__kda_vsplit(const duet__kda_core_args_t &a, int K)
     const int f = duet__kda_split_forced;
     if (f > 0) /* a forced count that does not cut whole warps of columns falls back to 1 */
         return K % (8 * f) == 0 ? (unsigned)f : 1u;
-    int dev = 0, n_sms = 0;
-    if (no_split || cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    const int n_sms = duet_cuda_sm_count();
+    if (no_split || n_sms < 1)
         return 1;
     const int64_t pairs = a.st.n_items * a.ly.H;
     unsigned vs = 1;

@@ -195,3 +195,22 @@ extern "C" int duet_cuda_weights_early(void)
         early = getenv("DUET_CUDA_WAIT_FIRST") == NULL;
     return early;
 }
+
+extern "C" int duet_cuda_sm_count(void)
+{
+    static int counts[64]; /* per device; 0: not asked yet (racing first calls store the same) */
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError(); /* that call's own error: not a launch's */
+        return 0;
+    }
+    if (dev >= 0 && dev < 64 && counts[dev] > 0)
+        return counts[dev];
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 0) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (dev >= 0 && dev < 64)
+        counts[dev] = n;
+    return n;
+}
