@@ -71,6 +71,7 @@ typedef struct {
     uint64_t                arrival;
     uint64_t                deadline_unix_ms;
     double                  t_arrive;
+    double                  t_admit; /* when its transfer started */
 } cr_t;
 
 static struct {
@@ -192,6 +193,7 @@ static void ctx_admit(void)
         }
         r->xfer_live = true;
         r->phase     = CR_PREFILL;
+        r->t_admit   = duet_worker_now();
     }
     ctx_update_idle();
 }
@@ -353,11 +355,36 @@ static int cr_by_arrival(const void *a, const void *b)
     return x->arrival < y->arrival ? -1 : x->arrival > y->arrival;
 }
 
+/*
+ * How long a prompt's first step may wait for the handshake with its generation worker. During
+ * a step UCX moves only in the layer hook, so a handshake begun just before a long step would
+ * stretch over it, the generation worker's reply pending on a connection to us the whole time;
+ * were we killed then, that worker's UCX (1.13.1) would abort on an assertion while purging the
+ * reply. Waiting here closes that window to the handshake's own time (about a millisecond on
+ * one host); past the bound the step runs anyway and the handshake ends in the layer hook.
+ */
+#define CTX_CONNECT_WAIT_S 2.0
+
+static bool cr_waits_for_peer(const cr_t *r, double now)
+{
+    return r->prefilled == 0 && r->xfer_live && now - r->t_admit < CTX_CONNECT_WAIT_S &&
+           duet_xfer_send_connecting(c.x, r->xid);
+}
+
 static void ctx_step(uv_idle_t *h)
 {
+    double now = duet_worker_now();
+    for (int64_t i = 0; i < c.n_reqs; i++)
+        if (c.reqs[i].phase == CR_PREFILL && !c.reqs[i].ended &&
+            cr_waits_for_peer(&c.reqs[i], now)) {
+            duet_worker_pump_progress(&c.pump); /* outside a step: outcomes are handled here */
+            now = duet_worker_now();
+            break;
+        }
     int64_t n_pre = 0;
     for (int64_t i = 0; i < c.n_reqs; i++)
-        if (c.reqs[i].phase == CR_PREFILL && !c.reqs[i].ended)
+        if (c.reqs[i].phase == CR_PREFILL && !c.reqs[i].ended &&
+            !cr_waits_for_peer(&c.reqs[i], now))
             c.order[n_pre++] = &c.reqs[i];
     qsort(c.order, (size_t)n_pre, sizeof(c.order[0]), cr_by_arrival);
     int64_t n = 0, budget = c.budget, tokens = 0;
@@ -378,6 +405,11 @@ static void ctx_step(uv_idle_t *h)
             c.items[n].u         = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
             c.items[n].token_out = &r->first;
         }
+        if (r->prefilled == 0 && r->xfer_live)
+            DUET_RLOG_DEBUG(r->rid, "first prefill step %.2f ms after the transfer started (%s)",
+                            (now - r->t_admit) * 1e3,
+                            duet_xfer_send_connecting(c.x, r->xid) ? "still connecting"
+                                                                   : "connected");
         c.item_req[n] = r;
         n++;
         budget -= len;

@@ -299,6 +299,16 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
  */
 duet_status_t duet_xfer_send_layer_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, uint32_t layer);
 
+/*
+ * Whether the transfer still waits for the handshakes of its endpoints (nothing said or put
+ * yet). False once every endpoint is up, and for a transfer that ended or is unknown. A sender
+ * that is about to stop progressing UCX for a while (a long prefill step) waits for this to turn
+ * false first: a handshake stretched over that time leaves the peer's reply pending on a
+ * connection to us, and if we die then, UCX 1.13.1 asserts in the peer while purging it (fixed
+ * upstream after 1.13).
+ */
+bool duet_xfer_send_connecting(duet_xfer_ctx_t *ctx, duet_xfer_id_t id);
+
 /* The KDA state and conv windows are final: put them (no-op when the request has none). */
 duet_status_t duet_xfer_send_kda_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id);
 

@@ -520,6 +520,12 @@ duet_status_t duet_xfer_send_layer_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id
     return DUET_OK;
 }
 
+bool duet_xfer_send_connecting(duet_xfer_ctx_t *ctx, duet_xfer_id_t id)
+{
+    const duet__xfer_t *x = duet__send_live(ctx, id);
+    return x != NULL && x->state == DUET__X_CONNECTING;
+}
+
 duet_status_t duet_xfer_send_kda_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id)
 {
     duet__xfer_t *x = duet__send_live(ctx, id);

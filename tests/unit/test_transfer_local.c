@@ -13,15 +13,21 @@ static xt_scn_t g_s;
 static xt_recv_t g_R;
 static xt_send_t g_S;
 
-static void setup(void)
+/* A receiver and a sender context over the transports `tls` (UCX_TLS). */
+static void harness(const char *tls)
 {
-    setenv("UCX_TLS", "posix,sysv,cma,self", 1);
+    setenv("UCX_TLS", tls, 1);
     setenv("UCX_NET_DEVICES", "lo", 1);
     g_s = xt_scn_default();
     g_s.count = 4;
     g_s.deadline_ms = 5000;
     cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK, "%s", duet_error_last());
     cr_assert_eq(xt_send_init(&g_S, &g_s, 4, 4), DUET_OK, "%s", duet_error_last());
+}
+
+static void setup(void)
+{
+    harness("posix,sysv,cma,self");
 }
 
 static void teardown(void)
@@ -413,4 +419,34 @@ Test(transfer_tls, peer_failure_detection_by_ucx_tls)
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         cr_assert_eq(duet__tls_may_detect_peer_failure(cases[i].tls), cases[i].may, "UCX_TLS=%s",
                      cases[i].tls ? cases[i].tls : "(unset)");
+}
+
+/* The harness over tcp, whose endpoints need a handshake (request, reply) before use. */
+static void setup_tcp(void)
+{
+    harness("tcp,self");
+}
+
+/* duet_xfer_send_connecting: true for a transfer whose new endpoint has not finished its
+ * handshake (no progress yet), false once it has (the transfer still live), after the end and
+ * for an unknown id. duet-ctx waits on it before a prompt's first step. */
+Test(transfer_tcp, sender_reports_its_handshake, .init = setup_tcp, .fini = teardown, .timeout = 30)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    const duet_xfer_id_t id = g_S.x[0].id;
+    cr_assert(duet_xfer_send_connecting(g_S.ctx, id),
+              "a new tcp endpoint cannot be connected before any progress");
+    PUMP_UNTIL(!duet_xfer_send_connecting(g_S.ctx, id), 10000);
+    cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id), "the handshake did not finish");
+    cr_assert_eq(g_S.n_ended + g_R.n_ended, 0, "the transfer ended before any layer was ready");
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 0, 1, l);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    cr_assert_eq(g_S.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_S.x[0].msg);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[0].msg);
+    cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id), "an ended transfer");
+    cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id ^ 0x5a5a5a5aull), "an unknown id");
 }
