@@ -3,7 +3,8 @@
 #   build → every CUDA kernel test against the CPU path → the engine against transformers'
 #   fixtures (f32 and bf16) → the local cluster with GPU workers → duet-bench-model-cuda at
 #   Kimi-Linear-48B's dimensions (27 and 8 layers) → transformers' KimiLinearForCausalLM at the
-#   same dimensions, right after, on the same GPU (tools/bench_transformers.py).
+#   same dimensions, right after, on the same GPU (tools/bench_transformers.py); and the floor of
+#   the engine's batch-1 kernel sequence made of pure weight streams (duet-bench-launch-floor).
 # Usage: bench/gpu_check.sh [OUT_DIR]   (default: ./gpu-check-out)
 # Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: ../shared/gpu/README.md),
 #      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
@@ -72,6 +73,11 @@ if has bench; then
   build-gpu/bench/duet-bench-model-cuda --config bench/configs/kimi-linear-48b --layers 8 \
     2>"$out/bench8.err" | tee "$out/bench8.jsonl"
   tail -3 "$out/bench8.err"
+  for C in 2048 32768; do
+    say "duet-bench-launch-floor 27 layers, context $C (the engine's kernel sequence as pure streams)"
+    build-gpu/bench/duet-bench-launch-floor --config bench/configs/kimi-linear-48b --layers 27 \
+      --context "$C" | tee "$out/floor27_$C.jsonl"
+  done
 fi
 if has tf; then
   for L in 27 8; do
