@@ -919,16 +919,10 @@ static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int
     return duet__mlp_rest(dm, w, T);
 }
 
-/* Whether `name` is set in the environment, read once into *cache (-1: not read yet). For
- * side-by-side comparisons of a decode step at T = 1: DUET_CUDA_NO_SHARED_FOLD keeps the shared
- * expert a separate MLP, DUET_CUDA_NO_ROUTER_ROUTE the router GEMV and the routing two kernels. */
+/* Switches for side-by-side comparisons of a decode step at T = 1 (duet_cuda_env_flag):
+ * DUET_CUDA_NO_SHARED_FOLD keeps the shared expert a separate MLP, DUET_CUDA_NO_ROUTER_ROUTE
+ * the router GEMV and the routing two kernels. */
 static int duet__no_shared_fold = -1, duet__no_router_route = -1;
-static int duet__env_flag(int *cache, const char *name)
-{
-    if (*cache < 0)
-        *cache = getenv(name) != NULL;
-    return *cache;
-}
 
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
                                      const duet_cuda_gemm_norm_t *nrm)
@@ -942,7 +936,7 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     duet_cuda_experts_t ex   = w->ex;
     const int           fold = w->has_shared && T == 1 && w->mlp.down.shape[1] == ex.I &&
                      w->mlp.gu.dtype == ex.dtype &&
-                     !duet__env_flag(&duet__no_shared_fold, "DUET_CUDA_NO_SHARED_FOLD");
+                     !duet_cuda_env_flag(&duet__no_shared_fold, "DUET_CUDA_NO_SHARED_FOLD");
     if (fold) {
         const size_t half = (size_t)ex.I * (size_t)D * duet_dtype_size(w->mlp.gu.dtype);
         ex.sw1 = w->mlp.gu.data;
@@ -953,7 +947,7 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const duet_cuda_gemm_op_t sgu = {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn,
                                      .ldx = D, .w = &w->mlp.gu};
     if (T == 1 && D % 4 == 0 &&
-        !duet__env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
+        !duet_cuda_env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
         /* one token: the norm, the router and the routing in one kernel (its float4 loads want
          * D % 4 == 0; other widths take the two-kernel path below) */
         TRY(duet_cuda_moe_router_route(s, nrm->x, nrm->w, nrm->eps, w->router.data, E, D,

@@ -494,9 +494,7 @@ template <int DT> static int duet__gemv_r4_per_sm_m(int64_t M)
 static int duet__gemv_r4_fills(int64_t M, const duet__gemv_args_t *args)
 {
     static int off = -1;
-    if (off < 0)
-        off = getenv("DUET_CUDA_GEMV_NO_WAVE") != NULL;
-    if (off)
+    if (duet_cuda_env_flag(&off, "DUET_CUDA_GEMV_NO_WAVE"))
         return 1;
     int per_sm;
     int64_t blocks = 0;
@@ -562,9 +560,7 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
 static int duet__gemv_disabled(void)
 {
     static int off = -1;
-    if (off < 0)
-        off = getenv("DUET_CUDA_NO_GEMV") != NULL;
-    return off;
+    return duet_cuda_env_flag(&off, "DUET_CUDA_NO_GEMV");
 }
 
 /*

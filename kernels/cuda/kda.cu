@@ -875,8 +875,7 @@ extern "C" void duet__cuda_kda_split_set(int vs)
 static unsigned duet__kda_vsplit(const duet__kda_core_args_t &a, int K)
 {
     static int no_split = -1;
-    if (no_split < 0)
-        no_split = getenv("DUET_CUDA_KDA_NO_SPLIT") != NULL;
+    duet_cuda_env_flag(&no_split, "DUET_CUDA_KDA_NO_SPLIT");
     const int f = duet__kda_split_forced;
     if (f > 0) /* a forced count that does not cut whole warps of columns falls back to 1 */
         return K % (8 * f) == 0 ? (unsigned)f : 1u;
@@ -937,8 +936,7 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
     /* With scratch, L and Aqk of every chunk are computed ahead, in parallel (unless
      * DUET_CUDA_KDA_NO_AHEAD is set, for side-by-side measurements). */
     static int no_ahead = -1;
-    if (no_ahead < 0)
-        no_ahead = getenv("DUET_CUDA_KDA_NO_AHEAD") != NULL;
+    duet_cuda_env_flag(&no_ahead, "DUET_CUDA_KDA_NO_AHEAD");
     const int64_t max_chunks = (st->max_item_tokens + DUET_KDA_C - 1) / DUET_KDA_C;
     if ((int64_t)st->n_items * max_chunks > 0x7fffffff || ly->H > 65535)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items of up to %d tokens",

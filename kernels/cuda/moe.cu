@@ -1536,9 +1536,7 @@ duet__launch_gemv_t1(bool deep, cudaStream_t stream, const duet_cuda_experts_t *
 static bool duet__t1_deep_env(void)
 {
     static int deep = -1;
-    if (deep < 0)
-        deep = getenv("DUET_CUDA_MOE_T1_DEEP") != NULL;
-    return deep != 0;
+    return duet_cuda_env_flag(&deep, "DUET_CUDA_MOE_T1_DEEP") != 0;
 }
 
 template <int DT>

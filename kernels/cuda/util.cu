@@ -188,12 +188,17 @@ extern "C" void duet_cuda_pdl_set(int on)
     duet__pdl_forced = on < 0 ? -1 : on != 0;
 }
 
+extern "C" int duet_cuda_env_flag(int *cache, const char *name)
+{
+    if (*cache < 0)
+        *cache = getenv(name) != NULL;
+    return *cache;
+}
+
 extern "C" int duet_cuda_weights_early(void)
 {
-    static int early = -1;
-    if (early < 0)
-        early = getenv("DUET_CUDA_WAIT_FIRST") == NULL;
-    return early;
+    static int wait_first = -1;
+    return !duet_cuda_env_flag(&wait_first, "DUET_CUDA_WAIT_FIRST");
 }
 
 extern "C" int duet_cuda_sm_count(void)
