@@ -204,19 +204,22 @@ int main(int argc, char **argv)
     const char *cfg_dir = NULL;
     int64_t ctx = 2048, layers = 0;
     int reps = 30;
+    bool list = false;
     size_t wb = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             printf("usage: duet-bench-launch-floor --config DIR [--layers N] [--context 2048]\n"
-                   "       [--reps 30] [--dtype bf16|f32]\n"
+                   "       [--reps 30] [--dtype bf16|f32] [--list]\n"
                    "The fastest a batch-1 decode step could run as the CUDA engine's sequence\n"
                    "of kernels if each kernel only streamed the bytes it must read (see the\n"
-                   "file comment). JSON lines on stdout; the kernel list with --list.\n");
+                   "file comment). JSON lines on stdout; --list: the kernel list on stderr.\n");
             return 0;
         }
-        if (strcmp(a, "--list") == 0)
+        if (strcmp(a, "--list") == 0) {
+            list = true;
             continue;
+        }
         if (v == NULL)
             return fail(2, "%s needs a value (see --help)", a);
         i++;
@@ -244,9 +247,6 @@ int main(int argc, char **argv)
     if (layers > 0 && layers < cfg.num_layers)
         cfg.num_layers = layers; /* the first N layers, as duet-bench-model-cuda --layers */
     const std::vector<entry_t> es = step_entries(&cfg, wb, ctx);
-    bool list = false;
-    for (int i = 1; i < argc; i++)
-        list |= strcmp(argv[i], "--list") == 0;
     size_t total = 0;
     for (const entry_t &e : es) {
         total += (e.bytes + 255) & ~(size_t)255;
