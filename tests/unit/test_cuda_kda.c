@@ -798,13 +798,14 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     float *d_pool_b = dev_copy(pool, sizeof(float) * (size_t)lf);
     float *d_oa = dev_alloc(sizeof(float) * (size_t)(n * HK));
     float *d_ob = dev_alloc(sizeof(float) * (size_t)(n * HK));
-    /* row0[2] | pos0 | slot | page: one item in slot 0 of a one-slot pool */
-    int32_t meta_a[5] = {0, (int32_t)n, 0, 0, 0};
-    int32_t *d_meta_a = dev_copy(meta_a, sizeof(meta_a));
-    int32_t *row_item = xmalloc(sizeof(int32_t) * (size_t)n);
-    memset(row_item, 0, sizeof(int32_t) * (size_t)n);
-    int32_t *d_rows = dev_copy(row_item, sizeof(int32_t) * (size_t)n);
-    int32_t meta_b[5] = {0, 1, 5, 0, 0};
+    /* step_of's layout, one item in slot 0 of a one-slot pool: row0[2] | pos0 | slot | page |
+     * row_item, row_pos (zeros). a: the n tokens at once; b: one token (pos0 is not read). */
+    const size_t meta_a_bytes = sizeof(int32_t) * (size_t)(5 + 2 * n);
+    int32_t *meta_a = xmalloc(meta_a_bytes);
+    memset(meta_a, 0, meta_a_bytes);
+    meta_a[1] = (int32_t)n;
+    int32_t *d_meta_a = dev_copy(meta_a, meta_a_bytes);
+    int32_t meta_b[7] = {0, 1, 5, 0, 0, 0, 0};
     int32_t *d_meta_b = dev_copy(meta_b, sizeof(meta_b));
 
     duet_cuda_kda_layer_t ly = {.kda_base = d_pool_a,
@@ -814,30 +815,12 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
                                 .H = H,
                                 .K = K,
                                 .W = 4};
-    const duet_cuda_step_t chunked = {.n_items = 1,
-                                      .n_rows = (int32_t)n,
-                                      .max_item_tokens = (int32_t)n,
-                                      .item_row0 = d_meta_a,
-                                      .item_pos0 = d_meta_a + 2,
-                                      .item_slot = d_meta_a + 3,
-                                      .item_pages = d_meta_a + 4,
-                                      .max_pages = 1,
-                                      .row_item = d_rows,
-                                      .row_pos = d_rows};
+    const duet_cuda_step_t chunked = step_of(d_meta_a, 1, n, (int)n);
     duet_cuda_step_t st = chunked;
     DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, NULL));
 
     ly.kda_base = d_pool_b;
-    st = (duet_cuda_step_t){.n_items = 1,
-                            .n_rows = 1,
-                            .max_item_tokens = 1,
-                            .item_row0 = d_meta_b,
-                            .item_pos0 = d_meta_b + 2,
-                            .item_slot = d_meta_b + 3,
-                            .item_pages = d_meta_b + 4,
-                            .max_pages = 1,
-                            .row_item = d_rows,
-                            .row_pos = d_rows};
+    st = step_of(d_meta_b, 1, 1, 1);
     for (int64_t t = 0; t < n; t++)
         DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv + t * C3, d_g + t * HK, d_beta + t * H,
                                     d_ob + t * HK, NULL));
@@ -906,10 +889,10 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     expect_close(what, "o rec~cpu", ob, oc, (size_t)(n * HK), TOL_CORE);
     expect_close(what, "S rec~cpu", sb, pool, (size_t)(H * K * K), TOL_CORE);
 
-    free(qkv), free(g), free(beta), free(pool), free(row_item), free(oa), free(ob), free(sa);
+    free(qkv), free(g), free(beta), free(pool), free(meta_a), free(oa), free(ob), free(sa);
     free(sb), free(oc);
     cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_beta), cudaFree(d_pool_a), cudaFree(d_pool_b);
-    cudaFree(d_oa), cudaFree(d_ob), cudaFree(d_meta_a), cudaFree(d_rows), cudaFree(d_meta_b);
+    cudaFree(d_oa), cudaFree(d_ob), cudaFree(d_meta_a), cudaFree(d_meta_b);
     cudaFree(d_pool_c), cudaFree(d_oc), cudaFree(d_scr), cudaFree(d_pool_d), cudaFree(d_od);
 }
 
