@@ -405,7 +405,7 @@ static void ctx_step(uv_idle_t *h)
             c.items[n].u         = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
             c.items[n].token_out = &r->first;
         }
-        if (r->prefilled == 0 && r->xfer_live)
+        if (r->prefilled == 0 && r->xfer_live) /* test_cluster reads this line */
             DUET_RLOG_DEBUG(r->rid, "first prefill step %.2f ms after the transfer started (%s)",
                             (now - r->t_admit) * 1e3,
                             duet_xfer_send_connecting(c.x, r->xid) ? "still connecting"

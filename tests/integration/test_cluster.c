@@ -61,6 +61,9 @@ static pid_t pids[16];
 static char  names[16][32];
 static int   n_pids;
 
+/* Set by a test before start_cluster: its context workers log at DEBUG (the handshake wait). */
+static int ctx_debug;
+
 /* ---------------------------------------------------------------- processes and HTTP */
 
 static int free_port(void)
@@ -92,7 +95,7 @@ static pid_t spawn(const char *name, char *const argv[])
         int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
         dup2(fd, 1);
         dup2(fd, 2);
-        setenv("DUET_LOG_LEVEL", "info", 1);
+        setenv("DUET_LOG_LEVEL", ctx_debug && strncmp(name, "ctx-", 4) == 0 ? "debug" : "info", 1);
         /* tcp: dead peers are detected, not only timed out. DUET_TEST_UCX_TLS replaces the list
          * (a GPU run adds cuda_copy,cuda_ipc so that a CUDA-built UCX moves device pools) */
         const char *tls = getenv("DUET_TEST_UCX_TLS");
@@ -465,6 +468,40 @@ static void check_job(const job_t *j, int i)
     cr_expect_eq(j->got_tokens, j->want_tokens, "request %d: token count", i);
 }
 
+/*
+ * A context worker's first prefill step of a prompt waits for the UCX handshake with the prompt's
+ * generation worker (ctx_main.c, CTX_CONNECT_WAIT_S = 2 s): during a step UCX moves only between
+ * layers, and a handshake left pending over a step once crashed a generation worker's UCX when
+ * the context worker was killed. Each such step logs (DEBUG) how long after the transfer began
+ * it ran and whether the handshake had completed; every line must say "connected" or show the
+ * whole 2 s bound spent. Without the wait, a prompt towards a new peer steps at once, before the
+ * peer can have answered. Returns how many first steps the log holds.
+ */
+static int check_first_steps_connected(const char *worker)
+{
+    char path[512], line[1024];
+    snprintf(path, sizeof(path), "%s/%s.log", dir, worker);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    int n = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        const char *p = strstr(line, "first prefill step ");
+        if (p == NULL)
+            continue;
+        double ms = -1.0;
+        char state[32] = "";
+        int got =
+            sscanf(p, "first prefill step %lf ms after the transfer started (%31[^)])", &ms, state);
+        cr_expect_eq(got, 2, "%s: unreadable line: %s", worker, line);
+        cr_expect(strcmp(state, "connected") == 0 || ms >= 2000.0,
+                  "%s: a first prefill step ran %.2f ms after its transfer began, %s: %s", worker,
+                  ms, state, line);
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
 /* ---------------------------------------------------------------- tests */
 
 Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
@@ -474,7 +511,9 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
                                400, 450, 500, 511, 520, 5,   12,  18,  70,  140};
     enum { N = 32 };
     static job_t jobs[N];
+    ctx_debug = 1;
     start_cluster(2, 2);
+    ctx_debug = 0;
     uint64_t prompt_tokens = 0;
     for (int i = 0; i < N; i++) {
         memset(&jobs[i], 0, sizeof(jobs[i]));
@@ -523,6 +562,11 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
             cr_expect_eq(dev, 1, "%s: DUET_TEST_EXPECT_DEVICE_POOLS, but it staged through the "
                                  "host pools", ws[i]);
     }
+    /* round robin: both context workers prefill a share of the long prompts */
+    const int first0 = check_first_steps_connected("ctx-0"),
+              first1 = check_first_steps_connected("ctx-1");
+    printf("cluster: %d + %d first prefill steps, each after its handshake\n", first0, first1);
+    cr_expect(first0 >= 2 && first1 >= 2, "first prefill steps logged: %d, %d", first0, first1);
     stop_all();
 }
 
