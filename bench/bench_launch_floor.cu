@@ -7,7 +7,7 @@
  * read at batch 1 and context C (weights at --dtype, the MLA cache at bf16, the KDA state fp32
  * read and written; the experts the token routes to plus the shared one). A kernel whose bytes
  * are negligible (the MLA cache write and split reducer, the act·mul of the dense MLP, the
- * final norm, the second arg-max pass) is a kernel that only waits and triggers. Each entry
+ * second arg-max pass) is a kernel that only waits and triggers. Each entry
  * then runs as one "stream" kernel: a grid of one wave, each thread summing 16-byte loads of
  * its own region, U loads in flight, nothing else. Regions follow each other in one buffer
  * larger than L2, so a step reads every byte once from HBM, as the engine's does.
@@ -99,8 +99,7 @@ static std::vector<entry_t> step_entries(const duet_model_config_t *c, size_t wb
             v.push_back({"mlp down", D * Id * wb, l});
         }
     }
-    v.push_back({"final norm", 0, -1});
-    v.push_back({"lm_head", (size_t)c->vocab_size * D * wb, -1});
+    v.push_back({"final norm+lm_head", (size_t)c->vocab_size * D * wb, -1});
     v.push_back({"arg-max pass 1", (size_t)c->vocab_size * 4, -1});
     v.push_back({"arg-max pass 2", 0, -1});
     return v;
