@@ -243,8 +243,7 @@ int main(int argc, char **argv)
         return fail(2, "--config DIR is required (see --help)");
     if (duet_model_config_load(cfg_dir, &cfg) != DUET_OK)
         return fail(1, "%s", duet_error_last());
-    if (layers > 0 && layers < cfg.num_layers)
-        cfg.num_layers = layers; /* the first N layers, as duet-bench-model-cuda --layers */
+    duet_model_config_keep_layers(&cfg, layers); /* as duet-bench-model-cuda --layers */
     const std::vector<entry_t> es = step_entries(&cfg, wb, ctx);
     size_t total = 0;
     for (const entry_t &e : es) {

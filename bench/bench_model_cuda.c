@@ -65,20 +65,6 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Truncate a config to its first n layers (mixer / FFN kinds kept), recounting the kinds. */
-static void keep_layers(duet_model_config_t *c, int64_t n)
-{
-    if (n <= 0 || n >= c->num_layers)
-        return;
-    c->num_layers   = n;
-    c->n_kda_layers = c->n_mla_layers = c->n_moe_layers = 0;
-    for (int64_t l = 0; l < n; l++) {
-        c->n_kda_layers += c->mixer[l] == DUET_MIXER_KDA;
-        c->n_mla_layers += c->mixer[l] == DUET_MIXER_MLA;
-        c->n_moe_layers += c->ffn[l] == DUET_FFN_MOE;
-    }
-}
-
 /* Parameters of every matrix a token's forward reads, split into always-read and per-expert. */
 static void count_params(const duet_model_config_t *c, double *dense, double *expert,
                          double *embed)
@@ -161,7 +147,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "duet-bench-model-cuda: %s\n", duet_error_last());
         return 1;
     }
-    keep_layers(&cfg, layers);
+    duet_model_config_keep_layers(&cfg, layers);
     if (duet_cuda_device_count() <= 0) {
         fprintf(stderr, "duet-bench-model-cuda: no CUDA device: nothing to measure\n");
         return 0;

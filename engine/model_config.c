@@ -315,6 +315,20 @@ static duet_status_t parse_mlp_types(const cfg_ctx_t *c, duet_model_config_t *cf
 
 /* ---- the whole config ----------------------------------------------------------------------- */
 
+/* n_kda_layers, n_mla_layers and n_moe_layers from the first num_layers entries of the plan. */
+static void config_count_layers(duet_model_config_t *cfg)
+{
+    cfg->n_kda_layers = cfg->n_mla_layers = cfg->n_moe_layers = 0;
+    for (int64_t i = 0; i < cfg->num_layers; i++) {
+        if (cfg->mixer[i] == DUET_MIXER_KDA)
+            cfg->n_kda_layers++;
+        else
+            cfg->n_mla_layers++;
+        if (cfg->ffn[i] == DUET_FFN_MOE)
+            cfg->n_moe_layers++;
+    }
+}
+
 static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
 {
     duet_status_t st;
@@ -467,15 +481,7 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     TRY(parse_mlp_types(c, cfg));
 #undef TRY
 
-    cfg->n_kda_layers = cfg->n_mla_layers = cfg->n_moe_layers = 0;
-    for (int64_t i = 0; i < cfg->num_layers; i++) {
-        if (cfg->mixer[i] == DUET_MIXER_KDA)
-            cfg->n_kda_layers++;
-        else
-            cfg->n_mla_layers++;
-        if (cfg->ffn[i] == DUET_FFN_MOE)
-            cfg->n_moe_layers++;
-    }
+    config_count_layers(cfg);
 
     /* Cross-field checks (only when MoE layers exist do expert counts matter). */
     if (cfg->n_experts % cfg->n_group != 0)
@@ -499,6 +505,14 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
                               " experts in the %" PRId64 " kept groups",
                               c->origin, cfg->top_k, kept, cfg->topk_group);
     return DUET_OK;
+}
+
+void duet_model_config_keep_layers(duet_model_config_t *cfg, int64_t n)
+{
+    if (n <= 0 || n >= cfg->num_layers)
+        return;
+    cfg->num_layers = n;
+    config_count_layers(cfg);
 }
 
 duet_status_t duet_model_config_parse(const char *json_text, size_t len, const char *origin,

@@ -99,6 +99,10 @@ duet_status_t duet_model_config_parse(const char *json_text, size_t len, const c
 /* Read and parse DIR/config.json (refuses files over 16 MiB). */
 duet_status_t duet_model_config_load(const char *dir, duet_model_config_t *cfg_p);
 
+/* Keep only the first n layers (n <= 0 or n >= num_layers: all), with the layer counts
+ * recomputed: benchmarks at a real model's dimensions but fewer layers. */
+void duet_model_config_keep_layers(duet_model_config_t *cfg, int64_t n);
+
 /* Total parameter count implied by the config (for logs and the 48B size check). */
 int64_t duet_model_config_n_params(const duet_model_config_t *cfg);
 

@@ -184,6 +184,32 @@ Test(engine_config, kimi_48b_both_spellings_agree, .timeout = 10)
     cr_assert_not_null(strstr(buf, "D=2304"), "%s", buf);
 }
 
+/* The benchmarks' --layers N: the first N layers of the 48B plan, with the counts recomputed;
+ * N <= 0 or N >= the layer count keeps everything. */
+Test(engine_config, keep_layers_recounts_the_kinds, .timeout = 10)
+{
+    duet_model_config_t c;
+    cr_assert_eq(parse_file(DATA_DIR "/kimi_linear_48b_hub.json", &c), DUET_OK, "%s",
+                 duet_error_last());
+    const duet_model_config_t full = c;
+    duet_model_config_keep_layers(&c, 0);
+    duet_model_config_keep_layers(&c, 27);
+    duet_model_config_keep_layers(&c, 40);
+    cr_assert_eq(memcmp(&c, &full, sizeof(c)), 0, "a no-op N changed the config");
+    /* layers 0..7: dense 0, MoE 1..7; MLA at 3 and 7 */
+    duet_model_config_keep_layers(&c, 8);
+    cr_assert_eq(c.num_layers, 8);
+    cr_assert_eq(c.n_kda_layers, 6);
+    cr_assert_eq(c.n_mla_layers, 2);
+    cr_assert_eq(c.n_moe_layers, 7);
+    cr_assert_eq(memcmp(c.mixer, full.mixer, sizeof(c.mixer)), 0, "the layer plan changed");
+    duet_model_config_keep_layers(&c, 1);
+    cr_assert_eq(c.num_layers, 1);
+    cr_assert_eq(c.n_kda_layers, 1);
+    cr_assert_eq(c.n_mla_layers, 0);
+    cr_assert_eq(c.n_moe_layers, 0);
+}
+
 Test(engine_config, load_from_dir, .timeout = 10)
 {
     char dir[] = "/tmp/duet_cfg_XXXXXX";
