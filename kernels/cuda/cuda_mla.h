@@ -42,7 +42,7 @@ duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_cuda_step_t
  * Attention of every row and head over its item's positions 0 .. row_pos (causal, the row's own
  * token included, already written by kv_write): score_s = (q̂·c_s + q_r·k_r,s) · scale,
  * lat = softmax(score) · c. qhat: [n_rows][n][r]; q_r of head h at qr + row*ldqr + h*dqr_stride
- * (dr values); lat: [n_rows][n][r] out.
+ * (dr values); lat: [n_rows][n][r] out, 16-byte aligned.
  * Split-KV: each (item, head-group) is cut into `kv_splits` ranges of positions processed by
  * separate blocks; partial (max, sum, acc) results are merged by a reducer weighing them by
  * exp(max_i - max) (log-sum-exp merge). kv_splits = 1 is the unsplit kernel; any value >= 1 gives

@@ -67,6 +67,14 @@
  *   splits at 2K, 128 at 32K). Measured (ncu, H200, 32-position tiles): attention at batch 1 ×
  *   2K 70 -> 18 us; a block still has ~11 us of fixed cost (launch, setup, q prologue, first
  *   load, partial write), ~3 tiles' worth, which the planner's cost model uses.
+ *   Timestamps taken inside the kernel (globaltimer, 27-layer step at 2K, one tile per block)
+ *   then showed, after the PDL wait, 4.0 us of q prologue, 3.6 us of tile and 6.6 us writing the
+ *   64 KB partial straight from the fragments (32 scattered stores per thread, each behind its
+ *   own destination lookup, in code run once from a cold instruction cache). Both now go
+ *   through shared memory: q in by coalesced cp.async into the stage not yet in use (2.7 us to
+ *   land, 0.9 to form the fragments), the accumulators out as whole rows in float4 stores (0.8
+ *   to stage, 1.8 to store). The 27-layer batch-1 step, side by side with the previous form:
+ *   2.548 / 2.551 -> 2.502 / 2.508 ms at 2K, 2.709 / 2.719 -> 2.670 / 2.678 at 32K.
  *
  * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
  * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
@@ -139,6 +147,7 @@ typedef struct {
     float *lat;     /* device [n_rows][n][r] */
     float *part_o;  /* device scratch [kv_splits][n_rows][n][r] */
     float *part_ml; /* device scratch [kv_splits][n_rows][n][2]: (m, l) */
+    int q_vec;      /* q̂ and q_r rows 16-byte aligned: the staged q copy moves 16-byte chunks */
 } duet__mla_args_t;
 
 /* What one attention block knows about itself (shared memory). */
@@ -153,6 +162,8 @@ typedef struct {
     float m[DUET_MLA_SLOTS];          /* running max, log2 units */
     float l[DUET_MLA_SLOTS];          /* running sum of probabilities */
     float alpha[DUET_MLA_SLOTS];      /* this tile's rescale of the accumulators */
+    float *outp[DUET_MLA_SLOTS];      /* staged output: where the slot's row goes (NULL: nowhere) */
+    float omul[DUET_MLA_SLOTS];       /* ... and its factor (1 / l without splits) */
 } duet__mla_block_t;
 
 /* ---- small device helpers ----------------------------------------------------------------- */
@@ -178,6 +189,14 @@ __device__ static inline void duet__cp_async_wait_all(void)
 template <int N> __device__ static inline void duet__cp_async_wait(void)
 {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* 4 bytes, cached at all levels (the 4-byte form has no .cg); bytes = 0 writes zeros */
+__device__ static inline void duet__cp_async4(void *smem, const void *gmem, int bytes)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
+                 : "memory");
 }
 
 /* 2^x, hardware approximation (~2 ulp); 2^-inf = 0. */
@@ -770,6 +789,63 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 /* ---- attention, tensor cores (BF16 cache) ------------------------------------------------- */
 
 /*
+ * Copy the block's query rows (q̂ then q_r, unscaled fp32) into qs [32][ld]: slot s's dims
+ * 0 .. td-1 at qs + s · ld; an unused slot's row is zero-filled. 16-byte chunks when the rows
+ * allow (q_vec; r and td are multiples of 8, so no chunk straddles q̂ and q_r), else 4 bytes.
+ * Coalesced, and with the dims compiled in the loop unrolls, so the slot lookups in shared
+ * memory overlap instead of each waiting before its copy is issued.
+ */
+template <int TD>
+__device__ static __forceinline__ void
+duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *qs, int ld, int td)
+{
+    const int tid = threadIdx.x;
+    if (a.q_vec) {
+        const int cps = (TD > 0 ? TD : td) / 4, n = DUET_MLA_SLOTS * cps; /* 16-byte chunks */
+        constexpr int NC = (DUET_MLA_SLOTS * TD / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
+#pragma unroll
+        for (int k = 0; k < (TD > 0 ? NC : (n + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS); k++) {
+            const int c = tid + k * DUET_MLA_THREADS;
+            if (c < n) {
+                const int slot = c / cps, d = (c - slot * cps) * 4;
+                const float *src = d < a.r ? b->qp[slot] + d : b->qrp[slot] + (d - a.r);
+                duet__cp_async16(qs + slot * ld + d, src, b->row[slot] >= 0 ? 16 : 0);
+            }
+        }
+    } else {
+        const int w = TD > 0 ? TD : td;
+        for (int c = tid; c < DUET_MLA_SLOTS * w; c += DUET_MLA_THREADS) {
+            const int slot = c / w, d = c - slot * w;
+            const float *src = d < a.r ? b->qp[slot] + d : b->qrp[slot] + (d - a.r);
+            duet__cp_async4(qs + slot * ld + d, src, b->row[slot] >= 0 ? 4 : 0);
+        }
+    }
+}
+
+/* The staged accumulators os [32][ld] (dims 0 .. r-1) to each slot's destination, scaled
+ * (lat and the partials are 16-byte aligned: attend checks lat, the scratch is laid out so). */
+template <int R>
+__device__ static __forceinline__ void
+duet__mla_store_rows(const duet__mla_args_t &a, const duet__mla_block_t *b, const float *os, int ld)
+{
+    const int c4 = (R > 0 ? R : a.r) / 4, n = DUET_MLA_SLOTS * c4; /* r: a multiple of 32 */
+    constexpr int NC = (DUET_MLA_SLOTS * R / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
+#pragma unroll
+    for (int k = 0; k < (R > 0 ? NC : (n + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS); k++) {
+        const int c = threadIdx.x + k * DUET_MLA_THREADS;
+        if (c >= n)
+            break;
+        const int slot = c / c4, d = (c - slot * c4) * 4;
+        float *out = b->outp[slot];
+        if (out == NULL)
+            continue;
+        const float mul = b->omul[slot];
+        const float4 v = *(const float4 *)(os + slot * ld + d);
+        *(float4 *)(out + d) = make_float4(v.x * mul, v.y * mul, v.z * mul, v.w * mul);
+    }
+}
+
+/*
  * Shared memory: KV tiles [STAGES][TK][ld] bf16 (ld = td rounded up to 16, + 8: an odd 16-byte
  * row stride, so the 8 rows of an ldmatrix hit distinct banks; the columns td .. round16(td) are
  * zeroed once), partial scores [4 quarters][32][TK + 8] fp32, P hi and lo [32][TK + 8] bf16.
@@ -800,6 +876,11 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     float *sp = (float *)(kvs + STAGES * TK * ld);
     __nv_bfloat16 *ph = (__nv_bfloat16 *)(sp + 4 * pst);
     __nv_bfloat16 *pl = ph + DUET_MLA_SLOTS * pld;
+    /* q staged through stage 1, which no copy fills before the loop (one tile in flight): fp32
+     * [32][ld] takes 128 · ld bytes, a stage of 64 positions exactly that */
+    constexpr bool QS = TK >= 64 && STAGES == 2;
+    __nv_bfloat16 *qsb = kvs + TK * ld;
+    float *qs = (float *)qsb;
 
     if (tdp > td) {
         const int w = tdp - td > 0 ? tdp - td : 1; /* (a compiled-in td has no padding) */
@@ -846,31 +927,55 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     }
 
     /*
-     * q fragments (hi and lo) of this warp's m-tile and k-quarter, while the first tiles load:
-     * all 72 loads first (independent, so they are in flight together), then the splits.
+     * q fragments (hi and lo) of this warp's m-tile and k-quarter. With one tile in flight
+     * (QS), the block first copies its 32 query rows into stage 1 (coalesced, all in flight),
+     * and each thread reads its 72 values from there. The 32-position tiles have every stage
+     * but one queued here, so there each thread loads its values from global memory: all 72
+     * loads first (independent, so they are in flight together), then the splits.
      */
-    uint32_t qh[9][4], ql[9][4];
-    {
-        float qv[9][4][2];
+    float qv[9][4][2];
+    if constexpr (QS) {
+        duet__mla_stage_q<TD>(a, &blk, qs, ld, td);
+        duet__cp_async_commit();
+        duet__cp_async_wait_all(); /* (tile 0's copies too: the loop needs it next anyway) */
+        __syncthreads();
+    }
 #pragma unroll
-        for (int i = 0; i < 9; i++) {
-            const int ks = kq * n_kq + i;
+    for (int i = 0; i < 9; i++) {
+        const int ks = kq * n_kq + i;
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                /* a0a1: (g, 2tg), a2a3: (g + 8, 2tg), a4a5: (g, 2tg + 8), a6a7: (g + 8, 2tg + 8) */
-                const int slot = mt * 16 + g + (x & 1) * 8, d = ks * 16 + 2 * tg + (x >> 1) * 8;
+        for (int x = 0; x < 4; x++) {
+            /* a0a1: (g, 2tg), a2a3: (g + 8, 2tg), a4a5: (g, 2tg + 8), a6a7: (g + 8, 2tg + 8) */
+            const int slot = mt * 16 + g + (x & 1) * 8, d = ks * 16 + 2 * tg + (x >> 1) * 8;
+            if constexpr (QS) {
+                /* k-steps past the quarter's share and the padding dims (d >= td: td is a
+                 * multiple of 8, d even) read dim 0 and become zero */
+                const bool ok = i < n_kq && ks < n_ks && d < td;
+                const float2 v = *(const float2 *)(qs + slot * ld + (ok ? d : 0));
+                qv[i][x][0] = ok ? v.x * a.qscale : 0.0f;
+                qv[i][x][1] = ok ? v.y * a.qscale : 0.0f;
+            } else {
                 /* k-steps past this quarter's share read dim td (clamped, then zeroed) */
                 const int dq = i < n_kq && ks < n_ks ? d : a.td;
                 qv[i][x][0] = duet__mla_q(a, &blk, slot, dq);
                 qv[i][x][1] = duet__mla_q(a, &blk, slot, dq + 1);
             }
         }
-#pragma unroll
-        for (int i = 0; i < 9; i++)
-#pragma unroll
-            for (int x = 0; x < 4; x++)
-                duet__split2(qv[i][x][0], qv[i][x][1], &qh[i][x], &ql[i][x]);
     }
+    if (QS && tdp > td) {
+        /* the staged q covered stage 1's zeroed padding columns: zero them again once every
+         * warp has read its values (the loop's first barrier orders the stores) */
+        __syncthreads();
+        const int w = tdp - td > 0 ? tdp - td : 1;
+        for (int i = tid; i < TK * w; i += DUET_MLA_THREADS)
+            qsb[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
+    }
+    uint32_t qh[9][4], ql[9][4];
+#pragma unroll
+    for (int i = 0; i < 9; i++)
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+            duet__split2(qv[i][x][0], qv[i][x][1], &qh[i][x], &ql[i][x]);
 
     /* per-thread ldmatrix offsets (elements) into a stage: K for the scores (this warp's
      * k-quarter), V for P · c (column pair `warp`), and into P */
@@ -972,6 +1077,19 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
     __syncthreads();
 
+    /*
+     * The accumulators leave through shared memory (the KV stages, all consumed): fragments
+     * into os [32][ld] fp32, then whole rows out in coalesced 16-byte stores from a short
+     * loop. Stored straight from the fragments, each thread had 32 scattered stores, each
+     * behind its own destination lookup, in a body run once per block from a cold
+     * instruction cache: most of a one-tile block's time.
+     */
+    float *os = (float *)kvs; /* 128 · ld bytes <= STAGES · TK · ld · 2 */
+    if (tid < DUET_MLA_SLOTS) {
+        float mul = 1.0f;
+        blk.outp[tid] = duet__mla_out(a, &blk, tid, 0, &mul);
+        blk.omul[tid] = mul;
+    }
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int p = warp + 8 * i;
@@ -982,15 +1100,12 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 #pragma unroll
             for (int half = 0; half < 2; half++)
 #pragma unroll
-                for (int rh = 0; rh < 2; rh++) {
-                    float mul = 1.0f;
-                    float *out = duet__mla_out(a, &blk, m * 16 + g + 8 * rh,
-                                               p * 16 + half * 8 + 2 * tg, &mul);
-                    if (out != NULL)
-                        *(float2 *)out = make_float2(o[m][2 * i + half][2 * rh] * mul,
-                                                     o[m][2 * i + half][2 * rh + 1] * mul);
-                }
+                for (int rh = 0; rh < 2; rh++)
+                    *(float2 *)(os + (m * 16 + g + 8 * rh) * ld + p * 16 + half * 8 + 2 * tg) =
+                        make_float2(o[m][2 * i + half][2 * rh], o[m][2 * i + half][2 * rh + 1]);
     }
+    __syncthreads();
+    duet__mla_store_rows<R>(a, &blk, os, ld);
     duet__mla_write_ml(a, &blk);
 }
 
@@ -1253,6 +1368,8 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
         return DUET_OK;
     if (qhat == NULL || lat == NULL || (ly->dr > 0 && qr == NULL))
         return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: NULL input or output");
+    if ((uintptr_t)lat % 16 != 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: lat not 16-byte aligned");
 
     duet__mla_args_t a;
     a.item_row0 = st->item_row0;
@@ -1284,6 +1401,8 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
     a.lat = lat;
     a.part_o = NULL;
     a.part_ml = NULL;
+    a.q_vec = (uintptr_t)qhat % 16 == 0 &&
+              (ly->dr == 0 || ((uintptr_t)qr % 16 == 0 && ldqr % 4 == 0 && dqr_stride % 4 == 0));
     if (kv_splits > 1) {
         const size_t rh = (size_t)kv_splits * (size_t)a.n_rows * (size_t)a.n;
         a.part_o = (float *)scratch;

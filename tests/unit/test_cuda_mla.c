@@ -155,6 +155,7 @@ typedef struct {
     duet_dtype_t dt;
     int simt; /* force the CUDA-core kernel for a BF16 cache */
     int tile; /* tensor-core tile (duet__cuda_mla_tc_tile), 0 = the default */
+    int off;  /* q̂ and q this many floats past 16-byte alignment (the 4-byte copies of q) */
 } cfg_t;
 
 typedef struct {
@@ -300,9 +301,12 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
     void *d_pool = dev_copy(pool0, (size_t)pool_elems * esz);
     float *d_ckr = dev_copy(ckr, sizeof(float) * (size_t)R * td);
     float *d_w = dev_copy(norm_w, sizeof(float) * (size_t)r);
-    float *d_qhat = dev_copy(qhat, sizeof(float) * (size_t)R * n * r);
-    float *d_mq = dev_copy(mq, sizeof(float) * (size_t)R * n * dqk);
-    float *d_lat = dev_alloc(sizeof(float) * (size_t)R * n * r);
+    float *d_qhat0 = dev_alloc(sizeof(float) * ((size_t)R * n * r + (size_t)c->off));
+    float *d_mq0 = dev_alloc(sizeof(float) * ((size_t)R * n * dqk + (size_t)c->off));
+    float *d_lat = dev_alloc(sizeof(float) * (size_t)R * n * r); /* attend wants it aligned */
+    float *d_qhat = d_qhat0 + c->off, *d_mq = d_mq0 + c->off;
+    CUDA_OK(cudaMemcpy(d_qhat, qhat, sizeof(float) * (size_t)R * n * r, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_mq, mq, sizeof(float) * (size_t)R * n * dqk, cudaMemcpyHostToDevice));
 
     const duet_cuda_mla_layer_t ly = {.kv_base = d_pool,
                                       .kv_dtype = dt,
@@ -448,8 +452,8 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
 
     cudaFree(d_scratch);
     cudaFree(d_lat);
-    cudaFree(d_mq);
-    cudaFree(d_qhat);
+    cudaFree(d_mq0);
+    cudaFree(d_qhat0);
     cudaFree(d_w);
     cudaFree(d_ckr);
     cudaFree(d_pool);
@@ -526,7 +530,7 @@ Test(cuda_mla, rejects_bad_arguments, .timeout = 30)
                            .max_pages = 1,
                            .row_item = dummy,
                            .row_pos = dummy};
-    float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    _Alignas(16) float f[8] = {0.0f};
     duet_cuda_mla_layer_t ly = {.kv_base = f,
                                 .kv_dtype = DUET_DTYPE_BF16,
                                 .kv_n_layers = 1,
@@ -555,6 +559,8 @@ Test(cuda_mla, rejects_bad_arguments, .timeout = 30)
     CHECK(s == DUET_ERR_INVALID, "kv_splits 0: %s", duet_status_name(s));
     s = duet_cuda_mla_attend(0, &st, &ly, f, f, 4, 4, 1.0f, 2, f, NULL);
     CHECK(s == DUET_ERR_INVALID, "kv_splits 2 without scratch: %s", duet_status_name(s));
+    s = duet_cuda_mla_attend(0, &st, &ly, f, f, 4, 4, 1.0f, 1, f + 1, NULL);
+    CHECK(s == DUET_ERR_INVALID, "lat off 16-byte alignment: %s", duet_status_name(s));
     ly.layer = 1;
     s = duet_cuda_mla_kv_write(0, &st, &ly, f, f, 1e-6f);
     CHECK(s == DUET_ERR_INVALID, "layer out of range: %s", duet_status_name(s));
@@ -573,15 +579,15 @@ static void run_cfgs(const cfg_t *cfgs, int n)
 Test(cuda_mla, small_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0},
-        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0},
-        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32},
-        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0},
-        {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0}, /* pages not 2^k */
-        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0, 0},
+        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0, 0},
+        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32, 0},
+        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0, 0}, /* pages not 2^k */
+        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0, 0, 0},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -589,11 +595,12 @@ Test(cuda_mla, small_heads, .timeout = 300)
 Test(cuda_mla, many_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0},
-        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0},
-        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32},
+        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32, 0},
+        {"n40 r96 dr24 bf16 tc unaligned", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 1},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -601,10 +608,11 @@ Test(cuda_mla, many_heads, .timeout = 300)
 Test(cuda_mla, kimi_shape, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0},
-        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0},
-        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0},
-        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32},
+        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 0},
+        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0, 0},
+        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32, 0},
+        {"n32 r512 dr64 bf16 tc unaligned", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 1},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
