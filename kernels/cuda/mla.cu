@@ -24,7 +24,14 @@
  *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
  *     registers for the whole block, the four quarters meet in shared memory; for P · c warp w
  *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 64
- *     positions, 2 in shared memory, one in flight while the other is computed. A test hook
+ *     positions, 2 in shared memory, one in flight while the other is computed. When the grid
+ *     of blocks of 16 slots (one m-tile; warp w then takes half w & 1 of the tile's n-tiles)
+ *     still fits on the SMs at once, those are launched instead: batch-1 decode at 2K has 64
+ *     splits, of which 33 hold positions, so 32-slot blocks leave most SMs idle, and each
+ *     block's fixed chain (q in, one tile, the partial out) halves with its slots. Side by
+ *     side (27-layer step, three runs): 2.491 / 2.489 / 2.498 ms against 2.518 / 2.507 / 2.508
+ *     with 32 slots at 2K; at 4K even (2.543 / 2.541 / 2.567 against 2.551 / 2.539 / 2.540);
+ *     32K takes 32 slots either way (its 128 splits fill the SMs). A test hook
  *     selects tiles of 32, 4 in shared memory, 3 in flight: ~20% more instructions per
  *     position, and on an H200 5-15% slower at 32K and long prefill, even at 2K (timing test).
  *     The tensor cores bound this kernel, not memory: q̂ and P split in two make 34 mma per
@@ -114,6 +121,7 @@
  * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
 static int duet__mla_simt_only = 0;
 static int duet__mla_tc_tile = 0;
+static int duet__mla_tc_slots = 0;
 
 extern "C" void duet__cuda_mla_force_simt(int on)
 {
@@ -123,6 +131,12 @@ extern "C" void duet__cuda_mla_force_simt(int on)
 extern "C" void duet__cuda_mla_tc_tile(int tk)
 {
     duet__mla_tc_tile = tk;
+}
+
+/* Slots per tensor-core block: 0 chooses (see attend), 16 or 32 forces (64-position tiles). */
+extern "C" void duet__cuda_mla_tc_slots(int n)
+{
+    duet__mla_tc_slots = n;
 }
 
 /* ---- kernel arguments --------------------------------------------------------------------- */
@@ -549,17 +563,17 @@ struct duet__mla_put_split {
 };
 
 /*
- * Online softmax of one tile: scores (sum of n_part partial buffers [32][ld], part_stride apart)
+ * Online softmax of one tile: scores (sum of n_part partial buffers [SL][ld], part_stride apart)
  * of positions t0 + tok, masked past the split's end and past each slot's own position. Warp w
- * owns slots 4w .. 4w+3, all four processed together (their shuffle chains interleave); updates
- * m, l and writes alpha for the accumulators.
+ * owns slots SW w .. SW w + SW-1 (SW = SL / 8), processed together (their shuffle chains
+ * interleave); updates m, l and writes alpha for the accumulators.
  */
-template <int TK, typename PW>
+template <int TK, int SL, typename PW>
 __device__ static void duet__mla_softmax(duet__mla_block_t *b, const float *s, int ld, int n_part,
                                          int part_stride, int t0, PW put)
 {
     const unsigned full = 0xffffffffu;
-    const int SW = DUET_MLA_SLOTS / DUET_MLA_WARPS; /* slots per warp */
+    const int SW = SL / DUET_MLA_WARPS; /* slots per warp */
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int k1 = b->k1;
     float v[SW][TK / 32], mx[SW], base[SW], alpha[SW], m_new[SW], sum[SW];
@@ -743,7 +757,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             ss[(warp * 4 + (lane & 3)) * sld + g + (lane >> 2)] = sc[0];
         }
         __syncthreads();
-        duet__mla_softmax<TK>(&blk, ss, sld, 1, 0, t0, duet__mla_put_f32{pt, pld});
+        duet__mla_softmax<TK, DUET_MLA_SLOTS>(&blk, ss, sld, 1, 0, t0, duet__mla_put_f32{pt, pld});
         __syncthreads();
         if (pv) {
 #pragma unroll
@@ -789,20 +803,20 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 /* ---- attention, tensor cores (BF16 cache) ------------------------------------------------- */
 
 /*
- * Copy the block's query rows (q̂ then q_r, unscaled fp32) into qs [32][ld]: slot s's dims
+ * Copy the block's SL query rows (q̂ then q_r, unscaled fp32) into qs [SL][ld]: slot s's dims
  * 0 .. td-1 at qs + s · ld; an unused slot's row is zero-filled. 16-byte chunks when the rows
  * allow (q_vec; r and td are multiples of 8, so no chunk straddles q̂ and q_r), else 4 bytes.
  * Coalesced, and with the dims compiled in the loop unrolls, so the slot lookups in shared
  * memory overlap instead of each waiting before its copy is issued.
  */
-template <int TD>
+template <int TD, int SL>
 __device__ static __forceinline__ void
 duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *qs, int ld, int td)
 {
     const int tid = threadIdx.x;
     if (a.q_vec) {
-        const int cps = (TD > 0 ? TD : td) / 4, n = DUET_MLA_SLOTS * cps; /* 16-byte chunks */
-        constexpr int NC = (DUET_MLA_SLOTS * TD / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
+        const int cps = (TD > 0 ? TD : td) / 4, n = SL * cps; /* 16-byte chunks */
+        constexpr int NC = (SL * TD / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
 #pragma unroll
         for (int k = 0; k < (TD > 0 ? NC : (n + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS); k++) {
             const int c = tid + k * DUET_MLA_THREADS;
@@ -814,7 +828,7 @@ duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *
         }
     } else {
         const int w = TD > 0 ? TD : td;
-        for (int c = tid; c < DUET_MLA_SLOTS * w; c += DUET_MLA_THREADS) {
+        for (int c = tid; c < SL * w; c += DUET_MLA_THREADS) {
             const int slot = c / w, d = c - slot * w;
             const float *src = d < a.r ? b->qp[slot] + d : b->qrp[slot] + (d - a.r);
             duet__cp_async4(qs + slot * ld + d, src, b->row[slot] >= 0 ? 4 : 0);
@@ -822,14 +836,14 @@ duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *
     }
 }
 
-/* The staged accumulators os [32][ld] (dims 0 .. r-1) to each slot's destination, scaled
+/* The staged accumulators os [SL][ld] (dims 0 .. r-1) to each slot's destination, scaled
  * (lat and the partials are 16-byte aligned: attend checks lat, the scratch is laid out so). */
-template <int R>
+template <int R, int SL>
 __device__ static __forceinline__ void
 duet__mla_store_rows(const duet__mla_args_t &a, const duet__mla_block_t *b, const float *os, int ld)
 {
-    const int c4 = (R > 0 ? R : a.r) / 4, n = DUET_MLA_SLOTS * c4; /* r: a multiple of 32 */
-    constexpr int NC = (DUET_MLA_SLOTS * R / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
+    const int c4 = (R > 0 ? R : a.r) / 4, n = SL * c4; /* r: a multiple of 32 */
+    constexpr int NC = (SL * R / 4 + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS;
 #pragma unroll
     for (int k = 0; k < (R > 0 ? NC : (n + DUET_MLA_THREADS - 1) / DUET_MLA_THREADS); k++) {
         const int c = threadIdx.x + k * DUET_MLA_THREADS;
@@ -856,11 +870,13 @@ duet__mla_store_rows(const duet__mla_args_t &a, const duet__mla_block_t *b, cons
  * fragments (hi and lo) in registers for the whole block, TK / 8 n-tiles of 8 tokens. P · c:
  * warp w owns the 16-dim column pairs w, w + 8, w + 16, w + 24 (r <= 512) for both m-tiles.
  */
-template <int TK, int STAGES, int TD, int R>
+template <int TK, int STAGES, int TD, int R, int SL>
 __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     duet__mla_attn_tc(const duet__mla_args_t a)
 {
     const int NT = TK / 8, NP = TK / 16; /* n-tiles of scores, k-steps of P · c */
+    constexpr int MT = SL / 16;          /* m-tiles of slots */
+    constexpr int NTW = SL == 32 ? NT : NT / 2; /* n-tiles of scores per warp */
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;
     if (!duet__mla_setup(a, TK, &blk)) {
@@ -871,14 +887,14 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     const int td = TD > 0 ? TD : a.td, tdp = (td + 15) & ~15, ld = tdp + 8;
     const int n_ks = tdp / 16, n_kq = (n_ks + 3) / 4, n_pair = (R > 0 ? R : a.r) / 16;
-    const int sld = TK + 8, pst = DUET_MLA_SLOTS * sld, pld = TK + 8;
+    const int sld = TK + 8, pst = SL * sld, pld = TK + 8;
     __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
     float *sp = (float *)(kvs + STAGES * TK * ld);
     __nv_bfloat16 *ph = (__nv_bfloat16 *)(sp + 4 * pst);
-    __nv_bfloat16 *pl = ph + DUET_MLA_SLOTS * pld;
+    __nv_bfloat16 *pl = ph + SL * pld;
     /* q staged through stage 1, which no copy fills before the loop (one tile in flight): fp32
-     * [32][ld] takes 128 · ld bytes, a stage of 64 positions exactly that */
-    constexpr bool QS = TK >= 64 && STAGES == 2;
+     * [SL][ld] takes 4 · SL · ld bytes, a stage of 64 positions 128 · ld */
+    constexpr bool QS = TK >= 2 * SL && STAGES == 2;
     __nv_bfloat16 *qsb = kvs + TK * ld;
     float *qs = (float *)qsb;
 
@@ -888,10 +904,12 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             kvs[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
     }
 
-    const int mt = warp & 1, kq = warp >> 1;
-    float o[2][8][4];
+    /* scores: warp w takes k-quarter w >> 1 and, of 32 slots, m-tile w & 1; of 16 slots, the
+     * one m-tile and half w & 1 of the n-tiles */
+    const int mt = SL == 32 ? warp & 1 : 0, nh = SL == 32 ? 0 : warp & 1, kq = warp >> 1;
+    float o[MT][8][4];
 #pragma unroll
-    for (int m = 0; m < 2; m++)
+    for (int m = 0; m < MT; m++)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
@@ -935,7 +953,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
      */
     float qv[9][4][2];
     if constexpr (QS) {
-        duet__mla_stage_q<TD>(a, &blk, qs, ld, td);
+        duet__mla_stage_q<TD, SL>(a, &blk, qs, ld, td);
         duet__cp_async_commit();
         duet__cp_async_wait_all(); /* (tile 0's copies too: the loop needs it next anyway) */
         __syncthreads();
@@ -1001,19 +1019,19 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
         stage = stage + 1 == STAGES ? 0 : stage + 1;
 
         /* scores of this warp's m-tile over its k-quarter */
-        float sacc[NT][4];
+        float sacc[NTW][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NTW; nt++)
 #pragma unroll
             for (int c = 0; c < 4; c++)
                 sacc[nt][c] = 0.0f;
-        const __nv_bfloat16 *kb = kt + kb_off;
+        const __nv_bfloat16 *kb = kt + kb_off + nh * NTW * 8 * ld;
 #pragma unroll
         for (int i = 0; i < 9; i++) {
             /* (kq <= 3: when the quarters tile the k-steps exactly, every i < n_kq is in range) */
             if (i < n_kq && (4 * n_kq <= n_ks || kq * n_kq + i < n_ks)) {
 #pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
+                for (int np = 0; np < NTW / 2; np++) {
                     /* matrices: (tokens 16np +0..7 | +8..15) × (dims 16ks +0..7 | +8..15) */
                     uint32_t bf[4];
                     duet__ldsm_x4(kb + 16 * np * ld + 16 * i, bf);
@@ -1024,19 +1042,19 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                 }
             }
         }
-        float *spw = sp + kq * pst + (mt * 16 + g) * sld + 2 * tg;
+        float *spw = sp + kq * pst + (mt * 16 + g) * sld + nh * NTW * 8 + 2 * tg;
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < NTW; nt++) {
             *(float2 *)(spw + nt * 8) = make_float2(sacc[nt][0], sacc[nt][1]);
             *(float2 *)(spw + 8 * sld + nt * 8) = make_float2(sacc[nt][2], sacc[nt][3]);
         }
         __syncthreads();
-        duet__mla_softmax<TK>(&blk, sp, sld, 4, pst, t0, duet__mla_put_split{ph, pl, pld});
+        duet__mla_softmax<TK, SL>(&blk, sp, sld, 4, pst, t0, duet__mla_put_split{ph, pl, pld});
         __syncthreads();
 
         /* o = o · alpha + P · c */
 #pragma unroll
-        for (int m = 0; m < 2; m++) {
+        for (int m = 0; m < MT; m++) {
             const float a0 = blk.alpha[m * 16 + g], a1 = blk.alpha[m * 16 + g + 8];
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
@@ -1048,9 +1066,9 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
         }
 #pragma unroll
         for (int ks = 0; ks < NP; ks++) {
-            uint32_t ah[2][4], al[2][4];
+            uint32_t ah[MT][4], al[MT][4];
 #pragma unroll
-            for (int m = 0; m < 2; m++) {
+            for (int m = 0; m < MT; m++) {
                 /* matrices: (slots +0..7 | +8..15) × (tokens 16ks +0..7), then tokens +8..15 */
                 const int off = pa_off + m * 16 * pld + ks * 16;
                 duet__ldsm_x4(ph + off, ah[m]);
@@ -1064,7 +1082,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                     uint32_t v[4];
                     duet__ldsm_x4_t(kt + vb_off + 16 * ks * ld + 128 * i, v);
 #pragma unroll
-                    for (int m = 0; m < 2; m++) {
+                    for (int m = 0; m < MT; m++) {
                         duet__mma(o[m][2 * i], ah[m], v[0], v[1]);
                         duet__mma(o[m][2 * i], al[m], v[0], v[1]);
                         duet__mma(o[m][2 * i + 1], ah[m], v[2], v[3]);
@@ -1079,13 +1097,13 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 
     /*
      * The accumulators leave through shared memory (the KV stages, all consumed): fragments
-     * into os [32][ld] fp32, then whole rows out in coalesced 16-byte stores from a short
+     * into os [SL][ld] fp32, then whole rows out in coalesced 16-byte stores from a short
      * loop. Stored straight from the fragments, each thread had 32 scattered stores, each
      * behind its own destination lookup, in a body run once per block from a cold
      * instruction cache: most of a one-tile block's time.
      */
-    float *os = (float *)kvs; /* 128 · ld bytes <= STAGES · TK · ld · 2 */
-    if (tid < DUET_MLA_SLOTS) {
+    float *os = (float *)kvs; /* 4 · SL · ld bytes <= STAGES · TK · ld · 2 */
+    if (tid < SL) {
         float mul = 1.0f;
         blk.outp[tid] = duet__mla_out(a, &blk, tid, 0, &mul);
         blk.omul[tid] = mul;
@@ -1096,7 +1114,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
         if (!(8 * i + 8 <= n_pair || p < n_pair))
             continue;
 #pragma unroll
-        for (int m = 0; m < 2; m++)
+        for (int m = 0; m < MT; m++)
 #pragma unroll
             for (int half = 0; half < 2; half++)
 #pragma unroll
@@ -1105,7 +1123,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                         make_float2(o[m][2 * i + half][2 * rh], o[m][2 * i + half][2 * rh + 1]);
     }
     __syncthreads();
-    duet__mla_store_rows<R>(a, &blk, os, ld);
+    duet__mla_store_rows<R, SL>(a, &blk, os, ld);
     duet__mla_write_ml(a, &blk);
 }
 
@@ -1333,7 +1351,7 @@ extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, i
  * calls (and calls inside a stream capture) are launches only. Concurrent first calls may both
  * set the attribute, which is harmless.
  */
-static int duet__mla_smem_set[6][DUET_MLA_MAX_DEV];
+static int duet__mla_smem_set[8][DUET_MLA_MAX_DEV];
 
 template <typename K>
 static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
@@ -1351,6 +1369,21 @@ static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t sme
     DUET__TRY(duet_pdl_launch(kernel, grid, dim3(DUET_MLA_THREADS), smem, stream, a),
               "attend launch");
     return DUET_OK;
+}
+
+/*
+ * The attention grid for blocks of `sl` slots: heads per block hb and rows per block rb into
+ * *a, (row blocks, head groups, splits) returned. Row blocks: the sum over items of
+ * ceil(rows_i / rb) <= (n_rows + n_items (rb - 1)) / rb.
+ */
+static dim3 duet__mla_grid(duet__mla_args_t *a, int sl, int kv_splits)
+{
+    a->hb = a->n < sl ? a->n : sl;
+    a->rb = sl / a->hb;
+    int64_t nrb = ((int64_t)a->n_rows + (int64_t)a->n_items * (a->rb - 1)) / a->rb;
+    if (nrb > a->n_rows)
+        nrb = a->n_rows;
+    return dim3((unsigned)nrb, (unsigned)((a->n + a->hb - 1) / a->hb), (unsigned)kv_splits);
 }
 
 extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *st,
@@ -1390,8 +1423,6 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
     a.n = (int)ly->n_heads;
     a.r = (int)ly->r;
     a.td = (int)(ly->r + ly->dr);
-    a.hb = a.n < DUET_MLA_SLOTS ? a.n : DUET_MLA_SLOTS;
-    a.rb = DUET_MLA_SLOTS / a.hb;
     a.qhat = qhat;
     a.qr = qr;
     a.ldqr = ldqr;
@@ -1409,34 +1440,58 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
         a.part_ml = (float *)((char *)scratch + duet__align256(rh * (size_t)a.r * sizeof(float)));
     }
 
-    /* row blocks: sum over items of ceil(rows_i / rb) <= (n_rows + n_items (rb - 1)) / rb */
-    int64_t nrb = ((int64_t)a.n_rows + (int64_t)a.n_items * (a.rb - 1)) / a.rb;
-    if (nrb > a.n_rows)
-        nrb = a.n_rows;
-    const dim3 grid((unsigned)nrb, (unsigned)((a.n + a.hb - 1) / a.hb), (unsigned)kv_splits);
-
     const int tdp = (a.td + 15) & ~15;
-    if (ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only) {
-        const int tk = duet__mla_tc_tile == DUET_MLA_TC2_TK ? DUET_MLA_TC2_TK : DUET_MLA_TC_TK;
+    const bool tc =
+        ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only;
+    const int tk = duet__mla_tc_tile == DUET_MLA_TC2_TK ? DUET_MLA_TC2_TK : DUET_MLA_TC_TK;
+    /*
+     * Slots per block. A block is one SM (shared memory), and a short split's time is mostly
+     * its fixed chain (q in, one tile, the partial out), each step proportional to its slots.
+     * When the grid of 16-slot blocks still fits on the SMs at once (batch-1 decode at short
+     * contexts: 64 splits × 2 head groups), taking twice the blocks at half the slots each
+     * puts idle SMs to work; otherwise 32 slots read each KV tile for twice the queries.
+     */
+    int sl = DUET_MLA_SLOTS;
+    if (tc && tk == DUET_MLA_TC_TK) {
+        if (duet__mla_tc_slots == 16 || duet__mla_tc_slots == 32)
+            sl = duet__mla_tc_slots;
+        else {
+            const dim3 g16 = duet__mla_grid(&a, 16, kv_splits);
+            sl = (int64_t)g16.x * g16.y * kv_splits <= duet_cuda_sm_count() ? 16 : DUET_MLA_SLOTS;
+        }
+    }
+    const dim3 grid = duet__mla_grid(&a, sl, kv_splits); /* sets a.hb, a.rb */
+
+    if (tc) {
         const int stages = tk == DUET_MLA_TC_TK ? DUET_MLA_TC_STAGES : DUET_MLA_TC2_STAGES;
-        const size_t smem = (size_t)stages * tk * (tdp + 8) * 2 +
-                            (size_t)4 * DUET_MLA_SLOTS * (tk + 8) * 4 +
-                            (size_t)2 * DUET_MLA_SLOTS * (tk + 8) * 2;
+        const size_t smem = (size_t)stages * tk * (tdp + 8) * 2 + (size_t)4 * sl * (tk + 8) * 4 +
+                            (size_t)2 * sl * (tk + 8) * 2;
         /* Kimi Linear's rows (512 + 64) get a kernel with the dims compiled in: its shared-
          * memory addresses fold into immediates instead of being recomputed every tile */
         const bool kimi = a.r == 512 && a.td == 576;
-        if (tk == DUET_MLA_TC_TK && kimi)
-            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 576, 512>, 4,
+        if (tk == DUET_MLA_TC_TK && kimi && sl == 16)
+            s = duet__mla_launch(
+                duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 576, 512, 16>, 6, grid, smem,
+                stream, a);
+        else if (tk == DUET_MLA_TC_TK && sl == 16)
+            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 0, 0, 16>, 7,
                                  grid, smem, stream, a);
+        else if (tk == DUET_MLA_TC_TK && kimi)
+            s = duet__mla_launch(
+                duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 576, 512, DUET_MLA_SLOTS>, 4,
+                grid, smem, stream, a);
         else if (tk == DUET_MLA_TC_TK)
-            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 0, 0>, 0,
-                                 grid, smem, stream, a);
+            s = duet__mla_launch(
+                duet__mla_attn_tc<DUET_MLA_TC_TK, DUET_MLA_TC_STAGES, 0, 0, DUET_MLA_SLOTS>, 0,
+                grid, smem, stream, a);
         else if (kimi)
-            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 576, 512>,
-                                 5, grid, smem, stream, a);
+            s = duet__mla_launch(
+                duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 576, 512, DUET_MLA_SLOTS>,
+                5, grid, smem, stream, a);
         else
-            s = duet__mla_launch(duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 0, 0>, 3,
-                                 grid, smem, stream, a);
+            s = duet__mla_launch(
+                duet__mla_attn_tc<DUET_MLA_TC2_TK, DUET_MLA_TC2_STAGES, 0, 0, DUET_MLA_SLOTS>, 3,
+                grid, smem, stream, a);
     } else if (ly->kv_dtype == DUET_DTYPE_BF16) {
         const int tk = 64;
         const size_t smem = (size_t)2 * tk * a.td * 2 + (size_t)DUET_MLA_SLOTS * (tk + 4) * 4 +

@@ -60,6 +60,7 @@
  * tile (0: the default, 32 or 64 positions). */
 void duet__cuda_mla_force_simt(int on);
 void duet__cuda_mla_tc_tile(int tk);
+void duet__cuda_mla_tc_slots(int n);
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -156,6 +157,7 @@ typedef struct {
     int simt; /* force the CUDA-core kernel for a BF16 cache */
     int tile; /* tensor-core tile (duet__cuda_mla_tc_tile), 0 = the default */
     int off;  /* q̂ and q this many floats past 16-byte alignment (the 4-byte copies of q) */
+    int slots; /* slots per tensor-core block (duet__cuda_mla_tc_slots), 0 = chosen */
 } cfg_t;
 
 typedef struct {
@@ -405,6 +407,7 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
     CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     duet__cuda_mla_force_simt(c->simt);
     duet__cuda_mla_tc_tile(c->tile);
+    duet__cuda_mla_tc_slots(c->slots);
     for (int k = 0; k < 6; k++) {
         CUDA_OK(cudaMemsetAsync(d_lat, 0xff, sizeof(float) * (size_t)R * n * r, stream)); /* NaN */
         if (k == 5) {
@@ -449,6 +452,7 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
     CUDA_OK(cudaStreamDestroy(stream));
     duet__cuda_mla_force_simt(0);
     duet__cuda_mla_tc_tile(0);
+    duet__cuda_mla_tc_slots(0);
 
     cudaFree(d_scratch);
     cudaFree(d_lat);
@@ -579,15 +583,17 @@ static void run_cfgs(const cfg_t *cfgs, int n)
 Test(cuda_mla, small_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0, 0},
-        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0, 0},
-        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32, 0},
-        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0, 0},
-        {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0, 0}, /* pages not 2^k */
-        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0, 0, 0},
+        {"n8 r128 dr64 bf16 tc", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n8 r128 dr64 f32", 8, 128, 64, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
+        {"n8 r128 dr64 bf16 simt", 8, 128, 64, 16, DUET_DTYPE_BF16, 1, 0, 0, 0},
+        {"n8 r128 dr64 bf16 tc32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 32, 0, 0},
+        {"n6 r64 dr8 bf16 tc", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n6 r64 dr8 f32", 6, 64, 8, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
+        {"n6 r64 dr8 bf16 tc pt12", 6, 64, 8, 12, DUET_DTYPE_BF16, 0, 0, 0, 0}, /* pages not 2^k */
+        {"n6 r64 dr8 bf16 tc slots16", 6, 64, 8, 16, DUET_DTYPE_BF16, 0, 0, 0, 16},
+        {"n8 r128 dr64 bf16 tc slots32", 8, 128, 64, 16, DUET_DTYPE_BF16, 0, 0, 0, 32},
+        {"n2 r32 dr8 bf16 tc", 2, 32, 8, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n2 r32 dr8 f32", 2, 32, 8, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -595,12 +601,14 @@ Test(cuda_mla, small_heads, .timeout = 300)
 Test(cuda_mla, many_heads, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0, 0},
-        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0, 0},
-        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32, 0},
-        {"n40 r96 dr24 bf16 tc unaligned", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 1},
+        {"n32 r64 dr16 bf16 tc", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n32 r64 dr16 f32", 32, 64, 16, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
+        {"n40 r96 dr24 bf16 tc", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n40 r96 dr24 f32", 40, 96, 24, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
+        {"n40 r96 dr24 bf16 tc32", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 32, 0, 0},
+        {"n40 r96 dr24 bf16 tc unaligned", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 1, 0},
+        {"n40 r96 dr24 bf16 tc slots16", 40, 96, 24, 16, DUET_DTYPE_BF16, 0, 0, 0, 16},
+        {"n32 r64 dr16 bf16 tc slots32", 32, 64, 16, 16, DUET_DTYPE_BF16, 0, 0, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
@@ -608,11 +616,14 @@ Test(cuda_mla, many_heads, .timeout = 300)
 Test(cuda_mla, kimi_shape, .timeout = 300)
 {
     const cfg_t cfgs[] = {
-        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 0},
-        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0, 0},
-        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0, 0},
-        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32, 0},
-        {"n32 r512 dr64 bf16 tc unaligned", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 1},
+        {"n32 r512 dr64 bf16 tc", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 0, 0},
+        {"n32 r512 dr64 f32", 32, 512, 64, 16, DUET_DTYPE_F32, 0, 0, 0, 0},
+        {"n32 r512 dr64 bf16 simt", 32, 512, 64, 16, DUET_DTYPE_BF16, 1, 0, 0, 0},
+        {"n32 r512 dr64 bf16 tc32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 32, 0, 0},
+        {"n32 r512 dr64 bf16 tc unaligned", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 1, 0},
+        {"n32 r512 dr64 bf16 tc slots16", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 0, 16},
+        {"n32 r512 dr64 bf16 tc slots16 unaligned", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 1, 16},
+        {"n32 r512 dr64 bf16 tc slots32", 32, 512, 64, 16, DUET_DTYPE_BF16, 0, 0, 0, 32},
     };
     run_cfgs(cfgs, (int)(sizeof(cfgs) / sizeof(cfgs[0])));
 }
