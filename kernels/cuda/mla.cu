@@ -1310,35 +1310,55 @@ extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads,
  * work, and they run in ceil(n_items · busy / n_sms) waves. A split run adds the reducer
  * (DUET_MLA_PLAN_RED) and the traffic of one fp32 partial per (head, dim) per busy split,
  * written and read back (Kimi: 32 · 512 · 4 B twice, ~4 tiles of cache bytes, spread over all
- * SMs: DUET_MLA_PLAN_PART). Split counts are powers of two, so a context growing token by
- * token changes the plan (and the engine's graph for it) only a few times; a busy split keeps
- * at least DUET_MLA_MIN_SPLIT positions. The cheapest count (fewest on ties) is returned;
- * blocks past the busy ones leave neutral partials.
+ * SMs: DUET_MLA_PLAN_PART). Split counts are powers of two, or n_sms / n_items (every item an
+ * equal share of the SMs), so a context growing token by token changes the plan (and the
+ * engine's graph for it) only a few times; a busy split keeps at least DUET_MLA_MIN_SPLIT
+ * positions. The cheapest count (fewest on ties) is returned; blocks past the busy ones leave
+ * neutral partials. Why the SM share: a lone sequence just past 32K (32800 positions) cut 128
+ * ways gets ranges of 257 positions, 5 tiles of 64 after rounding, so only 103 blocks carry
+ * work; cut 132 ways (an H200's SMs) they are 249 positions, 4 tiles, on 129 blocks.
  */
 #define DUET_MLA_PLAN_TK    32 /* ranges are whole tiles of either tensor-core shape */
 #define DUET_MLA_PLAN_FIXED 3.0
 #define DUET_MLA_PLAN_RED   2.0
 #define DUET_MLA_PLAN_PART  4.0
 
+/* The model's cost of s splits of `tiles` tiles per item; < 0 when a busy split would get
+ * fewer than DUET_MLA_MIN_SPLIT positions. */
+static double duet__mla_plan_cost(int64_t n_items, int64_t tiles, int n_sms, int64_t s)
+{
+    const int64_t min_tps = (DUET_MLA_MIN_SPLIT + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
+    const int64_t tps = (tiles + s - 1) / s;
+    if (s > 1 && tps < min_tps)
+        return -1.0;
+    const int64_t busy = (tiles + tps - 1) / tps;
+    const int64_t waves = (n_items * busy + n_sms - 1) / n_sms;
+    double cost = (double)waves * ((double)tps + DUET_MLA_PLAN_FIXED);
+    if (busy > 1)
+        cost += DUET_MLA_PLAN_RED + DUET_MLA_PLAN_PART * (double)(n_items * busy) / n_sms;
+    return cost;
+}
+
 extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms)
 {
     if (n_items < 1 || n_sms < 1 || max_context < 2 * DUET_MLA_MIN_SPLIT)
         return 1;
     const int64_t tiles = (max_context + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
-    const int64_t min_tps = (DUET_MLA_MIN_SPLIT + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
+    /* the powers of two 2 .. DUET_MLA_MAX_SPLIT, then the SM share */
+    int64_t cand[16];
+    int n_cand = 0;
+    for (int64_t c = 2; c <= DUET_MLA_MAX_SPLIT; c *= 2)
+        cand[n_cand++] = c;
+    const int64_t share = n_sms / n_items;
+    if (share > 2 && share <= DUET_MLA_MAX_SPLIT && (share & (share - 1)) != 0)
+        cand[n_cand++] = share;
     int best = 1;
-    double best_cost = 0.0;
-    for (int64_t s = 1; s <= DUET_MLA_MAX_SPLIT; s *= 2) {
-        const int64_t tps = (tiles + s - 1) / s;
-        if (s > 1 && tps < min_tps)
-            break;
-        const int64_t busy = (tiles + tps - 1) / tps;
-        const int64_t waves = (n_items * busy + n_sms - 1) / n_sms;
-        double cost = (double)waves * ((double)tps + DUET_MLA_PLAN_FIXED);
-        if (busy > 1)
-            cost += DUET_MLA_PLAN_RED + DUET_MLA_PLAN_PART * (double)(n_items * busy) / n_sms;
-        if (s == 1 || cost < best_cost - 1e-9) {
-            best = (int)s;
+    double best_cost = duet__mla_plan_cost(n_items, tiles, n_sms, 1);
+    for (int i = 0; i < n_cand; i++) {
+        const double cost = duet__mla_plan_cost(n_items, tiles, n_sms, cand[i]);
+        if (cost >= 0.0 &&
+            (cost < best_cost - 1e-9 || (cost <= best_cost + 1e-9 && cand[i] < best))) {
+            best = (int)cand[i];
             best_cost = cost;
         }
     }

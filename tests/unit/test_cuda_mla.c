@@ -486,9 +486,10 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
     CHECK(duet_cuda_mla_plan_splits(0, 32768, 132) == 1);
     CHECK(duet_cuda_mla_plan_splits(1, 32768, 0) == 1);
     /*
-     * Every count is a power of two (a growing context changes the plan, and so the engine's
-     * graph, only a few times) and every split range, ceil(ctx / s) rounded up to 32
-     * positions (both tensor-core tiles are multiples of it), keeps >= 64 positions.
+     * Every count is a power of two or the items' share of the SMs (a growing context changes
+     * the plan, and so the engine's graph, only a few times) and every split range,
+     * ceil(ctx / s) rounded up to 32 positions (both tensor-core tiles are multiples of it),
+     * keeps >= 64 positions.
      */
     const int64_t items[] = {1, 2, 7, 8, 64, 100, 256};
     const int64_t ctxs[] = {512, 1000, 2049, 4096, 32768, 131072};
@@ -496,7 +497,7 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
         for (int i = 0; i < 7; i++) {
             const int s = duet_cuda_mla_plan_splits(items[i], ctxs[k], 132);
             const int64_t range = ((ctxs[k] + s - 1) / s + 31) / 32 * 32;
-            CHECK(s >= 1 && (s & (s - 1)) == 0 && (s == 1 || range >= 64),
+            CHECK(s >= 1 && ((s & (s - 1)) == 0 || s == 132 / items[i]) && (s == 1 || range >= 64),
                   "items %lld ctx %lld -> %d (range %lld)", (long long)items[i], (long long)ctxs[k],
                   s, (long long)range);
         }
@@ -507,9 +508,12 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
     const int s8 = duet_cuda_mla_plan_splits(8, 32768, 132);
     const int s64 = duet_cuda_mla_plan_splits(64, 32768, 132);
     printf("[cuda_mla] planned splits, 132 SMs: batch 1 at 2K -> %d; at 32K: batch 1 -> %d, "
-           "batch 8 -> %d, batch 64 -> %d\n",
-           s1_2k, s1, s8, s64);
+           "batch 8 -> %d, batch 64 -> %d; batch 1 at 32800 -> %d\n",
+           s1_2k, s1, s8, s64, duet_cuda_mla_plan_splits(1, 32800, 132));
     CHECK(s1_2k >= 16, "%d", s1_2k);
+    /* just past 32K, 128 splits round to 5 tiles of 64 on 103 blocks; the SM share to 4 on 129 */
+    const int s1_past = duet_cuda_mla_plan_splits(1, 32800, 132);
+    CHECK(s1_past == 132, "%d", s1_past);
     CHECK(s1 >= 64, "%d", s1);
     CHECK(s8 >= 8 && s8 <= 32, "%d", s8);
     CHECK(s64 >= 2 && s64 <= 8, "%d", s64);
