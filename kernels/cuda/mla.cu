@@ -71,9 +71,10 @@
  *   went out one round trip at a time, tens of microseconds per block whatever its range; they
  *   are now unconditional (clamped addresses, zero by select) and in flight together. With
  *   the prologue cheap, the planner cuts a lone sequence into ranges of 64 positions (64
- *   splits at 2K, 128 at 32K). Measured (ncu, H200, 32-position tiles): attention at batch 1 ×
- *   2K 70 -> 18 us; a block still has ~11 us of fixed cost (launch, setup, q prologue, first
- *   load, partial write), ~3 tiles' worth, which the planner's cost model uses.
+ *   splits at 2K, 128 at 32K, 132 just past it: see the planner). Measured (ncu, H200,
+ *   32-position tiles): attention at batch 1 × 2K 70 -> 18 us; a block still has ~11 us of
+ *   fixed cost (launch, setup, q prologue, first load, partial write), ~3 tiles' worth, which
+ *   the planner's cost model uses.
  *   Timestamps taken inside the kernel (globaltimer, 27-layer step at 2K, one tile per block)
  *   then showed, after the PDL wait, 4.0 us of q prologue, 3.6 us of tile and 6.6 us writing the
  *   64 KB partial straight from the fragments (32 scattered stores per thread, each behind its
