@@ -206,6 +206,18 @@ template <int N> __device__ static inline void duet__cp_async_wait(void)
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* Columns td .. tdp - 1 (the k-step padding) of `rows` bf16 rows ld apart set to zero: the MMA
+ * reads them, and no copy writes them. */
+__device__ static inline void duet__mla_zero_pad(__nv_bfloat16 *t, int rows, int ld, int td,
+                                                 int tdp)
+{
+    if (tdp <= td)
+        return;
+    const int w = tdp - td > 0 ? tdp - td : 1; /* (a compiled-in td has no padding) */
+    for (int i = threadIdx.x; i < rows * w; i += DUET_MLA_THREADS)
+        t[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
+}
+
 /* 4 bytes, cached at all levels (the 4-byte form has no .cg); bytes = 0 writes zeros */
 __device__ static inline void duet__cp_async4(void *smem, const void *gmem, int bytes)
 {
@@ -899,11 +911,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     __nv_bfloat16 *qsb = kvs + TK * ld;
     float *qs = (float *)qsb;
 
-    if (tdp > td) {
-        const int w = tdp - td > 0 ? tdp - td : 1; /* (a compiled-in td has no padding) */
-        for (int i = tid; i < STAGES * TK * w; i += DUET_MLA_THREADS)
-            kvs[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
-    }
+    duet__mla_zero_pad(kvs, STAGES * TK, ld, td, tdp);
 
     /* scores: warp w takes k-quarter w >> 1 and, of 32 slots, m-tile w & 1; of 16 slots, the
      * one m-tile and half w & 1 of the n-tiles */
@@ -985,9 +993,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
         /* the staged q covered stage 1's zeroed padding columns: zero them again once every
          * warp has read its values (the loop's first barrier orders the stores) */
         __syncthreads();
-        const int w = tdp - td > 0 ? tdp - td : 1;
-        for (int i = tid; i < TK * w; i += DUET_MLA_THREADS)
-            qsb[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
+        duet__mla_zero_pad(qsb, TK, ld, td, tdp);
     }
     uint32_t qh[9][4], ql[9][4];
 #pragma unroll
@@ -1478,7 +1484,7 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
             sl = duet__mla_tc_slots;
         else {
             const dim3 g16 = duet__mla_grid(&a, 16, kv_splits);
-            sl = (int64_t)g16.x * g16.y * kv_splits <= duet_cuda_sm_count() ? 16 : DUET_MLA_SLOTS;
+            sl = (int64_t)g16.x * g16.y * g16.z <= duet_cuda_sm_count() ? 16 : DUET_MLA_SLOTS;
         }
     }
     const dim3 grid = duet__mla_grid(&a, sl, kv_splits); /* sets a.hb, a.rb */
