@@ -201,13 +201,14 @@ typedef struct {
  */
 enum { DUET__PRO_NONE, DUET__PRO_NORM };
 
-/* Eight weights as loaded (one 16-byte piece for 16-bit types, two for fp32), converted later:
- * loads of several pieces can be in flight before the first is used. */
+/* Eight weights as loaded (one 16-byte piece for 16-bit types, two for fp32; around L1, see
+ * duet_ld_weight16), converted later: loads of several pieces can be in flight before the first
+ * is used. */
 template <typename WT> struct duet__wraw {
     uint4 v;
     __device__ inline void load(const WT *p)
     {
-        v = __ldg((const uint4 *)p);
+        v = duet_ld_weight16(p);
     }
     __device__ inline void zero(void)
     {
@@ -227,8 +228,11 @@ template <> struct duet__wraw<float> {
     float4 a, b;
     __device__ inline void load(const float *p)
     {
-        a = __ldg((const float4 *)p);
-        b = __ldg((const float4 *)p + 1);
+        const uint4 u = duet_ld_weight16(p), w = duet_ld_weight16(p + 4);
+        a = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z),
+                        __uint_as_float(u.w));
+        b = make_float4(__uint_as_float(w.x), __uint_as_float(w.y), __uint_as_float(w.z),
+                        __uint_as_float(w.w));
     }
     __device__ inline void zero(void)
     {

@@ -772,17 +772,6 @@ static __device__ __forceinline__ void duet__prefetch_rows(const uint4 *const *w
             asm volatile("prefetch.global.L2 [%0];\n" ::"l"((const char *)w[j] + off));
 }
 
-/* A 16-byte weight load that skips L1 (read once per block) but stays in L2, where the next
- * slot of the same expert, scheduled alongside, finds it. */
-static __device__ __forceinline__ uint4 duet__ld_weight(const uint4 *p)
-{
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 /* The first U chunks of each of a warp's NW weight rows (lane l: chunks l, l + 32, ...), loaded
  * ahead of the PDL wait by duet__load_first. */
 template <int NW, int U> struct duet__wfirst {
@@ -797,7 +786,7 @@ static __device__ __forceinline__ void duet__load_first(duet__wfirst<NW, U> &f,
     for (int u = 0; u < U; u++)
 #pragma unroll
         for (int j = 0; j < NW; j++)
-            f.v[u][j] = lane + 32 * u < nchunk ? duet__ld_weight(w[j] + lane + 32 * u)
+            f.v[u][j] = lane + 32 * u < nchunk ? duet_ld_weight16(w[j] + lane + 32 * u)
                                                : make_uint4(0, 0, 0, 0);
 }
 
@@ -874,7 +863,7 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int j = 0; j < NW; j++)
-                wv[u][j] = c0 + 32 * u < nchunk ? duet__ld_weight(w[j] + c0 + 32 * u)
+                wv[u][j] = c0 + 32 * u < nchunk ? duet_ld_weight16(w[j] + c0 + 32 * u)
                                                 : make_uint4(0, 0, 0, 0);
         duet__gemv_chunks<DT, NR, NW, U>(wv, c0, nchunk, xs, K, n, acc);
     }
