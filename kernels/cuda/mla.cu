@@ -213,7 +213,7 @@ __device__ static inline void duet__mla_zero_pad(__nv_bfloat16 *t, int rows, int
 {
     if (tdp <= td)
         return;
-    const int w = tdp - td > 0 ? tdp - td : 1; /* (a compiled-in td has no padding) */
+    const int w = tdp - td;
     for (int i = threadIdx.x; i < rows * w; i += DUET_MLA_THREADS)
         t[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
 }
