@@ -86,7 +86,7 @@
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
-#define DUET__GV_RI      2 /* phase 1: gate/up outputs per warp (W1 and W3 rows each) */
+#define DUET__GV_RI      1 /* phase 1: gate/up outputs per warp (W1 and W3 rows each) */
 #define DUET__GV_RD      4 /* phase 2: down outputs per warp */
 #define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
@@ -99,17 +99,20 @@
  * 3 + 4, 3.000 for 9 + 4). Capped at 3 blocks, gate/up alone gave about a third of the gain and
  * down alone two thirds; 2 + 2 uncapped 2.704 / 2.719, 1 + 1 capped at 4 blocks 2.786 / 2.777,
  * 3 + 3 capped at 3 blocks spilled.
- * Gate/up then went from 2 outputs per warp with 2 chunks of each of its 4 rows in flight to 1
- * output per warp (its W1 and W3 rows) with 5 in flight (DUET__GV_RI_T1, DUET__GV_U13_T1): twice
+ * Gate/up then went from 2 outputs per warp (DUET__GV_RI) with 2 chunks of each of its 4 rows
+ * in flight to 1 output per warp (its W1 and W3 rows) with 5 in flight (DUET__GV_U13_T1): twice
  * the blocks, each warp done in two passes instead of five, and no spill under the cap (the
  * 2-output kernel spilled 16 bytes). 2026-11-30, three runs each, the same command at 2K / 32K:
  * 2.387 / 2.384 / 2.386 against 2.441 / 2.439 / 2.431 ms, and 2.553 / 2.547 / 2.540 against
  * 2.604 / 2.596 / 2.597; with 4 in flight 2.403–2.405, with 3 2.400–2.406, with 6 (spilling)
  * 2.428–2.451, with 4 at 4 blocks per SM 2.432–2.440. The down kernel's counterparts (2 outputs
  * per warp with 2 or 4 in flight, 1 with 4) took 2.48 and 2.67 ms: its blocks each end in a
- * ticket, and twice the blocks cost more than the shorter warps save. */
+ * ticket, and twice the blocks cost more than the shorter warps save. With slots of 4 rows
+ * (batch 8 and 64), 1 gate/up output per warp (64 registers, 4 blocks per SM, against 113 and 2)
+ * took batch 8 from 9.543 / 9.549 to 9.379 / 9.415 ms at 2K and from 10.477 / 10.452 to
+ * 10.310 / 10.307 at 32K, batch 64 even (31.19–31.21 against 31.22–31.23, 38.56–38.62 against
+ * 38.61–38.64); with 4 in flight it was 3% slower at batch 64. */
 #define DUET__GV_T1_BLOCKS 3
-#define DUET__GV_RI_T1     1
 #define DUET__GV_U13_T1    5
 #define DUET__GV_U2_T1     2
 #define DUET__GV_U13_DEEP  5
@@ -888,21 +891,21 @@ static __device__ __forceinline__ void duet__gemv_warp(const uint4 *const *w, co
 
 /* Phase 1 for one warp: RI outputs i0.. of h for the slot's n rows (NR >= n, padding rows
  * repeat row n - 1 and are not stored). */
-template <int DT, int NR, int U, int RI, bool PRE = false>
+template <int DT, int NR, int U, bool PRE = false>
 static __device__ __forceinline__ void
 duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, int n,
                   const int *pairs, int act, float beta, float beta_lin, float *h, int lane,
-                  const duet__wfirst<2 * RI, U> &first)
+                  const duet__wfirst<2 * DUET__GV_RI, U> &first)
 {
-    float acc[2 * RI][NR];
-    duet__gemv_warp<DT, NR, 2 * RI, U, PRE>(w, xs, D, n, lane, acc, first);
+    float acc[2 * DUET__GV_RI][NR];
+    duet__gemv_warp<DT, NR, 2 * DUET__GV_RI, U, PRE>(w, xs, D, n, lane, acc, first);
 #pragma unroll
-    for (int j = 0; j < RI; j++)
+    for (int j = 0; j < DUET__GV_RI; j++)
 #pragma unroll
         for (int r = 0; r < NR; r++)
             if (lane == ((j * NR + r) & 31) && r < n && i0 + j < I)
                 h[(size_t)pairs[r] * I + i0 + j] =
-                    duet__act(acc[j][r], acc[RI + j][r], act, beta, beta_lin);
+                    duet__act(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
 }
 
 template <int DT, int NR, int U, bool PRE = false>
@@ -951,7 +954,7 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
 }
 
 /* h[p][i] = act(W1[e][i] · x[t]) · (W3[e][i] · x[t]) for the slot's pairs p = (t, k). */
-template <int DT, int NRMAX, int U, int RI>
+template <int DT, int NRMAX, int U>
 static __device__ __forceinline__ void
 duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl, int I,
                       int D, int act, float beta, float beta_lin, float *h)
@@ -972,23 +975,23 @@ duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_
     if (n < 0 || e < 0)
         return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * RI;
+    const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RI;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
-    const uint4 *w[2 * RI];
+    const uint4 *w[2 * DUET__GV_RI];
     const size_t e0 = e == pl.E ? 0 : (size_t)e * I; /* first row of the expert's matrices */
     const char *b1 = (const char *)(e == pl.E ? pl.sw1 : w1),
                *b3 = (const char *)(e == pl.E ? pl.sw3 : w3);
 #pragma unroll
-    for (int j = 0; j < RI; j++) {
+    for (int j = 0; j < DUET__GV_RI; j++) {
         const size_t row = e0 + min(i0 + j, I - 1);
         w[j] = reinterpret_cast<const uint4 *>(b1 + row * D * es);
-        w[RI + j] = reinterpret_cast<const uint4 *>(b3 + row * D * es);
+        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>(b3 + row * D * es);
     }
     /* One row per slot (T = 1): the first weight chunks go out before x's round trip, which
      * they do not need. (With more rows the registers they hold would cost occupancy.) An
      * uninitialised `first` is never read: only the PRE instantiation reads it. */
     constexpr bool PRE = NRMAX == 1;
-    duet__wfirst<2 * RI, U> first;
+    duet__wfirst<2 * DUET__GV_RI, U> first;
     const bool pre = PRE && pl.early && i0 < I;
     if (pre)
         duet__load_first(first, w, D / VEC, lane);
@@ -999,20 +1002,20 @@ duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_
         return;
     const float *xsp = xs;
     if (PRE && pre)
-        duet__gemv13_rows<DT, 1, U, RI, PRE>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h,
-                                             lane, first);
+        duet__gemv13_rows<DT, 1, U, PRE>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                         first);
     else if (NRMAX == 1 || n == 1)
-        duet__gemv13_rows<DT, 1, U, RI>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                        first);
+        duet__gemv13_rows<DT, 1, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                    first);
     else if (NRMAX == 2 || n == 2)
-        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U, RI>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                           beta_lin, h, lane, first);
+        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane, first);
     else if (NRMAX == 4 || n <= 4)
-        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U, RI>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                           beta_lin, h, lane, first);
+        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane, first);
     else
-        duet__gemv13_rows<DT, NRMAX, U, RI>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h,
-                                            lane, first);
+        duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        first);
 }
 
 template <int DT, int NRMAX, int U>
@@ -1020,7 +1023,7 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     duet__moe_gemv13_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
                             int I, int D, int act, float beta, float beta_lin, float *h)
 {
-    duet__moe_gemv13_body<DT, NRMAX, U, DUET__GV_RI>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
+    duet__moe_gemv13_body<DT, NRMAX, U>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
 }
 
 /* The same at T = 1 (one row per slot), registers capped so that DUET__GV_T1_BLOCKS fit. */
@@ -1029,7 +1032,7 @@ __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_T1_BLOCKS)
     duet__moe_gemv13_t1_kernel(const void *w1, const void *w3, const float *x, duet__moe_plan_t pl,
                                int I, int D, int act, float beta, float beta_lin, float *h)
 {
-    duet__moe_gemv13_body<DT, 1, U, DUET__GV_RI_T1>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
+    duet__moe_gemv13_body<DT, 1, U>(w1, w3, x, pl, I, D, act, beta, beta_lin, h);
 }
 
 /* y[t][d] += Σ_k wts[t][k] · out[t * top_k + k][d], k in order, then the shared expert's
@@ -1478,7 +1481,7 @@ template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned lon
 
 /* Phase 1 then phase 2 with the kernels k13, k2 (gemv2 also adds into y when the plan has
  * tickets); *optin13 / *optin2 remember the shared-memory opt-in per device. */
-template <int NRMAX, int RI, typename K13, typename K2>
+template <int NRMAX, typename K13, typename K2>
 static duet_status_t
 duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long long *optin2,
                     cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
@@ -1492,7 +1495,7 @@ duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long l
         (e = duet__smem_optin(k2, optin2)) != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
     dim3 g13((unsigned)max_slots,
-             (unsigned)((I + DUET__GV_WARPS * RI - 1) / (DUET__GV_WARPS * RI)));
+             (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
     DUET__TRY(duet_pdl_launch(k13, g13, dim3(DUET__GV_THREADS), sm13, stream, ex->w1, ex->w3, x, pl,
                               I, D, (int)act, beta, beta_lin, h),
               "gemv gate/up kernel launch");
@@ -1510,7 +1513,7 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
                   float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     static unsigned long long optin13 = 0, optin2 = 0;
-    return duet__launch_gemv_k<NRMAX, DUET__GV_RI>(
+    return duet__launch_gemv_k<NRMAX>(
         duet__moe_gemv13_kernel<DT, NRMAX, U13>, duet__moe_gemv2_kernel<DT, NRMAX, U2>, &optin13,
         &optin2, stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
 }
@@ -1527,10 +1530,10 @@ duet__launch_gemv_t1(bool deep, cudaStream_t stream, const duet_cuda_experts_t *
         return duet__launch_gemv<DT, 1, DUET__GV_U13_DEEP, DUET__GV_U2_DEEP>(
             stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
     static unsigned long long optin13 = 0, optin2 = 0;
-    return duet__launch_gemv_k<1, DUET__GV_RI_T1>(duet__moe_gemv13_t1_kernel<DT, DUET__GV_U13_T1>,
-                                                  duet__moe_gemv2_t1_kernel<DT, DUET__GV_U2_T1>,
-                                                  &optin13, &optin2, stream, ex, x, pl, max_slots,
-                                                  act, beta, beta_lin, h, out, wts, y);
+    return duet__launch_gemv_k<1>(duet__moe_gemv13_t1_kernel<DT, DUET__GV_U13_T1>,
+                                  duet__moe_gemv2_t1_kernel<DT, DUET__GV_U2_T1>, &optin13, &optin2,
+                                  stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts,
+                                  y);
 }
 
 /* DUET_CUDA_MOE_T1_DEEP=1 in the environment (read once) takes the uncapped T = 1 kernels:
