@@ -507,12 +507,12 @@ Test(cuda_mla, plan_and_scratch, .timeout = 30)
     const int s1 = duet_cuda_mla_plan_splits(1, 32768, 132);
     const int s8 = duet_cuda_mla_plan_splits(8, 32768, 132);
     const int s64 = duet_cuda_mla_plan_splits(64, 32768, 132);
+    const int s1_past = duet_cuda_mla_plan_splits(1, 32800, 132);
     printf("[cuda_mla] planned splits, 132 SMs: batch 1 at 2K -> %d; at 32K: batch 1 -> %d, "
            "batch 8 -> %d, batch 64 -> %d; batch 1 at 32800 -> %d\n",
-           s1_2k, s1, s8, s64, duet_cuda_mla_plan_splits(1, 32800, 132));
+           s1_2k, s1, s8, s64, s1_past);
     CHECK(s1_2k >= 16, "%d", s1_2k);
     /* just past 32K, 128 splits round to 5 tiles of 64 on 103 blocks; the SM share to 4 on 129 */
-    const int s1_past = duet_cuda_mla_plan_splits(1, 32800, 132);
     CHECK(s1_past == 132, "%d", s1_past);
     CHECK(s1 >= 64, "%d", s1);
     CHECK(s8 >= 8 && s8 <= 32, "%d", s8);
