@@ -921,8 +921,9 @@ static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int
 
 /* Switches for side-by-side comparisons of a decode step at T = 1 (duet_cuda_env_flag):
  * DUET_CUDA_NO_SHARED_FOLD keeps the shared expert a separate MLP, DUET_CUDA_NO_ROUTER_ROUTE
- * the router GEMV and the routing two kernels. */
-static int duet__no_shared_fold = -1, duet__no_router_route = -1;
+ * the router GEMV and the routing two kernels, DUET_CUDA_NO_SHARED_EARLY the folded shared
+ * expert's gate/up waiting for the routing with the routed slots. */
+static int duet__no_shared_fold = -1, duet__no_router_route = -1, duet__no_shared_early = -1;
 
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
                                      const duet_cuda_gemm_norm_t *nrm)
@@ -956,6 +957,13 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                        dm->router, dm->topk_idx, dm->topk_w, dm->route_ticket));
         if (w->has_shared && !fold)
             TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, &sgu, 1, dm->gemm_flags));
+        /* the folded shared expert forms xn itself and runs beside the router (cuda_ops.h) */
+        if (fold && nrm->y == dm->xn &&
+            !duet_cuda_env_flag(&duet__no_shared_early, "DUET_CUDA_NO_SHARED_EARLY")) {
+            ex.norm_x = nrm->x;
+            ex.norm_w = nrm->w;
+            ex.norm_eps = nrm->eps;
+        }
     } else {
         /* the router and the shared expert's gate|up read the same xn: one launch at decode
          * sizes */

@@ -72,6 +72,13 @@ typedef struct {
      * case, where a separate MLP costs three kernels more): y then also gets its output, with
      * weight 1, after the routed sum, as engine/model.c adds it. Other T are refused. */
     const void *sw1, *sw3, *sw2;
+    /* Optional, with the shared expert at T = 1 (both NULL: none): the call's x is
+     * RMSNorm(norm_x) ⊙ norm_w with norm_eps as duet_cuda_moe_router_route stores it (norm_x
+     * [D] and norm_w [D] fp32, 16-byte aligned, D a multiple of 4). The shared expert's gate/up
+     * then forms that row itself, the same bits, and runs without waiting for the routing (with
+     * PDL, beside the router kernel). The caller guarantees x is that row. */
+    const float *norm_x, *norm_w;
+    float norm_eps;
 } duet_cuda_experts_t;
 
 /*

@@ -461,6 +461,15 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 #define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
 #define DUET__RR_U     3 /* float4 pieces per lane in flight: D = 2304 is 2.25 per lane */
 
+/* One float4 piece of x into a running sum of squares, every rounding spelled out: the router
+ * kernel and the shared expert's early gate/up blocks (duet__gemv13_shared_early) form the same
+ * norm scale from the same pieces in the same order, so they must round alike. */
+static __device__ __forceinline__ float duet__sumsq4(float ss, float4 v)
+{
+    return __fadd_rn(ss, __fadd_rn(__fadd_rn(__fmul_rn(v.x, v.x), __fmul_rn(v.y, v.y)),
+                                   __fadd_rn(__fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w))));
+}
+
 typedef struct {
     const float *x, *nw, *w, *bias; /* x [D], norm weight [D], router [E][D] fp32, bias [E] */
     float *xn, *logits;             /* [D], [E] */
@@ -524,7 +533,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
             const int i = i0 + (q + S * u) * 32 + lane;
             if (i < nq) {
                 const float4 xv = x4[i], g = gv[u];
-                ss += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+                ss = duet__sumsq4(ss, xv);
                 dot += wv[u].x * (xv.x * g.x) + wv[u].y * (xv.y * g.y) + wv[u].z * (xv.z * g.z) +
                        wv[u].w * (xv.w * g.w);
             }
@@ -640,6 +649,11 @@ typedef struct {
     int shared;
     const void *sw1, *sw3, *sw2;
     int early; /* weight loads before x / the PDL wait (duet_cuda_weights_early) */
+    /* With the shared expert folded in and these set (duet_cuda_experts_t's norm_x, norm_w,
+     * norm_eps): its gate/up blocks form x = RMSNorm(nx) ⊙ nw themselves and run ahead of the
+     * PDL wait (duet__gemv13_shared_early). */
+    const float *nx, *nw;
+    float eps;
 } duet__moe_plan_t;
 
 /* The token of pair p: p / top_k, or for the shared expert's row P + t, t. */
@@ -929,28 +943,110 @@ duet__gemv2_rows(const uint4 *const *w, const float *hs, int I, int D, int d0, i
  * pair blockIdx.x alone, also when its expert id is invalid (then *e_p = -1: nothing to compute,
  * but gemv2's block still takes the pair's ticket); block P is the shared expert (*e_p = E).
  */
-static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int nrmax, int *e_p,
-                                                 int *pairs)
+static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int nrmax, int bx,
+                                                 int *e_p, int *pairs)
 {
     if (pl.list == NULL) {
         if (threadIdx.x < (unsigned)nrmax)
-            pairs[threadIdx.x] = blockIdx.x;
-        if ((int)blockIdx.x >= pl.P) { /* the shared expert's slot */
+            pairs[threadIdx.x] = bx;
+        if (bx >= pl.P) { /* the shared expert's slot */
             *e_p = pl.E;
             return 1;
         }
-        const int e = pl.idx[blockIdx.x];
+        const int e = pl.idx[bx];
         *e_p = e >= 0 && e < pl.E ? e : -1;
         return 1;
     }
-    if ((int)blockIdx.x >= pl.meta[0])
+    if (bx >= pl.meta[0])
         return -1;
-    const int2 sl = pl.slots[blockIdx.x];
+    const int2 sl = pl.slots[bx];
     const int n = min(nrmax, pl.off[sl.x + 1] - sl.y);
     if (threadIdx.x < (unsigned)nrmax)
         pairs[threadIdx.x] = pl.list[sl.y + min((int)threadIdx.x, n - 1)];
     *e_p = sl.x;
     return n;
+}
+
+/* No plan (T = 1): the gate/up tickets of gemv2 start at 0; every block of the grid clears its
+ * share, after its PDL wait (the previous call's gemv2 read them). */
+static __device__ __forceinline__ void duet__gemv13_clear_tickets(const duet__moe_plan_t &pl)
+{
+    if (pl.list == NULL && pl.cnt != NULL) {
+        const int nb = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
+        for (int i = b * blockDim.x + threadIdx.x; i < pl.n_cnt; i += nb * blockDim.x)
+            pl.cnt[i] = 0;
+    }
+}
+
+/*
+ * The shared expert's gate/up at T = 1, slice `by`, without waiting for the routing: its
+ * weights are known, and its input x = RMSNorm(nx) ⊙ nw is formed here from nx, the residual
+ * row that the router kernel reads (and stores xn from) — the same pieces summed in the same
+ * order with the same roundings (duet__sumsq4, the warps' shuffles, the warps' sums in order,
+ * duet_rms_scale, duet_rms_apply), so the same bits as the xn the routed slots read.
+ * Before the wait, against the contract of cuda_pdl.cuh but safely, as gemv2 reads the plan:
+ * this grid starts only once every router block has triggered, which each does after its own
+ * wait, i.e. after the kernel that wrote nx completed; nothing in the step writes nx or row P of
+ * h until this grid and its successor have completed.
+ * H200, 27 layers at batch 1, side by side in one command (the same binary with
+ * DUET_CUDA_NO_SHARED_EARLY=1), three runs each: 2.366 / 2.366 / 2.373 ms/step against 2.405 /
+ * 2.387 / 2.390 at 2K, 2.523 / 2.532 / 2.528 against 2.557 / 2.545 / 2.547 at 32K.
+ */
+template <int DT, int U>
+static __device__ __forceinline__ void
+duet__gemv13_shared_early(const duet__moe_plan_t &pl, int by, int I, int D, int act, float beta,
+                          float beta_lin, float *h, float *xs, int *pairs)
+{
+    static_assert(DUET__GV_WARPS == DUET__RR_SPLIT, "one warp per router row share");
+    __shared__ float part[DUET__GV_WARPS], scale;
+    constexpr int VEC = duet__wt<DT>::VEC, S = DUET__RR_SPLIT, RU = DUET__RR_U;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int i0 = (by * DUET__GV_WARPS + warp) * DUET__GV_RI;
+    const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
+    const uint4 *w[2 * DUET__GV_RI];
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RI; j++) {
+        const size_t row = min(i0 + j, I - 1);
+        w[j] = reinterpret_cast<const uint4 *>((const char *)pl.sw1 + row * D * es);
+        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)pl.sw3 + row * D * es);
+    }
+    duet__wfirst<2 * DUET__GV_RI, U> first;
+    if (i0 < I)
+        duet__load_first(first, w, D / VEC, lane);
+    if (threadIdx.x == 0)
+        pairs[0] = pl.P;
+    const float4 *x4 = reinterpret_cast<const float4 *>(pl.nx);
+    const int nq = D / 4;
+    float ss = 0.0f;
+    for (int q0 = 0; q0 < nq; q0 += S * RU * 32)
+#pragma unroll
+        for (int u = 0; u < RU; u++) {
+            const int i = q0 + (warp + S * u) * 32 + lane;
+            if (i < nq)
+                ss = duet__sumsq4(ss, x4[i]);
+        }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+        ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0)
+        part[warp] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sq = part[0];
+        for (int j = 1; j < S; j++)
+            sq += part[j];
+        scale = duet_rms_scale((double)sq, (double)D, pl.eps);
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < D; k += blockDim.x)
+        xs[duet__xs_pos<VEC>(k, D)] = duet_rms_apply(pl.nw[k], pl.nx[k], scale);
+    __syncthreads();
+    if (i0 < I)
+        duet__gemv13_rows<DT, 1, U, true>(w, xs, D, I, i0, 1, pairs, act, beta, beta_lin, h, lane,
+                                          first);
+    duet_pdl_wait();
+    duet_pdl_trigger();
+    duet__gemv13_clear_tickets(pl);
 }
 
 /* h[p][i] = act(W1[e][i] · x[t]) · (W3[e][i] · x[t]) for the slot's pairs p = (t, k). */
@@ -963,19 +1059,26 @@ duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_
     __shared__ int pairs[DUET__GV_NR];
     float *xs = reinterpret_cast<float *>(gv_sh);
     constexpr int VEC = duet__wt<DT>::VEC;
-    int e;
+    int e, bx = (int)blockIdx.x, by = (int)blockIdx.y;
+    if (NRMAX == 1 && pl.list == NULL && pl.shared && pl.nx != NULL && pl.early) {
+        /* The shared expert's slices take the first block ids, so that they are the blocks
+         * resident while the router runs, and start at once; the routed slots follow. */
+        const int nsl = (int)gridDim.y, lin = (int)(blockIdx.y * gridDim.x + blockIdx.x);
+        bx = lin < nsl ? pl.P : lin / nsl - 1;
+        by = lin % nsl;
+        if (bx == pl.P) {
+            duet__gemv13_shared_early<DT, U>(pl, by, I, D, act, beta, beta_lin, h, xs, pairs);
+            return;
+        }
+    }
     duet_pdl_wait(); /* the plan or the routing */
     duet_pdl_trigger();
-    if (pl.list == NULL && pl.cnt != NULL) { /* no plan: the tickets start at 0 */
-        const int nb = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
-        for (int i = b * blockDim.x + threadIdx.x; i < pl.n_cnt; i += nb * blockDim.x)
-            pl.cnt[i] = 0;
-    }
-    const int n = duet__slot(pl, NRMAX, &e, pairs);
+    duet__gemv13_clear_tickets(pl);
+    const int n = duet__slot(pl, NRMAX, bx, &e, pairs);
     if (n < 0 || e < 0)
         return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int i0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RI;
+    const int i0 = (by * DUET__GV_WARPS + warp) * DUET__GV_RI;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[2 * DUET__GV_RI];
     const size_t e0 = e == pl.E ? 0 : (size_t)e * I; /* first row of the expert's matrices */
@@ -1075,7 +1178,7 @@ static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, cons
     int e;
     /* Before the wait, against the contract of cuda_pdl.cuh but safely (see the file comment):
      * gemv13 triggered us after its wait, so the plan and the routing are complete. */
-    const int n = duet__slot(pl, NRMAX, &e, pairs);
+    const int n = duet__slot(pl, NRMAX, (int)blockIdx.x, &e, pairs);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int d0 = (blockIdx.y * DUET__GV_WARPS + warp) * DUET__GV_RD;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
@@ -1646,6 +1749,14 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               "cuda moe_experts: the shared expert needs all three matrices, "
                               "16-byte aligned");
 
+    if ((ex->norm_x == NULL) != (ex->norm_w == NULL) ||
+        (ex->norm_x != NULL && (!duet__aligned16(ex->norm_x) || !duet__aligned16(ex->norm_w) ||
+                                ex->D % 4 != 0 || !(ex->norm_eps >= 0.0f))))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_experts: norm_x and norm_w go together, 16-byte aligned, "
+                              "with D a multiple of 4 (D=%lld) and eps >= 0",
+                              (long long)ex->D);
+
     const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
@@ -1702,6 +1813,9 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     pl.sw3 = ex->sw3;
     pl.sw2 = ex->sw2;
     pl.early = duet_cuda_weights_early();
+    pl.nx = NULL;
+    pl.nw = NULL;
+    pl.eps = ex->norm_eps;
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
     /*
@@ -1721,9 +1835,13 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         pl.cnt = (int *)(base + L.cnt);
         pl.n_cnt = (int)L.n_slices;
     }
-    if (direct)
+    if (direct) {
         pl.list = NULL;
-    else
+        if (shared) {
+            pl.nx = ex->norm_x;
+            pl.nw = ex->norm_w;
+        }
+    } else
         DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3(1), dim3(DUET__PLAN_THREADS),
                                   2 * E * sizeof(int), stream, idx, (int)P, (int)E, nrmax, bm, pl),
                   "plan kernel launch");

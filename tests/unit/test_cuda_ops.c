@@ -36,14 +36,17 @@ duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_e
  * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
  * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
  * launches the combine kernel). PATH_DEEP is moe.cu's too: at T = 1 on the GEMV path, the
- * expert kernels without their register cap, with more of each row in flight. */
+ * expert kernels without their register cap, with more of each row in flight. PATH_EARLY is
+ * this file's: moe_case passes the norm's source row (duet_cuda_experts_t's norm_x, norm_w), so
+ * that the folded shared expert forms its input itself and runs ahead of the routing. */
 enum {
     PATH_AUTO = 0,
     PATH_GEMV = 1,
     PATH_MMA = 2,
     PATH_NO_PDL = 0x1000,
     PATH_SEPARATE = 0x2000,
-    PATH_DEEP = 0x4000
+    PATH_DEEP = 0x4000,
+    PATH_EARLY = 0x10000
 };
 
 #define CHECK(cond, ...)                                                                           \
@@ -121,8 +124,9 @@ static duet_status_t moe_call(cudaStream_t st, const duet_cuda_experts_t *ex, co
 {
     if (path & PATH_NO_PDL)
         duet_cuda_pdl_set(0);
-    const duet_status_t s = duet__cuda_moe_experts_path(st, ex, x, T, idx, wts, K, act, beta,
-                                                        beta_lin, y, scratch, path & ~PATH_NO_PDL);
+    const duet_status_t s =
+        duet__cuda_moe_experts_path(st, ex, x, T, idx, wts, K, act, beta, beta_lin, y, scratch,
+                                    path & ~(PATH_NO_PDL | PATH_EARLY));
     if (path & PATH_NO_PDL)
         duet_cuda_pdl_set(-1);
     return s;
@@ -910,12 +914,12 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
              path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "",
-             path & PATH_DEEP ? "-deep" : "");
+             path & PATH_DEEP ? "-deep" : "", path & PATH_EARLY ? "-early" : "");
     return buf;
 }
 
@@ -926,7 +930,10 @@ static const char *path_name(int path)
  * tickets at T = 1, the uncapped T = 1 kernels, the automatic choice where it is GEMV) must give
  * bit-identical y: each pair's dot products have one operation order, and y gets Σ_k in k order
  * with the combine kernel's arithmetic. The same holds among the MMA-path variants. With
- * `shared` the call also folds in the shared expert (T = 1, GEMV paths only).
+ * `shared` the call also folds in the shared expert (T = 1, GEMV paths only); with shared == 2
+ * x is the row duet_cuda_moe_router_route stores, xn = RMSNorm(nx) ⊙ nw of a random nx and nw
+ * (through a small random router), and PATH_EARLY paths pass nx and nw as well: the shared
+ * expert's blocks then form xn themselves, which must give the same bits.
  */
 static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64_t K,
                        const act_cfg_t *a, const int *paths, int n_paths, int auto_is_mma,
@@ -941,6 +948,36 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     for (int64_t i = 0; i < T * D; i++) {
         x[i] = rng_n();
         y0[i] = rng_f();
+    }
+    float *dnx = NULL, *dnw = NULL;
+    const float eps = 1e-6f;
+    if (shared == 2) { /* x = the router kernel's xn of a random row (T = 1) */
+        const int64_t Er = 8, Kr = 2;
+        float *nw = xmalloc(sizeof(float) * D), *wr = xmalloc(sizeof(float) * Er * D);
+        for (int64_t i = 0; i < D; i++) {
+            x[i] *= 3.0f;
+            nw[i] = 1.0f + 0.3f * rng_f();
+        }
+        for (int64_t i = 0; i < Er * D; i++)
+            wr[i] = rng_f() / sqrtf((float)D);
+        dnx = dev_copy(x, sizeof(float) * D);
+        dnw = dev_copy(nw, sizeof(float) * D);
+        float *dwr = dev_copy(wr, sizeof(float) * Er * D), *dxn = dev_alloc(sizeof(float) * D);
+        float *dlg = dev_alloc(sizeof(float) * Er), *dw2 = dev_alloc(sizeof(float) * Kr);
+        int32_t *di2 = dev_alloc(sizeof(int32_t) * Kr);
+        int *dticket = dev_alloc(sizeof(int));
+        CUDA_OK(cudaMemset(dticket, 0, sizeof(int)));
+        DUET_OK_OR_FAIL(duet_cuda_moe_router_route(0, dnx, dnw, eps, dwr, Er, D, NULL, 1, 1, Kr, 1,
+                                                   1.0f, dxn, dlg, di2, dw2, dticket));
+        host_copy(x, dxn, sizeof(float) * D);
+        cudaFree(dticket);
+        cudaFree(di2);
+        cudaFree(dw2);
+        cudaFree(dlg);
+        cudaFree(dxn);
+        cudaFree(dwr);
+        free(wr);
+        free(nw);
     }
     make_routing(T, E, K, idx, wts);
     for (int j = 0; j < n_bad; j++)
@@ -968,8 +1005,15 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         const double tol = mma ? MOE_TOL_MMA : MOE_TOL_GEMV;
         CUDA_OK(cudaMemcpy(dy, y0, sizeof(float) * T * D, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(scratch, 0xff, sb)); /* no reliance on zeroed scratch */
+        duet_cuda_experts_t exp = ex;
+        if (path & PATH_EARLY) {
+            CHECK(dnx != NULL, "PATH_EARLY needs shared == 2");
+            exp.norm_x = dnx;
+            exp.norm_w = dnw;
+            exp.norm_eps = eps;
+        }
         DUET_OK_OR_FAIL(
-            moe_call(0, &ex, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy, scratch, path));
+            moe_call(0, &exp, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy, scratch, path));
         host_copy(yg, dy, sizeof(float) * T * D);
         if (first_path[mma] < 0) {
             memcpy(yfirst[mma], yg, sizeof(float) * T * D);
@@ -1018,6 +1062,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     }
     free(yfirst[1]);
     free(yfirst[0]);
+    cudaFree(dnw);
+    cudaFree(dnx);
     cudaFree(scratch);
     cudaFree(dwt);
     cudaFree(di);
@@ -1075,6 +1121,12 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                                  PATH_GEMV | PATH_NO_PDL, PATH_GEMV | PATH_DEEP};
                 moe_case(cpu, &X, T, K, &silu, fold_paths, 4, 0, 0, 1);
                 moe_case(cpu, &X, T, K, &situ, fold_paths, 4, 0, 1, 1);
+                /* ... and its gate/up ahead of the routing, forming xn itself */
+                static const int early_paths[] = {
+                    PATH_AUTO, PATH_AUTO | PATH_EARLY, PATH_GEMV | PATH_SEPARATE | PATH_EARLY,
+                    PATH_GEMV | PATH_NO_PDL | PATH_EARLY, PATH_GEMV | PATH_DEEP | PATH_EARLY};
+                moe_case(cpu, &X, T, K, &silu, early_paths, 5, 0, 0, 2);
+                moe_case(cpu, &X, T, K, &situ, early_paths, 5, 0, 1, 2);
             }
         }
         experts_free(&X);
@@ -1101,16 +1153,30 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         const struct {
             int64_t T;
             int path, drop;
-        } bad[] = {{2, PATH_AUTO, 0}, {1, PATH_MMA, 0}, {1, PATH_AUTO, 1}};
+        } bad[] = {{2, PATH_AUTO, 0},
+                   {1, PATH_MMA, 0},
+                   {1, PATH_AUTO, 1},
+                   {1, PATH_AUTO, 2},
+                   {1, PATH_AUTO, 3}};
         for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
             duet_cuda_experts_t e2 = ex;
-            if (bad[i].drop)
+            if (bad[i].drop == 1)
                 e2.sw3 = NULL;
+            if (bad[i].drop == 2) /* the norm's row without its weight */
+                e2.norm_x = buf;
+            if (bad[i].drop == 3) { /* misaligned */
+                e2.norm_x = buf + 1;
+                e2.norm_w = buf;
+            }
             duet_status_t st =
                 duet__cuda_moe_experts_path(0, &e2, buf, bad[i].T, (int32_t *)buf, buf, 1,
                                             DUET_CUDA_ACT_SILU, 0, 0, buf, buf, bad[i].path);
             printf("[cuda_ops] moe_experts shared expert, T=%lld path %d%s: %s (%s)\n",
-                   (long long)bad[i].T, bad[i].path, bad[i].drop ? ", up_proj missing" : "",
+                   (long long)bad[i].T, bad[i].path,
+                   bad[i].drop == 1   ? ", up_proj missing"
+                   : bad[i].drop == 2 ? ", norm_x without norm_w"
+                   : bad[i].drop == 3 ? ", norm_x misaligned"
+                                      : "",
                    duet_status_name(st), duet_error_last());
             CHECK(st == DUET_ERR_INVALID, "%s", duet_status_name(st));
         }
@@ -1147,6 +1213,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
+    static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
+                                PATH_GEMV | PATH_NO_PDL | PATH_EARLY,
+                                PATH_GEMV | PATH_SEPARATE | PATH_EARLY};
+    moe_case(cpu, &X, 1, 8, &silu, early, 4, 0, 0, 2); /* ... ahead of the routing */
     moe_case(cpu, &X, 8, 8, &silu, decode, 4, 0, 0, 0);
     experts_free(&X);
     duet_kernels_destroy(cpu);
