@@ -8,7 +8,8 @@
 # Usage: bench/gpu_check.sh [OUT_DIR]   (default: ./gpu-check-out)
 # Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: ../shared/gpu/README.md),
 #      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
-#      python3), STAGES="build tests cluster bench tf" to run a subset, TARGETS="..." to build
+#      python3), STAGES="build tests cluster bench tf" to run a subset (add `trace` for the
+#      27-layer batch-1 step's per-kernel table under the CUPTI tracer), TARGETS="..." to build
 #      only some targets, CUDA_UCX=DIR a CUDA-built UCX (tools/build_ucx_cuda.sh): the tests
 #      stage then also runs transfer_cuda and the cluster's greedy test with it, the workers'
 #      transfers moving the device pools directly (transfer.device_pools=auto,
@@ -78,6 +79,20 @@ if has bench; then
     build-gpu/bench/duet-bench-launch-floor --config bench/configs/kimi-linear-48b --layers 27 \
       --context "$C" | tee "$out/floor27_$C.jsonl"
   done
+fi
+if has trace; then
+  lib=build-gpu/bench/libduet-cupti-trace.so
+  if [ -f "$lib" ]; then
+    say "duet-bench-model-cuda 27 layers, batch 1, under the CUPTI tracer (tools/trace_step.py)"
+    CUDA_INJECTION64_PATH="$PWD/$lib" DUET_TRACE_OUT="$out/trace27.tsv" \
+      build-gpu/bench/duet-bench-model-cuda --config bench/configs/kimi-linear-48b --layers 27 \
+      --batch 1 --context 2048,32768 --prefill 0 --steps 30 2>"$out/trace27.err" | tee "$out/trace27.jsonl"
+    "$py" tools/trace_step.py "$out/trace27.tsv" --detail >"$out/trace27.txt"
+    grep -A16 "^graph" "$out/trace27.txt"
+    gzip -f "$out/trace27.tsv"
+  else
+    say "trace: $lib not built (no CUPTI)"
+  fi
 fi
 if has tf; then
   for L in 27 8; do
