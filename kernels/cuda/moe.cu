@@ -258,12 +258,13 @@ static __device__ __forceinline__ unsigned duet__lane_best(const float *keys, in
     return bk;
 }
 
-/* This thread's first DUET__ROUTE_UNROLL bias values for duet__route_block (n = rows × E). */
+/* This thread's first U bias values for duet__route_block<U> (n = rows × E). */
+template <int U>
 static __device__ __forceinline__ void duet__route_bias0(const float *bias, int E, int n,
-                                                         float (&b0)[DUET__ROUTE_UNROLL])
+                                                         float (&b0)[U])
 {
 #pragma unroll
-    for (int j = 0; j < DUET__ROUTE_UNROLL; j++) {
+    for (int j = 0; j < U; j++) {
         const int i = threadIdx.x + (int)blockDim.x * j;
         b0[j] = bias != NULL && i < n ? __ldg(bias + i % E) : 0.0f;
     }
@@ -277,14 +278,17 @@ static __device__ __forceinline__ void duet__route_bias0(const float *bias, int 
  * keys (e = lane + 32j).
  *
  * duet__route_block routes rows t0 .. t0 + R - 1 (logits read through L2: another block of the
- * same grid may have written them); b0 from duet__route_bias0.
+ * same grid may have written them); b0 from duet__route_bias0. U scores per thread have their
+ * loads in flight together: DUET__ROUTE_UNROLL for the routing kernel's rows, 1 in the router
+ * kernel's last block, whose one row has a score per thread (E <= its 256 threads in the
+ * model), so that its straight-line code stays short.
  */
+template <int U>
 static __device__ __forceinline__ void
-duet__route_block(float *route_sh, const float *logits, const float *bias,
-                  const float (&b0)[DUET__ROUTE_UNROLL], int t0, int R, int T, int E, int G,
-                  int topk_group, int top_k, int renorm, float scale, int32_t *idx, float *wts)
+duet__route_block(float *route_sh, const float *logits, const float *bias, const float (&b0)[U],
+                  int t0, int R, int T, int E, int G, int topk_group, int top_k, int renorm,
+                  float scale, int32_t *idx, float *wts)
 {
-    constexpr int U = DUET__ROUTE_UNROLL;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = min(R, T - t0) * E; /* the rows × E */
     const int nt = (int)blockDim.x;
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS)
     const int t0 = blockIdx.x * R;
     /* The bias is a weight: its first values load while the router GEMV finishes. */
     float b0[DUET__ROUTE_UNROLL];
-    duet__route_bias0(bias, E, min(R, T - t0) * E, b0);
+    duet__route_bias0<DUET__ROUTE_UNROLL>(bias, E, min(R, T - t0) * E, b0);
     duet_pdl_wait(); /* the logits */
     duet_pdl_trigger();
     duet__route_block(route_sh, logits, bias, b0, t0, R, T, E, G, topk_group, top_k, renorm, scale,
@@ -460,6 +464,13 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 #define DUET__RR_SPLIT 8
 #define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
 #define DUET__RR_U     3 /* float4 pieces per lane in flight: D = 2304 is 2.25 per lane */
+/* Scores per thread in flight in the last block's routing (duet__route_block's U). With 8, as the
+ * routing kernel has, the kernel's code was 58 KB against 36 with 1, and one block runs it from a
+ * cold instruction cache: H200, 27 layers at batch 1, two builds side by side in one command,
+ * five runs each: 2.354 / 2.358 / 2.360 / 2.356 / 2.354 ms against 2.376 / 2.380 / 2.366 /
+ * 2.370 / 2.378 at 2K, 2.514 / 2.513 / 2.532 / 2.513 / 2.513 against 2.529 / 2.529 / 2.529 /
+ * 2.529 / 2.534 at 32K (2 in between: 2.354–2.369, 2.515–2.541). */
+#define DUET__RR_ROUTE_U 1
 
 /* One float4 piece of x into a running sum of squares, every rounding spelled out: the router
  * kernel and the shared expert's early gate/up blocks (duet__gemv13_shared_early) form the same
@@ -507,7 +518,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     const float4 *x4 = reinterpret_cast<const float4 *>(a.x);
     const float4 *g4 = reinterpret_cast<const float4 *>(a.nw);
     float4 wv[U], gv[U];
-    float b0[DUET__ROUTE_UNROLL];
+    float b0[DUET__RR_ROUTE_U];
     if (!a.early)
         duet_pdl_wait();
 #pragma unroll
@@ -516,7 +527,7 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
         wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
         gv[u] = i < nq ? __ldg(g4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    duet__route_bias0(a.bias, a.E, a.E, b0); /* for the last block's routing */
+    duet__route_bias0<DUET__RR_ROUTE_U>(a.bias, a.E, a.E, b0); /* for the last block's routing */
     duet_pdl_wait();                         /* x (a second wait returns at once) */
     duet_pdl_trigger();
     float dot = 0.0f, ss = 0.0f;
