@@ -481,6 +481,17 @@ static __device__ __forceinline__ float duet__sumsq4(float ss, float4 v)
                                    __fadd_rn(__fmul_rn(v.z, v.z), __fmul_rn(v.w, v.w))));
 }
 
+/* The norm scale from a row's DUET__RR_SPLIT warp sums of squares (sq[j · stride], warp j),
+ * added in warp order: the router kernel and duet__gemv13_shared_early form it here alike. */
+static __device__ __forceinline__ float duet__rr_scale(const float *sq, int stride, int D,
+                                                       float eps)
+{
+    float s = sq[0];
+    for (int j = 1; j < DUET__RR_SPLIT; j++)
+        s += sq[j * stride];
+    return duet_rms_scale((double)s, (double)D, eps);
+}
+
 typedef struct {
     const float *x, *nw, *w, *bias; /* x [D], norm weight [D], router [E][D] fp32, bias [E] */
     float *xn, *logits;             /* [D], [E] */
@@ -562,12 +573,10 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     __syncthreads();
     if (threadIdx.x < DUET__RR_ROWS) {
         const int r = threadIdx.x, er = blockIdx.x * DUET__RR_ROWS + r;
-        float d = part[r * S][0], sq = part[r * S][1];
-        for (int j = 1; j < S; j++) {
+        float d = part[r * S][0];
+        for (int j = 1; j < S; j++)
             d += part[r * S + j][0];
-            sq += part[r * S + j][1];
-        }
-        const float sc = duet_rms_scale((double)sq, (double)a.D, a.eps);
+        const float sc = duet__rr_scale(&part[r * S][1], 2, a.D, a.eps);
         if (er < a.E)
             a.logits[er] = d * sc;
         if (r == 0)
@@ -978,6 +987,21 @@ static __device__ __forceinline__ int duet__slot(const duet__moe_plan_t &pl, int
     return n;
 }
 
+/* A warp's W1 rows (w[0 .. RI)) and W3 rows (w[RI .. 2 RI)) for outputs i0.. of the expert
+ * whose matrices start at row e0 of b1 and b3 (rows past I repeat row I - 1). */
+static __device__ __forceinline__ void duet__gemv13_row_ptrs(const uint4 *(&w)[2 * DUET__GV_RI],
+                                                             const void *b1, const void *b3,
+                                                             size_t e0, int i0, int I, int D,
+                                                             size_t es)
+{
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RI; j++) {
+        const size_t row = e0 + min(i0 + j, I - 1);
+        w[j] = reinterpret_cast<const uint4 *>((const char *)b1 + row * D * es);
+        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)b3 + row * D * es);
+    }
+}
+
 /* No plan (T = 1): the gate/up tickets of gemv2 start at 0; every block of the grid clears its
  * share, after its PDL wait (the previous call's gemv2 read them). */
 static __device__ __forceinline__ void duet__gemv13_clear_tickets(const duet__moe_plan_t &pl)
@@ -1015,12 +1039,7 @@ duet__gemv13_shared_early(const duet__moe_plan_t &pl, int by, int I, int D, int 
     const int i0 = (by * DUET__GV_WARPS + warp) * DUET__GV_RI;
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[2 * DUET__GV_RI];
-#pragma unroll
-    for (int j = 0; j < DUET__GV_RI; j++) {
-        const size_t row = min(i0 + j, I - 1);
-        w[j] = reinterpret_cast<const uint4 *>((const char *)pl.sw1 + row * D * es);
-        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>((const char *)pl.sw3 + row * D * es);
-    }
+    duet__gemv13_row_ptrs(w, pl.sw1, pl.sw3, 0, i0, I, D, es);
     duet__wfirst<2 * DUET__GV_RI, U> first;
     if (i0 < I)
         duet__load_first(first, w, D / VEC, lane);
@@ -1042,12 +1061,8 @@ duet__gemv13_shared_early(const duet__moe_plan_t &pl, int by, int I, int D, int 
     if (lane == 0)
         part[warp] = ss;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float sq = part[0];
-        for (int j = 1; j < S; j++)
-            sq += part[j];
-        scale = duet_rms_scale((double)sq, (double)D, pl.eps);
-    }
+    if (threadIdx.x == 0)
+        scale = duet__rr_scale(part, 1, D, pl.eps);
     __syncthreads();
     for (int k = threadIdx.x; k < D; k += blockDim.x)
         xs[duet__xs_pos<VEC>(k, D)] = duet_rms_apply(pl.nw[k], pl.nx[k], scale);
@@ -1093,14 +1108,7 @@ duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[2 * DUET__GV_RI];
     const size_t e0 = e == pl.E ? 0 : (size_t)e * I; /* first row of the expert's matrices */
-    const char *b1 = (const char *)(e == pl.E ? pl.sw1 : w1),
-               *b3 = (const char *)(e == pl.E ? pl.sw3 : w3);
-#pragma unroll
-    for (int j = 0; j < DUET__GV_RI; j++) {
-        const size_t row = e0 + min(i0 + j, I - 1);
-        w[j] = reinterpret_cast<const uint4 *>(b1 + row * D * es);
-        w[DUET__GV_RI + j] = reinterpret_cast<const uint4 *>(b3 + row * D * es);
-    }
+    duet__gemv13_row_ptrs(w, e == pl.E ? pl.sw1 : w1, e == pl.E ? pl.sw3 : w3, e0, i0, I, D, es);
     /* One row per slot (T = 1): the first weight chunks go out before x's round trip, which
      * they do not need. (With more rows the registers they hold would cost occupancy.) An
      * uninitialised `first` is never read: only the PRE instantiation reads it. */
