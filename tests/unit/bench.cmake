@@ -5,3 +5,9 @@ duet_add_test(test_bench_gates SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_bench_gate
               LIBS duet_bench_core TIMEOUT 60)
 duet_add_test(test_bench_sse SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_bench_sse.c
               LIBS duet_bench_core TIMEOUT 180)
+# tools/trace_step.py (the CUPTI trace's per-kernel table) on a synthetic trace with malformed
+# lines; needs only python3, which deploy/install-deps.sh installs.
+find_package(Python3 REQUIRED COMPONENTS Interpreter)
+add_test(NAME test_trace_step
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/test_trace_step.py)
+set_tests_properties(test_trace_step PROPERTIES TIMEOUT 60)
