@@ -171,7 +171,7 @@ struct duet_cuda_model {
     float   *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
         *router, *topk_w, *logits;
     int32_t *topk_idx, *token_out;
-    int     *route_ticket; /* duet_cuda_moe_router_route's, 0 between calls */
+    int *route_sync;       /* duet_cuda_moe_router_route's (DUET_CUDA_ROUTER_SYNC_INTS(E)) */
     int32_t *token_out_h;  /* pinned */
     void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
     int      max_splits;
@@ -515,8 +515,9 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         TRY(duet__dalloc_f(dm, T * E, &dm->router));
         TRY(duet__dalloc_f(dm, T * TK, &dm->topk_w));
         TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T * TK), (void **)&dm->topk_idx));
-        TRY(duet__dalloc(dm, sizeof(int), (void **)&dm->route_ticket));
-        CU(cudaMemset(dm->route_ticket, 0, sizeof(int)), "route ticket");
+        const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(E);
+        TRY(duet__dalloc(dm, sync_bytes, (void **)&dm->route_sync));
+        CU(cudaMemset(dm->route_sync, 0, sync_bytes), "router sync");
         TRY(duet__dalloc(dm, duet_cuda_moe_scratch_bytes(T, TK, E, c->moe_intermediate, D),
                          &dm->moe_scratch));
     }
@@ -954,7 +955,7 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         TRY(duet_cuda_moe_router_route(s, nrm->x, nrm->w, nrm->eps, w->router.data, E, D,
                                        w->router_bias, G, c->topk_group, c->top_k,
                                        c->moe_renormalize, c->routed_scaling_factor, nrm->y,
-                                       dm->router, dm->topk_idx, dm->topk_w, dm->route_ticket));
+                                       dm->router, dm->topk_idx, dm->topk_w, dm->route_sync));
         if (w->has_shared && !fold)
             TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, &sgu, 1, dm->gemm_flags));
         /* the folded shared expert forms xn itself and runs beside the router (cuda_ops.h) */

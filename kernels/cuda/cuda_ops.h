@@ -52,13 +52,16 @@ duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits, cons
  * duet_cuda_rmsnorm rounds it), logits = W · xn for the fp32 router W [E][D], then
  * duet_cuda_moe_route's rule on them into idx, wts. The logits' sums are fp32 in their own
  * order (like the fused-norm GEMV's); the picks from given logits are the route kernel's, bit for
- * bit. `ticket`: one device int, 0 before the first call; every call leaves it 0.
+ * bit. `sync`: DUET_CUDA_ROUTER_SYNC_INTS(E) device ints, 8-byte aligned, zeroed before the
+ * first call, then left to the calls (sync[0] counts them; the rest carries each call's logits
+ * between its blocks); one per stream of calls.
  */
+#define DUET_CUDA_ROUTER_SYNC_INTS(E) (2 + 2 * (int64_t)(E))
 duet_status_t duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                                          float eps, const float *w, int64_t E, int64_t D,
                                          const float *bias, int64_t n_group, int64_t topk_group,
                                          int64_t top_k, int renorm, float scale, float *xn,
-                                         float *logits, int32_t *idx, float *wts, int *ticket);
+                                         float *logits, int32_t *idx, float *wts, int *sync);
 
 /* The routed experts of one MoE layer, stored contiguously on the device. */
 typedef struct {

@@ -52,10 +52,12 @@
  * never qualifies); duet__cuda_moe_experts_path lets tests force either path.
  *
  * Every kernel here is launched with duet_pdl_launch (cuda_pdl.cuh) and follows its contract,
- * with one exception inside the module, written down where it happens: gemv2 reads its slot
+ * with exceptions inside the module, each written down where it happens: gemv2 reads its slot
  * (the plan or the routing) before its wait, to prefetch its W2 rows. That is safe because its
  * predecessor, gemv13, triggers only after its own wait, which returns once the plan (or the
- * routing, at T = 1) has completed: gemv2 cannot start before those writes are done.
+ * routing, at T = 1) has completed: gemv2 cannot start before those writes are done. Likewise
+ * the shared expert's early gate/up blocks read the router's input row, and the router kernel
+ * its call count, before their waits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -387,6 +389,69 @@ duet__route_block(float *route_sh, const float *logits, const float *bias, const
     }
 }
 
+/*
+ * One row's routing by the router kernel's block 0 when there are no groups and a thread per
+ * expert (G == 1, E <= blockDim.x; thread e has expert e's logit): thread e joins expert e's key
+ * (duet__route_key of its choice, computed as duet__route_block computes it) with its index, so
+ * that a larger key and, among equal keys, a lower index order first; each warp sorts its 32 in
+ * registers (a bitonic sort over shuffles), its first top_k are the candidates, and a candidate's
+ * rank among them is its pick number (the global top_k are among them: each one is in its warp's
+ * top_k). The same picks in the same order as duet__route_block's top_k rounds of warp picks, and
+ * the weights summed in k order with the same roundings. Shared memory: cand[nw · top_k] (nw = the
+ * warps with experts), s_sh[E], pick[top_k] and pick_s[top_k] (the picks' scores).
+ */
+static __device__ __forceinline__ void duet__route_row_sorted(unsigned long long *cand, float *s_sh,
+                                                              int *pick, float *pick_s, float logit,
+                                                              float b, int E, int top_k, int renorm,
+                                                              float scale, int32_t *idx, float *wts)
+{
+    const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (E + 31) >> 5;
+    unsigned long long v = 0; /* key 0 marks no expert: below every real one (>= 1) */
+    if (tid < E) {
+        const float sc = duet__sigmoid_cpu(logit);
+        s_sh[tid] = sc;
+        v = (unsigned long long)duet__route_key(__fadd_rn(sc, b)) << 32 |
+            (0xffffffffu - (unsigned)tid);
+    }
+    if (warp < nw) {
+#pragma unroll
+        for (int k = 2; k <= 32; k <<= 1)
+#pragma unroll
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                const unsigned long long o = __shfl_xor_sync(0xffffffffu, v, j);
+                v = ((lane & j) == 0) == ((lane & k) == 0) ? max(v, o) : min(v, o);
+            }
+        if (lane < top_k)
+            cand[warp * top_k + lane] = v; /* lane r: the warp's r-th */
+    }
+    __syncthreads();
+    const int nc = nw * top_k;
+    for (int c = tid; c < nc; c += (int)blockDim.x) {
+        const unsigned long long me = cand[c];
+        int r = 0;
+#pragma unroll 8
+        for (int q = 0; q < nc; q++)
+            r += cand[q] > me;
+        if (r < top_k) { /* a real expert: there are at least top_k among the candidates */
+            const int e = (int)(0xffffffffu - (unsigned)me);
+            pick[r] = e;
+            pick_s[r] = s_sh[e];
+        }
+    }
+    __syncthreads();
+    if (tid < top_k) {
+        float sum = 0.0f;
+#pragma unroll 8
+        for (int k = 0; k < top_k; k++)
+            sum = __fadd_rn(sum, pick_s[k]);
+        float w = pick_s[tid];
+        if (renorm)
+            w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
+        idx[tid] = pick[tid];
+        wts[tid] = __fmul_rn(w, scale);
+    }
+}
+
 __global__ void __launch_bounds__(DUET__ROUTE_THREADS)
     duet__route_kernel(const float *logits, const float *bias, int T, int E, int G, int topk_group,
                        int top_k, int renorm, float scale, int R, int32_t *idx, float *wts)
@@ -464,10 +529,10 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 #define DUET__RR_SPLIT 8
 #define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
 #define DUET__RR_U     3 /* float4 pieces per lane in flight: D = 2304 is 2.25 per lane */
-/* Scores per thread in flight in the last block's routing (duet__route_block's U). With 8, as the
- * routing kernel has, the kernel's code was 58 KB against 36 with 1, and one block runs it from a
- * cold instruction cache: H200, 27 layers at batch 1, two builds side by side in one command,
- * five runs each: 2.354 / 2.358 / 2.360 / 2.356 / 2.354 ms against 2.376 / 2.380 / 2.366 /
+/* Scores per thread in flight in block 0's routing when it takes duet__route_block (its U). With 8,
+ * as the routing kernel has, the kernel's code was 58 KB against 36 with 1, and one block runs it
+ * from a cold instruction cache: H200, 27 layers at batch 1, two builds side by side in one
+ * command, five runs each: 2.354 / 2.358 / 2.360 / 2.356 / 2.354 ms against 2.376 / 2.380 / 2.366 /
  * 2.370 / 2.378 at 2K, 2.514 / 2.513 / 2.532 / 2.513 / 2.513 against 2.529 / 2.529 / 2.529 /
  * 2.529 / 2.534 at 32K (2 in between: 2.354–2.369, 2.515–2.541). */
 #define DUET__RR_ROUTE_U 1
@@ -497,11 +562,48 @@ typedef struct {
     float *xn, *logits;             /* [D], [E] */
     int32_t *idx;                   /* [top_k] */
     float *wts;                     /* [top_k] */
-    int *ticket;                    /* 0 between calls */
+    unsigned *count;                /* the calls so far (sync[0] of the API) */
+    unsigned long long *slot;       /* [E] this call's logits, tagged with its count */
     int E, D, G, topk_group, top_k, renorm;
     float eps, scale;
     int early; /* the weights load before the PDL wait (duet_cuda_weights_early) */
 } duet__rr_args_t;
+
+/* This block's share of xn = RMSNorm(x) ⊙ nw, rounded as duet_cuda_rmsnorm rounds it (every
+ * block has the same scale: the same sums in the same order). */
+static __device__ __forceinline__ void duet__rr_store_xn(const duet__rr_args_t &a, float scale)
+{
+    const int per = (a.D + (int)gridDim.x - 1) / (int)gridDim.x, k0 = (int)blockIdx.x * per;
+    for (int k = k0 + (int)threadIdx.x; k < a.D && k < k0 + per; k += (int)blockDim.x)
+        a.xn[k] = duet_rms_apply(a.nw[k], a.x[k], scale);
+}
+
+/* A logit published with the call's tag in one 64-bit store: the word is its own flag. */
+static __device__ __forceinline__ void duet__rr_publish(unsigned long long *slot, unsigned tag,
+                                                        float v)
+{
+    const unsigned long long w = (unsigned long long)tag << 32 | __float_as_uint(v);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(slot), "l"(w) : "memory");
+#else
+    *(volatile unsigned long long *)slot = w;
+#endif
+}
+
+/* Expert e's logit once its block has published it with this call's tag. */
+static __device__ __forceinline__ float duet__rr_collect(const unsigned long long *slot,
+                                                         unsigned tag)
+{
+    unsigned long long w;
+    do
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(slot) : "memory");
+#else
+        w = *(const volatile unsigned long long *)slot;
+#endif
+    while ((unsigned)(w >> 32) != tag);
+    return __uint_as_float((unsigned)w);
+}
 
 /*
  * Blocks of DUET__RR_ROWS router rows, DUET__RR_SPLIT warps per row: each warp dots its share
@@ -511,16 +613,31 @@ typedef struct {
  * end) load before the PDL wait, as weights may; x after it. Taking the norm weight and the bias
  * out of the wait-to-route path measured 2.574 / 2.591 / 2.589 ms against 2.591 / 2.607 / 2.590
  * (27 layers, batch 1 × 2K, H200, side by side in one command; 2.739 / 2.761 / 2.748 against
- * 2.751 / 2.769 / 2.759 at 32K). Block 0 stores xn as duet_cuda_rmsnorm rounds it.
- * The last block to finish (a ticket) routes the row with duet_cuda_moe_route's code and puts
- * the ticket back to 0.
+ * 2.751 / 2.769 / 2.759 at 32K). Each block stores its share of xn.
+ * Each block publishes its logits tagged with the call's number (duet__rr_publish) and exits;
+ * block 0 collects all E, spinning on the tags, and routes the row: with no groups and a thread
+ * per expert by duet__route_row_sorted, else with duet_cuda_moe_route's code. Only block 0
+ * waits, for blocks that never wait for anything, so the grid makes progress however few of its
+ * blocks fit at once. The tag is the call count + 1 (0 skipped), which block 0 stores at its
+ * end for the next call (which reads it before its PDL wait: see there). This replaced
+ * a ticket (each block's fence and atomic, the last block routing after reloading the logits)
+ * and top_k rounds of warp picks. H200, 27 layers at batch 1, %globaltimer stamps in a
+ * temporary build (medians over a run at 2K): from the router's PDL wait to the release of the
+ * gate/up blocks' wait 8.7 us before (1.5 to the last logit, 3.3 from there to the routing's
+ * start, 2.8 routing, 1.1 to the release), 4.9 after (1.5, 0.6, 1.7, 1.1). The step, the
+ * previous commit built beside it, four runs each: 2.279 / 2.320 / 2.318 / 2.338 ms against
+ * 2.358 / 2.378 / 2.354 / 2.370 at 2K, 2.432 / 2.481 / 2.475 / 2.490 against 2.511 / 2.537 /
+ * 2.513 / 2.525 at 32K.
  */
 __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel(duet__rr_args_t a)
 {
     extern __shared__ float route_sh[];
     __shared__ float part[DUET__ROUTE_THREADS / 32][2];
     __shared__ float row_scale;
-    __shared__ int last;
+    __shared__ unsigned long long cand[DUET__ROUTE_THREADS]; /* duet__route_row_sorted's */
+    __shared__ float s_sh[DUET__ROUTE_THREADS];
+    __shared__ int pick[32];
+    __shared__ float pick_s[32];
     constexpr int U = DUET__RR_U, S = DUET__RR_SPLIT;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q = warp % S, e = blockIdx.x * DUET__RR_ROWS + warp / S;
@@ -538,8 +655,13 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
         wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
         gv[u] = i < nq ? __ldg(g4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    duet__route_bias0<DUET__RR_ROUTE_U>(a.bias, a.E, a.E, b0); /* for the last block's routing */
-    duet_pdl_wait();                         /* x (a second wait returns at once) */
+    duet__route_bias0<DUET__RR_ROUTE_U>(a.bias, a.E, a.E, b0); /* for block 0's routing */
+    /* The call's tag, before the wait, against the contract of cuda_pdl.cuh but safely: the
+     * previous call's block 0 stored it, and that grid completed before the kernel this one
+     * waits for could complete its own wait (every kernel of the step waits before it exits). */
+    unsigned tag = *(volatile unsigned *)a.count + 1u;
+    tag = tag != 0 ? tag : 1u; /* slots start zeroed */
+    duet_pdl_wait();           /* x (a second wait returns at once) */
     duet_pdl_trigger();
     float dot = 0.0f, ss = 0.0f;
     for (int i0 = 0; i0 < nq; i0 += S * U * 32) {
@@ -578,46 +700,49 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
             d += part[r * S + j][0];
         const float sc = duet__rr_scale(&part[r * S][1], 2, a.D, a.eps);
         if (er < a.E)
-            a.logits[er] = d * sc;
+            duet__rr_publish(a.slot + er, tag, d * sc);
         if (r == 0)
             row_scale = sc;
     }
     __syncthreads();
-    if (blockIdx.x == 0)
-        for (int k = threadIdx.x; k < a.D; k += blockDim.x)
-            a.xn[k] = duet_rms_apply(a.nw[k], a.x[k], row_scale);
-    /* The ticket: this block's logits are visible device-wide before it counts itself. */
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0)
-        last = atomicAdd(a.ticket, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last)
+    duet__rr_store_xn(a, row_scale);
+    if (blockIdx.x != 0)
         return;
-    __threadfence();
-    duet__route_block(route_sh, a.logits, a.bias, b0, 0, 1, 1, a.E, a.G, a.topk_group, a.top_k,
-                      a.renorm, a.scale, a.idx, a.wts);
+    float l = 0.0f; /* expert threadIdx.x's logit (E <= blockDim.x) */
+    for (int i = threadIdx.x; i < a.E; i += blockDim.x) {
+        const float v = duet__rr_collect(a.slot + i, tag);
+        a.logits[i] = v; /* duet__route_block reads them back: this thread's own stores */
+        if (i == (int)threadIdx.x)
+            l = v;
+    }
+    if (a.G == 1 && a.E <= (int)blockDim.x)
+        duet__route_row_sorted(cand, s_sh, pick, pick_s, l, b0[0], a.E, a.top_k, a.renorm, a.scale,
+                               a.idx, a.wts);
+    else
+        duet__route_block(route_sh, a.logits, a.bias, b0, 0, 1, 1, a.E, a.G, a.topk_group, a.top_k,
+                          a.renorm, a.scale, a.idx, a.wts);
     if (threadIdx.x == 0)
-        *a.ticket = 0;
+        *(volatile unsigned *)a.count = tag;
 }
 
 extern "C" duet_status_t
 duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw, float eps,
                            const float *w, int64_t E, int64_t D, const float *bias, int64_t n_group,
                            int64_t topk_group, int64_t top_k, int renorm, float scale, float *xn,
-                           float *logits, int32_t *idx, float *wts, int *ticket)
+                           float *logits, int32_t *idx, float *wts, int *sync)
 {
     size_t per_row;
     const duet_status_t st = duet__route_check("moe_router_route", logits, 1, E, n_group,
                                                topk_group, top_k, idx, wts, &per_row);
     if (st != DUET_OK)
         return st;
-    if (x == NULL || nw == NULL || w == NULL || xn == NULL || ticket == NULL || D <= 0 ||
+    if (x == NULL || nw == NULL || w == NULL || xn == NULL || sync == NULL || D <= 0 ||
         D > 0x7fffffff || D % 4 != 0 || !duet__aligned16(x) || !duet__aligned16(nw) ||
-        !duet__aligned16(w))
+        !duet__aligned16(w) || ((uintptr_t)sync & 7u) != 0)
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe_router_route: bad arguments (D=%lld: a multiple of 4, "
-                              "x, the norm and router weights 16-byte aligned)",
+                              "x, the norm and router weights 16-byte aligned, sync 8-byte "
+                              "aligned)",
                               (long long)D);
     if ((xn < x + D && x < xn + D) || (xn < nw + D && nw < xn + D))
         return duet_error_set(DUET_ERR_INVALID, "cuda moe_router_route: xn overlaps x or nw");
@@ -629,7 +754,8 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                          .logits = logits,
                          .idx = idx,
                          .wts = wts,
-                         .ticket = ticket,
+                         .count = (unsigned *)sync,
+                         .slot = (unsigned long long *)(sync + 2),
                          .E = (int)E,
                          .D = (int)D,
                          .G = (int)(n_group > 0 ? n_group : 1),

@@ -505,9 +505,12 @@ Test(cuda_ops, moe_route, .timeout = 60)
  * S = Σ |W| |xn| (fp32 sums in another order, a few ulps · sqrt(D) in the worst case; a wrong
  * row or scale is off by ~1). The picks must equal route_ref's on the kernel's own logits, as
  * in moe_route. Three calls in a row, and a CUDA graph replayed twice, must all agree bit for
- * bit and leave the ticket at 0 (the last block of each call puts it back). Cases: the real
+ * bit and advance the call count in sync[0] by one each (block 0 of each call stores it, and the
+ * next call tags its logits with it: a stale logit would hang or misroute). Cases: the real
  * dims, groups, an odd E (a half-empty last block), D not a multiple of 8, D longer than one
- * pass of loads (4100), no bias; then the argument checks.
+ * pass of loads (4100), no bias, top_k = 32 (every warp's 32 sorted keys are candidates), and
+ * rows repeated in pairs so that choices tie (the lower index first, at E = 256 and at E = 200,
+ * a partial last warp); then the argument checks.
  */
 Test(cuda_ops, moe_router_route, .timeout = 60)
 {
@@ -516,11 +519,12 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
         int64_t E, D, G, tg, k;
         int renorm, bias;
         float scale;
-    } cases[] = {{256, 2304, 1, 1, 8, 1, 1, 2.446f},
-                 {64, 2304, 8, 3, 6, 0, 1, 1.0f},
-                 {37, 100, 1, 1, 4, 1, 0, 1.0f},
-                 {384, 4100, 12, 3, 16, 1, 1, 1.5f},
-                 {256, 2304, 8, 4, 8, 1, 0, 2.5f}};
+        int ties; /* rows 4j + 1 repeat rows 4j (and their bias): equal choices */
+    } cases[] = {{256, 2304, 1, 1, 8, 1, 1, 2.446f, 0}, {64, 2304, 8, 3, 6, 0, 1, 1.0f, 0},
+                 {37, 100, 1, 1, 4, 1, 0, 1.0f, 0},     {384, 4100, 12, 3, 16, 1, 1, 1.5f, 0},
+                 {256, 2304, 8, 4, 8, 1, 0, 2.5f, 0},   {256, 2304, 1, 1, 32, 1, 1, 1.0f, 0},
+                 {256, 2304, 1, 1, 8, 1, 1, 2.446f, 1}, {200, 512, 1, 1, 8, 0, 1, 1.0f, 1},
+                 {256, 2304, 1, 1, 32, 1, 0, 1.0f, 1}};
     cudaStream_t st;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
@@ -536,14 +540,19 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
             w[i] = rng_f() / sqrtf((float)D);
         for (int64_t e = 0; e < E; e++)
             bias[e] = cases[c].bias ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
+        for (int64_t e = 1; cases[c].ties && e < E; e += 4) {
+            memcpy(w + e * D, w + (e - 1) * D, sizeof(float) * D);
+            bias[e] = bias[e - 1];
+        }
         float *dx = dev_copy(x, sizeof(float) * D), *dnw = dev_copy(nw, sizeof(float) * D);
         float *dwr = dev_copy(w, sizeof(float) * E * D);
         float *db = cases[c].bias ? dev_copy(bias, sizeof(float) * E) : NULL;
         float *dxn = dev_alloc(sizeof(float) * D), *dlg = dev_alloc(sizeof(float) * E);
         int32_t *di = dev_alloc(sizeof(int32_t) * K);
         float *dwt = dev_alloc(sizeof(float) * K);
-        int *dticket = dev_alloc(sizeof(int));
-        CUDA_OK(cudaMemset(dticket, 0, sizeof(int)));
+        const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(E);
+        int *dsync = dev_alloc(sync_bytes);
+        CUDA_OK(cudaMemset(dsync, 0, sync_bytes));
         float *xn = xmalloc(sizeof(float) * D), *lg = xmalloc(sizeof(float) * E);
         float *gw = xmalloc(sizeof(float) * K), *rw = xmalloc(sizeof(float) * K);
         int32_t *gi = xmalloc(sizeof(int32_t) * K), *ri = xmalloc(sizeof(int32_t) * K);
@@ -558,7 +567,7 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
                 CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
                 DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
                     st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
-                    cases[c].scale, dxn, dlg, di, dwt, dticket));
+                    cases[c].scale, dxn, dlg, di, dwt, dsync));
                 CUDA_OK(cudaStreamEndCapture(st, &g));
                 CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
             }
@@ -567,15 +576,15 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
             else
                 DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
                     st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
-                    cases[c].scale, dxn, dlg, di, dwt, dticket));
+                    cases[c].scale, dxn, dlg, di, dwt, dsync));
             CUDA_OK(cudaStreamSynchronize(st));
-            int ticket = -1;
+            int count = -1;
             host_copy(xn, dxn, sizeof(float) * D);
             host_copy(lg, dlg, sizeof(float) * E);
             host_copy(gi, di, sizeof(int32_t) * K);
             host_copy(gw, dwt, sizeof(float) * K);
-            host_copy(&ticket, dticket, sizeof(int));
-            CHECK(ticket == 0, "case %zu call %d: ticket left at %d", c, call, ticket);
+            host_copy(&count, dsync, sizeof(int));
+            CHECK(count == call + 1, "case %zu call %d: the call count is %d", c, call, count);
             if (call == 0) {
                 memcpy(first, xn, sizeof(float) * D);
                 memcpy(first + D, lg, sizeof(float) * E);
@@ -615,12 +624,13 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
             n_idx_diff += gi[k] != ri[k];
             e_w = fmax(e_w, rel_err(gw[k], rw[k]));
         }
-        printf("[cuda_ops] moe_router_route E=%lld D=%lld n_group=%lld k=%lld%s: xn max rel err "
+        printf("[cuda_ops] moe_router_route E=%lld D=%lld n_group=%lld k=%lld%s%s: xn max rel err "
                "%.2e (tol 1e-6), logits max err/S %.2e (tol 1e-5), %d expert ids differ from the "
                "routing of its logits (must be 0), weights max rel err %.2e (tol 1e-6); 3 calls "
-               "and 2 graph replays bit-identical, ticket back at 0\n",
+               "and 2 graph replays bit-identical, the call count advanced\n",
                (long long)E, (long long)D, (long long)cases[c].G, (long long)K,
-               cases[c].bias ? "" : " (no bias)", e_xn, e_lg, n_idx_diff, e_w);
+               cases[c].bias ? "" : " (no bias)", cases[c].ties ? " (tied pairs)" : "", e_xn, e_lg,
+               n_idx_diff, e_w);
         CHECK(e_xn <= 1e-6 && e_lg <= 1e-5 && n_idx_diff == 0 && e_w <= 1e-6,
               "router_route case %zu", c);
         cudaGraphExecDestroy(ge);
@@ -633,7 +643,7 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
         free(gw);
         free(lg);
         free(xn);
-        cudaFree(dticket);
+        cudaFree(dsync);
         cudaFree(dwt);
         cudaFree(di);
         cudaFree(dlg);
@@ -647,27 +657,28 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
         free(nw);
         free(x);
     }
-    /* refused before any device access: D not a multiple of 4, a misaligned x, no ticket, xn
-     * over x, top_k > E */
+    /* refused before any device access: D not a multiple of 4, a misaligned x, no sync, a
+     * misaligned sync, xn over x, top_k > E */
     {
         float *buf = dev_alloc(sizeof(float) * 4096);
         int32_t *ib = dev_alloc(sizeof(int32_t) * 64);
-        int *tk = dev_alloc(sizeof(int));
+        int *tk = dev_alloc(sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(256) + 4);
         const struct {
             const float *x;
             float *xn;
             int64_t D, k;
-            int *ticket;
+            int *sync;
             const char *what;
         } bad[] = {{buf, buf + 2048, 102, 8, tk, "D = 102"},
                    {buf + 1, buf + 2048, 100, 8, tk, "x not 16-byte aligned"},
-                   {buf, buf + 2048, 100, 8, NULL, "no ticket"},
+                   {buf, buf + 2048, 100, 8, NULL, "no sync"},
+                   {buf, buf + 2048, 100, 8, tk + 1, "sync not 8-byte aligned"},
                    {buf, buf + 50, 100, 8, tk, "xn overlaps x"},
                    {buf, buf + 2048, 100, 300, tk, "top_k > E"}};
         for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
             duet_status_t rs = duet_cuda_moe_router_route(
                 0, bad[i].x, buf + 1024, 1e-6f, buf, 256, bad[i].D, NULL, 1, 1, bad[i].k, 1, 1.0f,
-                bad[i].xn, buf + 3000, ib, buf + 3500, bad[i].ticket);
+                bad[i].xn, buf + 3000, ib, buf + 3500, bad[i].sync);
             printf("[cuda_ops] moe_router_route refuses %s: %s (%s)\n", bad[i].what,
                    duet_status_name(rs), duet_error_last());
             CHECK(rs == DUET_ERR_INVALID, "%s: %s", bad[i].what, duet_status_name(rs));
@@ -965,12 +976,13 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         float *dwr = dev_copy(wr, sizeof(float) * Er * D), *dxn = dev_alloc(sizeof(float) * D);
         float *dlg = dev_alloc(sizeof(float) * Er), *dw2 = dev_alloc(sizeof(float) * Kr);
         int32_t *di2 = dev_alloc(sizeof(int32_t) * Kr);
-        int *dticket = dev_alloc(sizeof(int));
-        CUDA_OK(cudaMemset(dticket, 0, sizeof(int)));
+        const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(Er);
+        int *dsync = dev_alloc(sync_bytes);
+        CUDA_OK(cudaMemset(dsync, 0, sync_bytes));
         DUET_OK_OR_FAIL(duet_cuda_moe_router_route(0, dnx, dnw, eps, dwr, Er, D, NULL, 1, 1, Kr, 1,
-                                                   1.0f, dxn, dlg, di2, dw2, dticket));
+                                                   1.0f, dxn, dlg, di2, dw2, dsync));
         host_copy(x, dxn, sizeof(float) * D);
-        cudaFree(dticket);
+        cudaFree(dsync);
         cudaFree(di2);
         cudaFree(dw2);
         cudaFree(dlg);
