@@ -590,19 +590,30 @@ static __device__ __forceinline__ void duet__rr_publish(unsigned long long *slot
 #endif
 }
 
-/* Expert e's logit once its block has published it with this call's tag. */
+/* Expert e's logit once its block has published it with this call's tag. A tag that never comes
+ * (a sync area shared by calls in flight at once, against cuda_ops.h) traps after about 10 s
+ * instead of hanging: the launch fails with an error the caller sees. */
 static __device__ __forceinline__ float duet__rr_collect(const unsigned long long *slot,
                                                          unsigned tag)
 {
-    unsigned long long w;
-    do
+    unsigned long long w, t0 = 0;
+    for (unsigned n = 0;; n++) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
         asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(w) : "l"(slot) : "memory");
 #else
         w = *(const volatile unsigned long long *)slot;
 #endif
-    while ((unsigned)(w >> 32) != tag);
-    return __uint_as_float((unsigned)w);
+        if ((unsigned)(w >> 32) == tag)
+            return __uint_as_float((unsigned)w);
+        if ((n & 1023u) == 0) {
+            unsigned long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+            if (n == 0)
+                t0 = t;
+            else if (t - t0 > 10000000000ull)
+                __trap();
+        }
+    }
 }
 
 /*
