@@ -620,8 +620,8 @@ static __device__ __forceinline__ float duet__rr_collect(const unsigned long lon
  * Blocks of DUET__RR_ROWS router rows, DUET__RR_SPLIT warps per row: each warp dots its share
  * of the row with x ⊙ nw and sums x² over the same share, the block adds the shares in order and
  * scales by 1/rms (cuda_norm.cuh, as the fused-norm GEMV does). The router weights, the norm
- * weight and the routing bias (every block loads it: which block routes is known only at the
- * end) load before the PDL wait, as weights may; x after it. Taking the norm weight and the bias
+ * weight and the routing bias (block 0's, which routes) load before the PDL wait, as weights
+ * may; x after it. Taking the norm weight and the bias
  * out of the wait-to-route path measured 2.574 / 2.591 / 2.589 ms against 2.591 / 2.607 / 2.590
  * (27 layers, batch 1 × 2K, H200, side by side in one command; 2.739 / 2.761 / 2.748 against
  * 2.751 / 2.769 / 2.759 at 32K). Each block stores its share of xn.
@@ -666,7 +666,8 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
         wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
         gv[u] = i < nq ? __ldg(g4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    duet__route_bias0<DUET__RR_ROUTE_U>(a.bias, a.E, a.E, b0); /* for block 0's routing */
+    /* for block 0's routing; the other blocks only zero b0 */
+    duet__route_bias0<DUET__RR_ROUTE_U>(blockIdx.x == 0 ? a.bias : NULL, a.E, a.E, b0);
     /* The call's tag, before the wait, against the contract of cuda_pdl.cuh but safely: the
      * previous call's block 0 stored it, and that grid completed before the kernel this one
      * waits for could complete its own wait (every kernel of the step waits before it exits). */
