@@ -127,6 +127,11 @@ static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
 #define DUET__MMA_STAGES  4
 #define DUET__MMA_THREADS 256
 #define DUET__MMA_BROWS   128 /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
+/* stages in shared memory for a k-step of BK */
+static constexpr __host__ __device__ int duet__mma_stages(int bk)
+{
+    return bk == 64 ? 3 : DUET__MMA_STAGES;
+}
 
 #define DUET__SMEM_CAP (200 * 1024) /* opt-in dynamic shared memory we allow a kernel */
 
@@ -1456,30 +1461,35 @@ static __device__ __forceinline__ void duet__mma_bf16(float (&c)[4], const unsig
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* Byte offset of 16-byte chunk c (0..3) of row r in a [rows][32] bf16 tile: 64-byte rows, the
- * chunk XOR-ed with bits 1..2 of the row so ldmatrix's 8 rows hit 8 distinct bank groups. */
-static __device__ __forceinline__ unsigned duet__swz(int r, int c)
+/* Byte offset of 16-byte chunk c of row r in a [rows][BK] bf16 tile. BK = 32: 64-byte rows,
+ * chunk c (0..3) XOR-ed with bits 1..2 of the row; BK = 64: 128-byte rows, chunk c (0..7)
+ * XOR-ed with bits 0..2. Either way ldmatrix's 8 rows of one chunk hit 8 distinct bank groups. */
+template <int BK = 32> static __device__ __forceinline__ unsigned duet__swz(int r, int c)
 {
+    if constexpr (BK == 64)
+        return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
     return (unsigned)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
 }
 
 /*
- * One tile of BM rows (pairs of one expert) × one block of weight rows, K in steps of 32.
+ * One tile of BM rows (pairs of one expert) × one block of weight rows, K in steps of BK (32
+ * or 64, dividing K; duet__mma_stages(BK) of them in flight).
  * DUAL (phase 1): weight rows are 64 of W1 and the same 64 of W3 (B0, B1); the epilogue
  * applies act and stores h (bf16) at h_out[p][n]. Otherwise (phase 2): 128 rows of B0 = W2,
  * stored fp32 at o_out[p][n]. A row of pair p is A[(p / a_div)][:] (x for phase 1, h for 2).
  * 8 warps as 2 (M) × 4 (N): a warp owns BM/2 rows × 32 weight rows (DUAL: 16 of W1 + the
  * matching 16 of W3, so gate and up of one output land in the same thread).
  */
-template <int BM, bool DUAL>
+template <int BM, bool DUAL, int BK = DUET__MMA_BK>
 __global__ void __launch_bounds__(DUET__MMA_THREADS)
     duet__moe_mma_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
                          const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, int act,
                          float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
-    constexpr int BK = DUET__MMA_BK, S = DUET__MMA_STAGES, MT = BM / 32;
+    constexpr int S = duet__mma_stages(BK), MT = BM / 32, CPR = BK / 8; /* chunks per row */
     constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + DUET__MMA_BROWS * BK * 2;
-    constexpr int A_CH = BM * 4 / DUET__MMA_THREADS; /* A chunks per thread per stage */
+    constexpr int A_CH = BM * CPR / DUET__MMA_THREADS; /* A chunks per thread per stage */
+    constexpr int B_CH = DUET__MMA_BROWS * CPR / DUET__MMA_THREADS;
     extern __shared__ float4 mma_sh[];
     __shared__ int rows[BM];
 
@@ -1503,23 +1513,23 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
     bool a_ok[A_CH];
 #pragma unroll
     for (int j = 0; j < A_CH; j++) {
-        const int q = tid + DUET__MMA_THREADS * j, r = q >> 2, c = q & 3;
+        const int q = tid + DUET__MMA_THREADS * j, r = q / CPR, c = q % CPR;
         const int p = rows[r];
         a_ok[j] = p >= 0;
         a_src[j] = a_ok[j] ? A + (size_t)(p / a_div) * K + c * 8 : A;
-        a_dst[j] = duet__swz(r, c);
+        a_dst[j] = duet__swz<BK>(r, c);
     }
-    const __nv_bfloat16 *b_src[2];
-    unsigned b_dst[2];
-    bool b_ok[2];
+    const __nv_bfloat16 *b_src[B_CH];
+    unsigned b_dst[B_CH];
+    bool b_ok[B_CH];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const int q = tid + DUET__MMA_THREADS * j, r = q >> 2, c = q & 3;
+    for (int j = 0; j < B_CH; j++) {
+        const int q = tid + DUET__MMA_THREADS * j, r = q / CPR, c = q % CPR;
         const int n = DUAL ? n0 + (r & 63) : n0 + r;
         const __nv_bfloat16 *B = DUAL && r >= 64 ? B1 : B0;
         b_ok[j] = n < N;
         b_src[j] = b_ok[j] ? B + ((size_t)e * N + n) * K + c * 8 : B0;
-        b_dst[j] = A_BYTES + duet__swz(r, c);
+        b_dst[j] = A_BYTES + duet__swz<BK>(r, c);
     }
     const int KT = K / BK;
     auto load = [&](int stage, int kt) {
@@ -1528,7 +1538,7 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
         for (int j = 0; j < A_CH; j++)
             duet__cp_async16(s + a_dst[j], a_src[j] + (a_ok[j] ? kt * BK : 0), a_ok[j]);
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int j = 0; j < B_CH; j++)
             duet__cp_async16(s + b_dst[j], b_src[j] + (b_ok[j] ? kt * BK : 0), b_ok[j]);
     };
 #pragma unroll
@@ -1559,18 +1569,18 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
         duet__cp_async_commit();
         const unsigned st = sbase + (kt % S) * STAGE;
 #pragma unroll
-        for (int ks = 0; ks < 2; ks++) {
+        for (int ks = 0; ks < BK / 16; ks++) {
             unsigned af[MT][4], bf[4][2];
 #pragma unroll
             for (int mi = 0; mi < MT; mi++) {
                 const int r = wm * (BM / 2) + mi * 16 + (lane & 15);
-                duet__ldmatrix_x4(st + duet__swz(r, ks * 2 + (lane >> 4)), af[mi]);
+                duet__ldmatrix_x4(st + duet__swz<BK>(r, ks * 2 + (lane >> 4)), af[mi]);
             }
 #pragma unroll
             for (int jp = 0; jp < 2; jp++) {
                 const int r = (jp == 0 ? brow0 : brow1) + ((lane >> 4) << 3) + (lane & 7);
                 unsigned q[4];
-                duet__ldmatrix_x4(st + A_BYTES + duet__swz(r, ks * 2 + ((lane >> 3) & 1)), q);
+                duet__ldmatrix_x4(st + A_BYTES + duet__swz<BK>(r, ks * 2 + ((lane >> 3) & 1)), q);
                 bf[2 * jp][0] = q[0];
                 bf[2 * jp][1] = q[1];
                 bf[2 * jp + 1][0] = q[2];
@@ -1830,31 +1840,74 @@ static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, bool deep, cud
     }
 }
 
+/* The 64-row tiles take k-steps of 64 where K allows (3 stages of 24 KB: half the barriers and
+ * copy groups per multiply-add of 32 with 4 stages of 12 KB); the k order, and so every bit of
+ * the result, is the same. The 128-row tiles keep 32: with 64 their 138 registers leave one
+ * block per SM, and at 8192 tokens (128-row tiles) that was 3% slower. H200, Kimi-Linear-48B's
+ * dims, prefill of one sequence (duet-bench-model-cuda --batch 0 --prefill 2048,8192), side by
+ * side in one command: 8 layers, 2048 tokens (64-row tiles) 25.82 / 25.84 ms against 27.85 /
+ * 27.87 for the previous commit and 27.78 / 27.81 for this one with DUET_CUDA_MOE_MMA_BK32=1;
+ * 27 layers 88.69 ms against 96.04; 8192 tokens unchanged (116.0 / 116.7 against 117.3 / 117.2
+ * at 8 layers, 398.7 against 398.9 at 27). DUET_CUDA_MOE_MMA_BK32=1 in the environment (read
+ * once) keeps 32 everywhere: side-by-side runs. */
+static bool duet__mma_bk64(void)
+{
+    static int bk32 = -1;
+    return duet_cuda_env_flag(&bk32, "DUET_CUDA_MOE_MMA_BK32") == 0;
+}
+
+/* One MMA phase: the kernel of tile height BM, phase DUAL and k-step BK on grid g. */
+template <int BM, bool DUAL, int BK>
+static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_bfloat16 *A,
+                                        int a_div, const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
+                                        int N, int K, const duet__moe_plan_t &pl,
+                                        duet_cuda_act_t act, float beta, float beta_lin,
+                                        __nv_bfloat16 *h_out, float *o_out)
+{
+    static unsigned long long optin = 0;
+    auto kernel = duet__moe_mma_kernel<BM, DUAL, BK>;
+    const size_t smem = (size_t)duet__mma_stages(BK) * (BM + DUET__MMA_BROWS) * BK * 2;
+    cudaError_t e = duet__smem_optin(kernel, &optin);
+    if (e != cudaSuccess)
+        return duet_cuda_status(e, DUET__MODULE, "mma shared-memory opt-in");
+    DUET__TRY(duet_pdl_launch(kernel, g, dim3(DUET__MMA_THREADS), smem, stream, A, a_div, B0, B1, N,
+                              K, pl, (int)act, beta, beta_lin, h_out, o_out),
+              DUAL ? "mma gate/up kernel launch" : "mma down kernel launch");
+    return DUET_OK;
+}
+
 template <int BM>
 static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                       const __nv_bfloat16 *xb, const duet__moe_plan_t &pl,
                                       int64_t max_tiles, int top_k, duet_cuda_act_t act, float beta,
                                       float beta_lin, __nv_bfloat16 *hb, float *out)
 {
-    static unsigned long long optin1 = 0, optin2 = 0;
     const int I = (int)ex->I, D = (int)ex->D;
-    const size_t smem = (size_t)DUET__MMA_STAGES * (BM + DUET__MMA_BROWS) * DUET__MMA_BK * 2;
-    cudaError_t e;
-    if ((e = duet__smem_optin(duet__moe_mma_kernel<BM, true>, &optin1)) != cudaSuccess ||
-        (e = duet__smem_optin(duet__moe_mma_kernel<BM, false>, &optin2)) != cudaSuccess)
-        return duet_cuda_status(e, DUET__MODULE, "mma shared-memory opt-in");
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
-    const dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles), blk(DUET__MMA_THREADS);
-    DUET__TRY(duet_pdl_launch(duet__moe_mma_kernel<BM, true>, g1, blk, smem, stream, xb, top_k, w1,
-                              w3, I, D, pl, (int)act, beta, beta_lin, hb, (float *)NULL),
-              "mma gate/up kernel launch");
+    const dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
     const dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
-    DUET__TRY(duet_pdl_launch(duet__moe_mma_kernel<BM, false>, g2, blk, smem, stream,
-                              (const __nv_bfloat16 *)hb, 1, w2, w2, D, I, pl, (int)act, beta,
-                              beta_lin, (__nv_bfloat16 *)NULL, out),
-              "mma down kernel launch");
-    return DUET_OK;
+    duet_status_t st = DUET_OK;
+    bool done = false;
+    if constexpr (BM == 64) {
+        if (D % 64 == 0 && duet__mma_bk64()) {
+            st = duet__launch_mma_k<BM, true, 64>(stream, g1, xb, top_k, w1, w3, I, D, pl, act,
+                                                  beta, beta_lin, hb, NULL);
+            done = true;
+        }
+    }
+    if (!done)
+        st = duet__launch_mma_k<BM, true, 32>(stream, g1, xb, top_k, w1, w3, I, D, pl, act, beta,
+                                              beta_lin, hb, NULL);
+    if (st != DUET_OK)
+        return st;
+    if constexpr (BM == 64) {
+        if (I % 64 == 0 && duet__mma_bk64())
+            return duet__launch_mma_k<BM, false, 64>(stream, g2, hb, 1, w2, w2, D, I, pl, act, beta,
+                                                     beta_lin, NULL, out);
+    }
+    return duet__launch_mma_k<BM, false, 32>(stream, g2, hb, 1, w2, w2, D, I, pl, act, beta,
+                                             beta_lin, NULL, out);
 }
 
 /*

@@ -48,6 +48,8 @@ enum {
     PATH_DEEP = 0x4000,
     PATH_EARLY = 0x10000
 };
+/* the MMA path with its tile height forced (moe.cu's path bits 8..11) */
+#define MMA_BM(bm) (PATH_MMA | ((bm) == 64 ? 1 << 8 : 2 << 8))
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -1143,6 +1145,17 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         }
         experts_free(&X);
     }
+    /* D and I multiples of 64: the 64-row MMA tiles take k-steps of 64 in both phases (above,
+     * I = 96 keeps the down phase at 32), the 128-row tiles 32; both tile heights forced */
+    {
+        static const int tiles[] = {PATH_AUTO, PATH_GEMV, MMA_BM(64), MMA_BM(128),
+                                    MMA_BM(64) | PATH_NO_PDL};
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, E, 128, 192);
+        moe_case(cpu, &X, 64, K, &silu, tiles, 5, 1, 0, 0);
+        moe_case(cpu, &X, 300, K, &silu, tiles, 5, 1, 3, 0);
+        experts_free(&X);
+    }
     /* top_k 10 (more pairs than gemv2 has warps; at T = 1 one of them invalid) */
     {
         static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
@@ -1605,7 +1618,6 @@ static double moe_time(const moe_bench_t *b, int path, int iters, int graph)
 }
 
 #define GEMV_NR(nr) (PATH_GEMV | ((nr) << 4))
-#define MMA_BM(bm)  (PATH_MMA | ((bm) == 64 ? 1 << 8 : 2 << 8))
 
 /*
  * Timings at the real dims, BF16: decode sizes as effective bandwidth over the distinct selected
