@@ -781,3 +781,73 @@ Test(kernels_cuda, argmax_split_first_max, .timeout = 120)
     CHECK(duet_cuda_argmax_split(0, NULL, 10, 10, 1, NULL, NULL) == DUET_ERR_INVALID);
     printf("argmax_split: %d rows equal to the CPU's first maximum\n", rows_checked);
 }
+
+/* bf16 round to nearest even of a finite float, as __float2bfloat16_rn does. */
+static uint16_t host_bf16_rne(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/*
+ * duet_cuda_convert_from_f32 to bf16 / f16: the 8-wide path (K a multiple of 8, 16-byte aligned
+ * rows) and the one-element path (the same values at a stride that is not) must give the same
+ * bits, and bf16 must equal the host's round to nearest even. Values span normal, subnormal,
+ * huge (bf16 rounding up to infinity, f16 overflow), ±0 and exact ties.
+ */
+Test(kernels_cuda, convert_paths_agree, .timeout = 60)
+{
+    skip_without_device();
+    const int64_t shapes[][2] = {{1, 8}, {3, 2304}, {37, 4096}, {2048, 96}, {5, 1000}};
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int64_t M = shapes[si][0], K = shapes[si][1], ld2 = K + 1;
+        float *h = xmalloc((size_t)(M * K) * 4), *h2 = xmalloc((size_t)(M * ld2) * 4);
+        for (int64_t i = 0; i < M * K; i++) {
+            const uint32_t kind = rng_u32() % 8;
+            float v = rng_f();
+            if (kind == 1)
+                v *= 1e-39f; /* subnormal */
+            else if (kind == 2)
+                v *= 3.4e38f; /* near FLT_MAX: bf16 may round to inf */
+            else if (kind == 3)
+                v *= 70000.0f; /* beyond f16's range */
+            else if (kind == 4) {
+                uint32_t u = (rng_u32() & 0xffff0000u) | 0x8000u; /* a bf16 tie */
+                memcpy(&v, &u, 4);
+                if (!isfinite(v))
+                    v = 1.0f;
+            } else if (kind == 5)
+                v = (i & 1) ? -0.0f : 0.0f;
+            h[i] = v;
+        }
+        for (int64_t m = 0; m < M; m++)
+            memcpy(h2 + m * ld2, h + m * K, (size_t)K * 4);
+        float *d1 = dev_copy(h, (size_t)(M * K) * 4), *d2 = dev_copy(h2, (size_t)(M * ld2) * 4);
+        uint16_t *o1 = dev_alloc((size_t)(M * K) * 2), *o2 = dev_alloc((size_t)(M * K) * 2);
+        uint16_t *g1 = xmalloc((size_t)(M * K) * 2), *g2 = xmalloc((size_t)(M * K) * 2);
+        const duet_dtype_t dts[2] = {DUET_DTYPE_BF16, DUET_DTYPE_F16};
+        for (int di = 0; di < 2; di++) {
+            CHECK(duet_cuda_convert_from_f32(o1, dts[di], d1, K, M, K, 0) == DUET_OK, "%s",
+                  duet_error_last());
+            CHECK(duet_cuda_convert_from_f32(o2, dts[di], d2, ld2, M, K, 0) == DUET_OK, "%s",
+                  duet_error_last());
+            CUDA_OK(cudaMemcpy(g1, o1, (size_t)(M * K) * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(g2, o2, (size_t)(M * K) * 2, cudaMemcpyDeviceToHost));
+            int64_t diff = 0, host_diff = 0;
+            for (int64_t i = 0; i < M * K; i++) {
+                diff += g1[i] != g2[i];
+                if (dts[di] == DUET_DTYPE_BF16)
+                    host_diff += g1[i] != host_bf16_rne(h[i]);
+            }
+            printf("[kernels_cuda] convert %s M=%lld K=%lld: %lld elements differ between the "
+                   "paths, %lld from the host's rounding (both must be 0)\n",
+                   duet_dtype_name(dts[di]), (long long)M, (long long)K, (long long)diff,
+                   (long long)host_diff);
+            CHECK(diff == 0 && host_diff == 0, "convert %s M=%lld K=%lld", duet_dtype_name(dts[di]),
+                  (long long)M, (long long)K);
+        }
+        cudaFree(d1), cudaFree(d2), cudaFree(o1), cudaFree(o2);
+        free(h), free(h2), free(g1), free(g2);
+    }
+}
