@@ -192,7 +192,13 @@ duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p)
     } else if (s != NULL && strcmp(s, "cuda") == 0) {
         *dev_p = DUET_DEVICE_CUDA;
     } else if (s != NULL && strcmp(s, "auto") == 0) {
-        *dev_p = duet_cuda_device_count() > 0 ? DUET_DEVICE_CUDA : DUET_DEVICE_CPU;
+        /* a visible GPU this build has no code for: the CPU, and say why */
+        char why[256];
+        *dev_p = DUET_DEVICE_CPU;
+        if (duet_cuda_device_usable(why, sizeof(why)))
+            *dev_p = DUET_DEVICE_CUDA;
+        else if (duet_cuda_device_count() > 0)
+            DUET_LOG_WARN("--device auto: %s; running on the CPU", why);
     } else {
         return duet_error_set(DUET_ERR_INVALID, "device '%s': expected auto, cpu or cuda",
                               s != NULL ? s : "(null)");

@@ -621,9 +621,9 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
                                      int64_t max_pages_per_seq, const int64_t *layer_sub,
                                      duet_cuda_model_t **dm_p)
 {
-    if (duet_cuda_device_count() <= 0)
-        return duet_error_set(DUET_ERR_DEVICE, "--device cuda: no CUDA device is visible (driver "
-                              "missing, or CUDA_VISIBLE_DEVICES hides them)");
+    char why[256];
+    if (!duet_cuda_device_usable(why, sizeof(why)))
+        return duet_error_set(DUET_ERR_DEVICE, "--device cuda: %s", why);
     if (opts->compute_dtype != DUET_DTYPE_F32 && opts->compute_dtype != DUET_DTYPE_BF16)
         return duet_error_set(DUET_ERR_INVALID, "cuda model: compute dtype must be F32 or BF16");
     duet_cuda_model_t *dm = calloc(1, sizeof(*dm));

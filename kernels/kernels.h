@@ -78,6 +78,14 @@ void duet_convert_to_f32(float *dst, const void *src, duet_dtype_t dt, int64_t n
  */
 int duet_cuda_device_count(void);
 
+/*
+ * Whether this binary can run its CUDA kernels on the current device: a device is visible and
+ * the build holds code for its compute capability (CMAKE_CUDA_ARCHITECTURES, 90 by default:
+ * H100 / H200, and newer GPUs through the embedded PTX). 1 if so; else 0 with the reason in
+ * why (when why != NULL, cap > 0), e.g. a GPU of compute capability 8.0 under a build for 9.0.
+ */
+int duet_cuda_device_usable(char *why, size_t cap);
+
 /* ---- backend instance ------------------------------------------------------------------- */
 
 typedef struct duet_kernels duet_kernels_t;

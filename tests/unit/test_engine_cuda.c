@@ -112,6 +112,22 @@ Test(engine_cuda, no_device_fails_cleanly)
     free_fixtures(fx, n);
 }
 
+/* duet_cuda_device_usable agrees with the device count: without a device (CI) it says no, with
+ * a reason; with one, this build (CMAKE_CUDA_ARCHITECTURES as configured) must have code for
+ * it, or every GPU test below would fail at its first launch. */
+Test(engine_cuda, device_usable_agrees_with_count)
+{
+    char why[256] = "";
+    const int n = duet_cuda_device_count(), ok = duet_cuda_device_usable(why, sizeof(why));
+    printf("devices %d, usable %d%s%s\n", n, ok, ok ? "" : ": ", why);
+    if (n == 0) {
+        cr_assert_eq(ok, 0, "usable without a device");
+        cr_assert(why[0] != '\0', "no reason given");
+    } else
+        cr_assert_eq(ok, 1, "a visible device this build cannot use: %s", why);
+    cr_assert_eq(duet_cuda_device_usable(NULL, 0), ok, "the answer without a buffer differs");
+}
+
 Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
 {
     need_gpu();
