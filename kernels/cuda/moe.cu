@@ -123,7 +123,7 @@
 static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
               "gemv2 completes a slice per thread");
 
-#define DUET__MMA_BK      32
+#define DUET__MMA_BK      32 /* k-step (64 for the 64-row tiles where K allows) */
 #define DUET__MMA_STAGES  4
 #define DUET__MMA_THREADS 256
 #define DUET__MMA_BROWS   128 /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
@@ -1464,7 +1464,7 @@ static __device__ __forceinline__ void duet__mma_bf16(float (&c)[4], const unsig
 /* Byte offset of 16-byte chunk c of row r in a [rows][BK] bf16 tile. BK = 32: 64-byte rows,
  * chunk c (0..3) XOR-ed with bits 1..2 of the row; BK = 64: 128-byte rows, chunk c (0..7)
  * XOR-ed with bits 0..2. Either way ldmatrix's 8 rows of one chunk hit 8 distinct bank groups. */
-template <int BK = 32> static __device__ __forceinline__ unsigned duet__swz(int r, int c)
+template <int BK> static __device__ __forceinline__ unsigned duet__swz(int r, int c)
 {
     if constexpr (BK == 64)
         return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
@@ -1480,7 +1480,7 @@ template <int BK = 32> static __device__ __forceinline__ unsigned duet__swz(int 
  * 8 warps as 2 (M) × 4 (N): a warp owns BM/2 rows × 32 weight rows (DUAL: 16 of W1 + the
  * matching 16 of W3, so gate and up of one output land in the same thread).
  */
-template <int BM, bool DUAL, int BK = DUET__MMA_BK>
+template <int BM, bool DUAL, int BK>
 __global__ void __launch_bounds__(DUET__MMA_THREADS)
     duet__moe_mma_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
                          const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, int act,
@@ -1858,11 +1858,11 @@ static bool duet__mma_bk64(void)
 
 /* One MMA phase: the kernel of tile height BM, phase DUAL and k-step BK on grid g. */
 template <int BM, bool DUAL, int BK>
-static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_bfloat16 *A,
-                                        int a_div, const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
-                                        int N, int K, const duet__moe_plan_t &pl,
-                                        duet_cuda_act_t act, float beta, float beta_lin,
-                                        __nv_bfloat16 *h_out, float *o_out)
+static duet_status_t
+duet__launch_mma_bk(cudaStream_t stream, dim3 g, const __nv_bfloat16 *A, int a_div,
+                    const __nv_bfloat16 *B0, const __nv_bfloat16 *B1, int N, int K,
+                    const duet__moe_plan_t &pl, duet_cuda_act_t act, float beta, float beta_lin,
+                    __nv_bfloat16 *h_out, float *o_out)
 {
     static unsigned long long optin = 0;
     auto kernel = duet__moe_mma_kernel<BM, DUAL, BK>;
@@ -1876,6 +1876,22 @@ static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_
     return DUET_OK;
 }
 
+/* One MMA phase with its k-step: 64 for the 64-row tiles where K allows, else 32. */
+template <int BM, bool DUAL>
+static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_bfloat16 *A,
+                                        int a_div, const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
+                                        int N, int K, const duet__moe_plan_t &pl,
+                                        duet_cuda_act_t act, float beta, float beta_lin,
+                                        __nv_bfloat16 *h_out, float *o_out)
+{
+    if constexpr (BM == 64)
+        if (K % 64 == 0 && duet__mma_bk64())
+            return duet__launch_mma_bk<BM, DUAL, 64>(stream, g, A, a_div, B0, B1, N, K, pl, act,
+                                                     beta, beta_lin, h_out, o_out);
+    return duet__launch_mma_bk<BM, DUAL, DUET__MMA_BK>(stream, g, A, a_div, B0, B1, N, K, pl, act,
+                                                       beta, beta_lin, h_out, o_out);
+}
+
 template <int BM>
 static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                       const __nv_bfloat16 *xb, const duet__moe_plan_t &pl,
@@ -1887,27 +1903,12 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
     const dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
     const dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
-    duet_status_t st = DUET_OK;
-    bool done = false;
-    if constexpr (BM == 64) {
-        if (D % 64 == 0 && duet__mma_bk64()) {
-            st = duet__launch_mma_k<BM, true, 64>(stream, g1, xb, top_k, w1, w3, I, D, pl, act,
-                                                  beta, beta_lin, hb, NULL);
-            done = true;
-        }
-    }
-    if (!done)
-        st = duet__launch_mma_k<BM, true, 32>(stream, g1, xb, top_k, w1, w3, I, D, pl, act, beta,
-                                              beta_lin, hb, NULL);
+    const duet_status_t st = duet__launch_mma_k<BM, true>(stream, g1, xb, top_k, w1, w3, I, D, pl,
+                                                          act, beta, beta_lin, hb, NULL);
     if (st != DUET_OK)
         return st;
-    if constexpr (BM == 64) {
-        if (I % 64 == 0 && duet__mma_bk64())
-            return duet__launch_mma_k<BM, false, 64>(stream, g2, hb, 1, w2, w2, D, I, pl, act, beta,
-                                                     beta_lin, NULL, out);
-    }
-    return duet__launch_mma_k<BM, false, 32>(stream, g2, hb, 1, w2, w2, D, I, pl, act, beta,
-                                             beta_lin, NULL, out);
+    return duet__launch_mma_k<BM, false>(stream, g2, hb, 1, w2, w2, D, I, pl, act, beta, beta_lin,
+                                         NULL, out);
 }
 
 /*
