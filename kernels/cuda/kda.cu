@@ -100,6 +100,22 @@ __device__ static inline float duet__silu(float x)
     return x / (1.0f + expf(-x));
 }
 
+/* One conv output: SiLU(Σ_j tp[j] · u[j] + tlast · x) over the W - 1 earlier inputs u and the
+ * new input x, in the CPU loop's order. The conv kernel and the decode chain both call it, so
+ * the chain's conv is the conv kernel's bit for bit. */
+__device__ static inline float duet__kda_conv_out(const float (&tp)[DUET_KDA_MAX_W - 1],
+                                                  const float (&u)[DUET_KDA_MAX_W - 1], float tlast,
+                                                  float x, int64_t W)
+{
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+        if (j < W - 1)
+            acc += tp[j] * u[j];
+    acc += tlast * x;
+    return duet__silu(acc);
+}
+
 __device__ static inline float duet__softplus(float x)
 {
     return x > 20.0f ? x : log1pf(expf(x));
@@ -233,13 +249,7 @@ __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_
                         u[j] = j < W - 1 ? win[j] : 0.0f;
                 }
                 const float x = xg[g];
-                float acc = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
-                    if (j < W - 1)
-                        acc += tp[j] * u[j];
-                acc += tlast * x;
-                qkv[row * C3 + ch] = duet__silu(acc);
+                qkv[row * C3 + ch] = duet__kda_conv_out(tp, u, tlast, x, W);
 #pragma unroll
                 for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
                     u[j] = j == W - 2 ? x : (j + 1 < DUET_KDA_MAX_W - 1 ? u[j + 1] : u[j]);
@@ -1098,13 +1108,7 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     /* 1. conv + SiLU and window roll (ty 0..2), g (ty 3), β (thread 5·32). */
     if (one && active && ty < 3) {
         const float xin = a.proj[row * C3 + ch];
-        float acc = 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
-            if (jj < W - 1)
-                acc += tp[jj] * wu[jj];
-        acc += tlast * xin;
-        const float y = duet__silu(acc);
+        const float y = duet__kda_conv_out(tp, wu, tlast, xin, W);
         sx[ty][tx] = y;
         if (ty == 2)
             a.qkv[row * C3 + ch] = y;
