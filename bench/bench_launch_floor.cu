@@ -18,11 +18,15 @@
  *                loads issued before the PDL wait (as the engine's GEMVs do)
  *   chain_late   the same with every load after the wait (a kernel that prefetches nothing)
  *   chain_nopdl  the same kernels launched without PDL
+ *   stages       the chain with every entry that `joins` (see step_entries) merged into the
+ *                kernel before it: the fewest kernels the step's data dependencies allow
  *   per_layer    one kernel per layer (its entries' bytes in one stream), plus the head
  *   one          every byte in one kernel
  * and the roofline (bytes ÷ the device-to-device copy rate measured in the same run, read +
  * written). What it tells: chain − one is what the boundaries between the step's kernels cost
- * even with no work in them; a step made of these kernels cannot beat `chain`.
+ * even with no work in them; a step made of these kernels cannot beat `chain`, and no step that
+ * respects the model's data dependencies with a kernel boundary (or an equally costly grid-wide
+ * barrier) at each can beat `stages`.
  */
 #include <cuda_runtime.h>
 
@@ -56,9 +60,19 @@ typedef struct {
     const char *what;
     size_t bytes; /* 0: a kernel that only waits and triggers */
     int layer;    /* -1 for the embedding and the head */
+    bool joins;   /* needs no grid-wide result of the entry before it (see step_entries) */
 } entry_t;
 
-/* The step's kernels at batch 1, in engine/model_cuda.c's launch order (duet__enqueue). */
+/* The step's kernels at batch 1, in engine/model_cuda.c's launch order (duet__enqueue).
+ * `joins`: the entry needs nothing from the entry before it that only the whole grid of that
+ * kernel has, so one fused kernel could do both with no boundary between them: its blocks can
+ * form what they need themselves (the chain its own rows of f_b|g_b, q_b's blocks the q_a norm,
+ * W_UK's blocks their head's q_b rows, W_UV's blocks their head's split merge, a block of gate|up
+ * its rows' act·mul), the work is independent (the kv write), or a last block can finish it (the
+ * arg-max passes). Every entry that does not join needs a result that exists only once the whole
+ * grid before it is done: a norm over a full row (q|k|v, the router, gate|up of the dense MLP,
+ * lm_head), all heads (o_proj), all of q̂ (attend), all splits (the reducer), the routing
+ * (gate|up) or the whole gate|up output (down). */
 static std::vector<entry_t> step_entries(const duet_model_config_t *c, size_t wb, int64_t ctx)
 {
     std::vector<entry_t> v;
@@ -67,41 +81,41 @@ static std::vector<entry_t> step_entries(const duet_model_config_t *c, size_t wb
     const size_t dr = (size_t)c->qk_rope_head_dim, dv = (size_t)c->v_head_dim;
     const size_t r = (size_t)c->kv_lora_rank, I = (size_t)c->moe_intermediate;
     const size_t slots = (size_t)(c->top_k + c->n_shared_experts);
-    v.push_back({"embed", D * wb, -1});
+    v.push_back({"embed", D * wb, -1, false});
     for (int l = 0; l < (int)c->num_layers; l++) {
         if (c->mixer[l] == DUET_MIXER_KDA) {
-            v.push_back({"kda norm+q|k|v|f_a|g_a|b", (3 * HK + 2 * K + H) * D * wb, l});
-            v.push_back({"kda f_b|g_b", 2 * HK * K * wb, l});
-            v.push_back({"kda chain (state r+w)", 2 * H * K * K * 4, l});
-            v.push_back({"kda o_proj", D * HK * wb, l});
+            v.push_back({"kda norm+q|k|v|f_a|g_a|b", (3 * HK + 2 * K + H) * D * wb, l, l == 0});
+            v.push_back({"kda f_b|g_b", 2 * HK * K * wb, l, false});
+            v.push_back({"kda chain (state r+w)", 2 * H * K * K * 4, l, true});
+            v.push_back({"kda o_proj", D * HK * wb, l, false});
         } else {
             const size_t q = c->q_lora_rank > 0 ? (size_t)c->q_lora_rank : n * (dn + dr);
-            v.push_back({"mla norm+q|kv_a", (q + r + dr) * D * wb, l});
+            v.push_back({"mla norm+q|kv_a", (q + r + dr) * D * wb, l, l == 0});
             if (c->q_lora_rank > 0) {
-                v.push_back({"mla q_a norm", 0, l});
-                v.push_back({"mla q_b", n * (dn + dr) * q * wb, l});
+                v.push_back({"mla q_a norm", 0, l, false});
+                v.push_back({"mla q_b", n * (dn + dr) * q * wb, l, true});
             }
-            v.push_back({"mla kv write", 0, l});
-            v.push_back({"mla W_UK", n * r * dn * wb, l});
-            v.push_back({"mla attend (cache)", (size_t)ctx * (r + dr) * 2, l});
-            v.push_back({"mla split reduce", 0, l});
-            v.push_back({"mla W_UV", n * dv * r * wb, l});
-            v.push_back({"mla o_proj", D * n * dv * wb, l});
+            v.push_back({"mla kv write", 0, l, c->q_lora_rank > 0});
+            v.push_back({"mla W_UK", n * r * dn * wb, l, true});
+            v.push_back({"mla attend (cache)", (size_t)ctx * (r + dr) * 2, l, false});
+            v.push_back({"mla split reduce", 0, l, false});
+            v.push_back({"mla W_UV", n * dv * r * wb, l, true});
+            v.push_back({"mla o_proj", D * n * dv * wb, l, false});
         }
         if (c->ffn[l] == DUET_FFN_MOE) {
-            v.push_back({"moe norm+router+route", (size_t)c->n_experts * D * 4, l});
-            v.push_back({"moe gate/up (+shared)", slots * 2 * I * D * wb, l});
-            v.push_back({"moe down+combine", slots * D * I * wb, l});
+            v.push_back({"moe norm+router+route", (size_t)c->n_experts * D * 4, l, false});
+            v.push_back({"moe gate/up (+shared)", slots * 2 * I * D * wb, l, false});
+            v.push_back({"moe down+combine", slots * D * I * wb, l, false});
         } else {
             const size_t Id = (size_t)c->dense_intermediate;
-            v.push_back({"mlp norm+gate|up", 2 * Id * D * wb, l});
-            v.push_back({"mlp act*mul", 0, l});
-            v.push_back({"mlp down", D * Id * wb, l});
+            v.push_back({"mlp norm+gate|up", 2 * Id * D * wb, l, false});
+            v.push_back({"mlp act*mul", 0, l, true});
+            v.push_back({"mlp down", D * Id * wb, l, false});
         }
     }
-    v.push_back({"final norm+lm_head", (size_t)c->vocab_size * D * wb, -1});
-    v.push_back({"arg-max pass 1", (size_t)c->vocab_size * 4, -1});
-    v.push_back({"arg-max pass 2", 0, -1});
+    v.push_back({"final norm+lm_head", (size_t)c->vocab_size * D * wb, -1, false});
+    v.push_back({"arg-max pass 1", (size_t)c->vocab_size * 4, -1, true});
+    v.push_back({"arg-max pass 2", 0, -1, true});
     return v;
 }
 
@@ -249,7 +263,8 @@ int main(int argc, char **argv)
     for (const entry_t &e : es) {
         total += (e.bytes + 255) & ~(size_t)255;
         if (list)
-            fprintf(stderr, "%3d %-28s %12zu\n", e.layer, e.what, e.bytes);
+            fprintf(stderr, "%3d %-28s %12zu%s\n", e.layer, e.what, e.bytes,
+                    e.joins ? "  (joins)" : "");
     }
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev <= 0)
@@ -271,10 +286,14 @@ int main(int argc, char **argv)
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
-    std::vector<launch_t> chain, per_layer, one;
+    std::vector<launch_t> chain, stages, per_layer, one;
     size_t off = 0, bytes = 0;
     for (size_t i = 0; i < es.size(); i++) {
         chain.push_back({off, es[i].bytes});
+        if (stages.empty() || !es[i].joins)
+            stages.push_back({off, es[i].bytes});
+        else
+            stages.back().bytes = off + es[i].bytes - stages.back().off;
         const bool new_group =
             per_layer.empty() || es[i].layer != es[i - 1].layer || es[i].layer < 0;
         if (new_group)
@@ -294,11 +313,9 @@ int main(int argc, char **argv)
         const char *name;
         const std::vector<launch_t> *ls;
         bool early, pdl;
-    } forms[] = {{"one", &one, true, true},
-                 {"per_layer", &per_layer, true, true},
-                 {"chain", &chain, true, true},
-                 {"chain_late", &chain, false, true},
-                 {"chain_nopdl", &chain, true, false}};
+    } forms[] = {{"one", &one, true, true},           {"per_layer", &per_layer, true, true},
+                 {"stages", &stages, true, true},     {"chain", &chain, true, true},
+                 {"chain_late", &chain, false, true}, {"chain_nopdl", &chain, true, false}};
     for (const auto &f : forms) {
         const double ms = time_graph(*f.ls, f.early, f.pdl, buf, sink, wave, reps, s);
         printf("{\"form\":\"%s\",\"kernels\":%zu,\"ms\":%.4f,\"roofline_frac\":%.3f}\n", f.name,
