@@ -25,6 +25,9 @@ export PATH=/usr/local/cuda/bin:$PATH
 has() { case " $stages " in *" $1 "*) return 0;; esac; return 1; }
 say() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# transformers' eager step launches its kernels one at a time from one Python thread, so the host
+# CPU may set its pace: record it beside the GPU.
+{ grep -m1 "model name" /proc/cpuinfo; echo "cpus $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"; } | tee -a "$out/gpu.txt"
 
 if has build; then
   say build
@@ -33,7 +36,8 @@ if has build; then
   cmake --build build-gpu -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 fi
 if has tests; then
-  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda transfer_cuda; do
+  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda test_cuda_arch \
+      transfer_cuda; do
     bin=$(find build-gpu/tests -name "$t" -type f | head -1)
     [ -n "$bin" ] || { say "$t: not built"; continue; }
     say "$t"
