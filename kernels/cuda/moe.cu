@@ -37,7 +37,10 @@
  *    and dots them with every row of the slot, fp32 accumulation, warp-shuffle reduction. An
  *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
  *    per call and from L2 for its other slots. x and the activation h stay fp32, like the CPU
- *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p.
+ *    path. At T = 1 there is nothing to group: the plan is skipped and slot p is pair p. With
+ *    256 slots or more (T >= 32 at Kimi's dims), a block takes 4 of its slot's slices of
+ *    outputs (duet__gemv_spb), so one slot lookup and one load of its x (or h) rows serve four
+ *    times the weight rows.
  *    Phase 2 loads the first chunks of its W2 rows into registers and pulls the rest into L2
  *    while phase 1 finishes (W2 does not depend on it; an L2 prefetch of phase 1's rows right
  *    after the routing measured 3 us slower at T = 1 and 4 % at T = 8 and 64 on an H200).
@@ -78,13 +81,15 @@
 
 /* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tests and tuning,
  * bits 4..7 may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64,
- * 2: 128), and the flags below. (Programmatic dependent launch is switched for the whole
+ * 2: 128), bits 20..23 the GEMV slices per block at T > 1 (1: one, 2+: DUET__GV_SPB), and the
+ * flags below. (Programmatic dependent launch is switched for the whole
  * process by duet_cuda_pdl_set.) */
 #define DUET__MOE_PATH_AUTO        0
 #define DUET__MOE_PATH_GEMV        1
 #define DUET__MOE_PATH_MMA         2
 #define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
 #define DUET__MOE_T1_DEEP          0x4000 /* GEMV, T = 1: the uncapped kernels (DUET__GV_U13_DEEP) */
+#define DUET__MOE_SPB_SHIFT        20     /* GEMV, T > 1: the slices per block (see above) */
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
@@ -92,6 +97,12 @@
 #define DUET__GV_RD      4 /* phase 2: down outputs per warp */
 #define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
+#define DUET__GV_SPB       4 /* slices per block of the multi-slice kernels ... */
+#define DUET__GV_SPB_SLOTS 256 /* ... from this many slots on (duet__gemv_spb) */
+/* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (80 registers, 3 per
+ * SM, was slower than one slice per block: batch 64 31.8 ms against 31.3). Its down kernel
+ * stays uncapped: at 3 per SM (80 registers, a 12-byte spill) 28.37 ms against 28.21. */
+#define DUET__GV_MULTI13_BLOCKS 4
 /* At T = 1 (one row per slot) the 1-row kernels, with their registers capped so that 3 blocks
  * fit on an SM (80 registers). The real dims' rows are 9 (gate/up, D = 2304) and 4 (down,
  * I = 1024) chunks per lane. Measured on an H200, 27 layers at batch 1 × 2K (graph replay, side
@@ -1145,6 +1156,19 @@ static __device__ __forceinline__ void duet__gemv13_row_ptrs(const uint4 *(&w)[2
     }
 }
 
+/* A warp's W2 rows d0 .. d0 + RD - 1 of the expert whose matrix starts at row e0 of b2 (rows
+ * past D repeat row D - 1). */
+static __device__ __forceinline__ void duet__gemv2_row_ptrs(const uint4 *(&w)[DUET__GV_RD],
+                                                            const void *b2, size_t e0, int d0,
+                                                            int I, int D, size_t es)
+{
+#pragma unroll
+    for (int j = 0; j < DUET__GV_RD; j++) {
+        const size_t row = e0 + min(d0 + j, D - 1);
+        w[j] = reinterpret_cast<const uint4 *>((const char *)b2 + row * I * es);
+    }
+}
+
 /* No plan (T = 1): the gate/up tickets of gemv2 start at 0; every block of the grid clears its
  * share, after its PDL wait (the previous call's gemv2 read them). */
 static __device__ __forceinline__ void duet__gemv13_clear_tickets(const duet__moe_plan_t &pl)
@@ -1425,6 +1449,105 @@ __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_T1_BLOCKS)
                               float *out, const float *wts, float *y)
 {
     duet__moe_gemv2_body<DT, 1, U>(w2, h, pl, I, D, out, wts, y);
+}
+
+/*
+ * T > 1 with many slots (duet__gemv_spb): each block takes DUET__GV_SPB slices of its slot's
+ * output rows, so that the slot's lookup and its activation rows' round trip through L2 serve
+ * four times the weight rows. At T > 1 there are no tickets, no folded shared expert and no
+ * early weight loads, so these are the kernels above without them; each row's arithmetic is
+ * theirs (duet__gemv13_rows, duet__gemv2_rows), so the bits are the same.
+ */
+template <int DT, int NRMAX, int U, int SPB>
+__global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_MULTI13_BLOCKS)
+    duet__moe_gemv13_multi_kernel(const void *w1, const void *w3, const float *x,
+                                  duet__moe_plan_t pl, int I, int D, int act, float beta,
+                                  float beta_lin, float *h)
+{
+    static_assert(NRMAX > 1, "T = 1 has its own kernels");
+    extern __shared__ float4 gv_sh[];
+    __shared__ int pairs[DUET__GV_NR];
+    float *xs = reinterpret_cast<float *>(gv_sh);
+    constexpr int VEC = duet__wt<DT>::VEC;
+    const duet__wfirst<2 * DUET__GV_RI, U> none = {}; /* no early loads */
+    int e;
+    duet_pdl_wait(); /* the plan */
+    duet_pdl_trigger();
+    const int n = duet__slot(pl, NRMAX, (int)blockIdx.x, &e, pairs);
+    if (n < 0 || e < 0)
+        return;
+    __syncthreads();
+    duet__xs_load<VEC>(xs, x, D, n, [&](int r) { return duet__pair_row(pl, pairs[r]); });
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
+    for (int sl = 0; sl < SPB; sl++) {
+        const int i0 = (((int)blockIdx.y * SPB + sl) * DUET__GV_WARPS + warp) * DUET__GV_RI;
+        if (i0 >= I)
+            return;
+        const uint4 *w[2 * DUET__GV_RI];
+        duet__gemv13_row_ptrs(w, w1, w3, (size_t)e * I, i0, I, D, es);
+        if (n == 1)
+            duet__gemv13_rows<DT, 1, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        none);
+        else if (n == 2)
+            duet__gemv13_rows<DT, 2, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        none);
+        else if (NRMAX == 4 || n <= 4)
+            duet__gemv13_rows<DT, 4, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        none);
+        else
+            duet__gemv13_rows<DT, NRMAX, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                            none);
+    }
+}
+
+template <int DT, int NRMAX, int U, int SPB>
+__global__ void __launch_bounds__(DUET__GV_THREADS)
+    duet__moe_gemv2_multi_kernel(const void *w2, const float *h, duet__moe_plan_t pl, int I, int D,
+                                 float *out, const float *wts, float *y)
+{
+    static_assert(NRMAX > 1, "T = 1 has its own kernels");
+    extern __shared__ float4 gv_sh[];
+    __shared__ int pairs[DUET__GV_NR];
+    float *hs = reinterpret_cast<float *>(gv_sh);
+    constexpr int VEC = duet__wt<DT>::VEC;
+    const duet__wfirst<DUET__GV_RD, U> none = {};
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
+    int e;
+    /* Before the wait, as in duet__moe_gemv2_body: the plan is complete; the weight rows of
+     * every slice into L2 while phase 1 finishes. */
+    const int n = duet__slot(pl, NRMAX, (int)blockIdx.x, &e, pairs);
+    const uint4 *w[DUET__GV_RD];
+    for (int sl = 0; sl < SPB; sl++) {
+        const int d0 = (((int)blockIdx.y * SPB + sl) * DUET__GV_WARPS + warp) * DUET__GV_RD;
+        if (n > 0 && e >= 0 && d0 < D) {
+            duet__gemv2_row_ptrs(w, w2, (size_t)e * D, d0, I, D, es);
+            duet__prefetch_rows<DUET__GV_RD>(w, 0, (size_t)I * es, lane);
+        }
+    }
+    duet_pdl_wait(); /* h */
+    duet_pdl_trigger();
+    if (n < 0 || e < 0)
+        return;
+    __syncthreads();
+    duet__xs_load<VEC>(hs, h, I, n, [&](int r) { return pairs[r]; });
+    __syncthreads();
+    for (int sl = 0; sl < SPB; sl++) {
+        const int d0 = (((int)blockIdx.y * SPB + sl) * DUET__GV_WARPS + warp) * DUET__GV_RD;
+        if (d0 >= D)
+            return;
+        duet__gemv2_row_ptrs(w, w2, (size_t)e * D, d0, I, D, es);
+        if (n == 1)
+            duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
+        else if (n == 2)
+            duet__gemv2_rows<DT, 2, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
+        else if (NRMAX == 4 || n <= 4)
+            duet__gemv2_rows<DT, 4, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
+        else
+            duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
+    }
 }
 
 /* ---- MMA path ------------------------------------------------------------------------------- */
@@ -1751,7 +1874,7 @@ template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned lon
 
 /* Phase 1 then phase 2 with the kernels k13, k2 (gemv2 also adds into y when the plan has
  * tickets); *optin13 / *optin2 remember the shared-memory opt-in per device. */
-template <int NRMAX, typename K13, typename K2>
+template <int NRMAX, int SPB, typename K13, typename K2>
 static duet_status_t
 duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long long *optin2,
                     cudaStream_t stream, const duet_cuda_experts_t *ex, const float *x,
@@ -1764,12 +1887,12 @@ duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long l
     if ((e = duet__smem_optin(k13, optin13)) != cudaSuccess ||
         (e = duet__smem_optin(k2, optin2)) != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
-    dim3 g13((unsigned)max_slots,
-             (unsigned)((I + DUET__GV_WARPS * DUET__GV_RI - 1) / (DUET__GV_WARPS * DUET__GV_RI)));
+    const int rows13 = DUET__GV_WARPS * DUET__GV_RI * SPB; /* gate/up outputs per block */
+    dim3 g13((unsigned)max_slots, (unsigned)((I + rows13 - 1) / rows13));
     DUET__TRY(duet_pdl_launch(k13, g13, dim3(DUET__GV_THREADS), sm13, stream, ex->w1, ex->w3, x, pl,
                               I, D, (int)act, beta, beta_lin, h),
               "gemv gate/up kernel launch");
-    dim3 g2((unsigned)max_slots, (unsigned)pl.n_slices);
+    dim3 g2((unsigned)max_slots, (unsigned)((pl.n_slices + SPB - 1) / SPB));
     DUET__TRY(duet_pdl_launch(k2, g2, dim3(DUET__GV_THREADS), sm2, stream, ex->w2, (const float *)h,
                               pl, I, D, out, wts, y),
               "gemv down kernel launch");
@@ -1783,7 +1906,7 @@ duet__launch_gemv(cudaStream_t stream, const duet_cuda_experts_t *ex, const floa
                   float beta_lin, float *h, float *out, const float *wts, float *y)
 {
     static unsigned long long optin13 = 0, optin2 = 0;
-    return duet__launch_gemv_k<NRMAX>(
+    return duet__launch_gemv_k<NRMAX, 1>(
         duet__moe_gemv13_kernel<DT, NRMAX, U13>, duet__moe_gemv2_kernel<DT, NRMAX, U2>, &optin13,
         &optin2, stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
 }
@@ -1800,10 +1923,10 @@ duet__launch_gemv_t1(bool deep, cudaStream_t stream, const duet_cuda_experts_t *
         return duet__launch_gemv<DT, 1, DUET__GV_U13_DEEP, DUET__GV_U2_DEEP>(
             stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
     static unsigned long long optin13 = 0, optin2 = 0;
-    return duet__launch_gemv_k<1>(duet__moe_gemv13_t1_kernel<DT, DUET__GV_U13_T1>,
-                                  duet__moe_gemv2_t1_kernel<DT, DUET__GV_U2_T1>, &optin13, &optin2,
-                                  stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts,
-                                  y);
+    return duet__launch_gemv_k<1, 1>(duet__moe_gemv13_t1_kernel<DT, DUET__GV_U13_T1>,
+                                     duet__moe_gemv2_t1_kernel<DT, DUET__GV_U2_T1>, &optin13,
+                                     &optin2, stream, ex, x, pl, max_slots, act, beta, beta_lin, h,
+                                     out, wts, y);
 }
 
 /* DUET_CUDA_MOE_T1_DEEP=1 in the environment (read once) takes the uncapped T = 1 kernels:
@@ -1814,12 +1937,49 @@ static bool duet__t1_deep_env(void)
     return duet_cuda_env_flag(&deep, "DUET_CUDA_MOE_T1_DEEP") != 0;
 }
 
+/*
+ * Slices of output rows per GEMV block. Each block first looks up its slot and loads the slot's
+ * activation rows (up to 4 × D floats, a round trip through L2) before any weight row: with many
+ * slots (T > 1, the grid tens of thousands of short blocks) one block doing DUET__GV_SPB slices
+ * for one lookup and one load streams more of the time; with few slots the grid needs the
+ * blocks. H200, Kimi-Linear-48B's dims, 27 layers, duet-bench-model-cuda --batch 1,32,64
+ * --context 2048,32768, the previous commit built beside this one in one command (two runs
+ * each), ms per step: batch 32 20.54 / 20.55 → 20.22 / 20.25 at 2K, 24.24 / 24.25 → 23.94 /
+ * 23.96 at 32K; batch 64 31.16 / 31.18 → 28.18 / 28.24 and 38.45 / 38.52 → 35.61 / 35.51;
+ * batch 1 (other kernels) 2.270 / 2.280 → 2.284 / 2.281. An earlier build (the slice count a
+ * compile-time switch) gave, with 1, 4 and 8 slices per block everywhere: batch 8 9.43 / 9.47
+ * / 9.90, 16 13.83 / 13.94 / 14.52, 32 20.60 / 20.14 / 20.60, 64 31.23 / 28.90 / 28.75 at 2K:
+ * fewer than 256 slots need the blocks. The slot count is the host's bound, min(P, P / 4 +
+ * min(P, E)) for P = T · top_k pairs: 64, 128, 256 and 384 at batch 8, 16, 32 and 64.
+ */
+static int duet__gemv_spb(int64_t max_slots, bool direct)
+{
+    return !direct && max_slots >= DUET__GV_SPB_SLOTS ? DUET__GV_SPB : 1;
+}
+
+/* The multi-slice kernels (T > 1, 4 rows per slot). */
 template <int DT>
-static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, bool deep, cudaStream_t stream,
-                                          const duet_cuda_experts_t *ex, const float *x,
-                                          const duet__moe_plan_t &pl, int64_t max_slots,
-                                          duet_cuda_act_t act, float beta, float beta_lin, float *h,
-                                          float *out, const float *wts, float *y)
+static duet_status_t duet__launch_gemv_multi(cudaStream_t stream, const duet_cuda_experts_t *ex,
+                                             const float *x, const duet__moe_plan_t &pl,
+                                             int64_t max_slots, duet_cuda_act_t act, float beta,
+                                             float beta_lin, float *h, float *out, const float *wts,
+                                             float *y)
+{
+    static unsigned long long optin13 = 0, optin2 = 0;
+    return duet__launch_gemv_k<4, DUET__GV_SPB>(
+        duet__moe_gemv13_multi_kernel<DT, 4, DUET__GV_UNROLL, DUET__GV_SPB>,
+        duet__moe_gemv2_multi_kernel<DT, 4, DUET__GV_UNROLL, DUET__GV_SPB>, &optin13, &optin2,
+        stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out, wts, y);
+}
+
+/* The GEMV kernels for nrmax rows per slot; spb > 1 (duet__gemv_spb) takes the multi-slice
+ * kernels, which exist for the default nrmax (4) only. */
+template <int DT>
+static duet_status_t
+duet__launch_gemv_nr(int nrmax, int spb, bool direct, bool deep, cudaStream_t stream,
+                     const duet_cuda_experts_t *ex, const float *x, const duet__moe_plan_t &pl,
+                     int64_t max_slots, duet_cuda_act_t act, float beta, float beta_lin, float *h,
+                     float *out, const float *wts, float *y)
 {
     if (direct) /* T = 1: one row per slot */
         return duet__launch_gemv_t1<DT>(deep, stream, ex, x, pl, max_slots, act, beta, beta_lin, h,
@@ -1832,6 +1992,9 @@ static duet_status_t duet__launch_gemv_nr(int nrmax, bool direct, bool deep, cud
         return duet__launch_gemv<DT, 2>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
                                         wts, y);
     case 4:
+        if (spb > 1)
+            return duet__launch_gemv_multi<DT>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h,
+                                               out, wts, y);
         return duet__launch_gemv<DT, 4>(stream, ex, x, pl, max_slots, act, beta, beta_lin, h, out,
                                         wts, y);
     default:
@@ -1971,6 +2134,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
     const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
+    const int force_spb = (path >> DUET__MOE_SPB_SHIFT) & 0xf;
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
     const bool deep = (path & DUET__MOE_T1_DEEP) != 0 || duet__t1_deep_env();
     path &= 0xf;
@@ -2081,19 +2245,21 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         max_slots = max_slots < P ? max_slots : P;
         if (direct)
             max_slots = P + shared;
+        const int spb = force_spb > 0 && !direct ? (force_spb > 1 ? DUET__GV_SPB : 1)
+                                                 : duet__gemv_spb(max_slots, direct);
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, direct, deep, stream, ex, x, pl,
+            st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, spb, direct, deep, stream, ex, x, pl,
                                                        max_slots, act, beta, beta_lin, h, out, wts,
                                                        y);
             break;
         case DUET_DTYPE_F16:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, direct, deep, stream, ex, x, pl,
+            st = duet__launch_gemv_nr<DUET_DTYPE_F16>(nrmax, spb, direct, deep, stream, ex, x, pl,
                                                       max_slots, act, beta, beta_lin, h, out, wts,
                                                       y);
             break;
         default:
-            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, direct, deep, stream, ex, x, pl,
+            st = duet__launch_gemv_nr<DUET_DTYPE_F32>(nrmax, spb, direct, deep, stream, ex, x, pl,
                                                       max_slots, act, beta, beta_lin, h, out, wts,
                                                       y);
             break;

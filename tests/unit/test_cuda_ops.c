@@ -50,6 +50,9 @@ enum {
 };
 /* the MMA path with its tile height forced (moe.cu's path bits 8..11) */
 #define MMA_BM(bm) (PATH_MMA | ((bm) == 64 ? 1 << 8 : 2 << 8))
+/* the GEMV path at T > 1 with 1 slice of output rows per block, or (n > 1) 4 (moe.cu's bits
+ * 20..23; its own choice is 1, or 4 from 256 slots on) */
+#define GEMV_SPB(n) (PATH_GEMV | ((n) << 20))
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -1094,7 +1097,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
 }
 
 /* Small dims, T in {1, 5, 64, 300}, BF16 on both paths (and the GEMV path's variants, which
- * must agree bit for bit), F32 and F16 on the GEMV path; some invalid expert ids. */
+ * must agree bit for bit, among them 1 and 4 slices per block), F32 and F16 on the GEMV path;
+ * some invalid expert ids. */
 Test(cuda_ops, moe_experts_small, .timeout = 300)
 {
     skip_without_device();
@@ -1117,17 +1121,19 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                              PATH_GEMV | PATH_SEPARATE,
                                              PATH_GEMV | PATH_SEPARATE | PATH_NO_PDL,
                                              PATH_MMA | PATH_NO_PDL,
-                                             PATH_GEMV | PATH_DEEP};
+                                             PATH_GEMV | PATH_DEEP,
+                                             GEMV_SPB(1),
+                                             GEMV_SPB(4) | PATH_NO_PDL};
             static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, auto_mma, 0, 0);
             else
                 moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 8, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 10, auto_mma, 0, 0);
             /* invalid expert ids: skipped by the plan, the tickets and the combine */
             if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 8, auto_mma, T == 1 ? 1 : 3, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, auto_mma, T == 1 ? 1 : 3, 0);
             /* the shared expert folded in (T = 1): tickets, the combine kernel, PDL off; with
              * an invalid expert id too, whose block must still count its ticket */
             if (T == 1) {
@@ -1154,6 +1160,16 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         experts_make(&X, DUET_DTYPE_BF16, E, 128, 192);
         moe_case(cpu, &X, 64, K, &silu, tiles, 5, 1, 0, 0);
         moe_case(cpu, &X, 300, K, &silu, tiles, 5, 1, 3, 0);
+        experts_free(&X);
+    }
+    /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
+     * rows), D = 72 (3 down slices of 32); not on the MMA path (32 divides neither) */
+    {
+        static const int spb[] = {GEMV_SPB(1), GEMV_SPB(4), GEMV_SPB(4) | PATH_NO_PDL};
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, E, 40, 72);
+        moe_case(cpu, &X, 64, K, &silu, spb, 3, 0, 0, 0);
+        moe_case(cpu, &X, 300, K, &silu, spb, 3, 0, 3, 0);
         experts_free(&X);
     }
     /* top_k 10 (more pairs than gemv2 has warps; at T = 1 one of them invalid) */
@@ -1222,9 +1238,9 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 }
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
- * without programmatic dependent launch), T = 1 and 8 on the automatic (GEMV) path, which must
- * match its variants bit for bit (separate combine kernel, no PDL, at T = 1 the uncapped
- * kernels). */
+ * without programmatic dependent launch; on the GEMV path, 384 slots, so 4 slices per block,
+ * and forced to 1), T = 1 and 8 on the automatic (GEMV) path, which must match its variants bit
+ * for bit (separate combine kernel, no PDL, at T = 1 the uncapped kernels). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -1232,10 +1248,11 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     experts_t X;
     experts_make(&X, DUET_DTYPE_BF16, 256, 1024, 2304);
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
-    static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL};
+    static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL, GEMV_SPB(1),
+                                GEMV_SPB(4)};
     static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
                                  PATH_GEMV | PATH_DEEP};
-    moe_case(cpu, &X, 64, 8, &silu, paths, 3, 0, 0, 0);
+    moe_case(cpu, &X, 64, 8, &silu, paths, 5, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
