@@ -1163,11 +1163,12 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         experts_free(&X);
     }
     /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
-     * rows), D = 72 (3 down slices of 32); not on the MMA path (32 divides neither) */
-    {
+     * rows), D = 72 (3 down slices of 32), every weight dtype; not on the MMA path (32 divides
+     * neither) */
+    for (size_t di = 0; di < 3; di++) {
         static const int spb[] = {GEMV_SPB(1), GEMV_SPB(4), GEMV_SPB(4) | PATH_NO_PDL};
         experts_t X;
-        experts_make(&X, DUET_DTYPE_BF16, E, 40, 72);
+        experts_make(&X, dts[di], E, 40, 72);
         moe_case(cpu, &X, 64, K, &silu, spb, 3, 0, 0, 0);
         moe_case(cpu, &X, 300, K, &silu, spb, 3, 0, 3, 0);
         experts_free(&X);
