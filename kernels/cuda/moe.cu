@@ -1370,12 +1370,7 @@ static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, cons
     const size_t es = DT == DUET_DTYPE_F32 ? 4 : 2;
     const uint4 *w[DUET__GV_RD];
     const size_t e0 = e < 0 || e == pl.E ? 0 : (size_t)e * D;
-    const char *b2 = (const char *)(e == pl.E ? pl.sw2 : w2);
-#pragma unroll
-    for (int j = 0; j < DUET__GV_RD; j++) {
-        const size_t row = e0 + min(d0 + j, D - 1);
-        w[j] = reinterpret_cast<const uint4 *>(b2 + row * I * es);
-    }
+    duet__gemv2_row_ptrs(w, e == pl.E ? pl.sw2 : w2, e0, d0, I, D, es);
     /* While phase 1 finishes (W2 does not depend on it): at one row per slot (T = 1) the first
      * chunks of this warp's rows into registers and the rest into L2; with more rows per slot
      * (whose registers cost occupancy) the whole rows into L2. */
