@@ -1111,6 +1111,43 @@ duet__gemv2_rows(const uint4 *const *w, const float *hs, int I, int D, int d0, i
                 out[(size_t)pairs[r] * D + d0 + j] = acc[j][r];
 }
 
+/* Phase 1 or 2 for a slot of n rows (1 <= n <= NRMAX): the rows function instantiated for the
+ * fewest compiled rows that hold n (padding rows repeat row n - 1). */
+template <int DT, int NRMAX, int U>
+static __device__ __forceinline__ void
+duet__gemv13_slot_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, int n,
+                       const int *pairs, int act, float beta, float beta_lin, float *h, int lane,
+                       const duet__wfirst<2 * DUET__GV_RI, U> &first)
+{
+    if (NRMAX == 1 || n == 1)
+        duet__gemv13_rows<DT, 1, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane, first);
+    else if (NRMAX == 2 || n == 2)
+        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, xs, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane, first);
+    else if (NRMAX == 4 || n <= 4)
+        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, xs, D, I, i0, n, pairs, act, beta,
+                                                       beta_lin, h, lane, first);
+    else
+        duet__gemv13_rows<DT, NRMAX, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
+                                        first);
+}
+
+template <int DT, int NRMAX, int U>
+static __device__ __forceinline__ void
+duet__gemv2_slot_rows(const uint4 *const *w, const float *hs, int I, int D, int d0, int n,
+                      const int *pairs, float *out, int lane,
+                      const duet__wfirst<DUET__GV_RD, U> &first)
+{
+    if (NRMAX == 1 || n == 1)
+        duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
+    else if (NRMAX == 2 || n == 2)
+        duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane, first);
+    else if (NRMAX == 4 || n <= 4)
+        duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane, first);
+    else
+        duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
+}
+
 /*
  * The slot of this block: its row count n (-1 when past the device-side count), its expert in
  * *e_p and its pairs in `pairs` (padded to nrmax with the last one). Without a plan the block is
@@ -1293,18 +1330,9 @@ duet__moe_gemv13_body(const void *w1, const void *w3, const float *x, duet__moe_
     if (PRE && pre)
         duet__gemv13_rows<DT, 1, U, PRE>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
                                          first);
-    else if (NRMAX == 1 || n == 1)
-        duet__gemv13_rows<DT, 1, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                    first);
-    else if (NRMAX == 2 || n == 2)
-        duet__gemv13_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                       beta_lin, h, lane, first);
-    else if (NRMAX == 4 || n <= 4)
-        duet__gemv13_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, xsp, D, I, i0, n, pairs, act, beta,
-                                                       beta_lin, h, lane, first);
     else
-        duet__gemv13_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                        first);
+        duet__gemv13_slot_rows<DT, NRMAX, U>(w, xsp, D, I, i0, n, pairs, act, beta, beta_lin, h,
+                                             lane, first);
 }
 
 template <int DT, int NRMAX, int U>
@@ -1392,16 +1420,8 @@ static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, cons
         if (d0 < D) {
             if (PRE && pre)
                 duet__gemv2_rows<DT, 1, U, PRE>(w, hs, I, D, d0, n, pairs, out, lane, first);
-            else if (NRMAX == 1 || n == 1)
-                duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
-            else if (NRMAX == 2 || n == 2)
-                duet__gemv2_rows<DT, (NRMAX >= 2 ? 2 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                                              first);
-            else if (NRMAX == 4 || n <= 4)
-                duet__gemv2_rows<DT, (NRMAX >= 4 ? 4 : 1), U>(w, hs, I, D, d0, n, pairs, out, lane,
-                                                              first);
             else
-                duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
+                duet__gemv2_slot_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, first);
         }
     }
     if (pl.cnt == NULL)
@@ -1482,18 +1502,8 @@ __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_MULTI13_BLOCKS)
             return;
         const uint4 *w[2 * DUET__GV_RI];
         duet__gemv13_row_ptrs(w, w1, w3, (size_t)e * I, i0, I, D, es);
-        if (n == 1)
-            duet__gemv13_rows<DT, 1, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                        none);
-        else if (n == 2)
-            duet__gemv13_rows<DT, 2, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                        none);
-        else if (NRMAX == 4 || n <= 4)
-            duet__gemv13_rows<DT, 4, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                        none);
-        else
-            duet__gemv13_rows<DT, NRMAX, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h, lane,
-                                            none);
+        duet__gemv13_slot_rows<DT, NRMAX, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h,
+                                             lane, none);
     }
 }
 
@@ -1534,14 +1544,7 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         if (d0 >= D)
             return;
         duet__gemv2_row_ptrs(w, w2, (size_t)e * D, d0, I, D, es);
-        if (n == 1)
-            duet__gemv2_rows<DT, 1, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
-        else if (n == 2)
-            duet__gemv2_rows<DT, 2, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
-        else if (NRMAX == 4 || n <= 4)
-            duet__gemv2_rows<DT, 4, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
-        else
-            duet__gemv2_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
+        duet__gemv2_slot_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
     }
 }
 
