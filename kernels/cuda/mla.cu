@@ -18,7 +18,7 @@
  *   Two compute paths share that skeleton:
  *   - tensor cores (BF16 cache, r + dr <= 576): mma.sync m16n8k16 bf16 with fp32 accumulation.
  *     The cache values are exact in bf16, but q̂ and the probabilities P are fp32, so each is
- *     split as x = hi + lo (two bf16, |x − hi − lo| <= 2^-18 |x|) and multiplied twice: scores
+ *     split as x = hi + lo (two bf16, |x − hi − lo| <= 2^-16 |x|) and multiplied twice: scores
  *     and outputs keep ~fp32 accuracy, where rounding q̂ to bf16 alone would cost 2^-9 · |score|
  *     (about 1% of a probability at typical score magnitudes). Warp w computes the scores of
  *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
@@ -96,6 +96,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -282,16 +283,6 @@ template <> __device__ inline __nv_bfloat16 duet__mla_to<__nv_bfloat16>(float v)
     return __float2bfloat16_rn(v);
 }
 
-/* x = hi + lo in bf16 for a pair (first element in the low half, as mma fragments want). */
-__device__ static inline void duet__split2(float x0, float x1, uint32_t *hi, uint32_t *lo)
-{
-    const __nv_bfloat16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-    const __nv_bfloat16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
-    const __nv_bfloat16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
-    *hi = (uint32_t)__bfloat16_as_ushort(h0) | ((uint32_t)__bfloat16_as_ushort(h1) << 16);
-    *lo = (uint32_t)__bfloat16_as_ushort(l0) | ((uint32_t)__bfloat16_as_ushort(l1) << 16);
-}
-
 __device__ static inline void duet__ldsm_x4(const void *p, uint32_t v[4])
 {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
@@ -308,15 +299,6 @@ __device__ static inline void duet__ldsm_x4_t(const void *p, uint32_t v[4])
                  : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
                  : "r"(s)
                  : "memory");
-}
-
-/* c (16×8 fp32) += a (16×16 bf16, row) · b (16×8 bf16, col). */
-__device__ static inline void duet__mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* One butterfly step of a warp reduce-scatter over 2·O values (see the CUDA-core scores). */
@@ -1000,7 +982,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     for (int i = 0; i < 9; i++)
 #pragma unroll
         for (int x = 0; x < 4; x++)
-            duet__split2(qv[i][x][0], qv[i][x][1], &qh[i][x], &ql[i][x]);
+            duet_split_bf16x2(qv[i][x][0], qv[i][x][1], &qh[i][x], &ql[i][x]);
 
     /* per-thread ldmatrix offsets (elements) into a stage: K for the scores (this warp's
      * k-quarter), V for P · c (column pair `warp`), and into P */
@@ -1042,10 +1024,10 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                     /* matrices: (tokens 16np +0..7 | +8..15) × (dims 16ks +0..7 | +8..15) */
                     uint32_t bf[4];
                     duet__ldsm_x4(kb + 16 * np * ld + 16 * i, bf);
-                    duet__mma(sacc[2 * np], qh[i], bf[0], bf[1]);
-                    duet__mma(sacc[2 * np], ql[i], bf[0], bf[1]);
-                    duet__mma(sacc[2 * np + 1], qh[i], bf[2], bf[3]);
-                    duet__mma(sacc[2 * np + 1], ql[i], bf[2], bf[3]);
+                    duet_mma_bf16(sacc[2 * np], qh[i], bf[0], bf[1]);
+                    duet_mma_bf16(sacc[2 * np], ql[i], bf[0], bf[1]);
+                    duet_mma_bf16(sacc[2 * np + 1], qh[i], bf[2], bf[3]);
+                    duet_mma_bf16(sacc[2 * np + 1], ql[i], bf[2], bf[3]);
                 }
             }
         }
@@ -1090,10 +1072,10 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                     duet__ldsm_x4_t(kt + vb_off + 16 * ks * ld + 128 * i, v);
 #pragma unroll
                     for (int m = 0; m < MT; m++) {
-                        duet__mma(o[m][2 * i], ah[m], v[0], v[1]);
-                        duet__mma(o[m][2 * i], al[m], v[0], v[1]);
-                        duet__mma(o[m][2 * i + 1], ah[m], v[2], v[3]);
-                        duet__mma(o[m][2 * i + 1], al[m], v[2], v[3]);
+                        duet_mma_bf16(o[m][2 * i], ah[m], v[0], v[1]);
+                        duet_mma_bf16(o[m][2 * i], al[m], v[0], v[1]);
+                        duet_mma_bf16(o[m][2 * i + 1], ah[m], v[2], v[3]);
+                        duet_mma_bf16(o[m][2 * i + 1], al[m], v[2], v[3]);
                     }
                 }
             }

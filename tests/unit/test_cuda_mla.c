@@ -29,8 +29,9 @@
  *     <= 1003 weighted rows another ~1e-6 (worst-case bounds n·u·(…) are ~100× larger but need
  *     every rounding to go the same way): tol 5e-5.
  *   tensor cores (BF16): the cached rows are exact in bf16; q̂ and P are split into hi + lo bf16
- *     pairs (|x − hi − lo| <= 2^-18 |x|), so the extra error is ~2^-18 relative on each product
- *     and weight (~1e-5 on err at these magnitudes) on top of the fp32 terms: tol 1e-4.
+ *     pairs (|x − hi − lo| <= 2^-16 |x| at worst, ~2^-18 typically), so the extra error is at
+ *     most 2^-16 relative on each product and weight (~1e-5 on err at these magnitudes, under
+ *     4e-5 at worst) on top of the fp32 terms: tol 1e-4.
  *     Rounding q̂ to bf16 alone would put err near 2^-9 · |score| ≈ 1e-2: the tolerance catches
  *     a lost lo half.
  * kv_write: F32 rows equal the CPU's fp32 RMSNorm to 2^-22 relative (the scale is formed in

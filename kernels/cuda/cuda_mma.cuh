@@ -1,0 +1,43 @@
+/*
+ * cuda_mma.cuh: the tensor-core pieces the attention (mla.cu) and the small-M GEMV (gemm.cu)
+ * share (CUDA C++ only): one bf16 mma.m16n8k16 with fp32 accumulation, and the split of fp32
+ * values into bf16 hi + lo pairs that lets such products keep fp32 operands to 2^-16.
+ */
+#ifndef DUET_KERNELS_CUDA_MMA_CUH
+#define DUET_KERNELS_CUDA_MMA_CUH
+
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+
+/* c (16×8 fp32) += a (16×16 bf16, row: fragment registers a0..a3) · b (16×8 bf16, col). */
+static __device__ __forceinline__ void duet_mma_bf16(float c[4], uint32_t a0, uint32_t a1,
+                                                     uint32_t a2, uint32_t a3, uint32_t b0,
+                                                     uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* The same with the A fragment as an array. */
+static __device__ __forceinline__ void duet_mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
+                                                     uint32_t b1)
+{
+    duet_mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+/* (x0, x1) = hi + lo as two bf16 pairs, the first value in the low half as mma fragments want:
+ * hi rounds each value to 8 significant bits, lo the remainder, so |x − hi − lo| <= 2^-16 |x|. */
+static __device__ __forceinline__ void duet_split_bf16x2(float x0, float x1, uint32_t *hi,
+                                                         uint32_t *lo)
+{
+    const __nv_bfloat16 h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+    const __nv_bfloat16 l0 = __float2bfloat16_rn(x0 - __bfloat162float(h0));
+    const __nv_bfloat16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
+    *hi = (uint32_t)__bfloat16_as_ushort(h0) | ((uint32_t)__bfloat16_as_ushort(h1) << 16);
+    *lo = (uint32_t)__bfloat16_as_ushort(l0) | ((uint32_t)__bfloat16_as_ushort(l1) << 16);
+}
+
+#endif
