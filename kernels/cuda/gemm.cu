@@ -31,6 +31,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_cvt.cuh"
 #include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -208,8 +209,9 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
  * (fp32, from L1/L2: x is small) and reduce with shuffles; W is read exactly once, x is never
  * rounded (so it is at least as accurate as the converted path). Each warp reads every x row from
  * L1 per 16-byte piece of W, so the cost grows with M: on the H200 batch-8 decode of the 48B model
- * took 13.5 ms/step through it against 10.3 ms through cuBLASLt, hence the cap at 2. Used when K %
- * 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
+ * took 13.5 ms/step through it against 10.3 ms through cuBLASLt, hence the cap at 2 (3 to 8 rows
+ * of BF16 weights take the tensor-core GEMV below). Used when K % 8 == 0 and x, ldx and W allow
+ * 16-byte loads; otherwise cuBLASLt.
  */
 #define DUET_GEMV_MAX_M 2
 #define DUET_GEMV_WARPS 8
@@ -616,6 +618,192 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
     return duet__gemv_launch_r<1, 4>(stream, M, args);
 }
 
+/* ---- 3 to 8 rows of BF16 weights: the weight stream through the tensor cores ----------------- */
+
+/*
+ * Batch-8 decode through cuBLASLt spent 2.1 of its 9.3 ms per step on the dense products, their
+ * split-K reductions and the conversions of x (a CUPTI trace of the 27-layer step on the H200),
+ * for about 0.7 GB of weights. The FMA GEMV above is no answer past 2 rows (each 16-byte piece
+ * of W would meet M rows of x from L1), but the tensor cores take up to 8 rows as the n side of
+ * mma.m16n8k16 at no cost that matters.
+ *
+ * A warp owns a tile of 16 rows of W (one m16 tile) and a slice of its columns. Lane (g, tg)
+ * loads 16 bytes (8 columns) of rows g and g + 8 at the same columns, 8·tg past the step's base:
+ * once the columns are renumbered (a dot product does not care in which order its k run) those
+ * are its A fragments of two k16 steps as loaded: step one takes columns 0-3 of the lane's 8 as
+ * the fragment's k = 2tg, 2tg+1, 2tg+8, 2tg+9, step two columns 4-7. The same renumbering of x
+ * gives the B fragments: lane (g, tg) reads 8 values of x's row g at those columns. So W goes
+ * from memory to the tensor cores with no shuffle and no shared memory, each row read in 64-byte
+ * runs by four lanes, DUET_TGEMV_U steps in flight.
+ * x stays fp32 in effect: each value is split into bf16 hi + lo (|x − hi − lo| <= 2^-16 |x|:
+ * two roundings to 8 significant bits) and both are multiplied, so each product is within
+ * 2^-16 of fp32's (cuBLASLt's path rounds x to bf16: 2^-8).
+ * When the tiles alone make too few warps to keep HBM busy (o_proj: 144 tiles of 16 rows), the
+ * S warps of a block split one tile's columns (S = 1, 2, 4 or 8: the fewest that make
+ * DUET_TGEMV_WANT warps per SM) and meet in shared memory, added in slice order, so the result
+ * depends on the shape only.
+ * Measured on the H200 (27-layer step, batch 8, side by side in one command with
+ * DUET_CUDA_NO_TGEMV=1): see bench/RESULTS.md. 9 to 16 rows (two n8 tiles) were slower than
+ * cuBLASLt at batch 16 (14.39 against 13.72 ms), so they stay there.
+ * PDL as in the GEMV: the first weight steps are issued before the wait.
+ */
+#define DUET_TGEMV_MIN_M 3
+#define DUET_TGEMV_MAX_M 8
+#define DUET_TGEMV_WARPS 8
+#define DUET_TGEMV_U     4  /* 32-column steps of W in flight per warp */
+#define DUET_TGEMV_WANT  16 /* warps per SM the slices aim for */
+
+/* Tiles of 16 rows: a segment's start seg.b0 and seg.nb per batch entry count tiles; S warps
+ * per tile, DUET_TGEMV_WARPS / S tiles per block. */
+__global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
+    duet__tgemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M, int S, unsigned tiles)
+{
+    __shared__ float red[DUET_TGEMV_WARPS][4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    const unsigned tile = blockIdx.x * (unsigned)(DUET_TGEMV_WARPS / S) + (unsigned)(warp / S);
+    const int slice = warp % S;
+    const bool live = tile < tiles; /* warp-uniform */
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    duet__gemv_seg_t sg = args.seg[0];
+    int64_t n0 = 0;
+    if (live) {
+        int si = 0;
+        while (si + 1 < args.n && tile >= args.seg[si + 1].b0)
+            si++;
+        sg = args.seg[si];
+        const unsigned local = tile - sg.b0, b = local / sg.nb;
+        n0 = (int64_t)(local % sg.nb) * 16;
+        if (b > 0) {
+            sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * 2;
+            sg.x += (int64_t)b * sg.sx;
+            sg.y += (int64_t)b * sg.sy;
+        }
+        const int64_t ks = ((sg.K + S - 1) / S + 31) / 32 * 32;
+        const int64_t k_beg = slice * ks, k_end = min(sg.K, k_beg + ks);
+        const __nv_bfloat16 *w0 = (const __nv_bfloat16 *)sg.w + min(n0 + g, sg.N - 1) * sg.K;
+        const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)sg.w + min(n0 + g + 8, sg.N - 1) * sg.K;
+        const bool xok = g < M; /* x rows past M read row 0 and count as zero */
+        const float *xr = sg.x + (int64_t)(xok ? g : 0) * sg.ldx;
+        bool waited = args.wait_first != 0;
+        if (waited) {
+            duet_pdl_wait();
+            duet_pdl_trigger();
+        }
+        for (int64_t kb = k_beg; kb < k_end; kb += 32 * DUET_TGEMV_U) {
+            uint4 wa[DUET_TGEMV_U], wb[DUET_TGEMV_U];
+#pragma unroll
+            for (int u = 0; u < DUET_TGEMV_U; u++) {
+                const int64_t k = kb + 32 * u + 8 * tg;
+                if (k < k_end) {
+                    wa[u] = duet_ld_weight16(w0 + k);
+                    wb[u] = duet_ld_weight16(w1 + k);
+                } else {
+                    wa[u] = wb[u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+            if (!waited) { /* the first steps are in flight: now wait for x */
+                duet_pdl_wait();
+                duet_pdl_trigger();
+                waited = true;
+            }
+#pragma unroll
+            for (int u = 0; u < DUET_TGEMV_U; u++) {
+                if (kb + 32 * u >= k_end) /* warp-uniform */
+                    break;
+                const int64_t k = kb + 32 * u + 8 * tg;
+                const bool in = k < k_end;
+                const float *p = xr + (in ? k : 0);
+                float4 x0 = *(const float4 *)p, x1 = *(const float4 *)(p + 4);
+                if (!(in && xok))
+                    x0 = x1 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                uint32_t h0, l0, h1, l1, h2, l2, h3, l3;
+                duet_split_bf16x2(x0.x, x0.y, &h0, &l0);
+                duet_split_bf16x2(x0.z, x0.w, &h1, &l1);
+                duet_split_bf16x2(x1.x, x1.y, &h2, &l2);
+                duet_split_bf16x2(x1.z, x1.w, &h3, &l3);
+                duet_mma_bf16(acc, wa[u].x, wb[u].x, wa[u].y, wb[u].y, h0, h1);
+                duet_mma_bf16(acc, wa[u].x, wb[u].x, wa[u].y, wb[u].y, l0, l1);
+                duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, h2, h3);
+                duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, l2, l3);
+            }
+        }
+        if (!waited) { /* a slice with no columns */
+            duet_pdl_wait();
+            duet_pdl_trigger();
+        }
+    } else {
+        duet_pdl_wait(); /* every warp waits: the grid completes after its predecessor */
+        duet_pdl_trigger();
+    }
+    if (S > 1) { /* the slices meet in shared memory, added in slice order */
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            red[warp][c][lane] = acc[c];
+        __syncthreads();
+        if (slice == 0)
+            for (int s = 1; s < S; s++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    acc[c] += red[warp + s][c][lane];
+    }
+    if (!live || slice != 0)
+        return;
+        /* c0, c1: row n0 + g, x rows 2tg and 2tg + 1; c2, c3: row n0 + g + 8 */
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        const int m = 2 * tg + (c & 1);
+        const int64_t n = n0 + g + 8 * (c >> 1);
+        if (m < M && n < sg.N) {
+            float *yp = sg.y + m * sg.ldy + n;
+            *yp = sg.accumulate ? *yp + acc[c] : acc[c];
+        }
+    }
+}
+
+/* Launch the segments (each checked by duet__tgemv_fits) as one kernel: the segments' tile
+ * offsets, and the fewest warps per tile (1, 2, 4, 8) that give DUET_TGEMV_WANT warps per SM. */
+static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
+{
+    args->wait_first = !duet_cuda_weights_early();
+    unsigned tiles = 0;
+    for (int i = 0; i < args->n; i++) {
+        duet__gemv_seg_t *sg = &args->seg[i];
+        if (sg->B == 0)
+            sg->B = 1;
+        sg->b0 = tiles;
+        sg->nb = (unsigned)((sg->N + 15) / 16);
+        tiles += sg->nb * sg->B;
+    }
+    if (args->n == 0 || tiles == 0)
+        return cudaSuccess;
+    const int n_sms = duet_cuda_sm_count();
+    const int64_t want = (int64_t)(n_sms > 0 ? n_sms : 132) * DUET_TGEMV_WANT;
+    int S = 1;
+    while (S < DUET_TGEMV_WARPS && (int64_t)tiles * S < want)
+        S *= 2;
+    const unsigned per_block = DUET_TGEMV_WARPS / S;
+    return duet_pdl_launch(duet__tgemv_kernel, dim3((tiles + per_block - 1) / per_block),
+                           dim3(32 * DUET_TGEMV_WARPS), 0, stream, *args, (int)M, S, tiles);
+}
+
+/* DUET_CUDA_NO_TGEMV=1 in the environment sends these calls to cuBLASLt (comparisons). */
+static int duet__tgemv_disabled(void)
+{
+    static int off = -1;
+    return duet_cuda_env_flag(&off, "DUET_CUDA_NO_TGEMV");
+}
+
+/* Whether the tensor-core GEMV takes a call of B products [N, K] of M rows: BF16 W, 3 <= M <= 8,
+ * K % 8 == 0, 16-byte loads of x and W, tile counts that fit its indexing. */
+static int duet__tgemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64_t B, int64_t M,
+                            const void *w_data, duet_dtype_t dt, int64_t N, int64_t K)
+{
+    return dt == DUET_DTYPE_BF16 && M >= DUET_TGEMV_MIN_M && M <= DUET_TGEMV_MAX_M && N > 0 &&
+           K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
+           B <= 65535 && (N + 15) / 16 * B <= (int64_t)1 << 30 && ((uintptr_t)x & 15u) == 0 &&
+           ((uintptr_t)w_data & 15u) == 0 && !duet__tgemv_disabled();
+}
+
 /* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
 static int duet__gemv_disabled(void)
 {
@@ -658,7 +846,9 @@ static duet_status_t duet__gemv_one(cudaStream_t stream, float *y, int64_t ldy, 
                                      .sx = stride_x,
                                      .sy = stride_y,
                                      .B = (unsigned)B};
-    DUET__TRY(duet__gemv_run(stream, M, &args), "gemv launch");
+    DUET__TRY(M <= DUET_GEMV_MAX_M ? duet__gemv_run(stream, M, &args)
+                                   : duet__tgemv_run(stream, M, &args),
+              "gemv launch");
     return DUET_OK;
 }
 
@@ -1003,7 +1193,8 @@ duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y
         return DUET_OK;
     if (x == NULL || y == NULL || w->data == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
-    if (duet__gemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K, flags))
+    if (duet__gemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K, flags) ||
+        duet__tgemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K))
         return duet__gemv_one(stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data, w->dtype, N,
                               K, B, accumulate);
     if (w->dtype == DUET_DTYPE_F32)
@@ -1031,7 +1222,8 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
     if (st != DUET_OK)
         return st;
-    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1], flags))
+    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1], flags) ||
+        duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1]))
         return duet__gemv_one(stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, w->shape[0],
                               w->shape[1], 1, accumulate);
     if (w->dtype == DUET_DTYPE_F32)
@@ -1078,8 +1270,10 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
         if (st != DUET_OK)
             return st;
         fits =
-            fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
-                                    ops[i].w->shape[0], ops[i].w->shape[1], flags);
+            fits && (duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
+                                     ops[i].w->shape[0], ops[i].w->shape[1], flags) ||
+                     duet__tgemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
+                                      ops[i].w->dtype, ops[i].w->shape[0], ops[i].w->shape[1]));
     }
     if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
         for (int i = 0; i < n_ops; i++) {
@@ -1093,7 +1287,9 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     }
     duet__gemv_args_t args;
     duet__ops_args(ops, n_ops, &args);
-    DUET__TRY(duet__gemv_run(stream, M, &args), "multi gemv launch");
+    DUET__TRY(M <= DUET_GEMV_MAX_M ? duet__gemv_run(stream, M, &args)
+                                   : duet__tgemv_run(stream, M, &args),
+              "multi gemv launch");
     return DUET_OK;
 }
 

@@ -329,7 +329,9 @@ Test(kernels_cuda, cached_call_is_deterministic, .timeout = 60)
 /*
  * duet_cuda_gemm_matmul_batched (per-head MLA products) and duet_cuda_gemm_matmul_multi (a
  * decode step's products of one input) against duet_k_matmul entry by entry: M = 1 and 2 take
- * the GEMV (one launch), M = 5 cuBLASLt. Same S-relative measure and tolerances as above (BF16:
+ * the GEMV (one launch); at M = 5 the BF16 products take the tensor-core GEMV and the F32 one
+ * cuBLASLt (a multi call of mixed paths runs one call per product). Same S-relative measure and
+ * tolerances as above (BF16:
  * 2^-8 + 2e-5, which the GEMV, keeping x in fp32, is far inside; F32: 2e-5).
  */
 static double check_rows(const float *g, const float *c, const float *x, int64_t ldx,
@@ -482,7 +484,8 @@ Test(kernels_cuda, batched_and_multi_vs_cpu, .timeout = 120)
         cudaFree(dy);
         free(w), free(wf), free(x), free(yc), free(yg);
     }
-    printf("batched (B=3) max err %.3g, multi max err %.3g (M = 1, 2: GEMV; 5: cuBLASLt)\n",
+    printf("batched (B=3) max err %.3g, multi max err %.3g (M = 1, 2: GEMV; 5: tensor-core GEMV "
+           "and cuBLASLt)\n",
            worst_b, worst_m);
     duet_cuda_gemm_destroy(g);
     duet_kernels_destroy(cpu);
@@ -562,6 +565,155 @@ Test(kernels_cuda, gemv_wide_launches_vs_cpu, .timeout = 300)
     printf("gemv wide launches: %d cases (2 and 4 outputs per warp, mixed weight types), max "
            "err/S %.3g\n",
            cases, worst);
+    duet_cuda_gemm_destroy(g);
+    duet_kernels_destroy(cpu);
+}
+
+/*
+ * The tensor-core GEMV (3 <= M <= 8 rows, BF16 weights) against duet_k_matmul. It keeps x in fp32
+ * in effect (each value split into bf16 hi + lo, |x − hi − lo| <= 2^-16 |x|, both multiplied
+ * exactly and summed in fp32), so it must meet 2^-16 + 2e-5 of S, S = Σ|x·w| (+ |y0| when
+ * accumulating), 100× tighter than the BF16 tolerance of cuBLASLt's rounded x (an output that
+ * lost its lo half, or a column, a row or an x row mapped wrongly, is far outside). Shapes: N
+ * not a multiple of the 16-row tile; K not a multiple of the 32-column step (and 8, the least it
+ * takes); a tile's columns split over 8 warps that meet in shared memory (few tiles: 2304 ×
+ * 4096 as o_proj, 16 × 9216, 7 tiles × 3 batch entries × 1000 columns, the last slice short)
+ * and whole rows (many tiles: 6403 × 264); batched entries; a multi call of three BF16 products
+ * in one launch (one accumulating); M = 3, 5, 6 and 8, plus 9, which goes to cuBLASLt and must
+ * still meet the BF16 tolerance. Each call runs twice and must give the same bits.
+ */
+Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
+{
+    skip_without_device();
+    duet_kernels_t *cpu = NULL;
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_kernels_create(DUET_DEVICE_CPU, 1, &cpu) == DUET_OK);
+    CHECK(duet_cuda_gemm_create(0, 1 << 20, &g) == DUET_OK, "%s", duet_error_last());
+    const double tol_tg = ldexp(1.0, -16) + 2e-5, tol16 = 1.0 / 256 + 2e-5;
+    /* {N, K, batch entries} */
+    const int64_t shapes[][3] = {{37, 72, 1},     {16, 8, 1},    {2304, 4096, 1}, {16, 9216, 1},
+                                 {2600, 2304, 1}, {130, 136, 5}, {6403, 264, 1},  {100, 1000, 3}};
+    const int64_t Ms[] = {3, 5, 6, 8, 9};
+    double worst = 0;
+    int cases = 0;
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        const int64_t N = shapes[si][0], K = shapes[si][1], B = shapes[si][2];
+        for (size_t mi = 0; mi < sizeof(Ms) / sizeof(Ms[0]); mi++) {
+            const int64_t M = Ms[mi], ldx = B * K + 4, ldy = B * N + 3;
+            const int acc = (int)((si + mi) & 1);
+            const double tol = M <= 8 ? tol_tg : tol16; /* M = 9: cuBLASLt */
+            float *wf, *x = xmalloc((size_t)(M * ldx) * 4);
+            float *y0 = xmalloc((size_t)(M * ldy) * 4), *yc = xmalloc((size_t)(M * ldy) * 4);
+            float *yg = xmalloc((size_t)(M * ldy) * 4), *yg2 = xmalloc((size_t)(M * ldy) * 4);
+            for (int64_t i = 0; i < M * ldx; i++)
+                x[i] = rng_f();
+            for (int64_t i = 0; i < M * ldy; i++)
+                y0[i] = rng_f();
+            uint16_t *w = bf16_weights_and_ref(cpu, B, N, K, x, ldx, K, M, yc, ldy, N, &wf);
+            if (acc) /* the reference of y0 + x·Wᵀ */
+                for (int64_t i = 0; i < M * ldy; i++)
+                    yc[i] += (i % ldy) < B * N ? y0[i] : 0.0f;
+            void *dw = dev_copy(w, (size_t)(B * N * K) * 2);
+            float *dx = dev_copy(x, (size_t)(M * ldx) * 4);
+            float *dy = dev_copy(y0, (size_t)(M * ldy) * 4);
+            for (int rep = 0; rep < 2; rep++) {
+                CUDA_OK(cudaMemcpy(dy, y0, (size_t)(M * ldy) * 4, cudaMemcpyHostToDevice));
+                /* [B][N][K] for the batched call, [N][K] for the plain one */
+                duet_tensor_t wd = {.data = dw,
+                                    .dtype = DUET_DTYPE_BF16,
+                                    .device = DUET_DEVICE_CUDA,
+                                    .ndim = B > 1 ? 3 : 2,
+                                    .shape = {B > 1 ? B : N, B > 1 ? N : K, B > 1 ? K : 0}};
+                const duet_status_t st =
+                    B > 1 ? duet_cuda_gemm_matmul_batched(g, 0, dy, ldy, N, dx, ldx, K, M, &wd, acc,
+                                                          0)
+                          : duet_cuda_gemm_matmul(g, 0, dy, ldy, dx, ldx, M, &wd, acc, 0);
+                CHECK(st == DUET_OK, "N=%lld K=%lld B=%lld M=%lld: %s", (long long)N, (long long)K,
+                      (long long)B, (long long)M, duet_error_last());
+                CUDA_OK(
+                    cudaMemcpy(rep ? yg2 : yg, dy, (size_t)(M * ldy) * 4, cudaMemcpyDeviceToHost));
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = 0; n < ldy; n++) {
+                    const int64_t i = m * ldy + n;
+                    if (n >= B * N) {
+                        CHECK(yg[i] == y0[i], "padding y[%lld, %lld] written", (long long)m,
+                              (long long)n);
+                        continue;
+                    }
+                    const int64_t b = n / N, r = n % N;
+                    double S = acc ? fabs(y0[i]) : 0.0;
+                    for (int64_t k = 0; k < K; k++)
+                        S += fabs((double)x[m * ldx + b * K + k] * wf[(b * N + r) * K + k]);
+                    const double d = fabs((double)yg[i] - yc[i]);
+                    CHECK(d <= tol * S + 1e-6,
+                          "N=%lld K=%lld B=%lld M=%lld acc=%d y[%lld, %lld]: gpu %.9g cpu %.9g "
+                          "S %.4g",
+                          (long long)N, (long long)K, (long long)B, (long long)M, acc, (long long)m,
+                          (long long)n, yg[i], yc[i], S);
+                    if (M <= 8)
+                        worst = S > 0 && d / S > worst ? d / S : worst;
+                }
+            CHECK(memcmp(yg, yg2, (size_t)(M * ldy) * 4) == 0,
+                  "N=%lld K=%lld M=%lld: a second call gave other bits", (long long)N, (long long)K,
+                  (long long)M);
+            cudaFree(dw), cudaFree(dx), cudaFree(dy);
+            free(w), free(wf), free(x), free(y0), free(yc), free(yg), free(yg2);
+            cases++;
+        }
+    }
+
+    /* one multi launch: q|k|v-like BF16 products of one x, the last accumulating */
+    for (int64_t M = 3; M <= 8; M += 5) {
+        const int64_t K = 264, Ns[3] = {100, 37, 64}, ldx = K;
+        float *x = xmalloc((size_t)(M * ldx) * 4);
+        for (int64_t i = 0; i < M * ldx; i++)
+            x[i] = rng_f();
+        float *dx = dev_copy(x, (size_t)(M * ldx) * 4);
+        float *wf[3], *yc[3], *dy[3];
+        uint16_t *w[3];
+        void *dw[3];
+        duet_tensor_t wd[3];
+        duet_cuda_gemm_op_t ops[3];
+        for (int o = 0; o < 3; o++) {
+            yc[o] = xmalloc((size_t)(M * Ns[o]) * 4);
+            w[o] = bf16_weights_and_ref(cpu, 1, Ns[o], K, x, ldx, K, M, yc[o], Ns[o], 0, &wf[o]);
+            dw[o] = dev_copy(w[o], (size_t)(Ns[o] * K) * 2);
+            float *y0 = xmalloc((size_t)(M * Ns[o]) * 4);
+            for (int64_t i = 0; i < M * Ns[o]; i++)
+                y0[i] = o == 2 ? rng_f() : 0.0f;
+            if (o == 2)
+                for (int64_t i = 0; i < M * Ns[o]; i++)
+                    yc[o][i] += y0[i];
+            dy[o] = dev_copy(y0, (size_t)(M * Ns[o]) * 4);
+            free(y0);
+            wd[o] = (duet_tensor_t){.data = dw[o],
+                                    .dtype = DUET_DTYPE_BF16,
+                                    .device = DUET_DEVICE_CUDA,
+                                    .ndim = 2,
+                                    .shape = {Ns[o], K}};
+            ops[o] = (duet_cuda_gemm_op_t){
+                .y = dy[o], .ldy = Ns[o], .x = dx, .ldx = ldx, .w = &wd[o], .accumulate = o == 2};
+        }
+        CHECK(duet_cuda_gemm_matmul_multi(g, 0, M, ops, 3, 0) == DUET_OK, "multi: %s",
+              duet_error_last());
+        for (int o = 0; o < 3; o++) {
+            float *yg = xmalloc((size_t)(M * Ns[o]) * 4);
+            CUDA_OK(cudaMemcpy(yg, dy[o], (size_t)(M * Ns[o]) * 4, cudaMemcpyDeviceToHost));
+            /* (S leaves out y0 for the accumulated op: 1e-5 more, as f32_acc_op_check) */
+            const double e = check_rows(yg, yc[o], x, ldx, wf[o], M, Ns[o], K, Ns[o],
+                                        tol_tg + (o == 2 ? 1e-5 : 0.0), "tgemv multi");
+            worst = e > worst ? e : worst;
+            cudaFree(dw[o]), cudaFree(dy[o]);
+            free(yg), free(w[o]), free(wf[o]), free(yc[o]);
+        }
+        cudaFree(dx);
+        free(x);
+        cases++;
+    }
+    printf("tensor-core gemv: %d cases (M 3..8, split and whole columns, batched, multi), max "
+           "err/S %.3g (tol %.3g)\n",
+           cases, worst, tol_tg);
     duet_cuda_gemm_destroy(g);
     duet_kernels_destroy(cpu);
 }
