@@ -27,7 +27,7 @@
  * first. For 3 <= M <= 8 with BF16 W (same alignment terms) a second kernel streams W into the
  * tensor cores (mma m16n8k16, the rows of x as its n side) with x split into bf16 hi + lo pairs,
  * so x is kept to 2^-16 instead of rounded to 2^-8, and no conversion runs;
- * DUET_CUDA_NO_TGEMV=1 sends those calls to cuBLASLt.
+ * DUET_CUDA_NO_TGEMV=1 sends those calls to cuBLASLt (DUET_CUDA_NO_GEMV=1 sends all).
  *
  * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
  * for x. Per call, cuBLASLt's descriptors and heuristic algorithm are looked up in a small cache

@@ -618,6 +618,13 @@ static cudaError_t duet__gemv_run(cudaStream_t stream, int64_t M, duet__gemv_arg
     return duet__gemv_launch_r<1, 4>(stream, M, args);
 }
 
+/* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
+static int duet__gemv_disabled(void)
+{
+    static int off = -1;
+    return duet_cuda_env_flag(&off, "DUET_CUDA_NO_GEMV");
+}
+
 /* ---- 3 to 8 rows of BF16 weights: the weight stream through the tensor cores ----------------- */
 
 /*
@@ -786,7 +793,8 @@ static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_ar
                            dim3(32 * DUET_TGEMV_WARPS), 0, stream, *args, (int)M, S, tiles);
 }
 
-/* DUET_CUDA_NO_TGEMV=1 in the environment sends these calls to cuBLASLt (comparisons). */
+/* DUET_CUDA_NO_TGEMV=1 in the environment sends these calls to cuBLASLt (comparisons), as
+ * DUET_CUDA_NO_GEMV=1 does with every call. */
 static int duet__tgemv_disabled(void)
 {
     static int off = -1;
@@ -801,14 +809,7 @@ static int duet__tgemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64
     return dt == DUET_DTYPE_BF16 && M >= DUET_TGEMV_MIN_M && M <= DUET_TGEMV_MAX_M && N > 0 &&
            K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
            B <= 65535 && (N + 15) / 16 * B <= (int64_t)1 << 30 && ((uintptr_t)x & 15u) == 0 &&
-           ((uintptr_t)w_data & 15u) == 0 && !duet__tgemv_disabled();
-}
-
-/* DUET_CUDA_NO_GEMV=1 in the environment sends every call to cuBLASLt (comparisons). */
-static int duet__gemv_disabled(void)
-{
-    static int off = -1;
-    return duet_cuda_env_flag(&off, "DUET_CUDA_NO_GEMV");
+           ((uintptr_t)w_data & 15u) == 0 && !duet__tgemv_disabled() && !duet__gemv_disabled();
 }
 
 /*
