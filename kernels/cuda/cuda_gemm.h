@@ -16,8 +16,9 @@
  * For an F32 W nothing is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
  * (CUBLAS_COMPUTE_32F_FAST_TF32, ~2^-10 relative), without it the product is full fp32.
  *
- * Small M. For M <= 2 (small decode steps) with K % 8 == 0 and 16-byte aligned x rows and W, the
- * call runs duet's own weight-streaming GEMV instead (one warp per output, W read once, x kept in
+ * Small M. For M <= 2 (small decode steps; M <= 8 for F32 W) with K % 8 == 0 and 16-byte
+ * aligned x rows and W, the call runs duet's own weight-streaming GEMV instead (one warp per
+ * output, W read once, x kept in
  * fp32 and never rounded, fp32 accumulation; TF32 requests go to cuBLASLt): at these sizes the
  * cost is reading W, and cuBLASLt's launch plus the x conversion cost more than that for the
  * engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it. Launched with programmatic

@@ -210,10 +210,17 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
  * rounded (so it is at least as accurate as the converted path). Each warp reads every x row from
  * L1 per 16-byte piece of W, so the cost grows with M: on the H200 batch-8 decode of the 48B model
  * took 13.5 ms/step through it against 10.3 ms through cuBLASLt, hence the cap at 2 (3 to 8 rows
- * of BF16 weights take the tensor-core GEMV below). Used when K % 8 == 0 and x, ldx and W allow
- * 16-byte loads; otherwise cuBLASLt.
+ * of BF16 weights take the tensor-core GEMV below). F32 weights take it up to 8 rows: cuBLASLt
+ * has only a SIMT sgemm for them (the batch-8 router, [256, 2304] fp32: 11.5 µs plus a split-K
+ * reduction per call); side by side on the H200 (27 layers, batch 8, builds with the cap at 8
+ * and at 2, two runs each) 8.720 / 8.694 ms against 8.851 / 8.777 at 2K, 9.648 / 9.623
+ * against 9.770 / 9.702 at 32K. Used when K % 8 == 0 and x, ldx and W allow 16-byte loads;
+ * otherwise cuBLASLt. The fused norm (duet_cuda_gemm_norm_multi) stays at 2 rows.
  */
 #define DUET_GEMV_MAX_M 2
+#ifndef DUET_GEMV_MAX_M_F32
+#define DUET_GEMV_MAX_M_F32 8 /* F32 weights: up to 8 rows (see above) */
+#endif
 #define DUET_GEMV_WARPS 8
 
 /* One matrix of a (multi-)GEMV launch: y[m][n] (+)= Σ_k W[n][k] x[m][k], blocks [b0, b0 + nb). */
@@ -496,6 +503,12 @@ static cudaError_t duet__gemv_launch(cudaStream_t stream, int64_t M, duet__gemv_
     if (M == 1)
         return duet_pdl_launch(duet__gemv_kernel<1, DT, R, U>, dim3(blocks),
                                dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, 1);
+    if (M > DUET_GEMV_MAX_M) { /* F32 weights only (duet__gemv_fits) */
+        if constexpr (DT == DUET_DTYPE_F32)
+            return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M_F32, DT, R, U>, dim3(blocks),
+                                   dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, (int)M);
+        return cudaErrorInvalidValue;
+    }
     return duet_pdl_launch(duet__gemv_kernel<DUET_GEMV_MAX_M, DT, R, U>, dim3(blocks),
                            dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, (int)M);
 }
@@ -550,6 +563,9 @@ template <int MR, int DT> static int duet__gemv_r4_per_sm(void)
 
 template <int DT> static int duet__gemv_r4_per_sm_m(int64_t M)
 {
+    if constexpr (DT == DUET_DTYPE_F32)
+        if (M > DUET_GEMV_MAX_M)
+            return duet__gemv_r4_per_sm<DUET_GEMV_MAX_M_F32, DT>();
     return M == 1 ? duet__gemv_r4_per_sm<1, DT>() : duet__gemv_r4_per_sm<DUET_GEMV_MAX_M, DT>();
 }
 
@@ -820,17 +836,17 @@ static int duet__gemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64_
                            const void *w_data, duet_dtype_t dt, int64_t N, int64_t K,
                            unsigned flags)
 {
-    return M >= 1 && M <= DUET_GEMV_MAX_M && N > 0 && K % 8 == 0 && K <= INT32_MAX &&
-           ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) && B <= 65535 &&
-           ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w_data & 15u) == 0 &&
+    return M >= 1 && M <= (dt == DUET_DTYPE_F32 ? DUET_GEMV_MAX_M_F32 : DUET_GEMV_MAX_M) && N > 0 &&
+           K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
+           B <= 65535 && ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w_data & 15u) == 0 &&
            (dt != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32)) && !duet__gemv_disabled();
 }
 
 /* One (possibly batched) product on the GEMV path, checked by duet__gemv_fits. */
-static duet_status_t duet__gemv_one(cudaStream_t stream, float *y, int64_t ldy, int64_t stride_y,
-                                    const float *x, int64_t ldx, int64_t stride_x, int64_t M,
-                                    const void *w_data, duet_dtype_t dt, int64_t N, int64_t K,
-                                    int64_t B, int accumulate)
+static duet_status_t duet__gemv_one(int tc, cudaStream_t stream, float *y, int64_t ldy,
+                                    int64_t stride_y, const float *x, int64_t ldx, int64_t stride_x,
+                                    int64_t M, const void *w_data, duet_dtype_t dt, int64_t N,
+                                    int64_t K, int64_t B, int accumulate)
 {
     duet__gemv_args_t args;
     memset(&args, 0, sizeof(args));
@@ -847,8 +863,7 @@ static duet_status_t duet__gemv_one(cudaStream_t stream, float *y, int64_t ldy, 
                                      .sx = stride_x,
                                      .sy = stride_y,
                                      .B = (unsigned)B};
-    DUET__TRY(M <= DUET_GEMV_MAX_M ? duet__gemv_run(stream, M, &args)
-                                   : duet__tgemv_run(stream, M, &args),
+    DUET__TRY(tc ? duet__tgemv_run(stream, M, &args) : duet__gemv_run(stream, M, &args),
               "gemv launch");
     return DUET_OK;
 }
@@ -1194,10 +1209,12 @@ duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y
         return DUET_OK;
     if (x == NULL || y == NULL || w->data == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL operand");
-    if (duet__gemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K, flags) ||
-        duet__tgemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K))
-        return duet__gemv_one(stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data, w->dtype, N,
-                              K, B, accumulate);
+    if (duet__gemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K, flags))
+        return duet__gemv_one(0, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data, w->dtype,
+                              N, K, B, accumulate);
+    if (duet__tgemv_fits(x, ldx, stride_x, B, M, w->data, w->dtype, N, K))
+        return duet__gemv_one(1, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data, w->dtype,
+                              N, K, B, accumulate);
     if (w->dtype == DUET_DTYPE_F32)
         return duet__matmul_lowp(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w->data,
                                  w->dtype, N, K, (int32_t)B, accumulate, flags);
@@ -1223,14 +1240,16 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
     if (st != DUET_OK)
         return st;
-    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1], flags) ||
-        duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, w->shape[0], w->shape[1]))
-        return duet__gemv_one(stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, w->shape[0],
-                              w->shape[1], 1, accumulate);
+    const int64_t N = w->shape[0], K = w->shape[1];
+    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K, flags))
+        return duet__gemv_one(0, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
+                              accumulate);
+    if (duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K))
+        return duet__gemv_one(1, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
+                              accumulate);
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
 
-    int64_t K = w->shape[1];
     if (M * K > g->stage_elems)
         return duet_error_set(DUET_ERR_RANGE,
                               "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
@@ -1265,18 +1284,19 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
 {
     if (g == NULL || ops == NULL || n_ops < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad multi arguments");
-    int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS;
+    /* one launch when every op fits the same kernel: the GEMV, or the tensor-core GEMV */
+    int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS, fits_tc = fits;
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
             return st;
-        fits =
-            fits && (duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
-                                     ops[i].w->shape[0], ops[i].w->shape[1], flags) ||
-                     duet__tgemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
-                                      ops[i].w->dtype, ops[i].w->shape[0], ops[i].w->shape[1]));
+        const int64_t N = ops[i].w->shape[0], K = ops[i].w->shape[1];
+        fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
+                                       ops[i].w->dtype, N, K, flags);
+        fits_tc = fits_tc && duet__tgemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
+                                              ops[i].w->dtype, N, K);
     }
-    if (!fits) { /* one call each (cuBLASLt, or the GEMV alone) */
+    if (!fits && !fits_tc) { /* one call each (cuBLASLt, or a GEMV alone) */
         for (int i = 0; i < n_ops; i++) {
             duet_status_t st =
                 duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x, ops[i].ldx, M,
@@ -1288,8 +1308,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     }
     duet__gemv_args_t args;
     duet__ops_args(ops, n_ops, &args);
-    DUET__TRY(M <= DUET_GEMV_MAX_M ? duet__gemv_run(stream, M, &args)
-                                   : duet__tgemv_run(stream, M, &args),
+    DUET__TRY(fits ? duet__gemv_run(stream, M, &args) : duet__tgemv_run(stream, M, &args),
               "multi gemv launch");
     return DUET_OK;
 }
@@ -1305,13 +1324,14 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad norm_multi arguments");
     if (M == 0)
         return DUET_OK;
-    /* Fused only at GEMV sizes with every op reading the normalised rows, 16-byte loads of nx
-     * and nw, and x and y apart (warp 0 of block 0 writes y while other warps read x). */
+    /* Fused only at GEMV sizes (up to 2 rows, whatever the weight type) with every op reading
+     * the normalised rows, 16-byte loads of nx and nw, and x and y apart (warp 0 of block 0
+     * writes y while other warps read x). */
     const float *x0 = norm->x, *x1 = norm->x + (M - 1) * norm->ldx + norm->D;
     const float *y0 = norm->y, *y1 = norm->y + (M - 1) * norm->ldy + norm->D;
-    int fused = n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS && norm->ldx % 4 == 0 &&
-                ((uintptr_t)norm->x & 15u) == 0 && ((uintptr_t)norm->w & 15u) == 0 &&
-                (x1 <= y0 || y1 <= x0);
+    int fused = M <= DUET_GEMV_MAX_M && n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS &&
+                norm->ldx % 4 == 0 && ((uintptr_t)norm->x & 15u) == 0 &&
+                ((uintptr_t)norm->w & 15u) == 0 && (x1 <= y0 || y1 <= x0);
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
