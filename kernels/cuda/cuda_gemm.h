@@ -16,18 +16,17 @@
  * For an F32 W nothing is converted; DUET_CUDA_GEMM_TF32 lets cuBLASLt use TF32 tensor cores
  * (CUBLAS_COMPUTE_32F_FAST_TF32, ~2^-10 relative), without it the product is full fp32.
  *
- * Small M. For M <= 2 (small decode steps; M <= 8 for F32 W) with K % 8 == 0 and 16-byte
- * aligned x rows and W, the call runs duet's own weight-streaming GEMV instead (one warp per
- * output, W read once, x kept in
- * fp32 and never rounded, fp32 accumulation; TF32 requests go to cuBLASLt): at these sizes the
- * cost is reading W, and cuBLASLt's launch plus the x conversion cost more than that for the
- * engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it. Launched with programmatic
- * dependent launch (cuda_pdl.cuh), the GEMV issues its first loads of W before it waits for the
- * kernels ahead of it in the stream: W must be a weight, which no kernel of the stream writes
- * (x and y may come from the previous kernel). DUET_CUDA_WAIT_FIRST (cuda_util.h) makes it wait
- * first. For 3 <= M <= 8 with BF16 W (same alignment terms) a second kernel streams W into the
- * tensor cores (mma m16n8k16, the rows of x as its n side) with x split into bf16 hi + lo pairs,
- * so x is kept to 2^-16 instead of rounded to 2^-8, and no conversion runs;
+ * Small M. For M <= 2 (small decode steps; M <= 8 for F32 W) with K % 8 == 0 and 16-byte aligned x
+ * rows and W, the call runs duet's own weight-streaming GEMV instead (one warp per output, W read
+ * once, x kept in fp32 and never rounded, fp32 accumulation; TF32 requests go to cuBLASLt): at
+ * these sizes the cost is reading W, and cuBLASLt's launch plus the x conversion cost more than
+ * that for the engine's smaller matrices. DUET_CUDA_NO_GEMV=1 disables it. Launched with
+ * programmatic dependent launch (cuda_pdl.cuh), the GEMV issues its first loads of W before it
+ * waits for the kernels ahead of it in the stream: W must be a weight, which no kernel of the
+ * stream writes (x and y may come from the previous kernel). DUET_CUDA_WAIT_FIRST (cuda_util.h)
+ * makes it wait first. For 3 <= M <= 8 with BF16 W (same alignment terms) a second kernel streams W
+ * into the tensor cores (mma m16n8k16, the rows of x as its n side) with x split into bf16 hi + lo
+ * pairs, so x is kept to 2^-16 instead of rounded to 2^-8, and no conversion runs;
  * DUET_CUDA_NO_TGEMV=1 sends those calls to cuBLASLt (DUET_CUDA_NO_GEMV=1 sends all).
  *
  * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
