@@ -451,6 +451,27 @@ __device__ static inline void duet__gemv_pro(const duet__gemv_args_t &args,
 
 #define DUET__GEMV_ANY_DT (-1) /* segments of different weight types in one launch */
 
+/* The segment holding launch unit u (a block of the GEMV, a 16-row tile of the tensor-core
+ * GEMV: seg.b0 and seg.nb count those units), its pointers moved to u's batch entry; j is u's
+ * index within that entry. */
+__device__ static __forceinline__ duet__gemv_seg_t duet__gemv_seg_of(const duet__gemv_args_t &args,
+                                                                     unsigned u, unsigned &j)
+{
+    int si = 0;
+    while (si + 1 < args.n && u >= args.seg[si + 1].b0)
+        si++;
+    duet__gemv_seg_t sg = args.seg[si];
+    const unsigned local = u - sg.b0, b = local / sg.nb;
+    j = local % sg.nb;
+    if (b > 0) {
+        const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2;
+        sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * es;
+        sg.x += (int64_t)b * sg.sx;
+        sg.y += (int64_t)b * sg.sy;
+    }
+    return sg;
+}
+
 /*
  * Blocks of DUET_GEMV_WARPS warps, R outputs per warp (sg.nb blocks per product). DT is the
  * weight type of every segment, or DUET__GEMV_ANY_DT (each segment's own, picked per block):
@@ -460,19 +481,10 @@ template <int MR, int DT, int R, int U>
 __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
     duet__gemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M)
 {
-    int si = 0;
-    while (si + 1 < args.n && blockIdx.x >= args.seg[si + 1].b0)
-        si++;
-    duet__gemv_seg_t sg = args.seg[si];
+    unsigned j;
+    const duet__gemv_seg_t sg = duet__gemv_seg_of(args, blockIdx.x, j);
     const int lane = threadIdx.x & 31;
-    const unsigned local = blockIdx.x - sg.b0, b = local / sg.nb;
-    const int64_t n0 = ((int64_t)(local % sg.nb) * DUET_GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    if (b > 0) {
-        const size_t es = sg.dtype == DUET_DTYPE_F32 ? 4 : 2;
-        sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * es;
-        sg.x += (int64_t)b * sg.sx;
-        sg.y += (int64_t)b * sg.sy;
-    }
+    const int64_t n0 = ((int64_t)j * DUET_GEMV_WARPS + (threadIdx.x >> 5)) * R;
     /* x (and y when accumulating) come from earlier kernels: duet__gemv_rows waits for them
      * once its first weight pieces are in flight (weights are what the PDL contract lets a
      * kernel read before its wait), so that round trip overlaps the predecessor's tail. */
@@ -690,17 +702,9 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
     duet__gemv_seg_t sg = args.seg[0];
     int64_t n0 = 0;
     if (live) {
-        int si = 0;
-        while (si + 1 < args.n && tile >= args.seg[si + 1].b0)
-            si++;
-        sg = args.seg[si];
-        const unsigned local = tile - sg.b0, b = local / sg.nb;
-        n0 = (int64_t)(local % sg.nb) * 16;
-        if (b > 0) {
-            sg.w = (const uint8_t *)sg.w + (size_t)b * (size_t)(sg.N * sg.K) * 2;
-            sg.x += (int64_t)b * sg.sx;
-            sg.y += (int64_t)b * sg.sy;
-        }
+        unsigned j;
+        sg = duet__gemv_seg_of(args, tile, j);
+        n0 = (int64_t)j * 16;
         const int64_t ks = ((sg.K + S - 1) / S + 31) / 32 * 32;
         const int64_t k_beg = slice * ks, k_end = min(sg.K, k_beg + ks);
         const __nv_bfloat16 *w0 = (const __nv_bfloat16 *)sg.w + min(n0 + g, sg.N - 1) * sg.K;
