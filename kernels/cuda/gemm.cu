@@ -502,16 +502,26 @@ __global__ void __launch_bounds__(32 * DUET_GEMV_WARPS)
         duet__gemv_pro<float, MR, R, U>(args, sg, M, n0, lane);
 }
 
+/* Lay the segments out in launch units of `rows` rows of W (a GEMV block, a tensor-core tile):
+ * each one's first unit b0 and units per batch entry nb (B = 0 counts as one entry); the total. */
+static unsigned duet__gemv_layout(duet__gemv_args_t *args, int64_t rows)
+{
+    unsigned units = 0;
+    for (int i = 0; i < args->n; i++) {
+        duet__gemv_seg_t *sg = &args->seg[i];
+        if (sg->B == 0)
+            sg->B = 1;
+        sg->b0 = units;
+        sg->nb = (unsigned)((sg->N + rows - 1) / rows);
+        units += sg->nb * sg->B;
+    }
+    return units;
+}
+
 template <int DT, int R, int U>
 static cudaError_t duet__gemv_launch(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
-    unsigned blocks = 0;
-    for (int i = 0; i < args->n; i++) {
-        duet__gemv_seg_t *sg = &args->seg[i];
-        sg->b0 = blocks;
-        sg->nb = (unsigned)((sg->N + DUET_GEMV_WARPS * R - 1) / (DUET_GEMV_WARPS * R));
-        blocks += sg->nb * sg->B;
-    }
+    const unsigned blocks = duet__gemv_layout(args, DUET_GEMV_WARPS * R);
     if (M == 1)
         return duet_pdl_launch(duet__gemv_kernel<1, DT, R, U>, dim3(blocks),
                                dim3(32 * DUET_GEMV_WARPS), 0, stream, *args, 1);
@@ -653,6 +663,15 @@ static int duet__gemv_disabled(void)
     return duet_cuda_env_flag(&off, "DUET_CUDA_NO_GEMV");
 }
 
+/* What both weight-streaming GEMVs need of a call of B products [N, K]: 16-byte loads of every
+ * x row (and batch entry) and of W, K in whole 8-element pieces, sizes that fit their indexing. */
+static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, int64_t B,
+                                 const void *w_data, int64_t N, int64_t K)
+{
+    return N > 0 && K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
+           B <= 65535 && ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w_data & 15u) == 0;
+}
+
 /* ---- 3 to 8 rows of BF16 weights: the weight stream through the tensor cores ----------------- */
 
 /*
@@ -792,15 +811,7 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
 static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
     args->wait_first = !duet_cuda_weights_early();
-    unsigned tiles = 0;
-    for (int i = 0; i < args->n; i++) {
-        duet__gemv_seg_t *sg = &args->seg[i];
-        if (sg->B == 0)
-            sg->B = 1;
-        sg->b0 = tiles;
-        sg->nb = (unsigned)((sg->N + 15) / 16);
-        tiles += sg->nb * sg->B;
-    }
+    const unsigned tiles = duet__gemv_layout(args, 16);
     if (args->n == 0 || tiles == 0)
         return cudaSuccess;
     const int n_sms = duet_cuda_sm_count();
@@ -826,10 +837,10 @@ static int duet__tgemv_disabled(void)
 static int duet__tgemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64_t B, int64_t M,
                             const void *w_data, duet_dtype_t dt, int64_t N, int64_t K)
 {
-    return dt == DUET_DTYPE_BF16 && M >= DUET_TGEMV_MIN_M && M <= DUET_TGEMV_MAX_M && N > 0 &&
-           K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
-           B <= 65535 && (N + 15) / 16 * B <= (int64_t)1 << 30 && ((uintptr_t)x & 15u) == 0 &&
-           ((uintptr_t)w_data & 15u) == 0 && !duet__tgemv_disabled() && !duet__gemv_disabled();
+    return dt == DUET_DTYPE_BF16 && M >= DUET_TGEMV_MIN_M && M <= DUET_TGEMV_MAX_M &&
+           duet__stream_loads_ok(x, ldx, stride_x, B, w_data, N, K) &&
+           (N + 15) / 16 * B <= (int64_t)1 << 30 && !duet__tgemv_disabled() &&
+           !duet__gemv_disabled();
 }
 
 /*
@@ -840,9 +851,8 @@ static int duet__gemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64_
                            const void *w_data, duet_dtype_t dt, int64_t N, int64_t K,
                            unsigned flags)
 {
-    return M >= 1 && M <= (dt == DUET_DTYPE_F32 ? DUET_GEMV_MAX_M_F32 : DUET_GEMV_MAX_M) && N > 0 &&
-           K % 8 == 0 && K <= INT32_MAX && ldx % 4 == 0 && (B == 1 || stride_x % 4 == 0) &&
-           B <= 65535 && ((uintptr_t)x & 15u) == 0 && ((uintptr_t)w_data & 15u) == 0 &&
+    return M >= 1 && M <= (dt == DUET_DTYPE_F32 ? DUET_GEMV_MAX_M_F32 : DUET_GEMV_MAX_M) &&
+           duet__stream_loads_ok(x, ldx, stride_x, B, w_data, N, K) &&
            (dt != DUET_DTYPE_F32 || !(flags & DUET_CUDA_GEMM_TF32)) && !duet__gemv_disabled();
 }
 
