@@ -51,11 +51,12 @@ duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows, const duet
  * The delta-rule core of every (item, head): reads q, k, v from qkv, g, beta; writes o
  * [n_rows][H*K]; updates the item's state S in the pool. Items with one new token use the
  * recurrent form, longer items the chunked form (chunks of 64), as the CPU path does; both are
- * the same function. `scratch` is NULL or has duet_cuda_kda_scratch_bytes(max_items, max_rows,
- * H, K) bytes for steps of at most max_items items and max_rows rows: with it, every chunk's
- * L and Aqk (which do not depend on the state) are computed ahead in parallel, without it inside
- * the sequential chunk loop; the results are the same to the bit. K must be a multiple of 16 in
- * [16, 128] (DUET_ERR_UNSUPPORTED otherwise) and g <= 0.
+ * the same function. `scratch` has duet_cuda_kda_scratch_bytes(max_items, max_rows, H, K) bytes
+ * for steps of at most max_items items and max_rows rows (about 148 KB per 64 rows and head at
+ * K = 128): there the chunked form leaves, for every chunk in parallel, everything that does not
+ * depend on the state, before its sequential pass. A step with an item of more than one token
+ * and no scratch is refused (DUET_ERR_INVALID); a pure decode step may pass NULL. K must be a
+ * multiple of 16 in [16, 128] (DUET_ERR_UNSUPPORTED otherwise) and g <= 0.
  */
 size_t        duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
                                           int64_t K);

@@ -59,7 +59,7 @@ int duet_cuda_sm_count(void);
 /*
  * Whether the environment variable `name` is set, read once into *cache (a static the caller
  * starts at -1; racing first calls store the same value). The switches that restore an older
- * path for side-by-side measurements (DUET_CUDA_NO_GEMV, DUET_CUDA_KDA_NO_SPLIT, ...) use it.
+ * path for side-by-side measurements (DUET_CUDA_NO_GEMV, DUET_CUDA_NO_TGEMV, ...) use it.
  */
 int duet_cuda_env_flag(int *cache, const char *name);
 

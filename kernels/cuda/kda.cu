@@ -12,26 +12,26 @@
  *   need column x plus the shared q, k, g), so a block of 32 columns x 8 row groups loads each
  *   element of S once into a register, decays it, forms the two column sums Σ S k and Σ S q
  *   (8-way shared-memory reduction), and writes S back once: o = Σ_d S'[d] q[d] + u (k·q).
- * core, chunked (items of 2+ tokens): one block per (item, head), 4·K threads, chunks of 64
- *   tokens in order; when that leaves SMs idle, one block per (item, head, slice of the columns),
- *   each doing the shared steps 1-4 (the kernel's numbering) and steps 5-8 for its own columns
- *   (duet__kda_vsplit); with scratch, L and Aqk of every chunk come from duet__kda_lqk_kernel,
- *   which computes them for all chunks in parallel beforehand (they do not depend on S), and
- *   load with the chunk. Thread (x, dq) keeps the quarter dq of column x of S in registers for the
- *   whole item, so S is read and written once per item. Per chunk, in shared memory:
+ * core, chunked (items of 2+ tokens), chunks of 64 tokens, in two kernels:
+ *   - ahead (duet__kda_wy_kernel): everything that does not depend on the state, for every
+ *     chunk in parallel, one block per (item, chunk) × head, into the caller's scratch:
  *     Γ     cumulative log-decay, stored in log2 units so every decay is one ex2;
  *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
  *           (j <= i): each pairwise decay is exp2 of a *difference* Γi − Γj <= 0 (clamped to <= 0
  *           so the masked j > i half cannot overflow either), never a ratio of exponentials,
  *           the property engine/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
- *     Y     = β V − (β e^Γ ⊙ K) S,    V_new = (I − L)^{-1} Y by forward substitution,
- *     O     = (e^Γ ⊙ Q) S + Aqk V_new,    S ← e^{Γlast} S + (e^{Γlast−Γ} ⊙ K)ᵀ V_new.
+ *     Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T = (I − L)^{-1} (forward substitution,
+ *           never an explicit inverse)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
+ *   - sequential (duet__kda_seq_kernel): one block per (item, head, 32 columns of S), the
+ *     block's columns of S in shared memory for the whole item, per chunk in order
+ *     V_new = U − Wt S,    O = Qe S + Aqk V_new,    S ← e^{Γlast} S + Kdᵀ V_new:
+ *     three small products spread over 16 warps, where the chunk loop used to carry the
+ *     triangular solve on 4 warps per block (engine/kda.c's U − W S = T(βV) − T(βe^Γ K) S,
+ *     there with T applied once, to Y = βV − W S; the same algebra, rounded differently).
+ *     H200, 27 layers of Kimi-Linear-48B, one 2048-token prefill: see bench/RESULTS.md.
  *   Γ is an fp32 running sum, so a decay carries an absolute error of about |Γ|·2^-24 in its
  *   exponent (as in the usual chunked GPU kernels); the CPU's products of per-token decays do
  *   not, which is where the two differ most when decays are large within a chunk.
- *   This is engine/kda.c's U − W S = T(βV) − T(βe^Γ K) S with T applied once, to Y. Everything
- *   after L and Aqk is local to a column of V, whose four quarter-owners sit in one warp, so
- *   those phases need shuffles and no block barriers; V_new never leaves registers.
  * The core's kernels are templated on K (16, 32, ..., 128) so the register arrays are static.
  * chain, decode (duet_cuda_kda_chain with one token per item): at batch 1 the five kernels above
  *   are ~21 us of mostly launch and dependency latency for ~2 MB, so one kernel does all of it:
@@ -130,13 +130,31 @@ __device__ static inline float duet__ex2(float x)
     return y;
 }
 
-/* 4-byte asynchronous global → shared copy; with ok false nothing is read and *dst becomes 0. */
-__device__ static inline void duet__cp_async4(float *dst, const float *src, bool ok)
+/* B-byte asynchronous global → shared copy (B = 4 through L1, or 16 around it); with ok false
+ * nothing is read and the B bytes at dst become 0. Then the group markers: commit, wait until
+ * at most N of the thread's groups are in flight, and wait for all of its copies. */
+template <int B> __device__ static inline void duet__cp_async(float *dst, const float *src, bool ok)
 {
+    static_assert(B == 4 || B == 16, "cp.async sizes used here: 4 and 16 bytes");
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
-                 "r"(ok ? 4 : 0)
-                 : "memory");
+    if constexpr (B == 4)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+                     "r"(ok ? 4 : 0)
+                     : "memory");
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                     "r"(ok ? 16 : 0)
+                     : "memory");
+}
+
+__device__ static inline void duet__cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N> __device__ static inline void duet__cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ static inline void duet__cp_async_wait_all(void)
@@ -407,9 +425,10 @@ typedef struct {
     duet_cuda_kda_layer_t ly;
     const float *qkv, *g, *beta;
     float *o;
-    /* The chunks' L and Aqk, computed ahead by duet__kda_lqk_kernel (NULL: the chunked kernel
-     * computes them itself): [slot][H][2][C][LR], slot = duet__kda_lqk_slot. */
-    float *lqk;
+    /* What the chunked form needs of every chunk apart from the state, formed ahead by
+     * duet__kda_wy_kernel: [slot][H][duet__kda_wy_layout<K>::FLOATS], slot = duet__kda_wy_slot
+     * (the caller's scratch). */
+    float *wy;
     int max_chunks; /* of any item: ceil(max_item_tokens / C) */
 } duet__kda_core_args_t;
 
@@ -511,12 +530,13 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 /* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
 
 /*
- * Shared-memory layout of the chunked kernel (floats). Rows of Q, K, G are KR = K + 20 floats
- * and channel d sits at col(d) = d + 4·(d / (K/4)): a 4-float gap after each quarter. Readers
- * are float4 loads in two patterns, (a) 32 lanes on 32 rows at the same d and (b) 4 quarter
- * owners on one row; the odd KR/4 and the gaps put both on distinct 16-byte bank groups. The L
- * and Aqk rows (LR = 80) hold their 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2), so
- * the owner of residue dq reads its 16 entries as four float4 loads.
+ * Shared-memory layout of the ahead kernel (floats), where a chunk's Γ, L, Aqk and the products
+ * with (I − L)^{-1} are formed. Rows of Q, K, G are KR = K + 20 floats and channel d sits at
+ * col(d) = d + 4·(d / (K/4)): a 4-float gap after each quarter. Readers are float4 loads in two
+ * patterns, (a) 32 lanes on 32 rows at the same d and (b) 4 quarter owners on one row; the odd
+ * KR/4 and the gaps put both on distinct 16-byte bank groups. The L and Aqk rows (LR = 80) hold
+ * their 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2), so the owner of residue dq
+ * reads its 16 entries as four float4 loads.
  */
 template <int K> struct duet__kda_chunk_layout {
     static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
@@ -532,20 +552,25 @@ template <int K> struct duet__kda_chunk_layout {
     }
 };
 
-/* Where chunk c of item it keeps its L and Aqk in duet__kda_core_args_t.lqk: rows r0.. of an
- * item start at slot r0 / C + it, so the slots of consecutive items never overlap, and every
- * slot is below n_rows / C + n_items + 1 (duet_cuda_kda_scratch_bytes). */
-static __device__ __forceinline__ int64_t duet__kda_lqk_slot(const duet__kda_core_args_t &a,
-                                                             int64_t it, int c)
+/* What the ahead kernel leaves for the sequential kernel, per (chunk, head), in floats: the
+ * chunk's Qe = q e^Γ, Kd = k e^{Γlast−Γ}, Wt = T (β k e^Γ) and U = T (β v) as [C][K] rows
+ * (T = (I − L)^{-1}), Aqk as [C][C] rows and e^{Γlast} per channel. Rows past the chunk's
+ * tokens are zero. Every offset is a multiple of 4 floats (K % 16 == 0). */
+template <int K> struct duet__kda_wy_layout {
+    static constexpr int C = DUET_KDA_C;
+    static constexpr int QE = 0, KD = QE + C * K, WT = KD + C * K, U = WT + C * K, A = U + C * K,
+                         GL = A + C * C, FLOATS = GL + K;
+};
+
+/* Where chunk c of item it keeps its duet__kda_wy_layout block: rows r0.. of an item start at
+ * slot r0 / C + it, so the slots of consecutive items never overlap, and every slot is below
+ * n_rows / C + n_items + 1 (duet_cuda_kda_scratch_bytes). */
+static __device__ __forceinline__ int64_t duet__kda_wy_slot(const duet__kda_core_args_t &a,
+                                                            int64_t it, int c)
 {
     return (int64_t)a.st.item_row0[it] / DUET_KDA_C + it + c;
 }
 
-/* Step 1 of a chunk: rows row0 .. row0 + n - 1 of head h into sQ, sK, sG (and sV with v), β into
- * sB; rows past n are zero (β = 0, k = 0, g = 0 change nothing). The copies are asynchronous
- * (cp.async, zero-filled past n), so all of them are in flight at once instead of one round
- * trip per loop iteration; the function returns once they (and any cp.async the thread issued
- * before) have landed, after a block barrier. */
 template <int K>
 static __device__ __forceinline__ void duet__kda_chunk_load(const duet__kda_core_args_t &a,
                                                             int64_t row0, int n, int64_t h,
@@ -560,11 +585,11 @@ static __device__ __forceinline__ void duet__kda_chunk_load(const duet__kda_core
         const bool ok = i < n;
         const int64_t row = row0 + (ok ? i : 0);
         const float *qr = a.qkv + row * C3 + h * K + d;
-        duet__cp_async4(&sm[Ly::Q + c], qr, ok);
-        duet__cp_async4(&sm[Ly::KK + c], qr + HK, ok);
+        duet__cp_async<4>(&sm[Ly::Q + c], qr, ok);
+        duet__cp_async<4>(&sm[Ly::KK + c], qr + HK, ok);
         if (with_v)
-            duet__cp_async4(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-        duet__cp_async4(&sm[Ly::G + c], a.g + row * HK + h * K + d, ok);
+            duet__cp_async<4>(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+        duet__cp_async<4>(&sm[Ly::G + c], a.g + row * HK + h * K + d, ok);
     }
     if (tid < C)
         sm[Ly::B + tid] = tid < n ? a.beta[(row0 + tid) * H + h] : 0.0f;
@@ -645,210 +670,315 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
     __syncthreads();
 }
 
-/*
- * L and Aqk of every chunk, ahead of the chunked kernel: they need only the chunk's q, k, g and
- * β, not S, so they need not wait for the chunk before in that kernel's sequential loop. One
- * block per (item, chunk) × head, with the chunked kernel's code and layout; it stores the two
- * [C][LR] arrays at the chunk's slot, where the chunked kernel loads them back with its chunk.
- */
-template <int K>
-__global__ static void __launch_bounds__(4 * K) duet__kda_lqk_kernel(duet__kda_core_args_t a)
+/* Step 4, in place: Q ← q e^Γ, K ← k e^{Γlast−Γ}, G ← β k e^Γ (the row's decayed k, scaled by
+ * its β: the W of Y = β v − W S). */
+template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int C = Ly::C, LR = Ly::LR, NT = 4 * K;
+    constexpr int C = Ly::C, KR = Ly::KR, NT = 4 * K;
+    float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G;
+    const float *sB = sm + Ly::B, *sGl = sm + Ly::GL;
+    for (int idx = threadIdx.x; idx < C * K; idx += NT) {
+        const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
+        const float gam = sG[c], k = sK[c], eg = duet__ex2(gam);
+        sQ[c] = sQ[c] * eg;
+        sK[c] = k * duet__ex2(sGl[d] - gam);
+        sG[c] = sB[i] * k * eg;
+    }
+    __syncthreads();
+}
+
+/*
+ * Rows of X = (I − L)^{-1} R for one column, by forward substitution: X[i] = R[i] + Σ_{j<i}
+ * L[i][j] X[j]. The column's four quarter owners (lanes 4x' .. 4x'+3 of a warp) hold rows
+ * i ≡ dq (mod 4) in y[i / 4], R on entry and X on return. Once row j is final it is broadcast
+ * from its owner and added into every row (L[i][j] is zero for i <= j, so finished rows stay);
+ * `cur` tracks the owner's row of the current block, whose y slot has a runtime index. Only the
+ * nb row blocks that hold tokens take part (the rest are zero throughout).
+ */
+template <int K>
+static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sL, int nb, int lane,
+                                                             float (&y)[DUET_KDA_C / 4])
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, LR = Ly::LR;
+    const int dq = lane & 3;
+#pragma unroll 1
+    for (int t = 0; t < nb; t++) {
+        float cur = duet__pick<C / 4>(y, t);
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            const int j = 4 * t + m;
+            const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
+            const float *l = &sL[j * LR + dq * 20];
+#pragma unroll
+            for (int u = 0; u < C / 4; u += 4) {
+                const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
+                y[u] += l4.x * vj;
+                y[u + 1] += l4.y * vj;
+                y[u + 2] += l4.z * vj;
+                y[u + 3] += l4.w * vj;
+            }
+            cur += l[t] * vj;
+        }
+    }
+}
+
+/*
+ * Everything of a chunk that does not depend on the state, for every chunk in parallel ahead of
+ * the sequential kernel. One block per (item, chunk) × head, 4·K threads: the chunk, Γ, L and
+ * Aqk, the decayed q and k (steps 1-4), then U = T (β v) and Wt = T (β k e^Γ) with T = (I −
+ * L)^{-1} by forward substitution (thread (x, dq) of the old column-local layout: column x,
+ * rows ≡ dq mod 4), so that the state-dependent part of a chunk is V_new = U − Wt S, three
+ * products and no triangular solve. Stores the duet__kda_wy_layout block at the chunk's slot.
+ */
+template <int K>
+__global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_core_args_t a)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    typedef duet__kda_wy_layout<K> Wy;
+    constexpr int C = Ly::C, KR = Ly::KR, VR = Ly::VR, LR = Ly::LR, NT = 4 * K;
     const int64_t it = blockIdx.x / a.max_chunks, h = blockIdx.y;
     const int c = (int)(blockIdx.x % a.max_chunks);
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
-    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_wait(); /* qkv, g, beta; and the sequential kernel before this one still reads the
+                      * scratch */
     duet_pdl_trigger();
     if (n_tok < 2 || (int64_t)c * C >= n_tok)
         return;
     extern __shared__ float4 duet__kda_smem4[];
     float *sm = reinterpret_cast<float *>(duet__kda_smem4);
     const int n = n_tok - (int64_t)c * C < C ? (int)(n_tok - (int64_t)c * C) : C;
-    duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm, false);
+    duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm, true);
     duet__kda_chunk_gamma<K>(sm);
     duet__kda_chunk_lqk<K>(sm);
-    float4 *dst = reinterpret_cast<float4 *>(a.lqk + (duet__kda_lqk_slot(a, it, c) * a.ly.H + h) *
-                                                         (2 * C * LR));
-    const float4 *src = reinterpret_cast<const float4 *>(sm + Ly::L);
-    for (int idx = threadIdx.x; idx < 2 * C * LR / 4; idx += NT)
-        dst[idx] = src[idx];
+    duet__kda_chunk_scale<K>(sm);
+
+    float *out = a.wy + (duet__kda_wy_slot(a, it, c) * a.ly.H + h) * Wy::FLOATS;
+    const int tid = threadIdx.x;
+    for (int idx = tid; idx < C * K; idx += NT) {
+        const int cc = (idx / K) * KR + Ly::col(idx % K);
+        out[Wy::QE + idx] = sm[Ly::Q + cc];
+        out[Wy::KD + idx] = sm[Ly::KK + cc];
+    }
+    for (int idx = tid; idx < C * C; idx += NT)
+        out[Wy::A + idx] = sm[Ly::A + (idx / C) * LR + Ly::grp(idx % C)];
+    for (int d = tid; d < K; d += NT)
+        out[Wy::GL + d] = duet__ex2(sm[Ly::GL + d]);
+
+    const int lane = tid & 31, dq = lane & 3, x = (tid >> 5) * 8 + (lane >> 2);
+    const int nb = (n + 3) / 4;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; pass++) { /* U from β v, then Wt from β k e^Γ */
+        float y[C / 4];
+#pragma unroll
+        for (int t = 0; t < C / 4; t++) {
+            const int i = 4 * t + dq;
+            y[t] = pass == 0 ? sm[Ly::B + i] * sm[Ly::VV + i * VR + x]
+                             : sm[Ly::G + i * KR + Ly::col(x)];
+        }
+        duet__kda_chunk_solve<K>(sm + Ly::L, nb, lane, y);
+        float *dst = out + (pass == 0 ? Wy::U : Wy::WT) + x;
+#pragma unroll
+        for (int t = 0; t < C / 4; t++)
+            dst[(4 * t + dq) * K] = y[t];
+    }
 }
 
+#define DUET_KDA_SEQ_THREADS 512 /* 16 warps: 4 quarters of d x 4 groups of 16 rows */
+#define DUET_KDA_SEQ_COLS    32  /* columns of S (and of v, o) per block: one per lane */
+
+/*
+ * Shared-memory layout of the sequential kernel (floats): the chunk's Qe, Kd, Wt ([C][K]), Aqk
+ * ([C][C]), this block's columns of U ([C][32]), e^{Γlast} ([K]), the block's columns of S
+ * ([K][32]), the four quarters' partial sums ([4][C][32]) and V_new ([C][32]).
+ */
+template <int K> struct duet__kda_seq_layout {
+    static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS;
+    static constexpr int QE = 0, KD = QE + C * K, WT = KD + C * K, A = WT + C * K, U = A + C * C,
+                         GL = U + C * XS, S = GL + K, RED = S + K * XS, VN = RED + 4 * C * XS,
+                         FLOATS = VN + C * XS;
+};
+
+/* Copy group `part` of a chunk's wy block (slot; NULL: none) into shared memory and commit it:
+ * 0 = Wt and this block's columns of U, 1 = Qe and Aqk, 2 = Kd and e^{Γlast}. The sequential
+ * kernel starts each group as soon as the chunk before has finished with its buffers. */
 template <int K>
-__global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda_core_args_t a)
+static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, int x0, float *sm,
+                                                           int part)
 {
-    typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int C = Ly::C, V = K, Kq = Ly::Kq, KR = Ly::KR, VR = Ly::VR, LR = Ly::LR;
-    constexpr int NT = 4 * K;
+    typedef duet__kda_seq_layout<K> Sy;
+    typedef duet__kda_wy_layout<K> Wy;
+    constexpr int C = Sy::C, XS = Sy::XS, NT = DUET_KDA_SEQ_THREADS;
+    const int tid = threadIdx.x;
+    if (slot != NULL) {
+        const int big = part == 0 ? Wy::WT : part == 1 ? Wy::QE : Wy::KD;
+        const int sbig = part == 0 ? Sy::WT : part == 1 ? Sy::QE : Sy::KD;
+        for (int idx = tid; idx < C * K / 4; idx += NT)
+            duet__cp_async<16>(sm + sbig + 4 * idx, slot + big + 4 * idx, true);
+        if (part == 0)
+            for (int idx = tid; idx < C * XS / 4; idx += NT) {
+                const int i = idx / (XS / 4), q = 4 * (idx % (XS / 4));
+                const bool ok = x0 + q < K;
+                duet__cp_async<16>(sm + Sy::U + i * XS + q,
+                                   slot + Wy::U + i * K + (ok ? x0 + q : 0), ok);
+            }
+        else if (part == 1)
+            for (int idx = tid; idx < C * C / 4; idx += NT)
+                duet__cp_async<16>(sm + Sy::A + 4 * idx, slot + Wy::A + 4 * idx, true);
+        else
+            for (int idx = tid; idx < K / 4; idx += NT)
+                duet__cp_async<16>(sm + Sy::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
+    }
+    duet__cp_async_commit();
+}
+
+/*
+ * The state-dependent part of the chunked form: block (item·H + h, slice of 32 columns of S),
+ * chunks in order, from the wy blocks the ahead kernel left. Per chunk, with S = this block's
+ * columns of the state (shared memory), thread (quarter dq, row group rg, lane = column):
+ *   1. V_new = U − Wt S: each thread sums its quarter of d for its 16 rows, the four quarters
+ *      meet in shared memory and are added in quarter order;
+ *   2. O = Qe S + Aqk V_new, the same way (each quarter also takes 16 of the j of Aqk V_new);
+ *   3. S ← e^{Γlast} S + Kdᵀ V_new, each thread K/16 rows of S in its column.
+ * The copies of the next chunk's arrays start as soon as each buffer's last reader is past a
+ * barrier (three cp.async groups per chunk), so they overlap the rest of this chunk.
+ */
+template <int K>
+__global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
+    duet__kda_seq_kernel(duet__kda_core_args_t a)
+{
+    typedef duet__kda_seq_layout<K> Sy;
+    typedef duet__kda_wy_layout<K> Wy;
+    constexpr int C = Sy::C, XS = Sy::XS, V = K, Kq = K / 4, DW = K / 16, NT = DUET_KDA_SEQ_THREADS;
     const int64_t H = a.ly.H, HK = H * K;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
-    duet_pdl_wait(); /* qkv, g, beta (and L, Aqk from duet__kda_lqk_kernel) */
+    duet_pdl_wait(); /* the wy blocks (the ahead kernel) */
     duet_pdl_trigger();
     if (n_tok < 2)
         return;
 
     extern __shared__ float4 duet__kda_smem4[];
     float *sm = reinterpret_cast<float *>(duet__kda_smem4);
-    float *sQ = sm + Ly::Q;   /* [C][KR] q, then q e^Γ */
-    float *sK = sm + Ly::KK;  /* [C][KR] k, then k e^{Γlast−Γ} */
-    float *sG = sm + Ly::G;   /* [C][KR] Γ·log2(e), then β k e^Γ */
-    float *sV = sm + Ly::VV;  /* [C][VR] v */
-    float *sL = sm + Ly::L;   /* [C (j)][LR (grp i)] L[i][j], zero for i <= j */
-    float *sA = sm + Ly::A;   /* [C (i)][LR (grp j)] Aqk[i][j], zero for j > i */
-    float *sB = sm + Ly::B;   /* [C] β */
-    float *sGl = sm + Ly::GL; /* [K] Γ of the chunk's last row, log2 units */
-
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int dq = lane & 3, x = warp * 8 + (lane >> 2); /* column x, quarter dq of S */
-    const int qoff = dq * (Kq + 4);                      /* col(dq·Kq) */
-    /* This block's slice of the columns (whole warps): it owns those columns of S and of o. */
-    const bool owns = x / (V / (int)gridDim.y) == (int)blockIdx.y;
+    const int dq = warp & 3, i0 = (warp >> 2) * 16; /* phases 1-2: quarter of d, first row */
+    const int x0 = (int)blockIdx.y * XS, x = x0 + lane;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
-    float s[Kq]; /* S[dq·Kq + r][x] */
-#pragma unroll
-    for (int r = 0; r < Kq; r++)
-        s[r] = owns ? S[(int64_t)(dq * Kq + r) * V + x] : 0.0f;
-
-    for (int64_t c0 = 0; c0 < n_tok; c0 += C) {
-        const int n = n_tok - c0 < C ? (int)(n_tok - c0) : C;
-        /* 1-3: the chunk, Γ, L and Aqk; with a.lqk, L and Aqk (sA follows sL) were computed
-         * ahead by duet__kda_lqk_kernel and load along with the chunk. */
-        if (a.lqk != NULL) {
-            const float *src =
-                a.lqk + (duet__kda_lqk_slot(a, it, (int)(c0 / C)) * H + h) * (2 * C * LR);
-            for (int idx = tid; idx < 2 * C * LR; idx += NT)
-                duet__cp_async4(&sL[idx], src + idx, true);
-        }
-        duet__kda_chunk_load<K>(a, r0 + c0, n, h, sm, true);
-        duet__kda_chunk_gamma<K>(sm);
-        if (a.lqk == NULL)
-            duet__kda_chunk_lqk<K>(sm);
-
-        /* 4. In place: Q ← q e^Γ, K ← k e^{Γlast−Γ}, G ← β k e^Γ. */
-        for (int idx = tid; idx < C * K; idx += NT) {
-            const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
-            const float gam = sG[c], k = sK[c], eg = duet__ex2(gam);
-            sQ[c] = sQ[c] * eg;
-            sK[c] = k * duet__ex2(sGl[d] - gam);
-            sG[c] = sB[i] * k * eg;
-        }
-        __syncthreads();
-
-        /* 5. Column-local from here (the four quarter owners of column x share a warp), and
-         * only over the row blocks that hold tokens (rows past n are zero throughout); only
-         * the warps of this block's columns take part.
-         * Y[i][x] = β_i v_i[x] − Σ_d (β k e^Γ)[i][d] S[d][x]; the owner of row i (i mod 4 = dq)
-         * keeps it in y[i / 4]. Row blocks run in a loop, not unrolled (code size); y is only
-         * ever indexed statically, a runtime block index t goes through duet__pick/duet__put. */
-        if (owns) {
-            const int nb = (n + 3) / 4;
-            float y[C / 4];
-#pragma unroll
-            for (int t = 0; t < C / 4; t++)
-                y[t] = 0.0f;
-#pragma unroll 1
-            for (int t = 0; t < nb; t++) {
-                float mine = 0.0f;
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int i = 4 * t + m;
-                    const float *w = &sG[i * KR + qoff];
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < Kq; r += 4) {
-                        const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
-                        acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
-                    }
-                    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-                    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-                    if (m == dq)
-                        mine = sB[i] * sV[i * VR + x] - acc;
-                }
-                duet__put<C / 4>(y, t, mine);
-            }
-            /* 6. V_new = Y + L V_new, row by row: once row j is final it is broadcast from its
-             * owner and added into every row (L[i][j] is zero for i <= j, so finished rows stay).
-             * `cur` tracks the current block's row of this owner, whose y slot has a runtime index.
-             */
-#pragma unroll 1
-            for (int t = 0; t < nb; t++) {
-                float cur = duet__pick<C / 4>(y, t);
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int j = 4 * t + m;
-                    const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
-                    const float *l = &sL[j * LR + dq * 20];
-#pragma unroll
-                    for (int u = 0; u < C / 4; u += 4) {
-                        const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
-                        y[u] += l4.x * vj;
-                        y[u + 1] += l4.y * vj;
-                        y[u + 2] += l4.z * vj;
-                        y[u + 3] += l4.w * vj;
-                    }
-                    cur += l[t] * vj;
-                }
-            }
-            /* 7. O[i][x] = Σ_d (q e^Γ)[i][d] S[d][x] + Σ_j Aqk[i][j] V_new[j][x]: each owner adds
-             * its quarter of d and its residue class of j, the shuffles finish the sum. Four rows
-             * at a time, so their sums and shuffles overlap. */
-            float *orow = a.o + (r0 + c0) * HK + h * K + x;
-#pragma unroll 1
-            for (int t = 0; t < nb; t++) {
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int i = 4 * t + m;
-                    const float *qe = &sQ[i * KR + qoff];
-                    const float *ar = &sA[i * LR + dq * 20];
-                    float acc = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < Kq; r += 4) {
-                        const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
-                        acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
-                    }
-#pragma unroll
-                    for (int u = 0; u < C / 4; u += 4) {
-                        const float4 a4 = *reinterpret_cast<const float4 *>(&ar[u]);
-                        acc += a4.x * y[u] + a4.y * y[u + 1] + a4.z * y[u + 2] + a4.w * y[u + 3];
-                    }
-                    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-                    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-                    if (m == dq && i < n)
-                        orow[(int64_t)i * HK] = acc;
-                }
-            }
-            /* 8. S ← e^{Γlast} S + Σ_i (k e^{Γlast−Γ})[i][d] V_new[i][x]. */
-#pragma unroll
-            for (int r = 0; r < Kq; r++)
-                s[r] *= duet__ex2(sGl[dq * Kq + r]);
-#pragma unroll 1
-            for (int t = 0; t < nb; t++) {
-                const float cur = duet__pick<C / 4>(y, t);
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int i = 4 * t + m;
-                    const float vi = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
-                    const float *kd = &sK[i * KR + qoff];
-#pragma unroll
-                    for (int r = 0; r < Kq; r += 4) {
-                        const float4 k4 = *reinterpret_cast<const float4 *>(&kd[r]);
-                        s[r] += k4.x * vi;
-                        s[r + 1] += k4.y * vi;
-                        s[r + 2] += k4.z * vi;
-                        s[r + 3] += k4.w * vi;
-                    }
-                }
-            }
-        }
-        __syncthreads(); /* the next chunk overwrites the shared buffers */
+    for (int idx = tid; idx < K * XS / 4; idx += NT) { /* joins the first chunk's group 0 */
+        const int d = idx / (XS / 4), q = 4 * (idx % (XS / 4));
+        const bool ok = x0 + q < V;
+        duet__cp_async<16>(sm + Sy::S + d * XS + q, S + (int64_t)d * V + (ok ? x0 + q : 0), ok);
     }
-    if (owns)
+    const int64_t nch = (n_tok + C - 1) / C;
+    const float *wy = a.wy + h * Wy::FLOATS;
+    const int64_t slot_stride = H * Wy::FLOATS;
+    for (int part = 0; part < 3; part++)
+        duet__kda_seq_fetch<K>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
+
+    for (int64_t c = 0; c < nch; c++) {
+        const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
+        const float *next =
+            c + 1 < nch ? wy + duet__kda_wy_slot(a, it, (int)(c + 1)) * slot_stride : NULL;
+        duet__cp_async_wait<2>(); /* group 0: Wt, U (and S) */
+        __syncthreads();
+        float s[Kq]; /* S[dq·Kq + r][x] */
 #pragma unroll
         for (int r = 0; r < Kq; r++)
-            S[(int64_t)(dq * Kq + r) * V + x] = s[r];
+            s[r] = sm[Sy::S + (dq * Kq + r) * XS + lane];
+
+            /* 1. Quarter dq of Σ_d Wt[i][d] S[d][x] for rows i0 .. i0 + 15, into RED[dq]. */
+#pragma unroll 2
+        for (int m = 0; m < 16; m++) {
+            float acc = 0.0f;
+            if (i0 < n) {
+                const float *w = sm + Sy::WT + (i0 + m) * K + dq * Kq;
+#pragma unroll
+                for (int r = 0; r < Kq; r += 4) {
+                    const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
+                    acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
+                }
+            }
+            sm[Sy::RED + (dq * C + i0 + m) * XS + lane] = acc;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < 4; m++) { /* rows 4·warp .. +3: V_new = U − the quarters' sum */
+            const int i = 4 * warp + m;
+            const float *rd = sm + Sy::RED + i * XS + lane;
+            sm[Sy::VN + i * XS + lane] = sm[Sy::U + i * XS + lane] -
+                                         ((rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]));
+        }
+        duet__cp_async_wait<1>(); /* group 1: Qe, Aqk */
+        __syncthreads();
+        duet__kda_seq_fetch<K>(next, x0, sm, 0);
+
+        /* 2. Quarter dq of Σ_d Qe[i][d] S[d][x] + Σ_{j in 16dq..16dq+15} Aqk[i][j] V_new[j][x]. */
+        float vq[16];
+#pragma unroll
+        for (int jj = 0; jj < 16; jj++)
+            vq[jj] = sm[Sy::VN + (16 * dq + jj) * XS + lane];
+#pragma unroll 2
+        for (int m = 0; m < 16; m++) {
+            float acc = 0.0f, acc2 = 0.0f;
+            if (i0 < n) {
+                const float *qe = sm + Sy::QE + (i0 + m) * K + dq * Kq;
+#pragma unroll
+                for (int r = 0; r < Kq; r += 4) {
+                    const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
+                    acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
+                }
+                const float *ar = sm + Sy::A + (i0 + m) * C + 16 * dq;
+#pragma unroll
+                for (int jj = 0; jj < 16; jj += 4) {
+                    const float4 a4 = *reinterpret_cast<const float4 *>(&ar[jj]);
+                    acc2 +=
+                        a4.x * vq[jj] + a4.y * vq[jj + 1] + a4.z * vq[jj + 2] + a4.w * vq[jj + 3];
+                }
+            }
+            sm[Sy::RED + (dq * C + i0 + m) * XS + lane] = acc + acc2;
+        }
+        __syncthreads();
+        if (x < V)
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int i = 4 * warp + m;
+                const float *rd = sm + Sy::RED + i * XS + lane;
+                if (i < n)
+                    a.o[(r0 + c * C + i) * HK + h * K + x] =
+                        (rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]);
+            }
+        duet__cp_async_wait<1>(); /* group 2: Kd, e^{Γlast} */
+        __syncthreads();
+        duet__kda_seq_fetch<K>(next, x0, sm, 1);
+
+        /* 3. S[d][x] ← e^{Γlast[d]} S[d][x] + Σ_i Kd[i][d] V_new[i][x] for d = DW·warp .. +DW−1. */
+        float sn[DW];
+#pragma unroll
+        for (int t = 0; t < DW; t++) {
+            const int d = DW * warp + t;
+            sn[t] = sm[Sy::S + d * XS + lane] * sm[Sy::GL + d];
+        }
+#pragma unroll 4
+        for (int i = 0; i < n; i++) {
+            const float v = sm[Sy::VN + i * XS + lane];
+            const float *kd = sm + Sy::KD + i * K + DW * warp;
+#pragma unroll
+            for (int t = 0; t < DW; t++)
+                sn[t] += kd[t] * v;
+        }
+#pragma unroll
+        for (int t = 0; t < DW; t++)
+            sm[Sy::S + (DW * warp + t) * XS + lane] = sn[t];
+        __syncthreads();
+        duet__kda_seq_fetch<K>(next, x0, sm, 2);
+    }
+    duet__cp_async_wait<0>(); /* the last chunk's empty groups */
+    for (int idx = tid; idx < K * XS; idx += NT) {
+        const int d = idx / XS, l = idx % XS;
+        if (x0 + l < V)
+            S[(int64_t)d * V + x0 + l] = sm[Sy::S + idx];
+    }
 }
 
 /* ---- core: dispatch ----------------------------------------------------------------------- */
@@ -856,65 +986,32 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_chunk_kernel(duet__kda
 extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
                                               int64_t K)
 {
-    (void)K; /* the L and Aqk arrays are [C][LR] whatever K is */
-    if (max_items < 0 || max_rows < 0 || H < 0)
+    if (max_items < 0 || max_rows < 0 || H < 0 || K < 0)
         return 0;
-    const int64_t slots = max_rows / DUET_KDA_C + max_items + 1; /* duet__kda_lqk_slot */
-    return sizeof(float) * (size_t)(slots * H) * 2 * DUET_KDA_C * duet__kda_chunk_layout<16>::LR;
+    const int64_t slots = max_rows / DUET_KDA_C + max_items + 1;          /* duet__kda_wy_slot */
+    const int64_t per = 4 * DUET_KDA_C * K + DUET_KDA_C * DUET_KDA_C + K; /* wy_layout FLOATS */
+    return sizeof(float) * (size_t)(slots * H) * (size_t)per;
 }
 
-/* The chunked kernel's dynamic shared memory exceeds the 48 KiB default, so it must be allowed
- * once per device; done on the first call (a host-side attribute, not a stream operation). */
-template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t bytes)
+/* The chunked form's kernels need more dynamic shared memory than the 48 KiB default, which must
+ * be allowed once per device; done on the first call (a host-side attribute, not a stream
+ * operation). */
+template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t wy_bytes, size_t seq_bytes)
 {
     static int done[64];
     int dev = 0;
     DUET__TRY(cudaGetDevice(&dev), "cudaGetDevice");
     if (dev >= 0 && dev < 64 && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE))
         return DUET_OK;
-    DUET__TRY(cudaFuncSetAttribute(duet__kda_chunk_kernel<K>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-              "chunk kernel shared-memory attribute");
-    DUET__TRY(cudaFuncSetAttribute(duet__kda_lqk_kernel<K>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-              "L, Aqk kernel shared-memory attribute");
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_wy_kernel<K>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)wy_bytes),
+              "ahead kernel shared-memory attribute");
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_kernel<K>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)seq_bytes),
+              "sequential kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
         __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
     return DUET_OK;
-}
-
-/*
- * Column slices per (item, head) for the chunked kernel. Its column-local phases (from Y on)
- * are most of a chunk's time, and one block per (item, head) leaves most SMs idle in a single
- * prefill (32 heads on 132 SMs): with slices, the blocks of one head each redo the shared
- * phases (L, Aqk, the decayed q / k) and run the column phases for their own columns only, so
- * every column's arithmetic is unchanged. Slices double while the blocks still fit on the SMs
- * and a slice stays whole warps of columns (a multiple of 8: the phases shuffle across a warp).
- * DUET_CUDA_KDA_NO_SPLIT=1 keeps one block per (item, head), for side-by-side measurements;
- * tests force a count with duet__cuda_kda_split_set (0: automatic).
- */
-static int duet__kda_split_forced = 0;
-
-extern "C" void duet__cuda_kda_split_set(int vs)
-{
-    duet__kda_split_forced = vs;
-}
-
-static unsigned duet__kda_vsplit(const duet__kda_core_args_t &a, int K)
-{
-    static int no_split = -1;
-    duet_cuda_env_flag(&no_split, "DUET_CUDA_KDA_NO_SPLIT");
-    const int f = duet__kda_split_forced;
-    if (f > 0) /* a forced count that does not cut whole warps of columns falls back to 1 */
-        return K % (8 * f) == 0 ? (unsigned)f : 1u;
-    const int n_sms = duet_cuda_sm_count();
-    if (no_split || n_sms < 1)
-        return 1;
-    const int64_t pairs = a.st.n_items * a.ly.H;
-    unsigned vs = 1;
-    while (K % (16 * (int)vs) == 0 && pairs * 2 * vs <= n_sms)
-        vs *= 2;
-    return vs;
 }
 
 template <int K>
@@ -926,19 +1023,20 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
         duet_pdl_launch(duet__kda_recur_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
         "recurrent core launch");
     if (a.st.max_item_tokens > 1) {
-        const size_t bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
-        duet_status_t s = duet__kda_chunk_smem_allow<K>(bytes);
+        const size_t wy_bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
+        const size_t seq_bytes = sizeof(float) * (size_t)duet__kda_seq_layout<K>::FLOATS;
+        duet_status_t s = duet__kda_chunk_smem_allow<K>(wy_bytes, seq_bytes);
         if (s != DUET_OK)
             return s;
-        if (a.lqk != NULL)
-            DUET__TRY(duet_pdl_launch(duet__kda_lqk_kernel<K>,
-                                      dim3((unsigned)(a.st.n_items * a.max_chunks), (unsigned)H),
-                                      dim3(4 * K), bytes, stream, a),
-                      "L, Aqk kernel launch");
-        DUET__TRY(duet_pdl_launch(duet__kda_chunk_kernel<K>,
-                                  dim3((unsigned)(a.st.n_items * H), duet__kda_vsplit(a, K)),
-                                  dim3(4 * K), bytes, stream, a),
-                  "chunked core launch");
+        DUET__TRY(duet_pdl_launch(duet__kda_wy_kernel<K>,
+                                  dim3((unsigned)(a.st.n_items * a.max_chunks), (unsigned)H),
+                                  dim3(4 * K), wy_bytes, stream, a),
+                  "ahead kernel launch");
+        DUET__TRY(duet_pdl_launch(duet__kda_seq_kernel<K>,
+                                  dim3((unsigned)(a.st.n_items * H),
+                                       (unsigned)((K + DUET_KDA_SEQ_COLS - 1) / DUET_KDA_SEQ_COLS)),
+                                  dim3(DUET_KDA_SEQ_THREADS), seq_bytes, stream, a),
+                  "sequential kernel launch");
     }
     return DUET_OK;
 }
@@ -961,22 +1059,16 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
     if ((int64_t)st->n_items * ly->H > 0x7fffffff)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items x %lld heads", st->n_items,
                               (long long)ly->H);
-    /* With scratch, L and Aqk of every chunk are computed ahead, in parallel (unless
-     * DUET_CUDA_KDA_NO_AHEAD is set, for side-by-side measurements). */
-    static int no_ahead = -1;
-    duet_cuda_env_flag(&no_ahead, "DUET_CUDA_KDA_NO_AHEAD");
+    if (st->max_item_tokens > 1 && scratch == NULL)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda kda core: items of %d tokens need the chunked form's scratch "
+                              "(duet_cuda_kda_scratch_bytes), got NULL",
+                              st->max_item_tokens);
     const int64_t max_chunks = (st->max_item_tokens + DUET_KDA_C - 1) / DUET_KDA_C;
     if ((int64_t)st->n_items * max_chunks > 0x7fffffff || ly->H > 65535)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items of up to %d tokens",
                               st->n_items, st->max_item_tokens);
-    const duet__kda_core_args_t a = {*st,
-                                     *ly,
-                                     qkv,
-                                     g,
-                                     beta,
-                                     o,
-                                     scratch != NULL && !no_ahead ? (float *)scratch : NULL,
-                                     (int)max_chunks};
+    const duet__kda_core_args_t a = {*st, *ly, qkv, g, beta, o, (float *)scratch, (int)max_chunks};
     switch (ly->K) {
     case 16:
         return duet__kda_core_launch<16>(stream, a);

@@ -50,9 +50,6 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
-/* kda.cu's internal switch: column slices per head of the chunked kernel (0: automatic). */
-void duet__cuda_kda_split_set(int vs);
-
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         if (!(cond))                                                                               \
@@ -175,6 +172,7 @@ typedef struct {
     /* device */
     float *d_pool, *d_taps, *d_neg_A, *d_dt_bias, *d_o_norm;
     float *d_proj, *d_graw, *d_braw, *d_gate, *d_qkv, *d_g, *d_beta, *d_o;
+    void *d_scr;     /* the chunked form's scratch, duet_cuda_kda_scratch_bytes of the batch */
     int32_t *d_meta; /* row0 | pos0 | slot | pages | row_item | row_pos */
     duet_cuda_step_t st;
     duet_cuda_kda_layer_t ly;
@@ -246,6 +244,8 @@ static void case_batch(kda_case_t *c, const int *n_tok)
     c->d_g = dev_alloc(sizeof(float) * (size_t)(T * c->HK));
     c->d_beta = dev_alloc(sizeof(float) * (size_t)(T * s->H));
     c->d_o = dev_alloc(sizeof(float) * (size_t)(T * c->HK));
+    cudaFree(c->d_scr);
+    c->d_scr = dev_alloc(duet_cuda_kda_scratch_bytes(s->n_items, T, s->H, s->K));
 
     const int n = s->n_items;
     int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
@@ -325,7 +325,7 @@ static void case_free(kda_case_t *c)
     cudaFree(c->d_pool), cudaFree(c->d_taps), cudaFree(c->d_neg_A), cudaFree(c->d_dt_bias);
     cudaFree(c->d_o_norm), cudaFree(c->d_proj), cudaFree(c->d_graw), cudaFree(c->d_braw);
     cudaFree(c->d_gate), cudaFree(c->d_qkv), cudaFree(c->d_g), cudaFree(c->d_beta);
-    cudaFree(c->d_o), cudaFree(c->d_meta);
+    cudaFree(c->d_o), cudaFree(c->d_meta), cudaFree(c->d_scr);
 }
 
 /* ---- CPU reference chain (engine/model.c's loops, engine/kda.c's core) ------------------------
@@ -446,7 +446,7 @@ static void gpu_step_enqueue(kda_case_t *c, cudaStream_t s, float *o_pre_host)
     DUET_OK_(duet_cuda_kda_conv(s, &c->st, &c->ly, c->d_taps, c->d_proj, c->d_qkv));
     DUET_OK_(
         duet_cuda_kda_prep(s, T, &c->ly, c->d_neg_A, c->d_dt_bias, c->d_qkv, c->d_g, c->d_beta));
-    DUET_OK_(duet_cuda_kda_core(s, &c->st, &c->ly, c->d_qkv, c->d_g, c->d_beta, c->d_o, NULL));
+    DUET_OK_(duet_cuda_kda_core(s, &c->st, &c->ly, c->d_qkv, c->d_g, c->d_beta, c->d_o, c->d_scr));
     if (o_pre_host != NULL)
         CUDA_OK(cudaMemcpyAsync(o_pre_host, c->d_o, sizeof(float) * (size_t)(T * c->HK),
                                 cudaMemcpyDeviceToHost, s));
@@ -545,7 +545,7 @@ static void chain_enqueue(kda_case_t *c, cudaStream_t s)
     CUDA_OK(cudaMemcpyAsync(c->d_beta, c->d_braw, sizeof(float) * (size_t)(T * c->sh.H),
                             cudaMemcpyDeviceToDevice, s));
     DUET_OK_(duet_cuda_kda_chain(s, &c->st, &c->ly, &w, c->d_proj, c->d_gate, c->d_qkv, c->d_g,
-                                 c->d_beta, c->d_o, NULL));
+                                 c->d_beta, c->d_o, c->d_scr));
 }
 
 /* Host copies of everything a step writes. */
@@ -817,7 +817,12 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
                                 .W = 4};
     const duet_cuda_step_t chunked = step_of(d_meta_a, 1, n, (int)n);
     duet_cuda_step_t st = chunked;
-    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, NULL));
+    /* The chunked form needs its scratch; without it the call is refused before any launch. */
+    duet_status_t refused = duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, NULL);
+    CHECK(refused == DUET_ERR_INVALID, "a chunked step without scratch returned %d", refused);
+    const size_t scr_bytes = duet_cuda_kda_scratch_bytes(1, n, H, K);
+    void *d_scr = dev_alloc(scr_bytes);
+    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, d_scr));
 
     ly.kda_base = d_pool_b;
     st = step_of(d_meta_b, 1, 1, 1);
@@ -826,22 +831,14 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
                                     d_ob + t * HK, NULL));
     CUDA_OK(cudaDeviceSynchronize());
 
-    /* The chunked form again with one block per head (above, a single item's heads were cut
-     * into column slices across the SMs): the slices must not change a bit. */
+    /* The chunked form again from the same state, with the scratch the first run left: the
+     * same results to the bit (nothing depends on timing or on what the scratch held). The
+     * first run must also have left the pool's conv windows (past the heads' states) alone. */
     float *d_pool_c = dev_copy(pool, sizeof(float) * (size_t)lf);
     float *d_oc = dev_alloc(sizeof(float) * (size_t)(n * HK));
     ly.kda_base = d_pool_c;
     st = chunked;
-    duet__cuda_kda_split_set(1);
-    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, NULL));
-    duet__cuda_kda_split_set(0);
-    /* And with scratch: L and Aqk of every chunk computed ahead by their own kernel. */
-    const size_t scr_bytes = duet_cuda_kda_scratch_bytes(1, n, H, K);
-    void *d_scr = dev_alloc(scr_bytes);
-    float *d_pool_d = dev_copy(pool, sizeof(float) * (size_t)lf);
-    float *d_od = dev_alloc(sizeof(float) * (size_t)(n * HK));
-    ly.kda_base = d_pool_d;
-    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_od, d_scr));
+    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, d_scr));
     CUDA_OK(cudaDeviceSynchronize());
 
     float *oa = xmalloc(sizeof(float) * (size_t)(n * HK)),
@@ -852,6 +849,12 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     CUDA_OK(cudaMemcpy(ob, d_ob, sizeof(float) * (size_t)(n * HK), cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(sa, d_pool_a, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(sb, d_pool_b, sizeof(float) * (size_t)lf, cudaMemcpyDeviceToHost));
+    {
+        int untouched = 1;
+        for (int64_t i = H * K * K; i < lf; i++)
+            untouched &= memcmp(&sa[i], &pool[i], sizeof(float)) == 0;
+        CHECK(untouched, "the chunked core wrote past the heads' states");
+    }
     for (int64_t h = 0; h < H; h++) {
         duet_kda_head_io_t io = {.q = qkv + h * K,
                                  .q_stride = C3,
@@ -876,13 +879,9 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     {
         const size_t no = (size_t)(n * HK), ns = (size_t)(H * K * K);
         const int same = device_equals(oa, d_oc, no) && device_equals(sa, d_pool_c, ns);
-        const int same_ahead = device_equals(oa, d_od, no) && device_equals(sa, d_pool_d, ns);
-        printf("[cuda_kda] %s: chunked with column slices (automatic count) and with one block "
-               "per head: o and S %s; with L and Aqk computed ahead (scratch, %zu bytes): %s\n",
-               what, same ? "bit-identical" : "DIFFER", scr_bytes,
-               same_ahead ? "bit-identical" : "DIFFER");
-        CHECK(same, "%s: the column slices changed the chunked result", what);
-        CHECK(same_ahead, "%s: computing L and Aqk ahead changed the chunked result", what);
+        printf("[cuda_kda] %s: the chunked form run twice (scratch %zu bytes): o and S %s\n", what,
+               scr_bytes, same ? "bit-identical" : "DIFFER");
+        CHECK(same, "%s: a second chunked run changed the result", what);
     }
     expect_close(what, "o chk~rec", oa, ob, (size_t)(n * HK), TOL_CORE);
     expect_close(what, "S chk~rec", sa, sb, (size_t)(H * K * K), TOL_CORE);
@@ -893,7 +892,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     free(sb), free(oc);
     cudaFree(d_qkv), cudaFree(d_g), cudaFree(d_beta), cudaFree(d_pool_a), cudaFree(d_pool_b);
     cudaFree(d_oa), cudaFree(d_ob), cudaFree(d_meta_a), cudaFree(d_meta_b);
-    cudaFree(d_pool_c), cudaFree(d_oc), cudaFree(d_scr), cudaFree(d_pool_d), cudaFree(d_od);
+    cudaFree(d_pool_c), cudaFree(d_oc), cudaFree(d_scr);
 }
 
 Test(cuda_kda, chunked_equals_recurrent, .timeout = 120)
@@ -978,6 +977,7 @@ Test(cuda_kda, chain_graph_capture, .timeout = 120)
 typedef struct {
     int64_t H, K, HK, C3, T, lf;
     float *pool, *proj, *qkv, *g, *b, *o, *gate, *taps, *w;
+    void *scr; /* the chunked form's scratch */
     int32_t *meta;
     duet_cuda_step_t st;
     duet_cuda_kda_layer_t ly;
@@ -1003,6 +1003,7 @@ static void real_shape_alloc(real_shape_t *r, int n_items, int n_tok)
     r->gate = dev_zeros((size_t)(T * HK));
     r->taps = dev_zeros((size_t)(C3 * 4));
     r->w = dev_zeros((size_t)HK);
+    r->scr = dev_alloc(duet_cuda_kda_scratch_bytes(n_items, T, H, K));
     const int n = n_items;
     int32_t *m = xmalloc(sizeof(int32_t) * (size_t)(4 * n + 1 + 2 * T));
     for (int i = 0; i <= n; i++)
@@ -1032,6 +1033,7 @@ static void real_shape_free(real_shape_t *r)
 {
     cudaFree(r->pool), cudaFree(r->proj), cudaFree(r->qkv), cudaFree(r->g), cudaFree(r->b);
     cudaFree(r->o), cudaFree(r->gate), cudaFree(r->taps), cudaFree(r->w), cudaFree(r->meta);
+    cudaFree(r->scr);
 }
 
 /* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints only. */
@@ -1058,10 +1060,10 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = n_tok == 1 ? 50 : 5;
         float ms_core = 0.0f, ms_conv = 0.0f, ms_out = 0.0f;
-        DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL)); /* warm-up */
+        DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr)); /* warm-up */
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL));
+            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_core, e0, e1));
