@@ -571,25 +571,38 @@ static __device__ __forceinline__ int64_t duet__kda_wy_slot(const duet__kda_core
     return (int64_t)a.st.item_row0[it] / DUET_KDA_C + it + c;
 }
 
+/* Step 1 of a chunk: rows row0 .. row0 + n - 1 of head h into sQ, sK, sG and sV, β into sB;
+ * rows past n are zero (β = 0, k = 0, g = 0 change nothing). The copies are asynchronous
+ * (cp.async, zero-filled past n), so all of them are in flight at once instead of one round
+ * trip per loop iteration, 16 bytes each (4 channels: a quarter of a row never straddles the
+ * layout's gaps) when qkv and g are 16-byte aligned, else 4; the function returns once they
+ * (and any cp.async the thread issued before) have landed, after a block barrier. */
 template <int K>
-static __device__ __forceinline__ void duet__kda_chunk_load(const duet__kda_core_args_t &a,
-                                                            int64_t row0, int n, int64_t h,
-                                                            float *sm, bool with_v)
+static __device__ __forceinline__ void
+duet__kda_chunk_load(const duet__kda_core_args_t &a, int64_t row0, int n, int64_t h, float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     constexpr int C = Ly::C, KR = Ly::KR, VR = Ly::VR, NT = 4 * K;
     const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
     const int tid = threadIdx.x;
-    for (int idx = tid; idx < C * K; idx += NT) {
+    const bool wide = (((uintptr_t)a.qkv | (uintptr_t)a.g) & 15) == 0; /* uniform per launch */
+    const int step = wide ? 4 : 1;
+    for (int idx = tid * step; idx < C * K; idx += NT * step) {
         const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
         const bool ok = i < n;
         const int64_t row = row0 + (ok ? i : 0);
-        const float *qr = a.qkv + row * C3 + h * K + d;
-        duet__cp_async<4>(&sm[Ly::Q + c], qr, ok);
-        duet__cp_async<4>(&sm[Ly::KK + c], qr + HK, ok);
-        if (with_v)
+        const float *qr = a.qkv + row * C3 + h * K + d, *gr = a.g + row * HK + h * K + d;
+        if (wide) {
+            duet__cp_async<16>(&sm[Ly::Q + c], qr, ok);
+            duet__cp_async<16>(&sm[Ly::KK + c], qr + HK, ok);
+            duet__cp_async<16>(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+            duet__cp_async<16>(&sm[Ly::G + c], gr, ok);
+        } else {
+            duet__cp_async<4>(&sm[Ly::Q + c], qr, ok);
+            duet__cp_async<4>(&sm[Ly::KK + c], qr + HK, ok);
             duet__cp_async<4>(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-        duet__cp_async<4>(&sm[Ly::G + c], a.g + row * HK + h * K + d, ok);
+            duet__cp_async<4>(&sm[Ly::G + c], gr, ok);
+        }
     }
     if (tid < C)
         sm[Ly::B + tid] = tid < n ? a.beta[(row0 + tid) * H + h] : 0.0f;
@@ -678,12 +691,22 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(fl
     constexpr int C = Ly::C, KR = Ly::KR, NT = 4 * K;
     float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G;
     const float *sB = sm + Ly::B, *sGl = sm + Ly::GL;
-    for (int idx = threadIdx.x; idx < C * K; idx += NT) {
+    for (int idx = 4 * threadIdx.x; idx < C * K; idx += 4 * NT) { /* 4 channels at a time */
         const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
-        const float gam = sG[c], k = sK[c], eg = duet__ex2(gam);
-        sQ[c] = sQ[c] * eg;
-        sK[c] = k * duet__ex2(sGl[d] - gam);
-        sG[c] = sB[i] * k * eg;
+        const float4 gam = *reinterpret_cast<const float4 *>(&sG[c]);
+        const float4 k = *reinterpret_cast<const float4 *>(&sK[c]);
+        const float4 q = *reinterpret_cast<const float4 *>(&sQ[c]);
+        const float4 gl = *reinterpret_cast<const float4 *>(&sGl[d]);
+        const float4 eg =
+            make_float4(duet__ex2(gam.x), duet__ex2(gam.y), duet__ex2(gam.z), duet__ex2(gam.w));
+        const float b = sB[i];
+        *reinterpret_cast<float4 *>(&sQ[c]) =
+            make_float4(q.x * eg.x, q.y * eg.y, q.z * eg.z, q.w * eg.w);
+        *reinterpret_cast<float4 *>(&sK[c]) =
+            make_float4(k.x * duet__ex2(gl.x - gam.x), k.y * duet__ex2(gl.y - gam.y),
+                        k.z * duet__ex2(gl.z - gam.z), k.w * duet__ex2(gl.w - gam.w));
+        *reinterpret_cast<float4 *>(&sG[c]) =
+            make_float4(b * k.x * eg.x, b * k.y * eg.y, b * k.z * eg.z, b * k.w * eg.w);
     }
     __syncthreads();
 }
@@ -749,17 +772,19 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     extern __shared__ float4 duet__kda_smem4[];
     float *sm = reinterpret_cast<float *>(duet__kda_smem4);
     const int n = n_tok - (int64_t)c * C < C ? (int)(n_tok - (int64_t)c * C) : C;
-    duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm, true);
+    duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm);
     duet__kda_chunk_gamma<K>(sm);
     duet__kda_chunk_lqk<K>(sm);
     duet__kda_chunk_scale<K>(sm);
 
     float *out = a.wy + (duet__kda_wy_slot(a, it, c) * a.ly.H + h) * Wy::FLOATS;
     const int tid = threadIdx.x;
-    for (int idx = tid; idx < C * K; idx += NT) {
+    for (int idx = 4 * tid; idx < C * K; idx += 4 * NT) {
         const int cc = (idx / K) * KR + Ly::col(idx % K);
-        out[Wy::QE + idx] = sm[Ly::Q + cc];
-        out[Wy::KD + idx] = sm[Ly::KK + cc];
+        *reinterpret_cast<float4 *>(&out[Wy::QE + idx]) =
+            *reinterpret_cast<const float4 *>(&sm[Ly::Q + cc]);
+        *reinterpret_cast<float4 *>(&out[Wy::KD + idx]) =
+            *reinterpret_cast<const float4 *>(&sm[Ly::KK + cc]);
     }
     for (int idx = tid; idx < C * C; idx += NT)
         out[Wy::A + idx] = sm[Ly::A + (idx / C) * LR + Ly::grp(idx % C)];
@@ -841,8 +866,9 @@ static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, in
  *      meet in shared memory and are added in quarter order;
  *   2. O = Qe S + Aqk V_new, the same way (each quarter also takes 16 of the j of Aqk V_new);
  *   3. S ← e^{Γlast} S + Kdᵀ V_new, each thread K/16 rows of S in its column.
- * The copies of the next chunk's arrays start as soon as each buffer's last reader is past a
- * barrier (three cp.async groups per chunk), so they overlap the rest of this chunk.
+ * Phases 2 and 3 share the stretch between two barriers (four per chunk). The copies of the next
+ * chunk's arrays start as soon as each buffer's last reader is past a barrier (three cp.async
+ * groups per chunk), so they overlap the rest of this chunk.
  */
 template <int K>
 __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
@@ -909,7 +935,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             sm[Sy::VN + i * XS + lane] = sm[Sy::U + i * XS + lane] -
                                          ((rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]));
         }
-        duet__cp_async_wait<1>(); /* group 1: Qe, Aqk */
+        duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
         __syncthreads();
         duet__kda_seq_fetch<K>(next, x0, sm, 0);
 
@@ -938,21 +964,9 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             }
             sm[Sy::RED + (dq * C + i0 + m) * XS + lane] = acc + acc2;
         }
-        __syncthreads();
-        if (x < V)
-#pragma unroll
-            for (int m = 0; m < 4; m++) {
-                const int i = 4 * warp + m;
-                const float *rd = sm + Sy::RED + i * XS + lane;
-                if (i < n)
-                    a.o[(r0 + c * C + i) * HK + h * K + x] =
-                        (rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]);
-            }
-        duet__cp_async_wait<1>(); /* group 2: Kd, e^{Γlast} */
-        __syncthreads();
-        duet__kda_seq_fetch<K>(next, x0, sm, 1);
-
-        /* 3. S[d][x] ← e^{Γlast[d]} S[d][x] + Σ_i Kd[i][d] V_new[i][x] for d = DW·warp .. +DW−1. */
+        /* 3. S[d][x] ← e^{Γlast[d]} S[d][x] + Σ_i Kd[i][d] V_new[i][x] for d = DW·warp .. +DW−1,
+         * before the same barrier as phase 2: that reads S from registers, this rewrites each
+         * thread's own elements of S in shared memory. */
         float sn[DW];
 #pragma unroll
         for (int t = 0; t < DW; t++) {
@@ -963,14 +977,35 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         for (int i = 0; i < n; i++) {
             const float v = sm[Sy::VN + i * XS + lane];
             const float *kd = sm + Sy::KD + i * K + DW * warp;
+            if constexpr (DW % 4 == 0) { /* 16-byte aligned: one broadcast load per 4 rows */
 #pragma unroll
-            for (int t = 0; t < DW; t++)
-                sn[t] += kd[t] * v;
+                for (int t = 0; t < DW; t += 4) {
+                    const float4 k4 = *reinterpret_cast<const float4 *>(&kd[t]);
+                    sn[t] += k4.x * v;
+                    sn[t + 1] += k4.y * v;
+                    sn[t + 2] += k4.z * v;
+                    sn[t + 3] += k4.w * v;
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < DW; t++)
+                    sn[t] += kd[t] * v;
+            }
         }
 #pragma unroll
         for (int t = 0; t < DW; t++)
             sm[Sy::S + (DW * warp + t) * XS + lane] = sn[t];
         __syncthreads();
+        if (x < V)
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                const int i = 4 * warp + m;
+                const float *rd = sm + Sy::RED + i * XS + lane;
+                if (i < n)
+                    a.o[(r0 + c * C + i) * HK + h * K + x] =
+                        (rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]);
+            }
+        duet__kda_seq_fetch<K>(next, x0, sm, 1);
         duet__kda_seq_fetch<K>(next, x0, sm, 2);
     }
     duet__cp_async_wait<0>(); /* the last chunk's empty groups */
