@@ -117,10 +117,24 @@ int main(int argc, char **argv)
 {
     double min_ms = 100;
     for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf(
+                "usage: duet-bench-gemm-cuda [--min-ms MS]\n"
+                "TFLOP/s of the cuBLASLt bf16 GEMM at Kimi-Linear-48B's prefill shapes (with and\n"
+                "without the fp32 -> bf16 conversion of x) and device-to-device copy bandwidth,\n"
+                "on the first CUDA device. Each figure is the mean of a timed loop of at least\n"
+                "MS milliseconds (default 100). Without a device it says so and exits 0.\n");
+            return 0;
+        }
+        char *end = NULL;
         if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc) {
-            min_ms = atof(argv[++i]);
+            min_ms = strtod(argv[++i], &end);
+            if (end == argv[i] || *end != 0 || !(min_ms > 0.0 && min_ms <= 1e6)) {
+                fprintf(stderr, "duet-bench-gemm-cuda: bad value '%s' for --min-ms\n", argv[i]);
+                return 2;
+            }
         } else {
-            fprintf(stderr, "usage: %s [--min-ms MS]\n", argv[0]);
+            fprintf(stderr, "duet-bench-gemm-cuda: unknown option %s (see --help)\n", argv[i]);
             return 2;
         }
     }

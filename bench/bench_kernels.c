@@ -73,14 +73,34 @@ int main(int argc, char **argv)
     int    max_threads = 0, quick = 0;
     double min_s       = 0.3;
     for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
-            max_threads = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--quick") == 0)
+        char *end = NULL;
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: duet-bench-kernels [--threads N] [--quick] [--min-ms MS]\n"
+                   "GFLOP/s of the CPU backend's matmul (kernels/cpu) at the demo and 48B models'\n"
+                   "projection shapes for M = 1, 8, 64 and 512 rows, F32 and BF16 weights, on one\n"
+                   "thread and on N (default: the backend's count, every core); weight bandwidth\n"
+                   "at M = 1, and one shape against a naive loop. --quick: one shape; MS: the\n"
+                   "least time per figure (default 300).\n");
+            return 0;
+        }
+        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+            const long t = strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end != 0 || t < 1 || t > 4096) {
+                fprintf(stderr, "duet-bench-kernels: bad value '%s' for --threads\n", argv[i]);
+                return 2;
+            }
+            max_threads = (int)t;
+        } else if (strcmp(argv[i], "--quick") == 0) {
             quick = 1;
-        else if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc)
-            min_s = atof(argv[++i]) / 1000.0;
-        else {
-            fprintf(stderr, "usage: %s [--threads N] [--quick] [--min-ms MS]\n", argv[0]);
+        } else if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc) {
+            const double ms = strtod(argv[++i], &end);
+            if (end == argv[i] || *end != 0 || !(ms > 0.0 && ms <= 1e6)) {
+                fprintf(stderr, "duet-bench-kernels: bad value '%s' for --min-ms\n", argv[i]);
+                return 2;
+            }
+            min_s = ms / 1000.0;
+        } else {
+            fprintf(stderr, "duet-bench-kernels: unknown option %s (see --help)\n", argv[i]);
             return 2;
         }
     }

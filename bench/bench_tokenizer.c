@@ -41,6 +41,19 @@ static char *slurp(const char *path, size_t *len_p)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        printf("usage: bench_tokenizer [corpus.txt [tokenizer-dir]]\n"
+               "Tokens/s and MB/s of the router's tokenizer: encodes the corpus (default\n"
+               "../shared/data/corpus/web-plain.txt) with cl100k_base and o200k_base from\n"
+               "tokenizer-dir (default ../shared/data/tokenizers) in 4 KiB chunks, decodes the\n"
+               "ids back, and times one 64 KiB piece of one letter.\n");
+        return 0;
+    }
+    if (argc > 3 || (argc > 1 && argv[1][0] == '-')) {
+        fprintf(stderr, "bench_tokenizer: unexpected argument %s (see --help)\n",
+                argc > 3 ? argv[3] : argv[1]);
+        return 2;
+    }
     const char *corpus =
         argc > 1 ? argv[1] : DUET_SOURCE_DIR "/../shared/data/corpus/web-plain.txt";
     const char *dir = argc > 2 ? argv[2] : DUET_SOURCE_DIR "/../shared/data/tokenizers";

@@ -464,15 +464,32 @@ int main(int argc, char **argv)
     bool quick = false;
     const char *which = "both";
     for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: duet-bench-xfer [--quick] [--malloc] [--transport shm|tcp|both|cuda]\n"
+                   "Bandwidth (1 .. 256 MiB transfers) and latency (one-page transfers, p50 /\n"
+                   "p99) of the UCX transfer runtime between this process and a forked receiver,\n"
+                   "moving MLA KV pages laid out like Kimi-Linear-48B's, against memcpy of the\n"
+                   "same pages. --transport: shared memory, tcp on loopback, both (default), or\n"
+                   "device pools through a CUDA-built UCX; --malloc: a malloc'ed receive pool\n"
+                   "instead of a UCX-allocated one; --quick: fewer sizes and runs.\n");
+            return 0;
+        }
         if (strcmp(argv[i], "--quick") == 0)
             quick = true;
         else if (strcmp(argv[i], "--malloc") == 0)
             g_alloc = false;
-        else if (strcmp(argv[i], "--transport") == 0 && i + 1 < argc)
+        else if (strcmp(argv[i], "--transport") == 0 && i + 1 < argc) {
             which = argv[++i];
-        else {
-            fprintf(stderr, "usage: duet-bench-xfer [--quick] [--malloc] [--transport "
-                            "shm|tcp|both|cuda]\n");
+            if (strcmp(which, "shm") != 0 && strcmp(which, "tcp") != 0 &&
+                strcmp(which, "both") != 0 && strcmp(which, "cuda") != 0) {
+                fprintf(stderr,
+                        "duet-bench-xfer: bad value '%s' for --transport "
+                        "(shm, tcp, both or cuda)\n",
+                        which);
+                return 64;
+            }
+        } else {
+            fprintf(stderr, "duet-bench-xfer: unknown option %s (see --help)\n", argv[i]);
             return 64;
         }
     }

@@ -37,23 +37,37 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            printf("usage: duet-http-echo [--host H] [--port P] [--max-connections N] "
+                   "[--idle-ms N]\n"
+                   "The router's HTTP server with an echo application, for tests and load\n"
+                   "generators: answers every request with its method, target, headers and body.\n"
+                   "Prints \"port <n>\" once listening (--port 0, the default, picks a free one);\n"
+                   "SIGINT or SIGTERM shuts it down gracefully. Defaults: host 127.0.0.1, the\n"
+                   "server's connection limit and idle timeout.\n");
+            return 0;
+        }
         if (v == NULL) {
-            fprintf(stderr,
-                    "usage: %s [--host H] [--port P] [--max-connections N] "
-                    "[--idle-ms N]\n",
-                    argv[0]);
+            fprintf(stderr, "duet-http-echo: %s needs a value (see --help)\n", a);
             return 2;
         }
+        char *end = NULL;
+        const long long n = strtoll(v, &end, 10);
+        const bool num = end != v && *end == 0 && n >= 0;
         if (strcmp(a, "--host") == 0)
             opts.host = v;
-        else if (strcmp(a, "--port") == 0)
-            opts.port = (uint16_t)atoi(v);
-        else if (strcmp(a, "--max-connections") == 0)
-            opts.max_connections = (size_t)atol(v);
-        else if (strcmp(a, "--idle-ms") == 0)
-            opts.idle_timeout_ms = (uint32_t)atol(v);
-        else {
-            fprintf(stderr, "%s: unknown option %s\n", argv[0], a);
+        else if (strcmp(a, "--port") == 0 && num && n <= 65535)
+            opts.port = (uint16_t)n;
+        else if (strcmp(a, "--max-connections") == 0 && num && n >= 1 && n <= 1000000)
+            opts.max_connections = (size_t)n;
+        else if (strcmp(a, "--idle-ms") == 0 && num && n >= 1 && n <= 86400000)
+            opts.idle_timeout_ms = (uint32_t)n;
+        else if (strcmp(a, "--port") == 0 || strcmp(a, "--max-connections") == 0 ||
+                 strcmp(a, "--idle-ms") == 0) {
+            fprintf(stderr, "duet-http-echo: bad value '%s' for %s\n", v, a);
+            return 2;
+        } else {
+            fprintf(stderr, "duet-http-echo: unknown option %s (see --help)\n", a);
             return 2;
         }
         i++;

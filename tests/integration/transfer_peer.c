@@ -122,6 +122,14 @@ int main(int argc, char **argv)
     dup2(2, 1);
     signal(SIGPIPE, SIG_IGN);
     xt_scn_t s = xt_scn_default();
+    if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
+        dprintf(g_router, "usage: duet-xfer-peer recv|send key=value...\n"
+                          "The other process of the transfer runtime's tests (tests only): recv\n"
+                          "reserves transfers and reports their outcomes, send streams the\n"
+                          "layers into them; frames go over stdin / stdout. The keys are the\n"
+                          "scenario's (tests/unit/test_transfer_util.h).\n");
+        return 0;
+    }
     if (argc < 2 || !xt_scn_parse(&s, argc - 2, argv + 2)) {
         fprintf(stderr, "usage: duet-xfer-peer recv|send key=value...\n");
         return 64;

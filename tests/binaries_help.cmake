@@ -1,0 +1,18 @@
+# Every binary: --help (exit 0, usage on stdout) and an unknown option refused. Included from the
+# top-level CMakeLists.txt after bench/, so that every binary target is defined by then.
+set(DUET_HELP_TARGETS duet duet-router duetctl duet-ctx duet-gen duet-generate duet-http-echo
+    duet-test-worker duet-bench duet-bench-kernels duet-bench-xfer bench_tokenizer duet-xfer-peer
+    duet-bench-gemm-cuda duet-bench-model-cuda duet-bench-launch-floor)
+set(DUET_HELP_FILES "")
+set(DUET_HELP_DEPS "")
+foreach(t ${DUET_HELP_TARGETS})
+  if(TARGET ${t})
+    list(APPEND DUET_HELP_FILES "$<TARGET_FILE:${t}>")
+    list(APPEND DUET_HELP_DEPS ${t})
+  endif()
+endforeach()
+list(JOIN DUET_HELP_FILES ":" DUET_HELP_JOINED)
+duet_add_test(test_binaries_help SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_binaries_help.c
+              TIMEOUT 120)
+target_compile_definitions(test_binaries_help PRIVATE "DUET_HELP_BINARIES=\"${DUET_HELP_JOINED}\"")
+add_dependencies(test_binaries_help ${DUET_HELP_DEPS})
