@@ -49,7 +49,8 @@
  *   empty (short items in a batch planned for long ones) writes the neutral partial (m = −inf,
  *   l = 0) and no accumulator, and the reducer skips those. With kv_splits = 1 the block writes
  *   lat = acc / l itself and no reducer runs.
- *   Row blocks: block x of the grid is the x-th block of rb rows in item order; a warp scan over
+ *   Row blocks: block x of the grid is the (gridDim.x − 1 − x)-th block of rb rows in item order
+ *   (the longest rows of a prefill first, so the short ones fill the last wave); a warp scan over
  *   item_row0 finds it, so the grid is sized from host counts only (graph capture) and blocks
  *   past the real count exit. Prefill rows of one item share a block only when n < 32 (rb =
  *   32 / n); at n = 32 each row is its own block and the item's KV is re-read per row, mostly
@@ -391,7 +392,8 @@ __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__
 {
     if (threadIdx.x < 32) {
         const unsigned full = 0xffffffffu;
-        const int lane = threadIdx.x, bx = blockIdx.x;
+        /* row blocks in reverse (the file comment) */
+        const int lane = threadIdx.x, bx = (int)(gridDim.x - 1 - blockIdx.x);
         int item = -1, rs = 0, re = 0, first = 0, base = 0;
         for (int i0 = 0; i0 < a.n_items; i0 += 32) {
             const int i = i0 + lane;
