@@ -810,6 +810,27 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     }
 }
 
+/* Σ_r w[r] · s[r] over one quarter of a row (Kq floats, 16-byte aligned), four at a time: the
+ * sequential kernel's row-times-S sums of phases 1 and 2. */
+template <int Kq>
+static __device__ __forceinline__ float duet__kda_quarter_dot(const float *w, const float (&s)[Kq])
+{
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < Kq; r += 4) {
+        const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
+        acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
+    }
+    return acc;
+}
+
+/* The four quarters' partial sums of one (row, column) in the sequential kernel's RED buffer
+ * (rd points at quarter 0's; quarters lie `stride` floats apart), added in quarter order. */
+static __device__ __forceinline__ float duet__kda_quarters_sum(const float *rd, int stride)
+{
+    return (rd[0] + rd[stride]) + (rd[2 * stride] + rd[3 * stride]);
+}
+
 #define DUET_KDA_SEQ_THREADS 512 /* 16 warps: 4 quarters of d x 4 groups of 16 rows */
 #define DUET_KDA_SEQ_COLS    32  /* columns of S (and of v, o) per block: one per lane */
 
@@ -915,25 +936,16 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
 
             /* 1. Quarter dq of Σ_d Wt[i][d] S[d][x] for rows i0 .. i0 + 15, into RED[dq]. */
 #pragma unroll 2
-        for (int m = 0; m < 16; m++) {
-            float acc = 0.0f;
-            if (i0 < n) {
-                const float *w = sm + Sy::WT + (i0 + m) * K + dq * Kq;
-#pragma unroll
-                for (int r = 0; r < Kq; r += 4) {
-                    const float4 w4 = *reinterpret_cast<const float4 *>(&w[r]);
-                    acc += w4.x * s[r] + w4.y * s[r + 1] + w4.z * s[r + 2] + w4.w * s[r + 3];
-                }
-            }
-            sm[Sy::RED + (dq * C + i0 + m) * XS + lane] = acc;
-        }
+        for (int m = 0; m < 16; m++)
+            sm[Sy::RED + (dq * C + i0 + m) * XS + lane] =
+                i0 < n ? duet__kda_quarter_dot<Kq>(sm + Sy::WT + (i0 + m) * K + dq * Kq, s) : 0.0f;
         __syncthreads();
 #pragma unroll
         for (int m = 0; m < 4; m++) { /* rows 4·warp .. +3: V_new = U − the quarters' sum */
             const int i = 4 * warp + m;
             const float *rd = sm + Sy::RED + i * XS + lane;
-            sm[Sy::VN + i * XS + lane] = sm[Sy::U + i * XS + lane] -
-                                         ((rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]));
+            sm[Sy::VN + i * XS + lane] =
+                sm[Sy::U + i * XS + lane] - duet__kda_quarters_sum(rd, C * XS);
         }
         duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
         __syncthreads();
@@ -948,12 +960,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         for (int m = 0; m < 16; m++) {
             float acc = 0.0f, acc2 = 0.0f;
             if (i0 < n) {
-                const float *qe = sm + Sy::QE + (i0 + m) * K + dq * Kq;
-#pragma unroll
-                for (int r = 0; r < Kq; r += 4) {
-                    const float4 q4 = *reinterpret_cast<const float4 *>(&qe[r]);
-                    acc += q4.x * s[r] + q4.y * s[r + 1] + q4.z * s[r + 2] + q4.w * s[r + 3];
-                }
+                acc = duet__kda_quarter_dot<Kq>(sm + Sy::QE + (i0 + m) * K + dq * Kq, s);
                 const float *ar = sm + Sy::A + (i0 + m) * C + 16 * dq;
 #pragma unroll
                 for (int jj = 0; jj < 16; jj += 4) {
@@ -1002,8 +1009,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
                 const int i = 4 * warp + m;
                 const float *rd = sm + Sy::RED + i * XS + lane;
                 if (i < n)
-                    a.o[(r0 + c * C + i) * HK + h * K + x] =
-                        (rd[0] + rd[C * XS]) + (rd[2 * C * XS] + rd[3 * C * XS]);
+                    a.o[(r0 + c * C + i) * HK + h * K + x] = duet__kda_quarters_sum(rd, C * XS);
             }
         duet__kda_seq_fetch<K>(next, x0, sm, 1);
         duet__kda_seq_fetch<K>(next, x0, sm, 2);

@@ -134,6 +134,20 @@ extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const 
 #define DUET__NORM_U 12
 #endif
 
+/* One pass's loads, all before any use: p[k] = pp[d] and, with q_on, q[k] = qq[d] for d = d0 +
+ * k·step below D (0 elsewhere). */
+__device__ static __forceinline__ void
+duet__norm_pass_load(float (&p)[DUET__NORM_U], const float *pp, float (&q)[DUET__NORM_U],
+                     const float *qq, bool q_on, int64_t d0, int64_t step, int64_t D)
+{
+#pragma unroll
+    for (int k = 0; k < DUET__NORM_U; k++) {
+        const int64_t d = d0 + k * step;
+        p[k] = d < D ? pp[d] : 0.0f;
+        q[k] = d < D && q_on ? qq[d] : 0.0f;
+    }
+}
+
 __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ldx, const float *a,
                                      const float *w, int64_t D, float eps)
 {
@@ -146,12 +160,7 @@ __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ld
     double ss = 0.0;
     for (int64_t d0 = threadIdx.x; d0 < D; d0 += pass) {
         float v[DUET__NORM_U], u[DUET__NORM_U];
-#pragma unroll
-        for (int k = 0; k < DUET__NORM_U; k++) {
-            const int64_t d = d0 + k * step;
-            v[k] = d < D ? xr[d] : 0.0f;
-            u[k] = d < D && ar != NULL ? ar[d] : 0.0f;
-        }
+        duet__norm_pass_load(v, xr, u, ar, ar != NULL, d0, step, D);
 #pragma unroll
         for (int k = 0; k < DUET__NORM_U; k++) {
             const int64_t d = d0 + k * step;
@@ -168,12 +177,7 @@ __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ld
     const float scale = duet_rms_scale(ss, (double)D, eps);
     for (int64_t d0 = threadIdx.x; d0 < D; d0 += pass) {
         float v[DUET__NORM_U], wv[DUET__NORM_U];
-#pragma unroll
-        for (int k = 0; k < DUET__NORM_U; k++) {
-            const int64_t d = d0 + k * step;
-            wv[k] = d < D ? w[d] : 0.0f;
-            v[k] = d < D ? xr[d] : 0.0f;
-        }
+        duet__norm_pass_load(wv, w, v, xr, true, d0, step, D);
 #pragma unroll
         for (int k = 0; k < DUET__NORM_U; k++) {
             const int64_t d = d0 + k * step;
