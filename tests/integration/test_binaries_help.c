@@ -1,6 +1,7 @@
 /*
  * Every binary the build makes answers --help with exit status 0 and a usage line on stdout, and
  * refuses an option it does not know with a non-zero status and a message on stderr naming it.
+ * The binaries whose option values are checked by hand refuse bad ones the same way.
  * The list comes from CMake (DUET_HELP_BINARIES: the built targets' files, ':'-separated), so a
  * build without CUDA checks the binaries it has and no others.
  */
@@ -44,4 +45,51 @@ Test(binaries, help_and_unknown_option, .timeout = 120)
                rc_bad);
     }
     cr_assert(n >= 12, "only %d binaries listed: %s", n, DUET_HELP_BINARIES);
+}
+
+/* The binary of that name in the list, or NULL when the build has none (the CUDA ones). */
+static const char *find_bin(const char *name, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s", DUET_HELP_BINARIES);
+    for (char *save = NULL, *bin = strtok_r(buf, ":", &save); bin != NULL;
+         bin = strtok_r(NULL, ":", &save)) {
+        const char *base = strrchr(bin, '/') != NULL ? strrchr(bin, '/') + 1 : bin;
+        if (strcmp(base, name) == 0)
+            return bin;
+    }
+    return NULL;
+}
+
+Test(binaries, bad_option_values, .timeout = 60)
+{
+    static const struct {
+        const char *bin, *args, *says;
+    } cases[] = {
+        {"duet-http-echo", "--port 70000", "bad value '70000' for --port"},
+        {"duet-http-echo", "--idle-ms 0", "bad value '0' for --idle-ms"},
+        {"duet-http-echo", "--max-connections x", "bad value 'x' for --max-connections"},
+        {"duet-http-echo", "--port", "--port needs a value"},
+        {"duet-bench-kernels", "--threads 0", "bad value '0' for --threads"},
+        {"duet-bench-kernels", "--min-ms abc", "bad value 'abc' for --min-ms"},
+        {"duet-bench-xfer", "--transport foo", "bad value 'foo' for --transport"},
+        {"bench_tokenizer", "a b c", "unexpected argument c"},
+        {"duet-bench-gemm-cuda", "--min-ms -1", "bad value '-1' for --min-ms"},
+    };
+    int checked = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char buf[sizeof(DUET_HELP_BINARIES)];
+        const char *bin = find_bin(cases[i].bin, buf, sizeof(buf));
+        if (bin == NULL) { /* only the CUDA benchmark may be missing (a build without CUDA) */
+            cr_expect(strstr(cases[i].bin, "cuda") != NULL, "%s is not built", cases[i].bin);
+            continue;
+        }
+        const int rc = run(bin, cases[i].args, 1);
+        cr_expect(rc != 0, "%s %s exited 0:\n%s", cases[i].bin, cases[i].args, OUT);
+        cr_expect(strstr(OUT, cases[i].says) != NULL, "%s %s did not say \"%s\":\n%s", cases[i].bin,
+                  cases[i].args, cases[i].says, OUT);
+        printf("[binaries] %s %s: exit %d, \"%s\"\n", cases[i].bin, cases[i].args, rc,
+               cases[i].says);
+        checked++;
+    }
+    cr_assert(checked >= 8, "only %d cases ran", checked);
 }
