@@ -14,10 +14,12 @@
  * Copy bandwidth counts bytes read + written (2 × size) per cudaMemcpyAsync D2D.
  * Without a CUDA device it prints "no CUDA device" and exits 0, so CI can run it.
  */
+#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/config.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/kernels.h"
 
@@ -126,10 +128,8 @@ int main(int argc, char **argv)
                 "MS milliseconds (default 100). Without a device it says so and exits 0.\n");
             return 0;
         }
-        char *end = NULL;
         if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc) {
-            min_ms = strtod(argv[++i], &end);
-            if (end == argv[i] || *end != 0 || !(min_ms > 0.0 && min_ms <= 1e6)) {
+            if (duet_config_parse_float(argv[++i], DBL_TRUE_MIN, 1e6, &min_ms) != DUET_OK) {
                 fprintf(stderr, "duet-bench-gemm-cuda: bad value '%s' for --min-ms\n", argv[i]);
                 return 2;
             }

@@ -9,11 +9,13 @@
  *
  * Usage: duet-bench-kernels [--threads N] [--quick] [--min-ms MS]
  */
+#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "common/config.h"
 #include "kernels/kernels.h"
 
 static double now_s(void)
@@ -73,7 +75,6 @@ int main(int argc, char **argv)
     int    max_threads = 0, quick = 0;
     double min_s       = 0.3;
     for (int i = 1; i < argc; i++) {
-        char *end = NULL;
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: duet-bench-kernels [--threads N] [--quick] [--min-ms MS]\n"
                    "GFLOP/s of the CPU backend's matmul (kernels/cpu) at the demo and 48B models'\n"
@@ -84,8 +85,8 @@ int main(int argc, char **argv)
             return 0;
         }
         if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
-            const long t = strtol(argv[++i], &end, 10);
-            if (end == argv[i] || *end != 0 || t < 1 || t > 4096) {
+            int64_t t = 0;
+            if (duet_config_parse_int(argv[++i], 1, 4096, &t) != DUET_OK) {
                 fprintf(stderr, "duet-bench-kernels: bad value '%s' for --threads\n", argv[i]);
                 return 2;
             }
@@ -93,8 +94,8 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--quick") == 0) {
             quick = 1;
         } else if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc) {
-            const double ms = strtod(argv[++i], &end);
-            if (end == argv[i] || *end != 0 || !(ms > 0.0 && ms <= 1e6)) {
+            double ms = 0.0;
+            if (duet_config_parse_float(argv[++i], DBL_TRUE_MIN, 1e6, &ms) != DUET_OK) {
                 fprintf(stderr, "duet-bench-kernels: bad value '%s' for --min-ms\n", argv[i]);
                 return 2;
             }

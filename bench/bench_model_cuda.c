@@ -29,6 +29,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/config.h"
 #include "common/log.h"
 #include "engine/model.h"
 #include "kernels/cuda/cuda_gemm.h"
@@ -116,9 +117,9 @@ int main(int argc, char **argv)
         if (strcmp(a, "--config") == 0)
             cfg_dir = v;
         else if (strcmp(a, "--layers") == 0)
-            bad = (layers = strtoll(v, NULL, 10)) <= 0;
+            bad = duet_config_parse_int(v, 1, INT64_MAX, &layers) != DUET_OK;
         else if (strcmp(a, "--steps") == 0)
-            bad = (steps = strtoll(v, NULL, 10)) <= 0;
+            bad = duet_config_parse_int(v, 1, INT64_MAX, &steps) != DUET_OK;
         else if (strcmp(a, "--batch") == 0)
             bad = strcmp(v, "0") == 0 ? (n_batch = 0) : (n_batch = parse_list(v, batch, MAX_LIST)) < 0;
         else if (strcmp(a, "--context") == 0)

@@ -327,6 +327,65 @@ static bool config_parse_bool(const char *s, bool *b_p)
     return false;
 }
 
+/* A whole decimal integer (optional sign, no spaces): DUET_ERR_INVALID on other text,
+ * DUET_ERR_RANGE when it does not fit in 64 bits. */
+static duet_status_t config_parse_ll(const char *text, int64_t *x_p)
+{
+    if (!(isdigit((unsigned char)text[0]) ||
+          ((text[0] == '-' || text[0] == '+') && isdigit((unsigned char)text[1]))))
+        return DUET_ERR_INVALID;
+    char *end;
+    errno = 0;
+    const long long x = strtoll(text, &end, 10);
+    if (*end != '\0')
+        return DUET_ERR_INVALID;
+    if (errno == ERANGE)
+        return DUET_ERR_RANGE;
+    *x_p = x;
+    return DUET_OK;
+}
+
+/* A whole number strtod reads (no leading space): DUET_ERR_INVALID on other text,
+ * DUET_ERR_RANGE when it is not finite or overflows. */
+static duet_status_t config_parse_double(const char *text, double *x_p)
+{
+    if (text[0] == '\0' || isspace((unsigned char)text[0]))
+        return DUET_ERR_INVALID;
+    char *end;
+    errno = 0;
+    const double x = strtod(text, &end);
+    if (*end != '\0')
+        return DUET_ERR_INVALID;
+    if (!isfinite(x) || errno == ERANGE)
+        return DUET_ERR_RANGE;
+    *x_p = x;
+    return DUET_OK;
+}
+
+duet_status_t duet_config_parse_int(const char *s, int64_t min, int64_t max, int64_t *out)
+{
+    int64_t x = 0;
+    const duet_status_t st = config_parse_ll(s, &x);
+    if (st != DUET_OK)
+        return st;
+    if (x < min || x > max)
+        return DUET_ERR_RANGE;
+    *out = x;
+    return DUET_OK;
+}
+
+duet_status_t duet_config_parse_float(const char *s, double min, double max, double *out)
+{
+    double x = 0.0;
+    const duet_status_t st = config_parse_double(s, &x);
+    if (st != DUET_OK)
+        return st;
+    if (!(x >= min && x <= max))
+        return DUET_ERR_RANGE;
+    *out = x;
+    return DUET_OK;
+}
+
 /*
  * Parse `text` as key k's type into *v (strings strdup'ed). On failure returns the status and
  * writes a reason (without key or origin) into why.
@@ -334,37 +393,23 @@ static bool config_parse_bool(const char *s, bool *b_p)
 static duet_status_t config_parse_value(const duet_config_key_t *k, const char *text,
                                         config_value_t *v, char *why, size_t why_cap)
 {
-    char *end;
     memset(v, 0, sizeof(*v));
     switch (k->type) {
     case DUET_CONFIG_INT: {
-        if (!(isdigit((unsigned char)text[0]) ||
-              ((text[0] == '-' || text[0] == '+') && isdigit((unsigned char)text[1]))))
-            goto bad_type;
-        errno = 0;
-        long long x = strtoll(text, &end, 10);
-        if (*end != '\0')
-            goto bad_type;
-        if (errno == ERANGE) {
+        const duet_status_t st = config_parse_ll(text, &v->i);
+        if (st == DUET_ERR_RANGE)
             snprintf(why, why_cap, "\"%s\" does not fit in 64 bits", text);
-            return DUET_ERR_RANGE;
-        }
-        v->i = x;
-        return DUET_OK;
+        if (st != DUET_ERR_INVALID)
+            return st;
+        goto bad_type;
     }
     case DUET_CONFIG_FLOAT: {
-        if (text[0] == '\0' || isspace((unsigned char)text[0]))
-            goto bad_type;
-        errno = 0;
-        double x = strtod(text, &end);
-        if (*end != '\0')
-            goto bad_type;
-        if (!isfinite(x) || errno == ERANGE) {
+        const duet_status_t st = config_parse_double(text, &v->f);
+        if (st == DUET_ERR_RANGE)
             snprintf(why, why_cap, "\"%s\" is not a finite number", text);
-            return DUET_ERR_RANGE;
-        }
-        v->f = x;
-        return DUET_OK;
+        if (st != DUET_ERR_INVALID)
+            return st;
+        goto bad_type;
     }
     case DUET_CONFIG_BOOL:
         if (!config_parse_bool(text, &v->b))

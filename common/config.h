@@ -176,4 +176,13 @@ const char *duet_config_origin(const duet_config_t *cfg, const char *name);
  */
 duet_status_t duet_config_parse_size(const char *s, uint64_t *bytes_p);
 
+/*
+ * Parse a whole integer / finite number with an INT / FLOAT key's syntax (no surrounding space,
+ * nothing after it) and keep it only inside [min, max]: DUET_ERR_INVALID on bad syntax,
+ * DUET_ERR_RANGE outside the bounds (or 64 bits, or not finite); *out is set on DUET_OK only.
+ * For programs whose flags are not a config table (the benchmarks, duet-http-echo).
+ */
+duet_status_t duet_config_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
+duet_status_t duet_config_parse_float(const char *s, double min, double max, double *out);
+
 #endif

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/config.h"
 #include "common/log.h"
 #include "router/http.h"
 #include "router/http_echo.h"
@@ -51,16 +52,16 @@ int main(int argc, char **argv)
             fprintf(stderr, "duet-http-echo: %s needs a value (see --help)\n", a);
             return 2;
         }
-        char *end = NULL;
-        const long long n = strtoll(v, &end, 10);
-        const bool num = end != v && *end == 0 && n >= 0;
+        int64_t n = 0;
         if (strcmp(a, "--host") == 0)
             opts.host = v;
-        else if (strcmp(a, "--port") == 0 && num && n <= 65535)
+        else if (strcmp(a, "--port") == 0 && duet_config_parse_int(v, 0, 65535, &n) == DUET_OK)
             opts.port = (uint16_t)n;
-        else if (strcmp(a, "--max-connections") == 0 && num && n >= 1 && n <= 1000000)
+        else if (strcmp(a, "--max-connections") == 0 &&
+                 duet_config_parse_int(v, 1, 1000000, &n) == DUET_OK)
             opts.max_connections = (size_t)n;
-        else if (strcmp(a, "--idle-ms") == 0 && num && n >= 1 && n <= 86400000)
+        else if (strcmp(a, "--idle-ms") == 0 &&
+                 duet_config_parse_int(v, 1, 86400000, &n) == DUET_OK)
             opts.idle_timeout_ms = (uint32_t)n;
         else if (strcmp(a, "--port") == 0 || strcmp(a, "--max-connections") == 0 ||
                  strcmp(a, "--idle-ms") == 0) {

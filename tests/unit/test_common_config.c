@@ -631,3 +631,57 @@ Test(common_config, fuzz_yaml_loader, .timeout = 120)
         duet_config_destroy(cfg);
     }
 }
+
+/* duet_config_parse_int / _float, the INT / FLOAT syntax for flags outside a config table: good
+ * values inside the bounds; bad syntax (DUET_ERR_INVALID) and values outside the bounds, 64 bits
+ * or finiteness (DUET_ERR_RANGE) leave *out untouched. */
+Test(common_config, parse_int_and_float_standalone, .timeout = 10)
+{
+    static const struct {
+        const char *s;
+        int64_t v;
+    } igood[] = {{"0", 0}, {"+7", 7}, {"-3", -3}, {"65535", 65535}};
+    for (size_t i = 0; i < sizeof(igood) / sizeof(igood[0]); i++) {
+        int64_t v = 99;
+        cr_assert_eq(duet_config_parse_int(igood[i].s, -5, 65535, &v), DUET_OK, "\"%s\"",
+                     igood[i].s);
+        cr_assert_eq(v, igood[i].v, "\"%s\" -> %lld", igood[i].s, (long long)v);
+    }
+    static const struct {
+        const char *s;
+        duet_status_t st;
+    } ibad[] = {{"", DUET_ERR_INVALID},     {" 5", DUET_ERR_INVALID},
+                {"5 ", DUET_ERR_INVALID},   {"12abc", DUET_ERR_INVALID},
+                {"0x10", DUET_ERR_INVALID}, {"1.5", DUET_ERR_INVALID},
+                {"-", DUET_ERR_INVALID},    {"65536", DUET_ERR_RANGE},
+                {"-6", DUET_ERR_RANGE},     {"99999999999999999999", DUET_ERR_RANGE}};
+    for (size_t i = 0; i < sizeof(ibad) / sizeof(ibad[0]); i++) {
+        int64_t v = 99;
+        cr_assert_eq(duet_config_parse_int(ibad[i].s, -5, 65535, &v), ibad[i].st, "\"%s\"",
+                     ibad[i].s);
+        cr_assert_eq(v, 99, "\"%s\" wrote %lld", ibad[i].s, (long long)v);
+    }
+    static const struct {
+        const char *s;
+        double v;
+    } fgood[] = {{"100", 100.0}, {"0.25", 0.25}, {"1e3", 1000.0}, {"1e6", 1e6}};
+    for (size_t i = 0; i < sizeof(fgood) / sizeof(fgood[0]); i++) {
+        double v = -1.0;
+        cr_assert_eq(duet_config_parse_float(fgood[i].s, 0.1, 1e6, &v), DUET_OK, "\"%s\"",
+                     fgood[i].s);
+        cr_assert_eq(v, fgood[i].v, "\"%s\" -> %g", fgood[i].s, v);
+    }
+    static const struct {
+        const char *s;
+        duet_status_t st;
+    } fbad[] = {{"", DUET_ERR_INVALID},    {" 1", DUET_ERR_INVALID}, {"1ms", DUET_ERR_INVALID},
+                {"abc", DUET_ERR_INVALID}, {"0", DUET_ERR_RANGE},    {"-1", DUET_ERR_RANGE},
+                {"1e7", DUET_ERR_RANGE},   {"inf", DUET_ERR_RANGE},  {"nan", DUET_ERR_RANGE},
+                {"1e999", DUET_ERR_RANGE}};
+    for (size_t i = 0; i < sizeof(fbad) / sizeof(fbad[0]); i++) {
+        double v = -1.0;
+        cr_assert_eq(duet_config_parse_float(fbad[i].s, 0.1, 1e6, &v), fbad[i].st, "\"%s\"",
+                     fbad[i].s);
+        cr_assert_eq(v, -1.0, "\"%s\" wrote %g", fbad[i].s, v);
+    }
+}
