@@ -150,6 +150,26 @@ FIXTURES = [
                  n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
                  vocab_size=300),
     ),
+    dict(
+        name="kimi-mla-dims-bf16",
+        seed=66,
+        dtype="bfloat16",
+        shards=1,
+        spelling="hub",
+        prompt_len=300,
+        covers=["MLA at Kimi-Linear-48B's per-head dims (kv_lora 512, nope 128, rope 64, v 128)",
+                "prompt 300 tokens (the GPU's expanded MLA prefill form takes chunks of >= 256 rows)",
+                "bf16 weights", "single file", "hub config spelling", "KDA-first [KDA,MLA,MLA]",
+                "dense layer 0 + MoE", "bf16-compute reference"],
+        cfg=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                 layer_types=[L, M, M], mlp_layer_types=["dense", "sparse", "sparse"],
+                 linear_num_heads=2, linear_head_dim=32,
+                 num_attention_heads=2, num_key_value_heads=2, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                 v_head_dim=128, kv_lora_rank=512, q_lora_rank=None,
+                 num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                 n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+                 vocab_size=300),
+    ),
 ]
 
 
