@@ -1,19 +1,61 @@
 /*
- * cuda_test_util.h: host/device buffer helpers the CUDA kernel tests share (test_cuda_kda.c,
- * test_cuda_mla.c, test_cuda_ops.c). Header-only; the including file defines CUDA_OK(call)
- * (its Criterion assert on a cudaError_t) before including it.
+ * cuda_test_util.h: what the CUDA kernel tests share (test_cuda_kda.c, test_cuda_mla.c,
+ * test_cuda_mla_x.c, test_cuda_ops.c, test_kernels_cuda.c). Header-only: Criterion checks on
+ * conditions, CUDA errors and duet statuses; a xorshift generator (each file picks its seed
+ * with DUET_TEST_RNG_SEED before including this); host / device buffer helpers; the skip when no
+ * device is visible.
  */
 #ifndef DUET_TESTS_CUDA_TEST_UTIL_H
 #define DUET_TESTS_CUDA_TEST_UTIL_H
 
+#include <stdint.h>
 #include <stdlib.h>
 
 #include <criterion/criterion.h>
 #include <cuda_runtime_api.h>
 
-#ifndef CUDA_OK
-#error "define CUDA_OK(call) before including cuda_test_util.h"
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
+    } while (0)
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
+    } while (0)
+
+#define DUET_OK_OR_FAIL(call)                                                                      \
+    do {                                                                                           \
+        duet_status_t s_ = (call);                                                                 \
+        CHECK(s_ == DUET_OK, "%s: %s: %s", #call, duet_status_name(s_), duet_error_last());        \
+    } while (0)
+
+#ifndef DUET_TEST_RNG_SEED
+#define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
 #endif
+
+static uint64_t rng_state = DUET_TEST_RNG_SEED;
+
+static inline uint32_t rng_u32(void)
+{
+    uint64_t x = rng_state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    rng_state = x;
+    return (uint32_t)(x >> 16);
+}
+
+/* Uniform in [-1, 1). */
+static inline float rng_f(void)
+{
+    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
+}
 
 static inline void *xmalloc(size_t n)
 {
@@ -34,6 +76,15 @@ static inline void *dev_copy(const void *h, size_t n)
     void *d = dev_alloc(n);
     CUDA_OK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
     return d;
+}
+
+/* Skip the calling test when no device is visible, saying what is only compiled here
+ * (`what`, e.g. "the MLA kernels are"). */
+static inline void skip_without_device_for(const char *what)
+{
+    if (duet_cuda_device_count() == 0)
+        cr_skip_test(
+            "no CUDA device visible (duet_cuda_device_count() == 0): %s only compiled here", what);
 }
 
 #endif

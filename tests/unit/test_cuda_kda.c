@@ -50,23 +50,8 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
-    } while (0)
-
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
-    } while (0)
-
-#define DUET_OK_(call)                                                                             \
-    do {                                                                                           \
-        duet_status_t s_ = (call);                                                                 \
-        CHECK(s_ == DUET_OK, "%s: %s: %s", #call, duet_status_name(s_), duet_error_last());        \
-    } while (0)
+#define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
+#include "cuda_test_util.h"
 
 #define TOL_EXACT 0.0
 #define TOL_PREP  1e-5
@@ -75,18 +60,6 @@
 #define TOL_FUSED 1e-6 /* chain vs the four calls: the fused kernel repeats their expressions */
 
 /* ---- helpers ------------------------------------------------------------------------------ */
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
 
 /* Uniform in [lo, hi). */
 static float rng_range(float lo, float hi)
@@ -100,13 +73,9 @@ static void fill(float *p, size_t n, float lo, float hi)
         p[i] = rng_range(lo, hi);
 }
 
-#include "cuda_test_util.h"
-
 static void skip_without_device(void)
 {
-    if (duet_cuda_device_count() == 0)
-        cr_skip_test("no CUDA device visible (duet_cuda_device_count() == 0): the KDA kernels are "
-                     "only compiled here");
+    skip_without_device_for("the KDA kernels are");
 }
 
 /* max |a − b| / max |b| (see the file comment); infinity when a holds a NaN or an infinity. */
@@ -443,14 +412,16 @@ static void gpu_step_enqueue(kda_case_t *c, cudaStream_t s, float *o_pre_host)
                             cudaMemcpyDeviceToDevice, s));
     CUDA_OK(cudaMemcpyAsync(c->d_beta, c->d_braw, sizeof(float) * (size_t)(T * c->sh.H),
                             cudaMemcpyDeviceToDevice, s));
-    DUET_OK_(duet_cuda_kda_conv(s, &c->st, &c->ly, c->d_taps, c->d_proj, c->d_qkv));
-    DUET_OK_(
+    DUET_OK_OR_FAIL(duet_cuda_kda_conv(s, &c->st, &c->ly, c->d_taps, c->d_proj, c->d_qkv));
+    DUET_OK_OR_FAIL(
         duet_cuda_kda_prep(s, T, &c->ly, c->d_neg_A, c->d_dt_bias, c->d_qkv, c->d_g, c->d_beta));
-    DUET_OK_(duet_cuda_kda_core(s, &c->st, &c->ly, c->d_qkv, c->d_g, c->d_beta, c->d_o, c->d_scr));
+    DUET_OK_OR_FAIL(
+        duet_cuda_kda_core(s, &c->st, &c->ly, c->d_qkv, c->d_g, c->d_beta, c->d_o, c->d_scr));
     if (o_pre_host != NULL)
         CUDA_OK(cudaMemcpyAsync(o_pre_host, c->d_o, sizeof(float) * (size_t)(T * c->HK),
                                 cudaMemcpyDeviceToHost, s));
-    DUET_OK_(duet_cuda_kda_out(s, T, c->sh.H, c->sh.K, c->d_o_norm, c->eps, c->d_gate, c->d_o));
+    DUET_OK_OR_FAIL(
+        duet_cuda_kda_out(s, T, c->sh.H, c->sh.K, c->d_o_norm, c->eps, c->d_gate, c->d_o));
 }
 
 /* Compare everything the GPU produced with the reference just computed. */
@@ -544,8 +515,8 @@ static void chain_enqueue(kda_case_t *c, cudaStream_t s)
                             cudaMemcpyDeviceToDevice, s));
     CUDA_OK(cudaMemcpyAsync(c->d_beta, c->d_braw, sizeof(float) * (size_t)(T * c->sh.H),
                             cudaMemcpyDeviceToDevice, s));
-    DUET_OK_(duet_cuda_kda_chain(s, &c->st, &c->ly, &w, c->d_proj, c->d_gate, c->d_qkv, c->d_g,
-                                 c->d_beta, c->d_o, c->d_scr));
+    DUET_OK_OR_FAIL(duet_cuda_kda_chain(s, &c->st, &c->ly, &w, c->d_proj, c->d_gate, c->d_qkv,
+                                        c->d_g, c->d_beta, c->d_o, c->d_scr));
 }
 
 /* Host copies of everything a step writes. */
@@ -822,13 +793,13 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     CHECK(refused == DUET_ERR_INVALID, "a chunked step without scratch returned %d", refused);
     const size_t scr_bytes = duet_cuda_kda_scratch_bytes(1, n, H, K);
     void *d_scr = dev_alloc(scr_bytes);
-    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, d_scr));
+    DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oa, d_scr));
 
     ly.kda_base = d_pool_b;
     st = step_of(d_meta_b, 1, 1, 1);
     for (int64_t t = 0; t < n; t++)
-        DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv + t * C3, d_g + t * HK, d_beta + t * H,
-                                    d_ob + t * HK, NULL));
+        DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &st, &ly, d_qkv + t * C3, d_g + t * HK,
+                                           d_beta + t * H, d_ob + t * HK, NULL));
     CUDA_OK(cudaDeviceSynchronize());
 
     /* The chunked form again from the same state, with the scratch the first run left: the
@@ -838,7 +809,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
     float *d_oc = dev_alloc(sizeof(float) * (size_t)(n * HK));
     ly.kda_base = d_pool_c;
     st = chunked;
-    DUET_OK_(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, d_scr));
+    DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &st, &ly, d_qkv, d_g, d_beta, d_oc, d_scr));
     CUDA_OK(cudaDeviceSynchronize());
 
     float *oa = xmalloc(sizeof(float) * (size_t)(n * HK)),
@@ -1054,28 +1025,29 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
             cudaMemcpy(r.qkv, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
         free(h_proj);
         /* Prepared inputs: prep once on random qkv (neg_A = 0, so g = 0: no decay). */
-        DUET_OK_(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
+        DUET_OK_OR_FAIL(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
         cudaEvent_t e0, e1;
         CUDA_OK(cudaEventCreate(&e0));
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = n_tok == 1 ? 50 : 5;
         float ms_core = 0.0f, ms_conv = 0.0f, ms_out = 0.0f;
-        DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr)); /* warm-up */
+        DUET_OK_OR_FAIL(
+            duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr)); /* warm-up */
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
+            DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_core, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
+            DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_conv, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.g, r.o));
+            DUET_OK_OR_FAIL(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.g, r.o));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_out, e0, e1));
@@ -1111,22 +1083,22 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = 20;
         float ms_sep = 0.0f, ms_chain = 0.0f;
-        DUET_OK_(
+        DUET_OK_OR_FAIL(
             duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b, r.o, NULL));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++) {
-            DUET_OK_(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
-            DUET_OK_(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
-            DUET_OK_(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL));
-            DUET_OK_(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.gate, r.o));
+            DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
+            DUET_OK_OR_FAIL(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
+            DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, NULL));
+            DUET_OK_OR_FAIL(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.gate, r.o));
         }
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_sep, e0, e1));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
-            DUET_OK_(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b, r.o,
-                                         NULL));
+            DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g,
+                                                r.b, r.o, NULL));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_chain, e0, e1));

@@ -57,29 +57,14 @@
 #include "kernels/cuda/cuda_mla.h"
 #include "kernels/kernels.h"
 
+#define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
+#include "cuda_test_util.h"
+
 /* mla.cu test hooks: 1 routes BF16 caches through the CUDA-core kernel too; the tensor-core
  * tile (0: the default, 32 or 64 positions). */
 void duet__cuda_mla_force_simt(int on);
 void duet__cuda_mla_tc_tile(int tk);
 void duet__cuda_mla_tc_slots(int n);
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
-    } while (0)
-
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
-    } while (0)
-
-#define DUET_OK_OR_FAIL(call)                                                                      \
-    do {                                                                                           \
-        duet_status_t s_ = (call);                                                                 \
-        CHECK(s_ == DUET_OK, "%s: %s: %s", #call, duet_status_name(s_), duet_error_last());        \
-    } while (0)
 
 #define TOL_SIMT 5e-5
 #define TOL_TC   1e-4
@@ -88,31 +73,9 @@ void duet__cuda_mla_tc_slots(int n);
 #define N_LAYERS 2 /* MLA layers per page; the kernels run on the second */
 #define LAYER    1
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
-
-/* Uniform in [-1, 1). */
-static float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
-
-#include "cuda_test_util.h"
-
 static void skip_without_device(void)
 {
-    if (duet_cuda_device_count() == 0)
-        cr_skip_test("no CUDA device visible (duet_cuda_device_count() == 0): the MLA kernels are "
-                     "only compiled here");
+    skip_without_device_for("the MLA kernels are");
 }
 
 static int n_sms(void)

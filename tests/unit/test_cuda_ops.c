@@ -24,6 +24,9 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
+#define DUET_TEST_RNG_SEED 0x2545f4914f6cdd1dull
+#include "cuda_test_util.h"
+
 /* moe.cu's internal entry point that forces the expert path (0 auto, 1 GEMV, 2 MMA, plus the
  * flags below). */
 duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex,
@@ -54,49 +57,11 @@ enum {
  * 20..23; its own choice is 1, or 4 from 256 slots on) */
 #define GEMV_SPB(n) (PATH_GEMV | ((n) << 20))
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
-    } while (0)
-
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
-    } while (0)
-
-#define DUET_OK_OR_FAIL(call)                                                                      \
-    do {                                                                                           \
-        duet_status_t s_ = (call);                                                                 \
-        CHECK(s_ == DUET_OK, "%s: %s: %s", #call, duet_status_name(s_), duet_error_last());        \
-    } while (0)
-
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
-
-/* Uniform in [-1, 1). */
-static float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
-
 /* Roughly normal (sum of four uniforms, variance 4/3 scaled to 1). */
 static float rng_n(void)
 {
     return (rng_f() + rng_f() + rng_f() + rng_f()) * 0.8660254f;
 }
-
-#include "cuda_test_util.h"
 
 static void host_copy(void *h, const void *d, size_t n)
 {
@@ -105,9 +70,7 @@ static void host_copy(void *h, const void *d, size_t n)
 
 static void skip_without_device(void)
 {
-    if (duet_cuda_device_count() == 0)
-        cr_skip_test("no CUDA device visible (duet_cuda_device_count() == 0): the CUDA ops are "
-                     "only compiled here");
+    skip_without_device_for("the CUDA ops are");
 }
 
 static duet_kernels_t *cpu_create(void)

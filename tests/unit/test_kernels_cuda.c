@@ -33,43 +33,12 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            cr_assert(0, "check failed: " #cond " " __VA_ARGS__);                                  \
-    } while (0)
-
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                         \
-    } while (0)
-
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
-
-/* Uniform in [-1, 1). */
-static float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
-
+#define DUET_TEST_RNG_SEED 0x2545f4914f6cdd1dull
 #include "cuda_test_util.h"
 
 static void skip_without_device(void)
 {
-    if (duet_cuda_device_count() == 0)
-        cr_skip_test("no CUDA device visible (duet_cuda_device_count() == 0): the cuBLASLt GEMM "
-                     "is only compiled here");
+    skip_without_device_for("the cuBLASLt GEMM is");
 }
 
 /* ---- errors -----------------------------------------------------------------------------------
