@@ -84,6 +84,24 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 #include "kernels/cuda/cuda_util.h"
 
 #define DUET_MLA_NORM_EPS 1e-6f
+#define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: shortest chunk (duet__mla_x_step) */
+#define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
+
+/* DUET_CUDA_NO_MLA_X=1 keeps every step on the absorbed MLA form (side-by-side comparisons);
+ * the test hooks below override it */
+static int duet__no_mla_x = -1, duet__mla_x_force = -1;
+static int64_t duet__mla_x_steps;
+
+void duet_cuda_model_mla_x_set(int on)
+{
+    duet__mla_x_force = on;
+}
+
+int64_t duet_cuda_model_mla_x_steps(void)
+{
+    return duet__mla_x_steps;
+}
+
 #define DUET_CUDA_MAX_GRAPHS 128
 
 typedef struct {
@@ -104,6 +122,7 @@ typedef struct {
     float        *kv_a_norm;
     duet_tensor_t wuk_t; /* (n, r, dn) */
     duet_tensor_t wuv;   /* (n, dv, r) */
+    duet_tensor_t wkv;   /* (2*n*128, r): W_UK[h] rows, then wuv's (the expanded form only) */
     duet_tensor_t o;     /* (D, n*dv) */
 } duet__dmla_t;
 
@@ -175,6 +194,11 @@ struct duet_cuda_model {
     int32_t *token_out_h;  /* pinned */
     void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
     int      max_splits;
+    /* the expanded MLA form for long prefill chunks (duet__mla_x_step): on when the shapes
+     * allow it; xkv holds T positions of every head, xgath / xkvb one slice of the expansion */
+    int mla_x;
+    void *xkv;
+    float *xgath, *xkvb;
 
     /* step metadata: pinned host block → device block, one copy per step */
     duet__meta_layout_t ml;
@@ -412,6 +436,12 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             free(g);
             TRY(st);
         }
+        if (dm->mla_x) {
+            int64_t s_kv[2] = {2 * n * dn, r};
+            TRY(duet__dtensor(dm, dm->wdt, 2, s_kv, &m->wkv));
+            TRY(duet_cuda_mla_x_weights(dm->stream, dm->wdt, m->wuk_t.data, m->wuv.data, n, r,
+                                        m->wkv.data));
+        }
     }
     if (c->ffn[l] == DUET_FFN_MOE) {
         const duet_moe_weights_t *mw = lw ? &lw->moe : NULL;
@@ -509,6 +539,12 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
          * with a prefill chunk runs unsplit (kv_splits 1 needs no scratch) */
         TRY(duet__dalloc(dm, duet_cuda_mla_scratch_bytes(dm->imax_items, n, r, dm->max_splits),
                          &dm->mla_scratch));
+        if (dm->mla_x) {
+            const int64_t sl = T < DUET__MLA_X_SLICE ? T : DUET__MLA_X_SLICE;
+            TRY(duet__dalloc(dm, duet_cuda_mla_x_bytes(T, n), &dm->xkv));
+            TRY(duet__dalloc_f(dm, sl * (r + dr), &dm->xgath));
+            TRY(duet__dalloc_f(dm, sl * 2 * n * c->v_head_dim, &dm->xkvb));
+        }
     }
     TRY(duet__dalloc_f(dm, T * 2 * imax, &dm->f1)); /* [T][gate | up] */
     if (c->n_moe_layers > 0) {
@@ -639,6 +675,18 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
     memcpy(dm->layer_sub, layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
     dm->T          = opts->max_batch_tokens;
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
+    {
+        /* (no KV pool: no MLA layers, and the form stays off) */
+        const duet_cuda_mla_layer_t xl = {.kv_dtype = kv != NULL ? duet_kv_pool_desc(kv)->dtype
+                                                                 : DUET_DTYPE_F32,
+                                          .r = cfg->kv_lora_rank,
+                                          .dr = cfg->qk_rope_head_dim};
+        const int want = duet__mla_x_force >= 0
+                             ? duet__mla_x_force
+                             : !duet_cuda_env_flag(&duet__no_mla_x, "DUET_CUDA_NO_MLA_X");
+        dm->mla_x = want && cfg->n_mla_layers > 0 && dm->T >= DUET__MLA_X_MIN_ROWS &&
+                    duet_cuda_mla_x_shape(&xl, cfg->qk_nope_head_dim, cfg->v_head_dim);
+    }
     dm->gemm_flags = 0; /* fp32 weights: exact fp32 products (TF32 off) */
 
 #define STEP(expr)                                                                                 \
@@ -814,11 +862,25 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
+/*
+ * Whether a step's MLA layers take the expanded form (cuda_mla.h) rather than the absorbed one:
+ * one item (attend_x reads one item's expanded positions per head), a chunk of at least
+ * DUET__MLA_X_MIN_ROWS rows, and a context that fits xkv (T positions). Each layer expands every
+ * position of the item (about 60 ns per position at Kimi Linear's shape on an H200), which the
+ * cheaper attention repays from a few hundred rows on whatever the context: test_cuda_mla_x's
+ * timing measured 256 rows at 8K 1.35x faster than absorbed (883 against 1189 us, 466 of them
+ * expanding), 256 rows at 256 1.28x, 8192 rows at 8K 3.1x (bench/RESULTS.md).
+ */
+static int duet__mla_x_step(const duet_cuda_model_t *dm, int64_t n_items, int64_t rows, int64_t ctx)
+{
+    return dm->mla_x && n_items == 1 && rows >= DUET__MLA_X_MIN_ROWS && ctx <= dm->T;
+}
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
     int     splits;
     int     sample; /* 0 none, 1 argmax, 2 full sampling rule */
+    int64_t x_ctx;  /* > 0: the MLA layers take the expanded form over this many positions */
 } duet__shape_t;
 
 /*
@@ -888,6 +950,20 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
         TRY(duet_cuda_gemm_norm_multi(g, s, T, nrm, ops, 2, f));
     }
     TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
+    if (sh->x_ctx > 0) {
+        /* expanded: K_h, V_h of every position of the item (slices of the cache through one
+         * GEMM each), then attention at 192 + 128 dims per head straight into o */
+        const int64_t ldkv = 2 * n * dv, L = sh->x_ctx;
+        for (int64_t p0 = 0; p0 < L; p0 += DUET__MLA_X_SLICE) {
+            const int64_t np = L - p0 < DUET__MLA_X_SLICE ? L - p0 : DUET__MLA_X_SLICE;
+            TRY(duet_cuda_mla_gather(s, &dm->step, &ly, p0, np, dm->xgath));
+            TRY(duet_cuda_gemm_matmul(g, s, dm->xkvb, ldkv, dm->xgath, r + dr, np, &w->wkv, 0, f));
+            TRY(duet_cuda_mla_x_pack(s, &ly, dm->xkvb, ldkv, dm->xgath, p0, np, dm->xkv, dm->T));
+        }
+        TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->T, dm->mq, n * dqk, dqk,
+                                   1.0f / sqrtf((float)dqk), dm->o));
+        return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
+    }
     /* q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM */
     TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
                                       &w->wuk_t, 0, f));
@@ -1253,6 +1329,8 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
                     : 1;
     if (sh.splits > dm->max_splits)
         sh.splits = dm->max_splits;
+    sh.x_ctx = duet__mla_x_step(dm, n_eff, row, max_ctx) ? max_ctx : 0;
+    duet__mla_x_steps += sh.x_ctx > 0;
     if (sh.splits < 1)
         sh.splits = 1;
     dm->step.n_items         = (int32_t)n_eff;

@@ -67,4 +67,13 @@ size_t duet_cuda_model_device_bytes(const duet_cuda_model_t *dm);
 /* Graphs captured so far. */
 int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm);
 
+/*
+ * Test hooks for the expanded MLA prefill form (cuda_mla.h; model_cuda.c duet__mla_x_step):
+ * set(1) uses it where the shapes allow, set(0) never, set(-1) returns to the default (on unless
+ * the environment has DUET_CUDA_NO_MLA_X=1); read when a model is created. steps() counts the
+ * steps, over all models of the process, whose MLA layers took it.
+ */
+void duet_cuda_model_mla_x_set(int on);
+int64_t duet_cuda_model_mla_x_steps(void);
+
 #endif

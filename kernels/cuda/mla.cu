@@ -59,6 +59,19 @@
  *   Graph capture: the first attend per kernel and device opts the kernel into its shared memory
  *   (cudaFuncSetAttribute, not a stream operation); later calls only launch.
  *
+ * The expanded form (prefill; cuda_mla.h, duet_cuda_mla_attend_x). The absorbed attend costs
+ *   576 + 512 dims per (query, position, head), each twice for the hi / lo splits: at 8K
+ *   prompt tokens it was a third of the 27-layer prefill (17.7 ms per MLA layer), with its
+ *   tensor-core issue about half used. Expanded, a head's own K (128 + the shared 64 rope dims)
+ *   and V (128) cost 320 dims, the expansion one GEMM over the item's positions per layer
+ *   (gather, cuBLASLt, x_pack: bf16 hi + lo rows). Run first through the 32-slot kernel above
+ *   (a variant reading dims 256.. as the scores'), those rows gave 1.3x the absorbed path: its
+ *   per-tile scores exchange, three barriers and softmax over shared memory cost as much as the
+ *   products. duet__mla_xattn_kernel keeps each warp's 16
+ *   rows whole (scores, softmax and P in registers, one barrier per tile) and drops the lo · lo
+ *   products: 3.1x at 8192 rows, 2.4x at 1024 rows over an 8K context, 1.35x at 256
+ *   (test_cuda_mla_x's timing, H200; the 27-layer 8K prefill 349 -> 264 ms).
+ *
  * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
  *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
  *   (copied in by the host ahead of the step) and weights; the tensor-core attention also
@@ -119,6 +132,11 @@
 #define DUET_MLA_MIN_SPLIT   64  /* plan_splits: fewest positions per busy split */
 #define DUET_MLA_MAX_SPLIT   1024
 #define DUET_LOG2E           1.4426950408889634f
+/* The expanded form's rows (cuda_mla.h): [v_hi | v_lo | k_hi | k_r | k_lo] */
+#define DUET_MLA_X_DN 128                 /* qk_nope_head_dim = v_head_dim */
+#define DUET_MLA_X_DR 64                  /* qk_rope_head_dim */
+#define DUET_MLA_X_S0 (2 * DUET_MLA_X_DN) /* first key dim */
+#define DUET_MLA_X_TD (DUET_MLA_X_S0 + 2 * DUET_MLA_X_DN + DUET_MLA_X_DR) /* 576 */
 
 /* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
  * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
@@ -244,6 +262,17 @@ __device__ static inline float duet__bf16_lo(uint32_t u)
 __device__ static inline float duet__bf16_hi(uint32_t u)
 {
     return __uint_as_float(u & 0xffff0000u);
+}
+
+/* One cache element as fp32. */
+__device__ static inline float duet__mla_ld1(const float *p)
+{
+    return *p;
+}
+
+__device__ static inline float duet__mla_ld1(const __nv_bfloat16 *p)
+{
+    return __bfloat162float(*p);
 }
 
 /* 4 consecutive cache elements as fp32 (16- / 8-byte aligned). */
@@ -1363,6 +1392,7 @@ extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, i
  * set the attribute, which is harmless.
  */
 static int duet__mla_smem_set[8][DUET_MLA_MAX_DEV];
+static int duet__mla_xa_smem_set[DUET_MLA_MAX_DEV];
 
 template <typename K>
 static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
@@ -1530,5 +1560,401 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
                                   kv_splits, cols),
                   "attend reduce launch");
     }
+    return DUET_OK;
+}
+
+/* ---- the expanded form (prefill) ---------------------------------------------------------- */
+
+/* Cache rows of item 0 at positions p0 .. p0 + np - 1 as fp32 [np][td]: one block per row. */
+template <typename T>
+__global__ static void __launch_bounds__(128)
+    duet__mla_gather_kernel(const int32_t *item_pages, const T *kv, int64_t kv_n_layers,
+                            int64_t layer, int pt, int td, int p0, float *out)
+{
+    const int i = blockIdx.x, p = p0 + i;
+    const int64_t base = (((int64_t)item_pages[p / pt] * kv_n_layers + layer) * pt + p % pt) * td;
+    for (int j = threadIdx.x; j < td; j += blockDim.x)
+        out[(int64_t)i * td + j] = duet__mla_ld1(kv + base + j);
+}
+
+/*
+ * Expanded rows of positions p0 + i (block x = i, head blockIdx.y): v = kv[i][n dn + h dv ..],
+ * k = kv[i][h dn ..] (fp32), k_r = ckr[i][r ..] (gathered cache values, exact in bf16), into
+ * [v_hi | v_lo | k_hi | k_r | k_lo] at xkv + (h · xstride + p0 + i) · 576.
+ */
+__global__ static void __launch_bounds__(DUET_MLA_X_DN)
+    duet__mla_pack_kernel(const float *kv, int64_t ldkv, const float *ckr, int td, int r, int n,
+                          int p0, __nv_bfloat16 *xkv, int64_t xstride)
+{
+    const int i = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const int DN = DUET_MLA_X_DN;
+    const float *row = kv + (int64_t)i * ldkv;
+    __nv_bfloat16 *x = xkv + ((int64_t)h * xstride + p0 + i) * DUET_MLA_X_TD;
+    const float v = row[(int64_t)n * DN + (int64_t)h * DN + j], k = row[(int64_t)h * DN + j];
+    const __nv_bfloat16 vh = __float2bfloat16_rn(v), kh = __float2bfloat16_rn(k);
+    x[j] = vh;
+    x[DN + j] = __float2bfloat16_rn(v - __bfloat162float(vh));
+    x[2 * DN + j] = kh;
+    x[3 * DN + DUET_MLA_X_DR + j] = __float2bfloat16_rn(k - __bfloat162float(kh));
+    if (j < DUET_MLA_X_DR)
+        x[3 * DN + j] = __float2bfloat16_rn(ckr[(int64_t)i * td + r + j]);
+}
+
+/* wkv rows: W_UK[h] (dn × r, from wuk_t [n][r][dn]) for every head, then wuv [n][dv][r]. */
+template <typename T>
+__global__ static void duet__mla_x_weights_kernel(const T *wuk_t, const T *wuv, T *wkv, int n,
+                                                  int r)
+{
+    const int DN = DUET_MLA_X_DN;
+    const int64_t total = (int64_t)2 * n * DN * r;
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = e / r, c = e % r;
+        if (row < (int64_t)n * DN) {
+            const int64_t h = row / DN, d = row % DN;
+            wkv[e] = wuk_t[(h * r + c) * DN + d];
+        } else
+            wkv[e] = wuv[e - (int64_t)n * DN * r];
+    }
+}
+
+/*
+ * Attention over the expanded rows, flash-attention style: block (64 query rows, head), 4 warps
+ * of 16 rows each, tiles of 32 positions through DUET_MLA_XA_STAGES shared-memory stages (2
+ * blocks per SM). A warp holds its rows' q fragments (hi and lo, 12 k-steps of 16 over the 192
+ * query dims, pre-scaled by scale · log2 e) in registers, its scores and the online softmax in
+ * registers (a row's 8 values per thread, reduced over the quad), and P · V accumulates into
+ * 16 n-tiles of 8 value dims: no scores cross warps, one barrier per tile. Products are 3-term
+ * splits: q · k = qh · kh + ql · kh + qh · kl over the nope dims (kh, kl the row's k_hi, k_lo),
+ * qh · kr + ql · kr over the rope dims (k_r is exact in bf16), P · v = Ph · vh + Pl · vh + Ph · vl;
+ * the dropped lo · lo terms are < 2^-18 of the product. Rows of the item must be consecutive
+ * positions (row t at item_pos0 + t), as every step's are: the block reads positions 0 .. its
+ * last row's.
+ */
+#define DUET_MLA_XA_ROWS    64
+#define DUET_MLA_XA_TK      32
+#define DUET_MLA_XA_STAGES  3
+#define DUET_MLA_XA_LD      (DUET_MLA_X_TD + 8) /* an odd number of 16-byte chunks per row */
+#define DUET_MLA_XA_THREADS 128
+#define DUET_MLA_XA_SMEM    (DUET_MLA_XA_STAGES * DUET_MLA_XA_TK * DUET_MLA_XA_LD * 2)
+
+/* Queue the copy of positions t0 .. t0 + TK - 1 of a head's rows (contiguous from src) into a
+ * stage; positions >= L are zero-filled (P is 0 there, and 0 · garbage could be NaN). */
+__device__ static __forceinline__ void duet__mla_xa_load(__nv_bfloat16 *dst,
+                                                         const __nv_bfloat16 *src, int t0, int L)
+{
+    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
+    constexpr int N = DUET_MLA_XA_TK * CPR / DUET_MLA_XA_THREADS;
+    static_assert(DUET_MLA_XA_TK * CPR % DUET_MLA_XA_THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int c = threadIdx.x + k * DUET_MLA_XA_THREADS, row = c / CPR, col = c - row * CPR;
+        const int pos = t0 + row;
+        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
+        duet__cp_async16(dst + row * DUET_MLA_XA_LD + col * 8, s, pos < L ? 16 : 0);
+    }
+}
+
+__global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
+    duet__mla_xattn_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *row_pos,
+                           int n_rows, const float *q, int64_t ldq, int64_t dq_stride, float qscale,
+                           int n, float *out)
+{
+    extern __shared__ __align__(16) unsigned char duet__mla_smem[];
+    __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    const int head = blockIdx.y, LD = DUET_MLA_XA_LD, TK = DUET_MLA_XA_TK;
+    const int row0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * DUET_MLA_XA_ROWS; /* longest first */
+    const int wr = row0 + 16 * warp;                                            /* warp's rows */
+    /* step metadata, copied in by the host before the step: readable before the wait */
+    const int L = row_pos[min(row0 + DUET_MLA_XA_ROWS, n_rows) - 1] + 1;
+    const int wmax = wr < n_rows ? row_pos[min(wr + 15, n_rows - 1)] : -1;
+    const int r0 = wr + g, r1 = wr + g + 8;
+    const int p0 = r0 < n_rows ? row_pos[r0] : -1, p1 = r1 < n_rows ? row_pos[r1] : -1;
+    duet_pdl_wait(); /* the expanded rows and q are written by earlier kernels */
+    duet_pdl_trigger();
+
+    const __nv_bfloat16 *src = xkv + (int64_t)head * xstride * DUET_MLA_X_TD;
+    const int n_tiles = (L + TK - 1) / TK;
+#pragma unroll
+    for (int st = 0; st < DUET_MLA_XA_STAGES - 1; st++) {
+        if (st < n_tiles)
+            duet__mla_xa_load(kvs + st * TK * LD, src, st * TK, L);
+        duet__cp_async_commit();
+    }
+
+    /* q fragments: a0a1 (g, 2tg), a2a3 (g + 8, 2tg), a4a5 (g, 2tg + 8), a6a7 (g + 8, 2tg + 8) */
+    uint32_t qh[12][4], ql[12][4];
+#pragma unroll
+    for (int j = 0; j < 12; j++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int row = (x & 1) ? r1 : r0, col = 16 * j + 2 * tg + (x >> 1) * 8;
+            float2 v = make_float2(0.0f, 0.0f);
+            if (row < n_rows)
+                v = *(const float2 *)(q + (int64_t)row * ldq + (int64_t)head * dq_stride + col);
+            duet_split_bf16x2(v.x * qscale, v.y * qscale, &qh[j][x], &ql[j][x]);
+        }
+
+    float o[16][4], m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            o[i][c] = 0.0f;
+    /* ldmatrix lane offsets: K (tokens × dims, non-transposed) and V (transposed) */
+    const int kb_off = ((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8;
+    const int vb_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+
+    for (int t = 0; t < n_tiles; t++) {
+        duet__cp_async_wait<DUET_MLA_XA_STAGES - 2>();
+        __syncthreads(); /* tile t landed; every warp is done with tile t - 1's stage */
+        {
+            const int tn = t + DUET_MLA_XA_STAGES - 1;
+            if (tn < n_tiles)
+                duet__mla_xa_load(kvs + (tn % DUET_MLA_XA_STAGES) * TK * LD, src, tn * TK, L);
+            duet__cp_async_commit();
+        }
+        const int t0 = t * TK;
+        if (t0 > wmax)
+            continue; /* every row of this warp is before the tile */
+        const __nv_bfloat16 *kt = kvs + (t % DUET_MLA_XA_STAGES) * TK * LD;
+
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                s[i][c] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 12; j++) {
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                /* k_hi (j < 8) or k_r (j >= 8): row dims 256 + 16 j; k_lo: 448 + 16 j */
+                uint32_t b[4];
+                duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + 16 * j, b);
+                duet_mma_bf16(s[2 * np], qh[j], b[0], b[1]);
+                duet_mma_bf16(s[2 * np], ql[j], b[0], b[1]);
+                duet_mma_bf16(s[2 * np + 1], qh[j], b[2], b[3]);
+                duet_mma_bf16(s[2 * np + 1], ql[j], b[2], b[3]);
+                if (j < 8) {
+                    duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + DUET_MLA_X_DN +
+                                      DUET_MLA_X_DR + 16 * j,
+                                  b);
+                    duet_mma_bf16(s[2 * np], qh[j], b[0], b[1]);
+                    duet_mma_bf16(s[2 * np + 1], qh[j], b[2], b[3]);
+                }
+            }
+        }
+
+        /* online softmax of rows g (c = 0, 1) and g + 8 (c = 2, 3), log2 units */
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int tok = t0 + 8 * i + 2 * tg + (c & 1);
+                if (tok > (c < 2 ? p0 : p1))
+                    s[i][c] = -INFINITY;
+                if (c < 2)
+                    mx0 = fmaxf(mx0, s[i][c]);
+                else
+                    mx1 = fmaxf(mx1, s[i][c]);
+            }
+#pragma unroll
+        for (int d = 1; d <= 2; d <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float a0 = mn0 == -INFINITY ? 1.0f : duet__mla_ex2(m0 - mn0);
+        const float a1 = mn1 == -INFINITY ? 1.0f : duet__mla_ex2(m1 - mn1);
+        const float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
+        m0 = mn0;
+        m1 = mn1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s[i][0] = duet__mla_ex2(s[i][0] - b0);
+            s[i][1] = duet__mla_ex2(s[i][1] - b0);
+            s[i][2] = duet__mla_ex2(s[i][2] - b1);
+            s[i][3] = duet__mla_ex2(s[i][3] - b1);
+            sum0 += s[i][0] + s[i][1];
+            sum1 += s[i][2] + s[i][3];
+        }
+        l0 = l0 * a0 + sum0; /* this thread's share; the quad adds them up at the end */
+        l1 = l1 * a1 + sum1;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            o[i][0] *= a0;
+            o[i][1] *= a0;
+            o[i][2] *= a1;
+            o[i][3] *= a1;
+        }
+
+        /* o += P · (v_hi + v_lo), k-steps of 16 positions; P's fragments are s's registers */
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            uint32_t ph[4], pl[4];
+            duet_split_bf16x2(s[2 * kk][0], s[2 * kk][1], &ph[0], &pl[0]);
+            duet_split_bf16x2(s[2 * kk][2], s[2 * kk][3], &ph[1], &pl[1]);
+            duet_split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], &ph[2], &pl[2]);
+            duet_split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], &ph[3], &pl[3]);
+            const __nv_bfloat16 *vt = kt + vb_off + 16 * kk * LD;
+#pragma unroll
+            for (int jp = 0; jp < 8; jp++) {
+                uint32_t v[4];
+                duet__ldsm_x4_t(vt + 16 * jp, v);
+                duet_mma_bf16(o[2 * jp], ph, v[0], v[1]);
+                duet_mma_bf16(o[2 * jp], pl, v[0], v[1]);
+                duet_mma_bf16(o[2 * jp + 1], ph, v[2], v[3]);
+                duet_mma_bf16(o[2 * jp + 1], pl, v[2], v[3]);
+                duet__ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
+                duet_mma_bf16(o[2 * jp], ph, v[0], v[1]);
+                duet_mma_bf16(o[2 * jp + 1], ph, v[2], v[3]);
+            }
+        }
+    }
+    duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
+
+#pragma unroll
+    for (int d = 1; d <= 2; d <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, d);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, d);
+    }
+    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int col = 8 * i + 2 * tg;
+        if (r0 < n_rows)
+            *(float2 *)(out + ((int64_t)r0 * n + head) * DUET_MLA_X_DN + col) =
+                make_float2(o[i][0] * i0, o[i][1] * i0);
+        if (r1 < n_rows)
+            *(float2 *)(out + ((int64_t)r1 * n + head) * DUET_MLA_X_DN + col) =
+                make_float2(o[i][2] * i1, o[i][3] * i1);
+    }
+}
+
+extern "C" int duet_cuda_mla_x_shape(const duet_cuda_mla_layer_t *ly, int64_t dn, int64_t dv)
+{
+    return ly != NULL && ly->kv_dtype == DUET_DTYPE_BF16 && dn == DUET_MLA_X_DN &&
+           dv == DUET_MLA_X_DN && ly->dr == DUET_MLA_X_DR && ly->r >= 32 &&
+           ly->r <= DUET_MLA_MAX_R && ly->r % 32 == 0;
+}
+
+extern "C" size_t duet_cuda_mla_x_bytes(int64_t positions, int64_t n_heads)
+{
+    if (positions < 1 || n_heads < 1)
+        return 0;
+    return (size_t)positions * (size_t)n_heads * DUET_MLA_X_TD * sizeof(__nv_bfloat16);
+}
+
+extern "C" duet_status_t duet_cuda_mla_x_weights(cudaStream_t stream, duet_dtype_t dtype,
+                                                 const void *wuk_t, const void *wuv, int64_t n,
+                                                 int64_t r, void *wkv)
+{
+    if (wuk_t == NULL || wuv == NULL || wkv == NULL || n < 1 || n > (1 << 20) || r < 1 ||
+        r > DUET_MLA_MAX_R)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla x_weights: bad arguments");
+    const dim3 grid(1024), block(256);
+    if (dtype == DUET_DTYPE_BF16)
+        duet__mla_x_weights_kernel<<<grid, block, 0, stream>>>(
+            (const __nv_bfloat16 *)wuk_t, (const __nv_bfloat16 *)wuv, (__nv_bfloat16 *)wkv, (int)n,
+            (int)r);
+    else if (dtype == DUET_DTYPE_F32)
+        duet__mla_x_weights_kernel<<<grid, block, 0, stream>>>(
+            (const float *)wuk_t, (const float *)wuv, (float *)wkv, (int)n, (int)r);
+    else
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda mla x_weights: dtype %d", (int)dtype);
+    DUET__TRY(cudaGetLastError(), "x_weights launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_mla_gather(cudaStream_t stream, const duet_cuda_step_t *st,
+                                              const duet_cuda_mla_layer_t *ly, int64_t p0,
+                                              int64_t np, float *out)
+{
+    duet_status_t s = duet__mla_check(st, ly, "gather");
+    if (s != DUET_OK)
+        return s;
+    if (np == 0)
+        return DUET_OK;
+    if (out == NULL || p0 < 0 || np < 0 || p0 + np > st->max_pages * ly->page_tokens ||
+        st->n_items < 1 || p0 + np > INT32_MAX)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda mla gather: positions %lld .. %lld outside item 0's pages",
+                              (long long)p0, (long long)(p0 + np));
+    const int td = (int)(ly->r + ly->dr), pt = (int)ly->page_tokens;
+    if (ly->kv_dtype == DUET_DTYPE_BF16)
+        duet__mla_gather_kernel<<<(unsigned)np, 128, 0, stream>>>(
+            st->item_pages, (const __nv_bfloat16 *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td,
+            (int)p0, out);
+    else
+        duet__mla_gather_kernel<<<(unsigned)np, 128, 0, stream>>>(
+            st->item_pages, (const float *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td, (int)p0,
+            out);
+    DUET__TRY(cudaGetLastError(), "gather launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_mla_x_pack(cudaStream_t stream, const duet_cuda_mla_layer_t *ly,
+                                              const float *kv, int64_t ldkv, const float *ckr,
+                                              int64_t p0, int64_t np, void *xkv, int64_t xstride)
+{
+    if (!duet_cuda_mla_x_shape(ly, DUET_MLA_X_DN, DUET_MLA_X_DN))
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda mla x_pack: not the expanded shape");
+    if (np == 0)
+        return DUET_OK;
+    const int64_t n = ly->n_heads;
+    if (kv == NULL || ckr == NULL || xkv == NULL || p0 < 0 || np < 0 || p0 + np > xstride ||
+        ldkv < 2 * n * DUET_MLA_X_DN || np > INT32_MAX || n > 65535)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla x_pack: bad arguments");
+    duet__mla_pack_kernel<<<dim3((unsigned)np, (unsigned)n), DUET_MLA_X_DN, 0, stream>>>(
+        kv, ldkv, ckr, (int)(ly->r + ly->dr), (int)ly->r, (int)n, (int)p0, (__nv_bfloat16 *)xkv,
+        xstride);
+    DUET__TRY(cudaGetLastError(), "x_pack launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_cuda_step_t *st,
+                                                const duet_cuda_mla_layer_t *ly, const void *xkv,
+                                                int64_t xstride, const float *q, int64_t ldq,
+                                                int64_t dq_stride, float scale, float *o)
+{
+    duet_status_t s = duet__mla_check(st, ly, "attend_x");
+    if (s != DUET_OK)
+        return s;
+    if (!duet_cuda_mla_x_shape(ly, DUET_MLA_X_DN, DUET_MLA_X_DN))
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda mla attend_x: not the expanded shape");
+    if (st->n_rows == 0)
+        return DUET_OK;
+    if (st->n_items != 1)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: %d items (one)",
+                              (int)st->n_items);
+    if (xkv == NULL || q == NULL || o == NULL || xstride < 1 || (uintptr_t)o % 16 != 0 ||
+        (uintptr_t)xkv % 16 != 0 || ly->n_heads > 65535)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: bad arguments");
+
+    if ((uintptr_t)q % 8 != 0 || ldq % 2 != 0 || dq_stride % 2 != 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: q not 8-byte aligned");
+    /* 2^x units, as attend: scores come out multiplied by log2 e */
+    const float qscale = scale * DUET_LOG2E;
+    const int n = (int)ly->n_heads;
+    const dim3 grid((unsigned)((st->n_rows + DUET_MLA_XA_ROWS - 1) / DUET_MLA_XA_ROWS),
+                    (unsigned)n);
+    int dev = 0;
+    DUET__TRY(cudaGetDevice(&dev), "attend_x cudaGetDevice");
+    if (dev < 0 || dev >= DUET_MLA_MAX_DEV || !duet__mla_xa_smem_set[dev]) {
+        DUET__TRY(cudaFuncSetAttribute(duet__mla_xattn_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       DUET_MLA_XA_SMEM),
+                  "attend_x shared memory opt-in");
+        if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
+            duet__mla_xa_smem_set[dev] = 1;
+    }
+    DUET__TRY(duet_pdl_launch(duet__mla_xattn_kernel, grid, dim3(DUET_MLA_XA_THREADS),
+                              DUET_MLA_XA_SMEM, stream, (const __nv_bfloat16 *)xkv, xstride,
+                              st->row_pos, (int)st->n_rows, q, ldq, dq_stride, qscale, n, o),
+              "attend_x launch");
     return DUET_OK;
 }

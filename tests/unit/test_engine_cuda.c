@@ -24,6 +24,7 @@
 
 #include "engine/cache.h"
 #include "engine/model.h"
+#include "engine/model_cuda.h"
 #include "engine/sampler.h"
 #include "kernels/cuda/cuda_util.h"
 
@@ -600,5 +601,73 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
             free(out[1]);
         }
     }
+    free_fixtures(fx, n);
+}
+
+/*
+ * The expanded MLA prefill form (cuda_mla.h; taken for one item's chunk of >= 256 rows with a
+ * BF16 KV pool at Kimi Linear's per-head dims, so only fixtures with those dims and a long
+ * prompt reach it) against the absorbed form, f32 compute, BF16 KV pool (the CPU path has no
+ * BF16 pool; with an F32 one f32_matches_transformers_and_cpu covers these fixtures), and the
+ * greedy continuations after each prefill identical. The two forms split K, V, q and P into
+ * bf16 hi + lo pairs in different places (2^-16 relative at worst per product), and these
+ * random networks amplify a perturbation: transformers' own bf16 run (2^-9 per rounding) lands
+ * at rel L2 b from its fp32 run, so 2^-16 in each form bounds the prompt logits' rel L2 at
+ * 2 · 2^-16 · b / 2^-9 (kimi-mla-dims-bf16: b = 0.0708, 1.1e-3). A wrong head, row or position
+ * moves them by O(1). (test_cuda_mla_x checks the form's kernels to 2e-5 of a double reference.)
+ * The hook's step counter proves which form ran.
+ */
+Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES), checked = 0;
+    for (int i = 0; i < n; i++) {
+        fixture_t *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt, ng = 8;
+        float *out[2];
+        int32_t got[2][8];
+        int64_t took[2];
+        g_kv_dtype = DUET_DTYPE_BF16;
+        for (int form = 0; form < 2; form++) { /* expanded, absorbed */
+            duet_cuda_model_mla_x_set(form == 0);
+            const int64_t before = duet_cuda_model_mla_x_steps();
+            duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+            out[form] = malloc(sizeof(float) * (size_t)(np * V));
+            duet_seq_t seq;
+            cr_assert_eq(duet_model_seq_open(m, np + ng, &seq), DUET_OK);
+            prefill_all(m, &seq, x->prompt, np, out[form]);
+            took[form] = duet_cuda_model_mla_x_steps() - before;
+            float *last = malloc(sizeof(float) * (size_t)V);
+            memcpy(last, out[form] + (np - 1) * V, sizeof(float) * (size_t)V);
+            greedy(m, &seq, last, V, got[form], ng);
+            free(last);
+            duet_model_free(m);
+            if (form == 0 && took[0] == 0)
+                break; /* this fixture's shapes keep the absorbed form */
+        }
+        duet_cuda_model_mla_x_set(-1);
+        g_kv_dtype = DUET_DTYPE_F32;
+        if (took[0] == 0) {
+            free(out[0]);
+            continue;
+        }
+        const double e_abs = rel_l2(out[0], out[1], np * V);
+        printf("cuda f32, bf16 KV, %-30s prompt %3lld: expanded MLA prefill (%lld step) vs "
+               "absorbed rel L2 %.3g (tol: 2 x 2^-16 / 2^-9 x transformers' bf16 rel L2)\n",
+               x->name, (long long)np, (long long)took[0], e_abs);
+        cr_expect_eq(took[1], 0, "%s: the absorbed run took the expanded form", x->name);
+        cr_assert_not_null(x->logits_bf16, "%s: no transformers bf16 run to scale by", x->name);
+        const double b = rel_l2(x->logits_bf16, x->logits, np * V), tol = 2.0 * b / 128.0;
+        cr_expect_leq(e_abs, tol, "%s: expanded vs absorbed rel L2 %g (tol %g)", x->name, e_abs,
+                      tol);
+        for (int64_t t = 0; t < ng; t++)
+            cr_expect_eq(got[0][t], got[1][t], "%s: greedy token %lld: %d expanded, %d absorbed",
+                         x->name, (long long)t, got[0][t], got[1][t]);
+        checked++;
+        free(out[0]);
+        free(out[1]);
+    }
+    cr_assert_geq(checked, 1, "no fixture reaches the expanded MLA form (kimi-mla-dims-bf16 does)");
     free_fixtures(fx, n);
 }

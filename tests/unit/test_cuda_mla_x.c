@@ -1,0 +1,540 @@
+/*
+ * test_cuda_mla_x.c: the expanded (non-absorbed) MLA prefill attention (cuda_mla.h: x_weights,
+ * gather, x_pack, attend_x) against a CPU reference written here in double precision, and,
+ * at Kimi Linear's shape, against the absorbed path the engine otherwise runs.
+ *
+ * reference: one item with positions 0 .. pos0 - 1 already cached (random bf16 rows in a pool
+ * whose page ids are shuffled) and n_tok new rows at pos0 ..; random bf16 W_UK / W_UV. The GPU
+ * runs what the engine runs: wkv from wuk_t and wuv (checked bit for bit), the cache rows
+ * gathered in slices of 128 positions (checked bit for bit against the pool), the expansion
+ * GEMM through cuBLASLt (bf16 weights, fp32 accumulation), x_pack, attend_x. The reference
+ * forms K = W_UK c and V = W_UV c in double from the same bf16 values, then causal softmax
+ * attention with scores (q_nope · K + q_r · k_r) · scale.
+ * Error measure: err = |o_gpu − o_ref| / S_j with S_j = Σ_s p_s A_s,j, A_s,j = Σ_k |W_UV[j,k]
+ * c_s,k| (p the reference softmax): o is a p-weighted mean of V, and each V is an fp32 GEMM sum
+ * whose rounding scales with Σ|w c|, not with |V|, which can cancel to ~0 (test_cuda_mla's measure,
+ * Σ p |c|, is this one for values read exactly from the cache). Sources of error: the GEMM's
+ * fp32 sums of 512 exact products (~2^-24 · √512 of A), the hi + lo splits of K, V, q and P
+ * (2^-16 relative at worst, of |V| <~ A / 10 here), fp32 softmax and sums over <= 1045
+ * positions: ~1e-6 expected, tol 2e-5. A lost lo half of V costs 2^-9 |V| (~2e-4 of A), one of
+ * K or q 2^-9 of each score (~1e-2 of a weight): both far over it.
+ *
+ * timing: the engine's two ways at Kimi Linear's shape (32 heads, r = 512, dr = 64, BF16
+ * weights and cache) for chunks of 256 and 1024 rows ending at 8K, a whole 8K prompt and a
+ * 256-row prompt: absorbed (q̂ GEMM, attend, W_UV GEMM) against expanded (gather + GEMM +
+ * x_pack over every position, then attend_x), each timed with events (best of 3) and printed;
+ * the outputs of the two are compared on every row: they differ by the absorbed path's bf16
+ * rounding of q_nope and of the latent output before its GEMMs (2^-9 relative), so the bound is
+ * 2e-2 of the largest |o|: it catches a wrong head, row or position, not rounding.
+ *
+ * Without a CUDA device the GPU tests skip with a reason; the argument checks run anyway.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_mla.h"
+#include "kernels/kernels.h"
+
+#define DUET_TEST_RNG_SEED 0x2545f4914f6cdd1dull
+#include "cuda_test_util.h"
+
+#define R_LAT 512 /* kv_lora_rank */
+#define DR    64  /* qk_rope_head_dim */
+#define TD    (R_LAT + DR)
+#define DN    128 /* qk_nope_head_dim = v_head_dim */
+#define DQK   (DN + DR)
+#define XTD   576 /* an expanded row */
+#define TOL   2e-5
+#define SLICE 128 /* positions per gather / GEMM / pack */
+
+/* A random value exact in bf16, and its bits. */
+static float rng_bf16(float scale, uint16_t *bits)
+{
+    *bits = duet_f32_to_bf16(scale * rng_f());
+    return duet_bf16_to_f32(*bits);
+}
+
+static void skip_without_device(void)
+{
+    skip_without_device_for("the MLA kernels are");
+}
+
+/* ---- one item, one step -----------------------------------------------------------------------
+ */
+
+typedef struct {
+    int n, pos0, n_tok, pt;
+    int L, max_pages, n_pages;
+    int32_t *pages, *row_pos, *row_item, row0[2], ipos0[1], islot[1];
+    void *d[6];
+    duet_cuda_step_t st;
+} item_t;
+
+static void item_build(item_t *it, int n, int pos0, int n_tok, int pt, int shuffle)
+{
+    memset(it, 0, sizeof(*it));
+    it->n = n, it->pos0 = pos0, it->n_tok = n_tok, it->pt = pt;
+    it->L = pos0 + n_tok;
+    it->max_pages = (it->L + pt - 1) / pt;
+    it->n_pages = it->max_pages + 2;
+    it->pages = xmalloc(sizeof(int32_t) * (size_t)it->max_pages);
+    int *perm = xmalloc(sizeof(int) * (size_t)it->n_pages);
+    for (int i = 0; i < it->n_pages; i++)
+        perm[i] = i;
+    for (int i = it->n_pages - 1; shuffle && i > 0; i--) {
+        const int j = (int)(rng_u32() % (uint32_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    for (int p = 0; p < it->max_pages; p++)
+        it->pages[p] = perm[p];
+    free(perm);
+    it->row_pos = xmalloc(sizeof(int32_t) * (size_t)n_tok);
+    it->row_item = xmalloc(sizeof(int32_t) * (size_t)n_tok);
+    for (int t = 0; t < n_tok; t++) {
+        it->row_pos[t] = pos0 + t;
+        it->row_item[t] = 0;
+    }
+    it->row0[0] = 0, it->row0[1] = n_tok, it->ipos0[0] = pos0, it->islot[0] = 0;
+    it->d[0] = dev_copy(it->row0, sizeof(it->row0));
+    it->d[1] = dev_copy(it->ipos0, sizeof(it->ipos0));
+    it->d[2] = dev_copy(it->islot, sizeof(it->islot));
+    it->d[3] = dev_copy(it->pages, sizeof(int32_t) * (size_t)it->max_pages);
+    it->d[4] = dev_copy(it->row_item, sizeof(int32_t) * (size_t)n_tok);
+    it->d[5] = dev_copy(it->row_pos, sizeof(int32_t) * (size_t)n_tok);
+    it->st = (duet_cuda_step_t){.n_items = 1,
+                                .n_rows = n_tok,
+                                .max_item_tokens = n_tok,
+                                .item_row0 = it->d[0],
+                                .item_pos0 = it->d[1],
+                                .item_slot = it->d[2],
+                                .item_pages = it->d[3],
+                                .max_pages = it->max_pages,
+                                .row_item = it->d[4],
+                                .row_pos = it->d[5]};
+}
+
+static void item_free(item_t *it)
+{
+    for (int i = 0; i < 6; i++)
+        cudaFree(it->d[i]);
+    free(it->pages);
+    free(it->row_pos);
+    free(it->row_item);
+}
+
+/* The weights: W_UK [n][DN][R_LAT] and W_UV [n][DN][R_LAT] as floats exact in bf16, their
+ * device forms wuk_t [n][R_LAT][DN] and wuv (bf16), and wkv from x_weights. */
+typedef struct {
+    float *uk, *uv;
+    void *d_wuk_t, *d_wuv, *d_wkv;
+    duet_tensor_t wkv, wuk_t, wuv;
+} weights_t;
+
+static void weights_build(weights_t *w, int n, float scale)
+{
+    const size_t per = (size_t)n * DN * R_LAT;
+    w->uk = xmalloc(sizeof(float) * per);
+    w->uv = xmalloc(sizeof(float) * per);
+    uint16_t *uk_t = xmalloc(2 * per), *uv = xmalloc(2 * per), bits;
+    for (int h = 0; h < n; h++)
+        for (int d = 0; d < DN; d++)
+            for (int c = 0; c < R_LAT; c++) {
+                const size_t i = ((size_t)h * DN + d) * R_LAT + c;
+                w->uk[i] = rng_bf16(scale, &bits);
+                uk_t[((size_t)h * R_LAT + c) * DN + d] = bits;
+                w->uv[i] = rng_bf16(scale, &uv[i]);
+            }
+    w->d_wuk_t = dev_copy(uk_t, 2 * per);
+    w->d_wuv = dev_copy(uv, 2 * per);
+    w->d_wkv = dev_alloc(4 * per);
+    DUET_OK_OR_FAIL(
+        duet_cuda_mla_x_weights(0, DUET_DTYPE_BF16, w->d_wuk_t, w->d_wuv, n, R_LAT, w->d_wkv));
+    /* wkv: W_UK's rows of every head, then W_UV's, bit for bit */
+    uint16_t *got = xmalloc(4 * per);
+    CUDA_OK(cudaMemcpy(got, w->d_wkv, 4 * per, cudaMemcpyDeviceToHost));
+    int64_t diff = 0;
+    for (size_t i = 0; i < per; i++) {
+        diff += got[i] != duet_f32_to_bf16(w->uk[i]);
+        diff += got[per + i] != uv[i];
+    }
+    CHECK(diff == 0, "x_weights: %lld of %zu values differ", (long long)diff, 2 * per);
+    free(got);
+    free(uk_t);
+    free(uv);
+    w->wkv = (duet_tensor_t){.data = w->d_wkv,
+                             .dtype = DUET_DTYPE_BF16,
+                             .device = DUET_DEVICE_CUDA,
+                             .ndim = 2,
+                             .shape = {2 * n * DN, R_LAT}};
+    w->wuk_t = (duet_tensor_t){.data = w->d_wuk_t,
+                               .dtype = DUET_DTYPE_BF16,
+                               .device = DUET_DEVICE_CUDA,
+                               .ndim = 3,
+                               .shape = {n, R_LAT, DN}};
+    w->wuv = (duet_tensor_t){.data = w->d_wuv,
+                             .dtype = DUET_DTYPE_BF16,
+                             .device = DUET_DEVICE_CUDA,
+                             .ndim = 3,
+                             .shape = {n, DN, R_LAT}};
+}
+
+static void weights_free(weights_t *w)
+{
+    cudaFree(w->d_wuk_t);
+    cudaFree(w->d_wuv);
+    cudaFree(w->d_wkv);
+    free(w->uk);
+    free(w->uv);
+}
+
+/* The expansion of every position 0 .. L-1 into xkv, as the engine runs it (gath: [SLICE][TD]
+ * fp32, kvb: [SLICE][2 n DN] fp32). */
+static duet_status_t expand(cudaStream_t s, duet_cuda_gemm_t *g, const item_t *it,
+                            const duet_cuda_mla_layer_t *ly, const weights_t *w, float *gath,
+                            float *kvb, void *xkv, int64_t xstride)
+{
+    const int64_t ldkv = 2 * (int64_t)it->n * DN;
+    for (int64_t p0 = 0; p0 < it->L; p0 += SLICE) {
+        const int64_t np = it->L - p0 < SLICE ? it->L - p0 : SLICE;
+        duet_status_t st = duet_cuda_mla_gather(s, &it->st, ly, p0, np, gath);
+        if (st == DUET_OK)
+            st = duet_cuda_gemm_matmul(g, s, kvb, ldkv, gath, TD, np, &w->wkv, 0, 0);
+        if (st == DUET_OK)
+            st = duet_cuda_mla_x_pack(s, ly, kvb, ldkv, gath, p0, np, xkv, xstride);
+        if (st != DUET_OK)
+            return st;
+    }
+    return DUET_OK;
+}
+
+static duet_cuda_mla_layer_t layer_of(void *pool, int n, int pt)
+{
+    return (duet_cuda_mla_layer_t){.kv_base = pool,
+                                   .kv_dtype = DUET_DTYPE_BF16,
+                                   .kv_n_layers = 1,
+                                   .page_tokens = pt,
+                                   .layer = 0,
+                                   .n_heads = n,
+                                   .r = R_LAT,
+                                   .dr = DR};
+}
+
+static void run_reference_case(int n, int pos0, int n_tok, int pt)
+{
+    item_t it;
+    item_build(&it, n, pos0, n_tok, pt, 1);
+    const int L = it.L, R = n_tok;
+    const float scale = 1.0f / sqrtf((float)DQK);
+
+    /* the pool: random bf16 rows on every page (the item's and two spare ones) */
+    const size_t pool_elems = (size_t)it.n_pages * pt * TD;
+    uint16_t *pool = xmalloc(2 * pool_elems);
+    for (size_t i = 0; i < pool_elems; i++)
+        pool[i] = duet_f32_to_bf16(1.5f * rng_f());
+    void *d_pool = dev_copy(pool, 2 * pool_elems);
+    weights_t w;
+    weights_build(&w, n, 0.06f);
+    float *q = xmalloc(sizeof(float) * (size_t)R * n * DQK);
+    for (size_t i = 0; i < (size_t)R * n * DQK; i++)
+        q[i] = 2.0f * rng_f();
+    float *d_q = dev_copy(q, sizeof(float) * (size_t)R * n * DQK);
+
+    const duet_cuda_mla_layer_t ly = layer_of(d_pool, n, pt);
+    CHECK(duet_cuda_mla_x_shape(&ly, DN, DN), "Kimi's shape is the expanded one");
+    duet_cuda_gemm_t *g = NULL;
+    DUET_OK_OR_FAIL(duet_cuda_gemm_create(0, (int64_t)SLICE * TD, &g));
+    const int64_t xstride = L + 5; /* wider than the item: rows of a head are xstride apart */
+    void *d_x = dev_alloc(duet_cuda_mla_x_bytes(xstride, n));
+    float *d_gath = dev_alloc(sizeof(float) * SLICE * TD);
+    float *d_kvb = dev_alloc(sizeof(float) * SLICE * 2 * n * DN);
+    float *d_o = dev_alloc(sizeof(float) * (size_t)R * n * DN);
+    CUDA_OK(cudaMemset(d_o, 0xff, sizeof(float) * (size_t)R * n * DN)); /* NaN */
+
+    /* gather alone, bit for bit: the last slice's rows */
+    const int64_t g0 = L > SLICE ? L - SLICE : 0, gn = L - g0;
+    DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &it.st, &ly, g0, gn, d_gath));
+    float *gath = xmalloc(sizeof(float) * SLICE * TD);
+    CUDA_OK(cudaMemcpy(gath, d_gath, sizeof(float) * (size_t)gn * TD, cudaMemcpyDeviceToHost));
+    int64_t gdiff = 0;
+    for (int64_t p = g0; p < L; p++)
+        for (int j = 0; j < TD; j++) {
+            const size_t e = ((size_t)it.pages[p / pt] * pt + p % pt) * TD + j;
+            gdiff += gath[(p - g0) * TD + j] != duet_bf16_to_f32(pool[e]);
+        }
+    CHECK(gdiff == 0, "gather: %lld values differ from the pool", (long long)gdiff);
+
+    DUET_OK_OR_FAIL(expand(0, g, &it, &ly, &w, d_gath, d_kvb, d_x, xstride));
+    DUET_OK_OR_FAIL(duet_cuda_mla_attend_x(0, &it.st, &ly, d_x, xstride, d_q, (int64_t)n * DQK, DQK,
+                                           scale, d_o));
+    CUDA_OK(cudaDeviceSynchronize());
+    float *o = xmalloc(sizeof(float) * (size_t)R * n * DN);
+    CUDA_OK(cudaMemcpy(o, d_o, sizeof(float) * (size_t)R * n * DN, cudaMemcpyDeviceToHost));
+
+    /* reference: K, V of every (position, head) in double */
+    double *K = xmalloc(sizeof(double) * (size_t)L * n * DN);
+    double *V = xmalloc(sizeof(double) * (size_t)L * n * DN);
+    double *kr = xmalloc(sizeof(double) * (size_t)L * DR);
+    double *A = xmalloc(sizeof(double) * (size_t)L * n * DN); /* Σ_k |W_UV c| per V */
+    for (int p = 0; p < L; p++) {
+        const uint16_t *row = pool + ((size_t)it.pages[p / pt] * pt + p % pt) * TD;
+        double c[R_LAT];
+        for (int j = 0; j < R_LAT; j++)
+            c[j] = duet_bf16_to_f32(row[j]);
+        for (int j = 0; j < DR; j++)
+            kr[(size_t)p * DR + j] = duet_bf16_to_f32(row[R_LAT + j]);
+        for (int h = 0; h < n; h++)
+            for (int d = 0; d < DN; d++) {
+                const float *uk = w.uk + ((size_t)h * DN + d) * R_LAT;
+                const float *uv = w.uv + ((size_t)h * DN + d) * R_LAT;
+                double sk = 0.0, sv = 0.0, sa = 0.0;
+                for (int j = 0; j < R_LAT; j++) {
+                    sk += (double)uk[j] * c[j];
+                    sv += (double)uv[j] * c[j];
+                    sa += fabs((double)uv[j] * c[j]);
+                }
+                K[((size_t)p * n + h) * DN + d] = sk;
+                V[((size_t)p * n + h) * DN + d] = sv;
+                A[((size_t)p * n + h) * DN + d] = sa;
+            }
+    }
+    double *sc = xmalloc(sizeof(double) * (size_t)L);
+    double err = 0.0;
+    int64_t bad = 0;
+    for (int t = 0; t < R; t++) {
+        const int pos = pos0 + t;
+        for (int h = 0; h < n; h++) {
+            const float *qh = q + ((size_t)t * n + h) * DQK;
+            double mx = -INFINITY;
+            for (int p = 0; p <= pos; p++) {
+                double acc = 0.0;
+                for (int d = 0; d < DN; d++)
+                    acc += (double)qh[d] * K[((size_t)p * n + h) * DN + d];
+                for (int d = 0; d < DR; d++)
+                    acc += (double)qh[DN + d] * kr[(size_t)p * DR + d];
+                sc[p] = acc * (double)scale;
+                mx = sc[p] > mx ? sc[p] : mx;
+            }
+            double sum = 0.0;
+            for (int p = 0; p <= pos; p++)
+                sum += (sc[p] = exp(sc[p] - mx));
+            for (int d = 0; d < DN; d++) {
+                double ref = 0.0, S = 0.0;
+                for (int p = 0; p <= pos; p++) {
+                    const size_t e = ((size_t)p * n + h) * DN + d;
+                    ref += sc[p] / sum * V[e];
+                    S += sc[p] / sum * A[e];
+                }
+                const double e = fabs((double)o[((size_t)t * n + h) * DN + d] - ref) / S;
+                if (!(e <= TOL))
+                    bad++;
+                if (!(e <= err))
+                    err = e;
+            }
+        }
+    }
+    printf("[cuda_mla_x] n %d, %d cached + %d new rows, pages of %d: max err %.3g (tol %.3g)\n", n,
+           pos0, n_tok, pt, err, TOL);
+    CHECK(bad == 0, "n %d pos0 %d n_tok %d: %lld outputs over tolerance, worst %g", n, pos0, n_tok,
+          (long long)bad, err);
+    free(o);
+
+    free(sc);
+    free(A);
+    free(kr);
+    free(V);
+    free(K);
+    free(gath);
+    cudaFree(d_o);
+    cudaFree(d_kvb);
+    cudaFree(d_gath);
+    cudaFree(d_x);
+    duet_cuda_gemm_destroy(g);
+    cudaFree(d_q);
+    free(q);
+    weights_free(&w);
+    cudaFree(d_pool);
+    free(pool);
+    item_free(&it);
+}
+
+/* ---- tests without a device ---------------------------------------------------------------------
+ */
+
+Test(cuda_mla_x, shape_and_bad_arguments, .timeout = 30)
+{
+    int pages[1] = {0};
+    duet_cuda_step_t st = {.n_items = 2, .n_rows = 4, .max_pages = 1, .item_pages = pages};
+    duet_cuda_mla_layer_t ly = layer_of(pages, 4, 16);
+    CHECK(duet_cuda_mla_x_shape(&ly, DN, DN));
+    CHECK(!duet_cuda_mla_x_shape(&ly, 64, DN), "dn 64 is not the expanded shape");
+    CHECK(!duet_cuda_mla_x_shape(&ly, DN, 64), "dv 64 is not the expanded shape");
+    CHECK(!duet_cuda_mla_x_shape(NULL, DN, DN));
+    duet_cuda_mla_layer_t f32 = ly;
+    f32.kv_dtype = DUET_DTYPE_F32;
+    CHECK(!duet_cuda_mla_x_shape(&f32, DN, DN), "an F32 cache is not the expanded shape");
+    duet_cuda_mla_layer_t dr32 = ly;
+    dr32.dr = 32;
+    CHECK(!duet_cuda_mla_x_shape(&dr32, DN, DN), "dr 32 is not the expanded shape");
+    CHECK(duet_cuda_mla_x_bytes(10, 4) == (size_t)10 * 4 * XTD * 2);
+    CHECK(duet_cuda_mla_x_bytes(0, 4) == 0 && duet_cuda_mla_x_bytes(10, 0) == 0);
+
+    float f[4];
+    /* two items: attend_x takes one */
+    CHECK(duet_cuda_mla_attend_x(0, &st, &ly, f, 16, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
+    st.n_items = 1;
+    CHECK(duet_cuda_mla_attend_x(0, &st, &ly, NULL, 16, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_attend_x(0, &st, &ly, f, 0, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_attend_x(0, &st, &dr32, f, 16, f, 4, 4, 1.0f, f) == DUET_ERR_UNSUPPORTED);
+    /* gather past the item's pages (1 page of 16 positions) */
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 10, 7, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, -1, 2, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 0, 4, NULL) == DUET_ERR_INVALID);
+    /* pack past xstride, short rows, the wrong shape */
+    CHECK(duet_cuda_mla_x_pack(0, &ly, f, 2 * 4 * DN, f, 10, 7, f, 16) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_x_pack(0, &ly, f, 4 * DN, f, 0, 7, f, 16) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_x_pack(0, &dr32, f, 2 * 4 * DN, f, 0, 7, f, 16) == DUET_ERR_UNSUPPORTED);
+    CHECK(duet_cuda_mla_x_weights(0, DUET_DTYPE_BF16, NULL, f, 4, R_LAT, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_x_weights(0, DUET_DTYPE_BF16, f, f, 4, 0, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_x_weights(0, DUET_DTYPE_F16, f, f, 4, R_LAT, f) == DUET_ERR_UNSUPPORTED);
+}
+
+/* ---- against the double reference ----------------------------------------------------------- */
+
+Test(cuda_mla_x, against_reference, .timeout = 300)
+{
+    skip_without_device();
+    /* (heads, cached, new, page tokens): a fresh prompt with a partial row block; a chunk after
+     * a cached prefix, mid-page, several row blocks; a short tail over a long prefix (one row
+     * block, many tiles); an odd page size */
+    run_reference_case(3, 0, 70, 16);
+    run_reference_case(4, 100, 300, 16);
+    run_reference_case(2, 1000, 45, 16);
+    run_reference_case(5, 37, 64, 12);
+}
+
+/* ---- timing at Kimi Linear's shape: absorbed against expanded ------------------------------ */
+
+static double elapsed_us(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms = 0.0f;
+    CUDA_OK(cudaEventSynchronize(b));
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    return 1e3 * ms;
+}
+
+Test(cuda_mla_x, timing_8k, .timeout = 300)
+{
+    skip_without_device();
+    const int n = 32, pt = 64, reps = 3;
+    const float scale = 1.0f / sqrtf((float)DQK);
+    /* (cached, new): chunks of 256 and 1024 rows ending at 8K, a whole 8K prompt, 256 rows */
+    const int cases[4][2] = {{8192 - 256, 256}, {8192 - 1024, 1024}, {0, 8192}, {0, 256}};
+    weights_t w;
+    weights_build(&w, n, 0.06f);
+    duet_cuda_gemm_t *g = NULL;
+    DUET_OK_OR_FAIL(duet_cuda_gemm_create(0, (int64_t)8192 * n * R_LAT, &g));
+    const int max_l = 8192, max_r = 8192;
+    const size_t pool_elems = (size_t)max_l * TD;
+    uint16_t *pool = xmalloc(2 * pool_elems);
+    for (size_t i = 0; i < pool_elems; i++)
+        pool[i] = duet_f32_to_bf16(1.5f * rng_f());
+    void *d_pool = dev_copy(pool, 2 * pool_elems);
+    float *q = xmalloc(sizeof(float) * (size_t)max_r * n * DQK);
+    for (size_t i = 0; i < (size_t)max_r * n * DQK; i++)
+        q[i] = 2.0f * rng_f();
+    float *d_q = dev_copy(q, sizeof(float) * (size_t)max_r * n * DQK);
+    float *d_qhat = dev_alloc(sizeof(float) * (size_t)max_r * n * R_LAT);
+    float *d_lat = dev_alloc(sizeof(float) * (size_t)max_r * n * R_LAT);
+    float *d_oa = dev_alloc(sizeof(float) * (size_t)max_r * n * DN);
+    float *d_ox = dev_alloc(sizeof(float) * (size_t)max_r * n * DN);
+    void *d_x = dev_alloc(duet_cuda_mla_x_bytes(max_l, n));
+    float *d_gath = dev_alloc(sizeof(float) * 1024 * TD);
+    float *d_kvb = dev_alloc(sizeof(float) * 1024 * 2 * n * DN);
+    float *oa = xmalloc(sizeof(float) * (size_t)max_r * n * DN);
+    float *ox = xmalloc(sizeof(float) * (size_t)max_r * n * DN);
+    const duet_cuda_mla_layer_t ly = layer_of(d_pool, n, pt);
+    cudaEvent_t e0, e1, e2;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventCreate(&e2));
+
+    for (int ci = 0; ci < 4; ci++) {
+        item_t it;
+        item_build(&it, n, cases[ci][0], cases[ci][1], pt, 0);
+        const int R = it.n_tok;
+        double best_a = 1e30, best_x = 1e30, best_e = 1e30;
+        for (int rep = 0; rep < reps; rep++) {
+            /* absorbed, as the engine's MLA layer runs it */
+            CUDA_OK(cudaEventRecord(e0, 0));
+            DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_batched(g, 0, d_qhat, (int64_t)n * R_LAT, R_LAT,
+                                                          d_q, (int64_t)n * DQK, DQK, R, &w.wuk_t,
+                                                          0, 0));
+            DUET_OK_OR_FAIL(duet_cuda_mla_attend(0, &it.st, &ly, d_qhat, d_q + DN, (int64_t)n * DQK,
+                                                 DQK, scale, 1, d_lat, NULL));
+            DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_batched(g, 0, d_oa, (int64_t)n * DN, DN, d_lat,
+                                                          (int64_t)n * R_LAT, R_LAT, R, &w.wuv, 0,
+                                                          0));
+            CUDA_OK(cudaEventRecord(e1, 0));
+            const double ta = elapsed_us(e0, e1);
+            /* expanded: every position, then the attention */
+            CUDA_OK(cudaEventRecord(e0, 0));
+            const int64_t ldkv = 2 * (int64_t)n * DN;
+            for (int64_t p0 = 0; p0 < it.L; p0 += 1024) {
+                const int64_t np = it.L - p0 < 1024 ? it.L - p0 : 1024;
+                DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &it.st, &ly, p0, np, d_gath));
+                DUET_OK_OR_FAIL(
+                    duet_cuda_gemm_matmul(g, 0, d_kvb, ldkv, d_gath, TD, np, &w.wkv, 0, 0));
+                DUET_OK_OR_FAIL(
+                    duet_cuda_mla_x_pack(0, &ly, d_kvb, ldkv, d_gath, p0, np, d_x, max_l));
+            }
+            CUDA_OK(cudaEventRecord(e1, 0));
+            DUET_OK_OR_FAIL(duet_cuda_mla_attend_x(0, &it.st, &ly, d_x, max_l, d_q,
+                                                   (int64_t)n * DQK, DQK, scale, d_ox));
+            CUDA_OK(cudaEventRecord(e2, 0));
+            const double te = elapsed_us(e0, e1), tx = elapsed_us(e0, e2);
+            best_a = ta < best_a ? ta : best_a;
+            best_x = tx < best_x ? tx : best_x;
+            best_e = te < best_e ? te : best_e;
+        }
+        CUDA_OK(cudaMemcpy(oa, d_oa, sizeof(float) * (size_t)R * n * DN, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(ox, d_ox, sizeof(float) * (size_t)R * n * DN, cudaMemcpyDeviceToHost));
+        double mx = 0.0, diff = 0.0;
+        for (size_t i = 0; i < (size_t)R * n * DN; i++) {
+            mx = fabs(oa[i]) > mx ? fabs(oa[i]) : mx;
+            const double d = fabs((double)ox[i] - (double)oa[i]);
+            diff = d <= diff ? diff : d; /* NaN propagates */
+        }
+        printf("[cuda_mla_x] timing n32 r512 dr64 bf16, %4d rows at ctx %4d: absorbed (q̂ GEMM, "
+               "attend, W_UV GEMM) %8.1f us, expanded %8.1f us (expansion of %d positions %.1f "
+               "us): %.2fx; outputs differ by %.3g of max |o| %.3g\n",
+               R, it.L, best_a, best_x, it.L, best_e, best_a / best_x, diff / mx, mx);
+        CHECK(diff <= 2e-2 * mx, "%d rows at %d: expanded and absorbed differ by %g (max %g)", R,
+              it.L, diff, mx);
+        item_free(&it);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaEventDestroy(e2);
+    free(ox);
+    free(oa);
+    cudaFree(d_kvb);
+    cudaFree(d_gath);
+    cudaFree(d_x);
+    cudaFree(d_ox);
+    cudaFree(d_oa);
+    cudaFree(d_lat);
+    cudaFree(d_qhat);
+    cudaFree(d_q);
+    free(q);
+    cudaFree(d_pool);
+    free(pool);
+    duet_cuda_gemm_destroy(g);
+    weights_free(&w);
+}
