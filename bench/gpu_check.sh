@@ -36,8 +36,8 @@ if has build; then
   cmake --build build-gpu -j"$(nproc)" ${TARGETS:+--target $TARGETS} >"$out/build.log" 2>&1 || { grep -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
 fi
 if has tests; then
-  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_ops test_engine_cuda test_cuda_arch \
-      transfer_cuda; do
+  for t in test_kernels_cuda test_cuda_kda test_cuda_mla test_cuda_mla_x test_cuda_ops test_engine_cuda \
+      test_cuda_arch transfer_cuda; do
     bin=$(find build-gpu/tests -name "$t" -type f | head -1)
     [ -n "$bin" ] || { say "$t: not built"; continue; }
     say "$t"
