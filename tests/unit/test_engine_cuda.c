@@ -541,8 +541,8 @@ Test(engine_cuda, sliced_head_equals_whole_head, .timeout = 300)
  * Programmatic dependent launch lets a kernel start while its predecessor finishes; its
  * contract (kernels/cuda/cuda_pdl.cuh) is that nothing a predecessor writes is touched before the
  * wait. A kernel breaking it races, which shows as different numbers. So the same prefill and
- * graph-replayed decode steps (batch 1 and 3, f32 and bf16) must give bit-identical logits with
- * PDL off and on (two models, each captured under its own setting).
+ * graph-replayed decode steps (batch 1 and 3; f32, bf16, and f32 with a bf16 KV pool) must give
+ * bit-identical logits with PDL off and on (two models, each captured under its own setting).
  */
 Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
 {
@@ -552,13 +552,18 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
     for (int i = 0; i < n; i++) {
         fixture_t *x = &fx[i];
         const int64_t V = x->vocab, np = x->n_prompt, steps = 5;
-        for (int d = 0; d < 2; d++) {
-            const duet_dtype_t dt = d ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+        /* f32, bf16, and f32 with a bf16 KV pool (MLA on the tensor cores; the expanded
+         * prefill form where the fixture reaches it) */
+        for (int d = 0; d < 3; d++) {
+            const duet_dtype_t dt = d == 1 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+            const char *what = d == 0 ? "f32" : d == 1 ? "bf16" : "f32, bf16 KV";
             float *out[2];
             int64_t n_rows = 0;
             for (int pdl = 0; pdl <= 1; pdl++) {
                 duet_cuda_pdl_set(pdl);
+                g_kv_dtype = d == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
                 duet_model_t *m = load(x, DUET_DEVICE_CUDA, dt, 1, 0, 0);
+                g_kv_dtype = DUET_DTYPE_F32;
                 const int64_t lens[3] = {np, np / 2 > 0 ? np / 2 : 1, np / 3 > 0 ? np / 3 : 1};
                 duet_seq_t seq[3];
                 float *all = malloc(sizeof(float) * (size_t)(np * V));
@@ -593,10 +598,10 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
             int64_t differ = 0;
             for (int64_t r = 0; r < n_rows; r++)
                 differ += memcmp(out[0] + r * V, out[1] + r * V, sizeof(float) * V) != 0;
-            printf("cuda %-30s %s: PDL on vs off, %lld logits rows, %lld differ\n", x->name,
-                   d ? "bf16" : "f32", (long long)n_rows, (long long)differ);
+            printf("cuda %-30s %s: PDL on vs off, %lld logits rows, %lld differ\n", x->name, what,
+                   (long long)n_rows, (long long)differ);
             cr_expect_eq(differ, 0, "%s %s: %lld of %lld logits rows differ with PDL on", x->name,
-                         d ? "bf16" : "f32", (long long)differ, (long long)n_rows);
+                         what, (long long)differ, (long long)n_rows);
             free(out[0]);
             free(out[1]);
         }
