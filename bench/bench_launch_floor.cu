@@ -38,6 +38,7 @@
 #include <vector>
 
 extern "C" {
+#include "common/config.h"
 #include "engine/model_config.h"
 }
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -215,8 +216,7 @@ static double time_graph(const std::vector<launch_t> &ls, bool early, bool pdl, 
 int main(int argc, char **argv)
 {
     const char *cfg_dir = NULL;
-    int64_t ctx = 2048, layers = 0;
-    int reps = 30;
+    int64_t ctx = 2048, layers = 0, reps = 30;
     bool list = false;
     size_t wb = 2;
     for (int i = 1; i < argc; i++) {
@@ -240,11 +240,11 @@ int main(int argc, char **argv)
         if (strcmp(a, "--config") == 0)
             cfg_dir = v;
         else if (strcmp(a, "--layers") == 0)
-            bad = (layers = strtoll(v, NULL, 10)) <= 0;
+            bad = duet_config_parse_int(v, 1, DUET_MAX_LAYERS, &layers) != DUET_OK;
         else if (strcmp(a, "--context") == 0)
-            bad = (ctx = strtoll(v, NULL, 10)) <= 0;
+            bad = duet_config_parse_int(v, 1, INT32_MAX, &ctx) != DUET_OK;
         else if (strcmp(a, "--reps") == 0)
-            bad = (reps = atoi(v)) <= 0;
+            bad = duet_config_parse_int(v, 1, 100000, &reps) != DUET_OK;
         else if (strcmp(a, "--dtype") == 0)
             bad = strcmp(v, "bf16") == 0 ? (wb = 2, 0) : strcmp(v, "f32") == 0 ? (wb = 4, 0) : 1;
         else
@@ -317,7 +317,7 @@ int main(int argc, char **argv)
                  {"stages", &stages, true, true},     {"chain", &chain, true, true},
                  {"chain_late", &chain, false, true}, {"chain_nopdl", &chain, true, false}};
     for (const auto &f : forms) {
-        const double ms = time_graph(*f.ls, f.early, f.pdl, buf, sink, wave, reps, s);
+        const double ms = time_graph(*f.ls, f.early, f.pdl, buf, sink, wave, (int)reps, s);
         printf("{\"form\":\"%s\",\"kernels\":%zu,\"ms\":%.4f,\"roofline_frac\":%.3f}\n", f.name,
                f.ls->size(), ms, roof / ms);
         fflush(stdout);
