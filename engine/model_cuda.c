@@ -86,6 +86,7 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 #define DUET_MLA_NORM_EPS 1e-6f
 #define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: shortest chunk (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
+#define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
 
 /* DUET_CUDA_NO_MLA_X=1 keeps every step on the absorbed MLA form (side-by-side comparisons);
  * the test hooks below override it */
@@ -195,8 +196,11 @@ struct duet_cuda_model {
     void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
     int      max_splits;
     /* the expanded MLA form for long prefill chunks (duet__mla_x_step): on when the shapes
-     * allow it; xkv holds T positions of every head, xgath / xkvb one slice of the expansion */
+     * allow it; xkv holds xcap positions of every head = max(T, min(max_seq_len,
+     * DUET__MLA_X_CAP)), so chunks after the first of a prompt up to 8K positions take it too
+     * (302 MB at Kimi-Linear-48B's 32 heads); xgath / xkvb hold one slice of the expansion */
     int mla_x;
+    int64_t xcap, xslice; /* xslice <= T: the GEMM's staging holds T rows of x */
     void *xkv;
     float *xgath, *xkvb;
 
@@ -541,7 +545,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
                          &dm->mla_scratch));
         if (dm->mla_x) {
             const int64_t sl = T < DUET__MLA_X_SLICE ? T : DUET__MLA_X_SLICE;
-            TRY(duet__dalloc(dm, duet_cuda_mla_x_bytes(T, n), &dm->xkv));
+            dm->xslice = sl;
+            TRY(duet__dalloc(dm, duet_cuda_mla_x_bytes(dm->xcap, n), &dm->xkv));
             TRY(duet__dalloc_f(dm, sl * (r + dr), &dm->xgath));
             TRY(duet__dalloc_f(dm, sl * 2 * n * c->v_head_dim, &dm->xkvb));
         }
@@ -686,6 +691,9 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
                              : !duet_cuda_env_flag(&duet__no_mla_x, "DUET_CUDA_NO_MLA_X");
         dm->mla_x = want && cfg->n_mla_layers > 0 && dm->T >= DUET__MLA_X_MIN_ROWS &&
                     duet_cuda_mla_x_shape(&xl, cfg->qk_nope_head_dim, cfg->v_head_dim);
+        const int64_t cap =
+            opts->max_seq_len < DUET__MLA_X_CAP ? opts->max_seq_len : DUET__MLA_X_CAP;
+        dm->xcap = dm->T > cap ? dm->T : cap;
     }
     dm->gemm_flags = 0; /* fp32 weights: exact fp32 products (TF32 off) */
 
@@ -865,7 +873,7 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
 /*
  * Whether a step's MLA layers take the expanded form (cuda_mla.h) rather than the absorbed one:
  * one item (attend_x reads one item's expanded positions per head), a chunk of at least
- * DUET__MLA_X_MIN_ROWS rows, and a context that fits xkv (T positions). Each layer expands every
+ * DUET__MLA_X_MIN_ROWS rows, and a context that fits xkv (xcap positions). Each layer expands every
  * position of the item (about 60 ns per position at Kimi Linear's shape on an H200), which the
  * cheaper attention repays from a few hundred rows on whatever the context: test_cuda_mla_x's
  * timing measured 256 rows at 8K 1.35x faster than absorbed (883 against 1189 us, 466 of them
@@ -873,7 +881,7 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
  */
 static int duet__mla_x_step(const duet_cuda_model_t *dm, int64_t n_items, int64_t rows, int64_t ctx)
 {
-    return dm->mla_x && n_items == 1 && rows >= DUET__MLA_X_MIN_ROWS && ctx <= dm->T;
+    return dm->mla_x && n_items == 1 && rows >= DUET__MLA_X_MIN_ROWS && ctx <= dm->xcap;
 }
 
 typedef struct {
@@ -954,13 +962,13 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
         /* expanded: K_h, V_h of every position of the item (slices of the cache through one
          * GEMM each), then attention at 192 + 128 dims per head straight into o */
         const int64_t ldkv = 2 * n * dv, L = sh->x_ctx;
-        for (int64_t p0 = 0; p0 < L; p0 += DUET__MLA_X_SLICE) {
-            const int64_t np = L - p0 < DUET__MLA_X_SLICE ? L - p0 : DUET__MLA_X_SLICE;
+        for (int64_t p0 = 0; p0 < L; p0 += dm->xslice) {
+            const int64_t np = L - p0 < dm->xslice ? L - p0 : dm->xslice;
             TRY(duet_cuda_mla_gather(s, &dm->step, &ly, p0, np, dm->xgath));
             TRY(duet_cuda_gemm_matmul(g, s, dm->xkvb, ldkv, dm->xgath, r + dr, np, &w->wkv, 0, f));
-            TRY(duet_cuda_mla_x_pack(s, &ly, dm->xkvb, ldkv, dm->xgath, p0, np, dm->xkv, dm->T));
+            TRY(duet_cuda_mla_x_pack(s, &ly, dm->xkvb, ldkv, dm->xgath, p0, np, dm->xkv, dm->xcap));
         }
-        TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->T, dm->mq, n * dqk, dqk,
+        TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->xcap, dm->mq, n * dqk, dqk,
                                    1.0f / sqrtf((float)dqk), dm->o));
         return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
     }

@@ -38,6 +38,7 @@ static void need_gpu(void)
 }
 
 static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the default) */
+static int64_t g_max_batch_tokens, g_max_seq_len; /* load(): 0 = 512 */
 static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32; /* load(): the models' KV pool dtype */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
@@ -47,8 +48,8 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     duet_model_opts_default(&o);
     o.n_threads = 2;
     o.max_seqs = 4;
-    o.max_seq_len = 512;
-    o.max_batch_tokens = 512;
+    o.max_seq_len = g_max_seq_len > 0 ? g_max_seq_len : 512;
+    o.max_batch_tokens = g_max_batch_tokens > 0 ? g_max_batch_tokens : 512;
     o.page_tokens = 16;
     o.device = dev;
     o.compute_dtype = dt;
@@ -610,17 +611,51 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
 }
 
 /*
+ * One prefill of toks[0 .. n) in chunks of `chunk` rows (all logits rows into out), then ng
+ * greedy tokens into got, on a CUDA model with the expanded MLA form on or off (f32 compute,
+ * BF16 KV pool, max_batch_tokens = chunk); returns the steps that took the form.
+ */
+static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int64_t n,
+                            int64_t chunk, float *out, int32_t *got, int64_t ng)
+{
+    const int64_t V = x->vocab;
+    duet_cuda_model_mla_x_set(on);
+    g_kv_dtype = DUET_DTYPE_BF16;
+    g_max_batch_tokens = chunk;
+    g_max_seq_len = n + ng > 512 ? 1024 : 512;
+    const int64_t before = duet_cuda_model_mla_x_steps();
+    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+    g_kv_dtype = DUET_DTYPE_F32;
+    g_max_batch_tokens = g_max_seq_len = 0;
+    duet_seq_t seq;
+    cr_assert_eq(duet_model_seq_open(m, n + ng, &seq), DUET_OK);
+    for (int64_t t0 = 0; t0 < n; t0 += chunk)
+        prefill_all(m, &seq, toks + t0, n - t0 < chunk ? n - t0 : chunk, out + t0 * V);
+    const int64_t took = duet_cuda_model_mla_x_steps() - before;
+    float *last = malloc(sizeof(float) * (size_t)V);
+    memcpy(last, out + (n - 1) * V, sizeof(float) * (size_t)V);
+    greedy(m, &seq, last, V, got, ng);
+    free(last);
+    duet_model_free(m);
+    duet_cuda_model_mla_x_set(-1);
+    return took;
+}
+
+/*
  * The expanded MLA prefill form (cuda_mla.h; taken for one item's chunk of >= 256 rows with a
  * BF16 KV pool at Kimi Linear's per-head dims, so only fixtures with those dims and a long
  * prompt reach it) against the absorbed form, f32 compute, BF16 KV pool (the CPU path has no
- * BF16 pool; with an F32 one f32_matches_transformers_and_cpu covers these fixtures), and the
- * greedy continuations after each prefill identical. The two forms split K, V, q and P into
- * bf16 hi + lo pairs in different places (2^-16 relative at worst per product), and these
- * random networks amplify a perturbation: transformers' own bf16 run (2^-9 per rounding) lands
- * at rel L2 b from its fp32 run, so 2^-16 in each form bounds the prompt logits' rel L2 at
- * 2 · 2^-16 · b / 2^-9 (kimi-mla-dims-bf16: b = 0.0708, 1.1e-3). A wrong head, row or position
- * moves them by O(1). (test_cuda_mla_x checks the form's kernels to 2e-5 of a double reference.)
- * The hook's step counter proves which form ran.
+ * BF16 pool; with an F32 one f32_matches_transformers_and_cpu covers these fixtures): the
+ * fixture's prompt in one step, and a 560-token prompt (the fixture's, repeated) in chunks of
+ * 256, whose second chunk (positions 256 .. 511) must take the form too, past max_batch_tokens.
+ * The prompt logits within the bound below and the greedy continuations after each prefill
+ * identical. The two forms split K, V, q and P into bf16 hi + lo pairs in different places
+ * (2^-16 relative at worst per product), and these random networks amplify a perturbation:
+ * transformers' own bf16 run (2^-9 per rounding) lands at rel L2 b from its fp32 run, so 2^-16
+ * in each form bounds the logits' rel L2 at 2 · 2^-16 · b / 2^-9 (kimi-mla-dims-bf16: b =
+ * 0.0708, 1.1e-3). A wrong head, row or position moves them by O(1). (test_cuda_mla_x checks
+ * the form's kernels to 2e-5 of a double reference.) The hook's step counter proves which form
+ * ran.
  */
 Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
 {
@@ -629,49 +664,51 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
     int n = load_fixtures(fx, MAX_FIXTURES), checked = 0;
     for (int i = 0; i < n; i++) {
         fixture_t *x = &fx[i];
-        const int64_t V = x->vocab, np = x->n_prompt, ng = 8;
-        float *out[2];
-        int32_t got[2][8];
-        int64_t took[2];
-        g_kv_dtype = DUET_DTYPE_BF16;
-        for (int form = 0; form < 2; form++) { /* expanded, absorbed */
-            duet_cuda_model_mla_x_set(form == 0);
-            const int64_t before = duet_cuda_model_mla_x_steps();
-            duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
-            out[form] = malloc(sizeof(float) * (size_t)(np * V));
-            duet_seq_t seq;
-            cr_assert_eq(duet_model_seq_open(m, np + ng, &seq), DUET_OK);
-            prefill_all(m, &seq, x->prompt, np, out[form]);
-            took[form] = duet_cuda_model_mla_x_steps() - before;
-            float *last = malloc(sizeof(float) * (size_t)V);
-            memcpy(last, out[form] + (np - 1) * V, sizeof(float) * (size_t)V);
-            greedy(m, &seq, last, V, got[form], ng);
-            free(last);
-            duet_model_free(m);
-            if (form == 0 && took[0] == 0)
-                break; /* this fixture's shapes keep the absorbed form */
-        }
-        duet_cuda_model_mla_x_set(-1);
-        g_kv_dtype = DUET_DTYPE_F32;
-        if (took[0] == 0) {
+        const int64_t V = x->vocab, np = x->n_prompt, ng = 8, nl = 560;
+        int32_t *longp = malloc(sizeof(int32_t) * (size_t)nl);
+        for (int64_t t = 0; t < nl; t++)
+            longp[t] = x->prompt[t % np];
+        /* (prompt, rows, chunk, steps that must take the form) */
+        const struct {
+            const int32_t *toks;
+            int64_t n, chunk, want;
+        } runs[2] = {{x->prompt, np, 512, 1}, {longp, nl, 256, 2}};
+        for (int r = 0; r < 2; r++) {
+            float *out[2];
+            int32_t got[2][8];
+            int64_t took[2];
+            out[0] = malloc(sizeof(float) * (size_t)(runs[r].n * V));
+            out[1] = malloc(sizeof(float) * (size_t)(runs[r].n * V));
+            took[0] =
+                expanded_run(x, 1, runs[r].toks, runs[r].n, runs[r].chunk, out[0], got[0], ng);
+            if (took[0] == 0) { /* this fixture's shapes keep the absorbed form */
+                free(out[0]);
+                free(out[1]);
+                break;
+            }
+            took[1] =
+                expanded_run(x, 0, runs[r].toks, runs[r].n, runs[r].chunk, out[1], got[1], ng);
+            const double e_abs = rel_l2(out[0], out[1], runs[r].n * V);
+            cr_assert_not_null(x->logits_bf16, "%s: no transformers bf16 run to scale by", x->name);
+            const double b = rel_l2(x->logits_bf16, x->logits, np * V), tol = 2.0 * b / 128.0;
+            printf("cuda f32, bf16 KV, %-30s %3lld tokens in chunks of %3lld: expanded MLA prefill "
+                   "(%lld steps) vs absorbed rel L2 %.3g (tol %.3g)\n",
+                   x->name, (long long)runs[r].n, (long long)runs[r].chunk, (long long)took[0],
+                   e_abs, tol);
+            cr_expect_eq(took[0], runs[r].want, "%s: %lld steps took the expanded form, not %lld",
+                         x->name, (long long)took[0], (long long)runs[r].want);
+            cr_expect_eq(took[1], 0, "%s: the absorbed run took the expanded form", x->name);
+            cr_expect_leq(e_abs, tol, "%s: expanded vs absorbed rel L2 %g (tol %g)", x->name, e_abs,
+                          tol);
+            for (int64_t t = 0; t < ng; t++)
+                cr_expect_eq(got[0][t], got[1][t],
+                             "%s: greedy token %lld: %d expanded, %d absorbed", x->name,
+                             (long long)t, got[0][t], got[1][t]);
+            checked += r == 1;
             free(out[0]);
-            continue;
+            free(out[1]);
         }
-        const double e_abs = rel_l2(out[0], out[1], np * V);
-        printf("cuda f32, bf16 KV, %-30s prompt %3lld: expanded MLA prefill (%lld step) vs "
-               "absorbed rel L2 %.3g (tol: 2 x 2^-16 / 2^-9 x transformers' bf16 rel L2)\n",
-               x->name, (long long)np, (long long)took[0], e_abs);
-        cr_expect_eq(took[1], 0, "%s: the absorbed run took the expanded form", x->name);
-        cr_assert_not_null(x->logits_bf16, "%s: no transformers bf16 run to scale by", x->name);
-        const double b = rel_l2(x->logits_bf16, x->logits, np * V), tol = 2.0 * b / 128.0;
-        cr_expect_leq(e_abs, tol, "%s: expanded vs absorbed rel L2 %g (tol %g)", x->name, e_abs,
-                      tol);
-        for (int64_t t = 0; t < ng; t++)
-            cr_expect_eq(got[0][t], got[1][t], "%s: greedy token %lld: %d expanded, %d absorbed",
-                         x->name, (long long)t, got[0][t], got[1][t]);
-        checked++;
-        free(out[0]);
-        free(out[1]);
+        free(longp);
     }
     cr_assert_geq(checked, 1, "no fixture reaches the expanded MLA form (kimi-mla-dims-bf16 does)");
     free_fixtures(fx, n);
