@@ -84,7 +84,7 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 #include "kernels/cuda/cuda_util.h"
 
 #define DUET_MLA_NORM_EPS 1e-6f
-#define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: shortest chunk (duet__mla_x_step) */
+#define DUET__MLA_X_MIN_ROWS 256 /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
 #define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
 
@@ -203,6 +203,7 @@ struct duet_cuda_model {
     int64_t xcap, xslice; /* xslice <= T: the GEMM's staging holds T rows of x */
     void *xkv;
     float *xgath, *xkvb;
+    int64_t *xctx; /* host [max_seqs]: the step's items' contexts when it takes the form */
 
     /* step metadata: pinned host block → device block, one copy per step */
     duet__meta_layout_t ml;
@@ -546,6 +547,9 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         if (dm->mla_x) {
             const int64_t sl = T < DUET__MLA_X_SLICE ? T : DUET__MLA_X_SLICE;
             dm->xslice = sl;
+            dm->xctx = calloc((size_t)dm->opts.max_seqs, sizeof(int64_t));
+            if (dm->xctx == NULL)
+                return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
             TRY(duet__dalloc(dm, duet_cuda_mla_x_bytes(dm->xcap, n), &dm->xkv));
             TRY(duet__dalloc_f(dm, sl * (r + dr), &dm->xgath));
             TRY(duet__dalloc_f(dm, sl * 2 * n * c->v_head_dim, &dm->xkvb));
@@ -799,6 +803,7 @@ void duet_cuda_model_destroy(duet_cuda_model_t *dm)
     free(dm->layer_done);
     free(dm->copy_done);
     free(dm->layers);
+    free(dm->xctx);
     if (dm->copy_stream != NULL)
         cudaStreamDestroy(dm->copy_stream);
     if (dm->stream != NULL)
@@ -871,24 +876,38 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
 /* ---- the step ------------------------------------------------------------------------------- */
 
 /*
- * Whether a step's MLA layers take the expanded form (cuda_mla.h) rather than the absorbed one:
- * one item (attend_x reads one item's expanded positions per head), a chunk of at least
- * DUET__MLA_X_MIN_ROWS rows, and a context that fits xkv (xcap positions). Each layer expands every
- * position of the item (about 60 ns per position at Kimi Linear's shape on an H200), which the
- * cheaper attention repays from a few hundred rows on whatever the context: test_cuda_mla_x's
- * timing measured 256 rows at 8K 1.35x faster than absorbed (883 against 1189 us, 466 of them
- * expanding), 256 rows at 256 1.28x, 8192 rows at 8K 3.1x (bench/RESULTS.md).
+ * Whether a step's MLA layers take the expanded form (cuda_mla.h) rather than the absorbed one,
+ * and if so each item's context into dm->xctx and their sum returned (0: absorbed). Each layer
+ * expands every position of every item (about 55 ns per position at Kimi Linear's shape on an
+ * H200), which the cheaper attention repays at a few hundred rows per position, whatever the
+ * context: test_cuda_mla_x's timing measured 256 rows at 8K 1.36x faster than absorbed (853
+ * against 1164 us, 436 of them expanding), 256 rows at 256 1.30x, 8192 rows at 8K 3.1x
+ * (bench/RESULTS.md). So: sum_i rows_i · ctx_i >= DUET__MLA_X_MIN_ROWS · sum_i ctx_i (one item:
+ * a chunk of >= 256 rows; a decode item beside a prefill chunk counts its whole context against
+ * its one row), and the contexts fit xkv (xcap positions).
  */
-static int duet__mla_x_step(const duet_cuda_model_t *dm, int64_t n_items, int64_t rows, int64_t ctx)
+static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *items,
+                                int64_t n_items)
 {
-    return dm->mla_x && n_items == 1 && rows >= DUET__MLA_X_MIN_ROWS && ctx <= dm->xcap;
+    if (!dm->mla_x || n_items > dm->opts.max_seqs)
+        return 0;
+    int64_t total = 0;
+    double work = 0.0;
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t ctx = items[i].seq->n_tokens + items[i].n_tokens;
+        dm->xctx[i] = ctx;
+        total += ctx;
+        work += (double)items[i].n_tokens * (double)ctx;
+    }
+    return total <= dm->xcap && work >= (double)DUET__MLA_X_MIN_ROWS * (double)total ? total : 0;
 }
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
     int     splits;
     int     sample; /* 0 none, 1 argmax, 2 full sampling rule */
-    int64_t x_ctx;  /* > 0: the MLA layers take the expanded form over this many positions */
+    int64_t x_ctx;  /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
+                     * item (this many in all) */
 } duet__shape_t;
 
 /*
@@ -959,15 +978,19 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
     }
     TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
     if (sh->x_ctx > 0) {
-        /* expanded: K_h, V_h of every position of the item (slices of the cache through one
-         * GEMM each), then attention at 192 + 128 dims per head straight into o */
-        const int64_t ldkv = 2 * n * dv, L = sh->x_ctx;
-        for (int64_t p0 = 0; p0 < L; p0 += dm->xslice) {
-            const int64_t np = L - p0 < dm->xslice ? L - p0 : dm->xslice;
-            TRY(duet_cuda_mla_gather(s, &dm->step, &ly, p0, np, dm->xgath));
-            TRY(duet_cuda_gemm_matmul(g, s, dm->xkvb, ldkv, dm->xgath, r + dr, np, &w->wkv, 0, f));
-            TRY(duet_cuda_mla_x_pack(s, &ly, dm->xkvb, ldkv, dm->xgath, p0, np, dm->xkv, dm->xcap));
-        }
+        /* expanded: K_h, V_h of every position of every item (slices of the cache through one
+         * GEMM each; item i's rows follow item i-1's), then attention at 192 + 128 dims per
+         * head straight into o */
+        const int64_t ldkv = 2 * n * dv;
+        for (int64_t i = 0, x0 = 0; i < sh->n_items; x0 += dm->xctx[i], i++)
+            for (int64_t p0 = 0; p0 < dm->xctx[i]; p0 += dm->xslice) {
+                const int64_t np = dm->xctx[i] - p0 < dm->xslice ? dm->xctx[i] - p0 : dm->xslice;
+                TRY(duet_cuda_mla_gather(s, &dm->step, &ly, i, p0, np, dm->xgath));
+                TRY(duet_cuda_gemm_matmul(g, s, dm->xkvb, ldkv, dm->xgath, r + dr, np, &w->wkv, 0,
+                                          f));
+                TRY(duet_cuda_mla_x_pack(s, &ly, dm->xkvb, ldkv, dm->xgath, x0 + p0, np, dm->xkv,
+                                         dm->xcap));
+            }
         TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->xcap, dm->mq, n * dqk, dqk,
                                    1.0f / sqrtf((float)dqk), dm->o));
         return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
@@ -1337,7 +1360,7 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
                     : 1;
     if (sh.splits > dm->max_splits)
         sh.splits = dm->max_splits;
-    sh.x_ctx = duet__mla_x_step(dm, n_eff, row, max_ctx) ? max_ctx : 0;
+    sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
     duet__mla_x_steps += sh.x_ctx > 0;
     if (sh.splits < 1)
         sh.splits = 1;

@@ -62,7 +62,7 @@ duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *
 int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms);
 
 /*
- * The expanded (non-absorbed) form, for long prefill chunks of one item. The absorbed attend
+ * The expanded (non-absorbed) form, for steps of long prefill chunks. The absorbed attend
  * multiplies each query by the whole latent row (r + dr = 576 dims for scores, r = 512 for
  * values); expanded, each head has its own keys and values, K_h = W_UK[h] c and V_h = W_UV[h] c
  * (dn = dv = 128), so a (query, position) pair costs 192 + 128 dims, at the price of expanding
@@ -76,24 +76,24 @@ int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms);
  * x_weights: wkv [2 n · 128][r] = W_UK[h] (h = 0 .. n-1, from wuk_t [n][r][dn]) then wuv
  *   [n][dv][r], in `dtype` (F32 or BF16): the weight of the expansion GEMM
  *   [positions][n · 128 | n · 128] = c · wkvᵀ.
- * gather: item 0's cache rows at positions p0 .. p0 + np - 1 as fp32 [np][r + dr].
+ * gather: item `item`'s cache rows at positions p0 .. p0 + np - 1 as fp32 [np][r + dr].
  * x_pack: from the GEMM's rows kv [np][ldkv] (K of head h at h · 128, V at n · 128 + h · 128)
- *   and the gathered rows ckr (k_r at r), the expanded rows of positions p0 .. p0 + np - 1
- *   (p0 + np <= xstride).
- * attend_x: one item (st->n_items == 1) whose rows are consecutive positions (row t at
- *   item_pos0 + t, as in every step) and whose positions 0 .. the last row's are expanded in
- *   xkv; q of (row, head) at q + row · ldq + head · dq_stride ([q_nope | q_r], 192 values, 8-byte
- *   aligned); o [n_rows][n][128] (16-byte aligned) = softmax(scores) · V, the value the
- *   absorbed path's W_UV product gives. Launched with PDL; reads nothing before its wait but
- *   the step's metadata.
+ *   and the gathered rows ckr (k_r at r), the expanded rows p0 .. p0 + np - 1 of every head
+ *   (p0 + np <= xstride; an item's position p goes to row x_i + p, below).
+ * attend_x: every item's rows must be consecutive positions (row t at item_pos0 + t, as in
+ *   every step), and its positions 0 .. its last row's (L_i of them) expanded in xkv from row
+ *   x_i = L_0 + .. + L_(i-1) on (so the L_i sum to <= xstride); q of (row, head) at q + row · ldq +
+ * head · dq_stride ([q_nope | q_r], 192 values, 8-byte aligned); o [n_rows][n][128] (16-byte
+ * aligned) = softmax(scores) · V, the value the absorbed path's W_UV product gives. Launched with
+ * PDL; reads nothing before its wait but the step's metadata.
  */
 int duet_cuda_mla_x_shape(const duet_cuda_mla_layer_t *ly, int64_t dn, int64_t dv);
 size_t duet_cuda_mla_x_bytes(int64_t positions, int64_t n_heads);
 duet_status_t duet_cuda_mla_x_weights(cudaStream_t stream, duet_dtype_t dtype, const void *wuk_t,
                                       const void *wuv, int64_t n, int64_t r, void *wkv);
 duet_status_t duet_cuda_mla_gather(cudaStream_t stream, const duet_cuda_step_t *st,
-                                   const duet_cuda_mla_layer_t *ly, int64_t p0, int64_t np,
-                                   float *out);
+                                   const duet_cuda_mla_layer_t *ly, int64_t item, int64_t p0,
+                                   int64_t np, float *out);
 duet_status_t duet_cuda_mla_x_pack(cudaStream_t stream, const duet_cuda_mla_layer_t *ly,
                                    const float *kv, int64_t ldkv, const float *ckr, int64_t p0,
                                    int64_t np, void *xkv, int64_t xstride);

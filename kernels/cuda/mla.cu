@@ -1565,7 +1565,8 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
 
 /* ---- the expanded form (prefill) ---------------------------------------------------------- */
 
-/* Cache rows of item 0 at positions p0 .. p0 + np - 1 as fp32 [np][td]: one block per row. */
+/* Cache rows of an item (its page row `pages`) at positions p0 .. p0 + np - 1 as fp32 [np][td]:
+ * one block per row. */
 template <typename T>
 __global__ static void __launch_bounds__(128)
     duet__mla_gather_kernel(const int32_t *item_pages, const T *kv, int64_t kv_n_layers,
@@ -1627,9 +1628,9 @@ __global__ static void duet__mla_x_weights_kernel(const T *wuk_t, const T *wuv, 
  * 16 n-tiles of 8 value dims: no scores cross warps, one barrier per tile. Products are 3-term
  * splits: q · k = qh · kh + ql · kh + qh · kl over the nope dims (kh, kl the row's k_hi, k_lo),
  * qh · kr + ql · kr over the rope dims (k_r is exact in bf16), P · v = Ph · vh + Pl · vh + Ph · vl;
- * the dropped lo · lo terms are < 2^-18 of the product. Rows of the item must be consecutive
- * positions (row t at item_pos0 + t), as every step's are: the block reads positions 0 .. its
- * last row's.
+ * the dropped lo · lo terms are < 2^-18 of the product. An item's rows must be consecutive
+ * positions (row t at item_pos0 + t), as every step's are: a block reads its item's positions 0
+ * .. its last row's.
  */
 #define DUET_MLA_XA_ROWS    64
 #define DUET_MLA_XA_TK      32
@@ -1656,17 +1657,66 @@ __device__ static __forceinline__ void duet__mla_xa_load(__nv_bfloat16 *dst,
 }
 
 __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
-    duet__mla_xattn_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *row_pos,
-                           int n_rows, const float *q, int64_t ldq, int64_t dq_stride, float qscale,
-                           int n, float *out)
+    duet__mla_xattn_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *item_row0,
+                           int n_items, const int32_t *row_pos, const float *q, int64_t ldq,
+                           int64_t dq_stride, float qscale, int n, float *out)
 {
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
+    __shared__ int s_blk[3]; /* first row, end of the item's rows, item's first expanded row */
     __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     const int head = blockIdx.y, LD = DUET_MLA_XA_LD, TK = DUET_MLA_XA_TK;
-    const int row0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * DUET_MLA_XA_ROWS; /* longest first */
-    const int wr = row0 + 16 * warp;                                            /* warp's rows */
-    /* step metadata, copied in by the host before the step: readable before the wait */
+    /*
+     * Which item and rows: block x is the (gridDim.x - 1 - x)-th block of 64 rows in item
+     * order (an item's longest rows first); warp 0 scans the items' block counts and contexts
+     * (an item's expanded rows follow the previous items'). Step metadata, copied in by the
+     * host before the step: readable before the wait. Blocks past the real count exit.
+     */
+    if (warp == 0) {
+        const unsigned full = 0xffffffffu;
+        const int bx = (int)gridDim.x - 1 - (int)blockIdx.x;
+        int nb = 0, nx = 0, found = 0;
+        for (int i0 = 0; i0 < n_items && !found; i0 += 32) {
+            const int i = i0 + lane;
+            int r0 = 0, r1 = 0, cnt = 0, len = 0;
+            if (i < n_items) {
+                r0 = item_row0[i];
+                r1 = item_row0[i + 1];
+                cnt = (r1 - r0 + DUET_MLA_XA_ROWS - 1) / DUET_MLA_XA_ROWS;
+                len = r1 > r0 ? row_pos[r1 - 1] + 1 : 0;
+            }
+            int ic = cnt, il = len;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int yc = __shfl_up_sync(full, ic, o), yl = __shfl_up_sync(full, il, o);
+                if (lane >= o) {
+                    ic += yc;
+                    il += yl;
+                }
+            }
+            const int eb = nb + ic - cnt, ex = nx + il - len;
+            const unsigned hit = __ballot_sync(full, cnt > 0 && bx >= eb && bx < eb + cnt);
+            if (hit != 0) {
+                const int src = __ffs(hit) - 1;
+                if (lane == src) {
+                    s_blk[0] = r0 + (bx - eb) * DUET_MLA_XA_ROWS;
+                    s_blk[1] = r1;
+                    s_blk[2] = ex;
+                }
+                found = 1;
+            }
+            nb += __shfl_sync(full, ic, 31);
+            nx += __shfl_sync(full, il, 31);
+        }
+        if (!found && lane == 0)
+            s_blk[0] = -1;
+    }
+    __syncthreads();
+    const int row0 = s_blk[0], n_rows = s_blk[1]; /* rows [row0, min(row0 + 64, n_rows)) */
+    if (row0 < 0) {
+        duet_pdl_wait(); /* every block waits: the grid completes after its predecessor */
+        return;
+    }
+    const int wr = row0 + 16 * warp; /* warp's rows */
     const int L = row_pos[min(row0 + DUET_MLA_XA_ROWS, n_rows) - 1] + 1;
     const int wmax = wr < n_rows ? row_pos[min(wr + 15, n_rows - 1)] : -1;
     const int r0 = wr + g, r1 = wr + g + 8;
@@ -1674,7 +1724,7 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
     duet_pdl_wait(); /* the expanded rows and q are written by earlier kernels */
     duet_pdl_trigger();
 
-    const __nv_bfloat16 *src = xkv + (int64_t)head * xstride * DUET_MLA_X_TD;
+    const __nv_bfloat16 *src = xkv + ((int64_t)head * xstride + s_blk[2]) * DUET_MLA_X_TD;
     const int n_tiles = (L + TK - 1) / TK;
 #pragma unroll
     for (int st = 0; st < DUET_MLA_XA_STAGES - 1; st++) {
@@ -1871,28 +1921,31 @@ extern "C" duet_status_t duet_cuda_mla_x_weights(cudaStream_t stream, duet_dtype
 }
 
 extern "C" duet_status_t duet_cuda_mla_gather(cudaStream_t stream, const duet_cuda_step_t *st,
-                                              const duet_cuda_mla_layer_t *ly, int64_t p0,
-                                              int64_t np, float *out)
+                                              const duet_cuda_mla_layer_t *ly, int64_t item,
+                                              int64_t p0, int64_t np, float *out)
 {
     duet_status_t s = duet__mla_check(st, ly, "gather");
     if (s != DUET_OK)
         return s;
     if (np == 0)
         return DUET_OK;
+    if (item < 0 || item >= st->n_items)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla gather: item %lld of %d", (long long)item,
+                              (int)st->n_items);
     if (out == NULL || p0 < 0 || np < 0 || p0 + np > st->max_pages * ly->page_tokens ||
-        st->n_items < 1 || p0 + np > INT32_MAX)
+        p0 + np > INT32_MAX)
         return duet_error_set(DUET_ERR_INVALID,
-                              "cuda mla gather: positions %lld .. %lld outside item 0's pages",
-                              (long long)p0, (long long)(p0 + np));
+                              "cuda mla gather: positions %lld .. %lld outside item %lld's pages",
+                              (long long)p0, (long long)(p0 + np), (long long)item);
+    const int32_t *pages = st->item_pages + item * st->max_pages;
     const int td = (int)(ly->r + ly->dr), pt = (int)ly->page_tokens;
     if (ly->kv_dtype == DUET_DTYPE_BF16)
         duet__mla_gather_kernel<<<(unsigned)np, 128, 0, stream>>>(
-            st->item_pages, (const __nv_bfloat16 *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td,
-            (int)p0, out);
+            pages, (const __nv_bfloat16 *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td, (int)p0,
+            out);
     else
         duet__mla_gather_kernel<<<(unsigned)np, 128, 0, stream>>>(
-            st->item_pages, (const float *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td, (int)p0,
-            out);
+            pages, (const float *)ly->kv_base, ly->kv_n_layers, ly->layer, pt, td, (int)p0, out);
     DUET__TRY(cudaGetLastError(), "gather launch");
     return DUET_OK;
 }
@@ -1928,9 +1981,6 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda mla attend_x: not the expanded shape");
     if (st->n_rows == 0)
         return DUET_OK;
-    if (st->n_items != 1)
-        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: %d items (one)",
-                              (int)st->n_items);
     if (xkv == NULL || q == NULL || o == NULL || xstride < 1 || (uintptr_t)o % 16 != 0 ||
         (uintptr_t)xkv % 16 != 0 || ly->n_heads > 65535)
         return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: bad arguments");
@@ -1940,8 +1990,12 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
     /* 2^x units, as attend: scores come out multiplied by log2 e */
     const float qscale = scale * DUET_LOG2E;
     const int n = (int)ly->n_heads;
-    const dim3 grid((unsigned)((st->n_rows + DUET_MLA_XA_ROWS - 1) / DUET_MLA_XA_ROWS),
-                    (unsigned)n);
+    /* row blocks: sum over items of ceil(rows_i / 64) <= (n_rows + n_items · 63) / 64 */
+    int64_t nrb =
+        ((int64_t)st->n_rows + (int64_t)st->n_items * (DUET_MLA_XA_ROWS - 1)) / DUET_MLA_XA_ROWS;
+    if (nrb > st->n_rows)
+        nrb = st->n_rows;
+    const dim3 grid((unsigned)nrb, (unsigned)n);
     int dev = 0;
     DUET__TRY(cudaGetDevice(&dev), "attend_x cudaGetDevice");
     if (dev < 0 || dev >= DUET_MLA_MAX_DEV || !duet__mla_xa_smem_set[dev]) {
@@ -1954,7 +2008,8 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
     }
     DUET__TRY(duet_pdl_launch(duet__mla_xattn_kernel, grid, dim3(DUET_MLA_XA_THREADS),
                               DUET_MLA_XA_SMEM, stream, (const __nv_bfloat16 *)xkv, xstride,
-                              st->row_pos, (int)st->n_rows, q, ldq, dq_stride, qscale, n, o),
+                              st->item_row0, (int)st->n_items, st->row_pos, q, ldq, dq_stride,
+                              qscale, n, o),
               "attend_x launch");
     return DUET_OK;
 }

@@ -65,68 +65,105 @@ static void skip_without_device(void)
     skip_without_device_for("the MLA kernels are");
 }
 
-/* ---- one item, one step -----------------------------------------------------------------------
- */
+/* ---- a step of items ------------------------------------------------------------------------ */
 
 typedef struct {
-    int n, pos0, n_tok, pt;
-    int L, max_pages, n_pages;
-    int32_t *pages, *row_pos, *row_item, row0[2], ipos0[1], islot[1];
+    int pos0, n_tok; /* positions cached before the step, new rows */
+} spec_t;
+
+typedef struct {
+    int n_items, n_rows, pt, max_pages, n_pages, total; /* total: sum of the items' contexts */
+    int *L, *x0;                                        /* per item: context, first xkv row */
+    int32_t *row0, *ipos0, *islot, *pages, *row_pos, *row_item;
     void *d[6];
     duet_cuda_step_t st;
-} item_t;
+} step_t;
 
-static void item_build(item_t *it, int n, int pos0, int n_tok, int pt, int shuffle)
+/* Items' pages are drawn from one pool of ids, shuffled when asked (an item's pages neither
+ * contiguous nor in order), with two spare pages no item owns. */
+static void step_build(step_t *b, const spec_t *sp, int n_items, int pt, int shuffle)
 {
-    memset(it, 0, sizeof(*it));
-    it->n = n, it->pos0 = pos0, it->n_tok = n_tok, it->pt = pt;
-    it->L = pos0 + n_tok;
-    it->max_pages = (it->L + pt - 1) / pt;
-    it->n_pages = it->max_pages + 2;
-    it->pages = xmalloc(sizeof(int32_t) * (size_t)it->max_pages);
-    int *perm = xmalloc(sizeof(int) * (size_t)it->n_pages);
-    for (int i = 0; i < it->n_pages; i++)
+    memset(b, 0, sizeof(*b));
+    b->n_items = n_items, b->pt = pt;
+    b->L = xmalloc(sizeof(int) * (size_t)n_items);
+    b->x0 = xmalloc(sizeof(int) * (size_t)n_items);
+    b->row0 = xmalloc(sizeof(int32_t) * (size_t)(n_items + 1));
+    b->ipos0 = xmalloc(sizeof(int32_t) * (size_t)n_items);
+    b->islot = xmalloc(sizeof(int32_t) * (size_t)n_items);
+    int pages = 0;
+    for (int i = 0; i < n_items; i++) {
+        b->row0[i] = b->n_rows;
+        b->ipos0[i] = sp[i].pos0;
+        b->islot[i] = i;
+        b->L[i] = sp[i].pos0 + sp[i].n_tok;
+        b->x0[i] = b->total;
+        b->total += b->L[i];
+        b->n_rows += sp[i].n_tok;
+        const int np = (b->L[i] + pt - 1) / pt;
+        pages += np;
+        b->max_pages = np > b->max_pages ? np : b->max_pages;
+    }
+    b->row0[n_items] = b->n_rows;
+    b->n_pages = pages + 2;
+    int *perm = xmalloc(sizeof(int) * (size_t)b->n_pages);
+    for (int i = 0; i < b->n_pages; i++)
         perm[i] = i;
-    for (int i = it->n_pages - 1; shuffle && i > 0; i--) {
+    for (int i = b->n_pages - 1; shuffle && i > 0; i--) {
         const int j = (int)(rng_u32() % (uint32_t)(i + 1)), t = perm[i];
         perm[i] = perm[j];
         perm[j] = t;
     }
-    for (int p = 0; p < it->max_pages; p++)
-        it->pages[p] = perm[p];
+    b->pages = xmalloc(sizeof(int32_t) * (size_t)(n_items * b->max_pages));
+    for (int i = 0, next = 0; i < n_items; i++)
+        for (int p = 0; p < b->max_pages; p++)
+            b->pages[i * b->max_pages + p] = p < (b->L[i] + pt - 1) / pt ? perm[next++] : -1;
     free(perm);
-    it->row_pos = xmalloc(sizeof(int32_t) * (size_t)n_tok);
-    it->row_item = xmalloc(sizeof(int32_t) * (size_t)n_tok);
-    for (int t = 0; t < n_tok; t++) {
-        it->row_pos[t] = pos0 + t;
-        it->row_item[t] = 0;
-    }
-    it->row0[0] = 0, it->row0[1] = n_tok, it->ipos0[0] = pos0, it->islot[0] = 0;
-    it->d[0] = dev_copy(it->row0, sizeof(it->row0));
-    it->d[1] = dev_copy(it->ipos0, sizeof(it->ipos0));
-    it->d[2] = dev_copy(it->islot, sizeof(it->islot));
-    it->d[3] = dev_copy(it->pages, sizeof(int32_t) * (size_t)it->max_pages);
-    it->d[4] = dev_copy(it->row_item, sizeof(int32_t) * (size_t)n_tok);
-    it->d[5] = dev_copy(it->row_pos, sizeof(int32_t) * (size_t)n_tok);
-    it->st = (duet_cuda_step_t){.n_items = 1,
-                                .n_rows = n_tok,
-                                .max_item_tokens = n_tok,
-                                .item_row0 = it->d[0],
-                                .item_pos0 = it->d[1],
-                                .item_slot = it->d[2],
-                                .item_pages = it->d[3],
-                                .max_pages = it->max_pages,
-                                .row_item = it->d[4],
-                                .row_pos = it->d[5]};
+    b->row_pos = xmalloc(sizeof(int32_t) * (size_t)b->n_rows);
+    b->row_item = xmalloc(sizeof(int32_t) * (size_t)b->n_rows);
+    for (int i = 0; i < n_items; i++)
+        for (int t = 0; t < sp[i].n_tok; t++) {
+            b->row_pos[b->row0[i] + t] = sp[i].pos0 + t;
+            b->row_item[b->row0[i] + t] = i;
+        }
+    b->d[0] = dev_copy(b->row0, sizeof(int32_t) * (size_t)(n_items + 1));
+    b->d[1] = dev_copy(b->ipos0, sizeof(int32_t) * (size_t)n_items);
+    b->d[2] = dev_copy(b->islot, sizeof(int32_t) * (size_t)n_items);
+    b->d[3] = dev_copy(b->pages, sizeof(int32_t) * (size_t)(n_items * b->max_pages));
+    b->d[4] = dev_copy(b->row_item, sizeof(int32_t) * (size_t)b->n_rows);
+    b->d[5] = dev_copy(b->row_pos, sizeof(int32_t) * (size_t)b->n_rows);
+    int max_tok = 0;
+    for (int i = 0; i < n_items; i++)
+        max_tok = sp[i].n_tok > max_tok ? sp[i].n_tok : max_tok;
+    b->st = (duet_cuda_step_t){.n_items = n_items,
+                               .n_rows = b->n_rows,
+                               .max_item_tokens = max_tok,
+                               .item_row0 = b->d[0],
+                               .item_pos0 = b->d[1],
+                               .item_slot = b->d[2],
+                               .item_pages = b->d[3],
+                               .max_pages = b->max_pages,
+                               .row_item = b->d[4],
+                               .row_pos = b->d[5]};
 }
 
-static void item_free(item_t *it)
+static void step_free(step_t *b)
 {
     for (int i = 0; i < 6; i++)
-        cudaFree(it->d[i]);
-    free(it->pages);
-    free(it->row_pos);
-    free(it->row_item);
+        cudaFree(b->d[i]);
+    free(b->L);
+    free(b->x0);
+    free(b->row0);
+    free(b->ipos0);
+    free(b->islot);
+    free(b->pages);
+    free(b->row_pos);
+    free(b->row_item);
+}
+
+/* Element index of (item, position)'s row in a pool of one MLA layer. */
+static size_t pool_row(const step_t *b, int item, int pos)
+{
+    return ((size_t)b->pages[item * b->max_pages + pos / b->pt] * b->pt + pos % b->pt) * TD;
 }
 
 /* The weights: W_UK [n][DN][R_LAT] and W_UV [n][DN][R_LAT] as floats exact in bf16, their
@@ -194,23 +231,24 @@ static void weights_free(weights_t *w)
     free(w->uv);
 }
 
-/* The expansion of every position 0 .. L-1 into xkv, as the engine runs it (gath: [SLICE][TD]
- * fp32, kvb: [SLICE][2 n DN] fp32). */
-static duet_status_t expand(cudaStream_t s, duet_cuda_gemm_t *g, const item_t *it,
+/* The expansion of every item's positions into xkv (item i's from row x0[i]), as the engine
+ * runs it (gath: [SLICE][TD] fp32, kvb: [SLICE][2 n DN] fp32). */
+static duet_status_t expand(cudaStream_t s, duet_cuda_gemm_t *g, const step_t *b, int n,
                             const duet_cuda_mla_layer_t *ly, const weights_t *w, float *gath,
                             float *kvb, void *xkv, int64_t xstride)
 {
-    const int64_t ldkv = 2 * (int64_t)it->n * DN;
-    for (int64_t p0 = 0; p0 < it->L; p0 += SLICE) {
-        const int64_t np = it->L - p0 < SLICE ? it->L - p0 : SLICE;
-        duet_status_t st = duet_cuda_mla_gather(s, &it->st, ly, p0, np, gath);
-        if (st == DUET_OK)
-            st = duet_cuda_gemm_matmul(g, s, kvb, ldkv, gath, TD, np, &w->wkv, 0, 0);
-        if (st == DUET_OK)
-            st = duet_cuda_mla_x_pack(s, ly, kvb, ldkv, gath, p0, np, xkv, xstride);
-        if (st != DUET_OK)
-            return st;
-    }
+    const int64_t ldkv = 2 * (int64_t)n * DN;
+    for (int i = 0; i < b->n_items; i++)
+        for (int64_t p0 = 0; p0 < b->L[i]; p0 += SLICE) {
+            const int64_t np = b->L[i] - p0 < SLICE ? b->L[i] - p0 : SLICE;
+            duet_status_t st = duet_cuda_mla_gather(s, &b->st, ly, i, p0, np, gath);
+            if (st == DUET_OK)
+                st = duet_cuda_gemm_matmul(g, s, kvb, ldkv, gath, TD, np, &w->wkv, 0, 0);
+            if (st == DUET_OK)
+                st = duet_cuda_mla_x_pack(s, ly, kvb, ldkv, gath, b->x0[i] + p0, np, xkv, xstride);
+            if (st != DUET_OK)
+                return st;
+        }
     return DUET_OK;
 }
 
@@ -226,15 +264,15 @@ static duet_cuda_mla_layer_t layer_of(void *pool, int n, int pt)
                                    .dr = DR};
 }
 
-static void run_reference_case(int n, int pos0, int n_tok, int pt)
+static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
 {
-    item_t it;
-    item_build(&it, n, pos0, n_tok, pt, 1);
-    const int L = it.L, R = n_tok;
+    step_t b;
+    step_build(&b, sp, n_items, pt, 1);
+    const int R = b.n_rows;
     const float scale = 1.0f / sqrtf((float)DQK);
 
-    /* the pool: random bf16 rows on every page (the item's and two spare ones) */
-    const size_t pool_elems = (size_t)it.n_pages * pt * TD;
+    /* the pool: random bf16 rows on every page (the items' and two spare ones) */
+    const size_t pool_elems = (size_t)b.n_pages * pt * TD;
     uint16_t *pool = xmalloc(2 * pool_elems);
     for (size_t i = 0; i < pool_elems; i++)
         pool[i] = duet_f32_to_bf16(1.5f * rng_f());
@@ -250,74 +288,77 @@ static void run_reference_case(int n, int pos0, int n_tok, int pt)
     CHECK(duet_cuda_mla_x_shape(&ly, DN, DN), "Kimi's shape is the expanded one");
     duet_cuda_gemm_t *g = NULL;
     DUET_OK_OR_FAIL(duet_cuda_gemm_create(0, (int64_t)SLICE * TD, &g));
-    const int64_t xstride = L + 5; /* wider than the item: rows of a head are xstride apart */
+    const int64_t xstride = b.total + 5; /* wider than the items: a head's rows are xstride apart */
     void *d_x = dev_alloc(duet_cuda_mla_x_bytes(xstride, n));
     float *d_gath = dev_alloc(sizeof(float) * SLICE * TD);
     float *d_kvb = dev_alloc(sizeof(float) * SLICE * 2 * n * DN);
     float *d_o = dev_alloc(sizeof(float) * (size_t)R * n * DN);
     CUDA_OK(cudaMemset(d_o, 0xff, sizeof(float) * (size_t)R * n * DN)); /* NaN */
 
-    /* gather alone, bit for bit: the last slice's rows */
+    /* gather alone, bit for bit: the last item's last slice */
+    const int il = n_items - 1, L = b.L[il];
     const int64_t g0 = L > SLICE ? L - SLICE : 0, gn = L - g0;
-    DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &it.st, &ly, g0, gn, d_gath));
+    DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &b.st, &ly, il, g0, gn, d_gath));
     float *gath = xmalloc(sizeof(float) * SLICE * TD);
     CUDA_OK(cudaMemcpy(gath, d_gath, sizeof(float) * (size_t)gn * TD, cudaMemcpyDeviceToHost));
     int64_t gdiff = 0;
     for (int64_t p = g0; p < L; p++)
-        for (int j = 0; j < TD; j++) {
-            const size_t e = ((size_t)it.pages[p / pt] * pt + p % pt) * TD + j;
-            gdiff += gath[(p - g0) * TD + j] != duet_bf16_to_f32(pool[e]);
-        }
+        for (int j = 0; j < TD; j++)
+            gdiff +=
+                gath[(p - g0) * TD + j] != duet_bf16_to_f32(pool[pool_row(&b, il, (int)p) + j]);
     CHECK(gdiff == 0, "gather: %lld values differ from the pool", (long long)gdiff);
 
-    DUET_OK_OR_FAIL(expand(0, g, &it, &ly, &w, d_gath, d_kvb, d_x, xstride));
-    DUET_OK_OR_FAIL(duet_cuda_mla_attend_x(0, &it.st, &ly, d_x, xstride, d_q, (int64_t)n * DQK, DQK,
+    DUET_OK_OR_FAIL(expand(0, g, &b, n, &ly, &w, d_gath, d_kvb, d_x, xstride));
+    DUET_OK_OR_FAIL(duet_cuda_mla_attend_x(0, &b.st, &ly, d_x, xstride, d_q, (int64_t)n * DQK, DQK,
                                            scale, d_o));
     CUDA_OK(cudaDeviceSynchronize());
     float *o = xmalloc(sizeof(float) * (size_t)R * n * DN);
     CUDA_OK(cudaMemcpy(o, d_o, sizeof(float) * (size_t)R * n * DN, cudaMemcpyDeviceToHost));
 
-    /* reference: K, V of every (position, head) in double */
-    double *K = xmalloc(sizeof(double) * (size_t)L * n * DN);
-    double *V = xmalloc(sizeof(double) * (size_t)L * n * DN);
-    double *kr = xmalloc(sizeof(double) * (size_t)L * DR);
-    double *A = xmalloc(sizeof(double) * (size_t)L * n * DN); /* Σ_k |W_UV c| per V */
-    for (int p = 0; p < L; p++) {
-        const uint16_t *row = pool + ((size_t)it.pages[p / pt] * pt + p % pt) * TD;
-        double c[R_LAT];
-        for (int j = 0; j < R_LAT; j++)
-            c[j] = duet_bf16_to_f32(row[j]);
-        for (int j = 0; j < DR; j++)
-            kr[(size_t)p * DR + j] = duet_bf16_to_f32(row[R_LAT + j]);
-        for (int h = 0; h < n; h++)
-            for (int d = 0; d < DN; d++) {
-                const float *uk = w.uk + ((size_t)h * DN + d) * R_LAT;
-                const float *uv = w.uv + ((size_t)h * DN + d) * R_LAT;
-                double sk = 0.0, sv = 0.0, sa = 0.0;
-                for (int j = 0; j < R_LAT; j++) {
-                    sk += (double)uk[j] * c[j];
-                    sv += (double)uv[j] * c[j];
-                    sa += fabs((double)uv[j] * c[j]);
+    /* reference: K, V of every (item, position, head) in double, item i's from row x0[i] */
+    const size_t T = (size_t)b.total;
+    double *K = xmalloc(sizeof(double) * T * n * DN), *V = xmalloc(sizeof(double) * T * n * DN);
+    double *kr = xmalloc(sizeof(double) * T * DR);
+    double *A = xmalloc(sizeof(double) * T * n * DN); /* Σ_k |W_UV c| per V */
+    for (int it = 0; it < n_items; it++)
+        for (int p = 0; p < b.L[it]; p++) {
+            const uint16_t *row = pool + pool_row(&b, it, p);
+            const size_t x = (size_t)b.x0[it] + (size_t)p;
+            double c[R_LAT];
+            for (int j = 0; j < R_LAT; j++)
+                c[j] = duet_bf16_to_f32(row[j]);
+            for (int j = 0; j < DR; j++)
+                kr[x * DR + j] = duet_bf16_to_f32(row[R_LAT + j]);
+            for (int h = 0; h < n; h++)
+                for (int d = 0; d < DN; d++) {
+                    const float *uk = w.uk + ((size_t)h * DN + d) * R_LAT;
+                    const float *uv = w.uv + ((size_t)h * DN + d) * R_LAT;
+                    double sk = 0.0, sv = 0.0, sa = 0.0;
+                    for (int j = 0; j < R_LAT; j++) {
+                        sk += (double)uk[j] * c[j];
+                        sv += (double)uv[j] * c[j];
+                        sa += fabs((double)uv[j] * c[j]);
+                    }
+                    K[(x * n + h) * DN + d] = sk;
+                    V[(x * n + h) * DN + d] = sv;
+                    A[(x * n + h) * DN + d] = sa;
                 }
-                K[((size_t)p * n + h) * DN + d] = sk;
-                V[((size_t)p * n + h) * DN + d] = sv;
-                A[((size_t)p * n + h) * DN + d] = sa;
-            }
-    }
-    double *sc = xmalloc(sizeof(double) * (size_t)L);
+        }
+    double *sc = xmalloc(sizeof(double) * T);
     double err = 0.0;
     int64_t bad = 0;
     for (int t = 0; t < R; t++) {
-        const int pos = pos0 + t;
+        const int it = b.row_item[t], pos = b.row_pos[t];
+        const size_t x0 = (size_t)b.x0[it];
         for (int h = 0; h < n; h++) {
             const float *qh = q + ((size_t)t * n + h) * DQK;
             double mx = -INFINITY;
             for (int p = 0; p <= pos; p++) {
                 double acc = 0.0;
                 for (int d = 0; d < DN; d++)
-                    acc += (double)qh[d] * K[((size_t)p * n + h) * DN + d];
+                    acc += (double)qh[d] * K[((x0 + p) * n + h) * DN + d];
                 for (int d = 0; d < DR; d++)
-                    acc += (double)qh[DN + d] * kr[(size_t)p * DR + d];
+                    acc += (double)qh[DN + d] * kr[(x0 + p) * DR + d];
                 sc[p] = acc * (double)scale;
                 mx = sc[p] > mx ? sc[p] : mx;
             }
@@ -327,7 +368,7 @@ static void run_reference_case(int n, int pos0, int n_tok, int pt)
             for (int d = 0; d < DN; d++) {
                 double ref = 0.0, S = 0.0;
                 for (int p = 0; p <= pos; p++) {
-                    const size_t e = ((size_t)p * n + h) * DN + d;
+                    const size_t e = ((x0 + p) * n + h) * DN + d;
                     ref += sc[p] / sum * V[e];
                     S += sc[p] / sum * A[e];
                 }
@@ -339,12 +380,14 @@ static void run_reference_case(int n, int pos0, int n_tok, int pt)
             }
         }
     }
-    printf("[cuda_mla_x] n %d, %d cached + %d new rows, pages of %d: max err %.3g (tol %.3g)\n", n,
-           pos0, n_tok, pt, err, TOL);
-    CHECK(bad == 0, "n %d pos0 %d n_tok %d: %lld outputs over tolerance, worst %g", n, pos0, n_tok,
+    printf("[cuda_mla_x] n %d, %d item(s) (", n, n_items);
+    for (int it = 0; it < n_items; it++)
+        printf("%s%d + %d", it ? ", " : "", sp[it].pos0, sp[it].n_tok);
+    printf(" rows), pages of %d: max err %.3g (tol %.3g)\n", pt, err, TOL);
+    CHECK(bad == 0, "n %d, %d items: %lld outputs over tolerance, worst %g", n, n_items,
           (long long)bad, err);
-    free(o);
 
+    free(o);
     free(sc);
     free(A);
     free(kr);
@@ -361,7 +404,7 @@ static void run_reference_case(int n, int pos0, int n_tok, int pt)
     weights_free(&w);
     cudaFree(d_pool);
     free(pool);
-    item_free(&it);
+    step_free(&b);
 }
 
 /* ---- tests without a device ---------------------------------------------------------------------
@@ -385,17 +428,19 @@ Test(cuda_mla_x, shape_and_bad_arguments, .timeout = 30)
     CHECK(duet_cuda_mla_x_bytes(10, 4) == (size_t)10 * 4 * XTD * 2);
     CHECK(duet_cuda_mla_x_bytes(0, 4) == 0 && duet_cuda_mla_x_bytes(10, 0) == 0);
 
-    float f[4];
-    /* two items: attend_x takes one */
-    CHECK(duet_cuda_mla_attend_x(0, &st, &ly, f, 16, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
-    st.n_items = 1;
+    _Alignas(16) float f[4]; /* aligned as every pointer argument must be */
     CHECK(duet_cuda_mla_attend_x(0, &st, &ly, NULL, 16, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
+    /* q rows not 8-byte aligned */
+    CHECK(duet_cuda_mla_attend_x(0, &st, &ly, f, 16, f, 3, 4, 1.0f, f) == DUET_ERR_INVALID);
+    /* gather: an item past the step's */
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 2, 0, 4, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, -1, 0, 4, f) == DUET_ERR_INVALID);
     CHECK(duet_cuda_mla_attend_x(0, &st, &ly, f, 0, f, 4, 4, 1.0f, f) == DUET_ERR_INVALID);
     CHECK(duet_cuda_mla_attend_x(0, &st, &dr32, f, 16, f, 4, 4, 1.0f, f) == DUET_ERR_UNSUPPORTED);
     /* gather past the item's pages (1 page of 16 positions) */
-    CHECK(duet_cuda_mla_gather(0, &st, &ly, 10, 7, f) == DUET_ERR_INVALID);
-    CHECK(duet_cuda_mla_gather(0, &st, &ly, -1, 2, f) == DUET_ERR_INVALID);
-    CHECK(duet_cuda_mla_gather(0, &st, &ly, 0, 4, NULL) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 0, 10, 7, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 0, -1, 2, f) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_mla_gather(0, &st, &ly, 0, 0, 4, NULL) == DUET_ERR_INVALID);
     /* pack past xstride, short rows, the wrong shape */
     CHECK(duet_cuda_mla_x_pack(0, &ly, f, 2 * 4 * DN, f, 10, 7, f, 16) == DUET_ERR_INVALID);
     CHECK(duet_cuda_mla_x_pack(0, &ly, f, 4 * DN, f, 0, 7, f, 16) == DUET_ERR_INVALID);
@@ -410,13 +455,18 @@ Test(cuda_mla_x, shape_and_bad_arguments, .timeout = 30)
 Test(cuda_mla_x, against_reference, .timeout = 300)
 {
     skip_without_device();
-    /* (heads, cached, new, page tokens): a fresh prompt with a partial row block; a chunk after
-     * a cached prefix, mid-page, several row blocks; a short tail over a long prefix (one row
-     * block, many tiles); an odd page size */
-    run_reference_case(3, 0, 70, 16);
-    run_reference_case(4, 100, 300, 16);
-    run_reference_case(2, 1000, 45, 16);
-    run_reference_case(5, 37, 64, 12);
+    /* (cached, new) per item: a fresh prompt with a partial row block; a chunk after a cached
+     * prefix, mid-page, several row blocks; a short tail over a long prefix (one row block,
+     * many tiles); an odd page size; then steps of several items (the rows of each item
+     * follow the previous ones' in xkv), one of them a decode row beside prefill chunks */
+    const spec_t a[1] = {{0, 70}}, b[1] = {{100, 300}}, c[1] = {{1000, 45}}, d[1] = {{37, 64}};
+    const spec_t m1[3] = {{0, 130}, {200, 64}, {5, 1}}, m2[2] = {{700, 70}, {0, 300}};
+    run_reference_case(3, a, 1, 16);
+    run_reference_case(4, b, 1, 16);
+    run_reference_case(2, c, 1, 16);
+    run_reference_case(5, d, 1, 12);
+    run_reference_case(3, m1, 3, 16);
+    run_reference_case(2, m2, 2, 12);
 }
 
 /* ---- timing at Kimi Linear's shape: absorbed against expanded ------------------------------ */
@@ -466,9 +516,10 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
     CUDA_OK(cudaEventCreate(&e2));
 
     for (int ci = 0; ci < 4; ci++) {
-        item_t it;
-        item_build(&it, n, cases[ci][0], cases[ci][1], pt, 0);
-        const int R = it.n_tok;
+        step_t it;
+        const spec_t sp = {cases[ci][0], cases[ci][1]};
+        step_build(&it, &sp, 1, pt, 0);
+        const int R = it.n_rows, L = it.L[0];
         double best_a = 1e30, best_x = 1e30, best_e = 1e30;
         for (int rep = 0; rep < reps; rep++) {
             /* absorbed, as the engine's MLA layer runs it */
@@ -486,9 +537,9 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
             /* expanded: every position, then the attention */
             CUDA_OK(cudaEventRecord(e0, 0));
             const int64_t ldkv = 2 * (int64_t)n * DN;
-            for (int64_t p0 = 0; p0 < it.L; p0 += 1024) {
-                const int64_t np = it.L - p0 < 1024 ? it.L - p0 : 1024;
-                DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &it.st, &ly, p0, np, d_gath));
+            for (int64_t p0 = 0; p0 < L; p0 += 1024) {
+                const int64_t np = L - p0 < 1024 ? L - p0 : 1024;
+                DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &it.st, &ly, 0, p0, np, d_gath));
                 DUET_OK_OR_FAIL(
                     duet_cuda_gemm_matmul(g, 0, d_kvb, ldkv, d_gath, TD, np, &w.wkv, 0, 0));
                 DUET_OK_OR_FAIL(
@@ -514,10 +565,10 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
         printf("[cuda_mla_x] timing n32 r512 dr64 bf16, %4d rows at ctx %4d: absorbed (q̂ GEMM, "
                "attend, W_UV GEMM) %8.1f us, expanded %8.1f us (expansion of %d positions %.1f "
                "us): %.2fx; outputs differ by %.3g of max |o| %.3g\n",
-               R, it.L, best_a, best_x, it.L, best_e, best_a / best_x, diff / mx, mx);
-        CHECK(diff <= 2e-2 * mx, "%d rows at %d: expanded and absorbed differ by %g (max %g)", R,
-              it.L, diff, mx);
-        item_free(&it);
+               R, L, best_a, best_x, L, best_e, best_a / best_x, diff / mx, mx);
+        CHECK(diff <= 2e-2 * mx, "%d rows at %d: expanded and absorbed differ by %g (max %g)", R, L,
+              diff, mx);
+        step_free(&it);
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);

@@ -641,13 +641,44 @@ static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int
     return took;
 }
 
+/* Two prompts prefilled in one step (all logits rows into out, a's then b's), as
+ * expanded_run; returns the steps that took the form. */
+static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64_t na,
+                             const int32_t *b, int64_t nb, float *out)
+{
+    duet_cuda_model_mla_x_set(on);
+    g_kv_dtype = DUET_DTYPE_BF16;
+    g_max_batch_tokens = g_max_seq_len = 1024;
+    const int64_t before = duet_cuda_model_mla_x_steps();
+    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+    g_kv_dtype = DUET_DTYPE_F32;
+    g_max_batch_tokens = g_max_seq_len = 0;
+    duet_seq_t sa, sb;
+    cr_assert_eq(duet_model_seq_open(m, na, &sa), DUET_OK);
+    cr_assert_eq(duet_model_seq_open(m, nb, &sb), DUET_OK);
+    duet_batch_item_t its[2] = {
+        {.seq = &sa, .tokens = a, .n_tokens = na, .logits_mode = DUET_LOGITS_ALL, .logits = out},
+        {.seq = &sb,
+         .tokens = b,
+         .n_tokens = nb,
+         .logits_mode = DUET_LOGITS_ALL,
+         .logits = out + na * x->vocab}};
+    cr_assert_eq(duet_model_forward(m, its, 2), DUET_OK, "%s", duet_error_last());
+    const int64_t took = duet_cuda_model_mla_x_steps() - before;
+    duet_model_free(m);
+    duet_cuda_model_mla_x_set(-1);
+    return took;
+}
+
 /*
  * The expanded MLA prefill form (cuda_mla.h; taken for one item's chunk of >= 256 rows with a
  * BF16 KV pool at Kimi Linear's per-head dims, so only fixtures with those dims and a long
  * prompt reach it) against the absorbed form, f32 compute, BF16 KV pool (the CPU path has no
  * BF16 pool; with an F32 one f32_matches_transformers_and_cpu covers these fixtures): the
- * fixture's prompt in one step, and a 560-token prompt (the fixture's, repeated) in chunks of
- * 256, whose second chunk (positions 256 .. 511) must take the form too, past max_batch_tokens.
+ * fixture's prompt in one step; a 560-token prompt (the fixture's, repeated) in chunks of 256,
+ * whose second chunk (positions 256 .. 511) must take the form too, past max_batch_tokens; and
+ * two prompts (300 and 280 tokens) in one step, whose rows and expanded positions follow each
+ * other.
  * The prompt logits within the bound below and the greedy continuations after each prefill
  * identical. The two forms split K, V, q and P into bf16 hi + lo pairs in different places
  * (2^-16 relative at worst per product), and these random networks amplify a perturbation:
@@ -673,6 +704,7 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
             const int32_t *toks;
             int64_t n, chunk, want;
         } runs[2] = {{x->prompt, np, 512, 1}, {longp, nl, 256, 2}};
+        int reached = 0; /* this fixture took the expanded form */
         for (int r = 0; r < 2; r++) {
             float *out[2];
             int32_t got[2][8];
@@ -705,8 +737,29 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
                              "%s: greedy token %lld: %d expanded, %d absorbed", x->name,
                              (long long)t, got[0][t], got[1][t]);
             checked += r == 1;
+            reached = 1;
             free(out[0]);
             free(out[1]);
+        }
+        if (reached) {
+            const int64_t nb = 280, rows = np + nb;
+            float *o2[2] = {malloc(sizeof(float) * (size_t)(rows * V)),
+                            malloc(sizeof(float) * (size_t)(rows * V))};
+            int64_t took[2];
+            for (int on = 1; on >= 0; on--)
+                took[on] = expanded_run2(x, on, x->prompt, np, longp + 17, nb, o2[on]);
+            const double e2 = rel_l2(o2[1], o2[0], rows * V);
+            const double b = rel_l2(x->logits_bf16, x->logits, np * V), tol = 2.0 * b / 128.0;
+            printf("cuda f32, bf16 KV, %-30s prompts of %lld and %lld tokens in one step: "
+                   "expanded MLA prefill (%lld steps) vs absorbed rel L2 %.3g (tol %.3g)\n",
+                   x->name, (long long)np, (long long)nb, (long long)took[1], e2, tol);
+            cr_expect_eq(took[1], 1, "%s: the two-item step did not take the expanded form",
+                         x->name);
+            cr_expect_eq(took[0], 0, "%s: the absorbed run took the expanded form", x->name);
+            cr_expect_leq(e2, tol, "%s: two items, expanded vs absorbed rel L2 %g (tol %g)",
+                          x->name, e2, tol);
+            free(o2[0]);
+            free(o2[1]);
         }
         free(longp);
     }
