@@ -671,7 +671,7 @@ static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64
 }
 
 /*
- * The expanded MLA prefill form (cuda_mla.h; taken for one item's chunk of >= 256 rows with a
+ * The expanded MLA prefill form (cuda_mla.h; taken for chunks of >= 256 rows per position with a
  * BF16 KV pool at Kimi Linear's per-head dims, so only fixtures with those dims and a long
  * prompt reach it) against the absorbed form, f32 compute, BF16 KV pool (the CPU path has no
  * BF16 pool; with an F32 one f32_matches_transformers_and_cpu covers these fixtures): the
