@@ -28,6 +28,15 @@ static __device__ __forceinline__ void duet_mma_bf16(float c[4], const uint32_t 
     duet_mma_bf16(c, a[0], a[1], a[2], a[3], b0, b1);
 }
 
+/* x = hi + lo as two bf16: hi rounds x to 8 significant bits, lo the remainder, so
+ * |x − hi − lo| <= 2^-16 |x| (duet_split_bf16x2 below does the same to two values at once). */
+static __device__ __forceinline__ void duet_split_bf16(float x, __nv_bfloat16 *hi,
+                                                       __nv_bfloat16 *lo)
+{
+    *hi = __float2bfloat16_rn(x);
+    *lo = __float2bfloat16_rn(x - __bfloat162float(*hi));
+}
+
 /* (x0, x1) = hi + lo as two bf16 pairs, the first value in the low half as mma fragments want:
  * hi rounds each value to 8 significant bits, lo the remainder, so |x − hi − lo| <= 2^-16 |x|. */
 static __device__ __forceinline__ void duet_split_bf16x2(float x0, float x1, uint32_t *hi,

@@ -264,6 +264,14 @@ __device__ static inline float duet__bf16_hi(uint32_t u)
     return __uint_as_float(u & 0xffff0000u);
 }
 
+/* Element offset of the row at slot `in` of page `page` for MLA layer `layer` in the KV pool
+ * (pages of n_layers × pt rows of td elements): kv_write, attend and gather address it so. */
+__device__ static inline int64_t duet__mla_row_off(int64_t page, int in, int64_t n_layers,
+                                                   int64_t layer, int pt, int td)
+{
+    return ((page * n_layers + layer) * pt + in) * td;
+}
+
 /* One cache element as fp32. */
 __device__ static inline float duet__mla_ld1(const float *p)
 {
@@ -367,7 +375,7 @@ __global__ static void __launch_bounds__(DUET_MLA_KVW_THREADS)
 
     const int item = row_item[row], pos = row_pos[row];
     const int64_t page = item_pages[(int64_t)item * max_pages + pos / pt];
-    T *dst = kv + ((page * kv_n_layers + layer) * pt + pos % pt) * td;
+    T *dst = kv + duet__mla_row_off(page, pos % pt, kv_n_layers, layer, pt, td);
     float wv[PER];
 #pragma unroll
     for (int k = 0; k < PER; k++) {
@@ -521,11 +529,11 @@ duet__mla_tile_offs(const duet__mla_args_t &a, const int32_t *pages, int t, int 
     const int sh = a.pt_shift;
     if (s0 < k1) {
         const int pg = sh >= 0 ? s0 >> sh : s0 / pt, in = sh >= 0 ? s0 & (pt - 1) : s0 % pt;
-        o.lo = (((int64_t)pages[pg] * a.kv_n_layers + a.layer) * pt + in) * td;
+        o.lo = duet__mla_row_off(pages[pg], in, a.kv_n_layers, a.layer, pt, td);
     }
     if (s1 < k1) {
         const int pg = sh >= 0 ? s1 >> sh : s1 / pt, in = sh >= 0 ? s1 & (pt - 1) : s1 % pt;
-        o.hi = (((int64_t)pages[pg] * a.kv_n_layers + a.layer) * pt + in) * td;
+        o.hi = duet__mla_row_off(pages[pg], in, a.kv_n_layers, a.layer, pt, td);
     }
     return o;
 }
@@ -580,8 +588,8 @@ struct duet__mla_put_split {
     int ld;
     __device__ float operator()(int slot, int tok, float x) const
     {
-        const __nv_bfloat16 h = __float2bfloat16_rn(x);
-        const __nv_bfloat16 l = __float2bfloat16_rn(x - __bfloat162float(h));
+        __nv_bfloat16 h, l;
+        duet_split_bf16(x, &h, &l);
         hi[slot * ld + tok] = h;
         lo[slot * ld + tok] = l;
         return __bfloat162float(h) + __bfloat162float(l);
@@ -1386,17 +1394,17 @@ extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, i
 }
 
 /*
- * Launch attention kernel `which` with `smem` dynamic bytes. Above 48 KiB a kernel must be opted
- * in (cudaFuncSetAttribute); that is done once per kernel and device and remembered, so steady
- * calls (and calls inside a stream capture) are launches only. Concurrent first calls may both
- * set the attribute, which is harmless.
+ * Launch attention kernel `which` (blocks of `block` threads) with `smem` dynamic bytes. Above
+ * 48 KiB a kernel must be opted in (cudaFuncSetAttribute); that is done once per kernel and
+ * device and remembered, so steady calls (and calls inside a stream capture) are launches only.
+ * Concurrent first calls may both set the attribute, which is harmless. Kernels 0 .. 7 are
+ * attend's, 8 is attend_x's.
  */
-static int duet__mla_smem_set[8][DUET_MLA_MAX_DEV];
-static int duet__mla_xa_smem_set[DUET_MLA_MAX_DEV];
+static int duet__mla_smem_set[9][DUET_MLA_MAX_DEV];
 
-template <typename K>
-static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
-                                      cudaStream_t stream, const duet__mla_args_t &a)
+template <typename... KArgs, typename... Args>
+static duet_status_t duet__mla_launch_as(void (*kernel)(KArgs...), int which, dim3 grid, dim3 block,
+                                         size_t smem, cudaStream_t stream, Args... args)
 {
     int dev = 0;
     DUET__TRY(cudaGetDevice(&dev), "attend cudaGetDevice");
@@ -1407,9 +1415,24 @@ static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t sme
         if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
             duet__mla_smem_set[which][dev] = (int)smem;
     }
-    DUET__TRY(duet_pdl_launch(kernel, grid, dim3(DUET_MLA_THREADS), smem, stream, a),
-              "attend launch");
+    DUET__TRY(duet_pdl_launch(kernel, grid, block, smem, stream, args...), "attend launch");
     return DUET_OK;
+}
+
+/* attend's kernels: blocks of DUET_MLA_THREADS, the arguments in one struct */
+template <typename K>
+static duet_status_t duet__mla_launch(K kernel, int which, dim3 grid, size_t smem,
+                                      cudaStream_t stream, const duet__mla_args_t &a)
+{
+    return duet__mla_launch_as(kernel, which, grid, dim3(DUET_MLA_THREADS), smem, stream, a);
+}
+
+/* Row blocks of rb rows for a step's items: the sum over items of ceil(rows_i / rb), bounded by
+ * (n_rows + n_items (rb - 1)) / rb and by n_rows (the grid is sized from host counts only). */
+static int64_t duet__mla_row_blocks(int64_t n_rows, int64_t n_items, int rb)
+{
+    const int64_t nrb = (n_rows + n_items * (rb - 1)) / rb;
+    return nrb < n_rows ? nrb : n_rows;
 }
 
 /*
@@ -1421,9 +1444,7 @@ static dim3 duet__mla_grid(duet__mla_args_t *a, int sl, int kv_splits)
 {
     a->hb = a->n < sl ? a->n : sl;
     a->rb = sl / a->hb;
-    int64_t nrb = ((int64_t)a->n_rows + (int64_t)a->n_items * (a->rb - 1)) / a->rb;
-    if (nrb > a->n_rows)
-        nrb = a->n_rows;
+    const int64_t nrb = duet__mla_row_blocks(a->n_rows, a->n_items, a->rb);
     return dim3((unsigned)nrb, (unsigned)((a->n + a->hb - 1) / a->hb), (unsigned)kv_splits);
 }
 
@@ -1573,7 +1594,7 @@ __global__ static void __launch_bounds__(128)
                             int64_t layer, int pt, int td, int p0, float *out)
 {
     const int i = blockIdx.x, p = p0 + i;
-    const int64_t base = (((int64_t)item_pages[p / pt] * kv_n_layers + layer) * pt + p % pt) * td;
+    const int64_t base = duet__mla_row_off(item_pages[p / pt], p % pt, kv_n_layers, layer, pt, td);
     for (int j = threadIdx.x; j < td; j += blockDim.x)
         out[(int64_t)i * td + j] = duet__mla_ld1(kv + base + j);
 }
@@ -1591,12 +1612,13 @@ __global__ static void __launch_bounds__(DUET_MLA_X_DN)
     const int DN = DUET_MLA_X_DN;
     const float *row = kv + (int64_t)i * ldkv;
     __nv_bfloat16 *x = xkv + ((int64_t)h * xstride + p0 + i) * DUET_MLA_X_TD;
-    const float v = row[(int64_t)n * DN + (int64_t)h * DN + j], k = row[(int64_t)h * DN + j];
-    const __nv_bfloat16 vh = __float2bfloat16_rn(v), kh = __float2bfloat16_rn(k);
+    __nv_bfloat16 vh, vl, kh, kl;
+    duet_split_bf16(row[(int64_t)n * DN + (int64_t)h * DN + j], &vh, &vl);
+    duet_split_bf16(row[(int64_t)h * DN + j], &kh, &kl);
     x[j] = vh;
-    x[DN + j] = __float2bfloat16_rn(v - __bfloat162float(vh));
+    x[DN + j] = vl;
     x[2 * DN + j] = kh;
-    x[3 * DN + DUET_MLA_X_DR + j] = __float2bfloat16_rn(k - __bfloat162float(kh));
+    x[3 * DN + DUET_MLA_X_DR + j] = kl;
     if (j < DUET_MLA_X_DR)
         x[3 * DN + j] = __float2bfloat16_rn(ckr[(int64_t)i * td + r + j]);
 }
@@ -1669,8 +1691,10 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
     /*
      * Which item and rows: block x is the (gridDim.x - 1 - x)-th block of 64 rows in item
      * order (an item's longest rows first); warp 0 scans the items' block counts and contexts
-     * (an item's expanded rows follow the previous items'). Step metadata, copied in by the
-     * host before the step: readable before the wait. Blocks past the real count exit.
+     * (an item's expanded rows follow the previous items'), as duet__mla_setup scans the counts
+     * for attend (kept apart: that scan sits in the decode kernels, tuned as they are). Step
+     * metadata, copied in by the host before the step: readable before the wait. Blocks past
+     * the real count exit.
      */
     if (warp == 0) {
         const unsigned full = 0xffffffffu;
@@ -1990,26 +2014,9 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
     /* 2^x units, as attend: scores come out multiplied by log2 e */
     const float qscale = scale * DUET_LOG2E;
     const int n = (int)ly->n_heads;
-    /* row blocks: sum over items of ceil(rows_i / 64) <= (n_rows + n_items · 63) / 64 */
-    int64_t nrb =
-        ((int64_t)st->n_rows + (int64_t)st->n_items * (DUET_MLA_XA_ROWS - 1)) / DUET_MLA_XA_ROWS;
-    if (nrb > st->n_rows)
-        nrb = st->n_rows;
-    const dim3 grid((unsigned)nrb, (unsigned)n);
-    int dev = 0;
-    DUET__TRY(cudaGetDevice(&dev), "attend_x cudaGetDevice");
-    if (dev < 0 || dev >= DUET_MLA_MAX_DEV || !duet__mla_xa_smem_set[dev]) {
-        DUET__TRY(cudaFuncSetAttribute(duet__mla_xattn_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       DUET_MLA_XA_SMEM),
-                  "attend_x shared memory opt-in");
-        if (dev >= 0 && dev < DUET_MLA_MAX_DEV)
-            duet__mla_xa_smem_set[dev] = 1;
-    }
-    DUET__TRY(duet_pdl_launch(duet__mla_xattn_kernel, grid, dim3(DUET_MLA_XA_THREADS),
-                              DUET_MLA_XA_SMEM, stream, (const __nv_bfloat16 *)xkv, xstride,
-                              st->item_row0, (int)st->n_items, st->row_pos, q, ldq, dq_stride,
-                              qscale, n, o),
-              "attend_x launch");
-    return DUET_OK;
+    const int64_t nrb = duet__mla_row_blocks(st->n_rows, st->n_items, DUET_MLA_XA_ROWS);
+    return duet__mla_launch_as(duet__mla_xattn_kernel, 8, dim3((unsigned)nrb, (unsigned)n),
+                               dim3(DUET_MLA_XA_THREADS), DUET_MLA_XA_SMEM, stream,
+                               (const __nv_bfloat16 *)xkv, xstride, st->item_row0, (int)st->n_items,
+                               st->row_pos, q, ldq, dq_stride, qscale, n, o);
 }
