@@ -977,6 +977,7 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
         TRY(duet_cuda_gemm_norm_multi(g, s, T, nrm, ops, 2, f));
     }
     TRY(duet_cuda_mla_kv_write(s, &dm->step, &ly, dm->ckr, w->kv_a_norm, DUET_MLA_NORM_EPS));
+    const float scale = 1.0f / sqrtf((float)dqk);
     if (sh->x_ctx > 0) {
         /* expanded: K_h, V_h of every position of every item (slices of the cache through one
          * GEMM each; item i's rows follow item i-1's), then attention at 192 + 128 dims per
@@ -992,16 +993,17 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                          dm->xcap));
             }
         TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->xcap, dm->mq, n * dqk, dqk,
-                                   1.0f / sqrtf((float)dqk), dm->o));
-        return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
+                                   scale, dm->o));
+    } else {
+        /* absorbed: q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM; attention over the
+         * latent rows; o_h = W_UV[h] · latent_h */
+        TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
+                                          &w->wuk_t, 0, f));
+        TRY(duet_cuda_mla_attend(s, &dm->step, &ly, dm->qhat, dm->mq + dn, n * dqk, dqk, scale,
+                                 sh->splits, dm->lat, dm->mla_scratch));
+        TRY(duet_cuda_gemm_matmul_batched(g, s, dm->o, n * dv, dv, dm->lat, n * r, r, T, &w->wuv, 0,
+                                          f));
     }
-    /* q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM */
-    TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
-                                      &w->wuk_t, 0, f));
-    TRY(duet_cuda_mla_attend(s, &dm->step, &ly, dm->qhat, dm->mq + dn, n * dqk, dqk,
-                             1.0f / sqrtf((float)dqk), sh->splits, dm->lat, dm->mla_scratch));
-    TRY(duet_cuda_gemm_matmul_batched(g, s, dm->o, n * dv, dv, dm->lat, n * r, r, T, &w->wuv, 0,
-                                      f));
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, n * dv, T, &w->o, 1, f);
 }
 
