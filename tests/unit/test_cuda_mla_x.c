@@ -43,6 +43,7 @@
 
 #define DUET_TEST_RNG_SEED 0x2545f4914f6cdd1dull
 #include "cuda_test_util.h"
+#include "mla_test_batch.h"
 
 #define R_LAT 512 /* kv_lora_rank */
 #define DR    64  /* qk_rope_head_dim */
@@ -65,105 +66,27 @@ static void skip_without_device(void)
     skip_without_device_for("the MLA kernels are");
 }
 
-/* ---- a step of items ------------------------------------------------------------------------ */
+/* ---- a step of items (mla_test_batch.h) ------------------------------------------------- */
 
-typedef struct {
-    int pos0, n_tok; /* positions cached before the step, new rows */
-} spec_t;
-
-typedef struct {
-    int n_items, n_rows, pt, max_pages, n_pages, total; /* total: sum of the items' contexts */
-    int *L, *x0;                                        /* per item: context, first xkv row */
-    int32_t *row0, *ipos0, *islot, *pages, *row_pos, *row_item;
-    void *d[6];
-    duet_cuda_step_t st;
-} step_t;
-
-/* Items' pages are drawn from one pool of ids, shuffled when asked (an item's pages neither
- * contiguous nor in order), with two spare pages no item owns. */
-static void step_build(step_t *b, const spec_t *sp, int n_items, int pt, int shuffle)
+/* Item i's context (positions 0 .. its last row's). */
+static int item_ctx(const batch_t *b, int i)
 {
-    memset(b, 0, sizeof(*b));
-    b->n_items = n_items, b->pt = pt;
-    b->L = xmalloc(sizeof(int) * (size_t)n_items);
-    b->x0 = xmalloc(sizeof(int) * (size_t)n_items);
-    b->row0 = xmalloc(sizeof(int32_t) * (size_t)(n_items + 1));
-    b->ipos0 = xmalloc(sizeof(int32_t) * (size_t)n_items);
-    b->islot = xmalloc(sizeof(int32_t) * (size_t)n_items);
-    int pages = 0;
-    for (int i = 0; i < n_items; i++) {
-        b->row0[i] = b->n_rows;
-        b->ipos0[i] = sp[i].pos0;
-        b->islot[i] = i;
-        b->L[i] = sp[i].pos0 + sp[i].n_tok;
-        b->x0[i] = b->total;
-        b->total += b->L[i];
-        b->n_rows += sp[i].n_tok;
-        const int np = (b->L[i] + pt - 1) / pt;
-        pages += np;
-        b->max_pages = np > b->max_pages ? np : b->max_pages;
-    }
-    b->row0[n_items] = b->n_rows;
-    b->n_pages = pages + 2;
-    int *perm = xmalloc(sizeof(int) * (size_t)b->n_pages);
-    for (int i = 0; i < b->n_pages; i++)
-        perm[i] = i;
-    for (int i = b->n_pages - 1; shuffle && i > 0; i--) {
-        const int j = (int)(rng_u32() % (uint32_t)(i + 1)), t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
-    b->pages = xmalloc(sizeof(int32_t) * (size_t)(n_items * b->max_pages));
-    for (int i = 0, next = 0; i < n_items; i++)
-        for (int p = 0; p < b->max_pages; p++)
-            b->pages[i * b->max_pages + p] = p < (b->L[i] + pt - 1) / pt ? perm[next++] : -1;
-    free(perm);
-    b->row_pos = xmalloc(sizeof(int32_t) * (size_t)b->n_rows);
-    b->row_item = xmalloc(sizeof(int32_t) * (size_t)b->n_rows);
-    for (int i = 0; i < n_items; i++)
-        for (int t = 0; t < sp[i].n_tok; t++) {
-            b->row_pos[b->row0[i] + t] = sp[i].pos0 + t;
-            b->row_item[b->row0[i] + t] = i;
-        }
-    b->d[0] = dev_copy(b->row0, sizeof(int32_t) * (size_t)(n_items + 1));
-    b->d[1] = dev_copy(b->ipos0, sizeof(int32_t) * (size_t)n_items);
-    b->d[2] = dev_copy(b->islot, sizeof(int32_t) * (size_t)n_items);
-    b->d[3] = dev_copy(b->pages, sizeof(int32_t) * (size_t)(n_items * b->max_pages));
-    b->d[4] = dev_copy(b->row_item, sizeof(int32_t) * (size_t)b->n_rows);
-    b->d[5] = dev_copy(b->row_pos, sizeof(int32_t) * (size_t)b->n_rows);
-    int max_tok = 0;
-    for (int i = 0; i < n_items; i++)
-        max_tok = sp[i].n_tok > max_tok ? sp[i].n_tok : max_tok;
-    b->st = (duet_cuda_step_t){.n_items = n_items,
-                               .n_rows = b->n_rows,
-                               .max_item_tokens = max_tok,
-                               .item_row0 = b->d[0],
-                               .item_pos0 = b->d[1],
-                               .item_slot = b->d[2],
-                               .item_pages = b->d[3],
-                               .max_pages = b->max_pages,
-                               .row_item = b->d[4],
-                               .row_pos = b->d[5]};
+    return b->item_pos0[i] + b->item_row0[i + 1] - b->item_row0[i];
 }
 
-static void step_free(step_t *b)
+/* Where item i's expanded rows start: after the earlier items' contexts (i = n_items: all). */
+static int item_x0(const batch_t *b, int i)
 {
-    for (int i = 0; i < 6; i++)
-        cudaFree(b->d[i]);
-    free(b->L);
-    free(b->x0);
-    free(b->row0);
-    free(b->ipos0);
-    free(b->islot);
-    free(b->pages);
-    free(b->row_pos);
-    free(b->row_item);
+    int x = 0;
+    for (int j = 0; j < i; j++)
+        x += item_ctx(b, j);
+    return x;
 }
 
-/* Element index of (item, position)'s row in a pool of one MLA layer. */
-static size_t pool_row(const step_t *b, int item, int pos)
+/* Element index of (item, position)'s row in a pool of one MLA layer, pages of pt rows. */
+static size_t pool_row(const batch_t *b, int item, int pos, int pt)
 {
-    return ((size_t)b->pages[item * b->max_pages + pos / b->pt] * b->pt + pos % b->pt) * TD;
+    return ((size_t)b->item_pages[item * b->max_pages + pos / pt] * pt + pos % pt) * TD;
 }
 
 /* The weights: W_UK [n][DN][R_LAT] and W_UV [n][DN][R_LAT] as floats exact in bf16, their
@@ -233,19 +156,20 @@ static void weights_free(weights_t *w)
 
 /* The expansion of every item's positions into xkv (item i's from row x0[i]), as the engine
  * runs it (gath: [SLICE][TD] fp32, kvb: [SLICE][2 n DN] fp32). */
-static duet_status_t expand(cudaStream_t s, duet_cuda_gemm_t *g, const step_t *b, int n,
+static duet_status_t expand(cudaStream_t s, duet_cuda_gemm_t *g, const batch_t *b, int n,
                             const duet_cuda_mla_layer_t *ly, const weights_t *w, float *gath,
                             float *kvb, void *xkv, int64_t xstride)
 {
     const int64_t ldkv = 2 * (int64_t)n * DN;
     for (int i = 0; i < b->n_items; i++)
-        for (int64_t p0 = 0; p0 < b->L[i]; p0 += SLICE) {
-            const int64_t np = b->L[i] - p0 < SLICE ? b->L[i] - p0 : SLICE;
+        for (int64_t p0 = 0, L = item_ctx(b, i); p0 < L; p0 += SLICE) {
+            const int64_t np = L - p0 < SLICE ? L - p0 : SLICE;
             duet_status_t st = duet_cuda_mla_gather(s, &b->st, ly, i, p0, np, gath);
             if (st == DUET_OK)
                 st = duet_cuda_gemm_matmul(g, s, kvb, ldkv, gath, TD, np, &w->wkv, 0, 0);
             if (st == DUET_OK)
-                st = duet_cuda_mla_x_pack(s, ly, kvb, ldkv, gath, b->x0[i] + p0, np, xkv, xstride);
+                st = duet_cuda_mla_x_pack(s, ly, kvb, ldkv, gath, item_x0(b, i) + p0, np, xkv,
+                                          xstride);
             if (st != DUET_OK)
                 return st;
         }
@@ -264,11 +188,15 @@ static duet_cuda_mla_layer_t layer_of(void *pool, int n, int pt)
                                    .dr = DR};
 }
 
-static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
+static void run_reference_case(int n, const item_spec_t *sp, int n_items, int pt)
 {
-    step_t b;
-    step_build(&b, sp, n_items, pt, 1);
-    const int R = b.n_rows;
+    batch_t b;
+    batch_build(&b, sp, n_items, pt);
+    int max_tok = 0;
+    for (int i = 0; i < n_items; i++)
+        max_tok = sp[i].n_tok > max_tok ? sp[i].n_tok : max_tok;
+    batch_upload(&b, max_tok);
+    const int R = b.n_rows, total = item_x0(&b, n_items);
     const float scale = 1.0f / sqrtf((float)DQK);
 
     /* the pool: random bf16 rows on every page (the items' and two spare ones) */
@@ -288,7 +216,7 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     CHECK(duet_cuda_mla_x_shape(&ly, DN, DN), "Kimi's shape is the expanded one");
     duet_cuda_gemm_t *g = NULL;
     DUET_OK_OR_FAIL(duet_cuda_gemm_create(0, (int64_t)SLICE * TD, &g));
-    const int64_t xstride = b.total + 5; /* wider than the items: a head's rows are xstride apart */
+    const int64_t xstride = total + 5; /* wider than the items: a head's rows are xstride apart */
     void *d_x = dev_alloc(duet_cuda_mla_x_bytes(xstride, n));
     float *d_gath = dev_alloc(sizeof(float) * SLICE * TD);
     float *d_kvb = dev_alloc(sizeof(float) * SLICE * 2 * n * DN);
@@ -296,7 +224,7 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     CUDA_OK(cudaMemset(d_o, 0xff, sizeof(float) * (size_t)R * n * DN)); /* NaN */
 
     /* gather alone, bit for bit: the last item's last slice */
-    const int il = n_items - 1, L = b.L[il];
+    const int il = n_items - 1, L = item_ctx(&b, il);
     const int64_t g0 = L > SLICE ? L - SLICE : 0, gn = L - g0;
     DUET_OK_OR_FAIL(duet_cuda_mla_gather(0, &b.st, &ly, il, g0, gn, d_gath));
     float *gath = xmalloc(sizeof(float) * SLICE * TD);
@@ -305,7 +233,7 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     for (int64_t p = g0; p < L; p++)
         for (int j = 0; j < TD; j++)
             gdiff +=
-                gath[(p - g0) * TD + j] != duet_bf16_to_f32(pool[pool_row(&b, il, (int)p) + j]);
+                gath[(p - g0) * TD + j] != duet_bf16_to_f32(pool[pool_row(&b, il, (int)p, pt) + j]);
     CHECK(gdiff == 0, "gather: %lld values differ from the pool", (long long)gdiff);
 
     DUET_OK_OR_FAIL(expand(0, g, &b, n, &ly, &w, d_gath, d_kvb, d_x, xstride));
@@ -316,14 +244,14 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     CUDA_OK(cudaMemcpy(o, d_o, sizeof(float) * (size_t)R * n * DN, cudaMemcpyDeviceToHost));
 
     /* reference: K, V of every (item, position, head) in double, item i's from row x0[i] */
-    const size_t T = (size_t)b.total;
+    const size_t T = (size_t)total;
     double *K = xmalloc(sizeof(double) * T * n * DN), *V = xmalloc(sizeof(double) * T * n * DN);
     double *kr = xmalloc(sizeof(double) * T * DR);
     double *A = xmalloc(sizeof(double) * T * n * DN); /* Σ_k |W_UV c| per V */
     for (int it = 0; it < n_items; it++)
-        for (int p = 0; p < b.L[it]; p++) {
-            const uint16_t *row = pool + pool_row(&b, it, p);
-            const size_t x = (size_t)b.x0[it] + (size_t)p;
+        for (int p = 0; p < item_ctx(&b, it); p++) {
+            const uint16_t *row = pool + pool_row(&b, it, p, pt);
+            const size_t x = (size_t)item_x0(&b, it) + (size_t)p;
             double c[R_LAT];
             for (int j = 0; j < R_LAT; j++)
                 c[j] = duet_bf16_to_f32(row[j]);
@@ -349,7 +277,7 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     int64_t bad = 0;
     for (int t = 0; t < R; t++) {
         const int it = b.row_item[t], pos = b.row_pos[t];
-        const size_t x0 = (size_t)b.x0[it];
+        const size_t x0 = (size_t)item_x0(&b, it);
         for (int h = 0; h < n; h++) {
             const float *qh = q + ((size_t)t * n + h) * DQK;
             double mx = -INFINITY;
@@ -404,7 +332,7 @@ static void run_reference_case(int n, const spec_t *sp, int n_items, int pt)
     weights_free(&w);
     cudaFree(d_pool);
     free(pool);
-    step_free(&b);
+    batch_free(&b);
 }
 
 /* ---- tests without a device ---------------------------------------------------------------------
@@ -459,8 +387,8 @@ Test(cuda_mla_x, against_reference, .timeout = 300)
      * prefix, mid-page, several row blocks; a short tail over a long prefix (one row block,
      * many tiles); an odd page size; then steps of several items (the rows of each item
      * follow the previous ones' in xkv), one of them a decode row beside prefill chunks */
-    const spec_t a[1] = {{0, 70}}, b[1] = {{100, 300}}, c[1] = {{1000, 45}}, d[1] = {{37, 64}};
-    const spec_t m1[3] = {{0, 130}, {200, 64}, {5, 1}}, m2[2] = {{700, 70}, {0, 300}};
+    const item_spec_t a[1] = {{0, 70}}, b[1] = {{100, 300}}, c[1] = {{1000, 45}}, d[1] = {{37, 64}};
+    const item_spec_t m1[3] = {{0, 130}, {200, 64}, {5, 1}}, m2[2] = {{700, 70}, {0, 300}};
     run_reference_case(3, a, 1, 16);
     run_reference_case(4, b, 1, 16);
     run_reference_case(2, c, 1, 16);
@@ -491,7 +419,8 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
     duet_cuda_gemm_t *g = NULL;
     DUET_OK_OR_FAIL(duet_cuda_gemm_create(0, (int64_t)8192 * n * R_LAT, &g));
     const int max_l = 8192, max_r = 8192;
-    const size_t pool_elems = (size_t)max_l * TD;
+    /* every page a batch of max_l positions may draw (batch_build: 3 spare ones) */
+    const size_t pool_elems = (size_t)(max_l / pt + 3) * pt * TD;
     uint16_t *pool = xmalloc(2 * pool_elems);
     for (size_t i = 0; i < pool_elems; i++)
         pool[i] = duet_f32_to_bf16(1.5f * rng_f());
@@ -516,10 +445,11 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
     CUDA_OK(cudaEventCreate(&e2));
 
     for (int ci = 0; ci < 4; ci++) {
-        step_t it;
-        const spec_t sp = {cases[ci][0], cases[ci][1]};
-        step_build(&it, &sp, 1, pt, 0);
-        const int R = it.n_rows, L = it.L[0];
+        batch_t it;
+        const item_spec_t sp = {cases[ci][0], cases[ci][1]};
+        batch_build(&it, &sp, 1, pt);
+        batch_upload(&it, sp.n_tok);
+        const int R = it.n_rows, L = item_ctx(&it, 0);
         double best_a = 1e30, best_x = 1e30, best_e = 1e30;
         for (int rep = 0; rep < reps; rep++) {
             /* absorbed, as the engine's MLA layer runs it */
@@ -568,7 +498,7 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
                R, L, best_a, best_x, L, best_e, best_a / best_x, diff / mx, mx);
         CHECK(diff <= 2e-2 * mx, "%d rows at %d: expanded and absorbed differ by %g (max %g)", R, L,
               diff, mx);
-        step_free(&it);
+        batch_free(&it);
     }
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);

@@ -610,23 +610,33 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
     free_fixtures(fx, n);
 }
 
+/* A CUDA model with the expanded MLA form on or off (the hook is read at creation), f32
+ * compute, a BF16 KV pool, the given max_batch_tokens and max_seq_len. */
+static duet_model_t *load_x(const fixture_t *x, int on, int64_t max_batch_tokens,
+                            int64_t max_seq_len)
+{
+    duet_cuda_model_mla_x_set(on);
+    g_kv_dtype = DUET_DTYPE_BF16;
+    g_max_batch_tokens = max_batch_tokens;
+    g_max_seq_len = max_seq_len;
+    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+    g_kv_dtype = DUET_DTYPE_F32;
+    g_max_batch_tokens = g_max_seq_len = 0;
+    duet_cuda_model_mla_x_set(-1);
+    return m;
+}
+
 /*
  * One prefill of toks[0 .. n) in chunks of `chunk` rows (all logits rows into out), then ng
- * greedy tokens into got, on a CUDA model with the expanded MLA form on or off (f32 compute,
- * BF16 KV pool, max_batch_tokens = chunk); returns the steps that took the form.
+ * greedy tokens into got, on load_x's model (max_batch_tokens = chunk); returns the steps that
+ * took the expanded form.
  */
 static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int64_t n,
                             int64_t chunk, float *out, int32_t *got, int64_t ng)
 {
     const int64_t V = x->vocab;
-    duet_cuda_model_mla_x_set(on);
-    g_kv_dtype = DUET_DTYPE_BF16;
-    g_max_batch_tokens = chunk;
-    g_max_seq_len = n + ng > 512 ? 1024 : 512;
+    duet_model_t *m = load_x(x, on, chunk, n + ng > 512 ? 1024 : 512);
     const int64_t before = duet_cuda_model_mla_x_steps();
-    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
-    g_kv_dtype = DUET_DTYPE_F32;
-    g_max_batch_tokens = g_max_seq_len = 0;
     duet_seq_t seq;
     cr_assert_eq(duet_model_seq_open(m, n + ng, &seq), DUET_OK);
     for (int64_t t0 = 0; t0 < n; t0 += chunk)
@@ -637,22 +647,16 @@ static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int
     greedy(m, &seq, last, V, got, ng);
     free(last);
     duet_model_free(m);
-    duet_cuda_model_mla_x_set(-1);
     return took;
 }
 
-/* Two prompts prefilled in one step (all logits rows into out, a's then b's), as
- * expanded_run; returns the steps that took the form. */
+/* Two prompts prefilled in one step (all logits rows into out, a's then b's) on load_x's model;
+ * returns the steps that took the form. */
 static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64_t na,
                              const int32_t *b, int64_t nb, float *out)
 {
-    duet_cuda_model_mla_x_set(on);
-    g_kv_dtype = DUET_DTYPE_BF16;
-    g_max_batch_tokens = g_max_seq_len = 1024;
+    duet_model_t *m = load_x(x, on, 1024, 1024);
     const int64_t before = duet_cuda_model_mla_x_steps();
-    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
-    g_kv_dtype = DUET_DTYPE_F32;
-    g_max_batch_tokens = g_max_seq_len = 0;
     duet_seq_t sa, sb;
     cr_assert_eq(duet_model_seq_open(m, na, &sa), DUET_OK);
     cr_assert_eq(duet_model_seq_open(m, nb, &sb), DUET_OK);
@@ -666,7 +670,6 @@ static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64
     cr_assert_eq(duet_model_forward(m, its, 2), DUET_OK, "%s", duet_error_last());
     const int64_t took = duet_cuda_model_mla_x_steps() - before;
     duet_model_free(m);
-    duet_cuda_model_mla_x_set(-1);
     return took;
 }
 
