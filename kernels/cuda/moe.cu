@@ -49,7 +49,10 @@
  *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
  *    applies the activation in registers, storing h in bf16; phase 2 multiplies h by W2 into
  *    out. x (and h) are rounded to bf16 on this path, like the cuBLASLt GEMM (cuda_gemm.h).
- *    No wgmma (sm_90a) yet: ~245 TFLOP/s at T = 8192 on an H200.
+ *    On an sm_90a device (H100 / H200) with D and I multiples of 64 the same tiles run on
+ *    wgmma instead (moe_wgmma.cu; the same bits in every case tested): at Kimi-Linear-48B's
+ *    dims on an H200, gate/up at T = 8192 took 1.48 ms per layer against 2.21, down 0.81
+ *    against 1.19.
  * The automatic choice takes MMA when the average rows per selected expert reaches 8 and the
  * weights are BF16 (at the real dims GEMV is 2x slower than MMA at T = 256, while T <= 64
  * never qualifies); duet__cuda_moe_experts_path lets tests force either path.
@@ -75,6 +78,7 @@
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/moe_mma.cuh"
 
 #define DUET__MODULE          "cuda moe" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -82,14 +86,16 @@
 /* `path` of duet__cuda_moe_experts_path: the low 4 bits pick the path; for tests and tuning,
  * bits 4..7 may force the GEMV slot size (1, 2, 4, 8), bits 8..11 the MMA tile height (1: 64,
  * 2: 128), bits 20..23 the GEMV slices per block at T > 1 (1: one, 2+: DUET__GV_SPB), and the
- * flags below. (Programmatic dependent launch is switched for the whole
- * process by duet_cuda_pdl_set.) */
+ * flags below (DUET__MOE_MMA_SYNC / _WGMMA pick the MMA kernels). (Programmatic dependent launch is
+ * switched for the whole process by duet_cuda_pdl_set.) */
 #define DUET__MOE_PATH_AUTO        0
 #define DUET__MOE_PATH_GEMV        1
 #define DUET__MOE_PATH_MMA         2
 #define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
 #define DUET__MOE_T1_DEEP          0x4000 /* GEMV, T = 1: the uncapped kernels (DUET__GV_U13_DEEP) */
 #define DUET__MOE_SPB_SHIFT        20     /* GEMV, T > 1: the slices per block (see above) */
+#define DUET__MOE_MMA_SYNC         0x1000000 /* MMA: the mma.sync kernels */
+#define DUET__MOE_MMA_WGMMA        0x2000000 /* MMA: the wgmma kernels (an error where unusable) */
 
 #define DUET__GV_WARPS   8 /* warps per GEMV block */
 #define DUET__GV_THREADS (DUET__GV_WARPS * 32)
@@ -137,14 +143,11 @@ static_assert(DUET__GV_NR * DUET__GV_SLICE <= DUET__GV_THREADS,
 #define DUET__MMA_BK      32 /* k-step (64 for the 64-row tiles where K allows) */
 #define DUET__MMA_STAGES  4
 #define DUET__MMA_THREADS 256
-#define DUET__MMA_BROWS   128 /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
 /* stages in shared memory for a k-step of BK */
 static constexpr __host__ __device__ int duet__mma_stages(int bk)
 {
     return bk == 64 ? 3 : DUET__MMA_STAGES;
 }
-
-#define DUET__SMEM_CAP (200 * 1024) /* opt-in dynamic shared memory we allow a kernel */
 
 #define DUET__PLAN_THREADS 1024
 
@@ -163,17 +166,6 @@ static __device__ __forceinline__ float duet__sigmoid_cpu(float x)
 {
     const float ex = (float)exp(-(double)x);
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, ex));
-}
-
-/* act(g) · u, the CPU's expressions (kernels/cpu/ops.c). */
-static __device__ __forceinline__ float duet__act(float g, float u, int act, float beta,
-                                                  float beta_lin)
-{
-    if (act == DUET_CUDA_ACT_SILU)
-        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-    const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
-    return __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
 }
 
 /* Exclusive prefix sum of one int per thread over the block; *total_p gets the block's sum. */
@@ -801,34 +793,6 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
 }
 
 /* ---- plan: group (row, k) pairs by expert --------------------------------------------------- */
-
-/* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
- * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
- *
- * gemv2's tickets (T = 1 only): cnt[s] counts the pairs whose slice s of out is written; the
- * gemv2 block that brings it to top_k (top_k + 1 with the shared expert) adds the slice into y.
- * gemv13 zeroes the counters; every pair, valid or not, has its gemv2 block. */
-typedef struct {
-    int *off;                      /* [E + 1] start of each expert's list */
-    int *list;                     /* [P] pair ids grouped by expert */
-    int *meta;                     /* [4] */
-    int2 *slots;                   /* [max_slots] (expert, list start), <= nr rows each */
-    int2 *tiles;                   /* [max_tiles] (expert, list start), <= bm rows each */
-    const int32_t *idx;            /* [P] the routing */
-    int *cnt;                      /* [n_slices] gemv2 tickets, or NULL: no tickets */
-    int E, top_k, n_slices, n_cnt; /* n_cnt = n_slices (T = 1) */
-    int P;                         /* T * top_k pairs */
-    /* The shared expert folded in (T = 1 only, no plan): slot P computes it, as expert id E,
-     * into row P of h and out; combining adds it after the routed sum, weight 1. */
-    int shared;
-    const void *sw1, *sw3, *sw2;
-    int early; /* weight loads before x / the PDL wait (duet_cuda_weights_early) */
-    /* With the shared expert folded in and these set (duet_cuda_experts_t's norm_x, norm_w,
-     * norm_eps): its gate/up blocks form x = RMSNorm(nx) ⊙ nw themselves and run ahead of the
-     * PDL wait (duet__gemv13_shared_early). */
-    const float *nx, *nw;
-    float eps;
-} duet__moe_plan_t;
 
 /* The token of pair p: p / top_k, or for the shared expert's row P + t, t. */
 static __device__ __forceinline__ int duet__pair_row(const duet__moe_plan_t &pl, int p)
@@ -1550,22 +1514,6 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
 
 /* ---- MMA path ------------------------------------------------------------------------------- */
 
-static __device__ __forceinline__ void duet__cp_async16(unsigned dst, const void *src, bool pred)
-{
-    const int n = pred ? 16 : 0; /* 0: zero-fill, nothing read */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-
-static __device__ __forceinline__ void duet__cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 static __device__ __forceinline__ void duet__ldmatrix_x4(unsigned addr, unsigned (&r)[4])
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -1580,16 +1528,6 @@ static __device__ __forceinline__ void duet__mma_bf16(float (&c)[4], const unsig
                  "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/* Byte offset of 16-byte chunk c of row r in a [rows][BK] bf16 tile. BK = 32: 64-byte rows,
- * chunk c (0..3) XOR-ed with bits 1..2 of the row; BK = 64: 128-byte rows, chunk c (0..7)
- * XOR-ed with bits 0..2. Either way ldmatrix's 8 rows of one chunk hit 8 distinct bank groups. */
-template <int BK> static __device__ __forceinline__ unsigned duet__swz(int r, int c)
-{
-    if constexpr (BK == 64)
-        return (unsigned)(r * 128 + ((c ^ (r & 7)) << 4));
-    return (unsigned)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
 }
 
 /*
@@ -1607,67 +1545,23 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
                          const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, int act,
                          float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
-    constexpr int S = duet__mma_stages(BK), MT = BM / 32, CPR = BK / 8; /* chunks per row */
-    constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + DUET__MMA_BROWS * BK * 2;
-    constexpr int A_CH = BM * CPR / DUET__MMA_THREADS; /* A chunks per thread per stage */
-    constexpr int B_CH = DUET__MMA_BROWS * CPR / DUET__MMA_THREADS;
+    using loader_t = duet__mma_loader<BM, BK, DUET__MMA_THREADS, DUAL>;
+    constexpr int S = duet__mma_stages(BK), MT = BM / 32;
+    constexpr int A_BYTES = loader_t::A_BYTES, STAGE = loader_t::STAGE;
     extern __shared__ float4 mma_sh[];
     __shared__ int rows[BM];
 
-    duet_pdl_wait(); /* the plan and A (x in bf16, or h) */
-    duet_pdl_trigger();
-    if ((int)blockIdx.y >= pl.meta[1])
+    const int e = duet__mma_tile<BM, DUET__MMA_THREADS>(pl, rows);
+    if (e < 0)
         return;
-    const int2 tl = pl.tiles[blockIdx.y];
-    const int e = tl.x;
-    const int n_r = min(BM, pl.off[e + 1] - tl.y);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
-    for (int m = tid; m < BM; m += DUET__MMA_THREADS)
-        rows[m] = m < n_r ? pl.list[tl.y + m] : -1;
-    __syncthreads();
 
     const int n0 = blockIdx.x * (DUAL ? 64 : 128);
     const unsigned sbase = (unsigned)__cvta_generic_to_shared(mma_sh);
 
-    const __nv_bfloat16 *a_src[A_CH];
-    unsigned a_dst[A_CH];
-    bool a_ok[A_CH];
-#pragma unroll
-    for (int j = 0; j < A_CH; j++) {
-        const int q = tid + DUET__MMA_THREADS * j, r = q / CPR, c = q % CPR;
-        const int p = rows[r];
-        a_ok[j] = p >= 0;
-        a_src[j] = a_ok[j] ? A + (size_t)(p / a_div) * K + c * 8 : A;
-        a_dst[j] = duet__swz<BK>(r, c);
-    }
-    const __nv_bfloat16 *b_src[B_CH];
-    unsigned b_dst[B_CH];
-    bool b_ok[B_CH];
-#pragma unroll
-    for (int j = 0; j < B_CH; j++) {
-        const int q = tid + DUET__MMA_THREADS * j, r = q / CPR, c = q % CPR;
-        const int n = DUAL ? n0 + (r & 63) : n0 + r;
-        const __nv_bfloat16 *B = DUAL && r >= 64 ? B1 : B0;
-        b_ok[j] = n < N;
-        b_src[j] = b_ok[j] ? B + ((size_t)e * N + n) * K + c * 8 : B0;
-        b_dst[j] = A_BYTES + duet__swz<BK>(r, c);
-    }
+    const loader_t ld(rows, A, a_div, B0, B1, e, n0, N, K);
     const int KT = K / BK;
-    auto load = [&](int stage, int kt) {
-        const unsigned s = sbase + stage * STAGE;
-#pragma unroll
-        for (int j = 0; j < A_CH; j++)
-            duet__cp_async16(s + a_dst[j], a_src[j] + (a_ok[j] ? kt * BK : 0), a_ok[j]);
-#pragma unroll
-        for (int j = 0; j < B_CH; j++)
-            duet__cp_async16(s + b_dst[j], b_src[j] + (b_ok[j] ? kt * BK : 0), b_ok[j]);
-    };
-#pragma unroll
-    for (int s = 0; s < S - 1; s++) {
-        if (s < KT)
-            load(s, s);
-        duet__cp_async_commit();
-    }
+    ld.template prologue<S>(sbase, KT);
 
     float acc[MT][4][4];
 #pragma unroll
@@ -1686,7 +1580,7 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
         duet__cp_async_wait<S - 2>();
         __syncthreads(); /* stage kt landed for all; stage kt-1 is free to refill */
         if (kt + S - 1 < KT)
-            load((kt + S - 1) % S, kt + S - 1);
+            ld.load(sbase + ((kt + S - 1) % S) * STAGE, kt + S - 1);
         duet__cp_async_commit();
         const unsigned st = sbase + (kt % S) * STAGE;
 #pragma unroll
@@ -1852,24 +1746,6 @@ extern "C" size_t duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int6
     return duet__moe_layout(max_T, top_k, E, I, D).total + 256; /* + 256: base alignment */
 }
 
-/* Allow a kernel up to DUET__SMEM_CAP of dynamic shared memory, once per kernel and device
- * (the attribute belongs to the device's context). `done` has a bit per device; racing first
- * calls set the same value, and a lost bit only costs a second call. */
-template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned long long *done)
-{
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess)
-        return e;
-    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
-    if (bit != 0 && (*done & bit) != 0)
-        return cudaSuccess;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DUET__SMEM_CAP);
-    if (e == cudaSuccess)
-        *done |= bit;
-    return e;
-}
-
 /* Phase 1 then phase 2 with the kernels k13, k2 (gemv2 also adds into y when the plan has
  * tickets); *optin13 / *optin2 remember the shared-memory opt-in per device. */
 template <int NRMAX, int SPB, typename K13, typename K2>
@@ -2017,6 +1893,21 @@ static bool duet__mma_bk64(void)
     return duet_cuda_env_flag(&bk32, "DUET_CUDA_MOE_MMA_BK32") == 0;
 }
 
+/*
+ * Whether the MMA path runs the wgmma kernels: where the device runs them (sm_90a) and K of
+ * both phases is a multiple of 64, unless `kind` forces mma.sync or DUET_CUDA_NO_WGMMA=1 is in
+ * the environment (read once: side-by-side runs).
+ */
+static bool duet__mma_wgmma(int kind, int64_t D, int64_t I)
+{
+    static int off = -1;
+    if (kind == DUET__MOE_MMA_SYNC || D % 64 != 0 || I % 64 != 0)
+        return false;
+    if (kind != DUET__MOE_MMA_WGMMA && duet_cuda_env_flag(&off, "DUET_CUDA_NO_WGMMA") != 0)
+        return false;
+    return duet__moe_wgmma_usable() != 0;
+}
+
 /* One MMA phase: the kernel of tile height BM, phase DUAL and k-step BK on grid g. */
 template <int BM, bool DUAL, int BK>
 static duet_status_t
@@ -2053,17 +1944,28 @@ static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_
                                                        beta, beta_lin, h_out, o_out);
 }
 
+/* Both MMA phases for tiles of BM rows: with `wg` the wgmma kernels (moe_wgmma.cu), else
+ * mma.sync's. */
 template <int BM>
 static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                       const __nv_bfloat16 *xb, const duet__moe_plan_t &pl,
                                       int64_t max_tiles, int top_k, duet_cuda_act_t act, float beta,
-                                      float beta_lin, __nv_bfloat16 *hb, float *out)
+                                      float beta_lin, __nv_bfloat16 *hb, float *out, bool wg)
 {
     const int I = (int)ex->I, D = (int)ex->D;
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
     const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)ex->w2;
     const dim3 g1((unsigned)((I + 63) / 64), (unsigned)max_tiles);
     const dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
+    if (wg) {
+        const duet_status_t st =
+            duet__moe_wgmma_phase(stream, max_tiles, BM / 64, true, xb, top_k, w1, w3, I, D, pl,
+                                  act, beta, beta_lin, hb, NULL);
+        if (st != DUET_OK)
+            return st;
+        return duet__moe_wgmma_phase(stream, max_tiles, BM / 64, false, hb, 1, w2, w2, D, I, pl,
+                                     act, beta, beta_lin, NULL, out);
+    }
     const duet_status_t st = duet__launch_mma_k<BM, true>(stream, g1, xb, top_k, w1, w3, I, D, pl,
                                                           act, beta, beta_lin, hb, NULL);
     if (st != DUET_OK)
@@ -2135,6 +2037,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int force_spb = (path >> DUET__MOE_SPB_SHIFT) & 0xf;
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
     const bool deep = (path & DUET__MOE_T1_DEEP) != 0 || duet__t1_deep_env();
+    const int mma_kind = path & (DUET__MOE_MMA_SYNC | DUET__MOE_MMA_WGMMA);
     path &= 0xf;
     if (path == DUET__MOE_PATH_MMA && !mma_ok)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
@@ -2221,6 +2124,12 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
 
     duet_status_t st;
     if (path == DUET__MOE_PATH_MMA) {
+        const bool wg = duet__mma_wgmma(mma_kind, D, I);
+        if (mma_kind == DUET__MOE_MMA_WGMMA && !wg)
+            return duet_error_set(DUET_ERR_UNSUPPORTED,
+                                  "cuda moe_experts: the wgmma kernels need an sm_90a device "
+                                  "(H100 / H200) and D, I multiples of 64 (D=%lld, I=%lld)",
+                                  (long long)D, (long long)I);
         __nv_bfloat16 *xb = (__nv_bfloat16 *)(base + L.xb);
         const int64_t n = T * D;
         const unsigned nb = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
@@ -2234,10 +2143,10 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                                   (long long)P);
         if (bm == 128)
             st = duet__launch_mma<128>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
-                                       beta_lin, (__nv_bfloat16 *)h, out);
+                                       beta_lin, (__nv_bfloat16 *)h, out, wg);
         else
             st = duet__launch_mma<64>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
-                                      beta_lin, (__nv_bfloat16 *)h, out);
+                                      beta_lin, (__nv_bfloat16 *)h, out, wg);
     } else {
         int64_t max_slots = (P + nrmax - 1) / nrmax + A; /* the last slot may be partial */
         max_slots = max_slots < P ? max_slots : P;
@@ -2272,6 +2181,12 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               shared),
               "combine kernel launch");
     return DUET_OK;
+}
+
+/* For tests: whether the MMA path with nothing forced runs the wgmma kernels at D and I. */
+extern "C" int duet__cuda_moe_wgmma_default(int64_t D, int64_t I)
+{
+    return duet__mma_wgmma(0, D, I) ? 1 : 0;
 }
 
 extern "C" duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,

@@ -35,6 +35,10 @@ duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_e
                                           float beta, float beta_lin, float *y, void *scratch,
                                           int path);
 
+/* 1 when the MMA path with nothing forced runs moe.cu's wgmma kernels at these D and I (an
+ * sm_90a device, multiples of 64, DUET_CUDA_NO_WGMMA unset), else 0 (mma.sync). */
+int duet__cuda_moe_wgmma_default(int64_t D, int64_t I);
+
 /* PATH_NO_PDL is this file's: moe_call turns programmatic dependent launch off around the call
  * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
  * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
@@ -49,7 +53,9 @@ enum {
     PATH_NO_PDL = 0x1000,
     PATH_SEPARATE = 0x2000,
     PATH_DEEP = 0x4000,
-    PATH_EARLY = 0x10000
+    PATH_EARLY = 0x10000,
+    PATH_SYNC = 0x1000000, /* the MMA path's mma.sync kernels */
+    PATH_WG = 0x2000000    /* the MMA path's wgmma kernels (refused where unusable) */
 };
 /* the MMA path with its tile height forced (moe.cu's path bits 8..11) */
 #define MMA_BM(bm) (PATH_MMA | ((bm) == 64 ? 1 << 8 : 2 << 8))
@@ -893,13 +899,25 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s%s%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
+             path & PATH_SYNC ? "-sync" : "", path & PATH_WG ? "-wgmma" : "",
              path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "",
              path & PATH_DEEP ? "-deep" : "", path & PATH_EARLY ? "-early" : "");
     return buf;
+}
+
+/* Which kernels a path runs, for the bit-for-bit comparisons: 0 GEMV, 1 mma.sync, 2 wgmma. */
+static int path_family(int path, int auto_is_mma, const experts_t *X)
+{
+    const int p = path & 0xf;
+    if (!(p == PATH_MMA || (p == PATH_AUTO && auto_is_mma)))
+        return 0;
+    if (path & (PATH_SYNC | PATH_WG))
+        return path & PATH_WG ? 2 : 1;
+    return duet__cuda_moe_wgmma_default(X->D, X->I) ? 2 : 1;
 }
 
 /*
@@ -908,7 +926,9 @@ static const char *path_name(int path)
  * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
  * tickets at T = 1, the uncapped T = 1 kernels, the automatic choice where it is GEMV) must give
  * bit-identical y: each pair's dot products have one operation order, and y gets Σ_k in k order
- * with the combine kernel's arithmetic. The same holds among the MMA-path variants. With
+ * with the combine kernel's arithmetic. The same holds among the MMA-path variants of one
+ * kind (mma.sync, wgmma); the two kinds may round their sums differently (both against the
+ * reference, and the count of outputs where they differ is printed). With
  * `shared` the call also folds in the shared expert (T = 1, GEMV paths only); with shared == 2
  * x is the row duet_cuda_moe_router_route stores, xn = RMSNorm(nx) ⊙ nw of a random nx and nw
  * (through a small random router), and PATH_EARLY paths pass nx and nw as well: the shared
@@ -976,12 +996,13 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     float *dwt = dev_copy(wts, sizeof(float) * T * K);
     const size_t sb = duet_cuda_moe_scratch_bytes(T, K, E, I, D);
     void *scratch = dev_alloc(sb);
-    float *yfirst[2] = {xmalloc(sizeof(float) * T * D), xmalloc(sizeof(float) * T * D)};
-    int first_path[2] = {-1, -1}; /* the path yfirst[mma] holds, per family */
+    float *yfirst[3] = {xmalloc(sizeof(float) * T * D), xmalloc(sizeof(float) * T * D),
+                        xmalloc(sizeof(float) * T * D)};
+    int first_path[3] = {-1, -1, -1}; /* the path yfirst[fam] holds, per family */
     double worst = 0;
     for (int pi = 0; pi < n_paths; pi++) {
         const int path = paths[pi];
-        const int mma = (path & 0xf) == PATH_MMA || ((path & 0xf) == PATH_AUTO && auto_is_mma);
+        const int fam = path_family(path, auto_is_mma, X), mma = fam != 0;
         const double tol = mma ? MOE_TOL_MMA : MOE_TOL_GEMV;
         CUDA_OK(cudaMemcpy(dy, y0, sizeof(float) * T * D, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(scratch, 0xff, sb)); /* no reliance on zeroed scratch */
@@ -995,15 +1016,24 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         DUET_OK_OR_FAIL(
             moe_call(0, &exp, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy, scratch, path));
         host_copy(yg, dy, sizeof(float) * T * D);
-        if (first_path[mma] < 0) {
-            memcpy(yfirst[mma], yg, sizeof(float) * T * D);
-            first_path[mma] = path;
+        if (first_path[fam] < 0) {
+            memcpy(yfirst[fam], yg, sizeof(float) * T * D);
+            first_path[fam] = path;
+            const int other = fam == 2 ? 1 : fam == 1 ? 2 : 0;
+            if (other != 0 && first_path[other] >= 0) {
+                int64_t n_diff = 0;
+                for (int64_t i = 0; i < T * D; i++)
+                    n_diff += memcmp(&yg[i], &yfirst[other][i], sizeof(float)) != 0;
+                printf("[cuda_ops] moe_experts %-4s T=%-4lld wgmma vs mma.sync: %lld of %lld "
+                       "outputs differ (allowed: summation order)\n",
+                       duet_dtype_name(X->dt), (long long)T, (long long)n_diff, (long long)(T * D));
+            }
         } else {
             int64_t n_diff = 0;
             for (int64_t i = 0; i < T * D; i++)
-                n_diff += memcmp(&yg[i], &yfirst[mma][i], sizeof(float)) != 0;
+                n_diff += memcmp(&yg[i], &yfirst[fam][i], sizeof(float)) != 0;
             char first[64];
-            snprintf(first, sizeof(first), "%s", path_name(first_path[mma]));
+            snprintf(first, sizeof(first), "%s", path_name(first_path[fam]));
             printf("[cuda_ops] moe_experts %-4s T=%-4lld %s vs %s: %lld of %lld outputs differ "
                    "(must be 0)\n",
                    duet_dtype_name(X->dt), (long long)T, path_name(path), first, (long long)n_diff,
@@ -1040,6 +1070,7 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
               path_name(path), (long long)T, rms);
         worst = fmax(worst, e);
     }
+    free(yfirst[2]);
     free(yfirst[1]);
     free(yfirst[0]);
     cudaFree(dnw);
@@ -1115,14 +1146,24 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         experts_free(&X);
     }
     /* D and I multiples of 64: the 64-row MMA tiles take k-steps of 64 in both phases (above,
-     * I = 96 keeps the down phase at 32), the 128-row tiles 32; both tile heights forced */
+     * I = 96 keeps the down phase at 32), the 128-row tiles 32; both tile heights forced, with
+     * mma.sync and, where the device runs them, wgmma (which needs these multiples of 64) */
     {
-        static const int tiles[] = {PATH_AUTO, PATH_GEMV, MMA_BM(64), MMA_BM(128),
-                                    MMA_BM(64) | PATH_NO_PDL};
+        static const int tiles[] = {PATH_AUTO,
+                                    PATH_GEMV,
+                                    MMA_BM(64) | PATH_SYNC,
+                                    MMA_BM(128) | PATH_SYNC,
+                                    MMA_BM(64) | PATH_SYNC | PATH_NO_PDL,
+                                    MMA_BM(64),
+                                    MMA_BM(128),
+                                    MMA_BM(64) | PATH_WG,
+                                    MMA_BM(128) | PATH_WG | PATH_NO_PDL};
+        const int n_tiles = duet__cuda_moe_wgmma_default(192, 128) ? 9 : 7;
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, E, 128, 192);
-        moe_case(cpu, &X, 64, K, &silu, tiles, 5, 1, 0, 0);
-        moe_case(cpu, &X, 300, K, &silu, tiles, 5, 1, 3, 0);
+        moe_case(cpu, &X, 64, K, &silu, tiles, n_tiles, 1, 0, 0);
+        moe_case(cpu, &X, 300, K, &silu, tiles, n_tiles, 1, 3, 0);
+        moe_case(cpu, &X, 300, K, &situ, tiles, n_tiles, 1, 0, 0);
         experts_free(&X);
     }
     /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
@@ -1198,6 +1239,20 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         CHECK(st == DUET_ERR_UNSUPPORTED, "%s", duet_status_name(st));
         experts_free(&X);
     }
+    /* ... and the wgmma kernels where they cannot run: I = 96 is no multiple of 64 (and on a
+     * device without sm_90a code, any shape) */
+    {
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, 2, 96, 128);
+        float *buf = X.dw[0];
+        duet_status_t st =
+            duet__cuda_moe_experts_path(0, &X.ex, buf, 1, (int32_t *)buf, buf, 1,
+                                        DUET_CUDA_ACT_SILU, 0, 0, buf, buf, PATH_MMA | PATH_WG);
+        printf("[cuda_ops] moe_experts wgmma forced at I=96: %s (%s)\n", duet_status_name(st),
+               duet_error_last());
+        CHECK(st == DUET_ERR_UNSUPPORTED, "%s", duet_status_name(st));
+        experts_free(&X);
+    }
     duet_kernels_destroy(cpu);
 }
 
@@ -1212,11 +1267,15 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     experts_t X;
     experts_make(&X, DUET_DTYPE_BF16, 256, 1024, 2304);
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0};
-    static const int paths[] = {PATH_AUTO, PATH_MMA, PATH_GEMV | PATH_NO_PDL, GEMV_SPB(1),
-                                GEMV_SPB(4)};
+    static const int paths[] = {
+        PATH_AUTO,   PATH_MMA,   PATH_MMA | PATH_SYNC, PATH_GEMV | PATH_NO_PDL,
+        GEMV_SPB(1), GEMV_SPB(4)};
     static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
                                  PATH_GEMV | PATH_DEEP};
-    moe_case(cpu, &X, 64, 8, &silu, paths, 5, 0, 0, 0);
+    moe_case(cpu, &X, 64, 8, &silu, paths, 6, 0, 0, 0);
+    static const int prefill[] = {PATH_AUTO, PATH_MMA | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
+                                  MMA_BM(128), MMA_BM(64)};
+    moe_case(cpu, &X, 600, 8, &silu, prefill, 5, 1, 0, 0); /* 18.75 rows per expert */
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
@@ -1661,12 +1720,16 @@ Test(cuda_ops, bench_moe, .timeout = 300)
             printf("[cuda_ops] BENCH moe_experts BF16 T=%-5lld auto %9.1f us/call: %.1f TFLOP/s, "
                    "%.0f GB/s of experts\n",
                    (long long)T, us, flops / us / 1e6, bytes / us / 1e3);
-            const int variants[] = {MMA_BM(64), MMA_BM(128), PATH_GEMV};
-            const char *names[] = {"mma 64-row tiles ", "mma 128-row tiles", "gemv             "};
-            for (int v = 0; v < 3; v++) {
-                if (v == 2 && T > 2048)
+            const int variants[] = {MMA_BM(64) | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
+                                    MMA_BM(64) | PATH_WG, MMA_BM(128) | PATH_WG, PATH_GEMV};
+            const char *names[] = {"mma.sync 64-row tiles ", "mma.sync 128-row tiles",
+                                   "wgmma 64-row tiles    ", "wgmma 128-row tiles   ",
+                                   "gemv                  "};
+            const int wg = duet__cuda_moe_wgmma_default(D, I);
+            for (int v = 0; v < 5; v++) {
+                if ((v == 4 && T > 2048) || ((v == 2 || v == 3) && !wg))
                     continue;
-                const double t = moe_time(&b, variants[v], v == 2 ? 2 : iters, 0);
+                const double t = moe_time(&b, variants[v], v == 4 ? 2 : iters, 0);
                 printf("[cuda_ops] BENCH   T=%-5lld %s %9.1f us/call: %.1f TFLOP/s\n", (long long)T,
                        names[v], t, flops / t / 1e6);
             }
