@@ -20,6 +20,9 @@
  *           (j <= i): each pairwise decay is exp2 of a *difference* Γi − Γj <= 0 (clamped to <= 0
  *           so the masked j > i half cannot overflow either), never a ratio of exponentials,
  *           the property engine/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
+ *           when j lies in an earlier 16-row sub-chunk than i, as the product of two such
+ *           differences through the last row of j's sub-chunk (duet__kda_chunk_kr), so that
+ *           the exponentials are per (row, channel) there, not per (pair, channel);
  *     Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T = (I − L)^{-1} (forward substitution,
  *           never an explicit inverse)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
  *   - sequential (duet__kda_seq_kernel): one block per (item, head, 32 columns of S), the
@@ -541,7 +544,8 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 template <int K> struct duet__kda_chunk_layout {
     static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
     static constexpr int Q = 0, KK = Q + C * KR, G = KK + C * KR, VV = G + C * KR, L = VV + C * VR,
-                         A = L + C * LR, B = A + C * LR, GL = B + C, FLOATS = GL + K;
+                         A = L + C * LR, B = A + C * LR, GL = B + C, KRD = GL + K,
+                         FLOATS = KRD + C * KR;
     __device__ static constexpr int col(int d)
     {
         return d + 4 * (d / Kq);
@@ -640,20 +644,59 @@ static __device__ __forceinline__ void duet__kda_lqk_term(float ki, float qi, fl
     sqk += qi * t;
 }
 
-/* Step 3: L and Aqk from sQ, sK, sG (Γ), sB. Task (ih, jg): lanes on rows i = 32·ih + lane,
- * columns j = 4·jg .. +3. Tasks wholly above the diagonal (ih = 0, jg >= 8) only write their
- * zeros. */
+/* Sub-chunks of 16 rows: a pairwise decay e^{Γi−Γj} with j in an earlier sub-chunk than i
+ * factors through Γe, Γ of the last row of j's sub-chunk, into e^{Γi−Γe} · e^{Γe−Γj}, both
+ * exponents <= 0 (Γ never increases down a chunk: g <= 0), so neither factor can overflow and
+ * each is computed once per (row, channel) instead of once per (pair, channel). */
+#define DUET_KDA_SUB 16
+
+/* Step 3a: sKr[j] = k_j e^{min(Γe−Γj, 0)} (log2 units), Γe the last row of j's sub-chunk. */
+template <int K> static __device__ __forceinline__ void duet__kda_chunk_kr(float *sm)
+{
+    typedef duet__kda_chunk_layout<K> Ly;
+    constexpr int C = Ly::C, KR = Ly::KR, NT = 4 * K;
+    const float *sK = sm + Ly::KK, *sG = sm + Ly::G;
+    float *sKr = sm + Ly::KRD;
+    for (int idx = 4 * threadIdx.x; idx < C * K; idx += 4 * NT) {
+        const int j = idx / K, cd = Ly::col(idx % K), c = j * KR + cd;
+        const int ce = (j | (DUET_KDA_SUB - 1)) * KR + cd;
+        const float4 k = *reinterpret_cast<const float4 *>(&sK[c]);
+        const float4 gj = *reinterpret_cast<const float4 *>(&sG[c]);
+        const float4 ge = *reinterpret_cast<const float4 *>(&sG[ce]);
+        *reinterpret_cast<float4 *>(&sKr[c]) = make_float4(
+            k.x * duet__ex2(fminf(ge.x - gj.x, 0.0f)), k.y * duet__ex2(fminf(ge.y - gj.y, 0.0f)),
+            k.z * duet__ex2(fminf(ge.z - gj.z, 0.0f)), k.w * duet__ex2(fminf(ge.w - gj.w, 0.0f)));
+    }
+    __syncthreads();
+}
+
+/* The lqk tasks (sub-chunk of rows si, 8 columns jh) as si · 8 + jh, ordered so that 16 warps
+ * share the work evenly: the 8 diagonal tasks (pairwise decays) first, one per warp, then the
+ * 12 below the diagonal (one decay per row and channel) and the 12 above it (zeros only). */
+__constant__ static const unsigned char duet__kda_lqk_tasks[32] = {
+    0 * 8 + 0, 0 * 8 + 1, 1 * 8 + 2, 1 * 8 + 3, 2 * 8 + 4, 2 * 8 + 5, 3 * 8 + 6, 3 * 8 + 7,
+    1 * 8 + 0, 1 * 8 + 1, 2 * 8 + 0, 2 * 8 + 1, 2 * 8 + 2, 2 * 8 + 3, 3 * 8 + 0, 3 * 8 + 1,
+    0 * 8 + 2, 0 * 8 + 3, 0 * 8 + 4, 0 * 8 + 5, 0 * 8 + 6, 0 * 8 + 7, 1 * 8 + 4, 1 * 8 + 5,
+    3 * 8 + 2, 3 * 8 + 3, 3 * 8 + 4, 3 * 8 + 5, 1 * 8 + 6, 1 * 8 + 7, 2 * 8 + 6, 2 * 8 + 7};
+
+/* Step 3b: L and Aqk from sQ, sK, sG (Γ), sKr, sB. Task (si, jh): lanes on rows i = 16·si +
+ * lane % 16, columns j = 8·jh + 4·(lane / 16) .. +3, all in sub-chunk sj = jh / 2. Below the
+ * diagonal (sj < si) each term is (k_i e^{Γi−Γe}) · sKr[j]; on it, k_j e^{min(Γi−Γj, 0)} per
+ * pair; above it (sj > si) the task only writes its zeros. */
 template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     constexpr int KR = Ly::KR, LR = Ly::LR, NW = 4 * K / 32;
+    static_assert(DUET_KDA_C == 4 * DUET_KDA_SUB, "4 sub-chunks of 16 rows, 8 tasks each");
     const float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G, *sB = sm + Ly::B;
+    const float *sKr = sm + Ly::KRD;
     float *sL = sm + Ly::L, *sA = sm + Ly::A;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int task = warp; task < 32; task += NW) {
-        const int ih = task >> 4, jg = task & 15, i = ih * 32 + lane, j0 = jg * 4;
+        const int tk = duet__kda_lqk_tasks[task], si = tk >> 3, jh = tk & 7, sj = jh >> 1;
+        const int i = DUET_KDA_SUB * si + (lane & 15), j0 = 8 * jh + 4 * (lane >> 4);
         float skk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (!(ih == 0 && jg >= 8)) {
+        if (sj == si) {
 #pragma unroll 2
             for (int d = 0; d < K; d += 4) {
                 const int cd = Ly::col(d);
@@ -669,6 +712,33 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
                     duet__kda_lqk_term(ki.y, qi.y, kj.y, gi.y, gj.y, skk[jj], sqk[jj]);
                     duet__kda_lqk_term(ki.z, qi.z, kj.z, gi.z, gj.z, skk[jj], sqk[jj]);
                     duet__kda_lqk_term(ki.w, qi.w, kj.w, gi.w, gj.w, skk[jj], sqk[jj]);
+                }
+            }
+        } else if (sj < si) {
+            const int e = DUET_KDA_SUB * sj + DUET_KDA_SUB - 1; /* the row Γe comes from */
+#pragma unroll 1
+            for (int d = 0; d < K; d += 4) {
+                const int cd = Ly::col(d);
+                const float4 ki = *reinterpret_cast<const float4 *>(&sK[i * KR + cd]);
+                const float4 qi = *reinterpret_cast<const float4 *>(&sQ[i * KR + cd]);
+                const float4 gi = *reinterpret_cast<const float4 *>(&sG[i * KR + cd]);
+                const float4 ge = *reinterpret_cast<const float4 *>(&sG[e * KR + cd]);
+                const float4 el = make_float4(
+                    duet__ex2(fminf(gi.x - ge.x, 0.0f)), duet__ex2(fminf(gi.y - ge.y, 0.0f)),
+                    duet__ex2(fminf(gi.z - ge.z, 0.0f)), duet__ex2(fminf(gi.w - ge.w, 0.0f)));
+                const float4 kl = make_float4(ki.x * el.x, ki.y * el.y, ki.z * el.z, ki.w * el.w);
+                const float4 ql = make_float4(qi.x * el.x, qi.y * el.y, qi.z * el.z, qi.w * el.w);
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) {
+                    const float4 kr = *reinterpret_cast<const float4 *>(&sKr[(j0 + jj) * KR + cd]);
+                    skk[jj] += kl.x * kr.x;
+                    sqk[jj] += ql.x * kr.x;
+                    skk[jj] += kl.y * kr.y;
+                    sqk[jj] += ql.y * kr.y;
+                    skk[jj] += kl.z * kr.z;
+                    sqk[jj] += ql.z * kr.z;
+                    skk[jj] += kl.w * kr.w;
+                    sqk[jj] += ql.w * kr.w;
                 }
             }
         }
@@ -774,6 +844,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     const int n = n_tok - (int64_t)c * C < C ? (int)(n_tok - (int64_t)c * C) : C;
     duet__kda_chunk_load<K>(a, r0 + (int64_t)c * C, n, h, sm);
     duet__kda_chunk_gamma<K>(sm);
+    duet__kda_chunk_kr<K>(sm);
     duet__kda_chunk_lqk<K>(sm);
     duet__kda_chunk_scale<K>(sm);
 
