@@ -1,7 +1,7 @@
 /*
  * cuda_test_util.h: what the CUDA kernel tests share (test_cuda_kda.c, test_cuda_mla.c,
  * test_cuda_mla_x.c, test_cuda_ops.c, test_kernels_cuda.c). Header-only: Criterion checks on
- * conditions, CUDA errors and duet statuses; a xorshift generator (each file picks its seed
+ * conditions, CUDA errors and duet statuses; test_rng.h's generator (each file picks its seed
  * with DUET_TEST_RNG_SEED before including this); host / device buffer helpers; the skip when no
  * device is visible.
  */
@@ -16,6 +16,7 @@
 
 #include "common/status.h"
 #include "kernels/kernels.h"
+#include "test_rng.h"
 
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
@@ -34,28 +35,6 @@
         duet_status_t s_ = (call);                                                                 \
         CHECK(s_ == DUET_OK, "%s: %s: %s", #call, duet_status_name(s_), duet_error_last());        \
     } while (0)
-
-#ifndef DUET_TEST_RNG_SEED
-#define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
-#endif
-
-static uint64_t rng_state = DUET_TEST_RNG_SEED;
-
-static inline uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
-
-/* Uniform in [-1, 1). */
-static inline float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
 
 static inline void *xmalloc(size_t n)
 {

@@ -18,6 +18,7 @@
 
 #include "kernels/cpu/cpu_impl.h"
 #include "kernels/kernels.h"
+#include "test_rng.h"
 
 /* ---- helpers ------------------------------------------------------------------------------- */
 
@@ -33,24 +34,6 @@
 
 /* One summary line per op on stdout (visible in `ctest -V`); per-case detail is cr_log_info. */
 #define REPORT(...) (printf("[kernels] " __VA_ARGS__), printf("\n"), fflush(stdout))
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rng_u32(void)
-{
-    uint64_t x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    rng_state = x;
-    return (uint32_t)(x >> 16);
-}
-
-/* Uniform in [-1, 1). */
-static float rng_f(void)
-{
-    return (float)(rng_u32() & 0xffffff) / 8388608.0f - 1.0f;
-}
 
 static float bits_f(uint32_t u)
 {
