@@ -91,6 +91,7 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 /* DUET_CUDA_NO_MLA_X=1 keeps every step on the absorbed MLA form (side-by-side comparisons);
  * the test hooks below override it */
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
+static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
 static int64_t duet__mla_x_steps;
 
 void duet_cuda_model_mla_x_set(int on)
@@ -200,6 +201,9 @@ struct duet_cuda_model {
      * DUET__MLA_X_CAP)), so chunks after the first of a prompt up to 8K positions take it too
      * (302 MB at Kimi-Linear-48B's 32 heads); xgath / xkvb hold one slice of the expansion */
     int mla_x;
+    /* KDA's chunked core on the tensor cores (duet_cuda_kda_layer_t.tc): BF16 compute, unless
+     * DUET_CUDA_NO_KDA_TC=1 */
+    int kda_tc;
     int64_t xcap, xslice; /* xslice <= T: the GEMM's staging holds T rows of x */
     void *xkv;
     float *xgath, *xkvb;
@@ -684,6 +688,8 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
     memcpy(dm->layer_sub, layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
     dm->T          = opts->max_batch_tokens;
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
+    dm->kda_tc =
+        dm->wdt == DUET_DTYPE_BF16 && !duet_cuda_env_flag(&duet__no_kda_tc, "DUET_CUDA_NO_KDA_TC");
     {
         /* (no KV pool: no MLA layers, and the form stays off) */
         const duet_cuda_mla_layer_t xl = {.kv_dtype = kv != NULL ? duet_kv_pool_desc(kv)->dtype
@@ -925,9 +931,14 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
     cudaStream_t  s  = dm->stream;
     duet_cuda_gemm_t *g = dm->gemm;
     const unsigned    f = dm->gemm_flags;
-    duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev, .kda_n_layers = c->n_kda_layers,
+    duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
+                                .kda_n_layers = c->n_kda_layers,
                                 .kda_layer_floats = dm->kda_layer_floats,
-                                .layer = dm->layer_sub[l], .H = H, .K = K, .W = c->conv_kernel};
+                                .layer = dm->layer_sub[l],
+                                .H = H,
+                                .K = K,
+                                .W = c->conv_kernel,
+                                .tc = dm->kda_tc};
     /* projections of xn, then the two low-rank second halves: one launch each at decode sizes */
     const duet_cuda_gemm_op_t in[3] = {
         {.y = dm->proj, .ldy = 3 * HK, .x = dm->xn, .ldx = D, .w = &w->qkv},

@@ -26,6 +26,11 @@ typedef struct {
     int64_t kda_layer_floats; /* H*K*V + 3*H*K*(W-1) */
     int64_t layer;            /* this KDA layer's index among KDA layers */
     int64_t H, K, W;          /* heads, head dim (= V), conv kernel size */
+    /* Nonzero: the chunked core's state products (items of 2+ tokens) run on the tensor cores,
+     * as tf32 products of fp32 values split in two (about 2^-21 per product, against fp32 FMA's
+     * 2^-24); 0: fp32 FMA. The engine sets it for BF16 compute, where the rest of the step
+     * rounds far more coarsely. */
+    int tc;
 } duet_cuda_kda_layer_t;
 
 /*

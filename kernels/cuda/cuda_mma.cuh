@@ -1,7 +1,9 @@
 /*
- * cuda_mma.cuh: the tensor-core pieces the attention (mla.cu) and the small-M GEMV (gemm.cu)
- * share (CUDA C++ only): one bf16 mma.m16n8k16 with fp32 accumulation, and the split of fp32
- * values into bf16 hi + lo pairs that lets such products keep fp32 operands to 2^-16.
+ * cuda_mma.cuh: the tensor-core pieces the attention (mla.cu), the small-M GEMV (gemm.cu) and
+ * KDA's chunked core (kda.cu) share (CUDA C++ only): one bf16 mma.m16n8k16 with fp32
+ * accumulation, and the split of fp32 values into bf16 hi + lo pairs that lets such products keep
+ * fp32 operands to 2^-16; one tf32 mma.m16n8k8 and the split of an fp32 value into two tf32
+ * parts (three products of the parts keep fp32 operands to about 2^-21).
  */
 #ifndef DUET_KERNELS_CUDA_MMA_CUH
 #define DUET_KERNELS_CUDA_MMA_CUH
@@ -47,6 +49,30 @@ static __device__ __forceinline__ void duet_split_bf16x2(float x0, float x1, uin
     const __nv_bfloat16 l1 = __float2bfloat16_rn(x1 - __bfloat162float(h1));
     *hi = (uint32_t)__bfloat16_as_ushort(h0) | ((uint32_t)__bfloat16_as_ushort(h1) << 16);
     *lo = (uint32_t)__bfloat16_as_ushort(l0) | ((uint32_t)__bfloat16_as_ushort(l1) << 16);
+}
+
+/* c (16×8 fp32) += a (16×8 tf32, row: a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)) ·
+ * b (8×8 tf32, col: b0 (t, g), b1 (t+4, g)), with g = lane / 4, t = lane % 4; c0..c3 are
+ * (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1). */
+static __device__ __forceinline__ void duet_mma_tf32(float c[4], const uint32_t a[4], uint32_t b0,
+                                                     uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* x = big + small as two tf32 values (10 explicit mantissa bits each, round to nearest): big
+ * rounds x, small the remainder, so |x − big − small| <= 2^-22 |x| (up to subnormals). The three
+ * products big·big + big·small + small·big of two such splits carry a product to about 2^-21. */
+static __device__ __forceinline__ void duet_split_tf32(float x, uint32_t *big, uint32_t *small)
+{
+    uint32_t b, s;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(s) : "f"(x - __uint_as_float(b)));
+    *big = b;
+    *small = s;
 }
 
 #endif

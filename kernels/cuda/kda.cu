@@ -31,6 +31,8 @@
  *     three small products spread over 16 warps, where the chunk loop used to carry the
  *     triangular solve on 4 warps per block (engine/kda.c's U − W S = T(βV) − T(βe^Γ K) S,
  *     there with T applied once, to Y = βV − W S; the same algebra, rounded differently).
+ *     duet__kda_seq_tc_kernel does the same three products on the tensor cores, as tf32 products
+ *     of split fp32 values (the layer's `tc` flag; the engine sets it for BF16 compute).
  *     H200, 27 layers of Kimi-Linear-48B, one 2048-token prefill: see bench/RESULTS.md.
  *   Γ is an fp32 running sum, so a decay carries an absolute error of about |Γ|·2^-24 in its
  *   exponent (as in the usual chunked GPU kernels); the CPU's products of per-token decays do
@@ -52,6 +54,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kda.h"
+#include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
 
 #define DUET__MODULE          "cuda kda" /* the prefix of this file's error details */
@@ -912,40 +915,49 @@ static __device__ __forceinline__ float duet__kda_quarters_sum(const float *rd, 
  */
 template <int K> struct duet__kda_seq_layout {
     static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS;
+    static constexpr int PA = K, PD = K, PQ = C, PS = XS; /* row pitches, as the tc layout's */
     static constexpr int QE = 0, KD = QE + C * K, WT = KD + C * K, A = WT + C * K, U = A + C * C,
                          GL = U + C * XS, S = GL + K, RED = S + K * XS, VN = RED + 4 * C * XS,
                          FLOATS = VN + C * XS;
 };
 
-/* Copy group `part` of a chunk's wy block (slot; NULL: none) into shared memory and commit it:
- * 0 = Wt and this block's columns of U, 1 = Qe and Aqk, 2 = Kd and e^{Γlast}. The sequential
- * kernel starts each group as soon as the chunk before has finished with its buffers. */
-template <int K>
+/* Copy group `part` of a chunk's wy block (slot; NULL: none) into shared memory laid out as Ly
+ * (duet__kda_seq_layout or duet__kda_tc_layout: offsets and row pitches) and commit it: 0 = Wt
+ * and this block's columns of U, 1 = Qe and Aqk, 2 = Kd and e^{Γlast}. The sequential kernels
+ * start each group as soon as the chunk before has finished with its buffers. */
+template <int K, typename Ly>
 static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, int x0, float *sm,
                                                            int part)
 {
-    typedef duet__kda_seq_layout<K> Sy;
     typedef duet__kda_wy_layout<K> Wy;
-    constexpr int C = Sy::C, XS = Sy::XS, NT = DUET_KDA_SEQ_THREADS;
+    constexpr int C = Ly::C, XS = Ly::XS, NT = DUET_KDA_SEQ_THREADS, K4 = K / 4;
     const int tid = threadIdx.x;
     if (slot != NULL) {
         const int big = part == 0 ? Wy::WT : part == 1 ? Wy::QE : Wy::KD;
-        const int sbig = part == 0 ? Sy::WT : part == 1 ? Sy::QE : Sy::KD;
-        for (int idx = tid; idx < C * K / 4; idx += NT)
-            duet__cp_async<16>(sm + sbig + 4 * idx, slot + big + 4 * idx, true);
+        const int sbig = part == 0 ? Ly::WT : part == 1 ? Ly::QE : Ly::KD;
+        const int pitch = part == 2 ? Ly::PD : Ly::PA;
+        for (int idx = tid; idx < C * K4; idx += NT) {
+            const int i = idx / K4, q = 4 * (idx % K4);
+            /* (unpadded layouts: the plain index, as the compiler then sees it) */
+            duet__cp_async<16>(sm + sbig + (pitch == K ? 4 * idx : i * pitch + q),
+                               slot + big + 4 * idx, true);
+        }
         if (part == 0)
             for (int idx = tid; idx < C * XS / 4; idx += NT) {
                 const int i = idx / (XS / 4), q = 4 * (idx % (XS / 4));
                 const bool ok = x0 + q < K;
-                duet__cp_async<16>(sm + Sy::U + i * XS + q,
+                duet__cp_async<16>(sm + Ly::U + i * Ly::PS + q,
                                    slot + Wy::U + i * K + (ok ? x0 + q : 0), ok);
             }
         else if (part == 1)
-            for (int idx = tid; idx < C * C / 4; idx += NT)
-                duet__cp_async<16>(sm + Sy::A + 4 * idx, slot + Wy::A + 4 * idx, true);
+            for (int idx = tid; idx < C * C / 4; idx += NT) {
+                const int i = idx / (C / 4), q = 4 * (idx % (C / 4));
+                duet__cp_async<16>(sm + Ly::A + (Ly::PQ == C ? 4 * idx : i * Ly::PQ + q),
+                                   slot + Wy::A + 4 * idx, true);
+            }
         else
-            for (int idx = tid; idx < K / 4; idx += NT)
-                duet__cp_async<16>(sm + Sy::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
+            for (int idx = tid; idx < K4; idx += NT)
+                duet__cp_async<16>(sm + Ly::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
     }
     duet__cp_async_commit();
 }
@@ -992,7 +1004,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     const float *wy = a.wy + h * Wy::FLOATS;
     const int64_t slot_stride = H * Wy::FLOATS;
     for (int part = 0; part < 3; part++)
-        duet__kda_seq_fetch<K>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
+        duet__kda_seq_fetch<K, Sy>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
 
     for (int64_t c = 0; c < nch; c++) {
         const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
@@ -1020,7 +1032,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         }
         duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
         __syncthreads();
-        duet__kda_seq_fetch<K>(next, x0, sm, 0);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 0);
 
         /* 2. Quarter dq of Σ_d Qe[i][d] S[d][x] + Σ_{j in 16dq..16dq+15} Aqk[i][j] V_new[j][x]. */
         float vq[16];
@@ -1082,8 +1094,8 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
                 if (i < n)
                     a.o[(r0 + c * C + i) * HK + h * K + x] = duet__kda_quarters_sum(rd, C * XS);
             }
-        duet__kda_seq_fetch<K>(next, x0, sm, 1);
-        duet__kda_seq_fetch<K>(next, x0, sm, 2);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 1);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 2);
     }
     duet__cp_async_wait<0>(); /* the last chunk's empty groups */
     for (int idx = tid; idx < K * XS; idx += NT) {
@@ -1091,6 +1103,256 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         if (x0 + l < V)
             S[(int64_t)d * V + x0 + l] = sm[Sy::S + idx];
     }
+}
+
+/*
+ * The sequential kernel's three products on the tensor cores (duet_cuda_kda_layer_t.tc): the
+ * same block (item·H + h, slice of 32 columns of S) and chunk recurrence, each product an
+ * mma.m16n8k8 over tf32 with fp32 operands kept as big + small splits (three products each,
+ * small terms first; cuda_mma.cuh), so its error stays near fp32's (about 2^-21 per product)
+ * while the FMA kernel above is bound by shared-memory traffic and issue slots. A warp splits
+ * each A fragment once for two 8-column tiles. With g = lane / 4 and t = lane % 4 the fragment
+ * coordinates, per chunk:
+ *   1. Wt S: warp w takes rows 16(w/4).., columns 16((w/2)%2).. and every other k-step (from
+ *      w%2); the two halves meet in RED, and V_new = U − (half 0 + half 1) is stored split (VB,
+ *      VS) for the next two products;
+ *   2. O = Qe S + Aqk V_new, the same tiles and halves (Aqk's k-steps only up to the tile's
+ *      diagonal), added the same way;
+ *   3. S ← e^{Γlast} S + Kdᵀ V_new: S lives in registers as the C fragments of warp w's tiles
+ *      (rows 16(w/2).., columns 16(w%2)..) for the whole item, in fp32; each chunk stores it
+ *      split (SB, SS) as the B operand of products 1 and 2.
+ * Row strides are padded so that fragment loads meet distinct banks. Rows of a chunk past its
+ * tokens are zero in every wy array (duet__kda_wy_layout), so they add nothing.
+ */
+template <int K> struct duet__kda_tc_layout {
+    static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS;
+    /* row strides: Qe and Wt (read along k = channel), Kd (read along the row index), Aqk, and
+     * the 32-column arrays */
+    static constexpr int PA = K + 4, PD = K + 8, PQ = C + 4, PS = XS + 8;
+    static constexpr int QE = 0, WT = QE + C * PA, KD = WT + C * PA, A = KD + C * PD,
+                         U = A + C * PQ, VB = U + C * PS, VS = VB + C * PS, SB = VS + C * PS,
+                         SS = SB + K * PS, GL = SS + K * PS, RED = GL + K,
+                         FLOATS = RED + 2 * C * PS;
+};
+
+/* acc[j] += A · B_j for the warp's two 8-column tiles j: the A fragment at `a` (row-major,
+ * pitch P: rows g, g + 8, columns t, t + 4) split once, the B fragments from the split arrays
+ * bb / bs at `b` (pitch PB: rows t, t + 4, columns g and 8 + g); three tf32 products each, the
+ * small terms first. */
+template <int P, int PB>
+static __device__ __forceinline__ void duet__kda_tc_step(float (&acc)[2][4], const float *a,
+                                                         const uint32_t *bb, const uint32_t *bs)
+{
+    uint32_t ab[4], as[4];
+    duet_split_tf32(a[0], &ab[0], &as[0]);
+    duet_split_tf32(a[8 * P], &ab[1], &as[1]);
+    duet_split_tf32(a[4], &ab[2], &as[2]);
+    duet_split_tf32(a[8 * P + 4], &ab[3], &as[3]);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const uint32_t b0 = bb[8 * j], b1 = bb[8 * j + 4 * PB];
+        duet_mma_tf32(acc[j], as, b0, b1);
+        duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
+        duet_mma_tf32(acc[j], ab, b0, b1);
+    }
+}
+
+/* The same with the A fragment transposed: element (m, k) at a[k * P + m] (Kdᵀ). */
+template <int P, int PB>
+static __device__ __forceinline__ void duet__kda_tc_step_t(float (&acc)[2][4], const float *a,
+                                                           const uint32_t *bb, const uint32_t *bs)
+{
+    uint32_t ab[4], as[4];
+    duet_split_tf32(a[0], &ab[0], &as[0]);
+    duet_split_tf32(a[8], &ab[1], &as[1]);
+    duet_split_tf32(a[4 * P], &ab[2], &as[2]);
+    duet_split_tf32(a[4 * P + 8], &ab[3], &as[3]);
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        const uint32_t b0 = bb[8 * j], b1 = bb[8 * j + 4 * PB];
+        duet_mma_tf32(acc[j], as, b0, b1);
+        duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
+        duet_mma_tf32(acc[j], ab, b0, b1);
+    }
+}
+
+/* The C fragments of the warp's two tiles (rows r, r + 8; columns c + 8j, + 1) into a [rows][P]
+ * array. */
+template <int P>
+static __device__ __forceinline__ void duet__kda_tc_put(float *dst, int r, int c,
+                                                        const float (&acc)[2][4])
+{
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        *reinterpret_cast<float2 *>(dst + r * P + c + 8 * j) = make_float2(acc[j][0], acc[j][1]);
+        *reinterpret_cast<float2 *>(dst + (r + 8) * P + c + 8 * j) =
+            make_float2(acc[j][2], acc[j][3]);
+    }
+}
+
+/* The same values split (duet_split_tf32) into big and small arrays of pitch P. */
+template <int P>
+static __device__ __forceinline__ void duet__kda_tc_put_split(float *big, float *small, int r,
+                                                              int c, const float (&v)[2][4])
+{
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            uint32_t b0, s0, b1, s1;
+            duet_split_tf32(v[j][2 * hr], &b0, &s0);
+            duet_split_tf32(v[j][2 * hr + 1], &b1, &s1);
+            const int off = (r + 8 * hr) * P + c + 8 * j;
+            *reinterpret_cast<uint2 *>(big + off) = make_uint2(b0, b1);
+            *reinterpret_cast<uint2 *>(small + off) = make_uint2(s0, s1);
+        }
+}
+
+template <int K>
+__global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
+    duet__kda_seq_tc_kernel(duet__kda_core_args_t a)
+{
+    typedef duet__kda_tc_layout<K> Ly;
+    typedef duet__kda_wy_layout<K> Wy;
+    constexpr int C = Ly::C, V = K, PS = Ly::PS, KS = K / 8;
+    const int64_t H = a.ly.H, HK = H * K;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
+    duet_pdl_wait(); /* the wy blocks (the ahead kernel) */
+    duet_pdl_trigger();
+    if (n_tok < 2)
+        return;
+
+    extern __shared__ float4 duet__kda_smem4[];
+    float *sm = reinterpret_cast<float *>(duet__kda_smem4);
+    const uint32_t *smu = reinterpret_cast<const uint32_t *>(sm);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    /* products 1 and 2: rows 16·mt.., columns 16·nh.., k-steps kh, kh + 2, ... */
+    const int mt = warp >> 2, nh = (warp >> 1) & 1, kh = warp & 1;
+    const int ra = 16 * mt + g, c1 = 16 * nh;
+    /* product 3 and the state: rows 16·md.. of S (md < K/16), columns 16·ns.. */
+    const int md = warp >> 1, ns = warp & 1, cs = 16 * ns;
+    const bool own = md < K / 16;
+    /* the reductions: thread tid adds row tid / 8, columns 4·(tid % 8) .. + 3 */
+    const int rr = tid >> 3, rc = 4 * (tid & 7);
+    const int x0 = (int)blockIdx.y * Ly::XS;
+    float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
+
+    /* the warp's tiles of S: sr[j][q] = S[16·md + g + 8·(q/2)][x0 + cs + 8j + 2t + q%2] */
+    float sr[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int d = 16 * md + g + 8 * (q >> 1), x = x0 + cs + 8 * j + 2 * t + (q & 1);
+            sr[j][q] = own && x < V ? S[(int64_t)d * V + x] : 0.0f;
+        }
+    const int64_t nch = (n_tok + C - 1) / C;
+    const float *wy = a.wy + h * Wy::FLOATS;
+    const int64_t slot_stride = H * Wy::FLOATS;
+    for (int part = 0; part < 3; part++)
+        duet__kda_seq_fetch<K, Ly>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
+
+    for (int64_t c = 0; c < nch; c++) {
+        const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
+        const float *next =
+            c + 1 < nch ? wy + duet__kda_wy_slot(a, it, (int)(c + 1)) * slot_stride : NULL;
+        if (own) /* S's split, the B operand of products 1 and 2 */
+            duet__kda_tc_put_split<PS>(sm + Ly::SB, sm + Ly::SS, 16 * md + g, cs + 2 * t, sr);
+        duet__cp_async_wait<2>(); /* group 0: Wt, U */
+        __syncthreads();
+
+        /* 1. this warp's half of Wt S, into RED[kh] */
+        if (16 * mt < n) {
+            float acc[2][4] = {};
+#pragma unroll
+            for (int ks = kh; ks < KS; ks += 2)
+                duet__kda_tc_step<Ly::PA, PS>(acc, sm + Ly::WT + ra * Ly::PA + 8 * ks + t,
+                                              smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
+                                              smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+            duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
+        }
+        __syncthreads();
+        { /* V_new = U − (half 0 + half 1), 0 past n; split */
+            float4 v = *reinterpret_cast<const float4 *>(sm + Ly::U + rr * PS + rc);
+            if (rr < n) {
+                const float4 h0 = *reinterpret_cast<const float4 *>(sm + Ly::RED + rr * PS + rc);
+                const float4 h1 =
+                    *reinterpret_cast<const float4 *>(sm + Ly::RED + C * PS + rr * PS + rc);
+                v.x -= h0.x + h1.x;
+                v.y -= h0.y + h1.y;
+                v.z -= h0.z + h1.z;
+                v.w -= h0.w + h1.w;
+            } else {
+                v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+            uint4 b, s;
+            duet_split_tf32(v.x, &b.x, &s.x);
+            duet_split_tf32(v.y, &b.y, &s.y);
+            duet_split_tf32(v.z, &b.z, &s.z);
+            duet_split_tf32(v.w, &b.w, &s.w);
+            *reinterpret_cast<uint4 *>(sm + Ly::VB + rr * PS + rc) = b;
+            *reinterpret_cast<uint4 *>(sm + Ly::VS + rr * PS + rc) = s;
+        }
+        duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
+        __syncthreads();
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 0); /* Wt and U are read */
+
+        /* 2. this warp's half of Qe S + Aqk V_new (Aqk is 0 past the diagonal), into RED[kh] */
+        if (16 * mt < n) {
+            float acc[2][4] = {};
+#pragma unroll
+            for (int ks = kh; ks < KS; ks += 2)
+                duet__kda_tc_step<Ly::PA, PS>(acc, sm + Ly::QE + ra * Ly::PA + 8 * ks + t,
+                                              smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
+                                              smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+            for (int ks = kh; ks <= 2 * mt + 1; ks += 2)
+                duet__kda_tc_step<Ly::PQ, PS>(acc, sm + Ly::A + ra * Ly::PQ + 8 * ks + t,
+                                              smu + Ly::VB + (8 * ks + t) * PS + c1 + g,
+                                              smu + Ly::VS + (8 * ks + t) * PS + c1 + g);
+            duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
+        }
+        /* 3. S ← e^{Γlast} S + Kdᵀ V_new on the warp's tiles of S (A[d][i] = Kd[i][d]) */
+        if (own) {
+            float acc[2][4] = {};
+            for (int kk = 0; kk < n; kk += 8)
+                duet__kda_tc_step_t<Ly::PD, PS>(acc, sm + Ly::KD + (kk + t) * Ly::PD + 16 * md + g,
+                                                smu + Ly::VB + (kk + t) * PS + cs + g,
+                                                smu + Ly::VS + (kk + t) * PS + cs + g);
+            const float e0 = sm[Ly::GL + 16 * md + g], e1 = sm[Ly::GL + 16 * md + g + 8];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                sr[j][0] = sr[j][0] * e0 + acc[j][0];
+                sr[j][1] = sr[j][1] * e0 + acc[j][1];
+                sr[j][2] = sr[j][2] * e1 + acc[j][2];
+                sr[j][3] = sr[j][3] * e1 + acc[j][3];
+            }
+        }
+        __syncthreads(); /* every read of the splits, Qe, Aqk, Kd and e^{Γlast} is done */
+        if (rr < n && x0 + rc < V) { /* O = half 0 + half 1 */
+            const float4 h0 = *reinterpret_cast<const float4 *>(sm + Ly::RED + rr * PS + rc);
+            const float4 h1 =
+                *reinterpret_cast<const float4 *>(sm + Ly::RED + C * PS + rr * PS + rc);
+            float *o = a.o + (r0 + c * C + rr) * HK + h * K + x0 + rc;
+            o[0] = h0.x + h1.x;
+            o[1] = h0.y + h1.y;
+            o[2] = h0.z + h1.z;
+            o[3] = h0.w + h1.w;
+        }
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 1);
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 2);
+    }
+    duet__cp_async_wait<0>(); /* the last chunk's empty groups */
+    if (own)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int d = 16 * md + g + 8 * (q >> 1), x = x0 + cs + 8 * j + 2 * t + (q & 1);
+                if (x < V)
+                    S[(int64_t)d * V + x] = sr[j][q];
+            }
 }
 
 /* ---- core: dispatch ----------------------------------------------------------------------- */
@@ -1108,7 +1370,8 @@ extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_row
 /* The chunked form's kernels need more dynamic shared memory than the 48 KiB default, which must
  * be allowed once per device; done on the first call (a host-side attribute, not a stream
  * operation). */
-template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t wy_bytes, size_t seq_bytes)
+template <int K>
+static duet_status_t duet__kda_chunk_smem_allow(size_t wy_bytes, size_t seq_bytes, size_t tc_bytes)
 {
     static int done[64];
     int dev = 0;
@@ -1121,6 +1384,9 @@ template <int K> static duet_status_t duet__kda_chunk_smem_allow(size_t wy_bytes
     DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_kernel<K>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)seq_bytes),
               "sequential kernel shared-memory attribute");
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_tc_kernel<K>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tc_bytes),
+              "tensor-core sequential kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
         __atomic_store_n(&done[dev], 1, __ATOMIC_RELEASE);
     return DUET_OK;
@@ -1137,18 +1403,24 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
     if (a.st.max_item_tokens > 1) {
         const size_t wy_bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
         const size_t seq_bytes = sizeof(float) * (size_t)duet__kda_seq_layout<K>::FLOATS;
-        duet_status_t s = duet__kda_chunk_smem_allow<K>(wy_bytes, seq_bytes);
+        const size_t tc_bytes = sizeof(float) * (size_t)duet__kda_tc_layout<K>::FLOATS;
+        duet_status_t s = duet__kda_chunk_smem_allow<K>(wy_bytes, seq_bytes, tc_bytes);
         if (s != DUET_OK)
             return s;
         DUET__TRY(duet_pdl_launch(duet__kda_wy_kernel<K>,
                                   dim3((unsigned)(a.st.n_items * a.max_chunks), (unsigned)H),
                                   dim3(4 * K), wy_bytes, stream, a),
                   "ahead kernel launch");
-        DUET__TRY(duet_pdl_launch(duet__kda_seq_kernel<K>,
-                                  dim3((unsigned)(a.st.n_items * H),
-                                       (unsigned)((K + DUET_KDA_SEQ_COLS - 1) / DUET_KDA_SEQ_COLS)),
-                                  dim3(DUET_KDA_SEQ_THREADS), seq_bytes, stream, a),
-                  "sequential kernel launch");
+        const dim3 sgrid((unsigned)(a.st.n_items * H),
+                         (unsigned)((K + DUET_KDA_SEQ_COLS - 1) / DUET_KDA_SEQ_COLS));
+        if (a.ly.tc)
+            DUET__TRY(duet_pdl_launch(duet__kda_seq_tc_kernel<K>, sgrid, dim3(DUET_KDA_SEQ_THREADS),
+                                      tc_bytes, stream, a),
+                      "tensor-core sequential kernel launch");
+        else
+            DUET__TRY(duet_pdl_launch(duet__kda_seq_kernel<K>, sgrid, dim3(DUET_KDA_SEQ_THREADS),
+                                      seq_bytes, stream, a),
+                      "sequential kernel launch");
     }
     return DUET_OK;
 }

@@ -124,6 +124,7 @@ typedef struct {
     int n_items;
     int n_tok[16];
     float alog_lo, alog_hi; /* A_log range: decays per token −exp(A_log)·softplus(·) */
+    int tc;                 /* duet_cuda_kda_layer_t.tc: the chunked core on the tensor cores */
 } kda_shape_t;
 
 typedef struct {
@@ -282,7 +283,8 @@ static void case_init(kda_case_t *c, const kda_shape_t *sh)
                                     .layer = c->layer,
                                     .H = H,
                                     .K = K,
-                                    .W = W};
+                                    .W = W,
+                                    .tc = sh->tc};
 }
 
 static void case_free(kda_case_t *c)
@@ -649,9 +651,9 @@ Test(cuda_kda, bad_shapes_refused, .timeout = 30)
 Test(cuda_kda, chain_small_heads, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"H2 K16 W4", 2, 16, 4, 6, {1, 5, 1, 64, 65, 130}, -2.0f, 0.5f};
-    const kda_shape_t b = {"H4 K32 W2", 4, 32, 2, 3, {2, 1, 100}, -2.0f, 0.5f};
-    const kda_shape_t d = {"H2 K48 W8", 2, 48, 8, 4, {1, 7, 64, 3}, -2.0f, 0.5f};
+    const kda_shape_t a = {"H2 K16 W4", 2, 16, 4, 6, {1, 5, 1, 64, 65, 130}, -2.0f, 0.5f, 0};
+    const kda_shape_t b = {"H4 K32 W2", 4, 32, 2, 3, {2, 1, 100}, -2.0f, 0.5f, 0};
+    const kda_shape_t d = {"H2 K48 W8", 2, 48, 8, 4, {1, 7, 64, 3}, -2.0f, 0.5f, 0};
     run_chain(&a);
     run_chain(&b);
     run_chain(&d);
@@ -660,9 +662,9 @@ Test(cuda_kda, chain_small_heads, .timeout = 120)
 Test(cuda_kda, chain_k64_k128, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"H3 K64 W4", 3, 64, 4, 7, {1, 1, 200, 2, 63, 1, 129}, -2.0f, 0.5f};
-    const kda_shape_t b = {"H2 K128 W4", 2, 128, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f};
-    const kda_shape_t d = {"H2 K128 W4 (1 item)", 2, 128, 4, 1, {190}, -2.0f, 0.5f};
+    const kda_shape_t a = {"H3 K64 W4", 3, 64, 4, 7, {1, 1, 200, 2, 63, 1, 129}, -2.0f, 0.5f, 0};
+    const kda_shape_t b = {"H2 K128 W4", 2, 128, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f, 0};
+    const kda_shape_t d = {"H2 K128 W4 (1 item)", 2, 128, 4, 1, {190}, -2.0f, 0.5f, 0};
     run_chain(&a);
     run_chain(&b);
     run_chain(&d);
@@ -673,8 +675,8 @@ Test(cuda_kda, chain_k64_k128, .timeout = 120)
 Test(cuda_kda, chain_decay_extremes, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t slow = {"H2 K64 slow decay", 2, 64, 4, 3, {1, 150, 66}, -6.0f, -4.0f};
-    const kda_shape_t fast = {"H2 K64 fast decay", 2, 64, 4, 3, {1, 150, 66}, 1.5f, 2.5f};
+    const kda_shape_t slow = {"H2 K64 slow decay", 2, 64, 4, 3, {1, 150, 66}, -6.0f, -4.0f, 0};
+    const kda_shape_t fast = {"H2 K64 fast decay", 2, 64, 4, 3, {1, 150, 66}, 1.5f, 2.5f, 0};
     run_chain(&slow);
     run_chain(&fast);
 }
@@ -683,7 +685,7 @@ Test(cuda_kda, chain_decay_extremes, .timeout = 120)
 Test(cuda_kda, chain_decode_batch1, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"H32 K128 W4 b1", 32, 128, 4, 1, {1}, -2.0f, 0.5f};
+    const kda_shape_t a = {"H32 K128 W4 b1", 32, 128, 4, 1, {1}, -2.0f, 0.5f, 0};
     run_chain_fused(&a);
 }
 
@@ -692,12 +694,13 @@ Test(cuda_kda, chain_decode_batch1, .timeout = 120)
 Test(cuda_kda, chain_decode_items, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"H4 K128 W4 b9", 4, 128, 4, 9, {1, 1, 1, 1, 1, 1, 1, 1, 1}, -2.0f, 0.5f};
-    const kda_shape_t b = {"H2 K48 W8 b3", 2, 48, 8, 3, {1, 1, 1}, -2.0f, 0.5f};
-    const kda_shape_t d = {"H3 K80 W2 b5", 3, 80, 2, 5, {1, 1, 1, 1, 1}, -2.0f, 0.5f};
-    const kda_shape_t e = {"H2 K16 W1 b2", 2, 16, 1, 2, {1, 1}, -2.0f, 0.5f};
-    const kda_shape_t f = {"H2 K112 W3 b4", 2, 112, 3, 4, {1, 1, 1, 1}, 1.5f, 2.5f};
-    const kda_shape_t g = {"H5 K96 W4 b2", 5, 96, 4, 2, {1, 1}, -6.0f, -4.0f};
+    const kda_shape_t a = {"H4 K128 W4 b9", 4,    128, 4, 9, {1, 1, 1, 1, 1, 1, 1, 1, 1},
+                           -2.0f,           0.5f, 0};
+    const kda_shape_t b = {"H2 K48 W8 b3", 2, 48, 8, 3, {1, 1, 1}, -2.0f, 0.5f, 0};
+    const kda_shape_t d = {"H3 K80 W2 b5", 3, 80, 2, 5, {1, 1, 1, 1, 1}, -2.0f, 0.5f, 0};
+    const kda_shape_t e = {"H2 K16 W1 b2", 2, 16, 1, 2, {1, 1}, -2.0f, 0.5f, 0};
+    const kda_shape_t f = {"H2 K112 W3 b4", 2, 112, 3, 4, {1, 1, 1, 1}, 1.5f, 2.5f, 0};
+    const kda_shape_t g = {"H5 K96 W4 b2", 5, 96, 4, 2, {1, 1}, -6.0f, -4.0f, 0};
     /* 13 x 64 (item, head) pairs: more than the fused kernel takes, so the separate kernels */
     const kda_shape_t l = {"H64 K16 W4 b13 (separate)",
                            64,
@@ -706,7 +709,8 @@ Test(cuda_kda, chain_decode_items, .timeout = 120)
                            13,
                            {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
                            -2.0f,
-                           0.5f};
+                           0.5f,
+                           0};
     run_chain_fused(&a);
     run_chain_fused(&b);
     run_chain_fused(&d);
@@ -720,8 +724,8 @@ Test(cuda_kda, chain_decode_items, .timeout = 120)
 Test(cuda_kda, chain_prefill, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"H3 K64 W4 mixed", 3, 64, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f};
-    const kda_shape_t b = {"H2 K128 W4 prefill", 2, 128, 4, 1, {130}, -2.0f, 0.5f};
+    const kda_shape_t a = {"H3 K64 W4 mixed", 3, 64, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f, 0};
+    const kda_shape_t b = {"H2 K128 W4 prefill", 2, 128, 4, 1, {130}, -2.0f, 0.5f, 0};
     run_chain_fused(&a);
     run_chain_fused(&b);
 }
@@ -738,7 +742,7 @@ static int device_equals(const float *host, const float *dev, size_t n)
 
 /* The GPU's two forms of the core on the same inputs: one item of n tokens (chunked) versus n
  * one-token steps (recurrent), both from the same nonzero state; and the CPU recurrence. */
-static void forms_agree(int64_t H, int64_t K, int64_t n)
+static void forms_agree(int64_t H, int64_t K, int64_t n, int tc)
 {
     const int64_t HK = H * K, C3 = 3 * HK, lf = H * K * K + C3 * 3;
     float *qkv = xmalloc(sizeof(float) * (size_t)(n * C3)),
@@ -785,7 +789,8 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
                                 .layer = 0,
                                 .H = H,
                                 .K = K,
-                                .W = 4};
+                                .W = 4,
+                                .tc = tc};
     const duet_cuda_step_t chunked = step_of(d_meta_a, 1, n, (int)n);
     duet_cuda_step_t st = chunked;
     /* The chunked form needs its scratch; without it the call is refused before any launch. */
@@ -845,8 +850,8 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
         duet_kda_recurrent(&io, pool + h * K * K);
     }
     char what[64];
-    snprintf(what, sizeof(what), "forms H%lld K%lld n=%lld", (long long)H, (long long)K,
-             (long long)n);
+    snprintf(what, sizeof(what), "forms%s H%lld K%lld n=%lld", tc ? " tc" : "", (long long)H,
+             (long long)K, (long long)n);
     {
         const size_t no = (size_t)(n * HK), ns = (size_t)(H * K * K);
         const int same = device_equals(oa, d_oc, no) && device_equals(sa, d_pool_c, ns);
@@ -869,9 +874,38 @@ static void forms_agree(int64_t H, int64_t K, int64_t n)
 Test(cuda_kda, chunked_equals_recurrent, .timeout = 120)
 {
     skip_without_device();
-    forms_agree(2, 128, 150);
-    forms_agree(3, 32, 150);
-    forms_agree(1, 80, 65);
+    forms_agree(2, 128, 150, 0);
+    forms_agree(3, 32, 150, 0);
+    forms_agree(1, 80, 65, 0);
+    forms_agree(2, 128, 150, 1);
+    forms_agree(3, 32, 150, 1);
+    forms_agree(1, 80, 65, 1);
+    forms_agree(2, 48, 200, 1);
+}
+
+/* The chunked core with its state products on the tensor cores (duet_cuda_kda_layer_t.tc: tf32
+ * products of split fp32 values) against the same CPU reference and tolerances as the FMA form:
+ * every K the core takes (one full or partial 32-column block up to four), items crossing chunk
+ * boundaries beside decode items, a chunk of one row past a full one (65, 129), and decays
+ * from slow to underflowing. */
+Test(cuda_kda, chunked_tensor_cores, .timeout = 120)
+{
+    skip_without_device();
+    const kda_shape_t shapes[] = {
+        {"tc H2 K16 W4", 2, 16, 4, 6, {1, 5, 1, 64, 65, 130}, -2.0f, 0.5f, 1},
+        {"tc H4 K32 W2", 4, 32, 2, 3, {2, 1, 100}, -2.0f, 0.5f, 1},
+        {"tc H2 K48 W8", 2, 48, 8, 4, {1, 7, 64, 3}, -2.0f, 0.5f, 1},
+        {"tc H3 K64 W4", 3, 64, 4, 7, {1, 1, 200, 2, 63, 1, 129}, -2.0f, 0.5f, 1},
+        {"tc H2 K80 W4", 2, 80, 4, 3, {17, 1, 140}, -2.0f, 0.5f, 1},
+        {"tc H2 K96 W4", 2, 96, 4, 2, {2, 96}, -2.0f, 0.5f, 1},
+        {"tc H2 K112 W3", 2, 112, 3, 2, {66, 129}, -2.0f, 0.5f, 1},
+        {"tc H2 K128 W4", 2, 128, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f, 1},
+        {"tc H2 K128 W4 (1 item)", 2, 128, 4, 1, {190}, -2.0f, 0.5f, 1},
+        {"tc H2 K64 slow decay", 2, 64, 4, 3, {1, 150, 66}, -6.0f, -4.0f, 1},
+        {"tc H2 K128 fast decay", 2, 128, 4, 3, {1, 150, 66}, 1.5f, 2.5f, 1},
+    };
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
+        run_chain(&shapes[i]);
 }
 
 /* The chain captured once as a CUDA graph (global capture mode: any call that is illegal while
@@ -879,7 +913,7 @@ Test(cuda_kda, chunked_equals_recurrent, .timeout = 120)
 Test(cuda_kda, graph_capture, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t sh = {"graph H2 K64 W4", 2, 64, 4, 4, {1, 90, 1, 2}, -2.0f, 0.5f};
+    const kda_shape_t sh = {"graph H2 K64 W4", 2, 64, 4, 4, {1, 90, 1, 2}, -2.0f, 0.5f, 0};
     kda_case_t c;
     cudaStream_t s;
     cudaGraph_t graph = NULL;
@@ -934,8 +968,8 @@ static void chain_graph(const kda_shape_t *sh)
 Test(cuda_kda, chain_graph_capture, .timeout = 120)
 {
     skip_without_device();
-    const kda_shape_t a = {"graph chain H2 K128 decode", 2, 128, 4, 3, {1, 1, 1}, -2.0f, 0.5f};
-    const kda_shape_t b = {"graph chain H2 K64 mixed", 2, 64, 4, 4, {1, 90, 1, 2}, -2.0f, 0.5f};
+    const kda_shape_t a = {"graph chain H2 K128 decode", 2, 128, 4, 3, {1, 1, 1}, -2.0f, 0.5f, 0};
+    const kda_shape_t b = {"graph chain H2 K64 mixed", 2, 64, 4, 4, {1, 90, 1, 2}, -2.0f, 0.5f, 0};
     chain_graph(&a);
     chain_graph(&b);
 }
@@ -1051,12 +1085,28 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_out, e0, e1));
+        float ms_tc = 0.0f; /* the chunked core on the tensor cores */
+        if (n_tok > 1) {
+            r.ly.tc = 1;
+            DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
+            CUDA_OK(cudaEventRecord(e0, 0));
+            for (int i = 0; i < iters; i++)
+                DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
+            CUDA_OK(cudaEventRecord(e1, 0));
+            CUDA_OK(cudaEventSynchronize(e1));
+            CUDA_OK(cudaEventElapsedTime(&ms_tc, e0, e1));
+            r.ly.tc = 0;
+        }
         const double us = 1e3 * ms_core / iters;
         const double state_gb = 2.0 * (double)n_items * (double)(H * K * K * 4) / 1e9;
         printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core %9.1f us (%.0f GB/s of "
                "state, %.0f tok/s), conv %.1f us, out %.1f us\n",
                n_items, n_tok, us, state_gb / (us * 1e-6), (double)T / (us * 1e-6),
                1e3 * ms_conv / iters, 1e3 * ms_out / iters);
+        if (n_tok > 1)
+            printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core on the tensor cores "
+                   "%9.1f us\n",
+                   n_items, n_tok, 1e3 * ms_tc / iters);
         fflush(stdout);
         CUDA_OK(cudaEventDestroy(e0));
         CUDA_OK(cudaEventDestroy(e1));
