@@ -23,8 +23,9 @@
  *           when j lies in an earlier 16-row sub-chunk than i, as the product of two such
  *           differences through the last row of j's sub-chunk (duet__kda_chunk_kr), so that
  *           the exponentials are per (row, channel) there, not per (pair, channel);
- *     Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T = (I − L)^{-1} (forward substitution,
- *           never an explicit inverse)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
+ *     Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T = (I − L)^{-1} (formed by blocks of
+ *           16 rows: forward substitution inside each diagonal block, products of blocks
+ *           between them)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
  *   - sequential (duet__kda_seq_kernel): one block per (item, head, 32 columns of S), the
  *     block's columns of S in shared memory for the whole item, per chunk in order
  *     V_new = U − Wt S,    O = Qe S + Aqk V_new,    S ← e^{Γlast} S + Kdᵀ V_new:
@@ -166,24 +167,6 @@ template <int N> __device__ static inline void duet__cp_async_wait(void)
 __device__ static inline void duet__cp_async_wait_all(void)
 {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-/* a[t] for a runtime t of a register array (a chain of selects: a dynamic index would move the
- * array to local memory), and a[t] = v. */
-template <int N> __device__ static inline float duet__pick(const float (&a)[N], int t)
-{
-    float v = a[0];
-#pragma unroll
-    for (int p = 1; p < N; p++)
-        v = p == t ? a[p] : v;
-    return v;
-}
-
-template <int N> __device__ static inline void duet__put(float (&a)[N], int t, float v)
-{
-#pragma unroll
-    for (int p = 0; p < N; p++)
-        a[p] = p == t ? v : a[p];
 }
 
 /* A hint that the 128-byte line at p will be read soon: it is fetched into L2. Never changes
@@ -535,6 +518,13 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 
 /* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
 
+/* Sub-chunks of 16 rows: a pairwise decay e^{Γi−Γj} with j in an earlier sub-chunk than i
+ * factors through Γe, Γ of the last row of j's sub-chunk, into e^{Γi−Γe} · e^{Γe−Γj}, both
+ * exponents <= 0 (Γ never increases down a chunk: g <= 0), so neither factor can overflow and
+ * each is computed once per (row, channel) instead of once per (pair, channel). The same
+ * blocks split T = (I − L)^{-1} (duet__kda_chunk_inverse). */
+#define DUET_KDA_SUB 16
+
 /*
  * Shared-memory layout of the ahead kernel (floats), where a chunk's Γ, L, Aqk and the products
  * with (I − L)^{-1} are formed. Rows of Q, K, G are KR = K + 20 floats and channel d sits at
@@ -547,8 +537,10 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 template <int K> struct duet__kda_chunk_layout {
     static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
     static constexpr int Q = 0, KK = Q + C * KR, G = KK + C * KR, VV = G + C * KR, L = VV + C * VR,
-                         A = L + C * LR, B = A + C * LR, GL = B + C, KRD = GL + K,
-                         FLOATS = KRD + C * KR;
+                         A = L + C * LR, B = A + C * LR, GL = B + C, KRD = GL + K;
+    /* KRD holds sKr for L and Aqk, then T and the inverse's staging (duet__kda_chunk_inverse) */
+    static constexpr int TINV = C * LR + 3 * DUET_KDA_SUB * DUET_KDA_SUB;
+    static constexpr int FLOATS = KRD + (C * KR > TINV ? C * KR : TINV);
     __device__ static constexpr int col(int d)
     {
         return d + 4 * (d / Kq);
@@ -646,12 +638,6 @@ static __device__ __forceinline__ void duet__kda_lqk_term(float ki, float qi, fl
     skk += ki * t;
     sqk += qi * t;
 }
-
-/* Sub-chunks of 16 rows: a pairwise decay e^{Γi−Γj} with j in an earlier sub-chunk than i
- * factors through Γe, Γ of the last row of j's sub-chunk, into e^{Γi−Γe} · e^{Γe−Γj}, both
- * exponents <= 0 (Γ never increases down a chunk: g <= 0), so neither factor can overflow and
- * each is computed once per (row, channel) instead of once per (pair, channel). */
-#define DUET_KDA_SUB 16
 
 /* Step 3a: sKr[j] = k_j e^{min(Γe−Γj, 0)} (log2 units), Γe the last row of j's sub-chunk. */
 template <int K> static __device__ __forceinline__ void duet__kda_chunk_kr(float *sm)
@@ -785,48 +771,72 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(fl
 }
 
 /*
- * Rows of X = (I − L)^{-1} R for one column, by forward substitution: X[i] = R[i] + Σ_{j<i}
- * L[i][j] X[j]. The column's four quarter owners (lanes 4x' .. 4x'+3 of a warp) hold rows
- * i ≡ dq (mod 4) in y[i / 4], R on entry and X on return. Once row j is final it is broadcast
- * from its owner and added into every row (L[i][j] is zero for i <= j, so finished rows stay);
- * `cur` tracks the owner's row of the current block, whose y slot has a runtime index. Only the
- * nb row blocks that hold tokens take part (the rest are zero throughout).
+ * T = (I − L)^{-1} (unit lower triangular), stored as L is: sT[k·LR + grp(i)] = T[i][k]. Blocked
+ * over the four 16-row sub-chunks, so that no step waits on more than 16 sequential rows: each
+ * diagonal block T_bb = (I − L_bb)^{-1} by forward substitution, one thread per (block, column);
+ * then, one block distance d = i − j at a time, T_ij = T_ii M with M = Σ_{k=j}^{i−1} L_ik T_kj
+ * (block row i of (I − L) T = I), M staged in sM (3 · 256 floats). Entries above the diagonal
+ * inside a diagonal block are written as 0; blocks above the diagonal are never read. Rows of L
+ * past the chunk's tokens are zero, so T is the identity there.
  */
 template <int K>
-static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sL, int nb, int lane,
-                                                             float (&y)[DUET_KDA_C / 4])
+static __device__ __forceinline__ void duet__kda_chunk_inverse(const float *sL, float *sT,
+                                                               float *sM)
 {
     typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int C = Ly::C, LR = Ly::LR;
-    const int dq = lane & 3;
-#pragma unroll 1
-    for (int t = 0; t < nb; t++) {
-        float cur = duet__pick<C / 4>(y, t);
+    constexpr int LR = Ly::LR, NT = 4 * K, SB = DUET_KDA_SUB, NB = DUET_KDA_C / DUET_KDA_SUB;
+    const int tid = threadIdx.x;
+    if (tid < NB * SB) { /* diagonal block b, column c: x = T_bb[:, c] */
+        const int b = tid / SB, c = tid % SB, o = SB * b;
+        float x[SB];
 #pragma unroll
-        for (int m = 0; m < 4; m++) {
-            const int j = 4 * t + m;
-            const float vj = __shfl_sync(0xffffffffu, cur, (lane & ~3) | m);
-            const float *l = &sL[j * LR + dq * 20];
+        for (int r = 0; r < SB; r++) {
+            float acc = r == c ? 1.0f : 0.0f;
 #pragma unroll
-            for (int u = 0; u < C / 4; u += 4) {
-                const float4 l4 = *reinterpret_cast<const float4 *>(&l[u]);
-                y[u] += l4.x * vj;
-                y[u + 1] += l4.y * vj;
-                y[u + 2] += l4.z * vj;
-                y[u + 3] += l4.w * vj;
-            }
-            cur += l[t] * vj;
+            for (int q = 0; q < r; q++)
+                acc += sL[(o + q) * LR + Ly::grp(o + r)] * x[q];
+            x[r] = acc;
         }
+#pragma unroll
+        for (int r = 0; r < SB; r++)
+            sT[(o + c) * LR + Ly::grp(o + r)] = x[r];
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int d = 1; d < NB; d++) {
+        const int ne = (NB - d) * SB * SB;
+        /* element e: block j = e / 256, column c = (e / 16) % 16, row r = e % 16 (lanes on
+         * rows: their grp positions fall on distinct banks) */
+        for (int e = tid; e < ne; e += NT) { /* M of block (j + d, j), element (r, c) */
+            const int j = e / (SB * SB), c = (e / SB) % SB, r = e % SB, i = j + d;
+            float m = 0.0f;
+            for (int k = j; k < i; k++)
+#pragma unroll 4
+                for (int q = 0; q < SB; q++)
+                    m += sL[(SB * k + q) * LR + Ly::grp(SB * i + r)] *
+                         sT[(SB * j + c) * LR + Ly::grp(SB * k + q)];
+            sM[j * SB * SB + r * SB + c] = m;
+        }
+        __syncthreads();
+        for (int e = tid; e < ne; e += NT) { /* T_ij = T_ii M, T_ii lower triangular */
+            const int j = e / (SB * SB), c = (e / SB) % SB, r = e % SB, i = j + d;
+            float t = 0.0f;
+            for (int q = 0; q <= r; q++)
+                t += sT[(SB * i + q) * LR + Ly::grp(SB * i + r)] * sM[j * SB * SB + q * SB + c];
+            sT[(SB * j + c) * LR + Ly::grp(SB * i + r)] = t;
+        }
+        __syncthreads();
     }
 }
 
 /*
  * Everything of a chunk that does not depend on the state, for every chunk in parallel ahead of
  * the sequential kernel. One block per (item, chunk) × head, 4·K threads: the chunk, Γ, L and
- * Aqk, the decayed q and k (steps 1-4), then U = T (β v) and Wt = T (β k e^Γ) with T = (I −
- * L)^{-1} by forward substitution (thread (x, dq) of the old column-local layout: column x,
- * rows ≡ dq mod 4), so that the state-dependent part of a chunk is V_new = U − Wt S, three
- * products and no triangular solve. Stores the duet__kda_wy_layout block at the chunk's slot.
+ * Aqk, the decayed q and k (steps 1-4), then T = (I − L)^{-1} (duet__kda_chunk_inverse) and the
+ * products U = T (β v) and Wt = T (β k e^Γ) (thread (x, dq) of the old column-local layout:
+ * column x, rows ≡ dq mod 4), so that the state-dependent part of a chunk is V_new = U − Wt S,
+ * three products and no triangular solve. Stores the duet__kda_wy_layout block at the chunk's
+ * slot.
  */
 template <int K>
 __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_core_args_t a)
@@ -865,22 +875,41 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     for (int d = tid; d < K; d += NT)
         out[Wy::GL + d] = duet__ex2(sm[Ly::GL + d]);
 
+    /* U = T (β v) and Wt = T (β k e^Γ): thread (x, dq) forms column x of both at rows i ≡ dq
+     * (mod 4), y[u] for row 4u + dq, summing over k in order; T[i][k] = 0 for i < k, so the k
+     * of sub-chunk kb only reach the rows from 16·kb on. */
+    float *sT = sm + Ly::KRD, *sM = sT + C * LR; /* sKr is spent */
+    duet__kda_chunk_inverse<K>(sm + Ly::L, sT, sM);
     const int lane = tid & 31, dq = lane & 3, x = (tid >> 5) * 8 + (lane >> 2);
-    const int nb = (n + 3) / 4;
-#pragma unroll 1
-    for (int pass = 0; pass < 2; pass++) { /* U from β v, then Wt from β k e^Γ */
-        float y[C / 4];
+    float yu[C / 4], yw[C / 4];
 #pragma unroll
-        for (int t = 0; t < C / 4; t++) {
-            const int i = 4 * t + dq;
-            y[t] = pass == 0 ? sm[Ly::B + i] * sm[Ly::VV + i * VR + x]
-                             : sm[Ly::G + i * KR + Ly::col(x)];
+    for (int u = 0; u < C / 4; u++)
+        yu[u] = yw[u] = 0.0f;
+#pragma unroll
+    for (int kb = 0; kb < C / DUET_KDA_SUB; kb++)
+#pragma unroll 2
+        for (int kk = 0; kk < DUET_KDA_SUB; kk++) {
+            const int k = DUET_KDA_SUB * kb + kk;
+            const float rv = sm[Ly::B + k] * sm[Ly::VV + k * VR + x];
+            const float rw = sm[Ly::G + k * KR + Ly::col(x)];
+            const float *tk = &sT[k * LR + dq * 20];
+#pragma unroll
+            for (int u = 4 * kb; u < C / 4; u += 4) {
+                const float4 t4 = *reinterpret_cast<const float4 *>(&tk[u]);
+                yu[u] += t4.x * rv;
+                yu[u + 1] += t4.y * rv;
+                yu[u + 2] += t4.z * rv;
+                yu[u + 3] += t4.w * rv;
+                yw[u] += t4.x * rw;
+                yw[u + 1] += t4.y * rw;
+                yw[u + 2] += t4.z * rw;
+                yw[u + 3] += t4.w * rw;
+            }
         }
-        duet__kda_chunk_solve<K>(sm + Ly::L, nb, lane, y);
-        float *dst = out + (pass == 0 ? Wy::U : Wy::WT) + x;
 #pragma unroll
-        for (int t = 0; t < C / 4; t++)
-            dst[(4 * t + dq) * K] = y[t];
+    for (int u = 0; u < C / 4; u++) {
+        out[Wy::U + (4 * u + dq) * K + x] = yu[u];
+        out[Wy::WT + (4 * u + dq) * K + x] = yw[u];
     }
 }
 
