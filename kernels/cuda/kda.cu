@@ -570,6 +570,15 @@ static __device__ __forceinline__ int64_t duet__kda_wy_slot(const duet__kda_core
     return (int64_t)a.st.item_row0[it] / DUET_KDA_C + it + c;
 }
 
+/* The duet__kda_wy_layout block of chunk c of item it, head h, in the caller's scratch. */
+template <int K>
+static __device__ __forceinline__ float *duet__kda_wy_block(const duet__kda_core_args_t &a,
+                                                            int64_t it, int64_t h, int c)
+{
+    constexpr int64_t F = duet__kda_wy_layout<K>::FLOATS;
+    return a.wy + h * F + duet__kda_wy_slot(a, it, c) * (a.ly.H * F);
+}
+
 /* Step 1 of a chunk: rows row0 .. row0 + n - 1 of head h into sQ, sK, sG and sV, β into sB;
  * rows past n are zero (β = 0, k = 0, g = 0 change nothing). The copies are asynchronous
  * (cp.async, zero-filled past n), so all of them are in flight at once instead of one round
@@ -861,7 +870,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     duet__kda_chunk_lqk<K>(sm);
     duet__kda_chunk_scale<K>(sm);
 
-    float *out = a.wy + (duet__kda_wy_slot(a, it, c) * a.ly.H + h) * Wy::FLOATS;
+    float *out = duet__kda_wy_block<K>(a, it, h, c);
     const int tid = threadIdx.x;
     for (int idx = 4 * tid; idx < C * K; idx += 4 * NT) {
         const int cc = (idx / K) * KR + Ly::col(idx % K);
@@ -1242,7 +1251,6 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     duet__kda_seq_tc_kernel(duet__kda_core_args_t a)
 {
     typedef duet__kda_tc_layout<K> Ly;
-    typedef duet__kda_wy_layout<K> Wy;
     constexpr int C = Ly::C, V = K, PS = Ly::PS, KS = K / 8;
     const int64_t H = a.ly.H, HK = H * K;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
@@ -1278,15 +1286,12 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             sr[j][q] = own && x < V ? S[(int64_t)d * V + x] : 0.0f;
         }
     const int64_t nch = (n_tok + C - 1) / C;
-    const float *wy = a.wy + h * Wy::FLOATS;
-    const int64_t slot_stride = H * Wy::FLOATS;
     for (int part = 0; part < 3; part++)
-        duet__kda_seq_fetch<K, Ly>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
+        duet__kda_seq_fetch<K, Ly>(duet__kda_wy_block<K>(a, it, h, 0), x0, sm, part);
 
     for (int64_t c = 0; c < nch; c++) {
         const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
-        const float *next =
-            c + 1 < nch ? wy + duet__kda_wy_slot(a, it, (int)(c + 1)) * slot_stride : NULL;
+        const float *next = c + 1 < nch ? duet__kda_wy_block<K>(a, it, h, (int)(c + 1)) : NULL;
         if (own) /* S's split, the B operand of products 1 and 2 */
             duet__kda_tc_put_split<PS>(sm + Ly::SB, sm + Ly::SS, 16 * md + g, cs + 2 * t, sr);
         duet__cp_async_wait<2>(); /* group 0: Wt, U */
