@@ -1041,6 +1041,20 @@ static void real_shape_free(real_shape_t *r)
     cudaFree(r->scr);
 }
 
+/* Milliseconds of `iters` back-to-back duet_cuda_kda_core calls on r, after one warm-up call. */
+static float core_ms(real_shape_t *r, int iters, cudaEvent_t e0, cudaEvent_t e1)
+{
+    float ms = 0.0f;
+    DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r->st, &r->ly, r->qkv, r->g, r->b, r->o, r->scr));
+    CUDA_OK(cudaEventRecord(e0, 0));
+    for (int i = 0; i < iters; i++)
+        DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r->st, &r->ly, r->qkv, r->g, r->b, r->o, r->scr));
+    CUDA_OK(cudaEventRecord(e1, 0));
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    return ms;
+}
+
 /* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints only. */
 Test(cuda_kda, timing_real_shape, .timeout = 120)
 {
@@ -1064,15 +1078,8 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         CUDA_OK(cudaEventCreate(&e0));
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = n_tok == 1 ? 50 : 5;
-        float ms_core = 0.0f, ms_conv = 0.0f, ms_out = 0.0f;
-        DUET_OK_OR_FAIL(
-            duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr)); /* warm-up */
-        CUDA_OK(cudaEventRecord(e0, 0));
-        for (int i = 0; i < iters; i++)
-            DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
-        CUDA_OK(cudaEventRecord(e1, 0));
-        CUDA_OK(cudaEventSynchronize(e1));
-        CUDA_OK(cudaEventElapsedTime(&ms_core, e0, e1));
+        float ms_conv = 0.0f, ms_out = 0.0f;
+        const float ms_core = core_ms(&r, iters, e0, e1);
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
             DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
@@ -1088,13 +1095,7 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         float ms_tc = 0.0f; /* the chunked core on the tensor cores */
         if (n_tok > 1) {
             r.ly.tc = 1;
-            DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
-            CUDA_OK(cudaEventRecord(e0, 0));
-            for (int i = 0; i < iters; i++)
-                DUET_OK_OR_FAIL(duet_cuda_kda_core(0, &r.st, &r.ly, r.qkv, r.g, r.b, r.o, r.scr));
-            CUDA_OK(cudaEventRecord(e1, 0));
-            CUDA_OK(cudaEventSynchronize(e1));
-            CUDA_OK(cudaEventElapsedTime(&ms_tc, e0, e1));
+            ms_tc = core_ms(&r, iters, e0, e1);
             r.ly.tc = 0;
         }
         const double us = 1e3 * ms_core / iters;
