@@ -70,7 +70,9 @@
  *   products. duet__mla_xattn_kernel keeps each warp's 16
  *   rows whole (scores, softmax and P in registers, one barrier per tile) and drops the lo · lo
  *   products: 3.1x at 8192 rows, 2.4x at 1024 rows over an 8K context, 1.35x at 256
- *   (test_cuda_mla_x's timing, H200; the 27-layer 8K prefill 349 -> 264 ms).
+ *   (test_cuda_mla_x's timing, H200; the 27-layer 8K prefill 349 -> 264 ms). On sm_90a the
+ *   same block runs on Hopper's wgmma instead (mla_wgmma.cu; DUET_CUDA_NO_MLA_WGMMA keeps this
+ *   kernel): the same products, bit for bit, 1.33x faster at 8192 rows.
  *
  * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
  *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
@@ -113,6 +115,7 @@
 #include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/mla_x.cuh"
 
 #define DUET__MODULE          "cuda mla" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -132,11 +135,6 @@
 #define DUET_MLA_MIN_SPLIT   64  /* plan_splits: fewest positions per busy split */
 #define DUET_MLA_MAX_SPLIT   1024
 #define DUET_LOG2E           1.4426950408889634f
-/* The expanded form's rows (cuda_mla.h): [v_hi | v_lo | k_hi | k_r | k_lo] */
-#define DUET_MLA_X_DN 128                 /* qk_nope_head_dim = v_head_dim */
-#define DUET_MLA_X_DR 64                  /* qk_rope_head_dim */
-#define DUET_MLA_X_S0 (2 * DUET_MLA_X_DN) /* first key dim */
-#define DUET_MLA_X_TD (DUET_MLA_X_S0 + 2 * DUET_MLA_X_DN + DUET_MLA_X_DR) /* 576 */
 
 /* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
  * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
@@ -152,6 +150,22 @@ extern "C" void duet__cuda_mla_force_simt(int on)
 extern "C" void duet__cuda_mla_tc_tile(int tk)
 {
     duet__mla_tc_tile = tk;
+}
+
+/* The expanded attention's kernel (test hook): 0 chooses (the wgmma kernel where the device
+ * runs it, unless DUET_CUDA_NO_MLA_WGMMA is set), 1 forces the mma.sync kernel, 2 the wgmma one
+ * (DUET_ERR_UNSUPPORTED where the device cannot run it). */
+static int duet__mla_x_kernel = 0;
+
+extern "C" void duet__cuda_mla_x_kernel(int which)
+{
+    duet__mla_x_kernel = which;
+}
+
+/* For tests: whether the current device runs the wgmma kernel. */
+extern "C" int duet__cuda_mla_x_wgmma_usable(void)
+{
+    return duet__mla_wgmma_usable();
 }
 
 /* Slots per tensor-core block: 0 chooses (see attend), 16 or 32 forces (64-position tiles). */
@@ -244,14 +258,6 @@ __device__ static inline void duet__cp_async4(void *smem, const void *gmem, int 
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
                  : "memory");
-}
-
-/* 2^x, hardware approximation (~2 ulp); 2^-inf = 0. */
-__device__ static inline float duet__mla_ex2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
 }
 
 __device__ static inline float duet__bf16_lo(uint32_t u)
@@ -1654,8 +1660,6 @@ __global__ static void duet__mla_x_weights_kernel(const T *wuk_t, const T *wuv, 
  * positions (row t at item_pos0 + t), as every step's are: a block reads its item's positions 0
  * .. its last row's.
  */
-#define DUET_MLA_XA_ROWS    64
-#define DUET_MLA_XA_TK      32
 #define DUET_MLA_XA_STAGES  3
 #define DUET_MLA_XA_LD      (DUET_MLA_X_TD + 8) /* an odd number of 16-byte chunks per row */
 #define DUET_MLA_XA_THREADS 128
@@ -1686,69 +1690,15 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ int s_blk[3]; /* first row, end of the item's rows, item's first expanded row */
     __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, tg = lane & 3;
     const int head = blockIdx.y, LD = DUET_MLA_XA_LD, TK = DUET_MLA_XA_TK;
-    /*
-     * Which item and rows: block x is the (gridDim.x - 1 - x)-th block of 64 rows in item
-     * order (an item's longest rows first); warp 0 scans the items' block counts and contexts
-     * (an item's expanded rows follow the previous items'), as duet__mla_setup scans the counts
-     * for attend (kept apart: that scan sits in the decode kernels, tuned as they are). Step
-     * metadata, copied in by the host before the step: readable before the wait. Blocks past
-     * the real count exit.
-     */
-    if (warp == 0) {
-        const unsigned full = 0xffffffffu;
-        const int bx = (int)gridDim.x - 1 - (int)blockIdx.x;
-        int nb = 0, nx = 0, found = 0;
-        for (int i0 = 0; i0 < n_items && !found; i0 += 32) {
-            const int i = i0 + lane;
-            int r0 = 0, r1 = 0, cnt = 0, len = 0;
-            if (i < n_items) {
-                r0 = item_row0[i];
-                r1 = item_row0[i + 1];
-                cnt = (r1 - r0 + DUET_MLA_XA_ROWS - 1) / DUET_MLA_XA_ROWS;
-                len = r1 > r0 ? row_pos[r1 - 1] + 1 : 0;
-            }
-            int ic = cnt, il = len;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int yc = __shfl_up_sync(full, ic, o), yl = __shfl_up_sync(full, il, o);
-                if (lane >= o) {
-                    ic += yc;
-                    il += yl;
-                }
-            }
-            const int eb = nb + ic - cnt, ex = nx + il - len;
-            const unsigned hit = __ballot_sync(full, cnt > 0 && bx >= eb && bx < eb + cnt);
-            if (hit != 0) {
-                const int src = __ffs(hit) - 1;
-                if (lane == src) {
-                    s_blk[0] = r0 + (bx - eb) * DUET_MLA_XA_ROWS;
-                    s_blk[1] = r1;
-                    s_blk[2] = ex;
-                }
-                found = 1;
-            }
-            nb += __shfl_sync(full, ic, 31);
-            nx += __shfl_sync(full, il, 31);
-        }
-        if (!found && lane == 0)
-            s_blk[0] = -1;
-    }
-    __syncthreads();
-    const int row0 = s_blk[0], n_rows = s_blk[1]; /* rows [row0, min(row0 + 64, n_rows)) */
-    if (row0 < 0) {
-        duet_pdl_wait(); /* every block waits: the grid completes after its predecessor */
+    duet__mla_xa_rows_t b; /* which item and rows (mla_x.cuh); blocks without rows exit */
+    if (!duet__mla_xa_begin(xkv, xstride, item_row0, n_items, row_pos, s_blk, &b))
         return;
-    }
-    const int wr = row0 + 16 * warp; /* warp's rows */
-    const int L = row_pos[min(row0 + DUET_MLA_XA_ROWS, n_rows) - 1] + 1;
+    const int L = b.L, r0 = b.r0, r1 = b.r1, n_rows = b.n_rows, p0 = b.p0, p1 = b.p1;
+    const int wr = b.row0 + 16 * warp; /* warp's rows */
     const int wmax = wr < n_rows ? row_pos[min(wr + 15, n_rows - 1)] : -1;
-    const int r0 = wr + g, r1 = wr + g + 8;
-    const int p0 = r0 < n_rows ? row_pos[r0] : -1, p1 = r1 < n_rows ? row_pos[r1] : -1;
-    duet_pdl_wait(); /* the expanded rows and q are written by earlier kernels */
-    duet_pdl_trigger();
-
-    const __nv_bfloat16 *src = xkv + ((int64_t)head * xstride + s_blk[2]) * DUET_MLA_X_TD;
+    const __nv_bfloat16 *src = b.src;
     const int n_tiles = (L + TK - 1) / TK;
 #pragma unroll
     for (int st = 0; st < DUET_MLA_XA_STAGES - 1; st++) {
@@ -1757,25 +1707,13 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
         duet__cp_async_commit();
     }
 
-    /* q fragments: a0a1 (g, 2tg), a2a3 (g + 8, 2tg), a4a5 (g, 2tg + 8), a6a7 (g + 8, 2tg + 8) */
     uint32_t qh[12][4], ql[12][4];
-#pragma unroll
-    for (int j = 0; j < 12; j++)
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int row = (x & 1) ? r1 : r0, col = 16 * j + 2 * tg + (x >> 1) * 8;
-            float2 v = make_float2(0.0f, 0.0f);
-            if (row < n_rows)
-                v = *(const float2 *)(q + (int64_t)row * ldq + (int64_t)head * dq_stride + col);
-            duet_split_bf16x2(v.x * qscale, v.y * qscale, &qh[j][x], &ql[j][x]);
-        }
+    duet__mla_xa_q(q, ldq, dq_stride, head, qscale, r0, r1, n_rows, tg, qh, ql);
 
-    float o[16][4], m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    float o[64], m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-        for (int c = 0; c < 4; c++)
-            o[i][c] = 0.0f;
+    for (int i = 0; i < 64; i++)
+        o[i] = 0.0f;
     /* ldmatrix lane offsets: K (tokens × dims, non-transposed) and V (transposed) */
     const int kb_off = ((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8;
     const int vb_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
@@ -1794,12 +1732,10 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
             continue; /* every row of this warp is before the tile */
         const __nv_bfloat16 *kt = kvs + (t % DUET_MLA_XA_STAGES) * TK * LD;
 
-        float s[4][4];
+        float s[16];
 #pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                s[i][c] = 0.0f;
+        for (int i = 0; i < 16; i++)
+            s[i] = 0.0f;
 #pragma unroll
         for (int j = 0; j < 12; j++) {
 #pragma unroll
@@ -1807,106 +1743,46 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
                 /* k_hi (j < 8) or k_r (j >= 8): row dims 256 + 16 j; k_lo: 448 + 16 j */
                 uint32_t b[4];
                 duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + 16 * j, b);
-                duet_mma_bf16(s[2 * np], qh[j], b[0], b[1]);
-                duet_mma_bf16(s[2 * np], ql[j], b[0], b[1]);
-                duet_mma_bf16(s[2 * np + 1], qh[j], b[2], b[3]);
-                duet_mma_bf16(s[2 * np + 1], ql[j], b[2], b[3]);
+                duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
+                duet_mma_bf16(s + 8 * np, ql[j], b[0], b[1]);
+                duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
+                duet_mma_bf16(s + 8 * np + 4, ql[j], b[2], b[3]);
                 if (j < 8) {
                     duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + DUET_MLA_X_DN +
                                       DUET_MLA_X_DR + 16 * j,
                                   b);
-                    duet_mma_bf16(s[2 * np], qh[j], b[0], b[1]);
-                    duet_mma_bf16(s[2 * np + 1], qh[j], b[2], b[3]);
+                    duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
+                    duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
                 }
             }
         }
 
-        /* online softmax of rows g (c = 0, 1) and g + 8 (c = 2, 3), log2 units */
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int tok = t0 + 8 * i + 2 * tg + (c & 1);
-                if (tok > (c < 2 ? p0 : p1))
-                    s[i][c] = -INFINITY;
-                if (c < 2)
-                    mx0 = fmaxf(mx0, s[i][c]);
-                else
-                    mx1 = fmaxf(mx1, s[i][c]);
-            }
-#pragma unroll
-        for (int d = 1; d <= 2; d <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, d));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, d));
-        }
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float a0 = mn0 == -INFINITY ? 1.0f : duet__mla_ex2(m0 - mn0);
-        const float a1 = mn1 == -INFINITY ? 1.0f : duet__mla_ex2(m1 - mn1);
-        const float b0 = mn0 == -INFINITY ? 0.0f : mn0, b1 = mn1 == -INFINITY ? 0.0f : mn1;
-        m0 = mn0;
-        m1 = mn1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            s[i][0] = duet__mla_ex2(s[i][0] - b0);
-            s[i][1] = duet__mla_ex2(s[i][1] - b0);
-            s[i][2] = duet__mla_ex2(s[i][2] - b1);
-            s[i][3] = duet__mla_ex2(s[i][3] - b1);
-            sum0 += s[i][0] + s[i][1];
-            sum1 += s[i][2] + s[i][3];
-        }
-        l0 = l0 * a0 + sum0; /* this thread's share; the quad adds them up at the end */
-        l1 = l1 * a1 + sum1;
-#pragma unroll
-        for (int i = 0; i < 16; i++) {
-            o[i][0] *= a0;
-            o[i][1] *= a0;
-            o[i][2] *= a1;
-            o[i][3] *= a1;
-        }
+        float a0, a1;
+        duet__mla_xa_softmax(s, t0, tg, p0, p1, m0, m1, l0, l1, a0, a1);
+        duet__mla_xa_rescale(o, a0, a1);
 
         /* o += P · (v_hi + v_lo), k-steps of 16 positions; P's fragments are s's registers */
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             uint32_t ph[4], pl[4];
-            duet_split_bf16x2(s[2 * kk][0], s[2 * kk][1], &ph[0], &pl[0]);
-            duet_split_bf16x2(s[2 * kk][2], s[2 * kk][3], &ph[1], &pl[1]);
-            duet_split_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], &ph[2], &pl[2]);
-            duet_split_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], &ph[3], &pl[3]);
+            duet__mla_xa_p(s, kk, ph, pl);
             const __nv_bfloat16 *vt = kt + vb_off + 16 * kk * LD;
 #pragma unroll
             for (int jp = 0; jp < 8; jp++) {
                 uint32_t v[4];
                 duet__ldsm_x4_t(vt + 16 * jp, v);
-                duet_mma_bf16(o[2 * jp], ph, v[0], v[1]);
-                duet_mma_bf16(o[2 * jp], pl, v[0], v[1]);
-                duet_mma_bf16(o[2 * jp + 1], ph, v[2], v[3]);
-                duet_mma_bf16(o[2 * jp + 1], pl, v[2], v[3]);
+                duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
+                duet_mma_bf16(o + 8 * jp, pl, v[0], v[1]);
+                duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
+                duet_mma_bf16(o + 8 * jp + 4, pl, v[2], v[3]);
                 duet__ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
-                duet_mma_bf16(o[2 * jp], ph, v[0], v[1]);
-                duet_mma_bf16(o[2 * jp + 1], ph, v[2], v[3]);
+                duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
+                duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
             }
         }
     }
     duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
-
-#pragma unroll
-    for (int d = 1; d <= 2; d <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, d);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, d);
-    }
-    const float i0 = 1.0f / l0, i1 = 1.0f / l1;
-#pragma unroll
-    for (int i = 0; i < 16; i++) {
-        const int col = 8 * i + 2 * tg;
-        if (r0 < n_rows)
-            *(float2 *)(out + ((int64_t)r0 * n + head) * DUET_MLA_X_DN + col) =
-                make_float2(o[i][0] * i0, o[i][1] * i0);
-        if (r1 < n_rows)
-            *(float2 *)(out + ((int64_t)r1 * n + head) * DUET_MLA_X_DN + col) =
-                make_float2(o[i][2] * i1, o[i][3] * i1);
-    }
+    duet__mla_xa_store(o, l0, l1, r0, r1, n_rows, n, head, tg, out);
 }
 
 extern "C" int duet_cuda_mla_x_shape(const duet_cuda_mla_layer_t *ly, int64_t dn, int64_t dv)
@@ -2015,6 +1891,16 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
     const float qscale = scale * DUET_LOG2E;
     const int n = (int)ly->n_heads;
     const int64_t nrb = duet__mla_row_blocks(st->n_rows, st->n_items, DUET_MLA_XA_ROWS);
+    static int no_wgmma = -1;
+    const int which = duet__mla_x_kernel;
+    if (which == 2 && !duet__mla_wgmma_usable())
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda mla attend_x: the wgmma kernel needs an sm_90a device");
+    if (which == 2 || (which == 0 && duet__mla_wgmma_usable() &&
+                       !duet_cuda_env_flag(&no_wgmma, "DUET_CUDA_NO_MLA_WGMMA")))
+        return duet__mla_xattn_wg(stream, dim3((unsigned)nrb, (unsigned)n),
+                                  (const __nv_bfloat16 *)xkv, xstride, st->item_row0,
+                                  (int)st->n_items, st->row_pos, q, ldq, dq_stride, qscale, n, o);
     return duet__mla_launch_as(duet__mla_xattn_kernel, 8, dim3((unsigned)nrb, (unsigned)n),
                                dim3(DUET_MLA_XA_THREADS), DUET_MLA_XA_SMEM, stream,
                                (const __nv_bfloat16 *)xkv, xstride, st->item_row0, (int)st->n_items,

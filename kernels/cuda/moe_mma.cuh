@@ -1,6 +1,6 @@
 /*
  * moe_mma.cuh: what moe.cu's expert kernels and moe_wgmma.cu's share (CUDA C++ only): the plan
- * that groups (row, k) pairs by expert, the activation, cp.async and the swizzled layout of the
+ * that groups (row, k) pairs by expert, the activation, the swizzled layout of the
  * MMA tiles' shared-memory stages, and the wgmma kernels' entry points. moe_wgmma.cu is compiled
  * for sm_90a alone (its instructions exist nowhere else), so the two live in separate files.
  */
@@ -16,6 +16,7 @@
 #include "common/status.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/cuda_wgmma.cuh"
 
 #define DUET__MMA_BROWS 128          /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
 #define DUET__SMEM_CAP  (200 * 1024) /* opt-in dynamic shared memory we allow a kernel */
@@ -57,22 +58,6 @@ static __device__ __forceinline__ float duet__act(float g, float u, int act, flo
     const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
     const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
     return __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
-}
-
-static __device__ __forceinline__ void duet__cp_async16(unsigned dst, const void *src, bool pred)
-{
-    const int n = pred ? 16 : 0; /* 0: zero-fill, nothing read */
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-
-static __device__ __forceinline__ void duet__cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 /* Byte offset of 16-byte chunk c of row r in a [rows][BK] bf16 tile. BK = 32: 64-byte rows,

@@ -20,74 +20,20 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/cuda_wgmma.cuh"
 #include "kernels/cuda/moe_mma.cuh"
 
 #define DUET__MODULE          "cuda moe" /* the prefix of this file's error details */
 #define DUET__WG_STAGES       3          /* 3 × 32 KB at 128-row tiles: two blocks per SM */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
-/* The wgmma instructions exist in sm_90a code alone; another target (not what the build asks
- * for) gets kernels that trap instead of failing to assemble. */
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DUET__WG_ASM(...) __trap()
-#else
-#define DUET__WG_ASM(...) asm volatile(__VA_ARGS__)
-#endif
-
-/* Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups
- * 1024 bytes apart (the leading-dimension offset is unused in this mode). */
-static __device__ __forceinline__ unsigned long long duet__wg_desc(unsigned saddr)
-{
-    return (unsigned long long)((saddr & 0x3ffffu) >> 4) | (1ull << 16) |
-           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-static __device__ __forceinline__ void duet__wg_fence(void)
-{
-    DUET__WG_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void duet__wg_commit(void)
-{
-    DUET__WG_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-static __device__ __forceinline__ void duet__wg_wait0(void)
-{
-    DUET__WG_ASM("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-/* cp.async's writes are the generic proxy's; wgmma reads through the async proxy. */
-static __device__ __forceinline__ void duet__fence_proxy_async(void)
-{
-    DUET__WG_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-/* Ties each accumulator to this point in program order: the compiler sees the wgmma writing d
- * when it is issued, the hardware writes it until the wait. */
-static __device__ __forceinline__ void duet__wg_fence_operands(float (&d)[64])
-{
-#pragma unroll
-    for (int i = 0; i < 64; i++)
-        asm volatile("" : "+f"(d[i])::"memory");
-}
-
-#define DUET__WG_R8(i)                                                                             \
-    "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),                \
-        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-
 /* d (64 × 128 fp32, this thread's 64) += A (64 × 16) · B (16 × 128), both from shared memory. */
 static __device__ __forceinline__ void duet__wgmma_m64n128k16(float (&d)[64], unsigned long long da,
                                                               unsigned long long db)
 {
-    DUET__WG_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+    DUET__WG_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUET__WG_D64
                  "%64, %65, 1, 1, 1, 0, 0;\n"
-                 : DUET__WG_R8(0), DUET__WG_R8(8), DUET__WG_R8(16), DUET__WG_R8(24),
-                   DUET__WG_R8(32), DUET__WG_R8(40), DUET__WG_R8(48), DUET__WG_R8(56)
+                 : DUET__WG_OUT64
                  : "l"(da), "l"(db));
 }
 
@@ -225,24 +171,9 @@ duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int 
                                                beta, beta_lin, h_out, o_out);
 }
 
-/* Whether the current device runs this file's code, asked once per device: the sm_90a binary
- * loads on compute capability 9.0 alone. */
+/* Whether the current device runs this file's code (duet__wg_usable). */
 int duet__moe_wgmma_usable(void)
 {
     static unsigned long long asked = 0, usable = 0;
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    const unsigned long long bit = 1ull << dev;
-    if ((asked & bit) == 0) {
-        cudaFuncAttributes fa;
-        if (cudaFuncGetAttributes(&fa, duet__moe_wgmma_kernel<1, true>) == cudaSuccess)
-            usable |= bit;
-        else
-            (void)cudaGetLastError();
-        asked |= bit;
-    }
-    return (usable & bit) != 0;
+    return duet__wg_usable(duet__moe_wgmma_kernel<1, true>, &asked, &usable);
 }

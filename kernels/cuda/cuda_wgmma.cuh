@@ -1,0 +1,123 @@
+/*
+ * cuda_wgmma.cuh: what the Hopper warpgroup-MMA kernels share (CUDA C++ only): the copies into
+ * shared memory that feed them (cp.async), the shared-memory matrix descriptor of the 128-byte
+ * swizzled layout, and wgmma's fence / commit / wait. The kernels live in files compiled for
+ * sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the copies serve other targets too (moe.cu).
+ *
+ * The 128-byte swizzled layout: rows of 128 bytes (64 bf16) whose 16-byte chunks are XOR-ed
+ * with the row's low 3 bits, 8-row groups of 1024 bytes, a tile starting on 1024 bytes. As a
+ * K-major operand (k contiguous) the rows are m or n and a k-slice of 16 starts 32 bytes into
+ * the row; as an MN-major one (transposed, 16-bit types only) the rows are k and each row holds
+ * 64 consecutive m or n, the next 64 of them `lbo` bytes on.
+ */
+#ifndef DUET_KERNELS_CUDA_WGMMA_CUH
+#define DUET_KERNELS_CUDA_WGMMA_CUH
+
+#include <cuda_runtime.h>
+
+/* The wgmma instructions exist in sm_90a code alone; another target (not what the build asks
+ * for) gets code that traps instead of failing to assemble. */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DUET__WG_ASM(...) __trap()
+#else
+#define DUET__WG_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+
+/* Eight accumulators d[i .. i + 7] as read-write asm operands. */
+#define DUET__WG_R8(i)                                                                             \
+    "+f"(d[i + 0]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),                \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+/* A 64-accumulator wgmma's d operand: the asm text and the outputs d[0 .. 63] (operands 0-63). */
+#define DUET__WG_D64                                                                               \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
+    "%56, %57, %58, %59, %60, %61, %62, %63}, "
+#define DUET__WG_OUT64                                                                             \
+    DUET__WG_R8(0), DUET__WG_R8(8), DUET__WG_R8(16), DUET__WG_R8(24), DUET__WG_R8(32),             \
+        DUET__WG_R8(40), DUET__WG_R8(48), DUET__WG_R8(56)
+
+/* 16 bytes from global to shared memory (address `dst` in the shared window); pred false
+ * zero-fills the 16 bytes and reads nothing. */
+static __device__ __forceinline__ void duet__cp_async16(unsigned dst, const void *src, bool pred)
+{
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+
+static __device__ __forceinline__ void duet__cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+/* Wait until at most N of this thread's committed copy groups are still in flight. */
+template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Shared-memory matrix descriptor of the 128-byte swizzled layout at shared address saddr:
+ * 8-row groups 1024 bytes apart; lbo (MN-major operands) the bytes from one 64-wide column
+ * block to the next, unused (16) for K-major ones. */
+static __device__ __forceinline__ unsigned long long duet__wg_desc(unsigned saddr,
+                                                                   unsigned lbo = 16)
+{
+    return (unsigned long long)((saddr & 0x3ffffu) >> 4) |
+           ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void duet__wg_fence(void)
+{
+    DUET__WG_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void duet__wg_commit(void)
+{
+    DUET__WG_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void duet__wg_wait0(void)
+{
+    DUET__WG_ASM("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* cp.async's writes are the generic proxy's; wgmma reads through the async proxy. */
+static __device__ __forceinline__ void duet__fence_proxy_async(void)
+{
+    DUET__WG_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Ties each of N accumulators to this point in program order: the compiler sees a wgmma
+ * writing them when it is issued, the hardware writes them until the wait. */
+template <int N> static __device__ __forceinline__ void duet__wg_fence_operands(float (&d)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Whether the current device runs `kernel` (of a file built for sm_90a alone: its binary loads
+ * on compute capability 9.0 only), asked once per device; asked / usable hold a bit per device. */
+template <typename K>
+static int duet__wg_usable(K kernel, unsigned long long *asked, unsigned long long *usable)
+{
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    const unsigned long long bit = 1ull << dev;
+    if ((*asked & bit) == 0) {
+        cudaFuncAttributes fa;
+        if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess)
+            *usable |= bit;
+        else
+            (void)cudaGetLastError();
+        *asked |= bit;
+    }
+    return (*usable & bit) != 0;
+}
+
+#endif

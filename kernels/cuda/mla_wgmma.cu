@@ -1,0 +1,223 @@
+/*
+ * mla_wgmma.cu: the expanded MLA prefill attention (cuda_mla.h, duet_cuda_mla_attend_x) with
+ * Hopper's warpgroup MMA (sm_90a only; mla.cu chooses between it and its mma.sync kernel).
+ *
+ * The block is mla.cu's duet__mla_xattn_kernel's: 64 query rows of one head, one warpgroup
+ * (warp w owns rows 16w ..), tiles of 32 positions through 3 shared-memory stages, two blocks
+ * per SM, the same 3-term splits (q · k = qh · kh + ql · kh + qh · kl over the nope dims, qh ·
+ * kr + ql · kr over the rope dims, P · v = Ph · vh + Pl · vh + Ph · vl), the same online softmax
+ * in registers (mla_x.cuh). What differs is how the products reach the tensor cores. There each
+ * warp loads every K and V fragment of the tile from shared memory with ldmatrix for its own 16
+ * rows and issues m16n8k16 products: 4 warps read the tile 4 times, and at Kimi Linear's shape
+ * the kernel took 5.7 ms per MLA layer of an 8192-token prompt (about 340 TFLOP/s of issued
+ * products). Here q and P stay in registers as the A operand and the tile goes to the tensor
+ * cores once per warpgroup through shared-memory descriptors: wgmma m64n32k16 for the scores
+ * (B = K rows, K-major) and m64n128k16 for P · V (B = V rows, MN-major: the transposed form).
+ *
+ * A stage holds a tile's 32 expanded rows as 9 column blocks of 64 dims (v_hi 0-1, v_lo 2-3,
+ * k_hi 4-5, k_r 6, k_lo 7-8), each 32 rows of 128 bytes in cuda_wgmma.cuh's swizzled layout:
+ * the scores' k-step j reads block 4 + j / 4 (k_lo: 7 + j / 4) 32 (j % 4) bytes into its rows;
+ * P · V's k-step kk reads rows 16kk .. of blocks 0-1 (v_lo: 2-3), the second 64 dims one block
+ * (4 KB) on.
+ *
+ * The build compiles this file for sm_90a alone (kernels/CMakeLists.txt). On any other device
+ * the code does not load, cudaFuncGetAttributes says so, and duet__mla_wgmma_usable() returns 0.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_mla.h"
+#include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/cuda_wgmma.cuh"
+#include "kernels/cuda/mla_x.cuh"
+
+#define DUET__MODULE     "cuda mla" /* the prefix of this file's error details */
+#define DUET__XW_STAGES  3
+#define DUET__XW_BLOCK   (DUET_MLA_XA_TK * 128)                    /* one column block, bytes */
+#define DUET__XW_STAGE   (DUET_MLA_X_TD / 64 * DUET__XW_BLOCK)     /* 9 blocks: 36 KB */
+#define DUET__XW_SMEM    (DUET__XW_STAGES * DUET__XW_STAGE + 1024) /* + the 1024-byte alignment */
+#define DUET__XW_THREADS 128
+
+static_assert(DUET_MLA_X_TD % 64 == 0, "whole column blocks");
+
+/* s (64 × 32 fp32, this thread's 16) += A (64 × 16, registers) · B (16 × 32, K-major). */
+static __device__ __forceinline__ void duet__wgmma_s(float (&d)[16], const uint32_t (&a)[4],
+                                                     unsigned long long db)
+{
+    DUET__WG_ASM("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, 1, 1, 1, 0;\n"
+                 : DUET__WG_R8(0), DUET__WG_R8(8)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+/* o (64 × 128 fp32, this thread's 64) += A (64 × 16, registers) · B (16 × 128, MN-major). */
+static __device__ __forceinline__ void duet__wgmma_o(float (&d)[64], const uint32_t (&a)[4],
+                                                     unsigned long long db)
+{
+    DUET__WG_ASM("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUET__WG_D64
+                 "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : DUET__WG_OUT64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+/* Queue the copy of positions t0 .. t0 + 31 of a head's rows (contiguous from src) into the
+ * stage at shared address st; positions >= L are zero-filled (P is 0 there, and 0 · garbage
+ * could be NaN). */
+static __device__ __forceinline__ void duet__xw_load(unsigned st, const __nv_bfloat16 *src, int t0,
+                                                     int L)
+{
+    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
+    constexpr int N = DUET_MLA_XA_TK * CPR / DUET__XW_THREADS;
+    static_assert(DUET_MLA_XA_TK * CPR % DUET__XW_THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int c = threadIdx.x + k * DUET__XW_THREADS, row = c / CPR, col = c - row * CPR;
+        const int pos = t0 + row;
+        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
+        const unsigned dst = st + (unsigned)((col >> 3) * DUET__XW_BLOCK + row * 128 +
+                                             (((col & 7) ^ (row & 7)) << 4));
+        duet__cp_async16(dst, s, pos < L);
+    }
+}
+
+/* Issue s = q · k over the tile at shared address st (committed, not waited for). */
+static __device__ __forceinline__ void duet__xw_scores(float (&s)[16], const uint32_t (&qh)[12][4],
+                                                       const uint32_t (&ql)[12][4], unsigned st)
+{
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+        s[i] = 0.0f;
+    duet__wg_fence();
+#pragma unroll
+    for (int j = 0; j < 12; j++) {
+        /* k_hi (j < 8) or k_r (j >= 8): blocks 4 + j / 4; k_lo: blocks 7 + j / 4 */
+        const unsigned kb = st + (4 + j / 4) * DUET__XW_BLOCK + 32 * (j % 4);
+        duet__wgmma_s(s, qh[j], duet__wg_desc(kb));
+        duet__wgmma_s(s, ql[j], duet__wg_desc(kb));
+        if (j < 8)
+            duet__wgmma_s(s, qh[j], duet__wg_desc(kb + 3 * DUET__XW_BLOCK));
+    }
+    duet__wg_commit();
+}
+
+/* The tile's online softmax (mla_x.cuh), o rescaled, the weights as A fragments ph + pl. */
+static __device__ __forceinline__ void duet__xw_softmax(float (&s)[16], float (&o)[64], int t0,
+                                                        int tg, int p0, int p1, float &m0,
+                                                        float &m1, float &l0, float &l1,
+                                                        uint32_t (&ph)[2][4], uint32_t (&pl)[2][4])
+{
+    float a0, a1;
+    duet__mla_xa_softmax(s, t0, tg, p0, p1, m0, m1, l0, l1, a0, a1);
+    duet__mla_xa_rescale(o, a0, a1);
+    duet__mla_xa_p(s, 0, ph[0], pl[0]);
+    duet__mla_xa_p(s, 1, ph[1], pl[1]);
+}
+
+/* Issue o += P · (v_hi + v_lo) over the tile at st, k-steps of 16 positions (committed). */
+static __device__ __forceinline__ void duet__xw_pv(float (&o)[64], const uint32_t (&ph)[2][4],
+                                                   const uint32_t (&pl)[2][4], unsigned st)
+{
+    duet__wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        const unsigned vb = st + kk * 16 * 128; /* rows 16kk .. of blocks 0, 1 */
+        duet__wgmma_o(o, ph[kk], duet__wg_desc(vb, DUET__XW_BLOCK));
+        duet__wgmma_o(o, pl[kk], duet__wg_desc(vb, DUET__XW_BLOCK));
+        duet__wgmma_o(o, ph[kk], duet__wg_desc(vb + 2 * DUET__XW_BLOCK, DUET__XW_BLOCK));
+    }
+    duet__wg_commit();
+}
+
+__global__ static void __launch_bounds__(DUET__XW_THREADS, 2)
+    duet__mla_xattn_wg_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *item_row0,
+                              int n_items, const int32_t *row_pos, const float *q, int64_t ldq,
+                              int64_t dq_stride, float qscale, int n, float *out)
+{
+    extern __shared__ __align__(16) unsigned char duet__xw_smem[];
+    __shared__ int s_blk[3]; /* first row, end of the item's rows, item's first expanded row */
+    const int tg = threadIdx.x & 3, head = blockIdx.y, TK = DUET_MLA_XA_TK, S = DUET__XW_STAGES;
+    /* stages start on 1024 bytes (the swizzle's period); the launch adds 1 KB for this */
+    const unsigned sbase = ((unsigned)__cvta_generic_to_shared(duet__xw_smem) + 1023u) & ~1023u;
+
+    duet__mla_xa_rows_t b; /* which item and rows (mla_x.cuh); blocks without rows exit */
+    if (!duet__mla_xa_begin(xkv, xstride, item_row0, n_items, row_pos, s_blk, &b))
+        return;
+    const int L = b.L, r0 = b.r0, r1 = b.r1, n_rows = b.n_rows;
+    const __nv_bfloat16 *src = b.src;
+    const int n_tiles = (L + TK - 1) / TK;
+#pragma unroll
+    for (int st = 0; st < S - 1; st++) {
+        if (st < n_tiles)
+            duet__xw_load(sbase + st * DUET__XW_STAGE, src, st * TK, L);
+        duet__cp_async_commit();
+    }
+
+    uint32_t qh[12][4], ql[12][4];
+    duet__mla_xa_q(q, ldq, dq_stride, head, qscale, r0, r1, n_rows, tg, qh, ql);
+
+    float o[64], m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        o[i] = 0.0f;
+
+    /* Every warp runs every tile (wgmma is the warpgroup's): a warp whose rows all precede a
+     * tile gets every score masked, weights 0 and factors 1. */
+    float s[16];
+    uint32_t ph[2][4], pl[2][4];
+    for (int t = 0; t < n_tiles; t++) {
+        duet__cp_async_wait<S - 2>();
+        duet__fence_proxy_async();
+        __syncthreads(); /* tile t landed for all; every wgmma on tile t - 1's stage is done */
+        {
+            const int tn = t + S - 1;
+            if (tn < n_tiles)
+                duet__xw_load(sbase + (tn % S) * DUET__XW_STAGE, src, tn * TK, L);
+            duet__cp_async_commit();
+        }
+        const unsigned st = sbase + (t % S) * DUET__XW_STAGE;
+        duet__xw_scores(s, qh, ql, st);
+        duet__wg_wait0();
+        duet__wg_fence_operands(s);
+        duet__xw_softmax(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
+        duet__xw_pv(o, ph, pl, st);
+        duet__wg_wait0();
+        duet__wg_fence_operands(o);
+    }
+    duet__cp_async_wait<0>(); /* no copy may land in shared memory after the block exits */
+    duet__mla_xa_store(o, l0, l1, r0, r1, n_rows, n, head, tg, out);
+}
+
+duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, const __nv_bfloat16 *xkv,
+                                 int64_t xstride, const int32_t *item_row0, int n_items,
+                                 const int32_t *row_pos, const float *q, int64_t ldq,
+                                 int64_t dq_stride, float qscale, int n, float *out)
+{
+    static unsigned long long optin = 0; /* a bit per device: the attribute is the context's */
+    int dev = 0;
+    DUET_CUDA_TRY(cudaGetDevice(&dev), DUET__MODULE, "attend_x cudaGetDevice");
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    const auto kernel = duet__mla_xattn_wg_kernel;
+    if (bit == 0 || (optin & bit) == 0) {
+        DUET_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           DUET__XW_SMEM),
+                      DUET__MODULE, "attend_x wgmma shared-memory opt-in");
+        optin |= bit;
+    }
+    DUET_CUDA_TRY(duet_pdl_launch(kernel, grid, dim3(DUET__XW_THREADS), DUET__XW_SMEM, stream, xkv,
+                                  xstride, item_row0, n_items, row_pos, q, ldq, dq_stride, qscale,
+                                  n, out),
+                  DUET__MODULE, "attend_x wgmma launch");
+    return DUET_OK;
+}
+
+/* Whether the current device runs this file's code (duet__wg_usable). */
+int duet__mla_wgmma_usable(void)
+{
+    static unsigned long long asked = 0, usable = 0;
+    return duet__wg_usable(duet__mla_xattn_wg_kernel, &asked, &usable);
+}
