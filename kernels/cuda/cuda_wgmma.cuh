@@ -1,8 +1,9 @@
 /*
  * cuda_wgmma.cuh: what the Hopper warpgroup-MMA kernels share (CUDA C++ only): the copies into
  * shared memory that feed them (cp.async), the shared-memory matrix descriptor of the 128-byte
- * swizzled layout, and wgmma's fence / commit / wait. The kernels live in files compiled for
- * sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the copies serve other targets too (moe.cu).
+ * swizzled layout, wgmma's fence / commit / wait, and the launches' shared-memory opt-in. The
+ * kernels live in files compiled for sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the copies and
+ * the opt-in serve other targets too (moe.cu).
  *
  * The 128-byte swizzled layout: rows of 128 bytes (64 bf16) whose 16-byte chunks are XOR-ed
  * with the row's low 3 bits, 8-row groups of 1024 bytes, a tile starting on 1024 bytes. As a
@@ -96,6 +97,25 @@ template <int N> static __device__ __forceinline__ void duet__wg_fence_operands(
 #pragma unroll
     for (int i = 0; i < N; i++)
         asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* Allow a kernel `bytes` of dynamic shared memory, once per kernel and device (the attribute
+ * belongs to the device's context). `done` has a bit per device; racing first calls set the
+ * same value, and a lost bit only costs a second call. */
+template <typename K>
+static cudaError_t duet__smem_optin(K kernel, unsigned long long *done, int bytes)
+{
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return e;
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    if (bit != 0 && (*done & bit) != 0)
+        return cudaSuccess;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess)
+        *done |= bit;
+    return e;
 }
 
 /* Whether the current device runs `kernel` (of a file built for sm_90a alone: its binary loads

@@ -202,17 +202,10 @@ duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, const __nv_bflo
                                  const int32_t *row_pos, const float *q, int64_t ldq,
                                  int64_t dq_stride, float qscale, int n, float *out)
 {
-    static unsigned long long optin = 0; /* a bit per device: the attribute is the context's */
-    int dev = 0;
-    DUET_CUDA_TRY(cudaGetDevice(&dev), DUET__MODULE, "attend_x cudaGetDevice");
-    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    static unsigned long long optin = 0;
     const auto kernel = duet__mla_xattn_wg_kernel;
-    if (bit == 0 || (optin & bit) == 0) {
-        DUET_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           DUET__XW_SMEM),
-                      DUET__MODULE, "attend_x wgmma shared-memory opt-in");
-        optin |= bit;
-    }
+    DUET_CUDA_TRY(duet__smem_optin(kernel, &optin, DUET__XW_SMEM), DUET__MODULE,
+                  "attend_x wgmma shared-memory opt-in");
     DUET_CUDA_TRY(duet_pdl_launch(kernel, grid, dim3(DUET__XW_THREADS), DUET__XW_SMEM, stream, xkv,
                                   xstride, item_row0, n_items, row_pos, q, ldq, dq_stride, qscale,
                                   n, out),

@@ -1758,8 +1758,8 @@ duet__launch_gemv_k(K13 k13, K2 k2, unsigned long long *optin13, unsigned long l
     const int I = (int)ex->I, D = (int)ex->D;
     const size_t sm13 = (size_t)NRMAX * D * sizeof(float), sm2 = (size_t)NRMAX * I * sizeof(float);
     cudaError_t e;
-    if ((e = duet__smem_optin(k13, optin13)) != cudaSuccess ||
-        (e = duet__smem_optin(k2, optin2)) != cudaSuccess)
+    if ((e = duet__smem_optin(k13, optin13, DUET__SMEM_CAP)) != cudaSuccess ||
+        (e = duet__smem_optin(k2, optin2, DUET__SMEM_CAP)) != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "gemv shared-memory opt-in");
     const int rows13 = DUET__GV_WARPS * DUET__GV_RI * SPB; /* gate/up outputs per block */
     dim3 g13((unsigned)max_slots, (unsigned)((I + rows13 - 1) / rows13));
@@ -1919,7 +1919,7 @@ duet__launch_mma_bk(cudaStream_t stream, dim3 g, const __nv_bfloat16 *A, int a_d
     static unsigned long long optin = 0;
     auto kernel = duet__moe_mma_kernel<BM, DUAL, BK>;
     const size_t smem = (size_t)duet__mma_stages(BK) * (BM + DUET__MMA_BROWS) * BK * 2;
-    cudaError_t e = duet__smem_optin(kernel, &optin);
+    cudaError_t e = duet__smem_optin(kernel, &optin, DUET__SMEM_CAP);
     if (e != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "mma shared-memory opt-in");
     DUET__TRY(duet_pdl_launch(kernel, g, dim3(DUET__MMA_THREADS), smem, stream, A, a_div, B0, B1, N,

@@ -148,24 +148,6 @@ template <int BM, int BK, int NT, bool DUAL> struct duet__mma_loader {
     }
 };
 
-/* Allow a kernel up to DUET__SMEM_CAP of dynamic shared memory, once per kernel and device
- * (the attribute belongs to the device's context). `done` has a bit per device; racing first
- * calls set the same value, and a lost bit only costs a second call. */
-template <typename K> static cudaError_t duet__smem_optin(K kernel, unsigned long long *done)
-{
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess)
-        return e;
-    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
-    if (bit != 0 && (*done & bit) != 0)
-        return cudaSuccess;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DUET__SMEM_CAP);
-    if (e == cudaSuccess)
-        *done |= bit;
-    return e;
-}
-
 /*
  * The wgmma form of one MMA phase (moe_wgmma.cu): tiles of 64 · wg rows (wg 1 or 2, the plan's
  * tile height), the grid and operands of duet__moe_mma_kernel, K a multiple of 64. Only when

@@ -140,7 +140,7 @@ static duet_status_t duet__wgmma_launch(cudaStream_t stream, int64_t max_tiles,
     /* + 1 KB: the kernel moves its stages up to the next 1024-byte boundary */
     const size_t smem =
         (size_t)DUET__WG_STAGES * duet__mma_loader<64 * WG, 64, 128 * WG, DUAL>::STAGE + 1024;
-    cudaError_t e = duet__smem_optin(kernel, &optin);
+    cudaError_t e = duet__smem_optin(kernel, &optin, DUET__SMEM_CAP);
     if (e != cudaSuccess)
         return duet_cuda_status(e, DUET__MODULE, "wgmma shared-memory opt-in");
     const int per = DUAL ? 64 : 128; /* outputs per block */
