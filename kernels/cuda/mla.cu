@@ -1892,12 +1892,12 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
     const int n = (int)ly->n_heads;
     const int64_t nrb = duet__mla_row_blocks(st->n_rows, st->n_items, DUET_MLA_XA_ROWS);
     static int no_wgmma = -1;
-    const int which = duet__mla_x_kernel;
-    if (which == 2 && !duet__mla_wgmma_usable())
+    const int which = duet__mla_x_kernel, usable = duet__mla_wgmma_usable();
+    if (which == 2 && !usable)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
                               "cuda mla attend_x: the wgmma kernel needs an sm_90a device");
-    if (which == 2 || (which == 0 && duet__mla_wgmma_usable() &&
-                       !duet_cuda_env_flag(&no_wgmma, "DUET_CUDA_NO_MLA_WGMMA")))
+    if (which == 2 ||
+        (which == 0 && usable && !duet_cuda_env_flag(&no_wgmma, "DUET_CUDA_NO_MLA_WGMMA")))
         return duet__mla_xattn_wg(stream, dim3((unsigned)nrb, (unsigned)n),
                                   (const __nv_bfloat16 *)xkv, xstride, st->item_row0,
                                   (int)st->n_items, st->row_pos, q, ldq, dq_stride, qscale, n, o);
