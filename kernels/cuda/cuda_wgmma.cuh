@@ -1,9 +1,9 @@
 /*
- * cuda_wgmma.cuh: what the Hopper warpgroup-MMA kernels share (CUDA C++ only): the copies into
- * shared memory that feed them (cp.async), the shared-memory matrix descriptor of the 128-byte
- * swizzled layout, wgmma's fence / commit / wait, and the launches' shared-memory opt-in. The
- * kernels live in files compiled for sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the copies and
- * the opt-in serve other targets too (moe.cu).
+ * cuda_wgmma.cuh: what the Hopper warpgroup-MMA kernels share (CUDA C++ only): the shared-memory
+ * matrix descriptor of the 128-byte swizzled layout, wgmma's fence / commit / wait, and the
+ * launches' shared-memory opt-in; the copies that feed them are cuda_async.cuh's. The kernels
+ * live in files compiled for sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the opt-in serves other
+ * targets too (moe.cu).
  *
  * The 128-byte swizzled layout: rows of 128 bytes (64 bf16) whose 16-byte chunks are XOR-ed
  * with the row's low 3 bits, 8-row groups of 1024 bytes, a tile starting on 1024 bytes. As a
@@ -15,6 +15,8 @@
 #define DUET_KERNELS_CUDA_WGMMA_CUH
 
 #include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_async.cuh"
 
 /* The wgmma instructions exist in sm_90a code alone; another target (not what the build asks
  * for) gets code that traps instead of failing to assemble. */
@@ -38,25 +40,6 @@
 #define DUET__WG_OUT64                                                                             \
     DUET__WG_R8(0), DUET__WG_R8(8), DUET__WG_R8(16), DUET__WG_R8(24), DUET__WG_R8(32),             \
         DUET__WG_R8(40), DUET__WG_R8(48), DUET__WG_R8(56)
-
-/* 16 bytes from global to shared memory (address `dst` in the shared window); pred false
- * zero-fills the 16 bytes and reads nothing. */
-static __device__ __forceinline__ void duet__cp_async16(unsigned dst, const void *src, bool pred)
-{
-    const int n = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-
-static __device__ __forceinline__ void duet__cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-/* Wait until at most N of this thread's committed copy groups are still in flight. */
-template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 /* Shared-memory matrix descriptor of the 128-byte swizzled layout at shared address saddr:
  * 8-row groups 1024 bytes apart; lbo (MN-major operands) the bytes from one 64-wide column

@@ -53,6 +53,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_async.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kda.h"
 #include "kernels/cuda/cuda_mma.cuh"
@@ -135,38 +136,6 @@ __device__ static inline float duet__ex2(float x)
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-
-/* B-byte asynchronous global → shared copy (B = 4 through L1, or 16 around it); with ok false
- * nothing is read and the B bytes at dst become 0. Then the group markers: commit, wait until
- * at most N of the thread's groups are in flight, and wait for all of its copies. */
-template <int B> __device__ static inline void duet__cp_async(float *dst, const float *src, bool ok)
-{
-    static_assert(B == 4 || B == 16, "cp.async sizes used here: 4 and 16 bytes");
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    if constexpr (B == 4)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
-                     "r"(ok ? 4 : 0)
-                     : "memory");
-    else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-                     "r"(ok ? 16 : 0)
-                     : "memory");
-}
-
-__device__ static inline void duet__cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-template <int N> __device__ static inline void duet__cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ static inline void duet__cp_async_wait_all(void)
-{
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 /* A hint that the 128-byte line at p will be read soon: it is fetched into L2. Never changes
@@ -601,15 +570,15 @@ duet__kda_chunk_load(const duet__kda_core_args_t &a, int64_t row0, int n, int64_
         const int64_t row = row0 + (ok ? i : 0);
         const float *qr = a.qkv + row * C3 + h * K + d, *gr = a.g + row * HK + h * K + d;
         if (wide) {
-            duet__cp_async<16>(&sm[Ly::Q + c], qr, ok);
-            duet__cp_async<16>(&sm[Ly::KK + c], qr + HK, ok);
-            duet__cp_async<16>(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-            duet__cp_async<16>(&sm[Ly::G + c], gr, ok);
+            duet__cp_async16(&sm[Ly::Q + c], qr, ok);
+            duet__cp_async16(&sm[Ly::KK + c], qr + HK, ok);
+            duet__cp_async16(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+            duet__cp_async16(&sm[Ly::G + c], gr, ok);
         } else {
-            duet__cp_async<4>(&sm[Ly::Q + c], qr, ok);
-            duet__cp_async<4>(&sm[Ly::KK + c], qr + HK, ok);
-            duet__cp_async<4>(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-            duet__cp_async<4>(&sm[Ly::G + c], gr, ok);
+            duet__cp_async4(&sm[Ly::Q + c], qr, ok);
+            duet__cp_async4(&sm[Ly::KK + c], qr + HK, ok);
+            duet__cp_async4(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+            duet__cp_async4(&sm[Ly::G + c], gr, ok);
         }
     }
     if (tid < C)
@@ -977,25 +946,25 @@ static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, in
         for (int idx = tid; idx < C * K4; idx += NT) {
             const int i = idx / K4, q = 4 * (idx % K4);
             /* (unpadded layouts: the plain index, as the compiler then sees it) */
-            duet__cp_async<16>(sm + sbig + (pitch == K ? 4 * idx : i * pitch + q),
-                               slot + big + 4 * idx, true);
+            duet__cp_async16(sm + sbig + (pitch == K ? 4 * idx : i * pitch + q),
+                             slot + big + 4 * idx, true);
         }
         if (part == 0)
             for (int idx = tid; idx < C * XS / 4; idx += NT) {
                 const int i = idx / (XS / 4), q = 4 * (idx % (XS / 4));
                 const bool ok = x0 + q < K;
-                duet__cp_async<16>(sm + Ly::U + i * Ly::PS + q,
-                                   slot + Wy::U + i * K + (ok ? x0 + q : 0), ok);
+                duet__cp_async16(sm + Ly::U + i * Ly::PS + q,
+                                 slot + Wy::U + i * K + (ok ? x0 + q : 0), ok);
             }
         else if (part == 1)
             for (int idx = tid; idx < C * C / 4; idx += NT) {
                 const int i = idx / (C / 4), q = 4 * (idx % (C / 4));
-                duet__cp_async<16>(sm + Ly::A + (Ly::PQ == C ? 4 * idx : i * Ly::PQ + q),
-                                   slot + Wy::A + 4 * idx, true);
+                duet__cp_async16(sm + Ly::A + (Ly::PQ == C ? 4 * idx : i * Ly::PQ + q),
+                                 slot + Wy::A + 4 * idx, true);
             }
         else
             for (int idx = tid; idx < K4; idx += NT)
-                duet__cp_async<16>(sm + Ly::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
+                duet__cp_async16(sm + Ly::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
     }
     duet__cp_async_commit();
 }
@@ -1036,7 +1005,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     for (int idx = tid; idx < K * XS / 4; idx += NT) { /* joins the first chunk's group 0 */
         const int d = idx / (XS / 4), q = 4 * (idx % (XS / 4));
         const bool ok = x0 + q < V;
-        duet__cp_async<16>(sm + Sy::S + d * XS + q, S + (int64_t)d * V + (ok ? x0 + q : 0), ok);
+        duet__cp_async16(sm + Sy::S + d * XS + q, S + (int64_t)d * V + (ok ? x0 + q : 0), ok);
     }
     const int64_t nch = (n_tok + C - 1) / C;
     const float *wy = a.wy + h * Wy::FLOATS;

@@ -110,6 +110,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_async.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_mla.h"
 #include "kernels/cuda/cuda_mma.cuh"
@@ -217,29 +218,6 @@ typedef struct {
 
 /* ---- small device helpers ----------------------------------------------------------------- */
 
-__device__ static inline void duet__cp_async16(void *smem, const void *gmem, int bytes)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
-                 : "memory");
-}
-
-__device__ static inline void duet__cp_async_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-__device__ static inline void duet__cp_async_wait_all(void)
-{
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-/* Wait until at most N of this thread's committed copy groups are still in flight. */
-template <int N> __device__ static inline void duet__cp_async_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* Columns td .. tdp - 1 (the k-step padding) of `rows` bf16 rows ld apart set to zero: the MMA
  * reads them, and no copy writes them. */
 __device__ static inline void duet__mla_zero_pad(__nv_bfloat16 *t, int rows, int ld, int td,
@@ -250,14 +228,6 @@ __device__ static inline void duet__mla_zero_pad(__nv_bfloat16 *t, int rows, int
     const int w = tdp - td;
     for (int i = threadIdx.x; i < rows * w; i += DUET_MLA_THREADS)
         t[(i / w) * ld + td + i % w] = __float2bfloat16_rn(0.0f);
-}
-
-/* 4 bytes, cached at all levels (the 4-byte form has no .cg); bytes = 0 writes zeros */
-__device__ static inline void duet__cp_async4(void *smem, const void *gmem, int bytes)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes)
-                 : "memory");
 }
 
 __device__ static inline float duet__bf16_lo(uint32_t u)
@@ -562,18 +532,18 @@ duet__mla_load_tile(T *dst, int ld, const duet__mla_args_t &a, duet__mla_offs_t 
         const int64_t off = __shfl_sync(0xffffffffu, i < 32 / DUET_MLA_WARPS ? o.lo : o.hi, t & 31);
         /* a zero fill reads no bytes; its address stays inside the pool's first row */
         const char *src = (const char *)(off >= 0 ? kv + off : kv);
-        const int bytes = off >= 0 ? 16 : 0;
+        const bool ok = off >= 0;
         char *d = (char *)(dst + (int64_t)t * ld);
         if (TD > 0) {
 #pragma unroll
             for (int k = 0; k < (CPR + 31) / 32; k++) {
                 const int c = lane + 32 * k;
                 if (CPR % 32 == 0 || c < CPR)
-                    duet__cp_async16(d + 16 * c, src + 16 * c, bytes);
+                    duet__cp_async16(d + 16 * c, src + 16 * c, ok);
             }
         } else {
             for (int c = lane; c < cpr; c += 32)
-                duet__cp_async16(d + 16 * c, src + 16 * c, bytes);
+                duet__cp_async16(d + 16 * c, src + 16 * c, ok);
         }
     }
 }
@@ -761,7 +731,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 
     int buf = 0;
     for (int t0 = k0; t0 < k1; t0 += TK, buf ^= 1) {
-        duet__cp_async_wait_all();
+        duet__cp_async_wait<0>();
         __syncthreads(); /* tile t0 landed; every warp is done with the other buffer */
         if (t0 + TK < k1)
             duet__mla_load_tile(kvs + (buf ^ 1) * TK * td, td, a, next, TK, td);
@@ -863,7 +833,7 @@ duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *
             if (c < n) {
                 const int slot = c / cps, d = (c - slot * cps) * 4;
                 const float *src = d < a.r ? b->qp[slot] + d : b->qrp[slot] + (d - a.r);
-                duet__cp_async16(qs + slot * ld + d, src, b->row[slot] >= 0 ? 16 : 0);
+                duet__cp_async16(qs + slot * ld + d, src, b->row[slot] >= 0);
             }
         }
     } else {
@@ -871,7 +841,7 @@ duet__mla_stage_q(const duet__mla_args_t &a, const duet__mla_block_t *b, float *
         for (int c = tid; c < SL * w; c += DUET_MLA_THREADS) {
             const int slot = c / w, d = c - slot * w;
             const float *src = d < a.r ? b->qp[slot] + d : b->qrp[slot] + (d - a.r);
-            duet__cp_async4(qs + slot * ld + d, src, b->row[slot] >= 0 ? 4 : 0);
+            duet__cp_async4(qs + slot * ld + d, src, b->row[slot] >= 0);
         }
     }
 }
@@ -991,7 +961,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     if constexpr (QS) {
         duet__mla_stage_q<TD, SL>(a, &blk, qs, ld, td);
         duet__cp_async_commit();
-        duet__cp_async_wait_all(); /* (tile 0's copies too: the loop needs it next anyway) */
+        duet__cp_async_wait<0>(); /* (tile 0's copies too: the loop needs it next anyway) */
         __syncthreads();
     }
 #pragma unroll
@@ -1126,7 +1096,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             }
         }
     }
-    duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
+    duet__cp_async_wait<0>(); /* no copy may land in shared memory after the block exits */
     __syncthreads();
 
     /*
@@ -1665,21 +1635,13 @@ __global__ static void duet__mla_x_weights_kernel(const T *wuk_t, const T *wuv, 
 #define DUET_MLA_XA_THREADS 128
 #define DUET_MLA_XA_SMEM    (DUET_MLA_XA_STAGES * DUET_MLA_XA_TK * DUET_MLA_XA_LD * 2)
 
-/* Queue the copy of positions t0 .. t0 + TK - 1 of a head's rows (contiguous from src) into a
- * stage; positions >= L are zero-filled (P is 0 there, and 0 · garbage could be NaN). */
+/* Queue the copy of positions t0 .. t0 + TK - 1 of a head's rows into a stage (rows of
+ * DUET_MLA_XA_LD elements). */
 __device__ static __forceinline__ void duet__mla_xa_load(__nv_bfloat16 *dst,
                                                          const __nv_bfloat16 *src, int t0, int L)
 {
-    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
-    constexpr int N = DUET_MLA_XA_TK * CPR / DUET_MLA_XA_THREADS;
-    static_assert(DUET_MLA_XA_TK * CPR % DUET_MLA_XA_THREADS == 0, "whole chunks per thread");
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-        const int c = threadIdx.x + k * DUET_MLA_XA_THREADS, row = c / CPR, col = c - row * CPR;
-        const int pos = t0 + row;
-        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
-        duet__cp_async16(dst + row * DUET_MLA_XA_LD + col * 8, s, pos < L ? 16 : 0);
-    }
+    duet__mla_xa_copy<DUET_MLA_XA_THREADS>(
+        src, t0, L, [dst](int row, int col) { return dst + row * DUET_MLA_XA_LD + col * 8; });
 }
 
 __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
@@ -1781,7 +1743,7 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
             }
         }
     }
-    duet__cp_async_wait_all(); /* no copy may land in shared memory after the block exits */
+    duet__cp_async_wait<0>(); /* no copy may land in shared memory after the block exits */
     duet__mla_xa_store(o, l0, l1, r0, r1, n_rows, n, head, tg, out);
 }
 

@@ -70,24 +70,15 @@ static __device__ __forceinline__ void duet__wgmma_o(float (&d)[64], const uint3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-/* Queue the copy of positions t0 .. t0 + 31 of a head's rows (contiguous from src) into the
- * stage at shared address st; positions >= L are zero-filled (P is 0 there, and 0 · garbage
- * could be NaN). */
+/* Queue the copy of positions t0 .. t0 + 31 of a head's rows into the stage at shared address
+ * st (the swizzled column blocks). */
 static __device__ __forceinline__ void duet__xw_load(unsigned st, const __nv_bfloat16 *src, int t0,
                                                      int L)
 {
-    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
-    constexpr int N = DUET_MLA_XA_TK * CPR / DUET__XW_THREADS;
-    static_assert(DUET_MLA_XA_TK * CPR % DUET__XW_THREADS == 0, "whole chunks per thread");
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-        const int c = threadIdx.x + k * DUET__XW_THREADS, row = c / CPR, col = c - row * CPR;
-        const int pos = t0 + row;
-        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
-        const unsigned dst = st + (unsigned)((col >> 3) * DUET__XW_BLOCK + row * 128 +
-                                             (((col & 7) ^ (row & 7)) << 4));
-        duet__cp_async16(dst, s, pos < L);
-    }
+    duet__mla_xa_copy<DUET__XW_THREADS>(src, t0, L, [st](int row, int col) {
+        return st +
+               (unsigned)((col >> 3) * DUET__XW_BLOCK + row * 128 + (((col & 7) ^ (row & 7)) << 4));
+    });
 }
 
 /* Issue s = q · k over the tile at shared address st (committed, not waited for). */

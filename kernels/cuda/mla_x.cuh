@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "common/status.h"
+#include "kernels/cuda/cuda_async.cuh"
 #include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
 
@@ -83,6 +84,28 @@ __device__ static inline void duet__mla_xa_find(const int32_t *item_row0, int n_
     }
     if (!found && lane == 0)
         blk[0] = -1;
+}
+
+/*
+ * Queue the copy of positions t0 .. t0 + 31 of a head's expanded rows (contiguous from src) by a
+ * block of THREADS threads, each thread its share of the 72 16-byte chunks per row; the chunk
+ * (row, col) goes to dst(row, col), the kernel's stage layout (a shared-memory pointer or
+ * address). Positions >= L are zero-filled: P is 0 there, and 0 · garbage could be NaN.
+ */
+template <int THREADS, typename Dst>
+__device__ static __forceinline__ void duet__mla_xa_copy(const __nv_bfloat16 *src, int t0, int L,
+                                                         Dst dst)
+{
+    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
+    constexpr int N = DUET_MLA_XA_TK * CPR / THREADS;
+    static_assert(DUET_MLA_XA_TK * CPR % THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const int c = threadIdx.x + k * THREADS, row = c / CPR, col = c - row * CPR;
+        const int pos = t0 + row;
+        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
+        duet__cp_async16(dst(row, col), s, pos < L);
+    }
 }
 
 /*
