@@ -10,14 +10,11 @@ n_new=${3:-128}
 reps=${4:-3}
 bin=build/engine/duet-generate
 [ -x "$bin" ] || { echo "bench_generate: build first (cmake --build build)" >&2; exit 1; }
-# A prompt of n_prompt byte tokens from the held-out tail of the corpus (synthetic without it).
+# A prompt of n_prompt byte tokens from the held-out tail of the demo model's corpus.
 tokens=$(python3 - "$n_prompt" <<'PY'
 import sys
 n = int(sys.argv[1])
-try:
-    data = open("../shared/data/corpus/web-plain.txt", "rb").read()[-20000:]
-except OSError:
-    data = bytes(32 + i % 90 for i in range(n))
+data = open("data/corpus/web-plain.txt", "rb").read()[-20000:]
 data = (data * (n // max(len(data), 1) + 1))[:n]
 print(",".join(str(b) for b in data))
 PY

@@ -1,6 +1,6 @@
 /*
  * bench_tokenizer: how fast the router can tokenize. Encodes a corpus (default
- * ../shared/data/corpus/web-plain.txt) with cl100k_base and o200k_base in 4 KiB chunks (a prompt's
+ * data/corpus/web-plain.txt) with cl100k_base and o200k_base in 4 KiB chunks (a prompt's
  * size, so per-call costs count), then decodes the ids, and prints tokens/s and MB/s. Also times
  * one pathological piece (64 KiB of one letter), which a quadratic merge would make minutes long.
  *
@@ -44,8 +44,8 @@ int main(int argc, char **argv)
     if (argc > 1 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         printf("usage: bench_tokenizer [corpus.txt [tokenizer-dir]]\n"
                "Tokens/s and MB/s of the router's tokenizer: encodes the corpus (default\n"
-               "../shared/data/corpus/web-plain.txt) with cl100k_base and o200k_base from\n"
-               "tokenizer-dir (default ../shared/data/tokenizers) in 4 KiB chunks, decodes the\n"
+               "data/corpus/web-plain.txt) with cl100k_base and o200k_base from\n"
+               "tokenizer-dir (default data/tokenizers) in 4 KiB chunks, decodes the\n"
                "ids back, and times one 64 KiB piece of one letter.\n");
         return 0;
     }
@@ -55,8 +55,8 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *corpus =
-        argc > 1 ? argv[1] : DUET_SOURCE_DIR "/../shared/data/corpus/web-plain.txt";
-    const char *dir = argc > 2 ? argv[2] : DUET_SOURCE_DIR "/../shared/data/tokenizers";
+        argc > 1 ? argv[1] : DUET_SOURCE_DIR "/data/corpus/web-plain.txt";
+    const char *dir = argc > 2 ? argv[2] : DUET_SOURCE_DIR "/data/tokenizers";
     size_t len = 0;
     char *text = slurp(corpus, &len);
     if (text == NULL) {

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONCS=${1:-1 8}
 MAXTOK=${2:-64}
-PROMPTS=${PROMPTS:-../shared/data/prompts/gsm8k-test.jsonl}
+PROMPTS=${PROMPTS:-data/prompts/gsm8k-test.jsonl}
 OUT=${OUT:-$(mktemp -d /tmp/duet-compare-XXXXXX)}
 mkdir -p "$OUT"
 BUILD=${BUILD:-build}

@@ -9,7 +9,7 @@
 #
 # Environment:
 #   DUET_BENCH      the duet-bench binary (default: build/bench/duet-bench, then build-bench/...)
-#   PROMPTS         JSONL prompts (default ../shared/data/prompts/gsm8k-test.jsonl); the
+#   PROMPTS         JSONL prompts (default data/prompts/gsm8k-test.jsonl); the
 #                   first NUM_PROMPTS "question"/"prompt"/"text" fields are used by both clients
 #   PROMPT_CHARS    cut prompts to this many characters (default 400)
 #   AIPERF_VERSION  default 0.13.0; installed with pip into $CACHE/venv-aiperf-$AIPERF_VERSION
@@ -43,7 +43,7 @@ NUM=${4:-64}
 MAXTOK=${5:-32}
 
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PROMPTS=${PROMPTS:-$HERE/../shared/data/prompts/gsm8k-test.jsonl}
+PROMPTS=${PROMPTS:-$HERE/data/prompts/gsm8k-test.jsonl}
 PROMPT_CHARS=${PROMPT_CHARS:-400}
 AIPERF_VERSION=${AIPERF_VERSION:-0.13.0}
 CACHE=${CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/duet-bench}

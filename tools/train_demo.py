@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train duet's bundled demo model (models/duet-demo) with transformers' KimiLinearForCausalLM.
 
-  python tools/train_demo.py --data ../shared/data/corpus --out models/duet-demo --minutes 9
+  python tools/train_demo.py --data data/corpus --out models/duet-demo --minutes 9
 
 Byte-level vocabulary: ids 0..255 are bytes, 256 = <|bos|>, 257 = <|eos|> (vocab 258).
 Data: every *.txt in --data; the last 2% of each file is held out for the bits-per-byte figure.
@@ -183,7 +183,7 @@ def verify_reload(model, config, out_dir, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="../shared/data/corpus")
+    ap.add_argument("--data", default="data/corpus")
     ap.add_argument("--out", default="models/duet-demo")
     ap.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget for the training loop")
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = no limit)")
@@ -357,7 +357,7 @@ Made by `tools/train_demo.py` (transformers {transformers.__version__}, torch {t
 | parameters | {total:,} ({total / 1e6:.2f} M), {active:,} active per token |
 
 ## Training
-- data: `corpus/*.txt` of `../shared/data` (World English Bible + Brown corpus, {sum(t.numel() for t in train):,} training bytes); the last 2% of each file held out.
+- data: `data/corpus/*.txt` (World English Bible + Brown corpus, {sum(t.numel() for t in train):,} training bytes); the last 2% of each file held out.
 - {step:,} steps of {batch} x {a.seq} bytes ({tokens:,} tokens, {tokens / sum(t.numel() for t in train):.1f} epochs) in {train_time:.0f} s; bf16 autocast, AdamW (lr {a.lr:g}, betas 0.9/0.95, wd {a.wd}), {a.warmup} warmup steps then cosine over the wall-clock budget to {a.min_lr_frac:g} x lr, grad clip 1.0.
 - router: aux-loss-free balancing (e_score_correction_bias += {a.bias_rate:g} * sign(mean load - load) per step).
 - **held-out: {"%.3f" % bpb if bpb is not None else "(not measured yet)"} bits per byte** over {nb:,} held-out bytes (windows of {a.seq} bytes after `<|bos|>`).

@@ -10,7 +10,7 @@
 
 #include "engine/tokenizer/tokenizer.h"
 
-#define TOK_DIR DUET_SOURCE_DIR "/../shared/data/tokenizers/"
+#define TOK_DIR DUET_SOURCE_DIR "/data/tokenizers/"
 
 static duet_tokenizer_t *load(const char *name)
 {
