@@ -35,13 +35,12 @@ duet_status_t duet_error_setv(duet_status_t st, const char *fmt, va_list ap)
     return st;
 }
 
-duet_status_t duet_error_set(duet_status_t st, const char *fmt, ...)
+void duet__error_set(duet_status_t st, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
     duet_error_setv(st, fmt, ap);
     va_end(ap);
-    return st;
 }
 
 const char *duet_error_last(void)

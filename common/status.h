@@ -46,9 +46,19 @@ const char *duet_status_str(duet_status_t st);
  * return `st`, so a detector can write `return duet_error_set(DUET_ERR_FORMAT, "...", ...);`.
  * Does not log; see DUET_FAIL in log.h for the variant that also logs at error level.
  */
-duet_status_t duet_error_set(duet_status_t st, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
 duet_status_t duet_error_setv(duet_status_t st, const char *fmt, va_list ap);
+void duet__error_set(duet_status_t st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* A macro around duet__error_set so that the compiler sees the status it returns (a constant at
+ * most call sites): then `if (st != DUET_OK) return st;` visibly leaves every out-parameter of an
+ * error path unread, and -O3's -Wmaybe-uninitialized has nothing to guess about. `st` is
+ * evaluated once, before the detail is formatted (which may change errno). */
+#define duet_error_set(st, ...)                                                                    \
+    __extension__({                                                                                \
+        duet_status_t duet__es = (st);                                                             \
+        duet__error_set(duet__es, __VA_ARGS__);                                                    \
+        duet__es;                                                                                  \
+    })
 
 /* The last detail recorded on this thread ("" when none). Valid until the next duet_error_set. */
 const char *duet_error_last(void);
