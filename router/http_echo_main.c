@@ -35,7 +35,7 @@ int main(int argc, char **argv)
 {
     duet_http_options_t opts;
     duet_http_options_default(&opts);
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
@@ -71,7 +71,6 @@ int main(int argc, char **argv)
             fprintf(stderr, "duet-http-echo: unknown option %s (see --help)\n", a);
             return 2;
         }
-        i++;
     }
     uv_loop_t *loop = uv_default_loop();
     duet_http_echo_t app;

@@ -14,6 +14,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kernels/kernels.h"
@@ -78,6 +79,8 @@ void duet__matmul_block_avx512(duet_dtype_t dt, float *y, int64_t ldy, const flo
 
 /* The best ISA this CPU supports. */
 duet__isa_t duet__isa_detect(void);
+/* Whether the CPU converts fp16 in hardware (F16C). */
+bool duet__cpu_has_f16c(void);
 const char *duet__isa_name(duet__isa_t isa);
 
 /*

@@ -7,15 +7,31 @@
  * prefill's block of x stays in cache while W streams past it. Products below ~64k multiply-adds
  * run on the calling thread: waking the pool would cost more.
  */
+#include <stdbool.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "common/log.h"
 #include "kernels/cpu/cpu_impl.h"
+
+bool duet__cpu_has_f16c(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    /* CPUID leaf 1, ECX bit 29: clang 14's __builtin_cpu_supports has no "f16c". */
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+#else
+    return false;
+#endif
+}
 
 duet__isa_t duet__isa_detect(void)
 {
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+               duet__cpu_has_f16c();
     if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
         return DUET__ISA_AVX512;

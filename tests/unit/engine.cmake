@@ -7,6 +7,9 @@ duet_add_test(test_engine_golden SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_e
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
 duet_add_test(test_engine_cache SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cache.c
               LIBS duet_engine TIMEOUT 120)
-# The CUDA forward pass against the same fixtures (skips without a device).
-duet_add_test(test_engine_cuda SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cuda.c
-              LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
+# The CUDA forward pass against the same fixtures (built with the CUDA backend; skips without a
+# device).
+if(DUET_HAVE_CUDA)
+  duet_add_test(test_engine_cuda SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cuda.c
+                LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
+endif()

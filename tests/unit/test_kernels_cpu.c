@@ -198,8 +198,7 @@ __attribute__((target("f16c"))) static uint16_t f16c_cvt(float f)
 Test(kernels_cpu, f32_to_f16_matches_f16c, .timeout = 60)
 {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("f16c"))
+    if (!duet__cpu_has_f16c())
         cr_skip_test("no F16C");
     /* 2^24 fp32 patterns spread over the whole space (every 256th, random low bits). */
     uint64_t n = 0;
