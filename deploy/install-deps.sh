@@ -1,12 +1,22 @@
 #!/bin/bash
-# Install every Debian/Ubuntu package duet needs to build, test and run (idempotent, quiet).
-# Usage: sudo deploy/install-deps.sh   (as root it needs no sudo)
+# Install the Debian/Ubuntu packages duet needs (idempotent, quiet). Works on Debian 12 (bookworm)
+# and Ubuntu 22.04 / 24.04, whose archives carry every package below.
+# Usage: deploy/install-deps.sh [--tests]     (root, or a user with sudo)
+#   without flags: what building and running need (compiler, CMake, UCX, libuv, protobuf-c, ...);
+#   --tests:       also what only the tests need (Criterion, promtool); deploy/test.sh passes it.
+# The tests' Python venv (openai client, jinja2, tiktoken) is made by tests/python/setup.sh.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-venv
       libucx-dev ucx-utils libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-      libopenmpi-dev openmpi-bin libcriterion-dev libhttp-parser-dev libjansson-dev
+      libopenmpi-dev openmpi-bin libhttp-parser-dev libjansson-dev
       libyaml-dev libpcre2-dev libxxhash-dev)
-pkgs+=(prometheus)  # promtool: the router_openai_client test runs promtool check metrics on /metrics
+case "${1:-}" in
+  "") ;;
+  --tests) pkgs+=(libcriterion-dev  # the unit and integration suites
+                  prometheus)       # promtool: router_openai_client checks /metrics with it
+    ;;
+  *) echo "usage: deploy/install-deps.sh [--tests]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

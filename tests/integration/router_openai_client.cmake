@@ -1,6 +1,6 @@
-# The official `openai` Python client (pinned; pip-installed into a venv under the build dir on the
-# first run, so it needs PyPI once) against duet-router + duet-test-worker processes, then
-# `promtool check metrics` on the router's /metrics. Fails (never skips) without pip or promtool.
+# The official `openai` Python client (pinned in tests/python/requirements.txt, from the tests'
+# venv that tests/python/setup.sh makes) against duet-router + duet-test-worker processes, then
+# `promtool check metrics` on the router's /metrics. Fails (never skips) without the venv or promtool.
 add_test(NAME router_openai_client
          COMMAND bash ${PROJECT_SOURCE_DIR}/tests/integration/run_openai_client_test.sh
                  ${PROJECT_BINARY_DIR})

@@ -7,14 +7,12 @@
 # the ports it bound), runs tests/integration/openai_client_test.py, then scrapes /metrics and
 # checks it with promtool. Every process started here is stopped on exit (trap).
 #
-# The venv lives in BUILD_DIR/openai-venv and is made once (reused while it has the pinned
-# openai). No network for pip is a FAILURE with a clear message, never a silent pass.
+# The client comes from the tests' venv, BUILD_DIR/pyvenv (tests/python/setup.sh, pinned in
+# tests/python/requirements.txt); without it the test FAILS with a clear message, never passes.
 #
 # Usage: tests/integration/run_openai_client_test.sh BUILD_DIR
 # Env:   DUET_KEEP_TEST_DIR=1 keeps the temp dir (logs, model folder, metrics.txt).
 set -uo pipefail
-
-OPENAI_VERSION=3.57.0  # pinned: bump deliberately, after running this test against the new one
 
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(cd "${1:?usage: run_openai_client_test.sh BUILD_DIR}" && pwd)
@@ -26,19 +24,10 @@ done
 
 fail() { echo "openai_client: FAIL: $*" >&2; exit 1; }
 
-# ---------------------------------------------------------------- venv with the pinned client
-venv=$build/openai-venv
-py=$venv/bin/python
-if ! [ -x "$py" ] || [ "$("$py" -c 'import openai; print(openai.__version__)' 2>/dev/null)" != "$OPENAI_VERSION" ]; then
-  echo "openai_client: making $venv with openai==$OPENAI_VERSION"
-  rm -rf "$venv"
-  python3 -m venv "$venv" || fail "python3 -m venv failed (Debian: apt-get install python3-venv)"
-  if ! "$venv/bin/pip" install --disable-pip-version-check -q "openai==$OPENAI_VERSION"; then
-    rm -rf "$venv"
-    fail "pip could not install openai==$OPENAI_VERSION (is PyPI reachable? proxy settings?). \
-This test needs the official client; it does not pass without it."
-  fi
-fi
+# ---------------------------------------------------------------- the tests' venv (pinned client)
+py=$build/pyvenv/bin/python
+"$py" -c 'import openai' 2> /dev/null ||
+  fail "$build/pyvenv has no openai client: run tests/python/setup.sh $build (deploy/test.sh does)"
 command -v promtool > /dev/null ||
   fail "promtool not found: install the Debian package 'prometheus' (deploy/install-deps.sh)"
 
