@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "common/config.h"
+#include "common/version.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/kernels.h"
 
@@ -119,6 +120,10 @@ int main(int argc, char **argv)
 {
     double min_ms = 100;
     for (int i = 1; i < argc; i++) {
+        if (duet_version_flag(argv[i])) {
+            duet_version_print("duet-bench-gemm-cuda");
+            return 0;
+        }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf(
                 "usage: duet-bench-gemm-cuda [--min-ms MS]\n"

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "common/config.h"
+#include "common/version.h"
 #include "kernels/kernels.h"
 
 static double now_s(void)
@@ -75,6 +76,10 @@ int main(int argc, char **argv)
     int    max_threads = 0, quick = 0;
     double min_s       = 0.3;
     for (int i = 1; i < argc; i++) {
+        if (duet_version_flag(argv[i])) {
+            duet_version_print("duet-bench-kernels");
+            return 0;
+        }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: duet-bench-kernels [--threads N] [--quick] [--min-ms MS]\n"
                    "GFLOP/s of the CPU backend's matmul (kernels/cpu) at the demo and 48B models'\n"

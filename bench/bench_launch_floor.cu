@@ -39,6 +39,7 @@
 
 extern "C" {
 #include "common/config.h"
+#include "common/version.h"
 #include "engine/model_config.h"
 }
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -221,6 +222,10 @@ int main(int argc, char **argv)
     size_t wb = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (duet_version_flag(a)) {
+            duet_version_print("duet-bench-launch-floor");
+            return 0;
+        }
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             printf("usage: duet-bench-launch-floor --config DIR [--layers N] [--context 2048]\n"
                    "       [--reps 30] [--dtype bf16|f32] [--list]\n"

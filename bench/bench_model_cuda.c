@@ -31,6 +31,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "engine/model.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_util.h"
@@ -98,6 +99,10 @@ int main(int argc, char **argv)
     int n_batch = 3, n_ctx = 2, n_pre = 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (duet_version_flag(a)) {
+            duet_version_print("duet-bench-model-cuda");
+            return 0;
+        }
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             printf("usage: duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64]\n"
                    "       [--context 2048,32768] [--steps 20] [--prefill 2048,8192]\n"

@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "engine/tokenizer/tokenizer.h"
+#include "common/version.h"
 
 static double now(void)
 {
@@ -41,6 +42,10 @@ static char *slurp(const char *path, size_t *len_p)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && duet_version_flag(argv[1])) {
+        duet_version_print("bench_tokenizer");
+        return 0;
+    }
     if (argc > 1 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         printf("usage: bench_tokenizer [corpus.txt [tokenizer-dir]]\n"
                "Tokens/s and MB/s of the router's tokenizer: encodes the corpus (default\n"

@@ -37,6 +37,7 @@
 
 #ifdef DUET_HAVE_CUDA
 #include <cuda_runtime.h>
+#include "common/version.h"
 #endif
 
 #define MIB (1024.0 * 1024.0)
@@ -464,6 +465,10 @@ int main(int argc, char **argv)
     bool quick = false;
     const char *which = "both";
     for (int i = 1; i < argc; i++) {
+        if (duet_version_flag(argv[i])) {
+            duet_version_print("duet-bench-xfer");
+            return 0;
+        }
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: duet-bench-xfer [--quick] [--malloc] [--transport shm|tcp|both|cuda]\n"
                    "Bandwidth (1 .. 256 MiB transfers) and latency (one-page transfers, p50 /\n"

@@ -40,6 +40,7 @@
 #include "bench/serving_stats.h"
 #include "common/json.h"
 #include "common/strbuf.h"
+#include "common/version.h"
 
 #define BENCH_EXIT_OK    0
 #define BENCH_EXIT_RUN   1
@@ -207,6 +208,7 @@ static const char bench_usage_text[] =
     "  --baseline FILE         perf gates, exit 3 when one fails (format below)\n"
     "  --quiet                 no progress lines on stderr\n"
     "  -h, --help              this text\n"
+    "  --version               the version, git commit and CUDA build\n"
     "\n"
     "metrics (vLLM's definitions; times in ms, statistics over completed requests):\n"
     "  ttft   send -> first chunk carrying text;  e2el  send -> last byte\n"
@@ -336,6 +338,7 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         {"baseline", 1, 0, OPT_BASELINE},
         {"quiet", 0, 0, OPT_QUIET},
         {"help", 0, 0, 'h'},
+        {"version", 0, 0, 'V'},
         {0, 0, 0, 0},
     };
     *o = (bench_opts_t){.url = "http://127.0.0.1:8000",
@@ -352,6 +355,9 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         switch (c) {
         case 'h':
             fputs(bench_usage_text, stdout);
+            return BENCH_EXIT_OK;
+        case 'V':
+            duet_version_print("duet-bench");
             return BENCH_EXIT_OK;
         case OPT_URL:
             o->url = a;

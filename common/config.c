@@ -68,6 +68,7 @@ struct duet_config {
     size_t n_slots;
     char *config_file; /* owned: --config FILE, or NULL */
     bool help;         /* -h/--help seen */
+    bool version;      /* --version seen */
 };
 
 /* ---------------------------------------------------------------- small helpers */
@@ -527,7 +528,8 @@ static duet_status_t config_assign(config_slot_t *sl, const char *text, duet_con
 
 static bool config_is_builtin_flag(const char *norm)
 {
-    return strcmp(norm, "help") == 0 || strcmp(norm, "config") == 0;
+    return strcmp(norm, "help") == 0 || strcmp(norm, "config") == 0 ||
+           strcmp(norm, "version") == 0;
 }
 
 duet_status_t duet_config_create(const duet_config_key_t *keys, size_t n_keys,
@@ -887,6 +889,10 @@ duet_status_t duet_config_parse_args(duet_config_t *cfg, int argc, char **argv, 
             cfg->help = true;
             continue;
         }
+        if (strcmp(a, "--version") == 0) {
+            cfg->version = true;
+            continue;
+        }
         if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0 || strncmp(a, "--config=", 9) == 0) {
             const char *file = a[1] == 'c' ? NULL : (a[8] == '=' ? a + 9 : NULL);
             if (file == NULL) {
@@ -976,7 +982,7 @@ free_arrays:
 duet_status_t duet_config_load_all(duet_config_t *cfg, int argc, char **argv, int *n_pos_p)
 {
     duet_status_t st = duet_config_parse_args(cfg, argc, argv, n_pos_p);
-    if (st != DUET_OK || cfg->help)
+    if (st != DUET_OK || cfg->help || cfg->version)
         return st;
     if (cfg->config_file != NULL) {
         st = duet_config_load_yaml_file(cfg, cfg->config_file);
@@ -1020,6 +1026,11 @@ bool duet_config_help_requested(const duet_config_t *cfg)
     return cfg->help;
 }
 
+bool duet_config_version_requested(const duet_config_t *cfg)
+{
+    return cfg->version;
+}
+
 /* ---------------------------------------------------------------- help and dump */
 
 /* Pad the current line (which started at line_start) to the help column, or break the line. */
@@ -1046,6 +1057,10 @@ duet_status_t duet_config_help(const duet_config_t *cfg, const char *usage, char
     duet_strbuf_puts(&sb, "  -h, --help");
     config_help_pad(&sb, start);
     duet_strbuf_puts(&sb, "show this help and exit\n");
+    start = sb.len;
+    duet_strbuf_puts(&sb, "  --version");
+    config_help_pad(&sb, start);
+    duet_strbuf_puts(&sb, "show the version, git commit and CUDA build, and exit\n");
     start = sb.len;
     duet_strbuf_puts(&sb, "  -c, --config FILE");
     config_help_pad(&sb, start);

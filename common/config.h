@@ -111,15 +111,16 @@ duet_status_t duet_config_load_env(duet_config_t *cfg, char *const *envp, size_t
 /*
  * Parse command-line flags argv[1..argc). Positional arguments are moved, in order, to
  * argv[1..1 + *n_pos_p) (argv[0] stays); everything after "--" is positional. Built-in flags:
- * "--config FILE" / "-c FILE" (remembered, see duet_config_file) and "-h" / "--help" (sets
- * duet_config_help_requested; the caller prints duet_config_help and exits 0). Unknown flags
+ * "--config FILE" / "-c FILE" (remembered, see duet_config_file), "-h" / "--help" (sets
+ * duet_config_help_requested; the caller prints duet_config_help and exits 0) and "--version"
+ * (sets duet_config_version_requested; the caller prints duet_version_print and exits 0). Unknown flags
  * are DUET_ERR_NOT_FOUND with a suggestion; a missing value is DUET_ERR_INVALID.
  */
 duet_status_t duet_config_parse_args(duet_config_t *cfg, int argc, char **argv, int *n_pos_p);
 
 /*
  * The usual start-up in one call: parse_args, then the --config file if one was given, then the
- * process environment. Stops early (DUET_OK) when --help was given.
+ * process environment. Stops early (DUET_OK) when --help or --version was given.
  */
 duet_status_t duet_config_load_all(duet_config_t *cfg, int argc, char **argv, int *n_pos_p);
 
@@ -134,6 +135,9 @@ const char *duet_config_file(const duet_config_t *cfg);
 
 /* Whether -h/--help was seen by duet_config_parse_args. */
 bool duet_config_help_requested(const duet_config_t *cfg);
+
+/* Whether --version was seen by duet_config_parse_args. */
+bool duet_config_version_requested(const duet_config_t *cfg);
 
 /*
  * --help text: `usage` (e.g. "duet-gen [options] MODEL_DIR") then one aligned entry per key with

@@ -21,6 +21,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -193,6 +194,11 @@ int main(int argc, char **argv)
                                   "[options]", &help) == DUET_OK)
             fputs(help, stdout);
         free(help);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK && duet_config_version_requested(cfg)) {
+        duet_version_print("duet-generate");
         duet_config_destroy(cfg);
         return 0;
     }

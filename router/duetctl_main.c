@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "router/admin.h"
+#include "common/version.h"
 
 #define EXIT_OK      0
 #define EXIT_USAGE   1
@@ -58,6 +59,7 @@ static const char *const usage_main =
     "  --admin URL   admin API address (default http://127.0.0.1:8081)\n"
     "  --token T     bearer token (default: $DUET_ADMIN_TOKEN)\n"
     "  -h, --help    this help; 'duetctl COMMAND --help' for a command\n"
+    "  --version     the version, git commit and CUDA build\n"
     "\n"
     "exit status: 0 ok, 1 usage error, 2 connection or HTTP error, 3 the server refused\n"
     "(401 bad token, 404 unknown worker, 409 conflict, 504 drain wait timed out, ...).\n";
@@ -712,6 +714,10 @@ int main(int argc, char **argv)
             c.token = a + 8;
         } else if ((strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) && nrest == 0) {
             help = true;
+        } else if (duet_version_flag(a) && nrest == 0) {
+            duet_version_print("duetctl");
+            free(rest);
+            return EXIT_OK;
         } else {
             rest[nrest++] = argv[i];
         }

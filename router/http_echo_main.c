@@ -10,6 +10,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "common/version.h"
 #include "router/http.h"
 #include "router/http_echo.h"
 
@@ -40,12 +41,16 @@ int main(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             printf("usage: duet-http-echo [--host H] [--port P] [--max-connections N] "
-                   "[--idle-ms N]\n"
+                   "[--idle-ms N] [--version]\n"
                    "The router's HTTP server with an echo application, for tests and load\n"
                    "generators: answers every request with its method, target, headers and body.\n"
                    "Prints \"port <n>\" once listening (--port 0, the default, picks a free one);\n"
                    "SIGINT or SIGTERM shuts it down gracefully. Defaults: host 127.0.0.1, the\n"
                    "server's connection limit and idle timeout.\n");
+            return 0;
+        }
+        if (duet_version_flag(a)) {
+            duet_version_print("duet-http-echo");
             return 0;
         }
         if (v == NULL) {

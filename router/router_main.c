@@ -41,6 +41,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/strbuf.h"
+#include "common/version.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "proto/frame.h"
 #include "router/admin.h"
@@ -1280,6 +1281,11 @@ int main(int argc, char **argv)
         printf("duet-router: the OpenAI-compatible front door of a duet cluster. Clients speak\n"
                "HTTP to http.port; ctx/gen workers register on workers.port.\n\n%s", text);
         free(text);
+        duet_config_destroy(rt->cfg);
+        return 0;
+    }
+    if (st == DUET_OK && duet_config_version_requested(rt->cfg)) {
+        duet_version_print("duet-router");
         duet_config_destroy(rt->cfg);
         return 0;
     }

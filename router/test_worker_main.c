@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "proto/frame.h"
+#include "common/version.h"
 
 #define TW_MAX_REQ 512
 
@@ -329,7 +330,7 @@ static void usage(FILE *f)
             "  --role ctx|gen         which kind of worker to pretend to be (required)\n"
             "  --name NAME            worker_name in Register (default test-worker)\n"
             "  --fingerprint FP       model_fingerprint in Register (default \"test\")\n"
-            "  --version N            protocol version to claim (default %u)\n"
+            "  --proto-version N      protocol version to claim (default %u)\n"
             "  --kv-pages N           capacity and free pages to report (default 1000)\n"
             "  --heartbeat-ms N       heartbeat period; 0 = never heartbeat (default 200)\n"
             "  --delay-ms N           delay before each token (default 0)\n"
@@ -340,7 +341,8 @@ static void usage(FILE *f)
             "  --events FILE          append one line per message received\n"
             "  --quiet                no log lines on stderr\n"
             "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
-            "  -h, --help             this text\n",
+            "  -h, --help             this text\n"
+            "  --version              the version, git commit and CUDA build\n",
             DUET_PROTO_VERSION);
 }
 
@@ -348,10 +350,11 @@ int main(int argc, char **argv)
 {
     static const struct option lo[] = {
         {"router", 1, 0, 'r'},      {"role", 1, 0, 'o'},        {"name", 1, 0, 'n'},
-        {"fingerprint", 1, 0, 'f'}, {"version", 1, 0, 'v'},     {"kv-pages", 1, 0, 'k'},
+        {"fingerprint", 1, 0, 'f'}, {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
         {"heartbeat-ms", 1, 0, 'b'}, {"delay-ms", 1, 0, 'd'},   {"die-after", 1, 0, 'x'},
         {"stall-after", 1, 0, 's'}, {"refuse", 0, 0, 'R'},      {"events", 1, 0, 'e'},
         {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},        {"model", 1, 0, 'm'},
+        {"version", 0, 0, 'V'},
         {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
@@ -373,6 +376,7 @@ int main(int argc, char **argv)
         case 'R': opt.refuse = 1; break;
         case 'e': opt.events = optarg; break;
         case 'q': opt.quiet = 1; break;
+        case 'V': duet_version_print("duet-test-worker"); return 0;
         case 'm': break; /* workers take the model folder; the fake one has no use for it */
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 1;

@@ -12,6 +12,7 @@
 #include "common/fingerprint.h"
 
 #include "common/log.h"
+#include "common/version.h"
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
 const char *const duet_worker_dtypes[]  = {"f32", "bf16", NULL};
@@ -249,6 +250,11 @@ int duet_worker_configure(const duet_config_key_t *keys, size_t n_keys, int argc
         if (duet_config_help(cfg, usage, &text) == DUET_OK)
             fputs(text, stdout);
         free(text);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK && duet_config_version_requested(cfg)) {
+        duet_version_print(prog);
         duet_config_destroy(cfg);
         return 0;
     }

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "common/strbuf.h"
+#include "common/version.h"
 #include "deploy/launcher/cluster.h"
 #include "deploy/launcher/hreq.h"
 #include "deploy/launcher/procs.h"
@@ -164,6 +165,7 @@ static const char main_usage[] =
     "Commands:\n"
     "  up [CLUSTER.yaml]   start a local cluster (router + ctx + gen workers) in the\n"
     "                      foreground; `duet up --help` for its options\n"
+    "  --version           the version, git commit and CUDA build\n"
     "\n"
     "The processes themselves are duet-router, duet-ctx and duet-gen; each takes --help.\n";
 
@@ -718,6 +720,10 @@ int main(int argc, char **argv)
         strcmp(argv[1], "help") == 0) {
         fputs(main_usage, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
+    }
+    if (duet_version_flag(argv[1])) {
+        duet_version_print("duet");
+        return 0;
     }
     if (strcmp(argv[1], "up") == 0)
         return up_main(argc - 2, argv + 2);

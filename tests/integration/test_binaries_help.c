@@ -1,11 +1,14 @@
 /*
- * Every binary the build makes answers --help with exit status 0 and a usage line on stdout, and
- * refuses an option it does not know with a non-zero status and a message on stderr naming it.
+ * Every binary the build makes answers --help with exit status 0 and a usage line on stdout,
+ * answers --version with its name, the project's version, the git commit and whether CUDA is built
+ * in, and refuses an option it does not know with a non-zero status and a message on stderr
+ * naming it.
  * The binaries whose option values are checked by hand refuse bad ones the same way.
  * The list comes from CMake (DUET_HELP_BINARIES: the built targets' files, ':'-separated), so a
  * build without CUDA checks the binaries it has and no others.
  */
 #include <criterion/criterion.h>
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +47,37 @@ Test(binaries, help_and_unknown_option, .timeout = 120)
         printf("[binaries] %-26s --help exit %d; an unknown option exit %d\n", name, rc_help,
                rc_bad);
     }
+    cr_assert(n >= 12, "only %d binaries listed: %s", n, DUET_HELP_BINARIES);
+}
+
+/* "NAME VERSION (commit C, BUILD_TYPE, CUDA on: ARCHS)" or "... CUDA off)", C = 12 hex digits
+ * (with "-dirty" for a tree with uncommitted changes) or "unknown" outside a git checkout. */
+Test(binaries, version, .timeout = 60)
+{
+    char list[] = DUET_HELP_BINARIES;
+    int n = 0;
+    for (char *save = NULL, *bin = strtok_r(list, ":", &save); bin != NULL;
+         bin = strtok_r(NULL, ":", &save), n++) {
+        const char *name = strrchr(bin, '/') != NULL ? strrchr(bin, '/') + 1 : bin;
+        const int rc = run(bin, "--version", 0);
+        cr_expect_eq(rc, 0, "%s --version exited %d", name, rc);
+        char want[256];
+        snprintf(want, sizeof(want), "%s %s (commit ", name, DUET_EXPECT_VERSION);
+        cr_expect(strncmp(OUT, want, strlen(want)) == 0, "%s --version printed \"%s\", want \"%s...\"",
+                  name, OUT, want);
+        const char *c = OUT + strlen(want);
+        size_t hex = 0;
+        while (isxdigit((unsigned char)c[hex]))
+            hex++;
+        cr_expect(hex == 12 || strncmp(c, "unknown,", 8) == 0, "%s: commit not 12 hex digits: %s",
+                  name, OUT);
+        const char *cuda = DUET_EXPECT_CUDA ? "CUDA on: " : "CUDA off)";
+        cr_expect(strstr(OUT, cuda) != NULL, "%s --version does not say \"%s\": %s", name, cuda,
+                  OUT);
+        cr_expect(strchr(OUT, '\n') != NULL && strchr(OUT, '\n')[1] == '\0',
+                  "%s --version printed more than one line: %s", name, OUT);
+    }
+    printf("[binaries] %d binaries answered --version\n", n);
     cr_assert(n >= 12, "only %d binaries listed: %s", n, DUET_HELP_BINARIES);
 }
 

@@ -434,7 +434,7 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
     /* a worker with another protocol version or fingerprint is refused and exits (status 4) */
     char rt[64];
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
-    char *v[] = {WORKER, "--router", rt, "--role", "gen", "--version", "99", "--quiet", NULL};
+    char *v[] = {WORKER, "--router", rt, "--role", "gen", "--proto-version", "99", "--quiet", NULL};
     pid_t p   = spawn(v, "old.log");
     int   ws;
     cr_assert_eq(waitpid(p, &ws, 0), p);

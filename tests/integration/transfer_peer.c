@@ -15,6 +15,7 @@
  * peer that lost its partner never outlives the test.
  */
 #include "tests/unit/test_transfer_util.h"
+#include "common/version.h"
 
 /* Our end of the router pipe: the original stdout. fd 1 itself is pointed at stderr, because
  * UCX writes its log lines to stdout and they must not land in the pipe. */
@@ -122,6 +123,10 @@ int main(int argc, char **argv)
     dup2(2, 1);
     signal(SIGPIPE, SIG_IGN);
     xt_scn_t s = xt_scn_default();
+    if (argc >= 2 && duet_version_flag(argv[1])) {
+        dprintf(g_router, "duet-xfer-peer %s\n", duet_version_string()); /* stdout is fd 2 now */
+        return 0;
+    }
     if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         dprintf(g_router, "usage: duet-xfer-peer recv|send key=value...\n"
                           "The other process of the transfer runtime's tests (tests only): recv\n"
