@@ -6,7 +6,7 @@
 #   same dimensions, right after, on the same GPU (tools/bench_transformers.py); and the floor of
 #   the engine's batch-1 kernel sequence made of pure weight streams (duet-bench-launch-floor).
 # Usage: bench/gpu_check.sh [OUT_DIR]   (default: ./gpu-check-out)
-# Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: ../shared/gpu/README.md),
+# Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: tools/gpu_deps.sh),
 #      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
 #      python3), STAGES="build tests cluster bench tf" to run a subset (add `trace` for the
 #      27-layer batch-1 step's per-kernel table under the CUPTI tracer), TARGETS="..." to build
@@ -20,7 +20,7 @@ out=${1:-gpu-check-out}
 mkdir -p "$out"
 stages=${STAGES:-build tests cluster bench tf}
 py=${PY:-$( [ -x /opt/torch/.venv/bin/python3 ] && echo /opt/torch/.venv/bin/python3 || echo python3)}
-if [ -n "${DEPS:-}" ]; then eval "$(bash "$DEPS/unpack-debs.sh" "$DEPS")"; fi
+if [ -n "${DEPS:-}" ]; then eval "$(bash tools/gpu_deps.sh unpack "$DEPS")"; fi
 export PATH=/usr/local/cuda/bin:$PATH
 has() { case " $stages " in *" $1 "*) return 0;; esac; return 1; }
 say() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$out/summary.txt"; }

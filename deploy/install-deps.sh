@@ -1,6 +1,6 @@
 #!/bin/bash
-# Install the Debian/Ubuntu packages duet needs (idempotent, quiet). Works on Debian 12 (bookworm)
-# and Ubuntu 22.04 / 24.04, whose archives carry every package below.
+# Install the Debian/Ubuntu packages duet needs (idempotent, quiet). Debian 12 (bookworm) is what
+# CI runs; Ubuntu 22.04 / 24.04 use the same package names (universe), not tested here.
 # Usage: deploy/install-deps.sh [--tests]     (root, or a user with sudo)
 #   without flags: what building and running need (compiler, CMake, UCX, libuv, protobuf-c, ...);
 #   --tests:       also what only the tests need (Criterion, promtool); deploy/test.sh passes it.
