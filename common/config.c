@@ -36,9 +36,12 @@ extern char **environ;
 #define CONFIG_YAML_MAX_NODES 100000
 #define CONFIG_HELP_COLUMN    36
 
-/* DUET_ variables that are not configuration keys and must not draw a warning. */
-static const char *const config_env_allowlist[] = {"DUET_LOG_LEVEL", "DUET_SOURCE_DIR",
-                                                   "DUET_BINARY_DIR", NULL};
+/* DUET_ variables that are not configuration keys and must not draw a warning: the switches of
+ * docs/switches.md. An entry ending in '*' is a prefix. */
+static const char *const config_env_allowlist[] = {
+    "DUET_LOG_LEVEL", "DUET_SOURCE_DIR", "DUET_BINARY_DIR", "DUET_THREADS",   "DUET_SPIN_US",
+    "DUET_KERNELS_ISA", "DUET_TRACE_OUT", "DUET_ADMIN_TOKEN", "DUET_CUDA_*", "DUET_TEST_*",
+    "DUET_KEEP_TEST_DIR", NULL};
 
 /* A parsed value of any type. */
 typedef struct {
@@ -845,8 +848,12 @@ duet_status_t duet_config_load_env(duet_config_t *cfg, char *const *envp, size_t
             continue;
         }
         bool allowed = false;
-        for (size_t j = 0; config_env_allowlist[j] != NULL; j++)
-            allowed = allowed || strcmp(config_env_allowlist[j], name) == 0;
+        for (size_t j = 0; config_env_allowlist[j] != NULL; j++) {
+            const char  *a   = config_env_allowlist[j];
+            const size_t len = strlen(a);
+            allowed = allowed || (a[len - 1] == '*' ? strncmp(a, name, len - 1) == 0
+                                                    : strcmp(a, name) == 0);
+        }
         if (!allowed) {
             DUET_LOG_WARN("ignoring unknown environment variable %s (no such config key)", name);
             n_unknown++;

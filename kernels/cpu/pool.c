@@ -246,11 +246,14 @@ duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_ke
         k->spin_ns = (int64_t)strtol(spin, NULL, 10) * 1000;
     const char *isa = getenv("DUET_KERNELS_ISA");
     if (isa != NULL && isa[0] != '\0') {
-        duet__isa_t want = strcmp(isa, "scalar") == 0 ? DUET__ISA_SCALAR
-                           : strcmp(isa, "avx2") == 0 ? DUET__ISA_AVX2
-                                                      : DUET__ISA_AVX512;
-        if (want < k->isa)
-            k->isa = want;
+        int want = -1;
+        for (int i = DUET__ISA_SCALAR; i <= DUET__ISA_AVX512; i++)
+            if (strcmp(isa, duet__isa_name((duet__isa_t)i)) == 0)
+                want = i;
+        if (want < 0)
+            DUET_LOG_WARN("ignoring DUET_KERNELS_ISA=%s (scalar, avx2 or avx512)", isa);
+        else if ((duet__isa_t)want < k->isa)
+            k->isa = (duet__isa_t)want;
     }
 
     duet_status_t st;

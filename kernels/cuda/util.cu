@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_util.h"
@@ -173,9 +174,9 @@ extern "C" int duet_cuda_pdl_enabled(void)
     if (duet__pdl_forced >= 0)
         return duet__pdl_forced;
     if (duet__pdl_default < 0) {
-        int dev = 0, major = 0;
+        int dev = 0, major = 0, no_pdl = -1;
         duet__pdl_default =
-            getenv("DUET_CUDA_NO_PDL") == NULL && cudaGetDevice(&dev) == cudaSuccess &&
+            !duet_cuda_env_flag(&no_pdl, "DUET_CUDA_NO_PDL") && cudaGetDevice(&dev) == cudaSuccess &&
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
             major >= 9;
         (void)cudaGetLastError();
@@ -190,8 +191,11 @@ extern "C" void duet_cuda_pdl_set(int on)
 
 extern "C" int duet_cuda_env_flag(int *cache, const char *name)
 {
-    if (*cache < 0)
-        *cache = getenv(name) != NULL;
+    if (*cache < 0) {
+        /* Set to anything but "" or "0": a switch written =0 must not turn itself on. */
+        const char *v = getenv(name);
+        *cache = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+    }
     return *cache;
 }
 

@@ -321,13 +321,15 @@ Test(common_config, env_errors_and_unknown_vars, .timeout = 10)
     char *ok[] = {"DUET_LOG_LEVEL=debug",
                   "DUET_SOURCE_DIR=/x",
                   "DUET_BINARY_DIR=/y",
+                  "DUET_CUDA_NO_PDL=1",     /* the switches of docs/switches.md: prefix */
+                  "DUET_KERNELS_ISA=avx2", /* and by name */
                   "DUET_CACHE_PAGETOKENS=3",
                   "DUET_MODEL_PATH=/m",
                   "DUETX=1",
                   "OTHER=2",
                   NULL};
     cr_assert_eq(duet_config_load_env(cfg, ok, &n_unknown), DUET_OK);
-    cr_assert_eq(n_unknown, 1, "only the misspelt DUET_ variable is unknown");
+    cr_assert_eq(n_unknown, 1, "only the misspelt DUET_ variable is unknown, not the switches");
     cr_assert_str_eq(duet_config_get_string(cfg, "model.path"), "/m");
     cr_assert_str_eq(duet_config_origin(cfg, "model.path"), "environment variable DUET_MODEL_PATH");
 
