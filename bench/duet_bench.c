@@ -53,7 +53,8 @@
 #define BENCH_PROGRESS_MS     1000 /* progress line period */
 #define BENCH_MAX_REASONS     16   /* distinct failure reasons reported */
 
-/* The router counters read from /metrics before and after the run (DESIGN §7). */
+/* The router counters read from /metrics before and after the run (docs/architecture.md,
+ * "Admission, placement, drain, admin API, metrics"). */
 static const char *const bench_server_counters[] = {
     "duet_gen_decode_steps_total",
     "duet_gen_decode_seq_steps_total",

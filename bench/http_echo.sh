@@ -3,7 +3,8 @@
 # against duet-http-echo on loopback: GET /health and POST /echo (1 KiB), server and wrk pinned to
 # different cores when taskset and 2+ cores exist. Each number is the median of REPS runs.
 # Usage: bench/http_echo.sh [BUILD_DIR] [SECONDS] [CONNECTIONS] [REPS]
-# Needs wrk (apt-get install -y wrk). ENV.md: loopback numbers are noisy (+-15-25% run to run).
+# Needs wrk (apt-get install -y wrk). docs/platform.md "libuv 1.44": loopback numbers are noisy
+# (+-15-25% run to run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}

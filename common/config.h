@@ -1,6 +1,6 @@
 /*
- * Typed configuration for every duet binary (DESIGN §7: one YAML, every key also a CLI flag and
- * a DUET_* environment override).
+ * Typed configuration for every duet binary (docs/switches.md: one YAML, every key also a CLI flag
+ * and a DUET_* environment override).
  *
  * A program declares its keys once, in a static table of duet_config_key_t, and everything else
  * follows from that table: parsing and validation of each source, --help text, the start-up dump

@@ -1,6 +1,7 @@
 /*
- * The model fingerprint: what a worker presents in Register and the router compares (DESIGN §6),
- * so that a router never serves tokens from a worker holding another model.
+ * The model fingerprint: what a worker presents in Register and the router compares
+ * (docs/architecture.md, "The wire"), so that a router never serves tokens from a worker holding
+ * another model.
  */
 #ifndef DUET_COMMON_FINGERPRINT_H
 #define DUET_COMMON_FINGERPRINT_H

@@ -1,5 +1,6 @@
 /*
- * duet-ctx: the context (prefill) worker (DESIGN §1 steps 2-3).
+ * duet-ctx: the context (prefill) worker (docs/architecture.md, "The path of one request", steps
+ * 5-7).
  *
  * One process, one libuv loop thread (the engine's thread pool does the math inside a step):
  *   router link (worker/link.h)  Prefill, Cancel, Drain, Undrain in; Tokens, Heartbeat out

@@ -1,6 +1,7 @@
 /*
- * Cache pools (DESIGN §4). Both pools are allocated once at start-up (later registered with UCX
- * once) and handed out per request; nothing is allocated on the hot path.
+ * Cache pools (docs/architecture.md, "Cache pools"). Both pools are allocated once at start-up
+ * (later registered with UCX once) and handed out per request; nothing is allocated on the hot
+ * path.
  *
  * MLA KV pool: `n_pages` pages of `page_tokens` tokens. A page holds every MLA layer of its
  * tokens; within the page, layer l is one contiguous block so that one RMA put moves one

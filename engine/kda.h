@@ -1,5 +1,5 @@
 /*
- * KDA (Kimi Delta Attention) core on one head, CPU reference (MATH.md, "KDA mixer").
+ * KDA (Kimi Delta Attention) core on one head, CPU reference (docs/model.md, "KDA mixer").
  *
  * Inputs are the per-token vectors after the short conv, SiLU, L2 normalisation and query
  * scaling: q, k, g of K values, v of V values, beta a scalar, all fp32. Rows of token t are at

@@ -1,6 +1,6 @@
 /*
- * The forward pass of Kimi Linear on the CPU backend (MATH.md is the specification, transformers
- * 5.17's KimiLinearForCausalLM the reference it is tested against).
+ * The forward pass of Kimi Linear on the CPU backend (docs/model.md is the specification,
+ * transformers 5.17's KimiLinearForCausalLM the reference it is tested against).
  *
  * Shape of one step: the batch's new tokens are stacked into T rows. Every projection, norm and
  * FFN runs once over all T rows; the mixers' per-sequence parts run per (sequence, head) on the

@@ -1,16 +1,17 @@
 /*
  * The model's hyper-parameters, parsed from a checkpoint's config.json.
  *
- * Two spellings exist and both load (DESIGN §3): transformers' (`layer_types`, `mlp_layer_types`,
- * `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`, `n_group`, `num_experts_per_tok`,
- * ...) and the hub's, as Moonshot ships it (`linear_attn_config` with 1-based `kda_layers` /
- * `full_attn_layers`, `head_dim`, `num_heads`, `short_conv_kernel_size`; `first_k_dense_replace`,
- * `moe_layer_freq`, `num_experts`, `num_experts_per_token`, `num_shared_experts`,
- * `num_expert_group`, `moe_renormalize`, ...). Resolution follows transformers 5.17's
- * KimiLinearConfig: explicit `layer_types` wins over `linear_attn_config`, which wins over the
- * default (full attention at every 4th layer counting from 0, layer 0 excluded).
- * Every field is validated (positive sizes, divisibility, layer lists in range, no layer both
- * KDA and MLA); features this engine does not implement are refused, never ignored.
+ * Two spellings exist and both load (docs/model.md, "Config spellings"): transformers'
+ * (`layer_types`, `mlp_layer_types`, `linear_num_heads`, `linear_head_dim`,
+ * `linear_conv_kernel_dim`, `n_group`, `num_experts_per_tok`, ...) and the hub's, as Moonshot ships
+ * it (`linear_attn_config` with 1-based `kda_layers` / `full_attn_layers`, `head_dim`, `num_heads`,
+ * `short_conv_kernel_size`; `first_k_dense_replace`, `moe_layer_freq`, `num_experts`,
+ * `num_experts_per_token`, `num_shared_experts`, `num_expert_group`, `moe_renormalize`, ...).
+ * Resolution follows transformers 5.17's KimiLinearConfig: explicit `layer_types` wins over
+ * `linear_attn_config`, which wins over the default (full attention at every 4th layer counting
+ * from 0, layer 0 excluded). Every field is validated (positive sizes, divisibility, layer lists in
+ * range, no layer both KDA and MLA); features this engine does not implement are refused, never
+ * ignored.
  */
 #ifndef DUET_ENGINE_MODEL_CONFIG_H
 #define DUET_ENGINE_MODEL_CONFIG_H
@@ -35,7 +36,7 @@ typedef enum {
 
 typedef enum {
     DUET_ACT_SILU = 0,
-    DUET_ACT_SITU = 1, /* hidden_act "situ": K3-style experts; see DESIGN §3 */
+    DUET_ACT_SITU = 1, /* hidden_act "situ": K3-style experts; see docs/model.md "FFN" */
 } duet_act_kind_t;
 
 typedef struct {

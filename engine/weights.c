@@ -1,6 +1,6 @@
 /*
- * weights.c: bind the checkpoint's tensors to the model's named weights (MATH.md), checking each
- * shape against the config.
+ * weights.c: bind the checkpoint's tensors to the model's named weights (docs/model.md, "Weights
+ * and shapes"), checking each shape against the config.
  *
  * Every tensor goes through duet_checkpoint_get_shaped, which both validates the shape and marks
  * the tensor used, so afterwards the checkpoint knows which tensors no layer asked for (an MTP

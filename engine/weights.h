@@ -1,8 +1,9 @@
 /*
  * The model's weights as views into the mmapped checkpoint, named and shaped as Moonshot's
- * checkpoints name them (MATH.md). Large matrices stay in their stored dtype (F32/BF16/F16) and
- * the kernels convert on the fly; nothing is copied here. Binding validates every tensor's shape
- * against the config, so a checkpoint that loads is a checkpoint the forward pass can run.
+ * checkpoints name them (docs/model.md, "Weights and shapes"). Large matrices stay in their stored
+ * dtype (F32/BF16/F16) and the kernels convert on the fly; nothing is copied here. Binding
+ * validates every tensor's shape against the config, so a checkpoint that loads is a checkpoint the
+ * forward pass can run.
  */
 #ifndef DUET_ENGINE_WEIGHTS_H
 #define DUET_ENGINE_WEIGHTS_H

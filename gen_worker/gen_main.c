@@ -1,5 +1,6 @@
 /*
- * duet-gen: the generation worker (DESIGN §1 steps 1 and 4, §5).
+ * duet-gen: the generation worker (docs/architecture.md: "The path of one request", steps 4 and
+ * 8-9; "Quarantine").
  *
  * One process, one libuv loop thread (the engine's thread pool does the math inside a step):
  *   router link (worker/link.h)   Reserve, PrefillDone, Generate, Cancel, Drain, Undrain in;

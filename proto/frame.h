@@ -1,5 +1,6 @@
 /*
- * Frames on TCP streams (DESIGN §6): a 4-byte big-endian length, then one packed `Envelope`.
+ * Frames on TCP streams (docs/architecture.md, "The wire"): a 4-byte big-endian length, then one
+ * packed `Envelope`.
  *
  * The encoder writes into a caller buffer or appends to a strbuf. The decoder is incremental: it
  * accepts byte chunks of any size as they come from a socket and hands back whole Envelopes. It

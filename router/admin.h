@@ -1,9 +1,9 @@
 /*
- * The router's admin API (DESIGN §7): a second HTTP listener, loopback by default, on which
- * operators (usually through duetctl) list workers, drain and undrain them, and pause, resume or
- * re-size admission. Every request must carry "Authorization: Bearer <token>"; the token is
- * compared in constant time. Starting without a token is refused unless the caller says
- * insecure_no_token explicitly (--admin.insecure-no-token).
+ * The router's admin API (docs/architecture.md, "Admission, placement, drain, admin API, metrics"):
+ * a second HTTP listener, loopback by default, on which operators (usually through duetctl) list
+ * workers, drain and undrain them, and pause, resume or re-size admission. Every request must carry
+ * "Authorization: Bearer <token>"; the token is compared in constant time. Starting without a token
+ * is refused unless the caller says insecure_no_token explicitly (--admin.insecure-no-token).
  *
  * Endpoints (all JSON; errors are {"error": {"code": <status>, "message": "..."}}):
  *   GET  /admin/workers                   {"workers": [{"id", "name", "role", "state",

@@ -1,6 +1,6 @@
 /*
  * Admission control for the router: how many requests run at once, how many may wait, and who
- * is told "no" and with which status (DESIGN §1: the router never queues unboundedly).
+ * is told "no" and with which status (docs/architecture.md: the router never queues unboundedly).
  *
  * Model. A request is an opaque, non-NULL handle chosen by the caller (its request context).
  * duet_admission_try_admit gives one of five verdicts:
@@ -189,7 +189,7 @@ const char *duet_admission_reason_name(duet_admission_reason_t reason);
 const char *duet_admission_verdict_name(duet_admission_verdict_t verdict);
 
 /*
- * Config keys for the router's table (DESIGN §7), to splice into its duet_config_key_t array:
+ * Config keys for the router's table (see --help), to splice into its duet_config_key_t array:
  *   admission.max_inflight, admission.max_queue, admission.queue_timeout_ms (how long a request
  *   may wait in the queue: the caller's deadline_ms = now + this).
  */

@@ -16,8 +16,8 @@
  *  - Server-initiated closes send a FIN after the last response and then drain the client's
  *    unread bytes for linger_ms, so the client sees the response (e.g. a 413 sent before the
  *    body was read) instead of a reset.
- *  - Writes try uv_try_write first and queue only the unsent rest with uv_write (ENV.md: one
- *    syscall fewer per response).
+ * - Writes try uv_try_write first and queue only the unsent rest with uv_write (docs/platform.md
+ * "libuv 1.44": one syscall fewer per response).
  */
 #include "router/http.h"
 

@@ -1,7 +1,8 @@
 /*
- * Placement: which worker gets the next request (DESIGN §1). A pure module: no sockets, no clock,
- * no allocation; the router passes a snapshot of the registry (duet_placement_candidate_t) and
- * gets back an index into it, so every policy can be tested exhaustively on plain arrays.
+ * Placement: which worker gets the next request (docs/architecture.md, "Admission, placement,
+ * drain, admin API, metrics"). A pure module: no sockets, no clock, no allocation; the router
+ * passes a snapshot of the registry (duet_placement_candidate_t) and gets back an index into it, so
+ * every policy can be tested exhaustively on plain arrays.
  *
  * Order. The router picks a generation worker first (it must reserve the cache pages for the
  * whole request, or refuse), and only after the reservation a context worker; each pick is one

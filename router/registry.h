@@ -1,7 +1,7 @@
 /*
- * The router's worker registry (DESIGN §6): a libuv TCP listener on its own port (not the HTTP
- * one), where context and generation workers connect, register, heartbeat and exchange the
- * request-path messages with the router core.
+ * The router's worker registry (docs/architecture.md, "The wire"): a libuv TCP listener on its own
+ * port (not the HTTP one), where context and generation workers connect, register, heartbeat and
+ * exchange the request-path messages with the router core.
  *
  * Connection life. A worker connects and must send Register within the heartbeat timeout. The
  * registry answers RegisterAck: refused (and the connection closed once the ack is written) when

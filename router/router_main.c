@@ -1,6 +1,6 @@
 /*
- * duet-router: the one door of a duet cluster (DESIGN §1, §7). It serves the OpenAI API over HTTP
- * (router/http.h + router/openai.h), tokenizes in-process (the tokenizer library, never the
+ * duet-router: the one door of a duet cluster (docs/architecture.md). It serves the OpenAI API over
+ * HTTP (router/http.h + router/openai.h), tokenizes in-process (the tokenizer library, never the
  * engine), keeps the worker registry (router/registry.h), places requests (router/placement.h),
  * bounds what it accepts (router/admission.h) and exposes the admin API (router/admin.h).
  *

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The repository stands alone: no tracked file refers to a folder outside it (`../shared`), every
+# The repository stands alone: no tracked file refers to a folder beside it (the sibling "shared"
 # `docs/*.md` a file cites exists, and every folder of test or benchmark data names its sources in a
 # README beside the files.
 # Usage: tests/repo_check.sh SOURCE_DIR      (a ctest, repo_standalone)

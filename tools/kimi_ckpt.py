@@ -1,7 +1,7 @@
 """Shared helpers: write a transformers KimiLinearForCausalLM as a Moonshot-named checkpoint.
 
 transformers 5.17 keeps Kimi Linear weights under its own internal names; the hub checkpoints
-(and the duet C loader, DESIGN §3 / MATH.md) use Moonshot's names. transformers converts
+(and the duet C loader, docs/model.md) use Moonshot's names. transformers converts
 Moonshot -> internal on load (conversion_mapping.py, "kimi_linear"); this module does the reverse:
 
   internal                                        Moonshot

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Make the tiny Kimi-Linear golden fixtures the duet C engine is tested against (DESIGN §8).
+"""Make the tiny Kimi-Linear golden fixtures the duet C engine is tested against
+(tests/fixtures/README.md).
 
   /opt/torchvenv/bin/python tools/make_fixtures.py --out tests/fixtures [--only NAME ...]
 

@@ -2,7 +2,8 @@
  * Transfer plans: which bytes of the sender's pools go where in the receiver's reserved pools.
  *
  * A pure function of two layouts and two page lists; it knows pages, layers and byte ranges, not
- * models (DESIGN §2, §4). The cache layouts it maps are the engine's (engine/cache.h):
+ * models (docs/architecture.md, "Cache pools"). The cache layouts it maps are the engine's
+ * (engine/cache.h):
  *
  *   KV pool: offset(page p, layer l, token slot s) = ((p * n_layers + l) * page_tokens + s) * token_bytes
  *   KDA pool: offset(slot i, layer l) = (i * n_layers + l) * layer_bytes, and inside a layer block

@@ -1,6 +1,6 @@
 /*
  * Reservations: what one destination rank reserved for one request, as it crosses processes
- * (the `Reservation` message of proto/duet.proto; DESIGN §1 steps 1-3, §6).
+ * (the `Reservation` message of proto/duet.proto; docs/architecture.md, "The path of one request").
  *
  * The generation worker fills a duet_xfer_reservation_t from its pools and encodes it; the
  * router carries the bytes; the context worker decodes them and builds a transfer plan against

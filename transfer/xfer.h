@@ -1,7 +1,7 @@
 /*
  * The UCX runtime of transfer/: moves MLA KV pages and KDA state from a context worker's pools
- * straight into pages a generation worker reserved (DESIGN §1, §4, §6). It knows pools, pages and
- * byte ranges (transfer/plan.h), never models.
+ * straight into pages a generation worker reserved (docs/architecture.md). It knows pools, pages
+ * and byte ranges (transfer/plan.h), never models.
  *
  * One duet_xfer_ctx_t per process: one UCX context (RMA + AM + WAKEUP) and one worker, driven by
  * its owner's loop through duet_xfer_ctx_fd() / duet_xfer_ctx_progress() (a libuv poll handle
@@ -39,10 +39,11 @@
  *   transfer stuck on one is reported after a second abort_grace_ms (its slot is reused only when
  *   UCX lets go of it).
  *
- * Wire (DESIGN §6): data are RMA puts; control messages are UCX active messages whose body is a
- * packed duet.Envelope (XferDone / XferAbort). One control message is not in duet.proto: the
- * sender's hello, which carries the sender's worker address so that the receiver can send an
- * abort back later. It is a fixed 16-byte AM header plus the raw address, see xfer_impl.h.
+ * Wire (docs/architecture.md, "The wire"): data are RMA puts; control messages are UCX active
+ * messages whose body is a packed duet.Envelope (XferDone / XferAbort). One control message is not
+ * in duet.proto: the sender's hello, which carries the sender's worker address so that the receiver
+ * can send an abort back later. It is a fixed 16-byte AM header plus the raw address, see
+ * xfer_impl.h.
  *
  * Bounded: transfers live in a fixed table (opts.max_transfers; DUET_ERR_BUSY when full), peers
  * in a fixed cache (opts.max_peers), control messages in a fixed buffer pool; every state has a

@@ -545,7 +545,7 @@ duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, siz
     p->err = UCS_OK;
     p->last_used = ctx->sweeps;
     p->state = DUET__PEER_CONNECTING;
-    /* ENV.md: flush a new endpoint before its first send. */
+    /* docs/platform.md "UCX 1.13.1": flush a new endpoint before its first send. */
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
         .cb.send = duet__peer_flush_cb,

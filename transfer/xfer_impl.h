@@ -43,7 +43,7 @@ typedef struct duet__xfer duet__xfer_t;
 
 typedef enum {
     DUET__PEER_FREE = 0,
-    DUET__PEER_CONNECTING, /* ep created, first flush in flight (ENV.md: flush before sending) */
+    DUET__PEER_CONNECTING, /* ep created, first flush in flight (docs/platform.md) */
     DUET__PEER_READY,
     DUET__PEER_FAILED,     /* error callback ran; force-close pending in the sweep */
     DUET__PEER_CLOSING,    /* ucp_ep_close_nbx in flight */

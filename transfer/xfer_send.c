@@ -2,11 +2,11 @@
  * Sender side of a transfer: CONNECTING -> SENDING -> FLUSHING -> DONE | ABORTING -> ABORTED
  * (see xfer.h).
  *
- * CONNECTING waits until every rank's endpoint finished its first flush (UCX 1.13 quirk, ENV.md).
- * SENDING: each ready layer group of the plan goes out as one ucp_put_nbx per plan entry, straight
- * from the registered source pool; puts carry no callback (their requests are released at once)
- * because the endpoint flush that follows is what proves them complete. FLUSHING: one
- * ucp_ep_flush_nbx per rank, then one XferDone per rank; DONE when those were sent.
+ * CONNECTING waits until every rank's endpoint finished its first flush (UCX 1.13 quirk,
+ * docs/platform.md). SENDING: each ready layer group of the plan goes out as one ucp_put_nbx per
+ * plan entry, straight from the registered source pool; puts carry no callback (their requests are
+ * released at once) because the endpoint flush that follows is what proves them complete. FLUSHING:
+ * one ucp_ep_flush_nbx per rank, then one XferDone per rank; DONE when those were sent.
  *
  * Aborts (owner cancel, deadline, a rank's XferAbort, a failed endpoint, a failed operation) tell
  * the live ranks with XferAbort and flush their endpoints, so that when the owner hears ABORTED no

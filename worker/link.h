@@ -1,6 +1,6 @@
 /*
- * A worker's connection to the router (DESIGN §6): TCP on the worker's libuv loop, frames of
- * proto/frame.h. Shared by duet-ctx and duet-gen.
+ * A worker's connection to the router (docs/architecture.md, "The wire"): TCP on the worker's libuv
+ * loop, frames of proto/frame.h. Shared by duet-ctx and duet-gen.
  *
  * duet_link_open() connects (retrying while the router is not up yet, up to a timeout), sends
  * Register, waits for RegisterAck (a refusal comes back as DUET_ERR_UNSUPPORTED with the router's

@@ -1,7 +1,7 @@
 /*
- * What duet-ctx and duet-gen share (DESIGN §1, §6): the config keys every worker has, the cache
- * layout both sides of a transfer describe, UCX progress driven by the worker's libuv loop, and
- * Tokens / Refused messages to the router.
+ * What duet-ctx and duet-gen share (docs/architecture.md, "worker/"): the config keys every worker
+ * has, the cache layout both sides of a transfer describe, UCX progress driven by the worker's
+ * libuv loop, and Tokens / Refused messages to the router.
  */
 #ifndef DUET_WORKER_WORKER_H
 #define DUET_WORKER_WORKER_H

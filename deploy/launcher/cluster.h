@@ -1,6 +1,7 @@
 /*
- * The cluster file of `duet up` (DESIGN §7): one YAML that names the model, the binaries, the
- * router's settings and how many context and generation workers to start with which flags.
+ * The cluster file of `duet up` (docs/architecture.md, "Processes"): one YAML that names the model,
+ * the binaries, the router's settings and how many context and generation workers to start with
+ * which flags.
  *
  *   model: models/duet-demo            # required; relative paths resolve against `root`
  *   binaries: build                    # optional; default: the caller's default

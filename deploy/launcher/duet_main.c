@@ -1,9 +1,10 @@
 /*
- * duet: the one-command local cluster (DESIGN §7). `duet up [CLUSTER.yaml]` reads a cluster file
- * (deploy/launcher/cluster.h), starts duet-router, waits for its worker port, starts the context
- * and generation workers, waits until the router reports every one of them up, prints the
- * endpoint and a sample curl command, sends that sample request itself and prints the answer,
- * then stays in the foreground until Ctrl-C / SIGTERM (or exits after the answer with --once).
+ * duet: the one-command local cluster (docs/architecture.md, "Processes"). `duet up [CLUSTER.yaml]`
+ * reads a cluster file (deploy/launcher/cluster.h), starts duet-router, waits for its worker port,
+ * starts the context and generation workers, waits until the router reports every one of them up,
+ * prints the endpoint and a sample curl command, sends that sample request itself and prints the
+ * answer, then stays in the foreground until Ctrl-C / SIGTERM (or exits after the answer with
+ * --once).
  *
  * Readiness. The router's GET /health answers {"gen_workers": N, "ctx_workers": M, ...} from its
  * registry's UP counts, whatever the status code; the cluster is up when it answers 200 (at least

@@ -2,9 +2,9 @@
  * cuda_gemm.h: the CUDA backend's GEMM, y[M, N] (+)= x[M, K] · W[N, K]ᵀ through cuBLASLt, with the
  * same row-major meaning as duet_k_matmul on the CPU (kernels.h), which is its reference.
  *
- * Host code is C11; this header is the extern "C" boundary (DESIGN §2): every call takes the
- * cudaStream_t it is queued on and returns a duet status, with the CUDA or cuBLAS error named in
- * duet_error_last(). All pointers are device pointers.
+ * Host code is C11; this header is the extern "C" boundary (docs/architecture.md, "Module layout"):
+ * every call takes the cudaStream_t it is queued on and returns a duet status, with the CUDA or
+ * cuBLAS error named in duet_error_last(). All pointers are device pointers.
  *
  * Precision. Activations x and outputs y are fp32 (the engine's convention); W is F32, BF16 or
  * F16. We multiply A and B of one type (our reading of cublasLtMatmul's supported type

@@ -258,7 +258,7 @@ Test(router_cluster, health_503_without_gen_then_200, .timeout = 60)
     cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
     cr_assert(strstr(buf, "duet_router_workers{role=\"gen\",state=\"up\"} 1") != NULL, "%s", buf);
     cr_assert(strstr(buf, "duet_router_workers{role=\"ctx\",state=\"up\"} 1") != NULL);
-    /* promtool check metrics, when promtool is installed (DESIGN §7) */
+    /* promtool check metrics, when promtool is installed (docs/architecture.md, metrics) */
     if (system("command -v promtool >/dev/null 2>&1") == 0) {
         char path[512], cmd[700];
         snprintf(path, sizeof(path), "%s/metrics.txt", dir);

@@ -60,8 +60,8 @@ int st_write_raw(const char *path, uint64_t len_field, const char *header, const
 int st_write_text(const char *dir, const char *name, const char *text);
 
 /*
- * Add every tensor `cfg` requires (Moonshot names, MATH.md shapes) in `dtype` ("F32", "BF16" or
- * "F16"), with values from a fixed-seed generator: matrices uniform in ±1/sqrt(fan_in), norm
+ * Add every tensor `cfg` requires (Moonshot names, docs/model.md shapes) in `dtype` ("F32", "BF16"
+ * or "F16"), with values from a fixed-seed generator: matrices uniform in ±1/sqrt(fan_in), norm
  * weights near 1, A_log and dt_bias small. Same seed → same bytes.
  */
 int st_writer_add_model(st_writer_t *w, const duet_model_config_t *cfg, const char *dtype,
