@@ -1,7 +1,7 @@
 #!/bin/bash
-# The repository stands alone: no tracked file refers to a folder beside it (the sibling "shared"
-# `docs/*.md` a file cites exists, and every folder of test or benchmark data names its sources in a
-# README beside the files.
+# The repository stands alone: no tracked file refers to a folder beside it (a sibling "shared"
+# folder the first design documents lived in), every `docs/*.md` a file cites exists, and every
+# folder of test or benchmark data names its sources in a README beside the files.
 # Usage: tests/repo_check.sh SOURCE_DIR      (a ctest, repo_standalone)
 set -uo pipefail
 cd "${1:?usage: tests/repo_check.sh SOURCE_DIR}" || exit 2
