@@ -1,7 +1,8 @@
 /*
  * Prometheus metrics registry: counters, gauges and histograms with labels, rendered in the text
- * exposition format 0.0.4 for the router's and workers' /metrics endpoints (docs/architecture.md,
- * "... metrics": names duet_*, output must pass `promtool check metrics`).
+ * exposition format 0.0.4 for the router's /metrics endpoint, which also carries the workers'
+ * counters from their heartbeats (docs/architecture.md, "... metrics": names duet_*, output must
+ * pass `promtool check metrics`).
  *
  * Model. A registry holds families (one name, help text, type and fixed label names). A family
  * holds children, one per distinct tuple of label values; a child is the time series that hot

@@ -149,7 +149,7 @@ typedef void (*duet_xfer_outcome_cb_t)(const duet_xfer_outcome_t *o, void *user)
 typedef struct {
     uint32_t        max_transfers;   /* table capacity, both roles together (default 256) */
     uint32_t        max_peers;       /* cached endpoints (default 64) */
-    uint32_t        max_pages;       /* pages per reservation (default 65536) */
+    uint32_t        max_pages;       /* pages per reservation (default 4096) */
     uint32_t        abort_grace_ms;  /* sender: how long an abort may wait for its flush (1000) */
     bool            recv_no_abort_back; /* receiver: never send XferAbort back to a sender (on
                                         cancel, deadline, shutdown; default false = send). A

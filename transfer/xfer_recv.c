@@ -3,9 +3,8 @@
  *
  * The receiver never touches the bytes while they arrive: the sender writes them with RMA puts.
  * What the receiver does is bookkeeping with a deadline: it learns the sender's address from the
- * hello (and opens its own endpoint back, whose error handler tells it when the sender dies), and
- * ends on the first of XferDone, XferAbort, the deadline, the sender's death, or the owner's
- * cancel. The outcome goes to the owner at once so it can return the pages to its pools.
+ * hello (and opens an endpoint back only to send an abort), and ends on the first of XferDone,
+ * XferAbort, the deadline, the sender's death, or the owner's cancel. The outcome goes to the owner at once so it can return the pages to its pools.
  *
  * The checksum of a rank's bytes is recomputed from the destination pages in the order the
  * sender's plan writes them (transfer/plan.h): for each MLA layer, this rank's tokens in sequence

@@ -258,19 +258,19 @@ Test(router_cluster, health_503_without_gen_then_200, .timeout = 60)
     cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
     cr_assert(strstr(buf, "duet_router_workers{role=\"gen\",state=\"up\"} 1") != NULL, "%s", buf);
     cr_assert(strstr(buf, "duet_router_workers{role=\"ctx\",state=\"up\"} 1") != NULL);
-    /* promtool check metrics, when promtool is installed (docs/architecture.md, metrics) */
-    if (system("command -v promtool >/dev/null 2>&1") == 0) {
-        char path[512], cmd[700];
-        snprintf(path, sizeof(path), "%s/metrics.txt", dir);
-        FILE *f = fopen(path, "w");
-        cr_assert_not_null(f);
-        fputs(body_of(buf), f);
-        fclose(f);
-        snprintf(cmd, sizeof(cmd), "promtool check metrics < %s", path);
-        cr_assert_eq(system(cmd), 0, "promtool check metrics failed on %s", path);
-    } else {
-        cr_log_warn("promtool not installed: /metrics not checked with it");
-    }
+    /* promtool check metrics (docs/architecture.md, metrics); deploy/install-deps.sh --tests
+     * installs it, and without it this test fails rather than pass unchecked. */
+    cr_assert_eq(system("command -v promtool >/dev/null 2>&1"), 0,
+                 "promtool not found: install the Debian package prometheus "
+                 "(deploy/install-deps.sh --tests)");
+    char path[512], cmd[700];
+    snprintf(path, sizeof(path), "%s/metrics.txt", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(body_of(buf), f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "promtool check metrics < %s", path);
+    cr_assert_eq(system(cmd), 0, "promtool check metrics failed on %s", path);
     stop_all();
 }
 
