@@ -59,8 +59,10 @@ static duet_status_t load_byte_json(const char *path, duet_tokenizer_t **tok_p)
     json_t *root = NULL;
     const char **names = NULL;
     duet_status_t st = duet_json_load_file(path, DUET__TOK_MAX_JSON, &root);
-    if (st < 0)
-        return DUET_FAIL(st, "%s", duet_error_last());
+    if (st < 0) {
+        DUET_LOG_ERROR("%s", duet_error_last());
+        return st;
+    }
     if (!json_is_object(root)) {
         st = DUET_FAIL(DUET_ERR_FORMAT, "%s: expected a JSON object, got %s", path,
                        duet_json_type_name(root));
@@ -119,7 +121,9 @@ static duet_status_t load_byte_json(const char *path, duet_tokenizer_t **tok_p)
     }
     st = duet_tokenizer_create_byte(names, n, tok_p);
     if (st < 0) {
-        st = DUET_FAIL(st, "%s: %s", path, duet_error_last());
+        char why[512]; /* the detail lives in the buffer the new one is written to */
+        snprintf(why, sizeof(why), "%s", duet_error_last());
+        st = DUET_FAIL(st, "%s: %s", path, why);
         goto out;
     }
     (*tok_p)->add_bos = add_bos;
@@ -366,11 +370,13 @@ duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p)
         }
     }
     closedir(dir);
-    if (found != 1)
-        return DUET_FAIL(DUET_ERR_NOT_FOUND,
-                         "%s: no tokenizer: expected duet_tokenizer.json, tiktoken.model, "
-                         "tokenizer.model or exactly one *.tiktoken file (found %zu *.tiktoken)",
-                         path, found);
+    if (found !=
+        1) /* not logged: a caller may go on without a tokenizer (duet-generate --tokens) */
+        return duet_error_set(
+            DUET_ERR_NOT_FOUND,
+            "%s: no tokenizer: expected duet_tokenizer.json, tiktoken.model, "
+            "tokenizer.model or exactly one *.tiktoken file (found %zu *.tiktoken)",
+            path, found);
     return duet_tokenizer_create_tiktoken(file, NULL, NULL, 0, tok_p);
 }
 

@@ -17,3 +17,9 @@ add_test(NAME tokenizer_kimi_oracle
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/run_tokenizer_kimi_oracle.sh ${PROJECT_BINARY_DIR}
                  $<TARGET_FILE:tokenizer_oracle_driver>)
 set_tests_properties(tokenizer_kimi_oracle PROPERTIES TIMEOUT 300)
+
+# Model folders: duet_tokenizer.json and Kimi's layout (every malformed file refused with the file
+# and field named), special tokens recognised only when allowed and named as Kimi names them,
+# skip_special_tokens, generated specials through the detokenizer, the stop-id union.
+duet_add_test(test_tokenizer_folder SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_tokenizer_folder.c
+              LIBS duet_tokenizer TIMEOUT 120)

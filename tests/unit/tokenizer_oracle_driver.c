@@ -25,7 +25,13 @@ static void die(const char *what)
 
 int main(int argc, char **argv)
 {
-    if (argc != 2) {
+    if (argc == 2 && strcmp(argv[1], "--help") == 0) {
+        printf("usage: tokenizer_oracle_driver MODEL_DIR < requests (see the source's header)\n");
+        return 0;
+    }
+    if (argc != 2 || argv[1][0] == '-') {
+        if (argc == 2)
+            fprintf(stderr, "tokenizer_oracle_driver: unknown option %s\n", argv[1]);
         fprintf(stderr, "usage: tokenizer_oracle_driver MODEL_DIR < requests\n");
         return 2;
     }
