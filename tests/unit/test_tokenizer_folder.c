@@ -445,3 +445,64 @@ Test(tokenizer_folder, stop_ids_union, .timeout = 10)
     duet_tokenizer_destroy(tok);
     remove_dir();
 }
+
+/* ---------------------------------------------------------------- Kimi's encode, ill-formed UTF-8
+ */
+
+/*
+ * Kimi's run splitting counts characters; here each byte of ill-formed UTF-8 counts as one
+ * non-whitespace character (Python never sees such text, so this rule is duet's). With "aa" as
+ * a token, where the 25000-character cut falls is visible in the ids. And any bytes still
+ * round-trip.
+ */
+Test(tokenizer_folder, kimi_split_counts_ill_formed_bytes, .timeout = 60)
+{
+    make_dir();
+    put_ranks("tiktoken.model", "YWE= 258\n"); /* "aa" */
+    duet_tokenizer_t *tok = load_ok();
+    enum { RUN = 25000 };
+    char *text = malloc(3 * RUN);
+    uint32_t *ids = malloc(3 * RUN * sizeof(*ids));
+
+    /* "\xff" + 25000 "a": 25001 non-whitespace characters, cut before the last "a" */
+    text[0] = '\xff';
+    memset(text + 1, 'a', RUN);
+    size_t n = 0;
+    cr_assert_eq(duet_tokenizer_encode(tok, text, RUN + 1, 0, ids, 3 * RUN, &n), DUET_OK);
+    cr_assert_eq(n, 1 + (RUN - 1) / 2 + 1 + 1, "%zu ids", n);
+    cr_assert_eq(ids[0], 0xff);
+    cr_assert_eq(ids[1], 258);
+    cr_assert_eq(ids[n - 2], 'a');
+    cr_assert_eq(ids[n - 1], 'a');
+    /* a space instead: 25000 letters, no cut, all pairs */
+    text[0] = ' ';
+    cr_assert_eq(duet_tokenizer_encode(tok, text, RUN + 1, 0, ids, 3 * RUN, &n), DUET_OK);
+    cr_assert_eq(n, 1 + RUN / 2);
+
+    /* random bytes, valid UTF-8 or not, long runs included: decode(encode(x)) == x */
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    char *back = malloc(3 * RUN);
+    for (int round = 0; round < 200; round++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        size_t len = round < 4 ? (size_t)(RUN + 7 * round) : (size_t)(rng >> 33) % 300;
+        for (size_t i = 0; i < len; i++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            static const char pick[] = {' ', 'a', '\n', '\xff', '\xc3', '\xa9', '\xe4', '<', '|'};
+            text[i] = round < 4         ? pick[round]
+                      : (rng >> 60) < 8 ? pick[(rng >> 40) % 9]
+                                        : (char)(rng >> 24);
+        }
+        for (unsigned flags = 0; flags <= DUET_TOKENIZER_ALLOW_SPECIAL; flags++) {
+            cr_assert_eq(duet_tokenizer_encode(tok, text, len, flags, ids, 3 * RUN, &n), DUET_OK,
+                         "round %d: %s", round, duet_error_last());
+            size_t back_len = 0;
+            cr_assert_eq(duet_tokenizer_decode(tok, ids, n, back, 3 * RUN, &back_len), DUET_OK);
+            cr_assert(back_len == len && memcmp(back, text, len) == 0, "round %d", round);
+        }
+    }
+    free(back);
+    free(ids);
+    free(text);
+    duet_tokenizer_destroy(tok);
+    remove_dir();
+}
