@@ -15,7 +15,9 @@ and encodes, with both sides:
   * seeded random strings across scripts, whitespace (regex \\s and Python isspace differ),
     apostrophes and case, Unicode 15/16 letters, special-token texts;
   * long texts for Kimi's run splitting: whitespace and non-whitespace runs around 25000
-    characters (a special token cut by it), and a text over 400000 characters.
+    characters (a special token cut by it), and a text over 400000 characters;
+  * every code point (U+0000..U+10FFFF but surrogates) between fixed neighbours, in one context
+    (all eight with --all-code-points).
 The reference side is tiktoken.Encoding with Kimi's original pat_str (with `&&`), the same ranks
 and the special table tokenization_kimi.py builds (added_tokens_decoder names, else
 <|reserved_token_ID|>), driven by Kimi's encode: pieces of at most 400000 characters, cut where a
@@ -27,7 +29,7 @@ Every comparison must give identical ids, and decode(encode(x)) == x on both sid
 range's texts, the bos/eos ids and the stop ids (config.json and generation_config.json's
 eos_token_id and the eos token, united) must agree too.
 
-Usage: python tokenizer_kimi_oracle.py DRIVER SOURCE_DIR
+Usage: python tokenizer_kimi_oracle.py [--all-code-points] DRIVER SOURCE_DIR
 """
 
 import base64
@@ -263,10 +265,33 @@ def long_cases():
     return cases
 
 
+# Every code point between fixed neighbours: each context exercises other classes of the pattern
+# (letters joining a lower-case run, upper case starting one, digits, Han runs, punctuation runs,
+# whitespace). The CI run takes the first; --all-code-points takes all (about 100 s).
+CONTEXTS = [
+    lambda c: "x" + c + "y",
+    lambda c: c + "x",
+    lambda c: "1" + c + "2",
+    lambda c: " " + c + "'S",
+    lambda c: "A" + c + c + "b",
+    lambda c: "." + c + "\n",
+    lambda c: c + "  " + c,
+    lambda c: "中" + c + "文",
+]
+
+
+def code_point_cases(n_contexts):
+    points = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    return ["\n\n".join(ctx(c) for c in points[i : i + 50_000])
+            for ctx in CONTEXTS[:n_contexts] for i in range(0, len(points), 50_000)]
+
+
 def main():
-    if len(sys.argv) != 3:
-        fail("usage: tokenizer_kimi_oracle.py DRIVER SOURCE_DIR")
-    exe, src = sys.argv[1], sys.argv[2]
+    args = [a for a in sys.argv[1:] if a != "--all-code-points"]
+    if len(args) != 2:
+        fail("usage: tokenizer_kimi_oracle.py [--all-code-points] DRIVER SOURCE_DIR")
+    exe, src = args
+    n_contexts = len(CONTEXTS) if "--all-code-points" in sys.argv else 1
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="duet-kimi-tok-") as d:
         cfg = make_folder(d, src)
@@ -289,6 +314,9 @@ def main():
         longs = long_cases()
         texts += longs
         cases += [(t, allow) for t in longs for allow in ((False, True) if "<|" in t else (False,))]
+        every = code_point_cases(n_contexts)
+        texts += every
+        cases += [(t, False) for t in every]
         got = drv.encode_many(cases)
         n_tokens, n_bad = 0, 0
         for (text, allow), (rt, ids) in zip(cases, got):
@@ -341,7 +369,8 @@ def main():
             fail(f"stop ids: duet {got_stops}, config.json + generation_config.json + eos token {stops}")
 
     print(f"tokenizer_kimi_oracle: {len(cases)} encodings of {len(texts)} strings ({sum(len(t) for t in texts)} characters, "
-          f"{len(corpus)} corpus lines, specials allowed and not) gave {n_tokens} identical ids; "
+          f"{len(corpus)} corpus lines, every code point in {n_contexts} context(s), specials allowed and not) "
+          f"gave {n_tokens} identical ids; "
           f"{N_SPECIAL} special texts, bos/eos and {len(stops)} stop ids agree ({time.time() - t0:.1f} s)")
     print("tokenizer_kimi_oracle: PASS")
 
