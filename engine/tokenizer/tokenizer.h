@@ -29,7 +29,8 @@
  * characters and then wherever a run of whitespace or of non-whitespace characters (Python's
  * str.isspace) grows past 25000, before special tokens are looked for and before BPE; ids equal
  * TikTokenTokenizer.encode's for any valid UTF-8 (each byte of ill-formed UTF-8 counts as one
- * non-whitespace character).
+ * non-whitespace character), with the character classes of tiktoken 0.12 (Unicode 16.0, see
+ * kimi_pattern.h) on a PCRE2 whose tables are Unicode 14.0..16.0.
  *
  * For streaming output, duet_detok_* turns ids, one at a time, into complete UTF-8 only: bytes of a
  * character split across tokens are held until the character is complete, and ill-formed
