@@ -43,14 +43,14 @@ const char *duet_json_type_name(const json_t *v)
 
 /* ---------------------------------------------------------------- loading */
 
-duet_status_t duet_json_load_buffer(const char *buf, size_t len, const char *source,
-                                    size_t max_bytes, json_t **root_p)
+static duet_status_t json_parse(const char *buf, size_t len, const char *source, size_t max_bytes,
+                                size_t flags, json_t **root_p)
 {
     json_error_t err;
     if (len > max_bytes)
         return duet_error_set(DUET_ERR_RANGE, "%s: %zu bytes exceeds the limit of %zu", source, len,
                               max_bytes);
-    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES, &err);
+    json_t *root = json_loadb(buf, len, JSON_REJECT_DUPLICATES | flags, &err);
     if (root == NULL)
         return duet_error_set(DUET_ERR_FORMAT, "%s:%d:%d: %s", source, err.line, err.column,
                               err.text);
@@ -58,15 +58,32 @@ duet_status_t duet_json_load_buffer(const char *buf, size_t len, const char *sou
     return DUET_OK;
 }
 
-duet_status_t duet_json_load_file(const char *path, size_t max_bytes, json_t **root_p)
+duet_status_t duet_json_load_buffer(const char *buf, size_t len, const char *source,
+                                    size_t max_bytes, json_t **root_p)
+{
+    return json_parse(buf, len, source, max_bytes, 0, root_p);
+}
+
+static duet_status_t json_parse_file(const char *path, size_t max_bytes, size_t flags,
+                                     json_t **root_p)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     duet_status_t st = duet_strbuf_read_file(&sb, path, max_bytes);
     if (st == DUET_OK)
-        st = duet_json_load_buffer(sb.data != NULL ? sb.data : "", sb.len, path, max_bytes, root_p);
+        st = json_parse(sb.data != NULL ? sb.data : "", sb.len, path, max_bytes, flags, root_p);
     duet_strbuf_free(&sb);
     return st;
+}
+
+duet_status_t duet_json_load_file(const char *path, size_t max_bytes, json_t **root_p)
+{
+    return json_parse_file(path, max_bytes, 0, root_p);
+}
+
+duet_status_t duet_json_load_file_reals(const char *path, size_t max_bytes, json_t **root_p)
+{
+    return json_parse_file(path, max_bytes, JSON_DECODE_INT_AS_REAL, root_p);
 }
 
 /* ---------------------------------------------------------------- paths */

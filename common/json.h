@@ -41,6 +41,14 @@ duet_status_t duet_json_load_buffer(const char *buf, size_t len, const char *sou
                                     size_t max_bytes, json_t **root_p);
 
 /*
+ * duet_json_load_file for a file whose numbers are not read as integers: every number loads as a
+ * real, so an integer beyond int64 is no error. transformers writes an unbounded
+ * model_max_length as 1000000000000000019884624838656 into tokenizer_config.json, which
+ * duet_json_load_file refuses ("too big integer").
+ */
+duet_status_t duet_json_load_file_reals(const char *path, size_t max_bytes, json_t **root_p);
+
+/*
  * The value at `path` under `obj`, borrowed (valid while obj lives), or NULL when any step is
  * missing. DUET_ERR_FORMAT when a step walks into a non-object / non-array; DUET_ERR_INVALID for
  * a malformed path (a programming error, but reported rather than asserted).

@@ -5,18 +5,20 @@
  *
  *   duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [--max-tokens N]
  *                 [--temperature T] [--top-p P] [--top-k K] [--seed S]
- *                 [--dump-logits FILE] [--json]
+ *                 [--dump-logits FILE] [--json] [--no-skip-special-tokens]
  *
  * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
  * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
  * "decode_tokens_per_s", "finish_reason"}.
+ * The folder's tokenizer and stop ids come from engine/tokenizer (duet_tokenizer_load,
+ * duet_tokenizer_stop_ids), as in the router; a stop id ends the text and adds none, other
+ * special tokens add theirs only with --no-skip-special-tokens.
  */
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "common/config.h"
@@ -42,6 +44,8 @@ static const duet_config_key_t gen_keys[] = {
      .min = "0"},
     {"seed", DUET_CONFIG_INT, "0", "sampling seed", .min = "0"},
     {"ignore_eos", DUET_CONFIG_BOOL, "false", "keep generating after an end-of-sequence token", .min = NULL},
+    {"skip_special_tokens", DUET_CONFIG_BOOL, "true",
+     "leave special tokens out of the text (false: print their text; stop ids never)", .min = NULL},
     {"dump_logits", DUET_CONFIG_STRING, NULL,
      "write float32 LE [prompt_len, vocab] prompt logits to this file", .min = NULL},
     {"json", DUET_CONFIG_BOOL, "false", "print one JSON object instead of streaming text", .min = NULL},
@@ -108,67 +112,6 @@ static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n
     return DUET_OK;
 }
 
-/*
- * The model folder's tokenizer: duet_tokenizer.json ({"type": "byte", "specials": [...],
- * "add_bos": bool}) for byte-level models, else tokenizer.model through duet_tokenizer_load.
- * *add_bos_p tells whether text prompts start with the config's bos_token_id.
- * DUET_ERR_NOT_FOUND when the folder has none.
- */
-static duet_status_t gen_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p, int *add_bos_p)
-{
-    char        path[4096];
-    struct stat sb;
-    snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
-    if (stat(path, &sb) == 0) {
-        json_error_t jerr;
-        json_t      *root = json_load_file(path, 0, &jerr);
-        if (root == NULL)
-            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
-        const char   *type     = json_string_value(json_object_get(root, "type"));
-        json_t       *specials = json_object_get(root, "specials");
-        json_t       *add_bos  = json_object_get(root, "add_bos");
-        duet_status_t st       = DUET_OK;
-        if (add_bos != NULL && !json_is_boolean(add_bos)) {
-            st = duet_error_set(DUET_ERR_FORMAT, "%s: \"add_bos\" must be true or false", path);
-        } else if (type == NULL || strcmp(type, "byte") != 0) {
-            st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
-        } else if (specials != NULL && !json_is_array(specials)) {
-            st = duet_error_set(DUET_ERR_FORMAT, "%s: \"specials\" must be an array", path);
-        } else {
-            size_t      n = specials != NULL ? json_array_size(specials) : 0;
-            const char *names[64];
-            if (n > 64)
-                st = duet_error_set(DUET_ERR_RANGE, "%s: more than 64 specials", path);
-            for (size_t i = 0; st == DUET_OK && i < n; i++) {
-                names[i] = json_string_value(json_array_get(specials, i));
-                if (names[i] == NULL)
-                    st = duet_error_set(DUET_ERR_FORMAT, "%s: specials[%zu] is not a string",
-                                        path, i);
-            }
-            if (st == DUET_OK)
-                st = duet_tokenizer_create_byte(n > 0 ? names : NULL, n, tok_p);
-            if (st == DUET_OK)
-                *add_bos_p = add_bos != NULL && json_is_true(add_bos);
-        }
-        json_decref(root);
-        return st;
-    }
-    snprintf(path, sizeof(path), "%s/tokenizer.model", dir);
-    if (stat(path, &sb) == 0)
-        return duet_tokenizer_load(dir, tok_p);
-    return duet_error_set(DUET_ERR_NOT_FOUND,
-                          "%s has no tokenizer (duet_tokenizer.json or tokenizer.model): "
-                          "pass the prompt as --tokens", dir);
-}
-
-static int gen_is_eos(const duet_model_config_t *c, int32_t tok)
-{
-    for (int i = 0; i < c->n_eos; i++)
-        if (c->eos_token_ids[i] == tok)
-            return 1;
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
     duet_config_t     *cfg   = NULL;
@@ -232,9 +175,18 @@ int main(int argc, char **argv)
     }
 
     /* tokenizer: required for --prompt, optional (for text output) with --tokens */
-    int add_bos = 0;
-    st          = gen_load_tokenizer(dir, &tok, &add_bos);
+    st = duet_tokenizer_load(dir, &tok);
     if (st != DUET_OK && (prompt_text != NULL || st != DUET_ERR_NOT_FOUND)) {
+        fprintf(stderr, "duet-generate: %s%s\n", duet_error_last(),
+                st == DUET_ERR_NOT_FOUND ? ": pass the prompt as --tokens" : "");
+        goto out;
+    }
+    const int add_bos = tok != NULL && duet_tokenizer_add_bos(tok);
+    /* the ids that stop: config.json's and generation_config.json's eos_token_id and the
+     * tokenizer's eos token, as the router sends them to the workers */
+    uint32_t stop_ids[16];
+    size_t   n_stop = 0;
+    if ((st = duet_tokenizer_stop_ids(dir, tok, stop_ids, 16, &n_stop)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
@@ -318,7 +270,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "duet-generate: cannot write %s: %s\n", dump_path, strerror(errno));
         goto out;
     }
-    if (tok != NULL && duet_detok_create(tok, DUET_DETOK_SKIP_SPECIAL, &detok) != DUET_OK) {
+    const unsigned detok_flags =
+        duet_config_get_bool(cfg, "skip_special_tokens") ? DUET_DETOK_SKIP_SPECIAL : 0;
+    if (tok != NULL && duet_detok_create(tok, detok_flags, &detok) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
@@ -359,7 +313,10 @@ int main(int argc, char **argv)
     while (n_out < max_new) {
         int32_t next = duet_sampler_sample(smp, &sp, &rng, logits);
         out[n_out++] = next;
-        if (detok != NULL) {
+        int stop = 0;
+        for (size_t i = 0; i < n_stop && !ignore_eos; i++)
+            stop = stop || stop_ids[i] == (uint32_t)next;
+        if (detok != NULL && !stop) {
             const char *piece;
             size_t      plen;
             if (duet_detok_feed(detok, (uint32_t)next, &piece, &plen) == DUET_OK && plen > 0) {
@@ -380,7 +337,7 @@ int main(int argc, char **argv)
                 }
             }
         }
-        if (!ignore_eos && gen_is_eos(mc, next)) {
+        if (stop) {
             finish = "stop";
             break;
         }

@@ -456,25 +456,6 @@ static duet_status_t parse_root(const cfg_ctx_t *c, duet_model_config_t *cfg)
     /* Tokens. */
     TRY(get_token(c, "bos_token_id", cfg->vocab_size, &cfg->bos_token_id));
     TRY(get_token(c, "pad_token_id", cfg->vocab_size, &cfg->pad_token_id));
-    const json_t *eos = get_present(c->root, "eos_token_id");
-    cfg->n_eos = 0;
-    if (eos != NULL && json_is_array(eos)) {
-        if (json_array_size(eos) > DUET_MAX_EOS)
-            return duet_error_set(DUET_ERR_RANGE,
-                                  "%s: field \"eos_token_id\": %zu ids, at most %d supported",
-                                  c->origin, json_array_size(eos), DUET_MAX_EOS);
-        for (size_t i = 0; i < json_array_size(eos); i++) {
-            char name[40];
-            snprintf(name, sizeof(name), "eos_token_id[%zu]", i);
-            int64_t x;
-            TRY(check_int(c, name, json_array_get(eos, i), 0, cfg->vocab_size - 1, &x));
-            cfg->eos_token_ids[cfg->n_eos++] = (int32_t)x;
-        }
-    } else if (eos != NULL) {
-        int64_t x;
-        TRY(check_int(c, "eos_token_id", eos, 0, cfg->vocab_size - 1, &x));
-        cfg->eos_token_ids[cfg->n_eos++] = (int32_t)x;
-    }
 
     /* Layer plan. */
     TRY(parse_layer_types(c, lac, cfg));

@@ -22,7 +22,6 @@
 #include "common/status.h"
 
 #define DUET_MAX_LAYERS 256
-#define DUET_MAX_EOS    8
 
 typedef enum {
     DUET_MIXER_KDA = 0, /* "linear_attention" */
@@ -76,8 +75,8 @@ typedef struct {
 
     int32_t bos_token_id;       /* -1 when absent */
     int32_t pad_token_id;       /* -1 when absent */
-    int32_t eos_token_ids[DUET_MAX_EOS];
-    int     n_eos;
+    /* eos_token_id is not read here: the ids that end a generation (config.json's and
+     * generation_config.json's, united) come from duet_tokenizer_stop_ids, their one reader */
 
     duet_mixer_kind_t mixer[DUET_MAX_LAYERS];
     duet_ffn_kind_t   ffn[DUET_MAX_LAYERS];

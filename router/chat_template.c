@@ -421,7 +421,8 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     st = duet_strbuf_printf(&path, "%s/tokenizer_config.json", dir);
     json_t *root = NULL;
     if (st == DUET_OK && tpl_file_exists(path.data)) {
-        st = duet_json_load_file(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &root);
+        /* reals: transformers writes an unbounded model_max_length as 1e30, past int64 */
+        st = duet_json_load_file_reals(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &root);
         if (st != DUET_OK) {
             DUET_LOG_ERROR("%s", duet_error_last());
             duet_strbuf_free(&path);

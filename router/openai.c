@@ -235,6 +235,7 @@ static const oai_field_t oai_fields[] = {
     {"seed", OAI_EP_BOTH, OAI_F_USED, 0},
     {"stop", OAI_EP_BOTH, OAI_F_USED, 0},
     {"ignore_eos", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"skip_special_tokens", OAI_EP_BOTH, OAI_F_USED, 0},
     {"stream", OAI_EP_BOTH, OAI_F_USED, 0},
     {"stream_options", OAI_EP_BOTH, OAI_F_USED, 0},
     {"n", OAI_EP_BOTH, OAI_F_USED, 0},
@@ -726,6 +727,9 @@ static duet_status_t oai_parse_sampling(oai_parse_t *p)
                                    n, n);
     if ((st = oai_bool_field(p, "ignore_eos", &req->ignore_eos)) != DUET_OK)
         return st;
+    req->skip_special_tokens = true;
+    if ((st = oai_bool_field(p, "skip_special_tokens", &req->skip_special_tokens)) != DUET_OK)
+        return st;
 
     json_t *u = oai_opt(p, "user");
     if (u != NULL) {
@@ -1077,7 +1081,8 @@ duet_status_t duet_oai_stream_create(const duet_tokenizer_t *tok, const duet_oai
     duet_oai_stream_t *s = calloc(1, sizeof(*s));
     if (s == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "oai stream: no memory");
-    duet_status_t st = duet_detok_create(tok, DUET_DETOK_SKIP_SPECIAL, &s->detok);
+    duet_status_t st =
+        duet_detok_create(tok, req->skip_special_tokens ? DUET_DETOK_SKIP_SPECIAL : 0, &s->detok);
     if (st != DUET_OK)
         goto fail_detok;
     size_t max_stop = 0;

@@ -15,7 +15,8 @@
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
  * because its value changes nothing (user, frequency_penalty 0, n 1, logprobs false, ...), or
  * refused with 400 "unsupported_parameter" naming it (logprobs true, tools, logit_bias, ...).
- * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k) is refused as
+ * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k and
+ * skip_special_tokens) is refused as
  * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
  * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
  * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
@@ -78,6 +79,9 @@ typedef struct {
     size_t stop_len[DUET_OAI_MAX_STOP];
     size_t n_stop;
     bool ignore_eos; /* vLLM extension */
+    /* vLLM extension, default true: special tokens the tokenizer skips (duet_tokenizer_is_skipped)
+     * produce no text; false: their text is part of the output (stop ids never are) */
+    bool skip_special_tokens;
     bool stream;
     bool include_usage; /* stream_options.include_usage (only with stream) */
     char *user;         /* NULL when absent; for logs */
@@ -148,7 +152,8 @@ duet_status_t duet_oai_request_tokens(const duet_oai_request_t *req, const duet_
 typedef struct duet_oai_stream duet_oai_stream_t;
 
 /*
- * Text state of one choice: detokenizer (UTF-8 safe, special tokens give no text), stop strings,
+ * Text state of one choice: detokenizer (UTF-8 safe, special tokens give no text unless
+ * req->skip_special_tokens is false), stop strings,
  * EOS and max_tokens. eos_ids (n_eos <= DUET_OAI_MAX_EOS) end the text with "stop" unless
  * req->ignore_eos. Copies what it needs from req. When keep_text is set the whole emitted text is
  * also kept (duet_oai_stream_text), for non-streaming responses. Buffers are sized here: feeding

@@ -30,7 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include <uv.h>
@@ -1128,36 +1127,8 @@ static void rt_on_signal(uv_signal_t *s, int signum)
 
 /* ------------------------------------------------------------------------------ start-up */
 
-static duet_status_t rt_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p)
-{
-    char        path[4096];
-    struct stat sb;
-    snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
-    if (stat(path, &sb) != 0)
-        return duet_tokenizer_load(dir, tok_p);
-    json_t       *root = NULL;
-    duet_status_t st   = duet_json_load_file(path, 1 << 20, &root);
-    if (st < 0)
-        return st;
-    const char *type     = json_string_value(json_object_get(root, "type"));
-    json_t     *specials = json_object_get(root, "specials");
-    const char *names[64];
-    size_t      n = json_is_array(specials) ? json_array_size(specials) : 0;
-    if (type == NULL || strcmp(type, "byte") != 0)
-        st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
-    else if (n > 64)
-        st = duet_error_set(DUET_ERR_RANGE, "%s: more than 64 specials", path);
-    for (size_t i = 0; st == DUET_OK && i < n; i++)
-        if ((names[i] = json_string_value(json_array_get(specials, i))) == NULL)
-            st = duet_error_set(DUET_ERR_FORMAT, "%s: specials[%zu] is not a string", path, i);
-    if (st == DUET_OK)
-        st = duet_tokenizer_create_byte(n > 0 ? names : NULL, n, tok_p);
-    json_decref(root);
-    return st;
-}
-
-/* eos_token_id (int or list) and model_max_length from config.json. */
-static duet_status_t rt_load_model_config(rt_t *rt, const char *dir, size_t *max_len_p)
+/* model_max_length from config.json (0 when absent). */
+static duet_status_t rt_load_model_config(const char *dir, size_t *max_len_p)
 {
     char path[4096];
     snprintf(path, sizeof(path), "%s/config.json", dir);
@@ -1165,14 +1136,6 @@ static duet_status_t rt_load_model_config(rt_t *rt, const char *dir, size_t *max
     duet_status_t st   = duet_json_load_file(path, DUET_JSON_DEFAULT_MAX_BYTES, &root);
     if (st < 0)
         return st;
-    json_t *eos = json_object_get(root, "eos_token_id");
-    if (json_is_integer(eos) && json_integer_value(eos) >= 0) {
-        rt->eos[rt->n_eos++] = (uint32_t)json_integer_value(eos);
-    } else if (json_is_array(eos)) {
-        for (size_t i = 0; i < json_array_size(eos) && rt->n_eos < DUET_OAI_MAX_EOS; i++)
-            if (json_is_integer(json_array_get(eos, i)))
-                rt->eos[rt->n_eos++] = (uint32_t)json_integer_value(json_array_get(eos, i));
-    }
     json_t *ml = json_object_get(root, "model_max_length");
     *max_len_p = json_is_integer(ml) && json_integer_value(ml) > 0
                      ? (size_t)json_integer_value(ml)
@@ -1319,11 +1282,22 @@ int main(int argc, char **argv)
     size_t model_max_len = 0;
     char   fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1] = "";
     const char *fp_cfg = duet_config_get_string(cfg, "model.fingerprint");
-    if ((st = rt_load_model_config(rt, dir, &model_max_len)) < 0 ||
-        (st = rt_load_tokenizer(dir, &rt->tok)) < 0 ||
+    /* the folder's tokenizer and stop ids: one reader of those files (engine/tokenizer) */
+    if ((st = rt_load_model_config(dir, &model_max_len)) < 0 ||
+        (st = duet_tokenizer_load(dir, &rt->tok)) < 0 ||
+        (st = duet_tokenizer_stop_ids(dir, rt->tok, rt->eos, DUET_OAI_MAX_EOS, &rt->n_eos)) < 0 ||
         (st = duet_oai_template_load(dir, rt->tok, &rt->tmpl)) < 0) {
         fprintf(stderr, "duet-router: %s\n", duet_error_last());
         goto out;
+    }
+    {
+        char   stops[256] = "";
+        size_t off        = 0;
+        for (size_t i = 0; i < rt->n_eos && off < sizeof(stops); i++)
+            off += (size_t)snprintf(stops + off, sizeof(stops) - off, "%s%u", i > 0 ? ", " : "",
+                                    rt->eos[i]);
+        DUET_LOG_INFO("router: %s: vocabulary of %u ids, stop ids [%s]", dir,
+                      duet_tokenizer_vocab_size(rt->tok), stops);
     }
     if (fp_cfg == NULL || fp_cfg[0] == '\0') {
         if ((st = duet_model_fingerprint(dir, fingerprint, sizeof(fingerprint))) < 0) {

@@ -126,7 +126,7 @@ duet_status_t duet_detok_feed(duet_detok_t *detok, uint32_t id, const char **tex
     if (st < 0)
         return st;
     size_t n = 0;
-    if (!((detok->flags & DUET_DETOK_SKIP_SPECIAL) && duet_tokenizer_is_special(detok->tok, id)))
+    if (!((detok->flags & DUET_DETOK_SKIP_SPECIAL) && duet_tokenizer_is_skipped(detok->tok, id)))
         for (size_t i = 0; i < len; i++)
             push_byte(detok, p[i], &n);
     *text_p = detok->out;

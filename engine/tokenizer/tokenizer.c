@@ -15,6 +15,7 @@
  * nothing is cached between calls.
  */
 #include "engine/tokenizer/tokenizer_impl.h"
+#include "engine/tokenizer/kimi_pattern.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -112,18 +113,20 @@ duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer
         size_t len = strlen(text);
         if (id >= tok->vocab_size || tok->tok_len[id] != 0)
             return DUET_FAIL(DUET_ERR_INVALID,
-                                  "%s: special token \"%s\": id %u is taken or out of range", what,
-                                  text, id);
+                             "%s: special token \"%s\": id %u is taken or out of range", what, text,
+                             id);
         for (uint32_t j = 0; j < tok->n_special; j++) {
             const duet__tok_special_t *o = &tok->specials[j];
             if (o->len == len && memcmp(tok->blob + o->off, text, len) == 0)
-                return DUET_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice",
-                                      what, text);
+                return DUET_FAIL(DUET_ERR_INVALID, "%s: special token \"%s\" given twice", what,
+                                 text);
         }
         memcpy(tok->blob + tok->blob_len, text, len);
         tok->tok_off[id] = (uint32_t)tok->blob_len;
         tok->tok_len[id] = (uint32_t)len;
-        tok->tok_special[id] = 1;
+        tok->tok_special[id] =
+            (uint8_t)(DUET__TOK_SP_SPECIAL |
+                      ((sp[i].flags & DUET_TOKENIZER_SPECIAL_SHOWN) != 0 ? DUET__TOK_SP_SHOWN : 0));
         tok->specials[tok->n_special++] =
             (duet__tok_special_t){.id = id, .off = (uint32_t)tok->blob_len, .len = (uint32_t)len};
         tok->special_first[(uint8_t)text[0]] = 1;
@@ -144,9 +147,8 @@ duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern
     if (tok->re == NULL) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(err, msg, sizeof(msg));
-        return DUET_FAIL(DUET_ERR_INVALID,
-                              "%s: split regex does not compile at offset %zu: %s", what,
-                              (size_t)err_off, (const char *)msg);
+        return DUET_FAIL(DUET_ERR_INVALID, "%s: split regex does not compile at offset %zu: %s",
+                         what, (size_t)err_off, (const char *)msg);
     }
     tok->re_jit = pcre2_jit_compile(tok->re, PCRE2_JIT_COMPLETE) == 0;
     if (!tok->re_jit)
@@ -176,8 +178,7 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
     if (tok_p == NULL || (specials == NULL && n_specials > 0))
         return DUET_FAIL(DUET_ERR_INVALID, "byte tokenizer: NULL argument");
     if (n_specials > DUET_TOKENIZER_MAX_ID - 256)
-        return DUET_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many",
-                              n_specials);
+        return DUET_FAIL(DUET_ERR_INVALID, "byte tokenizer: %zu specials is too many", n_specials);
 
     duet_status_t st;
     duet_tokenizer_special_t *sp = NULL;
@@ -186,15 +187,16 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
         size_t len = specials[i] != NULL ? strlen(specials[i]) : 0;
         if (len > 256)
             return DUET_FAIL(DUET_ERR_INVALID,
-                                  "byte tokenizer: special token %zu is %zu bytes "
-                                  "(at most 256)",
-                                  i, len);
+                             "byte tokenizer: special token %zu is %zu bytes "
+                             "(at most 256)",
+                             i, len);
         text_bytes += len;
     }
     duet_tokenizer_t *tok = calloc(1, sizeof(*tok));
     if (tok == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "byte tokenizer: no memory");
     tok->kind = DUET__TOK_KIND_BYTE;
+    tok->bos_id = tok->eos_id = DUET__TOK_NONE;
     st = duet__tok_tables_alloc(tok, (uint32_t)(256 + n_specials), 0);
     if (st < 0)
         goto fail_tok;
@@ -247,14 +249,33 @@ static const struct {
                   "|\\s+(?!\\S)|\\s"},
     {"p50k_base", "'(?:[sdmt]|ll|ve|re)| ?\\p{L}++| ?\\p{N}++| ?[^\\s\\p{L}\\p{N}]++|\\s++$"
                   "|\\s+(?!\\S)|\\s"},
-    /* Kimi (K2, Linear): tiktoken's `[A&&[^\p{Han}]]` class intersection, which PCRE2 lacks,
-     * written as a negative lookahead before the class. */
-    {"kimi", "[\\p{Han}]+"
-             "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])*"
-             "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-             "|[^\\r\\n\\p{L}\\p{N}]?(?:(?!\\p{Han})[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}])+"
-             "(?:(?!\\p{Han})[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}])*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-             "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    /* Kimi (K2, Linear), tokenization_kimi.py's pat_str:
+     *   [\p{Han}]+
+     *   |[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*
+     *    [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+     *   |[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+
+     *    [\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+     *   |\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+     * rewritten for PCRE2 to match what tiktoken (Rust fancy-regex) matches, classes from
+     * kimi_pattern.h: tiktoken's `&&` class intersection, which PCRE2 lacks, becomes a negative
+     * lookahead before the class; \p{Han} (Script in Rust, Script_Extensions in PCRE2) and \s
+     * (PCRE2 adds U+180E) are spelt out; every other class gains what Unicode assigned after
+     * PCRE2's tables (14.0) up to tiktoken's (16.0). */
+    {"kimi",
+     "[" DUET__TOK_KIMI_HAN "]+"
+     "|[^\\r\\n\\p{L}\\p{N}" DUET__TOK_KIMI_D_LN "]?"
+     "(?:(?![" DUET__TOK_KIMI_HAN "])[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}" DUET__TOK_KIMI_D_A "])*"
+     "(?:(?![" DUET__TOK_KIMI_HAN "])[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}" DUET__TOK_KIMI_D_B "])+"
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+     "|[^\\r\\n\\p{L}\\p{N}" DUET__TOK_KIMI_D_LN "]?"
+     "(?:(?![" DUET__TOK_KIMI_HAN "])[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}" DUET__TOK_KIMI_D_A "])+"
+     "(?:(?![" DUET__TOK_KIMI_HAN "])[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}" DUET__TOK_KIMI_D_B "])*"
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+     "|[\\p{N}" DUET__TOK_KIMI_D_N "]{1,3}"
+     "| ?[^" DUET__TOK_KIMI_WS "\\p{L}\\p{N}" DUET__TOK_KIMI_D_LN "]+[\\r\\n]*"
+     "|[" DUET__TOK_KIMI_WS "]*[\\r\\n]+"
+     "|[" DUET__TOK_KIMI_WS "]+(?![^" DUET__TOK_KIMI_WS "])"
+     "|[" DUET__TOK_KIMI_WS "]+"},
 };
 
 const char *duet_tokenizer_pattern(const char *name)
@@ -408,16 +429,59 @@ static duet_status_t bpe_piece(const duet_tokenizer_t *tok, const uint8_t *p, si
     return DUET_OK;
 }
 
-/* Length of the UTF-8 character at p (1 for an ill-formed or truncated one). */
-static size_t utf8_char_len(const uint8_t *p, size_t n)
+/*
+ * The UTF-8 character at p (n > 0 bytes available): its length, and its code point in *cp_p.
+ * An ill-formed or truncated sequence (Unicode's rules: no overlongs, surrogates or code points
+ * past U+10FFFF) is its first byte alone, with *cp_p = -1.
+ */
+static size_t utf8_char(const uint8_t *p, size_t n, int32_t *cp_p)
 {
-    size_t want = p[0] < 0xc0 ? 1 : p[0] < 0xe0 ? 2 : p[0] < 0xf0 ? 3 : 4;
-    if (want > n)
+    uint8_t c = p[0];
+    size_t need;
+    uint8_t lo = 0x80, hi = 0xbf;
+    *cp_p = -1;
+    if (c < 0x80) {
+        *cp_p = c;
         return 1;
-    for (size_t i = 1; i < want; i++)
-        if ((p[i] & 0xc0) != 0x80)
+    }
+    if (c >= 0xc2 && c <= 0xdf)
+        need = 2;
+    else if (c == 0xe0)
+        need = 3, lo = 0xa0;
+    else if (c == 0xed)
+        need = 3, hi = 0x9f;
+    else if (c >= 0xe1 && c <= 0xef)
+        need = 3;
+    else if (c == 0xf0)
+        need = 4, lo = 0x90;
+    else if (c == 0xf4)
+        need = 4, hi = 0x8f;
+    else if (c >= 0xf1 && c <= 0xf3)
+        need = 4;
+    else
+        return 1;
+    if (n < need || p[1] < lo || p[1] > hi)
+        return 1;
+    int32_t cp = c & (0x7f >> need);
+    for (size_t i = 1; i < need; i++) {
+        if (i > 1 && (p[i] & 0xc0) != 0x80)
             return 1;
-    return want;
+        cp = cp << 6 | (p[i] & 0x3f);
+    }
+    *cp_p = cp;
+    return need;
+}
+
+/*
+ * Python's str.isspace (what Kimi's run splitting asks): general category Zs, or bidirectional
+ * class WS, B or S. The set has not changed since Unicode 6.3 took U+180E out of Zs.
+ */
+static bool py_isspace(int32_t cp)
+{
+    if (cp < 0x80)
+        return (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x20);
+    return cp == 0x85 || cp == 0xa0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) ||
+           cp == 0x2028 || cp == 0x2029 || cp == 0x202f || cp == 0x205f || cp == 0x3000;
 }
 
 /* Split text[0..len) (no specials inside) with the regex and merge every piece. */
@@ -454,8 +518,10 @@ static duet_status_t encode_ordinary(const duet_tokenizer_t *tok, const uint8_t 
             if (st < 0)
                 return st;
         }
-        if (me <= ms) /* a custom pattern matched empty: take one character */
-            me = ms + utf8_char_len(text + ms, len - ms);
+        if (me <= ms) { /* a custom pattern matched empty: take one character */
+            int32_t cp;
+            me = ms + utf8_char(text + ms, len - ms, &cp);
+        }
         st = bpe_piece(tok, text + ms, me - ms, scratch, sink);
         if (st < 0)
             return st;
@@ -498,6 +564,66 @@ static duet_status_t encode_stretch(const duet_tokenizer_t *tok, const uint8_t *
     return encode_ordinary(tok, text, len, md, scratch, sink);
 }
 
+/* Encode text[0..len): cut at allowed special tokens, split and merge the stretches between. */
+static duet_status_t encode_text(const duet_tokenizer_t *tok, const uint8_t *t, size_t len,
+                                 bool specials, pcre2_match_data *md, duet__tok_scratch_t *scratch,
+                                 duet__tok_sink_t *sink)
+{
+    size_t pos = 0;
+    while (pos < len) {
+        size_t at = len;
+        const duet__tok_special_t *sp = specials ? find_special(tok, t, len, pos, &at) : NULL;
+        duet_status_t st = encode_stretch(tok, t + pos, at - pos, md, scratch, sink);
+        if (st < 0)
+            return st;
+        if (sp == NULL)
+            break;
+        sink_put(sink, sp->id);
+        pos = at + sp->len;
+    }
+    return DUET_OK;
+}
+
+/*
+ * Kimi's encode (tokenization_kimi.py): the text is cut into chunks of 400000 characters, each
+ * chunk wherever a run of whitespace or of non-whitespace characters would pass 25000 (the
+ * character that would be the 25001st starts the next piece, which then holds a run of 1), and
+ * each piece is encoded on its own, special tokens included. Python cuts a str, so a character
+ * here is a code point; each byte of ill-formed UTF-8 counts as one non-whitespace character.
+ */
+static duet_status_t encode_kimi(const duet_tokenizer_t *tok, const uint8_t *t, size_t len,
+                                 bool specials, pcre2_match_data *md, duet__tok_scratch_t *scratch,
+                                 duet__tok_sink_t *sink)
+{
+    size_t i = 0;
+    while (i < len) {
+        size_t start = i, chars = 0, run = 0;
+        bool run_space = false;
+        while (i < len && chars < DUET__TOK_KIMI_MAX_CHARS) {
+            int32_t cp;
+            size_t cl = utf8_char(t + i, len - i, &cp);
+            bool space = py_isspace(cp);
+            if (chars == 0 || space != run_space) {
+                run_space = space;
+                run = 1;
+            } else if (++run > DUET__TOK_KIMI_MAX_RUN) {
+                duet_status_t st =
+                    encode_text(tok, t + start, i - start, specials, md, scratch, sink);
+                if (st < 0)
+                    return st;
+                start = i;
+                run = 1;
+            }
+            i += cl;
+            chars++;
+        }
+        duet_status_t st = encode_text(tok, t + start, i - start, specials, md, scratch, sink);
+        if (st < 0)
+            return st;
+    }
+    return DUET_OK;
+}
+
 duet_status_t duet_tokenizer_encode(const duet_tokenizer_t *tok, const char *text, size_t len,
                                     unsigned flags, uint32_t *ids_out, size_t cap, size_t *n_p)
 {
@@ -516,18 +642,10 @@ duet_status_t duet_tokenizer_encode(const duet_tokenizer_t *tok, const char *tex
             return duet_error_set(DUET_ERR_NOMEM, "tokenizer encode: no memory for match data");
     }
     bool specials = (flags & DUET_TOKENIZER_ALLOW_SPECIAL) != 0 && tok->n_special > 0;
-    size_t pos = 0;
-    while (pos < len) {
-        size_t at = len;
-        const duet__tok_special_t *sp = specials ? find_special(tok, t, len, pos, &at) : NULL;
-        st = encode_stretch(tok, t + pos, at - pos, md, &scratch, &sink);
-        if (st < 0)
-            goto out;
-        if (sp == NULL)
-            break;
-        sink_put(&sink, sp->id);
-        pos = at + sp->len;
-    }
+    st = tok->kimi_split ? encode_kimi(tok, t, len, specials, md, &scratch, &sink)
+                         : encode_text(tok, t, len, specials, md, &scratch, &sink);
+    if (st < 0)
+        goto out;
     *n_p = sink.n;
     if (sink.n > cap)
         st = duet_error_set(DUET_ERR_NO_SPACE, "tokenizer encode: %zu ids do not fit in %zu",
@@ -609,5 +727,38 @@ duet_status_t duet_tokenizer_special_id(const duet_tokenizer_t *tok, const char 
 
 bool duet_tokenizer_is_special(const duet_tokenizer_t *tok, uint32_t id)
 {
-    return id < tok->vocab_size && tok->tok_special[id] != 0;
+    return id < tok->vocab_size && (tok->tok_special[id] & DUET__TOK_SP_SPECIAL) != 0;
+}
+
+bool duet_tokenizer_is_skipped(const duet_tokenizer_t *tok, uint32_t id)
+{
+    return id < tok->vocab_size &&
+           (tok->tok_special[id] & (DUET__TOK_SP_SPECIAL | DUET__TOK_SP_SHOWN)) ==
+               DUET__TOK_SP_SPECIAL;
+}
+
+static duet_status_t special_of(uint32_t id, const char *what, uint32_t *id_p)
+{
+    if (id_p == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "tokenizer %s_id: NULL argument", what);
+    if (id == DUET__TOK_NONE)
+        return duet_error_set(DUET_ERR_NOT_FOUND, "tokenizer: the model folder names no %s token",
+                              what);
+    *id_p = id;
+    return DUET_OK;
+}
+
+duet_status_t duet_tokenizer_bos_id(const duet_tokenizer_t *tok, uint32_t *id_p)
+{
+    return special_of(tok->bos_id, "bos", id_p);
+}
+
+duet_status_t duet_tokenizer_eos_id(const duet_tokenizer_t *tok, uint32_t *id_p)
+{
+    return special_of(tok->eos_id, "eos", id_p);
+}
+
+bool duet_tokenizer_add_bos(const duet_tokenizer_t *tok)
+{
+    return tok->add_bos;
 }

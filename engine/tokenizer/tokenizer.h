@@ -16,7 +16,21 @@
  *
  * Special tokens (`<|endoftext|>`, `<|bos|>`, ...) are recognised in text only when the caller
  * passes DUET_TOKENIZER_ALLOW_SPECIAL; otherwise their text is encoded as ordinary text (what
- * tiktoken's encode_ordinary does). Decoding a special id always yields its text.
+ * tiktoken's encode_ordinary does). duet_tokenizer_decode always yields a special id's text; the
+ * streaming detokenizer drops it under DUET_DETOK_SKIP_SPECIAL (transformers' and vLLM's
+ * skip_special_tokens), except for specials marked DUET_TOKENIZER_SPECIAL_SHOWN, which
+ * transformers does not count as special either (Kimi's tool-call markers, its unnamed
+ * reserved ids).
+ *
+ * The "kimi" encoding (a model folder's tiktoken.model or tokenizer.model) is Kimi's
+ * tokenization_kimi.py: its split regex (tiktoken's `&&` class intersection rewritten for PCRE2),
+ * its special range (the 258 ids after the last rank, named from tokenizer_config.json or
+ * `<|reserved_token_ID|>`), and its encode, which cuts the text into pieces of at most 400000
+ * characters and then wherever a run of whitespace or of non-whitespace characters (Python's
+ * str.isspace) grows past 25000, before special tokens are looked for and before BPE; ids equal
+ * TikTokenTokenizer.encode's for any valid UTF-8 (each byte of ill-formed UTF-8 counts as one
+ * non-whitespace character), with the character classes of tiktoken 0.12 (Unicode 16.0, see
+ * kimi_pattern.h) on a PCRE2 whose tables are Unicode 14.0..16.0.
  *
  * For streaming output, duet_detok_* turns ids, one at a time, into complete UTF-8 only: bytes of a
  * character split across tokens are held until the character is complete, and ill-formed
@@ -38,7 +52,15 @@ typedef struct duet_detok duet_detok_t;
 typedef struct {
     const char *text; /* NUL-terminated, not owned: copied by create */
     uint32_t id;
+    unsigned flags; /* DUET_TOKENIZER_SPECIAL_*; 0 for an ordinary special token */
 } duet_tokenizer_special_t;
+
+/* Flags of duet_tokenizer_special_t. */
+enum {
+    /* decoded as text even under DUET_DETOK_SKIP_SPECIAL: an added token that transformers does
+     * not count as special ("special": false in tokenizer_config.json's added_tokens_decoder) */
+    DUET_TOKENIZER_SPECIAL_SHOWN = 1u << 0,
+};
 
 /* Flags of duet_tokenizer_encode. */
 enum {
@@ -47,7 +69,7 @@ enum {
 
 /* Flags of duet_detok_create. */
 enum {
-    DUET_DETOK_SKIP_SPECIAL = 1u << 0, /* special tokens produce no text */
+    DUET_DETOK_SKIP_SPECIAL = 1u << 0, /* skipped special tokens (is_skipped) produce no text */
 };
 
 /* Largest id a tokenizer may use (ids index tables, so a rank file cannot ask for gigabytes). */
@@ -64,7 +86,8 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
 /*
  * Tiktoken BPE from the rank file at `rank_path`.
  *   pattern:  the split regex (PCRE2 syntax); NULL = the built-in pattern for the file's name
- *             (basename without ".tiktoken", e.g. "cl100k_base"; "tokenizer.model" = "kimi").
+ *             (basename without ".tiktoken", e.g. "cl100k_base"; "tiktoken.model" and
+ *             "tokenizer.model" = "kimi").
  *   specials: special tokens with their ids; NULL (with n_specials 0) = the built-in specials of
  *             the named encoding (none for an unknown name). Pass a non-NULL pointer with
  *             n_specials 0 for "no specials at all".
@@ -74,17 +97,49 @@ duet_status_t duet_tokenizer_create_byte(const char *const *specials, size_t n_s
  * be encoded). Special ids must not collide with ranks. Errors (DUET_ERR_IO, DUET_ERR_FORMAT,
  * DUET_ERR_INVALID, DUET_ERR_NOT_FOUND for an unknown name without pattern, DUET_ERR_NOMEM) are
  * logged with the file name and line number.
+ *
+ * The "kimi" encoding (chosen by the file's name, whatever the pattern) also brings Kimi's
+ * encode (the run splitting described above) and its special range: the ranks must be exactly
+ * 0..N-1, ids N..N+257 are special, `specials` may name some of them (ids outside that range are
+ * refused) and every other one is `<|reserved_token_ID|>`, shown under skip_special_tokens as
+ * transformers shows it.
  */
 duet_status_t duet_tokenizer_create_tiktoken(const char *rank_path, const char *pattern,
                                              const duet_tokenizer_special_t *specials,
                                              size_t n_specials, duet_tokenizer_t **tok_p);
 
 /*
- * Load a tokenizer from a path: a `*.tiktoken` file (cl100k_base.tiktoken, o200k_base.tiktoken),
- * or a model folder holding `tokenizer.model` (Kimi's tiktoken-format file, "kimi" pattern) or
- * exactly one `*.tiktoken` file. Built-in patterns and specials as in create_tiktoken.
+ * Load a tokenizer from a path: a rank file (as duet_tokenizer_create_tiktoken with the built-in
+ * pattern and specials), or a model folder, by the first of these it holds:
+ *   - duet_tokenizer.json: duet's byte tokenizer, {"type": "byte", "specials": ["<|bos|>", ...],
+ *     "add_bos": bool} (no other keys; specials get ids 256, 257, ...);
+ *   - tiktoken.model, else tokenizer.model: Kimi's layout ("kimi" encoding). The specials come
+ *     from tokenizer_config.json's added_tokens_decoder ({"ID": {"content": TEXT, "special":
+ *     bool, ...}}; "special": false = DUET_TOKENIZER_SPECIAL_SHOWN), the bos / eos token texts
+ *     from special_tokens_map.json, else tokenizer_config.json (`"bos_token": TEXT` or
+ *     `{"content": TEXT}`, as transformers reads them; the map wins, as in transformers); both
+ *     files are optional and each must name special tokens of the vocabulary;
+ *   - exactly one *.tiktoken file.
+ * Every file is validated and a refusal names the file and the field: malformed JSON, a wrong
+ * type, an id that is not a canonical decimal, outside Kimi's special range or on a rank, a text
+ * given twice, empty, holding a NUL or over 1024 bytes, a bos / eos text that is no special
+ * token, files over 16 MiB (rank files over 1 GiB). DUET_ERR_NOT_FOUND when the folder holds no
+ * tokenizer.
  */
 duet_status_t duet_tokenizer_load(const char *path, duet_tokenizer_t **tok_p);
+
+/*
+ * The ids that end a generation for the model folder `dir`, written to ids[0..cap) with their
+ * count in *n_p: the union, without repeats and in this order, of config.json's eos_token_id,
+ * generation_config.json's eos_token_id (what transformers' generate stops on) and, when `tok`
+ * is given and names one, the tokenizer's eos token (which vLLM also stops on). Each file and
+ * field may be absent (or null); eos_token_id is an integer or a list of integers, each at most
+ * DUET_TOKENIZER_MAX_ID and, with `tok`, inside its vocabulary. Errors name the file and field:
+ * DUET_ERR_FORMAT (malformed JSON, wrong type), DUET_ERR_RANGE (an id out of range, more than
+ * `cap` ids), DUET_ERR_IO.
+ */
+duet_status_t duet_tokenizer_stop_ids(const char *dir, const duet_tokenizer_t *tok, uint32_t *ids,
+                                      size_t cap, size_t *n_p);
 
 /* Free a tokenizer; NULL is fine. No detokenizer made from it may be used afterwards. */
 void duet_tokenizer_destroy(duet_tokenizer_t *tok);
@@ -134,6 +189,20 @@ duet_status_t duet_tokenizer_special_id(const duet_tokenizer_t *tok, const char 
 
 /* Whether `id` is a special token of this tokenizer. */
 bool duet_tokenizer_is_special(const duet_tokenizer_t *tok, uint32_t id);
+
+/* Whether skip_special_tokens drops `id`: a special token not marked DUET_TOKENIZER_SPECIAL_SHOWN.
+ */
+bool duet_tokenizer_is_skipped(const duet_tokenizer_t *tok, uint32_t id);
+
+/*
+ * The special ids a model folder names as its bos / eos tokens (duet_tokenizer_load of a Kimi
+ * layout); DUET_ERR_NOT_FOUND when it names none.
+ */
+duet_status_t duet_tokenizer_bos_id(const duet_tokenizer_t *tok, uint32_t *id_p);
+duet_status_t duet_tokenizer_eos_id(const duet_tokenizer_t *tok, uint32_t *id_p);
+
+/* Whether text prompts should start with the model's bos id (duet_tokenizer.json's "add_bos"). */
+bool duet_tokenizer_add_bos(const duet_tokenizer_t *tok);
 
 /*
  * Streaming detokenizer over `tok` (which must outlive it). Its output buffer is allocated here,

@@ -16,6 +16,15 @@
 
 #define DUET__TOK_NONE UINT32_MAX /* "no id" in tables and ranks */
 
+/* tok_special[id] bits. */
+#define DUET__TOK_SP_SPECIAL 1u /* a special token */
+#define DUET__TOK_SP_SHOWN   2u /* kept as text under skip_special_tokens */
+
+/* Kimi's tokenization_kimi.py: its reserved specials and the limits of its encode's pieces. */
+#define DUET__TOK_KIMI_N_SPECIAL 258u    /* num_reserved_special_tokens (256) + 2 */
+#define DUET__TOK_KIMI_MAX_CHARS 400000u /* TIKTOKEN_MAX_ENCODE_CHARS */
+#define DUET__TOK_KIMI_MAX_RUN   25000u  /* MAX_NO_WHITESPACES_CHARS */
+
 typedef enum {
     DUET__TOK_KIND_BYTE = 0,
     DUET__TOK_KIND_TIKTOKEN = 1,
@@ -32,7 +41,7 @@ struct duet_tokenizer {
     uint32_t vocab_size;  /* largest id + 1 */
     uint32_t *tok_off;    /* (vocab_size) offset of each id's bytes in blob, owned */
     uint32_t *tok_len;    /* (vocab_size) length in bytes; 0 = no such id, owned */
-    uint8_t *tok_special; /* (vocab_size) 1 for special ids, owned */
+    uint8_t *tok_special; /* (vocab_size) DUET__TOK_SP_* bits, owned */
     uint8_t *blob;        /* (blob_len) every token's bytes, owned */
     size_t blob_len;
     size_t max_token_len; /* longest token (ordinary or special), bytes */
@@ -43,6 +52,9 @@ struct duet_tokenizer {
     uint8_t special_first[256]; /* 1 where some special token starts with this byte */
     pcre2_code *re;             /* split regex (tiktoken only), owned */
     bool re_jit;                /* JIT compilation succeeded */
+    bool kimi_split;            /* Kimi's encode: pieces of bounded length and runs, before BPE */
+    bool add_bos;               /* duet_tokenizer.json's "add_bos" */
+    uint32_t bos_id, eos_id;    /* the folder's bos / eos special ids; DUET__TOK_NONE if none */
 };
 
 /* Hash of a byte string for the token table. */
@@ -70,6 +82,16 @@ uint32_t duet__tok_insert(duet_tokenizer_t *tok, uint32_t id);
  */
 duet_status_t duet__tok_specials_add(duet_tokenizer_t *tok, const duet_tokenizer_special_t *sp,
                                      size_t n, const char *what);
+
+/*
+ * Tiktoken from a rank file, the body of duet_tokenizer_create_tiktoken with the encoding's name
+ * already resolved: `kimi` asks for Kimi's rules (contiguous ranks, the special range after them
+ * with reserved names for ids `sp` does not name, run splitting). `sp_source` names where the
+ * specials come from in errors about them (NULL: the rank file).
+ */
+duet_status_t duet__tok_tiktoken_create(const char *rank_path, const char *pattern,
+                                        const duet_tokenizer_special_t *sp, size_t n_sp,
+                                        const char *sp_source, bool kimi, duet_tokenizer_t **tok_p);
 
 /* Compile the split regex (UTF, UCP, MATCH_INVALID_UTF, DOLLAR_ENDONLY; JIT when possible). */
 duet_status_t duet__tok_regex_compile(duet_tokenizer_t *tok, const char *pattern, const char *what);

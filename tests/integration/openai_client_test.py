@@ -91,6 +91,30 @@ def completions_streaming_include_usage():
 
 
 @test
+def generated_special_token_skipped_or_shown():
+    # prompt ids b, <|bos|>, a -> the worker answers a, <|bos|>, b: a special id that is no stop
+    # id. skip_special_tokens (vLLM's field, default true) drops its text; false keeps it.
+    ids = [ord("b"), 256, ord("a")]
+    for extra, want in (({}, "ab"), ({"skip_special_tokens": True}, "ab"),
+                        ({"skip_special_tokens": False}, "a<|bos|>b")):
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, extra_body=extra)
+        assert r.choices[0].text == want, (extra, r.choices[0].text)
+        assert r.choices[0].finish_reason == "length", r.choices[0].finish_reason
+        assert r.usage.completion_tokens == 3, r.usage
+        text = "".join(c.text for chunk in client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=3, stream=True, extra_body=extra)
+            for c in chunk.choices)
+        assert text == want, (extra, text)
+    try:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=3,
+                                  extra_body={"skip_special_tokens": "no"})
+    except openai.BadRequestError as e:
+        assert e.status_code == 400, e.status_code
+    else:
+        raise AssertionError("skip_special_tokens \"no\" was accepted")
+
+
+@test
 def chat_non_streaming_length():
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=11)
     assert r.object == "chat.completion", r

@@ -289,6 +289,9 @@ static const bad_case_t bad_cases[] = {
     {C, "{" M "\"prompt\":\"x\",\"top_k\":-2}", 400, "invalid_value", "top_k", NULL},
     {C, "{" M "\"prompt\":\"x\",\"seed\":1.0}", 400, "invalid_type", "seed", NULL},
     {C, "{" M "\"prompt\":\"x\",\"ignore_eos\":1}", 400, "invalid_type", "ignore_eos", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"skip_special_tokens\":\"no\"}", 400, "invalid_type",
+     "skip_special_tokens", NULL},
+    {H, "{" M MSG ",\"skip_special_tokens\":0}", 400, "invalid_type", "skip_special_tokens", NULL},
     {C, "{" M "\"prompt\":\"x\",\"user\":5}", 400, "invalid_type", "user", NULL},
     /* n */
     {C, "{" M "\"prompt\":\"x\",\"n\":2}", 400, "unsupported_value", "n", "one choice"},
@@ -1024,6 +1027,63 @@ Test(router_openai, stream_utf8_eos_length, .timeout = 10)
     cr_assert_eq(duet_oai_stream_feed(s, 'z', &t, &len, &f), DUET_OK);
     cr_assert_eq(len, 1);
     duet_oai_stream_destroy(s);
+    duet_tokenizer_destroy(tok);
+}
+
+/*
+ * skip_special_tokens (vLLM's request field, default true) on both endpoints, and a generated
+ * special id that is no stop id through the output path: no error, no text by default, its text
+ * with skip_special_tokens false; the stop id ends the choice and never adds text.
+ */
+Test(router_openai, skip_special_tokens, .timeout = 10)
+{
+    duet_oai_request_t r;
+    duet_oai_error_t e;
+    for (int ep = DUET_OAI_ENDPOINT_COMPLETIONS; ep <= DUET_OAI_ENDPOINT_CHAT; ep++) {
+        const char *input = ep == DUET_OAI_ENDPOINT_CHAT ? MSG : "\"prompt\":\"x\"";
+        const char *tails[] = {"", ",\"skip_special_tokens\":null",
+                               ",\"skip_special_tokens\":true", ",\"skip_special_tokens\":false"};
+        for (int t = 0; t < 4; t++) {
+            char body[256];
+            snprintf(body, sizeof(body), "{" M "%s%s}", input, tails[t]);
+            cr_assert_eq(parse((duet_oai_endpoint_t)ep, body, &r, &e), DUET_OK, "%s: %s", body,
+                         e.message);
+            cr_assert_eq(r.skip_special_tokens, t != 3, "%s", body);
+            duet_oai_request_free(&r);
+        }
+    }
+
+    duet_tokenizer_t *tok = byte_tok();
+    const uint32_t gen[] = {'a', BOS, 'b', BOS, EOS, 'z'};
+    const char *want[2] = {"a<|bos|>b<|bos|>", "ab"};
+    for (int skip = 0; skip <= 1; skip++) {
+        duet_oai_stream_t *st = make_stream(
+            tok, skip ? BODY("") : BODY(",\"skip_special_tokens\":false"));
+        run_t got = run_ids(st, gen, 6);
+        cr_assert_str_eq(got.text, want[skip]);
+        cr_assert_eq(got.finish, DUET_OAI_FINISH_STOP);
+        cr_assert_eq(got.fed, 5, "the stop id ends the choice");
+        cr_assert_eq(duet_oai_stream_n_tokens(st), 5);
+        const char *text;
+        size_t len;
+        duet_oai_stream_text(st, &text, &len);
+        cr_assert(len == strlen(want[skip]) && memcmp(text, want[skip], len) == 0);
+
+        /* the bytes a client gets: one JSON body, and SSE deltas */
+        duet_oai_resp_meta_t m = {.endpoint = DUET_OAI_ENDPOINT_COMPLETIONS, .id = "cmpl-1",
+                                  .model = "duet-demo", .created = 1};
+        duet_strbuf_t sb;
+        duet_strbuf_init(&sb);
+        cr_assert_eq(duet_oai_response_json(&m, text, len, got.finish, 1, 5, &sb), DUET_OK);
+        json_t *root = json_loadb(sb.data, sb.len, 0, NULL);
+        cr_assert_not_null(root, "%s", sb.data);
+        json_t *choice = json_array_get(json_object_get(root, "choices"), 0);
+        cr_assert_str_eq(json_string_value(json_object_get(choice, "text")), want[skip]);
+        cr_assert_str_eq(json_string_value(json_object_get(choice, "finish_reason")), "stop");
+        json_decref(root);
+        duet_strbuf_free(&sb);
+        duet_oai_stream_destroy(st);
+    }
     duet_tokenizer_destroy(tok);
 }
 

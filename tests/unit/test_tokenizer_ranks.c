@@ -126,7 +126,7 @@ Test(tokenizer_ranks, malformed, .timeout = 30)
 
     /* Special ids may not collide with ranks. */
     duet_tokenizer_t *tok = NULL;
-    duet_tokenizer_special_t sp[] = {{"<|x|>", 255}};
+    duet_tokenizer_special_t sp[] = {{"<|x|>", 255, 0}};
     cr_assert_eq(
         duet_tokenizer_create_tiktoken(write_ranks("ok.tiktoken", 256, ""), "\\S+", sp, 1, &tok),
         DUET_ERR_INVALID);
@@ -158,7 +158,7 @@ Test(tokenizer_ranks, merge_rules, .timeout = 30)
     const char *path =
         write_ranks("tiny.tiktoken", 256, "YWE= 256\r\nYWI= 257\n\nYmM= 258\nYWJj 259\neHl6 300\n");
     duet_tokenizer_t *tok = NULL;
-    duet_tokenizer_special_t sp[] = {{"<s>", 400}};
+    duet_tokenizer_special_t sp[] = {{"<s>", 400, 0}};
     cr_assert_eq(duet_tokenizer_create_tiktoken(path, "\\S+|\\s+", sp, 1, &tok), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(duet_tokenizer_vocab_size(tok), 401);
