@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/version.h"
 #include "engine/tokenizer/tokenizer.h"
 
 static void die(const char *what)
@@ -27,6 +28,10 @@ int main(int argc, char **argv)
 {
     if (argc == 2 && strcmp(argv[1], "--help") == 0) {
         printf("usage: tokenizer_oracle_driver MODEL_DIR < requests (see the source's header)\n");
+        return 0;
+    }
+    if (argc == 2 && duet_version_flag(argv[1])) {
+        duet_version_print("tokenizer_oracle_driver");
         return 0;
     }
     if (argc != 2 || argv[1][0] == '-') {
