@@ -47,6 +47,7 @@
 #include "router/admission.h"
 #include "router/chat_template.h"
 #include "router/http.h"
+#include "router/model_tokenizer.h"
 #include "router/openai.h"
 #include "router/placement.h"
 #include "router/registry.h"
@@ -1127,34 +1128,6 @@ static void rt_on_signal(uv_signal_t *s, int signum)
 
 /* ------------------------------------------------------------------------------ start-up */
 
-static duet_status_t rt_load_tokenizer(const char *dir, duet_tokenizer_t **tok_p)
-{
-    char        path[4096];
-    struct stat sb;
-    snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
-    if (stat(path, &sb) != 0)
-        return duet_tokenizer_load(dir, tok_p);
-    json_t       *root = NULL;
-    duet_status_t st   = duet_json_load_file(path, 1 << 20, &root);
-    if (st < 0)
-        return st;
-    const char *type     = json_string_value(json_object_get(root, "type"));
-    json_t     *specials = json_object_get(root, "specials");
-    const char *names[64];
-    size_t      n = json_is_array(specials) ? json_array_size(specials) : 0;
-    if (type == NULL || strcmp(type, "byte") != 0)
-        st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
-    else if (n > 64)
-        st = duet_error_set(DUET_ERR_RANGE, "%s: more than 64 specials", path);
-    for (size_t i = 0; st == DUET_OK && i < n; i++)
-        if ((names[i] = json_string_value(json_array_get(specials, i))) == NULL)
-            st = duet_error_set(DUET_ERR_FORMAT, "%s: specials[%zu] is not a string", path, i);
-    if (st == DUET_OK)
-        st = duet_tokenizer_create_byte(n > 0 ? names : NULL, n, tok_p);
-    json_decref(root);
-    return st;
-}
-
 /* eos_token_id (int or list) and model_max_length from config.json. */
 static duet_status_t rt_load_model_config(rt_t *rt, const char *dir, size_t *max_len_p)
 {
@@ -1314,7 +1287,7 @@ int main(int argc, char **argv)
     char   fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1] = "";
     const char *fp_cfg = duet_config_get_string(cfg, "model.fingerprint");
     if ((st = rt_load_model_config(rt, dir, &model_max_len)) < 0 ||
-        (st = rt_load_tokenizer(dir, &rt->tok)) < 0 ||
+        (st = duet_router_tokenizer_load(dir, &rt->tok)) < 0 ||
         (st = duet_oai_template_load(dir, rt->tok, &rt->tmpl)) < 0) {
         fprintf(stderr, "duet-router: %s\n", duet_error_last());
         goto out;
