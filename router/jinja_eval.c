@@ -175,7 +175,7 @@ static duet_status_t jj_eval_bin(jj_render_t *r, const jj_expr_t *e, duet_jinja_
                                  duet_jinja_value_t *b, duet_jinja_value_t **v_p)
 {
     static const char *const opname[] = {"+", "-", "*", "/", "//", "%", "**"};
-    if (a->kind == JV_UNDEF || b->kind == JV_UNDEF)
+    if (a->kind == JV_UNDEF || (b->kind == JV_UNDEF && !(e->op == JOP_MOD && a->kind == JV_STR)))
         return jj_undefined_error(r, a->kind == JV_UNDEF ? e->a : e->b);
     bool nums = jj_is_number(a) && jj_is_number(b);
     bool ints = nums && a->kind != JV_FLOAT && b->kind != JV_FLOAT;
@@ -276,8 +276,7 @@ static duet_status_t jj_eval_bin(jj_render_t *r, const jj_expr_t *e, duet_jinja_
             return jj_float_result(r, e->off, floor((fx - m) / fy + 0.5), v_p);
         }
         if (e->op == JOP_MOD && a->kind == JV_STR)
-            return JJ_RERR(r, DUET_ERR_UNSUPPORTED, e->off,
-                           "printf-style string formatting with '%%' is not supported");
+            return jj_percent(r, e->off, a, b, v_p);
         break;
     case JOP_POW:
         if (ints && y >= 0) {
@@ -739,8 +738,6 @@ static duet_status_t jj_run_for(jj_render_t *r, const jj_node_t *n, jj_scope_t *
         jj_scope_t *es = jj_scope_new(r, sc);
         return es != NULL ? jj_run(r, &n->els, es) : jj_nomem(r, n->off);
     }
-    /* The depth of an enclosing loop, for loop.depth. */
-    duet_jinja_value_t *outer = jj_lookup(r, sc, "loop", 4);
     for (size_t i = 0; i < items->n; i++) {
         if ((st = jj_tick(r, n->off)) != DUET_OK)
             return st;
@@ -750,7 +747,7 @@ static duet_status_t jj_run_for(jj_render_t *r, const jj_node_t *n, jj_scope_t *
             return jj_nomem(r, n->off);
         loop->self = items;
         loop->i = (int64_t)i;
-        loop->depth = outer->kind == JV_LOOP ? outer->depth + 1 : 0;
+        loop->depth = 0; /* loop.depth counts recursive loops only, which duet refuses */
         if ((st = jj_set_var(r, is, "loop", 4, loop)) != DUET_OK ||
             (st = jj_assign(r, n, is, items->items[i])) != DUET_OK ||
             (st = jj_run(r, &n->body, is)) != DUET_OK)

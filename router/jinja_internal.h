@@ -341,6 +341,9 @@ duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
 /* Call a macro value (from eval). */
 duet_status_t jj_call_macro(jj_render_t *r, size_t off, duet_jinja_value_t *m, const jj_args_t *a,
                             duet_jinja_value_t **out);
+/* Python's printf-style `fmt % arg` (a tuple: the values; a dict: %(name)s). */
+duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *fmt,
+                         duet_jinja_value_t *arg, duet_jinja_value_t **out);
 /* Count one unit of work against the iteration limit. */
 duet_status_t jj_tick(jj_render_t *r, size_t off);
 

@@ -273,6 +273,35 @@ static bool jj_title_sep(uint32_t c)
     return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || jj_cp_isspace(c);
 }
 
+/* Python's Final_Sigma: a capital sigma at [at, end) lowers to 'ς' when a cased letter comes
+ * before it (skipping case-ignorable characters) and none comes after. */
+static bool jj_final_sigma(const duet_jinja_value_t *s, size_t at, size_t end)
+{
+    bool before = false;
+    for (size_t k = at; k > 0 && !before;) {
+        size_t b = k - 1;
+        while (b > 0 && ((unsigned char)s->s[b] & 0xc0) == 0x80)
+            b--;
+        size_t e = b;
+        uint32_t c = jj_utf8_next(s->s, s->len, &e);
+        if (c == '\'' || c == 0x2019 || c == 0xad || (c >= 0x300 && c <= 0x36f))
+            k = b; /* case-ignorable */
+        else if (jj_cp_cased(c))
+            before = true;
+        else
+            break;
+    }
+    if (!before)
+        return false;
+    for (size_t k = end; k < s->len;) {
+        uint32_t c = jj_utf8_next(s->s, s->len, &k);
+        if (c == '\'' || c == 0x2019 || c == 0xad || (c >= 0x300 && c <= 0x36f))
+            continue;
+        return !jj_cp_cased(c);
+    }
+    return true;
+}
+
 /* Case conversion, each character keeping the origin of its bytes. */
 static duet_status_t jj_case(jj_render_t *r, size_t off, const duet_jinja_value_t *s, jcase_t how,
                              duet_jinja_value_t **out)
@@ -301,8 +330,16 @@ static duet_status_t jj_case(jj_render_t *r, size_t off, const duet_jinja_value_
             }
             break;
         }
-        char buf[4];
-        size_t n = jj_utf8_put(buf, m);
+        char buf[8];
+        size_t n;
+        if (c == 0xdf && (how == JCASE_UPPER || how == JCASE_SWAP)) {
+            n = 2; /* Python's full case mapping: 'ß'.upper() == 'SS' */
+            buf[0] = buf[1] = 'S';
+        } else {
+            if (m == 0x3c3 && c == 0x3a3 && jj_final_sigma(s, at, i))
+                m = 0x3c2;
+            n = jj_utf8_put(buf, m);
+        }
         jj_sb_put(&sb, buf, n, jj_origin_at(s, at));
     }
     return jj_finish(r, off, &sb, out);
@@ -642,6 +679,147 @@ static duet_status_t jj_format(jj_render_t *r, size_t off, const duet_jinja_valu
             return st;
         i = e + 1;
     }
+    return jj_finish(r, off, &sb, out);
+}
+
+duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *fmt,
+                         duet_jinja_value_t *arg, duet_jinja_value_t **out)
+{
+    /* Python's str % arg: a tuple gives the values in order, a dict the %(name)s values, any
+     * other value is the one value. */
+    duet_jinja_value_t *one[1] = {arg};
+    duet_jinja_value_t **vals = one;
+    size_t n = 1, used = 0;
+    const duet_jinja_value_t *map = NULL;
+    if (arg->kind == JV_LIST && arg->tuple) {
+        vals = arg->items;
+        n = arg->n;
+    } else if (arg->kind == JV_DICT) {
+        map = arg;
+    }
+    jj_sb_t sb;
+    jj_sb_init(&sb, r->arena, r->lim.max_output);
+    duet_status_t st = DUET_OK;
+    for (size_t i = 0; i < fmt->len && st == DUET_OK;) {
+        if (fmt->s[i] != '%') {
+            size_t j = i;
+            while (j < fmt->len && fmt->s[j] != '%')
+                j++;
+            jj_sb_put_range(&sb, fmt, i, j - i);
+            i = j;
+            continue;
+        }
+        size_t at = i++;
+        duet_jinja_value_t *v = NULL;
+        if (i < fmt->len && fmt->s[i] == '(') {
+            size_t e = i + 1;
+            while (e < fmt->len && fmt->s[e] != ')')
+                e++;
+            if (map == NULL || e >= fmt->len)
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "format requires a mapping");
+            v = jj_dict_get(map, fmt->s + i + 1, e - i - 1);
+            if (v == NULL)
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "KeyError: '%.*s'", (int)(e - i - 1),
+                               fmt->s + i + 1);
+            i = e + 1;
+        }
+        char spec[32];
+        size_t sl = 0;
+        spec[sl++] = '%';
+        while (i < fmt->len && strchr("-+ 0#", fmt->s[i]) != NULL && sl < 8)
+            spec[sl++] = fmt->s[i++];
+        while (i < fmt->len && fmt->s[i] >= '0' && fmt->s[i] <= '9' && sl < 16)
+            spec[sl++] = fmt->s[i++];
+        if (i < fmt->len && fmt->s[i] == '.') {
+            spec[sl++] = fmt->s[i++];
+            while (i < fmt->len && fmt->s[i] >= '0' && fmt->s[i] <= '9' && sl < 24)
+                spec[sl++] = fmt->s[i++];
+        }
+        if (i >= fmt->len)
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "incomplete format");
+        char conv = fmt->s[i++];
+        if (conv == '%' && sl == 1) {
+            jj_sb_put_range(&sb, fmt, at, 1);
+            continue;
+        }
+        if (v == NULL) {
+            if (map != NULL)
+                v = (duet_jinja_value_t *)map;
+            else if (used < n)
+                v = vals[used++];
+            else
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "not enough arguments for format string");
+        }
+        char buf[512];
+        int len = 0;
+        if (conv == 's' || conv == 'r' || conv == 'a') {
+            duet_jinja_value_t *str = NULL;
+            if (conv == 's') {
+                st = jj_stringify(r, off, v, &str);
+            } else {
+                jj_sb_t rs;
+                jj_sb_init(&rs, r->arena, r->lim.max_output);
+                if ((st = jj_repr(r, off, v, &rs, 0)) == DUET_OK)
+                    st = jj_finish(r, off, &rs, &str);
+            }
+            if (st != DUET_OK)
+                return st;
+            if (sl == 1) {
+                jj_sb_put_str(&sb, str);
+                continue;
+            }
+            /* width and precision count characters */
+            bool left = memchr(spec, '-', sl) != NULL;
+            const char *dot = memchr(spec, '.', sl);
+            size_t width = 0, prec = SIZE_MAX;
+            for (size_t k = 1; k < sl && spec[k] != '.'; k++)
+                if (spec[k] >= '0' && spec[k] <= '9' && !(spec[k] == '0' && width == 0))
+                    width = width * 10 + (size_t)(spec[k] - '0');
+            if (dot != NULL)
+                prec = strtoul(dot + 1, NULL, 10);
+            size_t chars = jj_utf8_count(str->s, str->len), keep = chars < prec ? chars : prec;
+            size_t bytes = jj_utf8_offset(str->s, str->len, keep);
+            for (size_t k = keep; !left && k < width; k++)
+                jj_sb_put(&sb, " ", 1, DUET_JINJA_ORIGIN_TEMPLATE);
+            jj_sb_put_range(&sb, str, 0, bytes);
+            for (size_t k = keep; left && k < width; k++)
+                jj_sb_put(&sb, " ", 1, DUET_JINJA_ORIGIN_TEMPLATE);
+            continue;
+        }
+        if (!jj_is_number(v))
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "%%%c format: a real number is required, not %s",
+                           conv, jj_type_name(v));
+        spec[sl] = '\0';
+        if (strchr("diuxXoc", conv) != NULL) {
+            int64_t iv = v->kind == JV_FLOAT ? (int64_t)v->f : jj_ival(v);
+            if (conv == 'c') {
+                char u[4];
+                jj_sb_put(&sb, u, jj_utf8_put(u, (uint32_t)iv), DUET_JINJA_ORIGIN_TEMPLATE);
+                continue;
+            }
+            char cf[40];
+            snprintf(cf, sizeof(cf), "%s%s", spec, conv == 'i' || conv == 'u' ? "lld" : conv == 'd' ? "lld" : conv == 'x' ? "llx" : conv == 'X' ? "llX" : "llo");
+            if ((conv == 'x' || conv == 'X' || conv == 'o') && iv < 0) {
+                /* Python prints a sign and the magnitude */
+                char mag[64];
+                snprintf(cf, sizeof(cf), "%s%s", spec, conv == 'x' ? "llx" : conv == 'X' ? "llX" : "llo");
+                snprintf(mag, sizeof(mag), cf, (long long)-iv);
+                len = snprintf(buf, sizeof(buf), "-%s", mag);
+            } else {
+                len = snprintf(buf, sizeof(buf), cf, (long long)iv);
+            }
+        } else if (strchr("eEfFgG", conv) != NULL) {
+            char cf[40];
+            snprintf(cf, sizeof(cf), "%s%c", spec, conv);
+            len = snprintf(buf, sizeof(buf), cf, jj_num(v));
+        } else {
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "unsupported format character '%c'", conv);
+        }
+        jj_sb_put(&sb, buf, len > 0 ? (size_t)len : 0, DUET_JINJA_ORIGIN_TEMPLATE);
+    }
+    if (map == NULL && used < n)
+        return JJ_RERR(r, DUET_ERR_INVALID, off,
+                       "not all arguments converted during string formatting");
     return jj_finish(r, off, &sb, out);
 }
 
@@ -2269,12 +2447,37 @@ FILTER(f_rejectattr)
     return jj_select(r, off, x, a, true, false, out);
 }
 
+FILTER(f_format)
+{
+    duet_jinja_value_t *s = NULL;
+    duet_status_t st = jj_soft_str(r, off, x, &s);
+    if (st != DUET_OK)
+        return st;
+    if (a->n_pos > 0 && a->n_kw > 0)
+        return JJ_RERR(r, DUET_ERR_INVALID, off,
+                       "can't handle positional and keyword arguments at the same time");
+    duet_jinja_value_t *arg = jj_new(r->arena, a->n_kw > 0 ? JV_DICT : JV_LIST);
+    if (arg == NULL)
+        return jj_nomem(r, off);
+    arg->tuple = true;
+    for (size_t i = 0; i < a->n_pos; i++)
+        if (jj_push(r->arena, arg, a->pos[i]) != DUET_OK)
+            return jj_nomem(r, off);
+    for (size_t k = 0; k < a->n_kw; k++) {
+        duet_jinja_value_t *key = jj_str(r->arena, a->kwnames[k], a->kwlens[k], 0);
+        if (key == NULL || jj_dict_set(r->arena, arg, key, a->kw[k]) != DUET_OK)
+            return jj_nomem(r, off);
+    }
+    return jj_percent(r, off, s, arg, out);
+}
+
 static const jj_filter_t jj_filters[] = {
     {"abs", f_abs},           {"attr", f_attr},         {"batch", f_batch},
     {"capitalize", f_capitalize}, {"center", f_center}, {"count", f_length},
     {"d", f_default},         {"default", f_default},   {"dictsort", f_dictsort},
     {"e", f_escape},          {"escape", f_escape},     {"first", f_first},
-    {"float", f_float},       {"forceescape", f_escape}, {"indent", f_indent},
+    {"float", f_float},       {"forceescape", f_escape}, {"format", f_format},
+    {"indent", f_indent},
     {"int", f_int},           {"items", f_items},       {"join", f_join},
     {"last", f_last},         {"length", f_length},     {"list", f_list},
     {"lower", f_lower},       {"map", f_map},           {"max", f_max},

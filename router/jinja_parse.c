@@ -272,6 +272,24 @@ static duet_status_t jj_lex_tag(jj_parser_t *p, size_t i, bool block, size_t *en
             while (i < len && (jj_isalpha(s[i]) || jj_isdigit(s[i])))
                 i++;
             t.kind = JT_NAME;
+        } else if (c == '0' && i + 2 < len && strchr("xXoObB", s[i + 1]) != NULL &&
+                   (jj_isdigit(s[i + 2]) || strchr("abcdefABCDEF_", s[i + 2]) != NULL)) {
+            /* 0x1f, 0o17, 0b101 (with single underscores between digits) */
+            int base = (s[i + 1] | 32) == 'x' ? 16 : (s[i + 1] | 32) == 'o' ? 8 : 2;
+            size_t k = i + 2;
+            t.kind = JT_INT;
+            for (; k < len; k++) {
+                char d = s[k];
+                if (d == '_' && k + 1 < len && s[k + 1] != '_')
+                    continue;
+                int v = jj_isdigit(d) ? d - '0' : (d | 32) >= 'a' && (d | 32) <= 'f' ? (d | 32) - 'a' + 10 : 99;
+                if (v >= base)
+                    break;
+                if (t.ival > (INT64_MAX - v) / base)
+                    return JJ_PERR(p, i, "integer literal too large");
+                t.ival = t.ival * base + v;
+            }
+            i = k;
         } else if (jj_isdigit(c)) {
             size_t k = i;
             bool is_float = false;
