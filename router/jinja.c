@@ -26,6 +26,7 @@ const duet_jinja_limits_t duet_jinja_limits_default = {
 };
 
 duet_jinja_value_t jj_undef_value = {.kind = JV_UNDEF};
+duet_jinja_value_t jj_unsafe_value = {.kind = JV_UNDEF};
 
 /* ---------------------------------------------------------------- arena */
 

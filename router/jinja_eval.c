@@ -80,7 +80,7 @@ static duet_status_t jj_undefined_error(jj_render_t *r, const jj_expr_t *e)
         return JJ_RERR(r, DUET_ERR_INVALID, e->off, "'%.*s' is undefined",
                        (int)(e->name_len > 64 ? 64 : e->name_len), e->name);
     if (e->kind == JE_ATTR)
-        return JJ_RERR(r, DUET_ERR_INVALID, e->off, "undefined value has no attribute '%.*s'",
+        return JJ_RERR(r, DUET_ERR_INVALID, e->off, "a value has no attribute '%.*s'",
                        (int)(e->name_len > 64 ? 64 : e->name_len), e->name);
     return JJ_RERR(r, DUET_ERR_INVALID, e->off, "an undefined value was used");
 }
@@ -461,7 +461,13 @@ static duet_status_t jj_call(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
     if (st != DUET_OK)
         return st;
     switch (f->kind) {
-    case JV_UNDEF: return jj_undefined_error(r, e->a);
+    case JV_UNDEF:
+        if (f == &jj_unsafe_value) /* ImmutableSandboxedEnvironment's SecurityError */
+            return JJ_RERR(r, DUET_ERR_INVALID, e->off,
+                           "access to attribute '%.*s' is unsafe: lists and dicts cannot be "
+                           "changed in a chat template",
+                           (int)e->a->name_len, e->a->name != NULL ? e->a->name : "");
+        return jj_undefined_error(r, e->a);
     case JV_MACRO:
         if (caller != NULL) {
             duet_jinja_value_t *m = jj_new(r->arena, JV_MACRO);

@@ -80,6 +80,8 @@ struct duet_jinja_value {
 };
 
 extern duet_jinja_value_t jj_undef_value;
+/* The undefined value a method that would change a list or dict gives (the sandbox's). */
+extern duet_jinja_value_t jj_unsafe_value;
 
 duet_jinja_value_t *jj_new(jj_arena_t *a, jv_kind_t kind);
 duet_jinja_value_t *jj_str(jj_arena_t *a, const char *s, size_t len, int origin);

@@ -850,6 +850,8 @@ static const char *const jj_str_methods[] = {
 static const char *const jj_dict_methods[] = {"get", "items", "keys", "values", "copy"};
 static const char *const jj_dict_unsafe[] = {"pop", "popitem", "update", "setdefault", "clear"};
 static const char *const jj_list_methods[] = {"index", "count", "copy"};
+static const char *const jj_list_unsafe[] = {"append", "extend", "insert", "pop",
+                                             "remove", "reverse", "sort",   "clear"};
 
 static bool jj_name_in(const char *name, size_t nlen, const char *const *names, size_t n)
 {
@@ -886,8 +888,10 @@ duet_status_t jj_getattr(jj_render_t *r, size_t off, duet_jinja_value_t *a, cons
     case JV_DICT: {
         if (jj_name_in(name, nlen, jj_dict_methods, JJ_COUNT(jj_dict_methods)))
             return jj_method(r, off, a, name, nlen, out);
-        if (jj_name_in(name, nlen, jj_dict_unsafe, JJ_COUNT(jj_dict_unsafe)))
+        if (jj_name_in(name, nlen, jj_dict_unsafe, JJ_COUNT(jj_dict_unsafe))) {
+            *out = &jj_unsafe_value;
             return DUET_OK;
+        }
         duet_jinja_value_t *v = jj_dict_get(a, name, nlen);
         if (v != NULL)
             *out = v;
@@ -902,6 +906,8 @@ duet_status_t jj_getattr(jj_render_t *r, size_t off, duet_jinja_value_t *a, cons
     case JV_LIST:
         if (!a->gen && jj_name_in(name, nlen, jj_list_methods, JJ_COUNT(jj_list_methods)))
             return jj_method(r, off, a, name, nlen, out);
+        if (!a->gen && jj_name_in(name, nlen, jj_list_unsafe, JJ_COUNT(jj_list_unsafe)))
+            *out = &jj_unsafe_value;
         return DUET_OK;
     case JV_LOOP: {
         int64_t i = a->i, n = (int64_t)a->self->n;

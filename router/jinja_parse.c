@@ -326,8 +326,8 @@ static duet_status_t jj_lex_tag(jj_parser_t *p, size_t i, bool block, size_t *en
             } else {
                 t.kind = JT_INT;
                 for (size_t m = 0; m < nn; m++) {
-                    if (t.ival > (INT64_MAX - 9) / 10)
-                        return JJ_PERR(p, i, "integer literal too large");
+                    if (t.ival > (INT64_MAX - (num[m] - '0')) / 10)
+                        return JJ_PERR(p, i, "integer literal too large (beyond 64 bits)");
                     t.ival = t.ival * 10 + (num[m] - '0');
                 }
             }
@@ -356,7 +356,7 @@ static duet_status_t jj_lex_tag(jj_parser_t *p, size_t i, bool block, size_t *en
             }
             if (c == '(' || c == '[' || c == '{') {
                 if (sp == DUET_JINJA_MAX_DEPTH)
-                    return JJ_PERR(p, t.off, "brackets nested deeper than %d",
+                    return JJ_PERR(p, t.off, "nesting deeper than %d (brackets)",
                                    DUET_JINJA_MAX_DEPTH);
                 stack[sp++] = c == '(' ? ')' : c == '[' ? ']' : '}';
             } else if (c == ')' || c == ']' || c == '}') {
