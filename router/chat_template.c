@@ -94,14 +94,15 @@ static duet_status_t tpl_split_specials(const duet_tokenizer_t *tok, const char 
     uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
     if (ids == NULL)
         return DUET_ERR_NOMEM;
-    size_t        n  = 0;
-    duet_status_t st = duet_tokenizer_encode(tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
+    size_t n = 0;
+    duet_status_t st =
+        duet_tokenizer_encode(tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
     for (size_t i = 0; st == DUET_OK && i < n; i++) {
         if (duet_tokenizer_is_special(tok, ids[i])) {
             st = on_special(user, ids[i]);
         } else {
-            const uint8_t *b  = NULL;
-            size_t         bl = 0;
+            const uint8_t *b = NULL;
+            size_t bl = 0;
             st = duet_tokenizer_token_bytes(tok, ids[i], &b, &bl);
             if (st == DUET_OK)
                 st = duet_strbuf_append(text, (const char *)b, bl);
@@ -114,23 +115,24 @@ static duet_status_t tpl_split_specials(const duet_tokenizer_t *tok, const char 
 /* tpl_add_literal's state: ordinary bytes since `off` in the blob become one TEXT part. */
 typedef struct {
     duet_strbuf_t *blob;
-    tpl_seq_t     *seq;
-    size_t         off;
+    tpl_seq_t *seq;
+    size_t off;
 } tpl_lit_t;
 
 static duet_status_t tpl_lit_text(tpl_lit_t *l)
 {
     duet_status_t st = DUET_OK;
     if (l->blob->len > l->off)
-        st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_TEXT, .off = l->off,
-                                               .len = l->blob->len - l->off});
+        st = tpl_seq_push(
+            l->seq,
+            (tpl_part_t){.kind = TPL_PART_TEXT, .off = l->off, .len = l->blob->len - l->off});
     l->off = l->blob->len;
     return st;
 }
 
 static duet_status_t tpl_lit_special(void *user, uint32_t id)
 {
-    tpl_lit_t    *l  = user;
+    tpl_lit_t *l = user;
     duet_status_t st = tpl_lit_text(l);
     if (st == DUET_OK)
         st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_SPECIAL, .id = id});
@@ -141,7 +143,7 @@ static duet_status_t tpl_lit_special(void *user, uint32_t id)
 static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
                                      const char *s, size_t len)
 {
-    tpl_lit_t     l  = {.blob = blob, .seq = seq, .off = blob->len};
+    tpl_lit_t l = {.blob = blob, .seq = seq, .off = blob->len};
     duet_status_t st = tpl_split_specials(t->tok, s, len, blob, tpl_lit_special, &l);
     return st == DUET_OK ? tpl_lit_text(&l) : st;
 }
@@ -351,9 +353,9 @@ fail:
 }
 
 /* The special-token strings transformers passes to a template (its special_tokens_map). */
-static const char *const tpl_special_keys[] = {"bos_token", "eos_token",  "unk_token",
-                                               "sep_token", "pad_token",  "cls_token",
-                                               "mask_token", "additional_special_tokens"};
+static const char *const tpl_special_keys[] = {
+    "bos_token", "eos_token", "unk_token",  "sep_token",
+    "pad_token", "cls_token", "mask_token", "additional_special_tokens"};
 
 /* A token as tokenizer_config.json writes it: a string, or {"content": "..."}; NULL otherwise. */
 static const char *tpl_token_text(const json_t *v)
@@ -456,8 +458,10 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     if (tpl_file_exists(path.data)) {
         if (tok == NULL) {
             duet_strbuf_free(&path);
-            return DUET_FAIL(DUET_ERR_INVALID, "%s/chat_template.json: duet's format needs a "
-                                               "tokenizer", dir);
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "%s/chat_template.json: duet's format needs a "
+                             "tokenizer",
+                             dir);
         }
         duet_strbuf_t text;
         duet_strbuf_init(&text);
@@ -502,10 +506,11 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     } else if (st == DUET_OK && root != NULL) {
         json_t *ct = json_object_get(root, "chat_template");
         if (ct != NULL && !json_is_null(ct) && !json_is_string(ct)) {
-            st = duet_error_set(DUET_ERR_UNSUPPORTED,
-                                "%s: \"chat_template\" is %s; only a string (one Jinja template) is "
-                                "supported",
-                                path.data, duet_json_type_name(ct));
+            st =
+                duet_error_set(DUET_ERR_UNSUPPORTED,
+                               "%s: \"chat_template\" is %s; only a string (one Jinja template) is "
+                               "supported",
+                               path.data, duet_json_type_name(ct));
         } else if (json_is_string(ct)) {
             jsrc = json_string_value(ct);
             jlen = json_string_length(ct);
@@ -518,8 +523,8 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
         /* Tokens tokenizer_config.json lacks may be in special_tokens_map.json. */
         path.len = 0;
         json_t *map = NULL;
-        if (st == DUET_OK && duet_strbuf_printf(&path, "%s/special_tokens_map.json", dir) ==
-                                 DUET_OK &&
+        if (st == DUET_OK &&
+            duet_strbuf_printf(&path, "%s/special_tokens_map.json", dir) == DUET_OK &&
             tpl_file_exists(path.data)) {
             st = duet_json_load_file(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &map);
             if (st == DUET_OK && tpl_add_specials((*tmpl_p)->specials, map) != DUET_OK)
@@ -531,8 +536,7 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
                 *tmpl_p = NULL;
             }
         }
-    }
-    else if (st != DUET_OK)
+    } else if (st != DUET_OK)
         DUET_LOG_ERROR("%s", duet_error_last());
     json_decref(root);
     duet_strbuf_free(&jtext);
@@ -544,8 +548,10 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     duet_strbuf_free(&jpath);
     duet_strbuf_free(&path);
     if (tok == NULL)
-        return DUET_FAIL(DUET_ERR_NOT_FOUND, "%s: no Jinja chat template (chat_template.jinja or "
-                                             "tokenizer_config.json's \"chat_template\")", dir);
+        return DUET_FAIL(DUET_ERR_NOT_FOUND,
+                         "%s: no Jinja chat template (chat_template.jinja or "
+                         "tokenizer_config.json's \"chat_template\")",
+                         dir);
     return duet_oai_template_create(NULL, 0, "default chat template", tok, tmpl_p);
 }
 
@@ -676,9 +682,10 @@ static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai
     duet_jinja_value_t *gen = duet_jinja_bool(vars, chat->add_generation_prompt);
     if (st == DUET_OK && (none == NULL || gen == NULL))
         st = DUET_ERR_NOMEM;
-    if (st == DUET_OK && ((st = duet_jinja_vars_set(vars, "tools", v)) != DUET_OK ||
-                          (st = duet_jinja_vars_set(vars, "documents", none)) != DUET_OK ||
-                          (st = duet_jinja_vars_set(vars, "add_generation_prompt", gen)) != DUET_OK))
+    if (st == DUET_OK &&
+        ((st = duet_jinja_vars_set(vars, "tools", v)) != DUET_OK ||
+         (st = duet_jinja_vars_set(vars, "documents", none)) != DUET_OK ||
+         (st = duet_jinja_vars_set(vars, "add_generation_prompt", gen)) != DUET_OK))
         return st;
     const char *key;
     json_t *val;
@@ -762,8 +769,8 @@ static json_t *tpl_messages_json(const duet_oai_message_t *msgs, size_t n_msgs)
         json_t *m = json_object();
         if (m == NULL || json_array_append_new(arr, m) != 0 ||
             json_object_set_new(m, "role", json_string(duet_oai_role_name(msgs[i].role))) != 0 ||
-            json_object_set_new(m, "content", json_stringn(msgs[i].content,
-                                                           msgs[i].content_len)) != 0) {
+            json_object_set_new(m, "content", json_stringn(msgs[i].content, msgs[i].content_len)) !=
+                0) {
             json_decref(arr);
             return NULL;
         }

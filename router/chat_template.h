@@ -146,9 +146,9 @@ duet_status_t duet_oai_chat_prompt_json(const duet_oai_template_t *tmpl,
 
 /*
  * Apply the template to n_msgs messages (with the generation prompt) and tokenize with `tok`
- * (the one the template was compiled for); a Jinja template sees them as [{role, content}]. *ids_p receives a malloc'd array (free() it) of *n_p ids. Errors:
- * DUET_ERR_INVALID (NULL arguments, a tokenizer other than the template's), DUET_ERR_NOMEM,
- * tokenizer errors.
+ * (the one the template was compiled for); a Jinja template sees them as [{role, content}]. *ids_p
+ * receives a malloc'd array (free() it) of *n_p ids. Errors: DUET_ERR_INVALID (NULL arguments, a
+ * tokenizer other than the template's), DUET_ERR_NOMEM, tokenizer errors.
  */
 duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
                                    const duet_oai_message_t *msgs, size_t n_msgs, uint32_t **ids_p,

@@ -34,7 +34,8 @@ static const char ct_usage[] =
     "Render a chat template over a conversation as duet-router (and transformers'\n"
     "apply_chat_template) renders it, and print the prompt exactly (no newline added).\n"
     "\n"
-    "  --model DIR             the model folder's template (chat_template.json, chat_template.jinja\n"
+    "  --model DIR             the model folder's template (chat_template.json, "
+    "chat_template.jinja\n"
     "                          or tokenizer_config.json's chat_template) and special tokens\n"
     "  --template FILE         a Jinja template file instead\n"
     "  --messages FILE         a JSON array of OpenAI messages, or an object with \"messages\"\n"
@@ -197,8 +198,9 @@ int main(int argc, char **argv)
             goto out;
         }
         if (!duet_oai_template_is_jinja(tmpl) && !tokens) {
-            ct_fail(2, "%s: the model's template is duet's own format, not Jinja; --tokens shows "
-                       "what it makes",
+            ct_fail(2,
+                    "%s: the model's template is duet's own format, not Jinja; --tokens shows "
+                    "what it makes",
                     model);
             goto out;
         }
@@ -230,8 +232,9 @@ int main(int argc, char **argv)
     duet_status_t st;
     if (tokens && !duet_oai_template_is_jinja(tmpl)) {
         /* duet's own format: the messages as the router reads them (role and text content). */
-        ct_fail(2, "%s", "--tokens with duet's own template format is not supported here; use "
-                         "duet-router");
+        ct_fail(2, "%s",
+                "--tokens with duet's own template format is not supported here; use "
+                "duet-router");
         goto out;
     }
     st = tokens ? duet_oai_chat_prompt_json(tmpl, tok, &chat, &ids, &n_ids)

@@ -211,10 +211,10 @@ static bool jj_cp_isprintable(uint32_t c)
         c == 0x891 || c == 0x8e2 || c == 0x1680 || c == 0x180e || (c >= 0x2000 && c <= 0x200f) ||
         (c >= 0x2028 && c <= 0x202f) || (c >= 0x205f && c <= 0x2064) ||
         (c >= 0x2066 && c <= 0x206f) || c == 0x3000 || (c >= 0xd800 && c <= 0xf8ff) ||
-        c == 0xfeff || (c >= 0xfff9 && c <= 0xfffb) || c == 0xfffe || c == 0xffff ||
-        c == 0x110bd || c == 0x110cd || (c >= 0x13430 && c <= 0x1343f) ||
-        (c >= 0x1bca0 && c <= 0x1bca3) || (c >= 0x1d173 && c <= 0x1d17a) || c == 0xe0001 ||
-        (c >= 0xe0020 && c <= 0xe007f) || c >= 0xf0000)
+        c == 0xfeff || (c >= 0xfff9 && c <= 0xfffb) || c == 0xfffe || c == 0xffff || c == 0x110bd ||
+        c == 0x110cd || (c >= 0x13430 && c <= 0x1343f) || (c >= 0x1bca0 && c <= 0x1bca3) ||
+        (c >= 0x1d173 && c <= 0x1d17a) || c == 0xe0001 || (c >= 0xe0020 && c <= 0xe007f) ||
+        c >= 0xf0000)
         return false;
     return true;
 }
@@ -340,8 +340,10 @@ bool jj_equal(const duet_jinja_value_t *a, const duet_jinja_value_t *b, int dept
         return false;
     switch (a->kind) {
     case JV_UNDEF:
-    case JV_NONE: return true;
-    case JV_STR: return a->len == b->len && (a->len == 0 || memcmp(a->s, b->s, a->len) == 0);
+    case JV_NONE:
+        return true;
+    case JV_STR:
+        return a->len == b->len && (a->len == 0 || memcmp(a->s, b->s, a->len) == 0);
     case JV_LIST:
         if (a->gen || b->gen || a->tuple != b->tuple || a->n != b->n)
             return false;
@@ -364,10 +366,12 @@ bool jj_equal(const duet_jinja_value_t *a, const duet_jinja_value_t *b, int dept
                 return false;
         }
         return true;
-    case JV_FUNC: return a->i == b->i;
+    case JV_FUNC:
+        return a->i == b->i;
     case JV_METHOD:
         return a->self == b->self && a->len == b->len && memcmp(a->s, b->s, a->len) == 0;
-    default: return false;
+    default:
+        return false;
     }
 }
 
@@ -375,33 +379,54 @@ bool jj_truthy(const duet_jinja_value_t *v)
 {
     switch (v->kind) {
     case JV_UNDEF:
-    case JV_NONE: return false;
-    case JV_BOOL: return v->b;
-    case JV_INT: return v->i != 0;
-    case JV_FLOAT: return v->f != 0.0;
-    case JV_STR: return v->len > 0;
-    case JV_LIST: return v->gen || v->n > 0;
-    case JV_DICT: return v->n > 0;
-    default: return true;
+    case JV_NONE:
+        return false;
+    case JV_BOOL:
+        return v->b;
+    case JV_INT:
+        return v->i != 0;
+    case JV_FLOAT:
+        return v->f != 0.0;
+    case JV_STR:
+        return v->len > 0;
+    case JV_LIST:
+        return v->gen || v->n > 0;
+    case JV_DICT:
+        return v->n > 0;
+    default:
+        return true;
     }
 }
 
 const char *jj_type_name(const duet_jinja_value_t *v)
 {
     switch (v->kind) {
-    case JV_UNDEF: return "Undefined";
-    case JV_NONE: return "NoneType";
-    case JV_BOOL: return "bool";
-    case JV_INT: return "int";
-    case JV_FLOAT: return "float";
-    case JV_STR: return "str";
-    case JV_LIST: return v->gen ? "generator" : v->tuple ? "tuple" : "list";
-    case JV_DICT: return "dict";
-    case JV_NS: return "Namespace";
-    case JV_LOOP: return "LoopContext";
-    case JV_MACRO: return "Macro";
-    case JV_FUNC: return "function";
-    default: return "builtin_function_or_method";
+    case JV_UNDEF:
+        return "Undefined";
+    case JV_NONE:
+        return "NoneType";
+    case JV_BOOL:
+        return "bool";
+    case JV_INT:
+        return "int";
+    case JV_FLOAT:
+        return "float";
+    case JV_STR:
+        return "str";
+    case JV_LIST:
+        return v->gen ? "generator" : v->tuple ? "tuple" : "list";
+    case JV_DICT:
+        return "dict";
+    case JV_NS:
+        return "Namespace";
+    case JV_LOOP:
+        return "LoopContext";
+    case JV_MACRO:
+        return "Macro";
+    case JV_FUNC:
+        return "function";
+    default:
+        return "builtin_function_or_method";
     }
 }
 
@@ -653,17 +678,28 @@ static duet_status_t jj_repr_into(jj_render_t *r, size_t off, const duet_jinja_v
                                   jj_sb_t *sb, int depth, int origin)
 {
     if (depth > JJ_MAX_VALUE_DEPTH)
-        return JJ_RERR(r, DUET_ERR_RANGE, off, "values nested deeper than %d",
-                       JJ_MAX_VALUE_DEPTH);
+        return JJ_RERR(r, DUET_ERR_RANGE, off, "values nested deeper than %d", JJ_MAX_VALUE_DEPTH);
     char buf[40];
     duet_status_t st = DUET_OK;
     switch (v->kind) {
-    case JV_UNDEF: jj_sb_puts(sb, "Undefined", origin); break;
-    case JV_NONE: jj_sb_puts(sb, "None", origin); break;
-    case JV_BOOL: jj_sb_puts(sb, v->b ? "True" : "False", origin); break;
-    case JV_INT: jj_put_int(sb, v->i, origin); break;
-    case JV_FLOAT: jj_sb_put(sb, buf, jj_fmt_float(v->f, buf, sizeof(buf)), origin); break;
-    case JV_STR: jj_repr_str(sb, v, origin); break;
+    case JV_UNDEF:
+        jj_sb_puts(sb, "Undefined", origin);
+        break;
+    case JV_NONE:
+        jj_sb_puts(sb, "None", origin);
+        break;
+    case JV_BOOL:
+        jj_sb_puts(sb, v->b ? "True" : "False", origin);
+        break;
+    case JV_INT:
+        jj_put_int(sb, v->i, origin);
+        break;
+    case JV_FLOAT:
+        jj_sb_put(sb, buf, jj_fmt_float(v->f, buf, sizeof(buf)), origin);
+        break;
+    case JV_STR:
+        jj_repr_str(sb, v, origin);
+        break;
     case JV_LIST:
         if (v->gen) {
             jj_sb_puts(sb, "<generator object>", origin);
@@ -695,8 +731,12 @@ static duet_status_t jj_repr_into(jj_render_t *r, size_t off, const duet_jinja_v
         jj_sb_put(sb, buf, (size_t)n, origin);
         break;
     }
-    case JV_MACRO: jj_sb_puts(sb, "<Macro>", origin); break;
-    default: jj_sb_puts(sb, "<built-in function>", origin); break;
+    case JV_MACRO:
+        jj_sb_puts(sb, "<Macro>", origin);
+        break;
+    default:
+        jj_sb_puts(sb, "<built-in function>", origin);
+        break;
     }
     if (st == DUET_OK)
         st = jj_sb_status(r, off, sb);
@@ -792,25 +832,32 @@ static bool jj_json_key(jj_sb_t *sb, const duet_jinja_value_t *k, const jj_json_
 {
     char buf[40];
     switch (k->kind) {
-    case JV_STR: jj_json_str(sb, k, o->ensure_ascii, origin); return true;
+    case JV_STR:
+        jj_json_str(sb, k, o->ensure_ascii, origin);
+        return true;
     case JV_INT:
         jj_sb_put(sb, "\"", 1, origin);
         jj_put_int(sb, k->i, origin);
         jj_sb_put(sb, "\"", 1, origin);
         return true;
     case JV_FLOAT: {
-        size_t n = isnan(k->f)   ? (size_t)snprintf(buf, sizeof(buf), "NaN")
-                   : isinf(k->f) ? (size_t)snprintf(buf, sizeof(buf), k->f < 0 ? "-Infinity"
-                                                                               : "Infinity")
-                                 : jj_fmt_float(k->f, buf, sizeof(buf));
+        size_t n = isnan(k->f) ? (size_t)snprintf(buf, sizeof(buf), "NaN")
+                   : isinf(k->f)
+                       ? (size_t)snprintf(buf, sizeof(buf), k->f < 0 ? "-Infinity" : "Infinity")
+                       : jj_fmt_float(k->f, buf, sizeof(buf));
         jj_sb_put(sb, "\"", 1, origin);
         jj_sb_put(sb, buf, n, origin);
         jj_sb_put(sb, "\"", 1, origin);
         return true;
     }
-    case JV_BOOL: jj_sb_puts(sb, k->b ? "\"true\"" : "\"false\"", origin); return true;
-    case JV_NONE: jj_sb_puts(sb, "\"null\"", origin); return true;
-    default: return false;
+    case JV_BOOL:
+        jj_sb_puts(sb, k->b ? "\"true\"" : "\"false\"", origin);
+        return true;
+    case JV_NONE:
+        jj_sb_puts(sb, "\"null\"", origin);
+        return true;
+    default:
+        return false;
     }
 }
 
@@ -818,23 +865,30 @@ static duet_status_t jj_json_into(jj_render_t *r, size_t off, const duet_jinja_v
                                   jj_sb_t *sb, const jj_json_opts_t *o, int depth, int origin)
 {
     if (depth > JJ_MAX_VALUE_DEPTH)
-        return JJ_RERR(r, DUET_ERR_RANGE, off, "values nested deeper than %d",
-                       JJ_MAX_VALUE_DEPTH);
+        return JJ_RERR(r, DUET_ERR_RANGE, off, "values nested deeper than %d", JJ_MAX_VALUE_DEPTH);
     char buf[40];
     duet_status_t st = DUET_OK;
     switch (v->kind) {
-    case JV_NONE: jj_sb_puts(sb, "null", origin); break;
-    case JV_BOOL: jj_sb_puts(sb, v->b ? "true" : "false", origin); break;
-    case JV_INT: jj_put_int(sb, v->i, origin); break;
+    case JV_NONE:
+        jj_sb_puts(sb, "null", origin);
+        break;
+    case JV_BOOL:
+        jj_sb_puts(sb, v->b ? "true" : "false", origin);
+        break;
+    case JV_INT:
+        jj_put_int(sb, v->i, origin);
+        break;
     case JV_FLOAT: {
-        size_t n = isnan(v->f)   ? (size_t)snprintf(buf, sizeof(buf), "NaN")
-                   : isinf(v->f) ? (size_t)snprintf(buf, sizeof(buf), v->f < 0 ? "-Infinity"
-                                                                               : "Infinity")
-                                 : jj_fmt_float(v->f, buf, sizeof(buf));
+        size_t n = isnan(v->f) ? (size_t)snprintf(buf, sizeof(buf), "NaN")
+                   : isinf(v->f)
+                       ? (size_t)snprintf(buf, sizeof(buf), v->f < 0 ? "-Infinity" : "Infinity")
+                       : jj_fmt_float(v->f, buf, sizeof(buf));
         jj_sb_put(sb, buf, n, origin);
         break;
     }
-    case JV_STR: jj_json_str(sb, v, o->ensure_ascii, origin); break;
+    case JV_STR:
+        jj_json_str(sb, v, o->ensure_ascii, origin);
+        break;
     case JV_LIST:
         if (v->gen)
             goto refuse;
@@ -869,8 +923,7 @@ static duet_status_t jj_json_into(jj_render_t *r, size_t off, const duet_jinja_v
                 size_t x = order[i], k = i;
                 while (k > 0) {
                     int c = 0;
-                    if ((st = jj_compare(r, off, v->keys[order[k - 1]], v->keys[x], &c)) !=
-                        DUET_OK)
+                    if ((st = jj_compare(r, off, v->keys[order[k - 1]], v->keys[x], &c)) != DUET_OK)
                         return st;
                     if (c <= 0)
                         break;
@@ -946,9 +999,8 @@ duet_status_t jj_compare(jj_render_t *r, size_t off, const duet_jinja_value_t *a
         *c = a->n < b->n ? -1 : a->n > b->n;
         return DUET_OK;
     }
-    return JJ_RERR(r, DUET_ERR_INVALID, off,
-                   "'<' not supported between instances of '%s' and '%s'", jj_type_name(a),
-                   jj_type_name(b));
+    return JJ_RERR(r, DUET_ERR_INVALID, off, "'<' not supported between instances of '%s' and '%s'",
+                   jj_type_name(a), jj_type_name(b));
 }
 
 /* ---------------------------------------------------------------- public API */
@@ -1116,11 +1168,21 @@ static duet_status_t jj_from_json(duet_jinja_vars_t *vars, const json_t *j, int 
             return duet_error_set(DUET_ERR_FORMAT, "JSON string is not valid UTF-8");
         v = jj_str(a, json_string_value(j), json_string_length(j), origin);
         break;
-    case JSON_INTEGER: v = jj_int(a, (int64_t)json_integer_value(j)); break;
-    case JSON_REAL: v = jj_float(a, json_real_value(j)); break;
-    case JSON_TRUE: v = jj_bool(a, true); break;
-    case JSON_FALSE: v = jj_bool(a, false); break;
-    default: v = jj_new(a, JV_NONE); break;
+    case JSON_INTEGER:
+        v = jj_int(a, (int64_t)json_integer_value(j));
+        break;
+    case JSON_REAL:
+        v = jj_float(a, json_real_value(j));
+        break;
+    case JSON_TRUE:
+        v = jj_bool(a, true);
+        break;
+    case JSON_FALSE:
+        v = jj_bool(a, false);
+        break;
+    default:
+        v = jj_new(a, JV_NONE);
+        break;
     }
     if (v == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "JSON too large for the render's memory");

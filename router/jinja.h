@@ -61,8 +61,8 @@ typedef struct {
 
 /* What a render produced. Adjacent segments never share an origin. */
 typedef struct {
-    duet_strbuf_t text;          /* owned */
-    duet_jinja_segment_t *segs;  /* (n_segs) owned */
+    duet_strbuf_t text;         /* owned */
+    duet_jinja_segment_t *segs; /* (n_segs) owned */
     size_t n_segs, cap_segs;
 } duet_jinja_output_t;
 

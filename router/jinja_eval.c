@@ -96,8 +96,7 @@ typedef struct {
     duet_jinja_value_t *hole; /* the text of a filter block while its filters run */
 } jj_argbuf_t;
 
-static duet_status_t jj_eval_args(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
-                                  jj_args_t *a)
+static duet_status_t jj_eval_args(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc, jj_args_t *a)
 {
     memset(a, 0, sizeof(*a));
     if (e->n_args > 0) {
@@ -133,8 +132,7 @@ static duet_status_t jj_int_result(jj_render_t *r, size_t off, int64_t i, duet_j
     return *v_p != NULL ? DUET_OK : jj_nomem(r, off);
 }
 
-static duet_status_t jj_float_result(jj_render_t *r, size_t off, double f,
-                                     duet_jinja_value_t **v_p)
+static duet_status_t jj_float_result(jj_render_t *r, size_t off, double f, duet_jinja_value_t **v_p)
 {
     *v_p = jj_float(r->arena, f);
     return *v_p != NULL ? DUET_OK : jj_nomem(r, off);
@@ -157,8 +155,7 @@ static duet_status_t jj_repeat(jj_render_t *r, size_t off, duet_jinja_value_t *s
         return *v_p != NULL ? DUET_OK : jj_nomem(r, off);
     }
     if (seq->n > 0 && (uint64_t)n > r->lim.max_iterations / seq->n)
-        return JJ_RERR(r, DUET_ERR_RANGE, off, "list longer than %zu items",
-                       r->lim.max_iterations);
+        return JJ_RERR(r, DUET_ERR_RANGE, off, "list longer than %zu items", r->lim.max_iterations);
     duet_jinja_value_t *l = jj_new(r->arena, JV_LIST);
     if (l == NULL)
         return jj_nomem(r, off);
@@ -297,9 +294,8 @@ static duet_status_t jj_eval_bin(jj_render_t *r, const jj_expr_t *e, duet_jinja_
         }
         break;
     }
-    return JJ_RERR(r, DUET_ERR_INVALID, e->off,
-                   "unsupported operand type(s) for %s: '%s' and '%s'", opname[e->op],
-                   jj_type_name(a), jj_type_name(b));
+    return JJ_RERR(r, DUET_ERR_INVALID, e->off, "unsupported operand type(s) for %s: '%s' and '%s'",
+                   opname[e->op], jj_type_name(a), jj_type_name(b));
 overflow:
     return JJ_RERR(r, DUET_ERR_RANGE, e->off, "integer overflow (beyond 64 bits)");
 }
@@ -310,7 +306,8 @@ static duet_status_t jj_contains(jj_render_t *r, size_t off, duet_jinja_value_t 
 {
     *res = false;
     switch (b->kind) {
-    case JV_UNDEF: return DUET_OK;
+    case JV_UNDEF:
+        return DUET_OK;
     case JV_STR:
         if (a->kind != JV_STR)
             return JJ_RERR(r, DUET_ERR_INVALID, off,
@@ -479,10 +476,10 @@ static duet_status_t jj_call(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
         }
         return jj_call_macro(r, e->off, f, &args, v_p);
     case JV_FUNC:
-    case JV_METHOD: return jj_call_builtin(r, e->off, f, &args, v_p);
+    case JV_METHOD:
+        return jj_call_builtin(r, e->off, f, &args, v_p);
     default:
-        return JJ_RERR(r, DUET_ERR_INVALID, e->off, "'%s' object is not callable",
-                       jj_type_name(f));
+        return JJ_RERR(r, DUET_ERR_INVALID, e->off, "'%s' object is not callable", jj_type_name(f));
     }
 }
 
@@ -492,9 +489,15 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
     duet_jinja_value_t *a = NULL, *b = NULL;
     duet_status_t st = DUET_OK;
     switch (e->kind) {
-    case JE_LIT: *v_p = e->lit; return DUET_OK;
-    case JE_NAME: *v_p = jj_lookup(r, sc, e->name, e->name_len); return DUET_OK;
-    case JE_HOLE: *v_p = sc != NULL ? jj_lookup(r, sc, "\x01hole", 5) : &jj_undef_value; return DUET_OK;
+    case JE_LIT:
+        *v_p = e->lit;
+        return DUET_OK;
+    case JE_NAME:
+        *v_p = jj_lookup(r, sc, e->name, e->name_len);
+        return DUET_OK;
+    case JE_HOLE:
+        *v_p = sc != NULL ? jj_lookup(r, sc, "\x01hole", 5) : &jj_undef_value;
+        return DUET_OK;
     case JE_ATTR:
         if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK)
             return st;
@@ -502,7 +505,8 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
             return jj_undefined_error(r, e->a);
         return jj_getattr(r, e->off, a, e->name, e->name_len, v_p);
     case JE_ITEM:
-        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK || (st = jj_eval(r, e->b, sc, &b)) != DUET_OK)
+        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK ||
+            (st = jj_eval(r, e->b, sc, &b)) != DUET_OK)
             return st;
         if (a->kind == JV_UNDEF)
             return jj_undefined_error(r, e->a);
@@ -513,24 +517,28 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
         if (a->kind == JV_UNDEF)
             return jj_undefined_error(r, e->a);
         return jj_slice(r, e, sc, a, v_p);
-    case JE_CALL: return jj_call(r, e, sc, NULL, v_p);
+    case JE_CALL:
+        return jj_call(r, e, sc, NULL, v_p);
     case JE_FILTER: {
         jj_args_t args;
-        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK || (st = jj_eval_args(r, e, sc, &args)) != DUET_OK)
+        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK ||
+            (st = jj_eval_args(r, e, sc, &args)) != DUET_OK)
             return st;
         return jj_filter_call(r, e->off, e->fid, a, &args, v_p);
     }
     case JE_TEST: {
         jj_args_t args;
         bool res = false;
-        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK || (st = jj_eval_args(r, e, sc, &args)) != DUET_OK ||
+        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK ||
+            (st = jj_eval_args(r, e, sc, &args)) != DUET_OK ||
             (st = jj_test_call(r, e->off, e->fid, a, &args, &res)) != DUET_OK)
             return st;
         *v_p = jj_bool(r->arena, res != e->negate);
         return *v_p != NULL ? DUET_OK : jj_nomem(r, e->off);
     }
     case JE_BIN:
-        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK || (st = jj_eval(r, e->b, sc, &b)) != DUET_OK)
+        if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK ||
+            (st = jj_eval(r, e->b, sc, &b)) != DUET_OK)
             return st;
         return jj_eval_bin(r, e, a, b, v_p);
     case JE_NEG:
@@ -573,8 +581,12 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
                 return st;
             int c = 0;
             switch ((jcmp_t)e->ops[i]) {
-            case JCMP_EQ: res = jj_equal(a, b, 0); break;
-            case JCMP_NE: res = !jj_equal(a, b, 0); break;
+            case JCMP_EQ:
+                res = jj_equal(a, b, 0);
+                break;
+            case JCMP_NE:
+                res = !jj_equal(a, b, 0);
+                break;
             case JCMP_IN:
             case JCMP_NOTIN:
                 if ((st = jj_contains(r, e->off, a, b, &res)) != DUET_OK)
@@ -607,7 +619,8 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
         return jj_eval(r, e->c, sc, v_p);
     case JE_LIST:
     case JE_TUPLE:
-    case JE_DICT: return jj_eval_container(r, e, sc, v_p);
+    case JE_DICT:
+        return jj_eval_container(r, e, sc, v_p);
     case JE_CONCAT: {
         jj_sb_t sb;
         jj_sb_init(&sb, r->arena, r->lim.max_output);
@@ -643,8 +656,8 @@ static duet_status_t jj_assign(jj_render_t *r, const jj_node_t *n, jj_scope_t *s
 }
 
 /* Render `body` into a string of its own (macro, block set, filter block). */
-static duet_status_t jj_capture(jj_render_t *r, const jj_body_t *body, jj_scope_t *sc,
-                                size_t off, duet_jinja_value_t **v_p)
+static duet_status_t jj_capture(jj_render_t *r, const jj_body_t *body, jj_scope_t *sc, size_t off,
+                                duet_jinja_value_t **v_p)
 {
     jj_sb_t sb, *saved = r->out;
     jj_sb_init(&sb, r->arena, r->lim.max_output);
@@ -655,10 +668,10 @@ static duet_status_t jj_capture(jj_render_t *r, const jj_body_t *body, jj_scope_
         return st;
     *v_p = jj_sb_finish(&sb);
     if (*v_p == NULL)
-        return sb.st == DUET_ERR_RANGE ? JJ_RERR(r, DUET_ERR_RANGE, off,
-                                                 "output longer than the limit (%zu bytes)",
-                                                 r->lim.max_output)
-                                       : jj_nomem(r, off);
+        return sb.st == DUET_ERR_RANGE
+                   ? JJ_RERR(r, DUET_ERR_RANGE, off, "output longer than the limit (%zu bytes)",
+                             r->lim.max_output)
+                   : jj_nomem(r, off);
     return DUET_OK;
 }
 
@@ -809,7 +822,9 @@ static duet_status_t jj_run(jj_render_t *r, const jj_body_t *body, jj_scope_t *s
                 st = jj_run(r, chosen, sc);
             break;
         }
-        case JN_FOR: st = jj_run_for(r, n, sc); break;
+        case JN_FOR:
+            st = jj_run_for(r, n, sc);
+            break;
         case JN_SET:
             if ((st = jj_eval(r, n->expr, sc, &v)) == DUET_OK)
                 st = jj_assign(r, n, sc, v);
@@ -821,8 +836,8 @@ static duet_status_t jj_run(jj_render_t *r, const jj_body_t *body, jj_scope_t *s
                              "cannot assign attribute on non-namespace object");
                 break;
             }
-            duet_jinja_value_t *k = jj_str(r->arena, n->attr, n->attr_len,
-                                           DUET_JINJA_ORIGIN_TEMPLATE);
+            duet_jinja_value_t *k =
+                jj_str(r->arena, n->attr, n->attr_len, DUET_JINJA_ORIGIN_TEMPLATE);
             if (k == NULL) {
                 st = jj_nomem(r, n->off);
                 break;
@@ -895,9 +910,15 @@ static duet_status_t jj_run(jj_render_t *r, const jj_body_t *body, jj_scope_t *s
                 st = jj_run(r, &n->body, ws);
             break;
         }
-        case JN_BREAK: r->loop_ctl = 1; break;
-        case JN_CONTINUE: r->loop_ctl = 2; break;
-        case JN_BODY: st = jj_run(r, &n->body, sc); break;
+        case JN_BREAK:
+            r->loop_ctl = 1;
+            break;
+        case JN_CONTINUE:
+            r->loop_ctl = 2;
+            break;
+        case JN_BODY:
+            st = jj_run(r, &n->body, sc);
+            break;
         }
     }
     return st;

@@ -64,11 +64,11 @@ struct duet_jinja_value {
     bool tuple;     /* LIST: a tuple (repr with parentheses, != list) */
     bool gen;       /* LIST: an iterator: always true, no len(), one pass */
     bool b;
-    int64_t i;   /* INT; FUNC: which; LOOP: index0 */
-    double f;    /* FLOAT */
-    const char *s;       /* STR: (len) bytes, NUL after; METHOD: the name */
-    size_t len;          /* STR, METHOD name */
-    const uint8_t *mask; /* STR MIXED: per-byte origin */
+    int64_t i;                  /* INT; FUNC: which; LOOP: index0 */
+    double f;                   /* FLOAT */
+    const char *s;              /* STR: (len) bytes, NUL after; METHOD: the name */
+    size_t len;                 /* STR, METHOD name */
+    const uint8_t *mask;        /* STR MIXED: per-byte origin */
     duet_jinja_value_t **items; /* LIST items, DICT/NS values: (n) */
     duet_jinja_value_t **keys;  /* DICT/NS keys: (n) */
     size_t n, cap;
@@ -237,7 +237,16 @@ typedef enum {
 } je_kind_t;
 
 typedef enum { JOP_ADD = 0, JOP_SUB, JOP_MUL, JOP_DIV, JOP_FLOORDIV, JOP_MOD, JOP_POW } jop_t;
-typedef enum { JCMP_EQ = 0, JCMP_NE, JCMP_LT, JCMP_GT, JCMP_LE, JCMP_GE, JCMP_IN, JCMP_NOTIN } jcmp_t;
+typedef enum {
+    JCMP_EQ = 0,
+    JCMP_NE,
+    JCMP_LT,
+    JCMP_GT,
+    JCMP_LE,
+    JCMP_GE,
+    JCMP_IN,
+    JCMP_NOTIN
+} jcmp_t;
 
 typedef struct jj_expr {
     je_kind_t kind;
@@ -263,9 +272,9 @@ typedef enum {
     JN_OUTPUT,
     JN_IF,
     JN_FOR,
-    JN_SET,        /* names = expr */
-    JN_SET_ATTR,   /* names[0].attr = expr */
-    JN_SET_BLOCK,  /* names[0] = body | expr(hole) */
+    JN_SET,       /* names = expr */
+    JN_SET_ATTR,  /* names[0].attr = expr */
+    JN_SET_BLOCK, /* names[0] = body | expr(hole) */
     JN_MACRO,
     JN_CALL_BLOCK, /* expr with caller = macro(params) body */
     JN_FILTER_BLOCK,
@@ -329,8 +338,8 @@ duet_status_t jj_test_call(jj_render_t *r, size_t off, int tid, duet_jinja_value
 enum { JF_RANGE = 0, JF_NAMESPACE, JF_DICT, JF_RAISE, JF_STRFTIME, JF_JOINER_UNUSED, JF_COUNT };
 int jj_global_find(const char *name, size_t len); /* JF_*, -1 */
 /* Call a METHOD or FUNC value. */
-duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f,
-                              const jj_args_t *a, duet_jinja_value_t **out);
+duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f, const jj_args_t *a,
+                              duet_jinja_value_t **out);
 /* a.name on a value that is not undefined: a method, a key, a loop attribute, or undefined. */
 duet_status_t jj_getattr(jj_render_t *r, size_t off, duet_jinja_value_t *a, const char *name,
                          size_t nlen, duet_jinja_value_t **out);

@@ -63,8 +63,9 @@ static duet_status_t jj_bind(jj_render_t *r, size_t off, const char *fn, const j
         while (i < n && !jj_streq(a->kwnames[k], a->kwlens[k], names[i]))
             i++;
         if (i == n)
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%s() got an unexpected keyword argument '%.*s'",
-                           fn, (int)a->kwlens[k], a->kwnames[k]);
+            return JJ_RERR(r, DUET_ERR_INVALID, off,
+                           "%s() got an unexpected keyword argument '%.*s'", fn, (int)a->kwlens[k],
+                           a->kwnames[k]);
         if (out[i] != NULL)
             return JJ_RERR(r, DUET_ERR_INVALID, off, "%s() got multiple values for argument '%s'",
                            fn, names[i]);
@@ -116,7 +117,8 @@ duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
 {
     duet_jinja_value_t *l;
     switch (v->kind) {
-    case JV_UNDEF: return jj_ret(r, off, jj_list_new(r, false), list_p);
+    case JV_UNDEF:
+        return jj_ret(r, off, jj_list_new(r, false), list_p);
     case JV_LIST:
         if (v->gen) {
             if (v->b) /* a one-pass iterator already walked */
@@ -154,15 +156,22 @@ duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
 static duet_status_t jj_len(jj_render_t *r, size_t off, const duet_jinja_value_t *v, int64_t *n)
 {
     switch (v->kind) {
-    case JV_UNDEF: *n = 0; return DUET_OK;
-    case JV_STR: *n = (int64_t)jj_utf8_count(v->s, v->len); return DUET_OK;
+    case JV_UNDEF:
+        *n = 0;
+        return DUET_OK;
+    case JV_STR:
+        *n = (int64_t)jj_utf8_count(v->s, v->len);
+        return DUET_OK;
     case JV_LIST:
         if (v->gen)
             break;
         *n = (int64_t)v->n;
         return DUET_OK;
-    case JV_DICT: *n = (int64_t)v->n; return DUET_OK;
-    default: break;
+    case JV_DICT:
+        *n = (int64_t)v->n;
+        return DUET_OK;
+    default:
+        break;
     }
     return JJ_RERR(r, DUET_ERR_INVALID, off, "object of type '%s' has no len()", jj_type_name(v));
 }
@@ -266,7 +275,14 @@ static bool jj_cp_cased(uint32_t c)
     return jj_cp_upper(c) != c || jj_cp_lower(c) != c;
 }
 
-typedef enum { JCASE_UPPER, JCASE_LOWER, JCASE_CAPITALIZE, JCASE_TITLE_PY, JCASE_TITLE_JINJA, JCASE_SWAP } jcase_t;
+typedef enum {
+    JCASE_UPPER,
+    JCASE_LOWER,
+    JCASE_CAPITALIZE,
+    JCASE_TITLE_PY,
+    JCASE_TITLE_JINJA,
+    JCASE_SWAP
+} jcase_t;
 
 static bool jj_title_sep(uint32_t c)
 {
@@ -313,10 +329,18 @@ static duet_status_t jj_case(jj_render_t *r, size_t off, const duet_jinja_value_
         size_t at = i;
         uint32_t c = jj_utf8_next(s->s, s->len, &i), m = c;
         switch (how) {
-        case JCASE_UPPER: m = jj_cp_upper(c); break;
-        case JCASE_LOWER: m = jj_cp_lower(c); break;
-        case JCASE_SWAP: m = jj_cp_upper(c) != c ? jj_cp_upper(c) : jj_cp_lower(c); break;
-        case JCASE_CAPITALIZE: m = at == 0 ? jj_cp_upper(c) : jj_cp_lower(c); break;
+        case JCASE_UPPER:
+            m = jj_cp_upper(c);
+            break;
+        case JCASE_LOWER:
+            m = jj_cp_lower(c);
+            break;
+        case JCASE_SWAP:
+            m = jj_cp_upper(c) != c ? jj_cp_upper(c) : jj_cp_lower(c);
+            break;
+        case JCASE_CAPITALIZE:
+            m = at == 0 ? jj_cp_upper(c) : jj_cp_lower(c);
+            break;
         case JCASE_TITLE_PY:
             m = prev_cased ? jj_cp_lower(c) : jj_cp_upper(c);
             prev_cased = jj_cp_cased(c);
@@ -384,7 +408,8 @@ static duet_status_t jj_strip(jj_render_t *r, size_t off, const duet_jinja_value
     return jj_finish(r, off, &sb, out);
 }
 
-static duet_jinja_value_t *jj_substr(jj_render_t *r, const duet_jinja_value_t *s, size_t b, size_t n)
+static duet_jinja_value_t *jj_substr(jj_render_t *r, const duet_jinja_value_t *s, size_t b,
+                                     size_t n)
 {
     jj_sb_t sb;
     jj_sb_init(&sb, r->arena, r->lim.max_output);
@@ -606,8 +631,8 @@ static duet_status_t jj_affix(jj_render_t *r, size_t off, const duet_jinja_value
 }
 
 static duet_status_t jj_pad(jj_render_t *r, size_t off, const duet_jinja_value_t *s, int64_t width,
-                            const duet_jinja_value_t *fill, int where /* 0 center, 1 ljust, 2 rjust */,
-                            duet_jinja_value_t **out)
+                            const duet_jinja_value_t *fill,
+                            int where /* 0 center, 1 ljust, 2 rjust */, duet_jinja_value_t **out)
 {
     int64_t n = (int64_t)jj_utf8_count(s->s, s->len), pad = width - n;
     if (pad <= 0) {
@@ -656,16 +681,15 @@ static duet_status_t jj_format(jj_render_t *r, size_t off, const duet_jinja_valu
             return JJ_RERR(r, DUET_ERR_INVALID, off, "Single '{' encountered in format string");
         const char *f = s->s + i + 1;
         size_t fl = e - i - 1;
-        if (memchr(f, ':', fl) != NULL || memchr(f, '!', fl) != NULL || memchr(f, '.', fl) != NULL ||
-            memchr(f, '[', fl) != NULL)
+        if (memchr(f, ':', fl) != NULL || memchr(f, '!', fl) != NULL ||
+            memchr(f, '.', fl) != NULL || memchr(f, '[', fl) != NULL)
             return JJ_RERR(r, DUET_ERR_UNSUPPORTED, off,
                            "format specs and conversions in str.format are not supported");
         duet_jinja_value_t *v = NULL;
         if (fl == 0 || (f[0] >= '0' && f[0] <= '9')) {
             size_t idx = fl == 0 ? auto_i++ : (size_t)strtoul(f, NULL, 10);
             if (idx >= a->n_pos)
-                return JJ_RERR(r, DUET_ERR_INVALID, off, "Replacement index %zu out of range",
-                               idx);
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "Replacement index %zu out of range", idx);
             v = a->pos[idx];
         } else {
             for (size_t k = 0; k < a->n_kw && v == NULL; k++)
@@ -787,8 +811,8 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
             continue;
         }
         if (!jj_is_number(v))
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%%%c format: a real number is required, not %s",
-                           conv, jj_type_name(v));
+            return JJ_RERR(r, DUET_ERR_INVALID, off,
+                           "%%%c format: a real number is required, not %s", conv, jj_type_name(v));
         spec[sl] = '\0';
         if (strchr("diuxXoc", conv) != NULL) {
             int64_t iv = v->kind == JV_FLOAT ? (int64_t)v->f : jj_ival(v);
@@ -798,11 +822,19 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
                 continue;
             }
             char cf[40];
-            snprintf(cf, sizeof(cf), "%s%s", spec, conv == 'i' || conv == 'u' ? "lld" : conv == 'd' ? "lld" : conv == 'x' ? "llx" : conv == 'X' ? "llX" : "llo");
+            snprintf(cf, sizeof(cf), "%s%s", spec,
+                     conv == 'i' || conv == 'u' ? "lld"
+                     : conv == 'd'              ? "lld"
+                     : conv == 'x'              ? "llx"
+                     : conv == 'X'              ? "llX"
+                                                : "llo");
             if ((conv == 'x' || conv == 'X' || conv == 'o') && iv < 0) {
                 /* Python prints a sign and the magnitude */
                 char mag[64];
-                snprintf(cf, sizeof(cf), "%s%s", spec, conv == 'x' ? "llx" : conv == 'X' ? "llX" : "llo");
+                snprintf(cf, sizeof(cf), "%s%s", spec,
+                         conv == 'x'   ? "llx"
+                         : conv == 'X' ? "llX"
+                                       : "llo");
                 snprintf(mag, sizeof(mag), cf, (long long)-iv);
                 len = snprintf(buf, sizeof(buf), "-%s", mag);
             } else {
@@ -841,16 +873,17 @@ static duet_status_t jj_join(jj_render_t *r, size_t off, duet_jinja_value_t *ite
 /* ---------------------------------------------------------------- attributes and items */
 
 static const char *const jj_str_methods[] = {
-    "startswith", "endswith", "strip",   "lstrip",  "rstrip",  "split",      "rsplit",
-    "replace",    "upper",    "lower",   "title",   "capitalize", "swapcase", "find",
-    "rfind",      "index",    "rindex",  "count",   "join",    "format",     "isdigit",
-    "isalpha",    "isalnum",  "isspace", "islower", "isupper", "center",     "ljust",
-    "rjust",      "zfill",    "splitlines", "partition", "rpartition", "removeprefix",
-    "removesuffix", "casefold", "isnumeric", "isdecimal", "istitle"};
+    "startswith", "endswith",  "strip",      "lstrip",       "rstrip",       "split",
+    "rsplit",     "replace",   "upper",      "lower",        "title",        "capitalize",
+    "swapcase",   "find",      "rfind",      "index",        "rindex",       "count",
+    "join",       "format",    "isdigit",    "isalpha",      "isalnum",      "isspace",
+    "islower",    "isupper",   "center",     "ljust",        "rjust",        "zfill",
+    "splitlines", "partition", "rpartition", "removeprefix", "removesuffix", "casefold",
+    "isnumeric",  "isdecimal", "istitle"};
 static const char *const jj_dict_methods[] = {"get", "items", "keys", "values", "copy"};
 static const char *const jj_dict_unsafe[] = {"pop", "popitem", "update", "setdefault", "clear"};
 static const char *const jj_list_methods[] = {"index", "count", "copy"};
-static const char *const jj_list_unsafe[] = {"append", "extend", "insert", "pop",
+static const char *const jj_list_unsafe[] = {"append", "extend",  "insert", "pop",
                                              "remove", "reverse", "sort",   "clear"};
 
 static bool jj_name_in(const char *name, size_t nlen, const char *const *names, size_t n)
@@ -943,7 +976,8 @@ duet_status_t jj_getattr(jj_render_t *r, size_t off, duet_jinja_value_t *a, cons
             return jj_method(r, off, a, name, nlen, out);
         return DUET_OK;
     }
-    default: return DUET_OK;
+    default:
+        return DUET_OK;
     }
 }
 
@@ -998,13 +1032,14 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
 #define BIND0()                                                                                    \
     do {                                                                                           \
         if (a->n_pos + a->n_kw > 0)                                                                \
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes no arguments", (int)nlen, name); \
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes no arguments", (int)nlen,       \
+                           name);                                                                  \
     } while (0)
     if (M("startswith") || M("endswith")) {
         BIND("prefix", "start", "end");
         if (p[0] == NULL)
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes at least 1 argument",
-                           (int)nlen, name);
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes at least 1 argument", (int)nlen,
+                           name);
         if (p[1] != NULL || p[2] != NULL)
             return JJ_RERR(r, DUET_ERR_UNSUPPORTED, off, "start/end arguments are not supported");
         bool res;
@@ -1054,8 +1089,8 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
     if (M("find") || M("rfind") || M("index") || M("rindex") || M("count")) {
         BIND("sub", "start", "end");
         if (p[0] == NULL)
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes at least 1 argument",
-                           (int)nlen, name);
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes at least 1 argument", (int)nlen,
+                           name);
         if ((st = jj_need_str(r, off, name, p[0])) != DUET_OK)
             return st;
         if (p[1] != NULL || p[2] != NULL)
@@ -1073,9 +1108,8 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
         size_t at = M("find") || M("index") ? jj_find(s, 0, p[0]) : jj_rfind(s, p[0]);
         if (at == SIZE_MAX && (M("index") || M("rindex")))
             return JJ_RERR(r, DUET_ERR_INVALID, off, "substring not found");
-        return jj_ret(r, off,
-                      jj_int(r->arena, at == SIZE_MAX ? -1 : (int64_t)jj_utf8_count(s->s, at)),
-                      out);
+        return jj_ret(
+            r, off, jj_int(r->arena, at == SIZE_MAX ? -1 : (int64_t)jj_utf8_count(s->s, at)), out);
     }
     if (M("join")) {
         BIND("iterable");
@@ -1137,9 +1171,9 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
             return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() needs an integer width", (int)nlen,
                            name);
         duet_jinja_value_t *fill = M("zfill") ? jj_str(r->arena, "0", 1, DUET_JINJA_ORIGIN_TEMPLATE)
-                                   : p[1] != NULL ? p[1]
-                                                  : jj_str(r->arena, " ", 1,
-                                                           DUET_JINJA_ORIGIN_TEMPLATE);
+                                   : p[1] != NULL
+                                       ? p[1]
+                                       : jj_str(r->arena, " ", 1, DUET_JINJA_ORIGIN_TEMPLATE);
         if (fill == NULL)
             return jj_nomem(r, off);
         if (fill->kind != JV_STR || jj_utf8_count(fill->s, fill->len) != 1)
@@ -1159,8 +1193,7 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
             jj_sb_put_str(&sb, padded);
             return jj_finish(r, off, &sb, out);
         }
-        return jj_pad(r, off, s, jj_ival(p[0]), fill,
-                      M("center") ? 0 : M("ljust") ? 1 : 2, out);
+        return jj_pad(r, off, s, jj_ival(p[0]), fill, M("center") ? 0 : M("ljust") ? 1 : 2, out);
     }
     if (M("splitlines")) {
         BIND("keepends");
@@ -1172,8 +1205,8 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
         for (size_t i = 0; i < s->len;) {
             size_t at = i;
             uint32_t c = jj_utf8_next(s->s, s->len, &i);
-            bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c ||
-                       c == 0x1d || c == 0x1e || c == 0x85 || c == 0x2028 || c == 0x2029;
+            bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d ||
+                       c == 0x1e || c == 0x85 || c == 0x2028 || c == 0x2029;
             if (!brk)
                 continue;
             if (c == '\r' && i < s->len && s->s[i] == '\n')
@@ -1194,8 +1227,9 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
     if (M("partition") || M("rpartition")) {
         BIND("sep");
         if (p[0] == NULL || (st = jj_need_str(r, off, name, p[0])) != DUET_OK)
-            return p[0] == NULL ? JJ_RERR(r, DUET_ERR_INVALID, off, "partition() takes one argument")
-                                : st;
+            return p[0] == NULL
+                       ? JJ_RERR(r, DUET_ERR_INVALID, off, "partition() takes one argument")
+                       : st;
         if (p[0]->len == 0)
             return JJ_RERR(r, DUET_ERR_INVALID, off, "empty separator");
         size_t at = M("partition") ? jj_find(s, 0, p[0]) : jj_rfind(s, p[0]);
@@ -1233,8 +1267,7 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
             *out = s;
             return DUET_OK;
         }
-        return jj_ret(r, off,
-                      jj_substr(r, s, suffix ? 0 : p[0]->len, s->len - p[0]->len), out);
+        return jj_ret(r, off, jj_substr(r, s, suffix ? 0 : p[0]->len, s->len - p[0]->len), out);
     }
     return JJ_RERR(r, DUET_ERR_INVALID, off, "'str' object has no method '%.*s'", (int)nlen, name);
 }
@@ -1279,8 +1312,9 @@ static duet_status_t jj_dict_method(jj_render_t *r, size_t off, duet_jinja_value
     if (l == NULL)
         return jj_nomem(r, off);
     for (size_t i = 0; i < d->n; i++) {
-        duet_jinja_value_t *x = M("keys") ? d->keys[i] : M("values") ? d->items[i]
-                                                                    : jj_tuple2(r, d->keys[i], d->items[i]);
+        duet_jinja_value_t *x = M("keys")     ? d->keys[i]
+                                : M("values") ? d->items[i]
+                                              : jj_tuple2(r, d->keys[i], d->items[i]);
         if (x == NULL || jj_push(r->arena, l, x) != DUET_OK)
             return jj_nomem(r, off);
     }
@@ -1290,8 +1324,8 @@ static duet_status_t jj_dict_method(jj_render_t *r, size_t off, duet_jinja_value
 
 /* ---------------------------------------------------------------- globals */
 
-static const char *const jj_globals[JF_COUNT] = {"range", "namespace", "dict", "raise_exception",
-                                                 "strftime_now", NULL};
+static const char *const jj_globals[JF_COUNT] = {"range",           "namespace",    "dict",
+                                                 "raise_exception", "strftime_now", NULL};
 
 int jj_global_find(const char *name, size_t len)
 {
@@ -1331,8 +1365,8 @@ static duet_status_t jj_dict_from_args(jj_render_t *r, size_t off, const char *f
         }
     }
     for (size_t k = 0; k < a->n_kw; k++) {
-        duet_jinja_value_t *key = jj_str(r->arena, a->kwnames[k], a->kwlens[k],
-                                         DUET_JINJA_ORIGIN_TEMPLATE);
+        duet_jinja_value_t *key =
+            jj_str(r->arena, a->kwnames[k], a->kwlens[k], DUET_JINJA_ORIGIN_TEMPLATE);
         if (key == NULL || jj_dict_set(r->arena, d, key, a->kw[k]) != DUET_OK)
             return jj_nomem(r, off);
     }
@@ -1361,8 +1395,8 @@ static duet_status_t jj_strftime(jj_render_t *r, size_t off, const duet_jinja_va
     return jj_ret(r, off, jj_str(r->arena, buf, n, DUET_JINJA_ORIGIN_TEMPLATE), out);
 }
 
-duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f,
-                              const jj_args_t *a, duet_jinja_value_t **out)
+duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f, const jj_args_t *a,
+                              duet_jinja_value_t **out)
 {
     duet_status_t st;
     if (f->kind == JV_METHOD) {
@@ -1391,8 +1425,8 @@ duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f,
         }
         BIND("value");
         if (p[0] == NULL)
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes exactly one argument",
-                           (int)nlen, name);
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "%.*s() takes exactly one argument", (int)nlen,
+                           name);
         int64_t c = 0, at = -1;
         for (size_t i = 0; i < self->n; i++)
             if (jj_equal(self->items[i], p[0], 0)) {
@@ -1462,7 +1496,8 @@ duet_status_t jj_call_builtin(jj_render_t *r, size_t off, duet_jinja_value_t *f,
                                 : st;
         return jj_strftime(r, off, p[0], out);
     }
-    default: return JJ_RERR(r, DUET_ERR_INTERNAL, off, "bad function");
+    default:
+        return JJ_RERR(r, DUET_ERR_INTERNAL, off, "bad function");
     }
 }
 #undef M
@@ -1535,9 +1570,9 @@ static duet_status_t jj_attr_path(jj_render_t *r, size_t off, duet_jinja_value_t
         bool digits = e > b;
         for (size_t k = b; k < e; k++)
             digits = digits && attr->s[k] >= '0' && attr->s[k] <= '9';
-        duet_jinja_value_t *key = digits ? jj_int(r->arena, strtoll(attr->s + b, NULL, 10))
-                                         : jj_str(r->arena, attr->s + b, e - b,
-                                                  DUET_JINJA_ORIGIN_TEMPLATE);
+        duet_jinja_value_t *key =
+            digits ? jj_int(r->arena, strtoll(attr->s + b, NULL, 10))
+                   : jj_str(r->arena, attr->s + b, e - b, DUET_JINJA_ORIGIN_TEMPLATE);
         if (key == NULL)
             return jj_nomem(r, off);
         duet_status_t st = jj_getitem(r, off, v, key, &v);
@@ -1582,8 +1617,9 @@ static duet_status_t jj_sorted(jj_render_t *r, size_t off, duet_jinja_value_t *i
 
 /* ---------------------------------------------------------------- filters */
 
-#define FILTER(name) static duet_status_t name(jj_render_t *r, size_t off, duet_jinja_value_t *x, \
-                                               const jj_args_t *a, duet_jinja_value_t **out)
+#define FILTER(name)                                                                               \
+    static duet_status_t name(jj_render_t *r, size_t off, duet_jinja_value_t *x,                   \
+                              const jj_args_t *a, duet_jinja_value_t **out)
 #define ARGS(fn, ...)                                                                              \
     duet_jinja_value_t *p[8];                                                                      \
     duet_status_t st;                                                                              \
@@ -1870,7 +1906,8 @@ FILTER(f_dictsort)
         if (p[1]->kind == JV_STR && jj_streq(p[1]->s, p[1]->len, "value"))
             by_value = true;
         else if (!(p[1]->kind == JV_STR && jj_streq(p[1]->s, p[1]->len, "key")))
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "You can only sort by either \"key\" or \"value\"");
+            return JJ_RERR(r, DUET_ERR_INVALID, off,
+                           "You can only sort by either \"key\" or \"value\"");
     }
     duet_jinja_value_t *pairs = jj_list_new(r, false);
     duet_jinja_value_t **keys = jj_alloc(r->arena, (x->n + 1) * sizeof(*keys));
@@ -1897,7 +1934,8 @@ FILTER(f_sort)
     if (keys == NULL)
         return jj_nomem(r, off);
     if (p[2] != NULL && p[2]->kind == JV_STR && memchr(p[2]->s, ',', p[2]->len) != NULL)
-        return JJ_RERR(r, DUET_ERR_UNSUPPORTED, off, "sorting by several attributes is not supported");
+        return JJ_RERR(r, DUET_ERR_UNSUPPORTED, off,
+                       "sorting by several attributes is not supported");
     for (size_t i = 0; i < items->n; i++)
         if ((st = jj_sort_key(r, off, items->items[i], p[2], p[1] != NULL && jj_truthy(p[1]),
                               &keys[i])) != DUET_OK)
@@ -1986,7 +2024,8 @@ FILTER(f_sum)
         if ((st = jj_attr_path(r, off, items->items[i], p[0], &v)) != DUET_OK)
             return st;
         if (!jj_is_number(v))
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "unsupported operand type(s) for +: '%s' and '%s'",
+            return JJ_RERR(r, DUET_ERR_INVALID, off,
+                           "unsupported operand type(s) for +: '%s' and '%s'",
                            is_float ? "float" : "int", jj_type_name(v));
         if (v->kind == JV_FLOAT && !is_float) {
             is_float = true;
@@ -2067,8 +2106,8 @@ static bool jj_parse_float(const duet_jinja_value_t *s, double *v)
                 return false;
             continue;
         }
-        if (!((c >= '0' && c <= '9') || c == '.' || c == 'e' || c == 'E' || c == '+' ||
-              c == '-' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')))
+        if (!((c >= '0' && c <= '9') || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-' ||
+              (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')))
             return false;
         buf[o++] = c;
     }
@@ -2077,7 +2116,8 @@ static bool jj_parse_float(const duet_jinja_value_t *s, double *v)
     const char *q = buf + (buf[0] == '+' || buf[0] == '-');
     bool word = (q[0] | 32) == 'i' || (q[0] | 32) == 'n';
     if (word) {
-        if (strcasecmp(q, "inf") != 0 && strcasecmp(q, "infinity") != 0 && strcasecmp(q, "nan") != 0)
+        if (strcasecmp(q, "inf") != 0 && strcasecmp(q, "infinity") != 0 &&
+            strcasecmp(q, "nan") != 0)
             return false;
     } else if (strchr(buf, 'x') != NULL || strchr(buf, 'X') != NULL) {
         return false;
@@ -2143,8 +2183,8 @@ FILTER(f_round)
     if (p[1] != NULL) {
         if (p[1]->kind != JV_STR)
             return JJ_RERR(r, DUET_ERR_INVALID, off, "method must be common, ceil or floor");
-        method = jj_streq(p[1]->s, p[1]->len, "ceil")    ? "ceil"
-                 : jj_streq(p[1]->s, p[1]->len, "floor") ? "floor"
+        method = jj_streq(p[1]->s, p[1]->len, "ceil")     ? "ceil"
+                 : jj_streq(p[1]->s, p[1]->len, "floor")  ? "floor"
                  : jj_streq(p[1]->s, p[1]->len, "common") ? "common"
                                                           : NULL;
         if (method == NULL)
@@ -2178,7 +2218,8 @@ FILTER(f_replace)
     if (p[0] == NULL || p[1] == NULL)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "replace needs two arguments");
     duet_jinja_value_t *o = NULL, *n = NULL;
-    if ((st = jj_soft_str(r, off, p[0], &o)) != DUET_OK || (st = jj_soft_str(r, off, p[1], &n)) != DUET_OK)
+    if ((st = jj_soft_str(r, off, p[0], &o)) != DUET_OK ||
+        (st = jj_soft_str(r, off, p[1], &n)) != DUET_OK)
         return st;
     if (p[2] != NULL && !jj_is_int(p[2]) && p[2]->kind != JV_NONE)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "count must be an integer");
@@ -2276,8 +2317,8 @@ FILTER(f_attr)
     if (x->kind == JV_UNDEF)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "an undefined value has no attributes");
     /* getattr() only: dict keys are not attributes. */
-    if (x->kind == JV_DICT && !jj_name_in(p[0]->s, p[0]->len, jj_dict_methods,
-                                          JJ_COUNT(jj_dict_methods))) {
+    if (x->kind == JV_DICT &&
+        !jj_name_in(p[0]->s, p[0]->len, jj_dict_methods, JJ_COUNT(jj_dict_methods))) {
         *out = &jj_undef_value;
         return DUET_OK;
     }
@@ -2289,7 +2330,8 @@ static duet_status_t jj_batch_slice(jj_render_t *r, size_t off, duet_jinja_value
 {
     ARGS(slice ? "slice" : "batch", "n", "fill_with");
     if (!jj_is_int(p[0]) || jj_ival(p[0]) <= 0)
-        return JJ_RERR(r, DUET_ERR_INVALID, off, "%s needs a positive count", slice ? "slice" : "batch");
+        return JJ_RERR(r, DUET_ERR_INVALID, off, "%s needs a positive count",
+                       slice ? "slice" : "batch");
     duet_jinja_value_t *items = NULL;
     if ((st = jj_iterate(r, off, x, &items)) != DUET_OK)
         return st;
@@ -2369,8 +2411,8 @@ FILTER(f_map)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "map requires a filter argument");
     int fid = jj_filter_find(a->pos[0]->s, a->pos[0]->len);
     if (fid < 0)
-        return JJ_RERR(r, DUET_ERR_INVALID, off, "No filter named '%.*s'.",
-                       (int)a->pos[0]->len, a->pos[0]->s);
+        return JJ_RERR(r, DUET_ERR_INVALID, off, "No filter named '%.*s'.", (int)a->pos[0]->len,
+                       a->pos[0]->s);
     jj_args_t rest = *a;
     rest.pos++;
     rest.n_pos--;
@@ -2387,8 +2429,7 @@ FILTER(f_map)
 
 /* select / reject / selectattr / rejectattr. */
 static duet_status_t jj_select(jj_render_t *r, size_t off, duet_jinja_value_t *x,
-                               const jj_args_t *a, bool attr, bool keep,
-                               duet_jinja_value_t **out)
+                               const jj_args_t *a, bool attr, bool keep, duet_jinja_value_t **out)
 {
     duet_status_t st;
     if (a->n_kw > 0)
@@ -2409,8 +2450,8 @@ static duet_status_t jj_select(jj_render_t *r, size_t off, duet_jinja_value_t *x
             return JJ_RERR(r, DUET_ERR_INVALID, off, "the test name must be a string");
         tid = jj_test_find(a->pos[k]->s, a->pos[k]->len);
         if (tid < 0)
-            return JJ_RERR(r, DUET_ERR_INVALID, off, "No test named '%.*s'.",
-                           (int)a->pos[k]->len, a->pos[k]->s);
+            return JJ_RERR(r, DUET_ERR_INVALID, off, "No test named '%.*s'.", (int)a->pos[k]->len,
+                           a->pos[k]->s);
         k++;
     }
     jj_args_t rest = {.pos = a->pos + k, .n_pos = a->n_pos - k};
@@ -2478,22 +2519,28 @@ FILTER(f_format)
 }
 
 static const jj_filter_t jj_filters[] = {
-    {"abs", f_abs},           {"attr", f_attr},         {"batch", f_batch},
-    {"capitalize", f_capitalize}, {"center", f_center}, {"count", f_length},
-    {"d", f_default},         {"default", f_default},   {"dictsort", f_dictsort},
-    {"e", f_escape},          {"escape", f_escape},     {"first", f_first},
-    {"float", f_float},       {"forceescape", f_escape}, {"format", f_format},
-    {"indent", f_indent},
-    {"int", f_int},           {"items", f_items},       {"join", f_join},
-    {"last", f_last},         {"length", f_length},     {"list", f_list},
-    {"lower", f_lower},       {"map", f_map},           {"max", f_max},
-    {"min", f_min},           {"reject", f_reject},     {"rejectattr", f_rejectattr},
-    {"replace", f_replace},   {"reverse", f_reverse},   {"round", f_round},
-    {"safe", f_safe},         {"select", f_select},     {"selectattr", f_selectattr},
-    {"slice", f_slice},       {"sort", f_sort},         {"string", f_string},
-    {"sum", f_sum},           {"title", f_title},       {"tojson", f_tojson},
-    {"trim", f_trim},         {"unique", f_unique},     {"upper", f_upper},
-    {"wordcount", f_wordcount},
+    {"abs", f_abs},           {"attr", f_attr},
+    {"batch", f_batch},       {"capitalize", f_capitalize},
+    {"center", f_center},     {"count", f_length},
+    {"d", f_default},         {"default", f_default},
+    {"dictsort", f_dictsort}, {"e", f_escape},
+    {"escape", f_escape},     {"first", f_first},
+    {"float", f_float},       {"forceescape", f_escape},
+    {"format", f_format},     {"indent", f_indent},
+    {"int", f_int},           {"items", f_items},
+    {"join", f_join},         {"last", f_last},
+    {"length", f_length},     {"list", f_list},
+    {"lower", f_lower},       {"map", f_map},
+    {"max", f_max},           {"min", f_min},
+    {"reject", f_reject},     {"rejectattr", f_rejectattr},
+    {"replace", f_replace},   {"reverse", f_reverse},
+    {"round", f_round},       {"safe", f_safe},
+    {"select", f_select},     {"selectattr", f_selectattr},
+    {"slice", f_slice},       {"sort", f_sort},
+    {"string", f_string},     {"sum", f_sum},
+    {"title", f_title},       {"tojson", f_tojson},
+    {"trim", f_trim},         {"unique", f_unique},
+    {"upper", f_upper},       {"wordcount", f_wordcount},
 };
 
 int jj_filter_find(const char *name, size_t len)
@@ -2512,8 +2559,9 @@ duet_status_t jj_filter_call(jj_render_t *r, size_t off, int fid, duet_jinja_val
 
 /* ---------------------------------------------------------------- tests */
 
-#define TEST(name) static duet_status_t name(jj_render_t *r, size_t off, duet_jinja_value_t *x, \
-                                             const jj_args_t *a, bool *res)
+#define TEST(name)                                                                                 \
+    static duet_status_t name(jj_render_t *r, size_t off, duet_jinja_value_t *x,                   \
+                              const jj_args_t *a, bool *res)
 
 static duet_status_t jj_test_arg(jj_render_t *r, size_t off, const jj_args_t *a, const char *fn,
                                  duet_jinja_value_t **v)
@@ -2796,18 +2844,42 @@ TEST(t_in)
 }
 
 static const jj_test_t jj_tests[] = {
-    {"boolean", t_boolean}, {"callable", t_callable}, {"defined", t_defined},
-    {"divisibleby", t_divisibleby}, {"eq", t_eq},     {"equalto", t_eq},
-    {"==", t_eq},           {"escaped", t_escaped},   {"even", t_even},
-    {"false", t_false},     {"float", t_float},       {"ge", t_ge},
-    {">=", t_ge},           {"gt", t_gt},             {"greaterthan", t_gt},
-    {">", t_gt},            {"in", t_in},             {"integer", t_integer},
-    {"iterable", t_iterable}, {"le", t_le},           {"<=", t_le},
-    {"lower", t_lower},     {"lt", t_lt},             {"lessthan", t_lt},
-    {"<", t_lt},            {"mapping", t_mapping},   {"ne", t_ne},
-    {"!=", t_ne},           {"none", t_none},         {"number", t_number},
-    {"odd", t_odd},         {"sameas", t_sameas},     {"sequence", t_sequence},
-    {"string", t_string},   {"true", t_true},         {"undefined", t_undefined},
+    {"boolean", t_boolean},
+    {"callable", t_callable},
+    {"defined", t_defined},
+    {"divisibleby", t_divisibleby},
+    {"eq", t_eq},
+    {"equalto", t_eq},
+    {"==", t_eq},
+    {"escaped", t_escaped},
+    {"even", t_even},
+    {"false", t_false},
+    {"float", t_float},
+    {"ge", t_ge},
+    {">=", t_ge},
+    {"gt", t_gt},
+    {"greaterthan", t_gt},
+    {">", t_gt},
+    {"in", t_in},
+    {"integer", t_integer},
+    {"iterable", t_iterable},
+    {"le", t_le},
+    {"<=", t_le},
+    {"lower", t_lower},
+    {"lt", t_lt},
+    {"lessthan", t_lt},
+    {"<", t_lt},
+    {"mapping", t_mapping},
+    {"ne", t_ne},
+    {"!=", t_ne},
+    {"none", t_none},
+    {"number", t_number},
+    {"odd", t_odd},
+    {"sameas", t_sameas},
+    {"sequence", t_sequence},
+    {"string", t_string},
+    {"true", t_true},
+    {"undefined", t_undefined},
     {"upper", t_upper},
 };
 

@@ -181,21 +181,49 @@ static duet_status_t jj_lex_string(jj_parser_t *p, size_t i, jj_tok_t *t, size_t
         uint32_t cp = 0;
         int hexn = 0;
         switch (e) {
-        case '\n': continue;
-        case '\\': buf[n++] = '\\'; continue;
-        case '\'': buf[n++] = '\''; continue;
-        case '"': buf[n++] = '"'; continue;
-        case 'a': buf[n++] = '\a'; continue;
-        case 'b': buf[n++] = '\b'; continue;
-        case 'f': buf[n++] = '\f'; continue;
-        case 'n': buf[n++] = '\n'; continue;
-        case 'r': buf[n++] = '\r'; continue;
-        case 't': buf[n++] = '\t'; continue;
-        case 'v': buf[n++] = '\v'; continue;
-        case 'x': hexn = 2; break;
-        case 'u': hexn = 4; break;
-        case 'U': hexn = 8; break;
-        case 'N': return JJ_PERR(p, at, "'\\N{...}' escapes are not supported");
+        case '\n':
+            continue;
+        case '\\':
+            buf[n++] = '\\';
+            continue;
+        case '\'':
+            buf[n++] = '\'';
+            continue;
+        case '"':
+            buf[n++] = '"';
+            continue;
+        case 'a':
+            buf[n++] = '\a';
+            continue;
+        case 'b':
+            buf[n++] = '\b';
+            continue;
+        case 'f':
+            buf[n++] = '\f';
+            continue;
+        case 'n':
+            buf[n++] = '\n';
+            continue;
+        case 'r':
+            buf[n++] = '\r';
+            continue;
+        case 't':
+            buf[n++] = '\t';
+            continue;
+        case 'v':
+            buf[n++] = '\v';
+            continue;
+        case 'x':
+            hexn = 2;
+            break;
+        case 'u':
+            hexn = 4;
+            break;
+        case 'U':
+            hexn = 8;
+            break;
+        case 'N':
+            return JJ_PERR(p, at, "'\\N{...}' escapes are not supported");
         default:
             if (e >= '0' && e <= '7') {
                 cp = (uint32_t)(e - '0');
@@ -282,7 +310,9 @@ static duet_status_t jj_lex_tag(jj_parser_t *p, size_t i, bool block, size_t *en
                 char d = s[k];
                 if (d == '_' && k + 1 < len && s[k + 1] != '_')
                     continue;
-                int v = jj_isdigit(d) ? d - '0' : (d | 32) >= 'a' && (d | 32) <= 'f' ? (d | 32) - 'a' + 10 : 99;
+                int v = jj_isdigit(d)                        ? d - '0'
+                        : (d | 32) >= 'a' && (d | 32) <= 'f' ? (d | 32) - 'a' + 10
+                                                             : 99;
                 if (v >= base)
                     break;
                 if (t.ival > (INT64_MAX - v) / base)
@@ -293,12 +323,14 @@ static duet_status_t jj_lex_tag(jj_parser_t *p, size_t i, bool block, size_t *en
         } else if (jj_isdigit(c)) {
             size_t k = i;
             bool is_float = false;
-            while (k < len && (jj_isdigit(s[k]) || (s[k] == '_' && k + 1 < len && jj_isdigit(s[k + 1]))))
+            while (k < len &&
+                   (jj_isdigit(s[k]) || (s[k] == '_' && k + 1 < len && jj_isdigit(s[k + 1]))))
                 k++;
             if (k + 1 < len && s[k] == '.' && jj_isdigit(s[k + 1])) {
                 is_float = true;
                 k++;
-                while (k < len && (jj_isdigit(s[k]) || (s[k] == '_' && k + 1 < len && jj_isdigit(s[k + 1]))))
+                while (k < len &&
+                       (jj_isdigit(s[k]) || (s[k] == '_' && k + 1 < len && jj_isdigit(s[k + 1]))))
                     k++;
             }
             if (k < len && (s[k] == 'e' || s[k] == 'E')) {
@@ -431,8 +463,8 @@ static duet_status_t jj_lex(jj_parser_t *p)
     duet_status_t st = DUET_OK;
     while (i < len) {
         size_t j = i;
-        while (j + 1 < len && !(s[j] == '{' && (s[j + 1] == '{' || s[j + 1] == '%' ||
-                                                 s[j + 1] == '#')))
+        while (j + 1 < len &&
+               !(s[j] == '{' && (s[j + 1] == '{' || s[j + 1] == '%' || s[j + 1] == '#')))
             j++;
         if (j + 1 >= len) {
             st = jj_tok_push(p, (jj_tok_t){.kind = JT_DATA, .off = i, .len = len - i});
@@ -443,8 +475,8 @@ static duet_status_t jj_lex(jj_parser_t *p)
         char rl, rr;
         size_t raw_end = kind == '%' ? jj_match_simple_tag(s, len, j, "raw", &rl, &rr) : 0;
         size_t te = jj_text_end(s, i, j, kind, sign, line_starting);
-        if (te > i && (st = jj_tok_push(p, (jj_tok_t){.kind = JT_DATA, .off = i,
-                                                      .len = te - i})) != DUET_OK)
+        if (te > i &&
+            (st = jj_tok_push(p, (jj_tok_t){.kind = JT_DATA, .off = i, .len = te - i})) != DUET_OK)
             return st;
         size_t in = j + 2 + (sign != 0);
         if (raw_end > 0) {
@@ -464,8 +496,9 @@ static duet_status_t jj_lex(jj_parser_t *p)
                          ? l
                          : k;
             }
-            if (be > body && (st = jj_tok_push(p, (jj_tok_t){.kind = JT_DATA, .off = body,
-                                                             .len = be - body})) != DUET_OK)
+            if (be > body &&
+                (st = jj_tok_push(p, (jj_tok_t){.kind = JT_DATA, .off = body, .len = be - body})) !=
+                    DUET_OK)
                 return st;
             i = jj_after_block(s, len, end, rr);
             line_starting = i > 0 && s[i - 1] == '\n';
@@ -519,9 +552,12 @@ static bool jj_is_name(const jj_parser_t *p, const jj_tok_t *t, const char *name
 static const char *jj_tok_desc(const jj_parser_t *p, const jj_tok_t *t, char *buf, size_t cap)
 {
     switch (t->kind) {
-    case JT_END: return "end of template";
-    case JT_BLOCK_END: return "end of statement block";
-    case JT_VAR_END: return "end of print statement";
+    case JT_END:
+        return "end of template";
+    case JT_BLOCK_END:
+        return "end of statement block";
+    case JT_VAR_END:
+        return "end of print statement";
     default:
         snprintf(buf, cap, "'%.*s'", (int)(t->len > 40 ? 40 : t->len), p->src + t->off);
         return buf;
@@ -679,7 +715,8 @@ static duet_status_t jj_parse_seq(jj_parser_t *p, const char *close, je_kind_t k
                 break;
         }
         jj_expr_t *a = NULL;
-        if ((st = jj_parse_expr(p, true, &a)) != DUET_OK || (st = jj_vec_push(p, &items, a)) != DUET_OK)
+        if ((st = jj_parse_expr(p, true, &a)) != DUET_OK ||
+            (st = jj_vec_push(p, &items, a)) != DUET_OK)
             return st;
     }
     p->ti++;
@@ -712,8 +749,9 @@ static duet_status_t jj_parse_primary(jj_parser_t *p, jj_expr_t **e_p)
             p->ti++;
         }
         if (duet_strbuf_status(&sb) == DUET_OK)
-            e = jj_lit(p, t->off, jj_str(a, sb.data != NULL ? sb.data : "", sb.len,
-                                         DUET_JINJA_ORIGIN_TEMPLATE));
+            e = jj_lit(
+                p, t->off,
+                jj_str(a, sb.data != NULL ? sb.data : "", sb.len, DUET_JINJA_ORIGIN_TEMPLATE));
         duet_strbuf_free(&sb);
         st = e != NULL ? DUET_OK : DUET_ERR_NOMEM;
     } else if (t->kind == JT_INT || t->kind == JT_FLOAT) {
@@ -747,8 +785,10 @@ static duet_status_t jj_parse_primary(jj_parser_t *p, jj_expr_t **e_p)
             if (keys.n > 0 && ((st = jj_expect_op(p, ",")) != DUET_OK || jj_is_op(jj_peek(p), "}")))
                 break;
             jj_expr_t *k = NULL, *v = NULL;
-            if ((st = jj_parse_expr(p, true, &k)) != DUET_OK || (st = jj_expect_op(p, ":")) != DUET_OK ||
-                (st = jj_parse_expr(p, true, &v)) != DUET_OK || (st = jj_vec_push(p, &keys, k)) != DUET_OK)
+            if ((st = jj_parse_expr(p, true, &k)) != DUET_OK ||
+                (st = jj_expect_op(p, ":")) != DUET_OK ||
+                (st = jj_parse_expr(p, true, &v)) != DUET_OK ||
+                (st = jj_vec_push(p, &keys, k)) != DUET_OK)
                 break;
             st = jj_vec_push(p, &vals, v);
         }
@@ -915,8 +955,8 @@ static duet_status_t jj_parse_filter_expr(jj_parser_t *p, jj_expr_t *e, jj_expr_
                 return jj_unexpected(p, "a test name");
             int tid = jj_test_find(p->src + n->off, n->len);
             if (tid < 0)
-                return JJ_PERR(p, n->off, "no test named '%.*s'",
-                               (int)(n->len > 64 ? 64 : n->len), p->src + n->off);
+                return JJ_PERR(p, n->off, "no test named '%.*s'", (int)(n->len > 64 ? 64 : n->len),
+                               p->src + n->off);
             p->ti++;
             x->fid = tid;
             x->name = p->src + n->off;
@@ -1107,7 +1147,8 @@ static duet_status_t jj_parse_compare(jj_parser_t *p, jj_expr_t **e_p)
         if (opp == NULL)
             return DUET_ERR_NOMEM;
         *opp = op;
-        if ((st = jj_parse_math1(p, &r)) == DUET_OK && (st = jj_vec_push(p, &operands, r)) == DUET_OK)
+        if ((st = jj_parse_math1(p, &r)) == DUET_OK &&
+            (st = jj_vec_push(p, &operands, r)) == DUET_OK)
             st = jj_vec_push(p, &opv, opp);
     }
     if (st != DUET_OK)
@@ -1225,7 +1266,8 @@ static duet_status_t jj_parse_tuple(jj_parser_t *p, bool condexpr, jj_expr_t **e
         if (t->kind == JT_BLOCK_END || t->kind == JT_VAR_END || jj_is_name(p, t, "if") ||
             jj_is_name(p, t, "recursive"))
             break;
-        if ((st = jj_parse_expr(p, condexpr, &e)) != DUET_OK || (st = jj_vec_push(p, &items, e)) != DUET_OK)
+        if ((st = jj_parse_expr(p, condexpr, &e)) != DUET_OK ||
+            (st = jj_vec_push(p, &items, e)) != DUET_OK)
             return st;
     }
     jj_expr_t *tu = jj_expr_new(p, JE_TUPLE, off);
@@ -1252,7 +1294,7 @@ static jj_node_t *jj_node_new(jj_parser_t *p, jn_kind_t kind, size_t off)
 static bool jj_reserved(const jj_parser_t *p, const jj_tok_t *t)
 {
     static const char *const kw[] = {"true", "True", "false", "False", "none", "None", "and",
-                                     "or", "not", "in", "is", "if", "else"};
+                                     "or",   "not",  "in",    "is",    "if",   "else"};
     for (size_t k = 0; k < sizeof(kw) / sizeof(kw[0]); k++)
         if (jj_is_name(p, t, kw[k]))
             return true;
@@ -1556,9 +1598,11 @@ static duet_status_t jj_parse_stmt(jj_parser_t *p, jj_tok_t *kw, size_t tag_off,
             if (l == NULL)
                 return DUET_ERR_NOMEM;
             *l = t->len;
-            if ((st = jj_expect_op(p, "=")) != DUET_OK || (st = jj_parse_expr(p, true, &v)) != DUET_OK ||
+            if ((st = jj_expect_op(p, "=")) != DUET_OK ||
+                (st = jj_parse_expr(p, true, &v)) != DUET_OK ||
                 (st = jj_vec_push(p, &names, (void *)(p->src + t->off))) != DUET_OK ||
-                (st = jj_vec_push(p, &vals, v)) != DUET_OK || (st = jj_vec_push(p, &lens, l)) != DUET_OK)
+                (st = jj_vec_push(p, &vals, v)) != DUET_OK ||
+                (st = jj_vec_push(p, &lens, l)) != DUET_OK)
                 return st;
         }
         p->ti++;
@@ -1589,8 +1633,8 @@ static duet_status_t jj_parse_stmt(jj_parser_t *p, jj_tok_t *kw, size_t tag_off,
         if ((st = jj_expect_block_end(p)) != DUET_OK)
             return st;
     } else {
-        static const char *const known[] = {"block", "extends", "include", "import", "from",
-                                            "autoescape", "do", "trans"};
+        static const char *const known[] = {"block", "extends",    "include", "import",
+                                            "from",  "autoescape", "do",      "trans"};
         for (size_t k = 0; k < sizeof(known) / sizeof(known[0]); k++)
             if (jj_is_name(p, kw, known[k]))
                 return JJ_PERR(p, kw->off, "'%s' is not supported", known[k]);

@@ -12,19 +12,19 @@
 
 duet_status_t duet_router_tokenizer_load(const char *dir, duet_tokenizer_t **tok_p)
 {
-    char        path[4096];
+    char path[4096];
     struct stat sb;
     snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
     if (stat(path, &sb) != 0)
         return duet_tokenizer_load(dir, tok_p);
-    json_t       *root = NULL;
-    duet_status_t st   = duet_json_load_file(path, 1 << 20, &root);
+    json_t *root = NULL;
+    duet_status_t st = duet_json_load_file(path, 1 << 20, &root);
     if (st < 0)
         return st;
-    const char *type     = json_string_value(json_object_get(root, "type"));
-    json_t     *specials = json_object_get(root, "specials");
+    const char *type = json_string_value(json_object_get(root, "type"));
+    json_t *specials = json_object_get(root, "specials");
     const char *names[64];
-    size_t      n = json_is_array(specials) ? json_array_size(specials) : 0;
+    size_t n = json_is_array(specials) ? json_array_size(specials) : 0;
     if (type == NULL || strcmp(type, "byte") != 0)
         st = duet_error_set(DUET_ERR_UNSUPPORTED, "%s: \"type\" must be \"byte\"", path);
     else if (n > 64)

@@ -561,8 +561,7 @@ static duet_status_t oai_need_string(oai_parse_t *p, const json_t *obj, const ch
     if (!json_is_string(v))
         return oai_bad_type(p, kw, "a string", v);
     if (nonempty && json_string_length(v) == 0)
-        return oai_bad_value(p, kw, "Invalid '%s': empty string. Expected a non-empty string.",
-                             kw);
+        return oai_bad_value(p, kw, "Invalid '%s': empty string. Expected a non-empty string.", kw);
     return DUET_OK;
 }
 
@@ -596,8 +595,9 @@ static duet_status_t oai_parse_tool_calls(oai_parse_t *p, const char *where, con
             return st;
         if (strcmp(json_string_value(json_object_get(tc, "type")), "function") != 0) {
             snprintf(fw, sizeof(fw), "%s.type", cw);
-            return oai_bad_value(p, fw, "Invalid value for '%s': '%.64s'. Supported values are: "
-                                        "'function'.",
+            return oai_bad_value(p, fw,
+                                 "Invalid value for '%s': '%.64s'. Supported values are: "
+                                 "'function'.",
                                  fw, json_string_value(json_object_get(tc, "type")));
         }
         const json_t *fn = json_object_get(tc, "function");

@@ -35,11 +35,11 @@ static duet_jinja_vars_t *make_vars(const msg_t *msgs, size_t n)
                                         duet_jinja_string(v, msgs[i].role, strlen(msgs[i].role),
                                                           DUET_JINJA_ORIGIN_DATA)),
                      DUET_OK);
-        cr_assert_eq(duet_jinja_map_set(v, m, "content",
-                                        duet_jinja_string(v, msgs[i].content,
-                                                          strlen(msgs[i].content),
-                                                          DUET_JINJA_ORIGIN_DATA)),
-                     DUET_OK);
+        cr_assert_eq(
+            duet_jinja_map_set(v, m, "content",
+                               duet_jinja_string(v, msgs[i].content, strlen(msgs[i].content),
+                                                 DUET_JINJA_ORIGIN_DATA)),
+            DUET_OK);
         cr_assert_eq(duet_jinja_list_push(v, list, m), DUET_OK);
     }
     cr_assert_eq(duet_jinja_vars_set(v, "messages", list), DUET_OK);
@@ -50,9 +50,9 @@ static duet_jinja_vars_t *make_vars(const msg_t *msgs, size_t n)
                  DUET_OK);
     cr_assert_eq(duet_jinja_vars_set(v, "tools", duet_jinja_none(v)), DUET_OK);
     cr_assert_eq(duet_jinja_vars_set(v, "n", duet_jinja_int(v, 3)), DUET_OK);
-    cr_assert_eq(duet_jinja_vars_set(v, "s", duet_jinja_string(v, "  hi  ", 6,
-                                                               DUET_JINJA_ORIGIN_DATA)),
-                 DUET_OK);
+    cr_assert_eq(
+        duet_jinja_vars_set(v, "s", duet_jinja_string(v, "  hi  ", 6, DUET_JINJA_ORIGIN_DATA)),
+        DUET_OK);
     return v;
 }
 
@@ -90,7 +90,6 @@ static char *render_with(const char *src, const msg_t *msgs, size_t n, bool mark
 }
 
 static const msg_t two[] = {{"user", "Hello"}, {"assistant", "Hi!"}};
-
 
 /* A Kimi-style template: default system turn, role headers, string or list content. */
 static const char kimi[] =
@@ -156,9 +155,8 @@ Test(router_jinja, kimi_template, .timeout = 10)
     for (int i = 0; i < 2; i++) {
         duet_jinja_value_t *p = duet_jinja_map(v);
         duet_jinja_map_set(v, p, "type", duet_jinja_string(v, "text", 4, DUET_JINJA_ORIGIN_DATA));
-        duet_jinja_map_set(v, p, "text",
-                           duet_jinja_string(v, texts[i], strlen(texts[i]),
-                                             DUET_JINJA_ORIGIN_DATA));
+        duet_jinja_map_set(
+            v, p, "text", duet_jinja_string(v, texts[i], strlen(texts[i]), DUET_JINJA_ORIGIN_DATA));
         duet_jinja_list_push(v, parts, p);
     }
     duet_jinja_map_set(v, m, "role", duet_jinja_string(v, "user", 4, DUET_JINJA_ORIGIN_DATA));
@@ -248,8 +246,8 @@ Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
         if (cases[i].st == DUET_ERR_FORMAT)
             cr_assert_str_eq(duet_error_last(), cases[i].msg);
         else
-            cr_assert(strstr(duet_error_last(), cases[i].msg) != NULL, "%s: got '%s'",
-                      cases[i].src, duet_error_last());
+            cr_assert(strstr(duet_error_last(), cases[i].msg) != NULL, "%s: got '%s'", cases[i].src,
+                      duet_error_last());
     }
 }
 
@@ -399,8 +397,9 @@ Test(router_jinja, cli_exit_statuses, .timeout = 30)
 {
     char dir[] = "/tmp/duet_jinja_cli_XXXXXX";
     cr_assert_not_null(mkdtemp(dir));
-    write_file(dir, "t.jinja", "{{ bos_token }}{% for m in messages %}<|u|>{{ m.content }}"
-                               "{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}");
+    write_file(dir, "t.jinja",
+               "{{ bos_token }}{% for m in messages %}<|u|>{{ m.content }}"
+               "{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}");
     write_file(dir, "raise.jinja", "{{ raise_exception('Only ' ~ messages|length ~ ' message') }}");
     write_file(dir, "undef.jinja", "{{ nope.x }}");
     write_file(dir, "bad.jinja", "{% if %}");
@@ -437,8 +436,8 @@ Test(router_jinja, cli_exit_statuses, .timeout = 30)
     snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --tokens", dir, dir);
     cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
     cr_assert(strstr(out, "--tokens needs a tokenizer") != NULL, "%s", out);
-    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --now 2025-13-01",
-             dir, dir);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --now 2025-13-01", dir,
+             dir);
     cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
     cr_assert_eq(run_cli("--messages x.json", out, sizeof(out)), 2, "%s", out);
     cr_assert_eq(run_cli("--bogus", out, sizeof(out)), 2, "%s", out);
@@ -451,9 +450,9 @@ Test(router_jinja, cli_exit_statuses, .timeout = 30)
     snprintf(args, sizeof(args), "--model %s --messages %s/m.json --tokens", dir, dir);
     cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
     cr_assert_str_eq(out, "256 104 105 32 60 124 117 124 62\n"); /* "hi <|u|>" as bytes */
-    const char *files[] = {"t.jinja", "raise.jinja", "undef.jinja", "bad.jinja", "m.json",
-                           "obj.json", "broken.json", "notarray.json", "duet_tokenizer.json",
-                           "chat_template.jinja"};
+    const char *files[] = {
+        "t.jinja",  "raise.jinja", "undef.jinja",   "bad.jinja",           "m.json",
+        "obj.json", "broken.json", "notarray.json", "duet_tokenizer.json", "chat_template.jinja"};
     char path[600];
     for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
         snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
@@ -544,8 +543,8 @@ Test(router_jinja, limits, .timeout = 20)
     got = render_with("{{ 'x' * 1000 }}", two, 2, false, &lim, &st);
     cr_assert_eq(st, DUET_ERR_RANGE);
     /* A recursive macro stops at the call depth; an iteration budget bounds wide recursion. */
-    got = render_with("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", two, 2, false,
-                      NULL, &st);
+    got = render_with("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", two, 2, false, NULL,
+                      &st);
     cr_assert_eq(st, DUET_ERR_RANGE);
     cr_assert(strstr(duet_error_last(), "macro calls nested deeper than 32") != NULL, "%s",
               duet_error_last());
@@ -568,8 +567,8 @@ Test(router_jinja, limits, .timeout = 20)
     cr_assert(strstr(duet_error_last(), "iterations and macro calls") != NULL, "%s",
               duet_error_last());
     /* A value that holds itself prints as an error, not a crash. */
-    got = render_with("{% set ns = namespace(a=1) %}{% set ns.self = ns %}{{ ns }}", two, 2,
-                      false, NULL, &st);
+    got = render_with("{% set ns = namespace(a=1) %}{% set ns.self = ns %}{{ ns }}", two, 2, false,
+                      NULL, &st);
     cr_assert_eq(st, DUET_ERR_RANGE, "%s", duet_error_last());
     /* Memory: a render whose arena limit is tiny fails cleanly. */
     duet_jinja_t *t = NULL;
@@ -639,18 +638,32 @@ static uint32_t rnd(void)
 
 Test(router_jinja, fuzz_no_crash, .timeout = 60)
 {
-    static const char *const pieces[] = {
-        "{{", "}}", "{%", "%}", "{#", "#}", "-", " ", "\n", "if", "elif", "else", "endif", "for",
-        "in", "endfor", "set", "=", "x", "messages", "loop", ".", "index", "[", "]", "0", "'a'",
-        "\"b\\n\"", "+", "==", "!=", "not", "and", "or", "(", ")", "|", "trim", "length",
-        "default", "is", "string", "defined", "none", "m", "content", "role", ",", "true", "'",
-        "<|im_end|>", "macro", "endmacro", "call", "endcall", "caller", "namespace", "ns", "tojson",
-        "items", "()", "selectattr", "map", "join", ":", "::", "-1", "1.5", "~", "*", "//", "%",
-        "**", "raw", "endraw", "break", "continue", "split", "upper", "strip", "{", "}", "range",
-        "filter", "endfilter", "with", "endwith", "raise_exception", "+%}", "{%+", "-%}", "{%-"};
+    static const char *const pieces[] = {"{{",        "}}",         "{%",         "%}",
+                                         "{#",        "#}",         "-",          " ",
+                                         "\n",        "if",         "elif",       "else",
+                                         "endif",     "for",        "in",         "endfor",
+                                         "set",       "=",          "x",          "messages",
+                                         "loop",      ".",          "index",      "[",
+                                         "]",         "0",          "'a'",        "\"b\\n\"",
+                                         "+",         "==",         "!=",         "not",
+                                         "and",       "or",         "(",          ")",
+                                         "|",         "trim",       "length",     "default",
+                                         "is",        "string",     "defined",    "none",
+                                         "m",         "content",    "role",       ",",
+                                         "true",      "'",          "<|im_end|>", "macro",
+                                         "endmacro",  "call",       "endcall",    "caller",
+                                         "namespace", "ns",         "tojson",     "items",
+                                         "()",        "selectattr", "map",        "join",
+                                         ":",         "::",         "-1",         "1.5",
+                                         "~",         "*",          "//",         "%",
+                                         "**",        "raw",        "endraw",     "break",
+                                         "continue",  "split",      "upper",      "strip",
+                                         "{",         "}",          "range",      "filter",
+                                         "endfilter", "with",       "endwith",    "raise_exception",
+                                         "+%}",       "{%+",        "-%}",        "{%-"};
     const size_t n_pieces = sizeof(pieces) / sizeof(pieces[0]);
-    duet_jinja_limits_t lim = {.max_output = 1 << 16, .max_iterations = 1000,
-                               .max_memory = 4 << 20};
+    duet_jinja_limits_t lim = {
+        .max_output = 1 << 16, .max_iterations = 1000, .max_memory = 4 << 20};
     size_t ok = 0, refused_n = 0;
     char buf[512];
     for (int iter = 0; iter < 4000; iter++) {
@@ -672,9 +685,16 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
             for (int i = 0; i < k; i++) {
                 size_t at = rnd() % len;
                 switch (rnd() % 3) {
-                case 0: buf[at] = (char)(rnd() % 256); break;
-                case 1: memmove(buf + at, buf + at + 1, len - at - 1); len--; break;
-                default: buf[at] = "{}%#-'\"|."[rnd() % 9]; break;
+                case 0:
+                    buf[at] = (char)(rnd() % 256);
+                    break;
+                case 1:
+                    memmove(buf + at, buf + at + 1, len - at - 1);
+                    len--;
+                    break;
+                default:
+                    buf[at] = "{}%#-'\"|."[rnd() % 9];
+                    break;
                 }
             }
         }
@@ -690,8 +710,7 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
         duet_jinja_output_t out;
         st = duet_jinja_render(t, v, &lim, &out);
         cr_assert(st == DUET_OK || st == DUET_ERR_INVALID || st == DUET_ERR_RANGE ||
-                      st == DUET_ERR_NOMEM || st == DUET_ERR_FORMAT ||
-                      st == DUET_ERR_UNSUPPORTED,
+                      st == DUET_ERR_NOMEM || st == DUET_ERR_FORMAT || st == DUET_ERR_UNSUPPORTED,
                   "status %d", (int)st);
         if (st == DUET_OK) {
             ok++;

@@ -403,8 +403,7 @@ Test(router_openai, tool_history_with_jinja_template, .timeout = 10)
                  "%s", duet_error_last());
     uint32_t *ids = NULL;
     size_t n = 0;
-    cr_assert_eq(duet_oai_request_tokens(&r, &jl, t, tok, &ids, &n, &e), DUET_OK, "%s",
-                 e.message);
+    cr_assert_eq(duet_oai_request_tokens(&r, &jl, t, tok, &ids, &n, &e), DUET_OK, "%s", e.message);
     const char want[] = "user;assistant(c1:get {\"a\": 1});tool[c1=7];";
     cr_assert_eq(n, strlen(want) + 1);
     for (size_t i = 0; i < n - 1; i++)
