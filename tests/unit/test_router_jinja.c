@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -724,4 +725,86 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
         duet_jinja_destroy(t);
     }
     cr_assert(ok > 100 && refused_n > 100, "ok %zu refused %zu", ok, refused_n);
+}
+
+/* The published templates, mutated: byte flips, deletions, duplicated spans, tag characters.
+ * Every result is refused with a position or renders (or fails) cleanly within the limits. */
+Test(router_jinja, fuzz_mutated_published_templates, .timeout = 120)
+{
+    char dir[600];
+    snprintf(dir, sizeof(dir), "%s/tests/data/chat_templates", DUET_SOURCE_DIR);
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d, "%s", dir);
+    duet_jinja_limits_t lim = {
+        .max_output = 1 << 16, .max_iterations = 2000, .max_memory = 8 << 20};
+    size_t files = 0, parsed = 0, rendered = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        size_t nl = strlen(de->d_name);
+        if (nl < 7 || strcmp(de->d_name + nl - 6, ".jinja") != 0)
+            continue;
+        char path[1200];
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        duet_strbuf_t src;
+        duet_strbuf_init(&src);
+        cr_assert_eq(duet_strbuf_read_file(&src, path, 1 << 20), DUET_OK, "%s", path);
+        files++;
+        char *buf = malloc(2 * src.len + 64);
+        cr_assert_not_null(buf);
+        for (int iter = 0; iter < 150; iter++) {
+            size_t len = src.len;
+            memcpy(buf, src.data, len);
+            int k = 1 + (int)(rnd() % 4);
+            for (int i = 0; i < k && len > 2; i++) {
+                size_t at = rnd() % len;
+                switch (rnd() % 4) {
+                case 0:
+                    buf[at] = (char)(rnd() % 256);
+                    break;
+                case 1:
+                    memmove(buf + at, buf + at + 1, len - at - 1);
+                    len--;
+                    break;
+                case 2: {
+                    size_t n = 1 + rnd() % 16;
+                    if (at + n > len)
+                        n = len - at;
+                    memmove(buf + at + n, buf + at, len - at);
+                    len += n; /* the span [at, at + n) now appears twice */
+                    break;
+                }
+                default:
+                    buf[at] = "{}%#-+'\"|.()[]:,~"[rnd() % 17];
+                    break;
+                }
+            }
+            duet_jinja_t *t = NULL;
+            duet_status_t st = duet_jinja_parse(buf, len, "fz", &t);
+            if (st != DUET_OK) {
+                cr_assert_eq(st, DUET_ERR_FORMAT, "%s", duet_error_last());
+                continue;
+            }
+            parsed++;
+            duet_jinja_vars_t *v = make_vars(two, 2);
+            duet_jinja_output_t out;
+            st = duet_jinja_render(t, v, &lim, &out);
+            cr_assert(st == DUET_OK || st == DUET_ERR_INVALID || st == DUET_ERR_RANGE ||
+                          st == DUET_ERR_NOMEM || st == DUET_ERR_FORMAT ||
+                          st == DUET_ERR_UNSUPPORTED,
+                      "status %d", (int)st);
+            if (st == DUET_OK) {
+                rendered++;
+                duet_jinja_output_free(&out);
+            }
+            duet_jinja_vars_destroy(v);
+            duet_jinja_destroy(t);
+        }
+        free(buf);
+        duet_strbuf_free(&src);
+    }
+    closedir(d);
+    cr_assert(files >= 15, "%zu templates", files);
+    cr_assert(parsed > 100 && rendered > 50, "parsed %zu rendered %zu", parsed, rendered);
+    printf("[jinja fuzz] %zu templates, %zu mutants parsed, %zu rendered\n", files, parsed,
+           rendered);
 }
