@@ -74,6 +74,16 @@ duet_status_t jj_tick(jj_render_t *r, size_t off)
     return DUET_OK;
 }
 
+duet_status_t jj_work(jj_render_t *r, size_t off, uint64_t n)
+{
+    r->work += n;
+    if (r->work > (uint64_t)r->lim.max_iterations * 1000)
+        return JJ_RERR(r, DUET_ERR_RANGE, off,
+                       "more than %zu items visited by filters and comparisons",
+                       r->lim.max_iterations * 1000);
+    return DUET_OK;
+}
+
 static duet_status_t jj_undefined_error(jj_render_t *r, const jj_expr_t *e)
 {
     if (e->kind == JE_NAME)
@@ -323,7 +333,7 @@ static duet_status_t jj_contains(jj_render_t *r, size_t off, duet_jinja_value_t 
     case JV_LIST:
         for (size_t i = 0; i < b->n && !*res; i++)
             *res = jj_equal(a, b->items[i], 0);
-        return DUET_OK;
+        return jj_work(r, off, b->n);
     case JV_DICT:
     case JV_NS:
         if ((a->kind == JV_LIST && !a->tuple) || a->kind == JV_DICT)

@@ -173,6 +173,7 @@ typedef struct {
     jj_arena_t *arena;
     duet_jinja_limits_t lim;
     size_t iterations;
+    uint64_t work; /* items filters visit and comparisons they make (jj_work) */
     int call_depth;
     int loop_ctl; /* 1: break, 2: continue, pending */
     jj_sb_t *out; /* where text goes now */
@@ -355,6 +356,9 @@ duet_status_t jj_call_macro(jj_render_t *r, size_t off, duet_jinja_value_t *m, c
 /* Python's printf-style `fmt % arg` (a tuple: the values; a dict: %(name)s). */
 duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *fmt,
                          duet_jinja_value_t *arg, duet_jinja_value_t **out);
+/* Count n items visited or compared by a filter against 1000 x max_iterations, so that sorting
+ * or de-duplicating a huge list built by the template cannot hold the CPU unboundedly. */
+duet_status_t jj_work(jj_render_t *r, size_t off, uint64_t n);
 /* Count one unit of work against the iteration limit. */
 duet_status_t jj_tick(jj_render_t *r, size_t off);
 

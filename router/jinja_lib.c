@@ -116,6 +116,9 @@ duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
                          duet_jinja_value_t **list_p)
 {
     duet_jinja_value_t *l;
+    duet_status_t st = jj_work(r, off, v->kind == JV_STR ? v->len : v->n);
+    if (st != DUET_OK)
+        return st;
     switch (v->kind) {
     case JV_UNDEF:
         return jj_ret(r, off, jj_list_new(r, false), list_p);
@@ -761,6 +764,13 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
         }
         if (i >= fmt->len)
             return JJ_RERR(r, DUET_ERR_INVALID, off, "incomplete format");
+        /* Width and precision beyond 4 digits would only build strings over the limits. */
+        size_t digits = 0;
+        for (size_t k = 1; k < sl; k++) {
+            digits = spec[k] >= '0' && spec[k] <= '9' ? digits + 1 : 0;
+            if (digits > 4)
+                return JJ_RERR(r, DUET_ERR_RANGE, off, "format width or precision too large");
+        }
         char conv = fmt->s[i++];
         if (conv == '%' && sl == 1) {
             jj_sb_put_range(&sb, fmt, at, 1);
@@ -774,7 +784,7 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
             else
                 return JJ_RERR(r, DUET_ERR_INVALID, off, "not enough arguments for format string");
         }
-        char buf[512];
+        char buf[10400]; /* 4-digit width or precision, plus a double's 309 digits */
         int len = 0;
         if (conv == 's' || conv == 'r' || conv == 'a') {
             duet_jinja_value_t *str = NULL;
@@ -847,6 +857,8 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
         } else {
             return JJ_RERR(r, DUET_ERR_INVALID, off, "unsupported format character '%c'", conv);
         }
+        if (len >= (int)sizeof(buf))
+            return JJ_RERR(r, DUET_ERR_RANGE, off, "formatted number too long");
         jj_sb_put(&sb, buf, len > 0 ? (size_t)len : 0, DUET_JINJA_ORIGIN_TEMPLATE);
     }
     if (map == NULL && used < n)
@@ -1523,6 +1535,8 @@ static void jj_msort(jj_sort_ctx_t *c, duet_jinja_value_t **keys, duet_jinja_val
     jj_msort(c, keys, items, tk, ti, h);
     jj_msort(c, keys + h, items + h, tk, ti, n - h);
     size_t i = 0, j = h, o = 0;
+    if (c->st == DUET_OK)
+        c->st = jj_work(c->r, c->off, n);
     while (i < h && j < n && c->st == DUET_OK) {
         int cmp = 0;
         c->st = jj_compare(c->r, c->off, keys[j], keys[i], &cmp);
@@ -1958,6 +1972,8 @@ FILTER(f_unique)
                               &k)) != DUET_OK)
             return st;
         bool dup = false;
+        if ((st = jj_work(r, off, seen->n)) != DUET_OK)
+            return st;
         for (size_t j = 0; j < seen->n && !dup; j++)
             dup = jj_equal(seen->items[j], k, 0);
         if (!dup && (jj_push(r->arena, seen, k) != DUET_OK ||

@@ -237,6 +237,8 @@ Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
         {"{% set z.a = 1 %}", DUET_ERR_INVALID, "non-namespace"},
         {"{{ 9223372036854775807 + 1 }}", DUET_ERR_RANGE, "integer overflow"},
         {"{{ range(200000)|length }}", DUET_ERR_RANGE, "MAX_RANGE"},
+        {"{{ '%99999999999d' % 1 }}", DUET_ERR_RANGE, "too large"},
+        {"{{ '%.99999s'|format('x') }}", DUET_ERR_RANGE, "too large"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         duet_status_t st;
@@ -567,6 +569,14 @@ Test(router_jinja, limits, .timeout = 20)
     cr_assert_eq(st, DUET_ERR_RANGE);
     cr_assert(strstr(duet_error_last(), "iterations and macro calls") != NULL, "%s",
               duet_error_last());
+    /* Filters over a huge list the template built stop at the work budget. */
+    duet_jinja_limits_t work = {.max_iterations = 100};
+    got = render_with("{% set ns = namespace(l=[0]) %}{% for i in range(10) %}"
+                      "{% set ns.l = ns.l + range(ns.l|length, 2 * ns.l|length)|list %}"
+                      "{% endfor %}{{ ns.l|unique|list|length }}",
+                      two, 2, false, &work, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE, "%s", duet_error_last());
+    cr_assert(strstr(duet_error_last(), "visited by filters") != NULL, "%s", duet_error_last());
     /* A value that holds itself prints as an error, not a crash. */
     got = render_with("{% set ns = namespace(a=1) %}{% set ns.self = ns %}{{ ns }}", two, 2, false,
                       NULL, &st);
