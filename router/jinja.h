@@ -3,7 +3,7 @@
  * ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls, the
  * {% generation %} block, transformers' tojson (json.dumps, ensure_ascii off) and its globals
  * raise_exception(msg) and strftime_now(fmt). Output is byte for byte what CPython prints
- * (None/True/False, float repr, list and dict repr, json.dumps); tests/unit/chat_template_oracle
+ * (None/True/False, float repr, list and dict repr, json.dumps); the chat_template_oracle test
  * compares every published template in tests/data/chat_templates against jinja2 itself.
  *
  * The template comes from a model folder (outside bytes), so the whole template is parsed into an
