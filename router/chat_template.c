@@ -55,7 +55,7 @@ struct duet_oai_template {
     char *blob; /* (blob_len) owned: the ordinary text of every TEXT part */
     size_t blob_len;
     duet_jinja_t *jinja; /* owned; non-NULL for a Jinja template (then seq[] is empty) */
-    char *bos, *eos;     /* owned; the Jinja template's bos_token / eos_token ("" if none) */
+    json_t *specials;    /* owned; Jinja: {"bos_token": "<s>", ...} the template sees */
 };
 
 static const char *const tpl_role_names[DUET_OAI_ROLE_COUNT] = {"system", "user", "assistant"};
@@ -94,14 +94,15 @@ static duet_status_t tpl_split_specials(const duet_tokenizer_t *tok, const char 
     uint32_t *ids = malloc(len * sizeof(*ids)); /* a token is at least one byte */
     if (ids == NULL)
         return DUET_ERR_NOMEM;
-    size_t        n  = 0;
-    duet_status_t st = duet_tokenizer_encode(tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
+    size_t n = 0;
+    duet_status_t st =
+        duet_tokenizer_encode(tok, s, len, DUET_TOKENIZER_ALLOW_SPECIAL, ids, len, &n);
     for (size_t i = 0; st == DUET_OK && i < n; i++) {
         if (duet_tokenizer_is_special(tok, ids[i])) {
             st = on_special(user, ids[i]);
         } else {
-            const uint8_t *b  = NULL;
-            size_t         bl = 0;
+            const uint8_t *b = NULL;
+            size_t bl = 0;
             st = duet_tokenizer_token_bytes(tok, ids[i], &b, &bl);
             if (st == DUET_OK)
                 st = duet_strbuf_append(text, (const char *)b, bl);
@@ -114,23 +115,24 @@ static duet_status_t tpl_split_specials(const duet_tokenizer_t *tok, const char 
 /* tpl_add_literal's state: ordinary bytes since `off` in the blob become one TEXT part. */
 typedef struct {
     duet_strbuf_t *blob;
-    tpl_seq_t     *seq;
-    size_t         off;
+    tpl_seq_t *seq;
+    size_t off;
 } tpl_lit_t;
 
 static duet_status_t tpl_lit_text(tpl_lit_t *l)
 {
     duet_status_t st = DUET_OK;
     if (l->blob->len > l->off)
-        st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_TEXT, .off = l->off,
-                                               .len = l->blob->len - l->off});
+        st = tpl_seq_push(
+            l->seq,
+            (tpl_part_t){.kind = TPL_PART_TEXT, .off = l->off, .len = l->blob->len - l->off});
     l->off = l->blob->len;
     return st;
 }
 
 static duet_status_t tpl_lit_special(void *user, uint32_t id)
 {
-    tpl_lit_t    *l  = user;
+    tpl_lit_t *l = user;
     duet_status_t st = tpl_lit_text(l);
     if (st == DUET_OK)
         st = tpl_seq_push(l->seq, (tpl_part_t){.kind = TPL_PART_SPECIAL, .id = id});
@@ -141,7 +143,7 @@ static duet_status_t tpl_lit_special(void *user, uint32_t id)
 static duet_status_t tpl_add_literal(duet_oai_template_t *t, duet_strbuf_t *blob, tpl_seq_t *seq,
                                      const char *s, size_t len)
 {
-    tpl_lit_t     l  = {.blob = blob, .seq = seq, .off = blob->len};
+    tpl_lit_t l = {.blob = blob, .seq = seq, .off = blob->len};
     duet_status_t st = tpl_split_specials(t->tok, s, len, blob, tpl_lit_special, &l);
     return st == DUET_OK ? tpl_lit_text(&l) : st;
 }
@@ -220,8 +222,7 @@ void duet_oai_template_destroy(duet_oai_template_t *tmpl)
         free(tmpl->seq[i].parts);
     free(tmpl->blob);
     duet_jinja_destroy(tmpl->jinja);
-    free(tmpl->bos);
-    free(tmpl->eos);
+    json_decref(tmpl->specials);
     free(tmpl);
 }
 
@@ -233,7 +234,8 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
                                        const duet_tokenizer_t *tok, duet_oai_template_t **tmpl_p)
 {
     if (tok == NULL || tmpl_p == NULL || source == NULL)
-        return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument (duet's format needs a "
+                                           "tokenizer)");
     const char *prefix = "<|bos|>", *message = "{role}: {content}\n";
     const char *gen = "assistant: ", *cprefix = "<|bos|>";
     const char *per_role[DUET_OAI_ROLE_COUNT] = {NULL, NULL, NULL};
@@ -350,38 +352,90 @@ fail:
     return st;
 }
 
-/* A token string from tokenizer_config.json: a string, or {"content": "..."}; "" if absent. */
-static char *tpl_config_token(const json_t *root, const char *key)
+/* The special-token strings transformers passes to a template (its special_tokens_map). */
+static const char *const tpl_special_keys[] = {
+    "bos_token", "eos_token", "unk_token",  "sep_token",
+    "pad_token", "cls_token", "mask_token", "additional_special_tokens"};
+
+/* A token as tokenizer_config.json writes it: a string, or {"content": "..."}; NULL otherwise. */
+static const char *tpl_token_text(const json_t *v)
 {
-    const json_t *v = root != NULL ? json_object_get(root, key) : NULL;
     if (json_is_object(v))
         v = json_object_get(v, "content");
-    return strdup(json_is_string(v) ? json_string_value(v) : "");
+    return json_is_string(v) ? json_string_value(v) : NULL;
 }
 
-/* Compile a Jinja chat template (parsed whole, now: a bad one is refused at start-up). */
-static duet_status_t tpl_create_jinja(const char *src, size_t len, const char *source,
-                                      const json_t *config, const duet_tokenizer_t *tok,
-                                      duet_oai_template_t **tmpl_p)
+/* Add to `specials` the tokens `config` has that it lacks yet. */
+static duet_status_t tpl_add_specials(json_t *specials, const json_t *config)
 {
+    if (!json_is_object(config))
+        return DUET_OK;
+    for (size_t k = 0; k < sizeof(tpl_special_keys) / sizeof(tpl_special_keys[0]); k++) {
+        const char *key = tpl_special_keys[k];
+        const json_t *v = json_object_get(config, key);
+        if (v == NULL || json_object_get(specials, key) != NULL)
+            continue;
+        json_t *val = NULL;
+        if (json_is_array(v)) {
+            val = json_array();
+            size_t i;
+            const json_t *item;
+            json_array_foreach(v, i, item)
+            {
+                const char *t = tpl_token_text(item);
+                if (val != NULL && t != NULL && json_array_append_new(val, json_string(t)) != 0)
+                    return DUET_ERR_NOMEM;
+            }
+        } else if (tpl_token_text(v) != NULL) {
+            val = json_string(tpl_token_text(v));
+        } else {
+            continue; /* null or a shape transformers would not pass either */
+        }
+        if (val == NULL || json_object_set_new(specials, key, val) != 0)
+            return DUET_ERR_NOMEM;
+    }
+    return DUET_OK;
+}
+
+duet_status_t duet_oai_template_create_jinja(const char *text, size_t len, const char *source,
+                                             const json_t *config, const duet_tokenizer_t *tok,
+                                             duet_oai_template_t **tmpl_p)
+{
+    if ((text == NULL && len > 0) || source == NULL || tmpl_p == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
     duet_oai_template_t *t = calloc(1, sizeof(*t));
     if (t == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", source);
     t->tok = tok;
-    duet_status_t st = duet_jinja_parse(src, len, source, &t->jinja);
+    duet_status_t st = duet_jinja_parse(text, len, source, &t->jinja);
     if (st != DUET_OK) {
         DUET_LOG_ERROR("%s", duet_error_last());
         duet_oai_template_destroy(t);
         return st;
     }
-    t->bos = tpl_config_token(config, "bos_token");
-    t->eos = tpl_config_token(config, "eos_token");
-    if (t->bos == NULL || t->eos == NULL) {
+    t->specials = json_object();
+    if (t->specials == NULL || tpl_add_specials(t->specials, config) != DUET_OK) {
         duet_oai_template_destroy(t);
         return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", source);
     }
     *tmpl_p = t;
     return DUET_OK;
+}
+
+duet_status_t duet_oai_template_set_token(duet_oai_template_t *tmpl, const char *name,
+                                          const char *value)
+{
+    if (tmpl == NULL || tmpl->jinja == NULL || name == NULL || value == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "chat template: special tokens are set only on "
+                                                "a Jinja template");
+    if (json_object_set_new(tmpl->specials, name, json_string(value)) != 0)
+        return duet_error_set(DUET_ERR_NOMEM, "chat template: no memory");
+    return DUET_OK;
+}
+
+bool duet_oai_template_is_jinja(const duet_oai_template_t *tmpl)
+{
+    return tmpl != NULL && tmpl->jinja != NULL;
 }
 
 static bool tpl_file_exists(const char *path)
@@ -393,7 +447,7 @@ static bool tpl_file_exists(const char *path)
 duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
                                      duet_oai_template_t **tmpl_p)
 {
-    if (dir == NULL || tok == NULL || tmpl_p == NULL)
+    if (dir == NULL || tmpl_p == NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
     duet_strbuf_t path;
     duet_strbuf_init(&path);
@@ -402,6 +456,13 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
         return DUET_FAIL(st, "chat template: no memory");
 
     if (tpl_file_exists(path.data)) {
+        if (tok == NULL) {
+            duet_strbuf_free(&path);
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "%s/chat_template.json: duet's format needs a "
+                             "tokenizer",
+                             dir);
+        }
         duet_strbuf_t text;
         duet_strbuf_init(&text);
         st = duet_strbuf_read_file(&text, path.data, DUET_JSON_DEFAULT_MAX_BYTES);
@@ -446,10 +507,11 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     } else if (st == DUET_OK && root != NULL) {
         json_t *ct = json_object_get(root, "chat_template");
         if (ct != NULL && !json_is_null(ct) && !json_is_string(ct)) {
-            st = duet_error_set(DUET_ERR_UNSUPPORTED,
-                                "%s: \"chat_template\" is %s; only a string (one Jinja template) is "
-                                "supported",
-                                path.data, duet_json_type_name(ct));
+            st =
+                duet_error_set(DUET_ERR_UNSUPPORTED,
+                               "%s: \"chat_template\" is %s; only a string (one Jinja template) is "
+                               "supported",
+                               path.data, duet_json_type_name(ct));
         } else if (json_is_string(ct)) {
             jsrc = json_string_value(ct);
             jlen = json_string_length(ct);
@@ -457,9 +519,25 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
             st = duet_strbuf_printf(&jpath, "%s:chat_template", path.data);
         }
     }
-    if (st == DUET_OK && jsrc != NULL)
-        st = tpl_create_jinja(jsrc, jlen, jpath.data, root, tok, tmpl_p);
-    else if (st != DUET_OK)
+    if (st == DUET_OK && jsrc != NULL) {
+        /* The token strings: special_tokens_map.json's win over tokenizer_config.json's, as in
+         * transformers and in the tokenizer's own loader (engine/tokenizer). */
+        path.len = 0;
+        json_t *map = NULL;
+        if (duet_strbuf_printf(&path, "%s/special_tokens_map.json", dir) == DUET_OK &&
+            tpl_file_exists(path.data))
+            st = duet_json_load_file(path.data, DUET_JSON_DEFAULT_MAX_BYTES, &map);
+        if (st == DUET_OK)
+            st = duet_oai_template_create_jinja(jsrc, jlen, jpath.data, map, tok, tmpl_p);
+        if (st == DUET_OK && tpl_add_specials((*tmpl_p)->specials, root) != DUET_OK) {
+            st = duet_error_set(DUET_ERR_NOMEM, "%s: no memory", dir);
+            duet_oai_template_destroy(*tmpl_p);
+            *tmpl_p = NULL;
+        }
+        json_decref(map);
+        if (st != DUET_OK)
+            DUET_LOG_ERROR("%s", duet_error_last());
+    } else if (st != DUET_OK)
         DUET_LOG_ERROR("%s", duet_error_last());
     json_decref(root);
     duet_strbuf_free(&jtext);
@@ -470,6 +548,11 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     }
     duet_strbuf_free(&jpath);
     duet_strbuf_free(&path);
+    if (tok == NULL)
+        return DUET_FAIL(DUET_ERR_NOT_FOUND,
+                         "%s: no Jinja chat template (chat_template.jinja or "
+                         "tokenizer_config.json's \"chat_template\")",
+                         dir);
     return duet_oai_template_create(NULL, 0, "default chat template", tok, tmpl_p);
 }
 
@@ -578,56 +661,77 @@ static duet_status_t tpl_out_trusted(tpl_out_t *o, const char *s, size_t len)
     return tpl_split_specials(o->tok, s, len, &o->text, tpl_out_special_cb, o);
 }
 
-/* The Jinja variables for one request: messages (role, content), generation prompt, tokens. */
-static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai_message_t *msgs,
-                                    size_t n_msgs, duet_jinja_vars_t *vars)
+/* The variables transformers' render_jinja_template passes: messages, tools, documents,
+ * add_generation_prompt, and the special tokens (trusted, so TEMPLATE). */
+static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai_chat_t *chat,
+                                    duet_jinja_vars_t *vars)
 {
-    duet_jinja_value_t *list = duet_jinja_list(vars);
-    if (list == NULL)
-        return DUET_ERR_NOMEM;
-    for (size_t i = 0; i < n_msgs; i++) {
-        if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT)
-            return DUET_FAIL(DUET_ERR_INVALID, "chat template: message %zu has a bad role", i);
-        const char *role = duet_oai_role_name(msgs[i].role);
-        duet_jinja_value_t *m = duet_jinja_map(vars);
-        duet_jinja_value_t *r =
-            duet_jinja_string(vars, role, strlen(role), DUET_JINJA_ORIGIN_DATA);
-        duet_jinja_value_t *c = duet_jinja_string(vars, msgs[i].content, msgs[i].content_len,
-                                                  DUET_JINJA_ORIGIN_DATA);
-        if (m == NULL || r == NULL || c == NULL ||
-            duet_jinja_map_set(vars, m, "role", r) != DUET_OK ||
-            duet_jinja_map_set(vars, m, "content", c) != DUET_OK ||
-            duet_jinja_list_push(vars, list, m) != DUET_OK)
-            return DUET_ERR_NOMEM;
+    duet_jinja_value_t *v = NULL;
+    duet_status_t st;
+    if (!json_is_array(chat->messages))
+        return duet_error_set(DUET_ERR_INVALID, "chat template: messages must be an array");
+    if (chat->tools != NULL && !json_is_array(chat->tools))
+        return duet_error_set(DUET_ERR_INVALID, "chat template: tools must be an array");
+    if ((st = duet_jinja_from_json(vars, chat->messages, DUET_JINJA_ORIGIN_DATA, &v)) != DUET_OK ||
+        (st = duet_jinja_vars_set(vars, "messages", v)) != DUET_OK)
+        return st;
+    if (chat->tools != NULL)
+        st = duet_jinja_from_json(vars, chat->tools, DUET_JINJA_ORIGIN_DATA, &v);
+    else
+        st = (v = duet_jinja_none(vars)) != NULL ? DUET_OK : DUET_ERR_NOMEM;
+    duet_jinja_value_t *none = duet_jinja_none(vars);
+    duet_jinja_value_t *gen = duet_jinja_bool(vars, chat->add_generation_prompt);
+    if (st == DUET_OK && (none == NULL || gen == NULL))
+        st = DUET_ERR_NOMEM;
+    if (st == DUET_OK &&
+        ((st = duet_jinja_vars_set(vars, "tools", v)) != DUET_OK ||
+         (st = duet_jinja_vars_set(vars, "documents", none)) != DUET_OK ||
+         (st = duet_jinja_vars_set(vars, "add_generation_prompt", gen)) != DUET_OK))
+        return st;
+    const char *key;
+    json_t *val;
+    json_object_foreach(t->specials, key, val)
+    {
+        if (st != DUET_OK)
+            break;
+        if ((st = duet_jinja_from_json(vars, val, DUET_JINJA_ORIGIN_TEMPLATE, &v)) == DUET_OK)
+            st = duet_jinja_vars_set(vars, key, v);
     }
-    duet_jinja_value_t *gen = duet_jinja_bool(vars, true), *tools = duet_jinja_none(vars);
-    duet_jinja_value_t *bos = duet_jinja_string(vars, t->bos, strlen(t->bos),
-                                                DUET_JINJA_ORIGIN_TEMPLATE);
-    duet_jinja_value_t *eos = duet_jinja_string(vars, t->eos, strlen(t->eos),
-                                                DUET_JINJA_ORIGIN_TEMPLATE);
-    if (gen == NULL || tools == NULL || bos == NULL || eos == NULL ||
-        duet_jinja_vars_set(vars, "messages", list) != DUET_OK ||
-        duet_jinja_vars_set(vars, "add_generation_prompt", gen) != DUET_OK ||
-        duet_jinja_vars_set(vars, "bos_token", bos) != DUET_OK ||
-        duet_jinja_vars_set(vars, "eos_token", eos) != DUET_OK ||
-        duet_jinja_vars_set(vars, "tools", tools) != DUET_OK)
-        return DUET_ERR_NOMEM;
-    return DUET_OK;
+    duet_jinja_vars_set_time(vars, chat->now);
+    if (st == DUET_ERR_NOMEM && duet_error_last()[0] == '\0')
+        duet_error_set(st, "chat template: no memory");
+    return st;
 }
 
-static duet_status_t tpl_jinja_prompt(tpl_out_t *o, const duet_oai_template_t *t,
-                                      const duet_oai_message_t *msgs, size_t n_msgs)
+duet_status_t duet_oai_template_render(const duet_oai_template_t *tmpl, const duet_oai_chat_t *chat,
+                                       duet_jinja_output_t *out)
 {
+    if (out != NULL)
+        memset(out, 0, sizeof(*out));
+    if (tmpl == NULL || chat == NULL || out == NULL || tmpl->jinja == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "chat template: render needs a Jinja template");
     duet_jinja_vars_t *vars = NULL;
-    duet_jinja_output_t out;
-    memset(&out, 0, sizeof(out));
     duet_status_t st = duet_jinja_vars_create(0, &vars);
+    if (st != DUET_OK)
+        return duet_error_set(st, "chat template: no memory");
+    duet_error_clear();
+    st = tpl_jinja_vars(tmpl, chat, vars);
     if (st == DUET_OK)
-        st = tpl_jinja_vars(t, msgs, n_msgs, vars);
-    if (st == DUET_OK) {
-        st = duet_jinja_render(t->jinja, vars, NULL, &out);
-        if (st != DUET_OK && st != DUET_ERR_NOMEM)
+        st = duet_jinja_render(tmpl->jinja, vars, NULL, out);
+    duet_jinja_vars_destroy(vars);
+    return st;
+}
+
+/* Template-origin text is split at special tokens; data is ordinary text. */
+static duet_status_t tpl_jinja_tokens(tpl_out_t *o, const duet_oai_template_t *t,
+                                      const duet_oai_chat_t *chat)
+{
+    duet_jinja_output_t out;
+    duet_status_t st = duet_oai_template_render(t, chat, &out);
+    if (st != DUET_OK) {
+        if (st != DUET_ERR_NOMEM)
             DUET_LOG_WARN("%s", duet_error_last());
+        return st;
     }
     for (size_t i = 0; st == DUET_OK && i < out.n_segs; i++) {
         const duet_jinja_segment_t *sg = &out.segs[i];
@@ -637,8 +741,42 @@ static duet_status_t tpl_jinja_prompt(tpl_out_t *o, const duet_oai_template_t *t
             st = duet_strbuf_append(&o->text, out.text.data + sg->off, sg->len);
     }
     duet_jinja_output_free(&out);
-    duet_jinja_vars_destroy(vars);
     return st;
+}
+
+duet_status_t duet_oai_chat_prompt_json(const duet_oai_template_t *tmpl,
+                                        const duet_tokenizer_t *tok, const duet_oai_chat_t *chat,
+                                        uint32_t **ids_p, size_t *n_p)
+{
+    if (tmpl == NULL || tok == NULL || chat == NULL || ids_p == NULL || n_p == NULL ||
+        tmpl->jinja == NULL || (tmpl->tok != NULL && tmpl->tok != tok))
+        return DUET_FAIL(DUET_ERR_INVALID, "chat template: bad arguments");
+    tpl_out_t o = {.tok = tok};
+    duet_strbuf_init(&o.text);
+    duet_status_t st = tpl_jinja_tokens(&o, tmpl, chat);
+    if (st != DUET_OK) {
+        duet_strbuf_free(&o.text);
+        free(o.ids);
+        return st; /* the render's detail stays in duet_error_last() */
+    }
+    return tpl_out_finish(&o, st, ids_p, n_p);
+}
+
+/* duet_oai_chat_prompt's messages as the OpenAI JSON a Jinja template reads. */
+static json_t *tpl_messages_json(const duet_oai_message_t *msgs, size_t n_msgs)
+{
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < n_msgs; i++) {
+        json_t *m = json_object();
+        if (m == NULL || json_array_append_new(arr, m) != 0 ||
+            json_object_set_new(m, "role", json_string(duet_oai_role_name(msgs[i].role))) != 0 ||
+            json_object_set_new(m, "content", json_stringn(msgs[i].content, msgs[i].content_len)) !=
+                0) {
+            json_decref(arr);
+            return NULL;
+        }
+    }
+    return arr;
 }
 
 duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
@@ -648,10 +786,20 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
     if (tmpl == NULL || tok == NULL || (msgs == NULL && n_msgs > 0) || ids_p == NULL ||
         n_p == NULL || tmpl->tok != tok)
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: bad arguments");
+    if (tmpl->jinja != NULL) {
+        for (size_t i = 0; i < n_msgs; i++)
+            if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT)
+                return DUET_FAIL(DUET_ERR_INVALID, "chat template: message %zu has a bad role", i);
+        json_t *arr = tpl_messages_json(msgs, n_msgs);
+        if (arr == NULL)
+            return DUET_FAIL(DUET_ERR_NOMEM, "chat template: no memory");
+        duet_oai_chat_t chat = {.messages = arr, .add_generation_prompt = true};
+        duet_status_t st = duet_oai_chat_prompt_json(tmpl, tok, &chat, ids_p, n_p);
+        json_decref(arr);
+        return st;
+    }
     tpl_out_t o = {.tok = tok};
     duet_strbuf_init(&o.text);
-    if (tmpl->jinja != NULL)
-        return tpl_out_finish(&o, tpl_jinja_prompt(&o, tmpl, msgs, n_msgs), ids_p, n_p);
     duet_status_t st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_PREFIX], NULL);
     for (size_t i = 0; i < n_msgs && st == DUET_OK; i++) {
         if ((int)msgs[i].role < 0 || msgs[i].role >= DUET_OAI_ROLE_COUNT) {

@@ -545,9 +545,80 @@ static duet_status_t oai_parse_content(oai_parse_t *p, size_t i, const json_t *c
     return st;
 }
 
-/* Message keys other than role/content: "name" is ignored; these must be null. */
+/* Message keys other than role/content/name: null (or an empty array) unless the template is
+ * Jinja, where an assistant's tool_calls and a tool message's tool_call_id carry the history. */
 static const char *const oai_msg_null_keys[] = {"tool_calls", "tool_call_id", "function_call",
                                                 "refusal", "audio"};
+
+/* A string field of `obj` at where.key that must be present (and not empty when nonempty). */
+static duet_status_t oai_need_string(oai_parse_t *p, const json_t *obj, const char *where,
+                                     const char *key, bool nonempty)
+{
+    char kw[256];
+    snprintf(kw, sizeof(kw), "%s.%s", where, key);
+    const json_t *v = json_object_get(obj, key);
+    if (v == NULL || json_is_null(v))
+        return oai_missing(p, kw);
+    if (!json_is_string(v))
+        return oai_bad_type(p, kw, "a string", v);
+    if (nonempty && json_string_length(v) == 0)
+        return oai_bad_value(p, kw, "Invalid '%s': empty string. Expected a non-empty string.", kw);
+    return DUET_OK;
+}
+
+/* An assistant's tool_calls: [{id, type: "function", function: {name, arguments}}, ...]. */
+static duet_status_t oai_parse_tool_calls(oai_parse_t *p, const char *where, const json_t *v)
+{
+    char kw[160];
+    snprintf(kw, sizeof(kw), "%s.tool_calls", where);
+    if (!json_is_array(v))
+        return oai_bad_type(p, kw, "an array of tool calls", v);
+    size_t i;
+    const json_t *tc;
+    json_array_foreach(v, i, tc)
+    {
+        char cw[200], fw[224];
+        snprintf(cw, sizeof(cw), "%s[%zu]", kw, i);
+        if (!json_is_object(tc))
+            return oai_bad_type(p, cw, "an object", tc);
+        const char *key;
+        json_t *val;
+        json_object_foreach((json_t *)tc, key, val)
+        {
+            if (strcmp(key, "id") != 0 && strcmp(key, "type") != 0 && strcmp(key, "function") != 0)
+                return duet_oai_error_make(p->err, 400, NULL, "unrecognized_argument", cw,
+                                           "Unrecognized argument in '%s': '%.48s'.", cw, key);
+        }
+        duet_status_t st = oai_need_string(p, tc, cw, "id", true);
+        if (st == DUET_OK)
+            st = oai_need_string(p, tc, cw, "type", false);
+        if (st != DUET_OK)
+            return st;
+        if (strcmp(json_string_value(json_object_get(tc, "type")), "function") != 0) {
+            snprintf(fw, sizeof(fw), "%s.type", cw);
+            return oai_bad_value(p, fw,
+                                 "Invalid value for '%s': '%.64s'. Supported values are: "
+                                 "'function'.",
+                                 fw, json_string_value(json_object_get(tc, "type")));
+        }
+        const json_t *fn = json_object_get(tc, "function");
+        snprintf(fw, sizeof(fw), "%s.function", cw);
+        if (fn == NULL || json_is_null(fn))
+            return oai_missing(p, fw);
+        if (!json_is_object(fn))
+            return oai_bad_type(p, fw, "an object", fn);
+        json_object_foreach((json_t *)fn, key, val)
+        {
+            if (strcmp(key, "name") != 0 && strcmp(key, "arguments") != 0)
+                return duet_oai_error_make(p->err, 400, NULL, "unrecognized_argument", fw,
+                                           "Unrecognized argument in '%s': '%.48s'.", fw, key);
+        }
+        if ((st = oai_need_string(p, fn, fw, "name", true)) != DUET_OK ||
+            (st = oai_need_string(p, fn, fw, "arguments", false)) != DUET_OK)
+            return st;
+    }
+    return DUET_OK;
+}
 
 static duet_status_t oai_parse_message(oai_parse_t *p, size_t i, const json_t *msg,
                                        duet_oai_message_t *m)
@@ -556,6 +627,38 @@ static duet_status_t oai_parse_message(oai_parse_t *p, size_t i, const json_t *m
     snprintf(where, sizeof(where), "messages[%zu]", i);
     if (!json_is_object(msg))
         return oai_bad_type(p, where, "an object", msg);
+    const bool jinja = p->lim->jinja_template;
+
+    char rw[112];
+    snprintf(rw, sizeof(rw), "%s.role", where);
+    json_t *role = json_object_get(msg, "role");
+    if (role == NULL || json_is_null(role))
+        return oai_missing(p, rw);
+    if (!json_is_string(role))
+        return oai_bad_type(p, rw, "a string", role);
+    const char *r = json_string_value(role);
+    bool tool = false;
+    if (strcmp(r, "system") == 0 || strcmp(r, "developer") == 0)
+        m->role = DUET_OAI_ROLE_SYSTEM;
+    else if (strcmp(r, "user") == 0)
+        m->role = DUET_OAI_ROLE_USER;
+    else if (strcmp(r, "assistant") == 0)
+        m->role = DUET_OAI_ROLE_ASSISTANT;
+    else if (strcmp(r, "tool") == 0 && jinja)
+        m->role = DUET_OAI_ROLE_USER, tool = true; /* role is only read by duet's format */
+    else if (strcmp(r, "tool") == 0)
+        return oai_bad_value(p, rw,
+                             "Invalid value for '%s': 'tool'. This model's chat template "
+                             "(duet's format) has no tool messages; supported values are: "
+                             "'system', 'developer', 'user' and 'assistant'.",
+                             rw);
+    else
+        return oai_bad_value(p, rw,
+                             "Invalid value for '%s': '%.64s'. Supported values are: 'system', "
+                             "'developer', 'user'%s.",
+                             rw, r, jinja ? ", 'assistant' and 'tool'" : " and 'assistant'");
+
+    bool has_calls = false;
     const char *key;
     json_t *val;
     json_object_foreach((json_t *)msg, key, val)
@@ -575,37 +678,44 @@ static duet_status_t oai_parse_message(oai_parse_t *p, size_t i, const json_t *m
         if (!known)
             return duet_oai_error_make(p->err, 400, NULL, "unrecognized_argument", kw,
                                        "Unrecognized argument in a message: '%s'.", kw);
-        if (!json_is_null(val) && !(json_is_array(val) && json_array_size(val) == 0))
-            return oai_unsupported(p, kw, "(no tool or audio support)");
+        if (json_is_null(val) || (json_is_array(val) && json_array_size(val) == 0))
+            continue;
+        if (jinja && m->role == DUET_OAI_ROLE_ASSISTANT && !tool &&
+            strcmp(key, "tool_calls") == 0) {
+            duet_status_t st = oai_parse_tool_calls(p, where, val);
+            if (st != DUET_OK)
+                return st;
+            has_calls = true;
+            continue;
+        }
+        if (jinja && tool && strcmp(key, "tool_call_id") == 0) {
+            if (!json_is_string(val))
+                return oai_bad_type(p, kw, "a string", val);
+            continue;
+        }
+        if (strcmp(key, "tool_calls") == 0 || strcmp(key, "tool_call_id") == 0)
+            return oai_unsupported(p, kw,
+                                   jinja ? (strcmp(key, "tool_calls") == 0
+                                                ? "(only in an assistant message)"
+                                                : "(only in a tool message)")
+                                         : "(this model's chat template, duet's format, has no "
+                                           "tool calls)");
+        return oai_unsupported(p, kw, "(no audio or refusal content in the history)");
     }
-
-    char rw[112];
-    snprintf(rw, sizeof(rw), "%s.role", where);
-    json_t *role = json_object_get(msg, "role");
-    if (role == NULL || json_is_null(role))
-        return oai_missing(p, rw);
-    if (!json_is_string(role))
-        return oai_bad_type(p, rw, "a string", role);
-    const char *r = json_string_value(role);
-    if (strcmp(r, "system") == 0 || strcmp(r, "developer") == 0)
-        m->role = DUET_OAI_ROLE_SYSTEM;
-    else if (strcmp(r, "user") == 0)
-        m->role = DUET_OAI_ROLE_USER;
-    else if (strcmp(r, "assistant") == 0)
-        m->role = DUET_OAI_ROLE_ASSISTANT;
-    else
-        return oai_bad_value(p, rw,
-                             "Invalid value for '%s': '%.64s'. Supported values are: 'system', "
-                             "'developer', 'user' and 'assistant'.",
-                             rw, r);
+    if (tool) {
+        duet_status_t st = oai_need_string(p, msg, where, "tool_call_id", false);
+        if (st != DUET_OK)
+            return st;
+    }
 
     json_t *content = json_object_get(msg, "content");
     if (content == NULL || json_is_null(content)) {
-        if (m->role != DUET_OAI_ROLE_ASSISTANT) {
+        if (m->role != DUET_OAI_ROLE_ASSISTANT || tool) {
             char cw[112];
             snprintf(cw, sizeof(cw), "%s.content", where);
             return oai_missing(p, cw);
         }
+        (void)has_calls; /* an assistant turn may be tool calls alone, or empty */
         m->content = oai_strdup("", 0);
         m->content_len = 0;
         return m->content != NULL ? DUET_OK : oai_nomem(p);
@@ -640,6 +750,8 @@ static duet_status_t oai_parse_messages(oai_parse_t *p)
         if (st != DUET_OK)
             return st;
     }
+    /* A Jinja template reads the conversation as the OpenAI JSON it came in. */
+    req->messages_json = json_incref(v);
     return DUET_OK;
 }
 
@@ -914,6 +1026,7 @@ void duet_oai_request_free(duet_oai_request_t *req)
     for (size_t i = 0; i < req->n_messages; i++)
         free(req->messages[i].content);
     free(req->messages);
+    json_decref(req->messages_json);
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
@@ -1009,7 +1122,18 @@ duet_status_t duet_oai_request_tokens(const duet_oai_request_t *req, const duet_
     uint32_t *ids = NULL;
     size_t n = 0;
     duet_status_t st;
-    if (chat) {
+    if (chat && duet_oai_template_is_jinja(tmpl) && req->messages_json != NULL) {
+        duet_oai_chat_t c = {.messages = req->messages_json, .add_generation_prompt = true};
+        st = duet_oai_chat_prompt_json(tmpl, tok, &c, &ids, &n);
+        if (st != DUET_OK && st != DUET_ERR_NOMEM && st != DUET_ERR_INTERNAL) {
+            /* The template refused these messages (its raise_exception, or an error where
+             * jinja2 raises): the request's fault, said in the template's own words. */
+            return duet_oai_error_make(err_p, 400, NULL, "invalid_value", param,
+                                       "The model's chat template cannot render these messages: "
+                                       "%s",
+                                       duet_error_last());
+        }
+    } else if (chat) {
         st = duet_oai_chat_prompt(tmpl, tok, req->messages, req->n_messages, &ids, &n);
     } else if (req->prompt_ids != NULL) {
         n = req->n_prompt_ids;

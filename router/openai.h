@@ -36,6 +36,8 @@
 #include "engine/tokenizer/tokenizer.h"
 #include "router/chat_template.h"
 
+struct json_t;
+
 #define DUET_OAI_MAX_STOP     4   /* stop strings per request (OpenAI's limit) */
 #define DUET_OAI_MAX_STOP_LEN 256 /* bytes per stop string (ours: bounds the hold-back buffer) */
 #define DUET_OAI_MAX_EOS      8   /* end-of-sequence ids a stream watches */
@@ -55,6 +57,9 @@ typedef struct {
     size_t max_prompt_tokens;    /* longest prompt (0 = no limit); see duet_oai_request_tokens */
     size_t max_context;          /* prompt + max_tokens limit (0 = no limit) */
     size_t max_messages;         /* longest messages array (0 = 1024) */
+    bool jinja_template;         /* the chat template is Jinja: tool messages (role "tool",
+                                    tool_call_id) and assistant tool_calls are accepted in the
+                                    conversation; with duet's format they are a 400 */
 } duet_oai_limits_t;
 
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
@@ -66,8 +71,10 @@ typedef struct {
     uint32_t *prompt_ids; /* (n_prompt_ids) when the prompt was given as token ids */
     size_t n_prompt_ids;
     /* /v1/chat/completions */
-    duet_oai_message_t *messages; /* (n_messages) */
+    duet_oai_message_t *messages; /* (n_messages) role and text, for duet's template format */
     size_t n_messages;
+    struct json_t *messages_json; /* the validated "messages" array (a reference), which a Jinja
+                                     template reads as it came in */
     /* sampling and stopping */
     uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat */
     double temperature;  /* [0, 2], default 1 (0 = greedy) */

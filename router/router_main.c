@@ -1316,6 +1316,7 @@ int main(int argc, char **argv)
     rt->lim.vocab_size        = duet_tokenizer_vocab_size(rt->tok);
     rt->lim.max_prompt_tokens = (size_t)duet_config_get_int(cfg, "limits.max_prompt_tokens");
     rt->lim.max_context       = (size_t)duet_config_get_int(cfg, "limits.max_context");
+    rt->lim.jinja_template    = duet_oai_template_is_jinja(rt->tmpl);
     if (rt->lim.max_context == 0)
         rt->lim.max_context = model_max_len;
     rt->local_prefill_tokens = (uint32_t)duet_config_get_int(cfg, "placement.local_prefill_tokens");

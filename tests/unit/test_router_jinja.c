@@ -1,13 +1,19 @@
 /*
- * The Jinja subset renderer (router/jinja.c) and the chat template that uses it: each expression
- * and statement with its exact output, a Kimi-style template over a few conversations, segment
- * origins (user text never becomes template text), refused templates with line:column, a
- * deterministic fuzz of random and mutated templates, and the output / loop / memory limits.
+ * The Jinja engine (router/jinja*.c) and the chat template that uses it, for what has no outside
+ * reference: segment origins (request text never becomes template text, through every filter
+ * and method), refused templates with line:column, errors where jinja2 raises (and
+ * raise_exception's exact message), the output / iteration / memory / call-depth limits, a
+ * deterministic fuzz of random and mutated templates, the OpenAI-JSON path with special tokens
+ * from a model folder, and duet-chat-template's exit statuses. What templates print is compared
+ * with jinja2 itself by the chat_template_oracle test (tests/python/chat_template_oracle.py).
  */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "common/strbuf.h"
@@ -30,11 +36,11 @@ static duet_jinja_vars_t *make_vars(const msg_t *msgs, size_t n)
                                         duet_jinja_string(v, msgs[i].role, strlen(msgs[i].role),
                                                           DUET_JINJA_ORIGIN_DATA)),
                      DUET_OK);
-        cr_assert_eq(duet_jinja_map_set(v, m, "content",
-                                        duet_jinja_string(v, msgs[i].content,
-                                                          strlen(msgs[i].content),
-                                                          DUET_JINJA_ORIGIN_DATA)),
-                     DUET_OK);
+        cr_assert_eq(
+            duet_jinja_map_set(v, m, "content",
+                               duet_jinja_string(v, msgs[i].content, strlen(msgs[i].content),
+                                                 DUET_JINJA_ORIGIN_DATA)),
+            DUET_OK);
         cr_assert_eq(duet_jinja_list_push(v, list, m), DUET_OK);
     }
     cr_assert_eq(duet_jinja_vars_set(v, "messages", list), DUET_OK);
@@ -45,9 +51,9 @@ static duet_jinja_vars_t *make_vars(const msg_t *msgs, size_t n)
                  DUET_OK);
     cr_assert_eq(duet_jinja_vars_set(v, "tools", duet_jinja_none(v)), DUET_OK);
     cr_assert_eq(duet_jinja_vars_set(v, "n", duet_jinja_int(v, 3)), DUET_OK);
-    cr_assert_eq(duet_jinja_vars_set(v, "s", duet_jinja_string(v, "  hi  ", 6,
-                                                               DUET_JINJA_ORIGIN_DATA)),
-                 DUET_OK);
+    cr_assert_eq(
+        duet_jinja_vars_set(v, "s", duet_jinja_string(v, "  hi  ", 6, DUET_JINJA_ORIGIN_DATA)),
+        DUET_OK);
     return v;
 }
 
@@ -85,62 +91,6 @@ static char *render_with(const char *src, const msg_t *msgs, size_t n, bool mark
 }
 
 static const msg_t two[] = {{"user", "Hello"}, {"assistant", "Hi!"}};
-
-static void expect(const char *src, const char *want)
-{
-    duet_status_t st;
-    char *got = render_with(src, two, 2, false, NULL, &st);
-    cr_assert_eq(st, DUET_OK, "%s: %s", src, duet_error_last());
-    cr_assert_str_eq(got, want, "template %s", src);
-    free(got);
-}
-
-Test(router_jinja, expressions, .timeout = 10)
-{
-    expect("a{{ 'b' }}c", "abc");
-    expect("{{ \"q\\\"\\n\\t\\\\\" }}", "q\"\n\t\\");
-    expect("{{ 'x' 'y' }}", "xy");
-    expect("{{ 42 }}|{{ -7 }}|{{ 2 + 3 }}|{{ 5 - 8 }}", "42|-7|5|-3");
-    expect("{{ true }}{{ False }}{{ none }}{{ None }}", "TrueFalseNoneNone");
-    expect("{{ n }}{{ nope }}{{ nope.x }}{{ nope['y'] }}", "3");
-    expect("{{ messages[0].role }} {{ messages[1]['content'] }} {{ messages[-1].role }}",
-           "user Hi! assistant");
-    expect("{{ messages[5] }}{{ messages[0].zzz }}", "");
-    expect("{{ 'a' + 'b' + messages[0].content }}", "abHello");
-    expect("{{ 1 == 1 }}{{ 'a' != 'a' }}{{ n < 4 }}{{ n >= 4 }}", "TrueFalseTrueFalse");
-    expect("{{ 'ell' in messages[0].content }}{{ 'x' not in 'abc' }}{{ 2 in [1, 2] }}",
-           "TrueTrueTrue");
-    expect("{{ 'role' in messages[0] }}{{ 'name' in messages[0] }}", "TrueFalse");
-    expect("{{ not true }}{{ not nope }}{{ true and false }}{{ false or 'x' }}",
-           "FalseTrueFalsex");
-    expect("{{ (1 == 2 or 2 == 2) and not (3 == 4) }}", "True");
-    expect("{{ s is string }}{{ n is string }}{{ nope is defined }}{{ n is defined }}",
-           "TrueFalseFalseTrue");
-    expect("{{ tools is none }}{{ n is not none }}{{ nope is undefined }}", "TrueTrueTrue");
-    expect("[{{ s|trim }}]{{ messages|length }}{{ 'abc'|length }}", "[hi]23");
-    expect("{{ nope|default('d') }}{{ n|default(9) }}{{ s|trim|length }}", "d32");
-    expect("{{ messages[0].content|length > 3 }}", "True");
-}
-
-Test(router_jinja, statements, .timeout = 10)
-{
-    expect("{% if n == 3 %}three{% endif %}", "three");
-    expect("{% if n == 1 %}a{% elif n == 3 %}b{% else %}c{% endif %}", "b");
-    expect("{% if nope %}a{% elif false %}b{% else %}c{% endif %}", "c");
-    expect("{% for m in messages %}{{ loop.index0 }}{{ loop.index }}{{ m.role }}"
-           "{% if loop.first %}F{% endif %}{% if loop.last %}L{% endif %},{% endfor %}",
-           "01userF,12assistantL,");
-    expect("{% for x in [1, 2, 3] %}{{ x }}{% endfor %}", "123");
-    expect("{% for x in nope %}x{% endfor %}", "");
-    expect("{% set a = 'v' + 'w' %}{{ a }}", "vw");
-    expect("{% set a = 1 %}{% for m in messages %}{% set a = 2 %}{% endfor %}{{ a }}", "1");
-    expect("a{# comment {{ x }} #}b", "ab");
-    expect("a  {{- 'b' -}}  \n c", "abc");
-    expect("a \n {%- if true -%} \n b {%- endif %}", "ab");
-    /* trim_blocks and lstrip_blocks, as Hugging Face sets them. */
-    expect("x\n  {% if true %}\ny\n  {% endif %}\nz", "x\ny\nz");
-    expect("x {%+ if true %}y{% endif %}", "x y");
-}
 
 /* A Kimi-style template: default system turn, role headers, string or list content. */
 static const char kimi[] =
@@ -206,9 +156,8 @@ Test(router_jinja, kimi_template, .timeout = 10)
     for (int i = 0; i < 2; i++) {
         duet_jinja_value_t *p = duet_jinja_map(v);
         duet_jinja_map_set(v, p, "type", duet_jinja_string(v, "text", 4, DUET_JINJA_ORIGIN_DATA));
-        duet_jinja_map_set(v, p, "text",
-                           duet_jinja_string(v, texts[i], strlen(texts[i]),
-                                             DUET_JINJA_ORIGIN_DATA));
+        duet_jinja_map_set(
+            v, p, "text", duet_jinja_string(v, texts[i], strlen(texts[i]), DUET_JINJA_ORIGIN_DATA));
         duet_jinja_list_push(v, parts, p);
     }
     duet_jinja_map_set(v, m, "role", duet_jinja_string(v, "user", 4, DUET_JINJA_ORIGIN_DATA));
@@ -226,16 +175,83 @@ Test(router_jinja, kimi_template, .timeout = 10)
     duet_jinja_destroy(t);
 }
 
-Test(router_jinja, origins_survive_concat_and_filters, .timeout = 10)
+static void expect_marked(const char *src, const msg_t *m, size_t n, const char *want)
+{
+    duet_status_t st;
+    char *got = render_with(src, m, n, true, NULL, &st);
+    cr_assert_eq(st, DUET_OK, "%s: %s", src, duet_error_last());
+    cr_assert_str_eq(got, want, "template %s", src);
+    free(got);
+}
+
+/* [..] marks DATA: request text stays DATA through every way a template can reshape it. */
+Test(router_jinja, origins_survive_concat_filters_and_methods, .timeout = 10)
 {
     const msg_t m[] = {{"user", " <|im_end|> "}};
-    duet_status_t st;
-    char *got = render_with("{% set x = '<a>' + messages[0].content|trim + '<b>' %}{{ x }}"
-                            "{{ messages[0].content[1] }}{{ bos_token }}",
-                            m, 1, true, NULL, &st);
-    cr_assert_eq(st, DUET_OK, "%s", duet_error_last());
-    cr_assert_str_eq(got, "<a>[<|im_end|>]<b>[<]<s>");
-    free(got);
+    expect_marked("{% set x = '<a>' + messages[0].content|trim + '<b>' %}{{ x }}"
+                  "{{ messages[0].content[1] }}{{ bos_token }}",
+                  m, 1, "<a>[<|im_end|>]<b>[<]<s>");
+    const msg_t u[] = {{"user", "a,b"}};
+    expect_marked("{{ messages[0].content|upper }}|{{ messages[0].content.split(',')|join('+') }}"
+                  "|{{ messages[0].content|replace(',', '-') }}|{{ messages[0].content[::-1] }}"
+                  "|{{ '%s!'|format(messages[0].content) }}|{{ messages[0].content.center(5) }}"
+                  "|{{ messages[0].content ~ 1 }}",
+                  u, 1, "[A,B]|[a]+[b]|[a]-[b]|[b,a]|[a,b]!| [a,b] |[a,b]1");
+    /* A whole value printed, str() of a list or tojson: DATA when anything in it is DATA. */
+    expect_marked("{{ messages[0] }}|{{ messages[0]|tojson }}|{{ ['t']|tojson }}|{{ [1, 2] }}"
+                  "|{{ messages|length }}|{{ true }}",
+                  u, 1,
+                  "[{'role': 'user', 'content': 'a,b'}]|[{\"role\": \"user\", \"content\": "
+                  "\"a,b\"}]|[\"t\"]|[1, 2]|1|True");
+    /* Macro output, block set and filter blocks keep each byte's origin. */
+    expect_marked("{% macro q(x) %}<{{ x }}>{% endmacro %}{{ q(messages[0].content) }}"
+                  "{% set b %}({{ messages[0].content }}){% endset %}{{ b }}"
+                  "{% filter upper %}t{{ messages[0].content }}{% endfilter %}",
+                  u, 1, "<[a,b]>([a,b])T[A,B]");
+}
+
+/* raise_exception's message exactly; jinja2's errors as errors, never as output. */
+Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
+{
+    static const struct {
+        const char *src;
+        duet_status_t st;
+        const char *msg; /* exact for raise_exception, a substring otherwise */
+    } cases[] = {
+        {"{{ raise_exception('Roles must alternate, got ' ~ messages|length) }}", DUET_ERR_FORMAT,
+         "Roles must alternate, got 2"},
+        {"{{ nope.x }}", DUET_ERR_INVALID, "t:1:4: 'nope' is undefined"},
+        {"{{ nope['k'] }}", DUET_ERR_INVALID, "'nope' is undefined"},
+        {"{{ messages[0].nope.x }}", DUET_ERR_INVALID, "has no attribute 'nope'"},
+        {"{{ nope() }}", DUET_ERR_INVALID, "'nope' is undefined"},
+        {"{{ nope + 1 }}", DUET_ERR_INVALID, "undefined"},
+        {"{{ 'a' + 1 }}", DUET_ERR_INVALID, "can only concatenate str (not \"int\") to str"},
+        {"{{ 1 / 0 }}", DUET_ERR_INVALID, "division by zero"},
+        {"{{ 1 < 'a' }}", DUET_ERR_INVALID, "'<' not supported"},
+        {"{{ 1 in 5 }}", DUET_ERR_INVALID, "not iterable"},
+        {"{% set l = [1] %}{{ l.append(2) }}", DUET_ERR_INVALID, "'append' is unsafe"},
+        {"{{ 5|length }}", DUET_ERR_INVALID, "has no len()"},
+        {"{{ nope|tojson }}", DUET_ERR_INVALID, "not JSON serializable"},
+        {"{% for x in 5 %}{% endfor %}", DUET_ERR_INVALID, "'int' object is not iterable"},
+        {"{% for a, b in [[1]] %}{% endfor %}", DUET_ERR_INVALID, "not enough values to unpack"},
+        {"{% set z.a = 1 %}", DUET_ERR_INVALID, "non-namespace"},
+        {"{{ 9223372036854775807 + 1 }}", DUET_ERR_RANGE, "integer overflow"},
+        {"{{ range(200000)|length }}", DUET_ERR_RANGE, "MAX_RANGE"},
+        {"{{ '%99999999999d' % 1 }}", DUET_ERR_RANGE, "too large"},
+        {"{{ '%.99999s'|format('x') }}", DUET_ERR_RANGE, "too large"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        duet_status_t st;
+        char *got = render_with(cases[i].src, two, 2, false, NULL, &st);
+        cr_assert_null(got, "%s rendered", cases[i].src);
+        cr_assert_eq(st, cases[i].st, "%s: status %d (%s)", cases[i].src, (int)st,
+                     duet_error_last());
+        if (cases[i].st == DUET_ERR_FORMAT)
+            cr_assert_str_eq(duet_error_last(), cases[i].msg);
+        else
+            cr_assert(strstr(duet_error_last(), cases[i].msg) != NULL, "%s: got '%s'", cases[i].src,
+                      duet_error_last());
+    }
 }
 
 /* Through duet_oai_chat_prompt with a byte tokenizer: specials only from the template. */
@@ -294,6 +310,160 @@ Test(router_jinja, chat_template_load_and_prompt, .timeout = 10)
     duet_tokenizer_destroy(tok);
 }
 
+static void write_file(const char *dir, const char *name, const char *text)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* The request's JSON as the template sees it: tool calls, tool results, content parts, and the
+ * special tokens of tokenizer_config.json, then special_tokens_map.json for those it lacks. */
+Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
+{
+    char dir[] = "/tmp/duet_jinja_json_XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    write_file(dir, "chat_template.jinja",
+               "{{ bos_token }}{% for m in messages %}{{ m.role }}:"
+               "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name }}"
+               "{{ c.function.arguments }}{% endfor %}{% elif m.content is string %}"
+               "{{ m.content }}{% else %}{{ m.content|map(attribute='text')|join }}{% endif %}"
+               "{% if m.tool_call_id is defined %}#{{ m.tool_call_id }}{% endif %};{% endfor %}"
+               "{{ tools|length if tools else 'no tools' }}|{{ unk_token }}|{{ pad_token }}"
+               "|{{ additional_special_tokens }}|{{ eos_token is defined }}"
+               "{% if add_generation_prompt %}>{% endif %}");
+    write_file(dir, "tokenizer_config.json",
+               "{\"bos_token\": {\"content\": \"<B>\", \"lstrip\": false}, \"pad_token\": null,"
+               " \"additional_special_tokens\": [\"<x>\", {\"content\": \"<y>\"}]}");
+    write_file(dir, "special_tokens_map.json", "{\"unk_token\": \"<U>\", \"bos_token\": \"<no>\"}");
+    duet_oai_template_t *t = NULL;
+    cr_assert_eq(duet_oai_template_load(dir, NULL, &t), DUET_OK, "%s", duet_error_last());
+    cr_assert(duet_oai_template_is_jinja(t));
+    json_error_t je;
+    json_t *msgs = json_loads(
+        "[{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"},"
+        " {\"type\": \"text\", \"text\": \"b\"}]},"
+        " {\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"c1\","
+        " \"type\": \"function\", \"function\": {\"name\": \"f\", \"arguments\": \"{}\"}}]},"
+        " {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": \"42\"}]",
+        0, &je);
+    cr_assert_not_null(msgs, "%s", je.text);
+    duet_oai_chat_t chat = {.messages = msgs, .add_generation_prompt = true};
+    duet_jinja_output_t out;
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK, "%s", duet_error_last());
+    cr_assert_str_eq(out.text.data, "<B>user:ab;assistant:f{};tool:42#c1;no tools|<U>||"
+                                    "['<x>', '<y>']|False>");
+    duet_jinja_output_free(&out);
+    /* A caller's token replaces the model's; a render without the generation prompt. */
+    cr_assert_eq(duet_oai_template_set_token(t, "eos_token", "</E>"), DUET_OK);
+    chat.add_generation_prompt = false;
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK, "%s", duet_error_last());
+    cr_assert(strstr(out.text.data, "|True") != NULL && out.text.data[out.text.len - 1] != '>',
+              "%s", out.text.data);
+    duet_jinja_output_free(&out);
+    /* Messages that are not an array are refused, not rendered. */
+    chat.messages = json_object_get(json_array_get(msgs, 0), "content");
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK); /* an array of parts */
+    duet_jinja_output_free(&out);
+    chat.messages = json_array_get(msgs, 0);
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_ERR_INVALID);
+    json_decref(msgs);
+    duet_oai_template_destroy(t);
+    char path[600];
+    const char *files[] = {"chat_template.jinja", "tokenizer_config.json",
+                           "special_tokens_map.json"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
+/* duet-chat-template: 0 rendered (exact bytes), 1 the template raised (its message on stderr),
+ * 2 bad usage or input. */
+static int run_cli(const char *args, char *out, size_t cap)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd), "%s/router/duet-chat-template %s 2>&1", DUET_BINARY_DIR, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(router_jinja, cli_exit_statuses, .timeout = 30)
+{
+    char dir[] = "/tmp/duet_jinja_cli_XXXXXX";
+    cr_assert_not_null(mkdtemp(dir));
+    write_file(dir, "t.jinja",
+               "{{ bos_token }}{% for m in messages %}<|u|>{{ m.content }}"
+               "{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}");
+    write_file(dir, "raise.jinja", "{{ raise_exception('Only ' ~ messages|length ~ ' message') }}");
+    write_file(dir, "undef.jinja", "{{ nope.x }}");
+    write_file(dir, "bad.jinja", "{% if %}");
+    write_file(dir, "m.json", "[{\"role\": \"user\", \"content\": \"hi <|u|>\"}]");
+    write_file(dir, "obj.json", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}");
+    write_file(dir, "broken.json", "[{\"role\": ");
+    write_file(dir, "notarray.json", "{\"role\": \"user\"}");
+    char out[4096], args[1024];
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --bos-token '<s>'",
+             dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
+    cr_assert_str_eq(out, "<s><|u|>hi <|u|>"); /* exactly, no newline added */
+    snprintf(args, sizeof(args),
+             "--template %s/t.jinja --messages %s/obj.json --add-generation-prompt", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
+    cr_assert_str_eq(out, "<|u|>x<|a|>");
+    snprintf(args, sizeof(args), "--template %s/raise.jinja --messages %s/m.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 1, "%s", out);
+    cr_assert_str_eq(out, "Only 1 message\n");
+    snprintf(args, sizeof(args), "--template %s/undef.jinja --messages %s/m.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 1, "%s", out);
+    cr_assert(strstr(out, "undef.jinja:1:4: 'nope' is undefined") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/bad.jinja --messages %s/m.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "bad.jinja:1:7: expected an expression") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/broken.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "broken.json") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/notarray.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "expected a JSON array of messages") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/none.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --tokens", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "--tokens needs a tokenizer") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/t.jinja --messages %s/m.json --now 2025-13-01", dir,
+             dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert_eq(run_cli("--messages x.json", out, sizeof(out)), 2, "%s", out);
+    cr_assert_eq(run_cli("--bogus", out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "unknown option --bogus") != NULL, "%s", out);
+    cr_assert_eq(run_cli("--help", out, sizeof(out)), 0, "%s", out);
+
+    /* --tokens with a model folder: a byte tokenizer, specials only from the template. */
+    write_file(dir, "duet_tokenizer.json", "{\"type\": \"byte\", \"specials\": [\"<|u|>\"]}");
+    write_file(dir, "chat_template.jinja", "<|u|>{{ messages[0].content }}");
+    snprintf(args, sizeof(args), "--model %s --messages %s/m.json --tokens", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
+    cr_assert_str_eq(out, "256 104 105 32 60 124 117 124 62\n"); /* "hi <|u|>" as bytes */
+    const char *files[] = {
+        "t.jinja",  "raise.jinja", "undef.jinja",   "bad.jinja",           "m.json",
+        "obj.json", "broken.json", "notarray.json", "duet_tokenizer.json", "chat_template.jinja"};
+    char path[600];
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
 static void refused(const char *src, const char *where)
 {
     duet_jinja_t *t = NULL;
@@ -306,26 +476,32 @@ static void refused(const char *src, const char *where)
 
 Test(router_jinja, malformed_refused_with_position, .timeout = 10)
 {
-    refused("{% foo %}", "tpl:1:4: unknown");
+    refused("{% foo %}", "tpl:1:4: unknown or misplaced tag 'foo'");
     refused("a\n{% if x %}b", "tpl:2:1: unclosed 'if'");
     refused("{% for x in y %}", "tpl:1:1: unclosed 'for'");
-    refused("{{ x ", "tpl:1:1: unclosed");
-    refused("{% if x %", "tpl:1:1: unclosed");
+    refused("{{ x ", "tpl:1:3: unexpected end of template");
+    refused("{% if x %", "tpl:1:3: unexpected end of template");
     refused("{# never", "tpl:1:1: unclosed comment");
     refused("{{ }}", "tpl:1:4: expected an expression");
     refused("{{ x + }}", "tpl:1:8: expected an expression");
-    refused("{{ x y }}", "tpl:1:6: unexpected");
-    refused("\n\n  {{ x|upper }}", "tpl:3:8: unsupported filter 'upper'");
-    refused("{{ x is odd }}", "tpl:1:9: unsupported test 'odd'");
-    refused("{{ f(x) }}", "tpl:1:5: function calls");
-    refused("{{ 'abc }}", "tpl:1:1: unclosed");
+    refused("{{ x y }}", "tpl:1:6: expected the end of the expression");
+    refused("\n\n  {{ x|frobnicate }}", "tpl:3:8: no filter named 'frobnicate'");
+    refused("{{ x is frob }}", "tpl:1:9: no test named 'frob'");
+    refused("{{ f(*x) }}", "tpl:1:6: '*args' and '**kwargs'");
+    refused("{{ 'abc }}", "tpl:1:4: unexpected end of string literal");
     refused("{% endif %}", "tpl:1:4: unknown or misplaced tag 'endif'");
     refused("{% if a %}{% endfor %}", "unknown or misplaced tag 'endfor'");
-    refused("{% for a, b in c %}{% endfor %}", "tpl:1:9: tuple unpacking");
-    refused("{% set x %}", "tpl:1:10: expected '='");
+    refused("{% for x in y recursive %}{% endfor %}", "tpl:1:15: recursive loops");
+    refused("{% set x %}", "tpl:1:1: unclosed 'set'");
     refused("{{ x @ y }}", "tpl:1:6: unexpected character '@'");
-    refused("{{ '\\q' }}", "tpl:1:5: unsupported escape");
+    refused("{{ '\\N{BULLET}' }}", "tpl:1:5: '\\N{...}' escapes");
     refused("{{ 99999999999999999999 }}", "tpl:1:4: integer literal too large");
+    refused("{% include 'x' %}", "tpl:1:4: 'include' is not supported");
+    refused("{% break %}", "tpl:1:4: 'break' outside a loop");
+    refused("{{ (1 }}", "tpl:1:7: unexpected '}'");
+    refused("{{ a ) }}", "tpl:1:6: unexpected ')'");
+    refused("{% macro m(a=1, b) %}{% endmacro %}", "non-default parameter");
+    refused("x\xff", "not valid UTF-8");
     /* Nesting limits: blocks and expressions. */
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
@@ -349,36 +525,62 @@ Test(router_jinja, malformed_refused_with_position, .timeout = 10)
     duet_strbuf_free(&sb);
 }
 
-Test(router_jinja, render_errors_and_limits, .timeout = 20)
+Test(router_jinja, limits, .timeout = 20)
 {
     duet_status_t st;
-    char *got = render_with("{{ messages }}", two, 2, false, NULL, &st);
-    cr_assert_eq(st, DUET_ERR_INVALID);
-    cr_assert_null(got);
-    cr_assert(strstr(duet_error_last(), "t:1:1: cannot render a list") != NULL, "%s",
-              duet_error_last());
-    got = render_with("{{ 'a' + 1 }}", two, 2, false, NULL, &st);
-    cr_assert_eq(st, DUET_ERR_INVALID);
-
     duet_jinja_limits_t lim = {.max_output = 100, .max_iterations = 50, .max_memory = 1 << 20};
-    got = render_with("{% for m in messages %}{% for x in [1,2,3,4,5,6,7,8,9,10] %}"
-                      "{% for y in [1,2,3] %}{% endfor %}{% endfor %}{% endfor %}",
-                      two, 2, false, &lim, &st);
+    char *got = render_with("{% for m in messages %}{% for x in [1,2,3,4,5,6,7,8,9,10] %}"
+                            "{% for y in [1,2,3] %}{% endfor %}{% endfor %}{% endfor %}",
+                            two, 2, false, &lim, &st);
     cr_assert_eq(st, DUET_ERR_RANGE, "%s", duet_error_last());
     cr_assert(strstr(duet_error_last(), "loop iterations") != NULL, "%s", duet_error_last());
     got = render_with("{% for x in [1,2,3,4,5,6,7,8,9,10] %}0123456789abc{% endfor %}", two, 2,
                       false, &lim, &st);
     cr_assert_eq(st, DUET_ERR_RANGE);
     cr_assert(strstr(duet_error_last(), "output longer") != NULL, "%s", duet_error_last());
-    /* Doubling a string: bounded by the output limit on values, not by memory exhaustion. */
-    got = render_with("{% set s = 'ab' %}{% for a in [1,2,3,4,5,6,7,8,9,10] %}"
-                      "{% set s = s + s %}{% endfor %}",
-                      two, 2, false, &lim, &st);
-    cr_assert_eq(st, DUET_OK); /* the loop scope drops s each iteration */
+    /* Strings are bounded by the output limit, not by memory exhaustion. */
     got = render_with("{% set s = 'abcdefghij' %}{% set s = s + s + s + s + s + s + s + s + s + s"
                       " + s %}",
                       two, 2, false, &lim, &st);
     cr_assert_eq(st, DUET_ERR_RANGE);
+    got = render_with("{{ 'x' * 1000 }}", two, 2, false, &lim, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE);
+    /* A recursive macro stops at the call depth; an iteration budget bounds wide recursion. */
+    got = render_with("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", two, 2, false, NULL,
+                      &st);
+    cr_assert_eq(st, DUET_ERR_RANGE);
+    cr_assert(strstr(duet_error_last(), "macro calls nested deeper than 32") != NULL, "%s",
+              duet_error_last());
+    duet_jinja_limits_t deep = {.max_call_depth = 4};
+    got = render_with("{% macro f(n) %}{% if n < 3 %}{{ f(n + 1) }}{% endif %}{{ n }}"
+                      "{% endmacro %}{{ f(0) }}",
+                      two, 2, false, &deep, &st);
+    cr_assert_eq(st, DUET_OK, "%s", duet_error_last());
+    cr_assert_str_eq(got, "3210");
+    free(got);
+    got = render_with("{% macro f(n) %}{% if n < 4 %}{{ f(n + 1) }}{% endif %}{% endmacro %}"
+                      "{{ f(0) }}",
+                      two, 2, false, &deep, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE);
+    duet_jinja_limits_t few = {.max_iterations = 100};
+    got = render_with("{% macro f(n) %}{% if n < 20 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}"
+                      "{% endmacro %}{{ f(0) }}",
+                      two, 2, false, &few, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE);
+    cr_assert(strstr(duet_error_last(), "iterations and macro calls") != NULL, "%s",
+              duet_error_last());
+    /* Filters over a huge list the template built stop at the work budget. */
+    duet_jinja_limits_t work = {.max_iterations = 100};
+    got = render_with("{% set ns = namespace(l=[0]) %}{% for i in range(10) %}"
+                      "{% set ns.l = ns.l + range(ns.l|length, 2 * ns.l|length)|list %}"
+                      "{% endfor %}{{ ns.l|unique|list|length }}",
+                      two, 2, false, &work, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE, "%s", duet_error_last());
+    cr_assert(strstr(duet_error_last(), "visited by filters") != NULL, "%s", duet_error_last());
+    /* A value that holds itself prints as an error, not a crash. */
+    got = render_with("{% set ns = namespace(a=1) %}{% set ns.self = ns %}{{ ns }}", two, 2, false,
+                      NULL, &st);
+    cr_assert_eq(st, DUET_ERR_RANGE, "%s", duet_error_last());
     /* Memory: a render whose arena limit is tiny fails cleanly. */
     duet_jinja_t *t = NULL;
     const char *src = "{% for a in [1,2,3,4,5,6,7,8,9,10] %}{{ a }}{% endfor %}";
@@ -388,7 +590,51 @@ Test(router_jinja, render_errors_and_limits, .timeout = 20)
     duet_jinja_output_t out;
     cr_assert_eq(duet_jinja_render(t, v, NULL, &out), DUET_ERR_NOMEM);
     duet_jinja_vars_destroy(v);
+    /* A list built by doubling runs into the arena limit, not the machine's memory. */
+    const char *dbl = "{% set ns = namespace(l=[1]) %}{% for i in range(40) %}"
+                      "{% set ns.l = ns.l + ns.l %}{% endfor %}";
     duet_jinja_destroy(t);
+    cr_assert_eq(duet_jinja_parse(dbl, strlen(dbl), "m", &t), DUET_OK);
+    cr_assert_eq(duet_jinja_vars_create(1 << 20, &v), DUET_OK);
+    cr_assert_eq(duet_jinja_render(t, v, NULL, &out), DUET_ERR_NOMEM);
+    duet_jinja_vars_destroy(v);
+    duet_jinja_destroy(t);
+}
+
+/* JSON in: ints stay ints, reals floats, key order kept, nesting bounded. */
+Test(router_jinja, values_from_json, .timeout = 10)
+{
+    duet_jinja_vars_t *v = NULL;
+    cr_assert_eq(duet_jinja_vars_create(0, &v), DUET_OK);
+    json_error_t je;
+    json_t *j = json_loads("{\"z\": 1, \"a\": 1.0, \"m\": [true, null, \"\\u00e9\"]}", 0, &je);
+    cr_assert_not_null(j);
+    duet_jinja_value_t *x = NULL;
+    cr_assert_eq(duet_jinja_from_json(v, j, DUET_JINJA_ORIGIN_DATA, &x), DUET_OK);
+    json_decref(j);
+    cr_assert_eq(duet_jinja_vars_set(v, "x", x), DUET_OK);
+    const char *src = "{{ x }}|{{ x.z is integer }}{{ x.a is float }}|{{ x|tojson }}";
+    duet_jinja_t *t = NULL;
+    cr_assert_eq(duet_jinja_parse(src, strlen(src), "j", &t), DUET_OK);
+    duet_jinja_output_t out;
+    cr_assert_eq(duet_jinja_render(t, v, NULL, &out), DUET_OK, "%s", duet_error_last());
+    cr_assert_str_eq(out.text.data, "{'z': 1, 'a': 1.0, 'm': [True, None, '\xc3\xa9']}|TrueTrue|"
+                                    "{\"z\": 1, \"a\": 1.0, \"m\": [true, null, \"\xc3\xa9\"]}");
+    duet_jinja_output_free(&out);
+    duet_jinja_destroy(t);
+    /* Deeper than 256 levels: refused, not a stack overflow. */
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    for (int i = 0; i < 300; i++)
+        duet_strbuf_puts(&sb, "[");
+    for (int i = 0; i < 300; i++)
+        duet_strbuf_puts(&sb, "]");
+    j = json_loads(sb.data, 0, &je);
+    cr_assert_not_null(j);
+    cr_assert_eq(duet_jinja_from_json(v, j, DUET_JINJA_ORIGIN_DATA, &x), DUET_ERR_RANGE);
+    json_decref(j);
+    duet_strbuf_free(&sb);
+    duet_jinja_vars_destroy(v);
 }
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -403,15 +649,32 @@ static uint32_t rnd(void)
 
 Test(router_jinja, fuzz_no_crash, .timeout = 60)
 {
-    static const char *const pieces[] = {
-        "{{", "}}", "{%", "%}", "{#", "#}", "-", " ", "\n", "if", "elif", "else", "endif", "for",
-        "in", "endfor", "set", "=", "x", "messages", "loop", ".", "index", "[", "]", "0", "'a'",
-        "\"b\\n\"", "+", "==", "!=", "not", "and", "or", "(", ")", "|", "trim", "length",
-        "default", "is", "string", "defined", "none", "m", "content", "role", ",", "true", "'",
-        "<|im_end|>"};
+    static const char *const pieces[] = {"{{",        "}}",         "{%",         "%}",
+                                         "{#",        "#}",         "-",          " ",
+                                         "\n",        "if",         "elif",       "else",
+                                         "endif",     "for",        "in",         "endfor",
+                                         "set",       "=",          "x",          "messages",
+                                         "loop",      ".",          "index",      "[",
+                                         "]",         "0",          "'a'",        "\"b\\n\"",
+                                         "+",         "==",         "!=",         "not",
+                                         "and",       "or",         "(",          ")",
+                                         "|",         "trim",       "length",     "default",
+                                         "is",        "string",     "defined",    "none",
+                                         "m",         "content",    "role",       ",",
+                                         "true",      "'",          "<|im_end|>", "macro",
+                                         "endmacro",  "call",       "endcall",    "caller",
+                                         "namespace", "ns",         "tojson",     "items",
+                                         "()",        "selectattr", "map",        "join",
+                                         ":",         "::",         "-1",         "1.5",
+                                         "~",         "*",          "//",         "%",
+                                         "**",        "raw",        "endraw",     "break",
+                                         "continue",  "split",      "upper",      "strip",
+                                         "{",         "}",          "range",      "filter",
+                                         "endfilter", "with",       "endwith",    "raise_exception",
+                                         "+%}",       "{%+",        "-%}",        "{%-"};
     const size_t n_pieces = sizeof(pieces) / sizeof(pieces[0]);
-    duet_jinja_limits_t lim = {.max_output = 1 << 16, .max_iterations = 1000,
-                               .max_memory = 4 << 20};
+    duet_jinja_limits_t lim = {
+        .max_output = 1 << 16, .max_iterations = 1000, .max_memory = 4 << 20};
     size_t ok = 0, refused_n = 0;
     char buf[512];
     for (int iter = 0; iter < 4000; iter++) {
@@ -433,9 +696,16 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
             for (int i = 0; i < k; i++) {
                 size_t at = rnd() % len;
                 switch (rnd() % 3) {
-                case 0: buf[at] = (char)(rnd() % 256); break;
-                case 1: memmove(buf + at, buf + at + 1, len - at - 1); len--; break;
-                default: buf[at] = "{}%#-'\"|."[rnd() % 9]; break;
+                case 0:
+                    buf[at] = (char)(rnd() % 256);
+                    break;
+                case 1:
+                    memmove(buf + at, buf + at + 1, len - at - 1);
+                    len--;
+                    break;
+                default:
+                    buf[at] = "{}%#-'\"|."[rnd() % 9];
+                    break;
                 }
             }
         }
@@ -451,7 +721,8 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
         duet_jinja_output_t out;
         st = duet_jinja_render(t, v, &lim, &out);
         cr_assert(st == DUET_OK || st == DUET_ERR_INVALID || st == DUET_ERR_RANGE ||
-                  st == DUET_ERR_NOMEM, "status %d", (int)st);
+                      st == DUET_ERR_NOMEM || st == DUET_ERR_FORMAT || st == DUET_ERR_UNSUPPORTED,
+                  "status %d", (int)st);
         if (st == DUET_OK) {
             ok++;
             size_t total = 0;
@@ -464,4 +735,86 @@ Test(router_jinja, fuzz_no_crash, .timeout = 60)
         duet_jinja_destroy(t);
     }
     cr_assert(ok > 100 && refused_n > 100, "ok %zu refused %zu", ok, refused_n);
+}
+
+/* The published templates, mutated: byte flips, deletions, duplicated spans, tag characters.
+ * Every result is refused with a position or renders (or fails) cleanly within the limits. */
+Test(router_jinja, fuzz_mutated_published_templates, .timeout = 120)
+{
+    char dir[600];
+    snprintf(dir, sizeof(dir), "%s/tests/data/chat_templates", DUET_SOURCE_DIR);
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d, "%s", dir);
+    duet_jinja_limits_t lim = {
+        .max_output = 1 << 16, .max_iterations = 2000, .max_memory = 8 << 20};
+    size_t files = 0, parsed = 0, rendered = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        size_t nl = strlen(de->d_name);
+        if (nl < 7 || strcmp(de->d_name + nl - 6, ".jinja") != 0)
+            continue;
+        char path[1200];
+        snprintf(path, sizeof(path), "%s/%s", dir, de->d_name);
+        duet_strbuf_t src;
+        duet_strbuf_init(&src);
+        cr_assert_eq(duet_strbuf_read_file(&src, path, 1 << 20), DUET_OK, "%s", path);
+        files++;
+        char *buf = malloc(2 * src.len + 64);
+        cr_assert_not_null(buf);
+        for (int iter = 0; iter < 150; iter++) {
+            size_t len = src.len;
+            memcpy(buf, src.data, len);
+            int k = 1 + (int)(rnd() % 4);
+            for (int i = 0; i < k && len > 2; i++) {
+                size_t at = rnd() % len;
+                switch (rnd() % 4) {
+                case 0:
+                    buf[at] = (char)(rnd() % 256);
+                    break;
+                case 1:
+                    memmove(buf + at, buf + at + 1, len - at - 1);
+                    len--;
+                    break;
+                case 2: {
+                    size_t n = 1 + rnd() % 16;
+                    if (at + n > len)
+                        n = len - at;
+                    memmove(buf + at + n, buf + at, len - at);
+                    len += n; /* the span [at, at + n) now appears twice */
+                    break;
+                }
+                default:
+                    buf[at] = "{}%#-+'\"|.()[]:,~"[rnd() % 17];
+                    break;
+                }
+            }
+            duet_jinja_t *t = NULL;
+            duet_status_t st = duet_jinja_parse(buf, len, "fz", &t);
+            if (st != DUET_OK) {
+                cr_assert_eq(st, DUET_ERR_FORMAT, "%s", duet_error_last());
+                continue;
+            }
+            parsed++;
+            duet_jinja_vars_t *v = make_vars(two, 2);
+            duet_jinja_output_t out;
+            st = duet_jinja_render(t, v, &lim, &out);
+            cr_assert(st == DUET_OK || st == DUET_ERR_INVALID || st == DUET_ERR_RANGE ||
+                          st == DUET_ERR_NOMEM || st == DUET_ERR_FORMAT ||
+                          st == DUET_ERR_UNSUPPORTED,
+                      "status %d", (int)st);
+            if (st == DUET_OK) {
+                rendered++;
+                duet_jinja_output_free(&out);
+            }
+            duet_jinja_vars_destroy(v);
+            duet_jinja_destroy(t);
+        }
+        free(buf);
+        duet_strbuf_free(&src);
+    }
+    closedir(d);
+    cr_assert(files >= 15, "%zu templates", files);
+    cr_assert(parsed > 100 && rendered > 50, "parsed %zu rendered %zu", parsed, rendered);
+    printf("[jinja fuzz] %zu templates, %zu mutants parsed, %zu rendered\n", files, parsed,
+           rendered);
 }

@@ -375,6 +375,114 @@ Test(router_openai, validation_errors, .timeout = 30)
     }
 }
 
+/* With a Jinja template, the history may hold tool calls and tool results; their shapes are
+ * checked, and the template reads the request's own JSON. With duet's format they stay a 400. */
+Test(router_openai, tool_history_with_jinja_template, .timeout = 10)
+{
+    duet_oai_limits_t jl = lim;
+    jl.jinja_template = true;
+    static const char ok[] =
+        "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\",\"content\":\"w?\"},"
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":"
+        "\"function\",\"function\":{\"name\":\"get\",\"arguments\":\"{\\\"a\\\": 1}\"}}]},"
+        "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"name\":\"get\",\"content\":\"7\"}]}";
+    duet_oai_request_t r;
+    duet_oai_error_t e;
+    memset(&e, 0, sizeof(e));
+    cr_assert_eq(duet_oai_request_parse(&jl, DUET_OAI_ENDPOINT_CHAT, ok, strlen(ok), &r, &e),
+                 DUET_OK, "%s", e.message);
+    cr_assert_eq(r.n_messages, 3);
+    cr_assert_not_null(r.messages_json);
+
+    /* The template sees the calls and the result as they came in. */
+    duet_tokenizer_t *tok = byte_tok();
+    const char *src = "{% for m in messages %}{{ m.role }}"
+                      "{% for c in m.tool_calls or [] %}({{ c.id }}:{{ c.function.name }} "
+                      "{{ c.function.arguments }}){% endfor %}"
+                      "{% if m.role == 'tool' %}[{{ m.tool_call_id }}={{ m.content }}]{% endif %};"
+                      "{% endfor %}{% if add_generation_prompt %}<|bos|>{% endif %}";
+    duet_oai_template_t *t = NULL;
+    cr_assert_eq(duet_oai_template_create_jinja(src, strlen(src), "t", NULL, tok, &t), DUET_OK,
+                 "%s", duet_error_last());
+    uint32_t *ids = NULL;
+    size_t n = 0;
+    cr_assert_eq(duet_oai_request_tokens(&r, &jl, t, tok, &ids, &n, &e), DUET_OK, "%s", e.message);
+    const char want[] = "user;assistant(c1:get {\"a\": 1});tool[c1=7];";
+    cr_assert_eq(n, strlen(want) + 1);
+    for (size_t i = 0; i < n - 1; i++)
+        cr_assert_eq(ids[i], (uint32_t)(unsigned char)want[i], "id %zu", i);
+    cr_assert_eq(ids[n - 1], BOS);
+    free(ids);
+    duet_oai_request_free(&r);
+
+    /* A template that raises makes a 400 in its own words. */
+    duet_oai_template_t *strict = NULL;
+    const char *raise = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}"
+                        "{% endif %}x";
+    cr_assert_eq(duet_oai_template_create_jinja(raise, strlen(raise), "s", NULL, tok, &strict),
+                 DUET_OK);
+    cr_assert_eq(duet_oai_request_parse(&jl, DUET_OAI_ENDPOINT_CHAT, ok, strlen(ok), &r, &e),
+                 DUET_OK);
+    cr_assert_eq(duet_oai_request_tokens(&r, &jl, strict, tok, &ids, &n, &e), DUET_ERR_INVALID);
+    cr_assert_eq(e.http_status, 400);
+    cr_assert(strstr(e.message, "cannot render these messages: one message only") != NULL, "%s",
+              e.message);
+    check_error_json(&e);
+    duet_oai_request_free(&r);
+    duet_oai_template_destroy(strict);
+    duet_oai_template_destroy(t);
+    duet_tokenizer_destroy(tok);
+
+    /* Shapes: each refused with the param that is wrong. */
+#define TM "{\"model\":\"duet-demo\",\"messages\":["
+    static const struct {
+        const char *body, *code, *param;
+    } bad[] = {
+        {TM "{\"role\":\"tool\",\"content\":\"7\"}]}", "missing_required_parameter",
+         "messages[0].tool_call_id"},
+        {TM "{\"role\":\"tool\",\"tool_call_id\":\"c\"}]}", "missing_required_parameter",
+         "messages[0].content"},
+        {TM "{\"role\":\"tool\",\"tool_call_id\":5,\"content\":\"x\"}]}", "invalid_type",
+         "messages[0].tool_call_id"},
+        {TM "{\"role\":\"user\",\"content\":\"a\",\"tool_calls\":[{\"id\":\"c\"}]}]}",
+         "unsupported_parameter", "messages[0].tool_calls"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":{}}]}", "invalid_type",
+         "messages[0].tool_calls"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":[{\"type\":\"function\",\"function\":"
+            "{\"name\":\"f\",\"arguments\":\"{}\"}}]}]}",
+         "missing_required_parameter", "messages[0].tool_calls[0].id"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"code\",\"function\":"
+            "{\"name\":\"f\",\"arguments\":\"{}\"}}]}]}",
+         "invalid_value", "messages[0].tool_calls[0].type"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\"}]}]}",
+         "missing_required_parameter", "messages[0].tool_calls[0].function"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+            "\"function\":{\"name\":\"f\",\"arguments\":{}}}]}]}",
+         "invalid_type", "messages[0].tool_calls[0].function.arguments"},
+        {TM "{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+            "\"function\":{\"name\":\"f\",\"arguments\":\"{}\",\"x\":1}}]}]}",
+         "unrecognized_argument", "messages[0].tool_calls[0].function"},
+        {TM "{\"role\":\"critic\",\"content\":\"x\"}]}", "invalid_value", "messages[0].role"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        memset(&e, 0, sizeof(e));
+        cr_assert_neq(duet_oai_request_parse(&jl, DUET_OAI_ENDPOINT_CHAT, bad[i].body,
+                                             strlen(bad[i].body), &r, &e),
+                      DUET_OK, "accepted: %s", bad[i].body);
+        cr_assert_eq(e.http_status, 400);
+        cr_assert_str_eq(e.code, bad[i].code, "%s: %s", bad[i].body, e.message);
+        cr_assert_str_eq(e.param, bad[i].param, "%s: %s", bad[i].body, e.message);
+        cr_assert_null(r.messages_json);
+        check_error_json(&e);
+    }
+#undef TM
+    /* The same history with duet's own format: the tool message is a clear 400. */
+    memset(&e, 0, sizeof(e));
+    cr_assert_neq(parse(DUET_OAI_ENDPOINT_CHAT, ok, &r, &e), DUET_OK);
+    cr_assert_eq(e.http_status, 400);
+    cr_assert(strstr(e.message, "duet's format") != NULL, "%s", e.message);
+}
+
 Test(router_openai, body_too_large_is_413, .timeout = 10)
 {
     duet_oai_limits_t small = lim;
