@@ -150,8 +150,9 @@ Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
         prefill_all(gpu, &sg, x->prompt, np, lg);
         prefill_all(cpu, &sc, x->prompt, np, lc);
         double e_tf = rel_l2(lg, x->logits, np * V), e_cpu = rel_l2(lg, lc, np * V);
-        printf("cuda f32 %-30s prompt %3lld: rel L2 vs transformers fp32 %.3g, vs cpu %.3g\n",
-               x->name, (long long)np, e_tf, e_cpu);
+        printf("cuda f32 %-30s prompt %3lld: rel L2 vs transformers fp32 %.3g (max |diff| "
+               "%.3g), vs cpu %.3g\n",
+               x->name, (long long)np, e_tf, max_abs_diff(lg, x->logits, np * V), e_cpu);
         cr_expect_leq(e_tf, 1e-4, "%s: rel L2 vs transformers %g", x->name, e_tf);
         cr_expect_leq(e_cpu, 1e-5, "%s: rel L2 vs the CPU path %g", x->name, e_cpu);
         int32_t got[64];
