@@ -281,8 +281,7 @@ int main(int argc, char **argv)
     opts.page_tokens      = duet_config_get_int(cfg, "page_tokens");
     opts.max_seqs         = 1;
     opts.max_seq_len      = n_prompt + max_new;
-    if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) !=
-        DUET_OK) {
+    if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }

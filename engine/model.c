@@ -236,8 +236,9 @@ duet_status_t duet_model_dtype_resolve(duet_device_kind_t dev, duet_dtype_t ckpt
     if ((dev != DUET_DEVICE_CPU && dev != DUET_DEVICE_CUDA) ||
         (ckpt != DUET_DTYPE_F32 && ckpt != DUET_DTYPE_BF16 && ckpt != DUET_DTYPE_F16) ||
         (unsigned)req > DUET_MODEL_DTYPE_BF16)
-        return duet_error_set(DUET_ERR_INVALID, "dtype: device %d, checkpoint dtype %d, "
-                              "request %d: not a known value", (int)dev, (int)ckpt, (int)req);
+        return duet_error_set(DUET_ERR_INVALID,
+                              "dtype: device %d, checkpoint dtype %d, request %d: not a known value",
+                              (int)dev, (int)ckpt, (int)req);
     if (dev == DUET_DEVICE_CPU)
         *out_p = DUET_DTYPE_F32;
     else if (req == DUET_MODEL_DTYPE_AUTO)
@@ -576,12 +577,13 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
         (st = duet_weights_bind(m->ck, &m->cfg, &m->w)) != DUET_OK)
         goto err;
     const duet_dtype_t ck_dt = duet_checkpoint_dtype(m->ck);
-    if ((st = duet_model_dtype_resolve(opts.device, ck_dt, opts.dtype,
-                                       &m->opts.compute_dtype)) != DUET_OK)
+    if ((st = duet_model_dtype_resolve(opts.device, ck_dt, opts.dtype, &m->opts.compute_dtype)) !=
+        DUET_OK)
         goto err;
     if (opts.device == DUET_DEVICE_CPU && opts.dtype == DUET_MODEL_DTYPE_BF16)
         DUET_LOG_WARN("--dtype bf16 applies to cuda: the CPU engine computes in f32 (and reads "
-                      "the %s weights as they are)", duet_dtype_name(ck_dt));
+                      "the %s weights as they are)",
+                      duet_dtype_name(ck_dt));
     DUET_LOG_INFO("dtype %s: %s checkpoint, %s compute on %s", duet_model_dtype_name(opts.dtype),
                   duet_dtype_name(ck_dt), duet_dtype_name(m->opts.compute_dtype),
                   duet_model_device_name(opts.device));

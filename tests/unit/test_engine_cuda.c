@@ -40,7 +40,7 @@ static void need_gpu(void)
 static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the default) */
 static int64_t g_max_batch_tokens, g_max_seq_len; /* load(): 0 = 512 */
 static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32; /* load(): the models' KV pool dtype */
-static int g_dtype_auto; /* load(): ask for --dtype auto instead of dt */
+static int g_dtype_auto;                         /* load(): ask for --dtype auto instead of dt */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)
@@ -53,7 +53,7 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     o.max_batch_tokens = g_max_batch_tokens > 0 ? g_max_batch_tokens : 512;
     o.page_tokens = 16;
     o.device = dev;
-    o.dtype = g_dtype_auto             ? DUET_MODEL_DTYPE_AUTO
+    o.dtype = g_dtype_auto            ? DUET_MODEL_DTYPE_AUTO
               : dt == DUET_DTYPE_BF16 ? DUET_MODEL_DTYPE_BF16
                                       : DUET_MODEL_DTYPE_F32;
     o.cuda_graphs = graphs;
@@ -220,9 +220,8 @@ Test(engine_cuda, auto_dtype_follows_the_checkpoint, .timeout = 600)
         g_dtype_auto = 1;
         duet_model_t *a = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
         g_dtype_auto = 0;
-        cr_expect_eq(duet_model_opts(a)->compute_dtype, want, "%s: auto gave %s, want %s",
-                     x->name, duet_dtype_name(duet_model_opts(a)->compute_dtype),
-                     duet_dtype_name(want));
+        cr_expect_eq(duet_model_opts(a)->compute_dtype, want, "%s: auto gave %s, want %s", x->name,
+                     duet_dtype_name(duet_model_opts(a)->compute_dtype), duet_dtype_name(want));
         duet_model_t *e = load(x, DUET_DEVICE_CUDA, want, 1, 0, 0);
         const int64_t V = x->vocab, np = x->n_prompt;
         float *la = malloc(sizeof(float) * (size_t)(np * V)),

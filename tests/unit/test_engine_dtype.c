@@ -18,9 +18,10 @@
 Test(engine_dtype, parse_and_names)
 {
     static const struct {
-        const char        *s;
+        const char *s;
         duet_model_dtype_t want;
-    } ok[] = {{"auto", DUET_MODEL_DTYPE_AUTO}, {"f32", DUET_MODEL_DTYPE_F32},
+    } ok[] = {{"auto", DUET_MODEL_DTYPE_AUTO},
+              {"f32", DUET_MODEL_DTYPE_F32},
               {"bf16", DUET_MODEL_DTYPE_BF16}};
     for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
         duet_model_dtype_t dt = (duet_model_dtype_t)99;
@@ -33,8 +34,7 @@ Test(engine_dtype, parse_and_names)
         duet_model_dtype_t dt = DUET_MODEL_DTYPE_F32;
         cr_assert_eq(duet_model_dtype_parse(bad[i], &dt), DUET_ERR_INVALID, "'%s'", bad[i]);
         cr_assert_eq(dt, DUET_MODEL_DTYPE_F32, "written on failure");
-        cr_assert_not_null(strstr(duet_error_last(), "auto, f32 or bf16"), "%s",
-                           duet_error_last());
+        cr_assert_not_null(strstr(duet_error_last(), "auto, f32 or bf16"), "%s", duet_error_last());
     }
     duet_model_dtype_t dt;
     cr_assert_eq(duet_model_dtype_parse(NULL, &dt), DUET_ERR_INVALID);
@@ -47,9 +47,9 @@ Test(engine_dtype, resolve_table)
     const duet_device_kind_t CPU = DUET_DEVICE_CPU, CUDA = DUET_DEVICE_CUDA;
     static const struct {
         duet_device_kind_t dev;
-        duet_dtype_t       ckpt;
+        duet_dtype_t ckpt;
         duet_model_dtype_t req;
-        duet_dtype_t       want;
+        duet_dtype_t want;
     } cases[] = {
         /* the CPU computes in f32 whatever is asked */
         {CPU, F32, DUET_MODEL_DTYPE_AUTO, F32},
@@ -98,7 +98,7 @@ Test(engine_dtype, resolve_table)
 Test(engine_dtype, auto_follows_the_fixtures_files)
 {
     static const struct {
-        const char  *fixture;
+        const char *fixture;
         duet_dtype_t ckpt, on_cuda;
     } cases[] = {
         {"kda-first-fp32", DUET_DTYPE_F32, DUET_DTYPE_F32},
@@ -133,10 +133,10 @@ Test(engine_dtype, cpu_load_computes_in_f32)
         duet_model_opts_t o;
         duet_model_opts_default(&o);
         cr_assert_eq(o.dtype, DUET_MODEL_DTYPE_AUTO, "the default request is auto");
-        o.n_threads     = 1;
-        o.max_seqs      = 1;
-        o.max_seq_len   = 64;
-        o.dtype         = (duet_model_dtype_t)r;
+        o.n_threads = 1;
+        o.max_seqs = 1;
+        o.max_seq_len = 64;
+        o.dtype = (duet_model_dtype_t)r;
         o.compute_dtype = DUET_DTYPE_BF16;
         duet_model_t *m = NULL;
         cr_assert_eq(duet_model_load(dir, &o, &m), DUET_OK, "%s", duet_error_last());
@@ -148,7 +148,7 @@ Test(engine_dtype, cpu_load_computes_in_f32)
     /* an unknown request is refused before anything loads */
     duet_model_opts_t o;
     duet_model_opts_default(&o);
-    o.dtype         = (duet_model_dtype_t)9;
+    o.dtype = (duet_model_dtype_t)9;
     duet_model_t *m = NULL;
     cr_assert_eq(duet_model_load(dir, &o, &m), DUET_ERR_INVALID);
     cr_assert_null(m);
@@ -163,7 +163,7 @@ Test(engine_dtype, random_weights_need_an_explicit_dtype)
     cr_assert_eq(duet_model_config_load(dir, &cfg), DUET_OK, "%s", duet_error_last());
     duet_model_opts_t o;
     duet_model_opts_default(&o);
-    o.device        = DUET_DEVICE_CUDA;
+    o.device = DUET_DEVICE_CUDA;
     duet_model_t *m = NULL;
     cr_assert_eq(duet_model_create_random(&cfg, &o, 1, &m), DUET_ERR_INVALID);
     cr_assert_not_null(strstr(duet_error_last(), "f32 or bf16"), "%s", duet_error_last());
