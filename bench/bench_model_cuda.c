@@ -188,7 +188,7 @@ int main(int argc, char **argv)
     duet_model_opts_t o;
     duet_model_opts_default(&o);
     o.device           = DUET_DEVICE_CUDA;
-    o.compute_dtype    = wb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    o.dtype            = wb == 2 ? DUET_MODEL_DTYPE_BF16 : DUET_MODEL_DTYPE_F32;
     o.kv_dtype         = kvb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
     o.page_tokens      = 64;
     o.max_seqs         = max_b;

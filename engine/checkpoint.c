@@ -60,6 +60,7 @@ typedef struct {
 
 struct duet_checkpoint {
     char *dir;          /* owned */
+    char *where;        /* owned: dir/model.safetensors or dir/model.safetensors.index.json */
     ck_shard_t *shards; /* [n_shards], owned */
     int n_shards;
     ck_entry_t *entries; /* [n_entries], owned, sorted by name */
@@ -461,10 +462,17 @@ static duet_status_t open_all(duet_checkpoint_t *ck)
         }
         names[0] = one[0];
         n = 1;
+        ck->where = single;
+        single = NULL;
     } else if (stat(index, &sb) == 0) {
         st = load_index(index, &iroot, &wmap, &names, &n);
         if (st != DUET_OK)
             goto out;
+        ck->where = strdup(index);
+        if (ck->where == NULL) {
+            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", ck->dir);
+            goto out;
+        }
     } else {
         st = duet_error_set(DUET_ERR_NOT_FOUND, "%s: neither %s nor %s found", ck->dir,
                             CK_SINGLE_NAME, CK_INDEX_NAME);
@@ -572,6 +580,7 @@ void duet_checkpoint_close(duet_checkpoint_t *ck)
         free(ck->shards[i].path);
     }
     free(ck->shards);
+    free(ck->where);
     free(ck->dir);
     free(ck);
 }
@@ -611,7 +620,7 @@ duet_status_t duet_checkpoint_get(const duet_checkpoint_t *ck, const char *name,
     const ck_entry_t *e = find_entry(ck, name);
     if (e == NULL)
         return duet_error_set(DUET_ERR_NOT_FOUND, "%s: tensor %s not found in the checkpoint",
-                              ck->dir, name);
+                              ck->where, name);
     return entry_view(ck, e, t_p);
 }
 
@@ -621,7 +630,7 @@ duet_status_t duet_checkpoint_get_shaped(duet_checkpoint_t *ck, const char *name
     ck_entry_t *e = (ck_entry_t *)find_entry(ck, name);
     if (e == NULL)
         return duet_error_set(DUET_ERR_NOT_FOUND, "%s: tensor %s not found in the checkpoint",
-                              ck->dir, name);
+                              ck->where, name);
     int same = e->ndim == ndim;
     for (int i = 0; same && i < ndim; i++)
         same = e->shape[i] == dims[i];
@@ -663,4 +672,23 @@ const char *duet_checkpoint_tensor_file(const duet_checkpoint_t *ck, const char 
 {
     const ck_entry_t *e = find_entry(ck, name);
     return e != NULL ? ck->shards[e->shard].path : NULL;
+}
+
+const char *duet_checkpoint_where(const duet_checkpoint_t *ck)
+{
+    return ck->where;
+}
+
+duet_dtype_t duet_checkpoint_dtype(const duet_checkpoint_t *ck)
+{
+    /* indexed by duet_dtype_t; the order below breaks ties toward the wider type */
+    uint64_t bytes[3] = {0, 0, 0};
+    for (int64_t i = 0; i < ck->n_entries; i++)
+        bytes[ck->entries[i].dtype] += ck->entries[i].end - ck->entries[i].begin;
+    static const duet_dtype_t order[3] = {DUET_DTYPE_F32, DUET_DTYPE_BF16, DUET_DTYPE_F16};
+    duet_dtype_t best = DUET_DTYPE_F32;
+    for (int i = 0; i < 3; i++)
+        if (bytes[order[i]] > bytes[best])
+            best = order[i];
+    return best;
 }

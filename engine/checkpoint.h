@@ -27,8 +27,8 @@ int64_t     duet_checkpoint_n_tensors(const duet_checkpoint_t *ck);
 const char *duet_checkpoint_tensor_name(const duet_checkpoint_t *ck, int64_t i);
 
 /*
- * Find tensor `name`. DUET_ERR_NOT_FOUND (detail names the checkpoint dir and the tensor) when
- * absent. The view lives as long as the checkpoint.
+ * Find tensor `name`. DUET_ERR_NOT_FOUND (detail names the checkpoint's file or index and the
+ * tensor) when absent. The view lives as long as the checkpoint.
  */
 duet_status_t duet_checkpoint_get(const duet_checkpoint_t *ck, const char *name,
                                   duet_tensor_t *t_p);
@@ -47,7 +47,20 @@ duet_status_t duet_checkpoint_get_shaped(duet_checkpoint_t *ck, const char *name
 int64_t duet_checkpoint_n_unused(const duet_checkpoint_t *ck);
 const char *duet_checkpoint_unused_name(const duet_checkpoint_t *ck, int64_t i);
 
-/* The file a tensor lives in (for messages). */
+/* The file a tensor lives in (for messages); NULL when the checkpoint has no such tensor. */
 const char *duet_checkpoint_tensor_file(const duet_checkpoint_t *ck, const char *name);
+
+/*
+ * The file that lists the checkpoint's tensors, for messages about a tensor that is absent:
+ * DIR/model.safetensors or DIR/model.safetensors.index.json.
+ */
+const char *duet_checkpoint_where(const duet_checkpoint_t *ck);
+
+/*
+ * The checkpoint's dtype: the one that holds most of its tensor bytes (BF16 for a bf16 model
+ * that keeps a few small tensors in F32). F32 for a checkpoint without tensor bytes. What
+ * `--dtype auto` follows (duet_model_dtype_resolve).
+ */
+duet_dtype_t duet_checkpoint_dtype(const duet_checkpoint_t *ck);
 
 #endif

@@ -29,7 +29,7 @@
 #include "engine/tokenizer/tokenizer.h"
 
 static const char *const gen_devices[] = {"auto", "cpu", "cuda", NULL};
-static const char *const gen_dtypes[]  = {"f32", "bf16", NULL};
+static const char *const gen_dtypes[]  = {"auto", "f32", "bf16", NULL};
 
 static const duet_config_key_t gen_keys[] = {
     {"model", DUET_CONFIG_STRING, NULL, "checkpoint folder (config.json + safetensors)",
@@ -56,8 +56,7 @@ static const duet_config_key_t gen_keys[] = {
      .max = "65536"},
     {"device", DUET_CONFIG_ENUM, "auto", "where the model runs: auto (cuda when a GPU is "
      "visible), cpu or cuda", .choices = gen_devices},
-    {"dtype", DUET_CONFIG_ENUM, "f32", "cuda: weights and GEMM inputs in f32 (exact, TF32 off) "
-     "or bf16", .choices = gen_dtypes},
+    {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = gen_dtypes},
 };
 
 static double gen_now(void)
@@ -240,9 +239,10 @@ int main(int argc, char **argv)
     opts.page_tokens      = duet_config_get_int(cfg, "page_tokens");
     opts.max_seqs         = 1;
     opts.max_seq_len      = n_prompt + max_new;
-    opts.compute_dtype    = strcmp(duet_config_get_enum(cfg, "dtype"), "bf16") == 0
-                                ? DUET_DTYPE_BF16
-                                : DUET_DTYPE_F32;
+    if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
     if ((st = duet_model_device_parse(duet_config_get_enum(cfg, "device"), &opts.device)) !=
         DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());

@@ -180,6 +180,7 @@ void duet_model_opts_default(duet_model_opts_t *opts)
     opts->page_tokens      = 128;
     opts->kv_pages         = 0;
     opts->device           = DUET_DEVICE_CPU;
+    opts->dtype            = DUET_MODEL_DTYPE_AUTO;
     opts->compute_dtype    = DUET_DTYPE_F32;
     opts->kv_dtype         = DUET_DTYPE_F32;
     opts->cuda_graphs      = 1;
@@ -209,6 +210,42 @@ duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p)
 const char *duet_model_device_name(duet_device_kind_t dev)
 {
     return dev == DUET_DEVICE_CUDA ? "cuda" : "cpu";
+}
+
+static const char *const duet__model_dtype_names[] = {"auto", "f32", "bf16"};
+
+duet_status_t duet_model_dtype_parse(const char *s, duet_model_dtype_t *dt_p)
+{
+    for (int i = 0; s != NULL && i < 3; i++)
+        if (strcmp(s, duet__model_dtype_names[i]) == 0) {
+            *dt_p = (duet_model_dtype_t)i;
+            return DUET_OK;
+        }
+    return duet_error_set(DUET_ERR_INVALID, "dtype '%s': expected auto, f32 or bf16",
+                          s != NULL ? s : "(null)");
+}
+
+const char *duet_model_dtype_name(duet_model_dtype_t dt)
+{
+    return (unsigned)dt < 3 ? duet__model_dtype_names[dt] : "?";
+}
+
+duet_status_t duet_model_dtype_resolve(duet_device_kind_t dev, duet_dtype_t ckpt,
+                                       duet_model_dtype_t req, duet_dtype_t *out_p)
+{
+    if ((dev != DUET_DEVICE_CPU && dev != DUET_DEVICE_CUDA) ||
+        (ckpt != DUET_DTYPE_F32 && ckpt != DUET_DTYPE_BF16 && ckpt != DUET_DTYPE_F16) ||
+        (unsigned)req > DUET_MODEL_DTYPE_BF16)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "dtype: device %d, checkpoint dtype %d, request %d: not a known value",
+                              (int)dev, (int)ckpt, (int)req);
+    if (dev == DUET_DEVICE_CPU)
+        *out_p = DUET_DTYPE_F32;
+    else if (req == DUET_MODEL_DTYPE_AUTO)
+        *out_p = ckpt == DUET_DTYPE_BF16 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    else
+        *out_p = req == DUET_MODEL_DTYPE_BF16 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    return DUET_OK;
 }
 
 void duet_model_describe_backend(const duet_model_t *m, char *buf, size_t cap)
@@ -405,10 +442,8 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
         return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: KV cache dtype %s is not supported on %s "
                          "(F32 everywhere, BF16 on cuda)", duet_dtype_name(opts->kv_dtype),
                          duet_model_device_name(opts->device));
-    if (opts->device == DUET_DEVICE_CUDA && opts->compute_dtype != DUET_DTYPE_F32 &&
-        opts->compute_dtype != DUET_DTYPE_BF16)
-        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: compute dtype %s on cuda (F32 or BF16)",
-                         duet_dtype_name(opts->compute_dtype));
+    if ((unsigned)opts->dtype > DUET_MODEL_DTYPE_BF16)
+        return DUET_FAIL(DUET_ERR_INVALID, "model: unknown dtype request %d", (int)opts->dtype);
     return DUET_OK;
 }
 
@@ -539,8 +574,20 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
     DUET_LOG_INFO("model %s: %s", dir, desc);
 
     if ((st = duet_checkpoint_open(dir, &m->ck)) != DUET_OK ||
-        (st = duet_weights_bind(m->ck, &m->cfg, &m->w)) != DUET_OK ||
-        (st = duet__model_finish(m, 1, 0)) != DUET_OK)
+        (st = duet_weights_bind(m->ck, &m->cfg, &m->w)) != DUET_OK)
+        goto err;
+    const duet_dtype_t ck_dt = duet_checkpoint_dtype(m->ck);
+    if ((st = duet_model_dtype_resolve(opts.device, ck_dt, opts.dtype, &m->opts.compute_dtype)) !=
+        DUET_OK)
+        goto err;
+    if (opts.device == DUET_DEVICE_CPU && opts.dtype == DUET_MODEL_DTYPE_BF16)
+        DUET_LOG_WARN("--dtype bf16 applies to cuda: the CPU engine computes in f32 (and reads "
+                      "the %s weights as they are)",
+                      duet_dtype_name(ck_dt));
+    DUET_LOG_INFO("dtype %s: %s checkpoint, %s compute on %s", duet_model_dtype_name(opts.dtype),
+                  duet_dtype_name(ck_dt), duet_dtype_name(m->opts.compute_dtype),
+                  duet_model_device_name(opts.device));
+    if ((st = duet__model_finish(m, 1, 0)) != DUET_OK)
         goto err;
     *m_p = m;
     return DUET_OK;
@@ -560,11 +607,20 @@ duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
     if (opts->device != DUET_DEVICE_CUDA)
         return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: random weights are generated on a CUDA "
                          "device only");
+    if (opts->dtype == DUET_MODEL_DTYPE_AUTO)
+        return DUET_FAIL(DUET_ERR_INVALID, "model: random weights have no checkpoint dtype for "
+                         "dtype auto to follow: ask for f32 or bf16");
     duet_model_t *m = calloc(1, sizeof(*m));
     if (m == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     m->opts = *opts;
     m->cfg  = *cfg;
+    /* the checkpoint dtype does not matter for an explicit request */
+    if ((st = duet_model_dtype_resolve(opts->device, DUET_DTYPE_F32, opts->dtype,
+                                       &m->opts.compute_dtype)) != DUET_OK) {
+        free(m);
+        return st;
+    }
     if ((st = duet__model_finish(m, 0, seed)) != DUET_OK) {
         duet_model_free(m);
         return st;

@@ -34,6 +34,16 @@ typedef enum {
  */
 typedef void *(*duet_model_pool_alloc_fn)(void *user, duet_model_pool_t which, size_t bytes);
 
+/*
+ * The compute dtype a caller asks for (the binaries' --dtype); duet_model_dtype_resolve turns it
+ * and the checkpoint's dtype into the one the model computes in.
+ */
+typedef enum {
+    DUET_MODEL_DTYPE_AUTO = 0, /* the checkpoint's, as far as the device computes in it */
+    DUET_MODEL_DTYPE_F32  = 1,
+    DUET_MODEL_DTYPE_BF16 = 2,
+} duet_model_dtype_t;
+
 typedef struct {
     int     n_threads;        /* CPU threads, 0 = all online CPUs (or DUET_THREADS) */
     int64_t max_batch_tokens; /* rows one forward call may carry (default 512) */
@@ -47,7 +57,11 @@ typedef struct {
      * workspaces live on the GPU (engine/model_cuda.h); the pools above stay on the host for
      * page / slot bookkeeping and as the transfer staging area. */
     duet_device_kind_t device;
-    duet_dtype_t       compute_dtype; /* CUDA: F32 (default; exact fp32, TF32 off) or BF16 */
+    duet_model_dtype_t dtype;         /* what the caller asks for (default AUTO) */
+    duet_dtype_t       compute_dtype; /* what the model computes in: set by the load from `dtype`
+                                         (duet_model_dtype_resolve), read it through
+                                         duet_model_opts(); a caller's value is overwritten.
+                                         CUDA: F32 (exact fp32, TF32 off) or BF16; CPU: F32 */
     duet_dtype_t       kv_dtype;      /* KV pool elements: F32 (default), BF16 on CUDA only */
     int mirror_in;   /* CUDA: seq_set_filled copies the host pools' sequence to the device */
     int mirror_out;  /* CUDA: each layer's new KV / state is copied to the host pools before
@@ -68,17 +82,48 @@ duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p);
 /* "cpu" / "cuda". */
 const char *duet_model_device_name(duet_device_kind_t dev);
 
+/* The --dtype help text of every binary that loads a model (one wording of the rule below). */
+#define DUET_MODEL_DTYPE_HELP                                                                      \
+    "compute dtype: auto = the checkpoint's on cuda (bf16 for a bf16 checkpoint such as the "      \
+    "published one; f32 for an f32 or f16 one: cuda computes in f32 or bf16 and auto never "       \
+    "rounds the stored weights), f32 on the cpu; f32 = exact fp32 (TF32 off); bf16 = bf16 "        \
+    "weights and GEMM inputs (cuda only: the cpu always computes in f32)"
+
+/*
+ * Parse a --dtype value: "auto", "f32" or "bf16". DUET_ERR_INVALID naming the value otherwise.
+ */
+duet_status_t duet_model_dtype_parse(const char *s, duet_model_dtype_t *dt_p);
+/* "auto" / "f32" / "bf16". */
+const char *duet_model_dtype_name(duet_model_dtype_t dt);
+
+/*
+ * The dtype a model on `dev` computes in, given the checkpoint's dtype (duet_checkpoint_dtype)
+ * and the request. Pure: no I/O, no logging.
+ *  - CPU: F32, whatever is asked (the CPU kernels compute in fp32 and read BF16 / F16 weights
+ *    as they are; a BF16 request changes nothing there).
+ *  - CUDA, F32 or BF16 asked: that.
+ *  - CUDA, AUTO: BF16 for a BF16 checkpoint (the published Kimi-Linear; F32 would need twice
+ *    the memory, ~190 GB for the 48B model); F32 for an F32 checkpoint; F32 for an F16 one too:
+ *    the GPU computes in F32 or BF16 only, and BF16 would drop 3 of F16's mantissa bits, so auto
+ *    never rounds the stored weights (ask for bf16 to halve the memory).
+ * DUET_ERR_INVALID for a value outside the enums.
+ */
+duet_status_t duet_model_dtype_resolve(duet_device_kind_t dev, duet_dtype_t ckpt,
+                                       duet_model_dtype_t req, duet_dtype_t *out_p);
+
 /* Fill opts with the defaults above. */
 void duet_model_opts_default(duet_model_opts_t *opts);
 
 /*
  * Load checkpoint folder `dir` (config.json + safetensors), validate it, bind the weights,
- * create the CPU backend and the cache pools. Errors carry a detail naming the file/tensor.
+ * resolve the compute dtype (opts->dtype and the checkpoint's dtype, duet_model_dtype_resolve;
+ * logged), create the backend and the cache pools. Errors carry a detail naming the file/tensor.
  */
 duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts, duet_model_t **m_p);
 /*
  * A model of config `cfg` with random weights generated on the device from `seed`, no
  * checkpoint (benchmarks of real model sizes). CUDA only: DUET_ERR_UNSUPPORTED on the CPU.
+ * opts->dtype must be F32 or BF16 (no checkpoint for AUTO to follow: DUET_ERR_INVALID).
  */
 duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
                                        const duet_model_opts_t *opts, uint64_t seed,

@@ -11,6 +11,12 @@ Moonshot -> internal on load (conversion_mapping.py, "kimi_linear"); this module
   mlp.experts.gate_up_proj [E,2I,D]            -> block_sparse_moe.experts.E.w1 (rows :I) / w3 (rows I:)
   mlp.experts.down_proj [E,D,I]                -> block_sparse_moe.experts.E.w2
 
+transformers' own save_pretrained applies the reverse of its conversion, which cannot tell dense
+from sparse layers: it writes the table above except that *every* layer's mlp.* becomes
+block_sparse_moe.*, so a dense layer's MLP is saved as block_sparse_moe.{gate,up,down}_proj.weight
+(the hub says mlp.*). transformers loads both, and its internal names as they are; so does duet
+(engine/weights.c). tools/make_fixtures.py's save-pretrained-bf16 fixture records what it writes.
+
 Used by tools/make_fixtures.py and tools/train_demo.py.
 """
 

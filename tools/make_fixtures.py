@@ -6,14 +6,19 @@
 
 For each fixture: build a random KimiLinearForCausalLM (transformers 5.17) with a fixed seed,
 make its weights "interesting" (unit-scale residual stream, non-trivial norm weights, non-zero
-e_score_correction_bias, peaked logits), write it in Moonshot's naming (tools/kimi_ckpt.py),
-reload it with KimiLinearForCausalLM.from_pretrained and check every weight round-trips bit-exactly,
+e_score_correction_bias, peaked logits), write it in Moonshot's naming (tools/kimi_ckpt.py) or,
+for spelling "save_pretrained", with transformers' own KimiLinearForCausalLM.save_pretrained
+(its names, its config.json, its shards and index), reload it with
+KimiLinearForCausalLM.from_pretrained and check every weight round-trips bit-exactly,
 then compute the golden outputs from the *reloaded* model on CPU in fp32 with eager attention:
 
   logits_fp32.bin   float32 LE [prompt_len, vocab]: logits at every prompt position (no cache)
   golden.json       prompt ids, 32 greedy ids (prefill + 31 cached decode steps, cross-checked
                     against a no-cache recompute at every step), metadata
   logits_bf16.bin   (bf16 fixtures) transformers' own bf16-compute prompt logits, cast to fp32
+  internal/         (save_pretrained fixtures) the same weights under transformers' internal names
+                    (the module's state_dict: fused conv1d and experts, forget_gate.*, mlp.*),
+                    which from_pretrained also loads; golden.json "variants" lists it
 
 A seed is rejected (and the next one tried) when a greedy step has a top1-top2 logit gap <= 1e-3
 or an MoE routing decision (top-k or group choice) is closer than ROUTER_GAP, so that an fp32
@@ -21,6 +26,7 @@ engine that only differs by rounding must reproduce the greedy ids and the exper
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -30,6 +36,8 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -171,6 +179,30 @@ FIXTURES = [
                  n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
                  vocab_size=300),
     ),
+    dict(
+        name="save-pretrained-bf16",
+        seed=77,
+        dtype="bfloat16",
+        spelling="save_pretrained",
+        max_shard_size="120KB",
+        variants=["internal"],
+        prompt_len=80,
+        covers=["written by KimiLinearForCausalLM.save_pretrained (transformers' names: dense MLP as "
+                "block_sparse_moe.{gate,up,down}_proj; its config.json, shards and index)",
+                "internal/: the same weights under transformers' internal names (state_dict: fused "
+                "self_attn.conv1d, self_attn.forget_gate.*, mlp.*, experts.gate_up_proj / down_proj)",
+                "bf16 weights (e_score_correction_bias, A_log, dt_bias too)", "sharded by max_shard_size",
+                "KDA-first [KDA,MLA,KDA]", "dense layer 0, MoE layers 1-2", "prompt 80 tokens",
+                "4 experts top-2, 1 shared, moe_intermediate 16", "bf16-compute reference"],
+        cfg=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+                 layer_types=[L, M, L], mlp_layer_types=["dense", "sparse", "sparse"],
+                 linear_num_heads=2, linear_head_dim=16,
+                 num_attention_heads=2, num_key_value_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16, kv_lora_rank=32, q_lora_rank=None,
+                 num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                 n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+                 vocab_size=200),
+    ),
 ]
 
 
@@ -280,6 +312,42 @@ def disk_tensors(model, config, spec):
     return sd
 
 
+def save_with_transformers(model, spec, out_dir):
+    """KimiLinearForCausalLM.save_pretrained in the fixture's dtype: transformers' own names,
+    config.json, generation_config.json, and shards + index when over max_shard_size."""
+    dt = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    m = copy.deepcopy(model).to(dt)
+    m.save_pretrained(out_dir, max_shard_size=spec.get("max_shard_size", "50GB"))
+    del m
+
+
+def save_variant(out_dir, variant, spec):
+    """out_dir/<variant>: the checkpoint in out_dir under other names transformers loads.
+    "internal": the module's state_dict as it is (transformers' internal names)."""
+    assert variant == "internal", variant
+    dt = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    m = KimiLinearForCausalLM.from_pretrained(out_dir, dtype=dt)
+    vdir = os.path.join(out_dir, variant)
+    os.makedirs(vdir)
+    shutil.copy(os.path.join(out_dir, "config.json"), vdir)
+    save_file({k: v.detach().contiguous() for k, v in m.state_dict().items()},
+              os.path.join(vdir, "model.safetensors"), metadata={"format": "pt"})
+    del m
+
+
+def saved_names(out_dir):
+    """name -> [dtype, *shape] of every tensor the checkpoint in out_dir holds (for the record:
+    what save_pretrained writes)."""
+    names = {}
+    for fn in sorted(os.listdir(out_dir)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(out_dir, fn), "pt") as f:
+                for k in f.keys():
+                    sl = f.get_slice(k)
+                    names[k] = [sl.get_dtype()] + list(sl.get_shape())
+    return {k: names[k] for k in sorted(names)}
+
+
 class RouterGapProbe:
     """Forward hooks on every KimiLinearTopkRouter: smallest margin of any top-k / group decision."""
 
@@ -378,13 +446,21 @@ def try_seed(spec, seed, out_dir):
         model.lm_head.weight.mul_(LOGIT_STD / std)
     round_weights(model, spec)
 
-    # Write in Moonshot naming, then reload and check every weight round-trips.
+    # Write in Moonshot naming (or with save_pretrained), then reload and check every weight
+    # round-trips.
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
-    kimi_ckpt.save_moonshot(out_dir, disk_tensors(model, config, spec), config_text(spec, config), spec["shards"])
+    if spec["spelling"] == "save_pretrained":
+        save_with_transformers(model, spec, out_dir)
+    else:
+        kimi_ckpt.save_moonshot(out_dir, disk_tensors(model, config, spec), config_text(spec, config),
+                                spec["shards"])
     kimi_ckpt.check_config_roundtrip(config, out_dir)
     ref = load(out_dir, torch.float32, spec)
     n_checked = kimi_ckpt.check_weights_equal(model, ref)
+    for v in spec.get("variants", []):
+        save_variant(out_dir, v, spec)
+        kimi_ckpt.check_weights_equal(model, load(os.path.join(out_dir, v), torch.float32, spec))
     del model
 
     probe = RouterGapProbe(ref)
@@ -403,7 +479,7 @@ def try_seed(spec, seed, out_dir):
     golden = {
         "name": spec["name"],
         "weights_dtype": spec["dtype"],
-        "sharded": spec["shards"] > 1,
+        "sharded": os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")),
         "config_spelling": spec["spelling"],
         "prompt_ids": prompt[0].tolist(),
         "greedy_ids": ids,
@@ -427,6 +503,12 @@ def try_seed(spec, seed, out_dir):
         golden["bf16_greedy_agree_prefix"] = next((i for i, (a, b) in enumerate(zip(ids, ids_b)) if a != b),
                                                   GREEDY_TOKENS)
         del mb
+    if spec.get("variants"):
+        golden["variants"] = list(spec["variants"])
+        golden["variants_note"] = ("each variant folder holds config.json and the same weights "
+                                   "under other names; the same golden outputs apply")
+    if spec["spelling"] == "save_pretrained":
+        golden["tensor_names"] = saved_names(out_dir)
     if "situ" in spec:
         golden["situ"] = dict(spec["situ"], hidden_act="situ",
                               gate="situ_beta * tanh(g / situ_beta) * sigmoid(g)",
@@ -476,8 +558,8 @@ def main():
         if args.only and spec["name"] not in args.only:
             continue
         g = make(spec, args.out)
-        size = sum(os.path.getsize(os.path.join(args.out, spec["name"], f))
-                   for f in os.listdir(os.path.join(args.out, spec["name"])))
+        size = sum(os.path.getsize(os.path.join(d, f))
+                   for d, _, fs in os.walk(os.path.join(args.out, spec["name"])) for f in fs)
         extra = f", bf16 rel L2 {g['bf16_vs_fp32_rel_l2']:.3e}" if "bf16_vs_fp32_rel_l2" in g else ""
         print(f"{spec['name']}: seed {g['seed']}, {g['weights_checked']} tensors round-tripped, "
               f"greedy gap >= {g['greedy_min_top2_gap']:.3f}, router gap >= {g['router_min_gap']:.2e}, "

@@ -15,7 +15,7 @@
 #include "common/version.h"
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
-const char *const duet_worker_dtypes[]  = {"f32", "bf16", NULL};
+const char *const duet_worker_dtypes[]  = {"auto", "f32", "bf16", NULL};
 const char *const duet_worker_device_pools_modes[] = {"off", "auto", NULL};
 
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
@@ -30,8 +30,9 @@ void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
     /* the enum was validated by the config: only auto / cpu / cuda reach here */
     if (duet_model_device_parse(duet_config_get_enum(cfg, "device"), &o->device) != DUET_OK)
         o->device = DUET_DEVICE_CPU;
-    o->compute_dtype = strcmp(duet_config_get_enum(cfg, "dtype"), "bf16") == 0 ? DUET_DTYPE_BF16
-                                                                              : DUET_DTYPE_F32;
+    /* likewise only auto / f32 / bf16 */
+    if (duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &o->dtype) != DUET_OK)
+        o->dtype = DUET_MODEL_DTYPE_AUTO;
 }
 
 bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t *mo,

@@ -30,8 +30,7 @@
      .max = "1024"},                                                                               \
     {"device", DUET_CONFIG_ENUM, "auto", "where the model runs: auto (cuda when a GPU is "         \
      "visible), cpu or cuda", .choices = duet_worker_devices},                                    \
-    {"dtype", DUET_CONFIG_ENUM, "f32", "cuda: weights and GEMM inputs in f32 (exact, TF32 off) "  \
-     "or bf16", .choices = duet_worker_dtypes},                                                   \
+    {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = duet_worker_dtypes},    \
     {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"},     \
     {"router_connect_timeout_ms", DUET_CONFIG_INT, "60000",                                        \
      "keep trying to reach the router this long at start", .min = "0", .max = "3600000"},          \
@@ -51,7 +50,7 @@
      "than staging, see bench/RESULTS.md)", .choices = duet_worker_device_pools_modes}
 
 extern const char *const duet_worker_devices[]; /* "auto", "cpu", "cuda" */
-extern const char *const duet_worker_dtypes[];  /* "f32", "bf16" */
+extern const char *const duet_worker_dtypes[];  /* "auto", "f32", "bf16" */
 extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
 
 /* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */

@@ -267,7 +267,7 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--cache.page_tokens", "16", "--cache.kv_pages", "400",
                         "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
                         "--batch.max_seqs", "8", "--heartbeat_ms", "100", "--transfer.checksum",
-                        "--device", (char *)worker_device, NULL};
+                        "--device", (char *)worker_device, "--dtype", "f32", NULL};
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -277,7 +277,8 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--cache.page_tokens", "32", "--cache.kv_pages", "300",
                         "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
                         "--batch.max_seqs", "40", "--heartbeat_ms", "100",
-                        "--cache.quarantine_ms", "500", "--device", (char *)worker_device, NULL};
+                        "--cache.quarantine_ms", "500", "--device", (char *)worker_device,
+                        "--dtype", "f32", NULL};
         spawn(name, argv);
     }
     cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
@@ -361,12 +362,14 @@ static void reference(job_t *j)
         dup2(nul, 2);
         char seed[16];
         snprintf(seed, sizeof(seed), "%d", j->seed);
+        /* f32 here and in every worker: a GPU's --dtype auto would compute this bf16 model in
+         * bf16, and the fault tests' CPU workers compute in f32 */
         if (j->seed > 0)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
-                  "--prefill-chunk", "64", "--threads", "1", "--json", "--temperature", "0.8",
-                  "--top-p", "0.95", "--seed", seed, (char *)NULL);
+                  "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
+                  "--temperature", "0.8", "--top-p", "0.95", "--seed", seed, (char *)NULL);
         execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
-              "--prefill-chunk", "64", "--threads", "1", "--json",
+              "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
               j->ignore_eos ? "--ignore-eos" : (char *)NULL, (char *)NULL);
         _exit(127);
     }

@@ -109,8 +109,10 @@ Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
         "111,117,32,97,110,100,32,116,104,101,32,112,114,111,112,104,101,116,115,32,119,104,111,"
         "32,97,114,101,32,105,110,32,121,111,117,114,32";
     char out[65536];
+    /* --dtype f32: on a GPU, auto would compute this bf16 model in bf16 */
     cr_assert_eq(run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR "/models/duet-demo "
-                     "--prompt 'And God said' --max-tokens 60 --json", out, sizeof(out)), 0, "%s", out);
+                     "--prompt 'And God said' --max-tokens 60 --dtype f32 --json", out, sizeof(out)),
+                 0, "%s", out);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
@@ -133,6 +135,7 @@ Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
         {"--model " FIX " --tokens 1 --temperature -1", "temperature"},
         {"--model " FIX " --tokens 1 --bogus 3", "bogus"},
         {"--model " FIX " --tokens 99999", "vocabulary"},
+        {"--model " FIX " --tokens 1 --dtype fp16", "auto, f32, bf16"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char cmd[4096], out[65536];

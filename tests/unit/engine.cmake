@@ -5,6 +5,8 @@ duet_add_test(test_engine_sampler SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_
               LIBS duet_engine TIMEOUT 120)
 duet_add_test(test_engine_golden SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_golden.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
+duet_add_test(test_engine_dtype SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_dtype.c
+              LIBS duet_engine TIMEOUT 60)
 duet_add_test(test_engine_cache SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cache.c
               LIBS duet_engine TIMEOUT 120)
 # The CUDA forward pass against the same fixtures (built with the CUDA backend; skips without a

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #define MAX_FIXTURES 16
+#define MAX_VARIANTS 4
 
 typedef struct {
     char     dir[2048];
@@ -26,6 +27,10 @@ typedef struct {
     float   *logits; /* (n_prompt, vocab) fp32 reference */
     float   *logits_bf16; /* transformers' bf16 compute, bf16 fixtures only */
     int64_t  vocab;
+    /* subfolders holding the same weights under other names (golden.json "variants"): the
+     * same goldens apply to each */
+    char     variants[MAX_VARIANTS][64];
+    int      n_variants;
 } fixture_t;
 
 static int load_ids(json_t *arr, int32_t *out, int64_t cap, int64_t *n_p)
@@ -94,6 +99,16 @@ static int load_fixtures(fixture_t *fx, int cap)
         const char *bf = json_string_value(json_object_get(g, "bf16_logits_file"));
         if (bf != NULL)
             x->logits_bf16 = load_f32(x->dir, bf, x->n_prompt * x->vocab);
+        json_t *va = json_object_get(g, "variants");
+        cr_assert(va == NULL || (json_is_array(va) && json_array_size(va) <= MAX_VARIANTS),
+                  "%s: \"variants\" must be an array of at most %d folder names", path,
+                  MAX_VARIANTS);
+        for (size_t k = 0; va != NULL && k < json_array_size(va); k++) {
+            const char *v = json_string_value(json_array_get(va, k));
+            cr_assert(v != NULL && strlen(v) < sizeof(x->variants[0]) && strchr(v, '/') == NULL,
+                      "%s: bad variant %zu", path, k);
+            snprintf(x->variants[x->n_variants++], sizeof(x->variants[0]), "%s", v);
+        }
         json_decref(g);
     }
     return n;
@@ -106,6 +121,16 @@ static void free_fixtures(fixture_t *fx, int n)
         free(fx[i].logits);
         free(fx[i].logits_bf16);
     }
+}
+
+static double max_abs_diff(const float *a, const float *ref, int64_t n)
+{
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)ref[i]);
+        m = d > m ? d : m;
+    }
+    return m;
 }
 
 static double rel_l2(const float *a, const float *ref, int64_t n)

@@ -599,6 +599,400 @@ Test(engine_checkpoint, weights_wrong_shape_names_both_shapes, .timeout = 10)
     remove_dir(dir);
 }
 
+/* ---- transformers' spellings ---------------------------------------------------------------- */
+
+/*
+ * What transformers 5.17 writes or loads besides Moonshot's names (its conversion_mapping.py,
+ * "kimi_linear"; tools/make_fixtures.py --save-pretrained shows save_pretrained's output):
+ *   SP_SAVE_PRETRAINED  what save_pretrained writes: Moonshot's names, but the dense layers'
+ *                       MLP under block_sparse_moe.
+ *   SP_INTERNAL         the module's own state_dict: self_attn.forget_gate.*, one fused
+ *                       self_attn.conv1d.weight (q, k, v rows), mlp.* in every layer, experts
+ *                       fused into experts.gate_up_proj (E, 2I, D: w1 rows then w3 rows per
+ *                       expert) and experts.down_proj (E, D, I)
+ *   SP_MIXED            tensor by tensor, the other prefix for some (transformers renames each
+ *                       tensor on its own, so it loads such a file too)
+ */
+enum { SP_SAVE_PRETRAINED, SP_INTERNAL, SP_MIXED };
+
+/* Bytes of checkpoint tensor `name` (asserted present). */
+static const void *ck_bytes(const duet_checkpoint_t *ck, const char *name, size_t *n_p,
+                            duet_tensor_t *t_p)
+{
+    cr_assert_eq(duet_checkpoint_get(ck, name, t_p), DUET_OK, "%s", duet_error_last());
+    *n_p = (size_t)duet_tensor_numel(t_p) * duet_dtype_size(t_p->dtype);
+    return t_p->data;
+}
+
+/* Concatenate tensors names[0..n) (same dtype) into one tensor `out` of shape[0..ndim). */
+static void add_concat(st_writer_t *sw, const duet_checkpoint_t *ck, const char *out, int n,
+                       char names[][160], int ndim, const int64_t *shape)
+{
+    size_t total = 0, off = 0;
+    duet_tensor_t t;
+    for (int i = 0; i < n; i++) {
+        size_t b;
+        ck_bytes(ck, names[i], &b, &t);
+        total += b;
+    }
+    uint8_t *buf = malloc(total);
+    for (int i = 0; i < n; i++) {
+        size_t b;
+        const void *src = ck_bytes(ck, names[i], &b, &t);
+        memcpy(buf + off, src, b);
+        off += b;
+    }
+    cr_assert_eq(st_writer_add(sw, out, duet_dtype_name(t.dtype), ndim, shape, buf), 0);
+    free(buf);
+}
+
+/* Rewrite the Moonshot-named checkpoint `ck` of `cfg` (TINY_CFG) in spelling `sp` into sw. */
+static void respell(const duet_checkpoint_t *ck, const duet_model_config_t *cfg, int sp,
+                    st_writer_t *sw)
+{
+    const int64_t E = cfg->n_experts, I = cfg->moe_intermediate, D = cfg->hidden_size;
+    const int64_t HK = cfg->kda_heads * cfg->kda_head_dim, W = cfg->conv_kernel;
+    for (int64_t i = 0; i < duet_checkpoint_n_tensors(ck); i++) {
+        const char *name = duet_checkpoint_tensor_name(ck, i);
+        char out[160];
+        int l, at = 0;
+        snprintf(out, sizeof(out), "%s", name);
+        if (sscanf(name, "model.layers.%d.%n", &l, &at) == 1 && at > 0) {
+            const char *rest = name + at;
+            const char *fg[4] = {"self_attn.f_a_proj.weight", "self_attn.f_b_proj.weight",
+                                 "self_attn.dt_bias", "self_attn.A_log"};
+            int is_fg = 0;
+            for (int k = 0; k < 4; k++)
+                is_fg |= strcmp(rest, fg[k]) == 0;
+            int e = -1;
+            sscanf(rest, "block_sparse_moe.experts.%d.", &e);
+            if (sp == SP_INTERNAL && is_fg) {
+                snprintf(out, sizeof(out), "model.layers.%d.self_attn.forget_gate.%s", l,
+                         rest + strlen("self_attn."));
+            } else if (sp == SP_INTERNAL && strstr(rest, "_conv1d.weight") != NULL) {
+                if (strcmp(rest, "self_attn.q_conv1d.weight") != 0)
+                    continue; /* k and v go into the fused tensor with q */
+                char parts[3][160];
+                for (int k = 0; k < 3; k++)
+                    snprintf(parts[k], sizeof(parts[k]),
+                             "model.layers.%d.self_attn.%c_conv1d.weight", l, "qkv"[k]);
+                snprintf(out, sizeof(out), "model.layers.%d.self_attn.conv1d.weight", l);
+                add_concat(sw, ck, out, 3, parts, 3, (int64_t[]){3 * HK, 1, W});
+                continue;
+            } else if (sp == SP_INTERNAL && e >= 0) {
+                if (e != 0 || strstr(rest, ".w3.") != NULL)
+                    continue; /* every expert goes into the two fused tensors */
+                int down = strstr(rest, ".w2.") != NULL;
+                char(*parts)[160] = malloc(sizeof(*parts) * (size_t)(2 * E));
+                int n = 0;
+                for (int64_t x = 0; x < E; x++)
+                    for (int k = 0; k < (down ? 1 : 2); k++)
+                        snprintf(parts[n++], 160,
+                                 "model.layers.%d.block_sparse_moe.experts.%lld.w%d.weight", l,
+                                 (long long)x, down ? 2 : (k == 0 ? 1 : 3));
+                snprintf(out, sizeof(out), "model.layers.%d.mlp.experts.%s", l,
+                         down ? "down_proj" : "gate_up_proj");
+                add_concat(sw, ck, out, n, parts, 3,
+                           down ? (int64_t[]){E, D, I} : (int64_t[]){E, 2 * I, D});
+                free(parts);
+                continue;
+            } else if (strncmp(rest, "mlp.", 4) == 0) { /* a dense layer */
+                int other =
+                    sp == SP_SAVE_PRETRAINED || (sp == SP_MIXED && strstr(rest, "up_proj") != NULL);
+                if (other)
+                    snprintf(out, sizeof(out), "model.layers.%d.block_sparse_moe.%s", l, rest + 4);
+            } else if (strncmp(rest, "block_sparse_moe.", 17) == 0) {
+                int other = sp == SP_INTERNAL ||
+                            (sp == SP_MIXED && (e % 2 == 1 || strstr(rest, "gate.weight")));
+                if (other)
+                    snprintf(out, sizeof(out), "model.layers.%d.mlp.%s", l, rest + 17);
+            }
+        }
+        duet_tensor_t t;
+        size_t b;
+        const void *src = ck_bytes(ck, name, &b, &t);
+        cr_assert_eq(st_writer_add(sw, out, duet_dtype_name(t.dtype), t.ndim, t.shape, src), 0);
+    }
+}
+
+/* A Moonshot-named tiny model in dir0 and the same weights in spelling `sp` in sw. */
+static void write_spelled(const char *dir0, int sp, const char *dtype, st_writer_t *sw,
+                          duet_model_config_t *cfg)
+{
+    tiny_config(0, cfg);
+    st_writer_t *ms = st_writer_new();
+    cr_assert_eq(st_writer_add_model(ms, cfg, dtype, 99), 0);
+    write_model(dir0, ms, 0);
+    st_writer_free(ms);
+    duet_checkpoint_t *ck;
+    cr_assert_eq(duet_checkpoint_open(dir0, &ck), DUET_OK, "%s", duet_error_last());
+    respell(ck, cfg, sp, sw);
+    duet_checkpoint_close(ck);
+}
+
+static void same_tensor(const duet_tensor_t *a, const duet_tensor_t *b, const char *what, int l)
+{
+    cr_assert_eq(a->dtype, b->dtype, "layer %d %s: dtype", l, what);
+    cr_assert_eq(a->ndim, b->ndim, "layer %d %s: ndim %d vs %d", l, what, a->ndim, b->ndim);
+    for (int i = 0; i < a->ndim; i++)
+        cr_assert_eq(a->shape[i], b->shape[i], "layer %d %s: dim %d", l, what, i);
+    size_t n = (size_t)duet_tensor_numel(a) * duet_dtype_size(a->dtype);
+    cr_assert_not_null(b->data, "layer %d %s unbound", l, what);
+    cr_assert_eq(memcmp(a->data, b->data, n), 0, "layer %d %s: bytes differ", l, what);
+}
+
+/* Every weight of two bindings of one model: same dtype, shape and bytes. */
+static void same_weights(const duet_model_config_t *c, const duet_weights_t *a,
+                         const duet_weights_t *b)
+{
+    same_tensor(&a->embed_tokens, &b->embed_tokens, "embed_tokens", -1);
+    same_tensor(&a->norm, &b->norm, "norm", -1);
+    same_tensor(&a->lm_head, &b->lm_head, "lm_head", -1);
+    for (int l = 0; l < (int)c->num_layers; l++) {
+        const duet_layer_weights_t *x = &a->layers[l], *y = &b->layers[l];
+#define SAME(f) same_tensor(&x->f, &y->f, #f, l)
+        SAME(input_layernorm);
+        SAME(post_attention_layernorm);
+        if (x->mixer == DUET_MIXER_KDA) {
+            SAME(kda.q_proj), SAME(kda.k_proj), SAME(kda.v_proj), SAME(kda.q_conv);
+            SAME(kda.k_conv), SAME(kda.v_conv), SAME(kda.f_a_proj), SAME(kda.f_b_proj);
+            SAME(kda.dt_bias), SAME(kda.A_log), SAME(kda.b_proj), SAME(kda.g_a_proj);
+            SAME(kda.g_b_proj), SAME(kda.o_norm), SAME(kda.o_proj);
+        } else {
+            SAME(mla.q_a_proj), SAME(mla.q_a_layernorm), SAME(mla.q_b_proj);
+            SAME(mla.kv_a_proj_with_mqa), SAME(mla.kv_a_layernorm), SAME(mla.kv_b_proj);
+            SAME(mla.o_proj);
+        }
+        if (x->ffn == DUET_FFN_DENSE) {
+            SAME(mlp.gate_proj), SAME(mlp.up_proj), SAME(mlp.down_proj);
+        } else {
+            SAME(moe.gate), SAME(moe.gate_bias), SAME(moe.shared.gate_proj);
+            SAME(moe.shared.up_proj), SAME(moe.shared.down_proj);
+            for (int64_t e = 0; e < c->n_experts; e++) {
+                SAME(moe.w1[e]), SAME(moe.w2[e]), SAME(moe.w3[e]);
+            }
+        }
+#undef SAME
+    }
+}
+
+Test(engine_checkpoint, weights_transformers_spellings_bind_the_same_bytes, .timeout = 20)
+{
+    const char *dtypes[2] = {"BF16", "F32"};
+    for (int sp = SP_SAVE_PRETRAINED; sp <= SP_MIXED; sp++)
+        for (int k = 0; k < 2; k++) {
+            char dir0[64], dir1[64];
+            make_dir(dir0);
+            make_dir(dir1);
+            duet_model_config_t cfg;
+            st_writer_t *sw = st_writer_new();
+            write_spelled(dir0, sp, dtypes[k], sw, &cfg);
+            write_model(dir1, sw, sp == SP_MIXED);
+            st_writer_free(sw);
+
+            duet_checkpoint_t *ck0, *ck1;
+            duet_weights_t w0, w1;
+            cr_assert_eq(bind_dir(dir0, &cfg, &ck0, &w0), DUET_OK, "%s", duet_error_last());
+            cr_assert_eq(bind_dir(dir1, &cfg, &ck1, &w1), DUET_OK, "spelling %d: %s", sp,
+                         duet_error_last());
+            if (sp == SP_INTERNAL) /* 3 convs → 1 and 4 experts x 3 → 2 per layer */
+                cr_assert_eq(duet_checkpoint_n_tensors(ck1),
+                             duet_checkpoint_n_tensors(ck0) - 3 * 2 - 3 * (12 - 2));
+            else
+                cr_assert_eq(duet_checkpoint_n_tensors(ck1), duet_checkpoint_n_tensors(ck0));
+            cr_assert_eq(duet_checkpoint_n_unused(ck1), 0, "spelling %d: %s unused", sp,
+                         duet_checkpoint_unused_name(ck1, 0));
+            same_weights(&cfg, &w0, &w1);
+            duet_weights_free(&w0);
+            duet_weights_free(&w1);
+            duet_checkpoint_close(ck0);
+            duet_checkpoint_close(ck1);
+            remove_dir(dir0);
+            remove_dir(dir1);
+        }
+}
+
+/* A Moonshot-named tiny model, changed by `edit`, must fail binding with `want` and a detail
+ * holding needles[0..n) (NULL-terminated). */
+typedef void (*spell_edit_fn)(st_writer_t *sw, const duet_checkpoint_t *ck0);
+
+static void expect_bind_fails(int sp, spell_edit_fn edit, duet_status_t want,
+                              const char *const *needles)
+{
+    char dir0[64], dir1[64];
+    make_dir(dir0);
+    make_dir(dir1);
+    duet_model_config_t cfg;
+    st_writer_t *sw = st_writer_new();
+    write_spelled(dir0, sp, "BF16", sw, &cfg);
+    duet_checkpoint_t *ck0;
+    cr_assert_eq(duet_checkpoint_open(dir0, &ck0), DUET_OK);
+    edit(sw, ck0);
+    duet_checkpoint_close(ck0);
+    write_model(dir1, sw, 1);
+    st_writer_free(sw);
+    duet_checkpoint_t *ck;
+    duet_weights_t w, untouched;
+    memset(&untouched, 0xab, sizeof(untouched));
+    w = untouched;
+    duet_error_clear();
+    duet_status_t st = bind_dir(dir1, &cfg, &ck, &w);
+    cr_assert_eq(st, want, "got %s (%s)", duet_status_name(st), duet_error_last());
+    cr_assert_eq(memcmp(&w, &untouched, sizeof(w)), 0, "w_p written on failure");
+    for (int i = 0; needles[i] != NULL; i++)
+        cr_assert_not_null(strstr(duet_error_last(), needles[i]), "detail \"%s\" lacks \"%s\"",
+                           duet_error_last(), needles[i]);
+    duet_checkpoint_close(ck);
+    remove_dir(dir0);
+    remove_dir(dir1);
+}
+
+/* Add a copy of ck0's tensor `from` under the name `to`. */
+static void add_copy(st_writer_t *sw, const duet_checkpoint_t *ck0, const char *from,
+                     const char *to)
+{
+    duet_tensor_t t;
+    size_t b;
+    const void *src = ck_bytes(ck0, from, &b, &t);
+    cr_assert_eq(st_writer_add(sw, to, duet_dtype_name(t.dtype), t.ndim, t.shape, src), 0);
+}
+
+static void edit_dense_twice(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    /* save_pretrained's block_sparse_moe.gate_proj and the hub's mlp.gate_proj, both */
+    add_copy(sw, ck0, "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight");
+}
+
+static void edit_forget_gate_twice(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    (void)ck0;
+    int64_t shape[4] = {1, 1, 2, 1};
+    cr_assert_eq(st_writer_add(sw, "model.layers.1.self_attn.A_log", "BF16", 4, shape, NULL), 0);
+}
+
+static void edit_conv_fused_and_split(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    add_copy(sw, ck0, "model.layers.3.self_attn.v_conv1d.weight",
+             "model.layers.3.self_attn.v_conv1d.weight");
+}
+
+static void edit_experts_fused_and_split(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    add_copy(sw, ck0, "model.layers.2.block_sparse_moe.experts.2.w3.weight",
+             "model.layers.2.mlp.experts.2.w3.weight");
+}
+
+static void edit_experts_fused_twice(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    (void)ck0;
+    int64_t shape[3] = {4, 16, 8};
+    cr_assert_eq(st_writer_add(sw, "model.layers.1.block_sparse_moe.experts.down_proj", "BF16", 3,
+                               shape, NULL),
+                 0);
+}
+
+static void edit_drop_v_conv(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    (void)ck0;
+    cr_assert_eq(st_writer_remove(sw, "model.layers.3.self_attn.v_conv1d.weight"), 1);
+}
+
+static void edit_drop_expert(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    (void)ck0;
+    cr_assert_eq(st_writer_remove(sw, "model.layers.2.mlp.experts.3.w2.weight"), 1);
+}
+
+static void edit_fused_wrong_shape(st_writer_t *sw, const duet_checkpoint_t *ck0)
+{
+    (void)ck0;
+    cr_assert_eq(st_writer_remove(sw, "model.layers.3.mlp.experts.gate_up_proj"), 1);
+    int64_t shape[3] = {4, 8, 16}; /* w1 only: (E, I, D) instead of (E, 2I, D) */
+    cr_assert_eq(
+        st_writer_add(sw, "model.layers.3.mlp.experts.gate_up_proj", "BF16", 3, shape, NULL), 0);
+}
+
+Test(engine_checkpoint, weights_spellings_mixed_inconsistently_are_refused, .timeout = 20)
+{
+    /* a weight under two spellings: both tensors and their files named */
+    expect_bind_fails(SP_SAVE_PRETRAINED, edit_dense_twice, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.0.mlp.gate_proj.weight",
+                                       "model.layers.0.block_sparse_moe.gate_proj.weight",
+                                       "two spellings", ".safetensors", NULL});
+    expect_bind_fails(SP_INTERNAL, edit_forget_gate_twice, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.1.self_attn.A_log",
+                                       "model.layers.1.self_attn.forget_gate.A_log", NULL});
+    expect_bind_fails(SP_INTERNAL, edit_experts_fused_twice, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.1.block_sparse_moe.experts.down_proj",
+                                       "model.layers.1.mlp.experts.down_proj", NULL});
+    /* a fused tensor next to one of the split tensors it stands for */
+    expect_bind_fails(SP_INTERNAL, edit_conv_fused_and_split, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.3.self_attn.v_conv1d.weight",
+                                       "model.layers.3.self_attn.conv1d.weight", NULL});
+    expect_bind_fails(SP_INTERNAL, edit_experts_fused_and_split, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.2.mlp.experts.2.w3.weight",
+                                       "model.layers.2.mlp.experts.gate_up_proj", NULL});
+    /* a fused tensor of the wrong shape: both shapes named */
+    expect_bind_fails(SP_INTERNAL, edit_fused_wrong_shape, DUET_ERR_FORMAT,
+                      (const char *[]){"model.layers.3.mlp.experts.gate_up_proj", "[4, 8, 16]",
+                                       "[4, 16, 16]", ".safetensors", NULL});
+}
+
+Test(engine_checkpoint, weights_missing_under_every_spelling_is_named, .timeout = 20)
+{
+    /* the missing tensor, its other spellings, and the index that lists the checkpoint */
+    expect_bind_fails(SP_SAVE_PRETRAINED, edit_drop_v_conv, DUET_ERR_NOT_FOUND,
+                      (const char *[]){"model.layers.3.self_attn.v_conv1d.weight",
+                                       "nor model.layers.3.self_attn.conv1d.weight",
+                                       "model.safetensors.index.json", NULL});
+    expect_bind_fails(SP_MIXED, edit_drop_expert, DUET_ERR_NOT_FOUND,
+                      (const char *[]){"model.layers.2.block_sparse_moe.experts.3.w2.weight",
+                                       "model.layers.2.mlp.experts.3.w2.weight",
+                                       "model.layers.2.block_sparse_moe.experts.down_proj", NULL});
+}
+
+Test(engine_checkpoint, dtype_is_the_one_holding_most_bytes, .timeout = 10)
+{
+    const char *dtypes[3] = {"F32", "BF16", "F16"};
+    const duet_dtype_t want[3] = {DUET_DTYPE_F32, DUET_DTYPE_BF16, DUET_DTYPE_F16};
+    for (int k = 0; k < 3; k++) {
+        char dir[64];
+        make_dir(dir);
+        duet_model_config_t cfg;
+        tiny_config(0, &cfg);
+        st_writer_t *sw = st_writer_new();
+        cr_assert_eq(st_writer_add_model(sw, &cfg, dtypes[k], 5), 0);
+        /* a few small tensors in another dtype (as bf16 models keep biases in f32) */
+        int64_t s = 64;
+        cr_assert_eq(st_writer_add(sw, "extra.a", k == 0 ? "BF16" : "F32", 1, &s, NULL), 0);
+        cr_assert_eq(st_writer_add(sw, "extra.b", k == 2 ? "BF16" : "F16", 1, &s, NULL), 0);
+        write_model(dir, sw, k == 1);
+        st_writer_free(sw);
+        duet_checkpoint_t *ck;
+        cr_assert_eq(duet_checkpoint_open(dir, &ck), DUET_OK);
+        cr_assert_eq(duet_checkpoint_dtype(ck), want[k], "%s model: got %s", dtypes[k],
+                     duet_dtype_name(duet_checkpoint_dtype(ck)));
+        duet_checkpoint_close(ck);
+        remove_dir(dir);
+    }
+    /* a big F32 tensor outweighs a BF16 model */
+    char dir[64];
+    make_dir(dir);
+    duet_model_config_t cfg;
+    tiny_config(0, &cfg);
+    st_writer_t *sw = st_writer_new();
+    cr_assert_eq(st_writer_add_model(sw, &cfg, "BF16", 5), 0);
+    int64_t big = 1 << 16;
+    cr_assert_eq(st_writer_add(sw, "extra.big", "F32", 1, &big, NULL), 0);
+    write_model(dir, sw, 0);
+    st_writer_free(sw);
+    duet_checkpoint_t *ck;
+    cr_assert_eq(duet_checkpoint_open(dir, &ck), DUET_OK);
+    cr_assert_eq(duet_checkpoint_dtype(ck), DUET_DTYPE_F32);
+    duet_checkpoint_close(ck);
+    remove_dir(dir);
+}
+
 /* ---- fuzz ----------------------------------------------------------------------------------- */
 
 static uint64_t xorshift(uint64_t *s)

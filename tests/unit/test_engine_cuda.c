@@ -40,6 +40,7 @@ static void need_gpu(void)
 static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the default) */
 static int64_t g_max_batch_tokens, g_max_seq_len; /* load(): 0 = 512 */
 static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32; /* load(): the models' KV pool dtype */
+static int g_dtype_auto;                         /* load(): ask for --dtype auto instead of dt */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)
@@ -52,7 +53,9 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     o.max_batch_tokens = g_max_batch_tokens > 0 ? g_max_batch_tokens : 512;
     o.page_tokens = 16;
     o.device = dev;
-    o.compute_dtype = dt;
+    o.dtype = g_dtype_auto            ? DUET_MODEL_DTYPE_AUTO
+              : dt == DUET_DTYPE_BF16 ? DUET_MODEL_DTYPE_BF16
+                                      : DUET_MODEL_DTYPE_F32;
     o.cuda_graphs = graphs;
     o.mirror_in = mirror_in;
     o.mirror_out = mirror_out;
@@ -147,8 +150,9 @@ Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
         prefill_all(gpu, &sg, x->prompt, np, lg);
         prefill_all(cpu, &sc, x->prompt, np, lc);
         double e_tf = rel_l2(lg, x->logits, np * V), e_cpu = rel_l2(lg, lc, np * V);
-        printf("cuda f32 %-30s prompt %3lld: rel L2 vs transformers fp32 %.3g, vs cpu %.3g\n",
-               x->name, (long long)np, e_tf, e_cpu);
+        printf("cuda f32 %-30s prompt %3lld: rel L2 vs transformers fp32 %.3g (max |diff| "
+               "%.3g), vs cpu %.3g\n",
+               x->name, (long long)np, e_tf, max_abs_diff(lg, x->logits, np * V), e_cpu);
         cr_expect_leq(e_tf, 1e-4, "%s: rel L2 vs transformers %g", x->name, e_tf);
         cr_expect_leq(e_cpu, 1e-5, "%s: rel L2 vs the CPU path %g", x->name, e_cpu);
         int32_t got[64];
@@ -198,6 +202,45 @@ Test(engine_cuda, bf16_within_transformers_bf16_error, .timeout = 600)
         duet_model_free(gpu);
     }
     cr_assert_geq(checked, 1, "no fixture has a transformers bf16 run");
+    free_fixtures(fx, n);
+}
+
+/* --dtype auto on the GPU: the checkpoint's dtype (the bf16 fixtures, those with a transformers
+ * bf16 run, compute in bf16; the f32 ones in f32), with the very logits of that dtype asked for
+ * explicitly. */
+Test(engine_cuda, auto_dtype_follows_the_checkpoint, .timeout = 600)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES), n_bf16 = 0;
+    for (int i = 0; i < n; i++) {
+        fixture_t *x = &fx[i];
+        const duet_dtype_t want = x->logits_bf16 != NULL ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+        n_bf16 += want == DUET_DTYPE_BF16;
+        g_dtype_auto = 1;
+        duet_model_t *a = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+        g_dtype_auto = 0;
+        cr_expect_eq(duet_model_opts(a)->compute_dtype, want, "%s: auto gave %s, want %s", x->name,
+                     duet_dtype_name(duet_model_opts(a)->compute_dtype), duet_dtype_name(want));
+        duet_model_t *e = load(x, DUET_DEVICE_CUDA, want, 1, 0, 0);
+        const int64_t V = x->vocab, np = x->n_prompt;
+        float *la = malloc(sizeof(float) * (size_t)(np * V)),
+              *le = malloc(sizeof(float) * (size_t)(np * V));
+        duet_seq_t sa, se;
+        cr_assert_eq(duet_model_seq_open(a, np, &sa), DUET_OK);
+        cr_assert_eq(duet_model_seq_open(e, np, &se), DUET_OK);
+        prefill_all(a, &sa, x->prompt, np, la);
+        prefill_all(e, &se, x->prompt, np, le);
+        printf("cuda auto %-30s -> %s\n", x->name,
+               duet_dtype_name(duet_model_opts(a)->compute_dtype));
+        cr_expect(memcmp(la, le, sizeof(float) * (size_t)(np * V)) == 0,
+                  "%s: auto's logits differ from --dtype %s's", x->name, duet_dtype_name(want));
+        free(la);
+        free(le);
+        duet_model_free(a);
+        duet_model_free(e);
+    }
+    cr_assert_geq(n_bf16, 1, "no bf16 fixture");
     free_fixtures(fx, n);
 }
 

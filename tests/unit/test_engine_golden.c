@@ -2,9 +2,11 @@
  * The CPU engine against transformers' KimiLinearForCausalLM (tests/fixtures, made by
  * tools/make_fixtures.py). The reference is transformers computing in fp32 from the stored
  * weights. Tolerances (issue 2): prompt logits relative L2 <= 1e-4 and the 32-token greedy
- * continuation identical, for every fixture. The same fixtures check engine-internal
- * equivalences: prefill + decode == full recompute, chunked prefill == one-shot prefill, and a
- * mixed batch == each request alone (all <= 1e-4 relative L2, and usually far below).
+ * continuation identical, for every fixture and every variant folder of one (the same weights
+ * under other names transformers loads, e.g. save-pretrained-bf16/internal). The same fixtures
+ * check engine-internal equivalences: prefill + decode == full recompute, chunked prefill ==
+ * one-shot prefill, and a mixed batch == each request alone (all <= 1e-4 relative L2, and
+ * usually far below).
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -19,7 +21,7 @@
 
 #include "golden_fixtures.h"
 
-static duet_model_t *load_model(const fixture_t *x, int64_t batch_tokens)
+static duet_model_t *load_dir(const char *dir, const char *name, int64_t batch_tokens)
 {
     duet_model_opts_t opts;
     duet_model_opts_default(&opts);
@@ -29,9 +31,14 @@ static duet_model_t *load_model(const fixture_t *x, int64_t batch_tokens)
     opts.max_batch_tokens = batch_tokens;
     opts.page_tokens      = 16; /* several pages per prompt */
     duet_model_t *m       = NULL;
-    duet_status_t st      = duet_model_load(x->dir, &opts, &m);
-    cr_assert_eq(st, DUET_OK, "%s: load failed: %s", x->name, duet_error_last());
+    duet_status_t st      = duet_model_load(dir, &opts, &m);
+    cr_assert_eq(st, DUET_OK, "%s: load failed: %s", name, duet_error_last());
     return m;
+}
+
+static duet_model_t *load_model(const fixture_t *x, int64_t batch_tokens)
+{
+    return load_dir(x->dir, x->name, batch_tokens);
 }
 
 /* Prefill `n` tokens in pieces of `chunk` (LOGITS_ALL), writing (n, V) logits. */
@@ -46,52 +53,80 @@ static void prefill(duet_model_t *m, duet_seq_t *seq, const int32_t *toks, int64
     }
 }
 
+/*
+ * The checkpoint in `dir` (fixture x's folder or one of its variants) against x's transformers
+ * goldens: prompt logits rel L2 <= 1e-4 and the greedy continuation identical. The prompt
+ * logits are left in *logits_p (malloc'ed) for the caller to compare further or free.
+ */
+static void check_against_transformers(const fixture_t *x, const char *dir, const char *label,
+                                       float **logits_p)
+{
+    duet_model_t *m = load_dir(dir, label, 512);
+    const int64_t V = duet_model_config(m)->vocab_size;
+    cr_assert_eq(V, x->vocab);
+    duet_seq_t seq;
+    cr_assert_eq(duet_model_seq_open(m, x->n_prompt + x->n_greedy, &seq), DUET_OK);
+    float *logits = malloc(sizeof(float) * (size_t)(x->n_prompt * V));
+    prefill(m, &seq, x->prompt, x->n_prompt, 512, logits, V);
+    double err = rel_l2(logits, x->logits, x->n_prompt * V);
+    double mad = max_abs_diff(logits, x->logits, x->n_prompt * V);
+    double err_bf16 = x->logits_bf16 != NULL ? rel_l2(x->logits_bf16, x->logits, x->n_prompt * V) : 0;
+    printf("golden %-37s prompt %3lld tokens: vs transformers fp32 rel L2 %.3g, max |diff| %.3g%s",
+           label, (long long)x->n_prompt, err, mad, x->logits_bf16 ? "" : "\n");
+    if (x->logits_bf16 != NULL)
+        printf(" (transformers bf16 vs fp32 = %.3g)\n", err_bf16);
+    cr_expect_leq(err, 1e-4, "%s: prompt logits rel L2 %g > 1e-4", label, err);
+
+    /* greedy continuation, decoding one token at a time */
+    float  *last = malloc(sizeof(float) * (size_t)V);
+    memcpy(last, logits + (x->n_prompt - 1) * V, sizeof(float) * (size_t)V);
+    int32_t got[64];
+    for (int64_t t = 0; t < x->n_greedy; t++) {
+        got[t] = duet_argmax(last, V);
+        if (t + 1 == x->n_greedy)
+            break;
+        duet_batch_item_t item = {.seq = &seq, .tokens = &got[t], .n_tokens = 1,
+                                  .logits_mode = DUET_LOGITS_LAST, .logits = last};
+        cr_assert_eq(duet_model_forward(m, &item, 1), DUET_OK);
+    }
+    int64_t first_diff = -1;
+    for (int64_t t = 0; t < x->n_greedy && first_diff < 0; t++)
+        if (got[t] != x->greedy[t])
+            first_diff = t;
+    cr_expect_eq(first_diff, -1, "%s: greedy continuation differs at step %lld (%d vs %d)",
+                 label, (long long)first_diff, first_diff >= 0 ? got[first_diff] : 0,
+                 first_diff >= 0 ? x->greedy[first_diff] : 0);
+    duet_model_seq_close(m, &seq);
+    free(last);
+    duet_model_free(m);
+    *logits_p = logits;
+}
+
 Test(engine_golden, prompt_logits_and_greedy_match_transformers, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
     int       n = load_fixtures(fx, MAX_FIXTURES);
-    cr_assert_geq(n, 5, "expected the 5 committed fixtures, found %d", n);
+    cr_assert_geq(n, 7, "expected the 7 committed fixtures, found %d", n);
+    int n_variants = 0;
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
-        duet_model_t *m = load_model(x, 512);
-        const int64_t V = duet_model_config(m)->vocab_size;
-        cr_assert_eq(V, x->vocab);
-        duet_seq_t seq;
-        cr_assert_eq(duet_model_seq_open(m, x->n_prompt + x->n_greedy, &seq), DUET_OK);
-        float *logits = malloc(sizeof(float) * (size_t)(x->n_prompt * V));
-        prefill(m, &seq, x->prompt, x->n_prompt, 512, logits, V);
-        double err = rel_l2(logits, x->logits, x->n_prompt * V);
-        double err_bf16 = x->logits_bf16 != NULL ? rel_l2(x->logits_bf16, x->logits, x->n_prompt * V) : 0;
-        printf("golden %-28s prompt %3lld tokens: rel L2 vs transformers fp32 = %.3g%s",
-               x->name, (long long)x->n_prompt, err, x->logits_bf16 ? "" : "\n");
-        if (x->logits_bf16 != NULL)
-            printf(" (transformers bf16 vs fp32 = %.3g)\n", err_bf16);
-        cr_expect_leq(err, 1e-4, "%s: prompt logits rel L2 %g > 1e-4", x->name, err);
-
-        /* greedy continuation, decoding one token at a time */
-        float  *last = malloc(sizeof(float) * (size_t)V);
-        memcpy(last, logits + (x->n_prompt - 1) * V, sizeof(float) * (size_t)V);
-        int32_t got[64];
-        for (int64_t t = 0; t < x->n_greedy; t++) {
-            got[t] = duet_argmax(last, V);
-            if (t + 1 == x->n_greedy)
-                break;
-            duet_batch_item_t item = {.seq = &seq, .tokens = &got[t], .n_tokens = 1,
-                                      .logits_mode = DUET_LOGITS_LAST, .logits = last};
-            cr_assert_eq(duet_model_forward(m, &item, 1), DUET_OK);
+        fixture_t *x = &fx[i];
+        float     *logits;
+        check_against_transformers(x, x->dir, x->name, &logits);
+        /* the same weights under other names: transformers' goldens again, and the very
+         * bytes of the main folder's logits (one binding, whatever the names) */
+        for (int k = 0; k < x->n_variants; k++, n_variants++) {
+            char dir[2200], label[340];
+            snprintf(dir, sizeof(dir), "%s/%s", x->dir, x->variants[k]);
+            snprintf(label, sizeof(label), "%s/%s", x->name, x->variants[k]);
+            float *vl;
+            check_against_transformers(x, dir, label, &vl);
+            cr_expect(memcmp(vl, logits, sizeof(float) * (size_t)(x->n_prompt * x->vocab)) == 0,
+                      "%s: logits differ from %s's", label, x->name);
+            free(vl);
         }
-        int64_t first_diff = -1;
-        for (int64_t t = 0; t < x->n_greedy && first_diff < 0; t++)
-            if (got[t] != x->greedy[t])
-                first_diff = t;
-        cr_expect_eq(first_diff, -1, "%s: greedy continuation differs at step %lld (%d vs %d)",
-                     x->name, (long long)first_diff, first_diff >= 0 ? got[first_diff] : 0,
-                     first_diff >= 0 ? x->greedy[first_diff] : 0);
-        duet_model_seq_close(m, &seq);
-        free(last);
         free(logits);
-        duet_model_free(m);
     }
+    cr_assert_geq(n_variants, 1, "expected save-pretrained-bf16/internal, found no variant");
     free_fixtures(fx, n);
 }
 
