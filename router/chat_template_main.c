@@ -21,6 +21,7 @@
 
 #include "common/json.h"
 #include "common/strbuf.h"
+#include "common/version.h"
 #include "router/chat_template.h"
 
 #define CT_MAX_FILE ((size_t)64 << 20)
@@ -44,6 +45,7 @@ static const char ct_usage[] =
     "  --bos-token S, --eos-token S   the template's bos_token / eos_token (override the model's)\n"
     "  --now T                 the instant strftime_now() formats (default: the local time)\n"
     "  --tokens                print the prompt's token ids instead (needs --model)\n"
+    "  --version               the version, git commit and CUDA build\n"
     "\n"
     "Exit status: 0 rendered, 1 the template raised an error (message on stderr),\n"
     "2 bad usage or input.\n";
@@ -101,6 +103,9 @@ int main(int argc, char **argv)
         const char **val = NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             fputs(ct_usage, stdout);
+            return 0;
+        } else if (duet_version_flag(a)) {
+            duet_version_print("duet-chat-template");
             return 0;
         } else if (strcmp(a, "--add-generation-prompt") == 0) {
             gen = true;

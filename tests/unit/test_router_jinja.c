@@ -321,7 +321,8 @@ static void write_file(const char *dir, const char *name, const char *text)
 }
 
 /* The request's JSON as the template sees it: tool calls, tool results, content parts, and the
- * special tokens of tokenizer_config.json, then special_tokens_map.json for those it lacks. */
+ * special tokens of special_tokens_map.json, then tokenizer_config.json for those it lacks (the
+ * map's bos_token wins, as in transformers). */
 Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
 {
     char dir[] = "/tmp/duet_jinja_json_XXXXXX";
@@ -354,8 +355,8 @@ Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
     duet_oai_chat_t chat = {.messages = msgs, .add_generation_prompt = true};
     duet_jinja_output_t out;
     cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK, "%s", duet_error_last());
-    cr_assert_str_eq(out.text.data, "<B>user:ab;assistant:f{};tool:42#c1;no tools|<U>||"
-                                    "['<x>', '<y>']|False>");
+    cr_assert_str_eq(out.text.data, "<no>user:ab;assistant:f{};tool:42#c1;no tools|<U>||"
+                                     "['<x>', '<y>']|False>");
     duet_jinja_output_free(&out);
     /* A caller's token replaces the model's; a render without the generation prompt. */
     cr_assert_eq(duet_oai_template_set_token(t, "eos_token", "</E>"), DUET_OK);
