@@ -157,50 +157,6 @@ size_t jj_utf8_offset(const char *s, size_t len, size_t cp)
     return i;
 }
 
-bool jj_utf8_valid(const char *s, size_t len)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    for (size_t i = 0; i < len;) {
-        unsigned char c = p[i];
-        size_t need;
-        unsigned char lo = 0x80, hi = 0xbf;
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        if (c >= 0xc2 && c <= 0xdf)
-            need = 2;
-        else if (c == 0xe0)
-            need = 3, lo = 0xa0;
-        else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef)
-            need = 3;
-        else if (c == 0xed)
-            need = 3, hi = 0x9f;
-        else if (c == 0xf0)
-            need = 4, lo = 0x90;
-        else if (c >= 0xf1 && c <= 0xf3)
-            need = 4;
-        else if (c == 0xf4)
-            need = 4, hi = 0x8f;
-        else
-            return false;
-        if (len - i < need || p[i + 1] < lo || p[i + 1] > hi)
-            return false;
-        for (size_t k = 2; k < need; k++)
-            if (p[i + k] < 0x80 || p[i + k] > 0xbf)
-                return false;
-        i += need;
-    }
-    return true;
-}
-
-bool jj_cp_isspace(uint32_t c)
-{
-    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
-           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
-           c == 0x202f || c == 0x205f || c == 0x3000;
-}
-
 /* Python's str.isprintable() for one code point, for repr(): the common non-printables (control
  * characters, separators other than space, format characters, surrogates, private use). */
 static bool jj_cp_isprintable(uint32_t c)
@@ -1057,7 +1013,7 @@ duet_jinja_value_t *duet_jinja_float(duet_jinja_vars_t *vars, double f)
 duet_jinja_value_t *duet_jinja_string(duet_jinja_vars_t *vars, const char *s, size_t len,
                                       duet_jinja_origin_t origin)
 {
-    if (!jj_utf8_valid(s, len))
+    if (!duet_utf8_valid(s, len))
         return NULL;
     return jj_str(&vars->arena, s, len, (int)origin);
 }
@@ -1164,7 +1120,7 @@ static duet_status_t jj_from_json(duet_jinja_vars_t *vars, const json_t *j, int 
         break;
     }
     case JSON_STRING:
-        if (!jj_utf8_valid(json_string_value(j), json_string_length(j)))
+        if (!duet_utf8_valid(json_string_value(j), json_string_length(j)))
             return duet_error_set(DUET_ERR_FORMAT, "JSON string is not valid UTF-8");
         v = jj_str(a, json_string_value(j), json_string_length(j), origin);
         break;

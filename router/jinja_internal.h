@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "common/utf8.h" /* duet_utf8_valid, duet_unicode_isspace */
 #include "router/jinja.h"
 
 /* ---------------------------------------------------------------- arena */
@@ -112,8 +113,6 @@ size_t jj_utf8_put(char *out, uint32_t cp); /* 1..4 bytes */
 size_t jj_utf8_count(const char *s, size_t len);
 /* Byte offset of code point index `cp` (len if past the end). */
 size_t jj_utf8_offset(const char *s, size_t len, size_t cp);
-bool jj_utf8_valid(const char *s, size_t len);
-bool jj_cp_isspace(uint32_t cp); /* Python's str.isspace() */
 
 /* ---------------------------------------------------------------- render state, errors */
 

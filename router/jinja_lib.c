@@ -289,7 +289,7 @@ typedef enum {
 
 static bool jj_title_sep(uint32_t c)
 {
-    return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || jj_cp_isspace(c);
+    return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || duet_unicode_isspace(c);
 }
 
 /* Python's Final_Sigma: a capital sigma at [at, end) lowers to 'ς' when a cased letter comes
@@ -380,7 +380,7 @@ static size_t jj_strip_match(const duet_jinja_value_t *s, size_t i, const duet_j
     size_t k = i;
     uint32_t c = jj_utf8_next(s->s, s->len, &k);
     if (chars == NULL)
-        return jj_cp_isspace(c) ? k - i : 0;
+        return duet_unicode_isspace(c) ? k - i : 0;
     for (size_t j = 0; j < chars->len;) {
         if (jj_utf8_next(chars->s, chars->len, &j) == c)
             return k - i;
@@ -1157,7 +1157,7 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
             else if (M("isalnum"))
                 res = alpha || digit;
             else if (M("isspace"))
-                res = jj_cp_isspace(c);
+                res = duet_unicode_isspace(c);
             else if (M("islower"))
                 res = !upper, any_cased |= lower;
             else if (M("isupper"))

@@ -127,7 +127,7 @@ static size_t jj_space_at(const char *s, size_t len, size_t i)
         return 0;
     size_t k = i;
     uint32_t c = jj_utf8_next(s, len, &k);
-    return jj_cp_isspace(c) ? k - i : 0;
+    return duet_unicode_isspace(c) ? k - i : 0;
 }
 
 static size_t jj_skip_space(const char *s, size_t len, size_t i)
@@ -146,7 +146,7 @@ static size_t jj_rstrip(const char *s, size_t from, size_t to)
         while (k > from && ((unsigned char)s[k] & 0xc0) == 0x80)
             k--;
         size_t e = k;
-        if (!jj_cp_isspace(jj_utf8_next(s, to, &e)))
+        if (!duet_unicode_isspace(jj_utf8_next(s, to, &e)))
             break;
         to = k;
     }
@@ -1721,7 +1721,7 @@ duet_status_t duet_jinja_parse(const char *text, size_t len, const char *source,
 {
     if ((text == NULL && len > 0) || source == NULL || tmpl_p == NULL)
         return duet_error_set(DUET_ERR_INVALID, "jinja: NULL argument");
-    if (!jj_utf8_valid(text != NULL ? text : "", len))
+    if (!duet_utf8_valid(text != NULL ? text : "", len))
         return duet_error_set(DUET_ERR_FORMAT, "%s: the template is not valid UTF-8", source);
     if (len > 0 && memchr(text, '\0', len) != NULL)
         return duet_error_set(DUET_ERR_FORMAT, "%s: the template holds a NUL character", source);

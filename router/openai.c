@@ -24,42 +24,11 @@
 
 #include "common/json.h"
 #include "common/log.h"
+#include "common/utf8.h"
 
 #define OAI_DEFAULT_MAX_MESSAGES 1024
 
 /* ---------------------------------------------------------------- UTF-8 */
-
-/* Length of the well-formed UTF-8 character at s (n bytes available), or 0 when ill-formed. */
-static size_t oai_utf8_char(const uint8_t *s, size_t n)
-{
-    uint8_t c = s[0];
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xbf;
-    if (c < 0x80)
-        return 1;
-    if (c >= 0xc2 && c <= 0xdf)
-        need = 2;
-    else if (c == 0xe0)
-        need = 3, lo = 0xa0;
-    else if ((c >= 0xe1 && c <= 0xec) || c == 0xee || c == 0xef)
-        need = 3;
-    else if (c == 0xed)
-        need = 3, hi = 0x9f;
-    else if (c == 0xf0)
-        need = 4, lo = 0x90;
-    else if (c >= 0xf1 && c <= 0xf3)
-        need = 4;
-    else if (c == 0xf4)
-        need = 4, hi = 0x8f;
-    else
-        return 0;
-    if (n < need || s[1] < lo || s[1] > hi)
-        return 0;
-    for (size_t i = 2; i < need; i++)
-        if (s[i] < 0x80 || s[i] > 0xbf)
-            return 0;
-    return need;
-}
 
 /* Copy src into dst[cap], truncated at a character boundary. */
 static void oai_copy_trunc(char *dst, size_t cap, const char *src)
@@ -71,7 +40,7 @@ static void oai_copy_trunc(char *dst, size_t cap, const char *src)
         while (start > 0 && n - start < 3 && ((uint8_t)src[start - 1] & 0xc0) == 0x80)
             start--;
         if (start > 0 && ((uint8_t)src[start - 1] & 0x80) != 0 &&
-            oai_utf8_char((const uint8_t *)src + start - 1, n - start + 1) != n - start + 1)
+            duet_utf8_char((const uint8_t *)src + start - 1, n - start + 1, NULL) != n - start + 1)
             n = start - 1;
     }
     memcpy(dst, src, n);
@@ -90,7 +59,7 @@ duet_status_t duet_oai_json_string(duet_strbuf_t *out, const char *s, size_t len
             i++;
             continue;
         }
-        size_t cl = c < 0x80 ? 1 : oai_utf8_char(p + i, len - i);
+        size_t cl = c < 0x80 ? 1 : duet_utf8_char(p + i, len - i, NULL);
         if (cl > 1) {
             i += cl;
             continue;

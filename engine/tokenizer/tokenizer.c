@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/utf8.h"
 
 /* ---- tables ------------------------------------------------------------------------------ */
 
@@ -429,59 +430,12 @@ static duet_status_t bpe_piece(const duet_tokenizer_t *tok, const uint8_t *p, si
     return DUET_OK;
 }
 
-/*
- * The UTF-8 character at p (n > 0 bytes available): its length, and its code point in *cp_p.
- * An ill-formed or truncated sequence (Unicode's rules: no overlongs, surrogates or code points
- * past U+10FFFF) is its first byte alone, with *cp_p = -1.
- */
+/* The UTF-8 character at p (n > 0 bytes available): its length, and its code point in *cp_p. An
+ * ill-formed or truncated sequence is its first byte alone, with *cp_p = -1. */
 static size_t utf8_char(const uint8_t *p, size_t n, int32_t *cp_p)
 {
-    uint8_t c = p[0];
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xbf;
-    *cp_p = -1;
-    if (c < 0x80) {
-        *cp_p = c;
-        return 1;
-    }
-    if (c >= 0xc2 && c <= 0xdf)
-        need = 2;
-    else if (c == 0xe0)
-        need = 3, lo = 0xa0;
-    else if (c == 0xed)
-        need = 3, hi = 0x9f;
-    else if (c >= 0xe1 && c <= 0xef)
-        need = 3;
-    else if (c == 0xf0)
-        need = 4, lo = 0x90;
-    else if (c == 0xf4)
-        need = 4, hi = 0x8f;
-    else if (c >= 0xf1 && c <= 0xf3)
-        need = 4;
-    else
-        return 1;
-    if (n < need || p[1] < lo || p[1] > hi)
-        return 1;
-    int32_t cp = c & (0x7f >> need);
-    for (size_t i = 1; i < need; i++) {
-        if (i > 1 && (p[i] & 0xc0) != 0x80)
-            return 1;
-        cp = cp << 6 | (p[i] & 0x3f);
-    }
-    *cp_p = cp;
-    return need;
-}
-
-/*
- * Python's str.isspace (what Kimi's run splitting asks): general category Zs, or bidirectional
- * class WS, B or S. The set has not changed since Unicode 6.3 took U+180E out of Zs.
- */
-static bool py_isspace(int32_t cp)
-{
-    if (cp < 0x80)
-        return (cp >= 0x09 && cp <= 0x0d) || (cp >= 0x1c && cp <= 0x20);
-    return cp == 0x85 || cp == 0xa0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) ||
-           cp == 0x2028 || cp == 0x2029 || cp == 0x202f || cp == 0x205f || cp == 0x3000;
+    size_t k = duet_utf8_char(p, n, cp_p);
+    return k > 0 ? k : 1;
 }
 
 /* Split text[0..len) (no specials inside) with the regex and merge every piece. */
@@ -602,7 +556,7 @@ static duet_status_t encode_kimi(const duet_tokenizer_t *tok, const uint8_t *t, 
         while (i < len && chars < DUET__TOK_KIMI_MAX_CHARS) {
             int32_t cp;
             size_t cl = utf8_char(t + i, len - i, &cp);
-            bool space = py_isspace(cp);
+            bool space = cp >= 0 && duet_unicode_isspace((uint32_t)cp);
             if (chars == 0 || space != run_space) {
                 run_space = space;
                 run = 1;

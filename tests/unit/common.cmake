@@ -1,4 +1,4 @@
-# Criterion suites for common/ (status, config, JSON helpers, metrics).
+# Criterion suites for common/ (status, config, JSON helpers, metrics, UTF-8).
 duet_add_test(common_status SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_status.c
               LIBS duet_common TIMEOUT 60)
 duet_add_test(common_config SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_config.c
@@ -7,3 +7,5 @@ duet_add_test(common_json SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_json.c
               LIBS duet_common TIMEOUT 120)
 duet_add_test(common_metrics SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_metrics.c
               LIBS duet_common TIMEOUT 120)
+duet_add_test(common_utf8 SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_utf8.c
+              LIBS duet_common TIMEOUT 60)
