@@ -11,8 +11,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/tokenizer/tokenizer.h"
 #include "common/version.h"
+#include "engine/tokenizer/tokenizer.h"
 
 static double now(void)
 {

@@ -33,11 +33,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/version.h"
 #include "transfer/xfer.h"
 
 #ifdef DUET_HAVE_CUDA
 #include <cuda_runtime.h>
-#include "common/version.h"
 #endif
 
 #define MIB (1024.0 * 1024.0)

@@ -14,8 +14,8 @@
  * The scenario keys are those of tests/unit/test_transfer_util.h. A 120 s alarm makes sure a
  * peer that lost its partner never outlives the test.
  */
-#include "tests/unit/test_transfer_util.h"
 #include "common/version.h"
+#include "tests/unit/test_transfer_util.h"
 
 /* Our end of the router pipe: the original stdout. fd 1 itself is pointed at stderr, because
  * UCX writes its log lines to stdout and they must not land in the pipe. */
