@@ -662,7 +662,8 @@ static duet_status_t tpl_out_trusted(tpl_out_t *o, const char *s, size_t len)
 }
 
 /* The variables transformers' render_jinja_template passes: messages, tools, documents,
- * add_generation_prompt, and the special tokens (trusted, so TEMPLATE). */
+ * add_generation_prompt, the special tokens (trusted, so TEMPLATE), then the caller's keyword
+ * arguments (DATA), which win over the special tokens as they do there. */
 static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai_chat_t *chat,
                                     duet_jinja_vars_t *vars)
 {
@@ -672,6 +673,11 @@ static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai
         return duet_error_set(DUET_ERR_INVALID, "chat template: messages must be an array");
     if (chat->tools != NULL && !json_is_array(chat->tools))
         return duet_error_set(DUET_ERR_INVALID, "chat template: tools must be an array");
+    if (chat->documents != NULL && !json_is_array(chat->documents))
+        return duet_error_set(DUET_ERR_INVALID, "chat template: documents must be an array");
+    if (chat->kwargs != NULL && !json_is_object(chat->kwargs))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "chat template: the keyword arguments must be an object");
     if ((st = duet_jinja_from_json(vars, chat->messages, DUET_JINJA_ORIGIN_DATA, &v)) != DUET_OK ||
         (st = duet_jinja_vars_set(vars, "messages", v)) != DUET_OK)
         return st;
@@ -679,13 +685,17 @@ static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai
         st = duet_jinja_from_json(vars, chat->tools, DUET_JINJA_ORIGIN_DATA, &v);
     else
         st = (v = duet_jinja_none(vars)) != NULL ? DUET_OK : DUET_ERR_NOMEM;
-    duet_jinja_value_t *none = duet_jinja_none(vars);
+    if (st == DUET_OK && (st = duet_jinja_vars_set(vars, "tools", v)) != DUET_OK)
+        return st;
+    if (chat->documents != NULL)
+        st = duet_jinja_from_json(vars, chat->documents, DUET_JINJA_ORIGIN_DATA, &v);
+    else
+        st = (v = duet_jinja_none(vars)) != NULL ? DUET_OK : DUET_ERR_NOMEM;
     duet_jinja_value_t *gen = duet_jinja_bool(vars, chat->add_generation_prompt);
-    if (st == DUET_OK && (none == NULL || gen == NULL))
+    if (st == DUET_OK && gen == NULL)
         st = DUET_ERR_NOMEM;
     if (st == DUET_OK &&
-        ((st = duet_jinja_vars_set(vars, "tools", v)) != DUET_OK ||
-         (st = duet_jinja_vars_set(vars, "documents", none)) != DUET_OK ||
+        ((st = duet_jinja_vars_set(vars, "documents", v)) != DUET_OK ||
          (st = duet_jinja_vars_set(vars, "add_generation_prompt", gen)) != DUET_OK))
         return st;
     const char *key;
@@ -696,6 +706,21 @@ static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai
             break;
         if ((st = duet_jinja_from_json(vars, val, DUET_JINJA_ORIGIN_TEMPLATE, &v)) == DUET_OK)
             st = duet_jinja_vars_set(vars, key, v);
+    }
+    if (chat->kwargs != NULL) {
+        json_object_foreach((json_t *)chat->kwargs, key, val)
+        {
+            if (st != DUET_OK)
+                break;
+            if (strcmp(key, "messages") == 0 || strcmp(key, "tools") == 0 ||
+                strcmp(key, "documents") == 0 || strcmp(key, "add_generation_prompt") == 0)
+                return duet_error_set(DUET_ERR_INVALID,
+                                      "chat template: got multiple values for keyword argument "
+                                      "'%s'",
+                                      key);
+            if ((st = duet_jinja_from_json(vars, val, DUET_JINJA_ORIGIN_DATA, &v)) == DUET_OK)
+                st = duet_jinja_vars_set(vars, key, v);
+        }
     }
     duet_jinja_vars_set_time(vars, chat->now);
     if (st == DUET_ERR_NOMEM && duet_error_last()[0] == '\0')

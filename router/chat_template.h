@@ -68,12 +68,21 @@ const char *duet_oai_role_name(duet_oai_role_t role);
 
 /*
  * A conversation for a Jinja template, as OpenAI JSON: what transformers' apply_chat_template
- * gets as `messages` and `tools`. Messages are passed to the template unchanged (role, content
- * as a string, null or a list of parts, name, tool_calls, tool_call_id, ...), as DATA.
+ * gets as `messages`, `tools`, `documents` and its extra keyword arguments (a request's
+ * chat_template_kwargs). Messages are passed to the template unchanged (role, content as a
+ * string, null or a list of parts, name, tool_calls, tool_call_id, ...), as DATA; so are the
+ * others.
  */
 typedef struct {
-    const struct json_t *messages; /* an array */
-    const struct json_t *tools;    /* NULL (the template sees None) or an array */
+    const struct json_t *messages;  /* an array */
+    const struct json_t *tools;     /* NULL (the template sees None) or an array */
+    const struct json_t *documents; /* NULL (None) or an array */
+    /* NULL or an object: more variables (enable_thinking, reasoning_effort, ...), set after the
+     * special tokens so that they win over them, as transformers merges them. A name among
+     * messages, tools, documents and add_generation_prompt is refused (Python's "multiple
+     * values for keyword argument"). Names the template does not use are ignored; a variable
+     * not given stays undefined, as in transformers. */
+    const struct json_t *kwargs;
     bool add_generation_prompt;
     const struct tm *now; /* the instant strftime_now() formats; NULL: local time now */
 } duet_oai_chat_t;
@@ -96,8 +105,9 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
  * parsed once here: a template outside what duet runs or malformed is refused with
  * file:line:column, start-up refuses rather than guess), else the default. A Jinja template's
  * special-token strings come from special_tokens_map.json, then tokenizer_config.json for those
- * it lacks (the map wins, as in transformers and engine/tokenizer's loader). `tok` may be NULL only when the folder holds a Jinja template that will not be
- * tokenized (duet's format and the default need it).
+ * it lacks (the map wins, as in transformers and engine/tokenizer's loader). `tok` may be NULL only
+ * when the folder holds a Jinja template that will not be tokenized (duet's format and the default
+ * need it).
  */
 duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
                                      duet_oai_template_t **tmpl_p);

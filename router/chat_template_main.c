@@ -5,7 +5,8 @@
  * (tests/python/chat_template_oracle.py).
  *
  *   duet-chat-template (--model DIR | --template FILE) --messages FILE.json [--tools FILE.json]
- *       [--add-generation-prompt] [--bos-token S] [--eos-token S] [--now ISO8601] [--tokens]
+ *       [--var NAME=JSON ...] [--add-generation-prompt] [--bos-token S] [--eos-token S]
+ *       [--now ISO8601] [--tokens]
  *
  * Prints the rendered prompt exactly (no newline added), or with --tokens its token ids (the
  * model folder's tokenizer; special tokens recognised only in the template's own text).
@@ -13,6 +14,7 @@
  * 2 bad usage or a bad input file (a message on stderr).
  */
 #define _GNU_SOURCE /* timegm */
+#include <ctype.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,12 +26,14 @@
 #include "common/version.h"
 #include "router/chat_template.h"
 
-#define CT_MAX_FILE ((size_t)64 << 20)
+#define CT_MAX_FILE   ((size_t)64 << 20)
+#define CT_MAX_VARS   64
+#define CT_MAX_VARS_S "64"
 
 static const char ct_usage[] =
     "usage: duet-chat-template (--model DIR | --template FILE) --messages FILE.json\n"
-    "           [--tools FILE.json] [--add-generation-prompt] [--bos-token S] [--eos-token S]\n"
-    "           [--now YYYY-MM-DDTHH:MM:SS] [--tokens]\n"
+    "           [--tools FILE.json] [--var NAME=JSON ...] [--add-generation-prompt]\n"
+    "           [--bos-token S] [--eos-token S] [--now YYYY-MM-DDTHH:MM:SS] [--tokens]\n"
     "\n"
     "Render a chat template over a conversation as duet-router (and transformers'\n"
     "apply_chat_template) renders it, and print the prompt exactly (no newline added).\n"
@@ -39,8 +43,13 @@ static const char ct_usage[] =
     "                          or tokenizer_config.json's chat_template) and special tokens\n"
     "  --template FILE         a Jinja template file instead\n"
     "  --messages FILE         a JSON array of OpenAI messages, or an object with \"messages\"\n"
-    "                          (and optionally \"tools\")\n"
+    "                          and optionally \"tools\", \"documents\" (arrays) and\n"
+    "                          \"chat_template_kwargs\" (an object of more template variables)\n"
     "  --tools FILE            a JSON array of tools (the template's `tools`; default None)\n"
+    "  --var NAME=JSON         one more template variable, e.g. --var enable_thinking=false or\n"
+    "                          --var 'reasoning_effort=\"low\"' (repeatable; wins over the\n"
+    "                          file's chat_template_kwargs and over the special tokens, as\n"
+    "                          transformers' apply_chat_template(**kwargs) does)\n"
     "  --add-generation-prompt end with the start of the assistant's turn\n"
     "  --bos-token S, --eos-token S   the template's bos_token / eos_token (override the model's)\n"
     "  --now T                 the instant strftime_now() formats (default: the local time)\n"
@@ -93,11 +102,55 @@ static bool ct_parse_now(const char *s, struct tm *tm)
     return true;
 }
 
+/* --var NAME=JSON into the object `vars` (NAME a Python identifier, JSON any one value). */
+static bool ct_add_var(json_t *vars, const char *arg)
+{
+    const char *eq = strchr(arg, '=');
+    size_t n = eq != NULL ? (size_t)(eq - arg) : 0;
+    bool ident = n > 0 && !isdigit((unsigned char)arg[0]);
+    for (size_t i = 0; ident && i < n; i++)
+        ident = isalnum((unsigned char)arg[i]) || arg[i] == '_';
+    if (!ident) {
+        ct_fail(2, "--var %s: expected NAME=JSON with NAME a variable name", arg);
+        return false;
+    }
+    /* The value alone inside [ ] so that the common loader takes any JSON value, and exactly
+     * one: "1, 2" or "1] [2" are refused. */
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    json_t *wrapped = NULL;
+    duet_status_t st = duet_strbuf_printf(&sb, "[%s]", eq + 1);
+    if (st == DUET_OK)
+        st = duet_json_load_buffer(sb.data, sb.len, "--var", CT_MAX_FILE, &wrapped);
+    duet_strbuf_free(&sb);
+    bool ok = st == DUET_OK && json_array_size(wrapped) == 1;
+    if (st != DUET_OK)
+        ct_fail(2, "--var: %s", duet_error_last());
+    else if (!ok)
+        ct_fail(2, "--var %s: expected one JSON value", arg);
+    char name[256];
+    if (ok && n >= sizeof(name)) {
+        ct_fail(2, "--var %s: the name is too long", arg);
+        ok = false;
+    }
+    if (ok) {
+        memcpy(name, arg, n);
+        name[n] = '\0';
+        ok = json_object_set(vars, name, json_array_get(wrapped, 0)) == 0;
+        if (!ok)
+            ct_fail(2, "%s", "--var: no memory");
+    }
+    json_decref(wrapped);
+    return ok;
+}
+
 int main(int argc, char **argv)
 {
     const char *model = NULL, *tmpl_file = NULL, *msgs_file = NULL, *tools_file = NULL;
     const char *bos = NULL, *eos = NULL, *now_s = NULL;
     bool gen = false, tokens = false;
+    const char *var_args[CT_MAX_VARS];
+    size_t n_var_args = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **val = NULL;
@@ -121,6 +174,10 @@ int main(int argc, char **argv)
             val = &msgs_file;
         } else if (strcmp(a, "--tools") == 0) {
             val = &tools_file;
+        } else if (strcmp(a, "--var") == 0) {
+            if (n_var_args == CT_MAX_VARS)
+                return ct_fail(2, "more than %s --var options", CT_MAX_VARS_S);
+            val = &var_args[n_var_args++];
         } else if (strcmp(a, "--bos-token") == 0) {
             val = &bos;
         } else if (strcmp(a, "--eos-token") == 0) {
@@ -147,7 +204,7 @@ int main(int argc, char **argv)
         return ct_fail(2, "--now %s: expected YYYY-MM-DDTHH:MM:SS", now_s);
 
     int rc = 2;
-    json_t *msgs_root = NULL, *tools_root = NULL;
+    json_t *msgs_root = NULL, *tools_root = NULL, *kwargs = NULL;
     duet_tokenizer_t *tok = NULL;
     duet_oai_template_t *tmpl = NULL;
     duet_strbuf_t text;
@@ -161,12 +218,18 @@ int main(int argc, char **argv)
         ct_fail(2, "%s", duet_error_last());
         goto out;
     }
-    const json_t *messages = msgs_root, *tools = NULL;
+    const json_t *messages = msgs_root, *tools = NULL, *documents = NULL, *file_kwargs = NULL;
     if (json_is_object(msgs_root)) {
         messages = json_object_get(msgs_root, "messages");
         tools = json_object_get(msgs_root, "tools");
         if (json_is_null(tools))
             tools = NULL;
+        documents = json_object_get(msgs_root, "documents");
+        if (json_is_null(documents))
+            documents = NULL;
+        file_kwargs = json_object_get(msgs_root, "chat_template_kwargs");
+        if (json_is_null(file_kwargs))
+            file_kwargs = NULL;
     }
     if (!json_is_array(messages)) {
         ct_fail(2, "%s: expected a JSON array of messages (or an object with \"messages\")",
@@ -176,6 +239,25 @@ int main(int argc, char **argv)
     if (tools != NULL && !json_is_array(tools)) {
         ct_fail(2, "%s: \"tools\" must be an array", msgs_file);
         goto out;
+    }
+    if (documents != NULL && !json_is_array(documents)) {
+        ct_fail(2, "%s: \"documents\" must be an array", msgs_file);
+        goto out;
+    }
+    if (file_kwargs != NULL && !json_is_object(file_kwargs)) {
+        ct_fail(2, "%s: \"chat_template_kwargs\" must be an object", msgs_file);
+        goto out;
+    }
+    if (file_kwargs != NULL || n_var_args > 0) {
+        kwargs = json_object();
+        if (kwargs == NULL ||
+            (file_kwargs != NULL && json_object_update(kwargs, (json_t *)file_kwargs) != 0)) {
+            ct_fail(2, "%s", "no memory");
+            goto out;
+        }
+        for (size_t k = 0; k < n_var_args; k++)
+            if (!ct_add_var(kwargs, var_args[k]))
+                goto out;
     }
     if (tools_file != NULL) {
         if (duet_json_load_file(tools_file, CT_MAX_FILE, &tools_root) != DUET_OK) {
@@ -231,6 +313,8 @@ int main(int argc, char **argv)
 
     duet_oai_chat_t chat = {.messages = messages,
                             .tools = tools,
+                            .documents = documents,
+                            .kwargs = kwargs,
                             .add_generation_prompt = gen,
                             .now = now_s != NULL ? &now : NULL};
     duet_status_t st;
@@ -266,5 +350,6 @@ out:
     duet_strbuf_free(&text);
     json_decref(msgs_root);
     json_decref(tools_root);
+    json_decref(kwargs);
     return rc;
 }

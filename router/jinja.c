@@ -654,7 +654,11 @@ static duet_status_t jj_repr_into(jj_render_t *r, size_t off, const duet_jinja_v
         jj_sb_put(sb, buf, jj_fmt_float(v->f, buf, sizeof(buf)), origin);
         break;
     case JV_STR:
+        if (v->markup)
+            jj_sb_puts(sb, "Markup(", origin);
         jj_repr_str(sb, v, origin);
+        if (v->markup)
+            jj_sb_puts(sb, ")", origin);
         break;
     case JV_LIST:
         if (v->gen) {

@@ -8,20 +8,21 @@
  *
  * The template comes from a model folder (outside bytes), so the whole template is parsed into an
  * AST once, at load, and anything malformed or outside what duet runs (an unknown filter or
- * test, include/extends/import, recursive loops, *args calls) is refused there with "source:L:C:
- * message". Rendering is bounded: output bytes, loop iterations and macro calls, arena memory
+ * test, include/extends/import, recursive loops) is refused there with "source:L:C: message".
+ * Rendering is bounded: output bytes, loop iterations and macro calls, arena memory
  * and macro call depth have limits; nesting depth is limited at parse time.
  *
  * Supported: every statement published templates use (if/elif/else, for with else, `if`
  * filtering and tuple unpacking, loop.* and loop.cycle, break/continue, set including
  * `set ns.attr` and block set, macro with defaults and keyword calls, call blocks with caller,
  * filter blocks, with, raw, generation), the whole expression grammar of jinja2 (literals,
- * attribute / item / slice access, calls, filters, tests, arithmetic, `~`, chained comparisons,
- * in, and/or/not, `a if b else c`), jinja2's common filters and tests, and the str / dict / list
- * methods templates call. Known differences from CPython: integers are 64-bit (overflow is an
- * error), case mapping (upper, lower, title, ...) covers Latin, Greek, Cyrillic and Armenian,
- * repr() of a string escapes the common non-printable characters only, `%` string formatting
- * and format specs in str.format are refused, range() gives a list.
+ * attribute / item / slice access, calls with *args and **kwargs, filters, tests, arithmetic,
+ * `~`, chained comparisons, in, and/or/not, `a if b else c`), jinja2's common filters and tests,
+ * markupsafe's Markup as `safe` and `escape` make it (Markup + str escapes the str), and the
+ * str / dict / list methods templates call. Known differences from CPython: integers are
+ * 64-bit (overflow is an error), case mapping (upper, lower, title, ...) covers Latin, Greek,
+ * Cyrillic and Armenian, repr() of a string escapes the common non-printable characters only, `%`
+ * string formatting and format specs in str.format are refused, range() gives a list.
  *
  * Trust. Every string carries an origin per byte: TEMPLATE (the template's literal text and
  * string literals, and values the caller marks trusted such as bos_token) or DATA (values from

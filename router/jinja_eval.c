@@ -106,6 +106,75 @@ typedef struct {
     duet_jinja_value_t *hole; /* the text of a filter block while its filters run */
 } jj_argbuf_t;
 
+/* f(*x): the positional arguments after the written ones, as Python unpacks any iterable
+ * (undefined unpacks to nothing, as jinja2's Undefined iterates empty). */
+static duet_status_t jj_eval_star(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc, jj_args_t *a)
+{
+    duet_jinja_value_t *x = NULL, *items = NULL;
+    duet_status_t st = jj_eval(r, e->star, sc, &x);
+    if (st != DUET_OK)
+        return st;
+    if (x->kind != JV_UNDEF && x->kind != JV_LIST && x->kind != JV_DICT && x->kind != JV_STR)
+        return JJ_RERR(r, DUET_ERR_INVALID, e->star->off,
+                       "Value after * must be an iterable, not %s", jj_type_name(x));
+    if ((st = jj_iterate(r, e->star->off, x, &items)) != DUET_OK)
+        return st;
+    if (items->n == 0)
+        return DUET_OK;
+    duet_jinja_value_t **pos = jj_alloc(r->arena, (a->n_pos + items->n) * sizeof(*pos));
+    if (pos == NULL)
+        return jj_nomem(r, e->off);
+    if (a->n_pos > 0)
+        memcpy(pos, a->pos, a->n_pos * sizeof(*pos));
+    memcpy(pos + a->n_pos, items->items, items->n * sizeof(*pos));
+    a->pos = pos;
+    a->n_pos += items->n;
+    return DUET_OK;
+}
+
+/* f(**d): keyword arguments from a dict with string keys, none repeating a written one. */
+static duet_status_t jj_eval_dstar(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc, jj_args_t *a)
+{
+    duet_jinja_value_t *d = NULL;
+    duet_status_t st = jj_eval(r, e->dstar, sc, &d);
+    if (st != DUET_OK)
+        return st;
+    if (d->kind != JV_DICT)
+        return JJ_RERR(r, DUET_ERR_INVALID, e->dstar->off,
+                       "argument after ** must be a mapping, not %s", jj_type_name(d));
+    if (d->n == 0)
+        return DUET_OK;
+    size_t n = a->n_kw + d->n;
+    duet_jinja_value_t **kw = jj_alloc(r->arena, n * sizeof(*kw));
+    const char **names = jj_alloc(r->arena, n * sizeof(*names));
+    size_t *lens = jj_alloc(r->arena, n * sizeof(*lens));
+    if (kw == NULL || names == NULL || lens == NULL)
+        return jj_nomem(r, e->off);
+    for (size_t i = 0; i < a->n_kw; i++) {
+        kw[i] = a->kw[i];
+        names[i] = a->kwnames[i];
+        lens[i] = a->kwlens[i];
+    }
+    for (size_t i = 0; i < d->n; i++) {
+        const duet_jinja_value_t *k = d->keys[i];
+        if (k->kind != JV_STR)
+            return JJ_RERR(r, DUET_ERR_INVALID, e->dstar->off, "keywords must be strings");
+        for (size_t j = 0; j < a->n_kw; j++)
+            if (lens[j] == k->len && memcmp(names[j], k->s, k->len) == 0)
+                return JJ_RERR(r, DUET_ERR_INVALID, e->dstar->off,
+                               "got multiple values for keyword argument '%.*s'", (int)k->len,
+                               k->s);
+        kw[a->n_kw + i] = d->items[i];
+        names[a->n_kw + i] = k->s;
+        lens[a->n_kw + i] = k->len;
+    }
+    a->kw = kw;
+    a->kwnames = names;
+    a->kwlens = lens;
+    a->n_kw = n;
+    return DUET_OK;
+}
+
 static duet_status_t jj_eval_args(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc, jj_args_t *a)
 {
     memset(a, 0, sizeof(*a));
@@ -133,7 +202,12 @@ static duet_status_t jj_eval_args(jj_render_t *r, const jj_expr_t *e, jj_scope_t
         a->kwlens = e->kwlens;
         a->n_kw = e->n_kw;
     }
-    return DUET_OK;
+    duet_status_t st = DUET_OK;
+    if (e->star != NULL)
+        st = jj_eval_star(r, e, sc, a);
+    if (st == DUET_OK && e->dstar != NULL)
+        st = jj_eval_dstar(r, e, sc, a);
+    return st;
 }
 
 static duet_status_t jj_int_result(jj_render_t *r, size_t off, int64_t i, duet_jinja_value_t **v_p)
@@ -162,7 +236,10 @@ static duet_status_t jj_repeat(jj_render_t *r, size_t off, duet_jinja_value_t *s
         for (int64_t k = 0; k < n; k++)
             jj_sb_put_str(&sb, seq);
         *v_p = jj_sb_finish(&sb);
-        return *v_p != NULL ? DUET_OK : jj_nomem(r, off);
+        if (*v_p == NULL)
+            return jj_nomem(r, off);
+        (*v_p)->markup = seq->markup; /* Markup * n is Markup */
+        return DUET_OK;
     }
     if (seq->n > 0 && (uint64_t)n > r->lim.max_iterations / seq->n)
         return JJ_RERR(r, DUET_ERR_RANGE, off, "list longer than %zu items", r->lim.max_iterations);
@@ -198,6 +275,12 @@ static duet_status_t jj_eval_bin(jj_render_t *r, const jj_expr_t *e, duet_jinja_
         if (nums)
             return jj_float_result(r, e->off, fx + fy, v_p);
         if (a->kind == JV_STR && b->kind == JV_STR) {
+            /* Markup + str escapes the str (and str + Markup): the sum is Markup */
+            bool markup = a->markup || b->markup;
+            duet_status_t st = DUET_OK;
+            if (markup && ((st = jj_escape(r, e->off, a, &a)) != DUET_OK ||
+                           (st = jj_escape(r, e->off, b, &b)) != DUET_OK))
+                return st;
             jj_sb_t sb;
             jj_sb_init(&sb, r->arena, r->lim.max_output);
             jj_sb_put_str(&sb, a);
@@ -209,6 +292,7 @@ static duet_status_t jj_eval_bin(jj_render_t *r, const jj_expr_t *e, duet_jinja_
                                      "string longer than the output limit (%zu bytes)",
                                      r->lim.max_output)
                            : jj_nomem(r, e->off);
+            (*v_p)->markup = markup;
             return DUET_OK;
         }
         if (a->kind == JV_LIST && b->kind == JV_LIST && !a->gen && !b->gen &&
@@ -520,13 +604,18 @@ static duet_status_t jj_eval(jj_render_t *r, const jj_expr_t *e, jj_scope_t *sc,
             return st;
         if (a->kind == JV_UNDEF)
             return jj_undefined_error(r, e->a);
-        return jj_getitem(r, e->off, a, b, v_p);
+        if ((st = jj_getitem(r, e->off, a, b, v_p)) != DUET_OK)
+            return st;
+        /* a Markup's character is Markup (its __getitem__) */
+        return a->kind == JV_STR && a->markup ? jj_mark(r, e->off, *v_p, v_p) : DUET_OK;
     case JE_SLICE:
         if ((st = jj_eval(r, e->a, sc, &a)) != DUET_OK)
             return st;
         if (a->kind == JV_UNDEF)
             return jj_undefined_error(r, e->a);
-        return jj_slice(r, e, sc, a, v_p);
+        if ((st = jj_slice(r, e, sc, a, v_p)) != DUET_OK)
+            return st;
+        return a->kind == JV_STR && a->markup ? jj_mark(r, e->off, *v_p, v_p) : DUET_OK;
     case JE_CALL:
         return jj_call(r, e, sc, NULL, v_p);
     case JE_FILTER: {

@@ -65,6 +65,7 @@ struct duet_jinja_value {
     bool tuple;     /* LIST: a tuple (repr with parentheses, != list) */
     bool gen;       /* LIST: an iterator: always true, no len(), one pass */
     bool b;
+    bool markup;                /* STR: a markupsafe Markup (what safe / escape give) */
     int64_t i;                  /* INT; FUNC: which; LOOP: index0 */
     double f;                   /* FLOAT */
     const char *s;              /* STR: (len) bytes, NUL after; METHOD: the name */
@@ -258,7 +259,8 @@ typedef struct jj_expr {
     size_t name_len;
     duet_jinja_value_t *lit;
     struct jj_expr *a, *b, *c, *d;
-    struct jj_expr **args; /* positional arguments, items, dict keys, comparison operands */
+    struct jj_expr **args;        /* positional arguments, items, dict keys, comparison operands */
+    struct jj_expr *star, *dstar; /* CALL / FILTER / TEST: f(*star, **dstar) (NULL: none) */
     size_t n_args;
     struct jj_expr **kwargs; /* keyword argument values, dict values */
     const char **kwnames;
@@ -352,6 +354,13 @@ duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
 /* Call a macro value (from eval). */
 duet_status_t jj_call_macro(jj_render_t *r, size_t off, duet_jinja_value_t *m, const jj_args_t *a,
                             duet_jinja_value_t **out);
+/* markupsafe's escape(v): str(v) with & < > ' " as HTML entities, as a Markup string; a Markup
+ * comes back as it is. */
+duet_status_t jj_escape(jj_render_t *r, size_t off, duet_jinja_value_t *v,
+                        duet_jinja_value_t **out);
+/* v (a str, or a list / tuple of them) as Markup: v itself when it already is, else a copy, so
+ * that a value other code holds never changes. Other values come back as they are. */
+duet_status_t jj_mark(jj_render_t *r, size_t off, duet_jinja_value_t *v, duet_jinja_value_t **out);
 /* Python's printf-style `fmt % arg` (a tuple: the values; a dict: %(name)s). */
 duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *fmt,
                          duet_jinja_value_t *arg, duet_jinja_value_t **out);

@@ -112,6 +112,89 @@ static duet_jinja_value_t *jj_tuple2(jj_render_t *r, duet_jinja_value_t *a, duet
     return t;
 }
 
+/* ---------------------------------------------------------------- Markup (markupsafe) */
+
+duet_status_t jj_escape(jj_render_t *r, size_t off, duet_jinja_value_t *v, duet_jinja_value_t **out)
+{
+    if (v->kind == JV_STR && v->markup) {
+        *out = v;
+        return DUET_OK;
+    }
+    duet_jinja_value_t *s = NULL;
+    duet_status_t st = jj_stringify(r, off, v, &s);
+    if (st != DUET_OK)
+        return st;
+    jj_sb_t sb;
+    jj_sb_init(&sb, r->arena, r->lim.max_output);
+    for (size_t i = 0; i < s->len; i++) {
+        const char *rep = s->s[i] == '&'    ? "&amp;"
+                          : s->s[i] == '<'  ? "&lt;"
+                          : s->s[i] == '>'  ? "&gt;"
+                          : s->s[i] == '"'  ? "&#34;"
+                          : s->s[i] == '\'' ? "&#39;"
+                                            : NULL;
+        if (rep != NULL)
+            jj_sb_puts(&sb, rep, jj_origin_at(s, i));
+        else
+            jj_sb_put_range(&sb, s, i, 1);
+    }
+    if ((st = jj_finish(r, off, &sb, out)) == DUET_OK)
+        (*out)->markup = true;
+    return st;
+}
+
+duet_status_t jj_mark(jj_render_t *r, size_t off, duet_jinja_value_t *v, duet_jinja_value_t **out)
+{
+    *out = v;
+    if (v->kind == JV_STR && !v->markup) {
+        duet_jinja_value_t *m = jj_new(r->arena, JV_STR);
+        if (m == NULL)
+            return jj_nomem(r, off);
+        *m = *v;
+        m->markup = true;
+        *out = m;
+    } else if (v->kind == JV_LIST && !v->gen) { /* split(), partition() */
+        duet_jinja_value_t *l = jj_list_new(r, false);
+        if (l == NULL)
+            return jj_nomem(r, off);
+        l->tuple = v->tuple;
+        for (size_t i = 0; i < v->n; i++) {
+            duet_jinja_value_t *m = NULL;
+            duet_status_t st = jj_mark(r, off, v->items[i], &m);
+            if (st != DUET_OK)
+                return st;
+            if (jj_push(r->arena, l, m) != DUET_OK)
+                return jj_nomem(r, off);
+        }
+        *out = l;
+    }
+    return DUET_OK;
+}
+
+/* str(v) where Python's str() of a Markup is a plain str again (replace, join, ~ with
+ * autoescape off). */
+static duet_status_t jj_plain(jj_render_t *r, size_t off, duet_jinja_value_t *v,
+                              duet_jinja_value_t **out)
+{
+    *out = v;
+    if (v->kind == JV_STR && v->markup) {
+        if ((*out = jj_new(r->arena, JV_STR)) == NULL)
+            return jj_nomem(r, off);
+        **out = *v;
+        (*out)->markup = false;
+    }
+    return DUET_OK;
+}
+
+/* A result that stays Markup when the string it came from was one (markupsafe wraps these). */
+static duet_status_t jj_keep_markup(jj_render_t *r, size_t off, const duet_jinja_value_t *from,
+                                    duet_status_t st, duet_jinja_value_t **out)
+{
+    if (st != DUET_OK || from->kind != JV_STR || !from->markup)
+        return st;
+    return jj_mark(r, off, *out, out);
+}
+
 duet_status_t jj_iterate(jj_render_t *r, size_t off, duet_jinja_value_t *v,
                          duet_jinja_value_t **list_p)
 {
@@ -796,6 +879,9 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
                 if ((st = jj_repr(r, off, v, &rs, 0)) == DUET_OK)
                     st = jj_finish(r, off, &rs, &str);
             }
+            /* Markup % args escapes what %s and %r put in (markupsafe's _MarkupEscapeHelper) */
+            if (st == DUET_OK && fmt->markup)
+                st = jj_escape(r, off, conv == 's' ? v : str, &str);
             if (st != DUET_OK)
                 return st;
             if (sl == 1) {
@@ -864,7 +950,9 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
     if (map == NULL && used < n)
         return JJ_RERR(r, DUET_ERR_INVALID, off,
                        "not all arguments converted during string formatting");
-    return jj_finish(r, off, &sb, out);
+    if ((st = jj_finish(r, off, &sb, out)) == DUET_OK)
+        (*out)->markup = fmt->markup;
+    return st;
 }
 
 static duet_status_t jj_join(jj_render_t *r, size_t off, duet_jinja_value_t *items,
@@ -1028,9 +1116,9 @@ duet_status_t jj_getitem(jj_render_t *r, size_t off, duet_jinja_value_t *a, duet
 
 /* ---------------------------------------------------------------- methods */
 
-static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_t *s,
-                                   const char *name, size_t nlen, const jj_args_t *a,
-                                   duet_jinja_value_t **out)
+static duet_status_t jj_str_method_plain(jj_render_t *r, size_t off, duet_jinja_value_t *s,
+                                         const char *name, size_t nlen, const jj_args_t *a,
+                                         duet_jinja_value_t **out)
 {
     duet_jinja_value_t *p[3];
     duet_status_t st;
@@ -1282,6 +1370,59 @@ static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_
         return jj_ret(r, off, jj_substr(r, s, suffix ? 0 : p[0]->len, s->len - p[0]->len), out);
     }
     return JJ_RERR(r, DUET_ERR_INVALID, off, "'str' object has no method '%.*s'", (int)nlen, name);
+}
+
+/* markupsafe's Markup methods: what they give back is Markup (each string of split() and
+ * partition() too), and the strings they take in are escaped first: replace's new, the fill
+ * character, join's items, format's arguments. */
+static duet_status_t jj_str_method(jj_render_t *r, size_t off, duet_jinja_value_t *s,
+                                   const char *name, size_t nlen, const jj_args_t *a,
+                                   duet_jinja_value_t **out)
+{
+    if (!s->markup)
+        return jj_str_method_plain(r, off, s, name, nlen, a, out);
+    jj_args_t e = *a;
+    duet_status_t st = DUET_OK;
+    bool all = jj_streq(name, nlen, "format");
+    size_t only = jj_streq(name, nlen, "replace") || jj_streq(name, nlen, "center") ||
+                          jj_streq(name, nlen, "ljust") || jj_streq(name, nlen, "rjust")
+                      ? 1
+                      : SIZE_MAX;
+    if (all || only != SIZE_MAX) {
+        e.pos = jj_alloc(r->arena, (a->n_pos + 1) * sizeof(*e.pos));
+        e.kw = jj_alloc(r->arena, (a->n_kw + 1) * sizeof(*e.kw));
+        if (e.pos == NULL || e.kw == NULL)
+            return jj_nomem(r, off);
+        for (size_t i = 0; i < a->n_pos && st == DUET_OK; i++)
+            e.pos[i] = a->pos[i];
+        for (size_t i = 0; i < a->n_pos && st == DUET_OK; i++)
+            if (all || i == only)
+                st = jj_escape(r, off, a->pos[i], &e.pos[i]);
+        for (size_t i = 0; i < a->n_kw && st == DUET_OK; i++)
+            e.kw[i] = a->kw[i];
+        for (size_t i = 0; i < a->n_kw && st == DUET_OK; i++)
+            if (all)
+                st = jj_escape(r, off, a->kw[i], &e.kw[i]);
+    } else if (jj_streq(name, nlen, "join") && a->n_pos == 1 && a->n_kw == 0) {
+        duet_jinja_value_t *items = NULL, *l = jj_list_new(r, false);
+        if (l == NULL)
+            return jj_nomem(r, off);
+        if ((st = jj_iterate(r, off, a->pos[0], &items)) != DUET_OK)
+            return st;
+        for (size_t i = 0; i < items->n && st == DUET_OK; i++) {
+            duet_jinja_value_t *v = NULL;
+            if ((st = jj_escape(r, off, items->items[i], &v)) == DUET_OK &&
+                jj_push(r->arena, l, v) != DUET_OK)
+                return jj_nomem(r, off);
+        }
+        e.pos = jj_alloc(r->arena, sizeof(*e.pos));
+        if (e.pos == NULL)
+            return jj_nomem(r, off);
+        e.pos[0] = l;
+    }
+    if (st == DUET_OK)
+        st = jj_str_method_plain(r, off, s, name, nlen, &e, out);
+    return jj_keep_markup(r, off, s, st, out);
 }
 
 static duet_status_t jj_dict_method(jj_render_t *r, size_t off, duet_jinja_value_t *d,
@@ -1706,32 +1847,25 @@ FILTER(f_string)
 FILTER(f_safe)
 {
     NOARGS("safe");
-    *out = x;
-    return DUET_OK;
+    duet_jinja_value_t *s = NULL; /* Markup(x): str(x), marked safe */
+    duet_status_t st = jj_stringify(r, off, x, &s);
+    return st != DUET_OK ? st : jj_mark(r, off, s, out);
 }
 
 FILTER(f_escape)
 {
     NOARGS("escape");
-    duet_jinja_value_t *s = NULL;
-    duet_status_t st = jj_soft_str(r, off, x, &s);
-    if (st != DUET_OK)
-        return st;
-    jj_sb_t sb;
-    jj_sb_init(&sb, r->arena, r->lim.max_output);
-    for (size_t i = 0; i < s->len; i++) {
-        const char *rep = s->s[i] == '&'    ? "&amp;"
-                          : s->s[i] == '<'  ? "&lt;"
-                          : s->s[i] == '>'  ? "&gt;"
-                          : s->s[i] == '"'  ? "&#34;"
-                          : s->s[i] == '\'' ? "&#39;"
-                                            : NULL;
-        if (rep != NULL)
-            jj_sb_puts(&sb, rep, jj_origin_at(s, i));
-        else
-            jj_sb_put_range(&sb, s, i, 1);
-    }
-    return jj_finish(r, off, &sb, out);
+    return jj_escape(r, off, x, out);
+}
+
+FILTER(f_forceescape)
+{
+    NOARGS("forceescape");
+    duet_jinja_value_t *s = NULL; /* escape(str(x)): a Markup's text is escaped again */
+    duet_status_t st = jj_stringify(r, off, x, &s);
+    if (st == DUET_OK)
+        st = jj_plain(r, off, s, &s);
+    return st != DUET_OK ? st : jj_escape(r, off, s, out);
 }
 
 FILTER(f_trim)
@@ -1744,7 +1878,7 @@ FILTER(f_trim)
         p[0] = NULL;
     if (p[0] != NULL && (st = jj_need_str(r, off, "trim", p[0])) != DUET_OK)
         return st;
-    return jj_strip(r, off, s, p[0], true, true, out);
+    return jj_keep_markup(r, off, s, jj_strip(r, off, s, p[0], true, true, out), out);
 }
 
 static duet_status_t jj_case_filter(jj_render_t *r, size_t off, duet_jinja_value_t *x,
@@ -1754,7 +1888,12 @@ static duet_status_t jj_case_filter(jj_render_t *r, size_t off, duet_jinja_value
     NOARGS(fn);
     duet_jinja_value_t *s = NULL;
     duet_status_t st = jj_soft_str(r, off, x, &s);
-    return st != DUET_OK ? st : jj_case(r, off, s, how, out);
+    if (st != DUET_OK)
+        return st;
+    st = jj_case(r, off, s, how, out);
+    if (how == JCASE_TITLE_JINJA) /* jinja2's title joins its words into a new (plain) str */
+        return st;
+    return jj_keep_markup(r, off, s, st, out);
 }
 
 FILTER(f_upper)
@@ -1859,7 +1998,9 @@ FILTER(f_last)
     if (st != DUET_OK)
         return st;
     *out = items->n > 0 ? items->items[items->n - 1] : &jj_undef_value;
-    return DUET_OK;
+    /* reversed() walks a str with __getitem__, which a Markup wraps: its last character is
+     * Markup (while first, through iter(), is a plain str) */
+    return items->n > 0 ? jj_keep_markup(r, off, x, DUET_OK, out) : DUET_OK;
 }
 
 FILTER(f_reverse)
@@ -1876,7 +2017,7 @@ FILTER(f_reverse)
             jj_sb_put_range(&sb, x, b, e - b);
             e = b;
         }
-        return jj_finish(r, off, &sb, out);
+        return jj_keep_markup(r, off, x, jj_finish(r, off, &sb, out), out); /* value[::-1] */
     }
     duet_jinja_value_t *items = NULL;
     if ((st = jj_iterate(r, off, x, &items)) != DUET_OK)
@@ -2239,7 +2380,9 @@ FILTER(f_replace)
         return st;
     if (p[2] != NULL && !jj_is_int(p[2]) && p[2]->kind != JV_NONE)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "count must be an integer");
-    return jj_replace(r, off, s, o, n, p[2] != NULL && jj_is_int(p[2]) ? jj_ival(p[2]) : -1, out);
+    /* with autoescape off jinja2 replaces in str(s): a Markup comes out plain */
+    st = jj_replace(r, off, s, o, n, p[2] != NULL && jj_is_int(p[2]) ? jj_ival(p[2]) : -1, out);
+    return st != DUET_OK ? st : jj_plain(r, off, *out, out);
 }
 
 FILTER(f_center)
@@ -2252,7 +2395,8 @@ FILTER(f_center)
         return jj_nomem(r, off);
     if (p[0] != NULL && !jj_is_int(p[0]))
         return JJ_RERR(r, DUET_ERR_INVALID, off, "center width must be an integer");
-    return jj_pad(r, off, s, p[0] != NULL ? jj_ival(p[0]) : 80, fill, 0, out);
+    return jj_keep_markup(r, off, s,
+                          jj_pad(r, off, s, p[0] != NULL ? jj_ival(p[0]) : 80, fill, 0, out), out);
 }
 
 FILTER(f_indent)
@@ -2300,7 +2444,8 @@ FILTER(f_indent)
         }
         jj_sb_put_str(&sb, line);
     }
-    return jj_finish(r, off, &sb, out);
+    /* a Markup's indent and newline are Markup too: the text is the same, and stays Markup */
+    return jj_keep_markup(r, off, s, jj_finish(r, off, &sb, out), out);
 }
 
 FILTER(f_wordcount)
@@ -2397,12 +2542,18 @@ FILTER(f_slice)
 FILTER(f_map)
 {
     duet_status_t st;
-    duet_jinja_value_t *items = NULL;
-    if ((st = jj_iterate(r, off, x, &items)) != DUET_OK)
-        return st;
     duet_jinja_value_t *l = jj_list_new(r, true);
     if (l == NULL)
         return jj_nomem(r, off);
+    /* jinja2 maps nothing over a false value (none, undefined, 0, ''): an empty generator, no
+     * error, and its arguments are not even looked at. */
+    if (!jj_truthy(x)) {
+        *out = l;
+        return DUET_OK;
+    }
+    duet_jinja_value_t *items = NULL;
+    if ((st = jj_iterate(r, off, x, &items)) != DUET_OK)
+        return st;
     duet_jinja_value_t *attr = NULL, *dflt = NULL;
     for (size_t k = 0; k < a->n_kw; k++) {
         if (jj_streq(a->kwnames[k], a->kwlens[k], "attribute"))
@@ -2448,6 +2599,10 @@ static duet_status_t jj_select(jj_render_t *r, size_t off, duet_jinja_value_t *x
                                const jj_args_t *a, bool attr, bool keep, duet_jinja_value_t **out)
 {
     duet_status_t st;
+    if (!jj_truthy(x)) { /* as map: a false value selects nothing, whatever the arguments */
+        *out = jj_list_new(r, true);
+        return *out != NULL ? DUET_OK : jj_nomem(r, off);
+    }
     if (a->n_kw > 0)
         return JJ_RERR(r, DUET_ERR_INVALID, off, "select filters take no keyword arguments");
     duet_jinja_value_t *items = NULL;
@@ -2541,7 +2696,7 @@ static const jj_filter_t jj_filters[] = {
     {"d", f_default},         {"default", f_default},
     {"dictsort", f_dictsort}, {"e", f_escape},
     {"escape", f_escape},     {"first", f_first},
-    {"float", f_float},       {"forceescape", f_escape},
+    {"float", f_float},       {"forceescape", f_forceescape},
     {"format", f_format},     {"indent", f_indent},
     {"int", f_int},           {"items", f_items},
     {"join", f_join},         {"last", f_last},
@@ -2696,7 +2851,7 @@ TEST(t_callable)
 TEST(t_escaped)
 {
     NOTESTARGS("escaped");
-    *res = false;
+    *res = x->kind == JV_STR && x->markup; /* has __html__ */
     return DUET_OK;
 }
 

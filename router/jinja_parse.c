@@ -645,21 +645,36 @@ static jj_expr_t *jj_lit(jj_parser_t *p, size_t off, duet_jinja_value_t *v)
     return e;
 }
 
-/* (a, b, k=v) after '(' has been seen (it is consumed here). */
+/* (a, b, k=v, *args, **kwargs) after '(' has been seen (it is consumed here), in jinja2's order:
+ * positional, keyword, then one *expr and one **expr; any other order is a syntax error there. */
 static duet_status_t jj_parse_call_args(jj_parser_t *p, jj_expr_t *call)
 {
     duet_status_t st = jj_expect_op(p, "(");
     jj_vec_t pos = {0}, kw = {0}, names = {0}, lens = {0};
+    bool any = false;
     while (st == DUET_OK && !jj_is_op(jj_peek(p), ")")) {
-        if (pos.n + kw.n > 0 && (st = jj_expect_op(p, ",")) != DUET_OK)
+        if (any && (st = jj_expect_op(p, ",")) != DUET_OK)
             break;
         if (jj_is_op(jj_peek(p), ")"))
             break;
+        any = true;
+        jj_expr_t *a = NULL;
         if (jj_is_op(jj_peek(p), "*") || jj_is_op(jj_peek(p), "**")) {
-            st = JJ_PERR(p, jj_peek(p)->off, "'*args' and '**kwargs' in calls are not supported");
+            bool two = jj_is_op(jj_peek(p), "**");
+            if (call->dstar != NULL || (!two && call->star != NULL)) {
+                st = JJ_PERR(p, jj_peek(p)->off, "invalid syntax for function call expression");
+                break;
+            }
+            p->ti++;
+            if ((st = jj_parse_expr(p, true, &a)) != DUET_OK)
+                break;
+            *(two ? &call->dstar : &call->star) = a;
+            continue;
+        }
+        if (call->star != NULL || call->dstar != NULL) {
+            st = JJ_PERR(p, jj_peek(p)->off, "invalid syntax for function call expression");
             break;
         }
-        jj_expr_t *a = NULL;
         if (jj_peek(p)->kind == JT_NAME && jj_is_op(jj_peek2(p), "=")) {
             jj_tok_t *n = jj_peek(p);
             p->ti += 2;
@@ -675,7 +690,7 @@ static duet_status_t jj_parse_call_args(jj_parser_t *p, jj_expr_t *call)
             continue;
         }
         if (kw.n > 0) {
-            st = JJ_PERR(p, jj_peek(p)->off, "positional argument after a keyword argument");
+            st = JJ_PERR(p, jj_peek(p)->off, "invalid syntax for function call expression");
             break;
         }
         if ((st = jj_parse_expr(p, true, &a)) == DUET_OK)

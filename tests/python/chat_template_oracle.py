@@ -6,8 +6,11 @@ add_generation_prompt (off, on), render with jinja2 the way transformers' apply_
 does (an ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls, a
 {% generation %} block, tojson as json.dumps with ensure_ascii off, raise_exception and
 strftime_now as globals; variables messages, tools, documents, add_generation_prompt, bos_token,
-eos_token) and with duet-chat-template, and require the same bytes, or both to raise (and for
-raise_exception the same message). strftime_now is pinned to one instant on both sides.
+eos_token, and a conversation's "documents" and "chat_template_kwargs" as apply_chat_template's
+documents= and **kwargs, which win over the special tokens as there) and with duet-chat-template
+(which reads the same keys of the conversation file), and require the same bytes, or both to
+raise (and for raise_exception the same message). strftime_now is pinned to one instant on both
+sides.
 
 Then the same for every snippet of snippets.txt (small templates, separated by lines "=====",
 that exercise one feature each: literals, operators, filters, tests, methods, loops, macros,
@@ -78,14 +81,16 @@ def python_render(tmpl, conv, agp):
     """('ok', bytes) | ('raised', message) | ('error', description, refused at parse)."""
     if isinstance(tmpl, Exception):  # jinja2 refused the template: duet must refuse it too
         return "error", f"{type(tmpl).__name__}: {tmpl}", True
+    # transformers: template_kwargs = {**special_tokens_map, **kwargs}, then
+    # render(messages=..., tools=..., documents=..., add_generation_prompt=..., **template_kwargs)
+    template_kwargs = {"bos_token": BOS, "eos_token": EOS, **conv.get("chat_template_kwargs", {})}
     try:
         out = tmpl.render(
             messages=conv["messages"],
             tools=conv.get("tools"),
-            documents=None,
+            documents=conv.get("documents"),
             add_generation_prompt=agp,
-            bos_token=BOS,
-            eos_token=EOS,
+            **template_kwargs,
         )
         return "ok", out.encode("utf-8")
     except Raised as e:

@@ -239,6 +239,21 @@ Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
         {"{{ range(200000)|length }}", DUET_ERR_RANGE, "MAX_RANGE"},
         {"{{ '%99999999999d' % 1 }}", DUET_ERR_RANGE, "too large"},
         {"{{ '%.99999s'|format('x') }}", DUET_ERR_RANGE, "too large"},
+        /* f(*x) needs an iterable, f(**d) a dict with string keys not repeating a keyword */
+        {"{% macro m(a) %}{% endmacro %}{{ m(*5) }}", DUET_ERR_INVALID,
+         "Value after * must be an iterable, not int"},
+        {"{% macro m(a) %}{% endmacro %}{{ m(*none) }}", DUET_ERR_INVALID,
+         "must be an iterable, not NoneType"},
+        {"{% macro m(a) %}{% endmacro %}{{ m(**[1]) }}", DUET_ERR_INVALID,
+         "argument after ** must be a mapping, not list"},
+        {"{% macro m(a) %}{% endmacro %}{{ m(**nope) }}", DUET_ERR_INVALID,
+         "must be a mapping, not Undefined"},
+        {"{% macro m(a) %}{% endmacro %}{{ m(**{1: 2}) }}", DUET_ERR_INVALID,
+         "keywords must be strings"},
+        {"{% macro m(a) %}{% endmacro %}{{ m(a=1, **{'a': 2}) }}", DUET_ERR_INVALID,
+         "got multiple values for keyword argument 'a'"},
+        /* Markup + int is a TypeError as str + int is */
+        {"{{ 'a'|safe + 1 }}", DUET_ERR_INVALID, "can only concatenate str"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         duet_status_t st;
@@ -356,7 +371,7 @@ Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
     duet_jinja_output_t out;
     cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK, "%s", duet_error_last());
     cr_assert_str_eq(out.text.data, "<no>user:ab;assistant:f{};tool:42#c1;no tools|<U>||"
-                                     "['<x>', '<y>']|False>");
+                                    "['<x>', '<y>']|False>");
     duet_jinja_output_free(&out);
     /* A caller's token replaces the model's; a render without the generation prompt. */
     cr_assert_eq(duet_oai_template_set_token(t, "eos_token", "</E>"), DUET_OK);
@@ -371,6 +386,37 @@ Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
     duet_jinja_output_free(&out);
     chat.messages = json_array_get(msgs, 0);
     cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_ERR_INVALID);
+    chat.messages = msgs;
+    /* Keyword arguments (chat_template_kwargs) and documents: a kwarg wins over a special token
+     * as in transformers; documents and kwargs of the wrong shape, and a kwarg named like one of
+     * apply_chat_template's own arguments, are refused. */
+    json_t *kw = json_loads("{\"unk_token\": \"<kw>\", \"pad_token\": [1]}", 0, &je);
+    json_t *docs = json_loads("[{\"title\": \"d\"}]", 0, &je);
+    cr_assert(kw != NULL && docs != NULL);
+    chat.kwargs = kw;
+    chat.documents = docs;
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_OK, "%s", duet_error_last());
+    cr_assert(strstr(out.text.data, "|<kw>|[1]|") != NULL, "%s", out.text.data);
+    duet_jinja_output_free(&out);
+    chat.documents = kw;
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_ERR_INVALID);
+    cr_assert(strstr(duet_error_last(), "documents must be an array") != NULL);
+    chat.documents = docs;
+    chat.kwargs = docs;
+    cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_ERR_INVALID);
+    cr_assert(strstr(duet_error_last(), "must be an object") != NULL);
+    for (const char *const *k =
+             (const char *const[]){"messages", "tools", "documents", "add_generation_prompt", NULL};
+         *k != NULL; k++) {
+        json_t *bad = json_pack("{s:i}", *k, 1);
+        chat.kwargs = bad;
+        cr_assert_eq(duet_oai_template_render(t, &chat, &out), DUET_ERR_INVALID, "%s", *k);
+        cr_assert(strstr(duet_error_last(), "got multiple values for keyword argument") != NULL,
+                  "%s", duet_error_last());
+        json_decref(bad);
+    }
+    json_decref(kw);
+    json_decref(docs);
     json_decref(msgs);
     duet_oai_template_destroy(t);
     char path[600];
@@ -448,6 +494,39 @@ Test(router_jinja, cli_exit_statuses, .timeout = 30)
     cr_assert(strstr(out, "unknown option --bogus") != NULL, "%s", out);
     cr_assert_eq(run_cli("--help", out, sizeof(out)), 0, "%s", out);
 
+    /* More variables: the file's chat_template_kwargs, then --var NAME=JSON over them, both
+     * over the special tokens; bad ones are bad input (2), a reserved name raises (1). */
+    write_file(dir, "vars.jinja", "{{ a }}|{{ b }}|{{ bos_token }}|{{ documents|length }}");
+    write_file(dir, "kw.json",
+               "{\"messages\": [], \"documents\": [1, 2], \"chat_template_kwargs\": "
+               "{\"a\": \"file\", \"b\": true}}");
+    write_file(dir, "kwbad.json", "{\"messages\": [], \"chat_template_kwargs\": [1]}");
+    write_file(dir, "docbad.json", "{\"messages\": [], \"documents\": \"d\"}");
+    snprintf(args, sizeof(args),
+             "--template %s/vars.jinja --messages %s/kw.json --bos-token '<s>' --var 'a=[1, \"x\"]'"
+             " --var 'bos_token=\"<kw>\"'",
+             dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
+    cr_assert_str_eq(out, "[1, 'x']|True|<kw>|2");
+    static const char *const bad_vars[] = {
+        "a", "=1", "1a=2", "a-b=1", "a=", "a=1,2", "a={", "a=1] [2", "a=nul"};
+    for (size_t i = 0; i < sizeof(bad_vars) / sizeof(bad_vars[0]); i++) {
+        snprintf(args, sizeof(args), "--template %s/vars.jinja --messages %s/kw.json --var '%s'",
+                 dir, dir, bad_vars[i]);
+        cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s: %s", bad_vars[i], out);
+        cr_assert(strstr(out, "--var") != NULL, "%s: %s", bad_vars[i], out);
+    }
+    snprintf(args, sizeof(args), "--template %s/vars.jinja --messages %s/kw.json --var tools=[]",
+             dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 1, "%s", out);
+    cr_assert(strstr(out, "multiple values for keyword argument 'tools'") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/vars.jinja --messages %s/kwbad.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "\"chat_template_kwargs\" must be an object") != NULL, "%s", out);
+    snprintf(args, sizeof(args), "--template %s/vars.jinja --messages %s/docbad.json", dir, dir);
+    cr_assert_eq(run_cli(args, out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "\"documents\" must be an array") != NULL, "%s", out);
+
     /* --tokens with a model folder: a byte tokenizer, specials only from the template. */
     write_file(dir, "duet_tokenizer.json", "{\"type\": \"byte\", \"specials\": [\"<|u|>\"]}");
     write_file(dir, "chat_template.jinja", "<|u|>{{ messages[0].content }}");
@@ -455,8 +534,9 @@ Test(router_jinja, cli_exit_statuses, .timeout = 30)
     cr_assert_eq(run_cli(args, out, sizeof(out)), 0, "%s", out);
     cr_assert_str_eq(out, "256 104 105 32 60 124 117 124 62\n"); /* "hi <|u|>" as bytes */
     const char *files[] = {
-        "t.jinja",  "raise.jinja", "undef.jinja",   "bad.jinja",           "m.json",
-        "obj.json", "broken.json", "notarray.json", "duet_tokenizer.json", "chat_template.jinja"};
+        "t.jinja",    "raise.jinja", "undef.jinja",         "bad.jinja",          "m.json",
+        "obj.json",   "broken.json", "notarray.json",       "vars.jinja",         "kw.json",
+        "kwbad.json", "docbad.json", "duet_tokenizer.json", "chat_template.jinja"};
     char path[600];
     for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
         snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
@@ -488,7 +568,12 @@ Test(router_jinja, malformed_refused_with_position, .timeout = 10)
     refused("{{ x y }}", "tpl:1:6: expected the end of the expression");
     refused("\n\n  {{ x|frobnicate }}", "tpl:3:8: no filter named 'frobnicate'");
     refused("{{ x is frob }}", "tpl:1:9: no test named 'frob'");
-    refused("{{ f(*x) }}", "tpl:1:6: '*args' and '**kwargs'");
+    /* *args / **kwargs only last, in jinja2's order (positional, keyword, *, **). */
+    refused("{{ f(*x, y) }}", "tpl:1:10: invalid syntax for function call expression");
+    refused("{{ f(**x, *y) }}", "tpl:1:11: invalid syntax for function call expression");
+    refused("{{ f(**x, k=1) }}", "tpl:1:11: invalid syntax for function call expression");
+    refused("{{ f(*x, *y) }}", "tpl:1:10: invalid syntax for function call expression");
+    refused("{{ f(a=1, 2) }}", "tpl:1:11: invalid syntax for function call expression");
     refused("{{ 'abc }}", "tpl:1:4: unexpected end of string literal");
     refused("{% endif %}", "tpl:1:4: unknown or misplaced tag 'endif'");
     refused("{% if a %}{% endfor %}", "unknown or misplaced tag 'endfor'");
