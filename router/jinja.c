@@ -1051,8 +1051,8 @@ duet_status_t duet_jinja_map_set(duet_jinja_vars_t *vars, duet_jinja_value_t *ma
     return jj_dict_set(&vars->arena, map, k, val);
 }
 
-static duet_status_t jj_scope_set(jj_arena_t *a, jj_scope_t *sc, const char *name, size_t nlen,
-                                  duet_jinja_value_t *val)
+duet_status_t jj_scope_set(jj_arena_t *a, jj_scope_t *sc, const char *name, size_t nlen,
+                           duet_jinja_value_t *val, bool copy_name)
 {
     for (jj_var_t *v = sc->vars; v != NULL; v = v->next)
         if (v->name_len == nlen && memcmp(v->name, name, nlen) == 0) {
@@ -1060,11 +1060,16 @@ static duet_status_t jj_scope_set(jj_arena_t *a, jj_scope_t *sc, const char *nam
             return DUET_OK;
         }
     jj_var_t *v = jj_alloc(a, sizeof(*v));
-    char *copy = v != NULL ? jj_alloc(a, nlen + 1) : NULL;
-    if (copy == NULL)
+    if (v == NULL)
         return DUET_ERR_NOMEM;
-    memcpy(copy, name, nlen);
-    v->name = copy;
+    if (copy_name) {
+        char *copy = jj_alloc(a, nlen + 1);
+        if (copy == NULL)
+            return DUET_ERR_NOMEM;
+        memcpy(copy, name, nlen);
+        name = copy;
+    }
+    v->name = name;
     v->name_len = nlen;
     v->val = val;
     v->next = sc->vars;
@@ -1077,7 +1082,7 @@ duet_status_t duet_jinja_vars_set(duet_jinja_vars_t *vars, const char *name,
 {
     if (vars == NULL || name == NULL || val == NULL)
         return DUET_ERR_INVALID;
-    return jj_scope_set(&vars->arena, &vars->globals, name, strlen(name), val);
+    return jj_scope_set(&vars->arena, &vars->globals, name, strlen(name), val, true);
 }
 
 static duet_status_t jj_from_json(duet_jinja_vars_t *vars, const json_t *j, int origin, int depth,

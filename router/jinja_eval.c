@@ -21,23 +21,11 @@
 
 /* ---------------------------------------------------------------- scopes */
 
+/* Bind a name in a scope; names live in the template, which outlives the render. */
 static duet_status_t jj_set_var(jj_render_t *r, jj_scope_t *sc, const char *name, size_t nlen,
                                 duet_jinja_value_t *val)
 {
-    for (jj_var_t *v = sc->vars; v != NULL; v = v->next)
-        if (v->name_len == nlen && memcmp(v->name, name, nlen) == 0) {
-            v->val = val;
-            return DUET_OK;
-        }
-    jj_var_t *v = jj_alloc(r->arena, sizeof(*v));
-    if (v == NULL)
-        return jj_nomem(r, 0);
-    v->name = name; /* names live in the template, which outlives the render */
-    v->name_len = nlen;
-    v->val = val;
-    v->next = sc->vars;
-    sc->vars = v;
-    return DUET_OK;
+    return jj_scope_set(r->arena, sc, name, nlen, val, false) == DUET_OK ? DUET_OK : jj_nomem(r, 0);
 }
 
 static duet_jinja_value_t *jj_lookup(jj_render_t *r, const jj_scope_t *sc, const char *name,

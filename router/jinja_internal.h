@@ -129,6 +129,11 @@ typedef struct jj_scope {
     struct jj_scope *parent;
 } jj_scope_t;
 
+/* Bind `name` (nlen bytes; copied into the arena when copy_name, else it must outlive the
+ * scope) to val in sc, replacing an existing binding. DUET_ERR_NOMEM when the arena is full. */
+duet_status_t jj_scope_set(jj_arena_t *a, jj_scope_t *sc, const char *name, size_t nlen,
+                           duet_jinja_value_t *val, bool copy_name);
+
 struct duet_jinja_vars {
     jj_arena_t arena;
     jj_scope_t globals;
