@@ -14,6 +14,8 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "tests/unit/test_run.h"
+
 static char OUT[65536];
 
 /* Run `bin args` with stdout (and, with both, stderr) into OUT; returns the exit status. */
@@ -21,12 +23,7 @@ static int run(const char *bin, const char *args, int both)
 {
     char cmd[4096];
     snprintf(cmd, sizeof(cmd), "'%s' %s %s </dev/null", bin, args, both ? "2>&1" : "2>/dev/null");
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p, "popen %s", cmd);
-    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
-    OUT[n] = '\0';
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return test_run(cmd, OUT, sizeof(OUT));
 }
 
 Test(binaries, help_and_unknown_option, .timeout = 120)

@@ -43,6 +43,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/unit/test_run.h"
+
 #define ROUTER   DUET_BINARY_DIR "/router/duet-router"
 #define CTX      DUET_BINARY_DIR "/ctx_worker/duet-ctx"
 #define GEN      DUET_BINARY_DIR "/gen_worker/duet-gen"
@@ -817,12 +819,7 @@ static int run_bench(const char *baseline, const char *json, char *out, size_t c
              "--random-prompt-len 60 --seed 3 --metrics-settle-ms 600 --quiet --json %s "
              "--baseline %s 2>&1",
              BENCH, url, json, baseline);
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p);
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n]   = '\0';
-    int st   = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return test_run(cmd, out, cap);
 }
 
 Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)

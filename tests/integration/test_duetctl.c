@@ -14,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/unit/test_run.h"
+
 #define DUETCTL DUET_BINARY_DIR "/router/duetctl"
 
 static char OUT[65536];
@@ -24,12 +26,7 @@ static int ctl(const char *args)
     char cmd[2048];
     snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN %s --admin http://127.0.0.1:%u %s 2>&1",
              DUETCTL, AH.port, args);
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p);
-    size_t n = fread(OUT, 1, sizeof(OUT) - 1, p);
-    OUT[n] = '\0';
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return test_run(cmd, OUT, sizeof(OUT));
 }
 
 #define TOK "--token " TEST_TOKEN " "

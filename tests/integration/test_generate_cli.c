@@ -11,19 +11,10 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "tests/unit/test_run.h"
+
 #define GEN DUET_BINARY_DIR "/engine/duet-generate"
 #define FIX DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32"
-
-/* Run a shell command, capture stdout (and stderr when merge), return the exit status. */
-static int run(const char *cmd, char *out, size_t cap)
-{
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p, "popen %s", cmd);
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n]   = '\0';
-    int st   = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 static json_t *golden(void)
 {
@@ -49,7 +40,7 @@ Test(generate_cli, json_tokens_match_transformers_greedy, .timeout = 120)
     char    cmd[12288], out[65536];
     snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 32 --json",
              GEN, FIX, ids_csv(json_object_get(g, "prompt_ids")));
-    cr_assert_eq(run(cmd, out, sizeof(out)), 0, "%s", out);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
     json_error_t e;
     json_t      *o = json_loads(out, 0, &e);
     cr_assert_not_null(o, "not JSON: %s", out);
@@ -75,7 +66,7 @@ Test(generate_cli, dump_logits_matches_transformers, .timeout = 120)
     snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 1 "
              "--prefill-chunk 50 --dump-logits %s >/dev/null", GEN, FIX,
              ids_csv(json_object_get(g, "prompt_ids")), dump);
-    cr_assert_eq(run(cmd, out, sizeof(out)), 0);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0);
     const int64_t P = (int64_t)json_array_size(json_object_get(g, "prompt_ids"));
     const int64_t V = json_integer_value(json_object_get(g, "vocab_size"));
     float *a = malloc(sizeof(float) * (size_t)(P * V)), *b = malloc(sizeof(float) * (size_t)(P * V));
@@ -110,7 +101,7 @@ Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
         "32,97,114,101,32,105,110,32,121,111,117,114,32";
     char out[65536];
     /* --dtype f32: on a GPU, auto would compute this bf16 model in bf16 */
-    cr_assert_eq(run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR "/models/duet-demo "
+    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR "/models/duet-demo "
                      "--prompt 'And God said' --max-tokens 60 --dtype f32 --json", out, sizeof(out)),
                  0, "%s", out);
     json_t *o = json_loads(out, 0, NULL);
@@ -140,12 +131,12 @@ Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char cmd[4096], out[65536];
         snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s %s 2>&1", GEN, cases[i].args);
-        int rc = run(cmd, out, sizeof(out));
+        int rc = test_run(cmd, out, sizeof(out));
         cr_expect_neq(rc, 0, "'%s' should fail", cases[i].args);
         cr_expect(strstr(out, cases[i].needle) != NULL, "'%s': message lacks \"%s\": %s",
                   cases[i].args, cases[i].needle, out);
     }
     char out[65536];
-    cr_expect_eq(run(GEN " --help", out, sizeof(out)), 0);
+    cr_expect_eq(test_run(GEN " --help", out, sizeof(out)), 0);
     cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s", out);
 }

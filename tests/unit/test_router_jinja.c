@@ -19,6 +19,7 @@
 #include "common/strbuf.h"
 #include "router/chat_template.h"
 #include "router/jinja.h"
+#include "tests/unit/test_run.h"
 
 typedef struct {
     const char *role, *content;
@@ -435,12 +436,7 @@ static int run_cli(const char *args, char *out, size_t cap)
 {
     char cmd[2048];
     snprintf(cmd, sizeof(cmd), "%s/router/duet-chat-template %s 2>&1", DUET_BINARY_DIR, args);
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p);
-    size_t n = fread(out, 1, cap - 1, p);
-    out[n] = '\0';
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return test_run(cmd, out, cap);
 }
 
 Test(router_jinja, cli_exit_statuses, .timeout = 30)
