@@ -12,7 +12,7 @@
 #include <time.h>
 
 #include "common/version.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 static double now(void)
 {

@@ -2,7 +2,7 @@
  * UTF-8 as Unicode defines it well-formed (no overlong forms, no surrogates, nothing past
  * U+10FFFF): the one validator the router, the Jinja engine and the tokenizer share, and the one
  * whitespace test they share. (The
- * streaming detokenizer keeps its own byte-at-a-time state machine, engine/tokenizer/detok.c.)
+ * streaming detokenizer keeps its own byte-at-a-time state machine, tokenizer/detok.c.)
  */
 #ifndef DUET_COMMON_UTF8_H
 #define DUET_COMMON_UTF8_H

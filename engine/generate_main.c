@@ -10,7 +10,7 @@
  * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
  * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
  * "decode_tokens_per_s", "finish_reason"}.
- * The folder's tokenizer and stop ids come from engine/tokenizer (duet_tokenizer_load,
+ * The folder's tokenizer and stop ids come from tokenizer (duet_tokenizer_load,
  * duet_tokenizer_stop_ids), as in the router; a stop id ends the text and adds none, other
  * special tokens add theirs only with --no-skip-special-tokens.
  */
@@ -26,7 +26,7 @@
 #include "common/version.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 static const char *const gen_devices[] = {"auto", "cpu", "cuda", NULL};
 static const char *const gen_dtypes[]  = {"auto", "f32", "bf16", NULL};

@@ -521,7 +521,7 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
     }
     if (st == DUET_OK && jsrc != NULL) {
         /* The token strings: special_tokens_map.json's win over tokenizer_config.json's, as in
-         * transformers and in the tokenizer's own loader (engine/tokenizer). */
+         * transformers and in the tokenizer's own loader (tokenizer). */
         path.len = 0;
         json_t *map = NULL;
         if (duet_strbuf_printf(&path, "%s/special_tokens_map.json", dir) == DUET_OK &&

@@ -42,7 +42,7 @@
 #include <time.h>
 
 #include "common/status.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "router/jinja.h"
 
 struct json_t;
@@ -105,7 +105,7 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
  * parsed once here: a template outside what duet runs or malformed is refused with
  * file:line:column, start-up refuses rather than guess), else the default. A Jinja template's
  * special-token strings come from special_tokens_map.json, then tokenizer_config.json for those
- * it lacks (the map wins, as in transformers and engine/tokenizer's loader). `tok` may be NULL only
+ * it lacks (the map wins, as in transformers and tokenizer's loader). `tok` may be NULL only
  * when the folder holds a Jinja template that will not be tokenized (duet's format and the default
  * need it).
  */

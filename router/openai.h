@@ -33,7 +33,7 @@
 
 #include "common/status.h"
 #include "common/strbuf.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "router/chat_template.h"
 
 struct json_t;

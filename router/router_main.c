@@ -41,7 +41,7 @@
 #include "common/metrics.h"
 #include "common/strbuf.h"
 #include "common/version.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "proto/frame.h"
 #include "router/admin.h"
 #include "router/admission.h"
@@ -1282,7 +1282,7 @@ int main(int argc, char **argv)
     size_t model_max_len = 0;
     char   fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1] = "";
     const char *fp_cfg = duet_config_get_string(cfg, "model.fingerprint");
-    /* the folder's tokenizer and stop ids: one reader of those files (engine/tokenizer) */
+    /* the folder's tokenizer and stop ids: one reader of those files (tokenizer) */
     if ((st = rt_load_model_config(dir, &model_max_len)) < 0 ||
         (st = duet_tokenizer_load(dir, &rt->tok)) < 0 ||
         (st = duet_tokenizer_stop_ids(dir, rt->tok, rt->eos, DUET_OAI_MAX_EOS, &rt->n_eos)) < 0 ||

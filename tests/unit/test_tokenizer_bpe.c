@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #define TOK_DIR DUET_SOURCE_DIR "/data/tokenizers/"
 

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 static const char *const specials[] = {"<|bos|>", "<|eos|>", "<|eos|>x", "<|pad|>"};
 

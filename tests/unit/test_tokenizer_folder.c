@@ -1,5 +1,5 @@
 /*
- * Model-folder tokenizer tests (engine/tokenizer/folder.c): duet_tokenizer.json and Kimi's layout
+ * Model-folder tokenizer tests (tokenizer/folder.c): duet_tokenizer.json and Kimi's layout
  * (tiktoken.model + tokenizer_config.json + special_tokens_map.json) load as documented, every
  * malformed file is refused with an error naming the file and the field, special tokens are
  * recognised only when allowed and named as tokenization_kimi.py names them, skip_special_tokens
@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 enum { N_RANKS = 258, FIRST = N_RANKS, LAST = N_RANKS + 257 };
 

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "common/version.h"
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 static void die(const char *what)
 {

@@ -9,7 +9,7 @@
  * always valid UTF-8. The output buffer is sized once from the longest token: feeding never
  * allocates.
  */
-#include "engine/tokenizer/tokenizer_impl.h"
+#include "tokenizer/tokenizer_impl.h"
 
 #include <stdlib.h>
 #include <string.h>

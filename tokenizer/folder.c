@@ -10,7 +10,7 @@
  * `<|reserved_token_ID|>`; bos_token / eos_token are texts of those specials, which the class
  * looks up in its special table (a text that is none is its KeyError, here an error).
  */
-#include "engine/tokenizer/tokenizer_impl.h"
+#include "tokenizer/tokenizer_impl.h"
 
 #include <dirent.h>
 #include <errno.h>

@@ -14,8 +14,8 @@
  * pieces) in per-call allocations and on the stack, so concurrent calls need no locking and
  * nothing is cached between calls.
  */
-#include "engine/tokenizer/tokenizer_impl.h"
-#include "engine/tokenizer/kimi_pattern.h"
+#include "tokenizer/tokenizer_impl.h"
+#include "tokenizer/kimi_pattern.h"
 
 #include <stdlib.h>
 #include <string.h>

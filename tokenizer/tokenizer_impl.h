@@ -12,7 +12,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
-#include "engine/tokenizer/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #define DUET__TOK_NONE UINT32_MAX /* "no id" in tables and ranks */
 

@@ -10,7 +10,7 @@
  * its regex, its encode's run splitting and its special range (the 258 ids after the last rank,
  * which tokenization_kimi.py numbers from the rank count, so its ranks must leave no gap).
  */
-#include "engine/tokenizer/tokenizer_impl.h"
+#include "tokenizer/tokenizer_impl.h"
 
 #include <errno.h>
 #include <stdio.h>
