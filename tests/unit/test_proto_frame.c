@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "proto/envelope.h"
 #include "proto/frame.h"
 
 static uint64_t rng_next(uint64_t *s)
@@ -173,6 +174,36 @@ Test(proto_frame, round_trip_every_body, .timeout = 10)
         cr_assert(sample_equal(env, i));
         duet_envelope_free(env);
     }
+}
+
+/* Every constructor of proto/envelope.h: this build's version, its body case, the body it was
+ * given, and a frame that decodes to that case. */
+Test(proto_frame, envelope_constructors, .timeout = 10)
+{
+    int n = 0;
+#define CHECK_CTOR(field, CASE, Type)                                                              \
+    do {                                                                                           \
+        Duet__##Type   body = DUET__##CASE##__INIT;                                                \
+        Duet__Envelope env  = duet_envelope_##field(&body);                                        \
+        cr_assert_eq(env.version, DUET_PROTO_VERSION, #field);                                     \
+        cr_assert_eq(env.body_case, DUET__ENVELOPE__BODY_##CASE, #field);                          \
+        cr_assert_eq(env.field, &body, #field);                                                    \
+        uint8_t buf[256];                                                                          \
+        size_t  len = 0;                                                                           \
+        cr_assert_eq(duet_frame_encode(&env, buf, sizeof(buf), &len), DUET_OK, #field);            \
+        Duet__Envelope *got = NULL;                                                                \
+        cr_assert_eq(duet_envelope_unpack(buf + DUET_FRAME_HEADER_BYTES,                           \
+                                          len - DUET_FRAME_HEADER_BYTES, 1024, &got),              \
+                     DUET_OK, #field);                                                             \
+        cr_assert_eq(got->body_case, DUET__ENVELOPE__BODY_##CASE, #field);                         \
+        cr_assert_eq(got->version, DUET_PROTO_VERSION);                                            \
+        duet_envelope_free(got);                                                                   \
+        n++;                                                                                       \
+    } while (0);
+    DUET_ENVELOPE_BODIES(CHECK_CTOR)
+#undef CHECK_CTOR
+    /* Envelope's fields less `version`: a body added to duet.proto must get a constructor */
+    cr_assert_eq(n, (int)duet__envelope__descriptor.n_fields - 1, "%d constructors", n);
 }
 
 Test(proto_frame, stream_in_one_chunk_byte_by_byte_and_random_splits, .timeout = 30)
