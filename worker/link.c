@@ -21,6 +21,7 @@
 
 #include "common/log.h"
 #include "common/strbuf.h"
+#include "proto/envelope.h"
 
 struct duet_link {
     uv_loop_t           *loop;
@@ -272,10 +273,7 @@ duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet
 
     Duet__Register reg = *opts->reg;
     reg.version        = DUET_PROTO_VERSION;
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.version        = DUET_PROTO_VERSION;
-    env.body_case      = DUET__ENVELOPE__BODY_REGISTER;
-    env.register_      = &reg;
+    Duet__Envelope env = duet_envelope_register_(&reg);
     Duet__Envelope *ack = NULL;
     if ((st = duet_frame_append(&env, &l->pending)) < 0 ||
         (st = link_write_all(fd, (const uint8_t *)l->pending.data, l->pending.len)) < 0 ||

@@ -1,18 +1,12 @@
 /* What duet-ctx and duet-gen share; see worker/worker.h. */
 #include "worker/worker.h"
 
-#include <signal.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
-#include <unistd.h>
-
-#include "common/fingerprint.h"
 
 #include "common/log.h"
-#include "common/version.h"
+#include "proto/envelope.h"
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
 const char *const duet_worker_dtypes[]  = {"auto", "f32", "bf16", NULL};
@@ -64,9 +58,6 @@ duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bo
     if (st == DUET_OK && kda != NULL)
         st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KDA, kda_base, duet_kda_pool_bytes(kda),
                                     kind);
-    if (st == DUET_OK)
-        DUET_LOG_INFO("transfers move the %s pools%s", device ? "device" : "host",
-                      device ? " directly (UCX has CUDA transports)" : "");
     return st;
 }
 
@@ -208,9 +199,7 @@ void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *id
     t.n_ids            = n;
     t.finish_reason    = finish;
     t.error            = (char *)(error != NULL ? error : "");
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_TOKENS;
-    env.tokens         = &t;
+    Duet__Envelope env = duet_envelope_tokens(&t);
     if (duet_link_send(link, &env) < 0)
         DUET_RLOG_WARN(rid, "tokens not sent: %s", duet_error_last());
 }
@@ -222,9 +211,7 @@ void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reaso
     r.request_id       = rid;
     r.reason           = (char *)reason;
     r.retry_after_ms   = retry_after_ms;
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_REFUSED;
-    env.refused        = &r;
+    Duet__Envelope env = duet_envelope_refused(&r);
     if (duet_link_send(link, &env) < 0)
         DUET_RLOG_WARN(rid, "refusal not sent: %s", duet_error_last());
 }
@@ -234,167 +221,4 @@ double duet_worker_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* ---- start-up and the loop ------------------------------------------------------------ */
-
-int duet_worker_configure(const duet_config_key_t *keys, size_t n_keys, int argc, char **argv,
-                          const char *prog, const char *usage, duet_config_t **cfg_p)
-{
-    duet_config_t *cfg   = NULL;
-    int            n_pos = 0;
-    duet_status_t  st    = duet_config_create(keys, n_keys, &cfg);
-    if (st == DUET_OK)
-        st = duet_config_load_all(cfg, argc, argv, &n_pos);
-    if (st == DUET_OK && duet_config_help_requested(cfg)) {
-        char *text = NULL;
-        if (duet_config_help(cfg, usage, &text) == DUET_OK)
-            fputs(text, stdout);
-        free(text);
-        duet_config_destroy(cfg);
-        return 0;
-    }
-    if (st == DUET_OK && duet_config_version_requested(cfg)) {
-        duet_version_print(prog);
-        duet_config_destroy(cfg);
-        return 0;
-    }
-    if (st == DUET_OK && n_pos > 0)
-        st = duet_error_set(DUET_ERR_INVALID, "unexpected argument '%s' (see --help)", argv[1]);
-    if (st == DUET_OK)
-        st = duet_config_check_required(cfg);
-    if (st != DUET_OK) {
-        fprintf(stderr, "%s: %s\n", prog, duet_error_last());
-        duet_config_destroy(cfg);
-        return 2;
-    }
-    duet_config_log(cfg);
-    *cfg_p = cfg;
-    return -1;
-}
-
-static void rt_on_closed(const char *reason, void *user)
-{
-    duet_worker_rt_stop(user, reason);
-}
-
-static void rt_on_signal(uv_signal_t *s, int signum)
-{
-    duet_worker_rt_stop(s->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
-}
-
-duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const duet_config_t *cfg,
-                                   Duet__WorkerRole role, duet_model_t *m, uv_timer_cb tick,
-                                   uv_idle_cb step, duet_link_message_cb on_message)
-{
-    memset(rt, 0, sizeof(*rt));
-    rt->loop = loop;
-    rt->step = step;
-    const char *role_name = role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? "ctx" : "gen";
-    snprintf(rt->name, sizeof(rt->name), "%s", duet_config_get_string(cfg, "name"));
-    if (rt->name[0] == '\0')
-        snprintf(rt->name, sizeof(rt->name), "%s-%d", role_name, (int)getpid());
-    char          fp[DUET_FINGERPRINT_LEN];
-    duet_status_t st = duet_model_fingerprint(duet_config_get_string(cfg, "model.dir"), fp,
-                                              sizeof(fp));
-    if (st != DUET_OK)
-        return st;
-    const duet_model_opts_t *mo  = duet_model_opts(m);
-    duet_kv_pool_t          *kv  = duet_model_kv_pool(m);
-    Duet__Capacity           cap = DUET__CAPACITY__INIT;
-    cap.kv_pages          = kv != NULL ? (uint32_t)duet_kv_pool_desc(kv)->n_pages : 0;
-    cap.page_tokens       = (uint32_t)mo->page_tokens;
-    cap.max_seqs          = (uint32_t)mo->max_seqs;
-    cap.max_batch_tokens  = (uint32_t)mo->max_batch_tokens;
-    Duet__Register reg    = DUET__REGISTER__INIT;
-    reg.role              = role;
-    reg.worker_name       = rt->name;
-    reg.model_fingerprint = fp;
-    reg.capacity          = &cap;
-    duet_link_opts_t lo   = {
-          .router             = duet_config_get_string(cfg, "router"),
-          .connect_timeout_ms = (uint32_t)duet_config_get_int(cfg, "router_connect_timeout_ms"),
-          .reg                = &reg,
-          .on_message         = on_message,
-          .on_closed          = rt_on_closed,
-          .user               = rt,
-    };
-    uint64_t wid = 0;
-    if ((st = duet_link_open(loop, &lo, &rt->link, &wid)) != DUET_OK)
-        return st;
-    DUET_LOG_INFO("%s registered with the router at %s as worker %llu (%u KV pages of %u tokens, "
-                  "%u sequences, %u tokens per step)", rt->name, lo.router,
-                  (unsigned long long)wid, cap.kv_pages, cap.page_tokens, cap.max_seqs,
-                  cap.max_batch_tokens);
-    uv_idle_init(loop, &rt->idle);
-    uv_timer_init(loop, &rt->hb);
-    uv_signal_init(loop, &rt->sigint);
-    uv_signal_init(loop, &rt->sigterm);
-    rt->idle.data    = rt;
-    rt->sigint.data  = rt;
-    rt->sigterm.data = rt;
-    rt->hb_period_s = (double)duet_config_get_int(cfg, "heartbeat_ms") / 1000.0;
-    uv_timer_start(&rt->hb, tick, 0, (uint64_t)duet_config_get_int(cfg, "heartbeat_ms"));
-    uv_signal_start(&rt->sigint, rt_on_signal, SIGINT);
-    uv_signal_start(&rt->sigterm, rt_on_signal, SIGTERM);
-    signal(SIGPIPE, SIG_IGN);
-    return DUET_OK;
-}
-
-void duet_worker_rt_heartbeat(duet_worker_rt_t *rt, Duet__Heartbeat *hb)
-{
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat      = hb;
-    (void)duet_link_send(rt->link, &env);
-    rt->last_hb = duet_worker_now();
-}
-
-bool duet_worker_rt_heartbeat_due(const duet_worker_rt_t *rt)
-{
-    return rt->link != NULL && !rt->stopping && duet_worker_now() - rt->last_hb >= rt->hb_period_s;
-}
-
-void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work)
-{
-    if (rt->stopping)
-        work = false;
-    if (work && !rt->idle_on)
-        uv_idle_start(&rt->idle, rt->step);
-    else if (!work && rt->idle_on)
-        uv_idle_stop(&rt->idle);
-    rt->idle_on = work;
-}
-
-void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why)
-{
-    if (rt->stopping)
-        return;
-    DUET_LOG_INFO("stopping: %s", why);
-    duet_worker_rt_busy(rt, false);
-    rt->stopping = true;
-    uv_timer_stop(&rt->hb);
-    uv_signal_stop(&rt->sigint);
-    uv_signal_stop(&rt->sigterm);
-    uv_stop(rt->loop);
-}
-
-void duet_worker_rt_close(duet_worker_rt_t *rt, duet_worker_pump_t *pump, const char *reason)
-{
-    Duet__Deregister dr = DUET__DEREGISTER__INIT;
-    dr.reason           = (char *)reason;
-    Duet__Envelope env  = DUET__ENVELOPE__INIT;
-    env.body_case       = DUET__ENVELOPE__BODY_DEREGISTER;
-    env.deregister      = &dr;
-    (void)duet_link_send(rt->link, &env);
-    duet_link_close(rt->link, 1000);
-    rt->link = NULL;
-    if (pump != NULL)
-        duet_worker_pump_stop(pump);
-    uv_close((uv_handle_t *)&rt->idle, NULL);
-    uv_close((uv_handle_t *)&rt->hb, NULL);
-    uv_close((uv_handle_t *)&rt->sigint, NULL);
-    uv_close((uv_handle_t *)&rt->sigterm, NULL);
-    uv_run(rt->loop, UV_RUN_DEFAULT);
-    uv_loop_close(rt->loop);
 }

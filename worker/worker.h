@@ -1,7 +1,8 @@
 /*
- * What duet-ctx and duet-gen share (docs/architecture.md, "worker/"): the config keys every worker
- * has, the cache layout both sides of a transfer describe, UCX progress driven by the worker's
- * libuv loop, and Tokens / Refused messages to the router.
+ * The parts duet-ctx and duet-gen are built from (docs/architecture.md, "worker/"): the config
+ * keys every worker has, the cache layout both sides of a transfer describe, UCX progress driven
+ * by the worker's libuv loop, per-request sampling and the prefill cut, and Tokens / Refused
+ * messages to the router. worker/skeleton.h assembles them into the workers' one main.
  */
 #ifndef DUET_WORKER_WORKER_H
 #define DUET_WORKER_WORKER_H
@@ -85,56 +86,6 @@ duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_w
 void duet_worker_pump_progress(duet_worker_pump_t *p);
 /* Close the handles (run the loop afterwards to finish closing). */
 void duet_worker_pump_stop(duet_worker_pump_t *p);
-
-/*
- * Start-up: parse the command line, the --config YAML and DUET_* variables into a configuration
- * of `keys`; print --help (`usage` first) and check required keys. Returns -1 to go on with
- * *cfg_p set, else the exit status to return (0 after --help, 2 for bad flags / values).
- */
-int duet_worker_configure(const duet_config_key_t *keys, size_t n_keys, int argc, char **argv,
-                          const char *prog, const char *usage, duet_config_t **cfg_p);
-
-/* A worker's loop: router link, heartbeat timer, step idle handle, signals. */
-typedef struct {
-    uv_loop_t   *loop;
-    duet_link_t *link;
-    uv_idle_t    idle;
-    uv_timer_t   hb;
-    uv_signal_t  sigint, sigterm;
-    uv_idle_cb   step;
-    bool         stopping, idle_on;
-    char         name[64];
-    double       hb_period_s, last_hb; /* seconds (duet_worker_now) */
-} duet_worker_rt_t;
-
-/*
- * Register with the router named by cfg ("router", "name", "model.dir" for the fingerprint,
- * capacity from the loaded model) and arm the loop: `tick` every heartbeat_ms (sends heartbeats),
- * `step` while duet_worker_rt_busy(rt, true), SIGINT / SIGTERM and a lost router stop the loop.
- * Errors carry a detail (DUET_ERR_TIMEOUT: no router; DUET_ERR_UNSUPPORTED: refused).
- */
-duet_status_t duet_worker_rt_start(duet_worker_rt_t *rt, uv_loop_t *loop, const duet_config_t *cfg,
-                                   Duet__WorkerRole role, duet_model_t *m, uv_timer_cb tick,
-                                   uv_idle_cb step, duet_link_message_cb on_message);
-
-/* Send a Heartbeat now (and remember when). */
-void duet_worker_rt_heartbeat(duet_worker_rt_t *rt, Duet__Heartbeat *hb);
-
-/* Whether a heartbeat period has passed since the last one (for layer hooks inside long steps:
- * the loop's timer cannot fire while a step runs on the loop thread). */
-bool duet_worker_rt_heartbeat_due(const duet_worker_rt_t *rt);
-
-/* Run the step handle on every loop turn while there is work. */
-void duet_worker_rt_busy(duet_worker_rt_t *rt, bool work);
-
-/* Stop the loop (uv_run returns). */
-void duet_worker_rt_stop(duet_worker_rt_t *rt, const char *why);
-
-/*
- * After uv_run returned: Deregister(reason), flush and close the link, close the handles (and the
- * pump's, when given), run the loop until they are closed, close the loop.
- */
-void duet_worker_rt_close(duet_worker_rt_t *rt, duet_worker_pump_t *pump, const char *reason);
 
 /* Stop ids kept per request; the router sends at most DUET_OAI_MAX_EOS (8). */
 #define DUET_WORKER_MAX_STOP 16

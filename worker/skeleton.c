@@ -1,0 +1,540 @@
+/*
+ * The worker skeleton; see worker/skeleton.h. Start-up fails with a message on stderr and exit
+ * status 1 (2 for a bad command line); once registered, everything runs from the loop until a
+ * signal or a lost router stops it.
+ */
+#include "worker/skeleton.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/fingerprint.h"
+#include "common/log.h"
+#include "common/version.h"
+#include "proto/envelope.h"
+
+/* ---- requests ------------------------------------------------------------------------- */
+
+duet_worker_req_t *duet_worker_find(const duet_worker_t *w, uint64_t rid)
+{
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        duet_worker_req_t *r = duet_worker_req(w, i);
+        if (r->phase != 0 && r->rid == rid)
+            return r;
+    }
+    return NULL;
+}
+
+static duet_worker_req_t *w_find_xfer(const duet_worker_t *w, duet_xfer_id_t id)
+{
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        duet_worker_req_t *r = duet_worker_req(w, i);
+        if (r->phase != 0 && r->xfer_live && r->xid == id)
+            return r;
+    }
+    return NULL;
+}
+
+duet_worker_req_t *duet_worker_free_slot(const duet_worker_t *w)
+{
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        duet_worker_req_t *r = duet_worker_req(w, i);
+        if (r->phase == 0)
+            return r;
+    }
+    return NULL;
+}
+
+void duet_worker_req_init(duet_worker_t *w, duet_worker_req_t *r, uint64_t rid, int64_t n_prompt,
+                          uint32_t max_tokens, const Duet__Sampling *s, uint64_t deadline_unix_ms)
+{
+    r->rid = rid;
+    r->n_prompt = n_prompt;
+    r->max_tokens = max_tokens;
+    r->deadline_unix_ms = deadline_unix_ms;
+    r->arrival = ++w->arrivals;
+    duet_worker_sampling_init(&r->sampling, s, rid);
+}
+
+bool duet_worker_req_set_prompt(duet_worker_req_t *r, const uint32_t *ids, size_t n)
+{
+    r->prompt = malloc(sizeof(int32_t) * (n > 0 ? n : 1));
+    if (r->prompt == NULL)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        r->prompt[i] = (int32_t)ids[i];
+    return true;
+}
+
+void duet_worker_req_clear(duet_worker_t *w, duet_worker_req_t *r)
+{
+    duet_model_seq_close(w->m, &r->seq);
+    free(r->prompt);
+    memset(r, 0, w->ops->req_size);
+    r->seq.id = -1;
+}
+
+bool duet_worker_in_vocab(const duet_worker_t *w, const uint32_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if ((int64_t)ids[i] >= w->V)
+            return false;
+    return true;
+}
+
+bool duet_worker_req_overdue(const duet_worker_req_t *r, uint64_t wall_ms)
+{
+    return r->deadline_unix_ms != 0 && wall_ms > r->deadline_unix_ms;
+}
+
+static int w_by_arrival(const void *a, const void *b)
+{
+    const duet_worker_req_t *x = *(duet_worker_req_t *const *)a;
+    const duet_worker_req_t *y = *(duet_worker_req_t *const *)b;
+    return x->arrival < y->arrival ? -1 : x->arrival > y->arrival;
+}
+
+int64_t duet_worker_add_prefill(duet_worker_t *w, duet_worker_req_t **pre, int64_t n_pre, int64_t n,
+                                int64_t *budget_p)
+{
+    qsort(pre, (size_t)n_pre, sizeof(pre[0]), w_by_arrival);
+    for (int64_t i = 0; i < n_pre; i++) {
+        duet_worker_req_t *r = pre[i];
+        int64_t end = duet_worker_chunk_end(r->prefilled, r->n_prompt, w->chunk);
+        int64_t len = end - r->prefilled;
+        if (len > *budget_p)
+            continue;
+        const bool last = end == r->n_prompt;
+        w->items[n] = (duet_batch_item_t){
+            .seq = &r->seq,
+            .tokens = r->prompt + r->prefilled,
+            .n_tokens = len,
+            .logits_mode = last ? DUET_LOGITS_TOKEN : DUET_LOGITS_NONE,
+            .token_out = &r->drawn,
+        };
+        if (last) {
+            w->items[n].sampling = r->sampling.sp;
+            w->items[n].u = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
+        }
+        w->item_req[n] = r;
+        n++;
+        *budget_p -= len;
+        w->step_prefill += len;
+    }
+    return n;
+}
+
+/* ---- the loop ------------------------------------------------------------------------- */
+
+static void w_stop(duet_worker_t *w, const char *why)
+{
+    if (w->stopping)
+        return;
+    DUET_LOG_INFO("stopping: %s", why);
+    if (w->idle_on)
+        uv_idle_stop(&w->idle);
+    w->idle_on = false;
+    w->stopping = true;
+    uv_timer_stop(&w->hb);
+    uv_signal_stop(&w->sigint);
+    uv_signal_stop(&w->sigterm);
+    uv_stop(w->loop);
+}
+
+static void w_on_signal(uv_signal_t *s, int signum)
+{
+    w_stop(s->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+}
+
+static void w_on_closed(const char *reason, void *user)
+{
+    w_stop(user, reason);
+}
+
+/* A Heartbeat from the current state (also from the layer hook, mid-step). */
+static void w_heartbeat(duet_worker_t *w)
+{
+    duet_kv_pool_t *kv = duet_model_kv_pool(w->m);
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    hb.free_pages = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
+    hb.draining = w->draining;
+    hb.prefill_tokens = w->prefill_tokens;
+    w->ops->heartbeat(w, &hb);
+    Duet__Envelope env = duet_envelope_heartbeat(&hb);
+    (void)duet_link_send(w->link, &env);
+    w->last_hb = duet_worker_now();
+}
+
+static void w_step(uv_idle_t *h);
+
+void duet_worker_update(duet_worker_t *w)
+{
+    if (w->ops->admit != NULL && !w->stopping)
+        w->ops->admit(w);
+    const bool work = !w->stopping && w->ops->has_work(w);
+    if (work && !w->idle_on)
+        uv_idle_start(&w->idle, w_step);
+    else if (!work && w->idle_on)
+        uv_idle_stop(&w->idle);
+    w->idle_on = work;
+}
+
+void duet_worker_xfer_cb(const duet_xfer_outcome_t *o, void *user)
+{
+    duet_worker_t *w = user;
+    if (w->ops->defer_outcomes && w->in_step && w->n_deferred < w->n_reqs) {
+        duet_worker_deferred_t *d = &w->deferred[w->n_deferred++];
+        d->o = *o;
+        snprintf(d->msg, sizeof(d->msg), "%s", o->message != NULL ? o->message : "");
+        d->o.message = d->msg;
+        return;
+    }
+    duet_worker_req_t *r = w_find_xfer(w, o->id);
+    if (r != NULL)
+        w->ops->on_xfer(w, r, o);
+}
+
+/* One forward step per loop turn while there is work. */
+static void w_step(uv_idle_t *h)
+{
+    duet_worker_t *w = h->data;
+    w->step_prefill = 0;
+    int64_t n = w->ops->plan_step(w);
+    if (n == 0) {
+        duet_worker_update(w);
+        return;
+    }
+    double t0 = duet_worker_now();
+    w->in_step = true;
+    duet_status_t st = duet_model_forward(w->m, w->items, n);
+    w->in_step = false;
+    double dt = duet_worker_now() - t0;
+    if (st == DUET_OK)
+        w->prefill_tokens += (uint64_t)w->step_prefill;
+    w->ops->step_done(w, n, st, dt);
+    for (int64_t i = 0; i < w->n_deferred; i++) /* outcomes that came during the step */
+        duet_worker_xfer_cb(&w->deferred[i].o, w);
+    w->n_deferred = 0;
+    duet_worker_update(w);
+}
+
+/* Every heartbeat period: the role's timers, a heartbeat, then admission. */
+static void w_tick(uv_timer_t *t)
+{
+    duet_worker_t *w = t->data;
+    w->ops->tick(w);
+    w_heartbeat(w);
+    duet_worker_update(w);
+}
+
+/* Layer hook: inside a long step the loop cannot run, so a heartbeat that is due goes out here
+ * (the router must not take a busy worker for a dead one) and UCX keeps moving: connection
+ * handshakes and puts (over tcp both sides must progress) do not wait for the step's end. */
+static void w_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
+{
+    duet_worker_t *w = user;
+    if (w->link != NULL && !w->stopping && duet_worker_now() - w->last_hb >= w->hb_period_s)
+        w_heartbeat(w);
+    if (mla >= 0 && w->ops->on_layer != NULL)
+        w->ops->on_layer(w, mla);
+    duet_worker_pump_progress(&w->pump);
+}
+
+static void w_on_message(const Duet__Envelope *env, void *user)
+{
+    duet_worker_t *w = user;
+    switch (env->body_case) {
+    case DUET__ENVELOPE__BODY_DRAIN:
+        DUET_LOG_INFO("%s", w->ops->drain_log);
+        w->draining = true;
+        return;
+    case DUET__ENVELOPE__BODY_UNDRAIN:
+        DUET_LOG_INFO("%s", w->ops->undrain_log);
+        w->draining = false;
+        return;
+    default:
+        if (!w->ops->on_message(w, env))
+            DUET_LOG_WARN("ignoring a message with body %d from the router", (int)env->body_case);
+        return;
+    }
+}
+
+/* ---- start-up and shutdown ------------------------------------------------------------ */
+
+/*
+ * Parse the command line, the --config YAML and DUET_* variables; print --help or --version.
+ * Returns -1 to go on with *cfg_p set, else the exit status (0 after --help, 2 for bad flags).
+ */
+static int w_configure(const duet_worker_ops_t *ops, int argc, char **argv, duet_config_t **cfg_p)
+{
+    duet_config_t *cfg = NULL;
+    int n_pos = 0;
+    duet_status_t st = duet_config_create(ops->keys, ops->n_keys, &cfg);
+    if (st == DUET_OK)
+        st = duet_config_load_all(cfg, argc, argv, &n_pos);
+    if (st == DUET_OK && duet_config_help_requested(cfg)) {
+        char *text = NULL;
+        if (duet_config_help(cfg, ops->usage, &text) == DUET_OK)
+            fputs(text, stdout);
+        free(text);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK && duet_config_version_requested(cfg)) {
+        duet_version_print(ops->prog);
+        duet_config_destroy(cfg);
+        return 0;
+    }
+    if (st == DUET_OK && n_pos > 0)
+        st = duet_error_set(DUET_ERR_INVALID, "unexpected argument '%s' (see --help)", argv[1]);
+    if (st == DUET_OK)
+        st = duet_config_check_required(cfg);
+    if (st == DUET_OK) {
+        const int64_t chunk = duet_config_get_int(cfg, "batch.prefill_chunk");
+        const int64_t max = duet_config_get_int(cfg, "batch.max_tokens");
+        if (chunk > max)
+            st = duet_error_set(DUET_ERR_INVALID,
+                                "batch.prefill_chunk (%lld) must not exceed batch.max_tokens "
+                                "(%lld)",
+                                (long long)chunk, (long long)max);
+    }
+    if (st != DUET_OK) {
+        fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
+        duet_config_destroy(cfg);
+        return 2;
+    }
+    duet_config_log(cfg);
+    *cfg_p = cfg;
+    return -1;
+}
+
+/* Pool memory for a receiving worker: UCX segments, registered as they are allocated. */
+static void *w_pool_alloc(void *user, duet_model_pool_t which, size_t bytes)
+{
+    duet_worker_t *w = user;
+    void *base = NULL;
+    if (duet_xfer_ctx_alloc(w->x,
+                            which == DUET_MODEL_POOL_KV ? DUET_XFER_POOL_KV : DUET_XFER_POOL_KDA,
+                            bytes, DUET_XFER_MEM_HOST, &base) != DUET_OK) {
+        DUET_LOG_ERROR("cannot allocate a %zu-byte pool through UCX: %s", bytes, duet_error_last());
+        return NULL;
+    }
+    return base;
+}
+
+/* UCX, the model and its pools; a failure is told on stderr. *pools_from_ucx_p: the transfer
+ * context owns the pool memory. */
+static duet_status_t w_load(duet_worker_t *w, bool *pools_from_ucx_p)
+{
+    const duet_worker_ops_t *ops = w->ops;
+    duet_status_t st;
+    duet_xfer_ctx_opts_t xo;
+    duet_xfer_ctx_opts_default(&xo);
+    xo.recv_no_abort_back = ops->receives;
+    if ((st = duet_xfer_ctx_create(&xo, &w->x)) != DUET_OK) {
+        fprintf(stderr, "%s: cannot start UCX: %s\n", ops->prog, duet_error_last());
+        return st;
+    }
+    duet_model_opts_t mo;
+    duet_worker_model_opts(w->cfg, &mo);
+    /* UCX moves a GPU model's device pools directly when it can; otherwise a sender stages each
+     * layer in the host pools the puts read, a receiver copies received sequences from them */
+    const bool device_pools = duet_worker_device_pools(w->cfg, &mo, w->x);
+    if (ops->receives) {
+        mo.mirror_in = !device_pools;
+        mo.device_pools_shared = device_pools;
+        if (!device_pools) {
+            mo.pool_alloc = w_pool_alloc;
+            mo.pool_alloc_user = w;
+        }
+    } else {
+        mo.mirror_out = !device_pools;
+    }
+    *pools_from_ucx_p = mo.pool_alloc != NULL;
+    const char *dir = duet_config_get_string(w->cfg, "model.dir");
+    if ((st = duet_model_load(dir, &mo, &w->m)) != DUET_OK) {
+        fprintf(stderr, "%s: cannot load %s: %s\n", ops->prog, dir, duet_error_last());
+        return st;
+    }
+    if (!*pools_from_ucx_p &&
+        (st = duet_worker_register_pools(w->x, w->m, device_pools)) != DUET_OK) {
+        fprintf(stderr, "%s: cannot register the cache pools with UCX: %s\n", ops->prog,
+                duet_error_last());
+        return st;
+    }
+    DUET_LOG_INFO("transfers move the %s pools%s", device_pools ? "device" : "host",
+                  device_pools ? " directly (UCX has CUDA transports)" : "");
+    duet_worker_layout(w->m, &w->layout);
+    duet_model_set_layer_hook(w->m, w_on_layer, w);
+    w->V = duet_model_config(w->m)->vocab_size;
+    w->max_seqs = mo.max_seqs;
+    w->n_reqs = mo.max_seqs;
+    return DUET_OK;
+}
+
+static duet_status_t w_tables(duet_worker_t *w)
+{
+    w->reqs = calloc((size_t)w->n_reqs, w->ops->req_size);
+    w->items = calloc((size_t)w->max_seqs, sizeof(*w->items));
+    w->item_req = calloc((size_t)w->max_seqs, sizeof(*w->item_req));
+    w->order = calloc((size_t)w->n_reqs, sizeof(*w->order));
+    w->deferred = calloc((size_t)w->n_reqs, sizeof(*w->deferred));
+    if (w->reqs == NULL || w->items == NULL || w->item_req == NULL || w->order == NULL ||
+        w->deferred == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    for (int64_t i = 0; i < w->n_reqs; i++)
+        duet_worker_req(w, i)->seq.id = -1;
+    return DUET_OK;
+}
+
+/*
+ * Register with the router (name, model fingerprint, capacity) and arm the loop: heartbeats
+ * every heartbeat_ms, the step while there is work, SIGINT / SIGTERM.
+ */
+static duet_status_t w_start(duet_worker_t *w)
+{
+    const char *role_name = w->ops->role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? "ctx" : "gen";
+    snprintf(w->name, sizeof(w->name), "%s", duet_config_get_string(w->cfg, "name"));
+    if (w->name[0] == '\0')
+        snprintf(w->name, sizeof(w->name), "%s-%d", role_name, (int)getpid());
+    char fp[DUET_FINGERPRINT_LEN];
+    duet_status_t st =
+        duet_model_fingerprint(duet_config_get_string(w->cfg, "model.dir"), fp, sizeof(fp));
+    if (st != DUET_OK)
+        return st;
+    const duet_model_opts_t *mo = duet_model_opts(w->m);
+    duet_kv_pool_t *kv = duet_model_kv_pool(w->m);
+    Duet__Capacity cap = DUET__CAPACITY__INIT;
+    cap.kv_pages = kv != NULL ? (uint32_t)duet_kv_pool_desc(kv)->n_pages : 0;
+    cap.page_tokens = (uint32_t)mo->page_tokens;
+    cap.max_seqs = (uint32_t)mo->max_seqs;
+    cap.max_batch_tokens = (uint32_t)mo->max_batch_tokens;
+    Duet__Register reg = DUET__REGISTER__INIT;
+    reg.role = w->ops->role;
+    reg.worker_name = w->name;
+    reg.model_fingerprint = fp;
+    reg.capacity = &cap;
+    duet_link_opts_t lo = {
+        .router = duet_config_get_string(w->cfg, "router"),
+        .connect_timeout_ms = (uint32_t)duet_config_get_int(w->cfg, "router_connect_timeout_ms"),
+        .reg = &reg,
+        .on_message = w_on_message,
+        .on_closed = w_on_closed,
+        .user = w,
+    };
+    uint64_t wid = 0;
+    if ((st = duet_link_open(w->loop, &lo, &w->link, &wid)) != DUET_OK)
+        return st;
+    DUET_LOG_INFO("%s registered with the router at %s as worker %llu (%u KV pages of %u tokens, "
+                  "%u sequences, %u tokens per step)",
+                  w->name, lo.router, (unsigned long long)wid, cap.kv_pages, cap.page_tokens,
+                  cap.max_seqs, cap.max_batch_tokens);
+    const int64_t hb_ms = duet_config_get_int(w->cfg, "heartbeat_ms");
+    uv_idle_init(w->loop, &w->idle);
+    uv_timer_init(w->loop, &w->hb);
+    uv_signal_init(w->loop, &w->sigint);
+    uv_signal_init(w->loop, &w->sigterm);
+    w->idle.data = w;
+    w->hb.data = w;
+    w->sigint.data = w;
+    w->sigterm.data = w;
+    w->hb_period_s = (double)hb_ms / 1000.0;
+    uv_timer_start(&w->hb, w_tick, 0, (uint64_t)hb_ms);
+    uv_signal_start(&w->sigint, w_on_signal, SIGINT);
+    uv_signal_start(&w->sigterm, w_on_signal, SIGTERM);
+    signal(SIGPIPE, SIG_IGN);
+    return DUET_OK;
+}
+
+/*
+ * After the loop returned: Deregister (the router fails what still runs here with this reason),
+ * flush and close the link, close every handle and the loop.
+ */
+static void w_close(duet_worker_t *w)
+{
+    Duet__Deregister dr = DUET__DEREGISTER__INIT;
+    dr.reason = (char *)w->ops->stop_reason;
+    Duet__Envelope env = duet_envelope_deregister(&dr);
+    (void)duet_link_send(w->link, &env);
+    duet_link_close(w->link, 1000);
+    w->link = NULL;
+    duet_worker_pump_stop(&w->pump);
+    uv_close((uv_handle_t *)&w->idle, NULL);
+    uv_close((uv_handle_t *)&w->hb, NULL);
+    uv_close((uv_handle_t *)&w->sigint, NULL);
+    uv_close((uv_handle_t *)&w->sigterm, NULL);
+    uv_run(w->loop, UV_RUN_DEFAULT);
+    uv_loop_close(w->loop);
+}
+
+static void w_release_all(duet_worker_t *w)
+{
+    for (int64_t i = 0; w->reqs != NULL && i < w->n_reqs; i++) {
+        duet_worker_req_t *r = duet_worker_req(w, i);
+        if (r->phase != 0)
+            w->ops->release(w, r);
+    }
+}
+
+/*
+ * Free everything. Live transfers still read or write the pools: the transfer context goes first
+ * (its destruction aborts them and reports their outcomes), unless it allocated the pools, which
+ * must then outlive the model.
+ */
+static void w_free(duet_worker_t *w, bool pools_from_ucx)
+{
+    if (!pools_from_ucx) {
+        duet_xfer_ctx_destroy(w->x);
+        w->x = NULL;
+    }
+    w_release_all(w);
+    duet_model_free(w->m);
+    duet_xfer_ctx_destroy(w->x);
+    free(w->reqs);
+    free(w->items);
+    free(w->item_req);
+    free(w->order);
+    free(w->deferred);
+    duet_config_destroy(w->cfg);
+}
+
+int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
+{
+    static duet_worker_t w; /* lives as long as the process; handles point into it */
+    w.ops = ops;
+    int rc = w_configure(ops, argc, argv, &w.cfg);
+    if (rc >= 0)
+        return rc;
+    w.chunk = duet_config_get_int(w.cfg, "batch.prefill_chunk");
+    w.budget = duet_config_get_int(w.cfg, "batch.max_tokens");
+    bool owned = false;
+    duet_status_t st = w_load(&w, &owned);
+    if (st == DUET_OK) {
+        ops->init(&w);
+        if ((st = w_tables(&w)) != DUET_OK)
+            fprintf(stderr, "%s: out of memory\n", ops->prog);
+    }
+    if (st == DUET_OK) {
+        w.loop = uv_default_loop();
+        if ((st = duet_worker_pump_start(w.loop, w.x, &w.pump)) != DUET_OK ||
+            (st = w_start(&w)) != DUET_OK)
+            fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
+    }
+    if (st != DUET_OK) {
+        w_free(&w, owned);
+        return 1;
+    }
+    uv_run(w.loop, UV_RUN_DEFAULT);
+
+    w_close(&w);
+    if (ops->shutdown != NULL)
+        ops->shutdown(&w);
+    else
+        w_release_all(&w);
+    w_free(&w, owned);
+    DUET_LOG_INFO("stopped");
+    return 0;
+}
