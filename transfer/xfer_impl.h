@@ -1,6 +1,11 @@
 /*
- * Internals of the UCX transfer runtime (xfer.h), shared by xfer_ctx.c (context, pools, peers,
- * active messages, the progress sweep), xfer_recv.c and xfer_send.c (the two state machines).
+ * Internals of the UCX transfer runtime (xfer.h): the shared structures, and what xfer_core.c
+ * gives the context (xfer_ctx.c: UCX, pools, active-message handlers, the progress sweep) and the
+ * two state machines (xfer_recv.c, xfer_send.c) alike.
+ *
+ * Dependencies run one way: the context drives the state machines through xfer_recv_impl.h and
+ * xfer_send_impl.h (only xfer_ctx.c includes those besides their own .c); the state machines call
+ * only xfer_core.c, never the context nor each other; xfer_core.c calls none of the three.
  *
  * Threading: one thread. UCX callbacks (completions, active messages, endpoint errors) only record
  * facts in the objects they reach and set ctx->dirty; duet_xfer_ctx_progress() then sweeps the
@@ -202,19 +207,37 @@ typedef struct {
     size_t  used;
 } duet__arena_t;
 
-/* xfer_ctx.c */
+/* --- xfer_core.c: what the context and both state machines use ---------------------------- */
+
 uint64_t duet__xfer_now_ns(void);
-/* Whether a UCX_TLS value lets UCX use tcp (see xfer_ctx.c: device memory stays off then). */
-bool duet__tls_may_use_tcp(const char *tls);
-/* Whether a UCX_TLS value may give UCX a transport that detects a dead peer (tcp, InfiniBand). */
-bool duet__tls_may_detect_peer_failure(const char *tls);
+const char *duet__xfer_role_str(duet_xfer_role_t role); /* "send", "recv" */
+const char *duet__xfer_state_str(duet__xstate_t s);
+void duet__xfer_set_state(duet__xfer_t *x, duet__xstate_t s);
+void duet__xfer_set_reason(duet__xfer_t *x, duet_xfer_reason_t reason, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+int duet__xfer_reason_to_proto(duet_xfer_reason_t r);
+const char *duet__xfer_proto_reason_str(int r);
 /* Every registered pool is host memory (checksums read pool bytes on the CPU). */
 bool duet__xfer_pools_on_host(const duet_xfer_ctx_t *ctx);
+
+/* Little-endian header helpers. */
+void duet__xfer_hdr_write(uint8_t *hdr, uint16_t kind, uint64_t x_id);
+bool duet__xfer_hdr_read(const uint8_t *hdr, size_t len, uint16_t *kind_p, uint64_t *x_id_p);
+/* Unpack a control Envelope into `arena`; NULL when the bytes are not one. */
+Duet__Envelope *duet__xfer_env_unpack(duet__arena_t *arena, const void *data, size_t len);
+
+/* The transfer table. */
 duet__xfer_t *duet__xfer_slot_take(duet_xfer_ctx_t *ctx, duet_xfer_role_t role);
 void duet__xfer_slot_release(duet_xfer_ctx_t *ctx, duet__xfer_t *x);
 duet__xfer_t *duet__xfer_find(duet_xfer_ctx_t *ctx, duet_xfer_role_t role, duet_xfer_id_t id);
 duet__xfer_t *duet__xfer_find_rank_id(duet_xfer_ctx_t *ctx, uint64_t rank_xfer_id);
-/* Find or create the peer for a worker address; takes a reference. DUET_ERR_BUSY when full. */
+/* A sender's ranks let go: their own rkeys destroyed, their peers released; n_ranks = 0. */
+void duet__xfer_drop_ranks(duet_xfer_ctx_t *ctx, duet__xfer_t *x);
+/* Report the outcome (metrics, log, callback) and free the slot. */
+void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_kind_t kind);
+
+/* The endpoint cache. Find or create the peer for a worker address; takes a reference.
+ * DUET_ERR_BUSY when full. */
 duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, size_t len,
                                   int32_t *peer_p);
 void duet__xfer_peer_put(duet_xfer_ctx_t *ctx, int32_t peer);
@@ -222,6 +245,9 @@ void duet__xfer_peer_put(duet_xfer_ctx_t *ctx, int32_t peer);
  * *own_p = true when the caller must destroy it). */
 ucs_status_t duet__xfer_peer_rkey(duet_xfer_ctx_t *ctx, int32_t peer, const uint8_t *key,
                                   size_t len, ucp_rkey_h *rkey_p, bool *own_p);
+/* Close p's endpoint (force for a failed peer, flush for a healthy idle one). */
+void duet__xfer_peer_close(duet_xfer_ctx_t *ctx, duet__peer_t *p, bool force);
+
 /* Send a control message to a peer: hello (x_id, data = our address) or an Envelope. */
 duet_status_t duet__xfer_send_hello(duet_xfer_ctx_t *ctx, int32_t peer, uint64_t x_id);
 duet_status_t duet__xfer_send_done(duet_xfer_ctx_t *ctx, duet__xfer_t *x, int32_t peer,
@@ -233,34 +259,12 @@ duet_status_t duet__xfer_send_abort(duet_xfer_ctx_t *ctx, duet__xfer_t *x, int32
 /* Refuse a hello for an unknown transfer from inside the AM callback, on its reply endpoint. */
 duet_status_t duet__xfer_reply_abort(duet_xfer_ctx_t *ctx, ucp_ep_h reply_ep, uint64_t x_id,
                                      const char *message);
-/* Report the outcome (metrics, log, callback) and free the slot. */
-void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_kind_t kind);
-void duet__xfer_set_reason(duet__xfer_t *x, duet_xfer_reason_t reason, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-const char *duet__xfer_state_str(duet__xstate_t s);
-void duet__xfer_set_state(duet__xfer_t *x, duet__xstate_t s);
-int  duet__xfer_reason_to_proto(duet_xfer_reason_t r);
-const char *duet__xfer_proto_reason_str(int r);
 
-/* xfer_recv.c */
-void duet__xfer_recv_step(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint64_t now_ns);
-void duet__xfer_recv_abort(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_reason_t reason,
-                           bool tell_peer);
-/* AM to a receiver's transfer (called inside the UCX AM callback). */
-void duet__xfer_recv_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void *data,
-                           size_t len, ucp_ep_h reply_ep);
+/* --- xfer_ctx.c (exposed for tests) ------------------------------------------------------- */
 
-/* Unpack a control Envelope into `arena`; NULL when the bytes are not one. */
-Duet__Envelope *duet__xfer_env_unpack(duet__arena_t *arena, const void *data, size_t len);
-
-/* xfer_send.c */
-void duet__xfer_send_step(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint64_t now_ns);
-void duet__xfer_send_abort_x(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_reason_t reason);
-void duet__xfer_send_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void *data,
-                           size_t len);
-
-/* Little-endian header helpers. */
-void     duet__xfer_hdr_write(uint8_t *hdr, uint16_t kind, uint64_t x_id);
-bool     duet__xfer_hdr_read(const uint8_t *hdr, size_t len, uint16_t *kind_p, uint64_t *x_id_p);
+/* Whether a UCX_TLS value lets UCX use tcp (see xfer_ctx.c: device memory stays off then). */
+bool duet__tls_may_use_tcp(const char *tls);
+/* Whether a UCX_TLS value may give UCX a transport that detects a dead peer (tcp, InfiniBand). */
+bool duet__tls_may_detect_peer_failure(const char *tls);
 
 #endif

@@ -15,8 +15,7 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "proto/frame.h"
-#include "transfer/xfer_impl.h"
+#include "transfer/xfer_recv_impl.h"
 
 /* Tokens of KV that rank `rank` of a group of `n` holds when the group receives n_tokens, and
  * how many local pages they take (global page j lives on rank j % n). */
@@ -258,32 +257,6 @@ void duet__xfer_recv_step(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint64_t now_ns
                               duet__xfer_state_str(x->state), (now_ns - x->t0_ns) * 1e-6);
         duet__xfer_recv_abort(ctx, x, DUET_XFER_REASON_DEADLINE, true);
     }
-}
-
-static void *duet__arena_alloc(void *a_, size_t n)
-{
-    duet__arena_t *a = a_;
-    size_t at = (a->used + 15) & ~(size_t)15;
-    if (at + n > sizeof(a->buf))
-        return NULL;
-    a->used = at + n;
-    return a->buf + at;
-}
-
-static void duet__arena_free(void *a, void *p)
-{
-    (void)a;
-    (void)p;
-}
-
-Duet__Envelope *duet__xfer_env_unpack(duet__arena_t *arena, const void *data, size_t len)
-{
-    if (len == 0 || len > 2 * DUET__XFER_MSG_BYTES)
-        return NULL;
-    ProtobufCAllocator al = {.alloc = duet__arena_alloc, .free = duet__arena_free,
-                             .allocator_data = arena};
-    arena->used = 0;
-    return duet__envelope__unpack(&al, len, data);
 }
 
 void duet__xfer_recv_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void *data, size_t len,

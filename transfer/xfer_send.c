@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "transfer/xfer_impl.h"
+#include "transfer/xfer_send_impl.h"
 
 #define DUET__BIT_TEST(w, i) (((w)[(i) / 64] >> ((i) % 64)) & 1u)
 #define DUET__BIT_SET(w, i)  ((w)[(i) / 64] |= (uint64_t)1 << ((i) % 64))
@@ -317,16 +317,7 @@ void duet__xfer_send_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void 
 /* Undo a start that failed half way (no callback: the caller gets the error). */
 static void duet__send_unwind(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
 {
-    for (uint32_t r = 0; r < x->n_ranks; r++) {
-        for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
-            if (x->ranks[r].rkey[k] != NULL && x->ranks[r].rkey_own[k])
-                ucp_rkey_destroy(x->ranks[r].rkey[k]);
-            x->ranks[r].rkey[k] = NULL;
-        }
-        duet__xfer_peer_put(ctx, x->ranks[r].peer);
-        x->ranks[r].peer = -1;
-    }
-    x->n_ranks = 0;
+    duet__xfer_drop_ranks(ctx, x);
     duet__xfer_slot_release(ctx, x);
 }
 
