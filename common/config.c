@@ -6,9 +6,7 @@
  * That single path is why messages look the same whatever the source ("<origin>: <key>: ...")
  * and why the loaders can run in any order.
  *
- * YAML is read with libyaml's document loader, which resolves anchors and aliases into a node
- * graph. An alias can point at the mapping that contains it (a cycle) or fan out exponentially,
- * so the walk is bounded in depth and in the number of nodes it visits.
+ * YAML is read through common/yaml.h, whose walk is bounded against alias cycles and bombs.
  */
 #define _GNU_SOURCE
 #include "common/config.h"
@@ -22,18 +20,16 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/stat.h>
-#include <yaml.h>
 
 #include "common/log.h"
 #include "common/strbuf.h"
+#include "common/yaml.h"
 
 extern char **environ;
 
 #define CONFIG_NAME_MAX       128 /* longest key or flag name */
 #define CONFIG_ORIGIN_MAX     192 /* "file.yaml:12", "flag --x", ... */
 #define CONFIG_YAML_MAX_BYTES ((size_t)16 << 20)
-#define CONFIG_YAML_MAX_DEPTH 16
-#define CONFIG_YAML_MAX_NODES 100000
 #define CONFIG_HELP_COLUMN    36
 
 /* DUET_ variables that are not configuration keys and must not draw a warning: the switches of
@@ -625,11 +621,8 @@ void duet_config_destroy(duet_config_t *cfg)
 
 typedef struct {
     duet_config_t *cfg;
-    yaml_document_t *doc;
-    const char *name; /* file name for messages */
-    bool *seen;       /* n_slots flags: key already given in this file */
-    size_t nodes;     /* nodes visited, against CONFIG_YAML_MAX_NODES */
-} config_yaml_walk_t;
+    bool *seen; /* n_slots flags: key already given in this file */
+} config_yaml_t;
 
 /* Whether some declared key starts with "<prefix>.". */
 static bool config_is_prefix(const duet_config_t *cfg, const char *prefix)
@@ -643,159 +636,70 @@ static bool config_is_prefix(const duet_config_t *cfg, const char *prefix)
     return false;
 }
 
-static const char *yaml_kind_name(const yaml_node_t *n)
-{
-    switch (n->type) {
-    case YAML_SCALAR_NODE:
-        return "a scalar";
-    case YAML_SEQUENCE_NODE:
-        return "a sequence";
-    case YAML_MAPPING_NODE:
-        return "a mapping";
-    default:
-        return "nothing";
-    }
-}
-
-static bool yaml_is_null(const yaml_node_t *n)
-{
-    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
-        return false;
-    const char *s = (const char *)n->data.scalar.value;
-    return s[0] == '\0' || strcmp(s, "~") == 0 || strcmp(s, "null") == 0 ||
-           strcmp(s, "Null") == 0 || strcmp(s, "NULL") == 0;
-}
-
-static duet_status_t config_yaml_mapping(config_yaml_walk_t *w, yaml_node_t *map,
+static duet_status_t config_yaml_mapping(duet_yaml_walk_t *w, config_yaml_t *c, yaml_node_t *map,
                                          const char *prefix, int depth)
 {
     char origin[CONFIG_ORIGIN_MAX];
     char full[CONFIG_NAME_MAX * 2];
 
-    if (depth > CONFIG_YAML_MAX_DEPTH)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: mappings nested deeper than %d levels",
-                              w->name, map->start_mark.line + 1, CONFIG_YAML_MAX_DEPTH);
+    duet_status_t st = duet_yaml_depth(w, map, "", depth);
+    if (st != DUET_OK)
+        return st;
     for (yaml_node_pair_t *pair = map->data.mapping.pairs.start; pair < map->data.mapping.pairs.top;
          pair++) {
-        yaml_node_t *kn = yaml_document_get_node(w->doc, pair->key);
-        yaml_node_t *vn = yaml_document_get_node(w->doc, pair->value);
-        if (kn == NULL || vn == NULL)
-            return duet_error_set(DUET_ERR_FORMAT, "%s: malformed YAML document", w->name);
-        if (++w->nodes > CONFIG_YAML_MAX_NODES)
-            return duet_error_set(DUET_ERR_FORMAT, "%s: more than %d YAML nodes (alias bomb?)",
-                                  w->name, CONFIG_YAML_MAX_NODES);
-        size_t line = kn->start_mark.line + 1;
-        snprintf(origin, sizeof(origin), "%s:%zu", w->name, line);
-        if (kn->type != YAML_SCALAR_NODE)
-            return duet_error_set(DUET_ERR_FORMAT, "%s: a key must be a plain name, not %s", origin,
-                                  yaml_kind_name(kn));
+        yaml_node_t *kn, *vn;
+        if ((st = duet_yaml_pair(w, pair, "", &kn, &vn)) != DUET_OK)
+            return st;
+        snprintf(origin, sizeof(origin), "%s:%zu", w->name, duet_yaml_line(kn));
         const char *key = (const char *)kn->data.scalar.value;
-        if (kn->data.scalar.length != strlen(key) || key[0] == '\0')
+        if (!duet_yaml_nul_free(kn) || key[0] == '\0')
             return duet_error_set(DUET_ERR_FORMAT, "%s: empty or malformed key", origin);
         int n = snprintf(full, sizeof(full), "%s%s%s", prefix, prefix[0] != '\0' ? "." : "", key);
         if (n < 0 || (size_t)n >= CONFIG_NAME_MAX)
             return duet_error_set(DUET_ERR_NOT_FOUND, "%s: unknown key \"%.60s...\"", origin, full);
 
-        config_slot_t *sl = config_find(w->cfg, full);
-        if (vn->type == YAML_MAPPING_NODE && sl == NULL &&
-            vn->data.mapping.pairs.start == vn->data.mapping.pairs.top &&
-            !config_is_prefix(w->cfg, full))
-            return config_unknown(w->cfg, origin, "section", full); /* "bogus: {}" */
+        config_slot_t *sl = config_find(c->cfg, full);
+        if (vn->type == YAML_MAPPING_NODE && sl == NULL && duet_yaml_mapping_empty(vn) &&
+            !config_is_prefix(c->cfg, full))
+            return config_unknown(c->cfg, origin, "section", full); /* "bogus: {}" */
         if (vn->type == YAML_MAPPING_NODE && sl == NULL) {
-            duet_status_t st = config_yaml_mapping(w, vn, full, depth + 1);
-            if (st != DUET_OK)
+            if ((st = config_yaml_mapping(w, c, vn, full, depth + 1)) != DUET_OK)
                 return st;
             continue;
         }
         if (sl == NULL)
-            return config_unknown(w->cfg, origin, "key", full);
-        if (vn->type != YAML_SCALAR_NODE)
-            return duet_error_set(DUET_ERR_FORMAT, "%s: %s: expected a single value, got %s",
-                                  origin, full, yaml_kind_name(vn));
-        if (yaml_is_null(vn))
-            return duet_error_set(DUET_ERR_INVALID,
-                                  "%s: %s: no value given (write a value or remove the line)",
-                                  origin, full);
-        const char *text = (const char *)vn->data.scalar.value;
-        if (vn->data.scalar.length != strlen(text))
-            return duet_error_set(DUET_ERR_FORMAT, "%s: %s: value contains a NUL byte", origin,
-                                  full);
-        size_t idx = (size_t)(sl - w->cfg->slots);
-        if (w->seen[idx])
+            return config_unknown(c->cfg, origin, "key", full);
+        const char *text;
+        if ((st = duet_yaml_scalar(w, vn, duet_yaml_line(kn), full, "a single value", &text)) !=
+            DUET_OK)
+            return st;
+        size_t idx = (size_t)(sl - c->cfg->slots);
+        if (c->seen[idx])
             return duet_error_set(DUET_ERR_FORMAT, "%s: %s: given twice in this file", origin,
                                   full);
-        w->seen[idx] = true;
-        snprintf(origin, sizeof(origin), "%s:%zu", w->name, (size_t)vn->start_mark.line + 1);
-        duet_status_t st = config_assign(sl, text, DUET_CONFIG_SRC_YAML, origin);
-        if (st != DUET_OK)
+        c->seen[idx] = true;
+        snprintf(origin, sizeof(origin), "%s:%zu", w->name, duet_yaml_line(vn));
+        if ((st = config_assign(sl, text, DUET_CONFIG_SRC_YAML, origin)) != DUET_OK)
             return st;
     }
     return DUET_OK;
 }
 
+static duet_status_t config_yaml_root(duet_yaml_walk_t *w, yaml_node_t *root, void *user)
+{
+    return root != NULL ? config_yaml_mapping(w, user, root, "", 0) : DUET_OK;
+}
+
 duet_status_t duet_config_load_yaml_string(duet_config_t *cfg, const char *text, size_t len,
                                            const char *name)
 {
-    duet_status_t st = DUET_OK;
-    yaml_parser_t parser;
-    yaml_document_t doc;
-    bool have_doc = false;
-
-    if (len > CONFIG_YAML_MAX_BYTES)
-        return duet_error_set(DUET_ERR_RANGE, "%s: %zu bytes exceeds the limit of %zu", name, len,
-                              CONFIG_YAML_MAX_BYTES);
-    bool *seen = calloc(cfg->n_slots > 0 ? cfg->n_slots : 1, sizeof(*seen));
-    if (seen == NULL)
+    config_yaml_t c = {.cfg = cfg};
+    c.seen = calloc(cfg->n_slots > 0 ? cfg->n_slots : 1, sizeof(*c.seen));
+    if (c.seen == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", name);
-    if (!yaml_parser_initialize(&parser)) {
-        st = duet_error_set(DUET_ERR_NOMEM, "%s: cannot initialise the YAML parser", name);
-        goto free_seen;
-    }
-    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        st = duet_error_set(DUET_ERR_FORMAT, "%s:%zu:%zu: YAML syntax error: %s%s%s", name,
-                            parser.problem_mark.line + 1, parser.problem_mark.column + 1,
-                            parser.problem != NULL ? parser.problem : "unknown problem",
-                            parser.context != NULL ? " " : "",
-                            parser.context != NULL ? parser.context : "");
-        goto free_parser;
-    }
-    have_doc = true;
-    yaml_node_t *root = yaml_document_get_root_node(&doc);
-    if (root == NULL)
-        goto free_doc; /* empty file: nothing to set */
-    if (root->type != YAML_MAPPING_NODE && !yaml_is_null(root)) {
-        st = duet_error_set(DUET_ERR_FORMAT,
-                            "%s:%zu: the top level must be a mapping of keys, "
-                            "got %s",
-                            name, root->start_mark.line + 1, yaml_kind_name(root));
-        goto free_doc;
-    }
-    if (root->type == YAML_MAPPING_NODE) {
-        config_yaml_walk_t w = {.cfg = cfg, .doc = &doc, .name = name, .seen = seen};
-        st = config_yaml_mapping(&w, root, "", 0);
-        if (st != DUET_OK)
-            goto free_doc;
-    }
-    /* A second document would be silently ignored; refuse it instead. */
-    yaml_document_delete(&doc);
-    have_doc = false;
-    if (!yaml_parser_load(&parser, &doc)) {
-        st = duet_error_set(DUET_ERR_FORMAT, "%s:%zu:%zu: YAML syntax error: %s", name,
-                            parser.problem_mark.line + 1, parser.problem_mark.column + 1,
-                            parser.problem != NULL ? parser.problem : "unknown problem");
-        goto free_parser;
-    }
-    have_doc = true;
-    if (yaml_document_get_root_node(&doc) != NULL)
-        st = duet_error_set(DUET_ERR_FORMAT, "%s: more than one YAML document", name);
-free_doc:
-    if (have_doc)
-        yaml_document_delete(&doc);
-free_parser:
-    yaml_parser_delete(&parser);
-free_seen:
-    free(seen);
+    duet_yaml_walk_t w = {.name = name, .words = DUET_YAML_WORDS_YAML};
+    duet_status_t st = duet_yaml_load(&w, text, len, CONFIG_YAML_MAX_BYTES, config_yaml_root, &c);
+    free(c.seen);
     return st;
 }
 

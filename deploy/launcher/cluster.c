@@ -2,10 +2,9 @@
  * The cluster file of `duet up`: libyaml's document loader, then one strict walk; see cluster.h
  * for the format and the contract.
  *
- * The walk is bounded in depth and in nodes visited because libyaml resolves aliases into a
- * shared node graph: an alias may point at the mapping that holds it, or fan out exponentially.
- * Every message starts with name:line of the node at fault, the way common/config.c words its
- * own, so an operator sees the same shape of error whichever file is wrong.
+ * The walk goes through common/yaml.h, as common/config.c's does: bounded against alias cycles
+ * and bombs, every message starting with name:line of the node at fault, so an operator sees the
+ * same shape of error whichever file is wrong.
  */
 #define _GNU_SOURCE
 #include "deploy/launcher/cluster.h"
@@ -16,13 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <yaml.h>
 
 #include "common/strbuf.h"
+#include "common/yaml.h"
 
 #define CL_MAX_BYTES ((size_t)1 << 20)
-#define CL_MAX_DEPTH 16
-#define CL_MAX_NODES 100000
 #define CL_KEY_MAX   128
 #define CL_MAX_FLAGS 1024 /* per role; also keeps the duplicate check's quadratic scan small */
 
@@ -41,49 +38,21 @@ typedef struct {
 } cl_flags_t;
 
 typedef struct {
-    yaml_document_t *doc;
-    const char *name; /* file name for messages */
-    size_t nodes;     /* visited, against CL_MAX_NODES */
-    const char *root; /* for relative paths, may be NULL */
+    duet_yaml_walk_t y; /* first: the walk common/yaml.h hands back; y.name for messages */
+    const char *root;   /* for relative paths, may be NULL */
 } cl_walk_t;
 
 /* ---------------------------------------------------------------- small helpers */
-
-static size_t cl_line(const yaml_node_t *n)
-{
-    return n->start_mark.line + 1;
-}
-
-static const char *cl_kind(const yaml_node_t *n)
-{
-    switch (n->type) {
-    case YAML_SCALAR_NODE:
-        return "a single value";
-    case YAML_SEQUENCE_NODE:
-        return "a list";
-    case YAML_MAPPING_NODE:
-        return "a mapping";
-    default:
-        return "nothing";
-    }
-}
-
-static bool cl_is_null(const yaml_node_t *n)
-{
-    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE)
-        return false;
-    const char *s = (const char *)n->data.scalar.value;
-    return s[0] == '\0' || strcmp(s, "~") == 0 || strcmp(s, "null") == 0 ||
-           strcmp(s, "Null") == 0 || strcmp(s, "NULL") == 0;
-}
 
 /*
  * A key is a plain flag name: [A-Za-z0-9_-] segments joined by single dots ("http.port" may be
  * written nested or dotted, as in the binaries' own YAML), not starting with '-'.
  */
-static bool cl_key_ok(const char *k, size_t len)
+static bool cl_key_ok(const yaml_node_t *kn)
 {
-    if (len == 0 || len != strlen(k) || k[0] == '-' || k[0] == '.' || k[len - 1] == '.')
+    const char *k = (const char *)kn->data.scalar.value;
+    size_t len = kn->data.scalar.length;
+    if (len == 0 || !duet_yaml_nul_free(kn) || k[0] == '-' || k[0] == '.' || k[len - 1] == '.')
         return false;
     for (size_t i = 0; i < len; i++) {
         char c = k[i];
@@ -119,25 +88,18 @@ static bool cl_key_in(const char *key, const char *const *set)
 static duet_status_t cl_pair(cl_walk_t *w, const yaml_node_pair_t *pair, const char *section,
                              const char **key_p, yaml_node_t **val_p)
 {
-    yaml_node_t *kn = yaml_document_get_node(w->doc, pair->key);
-    yaml_node_t *vn = yaml_document_get_node(w->doc, pair->value);
-    if (kn == NULL || vn == NULL)
-        return duet_error_set(DUET_ERR_FORMAT, "%s: malformed YAML document", w->name);
-    if (++w->nodes > CL_MAX_NODES)
-        return duet_error_set(DUET_ERR_FORMAT, "%s: more than %d YAML nodes (alias bomb?)", w->name,
-                              CL_MAX_NODES);
-    if (kn->type != YAML_SCALAR_NODE)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s%sa key must be a plain name, not %s",
-                              w->name, cl_line(kn), section, section[0] != '\0' ? ": " : "",
-                              cl_kind(kn));
+    yaml_node_t *kn;
+    duet_status_t st = duet_yaml_pair(&w->y, pair, section, &kn, val_p);
+    if (st != DUET_OK)
+        return st;
     const char *key = (const char *)kn->data.scalar.value;
-    if (!cl_key_ok(key, kn->data.scalar.length))
+    if (!cl_key_ok(kn))
         return duet_error_set(DUET_ERR_FORMAT,
                               "%s:%zu: %s%skey \"%.60s\" is not a plain name (letters, digits, "
                               "'_', '-', inner dots)",
-                              w->name, cl_line(kn), section, section[0] != '\0' ? ": " : "", key);
+                              w->y.name, duet_yaml_line(kn), section,
+                              section[0] != '\0' ? ": " : "", key);
     *key_p = key;
-    *val_p = vn;
     return DUET_OK;
 }
 
@@ -145,19 +107,7 @@ static duet_status_t cl_pair(cl_walk_t *w, const yaml_node_pair_t *pair, const c
 static duet_status_t cl_scalar(cl_walk_t *w, const yaml_node_t *n, const char *what,
                                const char *expected, const char **text_p)
 {
-    if (n->type != YAML_SCALAR_NODE)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected %s, got %s", w->name,
-                              cl_line(n), what, expected, cl_kind(n));
-    if (cl_is_null(n))
-        return duet_error_set(DUET_ERR_INVALID,
-                              "%s:%zu: %s: no value given (write a value or remove the line)",
-                              w->name, cl_line(n), what);
-    const char *s = (const char *)n->data.scalar.value;
-    if (n->data.scalar.length != strlen(s))
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: value contains a NUL byte", w->name,
-                              cl_line(n), what);
-    *text_p = s;
-    return DUET_OK;
+    return duet_yaml_scalar(&w->y, n, duet_yaml_line(n), what, expected, text_p);
 }
 
 static duet_status_t cl_parse_int(cl_walk_t *w, size_t line, const char *what, const char *s,
@@ -168,10 +118,10 @@ static duet_status_t cl_parse_int(cl_walk_t *w, size_t line, const char *what, c
     long v = strtol(s, &end, 10);
     if (end == s || *end != '\0' || errno != 0)
         return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected an integer, got \"%.60s\"",
-                              w->name, line, what, s);
+                              w->y.name, line, what, s);
     if (v < lo || v > hi)
-        return duet_error_set(DUET_ERR_RANGE, "%s:%zu: %s: %ld is out of range (%ld..%ld)", w->name,
-                              line, what, v, lo, hi);
+        return duet_error_set(DUET_ERR_RANGE, "%s:%zu: %s: %ld is out of range (%ld..%ld)",
+                              w->y.name, line, what, v, lo, hi);
     *out_p = (int)v;
     return DUET_OK;
 }
@@ -183,7 +133,7 @@ static duet_status_t cl_int(cl_walk_t *w, const yaml_node_t *n, const char *what
     duet_status_t st = cl_scalar(w, n, what, "an integer", &s);
     if (st != DUET_OK)
         return st;
-    return cl_parse_int(w, cl_line(n), what, s, lo, hi, out_p);
+    return cl_parse_int(w, duet_yaml_line(n), what, s, lo, hi, out_p);
 }
 
 /* A copy of `p`, joined to root when relative. */
@@ -202,7 +152,7 @@ static duet_status_t cl_set(cl_walk_t *w, char **dst, const char *src, bool path
 {
     char *copy = path ? cl_path(w->root, src) : strdup(src);
     if (copy == NULL)
-        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
     free(*dst);
     *dst = copy;
     return DUET_OK;
@@ -245,12 +195,12 @@ static duet_status_t cl_flags_add(cl_walk_t *w, cl_flags_t *f, const char *key, 
         return duet_error_set(DUET_ERR_FORMAT,
                               "%s:%zu: more than %d keys in one section (alias "
                               "bomb?)",
-                              w->name, line, CL_MAX_FLAGS);
+                              w->y.name, line, CL_MAX_FLAGS);
     if (f->n == f->cap) {
         size_t cap = f->cap > 0 ? f->cap * 2 : 8;
         cl_flag_t *v = realloc(f->v, cap * sizeof(*v));
         if (v == NULL)
-            return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+            return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
         f->v = v;
         f->cap = cap;
     }
@@ -261,7 +211,7 @@ static duet_status_t cl_flags_add(cl_walk_t *w, cl_flags_t *f, const char *key, 
     if (fl->key == NULL || (value != NULL && fl->value == NULL)) {
         free(fl->key);
         free(fl->value);
-        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
     }
     f->n++;
     return DUET_OK;
@@ -276,29 +226,28 @@ static duet_status_t cl_flatten(cl_walk_t *w, const char *section, const char *k
                                 int depth, cl_flags_t *out, const char *const *reserved,
                                 const char *why)
 {
-    if (depth > CL_MAX_DEPTH)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: mappings nested deeper than %d levels",
-                              w->name, cl_line(vn), section, CL_MAX_DEPTH);
+    duet_status_t st = duet_yaml_depth(&w->y, vn, section, depth);
+    if (st != DUET_OK)
+        return st;
     if (cl_key_in(key, reserved))
-        return duet_error_set(DUET_ERR_INVALID, "%s:%zu: %s.%s: %s", w->name, cl_line(vn), section,
-                              key, why);
+        return duet_error_set(DUET_ERR_INVALID, "%s:%zu: %s.%s: %s", w->y.name, duet_yaml_line(vn),
+                              section, key, why);
     if (vn->type == YAML_MAPPING_NODE) {
-        if (vn->data.mapping.pairs.start == vn->data.mapping.pairs.top)
+        if (duet_yaml_mapping_empty(vn))
             return duet_error_set(DUET_ERR_FORMAT,
                                   "%s:%zu: %s.%s: empty mapping (give it keys or remove it)",
-                                  w->name, cl_line(vn), section, key);
+                                  w->y.name, duet_yaml_line(vn), section, key);
         for (yaml_node_pair_t *p = vn->data.mapping.pairs.start; p < vn->data.mapping.pairs.top;
              p++) {
             const char *sub;
             yaml_node_t *sv;
-            duet_status_t st = cl_pair(w, p, section, &sub, &sv);
-            if (st != DUET_OK)
+            if ((st = cl_pair(w, p, section, &sub, &sv)) != DUET_OK)
                 return st;
             char full[CL_KEY_MAX];
             int n = snprintf(full, sizeof(full), "%s.%s", key, sub);
             if (n < 0 || (size_t)n >= sizeof(full))
                 return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: key \"%.60s...\" is too long",
-                                      w->name, cl_line(sv), section, full);
+                                      w->y.name, duet_yaml_line(sv), section, full);
             if ((st = cl_flatten(w, section, full, sv, depth + 1, out, reserved, why)) != DUET_OK)
                 return st;
         }
@@ -310,19 +259,17 @@ static duet_status_t cl_flatten(cl_walk_t *w, const char *section, const char *k
         return duet_error_set(DUET_ERR_FORMAT,
                               "%s:%zu: %s: lists are not supported (flags take one value; write "
                               "a single value or a nested mapping)",
-                              w->name, cl_line(vn), what);
+                              w->y.name, duet_yaml_line(vn), what);
     const char *text;
-    duet_status_t st = cl_scalar(w, vn, what, "a value or a mapping", &text);
-    if (st != DUET_OK)
+    if ((st = cl_scalar(w, vn, what, "a value or a mapping", &text)) != DUET_OK)
         return st;
     const cl_flag_t *prev = cl_flags_find(out, key);
     if (prev != NULL)
         return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: given twice (first at line %zu)",
-                              w->name, cl_line(vn), what, prev->line);
-    bool bare =
-        vn->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
-        (strcmp(text, "true") == 0 || strcmp(text, "True") == 0 || strcmp(text, "TRUE") == 0);
-    return cl_flags_add(w, out, key, bare ? NULL : text, cl_line(vn));
+                              w->y.name, duet_yaml_line(vn), what, prev->line);
+    static const char *const trues[] = {"true", "True", "TRUE", NULL};
+    bool bare = duet_yaml_plain_in(vn, trues);
+    return cl_flags_add(w, out, key, bare ? NULL : text, duet_yaml_line(vn));
 }
 
 /* Turn the walk's flags into role->args ("--key=value" / "--key"). */
@@ -330,14 +277,14 @@ static duet_status_t cl_flags_to_args(cl_walk_t *w, const cl_flags_t *f, duet_cl
 {
     role->args = calloc(f->n > 0 ? f->n : 1, sizeof(*role->args));
     if (role->args == NULL)
-        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
     for (size_t i = 0; i < f->n; i++) {
         int rc = f->v[i].value != NULL
                      ? asprintf(&role->args[i], "--%s=%s", f->v[i].key, f->v[i].value)
                      : asprintf(&role->args[i], "--%s", f->v[i].key);
         if (rc < 0) {
             role->args[i] = NULL;
-            return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+            return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
         }
         role->n_args++;
     }
@@ -352,8 +299,8 @@ static const char *const cl_worker_reserved[] = {"router", "model", "model.dir",
 static duet_status_t cl_need_mapping(cl_walk_t *w, const yaml_node_t *n, const char *what)
 {
     if (n->type != YAML_MAPPING_NODE)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected a mapping, got %s", w->name,
-                              cl_line(n), what, cl_kind(n));
+        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected a mapping, got %s", w->y.name,
+                              duet_yaml_line(n), what, duet_yaml_kind(&w->y, n));
     return DUET_OK;
 }
 
@@ -367,7 +314,7 @@ static duet_status_t cl_router_addr(cl_walk_t *w, const cl_flags_t *f, const cha
     if (h != NULL) {
         if (h->value == NULL || h->value[0] == '\0')
             return duet_error_set(DUET_ERR_INVALID, "%s:%zu: router.%s: expected an address",
-                                  w->name, h->line, key);
+                                  w->y.name, h->line, key);
         duet_status_t st = cl_set(w, host_p, h->value, false);
         if (st != DUET_OK)
             return st;
@@ -379,14 +326,14 @@ static duet_status_t cl_router_addr(cl_walk_t *w, const cl_flags_t *f, const cha
     char what[48];
     snprintf(what, sizeof(what), "router.%s", key);
     if (p->value == NULL)
-        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected an integer", w->name, p->line,
-                              what);
+        return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: expected an integer", w->y.name,
+                              p->line, what);
     duet_status_t st = cl_parse_int(w, p->line, what, p->value, 0, 65535, port_p);
     if (st == DUET_OK && *port_p == 0)
         st = duet_error_set(DUET_ERR_RANGE,
                             "%s:%zu: %s: 0 (an ephemeral port) is not supported by duet up, "
                             "which must know the port to connect; pick one",
-                            w->name, p->line, what);
+                            w->y.name, p->line, what);
     return st;
 }
 
@@ -412,8 +359,8 @@ static duet_status_t cl_router(cl_walk_t *w, yaml_node_t *map, duet_cluster_t *s
         st = cl_router_addr(w, &flags, "workers", &spec->workers_host, &spec->workers_port);
     if (st == DUET_OK && spec->http_port == spec->workers_port)
         st = duet_error_set(DUET_ERR_INVALID,
-                            "%s:%zu: router: http.port and workers.port are both %d", w->name,
-                            cl_line(map), spec->http_port);
+                            "%s:%zu: router: http.port and workers.port are both %d", w->y.name,
+                            duet_yaml_line(map), spec->http_port);
     if (st == DUET_OK)
         st = cl_flags_to_args(w, &flags, &spec->router);
     cl_flags_free(&flags);
@@ -452,7 +399,7 @@ static duet_status_t cl_workers(cl_walk_t *w, yaml_node_t *map, const char *sect
         } else {
             st = duet_error_set(DUET_ERR_NOT_FOUND,
                                 "%s:%zu: %s: unknown key \"%s\" (known: count, args, binary)",
-                                w->name, cl_line(vn), section, key);
+                                w->y.name, duet_yaml_line(vn), section, key);
         }
     }
     if (st == DUET_OK)
@@ -477,7 +424,7 @@ static duet_status_t cl_sample(cl_walk_t *w, yaml_node_t *map, duet_cluster_t *s
         else
             st = duet_error_set(DUET_ERR_NOT_FOUND,
                                 "%s:%zu: sample: unknown key \"%s\" (known: prompt, max_tokens)",
-                                w->name, cl_line(vn), key);
+                                w->y.name, duet_yaml_line(vn), key);
     }
     return st;
 }
@@ -505,11 +452,11 @@ static duet_status_t cl_top(cl_walk_t *w, yaml_node_t *root, duet_cluster_t *spe
             return duet_error_set(DUET_ERR_NOT_FOUND,
                                   "%s:%zu: unknown key \"%.60s\" (known: model, binaries, router, "
                                   "ctx, gen, startup_timeout_s, stop_timeout_s, sample)",
-                                  w->name, cl_line(vn), key);
+                                  w->y.name, duet_yaml_line(vn), key);
         if (seen[i] != 0)
             return duet_error_set(DUET_ERR_FORMAT, "%s:%zu: %s: given twice (first at line %zu)",
-                                  w->name, cl_line(vn), key, seen[i]);
-        seen[i] = cl_line(vn);
+                                  w->y.name, duet_yaml_line(vn), key, seen[i]);
+        seen[i] = duet_yaml_line(vn);
         switch (i) {
         case 0:
             st = cl_string(w, vn, "model", &spec->model, true);
@@ -558,7 +505,7 @@ static duet_status_t cl_defaults(cl_walk_t *w, const duet_cluster_paths_t *paths
         return duet_error_set(DUET_ERR_INVALID,
                               "%s: model: missing (the model folder, e.g. `model: "
                               "models/duet-demo`)",
-                              w->name);
+                              w->y.name);
     duet_status_t st = DUET_OK;
     if (spec->binaries == NULL)
         st = paths->binaries != NULL ? cl_set(w, &spec->binaries, paths->binaries, false)
@@ -567,7 +514,7 @@ static duet_status_t cl_defaults(cl_walk_t *w, const duet_cluster_paths_t *paths
         duet_cluster_role_t *r = (duet_cluster_role_t *)((char *)spec + bins[i].off);
         if (r->binary == NULL && asprintf(&r->binary, "%s/%s", spec->binaries, bins[i].sub) < 0) {
             r->binary = NULL;
-            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->name);
+            st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
         }
         if (st == DUET_OK && r->args == NULL)
             st = cl_flags_to_args(w, &(cl_flags_t){0}, r);
@@ -581,19 +528,26 @@ static duet_status_t cl_defaults(cl_walk_t *w, const duet_cluster_paths_t *paths
     return st;
 }
 
+typedef struct {
+    const duet_cluster_paths_t *paths;
+    duet_cluster_t *spec;
+} cl_load_t;
+
+static duet_status_t cl_root(duet_yaml_walk_t *y, yaml_node_t *root, void *user)
+{
+    cl_walk_t *w = (cl_walk_t *)y;
+    cl_load_t *l = user;
+    duet_status_t st = root != NULL ? cl_top(w, root, l->spec) : DUET_OK;
+    return st == DUET_OK ? cl_defaults(w, l->paths, l->spec) : st;
+}
+
 duet_status_t duet_cluster_load_string(const char *text, size_t len, const char *name,
                                        const duet_cluster_paths_t *paths, duet_cluster_t **spec_p)
 {
     static const duet_cluster_paths_t no_paths = {0};
     duet_status_t st;
-    yaml_parser_t parser;
-    yaml_document_t doc;
-    bool have_doc = false;
     if (paths == NULL)
         paths = &no_paths;
-    if (len > CL_MAX_BYTES)
-        return duet_error_set(DUET_ERR_RANGE, "%s: %zu bytes exceeds the limit of %zu", name, len,
-                              CL_MAX_BYTES);
     duet_cluster_t *spec = calloc(1, sizeof(*spec));
     if (spec == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", name);
@@ -607,51 +561,11 @@ duet_status_t duet_cluster_load_string(const char *text, size_t len, const char 
     spec->sample_max_tokens = 40;
     if ((spec->file = strdup(name)) == NULL) {
         st = duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", name);
-        goto free_spec;
+    } else {
+        cl_walk_t w = {.y = {.name = name, .words = DUET_YAML_WORDS_PLAIN}, .root = paths->root};
+        cl_load_t l = {.paths = paths, .spec = spec};
+        st = duet_yaml_load(&w.y, text, len, CL_MAX_BYTES, cl_root, &l);
     }
-    if (!yaml_parser_initialize(&parser)) {
-        st = duet_error_set(DUET_ERR_NOMEM, "%s: cannot initialise the YAML parser", name);
-        goto free_spec;
-    }
-    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        st = duet_error_set(DUET_ERR_FORMAT, "%s:%zu:%zu: YAML syntax error: %s%s%s", name,
-                            parser.problem_mark.line + 1, parser.problem_mark.column + 1,
-                            parser.problem != NULL ? parser.problem : "unknown problem",
-                            parser.context != NULL ? " " : "",
-                            parser.context != NULL ? parser.context : "");
-        goto free_parser;
-    }
-    have_doc = true;
-    cl_walk_t w = {.doc = &doc, .name = name, .root = paths->root};
-    yaml_node_t *root = yaml_document_get_root_node(&doc);
-    if (root != NULL && root->type != YAML_MAPPING_NODE && !cl_is_null(root)) {
-        st = duet_error_set(DUET_ERR_FORMAT, "%s:%zu: the top level must be a mapping, got %s",
-                            name, cl_line(root), cl_kind(root));
-        goto free_doc;
-    }
-    if (root != NULL && root->type == YAML_MAPPING_NODE && (st = cl_top(&w, root, spec)) != DUET_OK)
-        goto free_doc;
-    if ((st = cl_defaults(&w, paths, spec)) != DUET_OK)
-        goto free_doc;
-    /* A second document would be silently ignored; refuse it instead. */
-    yaml_document_delete(&doc);
-    have_doc = false;
-    if (!yaml_parser_load(&parser, &doc)) {
-        st = duet_error_set(DUET_ERR_FORMAT, "%s:%zu:%zu: YAML syntax error: %s", name,
-                            parser.problem_mark.line + 1, parser.problem_mark.column + 1,
-                            parser.problem != NULL ? parser.problem : "unknown problem");
-        goto free_parser;
-    }
-    have_doc = true;
-    if (yaml_document_get_root_node(&doc) != NULL)
-        st = duet_error_set(DUET_ERR_FORMAT, "%s: more than one YAML document", name);
-free_doc:
-    if (have_doc)
-        yaml_document_delete(&doc);
-free_parser:
-    yaml_parser_delete(&parser);
-free_spec:
     if (st != DUET_OK) {
         duet_cluster_destroy(spec);
         return st;
