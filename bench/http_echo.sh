@@ -11,7 +11,7 @@ build=${1:-build}
 secs=${2:-5}
 conns=${3:-50}
 reps=${4:-3}
-bin=$build/router/duet-http-echo
+bin=$build/tests/tools/duet-http-echo
 [ -x "$bin" ] || { echo "http_echo: build first (cmake --build $build --target duet-http-echo)" >&2; exit 1; }
 command -v wrk > /dev/null || { echo "http_echo: wrk not found (apt-get install -y wrk)" >&2; exit 1; }
 

@@ -12,8 +12,8 @@
  *   else                         404
  * Counters are atomics so a test thread may read them while the loop thread runs.
  */
-#ifndef DUET_ROUTER_HTTP_ECHO_H
-#define DUET_ROUTER_HTTP_ECHO_H
+#ifndef DUET_TESTS_TOOLS_HTTP_ECHO_H
+#define DUET_TESTS_TOOLS_HTTP_ECHO_H
 
 #include <stdatomic.h>
 #include <stdint.h>

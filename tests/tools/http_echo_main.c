@@ -12,7 +12,7 @@
 #include "common/log.h"
 #include "common/version.h"
 #include "router/http.h"
-#include "router/http_echo.h"
+#include "tests/tools/http_echo.h"
 
 static uv_signal_t sig_int, sig_term;
 static duet_http_server_t *server;
