@@ -1,5 +1,5 @@
 #!/bin/bash
-# Requests/s of the router's HTTP server core (router/http.c) with keep-alive, measured with wrk
+# Requests/s of the router's HTTP server core (router/http/http.c) with keep-alive, measured with wrk
 # against duet-http-echo on loopback: GET /health and POST /echo (1 KiB), server and wrk pinned to
 # different cores when taskset and 2+ cores exist. Each number is the median of REPS runs.
 # Usage: bench/http_echo.sh [BUILD_DIR] [SECONDS] [CONNECTIONS] [REPS]

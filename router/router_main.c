@@ -1,8 +1,8 @@
 /*
  * duet-router: the one door of a duet cluster (docs/architecture.md). It serves the OpenAI API over
- * HTTP (router/http.h + router/openai.h), tokenizes in-process (the tokenizer library, never the
- * engine), keeps the worker registry (router/registry.h), places requests (router/placement.h),
- * bounds what it accepts (router/admission.h) and exposes the admin API (router/admin.h).
+ * HTTP (router/http/http.h + router/api/openai.h), tokenizes in-process (the tokenizer library, never the
+ * engine), keeps the worker registry (router/cluster/registry.h), places requests (router/cluster/placement.h),
+ * bounds what it accepts (router/cluster/admission.h) and exposes the admin API (router/cluster/admin.h).
  *
  * Path of one request (rq_t), all on the loop thread:
  *   validate + tokenize -> admission (429/503 with Retry-After, or wait in the bounded queue)
@@ -43,13 +43,13 @@
 #include "common/version.h"
 #include "tokenizer/tokenizer.h"
 #include "proto/frame.h"
-#include "router/admin.h"
-#include "router/admission.h"
-#include "router/chat_template.h"
-#include "router/http.h"
-#include "router/openai.h"
-#include "router/placement.h"
-#include "router/registry.h"
+#include "router/cluster/admin.h"
+#include "router/cluster/admission.h"
+#include "router/api/chat_template.h"
+#include "router/http/http.h"
+#include "router/api/openai.h"
+#include "router/cluster/placement.h"
+#include "router/cluster/registry.h"
 
 /* ------------------------------------------------------------------------------ config */
 

@@ -1,6 +1,6 @@
 /*
- * duet-http-echo's application: a handful of endpoints over router/http.h, for the HTTP server's
- * tests and benchmarks (not part of the router).
+ * duet-http-echo's application: a handful of endpoints over router/http/http.h, for the HTTP
+ * server's tests and benchmarks (not part of the router).
  *
  *   GET  /health                 200 "ok\n"
  *   ANY  /echo                   200 with the request body; headers X-Method, X-Query, and
@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "router/http.h"
+#include "router/http/http.h"
 
 typedef struct {
     uv_loop_t *loop;            /* not owned */

@@ -11,7 +11,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/version.h"
-#include "router/http.h"
+#include "router/http/http.h"
 #include "tests/tools/http_echo.h"
 
 static uv_signal_t sig_int, sig_term;

@@ -7,7 +7,7 @@
  * Writes copy the frame into one allocation with its uv_write_t: worker messages are small and
  * few per token, and this keeps the lifetime rule trivial (the write callback frees it).
  */
-#include "router/registry.h"
+#include "router/cluster/registry.h"
 
 #include <math.h>
 #include <stdio.h>
