@@ -1,7 +1,8 @@
 # duet-bench: the serving benchmark client (OpenAI HTTP, vLLM's metric definitions, perf gates).
 # duet_bench_core holds the pure parts (stats, SSE reader, gates) the unit tests link; the
-# executable adds the libuv + http-parser client. router/ finds libuv and http-parser in its own
-# directory scope, so they are looked up again here (the cached paths make that free).
+# executable adds the libuv + http-parser client. router/ and router/http/ find libuv and
+# http-parser in their own directory scopes, so they are looked up again here (the cached paths
+# make that free).
 pkg_check_modules(DUET_BENCH_LIBUV REQUIRED IMPORTED_TARGET libuv)
 find_path(HTTP_PARSER_INCLUDE_DIR http_parser.h REQUIRED)
 find_library(HTTP_PARSER_LIBRARY http_parser REQUIRED)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Requests/s of the router's HTTP server core (router/http.c) with keep-alive, measured with wrk
+# Requests/s of the router's HTTP server core (router/http/http.c) with keep-alive, measured with wrk
 # against duet-http-echo on loopback: GET /health and POST /echo (1 KiB), server and wrk pinned to
 # different cores when taskset and 2+ cores exist. Each number is the median of REPS runs.
 # Usage: bench/http_echo.sh [BUILD_DIR] [SECONDS] [CONNECTIONS] [REPS]
@@ -11,7 +11,7 @@ build=${1:-build}
 secs=${2:-5}
 conns=${3:-50}
 reps=${4:-3}
-bin=$build/router/duet-http-echo
+bin=$build/tests/tools/duet-http-echo
 [ -x "$bin" ] || { echo "http_echo: build first (cmake --build $build --target duet-http-echo)" >&2; exit 1; }
 command -v wrk > /dev/null || { echo "http_echo: wrk not found (apt-get install -y wrk)" >&2; exit 1; }
 

@@ -15,8 +15,8 @@ secs=${2:-5}
 conns_list=${3:-1 16}
 reps=${4:-3}
 router=$build/router/duet-router
-worker=$build/router/duet-test-worker
-echo_bin=$build/router/duet-http-echo
+worker=$build/tests/tools/duet-test-worker
+echo_bin=$build/tests/tools/duet-http-echo
 for b in "$router" "$worker" "$echo_bin"; do
   [ -x "$b" ] || { echo "router_overhead: $b missing (cmake --build $build)" >&2; exit 1; }
 done

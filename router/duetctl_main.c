@@ -1,5 +1,5 @@
 /*
- * duetctl: the operator's command-line client for the router's admin API (router/admin.h).
+ * duetctl: the operator's command-line client for the router's admin API (router/cluster/admin.h).
  *
  *   duetctl [--admin URL] [--token T] status
  *   duetctl drain <worker> [--wait] [--timeout S]
@@ -29,7 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "router/admin.h"
+#include "router/cluster/admin.h"
 #include "common/version.h"
 
 #define EXIT_OK      0

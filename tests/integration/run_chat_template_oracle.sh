@@ -10,7 +10,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 src=$(cd "$here/../.." && pwd)
 build=$(cd "${1:?usage: run_chat_template_oracle.sh BUILD_DIR}" && pwd)
-cli=$build/router/duet-chat-template
+cli=$build/router/api/duet-chat-template
 py=$build/pyvenv/bin/python
 [ -x "$cli" ] || { echo "chat_template_oracle: FAIL: $cli missing: build it first" >&2; exit 1; }
 "$py" -c 'import jinja2' 2> /dev/null || {

@@ -17,7 +17,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(cd "${1:?usage: run_openai_client_test.sh BUILD_DIR}" && pwd)
 router=$build/router/duet-router
-worker=$build/router/duet-test-worker
+worker=$build/tests/tools/duet-test-worker
 for b in "$router" "$worker"; do
   [ -x "$b" ] || { echo "openai_client: $b missing: build first (cmake --build $build)" >&2; exit 1; }
 done

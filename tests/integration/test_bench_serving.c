@@ -27,7 +27,7 @@
 
 #define BENCH  DUET_BINARY_DIR "/bench/duet-bench"
 #define ROUTER DUET_BINARY_DIR "/router/duet-router"
-#define WORKER DUET_BINARY_DIR "/router/duet-test-worker"
+#define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
 
 #define DELAY_MS "20"
 

@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 #define DUET   DUET_BINARY_DIR "/deploy/launcher/duet"
-#define WORKER DUET_BINARY_DIR "/router/duet-test-worker"
+#define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
 
 static char dir[256];
 static int http_port, worker_port;

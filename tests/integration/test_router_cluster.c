@@ -29,7 +29,7 @@
 #include <unistd.h>
 
 #define ROUTER DUET_BINARY_DIR "/router/duet-router"
-#define WORKER DUET_BINARY_DIR "/router/duet-test-worker"
+#define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
 
 static char  dir[256];
 static int   http_port, worker_port, admin_port;

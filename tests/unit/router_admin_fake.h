@@ -1,9 +1,10 @@
 /*
- * Test support for the admin API (router/admin.h): a FAKE ops table standing in for the router's
- * worker registry (a fixed array of workers whose load the test sets), and a harness that runs
- * the admin server with a real admission controller on a uv loop in a second thread. Test-thread
- * changes to the fake go through uv_async so that every op runs on the loop thread, as in the
- * router. Header-only (static functions): included by test_router_admin.c and test_duetctl.c.
+ * Test support for the admin API (router/cluster/admin.h): a FAKE ops table standing in for the
+ * router's worker registry (a fixed array of workers whose load the test sets), and a harness that
+ * runs the admin server with a real admission controller on a uv loop in a second thread.
+ * Test-thread changes to the fake go through uv_async so that every op runs on the loop thread, as
+ * in the router. Header-only (static functions): included by test_router_admin.c and
+ * test_duetctl.c.
  */
 #ifndef DUET_TESTS_ROUTER_ADMIN_FAKE_H
 #define DUET_TESTS_ROUTER_ADMIN_FAKE_H
@@ -16,8 +17,8 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "router/admin.h"
-#include "router/admission.h"
+#include "router/cluster/admin.h"
+#include "router/cluster/admission.h"
 
 #define FAKE_MAX_WORKERS 4
 

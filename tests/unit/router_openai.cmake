@@ -1,4 +1,4 @@
-# OpenAI API layer (router/openai.c, router/chat_template.c): validation, chat template, responses,
-# streaming text, parser fuzz. The library alone, as the router links it.
+# OpenAI API layer (router/api/openai.c, router/api/chat_template.c): validation, chat template,
+# responses, streaming text, parser fuzz. The library alone, as the router links it.
 duet_add_test(test_router_openai SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_router_openai.c
               LIBS duet_router_api TIMEOUT 180)

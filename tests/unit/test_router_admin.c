@@ -1,6 +1,6 @@
 /*
- * The admin API (router/admin.h) over real HTTP on loopback, with a FAKE ops table in place of
- * the router's registry (tests/unit/router_admin_fake.h): start-up refusal without a token,
+ * The admin API (router/cluster/admin.h) over real HTTP on loopback, with a FAKE ops table in place
+ * of the router's registry (tests/unit/router_admin_fake.h): start-up refusal without a token,
  * authentication (missing, wrong, right), every endpoint, bad JSON and values, unknown workers
  * and paths, wrong methods, drain with wait completing when the fake reports the worker idle,
  * timing out, cut short by the client or by shutdown, and a deterministic fuzz of request

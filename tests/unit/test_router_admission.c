@@ -1,5 +1,5 @@
 /*
- * Admission control (router/admission.h): directed tests of each verdict, FIFO promotion,
+ * Admission control (router/cluster/admission.h): directed tests of each verdict, FIFO promotion,
  * deadlines, cancel, pause, capacity, run-time limits, Retry-After and metrics; then a randomized
  * model check that drives the module and a tiny reference model (plain arrays, written from the
  * header's contract) with the same few thousand operation sequences and compares every answer.
@@ -17,7 +17,7 @@
 #include "common/config.h"
 #include "common/metrics.h"
 #include "common/strbuf.h"
-#include "router/admission.h"
+#include "router/cluster/admission.h"
 
 #define H(i) ((void *)(uintptr_t)(i))
 

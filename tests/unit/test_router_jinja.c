@@ -1,7 +1,7 @@
 /*
- * The Jinja engine (router/jinja*.c) and the chat template that uses it, for what has no outside
- * reference: segment origins (request text never becomes template text, through every filter
- * and method), refused templates with line:column, errors where jinja2 raises (and
+ * The Jinja engine (router/api/jinja*.c) and the chat template that uses it, for what has no
+ * outside reference: segment origins (request text never becomes template text, through every
+ * filter and method), refused templates with line:column, errors where jinja2 raises (and
  * raise_exception's exact message), the output / iteration / memory / call-depth limits, a
  * deterministic fuzz of random and mutated templates, the OpenAI-JSON path with special tokens
  * from a model folder, and duet-chat-template's exit statuses. What templates print is compared
@@ -17,8 +17,8 @@
 #include <unistd.h>
 
 #include "common/strbuf.h"
-#include "router/chat_template.h"
-#include "router/jinja.h"
+#include "router/api/chat_template.h"
+#include "router/api/jinja.h"
 #include "tests/unit/test_run.h"
 
 typedef struct {
@@ -435,7 +435,7 @@ Test(router_jinja, openai_json_and_special_tokens, .timeout = 10)
 static int run_cli(const char *args, char *out, size_t cap)
 {
     char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "%s/router/duet-chat-template %s 2>&1", DUET_BINARY_DIR, args);
+    snprintf(cmd, sizeof(cmd), "%s/router/api/duet-chat-template %s 2>&1", DUET_BINARY_DIR, args);
     return test_run(cmd, out, cap);
 }
 

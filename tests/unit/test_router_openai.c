@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "common/strbuf.h"
-#include "router/openai.h"
+#include "router/api/openai.h"
 
 static const char *const specials[] = {"<|bos|>", "<|eos|>"};
 enum { BOS = 256, EOS = 257 };
@@ -677,7 +677,7 @@ Test(router_openai, template_load_from_model_folder, .timeout = 10)
     duet_oai_template_destroy(t);
 
     /* A tokenizer_config.json without a template changes nothing; its Jinja template is used
-     * (router/jinja.c); a malformed one is refused at load with the file and line:column. */
+     * (router/api/jinja.c); a malformed one is refused at load with the file and line:column. */
     write_file(dir, "tokenizer_config.json", "{\"bos_token\":\"<|bos|>\"}");
     cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK);
     duet_oai_template_destroy(t);

@@ -1,13 +1,13 @@
 /*
- * router/placement.c: both policies on hand-made cases (draining and dead workers are never
- * picked, exclusions, ties, round robin across membership changes) and exhaustively against an
+ * router/cluster/placement.c: both policies on hand-made cases (draining and dead workers are
+ * never picked, exclusions, ties, round robin across membership changes) and exhaustively against an
  * independent reference over every small cluster shape: up to 5 workers, every role/state mix,
  * loads from a small set, and a sequence of picks per shape so the round-robin cursor is covered.
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 
-#include "router/placement.h"
+#include "router/cluster/placement.h"
 
 #define GEN DUET_WORKER_ROLE_GEN
 #define CTX DUET_WORKER_ROLE_CTX

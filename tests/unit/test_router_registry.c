@@ -1,6 +1,6 @@
 /*
- * router/registry.c over loopback: the registry runs on a libuv loop in a thread, the test plays
- * workers with blocking sockets. Registration accepted and refused (version, role, fingerprint,
+ * router/cluster/registry.c over loopback: the registry runs on a libuv loop in a thread, the test
+ * plays workers with blocking sockets. Registration accepted and refused (version, role, fingerprint,
  * adopt-the-first), heartbeat loss marks dead and closes, heartbeats keep alive, malformed frames
  * close only their own connection, deregister, drain/undrain sends the messages, messages reach
  * on_message, and the fingerprint hash against NIST vectors.
@@ -21,7 +21,7 @@
 
 #include "common/log.h"
 #include "proto/frame.h"
-#include "router/registry.h"
+#include "router/cluster/registry.h"
 
 
 /* ---------------------------------------------------------------- the loop thread */

@@ -46,7 +46,7 @@
 
 #include "common/status.h"
 #include "proto/frame.h"
-#include "router/placement.h"
+#include "router/cluster/placement.h"
 
 #define DUET_REGISTRY_NAME_MAX        64  /* worker_name bytes kept (longer names are cut) */
 #define DUET_REGISTRY_FINGERPRINT_MAX 128 /* longest fingerprint accepted */

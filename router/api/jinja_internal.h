@@ -1,6 +1,6 @@
 /*
- * What the Jinja engine's files share (router/jinja*.c): values, the arena, the AST, the render
- * state. Not a public header: callers use router/jinja.h.
+ * What the Jinja engine's files share (router/api/jinja*.c): values, the arena, the AST, the render
+ * state. Not a public header: callers use router/api/jinja.h.
  *
  *   jinja.c        values, strings with per-byte origin, Python formatting (str, repr, json.dumps),
  *                  equality and ordering, the public constructors, JSON input
@@ -17,7 +17,7 @@
 #include <time.h>
 
 #include "common/utf8.h" /* duet_utf8_valid, duet_unicode_isspace */
-#include "router/jinja.h"
+#include "router/api/jinja.h"
 
 /* ---------------------------------------------------------------- arena */
 

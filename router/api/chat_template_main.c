@@ -24,7 +24,7 @@
 #include "common/json.h"
 #include "common/strbuf.h"
 #include "common/version.h"
-#include "router/chat_template.h"
+#include "router/api/chat_template.h"
 
 #define CT_MAX_FILE   ((size_t)64 << 20)
 #define CT_MAX_VARS   64

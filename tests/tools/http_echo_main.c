@@ -11,8 +11,8 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "common/version.h"
-#include "router/http.h"
-#include "router/http_echo.h"
+#include "router/http/http.h"
+#include "tests/tools/http_echo.h"
 
 static uv_signal_t sig_int, sig_term;
 static duet_http_server_t *server;

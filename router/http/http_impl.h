@@ -1,6 +1,7 @@
 /*
- * Internals of the HTTP server (router/http.c): the connection and request structs. Only http.c
- * includes this; it is a separate header so the layout and the ownership rules read in one place.
+ * Internals of the HTTP server (router/http/http.c): the connection and request structs. Only
+ * http.c includes this; it is a separate header so the layout and the ownership rules read in one
+ * place.
  *
  * Lifetimes.
  *  - A connection (http_conn_t) owns a TCP handle and a timer; it is freed in the close callback
@@ -23,7 +24,7 @@
 #include <uv.h>
 
 #include "common/metrics.h"
-#include "router/http.h"
+#include "router/http/http.h"
 
 typedef struct duet__http_link {
     struct duet__http_link *prev, *next;

@@ -7,7 +7,7 @@
  * queue length times a moving average of the interval between releases, measured only while
  * requests were waiting (an idle gap says nothing about throughput). Without a sample it is 1 s.
  */
-#include "router/admission.h"
+#include "router/cluster/admission.h"
 
 #include <stdlib.h>
 #include <string.h>

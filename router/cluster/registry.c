@@ -7,7 +7,7 @@
  * Writes copy the frame into one allocation with its uv_write_t: worker messages are small and
  * few per token, and this keeps the lifetime rule trivial (the write callback frees it).
  */
-#include "router/registry.h"
+#include "router/cluster/registry.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -17,6 +17,7 @@
 
 #include "common/log.h"
 #include "common/strbuf.h"
+#include "proto/envelope.h"
 
 typedef struct reg_worker reg_worker_t;
 
@@ -230,9 +231,7 @@ static void reg_refuse(reg_conn_t *c, const char *fmt, ...)
     Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
     ack.accepted          = false;
     ack.reason            = reason;
-    Duet__Envelope env    = DUET__ENVELOPE__INIT;
-    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
-    env.register_ack      = &ack;
+    Duet__Envelope env    = duet_envelope_register_ack(&ack);
     c->close_after_write  = true;
     if (reg_conn_send(c, &env) < 0)
         reg_conn_close(c);
@@ -292,9 +291,7 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
     ack.accepted          = true;
     ack.reason            = "";
     ack.worker_id         = i->id;
-    Duet__Envelope env    = DUET__ENVELOPE__INIT;
-    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
-    env.register_ack      = &ack;
+    Duet__Envelope env    = duet_envelope_register_ack(&ack);
     if (reg_conn_send(c, &env) < 0) {
         reg_worker_dead(reg, w, "could not send RegisterAck");
         return;
@@ -651,14 +648,7 @@ duet_status_t duet_registry_set_draining(duet_registry_t *reg, uint64_t worker_i
                               (unsigned long long)worker_id);
     Duet__Drain    d   = DUET__DRAIN__INIT;
     Duet__Undrain  u   = DUET__UNDRAIN__INIT;
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    if (draining) {
-        env.body_case = DUET__ENVELOPE__BODY_DRAIN;
-        env.drain     = &d;
-    } else {
-        env.body_case = DUET__ENVELOPE__BODY_UNDRAIN;
-        env.undrain   = &u;
-    }
+    Duet__Envelope env = draining ? duet_envelope_drain(&d) : duet_envelope_undrain(&u);
     duet_status_t st = duet_registry_send(reg, worker_id, &env);
     if (st < 0)
         return st;

@@ -2,7 +2,7 @@
  * Placement policies (see placement.h). Linear scans over the snapshot: a cluster has tens of
  * workers, and a scan with explicit tie-breaks is easy to check against the contract.
  */
-#include "router/placement.h"
+#include "router/cluster/placement.h"
 
 #include <stdbool.h>
 #include <string.h>

@@ -40,7 +40,7 @@
 
 #include "common/config.h"
 #include "common/status.h"
-#include "router/admission.h"
+#include "router/cluster/admission.h"
 
 typedef struct duet_admin duet_admin_t;
 

@@ -1,6 +1,6 @@
 /*
- * duet-http-echo's application: a handful of endpoints over router/http.h, for the HTTP server's
- * tests and benchmarks (not part of the router).
+ * duet-http-echo's application: a handful of endpoints over router/http/http.h, for the HTTP
+ * server's tests and benchmarks (not part of the router).
  *
  *   GET  /health                 200 "ok\n"
  *   ANY  /echo                   200 with the request body; headers X-Method, X-Query, and
@@ -12,14 +12,14 @@
  *   else                         404
  * Counters are atomics so a test thread may read them while the loop thread runs.
  */
-#ifndef DUET_ROUTER_HTTP_ECHO_H
-#define DUET_ROUTER_HTTP_ECHO_H
+#ifndef DUET_TESTS_TOOLS_HTTP_ECHO_H
+#define DUET_TESTS_TOOLS_HTTP_ECHO_H
 
 #include <stdatomic.h>
 #include <stdint.h>
 #include <uv.h>
 
-#include "router/http.h"
+#include "router/http/http.h"
 
 typedef struct {
     uv_loop_t *loop;            /* not owned */

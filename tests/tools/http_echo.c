@@ -3,7 +3,7 @@
  * the context is freed, and the request released, in the timer's close callback, whether the
  * answer finished or the client went away (on_abort).
  */
-#include "router/http_echo.h"
+#include "tests/tools/http_echo.h"
 
 #include <stdio.h>
 #include <stdlib.h>

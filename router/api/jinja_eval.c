@@ -12,7 +12,7 @@
  * calls (which can recurse) are bounded by max_call_depth; loop iterations and macro calls count
  * against max_iterations; every string against max_output; every value against the arena.
  */
-#include "router/jinja_internal.h"
+#include "router/api/jinja_internal.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -13,7 +13,7 @@
  * on them keep working.
  */
 #define _GNU_SOURCE /* memmem */
-#include "router/openai.h"
+#include "router/api/openai.h"
 
 #include <inttypes.h>
 #include <math.h>

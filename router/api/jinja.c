@@ -7,7 +7,7 @@
  * Render values live in the vars' arena, which is capped: a hostile template can spend only
  * bounded memory, and nothing is freed one by one.
  */
-#include "router/jinja_internal.h"
+#include "router/api/jinja_internal.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -19,7 +19,7 @@
  * - Writes try uv_try_write first and queue only the unsent rest with uv_write (docs/platform.md
  * "libuv 1.44": one syscall fewer per response).
  */
-#include "router/http.h"
+#include "router/http/http.h"
 
 #include <limits.h>
 #include <signal.h>
@@ -29,7 +29,7 @@
 #include <strings.h>
 
 #include "common/log.h"
-#include "router/http_impl.h"
+#include "router/http/http_impl.h"
 
 #define HTTP_READ_BUF     (64 * 1024)
 #define HTTP_METRIC_CACHE 64

@@ -34,7 +34,7 @@
 #include "common/status.h"
 #include "common/strbuf.h"
 #include "tokenizer/tokenizer.h"
-#include "router/chat_template.h"
+#include "router/api/chat_template.h"
 
 struct json_t;
 

@@ -8,7 +8,7 @@
  * freed memory; the router is told to forget the waiter (drain_forget) whenever it may still
  * hold it.
  */
-#include "router/admin.h"
+#include "router/cluster/admin.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -19,7 +19,7 @@
 #include "common/config.h"
 #include "common/json.h"
 #include "common/log.h"
-#include "router/http.h"
+#include "router/http/http.h"
 
 #define ADMIN_MAX_BODY (64 * 1024)
 #define ADMIN_MAX_NAME 256

@@ -9,7 +9,7 @@
  * is never scanned for special-token text, and BPE merges across template text and content as it
  * would for the whole string.
  */
-#include "router/chat_template.h"
+#include "router/api/chat_template.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -19,7 +19,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "common/strbuf.h"
-#include "router/jinja.h"
+#include "router/api/jinja.h"
 
 typedef enum {
     TPL_PART_TEXT = 0, /* off/len into the template's text blob */
@@ -250,7 +250,7 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
             return DUET_FAIL(DUET_ERR_NOT_FOUND,
                              "%s: the default chat template needs a <|bos|> special token, which "
                              "this tokenizer lacks; ship a chat_template.json (see "
-                             "router/CHAT_TEMPLATE.md)",
+                             "router/api/CHAT_TEMPLATE.md)",
                              source);
     } else {
         st = duet_json_load_buffer(json, len, source, DUET_JSON_DEFAULT_MAX_BYTES, &root);
@@ -267,7 +267,7 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
             st =
                 duet_error_set(DUET_ERR_UNSUPPORTED,
                                "%s: holds a Jinja \"chat_template\"; Jinja is not supported: write "
-                               "duet's own chat_template.json (see router/CHAT_TEMPLATE.md)",
+                               "duet's own chat_template.json (see router/api/CHAT_TEMPLATE.md)",
                                source);
             goto fail;
         }

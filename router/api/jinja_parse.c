@@ -11,7 +11,7 @@
  * and tests bind tighter than arithmetic; `not x is y` is `not (x is y)`). Every recursion counts
  * depth, bounded by DUET_JINJA_MAX_DEPTH, which later bounds the evaluator's recursion too.
  */
-#include "router/jinja_internal.h"
+#include "router/api/jinja_internal.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -2,9 +2,9 @@
  * Chat templates: how a list of chat messages becomes the prompt's token ids.
  *
  * Two sources: a checkpoint's own Jinja template (`chat_template.jinja`, or the string
- * "chat_template" of `tokenizer_config.json`), rendered by router/jinja.h exactly as
+ * "chat_template" of `tokenizer_config.json`), rendered by router/api/jinja.h exactly as
  * transformers' apply_chat_template renders it, and duet's own small format, documented in
- * router/CHAT_TEMPLATE.md:
+ * router/api/CHAT_TEMPLATE.md:
  *
  *   chat_template.json = {
  *     "duet_chat_template": 1,
@@ -43,7 +43,7 @@
 
 #include "common/status.h"
 #include "tokenizer/tokenizer.h"
-#include "router/jinja.h"
+#include "router/api/jinja.h"
 
 struct json_t;
 

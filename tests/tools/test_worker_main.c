@@ -27,6 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "proto/envelope.h"
 #include "proto/frame.h"
 #include "common/version.h"
 
@@ -105,7 +106,7 @@ static void event(const char *fmt, ...)
 
 static void send_env(int fd, Duet__Envelope *env)
 {
-    env->version = opt.version;
+    env->version = opt.version; /* --proto-version: the router must refuse another version */
     size_t   n   = duet_frame_size(env);
     uint8_t *buf = malloc(n);
     size_t   len = 0;
@@ -166,9 +167,7 @@ static void send_tokens(int fd, uint64_t rid, const uint32_t *ids, size_t n, int
     t.n_ids            = n;
     t.finish_reason    = finish;
     t.error            = (char *)(error != NULL ? error : "");
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_TOKENS;
-    env.tokens         = &t;
+    Duet__Envelope env = duet_envelope_tokens(&t);
     send_env(fd, &env);
 }
 
@@ -190,9 +189,7 @@ static void on_message(int fd, Duet__Envelope *env)
             rf.request_id    = m->request_id;
             rf.reason        = opt.refuse ? "test worker refuses every reservation" : "draining";
             rf.retry_after_ms = 2000;
-            Duet__Envelope e = DUET__ENVELOPE__INIT;
-            e.body_case      = DUET__ENVELOPE__BODY_REFUSED;
-            e.refused        = &rf;
+            Duet__Envelope e = duet_envelope_refused(&rf);
             send_env(fd, &e);
             return;
         }
@@ -203,9 +200,7 @@ static void on_message(int fd, Duet__Envelope *env)
         rs.request_id     = m->request_id;
         rs.reservation.data = (uint8_t *)res;
         rs.reservation.len  = strlen(res);
-        Duet__Envelope e  = DUET__ENVELOPE__INIT;
-        e.body_case       = DUET__ENVELOPE__BODY_RESERVED;
-        e.reserved        = &rs;
+        Duet__Envelope e  = duet_envelope_reserved(&rs);
         (void)r;
         send_env(fd, &e);
         return;
@@ -419,9 +414,7 @@ int main(int argc, char **argv)
     reg.version         = opt.version;
     reg.model_fingerprint = (char *)opt.fingerprint;
     reg.capacity        = &cap;
-    Duet__Envelope env  = DUET__ENVELOPE__INIT;
-    env.body_case       = DUET__ENVELOPE__BODY_REGISTER;
-    env.register_       = &reg;
+    Duet__Envelope env  = duet_envelope_register_(&reg);
     send_env(fd, &env);
 
     duet_frame_decoder_t dec;
@@ -437,9 +430,7 @@ int main(int argc, char **argv)
                 hb.draining        = tw_draining;
                 for (int i = 0; i < TW_MAX_REQ; i++)
                     hb.running += tw_reqs[i].rid != 0;
-                Duet__Envelope he = DUET__ENVELOPE__INIT;
-                he.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
-                he.heartbeat      = &hb;
+                Duet__Envelope he = duet_envelope_heartbeat(&hb);
                 send_env(fd, &he);
                 next_hb = now + (uint64_t)opt.heartbeat_ms;
             }

@@ -13,7 +13,7 @@
  * changes, padding) keeps the origin of each part; a string made from a whole value (str() of a
  * list, tojson, repr) is DATA when anything in the value is DATA.
  */
-#include "router/jinja_internal.h"
+#include "router/api/jinja_internal.h"
 
 #include <errno.h>
 #include <math.h>

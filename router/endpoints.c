@@ -1,0 +1,155 @@
+/*
+ * duet-router's HTTP endpoints. One table names every endpoint by method and path, so that
+ * routing, the 404 / 405 answers and the `path` label of the HTTP metrics all read from it. The
+ * completions endpoints hand the request to the request state machine (request.c); the others
+ * answer at once from the router's state.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "common/strbuf.h"
+#include "router/router_impl.h"
+
+typedef struct rt_endpoint rt_endpoint_t;
+
+/* Answers `http` and owns its one reference: releases it, or hands it on (completions). */
+typedef void (*rt_endpoint_fn)(duet__router_t *rt, duet_http_request_t *http,
+                               const rt_endpoint_t *e);
+
+struct rt_endpoint {
+    const char *method; /* "POST", or "GET" (which also answers HEAD) */
+    const char *path;
+    rt_endpoint_fn handle;
+    duet_oai_endpoint_t oai; /* the completions endpoints: which OpenAI API */
+};
+
+/* The whole answer, and the handler's reference dropped: for endpoints that keep no state. */
+static void rt_answer(duet_http_request_t *http, int status, const char *content_type,
+                      const duet_http_header_t *headers, size_t n_headers, const char *body,
+                      size_t len)
+{
+    duet_http_respond(http, status, content_type, headers, n_headers, body, len);
+    duet_http_request_release(http);
+}
+
+static void rt_answer_json(duet_http_request_t *http, int status, const char *body)
+{
+    rt_answer(http, status, "application/json", NULL, 0, body, strlen(body));
+}
+
+/* 405 naming the one method the path takes (GET also allows HEAD). */
+static void rt_method_not_allowed(duet_http_request_t *http, const char *method)
+{
+    char body[160];
+    int len = snprintf(body, sizeof(body),
+                       "{\"error\":{\"message\":\"use %s\",\"type\":\"invalid_request_error\","
+                       "\"param\":null,\"code\":\"method_not_allowed\"}}",
+                       method);
+    duet_http_header_t h = {"Allow", strcmp(method, "GET") == 0 ? "GET, HEAD" : method};
+    rt_answer(http, 405, "application/json", &h, 1, body, (size_t)len);
+}
+
+/* ---------------------------------------------------------------- the endpoints */
+
+static void ep_completion(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    duet__rq_begin(rt, http, e->oai, e->path);
+}
+
+static void ep_models(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_strbuf_puts(&sb, "{\"object\":\"list\",\"data\":[{\"id\":");
+    duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
+    duet_strbuf_printf(&sb, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\"}]}",
+                       (long long)0);
+    rt_answer(http, 200, "application/json", NULL, 0, sb.data, sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/* 200 while a generation worker is up and the router is not draining, else 503 with why. */
+static void ep_health(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    size_t gens = duet_registry_count(rt->reg, DUET_WORKER_ROLE_GEN, DUET_WORKER_STATE_UP);
+    size_t ctxs = duet_registry_count(rt->reg, DUET_WORKER_ROLE_CTX, DUET_WORKER_STATE_UP);
+    const char *why = rt->draining ? "draining" : gens == 0 ? "no live generation worker" : "";
+    char b[256];
+    snprintf(b, sizeof(b),
+             "{\"status\":\"%s\",\"reason\":\"%s\",\"gen_workers\":%zu,\"ctx_workers\":%zu}",
+             why[0] == '\0' ? "ok" : "unavailable", why, gens, ctxs);
+    rt_answer_json(http, why[0] == '\0' ? 200 : 503, b);
+}
+
+static void ep_live(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    rt_answer_json(http, 200, "{\"status\":\"live\"}");
+}
+
+static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    /* the worker gauges are read from the registry when scraped, not kept up to date */
+    for (int role = DUET_WORKER_ROLE_CTX; role <= DUET_WORKER_ROLE_GEN; role++)
+        for (int s = 0; s < DUET_WORKER_STATE_COUNT; s++) {
+            const char *const v[2] = {duet_worker_role_name((duet_worker_role_t)role),
+                                      duet_worker_state_name((duet_worker_state_t)s)};
+            duet_metric_t *m;
+            if (duet_metrics_child(rt->f_workers, v, 2, &m) == DUET_OK)
+                duet_metrics_gauge_set(
+                    m, (double)duet_registry_count(rt->reg, role, (duet_worker_state_t)s));
+        }
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_metrics_render(rt->metrics, &sb);
+    rt_answer(http, 200, DUET_METRICS_CONTENT_TYPE, NULL, 0, sb.data != NULL ? sb.data : "",
+              sb.len);
+    duet_strbuf_free(&sb);
+}
+
+// clang-format off
+static const rt_endpoint_t rt_endpoints[] = {
+    {.method = "POST", .path = "/v1/completions",      .handle = ep_completion,
+     .oai = DUET_OAI_ENDPOINT_COMPLETIONS},
+    {.method = "POST", .path = "/v1/chat/completions", .handle = ep_completion,
+     .oai = DUET_OAI_ENDPOINT_CHAT},
+    {.method = "GET",  .path = "/v1/models",           .handle = ep_models},
+    {.method = "GET",  .path = "/health",              .handle = ep_health},
+    {.method = "GET",  .path = "/live",                .handle = ep_live},
+    {.method = "GET",  .path = "/metrics",             .handle = ep_metrics},
+};
+// clang-format on
+
+static const rt_endpoint_t *rt_endpoint_find(const char *path)
+{
+    for (size_t i = 0; i < sizeof(rt_endpoints) / sizeof(rt_endpoints[0]); i++)
+        if (strcmp(path, rt_endpoints[i].path) == 0)
+            return &rt_endpoints[i];
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- routing */
+
+const char *duet__rt_path_class(const char *path, void *user)
+{
+    const rt_endpoint_t *e = rt_endpoint_find(path);
+    return e != NULL ? e->path : "other";
+}
+
+/* A known path with another method gets 405; an unknown path 404 (405 unless GET or HEAD). */
+void duet__rt_on_request(duet_http_request_t *http, void *user)
+{
+    duet__router_t *rt = user;
+    const char *method = duet_http_request_method(http);
+    bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
+    const rt_endpoint_t *e = rt_endpoint_find(duet_http_request_path(http));
+    if (e == NULL && get)
+        rt_answer_json(http, 404,
+                       "{\"error\":{\"message\":\"not found\",\"type\":"
+                       "\"invalid_request_error\",\"param\":null,\"code\":null}}");
+    else if (e == NULL)
+        rt_method_not_allowed(http, "GET");
+    else if (strcmp(e->method, "GET") == 0 ? get : strcmp(method, e->method) == 0)
+        e->handle(rt, http, e);
+    else
+        rt_method_not_allowed(http, e->method);
+}

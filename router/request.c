@@ -1,0 +1,758 @@
+/*
+ * duet-router's request state machine (docs/architecture.md, "The path of one request"). One rq_t
+ * per completion request, all on the loop thread:
+ *
+ *   NEW         validated and tokenized (duet__rq_begin) -> admission: run now, queue, or refuse
+ *   QUEUED      waits in admission's bounded FIFO (429 / 503 with Retry-After when refused)
+ *   RESERVING   Reserve sent to a gen worker   <- Reserved (-> PREFILLING) | Refused (next gen,
+ *                                                 else 429)
+ *   PREFILLING  Prefill + reservation sent to a ctx worker   <- Tokens (the first token), then
+ *                                                 PrefillDone to the gen worker
+ *   GENERATING  the gen worker streams Tokens (after PrefillDone, or at once after Generate when
+ *               the prompt is shorter than placement.local_prefill_tokens)
+ *
+ * Tokens go through the openai stream state (detokenization, stop strings, max_tokens) to the
+ * client, as SSE chunks or one JSON body. SSE headers go out with the first token, so every
+ * failure before it is a proper HTTP status; after it, an SSE error event.
+ *
+ * Ending. rq_end() is the only exit and runs exactly once per request (guarded by r->done),
+ * early failures included: it cancels whatever a worker still runs for it (client disconnect,
+ * deadline, stop string, error), gives the admission slot back (which may start a queued
+ * request) and releases the HTTP request. A request whose context worker dies (or fails) before
+ * the first token is prefilled once more on another context worker; any other loss fails it with
+ * a message that names the worker and the reason.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/log.h"
+#include "common/strbuf.h"
+#include "proto/envelope.h"
+#include "router/router_impl.h"
+
+typedef enum {
+    RQ_NEW = 0,    /* not queued, not started (also: left the queue without starting) */
+    RQ_QUEUED,     /* waiting in admission */
+    RQ_RESERVING,  /* Reserve sent to gen_id */
+    RQ_PREFILLING, /* Prefill sent to ctx_id */
+    RQ_GENERATING, /* gen_id streams (after PrefillDone, or Generate) */
+} rq_phase_t;
+
+#define RQ_MAX_EXCLUDE 8
+
+typedef struct rq {
+    duet__router_t *rt;
+    uint64_t id;
+    duet_http_request_t *http; /* one reference, released in rq_end */
+    duet_oai_request_t oai;    /* owned */
+    uint32_t *ids;             /* (n_ids) prompt, owned */
+    size_t n_ids;
+    duet_oai_stream_t *stream; /* owned */
+    duet_oai_resp_meta_t meta;
+    char resp_id[32];
+    const char *endpoint; /* metric label (a literal) */
+    rq_phase_t phase;
+    bool admitted, local, sse_started, done;
+    uint64_t gen_id, ctx_id;              /* 0 = none */
+    bool gen_busy, ctx_busy;              /* the worker still works on it (owes Tokens) */
+    uint64_t exclude_gen[RQ_MAX_EXCLUDE]; /* gens that refused */
+    size_t n_exclude_gen;
+    uint64_t exclude_ctx[RQ_MAX_EXCLUDE]; /* ctx workers that failed it */
+    size_t n_exclude_ctx;
+    int prefill_attempts;
+    uint8_t *reservation; /* owned */
+    size_t reservation_len;
+    uint64_t t_start_ns, t_first_ns, t_last_ns;
+    uint64_t deadline_ms; /* uv_now clock */
+    uint32_t retry_after_ms;
+    struct rq *bucket_next;
+} rq_t;
+
+/* ---------------------------------------------------------------- the live-request table */
+
+static void rq_table_add(duet__router_t *rt, rq_t *r)
+{
+    size_t b = r->id % DUET__RQ_BUCKETS;
+    r->bucket_next = rt->buckets[b];
+    rt->buckets[b] = r;
+    rt->n_rq++;
+}
+
+static void rq_table_del(duet__router_t *rt, rq_t *r)
+{
+    for (rq_t **p = &rt->buckets[r->id % DUET__RQ_BUCKETS]; *p != NULL; p = &(*p)->bucket_next)
+        if (*p == r) {
+            *p = r->bucket_next;
+            rt->n_rq--;
+            return;
+        }
+}
+
+static rq_t *rq_find(duet__router_t *rt, uint64_t id)
+{
+    for (rq_t *r = rt->buckets[id % DUET__RQ_BUCKETS]; r != NULL; r = r->bucket_next)
+        if (r->id == id)
+            return r;
+    return NULL;
+}
+
+/* Every live request, collected first so that the callee may end them. */
+static size_t rq_collect(duet__router_t *rt, rq_t ***out_p)
+{
+    rq_t **v = malloc((rt->n_rq + 1) * sizeof(*v));
+    size_t n = 0;
+    if (v == NULL)
+        return 0;
+    for (size_t b = 0; b < DUET__RQ_BUCKETS; b++)
+        for (rq_t *r = rt->buckets[b]; r != NULL; r = r->bucket_next)
+            v[n++] = r;
+    *out_p = v;
+    return n;
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static void rt_result(duet__router_t *rt, const char *endpoint, const char *result)
+{
+    duet_metric_t *m;
+    const char *const v[2] = {endpoint, result};
+    if (duet_metrics_child(rt->f_results, v, 2, &m) == DUET_OK)
+        duet_metrics_counter_inc(m);
+}
+
+static uint64_t unix_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* The request's deadline on the workers' clock (they compare it with their wall clock). */
+static uint64_t rq_deadline_unix_ms(const rq_t *r)
+{
+    return unix_ms() + (r->deadline_ms - uv_now(r->rt->loop));
+}
+
+static void rt_send_cancel(duet__router_t *rt, uint64_t worker_id, uint64_t rid, const char *reason)
+{
+    Duet__Cancel c = DUET__CANCEL__INIT;
+    c.request_id = rid;
+    c.reason = (char *)reason;
+    Duet__Envelope env = duet_envelope_cancel(&c);
+    if (duet_registry_send(rt->reg, worker_id, &env) == DUET_OK)
+        DUET_RLOG_DEBUG(rid, "cancel sent to worker %llu: %s", (unsigned long long)worker_id,
+                        reason);
+}
+
+static void respond_error(duet_http_request_t *http, const duet_oai_error_t *e,
+                          uint32_t retry_after_s)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_json(e, &sb);
+    char ra[24];
+    duet_http_header_t h = {"Retry-After", ra};
+    snprintf(ra, sizeof(ra), "%u", retry_after_s);
+    duet_http_respond(http, e->http_status, "application/json", &h, retry_after_s > 0 ? 1 : 0,
+                      sb.data != NULL ? sb.data : "", sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/* ---------------------------------------------------------------- ending */
+
+static void rq_start(rq_t *r);
+
+/*
+ * The one exit. Cancels workers that still hold the request, hands the admission slot on, and
+ * releases everything. Runs once (r->done guards it).
+ */
+static void rq_end(rq_t *r, const char *why)
+{
+    if (r->done)
+        return;
+    r->done = true;
+    duet__router_t *rt = r->rt;
+    if (r->gen_id != 0) {
+        if (r->gen_busy)
+            rt_send_cancel(rt, r->gen_id, r->id, why);
+        duet_registry_inflight_add(rt->reg, r->gen_id, -1);
+        duet__rt_drain_waiters_check(rt, r->gen_id, DUET_OK, NULL);
+    }
+    if (r->ctx_id != 0) {
+        if (r->ctx_busy)
+            rt_send_cancel(rt, r->ctx_id, r->id, why);
+        duet_registry_inflight_add(rt->reg, r->ctx_id, -1);
+        duet__rt_drain_waiters_check(rt, r->ctx_id, DUET_OK, NULL);
+    }
+    uint64_t now = uv_now(rt->loop);
+    if (r->admitted) {
+        void *next = NULL;
+        if (duet_admission_release(rt->adm, now, &next) && next != NULL)
+            rq_start((rq_t *)next);
+    } else if (r->phase == RQ_QUEUED) {
+        duet_admission_cancel(rt->adm, r);
+    }
+    rq_table_del(rt, r);
+    DUET_RLOG_DEBUG(r->id, "request ended: %s", why);
+    duet_http_request_set_data(r->http, NULL);
+    duet_http_request_release(r->http);
+    duet_oai_stream_destroy(r->stream);
+    duet_oai_request_free(&r->oai);
+    free(r->ids);
+    free(r->reservation);
+    free(r);
+}
+
+/* Fail a request with an OpenAI error: a status when nothing was sent yet, else an SSE event. */
+static void rq_fail(rq_t *r, int status, const char *type, const char *code, uint32_t retry_after_s,
+                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static void rq_fail(rq_t *r, int status, const char *type, const char *code, uint32_t retry_after_s,
+                    const char *fmt, ...)
+{
+    if (r->done)
+        return;
+    duet_oai_error_t e;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    duet_oai_error_make(&e, status, type, code, NULL, "%s", msg);
+    DUET_RLOG_WARN(r->id, "request failed (%d): %s", status, msg);
+    if (!duet_http_request_aborted(r->http)) {
+        if (r->sse_started) {
+            duet_strbuf_t sb;
+            duet_strbuf_init(&sb);
+            duet_oai_sse_error(&e, &sb);
+            duet_strbuf_puts(&sb, "data: [DONE]\n\n");
+            duet_http_stream_write(r->http, sb.data, sb.len);
+            duet_http_stream_end(r->http);
+            duet_strbuf_free(&sb);
+        } else {
+            respond_error(r->http, &e, retry_after_s);
+        }
+    }
+    rt_result(r->rt, r->endpoint, status == 429 ? "rejected" : "error");
+    rq_end(r, msg);
+}
+
+/* The choice finished normally: final bytes to the client, metrics, end. */
+static void rq_complete(rq_t *r, duet_oai_finish_t finish)
+{
+    duet__router_t *rt = r->rt;
+    uint32_t n_c = duet_oai_stream_n_tokens(r->stream);
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    if (r->oai.stream) {
+        if (!r->sse_started) {
+            if (duet_http_sse_begin(r->http, NULL, 0) == DUET_OK)
+                r->sse_started = true;
+            duet_oai_sse_begin(&r->meta, &sb);
+        }
+        duet_oai_sse_end(&r->meta, finish, (uint32_t)r->n_ids, n_c, &sb);
+        duet_http_stream_write(r->http, sb.data, sb.len);
+        duet_http_stream_end(r->http);
+    } else {
+        const char *text;
+        size_t len;
+        duet_oai_stream_text(r->stream, &text, &len);
+        duet_oai_response_json(&r->meta, text, len, finish, (uint32_t)r->n_ids, n_c, &sb);
+        duet_http_respond(r->http, 200, "application/json", NULL, 0, sb.data, sb.len);
+    }
+    duet_strbuf_free(&sb);
+    uint64_t now = uv_hrtime();
+    duet_metrics_histogram_observe(rt->m_e2e, (double)(now - r->t_start_ns) / 1e9);
+    if (n_c > 1 && r->t_last_ns > r->t_first_ns)
+        duet_metrics_histogram_observe(rt->m_tpot,
+                                       (double)(r->t_last_ns - r->t_first_ns) / 1e9 / (n_c - 1));
+    duet_metrics_counter_add(rt->m_tok_out, n_c);
+    rt_result(rt, r->endpoint, "ok");
+    rq_end(r, "finished");
+}
+
+/* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). */
+static void rq_emit(rq_t *r, const char *text, size_t len)
+{
+    if (!r->oai.stream || len == 0)
+        return;
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    if (!r->sse_started) {
+        if (duet_http_sse_begin(r->http, NULL, 0) != DUET_OK) {
+            duet_strbuf_free(&sb);
+            return; /* aborted: on_abort ends it */
+        }
+        r->sse_started = true;
+        duet_oai_sse_begin(&r->meta, &sb);
+    }
+    duet_oai_sse_delta(&r->meta, text, len, &sb);
+    duet_http_stream_write(r->http, sb.data, sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/*
+ * Feed ids from a worker; returns true when the request ended (it is freed then).
+ * worker_finish: the worker's finish_reason for this message.
+ */
+static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
+{
+    for (size_t i = 0; i < n; i++) {
+        const char *text = NULL;
+        size_t len = 0;
+        duet_oai_finish_t fin = DUET_OAI_FINISH_NONE;
+        if (r->t_first_ns == 0) {
+            r->t_first_ns = uv_hrtime();
+            duet_metrics_histogram_observe(r->rt->m_ttft,
+                                           (double)(r->t_first_ns - r->t_start_ns) / 1e9);
+        }
+        r->t_last_ns = uv_hrtime();
+        duet_status_t st = duet_oai_stream_feed(r->stream, ids[i], &text, &len, &fin);
+        if (st < 0) {
+            rq_fail(r, 502, "server_error", "bad_worker_output", 0,
+                    "worker sent token id %u, which is outside the vocabulary", ids[i]);
+            return true;
+        }
+        rq_emit(r, text, len);
+        if (fin != DUET_OAI_FINISH_NONE) {
+            rq_complete(r, fin);
+            return true;
+        }
+    }
+    if (worker_finish == DUET__TOKENS__FINISH_REASON__STOP ||
+        worker_finish == DUET__TOKENS__FINISH_REASON__LENGTH) {
+        const char *text = NULL;
+        size_t len = 0;
+        duet_oai_finish_t fin = DUET_OAI_FINISH_NONE;
+        duet_oai_stream_finish(r->stream,
+                               worker_finish == DUET__TOKENS__FINISH_REASON__STOP
+                                   ? DUET_OAI_FINISH_STOP
+                                   : DUET_OAI_FINISH_LENGTH,
+                               &text, &len, &fin);
+        rq_emit(r, text, len);
+        rq_complete(r, fin != DUET_OAI_FINISH_NONE ? fin : DUET_OAI_FINISH_STOP);
+        return true;
+    }
+    return false;
+}
+
+/* ---------------------------------------------------------------- placement and sending */
+
+static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint64_t *ex,
+                        size_t n_ex)
+{
+    duet_placement_candidate_t c[256];
+    size_t n = duet_registry_candidates(rt->reg, c, 256);
+    size_t idx = 0;
+    if (duet_placement_pick(&rt->pl, role, c, n, ex, n_ex, &idx) < 0)
+        return 0;
+    return c[idx].id;
+}
+
+static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_ids)
+{
+    s->temperature = (float)r->oai.temperature;
+    s->top_p = (float)r->oai.top_p;
+    s->top_k = r->oai.top_k > 0 ? (uint32_t)r->oai.top_k : 0;
+    s->has_seed = r->oai.has_seed;
+    s->seed = (uint64_t)r->oai.seed;
+    s->ignore_eos = r->oai.ignore_eos;
+    size_t n = 0;
+    if (!r->oai.ignore_eos)
+        for (size_t i = 0; i < r->rt->n_eos; i++)
+            stop_ids[n++] = r->rt->eos[i];
+    s->stop_token_ids = stop_ids;
+    s->n_stop_token_ids = n;
+}
+
+/* Send Reserve (or Generate) to a gen worker not yet excluded; false when none is left. */
+static bool rq_send_to_gen(rq_t *r)
+{
+    duet__router_t *rt = r->rt;
+    uint64_t gid = rt_pick(rt, DUET_WORKER_ROLE_GEN, r->exclude_gen, r->n_exclude_gen);
+    if (gid == 0)
+        return false;
+    r->gen_id = gid;
+    r->gen_busy = true;
+    duet_registry_inflight_add(rt->reg, gid, +1);
+    uint32_t stop_ids[DUET_OAI_MAX_EOS];
+    Duet__Sampling s = DUET__SAMPLING__INIT;
+    rq_fill_sampling(r, &s, stop_ids);
+    uint64_t deadline = rq_deadline_unix_ms(r);
+    if (r->local) {
+        Duet__Generate g = DUET__GENERATE__INIT;
+        g.request_id = r->id;
+        g.tokens = r->ids;
+        g.n_tokens = r->n_ids;
+        g.sampling = &s;
+        g.max_tokens = r->oai.max_tokens;
+        g.deadline_unix_ms = deadline;
+        Duet__Envelope env = duet_envelope_generate(&g);
+        r->phase = RQ_GENERATING;
+        duet_registry_send(rt->reg, gid, &env);
+    } else {
+        Duet__Reserve rs = DUET__RESERVE__INIT;
+        rs.request_id = r->id;
+        rs.prompt_tokens = (uint32_t)r->n_ids;
+        rs.max_tokens = r->oai.max_tokens;
+        rs.deadline_unix_ms = deadline;
+        rs.tokens = r->ids;
+        rs.n_tokens = r->n_ids;
+        rs.sampling = &s;
+        Duet__Envelope env = duet_envelope_reserve(&rs);
+        r->phase = RQ_RESERVING;
+        duet_registry_send(rt->reg, gid, &env);
+    }
+    DUET_RLOG_DEBUG(r->id, "%s sent to gen worker %llu", r->local ? "Generate" : "Reserve",
+                    (unsigned long long)gid);
+    return true;
+}
+
+/* Send Prefill to a ctx worker; false when none is live. */
+static bool rq_send_to_ctx(rq_t *r)
+{
+    duet__router_t *rt = r->rt;
+    uint64_t cid = rt_pick(rt, DUET_WORKER_ROLE_CTX, r->exclude_ctx, r->n_exclude_ctx);
+    if (cid == 0)
+        return false;
+    if (r->ctx_id != 0)
+        duet_registry_inflight_add(rt->reg, r->ctx_id, -1);
+    r->ctx_id = cid;
+    r->ctx_busy = true;
+    r->prefill_attempts++;
+    duet_registry_inflight_add(rt->reg, cid, +1);
+    uint32_t stop_ids[DUET_OAI_MAX_EOS];
+    Duet__Sampling s = DUET__SAMPLING__INIT;
+    rq_fill_sampling(r, &s, stop_ids);
+    Duet__Prefill p = DUET__PREFILL__INIT;
+    p.request_id = r->id;
+    p.tokens = r->ids;
+    p.n_tokens = r->n_ids;
+    p.sampling = &s;
+    p.max_tokens = r->oai.max_tokens;
+    p.reservation.data = r->reservation;
+    p.reservation.len = r->reservation_len;
+    p.deadline_unix_ms = rq_deadline_unix_ms(r);
+    Duet__Envelope env = duet_envelope_prefill(&p);
+    r->phase = RQ_PREFILLING;
+    duet_registry_send(rt->reg, cid, &env);
+    DUET_RLOG_DEBUG(r->id, "Prefill sent to ctx worker %llu (attempt %d)", (unsigned long long)cid,
+                    r->prefill_attempts);
+    return true;
+}
+
+/* The prefill on r->ctx_id failed (worker died or reported an error): retry once elsewhere. */
+static void rq_prefill_failed(rq_t *r, const char *what)
+{
+    duet__router_t *rt = r->rt;
+    r->ctx_busy = false;
+    if (r->n_exclude_ctx < RQ_MAX_EXCLUDE)
+        r->exclude_ctx[r->n_exclude_ctx++] = r->ctx_id;
+    if (r->prefill_attempts < 2 && rq_send_to_ctx(r)) {
+        duet_metrics_counter_inc(duet_metrics_single(rt->f_retries));
+        DUET_RLOG_WARN(r->id, "prefill retried on ctx worker %llu after: %s",
+                       (unsigned long long)r->ctx_id, what);
+        return;
+    }
+    rq_fail(r, 502, "server_error", "worker_failed", 0, "prefill failed: %s%s", what,
+            r->prefill_attempts >= 2 ? " (already retried once on another context worker)"
+                                     : " (no other live context worker to retry on)");
+}
+
+/* An admitted request starts: pick the gen worker first. */
+static void rq_start(rq_t *r)
+{
+    r->admitted = true;
+    if (!rq_send_to_gen(r))
+        rq_fail(r, 503, "server_error", "no_capacity", 1,
+                "no live generation worker can take the request");
+}
+
+/* ---------------------------------------------------------------- a request arrives */
+
+/* Refuse a request before it has an rq_t (nothing else to end). */
+static void rt_refuse(duet_http_request_t *http, int status, const char *code,
+                      uint32_t retry_after_s, const char *message)
+{
+    duet_oai_error_t e;
+    duet_oai_error_make(&e, status, "server_error", code, NULL, "%s", message);
+    respond_error(http, &e, retry_after_s);
+    duet_http_request_release(http);
+}
+
+void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endpoint_t ep,
+                    const char *label)
+{
+    if (rt->draining) {
+        rt_refuse(http, 503, "draining", 1, "the router is shutting down");
+        return;
+    }
+    rq_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        rt_refuse(http, 500, NULL, 0, "out of memory");
+        return;
+    }
+    r->rt = rt;
+    r->http = http;
+    r->id = ++rt->next_rid;
+    r->t_start_ns = uv_hrtime();
+    r->endpoint = label;
+    size_t len = 0;
+    const char *body = duet_http_request_body(http, &len);
+    duet_oai_error_t err;
+    memset(&err, 0, sizeof(err));
+    if (duet_oai_request_parse(&rt->lim, ep, body, len, &r->oai, &err) < 0 ||
+        duet_oai_request_tokens(&r->oai, &rt->lim, rt->tmpl, rt->tok, &r->ids, &r->n_ids, &err) <
+            0 ||
+        duet_oai_stream_create(rt->tok, &r->oai, rt->eos, rt->n_eos, !r->oai.stream, &r->stream) <
+            0) {
+        if (err.http_status == 0)
+            duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "%s", duet_error_last());
+        DUET_RLOG_INFO(r->id, "rejected (%d): %s", err.http_status, err.message);
+        respond_error(http, &err, 0);
+        rt_result(rt, r->endpoint, "invalid");
+        rq_end(r, "invalid request");
+        return;
+    }
+    duet_oai_response_id(ep, r->id, r->resp_id, sizeof(r->resp_id));
+    r->meta.endpoint = ep;
+    r->meta.id = r->resp_id;
+    r->meta.model = rt->model_name;
+    r->meta.created = (int64_t)time(NULL);
+    r->meta.include_usage = r->oai.include_usage;
+    r->local = r->n_ids < rt->local_prefill_tokens;
+    uint64_t now = uv_now(rt->loop);
+    r->deadline_ms = now + rt->deadline_ms;
+    duet_metrics_counter_add(rt->m_tok_in, (double)r->n_ids);
+    rq_table_add(rt, r);
+    duet_http_request_set_data(http, r);
+    DUET_RLOG_DEBUG(r->id, "%s: %zu prompt tokens, max_tokens %u, stream %d", r->endpoint, r->n_ids,
+                    r->oai.max_tokens, (int)r->oai.stream);
+
+    /* the admission integration point: bounded queue, 429 / 503 with Retry-After */
+    duet_admission_result_t res;
+    duet_admission_try_admit(rt->adm, r, now, now + rt->queue_timeout_ms, &res);
+    switch (res.verdict) {
+    case DUET_ADMISSION_ADMIT:
+        rq_start(r);
+        return;
+    case DUET_ADMISSION_QUEUED:
+        r->phase = RQ_QUEUED;
+        return;
+    case DUET_ADMISSION_REJECT_FULL:
+        rq_fail(r, res.http_status, "rate_limit_exceeded", "queue_full", res.retry_after_s,
+                "the router is at capacity (admission queue full); retry later");
+        return;
+    case DUET_ADMISSION_REJECT_PAUSED:
+        rq_fail(r, res.http_status, "server_error", "paused", res.retry_after_s,
+                "admission is paused by an operator; retry later");
+        return;
+    case DUET_ADMISSION_REJECT_NO_CAPACITY:
+    default:
+        rq_fail(r, res.http_status != 0 ? res.http_status : 503, "server_error", "no_capacity",
+                res.retry_after_s, "no live generation worker");
+        return;
+    }
+}
+
+void duet__rq_on_abort(duet_http_request_t *http, void *user)
+{
+    rq_t *r = duet_http_request_get_data(http);
+    if (r == NULL)
+        return;
+    DUET_RLOG_INFO(r->id, "client disconnected");
+    rt_result(r->rt, r->endpoint, "cancelled");
+    rq_end(r, "client disconnected");
+}
+
+/* ---------------------------------------------------------------- worker events */
+
+void duet__rq_capacity_changed(duet__router_t *rt)
+{
+    bool cap = duet_registry_count(rt->reg, DUET_WORKER_ROLE_GEN, DUET_WORKER_STATE_UP) > 0;
+    duet_admission_set_capacity(rt->adm, cap);
+    void *h = NULL;
+    while (cap && duet_admission_pop_ready(rt->adm, uv_now(rt->loop), &h))
+        rq_start((rq_t *)h);
+}
+
+void duet__rq_on_worker_up(const duet_worker_info_t *w, void *user)
+{
+    duet__rq_capacity_changed(user);
+}
+
+void duet__rq_on_worker_state(const duet_worker_info_t *w, void *user)
+{
+    duet__rq_capacity_changed(user);
+}
+
+void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, void *user)
+{
+    duet__router_t *rt = user;
+    rq_t **v = NULL;
+    size_t n = rq_collect(rt, &v);
+    char what[256];
+    snprintf(what, sizeof(what), "%s worker %llu (%s) lost: %s", duet_worker_role_name(w->role),
+             (unsigned long long)w->id, w->name, reason);
+    for (size_t i = 0; i < n; i++) {
+        rq_t *r = v[i];
+        if (r->gen_id == w->id && r->phase != RQ_QUEUED) {
+            r->gen_busy = false;
+            r->gen_id = 0; /* its in-flight count died with it */
+            rq_fail(r, 502, "server_error", "worker_lost", 0, "%s", what);
+        } else if (r->ctx_id == w->id && r->phase == RQ_PREFILLING) {
+            rq_prefill_failed(r, what); /* excludes r->ctx_id (= w) and retries once */
+        }
+    }
+    free(v);
+    duet__rt_drain_waiters_check(rt, w->id, DUET_ERR_TRANSPORT, what);
+    duet__rq_capacity_changed(rt);
+}
+
+/* Reserved: the gen worker holds pages for the request; the ctx worker prefills into them. */
+static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserved *m)
+{
+    rq_t *r = rq_find(rt, m->request_id);
+    if (r == NULL || r->gen_id != wid || r->phase != RQ_RESERVING) {
+        /* the request is gone (or this is stale): give the pages back */
+        if (r == NULL)
+            rt_send_cancel(rt, wid, m->request_id, "request no longer exists");
+        return;
+    }
+    free(r->reservation);
+    r->reservation_len = m->reservation.len;
+    r->reservation = malloc(r->reservation_len > 0 ? r->reservation_len : 1);
+    if (r->reservation == NULL) {
+        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
+    memcpy(r->reservation, m->reservation.data, r->reservation_len);
+    if (!rq_send_to_ctx(r))
+        rq_fail(r, 503, "server_error", "no_capacity", 1,
+                "no live context worker can prefill the request");
+}
+
+/* Refused: try the next gen worker, else 429 with the largest retry hint heard. */
+static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused *m)
+{
+    rq_t *r = rq_find(rt, m->request_id);
+    if (r == NULL || r->gen_id != wid ||
+        !(r->phase == RQ_RESERVING || (r->local && r->t_first_ns == 0)))
+        return;
+    DUET_RLOG_INFO(r->id, "gen worker %llu refused: %s", (unsigned long long)wid, m->reason);
+    r->gen_busy = false;
+    duet_registry_inflight_add(rt->reg, wid, -1);
+    r->gen_id = 0;
+    if (m->retry_after_ms > r->retry_after_ms)
+        r->retry_after_ms = m->retry_after_ms;
+    if (r->n_exclude_gen < RQ_MAX_EXCLUDE)
+        r->exclude_gen[r->n_exclude_gen++] = wid;
+    if (r->n_exclude_gen < RQ_MAX_EXCLUDE && rq_send_to_gen(r))
+        return;
+    uint32_t ra = (r->retry_after_ms + 999) / 1000;
+    rq_fail(r, 429, "rate_limit_exceeded", "no_reservation", ra > 0 ? ra : 1,
+            "no generation worker could reserve cache for the request (last refusal: %s)",
+            m->reason);
+}
+
+/*
+ * Tokens: from the ctx worker the first token (then PrefillDone to the gen worker), from the gen
+ * worker the rest; a worker's ERROR or CANCELLED fails the request (a ctx worker's ERROR without
+ * ids is a failed prefill, retried once).
+ */
+static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m)
+{
+    rq_t *r = rq_find(rt, m->request_id);
+    if (r == NULL)
+        return; /* ended already (its Cancel crossed these tokens) */
+    bool from_ctx = r->phase == RQ_PREFILLING && wid == r->ctx_id;
+    bool from_gen = r->phase == RQ_GENERATING && wid == r->gen_id;
+    if (!from_ctx && !from_gen) {
+        DUET_RLOG_DEBUG(r->id, "ignoring Tokens from worker %llu (phase %d)",
+                        (unsigned long long)wid, (int)r->phase);
+        return;
+    }
+    bool *busy = from_ctx ? &r->ctx_busy : &r->gen_busy;
+    int fin = m->finish_reason;
+    if (fin == DUET__TOKENS__FINISH_REASON__ERROR ||
+        fin == DUET__TOKENS__FINISH_REASON__CANCELLED) {
+        char what[320];
+        snprintf(what, sizeof(what), "worker %llu %s: %s", (unsigned long long)wid,
+                 fin == DUET__TOKENS__FINISH_REASON__ERROR ? "failed" : "cancelled the request",
+                 m->error != NULL && m->error[0] != '\0' ? m->error : "(no detail)");
+        if (from_ctx && fin == DUET__TOKENS__FINISH_REASON__ERROR && m->n_ids == 0) {
+            rq_prefill_failed(r, what);
+            return;
+        }
+        *busy = false;
+        rq_fail(r, 502, "server_error", "worker_failed", 0, "%s", what);
+        return;
+    }
+    if (fin != DUET__TOKENS__FINISH_REASON__NONE)
+        *busy = false;
+    if (!from_ctx) {
+        rq_feed(r, m->ids, m->n_ids, fin);
+        return;
+    }
+    /* the first token: after it, the gen worker continues (unless this was the end) */
+    if (m->n_ids == 0 && fin == DUET__TOKENS__FINISH_REASON__NONE)
+        return;
+    uint32_t first = m->n_ids > 0 ? m->ids[m->n_ids - 1] : 0;
+    r->ctx_busy = false;
+    if (rq_feed(r, m->ids, m->n_ids, fin))
+        return;
+    Duet__PrefillDone pd = DUET__PREFILL_DONE__INIT;
+    pd.request_id = r->id;
+    pd.first_token = first;
+    Duet__Envelope env = duet_envelope_prefill_done(&pd);
+    r->phase = RQ_GENERATING;
+    if (duet_registry_send(rt->reg, r->gen_id, &env) < 0)
+        rq_fail(r, 502, "server_error", "worker_lost", 0, "generation worker %llu is gone",
+                (unsigned long long)r->gen_id);
+}
+
+void duet__rq_on_message(uint64_t wid, const Duet__Envelope *env, void *user)
+{
+    duet__router_t *rt = user;
+    switch (env->body_case) {
+    case DUET__ENVELOPE__BODY_RESERVED:
+        rq_on_reserved(rt, wid, env->reserved);
+        return;
+    case DUET__ENVELOPE__BODY_REFUSED:
+        rq_on_refused(rt, wid, env->refused);
+        return;
+    case DUET__ENVELOPE__BODY_TOKENS:
+        rq_on_tokens(rt, wid, env->tokens);
+        return;
+    default:
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- timers */
+
+static void rq_on_expired(void *handle, uint64_t waited_ms, void *user)
+{
+    rq_t *r = handle;
+    r->phase = RQ_NEW; /* admission has dropped it: rq_end must not cancel it there */
+    rq_fail(r, DUET_ADMISSION_EXPIRED_HTTP_STATUS, "server_error", "queue_timeout", 1,
+            "waited %llu ms in the admission queue without a free slot",
+            (unsigned long long)waited_ms);
+}
+
+void duet__rq_tick(uv_timer_t *t)
+{
+    duet__router_t *rt = t->data;
+    uint64_t now = uv_now(rt->loop);
+    duet_admission_expire(rt->adm, now, rq_on_expired, rt);
+    rq_t **v = NULL;
+    size_t n = rq_collect(rt, &v);
+    for (size_t i = 0; i < n; i++)
+        if (v[i]->phase != RQ_QUEUED && now >= v[i]->deadline_ms)
+            rq_fail(v[i], 504, "server_error", "deadline_exceeded", 0,
+                    "the request ran past its deadline (request.deadline_ms = %llu)",
+                    (unsigned long long)rt->deadline_ms);
+    free(v);
+}

@@ -1,0 +1,106 @@
+/*
+ * What duet-router's own files share: the router's state (one per process) and the few functions
+ * one part calls in another. Not a public header; only the files below include it.
+ *
+ *   router_main.c  start-up (config, model folder, metrics, listeners) and shutdown (signals)
+ *   request.c      the request state machine: admission, Reserve/Prefill/PrefillDone/Generate,
+ *                  tokens to the client, the one end of a request, worker events, deadlines
+ *   endpoints.c    the HTTP endpoints, routed by method + path through one table
+ *   admin_ops.c    the admin API's operations (list, drain, undrain) over the registry
+ */
+#ifndef DUET_ROUTER_ROUTER_IMPL_H
+#define DUET_ROUTER_ROUTER_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "common/config.h"
+#include "common/metrics.h"
+#include "router/api/openai.h"
+#include "router/cluster/admin.h"
+#include "router/cluster/admission.h"
+#include "router/cluster/placement.h"
+#include "router/cluster/registry.h"
+#include "router/http/http.h"
+#include "tokenizer/tokenizer.h"
+
+#define DUET__RQ_BUCKETS 1024 /* the live-request table's hash buckets (request.c) */
+
+typedef struct duet__router duet__router_t;
+
+struct duet__router {
+    uv_loop_t *loop;
+    duet_config_t *cfg;        /* owned */
+    duet_tokenizer_t *tok;     /* owned */
+    duet_oai_template_t *tmpl; /* owned */
+    duet_oai_limits_t lim;
+    uint32_t eos[DUET_OAI_MAX_EOS]; /* (n_eos) the model's stop ids */
+    size_t n_eos;
+    char model_name[256];
+    duet_http_server_t *http; /* NULL once closed */
+    duet_registry_t *reg;
+    duet_admission_t *adm; /* owned */
+    duet_admin_t *admin;   /* NULL when the admin API is disabled */
+    duet_placement_t pl;
+    uv_timer_t tick;
+    uv_signal_t sig_int, sig_term;
+    bool draining; /* SIGINT / SIGTERM came: new completions and /health answer 503 */
+    uint64_t next_rid;
+    uint32_t local_prefill_tokens;
+    uint64_t deadline_ms;
+    uint64_t queue_timeout_ms;
+    struct rq *buckets[DUET__RQ_BUCKETS]; /* live requests by id (request.c's rq_t) */
+    size_t n_rq;
+    struct rt_drain_waiter *waiters; /* owned: `drain --wait` callers (admin_ops.c) */
+    /* metrics (router_main.c makes them) */
+    duet_metrics_t *metrics;
+    duet_http_metrics_t http_fams;
+    duet_metric_t *m_ttft, *m_tpot, *m_e2e, *m_tok_in, *m_tok_out;
+    duet_metric_t *m_gen_steps, *m_gen_seq_steps, *m_gen_tokens, *m_gen_step_s, *m_prefill_tok;
+    duet_metric_family_t *f_workers, *f_results, *f_retries;
+};
+
+/* ---------------------------------------------------------------- request.c */
+
+/*
+ * A completion request arrived on `ep`: validate, tokenize, admit (or queue, or refuse). Takes
+ * the request's reference: every way out, early failures included, ends in the request's one
+ * end. `label` names the endpoint in metrics (a literal).
+ */
+void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endpoint_t ep,
+                    const char *label);
+/* duet_http_options_t.on_abort: the client went away; its request ends (workers get Cancel). */
+void duet__rq_on_abort(duet_http_request_t *http, void *user);
+/* The router's periodic tick: admission queue timeouts (503) and request deadlines (504). */
+void duet__rq_tick(uv_timer_t *t);
+/* Live generation workers may have come or gone: tell admission, start queued requests. */
+void duet__rq_capacity_changed(duet__router_t *rt);
+/* The registry's callbacks (user = the router): a worker up, its state changed, it died, it sent
+ * a message. */
+void duet__rq_on_worker_up(const duet_worker_info_t *w, void *user);
+void duet__rq_on_worker_state(const duet_worker_info_t *w, void *user);
+void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, void *user);
+void duet__rq_on_message(uint64_t worker_id, const Duet__Envelope *env, void *user);
+
+/* ---------------------------------------------------------------- endpoints.c */
+
+/* duet_http_options_t.on_request and .path_class (user = the router). */
+void duet__rt_on_request(duet_http_request_t *http, void *user);
+const char *duet__rt_path_class(const char *path, void *user);
+
+/* ---------------------------------------------------------------- admin_ops.c */
+
+/* The admin API's ops table (ctx = the router). */
+extern const duet_admin_ops_t duet__rt_admin_ops;
+/*
+ * Answer the `drain --wait` callers of worker_id: with st and detail when st is an error (the
+ * worker died or was undrained), else (DUET_OK) only once the router has no request in flight
+ * there.
+ */
+void duet__rt_drain_waiters_check(duet__router_t *rt, uint64_t worker_id, duet_status_t st,
+                                  const char *detail);
+
+#endif
