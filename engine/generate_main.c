@@ -180,7 +180,6 @@ int main(int argc, char **argv)
                 st == DUET_ERR_NOT_FOUND ? ": pass the prompt as --tokens" : "");
         goto out;
     }
-    const int add_bos = tok != NULL && duet_tokenizer_add_bos(tok);
     /* the ids that stop: config.json's and generation_config.json's eos_token_id and the
      * tokenizer's eos token, as the router sends them to the workers */
     uint32_t stop_ids[16];
@@ -210,16 +209,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "duet-generate: cannot tokenize the prompt: %s\n", duet_error_last());
             goto out;
         }
-        /* the BOS id comes from config.json, read before the model is loaded */
+        /* the id a text prompt starts with: the router's /v1/completions asks the same */
         int32_t bos = -1;
-        if (add_bos) {
-            duet_model_config_t mcfg;
-            if (duet_model_config_load(dir, &mcfg) != DUET_OK) {
-                free(ids);
-                fprintf(stderr, "duet-generate: %s\n", duet_error_last());
-                goto out;
-            }
-            bos = mcfg.bos_token_id;
+        if (duet_tokenizer_prompt_bos(dir, tok, &bos) != DUET_OK) {
+            free(ids);
+            fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+            goto out;
         }
         if (bos >= 0)
             prompt[n_prompt++] = bos;

@@ -434,6 +434,39 @@ static duet_status_t file_stop_ids(const char *path, uint32_t limit, uint32_t *i
     return st;
 }
 
+duet_status_t duet_tokenizer_prompt_bos(const char *dir, const duet_tokenizer_t *tok,
+                                        int32_t *bos_p)
+{
+    if (dir == NULL || tok == NULL || bos_p == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "prompt bos: NULL argument");
+    if (!tok->add_bos) {
+        *bos_p = -1;
+        return DUET_OK;
+    }
+    if (tok->bos_id != DUET__TOK_NONE) {
+        *bos_p = (int32_t)tok->bos_id;
+        return DUET_OK;
+    }
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    json_t *root = NULL;
+    duet_status_t st = is_file(path) ? duet_json_load_file(path, DUET__TOK_MAX_JSON, &root)
+                                     : DUET_OK;
+    const json_t *v = json_is_object(root) ? json_object_get(root, "bos_token_id") : NULL;
+    int64_t bos = -1;
+    if (st == DUET_OK && (v == NULL || json_is_null(v)))
+        st = duet_error_set(DUET_ERR_NOT_FOUND,
+                            "%s: the tokenizer adds a bos token to text prompts (add_bos) but "
+                            "neither it nor config.json's \"bos_token_id\" names one",
+                            dir);
+    else if (st == DUET_OK)
+        st = duet_json_get_int(root, path, "bos_token_id", 0, (int64_t)tok->vocab_size - 1, &bos);
+    json_decref(root);
+    if (st == DUET_OK)
+        *bos_p = (int32_t)bos;
+    return st;
+}
+
 duet_status_t duet_tokenizer_stop_ids(const char *dir, const duet_tokenizer_t *tok, uint32_t *ids,
                                       size_t cap, size_t *n_p)
 {

@@ -205,6 +205,15 @@ duet_status_t duet_tokenizer_eos_id(const duet_tokenizer_t *tok, uint32_t *id_p)
 bool duet_tokenizer_add_bos(const duet_tokenizer_t *tok);
 
 /*
+ * The id a text prompt of model folder `dir` starts with, the one rule duet-generate and the
+ * router's /v1/completions share: -1 when the tokenizer does not add one (duet_tokenizer_add_bos),
+ * else the tokenizer's bos token, else config.json's "bos_token_id". DUET_ERR_NOT_FOUND when
+ * add_bos is set but neither names a bos token; config.json's errors as duet_tokenizer_stop_ids.
+ */
+duet_status_t duet_tokenizer_prompt_bos(const char *dir, const duet_tokenizer_t *tok,
+                                        int32_t *bos_p);
+
+/*
  * Streaming detokenizer over `tok` (which must outlive it). Its output buffer is allocated here,
  * once, so feeding ids never allocates. Not thread-safe: one per stream.
  */

@@ -56,6 +56,8 @@ struct duet_oai_template {
     size_t blob_len;
     duet_jinja_t *jinja; /* owned; non-NULL for a Jinja template (then seq[] is empty) */
     json_t *specials;    /* owned; Jinja: {"bos_token": "<s>", ...} the template sees */
+    int32_t prompt_bos;  /* the id a /v1/completions text prompt starts with, -1 = none: the
+                            model folder's rule (duet_tokenizer_prompt_bos), as duet-generate's */
 };
 
 static const char *const tpl_role_names[DUET_OAI_ROLE_COUNT] = {"system", "user", "assistant"};
@@ -237,7 +239,7 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument (duet's format needs a "
                                            "tokenizer)");
     const char *prefix = "<|bos|>", *message = "{role}: {content}\n";
-    const char *gen = "assistant: ", *cprefix = "<|bos|>";
+    const char *gen = "assistant: ", *cprefix = "";
     const char *per_role[DUET_OAI_ROLE_COUNT] = {NULL, NULL, NULL};
     json_t *root = NULL;
     duet_status_t st = DUET_OK;
@@ -318,6 +320,7 @@ duet_status_t duet_oai_template_create(const char *json, size_t len, const char 
         goto fail;
     }
     t->tok = tok;
+    t->prompt_bos = -1;
     st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_PREFIX], prefix, false, source, "prefix");
     for (int r = 0; r < DUET_OAI_ROLE_COUNT && st == DUET_OK; r++)
         st = tpl_compile(t, &blob, &t->seq[TPL_SEQ_MSG_SYSTEM + r],
@@ -407,6 +410,7 @@ duet_status_t duet_oai_template_create_jinja(const char *text, size_t len, const
     if (t == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "%s: no memory", source);
     t->tok = tok;
+    t->prompt_bos = -1;
     duet_status_t st = duet_jinja_parse(text, len, source, &t->jinja);
     if (st != DUET_OK) {
         DUET_LOG_ERROR("%s", duet_error_last());
@@ -444,8 +448,8 @@ static bool tpl_file_exists(const char *path)
     return stat(path, &sb) == 0;
 }
 
-duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
-                                     duet_oai_template_t **tmpl_p)
+static duet_status_t tpl_load(const char *dir, const duet_tokenizer_t *tok,
+                              duet_oai_template_t **tmpl_p)
 {
     if (dir == NULL || tmpl_p == NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: NULL argument");
@@ -554,6 +558,19 @@ duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *to
                          "tokenizer_config.json's \"chat_template\")",
                          dir);
     return duet_oai_template_create(NULL, 0, "default chat template", tok, tmpl_p);
+}
+
+duet_status_t duet_oai_template_load(const char *dir, const duet_tokenizer_t *tok,
+                                     duet_oai_template_t **tmpl_p)
+{
+    duet_status_t st = tpl_load(dir, tok, tmpl_p);
+    if (st == DUET_OK && tok != NULL &&
+        (st = duet_tokenizer_prompt_bos(dir, tok, &(*tmpl_p)->prompt_bos)) != DUET_OK) {
+        DUET_LOG_ERROR("%s", duet_error_last());
+        duet_oai_template_destroy(*tmpl_p);
+        *tmpl_p = NULL;
+    }
+    return st;
 }
 
 /* ---------------------------------------------------------------- applying */
@@ -847,7 +864,11 @@ duet_status_t duet_oai_completion_prompt(const duet_oai_template_t *tmpl,
         return DUET_FAIL(DUET_ERR_INVALID, "completion prompt: bad arguments");
     tpl_out_t o = {.tok = tok};
     duet_strbuf_init(&o.text);
-    duet_status_t st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_COMPLETION], NULL);
+    duet_status_t st = DUET_OK;
+    if (tmpl->prompt_bos >= 0)
+        st = tpl_out_special(&o, (uint32_t)tmpl->prompt_bos);
+    if (st == DUET_OK)
+        st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_COMPLETION], NULL);
     if (st == DUET_OK && len > 0)
         st = duet_strbuf_append(&o.text, text, len);
     return tpl_out_finish(&o, st, ids_p, n_p);

@@ -12,7 +12,8 @@
  *     "message":           "{role}: {content}\n", one message; {role} and {content} are replaced
  *     "system" / "user" / "assistant": "...",     optional per-role replacement for "message"
  *     "generation_prompt": "assistant: ",         text after the last message (the model's turn)
- *     "completion_prefix": "<|bos|>"              text before a /v1/completions text prompt
+ *     "completion_prefix": ""                     text before a /v1/completions text prompt
+ *                                                 (after the bos id, see below)
  *   }
  *
  * `{{` and `}}` stand for literal braces. Every key but "duet_chat_template" is optional.
@@ -22,7 +23,9 @@
  *   <|bos|>system: ...\nuser: ...\nassistant: ...\nassistant:
  *
  * i.e. prefix "<|bos|>", message "{role}: {content}\n", generation_prompt "assistant: ",
- * completion_prefix "<|bos|>". Role names are "system", "user", "assistant" (a "developer" message
+ * completion_prefix "". A /v1/completions text prompt starts with the model folder's bos id when
+ * its tokenizer adds one (duet_tokenizer_prompt_bos: the demo model's "add_bos"), whatever the
+ * template, exactly as duet-generate's --prompt does. Role names are "system", "user", "assistant" (a "developer" message
  * arrives here as system).
  *
  * Trust. Special-token text is recognised only in the template's own literal text (it is trusted:
@@ -165,8 +168,9 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
                                    size_t *n_p);
 
 /*
- * A /v1/completions text prompt: the template's completion_prefix, then `text` as ordinary text
- * (special-token text in it is not recognised). Same output convention as duet_oai_chat_prompt.
+ * A /v1/completions text prompt: the bos id when the model folder's tokenizer adds one (set by
+ * duet_oai_template_load; a template made otherwise adds none), the template's
+ * completion_prefix, then `text` as ordinary text (special-token text in it is not recognised). Same output convention as duet_oai_chat_prompt.
  */
 duet_status_t duet_oai_completion_prompt(const duet_oai_template_t *tmpl,
                                          const duet_tokenizer_t *tok, const char *text, size_t len,

@@ -49,7 +49,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-printf '{"eos_token_id": 257, "model_max_length": 4096}\n' > "$dir/config.json"
+printf '{"bos_token_id": 256, "eos_token_id": 257, "model_max_length": 4096}\n' > "$dir/config.json"
 printf '{"type": "byte", "specials": ["<|bos|>", "<|eos|>"], "add_bos": true}\n' \
   > "$dir/duet_tokenizer.json"
 

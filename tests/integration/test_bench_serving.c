@@ -124,7 +124,8 @@ static void cluster_start(void)
     char tmpl[] = "/tmp/duet-bench-test-XXXXXX";
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(tdir, sizeof(tdir), "%s", tmpl);
-    put_file("config.json", "{\"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+    put_file("config.json",
+        "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
     put_file("duet_tokenizer.json",
              "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
     port_http = pick_port();

@@ -157,7 +157,8 @@ static void start_router(const char *extra1, const char *extra2)
     char tmpl[] = "/tmp/duet-router-test-XXXXXX";
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(dir, sizeof(dir), "%s", tmpl);
-    write_file("config.json", "{\"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+    write_file("config.json",
+        "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
     write_file("duet_tokenizer.json",
                "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
     http_port   = free_port();

@@ -726,11 +726,77 @@ Test(router_openai, template_load_from_model_folder, .timeout = 10)
     duet_tokenizer_destroy(tok);
 }
 
+/* A demo-like model folder: byte tokenizer with "add_bos" (or not) and config.json's bos id. */
+static void demo_folder(char *dir, bool add_bos, bool bos_id)
+{
+    cr_assert_not_null(mkdtemp(dir));
+    write_file(
+        dir, "duet_tokenizer.json",
+        add_bos
+            ? "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}"
+            : "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"]}");
+    write_file(dir, "config.json", bos_id ? "{\"bos_token_id\": 256}" : "{}");
+}
+
+static void rm_demo_folder(const char *dir)
+{
+    char path[600];
+    snprintf(path, sizeof(path), "%s/duet_tokenizer.json", dir);
+    unlink(path);
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* A text prompt starts with the bos id exactly when the folder's tokenizer adds one (the rule
+ * duet-generate follows: duet_tokenizer_prompt_bos), whatever the template. */
+Test(router_openai, completion_prompt_bos_follows_the_folder, .timeout = 10)
+{
+    duet_oai_request_t r;
+    duet_oai_error_t e;
+    uint32_t *ids = NULL;
+    size_t n = 0;
+    const uint32_t head[] = {BOS};
+    for (int add = 0; add < 2; add++) {
+        char dir[] = "/tmp/duet_oai_bosXXXXXX";
+        demo_folder(dir, add, true);
+        duet_tokenizer_t *tok = NULL;
+        duet_oai_template_t *t = NULL;
+        cr_assert_eq(duet_tokenizer_load(dir, &tok), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS,
+                           "{\"model\":\"duet-demo\",\"prompt\":\"ab\"}", &r, &e),
+                     DUET_OK);
+        cr_assert_eq(duet_oai_request_tokens(&r, &lim, t, tok, &ids, &n, &e), DUET_OK);
+        expect_ids(ids, n, head, add ? 1 : 0, "ab");
+        free(ids);
+        duet_oai_request_free(&r);
+        duet_oai_template_destroy(t);
+        duet_tokenizer_destroy(tok);
+        rm_demo_folder(dir);
+    }
+    /* add_bos with no bos id anywhere: refused at load, naming what is missing. */
+    char dir[] = "/tmp/duet_oai_bosXXXXXX";
+    demo_folder(dir, true, false);
+    duet_tokenizer_t *tok = NULL;
+    duet_oai_template_t *t = NULL;
+    cr_assert_eq(duet_tokenizer_load(dir, &tok), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_ERR_NOT_FOUND);
+    cr_assert_null(t);
+    cr_assert(strstr(duet_error_last(), "bos_token_id") != NULL, "%s", duet_error_last());
+    duet_tokenizer_destroy(tok);
+    rm_demo_folder(dir);
+}
+
 Test(router_openai, completion_prompt_tokens_and_context, .timeout = 10)
 {
-    duet_tokenizer_t *tok = byte_tok();
+    char dir[] = "/tmp/duet_oai_cmpXXXXXX";
+    demo_folder(dir, true, true);
+    duet_tokenizer_t *tok = NULL;
+    cr_assert_eq(duet_tokenizer_load(dir, &tok), DUET_OK, "%s", duet_error_last());
     duet_oai_template_t *t = NULL;
-    cr_assert_eq(duet_oai_template_create(NULL, 0, "default", tok, &t), DUET_OK);
+    cr_assert_eq(duet_oai_template_load(dir, tok, &t), DUET_OK, "%s", duet_error_last());
+    rm_demo_folder(dir);
     duet_oai_request_t r;
     duet_oai_error_t e;
     uint32_t *ids = NULL;
@@ -1149,8 +1215,8 @@ Test(router_openai, skip_special_tokens, .timeout = 10)
     duet_oai_error_t e;
     for (int ep = DUET_OAI_ENDPOINT_COMPLETIONS; ep <= DUET_OAI_ENDPOINT_CHAT; ep++) {
         const char *input = ep == DUET_OAI_ENDPOINT_CHAT ? MSG : "\"prompt\":\"x\"";
-        const char *tails[] = {"", ",\"skip_special_tokens\":null",
-                               ",\"skip_special_tokens\":true", ",\"skip_special_tokens\":false"};
+        const char *tails[] = {"", ",\"skip_special_tokens\":null", ",\"skip_special_tokens\":true",
+                               ",\"skip_special_tokens\":false"};
         for (int t = 0; t < 4; t++) {
             char body[256];
             snprintf(body, sizeof(body), "{" M "%s%s}", input, tails[t]);
@@ -1165,8 +1231,8 @@ Test(router_openai, skip_special_tokens, .timeout = 10)
     const uint32_t gen[] = {'a', BOS, 'b', BOS, EOS, 'z'};
     const char *want[2] = {"a<|bos|>b<|bos|>", "ab"};
     for (int skip = 0; skip <= 1; skip++) {
-        duet_oai_stream_t *st = make_stream(
-            tok, skip ? BODY("") : BODY(",\"skip_special_tokens\":false"));
+        duet_oai_stream_t *st =
+            make_stream(tok, skip ? BODY("") : BODY(",\"skip_special_tokens\":false"));
         run_t got = run_ids(st, gen, 6);
         cr_assert_str_eq(got.text, want[skip]);
         cr_assert_eq(got.finish, DUET_OAI_FINISH_STOP);
@@ -1178,8 +1244,10 @@ Test(router_openai, skip_special_tokens, .timeout = 10)
         cr_assert(len == strlen(want[skip]) && memcmp(text, want[skip], len) == 0);
 
         /* the bytes a client gets: one JSON body, and SSE deltas */
-        duet_oai_resp_meta_t m = {.endpoint = DUET_OAI_ENDPOINT_COMPLETIONS, .id = "cmpl-1",
-                                  .model = "duet-demo", .created = 1};
+        duet_oai_resp_meta_t m = {.endpoint = DUET_OAI_ENDPOINT_COMPLETIONS,
+                                  .id = "cmpl-1",
+                                  .model = "duet-demo",
+                                  .created = 1};
         duet_strbuf_t sb;
         duet_strbuf_init(&sb);
         cr_assert_eq(duet_oai_response_json(&m, text, len, got.finish, 1, 5, &sb), DUET_OK);
