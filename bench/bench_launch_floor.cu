@@ -1,6 +1,6 @@
 /*
  * bench_launch_floor.cu (duet-bench-launch-floor): the fastest a batch-1 decode step could run
- * as the sequence of kernels the CUDA engine launches for it (engine/model_cuda.c), if every
+ * as the sequence of kernels the CUDA engine launches for it (engine/backend_cuda.c), if every
  * kernel were nothing but a perfect weight stream.
  *
  * From DIR/config.json it lists the step's kernels in launch order with the bytes each must
@@ -65,7 +65,7 @@ typedef struct {
     bool joins;   /* needs no grid-wide result of the entry before it (see step_entries) */
 } entry_t;
 
-/* The step's kernels at batch 1, in engine/model_cuda.c's launch order (duet__enqueue).
+/* The step's kernels at batch 1, in engine/backend_cuda.c's launch order (duet__enqueue).
  * `joins`: the entry needs nothing from the entry before it that only the whole grid of that
  * kernel has, so one fused kernel could do both with no boundary between them: its blocks can
  * form what they need themselves (the chain its own rows of f_b|g_b, q_b's blocks the q_a norm,

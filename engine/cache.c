@@ -1,6 +1,7 @@
 /*
- * Cache pools: one aligned allocation each, free lists as stacks of ids. See cache.h for the
- * byte layout, which the transfer layer relies on.
+ * Cache pools: one aligned allocation each, free lists as stacks of ids. Sizes and addresses come
+ * from common/cache_layout.h, the one definition of the byte layout that the transfer layer and
+ * the CPU kernels use too.
  */
 #include "engine/cache.h"
 
@@ -62,6 +63,7 @@ static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
 
 struct duet_kv_pool {
     duet_kv_pool_desc_t desc;
+    duet_kv_layout_t    layout;
     uint8_t            *base;       /* aligned; owned unless desc.mem was given */
     size_t              bytes;
     size_t              block_bytes;
@@ -70,6 +72,7 @@ struct duet_kv_pool {
 
 struct duet_kda_pool {
     duet_kda_pool_desc_t desc;
+    duet_kda_layout_t    layout;
     uint8_t             *base; /* aligned; owned unless desc.mem was given */
     size_t               bytes;
     size_t               layer_bytes;
@@ -91,17 +94,43 @@ static void duet__cache_release(void *p, size_t bytes)
         munmap(p, bytes > 0 ? bytes : 1);
 }
 
+static duet_kv_layout_t duet__kv_layout(const duet_kv_pool_desc_t *d)
+{
+    return (duet_kv_layout_t){.page_tokens = (uint64_t)d->page_tokens,
+                              .n_layers    = (uint64_t)d->n_layers,
+                              .token_bytes = (uint64_t)d->token_dim * duet_dtype_size(d->dtype)};
+}
+
+static duet_kda_layout_t duet__kda_layout(const duet_kda_pool_desc_t *d)
+{
+    return (duet_kda_layout_t){.n_layers    = (uint64_t)d->n_layers,
+                               .heads       = (uint64_t)d->heads,
+                               .head_dim    = (uint64_t)d->head_dim,
+                               .conv_kernel = (uint64_t)d->conv_kernel,
+                               .elem_bytes  = sizeof(float)};
+}
+
+/* SIZE_MAX when the layout's sizes overflow (the allocation then fails). */
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
 {
-    size_t block = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
-    return block * (size_t)desc->n_pages * (size_t)(desc->n_layers > 0 ? desc->n_layers : 1);
+    duet_kv_layout_t l = duet__kv_layout(desc);
+    uint64_t         block, r;
+    if (!duet_kv_layout_block_bytes(&l, &block) ||
+        !duet__layout_mul(block, (uint64_t)desc->n_pages, &r) ||
+        !duet__layout_mul(r, (uint64_t)(desc->n_layers > 0 ? desc->n_layers : 1), &r) ||
+        r > SIZE_MAX)
+        return SIZE_MAX;
+    return (size_t)r;
 }
 
 size_t duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc)
 {
-    int64_t hk    = desc->heads * desc->head_dim;
-    size_t  layer = (size_t)(hk * desc->head_dim + 3 * hk * (desc->conv_kernel - 1)) * sizeof(float);
-    return layer * (size_t)desc->n_layers * (size_t)desc->n_slots;
+    duet_kda_layout_t l = duet__kda_layout(desc);
+    uint64_t          slot, r;
+    if (!duet_kda_layout_slot_bytes(&l, &slot) ||
+        !duet__layout_mul(slot, (uint64_t)desc->n_slots, &r) || r > SIZE_MAX)
+        return SIZE_MAX;
+    return (size_t)r;
 }
 
 duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_t **pool_p)
@@ -112,11 +141,17 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
                          "layers %lld, token_dim %lld)", (long long)desc->page_tokens,
                          (long long)desc->n_pages, (long long)desc->n_layers,
                          (long long)desc->token_dim);
+    if (duet_kv_pool_bytes_needed(desc) == SIZE_MAX)
+        return DUET_FAIL(DUET_ERR_INVALID, "kv pool: %lld pages of %lld tokens overflow the "
+                         "address space", (long long)desc->n_pages, (long long)desc->page_tokens);
     duet_kv_pool_t *pool = calloc(1, sizeof(*pool));
     if (pool == NULL)
         goto err_nomem;
-    pool->desc        = *desc;
-    pool->block_bytes = (size_t)desc->page_tokens * (size_t)desc->token_dim * duet_dtype_size(desc->dtype);
+    pool->desc = *desc;
+    pool->layout = duet__kv_layout(desc);
+    uint64_t block = 0;
+    (void)duet_kv_layout_block_bytes(&pool->layout, &block); /* bounded by bytes_needed */
+    pool->block_bytes = (size_t)block;
     pool->bytes       = duet_kv_pool_bytes_needed(desc);
     pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
@@ -193,7 +228,21 @@ void *duet_kv_pool_block(const duet_kv_pool_t *pool, int32_t page, int64_t layer
 {
     DUET_ASSERT(page >= 0 && page < pool->desc.n_pages);
     DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
-    return pool->base + ((size_t)page * (size_t)pool->desc.n_layers + (size_t)layer) * pool->block_bytes;
+    uint64_t off = 0;
+    (void)duet_kv_layout_offset(&pool->layout, (uint64_t)page, (uint64_t)layer, 0, &off);
+    return pool->base + off;
+}
+
+duet_kv_layout_t duet_kv_pool_layout(const duet_kv_pool_t *pool)
+{
+    return pool->layout;
+}
+
+void duet_kv_pool_zero_pages(duet_kv_pool_t *pool, const int32_t *pages, int64_t n)
+{
+    for (int64_t p = 0; p < n; p++)
+        memset(duet_kv_pool_block(pool, pages[p], 0), 0,
+               pool->block_bytes * (size_t)pool->desc.n_layers);
 }
 
 duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_pool_t **pool_p)
@@ -201,12 +250,17 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     if (desc->n_slots <= 0 || desc->n_slots > INT32_MAX || desc->n_layers < 0 ||
         desc->heads <= 0 || desc->head_dim <= 0 || desc->conv_kernel < 1)
         return DUET_FAIL(DUET_ERR_INVALID, "kda pool: bad descriptor");
+    if (duet_kda_pool_bytes_needed(desc) == SIZE_MAX)
+        return DUET_FAIL(DUET_ERR_INVALID, "kda pool: %lld slots overflow the address space",
+                         (long long)desc->n_slots);
     duet_kda_pool_t *pool = calloc(1, sizeof(*pool));
     if (pool == NULL)
         goto err_nomem;
-    int64_t hk        = desc->heads * desc->head_dim;
-    pool->desc        = *desc;
-    pool->layer_bytes = (size_t)(hk * desc->head_dim + 3 * hk * (desc->conv_kernel - 1)) * sizeof(float);
+    pool->desc   = *desc;
+    pool->layout = duet__kda_layout(desc);
+    uint64_t layer = 0;
+    (void)duet_kda_layout_layer_bytes(&pool->layout, &layer); /* bounded by bytes_needed */
+    pool->layer_bytes = (size_t)layer;
     pool->slot_bytes  = pool->layer_bytes * (size_t)desc->n_layers;
     pool->bytes       = duet_kda_pool_bytes_needed(desc);
     pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
@@ -282,11 +336,21 @@ float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t la
 {
     DUET_ASSERT(slot >= 0 && slot < pool->desc.n_slots);
     DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
-    return (float *)(pool->base + (size_t)slot * pool->slot_bytes + (size_t)layer * pool->layer_bytes);
+    uint64_t off = 0;
+    (void)duet_kda_layout_state_offset(&pool->layout, (uint64_t)slot, (uint64_t)layer, 0, &off);
+    return (float *)(pool->base + off);
 }
 
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer)
 {
-    const duet_kda_pool_desc_t *d = &pool->desc;
-    return duet_kda_pool_state(pool, slot, layer) + d->heads * d->head_dim * d->head_dim;
+    DUET_ASSERT(slot >= 0 && slot < pool->desc.n_slots);
+    DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
+    uint64_t off = 0;
+    (void)duet_kda_layout_conv_offset(&pool->layout, (uint64_t)slot, (uint64_t)layer, 0, 0, &off);
+    return (float *)(pool->base + off);
+}
+
+duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool)
+{
+    return pool->layout;
 }

@@ -3,26 +3,12 @@
  * (later registered with UCX once) and handed out per request; nothing is allocated on the hot
  * path.
  *
- * MLA KV pool: `n_pages` pages of `page_tokens` tokens. A page holds every MLA layer of its
- * tokens; within the page, layer l is one contiguous block so that one RMA put moves one
- * layer's page:
- *
- *   byte offset of (page p, MLA layer l, token slot s) =
- *       ((p * n_layers + l) * page_tokens + s) * token_bytes
- *   token_bytes = (kv_lora_rank + qk_rope_head_dim) * sizeof(elem)
- *   per token: [ c (kv_lora_rank values, after kv_a_layernorm) | k_r (qk_rope_head_dim) ]
- *
- * elem is fp32 on the CPU path (DUET_DTYPE_F32 recorded in the descriptor).
- *
- * KDA state pool: `n_slots` slots, one per running request; a slot holds every KDA layer:
- *
- *   byte offset of (slot i, KDA layer l) = (i * n_layers + l) * layer_bytes
- *   layer block = [ S: fp32 [H][K][V] (row k of head h holds S_h[k, :]) |
- *                   conv windows: fp32 [3][H*K][W-1] (q, k, v; oldest input first) ]
- *   layer_bytes = (H*K*V + 3*H*K*(W-1)) * 4
- *
- * The conv window holds the last W-1 *pre-conv* projections of each channel (zeros at sequence
- * start), which is exactly what the causal depthwise conv needs to continue the sequence.
+ * The byte layout of both pools (which MLA layer of which page, where S and the conv windows of a
+ * KDA slot sit) is defined once, in common/cache_layout.h; duet_kv_pool_layout /
+ * duet_kda_pool_layout give a pool's numbers for it. KV elements are of the descriptor's dtype
+ * (F32 on the CPU), the KDA state is fp32. The conv windows hold the last W-1 *pre-conv*
+ * projections of each channel (zeros at sequence start), which is exactly what the causal
+ * depthwise conv needs to continue the sequence.
  */
 #ifndef DUET_ENGINE_CACHE_H
 #define DUET_ENGINE_CACHE_H
@@ -30,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/cache_layout.h"
 #include "common/status.h"
 #include "kernels/kernels.h"
 
@@ -64,6 +51,10 @@ size_t duet_kv_pool_bytes(const duet_kv_pool_t *pool);
 size_t duet_kv_pool_block_bytes(const duet_kv_pool_t *pool);
 /* Pointer to token slot 0 of (page, layer). */
 void *duet_kv_pool_block(const duet_kv_pool_t *pool, int32_t page, int64_t layer);
+/* The pool's layout (common/cache_layout.h). */
+duet_kv_layout_t duet_kv_pool_layout(const duet_kv_pool_t *pool);
+/* Zero every layer of pages[0..n) (a fresh sequence's pages, so a cache dump is deterministic). */
+void duet_kv_pool_zero_pages(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
 
 typedef struct {
     int64_t n_slots;
@@ -90,5 +81,7 @@ size_t        duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool);
 /* S of (slot, KDA layer): fp32 [H][K][V]; the conv windows follow at + H*K*V floats. */
 float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
+/* The pool's layout (common/cache_layout.h). */
+duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool);
 
 #endif

@@ -6,7 +6,8 @@
  * rows of the batch go through every projection, norm and FFN together (one GEMM per weight);
  * only the mixers' sequence-dependent parts (conv windows, KDA recurrence, MLA attention over the
  * paged latent cache) run per sequence. Workspaces are sized at load for `max_batch_tokens` rows
- * and nothing is allocated per step.
+ * and nothing is allocated per step. The device's part is a backend's (engine/backend.h: CPU or
+ * CUDA); this API is the same for both.
  */
 #ifndef DUET_ENGINE_MODEL_H
 #define DUET_ENGINE_MODEL_H
@@ -53,9 +54,10 @@ typedef struct {
     int64_t kv_pages;         /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
     duet_model_pool_alloc_fn pool_alloc; /* NULL = the model allocates its pools */
     void                    *pool_alloc_user;
-    /* Where the forward pass runs (DUET_DEVICE_CPU default). With CUDA, weights, caches and
-     * workspaces live on the GPU (engine/model_cuda.h); the pools above stay on the host for
-     * page / slot bookkeeping and as the transfer staging area. */
+    /* Where the forward pass runs (DUET_DEVICE_CPU default): the backend of that device
+     * (engine/backend.h). With CUDA, weights, caches and workspaces live on the GPU
+     * (engine/backend_cuda.c); the pools above stay on the host for page / slot bookkeeping and
+     * as the transfer staging area. */
     duet_device_kind_t device;
     duet_model_dtype_t dtype;         /* what the caller asks for (default AUTO) */
     duet_dtype_t       compute_dtype; /* what the model computes in: set by the load from `dtype`

@@ -1,13 +1,21 @@
 /*
- * kernels.h: the compute API the engine is written against, backend-neutral.
+ * kernels.h: what every backend's kernels share (dtypes, tensor views, the device probe) and the
+ * CPU backend's instance and ops.
  *
- * A duet_kernels_t is one backend instance (CPU thread pool today; a CUDA device + stream in the
- * CUDA issue). Every op takes the instance first; activations are plain fp32 buffers that live
- * on the instance's device, weights are duet_tensor_t values that carry dtype, device and shape,
- * because checkpoints store them as F32, BF16 or F16 and the ops convert on the fly (fp32 math,
- * fp32 accumulation). Ops never allocate: scratch comes from the caller.
+ * kernels/ has one folder per device, and a kernel is found under the same name in both:
+ *   cpu/   the CPU backend: a duet_kernels_t (a thread pool) and the ops below (matmul, norms,
+ *          activations, embedding), plus the mixers' kernels in cpu/cpu_kda.h, cpu/cpu_mla.h,
+ *          cpu/cpu_moe.h, which take the step's description (cpu/cpu_step.h);
+ *   cuda/  the CUDA backend: extern "C" functions that take a cudaStream_t (cuda/cuda_gemm.h,
+ *          cuda_ops.h, cuda_kda.h, cuda_mla.h, over cuda_step.h); there is no duet_kernels_t for
+ *          it, the stream is the instance.
+ * Neither folder knows models, caches or batches of sequences: the engine's backends
+ * (engine/backend_cpu.c, engine/backend_cuda.c, behind engine/backend.h) drive them. Activations
+ * are plain fp32 buffers on the device; weights are duet_tensor_t values that carry dtype, device
+ * and shape, because checkpoints store them as F32, BF16 or F16 and the ops convert on the fly
+ * (fp32 math, fp32 accumulation). Ops never allocate: scratch comes from the caller.
  *
- * The CPU backend is the reference: every other backend is tested against it.
+ * The CPU backend is the reference: every CUDA kernel is tested against it.
  */
 #ifndef DUET_KERNELS_H
 #define DUET_KERNELS_H
@@ -91,9 +99,9 @@ int duet_cuda_device_usable(char *why, size_t cap);
 typedef struct duet_kernels duet_kernels_t;
 
 /*
- * Create a backend. For DUET_DEVICE_CPU, n_threads is the size of the worker pool including the
- * calling thread (0 = the number of online CPUs). DUET_DEVICE_CUDA returns DUET_ERR_UNSUPPORTED
- * until the CUDA backend lands.
+ * Create a CPU backend instance: n_threads is the size of the worker pool including the calling
+ * thread (0 = the number of online CPUs, or DUET_THREADS). DUET_DEVICE_CUDA returns
+ * DUET_ERR_UNSUPPORTED: the CUDA kernels have no instance of this type (they take a stream).
  */
 duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_kernels_t **k_p);
 void          duet_kernels_destroy(duet_kernels_t *k); /* accepts NULL */
@@ -106,8 +114,9 @@ const char *duet_kernels_cpu_isa(const duet_kernels_t *k);
 /*
  * Run fn(ctx, begin, end, thread_idx) over [0, n) split into contiguous ranges of at least
  * `grain` items across the pool (the caller's thread takes part). Returns when all ranges are
- * done. thread_idx is in [0, n_threads) and can index per-thread scratch. CPU backend only; the
- * engine uses it for its own per-head loops. Must not be called from inside a task.
+ * done. thread_idx is in [0, n_threads) and can index per-thread scratch. The mixers' kernels
+ * (kernels/cpu/kda.c, mla.c) run their per-(item, head) loops on it. Must not be called from
+ * inside a task.
  */
 typedef void (*duet_k_task_fn)(void *ctx, int64_t begin, int64_t end, int thread_idx);
 void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn,

@@ -12,6 +12,10 @@
  * Everything is validated before the plan is touched, with 64-bit overflow checks on every
  * offset the plan can produce (the largest page id and slot bound them). The entry buffer is
  * grown once to an upper bound computed up front and reused by later builds.
+ *
+ * Sizes and offsets come from common/cache_layout.h, the one definition of the pools' byte
+ * layout that the engine's pools use too; this file only maps a duet_xfer_layout_t (the wire's
+ * spelling of a layout) onto it.
  */
 #include "transfer/plan.h"
 
@@ -19,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cache_layout.h"
 #include "common/log.h"
 
 static bool mul64(uint64_t a, uint64_t b, uint64_t *r)
@@ -26,36 +31,44 @@ static bool mul64(uint64_t a, uint64_t b, uint64_t *r)
     return !__builtin_mul_overflow(a, b, r);
 }
 
-static bool add64(uint64_t a, uint64_t b, uint64_t *r)
+static duet_kv_layout_t kv_layout_of(const duet_xfer_layout_t *l)
 {
-    return !__builtin_add_overflow(a, b, r);
+    return (duet_kv_layout_t){
+        .page_tokens = l->page_tokens, .n_layers = l->n_mla_layers, .token_bytes = l->token_bytes};
 }
 
-/* Bytes of one KDA layer block: (H*K*K + 3*H*K*(W-1)) * elem. False on overflow. */
+static duet_kda_layout_t kda_layout_of(const duet_xfer_layout_t *l)
+{
+    return (duet_kda_layout_t){.n_layers = l->n_kda_layers,
+                               .heads = l->kda_heads,
+                               .head_dim = l->kda_head_dim,
+                               .conv_kernel = l->conv_kernel,
+                               .elem_bytes = l->state_elem};
+}
+
+/* Bytes of one KDA layer block. False on overflow or a conv kernel of 0. */
 static bool layout_kda_layer_bytes(const duet_xfer_layout_t *l, uint64_t *r)
 {
-    uint64_t hk, s, conv;
-    if (l->conv_kernel == 0)
-        return false;
-    return mul64(l->kda_heads, l->kda_head_dim, &hk) && mul64(hk, l->kda_head_dim, &s) &&
-           mul64(hk, 3ull * (l->conv_kernel - 1u), &conv) && add64(s, conv, &s) &&
-           mul64(s, l->state_elem, r);
+    const duet_kda_layout_t k = kda_layout_of(l);
+    return duet_kda_layout_layer_bytes(&k, r);
 }
 
 uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l)
 {
-    uint64_t r;
-    if (!mul64((uint64_t)l->page_tokens * l->n_mla_layers, l->token_bytes, &r))
+    const duet_kv_layout_t k = kv_layout_of(l);
+    uint64_t               r;
+    if (!duet_kv_layout_page_bytes(&k, &r))
         return UINT64_MAX;
     return r;
 }
 
 uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l)
 {
-    uint64_t layer, r;
+    const duet_kda_layout_t k = kda_layout_of(l);
+    uint64_t                r;
     if (l->n_kda_layers == 0)
         return 0;
-    if (!layout_kda_layer_bytes(l, &layer) || !mul64(layer, l->n_kda_layers, &r))
+    if (!duet_kda_layout_slot_bytes(&k, &r))
         return UINT64_MAX;
     return r;
 }
@@ -284,9 +297,13 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     plan->total_bytes = 0;
     memset(plan->bytes_per_rank, 0, sizeof(plan->bytes_per_rank));
 
-    /* MLA KV, layer by layer, in token order. */
-    const uint64_t tb = sl->token_bytes;
-    const uint32_t ps = sl->page_tokens;
+    /* MLA KV, layer by layer, in token order (offsets within the bounds checked above). */
+    const uint64_t         tb = sl->token_bytes;
+    const uint32_t         ps = sl->page_tokens;
+    const duet_kv_layout_t skv = kv_layout_of(sl);
+    duet_kv_layout_t       dkv[DUET_XFER_MAX_RANKS];
+    for (uint32_t r = 0; r < n_ranks; r++)
+        dkv[r] = kv_layout_of(&dst_layout[r]);
     for (uint32_t l = 0; l < L; l++) {
         size_t group_start = plan->n_entries;
         plan->layer_first[l] = group_start;
@@ -302,38 +319,43 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                 run = src->n_tokens - t;
             uint32_t r = (uint32_t)(j % n_ranks);
             uint64_t local = j / n_ranks;
-            uint64_t src_off = (((uint64_t)src->pages[a] * L + l) * ps + sa) * tb;
-            uint64_t dst_off = (((uint64_t)dst[r].pages[local] * L + l) * pd + sd) * tb;
+            uint64_t src_off = 0, dst_off = 0;
+            bool ok = duet_kv_layout_offset(&skv, (uint64_t)src->pages[a], l, sa, &src_off) &&
+                      duet_kv_layout_offset(&dkv[r], (uint64_t)dst[r].pages[local], l, sd, &dst_off);
+            DUET_ASSERT(ok);
             plan_add(plan, group_start, DUET_XFER_SEG_KV, r, l, src_off, dst_off, run * tb);
             t += run;
         }
     }
 
-    /* KDA: per layer, per rank: the rank's heads of S, then its channels of the q, k, v windows. */
+    /* KDA: per layer, per rank: the rank's heads of S, then its channels of the q, k, v windows
+     * (a rank's pool is laid out as one of H / N heads). Offsets within the bounds checked above. */
+    const duet_kda_layout_t skd = kda_layout_of(sl);
     for (uint32_t l = 0; l < LK; l++) {
         size_t group_start = plan->n_entries;
         plan->layer_first[L + l] = group_start;
         if (!kda)
             continue;
-        const uint64_t e = sl->state_elem;
         const uint64_t K = sl->kda_head_dim;
-        const uint64_t W1 = sl->conv_kernel - 1u;
-        const uint64_t H = sl->kda_heads;
-        const uint64_t Hr = H / n_ranks;
-        const uint64_t src_layer = ((uint64_t)src->kda_slot * LK + l) * src_kda_layer;
-        const uint64_t src_conv = src_layer + H * K * K * e;
+        const uint64_t Hr = sl->kda_heads / n_ranks;
+        uint64_t s_len = 0, c_len = 0;
+        bool ok = duet_kda_layout_state_bytes(&skd, Hr, &s_len) &&
+                  duet_kda_layout_conv_bytes(&skd, Hr * K, &c_len);
+        DUET_ASSERT(ok);
         for (uint32_t r = 0; r < n_ranks; r++) {
-            uint64_t dst_layer_bytes;
-            bool ok = layout_kda_layer_bytes(&dst_layout[r], &dst_layer_bytes);
+            const duet_kda_layout_t dkd = kda_layout_of(&dst_layout[r]);
+            const uint64_t ss = (uint64_t)src->kda_slot, ds = (uint64_t)dst[r].kda_slot;
+            uint64_t src_off = 0, dst_off = 0;
+            ok = duet_kda_layout_state_offset(&skd, ss, l, r * Hr, &src_off) &&
+                 duet_kda_layout_state_offset(&dkd, ds, l, 0, &dst_off);
             DUET_ASSERT(ok);
-            const uint64_t dst_layer = ((uint64_t)dst[r].kda_slot * LK + l) * dst_layer_bytes;
-            const uint64_t dst_conv = dst_layer + Hr * K * K * e;
-            plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l, src_layer + r * Hr * K * K * e,
-                     dst_layer, Hr * K * K * e);
-            for (uint64_t c = 0; c < 3; c++)
-                plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l,
-                         src_conv + (c * H + r * Hr) * K * W1 * e, dst_conv + c * Hr * K * W1 * e,
-                         Hr * K * W1 * e);
+            plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l, src_off, dst_off, s_len);
+            for (uint64_t c = 0; c < 3; c++) {
+                ok = duet_kda_layout_conv_offset(&skd, ss, l, c, r * Hr * K, &src_off) &&
+                     duet_kda_layout_conv_offset(&dkd, ds, l, c, 0, &dst_off);
+                DUET_ASSERT(ok);
+                plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l, src_off, dst_off, c_len);
+            }
         }
     }
     plan->layer_first[n_groups] = plan->n_entries;

@@ -2,12 +2,10 @@
  * Transfer plans: which bytes of the sender's pools go where in the receiver's reserved pools.
  *
  * A pure function of two layouts and two page lists; it knows pages, layers and byte ranges, not
- * models (docs/architecture.md, "Cache pools"). The cache layouts it maps are the engine's
- * (engine/cache.h):
- *
- *   KV pool: offset(page p, layer l, token slot s) = ((p * n_layers + l) * page_tokens + s) * token_bytes
- *   KDA pool: offset(slot i, layer l) = (i * n_layers + l) * layer_bytes, and inside a layer block
- *             S = fp32 [H][K][V] followed by conv windows fp32 [3][H*K][W-1]
+ * models (docs/architecture.md, "Cache pools"). The cache layouts it maps are the engine's pools',
+ * defined once in common/cache_layout.h (KV: one block per (page, MLA layer); KDA: one block per
+ * (slot, KDA layer), S of every head then the q, k, v conv windows); a duet_xfer_layout_t is their
+ * numbers as a reservation carries them.
  *
  * The two sides may use different page sizes (e.g. 64-token context pages into 128-token
  * generation pages); the last page of either side may be partial. A destination may be a Helix

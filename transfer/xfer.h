@@ -78,7 +78,7 @@ typedef uint64_t duet_xfer_id_t;
  * unless set otherwise; 1.13's default protocols crash putting into device memory), and device
  * memory stays off when UCX_TLS allows tcp (1.13's new protocols crash sending active messages
  * over it: measured, see xfer_ctx.c), e.g. UCX_TLS=sm,self,cuda_copy,cuda_ipc on one node. Debian's UCX has none, so the workers stage device pools through
- * registered host pools (engine/model_cuda.h: mirror_in / mirror_out). A transfer whose sender
+ * registered host pools (engine/backend_cuda.c: mirror_in / mirror_out). A transfer whose sender
  * or receiver has a device pool carries no verified checksum: the CPU cannot read those bytes
  * (the sender sends none; a receiver with device pools reports has_checksum = false).
  */

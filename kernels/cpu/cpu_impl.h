@@ -17,14 +17,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "kernels/cpu/isa.h"
 #include "kernels/kernels.h"
-
-/* Instruction-set paths of the matmul, best last. */
-typedef enum {
-    DUET__ISA_SCALAR = 0,
-    DUET__ISA_AVX2   = 1, /* AVX2 + FMA + F16C */
-    DUET__ISA_AVX512 = 2, /* AVX-512 F/BW/VL + FMA + F16C */
-} duet__isa_t;
 
 typedef void (*duet__task_fn)(void *ctx, int64_t task, int thread_idx);
 
@@ -62,26 +56,6 @@ struct duet_kernels {
  * from inside a task (nested use).
  */
 void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, void *ctx);
-
-/* The matmul of one block of outputs y[m0:m1, n0:n1], one ISA each (w is [N, K], ldw = K). */
-typedef void (*duet__matmul_block_fn)(duet_dtype_t dt, float *y, int64_t ldy, const float *x,
-                                      int64_t ldx, int64_t m0, int64_t m1, const void *w,
-                                      int64_t n0, int64_t n1, int64_t K, int accumulate);
-void duet__matmul_block_scalar(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
-                               int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
-                               int64_t K, int accumulate);
-void duet__matmul_block_avx2(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
-                             int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
-                             int64_t K, int accumulate);
-void duet__matmul_block_avx512(duet_dtype_t dt, float *y, int64_t ldy, const float *x,
-                               int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t n0,
-                               int64_t n1, int64_t K, int accumulate);
-
-/* The best ISA this CPU supports. */
-duet__isa_t duet__isa_detect(void);
-/* Whether the CPU converts fp16 in hardware (F16C). */
-bool duet__cpu_has_f16c(void);
-const char *duet__isa_name(duet__isa_t isa);
 
 /*
  * Force the matmul path of `k` (tests and benchmarks). Returns DUET_ERR_UNSUPPORTED when the CPU

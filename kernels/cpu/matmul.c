@@ -1,91 +1,18 @@
 /*
  * matmul.c: duet_k_matmul on the CPU: argument checks, the split of y into tasks for the pool,
- * the choice of instruction-set path, and the portable scalar path.
+ * and the choice of instruction-set path (the paths themselves: matmul_scalar.c, matmul_avx2.c,
+ * matmul_avx512.c).
  *
  * Work is split over N (rows of W) in chunks of at least 16 rows, several chunks per thread so
  * that a slow thread is covered by the others; for M > 64 also over M in chunks of 64 rows, so a
  * prefill's block of x stays in cache while W streams past it. Products below ~64k multiply-adds
  * run on the calling thread: waking the pool would cost more.
  */
-#include <stdbool.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
+#include <string.h>
 
 #include "common/log.h"
 #include "kernels/cpu/cpu_impl.h"
-
-bool duet__cpu_has_f16c(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    /* CPUID leaf 1, ECX bit 29: clang 14's __builtin_cpu_supports has no "f16c". */
-    unsigned a, b, c, d;
-    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
-#else
-    return false;
-#endif
-}
-
-duet__isa_t duet__isa_detect(void)
-{
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               duet__cpu_has_f16c();
-    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
-        return DUET__ISA_AVX512;
-    if (avx2)
-        return DUET__ISA_AVX2;
-#endif
-    return DUET__ISA_SCALAR;
-}
-
-const char *duet__isa_name(duet__isa_t isa)
-{
-    switch (isa) {
-    case DUET__ISA_SCALAR:
-        return "scalar";
-    case DUET__ISA_AVX2:
-        return "avx2";
-    case DUET__ISA_AVX512:
-        return "avx512";
-    }
-    return "?";
-}
-
-/* Portable path: 8 partial sums per dot product (the order the vector paths use, roughly). */
-void duet__matmul_block_scalar(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
-                               int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
-                               int64_t K, int accumulate)
-{
-    for (int64_t n = n0; n < n1; n++) {
-        const float    *wf = (const float *)w + n * K;
-        const uint16_t *wh = (const uint16_t *)w + n * K;
-        for (int64_t m = m0; m < m1; m++) {
-            const float *xr     = x + m * ldx;
-            float        p[8]   = {0};
-            int64_t      k      = 0;
-            float        wv[8];
-            for (; k + 8 <= K; k += 8) {
-                for (int j = 0; j < 8; j++)
-                    wv[j] = dt == DUET_DTYPE_F32    ? wf[k + j]
-                            : dt == DUET_DTYPE_BF16 ? duet_bf16_to_f32(wh[k + j])
-                                                    : duet_f16_to_f32(wh[k + j]);
-                for (int j = 0; j < 8; j++)
-                    p[j] += xr[k + j] * wv[j];
-            }
-            float s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-            for (; k < K; k++) {
-                float wk = dt == DUET_DTYPE_F32    ? wf[k]
-                           : dt == DUET_DTYPE_BF16 ? duet_bf16_to_f32(wh[k])
-                                                   : duet_f16_to_f32(wh[k]);
-                s += xr[k] * wk;
-            }
-            y[m * ldy + n] = accumulate ? y[m * ldy + n] + s : s;
-        }
-    }
-}
+#include "kernels/cpu/matmul_impl.h"
 
 typedef struct {
     duet__matmul_block_fn fn;

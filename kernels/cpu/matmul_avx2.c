@@ -3,7 +3,7 @@
  * 2 x 4 tiles). Compiled with those -m flags (kernels/CMakeLists.txt); reached only through
  * duet__isa_detect.
  */
-#include "kernels/cpu/cpu_impl.h"
+#include "kernels/cpu/matmul_impl.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

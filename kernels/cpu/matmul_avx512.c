@@ -3,7 +3,7 @@
  * registers: 4 x 4 tiles). Compiled with those -m flags (kernels/CMakeLists.txt); reached only
  * through duet__isa_detect, so the binary still runs on CPUs without them.
  */
-#include "kernels/cpu/cpu_impl.h"
+#include "kernels/cpu/matmul_impl.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

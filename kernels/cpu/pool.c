@@ -213,20 +213,11 @@ static void duet__pool_stop(struct duet_kernels *k)
 
 duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_kernels_t **k_p)
 {
-    if (dev == DUET_DEVICE_CUDA) {
-        int n = duet_cuda_device_count();
-        if (n == 0)
-            return duet_error_set(DUET_ERR_UNSUPPORTED, "kernels: no CUDA device is visible%s",
-#ifdef DUET_HAVE_CUDA
-                                  ""
-#else
-                                  " (this binary was built without the CUDA backend)"
-#endif
-            );
+    if (dev == DUET_DEVICE_CUDA)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
-                              "kernels: %d CUDA device(s) found, but the CUDA kernels are not "
-                              "implemented yet; use the CPU backend", n);
-    }
+                              "kernels: a duet_kernels_t is the CPU backend; the CUDA kernels "
+                              "take a stream (kernels/cuda) and are driven by the engine's CUDA "
+                              "backend (engine/backend_cuda.c)");
     if (dev != DUET_DEVICE_CPU)
         return duet_error_set(DUET_ERR_INVALID, "kernels: unknown device kind %d", (int)dev);
     if (n_threads < 0)

@@ -1,6 +1,6 @@
 /*
  * cuda_check.h: a CUDA runtime error as a duet status, the one conversion every CUDA source
- * (the .cu files of kernels/cuda, engine/model_cuda.c) reports through.
+ * (the .cu files of kernels/cuda, engine/backend_cuda.c) reports through.
  */
 #ifndef DUET_KERNELS_CUDA_CHECK_H
 #define DUET_KERNELS_CUDA_CHECK_H

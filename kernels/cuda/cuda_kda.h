@@ -1,8 +1,8 @@
 /*
  * cuda_kda.h: the KDA mixer's sequence-dependent parts on the GPU (docs/model.md "KDA mixer"; the
- * CPU reference is engine/model.c duet__kda_{conv,prep,core,out}_task and engine/kda.c). All
- * pointers are device pointers, every call is queued on `stream` and returns a duet status
- * (DUET_ERR_DEVICE naming the CUDA error on a launch failure). None of these synchronises or
+ * CPU reference is kernels/cpu/cpu_kda.h, the same four parts). All pointers are device
+ * pointers, every call is queued on `stream` and returns a duet status (DUET_ERR_DEVICE naming
+ * the CUDA error on a launch failure). None of these synchronises or
  * allocates, so all can be captured in a CUDA graph. fp32 everywhere; the state stays fp32. Layout
  * of the rows (as the CPU path): proj / qkv are [n_rows][3*H*K] (q | k | v), g is [n_rows][H*K],
  * beta [n_rows][H], gate and o [n_rows][H*K].

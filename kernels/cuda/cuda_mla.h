@@ -1,6 +1,6 @@
 /*
  * cuda_mla.h: MLA attention over the paged latent cache on the GPU, weight-absorbed form
- * (docs/model.md "MLA mixer"; CPU reference: engine/model.c duet__mla_layer / duet__mla_attn_task).
+ * (docs/model.md "MLA mixer"; CPU reference: kernels/cpu/cpu_mla.h).
  * Kimi Linear's MLA has no rotary embedding: q_r and k_r are used as they are. All pointers are
  * device pointers; calls are queued on `stream`, never synchronise or allocate (graph-capturable)
  * and return a duet status.

@@ -6,7 +6,7 @@
  * in fp32 along their dot products). From that sum on they must agree to the bit, so that a row
  * one kernel stores as xn equals what another would have stored: the scale is 1/sqrt(Σ/n + eps)
  * taken in double and rounded once to fp32, and each element is w · (x · scale), two fp32
- * products rounded in that order (engine/model.c's order).
+ * products rounded in that order (kernels/cpu/ops.c's order).
  */
 #ifndef DUET_KERNELS_CUDA_NORM_CUH
 #define DUET_KERNELS_CUDA_NORM_CUH

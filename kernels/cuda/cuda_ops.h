@@ -1,6 +1,6 @@
 /*
  * cuda_ops.h: the engine's elementwise ops, norms, MoE routing and experts, and sampling on the
- * GPU. CPU references: kernels/cpu/ops.c, engine/model.c (duet__route_row, duet__moe_layer),
+ * GPU. CPU references: kernels/cpu/ops.c, kernels/cpu/moe.c, engine/backend_cpu.c (duet__moe_layer),
  * engine/sampler.c. All pointers are device pointers; calls are queued on `stream`, return a duet
  * status (DUET_ERR_DEVICE naming the CUDA error) and, unless said otherwise, never synchronise or
  * allocate (graph-capturable). Activations are fp32; weight matrices are F32, BF16 or F16.
@@ -37,7 +37,7 @@ duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *u
                                 float beta_lin);
 
 /*
- * MoE routing, per row (engine/model.c duet__route_row): score = σ(logit), choice = score + bias,
+ * MoE routing, per row (kernels/cpu/cpu_moe.h duet_cpu_moe_route): score = σ(logit), choice = score + bias,
  * group-limited (n_group groups; a group's score = sum of its best two choices, or its best if a
  * group has one expert; keep the topk_group best groups), top_k experts by choice (first index on
  * ties), weights = score (renormalised to sum 1 when renorm), times scale. logits [T][E];
@@ -73,7 +73,7 @@ typedef struct {
     /* Optional shared expert of the same dtype and I (all NULL: none): gate_proj [I][D],
      * up_proj [I][D], down_proj [D][I]. Only a call with T = 1 takes one (the decode step's
      * case, where a separate MLP costs three kernels more): y then also gets its output, with
-     * weight 1, after the routed sum, as engine/model.c adds it. Other T are refused. */
+     * weight 1, after the routed sum, as engine/backend_cpu.c adds it. Other T are refused. */
     const void *sw1, *sw3, *sw2;
     /* Optional, with the shared expert at T = 1 (both NULL: none): the call's x is
      * RMSNorm(norm_x) ⊙ norm_w with norm_eps as duet_cuda_moe_router_route stores it (norm_x

@@ -8,7 +8,7 @@
  * bucket point at a spare sequence (its own KDA slot and KV page) and are computed like any
  * other, so kernels need no special case for them.
  *
- * Cache addressing (engine/cache.h layouts, all pointers device pointers):
+ * Cache addressing (common/cache_layout.h defines the layouts; all pointers device pointers):
  *   KV block of (page p, MLA layer l) = kv_base + ((p * kv_n_layers + l) * page_tokens) * td
  *     elements of kv_dtype, td = kv_lora_rank + qk_rope_head_dim; a token's row = [c | k_r].
  *   KDA layer block of (slot s, KDA layer l) = kda_base + (s * kda_n_layers + l) * kda_layer_floats

@@ -1,6 +1,6 @@
 /*
  * kda.cu: the KDA mixer's sequence-dependent kernels (cuda_kda.h has the contract; the CPU
- * reference is engine/model.c duet__kda_*_task and engine/kda.c).
+ * reference is kernels/cpu/kda.c).
  *
  * conv: one thread per (channel, run of consecutive rows) slides the last W-1 inputs along in
  *   registers (starting from the item's window), so runs are independent of each other and
@@ -19,7 +19,7 @@
  *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
  *           (j <= i): each pairwise decay is exp2 of a *difference* Γi − Γj <= 0 (clamped to <= 0
  *           so the masked j > i half cannot overflow either), never a ratio of exponentials,
- *           the property engine/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
+ *           the property kernels/cpu/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
  *           when j lies in an earlier 16-row sub-chunk than i, as the product of two such
  *           differences through the last row of j's sub-chunk (duet__kda_chunk_kr), so that
  *           the exponentials are per (row, channel) there, not per (pair, channel);
@@ -30,7 +30,7 @@
  *     block's columns of S in shared memory for the whole item, per chunk in order
  *     V_new = U − Wt S,    O = Qe S + Aqk V_new,    S ← e^{Γlast} S + Kdᵀ V_new:
  *     three small products spread over 16 warps, where the chunk loop used to carry the
- *     triangular solve on 4 warps per block (engine/kda.c's U − W S = T(βV) − T(βe^Γ K) S,
+ *     triangular solve on 4 warps per block (kernels/cpu/kda.c's U − W S = T(βV) − T(βe^Γ K) S,
  *     there with T applied once, to Y = βV − W S; the same algebra, rounded differently).
  *     duet__kda_seq_tc_kernel does the same three products on the tensor cores, as tf32 products
  *     of split fp32 values (the layer's `tc` flag; the engine sets it for BF16 compute).
@@ -62,10 +62,10 @@
 #define DUET__MODULE          "cuda kda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
-#define DUET_KDA_C      64 /* chunk length, engine/kda.h DUET_KDA_CHUNK */
+#define DUET_KDA_C      64 /* chunk length, kernels/cpu/cpu_kda.h DUET_KDA_CHUNK */
 #define DUET_KDA_MAX_K  128
 #define DUET_KDA_MAX_W  8
-#define DUET_KDA_L2_EPS 1e-6f /* engine/model.c DUET_L2_EPS */
+#define DUET_KDA_L2_EPS 1e-6f /* kernels/cpu/kda.c DUET_L2_EPS */
 #define DUET_LOG2E      1.4426950408889634f
 /* The chain fuses a decode step only up to this many (item, head) clusters. Measured on an H200
  * (ncu, H = 32, K = 128): at 1 item the fused kernel takes 7.3 us against 17.0 for the five

@@ -1,6 +1,6 @@
 /*
  * mla.cu: MLA attention over the paged latent cache (cuda_mla.h has the contract; the CPU
- * reference is engine/model.c duet__mla_layer / duet__mla_attn_task).
+ * reference is kernels/cpu/mla.c).
  *
  * kv_write: one block per row: RMSNorm of c (sum of squares in double, the scale formed exactly
  *   as the CPU's duet_k_rmsnorm forms it), then [c | k_r] rounded to the cache dtype (bf16: RNE)

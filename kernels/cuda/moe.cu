@@ -1,6 +1,7 @@
 /*
  * moe.cu: MoE routing (duet_cuda_moe_route) and the routed experts of one layer
- * (duet_cuda_moe_experts). CPU reference: engine/model.c (duet__route_row, duet__moe_layer).
+ * (duet_cuda_moe_experts). CPU reference: kernels/cpu/moe.c (duet_cpu_moe_route) and
+ * engine/backend_cpu.c (duet__moe_layer).
  *
  * Routing: a block of 256 threads computes the scores and choices of its rows together (one
  * row per block at decode sizes, up to 8 for prefill; at E = 256 one sigmoid per thread),

@@ -1,7 +1,7 @@
 /*
  * test_cuda_kda.c: the KDA kernels of kernels/cuda/cuda_kda.h against a CPU reference of the same
- * chain. The reference mirrors engine/model.c (duet__kda_conv_task, _prep_task, _out_task) loop
- * for loop and calls engine/kda.c for the core (recurrent for 1-token items, chunked otherwise),
+ * chain. The reference mirrors kernels/cpu/kda.c (the conv, prep and out tasks) loop for loop and
+ * calls its head-level core (recurrent for 1-token items, chunked otherwise),
  * on a host copy of the KDA pool with the same layout.
  *
  * Batches mix 1-token decode items with items of 2..200 tokens that cross chunk boundaries, start
@@ -45,7 +45,7 @@
 #include <criterion/criterion.h>
 #include <cuda_runtime_api.h>
 
-#include "engine/kda.h"
+#include "kernels/cpu/cpu_kda.h"
 #include "kernels/cuda/cuda_kda.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
@@ -299,7 +299,7 @@ static void case_free(kda_case_t *c)
     cudaFree(c->d_o), cudaFree(c->d_meta), cudaFree(c->d_scr);
 }
 
-/* ---- CPU reference chain (engine/model.c's loops, engine/kda.c's core) ------------------------
+/* ---- CPU reference chain (kernels/cpu/kda.c's loops and core) ----------------------------------
  */
 
 static void ref_step(kda_case_t *c)
@@ -360,11 +360,11 @@ static void ref_step(kda_case_t *c)
     }
 
     /* core */
-    float *scratch = xmalloc(sizeof(float) * (size_t)duet_kda_chunk_scratch_floats(K, K));
+    float *scratch = xmalloc(sizeof(float) * (size_t)duet_cpu_kda_chunk_scratch_floats(K, K));
     for (int it = 0; it < c->sh.n_items; it++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t r0 = c->row0[it];
-            duet_kda_head_io_t io = {
+            duet_cpu_kda_head_io_t io = {
                 .q = c->qkv + r0 * C3 + h * K,
                 .q_stride = C3,
                 .k = c->qkv + r0 * C3 + HK + h * K,
@@ -383,9 +383,9 @@ static void ref_step(kda_case_t *c)
             };
             float *S = ref_block(c, c->slot[it]) + h * K * K;
             if (io.n == 1)
-                duet_kda_recurrent(&io, S);
+                duet_cpu_kda_recurrent(&io, S);
             else
-                duet_kda_chunked(&io, S, scratch);
+                duet_cpu_kda_chunked(&io, S, scratch);
         }
     free(scratch);
 
@@ -832,7 +832,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n, int tc)
         CHECK(untouched, "the chunked core wrote past the heads' states");
     }
     for (int64_t h = 0; h < H; h++) {
-        duet_kda_head_io_t io = {.q = qkv + h * K,
+        duet_cpu_kda_head_io_t io = {.q = qkv + h * K,
                                  .q_stride = C3,
                                  .k = qkv + HK + h * K,
                                  .k_stride = C3,
@@ -847,7 +847,7 @@ static void forms_agree(int64_t H, int64_t K, int64_t n, int tc)
                                  .n = n,
                                  .K = K,
                                  .V = K};
-        duet_kda_recurrent(&io, pool + h * K * K);
+        duet_cpu_kda_recurrent(&io, pool + h * K * K);
     }
     char what[64];
     snprintf(what, sizeof(what), "forms%s H%lld K%lld n=%lld", tc ? " tc" : "", (long long)H,

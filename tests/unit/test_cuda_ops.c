@@ -1,8 +1,8 @@
 /*
  * test_cuda_ops.c: the CUDA ops of kernels/cuda/cuda_ops.h against their CPU references on the
  * same inputs: embedding gather, RMSNorm (plain, strided, in place, fused with the residual),
- * the gated activations (kernels/cpu/ops.c); MoE routing (a copy of engine/model.c's
- * duet__route_row, which is static there) and the routed experts (duet__moe_layer's algorithm
+ * the gated activations (kernels/cpu/ops.c); MoE routing (kernels/cpu/moe.c's
+ * duet_cpu_moe_route) and the routed experts (engine/backend_cpu.c duet__moe_layer's algorithm
  * built from duet_k_matmul and the CPU activations); argmax and sampling (engine/sampler.c,
  * duet_sampler_sample with the same u from duet_rng_uniform). Without a CUDA device (the build
  * VM, CI) every test skips with a reason. Each test prints its max error (`--verbose`); the
@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "engine/sampler.h"
+#include "kernels/cpu/cpu_moe.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
@@ -336,67 +337,12 @@ Test(cuda_ops, act_mul, .timeout = 60)
 
 /* ---- routing --------------------------------------------------------------------------------- */
 
-/* engine/model.c duet__route_row, copied (it is static there), with the config as arguments. */
+/* The CPU's routing of one row (kernels/cpu/moe.c, the reference of duet_cuda_moe_route). */
 static void route_ref(const float *logits, const float *bias, int64_t E, int64_t n_group,
                       int64_t topk_group, int64_t top_k, int renorm, float scale, int32_t *idx,
                       float *wts)
 {
-    const int64_t G = n_group > 0 ? n_group : 1, gs = E / G;
-    float *score = xmalloc(sizeof(float) * E), *choice = xmalloc(sizeof(float) * E);
-    for (int64_t e = 0; e < E; e++) {
-        score[e] = 1.0f / (1.0f + expf(-logits[e]));
-        choice[e] = score[e] + bias[e];
-    }
-    if (G > 1) {
-        float *gscore = xmalloc(sizeof(float) * G);
-        uint8_t *keep = xmalloc(G);
-        for (int64_t g = 0; g < G; g++) {
-            float b1 = -INFINITY, b2 = -INFINITY;
-            for (int64_t e = g * gs; e < (g + 1) * gs; e++) {
-                if (choice[e] > b1) {
-                    b2 = b1;
-                    b1 = choice[e];
-                } else if (choice[e] > b2) {
-                    b2 = choice[e];
-                }
-            }
-            gscore[g] = gs >= 2 ? b1 + b2 : b1;
-            keep[g] = 0;
-        }
-        for (int64_t k = 0; k < topk_group; k++) {
-            int64_t best = -1;
-            for (int64_t g = 0; g < G; g++)
-                if (!keep[g] && (best < 0 || gscore[g] > gscore[best]))
-                    best = g;
-            keep[best] = 1;
-        }
-        for (int64_t e = 0; e < E; e++)
-            if (!keep[e / gs])
-                choice[e] = -INFINITY;
-        free(keep);
-        free(gscore);
-    }
-    float sum = 0.0f;
-    for (int64_t k = 0; k < top_k; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < k; j++)
-                taken |= idx[j] == e;
-            if (!taken && (best < 0 || choice[e] > choice[best]))
-                best = e;
-        }
-        idx[k] = (int32_t)best;
-        wts[k] = score[best];
-        sum += wts[k];
-    }
-    for (int64_t k = 0; k < top_k; k++) {
-        if (renorm)
-            wts[k] /= sum + 1e-20f;
-        wts[k] *= scale;
-    }
-    free(choice);
-    free(score);
+    duet_cpu_moe_route(logits, bias, 1, E, n_group, topk_group, top_k, renorm, scale, idx, wts);
 }
 
 /*
@@ -786,7 +732,7 @@ static float act_scalar(const act_cfg_t *a, float g)
 }
 
 /*
- * The reference: engine/model.c duet__moe_layer's algorithm on the CPU backend (rows grouped by
+ * The reference: engine/backend_cpu.c duet__moe_layer's algorithm on the CPU backend (rows grouped by
  * expert, duet_k_matmul, the CPU activation, y += w · out), starting from y0.
  *
  * With it, a bound scale per output: S[t][d] = Σ_k |w_k| Σ_i |W2[d][i]| B_i with

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/status.h"
 #include "engine/cache.h"
 
 Test(engine_cache, kv_layout_and_allocation, .timeout = 30)
@@ -92,6 +93,47 @@ Test(engine_cache, bad_descriptors_are_refused, .timeout = 30)
                               .conv_kernel = 4};
     duet_kda_pool_t     *q = NULL;
     cr_expect_eq(duet_kda_pool_create(&k, &q), DUET_ERR_INVALID);
+}
+
+/* A descriptor whose pool would not fit in 64-bit sizes is refused before anything is allocated
+ * (the sizes come from common/cache_layout.h's checked arithmetic). */
+Test(engine_cache, overflowing_descriptors_are_refused, .timeout = 30)
+{
+    duet_kv_pool_desc_t d = {.page_tokens = (int64_t)1 << 40, .n_pages = (int64_t)1 << 20,
+                             .n_layers = 4, .token_dim = 1024, .dtype = DUET_DTYPE_F32};
+    duet_kv_pool_t     *p = NULL;
+    cr_expect_eq(duet_kv_pool_bytes_needed(&d), SIZE_MAX);
+    cr_expect_eq(duet_kv_pool_create(&d, &p), DUET_ERR_INVALID);
+    cr_expect_null(p);
+    cr_expect_not_null(strstr(duet_error_last(), "overflow"), "%s", duet_error_last());
+    duet_kda_pool_desc_t k = {.n_slots = (int64_t)1 << 30, .n_layers = 64,
+                              .heads = (int64_t)1 << 20, .head_dim = 1 << 12, .conv_kernel = 4};
+    duet_kda_pool_t     *q = NULL;
+    cr_expect_eq(duet_kda_pool_bytes_needed(&k), SIZE_MAX);
+    cr_expect_eq(duet_kda_pool_create(&k, &q), DUET_ERR_INVALID);
+    cr_expect_null(q);
+    cr_expect_not_null(strstr(duet_error_last(), "overflow"), "%s", duet_error_last());
+}
+
+/* A pool reports the layout its descriptor implies (what the CPU kernels and the transfer plan
+ * address it with). */
+Test(engine_cache, pools_report_their_layout, .timeout = 30)
+{
+    duet_kv_pool_desc_t d = {.page_tokens = 16, .n_pages = 3, .n_layers = 2, .token_dim = 24,
+                             .dtype = DUET_DTYPE_BF16};
+    duet_kv_pool_t     *p = NULL;
+    cr_assert_eq(duet_kv_pool_create(&d, &p), DUET_OK);
+    duet_kv_layout_t kl = duet_kv_pool_layout(p);
+    cr_expect(kl.page_tokens == 16 && kl.n_layers == 2 && kl.token_bytes == 24 * 2);
+    duet_kv_pool_destroy(p);
+    duet_kda_pool_desc_t k = {.n_slots = 2, .n_layers = 3, .heads = 2, .head_dim = 8,
+                              .conv_kernel = 4};
+    duet_kda_pool_t     *q = NULL;
+    cr_assert_eq(duet_kda_pool_create(&k, &q), DUET_OK);
+    duet_kda_layout_t sl = duet_kda_pool_layout(q);
+    cr_expect(sl.n_layers == 3 && sl.heads == 2 && sl.head_dim == 8 && sl.conv_kernel == 4 &&
+              sl.elem_bytes == 4);
+    duet_kda_pool_destroy(q);
 }
 
 Test(engine_cache, double_free_is_an_invariant_violation, .signal = SIGABRT, .timeout = 30)

@@ -1,5 +1,5 @@
 /*
- * The engine's CUDA forward pass (engine/model_cuda.c) against transformers' fixtures and the CPU
+ * The engine's CUDA backend (engine/backend_cuda.c) against transformers' fixtures and the CPU
  * path, on the same fixtures test_engine_golden.c uses. Without a CUDA device (this build VM, CI)
  * every GPU test skips with the reason, and one test checks that --device cuda fails cleanly.
  *
@@ -24,7 +24,7 @@
 
 #include "engine/cache.h"
 #include "engine/model.h"
-#include "engine/model_cuda.h"
+#include "engine/backend_cuda.h"
 #include "engine/sampler.h"
 #include "kernels/cuda/cuda_util.h"
 
@@ -658,14 +658,14 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
 static duet_model_t *load_x(const fixture_t *x, int on, int64_t max_batch_tokens,
                             int64_t max_seq_len)
 {
-    duet_cuda_model_mla_x_set(on);
+    duet_backend_cuda_mla_x_set(on);
     g_kv_dtype = DUET_DTYPE_BF16;
     g_max_batch_tokens = max_batch_tokens;
     g_max_seq_len = max_seq_len;
     duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
     g_kv_dtype = DUET_DTYPE_F32;
     g_max_batch_tokens = g_max_seq_len = 0;
-    duet_cuda_model_mla_x_set(-1);
+    duet_backend_cuda_mla_x_set(-1);
     return m;
 }
 
@@ -679,12 +679,12 @@ static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int
 {
     const int64_t V = x->vocab;
     duet_model_t *m = load_x(x, on, chunk, n + ng > 512 ? 1024 : 512);
-    const int64_t before = duet_cuda_model_mla_x_steps();
+    const int64_t before = duet_backend_cuda_mla_x_steps();
     duet_seq_t seq;
     cr_assert_eq(duet_model_seq_open(m, n + ng, &seq), DUET_OK);
     for (int64_t t0 = 0; t0 < n; t0 += chunk)
         prefill_all(m, &seq, toks + t0, n - t0 < chunk ? n - t0 : chunk, out + t0 * V);
-    const int64_t took = duet_cuda_model_mla_x_steps() - before;
+    const int64_t took = duet_backend_cuda_mla_x_steps() - before;
     float *last = malloc(sizeof(float) * (size_t)V);
     memcpy(last, out + (n - 1) * V, sizeof(float) * (size_t)V);
     greedy(m, &seq, last, V, got, ng);
@@ -699,7 +699,7 @@ static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64
                              const int32_t *b, int64_t nb, float *out)
 {
     duet_model_t *m = load_x(x, on, 1024, 1024);
-    const int64_t before = duet_cuda_model_mla_x_steps();
+    const int64_t before = duet_backend_cuda_mla_x_steps();
     duet_seq_t sa, sb;
     cr_assert_eq(duet_model_seq_open(m, na, &sa), DUET_OK);
     cr_assert_eq(duet_model_seq_open(m, nb, &sb), DUET_OK);
@@ -711,7 +711,7 @@ static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64
          .logits_mode = DUET_LOGITS_ALL,
          .logits = out + na * x->vocab}};
     cr_assert_eq(duet_model_forward(m, its, 2), DUET_OK, "%s", duet_error_last());
-    const int64_t took = duet_cuda_model_mla_x_steps() - before;
+    const int64_t took = duet_backend_cuda_mla_x_steps() - before;
     duet_model_free(m);
     return took;
 }

@@ -1,5 +1,5 @@
 /*
- * KDA core: the chunked (WY/UT) form against the token-by-token recurrence, on random inputs
+ * KDA core (kernels/cpu/kda.c): the chunked (WY/UT) form against the token-by-token recurrence, on random inputs
  * shaped like the real ones (L2-normalised q/k, q scaled by K^-1/2, g <= 0, β in (0, 1)).
  * Tolerance: max |chunked - recurrent| <= 1e-5 · max(1, max |recurrent|), for outputs and state.
  */
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/kda.h"
+#include "kernels/cpu/cpu_kda.h"
 
 static uint64_t rng_state = 88172645463325252ull;
 
@@ -85,7 +85,7 @@ static void check_case(int64_t n, int64_t K, int64_t V, int pieces, float decay_
     float *o_chk = calloc((size_t)(n * V), sizeof(float));
     float *S_rec = calloc((size_t)(K * V), sizeof(float));
     float *S_chk = calloc((size_t)(K * V), sizeof(float));
-    float *scr   = malloc(sizeof(float) * (size_t)duet_kda_chunk_scratch_floats(K, V));
+    float *scr   = malloc(sizeof(float) * (size_t)duet_cpu_kda_chunk_scratch_floats(K, V));
     /* a non-zero initial state, as after an earlier prompt */
     for (int64_t i = 0; i < K * V; i++)
         S_rec[i] = S_chk[i] = (frand() * 2 - 1) * 0.5f;
@@ -93,15 +93,15 @@ static void check_case(int64_t n, int64_t K, int64_t V, int pieces, float decay_
     int64_t at = 0;
     for (int p = 0; p < pieces; p++) {
         int64_t len = p == pieces - 1 ? n - at : n / pieces;
-        duet_kda_head_io_t io = {
+        duet_cpu_kda_head_io_t io = {
             .q = in.q + at * K, .q_stride = K, .k = in.k + at * K, .k_stride = K,
             .v = in.v + at * V, .v_stride = V, .g = in.g + at * K, .g_stride = K,
             .beta = in.beta + at, .beta_stride = 1, .o = o_rec + at * V, .o_stride = V,
             .n = len, .K = K, .V = V,
         };
-        duet_kda_recurrent(&io, S_rec);
+        duet_cpu_kda_recurrent(&io, S_rec);
         io.o = o_chk + at * V;
-        duet_kda_chunked(&io, S_chk, scr);
+        duet_cpu_kda_chunked(&io, S_chk, scr);
         at += len;
     }
     float ref  = fmaxf(1.0f, max_abs(o_rec, n * V));

@@ -1,6 +1,7 @@
 /*
- * model_cuda.c: the forward pass on the GPU (model_cuda.h says what lives where). The step is the
- * CPU path's (engine/model.c) with the same row layout, kernel for loop:
+ * backend_cuda.c: the CUDA backend (the table of engine/backend.h): the forward pass on an NVIDIA
+ * GPU, through the kernels of kernels/cuda. The step is the CPU backend's (engine/backend_cpu.c)
+ * with the same row layout, kernel for loop:
  *   embed → per layer: RMSNorm → mixer (KDA: 5 GEMMs, conv, prep, core, out-norm, o_proj that
  *   accumulates into the residual; MLA: q / kv_a GEMMs, kv_a norm + page write, per-head
  *   absorbed W_UK (one batched GEMM), paged attention with split-KV, per-head W_UV (batched),
@@ -8,8 +9,26 @@
  *   grouped experts + shared expert) → final norm of the logits rows, lm_head, sampling.
  * Residual adds are the GEMMs' accumulate epilogue (β = 1), so no separate add kernel runs.
  * q, k, v projections are one GEMM over a concatenated weight, f_a and g_a another.
+ *
+ * What lives on the device, allocated once at create: every weight (converted to the compute
+ * dtype, F32 or BF16; the MoE router stays fp32 so routing ties resolve as on the CPU), the KV and
+ * KDA pools (laid out as the host pools, common/cache_layout.h, with one spare page and one spare
+ * state slot beyond the host pools' ids: the padding items of a CUDA-graph batch bucket write
+ * there), the step workspace, the GEMM handle and its workspace. The front end's host pools keep
+ * doing the bookkeeping (page and slot ids); their memory is only touched as a staging mirror when
+ * a worker asks for it (mirror_in: seq_set_filled copies a received sequence host → device;
+ * mirror_out: each layer's new KV / state is copied device → host on a copy stream, overlapping
+ * the next layer's compute, before the layer hook runs).
+ *
+ * A pure decode step (every item one token, logits of the last row or a sampled token) runs as a
+ * CUDA graph captured once per (batch bucket = next power of two, MLA split count, sampling
+ * kind) and replayed with the step's metadata copied in first; other steps are queued kernel by
+ * kernel. Every step ends with one stream synchronisation.
+ *
+ * In a build without the CUDA backend the table still exists (the front end names it for
+ * --device cuda and its dtypes): its probe says why and its create refuses.
  */
-#include "engine/model_cuda.h"
+#include "engine/backend_cuda.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -17,58 +36,23 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "engine/backend.h"
+
+/* Whether this process can run the CUDA backend (backend.h's probe). */
+static int duet__cuda_probe(char *why, size_t cap)
+{
+    if (duet_cuda_device_usable(why, cap))
+        return 1;
+    return duet_cuda_device_count() > 0 ? -1 : 0;
+}
 
 #ifndef DUET_HAVE_CUDA
 
-duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_model_opts_t *opts,
-                                     const duet_weights_t *w, const duet_cuda_model_host_t *host,
-                                     uint64_t seed, duet_kv_pool_t *kv, duet_kda_pool_t *kda,
-                                     int64_t max_pages_per_seq, const int64_t *layer_sub,
-                                     duet_cuda_model_t **dm_p)
+static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
 {
-    (void)cfg, (void)opts, (void)w, (void)host, (void)seed, (void)kv, (void)kda;
-    (void)max_pages_per_seq, (void)layer_sub, (void)dm_p;
+    (void)bm, (void)be_p;
     return duet_error_set(DUET_ERR_UNSUPPORTED, "this build has no CUDA backend (nvcc was not "
                           "found when it was configured)");
-}
-void duet_cuda_model_destroy(duet_cuda_model_t *dm)
-{
-    (void)dm;
-}
-duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t *seq)
-{
-    (void)dm, (void)seq;
-    return DUET_ERR_UNSUPPORTED;
-}
-duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t *seq,
-                                         int64_t n_tokens)
-{
-    (void)dm, (void)seq, (void)n_tokens;
-    return DUET_ERR_UNSUPPORTED;
-}
-duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *items,
-                                      int64_t n_items, int64_t rows,
-                                      duet_model_layer_hook_fn hook, void *hook_user)
-{
-    (void)dm, (void)items, (void)n_items, (void)rows, (void)hook, (void)hook_user;
-    return DUET_ERR_UNSUPPORTED;
-}
-void duet_cuda_model_pools(duet_cuda_model_t *dm, void **kv, size_t *kv_bytes, void **kda,
-                           size_t *kda_bytes)
-{
-    (void)dm;
-    *kv = *kda = NULL;
-    *kv_bytes = *kda_bytes = 0;
-}
-size_t duet_cuda_model_device_bytes(const duet_cuda_model_t *dm)
-{
-    (void)dm;
-    return 0;
-}
-int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
-{
-    (void)dm;
-    return 0;
 }
 
 #else /* DUET_HAVE_CUDA */
@@ -83,7 +67,6 @@ int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
 #include "kernels/cuda/cuda_step.h"
 #include "kernels/cuda/cuda_util.h"
 
-#define DUET_MLA_NORM_EPS 1e-6f
 #define DUET__MLA_X_MIN_ROWS 256 /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
 #define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
@@ -94,12 +77,12 @@ static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
 static int64_t duet__mla_x_steps;
 
-void duet_cuda_model_mla_x_set(int on)
+void duet_backend_cuda_mla_x_set(int on)
 {
     duet__mla_x_force = on;
 }
 
-int64_t duet_cuda_model_mla_x_steps(void)
+int64_t duet_backend_cuda_mla_x_steps(void)
 {
     return duet__mla_x_steps;
 }
@@ -155,7 +138,11 @@ typedef struct {
         params, total;
 } duet__meta_layout_t;
 
+typedef struct duet_cuda_model duet_cuda_model_t;
+
 struct duet_cuda_model {
+    duet_backend_t       base;
+    duet_backend_model_t bm; /* what it was created from (front-end pointers) */
     duet_model_config_t cfg;
     duet_model_opts_t   opts;
     duet_dtype_t        wdt; /* compute dtype of the weights */
@@ -175,9 +162,11 @@ struct duet_cuda_model {
     float          *final_norm;
     duet__dlayer_t *layers;
 
-    /* pools */
-    duet_kv_pool_t  *kv_host;
-    duet_kda_pool_t *kda_host;
+    /* pools: the host pools' layouts (common/cache_layout.h), which the device pools share */
+    duet_kv_pool_t   *kv_host;
+    duet_kda_pool_t  *kda_host;
+    duet_kv_layout_t  kv_layout;
+    duet_kda_layout_t kda_layout;
     void            *kv_dev;
     size_t           kv_dev_bytes, kv_page_bytes, kv_token_bytes;
     int64_t          kv_spare_page;
@@ -257,6 +246,23 @@ static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)
 static duet_status_t duet__dalloc_f(duet_cuda_model_t *dm, int64_t n, float **p)
 {
     return duet__dalloc(dm, sizeof(float) * (size_t)(n > 0 ? n : 1), (void **)p);
+}
+
+/* Byte offsets into the KV / KDA pools, the same on the host and the device (the layout of
+ * common/cache_layout.h; the pools' sizes were checked when the host pools were made). */
+static size_t duet__kv_off(const duet_cuda_model_t *dm, int64_t page, int64_t layer, int64_t slot)
+{
+    uint64_t off = 0;
+    (void)duet_kv_layout_offset(&dm->kv_layout, (uint64_t)page, (uint64_t)layer, (uint64_t)slot,
+                                &off);
+    return (size_t)off;
+}
+
+static size_t duet__kda_off(const duet_cuda_model_t *dm, int64_t slot, int64_t layer)
+{
+    uint64_t off = 0;
+    (void)duet_kda_layout_state_offset(&dm->kda_layout, (uint64_t)slot, (uint64_t)layer, 0, &off);
+    return (size_t)off;
 }
 
 /* ---- weights -------------------------------------------------------------------------------- */
@@ -366,11 +372,12 @@ static duet_status_t duet__mlp_weights(duet_cuda_model_t *dm, const duet_mlp_wei
 }
 
 static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
-                                         const duet_weights_t *w,
-                                         const duet_cuda_model_host_t *host, uint64_t *seed)
+                                         const duet_weights_t *w, const duet_backend_f32_t *f32,
+                                         uint64_t *seed)
 {
     const duet_model_config_t  *c  = &dm->cfg;
     const duet_layer_weights_t *lw = w != NULL ? &w->layers[l] : NULL;
+    const duet_backend_f32_t   *lf = f32 != NULL ? &f32[l] : NULL;
     duet__dlayer_t             *d  = &dm->layers[l];
     const int64_t D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim, HK = H * K;
     const int     fh = w != NULL;
@@ -392,12 +399,12 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
         TRY(duet__weight(dm, fh, dm->wdt, &fb, 1, HK, K, seed, &k->f_b));
         TRY(duet__weight(dm, fh, dm->wdt, &gb, 1, HK, K, seed, &k->g_b));
         TRY(duet__weight(dm, fh, dm->wdt, &o, 1, D, HK, seed, &k->o));
-        TRY(duet__vec(dm, host ? host->conv_w[l] : NULL, NULL, 3 * HK * c->conv_kernel, seed,
+        TRY(duet__vec(dm, lf ? lf->conv_w : NULL, NULL, 3 * HK * c->conv_kernel, seed,
                       0.5f, 0.0f, &k->taps));
-        TRY(duet__vec(dm, host ? host->dt_bias[l] : NULL, NULL, HK, seed, 0.5f, 0.0f,
+        TRY(duet__vec(dm, lf ? lf->dt_bias : NULL, NULL, HK, seed, 0.5f, 0.0f,
                       &k->dt_bias));
-        TRY(duet__vec(dm, host ? host->neg_A[l] : NULL, NULL, H, seed, 0.5f, -1.0f, &k->neg_A));
-        TRY(duet__vec(dm, host ? host->o_norm[l] : NULL, NULL, K, seed, 0.0f, 1.0f, &k->o_norm));
+        TRY(duet__vec(dm, lf ? lf->neg_A : NULL, NULL, H, seed, 0.5f, -1.0f, &k->neg_A));
+        TRY(duet__vec(dm, lf ? lf->o_norm : NULL, NULL, K, seed, 0.0f, 1.0f, &k->o_norm));
     } else {
         const duet_mla_weights_t *mw = lw ? &lw->mla : NULL;
         duet__dmla_t             *m  = &dm->layers[l].mla;
@@ -427,7 +434,7 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             TRY(duet_cuda_fill_random(dm->stream, m->wuv.data, dm->wdt, n * dv * r, (*seed)++,
                                       sqrtf(3.0f / (float)r), 0.0f));
         } else {
-            TRY(duet__upload_f32(m->wuk_t.data, dm->wdt, 0, host->wuk_t[l], n * r * dn));
+            TRY(duet__upload_f32(m->wuk_t.data, dm->wdt, 0, lf->wuk_t, n * r * dn));
             /* W_UV[h] = rows h*(dn+dv)+dn .. +dv of kv_b_proj (n*(dn+dv), r) */
             const duet_tensor_t *kvb = &mw->kv_b_proj;
             float *f = malloc(sizeof(float) * (size_t)(n * (dn + dv) * r));
@@ -457,7 +464,7 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
         const int64_t E = c->n_experts, I = c->moe_intermediate;
         const duet_tensor_t *rg = mw ? &mw->gate : NULL;
         TRY(duet__weight(dm, fh, DUET_DTYPE_F32, &rg, 1, E, D, seed, &d->router));
-        TRY(duet__vec(dm, host ? host->moe_bias[l] : NULL, NULL, E, seed, 0.0f, 0.0f,
+        TRY(duet__vec(dm, lf ? lf->moe_bias : NULL, NULL, E, seed, 0.0f, 0.0f,
                       &d->router_bias));
         /* experts contiguous: w1, w3 [E][I][D], w2 [E][D][I] */
         duet_tensor_t t1, t3, t2;
@@ -625,8 +632,11 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
 {
     if (dm->kv_host != NULL) {
         const duet_kv_pool_desc_t *kd = duet_kv_pool_desc(dm->kv_host);
-        dm->kv_token_bytes = (size_t)kd->token_dim * duet_dtype_size(kd->dtype);
-        dm->kv_page_bytes  = duet_kv_pool_block_bytes(dm->kv_host) * (size_t)kd->n_layers;
+        uint64_t                   page = 0;
+        dm->kv_layout = duet_kv_pool_layout(dm->kv_host);
+        (void)duet_kv_layout_page_bytes(&dm->kv_layout, &page); /* the host pool's, bounded */
+        dm->kv_token_bytes = (size_t)dm->kv_layout.token_bytes;
+        dm->kv_page_bytes  = (size_t)page;
         dm->kv_spare_page  = kd->n_pages;
         dm->kv_dev_bytes   = dm->kv_page_bytes * (size_t)(kd->n_pages + 1);
         TRY(duet__dalloc(dm, dm->kv_dev_bytes, &dm->kv_dev));
@@ -634,8 +644,12 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
     }
     if (dm->kda_host != NULL) {
         const duet_kda_pool_desc_t *sd = duet_kda_pool_desc(dm->kda_host);
-        dm->kda_layer_floats = (int64_t)(duet_kda_pool_layer_bytes(dm->kda_host) / sizeof(float));
-        dm->kda_slot_bytes   = duet_kda_pool_layer_bytes(dm->kda_host) * (size_t)sd->n_layers;
+        uint64_t                    layer = 0, slot = 0;
+        dm->kda_layout = duet_kda_pool_layout(dm->kda_host);
+        (void)duet_kda_layout_layer_bytes(&dm->kda_layout, &layer); /* the host pool's, bounded */
+        (void)duet_kda_layout_slot_bytes(&dm->kda_layout, &slot);
+        dm->kda_layer_floats = (int64_t)(layer / sizeof(float));
+        dm->kda_slot_bytes   = (size_t)slot;
         dm->kda_spare_slot   = (int32_t)sd->n_slots;
         dm->kda_dev_bytes    = dm->kda_slot_bytes * (size_t)(sd->n_slots + 1);
         TRY(duet__dalloc(dm, dm->kda_dev_bytes, (void **)&dm->kda_dev));
@@ -664,28 +678,37 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
     return DUET_OK;
 }
 
-duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_model_opts_t *opts,
-                                     const duet_weights_t *w, const duet_cuda_model_host_t *host,
-                                     uint64_t seed, duet_kv_pool_t *kv, duet_kda_pool_t *kda,
-                                     int64_t max_pages_per_seq, const int64_t *layer_sub,
-                                     duet_cuda_model_t **dm_p)
+static void duet__cuda_destroy(duet_backend_t *be);
+
+static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
 {
-    char why[256];
+    const duet_model_config_t *cfg = bm->cfg;
+    const duet_model_opts_t   *opts = bm->opts;
+    const duet_weights_t      *w    = bm->w;
+    duet_kv_pool_t            *kv   = bm->kv;
+    duet_backend_f32_t        *f32  = NULL; /* the checkpoint's fp32 vectors, until uploaded */
+    char                       why[256];
+    duet_status_t              st;
     if (!duet_cuda_device_usable(why, sizeof(why)))
         return duet_error_set(DUET_ERR_DEVICE, "--device cuda: %s", why);
     if (opts->compute_dtype != DUET_DTYPE_F32 && opts->compute_dtype != DUET_DTYPE_BF16)
         return duet_error_set(DUET_ERR_INVALID, "cuda model: compute dtype must be F32 or BF16");
+    if (w != NULL && (st = duet_backend_f32_prepare(cfg, w, &f32)) != DUET_OK)
+        return st;
     duet_cuda_model_t *dm = calloc(1, sizeof(*dm));
-    if (dm == NULL)
+    if (dm == NULL) {
+        duet_backend_f32_free(cfg, f32);
         return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
-    duet_status_t st;
+    }
+    dm->base.ops  = &duet_backend_cuda_ops;
+    dm->bm        = *bm;
     dm->cfg       = *cfg;
     dm->opts      = *opts;
     dm->wdt       = opts->compute_dtype;
     dm->kv_host   = kv;
-    dm->kda_host  = kda;
-    dm->max_pages = max_pages_per_seq;
-    memcpy(dm->layer_sub, layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
+    dm->kda_host  = bm->kda;
+    dm->max_pages = bm->max_pages_per_seq;
+    memcpy(dm->layer_sub, bm->layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
     dm->T          = opts->max_batch_tokens;
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
     dm->kda_tc =
@@ -744,7 +767,7 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
         STEP(duet_cuda_gemm_create(0, dm->wdt == DUET_DTYPE_F32 ? 0 : dm->T * width, &dm->gemm));
     }
 
-    uint64_t s = seed;
+    uint64_t s = bm->seed;
     {
         const duet_tensor_t *et = w ? &w->embed_tokens : NULL, *lh = w ? &w->lm_head : NULL;
         STEP(duet__weight(dm, w != NULL, dm->wdt, &et, 1, cfg->vocab_size, cfg->hidden_size, &s,
@@ -758,7 +781,7 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
                        &dm->final_norm));
     }
     for (int64_t l = 0; l < cfg->num_layers; l++) {
-        STEP(duet__layer_weights(dm, l, w, host, &s));
+        STEP(duet__layer_weights(dm, l, w, f32, &s));
         if (w == NULL && l % 4 == 3)
             DUET_LOG_INFO("cuda model: random weights for layer %lld / %lld (%.1f GiB)",
                           (long long)l + 1, (long long)cfg->num_layers,
@@ -771,16 +794,19 @@ duet_status_t duet_cuda_model_create(const duet_model_config_t *cfg, const duet_
     DUET_LOG_INFO("cuda model ready: %s weights, %.2f GiB on the device, %d SMs, graphs %s",
                   duet_dtype_name(dm->wdt), (double)dm->dev_bytes / 1073741824.0, dm->n_sms,
                   dm->opts.cuda_graphs ? "on" : "off");
-    *dm_p = dm;
+    duet_backend_f32_free(cfg, f32);
+    *be_p = &dm->base;
     return DUET_OK;
 
 fail:
-    duet_cuda_model_destroy(dm);
+    duet_backend_f32_free(cfg, f32);
+    duet__cuda_destroy(&dm->base);
     return st;
 }
 
-void duet_cuda_model_destroy(duet_cuda_model_t *dm)
+static void duet__cuda_destroy(duet_backend_t *be)
 {
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
     if (dm == NULL)
         return;
     if (dm->stream != NULL)
@@ -817,35 +843,43 @@ void duet_cuda_model_destroy(duet_cuda_model_t *dm)
     free(dm);
 }
 
-void duet_cuda_model_pools(duet_cuda_model_t *dm, void **kv, size_t *kv_bytes, void **kda,
-                           size_t *kda_bytes)
+static void duet__cuda_pool_mem(const duet_backend_t *be, duet_model_pool_t which,
+                                duet_backend_pool_mem_t *out)
 {
-    *kv        = dm->kv_dev;
-    *kv_bytes  = dm->kv_dev_bytes;
-    *kda       = dm->kda_dev;
-    *kda_bytes = dm->kda_dev_bytes;
+    const duet_cuda_model_t *dm = (const duet_cuda_model_t *)be;
+    memset(out, 0, sizeof(*out));
+    out->on_device = 1;
+    if (which == DUET_MODEL_POOL_KV) {
+        out->base  = dm->kv_dev;
+        out->bytes = dm->kv_dev_bytes;
+    } else if (which == DUET_MODEL_POOL_KDA) {
+        out->base  = dm->kda_dev;
+        out->bytes = dm->kda_dev_bytes;
+    }
 }
 
-size_t duet_cuda_model_device_bytes(const duet_cuda_model_t *dm)
+static void duet__cuda_describe(const duet_backend_t *be, char *buf, size_t cap)
 {
-    return dm->dev_bytes;
-}
-
-int duet_cuda_model_n_graphs(const duet_cuda_model_t *dm)
-{
-    return dm->n_graphs;
+    const duet_cuda_model_t *dm = (const duet_cuda_model_t *)be;
+    snprintf(buf, cap, "cuda, %s weights, %s KV, graphs %s", duet_dtype_name(dm->opts.compute_dtype),
+             duet_dtype_name(dm->opts.kv_dtype), dm->opts.cuda_graphs ? "on" : "off");
 }
 
 /* ---- sequences ------------------------------------------------------------------------------ */
 
-duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t *seq)
+static duet_status_t duet__cuda_seq_open(duet_backend_t *be, const duet_seq_t *seq)
 {
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
+    /* The host pool is only a staging mirror: zeroed (so a dump of a fresh sequence is
+     * deterministic) only when it is mirrored. */
+    if (dm->kv_host != NULL && (dm->opts.mirror_in || dm->opts.mirror_out))
+        duet_kv_pool_zero_pages(dm->kv_host, seq->pages, seq->n_pages);
     for (int64_t p = 0; p < seq->n_pages; p++)
-        CU(cudaMemsetAsync((uint8_t *)dm->kv_dev + (size_t)seq->pages[p] * dm->kv_page_bytes, 0,
+        CU(cudaMemsetAsync((uint8_t *)dm->kv_dev + duet__kv_off(dm, seq->pages[p], 0, 0), 0,
                            dm->kv_page_bytes, dm->stream),
            "zero pages");
     if (dm->kda_dev != NULL && seq->kda_slot >= 0)
-        CU(cudaMemsetAsync((uint8_t *)dm->kda_dev + (size_t)seq->kda_slot * dm->kda_slot_bytes, 0,
+        CU(cudaMemsetAsync((uint8_t *)dm->kda_dev + duet__kda_off(dm, seq->kda_slot, 0), 0,
                            dm->kda_slot_bytes, dm->stream),
            "zero state slot");
     /* a transfer writing these pages from outside the stream must not race the zeroing */
@@ -854,15 +888,16 @@ duet_status_t duet_cuda_model_seq_opened(duet_cuda_model_t *dm, const duet_seq_t
     return DUET_OK;
 }
 
-duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t *seq,
-                                         int64_t n_tokens)
+static duet_status_t duet__cuda_seq_set_filled(duet_backend_t *be, const duet_seq_t *seq,
+                                               int64_t n_tokens)
 {
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
     if (!dm->opts.mirror_in)
         return DUET_OK;
     if (dm->kv_dev != NULL && n_tokens > 0) {
         const int64_t PT = dm->opts.page_tokens, np = (n_tokens + PT - 1) / PT;
         for (int64_t p = 0; p < np; p++) {
-            size_t off = (size_t)seq->pages[p] * dm->kv_page_bytes;
+            size_t off = duet__kv_off(dm, seq->pages[p], 0, 0);
             CU(cudaMemcpyAsync((uint8_t *)dm->kv_dev + off,
                                (uint8_t *)duet_kv_pool_base(dm->kv_host) + off, dm->kv_page_bytes,
                                cudaMemcpyHostToDevice, dm->stream),
@@ -870,7 +905,7 @@ duet_status_t duet_cuda_model_seq_filled(duet_cuda_model_t *dm, const duet_seq_t
         }
     }
     if (dm->kda_dev != NULL && seq->kda_slot >= 0) {
-        size_t off = (size_t)seq->kda_slot * dm->kda_slot_bytes;
+        size_t off = duet__kda_off(dm, seq->kda_slot, 0);
         CU(cudaMemcpyAsync((uint8_t *)dm->kda_dev + off,
                            (uint8_t *)duet_kda_pool_base(dm->kda_host) + off, dm->kda_slot_bytes,
                            cudaMemcpyHostToDevice, dm->stream),
@@ -1117,8 +1152,7 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
     for (int64_t i = 0; i < n_items; i++) {
         const duet_seq_t *seq = items[i].seq;
         if (c->mixer[l] == DUET_MIXER_KDA) {
-            size_t off = (size_t)seq->kda_slot * dm->kda_slot_bytes +
-                         (size_t)sub * (size_t)dm->kda_layer_floats * sizeof(float);
+            size_t off = duet__kda_off(dm, seq->kda_slot, sub);
             CU(cudaMemcpyAsync((uint8_t *)duet_kda_pool_base(dm->kda_host) + off,
                                (uint8_t *)dm->kda_dev + off,
                                (size_t)dm->kda_layer_floats * sizeof(float),
@@ -1129,9 +1163,7 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
             int64_t       pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;
             while (pos < end) {
                 int64_t in_page = PT - pos % PT, n = end - pos < in_page ? end - pos : in_page;
-                uint8_t *blk = duet_kv_pool_block(dm->kv_host, seq->pages[pos / PT], sub);
-                size_t   off = (size_t)(blk - (uint8_t *)duet_kv_pool_base(dm->kv_host)) +
-                             (size_t)(pos % PT) * dm->kv_token_bytes;
+                size_t  off = duet__kv_off(dm, seq->pages[pos / PT], sub, pos % PT);
                 CU(cudaMemcpyAsync((uint8_t *)duet_kv_pool_base(dm->kv_host) + off,
                                    (uint8_t *)dm->kv_dev + off, (size_t)n * dm->kv_token_bytes,
                                    cudaMemcpyDeviceToHost, cs),
@@ -1173,8 +1205,8 @@ static duet_status_t duet__draw(duet_cuda_model_t *dm, int kind, const float *lo
 static void duet__run_hook(const duet_cuda_model_t *dm, duet_model_layer_hook_fn hook,
                            void *hook_user, int64_t l)
 {
-    const int kda = dm->cfg.mixer[l] == DUET_MIXER_KDA;
-    hook(hook_user, l, kda ? -1 : dm->layer_sub[l], kda ? dm->layer_sub[l] : -1);
+    const duet_backend_batch_t b = {.hook = hook, .hook_user = hook_user};
+    duet_backend_layer_done(&dm->bm, &b, l);
 }
 
 /* Rows of logits an item owns in a step: its last row (LAST, TOKEN; and NONE in a graph step,
@@ -1297,10 +1329,13 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
     return DUET_OK;
 }
 
-duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *items,
-                                      int64_t n_items, int64_t rows,
-                                      duet_model_layer_hook_fn hook, void *hook_user)
+static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_batch_t *bt)
 {
+    duet_cuda_model_t         *dm        = (duet_cuda_model_t *)be;
+    duet_batch_item_t         *items     = bt->items;
+    const int64_t              n_items   = bt->n_items;
+    duet_model_layer_hook_fn   hook      = bt->hook;
+    void                      *hook_user = bt->hook_user;
     const duet_model_config_t *c  = &dm->cfg;
     const duet__meta_layout_t *ml = &dm->ml;
     int32_t                   *mh = dm->meta_h;
@@ -1364,7 +1399,6 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
         }
     }
     mh[ml->item_row0 + n_eff] = (int32_t)row;
-    (void)rows;
 
     duet__shape_t sh = {.n_items = n_eff, .n_rows = row, .n_logit_rows = n_logits,
                         .sample = any_token ? (any_sampled ? 2 : 1) : 0};
@@ -1458,3 +1492,23 @@ duet_status_t duet_cuda_model_forward(duet_cuda_model_t *dm, duet_batch_item_t *
 }
 
 #endif /* DUET_HAVE_CUDA */
+
+const duet_backend_ops_t duet_backend_cuda_ops = {
+    .name           = "cuda",
+    .device         = DUET_DEVICE_CUDA,
+    .compute_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
+    .kv_dtypes      = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
+    .caps           = DUET_BACKEND_CAP_RANDOM_WEIGHTS,
+    .probe          = duet__cuda_probe,
+    .create         = duet__cuda_create,
+#ifdef DUET_HAVE_CUDA
+    .destroy        = duet__cuda_destroy,
+    .describe       = duet__cuda_describe,
+    .seq_open       = duet__cuda_seq_open,
+    .seq_set_filled = duet__cuda_seq_set_filled,
+    .seq_close      = NULL,
+    .forward        = duet__cuda_forward,
+    .pool_mem       = duet__cuda_pool_mem,
+#else /* create refuses, so no instance reaches the rest */
+#endif
+};

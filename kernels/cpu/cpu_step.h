@@ -1,0 +1,24 @@
+/*
+ * cpu_step.h: what the CPU mixers of one engine step know about the batch (host arrays), the CPU
+ * twin of kernels/cuda/cuda_step.h.
+ *
+ * One step stacks the new tokens of n_items sequences into n_rows rows: item i owns rows
+ * [item_row0[i], item_row0[i + 1]), its tokens at positions item_pos0[i] .. of its sequence. The
+ * caches are addressed through common/cache_layout.h (the kernels' *_layer_t carry the pool's
+ * base and layout). Every array is the caller's and is only read.
+ */
+#ifndef DUET_KERNELS_CPU_STEP_H
+#define DUET_KERNELS_CPU_STEP_H
+
+#include <stdint.h>
+
+typedef struct {
+    int64_t               n_items;
+    int64_t               n_rows;     /* sum of the items' new tokens */
+    const int64_t        *item_row0;  /* [n_items + 1] first row of each item; [n_items] = n_rows */
+    const int64_t        *item_pos0;  /* [n_items] tokens in the item's caches before this step */
+    const int32_t        *item_slot;  /* [n_items] KDA state slot */
+    const int32_t *const *item_pages; /* [n_items] the item's KV page ids, in order */
+} duet_cpu_step_t;
+
+#endif
