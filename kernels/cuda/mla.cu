@@ -29,7 +29,7 @@
  *     still fits on the SMs at once, those are launched instead: batch-1 decode at 2K has 64
  *     splits, of which 33 hold positions, so 32-slot blocks leave most SMs idle, and each
  *     block's fixed chain (q in, one tile, the partial out) halves with its slots: faster at
- *     2K, even at 4K; 32K takes 32 slots either way (its 128 splits fill the SMs)
+ *     2K, even at 4K; 32K takes 32 slots either way, since its 128 splits fill the SMs
  *     (bench/RESULTS.md, "MLA decode attention: 16-slot blocks"). A test hook selects tiles
  *     of 32, 4 in shared memory, 3 in flight: more instructions per position, and slower.
  *     Memory does not bound this kernel (about half the HBM rate at 32K with every SM busy);
@@ -63,12 +63,13 @@
  *   head's own K (128 + the shared 64 rope dims) and V (128) cost 320 dims, the expansion one
  *   GEMM over the item's positions per layer (gather, cuBLASLt, x_pack: bf16 hi + lo rows). Run
  *   first through the 32-slot kernel above (a variant reading dims 256.. as the scores'), those
- *   rows gained little: its per-tile scores exchange, three barriers and softmax over shared
- *   memory cost as much as the products. duet__mla_xattn_kernel keeps each warp's 16 rows whole
- *   (scores, softmax and P in registers, one barrier per tile) and drops the lo · lo products.
- *   On sm_90a the same block runs on Hopper's wgmma instead (mla_wgmma.cu;
- *   DUET_CUDA_NO_MLA_WGMMA keeps this kernel): the same products, bit for bit, and faster.
- *   Measured: bench/RESULTS.md, "MLA prefill: the expanded form".
+ *   rows gained far less than halving the products promised: its per-tile scores exchange,
+ *   three barriers and softmax over shared memory cost as much as the products.
+ *   duet__mla_xattn_kernel keeps each warp's 16 rows whole (scores, softmax and P in registers,
+ *   one barrier per tile) and drops the lo · lo products. On sm_90a the same block runs on
+ *   Hopper's wgmma instead (mla_wgmma.cu; DUET_CUDA_NO_MLA_WGMMA keeps this kernel): the same
+ *   products, bit for bit, and faster. Measured: bench/RESULTS.md, "MLA prefill: the expanded
+ *   form".
  *
  * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
  *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
