@@ -14,10 +14,8 @@
  * A 16-byte piece of weights, read around L1 (ld.global.nc.L1::no_allocate): a step reads each
  * weight once, and pieces allocated in L1 would evict what a block does reuse there (x, the norm
  * weight). They still pass through L2, where a block reading the same rows alongside finds them.
- * H200, 27 layers at batch 1, side by side in one command (three runs each): the GEMV's weight
- * loads this way instead of __ldg took the step from 2.482 / 2.496 / 2.501 to 2.450 / 2.443 /
- * 2.437 ms at 2K and from 2.651 / 2.659 / 2.668 to 2.595 / 2.600 / 2.594 at 32K (with the hint
- * to fetch 256-byte L2 sectors as well: 2.477 / 2.471 / 2.470 and 2.632 / 2.638 / 2.635).
+ * Faster than __ldg, and without the hint to fetch 256-byte L2 sectors faster than with it
+ * (bench/RESULTS.md, "Weight loads around L1").
  */
 static __device__ __forceinline__ uint4 duet_ld_weight16(const void *p)
 {

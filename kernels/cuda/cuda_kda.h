@@ -87,9 +87,9 @@ typedef struct {
  * four calls above take (n_rows = st->n_rows). Same results and the same buffers written: qkv
  * (from proj), g and beta (prepared in place), o (normed and gated), the items' S and windows.
  * A pure decode step (st->max_item_tokens == 1) of at most 768 (item, head) pairs on a device
- * with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four calls (at
- * batch 1 of 32 heads x 128: 7 us instead of 17); anything else runs the four calls, which are
- * faster from a few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS).
+ * with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four calls and
+ * more than twice as fast at batch 1; anything else runs the four calls, which are faster from a
+ * few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS).
  * Needs K a multiple of 16 in [16, 128] and W <= 8 (DUET_ERR_UNSUPPORTED otherwise).
  */
 duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,

@@ -119,13 +119,9 @@ __global__ void duet__convert_kernel(T *dst, const float *src, int64_t ld_src, i
  * The same for 16-bit T with K, ld_src and both pointers multiples of 8 elements / 16 bytes:
  * each thread takes 8 consecutive elements of a row (two float4 loads, one 16-byte store),
  * grid-strided over all M · K / 8 of them; every element is rounded by the same duet__from_f32.
- * One element per thread spread each row over K / 256 blocks that each moved a kilobyte:
- * measured in a 2048-token prefill on an H200 (8 layers, CUPTI trace), the 62 conversions of a
- * forward took 1.65 ms, e.g. 23 µs for 2048 × 2304 (28 MB moved, 6.4 µs at the copy rate).
- * With this kernel (duet-bench-model-cuda --batch 0 --prefill 2048,8192, side by side in one
- * command with the one-element kernel, -DDUET_CONVERT8=0): 8 layers 24.63 / 24.65 ms against
- * 25.82 / 25.79 at 2048 tokens, 111.5 / 112.3 against 115.6 / 116.0 at 8192; 27 layers 84.93
- * against 88.94 and 382.7 against 398.3 (the previous commit built beside it).
+ * One element per thread spread each row over K / 256 blocks that each moved a kilobyte, at a
+ * fraction of the copy rate; this form takes about 4% off a prefill (bench/RESULTS.md, "fp32 →
+ * 16-bit conversion, 8 elements per thread"). -DDUET_CONVERT8=0 builds only the one-element form.
  */
 template <typename T>
 __global__ void duet__convert8_kernel(T *dst, const float *src, int64_t ld_src, int64_t M,
@@ -208,14 +204,11 @@ extern "C" duet_status_t duet_cuda_convert_from_f32(void *dst, duet_dtype_t dtyp
  * W's rows in 16-byte pieces (8 bf16 / f16 values, or 2 x 4 fp32), multiply with every x row
  * (fp32, from L1/L2: x is small) and reduce with shuffles; W is read exactly once, x is never
  * rounded (so it is at least as accurate as the converted path). Each warp reads every x row from
- * L1 per 16-byte piece of W, so the cost grows with M: on the H200 batch-8 decode of the 48B model
- * took 13.5 ms/step through it against 10.3 ms through cuBLASLt, hence the cap at 2 (3 to 8 rows
- * of BF16 weights take the tensor-core GEMV below). F32 weights take it up to 8 rows: cuBLASLt
- * has only a SIMT sgemm for them (the batch-8 router, [256, 2304] fp32: 11.5 µs plus a split-K
- * reduction per call); side by side on the H200 (27 layers, batch 8, builds with the cap at 8
- * and at 2, two runs each) 8.720 / 8.694 ms against 8.851 / 8.777 at 2K, 9.648 / 9.623
- * against 9.770 / 9.702 at 32K. Used when K % 8 == 0 and x, ldx and W allow 16-byte loads;
- * otherwise cuBLASLt. The fused norm (duet_cuda_gemm_norm_multi) stays at 2 rows.
+ * L1 per 16-byte piece of W, so the cost grows with M: at batch 8 it lost to cuBLASLt, hence the
+ * cap at 2 (3 to 8 rows of BF16 weights take the tensor-core GEMV below). F32 weights take it up
+ * to 8 rows, where cuBLASLt has only a SIMT sgemm (bench/RESULTS.md, "GEMV: up to 2 rows, 8 for
+ * F32 weights"). Used when K % 8 == 0 and x, ldx and W allow 16-byte loads; otherwise cuBLASLt.
+ * The fused norm (duet_cuda_gemm_norm_multi) stays at 2 rows.
  */
 #define DUET_GEMV_MAX_M 2
 #ifndef DUET_GEMV_MAX_M_F32
@@ -242,7 +235,7 @@ typedef struct {
     duet__gemv_seg_t seg[DUET_CUDA_GEMV_MAX_SEGS];
     int n;
     /* Fused RMSNorm (nx != NULL, duet_cuda_gemm_norm_multi): every segment reads x = RMSNorm(nx)
-     * ⊙ nw (K == D), formed on the fly (duet__gemv_row); warp 0 of block 0 also stores the
+     * ⊙ nw (K == D), formed on the fly (duet__gemv_rows); warp 0 of block 0 also stores the
      * normalised rows at ny for later kernels. */
     const float *nx, *nw;
     float *ny;
@@ -251,19 +244,8 @@ typedef struct {
     int wait_first; /* wait for x before the first weight loads (duet_cuda_weights_early) */
 } duet__gemv_args_t;
 
-/*
- * One output n of a segment: y[m][n] (+)= Σ_k W[n][k]·x[m][k] for m < M.
- *
- * With NORM (duet_cuda_gemm_norm_multi) x is RMSNorm(nx) ⊙ nw, computed without a pass of its
- * own: every warp already walks its row over all K = D columns, so it multiplies W with nx ⊙ nw
- * and sums nx² on the way, then scales its dot product by 1/sqrt(Σ/D + eps) at the end: no
- * shared memory, no block barrier, no prologue latency. The sum is fp32 (~1e-7 relative over a
- * few thousand squares): in double, the conversions made the H200's 58 MB q|k|v projection 35%
- * slower than without the norm.
- * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
- * them, for later kernels. The product differs from normalising first by the rounding of one
- * multiplication per term (the scale is applied to the sum instead of to each x).
- */
+/* What a GEMV forms before its products: nothing, or x as the fused RMSNorm (NORM; see
+ * duet__gemv_rows). */
 enum { DUET__PRO_NONE, DUET__PRO_NORM };
 
 /* Eight weights as loaded (one 16-byte piece for 16-bit types, two for fp32; around L1, see
@@ -321,8 +303,8 @@ template <> struct duet__wraw<float> {
  * own: every warp already walks its rows over all K = D columns, so it multiplies W with nx ⊙ nw
  * and sums nx² on the way, then scales its dot products by 1/sqrt(Σ/D + eps) at the end: no
  * shared memory, no block barrier, no prologue latency. The sum is fp32 (~1e-7 relative over a
- * few thousand squares): in double, the conversions made the H200's 58 MB q|k|v projection 35%
- * slower than without the norm.
+ * few thousand squares): in double, its conversions in every warp made the fused projection
+ * far slower than the plain one (bench/RESULTS.md, "Fused norm: sum of squares in fp32").
  * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
  * them, for later kernels. The product differs from normalising first by the rounding of one
  * multiplication per term (the scale is applied to the sum instead of to each x).
@@ -625,15 +607,9 @@ static int duet__gemv_r4_fills(int64_t M, const duet__gemv_args_t *args)
  * Launch the segments (each checked by duet__gemv_fits) as one kernel. Outputs per warp: 4 (two
  * pieces of each row in flight) when that still makes DUET__GEMV_MIN_BLOCKS blocks and fills a
  * wave (duet__gemv_r4_fills), else 2 when that makes DUET__GEMV_MIN_BLOCKS blocks, else 1 (four
- * pieces in flight). Measured per kernel on an H200 at Kimi-Linear-48B's dims (Nsight Compute,
- * batch 1): 4 per warp took q|k|v with its norm (12576 × 2304) from 27.3 to 17.8 us and MLA's
- * q_a|kv_a (6720 × 2304, 210 blocks) from 20.5 to 13.6 against 1 per warp, while o_proj
- * (2304 × 4096) wants every warp it can get: 8.9 us with 1 per warp (288 blocks), 10.7 with 4
- * (72). In the graph (27 layers, batch 1 × 2K, side by side in one command, two runs) the
- * products between 6400 and 12000 rows (KDA f_b|g_b: 8192 × 128, 256 blocks of 4 per warp on
- * 396 slots; MLA q_a|kv_a: 210) took 2.600 / 2.587 ms/step with 2 per warp against 2.611 / 2.615
- * with 4, while q|k|v (393 blocks) and the dense gate|up (576) with 2 per warp took 2.625 /
- * 2.621; 2 per warp with 3 pieces in flight, and 1 per warp with 2 or 4, were slower.
+ * pieces in flight). Wide products gain from more outputs per warp (more loads in flight, each
+ * piece of x read once for all of them) as long as the blocks still fill a wave; short ones
+ * (o_proj, the downs) need every warp they can get (bench/RESULTS.md, "GEMV: outputs per warp").
  */
 #define DUET__GEMV_MIN_BLOCKS 200
 
@@ -675,11 +651,11 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
 /* ---- 3 to 8 rows of BF16 weights: the weight stream through the tensor cores ----------------- */
 
 /*
- * Batch-8 decode through cuBLASLt spent 2.1 of its 9.3 ms per step on the dense products, their
- * split-K reductions and the conversions of x (a CUPTI trace of the 27-layer step on the H200),
- * for about 0.7 GB of weights. The FMA GEMV above is no answer past 2 rows (each 16-byte piece
- * of W would meet M rows of x from L1), but the tensor cores take up to 8 rows as the n side of
- * mma.m16n8k16 at no cost that matters.
+ * Through cuBLASLt, batch-8 decode spent several times the streaming time of their 0.7 GB of
+ * weights on the dense products, their split-K reductions and the conversions of x
+ * (bench/RESULTS.md, "GEMV on the tensor cores for 3 to 8 rows"). The FMA GEMV above is no
+ * answer past 2 rows (each 16-byte piece of W would meet M rows of x from L1), but the tensor
+ * cores take up to 8 rows as the n side of mma.m16n8k16 at no cost that matters.
  *
  * A warp owns a tile of 16 rows of W (one m16 tile) and a slice of its columns. Lane (g, tg)
  * loads 16 bytes (8 columns) of rows g and g + 8 at the same columns, 8·tg past the step's base:
@@ -696,9 +672,7 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
  * S warps of a block split one tile's columns (S = 1, 2, 4 or 8: the fewest that make
  * DUET_TGEMV_WANT warps per SM) and meet in shared memory, added in slice order, so the result
  * depends on the shape only.
- * Measured on the H200 (27-layer step, batch 8, side by side in one command with
- * DUET_CUDA_NO_TGEMV=1): see bench/RESULTS.md. 9 to 16 rows (two n8 tiles) were slower than
- * cuBLASLt at batch 16 (14.39 against 13.72 ms), so they stay there.
+ * 9 to 16 rows (two n8 tiles) measured slower than cuBLASLt at batch 16, so they stay there.
  * PDL as in the GEMV: the first weight steps are issued before the wait.
  */
 #define DUET_TGEMV_MIN_M 3

@@ -34,20 +34,21 @@
  *     there with T applied once, to Y = βV − W S; the same algebra, rounded differently).
  *     duet__kda_seq_tc_kernel does the same three products on the tensor cores, as tf32 products
  *     of split fp32 values (the layer's `tc` flag; the engine sets it for BF16 compute).
- *     H200, 27 layers of Kimi-Linear-48B, one 2048-token prefill: see bench/RESULTS.md.
+ *     Measured: bench/RESULTS.md, "KDA chunked core: ahead and sequential kernels".
  *   Γ is an fp32 running sum, so a decay carries an absolute error of about |Γ|·2^-24 in its
  *   exponent (as in the usual chunked GPU kernels); the CPU's products of per-token decays do
  *   not, which is where the two differ most when decays are large within a chunk.
  * The core's kernels are templated on K (16, 32, ..., 128) so the register arrays are static.
  * chain, decode (duet_cuda_kda_chain with one token per item): at batch 1 the five kernels above
- *   are ~21 us of mostly launch and dependency latency for ~2 MB, so one kernel does all of it:
- *   a thread-block cluster per (item, head), one block per 32-channel slice (the recurrent
+ *   are mostly launch and dependency latency for ~2 MB, so one kernel does all of it: a
+ *   thread-block cluster per (item, head), one block per 32-channel slice (the recurrent
  *   kernel's blocks), exchanging the head's q, k, g and then o through distributed shared memory
  *   so each block can take the head-wide norms. Prefill and large decode batches (over
  *   DUET_KDA_FUSED_MAX_CLUSTERS (item, head) pairs) keep the separate kernels.
  * Every kernel launches with programmatic dependent launch (cuda_pdl.cuh): before its wait it
  * only reads weights and the step's metadata, and prefetches the state S into L2 (only this
- * layer's core writes S, and a prefetch cannot return stale data).
+ * layer's core writes S, and a prefetch cannot return stale data); the chain instead loads its
+ * columns of S and its conv windows into registers before its wait (duet__kda_decode_kernel).
  */
 #include <stdlib.h>
 
@@ -67,11 +68,10 @@
 #define DUET_KDA_MAX_W  8
 #define DUET_KDA_L2_EPS 1e-6f /* kernels/cpu/kda.c DUET_L2_EPS */
 #define DUET_LOG2E      1.4426950408889634f
-/* The chain fuses a decode step only up to this many (item, head) clusters. Measured on an H200
- * (ncu, H = 32, K = 128): at 1 item the fused kernel takes 7.3 us against 17.0 for the five
- * separate kernels, at 8 items 17.9 against 25.3, but at 64 items 133 against 123: its blocks
- * live longer (three cluster barriers, serial phases), so once there are many waves the state
- * streams more slowly than in the recurrent kernel. Interpolated, the two cross near 1000. */
+/* The chain fuses a decode step only up to this many (item, head) clusters: its blocks live
+ * longer (three cluster barriers, serial phases), so once there are many waves the state streams
+ * more slowly than in the recurrent kernel (bench/RESULTS.md, "KDA decode chain: one kernel up
+ * to 768 (item, head) pairs"). */
 #define DUET_KDA_FUSED_MAX_CLUSTERS 768
 
 /* ---- argument checks ---------------------------------------------------------------------- */
@@ -168,9 +168,8 @@ __device__ static inline float *duet__kda_block(const duet_cuda_kda_layer_t &ly,
  * every row is its own item and parallelism matters more). The arrays are sized for W <= 8 and
  * indexed statically; positions past W-2 are ignored. */
 #ifndef DUET_KDA_CONV_AHEAD
-/* A thread's rows whose inputs it loads before using any. H200, 8-layer prefill of 2048 /
- * 8192 tokens side by side in one command: 24.63 / 24.65 and 111.5 / 112.3 ms against 24.73 /
- * 24.73 and 111.6 / 112.8 with 1 (a round trip per row). */
+/* A thread's rows whose inputs it loads before using any, so that their round trips overlap
+ * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
 #define DUET_KDA_CONV_AHEAD 4
 #endif
 __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
@@ -1551,10 +1550,8 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     /* Ahead of the wait: the step's metadata, weights, and this block's columns of S and its
      * conv windows, into registers: only this layer's chain writes them, and earlier steps'
      * chains have completed (cuda_pdl.cuh allows inputs no kernel of the step writes). So their
-     * round trip overlaps the previous kernel. H200, 27 layers at batch 1, side by side in one
-     * command, three runs: 2.544 / 2.536 / 2.540 ms/step at 2K against 2.561 / 2.552 / 2.552
-     * with the loads after the wait (and an L2 prefetch of S before it), 2.709 / 2.697 / 2.703
-     * against 2.721 / 2.712 / 2.715 at 32K. */
+     * round trip overlaps the previous kernel (bench/RESULTS.md, "KDA decode chain: state
+     * loaded before the PDL wait"). */
     const int64_t row = a.st.item_row0[it];
     const bool one = a.st.item_row0[it + 1] - row == 1;
     float *blk = duet__kda_block(a.ly, a.st.item_slot[it]);

@@ -28,22 +28,20 @@
  *     of blocks of 16 slots (one m-tile; warp w then takes half w & 1 of the tile's n-tiles)
  *     still fits on the SMs at once, those are launched instead: batch-1 decode at 2K has 64
  *     splits, of which 33 hold positions, so 32-slot blocks leave most SMs idle, and each
- *     block's fixed chain (q in, one tile, the partial out) halves with its slots. Side by
- *     side (27-layer step, three runs): 2.491 / 2.489 / 2.498 ms against 2.518 / 2.507 / 2.508
- *     with 32 slots at 2K; at 4K even (2.543 / 2.541 / 2.567 against 2.551 / 2.539 / 2.540);
- *     32K takes 32 slots either way (its 128 splits fill the SMs). A test hook
- *     selects tiles of 32, 4 in shared memory, 3 in flight: ~20% more instructions per
- *     position, and on an H200 5-15% slower at 32K and long prefill, even at 2K (timing test).
- *     The tensor cores bound this kernel, not memory: q̂ and P split in two make 34 mma per
- *     position (2.6-3.5 us per 32 positions and block at 32K, about half the HBM rate with
- *     every SM busy). Kimi's rows (r = 512, dr = 64) get an instance with the dims compiled
- *     in, so the per-tile shared-memory addresses and loop bounds are immediates (~30% fewer
- *     instructions per tile than the generic instance, which other shapes use).
+ *     block's fixed chain (q in, one tile, the partial out) halves with its slots: faster at
+ *     2K, even at 4K; 32K takes 32 slots either way, since its 128 splits fill the SMs
+ *     (bench/RESULTS.md, "MLA decode attention: 16-slot blocks"). A test hook selects tiles
+ *     of 32, 4 in shared memory, 3 in flight: more instructions per position, and slower.
+ *     Memory does not bound this kernel (about half the HBM rate at 32K with every SM busy);
+ *     q̂ and P split in two make 34 mma per position. Kimi's rows (r = 512, dr = 64) get an
+ *     instance with the dims compiled in, so the per-tile shared-memory addresses and loop
+ *     bounds are immediates (fewer instructions per tile than the generic instance, which
+ *     other shapes use). Measured: bench/RESULTS.md, "MLA decode attention: tile shape".
  *   - CUDA cores (F32 cache, or dims outside the tensor-core limits): each warp holds the q of 4
  *     slots for the lane's dims in registers and reduces the 8 tokens × 4 slots dot products of
  *     a token group with one 31-shuffle reduce-scatter; for P · c each thread owns 8 slots × 8
  *     dims. Double-buffered tiles of 64 (BF16) or 32 (F32) positions. fp32 FMA throughput, not
- *     memory, bounds this path (~4× slower than the tensor cores at Kimi's shape).
+ *     memory, bounds this path (several times slower than the tensor cores at Kimi's shape).
  *   Split-KV: positions 0 .. L−1 (L = the block's largest row_pos + 1, read on the device) are cut
  *   into kv_splits ranges of ceil(L / kv_splits) rounded up to a tile; a block whose range is
  *   empty (short items in a batch planned for long ones) writes the neutral partial (m = −inf,
@@ -60,19 +58,18 @@
  *   (cudaFuncSetAttribute, not a stream operation); later calls only launch.
  *
  * The expanded form (prefill; cuda_mla.h, duet_cuda_mla_attend_x). The absorbed attend costs
- *   576 + 512 dims per (query, position, head), each twice for the hi / lo splits: at 8K
- *   prompt tokens it was a third of the 27-layer prefill (17.7 ms per MLA layer), with its
- *   tensor-core issue about half used. Expanded, a head's own K (128 + the shared 64 rope dims)
- *   and V (128) cost 320 dims, the expansion one GEMM over the item's positions per layer
- *   (gather, cuBLASLt, x_pack: bf16 hi + lo rows). Run first through the 32-slot kernel above
- *   (a variant reading dims 256.. as the scores'), those rows gave 1.3x the absorbed path: its
- *   per-tile scores exchange, three barriers and softmax over shared memory cost as much as the
- *   products. duet__mla_xattn_kernel keeps each warp's 16
- *   rows whole (scores, softmax and P in registers, one barrier per tile) and drops the lo · lo
- *   products: 3.1x at 8192 rows, 2.4x at 1024 rows over an 8K context, 1.35x at 256
- *   (test_cuda_mla_x's timing, H200; the 27-layer 8K prefill 349 -> 264 ms). On sm_90a the
- *   same block runs on Hopper's wgmma instead (mla_wgmma.cu; DUET_CUDA_NO_MLA_WGMMA keeps this
- *   kernel): the same products, bit for bit, 1.33x faster at 8192 rows.
+ *   576 + 512 dims per (query, position, head), each twice for the hi / lo splits: it was the
+ *   largest share of a long prefill, with its tensor-core issue about half used. Expanded, a
+ *   head's own K (128 + the shared 64 rope dims) and V (128) cost 320 dims, the expansion one
+ *   GEMM over the item's positions per layer (gather, cuBLASLt, x_pack: bf16 hi + lo rows). Run
+ *   first through the 32-slot kernel above (a variant reading dims 256.. as the scores'), those
+ *   rows gained far less than halving the products promised: its per-tile scores exchange,
+ *   three barriers and softmax over shared memory cost as much as the products.
+ *   duet__mla_xattn_kernel keeps each warp's 16 rows whole (scores, softmax and P in registers,
+ *   one barrier per tile) and drops the lo · lo products. On sm_90a the same block runs on
+ *   Hopper's wgmma instead (mla_wgmma.cu; DUET_CUDA_NO_MLA_WGMMA keeps this kernel): the same
+ *   products, bit for bit, and faster. Measured: bench/RESULTS.md, "MLA prefill: the expanded
+ *   form".
  *
  * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
  *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
@@ -82,23 +79,15 @@
  *   so at batch 1 a short split's cache traffic overlaps the W_UK product before it. q̂ and the
  *   rows kv_write adds are read after the wait.
  *
- * Why batch-1 decode was slow: the q prologue read each of a thread's ~80 q values behind its
- *   own branch (the SASS had each load's use right after it, inside the branch), so the loads
- *   went out one round trip at a time, tens of microseconds per block whatever its range; they
- *   are now unconditional (clamped addresses, zero by select) and in flight together. With
- *   the prologue cheap, the planner cuts a lone sequence into ranges of 64 positions (64
- *   splits at 2K, 128 at 32K, 132 just past it: see the planner). Measured (ncu, H200,
- *   32-position tiles): attention at batch 1 × 2K 70 -> 18 us; a block still has ~11 us of
- *   fixed cost (launch, setup, q prologue, first load, partial write), ~3 tiles' worth, which
- *   the planner's cost model uses.
- *   Timestamps taken inside the kernel (globaltimer, 27-layer step at 2K, one tile per block)
- *   then showed, after the PDL wait, 4.0 us of q prologue, 3.6 us of tile and 6.6 us writing the
- *   64 KB partial straight from the fragments (32 scattered stores per thread, each behind its
- *   own destination lookup, in code run once from a cold instruction cache). Both now go
- *   through shared memory: q in by coalesced cp.async into the stage not yet in use (2.7 us to
- *   land, 0.9 to form the fragments), the accumulators out as whole rows in float4 stores (0.8
- *   to stage, 1.8 to store). The 27-layer batch-1 step, side by side with the previous form:
- *   2.548 / 2.551 -> 2.502 / 2.508 ms at 2K, 2.709 / 2.719 -> 2.670 / 2.678 at 32K.
+ * Batch-1 decode: a block's fixed chain (launch, setup, q prologue, first load, partial write)
+ *   is what a short split costs, so it is kept short. The q prologue's loads are unconditional
+ *   (clamped addresses, zero by select) and in flight together: behind a branch each, the SASS
+ *   issued them one round trip at a time. q lands by coalesced cp.async in the stage that no
+ *   copy uses before the loop, and the accumulators leave through shared memory as whole rows
+ *   in float4 stores, not as 32 scattered stores per thread from the fragments, each behind a
+ *   destination lookup. With the chain short, the planner cuts a lone sequence into ranges of
+ *   64 positions (64 splits at 2K, 128 at 32K, 132 just past it: see the planner). Measured:
+ *   bench/RESULTS.md, "MLA decode attention: the block's fixed chain".
  *
  * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
  * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
@@ -1310,8 +1299,9 @@ extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads,
  * one SM. The attention kernels run one block per SM (150-200 KiB of shared memory) and round
  * each split's range up to whole tiles, so with s splits of a context of T tiles a block
  * streams tps = ceil(T / s) tiles after a fixed cost (launch, the block's setup and q prologue,
- * the first tile's unhidden load: DUET_MLA_PLAN_FIXED), ceil(T / tps) blocks per item carry
- * work, and they run in ceil(n_items · busy / n_sms) waves. A split run adds the reducer
+ * the first tile's unhidden load: DUET_MLA_PLAN_FIXED, the 3 tiles' worth measured in
+ * bench/RESULTS.md, "MLA decode attention: the block's fixed chain"), ceil(T / tps) blocks per
+ * item carry work, and they run in ceil(n_items · busy / n_sms) waves. A split run adds the reducer
  * (DUET_MLA_PLAN_RED) and the traffic of one fp32 partial per (head, dim) per busy split,
  * written and read back (Kimi: 32 · 512 · 4 B twice, ~4 tiles of cache bytes, spread over all
  * SMs: DUET_MLA_PLAN_PART). Split counts are powers of two, or n_sms / n_items (every item an

@@ -8,15 +8,14 @@
  * kr + ql · kr over the rope dims, P · v = Ph · vh + Pl · vh + Ph · vl), the same online softmax
  * in registers (mla_x.cuh). What differs is how the products reach the tensor cores. There each
  * warp loads every K and V fragment of the tile from shared memory with ldmatrix for its own 16
- * rows and issues m16n8k16 products: 4 warps read the tile 4 times, and at Kimi Linear's shape
- * the kernel took 5.7 ms per MLA layer of an 8192-token prompt (about 340 TFLOP/s of issued
- * products). Here q and P stay in registers as the A operand and the tile goes to the tensor
- * cores once per warpgroup through shared-memory descriptors: wgmma m64n32k16 for the scores
- * (B = K rows, K-major) and m64n128k16 for P · V (B = V rows, MN-major: the transposed form).
- * Its outputs equal the mma.sync kernel's bit for bit in every case test_cuda_mla_x runs;
- * 8192 rows over 8K positions take 4.06 ms instead of 5.45 on an H200 (about 470 TFLOP/s,
- * half the dense bf16 rate). Issuing tile t + 1's scores before tile t's softmax gained 2%:
- * the two blocks per SM already cover each other's softmax (bench/RESULTS.md has it and the
+ * rows and issues m16n8k16 products: 4 warps read the tile 4 times, and shared memory was that
+ * kernel's busiest pipe. Here q and P stay in registers as the A operand and the tile goes to
+ * the tensor cores once per warpgroup through shared-memory descriptors: wgmma m64n32k16 for the
+ * scores (B = K rows, K-major) and m64n128k16 for P · V (B = V rows, MN-major: the transposed
+ * form). Its outputs equal the mma.sync kernel's bit for bit in every case test_cuda_mla_x runs,
+ * and it is faster, though still at about half the dense bf16 rate. Issuing tile t + 1's scores
+ * before tile t's softmax gained too little for a second loop: the two blocks per SM already
+ * cover each other's softmax (bench/RESULTS.md, "MLA prefill attention on wgmma", with the
  * other forms tried).
  *
  * A stage holds a tile's 32 expanded rows as 9 column blocks of 64 dims (v_hi 0-1, v_lo 2-3,

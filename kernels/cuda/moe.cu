@@ -33,7 +33,7 @@
  *
  * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
  *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
- *    sit in shared memory) and 16 gate/up outputs (phase 1) or 32 down outputs (phase 2); a
+ *    sit in shared memory) and 8 gate/up outputs (phase 1) or 32 down outputs (phase 2); a
  *    warp reads whole weight rows with coalesced 16-byte loads that skip L1, converts to fp32
  *    and dots them with every row of the slot, fp32 accumulation, warp-shuffle reduction. An
  *    expert's slots sit next to each other in the grid, so its weights come from DRAM once
@@ -44,19 +44,21 @@
  *    times the weight rows.
  *    Phase 2 loads the first chunks of its W2 rows into registers and pulls the rest into L2
  *    while phase 1 finishes (W2 does not depend on it; an L2 prefetch of phase 1's rows right
- *    after the routing measured 3 us slower at T = 1 and 4 % at T = 8 and 64 on an H200).
+ *    after the routing measured slower: bench/RESULTS.md, "MoE GEMV: no L2 prefetch of phase
+ *    1's rows").
  *  - MMA (prefill; BF16 weights, D and I multiples of 32): per tile of BM rows of one expert,
- *    mma.sync m16n8k16 bf16 with fp32 accumulation, 4-stage cp.async pipeline, XOR-swizzled
+ *    mma.sync m16n8k16 bf16 with fp32 accumulation, a cp.async pipeline (4 stages of k-steps
+ *    of 32; 3 of 64 for the 64-row tiles where K allows, duet__mma_bk64), XOR-swizzled
  *    shared memory read with ldmatrix. Phase 1 computes the W1 and W3 tiles together and
  *    applies the activation in registers, storing h in bf16; phase 2 multiplies h by W2 into
  *    out. x (and h) are rounded to bf16 on this path, like the cuBLASLt GEMM (cuda_gemm.h).
  *    On an sm_90a device (H100 / H200) with D and I multiples of 64 the same tiles run on
- *    wgmma instead (moe_wgmma.cu; the same bits in every case tested): at Kimi-Linear-48B's
- *    dims on an H200, gate/up at T = 8192 took 1.48 ms per layer against 2.21, down 0.81
- *    against 1.19.
+ *    wgmma instead (moe_wgmma.cu; the same bits in every case tested, and faster:
+ *    bench/RESULTS.md, "MoE prefill experts on wgmma").
  * The automatic choice takes MMA when the average rows per selected expert reaches 8 and the
- * weights are BF16 (at the real dims GEMV is 2x slower than MMA at T = 256, while T <= 64
- * never qualifies); duet__cuda_moe_experts_path lets tests force either path.
+ * weights are BF16 (at the real dims GEMV is far slower than MMA at T = 256, while T <= 64
+ * never qualifies: bench/RESULTS.md, "MoE: when the MMA path takes over");
+ * duet__cuda_moe_experts_path lets tests force either path.
  *
  * Every kernel here is launched with duet_pdl_launch (cuda_pdl.cuh) and follows its contract,
  * with exceptions inside the module, each written down where it happens: gemv2 reads its slot
@@ -106,32 +108,21 @@
 #define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
 #define DUET__GV_SPB       4 /* slices per block of the multi-slice kernels ... */
 #define DUET__GV_SPB_SLOTS 256 /* ... from this many slots on (duet__gemv_spb) */
-/* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (80 registers, 3 per
- * SM, was slower than one slice per block: batch 64 31.8 ms against 31.3). Its down kernel
- * stays uncapped: at 3 per SM (80 registers, a 12-byte spill) 28.37 ms against 28.21. */
+/* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (at 80 registers, 3 per
+ * SM, it was slower than one slice per block). Its down kernel stays uncapped: at 3 per SM it
+ * spills and was slower (bench/RESULTS.md, "MoE GEMV at T > 1: four slices per block"). */
 #define DUET__GV_MULTI13_BLOCKS 4
 /* At T = 1 (one row per slot) the 1-row kernels, with their registers capped so that 3 blocks
  * fit on an SM (80 registers). The real dims' rows are 9 (gate/up, D = 2304) and 4 (down,
- * I = 1024) chunks per lane. Measured on an H200, 27 layers at batch 1 × 2K (graph replay, side
- * by side in one command, two runs): 2.612 / 2.606 ms/step against 2.662 / 2.677 for the
- * uncapped kernels (2 blocks per SM) with 5 + 4 chunks in flight (DUET__GV_U13_DEEP /
- * DUET__GV_U2_DEEP, which had measured 2.969 against 3.019 for the 4-row kernel, 2.975 for
- * 3 + 4, 3.000 for 9 + 4). Capped at 3 blocks, gate/up alone gave about a third of the gain and
- * down alone two thirds; 2 + 2 uncapped 2.704 / 2.719, 1 + 1 capped at 4 blocks 2.786 / 2.777,
- * 3 + 3 capped at 3 blocks spilled.
- * Gate/up then went from 2 outputs per warp (DUET__GV_RI) with 2 chunks of each of its 4 rows
- * in flight to 1 output per warp (its W1 and W3 rows) with 5 in flight (DUET__GV_U13_T1): twice
- * the blocks, each warp done in two passes instead of five, and no spill under the cap (the
- * 2-output kernel spilled 16 bytes). 2026-11-30, three runs each, the same command at 2K / 32K:
- * 2.387 / 2.384 / 2.386 against 2.441 / 2.439 / 2.431 ms, and 2.553 / 2.547 / 2.540 against
- * 2.604 / 2.596 / 2.597; with 4 in flight 2.403–2.405, with 3 2.400–2.406, with 6 (spilling)
- * 2.428–2.451, with 4 at 4 blocks per SM 2.432–2.440. The down kernel's counterparts (2 outputs
- * per warp with 2 or 4 in flight, 1 with 4) took 2.48 and 2.67 ms: its blocks each end in a
- * ticket, and twice the blocks cost more than the shorter warps save. With slots of 4 rows
- * (batch 8 and 64), 1 gate/up output per warp (64 registers, 4 blocks per SM, against 113 and 2)
- * took batch 8 from 9.543 / 9.549 to 9.379 / 9.415 ms at 2K and from 10.477 / 10.452 to
- * 10.310 / 10.307 at 32K, batch 64 even (31.19–31.21 against 31.22–31.23, 38.56–38.62 against
- * 38.61–38.64); with 4 in flight it was 3% slower at batch 64. */
+ * I = 1024) chunks per lane. Capped, they beat the uncapped kernels (2 blocks per SM) with
+ * 5 + 4 chunks in flight (DUET__GV_U13_DEEP / DUET__GV_U2_DEEP): the gain is in how they overlap
+ * their neighbours in the step. Gate/up gives each warp 1 output (its W1 and W3 rows) with 5
+ * chunks in flight (DUET__GV_U13_T1): twice the blocks of 2 outputs per warp, each warp done in
+ * two passes instead of five, and no spill under the cap. The down kernel keeps 4 outputs per
+ * warp: its blocks each end in a ticket, and twice the blocks cost more than the shorter warps
+ * save. The slots of 4 rows (batch 8 and 64) take 1 gate/up output per warp too (64 registers,
+ * 4 blocks per SM), with 2 chunks in flight. Measured: bench/RESULTS.md, "MoE GEMV at T = 1:
+ * capped registers, one gate/up output per warp". */
 #define DUET__GV_T1_BLOCKS 3
 #define DUET__GV_U13_T1    5
 #define DUET__GV_U2_T1     2
@@ -516,8 +507,8 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     if (T == 0)
         return DUET_OK;
     /* Rows per block: one at decode sizes, so that T rows take as long as one, side by side on
-     * T SMs (the double exp is bound by an SM's FP64 rate: 8 rows per block measured 7.7 us at
-     * T = 64 under Nsight Compute, against 5.4 us for T = 1); up to 8 for prefill. */
+     * T SMs (the double exp is bound by an SM's FP64 rate: bench/RESULTS.md, "MoE routing: one
+     * row per block at decode sizes"); up to 8 for prefill. */
     int64_t R = (int64_t)((48 * 1024) / per_row);
     R = R < DUET__ROUTE_THREADS / 32 ? R : DUET__ROUTE_THREADS / 32;
     R = T <= 64 ? 1 : R;
@@ -531,19 +522,16 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
 
 /* ---- the router and the routing of one row, one kernel (decode) ------------------------------ */
 
-/* Warps per router row, each with every DUET__RR_SPLIT-th 32 pieces. Measured on an H200 (27
- * layers, batch 1, side by side in one command, two runs, ms/step at 2K / 32K): 8 (one row per
- * block, 256 blocks) 2.579 / 2.746 and 2.577 / 2.742; 4 2.585 / 2.763 and 2.586 / 2.755; 2
- * 2.631 / 2.775 and 2.627 / 2.787; 1 2.698 / 2.868 and 2.695 / 2.862. */
+/* Warps per router row, each with every DUET__RR_SPLIT-th 32 pieces: 8 (one row per block, 256
+ * blocks) puts the router's fp32 rows in flight soonest, in a kernel on every MoE layer's serial
+ * chain (bench/RESULTS.md, "Router kernel: 8 warps per router row"). */
 #define DUET__RR_SPLIT 8
 #define DUET__RR_ROWS  (DUET__ROUTE_THREADS / 32 / DUET__RR_SPLIT) /* router rows per block */
 #define DUET__RR_U     3 /* float4 pieces per lane in flight: D = 2304 is 2.25 per lane */
 /* Scores per thread in flight in block 0's routing when it takes duet__route_block (its U). With 8,
- * as the routing kernel has, the kernel's code was 58 KB against 36 with 1, and one block runs it
- * from a cold instruction cache: H200, 27 layers at batch 1, two builds side by side in one
- * command, five runs each: 2.354 / 2.358 / 2.360 / 2.356 / 2.354 ms against 2.376 / 2.380 / 2.366 /
- * 2.370 / 2.378 at 2K, 2.514 / 2.513 / 2.532 / 2.513 / 2.513 against 2.529 / 2.529 / 2.529 /
- * 2.529 / 2.534 at 32K (2 in between: 2.354–2.369, 2.515–2.541). */
+ * as the routing kernel has, the kernel's code is much larger, and one block runs it once per
+ * layer from a cold instruction cache (bench/RESULTS.md, "Router kernel: one score per thread in
+ * flight"). */
 #define DUET__RR_ROUTE_U 1
 
 /* One float4 piece of x into a running sum of squares, every rounding spelled out: the router
@@ -630,10 +618,9 @@ static __device__ __forceinline__ float duet__rr_collect(const unsigned long lon
  * of the row with x ⊙ nw and sums x² over the same share, the block adds the shares in order and
  * scales by 1/rms (cuda_norm.cuh, as the fused-norm GEMV does). The router weights, the norm
  * weight and the routing bias (block 0's, which routes) load before the PDL wait, as weights
- * may; x after it. Taking the norm weight and the bias
- * out of the wait-to-route path measured 2.574 / 2.591 / 2.589 ms against 2.591 / 2.607 / 2.590
- * (27 layers, batch 1 × 2K, H200, side by side in one command; 2.739 / 2.761 / 2.748 against
- * 2.751 / 2.769 / 2.759 at 32K). Each block stores its share of xn.
+ * may; x after it, so that only x's round trip is on the wait-to-route path (bench/RESULTS.md,
+ * "Router kernel: norm weight and bias before the PDL wait"). Each block stores its share of
+ * xn.
  * Each block publishes its logits tagged with the call's number (duet__rr_publish) and exits;
  * block 0 collects all E, spinning on the tags, and routes the row: with no groups and a thread
  * per expert by duet__route_row_sorted, else with duet_cuda_moe_route's code. Only block 0
@@ -641,13 +628,9 @@ static __device__ __forceinline__ float duet__rr_collect(const unsigned long lon
  * blocks fit at once. The tag is the call count + 1 (0 skipped), which block 0 stores at its
  * end for the next call (which reads it before its PDL wait: see there). This replaced
  * a ticket (each block's fence and atomic, the last block routing after reloading the logits)
- * and top_k rounds of warp picks. H200, 27 layers at batch 1, %globaltimer stamps in a
- * temporary build (medians over a run at 2K): from the router's PDL wait to the release of the
- * gate/up blocks' wait 8.7 us before (1.5 to the last logit, 3.3 from there to the routing's
- * start, 2.8 routing, 1.1 to the release), 4.9 after (1.5, 0.6, 1.7, 1.1). The step, the
- * previous commit built beside it, four runs each: 2.279 / 2.320 / 2.318 / 2.338 ms against
- * 2.358 / 2.378 / 2.354 / 2.370 at 2K, 2.432 / 2.481 / 2.475 / 2.490 against 2.511 / 2.537 /
- * 2.513 / 2.525 at 32K.
+ * and top_k rounds of warp picks, which made the path from the router's wait to the gate/up
+ * blocks' release nearly twice as long (bench/RESULTS.md, "Router kernel: tagged logits instead
+ * of a ticket").
  */
 __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel(duet__rr_args_t a)
 {
@@ -1191,10 +1174,8 @@ static __device__ __forceinline__ void duet__gemv13_clear_tickets(const duet__mo
  * Before the wait, against the contract of cuda_pdl.cuh but safely, as gemv2 reads the plan:
  * this grid starts only once every router block has triggered, which each does after its own
  * wait, i.e. after the kernel that wrote nx completed; nothing in the step writes nx or row P of
- * h until this grid and its successor have completed.
- * H200, 27 layers at batch 1, side by side in one command (the same binary with
- * DUET_CUDA_NO_SHARED_EARLY=1), three runs each: 2.366 / 2.366 / 2.373 ms/step against 2.405 /
- * 2.387 / 2.390 at 2K, 2.523 / 2.532 / 2.528 against 2.557 / 2.545 / 2.547 at 32K.
+ * h until this grid and its successor have completed. Measured: bench/RESULTS.md, "Shared
+ * expert's gate/up beside the router".
  */
 template <int DT, int U>
 static __device__ __forceinline__ void
@@ -1393,9 +1374,9 @@ static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, cons
         return;
     /* Tickets: this block's out slices are visible device-wide before it counts them (the
      * barrier orders every thread's stores before the counting thread's fence, which makes them
-     * visible with its atomic: one fence per row, not one per thread, 2.380–2.392 ms against
-     * 2.391–2.401 for the step above); the block that completes a row (count top_k) reads the
-     * other blocks' slices from L2. */
+     * visible with its atomic: one fence per row, not one per thread, which measured a little
+     * faster: bench/RESULTS.md, "MoE at T = 1: gemv2's tickets"); the block that completes a
+     * row (count top_k) reads the other blocks' slices from L2. */
     __syncthreads();
     if (threadIdx.x < (unsigned)n) {
         __threadfence();
@@ -1816,16 +1797,10 @@ static bool duet__t1_deep_env(void)
  * Slices of output rows per GEMV block. Each block first looks up its slot and loads the slot's
  * activation rows (up to 4 × D floats, a round trip through L2) before any weight row: with many
  * slots (T > 1, the grid tens of thousands of short blocks) one block doing DUET__GV_SPB slices
- * for one lookup and one load streams more of the time; with few slots the grid needs the
- * blocks. H200, Kimi-Linear-48B's dims, 27 layers, duet-bench-model-cuda --batch 1,32,64
- * --context 2048,32768, the previous commit built beside this one in one command (two runs
- * each), ms per step: batch 32 20.54 / 20.55 → 20.22 / 20.25 at 2K, 24.24 / 24.25 → 23.94 /
- * 23.96 at 32K; batch 64 31.16 / 31.18 → 28.18 / 28.24 and 38.45 / 38.52 → 35.61 / 35.51;
- * batch 1 (other kernels) 2.270 / 2.280 → 2.284 / 2.281. An earlier build (the slice count a
- * compile-time switch) gave, with 1, 4 and 8 slices per block everywhere: batch 8 9.43 / 9.47
- * / 9.90, 16 13.83 / 13.94 / 14.52, 32 20.60 / 20.14 / 20.60, 64 31.23 / 28.90 / 28.75 at 2K:
- * fewer than 256 slots need the blocks. The slot count is the host's bound, min(P, P / 4 +
- * min(P, E)) for P = T · top_k pairs: 64, 128, 256 and 384 at batch 8, 16, 32 and 64.
+ * for one lookup and one load streams more of the time; with few slots (fewer than 256) the
+ * grid needs the blocks (bench/RESULTS.md, "MoE GEMV at T > 1: four slices per block"). The slot
+ * count is the host's bound, min(P, P / 4 + min(P, E)) for P = T · top_k pairs: 64, 128, 256
+ * and 384 at batch 8, 16, 32 and 64.
  */
 static int duet__gemv_spb(int64_t max_slots, bool direct)
 {
@@ -1881,13 +1856,9 @@ duet__launch_gemv_nr(int nrmax, int spb, bool direct, bool deep, cudaStream_t st
 /* The 64-row tiles take k-steps of 64 where K allows (3 stages of 24 KB: half the barriers and
  * copy groups per multiply-add of 32 with 4 stages of 12 KB); the k order, and so every bit of
  * the result, is the same. The 128-row tiles keep 32: with 64 their 138 registers leave one
- * block per SM, and at 8192 tokens (128-row tiles) that was 3% slower. H200, Kimi-Linear-48B's
- * dims, prefill of one sequence (duet-bench-model-cuda --batch 0 --prefill 2048,8192), side by
- * side in one command: 8 layers, 2048 tokens (64-row tiles) 25.82 / 25.84 ms against 27.85 /
- * 27.87 for the previous commit and 27.78 / 27.81 for this one with DUET_CUDA_MOE_MMA_BK32=1;
- * 27 layers 88.69 ms against 96.04; 8192 tokens unchanged (116.0 / 116.7 against 117.3 / 117.2
- * at 8 layers, 398.7 against 398.9 at 27). DUET_CUDA_MOE_MMA_BK32=1 in the environment (read
- * once) keeps 32 everywhere: side-by-side runs. */
+ * block per SM, which was slower (bench/RESULTS.md, "MoE MMA: k-steps of 64 for the 64-row
+ * tiles"). DUET_CUDA_MOE_MMA_BK32=1 in the environment (read once) keeps 32 everywhere:
+ * side-by-side runs. */
 static bool duet__mma_bk64(void)
 {
     static int bk32 = -1;
@@ -2053,12 +2024,10 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               (long long)T);
 
     /*
-     * GEMV slot size: 4 rows, fewer only if the rows would not fit in shared memory. Measured on
-     * an H200 at the real dims (graph replay): T = 64, slots of 4 beat 8 by 25 % and 2 by 1 %
-     * (more rows per slot cost registers, and an expert's next slot runs alongside and finds
-     * its weights in L2); T = 8, 4 and 2 tie. T = 1 (direct, below) takes the 1-row kernels with
-     * their registers capped (DUET__GV_T1_BLOCKS); the uncapped ones with 2 in flight (2 blocks
-     * per SM) had been 10 % slower than the 4-row kernel.
+     * GEMV slot size: 4 rows, fewer only if the rows would not fit in shared memory (more rows
+     * per slot cost registers, and an expert's next slot runs alongside and finds its weights in
+     * L2). T = 1 (direct, below) takes the 1-row kernels with their registers capped
+     * (DUET__GV_T1_BLOCKS). Measured: bench/RESULTS.md, "MoE GEMV slot size".
      */
     int nrmax = 4;
     while (nrmax > 1 && (size_t)nrmax * (D > I ? D : I) * sizeof(float) > DUET__SMEM_CAP)
@@ -2097,15 +2066,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
 
     /*
      * One token on the GEMV path needs no grouping: each pair is its own slot (direct mode), and
-     * gemv2 adds into y through its tickets. Measured on an H200 at the real dims (graph replay,
-     * T = 1): 37.5 us against 41.3 with the combine kernel; a kernel whose blocks own a slice of
-     * outputs for all top_k pairs (h of every pair in each block, 3 blocks per SM) was not
-     * faster (about 39.5), nor were two one-wave kernels streaming each lane's weight chunks
-     * through a cp.async ring in shared memory (43.0 against 36.7, bench/RESULTS.md), nor was
-     * one kernel doing the router, the routing and both phases with counters in place of the
-     * grid boundaries (the 27-layer step within 0.02 ms either way, bench/RESULTS.md). For T > 1
-     * the combine kernel: tickets there measured 7 % slower at T = 64 (a fence and an atomic
-     * round trip in each of thousands of gemv2 blocks).
+     * gemv2 adds into y through its tickets, faster than the combine kernel; blocks owning a
+     * slice of outputs for all top_k pairs, one-wave kernels streaming weight chunks through
+     * shared memory, and one kernel for the router, the routing and both phases were no better.
+     * For T > 1 the combine kernel: there tickets cost a fence and an atomic round trip in each
+     * of thousands of gemv2 blocks (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets").
      */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
     if (direct && !separate) {

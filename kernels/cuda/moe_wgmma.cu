@@ -7,10 +7,11 @@
  * K in steps of 64 through a cp.async pipeline of DUET__WG_STAGES stages. Each warpgroup (4
  * warps) multiplies its 64 rows by the stage's 128 weight rows with wgmma.mma_async m64n128k16:
  * both operands go from shared memory to the tensor cores, with no ldmatrix and no per-warp
- * fragments, which is what held mma.sync at about 245 TFLOP/s on an H200. The stage layout is
- * duet__swz<64>'s: 128-byte rows whose 16-byte chunks are XOR-ed with the row's low 3 bits,
- * which is the hardware's 128-byte swizzle when a tile starts on 1024 bytes; the k-slice ks
- * of a tile is addressed by moving the descriptor's start 32 · ks bytes into the row.
+ * fragments, which is what held mma.sync back (bench/RESULTS.md, "MoE prefill experts on
+ * wgmma"). The stage layout is duet__swz<64>'s: 128-byte rows whose 16-byte chunks are XOR-ed
+ * with the row's low 3 bits, which is the hardware's 128-byte swizzle when a tile starts on 1024
+ * bytes; the k-slice ks of a tile is addressed by moving the descriptor's start 32 · ks bytes
+ * into the row.
  *
  * The build compiles this file for sm_90a alone (kernels/CMakeLists.txt). On any other device
  * the code does not load, cudaFuncGetAttributes says so, and duet__moe_wgmma_usable() returns 0.
@@ -46,13 +47,9 @@ static __device__ __forceinline__ void duet__wgmma_m64n128k16(float (&d)[64], un
  * 8j + 2 · (lane % 4) + v % 2 of the stage (DUAL: gate j < 8, its up at j + 8).
  *
  * Each k-step waits for its products before the next barrier (no group left in flight), so
- * that with 3 stages two 128-row-tile blocks fit on an SM and cover each other's waits.
- * Measured against the alternatives (H200, test_cuda_ops' bench_moe at Kimi-Linear-48B's dims,
- * T = 2048 / 8192, 128-row tiles, TFLOP/s of the whole call; 27-layer prefill of 2048 / 8192
- * tokens, ms): this shape 179 / 331, 66.6 / 240.3; 4 stages with one group in flight (one
- * block per SM) 147 / 278, 68.7 / 249.6; 5 stages likewise 165 / 303, 74.7 / 246.2; 256 weight
- * rows per tile (two m64n128k16 per k-slice, one block per SM) with 4 stages and one group in
- * flight 169 / 346, 73.8 / 237.8, with 3 stages and none 146 / 300, 73.3 / 248.0.
+ * that with 3 stages two 128-row-tile blocks fit on an SM and cover each other's waits: deeper
+ * pipelines with a group in flight, and tiles of 256 weight rows, measured slower
+ * (bench/RESULTS.md, "MoE prefill experts on wgmma").
  */
 template <int WG, bool DUAL>
 __global__ void __launch_bounds__(128 * WG, 2)

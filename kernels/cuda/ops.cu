@@ -123,12 +123,9 @@ extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const 
  * A thread's elements are d = t, t + 256, ... in that order (the sum's order, so the bits). The
  * loads of a pass of DUET__NORM_U of them all go out before the first store: with the stores
  * in between (x += a writes x, and y may be x or a) the compiler could not hoist the next load
- * above a store, and a 2304-wide row cost nine round trips in a row, 6.5 µs per call at batch
- * 8. The output pass batches its loads of w and x the same way. H200, Kimi-Linear-48B's dims,
- * 27 layers, the previous commit built beside this one in one command (two runs each): batch
- * 8 9.43 / 9.44 → 9.30 / 9.28 ms at 2K, 10.40 / 10.40 → 10.28 / 10.24 at 32K; batch 64 28.69 /
- * 28.73 → 28.62 / 28.55 and 36.22 / 36.26 → 36.05 / 36.09; 8-layer prefill even (24.8 / 24.9
- * ms at 2048 tokens either way). 8 per pass (64 registers) gave 9.31–9.33 at batch 8.
+ * above a store, and a 2304-wide row cost nine round trips in a row. The output pass batches
+ * its loads of w and x the same way (bench/RESULTS.md, "Row norm: a pass of loads before any
+ * store").
  */
 #ifndef DUET__NORM_U
 #define DUET__NORM_U 12

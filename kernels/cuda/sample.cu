@@ -189,7 +189,8 @@ extern "C" duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logi
 }
 
 /*
- * The same arg-max spread over many blocks (a 160k-entry row read by one block takes ~20 us):
+ * The same arg-max spread over many blocks (one block alone reads a 160k-entry row slowly:
+ * bench/RESULTS.md, "Arg-max over many blocks; sampling sorts only the head"):
  * block (c, r) takes chunk c of row r (DUET__AM_CHUNK-aligned, so 16-byte loads stay aligned)
  * and writes its first maximum; one warp per row then merges the chunks with the CPU's order
  * (larger value, then lower index), which gives the row's first maximum as the one-block kernel does.
@@ -270,10 +271,11 @@ extern "C" duet_status_t duet_cuda_argmax_split(cudaStream_t stream, const float
  * their candidates (z >= zmin) as (key, index) at keys/vals[r * V + j], j < n_r, in index order,
  * and the segment [r * V, r * V + n_r).
  *
- * The head. Sorting a whole row of 160k candidates takes one block ~1.5 ms, while the draw
- * almost always lands among the largest few hundred. So a histogram of the candidates' keys
- * (top 12 bits: sign, exponent, 3 mantissa bits) finds the longest run of top bins holding at
- * most DUET__SAMPLE_HEAD candidates, a prefix of the sorted order; only that head is written
+ * The head. Sorting a whole row of 160k candidates in one block is far too slow for a decode
+ * step (bench/RESULTS.md, "Arg-max over many blocks; sampling sorts only the head"), while the
+ * draw almost always lands among the largest few hundred. So a histogram of the candidates'
+ * keys (top 12 bits: sign, exponent, 3 mantissa bits) finds the longest run of top bins holding
+ * at most DUET__SAMPLE_HEAD candidates, a prefix of the sorted order; only that head is written
  * when it provably contains the decision: top_k <= head size, or (no top_k) its mass exceeds
  * top_p · sum (nucleus) or u · sum (no nucleus) with a 1e-6 margin for summation order. The
  * mass of the rest, which the CPU's sum includes, goes to tail[r] (double). Otherwise the whole
