@@ -919,11 +919,9 @@ static duet_status_t duet__cuda_seq_set_filled(duet_backend_t *be, const duet_se
 /*
  * Whether a step's MLA layers take the expanded form (cuda_mla.h) rather than the absorbed one,
  * and if so each item's context into dm->xctx and their sum returned (0: absorbed). Each layer
- * expands every position of every item (about 55 ns per position at Kimi Linear's shape on an
- * H200), which the cheaper attention repays at a few hundred rows per position, whatever the
- * context: test_cuda_mla_x's timing measured 256 rows at 8K 1.36x faster than absorbed (853
- * against 1164 us, 436 of them expanding), 256 rows at 256 1.30x, 8192 rows at 8K 3.1x
- * (bench/RESULTS.md). So: sum_i rows_i · ctx_i >= DUET__MLA_X_MIN_ROWS · sum_i ctx_i (one item:
+ * expands every position of every item, which the cheaper attention repays at a few hundred
+ * rows per position, whatever the context (bench/RESULTS.md, "MLA prefill: when a step takes
+ * the expanded form"). So: sum_i rows_i · ctx_i >= DUET__MLA_X_MIN_ROWS · sum_i ctx_i (one item:
  * a chunk of >= 256 rows; a decode item beside a prefill chunk counts its whole context against
  * its one row), and the contexts fit xkv (xcap positions).
  */
@@ -1268,10 +1266,8 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
     if (sh->n_logit_rows > 0 && sh->n_logit_rows == T && T <= dm->logit_rows_cap) {
         /* every row is a logits row (a decode step): the gather would be the identity, and the
          * final norm rides in the head's GEMV like every layer's norm in its first projection
-         * (its 160k warps each redo the fp32 sum of squares). H200, 27 layers at batch 1,
-         * side by side in one command, two runs: 2.558 / 2.553 ms/step at 2K against 2.567 /
-         * 2.572 with the norm its own kernel, 2.729 / 2.714 against 2.731 / 2.732 at 32K. (When
-         * the norm's sum was in double, the fused head took 271 us against 175 + 7.) */
+         * (its 160k warps each redo the fp32 sum of squares; bench/RESULTS.md, "The final norm
+         * in the head's GEMV"). */
         const duet_cuda_gemm_norm_t fn = {.x = dm->x, .ldx = D, .w = dm->final_norm, .y = dm->xn,
                                           .ldy = D, .D = D, .eps = c->rms_norm_eps};
         const duet_cuda_gemm_op_t head = {.y = dm->logits, .ldy = V, .x = dm->xn, .ldx = D,
