@@ -47,7 +47,7 @@ static double time_matmul(duet_kernels_t *k, float *y, const float *x, int64_t M
     int64_t N = w->shape[0], K = w->shape[1];
     duet_k_matmul(k, y, N, x, K, M, w, 0); /* warm caches, wake the pool */
     double best = 1e30, total = 0;
-    int    reps = 0;
+    int reps = 0;
     while (total < min_s || reps < 3) {
         double t0 = now_s();
         duet_k_matmul(k, y, N, x, K, M, w, 0);
@@ -73,8 +73,8 @@ static void naive_matmul(float *y, const float *x, const float *w, int64_t M, in
 
 int main(int argc, char **argv)
 {
-    int    max_threads = 0, quick = 0;
-    double min_s       = 0.3;
+    int max_threads = 0, quick = 0;
+    double min_s = 0.3;
     for (int i = 1; i < argc; i++) {
         if (duet_version_flag(argv[i])) {
             duet_version_print("duet-bench-kernels");
@@ -111,14 +111,14 @@ int main(int argc, char **argv)
         }
     }
 
-    static const nk_t    nks[]    = {{2304, 2304}, {9216, 2304}, {2304, 9216}, {4096, 2304}};
-    static const int64_t ms[]     = {1, 8, 64, 512};
-    const int            n_nk     = quick ? 1 : (int)(sizeof(nks) / sizeof(nks[0]));
-    int64_t              max_n    = 9216, max_k = 9216, max_m = 512;
-    float               *x        = malloc((size_t)(max_m * max_k) * sizeof(float));
-    float               *y        = malloc((size_t)(max_m * max_n) * sizeof(float));
-    float               *wf       = malloc((size_t)(max_n * 2304) * sizeof(float) * 1);
-    uint16_t            *wb       = malloc((size_t)(max_n * 2304) * sizeof(uint16_t));
+    static const nk_t nks[] = {{2304, 2304}, {9216, 2304}, {2304, 9216}, {4096, 2304}};
+    static const int64_t ms[] = {1, 8, 64, 512};
+    const int n_nk = quick ? 1 : (int)(sizeof(nks) / sizeof(nks[0]));
+    int64_t max_n = 9216, max_k = 9216, max_m = 512;
+    float *x = malloc((size_t)(max_m * max_k) * sizeof(float));
+    float *y = malloc((size_t)(max_m * max_n) * sizeof(float));
+    float *wf = malloc((size_t)(max_n * 2304) * sizeof(float) * 1);
+    uint16_t *wb = malloc((size_t)(max_n * 2304) * sizeof(uint16_t));
     if (x == NULL || y == NULL || wf == NULL || wb == NULL) {
         fprintf(stderr, "out of memory\n");
         return 1;
@@ -148,15 +148,15 @@ int main(int argc, char **argv)
         for (int s = 0; s < n_nk; s++) {
             int64_t M = ms[mi], N = nks[s].N, K = nks[s].K;
             for (int dt = 0; dt < 2; dt++) {
-                duet_tensor_t w = {.data   = dt == 0 ? (void *)wf : (void *)wb,
-                                   .dtype  = dt == 0 ? DUET_DTYPE_F32 : DUET_DTYPE_BF16,
+                duet_tensor_t w = {.data = dt == 0 ? (void *)wf : (void *)wb,
+                                   .dtype = dt == 0 ? DUET_DTYPE_F32 : DUET_DTYPE_BF16,
                                    .device = DUET_DEVICE_CPU,
-                                   .ndim   = 2,
-                                   .shape  = {N, K}};
+                                   .ndim = 2,
+                                   .shape = {N, K}};
                 double flops = 2.0 * (double)M * (double)N * (double)K;
                 double bytes = (double)N * (double)K * (double)duet_dtype_size(w.dtype);
-                double t1    = time_matmul(k1, y, x, M, &w, min_s);
-                double tn    = time_matmul(kn, y, x, M, &w, min_s);
+                double t1 = time_matmul(k1, y, x, M, &w, min_s);
+                double tn = time_matmul(kn, y, x, M, &w, min_s);
                 printf("%-5lld %-6lld %-6lld %-5s | %9.3f %9.1f | %9.3f %9.1f |", (long long)M,
                        (long long)N, (long long)K, duet_dtype_name(w.dtype), t1 * 1e3,
                        flops / t1 * 1e-9, tn * 1e3, flops / tn * 1e-9);
@@ -171,17 +171,17 @@ int main(int argc, char **argv)
     printf("\nspeed-up over a naive triple loop (F32 weights, 1 thread):\n");
     static const int64_t naive_m[] = {1, 64};
     for (int i = 0; i < 2; i++) {
-        int64_t       M = naive_m[i], N = 2304, K = 2304;
+        int64_t M = naive_m[i], N = 2304, K = 2304;
         duet_tensor_t w = {.data = wf, .dtype = DUET_DTYPE_F32, .ndim = 2, .shape = {N, K}};
-        double        t0 = now_s();
-        int           reps = 0;
+        double t0 = now_s();
+        int reps = 0;
         do {
             naive_matmul(y, x, wf, M, N, K);
             reps++;
         } while (now_s() - t0 < min_s);
         double tnaive = (now_s() - t0) / reps;
-        double t1     = time_matmul(k1, y, x, M, &w, min_s);
-        double flops  = 2.0 * (double)M * (double)N * (double)K;
+        double t1 = time_matmul(k1, y, x, M, &w, min_s);
+        double flops = 2.0 * (double)M * (double)N * (double)K;
         printf("  M=%-3lld N=%lld K=%lld: naive %.3f ms (%.1f GF/s), duet %.3f ms (%.1f GF/s): "
                "%.1fx\n",
                (long long)M, (long long)N, (long long)K, tnaive * 1e3, flops / tnaive * 1e-9,

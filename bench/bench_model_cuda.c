@@ -68,8 +68,7 @@ static int cmp_d(const void *a, const void *b)
 }
 
 /* Parameters of every matrix a token's forward reads, split into always-read and per-expert. */
-static void count_params(const duet_model_config_t *c, double *dense, double *expert,
-                         double *embed)
+static void count_params(const duet_model_config_t *c, double *dense, double *expert, double *embed)
 {
     const double D = (double)c->hidden_size, H = (double)c->kda_heads, K = (double)c->kda_head_dim;
     const double n = (double)c->mla_heads, dn = (double)c->qk_nope_head_dim,
@@ -82,19 +81,20 @@ static void count_params(const duet_model_config_t *c, double *dense, double *ex
         else
             d += n * (dn + dr) * D + (r + dr) * D + n * r * dn + n * dv * r + D * n * dv;
         if (c->ffn[l] == DUET_FFN_MOE)
-            d += (double)c->n_experts * D + 3.0 * D * (double)(c->moe_intermediate * c->n_shared_experts);
+            d += (double)c->n_experts * D +
+                 3.0 * D * (double)(c->moe_intermediate * c->n_shared_experts);
         else
             d += 3.0 * D * (double)c->dense_intermediate;
     }
-    *dense  = d;
+    *dense = d;
     *expert = 3.0 * D * (double)c->moe_intermediate;
-    *embed  = (double)c->vocab_size * D;
+    *embed = (double)c->vocab_size * D;
 }
 
 int main(int argc, char **argv)
 {
     const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16";
-    int64_t     layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
+    int64_t layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
             pre[MAX_LIST] = {2048, 8192};
     int n_batch = 3, n_ctx = 2, n_pre = 2;
     for (int i = 1; i < argc; i++) {
@@ -126,7 +126,8 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--steps") == 0)
             bad = duet_config_parse_int(v, 1, INT64_MAX, &steps) != DUET_OK;
         else if (strcmp(a, "--batch") == 0)
-            bad = strcmp(v, "0") == 0 ? (n_batch = 0) : (n_batch = parse_list(v, batch, MAX_LIST)) < 0;
+            bad = strcmp(v, "0") == 0 ? (n_batch = 0)
+                                      : (n_batch = parse_list(v, batch, MAX_LIST)) < 0;
         else if (strcmp(a, "--context") == 0)
             bad = (n_ctx = parse_list(v, ctx, MAX_LIST)) <= 0;
         else if (strcmp(a, "--prefill") == 0)
@@ -173,8 +174,8 @@ int main(int argc, char **argv)
         return 1;
     }
     printf("{\"device\":\"%s\",\"layers\":%lld,\"params\":%.0f,\"weights\":\"%s\",\"kv\":\"%s\","
-           "\"d2d_GBps\":%.1f}\n", prop.name, (long long)cfg.num_layers, total_params, dtype,
-           kvdt, bw / 1e9);
+           "\"d2d_GBps\":%.1f}\n",
+           prop.name, (long long)cfg.num_layers, total_params, dtype, kvdt, bw / 1e9);
     fflush(stdout);
 
     int64_t max_b = 1, max_c = 1, max_p = 1;
@@ -187,12 +188,14 @@ int main(int argc, char **argv)
 
     duet_model_opts_t o;
     duet_model_opts_default(&o);
-    o.device           = DUET_DEVICE_CUDA;
-    o.dtype            = wb == 2 ? DUET_MODEL_DTYPE_BF16 : DUET_MODEL_DTYPE_F32;
-    o.kv_dtype         = kvb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
-    o.page_tokens      = 64;
-    o.max_seqs         = max_b;
-    o.max_seq_len      = (n_batch > 0 ? max_c : 0) + steps + 16 > max_p ? (n_batch > 0 ? max_c : 0) + steps + 16 : max_p;
+    o.device = DUET_DEVICE_CUDA;
+    o.dtype = wb == 2 ? DUET_MODEL_DTYPE_BF16 : DUET_MODEL_DTYPE_F32;
+    o.kv_dtype = kvb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
+    o.page_tokens = 64;
+    o.max_seqs = max_b;
+    o.max_seq_len = (n_batch > 0 ? max_c : 0) + steps + 16 > max_p
+                        ? (n_batch > 0 ? max_c : 0) + steps + 16
+                        : max_p;
     o.max_batch_tokens = max_p > max_b ? max_p : max_b;
     /* the pool holds max_b sequences of the longest context, or one prefill */
     o.kv_pages = (o.max_seq_len + o.page_tokens - 1) / o.page_tokens * max_b;
@@ -203,21 +206,23 @@ int main(int argc, char **argv)
         return 1;
     }
     fprintf(stderr, "model built in %.1f s\n", now_s() - t0);
-    void  *kv_dev, *kda_dev;
+    void *kv_dev, *kda_dev;
     size_t kv_bytes, kda_bytes;
     duet_model_device_pools(m, &kv_dev, &kv_bytes, &kda_dev, &kda_bytes);
     /* stand-in context: random KV rows, small random states */
-    if ((kv_dev != NULL && duet_cuda_fill_random(0, kv_dev, o.kv_dtype,
-                                                 (int64_t)(kv_bytes / kvb), 99, 1.0f, 0.0f) != DUET_OK) ||
-        (kda_dev != NULL && duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32,
-                                                  (int64_t)(kda_bytes / 4), 98, 0.05f, 0.0f) != DUET_OK) ||
+    if ((kv_dev != NULL && duet_cuda_fill_random(0, kv_dev, o.kv_dtype, (int64_t)(kv_bytes / kvb),
+                                                 99, 1.0f, 0.0f) != DUET_OK) ||
+        (kda_dev != NULL &&
+         duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32, (int64_t)(kda_bytes / 4), 98, 0.05f,
+                               0.0f) != DUET_OK) ||
         cudaDeviceSynchronize() != cudaSuccess) {
         fprintf(stderr, "duet-bench-model-cuda: filling the pools failed: %s\n", duet_error_last());
         return 1;
     }
     const duet_model_config_t *c = duet_model_config(m);
-    const double kda_state_bytes = (double)c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4.0 +
-                                   3.0 * c->kda_heads * c->kda_head_dim * (c->conv_kernel - 1) * 4.0;
+    const double kda_state_bytes =
+        (double)c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4.0 +
+        3.0 * c->kda_heads * c->kda_head_dim * (c->conv_kernel - 1) * 4.0;
     const double kv_row_bytes = (double)(c->kv_lora_rank + c->qk_rope_head_dim) * (double)kvb;
 
     /* 2. decode */
@@ -225,11 +230,12 @@ int main(int argc, char **argv)
     for (int ic = 0; ic < n_ctx && n_batch > 0; ic++)
         for (int ib = 0; ib < n_batch; ib++) {
             const int64_t B = batch[ib], C = ctx[ic];
-            duet_seq_t   *seqs = calloc((size_t)B, sizeof(*seqs));
+            duet_seq_t *seqs = calloc((size_t)B, sizeof(*seqs));
             duet_batch_item_t *items = calloc((size_t)B, sizeof(*items));
-            int32_t *tok = calloc((size_t)B, sizeof(int32_t)), *out = calloc((size_t)B, sizeof(int32_t));
-            double  *ts  = calloc((size_t)steps, sizeof(double));
-            int      ok  = 1;
+            int32_t *tok = calloc((size_t)B, sizeof(int32_t)),
+                    *out = calloc((size_t)B, sizeof(int32_t));
+            double *ts = calloc((size_t)steps, sizeof(double));
+            int ok = 1;
             for (int64_t s = 0; s < B; s++)
                 seqs[s].id = -1;
             for (int64_t s = 0; s < B && ok; s++) {
@@ -243,17 +249,18 @@ int main(int argc, char **argv)
                 rc = 1;
             }
             /* the KV/state of a fresh sequence was zeroed at open: refill the pools */
-            if (ok && ((kv_dev != NULL && duet_cuda_fill_random(0, kv_dev, o.kv_dtype,
-                                                                (int64_t)(kv_bytes / kvb), 99 + (uint64_t)C,
-                                                                1.0f, 0.0f) != DUET_OK) ||
-                       (kda_dev != NULL && duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32,
-                                                                 (int64_t)(kda_bytes / 4), 98, 0.05f,
-                                                                 0.0f) != DUET_OK) ||
+            if (ok && ((kv_dev != NULL &&
+                        duet_cuda_fill_random(0, kv_dev, o.kv_dtype, (int64_t)(kv_bytes / kvb),
+                                              99 + (uint64_t)C, 1.0f, 0.0f) != DUET_OK) ||
+                       (kda_dev != NULL &&
+                        duet_cuda_fill_random(0, kda_dev, DUET_DTYPE_F32, (int64_t)(kda_bytes / 4),
+                                              98, 0.05f, 0.0f) != DUET_OK) ||
                        cudaDeviceSynchronize() != cudaSuccess))
                 ok = 0, rc = 1;
             for (int64_t it = -3; it < steps && ok; it++) {
                 for (int64_t s = 0; s < B; s++)
-                    items[s] = (duet_batch_item_t){.seq = &seqs[s], .tokens = &tok[s],
+                    items[s] = (duet_batch_item_t){.seq = &seqs[s],
+                                                   .tokens = &tok[s],
                                                    .n_tokens = 1,
                                                    .logits_mode = DUET_LOGITS_TOKEN,
                                                    .token_out = &out[s]};
@@ -274,21 +281,24 @@ int main(int argc, char **argv)
                 qsort(ts, (size_t)steps, sizeof(double), cmp_d);
                 const double med = ts[steps / 2];
                 const double E = (double)c->n_experts, k = (double)c->top_k;
-                const double touched = c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)B)) : 0;
-                const double w_bytes = (dense + touched * expert * (double)c->n_moe_layers) * (double)wb;
-                const double kv      = (double)B * (double)(C + steps / 2) * kv_row_bytes * (double)c->n_mla_layers;
-                const double st      = 2.0 * (double)B * kda_state_bytes * (double)c->n_kda_layers;
-                const double bytes   = w_bytes + kv + st;
+                const double touched =
+                    c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)B)) : 0;
+                const double w_bytes =
+                    (dense + touched * expert * (double)c->n_moe_layers) * (double)wb;
+                const double kv =
+                    (double)B * (double)(C + steps / 2) * kv_row_bytes * (double)c->n_mla_layers;
+                const double st = 2.0 * (double)B * kda_state_bytes * (double)c->n_kda_layers;
+                const double bytes = w_bytes + kv + st;
                 /* the copy's rate counts bytes read + written: the rate at which the memory
                  * system moves bytes, the same unit as the bytes a step reads or writes */
-                const double roof    = bytes / bw;
+                const double roof = bytes / bw;
                 printf("{\"impl\":\"duet\",\"layers\":%lld,\"batch\":%lld,\"context\":%lld,"
                        "\"step_ms\":%.3f,\"min_ms\":%.3f,\"bytes_GB\":%.3f,\"weights_GB\":%.3f,"
                        "\"kv_GB\":%.3f,\"state_GB\":%.3f,\"roofline_ms\":%.3f,"
                        "\"roofline_frac\":%.3f,\"tok_s\":%.1f}\n",
-                       (long long)c->num_layers, (long long)B, (long long)C, med * 1e3,
-                       ts[0] * 1e3, bytes / 1e9, w_bytes / 1e9, kv / 1e9, st / 1e9, roof * 1e3,
-                       roof / med, (double)B / med);
+                       (long long)c->num_layers, (long long)B, (long long)C, med * 1e3, ts[0] * 1e3,
+                       bytes / 1e9, w_bytes / 1e9, kv / 1e9, st / 1e9, roof * 1e3, roof / med,
+                       (double)B / med);
                 fflush(stdout);
                 fprintf(stderr, "decode B=%lld C=%lld: %.3f ms/step (roofline %.3f ms, %.0f%%)\n",
                         (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
@@ -305,9 +315,9 @@ int main(int argc, char **argv)
 
     /* 3. prefill, against the GEMM rate of the largest projection at M = P */
     duet_cuda_gemm_t *g = NULL;
-    const int64_t     N = 3 * c->kda_heads * c->kda_head_dim > c->hidden_size
-                              ? 3 * c->kda_heads * c->kda_head_dim
-                              : c->hidden_size,
+    const int64_t N = 3 * c->kda_heads * c->kda_head_dim > c->hidden_size
+                          ? 3 * c->kda_heads * c->kda_head_dim
+                          : c->hidden_size,
                   Kd = c->hidden_size;
     for (int ip = 0; ip < n_pre && rc == 0; ip++) {
         const int64_t P = pre[ip];
@@ -331,8 +341,11 @@ int main(int argc, char **argv)
             }
             duet_cuda_fill_random(0, x, DUET_DTYPE_BF16, P * Kd, 5, 1.0f, 0.0f);
             duet_cuda_fill_random(0, w, DUET_DTYPE_BF16, N * Kd, 6, 0.02f, 0.0f);
-            duet_tensor_t wt = {.data = w, .dtype = DUET_DTYPE_BF16, .device = DUET_DEVICE_CUDA,
-                                .ndim = 2, .shape = {N, Kd}};
+            duet_tensor_t wt = {.data = w,
+                                .dtype = DUET_DTYPE_BF16,
+                                .device = DUET_DEVICE_CUDA,
+                                .ndim = 2,
+                                .shape = {N, Kd}};
             for (int i = 0; i < 3; i++)
                 duet_cuda_gemm_matmul_lowp(g, 0, y, N, x, Kd, P, &wt, 0, 0);
             cudaEventRecord(e0, 0);
@@ -342,7 +355,8 @@ int main(int argc, char **argv)
             cudaEventSynchronize(e1);
             float ms = 0;
             cudaEventElapsedTime(&ms, e0, e1);
-            gemm_tflops = 2.0 * (double)P * (double)N * (double)Kd * 20.0 / ((double)ms * 1e-3) / 1e12;
+            gemm_tflops =
+                2.0 * (double)P * (double)N * (double)Kd * 20.0 / ((double)ms * 1e-3) / 1e12;
             cudaFree(x);
             cudaFree(w);
             cudaFree(y);
@@ -350,20 +364,23 @@ int main(int argc, char **argv)
             cudaEventDestroy(e1);
         }
         duet_seq_t seq;
-        int32_t   *toks = malloc(sizeof(int32_t) * (size_t)P);
-        int32_t    next = 0;
+        int32_t *toks = malloc(sizeof(int32_t) * (size_t)P);
+        int32_t next = 0;
         for (int64_t t = 0; t < P; t++)
             toks[t] = (int32_t)((t * 31 + 7) % c->vocab_size);
         double best = 1e30;
-        int    ok   = 1;
+        int ok = 1;
         for (int rep = 0; rep < 3 && ok; rep++) {
             if (duet_model_seq_open(m, P, &seq) != DUET_OK) {
                 fprintf(stderr, "prefill %lld: %s\n", (long long)P, duet_error_last());
                 ok = 0, rc = 1;
                 break;
             }
-            duet_batch_item_t it = {.seq = &seq, .tokens = toks, .n_tokens = P,
-                                    .logits_mode = DUET_LOGITS_TOKEN, .token_out = &next};
+            duet_batch_item_t it = {.seq = &seq,
+                                    .tokens = toks,
+                                    .n_tokens = P,
+                                    .logits_mode = DUET_LOGITS_TOKEN,
+                                    .token_out = &next};
             duet_sampling_default(&it.sampling);
             double a = now_s();
             if (duet_model_forward(m, &it, 1) != DUET_OK) {
@@ -388,9 +405,11 @@ int main(int argc, char **argv)
                    (long long)c->num_layers, (long long)P, best * 1e3, (double)P / best,
                    flops / best / 1e12, gemm_tflops, flops / best / 1e12 / gemm_tflops);
             fflush(stdout);
-            fprintf(stderr, "prefill %lld: %.1f ms, %.0f tok/s (GEMM part %.1f TFLOP/s; cuBLASLt "
-                    "%lldx%lldx%lld %.1f TFLOP/s)\n", (long long)P, best * 1e3, (double)P / best,
-                    flops / best / 1e12, (long long)P, (long long)N, (long long)Kd, gemm_tflops);
+            fprintf(stderr,
+                    "prefill %lld: %.1f ms, %.0f tok/s (GEMM part %.1f TFLOP/s; cuBLASLt "
+                    "%lldx%lldx%lld %.1f TFLOP/s)\n",
+                    (long long)P, best * 1e3, (double)P / best, flops / best / 1e12, (long long)P,
+                    (long long)N, (long long)Kd, gemm_tflops);
         }
     }
     duet_cuda_gemm_destroy(g);

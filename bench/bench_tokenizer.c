@@ -59,8 +59,7 @@ int main(int argc, char **argv)
                 argc > 3 ? argv[3] : argv[1]);
         return 2;
     }
-    const char *corpus =
-        argc > 1 ? argv[1] : DUET_SOURCE_DIR "/data/corpus/web-plain.txt";
+    const char *corpus = argc > 1 ? argv[1] : DUET_SOURCE_DIR "/data/corpus/web-plain.txt";
     const char *dir = argc > 2 ? argv[2] : DUET_SOURCE_DIR "/data/tokenizers";
     size_t len = 0;
     char *text = slurp(corpus, &len);

@@ -46,8 +46,8 @@ typedef struct {
     uint32_t page_tokens, layers, token_bytes;
 } lay_t;
 
-static const lay_t LAY_BIG = {128, 7, 1152};  /* ~1 MiB pages (Kimi-Linear-48B MLA) */
-static const lay_t LAY_SMALL = {16, 1, 576};  /* a 9 KiB page */
+static const lay_t LAY_BIG = {128, 7, 1152}; /* ~1 MiB pages (Kimi-Linear-48B MLA) */
+static const lay_t LAY_SMALL = {16, 1, 576}; /* a 9 KiB page */
 #define POOL_BYTES ((size_t)270 << 20)
 
 static double now_s(void)
@@ -59,8 +59,10 @@ static double now_s(void)
 
 static duet_xfer_layout_t layout_of(lay_t l)
 {
-    duet_xfer_layout_t x = {.page_tokens = l.page_tokens, .n_mla_layers = l.layers,
-                            .token_bytes = l.token_bytes, .state_elem = 4};
+    duet_xfer_layout_t x = {.page_tokens = l.page_tokens,
+                            .n_mla_layers = l.layers,
+                            .token_bytes = l.token_bytes,
+                            .state_elem = 4};
     return x;
 }
 
@@ -140,16 +142,17 @@ static void count_cb(const duet_xfer_outcome_t *o, void *user)
 }
 
 static bool g_alloc = true; /* receiver pools from duet_xfer_ctx_alloc (--malloc: register) */
-static bool g_device;      /* --transport cuda: both pools in device memory */
+static bool g_device;       /* --transport cuda: both pools in device memory */
 
 /* POOL_BYTES of device memory filled with `fill` (exits when this build or machine has none). */
 static uint8_t *device_buffer(int fill)
 {
 #ifdef DUET_HAVE_CUDA
     void *p = NULL;
-    if (cudaMalloc(&p, POOL_BYTES) != cudaSuccess || cudaMemset(p, fill, POOL_BYTES) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess) {
-        fprintf(stderr, "bench: no CUDA device memory: %s\n", cudaGetErrorString(cudaGetLastError()));
+    if (cudaMalloc(&p, POOL_BYTES) != cudaSuccess ||
+        cudaMemset(p, fill, POOL_BYTES) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+        fprintf(stderr, "bench: no CUDA device memory: %s\n",
+                cudaGetErrorString(cudaGetLastError()));
         exit(2);
     }
     return p;
@@ -240,10 +243,14 @@ static int run_receiver(int in, int out)
         for (unsigned k = 0; k < count; k++) {
             for (uint32_t i = 0; i < per; i++)
                 pages[i] = (int32_t)((k * per + i) % (POOL_BYTES / page_bytes));
-            duet_xfer_recv_args_t a = {
-                .layout = layout_of(l), .pages = pages, .n_pages = per, .kda_slot = -1,
-                .n_tokens = tokens, .group_size = 1,
-                .deadline_unix_ms = duet_xfer_now_unix_ms() + 120000, .cb = count_cb};
+            duet_xfer_recv_args_t a = {.layout = layout_of(l),
+                                       .pages = pages,
+                                       .n_pages = per,
+                                       .kda_slot = -1,
+                                       .n_tokens = tokens,
+                                       .group_size = 1,
+                                       .deadline_unix_ms = duet_xfer_now_unix_ms() + 120000,
+                                       .cb = count_cb};
             duet_xfer_reservation_t res;
             size_t len;
             if (duet_xfer_recv_reserve(ctx, &a, &res) < 0 ||
@@ -268,13 +275,13 @@ static int run_receiver(int in, int out)
 
 typedef struct {
     duet_xfer_ctx_t *ctx;
-    uint8_t         *pool, *scratch;
-    int              to, from;
-    int32_t         *pages;
+    uint8_t *pool, *scratch;
+    int to, from;
+    int32_t *pages;
 } sender_t;
 
 static unsigned g_sent;
-static bool     g_ok;
+static bool g_ok;
 static void send_cb(const duet_xfer_outcome_t *o, void *user)
 {
     g_sent++;
@@ -306,7 +313,9 @@ static int run_batch(sender_t *S, lay_t l, uint64_t tokens, unsigned count, doub
         S->pages[i] = (int32_t)i;
     for (unsigned k = 0; k < count; k++) {
         duet_xfer_send_args_t a = {
-            .reservations = &res[k], .n_ranks = 1, .layout = layout_of(l),
+            .reservations = &res[k],
+            .n_ranks = 1,
+            .layout = layout_of(l),
             .src = {.pages = S->pages, .n_pages = per, .kda_slot = -1, .n_tokens = tokens},
             .cb = send_cb};
         duet_xfer_id_t id;
@@ -361,9 +370,9 @@ static double time_memcpy(sender_t *S, lay_t l, uint64_t tokens, int reps)
                 break;
             for (uint32_t layer = 0; layer < l.layers; layer++) {
                 uint64_t n = t * l.token_bytes;
-                copy_piece(dst,
-                           S->pool + p * page_bytes + (uint64_t)layer * l.page_tokens * l.token_bytes,
-                           n);
+                copy_piece(
+                    dst, S->pool + p * page_bytes + (uint64_t)layer * l.page_tokens * l.token_bytes,
+                    n);
                 dst += n;
             }
         }
@@ -410,8 +419,8 @@ static int bench_transport(const char *name, const char *tls, bool quick)
     uint64_t token_bytes = (uint64_t)LAY_BIG.layers * LAY_BIG.token_bytes;
 
     printf("\n%s (UCX_TLS=%s)\n", name, tls);
-    printf("%10s %10s %12s %12s %12s %8s\n", "size", "puts", "xfer ms", "xfer GB/s",
-           "memcpy GB/s", "ratio");
+    printf("%10s %10s %12s %12s %12s %8s\n", "size", "puts", "xfer ms", "xfer GB/s", "memcpy GB/s",
+           "ratio");
     const unsigned sizes_mib[] = {1, 4, 16, 64, 256};
     int rc = 0;
     for (size_t i = 0; i < sizeof(sizes_mib) / sizeof(sizes_mib[0]) && rc == 0; i++) {
@@ -432,8 +441,8 @@ static int bench_transport(const char *name, const char *tls, bool quick)
     }
     const struct {
         const char *what;
-        lay_t       l;
-        unsigned    n;
+        lay_t l;
+        unsigned n;
     } lat[] = {{"1 page, 7 layers x 128 tok x 1152 B (1008 KiB)", LAY_BIG, quick ? 100 : 400},
                {"1 page, 1 layer x 16 tok x 576 B (9 KiB)", LAY_SMALL, quick ? 200 : 1000}};
     printf("%-50s %8s %10s %10s\n", "latency (start -> DONE)", "n", "p50 us", "p99 us");

@@ -35,9 +35,9 @@ extern char **environ;
 /* DUET_ variables that are not configuration keys and must not draw a warning: the switches of
  * docs/switches.md. An entry ending in '*' is a prefix. */
 static const char *const config_env_allowlist[] = {
-    "DUET_LOG_LEVEL", "DUET_SOURCE_DIR", "DUET_BINARY_DIR", "DUET_THREADS",   "DUET_SPIN_US",
-    "DUET_KERNELS_ISA", "DUET_TRACE_OUT", "DUET_ADMIN_TOKEN", "DUET_CUDA_*", "DUET_TEST_*",
-    "DUET_KEEP_TEST_DIR", NULL};
+    "DUET_LOG_LEVEL", "DUET_SOURCE_DIR",  "DUET_BINARY_DIR",    "DUET_THREADS",
+    "DUET_SPIN_US",   "DUET_KERNELS_ISA", "DUET_TRACE_OUT",     "DUET_ADMIN_TOKEN",
+    "DUET_CUDA_*",    "DUET_TEST_*",      "DUET_KEEP_TEST_DIR", NULL};
 
 /* A parsed value of any type. */
 typedef struct {
@@ -527,8 +527,7 @@ static duet_status_t config_assign(config_slot_t *sl, const char *text, duet_con
 
 static bool config_is_builtin_flag(const char *norm)
 {
-    return strcmp(norm, "help") == 0 || strcmp(norm, "config") == 0 ||
-           strcmp(norm, "version") == 0;
+    return strcmp(norm, "help") == 0 || strcmp(norm, "config") == 0 || strcmp(norm, "version") == 0;
 }
 
 duet_status_t duet_config_create(const duet_config_key_t *keys, size_t n_keys,
@@ -753,10 +752,10 @@ duet_status_t duet_config_load_env(duet_config_t *cfg, char *const *envp, size_t
         }
         bool allowed = false;
         for (size_t j = 0; config_env_allowlist[j] != NULL; j++) {
-            const char  *a   = config_env_allowlist[j];
+            const char *a = config_env_allowlist[j];
             const size_t len = strlen(a);
-            allowed = allowed || (a[len - 1] == '*' ? strncmp(a, name, len - 1) == 0
-                                                    : strcmp(a, name) == 0);
+            allowed = allowed ||
+                      (a[len - 1] == '*' ? strncmp(a, name, len - 1) == 0 : strcmp(a, name) == 0);
         }
         if (!allowed) {
             DUET_LOG_WARN("ignoring unknown environment variable %s (no such config key)", name);

@@ -113,8 +113,8 @@ duet_status_t duet_config_load_env(duet_config_t *cfg, char *const *envp, size_t
  * argv[1..1 + *n_pos_p) (argv[0] stays); everything after "--" is positional. Built-in flags:
  * "--config FILE" / "-c FILE" (remembered, see duet_config_file), "-h" / "--help" (sets
  * duet_config_help_requested; the caller prints duet_config_help and exits 0) and "--version"
- * (sets duet_config_version_requested; the caller prints duet_version_print and exits 0). Unknown flags
- * are DUET_ERR_NOT_FOUND with a suggestion; a missing value is DUET_ERR_INVALID.
+ * (sets duet_config_version_requested; the caller prints duet_version_print and exits 0). Unknown
+ * flags are DUET_ERR_NOT_FOUND with a suggestion; a missing value is DUET_ERR_INVALID.
  */
 duet_status_t duet_config_parse_args(duet_config_t *cfg, int argc, char **argv, int *n_pos_p);
 

@@ -10,7 +10,6 @@
 
 #include "common/strbuf.h"
 
-
 /* SHA-256 (FIPS 180-4), small and self-contained: no crypto library is pulled in
    for one start-up hash. */
 typedef struct {
@@ -42,14 +41,15 @@ static void fp_sha256_block(fp_sha256_t *s, const uint8_t *p)
     for (int i = 16; i < 64; i++) {
         uint32_t s0 = REG_ROR(w[i - 15], 7) ^ REG_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
         uint32_t s1 = REG_ROR(w[i - 2], 17) ^ REG_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
-        w[i]        = w[i - 16] + s0 + w[i - 7] + s1;
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
     }
     uint32_t a = s->h[0], b = s->h[1], c = s->h[2], d = s->h[3];
     uint32_t e = s->h[4], f = s->h[5], g = s->h[6], h = s->h[7];
     for (int i = 0; i < 64; i++) {
         uint32_t t1 = h + (REG_ROR(e, 6) ^ REG_ROR(e, 11) ^ REG_ROR(e, 25)) + ((e & f) ^ (~e & g)) +
                       fp_sha_k[i] + w[i];
-        uint32_t t2 = (REG_ROR(a, 2) ^ REG_ROR(a, 13) ^ REG_ROR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        uint32_t t2 =
+            (REG_ROR(a, 2) ^ REG_ROR(a, 13) ^ REG_ROR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
         h = g;
         g = f;
         f = e;
@@ -75,7 +75,7 @@ static void fp_sha256_init(fp_sha256_t *s)
                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
     memcpy(s->h, h0, sizeof(h0));
     s->len = 0;
-    s->n   = 0;
+    s->n = 0;
 }
 
 static void fp_sha256_update(fp_sha256_t *s, const void *data, size_t len)
@@ -98,7 +98,7 @@ static void fp_sha256_update(fp_sha256_t *s, const void *data, size_t len)
 static void fp_sha256_final(fp_sha256_t *s, uint8_t out[32])
 {
     uint64_t bits = s->len * 8;
-    uint8_t  pad  = 0x80;
+    uint8_t pad = 0x80;
     fp_sha256_update(s, &pad, 1);
     pad = 0;
     while (s->n != 56)
@@ -108,7 +108,7 @@ static void fp_sha256_final(fp_sha256_t *s, uint8_t out[32])
         lenb[i] = (uint8_t)(bits >> (56 - 8 * i));
     fp_sha256_update(s, lenb, 8);
     for (int i = 0; i < 8; i++) {
-        out[4 * i]     = (uint8_t)(s->h[i] >> 24);
+        out[4 * i] = (uint8_t)(s->h[i] >> 24);
         out[4 * i + 1] = (uint8_t)(s->h[i] >> 16);
         out[4 * i + 2] = (uint8_t)(s->h[i] >> 8);
         out[4 * i + 3] = (uint8_t)s->h[i];
@@ -138,7 +138,7 @@ duet_status_t duet_model_fingerprint(const char *dir, char *out, size_t cap)
 {
     if (cap < 72)
         return duet_error_set(DUET_ERR_NO_SPACE, "fingerprint buffer too small");
-    char         path[4096];
+    char path[4096];
     fp_sha256_t s;
     fp_sha256_init(&s);
     snprintf(path, sizeof(path), "%s/config.json", dir);
@@ -160,7 +160,7 @@ duet_status_t duet_model_fingerprint(const char *dir, char *out, size_t cap)
             return duet_error_set(DUET_ERR_NOT_FOUND,
                                   "%s: neither model.safetensors.index.json nor model.safetensors",
                                   dir);
-        uint8_t  lb[8];
+        uint8_t lb[8];
         uint64_t hl = 0;
         if (fread(lb, 1, 8, f) != 8) {
             fclose(f);
@@ -177,7 +177,7 @@ duet_status_t duet_model_fingerprint(const char *dir, char *out, size_t cap)
         uint8_t chunk[8192];
         while (hl > 0) {
             size_t want = hl < sizeof(chunk) ? (size_t)hl : sizeof(chunk);
-            size_t got  = fread(chunk, 1, want, f);
+            size_t got = fread(chunk, 1, want, f);
             if (got != want) {
                 fclose(f);
                 return duet_error_set(DUET_ERR_FORMAT, "%s: truncated header", path);

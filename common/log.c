@@ -30,7 +30,7 @@ int duet__log_level_get(void)
 {
     if (duet__log_level < 0) {
         duet_log_level_t lvl = DUET_LOG_LEVEL_INFO;
-        const char *env      = getenv("DUET_LOG_LEVEL");
+        const char *env = getenv("DUET_LOG_LEVEL");
         if (env != NULL && duet_log_level_parse(env, &lvl) != DUET_OK)
             fprintf(stderr, "duet: ignoring unknown DUET_LOG_LEVEL=%s\n", env);
         duet__log_level = (int)lvl;
@@ -46,10 +46,10 @@ void duet_log_set_level(duet_log_level_t lvl)
 void duet__log_write(duet_log_level_t lvl, const char *file, int line, uint64_t req_id,
                      const char *fmt, ...)
 {
-    char            msg[2048];
+    char msg[2048];
     struct timespec ts;
-    struct tm       tm;
-    va_list         ap;
+    struct tm tm;
+    va_list ap;
 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
@@ -57,14 +57,14 @@ void duet__log_write(duet_log_level_t lvl, const char *file, int line, uint64_t 
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
     const char *base = strrchr(file, '/');
-    base             = base != NULL ? base + 1 : file;
+    base = base != NULL ? base + 1 : file;
     if (req_id != 0)
         fprintf(stderr, "%02d:%02d:%02d.%03ld %-5s req=%llu %s (%s:%d)\n", tm.tm_hour, tm.tm_min,
-                tm.tm_sec, ts.tv_nsec / 1000000, duet__log_names[lvl],
-                (unsigned long long)req_id, msg, base, line);
+                tm.tm_sec, ts.tv_nsec / 1000000, duet__log_names[lvl], (unsigned long long)req_id,
+                msg, base, line);
     else
-        fprintf(stderr, "%02d:%02d:%02d.%03ld %-5s %s (%s:%d)\n", tm.tm_hour, tm.tm_min,
-                tm.tm_sec, ts.tv_nsec / 1000000, duet__log_names[lvl], msg, base, line);
+        fprintf(stderr, "%02d:%02d:%02d.%03ld %-5s %s (%s:%d)\n", tm.tm_hour, tm.tm_min, tm.tm_sec,
+                ts.tv_nsec / 1000000, duet__log_names[lvl], msg, base, line);
 }
 
 void duet__assert_fail(const char *cond, const char *file, int line)

@@ -13,15 +13,15 @@
 
 typedef enum {
     DUET_LOG_LEVEL_ERROR = 0,
-    DUET_LOG_LEVEL_WARN  = 1,
-    DUET_LOG_LEVEL_INFO  = 2,
+    DUET_LOG_LEVEL_WARN = 1,
+    DUET_LOG_LEVEL_INFO = 2,
     DUET_LOG_LEVEL_DEBUG = 3,
     DUET_LOG_LEVEL_TRACE = 4,
 } duet_log_level_t;
 
 extern int duet__log_level; /* current level; -1 until initialised from the environment */
 
-int  duet__log_level_get(void);
+int duet__log_level_get(void);
 void duet__log_write(duet_log_level_t lvl, const char *file, int line, uint64_t req_id,
                      const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 

@@ -109,9 +109,9 @@ char *duet_strbuf_detach(duet_strbuf_t *sb)
 duet_status_t duet_strbuf_read_file(duet_strbuf_t *sb, const char *path, size_t max_bytes)
 {
     duet_status_t st = DUET_OK;
-    char          chunk[65536];
-    struct stat   sbuf;
-    const size_t  start = sb->len;
+    char chunk[65536];
+    struct stat sbuf;
+    const size_t start = sb->len;
 
     FILE *f = fopen(path, "rb");
     if (f == NULL)

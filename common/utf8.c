@@ -4,7 +4,7 @@
 size_t duet_utf8_char(const uint8_t *s, size_t n, int32_t *cp_p)
 {
     uint8_t c = s[0];
-    size_t  need;
+    size_t need;
     uint8_t lo = 0x80, hi = 0xbf; /* the second byte's range */
     if (cp_p != NULL)
         *cp_p = -1;

@@ -12,7 +12,7 @@
 
 /* --device auto's order of preference. */
 static const duet_backend_ops_t *const duet__backends[] = {&duet_backend_cuda_ops,
-                                                            &duet_backend_cpu_ops};
+                                                           &duet_backend_cpu_ops};
 #define DUET__N_BACKENDS (sizeof(duet__backends) / sizeof(duet__backends[0]))
 
 const duet_backend_ops_t *duet_backend_find(duet_device_kind_t dev)
@@ -57,7 +57,7 @@ void duet_backend_layer_done(const duet_backend_model_t *bm, const duet_backend_
 static float *duet__to_f32(const duet_tensor_t *t)
 {
     int64_t n = duet_tensor_numel(t);
-    float  *p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    float *p = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (p != NULL)
         duet_convert_to_f32(p, t->data, t->dtype, n);
     return p;
@@ -81,33 +81,33 @@ void duet_backend_f32_free(const duet_model_config_t *cfg, duet_backend_f32_t *f
 duet_status_t duet_backend_f32_prepare(const duet_model_config_t *c, const duet_weights_t *w,
                                        duet_backend_f32_t **f32_p)
 {
-    const int64_t       HK = c->kda_heads * c->kda_head_dim, W = c->conv_kernel;
-    duet_backend_f32_t *f  = calloc((size_t)c->num_layers, sizeof(*f));
+    const int64_t HK = c->kda_heads * c->kda_head_dim, W = c->conv_kernel;
+    duet_backend_f32_t *f = calloc((size_t)c->num_layers, sizeof(*f));
     if (f == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     for (int64_t l = 0; l < c->num_layers; l++) {
         const duet_layer_weights_t *lw = &w->layers[l];
-        duet_backend_f32_t         *lf = &f[l];
+        duet_backend_f32_t *lf = &f[l];
         if (c->mixer[l] == DUET_MIXER_KDA) {
-            lf->conv_w  = malloc(sizeof(float) * (size_t)(3 * HK * W));
+            lf->conv_w = malloc(sizeof(float) * (size_t)(3 * HK * W));
             lf->dt_bias = duet__to_f32(&lw->kda.dt_bias);
-            lf->neg_A   = duet__to_f32(&lw->kda.A_log);
-            lf->o_norm  = duet__to_f32(&lw->kda.o_norm);
+            lf->neg_A = duet__to_f32(&lw->kda.A_log);
+            lf->o_norm = duet__to_f32(&lw->kda.o_norm);
             if (lf->conv_w == NULL || lf->dt_bias == NULL || lf->neg_A == NULL ||
                 lf->o_norm == NULL)
                 goto nomem;
             duet_convert_to_f32(lf->conv_w, lw->kda.q_conv.data, lw->kda.q_conv.dtype, HK * W);
             duet_convert_to_f32(lf->conv_w + HK * W, lw->kda.k_conv.data, lw->kda.k_conv.dtype,
                                 HK * W);
-            duet_convert_to_f32(lf->conv_w + 2 * HK * W, lw->kda.v_conv.data,
-                                lw->kda.v_conv.dtype, HK * W);
+            duet_convert_to_f32(lf->conv_w + 2 * HK * W, lw->kda.v_conv.data, lw->kda.v_conv.dtype,
+                                HK * W);
             for (int64_t h = 0; h < c->kda_heads; h++)
                 lf->neg_A[h] = -expf(lf->neg_A[h]);
         } else {
             const int64_t n = c->mla_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim,
                           r = c->kv_lora_rank;
             float *kvb = duet__to_f32(&lw->mla.kv_b_proj); /* (n*(dn+dv), r) */
-            lf->wuk_t  = malloc(sizeof(float) * (size_t)(n * r * dn));
+            lf->wuk_t = malloc(sizeof(float) * (size_t)(n * r * dn));
             if (kvb == NULL || lf->wuk_t == NULL) {
                 free(kvb);
                 goto nomem;

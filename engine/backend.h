@@ -70,7 +70,7 @@
 /* Capabilities (duet_backend_ops_t.caps). */
 #define DUET_BACKEND_CAP_RANDOM_WEIGHTS 0x1u /* create with w == NULL generates random weights */
 
-typedef struct duet_backend     duet_backend_t;
+typedef struct duet_backend duet_backend_t;
 typedef struct duet_backend_ops duet_backend_ops_t;
 
 /* Every backend instance starts with this (its own struct embeds it as the first member). */
@@ -84,15 +84,15 @@ struct duet_backend {
  */
 typedef struct {
     const duet_model_config_t *cfg;
-    const duet_model_opts_t   *opts;              /* compute_dtype resolved */
-    const duet_weights_t      *w;                 /* NULL: random weights from `seed`
-                                                     (DUET_BACKEND_CAP_RANDOM_WEIGHTS) */
-    uint64_t                   seed;
-    duet_kv_pool_t            *kv;                /* host KV pool; NULL without MLA layers */
-    duet_kda_pool_t           *kda;               /* host KDA pool; NULL without KDA layers */
-    int64_t                    max_pages_per_seq; /* columns of a sequence's page table */
-    const int64_t             *layer_sub;         /* [num_layers] index among layers of the same
-                                                     mixer (MLA layer l of the KV pool, ...) */
+    const duet_model_opts_t *opts; /* compute_dtype resolved */
+    const duet_weights_t *w;       /* NULL: random weights from `seed`
+                                      (DUET_BACKEND_CAP_RANDOM_WEIGHTS) */
+    uint64_t seed;
+    duet_kv_pool_t *kv;        /* host KV pool; NULL without MLA layers */
+    duet_kda_pool_t *kda;      /* host KDA pool; NULL without KDA layers */
+    int64_t max_pages_per_seq; /* columns of a sequence's page table */
+    const int64_t *layer_sub;  /* [num_layers] index among layers of the same
+                                  mixer (MLA layer l of the KV pool, ...) */
 } duet_backend_model_t;
 
 /*
@@ -102,28 +102,28 @@ typedef struct {
  * (the front end advances it after a successful step).
  */
 typedef struct {
-    duet_batch_item_t       *items;
-    int64_t                  n_items;
-    int64_t                  n_rows; /* total new tokens */
-    duet_model_layer_hook_fn hook;   /* NULL = none; model.h's contract */
-    void                    *hook_user;
+    duet_batch_item_t *items;
+    int64_t n_items;
+    int64_t n_rows;                /* total new tokens */
+    duet_model_layer_hook_fn hook; /* NULL = none; model.h's contract */
+    void *hook_user;
 } duet_backend_batch_t;
 
 /* Where a backend's copy of a cache pool lives (pool_mem). The byte layout is the host pool's
  * (duet_kv_pool_layout / duet_kda_pool_layout), page and slot ids the same; a device copy may
  * hold spare pages or slots after the last. */
 typedef struct {
-    void  *base;      /* NULL when the model has no such pool */
+    void *base; /* NULL when the model has no such pool */
     size_t bytes;
-    int    on_device; /* 0: the front end's host pool itself */
+    int on_device; /* 0: the front end's host pool itself */
 } duet_backend_pool_mem_t;
 
 struct duet_backend_ops {
-    const char        *name;           /* the --device spelling: "cpu", "cuda" */
+    const char *name; /* the --device spelling: "cpu", "cuda" */
     duet_device_kind_t device;
-    unsigned           compute_dtypes; /* DUET_BACKEND_DTYPE_BIT of each dtype it computes in */
-    unsigned           kv_dtypes;      /* ... of each dtype its KV pool may hold */
-    unsigned           caps;           /* DUET_BACKEND_CAP_* */
+    unsigned compute_dtypes; /* DUET_BACKEND_DTYPE_BIT of each dtype it computes in */
+    unsigned kv_dtypes;      /* ... of each dtype its KV pool may hold */
+    unsigned caps;           /* DUET_BACKEND_CAP_* */
 
     /* Whether the backend can run in this process: 1 yes; 0 no, nothing to say (no device); -1
      * no, a device is there but cannot be used, `why` (cap bytes, may be NULL) says why. */
@@ -191,6 +191,6 @@ typedef struct {
  * DUET_ERR_NOMEM; nothing allocated on failure. */
 duet_status_t duet_backend_f32_prepare(const duet_model_config_t *cfg, const duet_weights_t *w,
                                        duet_backend_f32_t **f32_p);
-void          duet_backend_f32_free(const duet_model_config_t *cfg, duet_backend_f32_t *f32);
+void duet_backend_f32_free(const duet_model_config_t *cfg, duet_backend_f32_t *f32);
 
 #endif

@@ -36,64 +36,67 @@
 #include "kernels/cpu/cpu_step.h"
 
 typedef struct {
-    duet_backend_t       base;
-    duet_backend_model_t bm;      /* what it was created from (front-end pointers) */
-    duet_kernels_t      *k;       /* owned */
-    duet_backend_f32_t  *f32;     /* owned, [num_layers] */
-    duet_sampler_t      *sampler; /* owned; DUET_LOGITS_TOKEN */
-    float               *tok_logits; /* (vocab) logits of a DUET_LOGITS_TOKEN item */
+    duet_backend_t base;
+    duet_backend_model_t bm; /* what it was created from (front-end pointers) */
+    duet_kernels_t *k;       /* owned */
+    duet_backend_f32_t *f32; /* owned, [num_layers] */
+    duet_sampler_t *sampler; /* owned; DUET_LOGITS_TOKEN */
+    float *tok_logits;       /* (vocab) logits of a DUET_LOGITS_TOKEN item */
 
     /* the step's description for the mixers' kernels: arrays of T + 1 / T entries, owned */
-    int64_t        *item_row0;  /* (T + 1) first row of each item of the current step */
-    int64_t        *item_pos0;  /* (T) */
-    int32_t        *item_slot;  /* (T) */
+    int64_t *item_row0;         /* (T + 1) first row of each item of the current step */
+    int64_t *item_pos0;         /* (T) */
+    int32_t *item_slot;         /* (T) */
     const int32_t **item_pages; /* (T) */
 
     /* workspace: one allocation, carved; T = max_batch_tokens */
-    float   *ws;          /* owned */
-    float   *x;           /* (T, D) residual stream */
-    float   *xn;          /* (T, D) normed input of a sub-layer */
-    float   *proj;        /* (T, 3*H*K) KDA pre-conv q|k|v */
-    float   *qkv;         /* (T, 3*H*K) KDA post-conv q|k|v */
-    float   *fa;          /* (T, K) */
-    float   *gk;          /* (T, H*K) KDA log decay g */
-    float   *beta;        /* (T, H) */
-    float   *ga;          /* (T, K) */
-    float   *gate;        /* (T, H*K) output gate pre-activation */
-    float   *o;           /* (T, max(H*K, n*dv)) mixer output before o_proj */
-    float   *mq;          /* (T, n*(dn+dr)) MLA queries */
-    float   *mqa;         /* (T, q_lora) */
-    float   *ckr;         /* (T, r+dr) */
-    float   *qhat;        /* (T, n, r) absorbed queries */
-    float   *lat;         /* (T, n, r) attention result in latent space */
-    float   *f1;          /* (T, Imax) FFN gate */
-    float   *f2;          /* (T, Imax) FFN up */
-    float   *router;      /* (T, E) */
-    int32_t *topk_idx;    /* (T, top_k) */
-    float   *topk_w;      /* (T, top_k) */
-    int32_t *exp_rows;    /* (T * top_k) rows grouped by expert */
-    float   *exp_wts;     /* (T * top_k) */
-    int64_t *exp_off;     /* (E + 1) */
-    float   *xg;          /* (T, D) gathered rows of one expert */
-    float   *eo;          /* (T, D) expert output */
-    float   *thr_scratch; /* (n_threads, per_thread) */
-    int64_t  per_thread;  /* floats of scratch per thread */
+    float *ws;          /* owned */
+    float *x;           /* (T, D) residual stream */
+    float *xn;          /* (T, D) normed input of a sub-layer */
+    float *proj;        /* (T, 3*H*K) KDA pre-conv q|k|v */
+    float *qkv;         /* (T, 3*H*K) KDA post-conv q|k|v */
+    float *fa;          /* (T, K) */
+    float *gk;          /* (T, H*K) KDA log decay g */
+    float *beta;        /* (T, H) */
+    float *ga;          /* (T, K) */
+    float *gate;        /* (T, H*K) output gate pre-activation */
+    float *o;           /* (T, max(H*K, n*dv)) mixer output before o_proj */
+    float *mq;          /* (T, n*(dn+dr)) MLA queries */
+    float *mqa;         /* (T, q_lora) */
+    float *ckr;         /* (T, r+dr) */
+    float *qhat;        /* (T, n, r) absorbed queries */
+    float *lat;         /* (T, n, r) attention result in latent space */
+    float *f1;          /* (T, Imax) FFN gate */
+    float *f2;          /* (T, Imax) FFN up */
+    float *router;      /* (T, E) */
+    int32_t *topk_idx;  /* (T, top_k) */
+    float *topk_w;      /* (T, top_k) */
+    int32_t *exp_rows;  /* (T * top_k) rows grouped by expert */
+    float *exp_wts;     /* (T * top_k) */
+    int64_t *exp_off;   /* (E + 1) */
+    float *xg;          /* (T, D) gathered rows of one expert */
+    float *eo;          /* (T, D) expert output */
+    float *thr_scratch; /* (n_threads, per_thread) */
+    int64_t per_thread; /* floats of scratch per thread */
 } duet__cpu_t;
 
 static duet_tensor_t duet__f32_view(float *data, int64_t rows, int64_t cols)
 {
-    duet_tensor_t t = {.data = data, .dtype = DUET_DTYPE_F32, .device = DUET_DEVICE_CPU,
-                       .ndim = 2, .shape = {rows, cols}};
+    duet_tensor_t t = {.data = data,
+                       .dtype = DUET_DTYPE_F32,
+                       .device = DUET_DEVICE_CPU,
+                       .ndim = 2,
+                       .shape = {rows, cols}};
     return t;
 }
 
 /* Rows [r0, r0 + n) of a 2-D weight, as a view. */
 static duet_tensor_t duet__row_view(const duet_tensor_t *w, int64_t r0, int64_t n)
 {
-    duet_tensor_t t    = *w;
-    int64_t       cols = w->shape[w->ndim - 1];
-    t.data     = (uint8_t *)w->data + (size_t)(r0 * cols) * duet_dtype_size(w->dtype);
-    t.ndim     = 2;
+    duet_tensor_t t = *w;
+    int64_t cols = w->shape[w->ndim - 1];
+    t.data = (uint8_t *)w->data + (size_t)(r0 * cols) * duet_dtype_size(w->dtype);
+    t.ndim = 2;
     t.shape[0] = n;
     t.shape[1] = cols;
     return t;
@@ -103,9 +106,9 @@ static duet_tensor_t duet__row_view(const duet_tensor_t *w, int64_t r0, int64_t 
 
 static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
 {
-    const duet_model_config_t *c  = b->bm.cfg;
-    const int64_t              T  = b->bm.opts->max_batch_tokens, D = c->hidden_size;
-    const int64_t              HK = c->kda_heads * c->kda_head_dim, K = c->kda_head_dim;
+    const duet_model_config_t *c = b->bm.cfg;
+    const int64_t T = b->bm.opts->max_batch_tokens, D = c->hidden_size;
+    const int64_t HK = c->kda_heads * c->kda_head_dim, K = c->kda_head_dim;
     const int64_t n = c->mla_heads, dqk = c->qk_nope_head_dim + c->qk_rope_head_dim,
                   r = c->kv_lora_rank, dr = c->qk_rope_head_dim;
     int64_t imax = c->dense_intermediate;
@@ -116,9 +119,8 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
             imax = c->moe_intermediate;
     }
     const int64_t has_kda = c->n_kda_layers > 0, has_mla = c->n_mla_layers > 0;
-    const int64_t omax    = (has_kda ? HK : 0) > (has_mla ? n * c->v_head_dim : 0)
-                                ? HK
-                                : n * c->v_head_dim;
+    const int64_t omax =
+        (has_kda ? HK : 0) > (has_mla ? n * c->v_head_dim : 0) ? HK : n * c->v_head_dim;
     const int64_t E = c->n_experts > 0 ? c->n_experts : 1, tk = c->top_k > 0 ? c->top_k : 1;
     const int64_t nthr = duet_kernels_n_threads(b->k);
 
@@ -164,13 +166,13 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
     int64_t total = 0;
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
         total += (parts[i].n + 15) / 16 * 16;
-    b->ws         = calloc((size_t)total, sizeof(float));
-    b->topk_idx   = calloc((size_t)(T * tk), sizeof(int32_t));
-    b->exp_rows   = calloc((size_t)(T * tk), sizeof(int32_t));
-    b->exp_off    = calloc((size_t)(E + 1), sizeof(int64_t));
-    b->item_row0  = calloc((size_t)(T + 1), sizeof(int64_t));
-    b->item_pos0  = calloc((size_t)T, sizeof(int64_t));
-    b->item_slot  = calloc((size_t)T, sizeof(int32_t));
+    b->ws = calloc((size_t)total, sizeof(float));
+    b->topk_idx = calloc((size_t)(T * tk), sizeof(int32_t));
+    b->exp_rows = calloc((size_t)(T * tk), sizeof(int32_t));
+    b->exp_off = calloc((size_t)(E + 1), sizeof(int64_t));
+    b->item_row0 = calloc((size_t)(T + 1), sizeof(int64_t));
+    b->item_pos0 = calloc((size_t)T, sizeof(int64_t));
+    b->item_slot = calloc((size_t)T, sizeof(int32_t));
     b->item_pages = calloc((size_t)T, sizeof(*b->item_pages));
     if (b->ws == NULL || b->topk_idx == NULL || b->exp_rows == NULL || b->exp_off == NULL ||
         b->item_row0 == NULL || b->item_pos0 == NULL || b->item_slot == NULL ||
@@ -210,13 +212,14 @@ static void duet__cpu_destroy(duet_backend_t *be)
 static duet_status_t duet__cpu_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
 {
     if (bm->w == NULL)
-        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: the cpu backend computes a checkpoint's "
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "model: the cpu backend computes a checkpoint's "
                          "weights only (random weights are generated on a CUDA device)");
     duet__cpu_t *b = calloc(1, sizeof(*b));
     if (b == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     b->base.ops = &duet_backend_cpu_ops;
-    b->bm       = *bm;
+    b->bm = *bm;
     duet_status_t st;
     /* DUET_LOGITS_TOKEN: the sampler and one row of logits */
     if ((st = duet_sampler_create(bm->cfg->vocab_size, &b->sampler)) != DUET_OK)
@@ -263,10 +266,10 @@ static void duet__cpu_pool_mem(const duet_backend_t *be, duet_model_pool_t which
     const duet__cpu_t *b = (const duet__cpu_t *)be;
     memset(out, 0, sizeof(*out));
     if (which == DUET_MODEL_POOL_KV && b->bm.kv != NULL) {
-        out->base  = duet_kv_pool_base(b->bm.kv);
+        out->base = duet_kv_pool_base(b->bm.kv);
         out->bytes = duet_kv_pool_bytes(b->bm.kv);
     } else if (which == DUET_MODEL_POOL_KDA && b->bm.kda != NULL) {
-        out->base  = duet_kda_pool_base(b->bm.kda);
+        out->base = duet_kda_pool_base(b->bm.kda);
         out->bytes = duet_kda_pool_bytes(b->bm.kda);
     }
 }
@@ -275,13 +278,13 @@ static void duet__cpu_pool_mem(const duet_backend_t *be, duet_model_pool_t which
 
 static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, int64_t l)
 {
-    const duet_model_config_t *c  = b->bm.cfg;
-    const duet_kda_weights_t  *w  = &b->bm.w->layers[l].kda;
-    const duet_backend_f32_t  *kf = &b->f32[l];
+    const duet_model_config_t *c = b->bm.cfg;
+    const duet_kda_weights_t *w = &b->bm.w->layers[l].kda;
+    const duet_backend_f32_t *kf = &b->f32[l];
     const int64_t T = st->n_rows, H = c->kda_heads, K = c->kda_head_dim, HK = H * K, C3 = 3 * HK;
     const int64_t D = c->hidden_size;
     duet_kernels_t *k = b->k;
-    duet_status_t   s;
+    duet_status_t s;
 
     if ((s = duet_k_matmul(k, b->proj, C3, b->xn, D, T, &w->q_proj, 0)) != DUET_OK ||
         (s = duet_k_matmul(k, b->proj + HK, C3, b->xn, D, T, &w->k_proj, 0)) != DUET_OK ||
@@ -293,8 +296,8 @@ static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
         (s = duet_k_matmul(k, b->gate, HK, b->ga, K, T, &w->g_b_proj, 0)) != DUET_OK)
         return s;
     const duet_cpu_kda_layer_t ly = {.kda_base = duet_kda_pool_base(b->bm.kda),
-                                     .layout   = duet_kda_pool_layout(b->bm.kda),
-                                     .layer    = b->bm.layer_sub[l]};
+                                     .layout = duet_kda_pool_layout(b->bm.kda),
+                                     .layer = b->bm.layer_sub[l]};
     duet_cpu_kda_conv(k, st, &ly, kf->conv_w, b->proj, b->qkv);
     duet_cpu_kda_prep(k, T, H, K, kf->neg_A, kf->dt_bias, b->qkv, b->gk, b->beta);
     duet_cpu_kda_core(k, st, &ly, b->qkv, b->gk, b->beta, b->o, b->thr_scratch, b->per_thread);
@@ -305,13 +308,13 @@ static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
 static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, int64_t l)
 {
     const duet_model_config_t *c = b->bm.cfg;
-    const duet_mla_weights_t  *w = &b->bm.w->layers[l].mla;
+    const duet_mla_weights_t *w = &b->bm.w->layers[l].mla;
     const int64_t T = st->n_rows, D = c->hidden_size, n = c->mla_heads;
     const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
     const int64_t r = c->kv_lora_rank, dqk = dn + dr, td = r + dr;
-    const float  *wuk_t = b->f32[l].wuk_t;
-    duet_kernels_t *k   = b->k;
-    duet_status_t   s;
+    const float *wuk_t = b->f32[l].wuk_t;
+    duet_kernels_t *k = b->k;
+    duet_status_t s;
 
     if (c->q_lora_rank > 0) {
         const int64_t ql = c->q_lora_rank;
@@ -327,11 +330,11 @@ static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
     if ((s = duet_k_matmul(k, b->ckr, td, b->xn, D, T, &w->kv_a_proj_with_mqa, 0)) != DUET_OK)
         return s;
     const duet_cpu_mla_layer_t ly = {.kv_base = duet_kv_pool_base(b->bm.kv),
-                                     .layout  = duet_kv_pool_layout(b->bm.kv),
-                                     .layer   = b->bm.layer_sub[l],
+                                     .layout = duet_kv_pool_layout(b->bm.kv),
+                                     .layer = b->bm.layer_sub[l],
                                      .n_heads = n,
-                                     .r       = r,
-                                     .dr      = dr};
+                                     .r = r,
+                                     .dr = dr};
     /* c ← RMSNorm(c), then [c | k_r] goes into the sequence's page slot. */
     duet_cpu_mla_kv_write(k, st, &ly, b->ckr, &w->kv_a_layernorm, DUET_MLA_NORM_EPS);
     /* q̂_h = W_UK[h]ᵀ q_nope_h for every row */
@@ -383,7 +386,7 @@ static duet_status_t duet__mlp(duet__cpu_t *b, const duet_mlp_weights_t *w, floa
 static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
 {
     const duet_model_config_t *c = b->bm.cfg;
-    const duet_moe_weights_t  *w = &b->bm.w->layers[l].moe;
+    const duet_moe_weights_t *w = &b->bm.w->layers[l].moe;
     const int64_t D = c->hidden_size, E = c->n_experts, TK = c->top_k;
     const int64_t I = c->moe_intermediate;
     duet_status_t s;
@@ -399,10 +402,10 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
     for (int64_t e = 0; e < E; e++)
         b->exp_off[e + 1] += b->exp_off[e];
     for (int64_t i = 0; i < T * TK; i++) {
-        int64_t e       = b->topk_idx[i];
-        int64_t at      = b->exp_off[e]++;
+        int64_t e = b->topk_idx[i];
+        int64_t at = b->exp_off[e]++;
         b->exp_rows[at] = (int32_t)(i / TK);
-        b->exp_wts[at]  = b->topk_w[i];
+        b->exp_wts[at] = b->topk_w[i];
     }
     for (int64_t e = E; e > 0; e--)
         b->exp_off[e] = b->exp_off[e - 1];
@@ -422,9 +425,9 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
         if ((s = duet_k_matmul(b->k, b->eo, D, b->f1, I, M, &w->w2[e], 0)) != DUET_OK)
             return s;
         for (int64_t i = 0; i < M; i++) {
-            float       *y  = b->x + (int64_t)b->exp_rows[a + i] * D;
+            float *y = b->x + (int64_t)b->exp_rows[a + i] * D;
             const float *eo = b->eo + i * D;
-            const float  wt = b->exp_wts[a + i];
+            const float wt = b->exp_wts[a + i];
             for (int64_t d = 0; d < D; d++)
                 y[d] += wt * eo[d];
         }
@@ -438,25 +441,25 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
 
 static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_batch_t *bt)
 {
-    duet__cpu_t               *b     = (duet__cpu_t *)be;
-    const duet_model_config_t *c     = b->bm.cfg;
-    const duet_weights_t      *w     = b->bm.w;
-    duet_batch_item_t         *items = bt->items;
-    const int64_t              D = c->hidden_size, rows = bt->n_rows, n_items = bt->n_items;
-    duet_status_t              s;
+    duet__cpu_t *b = (duet__cpu_t *)be;
+    const duet_model_config_t *c = b->bm.cfg;
+    const duet_weights_t *w = b->bm.w;
+    duet_batch_item_t *items = bt->items;
+    const int64_t D = c->hidden_size, rows = bt->n_rows, n_items = bt->n_items;
+    duet_status_t s;
 
-    duet_cpu_step_t st = {.n_items    = n_items,
-                          .n_rows     = rows,
-                          .item_row0  = b->item_row0,
-                          .item_pos0  = b->item_pos0,
-                          .item_slot  = b->item_slot,
+    duet_cpu_step_t st = {.n_items = n_items,
+                          .n_rows = rows,
+                          .item_row0 = b->item_row0,
+                          .item_pos0 = b->item_pos0,
+                          .item_slot = b->item_slot,
                           .item_pages = b->item_pages};
     b->item_row0[0] = 0;
     for (int64_t i = 0; i < n_items; i++) {
         b->item_row0[i + 1] = b->item_row0[i] + items[i].n_tokens;
-        b->item_pos0[i]     = items[i].seq->n_tokens;
-        b->item_slot[i]     = items[i].seq->kda_slot;
-        b->item_pages[i]    = items[i].seq->pages;
+        b->item_pos0[i] = items[i].seq->n_tokens;
+        b->item_slot[i] = items[i].seq->kda_slot;
+        b->item_pages[i] = items[i].seq->pages;
     }
 
     for (int64_t i = 0; i < n_items; i++)
@@ -470,8 +473,7 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
         if (s != DUET_OK)
             return s;
         duet_backend_layer_done(&b->bm, bt, l);
-        duet_k_rmsnorm(b->k, b->xn, b->x, &lw->post_attention_layernorm, rows, D,
-                       c->rms_norm_eps);
+        duet_k_rmsnorm(b->k, b->xn, b->x, &lw->post_attention_layernorm, rows, D, c->rms_norm_eps);
         if (c->ffn[l] == DUET_FFN_MOE)
             s = duet__moe_layer(b, rows, l);
         else
@@ -482,7 +484,7 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
 
     for (int64_t i = 0; i < n_items; i++) {
         duet_batch_item_t *it = &items[i];
-        int64_t            r0 = b->item_row0[i], nr = 0;
+        int64_t r0 = b->item_row0[i], nr = 0;
         if (it->logits_mode == DUET_LOGITS_LAST || it->logits_mode == DUET_LOGITS_TOKEN) {
             r0 = b->item_row0[i + 1] - 1;
             nr = 1;
@@ -509,18 +511,18 @@ static int duet__cpu_probe(char *why, size_t cap)
 }
 
 const duet_backend_ops_t duet_backend_cpu_ops = {
-    .name           = "cpu",
-    .device         = DUET_DEVICE_CPU,
+    .name = "cpu",
+    .device = DUET_DEVICE_CPU,
     .compute_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
-    .kv_dtypes      = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
-    .caps           = 0,
-    .probe          = duet__cpu_probe,
-    .create         = duet__cpu_create,
-    .destroy        = duet__cpu_destroy,
-    .describe       = duet__cpu_describe,
-    .seq_open       = duet__cpu_seq_open,
+    .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
+    .caps = 0,
+    .probe = duet__cpu_probe,
+    .create = duet__cpu_create,
+    .destroy = duet__cpu_destroy,
+    .describe = duet__cpu_describe,
+    .seq_open = duet__cpu_seq_open,
     .seq_set_filled = NULL, /* the host pools are the caches */
-    .seq_close      = NULL,
-    .forward        = duet__cpu_forward,
-    .pool_mem       = duet__cpu_pool_mem,
+    .seq_close = NULL,
+    .forward = duet__cpu_forward,
+    .pool_mem = duet__cpu_pool_mem,
 };

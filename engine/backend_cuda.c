@@ -52,7 +52,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 {
     (void)bm, (void)be_p;
     return duet_error_set(DUET_ERR_UNSUPPORTED, "this build has no CUDA backend (nvcc was not "
-                          "found when it was configured)");
+                                                "found when it was configured)");
 }
 
 #else /* DUET_HAVE_CUDA */
@@ -67,7 +67,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 #include "kernels/cuda/cuda_step.h"
 #include "kernels/cuda/cuda_util.h"
 
-#define DUET__MLA_X_MIN_ROWS 256 /* the expanded MLA form: rows per position (duet__mla_x_step) */
+#define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
 #define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
 
@@ -90,21 +90,21 @@ int64_t duet_backend_cuda_mla_x_steps(void)
 #define DUET_CUDA_MAX_GRAPHS 128
 
 typedef struct {
-    duet_tensor_t qkv;   /* (3*H*K, D): q | k | v projections */
-    duet_tensor_t fg_a;  /* (2*K, D): f_a | g_a */
-    duet_tensor_t b;     /* (H, D) */
-    duet_tensor_t f_b;   /* (H*K, K) */
-    duet_tensor_t g_b;   /* (H*K, K) */
-    duet_tensor_t o;     /* (D, H*K) */
-    float        *taps;  /* (3*H*K, W) fp32 */
-    float        *dt_bias, *neg_A, *o_norm;
+    duet_tensor_t qkv;  /* (3*H*K, D): q | k | v projections */
+    duet_tensor_t fg_a; /* (2*K, D): f_a | g_a */
+    duet_tensor_t b;    /* (H, D) */
+    duet_tensor_t f_b;  /* (H*K, K) */
+    duet_tensor_t g_b;  /* (H*K, K) */
+    duet_tensor_t o;    /* (D, H*K) */
+    float *taps;        /* (3*H*K, W) fp32 */
+    float *dt_bias, *neg_A, *o_norm;
 } duet__dkda_t;
 
 typedef struct {
     duet_tensor_t q, q_a, q_b; /* q (n*dqk, D) or q_a (ql, D) + q_b (n*dqk, ql) */
-    float        *q_a_norm;
-    duet_tensor_t kv_a;  /* (r+dr, D) */
-    float        *kv_a_norm;
+    float *q_a_norm;
+    duet_tensor_t kv_a; /* (r+dr, D) */
+    float *kv_a_norm;
     duet_tensor_t wuk_t; /* (n, r, dn) */
     duet_tensor_t wuv;   /* (n, dv, r) */
     duet_tensor_t wkv;   /* (2*n*128, r): W_UK[h] rows, then wuv's (the expanded form only) */
@@ -117,18 +117,18 @@ typedef struct {
 } duet__dmlp_t;
 
 typedef struct {
-    float              *in_norm, *post_norm;
-    duet__dkda_t        kda;
-    duet__dmla_t        mla;
-    duet__dmlp_t        mlp;    /* dense FFN, or the shared expert of a MoE layer */
-    int                 has_shared;
-    duet_tensor_t       router; /* (E, D) fp32 */
-    float              *router_bias;
+    float *in_norm, *post_norm;
+    duet__dkda_t kda;
+    duet__dmla_t mla;
+    duet__dmlp_t mlp; /* dense FFN, or the shared expert of a MoE layer */
+    int has_shared;
+    duet_tensor_t router; /* (E, D) fp32 */
+    float *router_bias;
     duet_cuda_experts_t ex;
 } duet__dlayer_t;
 
 typedef struct {
-    int             bucket, splits, sampled;
+    int bucket, splits, sampled;
     cudaGraphExec_t exec;
 } duet__graph_t;
 
@@ -141,50 +141,50 @@ typedef struct {
 typedef struct duet_cuda_model duet_cuda_model_t;
 
 struct duet_cuda_model {
-    duet_backend_t       base;
+    duet_backend_t base;
     duet_backend_model_t bm; /* what it was created from (front-end pointers) */
     duet_model_config_t cfg;
-    duet_model_opts_t   opts;
-    duet_dtype_t        wdt; /* compute dtype of the weights */
-    int64_t             layer_sub[DUET_MAX_LAYERS];
-    cudaStream_t        stream, copy_stream;
-    cudaEvent_t        *layer_done, *copy_done; /* [num_layers] for mirror_out */
-    duet_cuda_gemm_t   *gemm;
-    unsigned            gemm_flags;
-    int                 n_sms;
+    duet_model_opts_t opts;
+    duet_dtype_t wdt; /* compute dtype of the weights */
+    int64_t layer_sub[DUET_MAX_LAYERS];
+    cudaStream_t stream, copy_stream;
+    cudaEvent_t *layer_done, *copy_done; /* [num_layers] for mirror_out */
+    duet_cuda_gemm_t *gemm;
+    unsigned gemm_flags;
+    int n_sms;
 
     /* allocations, freed in reverse at destroy */
-    void  **allocs;
+    void **allocs;
     int64_t n_allocs, cap_allocs;
-    size_t  dev_bytes;
+    size_t dev_bytes;
 
-    duet_tensor_t   embed, lm_head;
-    float          *final_norm;
+    duet_tensor_t embed, lm_head;
+    float *final_norm;
     duet__dlayer_t *layers;
 
     /* pools: the host pools' layouts (common/cache_layout.h), which the device pools share */
-    duet_kv_pool_t   *kv_host;
-    duet_kda_pool_t  *kda_host;
-    duet_kv_layout_t  kv_layout;
+    duet_kv_pool_t *kv_host;
+    duet_kda_pool_t *kda_host;
+    duet_kv_layout_t kv_layout;
     duet_kda_layout_t kda_layout;
-    void            *kv_dev;
-    size_t           kv_dev_bytes, kv_page_bytes, kv_token_bytes;
-    int64_t          kv_spare_page;
-    float           *kda_dev;
-    size_t           kda_dev_bytes, kda_slot_bytes;
-    int64_t          kda_layer_floats;
-    int32_t          kda_spare_slot;
-    int64_t          max_pages;
+    void *kv_dev;
+    size_t kv_dev_bytes, kv_page_bytes, kv_token_bytes;
+    int64_t kv_spare_page;
+    float *kda_dev;
+    size_t kda_dev_bytes, kda_slot_bytes;
+    int64_t kda_layer_floats;
+    int32_t kda_spare_slot;
+    int64_t max_pages;
 
     /* workspace (fp32 unless said) */
-    int64_t  T, imax_items, logit_rows_cap;
-    float   *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
+    int64_t T, imax_items, logit_rows_cap;
+    float *x, *xn, *proj, *qkv, *fg, *gk, *beta, *gate, *o, *mq, *mqa, *ckr, *qhat, *lat, *f1,
         *router, *topk_w, *logits;
     int32_t *topk_idx, *token_out;
-    int *route_sync;       /* duet_cuda_moe_router_route's (DUET_CUDA_ROUTER_SYNC_INTS(E)) */
-    int32_t *token_out_h;  /* pinned */
-    void    *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
-    int      max_splits;
+    int *route_sync;      /* duet_cuda_moe_router_route's (DUET_CUDA_ROUTER_SYNC_INTS(E)) */
+    int32_t *token_out_h; /* pinned */
+    void *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
+    int max_splits;
     /* the expanded MLA form for long prefill chunks (duet__mla_x_step): on when the shapes
      * allow it; xkv holds xcap positions of every head = max(T, min(max_seq_len,
      * DUET__MLA_X_CAP)), so chunks after the first of a prompt up to 8K positions take it too
@@ -200,12 +200,12 @@ struct duet_cuda_model {
 
     /* step metadata: pinned host block → device block, one copy per step */
     duet__meta_layout_t ml;
-    int32_t            *meta_h, *meta_d;
-    duet_cuda_step_t    step; /* device pointers into meta_d; counts set per step */
+    int32_t *meta_h, *meta_d;
+    duet_cuda_step_t step; /* device pointers into meta_d; counts set per step */
 
     duet__graph_t graphs[DUET_CUDA_MAX_GRAPHS];
-    int           n_graphs;
-    int           mirrored; /* host pools registered as pinned memory */
+    int n_graphs;
+    int mirrored; /* host pools registered as pinned memory */
 };
 
 /* ---- errors and allocation ---------------------------------------------------------------- */
@@ -215,7 +215,7 @@ static duet_status_t duet__cu(cudaError_t e, const char *what)
     return duet_cuda_status(e, "cuda model", what);
 }
 
-#define TRY(expr) DUET_TRY(expr)
+#define TRY(expr)      DUET_TRY(expr)
 #define CU(call, what) TRY(duet__cu((call), (what)))
 
 static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)
@@ -224,10 +224,10 @@ static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)
         bytes = 16;
     if (dm->n_allocs == dm->cap_allocs) {
         int64_t cap = dm->cap_allocs ? dm->cap_allocs * 2 : 256;
-        void  **a   = realloc(dm->allocs, sizeof(void *) * (size_t)cap);
+        void **a = realloc(dm->allocs, sizeof(void *) * (size_t)cap);
         if (a == NULL)
             return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
-        dm->allocs     = a;
+        dm->allocs = a;
         dm->cap_allocs = cap;
     }
     cudaError_t e = cudaMalloc(p, bytes);
@@ -235,8 +235,9 @@ static duet_status_t duet__dalloc(duet_cuda_model_t *dm, size_t bytes, void **p)
         (void)cudaGetLastError();
         return duet_error_set(DUET_ERR_NOMEM,
                               "cuda model: cannot allocate %.1f MiB of device memory (%.1f GiB "
-                              "held so far): %s", (double)bytes / 1048576.0,
-                              (double)dm->dev_bytes / 1073741824.0, cudaGetErrorString(e));
+                              "held so far): %s",
+                              (double)bytes / 1048576.0, (double)dm->dev_bytes / 1073741824.0,
+                              cudaGetErrorString(e));
     }
     dm->allocs[dm->n_allocs++] = *p;
     dm->dev_bytes += bytes;
@@ -272,9 +273,9 @@ static duet_status_t duet__dtensor(duet_cuda_model_t *dm, duet_dtype_t dt, int n
                                    const int64_t *shape, duet_tensor_t *t)
 {
     memset(t, 0, sizeof(*t));
-    t->dtype  = dt;
+    t->dtype = dt;
     t->device = DUET_DEVICE_CUDA;
-    t->ndim   = ndim;
+    t->ndim = ndim;
     int64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
@@ -288,7 +289,7 @@ static duet_status_t duet__upload_f32(void *dst, duet_dtype_t dt, int64_t at, co
                                       int64_t n)
 {
     size_t es = duet_dtype_size(dt);
-    void  *buf = (void *)src;
+    void *buf = (void *)src;
     if (dt != DUET_DTYPE_F32) {
         buf = malloc((size_t)n * es);
         if (buf == NULL)
@@ -297,8 +298,8 @@ static duet_status_t duet__upload_f32(void *dst, duet_dtype_t dt, int64_t at, co
         for (int64_t i = 0; i < n; i++)
             h[i] = dt == DUET_DTYPE_BF16 ? duet_f32_to_bf16(src[i]) : duet_f32_to_f16(src[i]);
     }
-    cudaError_t e = cudaMemcpy((uint8_t *)dst + (size_t)at * es, buf, (size_t)n * es,
-                               cudaMemcpyHostToDevice);
+    cudaError_t e =
+        cudaMemcpy((uint8_t *)dst + (size_t)at * es, buf, (size_t)n * es, cudaMemcpyHostToDevice);
     if (buf != src)
         free(buf);
     return duet__cu(e, "weight upload");
@@ -343,15 +344,17 @@ static duet_status_t duet__weight(duet_cuda_model_t *dm, int from_host, duet_dty
         at += duet_tensor_numel(srcs[i]);
     }
     if (at != rows * cols)
-        return duet_error_set(DUET_ERR_INVALID, "cuda model: weight of %lld values for a %lld x "
-                              "%lld matrix", (long long)at, (long long)rows, (long long)cols);
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda model: weight of %lld values for a %lld x "
+                              "%lld matrix",
+                              (long long)at, (long long)rows, (long long)cols);
     return DUET_OK;
 }
 
 /* An fp32 vector: from host fp32 values, from a host tensor, or constant / random. */
 static duet_status_t duet__vec(duet_cuda_model_t *dm, const float *host_f32,
-                               const duet_tensor_t *host_t, int64_t n, uint64_t *seed,
-                               float scale, float offset, float **p)
+                               const duet_tensor_t *host_t, int64_t n, uint64_t *seed, float scale,
+                               float offset, float **p)
 {
     TRY(duet__dalloc_f(dm, n, p));
     if (host_f32 != NULL)
@@ -364,30 +367,29 @@ static duet_status_t duet__vec(duet_cuda_model_t *dm, const float *host_f32,
 static duet_status_t duet__mlp_weights(duet_cuda_model_t *dm, const duet_mlp_weights_t *hw,
                                        int64_t I, uint64_t *seed, duet__dmlp_t *d)
 {
-    const int64_t        D = dm->cfg.hidden_size;
+    const int64_t D = dm->cfg.hidden_size;
     const duet_tensor_t *gu[2] = {hw ? &hw->gate_proj : NULL, hw ? &hw->up_proj : NULL};
-    const duet_tensor_t *dn    = hw ? &hw->down_proj : NULL;
+    const duet_tensor_t *dn = hw ? &hw->down_proj : NULL;
     TRY(duet__weight(dm, hw != NULL, dm->wdt, gu, 2, 2 * I, D, seed, &d->gu));
     return duet__weight(dm, hw != NULL, dm->wdt, &dn, 1, D, I, seed, &d->down);
 }
 
-static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
-                                         const duet_weights_t *w, const duet_backend_f32_t *f32,
-                                         uint64_t *seed)
+static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l, const duet_weights_t *w,
+                                         const duet_backend_f32_t *f32, uint64_t *seed)
 {
-    const duet_model_config_t  *c  = &dm->cfg;
+    const duet_model_config_t *c = &dm->cfg;
     const duet_layer_weights_t *lw = w != NULL ? &w->layers[l] : NULL;
-    const duet_backend_f32_t   *lf = f32 != NULL ? &f32[l] : NULL;
-    duet__dlayer_t             *d  = &dm->layers[l];
+    const duet_backend_f32_t *lf = f32 != NULL ? &f32[l] : NULL;
+    duet__dlayer_t *d = &dm->layers[l];
     const int64_t D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim, HK = H * K;
-    const int     fh = w != NULL;
+    const int fh = w != NULL;
 
     TRY(duet__vec(dm, NULL, lw ? &lw->input_layernorm : NULL, D, seed, 0.0f, 1.0f, &d->in_norm));
     TRY(duet__vec(dm, NULL, lw ? &lw->post_attention_layernorm : NULL, D, seed, 0.0f, 1.0f,
                   &d->post_norm));
     if (c->mixer[l] == DUET_MIXER_KDA) {
         const duet_kda_weights_t *kw = lw ? &lw->kda : NULL;
-        duet__dkda_t             *k  = &d->kda;
+        duet__dkda_t *k = &d->kda;
         const duet_tensor_t *qkv[3] = {kw ? &kw->q_proj : NULL, kw ? &kw->k_proj : NULL,
                                        kw ? &kw->v_proj : NULL};
         const duet_tensor_t *fga[2] = {kw ? &kw->f_a_proj : NULL, kw ? &kw->g_a_proj : NULL};
@@ -399,15 +401,14 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
         TRY(duet__weight(dm, fh, dm->wdt, &fb, 1, HK, K, seed, &k->f_b));
         TRY(duet__weight(dm, fh, dm->wdt, &gb, 1, HK, K, seed, &k->g_b));
         TRY(duet__weight(dm, fh, dm->wdt, &o, 1, D, HK, seed, &k->o));
-        TRY(duet__vec(dm, lf ? lf->conv_w : NULL, NULL, 3 * HK * c->conv_kernel, seed,
-                      0.5f, 0.0f, &k->taps));
-        TRY(duet__vec(dm, lf ? lf->dt_bias : NULL, NULL, HK, seed, 0.5f, 0.0f,
-                      &k->dt_bias));
+        TRY(duet__vec(dm, lf ? lf->conv_w : NULL, NULL, 3 * HK * c->conv_kernel, seed, 0.5f, 0.0f,
+                      &k->taps));
+        TRY(duet__vec(dm, lf ? lf->dt_bias : NULL, NULL, HK, seed, 0.5f, 0.0f, &k->dt_bias));
         TRY(duet__vec(dm, lf ? lf->neg_A : NULL, NULL, H, seed, 0.5f, -1.0f, &k->neg_A));
         TRY(duet__vec(dm, lf ? lf->o_norm : NULL, NULL, K, seed, 0.0f, 1.0f, &k->o_norm));
     } else {
         const duet_mla_weights_t *mw = lw ? &lw->mla : NULL;
-        duet__dmla_t             *m  = &dm->layers[l].mla;
+        duet__dmla_t *m = &dm->layers[l].mla;
         const int64_t n = c->mla_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim,
                       dv = c->v_head_dim, r = c->kv_lora_rank, dqk = dn + dr;
         if (c->q_lora_rank > 0) {
@@ -420,7 +421,8 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             const duet_tensor_t *q = mw ? &mw->q_proj : NULL;
             TRY(duet__weight(dm, fh, dm->wdt, &q, 1, n * dqk, D, seed, &m->q));
         }
-        const duet_tensor_t *kva = mw ? &mw->kv_a_proj_with_mqa : NULL, *o = mw ? &mw->o_proj : NULL;
+        const duet_tensor_t *kva = mw ? &mw->kv_a_proj_with_mqa : NULL,
+                            *o = mw ? &mw->o_proj : NULL;
         TRY(duet__weight(dm, fh, dm->wdt, &kva, 1, r + dr, D, seed, &m->kv_a));
         TRY(duet__vec(dm, NULL, mw ? &mw->kv_a_layernorm : NULL, r, seed, 0.0f, 1.0f,
                       &m->kv_a_norm));
@@ -446,7 +448,8 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             }
             duet_convert_to_f32(f, kvb->data, kvb->dtype, n * (dn + dv) * r);
             for (int64_t h = 0; h < n; h++)
-                memcpy(g + h * dv * r, f + (h * (dn + dv) + dn) * r, sizeof(float) * (size_t)(dv * r));
+                memcpy(g + h * dv * r, f + (h * (dn + dv) + dn) * r,
+                       sizeof(float) * (size_t)(dv * r));
             duet_status_t st = duet__upload_f32(m->wuv.data, dm->wdt, 0, g, n * dv * r);
             free(f);
             free(g);
@@ -464,8 +467,7 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
         const int64_t E = c->n_experts, I = c->moe_intermediate;
         const duet_tensor_t *rg = mw ? &mw->gate : NULL;
         TRY(duet__weight(dm, fh, DUET_DTYPE_F32, &rg, 1, E, D, seed, &d->router));
-        TRY(duet__vec(dm, lf ? lf->moe_bias : NULL, NULL, E, seed, 0.0f, 0.0f,
-                      &d->router_bias));
+        TRY(duet__vec(dm, lf ? lf->moe_bias : NULL, NULL, E, seed, 0.0f, 0.0f, &d->router_bias));
         /* experts contiguous: w1, w3 [E][I][D], w2 [E][D][I] */
         duet_tensor_t t1, t3, t2;
         int64_t s13[3] = {E, I, D}, s2[3] = {E, D, I};
@@ -486,8 +488,8 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
             TRY(duet_cuda_fill_random(dm->stream, t2.data, dm->wdt, E * D * I, (*seed)++,
                                       sqrtf(3.0f / (float)I), 0.0f));
         }
-        d->ex = (duet_cuda_experts_t){.w1 = t1.data, .w3 = t3.data, .w2 = t2.data,
-                                      .dtype = dm->wdt, .E = E, .I = I, .D = D};
+        d->ex = (duet_cuda_experts_t){
+            .w1 = t1.data, .w3 = t3.data, .w2 = t2.data, .dtype = dm->wdt, .E = E, .I = I, .D = D};
         if (c->n_shared_experts > 0) {
             d->has_shared = 1;
             TRY(duet__mlp_weights(dm, mw ? &mw->shared : NULL, I * c->n_shared_experts, seed,
@@ -499,7 +501,8 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l,
     return DUET_OK;
 }
 
-/* ---- create ----------------------------------------------------------------------------------- */
+/* ---- create -----------------------------------------------------------------------------------
+ */
 
 static int64_t duet__pow2_at_least(int64_t n)
 {
@@ -512,8 +515,8 @@ static int64_t duet__pow2_at_least(int64_t n)
 static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const int64_t T = dm->T, D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim,
-                  HK = H * K, n = c->mla_heads, dqk = c->qk_nope_head_dim + c->qk_rope_head_dim,
+    const int64_t T = dm->T, D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim, HK = H * K,
+                  n = c->mla_heads, dqk = c->qk_nope_head_dim + c->qk_rope_head_dim,
                   r = c->kv_lora_rank, dr = c->qk_rope_head_dim, V = c->vocab_size;
     const int has_kda = c->n_kda_layers > 0, has_mla = c->n_mla_layers > 0;
     int64_t imax = c->dense_intermediate;
@@ -597,12 +600,12 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
 
     /* metadata block */
     duet__meta_layout_t *ml = &dm->ml;
-    const int64_t        I  = dm->imax_items;
-    size_t               at = 0;
+    const int64_t I = dm->imax_items;
+    size_t at = 0;
 #define DUET__META(field, n_i32)                                                                   \
     do {                                                                                           \
         ml->field = at;                                                                            \
-        at += ((size_t)(n_i32) + 31) / 32 * 32; /* 128-byte aligned parts */                      \
+        at += ((size_t)(n_i32) + 31) / 32 * 32; /* 128-byte aligned parts */                       \
     } while (0)
     DUET__META(item_row0, I + 1);
     DUET__META(item_pos0, I);
@@ -618,13 +621,13 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     CU(cudaMallocHost((void **)&dm->meta_h, sizeof(int32_t) * at), "pinned metadata");
     memset(dm->meta_h, 0, sizeof(int32_t) * at);
     TRY(duet__dalloc(dm, sizeof(int32_t) * at, (void **)&dm->meta_d));
-    dm->step.item_row0  = dm->meta_d + ml->item_row0;
-    dm->step.item_pos0  = dm->meta_d + ml->item_pos0;
-    dm->step.item_slot  = dm->meta_d + ml->item_slot;
+    dm->step.item_row0 = dm->meta_d + ml->item_row0;
+    dm->step.item_pos0 = dm->meta_d + ml->item_pos0;
+    dm->step.item_slot = dm->meta_d + ml->item_slot;
     dm->step.item_pages = dm->meta_d + ml->item_pages;
-    dm->step.max_pages  = (int32_t)(dm->max_pages > 0 ? dm->max_pages : 1);
-    dm->step.row_item   = dm->meta_d + ml->row_item;
-    dm->step.row_pos    = dm->meta_d + ml->row_pos;
+    dm->step.max_pages = (int32_t)(dm->max_pages > 0 ? dm->max_pages : 1);
+    dm->step.row_item = dm->meta_d + ml->row_item;
+    dm->step.row_pos = dm->meta_d + ml->row_pos;
     return DUET_OK;
 }
 
@@ -632,34 +635,34 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
 {
     if (dm->kv_host != NULL) {
         const duet_kv_pool_desc_t *kd = duet_kv_pool_desc(dm->kv_host);
-        uint64_t                   page = 0;
+        uint64_t page = 0;
         dm->kv_layout = duet_kv_pool_layout(dm->kv_host);
         (void)duet_kv_layout_page_bytes(&dm->kv_layout, &page); /* the host pool's, bounded */
         dm->kv_token_bytes = (size_t)dm->kv_layout.token_bytes;
-        dm->kv_page_bytes  = (size_t)page;
-        dm->kv_spare_page  = kd->n_pages;
-        dm->kv_dev_bytes   = dm->kv_page_bytes * (size_t)(kd->n_pages + 1);
+        dm->kv_page_bytes = (size_t)page;
+        dm->kv_spare_page = kd->n_pages;
+        dm->kv_dev_bytes = dm->kv_page_bytes * (size_t)(kd->n_pages + 1);
         TRY(duet__dalloc(dm, dm->kv_dev_bytes, &dm->kv_dev));
         CU(cudaMemsetAsync(dm->kv_dev, 0, dm->kv_dev_bytes, dm->stream), "zero KV pool");
     }
     if (dm->kda_host != NULL) {
         const duet_kda_pool_desc_t *sd = duet_kda_pool_desc(dm->kda_host);
-        uint64_t                    layer = 0, slot = 0;
+        uint64_t layer = 0, slot = 0;
         dm->kda_layout = duet_kda_pool_layout(dm->kda_host);
         (void)duet_kda_layout_layer_bytes(&dm->kda_layout, &layer); /* the host pool's, bounded */
         (void)duet_kda_layout_slot_bytes(&dm->kda_layout, &slot);
         dm->kda_layer_floats = (int64_t)(layer / sizeof(float));
-        dm->kda_slot_bytes   = (size_t)slot;
-        dm->kda_spare_slot   = (int32_t)sd->n_slots;
-        dm->kda_dev_bytes    = dm->kda_slot_bytes * (size_t)(sd->n_slots + 1);
+        dm->kda_slot_bytes = (size_t)slot;
+        dm->kda_spare_slot = (int32_t)sd->n_slots;
+        dm->kda_dev_bytes = dm->kda_slot_bytes * (size_t)(sd->n_slots + 1);
         TRY(duet__dalloc(dm, dm->kda_dev_bytes, (void **)&dm->kda_dev));
         CU(cudaMemsetAsync(dm->kda_dev, 0, dm->kda_dev_bytes, dm->stream), "zero KDA pool");
     }
     /* Staging mirrors: pin the host pools so the copies are asynchronous DMA. Memory the
      * transport already registered (or that cannot be pinned) still works, synchronously. */
     if (dm->opts.mirror_in || dm->opts.mirror_out) {
-        void  *b[2] = {dm->kv_host ? duet_kv_pool_base(dm->kv_host) : NULL,
-                       dm->kda_host ? duet_kda_pool_base(dm->kda_host) : NULL};
+        void *b[2] = {dm->kv_host ? duet_kv_pool_base(dm->kv_host) : NULL,
+                      dm->kda_host ? duet_kda_pool_base(dm->kda_host) : NULL};
         size_t n[2] = {dm->kv_host ? duet_kv_pool_bytes(dm->kv_host) : 0,
                        dm->kda_host ? duet_kda_pool_bytes(dm->kda_host) : 0};
         for (int i = 0; i < 2; i++) {
@@ -671,7 +674,8 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
             } else {
                 (void)cudaGetLastError();
                 DUET_LOG_WARN("cuda model: cannot pin the host %s pool (%s); staging copies "
-                              "will not overlap", i == 0 ? "KV" : "KDA", cudaGetErrorString(e));
+                              "will not overlap",
+                              i == 0 ? "KV" : "KDA", cudaGetErrorString(e));
             }
         }
     }
@@ -683,12 +687,12 @@ static void duet__cuda_destroy(duet_backend_t *be);
 static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
 {
     const duet_model_config_t *cfg = bm->cfg;
-    const duet_model_opts_t   *opts = bm->opts;
-    const duet_weights_t      *w    = bm->w;
-    duet_kv_pool_t            *kv   = bm->kv;
-    duet_backend_f32_t        *f32  = NULL; /* the checkpoint's fp32 vectors, until uploaded */
-    char                       why[256];
-    duet_status_t              st;
+    const duet_model_opts_t *opts = bm->opts;
+    const duet_weights_t *w = bm->w;
+    duet_kv_pool_t *kv = bm->kv;
+    duet_backend_f32_t *f32 = NULL; /* the checkpoint's fp32 vectors, until uploaded */
+    char why[256];
+    duet_status_t st;
     if (!duet_cuda_device_usable(why, sizeof(why)))
         return duet_error_set(DUET_ERR_DEVICE, "--device cuda: %s", why);
     if (opts->compute_dtype != DUET_DTYPE_F32 && opts->compute_dtype != DUET_DTYPE_BF16)
@@ -700,16 +704,16 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
         duet_backend_f32_free(cfg, f32);
         return duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
     }
-    dm->base.ops  = &duet_backend_cuda_ops;
-    dm->bm        = *bm;
-    dm->cfg       = *cfg;
-    dm->opts      = *opts;
-    dm->wdt       = opts->compute_dtype;
-    dm->kv_host   = kv;
-    dm->kda_host  = bm->kda;
+    dm->base.ops = &duet_backend_cuda_ops;
+    dm->bm = *bm;
+    dm->cfg = *cfg;
+    dm->opts = *opts;
+    dm->wdt = opts->compute_dtype;
+    dm->kv_host = kv;
+    dm->kda_host = bm->kda;
     dm->max_pages = bm->max_pages_per_seq;
     memcpy(dm->layer_sub, bm->layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
-    dm->T          = opts->max_batch_tokens;
+    dm->T = opts->max_batch_tokens;
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
     dm->kda_tc =
         dm->wdt == DUET_DTYPE_BF16 && !duet_cuda_env_flag(&duet__no_kda_tc, "DUET_CUDA_NO_KDA_TC");
@@ -741,8 +745,8 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     STEP(duet__cu(cudaStreamCreateWithFlags(&dm->stream, cudaStreamNonBlocking), "stream"));
     STEP(duet__cu(cudaStreamCreateWithFlags(&dm->copy_stream, cudaStreamNonBlocking), "stream"));
     dm->layer_done = calloc((size_t)cfg->num_layers, sizeof(cudaEvent_t));
-    dm->copy_done  = calloc((size_t)cfg->num_layers, sizeof(cudaEvent_t));
-    dm->layers     = calloc((size_t)cfg->num_layers, sizeof(duet__dlayer_t));
+    dm->copy_done = calloc((size_t)cfg->num_layers, sizeof(cudaEvent_t));
+    dm->layers = calloc((size_t)cfg->num_layers, sizeof(duet__dlayer_t));
     if (dm->layer_done == NULL || dm->copy_done == NULL || dm->layers == NULL) {
         st = duet_error_set(DUET_ERR_NOMEM, "cuda model: out of host memory");
         goto fail;
@@ -750,17 +754,22 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     for (int64_t l = 0; l < cfg->num_layers; l++) {
         STEP(duet__cu(cudaEventCreateWithFlags(&dm->layer_done[l], cudaEventDisableTiming),
                       "event"));
-        STEP(duet__cu(cudaEventCreateWithFlags(&dm->copy_done[l], cudaEventDisableTiming),
-                      "event"));
+        STEP(
+            duet__cu(cudaEventCreateWithFlags(&dm->copy_done[l], cudaEventDisableTiming), "event"));
     }
 
     {
         const int64_t D = cfg->hidden_size, HK = cfg->kda_heads * cfg->kda_head_dim;
         const int64_t n = cfg->mla_heads, dqk = cfg->qk_nope_head_dim + cfg->qk_rope_head_dim;
         int64_t width = D;
-        int64_t cand[] = {3 * HK, n * dqk, n * cfg->kv_lora_rank, n * cfg->v_head_dim,
-                          cfg->dense_intermediate, cfg->moe_intermediate * cfg->n_shared_experts,
-                          cfg->q_lora_rank, 2 * cfg->kda_head_dim};
+        int64_t cand[] = {3 * HK,
+                          n * dqk,
+                          n * cfg->kv_lora_rank,
+                          n * cfg->v_head_dim,
+                          cfg->dense_intermediate,
+                          cfg->moe_intermediate * cfg->n_shared_experts,
+                          cfg->q_lora_rank,
+                          2 * cfg->kda_head_dim};
         for (size_t i = 0; i < sizeof(cand) / sizeof(cand[0]); i++)
             if (cand[i] > width)
                 width = cand[i];
@@ -775,8 +784,8 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
         if (w != NULL && w->lm_head.data == w->embed_tokens.data)
             dm->lm_head = dm->embed;
         else
-            STEP(duet__weight(dm, w != NULL, dm->wdt, &lh, 1, cfg->vocab_size, cfg->hidden_size,
-                              &s, &dm->lm_head));
+            STEP(duet__weight(dm, w != NULL, dm->wdt, &lh, 1, cfg->vocab_size, cfg->hidden_size, &s,
+                              &dm->lm_head));
         STEP(duet__vec(dm, NULL, w ? &w->norm : NULL, cfg->hidden_size, &s, 0.0f, 1.0f,
                        &dm->final_norm));
     }
@@ -850,10 +859,10 @@ static void duet__cuda_pool_mem(const duet_backend_t *be, duet_model_pool_t whic
     memset(out, 0, sizeof(*out));
     out->on_device = 1;
     if (which == DUET_MODEL_POOL_KV) {
-        out->base  = dm->kv_dev;
+        out->base = dm->kv_dev;
         out->bytes = dm->kv_dev_bytes;
     } else if (which == DUET_MODEL_POOL_KDA) {
-        out->base  = dm->kda_dev;
+        out->base = dm->kda_dev;
         out->bytes = dm->kda_dev_bytes;
     }
 }
@@ -861,8 +870,9 @@ static void duet__cuda_pool_mem(const duet_backend_t *be, duet_model_pool_t whic
 static void duet__cuda_describe(const duet_backend_t *be, char *buf, size_t cap)
 {
     const duet_cuda_model_t *dm = (const duet_cuda_model_t *)be;
-    snprintf(buf, cap, "cuda, %s weights, %s KV, graphs %s", duet_dtype_name(dm->opts.compute_dtype),
-             duet_dtype_name(dm->opts.kv_dtype), dm->opts.cuda_graphs ? "on" : "off");
+    snprintf(buf, cap, "cuda, %s weights, %s KV, graphs %s",
+             duet_dtype_name(dm->opts.compute_dtype), duet_dtype_name(dm->opts.kv_dtype),
+             dm->opts.cuda_graphs ? "on" : "off");
 }
 
 /* ---- sequences ------------------------------------------------------------------------------ */
@@ -943,10 +953,10 @@ static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
-    int     splits;
-    int     sample; /* 0 none, 1 argmax, 2 full sampling rule */
-    int64_t x_ctx;  /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
-                     * item (this many in all) */
+    int splits;
+    int sample;    /* 0 none, 1 argmax, 2 full sampling rule */
+    int64_t x_ctx; /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
+                    * item (this many in all) */
 } duet__shape_t;
 
 /*
@@ -958,12 +968,12 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                      const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const duet__dkda_t        *w = &dm->layers[l].kda;
+    const duet__dkda_t *w = &dm->layers[l].kda;
     const int64_t T = sh->n_rows, D = c->hidden_size, H = c->kda_heads, K = c->kda_head_dim,
                   HK = H * K;
-    cudaStream_t  s  = dm->stream;
+    cudaStream_t s = dm->stream;
     duet_cuda_gemm_t *g = dm->gemm;
-    const unsigned    f = dm->gemm_flags;
+    const unsigned f = dm->gemm_flags;
     duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
                                 .kda_n_layers = c->n_kda_layers,
                                 .kda_layer_floats = dm->kda_layer_floats,
@@ -983,8 +993,11 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
         {.y = dm->gate, .ldy = HK, .x = dm->fg + K, .ldx = 2 * K, .w = &w->g_b}};
     TRY(duet_cuda_gemm_matmul_multi(g, s, T, lr, 2, f));
     /* conv → window roll → prep → core → out-norm × σ(gate): one kernel at decode sizes */
-    const duet_cuda_kda_weights_t kw = {.taps = w->taps, .neg_A = w->neg_A, .dt_bias = w->dt_bias,
-                                        .o_norm = w->o_norm, .eps = c->rms_norm_eps};
+    const duet_cuda_kda_weights_t kw = {.taps = w->taps,
+                                        .neg_A = w->neg_A,
+                                        .dt_bias = w->dt_bias,
+                                        .o_norm = w->o_norm,
+                                        .eps = c->rms_norm_eps};
     TRY(duet_cuda_kda_chain(s, &dm->step, &ly, &kw, dm->proj, dm->gate, dm->qkv, dm->gk, dm->beta,
                             dm->o, dm->kda_scratch));
     return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, HK, T, &w->o, 1, f);
@@ -994,18 +1007,21 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                      const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const duet__dmla_t        *w = &dm->layers[l].mla;
+    const duet__dmla_t *w = &dm->layers[l].mla;
     const int64_t T = sh->n_rows, D = c->hidden_size, n = c->mla_heads;
     const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
     const int64_t r = c->kv_lora_rank, dqk = dn + dr;
-    cudaStream_t  s = dm->stream;
+    cudaStream_t s = dm->stream;
     duet_cuda_gemm_t *g = dm->gemm;
-    const unsigned    f = dm->gemm_flags;
+    const unsigned f = dm->gemm_flags;
     duet_cuda_mla_layer_t ly = {.kv_base = dm->kv_dev,
                                 .kv_dtype = duet_kv_pool_desc(dm->kv_host)->dtype,
                                 .kv_n_layers = c->n_mla_layers,
-                                .page_tokens = dm->opts.page_tokens, .layer = dm->layer_sub[l],
-                                .n_heads = n, .r = r, .dr = dr};
+                                .page_tokens = dm->opts.page_tokens,
+                                .layer = dm->layer_sub[l],
+                                .n_heads = n,
+                                .r = r,
+                                .dr = dr};
     if (c->q_lora_rank > 0) {
         const int64_t ql = c->q_lora_rank;
         const duet_cuda_gemm_op_t ops[2] = {
@@ -1056,7 +1072,7 @@ static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w
 {
     const duet_model_config_t *c = &dm->cfg;
     const int64_t D = c->hidden_size, I = w->down.shape[1];
-    cudaStream_t  s = dm->stream;
+    cudaStream_t s = dm->stream;
     TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
                           c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
                           c->situ_beta, c->situ_linear_beta));
@@ -1083,13 +1099,13 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                      const duet_cuda_gemm_norm_t *nrm)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const duet__dlayer_t      *w = &dm->layers[l];
+    const duet__dlayer_t *w = &dm->layers[l];
     const int64_t T = sh->n_rows, D = c->hidden_size, E = c->n_experts;
-    cudaStream_t  s = dm->stream;
+    cudaStream_t s = dm->stream;
     /* One token with a shared expert shaped like the routed ones (n_shared_experts = 1): the
      * expert kernels compute it as one more slot (cuda_ops.h), so no separate MLP. */
-    duet_cuda_experts_t ex   = w->ex;
-    const int           fold = w->has_shared && T == 1 && w->mlp.down.shape[1] == ex.I &&
+    duet_cuda_experts_t ex = w->ex;
+    const int fold = w->has_shared && T == 1 && w->mlp.down.shape[1] == ex.I &&
                      w->mlp.gu.dtype == ex.dtype &&
                      !duet_cuda_env_flag(&duet__no_shared_fold, "DUET_CUDA_NO_SHARED_FOLD");
     if (fold) {
@@ -1099,8 +1115,8 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         ex.sw2 = w->mlp.down.data;
     }
     const int64_t G = c->n_group > 0 ? c->n_group : 1;
-    const duet_cuda_gemm_op_t sgu = {.y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn,
-                                     .ldx = D, .w = &w->mlp.gu};
+    const duet_cuda_gemm_op_t sgu = {
+        .y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D, .w = &w->mlp.gu};
     if (T == 1 && D % 4 == 0 &&
         !duet_cuda_env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
         /* one token: the norm, the router and the routing in one kernel (its float4 loads want
@@ -1143,25 +1159,24 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
                                       int64_t n_items, int64_t l)
 {
     const duet_model_config_t *c = &dm->cfg;
-    const int64_t              sub = dm->layer_sub[l];
-    cudaStream_t               cs  = dm->copy_stream;
+    const int64_t sub = dm->layer_sub[l];
+    cudaStream_t cs = dm->copy_stream;
     CU(cudaEventRecord(dm->layer_done[l], dm->stream), "event");
     CU(cudaStreamWaitEvent(cs, dm->layer_done[l], 0), "event wait");
     for (int64_t i = 0; i < n_items; i++) {
         const duet_seq_t *seq = items[i].seq;
         if (c->mixer[l] == DUET_MIXER_KDA) {
             size_t off = duet__kda_off(dm, seq->kda_slot, sub);
-            CU(cudaMemcpyAsync((uint8_t *)duet_kda_pool_base(dm->kda_host) + off,
-                               (uint8_t *)dm->kda_dev + off,
-                               (size_t)dm->kda_layer_floats * sizeof(float),
-                               cudaMemcpyDeviceToHost, cs),
+            CU(cudaMemcpyAsync(
+                   (uint8_t *)duet_kda_pool_base(dm->kda_host) + off, (uint8_t *)dm->kda_dev + off,
+                   (size_t)dm->kda_layer_floats * sizeof(float), cudaMemcpyDeviceToHost, cs),
                "KDA state device → host");
         } else {
             const int64_t PT = dm->opts.page_tokens;
-            int64_t       pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;
+            int64_t pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;
             while (pos < end) {
                 int64_t in_page = PT - pos % PT, n = end - pos < in_page ? end - pos : in_page;
-                size_t  off = duet__kv_off(dm, seq->pages[pos / PT], sub, pos % PT);
+                size_t off = duet__kv_off(dm, seq->pages[pos / PT], sub, pos % PT);
                 CU(cudaMemcpyAsync((uint8_t *)duet_kv_pool_base(dm->kv_host) + off,
                                    (uint8_t *)dm->kv_dev + off, (size_t)n * dm->kv_token_bytes,
                                    cudaMemcpyDeviceToHost, cs),
@@ -1213,9 +1228,12 @@ static int64_t duet__logit_rows(const duet_batch_item_t *it, int use_graph)
 {
     switch (it->logits_mode) {
     case DUET_LOGITS_LAST:
-    case DUET_LOGITS_TOKEN: return 1;
-    case DUET_LOGITS_ALL: return it->n_tokens;
-    default: return use_graph ? 1 : 0;
+    case DUET_LOGITS_TOKEN:
+        return 1;
+    case DUET_LOGITS_ALL:
+        return it->n_tokens;
+    default:
+        return use_graph ? 1 : 0;
     }
 }
 
@@ -1230,16 +1248,21 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
 {
     const duet_model_config_t *c = &dm->cfg;
     const int64_t T = sh->n_rows, D = c->hidden_size, V = c->vocab_size;
-    cudaStream_t  s = dm->stream;
-    const int     mirror = dm->opts.mirror_out && hook != NULL;
-    int64_t       pending = -1; /* layer whose hook has not run yet */
+    cudaStream_t s = dm->stream;
+    const int mirror = dm->opts.mirror_out && hook != NULL;
+    int64_t pending = -1; /* layer whose hook has not run yet */
 
     TRY(duet_cuda_embed(s, dm->x, dm->embed.data, dm->embed.dtype, D, dm->meta_d + dm->ml.tokens,
                         T));
     for (int64_t l = 0; l < c->num_layers; l++) {
         const duet__dlayer_t *w = &dm->layers[l];
-        const duet_cuda_gemm_norm_t in_norm = {.x = dm->x, .ldx = D, .w = w->in_norm, .y = dm->xn,
-                                               .ldy = D, .D = D, .eps = c->rms_norm_eps};
+        const duet_cuda_gemm_norm_t in_norm = {.x = dm->x,
+                                               .ldx = D,
+                                               .w = w->in_norm,
+                                               .y = dm->xn,
+                                               .ldy = D,
+                                               .D = D,
+                                               .eps = c->rms_norm_eps};
         TRY(c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(dm, sh, l, &in_norm)
                                           : duet__mla_layer(dm, sh, l, &in_norm));
         if (mirror)
@@ -1252,8 +1275,12 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
             duet__run_hook(dm, hook, hook_user, pending);
         }
         pending = l;
-        const duet_cuda_gemm_norm_t post_norm = {.x = dm->x, .ldx = D, .w = w->post_norm,
-                                                 .y = dm->xn, .ldy = D, .D = D,
+        const duet_cuda_gemm_norm_t post_norm = {.x = dm->x,
+                                                 .ldx = D,
+                                                 .w = w->post_norm,
+                                                 .y = dm->xn,
+                                                 .ldy = D,
+                                                 .D = D,
                                                  .eps = c->rms_norm_eps};
         TRY(c->ffn[l] == DUET_FFN_MOE ? duet__moe_layer(dm, sh, l, &post_norm)
                                       : duet__mlp(dm, &w->mlp, T, &post_norm));
@@ -1268,10 +1295,15 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
          * final norm rides in the head's GEMV like every layer's norm in its first projection
          * (its 160k warps each redo the fp32 sum of squares; bench/RESULTS.md, "The final norm
          * in the head's GEMV"). */
-        const duet_cuda_gemm_norm_t fn = {.x = dm->x, .ldx = D, .w = dm->final_norm, .y = dm->xn,
-                                          .ldy = D, .D = D, .eps = c->rms_norm_eps};
-        const duet_cuda_gemm_op_t head = {.y = dm->logits, .ldy = V, .x = dm->xn, .ldx = D,
-                                          .w = &dm->lm_head};
+        const duet_cuda_gemm_norm_t fn = {.x = dm->x,
+                                          .ldx = D,
+                                          .w = dm->final_norm,
+                                          .y = dm->xn,
+                                          .ldy = D,
+                                          .D = D,
+                                          .eps = c->rms_norm_eps};
+        const duet_cuda_gemm_op_t head = {
+            .y = dm->logits, .ldy = V, .x = dm->xn, .ldx = D, .w = &dm->lm_head};
         TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, &fn, &head, 1, dm->gemm_flags));
     } else if (sh->n_logit_rows > 0 && sh->n_logit_rows <= dm->logit_rows_cap) {
         TRY(duet_cuda_gather_rows(s, dm->xn, dm->x, D, dm->meta_d + dm->ml.logit_rows,
@@ -1306,18 +1338,18 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
         cudaGraph_t graph = NULL;
         CU(cudaStreamBeginCapture(dm->stream, cudaStreamCaptureModeThreadLocal), "begin capture");
         duet_status_t st = duet__enqueue(dm, sh, NULL, NULL, NULL);
-        cudaError_t   e  = cudaStreamEndCapture(dm->stream, &graph);
+        cudaError_t e = cudaStreamEndCapture(dm->stream, &graph);
         TRY(st);
         CU(e, "end capture");
         cudaGraphExec_t exec = NULL;
         e = cudaGraphInstantiate(&exec, graph, 0);
         cudaGraphDestroy(graph);
         CU(e, "graph instantiate");
-        gr         = &dm->graphs[dm->n_graphs++];
+        gr = &dm->graphs[dm->n_graphs++];
         gr->bucket = (int)sh->n_items;
         gr->splits = sh->splits;
         gr->sampled = sh->sample;
-        gr->exec   = exec;
+        gr->exec = exec;
         DUET_LOG_DEBUG("cuda model: captured the decode graph for %d sequences, %d KV splits",
                        gr->bucket, gr->splits);
     }
@@ -1327,16 +1359,16 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
 
 static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_batch_t *bt)
 {
-    duet_cuda_model_t         *dm        = (duet_cuda_model_t *)be;
-    duet_batch_item_t         *items     = bt->items;
-    const int64_t              n_items   = bt->n_items;
-    duet_model_layer_hook_fn   hook      = bt->hook;
-    void                      *hook_user = bt->hook_user;
-    const duet_model_config_t *c  = &dm->cfg;
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
+    duet_batch_item_t *items = bt->items;
+    const int64_t n_items = bt->n_items;
+    duet_model_layer_hook_fn hook = bt->hook;
+    void *hook_user = bt->hook_user;
+    const duet_model_config_t *c = &dm->cfg;
     const duet__meta_layout_t *ml = &dm->ml;
-    int32_t                   *mh = dm->meta_h;
+    int32_t *mh = dm->meta_h;
     int64_t max_tokens = 1, max_ctx = 1, n_logits = 0;
-    int     any_sampled = 0, any_token = 0, any_all = 0;
+    int any_sampled = 0, any_token = 0, any_all = 0;
 
     for (int64_t i = 0; i < n_items; i++) {
         const duet_batch_item_t *it = &items[i];
@@ -1364,8 +1396,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         const int64_t nt = real ? it->n_tokens : 1, pos0 = real ? it->seq->n_tokens : 0;
         mh[ml->item_row0 + i] = (int32_t)row;
         mh[ml->item_pos0 + i] = (int32_t)pos0;
-        mh[ml->item_slot + i] = real ? (it->seq->kda_slot >= 0 ? it->seq->kda_slot : 0)
-                                     : dm->kda_spare_slot;
+        mh[ml->item_slot + i] =
+            real ? (it->seq->kda_slot >= 0 ? it->seq->kda_slot : 0) : dm->kda_spare_slot;
         int32_t *pg = mh + ml->item_pages + i * dm->step.max_pages;
         if (dm->kv_host != NULL) {
             if (real)
@@ -1375,8 +1407,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         }
         for (int64_t t = 0; t < nt; t++, row++) {
             mh[ml->row_item + row] = (int32_t)i;
-            mh[ml->row_pos + row]  = (int32_t)(pos0 + t);
-            mh[ml->tokens + row]   = real ? it->tokens[t] : 0;
+            mh[ml->row_pos + row] = (int32_t)(pos0 + t);
+            mh[ml->tokens + row] = real ? it->tokens[t] : 0;
         }
         /* the item's logits rows are its last nl rows; each gets sampling parameters (greedy,
          * and ignored, unless the item draws its token here) */
@@ -1385,18 +1417,20 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
             duet_cuda_sample_params_t p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .u = 0};
             if (real && it->logits_mode == DUET_LOGITS_TOKEN) {
                 p.temperature = it->sampling.temperature;
-                p.top_k       = (int32_t)(it->sampling.top_k > INT32_MAX ? INT32_MAX
-                                                                        : it->sampling.top_k);
+                p.top_k =
+                    (int32_t)(it->sampling.top_k > INT32_MAX ? INT32_MAX : it->sampling.top_k);
                 p.top_p = it->sampling.top_p;
-                p.u     = it->u;
+                p.u = it->u;
             }
             mh[ml->logit_rows + n_logits] = (int32_t)(row - nl + t);
-            pp[n_logits++]                = p;
+            pp[n_logits++] = p;
         }
     }
     mh[ml->item_row0 + n_eff] = (int32_t)row;
 
-    duet__shape_t sh = {.n_items = n_eff, .n_rows = row, .n_logit_rows = n_logits,
+    duet__shape_t sh = {.n_items = n_eff,
+                        .n_rows = row,
+                        .n_logit_rows = n_logits,
                         .sample = any_token ? (any_sampled ? 2 : 1) : 0};
     sh.splits = c->n_mla_layers > 0 && max_tokens == 1
                     ? duet_cuda_mla_plan_splits(n_eff, max_ctx, dm->n_sms)
@@ -1407,8 +1441,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     duet__mla_x_steps += sh.x_ctx > 0;
     if (sh.splits < 1)
         sh.splits = 1;
-    dm->step.n_items         = (int32_t)n_eff;
-    dm->step.n_rows          = (int32_t)row;
+    dm->step.n_items = (int32_t)n_eff;
+    dm->step.n_rows = (int32_t)row;
     dm->step.max_item_tokens = (int32_t)max_tokens;
 
     CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->total, cudaMemcpyHostToDevice,
@@ -1422,13 +1456,13 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         /* more logits rows than the buffer holds (DUET_LOGITS_ALL of a long chunk): the body
          * once without logits, then the head in slices */
         duet__shape_t body = sh;
-        body.n_logit_rows  = 0;
+        body.n_logit_rows = 0;
         TRY(duet__enqueue(dm, &body, items, hook, hook_user));
     }
 
     /* outputs: copy logits rows to the items' buffers, tokens to theirs */
     const int64_t V = c->vocab_size, D = c->hidden_size;
-    int64_t       lr = 0; /* logits row of the next item */
+    int64_t lr = 0; /* logits row of the next item */
     for (int64_t done = 0; done < n_logits;) {
         int64_t slice = n_logits - done;
         if (n_logits > dm->logit_rows_cap) { /* sliced head */
@@ -1448,7 +1482,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         /* walk the items whose logits rows fall in [done, done + slice) */
         for (int64_t i = 0; i < n_items; i++) {
             duet_batch_item_t *it = &items[i];
-            const int64_t      nr = duet__logit_rows(it, use_graph);
+            const int64_t nr = duet__logit_rows(it, use_graph);
             int64_t first = lr, last = lr + nr; /* this item's rows [first, last) */
             lr += nr;
             if (it->logits_mode != DUET_LOGITS_LAST && it->logits_mode != DUET_LOGITS_ALL)
@@ -1490,21 +1524,22 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
 #endif /* DUET_HAVE_CUDA */
 
 const duet_backend_ops_t duet_backend_cuda_ops = {
-    .name           = "cuda",
-    .device         = DUET_DEVICE_CUDA,
-    .compute_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
-    .kv_dtypes      = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
-    .caps           = DUET_BACKEND_CAP_RANDOM_WEIGHTS,
-    .probe          = duet__cuda_probe,
-    .create         = duet__cuda_create,
+    .name = "cuda",
+    .device = DUET_DEVICE_CUDA,
+    .compute_dtypes =
+        DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
+    .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
+    .caps = DUET_BACKEND_CAP_RANDOM_WEIGHTS,
+    .probe = duet__cuda_probe,
+    .create = duet__cuda_create,
 #ifdef DUET_HAVE_CUDA
-    .destroy        = duet__cuda_destroy,
-    .describe       = duet__cuda_describe,
-    .seq_open       = duet__cuda_seq_open,
+    .destroy = duet__cuda_destroy,
+    .describe = duet__cuda_describe,
+    .seq_open = duet__cuda_seq_open,
     .seq_set_filled = duet__cuda_seq_set_filled,
-    .seq_close      = NULL,
-    .forward        = duet__cuda_forward,
-    .pool_mem       = duet__cuda_pool_mem,
+    .seq_close = NULL,
+    .forward = duet__cuda_forward,
+    .pool_mem = duet__cuda_pool_mem,
 #else /* create refuses, so no instance reaches the rest */
 #endif
 };

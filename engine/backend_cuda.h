@@ -14,7 +14,7 @@
  * default (on unless the environment has DUET_CUDA_NO_MLA_X=1); read when a model is created.
  * steps() counts the steps, over all models of the process, whose MLA layers took it.
  */
-void    duet_backend_cuda_mla_x_set(int on);
+void duet_backend_cuda_mla_x_set(int on);
 int64_t duet_backend_cuda_mla_x_steps(void);
 
 #endif

@@ -18,13 +18,13 @@
 typedef struct {
     int32_t *stack;   /* owned, [n] */
     uint8_t *is_free; /* owned, [n] */
-    int64_t  n;
-    int64_t  n_free;
+    int64_t n;
+    int64_t n_free;
 } duet__id_stack_t;
 
 static int duet__ids_init(duet__id_stack_t *ids, int64_t n)
 {
-    ids->stack   = malloc(sizeof(*ids->stack) * (size_t)n);
+    ids->stack = malloc(sizeof(*ids->stack) * (size_t)n);
     ids->is_free = malloc((size_t)n);
     if (ids->stack == NULL || ids->is_free == NULL) {
         free(ids->stack);
@@ -34,7 +34,7 @@ static int duet__ids_init(duet__id_stack_t *ids, int64_t n)
     for (int64_t i = 0; i < n; i++)
         ids->stack[i] = (int32_t)(n - 1 - i);
     memset(ids->is_free, 1, (size_t)n);
-    ids->n      = n;
+    ids->n = n;
     ids->n_free = n;
     return 0;
 }
@@ -57,34 +57,35 @@ static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
 {
     DUET_ASSERT(id >= 0 && id < ids->n);
     DUET_ASSERT(!ids->is_free[id]);
-    ids->is_free[id]              = 1;
+    ids->is_free[id] = 1;
     ids->stack[ids->n_free++] = id;
 }
 
 struct duet_kv_pool {
     duet_kv_pool_desc_t desc;
-    duet_kv_layout_t    layout;
-    uint8_t            *base;       /* aligned; owned unless desc.mem was given */
-    size_t              bytes;
-    size_t              block_bytes;
-    duet__id_stack_t    free_pages;
+    duet_kv_layout_t layout;
+    uint8_t *base; /* aligned; owned unless desc.mem was given */
+    size_t bytes;
+    size_t block_bytes;
+    duet__id_stack_t free_pages;
 };
 
 struct duet_kda_pool {
     duet_kda_pool_desc_t desc;
-    duet_kda_layout_t    layout;
-    uint8_t             *base; /* aligned; owned unless desc.mem was given */
-    size_t               bytes;
-    size_t               layer_bytes;
-    size_t               slot_bytes;
-    duet__id_stack_t     free_slots;
+    duet_kda_layout_t layout;
+    uint8_t *base; /* aligned; owned unless desc.mem was given */
+    size_t bytes;
+    size_t layer_bytes;
+    size_t slot_bytes;
+    duet__id_stack_t free_slots;
 };
 
 /* Zeroed, page-aligned memory from the kernel: pages are materialised on first touch, so a pool
  * that is only bookkeeping (a CUDA model's host side) costs address space, not memory. */
 static void *duet__cache_alloc(size_t bytes)
 {
-    void *p = mmap(NULL, bytes > 0 ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *p = mmap(NULL, bytes > 0 ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 
@@ -97,24 +98,24 @@ static void duet__cache_release(void *p, size_t bytes)
 static duet_kv_layout_t duet__kv_layout(const duet_kv_pool_desc_t *d)
 {
     return (duet_kv_layout_t){.page_tokens = (uint64_t)d->page_tokens,
-                              .n_layers    = (uint64_t)d->n_layers,
+                              .n_layers = (uint64_t)d->n_layers,
                               .token_bytes = (uint64_t)d->token_dim * duet_dtype_size(d->dtype)};
 }
 
 static duet_kda_layout_t duet__kda_layout(const duet_kda_pool_desc_t *d)
 {
-    return (duet_kda_layout_t){.n_layers    = (uint64_t)d->n_layers,
-                               .heads       = (uint64_t)d->heads,
-                               .head_dim    = (uint64_t)d->head_dim,
+    return (duet_kda_layout_t){.n_layers = (uint64_t)d->n_layers,
+                               .heads = (uint64_t)d->heads,
+                               .head_dim = (uint64_t)d->head_dim,
                                .conv_kernel = (uint64_t)d->conv_kernel,
-                               .elem_bytes  = sizeof(float)};
+                               .elem_bytes = sizeof(float)};
 }
 
 /* SIZE_MAX when the layout's sizes overflow (the allocation then fails). */
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
 {
     duet_kv_layout_t l = duet__kv_layout(desc);
-    uint64_t         block, r;
+    uint64_t block, r;
     if (!duet_kv_layout_block_bytes(&l, &block) ||
         !duet__layout_mul(block, (uint64_t)desc->n_pages, &r) ||
         !duet__layout_mul(r, (uint64_t)(desc->n_layers > 0 ? desc->n_layers : 1), &r) ||
@@ -126,7 +127,7 @@ size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
 size_t duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc)
 {
     duet_kda_layout_t l = duet__kda_layout(desc);
-    uint64_t          slot, r;
+    uint64_t slot, r;
     if (!duet_kda_layout_slot_bytes(&l, &slot) ||
         !duet__layout_mul(slot, (uint64_t)desc->n_slots, &r) || r > SIZE_MAX)
         return SIZE_MAX;
@@ -137,13 +138,16 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
 {
     if (desc->page_tokens <= 0 || desc->n_pages <= 0 || desc->n_pages > INT32_MAX ||
         desc->n_layers < 0 || desc->token_dim <= 0)
-        return DUET_FAIL(DUET_ERR_INVALID, "kv pool: bad descriptor (page_tokens %lld, pages %lld, "
-                         "layers %lld, token_dim %lld)", (long long)desc->page_tokens,
-                         (long long)desc->n_pages, (long long)desc->n_layers,
-                         (long long)desc->token_dim);
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "kv pool: bad descriptor (page_tokens %lld, pages %lld, "
+                         "layers %lld, token_dim %lld)",
+                         (long long)desc->page_tokens, (long long)desc->n_pages,
+                         (long long)desc->n_layers, (long long)desc->token_dim);
     if (duet_kv_pool_bytes_needed(desc) == SIZE_MAX)
-        return DUET_FAIL(DUET_ERR_INVALID, "kv pool: %lld pages of %lld tokens overflow the "
-                         "address space", (long long)desc->n_pages, (long long)desc->page_tokens);
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "kv pool: %lld pages of %lld tokens overflow the "
+                         "address space",
+                         (long long)desc->n_pages, (long long)desc->page_tokens);
     duet_kv_pool_t *pool = calloc(1, sizeof(*pool));
     if (pool == NULL)
         goto err_nomem;
@@ -152,8 +156,8 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     uint64_t block = 0;
     (void)duet_kv_layout_block_bytes(&pool->layout, &block); /* bounded by bytes_needed */
     pool->block_bytes = (size_t)block;
-    pool->bytes       = duet_kv_pool_bytes_needed(desc);
-    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
+    pool->bytes = duet_kv_pool_bytes_needed(desc);
+    pool->base = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
@@ -247,8 +251,8 @@ void duet_kv_pool_zero_pages(duet_kv_pool_t *pool, const int32_t *pages, int64_t
 
 duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_pool_t **pool_p)
 {
-    if (desc->n_slots <= 0 || desc->n_slots > INT32_MAX || desc->n_layers < 0 ||
-        desc->heads <= 0 || desc->head_dim <= 0 || desc->conv_kernel < 1)
+    if (desc->n_slots <= 0 || desc->n_slots > INT32_MAX || desc->n_layers < 0 || desc->heads <= 0 ||
+        desc->head_dim <= 0 || desc->conv_kernel < 1)
         return DUET_FAIL(DUET_ERR_INVALID, "kda pool: bad descriptor");
     if (duet_kda_pool_bytes_needed(desc) == SIZE_MAX)
         return DUET_FAIL(DUET_ERR_INVALID, "kda pool: %lld slots overflow the address space",
@@ -256,14 +260,14 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     duet_kda_pool_t *pool = calloc(1, sizeof(*pool));
     if (pool == NULL)
         goto err_nomem;
-    pool->desc   = *desc;
+    pool->desc = *desc;
     pool->layout = duet__kda_layout(desc);
     uint64_t layer = 0;
     (void)duet_kda_layout_layer_bytes(&pool->layout, &layer); /* bounded by bytes_needed */
     pool->layer_bytes = (size_t)layer;
-    pool->slot_bytes  = pool->layer_bytes * (size_t)desc->n_layers;
-    pool->bytes       = duet_kda_pool_bytes_needed(desc);
-    pool->base        = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
+    pool->slot_bytes = pool->layer_bytes * (size_t)desc->n_layers;
+    pool->bytes = duet_kda_pool_bytes_needed(desc);
+    pool->base = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
     if (pool->base == NULL)
         goto err_free_pool;
     if (duet__ids_init(&pool->free_slots, desc->n_slots) != 0)

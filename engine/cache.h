@@ -21,14 +21,14 @@
 #include "kernels/kernels.h"
 
 typedef struct {
-    int64_t      page_tokens; /* tokens per page (default 128) */
-    int64_t      n_pages;
-    int64_t      n_layers;    /* MLA layers */
-    int64_t      token_dim;   /* kv_lora_rank + qk_rope_head_dim */
-    duet_dtype_t dtype;       /* F32 on the CPU */
-    void        *mem;         /* NULL = the pool allocates; else caller memory of at least
-                                 duet_kv_pool_bytes_needed() bytes, zeroed, 64-byte aligned,
-                                 not owned (e.g. a UCX-allocated segment that receives puts) */
+    int64_t page_tokens; /* tokens per page (default 128) */
+    int64_t n_pages;
+    int64_t n_layers;   /* MLA layers */
+    int64_t token_dim;  /* kv_lora_rank + qk_rope_head_dim */
+    duet_dtype_t dtype; /* F32 on the CPU */
+    void *mem;          /* NULL = the pool allocates; else caller memory of at least
+                           duet_kv_pool_bytes_needed() bytes, zeroed, 64-byte aligned,
+                           not owned (e.g. a UCX-allocated segment that receives puts) */
 } duet_kv_pool_desc_t;
 
 typedef struct duet_kv_pool duet_kv_pool_t;
@@ -36,16 +36,16 @@ typedef struct duet_kv_pool duet_kv_pool_t;
 duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_t **pool_p);
 /* Bytes of the pool's one allocation for desc (what desc->mem must hold). */
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc);
-void          duet_kv_pool_destroy(duet_kv_pool_t *pool); /* accepts NULL */
+void duet_kv_pool_destroy(duet_kv_pool_t *pool); /* accepts NULL */
 const duet_kv_pool_desc_t *duet_kv_pool_desc(const duet_kv_pool_t *pool);
 
 /* Take n pages (all or nothing). DUET_ERR_NO_SPACE when fewer than n are free. */
 duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages_out);
 /* Return pages; a page id out of range or already free is an invariant violation (asserts). */
-void    duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
+void duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
 int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool);
 /* Base of the pool's one allocation and its size (for registration with a transport). */
-void  *duet_kv_pool_base(const duet_kv_pool_t *pool);
+void *duet_kv_pool_base(const duet_kv_pool_t *pool);
 size_t duet_kv_pool_bytes(const duet_kv_pool_t *pool);
 /* Bytes of one (page, layer) block = page_tokens * token_dim * elem size. */
 size_t duet_kv_pool_block_bytes(const duet_kv_pool_t *pool);
@@ -62,22 +62,22 @@ typedef struct {
     int64_t heads;       /* H */
     int64_t head_dim;    /* K = V */
     int64_t conv_kernel; /* W */
-    void   *mem;         /* as duet_kv_pool_desc_t.mem, duet_kda_pool_bytes_needed() bytes */
+    void *mem;           /* as duet_kv_pool_desc_t.mem, duet_kda_pool_bytes_needed() bytes */
 } duet_kda_pool_desc_t;
 
 typedef struct duet_kda_pool duet_kda_pool_t;
 
 duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_pool_t **pool_p);
-size_t        duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc);
-void          duet_kda_pool_destroy(duet_kda_pool_t *pool); /* accepts NULL */
+size_t duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc);
+void duet_kda_pool_destroy(duet_kda_pool_t *pool); /* accepts NULL */
 const duet_kda_pool_desc_t *duet_kda_pool_desc(const duet_kda_pool_t *pool);
 /* Take a slot, zeroed (state of an empty sequence). DUET_ERR_NO_SPACE when none is free. */
 duet_status_t duet_kda_pool_alloc(duet_kda_pool_t *pool, int32_t *slot_p);
-void          duet_kda_pool_free(duet_kda_pool_t *pool, int32_t slot);
-int64_t       duet_kda_pool_n_free(const duet_kda_pool_t *pool);
-void         *duet_kda_pool_base(const duet_kda_pool_t *pool);
-size_t        duet_kda_pool_bytes(const duet_kda_pool_t *pool);
-size_t        duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool);
+void duet_kda_pool_free(duet_kda_pool_t *pool, int32_t slot);
+int64_t duet_kda_pool_n_free(const duet_kda_pool_t *pool);
+void *duet_kda_pool_base(const duet_kda_pool_t *pool);
+size_t duet_kda_pool_bytes(const duet_kda_pool_t *pool);
+size_t duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool);
 /* S of (slot, KDA layer): fp32 [H][K][V]; the conv windows follow at + H*K*V floats. */
 float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);

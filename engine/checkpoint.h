@@ -20,10 +20,10 @@ typedef struct duet_checkpoint duet_checkpoint_t;
 
 /* Open every safetensors file of checkpoint folder `dir`. Logs a progress line per shard. */
 duet_status_t duet_checkpoint_open(const char *dir, duet_checkpoint_t **ck_p);
-void          duet_checkpoint_close(duet_checkpoint_t *ck); /* accepts NULL */
+void duet_checkpoint_close(duet_checkpoint_t *ck); /* accepts NULL */
 
 /* Number of tensors and the i-th name (stable order), for iteration. */
-int64_t     duet_checkpoint_n_tensors(const duet_checkpoint_t *ck);
+int64_t duet_checkpoint_n_tensors(const duet_checkpoint_t *ck);
 const char *duet_checkpoint_tensor_name(const duet_checkpoint_t *ck, int64_t i);
 
 /*

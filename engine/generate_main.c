@@ -29,33 +29,38 @@
 #include "tokenizer/tokenizer.h"
 
 static const char *const gen_devices[] = {"auto", "cpu", "cuda", NULL};
-static const char *const gen_dtypes[]  = {"auto", "f32", "bf16", NULL};
+static const char *const gen_dtypes[] = {"auto", "f32", "bf16", NULL};
 
 static const duet_config_key_t gen_keys[] = {
     {"model", DUET_CONFIG_STRING, NULL, "checkpoint folder (config.json + safetensors)",
      .required = true},
-    {"prompt", DUET_CONFIG_STRING, NULL, "prompt text (needs a tokenizer in the model folder)", .min = NULL},
-    {"tokens", DUET_CONFIG_STRING, NULL, "prompt as comma-separated token ids, e.g. 1,2,3", .min = NULL},
+    {"prompt", DUET_CONFIG_STRING, NULL, "prompt text (needs a tokenizer in the model folder)",
+     .min = NULL},
+    {"tokens", DUET_CONFIG_STRING, NULL, "prompt as comma-separated token ids, e.g. 1,2,3",
+     .min = NULL},
     {"max_tokens", DUET_CONFIG_INT, "64", "tokens to generate at most", .min = "0",
      .max = "1000000"},
     {"temperature", DUET_CONFIG_FLOAT, "0", "sampling temperature (0 = greedy)", .min = "0"},
     {"top_p", DUET_CONFIG_FLOAT, "1", "nucleus sampling mass", .min = "0", .max = "1"},
-    {"top_k", DUET_CONFIG_INT, "0", "sample among the k most likely tokens (0 = all)",
-     .min = "0"},
+    {"top_k", DUET_CONFIG_INT, "0", "sample among the k most likely tokens (0 = all)", .min = "0"},
     {"seed", DUET_CONFIG_INT, "0", "sampling seed", .min = "0"},
-    {"ignore_eos", DUET_CONFIG_BOOL, "false", "keep generating after an end-of-sequence token", .min = NULL},
+    {"ignore_eos", DUET_CONFIG_BOOL, "false", "keep generating after an end-of-sequence token",
+     .min = NULL},
     {"skip_special_tokens", DUET_CONFIG_BOOL, "true",
      "leave special tokens out of the text (false: print their text; stop ids never)", .min = NULL},
     {"dump_logits", DUET_CONFIG_STRING, NULL,
      "write float32 LE [prompt_len, vocab] prompt logits to this file", .min = NULL},
-    {"json", DUET_CONFIG_BOOL, "false", "print one JSON object instead of streaming text", .min = NULL},
+    {"json", DUET_CONFIG_BOOL, "false", "print one JSON object instead of streaming text",
+     .min = NULL},
     {"threads", DUET_CONFIG_INT, "0", "CPU threads (0 = all cores)", .min = "0", .max = "1024"},
     {"prefill_chunk", DUET_CONFIG_INT, "512", "prompt tokens per forward call", .min = "1",
      .max = "65536"},
     {"page_tokens", DUET_CONFIG_INT, "128", "MLA KV cache page size in tokens", .min = "1",
      .max = "65536"},
-    {"device", DUET_CONFIG_ENUM, "auto", "where the model runs: auto (cuda when a GPU is "
-     "visible), cpu or cuda", .choices = gen_devices},
+    {"device", DUET_CONFIG_ENUM, "auto",
+     "where the model runs: auto (cuda when a GPU is "
+     "visible), cpu or cuda",
+     .choices = gen_devices},
     {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = gen_dtypes},
 };
 
@@ -76,8 +81,8 @@ static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n
     const char *p = s;
     while (*p != '\0') {
         char *end;
-        errno    = 0;
-        long v   = strtol(p, &end, 10);
+        errno = 0;
+        long v = strtol(p, &end, 10);
         if (end == p || errno != 0 || v < 0 || v > INT32_MAX) {
             free(ids);
             return duet_error_set(DUET_ERR_INVALID, "--tokens: bad token id at \"%.20s\"", p);
@@ -92,7 +97,7 @@ static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n
             ids = grown;
         }
         ids[n++] = (int32_t)v;
-        p        = end;
+        p = end;
         while (*p == ' ')
             p++;
         if (*p == ',')
@@ -107,33 +112,35 @@ static duet_status_t gen_parse_tokens(const char *s, int32_t **ids_p, int64_t *n
         return duet_error_set(DUET_ERR_INVALID, "--tokens: no token ids");
     }
     *ids_p = ids;
-    *n_p   = n;
+    *n_p = n;
     return DUET_OK;
 }
 
 int main(int argc, char **argv)
 {
-    duet_config_t     *cfg   = NULL;
-    duet_model_t      *model = NULL;
-    duet_tokenizer_t  *tok   = NULL;
-    duet_detok_t      *detok = NULL;
-    duet_sampler_t    *smp   = NULL;
-    int32_t           *prompt = NULL, *out = NULL;
-    float             *logits = NULL;
-    FILE              *dump  = NULL;
-    char              *text  = NULL;
-    size_t             text_len = 0, text_cap = 0;
-    int                rc = 1, n_pos = 0;
-    duet_seq_t         seq = {.id = -1};
-    duet_status_t      st;
+    duet_config_t *cfg = NULL;
+    duet_model_t *model = NULL;
+    duet_tokenizer_t *tok = NULL;
+    duet_detok_t *detok = NULL;
+    duet_sampler_t *smp = NULL;
+    int32_t *prompt = NULL, *out = NULL;
+    float *logits = NULL;
+    FILE *dump = NULL;
+    char *text = NULL;
+    size_t text_len = 0, text_cap = 0;
+    int rc = 1, n_pos = 0;
+    duet_seq_t seq = {.id = -1};
+    duet_status_t st;
 
     if (duet_config_create(gen_keys, sizeof(gen_keys) / sizeof(gen_keys[0]), &cfg) != DUET_OK)
         return 1;
     st = duet_config_load_all(cfg, argc, argv, &n_pos);
     if (st == DUET_OK && duet_config_help_requested(cfg)) {
         char *help = NULL;
-        if (duet_config_help(cfg, "duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) "
-                                  "[options]", &help) == DUET_OK)
+        if (duet_config_help(cfg,
+                             "duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) "
+                             "[options]",
+                             &help) == DUET_OK)
             fputs(help, stdout);
         free(help);
         duet_config_destroy(cfg);
@@ -157,17 +164,17 @@ int main(int argc, char **argv)
         goto out;
     }
 
-    const char     *dir        = duet_config_get_string(cfg, "model");
-    const int64_t   max_new    = duet_config_get_int(cfg, "max_tokens");
-    const int       as_json    = duet_config_get_bool(cfg, "json");
-    const int       ignore_eos = duet_config_get_bool(cfg, "ignore_eos");
-    const char     *dump_path  = duet_config_get_string(cfg, "dump_logits");
+    const char *dir = duet_config_get_string(cfg, "model");
+    const int64_t max_new = duet_config_get_int(cfg, "max_tokens");
+    const int as_json = duet_config_get_bool(cfg, "json");
+    const int ignore_eos = duet_config_get_bool(cfg, "ignore_eos");
+    const char *dump_path = duet_config_get_string(cfg, "dump_logits");
     duet_sampling_t sp;
     duet_sampling_default(&sp);
     sp.temperature = (float)duet_config_get_float(cfg, "temperature");
-    sp.top_p       = (float)duet_config_get_float(cfg, "top_p");
-    sp.top_k       = duet_config_get_int(cfg, "top_k");
-    sp.seed        = (uint64_t)duet_config_get_int(cfg, "seed");
+    sp.top_p = (float)duet_config_get_float(cfg, "top_p");
+    sp.top_k = duet_config_get_int(cfg, "top_k");
+    sp.seed = (uint64_t)duet_config_get_int(cfg, "seed");
     if ((st = duet_sampling_validate(&sp)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
@@ -183,7 +190,7 @@ int main(int argc, char **argv)
     /* the ids that stop: config.json's and generation_config.json's eos_token_id and the
      * tokenizer's eos token, as the router sends them to the workers */
     uint32_t stop_ids[16];
-    size_t   n_stop = 0;
+    size_t n_stop = 0;
     if ((st = duet_tokenizer_stop_ids(dir, tok, stop_ids, 16, &n_stop)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
@@ -196,15 +203,16 @@ int main(int argc, char **argv)
         }
     } else {
         size_t n = 0;
-        st       = duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, NULL, 0, &n);
+        st = duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, NULL, 0, &n);
         if (st != DUET_OK && st != DUET_ERR_NO_SPACE) {
             fprintf(stderr, "duet-generate: %s\n", duet_error_last());
             goto out;
         }
         uint32_t *ids = malloc(sizeof(*ids) * (n + 1));
-        prompt        = malloc(sizeof(*prompt) * (n + 2));
+        prompt = malloc(sizeof(*prompt) * (n + 2));
         if (ids == NULL || prompt == NULL ||
-            duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, ids, n, &n) != DUET_OK) {
+            duet_tokenizer_encode(tok, prompt_text, strlen(prompt_text), 0, ids, n, &n) !=
+                DUET_OK) {
             free(ids);
             fprintf(stderr, "duet-generate: cannot tokenize the prompt: %s\n", duet_error_last());
             goto out;
@@ -229,11 +237,11 @@ int main(int argc, char **argv)
 
     duet_model_opts_t opts;
     duet_model_opts_default(&opts);
-    opts.n_threads        = (int)duet_config_get_int(cfg, "threads");
+    opts.n_threads = (int)duet_config_get_int(cfg, "threads");
     opts.max_batch_tokens = duet_config_get_int(cfg, "prefill_chunk");
-    opts.page_tokens      = duet_config_get_int(cfg, "page_tokens");
-    opts.max_seqs         = 1;
-    opts.max_seq_len      = n_prompt + max_new;
+    opts.page_tokens = duet_config_get_int(cfg, "page_tokens");
+    opts.max_seqs = 1;
+    opts.max_seq_len = n_prompt + max_new;
     if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
@@ -248,7 +256,7 @@ int main(int argc, char **argv)
         goto out;
     }
     const duet_model_config_t *mc = duet_model_config(model);
-    const int64_t              V  = mc->vocab_size;
+    const int64_t V = mc->vocab_size;
     if ((st = duet_sampler_create(V, &smp)) != DUET_OK ||
         (st = duet_model_seq_open(model, n_prompt + max_new, &seq)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
@@ -256,7 +264,7 @@ int main(int argc, char **argv)
     }
     const int64_t chunk = opts.max_batch_tokens;
     logits = malloc(sizeof(float) * (size_t)(V * (dump_path != NULL ? chunk : 1)));
-    out    = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
+    out = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
     if (logits == NULL || out == NULL) {
         fprintf(stderr, "duet-generate: out of memory\n");
         goto out;
@@ -275,14 +283,15 @@ int main(int argc, char **argv)
     /* prefill in chunks */
     double t0 = gen_now();
     for (int64_t at = 0; at < n_prompt; at += chunk) {
-        int64_t           n    = n_prompt - at < chunk ? n_prompt - at : chunk;
-        int               last = at + n == n_prompt;
+        int64_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
+        int last = at + n == n_prompt;
         duet_batch_item_t item = {
-            .seq         = &seq,
-            .tokens      = prompt + at,
-            .n_tokens    = n,
-            .logits_mode = dump != NULL ? DUET_LOGITS_ALL : (last ? DUET_LOGITS_LAST : DUET_LOGITS_NONE),
-            .logits      = logits,
+            .seq = &seq,
+            .tokens = prompt + at,
+            .n_tokens = n,
+            .logits_mode =
+                dump != NULL ? DUET_LOGITS_ALL : (last ? DUET_LOGITS_LAST : DUET_LOGITS_NONE),
+            .logits = logits,
         };
         if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
             fprintf(stderr, "duet-generate: prefill failed: %s\n", duet_error_last());
@@ -302,9 +311,9 @@ int main(int argc, char **argv)
     /* decode */
     duet_rng_t rng;
     duet_rng_seed(&rng, sp.seed);
-    int64_t     n_out  = 0;
+    int64_t n_out = 0;
     const char *finish = "length";
-    double      t1     = gen_now();
+    double t1 = gen_now();
     while (n_out < max_new) {
         int32_t next = duet_sampler_sample(smp, &sp, &rng, logits);
         out[n_out++] = next;
@@ -313,15 +322,15 @@ int main(int argc, char **argv)
             stop = stop || stop_ids[i] == (uint32_t)next;
         if (detok != NULL && !stop) {
             const char *piece;
-            size_t      plen;
+            size_t plen;
             if (duet_detok_feed(detok, (uint32_t)next, &piece, &plen) == DUET_OK && plen > 0) {
                 if (as_json) {
                     if (text_len + plen + 1 > text_cap) {
-                        size_t ncap  = (text_len + plen + 1) * 2;
-                        char  *grown = realloc(text, ncap);
+                        size_t ncap = (text_len + plen + 1) * 2;
+                        char *grown = realloc(text, ncap);
                         if (grown == NULL)
                             goto out;
-                        text     = grown;
+                        text = grown;
                         text_cap = ncap;
                     }
                     memcpy(text + text_len, piece, plen);
@@ -338,8 +347,11 @@ int main(int argc, char **argv)
         }
         if (n_out == max_new)
             break;
-        duet_batch_item_t item = {.seq = &seq, .tokens = &next, .n_tokens = 1,
-                                  .logits_mode = DUET_LOGITS_LAST, .logits = logits};
+        duet_batch_item_t item = {.seq = &seq,
+                                  .tokens = &next,
+                                  .n_tokens = 1,
+                                  .logits_mode = DUET_LOGITS_LAST,
+                                  .logits = logits};
         if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
             fprintf(stderr, "duet-generate: decode failed: %s\n", duet_error_last());
             goto out;
@@ -348,7 +360,7 @@ int main(int argc, char **argv)
     double t_decode = gen_now() - t1;
     if (detok != NULL) {
         const char *piece;
-        size_t      plen;
+        size_t plen;
         if (duet_detok_flush(detok, &piece, &plen) == DUET_OK && plen > 0) {
             if (as_json) {
                 char *grown = realloc(text, text_len + plen + 1);
@@ -367,7 +379,7 @@ int main(int argc, char **argv)
     /* the first generated token comes from the prefill's logits: n_out - 1 decode steps */
     double decode_tps = (n_out > 1 && t_decode > 0) ? (double)(n_out - 1) / t_decode : 0.0;
     if (as_json) {
-        json_t *o  = json_object();
+        json_t *o = json_object();
         json_t *ta = json_array();
         for (int64_t i = 0; i < n_out; i++)
             json_array_append_new(ta, json_integer(out[i]));
@@ -388,9 +400,10 @@ int main(int argc, char **argv)
                 printf("%s%d", i ? "," : "", out[i]);
         }
         printf("\n");
-        fprintf(stderr, "duet-generate: %lld prompt tokens at %.1f tok/s, %lld generated at %.1f "
-                        "tok/s (%s)\n", (long long)n_prompt, prefill_tps, (long long)n_out,
-                decode_tps, finish);
+        fprintf(stderr,
+                "duet-generate: %lld prompt tokens at %.1f tok/s, %lld generated at %.1f "
+                "tok/s (%s)\n",
+                (long long)n_prompt, prefill_tps, (long long)n_out, decode_tps, finish);
     }
     rc = 0;
 

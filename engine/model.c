@@ -20,20 +20,20 @@
 
 struct duet_model {
     duet_model_config_t cfg;
-    duet_model_opts_t   opts;
-    duet_checkpoint_t  *ck;  /* owned; weights are views into its mmaps (NULL: random weights) */
-    duet_weights_t      w;   /* owned tables */
-    duet_kv_pool_t     *kv;  /* owned, NULL when there are no MLA layers */
-    duet_kda_pool_t    *kda; /* owned, NULL when there are no KDA layers */
-    int64_t             layer_sub[DUET_MAX_LAYERS]; /* index among layers of the same mixer */
-    const duet_backend_ops_t *ops;  /* the backend of opts.device */
-    duet_backend_model_t      bm;   /* what `be` was created from: points into this struct */
-    duet_backend_t           *be;   /* owned */
-    duet_model_layer_hook_fn  layer_hook; /* NULL = none */
-    void                     *layer_hook_user;
+    duet_model_opts_t opts;
+    duet_checkpoint_t *ck; /* owned; weights are views into its mmaps (NULL: random weights) */
+    duet_weights_t w;      /* owned tables */
+    duet_kv_pool_t *kv;    /* owned, NULL when there are no MLA layers */
+    duet_kda_pool_t *kda;  /* owned, NULL when there are no KDA layers */
+    int64_t layer_sub[DUET_MAX_LAYERS];  /* index among layers of the same mixer */
+    const duet_backend_ops_t *ops;       /* the backend of opts.device */
+    duet_backend_model_t bm;             /* what `be` was created from: points into this struct */
+    duet_backend_t *be;                  /* owned */
+    duet_model_layer_hook_fn layer_hook; /* NULL = none */
+    void *layer_hook_user;
 
     /* sequence table */
-    int64_t  max_pages_per_seq;
+    int64_t max_pages_per_seq;
     int32_t *page_table; /* (max_seqs, max_pages_per_seq), owned */
     uint8_t *seq_used;   /* (max_seqs), owned */
 };
@@ -41,24 +41,23 @@ struct duet_model {
 void duet_model_opts_default(duet_model_opts_t *opts)
 {
     memset(opts, 0, sizeof(*opts));
-    opts->n_threads        = 0;
+    opts->n_threads = 0;
     opts->max_batch_tokens = 512;
-    opts->max_seqs         = 8;
-    opts->max_seq_len      = 4096;
-    opts->page_tokens      = 128;
-    opts->kv_pages         = 0;
-    opts->device           = DUET_DEVICE_CPU;
-    opts->dtype            = DUET_MODEL_DTYPE_AUTO;
-    opts->compute_dtype    = DUET_DTYPE_F32;
-    opts->kv_dtype         = DUET_DTYPE_F32;
-    opts->cuda_graphs      = 1;
+    opts->max_seqs = 8;
+    opts->max_seq_len = 4096;
+    opts->page_tokens = 128;
+    opts->kv_pages = 0;
+    opts->device = DUET_DEVICE_CPU;
+    opts->dtype = DUET_MODEL_DTYPE_AUTO;
+    opts->compute_dtype = DUET_DTYPE_F32;
+    opts->kv_dtype = DUET_DTYPE_F32;
+    opts->cuda_graphs = 1;
 }
 
 duet_status_t duet_model_device_parse(const char *s, duet_device_kind_t *dev_p)
 {
-    const duet_backend_ops_t *ops = s != NULL && strcmp(s, "auto") == 0
-                                        ? duet_backend_pick_auto()
-                                        : duet_backend_find_name(s);
+    const duet_backend_ops_t *ops =
+        s != NULL && strcmp(s, "auto") == 0 ? duet_backend_pick_auto() : duet_backend_find_name(s);
     if (ops == NULL)
         return duet_error_set(DUET_ERR_INVALID, "device '%s': expected auto, cpu or cuda",
                               s != NULL ? s : "(null)");
@@ -97,9 +96,10 @@ duet_status_t duet_model_dtype_resolve(duet_device_kind_t dev, duet_dtype_t ckpt
     if (ops == NULL ||
         (ckpt != DUET_DTYPE_F32 && ckpt != DUET_DTYPE_BF16 && ckpt != DUET_DTYPE_F16) ||
         (unsigned)req > DUET_MODEL_DTYPE_BF16)
-        return duet_error_set(DUET_ERR_INVALID,
-                              "dtype: device %d, checkpoint dtype %d, request %d: not a known value",
-                              (int)dev, (int)ckpt, (int)req);
+        return duet_error_set(
+            DUET_ERR_INVALID,
+            "dtype: device %d, checkpoint dtype %d, request %d: not a known value", (int)dev,
+            (int)ckpt, (int)req);
     /* auto follows the checkpoint; what the backend does not compute in becomes f32, which every
      * backend computes in (an f16 checkpoint is never rounded to bf16) */
     const duet_dtype_t want = req == DUET_MODEL_DTYPE_AUTO   ? ckpt
@@ -120,9 +120,9 @@ void duet_model_device_pools(duet_model_t *m, void **kv, size_t *kv_bytes, void 
     duet_backend_pool_mem_t pk = {0}, ps = {0};
     m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pk);
     m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &ps);
-    *kv        = pk.on_device ? pk.base : NULL;
-    *kv_bytes  = pk.on_device ? pk.bytes : 0;
-    *kda       = ps.on_device ? ps.base : NULL;
+    *kv = pk.on_device ? pk.base : NULL;
+    *kv_bytes = pk.on_device ? pk.bytes : 0;
+    *kda = ps.on_device ? ps.base : NULL;
     *kda_bytes = ps.on_device ? ps.bytes : 0;
 }
 
@@ -152,7 +152,8 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
 {
     if (opts->max_batch_tokens <= 0 || opts->max_seqs <= 0 || opts->max_seq_len <= 0 ||
         opts->page_tokens <= 0 || opts->kv_pages < 0 || opts->n_threads < 0)
-        return DUET_FAIL(DUET_ERR_INVALID, "model: invalid options (batch tokens %lld, seqs %lld, "
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "model: invalid options (batch tokens %lld, seqs %lld, "
                          "seq len %lld, page tokens %lld, pages %lld)",
                          (long long)opts->max_batch_tokens, (long long)opts->max_seqs,
                          (long long)opts->max_seq_len, (long long)opts->page_tokens,
@@ -162,9 +163,10 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
         return DUET_FAIL(DUET_ERR_INVALID, "model: unknown device %d", (int)opts->device);
     if ((unsigned)opts->kv_dtype > DUET_DTYPE_F16 ||
         (ops->kv_dtypes & DUET_BACKEND_DTYPE_BIT(opts->kv_dtype)) == 0)
-        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: KV cache dtype %s is not supported on %s "
-                         "(F32 everywhere, BF16 on cuda)", duet_dtype_name(opts->kv_dtype),
-                         ops->name);
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "model: KV cache dtype %s is not supported on %s "
+                         "(F32 everywhere, BF16 on cuda)",
+                         duet_dtype_name(opts->kv_dtype), ops->name);
     if ((unsigned)opts->dtype > DUET_MODEL_DTYPE_BF16)
         return DUET_FAIL(DUET_ERR_INVALID, "model: unknown dtype request %d", (int)opts->dtype);
     return DUET_OK;
@@ -174,9 +176,9 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
  * checkpoint, m->w are set. from_checkpoint == 0: random device weights from `seed`. */
 static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, uint64_t seed)
 {
-    const duet_model_config_t *c    = &m->cfg;
-    const duet_model_opts_t    opts = m->opts;
-    duet_status_t              st;
+    const duet_model_config_t *c = &m->cfg;
+    const duet_model_opts_t opts = m->opts;
+    duet_status_t st;
 
     int64_t n_kda = 0, n_mla = 0;
     for (int64_t l = 0; l < c->num_layers; l++)
@@ -186,14 +188,14 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
     if (n_mla > 0) {
         duet_kv_pool_desc_t kd = {
             .page_tokens = opts.page_tokens,
-            .n_pages     = opts.kv_pages > 0 ? opts.kv_pages : opts.max_seqs * m->max_pages_per_seq,
-            .n_layers    = n_mla,
-            .token_dim   = c->kv_lora_rank + c->qk_rope_head_dim,
-            .dtype       = opts.kv_dtype,
+            .n_pages = opts.kv_pages > 0 ? opts.kv_pages : opts.max_seqs * m->max_pages_per_seq,
+            .n_layers = n_mla,
+            .token_dim = c->kv_lora_rank + c->qk_rope_head_dim,
+            .dtype = opts.kv_dtype,
         };
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kv_pool_bytes_needed(&kd);
-            kd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KV, bytes);
+            kd.mem = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KV, bytes);
             if (kd.mem == NULL)
                 return DUET_FAIL(DUET_ERR_NOMEM, "model: the KV pool allocator gave no %zu bytes",
                                  bytes);
@@ -203,15 +205,15 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
     }
     if (n_kda > 0) {
         duet_kda_pool_desc_t sd = {
-            .n_slots     = opts.max_seqs,
-            .n_layers    = n_kda,
-            .heads       = c->kda_heads,
-            .head_dim    = c->kda_head_dim,
+            .n_slots = opts.max_seqs,
+            .n_layers = n_kda,
+            .heads = c->kda_heads,
+            .head_dim = c->kda_head_dim,
             .conv_kernel = c->conv_kernel,
         };
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kda_pool_bytes_needed(&sd);
-            sd.mem       = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KDA, bytes);
+            sd.mem = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KDA, bytes);
             if (sd.mem == NULL)
                 return DUET_FAIL(DUET_ERR_NOMEM, "model: the KDA pool allocator gave no %zu bytes",
                                  bytes);
@@ -220,18 +222,18 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
             return st;
     }
     m->page_table = calloc((size_t)(opts.max_seqs * m->max_pages_per_seq), sizeof(int32_t));
-    m->seq_used   = calloc((size_t)opts.max_seqs, 1);
+    m->seq_used = calloc((size_t)opts.max_seqs, 1);
     if (m->page_table == NULL || m->seq_used == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
 
-    m->bm = (duet_backend_model_t){.cfg               = &m->cfg,
-                                   .opts              = &m->opts,
-                                   .w                 = from_checkpoint ? &m->w : NULL,
-                                   .seed              = seed,
-                                   .kv                = m->kv,
-                                   .kda               = m->kda,
+    m->bm = (duet_backend_model_t){.cfg = &m->cfg,
+                                   .opts = &m->opts,
+                                   .w = from_checkpoint ? &m->w : NULL,
+                                   .seed = seed,
+                                   .kv = m->kv,
+                                   .kda = m->kda,
                                    .max_pages_per_seq = m->max_pages_per_seq,
-                                   .layer_sub         = m->layer_sub};
+                                   .layer_sub = m->layer_sub};
     if ((st = m->ops->create(&m->bm, &m->be)) != DUET_OK)
         return st;
     char be[160];
@@ -242,10 +244,9 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
     return DUET_OK;
 }
 
-duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
-                              duet_model_t **m_p)
+duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in, duet_model_t **m_p)
 {
-    duet_status_t     st;
+    duet_status_t st;
     duet_model_opts_t opts;
     if (opts_in != NULL)
         opts = *opts_in;
@@ -258,7 +259,7 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
     if (m == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     m->opts = opts;
-    m->ops  = duet_backend_find(opts.device);
+    m->ops = duet_backend_find(opts.device);
 
     st = duet_model_config_load(dir, &m->cfg);
     if (st != DUET_OK)
@@ -277,8 +278,7 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
     if (opts.dtype == DUET_MODEL_DTYPE_BF16 && m->opts.compute_dtype != DUET_DTYPE_BF16)
         DUET_LOG_WARN("--dtype bf16 applies to cuda: the %s backend computes in %s (and reads "
                       "the %s weights as they are)",
-                      m->ops->name, duet_dtype_name(m->opts.compute_dtype),
-                      duet_dtype_name(ck_dt));
+                      m->ops->name, duet_dtype_name(m->opts.compute_dtype), duet_dtype_name(ck_dt));
     DUET_LOG_INFO("dtype %s: %s checkpoint, %s compute on %s", duet_model_dtype_name(opts.dtype),
                   duet_dtype_name(ck_dt), duet_dtype_name(m->opts.compute_dtype), m->ops->name);
     if ((st = duet__model_finish(m, 1, 0)) != DUET_OK)
@@ -300,17 +300,19 @@ duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
         return st;
     const duet_backend_ops_t *ops = duet_backend_find(opts->device);
     if ((ops->caps & DUET_BACKEND_CAP_RANDOM_WEIGHTS) == 0)
-        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: random weights are generated on the "
-                         "device, which the %s backend does not do (cuda does)", ops->name);
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "model: random weights are generated on the "
+                         "device, which the %s backend does not do (cuda does)",
+                         ops->name);
     if (opts->dtype == DUET_MODEL_DTYPE_AUTO)
         return DUET_FAIL(DUET_ERR_INVALID, "model: random weights have no checkpoint dtype for "
-                         "dtype auto to follow: ask for f32 or bf16");
+                                           "dtype auto to follow: ask for f32 or bf16");
     duet_model_t *m = calloc(1, sizeof(*m));
     if (m == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     m->opts = *opts;
-    m->cfg  = *cfg;
-    m->ops  = ops;
+    m->cfg = *cfg;
+    m->ops = ops;
     /* the checkpoint dtype does not matter for an explicit request */
     if ((st = duet_model_dtype_resolve(opts->device, DUET_DTYPE_F32, opts->dtype,
                                        &m->opts.compute_dtype)) != DUET_OK) {
@@ -356,10 +358,10 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     if (id < 0)
         return duet_error_set(DUET_ERR_NO_SPACE, "all %lld sequence slots are in use",
                               (long long)m->opts.max_seqs);
-    int64_t  n_pages = 0;
-    int32_t *pages   = m->page_table + (int64_t)id * m->max_pages_per_seq;
+    int64_t n_pages = 0;
+    int32_t *pages = m->page_table + (int64_t)id * m->max_pages_per_seq;
     if (m->kv != NULL) {
-        n_pages          = (max_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens;
+        n_pages = (max_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens;
         duet_status_t st = duet_kv_pool_alloc(m->kv, n_pages, pages);
         if (st != DUET_OK)
             return st;
@@ -373,8 +375,8 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
             return st;
         }
     }
-    duet_seq_t    tmp = {.id = id, .kda_slot = slot, .pages = pages, .n_pages = n_pages};
-    duet_status_t st  = m->ops->seq_open(m->be, &tmp);
+    duet_seq_t tmp = {.id = id, .kda_slot = slot, .pages = pages, .n_pages = n_pages};
+    duet_status_t st = m->ops->seq_open(m->be, &tmp);
     if (st != DUET_OK) {
         if (m->kv != NULL)
             duet_kv_pool_free(m->kv, pages, n_pages);
@@ -383,11 +385,11 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
         return st;
     }
     m->seq_used[id] = 1;
-    seq_p->id         = id;
-    seq_p->n_tokens   = 0;
-    seq_p->pages      = pages;
-    seq_p->n_pages    = n_pages;
-    seq_p->kda_slot   = slot;
+    seq_p->id = id;
+    seq_p->n_tokens = 0;
+    seq_p->pages = pages;
+    seq_p->n_pages = n_pages;
+    seq_p->kda_slot = slot;
     seq_p->cap_tokens = m->kv != NULL ? n_pages * m->opts.page_tokens : max_tokens;
     return DUET_OK;
 }
@@ -399,7 +401,8 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
     if (n_tokens < 0 || n_tokens > seq->cap_tokens || seq->n_tokens != 0)
         return duet_error_set(DUET_ERR_RANGE,
                               "set_filled: %lld tokens into a sequence of capacity %lld holding "
-                              "%lld", (long long)n_tokens, (long long)seq->cap_tokens,
+                              "%lld",
+                              (long long)n_tokens, (long long)seq->cap_tokens,
                               (long long)seq->n_tokens);
     if (m->ops->seq_set_filled != NULL) {
         duet_status_t st = m->ops->seq_set_filled(m->be, seq, n_tokens);
@@ -412,7 +415,7 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
 
 void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, void *user)
 {
-    m->layer_hook      = fn;
+    m->layer_hook = fn;
     m->layer_hook_user = user;
 }
 
@@ -428,8 +431,8 @@ void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq)
     if (m->kda != NULL)
         duet_kda_pool_free(m->kda, seq->kda_slot);
     m->seq_used[seq->id] = 0;
-    seq->id              = -1;
-    seq->n_pages         = 0;
+    seq->id = -1;
+    seq->n_pages = 0;
 }
 
 /* ---- forward -------------------------------------------------------------------------------- */
@@ -451,23 +454,29 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
         if (it->seq->n_tokens + it->n_tokens > it->seq->cap_tokens)
             return duet_error_set(DUET_ERR_RANGE,
                                   "forward: item %lld: %lld + %lld tokens exceed the sequence's "
-                                  "%lld reserved", (long long)i, (long long)it->seq->n_tokens,
+                                  "%lld reserved",
+                                  (long long)i, (long long)it->seq->n_tokens,
                                   (long long)it->n_tokens, (long long)it->seq->cap_tokens);
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             if (it->token_out == NULL)
-                return duet_error_set(DUET_ERR_INVALID, "forward: item %lld wants a token but "
-                                      "has nowhere to put it", (long long)i);
+                return duet_error_set(DUET_ERR_INVALID,
+                                      "forward: item %lld wants a token but "
+                                      "has nowhere to put it",
+                                      (long long)i);
             duet_status_t st = duet_sampling_validate(&it->sampling);
             if (st != DUET_OK)
                 return st;
         } else if (it->logits_mode != DUET_LOGITS_NONE && it->logits == NULL)
-            return duet_error_set(DUET_ERR_INVALID, "forward: item %lld wants logits but has "
-                                  "no buffer", (long long)i);
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "forward: item %lld wants logits but has "
+                                  "no buffer",
+                                  (long long)i);
         for (int64_t t = 0; t < it->n_tokens; t++)
             if (it->tokens[t] < 0 || it->tokens[t] >= m->cfg.vocab_size)
-                return duet_error_set(DUET_ERR_RANGE, "forward: item %lld: token %d outside the "
-                                      "vocabulary [0, %lld)", (long long)i, it->tokens[t],
-                                      (long long)m->cfg.vocab_size);
+                return duet_error_set(DUET_ERR_RANGE,
+                                      "forward: item %lld: token %d outside the "
+                                      "vocabulary [0, %lld)",
+                                      (long long)i, it->tokens[t], (long long)m->cfg.vocab_size);
         for (int64_t j = 0; j < i; j++)
             if (items[j].seq == it->seq)
                 return duet_error_set(DUET_ERR_INVALID, "forward: sequence %d appears twice",
@@ -483,14 +492,14 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
 
 duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int64_t n_items)
 {
-    int64_t       rows = 0;
-    duet_status_t s    = duet__validate_batch(m, items, n_items, &rows);
+    int64_t rows = 0;
+    duet_status_t s = duet__validate_batch(m, items, n_items, &rows);
     if (s != DUET_OK)
         return s;
-    const duet_backend_batch_t b = {.items     = items,
-                                    .n_items   = n_items,
-                                    .n_rows    = rows,
-                                    .hook      = m->layer_hook,
+    const duet_backend_batch_t b = {.items = items,
+                                    .n_items = n_items,
+                                    .n_rows = rows,
+                                    .hook = m->layer_hook,
                                     .hook_user = m->layer_hook_user};
     if ((s = m->ops->forward(m->be, &b)) != DUET_OK)
         return s;

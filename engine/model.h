@@ -24,7 +24,7 @@ typedef struct duet_model duet_model_t;
 
 /* Which cache pool a pool_alloc call is for. */
 typedef enum {
-    DUET_MODEL_POOL_KV  = 0, /* the MLA KV pool */
+    DUET_MODEL_POOL_KV = 0,  /* the MLA KV pool */
     DUET_MODEL_POOL_KDA = 1, /* the KDA state pool */
 } duet_model_pool_t;
 
@@ -41,30 +41,30 @@ typedef void *(*duet_model_pool_alloc_fn)(void *user, duet_model_pool_t which, s
  */
 typedef enum {
     DUET_MODEL_DTYPE_AUTO = 0, /* the checkpoint's, as far as the device computes in it */
-    DUET_MODEL_DTYPE_F32  = 1,
+    DUET_MODEL_DTYPE_F32 = 1,
     DUET_MODEL_DTYPE_BF16 = 2,
 } duet_model_dtype_t;
 
 typedef struct {
-    int     n_threads;        /* CPU threads, 0 = all online CPUs (or DUET_THREADS) */
-    int64_t max_batch_tokens; /* rows one forward call may carry (default 512) */
-    int64_t max_seqs;         /* sequences open at once = KDA state slots (default 8) */
-    int64_t max_seq_len;      /* tokens one sequence may hold (default 4096) */
-    int64_t page_tokens;      /* MLA KV page size in tokens (default 128) */
-    int64_t kv_pages;         /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
+    int n_threads;                       /* CPU threads, 0 = all online CPUs (or DUET_THREADS) */
+    int64_t max_batch_tokens;            /* rows one forward call may carry (default 512) */
+    int64_t max_seqs;                    /* sequences open at once = KDA state slots (default 8) */
+    int64_t max_seq_len;                 /* tokens one sequence may hold (default 4096) */
+    int64_t page_tokens;                 /* MLA KV page size in tokens (default 128) */
+    int64_t kv_pages;                    /* 0 = max_seqs * ceil(max_seq_len / page_tokens) */
     duet_model_pool_alloc_fn pool_alloc; /* NULL = the model allocates its pools */
-    void                    *pool_alloc_user;
+    void *pool_alloc_user;
     /* Where the forward pass runs (DUET_DEVICE_CPU default): the backend of that device
      * (engine/backend.h). With CUDA, weights, caches and workspaces live on the GPU
      * (engine/backend_cuda.c); the pools above stay on the host for page / slot bookkeeping and
      * as the transfer staging area. */
     duet_device_kind_t device;
-    duet_model_dtype_t dtype;         /* what the caller asks for (default AUTO) */
-    duet_dtype_t       compute_dtype; /* what the model computes in: set by the load from `dtype`
-                                         (duet_model_dtype_resolve), read it through
-                                         duet_model_opts(); a caller's value is overwritten.
-                                         CUDA: F32 (exact fp32, TF32 off) or BF16; CPU: F32 */
-    duet_dtype_t       kv_dtype;      /* KV pool elements: F32 (default), BF16 on CUDA only */
+    duet_model_dtype_t dtype;   /* what the caller asks for (default AUTO) */
+    duet_dtype_t compute_dtype; /* what the model computes in: set by the load from `dtype`
+                                   (duet_model_dtype_resolve), read it through
+                                   duet_model_opts(); a caller's value is overwritten.
+                                   CUDA: F32 (exact fp32, TF32 off) or BF16; CPU: F32 */
+    duet_dtype_t kv_dtype;      /* KV pool elements: F32 (default), BF16 on CUDA only */
     int mirror_in;   /* CUDA: seq_set_filled copies the host pools' sequence to the device */
     int mirror_out;  /* CUDA: each layer's new KV / state is copied to the host pools before
                         the layer hook runs (a context worker streaming them) */
@@ -135,21 +135,21 @@ void duet_model_device_pools(duet_model_t *m, void **kv, size_t *kv_bytes, void 
                              size_t *kda_bytes);
 /* Human-readable backend summary for logs ("cpu, 8 threads" / "cuda, BF16 weights, ..."). */
 void duet_model_describe_backend(const duet_model_t *m, char *buf, size_t cap);
-void          duet_model_free(duet_model_t *m); /* accepts NULL */
+void duet_model_free(duet_model_t *m); /* accepts NULL */
 
 const duet_model_config_t *duet_model_config(const duet_model_t *m);
-const duet_model_opts_t   *duet_model_opts(const duet_model_t *m);
-duet_kv_pool_t            *duet_model_kv_pool(duet_model_t *m);
-duet_kda_pool_t           *duet_model_kda_pool(duet_model_t *m);
+const duet_model_opts_t *duet_model_opts(const duet_model_t *m);
+duet_kv_pool_t *duet_model_kv_pool(duet_model_t *m);
+duet_kda_pool_t *duet_model_kda_pool(duet_model_t *m);
 
 /* A sequence's cache handle. Fields are read-only for callers. */
 typedef struct {
-    int32_t  id;         /* index in the model's sequence table; -1 when closed */
-    int32_t  kda_slot;   /* KDA state slot; -1 when the model has no KDA layers */
-    int64_t  n_tokens;   /* tokens whose KV / state is in the caches */
-    int64_t  cap_tokens; /* n_pages * page_tokens */
-    int32_t *pages;      /* MLA pages in order; model-owned table row */
-    int64_t  n_pages;
+    int32_t id;         /* index in the model's sequence table; -1 when closed */
+    int32_t kda_slot;   /* KDA state slot; -1 when the model has no KDA layers */
+    int64_t n_tokens;   /* tokens whose KV / state is in the caches */
+    int64_t cap_tokens; /* n_pages * page_tokens */
+    int32_t *pages;     /* MLA pages in order; model-owned table row */
+    int64_t n_pages;
 } duet_seq_t;
 
 /*
@@ -169,22 +169,22 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
 void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq);
 
 typedef enum {
-    DUET_LOGITS_NONE = 0, /* no logits (a prefill chunk that is not the prompt's last) */
-    DUET_LOGITS_LAST = 1, /* logits of the item's last token: [1][vocab] */
-    DUET_LOGITS_ALL  = 2, /* logits of every token of the item: [n_tokens][vocab] */
+    DUET_LOGITS_NONE = 0,  /* no logits (a prefill chunk that is not the prompt's last) */
+    DUET_LOGITS_LAST = 1,  /* logits of the item's last token: [1][vocab] */
+    DUET_LOGITS_ALL = 2,   /* logits of every token of the item: [n_tokens][vocab] */
     DUET_LOGITS_TOKEN = 3, /* no logits: the model draws the next token (on the device for
                               CUDA) with `sampling` and the uniform `u` into *token_out */
 } duet_logits_mode_t;
 
 typedef struct {
-    duet_seq_t        *seq;
-    const int32_t     *tokens;   /* new tokens, appended at seq->n_tokens */
-    int64_t            n_tokens; /* >= 1 */
+    duet_seq_t *seq;
+    const int32_t *tokens; /* new tokens, appended at seq->n_tokens */
+    int64_t n_tokens;      /* >= 1 */
     duet_logits_mode_t logits_mode;
-    float             *logits;   /* caller-owned, rows per logits_mode */
-    duet_sampling_t    sampling;  /* DUET_LOGITS_TOKEN: the rule (duet_sampler_sample's) */
-    float              u;         /* DUET_LOGITS_TOKEN: this token's draw, duet_sampling_draw() */
-    int32_t           *token_out; /* DUET_LOGITS_TOKEN: where the token goes */
+    float *logits;            /* caller-owned, rows per logits_mode */
+    duet_sampling_t sampling; /* DUET_LOGITS_TOKEN: the rule (duet_sampler_sample's) */
+    float u;                  /* DUET_LOGITS_TOKEN: this token's draw, duet_sampling_draw() */
+    int32_t *token_out;       /* DUET_LOGITS_TOKEN: where the token goes */
 } duet_batch_item_t;
 
 /*

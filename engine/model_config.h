@@ -30,7 +30,7 @@ typedef enum {
 
 typedef enum {
     DUET_FFN_DENSE = 0, /* "dense": mlp.{gate,up,down}_proj */
-    DUET_FFN_MOE   = 1, /* "sparse": block_sparse_moe.* */
+    DUET_FFN_MOE = 1,   /* "sparse": block_sparse_moe.* */
 } duet_ffn_kind_t;
 
 typedef enum {
@@ -39,25 +39,25 @@ typedef enum {
 } duet_act_kind_t;
 
 typedef struct {
-    char    model_type[64];     /* "kimi_linear" */
+    char model_type[64]; /* "kimi_linear" */
     int64_t vocab_size;
-    int64_t hidden_size;        /* D */
+    int64_t hidden_size; /* D */
     int64_t num_layers;
-    float   rms_norm_eps;
-    int     tie_word_embeddings; /* 0 for Kimi; 1 = lm_head shares embed_tokens */
+    float rms_norm_eps;
+    int tie_word_embeddings; /* 0 for Kimi; 1 = lm_head shares embed_tokens */
 
     /* MLA (full attention), NoPE */
-    int64_t mla_heads;          /* num_attention_heads, n */
-    int64_t qk_nope_head_dim;   /* dn */
-    int64_t qk_rope_head_dim;   /* dr (no rotary is applied; the name is historical) */
-    int64_t v_head_dim;         /* dv */
-    int64_t kv_lora_rank;       /* r */
-    int64_t q_lora_rank;        /* 0 = q_proj, else q_a_proj/q_a_layernorm/q_b_proj */
+    int64_t mla_heads;        /* num_attention_heads, n */
+    int64_t qk_nope_head_dim; /* dn */
+    int64_t qk_rope_head_dim; /* dr (no rotary is applied; the name is historical) */
+    int64_t v_head_dim;       /* dv */
+    int64_t kv_lora_rank;     /* r */
+    int64_t q_lora_rank;      /* 0 = q_proj, else q_a_proj/q_a_layernorm/q_b_proj */
 
     /* KDA (linear attention) */
-    int64_t kda_heads;          /* H */
-    int64_t kda_head_dim;       /* K = V */
-    int64_t conv_kernel;        /* W (4) */
+    int64_t kda_heads;    /* H */
+    int64_t kda_head_dim; /* K = V */
+    int64_t conv_kernel;  /* W (4) */
 
     /* FFN */
     int64_t dense_intermediate; /* intermediate_size of the dense MLP layers */
@@ -67,22 +67,22 @@ typedef struct {
     int64_t n_shared_experts;   /* shared expert width = I * n_shared_experts */
     int64_t n_group;            /* num_expert_group (1 = no grouping) */
     int64_t topk_group;
-    int     moe_renormalize;
-    float   routed_scaling_factor;
+    int moe_renormalize;
+    float routed_scaling_factor;
     duet_act_kind_t act;
-    float   situ_beta;          /* SiTU gate beta */
-    float   situ_linear_beta;   /* SiTU up beta */
+    float situ_beta;        /* SiTU gate beta */
+    float situ_linear_beta; /* SiTU up beta */
 
-    int32_t bos_token_id;       /* -1 when absent */
-    int32_t pad_token_id;       /* -1 when absent */
+    int32_t bos_token_id; /* -1 when absent */
+    int32_t pad_token_id; /* -1 when absent */
     /* eos_token_id is not read here: the ids that end a generation (config.json's and
      * generation_config.json's, united) come from duet_tokenizer_stop_ids, their one reader */
 
     duet_mixer_kind_t mixer[DUET_MAX_LAYERS];
-    duet_ffn_kind_t   ffn[DUET_MAX_LAYERS];
-    int64_t           n_kda_layers;
-    int64_t           n_mla_layers;
-    int64_t           n_moe_layers;
+    duet_ffn_kind_t ffn[DUET_MAX_LAYERS];
+    int64_t n_kda_layers;
+    int64_t n_mla_layers;
+    int64_t n_moe_layers;
 } duet_model_config_t;
 
 /*

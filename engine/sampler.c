@@ -14,8 +14,8 @@
 
 struct duet_sampler {
     int64_t vocab;
-    float   *prob; /* (vocab) */
-    int32_t *idx;  /* (vocab) */
+    float *prob;  /* (vocab) */
+    int32_t *idx; /* (vocab) */
 };
 
 static inline uint64_t duet__rotl(uint64_t x, int k)
@@ -29,17 +29,17 @@ void duet_rng_seed(duet_rng_t *rng, uint64_t seed)
     for (int i = 0; i < 4; i++) {
         seed += 0x9e3779b97f4a7c15ull;
         uint64_t z = seed;
-        z          = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z          = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        rng->s[i]  = z ^ (z >> 31);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        rng->s[i] = z ^ (z >> 31);
     }
 }
 
 uint64_t duet_rng_next(duet_rng_t *rng)
 {
-    uint64_t *s      = rng->s;
-    uint64_t  result = duet__rotl(s[1] * 5, 7) * 9;
-    uint64_t  t      = s[1] << 17;
+    uint64_t *s = rng->s;
+    uint64_t result = duet__rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
     s[2] ^= s[0];
     s[3] ^= s[1];
     s[1] ^= s[2];
@@ -57,9 +57,9 @@ float duet_rng_uniform(duet_rng_t *rng)
 void duet_sampling_default(duet_sampling_t *p)
 {
     p->temperature = 0.0f;
-    p->top_k       = 0;
-    p->top_p       = 1.0f;
-    p->seed        = 0;
+    p->top_k = 0;
+    p->top_p = 1.0f;
+    p->seed = 0;
 }
 
 duet_status_t duet_sampling_validate(const duet_sampling_t *p)
@@ -82,8 +82,8 @@ duet_status_t duet_sampler_create(int64_t vocab, duet_sampler_t **s_p)
     if (s == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "sampler: out of memory");
     s->vocab = vocab;
-    s->prob  = malloc(sizeof(*s->prob) * (size_t)vocab);
-    s->idx   = malloc(sizeof(*s->idx) * (size_t)vocab);
+    s->prob = malloc(sizeof(*s->prob) * (size_t)vocab);
+    s->idx = malloc(sizeof(*s->idx) * (size_t)vocab);
     if (s->prob == NULL || s->idx == NULL) {
         duet_sampler_destroy(s);
         return duet_error_set(DUET_ERR_NOMEM, "sampler: out of memory");
@@ -168,15 +168,15 @@ int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float
     }
     /* softmax over candidates at temperature */
     const float inv_t = 1.0f / p->temperature;
-    const float mx    = logits[s->idx[0]];
-    double      sum   = 0.0;
+    const float mx = logits[s->idx[0]];
+    double sum = 0.0;
     for (int64_t i = 0; i < n; i++) {
         s->prob[i] = expf((logits[s->idx[i]] - mx) * inv_t);
         sum += s->prob[i];
     }
     /* nucleus: smallest prefix whose mass reaches top_p */
     if (p->top_p < 1.0f) {
-        double  acc = 0.0;
+        double acc = 0.0;
         int64_t keep = n;
         for (int64_t i = 0; i < n; i++) {
             acc += s->prob[i] / sum;
@@ -185,12 +185,12 @@ int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float
                 break;
             }
         }
-        n   = keep;
+        n = keep;
         sum = 0.0;
         for (int64_t i = 0; i < n; i++)
             sum += s->prob[i];
     }
-    double u   = (double)u_draw * sum;
+    double u = (double)u_draw * sum;
     double acc = 0.0;
     for (int64_t i = 0; i < n; i++) {
         acc += s->prob[i];

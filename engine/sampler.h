@@ -11,9 +11,9 @@
 #include "common/status.h"
 
 typedef struct {
-    float   temperature; /* 0 = greedy (argmax, first index on ties) */
-    int64_t top_k;       /* 0 = no limit */
-    float   top_p;       /* (0, 1]; 1 = no nucleus cut */
+    float temperature; /* 0 = greedy (argmax, first index on ties) */
+    int64_t top_k;     /* 0 = no limit */
+    float top_p;       /* (0, 1]; 1 = no nucleus cut */
     uint64_t seed;
 } duet_sampling_t;
 
@@ -22,7 +22,7 @@ typedef struct {
     uint64_t s[4];
 } duet_rng_t;
 
-void     duet_rng_seed(duet_rng_t *rng, uint64_t seed);
+void duet_rng_seed(duet_rng_t *rng, uint64_t seed);
 uint64_t duet_rng_next(duet_rng_t *rng);
 /* Uniform in [0, 1) with 24 bits. */
 float duet_rng_uniform(duet_rng_t *rng);
@@ -37,7 +37,7 @@ duet_status_t duet_sampling_validate(const duet_sampling_t *p);
 typedef struct duet_sampler duet_sampler_t;
 
 duet_status_t duet_sampler_create(int64_t vocab, duet_sampler_t **s_p);
-void          duet_sampler_destroy(duet_sampler_t *s); /* accepts NULL */
+void duet_sampler_destroy(duet_sampler_t *s); /* accepts NULL */
 
 /* Index of the largest logit (first on ties). */
 int32_t duet_argmax(const float *logits, int64_t n);

@@ -48,31 +48,31 @@ typedef struct {
 } duet_mlp_weights_t;
 
 typedef struct {
-    duet_tensor_t      gate;        /* (E, D)  block_sparse_moe.gate.weight */
-    duet_tensor_t      gate_bias;   /* (E)     block_sparse_moe.gate.e_score_correction_bias */
-    duet_tensor_t     *w1;          /* [E] each (I, D) gate; array owned by duet_weights_t */
-    duet_tensor_t     *w2;          /* [E] each (D, I) down */
-    duet_tensor_t     *w3;          /* [E] each (I, D) up */
-    duet_mlp_weights_t shared;      /* (I*n_shared, D) ...; block_sparse_moe.shared_experts */
+    duet_tensor_t gate;        /* (E, D)  block_sparse_moe.gate.weight */
+    duet_tensor_t gate_bias;   /* (E)     block_sparse_moe.gate.e_score_correction_bias */
+    duet_tensor_t *w1;         /* [E] each (I, D) gate; array owned by duet_weights_t */
+    duet_tensor_t *w2;         /* [E] each (D, I) down */
+    duet_tensor_t *w3;         /* [E] each (I, D) up */
+    duet_mlp_weights_t shared; /* (I*n_shared, D) ...; block_sparse_moe.shared_experts */
 } duet_moe_weights_t;
 
 typedef struct {
-    duet_tensor_t      input_layernorm;          /* (D) */
-    duet_tensor_t      post_attention_layernorm; /* (D) */
-    duet_mixer_kind_t  mixer;
-    duet_kda_weights_t kda;                      /* valid when mixer == KDA */
-    duet_mla_weights_t mla;                      /* valid when mixer == MLA */
-    duet_ffn_kind_t    ffn;
-    duet_mlp_weights_t mlp;                      /* valid when ffn == DENSE */
-    duet_moe_weights_t moe;                      /* valid when ffn == MOE */
+    duet_tensor_t input_layernorm;          /* (D) */
+    duet_tensor_t post_attention_layernorm; /* (D) */
+    duet_mixer_kind_t mixer;
+    duet_kda_weights_t kda; /* valid when mixer == KDA */
+    duet_mla_weights_t mla; /* valid when mixer == MLA */
+    duet_ffn_kind_t ffn;
+    duet_mlp_weights_t mlp; /* valid when ffn == DENSE */
+    duet_moe_weights_t moe; /* valid when ffn == MOE */
 } duet_layer_weights_t;
 
 typedef struct {
-    duet_tensor_t         embed_tokens; /* (V, D) */
-    duet_tensor_t         norm;         /* (D) */
-    duet_tensor_t         lm_head;      /* (V, D); = embed_tokens when tied */
-    duet_layer_weights_t *layers;       /* [num_layers], owned */
-    duet_tensor_t        *expert_slab;  /* owned storage behind every moe.w1/w2/w3 array */
+    duet_tensor_t embed_tokens;   /* (V, D) */
+    duet_tensor_t norm;           /* (D) */
+    duet_tensor_t lm_head;        /* (V, D); = embed_tokens when tied */
+    duet_layer_weights_t *layers; /* [num_layers], owned */
+    duet_tensor_t *expert_slab;   /* owned storage behind every moe.w1/w2/w3 array */
 } duet_weights_t;
 
 /*
@@ -83,6 +83,6 @@ typedef struct {
  */
 duet_status_t duet_weights_bind(duet_checkpoint_t *ck, const duet_model_config_t *cfg,
                                 duet_weights_t *w_p);
-void          duet_weights_free(duet_weights_t *w); /* accepts NULL and zeroed structs */
+void duet_weights_free(duet_weights_t *w); /* accepts NULL and zeroed structs */
 
 #endif

@@ -27,13 +27,13 @@
 #include "common/status.h"
 
 typedef enum {
-    DUET_DTYPE_F32  = 0,
+    DUET_DTYPE_F32 = 0,
     DUET_DTYPE_BF16 = 1,
-    DUET_DTYPE_F16  = 2,
+    DUET_DTYPE_F16 = 2,
 } duet_dtype_t;
 
 typedef enum {
-    DUET_DEVICE_CPU  = 0,
+    DUET_DEVICE_CPU = 0,
     DUET_DEVICE_CUDA = 1,
 } duet_device_kind_t;
 
@@ -41,11 +41,11 @@ typedef enum {
 
 /* A view of memory. Never owns `data`. Row-major, contiguous. */
 typedef struct {
-    void              *data;   /* not owned; on `device` */
-    duet_dtype_t       dtype;
+    void *data; /* not owned; on `device` */
+    duet_dtype_t dtype;
     duet_device_kind_t device;
-    int                ndim;
-    int64_t            shape[DUET_TENSOR_MAX_DIMS];
+    int ndim;
+    int64_t shape[DUET_TENSOR_MAX_DIMS];
 } duet_tensor_t;
 
 /* Bytes per element: 4, 2, 2. */
@@ -58,7 +58,7 @@ int64_t duet_tensor_numel(const duet_tensor_t *t);
 static inline float duet_bf16_to_f32(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
-    float    f;
+    float f;
     memcpy(&f, &u, sizeof(f));
     return f;
 }
@@ -74,7 +74,7 @@ static inline uint16_t duet_f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-float    duet_f16_to_f32(uint16_t h);
+float duet_f16_to_f32(uint16_t h);
 uint16_t duet_f32_to_f16(float f);
 
 /* Convert n elements of `src` (any dtype, host memory) to fp32 `dst`. */
@@ -104,8 +104,8 @@ typedef struct duet_kernels duet_kernels_t;
  * DUET_ERR_UNSUPPORTED: the CUDA kernels have no instance of this type (they take a stream).
  */
 duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_kernels_t **k_p);
-void          duet_kernels_destroy(duet_kernels_t *k); /* accepts NULL */
-int           duet_kernels_n_threads(const duet_kernels_t *k);
+void duet_kernels_destroy(duet_kernels_t *k); /* accepts NULL */
+int duet_kernels_n_threads(const duet_kernels_t *k);
 duet_device_kind_t duet_kernels_device(const duet_kernels_t *k);
 /* CPU backend: the matmul's instruction-set path, "avx512", "avx2" or "scalar" (benchmarks, logs).
  * Chosen at create from the CPU; DUET_KERNELS_ISA=avx2|scalar in the environment caps it. */
@@ -119,8 +119,7 @@ const char *duet_kernels_cpu_isa(const duet_kernels_t *k);
  * inside a task.
  */
 typedef void (*duet_k_task_fn)(void *ctx, int64_t begin, int64_t end, int thread_idx);
-void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn,
-                         void *ctx);
+void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn, void *ctx);
 
 /* ---- ops ---------------------------------------------------------------------------------- */
 
@@ -133,8 +132,8 @@ duet_status_t duet_k_matmul(duet_kernels_t *k, float *y, int64_t ldy, const floa
                             int64_t M, const duet_tensor_t *w, int accumulate);
 
 /* y[M, D] = w ⊙ x / sqrt(mean(x²) + eps), per row; w is [D] any dtype. y may alias x. */
-void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w,
-                    int64_t M, int64_t D, float eps);
+void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w, int64_t M,
+                    int64_t D, float eps);
 
 /* out[i] = SiLU(gate[i]) * up[i], i < n. out may alias gate or up. */
 void duet_k_silu_mul(duet_kernels_t *k, float *out, const float *gate, const float *up, int64_t n);

@@ -35,9 +35,9 @@
     static inline Duet__Envelope duet_envelope_##field(Duet__##Type *body)                         \
     {                                                                                              \
         Duet__Envelope env = DUET__ENVELOPE__INIT;                                                 \
-        env.version        = DUET_PROTO_VERSION;                                                   \
-        env.body_case      = DUET__ENVELOPE__BODY_##CASE;                                          \
-        env.field          = body;                                                                 \
+        env.version = DUET_PROTO_VERSION;                                                          \
+        env.body_case = DUET__ENVELOPE__BODY_##CASE;                                               \
+        env.field = body;                                                                          \
         return env;                                                                                \
     }
 DUET_ENVELOPE_BODIES(DUET__ENVELOPE_CTOR)

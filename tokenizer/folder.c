@@ -450,8 +450,8 @@ duet_status_t duet_tokenizer_prompt_bos(const char *dir, const duet_tokenizer_t 
     char path[4096];
     snprintf(path, sizeof(path), "%s/config.json", dir);
     json_t *root = NULL;
-    duet_status_t st = is_file(path) ? duet_json_load_file(path, DUET__TOK_MAX_JSON, &root)
-                                     : DUET_OK;
+    duet_status_t st =
+        is_file(path) ? duet_json_load_file(path, DUET__TOK_MAX_JSON, &root) : DUET_OK;
     const json_t *v = json_is_object(root) ? json_object_get(root, "bos_token_id") : NULL;
     int64_t bos = -1;
     if (st == DUET_OK && (v == NULL || json_is_null(v)))

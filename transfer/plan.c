@@ -56,7 +56,7 @@ static bool layout_kda_layer_bytes(const duet_xfer_layout_t *l, uint64_t *r)
 uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l)
 {
     const duet_kv_layout_t k = kv_layout_of(l);
-    uint64_t               r;
+    uint64_t r;
     if (!duet_kv_layout_page_bytes(&k, &r))
         return UINT64_MAX;
     return r;
@@ -65,7 +65,7 @@ uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l)
 uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l)
 {
     const duet_kda_layout_t k = kda_layout_of(l);
-    uint64_t                r;
+    uint64_t r;
     if (l->n_kda_layers == 0)
         return 0;
     if (!duet_kda_layout_slot_bytes(&k, &r))
@@ -298,10 +298,10 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     memset(plan->bytes_per_rank, 0, sizeof(plan->bytes_per_rank));
 
     /* MLA KV, layer by layer, in token order (offsets within the bounds checked above). */
-    const uint64_t         tb = sl->token_bytes;
-    const uint32_t         ps = sl->page_tokens;
+    const uint64_t tb = sl->token_bytes;
+    const uint32_t ps = sl->page_tokens;
     const duet_kv_layout_t skv = kv_layout_of(sl);
-    duet_kv_layout_t       dkv[DUET_XFER_MAX_RANKS];
+    duet_kv_layout_t dkv[DUET_XFER_MAX_RANKS];
     for (uint32_t r = 0; r < n_ranks; r++)
         dkv[r] = kv_layout_of(&dst_layout[r]);
     for (uint32_t l = 0; l < L; l++) {
@@ -320,8 +320,9 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
             uint32_t r = (uint32_t)(j % n_ranks);
             uint64_t local = j / n_ranks;
             uint64_t src_off = 0, dst_off = 0;
-            bool ok = duet_kv_layout_offset(&skv, (uint64_t)src->pages[a], l, sa, &src_off) &&
-                      duet_kv_layout_offset(&dkv[r], (uint64_t)dst[r].pages[local], l, sd, &dst_off);
+            bool ok =
+                duet_kv_layout_offset(&skv, (uint64_t)src->pages[a], l, sa, &src_off) &&
+                duet_kv_layout_offset(&dkv[r], (uint64_t)dst[r].pages[local], l, sd, &dst_off);
             DUET_ASSERT(ok);
             plan_add(plan, group_start, DUET_XFER_SEG_KV, r, l, src_off, dst_off, run * tb);
             t += run;
@@ -329,7 +330,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     }
 
     /* KDA: per layer, per rank: the rank's heads of S, then its channels of the q, k, v windows
-     * (a rank's pool is laid out as one of H / N heads). Offsets within the bounds checked above. */
+     * (a rank's pool is laid out as one of H / N heads). Offsets within the bounds checked above.
+     */
     const duet_kda_layout_t skd = kda_layout_of(sl);
     for (uint32_t l = 0; l < LK; l++) {
         size_t group_start = plan->n_entries;

@@ -31,56 +31,56 @@
 
 /* Byte layout of one side's pools (the "page header" the reservation carries). */
 typedef struct {
-    uint32_t page_tokens;   /* tokens per KV page */
-    uint32_t n_mla_layers;  /* layers in the KV pool */
-    uint32_t token_bytes;   /* bytes per token per layer: (kv_lora_rank + rope) * elem size */
-    uint32_t n_kda_layers;  /* layers in the KDA pool (0 = none) */
-    uint32_t kda_heads;     /* heads held in this pool (H on the sender, H/N on a CP rank) */
-    uint32_t kda_head_dim;  /* K = V */
-    uint32_t conv_kernel;   /* W */
-    uint32_t state_elem;    /* bytes per state element: 4 (fp32) */
+    uint32_t page_tokens;  /* tokens per KV page */
+    uint32_t n_mla_layers; /* layers in the KV pool */
+    uint32_t token_bytes;  /* bytes per token per layer: (kv_lora_rank + rope) * elem size */
+    uint32_t n_kda_layers; /* layers in the KDA pool (0 = none) */
+    uint32_t kda_heads;    /* heads held in this pool (H on the sender, H/N on a CP rank) */
+    uint32_t kda_head_dim; /* K = V */
+    uint32_t conv_kernel;  /* W */
+    uint32_t state_elem;   /* bytes per state element: 4 (fp32) */
 } duet_xfer_layout_t;
 
 /* What a destination rank reserved for one request. */
 typedef struct {
-    const int32_t *pages;    /* local page ids, in sequence order; not owned */
-    uint32_t       n_pages;
-    int32_t        kda_slot; /* -1 when no KDA state is sent */
+    const int32_t *pages; /* local page ids, in sequence order; not owned */
+    uint32_t n_pages;
+    int32_t kda_slot; /* -1 when no KDA state is sent */
 } duet_xfer_dest_t;
 
 /* What the sender holds for the request. */
 typedef struct {
-    const int32_t *pages;    /* source page ids, in sequence order; not owned */
-    uint32_t       n_pages;
-    int32_t        kda_slot; /* -1 when no KDA state is sent */
-    uint64_t       n_tokens; /* tokens of KV to move (<= n_pages * page_tokens) */
+    const int32_t *pages; /* source page ids, in sequence order; not owned */
+    uint32_t n_pages;
+    int32_t kda_slot;  /* -1 when no KDA state is sent */
+    uint64_t n_tokens; /* tokens of KV to move (<= n_pages * page_tokens) */
 } duet_xfer_src_t;
 
 typedef enum {
-    DUET_XFER_SEG_KV  = 0, /* MLA KV bytes; `layer` is the MLA layer */
+    DUET_XFER_SEG_KV = 0,  /* MLA KV bytes; `layer` is the MLA layer */
     DUET_XFER_SEG_KDA = 1, /* KDA state / conv bytes; `layer` is the KDA layer */
 } duet_xfer_seg_kind_t;
 
 typedef struct {
-    uint8_t  kind;     /* duet_xfer_seg_kind_t */
-    uint8_t  rank;     /* destination rank in the group */
+    uint8_t kind; /* duet_xfer_seg_kind_t */
+    uint8_t rank; /* destination rank in the group */
     uint16_t layer;
-    uint64_t src_off;  /* byte offset from the sender pool's base (KV or KDA pool by kind) */
-    uint64_t dst_off;  /* byte offset from the destination rank's pool base */
-    uint64_t len;      /* bytes */
+    uint64_t src_off; /* byte offset from the sender pool's base (KV or KDA pool by kind) */
+    uint64_t dst_off; /* byte offset from the destination rank's pool base */
+    uint64_t len;     /* bytes */
 } duet_xfer_entry_t;
 
 typedef struct {
-    duet_xfer_entry_t *entries;    /* owned */
-    size_t             n_entries;
-    size_t             cap;
-    size_t            *layer_first; /* owned, [n_mla_layers + n_kda_layers + 1]: entries of layer
-                                       group g are [layer_first[g], layer_first[g+1]) with KV layers
-                                       first, then KDA layers */
-    uint64_t           bytes_per_rank[DUET_XFER_MAX_RANKS]; /* [n_ranks] used, rest 0 */
-    uint64_t           total_bytes;
-    size_t             n_groups;    /* layer groups: n_mla_layers + n_kda_layers */
-    size_t             layer_cap;   /* size_t allocated at layer_first (so it can be reused) */
+    duet_xfer_entry_t *entries; /* owned */
+    size_t n_entries;
+    size_t cap;
+    size_t *layer_first; /* owned, [n_mla_layers + n_kda_layers + 1]: entries of layer
+                            group g are [layer_first[g], layer_first[g+1]) with KV layers
+                            first, then KDA layers */
+    uint64_t bytes_per_rank[DUET_XFER_MAX_RANKS]; /* [n_ranks] used, rest 0 */
+    uint64_t total_bytes;
+    size_t n_groups;  /* layer groups: n_mla_layers + n_kda_layers */
+    size_t layer_cap; /* size_t allocated at layer_first (so it can be reused) */
 } duet_xfer_plan_t;
 
 /*
@@ -93,15 +93,16 @@ typedef struct {
  * built; buffers are reused and grown). Pure: touches no pool memory.
  */
 duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
-                                   const duet_xfer_layout_t *dst_layout, const duet_xfer_dest_t *dst,
-                                   uint32_t n_ranks, duet_xfer_plan_t *plan_p);
+                                   const duet_xfer_layout_t *dst_layout,
+                                   const duet_xfer_dest_t *dst, uint32_t n_ranks,
+                                   duet_xfer_plan_t *plan_p);
 
 void duet_xfer_plan_free(duet_xfer_plan_t *plan); /* frees buffers; accepts zeroed */
 
 /* Pool sizes implied by a layout, for validating a remote base + length. UINT64_MAX when the
  * product overflows 64 bits (such a layout is refused by the plan builder and the reservation
  * decoder). The KDA size of a layout with n_kda_layers = 0 is 0. */
-uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l);   /* all layers of a page */
-uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l);  /* all layers of a slot */
+uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l);  /* all layers of a page */
+uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l); /* all layers of a slot */
 
 #endif

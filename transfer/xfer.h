@@ -77,10 +77,11 @@ typedef uint64_t duet_xfer_id_t;
  * with DUET_ERR_UNSUPPORTED. Such a context runs UCX's new protocol layer (UCX_PROTO_ENABLE=y
  * unless set otherwise; 1.13's default protocols crash putting into device memory), and device
  * memory stays off when UCX_TLS allows tcp (1.13's new protocols crash sending active messages
- * over it: measured, see xfer_ctx.c), e.g. UCX_TLS=sm,self,cuda_copy,cuda_ipc on one node. Debian's UCX has none, so the workers stage device pools through
- * registered host pools (engine/backend_cuda.c: mirror_in / mirror_out). A transfer whose sender
- * or receiver has a device pool carries no verified checksum: the CPU cannot read those bytes
- * (the sender sends none; a receiver with device pools reports has_checksum = false).
+ * over it: measured, see xfer_ctx.c), e.g. UCX_TLS=sm,self,cuda_copy,cuda_ipc on one node. Debian's
+ * UCX has none, so the workers stage device pools through registered host pools
+ * (engine/backend_cuda.c: mirror_in / mirror_out). A transfer whose sender or receiver has a device
+ * pool carries no verified checksum: the CPU cannot read those bytes (the sender sends none; a
+ * receiver with device pools reports has_checksum = false).
  */
 typedef enum {
     DUET_XFER_MEM_HOST = 0,
@@ -89,9 +90,9 @@ typedef enum {
 
 /* The registered pools; the values match duet_xfer_seg_kind_t so plan entries index them. */
 typedef enum {
-    DUET_XFER_POOL_KV  = 0,
+    DUET_XFER_POOL_KV = 0,
     DUET_XFER_POOL_KDA = 1,
-    DUET_XFER_N_POOLS  = 2,
+    DUET_XFER_N_POOLS = 2,
 } duet_xfer_pool_t;
 
 typedef enum {
@@ -100,7 +101,7 @@ typedef enum {
 } duet_xfer_role_t;
 
 typedef enum {
-    DUET_XFER_OUTCOME_DONE    = 0,
+    DUET_XFER_OUTCOME_DONE = 0,
     DUET_XFER_OUTCOME_ABORTED = 1,
 } duet_xfer_outcome_kind_t;
 
@@ -127,16 +128,16 @@ const char *duet_xfer_reason_str(duet_xfer_reason_t r);
 
 /* What a transfer ended with; passed to the owner's callback, valid during the call only. */
 typedef struct {
-    duet_xfer_id_t           id;
-    uint64_t                 req_id;
-    duet_xfer_role_t         role;
+    duet_xfer_id_t id;
+    uint64_t req_id;
+    duet_xfer_role_t role;
     duet_xfer_outcome_kind_t kind;
-    duet_xfer_reason_t       reason;       /* NONE when DONE */
-    const char              *message;      /* human-readable detail ("" when DONE) */
-    uint64_t                 bytes;        /* bytes moved (sender: all ranks; receiver: its own) */
-    bool                     has_checksum; /* receiver: the sender sent one and it matched */
-    uint64_t                 checksum;
-    double                   seconds;      /* from reserve / start to the outcome */
+    duet_xfer_reason_t reason; /* NONE when DONE */
+    const char *message;       /* human-readable detail ("" when DONE) */
+    uint64_t bytes;            /* bytes moved (sender: all ranks; receiver: its own) */
+    bool has_checksum;         /* receiver: the sender sent one and it matched */
+    uint64_t checksum;
+    double seconds; /* from reserve / start to the outcome */
 } duet_xfer_outcome_t;
 
 /*
@@ -147,17 +148,17 @@ typedef struct {
 typedef void (*duet_xfer_outcome_cb_t)(const duet_xfer_outcome_t *o, void *user);
 
 typedef struct {
-    uint32_t        max_transfers;   /* table capacity, both roles together (default 256) */
-    uint32_t        max_peers;       /* cached endpoints (default 64) */
-    uint32_t        max_pages;       /* pages per reservation (default 4096) */
-    uint32_t        abort_grace_ms;  /* sender: how long an abort may wait for its flush (1000) */
-    bool            recv_no_abort_back; /* receiver: never send XferAbort back to a sender (on
-                                        cancel, deadline, shutdown; default false = send). A
-                                        generation worker sets it: the router cancels the sender
-                                        itself, and with UCX 1.13 over tcp, connecting back to a
-                                        sender that was just killed can trip an assertion inside
-                                        UCX's wireup and take the receiver down. */
-    duet_metrics_t *metrics;         /* registry for duet_xfer_*; not owned; NULL = none */
+    uint32_t max_transfers;  /* table capacity, both roles together (default 256) */
+    uint32_t max_peers;      /* cached endpoints (default 64) */
+    uint32_t max_pages;      /* pages per reservation (default 4096) */
+    uint32_t abort_grace_ms; /* sender: how long an abort may wait for its flush (1000) */
+    bool recv_no_abort_back; /* receiver: never send XferAbort back to a sender (on
+                             cancel, deadline, shutdown; default false = send). A
+                             generation worker sets it: the router cancels the sender
+                             itself, and with UCX 1.13 over tcp, connecting back to a
+                             sender that was just killed can trip an assertion inside
+                             UCX's wireup and take the receiver down. */
+    duet_metrics_t *metrics; /* registry for duet_xfer_*; not owned; NULL = none */
 } duet_xfer_ctx_opts_t;
 
 /* Defaults for every field (metrics NULL). */
@@ -231,17 +232,17 @@ uint32_t duet_xfer_ctx_active(const duet_xfer_ctx_t *ctx, duet_xfer_role_t role)
 /* --- receiver ---------------------------------------------------------------------------- */
 
 typedef struct {
-    uint64_t               req_id;
-    duet_xfer_layout_t     layout;           /* this rank's pool layout */
-    const int32_t         *pages;            /* reserved local pages, sequence order; copied */
-    uint32_t               n_pages;
-    int32_t                kda_slot;         /* -1 when no KDA state is expected */
-    uint64_t               n_tokens;         /* tokens of KV the whole group receives */
-    uint32_t               rank;             /* this rank in the destination group */
-    uint32_t               group_size;       /* 1 = no Helix CP */
-    uint64_t               deadline_unix_ms; /* wall clock (the peer is another host) */
+    uint64_t req_id;
+    duet_xfer_layout_t layout; /* this rank's pool layout */
+    const int32_t *pages;      /* reserved local pages, sequence order; copied */
+    uint32_t n_pages;
+    int32_t kda_slot;          /* -1 when no KDA state is expected */
+    uint64_t n_tokens;         /* tokens of KV the whole group receives */
+    uint32_t rank;             /* this rank in the destination group */
+    uint32_t group_size;       /* 1 = no Helix CP */
+    uint64_t deadline_unix_ms; /* wall clock (the peer is another host) */
     duet_xfer_outcome_cb_t cb;
-    void                  *user;
+    void *user;
 } duet_xfer_recv_args_t;
 
 /*
@@ -267,15 +268,15 @@ duet_status_t duet_xfer_recv_cancel(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, con
 /* --- sender ------------------------------------------------------------------------------ */
 
 typedef struct {
-    uint64_t               req_id;
+    uint64_t req_id;
     const duet_xfer_reservation_t *reservations; /* [n_ranks], rank r at [r]; decoded */
-    uint32_t               n_ranks;          /* destination group size */
-    duet_xfer_layout_t     layout;           /* the source pools' layout */
-    duet_xfer_src_t        src;              /* source pages / slot / n_tokens; pages copied */
-    uint64_t               deadline_unix_ms; /* 0 = the reservations' (earliest) deadline */
-    bool                   checksum;         /* send XXH3-64 of each rank's bytes (host pools) */
+    uint32_t n_ranks;                            /* destination group size */
+    duet_xfer_layout_t layout;                   /* the source pools' layout */
+    duet_xfer_src_t src;                         /* source pages / slot / n_tokens; pages copied */
+    uint64_t deadline_unix_ms;                   /* 0 = the reservations' (earliest) deadline */
+    bool checksum; /* send XXH3-64 of each rank's bytes (host pools) */
     duet_xfer_outcome_cb_t cb;
-    void                  *user;
+    void *user;
 } duet_xfer_send_args_t;
 
 /*

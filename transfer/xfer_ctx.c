@@ -31,9 +31,9 @@
 void duet_xfer_ctx_opts_default(duet_xfer_ctx_opts_t *opts)
 {
     memset(opts, 0, sizeof(*opts));
-    opts->max_transfers  = 256;
-    opts->max_peers      = 64;
-    opts->max_pages      = 4096;
+    opts->max_transfers = 256;
+    opts->max_peers = 64;
+    opts->max_pages = 4096;
     opts->abort_grace_ms = 1000;
 }
 
@@ -45,8 +45,8 @@ static duet_status_t duet__xfer_metrics_init(duet_xfer_ctx_t *ctx, duet_metrics_
     const char *role[] = {"role"};
     const char *role_outcome[] = {"role", "outcome"};
     const char *reason[] = {"reason"};
-    const double buckets[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                              0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10,   30};
+    const double buckets[] = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                              0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30};
     duet_status_t st;
 
     if ((st = duet_metrics_counter_new(reg, "duet_xfer_bytes_total",
@@ -131,7 +131,6 @@ static duet_status_t duet__am_register(duet_xfer_ctx_t *ctx, unsigned id, ucp_am
                          ucs_status_string(us));
     return DUET_OK;
 }
-
 
 /* --- context ------------------------------------------------------------------------------ */
 
@@ -224,7 +223,8 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
         return DUET_FAIL(DUET_ERR_INVALID,
                          "xfer: options out of range (max_transfers %u in 1..65535, max_peers %u "
                          "in 1..4096, max_pages %u in 1..%u)",
-                         o.max_transfers, o.max_peers, o.max_pages, DUET_XFER_RESERVATION_MAX_PAGES);
+                         o.max_transfers, o.max_peers, o.max_pages,
+                         DUET_XFER_RESERVATION_MAX_PAGES);
 
     duet_xfer_ctx_t *ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL)
@@ -352,8 +352,8 @@ duet_status_t duet_xfer_ctx_create(const duet_xfer_ctx_opts_t *opts, duet_xfer_c
     if ((st = duet__am_register(ctx, DUET__XFER_AM_TO_RECV, duet__am_cb)) < 0 ||
         (st = duet__am_register(ctx, DUET__XFER_AM_TO_SEND, duet__am_send_side_cb)) < 0)
         goto fail;
-    DUET_LOG_DEBUG("xfer: context up (worker address %zu bytes, table %u, peers %u)",
-                   ctx->addr_len, ctx->cap, ctx->max_peers);
+    DUET_LOG_DEBUG("xfer: context up (worker address %zu bytes, table %u, peers %u)", ctx->addr_len,
+                   ctx->cap, ctx->max_peers);
     *ctx_p = ctx;
     return DUET_OK;
 
@@ -543,7 +543,6 @@ bool duet_xfer_ctx_mem_supported(const duet_xfer_ctx_t *ctx, duet_xfer_mem_kind_
         return true;
     return kind == DUET_XFER_MEM_CUDA && (ctx->mem_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
 }
-
 
 int duet_xfer_ctx_fd(const duet_xfer_ctx_t *ctx)
 {

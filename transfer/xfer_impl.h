@@ -31,8 +31,8 @@
 
 #include "transfer/xfer.h"
 
-#define DUET__XFER_AM_TO_RECV   0x0d1u /* hello, done, abort for a receiver's transfer */
-#define DUET__XFER_AM_TO_SEND   0x0d2u /* abort for a sender's transfer */
+#define DUET__XFER_AM_TO_RECV   0x0d1u      /* hello, done, abort for a receiver's transfer */
+#define DUET__XFER_AM_TO_SEND   0x0d2u      /* abort for a sender's transfer */
 #define DUET__XFER_AM_MAGIC     0x31465844u /* "DXF1" */
 #define DUET__XFER_AM_HDR_BYTES 16u
 #define DUET__XFER_AM_HELLO     1u
@@ -50,48 +50,48 @@ typedef enum {
     DUET__PEER_FREE = 0,
     DUET__PEER_CONNECTING, /* ep created, first flush in flight (docs/platform.md) */
     DUET__PEER_READY,
-    DUET__PEER_FAILED,     /* error callback ran; force-close pending in the sweep */
-    DUET__PEER_CLOSING,    /* ucp_ep_close_nbx in flight */
+    DUET__PEER_FAILED,  /* error callback ran; force-close pending in the sweep */
+    DUET__PEER_CLOSING, /* ucp_ep_close_nbx in flight */
 } duet__peer_state_t;
 
 /* One cached endpoint to a remote worker. */
 typedef struct {
     duet__peer_state_t state;
-    ucp_ep_h           ep;
-    void              *req;       /* connect flush or close request in flight; UCX-owned */
-    ucs_status_t       err;       /* why it failed */
-    uint32_t           refs;      /* transfers using it */
-    bool               no_err;    /* created with UCP_ERR_HANDLING_MODE_NONE (see peer_get) */
-    uint64_t           last_used; /* sweep counter, for eviction */
-    size_t             addr_len;
-    uint8_t           *addr;      /* owned, [DUET__XFER_ADDR_MAX]: the remote worker address */
+    ucp_ep_h ep;
+    void *req;          /* connect flush or close request in flight; UCX-owned */
+    ucs_status_t err;   /* why it failed */
+    uint32_t refs;      /* transfers using it */
+    bool no_err;        /* created with UCP_ERR_HANDLING_MODE_NONE (see peer_get) */
+    uint64_t last_used; /* sweep counter, for eviction */
+    size_t addr_len;
+    uint8_t *addr; /* owned, [DUET__XFER_ADDR_MAX]: the remote worker address */
     /* Unpacked remote keys of this peer's pools, kept while the endpoint lives: unpacking maps
      * the remote shared-memory segment, and mapping it afresh per transfer (then faulting its
      * pages in again) cost ~2 ms per MiB in the benchmark. */
     struct {
-        size_t     len;
-        uint8_t    key[DUET__XFER_RKEY_BYTES];
+        size_t len;
+        uint8_t key[DUET__XFER_RKEY_BYTES];
         ucp_rkey_h h;
     } rk[DUET__XFER_RKEY_CACHE];
-    uint32_t           n_rk;
+    uint32_t n_rk;
     struct duet_xfer_ctx *ctx;
 } duet__peer_t;
 
 /* A control-message buffer; owned by ctx->msgs, lent to one ucp_am_send_nbx. */
 typedef struct {
-    bool          used;
-    duet__xfer_t *x;      /* transfer to tell on completion, or NULL */
-    void         *req;    /* UCX request while in flight (released at destroy if stuck) */
-    uint8_t       hdr[DUET__XFER_AM_HDR_BYTES];
-    uint8_t       body[DUET__XFER_MSG_BYTES];
+    bool used;
+    duet__xfer_t *x; /* transfer to tell on completion, or NULL */
+    void *req;       /* UCX request while in flight (released at destroy if stuck) */
+    uint8_t hdr[DUET__XFER_AM_HDR_BYTES];
+    uint8_t body[DUET__XFER_MSG_BYTES];
     struct duet_xfer_ctx *ctx;
 } duet__msg_t;
 
 typedef enum {
     DUET__X_FREE = 0,
     /* receiver */
-    DUET__X_RESERVED,   /* waiting for the sender's hello */
-    DUET__X_RECEIVING,  /* hello seen; waiting for done / abort / deadline / peer failure */
+    DUET__X_RESERVED,  /* waiting for the sender's hello */
+    DUET__X_RECEIVING, /* hello seen; waiting for done / abort / deadline / peer failure */
     /* sender */
     DUET__X_CONNECTING, /* endpoints to every rank being flushed */
     DUET__X_SENDING,    /* hellos sent; puts issued as layers become ready */
@@ -101,110 +101,110 @@ typedef enum {
 
 /* Per destination rank of a sender's transfer. */
 typedef struct {
-    int32_t     peer;                    /* index in ctx->peers */
-    uint64_t    xfer_id;                 /* the receiver's transfer id */
-    ucp_rkey_h  rkey[DUET_XFER_N_POOLS]; /* unpacked for peer's ep; NULL when absent */
-    bool        rkey_own[DUET_XFER_N_POOLS]; /* not in the peer's cache: destroy at the end */
-    uint64_t    base[DUET_XFER_N_POOLS]; /* remote pool bases */
-    uint64_t    checksum;
-    void       *flush_req[2]; /* flushes in flight on this rank's endpoint (completion, abort);
-                                 released at destroy if stuck */
+    int32_t peer;                       /* index in ctx->peers */
+    uint64_t xfer_id;                   /* the receiver's transfer id */
+    ucp_rkey_h rkey[DUET_XFER_N_POOLS]; /* unpacked for peer's ep; NULL when absent */
+    bool rkey_own[DUET_XFER_N_POOLS];   /* not in the peer's cache: destroy at the end */
+    uint64_t base[DUET_XFER_N_POOLS];   /* remote pool bases */
+    uint64_t checksum;
+    void *flush_req[2]; /* flushes in flight on this rank's endpoint (completion, abort);
+                           released at destroy if stuck */
 } duet__rank_t;
 
 struct duet__xfer {
-    uint32_t               idx;
-    uint16_t               gen;
-    duet__xstate_t         state;
-    duet_xfer_role_t       role;
-    duet_xfer_id_t         id;
-    uint64_t               req_id;
+    uint32_t idx;
+    uint16_t gen;
+    duet__xstate_t state;
+    duet_xfer_role_t role;
+    duet_xfer_id_t id;
+    uint64_t req_id;
     duet_xfer_outcome_cb_t cb;
-    void                  *user;
-    uint64_t               t0_ns;       /* reserve / start time (monotonic) */
-    uint64_t               deadline_ns; /* monotonic */
-    uint32_t               pending;     /* UCX requests and messages pointing at this slot */
-    ucs_status_t           op_err;      /* first failure of those */
-    duet_xfer_reason_t     reason;
-    char                   msg[DUET__XFER_MSG_TEXT];
-    int32_t               *pages;       /* owned, [ctx->max_pages]: receiver's pages */
-    uint32_t               n_pages;
-    uint64_t               bytes;
+    void *user;
+    uint64_t t0_ns;       /* reserve / start time (monotonic) */
+    uint64_t deadline_ns; /* monotonic */
+    uint32_t pending;     /* UCX requests and messages pointing at this slot */
+    ucs_status_t op_err;  /* first failure of those */
+    duet_xfer_reason_t reason;
+    char msg[DUET__XFER_MSG_TEXT];
+    int32_t *pages; /* owned, [ctx->max_pages]: receiver's pages */
+    uint32_t n_pages;
+    uint64_t bytes;
 
     /* receiver */
     duet_xfer_layout_t layout;
-    int32_t            kda_slot;
-    uint64_t           n_tokens;
-    uint32_t           rank, group_size;
-    uint64_t           deadline_unix_ms;
-    uint64_t           expect_bytes;
-    bool               hello_pending; /* hello arrived; address in hello_addr (hello_len > 0) */
-    size_t             hello_len;
-    uint8_t           *hello_addr;    /* owned, [DUET__XFER_ADDR_MAX] */
-    bool               done_pending;  /* XferDone arrived; fields below */
-    uint64_t           done_bytes, done_checksum;
-    bool               done_has_checksum;
-    bool               abort_pending; /* XferAbort arrived; reason/msg set */
+    int32_t kda_slot;
+    uint64_t n_tokens;
+    uint32_t rank, group_size;
+    uint64_t deadline_unix_ms;
+    uint64_t expect_bytes;
+    bool hello_pending; /* hello arrived; address in hello_addr (hello_len > 0) */
+    size_t hello_len;
+    uint8_t *hello_addr; /* owned, [DUET__XFER_ADDR_MAX] */
+    bool done_pending;   /* XferDone arrived; fields below */
+    uint64_t done_bytes, done_checksum;
+    bool done_has_checksum;
+    bool abort_pending; /* XferAbort arrived; reason/msg set */
 
     /* sender */
-    uint32_t          n_ranks;
-    duet__rank_t     *ranks;     /* owned, [DUET_XFER_MAX_RANKS] */
-    duet_xfer_plan_t  plan;      /* buffers reused across transfers */
-    uint32_t          n_groups;  /* plan groups that carry data: MLA layers (+ KDA layers) */
-    uint32_t          n_mla;     /* MLA layer groups */
-    uint32_t          n_issued;
-    uint64_t          ready[DUET__XFER_MAX_GROUPS / 64];
-    uint64_t          issued[DUET__XFER_MAX_GROUPS / 64];
-    bool              checksum;
-    uint32_t          flush_left, done_left;
-    bool              done_sent;
-    uint64_t          abort_deadline_ns;
-    uint32_t          abort_stage; /* 0: waiting; 1: endpoints failed, waiting once more */
+    uint32_t n_ranks;
+    duet__rank_t *ranks;   /* owned, [DUET_XFER_MAX_RANKS] */
+    duet_xfer_plan_t plan; /* buffers reused across transfers */
+    uint32_t n_groups;     /* plan groups that carry data: MLA layers (+ KDA layers) */
+    uint32_t n_mla;        /* MLA layer groups */
+    uint32_t n_issued;
+    uint64_t ready[DUET__XFER_MAX_GROUPS / 64];
+    uint64_t issued[DUET__XFER_MAX_GROUPS / 64];
+    bool checksum;
+    uint32_t flush_left, done_left;
+    bool done_sent;
+    uint64_t abort_deadline_ns;
+    uint32_t abort_stage; /* 0: waiting; 1: endpoints failed, waiting once more */
 };
 
 struct duet_xfer_ctx {
     ucp_context_h ucp;
-    ucp_worker_h  worker;
-    int           efd;
+    ucp_worker_h worker;
+    int efd;
     ucp_address_t *addr; /* owned by UCX: ucp_worker_release_address */
-    size_t         addr_len;
+    size_t addr_len;
 
     struct {
-        void       *base;
-        size_t      bytes;
-        ucp_mem_h   memh;
-        void       *rkey;     /* packed; ucp_rkey_buffer_release */
-        size_t      rkey_len;
+        void *base;
+        size_t bytes;
+        ucp_mem_h memh;
+        void *rkey; /* packed; ucp_rkey_buffer_release */
+        size_t rkey_len;
         duet_xfer_mem_kind_t kind;
     } pools[DUET_XFER_N_POOLS];
-    uint64_t      mem_types; /* UCS_BIT(ucs_memory_type_t) for each type this UCX can move */
+    uint64_t mem_types; /* UCS_BIT(ucs_memory_type_t) for each type this UCX can move */
 
-    uint32_t      cap, max_peers, max_pages, n_msgs;
-    uint32_t      abort_grace_ms;
-    bool          recv_no_abort_back;
-    duet__xfer_t *xs;        /* owned, [cap] */
-    uint32_t      n_active[2];
-    duet__peer_t *peers;     /* owned, [max_peers] */
-    duet__msg_t  *msgs;      /* owned, [n_msgs] */
-    uint32_t      msg_hint;
-    uint32_t      nonce;     /* high 32 bits of ids, random per context */
-    uint64_t      sweeps;
-    bool          dirty;     /* something changed inside a UCX callback */
-    bool          destroying;
-    bool          no_peer_err;  /* PEER error mode was unreachable once: go straight to NONE */
-    XXH3_state_t *xxh;       /* owned, checksum scratch */
+    uint32_t cap, max_peers, max_pages, n_msgs;
+    uint32_t abort_grace_ms;
+    bool recv_no_abort_back;
+    duet__xfer_t *xs; /* owned, [cap] */
+    uint32_t n_active[2];
+    duet__peer_t *peers; /* owned, [max_peers] */
+    duet__msg_t *msgs;   /* owned, [n_msgs] */
+    uint32_t msg_hint;
+    uint32_t nonce; /* high 32 bits of ids, random per context */
+    uint64_t sweeps;
+    bool dirty; /* something changed inside a UCX callback */
+    bool destroying;
+    bool no_peer_err;  /* PEER error mode was unreachable once: go straight to NONE */
+    XXH3_state_t *xxh; /* owned, checksum scratch */
 
     struct {
-        duet_metric_t *bytes[2];                         /* {role} */
-        duet_metric_t *transfers[2][2];                  /* {role, outcome} */
-        duet_metric_t *aborts[DUET_XFER_N_REASONS];      /* {reason} */
-        duet_metric_t *seconds[2];                       /* {role} */
+        duet_metric_t *bytes[2];                    /* {role} */
+        duet_metric_t *transfers[2][2];             /* {role, outcome} */
+        duet_metric_t *aborts[DUET_XFER_N_REASONS]; /* {reason} */
+        duet_metric_t *seconds[2];                  /* {role} */
     } m;
 };
 
 /* Bump allocator for unpacking one control message without malloc (lives on the stack). */
 typedef struct {
     uint8_t buf[4096];
-    size_t  used;
+    size_t used;
 } duet__arena_t;
 
 /* --- xfer_core.c: what the context and both state machines use ---------------------------- */

@@ -4,7 +4,8 @@
  * The receiver never touches the bytes while they arrive: the sender writes them with RMA puts.
  * What the receiver does is bookkeeping with a deadline: it learns the sender's address from the
  * hello (and opens an endpoint back only to send an abort), and ends on the first of XferDone,
- * XferAbort, the deadline, the sender's death, or the owner's cancel. The outcome goes to the owner at once so it can return the pages to its pools.
+ * XferAbort, the deadline, the sender's death, or the owner's cancel. The outcome goes to the owner
+ * at once so it can return the pages to its pools.
  *
  * The checksum of a rank's bytes is recomputed from the destination pages in the order the
  * sender's plan writes them (transfer/plan.h): for each MLA layer, this rank's tokens in sequence
@@ -86,10 +87,9 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     uint64_t tokens, need_pages;
     duet__rank_tokens(a->n_tokens, l->page_tokens, a->rank, a->group_size, &tokens, &need_pages);
     if (need_pages > a->n_pages)
-        return DUET_FAIL(DUET_ERR_RANGE,
-                         "xfer reserve: %llu tokens need %llu pages on rank %u, %u reserved",
-                         (unsigned long long)a->n_tokens, (unsigned long long)need_pages, a->rank,
-                         a->n_pages);
+        return DUET_FAIL(
+            DUET_ERR_RANGE, "xfer reserve: %llu tokens need %llu pages on rank %u, %u reserved",
+            (unsigned long long)a->n_tokens, (unsigned long long)need_pages, a->rank, a->n_pages);
 
     duet__xfer_t *x = duet__xfer_slot_take(ctx, DUET_XFER_ROLE_RECV);
     if (x == NULL)
@@ -107,8 +107,8 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     x->group_size = a->group_size;
     x->deadline_unix_ms = a->deadline_unix_ms;
     x->deadline_ns = x->t0_ns + (a->deadline_unix_ms - now_ms) * 1000000ull;
-    x->expect_bytes = tokens * l->token_bytes * l->n_mla_layers +
-                      (a->kda_slot >= 0 ? slot_bytes : 0);
+    x->expect_bytes =
+        tokens * l->token_bytes * l->n_mla_layers + (a->kda_slot >= 0 ? slot_bytes : 0);
 
     duet_xfer_reservation_t r = {
         .version = DUET_XFER_RESERVATION_VERSION,
@@ -275,8 +275,8 @@ void duet__xfer_recv_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void 
          * new sender rewrites every byte, and the abort address becomes the new one. */
         if (x == NULL || (x->state != DUET__X_RESERVED && x->state != DUET__X_RECEIVING) ||
             len == 0 || len > DUET__XFER_ADDR_MAX) {
-            DUET_LOG_INFO("xfer: hello for transfer %016llx refused (%s)",
-                          (unsigned long long)id, x == NULL ? "unknown or ended" : "bad state");
+            DUET_LOG_INFO("xfer: hello for transfer %016llx refused (%s)", (unsigned long long)id,
+                          x == NULL ? "unknown or ended" : "bad state");
             if (reply_ep != NULL)
                 (void)duet__xfer_reply_abort(ctx, reply_ep, id,
                                              "no such reservation (ended, or never made)");

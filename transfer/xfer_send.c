@@ -143,13 +143,13 @@ static bool duet__send_issue(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint32_t g)
         const duet_xfer_entry_t *e = &pl->entries[i];
         duet__rank_t *rk = &x->ranks[e->rank];
         ucp_request_param_t prm = {.op_attr_mask = 0};
-        ucs_status_ptr_t req =
-            ucp_put_nbx(ctx->peers[rk->peer].ep, (const uint8_t *)ctx->pools[e->kind].base + e->src_off,
-                        e->len, rk->base[e->kind] + e->dst_off, rk->rkey[e->kind], &prm);
+        ucs_status_ptr_t req = ucp_put_nbx(
+            ctx->peers[rk->peer].ep, (const uint8_t *)ctx->pools[e->kind].base + e->src_off, e->len,
+            rk->base[e->kind] + e->dst_off, rk->rkey[e->kind], &prm);
         if (UCS_PTR_IS_ERR(req)) {
             duet__xfer_set_reason(x, duet__send_err_reason(UCS_PTR_STATUS(req)),
-                                  "put to rank %u failed: %s",
-                                  e->rank, ucs_status_string(UCS_PTR_STATUS(req)));
+                                  "put to rank %u failed: %s", e->rank,
+                                  ucs_status_string(UCS_PTR_STATUS(req)));
             return false;
         }
         if (req != NULL)
@@ -233,10 +233,9 @@ void duet__xfer_send_step(duet_xfer_ctx_t *ctx, duet__xfer_t *x, uint64_t now_ns
     for (uint32_t r = 0; r < x->n_ranks; r++) {
         duet__peer_t *p = &ctx->peers[x->ranks[r].peer];
         if (p->state == DUET__PEER_FAILED || p->state == DUET__PEER_CLOSING) {
-            duet__xfer_set_reason(x, DUET_XFER_REASON_PEER_FAILED,
-                                  "endpoint to rank %u failed: %s", r,
-                                  ucs_status_string(p->err != UCS_OK ? p->err
-                                                                     : UCS_ERR_CONNECTION_RESET));
+            duet__xfer_set_reason(
+                x, DUET_XFER_REASON_PEER_FAILED, "endpoint to rank %u failed: %s", r,
+                ucs_status_string(p->err != UCS_OK ? p->err : UCS_ERR_CONNECTION_RESET));
             duet__xfer_send_abort_x(ctx, x, DUET_XFER_REASON_PEER_FAILED);
             return;
         }
@@ -295,8 +294,7 @@ void duet__xfer_send_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void 
     Duet__Envelope *env = duet__xfer_env_unpack(&arena, data, len);
     if (env == NULL || env->body_case != DUET__ENVELOPE__BODY_XFER_ABORT ||
         env->xfer_abort->transfer_id != id) {
-        DUET_LOG_WARN("xfer: malformed abort for transfer %016llx dropped",
-                      (unsigned long long)id);
+        DUET_LOG_WARN("xfer: malformed abort for transfer %016llx dropped", (unsigned long long)id);
         return;
     }
     duet__xfer_t *x = duet__xfer_find_rank_id(ctx, id);
@@ -307,8 +305,8 @@ void duet__xfer_send_on_am(duet_xfer_ctx_t *ctx, const uint8_t *hdr, const void 
     uint32_t r = 0;
     while (r < x->n_ranks && x->ranks[r].xfer_id != id)
         r++;
-    duet__xfer_set_reason(x, DUET_XFER_REASON_PEER_ABORTED, "receiver rank %u aborted (%s): %s",
-                          r, duet__xfer_proto_reason_str(env->xfer_abort->reason),
+    duet__xfer_set_reason(x, DUET_XFER_REASON_PEER_ABORTED, "receiver rank %u aborted (%s): %s", r,
+                          duet__xfer_proto_reason_str(env->xfer_abort->reason),
                           env->xfer_abort->message != NULL ? env->xfer_abort->message : "");
     x->abort_pending = true;
     ctx->dirty = true;
@@ -347,7 +345,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
     uint64_t deadline = a->deadline_unix_ms != 0 ? a->deadline_unix_ms : UINT64_MAX;
 
     duet_xfer_layout_t dst_layout[DUET_XFER_MAX_RANKS];
-    duet_xfer_dest_t   dst[DUET_XFER_MAX_RANKS];
+    duet_xfer_dest_t dst[DUET_XFER_MAX_RANKS];
     for (uint32_t r = 0; r < n; r++) {
         const duet_xfer_reservation_t *rv = &a->reservations[r];
         if ((st = duet_xfer_reservation_validate(rv, now_ms)) < 0) {
@@ -362,8 +360,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
         if (rv->n_tokens != a->src.n_tokens)
             return DUET_FAIL(DUET_ERR_INVALID,
                              "xfer send: rank %u reserved for %llu tokens, the source has %llu", r,
-                             (unsigned long long)rv->n_tokens,
-                             (unsigned long long)a->src.n_tokens);
+                             (unsigned long long)rv->n_tokens, (unsigned long long)a->src.n_tokens);
         if (rv->n_pages > ctx->max_pages)
             return DUET_FAIL(DUET_ERR_RANGE, "xfer send: rank %u reserved %u pages (max_pages %u)",
                              r, rv->n_pages, ctx->max_pages);
@@ -377,10 +374,9 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
                                  "xfer send: ranks %u and %u share transfer id %016llx", q, r,
                                  (unsigned long long)rv->transfer_id);
         if (want_kda != (rv->kda_slot >= 0))
-            return DUET_FAIL(DUET_ERR_INVALID,
-                             "xfer send: rank %u %s a KDA slot but the source %s KDA state", r,
-                             rv->kda_slot >= 0 ? "reserved" : "did not reserve",
-                             want_kda ? "has" : "has no");
+            return DUET_FAIL(
+                DUET_ERR_INVALID, "xfer send: rank %u %s a KDA slot but the source %s KDA state", r,
+                rv->kda_slot >= 0 ? "reserved" : "did not reserve", want_kda ? "has" : "has no");
         if (rv->deadline_unix_ms < deadline)
             deadline = rv->deadline_unix_ms;
         dst_layout[r] = rv->layout;

@@ -24,17 +24,17 @@
 #include "proto/envelope.h"
 
 struct duet_link {
-    uv_loop_t           *loop;
-    uv_tcp_t             tcp;
-    uv_write_t           wreq;
-    duet_link_opts_t     opts;
+    uv_loop_t *loop;
+    uv_tcp_t tcp;
+    uv_write_t wreq;
+    duet_link_opts_t opts;
     duet_frame_decoder_t dec;
-    duet_strbuf_t        pending;  /* frames not yet handed to a write */
-    duet_strbuf_t        inflight; /* the bytes of the write in flight */
-    bool                 writing;
-    bool                 closed;   /* no more callbacks */
-    bool                 closing;  /* uv_close called */
-    char                 rbuf[65536];
+    duet_strbuf_t pending;  /* frames not yet handed to a write */
+    duet_strbuf_t inflight; /* the bytes of the write in flight */
+    bool writing;
+    bool closed;  /* no more callbacks */
+    bool closing; /* uv_close called */
+    char rbuf[65536];
 };
 
 static uint64_t link_now_ms(void)
@@ -47,7 +47,7 @@ static uint64_t link_now_ms(void)
 static duet_status_t link_connect_once(const char *host, const char *port, int *fd_p)
 {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
-    int             rc    = getaddrinfo(host, port, &hints, &ai);
+    int rc = getaddrinfo(host, port, &hints, &ai);
     if (rc != 0)
         return duet_error_set(DUET_ERR_INVALID, "cannot resolve router %s:%s: %s", host, port,
                               gai_strerror(rc));
@@ -58,7 +58,7 @@ static duet_status_t link_connect_once(const char *host, const char *port, int *
             continue;
         if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
             *fd_p = fd;
-            st    = DUET_OK;
+            st = DUET_OK;
             break;
         }
         duet_error_set(DUET_ERR_IO, "cannot connect to the router at %s:%s: %s", host, port,
@@ -93,7 +93,7 @@ static duet_status_t link_read_one(int fd, duet_frame_decoder_t *dec, uint64_t d
         if (now >= deadline_ms)
             return duet_error_set(DUET_ERR_TIMEOUT, "no RegisterAck from the router");
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        int           r = poll(&p, 1, (int)(deadline_ms - now));
+        int r = poll(&p, 1, (int)(deadline_ms - now));
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0)
@@ -106,9 +106,9 @@ static duet_status_t link_read_one(int fd, duet_frame_decoder_t *dec, uint64_t d
         if (n <= 0)
             return duet_error_set(DUET_ERR_IO, "the router closed the connection during "
                                                "registration");
-        size_t          used = 0;
-        Duet__Envelope *env  = NULL;
-        duet_status_t   st   = duet_frame_decoder_feed(dec, &b, (size_t)n, &used, &env);
+        size_t used = 0;
+        Duet__Envelope *env = NULL;
+        duet_status_t st = duet_frame_decoder_feed(dec, &b, (size_t)n, &used, &env);
         if (st < 0)
             return duet_error_set(DUET_ERR_FORMAT, "malformed frame from the router");
         if (env != NULL) {
@@ -123,8 +123,8 @@ static void link_closed(duet_link_t *l, const char *reason);
 static void link_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     duet_link_t *l = h->data;
-    buf->base      = l->rbuf;
-    buf->len       = sizeof(l->rbuf);
+    buf->base = l->rbuf;
+    buf->len = sizeof(l->rbuf);
 }
 
 static void link_on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
@@ -135,10 +135,10 @@ static void link_on_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
         return;
     }
     const uint8_t *p = (const uint8_t *)buf->base;
-    size_t         m = (size_t)n;
+    size_t m = (size_t)n;
     while (m > 0 && !l->closed) {
-        size_t          used = 0;
-        Duet__Envelope *env  = NULL;
+        size_t used = 0;
+        Duet__Envelope *env = NULL;
         if (duet_frame_decoder_feed(&l->dec, p, m, &used, &env) < 0) {
             link_closed(l, "malformed frame from the router");
             return;
@@ -157,7 +157,7 @@ static void link_flush(duet_link_t *l);
 static void link_on_write(uv_write_t *w, int status)
 {
     duet_link_t *l = w->data;
-    l->writing     = false;
+    l->writing = false;
     l->inflight.len = 0;
     if (status < 0) {
         link_closed(l, uv_strerror(status));
@@ -173,7 +173,7 @@ static void link_flush(duet_link_t *l)
     /* Write at once what the socket takes (also from inside a long step, where the loop cannot
      * run a write callback); only a remainder waits for uv_write. */
     uv_buf_t now = uv_buf_init(l->pending.data, (unsigned)l->pending.len);
-    int      n   = uv_try_write((uv_stream_t *)&l->tcp, &now, 1);
+    int n = uv_try_write((uv_stream_t *)&l->tcp, &now, 1);
     if (n < 0 && n != UV_EAGAIN) {
         link_closed(l, uv_strerror(n));
         return;
@@ -187,12 +187,12 @@ static void link_flush(duet_link_t *l)
     memmove(l->pending.data, l->pending.data + n, l->pending.len - (size_t)n);
     l->pending.len -= (size_t)n;
     duet_strbuf_t t = l->inflight;
-    l->inflight     = l->pending;
-    l->pending      = t;
-    l->pending.len  = 0;
-    uv_buf_t b      = uv_buf_init(l->inflight.data, (unsigned)l->inflight.len);
-    l->wreq.data    = l;
-    int rc          = uv_write(&l->wreq, (uv_stream_t *)&l->tcp, &b, 1, link_on_write);
+    l->inflight = l->pending;
+    l->pending = t;
+    l->pending.len = 0;
+    uv_buf_t b = uv_buf_init(l->inflight.data, (unsigned)l->inflight.len);
+    l->wreq.data = l;
+    int rc = uv_write(&l->wreq, (uv_stream_t *)&l->tcp, &b, 1, link_on_write);
     if (rc < 0) {
         link_closed(l, uv_strerror(rc));
         return;
@@ -237,18 +237,18 @@ duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet
         host[strlen(host) - 1] = '\0';
     }
 
-    uint64_t      deadline = link_now_ms() + opts->connect_timeout_ms;
-    int           fd       = -1;
+    uint64_t deadline = link_now_ms() + opts->connect_timeout_ms;
+    int fd = -1;
     duet_status_t st;
-    uint64_t      last_log = 0;
+    uint64_t last_log = 0;
     for (;;) {
         st = link_connect_once(host, port, &fd);
         if (st == DUET_OK || st == DUET_ERR_INVALID)
             break;
         uint64_t now = link_now_ms();
         if (now >= deadline)
-            return duet_error_set(DUET_ERR_TIMEOUT, "no router at %s after %u ms: %s",
-                                  opts->router, opts->connect_timeout_ms, duet_error_last());
+            return duet_error_set(DUET_ERR_TIMEOUT, "no router at %s after %u ms: %s", opts->router,
+                                  opts->connect_timeout_ms, duet_error_last());
         if (now - last_log >= 5000) {
             DUET_LOG_INFO("waiting for the router at %s (%s)", opts->router, duet_error_last());
             last_log = now;
@@ -272,7 +272,7 @@ duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet
     duet_frame_decoder_init(&l->dec, 0);
 
     Duet__Register reg = *opts->reg;
-    reg.version        = DUET_PROTO_VERSION;
+    reg.version = DUET_PROTO_VERSION;
     Duet__Envelope env = duet_envelope_register_(&reg);
     Duet__Envelope *ack = NULL;
     if ((st = duet_frame_append(&env, &l->pending)) < 0 ||
@@ -303,7 +303,7 @@ duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet
         goto fail;
     }
     l->tcp.data = l;
-    rc          = uv_read_start((uv_stream_t *)&l->tcp, link_alloc, link_on_read);
+    rc = uv_read_start((uv_stream_t *)&l->tcp, link_alloc, link_on_read);
     if (rc < 0) {
         uv_close((uv_handle_t *)&l->tcp, link_free_cb);
         return duet_error_set(DUET_ERR_IO, "libuv: %s", uv_strerror(rc));
@@ -325,7 +325,7 @@ duet_status_t duet_link_send(duet_link_t *l, Duet__Envelope *env)
 {
     if (l == NULL || l->closed || l->closing)
         return duet_error_set(DUET_ERR_IO, "the router connection is closed");
-    env->version     = DUET_PROTO_VERSION;
+    env->version = DUET_PROTO_VERSION;
     duet_status_t st = duet_frame_append(env, &l->pending);
     if (st < 0)
         return st;
@@ -348,7 +348,7 @@ void duet_link_close(duet_link_t *l, uint32_t flush_timeout_ms)
             break;
         usleep(1000);
     }
-    l->closed  = true;
+    l->closed = true;
     l->closing = true;
     uv_close((uv_handle_t *)&l->tcp, link_free_cb);
 }

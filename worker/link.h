@@ -27,12 +27,12 @@ typedef void (*duet_link_message_cb)(const Duet__Envelope *env, void *user);
 typedef void (*duet_link_closed_cb)(const char *reason, void *user);
 
 typedef struct {
-    const char          *router;        /* "HOST:PORT" of the router's worker port */
-    uint32_t             connect_timeout_ms; /* keep retrying the connect this long */
-    const Duet__Register *reg;          /* sent first; reg->version is filled in */
+    const char *router;          /* "HOST:PORT" of the router's worker port */
+    uint32_t connect_timeout_ms; /* keep retrying the connect this long */
+    const Duet__Register *reg;   /* sent first; reg->version is filled in */
     duet_link_message_cb on_message;
-    duet_link_closed_cb  on_closed;
-    void                *user;
+    duet_link_closed_cb on_closed;
+    void *user;
 } duet_link_opts_t;
 
 /*

@@ -9,18 +9,18 @@
 #include "proto/envelope.h"
 
 const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
-const char *const duet_worker_dtypes[]  = {"auto", "f32", "bf16", NULL};
+const char *const duet_worker_dtypes[] = {"auto", "f32", "bf16", NULL};
 const char *const duet_worker_device_pools_modes[] = {"off", "auto", NULL};
 
 void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
 {
     duet_model_opts_default(o);
-    o->n_threads        = (int)duet_config_get_int(cfg, "threads");
+    o->n_threads = (int)duet_config_get_int(cfg, "threads");
     o->max_batch_tokens = duet_config_get_int(cfg, "batch.max_tokens");
-    o->max_seqs         = duet_config_get_int(cfg, "batch.max_seqs");
-    o->max_seq_len      = duet_config_get_int(cfg, "cache.max_seq_len");
-    o->page_tokens      = duet_config_get_int(cfg, "cache.page_tokens");
-    o->kv_pages         = duet_config_get_int(cfg, "cache.kv_pages");
+    o->max_seqs = duet_config_get_int(cfg, "batch.max_seqs");
+    o->max_seq_len = duet_config_get_int(cfg, "cache.max_seq_len");
+    o->page_tokens = duet_config_get_int(cfg, "cache.page_tokens");
+    o->kv_pages = duet_config_get_int(cfg, "cache.kv_pages");
     /* the enum was validated by the config: only auto / cpu / cuda reach here */
     if (duet_model_device_parse(duet_config_get_enum(cfg, "device"), &o->device) != DUET_OK)
         o->device = DUET_DEVICE_CPU;
@@ -39,10 +39,10 @@ bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t 
 
 duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bool device)
 {
-    duet_kv_pool_t  *kv  = duet_model_kv_pool(m);
+    duet_kv_pool_t *kv = duet_model_kv_pool(m);
     duet_kda_pool_t *kda = duet_model_kda_pool(m);
-    void            *kv_base = kv != NULL ? duet_kv_pool_base(kv) : NULL;
-    void            *kda_base = kda != NULL ? duet_kda_pool_base(kda) : NULL;
+    void *kv_base = kv != NULL ? duet_kv_pool_base(kv) : NULL;
+    void *kda_base = kda != NULL ? duet_kda_pool_base(kda) : NULL;
     const duet_xfer_mem_kind_t kind = device ? DUET_XFER_MEM_CUDA : DUET_XFER_MEM_HOST;
     if (device) {
         size_t kv_dev_bytes, kda_dev_bytes;
@@ -56,21 +56,21 @@ duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bo
     if (kv != NULL)
         st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KV, kv_base, duet_kv_pool_bytes(kv), kind);
     if (st == DUET_OK && kda != NULL)
-        st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KDA, kda_base, duet_kda_pool_bytes(kda),
-                                    kind);
+        st =
+            duet_xfer_ctx_register(x, DUET_XFER_POOL_KDA, kda_base, duet_kda_pool_bytes(kda), kind);
     return st;
 }
 
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
 {
-    const duet_model_config_t *c   = duet_model_config(m);
-    duet_kv_pool_t            *kv  = duet_model_kv_pool(m);
-    duet_kda_pool_t           *kda = duet_model_kda_pool(m);
+    const duet_model_config_t *c = duet_model_config(m);
+    duet_kv_pool_t *kv = duet_model_kv_pool(m);
+    duet_kda_pool_t *kda = duet_model_kda_pool(m);
     memset(l, 0, sizeof(*l));
     l->page_tokens = (uint32_t)duet_model_opts(m)->page_tokens;
     if (kv != NULL) {
         const duet_kv_pool_desc_t *d = duet_kv_pool_desc(kv);
-        l->n_mla_layers              = (uint32_t)d->n_layers;
+        l->n_mla_layers = (uint32_t)d->n_layers;
         l->token_bytes = (uint32_t)(d->token_dim * (int64_t)duet_dtype_size(d->dtype));
     } else {
         l->token_bytes = (uint32_t)((c->kv_lora_rank + c->qk_rope_head_dim) * 4);
@@ -78,14 +78,14 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
     l->state_elem = 4;
     if (kda != NULL) {
         const duet_kda_pool_desc_t *d = duet_kda_pool_desc(kda);
-        l->n_kda_layers               = (uint32_t)d->n_layers;
-        l->kda_heads                  = (uint32_t)d->heads;
-        l->kda_head_dim               = (uint32_t)d->head_dim;
-        l->conv_kernel                = (uint32_t)d->conv_kernel;
+        l->n_kda_layers = (uint32_t)d->n_layers;
+        l->kda_heads = (uint32_t)d->heads;
+        l->kda_head_dim = (uint32_t)d->head_dim;
+        l->conv_kernel = (uint32_t)d->conv_kernel;
     } else {
-        l->kda_heads    = 1;
+        l->kda_heads = 1;
         l->kda_head_dim = 1;
-        l->conv_kernel  = 1;
+        l->conv_kernel = 1;
     }
 }
 
@@ -126,7 +126,7 @@ static void pump_on_prepare(uv_prepare_t *h)
 duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p)
 {
     memset(p, 0, sizeof(*p));
-    p->x   = x;
+    p->x = x;
     int rc = uv_poll_init(loop, &p->poll, duet_xfer_ctx_fd(x));
     if (rc == 0)
         rc = uv_prepare_init(loop, &p->prep);
@@ -134,8 +134,8 @@ duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_w
         rc = uv_timer_init(loop, &p->timer);
     if (rc < 0)
         return duet_error_set(DUET_ERR_IO, "libuv: %s", uv_strerror(rc));
-    p->poll.data  = p;
-    p->prep.data  = p;
+    p->poll.data = p;
+    p->prep.data = p;
     p->timer.data = p;
     uv_poll_start(&p->poll, UV_READABLE, pump_on_poll);
     uv_prepare_start(&p->prep, pump_on_prepare);
@@ -160,8 +160,8 @@ void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *
     uint64_t seed = 0;
     if (s != NULL) {
         w->sp.temperature = s->temperature > 0 ? s->temperature : 0.0f;
-        w->sp.top_p       = s->top_p > 0 && s->top_p <= 1 ? s->top_p : 1.0f;
-        w->sp.top_k       = s->top_k;
+        w->sp.top_p = s->top_p > 0 && s->top_p <= 1 ? s->top_p : 1.0f;
+        w->sp.top_k = s->top_k;
         for (size_t i = 0; i < s->n_stop_token_ids && w->n_stop < DUET_WORKER_MAX_STOP; i++)
             w->stop[w->n_stop++] = s->stop_token_ids[i];
         if (s->has_seed)
@@ -193,12 +193,12 @@ int64_t duet_worker_chunk_end(int64_t prefilled, int64_t n_prompt, int64_t chunk
 void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
                              int finish, const char *error)
 {
-    Duet__Tokens t     = DUET__TOKENS__INIT;
-    t.request_id       = rid;
-    t.ids              = (uint32_t *)ids;
-    t.n_ids            = n;
-    t.finish_reason    = finish;
-    t.error            = (char *)(error != NULL ? error : "");
+    Duet__Tokens t = DUET__TOKENS__INIT;
+    t.request_id = rid;
+    t.ids = (uint32_t *)ids;
+    t.n_ids = n;
+    t.finish_reason = finish;
+    t.error = (char *)(error != NULL ? error : "");
     Duet__Envelope env = duet_envelope_tokens(&t);
     if (duet_link_send(link, &env) < 0)
         DUET_RLOG_WARN(rid, "tokens not sent: %s", duet_error_last());
@@ -207,10 +207,10 @@ void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *id
 void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reason,
                               uint32_t retry_after_ms)
 {
-    Duet__Refused r    = DUET__REFUSED__INIT;
-    r.request_id       = rid;
-    r.reason           = (char *)reason;
-    r.retry_after_ms   = retry_after_ms;
+    Duet__Refused r = DUET__REFUSED__INIT;
+    r.request_id = rid;
+    r.reason = (char *)reason;
+    r.retry_after_ms = retry_after_ms;
     Duet__Envelope env = duet_envelope_refused(&r);
     if (duet_link_send(link, &env) < 0)
         DUET_RLOG_WARN(rid, "refusal not sent: %s", duet_error_last());

@@ -23,35 +23,57 @@
 #define DUET_WORKER_CONFIG_KEYS                                                                    \
     {"router", DUET_CONFIG_STRING, "127.0.0.1:8100", "the router's worker port, HOST:PORT",        \
      .min = NULL},                                                                                 \
-    {"model.dir", DUET_CONFIG_STRING, NULL, "model folder (config.json + safetensors)",            \
-     .required = true, .alias = "model"},                                                          \
-    {"name", DUET_CONFIG_STRING, "", "worker name shown by duetctl (default: role-pid)",           \
-     .min = NULL},                                                                                 \
-    {"threads", DUET_CONFIG_INT, "0", "compute threads (0 = all online CPUs)", .min = "0",         \
-     .max = "1024"},                                                                               \
-    {"device", DUET_CONFIG_ENUM, "auto", "where the model runs: auto (cuda when a GPU is "         \
-     "visible), cpu or cuda", .choices = duet_worker_devices},                                    \
-    {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = duet_worker_dtypes},    \
-    {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"},     \
-    {"router_connect_timeout_ms", DUET_CONFIG_INT, "60000",                                        \
-     "keep trying to reach the router this long at start", .min = "0", .max = "3600000"},          \
-    {"cache.page_tokens", DUET_CONFIG_INT, "128", "tokens per MLA KV page", .min = "1",            \
-     .max = "65536"},                                                                              \
-    {"cache.max_seq_len", DUET_CONFIG_INT, "4096", "tokens one request may hold (prompt + output)",\
-     .min = "1", .max = "16777216"},                                                               \
-    {"cache.kv_pages", DUET_CONFIG_INT, "0",                                                       \
-     "KV pages in the pool (0 = batch.max_seqs * max_seq_len / page_tokens)", .min = "0",          \
-     .max = "100000000"},                                                                          \
-    {"batch.prefill_chunk", DUET_CONFIG_INT, "512",                                                \
-     "prompt tokens of one request per step (chunks start at multiples of it, as in "              \
-     "duet-generate --prefill-chunk)", .min = "1", .max = "1048576"},                              \
-    {"transfer.device_pools", DUET_CONFIG_ENUM, "off",                                             \
-     "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes the "    \
-     "GPU's pools directly when it has CUDA transports (experimental: with UCX 1.13.1 slower "    \
-     "than staging, see bench/RESULTS.md)", .choices = duet_worker_device_pools_modes}
+        {"model.dir",      DUET_CONFIG_STRING, NULL, "model folder (config.json + safetensors)",   \
+         .required = true, .alias = "model"},                                                      \
+        {"name", DUET_CONFIG_STRING, "", "worker name shown by duetctl (default: role-pid)",       \
+         .min = NULL},                                                                             \
+        {"threads",  DUET_CONFIG_INT, "0", "compute threads (0 = all online CPUs)",                \
+         .min = "0", .max = "1024"},                                                               \
+        {"device", DUET_CONFIG_ENUM, "auto",                                                       \
+         "where the model runs: auto (cuda when a GPU is "                                         \
+         "visible), cpu or cuda",                                                                  \
+         .choices = duet_worker_devices},                                                          \
+        {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = duet_worker_dtypes}, \
+        {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"}, \
+        {"router_connect_timeout_ms",                                                              \
+         DUET_CONFIG_INT,                                                                          \
+         "60000",                                                                                  \
+         "keep trying to reach the router this long at start",                                     \
+         .min = "0",                                                                               \
+         .max = "3600000"},                                                                        \
+        {"cache.page_tokens",      DUET_CONFIG_INT, "128",                                         \
+         "tokens per MLA KV page", .min = "1",      .max = "65536"},                               \
+        {"cache.max_seq_len",                                                                      \
+         DUET_CONFIG_INT,                                                                          \
+         "4096",                                                                                   \
+         "tokens one request may hold (prompt + output)",                                          \
+         .min = "1",                                                                               \
+         .max = "16777216"},                                                                       \
+        {"cache.kv_pages",                                                                         \
+         DUET_CONFIG_INT,                                                                          \
+         "0",                                                                                      \
+         "KV pages in the pool (0 = batch.max_seqs * max_seq_len / page_tokens)",                  \
+         .min = "0",                                                                               \
+         .max = "100000000"},                                                                      \
+        {"batch.prefill_chunk",                                                                    \
+         DUET_CONFIG_INT,                                                                          \
+         "512",                                                                                    \
+         "prompt tokens of one request per step (chunks start at multiples of it, as in "          \
+         "duet-generate --prefill-chunk)",                                                         \
+         .min = "1",                                                                               \
+         .max = "1048576"},                                                                        \
+    {                                                                                              \
+        "transfer.device_pools", DUET_CONFIG_ENUM, "off",                                          \
+            "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes "  \
+            "the "                                                                                 \
+            "GPU's pools directly when it has CUDA transports (experimental: with UCX 1.13.1 "     \
+            "slower "                                                                              \
+            "than staging, see bench/RESULTS.md)",                                                 \
+            .choices = duet_worker_device_pools_modes                                              \
+    }
 
-extern const char *const duet_worker_devices[]; /* "auto", "cpu", "cuda" */
-extern const char *const duet_worker_dtypes[];  /* "auto", "f32", "bf16" */
+extern const char *const duet_worker_devices[];            /* "auto", "cpu", "cuda" */
+extern const char *const duet_worker_dtypes[];             /* "auto", "f32", "bf16" */
 extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
 
 /* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */
@@ -75,10 +97,10 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l);
 /* UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines. */
 typedef struct {
     duet_xfer_ctx_t *x;
-    uv_poll_t        poll;
-    uv_prepare_t     prep;
-    uv_timer_t       timer;
-    int              open_handles;
+    uv_poll_t poll;
+    uv_prepare_t prep;
+    uv_timer_t timer;
+    int open_handles;
 } duet_worker_pump_t;
 
 duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p);
@@ -93,9 +115,9 @@ void duet_worker_pump_stop(duet_worker_pump_t *p);
 /* How one request samples: parameters, its own RNG stream, and the ids that end it. */
 typedef struct {
     duet_sampling_t sp;
-    duet_rng_t      rng;
-    uint32_t        stop[DUET_WORKER_MAX_STOP];
-    size_t          n_stop;
+    duet_rng_t rng;
+    uint32_t stop[DUET_WORKER_MAX_STOP];
+    size_t n_stop;
 } duet_worker_sampling_t;
 
 /* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random. */

@@ -24,30 +24,30 @@ typedef void (*duet__task_fn)(void *ctx, int64_t task, int thread_idx);
 
 typedef struct duet__worker {
     struct duet_kernels *k;
-    pthread_t            tid;
-    int                  idx; /* 1..n_threads-1; the caller is 0 */
+    pthread_t tid;
+    int idx; /* 1..n_threads-1; the caller is 0 */
 } duet__worker_t;
 
 struct duet_kernels {
     duet_device_kind_t device;
-    int                n_threads;
-    duet__isa_t        isa;
+    int n_threads;
+    duet__isa_t isa;
 
     /* pool */
     duet__worker_t *workers; /* owned, n_threads - 1 entries */
-    int             n_started;
+    int n_started;
     pthread_mutex_t mu;
-    pthread_cond_t  cv;
-    _Atomic uint32_t gen;        /* bumped once per job; workers watch it */
-    _Atomic uint64_t claim;      /* (gen << 32) | next task index */
-    _Atomic int64_t  n_done;     /* tasks finished in the current job */
-    _Atomic int      n_sleeping; /* workers blocked (or about to block) on cv */
-    _Atomic int      busy;       /* a job is being dispatched (one caller at a time) */
-    _Atomic int      stop;
-    duet__task_fn    fn;  /* current job, valid while its tasks run */
-    void            *ctx;
-    int64_t          n_tasks;
-    int64_t          spin_ns; /* how long an idle worker spins before sleeping */
+    pthread_cond_t cv;
+    _Atomic uint32_t gen;   /* bumped once per job; workers watch it */
+    _Atomic uint64_t claim; /* (gen << 32) | next task index */
+    _Atomic int64_t n_done; /* tasks finished in the current job */
+    _Atomic int n_sleeping; /* workers blocked (or about to block) on cv */
+    _Atomic int busy;       /* a job is being dispatched (one caller at a time) */
+    _Atomic int stop;
+    duet__task_fn fn; /* current job, valid while its tasks run */
+    void *ctx;
+    int64_t n_tasks;
+    int64_t spin_ns; /* how long an idle worker spins before sleeping */
 };
 
 /*

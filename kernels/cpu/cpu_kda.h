@@ -35,13 +35,19 @@
  * i) is updated in place and on return is the state after the last token.
  */
 typedef struct {
-    const float *q;    int64_t q_stride;    /* [n][K] */
-    const float *k;    int64_t k_stride;    /* [n][K] */
-    const float *v;    int64_t v_stride;    /* [n][V] */
-    const float *g;    int64_t g_stride;    /* [n][K] log-decay, <= 0 */
-    const float *beta; int64_t beta_stride; /* [n] */
-    float       *o;    int64_t o_stride;    /* [n][V] output */
-    int64_t      n, K, V;
+    const float *q;
+    int64_t q_stride; /* [n][K] */
+    const float *k;
+    int64_t k_stride; /* [n][K] */
+    const float *v;
+    int64_t v_stride; /* [n][V] */
+    const float *g;
+    int64_t g_stride; /* [n][K] log-decay, <= 0 */
+    const float *beta;
+    int64_t beta_stride; /* [n] */
+    float *o;
+    int64_t o_stride; /* [n][V] output */
+    int64_t n, K, V;
 } duet_cpu_kda_head_io_t;
 
 /* Token-by-token recurrence. */
@@ -59,9 +65,9 @@ void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scr
 /* One KDA layer's view of the state pool (the host pool's memory and layout). H, K, W are the
  * layout's heads, head_dim, conv_kernel; the layout's elem_bytes must be 4. */
 typedef struct {
-    void             *kda_base; /* the KDA pool */
+    void *kda_base; /* the KDA pool */
     duet_kda_layout_t layout;
-    int64_t           layer;    /* this KDA layer's index among KDA layers */
+    int64_t layer; /* this KDA layer's index among KDA layers */
 } duet_cpu_kda_layer_t;
 
 /*
@@ -70,17 +76,16 @@ typedef struct {
  * followed by its proj rows; then the window keeps the last W-1 pre-conv inputs. taps: fp32
  * [3*H*K][W]; W <= 64 (model_config.c refuses more).
  */
-void duet_cpu_kda_conv(duet_kernels_t *k, const duet_cpu_step_t *st,
-                       const duet_cpu_kda_layer_t *ly, const float *taps, const float *proj,
-                       float *qkv);
+void duet_cpu_kda_conv(duet_kernels_t *k, const duet_cpu_step_t *st, const duet_cpu_kda_layer_t *ly,
+                       const float *taps, const float *proj, float *qkv);
 
 /*
  * Per row: g[i] = neg_A[i / K] · softplus(g[i] + dt_bias[i]) (in place), beta = σ(beta) (in
  * place), q and k of every head L2-normalised (eps 1e-6 inside the sqrt), q also scaled by K^-1/2
  * (in place in qkv). neg_A: [H] = -exp(A_log); dt_bias: [H*K].
  */
-void duet_cpu_kda_prep(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K,
-                       const float *neg_A, const float *dt_bias, float *qkv, float *g, float *beta);
+void duet_cpu_kda_prep(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K, const float *neg_A,
+                       const float *dt_bias, float *qkv, float *g, float *beta);
 
 /*
  * The delta-rule core of every (item, head): reads q, k, v from qkv, g, beta; writes o; updates
@@ -88,12 +93,12 @@ void duet_cpu_kda_prep(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K,
  * chunked form. scratch: duet_kernels_n_threads(k) blocks of scratch_per_thread >=
  * duet_cpu_kda_chunk_scratch_floats(K, K) floats, one per pool thread.
  */
-void duet_cpu_kda_core(duet_kernels_t *k, const duet_cpu_step_t *st,
-                       const duet_cpu_kda_layer_t *ly, const float *qkv, const float *g,
-                       const float *beta, float *o, float *scratch, int64_t scratch_per_thread);
+void duet_cpu_kda_core(duet_kernels_t *k, const duet_cpu_step_t *st, const duet_cpu_kda_layer_t *ly,
+                       const float *qkv, const float *g, const float *beta, float *o,
+                       float *scratch, int64_t scratch_per_thread);
 
 /* o[row][h*K + d] = o_norm[d] · o / sqrt(mean_d(o²) + eps) · σ(gate[row][h*K + d]), in place. */
-void duet_cpu_kda_out(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K,
-                      const float *o_norm, float eps, const float *gate, float *o);
+void duet_cpu_kda_out(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K, const float *o_norm,
+                      float eps, const float *gate, float *o);
 
 #endif

@@ -20,11 +20,11 @@
 /* One MLA layer's view of the KV pool (the host pool's memory and layout; token_bytes must be
  * (r + dr) * 4: an F32 pool). */
 typedef struct {
-    void            *kv_base; /* the KV pool */
+    void *kv_base; /* the KV pool */
     duet_kv_layout_t layout;
-    int64_t          layer;   /* this MLA layer's index among MLA layers */
-    int64_t          n_heads; /* n */
-    int64_t          r, dr;   /* kv_lora_rank, qk_rope_head_dim: a token's row is [c | k_r] */
+    int64_t layer;   /* this MLA layer's index among MLA layers */
+    int64_t n_heads; /* n */
+    int64_t r, dr;   /* kv_lora_rank, qk_rope_head_dim: a token's row is [c | k_r] */
 } duet_cpu_mla_layer_t;
 
 /*
@@ -33,8 +33,8 @@ typedef struct {
  * dtype.
  */
 void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
-                           const duet_cpu_mla_layer_t *ly, float *ckr,
-                           const duet_tensor_t *norm_w, float eps);
+                           const duet_cpu_mla_layer_t *ly, float *ckr, const duet_tensor_t *norm_w,
+                           float eps);
 
 /*
  * Attention of every row and head over its item's positions 0 .. its own (causal, the row's own
@@ -45,7 +45,7 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
  */
 void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                          const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
-                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat,
-                         float *scratch, int64_t scratch_per_thread);
+                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
+                         int64_t scratch_per_thread);
 
 #endif

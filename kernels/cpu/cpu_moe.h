@@ -16,7 +16,7 @@
  * logits [T][E] and bias [E] fp32; n_group divides E; 1 <= topk_group <= n_group; top_k <= E.
  */
 void duet_cpu_moe_route(const float *logits, const float *bias, int64_t T, int64_t E,
-                        int64_t n_group, int64_t topk_group, int64_t top_k, int renorm,
-                        float scale, int32_t *idx, float *wts);
+                        int64_t n_group, int64_t topk_group, int64_t top_k, int renorm, float scale,
+                        int32_t *idx, float *wts);
 
 #endif

@@ -13,11 +13,11 @@
 #include <stdint.h>
 
 typedef struct {
-    int64_t               n_items;
-    int64_t               n_rows;     /* sum of the items' new tokens */
-    const int64_t        *item_row0;  /* [n_items + 1] first row of each item; [n_items] = n_rows */
-    const int64_t        *item_pos0;  /* [n_items] tokens in the item's caches before this step */
-    const int32_t        *item_slot;  /* [n_items] KDA state slot */
+    int64_t n_items;
+    int64_t n_rows;                   /* sum of the items' new tokens */
+    const int64_t *item_row0;         /* [n_items + 1] first row of each item; [n_items] = n_rows */
+    const int64_t *item_pos0;         /* [n_items] tokens in the item's caches before this step */
+    const int32_t *item_slot;         /* [n_items] KDA state slot */
     const int32_t *const *item_pages; /* [n_items] the item's KV page ids, in order */
 } duet_cpu_step_t;
 

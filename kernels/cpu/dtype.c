@@ -45,10 +45,10 @@ int64_t duet_tensor_numel(const duet_tensor_t *t)
 float duet_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e    = (h >> 10) & 0x1fu;
-    uint32_t m    = h & 0x3ffu;
+    uint32_t e = (h >> 10) & 0x1fu;
+    uint32_t m = h & 0x3ffu;
     uint32_t u;
-    float    f;
+    float f;
 
     if (e == 0) {
         /* zero or subnormal: m * 2^-24, exact in fp32 */
@@ -68,7 +68,7 @@ uint16_t duet_f32_to_f16(float f)
     uint32_t u;
     memcpy(&u, &f, sizeof(u));
     uint32_t sign = (u >> 16) & 0x8000u;
-    uint32_t a    = u & 0x7fffffffu;
+    uint32_t a = u & 0x7fffffffu;
 
     if (a >= 0x7f800000u) {
         if (a == 0x7f800000u)
@@ -82,18 +82,18 @@ uint16_t duet_f32_to_f16(float f)
         /* result is subnormal (or zero, or rounds up to the smallest normal) */
         if (a < 0x33000000u) /* < 2^-25: rounds to zero */
             return (uint16_t)sign;
-        uint32_t e     = a >> 23;
-        uint32_t m     = (a & 0x7fffffu) | 0x800000u;
+        uint32_t e = a >> 23;
+        uint32_t m = (a & 0x7fffffu) | 0x800000u;
         uint32_t shift = 126u - e; /* 14..24 */
-        uint32_t q     = m >> shift;
-        uint32_t rem   = m & ((1u << shift) - 1u);
-        uint32_t half  = 1u << (shift - 1u);
+        uint32_t q = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
         if (rem > half || (rem == half && (q & 1u) != 0))
             q++;
         return (uint16_t)(sign | q);
     }
-    uint32_t r   = a - 0x38000000u; /* rebias the exponent from 127 to 15 */
-    uint32_t q   = r >> 13;
+    uint32_t r = a - 0x38000000u; /* rebias the exponent from 127 to 15 */
+    uint32_t q = r >> 13;
     uint32_t rem = r & 0x1fffu;
     if (rem > 0x1000u || (rem == 0x1000u && (q & 1u) != 0))
         q++; /* a carry into the exponent is the correct result */

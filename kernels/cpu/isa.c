@@ -23,8 +23,8 @@ duet__isa_t duet__isa_detect(void)
 {
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
     __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               duet__cpu_has_f16c();
+    int avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && duet__cpu_has_f16c();
     if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
         return DUET__ISA_AVX512;

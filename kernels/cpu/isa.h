@@ -14,7 +14,7 @@
 /* Instruction-set paths of the matmul, best last. */
 typedef enum {
     DUET__ISA_SCALAR = 0,
-    DUET__ISA_AVX2   = 1, /* AVX2 + FMA + F16C */
+    DUET__ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
     DUET__ISA_AVX512 = 2, /* AVX-512 F/BW/VL + FMA + F16C */
 } duet__isa_t;
 

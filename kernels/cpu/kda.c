@@ -29,16 +29,16 @@ void duet_cpu_kda_recurrent(const duet_cpu_kda_head_io_t *io, float *S)
         const float *k = io->k + t * io->k_stride;
         const float *v = io->v + t * io->v_stride;
         const float *g = io->g + t * io->g_stride;
-        const float  b = io->beta[t * io->beta_stride];
-        float       *o = io->o + t * io->o_stride;
-        float        kv_mem[V];
+        const float b = io->beta[t * io->beta_stride];
+        float *o = io->o + t * io->o_stride;
+        float kv_mem[V];
 
         for (int64_t j = 0; j < V; j++)
             kv_mem[j] = 0.0f;
         for (int64_t i = 0; i < K; i++) {
             float *row = S + i * V;
-            float  d   = expf(g[i]);
-            float  ki  = k[i];
+            float d = expf(g[i]);
+            float ki = k[i];
             for (int64_t j = 0; j < V; j++) {
                 row[j] *= d;
                 kv_mem[j] += row[j] * ki;
@@ -50,7 +50,7 @@ void duet_cpu_kda_recurrent(const duet_cpu_kda_head_io_t *io, float *S)
             o[j] = 0.0f;
         for (int64_t i = 0; i < K; i++) {
             float *row = S + i * V;
-            float  ki = k[i], qi = q[i];
+            float ki = k[i], qi = q[i];
             for (int64_t j = 0; j < V; j++) {
                 row[j] += ki * kv_mem[j];
                 o[j] += row[j] * qi;
@@ -70,14 +70,14 @@ DUET__CPU_CLONES
 void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scratch)
 {
     const int64_t C = DUET_KDA_CHUNK, K = io->K, V = io->V;
-    float *gam = scratch;      /* [C][K] cumulative log-decay within the chunk */
-    float *A   = gam + C * K;  /* [C][C] UT matrix, then T */
-    float *Aqk = A + C * C;    /* [C][C] decayed q·k, j <= i */
-    float *U   = Aqk + C * C;  /* [C][V] T·(βV), then v_new */
-    float *W   = U + C * V;    /* [C][K] T·(β e^Γ K) */
-    float *KE  = W + C * K;    /* [K][C] k_j · e^{Γi − Γj} for the current row i */
-    float *skk = KE + K * C;   /* [C] */
-    float *sqk = skk + C;      /* [C] */
+    float *gam = scratch;    /* [C][K] cumulative log-decay within the chunk */
+    float *A = gam + C * K;  /* [C][C] UT matrix, then T */
+    float *Aqk = A + C * C;  /* [C][C] decayed q·k, j <= i */
+    float *U = Aqk + C * C;  /* [C][V] T·(βV), then v_new */
+    float *W = U + C * V;    /* [C][K] T·(β e^Γ K) */
+    float *KE = W + C * K;   /* [K][C] k_j · e^{Γi − Γj} for the current row i */
+    float *skk = KE + K * C; /* [C] */
+    float *sqk = skk + C;    /* [C] */
 
     for (int64_t c0 = 0; c0 < io->n; c0 += C) {
         const int64_t n = io->n - c0 < C ? io->n - c0 : C;
@@ -100,7 +100,7 @@ void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scr
             const float *ki = K_(i), *qi = Q_(i), *gi = G_(i);
             for (int64_t d = 0; d < K; d++) {
                 float *ke = KE + d * C;
-                float  eg = expf(gi[d]);
+                float eg = expf(gi[d]);
                 for (int64_t j = 0; j < i; j++)
                     ke[j] *= eg;
                 ke[i] = ki[d];
@@ -109,7 +109,7 @@ void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scr
                 skk[j] = sqk[j] = 0.0f;
             for (int64_t d = 0; d < K; d++) {
                 const float *ke = KE + d * C;
-                const float  kd = ki[d], qd = qi[d];
+                const float kd = ki[d], qd = qi[d];
                 for (int64_t j = 0; j <= i; j++) {
                     skk[j] += kd * ke[j];
                     sqk[j] += qd * ke[j];
@@ -158,29 +158,29 @@ void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scr
         }
         /* v_new = U - W S ; O = (Q e^Γ) S + Aqk v_new */
         for (int64_t i = 0; i < n; i++) {
-            float       *u = U + i * V;
+            float *u = U + i * V;
             const float *w = W + i * K;
             for (int64_t d = 0; d < K; d++) {
                 const float *srow = S + d * V;
-                float        wd   = w[d];
+                float wd = w[d];
                 for (int64_t x = 0; x < V; x++)
                     u[x] -= wd * srow[x];
             }
         }
         for (int64_t i = 0; i < n; i++) {
-            float       *o  = O_(i);
+            float *o = O_(i);
             const float *qi = Q_(i);
             for (int64_t x = 0; x < V; x++)
                 o[x] = 0.0f;
             for (int64_t d = 0; d < K; d++) {
                 const float *srow = S + d * V;
-                float        qd   = qi[d] * expf(gam[i * K + d]);
+                float qd = qi[d] * expf(gam[i * K + d]);
                 for (int64_t x = 0; x < V; x++)
                     o[x] += qd * srow[x];
             }
             for (int64_t j = 0; j <= i; j++) {
                 const float *u = U + j * V;
-                float        a = Aqk[i * C + j];
+                float a = Aqk[i * C + j];
                 for (int64_t x = 0; x < V; x++)
                     o[x] += a * u[x];
             }
@@ -189,12 +189,12 @@ void duet_cpu_kda_chunked(const duet_cpu_kda_head_io_t *io, float *S, float *scr
         const float *glast = gam + (n - 1) * K;
         for (int64_t d = 0; d < K; d++) {
             float *srow = S + d * V;
-            float  dec  = expf(glast[d]);
+            float dec = expf(glast[d]);
             for (int64_t x = 0; x < V; x++)
                 srow[x] *= dec;
             for (int64_t i = 0; i < n; i++) {
-                float        kd = K_(i)[d] * expf(glast[d] - gam[i * K + d]);
-                const float *u  = U + i * V;
+                float kd = K_(i)[d] * expf(glast[d] - gam[i * K + d]);
+                const float *u = U + i * V;
                 for (int64_t x = 0; x < V; x++)
                     srow[x] += kd * u[x];
             }
@@ -248,28 +248,28 @@ static float *duet__kda_state(const duet_cpu_kda_layer_t *ly, int32_t slot, int6
 #define DUET_CONV_BLOCK 64
 
 typedef struct {
-    const duet_cpu_step_t      *st;
+    const duet_cpu_step_t *st;
     const duet_cpu_kda_layer_t *ly;
-    const float                *taps;
-    const float                *proj;
-    float                      *qkv;
+    const float *taps;
+    const float *proj;
+    float *qkv;
 } duet__kda_conv_ctx_t;
 
 DUET__CPU_CLONES
 static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__kda_conv_ctx_t *cx = vctx;
-    const duet_cpu_step_t      *st = cx->st;
+    const duet_cpu_step_t *st = cx->st;
     const int64_t C3 = 3 * (int64_t)cx->ly->layout.heads * (int64_t)cx->ly->layout.head_dim;
-    const int64_t W  = (int64_t)cx->ly->layout.conv_kernel;
+    const int64_t W = (int64_t)cx->ly->layout.conv_kernel;
     const int64_t nblk = (C3 + DUET_CONV_BLOCK - 1) / DUET_CONV_BLOCK;
-    const float  *taps = cx->taps;
+    const float *taps = cx->taps;
 
     for (int64_t idx = b; idx < e; idx++) {
         const int64_t it = idx / nblk, c0 = (idx % nblk) * DUET_CONV_BLOCK;
         const int64_t nc = C3 - c0 < DUET_CONV_BLOCK ? C3 - c0 : DUET_CONV_BLOCK;
         const int64_t r0 = st->item_row0[it], n = st->item_row0[it + 1] - r0;
-        float        *win = duet__kda_conv_window(cx->ly, st->item_slot[it]); /* [C3][W-1] */
+        float *win = duet__kda_conv_window(cx->ly, st->item_slot[it]); /* [C3][W-1] */
         /* the window transposed to [W-1][block] so every input row is contiguous */
         float hist[64][DUET_CONV_BLOCK]; /* W - 1 < 64, checked when the config is parsed */
         for (int64_t j = 0; j < W - 1; j++)
@@ -280,8 +280,8 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
             for (int64_t ch = 0; ch < nc; ch++)
                 acc[ch] = 0.0f;
             for (int64_t j = 0; j < W; j++) {
-                int64_t      tau = t - (W - 1) + j;
-                const float *u   = tau >= 0 ? cx->proj + (r0 + tau) * C3 + c0 : hist[(W - 1) + tau];
+                int64_t tau = t - (W - 1) + j;
+                const float *u = tau >= 0 ? cx->proj + (r0 + tau) * C3 + c0 : hist[(W - 1) + tau];
                 for (int64_t ch = 0; ch < nc; ch++)
                     acc[ch] += taps[(c0 + ch) * W + j] * u[ch];
             }
@@ -291,7 +291,7 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
         }
         /* concat = window (W-1) ++ inputs (n); the new window is concat[n .. n+W-1) */
         for (int64_t j = 0; j < W - 1; j++) {
-            int64_t      i   = n + j;
+            int64_t i = n + j;
             const float *src = i < W - 1 ? hist[i] : cx->proj + (r0 + i - (W - 1)) * C3 + c0;
             for (int64_t ch = 0; ch < nc; ch++)
                 win[(c0 + ch) * (W - 1) + j] = src[ch];
@@ -299,9 +299,8 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
     }
 }
 
-void duet_cpu_kda_conv(duet_kernels_t *k, const duet_cpu_step_t *st,
-                       const duet_cpu_kda_layer_t *ly, const float *taps, const float *proj,
-                       float *qkv)
+void duet_cpu_kda_conv(duet_kernels_t *k, const duet_cpu_step_t *st, const duet_cpu_kda_layer_t *ly,
+                       const float *taps, const float *proj, float *qkv)
 {
     const int64_t C3 = 3 * (int64_t)ly->layout.heads * (int64_t)ly->layout.head_dim;
     duet__kda_conv_ctx_t cx = {.st = st, .ly = ly, .taps = taps, .proj = proj, .qkv = qkv};
@@ -310,9 +309,9 @@ void duet_cpu_kda_conv(duet_kernels_t *k, const duet_cpu_step_t *st,
 }
 
 typedef struct {
-    int64_t      H, K;
+    int64_t H, K;
     const float *neg_A, *dt_bias;
-    float       *qkv, *g, *beta;
+    float *qkv, *g, *beta;
 } duet__kda_prep_ctx_t;
 
 /* Per row: g = -exp(A_log)·softplus(f_b f_a x + dt_bias), β = σ(b x), q,k L2-normalised,
@@ -320,15 +319,15 @@ typedef struct {
 static void duet__kda_prep_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__kda_prep_ctx_t *cx = vctx;
-    const int64_t               H = cx->H, K = cx->K, HK = H * K, C3 = 3 * HK;
-    const float                 scale = 1.0f / sqrtf((float)K);
+    const int64_t H = cx->H, K = cx->K, HK = H * K, C3 = 3 * HK;
+    const float scale = 1.0f / sqrtf((float)K);
 
     for (int64_t row = b; row < e; row++) {
         float *g = cx->g + row * HK;
         for (int64_t h = 0; h < H; h++)
             for (int64_t d = 0; d < K; d++) {
                 int64_t i = h * K + d;
-                g[i]      = cx->neg_A[h] * duet__softplus(g[i] + cx->dt_bias[i]);
+                g[i] = cx->neg_A[h] * duet__softplus(g[i] + cx->dt_bias[i]);
             }
         float *beta = cx->beta + row * H;
         for (int64_t h = 0; h < H; h++)
@@ -336,8 +335,8 @@ static void duet__kda_prep_task(void *vctx, int64_t b, int64_t e, int tid)
         for (int64_t part = 0; part < 2; part++) {
             float *v = cx->qkv + row * C3 + part * HK;
             for (int64_t h = 0; h < H; h++) {
-                float *x  = v + h * K;
-                float  ss = 0.0f;
+                float *x = v + h * K;
+                float ss = 0.0f;
                 for (int64_t d = 0; d < K; d++)
                     ss += x[d] * x[d];
                 float inv = 1.0f / sqrtf(ss + DUET_L2_EPS);
@@ -350,41 +349,49 @@ static void duet__kda_prep_task(void *vctx, int64_t b, int64_t e, int tid)
     }
 }
 
-void duet_cpu_kda_prep(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K,
-                       const float *neg_A, const float *dt_bias, float *qkv, float *g, float *beta)
+void duet_cpu_kda_prep(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K, const float *neg_A,
+                       const float *dt_bias, float *qkv, float *g, float *beta)
 {
-    duet__kda_prep_ctx_t cx = {.H = H, .K = K, .neg_A = neg_A, .dt_bias = dt_bias, .qkv = qkv,
-                               .g = g, .beta = beta};
+    duet__kda_prep_ctx_t cx = {
+        .H = H, .K = K, .neg_A = neg_A, .dt_bias = dt_bias, .qkv = qkv, .g = g, .beta = beta};
     duet_k_parallel_for(k, n_rows, 4, duet__kda_prep_task, &cx);
 }
 
 typedef struct {
-    const duet_cpu_step_t      *st;
+    const duet_cpu_step_t *st;
     const duet_cpu_kda_layer_t *ly;
-    const float                *qkv, *g, *beta;
-    float                      *o;
-    float                      *scratch;
-    int64_t                     per_thread;
+    const float *qkv, *g, *beta;
+    float *o;
+    float *scratch;
+    int64_t per_thread;
 } duet__kda_core_ctx_t;
 
 static void duet__kda_core_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__kda_core_ctx_t *cx = vctx;
-    const duet_cpu_step_t      *st = cx->st;
+    const duet_cpu_step_t *st = cx->st;
     const int64_t H = (int64_t)cx->ly->layout.heads, K = (int64_t)cx->ly->layout.head_dim;
     const int64_t HK = H * K, C3 = 3 * HK;
 
     for (int64_t idx = b; idx < e; idx++) {
-        const int64_t          it = idx / H, h = idx % H;
-        const int64_t          r0 = st->item_row0[it], n = st->item_row0[it + 1] - r0;
+        const int64_t it = idx / H, h = idx % H;
+        const int64_t r0 = st->item_row0[it], n = st->item_row0[it + 1] - r0;
         duet_cpu_kda_head_io_t io = {
-            .q = cx->qkv + r0 * C3 + h * K,          .q_stride = C3,
-            .k = cx->qkv + r0 * C3 + HK + h * K,     .k_stride = C3,
-            .v = cx->qkv + r0 * C3 + 2 * HK + h * K, .v_stride = C3,
-            .g = cx->g + r0 * HK + h * K,            .g_stride = HK,
-            .beta = cx->beta + r0 * H + h,           .beta_stride = H,
-            .o = cx->o + r0 * HK + h * K,            .o_stride = HK,
-            .n = n, .K = K, .V = K,
+            .q = cx->qkv + r0 * C3 + h * K,
+            .q_stride = C3,
+            .k = cx->qkv + r0 * C3 + HK + h * K,
+            .k_stride = C3,
+            .v = cx->qkv + r0 * C3 + 2 * HK + h * K,
+            .v_stride = C3,
+            .g = cx->g + r0 * HK + h * K,
+            .g_stride = HK,
+            .beta = cx->beta + r0 * H + h,
+            .beta_stride = H,
+            .o = cx->o + r0 * HK + h * K,
+            .o_stride = HK,
+            .n = n,
+            .K = K,
+            .V = K,
         };
         float *S = duet__kda_state(cx->ly, st->item_slot[it], h);
         if (n == 1)
@@ -394,34 +401,40 @@ static void duet__kda_core_task(void *vctx, int64_t b, int64_t e, int tid)
     }
 }
 
-void duet_cpu_kda_core(duet_kernels_t *k, const duet_cpu_step_t *st,
-                       const duet_cpu_kda_layer_t *ly, const float *qkv, const float *g,
-                       const float *beta, float *o, float *scratch, int64_t scratch_per_thread)
+void duet_cpu_kda_core(duet_kernels_t *k, const duet_cpu_step_t *st, const duet_cpu_kda_layer_t *ly,
+                       const float *qkv, const float *g, const float *beta, float *o,
+                       float *scratch, int64_t scratch_per_thread)
 {
-    duet__kda_core_ctx_t cx = {.st = st, .ly = ly, .qkv = qkv, .g = g, .beta = beta, .o = o,
-                               .scratch = scratch, .per_thread = scratch_per_thread};
+    duet__kda_core_ctx_t cx = {.st = st,
+                               .ly = ly,
+                               .qkv = qkv,
+                               .g = g,
+                               .beta = beta,
+                               .o = o,
+                               .scratch = scratch,
+                               .per_thread = scratch_per_thread};
     duet_k_parallel_for(k, st->n_items * (int64_t)ly->layout.heads, 1, duet__kda_core_task, &cx);
 }
 
 typedef struct {
-    int64_t      H, K;
+    int64_t H, K;
     const float *o_norm, *gate;
-    float        eps;
-    float       *o;
+    float eps;
+    float *o;
 } duet__kda_out_ctx_t;
 
 /* o ← o_norm_w ⊙ o / sqrt(mean(o²) + eps) ⊙ σ(gate), per (row, head). */
 static void duet__kda_out_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__kda_out_ctx_t *cx = vctx;
-    const int64_t              H = cx->H, K = cx->K, HK = H * K;
-    const float               *w = cx->o_norm;
+    const int64_t H = cx->H, K = cx->K, HK = H * K;
+    const float *w = cx->o_norm;
 
     for (int64_t row = b; row < e; row++)
         for (int64_t h = 0; h < H; h++) {
-            float       *o  = cx->o + row * HK + h * K;
+            float *o = cx->o + row * HK + h * K;
             const float *gt = cx->gate + row * HK + h * K;
-            float        ss = 0.0f;
+            float ss = 0.0f;
             for (int64_t d = 0; d < K; d++)
                 ss += o[d] * o[d];
             float inv = 1.0f / sqrtf(ss / (float)K + cx->eps);
@@ -430,8 +443,8 @@ static void duet__kda_out_task(void *vctx, int64_t b, int64_t e, int tid)
         }
 }
 
-void duet_cpu_kda_out(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K,
-                      const float *o_norm, float eps, const float *gate, float *o)
+void duet_cpu_kda_out(duet_kernels_t *k, int64_t n_rows, int64_t H, int64_t K, const float *o_norm,
+                      float eps, const float *gate, float *o)
 {
     duet__kda_out_ctx_t cx = {.H = H, .K = K, .o_norm = o_norm, .gate = gate, .eps = eps, .o = o};
     duet_k_parallel_for(k, n_rows, 8, duet__kda_out_task, &cx);

@@ -11,7 +11,7 @@
 
 /* Horizontal sums of four vectors as one __m128 {sum a, sum b, sum c, sum d}. */
 static inline __attribute__((always_inline)) __m128 duet__vsum4_256(__m256 a, __m256 b, __m256 c,
-                                                                     __m256 d)
+                                                                    __m256 d)
 {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -25,10 +25,10 @@ typedef __m256 duet__v;
 #define DUET__VLOAD_BF16(p)                                                                        \
     _mm256_castsi256_ps(                                                                           \
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define DUET__VLOAD_F16(p)  _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define DUET__VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define DUET__VLOAD_F16(p)      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define DUET__VFMA(a, b, c)     _mm256_fmadd_ps((a), (b), (c))
 #define DUET__VSUM4(a, b, c, d) duet__vsum4_256((a), (b), (c), (d))
-#define DUET__BLOCK_FN      duet__matmul_block_avx2
+#define DUET__BLOCK_FN          duet__matmul_block_avx2
 
 #include "kernels/cpu/matmul_tmpl.h"
 

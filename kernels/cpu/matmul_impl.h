@@ -21,8 +21,8 @@ void duet__matmul_block_scalar(duet_dtype_t dt, float *y, int64_t ldy, const flo
 void duet__matmul_block_avx2(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
                              int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
                              int64_t K, int accumulate);
-void duet__matmul_block_avx512(duet_dtype_t dt, float *y, int64_t ldy, const float *x,
-                               int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t n0,
-                               int64_t n1, int64_t K, int accumulate);
+void duet__matmul_block_avx512(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
+                               int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1,
+                               int64_t K, int accumulate);
 
 #endif

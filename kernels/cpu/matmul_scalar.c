@@ -10,13 +10,13 @@ void duet__matmul_block_scalar(duet_dtype_t dt, float *y, int64_t ldy, const flo
                                int64_t K, int accumulate)
 {
     for (int64_t n = n0; n < n1; n++) {
-        const float    *wf = (const float *)w + n * K;
+        const float *wf = (const float *)w + n * K;
         const uint16_t *wh = (const uint16_t *)w + n * K;
         for (int64_t m = m0; m < m1; m++) {
-            const float *xr     = x + m * ldx;
-            float        p[8]   = {0};
-            int64_t      k      = 0;
-            float        wv[8];
+            const float *xr = x + m * ldx;
+            float p[8] = {0};
+            int64_t k = 0;
+            float wv[8];
             for (; k + 8 <= K; k += 8) {
                 for (int j = 0; j < 8; j++)
                     wv[j] = dt == DUET_DTYPE_F32    ? wf[k + j]

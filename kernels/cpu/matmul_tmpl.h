@@ -48,9 +48,9 @@ DUET__AI void duet__tile(const int MR, const int NR, const duet_dtype_t dt, floa
 {
     const size_t es = dt == DUET_DTYPE_F32 ? 4 : 2;
     const float *xr[DUET__MR_MAX];
-    const void  *wr[8];
-    duet__v      acc[DUET__MR_MAX][8];
-    float        s[DUET__MR_MAX][8];
+    const void *wr[8];
+    duet__v acc[DUET__MR_MAX][8];
+    float s[DUET__MR_MAX][8];
 
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
@@ -100,19 +100,19 @@ DUET__AI void duet__tile(const int MR, const int NR, const duet_dtype_t dt, floa
             y[i * ldy + j] = add ? y[i * ldy + j] + s[i][j] : s[i][j];
 }
 
-DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const float *x,
-                          int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t n0,
-                          int64_t n1, int64_t K, int accumulate)
+DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
+                          int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1, int64_t K,
+                          int accumulate)
 {
-    const size_t  es = dt == DUET_DTYPE_F32 ? 4 : 2;
+    const size_t es = dt == DUET_DTYPE_F32 ? 4 : 2;
     /* K blocking never depends on the row count, so a row's sums are the same for any M (batch
      * invariance: a request gets the same logits alone or in a batch). */
     const int64_t KB = K <= 1536 ? K : 1024;
     const int64_t MB = 64;
 
     for (int64_t kb = 0; kb < K; kb += KB) {
-        int64_t kn  = K - kb < KB ? K - kb : KB;
-        int     add = accumulate || kb > 0;
+        int64_t kn = K - kb < KB ? K - kb : KB;
+        int add = accumulate || kb > 0;
         for (int64_t mb = m0; mb < m1; mb += MB) {
             int64_t me = m1 - mb < MB ? m1 : mb + MB;
             if (me - mb == 1) {
@@ -125,12 +125,12 @@ DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const fl
                 continue;
             }
             for (int64_t n = n0; n < n1; n += 4) {
-                int         nr = n1 - n < 4 ? (int)(n1 - n) : 4;
+                int nr = n1 - n < 4 ? (int)(n1 - n) : 4;
                 const void *wn = (const char *)w + ((size_t)n * (size_t)K + (size_t)kb) * es;
                 for (int64_t m = mb; m < me; m += DUET__MR_MAX) {
-                    int64_t      rows = me - m < DUET__MR_MAX ? me - m : DUET__MR_MAX;
-                    float       *yt   = y + m * ldy + n;
-                    const float *xt   = x + m * ldx + kb;
+                    int64_t rows = me - m < DUET__MR_MAX ? me - m : DUET__MR_MAX;
+                    float *yt = y + m * ldy + n;
+                    const float *xt = x + m * ldx + kb;
                     switch (rows) {
 #if DUET__MR_MAX >= 4
                     case 4:
@@ -153,9 +153,8 @@ DUET__AI void duet__block(const duet_dtype_t dt, float *y, int64_t ldy, const fl
     }
 }
 
-void DUET__BLOCK_FN(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx,
-                    int64_t m0, int64_t m1, const void *w, int64_t n0, int64_t n1, int64_t K,
-                    int accumulate)
+void DUET__BLOCK_FN(duet_dtype_t dt, float *y, int64_t ldy, const float *x, int64_t ldx, int64_t m0,
+                    int64_t m1, const void *w, int64_t n0, int64_t n1, int64_t K, int accumulate)
 {
     switch (dt) {
     case DUET_DTYPE_F32:

@@ -12,13 +12,13 @@ static void duet__route_row(const float *logits, const float *bias, int64_t E, i
                             int32_t *idx, float *wts)
 {
     const int64_t gs = E / G;
-    float         score[E], choice[E];
+    float score[E], choice[E];
     for (int64_t e = 0; e < E; e++) {
-        score[e]  = 1.0f / (1.0f + expf(-logits[e]));
+        score[e] = 1.0f / (1.0f + expf(-logits[e]));
         choice[e] = score[e] + bias[e];
     }
     if (G > 1) {
-        float   gscore[G];
+        float gscore[G];
         uint8_t keep[G];
         for (int64_t g = 0; g < G; g++) {
             float b1 = -INFINITY, b2 = -INFINITY;
@@ -31,7 +31,7 @@ static void duet__route_row(const float *logits, const float *bias, int64_t E, i
                 }
             }
             gscore[g] = gs >= 2 ? b1 + b2 : b1;
-            keep[g]   = 0;
+            keep[g] = 0;
         }
         for (int64_t k = 0; k < topk_group; k++) {
             int64_t best = -1;
@@ -66,8 +66,8 @@ static void duet__route_row(const float *logits, const float *bias, int64_t E, i
 }
 
 void duet_cpu_moe_route(const float *logits, const float *bias, int64_t T, int64_t E,
-                        int64_t n_group, int64_t topk_group, int64_t top_k, int renorm,
-                        float scale, int32_t *idx, float *wts)
+                        int64_t n_group, int64_t topk_group, int64_t top_k, int renorm, float scale,
+                        int32_t *idx, float *wts)
 {
     const int64_t G = n_group > 0 ? n_group : 1;
     for (int64_t row = 0; row < T; row++)

@@ -32,29 +32,29 @@ static inline float duet__w_at(const duet_tensor_t *w, int64_t i)
 /* ---- rmsnorm ------------------------------------------------------------------------------- */
 
 typedef struct {
-    float               *y;
-    const float         *x;
+    float *y;
+    const float *x;
     const duet_tensor_t *w;
-    int64_t              D;
-    float                eps;
+    int64_t D;
+    float eps;
 } duet__rms_t;
 
 static void duet__rms_rows(void *ctx, int64_t begin, int64_t end, int thread_idx)
 {
     const duet__rms_t *a = ctx;
-    const int64_t      D = a->D;
+    const int64_t D = a->D;
     for (int64_t r = begin; r < end; r++) {
         const float *x = a->x + r * D;
-        float       *y = a->y + r * D;
-        double       p[4] = {0.0, 0.0, 0.0, 0.0};
-        int64_t      i    = 0;
+        float *y = a->y + r * D;
+        double p[4] = {0.0, 0.0, 0.0, 0.0};
+        int64_t i = 0;
         for (; i + 4 <= D; i += 4)
             for (int j = 0; j < 4; j++)
                 p[j] += (double)x[i + j] * (double)x[i + j];
         for (; i < D; i++)
             p[0] += (double)x[i] * (double)x[i];
-        double ss    = (p[0] + p[1]) + (p[2] + p[3]);
-        float  scale = (float)(1.0 / sqrt(ss / (double)D + (double)a->eps));
+        double ss = (p[0] + p[1]) + (p[2] + p[3]);
+        float scale = (float)(1.0 / sqrt(ss / (double)D + (double)a->eps));
         switch (a->w->dtype) {
         case DUET_DTYPE_F32: {
             const float *w = a->w->data;
@@ -76,8 +76,8 @@ static void duet__rms_rows(void *ctx, int64_t begin, int64_t end, int thread_idx
     }
 }
 
-void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w,
-                    int64_t M, int64_t D, float eps)
+void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w, int64_t M,
+                    int64_t D, float eps)
 {
     DUET_ASSERT(duet_tensor_numel(w) >= D);
     duet__rms_t a = {.y = y, .x = x, .w = w, .D = D, .eps = eps};
@@ -90,17 +90,17 @@ void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tens
 /* ---- gated activations --------------------------------------------------------------------- */
 
 typedef struct {
-    float       *out;
+    float *out;
     const float *gate;
     const float *up;
-    float        beta, beta_lin;
+    float beta, beta_lin;
 } duet__act_t;
 
 static void duet__silu_range(void *ctx, int64_t begin, int64_t end, int thread_idx)
 {
     const duet__act_t *a = ctx;
     for (int64_t i = begin; i < end; i++) {
-        float g    = a->gate[i];
+        float g = a->gate[i];
         a->out[i] = g / (1.0f + expf(-g)) * a->up[i];
     }
 }
@@ -116,11 +116,11 @@ void duet_k_silu_mul(duet_kernels_t *k, float *out, const float *gate, const flo
 
 static void duet__situ_range(void *ctx, int64_t begin, int64_t end, int thread_idx)
 {
-    const duet__act_t *a  = ctx;
-    const float        b  = a->beta, bl = a->beta_lin;
+    const duet__act_t *a = ctx;
+    const float b = a->beta, bl = a->beta_lin;
     for (int64_t i = begin; i < end; i++) {
-        float g   = a->gate[i];
-        float u   = a->up[i];
+        float g = a->gate[i];
+        float u = a->up[i];
         float sig = 1.0f / (1.0f + expf(-g));
         a->out[i] = (b * tanhf(g / b) * sig) * (bl * tanhf(u / bl));
     }
@@ -139,15 +139,15 @@ void duet_k_situ_mul(duet_kernels_t *k, float *out, const float *gate, const flo
 /* ---- add ------------------------------------------------------------------------------------ */
 
 typedef struct {
-    float       *y;
+    float *y;
     const float *x;
 } duet__add_t;
 
 static void duet__add_range(void *ctx, int64_t begin, int64_t end, int thread_idx)
 {
     const duet__add_t *a = ctx;
-    float *restrict    y = a->y;
-    const float       *x = a->x;
+    float *restrict y = a->y;
+    const float *x = a->x;
     for (int64_t i = begin; i < end; i++)
         y[i] += x[i];
 }
@@ -164,16 +164,16 @@ void duet_k_add(duet_kernels_t *k, float *y, const float *x, int64_t n)
 /* ---- embed ---------------------------------------------------------------------------------- */
 
 typedef struct {
-    float               *out;
+    float *out;
     const duet_tensor_t *table;
-    const int32_t       *ids;
-    int64_t              D;
+    const int32_t *ids;
+    int64_t D;
 } duet__embed_t;
 
 static void duet__embed_rows(void *ctx, int64_t begin, int64_t end, int thread_idx)
 {
-    const duet__embed_t *a  = ctx;
-    const size_t         es = duet_dtype_size(a->table->dtype);
+    const duet__embed_t *a = ctx;
+    const size_t es = duet_dtype_size(a->table->dtype);
     for (int64_t t = begin; t < end; t++) {
         const char *row = (const char *)a->table->data + (size_t)a->ids[t] * (size_t)a->D * es;
         duet_convert_to_f32(a->out + t * a->D, row, a->table->dtype, a->D);

@@ -33,7 +33,7 @@
 
 /* The pool whose task this thread is running (NULL outside tasks), and its thread index. */
 static _Thread_local struct duet_kernels *duet__tls_in_task;
-static _Thread_local int                  duet__tls_thread_idx;
+static _Thread_local int duet__tls_thread_idx;
 
 static int64_t duet__now_ns(void)
 {
@@ -64,16 +64,16 @@ static void duet__pool_work(struct duet_kernels *k, uint32_t gen, int thread_idx
 
 static void *duet__worker_main(void *arg)
 {
-    duet__worker_t       *wk   = arg;
-    struct duet_kernels *k    = wk->k;
-    uint32_t              seen = atomic_load(&k->gen);
+    duet__worker_t *wk = arg;
+    struct duet_kernels *k = wk->k;
+    uint32_t seen = atomic_load(&k->gen);
 
-    duet__tls_in_task    = k;
+    duet__tls_in_task = k;
     duet__tls_thread_idx = wk->idx;
     for (;;) {
-        uint32_t g        = atomic_load_explicit(&k->gen, memory_order_acquire);
-        int64_t  deadline = 0;
-        int      spins    = 0;
+        uint32_t g = atomic_load_explicit(&k->gen, memory_order_acquire);
+        int64_t deadline = 0;
+        int spins = 0;
         while (g == seen) {
             DUET__PAUSE();
             if (++spins == 256) {
@@ -117,9 +117,9 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
     DUET_ASSERT(atomic_exchange(&k->busy, 1) == 0);
 
     uint32_t gen = atomic_load_explicit(&k->gen, memory_order_relaxed) + 1;
-    k->fn        = fn;
-    k->ctx       = ctx;
-    k->n_tasks   = n_tasks;
+    k->fn = fn;
+    k->ctx = ctx;
+    k->n_tasks = n_tasks;
     atomic_store_explicit(&k->n_done, 0, memory_order_relaxed);
     atomic_store_explicit(&k->claim, (uint64_t)gen << 32, memory_order_release);
     atomic_store(&k->gen, gen); /* seq_cst: pairs with the workers' n_sleeping increment */
@@ -129,7 +129,7 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
         pthread_mutex_unlock(&k->mu);
     }
 
-    duet__tls_in_task    = k;
+    duet__tls_in_task = k;
     duet__tls_thread_idx = 0;
     duet__pool_work(k, gen, 0);
     duet__tls_in_task = NULL;
@@ -147,21 +147,20 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
 
 typedef struct {
     duet_k_task_fn fn;
-    void          *ctx;
-    int64_t        n;
-    int64_t        n_tasks;
+    void *ctx;
+    int64_t n;
+    int64_t n_tasks;
 } duet__pfor_t;
 
 static void duet__pfor_task(void *ctx, int64_t t, int thread_idx)
 {
-    const duet__pfor_t *p     = ctx;
-    int64_t             begin = p->n * t / p->n_tasks;
-    int64_t             end   = p->n * (t + 1) / p->n_tasks;
+    const duet__pfor_t *p = ctx;
+    int64_t begin = p->n * t / p->n_tasks;
+    int64_t end = p->n * (t + 1) / p->n_tasks;
     p->fn(p->ctx, begin, end, thread_idx);
 }
 
-void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn,
-                         void *ctx)
+void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn, void *ctx)
 {
     if (n <= 0)
         return;
@@ -169,7 +168,7 @@ void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_tas
         grain = 1;
     /* Ranges of n / n_tasks >= grain items; a few per thread so a slow thread is covered. */
     int64_t n_tasks = n / grain;
-    int64_t max     = (int64_t)k->n_threads * 4;
+    int64_t max = (int64_t)k->n_threads * 4;
     if (n_tasks > max)
         n_tasks = max;
     if (n_tasks < 1)
@@ -190,7 +189,7 @@ static int duet__default_threads(void)
     const char *env = getenv("DUET_THREADS");
     if (env != NULL && env[0] != '\0') {
         char *end = NULL;
-        long  v   = strtol(env, &end, 10);
+        long v = strtol(env, &end, 10);
         if (end != NULL && *end == '\0' && v > 0 && v <= 4096)
             return (int)v;
         DUET_LOG_WARN("DUET_THREADS=%s is not a thread count; using the online CPUs", env);
@@ -228,10 +227,10 @@ duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_ke
     struct duet_kernels *k = calloc(1, sizeof(*k));
     if (k == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "kernels: out of memory");
-    k->device    = dev;
+    k->device = dev;
     k->n_threads = n_threads;
-    k->isa       = duet__isa_detect();
-    k->spin_ns   = 200000;
+    k->isa = duet__isa_detect();
+    k->spin_ns = 200000;
     const char *spin = getenv("DUET_SPIN_US");
     if (spin != NULL && spin[0] != '\0')
         k->spin_ns = (int64_t)strtol(spin, NULL, 10) * 1000;
@@ -263,12 +262,11 @@ duet_status_t duet_kernels_create(duet_device_kind_t dev, int n_threads, duet_ke
             goto destroy_cv;
         }
         for (int i = 0; i < n_threads - 1; i++) {
-            k->workers[i].k   = k;
+            k->workers[i].k = k;
             k->workers[i].idx = i + 1;
             int rc = pthread_create(&k->workers[i].tid, NULL, duet__worker_main, &k->workers[i]);
             if (rc != 0) {
-                st = duet_error_set(DUET_ERR_INTERNAL, "kernels: pthread_create: %s",
-                                    strerror(rc));
+                st = duet_error_set(DUET_ERR_INTERNAL, "kernels: pthread_create: %s", strerror(rc));
                 goto stop_workers;
             }
             k->n_started++;

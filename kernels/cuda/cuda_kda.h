@@ -21,7 +21,7 @@ extern "C" {
 #include "common/status.h"
 
 typedef struct {
-    float  *kda_base;         /* the KDA pool */
+    float *kda_base;          /* the KDA pool */
     int64_t kda_n_layers;     /* KDA layers per slot */
     int64_t kda_layer_floats; /* H*K*V + 3*H*K*(W-1) */
     int64_t layer;            /* this KDA layer's index among KDA layers */
@@ -48,9 +48,9 @@ duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st
  * place), q and k of every head L2-normalised (eps 1e-6 inside the sqrt), q also scaled by K^-1/2
  * (in place in qkv). neg_A: [H] = -exp(A_log); dt_bias: [H*K].
  */
-duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows, const duet_cuda_kda_layer_t *ly,
-                                 const float *neg_A, const float *dt_bias, float *qkv, float *g,
-                                 float *beta);
+duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
+                                 const duet_cuda_kda_layer_t *ly, const float *neg_A,
+                                 const float *dt_bias, float *qkv, float *g, float *beta);
 
 /*
  * The delta-rule core of every (item, head): reads q, k, v from qkv, g, beta; writes o
@@ -63,8 +63,7 @@ duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows, const duet
  * and no scratch is refused (DUET_ERR_INVALID); a pure decode step may pass NULL. K must be a
  * multiple of 16 in [16, 128] (DUET_ERR_UNSUPPORTED otherwise) and g <= 0.
  */
-size_t        duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H,
-                                          int64_t K);
+size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_rows, int64_t H, int64_t K);
 duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda_step_t *st,
                                  const duet_cuda_kda_layer_t *ly, const float *qkv, const float *g,
                                  const float *beta, float *o, void *scratch);
@@ -79,7 +78,7 @@ typedef struct {
     const float *neg_A;   /* [H] -exp(A_log) */
     const float *dt_bias; /* [H*K] */
     const float *o_norm;  /* [K] out-norm weight */
-    float        eps;     /* out-norm epsilon (rms_norm_eps) */
+    float eps;            /* out-norm epsilon (rms_norm_eps) */
 } duet_cuda_kda_weights_t;
 
 /*

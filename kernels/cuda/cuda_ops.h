@@ -1,9 +1,10 @@
 /*
  * cuda_ops.h: the engine's elementwise ops, norms, MoE routing and experts, and sampling on the
- * GPU. CPU references: kernels/cpu/ops.c, kernels/cpu/moe.c, engine/backend_cpu.c (duet__moe_layer),
- * engine/sampler.c. All pointers are device pointers; calls are queued on `stream`, return a duet
- * status (DUET_ERR_DEVICE naming the CUDA error) and, unless said otherwise, never synchronise or
- * allocate (graph-capturable). Activations are fp32; weight matrices are F32, BF16 or F16.
+ * GPU. CPU references: kernels/cpu/ops.c, kernels/cpu/moe.c, engine/backend_cpu.c
+ * (duet__moe_layer), engine/sampler.c. All pointers are device pointers; calls are queued on
+ * `stream`, return a duet status (DUET_ERR_DEVICE naming the CUDA error) and, unless said
+ * otherwise, never synchronise or allocate (graph-capturable). Activations are fp32; weight
+ * matrices are F32, BF16 or F16.
  */
 #ifndef DUET_KERNELS_CUDA_OPS_H
 #define DUET_KERNELS_CUDA_OPS_H
@@ -37,11 +38,11 @@ duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *u
                                 float beta_lin);
 
 /*
- * MoE routing, per row (kernels/cpu/cpu_moe.h duet_cpu_moe_route): score = σ(logit), choice = score + bias,
- * group-limited (n_group groups; a group's score = sum of its best two choices, or its best if a
- * group has one expert; keep the topk_group best groups), top_k experts by choice (first index on
- * ties), weights = score (renormalised to sum 1 when renorm), times scale. logits [T][E];
- * idx, wts [T][top_k], in descending choice order.
+ * MoE routing, per row (kernels/cpu/cpu_moe.h duet_cpu_moe_route): score = σ(logit), choice = score
+ * + bias, group-limited (n_group groups; a group's score = sum of its best two choices, or its best
+ * if a group has one expert; keep the topk_group best groups), top_k experts by choice (first index
+ * on ties), weights = score (renormalised to sum 1 when renorm), times scale. logits [T][E]; idx,
+ * wts [T][top_k], in descending choice order.
  */
 duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits, const float *bias,
                                   int64_t T, int64_t E, int64_t n_group, int64_t topk_group,

@@ -20,16 +20,16 @@
 #include <stdint.h>
 
 typedef struct {
-    int32_t        n_items;         /* host value */
-    int32_t        n_rows;          /* host value: sum of the items' new tokens */
-    int32_t        max_item_tokens; /* host value: >= every item's new tokens (1 = pure decode) */
-    const int32_t *item_row0;       /* [n_items + 1] first row of each item; item_row0[n] = n_rows */
-    const int32_t *item_pos0;       /* [n_items] tokens in the item's caches before this step */
-    const int32_t *item_slot;       /* [n_items] KDA state slot */
-    const int32_t *item_pages;      /* [n_items][max_pages]: the item's KV page ids, in order */
-    int32_t        max_pages;       /* host value: row stride of item_pages */
-    const int32_t *row_item;        /* [n_rows] item of each row */
-    const int32_t *row_pos;         /* [n_rows] position of the row's token in its sequence */
+    int32_t n_items;           /* host value */
+    int32_t n_rows;            /* host value: sum of the items' new tokens */
+    int32_t max_item_tokens;   /* host value: >= every item's new tokens (1 = pure decode) */
+    const int32_t *item_row0;  /* [n_items + 1] first row of each item; item_row0[n] = n_rows */
+    const int32_t *item_pos0;  /* [n_items] tokens in the item's caches before this step */
+    const int32_t *item_slot;  /* [n_items] KDA state slot */
+    const int32_t *item_pages; /* [n_items][max_pages]: the item's KV page ids, in order */
+    int32_t max_pages;         /* host value: row stride of item_pages */
+    const int32_t *row_item;   /* [n_rows] item of each row */
+    const int32_t *row_pos;    /* [n_rows] position of the row's token in its sequence */
 } duet_cuda_step_t;
 
 #endif

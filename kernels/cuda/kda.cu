@@ -19,13 +19,12 @@
  *     L     L[i][j] = -β_i Σ_d k_i k_j e^{Γi−Γj} (j < i), Aqk[i][j] = Σ_d q_i k_j e^{Γi−Γj}
  *           (j <= i): each pairwise decay is exp2 of a *difference* Γi − Γj <= 0 (clamped to <= 0
  *           so the masked j > i half cannot overflow either), never a ratio of exponentials,
- *           the property kernels/cpu/kda.c's header asks for (e^{Γ} alone underflows within a chunk);
- *           when j lies in an earlier 16-row sub-chunk than i, as the product of two such
- *           differences through the last row of j's sub-chunk (duet__kda_chunk_kr), so that
- *           the exponentials are per (row, channel) there, not per (pair, channel);
- *     Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T = (I − L)^{-1} (formed by blocks of
- *           16 rows: forward substitution inside each diagonal block, products of blocks
- *           between them)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
+ *           the property kernels/cpu/kda.c's header asks for (e^{Γ} alone underflows within a
+ * chunk); when j lies in an earlier 16-row sub-chunk than i, as the product of two such differences
+ * through the last row of j's sub-chunk (duet__kda_chunk_kr), so that the exponentials are per
+ * (row, channel) there, not per (pair, channel); Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T =
+ * (I − L)^{-1} (formed by blocks of 16 rows: forward substitution inside each diagonal block,
+ * products of blocks between them)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
  *   - sequential (duet__kda_seq_kernel): one block per (item, head, 32 columns of S), the
  *     block's columns of S in shared memory for the whole item, per chunk in order
  *     V_new = U − Wt S,    O = Qe S + Aqk V_new,    S ← e^{Γlast} S + Kdᵀ V_new:

@@ -873,8 +873,8 @@ template <int TK, int STAGES, int TD, int R, int SL>
 __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     duet__mla_attn_tc(const duet__mla_args_t a)
 {
-    const int NT = TK / 8, NP = TK / 16; /* n-tiles of scores, k-steps of P · c */
-    constexpr int MT = SL / 16;          /* m-tiles of slots */
+    const int NT = TK / 8, NP = TK / 16;        /* n-tiles of scores, k-steps of P · c */
+    constexpr int MT = SL / 16;                 /* m-tiles of slots */
     constexpr int NTW = SL == 32 ? NT : NT / 2; /* n-tiles of scores per warp */
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;

@@ -100,13 +100,13 @@
 #define DUET__MOE_MMA_SYNC         0x1000000 /* MMA: the mma.sync kernels */
 #define DUET__MOE_MMA_WGMMA        0x2000000 /* MMA: the wgmma kernels (an error where unusable) */
 
-#define DUET__GV_WARPS   8 /* warps per GEMV block */
-#define DUET__GV_THREADS (DUET__GV_WARPS * 32)
-#define DUET__GV_RI      1 /* phase 1: gate/up outputs per warp (W1 and W3 rows each) */
-#define DUET__GV_RD      4 /* phase 2: down outputs per warp */
-#define DUET__GV_NR      8 /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
-#define DUET__GV_UNROLL  2 /* 16-byte chunks per lane per weight row in flight */
-#define DUET__GV_SPB       4 /* slices per block of the multi-slice kernels ... */
+#define DUET__GV_WARPS     8 /* warps per GEMV block */
+#define DUET__GV_THREADS   (DUET__GV_WARPS * 32)
+#define DUET__GV_RI        1   /* phase 1: gate/up outputs per warp (W1 and W3 rows each) */
+#define DUET__GV_RD        4   /* phase 2: down outputs per warp */
+#define DUET__GV_NR        8   /* most rows (pairs) per GEMV slot: 4 by default, 8 when forced */
+#define DUET__GV_UNROLL    2   /* 16-byte chunks per lane per weight row in flight */
+#define DUET__GV_SPB       4   /* slices per block of the multi-slice kernels ... */
 #define DUET__GV_SPB_SLOTS 256 /* ... from this many slots on (duet__gemv_spb) */
 /* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (at 80 registers, 3 per
  * SM, it was slower than one slice per block). Its down kernel stays uncapped: at 3 per SM it

@@ -193,7 +193,8 @@ extern "C" duet_status_t duet_cuda_argmax(cudaStream_t stream, const float *logi
  * bench/RESULTS.md, "Arg-max over many blocks; sampling sorts only the head"):
  * block (c, r) takes chunk c of row r (DUET__AM_CHUNK-aligned, so 16-byte loads stay aligned)
  * and writes its first maximum; one warp per row then merges the chunks with the CPU's order
- * (larger value, then lower index), which gives the row's first maximum as the one-block kernel does.
+ * (larger value, then lower index), which gives the row's first maximum as the one-block kernel
+ * does.
  */
 #define DUET__AM_THREADS 256
 #define DUET__AM_CHUNKS  128

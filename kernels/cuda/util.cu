@@ -176,7 +176,8 @@ extern "C" int duet_cuda_pdl_enabled(void)
     if (duet__pdl_default < 0) {
         int dev = 0, major = 0, no_pdl = -1;
         duet__pdl_default =
-            !duet_cuda_env_flag(&no_pdl, "DUET_CUDA_NO_PDL") && cudaGetDevice(&dev) == cudaSuccess &&
+            !duet_cuda_env_flag(&no_pdl, "DUET_CUDA_NO_PDL") &&
+            cudaGetDevice(&dev) == cudaSuccess &&
             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
             major >= 9;
         (void)cudaGetLastError();

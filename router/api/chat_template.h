@@ -25,8 +25,8 @@
  * i.e. prefix "<|bos|>", message "{role}: {content}\n", generation_prompt "assistant: ",
  * completion_prefix "". A /v1/completions text prompt starts with the model folder's bos id when
  * its tokenizer adds one (duet_tokenizer_prompt_bos: the demo model's "add_bos"), whatever the
- * template, exactly as duet-generate's --prompt does. Role names are "system", "user", "assistant" (a "developer" message
- * arrives here as system).
+ * template, exactly as duet-generate's --prompt does. Role names are "system", "user", "assistant"
+ * (a "developer" message arrives here as system).
  *
  * Trust. Special-token text is recognised only in the template's own literal text (it is trusted:
  * it comes from the model folder). Message content is encoded as ordinary text, so a user who
@@ -170,7 +170,8 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
 /*
  * A /v1/completions text prompt: the bos id when the model folder's tokenizer adds one (set by
  * duet_oai_template_load; a template made otherwise adds none), the template's
- * completion_prefix, then `text` as ordinary text (special-token text in it is not recognised). Same output convention as duet_oai_chat_prompt.
+ * completion_prefix, then `text` as ordinary text (special-token text in it is not recognised).
+ * Same output convention as duet_oai_chat_prompt.
  */
 duet_status_t duet_oai_completion_prompt(const duet_oai_template_t *tmpl,
                                          const duet_tokenizer_t *tok, const char *text, size_t len,

@@ -77,7 +77,7 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
         (role != DUET_WORKER_ROLE_CTX && role != DUET_WORKER_ROLE_GEN))
         return duet_error_set(DUET_ERR_INVALID, "placement: bad arguments");
     uint64_t last = pl->last_id[role];
-    size_t   best = n;
+    size_t best = n;
     for (size_t i = 0; i < n; i++) {
         if (!placement_eligible(&c[i], role, exclude, n_exclude))
             continue;
@@ -95,6 +95,6 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
         return duet_error_set(DUET_ERR_NOT_FOUND, "placement: no live %s worker",
                               role == DUET_WORKER_ROLE_GEN ? "generation" : "context");
     pl->last_id[role] = c[best].id;
-    *idx_p            = best;
+    *idx_p = best;
     return DUET_OK;
 }

@@ -33,14 +33,14 @@ typedef enum {
 } duet_worker_role_t;
 
 typedef enum {
-    DUET_WORKER_STATE_UP       = 0, /* registered, heartbeating, takes requests */
+    DUET_WORKER_STATE_UP = 0,       /* registered, heartbeating, takes requests */
     DUET_WORKER_STATE_DRAINING = 1, /* finishes its requests, takes no new ones */
-    DUET_WORKER_STATE_DEAD     = 2, /* heartbeat lost, connection closed or deregistered */
-    DUET_WORKER_STATE_COUNT    = 3,
+    DUET_WORKER_STATE_DEAD = 2,     /* heartbeat lost, connection closed or deregistered */
+    DUET_WORKER_STATE_COUNT = 3,
 } duet_worker_state_t;
 
 typedef enum {
-    DUET_PLACEMENT_ROUND_ROBIN  = 0,
+    DUET_PLACEMENT_ROUND_ROBIN = 0,
     DUET_PLACEMENT_LEAST_LOADED = 1,
 } duet_placement_policy_t;
 

@@ -46,7 +46,7 @@ struct duet_registry {
     duet_registry_options_t opts;
     char host[64];
     char fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1];
-    bool adopt; /* fingerprint comes from the first accepted worker */
+    bool adopt;            /* fingerprint comes from the first accepted worker */
     reg_worker_t *workers; /* (max_workers) owned */
     reg_conn_t *conns;     /* open connections */
     uint64_t next_id;
@@ -69,10 +69,14 @@ typedef struct {
 const char *duet_worker_state_name(duet_worker_state_t state)
 {
     switch (state) {
-    case DUET_WORKER_STATE_UP: return "up";
-    case DUET_WORKER_STATE_DRAINING: return "draining";
-    case DUET_WORKER_STATE_DEAD: return "dead";
-    default: return "unknown";
+    case DUET_WORKER_STATE_UP:
+        return "up";
+    case DUET_WORKER_STATE_DRAINING:
+        return "draining";
+    case DUET_WORKER_STATE_DEAD:
+        return "dead";
+    default:
+        return "unknown";
     }
 }
 
@@ -84,7 +88,7 @@ const char *duet_worker_role_name(duet_worker_role_t role)
 void duet_registry_options_default(duet_registry_options_t *opts)
 {
     memset(opts, 0, sizeof(*opts));
-    opts->host                 = "127.0.0.1";
+    opts->host = "127.0.0.1";
     opts->heartbeat_timeout_ms = 5000;
 }
 
@@ -94,8 +98,8 @@ static void reg_maybe_freed(duet_registry_t *reg)
 {
     if (!reg->closing || reg->open_handles > 0)
         return;
-    duet_registry_close_cb cb   = reg->close_cb;
-    void                  *user = reg->close_user;
+    duet_registry_close_cb cb = reg->close_cb;
+    void *user = reg->close_user;
     free(reg->workers);
     free(reg);
     if (cb != NULL)
@@ -104,7 +108,7 @@ static void reg_maybe_freed(duet_registry_t *reg)
 
 static void reg_conn_closed(uv_handle_t *h)
 {
-    reg_conn_t      *c   = h->data;
+    reg_conn_t *c = h->data;
     duet_registry_t *reg = c->reg;
     if (c->prev != NULL)
         c->prev->next = c->next;
@@ -131,7 +135,7 @@ static void reg_worker_dead(duet_registry_t *reg, reg_worker_t *w, const char *r
 {
     if (w->info.state == DUET_WORKER_STATE_DEAD)
         return;
-    w->info.state    = DUET_WORKER_STATE_DEAD;
+    w->info.state = DUET_WORKER_STATE_DEAD;
     w->info.inflight = 0;
     if (w->conn != NULL) {
         w->conn->w = NULL;
@@ -151,7 +155,7 @@ static void reg_worker_dead(duet_registry_t *reg, reg_worker_t *w, const char *r
 static void reg_write_done(uv_write_t *req, int status)
 {
     reg_write_t *wr = (reg_write_t *)req;
-    reg_conn_t  *c  = wr->conn;
+    reg_conn_t *c = wr->conn;
     free(wr);
     c->writes_pending--;
     if (status < 0 && !c->closing) {
@@ -172,19 +176,19 @@ static duet_status_t reg_conn_send(reg_conn_t *c, Duet__Envelope *env)
         return DUET_ERR_NOT_FOUND;
     if (env->version == 0)
         env->version = DUET_PROTO_VERSION;
-    size_t       n  = duet_frame_size(env);
+    size_t n = duet_frame_size(env);
     reg_write_t *wr = malloc(sizeof(*wr) + n);
     if (wr == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "registry: %zu-byte frame", n);
-    size_t        len = 0;
-    duet_status_t st  = duet_frame_encode(env, wr->data, n, &len);
+    size_t len = 0;
+    duet_status_t st = duet_frame_encode(env, wr->data, n, &len);
     if (st < 0) {
         free(wr);
         return st;
     }
     wr->conn = c;
-    wr->buf  = uv_buf_init((char *)wr->data, (unsigned)len);
-    int rc   = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &wr->buf, 1, reg_write_done);
+    wr->buf = uv_buf_init((char *)wr->data, (unsigned)len);
+    int rc = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &wr->buf, 1, reg_write_done);
     if (rc < 0) {
         free(wr);
         return DUET_FAIL(DUET_ERR_TRANSPORT, "registry: write to %s: %s", c->peer, uv_strerror(rc));
@@ -213,7 +217,8 @@ static reg_worker_t *reg_slot(duet_registry_t *reg)
         reg_worker_t *w = &reg->workers[i];
         if (w->info.id == 0)
             return w;
-        if (w->info.state == DUET_WORKER_STATE_DEAD && (oldest == NULL || w->info.id < oldest->info.id))
+        if (w->info.state == DUET_WORKER_STATE_DEAD &&
+            (oldest == NULL || w->info.id < oldest->info.id))
             oldest = w;
     }
     return oldest;
@@ -222,17 +227,17 @@ static reg_worker_t *reg_slot(duet_registry_t *reg)
 static void reg_refuse(reg_conn_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void reg_refuse(reg_conn_t *c, const char *fmt, ...)
 {
-    char    reason[256];
+    char reason[256];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(reason, sizeof(reason), fmt, ap);
     va_end(ap);
     DUET_LOG_WARN("registry: refused worker at %s: %s", c->peer, reason);
     Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
-    ack.accepted          = false;
-    ack.reason            = reason;
-    Duet__Envelope env    = duet_envelope_register_ack(&ack);
-    c->close_after_write  = true;
+    ack.accepted = false;
+    ack.reason = reason;
+    Duet__Envelope env = duet_envelope_register_ack(&ack);
+    c->close_after_write = true;
     if (reg_conn_send(c, &env) < 0)
         reg_conn_close(c);
     uv_read_stop((uv_stream_t *)&c->tcp);
@@ -244,7 +249,8 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
         reg_refuse(c, "protocol version %u, the router speaks %u", r->version, DUET_PROTO_VERSION);
         return;
     }
-    if (r->role != DUET__WORKER_ROLE__WORKER_ROLE_CTX && r->role != DUET__WORKER_ROLE__WORKER_ROLE_GEN) {
+    if (r->role != DUET__WORKER_ROLE__WORKER_ROLE_CTX &&
+        r->role != DUET__WORKER_ROLE__WORKER_ROLE_GEN) {
         reg_refuse(c, "role %d is neither ctx (1) nor gen (2)", (int)r->role);
         return;
     }
@@ -269,29 +275,30 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
     }
     memset(w, 0, sizeof(*w));
     duet_worker_info_t *i = &w->info;
-    i->id                 = reg->next_id++;
-    i->role  = r->role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? DUET_WORKER_ROLE_CTX : DUET_WORKER_ROLE_GEN;
+    i->id = reg->next_id++;
+    i->role =
+        r->role == DUET__WORKER_ROLE__WORKER_ROLE_CTX ? DUET_WORKER_ROLE_CTX : DUET_WORKER_ROLE_GEN;
     i->state = DUET_WORKER_STATE_UP;
     snprintf(i->name, sizeof(i->name), "%s",
              r->worker_name != NULL && r->worker_name[0] != '\0' ? r->worker_name : "unnamed");
     snprintf(i->peer, sizeof(i->peer), "%s", c->peer);
     if (r->capacity != NULL) {
-        i->kv_pages         = r->capacity->kv_pages;
-        i->page_tokens      = r->capacity->page_tokens;
-        i->max_seqs         = r->capacity->max_seqs;
+        i->kv_pages = r->capacity->kv_pages;
+        i->page_tokens = r->capacity->page_tokens;
+        i->max_seqs = r->capacity->max_seqs;
         i->max_batch_tokens = r->capacity->max_batch_tokens;
     }
-    i->free_pages        = i->kv_pages;
-    i->registered_ms     = uv_now(reg->loop);
+    i->free_pages = i->kv_pages;
+    i->registered_ms = uv_now(reg->loop);
     i->last_heartbeat_ms = i->registered_ms;
-    w->conn              = c;
-    c->w                 = w;
+    w->conn = c;
+    c->w = w;
 
     Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
-    ack.accepted          = true;
-    ack.reason            = "";
-    ack.worker_id         = i->id;
-    Duet__Envelope env    = duet_envelope_register_ack(&ack);
+    ack.accepted = true;
+    ack.reason = "";
+    ack.worker_id = i->id;
+    Duet__Envelope env = duet_envelope_register_ack(&ack);
     if (reg_conn_send(c, &env) < 0) {
         reg_worker_dead(reg, w, "could not send RegisterAck");
         return;
@@ -344,16 +351,18 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
     switch (env->body_case) {
     case DUET__ENVELOPE__BODY_HEARTBEAT: {
         const Duet__Heartbeat *hb = env->heartbeat;
-        w->info.free_pages        = hb->free_pages;
-        w->info.running           = hb->running;
-        w->info.queued            = hb->queued;
-        w->info.queued_tokens     = hb->queued_tokens;
+        w->info.free_pages = hb->free_pages;
+        w->info.running = hb->running;
+        w->info.queued = hb->queued;
+        w->info.queued_tokens = hb->queued_tokens;
         w->info.last_heartbeat_ms = uv_now(reg->loop);
         duet_worker_stats_t now = {
-            .decode_steps = hb->decode_steps, .decode_seq_steps = hb->decode_seq_steps,
-            .decoded_tokens = hb->decoded_tokens, .prefill_tokens = hb->prefill_tokens,
-            .step_seconds = isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds
-                                                                                 : 0.0,
+            .decode_steps = hb->decode_steps,
+            .decode_seq_steps = hb->decode_seq_steps,
+            .decoded_tokens = hb->decoded_tokens,
+            .prefill_tokens = hb->prefill_tokens,
+            .step_seconds =
+                isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds : 0.0,
         };
         duet_worker_stats_t *old = &w->info.stats, d;
 #define REG_DELTA(f) d.f = now.f >= old->f ? now.f - old->f : now.f
@@ -379,8 +388,9 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         reg->opts.on_message(w->info.id, env, reg->opts.user);
         return !c->closing;
     default:
-        DUET_LOG_WARN("registry: worker %llu (%s) sent body %d, which workers may not send: closing",
-                      (unsigned long long)w->info.id, w->info.name, (int)env->body_case);
+        DUET_LOG_WARN(
+            "registry: worker %llu (%s) sent body %d, which workers may not send: closing",
+            (unsigned long long)w->info.id, w->info.name, (int)env->body_case);
         reg_worker_dead(reg, w, "protocol error (unexpected message)");
         return false;
     }
@@ -404,7 +414,7 @@ static void reg_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 
 static void reg_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
-    reg_conn_t      *c   = s->data;
+    reg_conn_t *c = s->data;
     duet_registry_t *reg = c->reg;
     if (nread == 0 || c->closing)
         return;
@@ -417,11 +427,11 @@ static void reg_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         return;
     }
     const uint8_t *p = (const uint8_t *)buf->base;
-    size_t         n = (size_t)nread;
+    size_t n = (size_t)nread;
     while (n > 0 && !c->closing && !c->close_after_write) {
-        size_t          used = 0;
-        Duet__Envelope *env  = NULL;
-        duet_status_t   st   = duet_frame_decoder_feed(&c->dec, p, n, &used, &env);
+        size_t used = 0;
+        Duet__Envelope *env = NULL;
+        duet_status_t st = duet_frame_decoder_feed(&c->dec, p, n, &used, &env);
         if (st < 0) {
             DUET_LOG_WARN("registry: malformed frame from %s (%s): closing", c->peer,
                           duet_error_last());
@@ -464,7 +474,7 @@ static void reg_on_connection(uv_stream_t *server, int status)
     c->next = reg->conns;
     if (reg->conns != NULL)
         reg->conns->prev = c;
-    reg->conns      = c;
+    reg->conns = c;
     c->connected_ms = uv_now(reg->loop);
     if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0) {
         reg_conn_close(c);
@@ -472,11 +482,11 @@ static void reg_on_connection(uv_stream_t *server, int status)
     }
     uv_tcp_nodelay(&c->tcp, 1);
     struct sockaddr_storage ss;
-    int                     len = sizeof(ss);
+    int len = sizeof(ss);
     snprintf(c->peer, sizeof(c->peer), "?");
     if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
         char ip[48] = "?";
-        int  port   = 0;
+        int port = 0;
         if (ss.ss_family == AF_INET) {
             uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
             port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
@@ -495,8 +505,8 @@ static void reg_on_connection(uv_stream_t *server, int status)
 static void reg_tick(uv_timer_t *t)
 {
     duet_registry_t *reg = t->data;
-    uint64_t         now = uv_now(reg->loop);
-    uint64_t         to  = reg->opts.heartbeat_timeout_ms;
+    uint64_t now = uv_now(reg->loop);
+    uint64_t to = reg->opts.heartbeat_timeout_ms;
     for (size_t i = 0; i < reg->opts.max_workers; i++) {
         reg_worker_t *w = &reg->workers[i];
         if (w->info.id != 0 && w->info.state != DUET_WORKER_STATE_DEAD &&
@@ -538,7 +548,7 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
         reg->opts.max_workers = 256;
     snprintf(reg->host, sizeof(reg->host), "%s", opts->host);
     reg->opts.host = reg->host;
-    reg->adopt     = opts->fingerprint == NULL || opts->fingerprint[0] == '\0';
+    reg->adopt = opts->fingerprint == NULL || opts->fingerprint[0] == '\0';
     if (!reg->adopt) {
         if (strlen(opts->fingerprint) > DUET_REGISTRY_FINGERPRINT_MAX) {
             free(reg);
@@ -548,8 +558,8 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
         snprintf(reg->fingerprint, sizeof(reg->fingerprint), "%s", opts->fingerprint);
     }
     reg->opts.fingerprint = NULL;
-    reg->next_id          = 1;
-    reg->workers          = calloc(reg->opts.max_workers, sizeof(*reg->workers));
+    reg->next_id = 1;
+    reg->workers = calloc(reg->opts.max_workers, sizeof(*reg->workers));
     if (reg->workers == NULL) {
         free(reg);
         return DUET_FAIL(DUET_ERR_NOMEM, "registry: worker table");
@@ -569,14 +579,14 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
     if (rc == 0)
         rc = uv_listen((uv_stream_t *)&reg->listener, 128, reg_on_connection);
     if (rc < 0) {
-        duet_status_t st = DUET_FAIL(DUET_ERR_IO, "registry: cannot listen on %s:%u: %s",
-                                     reg->host, opts->port, uv_strerror(rc));
+        duet_status_t st = DUET_FAIL(DUET_ERR_IO, "registry: cannot listen on %s:%u: %s", reg->host,
+                                     opts->port, uv_strerror(rc));
         reg->closing = true;
         uv_close((uv_handle_t *)&reg->listener, reg_handle_closed);
         return st;
     }
     struct sockaddr_storage bound;
-    int                     blen = sizeof(bound);
+    int blen = sizeof(bound);
     uv_tcp_getsockname(&reg->listener, (struct sockaddr *)&bound, &blen);
     reg->port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                                   : ((struct sockaddr_in *)&bound)->sin_port);
@@ -589,9 +599,10 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
     if (period > 250)
         period = 250;
     uv_timer_start(&reg->timer, reg_tick, period, period);
-    DUET_LOG_INFO("registry: listening for workers on %s:%u (heartbeat timeout %u ms, fingerprint %s)",
-                  reg->host, reg->port, opts->heartbeat_timeout_ms,
-                  reg->adopt ? "adopted from the first worker" : reg->fingerprint);
+    DUET_LOG_INFO(
+        "registry: listening for workers on %s:%u (heartbeat timeout %u ms, fingerprint %s)",
+        reg->host, reg->port, opts->heartbeat_timeout_ms,
+        reg->adopt ? "adopted from the first worker" : reg->fingerprint);
     *reg_p = reg;
     return DUET_OK;
 }
@@ -609,14 +620,14 @@ const char *duet_registry_fingerprint(const duet_registry_t *reg)
 void duet_registry_close(duet_registry_t *reg, duet_registry_close_cb cb, void *user)
 {
     DUET_ASSERT(!reg->closing);
-    reg->closing    = true;
-    reg->close_cb   = cb;
+    reg->closing = true;
+    reg->close_cb = cb;
     reg->close_user = user;
     for (size_t i = 0; i < reg->opts.max_workers; i++) {
         reg_worker_t *w = &reg->workers[i];
         if (w->conn != NULL) {
             w->conn->w = NULL;
-            w->conn    = NULL;
+            w->conn = NULL;
         }
         if (w->info.id != 0)
             w->info.state = DUET_WORKER_STATE_DEAD;
@@ -646,8 +657,8 @@ duet_status_t duet_registry_set_draining(duet_registry_t *reg, uint64_t worker_i
     if (w == NULL || w->info.state == DUET_WORKER_STATE_DEAD)
         return duet_error_set(DUET_ERR_NOT_FOUND, "worker %llu is not live",
                               (unsigned long long)worker_id);
-    Duet__Drain    d   = DUET__DRAIN__INIT;
-    Duet__Undrain  u   = DUET__UNDRAIN__INIT;
+    Duet__Drain d = DUET__DRAIN__INIT;
+    Duet__Undrain u = DUET__UNDRAIN__INIT;
     Duet__Envelope env = draining ? duet_envelope_drain(&d) : duet_envelope_undrain(&u);
     duet_status_t st = duet_registry_send(reg, worker_id, &env);
     if (st < 0)
@@ -708,7 +719,7 @@ void duet_registry_foreach(const duet_registry_t *reg, duet_registry_worker_cb c
         if (next == NULL)
             return;
         duet_worker_info_t copy = next->info;
-        last                    = copy.id;
+        last = copy.id;
         cb(&copy, user);
     }
 }
@@ -721,14 +732,13 @@ size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candi
         const duet_worker_info_t *w = &reg->workers[i].info;
         if (w->id == 0 || w->state == DUET_WORKER_STATE_DEAD)
             continue;
-        out[n].id            = w->id;
-        out[n].role          = w->role;
-        out[n].state         = w->state;
-        out[n].free_pages    = w->free_pages;
+        out[n].id = w->id;
+        out[n].role = w->role;
+        out[n].state = w->state;
+        out[n].free_pages = w->free_pages;
         out[n].queued_tokens = w->queued_tokens;
-        out[n].inflight      = w->inflight;
+        out[n].inflight = w->inflight;
         n++;
     }
     return n;
 }
-

@@ -56,7 +56,7 @@ typedef struct duet_registry duet_registry_t;
 /* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-10). */
 typedef struct {
     uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
-    double   step_seconds;
+    double step_seconds;
 } duet_worker_stats_t;
 
 /* A copy of one worker's state, for callbacks and the query API. */
@@ -65,16 +65,16 @@ typedef struct {
     duet_worker_role_t role;
     duet_worker_state_t state;
     char name[DUET_REGISTRY_NAME_MAX];
-    char peer[64];         /* "ip:port" of the connection */
-    uint32_t kv_pages;     /* capacity, from Register */
+    char peer[64];     /* "ip:port" of the connection */
+    uint32_t kv_pages; /* capacity, from Register */
     uint32_t page_tokens;
     uint32_t max_seqs;
     uint32_t max_batch_tokens;
-    uint32_t free_pages;   /* load, from the last Heartbeat (kv_pages until the first) */
+    uint32_t free_pages; /* load, from the last Heartbeat (kv_pages until the first) */
     uint32_t running;
     uint32_t queued;
     uint64_t queued_tokens;
-    uint32_t inflight;     /* requests the router has on it (duet_registry_inflight_add) */
+    uint32_t inflight;          /* requests the router has on it (duet_registry_inflight_add) */
     uint64_t registered_ms;     /* uv_now at registration */
     uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
     duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
@@ -84,8 +84,7 @@ typedef void (*duet_registry_worker_cb)(const duet_worker_info_t *w, void *user)
 typedef void (*duet_registry_stats_cb)(const duet_worker_info_t *w,
                                        const duet_worker_stats_t *delta, void *user);
 typedef void (*duet_registry_down_cb)(const duet_worker_info_t *w, const char *reason, void *user);
-typedef void (*duet_registry_message_cb)(uint64_t worker_id, const Duet__Envelope *env,
-                                         void *user);
+typedef void (*duet_registry_message_cb)(uint64_t worker_id, const Duet__Envelope *env, void *user);
 typedef void (*duet_registry_close_cb)(void *user);
 
 typedef struct {
@@ -96,12 +95,12 @@ typedef struct {
     size_t max_frame;              /* largest frame body accepted (0 = DUET_FRAME_MAX_DEFAULT) */
     size_t max_workers;            /* table size, live and dead (0 = 256) */
 
-    duet_registry_worker_cb on_worker_up;  /* optional: accepted */
-    duet_registry_down_cb on_worker_down;  /* optional: dead, with the reason */
+    duet_registry_worker_cb on_worker_up;    /* optional: accepted */
+    duet_registry_down_cb on_worker_down;    /* optional: dead, with the reason */
     duet_registry_worker_cb on_worker_state; /* optional: UP <-> DRAINING */
-    duet_registry_message_cb on_message;   /* required: request-path bodies */
-    duet_registry_stats_cb on_stats;       /* optional: counter increments per heartbeat (a
-                                              counter that went backwards counts from 0) */
+    duet_registry_message_cb on_message;     /* required: request-path bodies */
+    duet_registry_stats_cb on_stats;         /* optional: counter increments per heartbeat (a
+                                                counter that went backwards counts from 0) */
     void *user;
 } duet_registry_options_t;
 
@@ -169,6 +168,5 @@ size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candi
 /* "up", "draining", "dead"; "ctx", "gen". */
 const char *duet_worker_state_name(duet_worker_state_t state);
 const char *duet_worker_role_name(duet_worker_role_t role);
-
 
 #endif

@@ -125,7 +125,7 @@ static void cluster_start(void)
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(tdir, sizeof(tdir), "%s", tmpl);
     put_file("config.json",
-        "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+             "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
     put_file("duet_tokenizer.json",
              "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
     port_http = pick_port();

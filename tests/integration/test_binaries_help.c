@@ -60,8 +60,8 @@ Test(binaries, version, .timeout = 60)
         cr_expect_eq(rc, 0, "%s --version exited %d", name, rc);
         char want[256];
         snprintf(want, sizeof(want), "%s %s (commit ", name, DUET_EXPECT_VERSION);
-        cr_expect(strncmp(OUT, want, strlen(want)) == 0, "%s --version printed \"%s\", want \"%s...\"",
-                  name, OUT, want);
+        cr_expect(strncmp(OUT, want, strlen(want)) == 0,
+                  "%s --version printed \"%s\", want \"%s...\"", name, OUT, want);
         const char *c = OUT + strlen(want);
         size_t hex = 0;
         while (isxdigit((unsigned char)c[hex]))

@@ -52,16 +52,16 @@
 #define BENCH    DUET_BINARY_DIR "/bench/duet-bench"
 #define MODEL    DUET_SOURCE_DIR "/models/duet-demo"
 
-#define CTX_PAGES 400 /* 16-token pages */
-#define GEN_PAGES 300 /* 32-token pages */
+#define CTX_PAGES   400 /* 16-token pages */
+#define GEN_PAGES   300 /* 32-token pages */
 #define LOCAL_BELOW 24
 #define CHUNK       64
 
-static char  dir[256];
-static int   http_port, worker_port, admin_port;
+static char dir[256];
+static int http_port, worker_port, admin_port;
 static pid_t pids[16];
-static char  names[16][32];
-static int   n_pids;
+static char names[16][32];
+static int n_pids;
 
 /* Set by a test before start_cluster: its context workers log at DEBUG (the handshake wait). */
 static int ctx_debug;
@@ -70,8 +70,8 @@ static int ctx_debug;
 
 static int free_port(void)
 {
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     socklen_t l = sizeof(a);
@@ -122,20 +122,20 @@ static pid_t pid_of(const char *name)
 /* Open a connection and send one request; returns the fd (or -1). */
 static int http_send(int port, const char *method, const char *path, const char *body)
 {
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         close(fd);
         return -1;
     }
     size_t blen = body != NULL ? strlen(body) : 0;
-    char  *req  = malloc(blen + 512);
-    int    n    = snprintf(req, blen + 512,
-                           "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
-                           "application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                           method, path, blen, body != NULL ? body : "");
-    ssize_t w   = write(fd, req, (size_t)n);
+    char *req = malloc(blen + 512);
+    int n = snprintf(req, blen + 512,
+                     "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                     "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                     method, path, blen, body != NULL ? body : "");
+    ssize_t w = write(fd, req, (size_t)n);
     free(req);
     if (w != n) {
         close(fd);
@@ -186,20 +186,20 @@ static int workers_idle(int expect_workers)
     if (http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf)) != 200)
         return 0;
     json_error_t e;
-    json_t      *o = json_loads(body_of(buf), 0, &e);
-    json_t      *a = json_is_array(o) ? o : json_object_get(o, "workers");
-    int          ok = json_is_array(a), live = 0;
+    json_t *o = json_loads(body_of(buf), 0, &e);
+    json_t *a = json_is_array(o) ? o : json_object_get(o, "workers");
+    int ok = json_is_array(a), live = 0;
     for (size_t i = 0; ok && i < json_array_size(a); i++) {
-        json_t     *w     = json_array_get(a, i);
+        json_t *w = json_array_get(a, i);
         const char *state = json_string_value(json_object_get(w, "state"));
-        const char *role  = json_string_value(json_object_get(w, "role"));
+        const char *role = json_string_value(json_object_get(w, "role"));
         if (state == NULL || strcmp(state, "dead") == 0)
             continue;
         live++;
-        json_t *load  = json_object_get(w, "load");
-        int     pages = (int)json_integer_value(json_object_get(load, "free_pages"));
-        int     run   = (int)json_integer_value(json_object_get(load, "running"));
-        int     want  = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : GEN_PAGES;
+        json_t *load = json_object_get(w, "load");
+        int pages = (int)json_integer_value(json_object_get(load, "free_pages"));
+        int run = (int)json_integer_value(json_object_get(load, "running"));
+        int want = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : GEN_PAGES;
         if (pages != want || run != 0)
             ok = 0;
     }
@@ -223,12 +223,12 @@ static void wait_idle(int expect_workers, int ms)
 static int wait_workers(int n_up, int ms)
 {
     static char buf[65536];
-    uint64_t    end = now_ms() + (uint64_t)ms;
+    uint64_t end = now_ms() + (uint64_t)ms;
     while (now_ms() < end) {
         if (http(http_port, "GET", "/health", NULL, buf, sizeof(buf)) == 200) {
-            json_t *o   = json_loads(body_of(buf), 0, NULL);
-            int     got = (int)(json_integer_value(json_object_get(o, "gen_workers")) +
-                              json_integer_value(json_object_get(o, "ctx_workers")));
+            json_t *o = json_loads(body_of(buf), 0, NULL);
+            int got = (int)(json_integer_value(json_object_get(o, "gen_workers")) +
+                            json_integer_value(json_object_get(o, "ctx_workers")));
             json_decref(o);
             if (got == n_up)
                 return 1;
@@ -247,40 +247,85 @@ static void start_cluster(int n_ctx, int n_gen)
     char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(dir, sizeof(dir), "%s", tmpl);
-    http_port   = free_port();
+    http_port = free_port();
     worker_port = free_port();
-    admin_port  = free_port();
+    admin_port = free_port();
     char hp[16], wp[16], ap[16], lp[16], rt[64];
     snprintf(hp, sizeof(hp), "%d", http_port);
     snprintf(wp, sizeof(wp), "%d", worker_port);
     snprintf(ap, sizeof(ap), "%d", admin_port);
     snprintf(lp, sizeof(lp), "%d", LOCAL_BELOW);
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
-    char *rargv[] = {ROUTER, "--model", MODEL, "--http.port", hp, "--workers.port", wp,
-                     "--admin.port", ap, "--admin.insecure-no-token",
-                     "--placement.local_prefill_tokens", lp, "--placement.policy", "round_robin",
-                     "--workers.heartbeat-timeout-ms", "5000", "--admission.max_inflight", "64",
+    char *rargv[] = {ROUTER,
+                     "--model",
+                     MODEL,
+                     "--http.port",
+                     hp,
+                     "--workers.port",
+                     wp,
+                     "--admin.port",
+                     ap,
+                     "--admin.insecure-no-token",
+                     "--placement.local_prefill_tokens",
+                     lp,
+                     "--placement.policy",
+                     "round_robin",
+                     "--workers.heartbeat-timeout-ms",
+                     "5000",
+                     "--admission.max_inflight",
+                     "64",
                      NULL};
     spawn("router", rargv);
     for (int i = 0; i < n_ctx; i++) {
         char name[16];
         snprintf(name, sizeof(name), "ctx-%d", i);
-        char *argv[] = {CTX, "--router", rt, "--model", MODEL, "--name", name, "--threads", "1",
-                        "--cache.page_tokens", "16", "--cache.kv_pages", "400",
-                        "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
-                        "--batch.max_seqs", "8", "--heartbeat_ms", "100", "--transfer.checksum",
-                        "--device", (char *)worker_device, "--dtype", "f32", NULL};
+        char *argv[] = {CTX,        "--router",
+                        rt,         "--model",
+                        MODEL,      "--name",
+                        name,       "--threads",
+                        "1",        "--cache.page_tokens",
+                        "16",       "--cache.kv_pages",
+                        "400",      "--batch.prefill_chunk",
+                        "64",       "--batch.max_tokens",
+                        "256",      "--batch.max_seqs",
+                        "8",        "--heartbeat_ms",
+                        "100",      "--transfer.checksum",
+                        "--device", (char *)worker_device,
+                        "--dtype",  "f32",
+                        NULL};
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
         char name[16];
         snprintf(name, sizeof(name), "gen-%d", i);
-        char *argv[] = {GEN, "--router", rt, "--model", MODEL, "--name", name, "--threads", "1",
-                        "--cache.page_tokens", "32", "--cache.kv_pages", "300",
-                        "--batch.prefill_chunk", "64", "--batch.max_tokens", "256",
-                        "--batch.max_seqs", "40", "--heartbeat_ms", "100",
-                        "--cache.quarantine_ms", "500", "--device", (char *)worker_device,
-                        "--dtype", "f32", NULL};
+        char *argv[] = {GEN,
+                        "--router",
+                        rt,
+                        "--model",
+                        MODEL,
+                        "--name",
+                        name,
+                        "--threads",
+                        "1",
+                        "--cache.page_tokens",
+                        "32",
+                        "--cache.kv_pages",
+                        "300",
+                        "--batch.prefill_chunk",
+                        "64",
+                        "--batch.max_tokens",
+                        "256",
+                        "--batch.max_seqs",
+                        "40",
+                        "--heartbeat_ms",
+                        "100",
+                        "--cache.quarantine_ms",
+                        "500",
+                        "--device",
+                        (char *)worker_device,
+                        "--dtype",
+                        "f32",
+                        NULL};
         spawn(name, argv);
     }
     cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
@@ -316,34 +361,34 @@ static const char *const corpus =
     "under the firmament from the waters which were above the firmament: and it was so.";
 
 typedef struct {
-    char    prompt[1024];
-    int     max_tokens;
-    char   *want_text; /* duet-generate's */
-    int     want_tokens;
-    char   *got_text;
-    int     got_tokens;
-    int     status;
-    int     stream;
-    int     ignore_eos;
-    int     seed; /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
+    char prompt[1024];
+    int max_tokens;
+    char *want_text; /* duet-generate's */
+    int want_tokens;
+    char *got_text;
+    int got_tokens;
+    int status;
+    int stream;
+    int ignore_eos;
+    int seed; /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
 } job_t;
 
 static void prompt_of(job_t *j, int i, int len, int max_tokens)
 {
-    size_t n   = strlen(corpus);
+    size_t n = strlen(corpus);
     size_t off = ((size_t)i * 53) % (n - 1);
-    size_t at  = 0;
+    size_t at = 0;
     for (int k = 0; k < len; k++)
         j->prompt[at++] = corpus[(off + (size_t)k) % n];
-    j->prompt[at]  = '\0';
-    j->max_tokens  = max_tokens;
+    j->prompt[at] = '\0';
+    j->max_tokens = max_tokens;
 }
 
 /* JSON-escape s into out. */
 static void json_str(const char *s, char *out, size_t cap)
 {
     json_t *v = json_string(s);
-    char   *t = json_dumps(v, JSON_ENCODE_ANY);
+    char *t = json_dumps(v, JSON_ENCODE_ANY);
     snprintf(out, cap, "%s", t);
     free(t);
     json_decref(v);
@@ -379,9 +424,9 @@ static void reference(job_t *j)
     waitpid(p, &st, 0);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "duet-generate failed");
     json_error_t e;
-    json_t      *o = json_load_file(outpath, 0, &e);
+    json_t *o = json_load_file(outpath, 0, &e);
     cr_assert_not_null(o, "duet-generate output: %s", e.text);
-    j->want_text   = strdup(json_string_value(json_object_get(o, "text")));
+    j->want_text = strdup(json_string_value(json_object_get(o, "text")));
     j->want_tokens = (int)json_array_size(json_object_get(o, "tokens"));
     json_decref(o);
 }
@@ -404,8 +449,8 @@ static void parse_sse(job_t *j, const char *body)
                 memcpy(j->got_text + at, t, strlen(t));
                 at += strlen(t);
             }
-            const char *err = json_string_value(
-                json_object_get(json_object_get(o, "error"), "message"));
+            const char *err =
+                json_string_value(json_object_get(json_object_get(o, "error"), "message"));
             if (err != NULL) { /* an error event ends a started stream */
                 j->got_text = realloc(j->got_text, cap += strlen(err) + 16);
                 at += (size_t)sprintf(j->got_text + at, "\n[error] %s", err);
@@ -422,7 +467,7 @@ static void parse_sse(job_t *j, const char *body)
 static void *run_job(void *arg)
 {
     job_t *j = arg;
-    char   ps[2048];
+    char ps[2048];
     json_str(j->prompt, ps, sizeof(ps));
     char body[4096];
     char sampling[96] = "\"temperature\":0";
@@ -443,12 +488,12 @@ static void *run_job(void *arg)
         parse_sse(j, body_of(resp));
         return NULL;
     }
-    json_t *o   = json_loads(body_of(resp), 0, NULL);
-    json_t *c   = json_array_get(json_object_get(o, "choices"), 0);
+    json_t *o = json_loads(body_of(resp), 0, NULL);
+    json_t *c = json_array_get(json_object_get(o, "choices"), 0);
     const char *t = json_string_value(json_object_get(c, "text"));
-    j->got_text   = strdup(t != NULL ? t : "(no text)");
-    j->got_tokens = (int)json_integer_value(
-        json_object_get(json_object_get(o, "usage"), "completion_tokens"));
+    j->got_text = strdup(t != NULL ? t : "(no text)");
+    j->got_tokens =
+        (int)json_integer_value(json_object_get(json_object_get(o, "usage"), "completion_tokens"));
     json_decref(o);
     return NULL;
 }
@@ -469,7 +514,8 @@ static void check_job(const job_t *j, int i)
     cr_expect_eq(j->status, 200, "request %d: HTTP %d: %s", i, j->status, j->got_text);
     cr_expect_str_eq(j->got_text, j->want_text,
                      "request %d (%zu-byte prompt, max_tokens %d): cluster text differs from "
-                     "duet-generate's", i, strlen(j->prompt), j->max_tokens);
+                     "duet-generate's",
+                     i, strlen(j->prompt), j->max_tokens);
     cr_expect_eq(j->got_tokens, j->want_tokens, "request %d: token count", i);
 }
 
@@ -527,7 +573,7 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
         reference(&jobs[i]);
         prompt_tokens += (uint64_t)lens[i] + 1; /* + BOS */
     }
-    double    before = metric("duet_worker_prefill_tokens_total");
+    double before = metric("duet_worker_prefill_tokens_total");
     pthread_t th[N];
     for (int i = 0; i < N; i++)
         pthread_create(&th[i], NULL, run_job, &jobs[i]);
@@ -540,8 +586,8 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
     double after = metric("duet_worker_prefill_tokens_total");
     cr_expect_eq((uint64_t)(after - before), prompt_tokens,
                  "every prompt token is prefilled exactly once (on a ctx or, for short prompts, "
-                 "the gen worker): %.0f vs %llu", after - before,
-                 (unsigned long long)prompt_tokens);
+                 "the gen worker): %.0f vs %llu",
+                 after - before, (unsigned long long)prompt_tokens);
     cr_expect_gt(metric("duet_gen_decode_steps_total"), 0);
     for (int i = 0; i < N; i++) {
         free(jobs[i].want_text);
@@ -564,8 +610,10 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
         cr_expect_neq(dev, -1, "%s did not say which pools its transfers move", ws[i]);
         printf("cluster: %s transfers move the %s pools\n", ws[i], dev == 1 ? "device" : "host");
         if (expect_dev)
-            cr_expect_eq(dev, 1, "%s: DUET_TEST_EXPECT_DEVICE_POOLS, but it staged through the "
-                                 "host pools", ws[i]);
+            cr_expect_eq(dev, 1,
+                         "%s: DUET_TEST_EXPECT_DEVICE_POOLS, but it staged through the "
+                         "host pools",
+                         ws[i]);
     }
     /* round robin: both context workers prefill a share of the long prompts */
     const int first0 = check_first_steps_connected("ctx-0"),
@@ -598,9 +646,9 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
              "3000,\"ignore_eos\":true,\"stream\":true}");
     fd = http_send(http_port, "POST", "/v1/completions", body);
     cr_assert_geq(fd, 0);
-    size_t   at  = 0;
+    size_t at = 0;
     uint64_t end = now_ms() + 20000;
-    int      chunks = 0;
+    int chunks = 0;
     while (chunks < 10 && now_ms() < end) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         if (poll(&p, 1, 1000) <= 0)
@@ -609,7 +657,7 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
         cr_assert_gt(r, 0);
         at += (size_t)r;
         buf[at] = '\0';
-        chunks  = 0;
+        chunks = 0;
         for (const char *q = strstr(buf, "data: "); q != NULL; q = strstr(q + 1, "data: "))
             chunks++;
     }
@@ -637,19 +685,19 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
 static int busy_worker(const char *prefix, int n, int ms)
 {
     static char buf[65536];
-    uint64_t    end = now_ms() + (uint64_t)ms;
+    uint64_t end = now_ms() + (uint64_t)ms;
     while (now_ms() < end) {
         if (http(admin_port, "GET", "/admin/workers", NULL, buf, sizeof(buf)) == 200) {
             json_t *o = json_loads(body_of(buf), 0, NULL);
             json_t *a = json_is_array(o) ? o : json_object_get(o, "workers");
             for (size_t i = 0; i < json_array_size(a); i++) {
-                json_t     *w    = json_array_get(a, i);
-                const char *name  = json_string_value(json_object_get(w, "name"));
+                json_t *w = json_array_get(a, i);
+                const char *name = json_string_value(json_object_get(w, "name"));
                 const char *state = json_string_value(json_object_get(w, "state"));
                 if (state == NULL || strcmp(state, "dead") == 0)
                     continue;
-                int run = (int)json_integer_value(json_object_get(json_object_get(w, "load"),
-                                                                  "running"));
+                int run =
+                    (int)json_integer_value(json_object_get(json_object_get(w, "load"), "running"));
                 const size_t pl = strlen(prefix);
                 if (name != NULL && strncmp(name, prefix, pl) == 0 && run > 0) {
                     const int idx = atoi(name + pl);
@@ -720,7 +768,7 @@ Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180
     for (int i = 0; i < N; i++) {
         memset(&jobs[i], 0, sizeof(jobs[i]));
         prompt_of(&jobs[i], i, 30 + i * 10, 300);
-        jobs[i].stream     = 1;
+        jobs[i].stream = 1;
         jobs[i].ignore_eos = 1;
         reference(&jobs[i]);
     }
@@ -771,7 +819,7 @@ Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
 {
     enum { N = 12 };
     static job_t jobs[N];
-    static char  buf[65536];
+    static char buf[65536];
     start_cluster(1, 2);
     pthread_t th[N];
     for (int i = 0; i < N; i++) {
@@ -784,8 +832,7 @@ Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
         pthread_create(&th[i], NULL, run_job, &jobs[i]);
     usleep(700000);
     uint64_t t0 = now_ms();
-    int      st = http(admin_port, "POST", "/admin/workers/gen-0/drain?wait=1", "", buf,
-                       sizeof(buf));
+    int st = http(admin_port, "POST", "/admin/workers/gen-0/drain?wait=1", "", buf, sizeof(buf));
     cr_expect_eq(st, 200, "drain --wait: %s", buf);
     cr_log_info("drain took %llu ms", (unsigned long long)(now_ms() - t0));
     for (int i = 0; i < N; i++)
@@ -828,11 +875,11 @@ Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)
     start_cluster(1, 1);
     char json[512], bad[512];
     snprintf(json, sizeof(json), "%s/bench.json", dir);
-    int rc = run_bench(DUET_SOURCE_DIR "/bench/baselines/demo-cluster-ci.json", json, out,
-                       sizeof(out));
+    int rc =
+        run_bench(DUET_SOURCE_DIR "/bench/baselines/demo-cluster-ci.json", json, out, sizeof(out));
     cr_expect_eq(rc, 0, "duet-bench with the CI baseline: exit %d\n%s", rc, out);
     json_error_t e;
-    json_t      *o = json_load_file(json, 0, &e);
+    json_t *o = json_load_file(json, 0, &e);
     cr_assert_not_null(o, "%s", e.text);
     cr_expect_eq(json_integer_value(json_object_get(o, "completed")), 16);
     cr_expect_eq(json_integer_value(json_object_get(o, "total_output_tokens")), 16 * 24);

@@ -19,7 +19,7 @@
 static json_t *golden(void)
 {
     json_error_t e;
-    json_t      *g = json_load_file(FIX "/golden.json", 0, &e);
+    json_t *g = json_load_file(FIX "/golden.json", 0, &e);
     cr_assert_not_null(g, "%s", e.text);
     return g;
 }
@@ -27,7 +27,7 @@ static json_t *golden(void)
 static char *ids_csv(json_t *arr)
 {
     static char buf[8192];
-    size_t      at = 0;
+    size_t at = 0;
     for (size_t i = 0; i < json_array_size(arr); i++)
         at += (size_t)snprintf(buf + at, sizeof(buf) - at, "%s%lld", i ? "," : "",
                                (long long)json_integer_value(json_array_get(arr, i)));
@@ -37,12 +37,13 @@ static char *ids_csv(json_t *arr)
 Test(generate_cli, json_tokens_match_transformers_greedy, .timeout = 120)
 {
     json_t *g = golden();
-    char    cmd[12288], out[65536];
-    snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 32 --json",
-             GEN, FIX, ids_csv(json_object_get(g, "prompt_ids")));
+    char cmd[12288], out[65536];
+    snprintf(cmd, sizeof(cmd),
+             "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 32 --json", GEN, FIX,
+             ids_csv(json_object_get(g, "prompt_ids")));
     cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
     json_error_t e;
-    json_t      *o = json_loads(out, 0, &e);
+    json_t *o = json_loads(out, 0, &e);
     cr_assert_not_null(o, "not JSON: %s", out);
     json_t *toks = json_object_get(o, "tokens"), *want = json_object_get(g, "greedy_ids");
     cr_assert_eq(json_array_size(toks), 32);
@@ -61,16 +62,18 @@ Test(generate_cli, json_tokens_match_transformers_greedy, .timeout = 120)
 Test(generate_cli, dump_logits_matches_transformers, .timeout = 120)
 {
     json_t *g = golden();
-    char    cmd[12288], out[4096];
+    char cmd[12288], out[4096];
     const char *dump = "/tmp/duet_test_dump_logits.bin";
-    snprintf(cmd, sizeof(cmd), "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 1 "
-             "--prefill-chunk 50 --dump-logits %s >/dev/null", GEN, FIX,
-             ids_csv(json_object_get(g, "prompt_ids")), dump);
+    snprintf(cmd, sizeof(cmd),
+             "DUET_LOG_LEVEL=error %s --model %s --tokens %s --max-tokens 1 "
+             "--prefill-chunk 50 --dump-logits %s >/dev/null",
+             GEN, FIX, ids_csv(json_object_get(g, "prompt_ids")), dump);
     cr_assert_eq(test_run(cmd, out, sizeof(out)), 0);
     const int64_t P = (int64_t)json_array_size(json_object_get(g, "prompt_ids"));
     const int64_t V = json_integer_value(json_object_get(g, "vocab_size"));
-    float *a = malloc(sizeof(float) * (size_t)(P * V)), *b = malloc(sizeof(float) * (size_t)(P * V));
-    FILE  *f = fopen(dump, "rb");
+    float *a = malloc(sizeof(float) * (size_t)(P * V)),
+          *b = malloc(sizeof(float) * (size_t)(P * V));
+    FILE *f = fopen(dump, "rb");
     cr_assert_not_null(f);
     cr_assert_eq(fread(a, sizeof(float), (size_t)(P * V), f), (size_t)(P * V), "dump is short");
     cr_expect_eq(fgetc(f), EOF, "dump is [prompt_len, vocab] exactly");
@@ -101,14 +104,17 @@ Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
         "32,97,114,101,32,105,110,32,121,111,117,114,32";
     char out[65536];
     /* --dtype f32: on a GPU, auto would compute this bf16 model in bf16 */
-    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR "/models/duet-demo "
-                     "--prompt 'And God said' --max-tokens 60 --dtype f32 --json", out, sizeof(out)),
+    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR
+                          "/models/duet-demo "
+                          "--prompt 'And God said' --max-tokens 60 --dtype f32 --json",
+                          out, sizeof(out)),
                  0, "%s", out);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
     cr_expect_eq(json_integer_value(json_object_get(o, "prompt_tokens")), 13, "BOS + 12 bytes");
-    cr_expect(strncmp(json_string_value(json_object_get(o, "text")), " to him, \xe2\x80\x9cI will", 14) == 0,
+    cr_expect(strncmp(json_string_value(json_object_get(o, "text")), " to him, \xe2\x80\x9cI will",
+                      14) == 0,
               "%s", json_string_value(json_object_get(o, "text")));
     json_decref(o);
 }
@@ -138,5 +144,6 @@ Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
     }
     char out[65536];
     cr_expect_eq(test_run(GEN " --help", out, sizeof(out)), 0);
-    cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s", out);
+    cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s",
+              out);
 }

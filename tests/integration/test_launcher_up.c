@@ -103,7 +103,7 @@ static void setup_cluster(int n_ctx, int n_gen, const char *ctx_binary, const ch
     snprintf(model, sizeof(model), "%s/model", dir);
     cr_assert_eq(mkdir(model, 0755), 0);
     write_file("model/config.json",
-        "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+               "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
     write_file(
         "model/duet_tokenizer.json",
         "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");

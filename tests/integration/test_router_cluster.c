@@ -31,15 +31,15 @@
 #define ROUTER DUET_BINARY_DIR "/router/duet-router"
 #define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
 
-static char  dir[256];
-static int   http_port, worker_port, admin_port;
+static char dir[256];
+static int http_port, worker_port, admin_port;
 static pid_t pids[16];
-static int   n_pids;
+static int n_pids;
 
 static int free_port(void)
 {
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     socklen_t l = sizeof(a);
@@ -87,18 +87,18 @@ static uint64_t now_ms(void)
 static int http(int port, const char *method, const char *path, const char *body, char *out,
                 size_t cap)
 {
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         close(fd);
         return -1;
     }
     char req[8192];
-    int  n = snprintf(req, sizeof(req),
-                      "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
-                      "application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                      method, path, body != NULL ? strlen(body) : 0, body != NULL ? body : "");
+    int n = snprintf(req, sizeof(req),
+                     "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                     "application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                     method, path, body != NULL ? strlen(body) : 0, body != NULL ? body : "");
     cr_assert_eq(write(fd, req, (size_t)n), n);
     size_t at = 0;
     for (;;) {
@@ -120,8 +120,8 @@ static int http(int port, const char *method, const char *path, const char *body
 static int wait_status(const char *path, int want, int ms)
 {
     static char buf[65536];
-    uint64_t    end = now_ms() + (uint64_t)ms;
-    int         st  = -1;
+    uint64_t end = now_ms() + (uint64_t)ms;
+    int st = -1;
     while (now_ms() < end) {
         st = http(http_port, "GET", path, NULL, buf, sizeof(buf));
         if (st == want)
@@ -158,20 +158,38 @@ static void start_router(const char *extra1, const char *extra2)
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(dir, sizeof(dir), "%s", tmpl);
     write_file("config.json",
-        "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
-    write_file("duet_tokenizer.json",
-               "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
-    http_port   = free_port();
+               "{\"bos_token_id\": 256, \"eos_token_id\": 257, \"model_max_length\": 4096}\n");
+    write_file(
+        "duet_tokenizer.json",
+        "{\"type\": \"byte\", \"specials\": [\"<|bos|>\", \"<|eos|>\"], \"add_bos\": true}\n");
+    http_port = free_port();
     worker_port = free_port();
-    admin_port  = free_port();
+    admin_port = free_port();
     char hp[16], wp[16], ap[16];
     snprintf(hp, sizeof(hp), "%d", http_port);
     snprintf(wp, sizeof(wp), "%d", worker_port);
     snprintf(ap, sizeof(ap), "%d", admin_port);
-    char *argv[] = {ROUTER, "--model", dir, "--model.name", "m", "--model.fingerprint", "test",
-                    "--http.port", hp, "--workers.port", wp, "--admin.port", ap,
-                    "--admin.insecure-no-token", "--placement.policy", "round_robin",
-                    "--workers.heartbeat-timeout-ms", "600", (char *)extra1, (char *)extra2, NULL};
+    char *argv[] = {ROUTER,
+                    "--model",
+                    dir,
+                    "--model.name",
+                    "m",
+                    "--model.fingerprint",
+                    "test",
+                    "--http.port",
+                    hp,
+                    "--workers.port",
+                    wp,
+                    "--admin.port",
+                    ap,
+                    "--admin.insecure-no-token",
+                    "--placement.policy",
+                    "round_robin",
+                    "--workers.heartbeat-timeout-ms",
+                    "600",
+                    (char *)extra1,
+                    (char *)extra2,
+                    NULL};
     if (extra1 == NULL)
         argv[18] = NULL;
     spawn(argv, "router.log");
@@ -185,9 +203,10 @@ static void start_worker(const char *role, const char *name, const char *f1, con
     char rt[64], ev[512];
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
     snprintf(ev, sizeof(ev), "%s/%s.events", dir, name);
-    char *argv[16] = {WORKER, "--router", rt, "--role", (char *)role, "--name", (char *)name,
-                      "--fingerprint", "test", "--events", ev, "--heartbeat-ms", "100"};
-    int   n        = 13;
+    char *argv[16] = {
+        WORKER,          "--router", rt,         "--role", (char *)role,     "--name", (char *)name,
+        "--fingerprint", "test",     "--events", ev,       "--heartbeat-ms", "100"};
+    int n = 13;
     if (f1 != NULL)
         argv[n++] = (char *)f1;
     if (f2 != NULL)
@@ -227,8 +246,8 @@ static const char *body_of(const char *resp)
 /* Concatenate the "content"/"text" deltas of an SSE stream (naive: our own JSON, no escapes). */
 static void sse_text(const char *resp, const char *key, char *out, size_t cap)
 {
-    size_t      at = 0;
-    char        pat[32];
+    size_t at = 0;
+    char pat[32];
     snprintf(pat, sizeof(pat), "\"%s\":\"", key);
     for (const char *p = strstr(resp, pat); p != NULL; p = strstr(p + 1, pat)) {
         p += strlen(pat);
@@ -285,8 +304,9 @@ Test(router_cluster, completions_and_chat_streaming_and_not, .timeout = 90)
     cr_assert_eq(wait_status("/health", 200, 3000), 200);
 
     /* "<|bos|>hello world" = 12 tokens >= 8: Reserve -> Prefill -> PrefillDone */
-    int st = http(http_port, "POST", "/v1/completions",
-                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
     cr_assert_eq(st, 200, "%s", buf);
     cr_assert(strstr(body_of(buf), "\"text\":\"dlrow\"") != NULL, "%s", buf);
     cr_assert(strstr(buf, "\"finish_reason\":\"length\"") != NULL);
@@ -339,8 +359,10 @@ Test(router_cluster, completions_and_chat_streaming_and_not, .timeout = 90)
     cr_assert(strstr(buf, "\"id\":\"m\"") != NULL);
     cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
     cr_assert(strstr(buf, "duet_router_ttft_seconds_count 5") != NULL, "%s", buf);
-    cr_assert(strstr(buf, "duet_router_http_requests_total{method=\"POST\",path=\"/v1/completions\","
-                          "status=\"200\"} 3") != NULL, "%s", buf);
+    cr_assert(strstr(buf,
+                     "duet_router_http_requests_total{method=\"POST\",path=\"/v1/completions\","
+                     "status=\"200\"} 3") != NULL,
+              "%s", buf);
     stop_all();
 }
 
@@ -350,25 +372,25 @@ Test(router_cluster, client_disconnect_sends_cancel, .timeout = 60)
     start_worker("gen", "gen-0", "--delay-ms", "50", NULL);
     start_worker("ctx", "ctx-0", NULL, NULL, NULL);
     cr_assert_eq(wait_status("/health", 200, 3000), 200);
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons((uint16_t)http_port)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)http_port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     const char *body = "{\"model\":\"m\",\"prompt\":\"a long enough prompt\",\"max_tokens\":200,"
                        "\"stream\":true}";
     char req[1024];
-    int  n = snprintf(req, sizeof(req),
-                      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
-                      strlen(body), body);
+    int n = snprintf(req, sizeof(req),
+                     "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
     cr_assert_eq(write(fd, req, (size_t)n), n);
     char buf[4096];
     size_t at = 0;
     while (strstr(buf, "data:") == NULL && at < sizeof(buf) - 1) { /* the first chunks */
-        buf[at]        = '\0';
-        ssize_t r      = read(fd, buf + at, sizeof(buf) - 1 - at);
+        buf[at] = '\0';
+        ssize_t r = read(fd, buf + at, sizeof(buf) - 1 - at);
         cr_assert_gt(r, 0);
-        at            += (size_t)r;
-        buf[at]        = '\0';
+        at += (size_t)r;
+        buf[at] = '\0';
     }
     close(fd); /* mid-stream */
     cr_assert(has_event("gen-0", "cancel 1 client disconnected", 3000),
@@ -381,10 +403,11 @@ Test(router_cluster, dead_ctx_prefill_is_retried_once_elsewhere, .timeout = 60)
     static char buf[65536];
     start_router(NULL, NULL);
     start_worker("gen", "gen-0", NULL, NULL, NULL);
-    start_worker("ctx", "ctx-bad", "--die-after", "0", NULL);  /* id 2: picked first */
-    start_worker("ctx", "ctx-good", NULL, NULL, NULL);         /* id 3 */
-    int st = http(http_port, "POST", "/v1/completions",
-                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    start_worker("ctx", "ctx-bad", "--die-after", "0", NULL); /* id 2: picked first */
+    start_worker("ctx", "ctx-good", NULL, NULL, NULL);        /* id 3 */
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
     cr_assert_eq(st, 200, "%s", buf);
     cr_assert(strstr(buf, "\"text\":\"dlrow\"") != NULL, "%s", buf);
     cr_assert(has_event("ctx-bad", "prefill 1", 100));
@@ -403,8 +426,9 @@ Test(router_cluster, heartbeat_loss_fails_request_with_clear_error, .timeout = 6
     start_worker("ctx", "ctx-0", NULL, NULL, NULL);
     cr_assert_eq(wait_status("/health", 200, 3000), 200);
     /* ctx gives token 1, gen token 2, then the gen worker goes silent (still connected) */
-    int st = http(http_port, "POST", "/v1/completions",
-                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":8}", buf, sizeof(buf));
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":8}", buf, sizeof(buf));
     cr_assert_eq(st, 502, "%s", buf);
     cr_assert(strstr(buf, "gen worker 1 (gen-0) lost: heartbeat timeout") != NULL, "%s", buf);
     cr_assert_eq(wait_status("/health", 503, 2000), 503, "no gen capacity left");
@@ -426,8 +450,9 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
     start_router(NULL, NULL);
     start_worker("gen", "gen-0", "--refuse", NULL, NULL);
     start_worker("ctx", "ctx-0", NULL, NULL, NULL);
-    int st = http(http_port, "POST", "/v1/completions",
-                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
     cr_assert_eq(st, 429, "%s", buf);
     cr_assert(strstr(buf, "Retry-After: 2") != NULL, "%s", buf);
     cr_assert(strstr(buf, "refuses every reservation") != NULL, "%s", buf);
@@ -436,12 +461,13 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
     char rt[64];
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
     char *v[] = {WORKER, "--router", rt, "--role", "gen", "--proto-version", "99", "--quiet", NULL};
-    pid_t p   = spawn(v, "old.log");
-    int   ws;
+    pid_t p = spawn(v, "old.log");
+    int ws;
     cr_assert_eq(waitpid(p, &ws, 0), p);
     cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
-    char *f[] = {WORKER, "--router", rt, "--role", "gen", "--fingerprint", "other", "--quiet", NULL};
-    p         = spawn(f, "fp.log");
+    char *f[] = {WORKER,          "--router", rt,        "--role", "gen",
+                 "--fingerprint", "other",    "--quiet", NULL};
+    p = spawn(f, "fp.log");
     cr_assert_eq(waitpid(p, &ws, 0), p);
     cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
     n_pids -= 2;

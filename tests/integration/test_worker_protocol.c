@@ -28,8 +28,8 @@
 #define MODEL DUET_SOURCE_DIR "/models/duet-demo"
 #define VOCAB 258
 
-static int                  lfd = -1, cfd = -1;
-static pid_t                wpid;
+static int lfd = -1, cfd = -1;
+static pid_t wpid;
 static duet_frame_decoder_t dec;
 
 static uint64_t now_ms(void)
@@ -43,7 +43,7 @@ static void send_env(Duet__Envelope *env)
 {
     env->version = DUET_PROTO_VERSION;
     uint8_t buf[65536];
-    size_t  len = 0;
+    size_t len = 0;
     cr_assert_eq(duet_frame_encode(env, buf, sizeof(buf), &len), DUET_OK);
     cr_assert_eq(write(cfd, buf, len), (ssize_t)len);
 }
@@ -54,9 +54,9 @@ static Duet__Envelope *recv_env(int ms)
     uint64_t end = now_ms() + (uint64_t)ms;
     for (;;) {
         uint8_t b;
-        size_t  used = 0;
+        size_t used = 0;
         Duet__Envelope *env = NULL;
-        int     left = (int)(end - now_ms());
+        int left = (int)(end - now_ms());
         if (left <= 0)
             return NULL;
         struct pollfd p = {.fd = cfd, .events = POLLIN};
@@ -77,7 +77,7 @@ static Duet__Envelope *recv_env(int ms)
 
 static void start(const char *bin, const char *extra)
 {
-    lfd                  = socket(AF_INET, SOCK_STREAM, 0);
+    lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     cr_assert_eq(bind(lfd, (struct sockaddr *)&a, sizeof(a)), 0);
@@ -94,9 +94,9 @@ static void start(const char *bin, const char *extra)
         if (getenv("DUET_TEST_VERBOSE") == NULL)
             dup2(nul, 2);
         setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
-        execl(bin, bin, "--router", rt, "--model", MODEL, "--threads", "1", "--heartbeat_ms",
-              "100", "--cache.page_tokens", "16", "--cache.kv_pages", "64",
-              "--cache.max_seq_len", "512", extra, (char *)NULL);
+        execl(bin, bin, "--router", rt, "--model", MODEL, "--threads", "1", "--heartbeat_ms", "100",
+              "--cache.page_tokens", "16", "--cache.kv_pages", "64", "--cache.max_seq_len", "512",
+              extra, (char *)NULL);
         _exit(127);
     }
     struct pollfd p = {.fd = lfd, .events = POLLIN};
@@ -110,11 +110,11 @@ static void start(const char *bin, const char *extra)
     cr_assert(strncmp(reg->register_->model_fingerprint, "sha256:", 7) == 0);
     duet_envelope_free(reg);
     Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
-    ack.accepted          = true;
-    ack.worker_id         = 1;
-    Duet__Envelope env    = DUET__ENVELOPE__INIT;
-    env.body_case         = DUET__ENVELOPE__BODY_REGISTER_ACK;
-    env.register_ack      = &ack;
+    ack.accepted = true;
+    ack.worker_id = 1;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_REGISTER_ACK;
+    env.register_ack = &ack;
     send_env(&env);
 }
 
@@ -168,16 +168,16 @@ static void expect_tokens(uint64_t rid, int finish, const char *err_part)
 
 static void send_reserve(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n, uint32_t max)
 {
-    Duet__Reserve r    = DUET__RESERVE__INIT;
-    r.request_id       = rid;
-    r.prompt_tokens    = prompt;
-    r.tokens           = toks;
-    r.n_tokens         = n;
-    r.max_tokens       = max;
+    Duet__Reserve r = DUET__RESERVE__INIT;
+    r.request_id = rid;
+    r.prompt_tokens = prompt;
+    r.tokens = toks;
+    r.n_tokens = n;
+    r.max_tokens = max;
     r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_RESERVE;
-    env.reserve        = &r;
+    env.body_case = DUET__ENVELOPE__BODY_RESERVE;
+    env.reserve = &r;
     send_env(&env);
 }
 
@@ -194,35 +194,35 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
     expect_refused(3, "differ");
 
     Duet__PrefillDone pd = DUET__PREFILL_DONE__INIT;
-    pd.request_id        = 99;
-    pd.first_token       = 5;
-    Duet__Envelope env   = DUET__ENVELOPE__INIT;
-    env.body_case        = DUET__ENVELOPE__BODY_PREFILL_DONE;
-    env.prefill_done     = &pd;
+    pd.request_id = 99;
+    pd.first_token = 5;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_PREFILL_DONE;
+    env.prefill_done = &pd;
     send_env(&env);
     expect_tokens(99, DUET__TOKENS__FINISH_REASON__ERROR, "no reservation");
 
-    uint32_t       bad[2] = {72, VOCAB + 40};
-    Duet__Generate g      = DUET__GENERATE__INIT;
-    g.request_id          = 4;
-    g.tokens              = bad;
-    g.n_tokens            = 2;
-    g.max_tokens          = 3;
-    env.body_case         = DUET__ENVELOPE__BODY_GENERATE;
-    env.generate          = &g;
+    uint32_t bad[2] = {72, VOCAB + 40};
+    Duet__Generate g = DUET__GENERATE__INIT;
+    g.request_id = 4;
+    g.tokens = bad;
+    g.n_tokens = 2;
+    g.max_tokens = 3;
+    env.body_case = DUET__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
     send_env(&env);
     expect_tokens(4, DUET__TOKENS__FINISH_REASON__ERROR, "vocabulary");
 
     /* a stray Cancel and a body workers never get: ignored */
     Duet__Cancel c = DUET__CANCEL__INIT;
-    c.request_id   = 12345;
-    c.reason       = "nothing to cancel";
-    env.body_case  = DUET__ENVELOPE__BODY_CANCEL;
-    env.cancel     = &c;
+    c.request_id = 12345;
+    c.reason = "nothing to cancel";
+    env.body_case = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel = &c;
     send_env(&env);
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat      = &hb;
+    env.body_case = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &hb;
     send_env(&env);
 
     /* a valid reservation: its bytes decode, the same id twice is refused, cancel frees it */
@@ -240,20 +240,20 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
     duet_envelope_free(e);
     send_reserve(6, 8, toks, 8, 20);
     expect_refused(6, "already");
-    c.request_id  = 6;
-    c.reason      = "test";
+    c.request_id = 6;
+    c.reason = "test";
     env.body_case = DUET__ENVELOPE__BODY_CANCEL;
-    env.cancel    = &c;
+    env.cancel = &c;
     send_env(&env);
     expect_tokens(6, DUET__TOKENS__FINISH_REASON__CANCELLED, NULL);
 
     /* and it still serves: a local prompt gives 3 tokens, the last one LENGTH */
-    g.request_id  = 5;
-    g.tokens      = toks;
-    g.n_tokens    = 8;
-    g.max_tokens  = 3;
+    g.request_id = 5;
+    g.tokens = toks;
+    g.n_tokens = 8;
+    g.max_tokens = 3;
     env.body_case = DUET__ENVELOPE__BODY_GENERATE;
-    env.generate  = &g;
+    env.generate = &g;
     send_env(&env);
     expect_tokens(5, DUET__TOKENS__FINISH_REASON__NONE, NULL);
     expect_tokens(5, DUET__TOKENS__FINISH_REASON__NONE, NULL);
@@ -264,9 +264,9 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
     uint32_t free_pages = 0;
     while (now_ms() < end && free_pages != 64) {
         uint8_t b;
-        size_t  used = 0;
+        size_t used = 0;
         Duet__Envelope *h = NULL;
-        struct pollfd   p = {.fd = cfd, .events = POLLIN};
+        struct pollfd p = {.fd = cfd, .events = POLLIN};
         if (poll(&p, 1, 500) <= 0 || read(cfd, &b, 1) != 1)
             continue;
         cr_assert_geq(duet_frame_decoder_feed(&dec, &b, 1, &used, &h), 0);
@@ -280,17 +280,17 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
 
 static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res, size_t rlen)
 {
-    Duet__Prefill p      = DUET__PREFILL__INIT;
-    p.request_id         = rid;
-    p.tokens             = toks;
-    p.n_tokens           = n;
-    p.max_tokens         = 4;
-    p.reservation.data   = (uint8_t *)res;
-    p.reservation.len    = rlen;
-    p.deadline_unix_ms   = duet_xfer_now_unix_ms() + 60000;
-    Duet__Envelope env   = DUET__ENVELOPE__INIT;
-    env.body_case        = DUET__ENVELOPE__BODY_PREFILL;
-    env.prefill          = &p;
+    Duet__Prefill p = DUET__PREFILL__INIT;
+    p.request_id = rid;
+    p.tokens = toks;
+    p.n_tokens = n;
+    p.max_tokens = 4;
+    p.reservation.data = (uint8_t *)res;
+    p.reservation.len = rlen;
+    p.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_PREFILL;
+    env.prefill = &p;
     send_env(&env);
 }
 
@@ -298,7 +298,7 @@ Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
 {
     start(CTX, "--batch.max_queue=4");
     uint32_t toks[8] = {256, 72, 101, 108, 108, 111, 32, 87};
-    uint8_t  junk[40];
+    uint8_t junk[40];
     for (size_t i = 0; i < sizeof(junk); i++)
         junk[i] = (uint8_t)(i * 37 + 11);
 
@@ -316,25 +316,40 @@ Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
     expect_tokens(4, DUET__TOKENS__FINISH_REASON__ERROR, "max_seq_len");
 
     /* well-formed reservations that cannot be used: stale, then a layout that does not match */
-    int32_t                 pages[1] = {0};
-    uint8_t                 addr[16] = {1, 2, 3}, rkey[16] = {4, 5, 6};
-    duet_xfer_reservation_t r        = {
-               .version = DUET_XFER_RESERVATION_VERSION, .transfer_id = 7, .request_id = 5, .rank = 0,
-               .group_size = 1, .worker_address = {addr, sizeof(addr)}, .kv_rkey = {rkey, sizeof(rkey)},
-               .kv_base = 1 << 20, .kv_bytes = 64 << 20, .kda_rkey = {rkey, sizeof(rkey)},
-               .kda_base = 1 << 30, .kda_bytes = 64 << 20,
-               .layout = {.page_tokens = 16, .n_mla_layers = 2, .token_bytes = 640,
-                          .n_kda_layers = 6, .kda_heads = 4, .kda_head_dim = 64, .conv_kernel = 4,
-                          .state_elem = 4},
-               .pages = pages, .n_pages = 1, .kda_slot = 0, .n_tokens = 8,
-               .deadline_unix_ms = duet_xfer_now_unix_ms() - 1000};
+    int32_t pages[1] = {0};
+    uint8_t addr[16] = {1, 2, 3}, rkey[16] = {4, 5, 6};
+    duet_xfer_reservation_t r = {.version = DUET_XFER_RESERVATION_VERSION,
+                                 .transfer_id = 7,
+                                 .request_id = 5,
+                                 .rank = 0,
+                                 .group_size = 1,
+                                 .worker_address = {addr, sizeof(addr)},
+                                 .kv_rkey = {rkey, sizeof(rkey)},
+                                 .kv_base = 1 << 20,
+                                 .kv_bytes = 64 << 20,
+                                 .kda_rkey = {rkey, sizeof(rkey)},
+                                 .kda_base = 1 << 30,
+                                 .kda_bytes = 64 << 20,
+                                 .layout = {.page_tokens = 16,
+                                            .n_mla_layers = 2,
+                                            .token_bytes = 640,
+                                            .n_kda_layers = 6,
+                                            .kda_heads = 4,
+                                            .kda_head_dim = 64,
+                                            .conv_kernel = 4,
+                                            .state_elem = 4},
+                                 .pages = pages,
+                                 .n_pages = 1,
+                                 .kda_slot = 0,
+                                 .n_tokens = 8,
+                                 .deadline_unix_ms = duet_xfer_now_unix_ms() - 1000};
     uint8_t buf[4096];
-    size_t  len = 0;
+    size_t len = 0;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
                  duet_error_last());
     send_prefill(5, toks, 8, buf, len);
     expect_tokens(5, DUET__TOKENS__FINISH_REASON__ERROR, "stale");
-    r.deadline_unix_ms  = duet_xfer_now_unix_ms() + 60000;
+    r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
     r.layout.token_bytes = 1000; /* the demo model's is (128 + 32) * 4 = 640 */
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
     send_prefill(6, toks, 8, buf, len);
@@ -345,16 +360,16 @@ Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
     expect_tokens(7, DUET__TOKENS__FINISH_REASON__ERROR, "transfer");
 
     /* Cancel for a request it does not have: nothing; Drain: it refuses new prompts */
-    Duet__Cancel   c   = DUET__CANCEL__INIT;
+    Duet__Cancel c = DUET__CANCEL__INIT;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
-    c.request_id       = 4242;
-    c.reason           = "none";
-    env.body_case      = DUET__ENVELOPE__BODY_CANCEL;
-    env.cancel         = &c;
+    c.request_id = 4242;
+    c.reason = "none";
+    env.body_case = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel = &c;
     send_env(&env);
     Duet__Drain d = DUET__DRAIN__INIT;
     env.body_case = DUET__ENVELOPE__BODY_DRAIN;
-    env.drain     = &d;
+    env.drain = &d;
     send_env(&env);
     send_prefill(8, toks, 8, junk, sizeof(junk));
     expect_tokens(8, DUET__TOKENS__FINISH_REASON__ERROR, "draining");
@@ -398,8 +413,8 @@ Test(worker_protocol, bad_command_lines_are_refused, .timeout = 60)
     char *positional[] = {GEN, "--model", MODEL, "stray", NULL};
     cr_expect_eq(run_capture(positional, err, sizeof(err)), 2);
     cr_expect(strstr(err, "unexpected argument 'stray'") != NULL, "%s", err);
-    char *chunk[] = {CTX, "--model", MODEL, "--batch.prefill_chunk", "1024",
-                     "--batch.max_tokens", "512", NULL};
+    char *chunk[] = {CTX,   "--model", MODEL, "--batch.prefill_chunk", "1024", "--batch.max_tokens",
+                     "512", NULL};
     cr_expect_eq(run_capture(chunk, err, sizeof(err)), 2);
     cr_expect(strstr(err, "must not exceed batch.max_tokens") != NULL, "%s", err);
     char *range[] = {GEN, "--model", MODEL, "--batch.max_seqs", "0", NULL};

@@ -60,9 +60,9 @@ static int run_recv(const xt_scn_t *s)
     char reasons[4096];
     report_reasons(reasons, sizeof(reasons), &R.x[0].out, sizeof(R.x[0]), &R.x[0].ended, s->count);
     char msg[8192];
-    int n = snprintf(msg, sizeof(msg), "done=%u aborted=%u bad=%llu free=%u/%u reasons=%s",
-                     R.n_done, R.n_aborted, (unsigned long long)R.bad, R.pool.n_free, R.pool.n,
-                     reasons);
+    int n =
+        snprintf(msg, sizeof(msg), "done=%u aborted=%u bad=%llu free=%u/%u reasons=%s", R.n_done,
+                 R.n_aborted, (unsigned long long)R.bad, R.pool.n_free, R.pool.n, reasons);
     xt_frame_write(g_router, msg, (uint32_t)n);
     xt_recv_free(&R);
     return 0;
@@ -106,8 +106,8 @@ static int run_send(const xt_scn_t *s)
     char reasons[4096];
     report_reasons(reasons, sizeof(reasons), &S.x[0].out, sizeof(S.x[0]), &S.x[0].ended, s->count);
     char msg[8192];
-    int m = snprintf(msg, sizeof(msg), "done=%u aborted=%u reasons=%s", S.n_done, S.n_aborted,
-                     reasons);
+    int m =
+        snprintf(msg, sizeof(msg), "done=%u aborted=%u reasons=%s", S.n_done, S.n_aborted, reasons);
     xt_frame_write(g_router, msg, (uint32_t)m);
     for (uint32_t i = 0; i < n; i++)
         duet_xfer_reservation_free(&res[i]);

@@ -34,14 +34,14 @@
 #define TW_MAX_REQ 512
 
 typedef struct {
-    uint64_t rid;       /* 0 = free slot */
-    uint32_t *tokens;   /* (n_tokens) the prompt, owned */
+    uint64_t rid;     /* 0 = free slot */
+    uint32_t *tokens; /* (n_tokens) the prompt, owned */
     size_t n_tokens;
     uint32_t max_tokens;
-    uint32_t produced;  /* tokens of this request emitted so far (by anyone) */
-    uint32_t limit;     /* emit until produced == limit */
-    int active;         /* emitting */
-    uint64_t next_us; /* when the next token is due (CLOCK_MONOTONIC, µs) */
+    uint32_t produced; /* tokens of this request emitted so far (by anyone) */
+    uint32_t limit;    /* emit until produced == limit */
+    int active;        /* emitting */
+    uint64_t next_us;  /* when the next token is due (CLOCK_MONOTONIC, µs) */
 } tw_req_t;
 
 static struct {
@@ -58,12 +58,17 @@ static struct {
     uint32_t kv_pages;
     const char *events;
     int quiet;
-} opt = {.role = 0, .name = "test-worker", .version = DUET_PROTO_VERSION, .heartbeat_ms = 200,
-         .die_after = -1, .stall_after = -1, .kv_pages = 1000};
+} opt = {.role = 0,
+         .name = "test-worker",
+         .version = DUET_PROTO_VERSION,
+         .heartbeat_ms = 200,
+         .die_after = -1,
+         .stall_after = -1,
+         .kv_pages = 1000};
 
 static tw_req_t tw_reqs[TW_MAX_REQ];
-static long     tw_emitted; /* tokens emitted, all requests */
-static int      tw_stalled, tw_draining;
+static long tw_emitted; /* tokens emitted, all requests */
+static int tw_stalled, tw_draining;
 
 /* Token pacing runs on microseconds: with whole milliseconds (truncated) a token could go out
  * up to 1 ms before its --delay-ms had passed. */
@@ -88,7 +93,7 @@ static uint64_t token_due(void)
 static void event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void event(const char *fmt, ...)
 {
-    char    line[512];
+    char line[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof(line), fmt, ap);
@@ -107,9 +112,9 @@ static void event(const char *fmt, ...)
 static void send_env(int fd, Duet__Envelope *env)
 {
     env->version = opt.version; /* --proto-version: the router must refuse another version */
-    size_t   n   = duet_frame_size(env);
+    size_t n = duet_frame_size(env);
     uint8_t *buf = malloc(n);
-    size_t   len = 0;
+    size_t len = 0;
     if (buf == NULL || duet_frame_encode(env, buf, n, &len) < 0) {
         fprintf(stderr, "duet-test-worker: cannot encode a frame\n");
         exit(2);
@@ -149,9 +154,9 @@ static tw_req_t *req_new(uint64_t rid, const uint32_t *t, size_t n, uint32_t max
     r = req_find(0);
     if (r == NULL)
         return NULL;
-    r->rid        = rid;
-    r->tokens     = malloc((n > 0 ? n : 1) * sizeof(uint32_t));
-    r->n_tokens   = n;
+    r->rid = rid;
+    r->tokens = malloc((n > 0 ? n : 1) * sizeof(uint32_t));
+    r->n_tokens = n;
     r->max_tokens = max_tokens;
     if (n > 0)
         memcpy(r->tokens, t, n * sizeof(uint32_t));
@@ -161,12 +166,12 @@ static tw_req_t *req_new(uint64_t rid, const uint32_t *t, size_t n, uint32_t max
 static void send_tokens(int fd, uint64_t rid, const uint32_t *ids, size_t n, int finish,
                         const char *error)
 {
-    Duet__Tokens t     = DUET__TOKENS__INIT;
-    t.request_id       = rid;
-    t.ids              = (uint32_t *)ids;
-    t.n_ids            = n;
-    t.finish_reason    = finish;
-    t.error            = (char *)(error != NULL ? error : "");
+    Duet__Tokens t = DUET__TOKENS__INIT;
+    t.request_id = rid;
+    t.ids = (uint32_t *)ids;
+    t.n_ids = n;
+    t.finish_reason = finish;
+    t.error = (char *)(error != NULL ? error : "");
     Duet__Envelope env = duet_envelope_tokens(&t);
     send_env(fd, &env);
 }
@@ -186,21 +191,21 @@ static void on_message(int fd, Duet__Envelope *env)
         event("reserve %llu", (unsigned long long)m->request_id);
         if (opt.refuse || tw_draining) {
             Duet__Refused rf = DUET__REFUSED__INIT;
-            rf.request_id    = m->request_id;
-            rf.reason        = opt.refuse ? "test worker refuses every reservation" : "draining";
+            rf.request_id = m->request_id;
+            rf.reason = opt.refuse ? "test worker refuses every reservation" : "draining";
             rf.retry_after_ms = 2000;
             Duet__Envelope e = duet_envelope_refused(&rf);
             send_env(fd, &e);
             return;
         }
         tw_req_t *r = req_new(m->request_id, m->tokens, m->n_tokens, m->max_tokens);
-        char      res[64];
+        char res[64];
         snprintf(res, sizeof(res), "test-reservation:%llu", (unsigned long long)m->request_id);
         Duet__Reserved rs = DUET__RESERVED__INIT;
-        rs.request_id     = m->request_id;
+        rs.request_id = m->request_id;
         rs.reservation.data = (uint8_t *)res;
-        rs.reservation.len  = strlen(res);
-        Duet__Envelope e  = duet_envelope_reserved(&rs);
+        rs.reservation.len = strlen(res);
+        Duet__Envelope e = duet_envelope_reserved(&rs);
         (void)r;
         send_env(fd, &e);
         return;
@@ -215,18 +220,18 @@ static void on_message(int fd, Duet__Envelope *env)
             return;
         }
         r->produced = 1;
-        r->limit    = r->max_tokens;
-        r->active   = 1;
-        r->next_us  = token_due();
+        r->limit = r->max_tokens;
+        r->active = 1;
+        r->next_us = token_due();
         return;
     }
     case DUET__ENVELOPE__BODY_PREFILL:
     case DUET__ENVELOPE__BODY_GENERATE: {
-        int         prefill = env->body_case == DUET__ENVELOPE__BODY_PREFILL;
-        uint64_t    rid     = prefill ? env->prefill->request_id : env->generate->request_id;
-        uint32_t   *t       = prefill ? env->prefill->tokens : env->generate->tokens;
-        size_t      n       = prefill ? env->prefill->n_tokens : env->generate->n_tokens;
-        uint32_t    maxt    = prefill ? env->prefill->max_tokens : env->generate->max_tokens;
+        int prefill = env->body_case == DUET__ENVELOPE__BODY_PREFILL;
+        uint64_t rid = prefill ? env->prefill->request_id : env->generate->request_id;
+        uint32_t *t = prefill ? env->prefill->tokens : env->generate->tokens;
+        size_t n = prefill ? env->prefill->n_tokens : env->generate->n_tokens;
+        uint32_t maxt = prefill ? env->prefill->max_tokens : env->generate->max_tokens;
         event("%s %llu %zu", prefill ? "prefill" : "generate", (unsigned long long)rid, n);
         if (opt.die_after == 0) {
             event("dying as told (--die-after 0)");
@@ -242,8 +247,8 @@ static void on_message(int fd, Duet__Envelope *env)
             send_tokens(fd, rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR, "test worker full");
             return;
         }
-        r->limit   = prefill ? 1 : maxt;
-        r->active  = 1;
+        r->limit = prefill ? 1 : maxt;
+        r->active = 1;
         r->next_us = token_due();
         return;
     }
@@ -274,8 +279,8 @@ static void on_message(int fd, Duet__Envelope *env)
 /* Emit every token that is due. Returns the ms until the next one (-1 = none pending). */
 static int emit_due(int fd)
 {
-    uint64_t now  = now_us();
-    int      wait = -1;
+    uint64_t now = now_us();
+    int wait = -1;
     for (int i = 0; i < TW_MAX_REQ; i++) {
         tw_req_t *r = &tw_reqs[i];
         while (r->rid != 0 && r->active && !tw_stalled && r->next_us <= now) {
@@ -288,11 +293,11 @@ static int emit_due(int fd)
                 tw_stalled = 1;
                 break;
             }
-            uint32_t id = r->n_tokens > 0 ? r->tokens[r->n_tokens - 1 - r->produced % r->n_tokens]
-                                          : 0;
+            uint32_t id =
+                r->n_tokens > 0 ? r->tokens[r->n_tokens - 1 - r->produced % r->n_tokens] : 0;
             r->produced++;
             tw_emitted++;
-            int last   = r->produced >= r->limit;
+            int last = r->produced >= r->limit;
             int finish = r->produced >= r->max_tokens ? DUET__TOKENS__FINISH_REASON__LENGTH
                                                       : DUET__TOKENS__FINISH_REASON__NONE;
             send_tokens(fd, r->rid, &id, 1, finish, NULL);
@@ -315,40 +320,51 @@ static int emit_due(int fd)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: duet-test-worker --router HOST:PORT --role ctx|gen [options]\n"
-            "\n"
-            "A TEST TOOL: a fake context or generation worker that speaks duet's worker protocol\n"
-            "with deterministic tokens (the prompt ids reversed), for router tests. Not a worker.\n"
-            "\n"
-            "  --router HOST:PORT     the router's worker port (required)\n"
-            "  --role ctx|gen         which kind of worker to pretend to be (required)\n"
-            "  --name NAME            worker_name in Register (default test-worker)\n"
-            "  --fingerprint FP       model_fingerprint in Register (default \"test\")\n"
-            "  --proto-version N      protocol version to claim (default %u)\n"
-            "  --kv-pages N           capacity and free pages to report (default 1000)\n"
-            "  --heartbeat-ms N       heartbeat period; 0 = never heartbeat (default 200)\n"
-            "  --delay-ms N           delay before each token (default 0)\n"
-            "  --die-after N          exit abruptly once N tokens were emitted (0: on the first\n"
-            "                         Prefill/Generate)\n"
-            "  --stall-after N        after N tokens stop heartbeats and tokens, stay connected\n"
-            "  --refuse               answer every Reserve with Refused\n"
-            "  --events FILE          append one line per message received\n"
-            "  --quiet                no log lines on stderr\n"
-            "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
-            "  -h, --help             this text\n"
-            "  --version              the version, git commit and CUDA build\n",
-            DUET_PROTO_VERSION);
+    fprintf(
+        f,
+        "usage: duet-test-worker --router HOST:PORT --role ctx|gen [options]\n"
+        "\n"
+        "A TEST TOOL: a fake context or generation worker that speaks duet's worker protocol\n"
+        "with deterministic tokens (the prompt ids reversed), for router tests. Not a worker.\n"
+        "\n"
+        "  --router HOST:PORT     the router's worker port (required)\n"
+        "  --role ctx|gen         which kind of worker to pretend to be (required)\n"
+        "  --name NAME            worker_name in Register (default test-worker)\n"
+        "  --fingerprint FP       model_fingerprint in Register (default \"test\")\n"
+        "  --proto-version N      protocol version to claim (default %u)\n"
+        "  --kv-pages N           capacity and free pages to report (default 1000)\n"
+        "  --heartbeat-ms N       heartbeat period; 0 = never heartbeat (default 200)\n"
+        "  --delay-ms N           delay before each token (default 0)\n"
+        "  --die-after N          exit abruptly once N tokens were emitted (0: on the first\n"
+        "                         Prefill/Generate)\n"
+        "  --stall-after N        after N tokens stop heartbeats and tokens, stay connected\n"
+        "  --refuse               answer every Reserve with Refused\n"
+        "  --events FILE          append one line per message received\n"
+        "  --quiet                no log lines on stderr\n"
+        "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
+        "  -h, --help             this text\n"
+        "  --version              the version, git commit and CUDA build\n",
+        DUET_PROTO_VERSION);
 }
 
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"router", 1, 0, 'r'},      {"role", 1, 0, 'o'},        {"name", 1, 0, 'n'},
-        {"fingerprint", 1, 0, 'f'}, {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
-        {"heartbeat-ms", 1, 0, 'b'}, {"delay-ms", 1, 0, 'd'},   {"die-after", 1, 0, 'x'},
-        {"stall-after", 1, 0, 's'}, {"refuse", 0, 0, 'R'},      {"events", 1, 0, 'e'},
-        {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},        {"model", 1, 0, 'm'},
+        {"router", 1, 0, 'r'},
+        {"role", 1, 0, 'o'},
+        {"name", 1, 0, 'n'},
+        {"fingerprint", 1, 0, 'f'},
+        {"proto-version", 1, 0, 'v'},
+        {"kv-pages", 1, 0, 'k'},
+        {"heartbeat-ms", 1, 0, 'b'},
+        {"delay-ms", 1, 0, 'd'},
+        {"die-after", 1, 0, 'x'},
+        {"stall-after", 1, 0, 's'},
+        {"refuse", 0, 0, 'R'},
+        {"events", 1, 0, 'e'},
+        {"quiet", 0, 0, 'q'},
+        {"help", 0, 0, 'h'},
+        {"model", 1, 0, 'm'},
         {"version", 0, 0, 'V'},
         {0, 0, 0, 0},
     };
@@ -356,25 +372,56 @@ int main(int argc, char **argv)
     int c;
     while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
         switch (c) {
-        case 'r': opt.router = optarg; break;
+        case 'r':
+            opt.router = optarg;
+            break;
         case 'o':
             opt.role = strcmp(optarg, "ctx") == 0 ? 1 : strcmp(optarg, "gen") == 0 ? 2 : -1;
             break;
-        case 'n': opt.name = optarg; break;
-        case 'f': opt.fingerprint = optarg; break;
-        case 'v': opt.version = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case 'k': opt.kv_pages = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case 'b': opt.heartbeat_ms = atoi(optarg); break;
-        case 'd': opt.delay_ms = atoi(optarg); break;
-        case 'x': opt.die_after = atol(optarg); break;
-        case 's': opt.stall_after = atol(optarg); break;
-        case 'R': opt.refuse = 1; break;
-        case 'e': opt.events = optarg; break;
-        case 'q': opt.quiet = 1; break;
-        case 'V': duet_version_print("duet-test-worker"); return 0;
-        case 'm': break; /* workers take the model folder; the fake one has no use for it */
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 1;
+        case 'n':
+            opt.name = optarg;
+            break;
+        case 'f':
+            opt.fingerprint = optarg;
+            break;
+        case 'v':
+            opt.version = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'k':
+            opt.kv_pages = (uint32_t)strtoul(optarg, NULL, 10);
+            break;
+        case 'b':
+            opt.heartbeat_ms = atoi(optarg);
+            break;
+        case 'd':
+            opt.delay_ms = atoi(optarg);
+            break;
+        case 'x':
+            opt.die_after = atol(optarg);
+            break;
+        case 's':
+            opt.stall_after = atol(optarg);
+            break;
+        case 'R':
+            opt.refuse = 1;
+            break;
+        case 'e':
+            opt.events = optarg;
+            break;
+        case 'q':
+            opt.quiet = 1;
+            break;
+        case 'V':
+            duet_version_print("duet-test-worker");
+            return 0;
+        case 'm':
+            break; /* workers take the model folder; the fake one has no use for it */
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 1;
         }
     }
     if (opt.router == NULL || opt.role <= 0) {
@@ -396,25 +443,26 @@ int main(int argc, char **argv)
     }
     int fd = socket(ai->ai_family, SOCK_STREAM, 0);
     if (fd < 0 || connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
-        fprintf(stderr, "duet-test-worker: cannot connect to %s: %s\n", opt.router, strerror(errno));
+        fprintf(stderr, "duet-test-worker: cannot connect to %s: %s\n", opt.router,
+                strerror(errno));
         return 1;
     }
     freeaddrinfo(ai);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 
-    Duet__Capacity cap  = DUET__CAPACITY__INIT;
-    cap.kv_pages        = opt.kv_pages;
-    cap.page_tokens     = 16;
-    cap.max_seqs        = 64;
+    Duet__Capacity cap = DUET__CAPACITY__INIT;
+    cap.kv_pages = opt.kv_pages;
+    cap.page_tokens = 16;
+    cap.max_seqs = 64;
     cap.max_batch_tokens = 2048;
-    Duet__Register reg  = DUET__REGISTER__INIT;
-    reg.role            = opt.role;
-    reg.worker_name     = (char *)opt.name;
-    reg.version         = opt.version;
+    Duet__Register reg = DUET__REGISTER__INIT;
+    reg.role = opt.role;
+    reg.worker_name = (char *)opt.name;
+    reg.version = opt.version;
     reg.model_fingerprint = (char *)opt.fingerprint;
-    reg.capacity        = &cap;
-    Duet__Envelope env  = duet_envelope_register_(&reg);
+    reg.capacity = &cap;
+    Duet__Envelope env = duet_envelope_register_(&reg);
     send_env(fd, &env);
 
     duet_frame_decoder_t dec;
@@ -426,8 +474,8 @@ int main(int argc, char **argv)
             uint64_t now = now_ms();
             if (now >= next_hb) {
                 Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
-                hb.free_pages      = opt.kv_pages;
-                hb.draining        = tw_draining;
+                hb.free_pages = opt.kv_pages;
+                hb.draining = tw_draining;
                 for (int i = 0; i < TW_MAX_REQ; i++)
                     hb.running += tw_reqs[i].rid != 0;
                 Duet__Envelope he = duet_envelope_heartbeat(&hb);
@@ -441,7 +489,7 @@ int main(int argc, char **argv)
                 wait = hw;
         }
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        int           r = poll(&p, 1, wait);
+        int r = poll(&p, 1, wait);
         if (r < 0 && errno != EINTR)
             return 6;
         if (r <= 0)
@@ -453,10 +501,10 @@ int main(int argc, char **argv)
             return 0;
         }
         const uint8_t *q = buf;
-        size_t         m = (size_t)n;
+        size_t m = (size_t)n;
         while (m > 0) {
-            size_t          used = 0;
-            Duet__Envelope *in   = NULL;
+            size_t used = 0;
+            Duet__Envelope *in = NULL;
             if (duet_frame_decoder_feed(&dec, q, m, &used, &in) < 0) {
                 event("malformed frame from the router");
                 return 7;

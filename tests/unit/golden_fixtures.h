@@ -18,19 +18,19 @@
 #define MAX_VARIANTS 4
 
 typedef struct {
-    char     dir[2048];
-    char     name[256];
+    char dir[2048];
+    char name[256];
     int32_t *prompt;
-    int64_t  n_prompt;
-    int32_t  greedy[64];
-    int64_t  n_greedy;
-    float   *logits; /* (n_prompt, vocab) fp32 reference */
-    float   *logits_bf16; /* transformers' bf16 compute, bf16 fixtures only */
-    int64_t  vocab;
+    int64_t n_prompt;
+    int32_t greedy[64];
+    int64_t n_greedy;
+    float *logits;      /* (n_prompt, vocab) fp32 reference */
+    float *logits_bf16; /* transformers' bf16 compute, bf16 fixtures only */
+    int64_t vocab;
     /* subfolders holding the same weights under other names (golden.json "variants"): the
      * same goldens apply to each */
-    char     variants[MAX_VARIANTS][64];
-    int      n_variants;
+    char variants[MAX_VARIANTS][64];
+    int n_variants;
 } fixture_t;
 
 static int load_ids(json_t *arr, int32_t *out, int64_t cap, int64_t *n_p)
@@ -61,9 +61,9 @@ static int load_fixtures(fixture_t *fx, int cap)
     snprintf(root, sizeof(root), "%s/tests/fixtures", DUET_SOURCE_DIR);
     DIR *d = opendir(root);
     cr_assert_not_null(d, "no fixtures folder %s", root);
-    int            n = 0;
+    int n = 0;
     struct dirent *de;
-    char           names[MAX_FIXTURES][256];
+    char names[MAX_FIXTURES][256];
     while ((de = readdir(d)) != NULL && n < cap) {
         char path[4096];
         snprintf(path, sizeof(path), "%s/%s/golden.json", root, de->d_name);
@@ -84,16 +84,16 @@ static int load_fixtures(fixture_t *fx, int cap)
         char path[4096];
         snprintf(path, sizeof(path), "%s/golden.json", x->dir);
         json_error_t jerr;
-        json_t      *g = json_load_file(path, 0, &jerr);
+        json_t *g = json_load_file(path, 0, &jerr);
         cr_assert_not_null(g, "%s: %s", path, jerr.text);
         json_t *pa = json_object_get(g, "prompt_ids");
         cr_assert(json_is_array(pa));
         x->n_prompt = (int64_t)json_array_size(pa);
-        x->prompt   = malloc(sizeof(int32_t) * (size_t)x->n_prompt);
+        x->prompt = malloc(sizeof(int32_t) * (size_t)x->n_prompt);
         for (int64_t t = 0; t < x->n_prompt; t++)
             x->prompt[t] = (int32_t)json_integer_value(json_array_get(pa, (size_t)t));
         cr_assert_eq(load_ids(json_object_get(g, "greedy_ids"), x->greedy, 64, &x->n_greedy), 0);
-        x->vocab  = json_integer_value(json_object_get(g, "vocab_size"));
+        x->vocab = json_integer_value(json_object_get(g, "vocab_size"));
         x->logits = load_f32(x->dir, json_string_value(json_object_get(g, "logits_file")),
                              x->n_prompt * x->vocab);
         const char *bf = json_string_value(json_object_get(g, "bf16_logits_file"));

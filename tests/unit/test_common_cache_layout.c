@@ -8,7 +8,8 @@
  *        offset(p, l, s) = ((p * n_layers + l) * page_tokens + s) * token_bytes
  *   KDA: layer = (H*K*K + 3*H*K*(W-1)) * elem, slot = layer * n_layers,
  *        S of head h in (i, l) at (i * n_layers + l) * layer + h*K*K*elem,
- *        channel ch of window c (q, k, v) at that layer's offset + (H*K*K + (c*H*K + ch)*(W-1))*elem
+ *        channel ch of window c (q, k, v) at that layer's offset + (H*K*K + (c*H*K +
+ * ch)*(W-1))*elem
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
@@ -61,22 +62,22 @@ Test(common_cache_layout, kv_sizes_and_offsets_follow_the_formula, .timeout = 30
         const duet_kv_layout_t l = {
             .page_tokens = any_size(), .n_layers = any_size(), .token_bytes = any_size()};
         const uint64_t p = any_size(), layer = any_size(), s = any_size();
-        uint64_t       r = 0xdead;
-        bool           ok;
-        u128           want = (u128)l.page_tokens * l.token_bytes;
+        uint64_t r = 0xdead;
+        bool ok;
+        u128 want = (u128)l.page_tokens * l.token_bytes;
         ok = duet_kv_layout_block_bytes(&l, &r);
         expect("kv block", ok, r, want, i);
-        r    = 0xdead;
+        r = 0xdead;
         want = want > UINT64_MAX ? want : want * l.n_layers;
         ok = duet_kv_layout_page_bytes(&l, &r);
         expect("kv page", ok, r, want, i);
         r = 0xdead;
         /* each step of the formula must fit, as the function computes it step by step */
         u128 o = (u128)p * l.n_layers;
-        o      = o > UINT64_MAX ? o : o + layer;
-        o      = o > UINT64_MAX ? o : o * l.page_tokens;
-        o      = o > UINT64_MAX ? o : o + s;
-        o      = o > UINT64_MAX ? o : o * l.token_bytes;
+        o = o > UINT64_MAX ? o : o + layer;
+        o = o > UINT64_MAX ? o : o * l.page_tokens;
+        o = o > UINT64_MAX ? o : o + s;
+        o = o > UINT64_MAX ? o : o * l.token_bytes;
         ok = duet_kv_layout_offset(&l, p, layer, s, &r);
         expect("kv offset", ok, r, o, i);
         if (o > UINT64_MAX)
@@ -110,40 +111,40 @@ Test(common_cache_layout, kda_sizes_and_offsets_follow_the_formula, .timeout = 3
 {
     int n_over = 0, n_fit = 0;
     for (int i = 0; i < 200000; i++) {
-        const duet_kda_layout_t l = {.n_layers    = any_size(),
-                                     .heads       = any_size(),
-                                     .head_dim    = any_size(),
+        const duet_kda_layout_t l = {.n_layers = any_size(),
+                                     .heads = any_size(),
+                                     .head_dim = any_size(),
                                      .conv_kernel = 1 + any_size(),
-                                     .elem_bytes  = 1 + next64() % 8};
-        const uint64_t          H = l.heads, K = l.head_dim, W1 = l.conv_kernel - 1, e = l.elem_bytes;
-        const uint64_t          slot = any_size(), layer = any_size(), head = any_size();
-        const uint64_t          which = next64() % 3, ch = any_size();
-        uint64_t                r = 0xdead;
-        bool                    ok;
+                                     .elem_bytes = 1 + next64() % 8};
+        const uint64_t H = l.heads, K = l.head_dim, W1 = l.conv_kernel - 1, e = l.elem_bytes;
+        const uint64_t slot = any_size(), layer = any_size(), head = any_size();
+        const uint64_t which = next64() % 3, ch = any_size();
+        uint64_t r = 0xdead;
+        bool ok;
 
         const u128 state_h = mul(mul(mul(head, K), K), e);
         ok = duet_kda_layout_state_bytes(&l, head, &r);
         expect("kda state bytes", ok, r, state_h, i);
-        r                = 0xdead;
+        r = 0xdead;
         const u128 conv_c = mul(mul(ch, W1), e);
         ok = duet_kda_layout_conv_bytes(&l, ch, &r);
         expect("kda conv bytes", ok, r, conv_c, i);
-        r                 = 0xdead;
-        const u128 hk     = mul(H, K);
+        r = 0xdead;
+        const u128 hk = mul(H, K);
         const u128 lbytes = add(mul(mul(hk, K), e), mul(mul(mul(hk, 3), W1), e));
         ok = duet_kda_layout_layer_bytes(&l, &r);
         expect("kda layer", ok, r, lbytes, i);
         r = 0xdead;
         ok = duet_kda_layout_slot_bytes(&l, &r);
         expect("kda slot", ok, r, mul(lbytes, l.n_layers), i);
-        r                = 0xdead;
-        const u128 base  = mul(add(mul(slot, l.n_layers), layer), lbytes);
+        r = 0xdead;
+        const u128 base = mul(add(mul(slot, l.n_layers), layer), lbytes);
         const u128 s_off = add(base, state_h);
         ok = duet_kda_layout_state_offset(&l, slot, layer, head, &r);
         expect("kda state offset", ok, r, s_off, i);
-        r                = 0xdead;
-        const u128 c_off = add(add(base, mul(mul(hk, K), e)),
-                               mul(mul(add(mul(hk, which), ch), W1), e));
+        r = 0xdead;
+        const u128 c_off =
+            add(add(base, mul(mul(hk, K), e)), mul(mul(add(mul(hk, which), ch), W1), e));
         ok = duet_kda_layout_conv_offset(&l, slot, layer, which, ch, &r);
         expect("kda conv offset", ok, r, c_off, i);
         if (c_off > UINT64_MAX)
@@ -174,7 +175,7 @@ Test(common_cache_layout, conv_kernel_zero_is_refused, .timeout = 10)
 Test(common_cache_layout, kimi_48b_numbers, .timeout = 10)
 {
     const duet_kv_layout_t kv = {.page_tokens = 128, .n_layers = 7, .token_bytes = 576 * 4};
-    uint64_t               r;
+    uint64_t r;
     cr_assert(duet_kv_layout_page_bytes(&kv, &r));
     cr_assert_eq(r, 128ull * 16128);
     const duet_kda_layout_t kda = {

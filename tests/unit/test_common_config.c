@@ -321,7 +321,7 @@ Test(common_config, env_errors_and_unknown_vars, .timeout = 10)
     char *ok[] = {"DUET_LOG_LEVEL=debug",
                   "DUET_SOURCE_DIR=/x",
                   "DUET_BINARY_DIR=/y",
-                  "DUET_CUDA_NO_PDL=1",     /* the switches of docs/switches.md: prefix */
+                  "DUET_CUDA_NO_PDL=1",    /* the switches of docs/switches.md: prefix */
                   "DUET_KERNELS_ISA=avx2", /* and by name */
                   "DUET_CACHE_PAGETOKENS=3",
                   "DUET_MODEL_PATH=/m",

@@ -42,7 +42,7 @@ Test(common_utf8, every_scalar_value_round_trips, .timeout = 30)
         if (cp >= 0xd800 && cp <= 0xdfff)
             continue;
         uint8_t b[4];
-        size_t  len = encode(cp, b);
+        size_t len = encode(cp, b);
         int32_t got = -2;
         cr_assert_eq(duet_utf8_char(b, len, &got), len, "U+%04X", cp);
         cr_assert_eq(got, (int32_t)cp);
@@ -84,18 +84,27 @@ Test(common_utf8, ill_formed, .timeout = 10)
 {
     static const struct {
         const char *bytes;
-        size_t      len;
+        size_t len;
     } bad[] = {
-        {"\xc0\xaf", 2},         {"\xc1\xbf", 2},         {"\xe0\x9f\xbf", 3}, /* overlongs */
-        {"\xf0\x8f\xbf\xbf", 4}, {"\xed\xa0\x80", 3},     {"\xed\xbf\xbf", 3}, /* surrogates */
-        {"\xf4\x90\x80\x80", 4}, {"\xf5\x80\x80\x80", 4}, {"\xff", 1},         /* too large */
-        {"\x80", 1},             {"\xbf", 1},             {"\xe2\x82", 2},     /* stray, cut */
-        {"\xe2\x28\xa1", 3},     {"\xf0\x9f\x98", 3},
+        {"\xc0\xaf", 2},
+        {"\xc1\xbf", 2},
+        {"\xe0\x9f\xbf", 3}, /* overlongs */
+        {"\xf0\x8f\xbf\xbf", 4},
+        {"\xed\xa0\x80", 3},
+        {"\xed\xbf\xbf", 3}, /* surrogates */
+        {"\xf4\x90\x80\x80", 4},
+        {"\xf5\x80\x80\x80", 4},
+        {"\xff", 1}, /* too large */
+        {"\x80", 1},
+        {"\xbf", 1},
+        {"\xe2\x82", 2}, /* stray, cut */
+        {"\xe2\x28\xa1", 3},
+        {"\xf0\x9f\x98", 3},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         int32_t cp = 7;
-        cr_assert_eq(duet_utf8_char((const uint8_t *)bad[i].bytes, bad[i].len, &cp), 0,
-                     "case %zu", i);
+        cr_assert_eq(duet_utf8_char((const uint8_t *)bad[i].bytes, bad[i].len, &cp), 0, "case %zu",
+                     i);
         cr_assert_eq(cp, -1);
         cr_assert(!duet_utf8_valid(bad[i].bytes, bad[i].len), "case %zu", i);
     }
@@ -106,11 +115,10 @@ Test(common_utf8, ill_formed, .timeout = 10)
 Test(common_utf8, isspace_is_pythons, .timeout = 10)
 {
     /* str.isspace() is true for exactly these (Python 3.11, every code point checked). */
-    static const uint32_t space[] = {0x09,   0x0a,   0x0b,   0x0c,   0x0d,   0x1c,   0x1d,
-                                     0x1e,   0x1f,   0x20,   0x85,   0xa0,   0x1680, 0x2000,
-                                     0x2001, 0x2002, 0x2003, 0x2004, 0x2005, 0x2006, 0x2007,
-                                     0x2008, 0x2009, 0x200a, 0x2028, 0x2029, 0x202f, 0x205f,
-                                     0x3000};
+    static const uint32_t space[] = {0x09,   0x0a,   0x0b,   0x0c,   0x0d,   0x1c,   0x1d,   0x1e,
+                                     0x1f,   0x20,   0x85,   0xa0,   0x1680, 0x2000, 0x2001, 0x2002,
+                                     0x2003, 0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200a,
+                                     0x2028, 0x2029, 0x202f, 0x205f, 0x3000};
     size_t n = 0;
     for (uint32_t cp = 0; cp <= 0x10ffff; cp++)
         n += duet_unicode_isspace(cp);

@@ -833,20 +833,20 @@ static void forms_agree(int64_t H, int64_t K, int64_t n, int tc)
     }
     for (int64_t h = 0; h < H; h++) {
         duet_cpu_kda_head_io_t io = {.q = qkv + h * K,
-                                 .q_stride = C3,
-                                 .k = qkv + HK + h * K,
-                                 .k_stride = C3,
-                                 .v = qkv + 2 * HK + h * K,
-                                 .v_stride = C3,
-                                 .g = g + h * K,
-                                 .g_stride = HK,
-                                 .beta = beta + h,
-                                 .beta_stride = H,
-                                 .o = oc + h * K,
-                                 .o_stride = HK,
-                                 .n = n,
-                                 .K = K,
-                                 .V = K};
+                                     .q_stride = C3,
+                                     .k = qkv + HK + h * K,
+                                     .k_stride = C3,
+                                     .v = qkv + 2 * HK + h * K,
+                                     .v_stride = C3,
+                                     .g = g + h * K,
+                                     .g_stride = HK,
+                                     .beta = beta + h,
+                                     .beta_stride = H,
+                                     .o = oc + h * K,
+                                     .o_stride = HK,
+                                     .n = n,
+                                     .K = K,
+                                     .V = K};
         duet_cpu_kda_recurrent(&io, pool + h * K * K);
     }
     char what[64];

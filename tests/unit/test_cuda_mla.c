@@ -115,9 +115,9 @@ typedef struct {
     const char *name;
     int n, r, dr, pt;
     duet_dtype_t dt;
-    int simt; /* force the CUDA-core kernel for a BF16 cache */
-    int tile; /* tensor-core tile (duet__cuda_mla_tc_tile), 0 = the default */
-    int off;  /* q̂ and q this many floats past 16-byte alignment (the 4-byte copies of q) */
+    int simt;  /* force the CUDA-core kernel for a BF16 cache */
+    int tile;  /* tensor-core tile (duet__cuda_mla_tc_tile), 0 = the default */
+    int off;   /* q̂ and q this many floats past 16-byte alignment (the 4-byte copies of q) */
     int slots; /* slots per tensor-core block (duet__cuda_mla_tc_slots), 0 = chosen */
 } cfg_t;
 

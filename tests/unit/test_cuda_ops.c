@@ -732,8 +732,8 @@ static float act_scalar(const act_cfg_t *a, float g)
 }
 
 /*
- * The reference: engine/backend_cpu.c duet__moe_layer's algorithm on the CPU backend (rows grouped by
- * expert, duet_k_matmul, the CPU activation, y += w · out), starting from y0.
+ * The reference: engine/backend_cpu.c duet__moe_layer's algorithm on the CPU backend (rows grouped
+ * by expert, duet_k_matmul, the CPU activation, y += w · out), starting from y0.
  *
  * With it, a bound scale per output: S[t][d] = Σ_k |w_k| Σ_i |W2[d][i]| B_i with
  *   B_i = |h_i| + L · |u_i| · Sg_i + |act(g_i)| · Su_i,   Sg = |W1| |x|, Su = |W3| |x|,

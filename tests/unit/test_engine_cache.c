@@ -13,9 +13,9 @@
 
 Test(engine_cache, kv_layout_and_allocation, .timeout = 30)
 {
-    duet_kv_pool_desc_t d = {.page_tokens = 16, .n_pages = 10, .n_layers = 3, .token_dim = 24,
-                             .dtype = DUET_DTYPE_F32};
-    duet_kv_pool_t     *p = NULL;
+    duet_kv_pool_desc_t d = {
+        .page_tokens = 16, .n_pages = 10, .n_layers = 3, .token_dim = 24, .dtype = DUET_DTYPE_F32};
+    duet_kv_pool_t *p = NULL;
     cr_assert_eq(duet_kv_pool_create(&d, &p), DUET_OK);
     const size_t tb = 24 * 4;
     cr_expect_eq(duet_kv_pool_block_bytes(p), 16 * tb);
@@ -49,9 +49,9 @@ Test(engine_cache, kv_layout_and_allocation, .timeout = 30)
 
 Test(engine_cache, kda_layout_and_zeroed_slots, .timeout = 30)
 {
-    duet_kda_pool_desc_t d = {.n_slots = 3, .n_layers = 2, .heads = 2, .head_dim = 8,
-                              .conv_kernel = 4};
-    duet_kda_pool_t     *p = NULL;
+    duet_kda_pool_desc_t d = {
+        .n_slots = 3, .n_layers = 2, .heads = 2, .head_dim = 8, .conv_kernel = 4};
+    duet_kda_pool_t *p = NULL;
     cr_assert_eq(duet_kda_pool_create(&d, &p), DUET_OK);
     const size_t lb = (size_t)(2 * 8 * 8 + 3 * 2 * 8 * 3) * 4;
     cr_expect_eq(duet_kda_pool_layer_bytes(p), lb);
@@ -84,14 +84,14 @@ Test(engine_cache, kda_layout_and_zeroed_slots, .timeout = 30)
 Test(engine_cache, bad_descriptors_are_refused, .timeout = 30)
 {
     duet_kv_pool_desc_t d = {.page_tokens = 0, .n_pages = 1, .n_layers = 1, .token_dim = 1};
-    duet_kv_pool_t     *p = NULL;
+    duet_kv_pool_t *p = NULL;
     cr_expect_eq(duet_kv_pool_create(&d, &p), DUET_ERR_INVALID);
     d.page_tokens = 4;
-    d.n_pages     = 0;
+    d.n_pages = 0;
     cr_expect_eq(duet_kv_pool_create(&d, &p), DUET_ERR_INVALID);
-    duet_kda_pool_desc_t k = {.n_slots = 1, .n_layers = 1, .heads = 0, .head_dim = 4,
-                              .conv_kernel = 4};
-    duet_kda_pool_t     *q = NULL;
+    duet_kda_pool_desc_t k = {
+        .n_slots = 1, .n_layers = 1, .heads = 0, .head_dim = 4, .conv_kernel = 4};
+    duet_kda_pool_t *q = NULL;
     cr_expect_eq(duet_kda_pool_create(&k, &q), DUET_ERR_INVALID);
 }
 
@@ -99,16 +99,22 @@ Test(engine_cache, bad_descriptors_are_refused, .timeout = 30)
  * (the sizes come from common/cache_layout.h's checked arithmetic). */
 Test(engine_cache, overflowing_descriptors_are_refused, .timeout = 30)
 {
-    duet_kv_pool_desc_t d = {.page_tokens = (int64_t)1 << 40, .n_pages = (int64_t)1 << 20,
-                             .n_layers = 4, .token_dim = 1024, .dtype = DUET_DTYPE_F32};
-    duet_kv_pool_t     *p = NULL;
+    duet_kv_pool_desc_t d = {.page_tokens = (int64_t)1 << 40,
+                             .n_pages = (int64_t)1 << 20,
+                             .n_layers = 4,
+                             .token_dim = 1024,
+                             .dtype = DUET_DTYPE_F32};
+    duet_kv_pool_t *p = NULL;
     cr_expect_eq(duet_kv_pool_bytes_needed(&d), SIZE_MAX);
     cr_expect_eq(duet_kv_pool_create(&d, &p), DUET_ERR_INVALID);
     cr_expect_null(p);
     cr_expect_not_null(strstr(duet_error_last(), "overflow"), "%s", duet_error_last());
-    duet_kda_pool_desc_t k = {.n_slots = (int64_t)1 << 30, .n_layers = 64,
-                              .heads = (int64_t)1 << 20, .head_dim = 1 << 12, .conv_kernel = 4};
-    duet_kda_pool_t     *q = NULL;
+    duet_kda_pool_desc_t k = {.n_slots = (int64_t)1 << 30,
+                              .n_layers = 64,
+                              .heads = (int64_t)1 << 20,
+                              .head_dim = 1 << 12,
+                              .conv_kernel = 4};
+    duet_kda_pool_t *q = NULL;
     cr_expect_eq(duet_kda_pool_bytes_needed(&k), SIZE_MAX);
     cr_expect_eq(duet_kda_pool_create(&k, &q), DUET_ERR_INVALID);
     cr_expect_null(q);
@@ -119,16 +125,16 @@ Test(engine_cache, overflowing_descriptors_are_refused, .timeout = 30)
  * address it with). */
 Test(engine_cache, pools_report_their_layout, .timeout = 30)
 {
-    duet_kv_pool_desc_t d = {.page_tokens = 16, .n_pages = 3, .n_layers = 2, .token_dim = 24,
-                             .dtype = DUET_DTYPE_BF16};
-    duet_kv_pool_t     *p = NULL;
+    duet_kv_pool_desc_t d = {
+        .page_tokens = 16, .n_pages = 3, .n_layers = 2, .token_dim = 24, .dtype = DUET_DTYPE_BF16};
+    duet_kv_pool_t *p = NULL;
     cr_assert_eq(duet_kv_pool_create(&d, &p), DUET_OK);
     duet_kv_layout_t kl = duet_kv_pool_layout(p);
     cr_expect(kl.page_tokens == 16 && kl.n_layers == 2 && kl.token_bytes == 24 * 2);
     duet_kv_pool_destroy(p);
-    duet_kda_pool_desc_t k = {.n_slots = 2, .n_layers = 3, .heads = 2, .head_dim = 8,
-                              .conv_kernel = 4};
-    duet_kda_pool_t     *q = NULL;
+    duet_kda_pool_desc_t k = {
+        .n_slots = 2, .n_layers = 3, .heads = 2, .head_dim = 8, .conv_kernel = 4};
+    duet_kda_pool_t *q = NULL;
     cr_assert_eq(duet_kda_pool_create(&k, &q), DUET_OK);
     duet_kda_layout_t sl = duet_kda_pool_layout(q);
     cr_expect(sl.n_layers == 3 && sl.heads == 2 && sl.head_dim == 8 && sl.conv_kernel == 4 &&
@@ -138,9 +144,9 @@ Test(engine_cache, pools_report_their_layout, .timeout = 30)
 
 Test(engine_cache, double_free_is_an_invariant_violation, .signal = SIGABRT, .timeout = 30)
 {
-    duet_kv_pool_desc_t d = {.page_tokens = 4, .n_pages = 2, .n_layers = 1, .token_dim = 4,
-                             .dtype = DUET_DTYPE_F32};
-    duet_kv_pool_t     *p = NULL;
+    duet_kv_pool_desc_t d = {
+        .page_tokens = 4, .n_pages = 2, .n_layers = 1, .token_dim = 4, .dtype = DUET_DTYPE_F32};
+    duet_kv_pool_t *p = NULL;
     cr_assert_eq(duet_kv_pool_create(&d, &p), DUET_OK);
     int32_t pg;
     cr_assert_eq(duet_kv_pool_alloc(p, 1, &pg), DUET_OK);

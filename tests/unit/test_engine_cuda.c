@@ -39,8 +39,8 @@ static void need_gpu(void)
 
 static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the default) */
 static int64_t g_max_batch_tokens, g_max_seq_len; /* load(): 0 = 512 */
-static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32; /* load(): the models' KV pool dtype */
-static int g_dtype_auto;                         /* load(): ask for --dtype auto instead of dt */
+static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32;  /* load(): the models' KV pool dtype */
+static int g_dtype_auto;                          /* load(): ask for --dtype auto instead of dt */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)

@@ -25,13 +25,13 @@ static duet_model_t *load_dir(const char *dir, const char *name, int64_t batch_t
 {
     duet_model_opts_t opts;
     duet_model_opts_default(&opts);
-    opts.n_threads        = 2;
-    opts.max_seqs         = 4;
-    opts.max_seq_len      = 512;
+    opts.n_threads = 2;
+    opts.max_seqs = 4;
+    opts.max_seq_len = 512;
     opts.max_batch_tokens = batch_tokens;
-    opts.page_tokens      = 16; /* several pages per prompt */
-    duet_model_t *m       = NULL;
-    duet_status_t st      = duet_model_load(dir, &opts, &m);
+    opts.page_tokens = 16; /* several pages per prompt */
+    duet_model_t *m = NULL;
+    duet_status_t st = duet_model_load(dir, &opts, &m);
     cr_assert_eq(st, DUET_OK, "%s: load failed: %s", name, duet_error_last());
     return m;
 }
@@ -42,13 +42,16 @@ static duet_model_t *load_model(const fixture_t *x, int64_t batch_tokens)
 }
 
 /* Prefill `n` tokens in pieces of `chunk` (LOGITS_ALL), writing (n, V) logits. */
-static void prefill(duet_model_t *m, duet_seq_t *seq, const int32_t *toks, int64_t n,
-                    int64_t chunk, float *logits, int64_t V)
+static void prefill(duet_model_t *m, duet_seq_t *seq, const int32_t *toks, int64_t n, int64_t chunk,
+                    float *logits, int64_t V)
 {
     for (int64_t at = 0; at < n; at += chunk) {
-        int64_t           len  = n - at < chunk ? n - at : chunk;
-        duet_batch_item_t item = {.seq = seq, .tokens = toks + at, .n_tokens = len,
-                                  .logits_mode = DUET_LOGITS_ALL, .logits = logits + at * V};
+        int64_t len = n - at < chunk ? n - at : chunk;
+        duet_batch_item_t item = {.seq = seq,
+                                  .tokens = toks + at,
+                                  .n_tokens = len,
+                                  .logits_mode = DUET_LOGITS_ALL,
+                                  .logits = logits + at * V};
         cr_assert_eq(duet_model_forward(m, &item, 1), DUET_OK, "%s", duet_error_last());
     }
 }
@@ -70,7 +73,8 @@ static void check_against_transformers(const fixture_t *x, const char *dir, cons
     prefill(m, &seq, x->prompt, x->n_prompt, 512, logits, V);
     double err = rel_l2(logits, x->logits, x->n_prompt * V);
     double mad = max_abs_diff(logits, x->logits, x->n_prompt * V);
-    double err_bf16 = x->logits_bf16 != NULL ? rel_l2(x->logits_bf16, x->logits, x->n_prompt * V) : 0;
+    double err_bf16 =
+        x->logits_bf16 != NULL ? rel_l2(x->logits_bf16, x->logits, x->n_prompt * V) : 0;
     printf("golden %-37s prompt %3lld tokens: vs transformers fp32 rel L2 %.3g, max |diff| %.3g%s",
            label, (long long)x->n_prompt, err, mad, x->logits_bf16 ? "" : "\n");
     if (x->logits_bf16 != NULL)
@@ -78,23 +82,26 @@ static void check_against_transformers(const fixture_t *x, const char *dir, cons
     cr_expect_leq(err, 1e-4, "%s: prompt logits rel L2 %g > 1e-4", label, err);
 
     /* greedy continuation, decoding one token at a time */
-    float  *last = malloc(sizeof(float) * (size_t)V);
+    float *last = malloc(sizeof(float) * (size_t)V);
     memcpy(last, logits + (x->n_prompt - 1) * V, sizeof(float) * (size_t)V);
     int32_t got[64];
     for (int64_t t = 0; t < x->n_greedy; t++) {
         got[t] = duet_argmax(last, V);
         if (t + 1 == x->n_greedy)
             break;
-        duet_batch_item_t item = {.seq = &seq, .tokens = &got[t], .n_tokens = 1,
-                                  .logits_mode = DUET_LOGITS_LAST, .logits = last};
+        duet_batch_item_t item = {.seq = &seq,
+                                  .tokens = &got[t],
+                                  .n_tokens = 1,
+                                  .logits_mode = DUET_LOGITS_LAST,
+                                  .logits = last};
         cr_assert_eq(duet_model_forward(m, &item, 1), DUET_OK);
     }
     int64_t first_diff = -1;
     for (int64_t t = 0; t < x->n_greedy && first_diff < 0; t++)
         if (got[t] != x->greedy[t])
             first_diff = t;
-    cr_expect_eq(first_diff, -1, "%s: greedy continuation differs at step %lld (%d vs %d)",
-                 label, (long long)first_diff, first_diff >= 0 ? got[first_diff] : 0,
+    cr_expect_eq(first_diff, -1, "%s: greedy continuation differs at step %lld (%d vs %d)", label,
+                 (long long)first_diff, first_diff >= 0 ? got[first_diff] : 0,
                  first_diff >= 0 ? x->greedy[first_diff] : 0);
     duet_model_seq_close(m, &seq);
     free(last);
@@ -105,12 +112,12 @@ static void check_against_transformers(const fixture_t *x, const char *dir, cons
 Test(engine_golden, prompt_logits_and_greedy_match_transformers, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 7, "expected the 7 committed fixtures, found %d", n);
     int n_variants = 0;
     for (int i = 0; i < n; i++) {
         fixture_t *x = &fx[i];
-        float     *logits;
+        float *logits;
         check_against_transformers(x, x->dir, x->name, &logits);
         /* the same weights under other names: transformers' goldens again, and the very
          * bytes of the main folder's logits (one binding, whatever the names) */
@@ -133,16 +140,16 @@ Test(engine_golden, prompt_logits_and_greedy_match_transformers, .timeout = 600)
 Test(engine_golden, prefill_then_decode_equals_full_recompute, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         duet_model_t *m = load_model(x, 512);
         const int64_t V = x->vocab, steps = 12, total = x->n_prompt + steps;
-        int32_t      *toks = malloc(sizeof(int32_t) * (size_t)total);
+        int32_t *toks = malloc(sizeof(int32_t) * (size_t)total);
         memcpy(toks, x->prompt, sizeof(int32_t) * (size_t)x->n_prompt);
         memcpy(toks + x->n_prompt, x->greedy, sizeof(int32_t) * (size_t)steps);
-        float *inc  = malloc(sizeof(float) * (size_t)(total * V));
+        float *inc = malloc(sizeof(float) * (size_t)(total * V));
         float *full = malloc(sizeof(float) * (size_t)(total * V));
         duet_seq_t a, b;
         cr_assert_eq(duet_model_seq_open(m, total, &a), DUET_OK);
@@ -167,10 +174,10 @@ Test(engine_golden, prefill_then_decode_equals_full_recompute, .timeout = 600)
 Test(engine_golden, chunked_prefill_equals_one_shot, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         duet_model_t *m = load_model(x, 512);
         const int64_t V = x->vocab;
         float *one = malloc(sizeof(float) * (size_t)(x->n_prompt * V));
@@ -195,15 +202,15 @@ Test(engine_golden, chunked_prefill_equals_one_shot, .timeout = 600)
 Test(engine_golden, mixed_batch_equals_each_alone, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         duet_model_t *m = load_model(x, 512);
         const int64_t V = x->vocab, P = x->n_prompt;
         /* three requests: A decodes after its prompt, B prefills its second half, C starts */
         const int64_t a_len = P / 2, b_len = P / 3;
-        duet_seq_t    sa, sb, sc;
+        duet_seq_t sa, sb, sc;
         cr_assert_eq(duet_model_seq_open(m, P + 8, &sa), DUET_OK);
         cr_assert_eq(duet_model_seq_open(m, P + 8, &sb), DUET_OK);
         cr_assert_eq(duet_model_seq_open(m, P + 8, &sc), DUET_OK);
@@ -215,14 +222,26 @@ Test(engine_golden, mixed_batch_equals_each_alone, .timeout = 600)
         float *lb = malloc(sizeof(float) * (size_t)((P - 1 - b_len) * V));
         float *lc = malloc(sizeof(float) * (size_t)V);
         duet_batch_item_t items[3] = {
-            {.seq = &sa, .tokens = x->prompt + a_len, .n_tokens = 1, .logits_mode = DUET_LOGITS_LAST, .logits = la},
-            {.seq = &sb, .tokens = x->prompt + 1 + b_len, .n_tokens = P - 1 - b_len, .logits_mode = DUET_LOGITS_ALL, .logits = lb},
-            {.seq = &sc, .tokens = x->prompt + 2, .n_tokens = P - 2, .logits_mode = DUET_LOGITS_LAST, .logits = lc},
+            {.seq = &sa,
+             .tokens = x->prompt + a_len,
+             .n_tokens = 1,
+             .logits_mode = DUET_LOGITS_LAST,
+             .logits = la},
+            {.seq = &sb,
+             .tokens = x->prompt + 1 + b_len,
+             .n_tokens = P - 1 - b_len,
+             .logits_mode = DUET_LOGITS_ALL,
+             .logits = lb},
+            {.seq = &sc,
+             .tokens = x->prompt + 2,
+             .n_tokens = P - 2,
+             .logits_mode = DUET_LOGITS_LAST,
+             .logits = lc},
         };
         cr_assert_eq(duet_model_forward(m, items, 3), DUET_OK, "%s", duet_error_last());
         /* the same requests alone */
         duet_seq_t r;
-        float     *ref = malloc(sizeof(float) * (size_t)(P * V));
+        float *ref = malloc(sizeof(float) * (size_t)(P * V));
         cr_assert_eq(duet_model_seq_open(m, P + 8, &r), DUET_OK);
         prefill(m, &r, x->prompt, a_len + 1, 512, ref, V);
         double ea = rel_l2(la, ref + a_len * V, V);
@@ -261,18 +280,18 @@ Test(engine_golden, mixed_batch_equals_each_alone, .timeout = 600)
 Test(engine_golden, mixed_batch_bit_identical_to_alone, .timeout = 600)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     for (int i = 0; i < n; i++) {
-        fixture_t    *x = &fx[i];
+        fixture_t *x = &fx[i];
         duet_model_t *m = load_model(x, 512);
         const int64_t V = x->vocab, P = x->n_prompt;
         const int64_t a_len = P / 2, b_len = P / 3, b_rest = P - 1 - b_len;
-        float        *scratch = malloc(sizeof(float) * (size_t)(P * V));
-        float        *got[3], *want[3];
-        int64_t       rows[3] = {1, b_rest, 1};
+        float *scratch = malloc(sizeof(float) * (size_t)(P * V));
+        float *got[3], *want[3];
+        int64_t rows[3] = {1, b_rest, 1};
         for (int k = 0; k < 3; k++) {
-            got[k]  = malloc(sizeof(float) * (size_t)(rows[k] * V));
+            got[k] = malloc(sizeof(float) * (size_t)(rows[k] * V));
             want[k] = malloc(sizeof(float) * (size_t)(rows[k] * V));
         }
         duet_seq_t s[3];
@@ -281,14 +300,23 @@ Test(engine_golden, mixed_batch_bit_identical_to_alone, .timeout = 600)
                 cr_assert_eq(duet_model_seq_open(m, P + 8, &s[k]), DUET_OK);
             prefill(m, &s[0], x->prompt, a_len, 512, scratch, V);
             prefill(m, &s[1], x->prompt + 1, b_len, 512, scratch, V);
-            float           **out = pass == 0 ? got : want;
+            float **out = pass == 0 ? got : want;
             duet_batch_item_t items[3] = {
-                {.seq = &s[0], .tokens = x->prompt + a_len, .n_tokens = 1,
-                 .logits_mode = DUET_LOGITS_LAST, .logits = out[0]},
-                {.seq = &s[1], .tokens = x->prompt + 1 + b_len, .n_tokens = b_rest,
-                 .logits_mode = DUET_LOGITS_ALL, .logits = out[1]},
-                {.seq = &s[2], .tokens = x->prompt + 2, .n_tokens = P - 2,
-                 .logits_mode = DUET_LOGITS_LAST, .logits = out[2]},
+                {.seq = &s[0],
+                 .tokens = x->prompt + a_len,
+                 .n_tokens = 1,
+                 .logits_mode = DUET_LOGITS_LAST,
+                 .logits = out[0]},
+                {.seq = &s[1],
+                 .tokens = x->prompt + 1 + b_len,
+                 .n_tokens = b_rest,
+                 .logits_mode = DUET_LOGITS_ALL,
+                 .logits = out[1]},
+                {.seq = &s[2],
+                 .tokens = x->prompt + 2,
+                 .n_tokens = P - 2,
+                 .logits_mode = DUET_LOGITS_LAST,
+                 .logits = out[2]},
             };
             if (pass == 0) {
                 cr_assert_eq(duet_model_forward(m, items, 3), DUET_OK, "%s", duet_error_last());
@@ -315,22 +343,22 @@ Test(engine_golden, mixed_batch_bit_identical_to_alone, .timeout = 600)
 Test(engine_golden, bad_batches_are_refused, .timeout = 120)
 {
     fixture_t fx[MAX_FIXTURES];
-    int       n = load_fixtures(fx, MAX_FIXTURES);
+    int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
     duet_model_t *m = load_model(&fx[0], 64);
-    duet_seq_t    s;
+    duet_seq_t s;
     cr_assert_eq(duet_model_seq_open(m, 100, &s), DUET_OK);
-    int32_t           toks[128] = {0};
-    float            *lg        = malloc(sizeof(float) * (size_t)fx[0].vocab);
-    duet_batch_item_t it        = {.seq = &s, .tokens = toks, .n_tokens = 65,
-                                   .logits_mode = DUET_LOGITS_LAST, .logits = lg};
+    int32_t toks[128] = {0};
+    float *lg = malloc(sizeof(float) * (size_t)fx[0].vocab);
+    duet_batch_item_t it = {
+        .seq = &s, .tokens = toks, .n_tokens = 65, .logits_mode = DUET_LOGITS_LAST, .logits = lg};
     cr_expect_eq(duet_model_forward(m, &it, 1), DUET_ERR_RANGE, "over max_batch_tokens");
     cr_expect(strstr(duet_error_last(), "max_batch_tokens") != NULL, "%s", duet_error_last());
-    toks[3]     = (int32_t)fx[0].vocab;
+    toks[3] = (int32_t)fx[0].vocab;
     it.n_tokens = 4;
     cr_expect_eq(duet_model_forward(m, &it, 1), DUET_ERR_RANGE, "token outside the vocabulary");
     cr_expect(strstr(duet_error_last(), "vocabulary") != NULL, "%s", duet_error_last());
-    toks[3]          = 1;
+    toks[3] = 1;
     duet_batch_item_t two[2] = {it, it};
     cr_expect_eq(duet_model_forward(m, two, 2), DUET_ERR_INVALID, "same sequence twice");
     it.logits = NULL;

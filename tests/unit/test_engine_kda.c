@@ -1,7 +1,8 @@
 /*
- * KDA core (kernels/cpu/kda.c): the chunked (WY/UT) form against the token-by-token recurrence, on random inputs
- * shaped like the real ones (L2-normalised q/k, q scaled by K^-1/2, g <= 0, β in (0, 1)).
- * Tolerance: max |chunked - recurrent| <= 1e-5 · max(1, max |recurrent|), for outputs and state.
+ * KDA core (kernels/cpu/kda.c): the chunked (WY/UT) form against the token-by-token recurrence, on
+ * random inputs shaped like the real ones (L2-normalised q/k, q scaled by K^-1/2, g <= 0, β in (0,
+ * 1)). Tolerance: max |chunked - recurrent| <= 1e-5 · max(1, max |recurrent|), for outputs and
+ * state.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -27,10 +28,10 @@ typedef struct {
 
 static void make_inputs(kda_inputs_t *in, int64_t n, int64_t K, int64_t V, float decay_scale)
 {
-    in->q    = malloc(sizeof(float) * (size_t)(n * K));
-    in->k    = malloc(sizeof(float) * (size_t)(n * K));
-    in->v    = malloc(sizeof(float) * (size_t)(n * V));
-    in->g    = malloc(sizeof(float) * (size_t)(n * K));
+    in->q = malloc(sizeof(float) * (size_t)(n * K));
+    in->k = malloc(sizeof(float) * (size_t)(n * K));
+    in->v = malloc(sizeof(float) * (size_t)(n * V));
+    in->g = malloc(sizeof(float) * (size_t)(n * K));
     in->beta = malloc(sizeof(float) * (size_t)n);
     for (int64_t t = 0; t < n; t++) {
         float nq = 0, nk = 0;
@@ -85,7 +86,7 @@ static void check_case(int64_t n, int64_t K, int64_t V, int pieces, float decay_
     float *o_chk = calloc((size_t)(n * V), sizeof(float));
     float *S_rec = calloc((size_t)(K * V), sizeof(float));
     float *S_chk = calloc((size_t)(K * V), sizeof(float));
-    float *scr   = malloc(sizeof(float) * (size_t)duet_cpu_kda_chunk_scratch_floats(K, V));
+    float *scr = malloc(sizeof(float) * (size_t)duet_cpu_kda_chunk_scratch_floats(K, V));
     /* a non-zero initial state, as after an earlier prompt */
     for (int64_t i = 0; i < K * V; i++)
         S_rec[i] = S_chk[i] = (frand() * 2 - 1) * 0.5f;
@@ -94,23 +95,35 @@ static void check_case(int64_t n, int64_t K, int64_t V, int pieces, float decay_
     for (int p = 0; p < pieces; p++) {
         int64_t len = p == pieces - 1 ? n - at : n / pieces;
         duet_cpu_kda_head_io_t io = {
-            .q = in.q + at * K, .q_stride = K, .k = in.k + at * K, .k_stride = K,
-            .v = in.v + at * V, .v_stride = V, .g = in.g + at * K, .g_stride = K,
-            .beta = in.beta + at, .beta_stride = 1, .o = o_rec + at * V, .o_stride = V,
-            .n = len, .K = K, .V = V,
+            .q = in.q + at * K,
+            .q_stride = K,
+            .k = in.k + at * K,
+            .k_stride = K,
+            .v = in.v + at * V,
+            .v_stride = V,
+            .g = in.g + at * K,
+            .g_stride = K,
+            .beta = in.beta + at,
+            .beta_stride = 1,
+            .o = o_rec + at * V,
+            .o_stride = V,
+            .n = len,
+            .K = K,
+            .V = V,
         };
         duet_cpu_kda_recurrent(&io, S_rec);
         io.o = o_chk + at * V;
         duet_cpu_kda_chunked(&io, S_chk, scr);
         at += len;
     }
-    float ref  = fmaxf(1.0f, max_abs(o_rec, n * V));
+    float ref = fmaxf(1.0f, max_abs(o_rec, n * V));
     float dout = max_diff(o_rec, o_chk, n * V) / ref;
     float sref = fmaxf(1.0f, max_abs(S_rec, K * V));
-    float dst  = max_diff(S_rec, S_chk, K * V) / sref;
-    printf("kda n=%-4lld K=%-3lld V=%-3lld pieces=%d decay=%.1f: max rel diff out %.3g state %.3g\n",
-           (long long)n, (long long)K, (long long)V, pieces, (double)decay_scale, (double)dout,
-           (double)dst);
+    float dst = max_diff(S_rec, S_chk, K * V) / sref;
+    printf(
+        "kda n=%-4lld K=%-3lld V=%-3lld pieces=%d decay=%.1f: max rel diff out %.3g state %.3g\n",
+        (long long)n, (long long)K, (long long)V, pieces, (double)decay_scale, (double)dout,
+        (double)dst);
     cr_expect_leq(dout, 1e-5f, "outputs differ: %g (n=%lld K=%lld)", (double)dout, (long long)n,
                   (long long)K);
     cr_expect_leq(dst, 1e-5f, "states differ: %g (n=%lld K=%lld)", (double)dst, (long long)n,

@@ -23,7 +23,7 @@ Test(engine_sampler, greedy_is_first_argmax, .timeout = 30)
     duet_rng_seed(&rng, 1);
     cr_expect_eq(duet_sampler_sample(s, &p, &rng, logits8), 1); /* tie 1/4: first wins */
     p.temperature = 1.0f;
-    p.top_k       = 1;
+    p.top_k = 1;
     cr_expect_eq(duet_sampler_sample(s, &p, &rng, logits8), 1);
     p.top_k = 0;
     p.top_p = 1e-6f;
@@ -36,7 +36,7 @@ Test(engine_sampler, seeded_runs_repeat, .timeout = 30)
     duet_sampler_t *s;
     cr_assert_eq(duet_sampler_create(8, &s), DUET_OK);
     duet_sampling_t p = {.temperature = 0.8f, .top_k = 0, .top_p = 0.95f, .seed = 42};
-    int32_t         a[200], b[200];
+    int32_t a[200], b[200];
     for (int run = 0; run < 2; run++) {
         duet_rng_t rng;
         duet_rng_seed(&rng, p.seed);
@@ -53,8 +53,8 @@ static void check_distribution(float temp, int64_t top_k, float top_p)
     cr_assert_eq(duet_sampler_create(8, &s), DUET_OK);
     duet_sampling_t p = {.temperature = temp, .top_k = top_k, .top_p = top_p, .seed = 7};
     /* exact distribution: sort, cut top-k, softmax, cut nucleus, renormalise */
-    int    order[8] = {1, 4, 3, 7, 0, 5, 2, 6}; /* logits8 by value, ties by index */
-    int    n        = top_k > 0 && top_k < 8 ? (int)top_k : 8;
+    int order[8] = {1, 4, 3, 7, 0, 5, 2, 6}; /* logits8 by value, ties by index */
+    int n = top_k > 0 && top_k < 8 ? (int)top_k : 8;
     double w[8], sum = 0;
     for (int i = 0; i < n; i++) {
         w[i] = exp(((double)logits8[order[i]] - 2.0) / temp);
@@ -76,14 +76,14 @@ static void check_distribution(float temp, int64_t top_k, float top_p)
     for (int i = 0; i < keep; i++)
         expect[order[i]] = w[i] / ksum;
 
-    const int  N        = 200000;
-    long       count[8] = {0};
+    const int N = 200000;
+    long count[8] = {0};
     duet_rng_t rng;
     duet_rng_seed(&rng, p.seed);
     for (int i = 0; i < N; i++)
         count[duet_sampler_sample(s, &p, &rng, logits8)]++;
     for (int t = 0; t < 8; t++) {
-        double f  = (double)count[t] / N;
+        double f = (double)count[t] / N;
         double se = sqrt(expect[t] * (1 - expect[t]) / N) + 1e-9;
         printf("T=%.1f k=%lld p=%.2f token %d: sampled %.4f expected %.4f\n", (double)temp,
                (long long)top_k, (double)top_p, t, f, expect[t]);

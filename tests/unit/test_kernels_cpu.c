@@ -52,7 +52,7 @@ static uint32_t f_bits(float f)
 /* Fill n elements of dtype dt with random values (as stored) and return them widened. */
 static void *make_weights(duet_dtype_t dt, int64_t n, float scale, double **wide_p)
 {
-    void   *w    = malloc((size_t)n * duet_dtype_size(dt));
+    void *w = malloc((size_t)n * duet_dtype_size(dt));
     double *wide = malloc((size_t)n * sizeof(*wide));
     cr_assert_not_null(w);
     cr_assert_not_null(wide);
@@ -60,13 +60,13 @@ static void *make_weights(duet_dtype_t dt, int64_t n, float scale, double **wide
         float v = rng_f() * scale;
         if (dt == DUET_DTYPE_F32) {
             ((float *)w)[i] = v;
-            wide[i]         = v;
+            wide[i] = v;
         } else if (dt == DUET_DTYPE_BF16) {
             ((uint16_t *)w)[i] = duet_f32_to_bf16(v);
-            wide[i]            = duet_bf16_to_f32(((uint16_t *)w)[i]);
+            wide[i] = duet_bf16_to_f32(((uint16_t *)w)[i]);
         } else {
             ((uint16_t *)w)[i] = duet_f32_to_f16(v);
-            wide[i]            = duet_f16_to_f32(((uint16_t *)w)[i]);
+            wide[i] = duet_f16_to_f32(((uint16_t *)w)[i]);
         }
     }
     *wide_p = wide;
@@ -89,8 +89,8 @@ static void diff_add(diff_t *d, double got, double ref, double floor)
 
 static duet_kernels_t *make_k(int n_threads)
 {
-    duet_kernels_t *k  = NULL;
-    duet_status_t   st = duet_kernels_create(DUET_DEVICE_CPU, n_threads, &k);
+    duet_kernels_t *k = NULL;
+    duet_status_t st = duet_kernels_create(DUET_DEVICE_CPU, n_threads, &k);
     CHECK((st) == (DUET_OK), "create: %s", duet_error_last());
     CHECK((duet_kernels_n_threads(k)) == (n_threads));
     return k;
@@ -115,7 +115,7 @@ Test(kernels_cpu, dtype_helpers, .timeout = 10)
 /* The value of binary16 pattern h computed from its definition. */
 static double f16_ref(uint16_t h)
 {
-    int    s = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    int s = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
     double v;
     if (e == 0)
         v = ldexp((double)m, -24);
@@ -130,13 +130,12 @@ Test(kernels_cpu, f16_exhaustive, .timeout = 30)
 {
     int n_nan = 0, n_sub = 0;
     for (uint32_t h = 0; h < 65536; h++) {
-        float  f   = duet_f16_to_f32((uint16_t)h);
+        float f = duet_f16_to_f32((uint16_t)h);
         double ref = f16_ref((uint16_t)h);
         if (isnan(ref)) {
             CHECK(isnan(f), "f16 %04x should be NaN", h);
             uint16_t back = duet_f32_to_f16(f);
-            CHECK((back & 0x7c00) == 0x7c00 && (back & 0x3ff) != 0, "NaN %04x -> %04x", h,
-                      back);
+            CHECK((back & 0x7c00) == 0x7c00 && (back & 0x3ff) != 0, "NaN %04x -> %04x", h, back);
             CHECK((back & 0x8000) == (h & 0x8000));
             n_nan++;
             continue;
@@ -148,12 +147,12 @@ Test(kernels_cpu, f16_exhaustive, .timeout = 30)
             n_sub++;
         /* The midpoint to the next pattern up in magnitude rounds to the even of the two. */
         if ((h & 0x7fff) < 0x7bff) {
-            double up  = f16_ref((uint16_t)(h + 1));
-            float  mid = (float)((ref + up) / 2);
+            double up = f16_ref((uint16_t)(h + 1));
+            float mid = (float)((ref + up) / 2);
             CHECK(((double)mid) == ((ref + up) / 2)); /* exact in fp32 */
             uint16_t want = (h & 1) == 0 ? (uint16_t)h : (uint16_t)(h + 1);
             CHECK((duet_f32_to_f16(mid)) == (want), "tie above %04x -> %04x, want %04x", h,
-                         duet_f32_to_f16(mid), want);
+                  duet_f32_to_f16(mid), want);
             /* just above / below the midpoint */
             float above = nextafterf(mid, fabsf(mid) * 4 * (mid < 0 ? -1.0f : 1.0f));
             float below = nextafterf(mid, 0.0f);
@@ -203,8 +202,8 @@ Test(kernels_cpu, f32_to_f16_matches_f16c, .timeout = 60)
     /* 2^24 fp32 patterns spread over the whole space (every 256th, random low bits). */
     uint64_t n = 0;
     for (uint64_t i = 0; i < (1ull << 32); i += 256) {
-        uint32_t u    = (uint32_t)i | (rng_u32() & 255u);
-        float    f    = bits_f(u);
+        uint32_t u = (uint32_t)i | (rng_u32() & 255u);
+        float f = bits_f(u);
         uint16_t mine = duet_f32_to_f16(f), hw = f16c_cvt(f);
         CHECK((mine) == (hw), "f32 %08x -> %04x, F16C says %04x", u, mine, hw);
         n++;
@@ -233,7 +232,7 @@ Test(kernels_cpu, bf16_exhaustive, .timeout = 10)
         }
     }
     CHECK((duet_f32_to_bf16(1.0f)) == (0x3f80));
-    CHECK((duet_f32_to_bf16(3.4e38f)) == (0x7f80)); /* rounds up to inf */
+    CHECK((duet_f32_to_bf16(3.4e38f)) == (0x7f80));                        /* rounds up to inf */
     CHECK(isnan(duet_bf16_to_f32(duet_f32_to_bf16(bits_f(0x7f800001u))))); /* sNaN stays NaN */
     REPORT("bf16: 65536 patterns exact, ties to even");
 }
@@ -242,8 +241,8 @@ Test(kernels_cpu, convert_to_f32, .timeout = 10)
 {
     for (int dt = 0; dt < 3; dt++) {
         double *wide;
-        void   *w   = make_weights((duet_dtype_t)dt, 1001, 3.0f, &wide);
-        float  *out = malloc(1001 * sizeof(*out));
+        void *w = make_weights((duet_dtype_t)dt, 1001, 3.0f, &wide);
+        float *out = malloc(1001 * sizeof(*out));
         duet_convert_to_f32(out, w, (duet_dtype_t)dt, 1001);
         for (int i = 0; i < 1001; i++)
             CHECK(((double)out[i]) == (wide[i]));
@@ -271,7 +270,7 @@ Test(kernels_cpu, create_and_errors, .timeout = 10)
     CHECK((duet_kernels_n_threads(k)) >= (1));
     CHECK((duet_kernels_device(k)) == (DUET_DEVICE_CPU));
     REPORT("default threads %d, matmul path %s", duet_kernels_n_threads(k),
-                duet_kernels_cpu_isa(k));
+           duet_kernels_cpu_isa(k));
     duet_kernels_destroy(k);
 
     setenv("DUET_THREADS", "3", 1);
@@ -282,13 +281,13 @@ Test(kernels_cpu, create_and_errors, .timeout = 10)
     CHECK((duet_kernels_n_threads(k)) == (2));
 
     /* bad matmul arguments are a status, not a crash */
-    float         buf[16] = {0};
-    duet_tensor_t w       = {.data = buf, .dtype = DUET_DTYPE_F32, .ndim = 2, .shape = {2, 4}};
+    float buf[16] = {0};
+    duet_tensor_t w = {.data = buf, .dtype = DUET_DTYPE_F32, .ndim = 2, .shape = {2, 4}};
     CHECK((duet_k_matmul(k, buf, 2, buf, 3, 1, &w, 0)) == (DUET_ERR_INVALID)); /* ldx < K */
     CHECK((duet_k_matmul(k, buf, 1, buf, 4, 1, &w, 0)) == (DUET_ERR_INVALID)); /* ldy < N */
     w.ndim = 1;
     CHECK((duet_k_matmul(k, buf, 2, buf, 4, 1, &w, 0)) == (DUET_ERR_INVALID));
-    w.ndim   = 2;
+    w.ndim = 2;
     w.device = DUET_DEVICE_CUDA;
     CHECK((duet_k_matmul(k, buf, 2, buf, 4, 1, &w, 0)) == (DUET_ERR_INVALID));
     duet_kernels_destroy(k);
@@ -297,10 +296,10 @@ Test(kernels_cpu, create_and_errors, .timeout = 10)
 
 typedef struct {
     _Atomic int *hits;
-    int64_t      grain, n;
-    int          n_threads;
-    _Atomic int  bad;
-    _Atomic int  n_ranges;
+    int64_t grain, n;
+    int n_threads;
+    _Atomic int bad;
+    _Atomic int n_ranges;
 } pfor_ctx_t;
 
 static void pfor_fn(void *vctx, int64_t begin, int64_t end, int thread_idx)
@@ -316,25 +315,25 @@ static void pfor_fn(void *vctx, int64_t begin, int64_t end, int thread_idx)
 
 Test(kernels_cpu, parallel_for_covers_once, .timeout = 60)
 {
-    static const int     threads[] = {1, 2, 3, 5, 8};
-    static const int64_t ns[]      = {1, 2, 3, 7, 64, 100, 1000, 4097, 100003};
-    static const int64_t grains[]  = {0, 1, 3, 16, 1000, 200000};
-    int                  combos    = 0;
+    static const int threads[] = {1, 2, 3, 5, 8};
+    static const int64_t ns[] = {1, 2, 3, 7, 64, 100, 1000, 4097, 100003};
+    static const int64_t grains[] = {0, 1, 3, 16, 1000, 200000};
+    int combos = 0;
     for (size_t ti = 0; ti < sizeof(threads) / sizeof(threads[0]); ti++) {
         duet_kernels_t *k = make_k(threads[ti]);
         for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
             for (size_t gi = 0; gi < sizeof(grains) / sizeof(grains[0]); gi++) {
-                int64_t     n = ns[ni];
-                pfor_ctx_t  c = {.grain = grains[gi] < 1 ? 1 : grains[gi], .n = n,
-                                 .n_threads = threads[ti]};
-                c.hits        = calloc((size_t)n, sizeof(*c.hits));
+                int64_t n = ns[ni];
+                pfor_ctx_t c = {
+                    .grain = grains[gi] < 1 ? 1 : grains[gi], .n = n, .n_threads = threads[ti]};
+                c.hits = calloc((size_t)n, sizeof(*c.hits));
                 for (int rep = 0; rep < 3; rep++)
                     duet_k_parallel_for(k, n, grains[gi], pfor_fn, &c);
                 for (int64_t i = 0; i < n; i++)
                     CHECK((atomic_load(&c.hits[i])) == (3),
-                                 "threads %d n %lld grain %lld: index %lld hit %d/3",
-                                 threads[ti], (long long)n, (long long)grains[gi], (long long)i,
-                                 atomic_load(&c.hits[i]));
+                          "threads %d n %lld grain %lld: index %lld hit %d/3", threads[ti],
+                          (long long)n, (long long)grains[gi], (long long)i,
+                          atomic_load(&c.hits[i]));
                 CHECK((atomic_load(&c.bad)) == (0), "bad range or thread_idx");
                 free(c.hits);
                 combos++;
@@ -353,8 +352,8 @@ Test(kernels_cpu, parallel_for_covers_once, .timeout = 60)
 Test(kernels_cpu, pool_many_small_jobs, .timeout = 60)
 {
     setenv("DUET_SPIN_US", "0", 1); /* workers sleep at once: exercise the futex/condvar path */
-    duet_kernels_t *k    = make_k(4);
-    _Atomic int     hits[64];
+    duet_kernels_t *k = make_k(4);
+    _Atomic int hits[64];
     for (int rep = 0; rep < 20000; rep++) {
         for (int i = 0; i < 64; i++)
             atomic_store(&hits[i], 0);
@@ -368,7 +367,7 @@ Test(kernels_cpu, pool_many_small_jobs, .timeout = 60)
 
 typedef struct {
     duet_kernels_t *k;
-    _Atomic int    *hits;
+    _Atomic int *hits;
 } nested_ctx_t;
 
 static void nested_inner(void *vctx, int64_t begin, int64_t end, int thread_idx)
@@ -387,9 +386,9 @@ static void nested_outer(void *vctx, int64_t begin, int64_t end, int thread_idx)
 
 Test(kernels_cpu, parallel_for_nested_runs_inline, .timeout = 20)
 {
-    duet_kernels_t *k    = make_k(3);
-    _Atomic int    *hits = calloc(1000, sizeof(*hits));
-    nested_ctx_t    c    = {.k = k, .hits = hits};
+    duet_kernels_t *k = make_k(3);
+    _Atomic int *hits = calloc(1000, sizeof(*hits));
+    nested_ctx_t c = {.k = k, .hits = hits};
     duet_k_parallel_for(k, 10, 1, nested_outer, &c);
     for (int i = 0; i < 1000; i++)
         CHECK((atomic_load(&hits[i])) == (1));
@@ -404,11 +403,11 @@ typedef struct {
 } mm_shape_t;
 
 static const mm_shape_t mm_shapes[] = {
-    {1, 1, 1, 0, 0},      {1, 1, 17, 3, 1},     {1, 7, 33, 0, 2},     {2, 9, 15, 1, 0},
-    {3, 5, 31, 5, 3},     {4, 4, 16, 0, 0},     {5, 19, 47, 2, 1},    {1, 300, 257, 0, 0},
-    {1, 64, 2304, 0, 0},  {8, 100, 129, 7, 5},  {13, 37, 1100, 1, 1}, {64, 70, 2050, 0, 3},
-    {65, 33, 63, 9, 0},   {130, 67, 1031, 4, 2}, {1, 1000, 8, 0, 0},  {200, 3, 600, 0, 0},
-    {6, 21, 4099, 0, 0},  {33, 130, 1025, 0, 1},
+    {1, 1, 1, 0, 0},     {1, 1, 17, 3, 1},      {1, 7, 33, 0, 2},     {2, 9, 15, 1, 0},
+    {3, 5, 31, 5, 3},    {4, 4, 16, 0, 0},      {5, 19, 47, 2, 1},    {1, 300, 257, 0, 0},
+    {1, 64, 2304, 0, 0}, {8, 100, 129, 7, 5},   {13, 37, 1100, 1, 1}, {64, 70, 2050, 0, 3},
+    {65, 33, 63, 9, 0},  {130, 67, 1031, 4, 2}, {1, 1000, 8, 0, 0},   {200, 3, 600, 0, 0},
+    {6, 21, 4099, 0, 0}, {33, 130, 1025, 0, 1},
 };
 
 /* ref[m, n] = sum_k x[m, k] w[n, k] in double; bound[m, n] = sum_k |x w|. */
@@ -423,7 +422,7 @@ static void mm_reference(const mm_shape_t *s, const float *x, int64_t ldx, const
                 acc += p;
                 b += fabs(p);
             }
-            ref[m * s->N + n]   = acc;
+            ref[m * s->N + n] = acc;
             bound[m * s->N + n] = b;
         }
 }
@@ -431,34 +430,34 @@ static void mm_reference(const mm_shape_t *s, const float *x, int64_t ldx, const
 static void mm_check_isa(duet__isa_t isa)
 {
     static const int threads[] = {1, 4};
-    const float      sentinel  = -12345.0f;
-    duet_kernels_t  *ks[2];
+    const float sentinel = -12345.0f;
+    duet_kernels_t *ks[2];
     for (int t = 0; t < 2; t++) {
         ks[t] = make_k(threads[t]);
         CHECK((duet__kernels_cpu_set_isa(ks[t], isa)) == (DUET_OK));
     }
-    diff_t summary[3]       = {{0}};
+    diff_t summary[3] = {{0}};
     double summary_worst[3] = {0};
     for (size_t si = 0; si < sizeof(mm_shapes) / sizeof(mm_shapes[0]); si++) {
-        const mm_shape_t *s   = &mm_shapes[si];
-        int64_t           ldx = s->K + s->ldx_pad, ldy = s->N + s->ldy_pad;
-        float            *x   = malloc((size_t)(s->M * ldx) * sizeof(*x));
-        float            *y   = malloc((size_t)(s->M * ldy) * sizeof(*y));
-        float            *y0  = malloc((size_t)(s->M * ldy) * sizeof(*y0));
-        double           *ref = malloc((size_t)(s->M * s->N) * sizeof(*ref));
-        double           *bnd = malloc((size_t)(s->M * s->N) * sizeof(*bnd));
+        const mm_shape_t *s = &mm_shapes[si];
+        int64_t ldx = s->K + s->ldx_pad, ldy = s->N + s->ldy_pad;
+        float *x = malloc((size_t)(s->M * ldx) * sizeof(*x));
+        float *y = malloc((size_t)(s->M * ldy) * sizeof(*y));
+        float *y0 = malloc((size_t)(s->M * ldy) * sizeof(*y0));
+        double *ref = malloc((size_t)(s->M * s->N) * sizeof(*ref));
+        double *bnd = malloc((size_t)(s->M * s->N) * sizeof(*bnd));
         for (int64_t i = 0; i < s->M * ldx; i++)
             x[i] = rng_f();
         for (int64_t i = 0; i < s->M * ldy; i++)
             y0[i] = rng_f();
         for (int dt = 0; dt < 3; dt++) {
-            double       *wide;
-            void         *wdata = make_weights((duet_dtype_t)dt, s->N * s->K, 0.5f, &wide);
-            duet_tensor_t w     = {.data   = wdata,
-                                   .dtype  = (duet_dtype_t)dt,
-                                   .device = DUET_DEVICE_CPU,
-                                   .ndim   = 2,
-                                   .shape  = {s->N, s->K}};
+            double *wide;
+            void *wdata = make_weights((duet_dtype_t)dt, s->N * s->K, 0.5f, &wide);
+            duet_tensor_t w = {.data = wdata,
+                               .dtype = (duet_dtype_t)dt,
+                               .device = DUET_DEVICE_CPU,
+                               .ndim = 2,
+                               .shape = {s->N, s->K}};
             mm_reference(s, x, ldx, wide, ref, bnd);
             for (int t = 0; t < 2; t++) {
                 for (int acc = 0; acc < 2; acc++) {
@@ -474,32 +473,32 @@ static void mm_check_isa(duet__isa_t isa)
                             float got = y[m * ldy + n];
                             if (n >= s->N) {
                                 CHECK((got) == (sentinel), "wrote past N at m %lld n %lld",
-                                             (long long)m, (long long)n);
+                                      (long long)m, (long long)n);
                                 continue;
                             }
                             double want = ref[m * s->N + n] + (acc ? y0[m * ldy + n] : 0.0);
-                            double b    = bnd[m * s->N + n] + (acc ? fabs(y0[m * ldy + n]) : 0.0);
+                            double b = bnd[m * s->N + n] + (acc ? fabs(y0[m * ldy + n]) : 0.0);
                             diff_add(&d, got, want, 1e-3);
                             double e = fabs(got - want) / (b > 0 ? b : 1.0);
                             if (e > worst)
                                 worst = e;
                             CHECK(e <= 1e-5 && !isnan(got),
-                                      "%s %s M%lld N%lld K%lld t%d acc%d: y[%lld,%lld] = %.9g, "
-                                      "want %.9g",
-                                      duet__isa_name(isa), duet_dtype_name(w.dtype),
-                                      (long long)s->M, (long long)s->N, (long long)s->K,
-                                      threads[t], acc, (long long)m, (long long)n, got, want);
+                                  "%s %s M%lld N%lld K%lld t%d acc%d: y[%lld,%lld] = %.9g, "
+                                  "want %.9g",
+                                  duet__isa_name(isa), duet_dtype_name(w.dtype), (long long)s->M,
+                                  (long long)s->N, (long long)s->K, threads[t], acc, (long long)m,
+                                  (long long)n, got, want);
                         }
                     }
                     summary[dt].max_abs = fmax(summary[dt].max_abs, d.max_abs);
                     summary[dt].max_rel = fmax(summary[dt].max_rel, d.max_rel);
-                    summary_worst[dt]   = fmax(summary_worst[dt], worst);
+                    summary_worst[dt] = fmax(summary_worst[dt], worst);
                     cr_log_info("matmul %-6s %-4s M=%-3lld N=%-4lld K=%-4lld ldx=%-4lld "
                                 "ldy=%-4lld threads=%d acc=%d: max_abs %.3g max_rel %.3g "
                                 "max_err/sum|xw| %.3g",
                                 duet__isa_name(isa), duet_dtype_name(w.dtype), (long long)s->M,
-                                (long long)s->N, (long long)s->K, (long long)ldx,
-                                (long long)ldy, threads[t], acc, d.max_abs, d.max_rel, worst);
+                                (long long)s->N, (long long)s->K, (long long)ldx, (long long)ldy,
+                                threads[t], acc, d.max_abs, d.max_rel, worst);
                 }
             }
             free(wdata);
@@ -514,8 +513,9 @@ static void mm_check_isa(duet__isa_t isa)
     for (int dt = 0; dt < 3; dt++)
         REPORT("matmul %-6s %-4s %zu shapes x threads {1,4} x accumulate {0,1}: max_abs %.3g "
                "max_rel %.3g max_err/sum|xw| %.3g",
-               duet__isa_name(isa), duet_dtype_name((duet_dtype_t)dt), sizeof(mm_shapes) /
-               sizeof(mm_shapes[0]), summary[dt].max_abs, summary[dt].max_rel, summary_worst[dt]);
+               duet__isa_name(isa), duet_dtype_name((duet_dtype_t)dt),
+               sizeof(mm_shapes) / sizeof(mm_shapes[0]), summary[dt].max_abs, summary[dt].max_rel,
+               summary_worst[dt]);
     for (int t = 0; t < 2; t++)
         duet_kernels_destroy(ks[t]);
 }
@@ -543,9 +543,9 @@ Test(kernels_cpu, matmul_avx512, .timeout = 120)
 Test(kernels_cpu, matmul_views_and_empty, .timeout = 10)
 {
     duet_kernels_t *k = make_k(2);
-    double         *wide;
-    float          *wf = make_weights(DUET_DTYPE_F32, 10 * 20, 1.0f, &wide);
-    float           x[20], y[4];
+    double *wide;
+    float *wf = make_weights(DUET_DTYPE_F32, 10 * 20, 1.0f, &wide);
+    float x[20], y[4];
     for (int i = 0; i < 20; i++)
         x[i] = rng_f();
     duet_tensor_t w = {.data = wf + 3 * 20, .dtype = DUET_DTYPE_F32, .ndim = 2, .shape = {4, 20}};
@@ -558,7 +558,7 @@ Test(kernels_cpu, matmul_views_and_empty, .timeout = 10)
     }
     CHECK((duet_k_matmul(k, y, 4, x, 20, 0, &w, 0)) == (DUET_OK));
     w.shape[1] = 0;
-    y[0]       = 5.0f;
+    y[0] = 5.0f;
     CHECK((duet_k_matmul(k, y, 4, x, 20, 1, &w, 1)) == (DUET_OK));
     CHECK((y[0]) == (5.0f));
     CHECK((duet_k_matmul(k, y, 4, x, 20, 1, &w, 0)) == (DUET_OK));
@@ -578,25 +578,25 @@ Test(kernels_cpu, matmul_batch_invariant, .timeout = 120)
 {
     static const int64_t Ks[] = {64, 1000, 1537, 3000};
     static const int64_t Ms[] = {1, 2, 3, 5, 8, 9, 17, 64, 65, 130};
-    duet_kernels_t      *k1   = make_k(1);
-    duet_kernels_t      *k3   = make_k(3);
+    duet_kernels_t *k1 = make_k(1);
+    duet_kernels_t *k3 = make_k(3);
     for (int dt_i = 0; dt_i < 2; dt_i++) {
         duet_dtype_t dt = dt_i == 0 ? DUET_DTYPE_F32 : DUET_DTYPE_BF16;
         for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
             int64_t K = Ks[ki], N = 75, Mmax = 130;
             double *wide;
-            void   *wd = make_weights(dt, N * K, 1.0f, &wide);
+            void *wd = make_weights(dt, N * K, 1.0f, &wide);
             free(wide);
             duet_tensor_t w = {.data = wd, .dtype = dt, .ndim = 2, .shape = {N, K}};
-            float *x   = malloc(sizeof(float) * (size_t)(Mmax * K));
-            float *y1  = malloc(sizeof(float) * (size_t)(Mmax * N));
-            float *yb  = malloc(sizeof(float) * (size_t)(Mmax * N));
+            float *x = malloc(sizeof(float) * (size_t)(Mmax * K));
+            float *y1 = malloc(sizeof(float) * (size_t)(Mmax * N));
+            float *yb = malloc(sizeof(float) * (size_t)(Mmax * N));
             for (int64_t i = 0; i < Mmax * K; i++)
                 x[i] = rng_f();
             for (int64_t m = 0; m < Mmax; m++) /* every row alone */
                 CHECK(duet_k_matmul(k1, y1 + m * N, N, x + m * K, K, 1, &w, 0) == DUET_OK);
             for (size_t mi = 0; mi < sizeof(Ms) / sizeof(Ms[0]); mi++) {
-                int64_t M   = Ms[mi];
+                int64_t M = Ms[mi];
                 int64_t off = (Mmax - M) / 2; /* a batch starting mid-way */
                 for (int t = 0; t < 2; t++) {
                     CHECK(duet_k_matmul(t == 0 ? k1 : k3, yb, N, x + off * K, K, M, &w, 0) ==
@@ -627,7 +627,7 @@ Test(kernels_cpu, rmsnorm, .timeout = 30)
             int64_t M = shapes[si][0], D = shapes[si][1];
             for (int dt = 0; dt < 3; dt++) {
                 double *wide;
-                void   *wd = make_weights((duet_dtype_t)dt, D, 2.0f, &wide);
+                void *wd = make_weights((duet_dtype_t)dt, D, 2.0f, &wide);
                 duet_tensor_t w = {.data = wd, .dtype = (duet_dtype_t)dt, .ndim = 1, .shape = {D}};
                 float *x = malloc((size_t)(M * D) * sizeof(*x));
                 float *y = malloc((size_t)(M * D) * sizeof(*y));
@@ -648,14 +648,14 @@ Test(kernels_cpu, rmsnorm, .timeout = 30)
                             double want = wide[i] * x[m * D + i] * sc;
                             diff_add(&d, y[m * D + i], want, 1e-3);
                             CHECK(fabs(y[m * D + i] - want) <= 1e-6 * (1 + fabs(want)),
-                                      "rmsnorm M%lld D%lld %s", (long long)M, (long long)D,
-                                      duet_dtype_name(w.dtype));
+                                  "rmsnorm M%lld D%lld %s", (long long)M, (long long)D,
+                                  duet_dtype_name(w.dtype));
                         }
                     }
                     REPORT("rmsnorm %-4s M=%-3lld D=%-4lld threads=%d alias=%d: max_abs %.3g "
-                                "max_rel %.3g",
-                                duet_dtype_name(w.dtype), (long long)M, (long long)D, t, alias,
-                                d.max_abs, d.max_rel);
+                           "max_rel %.3g",
+                           duet_dtype_name(w.dtype), (long long)M, (long long)D, t, alias,
+                           d.max_abs, d.max_rel);
                 }
                 free(x);
                 free(y);
@@ -684,8 +684,8 @@ Test(kernels_cpu, gated_activations, .timeout = 30)
         duet_kernels_t *k = make_k(t);
         for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
             int64_t n = ns[ni];
-            float  *g = malloc((size_t)n * sizeof(*g)), *u = malloc((size_t)n * sizeof(*u));
-            float  *o = malloc((size_t)n * sizeof(*o));
+            float *g = malloc((size_t)n * sizeof(*g)), *u = malloc((size_t)n * sizeof(*u));
+            float *o = malloc((size_t)n * sizeof(*o));
             for (int64_t i = 0; i < n; i++) {
                 g[i] = rng_f() * 12.0f;
                 u[i] = rng_f() * 12.0f;
@@ -707,17 +707,16 @@ Test(kernels_cpu, gated_activations, .timeout = 30)
                         duet_k_situ_mul(k, out, gi, ui, n, 3.0f, 2.0f);
                     diff_t d = {0};
                     for (int64_t i = 0; i < n; i++) {
-                        double want = which == 0 ? silu_ref(g[i], u[i])
-                                                 : situ_ref(g[i], u[i], 3.0, 2.0);
+                        double want =
+                            which == 0 ? silu_ref(g[i], u[i]) : situ_ref(g[i], u[i], 3.0, 2.0);
                         diff_add(&d, out[i], want, 1e-3);
                         CHECK(fabs(out[i] - want) <= 2e-6 * (1 + fabs(want)),
-                                  "%s n %lld i %lld: %.9g want %.9g", which ? "situ" : "silu",
-                                  (long long)n, (long long)i, out[i], want);
+                              "%s n %lld i %lld: %.9g want %.9g", which ? "situ" : "silu",
+                              (long long)n, (long long)i, out[i], want);
                     }
                     if (alias == 0)
                         REPORT("%s_mul n=%-6lld threads=%d: max_abs %.3g max_rel %.3g",
-                                    which ? "situ" : "silu", (long long)n, t, d.max_abs,
-                                    d.max_rel);
+                               which ? "situ" : "silu", (long long)n, t, d.max_abs, d.max_rel);
                     free(gc);
                     free(uc);
                 }
@@ -733,14 +732,14 @@ Test(kernels_cpu, gated_activations, .timeout = 30)
 Test(kernels_cpu, add, .timeout = 10)
 {
     static const int64_t ns[] = {1, 5, 2304, 300001};
-    duet_kernels_t      *k    = make_k(3);
+    duet_kernels_t *k = make_k(3);
     for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
         int64_t n = ns[ni];
-        float  *y = malloc((size_t)n * sizeof(*y)), *x = malloc((size_t)n * sizeof(*x));
-        float  *y0 = malloc((size_t)n * sizeof(*y0));
+        float *y = malloc((size_t)n * sizeof(*y)), *x = malloc((size_t)n * sizeof(*x));
+        float *y0 = malloc((size_t)n * sizeof(*y0));
         for (int64_t i = 0; i < n; i++) {
             y[i] = y0[i] = rng_f();
-            x[i]         = rng_f();
+            x[i] = rng_f();
         }
         duet_k_add(k, y, x, n);
         for (int64_t i = 0; i < n; i++)
@@ -756,14 +755,14 @@ Test(kernels_cpu, add, .timeout = 10)
 Test(kernels_cpu, embed, .timeout = 10)
 {
     duet_kernels_t *k = make_k(3);
-    const int64_t   V = 1000, D = 129;
+    const int64_t V = 1000, D = 129;
     for (int dt = 0; dt < 3; dt++) {
-        double       *wide;
-        void         *td = make_weights((duet_dtype_t)dt, V * D, 1.0f, &wide);
+        double *wide;
+        void *td = make_weights((duet_dtype_t)dt, V * D, 1.0f, &wide);
         duet_tensor_t table = {.data = td, .dtype = (duet_dtype_t)dt, .ndim = 2, .shape = {V, D}};
         for (int64_t n_ids = 1; n_ids <= 1024; n_ids *= 4) {
             int32_t *ids = malloc((size_t)n_ids * sizeof(*ids));
-            float   *out = malloc((size_t)(n_ids * D) * sizeof(*out));
+            float *out = malloc((size_t)(n_ids * D) * sizeof(*out));
             for (int64_t t = 0; t < n_ids; t++)
                 ids[t] = (int32_t)(t == 0 ? V - 1 : rng_u32() % V);
             duet_k_embed(k, out, &table, ids, n_ids);

@@ -559,8 +559,8 @@ Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
     CHECK(duet_kernels_create(DUET_DEVICE_CPU, 1, &cpu) == DUET_OK);
     CHECK(duet_cuda_gemm_create(0, 1 << 20, &g) == DUET_OK, "%s", duet_error_last());
     /* DUET_CUDA_NO_GEMV / NO_TGEMV (side-by-side runs) send these calls to cuBLASLt */
-    int       no_gemv = -1, no_tgemv = -1;
-    const int tc_off  = duet_cuda_env_flag(&no_gemv, "DUET_CUDA_NO_GEMV") ||
+    int no_gemv = -1, no_tgemv = -1;
+    const int tc_off = duet_cuda_env_flag(&no_gemv, "DUET_CUDA_NO_GEMV") ||
                        duet_cuda_env_flag(&no_tgemv, "DUET_CUDA_NO_TGEMV");
     const double tol16 = 1.0 / 256 + 2e-5, tol_tg = tc_off ? tol16 : ldexp(1.0, -16) + 2e-5;
     /* {N, K, batch entries} */

@@ -183,13 +183,13 @@ Test(proto_frame, envelope_constructors, .timeout = 10)
     int n = 0;
 #define CHECK_CTOR(field, CASE, Type)                                                              \
     do {                                                                                           \
-        Duet__##Type   body = DUET__##CASE##__INIT;                                                \
-        Duet__Envelope env  = duet_envelope_##field(&body);                                        \
+        Duet__##Type body = DUET__##CASE##__INIT;                                                  \
+        Duet__Envelope env = duet_envelope_##field(&body);                                         \
         cr_assert_eq(env.version, DUET_PROTO_VERSION, #field);                                     \
         cr_assert_eq(env.body_case, DUET__ENVELOPE__BODY_##CASE, #field);                          \
         cr_assert_eq(env.field, &body, #field);                                                    \
         uint8_t buf[256];                                                                          \
-        size_t  len = 0;                                                                           \
+        size_t len = 0;                                                                            \
         cr_assert_eq(duet_frame_encode(&env, buf, sizeof(buf), &len), DUET_OK, #field);            \
         Duet__Envelope *got = NULL;                                                                \
         cr_assert_eq(duet_envelope_unpack(buf + DUET_FRAME_HEADER_BYTES,                           \

@@ -1,8 +1,8 @@
 /*
  * The router's HTTP server (router/http/http.h) driven over real loopback sockets: the server and
  * the echo application (tests/tools/http_echo.h) run on a uv loop in a second thread, the test
- * speaks raw HTTP/1.x bytes to it. Covers keep-alive, pipelining in order (slow first), the limits and
- * their status codes, the timeouts, client aborts mid-stream, graceful shutdown, metrics, and a
+ * speaks raw HTTP/1.x bytes to it. Covers keep-alive, pipelining in order (slow first), the limits
+ * and their status codes, the timeouts, client aborts mid-stream, graceful shutdown, metrics, and a
  * deterministic fuzz run. Every test ends by closing the server and proving the loop closed clean
  * (no handle left, uv_loop_close == 0, no request context left in the app).
  */

@@ -1,7 +1,7 @@
 /*
  * router/cluster/placement.c: both policies on hand-made cases (draining and dead workers are
- * never picked, exclusions, ties, round robin across membership changes) and exhaustively against an
- * independent reference over every small cluster shape: up to 5 workers, every role/state mix,
+ * never picked, exclusions, ties, round robin across membership changes) and exhaustively against
+ * an independent reference over every small cluster shape: up to 5 workers, every role/state mix,
  * loads from a small set, and a sequence of picks per shape so the round-robin cursor is covered.
  */
 #include <criterion/criterion.h>
@@ -83,7 +83,7 @@ Test(placement, least_loaded_order_of_keys)
     duet_placement_t pl;
     duet_placement_init(&pl, DUET_PLACEMENT_LEAST_LOADED);
     cr_assert_eq(c[pick(&pl, GEN, c, 7)].id, 4); /* most pages, fewest queued, fewest inflight */
-    c[3].inflight = 4;                            /* 3 and 4 now tie: round robin after 4 */
+    c[3].inflight = 4;                           /* 3 and 4 now tie: round robin after 4 */
     cr_assert_eq(c[pick(&pl, GEN, c, 7)].id, 3);
     cr_assert_eq(c[pick(&pl, GEN, c, 7)].id, 4);
 }
@@ -98,11 +98,11 @@ Test(placement, exclusions_and_nothing_eligible)
     duet_placement_t pl;
     duet_placement_init(&pl, DUET_PLACEMENT_LEAST_LOADED);
     uint64_t ex[] = {1};
-    size_t   idx  = 77;
+    size_t idx = 77;
     cr_assert_eq(duet_placement_pick(&pl, GEN, c, 3, ex, 1, &idx), DUET_OK);
     cr_assert_eq(c[idx].id, 2);
     uint64_t ex2[] = {1, 2};
-    idx            = 77;
+    idx = 77;
     cr_assert_eq(duet_placement_pick(&pl, GEN, c, 3, ex2, 2, &idx), DUET_ERR_NOT_FOUND);
     cr_assert_eq(idx, 77, "out-param untouched on failure");
     cr_assert_eq(duet_placement_pick(&pl, CTX, c, 3, NULL, 0, &idx), DUET_ERR_NOT_FOUND);
@@ -157,9 +157,9 @@ static int ref_pick(int policy, uint64_t last, duet_worker_role_t role,
 
 Test(placement, exhaustive_against_reference, .timeout = 120)
 {
-    static const uint32_t pages[]  = {0, 7, 7};
+    static const uint32_t pages[] = {0, 7, 7};
     static const uint64_t queued[] = {0, 5};
-    size_t                checked  = 0;
+    size_t checked = 0;
     for (int policy = 0; policy < 2; policy++)
         for (size_t n = 0; n <= 5; n++) {
             /* per worker: role (2) x state (3) x pages (3) x queued (2) = 36 combos; 36^n is too
@@ -169,36 +169,36 @@ Test(placement, exhaustive_against_reference, .timeout = 120)
                 combos *= 6;
             for (size_t m = 0; m < combos; m++) {
                 duet_placement_candidate_t c[5];
-                size_t                     x = m;
+                size_t x = m;
                 for (size_t i = 0; i < n; i++) {
-                    size_t rs       = x % 6;
-                    x              /= 6;
-                    c[i].id         = (uint64_t)((i * 3 + m) % 5 + 1 + 5 * i); /* distinct */
-                    c[i].role       = rs % 2 ? GEN : CTX;
-                    c[i].state      = (duet_worker_state_t)(rs / 2);
+                    size_t rs = x % 6;
+                    x /= 6;
+                    c[i].id = (uint64_t)((i * 3 + m) % 5 + 1 + 5 * i); /* distinct */
+                    c[i].role = rs % 2 ? GEN : CTX;
+                    c[i].state = (duet_worker_state_t)(rs / 2);
                     c[i].free_pages = pages[(m + i) % 3];
                     c[i].queued_tokens = queued[(m / 3 + i) % 2];
-                    c[i].inflight   = (uint32_t)((m + 2 * i) % 2);
+                    c[i].inflight = (uint32_t)((m + 2 * i) % 2);
                 }
                 for (int excl = 0; excl < 2; excl++) {
                     duet_placement_t pl;
                     duet_placement_init(&pl, (duet_placement_policy_t)policy);
-                    uint64_t ex[1]  = {n > 0 ? c[0].id : 0};
-                    size_t   nex    = (size_t)excl;
+                    uint64_t ex[1] = {n > 0 ? c[0].id : 0};
+                    size_t nex = (size_t)excl;
                     uint64_t last[3] = {0, 0, 0};
                     for (int step = 0; step < 2 * (int)n + 1; step++) {
                         duet_worker_role_t role = step % 3 == 2 ? CTX : GEN;
-                        int    want = ref_pick(policy, last[role], role, c, n, ex, nex);
-                        size_t got  = 99;
+                        int want = ref_pick(policy, last[role], role, c, n, ex, nex);
+                        size_t got = 99;
                         duet_status_t st =
                             duet_placement_pick(&pl, role, c, n, nex ? ex : NULL, nex, &got);
                         if (want < 0) {
-                            cr_assert_eq(st, DUET_ERR_NOT_FOUND, "policy %d n %zu m %zu", policy,
-                                         n, m);
+                            cr_assert_eq(st, DUET_ERR_NOT_FOUND, "policy %d n %zu m %zu", policy, n,
+                                         m);
                         } else {
                             cr_assert_eq(st, DUET_OK);
-                            cr_assert_eq(got, (size_t)want, "policy %d n %zu m %zu step %d",
-                                         policy, n, m, step);
+                            cr_assert_eq(got, (size_t)want, "policy %d n %zu m %zu step %d", policy,
+                                         n, m, step);
                             cr_assert_eq(c[got].state, UP);
                             last[role] = c[got].id;
                         }

@@ -1,9 +1,9 @@
 /*
  * router/cluster/registry.c over loopback: the registry runs on a libuv loop in a thread, the test
- * plays workers with blocking sockets. Registration accepted and refused (version, role, fingerprint,
- * adopt-the-first), heartbeat loss marks dead and closes, heartbeats keep alive, malformed frames
- * close only their own connection, deregister, drain/undrain sends the messages, messages reach
- * on_message, and the fingerprint hash against NIST vectors.
+ * plays workers with blocking sockets. Registration accepted and refused (version, role,
+ * fingerprint, adopt-the-first), heartbeat loss marks dead and closes, heartbeats keep alive,
+ * malformed frames close only their own connection, deregister, drain/undrain sends the messages,
+ * messages reach on_message, and the fingerprint hash against NIST vectors.
  */
 #include <criterion/criterion.h>
 
@@ -23,7 +23,6 @@
 #include "proto/frame.h"
 #include "router/cluster/registry.h"
 
-
 /* ---------------------------------------------------------------- the loop thread */
 
 typedef struct {
@@ -33,15 +32,15 @@ typedef struct {
     int n_events;
 } ev_log_t;
 
-static uv_loop_t        loop;
-static uv_async_t       wake;
-static pthread_t        thr;
+static uv_loop_t loop;
+static uv_async_t wake;
+static pthread_t thr;
 static duet_registry_t *reg;
-static ev_log_t         evl;
-static int              stop_flag;
+static ev_log_t evl;
+static int stop_flag;
 static void (*job_fn)(void *);
 static void *job_arg;
-static int   job_done;
+static int job_done;
 
 static void ev_add(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void ev_add(const char *fmt, ...)
@@ -80,8 +79,8 @@ static void on_wake(uv_async_t *a)
 {
     pthread_mutex_lock(&evl.mu);
     void (*fn)(void *) = job_fn;
-    void *arg          = job_arg;
-    job_fn             = NULL;
+    void *arg = job_arg;
+    job_fn = NULL;
     pthread_mutex_unlock(&evl.mu);
     if (fn != NULL) {
         fn(arg);
@@ -100,8 +99,8 @@ static void on_wake(uv_async_t *a)
 static void on_loop(void (*fn)(void *), void *arg)
 {
     pthread_mutex_lock(&evl.mu);
-    job_fn   = fn;
-    job_arg  = arg;
+    job_fn = fn;
+    job_arg = arg;
     job_done = 0;
     pthread_mutex_unlock(&evl.mu);
     uv_async_send(&wake);
@@ -128,12 +127,12 @@ static uint16_t start(const char *fingerprint, uint32_t timeout_ms)
     uv_async_init(&loop, &wake, on_wake);
     duet_registry_options_t o;
     duet_registry_options_default(&o);
-    o.fingerprint          = fingerprint;
+    o.fingerprint = fingerprint;
     o.heartbeat_timeout_ms = timeout_ms;
-    o.on_worker_up         = on_up;
-    o.on_worker_down       = on_down;
-    o.on_worker_state      = on_state;
-    o.on_message           = on_msg;
+    o.on_worker_up = on_up;
+    o.on_worker_down = on_down;
+    o.on_worker_state = on_state;
+    o.on_message = on_msg;
     cr_assert_eq(duet_registry_start(&loop, &o, &reg), DUET_OK, "%s", duet_error_last());
     uint16_t port = duet_registry_port(reg);
     pthread_create(&thr, NULL, loop_main, NULL);
@@ -176,8 +175,8 @@ static const char *wait_event(const char *prefix, int ms)
 
 static int wconnect(uint16_t port)
 {
-    int                fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a  = {.sin_family = AF_INET, .sin_port = htons(port)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
     return fd;
@@ -188,7 +187,7 @@ static void wsend(int fd, Duet__Envelope *env)
     if (env->version == 0)
         env->version = DUET_PROTO_VERSION;
     uint8_t buf[4096];
-    size_t  n = 0;
+    size_t n = 0;
     cr_assert_eq(duet_frame_encode(env, buf, sizeof(buf), &n), DUET_OK);
     cr_assert_eq(write(fd, buf, n), (ssize_t)n);
 }
@@ -199,7 +198,7 @@ static Duet__Envelope *wrecv(int fd, int ms, int *closed_p)
     duet_frame_decoder_t d;
     duet_frame_decoder_init(&d, 0);
     Duet__Envelope *env = NULL;
-    *closed_p           = 0;
+    *closed_p = 0;
     while (env == NULL) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         if (poll(&p, 1, ms) <= 0)
@@ -220,7 +219,7 @@ static Duet__Envelope *wrecv(int fd, int ms, int *closed_p)
 
 static int wait_closed(int fd, int ms)
 {
-    int             closed = 0;
+    int closed = 0;
     Duet__Envelope *e;
     while ((e = wrecv(fd, ms, &closed)) != NULL)
         duet_envelope_free(e);
@@ -229,18 +228,18 @@ static int wait_closed(int fd, int ms)
 
 static void send_register(int fd, int role, uint32_t version, const char *fp, const char *name)
 {
-    Duet__Capacity cap  = DUET__CAPACITY__INIT;
-    cap.kv_pages        = 100;
-    cap.page_tokens     = 16;
-    Duet__Register r    = DUET__REGISTER__INIT;
-    r.role              = role;
-    r.version           = version;
+    Duet__Capacity cap = DUET__CAPACITY__INIT;
+    cap.kv_pages = 100;
+    cap.page_tokens = 16;
+    Duet__Register r = DUET__REGISTER__INIT;
+    r.role = role;
+    r.version = version;
     r.model_fingerprint = (char *)fp;
-    r.worker_name       = (char *)name;
-    r.capacity          = &cap;
-    Duet__Envelope env  = DUET__ENVELOPE__INIT;
-    env.body_case       = DUET__ENVELOPE__BODY_REGISTER;
-    env.register_       = &r;
+    r.worker_name = (char *)name;
+    r.capacity = &cap;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_REGISTER;
+    env.register_ = &r;
     wsend(fd, &env);
 }
 
@@ -248,7 +247,7 @@ static void send_register(int fd, int role, uint32_t version, const char *fp, co
 static Duet__Envelope *do_register(int fd, int role, uint32_t version, const char *fp)
 {
     send_register(fd, role, version, fp, "w");
-    int             closed;
+    int closed;
     Duet__Envelope *ack = wrecv(fd, 2000, &closed);
     cr_assert_not_null(ack, "no RegisterAck");
     cr_assert_eq(ack->body_case, DUET__ENVELOPE__BODY_REGISTER_ACK);
@@ -258,10 +257,10 @@ static Duet__Envelope *do_register(int fd, int role, uint32_t version, const cha
 static void send_heartbeat(int fd, uint32_t free_pages)
 {
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
-    hb.free_pages      = free_pages;
+    hb.free_pages = free_pages;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env.heartbeat      = &hb;
+    env.body_case = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &hb;
     wsend(fd, &env);
 }
 
@@ -271,9 +270,10 @@ static void send_heartbeat(int fd, uint32_t free_pages)
 
 Test(registry, register_accepted_gets_an_id, .timeout = 20)
 {
-    uint16_t        port = start(FP, 5000);
-    int             fd   = wconnect(port);
-    Duet__Envelope *ack  = do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
+    uint16_t port = start(FP, 5000);
+    int fd = wconnect(port);
+    Duet__Envelope *ack =
+        do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
     cr_assert(ack->register_ack->accepted, "%s", ack->register_ack->reason);
     cr_assert_eq(ack->register_ack->worker_id, 1);
     duet_envelope_free(ack);
@@ -285,9 +285,9 @@ Test(registry, register_accepted_gets_an_id, .timeout = 20)
 
 static void refused_case(int role, uint32_t version, const char *fp, const char *want)
 {
-    uint16_t        port = start(FP, 5000);
-    int             fd   = wconnect(port);
-    Duet__Envelope *ack  = do_register(fd, role, version, fp);
+    uint16_t port = start(FP, 5000);
+    int fd = wconnect(port);
+    Duet__Envelope *ack = do_register(fd, role, version, fp);
     cr_assert_not(ack->register_ack->accepted);
     cr_assert_eq(ack->register_ack->worker_id, 0);
     cr_assert(strstr(ack->register_ack->reason, want) != NULL, "reason: %s",
@@ -317,18 +317,19 @@ Test(registry, refused_on_bad_role, .timeout = 20)
 
 Test(registry, adopts_the_first_fingerprint, .timeout = 20)
 {
-    uint16_t        port = start(NULL, 5000);
-    int             a    = wconnect(port);
-    Duet__Envelope *ack  = do_register(a, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, "fp-x");
+    uint16_t port = start(NULL, 5000);
+    int a = wconnect(port);
+    Duet__Envelope *ack =
+        do_register(a, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, "fp-x");
     cr_assert(ack->register_ack->accepted);
     duet_envelope_free(ack);
     int b = wconnect(port);
-    ack   = do_register(b, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, "fp-y");
+    ack = do_register(b, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, "fp-y");
     cr_assert_not(ack->register_ack->accepted);
     cr_assert(strstr(ack->register_ack->reason, "fp-x") != NULL);
     duet_envelope_free(ack);
     int c = wconnect(port);
-    ack   = do_register(c, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, "fp-x");
+    ack = do_register(c, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, "fp-x");
     cr_assert(ack->register_ack->accepted);
     cr_assert_eq(ack->register_ack->worker_id, 2);
     duet_envelope_free(ack);
@@ -340,10 +341,11 @@ Test(registry, adopts_the_first_fingerprint, .timeout = 20)
 
 Test(registry, heartbeat_loss_marks_dead_and_closes, .timeout = 20)
 {
-    uint16_t        port = start(FP, 300);
-    int             a    = wconnect(port); /* heartbeats */
-    int             b    = wconnect(port); /* goes silent */
-    Duet__Envelope *ack  = do_register(a, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
+    uint16_t port = start(FP, 300);
+    int a = wconnect(port); /* heartbeats */
+    int b = wconnect(port); /* goes silent */
+    Duet__Envelope *ack =
+        do_register(a, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
     duet_envelope_free(ack);
     ack = do_register(b, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
     duet_envelope_free(ack);
@@ -364,7 +366,7 @@ Test(registry, heartbeat_loss_marks_dead_and_closes, .timeout = 20)
 Test(registry, unregistered_connection_times_out, .timeout = 20)
 {
     uint16_t port = start(FP, 200);
-    int      fd   = wconnect(port);
+    int fd = wconnect(port);
     cr_assert(wait_closed(fd, 3000));
     close(fd);
     stop();
@@ -372,16 +374,17 @@ Test(registry, unregistered_connection_times_out, .timeout = 20)
 
 Test(registry, malformed_frames_close_only_that_connection, .timeout = 30)
 {
-    uint16_t        port = start(FP, 5000);
-    int             good = wconnect(port);
-    Duet__Envelope *ack = do_register(good, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
+    uint16_t port = start(FP, 5000);
+    int good = wconnect(port);
+    Duet__Envelope *ack =
+        do_register(good, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
     duet_envelope_free(ack);
     /* garbage of several kinds, each on its own connection, registered or not */
-    static const uint8_t huge[]  = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
-    static const uint8_t zero[]  = {0, 0, 0, 0};
-    static const uint8_t junk[]  = {0, 0, 0, 3, 0xff, 0xff, 0xff};
-    const uint8_t       *bad[]   = {huge, zero, junk};
-    size_t               badn[]  = {sizeof(huge), sizeof(zero), sizeof(junk)};
+    static const uint8_t huge[] = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
+    static const uint8_t zero[] = {0, 0, 0, 0};
+    static const uint8_t junk[] = {0, 0, 0, 3, 0xff, 0xff, 0xff};
+    const uint8_t *bad[] = {huge, zero, junk};
+    size_t badn[] = {sizeof(huge), sizeof(zero), sizeof(junk)};
     for (int registered = 0; registered < 2; registered++)
         for (int k = 0; k < 3; k++) {
             int fd = wconnect(port);
@@ -395,13 +398,14 @@ Test(registry, malformed_frames_close_only_that_connection, .timeout = 30)
             close(fd);
         }
     /* a body a worker may not send, and a wrong envelope version, also close */
-    int             fd  = wconnect(port);
-    Duet__Envelope *ack2 = do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, FP);
+    int fd = wconnect(port);
+    Duet__Envelope *ack2 =
+        do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, FP);
     duet_envelope_free(ack2);
-    Duet__Cancel   cn  = DUET__CANCEL__INIT;
+    Duet__Cancel cn = DUET__CANCEL__INIT;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case      = DUET__ENVELOPE__BODY_CANCEL;
-    env.cancel         = &cn;
+    env.body_case = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel = &cn;
     wsend(fd, &env);
     cr_assert(wait_closed(fd, 2000));
     close(fd);
@@ -409,21 +413,21 @@ Test(registry, malformed_frames_close_only_that_connection, .timeout = 30)
     ack2 = do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET_PROTO_VERSION, FP);
     duet_envelope_free(ack2);
     send_heartbeat(fd, 1);
-    Duet__Heartbeat hb  = DUET__HEARTBEAT__INIT;
-    Duet__Envelope  env2 = DUET__ENVELOPE__INIT;
-    env2.version         = DUET_PROTO_VERSION + 7;
-    env2.body_case       = DUET__ENVELOPE__BODY_HEARTBEAT;
-    env2.heartbeat       = &hb;
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    Duet__Envelope env2 = DUET__ENVELOPE__INIT;
+    env2.version = DUET_PROTO_VERSION + 7;
+    env2.body_case = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env2.heartbeat = &hb;
     wsend(fd, &env2);
     cr_assert(wait_closed(fd, 2000));
     close(fd);
 
     /* the good worker still talks: its Tokens reach on_message */
-    Duet__Tokens   t  = DUET__TOKENS__INIT;
-    t.request_id      = 77;
+    Duet__Tokens t = DUET__TOKENS__INIT;
+    t.request_id = 77;
     Duet__Envelope te = DUET__ENVELOPE__INIT;
-    te.body_case      = DUET__ENVELOPE__BODY_TOKENS;
-    te.tokens         = &t;
+    te.body_case = DUET__ENVELOPE__BODY_TOKENS;
+    te.tokens = &t;
     wsend(good, &te);
     cr_assert_not_null(wait_event("msg 1 25 rid=77", 2000));
     cr_assert_null(wait_event("down 1 ", 10), "the good worker was not touched");
@@ -437,7 +441,7 @@ static void job_drain(void *arg)
     cr_assert_eq(duet_registry_set_draining(reg, id, true), DUET_OK);
     cr_assert_eq(duet_registry_count(reg, DUET_WORKER_ROLE_GEN, DUET_WORKER_STATE_DRAINING), 1);
     duet_placement_candidate_t c[4];
-    size_t                     n = duet_registry_candidates(reg, c, 4);
+    size_t n = duet_registry_candidates(reg, c, 4);
     cr_assert_eq(n, 1);
     cr_assert_eq(c[0].state, DUET_WORKER_STATE_DRAINING);
 }
@@ -452,13 +456,14 @@ static void job_undrain(void *arg)
 
 Test(registry, drain_undrain_and_deregister, .timeout = 20)
 {
-    uint16_t        port = start(FP, 5000);
-    int             fd   = wconnect(port);
-    Duet__Envelope *ack  = do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
-    uint64_t        id   = ack->register_ack->worker_id;
+    uint16_t port = start(FP, 5000);
+    int fd = wconnect(port);
+    Duet__Envelope *ack =
+        do_register(fd, DUET__WORKER_ROLE__WORKER_ROLE_GEN, DUET_PROTO_VERSION, FP);
+    uint64_t id = ack->register_ack->worker_id;
     duet_envelope_free(ack);
     on_loop(job_drain, &id);
-    int             closed;
+    int closed;
     Duet__Envelope *m = wrecv(fd, 2000, &closed);
     cr_assert_not_null(m);
     cr_assert_eq(m->body_case, DUET__ENVELOPE__BODY_DRAIN);
@@ -471,10 +476,10 @@ Test(registry, drain_undrain_and_deregister, .timeout = 20)
     duet_envelope_free(m);
     cr_assert_not_null(wait_event("state 1 up", 2000));
 
-    Duet__Deregister dr  = DUET__DEREGISTER__INIT;
-    Duet__Envelope   env = DUET__ENVELOPE__INIT;
-    env.body_case        = DUET__ENVELOPE__BODY_DEREGISTER;
-    env.deregister       = &dr;
+    Duet__Deregister dr = DUET__DEREGISTER__INIT;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_DEREGISTER;
+    env.deregister = &dr;
     wsend(fd, &env);
     cr_assert_not_null(wait_event("down 1 deregistered", 2000));
     cr_assert(wait_closed(fd, 2000));
@@ -485,7 +490,7 @@ Test(registry, drain_undrain_and_deregister, .timeout = 20)
 Test(registry, sha256_nist_vectors_and_model_fingerprint, .timeout = 20)
 {
     uint8_t d[32];
-    char    hex[65];
+    char hex[65];
     duet__sha256("abc", 3, d);
     for (int i = 0; i < 32; i++)
         sprintf(hex + 2 * i, "%02x", d[i]);
@@ -497,12 +502,14 @@ Test(registry, sha256_nist_vectors_and_model_fingerprint, .timeout = 20)
     cr_assert_str_eq(hex, "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
 
     char fp1[80], fp2[80];
-    cr_assert_eq(duet_model_fingerprint(DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32",
-                                                 fp1, sizeof(fp1)), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(
+        duet_model_fingerprint(DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32", fp1, sizeof(fp1)),
+        DUET_OK, "%s", duet_error_last());
     cr_assert_eq(strncmp(fp1, "sha256:", 7), 0);
     cr_assert_eq(strlen(fp1), 71);
-    cr_assert_eq(duet_model_fingerprint(
-                     DUET_SOURCE_DIR "/tests/fixtures/mla-first-bf16-sharded-hub", fp2, sizeof(fp2)),
+    cr_assert_eq(duet_model_fingerprint(DUET_SOURCE_DIR
+                                        "/tests/fixtures/mla-first-bf16-sharded-hub",
+                                        fp2, sizeof(fp2)),
                  DUET_OK);
     cr_assert_str_neq(fp1, fp2);
     cr_assert_eq(duet_model_fingerprint("/nonexistent", fp2, sizeof(fp2)), DUET_ERR_IO);

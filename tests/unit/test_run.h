@@ -16,8 +16,8 @@ static inline int test_run(const char *cmd, char *out, size_t cap)
     FILE *p = popen(cmd, "r");
     cr_assert_not_null(p, "popen %s", cmd);
     size_t n = fread(out, 1, cap - 1, p);
-    out[n]   = '\0';
-    int st   = pclose(p);
+    out[n] = '\0';
+    int st = pclose(p);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 

@@ -164,9 +164,8 @@ Test(tokenizer_byte, detok_multibyte_split, .timeout = 30)
 Test(tokenizer_byte, detok_bpe_stream_equals_decode, .timeout = 60)
 {
     duet_tokenizer_t *tok = NULL;
-    cr_assert_eq(duet_tokenizer_create_tiktoken(DUET_SOURCE_DIR
-                                                "/data/tokenizers/cl100k_base.tiktoken",
-                                                NULL, NULL, 0, &tok),
+    cr_assert_eq(duet_tokenizer_create_tiktoken(
+                     DUET_SOURCE_DIR "/data/tokenizers/cl100k_base.tiktoken", NULL, NULL, 0, &tok),
                  DUET_OK);
     /* cl100k splits these emoji and CJK characters across tokens (see TestPlans: 11410 229 ...) */
     const char *text = "Hola 🇪🇸 こんにちは、世界！ 안녕하세요 🌍🎉 done";

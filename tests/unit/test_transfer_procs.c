@@ -24,8 +24,8 @@ static bool parse_report(const uint8_t *b, report_t *r)
     memset(r, 0, sizeof(*r));
     if (strncmp((const char *)b, "done=", 5) != 0)
         return false;
-    sscanf((const char *)b, "done=%u aborted=%u bad=%llu free=%u/%u", &r->done, &r->aborted, &r->bad,
-           &r->free_pages, &r->n_pages);
+    sscanf((const char *)b, "done=%u aborted=%u bad=%llu free=%u/%u", &r->done, &r->aborted,
+           &r->bad, &r->free_pages, &r->n_pages);
     const char *rs = strstr((const char *)b, "reasons=");
     if (rs != NULL)
         snprintf(r->reasons, sizeof(r->reasons), "%s", rs + 8);
@@ -92,8 +92,7 @@ static void send_to_children(const char *tls, xt_scn_t s)
     /* Layer-wise: every transfer gets layer 0, then layer 1, ..., then the KDA state. */
     for (uint32_t l = 0; l <= s.mla; l++)
         xt_send_layer(&S, 0, s.count, l);
-    cr_assert(xt_send_run(&S, s.count, 30000), "only %u of %u transfers ended", S.n_ended,
-              s.count);
+    cr_assert(xt_send_run(&S, s.count, 30000), "only %u of %u transfers ended", S.n_ended, s.count);
     for (uint32_t k = 0; k < s.count; k++)
         cr_assert_eq(S.x[k].out.kind, DUET_XFER_OUTCOME_DONE, "transfer %u: %s: %s", k,
                      duet_xfer_reason_str(S.x[k].out.reason), S.x[k].msg);
@@ -234,8 +233,8 @@ static void kill_receiver(const char *tls)
     cr_assert(xt_send_run(&S, 1, 15000), "the sender never gave up on the dead receiver");
     cr_assert_eq(S.x[0].out.kind, DUET_XFER_OUTCOME_ABORTED, "transfer to a dead receiver: DONE?");
     cr_log_info("dead receiver over %s: %s after %llu ms (%s)", tls,
-                duet_xfer_reason_str(S.x[0].out.reason),
-                (unsigned long long)(xt_now_ms() - t_kill), S.x[0].msg);
+                duet_xfer_reason_str(S.x[0].out.reason), (unsigned long long)(xt_now_ms() - t_kill),
+                S.x[0].msg);
     cr_assert_eq(duet_xfer_ctx_active(S.ctx, DUET_XFER_ROLE_SEND), 0);
     cr_assert_eq(S.pool.n_free, S.pool.n, "sender pages not returned");
     cr_assert_eq(duet_xfer_send_layer_ready(S.ctx, S.x[0].id, 0), DUET_ERR_NOT_FOUND);

@@ -41,22 +41,37 @@ typedef struct {
     uint32_t seed;        /* pattern seed of transfer k is seed + k */
     uint32_t deadline_ms; /* relative deadline */
     uint32_t checksum;    /* sender sends XXH3 */
-    int32_t  stall_after; /* sender: after this many MLA layers, report "stalled" and hang */
+    int32_t stall_after;  /* sender: after this many MLA layers, report "stalled" and hang */
     uint32_t pool_pages;  /* pages in each side's KV pool (0 = enough for count transfers) */
-    uint32_t alloc;       /* receiver: pools from duet_xfer_ctx_alloc instead of malloc + register */
+    uint32_t alloc; /* receiver: pools from duet_xfer_ctx_alloc instead of malloc + register */
 } xt_scn_t;
 
 static inline xt_scn_t xt_scn_default(void)
 {
-    xt_scn_t s = {.tokens = 100, .src_pt = 16, .dst_pt = 32, .mla = 3, .tb = 64, .kda = 2,
-                  .heads = 4, .hd = 8, .conv = 4, .group = 1, .rank = 0, .count = 1, .seed = 7,
-                  .deadline_ms = 10000, .checksum = 1, .stall_after = -1, .pool_pages = 0};
+    xt_scn_t s = {.tokens = 100,
+                  .src_pt = 16,
+                  .dst_pt = 32,
+                  .mla = 3,
+                  .tb = 64,
+                  .kda = 2,
+                  .heads = 4,
+                  .hd = 8,
+                  .conv = 4,
+                  .group = 1,
+                  .rank = 0,
+                  .count = 1,
+                  .seed = 7,
+                  .deadline_ms = 10000,
+                  .checksum = 1,
+                  .stall_after = -1,
+                  .pool_pages = 0};
     return s;
 }
 
 #define XT_SCN_FIELDS(X)                                                                           \
-    X(tokens) X(src_pt) X(dst_pt) X(mla) X(tb) X(kda) X(heads) X(hd) X(conv) X(group) X(rank)      \
-    X(count) X(seed) X(deadline_ms) X(checksum) X(stall_after) X(pool_pages) X(alloc)
+    X(tokens)                                                                                      \
+    X(src_pt) X(dst_pt) X(mla) X(tb) X(kda) X(heads) X(hd) X(conv) X(group) X(rank) X(count)       \
+        X(seed) X(deadline_ms) X(checksum) X(stall_after) X(pool_pages) X(alloc)
 
 /* Parse "key=value" arguments into s; false on an unknown key. */
 static inline bool xt_scn_parse(xt_scn_t *s, int argc, char **argv)
@@ -200,7 +215,8 @@ static inline uint64_t xt_verify_dst(const xt_scn_t *s, uint32_t seed, const uin
     if (s->kda > 0 && slot >= 0) {
         uint64_t H = s->heads, Hr = H / N, K = s->hd, W1 = s->conv - 1, h0 = r * Hr;
         uint64_t lay = xt_kda_slot_bytes(s, (uint32_t)Hr) / s->kda / 4;
-        const uint32_t *b = (const uint32_t *)(kda + (uint64_t)slot * xt_kda_slot_bytes(s, (uint32_t)Hr));
+        const uint32_t *b =
+            (const uint32_t *)(kda + (uint64_t)slot * xt_kda_slot_bytes(s, (uint32_t)Hr));
         for (uint32_t l = 0; l < s->kda; l++) {
             const uint32_t *e = b + l * lay;
             for (uint64_t h = 0; h < Hr; h++)
@@ -210,8 +226,9 @@ static inline uint64_t xt_verify_dst(const xt_scn_t *s, uint32_t seed, const uin
             for (uint64_t ci = 0; ci < 3; ci++)
                 for (uint64_t ch = 0; ch < Hr * K; ch++)
                     for (uint64_t w = 0; w < W1; w++)
-                        bad += c[(ci * Hr * K + ch) * W1 + w] !=
-                               xt_kda_elem(seed, l, H * K * K + (ci * H * K + h0 * K + ch) * W1 + w);
+                        bad +=
+                            c[(ci * Hr * K + ch) * W1 + w] !=
+                            xt_kda_elem(seed, l, H * K * K + (ci * H * K + h0 * K + ch) * W1 + w);
         }
     }
     return bad;
@@ -343,8 +360,8 @@ static inline uint8_t *xt_frame_read(int fd, uint32_t *n_p, uint64_t deadline_ms
 
 typedef struct {
     pid_t pid;
-    int   to;   /* our end of the child's stdin: the router pipe towards it */
-    int   from; /* our end of the child's stdout: the router pipe from it */
+    int to;   /* our end of the child's stdin: the router pipe towards it */
+    int from; /* our end of the child's stdout: the router pipe from it */
 } xt_child_t;
 
 /* Start `path` with the scenario arguments plus `role`; stdin/stdout are the router pipe. */
@@ -408,28 +425,28 @@ static inline int xt_reap(xt_child_t *c, uint32_t timeout_ms)
 typedef struct xt_recv xt_recv_t;
 
 typedef struct {
-    xt_recv_t     *R;
-    uint32_t       k;       /* transfer index */
-    int32_t       *pages;   /* owned */
-    uint32_t       n_pages;
-    int32_t        slot;
-    bool           ended;
+    xt_recv_t *R;
+    uint32_t k;     /* transfer index */
+    int32_t *pages; /* owned */
+    uint32_t n_pages;
+    int32_t slot;
+    bool ended;
     duet_xfer_outcome_t out; /* copy (message not kept) */
-    char           msg[160];
-    uint64_t       bad;     /* bytes that differ from the pattern (DONE only) */
+    char msg[160];
+    uint64_t bad; /* bytes that differ from the pattern (DONE only) */
     duet_xfer_id_t id;
 } xt_rxfer_t;
 
 struct xt_recv {
-    xt_scn_t         s;
+    xt_scn_t s;
     duet_xfer_ctx_t *ctx;
-    uint8_t         *kv, *kda;           /* malloc'ed pools (NULL when the context owns them) */
-    uint8_t         *kv_view, *kda_view; /* the pools, whoever owns them */
-    size_t           kv_bytes, kda_bytes;
-    xt_pool_t        pool;
-    xt_rxfer_t      *x;       /* [count] */
-    uint32_t         n_ended, n_done, n_aborted;
-    uint64_t         bad;
+    uint8_t *kv, *kda;           /* malloc'ed pools (NULL when the context owns them) */
+    uint8_t *kv_view, *kda_view; /* the pools, whoever owns them */
+    size_t kv_bytes, kda_bytes;
+    xt_pool_t pool;
+    xt_rxfer_t *x; /* [count] */
+    uint32_t n_ended, n_done, n_aborted;
+    uint64_t bad;
 };
 
 static inline void xt_recv_cb(const duet_xfer_outcome_t *o, void *user)
@@ -562,25 +579,25 @@ static inline void xt_recv_free(xt_recv_t *R)
 typedef struct xt_send xt_send_t;
 
 typedef struct {
-    xt_send_t     *S;
-    int32_t       *pages;
-    uint32_t       n_pages;
-    int32_t        slot;
+    xt_send_t *S;
+    int32_t *pages;
+    uint32_t n_pages;
+    int32_t slot;
     duet_xfer_id_t id;
-    bool           started, ended;
+    bool started, ended;
     duet_xfer_outcome_t out;
-    char           msg[160];
+    char msg[160];
 } xt_sxfer_t;
 
 struct xt_send {
-    xt_scn_t         s;
+    xt_scn_t s;
     duet_xfer_ctx_t *ctx;
-    uint8_t         *kv, *kda;
-    size_t           kv_bytes, kda_bytes;
-    xt_pool_t        pool;
-    uint32_t         n_slots;
-    xt_sxfer_t      *x;
-    uint32_t         n_x, n_ended, n_done, n_aborted;
+    uint8_t *kv, *kda;
+    size_t kv_bytes, kda_bytes;
+    xt_pool_t pool;
+    uint32_t n_slots;
+    xt_sxfer_t *x;
+    uint32_t n_x, n_ended, n_done, n_aborted;
 };
 
 static inline void xt_send_cb(const duet_xfer_outcome_t *o, void *user)
@@ -648,7 +665,9 @@ static inline duet_status_t xt_send_start(xt_send_t *S, uint32_t k,
         .reservations = res,
         .n_ranks = s->group,
         .layout = xt_layout(s, true),
-        .src = {.pages = t->pages, .n_pages = t->n_pages, .kda_slot = t->slot,
+        .src = {.pages = t->pages,
+                .n_pages = t->n_pages,
+                .kda_slot = t->slot,
                 .n_tokens = s->tokens},
         .checksum = s->checksum != 0,
         .cb = xt_send_cb,
