@@ -68,10 +68,26 @@ static inline xt_scn_t xt_scn_default(void)
     return s;
 }
 
+/* One field per line: clang-format 14 moves a multi-field line of this list every time it runs. */
 #define XT_SCN_FIELDS(X)                                                                           \
     X(tokens)                                                                                      \
-    X(src_pt) X(dst_pt) X(mla) X(tb) X(kda) X(heads) X(hd) X(conv) X(group) X(rank) X(count)       \
-        X(seed) X(deadline_ms) X(checksum) X(stall_after) X(pool_pages) X(alloc)
+    X(src_pt)                                                                                      \
+    X(dst_pt)                                                                                      \
+    X(mla)                                                                                         \
+    X(tb)                                                                                          \
+    X(kda)                                                                                         \
+    X(heads)                                                                                       \
+    X(hd)                                                                                          \
+    X(conv)                                                                                        \
+    X(group)                                                                                       \
+    X(rank)                                                                                        \
+    X(count)                                                                                       \
+    X(seed)                                                                                        \
+    X(deadline_ms)                                                                                 \
+    X(checksum)                                                                                    \
+    X(stall_after)                                                                                 \
+    X(pool_pages)                                                                                  \
+    X(alloc)
 
 /* Parse "key=value" arguments into s; false on an unknown key. */
 static inline bool xt_scn_parse(xt_scn_t *s, int argc, char **argv)
