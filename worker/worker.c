@@ -68,20 +68,21 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
     duet_kda_pool_t *kda = duet_model_kda_pool(m);
     memset(l, 0, sizeof(*l));
     l->page_tokens = (uint32_t)duet_model_opts(m)->page_tokens;
-    if (kv != NULL) {
-        const duet_kv_pool_desc_t *d = duet_kv_pool_desc(kv);
-        l->n_mla_layers = (uint32_t)d->n_layers;
-        l->token_bytes = (uint32_t)(d->token_dim * (int64_t)duet_dtype_size(d->dtype));
+    if (kv != NULL) { /* the pool's own numbers (common/cache_layout.h), not a second formula */
+        const duet_kv_layout_t kl = duet_kv_pool_layout(kv);
+        l->n_mla_layers = (uint32_t)kl.n_layers;
+        l->token_bytes = (uint32_t)kl.token_bytes;
     } else {
         l->token_bytes = (uint32_t)((c->kv_lora_rank + c->qk_rope_head_dim) * 4);
     }
     l->state_elem = 4;
     if (kda != NULL) {
-        const duet_kda_pool_desc_t *d = duet_kda_pool_desc(kda);
-        l->n_kda_layers = (uint32_t)d->n_layers;
-        l->kda_heads = (uint32_t)d->heads;
-        l->kda_head_dim = (uint32_t)d->head_dim;
-        l->conv_kernel = (uint32_t)d->conv_kernel;
+        const duet_kda_layout_t dl = duet_kda_pool_layout(kda);
+        l->n_kda_layers = (uint32_t)dl.n_layers;
+        l->kda_heads = (uint32_t)dl.heads;
+        l->kda_head_dim = (uint32_t)dl.head_dim;
+        l->conv_kernel = (uint32_t)dl.conv_kernel;
+        l->state_elem = (uint32_t)dl.elem_bytes;
     } else {
         l->kda_heads = 1;
         l->kda_head_dim = 1;
