@@ -61,39 +61,57 @@ static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
     ids->stack[ids->n_free++] = id;
 }
 
+/* What every pool is: one allocation of `bytes` (the caller's `mem`, or zeroed, page-aligned
+ * memory from the kernel, whose pages are materialised on first touch, so a pool that is only
+ * bookkeeping, a CUDA model's host side, costs address space, not memory) carved into `n`
+ * blocks handed out by id. */
+typedef struct {
+    uint8_t *base; /* aligned; owned unless the descriptor gave the memory */
+    size_t bytes;
+    bool owned;
+    duet__id_stack_t free; /* ids of free blocks (pages, slots) */
+} duet__slab_t;
+
+static int duet__slab_init(duet__slab_t *sl, size_t bytes, void *mem, int64_t n)
+{
+    sl->bytes = bytes;
+    sl->owned = mem == NULL;
+    if (mem == NULL) {
+        mem = mmap(NULL, bytes > 0 ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+        if (mem == MAP_FAILED)
+            return -1;
+    }
+    sl->base = mem;
+    if (duet__ids_init(&sl->free, n) != 0) {
+        if (sl->owned)
+            munmap(sl->base, bytes > 0 ? bytes : 1);
+        return -1;
+    }
+    return 0;
+}
+
+static void duet__slab_destroy(duet__slab_t *sl)
+{
+    duet__ids_destroy(&sl->free);
+    if (sl->owned)
+        munmap(sl->base, sl->bytes > 0 ? sl->bytes : 1);
+}
+
 struct duet_kv_pool {
     duet_kv_pool_desc_t desc;
     duet_kv_layout_t layout;
-    uint8_t *base; /* aligned; owned unless desc.mem was given */
-    size_t bytes;
+    duet__slab_t slab; /* blocks = pages */
     size_t block_bytes;
-    duet__id_stack_t free_pages;
 };
 
 struct duet_kda_pool {
     duet_kda_pool_desc_t desc;
     duet_kda_layout_t layout;
-    uint8_t *base; /* aligned; owned unless desc.mem was given */
-    size_t bytes;
+    duet__slab_t slab; /* blocks = state slots */
     size_t layer_bytes;
     size_t slot_bytes;
-    duet__id_stack_t free_slots;
 };
-
-/* Zeroed, page-aligned memory from the kernel: pages are materialised on first touch, so a pool
- * that is only bookkeeping (a CUDA model's host side) costs address space, not memory. */
-static void *duet__cache_alloc(size_t bytes)
-{
-    void *p = mmap(NULL, bytes > 0 ? bytes : 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
-    return p == MAP_FAILED ? NULL : p;
-}
-
-static void duet__cache_release(void *p, size_t bytes)
-{
-    if (p != NULL)
-        munmap(p, bytes > 0 ? bytes : 1);
-}
 
 static duet_kv_layout_t duet__kv_layout(const duet_kv_pool_desc_t *d)
 {
@@ -156,18 +174,11 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     uint64_t block = 0;
     (void)duet_kv_layout_block_bytes(&pool->layout, &block); /* bounded by bytes_needed */
     pool->block_bytes = (size_t)block;
-    pool->bytes = duet_kv_pool_bytes_needed(desc);
-    pool->base = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
-    if (pool->base == NULL)
+    if (duet__slab_init(&pool->slab, duet_kv_pool_bytes_needed(desc), desc->mem, desc->n_pages))
         goto err_free_pool;
-    if (duet__ids_init(&pool->free_pages, desc->n_pages) != 0)
-        goto err_free_base;
     *pool_p = pool;
     return DUET_OK;
 
-err_free_base:
-    if (desc->mem == NULL)
-        duet__cache_release(pool->base, pool->bytes);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -179,9 +190,7 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
 {
     if (pool == NULL)
         return;
-    duet__ids_destroy(&pool->free_pages);
-    if (pool->desc.mem == NULL)
-        duet__cache_release(pool->base, pool->bytes);
+    duet__slab_destroy(&pool->slab);
     free(pool);
 }
 
@@ -194,33 +203,33 @@ duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages
 {
     if (n < 0)
         return duet_error_set(DUET_ERR_INVALID, "kv pool: negative page count");
-    if (n > pool->free_pages.n_free)
+    if (n > pool->slab.free.n_free)
         return duet_error_set(DUET_ERR_NO_SPACE, "kv pool: %lld pages wanted, %lld free",
-                              (long long)n, (long long)pool->free_pages.n_free);
+                              (long long)n, (long long)pool->slab.free.n_free);
     for (int64_t i = 0; i < n; i++)
-        pages_out[i] = duet__ids_take(&pool->free_pages);
+        pages_out[i] = duet__ids_take(&pool->slab.free);
     return DUET_OK;
 }
 
 void duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
-        duet__ids_give(&pool->free_pages, pages[i]);
+        duet__ids_give(&pool->slab.free, pages[i]);
 }
 
 int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool)
 {
-    return pool->free_pages.n_free;
+    return pool->slab.free.n_free;
 }
 
 void *duet_kv_pool_base(const duet_kv_pool_t *pool)
 {
-    return pool->base;
+    return pool->slab.base;
 }
 
 size_t duet_kv_pool_bytes(const duet_kv_pool_t *pool)
 {
-    return pool->bytes;
+    return pool->slab.bytes;
 }
 
 size_t duet_kv_pool_block_bytes(const duet_kv_pool_t *pool)
@@ -234,7 +243,7 @@ void *duet_kv_pool_block(const duet_kv_pool_t *pool, int32_t page, int64_t layer
     DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
     uint64_t off = 0;
     (void)duet_kv_layout_offset(&pool->layout, (uint64_t)page, (uint64_t)layer, 0, &off);
-    return pool->base + off;
+    return pool->slab.base + off;
 }
 
 duet_kv_layout_t duet_kv_pool_layout(const duet_kv_pool_t *pool)
@@ -266,18 +275,11 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     (void)duet_kda_layout_layer_bytes(&pool->layout, &layer); /* bounded by bytes_needed */
     pool->layer_bytes = (size_t)layer;
     pool->slot_bytes = pool->layer_bytes * (size_t)desc->n_layers;
-    pool->bytes = duet_kda_pool_bytes_needed(desc);
-    pool->base = desc->mem != NULL ? desc->mem : duet__cache_alloc(pool->bytes);
-    if (pool->base == NULL)
+    if (duet__slab_init(&pool->slab, duet_kda_pool_bytes_needed(desc), desc->mem, desc->n_slots))
         goto err_free_pool;
-    if (duet__ids_init(&pool->free_slots, desc->n_slots) != 0)
-        goto err_free_base;
     *pool_p = pool;
     return DUET_OK;
 
-err_free_base:
-    if (desc->mem == NULL)
-        duet__cache_release(pool->base, pool->bytes);
 err_free_pool:
     free(pool);
 err_nomem:
@@ -289,9 +291,7 @@ void duet_kda_pool_destroy(duet_kda_pool_t *pool)
 {
     if (pool == NULL)
         return;
-    duet__ids_destroy(&pool->free_slots);
-    if (pool->desc.mem == NULL)
-        duet__cache_release(pool->base, pool->bytes);
+    duet__slab_destroy(&pool->slab);
     free(pool);
 }
 
@@ -302,33 +302,33 @@ const duet_kda_pool_desc_t *duet_kda_pool_desc(const duet_kda_pool_t *pool)
 
 duet_status_t duet_kda_pool_alloc(duet_kda_pool_t *pool, int32_t *slot_p)
 {
-    if (pool->free_slots.n_free == 0)
+    if (pool->slab.free.n_free == 0)
         return duet_error_set(DUET_ERR_NO_SPACE, "kda pool: no free state slot (%lld in use)",
                               (long long)pool->desc.n_slots);
-    int32_t s = duet__ids_take(&pool->free_slots);
-    memset(pool->base + (size_t)s * pool->slot_bytes, 0, pool->slot_bytes);
+    int32_t s = duet__ids_take(&pool->slab.free);
+    memset(pool->slab.base + (size_t)s * pool->slot_bytes, 0, pool->slot_bytes);
     *slot_p = s;
     return DUET_OK;
 }
 
 void duet_kda_pool_free(duet_kda_pool_t *pool, int32_t slot)
 {
-    duet__ids_give(&pool->free_slots, slot);
+    duet__ids_give(&pool->slab.free, slot);
 }
 
 int64_t duet_kda_pool_n_free(const duet_kda_pool_t *pool)
 {
-    return pool->free_slots.n_free;
+    return pool->slab.free.n_free;
 }
 
 void *duet_kda_pool_base(const duet_kda_pool_t *pool)
 {
-    return pool->base;
+    return pool->slab.base;
 }
 
 size_t duet_kda_pool_bytes(const duet_kda_pool_t *pool)
 {
-    return pool->bytes;
+    return pool->slab.bytes;
 }
 
 size_t duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool)
@@ -342,7 +342,7 @@ float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t la
     DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
     uint64_t off = 0;
     (void)duet_kda_layout_state_offset(&pool->layout, (uint64_t)slot, (uint64_t)layer, 0, &off);
-    return (float *)(pool->base + off);
+    return (float *)(pool->slab.base + off);
 }
 
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer)
@@ -351,7 +351,7 @@ float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t lay
     DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
     uint64_t off = 0;
     (void)duet_kda_layout_conv_offset(&pool->layout, (uint64_t)slot, (uint64_t)layer, 0, 0, &off);
-    return (float *)(pool->base + off);
+    return (float *)(pool->slab.base + off);
 }
 
 duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool)
