@@ -1,5 +1,5 @@
 /*
- * cache_layout.h: the byte layout of the two cache pools, spelled once (docs/architecture.md,
+ * cache_layout.h: the byte layout of the cache pools, spelled once (docs/architecture.md,
  * "Cache pools").
  *
  * Four parties address the pools: the pools themselves (engine/cache.c), the CPU mixers that read
@@ -28,6 +28,19 @@
  *                   channel, oldest first) ]
  *   layer_bytes = (H*K*K + 3*H*K*(W-1)) * elem_bytes
  *
+ * KDA replay pool (speculative decoding, only with spec_rows > 0): per KDA state slot and KDA
+ * layer, `rows` (= spec_rows) rows, one per row of the slot's last verify item, each holding what
+ * folding that token into S and the conv windows needs:
+ *
+ *   offset(slot i, layer l, row r) = ((i * n_layers + l) * rows + r) * row_bytes
+ *   a row = [ proj: [3][H*K] pre-conv q, k, v (what the conv windows keep) | k: [H*K] and
+ *             v: [H*K] post-conv, normalised | g: [H*K] log decay | beta: [H] ]
+ *   row_bytes = (6*H*K + H) * elem_bytes; field f starts f*H*K elements into the row
+ *   (DUET_REPLAY_FIELD_*)
+ *
+ * It is never transferred: a sequence's accepted rows are folded into the KDA pool before its
+ * state leaves the process (duet_model_seq_commit).
+ *
  * Header-only (pure arithmetic, inlined where offsets are taken per item and head).
  */
 #ifndef DUET_COMMON_CACHE_LAYOUT_H
@@ -49,6 +62,21 @@ typedef struct {
     uint64_t conv_kernel; /* W (>= 1) */
     uint64_t elem_bytes;  /* bytes per state element: 4 (fp32) */
 } duet_kda_layout_t;
+
+typedef struct {
+    uint64_t n_layers;   /* KDA layers per slot */
+    uint64_t heads;      /* H */
+    uint64_t head_dim;   /* K = V */
+    uint64_t rows;       /* rows per (slot, layer): the most rows of one verify item */
+    uint64_t elem_bytes; /* 4 (fp32) */
+} duet_replay_layout_t;
+
+/* Where each field of a replay row starts, in units of H*K elements. */
+#define DUET_REPLAY_FIELD_PROJ 0u /* [3][H*K] */
+#define DUET_REPLAY_FIELD_K    3u /* [H*K] */
+#define DUET_REPLAY_FIELD_V    4u /* [H*K] */
+#define DUET_REPLAY_FIELD_G    5u /* [H*K] */
+#define DUET_REPLAY_FIELD_BETA 6u /* [H] */
 
 static inline bool duet__layout_mul(uint64_t a, uint64_t b, uint64_t *r)
 {
@@ -165,6 +193,62 @@ static inline bool duet_kda_layout_conv_offset(const duet_kda_layout_t *l, uint6
         !duet__layout_add(o, c, &o))
         return false;
     *r = o;
+    return true;
+}
+
+/* Bytes of one replay row: (6*H*K + H) * elem. */
+static inline bool duet_replay_layout_row_bytes(const duet_replay_layout_t *l, uint64_t *r)
+{
+    uint64_t b;
+    if (!duet__layout_mul(l->heads, l->head_dim, &b) || !duet__layout_mul(b, 6, &b) ||
+        !duet__layout_add(b, l->heads, &b) || !duet__layout_mul(b, l->elem_bytes, &b))
+        return false;
+    *r = b;
+    return true;
+}
+
+/* Bytes of one (slot, layer) block: rows * row_bytes. */
+static inline bool duet_replay_layout_layer_bytes(const duet_replay_layout_t *l, uint64_t *r)
+{
+    uint64_t b;
+    if (!duet_replay_layout_row_bytes(l, &b) || !duet__layout_mul(b, l->rows, &b))
+        return false;
+    *r = b;
+    return true;
+}
+
+/* Bytes of one slot, all its layers. */
+static inline bool duet_replay_layout_slot_bytes(const duet_replay_layout_t *l, uint64_t *r)
+{
+    uint64_t b;
+    if (!duet_replay_layout_layer_bytes(l, &b) || !duet__layout_mul(b, l->n_layers, &b))
+        return false;
+    *r = b;
+    return true;
+}
+
+/* Byte offset, from the pool's base, of row `row` of (slot, layer). */
+static inline bool duet_replay_layout_row_offset(const duet_replay_layout_t *l, uint64_t slot,
+                                                 uint64_t layer, uint64_t row, uint64_t *r)
+{
+    uint64_t rb, o;
+    if (!duet_replay_layout_row_bytes(l, &rb) || !duet__layout_mul(slot, l->n_layers, &o) ||
+        !duet__layout_add(o, layer, &o) || !duet__layout_mul(o, l->rows, &o) ||
+        !duet__layout_add(o, row, &o) || !duet__layout_mul(o, rb, &o))
+        return false;
+    *r = o;
+    return true;
+}
+
+/* Byte offset, inside a row, of field `field` (DUET_REPLAY_FIELD_*): field * H*K * elem. */
+static inline bool duet_replay_layout_field_offset(const duet_replay_layout_t *l, uint64_t field,
+                                                   uint64_t *r)
+{
+    uint64_t b;
+    if (!duet__layout_mul(l->heads, l->head_dim, &b) || !duet__layout_mul(b, field, &b) ||
+        !duet__layout_mul(b, l->elem_bytes, &b))
+        return false;
+    *r = b;
     return true;
 }
 

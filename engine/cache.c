@@ -64,7 +64,7 @@ static void duet__ids_give(duet__id_stack_t *ids, int32_t id)
 /* What every pool is: one allocation of `bytes` (the caller's `mem`, or zeroed, page-aligned
  * memory from the kernel, whose pages are materialised on first touch, so a pool that is only
  * bookkeeping, a CUDA model's host side, costs address space, not memory) carved into `n`
- * blocks handed out by id. */
+ * blocks handed out by id (n = 0: a pool addressed by another pool's ids hands out nothing). */
 typedef struct {
     uint8_t *base; /* aligned; owned unless the descriptor gave the memory */
     size_t bytes;
@@ -83,7 +83,7 @@ static int duet__slab_init(duet__slab_t *sl, size_t bytes, void *mem, int64_t n)
             return -1;
     }
     sl->base = mem;
-    if (duet__ids_init(&sl->free, n) != 0) {
+    if (n > 0 && duet__ids_init(&sl->free, n) != 0) {
         if (sl->owned)
             munmap(sl->base, bytes > 0 ? bytes : 1);
         return -1;
@@ -111,6 +111,12 @@ struct duet_kda_pool {
     duet__slab_t slab; /* blocks = state slots */
     size_t layer_bytes;
     size_t slot_bytes;
+};
+
+struct duet_replay_pool {
+    duet_replay_pool_desc_t desc;
+    duet_replay_layout_t layout;
+    duet__slab_t slab; /* blocks addressed by KDA slot: no ids of its own */
 };
 
 static duet_kv_layout_t duet__kv_layout(const duet_kv_pool_desc_t *d)
@@ -355,6 +361,97 @@ float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t lay
 }
 
 duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool)
+{
+    return pool->layout;
+}
+
+static duet_replay_layout_t duet__replay_layout(const duet_replay_pool_desc_t *d)
+{
+    return (duet_replay_layout_t){.n_layers = (uint64_t)d->n_layers,
+                                  .heads = (uint64_t)d->heads,
+                                  .head_dim = (uint64_t)d->head_dim,
+                                  .rows = (uint64_t)d->rows,
+                                  .elem_bytes = sizeof(float)};
+}
+
+size_t duet_replay_pool_bytes_needed(const duet_replay_pool_desc_t *desc)
+{
+    duet_replay_layout_t l = duet__replay_layout(desc);
+    uint64_t slot, r;
+    if (!duet_replay_layout_slot_bytes(&l, &slot) ||
+        !duet__layout_mul(slot, (uint64_t)desc->n_slots, &r) || r > SIZE_MAX)
+        return SIZE_MAX;
+    return (size_t)r;
+}
+
+duet_status_t duet_replay_pool_create(const duet_replay_pool_desc_t *desc,
+                                      duet_replay_pool_t **pool_p)
+{
+    if (desc->n_slots <= 0 || desc->n_slots > INT32_MAX || desc->n_layers <= 0 ||
+        desc->heads <= 0 || desc->head_dim <= 0 || desc->rows <= 0)
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "replay pool: bad descriptor (slots %lld, layers %lld, heads %lld, "
+                         "head_dim %lld, rows %lld)",
+                         (long long)desc->n_slots, (long long)desc->n_layers,
+                         (long long)desc->heads, (long long)desc->head_dim, (long long)desc->rows);
+    const size_t bytes = duet_replay_pool_bytes_needed(desc);
+    if (bytes == SIZE_MAX)
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "replay pool: %lld rows of %lld slots overflow the address space",
+                         (long long)desc->rows, (long long)desc->n_slots);
+    duet_replay_pool_t *pool = calloc(1, sizeof(*pool));
+    if (pool == NULL)
+        goto err_nomem;
+    pool->desc = *desc;
+    pool->layout = duet__replay_layout(desc);
+    if (duet__slab_init(&pool->slab, bytes, NULL, 0))
+        goto err_free_pool;
+    *pool_p = pool;
+    return DUET_OK;
+
+err_free_pool:
+    free(pool);
+err_nomem:
+    return DUET_FAIL(DUET_ERR_NOMEM, "replay pool: cannot allocate %zu bytes (%lld rows)", bytes,
+                     (long long)desc->rows);
+}
+
+void duet_replay_pool_destroy(duet_replay_pool_t *pool)
+{
+    if (pool == NULL)
+        return;
+    duet__slab_destroy(&pool->slab);
+    free(pool);
+}
+
+const duet_replay_pool_desc_t *duet_replay_pool_desc(const duet_replay_pool_t *pool)
+{
+    return &pool->desc;
+}
+
+void *duet_replay_pool_base(const duet_replay_pool_t *pool)
+{
+    return pool->slab.base;
+}
+
+size_t duet_replay_pool_bytes(const duet_replay_pool_t *pool)
+{
+    return pool->slab.bytes;
+}
+
+float *duet_replay_pool_row(const duet_replay_pool_t *pool, int32_t slot, int64_t layer,
+                            int64_t row)
+{
+    DUET_ASSERT(slot >= 0 && slot < pool->desc.n_slots);
+    DUET_ASSERT(layer >= 0 && layer < pool->desc.n_layers);
+    DUET_ASSERT(row >= 0 && row < pool->desc.rows);
+    uint64_t off = 0;
+    (void)duet_replay_layout_row_offset(&pool->layout, (uint64_t)slot, (uint64_t)layer,
+                                        (uint64_t)row, &off);
+    return (float *)(pool->slab.base + off);
+}
+
+duet_replay_layout_t duet_replay_pool_layout(const duet_replay_pool_t *pool)
 {
     return pool->layout;
 }

@@ -1,7 +1,7 @@
 /*
- * Cache pools (docs/architecture.md, "Cache pools"). Both pools are allocated once at start-up
- * (later registered with UCX once) and handed out per request; nothing is allocated on the hot
- * path.
+ * Cache pools (docs/architecture.md, "Cache pools"). Every pool is allocated once at start-up
+ * (the KV and KDA pools later registered with UCX once) and handed out per request; nothing is
+ * allocated on the hot path.
  *
  * The byte layout of both pools (which MLA layer of which page, where S and the conv windows of a
  * KDA slot sit) is defined once, in common/cache_layout.h; duet_kv_pool_layout /
@@ -83,5 +83,37 @@ float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t la
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
 /* The pool's layout (common/cache_layout.h). */
 duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool);
+
+/*
+ * The KDA replay pool (speculative decoding): per KDA state slot and KDA layer, `rows` rows of
+ * what folding one verified token into S and the conv windows needs (common/cache_layout.h).
+ * Its blocks are addressed by the KDA slot of the sequence they belong to, so it hands out
+ * nothing of its own; it is never transferred (a sequence's state is committed before it
+ * leaves), so the model always allocates it itself.
+ */
+typedef struct {
+    int64_t n_slots;  /* = the KDA pool's */
+    int64_t n_layers; /* KDA layers */
+    int64_t heads;    /* H */
+    int64_t head_dim; /* K = V */
+    int64_t rows;     /* rows per (slot, layer): spec_rows */
+} duet_replay_pool_desc_t;
+
+typedef struct duet_replay_pool duet_replay_pool_t;
+
+/* DUET_ERR_INVALID for a bad or overflowing descriptor, DUET_ERR_NOMEM. */
+duet_status_t duet_replay_pool_create(const duet_replay_pool_desc_t *desc,
+                                      duet_replay_pool_t **pool_p);
+/* Bytes of the pool for desc; SIZE_MAX when they overflow. */
+size_t duet_replay_pool_bytes_needed(const duet_replay_pool_desc_t *desc);
+void duet_replay_pool_destroy(duet_replay_pool_t *pool); /* accepts NULL */
+const duet_replay_pool_desc_t *duet_replay_pool_desc(const duet_replay_pool_t *pool);
+void *duet_replay_pool_base(const duet_replay_pool_t *pool);
+size_t duet_replay_pool_bytes(const duet_replay_pool_t *pool);
+/* Row `row` of (slot, KDA layer): fp32 [6*H*K + H], fields at DUET_REPLAY_FIELD_* * H*K. */
+float *duet_replay_pool_row(const duet_replay_pool_t *pool, int32_t slot, int64_t layer,
+                            int64_t row);
+/* The pool's layout (common/cache_layout.h). */
+duet_replay_layout_t duet_replay_pool_layout(const duet_replay_pool_t *pool);
 
 #endif

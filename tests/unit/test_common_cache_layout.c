@@ -10,6 +10,8 @@
  *        S of head h in (i, l) at (i * n_layers + l) * layer + h*K*K*elem,
  *        channel ch of window c (q, k, v) at that layer's offset + (H*K*K + (c*H*K +
  * ch)*(W-1))*elem
+ *   replay: row = (6*H*K + H) * elem, layer = row * rows, slot = layer * n_layers,
+ *        row r of (i, l) at ((i * n_layers + l) * rows + r) * row, field f at f*H*K*elem
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
@@ -155,6 +157,74 @@ Test(common_cache_layout, kda_sizes_and_offsets_follow_the_formula, .timeout = 3
     printf("[common_cache_layout] kda: %d offsets in 64 bits, %d refused as overflowing\n", n_fit,
            n_over);
     cr_assert(n_fit > 10000 && n_over > 10000, "both sides of the overflow edge were visited");
+}
+
+Test(common_cache_layout, replay_sizes_and_offsets_follow_the_formula, .timeout = 30)
+{
+    int n_over = 0, n_fit = 0;
+    for (int i = 0; i < 200000; i++) {
+        const duet_replay_layout_t l = {.n_layers = any_size(),
+                                        .heads = any_size(),
+                                        .head_dim = any_size(),
+                                        .rows = any_size(),
+                                        .elem_bytes = 1 + next64() % 8};
+        const uint64_t slot = any_size(), layer = any_size(), row = any_size();
+        const uint64_t field = next64() % 7;
+        uint64_t r = 0xdead;
+        bool ok;
+
+        const u128 hk = mul(l.heads, l.head_dim);
+        const u128 rbytes = mul(add(mul(hk, 6), l.heads), l.elem_bytes);
+        ok = duet_replay_layout_row_bytes(&l, &r);
+        expect("replay row", ok, r, rbytes, i);
+        r = 0xdead;
+        const u128 lbytes = mul(rbytes, l.rows);
+        ok = duet_replay_layout_layer_bytes(&l, &r);
+        expect("replay layer", ok, r, lbytes, i);
+        r = 0xdead;
+        ok = duet_replay_layout_slot_bytes(&l, &r);
+        expect("replay slot", ok, r, mul(lbytes, l.n_layers), i);
+        r = 0xdead;
+        const u128 off = mul(add(mul(add(mul(slot, l.n_layers), layer), l.rows), row), rbytes);
+        ok = duet_replay_layout_row_offset(&l, slot, layer, row, &r);
+        expect("replay row offset", ok, r, off, i);
+        r = 0xdead;
+        ok = duet_replay_layout_field_offset(&l, field, &r);
+        expect("replay field offset", ok, r, mul(mul(hk, field), l.elem_bytes), i);
+        if (off > UINT64_MAX)
+            n_over++;
+        else
+            n_fit++;
+    }
+    printf("[common_cache_layout] replay: %d offsets in 64 bits, %d refused as overflowing\n",
+           n_fit, n_over);
+    cr_assert(n_fit > 10000 && n_over > 10000, "both sides of the overflow edge were visited");
+}
+
+/* The fields of a row follow each other and fill it: proj (3 H*K), k, v, g (H*K each), beta (H). */
+Test(common_cache_layout, replay_fields_tile_a_row, .timeout = 10)
+{
+    const duet_replay_layout_t l = {
+        .n_layers = 20, .heads = 32, .head_dim = 128, .rows = 5, .elem_bytes = 4};
+    const uint64_t hk = 32 * 128 * 4;
+    const struct {
+        uint64_t field, at;
+    } f[] = {{DUET_REPLAY_FIELD_PROJ, 0},
+             {DUET_REPLAY_FIELD_K, 3 * hk},
+             {DUET_REPLAY_FIELD_V, 4 * hk},
+             {DUET_REPLAY_FIELD_G, 5 * hk},
+             {DUET_REPLAY_FIELD_BETA, 6 * hk}};
+    uint64_t r;
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+        cr_assert(duet_replay_layout_field_offset(&l, f[i].field, &r));
+        cr_assert_eq(r, f[i].at, "field %llu at %llu, not %llu", (unsigned long long)f[i].field,
+                     (unsigned long long)r, (unsigned long long)f[i].at);
+    }
+    cr_assert(duet_replay_layout_row_bytes(&l, &r));
+    cr_assert_eq(r, 6 * hk + 32 * 4, "beta (H values) ends the row");
+    /* the 48B model's dimensions, 5 rows: 96.1 KiB a row, 9.4 MiB per slot over 20 layers */
+    cr_assert(duet_replay_layout_slot_bytes(&l, &r));
+    cr_assert_eq(r, (6 * hk + 32 * 4) * 5 * 20);
 }
 
 Test(common_cache_layout, conv_kernel_zero_is_refused, .timeout = 10)

@@ -142,6 +142,52 @@ Test(engine_cache, pools_report_their_layout, .timeout = 30)
     duet_kda_pool_destroy(q);
 }
 
+/* The replay pool: rows addressed by (KDA slot, layer, row) as common/cache_layout.h says, in one
+ * allocation; bad and overflowing descriptors refused. */
+Test(engine_cache, replay_pool_layout, .timeout = 30)
+{
+    duet_replay_pool_desc_t d = {.n_slots = 3, .n_layers = 2, .heads = 2, .head_dim = 8, .rows = 5};
+    duet_replay_pool_t *p = NULL;
+    cr_assert_eq(duet_replay_pool_create(&d, &p), DUET_OK, "%s", duet_error_last());
+    const size_t rb = (size_t)(6 * 2 * 8 + 2) * 4;
+    cr_expect_eq(duet_replay_pool_bytes(p), rb * 5 * 2 * 3);
+    cr_expect_eq(duet_replay_pool_bytes_needed(&d), rb * 5 * 2 * 3);
+    uint8_t *base = duet_replay_pool_base(p);
+    for (int32_t s = 0; s < 3; s++)
+        for (int64_t l = 0; l < 2; l++)
+            for (int64_t r = 0; r < 5; r++)
+                cr_expect_eq((uint8_t *)duet_replay_pool_row(p, s, l, r) - base,
+                             (ptrdiff_t)((((size_t)s * 2 + (size_t)l) * 5 + (size_t)r) * rb));
+    duet_replay_layout_t l = duet_replay_pool_layout(p);
+    cr_expect(l.n_layers == 2 && l.heads == 2 && l.head_dim == 8 && l.rows == 5 &&
+              l.elem_bytes == 4);
+    /* every byte is writable (the whole allocation is there) */
+    memset(base, 0x5a, duet_replay_pool_bytes(p));
+    duet_replay_pool_destroy(p);
+    duet_replay_pool_destroy(NULL);
+
+    const duet_replay_pool_desc_t bad[] = {
+        {.n_slots = 0, .n_layers = 2, .heads = 2, .head_dim = 8, .rows = 5},
+        {.n_slots = 3, .n_layers = 0, .heads = 2, .head_dim = 8, .rows = 5},
+        {.n_slots = 3, .n_layers = 2, .heads = 0, .head_dim = 8, .rows = 5},
+        {.n_slots = 3, .n_layers = 2, .heads = 2, .head_dim = 8, .rows = 0},
+        {.n_slots = 3, .n_layers = 2, .heads = 2, .head_dim = -8, .rows = 5},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        p = NULL;
+        cr_expect_eq(duet_replay_pool_create(&bad[i], &p), DUET_ERR_INVALID, "descriptor %zu", i);
+        cr_expect_null(p);
+        cr_expect_not_null(strstr(duet_error_last(), "bad descriptor"), "%s", duet_error_last());
+    }
+    duet_replay_pool_desc_t big = {
+        .n_slots = 64, .n_layers = 20, .heads = 32, .head_dim = 128, .rows = (int64_t)1 << 50};
+    cr_expect_eq(duet_replay_pool_bytes_needed(&big), SIZE_MAX);
+    p = NULL;
+    cr_expect_eq(duet_replay_pool_create(&big, &p), DUET_ERR_INVALID);
+    cr_expect_null(p);
+    cr_expect_not_null(strstr(duet_error_last(), "overflow"), "%s", duet_error_last());
+}
+
 Test(engine_cache, double_free_is_an_invariant_violation, .signal = SIGABRT, .timeout = 30)
 {
     duet_kv_pool_desc_t d = {
