@@ -27,18 +27,18 @@
  *
  * Extending: the features that come next add to this table rather than branching in the front
  * end (model.c) or in the other backend.
- *  - A new kind of batch row, e.g. speculative decoding's verify rows (k drafted tokens + 1 of one
- *    sequence, logits of every row, then the sequence kept only up to the accepted prefix): a new
- *    duet_logits_mode_t (or item field) in model.h, a DUET_BACKEND_CAP_* bit here so that
- *    duet_model_forward refuses it on a backend without it, and each backend's forward handling
- *    the rows; keeping a prefix is a new op (seq_truncate) whose KDA half needs the replay caches
- *    below.
- *  - A new pool (a draft model's KV, KDA replay caches: the states after each of the k + 1 verify
- *    tokens): a new duet_model_pool_t value; the front end creates its host pool and bookkeeping
- *    as for KV and KDA (sized by the config, laid out in common/cache_layout.h), a backend
- *    reports where its memory is through pool_mem and zeroes / copies it in seq_open /
- *    seq_set_filled as it does the two pools today. A draft model is a second duet_model_t with
- *    its own backend instance of the same table.
+ *  - Speculative decoding's verify rows are built this way: an item field
+ * (duet_batch_item_t.verify) in model.h, DUET_BACKEND_CAP_VERIFY here so that the load refuses
+ * spec_rows and duet_model_forward refuses a verify item on a backend without it, each capable
+ * backend's forward handling the rows (and folding a sequence's accepted rows, seq->n_replay, into
+ * its state before its new rows), the replay pool (DUET_MODEL_POOL_REPLAY, created by the front end
+ * like the others) and the seq_replay op for the replay-only commit. Accepting and truncating are
+ * the front end's bookkeeping. The CUDA backend has no verify rows yet.
+ *  - A new pool (a draft model's KV): a new duet_model_pool_t value; the front end creates its
+ *    host pool and bookkeeping as for KV and KDA (sized by the config, laid out in
+ *    common/cache_layout.h), a backend reports where its memory is through pool_mem and zeroes /
+ *    copies it in seq_open / seq_set_filled as it does the two pools today. A draft model is a
+ *    second duet_model_t with its own backend instance of the same table.
  *  - Sharded attention (Helix context parallelism: each rank holds some pages of a sequence): a
  *    new op that runs an MLA layer's attention over the local pages only and returns the partial
  *    output and log-sum-exp per (row, head), and one that merges the ranks' partials (the CUDA
@@ -69,6 +69,8 @@
 
 /* Capabilities (duet_backend_ops_t.caps). */
 #define DUET_BACKEND_CAP_RANDOM_WEIGHTS 0x1u /* create with w == NULL generates random weights */
+/* verify items (speculative decoding): the replay pool and seq_replay */
+#define DUET_BACKEND_CAP_VERIFY 0x2u
 
 typedef struct duet_backend duet_backend_t;
 typedef struct duet_backend_ops duet_backend_ops_t;
@@ -88,18 +90,23 @@ typedef struct {
     const duet_weights_t *w;       /* NULL: random weights from `seed`
                                       (DUET_BACKEND_CAP_RANDOM_WEIGHTS) */
     uint64_t seed;
-    duet_kv_pool_t *kv;        /* host KV pool; NULL without MLA layers */
-    duet_kda_pool_t *kda;      /* host KDA pool; NULL without KDA layers */
-    int64_t max_pages_per_seq; /* columns of a sequence's page table */
-    const int64_t *layer_sub;  /* [num_layers] index among layers of the same
-                                  mixer (MLA layer l of the KV pool, ...) */
+    duet_kv_pool_t *kv;         /* host KV pool; NULL without MLA layers */
+    duet_kda_pool_t *kda;       /* host KDA pool; NULL without KDA layers */
+    duet_replay_pool_t *replay; /* host KDA replay pool; NULL without spec_rows or KDA layers */
+    int64_t max_pages_per_seq;  /* columns of a sequence's page table */
+    const int64_t *layer_sub;   /* [num_layers] index among layers of the same
+                                   mixer (MLA layer l of the KV pool, ...) */
 } duet_backend_model_t;
 
 /*
  * One step, validated by the front end (duet_model_forward's rules: open sequences, each once,
- * tokens in the vocabulary, buffers for the logits mode, rows <= max_batch_tokens). Every item
- * appends items[i].n_tokens tokens at items[i].seq->n_tokens; the backend leaves n_tokens alone
- * (the front end advances it after a successful step).
+ * none with pending verify rows, tokens in the vocabulary, buffers for the logits mode, rows <=
+ * max_batch_tokens, verify items only on a backend with DUET_BACKEND_CAP_VERIFY and within
+ * spec_rows). Every item appends items[i].n_tokens tokens at items[i].seq->n_tokens; before them
+ * the backend folds the sequence's seq->n_replay accepted rows (rows 0.. of its replay block) into
+ * its state. A verify item's rows are computed from the committed state, which stays as it is,
+ * and its KDA rows go to the replay block. The backend leaves the sequence's fields alone (the
+ * front end advances n_tokens, sets n_pending and clears n_replay after a successful step).
  */
 typedef struct {
     duet_batch_item_t *items;
@@ -144,6 +151,10 @@ struct duet_backend_ops {
     duet_status_t (*seq_set_filled)(duet_backend_t *be, const duet_seq_t *seq, int64_t n_tokens);
     /* Optional. The sequence's pages and slot go back to the host pools after this. */
     void (*seq_close)(duet_backend_t *be, const duet_seq_t *seq);
+    /* DUET_BACKEND_CAP_VERIFY. Fold the sequence's seq->n_replay (> 0) accepted rows of its
+     * replay block into its KDA state and conv windows, exactly as a forward does before its new
+     * rows (the replay-only commit). The front end clears n_replay. */
+    duet_status_t (*seq_replay)(duet_backend_t *be, const duet_seq_t *seq);
 
     /* One mixed step: prefill chunks and decode rows of any logits mode, DUET_LOGITS_TOKEN drawn
      * by the backend (on the device for CUDA). Runs the batch's hook after each layer's mixer. */

@@ -20,6 +20,11 @@
  *   and the GEMM converts them.
  * - Batch invariance: every kernel computes a row the same way for any row count and thread count
  *   (docs/architecture.md), so an item's results do not depend on the rest of its batch.
+ * - Verify items (speculative decoding, model.h): only the KDA mixer treats them differently
+ *   (kernels/cpu/cpu_kda.h: recurrent form on a copy of the state, rows into the replay pool); MLA
+ *   already computes every row of an item as a one-row step at its position would, and writes its
+ *   tentative KV rows past n_tokens, where the next tokens overwrite those that are not accepted.
+ *   A sequence's accepted rows are replayed into its state at the start of each KDA layer.
  */
 #include "engine/backend.h"
 
@@ -48,6 +53,8 @@ typedef struct {
     int64_t *item_pos0;         /* (T) */
     int32_t *item_slot;         /* (T) */
     const int32_t **item_pages; /* (T) */
+    int32_t *item_verify;       /* (T) */
+    int64_t *item_replay;       /* (T) */
 
     /* workspace: one allocation, carved; T = max_batch_tokens */
     float *ws;          /* owned */
@@ -133,6 +140,8 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
     }
     if (has_mla && b->bm.opts->max_seq_len + 64 > per)
         per = b->bm.opts->max_seq_len + 64;
+    if (b->bm.replay != NULL && duet_cpu_kda_verify_scratch_floats(K) > per)
+        per = duet_cpu_kda_verify_scratch_floats(K);
     b->per_thread = per;
 
     struct {
@@ -174,9 +183,11 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
     b->item_pos0 = calloc((size_t)T, sizeof(int64_t));
     b->item_slot = calloc((size_t)T, sizeof(int32_t));
     b->item_pages = calloc((size_t)T, sizeof(*b->item_pages));
+    b->item_verify = calloc((size_t)T, sizeof(int32_t));
+    b->item_replay = calloc((size_t)T, sizeof(int64_t));
     if (b->ws == NULL || b->topk_idx == NULL || b->exp_rows == NULL || b->exp_off == NULL ||
         b->item_row0 == NULL || b->item_pos0 == NULL || b->item_slot == NULL ||
-        b->item_pages == NULL)
+        b->item_pages == NULL || b->item_verify == NULL || b->item_replay == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: cannot allocate %.1f MiB of workspace",
                          (double)total * 4.0 / 1048576.0);
     float *cur = b->ws;
@@ -203,6 +214,8 @@ static void duet__cpu_destroy(duet_backend_t *be)
     free(b->item_pos0);
     free(b->item_slot);
     free(b->item_pages);
+    free(b->item_verify);
+    free(b->item_replay);
     duet_sampler_destroy(b->sampler);
     free(b->tok_logits);
     duet_kernels_destroy(b->k);
@@ -271,10 +284,26 @@ static void duet__cpu_pool_mem(const duet_backend_t *be, duet_model_pool_t which
     } else if (which == DUET_MODEL_POOL_KDA && b->bm.kda != NULL) {
         out->base = duet_kda_pool_base(b->bm.kda);
         out->bytes = duet_kda_pool_bytes(b->bm.kda);
+    } else if (which == DUET_MODEL_POOL_REPLAY && b->bm.replay != NULL) {
+        out->base = duet_replay_pool_base(b->bm.replay);
+        out->bytes = duet_replay_pool_bytes(b->bm.replay);
     }
 }
 
 /* ---- mixers ---------------------------------------------------------------------------------- */
+
+/* KDA layer l's view of the state and replay pools. */
+static duet_cpu_kda_layer_t duet__kda_view(const duet__cpu_t *b, int64_t l)
+{
+    duet_cpu_kda_layer_t ly = {.kda_base = duet_kda_pool_base(b->bm.kda),
+                               .layout = duet_kda_pool_layout(b->bm.kda),
+                               .layer = b->bm.layer_sub[l]};
+    if (b->bm.replay != NULL) {
+        ly.replay_base = duet_replay_pool_base(b->bm.replay);
+        ly.replay = duet_replay_pool_layout(b->bm.replay);
+    }
+    return ly;
+}
 
 static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, int64_t l)
 {
@@ -295,9 +324,9 @@ static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
         (s = duet_k_matmul(k, b->ga, K, b->xn, D, T, &w->g_a_proj, 0)) != DUET_OK ||
         (s = duet_k_matmul(k, b->gate, HK, b->ga, K, T, &w->g_b_proj, 0)) != DUET_OK)
         return s;
-    const duet_cpu_kda_layer_t ly = {.kda_base = duet_kda_pool_base(b->bm.kda),
-                                     .layout = duet_kda_pool_layout(b->bm.kda),
-                                     .layer = b->bm.layer_sub[l]};
+    const duet_cpu_kda_layer_t ly = duet__kda_view(b, l);
+    /* accepted rows of earlier verify items first: the conv and core below continue from them */
+    duet_cpu_kda_replay(k, st, &ly, b->thr_scratch, b->per_thread);
     duet_cpu_kda_conv(k, st, &ly, kf->conv_w, b->proj, b->qkv);
     duet_cpu_kda_prep(k, T, H, K, kf->neg_A, kf->dt_bias, b->qkv, b->gk, b->beta);
     duet_cpu_kda_core(k, st, &ly, b->qkv, b->gk, b->beta, b->o, b->thr_scratch, b->per_thread);
@@ -453,13 +482,17 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
                           .item_row0 = b->item_row0,
                           .item_pos0 = b->item_pos0,
                           .item_slot = b->item_slot,
-                          .item_pages = b->item_pages};
+                          .item_pages = b->item_pages,
+                          .item_verify = b->item_verify,
+                          .item_replay = b->item_replay};
     b->item_row0[0] = 0;
     for (int64_t i = 0; i < n_items; i++) {
         b->item_row0[i + 1] = b->item_row0[i] + items[i].n_tokens;
         b->item_pos0[i] = items[i].seq->n_tokens;
         b->item_slot[i] = items[i].seq->kda_slot;
         b->item_pages[i] = items[i].seq->pages;
+        b->item_verify[i] = items[i].verify;
+        b->item_replay[i] = items[i].seq->n_replay;
     }
 
     for (int64_t i = 0; i < n_items; i++)
@@ -504,6 +537,32 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
     return DUET_OK;
 }
 
+/* The replay-only commit: duet__kda_layer's replay for one sequence and no new rows. */
+static duet_status_t duet__cpu_seq_replay(duet_backend_t *be, const duet_seq_t *seq)
+{
+    duet__cpu_t *b = (duet__cpu_t *)be;
+    const duet_model_config_t *c = b->bm.cfg;
+    const int64_t row0[2] = {0, 0}, pos0 = seq->n_tokens, replay = seq->n_replay;
+    const int32_t slot = seq->kda_slot, verify = 0;
+    const int32_t *pages = seq->pages;
+    const duet_cpu_step_t st = {.n_items = 1,
+                                .n_rows = 0,
+                                .item_row0 = row0,
+                                .item_pos0 = &pos0,
+                                .item_slot = &slot,
+                                .item_pages = &pages,
+                                .item_verify = &verify,
+                                .item_replay = &replay};
+    if (b->bm.replay == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "model: no replay pool to commit from");
+    for (int64_t l = 0; l < c->num_layers; l++)
+        if (c->mixer[l] == DUET_MIXER_KDA) {
+            const duet_cpu_kda_layer_t ly = duet__kda_view(b, l);
+            duet_cpu_kda_replay(b->k, &st, &ly, b->thr_scratch, b->per_thread);
+        }
+    return DUET_OK;
+}
+
 static int duet__cpu_probe(char *why, size_t cap)
 {
     (void)why, (void)cap;
@@ -515,7 +574,7 @@ const duet_backend_ops_t duet_backend_cpu_ops = {
     .device = DUET_DEVICE_CPU,
     .compute_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
     .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
-    .caps = 0,
+    .caps = DUET_BACKEND_CAP_VERIFY,
     .probe = duet__cpu_probe,
     .create = duet__cpu_create,
     .destroy = duet__cpu_destroy,
@@ -523,6 +582,7 @@ const duet_backend_ops_t duet_backend_cpu_ops = {
     .seq_open = duet__cpu_seq_open,
     .seq_set_filled = NULL, /* the host pools are the caches */
     .seq_close = NULL,
+    .seq_replay = duet__cpu_seq_replay,
     .forward = duet__cpu_forward,
     .pool_mem = duet__cpu_pool_mem,
 };

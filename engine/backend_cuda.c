@@ -1538,6 +1538,8 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
     .seq_open = duet__cuda_seq_open,
     .seq_set_filled = duet__cuda_seq_set_filled,
     .seq_close = NULL,
+    .seq_replay = NULL, /* no verify rows (DUET_BACKEND_CAP_VERIFY) yet: the load refuses
+                           spec_rows, so no sequence has rows to replay */
     .forward = duet__cuda_forward,
     .pool_mem = duet__cuda_pool_mem,
 #else /* create refuses, so no instance reaches the rest */

@@ -21,10 +21,11 @@
 struct duet_model {
     duet_model_config_t cfg;
     duet_model_opts_t opts;
-    duet_checkpoint_t *ck; /* owned; weights are views into its mmaps (NULL: random weights) */
-    duet_weights_t w;      /* owned tables */
-    duet_kv_pool_t *kv;    /* owned, NULL when there are no MLA layers */
-    duet_kda_pool_t *kda;  /* owned, NULL when there are no KDA layers */
+    duet_checkpoint_t *ck;      /* owned; weights are views into its mmaps (NULL: random weights) */
+    duet_weights_t w;           /* owned tables */
+    duet_kv_pool_t *kv;         /* owned, NULL when there are no MLA layers */
+    duet_kda_pool_t *kda;       /* owned, NULL when there are no KDA layers */
+    duet_replay_pool_t *replay; /* owned, NULL without spec_rows or KDA layers */
     int64_t layer_sub[DUET_MAX_LAYERS];  /* index among layers of the same mixer */
     const duet_backend_ops_t *ops;       /* the backend of opts.device */
     duet_backend_model_t bm;             /* what `be` was created from: points into this struct */
@@ -146,6 +147,11 @@ duet_kda_pool_t *duet_model_kda_pool(duet_model_t *m)
     return m->kda;
 }
 
+duet_replay_pool_t *duet_model_replay_pool(duet_model_t *m)
+{
+    return m->replay;
+}
+
 /* ---- load ---------------------------------------------------------------------------------- */
 
 static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
@@ -169,6 +175,24 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
                          duet_dtype_name(opts->kv_dtype), ops->name);
     if ((unsigned)opts->dtype > DUET_MODEL_DTYPE_BF16)
         return DUET_FAIL(DUET_ERR_INVALID, "model: unknown dtype request %d", (int)opts->dtype);
+    if (opts->spec_rows != 0) {
+        if ((ops->caps & DUET_BACKEND_CAP_VERIFY) == 0)
+            return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                             "model: speculative decoding (spec_rows %lld) needs verify rows, "
+                             "which the %s backend does not compute yet (cpu does)",
+                             (long long)opts->spec_rows, ops->name);
+        if (opts->spec_rows < 2)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "model: spec_rows %lld: 0 (no speculation) or at least 2 (the next "
+                             "token and one draft)",
+                             (long long)opts->spec_rows);
+        if (opts->spec_rows > opts->max_batch_tokens || opts->spec_rows > opts->max_seq_len)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "model: spec_rows %lld is more than a step (max_batch_tokens %lld) "
+                             "or a sequence (max_seq_len %lld) holds",
+                             (long long)opts->spec_rows, (long long)opts->max_batch_tokens,
+                             (long long)opts->max_seq_len);
+    }
     return DUET_OK;
 }
 
@@ -220,6 +244,15 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         }
         if ((st = duet_kda_pool_create(&sd, &m->kda)) != DUET_OK)
             return st;
+        if (opts.spec_rows > 0) {
+            const duet_replay_pool_desc_t rd = {.n_slots = opts.max_seqs,
+                                                .n_layers = n_kda,
+                                                .heads = c->kda_heads,
+                                                .head_dim = c->kda_head_dim,
+                                                .rows = opts.spec_rows};
+            if ((st = duet_replay_pool_create(&rd, &m->replay)) != DUET_OK)
+                return st;
+        }
     }
     m->page_table = calloc((size_t)(opts.max_seqs * m->max_pages_per_seq), sizeof(int32_t));
     m->seq_used = calloc((size_t)opts.max_seqs, 1);
@@ -232,15 +265,21 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
                                    .seed = seed,
                                    .kv = m->kv,
                                    .kda = m->kda,
+                                   .replay = m->replay,
                                    .max_pages_per_seq = m->max_pages_per_seq,
                                    .layer_sub = m->layer_sub};
     if ((st = m->ops->create(&m->bm, &m->be)) != DUET_OK)
         return st;
     char be[160];
     duet_model_describe_backend(m, be, sizeof(be));
-    DUET_LOG_INFO("model ready: %s, %lld KV pages of %lld tokens, %lld state slots", be,
+    DUET_LOG_INFO("model ready: %s, %lld KV pages of %lld tokens, %lld state slots%s", be,
                   (long long)(m->kv != NULL ? duet_kv_pool_desc(m->kv)->n_pages : 0),
-                  (long long)opts.page_tokens, (long long)opts.max_seqs);
+                  (long long)opts.page_tokens, (long long)opts.max_seqs,
+                  opts.spec_rows > 0 ? ", verify rows" : "");
+    if (m->replay != NULL)
+        DUET_LOG_INFO("model: KDA replay pool of %lld rows per slot and layer, %.1f MiB",
+                      (long long)opts.spec_rows,
+                      (double)duet_replay_pool_bytes(m->replay) / 1048576.0);
     return DUET_OK;
 }
 
@@ -335,6 +374,7 @@ void duet_model_free(duet_model_t *m)
         m->ops->destroy(m->be);
     free(m->page_table);
     free(m->seq_used);
+    duet_replay_pool_destroy(m->replay);
     duet_kda_pool_destroy(m->kda);
     duet_kv_pool_destroy(m->kv);
     duet_weights_free(&m->w);
@@ -387,6 +427,8 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     m->seq_used[id] = 1;
     seq_p->id = id;
     seq_p->n_tokens = 0;
+    seq_p->n_pending = 0;
+    seq_p->n_replay = 0;
     seq_p->pages = pages;
     seq_p->n_pages = n_pages;
     seq_p->kda_slot = slot;
@@ -394,22 +436,88 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     return DUET_OK;
 }
 
+static int duet__seq_is_open(const duet_model_t *m, const duet_seq_t *seq)
+{
+    return seq != NULL && seq->id >= 0 && seq->id < m->opts.max_seqs && m->seq_used[seq->id];
+}
+
 duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
 {
-    if (seq == NULL || seq->id < 0 || seq->id >= m->opts.max_seqs || !m->seq_used[seq->id])
+    if (!duet__seq_is_open(m, seq))
         return duet_error_set(DUET_ERR_INVALID, "set_filled: not an open sequence");
-    if (n_tokens < 0 || n_tokens > seq->cap_tokens || seq->n_tokens != 0)
+    if (n_tokens < 0 || n_tokens > seq->cap_tokens || seq->n_tokens != 0 || seq->n_pending != 0)
         return duet_error_set(DUET_ERR_RANGE,
                               "set_filled: %lld tokens into a sequence of capacity %lld holding "
-                              "%lld",
+                              "%lld (and %lld pending)",
                               (long long)n_tokens, (long long)seq->cap_tokens,
-                              (long long)seq->n_tokens);
+                              (long long)seq->n_tokens, (long long)seq->n_pending);
     if (m->ops->seq_set_filled != NULL) {
         duet_status_t st = m->ops->seq_set_filled(m->be, seq, n_tokens);
         if (st != DUET_OK)
             return st;
     }
     seq->n_tokens = n_tokens;
+    seq->n_replay = 0;
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_accept(duet_model_t *m, duet_seq_t *seq, int64_t n_rows)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "accept: not an open sequence");
+    if (seq->n_pending == 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "accept: sequence %d has no verify rows pending (no verify item "
+                              "since its last accept)",
+                              seq->id);
+    if (n_rows < 1 || n_rows > seq->n_pending)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "accept: %lld rows of sequence %d's verify item of %lld: keep "
+                              "1..%lld",
+                              (long long)n_rows, seq->id, (long long)seq->n_pending,
+                              (long long)seq->n_pending);
+    DUET_ASSERT(seq->n_replay == 0); /* the verify forward folded the earlier ones */
+    seq->n_tokens += n_rows;
+    seq->n_replay = m->kda != NULL ? n_rows : 0;
+    seq->n_pending = 0;
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_commit(duet_model_t *m, duet_seq_t *seq)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "commit: not an open sequence");
+    if (seq->n_pending != 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "commit: sequence %d has %lld verify rows pending: accept them "
+                              "first",
+                              seq->id, (long long)seq->n_pending);
+    if (seq->n_replay == 0)
+        return DUET_OK;
+    if (m->ops->seq_replay == NULL) /* only a backend with verify rows makes replay rows */
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "commit: the %s backend has no replay",
+                              m->ops->name);
+    duet_status_t st = m->ops->seq_replay(m->be, seq);
+    if (st != DUET_OK)
+        return st;
+    seq->n_replay = 0;
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "truncate: not an open sequence");
+    if (m->kda != NULL)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "truncate: the model has KDA layers, whose recurrent state cannot "
+                              "be rolled back (verify and accept instead)");
+    if (n_tokens < 0 || n_tokens > seq->n_tokens)
+        return duet_error_set(
+            DUET_ERR_RANGE, "truncate: a sequence of %lld tokens to %lld: expected 0..%lld",
+            (long long)seq->n_tokens, (long long)n_tokens, (long long)seq->n_tokens);
+    seq->n_tokens = n_tokens;
+    seq->n_pending = 0;
     return DUET_OK;
 }
 
@@ -433,9 +541,41 @@ void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq)
     m->seq_used[seq->id] = 0;
     seq->id = -1;
     seq->n_pages = 0;
+    seq->n_pending = 0;
+    seq->n_replay = 0;
 }
 
 /* ---- forward -------------------------------------------------------------------------------- */
+
+/* A verify item's own rules (model.h, duet_batch_item_t.verify). */
+static duet_status_t duet__validate_verify(const duet_model_t *m, const duet_batch_item_t *it,
+                                           int64_t i)
+{
+    if (it->verify != 1)
+        return duet_error_set(DUET_ERR_INVALID, "forward: item %lld: verify is %d, not 0 or 1",
+                              (long long)i, it->verify);
+    if ((m->ops->caps & DUET_BACKEND_CAP_VERIFY) == 0)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "forward: item %lld is a verify item, which the %s backend does "
+                              "not compute yet",
+                              (long long)i, m->ops->name);
+    if (m->opts.spec_rows == 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "forward: item %lld is a verify item, but the model was loaded "
+                              "without spec_rows",
+                              (long long)i);
+    if (it->logits_mode != DUET_LOGITS_ALL)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "forward: item %lld: a verify item wants the logits of every row "
+                              "(DUET_LOGITS_ALL)",
+                              (long long)i);
+    if (it->n_tokens < 2 || it->n_tokens > m->opts.spec_rows)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "forward: item %lld: a verify item of %lld rows: 2..spec_rows "
+                              "(%lld)",
+                              (long long)i, (long long)it->n_tokens, (long long)m->opts.spec_rows);
+    return DUET_OK;
+}
 
 static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item_t *items,
                                           int64_t n_items, int64_t *rows_p)
@@ -451,6 +591,16 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
         if (it->n_tokens <= 0 || it->tokens == NULL)
             return duet_error_set(DUET_ERR_INVALID, "forward: item %lld has no tokens",
                                   (long long)i);
+        if (it->seq->n_pending != 0)
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "forward: item %lld: sequence %d has %lld verify rows pending: "
+                                  "accept them first (duet_model_seq_accept)",
+                                  (long long)i, it->seq->id, (long long)it->seq->n_pending);
+        if (it->verify != 0) {
+            duet_status_t st = duet__validate_verify(m, it, i);
+            if (st != DUET_OK)
+                return st;
+        }
         if (it->seq->n_tokens + it->n_tokens > it->seq->cap_tokens)
             return duet_error_set(DUET_ERR_RANGE,
                                   "forward: item %lld: %lld + %lld tokens exceed the sequence's "
@@ -503,7 +653,13 @@ duet_status_t duet_model_forward(duet_model_t *m, duet_batch_item_t *items, int6
                                     .hook_user = m->layer_hook_user};
     if ((s = m->ops->forward(m->be, &b)) != DUET_OK)
         return s;
-    for (int64_t i = 0; i < n_items; i++)
-        items[i].seq->n_tokens += items[i].n_tokens;
+    for (int64_t i = 0; i < n_items; i++) {
+        duet_seq_t *seq = items[i].seq;
+        if (items[i].verify)
+            seq->n_pending = items[i].n_tokens;
+        else
+            seq->n_tokens += items[i].n_tokens;
+        seq->n_replay = 0; /* folded in before the item's rows */
+    }
     return DUET_OK;
 }

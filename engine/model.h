@@ -8,6 +8,19 @@
  * paged latent cache) run per sequence. Workspaces are sized at load for `max_batch_tokens` rows
  * and nothing is allocated per step. The device's part is a backend's (engine/backend.h: CPU or
  * CUDA); this API is the same for both.
+ *
+ * Speculative decoding (the engine's part): a *verify item* (duet_batch_item_t.verify) carries a
+ * sequence's next token followed by k drafted tokens and computes logits for all of them from the
+ * committed caches without committing anything; duet_model_seq_accept then keeps the first rows.
+ * KDA layers carry a recurrent state that cannot be rolled back, so the KDA pool keeps the state
+ * after the last *committed* token: a verify item computes its rows on a copy of S and of the
+ * conv windows and leaves, per row, what folding the token in needs in the KDA replay pool; the
+ * accepted rows are folded into S (replayed) at the sequence's next forward, before its new rows,
+ * or by duet_model_seq_commit. Each verify row is computed bit for bit as plain decode (one token
+ * per step) computes that token had the rows before it been committed, and the replay reaches
+ * the state plain decode reaches, bit for bit (CPU; tests/unit/test_engine_spec.c), so greedy
+ * speculation gives exactly the tokens of plain greedy decoding. A drafting model without KDA
+ * layers rolls back with duet_model_seq_truncate instead.
  */
 #ifndef DUET_ENGINE_MODEL_H
 #define DUET_ENGINE_MODEL_H
@@ -24,14 +37,16 @@ typedef struct duet_model duet_model_t;
 
 /* Which cache pool a pool_alloc call is for. */
 typedef enum {
-    DUET_MODEL_POOL_KV = 0,  /* the MLA KV pool */
-    DUET_MODEL_POOL_KDA = 1, /* the KDA state pool */
+    DUET_MODEL_POOL_KV = 0,     /* the MLA KV pool */
+    DUET_MODEL_POOL_KDA = 1,    /* the KDA state pool */
+    DUET_MODEL_POOL_REPLAY = 2, /* the KDA replay pool (spec_rows > 0); never from pool_alloc */
 } duet_model_pool_t;
 
 /*
  * Memory for a cache pool: `bytes` zeroed bytes, 64-byte aligned, that outlive the model (the
  * model never frees them); NULL = out of memory. A generation worker passes an allocator that
- * returns UCX-registered segments so that a context worker's puts land in them directly.
+ * returns UCX-registered segments so that a context worker's puts land in them directly. Called
+ * for DUET_MODEL_POOL_KV and DUET_MODEL_POOL_KDA only: the replay pool is never transferred.
  */
 typedef void *(*duet_model_pool_alloc_fn)(void *user, duet_model_pool_t which, size_t bytes);
 
@@ -74,6 +89,12 @@ typedef struct {
     int64_t logit_rows_cap;  /* CUDA: logits rows the device buffer holds (0 = as many as fit in
                                 1 GiB; never below one per sequence of a batch); a step with more
                                 logits rows computes the head in slices of this many */
+    int64_t spec_rows;       /* speculative decoding: the most rows one verify item may carry
+                                (k + 1 for k drafted tokens); 0 = no speculation (the default),
+                                else 2..max_batch_tokens and <= max_seq_len. Sizes the KDA replay
+                                pool (spec_rows rows per state slot and KDA layer, allocated at
+                                load). Needs a backend with verify rows (the CPU's;
+                                DUET_ERR_UNSUPPORTED on cuda) */
 } duet_model_opts_t;
 
 /*
@@ -141,15 +162,25 @@ const duet_model_config_t *duet_model_config(const duet_model_t *m);
 const duet_model_opts_t *duet_model_opts(const duet_model_t *m);
 duet_kv_pool_t *duet_model_kv_pool(duet_model_t *m);
 duet_kda_pool_t *duet_model_kda_pool(duet_model_t *m);
+/* The KDA replay pool, addressed by a sequence's kda_slot; NULL without spec_rows or without KDA
+ * layers (tests and tools read it; nothing outside the engine writes it). */
+duet_replay_pool_t *duet_model_replay_pool(duet_model_t *m);
 
 /* A sequence's cache handle. Fields are read-only for callers. */
 typedef struct {
     int32_t id;         /* index in the model's sequence table; -1 when closed */
     int32_t kda_slot;   /* KDA state slot; -1 when the model has no KDA layers */
-    int64_t n_tokens;   /* tokens whose KV / state is in the caches */
+    int64_t n_tokens;   /* tokens committed: their KV is in the pages and (n_replay aside) their
+                           state in the KDA pool */
     int64_t cap_tokens; /* n_pages * page_tokens */
     int32_t *pages;     /* MLA pages in order; model-owned table row */
     int64_t n_pages;
+    int64_t n_pending; /* rows of the last verify item, not yet accepted (duet_model_seq_accept):
+                          while > 0 the sequence may not be forwarded (closing it is fine) */
+    int64_t n_replay;  /* accepted rows (the last n_replay of n_tokens) whose KDA updates are
+                          still in the replay pool, not yet in S and the conv windows: folded
+                          in at the sequence's next forward or by duet_model_seq_commit. 0 on
+                          a model without KDA layers */
 } duet_seq_t;
 
 /*
@@ -161,12 +192,46 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
 /*
  * The sequence's caches were filled from outside (a cache transfer from a context worker): they
  * now hold the first n_tokens tokens (KV pages and KDA state + conv windows after token n-1).
- * DUET_ERR_RANGE when n_tokens > cap_tokens or the sequence already holds tokens.
+ * DUET_ERR_RANGE when n_tokens > cap_tokens or the sequence already holds tokens (committed or
+ * pending). Afterwards n_pending = n_replay = 0 (the replay pool holds nothing of it).
  */
 duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens);
 
-/* Return the sequence's pages and slot. Accepts an already closed sequence. */
+/* Return the sequence's pages and slot. Accepts an already closed sequence, and one with pending
+ * or unreplayed rows (they are dropped). */
 void duet_model_seq_close(duet_model_t *m, duet_seq_t *seq);
+
+/*
+ * Keep the first n_rows rows of the sequence's last verify item: n_tokens += n_rows,
+ * n_pending = 0, n_replay = n_rows (0 without KDA layers). Their MLA KV is already in the pages;
+ * the rows after them are dropped (their page slots are overwritten by the next tokens); their
+ * KDA updates are folded into S and the conv windows at the sequence's next forward, fused with
+ * it and before its new rows, or by duet_model_seq_commit. A caller that sampled a token from
+ * row n_rows - 1's logits passes it as the first token of the next forward. Errors (nothing
+ * changes): DUET_ERR_INVALID for a closed sequence or one without pending rows (no verify since
+ * the last accept), DUET_ERR_RANGE for n_rows outside 1..n_pending.
+ */
+duet_status_t duet_model_seq_accept(duet_model_t *m, duet_seq_t *seq, int64_t n_rows);
+
+/*
+ * The replay-only commit: fold the sequence's n_replay accepted rows into S and the conv windows
+ * now, so the KDA pool holds exactly the state after its last committed token, as plain decode
+ * would have left it (needed before the state is read from outside: a transfer, suspend,
+ * migration; callers may call it before close). n_replay = 0 afterwards. Runs no layer hook.
+ * DUET_OK and nothing done when n_replay is 0. DUET_ERR_INVALID for a closed sequence or one with
+ * pending rows (accept them first).
+ */
+duet_status_t duet_model_seq_commit(duet_model_t *m, duet_seq_t *seq);
+
+/*
+ * Roll the sequence back to its first n_tokens tokens (a drafting model dropping its rejected
+ * drafts): n_tokens is set, pending rows are dropped; the KV of later positions stays in the
+ * pages and is overwritten by the next tokens. Only for a model without KDA layers (an MLA-only
+ * draft model), whose caches hold nothing else: DUET_ERR_UNSUPPORTED with KDA layers (whose
+ * state cannot be rolled back: verify + accept instead). DUET_ERR_RANGE when n_tokens < 0 or
+ * > seq->n_tokens; DUET_ERR_INVALID for a closed sequence.
+ */
+duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens);
 
 typedef enum {
     DUET_LOGITS_NONE = 0,  /* no logits (a prefill chunk that is not the prompt's last) */
@@ -179,12 +244,18 @@ typedef enum {
 typedef struct {
     duet_seq_t *seq;
     const int32_t *tokens; /* new tokens, appended at seq->n_tokens */
-    int64_t n_tokens;      /* >= 1 */
+    int64_t n_tokens;      /* >= 1; a verify item 2..spec_rows */
     duet_logits_mode_t logits_mode;
     float *logits;            /* caller-owned, rows per logits_mode */
     duet_sampling_t sampling; /* DUET_LOGITS_TOKEN: the rule (duet_sampler_sample's) */
     float u;                  /* DUET_LOGITS_TOKEN: this token's draw, duet_sampling_draw() */
     int32_t *token_out;       /* DUET_LOGITS_TOKEN: where the token goes */
+    int verify; /* 1: the rows are tentative (speculative decoding): the sequence's next token then
+                   k drafts, n_tokens = k + 1 in 2..spec_rows, logits_mode DUET_LOGITS_ALL.
+                   Each row is computed from the committed caches as plain decode would compute
+                   it after the rows before it; nothing is committed: afterwards seq->n_pending =
+                   n_tokens and seq->n_tokens is unchanged (duet_model_seq_accept keeps a prefix).
+                   0: ordinary rows, committed by the step */
 } duet_batch_item_t;
 
 /*
@@ -200,8 +271,13 @@ void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, voi
 /*
  * Run one step over the batch: append each item's tokens to its sequence, update the caches
  * and write the requested logits. The total of n_tokens must be <= max_batch_tokens, a sequence
- * may appear once per call, tokens must be in [0, vocab). On error no sequence is advanced only
- * if the error is detected before compute (validation); errors are DUET_ERR_INVALID/RANGE.
+ * may appear once per call and must have no pending verify rows, tokens must be in [0, vocab).
+ * A sequence's accepted rows not yet replayed (n_replay) are folded into its state first, in the
+ * same step; n_replay is 0 afterwards. A verify item (its `verify` field) leaves its sequence's
+ * n_tokens and committed caches as they were and sets n_pending. On error no sequence is
+ * advanced only if the error is detected before compute (validation); errors are
+ * DUET_ERR_INVALID/RANGE, and DUET_ERR_UNSUPPORTED for a verify item on a backend without verify
+ * rows.
  *
  * Batch invariance: an item's results (logits, caches) are bit-identical whatever else is in the
  * batch and wherever it sits in it (every kernel computes a row the same way for any row count),

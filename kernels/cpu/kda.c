@@ -12,6 +12,10 @@
  * <= 1, accumulated row by row, which is also how the recurrence applies them.
  * A final partial chunk needs no padding: padded rows of the reference have β = 0, k = 0, g = 0
  * and change neither the outputs nor the state.
+ *
+ * Verify items and replays (speculative decoding, cpu_kda.h) call the same recurrent function as a
+ * one-token step, on the same values, so their arithmetic is the one-token step's by construction
+ * rather than by a second copy of it.
  */
 #include "kernels/cpu/cpu_kda.h"
 
@@ -242,9 +246,108 @@ static float *duet__kda_state(const duet_cpu_kda_layer_t *ly, int32_t slot, int6
     return (float *)((uint8_t *)ly->kda_base + off);
 }
 
+/* Row `row` of the item's replay block in this layer (common/cache_layout.h); the block's rows
+ * follow each other, duet__kda_replay_row_floats apart. */
+static float *duet__kda_replay_row(const duet_cpu_kda_layer_t *ly, int32_t slot, int64_t row)
+{
+    uint64_t off = 0;
+    (void)duet_replay_layout_row_offset(&ly->replay, (uint64_t)slot, (uint64_t)ly->layer,
+                                        (uint64_t)row, &off);
+    return (float *)((uint8_t *)ly->replay_base + off);
+}
+
+static int64_t duet__kda_replay_row_floats(const duet_cpu_kda_layer_t *ly)
+{
+    uint64_t b = 0;
+    (void)duet_replay_layout_row_bytes(&ly->replay, &b);
+    return (int64_t)(b / sizeof(float));
+}
+
+static int duet__kda_is_verify(const duet_cpu_step_t *st, int64_t it)
+{
+    return st->item_verify != NULL && st->item_verify[it] != 0;
+}
+
+int64_t duet_cpu_kda_verify_scratch_floats(int64_t K)
+{
+    return K * K + K;
+}
+
+typedef struct {
+    const duet_cpu_step_t *st;
+    const duet_cpu_kda_layer_t *ly;
+    float *scratch;
+    int64_t per_thread;
+} duet__kda_replay_ctx_t;
+
+/* One (item, head): the accepted rows' recurrence on S, then the windows of the head's channels
+ * of q, k and v (K each) keep the last W-1 of (window, the rows' projections). */
+static void duet__kda_replay_task(void *vctx, int64_t b, int64_t e, int tid)
+{
+    const duet__kda_replay_ctx_t *cx = vctx;
+    const duet_cpu_step_t *st = cx->st;
+    const duet_cpu_kda_layer_t *ly = cx->ly;
+    const int64_t H = (int64_t)ly->layout.heads, K = (int64_t)ly->layout.head_dim, HK = H * K;
+    const int64_t W1 = (int64_t)ly->layout.conv_kernel - 1, RF = duet__kda_replay_row_floats(ly);
+
+    for (int64_t idx = b; idx < e; idx++) {
+        const int64_t it = idx / H, h = idx % H, n = st->item_replay[it];
+        if (n == 0)
+            continue;
+        const int32_t slot = st->item_slot[it];
+        const float *rows = duet__kda_replay_row(ly, slot, 0);
+        const float *kr = rows + DUET_REPLAY_FIELD_K * HK + h * K;
+        /* q is not stored: the output is not needed, and the state update does not read q, so k
+         * stands in for it and the outputs go to one scratch row (o_stride 0) */
+        duet_cpu_kda_head_io_t io = {
+            .q = kr,
+            .q_stride = RF,
+            .k = kr,
+            .k_stride = RF,
+            .v = rows + DUET_REPLAY_FIELD_V * HK + h * K,
+            .v_stride = RF,
+            .g = rows + DUET_REPLAY_FIELD_G * HK + h * K,
+            .g_stride = RF,
+            .beta = rows + DUET_REPLAY_FIELD_BETA * HK + h,
+            .beta_stride = RF,
+            .o = cx->scratch + (int64_t)tid * cx->per_thread,
+            .o_stride = 0,
+            .n = n,
+            .K = K,
+            .V = K,
+        };
+        duet_cpu_kda_recurrent(&io, duet__kda_state(ly, slot, h));
+        /* window ++ projections, keep the last W-1; in place, reading ahead of the write */
+        float *win0 = duet__kda_conv_window(ly, slot); /* [3*H*K][W-1] */
+        for (int64_t which = 0; which < 3; which++)
+            for (int64_t d = 0; d < K; d++) {
+                const int64_t c = which * HK + h * K + d;
+                float *win = win0 + c * W1;
+                for (int64_t j = 0; j < W1; j++) {
+                    const int64_t i = n + j;
+                    win[j] = i < W1 ? win[i] : rows[(i - W1) * RF + DUET_REPLAY_FIELD_PROJ + c];
+                }
+            }
+    }
+}
+
+void duet_cpu_kda_replay(duet_kernels_t *k, const duet_cpu_step_t *st,
+                         const duet_cpu_kda_layer_t *ly, float *scratch, int64_t scratch_per_thread)
+{
+    int any = 0;
+    for (int64_t it = 0; st->item_replay != NULL && it < st->n_items; it++)
+        any |= st->item_replay[it] > 0;
+    if (!any)
+        return;
+    duet__kda_replay_ctx_t cx = {
+        .st = st, .ly = ly, .scratch = scratch, .per_thread = scratch_per_thread};
+    duet_k_parallel_for(k, st->n_items * (int64_t)ly->layout.heads, 1, duet__kda_replay_task, &cx);
+}
+
 /* Causal depthwise conv + SiLU over one (item, block of channels), then the window keeps the
- * last W-1 pre-conv inputs. Tokens run outside and channels inside, so rows are read
- * contiguously and the channel loop vectorises. */
+ * last W-1 pre-conv inputs (a verify item's window stays; its inputs go to its replay rows).
+ * Tokens run outside and channels inside, so rows are read contiguously and the channel loop
+ * vectorises. */
 #define DUET_CONV_BLOCK 64
 
 typedef struct {
@@ -288,6 +391,14 @@ static void duet__kda_conv_task(void *vctx, int64_t b, int64_t e, int tid)
             float *out = cx->qkv + (r0 + t) * C3 + c0;
             for (int64_t ch = 0; ch < nc; ch++)
                 out[ch] = duet__silu(acc[ch]);
+        }
+        if (duet__kda_is_verify(st, it)) {
+            for (int64_t t = 0; t < n; t++) {
+                float *row = duet__kda_replay_row(cx->ly, st->item_slot[it], t);
+                memcpy(row + DUET_REPLAY_FIELD_PROJ + c0, cx->proj + (r0 + t) * C3 + c0,
+                       sizeof(float) * (size_t)nc);
+            }
+            continue;
         }
         /* concat = window (W-1) ++ inputs (n); the new window is concat[n .. n+W-1) */
         for (int64_t j = 0; j < W - 1; j++) {
@@ -394,10 +505,26 @@ static void duet__kda_core_task(void *vctx, int64_t b, int64_t e, int tid)
             .V = K,
         };
         float *S = duet__kda_state(cx->ly, st->item_slot[it], h);
-        if (n == 1)
+        float *scratch = cx->scratch + (int64_t)tid * cx->per_thread;
+        if (duet__kda_is_verify(st, it)) {
+            /* one row after the other on a copy: the pool keeps the committed state */
+            memcpy(scratch, S, sizeof(float) * (size_t)(K * K));
+            duet_cpu_kda_recurrent(&io, scratch);
+            for (int64_t t = 0; t < n; t++) {
+                float *rw = duet__kda_replay_row(cx->ly, st->item_slot[it], t);
+                memcpy(rw + DUET_REPLAY_FIELD_K * HK + h * K, io.k + t * C3,
+                       sizeof(float) * (size_t)K);
+                memcpy(rw + DUET_REPLAY_FIELD_V * HK + h * K, io.v + t * C3,
+                       sizeof(float) * (size_t)K);
+                memcpy(rw + DUET_REPLAY_FIELD_G * HK + h * K, io.g + t * HK,
+                       sizeof(float) * (size_t)K);
+                rw[DUET_REPLAY_FIELD_BETA * HK + h] = io.beta[t * H];
+            }
+        } else if (n == 1) {
             duet_cpu_kda_recurrent(&io, S);
-        else
-            duet_cpu_kda_chunked(&io, S, cx->scratch + (int64_t)tid * cx->per_thread);
+        } else {
+            duet_cpu_kda_chunked(&io, S, scratch);
+        }
     }
 }
 

@@ -123,7 +123,7 @@ static void free_fixtures(fixture_t *fx, int n)
     }
 }
 
-static double max_abs_diff(const float *a, const float *ref, int64_t n)
+static inline double max_abs_diff(const float *a, const float *ref, int64_t n)
 {
     double m = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -133,7 +133,7 @@ static double max_abs_diff(const float *a, const float *ref, int64_t n)
     return m;
 }
 
-static double rel_l2(const float *a, const float *ref, int64_t n)
+static inline double rel_l2(const float *a, const float *ref, int64_t n)
 {
     double num = 0, den = 0;
     for (int64_t i = 0; i < n; i++) {
