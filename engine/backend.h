@@ -21,19 +21,19 @@
  * (docs/architecture.md, "Module layout"). The kernels a backend calls live in kernels/<device>/,
  * one folder per device with the same names on both (kda, mla, moe, step).
  *
- * Calls: create, then any number of seq_open / seq_set_filled / forward / seq_close, then destroy,
- * all from one thread. An op marked optional may be NULL: the front end then does nothing for it
- * (or refuses the feature that needs it with DUET_ERR_UNSUPPORTED).
+ * Calls: create, then any number of seq_open / seq_set_filled / forward / seq_replay / seq_close,
+ * then destroy, all from one thread. An op marked optional may be NULL: the front end then does
+ * nothing for it (or refuses the feature that needs it with DUET_ERR_UNSUPPORTED).
  *
- * Extending: the features that come next add to this table rather than branching in the front
- * end (model.c) or in the other backend.
- *  - Speculative decoding's verify rows are built this way: an item field
- * (duet_batch_item_t.verify) in model.h, DUET_BACKEND_CAP_VERIFY here so that the load refuses
- * spec_rows and duet_model_forward refuses a verify item on a backend without it, each capable
- * backend's forward handling the rows (and folding a sequence's accepted rows, seq->n_replay, into
- * its state before its new rows), the replay pool (DUET_MODEL_POOL_REPLAY, created by the front end
- * like the others) and the seq_replay op for the replay-only commit. Accepting and truncating are
- * the front end's bookkeeping. The CUDA backend has no verify rows yet.
+ * Extending: features add to this table rather than branching in the front end (model.c) or in
+ * the other backend.
+ *  - Speculative decoding's verify rows were added this way: an item field
+ *    (duet_batch_item_t.verify) in model.h; DUET_BACKEND_CAP_VERIFY here, so that the load
+ *    refuses spec_rows and duet_model_forward a verify item on a backend without it; each capable
+ *    backend's forward handling the rows (and folding a sequence's accepted rows, seq->n_replay,
+ *    into its state before its new rows); the replay pool (DUET_MODEL_POOL_REPLAY, created by
+ *    the front end like the others); the seq_replay op for the replay-only commit. Accepting and
+ *    truncating are the front end's bookkeeping. The CUDA backend has no verify rows yet.
  *  - A new pool (a draft model's KV): a new duet_model_pool_t value; the front end creates its
  *    host pool and bookkeeping as for KV and KDA (sized by the config, laid out in
  *    common/cache_layout.h), a backend reports where its memory is through pool_mem and zeroes /

@@ -275,7 +275,8 @@ void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, voi
  * A sequence's accepted rows not yet replayed (n_replay) are folded into its state first, in the
  * same step; n_replay is 0 afterwards. A verify item (its `verify` field) leaves its sequence's
  * n_tokens and committed caches as they were and sets n_pending. On error no sequence is
- * advanced only if the error is detected before compute (validation); errors are
+ * advanced (nor its n_replay, n_pending changed) only if the error is detected before compute
+ * (validation); after an error during compute the batch's caches are undefined. Errors are
  * DUET_ERR_INVALID/RANGE, and DUET_ERR_UNSUPPORTED for a verify item on a backend without verify
  * rows.
  *

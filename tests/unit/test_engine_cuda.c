@@ -118,6 +118,46 @@ Test(engine_cuda, no_device_fails_cleanly)
     free_fixtures(fx, n);
 }
 
+/* The CUDA backend has no verify rows yet (DUET_BACKEND_CAP_VERIFY): spec_rows is refused at
+ * load, before any device is touched, and with a device a verify item is refused by the forward,
+ * the sequence untouched; nothing falls back to the CPU. */
+Test(engine_cuda, verify_rows_are_refused, .timeout = 300)
+{
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    cr_assert_geq(n, 1);
+    duet_model_opts_t o;
+    duet_model_opts_default(&o);
+    o.device = DUET_DEVICE_CUDA;
+    o.spec_rows = 4;
+    duet_model_t *m = NULL;
+    cr_assert_eq(duet_model_load(fx[0].dir, &o, &m), DUET_ERR_UNSUPPORTED, "%s", duet_error_last());
+    cr_assert_null(m);
+    cr_assert_not_null(strstr(duet_error_last(), "spec_rows 4"), "%s", duet_error_last());
+    need_gpu();
+    m = load(&fx[0], DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+    duet_seq_t s;
+    cr_assert_eq(duet_model_seq_open(m, 64, &s), DUET_OK);
+    float *lg = malloc(sizeof(float) * (size_t)(3 * fx[0].vocab));
+    const int32_t toks[3] = {1, 2, 3};
+    duet_batch_item_t it = {.seq = &s,
+                            .tokens = toks,
+                            .n_tokens = 3,
+                            .logits_mode = DUET_LOGITS_ALL,
+                            .logits = lg,
+                            .verify = 1};
+    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_ERR_UNSUPPORTED, "%s", duet_error_last());
+    cr_assert_not_null(strstr(duet_error_last(), "cuda"), "%s", duet_error_last());
+    cr_assert(s.n_tokens == 0 && s.n_pending == 0);
+    it.verify = 0; /* the plain item runs */
+    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(s.n_tokens, 3);
+    duet_model_seq_close(m, &s);
+    duet_model_free(m);
+    free(lg);
+    free_fixtures(fx, n);
+}
+
 /* duet_cuda_device_usable agrees with the device count: without a device (CI) it says no, with
  * a reason; with one, this build (CMAKE_CUDA_ARCHITECTURES as configured) must have code for
  * it, or every GPU test below would fail at its first launch. */

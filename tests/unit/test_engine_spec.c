@@ -6,13 +6,16 @@
  * The reference is plain decode: the same model run one token per step, which the golden tests
  * check against transformers. A *probe* (a copy of the plain sequence's caches, made with
  * duet_model_seq_set_filled as a cache transfer makes one) decodes a verify item's tokens one per
- * step, giving what each verify row must equal. Bound: 0 everywhere the engine promises bits
- * (verify logits, the KDA state and conv windows after a replay, fused or by commit, the KV rows,
- * the pre-conv projections in the replay pool, a mixed batch against each item alone, truncate):
- * memcmp. The replay pool's k, v, g, β are checked against a second, independent reference, this
- * file's own double-precision sequential conv + prep of the first KDA layer (input: the
- * checkpoint's embedding, norm and projection weights): max |diff| <= 4e-6 · max(1, max |ref|)
- * per field and row (fp32 vs double rounding; what we see is at most 3.5e-7).
+ * step, giving what each verify row must equal. Bound: 0 (memcmp) everywhere the engine promises
+ * bits: verify logits; the KDA state and conv windows after a replay, fused with the next forward
+ * or by seq_commit; the KV rows; a mixed batch against each item alone; truncate; and the replay
+ * pool's rows: their pre-conv projections against the newest entries of plain decode's conv
+ * windows, their k and v against the kernels' conv + prep run sequentially, one row per step on a
+ * copy of the committed window, as plain decode runs them, for every KDA layer. A second,
+ * independent reference for the first KDA layer's rows (projections, k, v, g, β): this file's own
+ * double-precision sequential conv + prep from the checkpoint's embedding, norm and projection
+ * weights, max |diff| <= 4e-6 · max(1, max |ref|) per field and row (fp32 against double; what we
+ * see is at most 3.5e-7).
  */
 #include <criterion/criterion.h>
 #include <jansson.h>
@@ -22,12 +25,14 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine/backend.h"
 #include "engine/cache.h"
 #include "engine/checkpoint.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/sampler.h"
 #include "engine/weights.h"
+#include "kernels/cpu/cpu_kda.h"
 
 #include "golden_fixtures.h"
 
@@ -335,6 +340,102 @@ static double layer0_check_row(const layer0_t *r, const float *row, const int32_
     return err;
 }
 
+/* ---- the sequential reference of every KDA layer's k and v --------------------------------------
+ */
+
+/* The engine's conv + prep run as plain decode runs them, one row per step on a copy of the
+ * committed conv window that each step updates, over a verify item's stored projections. */
+typedef struct {
+    duet_model_config_t cfg;
+    duet_checkpoint_t *ck;
+    duet_weights_t w;
+    duet_backend_f32_t *f32; /* the fp32 taps, dt_bias, -exp(A_log) the backend computes with */
+    duet_kernels_t *k;       /* one thread */
+    duet_kda_pool_t *pool;   /* one slot, one layer: the window being stepped */
+    float *proj, *qkv, *g, *beta;
+} seqref_t;
+
+static void seqref_load(const char *dir, seqref_t *r)
+{
+    memset(r, 0, sizeof(*r));
+    cr_assert_eq(duet_model_config_load(dir, &r->cfg), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_checkpoint_open(dir, &r->ck), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_weights_bind(r->ck, &r->cfg, &r->w), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_backend_f32_prepare(&r->cfg, &r->w, &r->f32), DUET_OK);
+    cr_assert_eq(duet_kernels_create(DUET_DEVICE_CPU, 1, &r->k), DUET_OK);
+    const duet_kda_pool_desc_t d = {.n_slots = 1,
+                                    .n_layers = 1,
+                                    .heads = r->cfg.kda_heads,
+                                    .head_dim = r->cfg.kda_head_dim,
+                                    .conv_kernel = r->cfg.conv_kernel};
+    cr_assert_eq(duet_kda_pool_create(&d, &r->pool), DUET_OK);
+    int32_t slot;
+    cr_assert_eq(duet_kda_pool_alloc(r->pool, &slot), DUET_OK);
+    cr_assert_eq(slot, 0);
+    const int64_t HK = r->cfg.kda_heads * r->cfg.kda_head_dim;
+    r->proj = malloc(sizeof(float) * (size_t)(3 * HK));
+    r->qkv = malloc(sizeof(float) * (size_t)(3 * HK));
+    r->g = malloc(sizeof(float) * (size_t)HK);
+    r->beta = malloc(sizeof(float) * (size_t)r->cfg.kda_heads);
+}
+
+static void seqref_free(seqref_t *r)
+{
+    free(r->proj);
+    free(r->qkv);
+    free(r->g);
+    free(r->beta);
+    duet_kda_pool_destroy(r->pool);
+    duet_kernels_destroy(r->k);
+    duet_backend_f32_free(&r->cfg, r->f32);
+    duet_weights_free(&r->w);
+    duet_checkpoint_close(r->ck);
+}
+
+/* Rows 0..n of every KDA layer's replay block: k and v bit for bit as the sequential steps give
+ * them. The sequence's conv windows are the committed ones (a verify leaves them). */
+static void check_replay_kv_sequential(seqref_t *r, duet_model_t *m, const duet_seq_t *spec,
+                                       int64_t n, const char *name, int s)
+{
+    duet_kda_pool_t *kp = duet_model_kda_pool(m);
+    duet_replay_pool_t *rp = duet_model_replay_pool(m);
+    const int64_t H = r->cfg.kda_heads, K = r->cfg.kda_head_dim, HK = H * K;
+    const size_t win_bytes = sizeof(float) * (size_t)(3 * HK * (r->cfg.conv_kernel - 1));
+    const int64_t row0[2] = {0, 1}, pos0 = 0;
+    const int32_t slot0 = 0;
+    const duet_cpu_step_t st = {
+        .n_items = 1, .n_rows = 1, .item_row0 = row0, .item_pos0 = &pos0, .item_slot = &slot0};
+    const duet_cpu_kda_layer_t ly = {.kda_base = duet_kda_pool_base(r->pool),
+                                     .layout = duet_kda_pool_layout(r->pool),
+                                     .layer = 0};
+    for (int64_t l = 0, sub = 0; l < r->cfg.num_layers; l++) {
+        if (r->cfg.mixer[l] != DUET_MIXER_KDA)
+            continue;
+        memcpy(duet_kda_pool_conv(r->pool, 0, 0), duet_kda_pool_conv(kp, spec->kda_slot, sub),
+               win_bytes);
+        for (int64_t j = 0; j < n; j++) {
+            const float *row = duet_replay_pool_row(rp, spec->kda_slot, sub, j);
+            memcpy(r->proj, row + DUET_REPLAY_FIELD_PROJ * HK, sizeof(float) * (size_t)(3 * HK));
+            memset(r->g, 0, sizeof(float) * (size_t)HK);
+            memset(r->beta, 0, sizeof(float) * (size_t)H);
+            duet_cpu_kda_conv(r->k, &st, &ly, r->f32[l].conv_w, r->proj, r->qkv);
+            duet_cpu_kda_prep(r->k, 1, H, K, r->f32[l].neg_A, r->f32[l].dt_bias, r->qkv, r->g,
+                              r->beta);
+            cr_assert(memcmp(row + DUET_REPLAY_FIELD_K * HK, r->qkv + HK,
+                             sizeof(float) * (size_t)HK) == 0,
+                      "%s step %d: replay row %lld of KDA layer %lld: k differs from the "
+                      "sequential conv + prep",
+                      name, s, (long long)j, (long long)sub);
+            cr_assert(memcmp(row + DUET_REPLAY_FIELD_V * HK, r->qkv + 2 * HK,
+                             sizeof(float) * (size_t)HK) == 0,
+                      "%s step %d: replay row %lld of KDA layer %lld: v differs from the "
+                      "sequential conv + prep",
+                      name, s, (long long)j, (long long)sub);
+        }
+        sub++;
+    }
+}
+
 /* ---- speculation against plain decode -------------------------------------------------------- */
 
 typedef struct {
@@ -381,6 +482,10 @@ static void run_spec_case(const spec_case_t *cs, spec_stats_t *stats)
     const int64_t cap = P + STEPS * SPEC_ROWS + TAIL + KMAX;
     layer0_t l0;
     const int have_l0 = layer0_load(cs->dir, &l0);
+    seqref_t sq;
+    const int have_kda = duet_model_kda_pool(m) != NULL;
+    if (have_kda)
+        seqref_load(cs->dir, &sq);
     int32_t *hist = malloc(sizeof(int32_t) * (size_t)(cap + SPEC_ROWS)); /* the tokens so far */
     memcpy(hist, cs->prompt, sizeof(int32_t) * (size_t)P);
     float *lg = malloc(sizeof(float) * (size_t)(P * V));
@@ -461,6 +566,8 @@ static void run_spec_case(const spec_case_t *cs, spec_stats_t *stats)
                   s);
         stats->fused_replays += had_replay > 0;
         check_replay_proj(m, &spec, wins, n, cs->name);
+        if (have_kda)
+            check_replay_kv_sequential(&sq, m, &spec, n, cs->name, s);
         if (have_l0)
             for (int64_t j = 0; j < n; j++) {
                 const float *row =
@@ -504,6 +611,8 @@ static void run_spec_case(const spec_case_t *cs, spec_stats_t *stats)
     duet_model_seq_close(m, &ref);
     if (have_l0)
         layer0_free(&l0);
+    if (have_kda)
+        seqref_free(&sq);
     for (int j = 0; j < SPEC_ROWS; j++)
         free(wins[j]);
     free(hist);
