@@ -16,5 +16,5 @@ if(DUET_HAVE_CUDA)
                 LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
 endif()
 # Speculative decoding's host side: prompt lookup, acceptance, the distribution it keeps.
-duet_add_test(test_engine_spec SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_spec.c
+duet_add_test(test_engine_accept SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_accept.c
               LIBS duet_engine TIMEOUT 300)

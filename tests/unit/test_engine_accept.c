@@ -18,7 +18,7 @@
 
 #define CHI2_7DF_1E6 40.522 /* chi-square quantile, 7 degrees of freedom, 1 - 1e-6 */
 
-Test(engine_spec, method_names, .timeout = 5)
+Test(engine_accept, method_names, .timeout = 5)
 {
     duet_spec_method_t m;
     cr_assert_eq(duet_spec_method_parse("draft", &m), DUET_OK);
@@ -30,7 +30,7 @@ Test(engine_spec, method_names, .timeout = 5)
     cr_assert_eq(duet_spec_method_parse(NULL, &m), DUET_ERR_INVALID);
 }
 
-Test(engine_spec, ngram_finds_the_longest_most_recent_match, .timeout = 5)
+Test(engine_accept, ngram_finds_the_longest_most_recent_match, .timeout = 5)
 {
     int32_t d[8];
     /* ... 1 2 3 [7 8 9] ... 1 2 3 [4 5] ... 2 3: "2 3" matched by n = 2 at its newest place */
@@ -66,7 +66,7 @@ static void argmax_rows(float *logits, int64_t V, const int32_t *want, int rows)
             logits[j * V + i] = i == want[j] ? 3.0f : (float)(i % 3) * 0.1f;
 }
 
-Test(engine_spec, greedy_keeps_drafts_while_they_are_the_argmax, .timeout = 5)
+Test(engine_accept, greedy_keeps_drafts_while_they_are_the_argmax, .timeout = 5)
 {
     const int64_t V = 10;
     duet_sampler_t *s = NULL;
@@ -162,20 +162,20 @@ static void check_distribution(int point_mass, uint64_t seed)
     duet_sampler_destroy(s);
 }
 
-Test(engine_spec, sampling_keeps_the_target_distribution_draft_model_q, .timeout = 60)
+Test(engine_accept, sampling_keeps_the_target_distribution_draft_model_q, .timeout = 60)
 {
     check_distribution(0, 11);
     check_distribution(0, 12);
 }
 
-Test(engine_spec, sampling_keeps_the_target_distribution_point_mass_q, .timeout = 60)
+Test(engine_accept, sampling_keeps_the_target_distribution_point_mass_q, .timeout = 60)
 {
     check_distribution(1, 21);
     check_distribution(1, 22);
 }
 
 /* The check above can fail: a rule that always keeps the draft (ignoring p) is caught. */
-Test(engine_spec, the_distribution_check_catches_a_wrong_rule, .timeout = 30)
+Test(engine_accept, the_distribution_check_catches_a_wrong_rule, .timeout = 30)
 {
     enum { V = 8, N = 200000 };
     duet_sampler_t *s = NULL;
@@ -197,7 +197,7 @@ Test(engine_spec, the_distribution_check_catches_a_wrong_rule, .timeout = 30)
     duet_sampler_destroy(s);
 }
 
-Test(engine_spec, sampler_probs_is_what_sample_draws_from, .timeout = 30)
+Test(engine_accept, sampler_probs_is_what_sample_draws_from, .timeout = 30)
 {
     enum { V = 8, N = 200000 };
     duet_sampler_t *s = NULL;
