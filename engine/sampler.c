@@ -136,13 +136,15 @@ int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rn
     return duet_sampler_sample_u(s, p, duet_sampling_draw(p, rng), logits);
 }
 
-int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u_draw,
-                              const float *logits)
+/*
+ * The candidates p samples from, most likely first: s->idx[0..n) with unnormalised weights
+ * s->prob[0..n) summing to *sum (top-k by partial selection, the softmax at temperature, the
+ * nucleus cut). Only for p that samples (temperature > 0, top_k != 1).
+ */
+static int64_t duet__candidates(duet_sampler_t *s, const duet_sampling_t *p, const float *logits,
+                                double *sum_p)
 {
     const int64_t V = s->vocab;
-    if (p->temperature <= 0.0f || p->top_k == 1)
-        return duet_argmax(logits, V);
-
     /* candidates sorted by logit, descending; with top_k only the best k are kept */
     int64_t n = V;
     for (int64_t i = 0; i < V; i++)
@@ -190,6 +192,17 @@ int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float
         for (int64_t i = 0; i < n; i++)
             sum += s->prob[i];
     }
+    *sum_p = sum;
+    return n;
+}
+
+int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u_draw,
+                              const float *logits)
+{
+    if (p->temperature <= 0.0f || p->top_k == 1)
+        return duet_argmax(logits, s->vocab);
+    double sum;
+    const int64_t n = duet__candidates(s, p, logits, &sum);
     double u = (double)u_draw * sum;
     double acc = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -198,4 +211,18 @@ int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float
             return s->idx[i];
     }
     return s->idx[n - 1];
+}
+
+void duet_sampler_probs(duet_sampler_t *s, const duet_sampling_t *p, const float *logits,
+                        float *probs)
+{
+    memset(probs, 0, sizeof(*probs) * (size_t)s->vocab);
+    if (p->temperature <= 0.0f || p->top_k == 1) {
+        probs[duet_argmax(logits, s->vocab)] = 1.0f;
+        return;
+    }
+    double sum;
+    const int64_t n = duet__candidates(s, p, logits, &sum);
+    for (int64_t i = 0; i < n; i++)
+        probs[s->idx[i]] = (float)(s->prob[i] / sum);
 }

@@ -53,6 +53,14 @@ int32_t duet_sampler_sample(duet_sampler_t *s, const duet_sampling_t *p, duet_rn
  */
 int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u,
                               const float *logits);
+/*
+ * The distribution duet_sampler_sample draws from under p, dense over the vocabulary into
+ * probs[vocab] (zero outside the top-k / nucleus candidates; one-hot at the argmax when p is
+ * greedy). Speculative sampling compares the target's and the drafter's distributions with it.
+ */
+void duet_sampler_probs(duet_sampler_t *s, const duet_sampling_t *p, const float *logits,
+                        float *probs);
+
 /* The draw one token of p consumes: duet_rng_uniform(rng) when p samples, else 0 (no draw). */
 float duet_sampling_draw(const duet_sampling_t *p, duet_rng_t *rng);
 
