@@ -26,6 +26,7 @@
 #include "common/version.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
+#include "engine/spec.h"
 #include "tokenizer/tokenizer.h"
 
 static const char *const gen_devices[] = {"auto", "cpu", "cuda", NULL};
@@ -62,7 +63,52 @@ static const duet_config_key_t gen_keys[] = {
      "visible), cpu or cuda",
      .choices = gen_devices},
     {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = gen_dtypes},
+    DUET_SPEC_CONFIG_KEYS,
 };
+
+/* What decoding writes: the tokens, and the text (streamed to stdout or kept for --json). */
+typedef struct {
+    int32_t *out; /* (max_new) */
+    int64_t n_out, max_new;
+    const uint32_t *stop_ids;
+    size_t n_stop;
+    int ignore_eos, as_json;
+    duet_detok_t *detok; /* NULL without a tokenizer */
+    char *text;
+    size_t text_len, text_cap;
+} gen_emit_t;
+
+/* Emit one generated token; 1 when it ends the output (a stop id), 0 otherwise, -1 on no
+ * memory. */
+static int gen_emit(gen_emit_t *e, int32_t t)
+{
+    e->out[e->n_out++] = t;
+    int stop = 0;
+    for (size_t i = 0; i < e->n_stop && !e->ignore_eos; i++)
+        stop = stop || e->stop_ids[i] == (uint32_t)t;
+    if (e->detok == NULL || stop)
+        return stop;
+    const char *piece;
+    size_t plen;
+    if (duet_detok_feed(e->detok, (uint32_t)t, &piece, &plen) != DUET_OK || plen == 0)
+        return 0;
+    if (!e->as_json) {
+        fwrite(piece, 1, plen, stdout);
+        fflush(stdout);
+        return 0;
+    }
+    if (e->text_len + plen + 1 > e->text_cap) {
+        size_t ncap = (e->text_len + plen + 1) * 2;
+        char *grown = realloc(e->text, ncap);
+        if (grown == NULL)
+            return -1;
+        e->text = grown;
+        e->text_cap = ncap;
+    }
+    memcpy(e->text + e->text_len, piece, plen);
+    e->text_len += plen;
+    return 0;
+}
 
 static double gen_now(void)
 {
@@ -123,11 +169,12 @@ int main(int argc, char **argv)
     duet_tokenizer_t *tok = NULL;
     duet_detok_t *detok = NULL;
     duet_sampler_t *smp = NULL;
-    int32_t *prompt = NULL, *out = NULL;
+    duet_spec_t *spec = NULL;
+    duet_spec_seq_t ss = {.dseq = {.id = -1}};
+    int32_t *prompt = NULL;
     float *logits = NULL;
     FILE *dump = NULL;
-    char *text = NULL;
-    size_t text_len = 0, text_cap = 0;
+    gen_emit_t em = {0};
     int rc = 1, n_pos = 0;
     duet_seq_t seq = {.id = -1};
     duet_status_t st;
@@ -176,6 +223,11 @@ int main(int argc, char **argv)
     sp.top_k = duet_config_get_int(cfg, "top_k");
     sp.seed = (uint64_t)duet_config_get_int(cfg, "seed");
     if ((st = duet_sampling_validate(&sp)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
+    duet_spec_opts_t so;
+    if ((st = duet_spec_opts_from_config(cfg, &so)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
@@ -242,6 +294,7 @@ int main(int argc, char **argv)
     opts.page_tokens = duet_config_get_int(cfg, "page_tokens");
     opts.max_seqs = 1;
     opts.max_seq_len = n_prompt + max_new;
+    opts.spec_rows = duet_spec_target_rows(&so);
     if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
@@ -258,14 +311,19 @@ int main(int argc, char **argv)
     const duet_model_config_t *mc = duet_model_config(model);
     const int64_t V = mc->vocab_size;
     if ((st = duet_sampler_create(V, &smp)) != DUET_OK ||
-        (st = duet_model_seq_open(model, n_prompt + max_new, &seq)) != DUET_OK) {
+        (st = duet_model_seq_open(model, n_prompt + max_new, &seq)) != DUET_OK ||
+        (so.method != DUET_SPEC_NONE && (st = duet_spec_create(&so, model, &spec)) != DUET_OK)) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
     const int64_t chunk = opts.max_batch_tokens;
-    logits = malloc(sizeof(float) * (size_t)(V * (dump_path != NULL ? chunk : 1)));
-    out = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
-    if (logits == NULL || out == NULL) {
+    int64_t rows = dump_path != NULL ? chunk : 1;
+    if (rows < so.k + 1 && spec != NULL)
+        rows = so.k + 1;
+    logits = malloc(sizeof(float) * (size_t)(V * rows));
+    em.max_new = max_new;
+    em.out = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
+    if (logits == NULL || em.out == NULL) {
         fprintf(stderr, "duet-generate: out of memory\n");
         goto out;
     }
@@ -279,6 +337,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
+    em.stop_ids = stop_ids;
+    em.n_stop = n_stop;
+    em.ignore_eos = ignore_eos;
+    em.as_json = as_json;
+    em.detok = detok;
 
     /* prefill in chunks */
     double t0 = gen_now();
@@ -308,67 +371,85 @@ int main(int argc, char **argv)
     }
     double t_prefill = gen_now() - t0;
 
-    /* decode */
+    /* decode: the first token from the prefill's logits, then one forward per step (a verify
+     * of k drafts with speculation, else one row) */
     duet_rng_t rng;
     duet_rng_seed(&rng, sp.seed);
-    int64_t n_out = 0;
     const char *finish = "length";
+    int64_t steps = 0;
+    int end = 0;
     double t1 = gen_now();
-    while (n_out < max_new) {
-        int32_t next = duet_sampler_sample(smp, &sp, &rng, logits);
-        out[n_out++] = next;
-        int stop = 0;
-        for (size_t i = 0; i < n_stop && !ignore_eos; i++)
-            stop = stop || stop_ids[i] == (uint32_t)next;
-        if (detok != NULL && !stop) {
-            const char *piece;
-            size_t plen;
-            if (duet_detok_feed(detok, (uint32_t)next, &piece, &plen) == DUET_OK && plen > 0) {
-                if (as_json) {
-                    if (text_len + plen + 1 > text_cap) {
-                        size_t ncap = (text_len + plen + 1) * 2;
-                        char *grown = realloc(text, ncap);
-                        if (grown == NULL)
-                            goto out;
-                        text = grown;
-                        text_cap = ncap;
-                    }
-                    memcpy(text + text_len, piece, plen);
-                    text_len += plen;
-                } else {
-                    fwrite(piece, 1, plen, stdout);
-                    fflush(stdout);
-                }
-            }
+    if (max_new > 0) {
+        int32_t first = duet_sampler_sample(smp, &sp, &rng, logits);
+        end = gen_emit(&em, first);
+        if (spec != NULL && end == 0 &&
+            (st = duet_spec_seq_open(spec, &ss, prompt, n_prompt, first, max_new, &sp, &rng)) !=
+                DUET_OK) {
+            fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+            goto out;
         }
-        if (stop) {
-            finish = "stop";
-            break;
-        }
-        if (n_out == max_new)
-            break;
+    }
+    while (end == 0 && em.n_out < max_new) {
+        int32_t toks[DUET_SPEC_MAX_K + 1];
+        int n_toks = 0;
+        int32_t next = em.out[em.n_out - 1];
         duet_batch_item_t item = {.seq = &seq,
                                   .tokens = &next,
                                   .n_tokens = 1,
                                   .logits_mode = DUET_LOGITS_LAST,
                                   .logits = logits};
+        int32_t vtoks[DUET_SPEC_MAX_K + 1];
+        if (spec != NULL) {
+            /* drafts so that the kept ones and the target's token stay within max_tokens */
+            int k_cap = (int)(max_new - em.n_out - 1 < so.k ? max_new - em.n_out - 1 : so.k);
+            duet_spec_seq_t *one = &ss;
+            if ((st = duet_spec_propose(spec, &one, &k_cap, 1)) != DUET_OK) {
+                fprintf(stderr, "duet-generate: drafting failed: %s\n", duet_error_last());
+                goto out;
+            }
+            if (ss.k > 0) {
+                vtoks[0] = next;
+                memcpy(vtoks + 1, ss.drafts, sizeof(int32_t) * (size_t)ss.k);
+                item.tokens = vtoks;
+                item.n_tokens = ss.k + 1;
+                item.logits_mode = DUET_LOGITS_ALL;
+                item.verify = 1;
+            }
+        }
         if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
             fprintf(stderr, "duet-generate: decode failed: %s\n", duet_error_last());
             goto out;
         }
+        steps++;
+        if (spec != NULL) {
+            if ((st = duet_spec_finish(spec, &ss, &seq, logits, toks, &n_toks)) != DUET_OK) {
+                fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+                goto out;
+            }
+        } else {
+            toks[n_toks++] = duet_sampler_sample(smp, &sp, &rng, logits);
+        }
+        for (int i = 0; i < n_toks && end == 0 && em.n_out < max_new; i++)
+            end = gen_emit(&em, toks[i]);
     }
+    if (end < 0) {
+        fprintf(stderr, "duet-generate: out of memory\n");
+        goto out;
+    }
+    if (end > 0)
+        finish = "stop";
     double t_decode = gen_now() - t1;
     if (detok != NULL) {
         const char *piece;
         size_t plen;
         if (duet_detok_flush(detok, &piece, &plen) == DUET_OK && plen > 0) {
             if (as_json) {
-                char *grown = realloc(text, text_len + plen + 1);
+                char *grown = realloc(em.text, em.text_len + plen + 1);
                 if (grown == NULL)
                     goto out;
-                text = grown;
-                memcpy(text + text_len, piece, plen);
-                text_len += plen;
+                em.text = grown;
+                memcpy(em.text + em.text_len, piece, plen);
+                em.text_len += plen;
             } else {
                 fwrite(piece, 1, plen, stdout);
             }
@@ -377,18 +458,23 @@ int main(int argc, char **argv)
 
     double prefill_tps = t_prefill > 0 ? (double)n_prompt / t_prefill : 0.0;
     /* the first generated token comes from the prefill's logits: n_out - 1 decode steps */
+    const int64_t n_out = em.n_out;
     double decode_tps = (n_out > 1 && t_decode > 0) ? (double)(n_out - 1) / t_decode : 0.0;
     if (as_json) {
         json_t *o = json_object();
         json_t *ta = json_array();
         for (int64_t i = 0; i < n_out; i++)
-            json_array_append_new(ta, json_integer(out[i]));
+            json_array_append_new(ta, json_integer(em.out[i]));
         json_object_set_new(o, "tokens", ta);
-        json_object_set_new(o, "text", json_stringn(text != NULL ? text : "", text_len));
+        json_object_set_new(o, "text", json_stringn(em.text != NULL ? em.text : "", em.text_len));
         json_object_set_new(o, "prompt_tokens", json_integer(n_prompt));
         json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_tps));
         json_object_set_new(o, "decode_tokens_per_s", json_real(decode_tps));
         json_object_set_new(o, "finish_reason", json_string(finish));
+        /* decode forwards after the prefill, and what speculation drafted and kept in them */
+        json_object_set_new(o, "steps", json_integer(steps));
+        json_object_set_new(o, "draft_tokens", json_integer((json_int_t)ss.drafted));
+        json_object_set_new(o, "accepted_tokens", json_integer((json_int_t)ss.kept));
         char *s = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
         if (s != NULL)
             puts(s);
@@ -397,7 +483,7 @@ int main(int argc, char **argv)
     } else {
         if (tok == NULL) {
             for (int64_t i = 0; i < n_out; i++)
-                printf("%s%d", i ? "," : "", out[i]);
+                printf("%s%d", i ? "," : "", em.out[i]);
         }
         printf("\n");
         fprintf(stderr,
@@ -414,8 +500,11 @@ out:
     }
     if (model != NULL)
         duet_model_seq_close(model, &seq);
-    free(text);
-    free(out);
+    if (spec != NULL)
+        duet_spec_seq_close(spec, &ss);
+    duet_spec_destroy(spec);
+    free(em.text);
+    free(em.out);
     free(logits);
     free(prompt);
     duet_sampler_destroy(smp);

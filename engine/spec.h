@@ -22,7 +22,9 @@
 
 #include <stdint.h>
 
+#include "common/config.h"
 #include "common/status.h"
+#include "engine/model.h"
 #include "engine/sampler.h"
 
 #define DUET_SPEC_MAX_K 8 /* drafts per verify step at most (spec.k in 1..8) */
@@ -59,5 +61,146 @@ int duet_spec_ngram_propose(const int32_t *hist, int64_t n_hist, int n_min, int 
 int duet_spec_accept(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rng,
                      const float *logits, int64_t vocab, const int32_t *drafts, int k,
                      const float *q, float *scratch, int32_t *out);
+
+/* ---- the speculative decoder: drafts for a batch of sequences, and what a verify keeps ---- */
+
+typedef struct {
+    duet_spec_method_t method; /* default NONE */
+    int k;                     /* drafts per verify step, 1..DUET_SPEC_MAX_K (default 4) */
+    int ngram_min, ngram_max;  /* NGRAM: match lengths tried, longest first (default 1..3) */
+    const char *draft_model;   /* DRAFT: the draft checkpoint's folder (not owned) */
+    int64_t draft_page_tokens; /* DRAFT: its KV page size in tokens (default 32) */
+} duet_spec_opts_t;
+
+/* The defaults above. */
+void duet_spec_opts_default(duet_spec_opts_t *o);
+
+/* "none", "ngram", "draft", NULL: the spec.method choices. */
+extern const char *const duet_spec_method_choices[];
+
+/*
+ * The config keys of speculative decoding, to splice into a binary's duet_config_key_t table
+ * (duet-generate's, duet-gen's): spec.method, spec.k, spec.draft_model, spec.ngram_min,
+ * spec.ngram_max, cache.draft_page_tokens. duet_spec_opts_from_config reads them back.
+ */
+#define DUET_SPEC_CONFIG_KEYS                                                                      \
+    {.name = "spec.method",                                                                        \
+     .type = DUET_CONFIG_ENUM,                                                                     \
+     .def = "none",                                                                                \
+     .help = "speculative decoding: none, ngram (prompt lookup) or draft (spec.draft_model); "     \
+             "CPU only",                                                                           \
+     .choices = duet_spec_method_choices},                                                         \
+        {.name = "spec.k",                                                                         \
+         .type = DUET_CONFIG_INT,                                                                  \
+         .def = "4",                                                                               \
+         .help = "drafted tokens verified per step",                                               \
+         .min = "1",                                                                               \
+         .max = "8"},                                                                              \
+        {.name = "spec.draft_model",                                                               \
+         .type = DUET_CONFIG_STRING,                                                               \
+         .help = "draft checkpoint folder (MLA layers only, the target's vocabulary)"},            \
+        {.name = "spec.ngram_min",                                                                 \
+         .type = DUET_CONFIG_INT,                                                                  \
+         .def = "1",                                                                               \
+         .help = "shortest n-gram prompt lookup matches",                                          \
+         .min = "1",                                                                               \
+         .max = "16"},                                                                             \
+        {.name = "spec.ngram_max",                                                                 \
+         .type = DUET_CONFIG_INT,                                                                  \
+         .def = "3",                                                                               \
+         .help = "longest n-gram prompt lookup tries first",                                       \
+         .min = "1",                                                                               \
+         .max = "16"},                                                                             \
+    {                                                                                              \
+        .name = "cache.draft_page_tokens", .type = DUET_CONFIG_INT, .def = "32",                   \
+        .help = "the draft model's KV page size in tokens", .min = "1", .max = "65536"             \
+    }
+
+/* Fill o from DUET_SPEC_CONFIG_KEYS' values in cfg and validate it (duet_spec_opts_validate).
+ * o->draft_model points into cfg. */
+duet_status_t duet_spec_opts_from_config(const duet_config_t *cfg, duet_spec_opts_t *o);
+
+/*
+ * Check o (method, 1 <= k <= DUET_SPEC_MAX_K, 1 <= ngram_min <= ngram_max <= 16, a draft folder
+ * for DRAFT, draft_page_tokens >= 1). DUET_ERR_INVALID / DUET_ERR_RANGE naming the key (spec.*).
+ */
+duet_status_t duet_spec_opts_validate(const duet_spec_opts_t *o);
+
+/*
+ * What the target model must be loaded with to speculate under o: spec_rows = k + 1 (0 for
+ * NONE). A caller also opens each sequence with k tokens more than it will keep (the verify
+ * rows past the last kept one are written into its pages).
+ */
+int64_t duet_spec_target_rows(const duet_spec_opts_t *o);
+
+typedef struct duet_spec duet_spec_t;
+
+/*
+ * The speculative decoder of `target` (loaded with spec_rows >= k + 1; it must outlive the
+ * decoder): for DRAFT it loads o->draft_model on the CPU with as many sequences as the target
+ * and max_seq_len + k tokens each, and refuses one whose vocabulary differs from the target's or
+ * that has KDA layers (a draft sequence is rolled back with duet_model_seq_truncate). Errors:
+ * duet_spec_opts_validate's, the draft model's load errors, DUET_ERR_UNSUPPORTED, NOMEM.
+ */
+duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, duet_spec_t **sp_p);
+void duet_spec_destroy(duet_spec_t *sp); /* accepts NULL */
+const duet_spec_opts_t *duet_spec_opts(const duet_spec_t *sp);
+
+/* One speculating request. Fields are the decoder's; callers read the stats and `k`. */
+typedef struct {
+    int32_t *hist; /* (cap) owned: the prompt and every token emitted so far, newest last; the
+                      target's sequence holds all but the newest */
+    int64_t n_hist, cap;
+    duet_seq_t dseq; /* DRAFT: the draft model's sequence; dseq.n_tokens of hist are in it */
+    const duet_sampling_t *sampling; /* the request's; not owned */
+    duet_rng_t *rng;                 /* the request's stream; not owned */
+    int32_t drafts[DUET_SPEC_MAX_K]; /* the last proposal: drafts[0..k) */
+    int k;
+    float *q;               /* (DUET_SPEC_MAX_K * vocab) owned: q of each draft when the draft
+                               model sampled it; unused otherwise */
+    int q_valid;            /* 1 when q holds the last proposal's distributions */
+    uint64_t drafted, kept; /* drafts proposed / kept over the request */
+    uint64_t verify_steps;  /* verify steps */
+    uint64_t kept_at[DUET_SPEC_MAX_K]; /* kept_at[j]: drafts kept at position j */
+    uint64_t drafted_at[DUET_SPEC_MAX_K];
+} duet_spec_seq_t;
+
+/*
+ * Start a request: hist = prompt[0..n_prompt) then `first` (the request's first generated token,
+ * not yet in the target's sequence), room for max_tokens tokens in all. DRAFT: opens a draft
+ * sequence and prefills it with the prompt (the draft model's prompt KV is computed here, on the
+ * generation side, from the prompt ids). sampling and rng are the request's and must outlive ss.
+ * Errors: the draft model's (NO_SPACE when its pools are full), NOMEM; ss is then left closed.
+ */
+duet_status_t duet_spec_seq_open(duet_spec_t *sp, duet_spec_seq_t *ss, const int32_t *prompt,
+                                 int64_t n_prompt, int32_t first, int64_t max_tokens,
+                                 const duet_sampling_t *sampling, duet_rng_t *rng);
+void duet_spec_seq_close(duet_spec_t *sp, duet_spec_seq_t *ss); /* accepts a closed one */
+
+/* The newest token of the request: the one a verify item starts with. */
+int32_t duet_spec_seq_next(const duet_spec_seq_t *ss);
+
+/*
+ * Draft for n requests at once: ss[i] gets up to k_cap[i] drafts (k_cap[i] <= k; 0: none, e.g. a
+ * request one token from its limit) into ss[i]->drafts / ->k (and ->q). NGRAM: prompt lookup over
+ * the history. DRAFT: the draft model catches each sequence up with the history and runs up to
+ * k steps for all of them together (batched forwards); a request that samples draws each draft
+ * from the draft model's distribution with its own RNG (and keeps q), a greedy one takes the
+ * draft model's argmax. Errors: the draft model's forward errors.
+ */
+duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, const int *k_cap,
+                                int64_t n);
+
+/*
+ * A verify step of the target's sequence tseq just ran with the item [next, drafts[0..k)]
+ * (n_tokens k + 1, logits [k + 1][vocab] in `logits`): choose what it keeps (duet_spec_accept),
+ * keep it (duet_model_seq_accept(target, tseq, n)), record it in the history, roll the draft
+ * sequence back to what stays valid, and write the n tokens to emit into out[0..n) (n returned,
+ * 1..k+1; out[n - 1] is the next verify's first token). With ss->k == 0 the caller ran a plain
+ * one-row step instead: then logits is that row and the target's sequence already advanced.
+ * Errors: duet_model_seq_accept's and the draft model's.
+ */
+duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
+                               const float *logits, int32_t *out, int *n_p);
 
 #endif
