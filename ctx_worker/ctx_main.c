@@ -378,10 +378,11 @@ static void ctx_tick(duet_worker_t *w)
 
 /* ------------------------------------------------------------------------------ the role */
 
-static void ctx_init(duet_worker_t *w)
+static duet_status_t ctx_init(duet_worker_t *w)
 {
     c.checksum = duet_config_get_bool(w->cfg, "transfer.checksum");
     w->n_reqs = w->max_seqs + duet_config_get_int(w->cfg, "batch.max_queue");
+    return DUET_OK;
 }
 
 /* Destroying the transfer context aborts live transfers; their outcomes then free quietly. */

@@ -325,9 +325,9 @@ static void *w_pool_alloc(void *user, duet_model_pool_t which, size_t bytes)
     return base;
 }
 
-/* UCX, the model and its pools; a failure is told on stderr. *pools_from_ucx_p: the transfer
- * context owns the pool memory. */
-static duet_status_t w_load(duet_worker_t *w, bool *pools_from_ucx_p)
+/* UCX, the model (options mo) and its pools; a failure is told on stderr. *pools_from_ucx_p: the
+ * transfer context owns the pool memory. */
+static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_from_ucx_p)
 {
     const duet_worker_ops_t *ops = w->ops;
     duet_status_t st;
@@ -338,8 +338,6 @@ static duet_status_t w_load(duet_worker_t *w, bool *pools_from_ucx_p)
         fprintf(stderr, "%s: cannot start UCX: %s\n", ops->prog, duet_error_last());
         return st;
     }
-    duet_model_opts_t mo;
-    duet_worker_model_opts(w->cfg, &mo);
     /* UCX moves a GPU model's device pools directly when it can; otherwise a sender stages each
      * layer in the host pools the puts read, a receiver copies received sequences from them */
     const bool device_pools = duet_worker_device_pools(w->cfg, &mo, w->x);
@@ -491,6 +489,8 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
         w->x = NULL;
     }
     w_release_all(w);
+    if (w->ops->fini != NULL)
+        w->ops->fini(w);
     duet_model_free(w->m);
     duet_xfer_ctx_destroy(w->x);
     free(w->reqs);
@@ -510,13 +510,21 @@ int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
         return rc;
     w.chunk = duet_config_get_int(w.cfg, "batch.prefill_chunk");
     w.budget = duet_config_get_int(w.cfg, "batch.max_tokens");
-    bool owned = false;
-    duet_status_t st = w_load(&w, &owned);
-    if (st == DUET_OK) {
-        ops->init(&w);
-        if ((st = w_tables(&w)) != DUET_OK)
-            fprintf(stderr, "%s: out of memory\n", ops->prog);
+    duet_model_opts_t mo;
+    duet_status_t st = duet_worker_model_opts(w.cfg, &mo);
+    if (st == DUET_OK && ops->configure != NULL)
+        st = ops->configure(&w, &mo);
+    if (st != DUET_OK) {
+        fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
+        duet_config_destroy(w.cfg);
+        return 2;
     }
+    bool owned = false;
+    st = w_load(&w, mo, &owned);
+    if (st == DUET_OK && (st = ops->init(&w)) != DUET_OK)
+        fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
+    if (st == DUET_OK && (st = w_tables(&w)) != DUET_OK)
+        fprintf(stderr, "%s: out of memory\n", ops->prog);
     if (st == DUET_OK) {
         w.loop = uv_default_loop();
         if ((st = duet_worker_pump_start(w.loop, w.x, &w.pump)) != DUET_OK ||

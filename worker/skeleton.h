@@ -64,9 +64,18 @@ typedef struct {
     const char *stop_reason;             /* the Deregister's reason */
     size_t req_size;                     /* sizeof the role's request (starts with a base) */
 
-    /* After the model loaded, before the tables are made: read the role's keys; may raise
-     * w->n_reqs (default batch.max_seqs). */
-    void (*init)(duet_worker_t *w);
+    /* Optional: after the keys were read, before UCX starts and the model loads: check the
+     * role's keys together and adjust the engine options the model is loaded with (mo, from the
+     * shared keys). An error fails the start like a bad command line (exit 2, its message on
+     * stderr). */
+    duet_status_t (*configure)(duet_worker_t *w, duet_model_opts_t *mo);
+    /* After the model loaded, before the tables are made: read the role's keys, make what the
+     * role needs beside the model; may raise w->n_reqs (default batch.max_seqs). An error fails
+     * the start (exit 1, its message on stderr); fini still runs. */
+    duet_status_t (*init)(duet_worker_t *w);
+    /* Optional: at the end (also after a failed start), once every request is released and
+     * before the model is freed: free what init made (it may have made only part of it). */
+    void (*fini)(duet_worker_t *w);
     /* A message from the router other than Drain / Undrain; false: not one this role takes. */
     bool (*on_message)(duet_worker_t *w, const Duet__Envelope *env);
     /* The outcome of request r's transfer (r->xfer_live still set). */

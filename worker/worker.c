@@ -12,7 +12,7 @@ const char *const duet_worker_devices[] = {"auto", "cpu", "cuda", NULL};
 const char *const duet_worker_dtypes[] = {"auto", "f32", "bf16", NULL};
 const char *const duet_worker_device_pools_modes[] = {"off", "auto", NULL};
 
-void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
+duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
 {
     duet_model_opts_default(o);
     o->n_threads = (int)duet_config_get_int(cfg, "threads");
@@ -21,12 +21,15 @@ void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *o)
     o->max_seq_len = duet_config_get_int(cfg, "cache.max_seq_len");
     o->page_tokens = duet_config_get_int(cfg, "cache.page_tokens");
     o->kv_pages = duet_config_get_int(cfg, "cache.kv_pages");
-    /* the enum was validated by the config: only auto / cpu / cuda reach here */
-    if (duet_model_device_parse(duet_config_get_enum(cfg, "device"), &o->device) != DUET_OK)
-        o->device = DUET_DEVICE_CPU;
-    /* likewise only auto / f32 / bf16 */
+    /* the config validated the enum (auto / cpu / cuda), so a value the engine does not take
+     * names a backend this build lacks */
+    const char *dev = duet_config_get_enum(cfg, "device");
+    if (duet_model_device_parse(dev, &o->device) != DUET_OK)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "device: this build has no %s backend", dev);
+    /* only auto / f32 / bf16 reach here */
     if (duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &o->dtype) != DUET_OK)
         o->dtype = DUET_MODEL_DTYPE_AUTO;
+    return DUET_OK;
 }
 
 bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t *mo,

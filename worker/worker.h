@@ -76,8 +76,10 @@ extern const char *const duet_worker_devices[];            /* "auto", "cpu", "cu
 extern const char *const duet_worker_dtypes[];             /* "auto", "f32", "bf16" */
 extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
 
-/* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. */
-void duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
+/* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. DUET_ERR_UNSUPPORTED
+ * naming the device when --device names one this build has no backend for (never a silent
+ * fallback to another device). */
+duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
 
 /*
  * Whether this worker's transfers move its model's device pools directly (decided before the
