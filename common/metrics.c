@@ -412,6 +412,11 @@ void duet_metrics_gauge_dec(duet_metric_t *m)
 
 void duet_metrics_histogram_observe(duet_metric_t *m, double v)
 {
+    duet_metrics_histogram_observe_n(m, v, 1);
+}
+
+void duet_metrics_histogram_observe_n(duet_metric_t *m, double v, uint64_t n)
+{
     const duet_metric_family_t *fam = m->fam;
     DUET_ASSERT(fam->type == DUET_METRIC_HISTOGRAM);
     /* Bucket lists are short (tens); a binary search finds the first bound >= v. */
@@ -423,8 +428,10 @@ void duet_metrics_histogram_observe(duet_metric_t *m, double v)
         else
             lo = mid + 1;
     }
-    atomic_fetch_add_explicit(&m->buckets[lo], 1, memory_order_relaxed);
-    atomic_add_double(&m->value_bits, v);
+    if (n == 0)
+        return;
+    atomic_fetch_add_explicit(&m->buckets[lo], n, memory_order_relaxed);
+    atomic_add_double(&m->value_bits, v * (double)n);
 }
 
 double duet_metrics_value(const duet_metric_t *m)

@@ -102,6 +102,9 @@ void duet_metrics_gauge_dec(duet_metric_t *m);
 
 /* Histogram: record one observation (lands in the first bucket with v <= le). Lock-free. */
 void duet_metrics_histogram_observe(duet_metric_t *m, double v);
+/* Histogram: record n observations of the same value v at once (counts a worker reports in bulk,
+ * e.g. its verify steps by tokens emitted); n = 0 records nothing. Lock-free. */
+void duet_metrics_histogram_observe_n(duet_metric_t *m, double v, uint64_t n);
 
 /* Current value of a counter or gauge; for a histogram, the sum of observations. */
 double duet_metrics_value(const duet_metric_t *m);

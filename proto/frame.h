@@ -29,6 +29,11 @@
 #define DUET_FRAME_MAX_DEFAULT  (16u << 20) /* 16 MiB: far above any message we send */
 #define DUET_FRAME_MAX_LIMIT    0x7fffffffu /* largest max_frame a decoder accepts */
 
+/* Draft positions a Heartbeat's speculation counters cover at most (spec_drafted, spec_accepted;
+ * spec_step_tokens has one entry more): the router's metrics are sized by it, and duet-gen checks
+ * at compile time that its drafts per step (engine/spec.h, DUET_SPEC_MAX_K) fit. */
+#define DUET_PROTO_SPEC_POSITIONS 8u
+
 /* Bytes the frame of `env` takes (header included). */
 size_t duet_frame_size(const Duet__Envelope *env);
 

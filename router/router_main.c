@@ -85,6 +85,44 @@ static duet_status_t rt_load_model_config(const char *dir, size_t *max_len_p)
     return DUET_OK;
 }
 
+/*
+ * Speculative decoding on the generation workers (their heartbeats): how many tokens each verify
+ * step emitted (1 .. DUET_PROTO_SPEC_POSITIONS + 1: the kept drafts, then the target's token), and
+ * per draft position how many drafts were proposed and kept, so that the acceptance rate of each
+ * position is accepted / drafted. Every position's series exists from the start (0 without
+ * speculation).
+ */
+static duet_status_t rt_spec_metrics_init(duet__router_t *rt)
+{
+    duet_status_t st;
+    duet_metric_family_t *f, *fd, *fa;
+    double bounds[DUET_PROTO_SPEC_POSITIONS + 1];
+    duet_metrics_buckets_linear(1.0, 1.0, DUET_PROTO_SPEC_POSITIONS + 1, bounds);
+    const char *const pos[] = {"position"};
+    if ((st = duet_metrics_histogram_new(rt->metrics, "duet_gen_spec_step_tokens",
+                                         "tokens a generation worker's verify step emitted for a "
+                                         "request (drafts kept + 1)",
+                                         NULL, 0, bounds, DUET_PROTO_SPEC_POSITIONS + 1, &f)) < 0 ||
+        (st = duet_metrics_counter_new(rt->metrics, "duet_gen_spec_drafted_total",
+                                       "drafted tokens verified, by draft position (1 = the first "
+                                       "draft after the request's next token)",
+                                       pos, 1, &fd)) < 0 ||
+        (st = duet_metrics_counter_new(rt->metrics, "duet_gen_spec_accepted_total",
+                                       "drafted tokens kept by the verify, by draft position", pos,
+                                       1, &fa)) < 0)
+        return st;
+    rt->m_spec_step_tokens = duet_metrics_single(f);
+    for (unsigned j = 0; j < DUET_PROTO_SPEC_POSITIONS; j++) {
+        char v[16];
+        snprintf(v, sizeof(v), "%u", j + 1);
+        const char *const vals[] = {v};
+        if ((st = duet_metrics_child(fd, vals, 1, &rt->m_spec_drafted[j])) < 0 ||
+            (st = duet_metrics_child(fa, vals, 1, &rt->m_spec_accepted[j])) < 0)
+            return st;
+    }
+    return DUET_OK;
+}
+
 static duet_status_t rt_metrics_init(duet__router_t *rt)
 {
     duet_status_t st;
@@ -158,6 +196,8 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
             return st;
         *(duet_metric_t **)((char *)rt + wc[i].off) = duet_metrics_single(f);
     }
+    if ((st = rt_spec_metrics_init(rt)) < 0)
+        return st;
     if ((st = duet_metrics_gauge_new(m, "duet_router_workers",
                                      "registered workers by role and state", wk, 2,
                                      &rt->f_workers)) < 0 ||
@@ -181,6 +221,13 @@ static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *
         duet_metrics_counter_add(rt->m_gen_seq_steps, (double)d->decode_seq_steps);
         duet_metrics_counter_add(rt->m_gen_tokens, (double)d->decoded_tokens);
         duet_metrics_counter_add(rt->m_gen_step_s, d->step_seconds);
+        for (unsigned i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
+            duet_metrics_histogram_observe_n(rt->m_spec_step_tokens, (double)(i + 1),
+                                             d->spec_step_tokens[i]);
+        for (unsigned j = 0; j < DUET_PROTO_SPEC_POSITIONS; j++) {
+            duet_metrics_counter_add(rt->m_spec_drafted[j], (double)d->spec_drafted[j]);
+            duet_metrics_counter_add(rt->m_spec_accepted[j], (double)d->spec_accepted[j]);
+        }
     }
     duet_metrics_counter_add(rt->m_prefill_tok, (double)d->prefill_tokens);
 }

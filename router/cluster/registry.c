@@ -37,6 +37,7 @@ typedef struct reg_conn {
 struct reg_worker {
     duet_worker_info_t info; /* info.id == 0: free slot */
     reg_conn_t *conn;        /* NULL once dead */
+    bool warned_spec;        /* told once that its heartbeats carry too many draft positions */
 };
 
 struct duet_registry {
@@ -325,6 +326,38 @@ static void reg_set_state(duet_registry_t *reg, reg_worker_t *w, duet_worker_sta
     }
 }
 
+/* Copy n counters into out[0..cap) (the rest stay 0); false when the heartbeat carried more. */
+static bool reg_copy_counters(uint64_t *out, size_t cap, const uint64_t *in, size_t n)
+{
+    for (size_t i = 0; i < n && i < cap; i++)
+        out[i] = in[i];
+    return n <= cap;
+}
+
+/*
+ * A heartbeat's speculation counters into *now. A worker counting more draft positions than this
+ * router knows (DUET_PROTO_SPEC_POSITIONS) is a newer build: the positions it knows are kept, the
+ * others dropped, and the operator is told once per worker.
+ */
+static void reg_spec_counters(reg_worker_t *w, const Duet__Heartbeat *hb, duet_worker_stats_t *now)
+{
+    bool ok = reg_copy_counters(now->spec_step_tokens, DUET_PROTO_SPEC_POSITIONS + 1,
+                                hb->spec_step_tokens, hb->n_spec_step_tokens);
+    ok &= reg_copy_counters(now->spec_drafted, DUET_PROTO_SPEC_POSITIONS, hb->spec_drafted,
+                            hb->n_spec_drafted);
+    ok &= reg_copy_counters(now->spec_accepted, DUET_PROTO_SPEC_POSITIONS, hb->spec_accepted,
+                            hb->n_spec_accepted);
+    if (!ok && !w->warned_spec) {
+        w->warned_spec = true;
+        DUET_LOG_WARN("registry: worker %llu (%s) reports speculation counters for more than %u "
+                      "draft positions (%zu, %zu, %zu entries): the positions past %u are not "
+                      "exported",
+                      (unsigned long long)w->info.id, w->info.name, DUET_PROTO_SPEC_POSITIONS,
+                      hb->n_spec_step_tokens, hb->n_spec_drafted, hb->n_spec_accepted,
+                      DUET_PROTO_SPEC_POSITIONS);
+    }
+}
+
 /* One decoded Envelope from connection c. Returns false when the connection was closed. */
 static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope *env)
 {
@@ -364,6 +397,7 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
             .step_seconds =
                 isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds : 0.0,
         };
+        reg_spec_counters(w, hb, &now);
         duet_worker_stats_t *old = &w->info.stats, d;
 #define REG_DELTA(f) d.f = now.f >= old->f ? now.f - old->f : now.f
         REG_DELTA(decode_steps);
@@ -371,6 +405,12 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         REG_DELTA(decoded_tokens);
         REG_DELTA(prefill_tokens);
         REG_DELTA(step_seconds);
+        for (size_t i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
+            REG_DELTA(spec_step_tokens[i]);
+        for (size_t j = 0; j < DUET_PROTO_SPEC_POSITIONS; j++) {
+            REG_DELTA(spec_drafted[j]);
+            REG_DELTA(spec_accepted[j]);
+        }
 #undef REG_DELTA
         *old = now;
         if (reg->opts.on_stats != NULL)

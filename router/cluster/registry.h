@@ -53,10 +53,15 @@
 
 typedef struct duet_registry duet_registry_t;
 
-/* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-10). */
+/* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-13). */
 typedef struct {
     uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
     double step_seconds;
+    /* speculative decoding: spec_step_tokens[i] verify steps emitted i + 1 tokens; drafts
+     * proposed / kept at draft position j + 1 (entries past a heartbeat's own count are 0) */
+    uint64_t spec_step_tokens[DUET_PROTO_SPEC_POSITIONS + 1];
+    uint64_t spec_drafted[DUET_PROTO_SPEC_POSITIONS];
+    uint64_t spec_accepted[DUET_PROTO_SPEC_POSITIONS];
 } duet_worker_stats_t;
 
 /* A copy of one worker's state, for callbacks and the query API. */
