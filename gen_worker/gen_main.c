@@ -11,7 +11,9 @@
  *              and the router's PrefillDone (first token, sampled by the context worker)
  *   PREFILL    a local prompt (Generate: conditional disaggregation) prefilled in chunks that
  *              start at multiples of batch.prefill_chunk, as duet-generate cuts them
- *   DECODE     one token per step in the continuous batch, streamed to the router
+ *   DECODE     one token per step in the continuous batch, streamed to the router; or, when
+ *              speculating (spec.method), a verify of up to spec.k drafted tokens per step and
+ *              1..k+1 tokens streamed
  *   QUARANTINE a reservation that ended without its data (cancel, deadline, abort): its pages
  *              stay held for cache.quarantine_ms so that a context worker that has not yet seen
  *              the abort cannot put into pages another request already uses (transfer/xfer.h,
@@ -23,14 +25,26 @@
  * greedy sampling, whatever else runs in the batch. A seeded request samples the same tokens as
  * duet-generate with that seed: the context worker drew the first token from the same stream, so
  * the stream here skips that one draw.
+ *
+ * Speculative decoding (engine/spec.h; docs/architecture.md, "Speculative steps"): each step the
+ * decoder drafts for every decoding request together, each request with drafts becomes a verify
+ * item (its next token and the drafts, logits of every row) beside the prefill chunks, and the
+ * acceptance rule keeps a prefix; the tokens are plain greedy decoding's exactly (the verify rows
+ * are bit-identical to one-token steps), and a seeded request's are those of duet-generate with
+ * the same spec keys and seed. How many drafts a request gets depends only on the request (spec.k,
+ * less near max_tokens), never on the rest of the batch, so seeded streams repeat themselves.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
+#include "engine/spec.h"
 #include "proto/envelope.h"
 #include "worker/skeleton.h"
+
+_Static_assert(DUET_SPEC_MAX_K <= DUET_PROTO_SPEC_POSITIONS,
+               "the heartbeat's speculation counters must cover every draft position");
 
 static const duet_config_key_t gen_keys[] = {
     DUET_WORKER_CONFIG_KEYS,
@@ -43,8 +57,10 @@ static const duet_config_key_t gen_keys[] = {
     {"cache.quarantine_ms", DUET_CONFIG_INT, "2000",
      "pages of an aborted reservation are reused after this long", .min = "0", .max = "600000"},
     {"cache.slack_tokens", DUET_CONFIG_INT, "0",
-     "extra tokens reserved per request (draft slack for speculative decoding)", .min = "0",
-     .max = "65536"},
+     "extra tokens reserved per request (draft slack for speculative decoding: at least spec.k "
+     "when speculating)",
+     .min = "0", .max = "65536"},
+    DUET_SPEC_CONFIG_KEYS,
 };
 
 typedef enum {
@@ -61,6 +77,10 @@ typedef struct {
     bool xfer_done, have_first, cancelling;
     int32_t next;      /* the next input token (DECODE) */
     double release_at; /* QUARANTINE */
+    /* speculating (g.spec): the request's speculative state, open from its first token on */
+    bool spec_open;
+    duet_spec_seq_t ss;
+    int32_t vtok[DUET_SPEC_MAX_K + 1]; /* the step's item: the next token, then the drafts */
 } gr_t;
 
 static struct {
@@ -70,6 +90,15 @@ static struct {
     /* work counters (Heartbeat 6-9) */
     uint64_t decode_steps, decode_seq_steps, decoded_tokens;
     double step_seconds;
+    /* speculative decoding: NULL when spec.method is none */
+    duet_spec_opts_t so;
+    duet_spec_t *spec;
+    float *logits;        /* owned: (spec.k + 1) rows of vocab floats per request slot */
+    duet_spec_seq_t **ss; /* owned, [n_reqs]: the step's drafting requests */
+    int *k_cap;           /* owned, [n_reqs]: their draft allowances */
+    /* Heartbeat 11-13: verify steps by tokens emitted; drafts proposed / kept per position */
+    uint64_t spec_step_tokens[DUET_SPEC_MAX_K + 1];
+    uint64_t spec_drafted[DUET_SPEC_MAX_K], spec_accepted[DUET_SPEC_MAX_K];
 } g;
 
 static gr_t *gr_at(const duet_worker_t *w, int64_t i)
@@ -79,9 +108,60 @@ static gr_t *gr_at(const duet_worker_t *w, int64_t i)
 
 /* ------------------------------------------------------------------------------ requests */
 
+/*
+ * End request q: its sequence, prompt and speculative state. A speculating sequence first folds
+ * its accepted rows into the KDA state (duet_model_seq_commit), so whatever reads the sequence's
+ * state as it is released (today nothing; a transfer, suspend or migration would) sees exactly
+ * what plain decoding would have left. A commit that fails (the step that left the rows failed)
+ * changes nothing for a sequence about to close.
+ */
 static void gr_free(duet_worker_t *w, duet_worker_req_t *q)
 {
+    gr_t *r = (gr_t *)q;
+    if (r->spec_open) {
+        if (q->seq.id >= 0 && q->seq.n_pending == 0 &&
+            duet_model_seq_commit(w->m, &q->seq) != DUET_OK)
+            DUET_RLOG_DEBUG(q->rid, "closing without folding the accepted rows in: %s",
+                            duet_error_last());
+        duet_spec_seq_close(g.spec, &r->ss);
+        r->spec_open = false;
+    }
     duet_worker_req_clear(w, q);
+}
+
+/* End request q with Tokens(ERROR, why). */
+static void gr_fail(duet_worker_t *w, duet_worker_req_t *q, const char *why)
+{
+    duet_worker_send_tokens(w->link, q->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR, why);
+    gr_free(w, q);
+}
+
+/* Request slot of r: which rows of g.logits are its. */
+static float *gr_logits(const duet_worker_t *w, const gr_t *r)
+{
+    const int64_t slot = (int64_t)(((const char *)r - (const char *)w->reqs) / w->ops->req_size);
+    return g.logits + slot * (int64_t)(g.so.k + 1) * w->V;
+}
+
+/*
+ * Start speculating for r, whose first generated token is r->next: the decoder's history is the
+ * prompt (then freed) and that token. false: the request was ended with an error.
+ */
+static bool gr_spec_open(duet_worker_t *w, gr_t *r)
+{
+    duet_worker_req_t *q = &r->base;
+    duet_status_t st = duet_spec_seq_open(g.spec, &r->ss, q->prompt, q->n_prompt, r->next,
+                                          q->max_tokens, &q->sampling.sp, &q->sampling.rng);
+    free(q->prompt);
+    q->prompt = NULL;
+    if (st != DUET_OK) {
+        char why[320];
+        snprintf(why, sizeof(why), "cannot start speculative decoding: %s", duet_error_last());
+        gr_fail(w, q, why);
+        return false;
+    }
+    r->spec_open = true;
+    return true;
 }
 
 /* Hold the pages of a reservation that ended without its data; freed by the heartbeat tick. */
@@ -120,24 +200,37 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
     return r;
 }
 
-/* A token was produced (r->produced already counts it): stream it, end the request or go on. */
-static void gr_emit(duet_worker_t *w, gr_t *r, int32_t tok)
+/*
+ * A step produced toks[0..n) for r (one, or with speculation the 1..k+1 a verify kept; the
+ * sequence holds every one of them but the last): stream them in one Tokens, cut at the first
+ * that ends the request (a stop id, max_tokens, a full sequence) exactly where one token per step
+ * would stop, and end the request there or go on decoding. Returns how many were streamed.
+ */
+static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
 {
     duet_worker_req_t *q = &r->base;
-    int finish = DUET__TOKENS__FINISH_REASON__NONE;
-    if (duet_worker_is_stop(&q->sampling, tok))
-        finish = DUET__TOKENS__FINISH_REASON__STOP;
-    else if (r->produced >= q->max_tokens || q->seq.n_tokens + 1 > q->seq.cap_tokens)
-        finish = DUET__TOKENS__FINISH_REASON__LENGTH;
-    uint32_t id = (uint32_t)tok;
-    duet_worker_send_tokens(w->link, q->rid, &id, 1, finish, NULL);
+    int finish = DUET__TOKENS__FINISH_REASON__NONE, i = 0;
+    uint32_t ids[DUET_SPEC_MAX_K + 1] = {0};
+    while (i < n && finish == DUET__TOKENS__FINISH_REASON__NONE) {
+        const int32_t tok = toks[i];
+        ids[i++] = (uint32_t)tok;
+        r->produced++;
+        /* tokens of the sequence when tok is the newest: toks[i..n) come after it */
+        const int64_t held = q->seq.n_tokens - (n - i);
+        if (duet_worker_is_stop(&q->sampling, tok))
+            finish = DUET__TOKENS__FINISH_REASON__STOP;
+        else if (r->produced >= q->max_tokens || held + 1 > q->seq.cap_tokens)
+            finish = DUET__TOKENS__FINISH_REASON__LENGTH;
+    }
+    duet_worker_send_tokens(w->link, q->rid, ids, (size_t)i, finish, NULL);
     if (finish != DUET__TOKENS__FINISH_REASON__NONE) {
         DUET_RLOG_DEBUG(q->rid, "finished: %u tokens", r->produced);
         gr_free(w, q);
-        return;
+        return i;
     }
-    r->next = tok;
+    r->next = toks[i - 1];
     q->phase = GR_DECODE;
+    return i;
 }
 
 /* Transferred cache and first token are both here: continue after the prompt. */
@@ -146,9 +239,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
     duet_worker_req_t *q = &r->base;
     q->xfer_live = false;
     if (duet_model_seq_set_filled(w->m, &q->seq, q->n_prompt) != DUET_OK) {
-        duet_worker_send_tokens(w->link, q->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
-                                duet_error_last());
-        gr_free(w, q);
+        gr_fail(w, q, duet_error_last());
         return;
     }
     r->produced = 1; /* the context worker's token, already streamed by the router */
@@ -165,6 +256,8 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
         return;
     }
     q->phase = GR_DECODE;
+    if (g.spec != NULL && !gr_spec_open(w, r))
+        return;
     duet_worker_update(w);
 }
 
@@ -204,6 +297,17 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
                                  0);
         return;
     }
+    /* speculation drafts from the prompt (and a draft model prefills it here) */
+    if (g.spec != NULL && m->n_tokens == 0) {
+        duet_worker_send_refused(w->link, m->request_id,
+                                 "Reserve: speculative decoding needs the prompt ids (tokens)", 0);
+        return;
+    }
+    if (g.spec != NULL && !duet_worker_in_vocab(w, m->tokens, m->n_tokens)) {
+        duet_worker_send_refused(w->link, m->request_id,
+                                 "Reserve: a prompt token is outside the vocabulary", 0);
+        return;
+    }
     const char *why = NULL;
     gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->sampling,
                      m->deadline_unix_ms, &why);
@@ -213,6 +317,11 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    if (g.spec != NULL && !duet_worker_req_set_prompt(q, m->tokens, m->n_tokens)) {
+        duet_worker_send_refused(w->link, q->rid, "out of memory", 500);
+        gr_free(w, q);
+        return;
+    }
     const uint32_t pt = w->layout.page_tokens;
     q->phase = GR_RECEIVING;
     duet_xfer_recv_args_t a = {
@@ -360,11 +469,69 @@ static bool gen_on_message(duet_worker_t *w, const Duet__Envelope *env)
 
 /* ------------------------------------------------------------------------------ step */
 
-/* Every decoding request (one token each), then prefill chunks within batch.max_tokens. */
+/*
+ * Speculating: the decoding requests of the step, in table order as plain decoding takes them, each
+ * with its whole draft allowance reserved in the budget (spec.k, less near max_tokens so that the
+ * kept drafts and the target's token never pass it; a request whose allowance does not fit waits
+ * for a later step). Reserving before drafting keeps what a request drafts independent of the rest
+ * of the batch. Drafts for all of them come from one propose; a request with drafts becomes a
+ * verify item [next token, drafts] with the logits of every row, one without a plain row whose
+ * logits the acceptance rule samples from. Rows reserved but not drafted go back to the budget.
+ */
+static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
+{
+    int64_t n = 0, budget = *budget_p;
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        gr_t *r = gr_at(w, i);
+        if (r->base.phase != GR_DECODE)
+            continue;
+        /* a decoding request has produced fewer than max_tokens */
+        const int64_t left = (int64_t)r->base.max_tokens - r->produced - 1;
+        const int cap = (int)(left < g.so.k ? left : g.so.k);
+        if (1 + cap > budget)
+            continue;
+        w->item_req[n] = &r->base;
+        g.ss[n] = &r->ss;
+        g.k_cap[n] = cap;
+        budget -= 1 + cap;
+        n++;
+    }
+    if (n == 0)
+        return 0;
+    if (duet_spec_propose(g.spec, g.ss, g.k_cap, n) != DUET_OK) {
+        /* the draft model's sequences are in an unknown state: end what drafted */
+        char why[320];
+        snprintf(why, sizeof(why), "drafting failed: %s", duet_error_last());
+        DUET_LOG_ERROR("%s", why);
+        for (int64_t j = 0; j < n; j++)
+            gr_fail(w, w->item_req[j], why);
+        return 0;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        gr_t *r = (gr_t *)w->item_req[j];
+        const int k = r->ss.k;
+        budget += g.k_cap[j] - k;
+        r->vtok[0] = duet_spec_seq_next(&r->ss);
+        memcpy(r->vtok + 1, r->ss.drafts, sizeof(int32_t) * (size_t)k);
+        w->items[j] = (duet_batch_item_t){.seq = &r->base.seq,
+                                          .tokens = r->vtok,
+                                          .n_tokens = k + 1,
+                                          .logits_mode = k > 0 ? DUET_LOGITS_ALL : DUET_LOGITS_LAST,
+                                          .logits = gr_logits(w, r),
+                                          .verify = k > 0};
+    }
+    *budget_p = budget;
+    return n;
+}
+
+/* Every decoding request (one token each, or a verify when speculating), then prefill chunks
+ * within batch.max_tokens. */
 static int64_t gen_plan_step(duet_worker_t *w)
 {
     int64_t n = 0, budget = w->budget;
-    for (int64_t i = 0; i < w->n_reqs && budget > 0; i++) {
+    if (g.spec != NULL)
+        n = gen_plan_spec(w, &budget);
+    for (int64_t i = 0; g.spec == NULL && i < w->n_reqs && budget > 0; i++) {
         gr_t *r = gr_at(w, i);
         if (r->base.phase != GR_DECODE)
             continue;
@@ -387,35 +554,70 @@ static int64_t gen_plan_step(duet_worker_t *w)
     return duet_worker_add_prefill(w, w->order, n_pre, n, &budget);
 }
 
+/*
+ * After a speculating request's step (item `it`): what the verify keeps (duet_spec_finish: the
+ * sequence accepts it, the history records it) into toks[0..*n_p), and the speculation counters.
+ * false: the request was ended with an error.
+ */
+static bool gen_spec_finish(duet_worker_t *w, gr_t *r, const duet_batch_item_t *it, int32_t *toks,
+                            int *n_p)
+{
+    const int k = r->ss.k;
+    if (duet_spec_finish(g.spec, &r->ss, &r->base.seq, it->logits, toks, n_p) != DUET_OK) {
+        char why[320];
+        snprintf(why, sizeof(why), "speculative step failed: %s", duet_error_last());
+        gr_fail(w, &r->base, why);
+        return false;
+    }
+    if (k > 0) { /* a verify step: the kept drafts are always the first n - 1 */
+        g.spec_step_tokens[*n_p - 1]++;
+        for (int j = 0; j < k; j++) {
+            g.spec_drafted[j]++;
+            g.spec_accepted[j] += j < *n_p - 1;
+        }
+    }
+    return true;
+}
+
 static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double seconds)
 {
     if (st != DUET_OK) {
         /* validation refused the batch: nothing advanced; fail its requests, keep serving */
-        DUET_LOG_ERROR("forward step failed: %s", duet_error_last());
-        for (int64_t i = 0; i < n; i++) {
-            duet_worker_send_tokens(w->link, w->item_req[i]->rid, NULL, 0,
-                                    DUET__TOKENS__FINISH_REASON__ERROR, duet_error_last());
-            gr_free(w, w->item_req[i]);
-        }
+        char why[512];
+        snprintf(why, sizeof(why), "%s", duet_error_last());
+        DUET_LOG_ERROR("forward step failed: %s", why);
+        for (int64_t i = 0; i < n; i++)
+            gr_fail(w, w->item_req[i], why);
         return;
     }
     if (g.n_decode > 0) {
         g.decode_steps++;
         g.decode_seq_steps += (uint64_t)g.n_decode;
-        g.decoded_tokens += (uint64_t)g.n_decode;
         g.step_seconds += seconds;
     }
     for (int64_t i = 0; i < n; i++) {
         gr_t *r = (gr_t *)w->item_req[i];
-        if (r->base.phase == GR_PREFILL) {
-            r->base.prefilled += w->items[i].n_tokens;
-            if (r->base.prefilled < r->base.n_prompt)
+        if (i < g.n_decode) { /* a decoding request: its token(s) */
+            int32_t toks[DUET_SPEC_MAX_K + 1];
+            int n_toks = 1;
+            toks[0] = r->base.drawn; /* drawn by the step (DUET_LOGITS_TOKEN) */
+            if (g.spec != NULL && !gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
                 continue;
+            g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks);
+            continue;
+        }
+        r->base.prefilled += w->items[i].n_tokens; /* a prefill chunk */
+        if (r->base.prefilled < r->base.n_prompt)
+            continue;
+        gr_emit(w, r, &r->base.drawn, 1); /* the first token, drawn by the last chunk */
+        if (r->base.phase != GR_DECODE)
+            continue; /* it ended there */
+        if (g.spec == NULL) {
             free(r->base.prompt);
             r->base.prompt = NULL;
+        } else {
+            (void)gr_spec_open(w, r); /* takes the prompt */
         }
-        r->produced++;
-        gr_emit(w, r, r->base.drawn); /* drawn by the step (DUET_LOGITS_TOKEN) */
     }
 }
 
@@ -445,6 +647,13 @@ static void gen_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb)
     hb->decode_seq_steps = g.decode_seq_steps;
     hb->decoded_tokens = g.decoded_tokens;
     hb->step_seconds = g.step_seconds;
+    if (g.spec != NULL) { /* positions up to spec.k; the heartbeat is packed before they change */
+        hb->n_spec_step_tokens = (size_t)g.so.k + 1;
+        hb->spec_step_tokens = g.spec_step_tokens;
+        hb->n_spec_drafted = hb->n_spec_accepted = (size_t)g.so.k;
+        hb->spec_drafted = g.spec_drafted;
+        hb->spec_accepted = g.spec_accepted;
+    }
 }
 
 /* End quarantines and overdue requests. */
@@ -473,10 +682,62 @@ static void gen_tick(duet_worker_t *w)
 
 /* ------------------------------------------------------------------------------ the role */
 
-static void gen_init(duet_worker_t *w)
+/* The spec.* keys (checked together, naming the key) and the target's verify rows. */
+static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
+{
+    duet_status_t st = duet_spec_opts_from_config(w->cfg, &g.so);
+    if (st != DUET_OK)
+        return st;
+    /* on a backend without verify rows (cuda) the model's load refuses this, saying why */
+    mo->spec_rows = duet_spec_target_rows(&g.so);
+    return DUET_OK;
+}
+
+static duet_status_t gen_init(duet_worker_t *w)
 {
     g.quarantine_ms = (uint32_t)duet_config_get_int(w->cfg, "cache.quarantine_ms");
     g.slack = duet_config_get_int(w->cfg, "cache.slack_tokens");
+    if (g.so.method == DUET_SPEC_NONE)
+        return DUET_OK;
+    duet_status_t st = duet_spec_create(&g.so, w->m, &g.spec);
+    if (st != DUET_OK) {
+        char why[512];
+        snprintf(why, sizeof(why), "%s", duet_error_last());
+        if (g.so.method == DUET_SPEC_DRAFT)
+            return duet_error_set(st, "spec.draft_model %s: %s", g.so.draft_model, why);
+        return duet_error_set(st, "spec.method %s: %s", duet_spec_method_name(g.so.method), why);
+    }
+    /* A verify item writes k + 1 rows from the sequence's end. The drafts are capped so that the
+     * kept ones and the target's token stay within max_tokens, which keeps those rows inside
+     * prompt + max_tokens already; the slack keeps them inside the request's pages whatever the
+     * cap (engine/spec.h asks k more tokens per sequence). cache.slack_tokens is that slack, so a
+     * smaller value is raised to k rather than added to. */
+    if (g.slack < g.so.k)
+        g.slack = g.so.k;
+    const size_t rows = (size_t)w->n_reqs * (size_t)(g.so.k + 1);
+    g.logits = malloc(sizeof(float) * rows * (size_t)w->V);
+    g.ss = calloc((size_t)w->n_reqs, sizeof(*g.ss));
+    g.k_cap = calloc((size_t)w->n_reqs, sizeof(*g.k_cap));
+    if (g.logits == NULL || g.ss == NULL || g.k_cap == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory for the verify logits (%zu rows)",
+                              rows);
+    DUET_LOG_INFO("speculative decoding: %s, up to %d drafts per step, %lld tokens of slack per "
+                  "request",
+                  duet_spec_method_name(g.so.method), g.so.k, (long long)g.slack);
+    return DUET_OK;
+}
+
+static void gen_fini(duet_worker_t *w)
+{
+    (void)w;
+    duet_spec_destroy(g.spec);
+    g.spec = NULL;
+    free(g.logits);
+    free(g.ss);
+    free(g.k_cap);
+    g.logits = NULL;
+    g.ss = NULL;
+    g.k_cap = NULL;
 }
 
 static const duet_worker_ops_t gen_ops = {
@@ -495,7 +756,9 @@ static const duet_worker_ops_t gen_ops = {
     .undrain_log = "undrained: taking requests again",
     .stop_reason = "the generation worker is stopping",
     .req_size = sizeof(gr_t),
+    .configure = gen_configure,
     .init = gen_init,
+    .fini = gen_fini,
     .on_message = gen_on_message,
     .on_xfer = gen_on_xfer,
     .plan_step = gen_plan_step,
