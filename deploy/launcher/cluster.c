@@ -217,6 +217,10 @@ static duet_status_t cl_flags_add(cl_walk_t *w, cl_flags_t *f, const char *key, 
     return DUET_OK;
 }
 
+/* Keys whose values are folders: joined to the root when relative, as `model` is, since the
+ * processes run in the launcher's working directory, wherever that is. */
+static const char *const cl_path_keys[] = {"spec.draft_model", NULL};
+
 /*
  * Flatten one value at dotted name `key` (shown as section.key in messages) into flags: a
  * mapping recurses, a scalar is one flag, anything else is an error. `reserved` lists keys the
@@ -269,7 +273,14 @@ static duet_status_t cl_flatten(cl_walk_t *w, const char *section, const char *k
                               w->y.name, duet_yaml_line(vn), what, prev->line);
     static const char *const trues[] = {"true", "True", "TRUE", NULL};
     bool bare = duet_yaml_plain_in(vn, trues);
-    return cl_flags_add(w, out, key, bare ? NULL : text, duet_yaml_line(vn));
+    if (bare || !cl_key_in(key, cl_path_keys))
+        return cl_flags_add(w, out, key, bare ? NULL : text, duet_yaml_line(vn));
+    char *joined = cl_path(w->root, text);
+    if (joined == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", w->y.name);
+    st = cl_flags_add(w, out, key, joined, duet_yaml_line(vn));
+    free(joined);
+    return st;
 }
 
 /* Turn the walk's flags into role->args ("--key=value" / "--key"). */

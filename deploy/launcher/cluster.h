@@ -18,7 +18,8 @@
  * Flattening. The router section (but `binary`) and each role's `args` are nested mappings of
  * scalars; they become flags "--a.b=value" in file order, which every duet binary reads through
  * common/config.h. A plain `true` becomes the bare flag "--a.b" (a bool key reads it as true,
- * and so does a getopt tool). Lists, null values, empty mappings and keys the launcher sets
+ * and so does a getopt tool). A folder the workers read besides the model (spec.draft_model) is
+ * joined to `root` when relative, as `model` is. Lists, null values, empty mappings and keys the launcher sets
  * itself (the router's model.dir; a worker's router, model, name) are refused.
  *
  * Why the parser knows so little about the keys: duet-router, duet-ctx and duet-gen validate

@@ -303,6 +303,56 @@ Test(launcher_cluster, repository_local_yaml)
     cr_assert_not_null(strstr(duet_error_last(), "/nonexistent/cluster.yaml"));
 }
 
+/* local-spec.yaml: local.yaml's cluster, the gen worker speculating with the draft model, whose
+ * root-relative folder reaches the worker joined to the root (workers run in the launcher's
+ * working directory) */
+Test(launcher_cluster, repository_local_spec_yaml)
+{
+    char path[1024], draft[1100];
+    snprintf(path, sizeof(path), "%s/deploy/configs/local-spec.yaml", DUET_SOURCE_DIR);
+    duet_cluster_paths_t p = {.root = DUET_SOURCE_DIR, .binaries = DUET_BINARY_DIR};
+    duet_cluster_t *spec = NULL;
+    cr_assert_eq(duet_cluster_load_file(path, &p, &spec), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(spec->ctx.count, 1);
+    cr_assert_eq(spec->gen.count, 1);
+    snprintf(draft, sizeof(draft), "--spec.draft_model=%s/models/duet-demo-draft", DUET_SOURCE_DIR);
+    static const char *const want[] = {"--device=cpu", "--spec.method=draft", "--spec.k=4", NULL};
+    for (int k = 0; want[k] != NULL; k++) {
+        bool found = false;
+        for (size_t i = 0; i < spec->gen.n_args; i++)
+            found = found || strcmp(spec->gen.args[i], want[k]) == 0;
+        cr_expect(found, "local-spec.yaml gives the gen worker %s", want[k]);
+    }
+    bool found = false;
+    for (size_t i = 0; i < spec->gen.n_args; i++)
+        found = found || strcmp(spec->gen.args[i], draft) == 0;
+    cr_expect(found, "the draft model's folder is joined to the root: %s", draft);
+    duet_cluster_destroy(spec);
+}
+
+/* Only spec.draft_model's value is a path: an absolute one stays, other keys' values are not
+ * joined to the root */
+Test(launcher_cluster, draft_model_path_joined_to_root)
+{
+    static const char text[] = "model: m\n"
+                               "gen:\n"
+                               "  args: {spec: {draft_model: /abs/draft, method: models/x}}\n";
+    duet_cluster_paths_t p = {.root = "/root/dir", .binaries = "/bin/dir"};
+    duet_cluster_t *spec = NULL;
+    cr_assert_eq(duet_cluster_load_string(text, strlen(text), "t.yaml", &p, &spec), DUET_OK, "%s",
+                 duet_error_last());
+    cr_assert_eq(spec->gen.n_args, 2);
+    cr_expect_str_eq(spec->gen.args[0], "--spec.draft_model=/abs/draft");
+    cr_expect_str_eq(spec->gen.args[1], "--spec.method=models/x");
+    duet_cluster_destroy(spec);
+    static const char rel[] = "model: m\ngen: {args: {spec.draft_model: d/raft}}\n";
+    cr_assert_eq(duet_cluster_load_string(rel, strlen(rel), "t.yaml", &p, &spec), DUET_OK, "%s",
+                 duet_error_last());
+    cr_assert_eq(spec->gen.n_args, 1);
+    cr_expect_str_eq(spec->gen.args[0], "--spec.draft_model=/root/dir/d/raft");
+    duet_cluster_destroy(spec);
+}
+
 /* xorshift: the same mutations on every run */
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t rng(void)
