@@ -21,8 +21,9 @@ duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t
     o->max_seq_len = duet_config_get_int(cfg, "cache.max_seq_len");
     o->page_tokens = duet_config_get_int(cfg, "cache.page_tokens");
     o->kv_pages = duet_config_get_int(cfg, "cache.kv_pages");
-    /* the config validated the enum (auto / cpu / cuda), so a value the engine does not take
-     * names a backend this build lacks */
+    /* the config validated the enum (auto / cpu / cuda) and every build has both backends'
+     * tables (a CPU-only build a cuda stub whose load fails, saying why); should the engine ever
+     * not take one of them, the start fails rather than running somewhere else */
     const char *dev = duet_config_get_enum(cfg, "device");
     if (duet_model_device_parse(dev, &o->device) != DUET_OK)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "device: this build has no %s backend", dev);

@@ -77,8 +77,8 @@ extern const char *const duet_worker_dtypes[];             /* "auto", "f32", "bf
 extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
 
 /* Model options from the keys above (+ batch.max_seqs); pool_alloc left NULL. DUET_ERR_UNSUPPORTED
- * naming the device when --device names one this build has no backend for (never a silent
- * fallback to another device). */
+ * naming the device when the engine takes no backend of that name (never a silent fallback to
+ * another device). */
 duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
 
 /*

@@ -75,7 +75,8 @@ static Duet__Envelope *recv_env(int ms)
     }
 }
 
-static void start(const char *bin, const char *extra)
+/* Start bin as a worker of this test's router with one or two extra flags (extra2 may be NULL). */
+static void start_with(const char *bin, const char *extra, const char *extra2)
 {
     lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET};
@@ -96,7 +97,7 @@ static void start(const char *bin, const char *extra)
         setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
         execl(bin, bin, "--router", rt, "--model", MODEL, "--threads", "1", "--heartbeat_ms", "100",
               "--cache.page_tokens", "16", "--cache.kv_pages", "64", "--cache.max_seq_len", "512",
-              extra, (char *)NULL);
+              extra, extra2, (char *)NULL);
         _exit(127);
     }
     struct pollfd p = {.fd = lfd, .events = POLLIN};
@@ -116,6 +117,11 @@ static void start(const char *bin, const char *extra)
     env.body_case = DUET__ENVELOPE__BODY_REGISTER_ACK;
     env.register_ack = &ack;
     send_env(&env);
+}
+
+static void start(const char *bin, const char *extra)
+{
+    start_with(bin, extra, NULL);
 }
 
 /* Send bytes that are not a frame; the worker must leave by itself, without a signal. */
@@ -278,6 +284,89 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
     finish_with_garbage();
 }
 
+/* The next Heartbeat (NULL after ms); other bodies are dropped. Caller frees. */
+static Duet__Envelope *recv_heartbeat(int ms)
+{
+    uint64_t end = now_ms() + (uint64_t)ms;
+    while (now_ms() < end) {
+        uint8_t b;
+        size_t used = 0;
+        Duet__Envelope *h = NULL;
+        struct pollfd p = {.fd = cfd, .events = POLLIN};
+        if (poll(&p, 1, 200) <= 0 || read(cfd, &b, 1) != 1)
+            continue;
+        cr_assert_geq(duet_frame_decoder_feed(&dec, &b, 1, &used, &h), 0);
+        if (h != NULL && h->body_case == DUET__ENVELOPE__BODY_HEARTBEAT)
+            return h;
+        duet_envelope_free(h);
+    }
+    return NULL;
+}
+
+/*
+ * A speculating generation worker drafts from the prompt, so a Reserve must carry its ids, inside
+ * the vocabulary (a draft outside it would fail the whole batch's forward); a local prompt still
+ * gives exactly max_tokens tokens, several per Tokens message allowed, the last one LENGTH; its
+ * heartbeats carry the speculation counters of spec.k (3) draft positions.
+ */
+Test(worker_protocol, gen_speculating_checks_reserved_prompts, .timeout = 120)
+{
+    start_with(GEN, "--spec.method=ngram", "--spec.k=3");
+    send_reserve(1, 8, NULL, 0, 4);
+    expect_refused(1, "prompt ids");
+    uint32_t bad[2] = {72, VOCAB + 40};
+    send_reserve(2, 2, bad, 2, 4);
+    expect_refused(2, "vocabulary");
+    /* "And": the demo model goes on " the son of Ammihud, and the son of Ammishaddai.", whose
+     * repeats prompt lookup drafts (duet-generate --tokens 256,65,110,100 --max-tokens 60
+     * --spec.method ngram --spec.k 3 takes 44 steps for 59 tokens) */
+    uint32_t and_ids[4] = {256, 65, 110, 100};
+    Duet__Generate g = DUET__GENERATE__INIT;
+    g.request_id = 3;
+    g.tokens = and_ids;
+    g.n_tokens = 4;
+    g.max_tokens = 60;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    send_env(&env);
+    size_t got = 0;
+    int msgs = 0, finish = DUET__TOKENS__FINISH_REASON__NONE;
+    while (finish == DUET__TOKENS__FINISH_REASON__NONE) {
+        Duet__Envelope *e = recv_env(10000);
+        cr_assert_not_null(e, "request 3 stopped after %zu tokens", got);
+        cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_TOKENS);
+        cr_assert_eq(e->tokens->request_id, 3u);
+        for (size_t i = 0; i < e->tokens->n_ids; i++)
+            cr_expect_lt(e->tokens->ids[i], (uint32_t)VOCAB);
+        got += e->tokens->n_ids;
+        finish = (int)e->tokens->finish_reason;
+        msgs++;
+        duet_envelope_free(e);
+    }
+    cr_expect_eq(finish, DUET__TOKENS__FINISH_REASON__LENGTH);
+    cr_expect_eq(got, 60u, "max_tokens cuts the last verify's tokens");
+    Duet__Envelope *h = recv_heartbeat(3000);
+    cr_assert_not_null(h, "no heartbeat");
+    cr_expect_eq(h->heartbeat->n_spec_step_tokens, 4u);
+    cr_expect_eq(h->heartbeat->n_spec_drafted, 3u);
+    cr_expect_eq(h->heartbeat->n_spec_accepted, 3u);
+    uint64_t steps = 0, emitted = 0;
+    for (size_t i = 0; i < h->heartbeat->n_spec_step_tokens; i++) {
+        steps += h->heartbeat->spec_step_tokens[i];
+        emitted += (i + 1) * h->heartbeat->spec_step_tokens[i];
+    }
+    cr_expect_gt(steps, 0u, "verify steps ran");
+    cr_expect_eq(h->heartbeat->spec_drafted[0], steps, "every verify step drafts position 1");
+    cr_expect_eq(h->heartbeat->decoded_tokens, 59u, "tokens after the prefill's first");
+    cr_expect_lt(h->heartbeat->decode_seq_steps, 59u, "several tokens per step (%d messages)",
+                 msgs);
+    cr_expect_lt(msgs, 60, "several tokens per Tokens message");
+    cr_expect_leq(emitted, 59u);
+    duet_envelope_free(h);
+    finish_with_garbage();
+}
+
 static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res, size_t rlen)
 {
     Duet__Prefill p = DUET__PREFILL__INIT;
@@ -423,4 +512,59 @@ Test(worker_protocol, bad_command_lines_are_refused, .timeout = 60)
     char *nomodel[] = {GEN, "--router", "127.0.0.1:1", NULL};
     cr_expect_eq(run_capture(nomodel, err, sizeof(err)), 2);
     cr_expect(strstr(err, "model.dir") != NULL, "%s", err);
+}
+
+/*
+ * duet-gen's speculation keys: a bad value or combination ends the start with a message naming
+ * the key (status 2 for the keys themselves, 1 for a draft model that cannot serve), and cuda,
+ * whose backend has no verify rows, refuses speculation rather than decoding without it.
+ */
+Test(worker_protocol, bad_spec_keys_are_refused, .timeout = 60)
+{
+    static char err[1 << 16];
+    static const struct {
+        const char *a, *b, *c;
+        int status;
+        const char *want, *want2;
+    } cases[] = {
+        {"--spec.method=ngram", "--spec.k=9", NULL, 2, "spec.k", NULL},
+        {"--spec.method=ngram", "--spec.k=0", NULL, 2, "spec.k", NULL},
+        {"--spec.method=guess", NULL, NULL, 2, "spec.method", NULL},
+        {"--spec.method=ngram", "--spec.ngram_min=3", "--spec.ngram_max=2", 2, "spec.ngram", NULL},
+        {"--spec.method=draft", NULL, NULL, 2, "spec.draft_model", NULL},
+        {"--spec.method=draft", "--spec.draft_model=" DUET_SOURCE_DIR "/no/such/model", NULL, 1,
+         "spec.draft_model", "no/such/model"},
+        /* the demo model itself has KDA layers: a rejected draft could not be rolled back */
+        {"--spec.method=draft", "--spec.draft_model=" MODEL, NULL, 1, "spec.draft_model", "KDA"},
+        /* a fixture of another vocabulary (300 ids, the demo's 258) */
+        {"--spec.method=draft",
+         "--spec.draft_model=" DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32", NULL, 1,
+         "spec.draft_model", "vocabulary"},
+        /* the load refuses verify rows on cuda, saying so (every build has the cuda backend's
+         * table, a CPU-only build a stub) */
+        {"--spec.method=ngram", "--device=cuda", NULL, 1, "speculative decoding", "cuda"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char *argv[] = {GEN,
+                        "--router",
+                        "127.0.0.1:1",
+                        "--router_connect_timeout_ms",
+                        "0",
+                        "--model",
+                        MODEL,
+                        "--threads",
+                        "1",
+                        (char *)cases[i].a,
+                        (char *)cases[i].b,
+                        (char *)cases[i].c,
+                        NULL};
+        const int status = run_capture(argv, err, sizeof(err));
+        cr_expect_eq(status, cases[i].status, "%s %s: exit %d: %s", cases[i].a,
+                     cases[i].b != NULL ? cases[i].b : "", status, err);
+        cr_expect(strstr(err, cases[i].want) != NULL, "%s %s: '%s' lacks '%s'", cases[i].a,
+                  cases[i].b != NULL ? cases[i].b : "", err, cases[i].want);
+        if (cases[i].want2 != NULL)
+            cr_expect(strstr(err, cases[i].want2) != NULL, "%s %s: '%s' lacks '%s'", cases[i].a,
+                      cases[i].b != NULL ? cases[i].b : "", err, cases[i].want2);
+    }
 }
