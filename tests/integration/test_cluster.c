@@ -23,6 +23,19 @@
  *   drain_under_load_loses_nothing  draining a generation worker while 12 requests run: all
  *        complete correctly, drain --wait returns, new requests avoid the drained worker
  *
+ * With speculative decoding on the generation workers (cluster_spec: prompt lookup, spec.k 2 and
+ * 4; the draft model variant needs models/duet-demo-draft):
+ *   greedy_equal_duet_generate_k2_k4  requests of mixed lengths in flight together (verify rows,
+ *        plain rows and the gen worker's own prefill chunks share steps; streamed and not) give
+ *        exactly duet-generate's text and token count without speculation; the router's metrics
+ *        show several tokens per decode step, verify steps by tokens emitted and drafts proposed /
+ *        kept per position, consistent with each other and with the tokens the clients got
+ *   client_cancel_frees_pages_on_both_workers, gen_killed_fails_its_requests_router_stays_healthy,
+ *   drain_under_load_loses_nothing  the bodies above with speculation on (seeded sampling then
+ *        equals duet-generate with the same spec keys and seed)
+ *   duet_up_local_spec_yaml_answers  `duet up deploy/configs/local-spec.yaml --once` (prompt
+ *        lookup standing in for the draft model) answers the sample as duet-generate does
+ *
  * Every process runs with one compute thread so the suite fits the 2-core CI machine.
  */
 #include <criterion/criterion.h>
@@ -50,6 +63,7 @@
 #define GEN      DUET_BINARY_DIR "/gen_worker/duet-gen"
 #define GENERATE DUET_BINARY_DIR "/engine/duet-generate"
 #define BENCH    DUET_BINARY_DIR "/bench/duet-bench"
+#define UP       DUET_BINARY_DIR "/deploy/launcher/duet"
 #define MODEL    DUET_SOURCE_DIR "/models/duet-demo"
 
 #define CTX_PAGES   400 /* 16-token pages */
@@ -65,6 +79,24 @@ static int n_pids;
 
 /* Set by a test before start_cluster: its context workers log at DEBUG (the handshake wait). */
 static int ctx_debug;
+
+/* --device of every worker: auto (a GPU when there is one). The fault tests that kill a worker
+ * mid-prefill or mid-decode pin it to cpu: on a GPU the work ends long before the kill lands. */
+static const char *worker_device = "auto";
+
+/* Set by a test before start_cluster: the generation workers speculate with these spec.method and
+ * spec.k (NULL: they do not), and seeded references use the same keys. */
+static const char *spec_method, *spec_k;
+
+static void speculate(const char *method, const char *k)
+{
+    spec_method = method;
+    spec_k = k;
+    worker_device = "cpu"; /* verify rows are CPU-only: cuda refuses speculation at start */
+}
+
+/* placement.local_prefill_tokens: prompts shorter than this are prefilled by the gen worker */
+static int local_below = LOCAL_BELOW;
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -238,10 +270,6 @@ static int wait_workers(int n_up, int ms)
     return 0;
 }
 
-/* --device of every worker: auto (a GPU when there is one). The fault tests that kill a worker
- * mid-prefill or mid-decode pin it to cpu: on a GPU the work ends long before the kill lands. */
-static const char *worker_device = "auto";
-
 static void start_cluster(int n_ctx, int n_gen)
 {
     char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
@@ -254,7 +282,7 @@ static void start_cluster(int n_ctx, int n_gen)
     snprintf(hp, sizeof(hp), "%d", http_port);
     snprintf(wp, sizeof(wp), "%d", worker_port);
     snprintf(ap, sizeof(ap), "%d", admin_port);
-    snprintf(lp, sizeof(lp), "%d", LOCAL_BELOW);
+    snprintf(lp, sizeof(lp), "%d", local_below);
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
     char *rargv[] = {ROUTER,
                      "--model",
@@ -325,7 +353,18 @@ static void start_cluster(int n_ctx, int n_gen)
                         (char *)worker_device,
                         "--dtype",
                         "f32",
+                        NULL, /* speculation's four flags */
+                        NULL,
+                        NULL,
+                        NULL,
                         NULL};
+        if (spec_method != NULL) {
+            const size_t at = sizeof(argv) / sizeof(argv[0]) - 5;
+            argv[at] = "--spec.method";
+            argv[at + 1] = (char *)spec_method;
+            argv[at + 2] = "--spec.k";
+            argv[at + 3] = (char *)spec_k;
+        }
         spawn(name, argv);
     }
     cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
@@ -370,7 +409,8 @@ typedef struct {
     int status;
     int stream;
     int ignore_eos;
-    int seed; /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
+    int seed;     /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
+    int delay_ms; /* run_job waits this long before sending */
 } job_t;
 
 static void prompt_of(job_t *j, int i, int len, int max_tokens)
@@ -411,6 +451,13 @@ static void reference(job_t *j)
         snprintf(seed, sizeof(seed), "%d", j->seed);
         /* f32 here and in every worker: a GPU's --dtype auto would compute this bf16 model in
          * bf16, and the fault tests' CPU workers compute in f32 */
+        /* a seeded request's tokens depend on speculation (the draws are used differently),
+         * greedy ones never do: those are compared with plain decoding */
+        if (j->seed > 0 && spec_method != NULL)
+            execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
+                  "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
+                  "--temperature", "0.8", "--top-p", "0.95", "--seed", seed, "--spec.method",
+                  spec_method, "--spec.k", spec_k, (char *)NULL);
         if (j->seed > 0)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
@@ -467,6 +514,8 @@ static void parse_sse(job_t *j, const char *body)
 static void *run_job(void *arg)
 {
     job_t *j = arg;
+    if (j->delay_ms > 0)
+        usleep((useconds_t)j->delay_ms * 1000);
     char ps[2048];
     json_str(j->prompt, ps, sizeof(ps));
     char body[4096];
@@ -623,7 +672,7 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
     stop_all();
 }
 
-Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
+static void client_cancel_body(void)
 {
     static char buf[1 << 16];
     start_cluster(1, 1);
@@ -679,6 +728,11 @@ Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
         free(j.got_text);
     }
     stop_all();
+}
+
+Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
+{
+    client_cancel_body();
 }
 
 /* Wait until a worker named prefix<i> (i < n) reports a running request; returns i or -1. */
@@ -758,7 +812,7 @@ Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
     stop_all();
 }
 
-Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
+static void gen_killed_body(void)
 {
     enum { N = 8 };
     static job_t jobs[N];
@@ -815,7 +869,12 @@ Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180
     stop_all();
 }
 
-Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
+Test(cluster, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
+{
+    gen_killed_body();
+}
+
+static void drain_body(void)
 {
     enum { N = 12 };
     static job_t jobs[N];
@@ -856,17 +915,28 @@ Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
     stop_all();
 }
 
-/* Run duet-bench against the cluster; returns its exit status, its stdout in out. */
-static int run_bench(const char *baseline, const char *json, char *out, size_t cap)
+Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
+{
+    drain_body();
+}
+
+/* Run duet-bench's `workload` against the cluster; returns its exit status, its stdout in out. */
+static int run_bench_workload(const char *workload, const char *baseline, const char *json,
+                              char *out, size_t cap)
 {
     char url[64], cmd[2048];
     snprintf(url, sizeof(url), "http://127.0.0.1:%d", http_port);
     snprintf(cmd, sizeof(cmd),
-             "%s --url %s --concurrency 4 --num-prompts 16 --max-tokens 24 --ignore-eos "
-             "--random-prompt-len 60 --seed 3 --metrics-settle-ms 600 --quiet --json %s "
-             "--baseline %s 2>&1",
-             BENCH, url, json, baseline);
+             "%s --url %s %s --metrics-settle-ms 600 --quiet --json %s --baseline %s 2>&1", BENCH,
+             url, workload, json, baseline);
     return test_run(cmd, out, cap);
+}
+
+static int run_bench(const char *baseline, const char *json, char *out, size_t cap)
+{
+    return run_bench_workload("--concurrency 4 --num-prompts 16 --max-tokens 24 --ignore-eos "
+                              "--random-prompt-len 60 --seed 3",
+                              baseline, json, out, cap);
 }
 
 Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)
@@ -896,4 +966,263 @@ Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)
     cr_expect_eq(rc, 3, "an unmet gate fails the run: exit %d\n%s", rc, out);
     cr_expect(strstr(out, "output_throughput") != NULL, "the failed gate is named: %s", out);
     stop_all();
+}
+
+/* ---------------------------------------------------------------- speculative decoding */
+
+Test(cluster_spec, client_cancel_frees_pages_on_both_workers, .timeout = 120)
+{
+    speculate("ngram", "4");
+    client_cancel_body();
+}
+
+Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
+{
+    speculate("ngram", "4");
+    gen_killed_body();
+}
+
+Test(cluster_spec, drain_under_load_loses_nothing, .timeout = 180)
+{
+    speculate("ngram", "2");
+    drain_body();
+}
+
+/* A labelled series of the router's /metrics ("name{labels}"), or -1. */
+static double metric_series(const char *name, const char *labels)
+{
+    char full[256];
+    snprintf(full, sizeof(full), "%s%s", name, labels);
+    return metric(full);
+}
+
+/*
+ * The speculation metrics of a fresh cluster after `jobs` (all complete, each finished by the gen
+ * worker) ran with spec.k = k: consistent with each other and with what the clients got.
+ */
+static void check_spec_metrics(const job_t *jobs, int n, int k)
+{
+    const double steps = metric("duet_gen_spec_step_tokens_count");
+    const double emitted = metric("duet_gen_spec_step_tokens_sum");
+    const double seq_steps = metric("duet_gen_decode_seq_steps_total");
+    const double decoded = metric("duet_gen_decoded_tokens_total");
+    double client_tokens = 0;
+    for (int i = 0; i < n; i++)
+        client_tokens += jobs[i].got_tokens - 1; /* the first comes from the prefill */
+    cr_expect_eq(decoded, client_tokens,
+                 "decoded tokens %.0f, the clients got %.0f after the "
+                 "first",
+                 decoded, client_tokens);
+    cr_expect_gt(steps, 0.0, "verify steps ran");
+    cr_expect_gt(decoded / seq_steps, 1.0,
+                 "avg_decoded_tokens_per_iter %.3f (%.0f tokens in %.0f request steps): several "
+                 "tokens per step on these prompts",
+                 decoded / seq_steps, decoded, seq_steps);
+    printf("cluster_spec k=%d: %.0f tokens in %.0f request steps (%.3f per step), %.0f verify "
+           "steps emitting %.0f\n",
+           k, decoded, seq_steps, decoded / seq_steps, steps, emitted);
+    /* every verify step drafts position 1; a step keeps a prefix of its drafts */
+    double kept = 0, prev_d = steps, prev_a = steps;
+    for (int j = 1; j <= 8; j++) {
+        char lab[32];
+        snprintf(lab, sizeof(lab), "{position=\"%d\"}", j);
+        const double d = metric_series("duet_gen_spec_drafted_total", lab);
+        const double a = metric_series("duet_gen_spec_accepted_total", lab);
+        printf("  position %d: %.0f drafted, %.0f kept\n", j, d, a);
+        if (j == 1)
+            cr_expect_eq(d, steps, "position 1 is drafted in every verify step");
+        if (j > k)
+            cr_expect_eq(d, 0.0, "position %d drafted with spec.k %d", j, k);
+        cr_expect(d >= 0 && a >= 0 && a <= d && d <= prev_d && a <= prev_a,
+                  "position %d: %.0f drafted, %.0f kept (position %d: %.0f, %.0f)", j, d, a, j - 1,
+                  prev_d, prev_a);
+        kept += a;
+        prev_d = d;
+        prev_a = a;
+    }
+    cr_expect_eq(kept, emitted - steps,
+                 "each verify step emits its kept drafts + 1: %.0f kept, "
+                 "%.0f emitted in %.0f steps",
+                 kept, emitted, steps);
+    double le_k = metric_series("duet_gen_spec_step_tokens_bucket", "{le=\"1\"}");
+    char lab[32];
+    snprintf(lab, sizeof(lab), "{le=\"%d\"}", k + 1);
+    cr_expect_eq(metric_series("duet_gen_spec_step_tokens_bucket", lab), steps,
+                 "no verify step emits more than spec.k + 1 tokens");
+    cr_expect_lt(le_k, steps, "some verify steps kept drafts");
+}
+
+/*
+ * duet-bench against a speculating cluster with bench/baselines/local-spec.json: its gate on
+ * avg_decoded_tokens_per_iter (> 1: verify steps keep drafts) passes on the workload the baseline
+ * names, and the value is the router's decoded tokens over request steps.
+ */
+static void check_spec_bench(void)
+{
+    static char out[1 << 16];
+    char json[512];
+    snprintf(json, sizeof(json), "%s/bench-spec.json", dir);
+    const double tok0 = metric("duet_gen_decoded_tokens_total"),
+                 seq0 = metric("duet_gen_decode_seq_steps_total");
+    int rc = run_bench_workload("--concurrency 4 --num-prompts 8 --max-tokens 64 --ignore-eos "
+                                "--prompts " DUET_SOURCE_DIR "/data/prompts/gsm8k-test.jsonl",
+                                DUET_SOURCE_DIR "/bench/baselines/local-spec.json", json, out,
+                                sizeof(out));
+    cr_expect_eq(rc, 0, "duet-bench with the local-spec baseline: exit %d\n%s", rc, out);
+    json_error_t e;
+    json_t *o = json_load_file(json, 0, &e);
+    cr_assert_not_null(o, "%s", e.text);
+    const double per_iter = json_real_value(json_object_get(o, "avg_decoded_tokens_per_iter"));
+    const double tok = metric("duet_gen_decoded_tokens_total") - tok0,
+                 seq = metric("duet_gen_decode_seq_steps_total") - seq0;
+    cr_expect_float_eq(per_iter, tok / seq, 1e-9, "duet-bench %.6f, the router %.0f / %.0f",
+                       per_iter, tok, seq);
+    printf("cluster_spec: duet-bench avg_decoded_tokens_per_iter %.3f\n", per_iter);
+    json_decref(o);
+}
+
+/*
+ * Greedy answers of a speculating cluster equal duet-generate's without speculation, token for
+ * token, for spec.k 2 and 4: ten requests in flight together, half streamed; the long-output ones
+ * start first so that the short prompts the gen worker prefills itself (in 64-token chunks) share
+ * steps with verify rows and plain rows (a request prompt lookup found nothing for).
+ */
+Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 300)
+{
+    enum { N = 10 };
+    static job_t jobs[N];
+    static const struct {
+        int len, max_tokens, delay_ms; /* len 0: the text below */
+        const char *text;
+    } js[N] = {
+        {0, 60, 0, "And"},
+        {0, 40, 0,
+         "And the evening and the morning were the first day. And the evening and the "
+         "morning were the"},
+        {300, 40, 0, NULL},
+        {200, 48, 0, NULL},
+        {250, 32, 0, NULL},
+        {10, 40, 300, NULL},
+        {90, 50, 300, NULL},
+        {150, 40, 400, NULL},
+        {130, 64, 400, NULL},
+        {30, 24, 500, NULL},
+    };
+    local_below = 160; /* prompts under 160 tokens are prefilled on the gen worker */
+    static const char *const ks[2] = {"2", "4"};
+    for (int round = 0; round < 2; round++) {
+        speculate("ngram", ks[round]);
+        start_cluster(1, 1);
+        for (int i = 0; i < N; i++) {
+            if (round == 0) { /* duet-generate without speculation, once */
+                memset(&jobs[i], 0, sizeof(jobs[i]));
+                if (js[i].text != NULL) {
+                    snprintf(jobs[i].prompt, sizeof(jobs[i].prompt), "%s", js[i].text);
+                    jobs[i].max_tokens = js[i].max_tokens;
+                } else {
+                    prompt_of(&jobs[i], 20 + i, js[i].len, js[i].max_tokens);
+                }
+                jobs[i].stream = i % 2;
+                jobs[i].delay_ms = js[i].delay_ms;
+                reference(&jobs[i]);
+            }
+            free(jobs[i].got_text);
+            jobs[i].got_text = NULL;
+            jobs[i].got_tokens = 0;
+        }
+        pthread_t th[N];
+        for (int i = 0; i < N; i++)
+            pthread_create(&th[i], NULL, run_job, &jobs[i]);
+        for (int i = 0; i < N; i++)
+            pthread_join(th[i], NULL);
+        for (int i = 0; i < N; i++)
+            check_job(&jobs[i], i);
+        wait_idle(2, 10000);
+        usleep(400000); /* a heartbeat carries the last counters */
+        check_spec_metrics(jobs, N, atoi(ks[round]));
+        if (round == 1) /* the speculating cluster's perf gate (the baseline's own workload) */
+            check_spec_bench();
+        stop_all();
+    }
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+}
+
+/*
+ * deploy/configs/local-spec.yaml through `duet up --once`: the launcher starts the speculating
+ * cluster and the sample answer is duet-generate's. Until models/duet-demo-draft exists, the file's
+ * draft model is replaced by prompt lookup (spec.method ngram) in a copy, on free ports.
+ */
+Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
+{
+    static char text[8192], out[1 << 16];
+    char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
+    cr_assert_not_null(mkdtemp(tmpl));
+    snprintf(dir, sizeof(dir), "%s", tmpl);
+    FILE *f = fopen(DUET_SOURCE_DIR "/deploy/configs/local-spec.yaml", "r");
+    cr_assert_not_null(f);
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    char path[512];
+    snprintf(path, sizeof(path), "%s/local-spec.yaml", dir);
+    f = fopen(path, "w");
+    cr_assert_not_null(f);
+    http_port = free_port();
+    worker_port = free_port();
+    int replaced = 0;
+    for (char *line = strtok(text, "\n"); line != NULL; line = strtok(NULL, "\n")) {
+        char *p;
+        if (strstr(line, "draft_model:") != NULL && line[strspn(line, " ")] != '#') {
+            replaced++;
+            continue;
+        }
+        if ((p = strstr(line, "method: draft")) != NULL && line[strspn(line, " ")] != '#') {
+            fprintf(f, "%.*smethod: ngram\n", (int)(p - line), line);
+            replaced++;
+            continue;
+        }
+        if ((p = strstr(line, "port: 8000")) != NULL) {
+            fprintf(f, "%.*sport: %d%s\n", (int)(p - line), line, http_port, p + 10);
+            replaced++;
+            continue;
+        }
+        if ((p = strstr(line, "port: 8100")) != NULL) {
+            fprintf(f, "%.*sport: %d%s\n", (int)(p - line), line, worker_port, p + 10);
+            replaced++;
+            continue;
+        }
+        fprintf(f, "%s\n", line);
+    }
+    fclose(f);
+    cr_assert_eq(replaced, 4, "local-spec.yaml: draft method, draft model and both ports found");
+    /* the sample the file asks for, from duet-generate */
+    job_t j = {0};
+    snprintf(j.prompt, sizeof(j.prompt), "The LORD said unto Moses,");
+    j.max_tokens = 40;
+    reference(&j);
+    char cmd[1400];
+    snprintf(cmd, sizeof(cmd),
+             "DUET_SOURCE_DIR=%s UCX_TLS=tcp,self,sm UCX_WARN_UNUSED_ENV_VARS=n timeout 150 %s up "
+             "%s --once --log-dir %s/logs 2>&1",
+             DUET_SOURCE_DIR, UP, path, dir);
+    const int rc = test_run(cmd, out, sizeof(out));
+    cr_expect_eq(rc, 0, "duet up --once: exit %d\n%s", rc, out);
+    char want[4096];
+    snprintf(want, sizeof(want), "  answer  %s\n", j.want_text);
+    cr_expect(strstr(out, want) != NULL, "the sample answer is duet-generate's (%s):\n%s",
+              j.want_text, out);
+    snprintf(path, sizeof(path), "%s/logs/gen-0.log", dir);
+    f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    int speculating = 0;
+    while (fgets(text, sizeof(text), f) != NULL)
+        speculating |= strstr(text, "speculative decoding: ngram, up to 4 drafts") != NULL;
+    fclose(f);
+    cr_expect(speculating, "gen-0 speculates (its log in %s)", path);
+    free(j.want_text);
+    n_pids = 0;
+    stop_all(); /* removes the folder */
 }
