@@ -10,7 +10,8 @@
  * loop of N in flight (--concurrency) or Poisson arrivals (--request-rate, optionally capped by
  * --concurrency). Every streamed byte is timestamped as it is read (uv_hrtime) and parsed by
  * serving_sse. After the last request: wait --metrics-settle-ms, scrape /metrics again,
- * summarise, print, write --json, check gates.
+ * summarise, print, write --json, check gates. With a speculating cluster the router also exports
+ * drafts proposed / kept per draft position; duet-bench reports each position's acceptance rate.
  *
  * Request bodies are built before the clock starts so the timed path only connects, writes and
  * parses. The send time of a request is taken just before its connect: TTFT and E2EL include the
@@ -54,14 +55,20 @@
 #define BENCH_MAX_REASONS     16   /* distinct failure reasons reported */
 
 /* The router counters read from /metrics before and after the run (docs/architecture.md,
- * "Admission, placement, drain, admin API, metrics"). */
+ * "Admission, placement, drain, admin API, metrics"); the last two are the count and sum of the
+ * histogram of tokens a speculating worker's verify step emitted per request. */
 static const char *const bench_server_counters[] = {
-    "duet_gen_decode_steps_total",
-    "duet_gen_decode_seq_steps_total",
-    "duet_gen_decoded_tokens_total",
-    "duet_gen_step_seconds_total",
+    "duet_gen_decode_steps_total",     "duet_gen_decode_seq_steps_total",
+    "duet_gen_decoded_tokens_total",   "duet_gen_step_seconds_total",
+    "duet_gen_spec_step_tokens_count", "duet_gen_spec_step_tokens_sum",
 };
-#define BENCH_N_COUNTERS 4
+#define BENCH_N_COUNTERS 6
+
+/* Drafts proposed / kept per draft position (label position="1", "2", ...): positions are read
+ * from 1 up while the router exports them, at most this many. */
+#define BENCH_SPEC_DRAFTED       "duet_gen_spec_drafted_total"
+#define BENCH_SPEC_ACCEPTED      "duet_gen_spec_accepted_total"
+#define BENCH_SPEC_MAX_POSITIONS 64
 
 typedef enum { BENCH_EP_COMPLETIONS = 0, BENCH_EP_CHAT = 1 } bench_endpoint_t;
 
@@ -228,6 +235,12 @@ static const char bench_usage_text[] =
     "  avg_decoded_tokens_per_iter = d duet_gen_decoded_tokens_total /\n"
     "                                d duet_gen_decode_seq_steps_total\n"
     "  device_step_time_ms = 1000 * d duet_gen_step_seconds_total / d duet_gen_decode_steps_total\n"
+    "  speculative decoding (null when no drafts were verified):\n"
+    "  spec_mean_step_tokens = d duet_gen_spec_step_tokens_sum / d ..._count: tokens a verify\n"
+    "         step emitted per request (drafts kept + 1)\n"
+    "  spec_acceptance_rate = d duet_gen_spec_accepted_total / d duet_gen_spec_drafted_total\n"
+    "         (every draft position); spec_positions lists each position's drafted, accepted\n"
+    "         and acceptance_rate (positions with drafts only)\n"
     "\n"
     "baseline file (--baseline):\n"
     "  {\"description\": \"...\", \"gates\": {\"error_rate\": {\"max\": 0},\n"
@@ -772,6 +785,8 @@ typedef struct {
     bool ok; /* the scrape answered 200 */
     bool found[BENCH_N_COUNTERS];
     double value[BENCH_N_COUNTERS];
+    int n_positions; /* draft positions 1..n_positions have both series */
+    double drafted[BENCH_SPEC_MAX_POSITIONS], accepted[BENCH_SPEC_MAX_POSITIONS];
 } bench_scrape_t;
 
 static void bench_scrape(bench_run_t *run, bench_scrape_t *s)
@@ -784,9 +799,21 @@ static void bench_scrape(bench_run_t *run, bench_scrape_t *s)
                          &status, &body) == DUET_OK &&
         status == 200) {
         s->ok = true;
+        const char *text = body.data != NULL ? body.data : "";
         for (int i = 0; i < BENCH_N_COUNTERS; i++)
-            serving_prom_sum(body.data != NULL ? body.data : "", body.len, bench_server_counters[i],
-                             &s->value[i], &s->found[i]);
+            serving_prom_sum(text, body.len, bench_server_counters[i], &s->value[i], &s->found[i]);
+        for (int j = 0; j < BENCH_SPEC_MAX_POSITIONS; j++) {
+            char pos[16];
+            snprintf(pos, sizeof(pos), "%d", j + 1);
+            bool fd, fa;
+            serving_prom_sum_where(text, body.len, BENCH_SPEC_DRAFTED, "position", pos,
+                                   &s->drafted[j], &fd);
+            serving_prom_sum_where(text, body.len, BENCH_SPEC_ACCEPTED, "position", pos,
+                                   &s->accepted[j], &fa);
+            if (!fd || !fa)
+                break;
+            s->n_positions = j + 1;
+        }
     }
     duet_strbuf_free(&body);
 }
@@ -849,6 +876,36 @@ static void bench_put_dist(json_t *res, const char *name, const serving_dist_t *
     json_object_set_new(res, key, block);
 }
 
+/*
+ * Speculative decoding over the run: mean tokens per verify step from the histogram's count and
+ * sum deltas, acceptance per draft position (positions both scrapes have and the run drafted at)
+ * and over all positions.
+ */
+static void bench_put_spec(json_t *res, double d_steps, double d_emitted,
+                           const bench_scrape_t *before, const bench_scrape_t *after)
+{
+    json_object_set_new(res, "spec_mean_step_tokens",
+                        bench_num(d_steps > 0 ? d_emitted / d_steps : NAN));
+    const int n =
+        before->n_positions < after->n_positions ? before->n_positions : after->n_positions;
+    double drafted = 0, accepted = 0;
+    json_t *pos = json_array();
+    for (int j = 0; j < n; j++) {
+        const double dd = after->drafted[j] - before->drafted[j],
+                     da = after->accepted[j] - before->accepted[j];
+        if (!(dd > 0))
+            continue;
+        drafted += dd;
+        accepted += da;
+        json_array_append_new(pos, json_pack("{s:i, s:o, s:o, s:o}", "position", j + 1, "drafted",
+                                             bench_num(dd), "accepted", bench_num(da),
+                                             "acceptance_rate", bench_num(da / dd)));
+    }
+    json_object_set_new(res, "spec_acceptance_rate",
+                        bench_num(drafted > 0 ? accepted / drafted : NAN));
+    json_object_set_new(res, "spec_positions", pos);
+}
+
 typedef struct {
     const char *reason;
     size_t count;
@@ -893,6 +950,7 @@ static json_t *bench_results_json(const bench_run_t *run, const char *model,
     double step_ms = d[0] > 0 ? 1000.0 * d[3] / d[0] : NAN;
     json_object_set_new(res, "avg_decoded_tokens_per_iter", bench_num(per_iter));
     json_object_set_new(res, "device_step_time_ms", bench_num(step_ms));
+    bench_put_spec(res, d[4], d[5], before, after);
 
     /* the distinct failure reasons with counts */
     bench_reason_t reasons[BENCH_MAX_REASONS];
@@ -1009,6 +1067,25 @@ static void bench_print(const json_t *res, const serving_summary_t *s)
                 3);
     v = json_object_get(res, "device_step_time_ms");
     bench_row_f("Device step time (ms):", json_is_number(v) ? json_number_value(v) : NAN, 3);
+    json_t *pos = json_object_get(res, "spec_positions");
+    if (json_array_size(pos) > 0) {
+        v = json_object_get(res, "spec_mean_step_tokens");
+        bench_row_f("Spec tokens per verify step:", json_is_number(v) ? json_number_value(v) : NAN,
+                    3);
+        v = json_object_get(res, "spec_acceptance_rate");
+        bench_row_f("Spec acceptance rate:", json_is_number(v) ? json_number_value(v) : NAN, 3);
+        size_t i;
+        json_t *p;
+        json_array_foreach(pos, i, p)
+        {
+            char label[64];
+            snprintf(label, sizeof(label), "  at draft position %lld (%.0f/%.0f):",
+                     (long long)json_integer_value(json_object_get(p, "position")),
+                     json_number_value(json_object_get(p, "accepted")),
+                     json_number_value(json_object_get(p, "drafted")));
+            bench_row_f(label, json_number_value(json_object_get(p, "acceptance_rate")), 3);
+        }
+    }
     json_t *errs = json_object_get(res, "errors");
     if (json_array_size(errs) > 0) {
         printf("---------------------Failures---------------------\n");

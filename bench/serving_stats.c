@@ -162,7 +162,48 @@ duet_status_t serving_slo_parse_item(const char *item, serving_slo_t *slo)
     return DUET_OK;
 }
 
+/*
+ * The label set of a sample from line[*i] = '{' to its '}' (line[*i] is left after it): false
+ * when it does not parse. *match says whether it holds label="value" (true when label is NULL).
+ */
+static bool prom_labels(const char *line, size_t llen, size_t *i, const char *label,
+                        const char *value, bool *match)
+{
+    size_t at = *i + 1;
+    *match = label == NULL;
+    for (;;) {
+        while (at < llen && (line[at] == ' ' || line[at] == ','))
+            at++;
+        if (at < llen && line[at] == '}')
+            break;
+        const size_t key = at;
+        while (at < llen && (isalnum((unsigned char)line[at]) || line[at] == '_'))
+            at++;
+        const size_t key_len = at - key;
+        if (key_len == 0 || at + 1 >= llen || line[at] != '=' || line[at + 1] != '"')
+            return false;
+        at += 2;
+        const size_t val = at; /* label values may hold '}' and escaped quotes */
+        while (at < llen && line[at] != '"')
+            at += line[at] == '\\' ? 2 : 1;
+        if (at >= llen)
+            return false;
+        if (label != NULL && strlen(label) == key_len && memcmp(line + key, label, key_len) == 0 &&
+            strlen(value) == at - val && memcmp(line + val, value, at - val) == 0)
+            *match = true;
+        at++; /* the closing quote */
+    }
+    *i = at + 1;
+    return true;
+}
+
 void serving_prom_sum(const char *text, size_t len, const char *name, double *sum_p, bool *found_p)
+{
+    serving_prom_sum_where(text, len, name, NULL, NULL, sum_p, found_p);
+}
+
+void serving_prom_sum_where(const char *text, size_t len, const char *name, const char *label,
+                            const char *value, double *sum_p, bool *found_p)
 {
     size_t nlen = strlen(name);
     double sum = 0;
@@ -176,22 +217,13 @@ void serving_prom_sum(const char *text, size_t len, const char *name, double *su
         if (llen <= nlen || line[0] == '#' || memcmp(line, name, nlen) != 0)
             continue;
         size_t i = nlen;
-        if (line[i] == '{') { /* skip the label set; label values may hold '}' inside quotes */
-            bool quoted = false;
-            for (i++; i < llen; i++) {
-                if (quoted && line[i] == '\\')
-                    i++;
-                else if (line[i] == '"')
-                    quoted = !quoted;
-                else if (!quoted && line[i] == '}')
-                    break;
-            }
-            if (i >= llen)
-                continue;
-            i++;
-        }
+        bool match = label == NULL;
+        if (line[i] == '{' && !prom_labels(line, llen, &i, label, value, &match))
+            continue;
         if (i >= llen || (line[i] != ' ' && line[i] != '\t'))
             continue; /* a longer name sharing the prefix, e.g. name_bucket */
+        if (!match)
+            continue;
         while (i < llen && (line[i] == ' ' || line[i] == '\t'))
             i++;
         char num[64];

@@ -103,10 +103,20 @@ duet_status_t serving_slo_parse_item(const char *item, serving_slo_t *slo);
 
 /*
  * Sum of the samples named `name` in a Prometheus text exposition (every label set of that
- * name: per-worker series add up). Comment lines are skipped; samples whose value does not
- * parse are ignored. *found_p says whether any sample of that name was present (then *sum_p is
- * their sum, else 0). Never fails: text from outside is read defensively.
+ * name: per-worker series add up). Comment lines are skipped; samples whose label set or value
+ * does not parse are ignored. *found_p says whether any sample of that name was present (then
+ * *sum_p is their sum, else 0). Never fails: text from outside is read defensively.
  */
 void serving_prom_sum(const char *text, size_t len, const char *name, double *sum_p, bool *found_p);
+
+/*
+ * serving_prom_sum over only the samples whose label set holds label="value" (other labels may
+ * differ: per-worker series of one position add up). `value` is compared with the quoted text as
+ * it stands, so it must be one that needs no escaping (e.g. "3"). A label set that does not parse
+ * (no '=', an unquoted value, no closing '}') is not a sample. label NULL: every sample, as
+ * serving_prom_sum.
+ */
+void serving_prom_sum_where(const char *text, size_t len, const char *name, const char *label,
+                            const char *value, double *sum_p, bool *found_p);
 
 #endif

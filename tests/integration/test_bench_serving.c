@@ -304,6 +304,11 @@ Test(bench_serving, closed_loop_json_tpot_and_gates, .timeout = 240)
     cr_assert(v != NULL && (json_is_null(v) || json_is_number(v)));
     v = json_object_get(j, "device_step_time_ms");
     cr_assert(v != NULL && (json_is_null(v) || json_is_number(v)));
+    /* the test workers do not speculate: the router's per-position series stay 0 */
+    cr_assert(json_is_null(json_object_get(j, "spec_acceptance_rate")));
+    cr_assert(json_is_null(json_object_get(j, "spec_mean_step_tokens")));
+    v = json_object_get(j, "spec_positions");
+    cr_assert(json_is_array(v) && json_array_size(v) == 0);
     json_t *cfg = json_object_get(j, "config");
     cr_assert_str_eq(json_string_value(json_object_get(cfg, "model")), "m", "from /v1/models");
     cr_assert_eq(json_integer_value(json_object_get(cfg, "max_tokens")), 8);

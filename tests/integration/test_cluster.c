@@ -956,6 +956,11 @@ Test(cluster, perf_gates_on_the_real_cluster, .timeout = 180)
     cr_expect_float_eq(json_real_value(json_object_get(o, "avg_decoded_tokens_per_iter")), 1.0,
                        1e-9, "no drafts: one token per request per decode step");
     cr_expect_gt(json_real_value(json_object_get(o, "device_step_time_ms")), 0.0);
+    cr_expect(json_is_null(json_object_get(o, "spec_acceptance_rate")) &&
+                  json_is_null(json_object_get(o, "spec_mean_step_tokens")) &&
+                  json_array_size(json_object_get(o, "spec_positions")) == 0 &&
+                  json_is_array(json_object_get(o, "spec_positions")),
+              "no speculation: no acceptance figures");
     json_decref(o);
     snprintf(bad, sizeof(bad), "%s/impossible.json", dir);
     FILE *f = fopen(bad, "w");
@@ -1052,33 +1057,106 @@ static void check_spec_metrics(const job_t *jobs, int n, int k)
     cr_expect_lt(le_k, steps, "some verify steps kept drafts");
 }
 
+/* The router's speculation counters: drafted / kept per position 1..8, verify steps, emitted. */
+typedef struct {
+    double drafted[8], accepted[8], steps, emitted;
+} spec_counts_t;
+
+static void spec_counts(spec_counts_t *c)
+{
+    for (int j = 0; j < 8; j++) {
+        char lab[32];
+        snprintf(lab, sizeof(lab), "{position=\"%d\"}", j + 1);
+        c->drafted[j] = metric_series("duet_gen_spec_drafted_total", lab);
+        c->accepted[j] = metric_series("duet_gen_spec_accepted_total", lab);
+    }
+    c->steps = metric("duet_gen_spec_step_tokens_count");
+    c->emitted = metric("duet_gen_spec_step_tokens_sum");
+}
+
 /*
- * duet-bench against a speculating cluster with bench/baselines/local-spec.json: its gate on
- * avg_decoded_tokens_per_iter (> 1: verify steps keep drafts) passes on the workload the baseline
- * names, and the value is the router's decoded tokens over request steps.
+ * duet-bench against a speculating cluster (spec.k = k) with bench/baselines/local-spec.json: its
+ * gates (avg_decoded_tokens_per_iter > 1: verify steps keep drafts) pass on the workload the
+ * baseline names; its avg_decoded_tokens_per_iter, tokens per verify step and acceptance per draft
+ * position are the router's counters over the run (read here from /metrics); and a baseline asking
+ * for more tokens per step than a verify step can give (spec.k + 1) fails the run, naming the gate.
  */
-static void check_spec_bench(void)
+static void check_spec_bench(int k)
 {
     static char out[1 << 16];
-    char json[512];
+    char json[512], bad[512];
     snprintf(json, sizeof(json), "%s/bench-spec.json", dir);
     const double tok0 = metric("duet_gen_decoded_tokens_total"),
                  seq0 = metric("duet_gen_decode_seq_steps_total");
+    spec_counts_t c0, c1;
+    spec_counts(&c0);
     int rc = run_bench_workload("--concurrency 4 --num-prompts 8 --max-tokens 64 --ignore-eos "
                                 "--prompts " DUET_SOURCE_DIR "/data/prompts/gsm8k-test.jsonl",
                                 DUET_SOURCE_DIR "/bench/baselines/local-spec.json", json, out,
                                 sizeof(out));
     cr_expect_eq(rc, 0, "duet-bench with the local-spec baseline: exit %d\n%s", rc, out);
+    cr_expect(strstr(out, "PASS avg_decoded_tokens_per_iter") != NULL, "the gate ran:\n%s", out);
     json_error_t e;
     json_t *o = json_load_file(json, 0, &e);
     cr_assert_not_null(o, "%s", e.text);
     const double per_iter = json_real_value(json_object_get(o, "avg_decoded_tokens_per_iter"));
     const double tok = metric("duet_gen_decoded_tokens_total") - tok0,
                  seq = metric("duet_gen_decode_seq_steps_total") - seq0;
+    spec_counts(&c1);
     cr_expect_float_eq(per_iter, tok / seq, 1e-9, "duet-bench %.6f, the router %.0f / %.0f",
                        per_iter, tok, seq);
-    printf("cluster_spec: duet-bench avg_decoded_tokens_per_iter %.3f\n", per_iter);
+    const double steps = c1.steps - c0.steps, emitted = c1.emitted - c0.emitted;
+    cr_expect_float_eq(json_real_value(json_object_get(o, "spec_mean_step_tokens")),
+                       emitted / steps, 1e-9, "tokens per verify step: the router %.0f / %.0f",
+                       emitted, steps);
+    const json_t *pos = json_object_get(o, "spec_positions");
+    cr_assert(json_is_array(pos), "spec_positions");
+    /* a position is drafted only after the one before it: those with drafts are 1..m */
+    double drafted = 0, accepted = 0;
+    size_t m = 0;
+    for (int j = 0; j < 8; j++) {
+        const double d = c1.drafted[j] - c0.drafted[j], a = c1.accepted[j] - c0.accepted[j];
+        drafted += d;
+        accepted += a;
+        if (j >= k)
+            cr_expect_eq(d, 0.0, "position %d drafted with spec.k %d", j + 1, k);
+        if (!(d > 0))
+            continue;
+        cr_expect_eq(m++, (size_t)j, "position %d drafted after one that was not", j + 1);
+        const json_t *p = json_array_get(pos, (size_t)j);
+        cr_expect_eq(json_integer_value(json_object_get(p, "position")), j + 1);
+        cr_expect_eq(json_real_value(json_object_get(p, "drafted")), d, "position %d", j + 1);
+        cr_expect_eq(json_real_value(json_object_get(p, "accepted")), a, "position %d", j + 1);
+        cr_expect_float_eq(json_real_value(json_object_get(p, "acceptance_rate")), a / d, 1e-9,
+                           "position %d: %.0f of %.0f kept", j + 1, a, d);
+    }
+    cr_expect(m >= 1 && json_array_size(pos) == m, "%zu positions in duet-bench, %zu drafted",
+              json_array_size(pos), m);
+    cr_expect_float_eq(json_real_value(json_object_get(o, "spec_acceptance_rate")),
+                       accepted / drafted, 1e-9, "%.0f of %.0f drafts kept", accepted, drafted);
+    cr_expect(strstr(out, "Spec acceptance rate:") != NULL &&
+                  strstr(out, "at draft position 1 (") != NULL,
+              "the text report shows acceptance per position:\n%s", out);
+    printf("cluster_spec: duet-bench avg_decoded_tokens_per_iter %.3f, acceptance %.3f\n", per_iter,
+           accepted / drafted);
     json_decref(o);
+
+    snprintf(bad, sizeof(bad), "%s/beyond-k.json", dir);
+    FILE *f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"gates\": {\"error_rate\": {\"max\": 0}, \"avg_decoded_tokens_per_iter\": "
+            "{\"min\": %d.01}}}\n",
+            k + 1);
+    fclose(f);
+    rc = run_bench_workload("--concurrency 4 --num-prompts 4 --max-tokens 16 --ignore-eos "
+                            "--prompts " DUET_SOURCE_DIR "/data/prompts/gsm8k-test.jsonl",
+                            bad, json, out, sizeof(out));
+    cr_expect_eq(rc, 3, "a gate above spec.k + 1 tokens per step fails the run: exit %d\n%s", rc,
+                 out);
+    cr_expect(strstr(out, "FAIL avg_decoded_tokens_per_iter") != NULL &&
+                  strstr(out, "PASS error_rate") != NULL,
+              "the failed gate is named:\n%s", out);
 }
 
 /*
@@ -1141,7 +1219,7 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 300)
         usleep(400000); /* a heartbeat carries the last counters */
         check_spec_metrics(jobs, N, atoi(ks[round]));
         if (round == 1) /* the speculating cluster's perf gate (the baseline's own workload) */
-            check_spec_bench();
+            check_spec_bench(atoi(ks[round]));
         stop_all();
     }
     for (int i = 0; i < N; i++) {

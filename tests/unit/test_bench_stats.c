@@ -218,3 +218,42 @@ Test(bench_stats, prometheus_sums_over_label_sets)
     serving_prom_sum("a_total 3\na_total 4", 10, "a_total", &v, &found);
     cr_assert(found && v == 3);
 }
+
+/* Per-position speculation counters: one label picks the series, other labels add up. */
+Test(bench_stats, prometheus_sums_one_label_value)
+{
+    const char *text =
+        "# TYPE duet_gen_spec_drafted_total counter\n"
+        "duet_gen_spec_drafted_total{position=\"1\"} 250\n"
+        "duet_gen_spec_drafted_total{position=\"2\"} 239\n"
+        "duet_gen_spec_drafted_total{position=\"12\"} 7\n"
+        "duet_gen_spec_drafted_total{worker=\"a,position=\\\"2\\\"\",position=\"2\"} 1\n"
+        "duet_gen_spec_drafted_total{ position=\"3\" , worker=\"}\"} 5\n"
+        "duet_gen_spec_drafted_total{worker=\"position=\\\"4\\\"\"} 9\n"
+        "duet_gen_spec_drafted_total{position=4} 9\n"
+        "duet_gen_spec_drafted_total{position=\"4\" 9\n"
+        "duet_gen_spec_drafted_total{position=\"4\\\"} 9\n"
+        "duet_gen_spec_drafted_total_x{position=\"1\"} 100\n";
+    double v;
+    bool found;
+    serving_prom_sum_where(text, strlen(text), "duet_gen_spec_drafted_total", "position", "1", &v,
+                           &found);
+    cr_assert(found);
+    near(v, 250, "position 1 (not 12, not a longer name)");
+    serving_prom_sum_where(text, strlen(text), "duet_gen_spec_drafted_total", "position", "2", &v,
+                           &found);
+    cr_assert(found);
+    near(v, 240, "position 2 of two label sets; a quoted look-alike is not a label");
+    serving_prom_sum_where(text, strlen(text), "duet_gen_spec_drafted_total", "position", "3", &v,
+                           &found);
+    cr_assert(found);
+    near(v, 5, "spaces around labels, '}' inside a value");
+    serving_prom_sum_where(text, strlen(text), "duet_gen_spec_drafted_total", "position", "4", &v,
+                           &found);
+    cr_assert(!found, "unquoted, unterminated and look-alike label sets are not samples: %g", v);
+    cr_assert_eq(v, 0);
+    serving_prom_sum_where(text, strlen(text), "duet_gen_spec_drafted_total", NULL, NULL, &v,
+                           &found);
+    cr_assert(found);
+    near(v, 250 + 239 + 7 + 1 + 5 + 9, "no label: every parsable sample, as serving_prom_sum");
+}
