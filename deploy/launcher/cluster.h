@@ -19,8 +19,8 @@
  * scalars; they become flags "--a.b=value" in file order, which every duet binary reads through
  * common/config.h. A plain `true` becomes the bare flag "--a.b" (a bool key reads it as true,
  * and so does a getopt tool). A folder the workers read besides the model (spec.draft_model) is
- * joined to `root` when relative, as `model` is. Lists, null values, empty mappings and keys the launcher sets
- * itself (the router's model.dir; a worker's router, model, name) are refused.
+ * joined to `root` when relative, as `model` is. Lists, null values, empty mappings and keys the
+ * launcher sets itself (the router's model.dir; a worker's router, model, name) are refused.
  *
  * Why the parser knows so little about the keys: duet-router, duet-ctx and duet-gen validate
  * their own flags, so a misspelt router or worker key is reported by that binary, at start-up,
