@@ -18,6 +18,7 @@ endif()
 # Speculative decoding's engine part (verify items, accept, replay, commit, truncate) against
 # plain decode on the same fixtures and the demo model.
 duet_add_test(test_engine_spec SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_spec.c
+              ${PROJECT_SOURCE_DIR}/tests/unit/st_writer.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
 # Speculative decoding's host side: prompt lookup, acceptance, the distribution it keeps.
 duet_add_test(test_engine_accept SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_accept.c
