@@ -9,7 +9,10 @@
  *
  * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
  * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
- * "decode_tokens_per_s", "finish_reason"}.
+ * "decode_tokens_per_s", "finish_reason", "steps", "draft_tokens", "accepted_tokens"}.
+ * The prefill + decode loop (with --spec.method, speculative) is the engine's
+ * (engine/generate.h), which the tests run as this binary does; here: flags, the tokenizer, the
+ * text and the output.
  * The folder's tokenizer and stop ids come from tokenizer (duet_tokenizer_load,
  * duet_tokenizer_stop_ids), as in the router; a stop id ends the text and adds none, other
  * special tokens add theirs only with --no-skip-special-tokens.
@@ -19,11 +22,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "common/config.h"
 #include "common/log.h"
 #include "common/version.h"
+#include "engine/generate.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/spec.h"
@@ -66,55 +69,54 @@ static const duet_config_key_t gen_keys[] = {
     DUET_SPEC_CONFIG_KEYS,
 };
 
-/* What decoding writes: the tokens, and the text (streamed to stdout or kept for --json). */
+/* Where the run's output goes: the text of the generated tokens (streamed to stdout, or kept
+ * for --json) and the prompt logits (--dump-logits). */
 typedef struct {
-    int32_t *out; /* (max_new) */
-    int64_t n_out, max_new;
-    const uint32_t *stop_ids;
-    size_t n_stop;
-    int ignore_eos, as_json;
+    int as_json;
     duet_detok_t *detok; /* NULL without a tokenizer */
     char *text;
     size_t text_len, text_cap;
-} gen_emit_t;
+    FILE *dump;
+    const char *dump_path;
+    int64_t vocab;
+} gen_out_t;
 
-/* Emit one generated token; 1 when it ends the output (a stop id), 0 otherwise, -1 on no
- * memory. */
-static int gen_emit(gen_emit_t *e, int32_t t)
+/* duet_generate_opts_t.on_token: a generated token's text (a stop id never comes here). */
+static duet_status_t gen_on_token(void *user, int32_t t)
 {
-    e->out[e->n_out++] = t;
-    int stop = 0;
-    for (size_t i = 0; i < e->n_stop && !e->ignore_eos; i++)
-        stop = stop || e->stop_ids[i] == (uint32_t)t;
-    if (e->detok == NULL || stop)
-        return stop;
+    gen_out_t *e = user;
+    if (e->detok == NULL)
+        return DUET_OK;
     const char *piece;
     size_t plen;
     if (duet_detok_feed(e->detok, (uint32_t)t, &piece, &plen) != DUET_OK || plen == 0)
-        return 0;
+        return DUET_OK;
     if (!e->as_json) {
         fwrite(piece, 1, plen, stdout);
         fflush(stdout);
-        return 0;
+        return DUET_OK;
     }
     if (e->text_len + plen + 1 > e->text_cap) {
         size_t ncap = (e->text_len + plen + 1) * 2;
         char *grown = realloc(e->text, ncap);
         if (grown == NULL)
-            return -1;
+            return duet_error_set(DUET_ERR_NOMEM, "out of memory");
         e->text = grown;
         e->text_cap = ncap;
     }
     memcpy(e->text + e->text_len, piece, plen);
     e->text_len += plen;
-    return 0;
+    return DUET_OK;
 }
 
-static double gen_now(void)
+/* duet_generate_opts_t.on_prefill_logits: --dump-logits. */
+static duet_status_t gen_on_prefill_logits(void *user, const float *logits, int64_t n_rows)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    gen_out_t *e = user;
+    const size_t n = (size_t)(n_rows * e->vocab);
+    if (fwrite(logits, sizeof(float), n, e->dump) != n)
+        return duet_error_set(DUET_ERR_IO, "writing %s: %s", e->dump_path, strerror(errno));
+    return DUET_OK;
 }
 
 /* Parse "1,2,3" into a malloc'd array. */
@@ -167,16 +169,11 @@ int main(int argc, char **argv)
     duet_config_t *cfg = NULL;
     duet_model_t *model = NULL;
     duet_tokenizer_t *tok = NULL;
-    duet_detok_t *detok = NULL;
-    duet_sampler_t *smp = NULL;
     duet_spec_t *spec = NULL;
-    duet_spec_seq_t ss = {.dseq = {.id = -1}};
     int32_t *prompt = NULL;
-    float *logits = NULL;
-    FILE *dump = NULL;
-    gen_emit_t em = {0};
+    gen_out_t gout = {0};
+    duet_generate_result_t res = {0};
     int rc = 1, n_pos = 0;
-    duet_seq_t seq = {.id = -1};
     duet_status_t st;
 
     if (duet_config_create(gen_keys, sizeof(gen_keys) / sizeof(gen_keys[0]), &cfg) != DUET_OK)
@@ -308,173 +305,85 @@ int main(int argc, char **argv)
         fprintf(stderr, "duet-generate: cannot load %s: %s\n", dir, duet_error_last());
         goto out;
     }
-    const duet_model_config_t *mc = duet_model_config(model);
-    const int64_t V = mc->vocab_size;
-    if ((st = duet_sampler_create(V, &smp)) != DUET_OK ||
-        (st = duet_model_seq_open(model, n_prompt + max_new, &seq)) != DUET_OK ||
-        (so.method != DUET_SPEC_NONE && (st = duet_spec_create(&so, model, &spec)) != DUET_OK)) {
+    if (so.method != DUET_SPEC_NONE && (st = duet_spec_create(&so, model, &spec)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
-    const int64_t chunk = opts.max_batch_tokens;
-    int64_t rows = dump_path != NULL ? chunk : 1;
-    if (rows < so.k + 1 && spec != NULL)
-        rows = so.k + 1;
-    logits = malloc(sizeof(float) * (size_t)(V * rows));
-    em.max_new = max_new;
-    em.out = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
-    if (logits == NULL || em.out == NULL) {
+    res.tokens = malloc(sizeof(int32_t) * (size_t)(max_new > 0 ? max_new : 1));
+    if (res.tokens == NULL) {
         fprintf(stderr, "duet-generate: out of memory\n");
         goto out;
     }
-    if (dump_path != NULL && (dump = fopen(dump_path, "wb")) == NULL) {
+    if (dump_path != NULL && (gout.dump = fopen(dump_path, "wb")) == NULL) {
         fprintf(stderr, "duet-generate: cannot write %s: %s\n", dump_path, strerror(errno));
         goto out;
     }
     const unsigned detok_flags =
         duet_config_get_bool(cfg, "skip_special_tokens") ? DUET_DETOK_SKIP_SPECIAL : 0;
-    if (tok != NULL && duet_detok_create(tok, detok_flags, &detok) != DUET_OK) {
+    if (tok != NULL && duet_detok_create(tok, detok_flags, &gout.detok) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
-    em.stop_ids = stop_ids;
-    em.n_stop = n_stop;
-    em.ignore_eos = ignore_eos;
-    em.as_json = as_json;
-    em.detok = detok;
+    gout.as_json = as_json;
+    gout.dump_path = dump_path;
+    gout.vocab = duet_model_config(model)->vocab_size;
 
-    /* prefill in chunks */
-    double t0 = gen_now();
-    for (int64_t at = 0; at < n_prompt; at += chunk) {
-        int64_t n = n_prompt - at < chunk ? n_prompt - at : chunk;
-        int last = at + n == n_prompt;
-        duet_batch_item_t item = {
-            .seq = &seq,
-            .tokens = prompt + at,
-            .n_tokens = n,
-            .logits_mode =
-                dump != NULL ? DUET_LOGITS_ALL : (last ? DUET_LOGITS_LAST : DUET_LOGITS_NONE),
-            .logits = logits,
-        };
-        if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
-            fprintf(stderr, "duet-generate: prefill failed: %s\n", duet_error_last());
-            goto out;
-        }
-        if (dump != NULL) {
-            if (fwrite(logits, sizeof(float), (size_t)(n * V), dump) != (size_t)(n * V)) {
-                fprintf(stderr, "duet-generate: writing %s: %s\n", dump_path, strerror(errno));
-                goto out;
-            }
-            if (last) /* keep the last row for sampling */
-                memmove(logits, logits + (n - 1) * V, sizeof(float) * (size_t)V);
-        }
-    }
-    double t_prefill = gen_now() - t0;
-
-    /* decode: the first token from the prefill's logits, then one forward per step (a verify
-     * of k drafts with speculation, else one row) */
-    duet_rng_t rng;
-    duet_rng_seed(&rng, sp.seed);
-    const char *finish = "length";
-    int64_t steps = 0;
-    int end = 0;
-    double t1 = gen_now();
-    if (max_new > 0) {
-        int32_t first = duet_sampler_sample(smp, &sp, &rng, logits);
-        end = gen_emit(&em, first);
-        if (spec != NULL && end == 0 &&
-            (st = duet_spec_seq_open(spec, &ss, prompt, n_prompt, first, max_new, &sp, &rng)) !=
-                DUET_OK) {
-            fprintf(stderr, "duet-generate: %s\n", duet_error_last());
-            goto out;
-        }
-    }
-    while (end == 0 && em.n_out < max_new) {
-        int32_t toks[DUET_SPEC_MAX_K + 1];
-        int n_toks = 0;
-        int32_t next = em.out[em.n_out - 1];
-        duet_batch_item_t item = {.seq = &seq,
-                                  .tokens = &next,
-                                  .n_tokens = 1,
-                                  .logits_mode = DUET_LOGITS_LAST,
-                                  .logits = logits};
-        int32_t vtoks[DUET_SPEC_MAX_K + 1];
-        if (spec != NULL) {
-            /* drafts so that the kept ones and the target's token stay within max_tokens */
-            int k_cap = (int)(max_new - em.n_out - 1 < so.k ? max_new - em.n_out - 1 : so.k);
-            duet_spec_seq_t *one = &ss;
-            if ((st = duet_spec_propose(spec, &one, &k_cap, 1)) != DUET_OK) {
-                fprintf(stderr, "duet-generate: drafting failed: %s\n", duet_error_last());
-                goto out;
-            }
-            if (ss.k > 0) {
-                vtoks[0] = next;
-                memcpy(vtoks + 1, ss.drafts, sizeof(int32_t) * (size_t)ss.k);
-                item.tokens = vtoks;
-                item.n_tokens = ss.k + 1;
-                item.logits_mode = DUET_LOGITS_ALL;
-                item.verify = 1;
-            }
-        }
-        if ((st = duet_model_forward(model, &item, 1)) != DUET_OK) {
-            fprintf(stderr, "duet-generate: decode failed: %s\n", duet_error_last());
-            goto out;
-        }
-        steps++;
-        if (spec != NULL) {
-            if ((st = duet_spec_finish(spec, &ss, &seq, logits, toks, &n_toks)) != DUET_OK) {
-                fprintf(stderr, "duet-generate: %s\n", duet_error_last());
-                goto out;
-            }
-        } else {
-            toks[n_toks++] = duet_sampler_sample(smp, &sp, &rng, logits);
-        }
-        for (int i = 0; i < n_toks && end == 0 && em.n_out < max_new; i++)
-            end = gen_emit(&em, toks[i]);
-    }
-    if (end < 0) {
-        fprintf(stderr, "duet-generate: out of memory\n");
+    /* prefill in chunks and decode: the engine's loop (engine/generate.h) */
+    duet_generate_opts_t go;
+    duet_generate_opts_default(&go);
+    go.sampling = sp;
+    go.max_tokens = max_new;
+    go.stop_ids = stop_ids;
+    go.n_stop = n_stop;
+    go.ignore_eos = ignore_eos;
+    go.spec = spec;
+    go.prefill_chunk = opts.max_batch_tokens;
+    go.on_prefill_logits = gout.dump != NULL ? gen_on_prefill_logits : NULL;
+    go.on_token = gen_on_token;
+    go.user = &gout;
+    if ((st = duet_generate_run(model, prompt, n_prompt, &go, &res)) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;
     }
-    if (end > 0)
-        finish = "stop";
-    double t_decode = gen_now() - t1;
-    if (detok != NULL) {
+    const char *finish = res.stopped ? "stop" : "length";
+    if (gout.detok != NULL) {
         const char *piece;
         size_t plen;
-        if (duet_detok_flush(detok, &piece, &plen) == DUET_OK && plen > 0) {
+        if (duet_detok_flush(gout.detok, &piece, &plen) == DUET_OK && plen > 0) {
             if (as_json) {
-                char *grown = realloc(em.text, em.text_len + plen + 1);
+                char *grown = realloc(gout.text, gout.text_len + plen + 1);
                 if (grown == NULL)
                     goto out;
-                em.text = grown;
-                memcpy(em.text + em.text_len, piece, plen);
-                em.text_len += plen;
+                gout.text = grown;
+                memcpy(gout.text + gout.text_len, piece, plen);
+                gout.text_len += plen;
             } else {
                 fwrite(piece, 1, plen, stdout);
             }
         }
     }
 
+    const double t_prefill = res.prefill_s, t_decode = res.decode_s;
     double prefill_tps = t_prefill > 0 ? (double)n_prompt / t_prefill : 0.0;
     /* the first generated token comes from the prefill's logits: n_out - 1 decode steps */
-    const int64_t n_out = em.n_out;
+    const int64_t n_out = res.n_tokens;
     double decode_tps = (n_out > 1 && t_decode > 0) ? (double)(n_out - 1) / t_decode : 0.0;
     if (as_json) {
         json_t *o = json_object();
         json_t *ta = json_array();
         for (int64_t i = 0; i < n_out; i++)
-            json_array_append_new(ta, json_integer(em.out[i]));
+            json_array_append_new(ta, json_integer(res.tokens[i]));
         json_object_set_new(o, "tokens", ta);
-        json_object_set_new(o, "text", json_stringn(em.text != NULL ? em.text : "", em.text_len));
+        json_object_set_new(o, "text",
+                            json_stringn(gout.text != NULL ? gout.text : "", gout.text_len));
         json_object_set_new(o, "prompt_tokens", json_integer(n_prompt));
         json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_tps));
         json_object_set_new(o, "decode_tokens_per_s", json_real(decode_tps));
         json_object_set_new(o, "finish_reason", json_string(finish));
         /* decode forwards after the prefill, and what speculation drafted and kept in them */
-        json_object_set_new(o, "steps", json_integer(steps));
-        json_object_set_new(o, "draft_tokens", json_integer((json_int_t)ss.drafted));
-        json_object_set_new(o, "accepted_tokens", json_integer((json_int_t)ss.kept));
+        json_object_set_new(o, "steps", json_integer(res.steps));
+        json_object_set_new(o, "draft_tokens", json_integer((json_int_t)res.draft_tokens));
+        json_object_set_new(o, "accepted_tokens", json_integer((json_int_t)res.accepted_tokens));
         char *s = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
         if (s != NULL)
             puts(s);
@@ -483,7 +392,7 @@ int main(int argc, char **argv)
     } else {
         if (tok == NULL) {
             for (int64_t i = 0; i < n_out; i++)
-                printf("%s%d", i ? "," : "", em.out[i]);
+                printf("%s%d", i ? "," : "", res.tokens[i]);
         }
         printf("\n");
         fprintf(stderr,
@@ -494,21 +403,15 @@ int main(int argc, char **argv)
     rc = 0;
 
 out:
-    if (dump != NULL && fclose(dump) != 0 && rc == 0) {
+    if (gout.dump != NULL && fclose(gout.dump) != 0 && rc == 0) {
         fprintf(stderr, "duet-generate: closing %s: %s\n", dump_path, strerror(errno));
         rc = 1;
     }
-    if (model != NULL)
-        duet_model_seq_close(model, &seq);
-    if (spec != NULL)
-        duet_spec_seq_close(spec, &ss);
     duet_spec_destroy(spec);
-    free(em.text);
-    free(em.out);
-    free(logits);
+    free(gout.text);
+    free(res.tokens);
     free(prompt);
-    duet_sampler_destroy(smp);
-    duet_detok_destroy(detok);
+    duet_detok_destroy(gout.detok);
     duet_tokenizer_destroy(tok);
     duet_model_free(model);
     duet_config_destroy(cfg);

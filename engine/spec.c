@@ -119,6 +119,7 @@ struct duet_spec {
     int64_t *idx;             /* (max_seqs) the drafting sequences, as indices into ss */
     float *dlogits;           /* (max_seqs * vocab) row t: the t-th drafting sequence's logits */
     int64_t max_seqs;
+    duet_spec_accept_fn accept; /* duet_spec_accept, or a test's rule */
 };
 
 void duet_spec_opts_default(duet_spec_opts_t *o)
@@ -202,6 +203,7 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
         return duet_error_set(DUET_ERR_NOMEM, "spec: out of memory");
     sp->o = *o;
     sp->target = target;
+    sp->accept = duet_spec_accept;
     sp->vocab = duet_model_config(target)->vocab_size;
     sp->max_seqs = to->max_seqs;
     sp->scratch = malloc(sizeof(float) * 2 * (size_t)sp->vocab);
@@ -254,6 +256,11 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
 const duet_spec_opts_t *duet_spec_opts(const duet_spec_t *sp)
 {
     return &sp->o;
+}
+
+void duet_spec_set_accept_rule(duet_spec_t *sp, duet_spec_accept_fn rule)
+{
+    sp->accept = rule != NULL ? rule : duet_spec_accept;
 }
 
 void duet_spec_seq_close(duet_spec_t *sp, duet_spec_seq_t *ss)
@@ -430,8 +437,8 @@ duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t 
         out[0] = duet_sampler_sample(sp->sampler, ss->sampling, ss->rng, logits);
         n = 1;
     } else {
-        n = duet_spec_accept(sp->sampler, ss->sampling, ss->rng, logits, sp->vocab, ss->drafts, k,
-                             ss->q_valid ? ss->q : NULL, sp->scratch, out);
+        n = sp->accept(sp->sampler, ss->sampling, ss->rng, logits, sp->vocab, ss->drafts, k,
+                       ss->q_valid ? ss->q : NULL, sp->scratch, out);
         duet_status_t st = duet_model_seq_accept(sp->target, tseq, n);
         if (st != DUET_OK)
             return st;

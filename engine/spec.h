@@ -62,6 +62,11 @@ int duet_spec_accept(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rn
                      const float *logits, int64_t vocab, const int32_t *drafts, int k,
                      const float *q, float *scratch, int32_t *out);
 
+/* duet_spec_accept's signature: an acceptance rule. */
+typedef int (*duet_spec_accept_fn)(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rng,
+                                   const float *logits, int64_t vocab, const int32_t *drafts, int k,
+                                   const float *q, float *scratch, int32_t *out);
+
 /* ---- the speculative decoder: drafts for a batch of sequences, and what a verify keeps ---- */
 
 typedef struct {
@@ -145,6 +150,13 @@ typedef struct duet_spec duet_spec_t;
 duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, duet_spec_t **sp_p);
 void duet_spec_destroy(duet_spec_t *sp); /* accepts NULL */
 const duet_spec_opts_t *duet_spec_opts(const duet_spec_t *sp);
+
+/*
+ * Tests only: the decoder's duet_spec_finish applies `rule` instead of duet_spec_accept (NULL:
+ * duet_spec_accept again), so that a statistical test can show it catches a wrong rule through
+ * the whole decode loop. Nothing else calls it.
+ */
+void duet_spec_set_accept_rule(duet_spec_t *sp, duet_spec_accept_fn rule);
 
 /* One speculating request. Fields are the decoder's; callers read the stats and `k`. */
 typedef struct {

@@ -18,7 +18,14 @@ endif()
 # Speculative decoding's engine part (verify items, accept, replay, commit, truncate) against
 # plain decode on the same fixtures and the demo model.
 duet_add_test(test_engine_spec SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_spec.c
+              ${PROJECT_SOURCE_DIR}/tests/unit/st_writer.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
 # Speculative decoding's host side: prompt lookup, acceptance, the distribution it keeps.
 duet_add_test(test_engine_accept SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_accept.c
               LIBS duet_engine TIMEOUT 300)
+# duet-generate's loop (engine/generate.h) with speculation against plain decoding: greedy token
+# for token on the fixtures and the demo model, alone and in mixed batches, max_tokens / stop
+# ids, and sampling's distribution (a chi-square test on the demo model).
+duet_add_test(test_engine_generate SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_generate.c
+              ${PROJECT_SOURCE_DIR}/tests/unit/st_writer.c
+              LIBS duet_engine PkgConfig::JANSSON TIMEOUT 600)

@@ -18,12 +18,10 @@
  * see is at most 3.5e-7).
  */
 #include <criterion/criterion.h>
-#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "engine/backend.h"
 #include "engine/cache.h"
@@ -35,6 +33,7 @@
 #include "kernels/cpu/cpu_kda.h"
 
 #include "golden_fixtures.h"
+#include "spec_test_util.h"
 
 #define DUET_TEST_RNG_SEED 0x5bec0de5eed1e5ull
 #include "test_rng.h"
@@ -102,18 +101,6 @@ static void step(duet_model_t *m, duet_seq_t *s, const int32_t *toks, int64_t n,
 
 /* ---- the caches, byte for byte --------------------------------------------------------------- */
 
-static size_t kda_slot_bytes(duet_model_t *m)
-{
-    duet_kda_pool_t *p = duet_model_kda_pool(m);
-    return p == NULL ? 0 : duet_kda_pool_layer_bytes(p) * (size_t)duet_kda_pool_desc(p)->n_layers;
-}
-
-/* Every KDA layer's S and conv windows of the sequence (a slot's layers are contiguous). */
-static const uint8_t *kda_slot(duet_model_t *m, const duet_seq_t *s)
-{
-    return (const uint8_t *)duet_kda_pool_state(duet_model_kda_pool(m), s->kda_slot, 0);
-}
-
 static int kda_equal(duet_model_t *m, const duet_seq_t *a, const duet_seq_t *b)
 {
     return duet_model_kda_pool(m) == NULL ||
@@ -141,27 +128,6 @@ static int kv_equal(duet_model_t *m, const duet_seq_t *a, const duet_seq_t *b, i
             if (memcmp(kv_row(m, a, l, pos), kv_row(m, b, l, pos), tb) != 0)
                 return 0;
     return 1;
-}
-
-/* A new sequence holding a copy of `src`'s caches (src has nothing to replay), filled as a cache
- * transfer fills one. */
-static void clone_seq(duet_model_t *m, const duet_seq_t *src, int64_t cap, duet_seq_t *dst)
-{
-    cr_assert_eq(src->n_replay, 0);
-    cr_assert_eq(duet_model_seq_open(m, cap, dst), DUET_OK, "%s", duet_error_last());
-    duet_kv_pool_t *kv = duet_model_kv_pool(m);
-    if (kv != NULL) {
-        const int64_t PT = duet_kv_pool_desc(kv)->page_tokens;
-        for (int64_t pg = 0; pg < (src->n_tokens + PT - 1) / PT; pg++)
-            for (int64_t l = 0; l < duet_kv_pool_desc(kv)->n_layers; l++)
-                memcpy(duet_kv_pool_block(kv, dst->pages[pg], l),
-                       duet_kv_pool_block(kv, src->pages[pg], l), duet_kv_pool_block_bytes(kv));
-    }
-    if (duet_model_kda_pool(m) != NULL)
-        memcpy((void *)kda_slot(m, dst), kda_slot(m, src), kda_slot_bytes(m));
-    cr_assert_eq(duet_model_seq_set_filled(m, dst, src->n_tokens), DUET_OK, "%s",
-                 duet_error_last());
-    cr_assert(dst->n_pending == 0 && dst->n_replay == 0, "a filled sequence has nothing pending");
 }
 
 /* ---- the independent reference of the first KDA layer's replay rows ------------------------- */
@@ -796,38 +762,13 @@ Test(engine_spec, mixed_batch_bit_identical_to_alone, .timeout = 600)
 
 /* ---- an MLA-only model: truncate ------------------------------------------------------------- */
 
-/* A one-layer MLA-only checkpoint: mla-first-bf16-mixed-norenorm's layer 0 (MLA, dense MLP) and
- * its other weights, which the one-layer config leaves unused. Returns the folder (in /tmp). */
+/* The one-layer MLA-only model: mla-first-bf16-mixed-norenorm's layer 0 (MLA, dense MLP) cut out
+ * (spec_test_util.h). Returns the folder (in /tmp). */
 static void make_mla_only(char *dir, size_t cap)
 {
-    char src[1600], path[2400];
+    char src[1600];
     snprintf(src, sizeof(src), "%s/tests/fixtures/mla-first-bf16-mixed-norenorm", DUET_SOURCE_DIR);
-    snprintf(dir, cap, "/tmp/duet_spec_mla_XXXXXX");
-    cr_assert_not_null(mkdtemp(dir));
-    snprintf(path, sizeof(path), "%s/config.json", src);
-    json_error_t jerr;
-    json_t *c = json_load_file(path, 0, &jerr);
-    cr_assert_not_null(c, "%s: %s", path, jerr.text);
-    json_object_set_new(c, "num_hidden_layers", json_integer(1));
-    json_object_set_new(c, "layer_types", json_pack("[s]", "full_attention"));
-    json_object_set_new(c, "mlp_layer_types", json_pack("[s]", "dense"));
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    cr_assert_eq(json_dump_file(c, path, JSON_INDENT(2)), 0);
-    json_decref(c);
-    char from[2400];
-    snprintf(from, sizeof(from), "%s/model.safetensors", src);
-    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
-    cr_assert_eq(symlink(from, path), 0);
-}
-
-static void remove_mla_only(const char *dir)
-{
-    char path[2400];
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    unlink(path);
-    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
-    unlink(path);
-    rmdir(dir);
+    mla_only_make(src, dir, cap);
 }
 
 Test(engine_spec, truncate_on_mla_only_equals_never_running_the_tokens, .timeout = 300)
@@ -898,7 +839,7 @@ Test(engine_spec, truncate_on_mla_only_equals_never_running_the_tokens, .timeout
     free(la);
     free(lb);
     duet_model_free(m);
-    remove_mla_only(dir);
+    mla_only_remove(dir);
 }
 
 /* ---- refusals -------------------------------------------------------------------------------- */
@@ -1007,7 +948,7 @@ Test(engine_spec, bad_verify_items_and_calls_are_refused, .timeout = 120)
     cr_assert_eq(duet_model_seq_truncate(m, &s, 0), DUET_OK);
     duet_model_seq_close(m, &s);
     duet_model_free(m);
-    remove_mla_only(dir);
+    mla_only_remove(dir);
     free(lg);
     free_cases(cs, n);
 }
