@@ -52,7 +52,10 @@ typedef struct {
     uint64_t draft_tokens;    /* drafted tokens verified */
     uint64_t accepted_tokens; /* drafted tokens kept */
     double prefill_s;         /* the prefill's wall time (duet_generate_run) */
-    double decode_s;          /* from drawing the first token to the end, callbacks included */
+    double decode_s;          /* from drawing the first token to the end, callbacks included,
+                                 less draft_prefill_s */
+    double draft_prefill_s;   /* the draft model's prompt prefill (spec draft; 0 otherwise): prompt
+                                 work, so decode_s leaves it out */
 } duet_generate_result_t;
 
 /*
