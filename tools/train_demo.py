@@ -33,6 +33,8 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 from transformers.models.kimi_linear import modeling_kimi_linear as mkl  # noqa: E402
 
 BOS, EOS, VOCAB = 256, 257, 258
+# duet_tokenizer.json: every training window starts with <|bos|>, so duet-generate must prepend it.
+TOKENIZER = {"type": "byte", "specials": ["<|bos|>", "<|eos|>"], "add_bos": True}
 
 
 def log(*a):
@@ -54,8 +56,16 @@ def load_data(data_dir, held_frac=0.02):
 
 
 def make_config(a):
+    """KimiLinearConfig from the command line's sizes. --mla-layers lists the 1-based MLA layers (the
+    rest are KDA; "all" makes every layer MLA, as a draft model has); the first --dense-layers layers
+    have a dense MLP, the rest MoE (the hub's first_k_dense_replace)."""
     n = a.layers
-    mla = {int(i) - 1 for i in a.mla_layers.split(",")}  # 1-based like the hub's full_attn_layers
+    if a.mla_layers == "all":
+        mla = set(range(n))
+    else:
+        mla = {int(i) - 1 for i in a.mla_layers.split(",")}  # 1-based like the hub's full_attn_layers
+    assert all(0 <= i < n for i in mla), f"--mla-layers {a.mla_layers} outside 1..{n}"
+    assert 0 <= a.dense_layers <= n, f"--dense-layers {a.dense_layers} outside 0..{n}"
     layer_types = ["full_attention" if i in mla else "linear_attention" for i in range(n)]
     return KimiLinearConfig(
         vocab_size=VOCAB, hidden_size=a.hidden, intermediate_size=a.dense_inter,
@@ -66,7 +76,7 @@ def make_config(a):
         hidden_act="silu", max_position_embeddings=1048576, initializer_range=0.02, rms_norm_eps=1e-5,
         pad_token_id=None, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
         num_local_experts=a.experts, layer_types=layer_types,
-        mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+        mlp_layer_types=["dense"] * a.dense_layers + ["sparse"] * (n - a.dense_layers),
         linear_head_dim=a.head_dim, linear_num_heads=a.kda_heads, linear_conv_kernel_dim=4,
     )
 
@@ -77,6 +87,22 @@ def count_params(model, config):
     n_moe = sum(1 for t in config.mlp_layer_types if t == "sparse")
     inactive = n_moe * (config.num_local_experts - config.num_experts_per_tok) * per_expert
     return total, total - inactive
+
+
+def make_optimizer(model, lr, wd, device):
+    """AdamW (betas 0.9/0.95) with weight decay on matrices only (not norms, biases, KDA's A_log/dt_bias)."""
+    decay, no_decay = [], []
+    for n_, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n_ or "A_log" in n_ or "dt_bias" in n_ else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def lr_at(step, prog, lr, warmup, min_lr_frac):
+    """Linear warmup over `warmup` steps, then cosine to min_lr_frac * lr over the budget (prog in 0..1)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
 def batch_from(parts, weights, batch, seq, device, gen=None):
@@ -161,7 +187,7 @@ def save_model(model, config, out_dir, shard_mib):
     shards = max(1, math.ceil(nbytes / (shard_mib * 2 ** 20)))
     kimi_ckpt.save_moonshot(out_dir, sd, kimi_ckpt.hub_config(config, dtype="bfloat16"), n_shards=shards)
     with open(os.path.join(out_dir, "duet_tokenizer.json"), "w") as f:
-        json.dump({"type": "byte", "specials": ["<|bos|>", "<|eos|>"]}, f)
+        json.dump(TOKENIZER, f)
         f.write("\n")
     return nbytes, shards
 
@@ -196,7 +222,8 @@ def main():
     ap.add_argument("--bias-rate", type=float, default=1e-3)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--mla-layers", default="4,8", help="1-based MLA layer numbers; the rest are KDA")
+    ap.add_argument("--mla-layers", default="4,8", help='1-based MLA layer numbers (or "all"); the rest are KDA')
+    ap.add_argument("--dense-layers", type=int, default=1, help="the first N layers have a dense MLP, the rest MoE")
     ap.add_argument("--kda-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64, help="KDA head dim = MLA qk_nope = v_head_dim")
     ap.add_argument("--mla-heads", type=int, default=4)
@@ -243,11 +270,7 @@ def main():
     for r in routers:
         r.register_forward_hook(count_hook)
 
-    decay, no_decay = [], []
-    for n_, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in n_ or "A_log" in n_ or "dt_bias" in n_ else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = make_optimizer(model, a.lr, a.wd, device)
 
     # Find a batch size that fits (halve on OOM); fall back to the eager experts loop if the
     # default experts implementation (grouped_mm on Hopper) fails in training.
@@ -287,11 +310,7 @@ def main():
         elapsed = time.time() - t0
         if elapsed >= budget or (a.max_steps and step >= a.max_steps):
             break
-        prog = min(1.0, elapsed / budget)
-        if step < a.warmup:
-            lr = a.lr * (step + 1) / a.warmup
-        else:
-            lr = a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+        lr = lr_at(step, min(1.0, elapsed / budget), a.lr, a.warmup, a.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch_from(train_dev, weights, batch, a.seq, device)
@@ -344,7 +363,8 @@ Made by `tools/train_demo.py` (transformers {transformers.__version__}, torch {t
   `first_k_dense_replace`, `num_experts`, ...), `torch_dtype` bfloat16.
 - `{files}`: bf16 weights in Moonshot's naming ({nbytes / 2**20:.1f} MiB).
 - `duet_tokenizer.json`: byte-level tokenizer: ids 0..255 are the bytes, 256 = `<|bos|>`, 257 = `<|eos|>`.
-  Prompts should start with `<|bos|>` (every training window did). The model never saw `<|eos|>`.
+  Prompts should start with `<|bos|>` (every training window did); its `"add_bos": true` makes
+  duet-generate prepend config.json's `bos_token_id` to text prompts. The model never saw `<|eos|>`.
 
 ## Config
 | | |

@@ -1,6 +1,7 @@
 /*
  * duet-generate as a real process: its --json and --dump-logits contract against transformers'
- * golden outputs (tests/fixtures), the demo model's greedy text against transformers fp32, and
+ * golden outputs (tests/fixtures), the demo model's and its drafter's greedy text against
+ * transformers fp32, speculation with the shipped drafter leaving the greedy text unchanged, and
  * clear errors with exit status 1 for bad invocations.
  */
 #include <criterion/criterion.h>
@@ -117,6 +118,101 @@ Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
                       14) == 0,
               "%s", json_string_value(json_object_get(o, "text")));
     json_decref(o);
+}
+
+#define DEMO  DUET_SOURCE_DIR "/models/duet-demo"
+#define DRAFT DUET_SOURCE_DIR "/models/duet-demo-draft"
+
+Test(generate_cli, demo_draft_model_matches_transformers_fp32, .timeout = 120)
+{
+    /* transformers 5.17 fp32 on <|bos|> "And God said", m =
+     * KimiLinearForCausalLM.from_pretrained("models/duet-demo-draft", dtype=torch.float32):
+     * each prompt row's argmax and its logit, m(ids).logits[0].max(-1), and 40 greedy tokens,
+     * m.generate(ids, max_new_tokens=40, do_sample=False) (the drafter alone says " the" again and
+     * again; its prompt rows tell more) */
+    static const struct {
+        int id;
+        float logit;
+    } rows[] = {{32, 4.464301f},  {115, 4.290537f}, {32, 5.378041f},  {32, 5.811361f},
+                {116, 4.319676f}, {111, 6.438781f}, {117, 5.193252f}, {32, 5.421926f},
+                {116, 4.085057f}, {104, 5.517317f}, {110, 4.871672f}, {110, 5.828618f},
+                {32, 5.882504f}};
+    static const char *want =
+        "32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,"
+        "32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101";
+    const char *dump = "/tmp/duet_test_draft_logits.bin";
+    char out[65536];
+    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DRAFT
+                          " --prompt 'And God said' --max-tokens 40 --dtype f32 --json"
+                          " --dump-logits /tmp/duet_test_draft_logits.bin",
+                          out, sizeof(out)),
+                 0, "%s", out);
+    json_t *o = json_loads(out, 0, NULL);
+    cr_assert_not_null(o, "%s", out);
+    cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
+    json_decref(o);
+    enum { P = 13, V = 258 };
+    static float lg[P * V];
+    FILE *f = fopen(dump, "rb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fread(lg, sizeof(float), P * V, f), (size_t)(P * V), "dump is short");
+    cr_expect_eq(fgetc(f), EOF, "dump is [13, 258] exactly");
+    fclose(f);
+    remove(dump);
+    for (int t = 0; t < P; t++) {
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (lg[t * V + v] > lg[t * V + best])
+                best = v;
+        cr_expect_eq(best, rows[t].id, "row %d", t);
+        cr_expect(fabsf(lg[t * V + best] - rows[t].logit) <= 1e-4f, "row %d: %.6f vs %.6f", t,
+                  (double)lg[t * V + best], (double)rows[t].logit);
+    }
+}
+
+/* The shipped drafter against the demo model: at every k the greedy tokens equal those of plain
+ * decoding, and the drafter's tokens are verified and some kept, which a drafter that failed to
+ * load or ran wrong would not give (its greedy text alone is checked above). */
+Test(generate_cli, demo_draft_speculation_keeps_greedy_output, .timeout = 180)
+{
+    const char *prompt =
+        "'Janet\xe2\x80\x99s ducks lay 16 eggs per day. She eats three for breakfast "
+        "every morning.'";
+    char cmd[4096], out[65536];
+    snprintf(cmd, sizeof(cmd),
+             "DUET_LOG_LEVEL=error %s --model %s --prompt %s --max-tokens 96 --device cpu --json",
+             GEN, DEMO, prompt);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    json_t *plain = json_loads(out, 0, NULL);
+    cr_assert_not_null(plain, "%s", out);
+    char want[8192];
+    snprintf(want, sizeof(want), "%s", ids_csv(json_object_get(plain, "tokens")));
+    cr_assert_eq(json_array_size(json_object_get(plain, "tokens")), 96);
+    static const int ks[] = {1, 2, 4, 7};
+    for (size_t i = 0; i < sizeof(ks) / sizeof(ks[0]); i++) {
+        snprintf(
+            cmd, sizeof(cmd),
+            "DUET_LOG_LEVEL=error %s --model %s --prompt %s --max-tokens 96 --device cpu --json "
+            "--spec.method draft --spec.draft-model %s --spec.k %d",
+            GEN, DEMO, prompt, DRAFT, ks[i]);
+        cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "k %d: %s", ks[i], out);
+        json_t *o = json_loads(out, 0, NULL);
+        cr_assert_not_null(o, "%s", out);
+        cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want, "k %d", ks[i]);
+        const json_int_t steps = json_integer_value(json_object_get(o, "steps")),
+                         drafted = json_integer_value(json_object_get(o, "draft_tokens")),
+                         kept = json_integer_value(json_object_get(o, "accepted_tokens"));
+        printf("demo + duet-demo-draft, k %d: %lld steps, %lld drafted, %lld accepted\n", ks[i],
+               (long long)steps, (long long)drafted, (long long)kept);
+        cr_expect_gt(drafted, 0, "k %d", ks[i]);
+        cr_expect_gt(kept, 0, "k %d", ks[i]);
+        cr_expect_leq(kept, drafted, "k %d", ks[i]);
+        cr_expect_leq(drafted, steps * ks[i], "k %d", ks[i]);
+        cr_expect_eq(steps + kept, 95, "k %d: each step emits its kept drafts and one token",
+                     ks[i]);
+        json_decref(o);
+    }
+    json_decref(plain);
 }
 
 Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
