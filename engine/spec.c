@@ -459,7 +459,7 @@ duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t 
     if (sp->draft != NULL && k > 0) {
         const int64_t valid = old + (n - 1 < k - 1 ? n - 1 : k - 1);
         if (ss->dseq.n_tokens > valid) {
-            duet_status_t st = duet_model_seq_truncate(sp->draft, &ss->dseq, valid);
+            duet_status_t st = duet_model_seq_truncate(sp->draft, &ss->dseq, valid, NULL);
             if (st != DUET_OK)
                 return st;
         }
