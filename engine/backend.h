@@ -45,7 +45,8 @@
  *    split-KV reducer's log-sum-exp merge, kernels/cuda/cuda_mla.h); the collective between ranks
  *    stays outside the backend.
  *  - Suspend / resume: ops that copy a sequence's pages and slot out to host memory and back (what
- *    mirror_out / seq_set_filled do per layer on CUDA today).
+ *    mirror_out / seq_set_filled do per layer on CUDA today). The slot half exists: seq_state_copy
+ *    (duet_model_seq_state_save / _restore, which a KDA draft model's rollback uses).
  */
 #ifndef DUET_ENGINE_BACKEND_H
 #define DUET_ENGINE_BACKEND_H
@@ -155,6 +156,14 @@ struct duet_backend_ops {
      * replay block into its KDA state and conv windows, exactly as a forward does before its new
      * rows (the replay-only commit). The front end clears n_replay. */
     duet_status_t (*seq_replay)(duet_backend_t *be, const duet_seq_t *seq);
+
+    /* Optional; needed when pool_mem puts the KDA pool on the device (the front end copies a host
+     * pool itself). Copy the sequence's KDA slot (duet_kda_pool_slot_bytes bytes, the host
+     * pool's slot layout) into host memory buf (to_host 1) or from it into the slot (0), after
+     * the work queued before it and finished when it returns; a copy into the slot also updates
+     * a host mirror of it. duet_model_seq_state_save / _restore. */
+    duet_status_t (*seq_state_copy)(duet_backend_t *be, const duet_seq_t *seq, void *buf,
+                                    int to_host);
 
     /* One mixed step: prefill chunks and decode rows of any logits mode, DUET_LOGITS_TOKEN drawn
      * by the backend (on the device for CUDA). Runs the batch's hook after each layer's mixer. */

@@ -585,4 +585,5 @@ const duet_backend_ops_t duet_backend_cpu_ops = {
     .seq_replay = duet__cpu_seq_replay,
     .forward = duet__cpu_forward,
     .pool_mem = duet__cpu_pool_mem,
+    .seq_state_copy = NULL, /* the host KDA pool is the state: the front end copies it */
 };

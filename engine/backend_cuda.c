@@ -924,6 +924,28 @@ static duet_status_t duet__cuda_seq_set_filled(duet_backend_t *be, const duet_se
     return duet__cu(cudaStreamSynchronize(dm->stream), "staging copy");
 }
 
+static duet_status_t duet__cuda_seq_state_copy(duet_backend_t *be, const duet_seq_t *seq, void *buf,
+                                               int to_host)
+{
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
+    if (dm->kda_dev == NULL || seq->kda_slot < 0)
+        return DUET_OK;
+    const size_t off = duet__kda_off(dm, seq->kda_slot, 0);
+    uint8_t *dev = (uint8_t *)dm->kda_dev + off;
+    /* on the step stream: after the steps queued before it, before the ones queued after */
+    if (to_host)
+        CU(cudaMemcpyAsync(buf, dev, dm->kda_slot_bytes, cudaMemcpyDeviceToHost, dm->stream),
+           "KDA state device → host");
+    else
+        CU(cudaMemcpyAsync(dev, buf, dm->kda_slot_bytes, cudaMemcpyHostToDevice, dm->stream),
+           "KDA state host → device");
+    CU(cudaStreamSynchronize(dm->stream), "KDA state copy");
+    /* a mirrored host pool stays the device's copy of the slot */
+    if (!to_host && (dm->opts.mirror_in || dm->opts.mirror_out))
+        memcpy((uint8_t *)duet_kda_pool_base(dm->kda_host) + off, buf, dm->kda_slot_bytes);
+    return DUET_OK;
+}
+
 /* ---- the step ------------------------------------------------------------------------------- */
 
 /*
@@ -1542,6 +1564,7 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
                            spec_rows, so no sequence has rows to replay */
     .forward = duet__cuda_forward,
     .pool_mem = duet__cuda_pool_mem,
+    .seq_state_copy = duet__cuda_seq_state_copy,
 #else /* create refuses, so no instance reaches the rest */
 #endif
 };

@@ -342,6 +342,11 @@ size_t duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool)
     return pool->layer_bytes;
 }
 
+size_t duet_kda_pool_slot_bytes(const duet_kda_pool_t *pool)
+{
+    return pool->slot_bytes;
+}
+
 float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t layer)
 {
     DUET_ASSERT(slot >= 0 && slot < pool->desc.n_slots);

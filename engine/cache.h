@@ -78,6 +78,8 @@ int64_t duet_kda_pool_n_free(const duet_kda_pool_t *pool);
 void *duet_kda_pool_base(const duet_kda_pool_t *pool);
 size_t duet_kda_pool_bytes(const duet_kda_pool_t *pool);
 size_t duet_kda_pool_layer_bytes(const duet_kda_pool_t *pool);
+/* Bytes of one slot: every KDA layer's block, contiguous from duet_kda_pool_state(slot, 0). */
+size_t duet_kda_pool_slot_bytes(const duet_kda_pool_t *pool);
 /* S of (slot, KDA layer): fp32 [H][K][V]; the conv windows follow at + H*K*V floats. */
 float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);

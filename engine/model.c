@@ -504,20 +504,79 @@ duet_status_t duet_model_seq_commit(duet_model_t *m, duet_seq_t *seq)
     return DUET_OK;
 }
 
-duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
+size_t duet_model_seq_state_bytes(const duet_model_t *m)
+{
+    return m->kda != NULL ? duet_kda_pool_slot_bytes(m->kda) : 0;
+}
+
+/* Copy seq's KDA slot to buf (to_host 1) or back (0): the host pool when it is the backend's
+ * state, else the backend's seq_state_copy. */
+static duet_status_t duet__seq_state_copy(duet_model_t *m, const duet_seq_t *seq, void *buf,
+                                          int to_host)
+{
+    duet_backend_pool_mem_t pm = {0};
+    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &pm);
+    if (!pm.on_device) {
+        uint8_t *slot = (uint8_t *)duet_kda_pool_state(m->kda, seq->kda_slot, 0);
+        const size_t bytes = duet_kda_pool_slot_bytes(m->kda);
+        if (to_host)
+            memcpy(buf, slot, bytes);
+        else
+            memcpy(slot, buf, bytes);
+        return DUET_OK;
+    }
+    if (m->ops->seq_state_copy == NULL)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "the %s backend cannot copy a sequence's KDA state to or from the "
+                              "host",
+                              m->ops->name);
+    return m->ops->seq_state_copy(m->be, seq, buf, to_host);
+}
+
+duet_status_t duet_model_seq_state_save(duet_model_t *m, const duet_seq_t *seq, void *buf)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "state save: not an open sequence");
+    if (seq->n_replay != 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "state save: sequence %d has %lld accepted rows not yet in its "
+                              "state: commit them first (duet_model_seq_commit)",
+                              seq->id, (long long)seq->n_replay);
+    return m->kda != NULL ? duet__seq_state_copy(m, seq, buf, 1) : DUET_OK;
+}
+
+duet_status_t duet_model_seq_state_restore(duet_model_t *m, duet_seq_t *seq, const void *buf)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "state restore: not an open sequence");
+    if (m->kda != NULL) {
+        duet_status_t st = duet__seq_state_copy(m, seq, (void *)buf, 0);
+        if (st != DUET_OK)
+            return st;
+    }
+    seq->n_pending = 0;
+    seq->n_replay = 0;
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
+                                      const void *state)
 {
     if (!duet__seq_is_open(m, seq))
         return duet_error_set(DUET_ERR_INVALID, "truncate: not an open sequence");
-    if (m->kda != NULL)
-        return duet_error_set(DUET_ERR_UNSUPPORTED,
+    if (m->kda != NULL && state == NULL)
+        return duet_error_set(DUET_ERR_INVALID,
                               "truncate: the model has KDA layers, whose recurrent state cannot "
-                              "be rolled back (verify and accept instead)");
+                              "be rolled back: pass the state saved at the point rolled back to "
+                              "(duet_model_seq_state_save)");
     if (n_tokens < 0 || n_tokens > seq->n_tokens)
         return duet_error_set(
             DUET_ERR_RANGE, "truncate: a sequence of %lld tokens to %lld: expected 0..%lld",
             (long long)seq->n_tokens, (long long)n_tokens, (long long)seq->n_tokens);
+    duet_status_t st = duet_model_seq_state_restore(m, seq, state);
+    if (st != DUET_OK)
+        return st;
     seq->n_tokens = n_tokens;
-    seq->n_pending = 0;
     return DUET_OK;
 }
 

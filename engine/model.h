@@ -19,12 +19,15 @@
  * or by duet_model_seq_commit. Each verify row is computed bit for bit as plain decode (one token
  * per step) computes that token had the rows before it been committed, and the replay reaches
  * the state plain decode reaches, bit for bit (CPU; tests/unit/test_engine_spec.c), so greedy
- * speculation gives exactly the tokens of plain greedy decoding. A drafting model without KDA
- * layers rolls back with duet_model_seq_truncate instead.
+ * speculation gives exactly the tokens of plain greedy decoding. A drafting model (plain
+ * decode, no verify rows) rolls back with duet_model_seq_truncate instead: its MLA KV of later
+ * positions is simply overwritten, and its KDA state is restored from a copy the caller saved
+ * before drafting (duet_model_seq_state_save).
  */
 #ifndef DUET_ENGINE_MODEL_H
 #define DUET_ENGINE_MODEL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/status.h"
@@ -224,14 +227,49 @@ duet_status_t duet_model_seq_accept(duet_model_t *m, duet_seq_t *seq, int64_t n_
 duet_status_t duet_model_seq_commit(duet_model_t *m, duet_seq_t *seq);
 
 /*
- * Roll the sequence back to its first n_tokens tokens (a drafting model dropping its rejected
- * drafts): n_tokens is set, pending rows are dropped; the KV of later positions stays in the
- * pages and is overwritten by the next tokens. Only for a model without KDA layers (an MLA-only
- * draft model), whose caches hold nothing else: DUET_ERR_UNSUPPORTED with KDA layers (whose
- * state cannot be rolled back: verify + accept instead). DUET_ERR_RANGE when n_tokens < 0 or
- * > seq->n_tokens; DUET_ERR_INVALID for a closed sequence.
+ * A sequence's KDA state, copied out and back (a drafting model rolling back its rejected drafts;
+ * later suspend / resume): every KDA layer's S and conv windows of its state slot, in the slot
+ * layout of common/cache_layout.h (duet_kda_layout_slot_bytes; duet_kda_pool_state(slot, 0)
+ * onward in the host pool). On the CPU the host pool is the state and a copy is a memcpy; a
+ * backend whose state lives on a device copies through its seq_state_copy op (engine/backend.h).
+ *
+ * duet_model_seq_state_bytes: the bytes of one copy; 0 for a model without KDA layers (nothing
+ * to copy: its caches are the MLA pages, which a rollback leaves in place).
  */
-duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens);
+size_t duet_model_seq_state_bytes(const duet_model_t *m);
+
+/*
+ * Copy the sequence's KDA state, the state after its n_tokens committed tokens, into buf
+ * (duet_model_seq_state_bytes(m) bytes; nothing is written for a model without KDA layers). The
+ * sequence is unchanged; rows of a pending verify item are not part of the state. Errors:
+ * DUET_ERR_INVALID for a closed sequence or one with accepted rows not yet folded into its state
+ * (n_replay > 0: duet_model_seq_commit first); DUET_ERR_UNSUPPORTED on a backend that holds the
+ * state where it cannot copy it from.
+ */
+duet_status_t duet_model_seq_state_save(duet_model_t *m, const duet_seq_t *seq, void *buf);
+
+/*
+ * Overwrite the sequence's KDA state with buf (what duet_model_seq_state_save wrote for a
+ * sequence of this model). Pending verify rows and unreplayed accepted rows are dropped (they
+ * were computed from the state being replaced); n_tokens is left as it is: the caller then makes
+ * it the length the state belongs to (duet_model_seq_truncate does both for a rollback).
+ * Errors: DUET_ERR_INVALID for a closed sequence, DUET_ERR_UNSUPPORTED as for save.
+ */
+duet_status_t duet_model_seq_state_restore(duet_model_t *m, duet_seq_t *seq, const void *buf);
+
+/*
+ * Roll the sequence back to its first n_tokens tokens (a drafting model dropping its rejected
+ * drafts): n_tokens is set, pending and unreplayed rows are dropped; the MLA KV of later
+ * positions stays in the pages and is overwritten by the next tokens. A model with KDA layers
+ * cannot undo its recurrent state, so the caller passes `state`: what duet_model_seq_state_save
+ * wrote when this sequence held exactly n_tokens tokens (the engine cannot check that; another
+ * state gives wrong results, not an error); it is restored (duet_model_seq_state_restore).
+ * Without KDA layers `state` is ignored and may be NULL. Errors (nothing changes):
+ * DUET_ERR_INVALID for a closed sequence or, with KDA layers, a NULL state; DUET_ERR_RANGE when
+ * n_tokens < 0 or > seq->n_tokens; duet_model_seq_state_restore's.
+ */
+duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
+                                      const void *state);
 
 typedef enum {
     DUET_LOGITS_NONE = 0,  /* no logits (a prefill chunk that is not the prompt's last) */

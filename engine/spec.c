@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
+
 const char *const duet_spec_method_choices[] = {"none", "ngram", "draft", NULL};
 static const char *const *const duet__spec_names = duet_spec_method_choices;
 
@@ -230,11 +232,6 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
                                 "%s: the draft model's vocabulary (%lld) is not the target's "
                                 "(%lld)",
                                 o->draft_model, (long long)dc->vocab_size, (long long)sp->vocab);
-        } else if (dc->n_kda_layers > 0) {
-            st = duet_error_set(DUET_ERR_UNSUPPORTED,
-                                "%s: a draft model with KDA layers cannot roll a rejected draft "
-                                "back (use an MLA-only draft model)",
-                                o->draft_model);
         }
         sp->draft_rows = dopts.max_batch_tokens;
         sp->items = calloc((size_t)sp->max_seqs, sizeof(*sp->items));
@@ -269,6 +266,7 @@ void duet_spec_seq_close(duet_spec_t *sp, duet_spec_seq_t *ss)
         duet_model_seq_close(sp->draft, &ss->dseq);
     free(ss->hist);
     free(ss->q);
+    free(ss->dstate);
     memset(ss, 0, sizeof(*ss));
     ss->dseq.id = -1;
 }
@@ -337,7 +335,10 @@ duet_status_t duet_spec_seq_open(duet_spec_t *sp, duet_spec_seq_t *ss, const int
         return DUET_OK;
     duet_status_t st = DUET_OK;
     ss->q = malloc(sizeof(float) * DUET_SPEC_MAX_K * (size_t)sp->vocab);
-    if (ss->q == NULL)
+    const size_t state_bytes = duet_model_seq_state_bytes(sp->draft);
+    if (state_bytes > 0)
+        ss->dstate = malloc(state_bytes);
+    if (ss->q == NULL || (state_bytes > 0 && ss->dstate == NULL))
         st = duet_error_set(DUET_ERR_NOMEM, "spec: out of memory");
     if (st == DUET_OK)
         st = duet_model_seq_open(sp->draft, ss->cap + sp->o.k, &ss->dseq);
@@ -391,6 +392,15 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
     if (n_d == 0)
         return DUET_OK;
     duet_status_t st = duet__draft_catch_up(sp, ss, idx, n_d, 1);
+    /* a KDA state cannot drop the drafts fed to it: keep it as it is before them (a sequence
+     * drafting one token feeds none) */
+    for (int64_t t = 0; st == DUET_OK && t < n_d; t++) {
+        duet_spec_seq_t *s = ss[idx[t]];
+        if (s->dstate != NULL && k_cap[idx[t]] > 1) {
+            st = duet_model_seq_state_save(sp->draft, &s->dseq, s->dstate);
+            s->dstate_at = s->dseq.n_tokens;
+        }
+    }
     for (int64_t j = 0; st == DUET_OK && j < kmax; j++) {
         int64_t n_items = 0;
         for (int64_t t = 0; t < n_d; t++) {
@@ -455,11 +465,15 @@ duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t 
     const int64_t old = ss->n_hist;
     memcpy(ss->hist + ss->n_hist, out, sizeof(*out) * (size_t)n);
     ss->n_hist += n;
-    /* the draft sequence holds the old history and drafts[0..k-1): keep what stayed true */
+    /* the draft sequence holds the old history and drafts[0..k-1): keep what stayed true. An
+     * MLA-only one drops the rest; one with KDA layers goes back to the state saved before the
+     * drafts (at `old` tokens) and the next catch-up forwards the kept ones again */
     if (sp->draft != NULL && k > 0) {
         const int64_t valid = old + (n - 1 < k - 1 ? n - 1 : k - 1);
         if (ss->dseq.n_tokens > valid) {
-            duet_status_t st = duet_model_seq_truncate(sp->draft, &ss->dseq, valid);
+            DUET_ASSERT(ss->dstate == NULL || ss->dstate_at == old);
+            duet_status_t st = duet_model_seq_truncate(
+                sp->draft, &ss->dseq, ss->dstate != NULL ? ss->dstate_at : valid, ss->dstate);
             if (st != DUET_OK)
                 return st;
         }

@@ -103,7 +103,7 @@ extern const char *const duet_spec_method_choices[];
          .max = "8"},                                                                              \
         {.name = "spec.draft_model",                                                               \
          .type = DUET_CONFIG_STRING,                                                               \
-         .help = "draft checkpoint folder (MLA layers only, the target's vocabulary)"},            \
+         .help = "draft checkpoint folder (any KDA / MLA layers, the target's vocabulary)"},       \
         {.name = "spec.ngram_min",                                                                 \
          .type = DUET_CONFIG_INT,                                                                  \
          .def = "1",                                                                               \
@@ -143,9 +143,11 @@ typedef struct duet_spec duet_spec_t;
 /*
  * The speculative decoder of `target` (loaded with spec_rows >= k + 1; it must outlive the
  * decoder): for DRAFT it loads o->draft_model on the CPU with as many sequences as the target
- * and max_seq_len + k tokens each, and refuses one whose vocabulary differs from the target's or
- * that has KDA layers (a draft sequence is rolled back with duet_model_seq_truncate). Errors:
- * duet_spec_opts_validate's, the draft model's load errors, DUET_ERR_UNSUPPORTED, NOMEM.
+ * and max_seq_len + k tokens each (plain decode: no verify rows), and refuses one whose
+ * vocabulary differs from the target's. Its layers may be any mix of KDA and MLA layers: a draft
+ * sequence is rolled back past rejected drafts with duet_model_seq_truncate, its KDA state from a
+ * copy taken before the drafts (duet_spec_propose). Errors: duet_spec_opts_validate's, the draft
+ * model's load errors, DUET_ERR_UNSUPPORTED, NOMEM.
  */
 duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, duet_spec_t **sp_p);
 void duet_spec_destroy(duet_spec_t *sp); /* accepts NULL */
@@ -164,6 +166,10 @@ typedef struct {
                       target's sequence holds all but the newest */
     int64_t n_hist, cap;
     duet_seq_t dseq; /* DRAFT: the draft model's sequence; dseq.n_tokens of hist are in it */
+    void *dstate;    /* DRAFT, a draft model with KDA layers: (duet_model_seq_state_bytes) owned:
+                        dseq's KDA state when it held dstate_at tokens, saved before the last
+                        proposal's draft steps: what a rollback past rejected drafts restores */
+    int64_t dstate_at;
     const duet_sampling_t *sampling; /* the request's; not owned */
     duet_rng_t *rng;                 /* the request's stream; not owned */
     int32_t drafts[DUET_SPEC_MAX_K]; /* the last proposal: drafts[0..k) */
@@ -198,7 +204,9 @@ int32_t duet_spec_seq_next(const duet_spec_seq_t *ss);
  * the history. DRAFT: the draft model catches each sequence up with the history and runs up to
  * k steps for all of them together (batched forwards); a request that samples draws each draft
  * from the draft model's distribution with its own RNG (and keeps q), a greedy one takes the
- * draft model's argmax. Errors: the draft model's forward errors.
+ * draft model's argmax. A draft model with KDA layers has each drafting sequence's KDA state
+ * copied (ss[i]->dstate) after the catch-up and before the draft steps, for duet_spec_finish's
+ * rollback. Errors: the draft model's forward and state copy errors.
  */
 duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, const int *k_cap,
                                 int64_t n);
@@ -207,7 +215,10 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
  * A verify step of the target's sequence tseq just ran with the item [next, drafts[0..k)]
  * (n_tokens k + 1, logits [k + 1][vocab] in `logits`): choose what it keeps (duet_spec_accept),
  * keep it (duet_model_seq_accept(target, tseq, n)), record it in the history, roll the draft
- * sequence back to what stays valid, and write the n tokens to emit into out[0..n) (n returned,
+ * sequence back to what stays valid when it holds a rejected draft (MLA-only: to the last valid
+ * token; with KDA layers: to the proposal's start, its saved state restored, so the next
+ * proposal's catch-up forwards the kept tokens again as one chunk; nothing when no draft it
+ * holds was rejected), and write the n tokens to emit into out[0..n) (n returned,
  * 1..k+1; out[n - 1] is the next verify's first token). With ss->k == 0 the caller ran a plain
  * one-row step instead: then logits is that row and the target's sequence already advanced.
  * Errors: duet_model_seq_accept's and the draft model's.

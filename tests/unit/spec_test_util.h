@@ -2,13 +2,13 @@
  * spec_test_util.h: what the tests of speculative decoding (test_engine_spec.c,
  * test_engine_generate.c) share. Header-only: static helpers, Criterion asserts; link
  * st_writer.c.
- *  - A one-layer MLA-only checkpoint cut from a model: the draft model of a fixture (or of the
- *    demo model), and the model duet_model_seq_truncate is tested on (a model without KDA layers
- *    is the only kind that rolls back). Layer 0 of the cut is the source's first MLA layer, its
- *    attention and its MLP (dense or MoE) bit for bit, under the source's embedding, final norm
- *    and LM head, so it shares the source's vocabulary and agrees with it part of the time, as a
- *    draft model should. Written as config.json + model.safetensors (st_writer) into a fresh
- *    folder in /tmp.
+ *  - Draft models cut from a model (a fixture or the demo model): the source's layers, each one's
+ *    mixer and MLP (dense or MoE) bit for bit, under the source's embedding, final norm and LM
+ *    head, so a cut shares the source's vocabulary and agrees with it part of the time, as a draft
+ *    model should. Two cuts: the first MLA layer alone (MLA-only: rolls back by truncating), and
+ *    the first KDA layer then the first MLA layer (a drafter with KDA: rolls back by restoring a
+ *    saved state). Written as config.json + model.safetensors (st_writer) into a fresh folder in
+ *    /tmp.
  *  - A copy of a sequence's caches in a new sequence, filled as a cache transfer fills one.
  */
 #ifndef DUET_TESTS_SPEC_TEST_UTIL_H
@@ -29,63 +29,106 @@
 
 #include "st_writer.h"
 
-/* Cut `src`'s first MLA layer into a one-layer checkpoint; its folder (in /tmp) into dir. */
-static void mla_only_make(const char *src, char *dir, size_t cap)
+/* The index of src's first layer with mixer `mx`; -1 when none. */
+static inline int64_t first_layer_of(const duet_model_config_t *cfg, duet_mixer_kind_t mx)
+{
+    for (int64_t l = 0; l < cfg->num_layers; l++)
+        if (cfg->mixer[l] == mx)
+            return l;
+    return -1;
+}
+
+/* Cut src's layers layers[0..n) into an n-layer checkpoint (layer i of the cut = source layer
+ * layers[i], mixer and MLP bit for bit); its folder (in /tmp) into dir. */
+static void layers_cut_make(const char *src, const int64_t *layers, int n, char *dir, size_t cap)
 {
     duet_model_config_t cfg;
     cr_assert_eq(duet_model_config_load(src, &cfg), DUET_OK, "%s", duet_error_last());
-    int64_t layer = -1;
-    for (int64_t l = 0; l < cfg.num_layers && layer < 0; l++)
-        if (cfg.mixer[l] == DUET_MIXER_MLA)
-            layer = l;
-    cr_assert_geq(layer, 0, "%s has no MLA layer to cut", src);
-
-    snprintf(dir, cap, "/tmp/duet_mla_only_XXXXXX");
+    snprintf(dir, cap, "/tmp/duet_draft_cut_XXXXXX");
     cr_assert_not_null(mkdtemp(dir));
-    /* the source's config with one layer; the explicit lists win over the hub's spelling */
+    /* the source's config with n layers; the explicit lists win over the hub's spelling */
     char path[4096];
     snprintf(path, sizeof(path), "%s/config.json", src);
     json_error_t jerr;
     json_t *c = json_load_file(path, 0, &jerr);
     cr_assert_not_null(c, "%s: %s", path, jerr.text);
-    json_object_set_new(c, "num_hidden_layers", json_integer(1));
-    json_object_set_new(c, "layer_types", json_pack("[s]", "full_attention"));
-    json_object_set_new(c, "mlp_layer_types",
-                        json_pack("[s]", cfg.ffn[layer] == DUET_FFN_MOE ? "sparse" : "dense"));
+    json_t *lt = json_array(), *mt = json_array();
+    for (int i = 0; i < n; i++) {
+        cr_assert(layers[i] >= 0 && layers[i] < cfg.num_layers);
+        json_array_append_new(lt, json_string(cfg.mixer[layers[i]] == DUET_MIXER_KDA
+                                                  ? "linear_attention"
+                                                  : "full_attention"));
+        json_array_append_new(mt,
+                              json_string(cfg.ffn[layers[i]] == DUET_FFN_MOE ? "sparse" : "dense"));
+    }
+    json_object_set_new(c, "num_hidden_layers", json_integer(n));
+    json_object_set_new(c, "layer_types", lt);
+    json_object_set_new(c, "mlp_layer_types", mt);
     snprintf(path, sizeof(path), "%s/config.json", dir);
     cr_assert_eq(json_dump_file(c, path, JSON_INDENT(2)), 0);
     json_decref(c);
 
-    /* the tensors outside the layers as they are, layer `layer`'s as layer 0's */
+    /* the tensors outside the layers as they are, layer layers[i]'s as layer i's */
     duet_checkpoint_t *ck = NULL;
     cr_assert_eq(duet_checkpoint_open(src, &ck), DUET_OK, "%s", duet_error_last());
     st_writer_t *w = st_writer_new();
     cr_assert_not_null(w);
-    char prefix[64];
-    snprintf(prefix, sizeof(prefix), "model.layers.%lld.", (long long)layer);
-    int n_layer = 0;
-    for (int64_t i = 0; i < duet_checkpoint_n_tensors(ck); i++) {
-        const char *name = duet_checkpoint_tensor_name(ck, i);
-        char renamed[512];
+    int n_layer[8] = {0};
+    cr_assert_leq(n, 8);
+    for (int64_t t = 0; t < duet_checkpoint_n_tensors(ck); t++) {
+        const char *name = duet_checkpoint_tensor_name(ck, t);
+        char renamed[512] = "";
         if (strncmp(name, "model.layers.", 13) != 0)
             snprintf(renamed, sizeof(renamed), "%s", name);
-        else if (strncmp(name, prefix, strlen(prefix)) == 0) {
-            snprintf(renamed, sizeof(renamed), "model.layers.0.%s", name + strlen(prefix));
-            n_layer++;
-        } else
+        for (int i = 0; i < n && renamed[0] == '\0'; i++) {
+            char prefix[64];
+            snprintf(prefix, sizeof(prefix), "model.layers.%lld.", (long long)layers[i]);
+            if (strncmp(name, prefix, strlen(prefix)) == 0) {
+                snprintf(renamed, sizeof(renamed), "model.layers.%d.%s", i, name + strlen(prefix));
+                n_layer[i]++;
+            }
+        }
+        if (renamed[0] == '\0')
             continue;
-        duet_tensor_t t;
-        cr_assert_eq(duet_checkpoint_get(ck, name, &t), DUET_OK, "%s", duet_error_last());
-        cr_assert_eq(st_writer_add(w, renamed, duet_dtype_name(t.dtype), t.ndim, t.shape, t.data),
-                     0);
+        duet_tensor_t tt;
+        cr_assert_eq(duet_checkpoint_get(ck, name, &tt), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(
+            st_writer_add(w, renamed, duet_dtype_name(tt.dtype), tt.ndim, tt.shape, tt.data), 0);
     }
-    cr_assert_gt(n_layer, 0, "%s: no tensor of layer %lld", src, (long long)layer);
+    for (int i = 0; i < n; i++)
+        cr_assert_gt(n_layer[i], 0, "%s: no tensor of layer %lld", src, (long long)layers[i]);
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
     cr_assert_eq(st_writer_write(w, path), 0, "cannot write %s", path);
     st_writer_free(w);
     duet_checkpoint_close(ck);
 }
 
+/* Cut `src`'s first MLA layer into a one-layer checkpoint; its folder (in /tmp) into dir. */
+static void mla_only_make(const char *src, char *dir, size_t cap)
+{
+    duet_model_config_t cfg;
+    cr_assert_eq(duet_model_config_load(src, &cfg), DUET_OK, "%s", duet_error_last());
+    const int64_t layer = first_layer_of(&cfg, DUET_MIXER_MLA);
+    cr_assert_geq(layer, 0, "%s has no MLA layer to cut", src);
+    layers_cut_make(src, &layer, 1, dir, cap);
+}
+
+/* Cut `src`'s first KDA layer, then its first MLA layer, into a two-layer drafter with KDA (the
+ * MLA layer then sees positions through the KDA layer's recurrence, as in the source); its
+ * folder (in /tmp) into dir. 0 (nothing made) when src lacks either kind. */
+static inline int kda_mla_make(const char *src, char *dir, size_t cap)
+{
+    duet_model_config_t cfg;
+    cr_assert_eq(duet_model_config_load(src, &cfg), DUET_OK, "%s", duet_error_last());
+    const int64_t layers[2] = {first_layer_of(&cfg, DUET_MIXER_KDA),
+                               first_layer_of(&cfg, DUET_MIXER_MLA)};
+    if (layers[0] < 0 || layers[1] < 0)
+        return 0;
+    layers_cut_make(src, layers, 2, dir, cap);
+    return 1;
+}
+
+/* Remove a folder mla_only_make / kda_mla_make made. */
 static void mla_only_remove(const char *dir)
 {
     char path[4096];

@@ -9,7 +9,10 @@
  * own prompt its first 32 tokens are golden.json's greedy_ids. The draft model is
  * models/duet-demo-draft for the demo model when the tree has it, else (and for every fixture)
  * the case's own first MLA layer cut into a one-layer model (spec_test_util.h), which shares the
- * vocabulary and agrees with the target part of the time. The counters hold their invariants
+ * vocabulary and agrees with the target part of the time. A drafter with KDA layers (the case's
+ * first KDA layer and first MLA layer cut into a two-layer model, rolled back by restoring a
+ * saved state) runs too, on every case, at k = 2, 7 here and k = 1, 4, 8 in the batch below
+ * (each k once, to keep the file's wall time). The counters hold their invariants
  * (kept <= drafted <= k * verify steps, verify steps <= steps, tokens = 1 + steps + kept when
  * max_tokens ends the output; the first token comes from the prefill). max_tokens and stop ids
  * (ignore_eos off) end the output exactly where plain decoding's ends, also when the stop id is
@@ -18,9 +21,14 @@
  * Greedy in a batch, as a continuous-batching worker serves requests (batch_run): four requests
  * with prompts of different lengths join at different forwards and prefill in chunks of 8, one
  * is never drafted for, so verify items share forwards with prefill chunks and plain rows; for
- * ngram and the draft model at k = 1, 2, 4, 7, 8, on every fixture and the demo model, each
- * request's tokens equal plain decoding's alone through duet_generate_run (same prefill chunks),
- * token for token.
+ * ngram and the draft model at k = 1, 2, 4, 7, 8 and the drafter with KDA layers at k = 1, 4, 8,
+ * on every fixture and the demo model, each request's tokens equal plain decoding's alone through
+ * duet_generate_run (same prefill chunks), token for token. Exact output alone would not notice
+ * a drafter that rolls back wrongly (the target still decides), so every proposal of both draft
+ * models is checked against the draft model's own greedy continuation of the request's history,
+ * computed on a second instance without speculation (check_drafts: its argmax, or within TIE_TOL
+ * = 1e-3 of its max logit where other prefill chunks may flip a near tie; we see every draft
+ * exactly the argmax). With truncate's state restore removed, this check fails.
  *
  * Sampling keeps the target's distribution (the demo model, STAT_PROMPT): the joint distribution
  * of the first three generated tokens (t1 from the prefill's logits, t2 and t3 from a verify of
@@ -81,9 +89,38 @@ typedef struct {
     int64_t n_prompt[N_PROMPTS];
     int32_t golden[64]; /* greedy_ids of prompt[0] (fixtures) */
     int64_t n_golden;
-    char draft[2048]; /* the draft model's folder */
-    int draft_cut;    /* 1: a cut in /tmp, removed at the end */
+    char draft[2048];  /* the draft model's folder */
+    int draft_cut;     /* 1: a cut in /tmp, removed at the end */
+    char kdraft[2048]; /* a drafter with KDA layers cut from the model (kda_mla_make); "" when
+                          the model lacks a KDA or an MLA layer */
 } gcase_t;
+
+/* The drafters the greedy tests run: prompt lookup, the case's draft model (MLA-only), and its
+ * drafter with KDA layers (rolled back by restoring a saved state). */
+#define N_DRAFTERS 3
+static const char *const drafter_names[N_DRAFTERS] = {"ngram", "draft", "draft-kda"};
+
+static duet_spec_method_t drafter_method(int v)
+{
+    return v == 0 ? DUET_SPEC_NGRAM : DUET_SPEC_DRAFT;
+}
+
+/* Whether drafter v runs at ks[ki]: the drafter with KDA layers runs each k in one of the two
+ * greedy tests (single requests: k = 2, 7; the batch: k = 1, 4, 8), which keeps the file's wall
+ * time near what it was; the others run every k in both. */
+static int drafter_runs_k(int v, int ki, int batched)
+{
+    if (v < 2)
+        return 1;
+    const int k = ks[ki];
+    return batched ? k == 1 || k == 4 || k == 8 : k == 2 || k == 7;
+}
+
+/* The drafter's folder; NULL when the case has none of that kind. */
+static const char *drafter_dir(const gcase_t *c, int v)
+{
+    return v < 2 ? c->draft : c->kdraft[0] != '\0' ? c->kdraft : NULL;
+}
 
 static int32_t *bytes_prompt(const char *text, int64_t *n_p)
 {
@@ -167,6 +204,8 @@ static int load_cases(gcase_t *cs)
         c->n_golden = fx[i].n_greedy;
         mla_only_make(c->dir, c->draft, sizeof(c->draft));
         c->draft_cut = 1;
+        if (!kda_mla_make(c->dir, c->kdraft, sizeof(c->kdraft)))
+            c->kdraft[0] = '\0';
     }
     free_fixtures(fx, n);
     free(fx);
@@ -180,6 +219,7 @@ static int load_cases(gcase_t *cs)
     d->prompt[2] = bytes_prompt(q, &d->n_prompt[2]);
     free(q);
     demo_draft(d->draft, sizeof(d->draft), &d->draft_cut);
+    cr_assert(kda_mla_make(d->dir, d->kdraft, sizeof(d->kdraft)), "the demo model has both kinds");
     return n + 1;
 }
 
@@ -190,6 +230,8 @@ static void free_cases(gcase_t *cs, int n)
             free(cs[i].prompt[p]);
         if (cs[i].draft_cut)
             mla_only_remove(cs[i].draft);
+        if (cs[i].kdraft[0] != '\0')
+            mla_only_remove(cs[i].kdraft);
     }
 }
 
@@ -274,14 +316,17 @@ Test(engine_generate, greedy_speculation_equals_plain_decoding, .timeout = 600)
     gcase_t cs[MAX_CASES];
     const int n = load_cases(cs);
     int32_t ref[MAX_NEW], got[MAX_NEW];
-    uint64_t all_kept[3] = {0};
+    uint64_t all_kept[N_DRAFTERS] = {0};
+    int n_kda = 0;
     for (int c = 0; c < n; c++) {
         int64_t longest = 0;
         for (int p = 0; p < N_PROMPTS; p++)
             longest = cs[c].n_prompt[p] > longest ? cs[c].n_prompt[p] : longest;
         duet_model_t *plain = load_target(cs[c].dir, 0, 1, longest + MAX_NEW, 2);
         duet_model_t *m = load_target(cs[c].dir, SPEC_ROWS, 1, longest + MAX_NEW, 2);
-        uint64_t drafted[3] = {0}, kept[3] = {0}, steps[3] = {0}, plain_steps = 0;
+        uint64_t drafted[N_DRAFTERS] = {0}, kept[N_DRAFTERS] = {0}, steps[N_DRAFTERS] = {0},
+                 plain_steps = 0;
+        n_kda += drafter_dir(&cs[c], 2) != NULL;
         for (int p = 0; p < N_PROMPTS; p++) {
             const int32_t *prompt = cs[c].prompt[p];
             const int64_t P = cs[c].n_prompt[p];
@@ -306,12 +351,15 @@ Test(engine_generate, greedy_speculation_equals_plain_decoding, .timeout = 600)
             cr_assert(memcmp(got, ref, sizeof(ref)) == 0,
                       "%s prompt %d: plain decoding on the model loaded with spec_rows differs",
                       cs[c].name, p);
-            for (int meth = DUET_SPEC_NGRAM; meth <= DUET_SPEC_DRAFT; meth++)
-                for (int ki = 0; ki < N_KS; ki++) {
-                    duet_spec_t *sp = make_spec(m, (duet_spec_method_t)meth, ks[ki], cs[c].draft);
+            for (int v = 0; v < N_DRAFTERS; v++)
+                for (int ki = 0; ki < N_KS && drafter_dir(&cs[c], v) != NULL; ki++) {
+                    if (!drafter_runs_k(v, ki, 0))
+                        continue;
+                    const duet_spec_method_t meth = drafter_method(v);
+                    duet_spec_t *sp = make_spec(m, meth, ks[ki], drafter_dir(&cs[c], v));
                     run_greedy(m, prompt, P, MAX_NEW, sp, NULL, 0, 0, got, &r);
                     snprintf(what, sizeof(what), "%s prompt %d %s k=%d", cs[c].name, p,
-                             method_names[meth], ks[ki]);
+                             drafter_names[v], ks[ki]);
                     cr_assert(r.n_tokens == MAX_NEW && !r.stopped, "%s: %lld tokens", what,
                               (long long)r.n_tokens);
                     for (int64_t t = 0; t < MAX_NEW; t++)
@@ -320,31 +368,32 @@ Test(engine_generate, greedy_speculation_equals_plain_decoding, .timeout = 600)
                     check_counters(&r, ks[ki], what);
                     if (meth == DUET_SPEC_DRAFT) /* the drafter always drafts, but at the end */
                         cr_assert_leq(r.steps - (int64_t)r.verify_steps, 1, "%s", what);
-                    drafted[meth] += r.draft_tokens;
-                    kept[meth] += r.accepted_tokens;
-                    steps[meth] += (uint64_t)r.steps;
+                    drafted[v] += r.draft_tokens;
+                    kept[v] += r.accepted_tokens;
+                    steps[v] += (uint64_t)r.steps;
                     duet_spec_destroy(sp);
                 }
         }
-        for (int meth = DUET_SPEC_NGRAM; meth <= DUET_SPEC_DRAFT; meth++) {
-            printf("generate %-30s %-5s k=1,2,4,7,8 x %d prompts: %5llu drafted, %5llu kept "
+        for (int v = 0; v < N_DRAFTERS && drafter_dir(&cs[c], v) != NULL; v++) {
+            printf("generate %-30s %-9s k=%s x %d prompts: %5llu drafted, %5llu kept "
                    "(%4.1f%%), %5llu steps (plain: %llu each k): tokens equal plain decoding's\n",
-                   cs[c].name, method_names[meth], N_PROMPTS, (unsigned long long)drafted[meth],
-                   (unsigned long long)kept[meth],
-                   drafted[meth] ? 100.0 * (double)kept[meth] / (double)drafted[meth] : 0.0,
-                   (unsigned long long)steps[meth], (unsigned long long)plain_steps);
-            all_kept[meth] += kept[meth];
-            /* the draft model agrees with its own target part of the time on every case */
-            if (meth == DUET_SPEC_DRAFT)
-                cr_expect_gt(kept[meth], 0, "%s draft: no draft was kept", cs[c].name);
+                   cs[c].name, drafter_names[v], v < 2 ? "1,2,4,7,8" : "2,7      ", N_PROMPTS,
+                   (unsigned long long)drafted[v], (unsigned long long)kept[v],
+                   drafted[v] ? 100.0 * (double)kept[v] / (double)drafted[v] : 0.0,
+                   (unsigned long long)steps[v], (unsigned long long)plain_steps);
+            all_kept[v] += kept[v];
+            /* a draft model agrees with its own target part of the time on every case */
+            if (v > 0)
+                cr_expect_gt(kept[v], 0, "%s %s: no draft was kept", cs[c].name, drafter_names[v]);
         }
         duet_model_free(m);
         duet_model_free(plain);
     }
     /* kept drafts were tested, not only rejected ones (prompt lookup keeps none on some random
      * fixtures, whose greedy text never repeats the prompt) */
-    for (int meth = DUET_SPEC_NGRAM; meth <= DUET_SPEC_DRAFT; meth++)
-        cr_expect_gt(all_kept[meth], 0, "%s: no draft was kept on any case", method_names[meth]);
+    for (int v = 0; v < N_DRAFTERS; v++)
+        cr_expect_gt(all_kept[v], 0, "%s: no draft was kept on any case", drafter_names[v]);
+    cr_assert_geq(n_kda, 2, "a drafter with KDA layers ran on the fixtures and the demo model");
     free_cases(cs, n);
 }
 
@@ -367,6 +416,7 @@ typedef struct {
     /* the run's */
     duet_seq_t seq;
     duet_spec_seq_t ss;
+    duet_seq_t rseq; /* bstats_t.dref's sequence (check_drafts) */
     duet_rng_t rng;
     int64_t n_pre, n_out;
     int open, done;
@@ -377,7 +427,71 @@ typedef struct {
 typedef struct {
     int64_t forwards, mixed; /* forwards; of which carried a verify item, a plain decode row and
                                 a prefill chunk at once */
+    duet_model_t *dref;      /* set by the caller: the greedy draft model again, loaded alone:
+                                every proposal is checked against its greedy continuation of the
+                                request's history (check_drafts) */
+    int64_t checked, exact;  /* drafts checked; of which its exact argmax */
 } bstats_t;
+
+#define TIE_TOL 1e-3f /* a draft off the reference's argmax must be this close to its max logit */
+
+/*
+ * A greedy drafter's proposal after ss's history must be its own greedy continuation: dref (the
+ * same checkpoint, loaded alone) holds the history in *rs (advanced here by the tokens it lacks,
+ * as one chunk); a copy of it (clone_seq: the pools copied, not the engine's state save) runs
+ * the proposed drafts one per step. Each draft must be the argmax of its row, or within TIE_TOL
+ * of the row's max (the drafter's catch-up cut the history into other chunks, whose rounding may
+ * flip a near tie). A drafter whose caches after a rollback still held rejected drafts proposes
+ * other tokens.
+ */
+static void check_drafts(duet_model_t *dref, duet_seq_t *rs, const duet_spec_seq_t *ss,
+                         bstats_t *bs)
+{
+    const int64_t V = duet_model_config(dref)->vocab_size;
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    if (rs->id < 0)
+        cr_assert_eq(duet_model_seq_open(dref, ss->cap + DUET_SPEC_MAX_K, rs), DUET_OK, "%s",
+                     duet_error_last());
+    cr_assert_lt(rs->n_tokens, ss->n_hist);
+    duet_batch_item_t it = {.seq = rs,
+                            .tokens = ss->hist + rs->n_tokens,
+                            .n_tokens = ss->n_hist - rs->n_tokens,
+                            .logits_mode = DUET_LOGITS_LAST,
+                            .logits = lg};
+    cr_assert_eq(duet_model_forward(dref, &it, 1), DUET_OK, "%s", duet_error_last());
+    duet_seq_t s;
+    clone_seq(dref, rs, ss->cap + DUET_SPEC_MAX_K, &s);
+    for (int j = 0; j < ss->k; j++) {
+        if (j > 0) {
+            it = (duet_batch_item_t){.seq = &s,
+                                     .tokens = &ss->drafts[j - 1],
+                                     .n_tokens = 1,
+                                     .logits_mode = DUET_LOGITS_LAST,
+                                     .logits = lg};
+            cr_assert_eq(duet_model_forward(dref, &it, 1), DUET_OK, "%s", duet_error_last());
+        }
+        const int32_t best = duet_argmax(lg, V);
+        cr_assert_geq(lg[ss->drafts[j]], lg[best] - TIE_TOL,
+                      "draft %d after %lld tokens is %d (logit %g), the draft model's own greedy "
+                      "continuation %d (logit %g)",
+                      j, (long long)ss->n_hist, ss->drafts[j], (double)lg[ss->drafts[j]], best,
+                      (double)lg[best]);
+        bs->checked++;
+        bs->exact += ss->drafts[j] == best;
+    }
+    duet_model_seq_close(dref, &s);
+    free(lg);
+}
+
+/* The request whose speculation ss is. */
+static breq_t *who_ss(breq_t *rq, int n, const duet_spec_seq_t *ss)
+{
+    for (int i = 0; i < n; i++)
+        if (&rq[i].ss == ss)
+            return &rq[i];
+    cr_assert_fail("no request speculates with %p", (const void *)ss);
+    return NULL;
+}
 
 /* Every request's first token: from its prompt's last row, with its RNG fresh from its seed, as
  * duet_generate_decode draws it; then its speculation starts. */
@@ -420,6 +534,7 @@ static void batch_run(duet_model_t *m, duet_spec_t *sp, const duet_sampling_t *s
     for (int i = 0; i < n; i++) {
         breq_t *q = &rq[i];
         q->ss = (duet_spec_seq_t){.dseq = {.id = -1}};
+        q->rseq = (duet_seq_t){.id = -1};
         q->n_out = 0;
         q->done = q->max_tokens == 0;
         q->drafted = q->kept = 0;
@@ -449,6 +564,8 @@ static void batch_run(duet_model_t *m, duet_spec_t *sp, const duet_sampling_t *s
                     duet_spec_seq_close(sp, &q->ss);
                 }
                 duet_model_seq_close(m, &q->seq);
+                if (bs->dref != NULL)
+                    duet_model_seq_close(bs->dref, &q->rseq);
                 q->open = 0;
                 q->done = 1;
                 left--;
@@ -468,6 +585,9 @@ static void batch_run(duet_model_t *m, duet_spec_t *sp, const duet_sampling_t *s
         }
         if (np > 0)
             cr_assert_eq(duet_spec_propose(sp, props, kcap, np), DUET_OK, "%s", duet_error_last());
+        for (int j = 0; j < np && bs->dref != NULL; j++)
+            if (props[j]->k > 0)
+                check_drafts(bs->dref, &who_ss(rq, n, props[j])->rseq, props[j], bs);
         int ni = 0, n_verify = 0, n_plain = 0, n_prefill = 0;
         for (int i = 0; i < n; i++) {
             breq_t *q = &rq[i];
@@ -583,15 +703,16 @@ Test(engine_generate, greedy_speculation_in_a_batch_equals_plain_decoding, .time
                          duet_error_last());
             cr_assert_eq(r.n_tokens, mx[i]);
         }
-        int64_t mixed = 0;
+        int64_t mixed = 0, checked = 0, exact = 0;
         uint64_t drafted = 0, kept = 0;
-        for (int meth = DUET_SPEC_NONE; meth <= DUET_SPEC_DRAFT; meth++)
+        /* v = -1: plain decoding through the same loop */
+        for (int v = -1; v < N_DRAFTERS; v++)
             for (int ki = 0; ki < N_KS; ki++) {
-                if (meth == DUET_SPEC_NONE && ki > 0)
+                if ((v < 0 && ki > 0) ||
+                    (v >= 0 && (drafter_dir(&cs[c], v) == NULL || !drafter_runs_k(v, ki, 1))))
                     continue;
-                duet_spec_t *sp = meth == DUET_SPEC_NONE
-                                      ? NULL
-                                      : make_spec(m, (duet_spec_method_t)meth, ks[ki], cs[c].draft);
+                duet_spec_t *sp =
+                    v < 0 ? NULL : make_spec(m, drafter_method(v), ks[ki], drafter_dir(&cs[c], v));
                 breq_t rq[BATCH];
                 memset(rq, 0, sizeof(rq));
                 for (int i = 0; i < BATCH; i++)
@@ -601,28 +722,41 @@ Test(engine_generate, greedy_speculation_in_a_batch_equals_plain_decoding, .time
                                      .start = start[i],
                                      .no_spec = i == 1,
                                      .out = got[i]};
+                /* a draft model's proposals against its own greedy continuation (both roll
+                 * back: the MLA-only one by truncating, the one with KDA by restoring) */
                 bstats_t bs = {0};
+                if (v >= 1)
+                    bs.dref = load_target(drafter_dir(&cs[c], v), 0, 2 * BATCH,
+                                          longest + BMAX_NEW + SPEC_ROWS + DUET_SPEC_MAX_K, 2);
                 batch_run(m, sp, &greedy, BCHUNK, rq, BATCH, &bs);
+                duet_model_free(bs.dref);
+                checked += bs.checked;
+                exact += bs.exact;
                 for (int i = 0; i < BATCH; i++) {
                     cr_assert_eq(rq[i].n_out, mx[i]);
                     for (int64_t t = 0; t < mx[i]; t++)
                         cr_assert_eq(got[i][t], ref[i][t],
                                      "%s batch %s k=%d request %d (prompt of %lld): token %lld "
                                      "is %d, plain decoding's alone is %d",
-                                     cs[c].name, method_names[meth], ks[ki], i, (long long)np[i],
-                                     (long long)t, got[i][t], ref[i][t]);
+                                     cs[c].name, v < 0 ? "none" : drafter_names[v], ks[ki], i,
+                                     (long long)np[i], (long long)t, got[i][t], ref[i][t]);
                     drafted += rq[i].drafted;
                     kept += rq[i].kept;
                 }
                 mixed += bs.mixed;
                 duet_spec_destroy(sp);
             }
-        printf("generate %-30s batch of %d (prompts of %lld, 9, %lld, %lld tokens), plain / ngram "
-               "/ draft k=1,2,4,7,8: %llu drafted, %llu kept, %lld forwards with verify + plain + "
-               "prefill items: tokens equal plain decoding's alone\n",
-               cs[c].name, BATCH, (long long)np[0], (long long)np[2], (long long)np[3],
-               (unsigned long long)drafted, (unsigned long long)kept, (long long)mixed);
+        printf(
+            "generate %-30s batch of %d (prompts of %lld, 9, %lld, %lld tokens), plain / ngram "
+            "/ draft k=1,2,4,7,8%s: %llu drafted, %llu kept, %lld forwards with verify + plain + "
+            "prefill items: tokens equal plain decoding's alone; the draft models' %lld drafts "
+            "their own greedy continuations (%lld exactly its argmax, the rest within %g)\n",
+            cs[c].name, BATCH, (long long)np[0], (long long)np[2], (long long)np[3],
+            drafter_dir(&cs[c], 2) != NULL ? " / draft-kda k=1,4,8" : "",
+            (unsigned long long)drafted, (unsigned long long)kept, (long long)mixed,
+            (long long)checked, (long long)exact, (double)TIE_TOL);
         cr_expect_gt(mixed, 0, "%s: no forward mixed verify, plain and prefill items", cs[c].name);
+        cr_expect_gt(checked, 0, "%s: no draft checked", cs[c].name);
         cr_expect_gt(kept, 0, "%s: no draft was kept in a batch", cs[c].name);
         duet_model_free(m);
     }

@@ -802,7 +802,8 @@ Test(engine_spec, truncate_on_mla_only_equals_never_running_the_tokens, .timeout
         step(m, &b, toks, P, 0, lg);
         for (int64_t j = 0; j < d; j++)
             step(m, &a, &drafts[j], 1, 0, la);
-        cr_assert_eq(duet_model_seq_truncate(m, &a, P + keep), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(duet_model_seq_truncate(m, &a, P + keep, NULL), DUET_OK, "%s",
+                     duet_error_last());
         cr_assert_eq(a.n_tokens, P + keep);
         for (int64_t j = 0; j < keep; j++)
             step(m, &b, &drafts[j], 1, 0, lb);
@@ -827,7 +828,7 @@ Test(engine_spec, truncate_on_mla_only_equals_never_running_the_tokens, .timeout
         cr_assert_eq(duet_model_seq_accept(m, &a, 3), DUET_OK);
         cr_assert(a.n_tokens == b.n_tokens && a.n_replay == 0);
         step(m, &a, rows, 2, 1, la);
-        cr_assert_eq(duet_model_seq_truncate(m, &a, a.n_tokens - 1), DUET_OK);
+        cr_assert_eq(duet_model_seq_truncate(m, &a, a.n_tokens - 1, NULL), DUET_OK);
         cr_assert(a.n_pending == 0 && a.n_tokens == b.n_tokens - 1);
         duet_model_seq_close(m, &a);
         duet_model_seq_close(m, &b);
@@ -840,6 +841,122 @@ Test(engine_spec, truncate_on_mla_only_equals_never_running_the_tokens, .timeout
     free(lb);
     duet_model_free(m);
     mla_only_remove(dir);
+}
+
+/* ---- a drafter with KDA layers: state save, restore, truncate -------------------------------- */
+
+/*
+ * A drafter's rollback (model.h: duet_model_seq_state_save, duet_model_seq_truncate with the saved
+ * state) on every model with KDA layers, loaded as a drafter is (no spec_rows): a runs P tokens,
+ * saves, runs d drafts (one per step, or one chunk), rolls back to P; b never ran them. Then both
+ * take the same kept drafts and 3 more tokens: bound 0 (memcmp) on the KDA state right after the
+ * rollback, on every later step's logits, the KDA state and the KV rows. And the saved copy, put
+ * into a fresh sequence beside a copy of the KV pages (duet_model_seq_state_restore +
+ * duet_model_seq_set_filled, a resume), continues as b does.
+ */
+Test(engine_spec, state_restore_rollback_equals_never_running_the_tokens, .timeout = 600)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    int n_models = 0;
+    for (int c = 0; c < n; c++) {
+        duet_model_t *m = load_spec(cs[c].dir, 0);
+        if (duet_model_kda_pool(m) == NULL) {
+            duet_model_free(m);
+            continue;
+        }
+        n_models++;
+        cr_assert_eq(duet_model_seq_state_bytes(m), kda_slot_bytes(m),
+                     "%s: a state copy is one KDA slot, every layer's S and conv windows",
+                     cs[c].name);
+        const int64_t V = duet_model_config(m)->vocab_size, P = 24;
+        uint8_t *saved = malloc(duet_model_seq_state_bytes(m));
+        float *lg = malloc(sizeof(float) * (size_t)(P * V));
+        float *la = malloc(sizeof(float) * (size_t)(16 * V));
+        float *lb = malloc(sizeof(float) * (size_t)(16 * V));
+        for (int trial = 0; trial < 4; trial++) {
+            int32_t toks[P], drafts[8], after[3];
+            for (int64_t i = 0; i < P; i++)
+                toks[i] = (int32_t)(rng_u32() % (uint32_t)V);
+            const int64_t d = 1 + rng_u32() % 7, keep = rng_u32() % (uint32_t)(d + 1);
+            for (int64_t j = 0; j < d; j++)
+                drafts[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            for (int j = 0; j < 3; j++)
+                after[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            duet_seq_t a, b, r;
+            cr_assert_eq(duet_model_seq_open(m, P + 16, &a), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(m, P + 16, &b), DUET_OK);
+            step(m, &a, toks, P, 0, lg);
+            step(m, &b, toks, P, 0, lg);
+            cr_assert_eq(duet_model_seq_state_save(m, &a, saved), DUET_OK, "%s", duet_error_last());
+            cr_assert(memcmp(saved, kda_slot(m, &a), kda_slot_bytes(m)) == 0,
+                      "%s: the saved copy is the slot", cs[c].name);
+            if (trial % 2 == 0)
+                for (int64_t j = 0; j < d; j++)
+                    step(m, &a, &drafts[j], 1, 0, la);
+            else
+                step(m, &a, drafts, d, 0, la);
+            cr_assert(!kda_equal(m, &a, &b), "%s: the drafts changed the state", cs[c].name);
+            cr_assert_eq(duet_model_seq_truncate(m, &a, P, saved), DUET_OK, "%s",
+                         duet_error_last());
+            cr_assert(a.n_tokens == P && a.n_pending == 0 && a.n_replay == 0);
+            cr_assert(kda_equal(m, &a, &b),
+                      "%s trial %d: the KDA state after the rollback "
+                      "differs from never running the drafts",
+                      cs[c].name, trial);
+            /* a resume: the saved state and the KV pages in a fresh sequence */
+            cr_assert_eq(duet_model_seq_open(m, P + 16, &r), DUET_OK);
+            duet_kv_pool_t *kv = duet_model_kv_pool(m);
+            if (kv != NULL)
+                for (int64_t pg = 0; pg < r.n_pages; pg++)
+                    for (int64_t l = 0; l < duet_kv_pool_desc(kv)->n_layers; l++)
+                        memcpy(duet_kv_pool_block(kv, r.pages[pg], l),
+                               duet_kv_pool_block(kv, b.pages[pg], l),
+                               duet_kv_pool_block_bytes(kv));
+            cr_assert_eq(duet_model_seq_state_restore(m, &r, saved), DUET_OK, "%s",
+                         duet_error_last());
+            cr_assert_eq(duet_model_seq_set_filled(m, &r, P), DUET_OK, "%s", duet_error_last());
+            cr_assert(kda_equal(m, &r, &b), "%s: the restored state is the saved one", cs[c].name);
+            /* the kept drafts and 3 more tokens, the way the drafter's catch-up runs them: one
+             * chunk, then one token per step */
+            int32_t cont[8 + 3];
+            memcpy(cont, drafts, sizeof(*drafts) * (size_t)keep);
+            memcpy(cont + keep, after, sizeof(after));
+            duet_seq_t *seqs[3] = {&a, &b, &r};
+            float *rb = malloc(sizeof(float) * (size_t)(16 * V));
+            for (int x = 0; x < 3; x++) {
+                float *out = x == 0 ? la : x == 1 ? lb : rb;
+                step(m, seqs[x], cont, keep + 1, 0, out);
+                for (int j = 1; j < 3; j++)
+                    step(m, seqs[x], &cont[keep + j], 1, 0, out + (keep + j) * V);
+            }
+            for (int x = 0; x < 3; x += 2) {
+                const float *out = x == 0 ? la : rb;
+                cr_assert(memcmp(out, lb, sizeof(float) * (size_t)((keep + 3) * V)) == 0,
+                          "%s trial %d (%s, %lld of %lld drafts kept): logits after the %s "
+                          "differ from never running the drafts",
+                          cs[c].name, trial, trial % 2 == 0 ? "drafts one per step" : "one chunk",
+                          (long long)keep, (long long)d, x == 0 ? "rollback" : "resume");
+                cr_assert(kda_equal(m, seqs[x], &b) && kv_equal(m, seqs[x], &b, b.n_tokens),
+                          "%s trial %d: caches after the %s differ", cs[c].name, trial,
+                          x == 0 ? "rollback" : "resume");
+            }
+            free(rb);
+            duet_model_seq_close(m, &a);
+            duet_model_seq_close(m, &b);
+            duet_model_seq_close(m, &r);
+        }
+        printf("spec %-30s drafter rollback (state save, drafts, truncate with the state) and "
+               "resume: KDA state, KV and logits bit-identical to never running the drafts\n",
+               cs[c].name);
+        free(saved);
+        free(lg);
+        free(la);
+        free(lb);
+        duet_model_free(m);
+    }
+    cr_assert_geq(n_models, 2, "expected fixtures with KDA layers and the demo model");
+    free_cases(cs, n);
 }
 
 /* ---- refusals -------------------------------------------------------------------------------- */
@@ -911,9 +1028,17 @@ Test(engine_spec, bad_verify_items_and_calls_are_refused, .timeout = 120)
     cr_assert_eq(duet_model_seq_accept(m, &s, 2), DUET_OK);
     expect_err(duet_model_seq_accept(m, &s, 1), DUET_ERR_INVALID, "no verify rows pending",
                "a second accept");
-    expect_err(duet_model_seq_truncate(m, &s, 2), DUET_ERR_UNSUPPORTED, "KDA",
-               "truncate with KDA layers");
+    expect_err(duet_model_seq_truncate(m, &s, 2, NULL), DUET_ERR_INVALID, "KDA",
+               "truncate with KDA layers and no saved state");
     cr_expect(s.n_tokens == 6 && s.n_replay == 2);
+    uint8_t *saved = malloc(duet_model_seq_state_bytes(m));
+    expect_err(duet_model_seq_state_save(m, &s, saved), DUET_ERR_INVALID, "commit them first",
+               "state save with rows to replay");
+    cr_assert_eq(duet_model_seq_commit(m, &s), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_model_seq_state_save(m, &s, saved), DUET_OK, "%s", duet_error_last());
+    expect_err(duet_model_seq_truncate(m, &s, 7, saved), DUET_ERR_RANGE, "0..6",
+               "truncate forward with KDA layers");
+    cr_expect(s.n_tokens == 6, "a refused truncate changes nothing");
     /* set_filled refuses a sequence holding tokens; a closed sequence is refused everywhere */
     expect_err(duet_model_seq_set_filled(m, &s, 1), DUET_ERR_RANGE, "holding",
                "set_filled on a used sequence");
@@ -921,8 +1046,13 @@ Test(engine_spec, bad_verify_items_and_calls_are_refused, .timeout = 120)
     cr_expect(s.n_pending == 0 && s.n_replay == 0);
     expect_err(duet_model_seq_accept(m, &s, 1), DUET_ERR_INVALID, "not an open", "closed accept");
     expect_err(duet_model_seq_commit(m, &s), DUET_ERR_INVALID, "not an open", "closed commit");
-    expect_err(duet_model_seq_truncate(m, &s, 0), DUET_ERR_INVALID, "not an open",
+    expect_err(duet_model_seq_truncate(m, &s, 0, saved), DUET_ERR_INVALID, "not an open",
                "closed truncate");
+    expect_err(duet_model_seq_state_save(m, &s, saved), DUET_ERR_INVALID, "not an open",
+               "closed state save");
+    expect_err(duet_model_seq_state_restore(m, &s, saved), DUET_ERR_INVALID, "not an open",
+               "closed state restore");
+    free(saved);
     duet_model_seq_close(m, &o);
     duet_model_free(m);
 
@@ -942,10 +1072,11 @@ Test(engine_spec, bad_verify_items_and_calls_are_refused, .timeout = 120)
     m = load_spec(dir, 0);
     cr_assert_eq(duet_model_seq_open(m, 64, &s), DUET_OK);
     step(m, &s, toks, 5, 0, lg);
-    expect_err(duet_model_seq_truncate(m, &s, 6), DUET_ERR_RANGE, "0..5", "truncate forward");
-    expect_err(duet_model_seq_truncate(m, &s, -1), DUET_ERR_RANGE, "0..5", "truncate to -1");
+    expect_err(duet_model_seq_truncate(m, &s, 6, NULL), DUET_ERR_RANGE, "0..5", "truncate forward");
+    expect_err(duet_model_seq_truncate(m, &s, -1, NULL), DUET_ERR_RANGE, "0..5", "truncate to -1");
     cr_expect_eq(s.n_tokens, 5);
-    cr_assert_eq(duet_model_seq_truncate(m, &s, 0), DUET_OK);
+    cr_expect_eq(duet_model_seq_state_bytes(m), 0, "no KDA layers: no state to copy");
+    cr_assert_eq(duet_model_seq_truncate(m, &s, 0, NULL), DUET_OK);
     duet_model_seq_close(m, &s);
     duet_model_free(m);
     mla_only_remove(dir);
