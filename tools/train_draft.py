@@ -192,7 +192,11 @@ def layer_pattern(a):
     """The drafter's layers as a string of K (KDA) and M (MLA), first layer first."""
     p = a.layer_pattern.upper() if a.layer_pattern else "K" * a.kda_layers + "M" * a.mla_layers
     if not p or set(p) - {"K", "M"}:
-        sys.exit(f"layer pattern {p!r}: needs at least one layer, K (KDA) or M (MLA) each")
+        sys.exit(f"layer pattern {p!r}: letters K (KDA) and M (MLA) only, at least one")
+    if "M" not in p:
+        # transformers' cache asks an attention layer for the sequence length (get_seq_length), so a
+        # KDA-only model fails its cached forward: the reload check, the samples, the acceptance replay
+        sys.exit(f"layer pattern {p!r}: needs an MLA layer (transformers' KimiLinear cache fails without one)")
     return p
 
 
@@ -406,7 +410,8 @@ def main():
     if a.ce_weight > 0:
         loss_lines.append(f"{a.ce_weight:g} x cross-entropy on {batch} corpus windows of {a.seq} bytes after `<|bos|>`")
     if a.tf_weight > 0:
-        loss_lines.append(f"{a.tf_weight:g} x KL(target || drafter) on the same windows, teacher-forced (the target's "
+        where_tf = "the same windows" if a.ce_weight > 0 else f"{batch} corpus windows of {a.seq} bytes after `<|bos|>`"
+        loss_lines.append(f"{a.tf_weight:g} x KL(target || drafter) on {where_tf}, teacher-forced (the target's "
                           f"full next-byte distribution at every position, from one fp32 forward of the target per step)")
     if use_kd:
         loss_lines.append(
@@ -448,7 +453,7 @@ The budgets are wall-clock, so a rerun on another machine gives a similar, not a
 - data: `{a.data}/*.txt` ({sum(t.numel() for t in train):,} training bytes); the last 2% of each file held out.
 - loss per step: {"; ".join(loss_lines) if loss_lines else "none"}.
 - {step:,} steps ({positions:,} positions) in {train_time:.0f} s of training; {"bf16 autocast, fp32 master weights" if amp else "fp32"}, AdamW (lr {a.lr:g}, betas 0.9/0.95, wd {a.wd}), {a.warmup} warmup steps then cosine over the wall-clock budget to {a.min_lr_frac:g} x lr, grad clip 1.0. Whole run (data, labelling, training, checks): {time.time() - t_start:.0f} s.
-- **held-out: {bpb:.3f} bits per byte** over {nb:,} held-out bytes (windows of {a.seq} bytes after `<|bos|>`, fp32 with the saved bf16 weights; {target_name}: 1.730).
+- **held-out: {bpb:.3f} bits per byte** over {nb:,} held-out bytes (windows of {a.seq} bytes after `<|bos|>`, fp32 with the saved bf16 weights{"; duet-demo: 1.730" if target_name == "duet-demo" else ""}).
 - held-out agreement with the target (teacher-forced, the same windows, first {na:,} positions): the drafter's most likely byte is the target's at **{agree:.3f}** of positions; KL(target || drafter) {agree_kl:.3f} bits per position.
 
 {ACCEPT_BEGIN}
