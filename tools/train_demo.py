@@ -57,11 +57,15 @@ def load_data(data_dir, held_frac=0.02):
 
 def make_config(a):
     """KimiLinearConfig from the command line's sizes. --mla-layers lists the 1-based MLA layers (the
-    rest are KDA; "all" makes every layer MLA, as a draft model has); the first --dense-layers layers
-    have a dense MLP, the rest MoE (the hub's first_k_dense_replace)."""
+    rest are KDA; "all" makes every layer MLA, "none" every layer KDA, as draft models may have); the
+    first --dense-layers layers have a dense MLP, the rest MoE (the hub's first_k_dense_replace).
+    a.kda_head_dim, when set and non-zero, sizes KDA heads apart from MLA's (drafters); else both
+    use --head-dim."""
     n = a.layers
     if a.mla_layers == "all":
         mla = set(range(n))
+    elif a.mla_layers == "none":
+        mla = set()
     else:
         mla = {int(i) - 1 for i in a.mla_layers.split(",")}  # 1-based like the hub's full_attn_layers
     assert all(0 <= i < n for i in mla), f"--mla-layers {a.mla_layers} outside 1..{n}"
@@ -77,7 +81,7 @@ def make_config(a):
         pad_token_id=None, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False,
         num_local_experts=a.experts, layer_types=layer_types,
         mlp_layer_types=["dense"] * a.dense_layers + ["sparse"] * (n - a.dense_layers),
-        linear_head_dim=a.head_dim, linear_num_heads=a.kda_heads, linear_conv_kernel_dim=4,
+        linear_head_dim=getattr(a, "kda_head_dim", 0) or a.head_dim, linear_num_heads=a.kda_heads, linear_conv_kernel_dim=4,
     )
 
 
