@@ -95,7 +95,7 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
     r->stopped = 0;
     r->steps = 0;
     r->verify_steps = r->draft_tokens = r->accepted_tokens = 0;
-    r->decode_s = r->draft_prefill_s = 0.0;
+    r->decode_s = 0.0;
     if (max_new < 0)
         return duet_error_set(DUET_ERR_INVALID, "generate: max_tokens %lld is negative",
                               (long long)max_new);
@@ -131,14 +131,10 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
         const int32_t first = duet_sampler_sample(smp, &o->sampling, &rng, last_logits);
         if ((st = duet__generate_emit(o, r, first, &end)) != DUET_OK)
             goto out;
-        if (o->spec != NULL && end == 0) {
-            const double t_open = duet__generate_now();
-            st = duet_spec_seq_open(o->spec, &ss, prompt, n_prompt, first, max_new, &o->sampling,
-                                    &rng);
-            r->draft_prefill_s = duet__generate_now() - t_open;
-            if (st != DUET_OK)
-                goto out;
-        }
+        if (o->spec != NULL && end == 0 &&
+            (st = duet_spec_seq_open(o->spec, &ss, prompt, n_prompt, first, max_new, &o->sampling,
+                                     &rng)) != DUET_OK)
+            goto out;
     }
     while (end == 0 && r->n_tokens < max_new) {
         int32_t toks[DUET_SPEC_MAX_K + 1], vtoks[DUET_SPEC_MAX_K + 1];
@@ -182,7 +178,7 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
             if ((st = duet__generate_emit(o, r, toks[i], &end)) != DUET_OK)
                 goto out;
     }
-    r->decode_s = duet__generate_now() - t1 - r->draft_prefill_s;
+    r->decode_s = duet__generate_now() - t1;
 
 out:
     r->verify_steps = ss.verify_steps;

@@ -52,10 +52,8 @@ typedef struct {
     uint64_t draft_tokens;    /* drafted tokens verified */
     uint64_t accepted_tokens; /* drafted tokens kept */
     double prefill_s;         /* the prefill's wall time (duet_generate_run) */
-    double decode_s;          /* from drawing the first token to the end, callbacks included,
-                                 less draft_prefill_s */
-    double draft_prefill_s;   /* the draft model's prompt prefill (spec draft; 0 otherwise): prompt
-                                 work, so decode_s leaves it out */
+    double decode_s;          /* from drawing the first token to the end, callbacks included (and
+                                 the draft model's prompt catch-up, which runs in decode steps) */
 } duet_generate_result_t;
 
 /*

@@ -379,8 +379,6 @@ int main(int argc, char **argv)
         json_object_set_new(o, "prompt_tokens", json_integer(n_prompt));
         json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_tps));
         json_object_set_new(o, "decode_tokens_per_s", json_real(decode_tps));
-        /* the draft model's prompt prefill (spec.method draft), left out of decode's rate */
-        json_object_set_new(o, "draft_prefill_s", json_real(res.draft_prefill_s));
         json_object_set_new(o, "finish_reason", json_string(finish));
         /* decode forwards after the prefill, and what speculation drafted and kept in them */
         json_object_set_new(o, "steps", json_integer(res.steps));

@@ -342,16 +342,6 @@ duet_status_t duet_spec_seq_open(duet_spec_t *sp, duet_spec_seq_t *ss, const int
         st = duet_error_set(DUET_ERR_NOMEM, "spec: out of memory");
     if (st == DUET_OK)
         st = duet_model_seq_open(sp->draft, ss->cap + sp->o.k, &ss->dseq);
-    /* the draft model's prompt KV, computed here from the prompt ids (the newest token waits
-     * for the first proposal) */
-    if (st == DUET_OK) {
-        const int64_t n_now = ss->n_hist;
-        ss->n_hist = n_prompt;
-        const int64_t zero = 0;
-        duet_spec_seq_t *one = ss;
-        st = duet__draft_catch_up(sp, &one, &zero, 1, 0);
-        ss->n_hist = n_now;
-    }
     if (st != DUET_OK)
         duet_spec_seq_close(sp, ss);
     return st;
@@ -383,15 +373,34 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
     if (n > sp->max_seqs)
         return duet_error_set(DUET_ERR_RANGE, "spec: %lld sequences, the model holds %lld",
                               (long long)n, (long long)sp->max_seqs);
-    for (int64_t i = 0; i < n; i++)
-        if (k_cap[i] > 0) {
+    /* A sequence behind the history by more than DUET_SPEC_CATCHUP_ROWS (a new request's long
+     * prompt) takes that many rows per call, stays a token short (it drafts at a later call) and
+     * drafts nothing now: a long prompt costs a step one bounded chunk instead of stalling the
+     * step that opened it. The bound is per sequence, so when a request starts drafting depends
+     * on nothing but its own prompt, and a seeded stream is the same in any batch. */
+    int64_t n_part = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (k_cap[i] <= 0)
+            continue;
+        duet_spec_seq_t *s = ss[i];
+        const int64_t lag = s->n_hist - s->dseq.n_tokens;
+        if (lag <= DUET_SPEC_CATCHUP_ROWS) {
             idx[n_d++] = i;
             if (k_cap[i] > kmax)
                 kmax = k_cap[i];
+        } else {
+            sp->items[n_part++] = (duet_batch_item_t){.seq = &s->dseq,
+                                                      .tokens = s->hist + s->dseq.n_tokens,
+                                                      .n_tokens = DUET_SPEC_CATCHUP_ROWS,
+                                                      .logits_mode = DUET_LOGITS_NONE};
         }
+    }
+    duet_status_t st = DUET_OK;
+    if (n_part > 0 && (st = duet_model_forward(sp->draft, sp->items, n_part)) != DUET_OK)
+        return st;
     if (n_d == 0)
         return DUET_OK;
-    duet_status_t st = duet__draft_catch_up(sp, ss, idx, n_d, 1);
+    st = duet__draft_catch_up(sp, ss, idx, n_d, 1);
     /* a KDA state cannot drop the drafts fed to it: keep it as it is before them (a sequence
      * drafting one token feeds none) */
     for (int64_t t = 0; st == DUET_OK && t < n_d; t++) {

@@ -186,14 +186,21 @@ typedef struct {
 /*
  * Start a request: hist = prompt[0..n_prompt) then `first` (the request's first generated token,
  * not yet in the target's sequence), room for max_tokens tokens in all. DRAFT: opens a draft
- * sequence and prefills it with the prompt (the draft model's prompt KV is computed here, on the
- * generation side, from the prompt ids). sampling and rng are the request's and must outlive ss.
- * Errors: the draft model's (NO_SPACE when its pools are full), NOMEM; ss is then left closed.
+ * sequence; the draft model's prompt KV is computed on the generation side, from the prompt ids,
+ * by the following duet_spec_propose calls (a bounded chunk per call). sampling and rng are the
+ * request's and must outlive ss. Errors: the draft model's (NO_SPACE when its pools are full),
+ * NOMEM; ss is then left closed.
  */
 duet_status_t duet_spec_seq_open(duet_spec_t *sp, duet_spec_seq_t *ss, const int32_t *prompt,
                                  int64_t n_prompt, int32_t first, int64_t max_tokens,
                                  const duet_sampling_t *sampling, duet_rng_t *rng);
 void duet_spec_seq_close(duet_spec_t *sp, duet_spec_seq_t *ss); /* accepts a closed one */
+
+/* Rows of history one sequence's draft model catches up per duet_spec_propose call when it is
+ * further behind than that (a new request's prompt): the most drafting adds to a step per new
+ * request. A constant, not a key: when a request starts drafting must not depend on the batch or
+ * the binary, so that seeded streams repeat everywhere. */
+#define DUET_SPEC_CATCHUP_ROWS 256
 
 /* The newest token of the request: the one a verify item starts with. */
 int32_t duet_spec_seq_next(const duet_spec_seq_t *ss);
@@ -202,7 +209,10 @@ int32_t duet_spec_seq_next(const duet_spec_seq_t *ss);
  * Draft for n requests at once: ss[i] gets up to k_cap[i] drafts (k_cap[i] <= k; 0: none, e.g. a
  * request one token from its limit) into ss[i]->drafts / ->k (and ->q). NGRAM: prompt lookup over
  * the history. DRAFT: the draft model catches each sequence up with the history and runs up to
- * k steps for all of them together (batched forwards); a request that samples draws each draft
+ * k steps for all of them together (batched forwards). A sequence more than
+ * DUET_SPEC_CATCHUP_ROWS tokens behind (a new request's long prompt) catches up by that many rows
+ * per call and gets no drafts until it is within them (its steps are plain one-row steps). A
+ * request that samples draws each draft
  * from the draft model's distribution with its own RNG (and keeps q), a greedy one takes the
  * draft model's argmax. A draft model with KDA layers has each drafting sequence's KDA state
  * copied (ss[i]->dstate) after the catch-up and before the draft steps, for duet_spec_finish's

@@ -128,18 +128,18 @@ Test(generate_cli, demo_draft_model_matches_transformers_fp32, .timeout = 120)
     /* transformers 5.17 fp32 on <|bos|> "And God said", m =
      * KimiLinearForCausalLM.from_pretrained("models/duet-demo-draft", dtype=torch.float32):
      * each prompt row's argmax and its logit, m(ids).logits[0].max(-1), and 40 greedy tokens,
-     * m.generate(ids, max_new_tokens=40, do_sample=False) (the drafter alone says " the" again and
-     * again; its prompt rows tell more) */
+     * m.generate(ids, max_new_tokens=40, do_sample=False) */
     static const struct {
         int id;
         float logit;
-    } rows[] = {{32, 4.464301f},  {115, 4.290537f}, {32, 5.378041f},  {32, 5.811361f},
-                {116, 4.319676f}, {111, 6.438781f}, {117, 5.193252f}, {32, 5.421926f},
-                {116, 4.085057f}, {104, 5.517317f}, {110, 4.871672f}, {110, 5.828618f},
-                {32, 5.882504f}};
+    } rows[] = {{32, 3.435763f},  {32, 3.703476f},  {100, 5.934399f}, {32, 7.177752f},
+                {116, 4.093529f}, {111, 6.475026f}, {100, 6.997732f}, {32, 7.332189f},
+                {104, 4.567614f}, {97, 7.545786f},  {121, 8.088357f}, {100, 12.039888f},
+                {32, 9.640642f}};
+    /* " to him, “Why do you see the Lord?” " */
     static const char *want =
-        "32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,"
-        "32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101,32,116,104,101";
+        "32,116,111,32,104,105,109,44,32,226,128,156,87,104,121,32,100,111,32,121,111,117,32,115,"
+        "101,101,32,116,104,101,32,76,111,114,100,63,226,128,157,32";
     const char *dump = "/tmp/duet_test_draft_logits.bin";
     char out[65536];
     cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DRAFT
