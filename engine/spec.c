@@ -118,8 +118,9 @@ struct duet_spec {
     int64_t draft_rows;       /* rows one draft forward may carry */
     duet_batch_item_t *items; /* (max_seqs) one draft step's items */
     int32_t *tok;             /* (max_seqs) their one token each, when drafting */
-    int64_t *idx;             /* (max_seqs) the drafting sequences, as indices into ss */
-    float *dlogits;           /* (max_seqs * vocab) row t: the t-th drafting sequence's logits */
+    int64_t *idx;   /* (2 * max_seqs) the drafting sequences, as indices into ss, then those that
+                       only catch up this call */
+    float *dlogits; /* (max_seqs * vocab) row t: the t-th drafting sequence's logits */
     int64_t max_seqs;
     duet_spec_accept_fn accept; /* duet_spec_accept, or a test's rule */
 };
@@ -221,7 +222,13 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
         dopts.max_seqs = to->max_seqs;
         dopts.max_seq_len = to->max_seq_len + o->k + 1;
         dopts.page_tokens = o->draft_page_tokens;
+        /* whole catch-up items (up to DUET_SPEC_CATCHUP_ROWS rows) and a draft step of every
+         * sequence must fit one forward */
         dopts.max_batch_tokens = to->max_batch_tokens;
+        if (dopts.max_batch_tokens < DUET_SPEC_CATCHUP_ROWS)
+            dopts.max_batch_tokens = DUET_SPEC_CATCHUP_ROWS;
+        if (dopts.max_batch_tokens < to->max_seqs)
+            dopts.max_batch_tokens = to->max_seqs;
         if ((st = duet_model_load(o->draft_model, &dopts, &sp->draft)) != DUET_OK) {
             duet_spec_destroy(sp);
             return st;
@@ -236,7 +243,7 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
         sp->draft_rows = dopts.max_batch_tokens;
         sp->items = calloc((size_t)sp->max_seqs, sizeof(*sp->items));
         sp->tok = calloc((size_t)sp->max_seqs, sizeof(*sp->tok));
-        sp->idx = calloc((size_t)sp->max_seqs, sizeof(*sp->idx));
+        sp->idx = calloc(2 * (size_t)sp->max_seqs, sizeof(*sp->idx));
         sp->dlogits = malloc(sizeof(float) * (size_t)sp->max_seqs * (size_t)sp->vocab);
         if (st == DUET_OK &&
             (sp->items == NULL || sp->tok == NULL || sp->idx == NULL || sp->dlogits == NULL))
@@ -271,47 +278,43 @@ void duet_spec_seq_close(duet_spec_t *sp, duet_spec_seq_t *ss)
     ss->dseq.id = -1;
 }
 
-/* Run the draft model over the history tokens each sequence ss[which[t]] does not hold yet, in
- * forwards of at most draft_rows rows; with want_logits, the logits after its newest token into
- * dlogits row t. */
+/* Run the draft model over the history tokens each sequence ss[which[t]] does not hold yet, at
+ * most DUET_SPEC_CATCHUP_ROWS of them; with want_logits (only for sequences that catch up
+ * completely), the logits after its newest token into dlogits row t. A sequence's rows always go
+ * in one item of one forward and forwards carry whole items up to draft_rows rows: how its rows
+ * are computed (the KDA chunks) then depends on nothing but the sequence, not on the batch. */
 static duet_status_t duet__draft_catch_up(duet_spec_t *sp, duet_spec_seq_t *const *ss,
                                           const int64_t *which, int64_t n, int want_logits)
 {
-    int64_t done = 0;
-    while (done < n) {
-        int64_t n_items = 0, rows = 0;
-        int more = 0;
-        for (int64_t j = done; j < n; j++) {
-            duet_spec_seq_t *s = ss[which[j]];
-            int64_t lag = s->n_hist - s->dseq.n_tokens;
-            if (lag <= 0)
+    int64_t n_items = 0, rows = 0;
+    for (int64_t j = 0; j <= n; j++) {
+        int64_t take = 0;
+        duet_spec_seq_t *s = NULL;
+        if (j < n) {
+            s = ss[which[j]];
+            take = s->n_hist - s->dseq.n_tokens;
+            if (take > DUET_SPEC_CATCHUP_ROWS)
+                take = DUET_SPEC_CATCHUP_ROWS;
+            if (take <= 0)
                 continue;
-            int64_t take = lag;
-            if (rows + take > sp->draft_rows)
-                take = sp->draft_rows - rows;
-            if (take <= 0) {
-                more = 1;
-                break;
-            }
-            const int last = take == lag;
-            sp->items[n_items] = (duet_batch_item_t){
-                .seq = &s->dseq,
-                .tokens = s->hist + s->dseq.n_tokens,
-                .n_tokens = take,
-                .logits_mode = last && want_logits ? DUET_LOGITS_LAST : DUET_LOGITS_NONE,
-                .logits = sp->dlogits + j * sp->vocab,
-            };
-            n_items++;
-            rows += take;
-            more |= !last;
         }
-        if (n_items == 0)
-            return DUET_OK;
-        duet_status_t st = duet_model_forward(sp->draft, sp->items, n_items);
-        if (st != DUET_OK)
-            return st;
-        if (!more)
-            done = n;
+        if (n_items > 0 && (j == n || rows + take > sp->draft_rows)) {
+            duet_status_t st = duet_model_forward(sp->draft, sp->items, n_items);
+            if (st != DUET_OK)
+                return st;
+            n_items = rows = 0;
+        }
+        if (j == n)
+            break;
+        const int last = s->dseq.n_tokens + take == s->n_hist;
+        sp->items[n_items++] = (duet_batch_item_t){
+            .seq = &s->dseq,
+            .tokens = s->hist + s->dseq.n_tokens,
+            .n_tokens = take,
+            .logits_mode = last && want_logits ? DUET_LOGITS_LAST : DUET_LOGITS_NONE,
+            .logits = sp->dlogits + j * sp->vocab,
+        };
+        rows += take;
     }
     return DUET_OK;
 }
@@ -378,28 +381,22 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
      * drafts nothing now: a long prompt costs a step one bounded chunk instead of stalling the
      * step that opened it. The bound is per sequence, so when a request starts drafting depends
      * on nothing but its own prompt, and a seeded stream is the same in any batch. */
-    int64_t n_part = 0;
+    int64_t n_part = 0, *part = sp->idx + n;
     for (int64_t i = 0; i < n; i++) {
         if (k_cap[i] <= 0)
             continue;
-        duet_spec_seq_t *s = ss[i];
-        const int64_t lag = s->n_hist - s->dseq.n_tokens;
+        const int64_t lag = ss[i]->n_hist - ss[i]->dseq.n_tokens;
         if (lag <= DUET_SPEC_CATCHUP_ROWS) {
             idx[n_d++] = i;
             if (k_cap[i] > kmax)
                 kmax = k_cap[i];
         } else {
-            sp->items[n_part++] = (duet_batch_item_t){.seq = &s->dseq,
-                                                      .tokens = s->hist + s->dseq.n_tokens,
-                                                      .n_tokens = DUET_SPEC_CATCHUP_ROWS,
-                                                      .logits_mode = DUET_LOGITS_NONE};
+            part[n_part++] = i;
         }
     }
-    duet_status_t st = DUET_OK;
-    if (n_part > 0 && (st = duet_model_forward(sp->draft, sp->items, n_part)) != DUET_OK)
+    duet_status_t st = duet__draft_catch_up(sp, ss, part, n_part, 0);
+    if (st != DUET_OK || n_d == 0)
         return st;
-    if (n_d == 0)
-        return DUET_OK;
     st = duet__draft_catch_up(sp, ss, idx, n_d, 1);
     /* a KDA state cannot drop the drafts fed to it: keep it as it is before them (a sequence
      * drafting one token feeds none) */

@@ -65,6 +65,7 @@
 #define BENCH    DUET_BINARY_DIR "/bench/duet-bench"
 #define UP       DUET_BINARY_DIR "/deploy/launcher/duet"
 #define MODEL    DUET_SOURCE_DIR "/models/duet-demo"
+#define DRAFT    DUET_SOURCE_DIR "/models/duet-demo-draft"
 
 #define CTX_PAGES   400 /* 16-token pages */
 #define GEN_PAGES   300 /* 32-token pages */
@@ -353,17 +354,23 @@ static void start_cluster(int n_ctx, int n_gen)
                         (char *)worker_device,
                         "--dtype",
                         "f32",
-                        NULL, /* speculation's four flags */
+                        NULL, /* speculation's four flags, and the draft model's two */
+                        NULL,
+                        NULL,
                         NULL,
                         NULL,
                         NULL,
                         NULL};
         if (spec_method != NULL) {
-            const size_t at = sizeof(argv) / sizeof(argv[0]) - 5;
+            const size_t at = sizeof(argv) / sizeof(argv[0]) - 7;
             argv[at] = "--spec.method";
             argv[at + 1] = (char *)spec_method;
             argv[at + 2] = "--spec.k";
             argv[at + 3] = (char *)spec_k;
+            if (strcmp(spec_method, "draft") == 0) {
+                argv[at + 4] = "--spec.draft-model";
+                argv[at + 5] = DRAFT;
+            }
         }
         spawn(name, argv);
     }
@@ -457,7 +464,7 @@ static void reference(job_t *j)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
                   "--temperature", "0.8", "--top-p", "0.95", "--seed", seed, "--spec.method",
-                  spec_method, "--spec.k", spec_k, (char *)NULL);
+                  spec_method, "--spec.k", spec_k, "--spec.draft-model", DRAFT, (char *)NULL);
         if (j->seed > 0)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
@@ -983,13 +990,15 @@ Test(cluster_spec, client_cancel_frees_pages_on_both_workers, .timeout = 120)
 
 Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
 {
-    speculate("ngram", "4");
+    speculate("draft", "4");
     gen_killed_body();
 }
 
 Test(cluster_spec, drain_under_load_loses_nothing, .timeout = 180)
 {
-    speculate("ngram", "2");
+    /* the drafter samples its drafts for the seeded requests here: their streams must repeat
+     * duet-generate's with the same keys whatever the batch around them */
+    speculate("draft", "2");
     drain_body();
 }
 
@@ -1161,11 +1170,12 @@ static void check_spec_bench(int k)
 
 /*
  * Greedy answers of a speculating cluster equal duet-generate's without speculation, token for
- * token, for spec.k 2 and 4: ten requests in flight together, half streamed; the long-output ones
- * start first so that the short prompts the gen worker prefills itself (in 64-token chunks) share
- * steps with verify rows and plain rows (a request prompt lookup found nothing for).
+ * token, for prompt lookup at spec.k 2 and 4 and the drafter at spec.k 4: ten requests in flight
+ * together, half streamed; the long-output ones start first so that the short prompts the gen
+ * worker prefills itself (in 64-token chunks) share steps with verify rows and plain rows (a
+ * request prompt lookup found nothing for).
  */
-Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 300)
+Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 420)
 {
     enum { N = 10 };
     static job_t jobs[N];
@@ -1187,9 +1197,10 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 300)
         {30, 24, 500, NULL},
     };
     local_below = 160; /* prompts under 160 tokens are prefilled on the gen worker */
-    static const char *const ks[2] = {"2", "4"};
-    for (int round = 0; round < 2; round++) {
-        speculate("ngram", ks[round]);
+    static const char *const methods[3] = {"ngram", "ngram", "draft"}, *const ks[3] = {"2", "4",
+                                                                                       "4"};
+    for (int round = 0; round < 3; round++) {
+        speculate(methods[round], ks[round]);
         start_cluster(1, 1);
         for (int i = 0; i < N; i++) {
             if (round == 0) { /* duet-generate without speculation, once */
@@ -1230,8 +1241,8 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 300)
 
 /*
  * deploy/configs/local-spec.yaml through `duet up --once`: the launcher starts the speculating
- * cluster and the sample answer is duet-generate's. Until models/duet-demo-draft exists, the file's
- * draft model is replaced by prompt lookup (spec.method ngram) in a copy, on free ports.
+ * cluster with the drafter (models/duet-demo-draft) and the sample answer is duet-generate's. The
+ * file runs as it is, from a copy on free ports.
  */
 Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
 {
@@ -1253,15 +1264,6 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
     int replaced = 0;
     for (char *line = strtok(text, "\n"); line != NULL; line = strtok(NULL, "\n")) {
         char *p;
-        if (strstr(line, "draft_model:") != NULL && line[strspn(line, " ")] != '#') {
-            replaced++;
-            continue;
-        }
-        if ((p = strstr(line, "method: draft")) != NULL && line[strspn(line, " ")] != '#') {
-            fprintf(f, "%.*smethod: ngram\n", (int)(p - line), line);
-            replaced++;
-            continue;
-        }
         if ((p = strstr(line, "port: 8000")) != NULL) {
             fprintf(f, "%.*sport: %d%s\n", (int)(p - line), line, http_port, p + 10);
             replaced++;
@@ -1275,7 +1277,7 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
         fprintf(f, "%s\n", line);
     }
     fclose(f);
-    cr_assert_eq(replaced, 4, "local-spec.yaml: draft method, draft model and both ports found");
+    cr_assert_eq(replaced, 2, "local-spec.yaml: both ports found");
     /* the sample the file asks for, from duet-generate */
     job_t j = {0};
     snprintf(j.prompt, sizeof(j.prompt), "The LORD said unto Moses,");
@@ -1297,7 +1299,7 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
     cr_assert_not_null(f, "%s", path);
     int speculating = 0;
     while (fgets(text, sizeof(text), f) != NULL)
-        speculating |= strstr(text, "speculative decoding: ngram, up to 4 drafts") != NULL;
+        speculating |= strstr(text, "speculative decoding: draft, up to 4 drafts") != NULL;
     fclose(f);
     cr_expect(speculating, "gen-0 speculates (its log in %s)", path);
     free(j.want_text);
