@@ -1044,6 +1044,14 @@ Test(cluster_spec, client_cancel_frees_pages_on_both_workers, .timeout = 120)
     client_cancel_body();
 }
 
+/* With drafts and the draft model: a verify's rows grow the sequence by up to k + 1 at once, a
+ * suspension folds the accepted rows in first, and the drafter's sequence stays open meanwhile. */
+Test(cluster_spec, suspend_under_page_pressure_equal_duet_generate, .timeout = 300)
+{
+    speculate("draft", "4");
+    suspend_under_pressure_body();
+}
+
 Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)
 {
     speculate("draft", "4");
