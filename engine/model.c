@@ -580,6 +580,113 @@ duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t 
     return DUET_OK;
 }
 
+duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_tokens)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "grow: not an open sequence");
+    if (max_tokens > m->opts.max_seq_len)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "grow: a sequence of %lld tokens: the model holds "
+                              "at most %lld",
+                              (long long)max_tokens, (long long)m->opts.max_seq_len);
+    if (max_tokens <= seq->cap_tokens)
+        return DUET_OK;
+    if (m->kv == NULL) { /* no pages: the capacity is a number */
+        seq->cap_tokens = max_tokens;
+        return DUET_OK;
+    }
+    const int64_t want = (max_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens;
+    const int64_t add = want - seq->n_pages;
+    int32_t *fresh = seq->pages + seq->n_pages; /* the table row has max_pages_per_seq entries */
+    duet_status_t st = duet_kv_pool_alloc(m->kv, add, fresh);
+    if (st != DUET_OK)
+        return st;
+    /* as seq_open: stale KV is never read, but a dump of the sequence stays deterministic */
+    duet_kv_pool_zero_pages(m->kv, fresh, add);
+    seq->n_pages = want;
+    seq->cap_tokens = want * m->opts.page_tokens;
+    return DUET_OK;
+}
+
+/* Pages holding n_tokens tokens (0 without MLA layers). */
+static int64_t duet__kv_pages_of(const duet_model_t *m, int64_t n_tokens)
+{
+    return m->kv != NULL ? (n_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens : 0;
+}
+
+size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens)
+{
+    size_t kv = 0;
+    if (m->kv != NULL)
+        kv = (size_t)duet__kv_pages_of(m, n_tokens) * (size_t)duet_kv_pool_desc(m->kv)->n_layers *
+             duet_kv_pool_block_bytes(m->kv);
+    return kv + duet_model_seq_state_bytes(m);
+}
+
+/* Copy the first n_pages pages of seq, every MLA layer, to buf (to_host 1) or back (0). The KV
+ * must be the host pool's (DUET_ERR_UNSUPPORTED otherwise). */
+static duet_status_t duet__seq_kv_copy(duet_model_t *m, const duet_seq_t *seq, int64_t n_pages,
+                                       uint8_t *buf, int to_host)
+{
+    if (m->kv == NULL || n_pages == 0)
+        return DUET_OK;
+    duet_backend_pool_mem_t pm = {0};
+    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pm);
+    if (pm.on_device)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "the %s backend keeps the KV cache where a snapshot cannot copy it "
+                              "from",
+                              m->ops->name);
+    const int64_t layers = duet_kv_pool_desc(m->kv)->n_layers;
+    const size_t block = duet_kv_pool_block_bytes(m->kv);
+    for (int64_t p = 0; p < n_pages; p++)
+        for (int64_t l = 0; l < layers; l++, buf += block) {
+            void *at = duet_kv_pool_block(m->kv, seq->pages[p], l);
+            if (to_host)
+                memcpy(buf, at, block);
+            else
+                memcpy(at, buf, block);
+        }
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, void *buf)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "snapshot: not an open sequence");
+    duet_status_t st = duet_model_seq_commit(m, seq); /* refuses pending rows */
+    if (st != DUET_OK)
+        return st;
+    const int64_t n_pages = duet__kv_pages_of(m, seq->n_tokens);
+    if ((st = duet__seq_kv_copy(m, seq, n_pages, buf, 1)) != DUET_OK)
+        return st;
+    const size_t kv_bytes =
+        duet_model_seq_snapshot_bytes(m, seq->n_tokens) - duet_model_seq_state_bytes(m);
+    return duet_model_seq_state_save(m, seq, (uint8_t *)buf + kv_bytes);
+}
+
+duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, const void *buf,
+                                              int64_t n_tokens)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "snapshot restore: not an open sequence");
+    if (n_tokens < 0 || n_tokens > seq->cap_tokens || seq->n_tokens != 0 || seq->n_pending != 0)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "snapshot restore: %lld tokens into a sequence of capacity %lld "
+                              "holding %lld (and %lld pending)",
+                              (long long)n_tokens, (long long)seq->cap_tokens,
+                              (long long)seq->n_tokens, (long long)seq->n_pending);
+    const int64_t n_pages = duet__kv_pages_of(m, n_tokens);
+    duet_status_t st = duet__seq_kv_copy(m, seq, n_pages, (uint8_t *)buf, 0);
+    if (st != DUET_OK)
+        return st;
+    const size_t kv_bytes =
+        duet_model_seq_snapshot_bytes(m, n_tokens) - duet_model_seq_state_bytes(m);
+    if ((st = duet_model_seq_state_restore(m, seq, (const uint8_t *)buf + kv_bytes)) != DUET_OK)
+        return st;
+    return duet_model_seq_set_filled(m, seq, n_tokens);
+}
+
 void duet_model_set_layer_hook(duet_model_t *m, duet_model_layer_hook_fn fn, void *user)
 {
     m->layer_hook = fn;

@@ -271,6 +271,49 @@ duet_status_t duet_model_seq_state_restore(duet_model_t *m, duet_seq_t *seq, con
 duet_status_t duet_model_seq_truncate(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
                                       const void *state);
 
+/*
+ * Grow an open sequence so that it can hold `max_tokens` tokens: take the pages it lacks (zeroed)
+ * from the pool and append them to its page table; cap_tokens follows. A generation worker
+ * reserves pages for what a request holds plus a step's growth and grows it as it decodes, so
+ * that running out of pages happens inside a step, where the worker can suspend a request
+ * (duet_model_seq_snapshot_save), rather than at admission. Nothing is done when the sequence
+ * already holds enough. Errors (nothing changes): DUET_ERR_INVALID for a closed sequence,
+ * DUET_ERR_RANGE above max_seq_len, DUET_ERR_NO_SPACE when the pool has too few free pages.
+ */
+duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_tokens);
+
+/*
+ * Suspend and resume (a generation worker out of pages): a sequence's whole cache, the MLA KV of
+ * its committed tokens (every MLA layer of the pages that hold them, in page order, one
+ * duet_kv_pool_block_bytes block per (page, layer)) then its KDA state (duet_model_seq_state_save's
+ * bytes), copied to a host buffer so that its pages and slot can be freed (close it), and copied
+ * back into a freshly opened sequence later. The resumed sequence computes exactly what the
+ * suspended one would have: the bytes are the caches' own.
+ *
+ * duet_model_seq_snapshot_bytes: the bytes of a snapshot of a sequence holding n_tokens tokens.
+ */
+size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens);
+
+/*
+ * Copy the sequence's cache into buf (duet_model_seq_snapshot_bytes(m, seq->n_tokens) bytes).
+ * Accepted rows not yet folded into the KDA state are folded in first (duet_model_seq_commit, the
+ * replay-only commit), so the snapshot is the state after its last committed token. The sequence
+ * is left open and otherwise unchanged. Errors: DUET_ERR_INVALID for a closed sequence or one with
+ * pending verify rows (accept them first); DUET_ERR_UNSUPPORTED on a backend whose KV lives where
+ * the host cannot read it (cuda), and duet_model_seq_commit's.
+ */
+duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, void *buf);
+
+/*
+ * Fill an empty open sequence (n_tokens 0, nothing pending; opened or grown to hold at least
+ * n_tokens) from buf, what duet_model_seq_snapshot_save wrote for a sequence of this model holding
+ * n_tokens tokens: it then holds them, as duet_model_seq_set_filled leaves a transferred one.
+ * Errors (the sequence stays empty): DUET_ERR_INVALID for a closed sequence, DUET_ERR_RANGE when
+ * n_tokens < 0, above cap_tokens or the sequence is not empty, DUET_ERR_UNSUPPORTED as for save.
+ */
+duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, const void *buf,
+                                              int64_t n_tokens);
+
 typedef enum {
     DUET_LOGITS_NONE = 0,  /* no logits (a prefill chunk that is not the prompt's last) */
     DUET_LOGITS_LAST = 1,  /* logits of the item's last token: [1][vocab] */

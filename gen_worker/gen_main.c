@@ -14,12 +14,26 @@
  *   DECODE     one token per step in the continuous batch, streamed to the router; or, when
  *              speculating (spec.method), a verify of up to spec.k drafted tokens per step and
  *              1..k+1 tokens streamed
+ *   SUSPENDED  out of pages (below): its cache in a host buffer, no pages, no state slot
  *   QUARANTINE a reservation that ended without its data (cancel, deadline, abort): its pages
  *              stay held for cache.quarantine_ms so that a context worker that has not yet seen
  *              the abort cannot put into pages another request already uses (transfer/xfer.h,
  *              "known limit"), then they return to the pool
  * Every end sends exactly one final Tokens (STOP, LENGTH, CANCELLED or ERROR) unless the router
  * ended the request first, and returns the pages (at once, or after the quarantine).
+ *
+ * Pages under pressure (cache.suspend, on by default on the CPU; docs/architecture.md, "Suspend
+ * and resume"): a request's sequence holds pages for its tokens plus one step's growth and grows
+ * page by page as it decodes, so the pool admits requests by what they hold, not by what they may
+ * reach. When a decoding request cannot grow, the youngest decoding requests (by arrival; the
+ * request itself when it is the youngest) are suspended: the replay-only commit, the KV pages and
+ * KDA state copied to a host buffer (duet_model_seq_snapshot_save), the sequence closed. The
+ * oldest suspended request is resumed (open, restore) as soon as its pages and a slot are free;
+ * younger ones wait behind it, and no reservation is taken while one waits. The drafter's
+ * sequence (its own pool) stays open through a suspension. The restored caches are the bytes
+ * saved, so a suspended request's tokens are those of a run never suspended; the client only sees
+ * a pause. With cache.suspend off (and on cuda) a request reserves prompt + max_tokens + slack up
+ * front and the pool refuses what does not fit, as before.
  *
  * Batch invariance (engine/model.h) makes every request's tokens equal to duet-generate's under
  * greedy sampling, whatever else runs in the batch. A seeded request samples the same tokens as
@@ -56,6 +70,10 @@ static const duet_config_key_t gen_keys[] = {
      .min = "1", .max = "1048576"},
     {"cache.quarantine_ms", DUET_CONFIG_INT, "2000",
      "pages of an aborted reservation are reused after this long", .min = "0", .max = "600000"},
+    {"cache.suspend", DUET_CONFIG_BOOL, "true",
+     "reserve pages for what a request holds and grow it as it decodes, suspending the youngest "
+     "requests to host memory when the pool runs out (CPU only: cuda always reserves up front)",
+     .min = NULL},
     {"cache.slack_tokens", DUET_CONFIG_INT, "0",
      "extra tokens reserved per request (draft slack for speculative decoding: at least spec.k "
      "when speculating)",
@@ -68,6 +86,7 @@ typedef enum {
     GR_RECEIVING,
     GR_PREFILL,
     GR_DECODE,
+    GR_SUSPENDED,
     GR_QUARANTINE,
 } gr_phase_t;
 
@@ -77,6 +96,10 @@ typedef struct {
     bool xfer_done, have_first, cancelling;
     int32_t next;      /* the next input token (DECODE) */
     double release_at; /* QUARANTINE */
+    int64_t full;      /* tokens it may come to hold: prompt + max_tokens + slack */
+    int64_t full_cap;  /* the capacity a reservation of `full` tokens has (whole pages) */
+    uint8_t *snap;     /* SUSPENDED: the sequence's cache (duet_model_seq_snapshot_save) */
+    int64_t snap_tokens;
     /* speculating (g.spec): the request's speculative state, open from its first token on */
     bool spec_open;
     duet_spec_seq_t ss;
@@ -86,7 +109,9 @@ typedef struct {
 static struct {
     int64_t slack;
     uint32_t quarantine_ms;
-    int64_t n_decode; /* decodes in the step being run */
+    bool grow;                     /* cache.suspend in effect: pages grow with the sequence */
+    uint64_t suspensions, resumes; /* Heartbeat 14-15 */
+    int64_t n_decode;              /* decodes in the step being run */
     /* work counters (Heartbeat 6-9) */
     uint64_t decode_steps, decode_seq_steps, decoded_tokens;
     double step_seconds;
@@ -126,6 +151,7 @@ static void gr_free(duet_worker_t *w, duet_worker_req_t *q)
         duet_spec_seq_close(g.spec, &r->ss);
         r->spec_open = false;
     }
+    free(r->snap);
     duet_worker_req_clear(w, q);
 }
 
@@ -190,13 +216,41 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         *why = "all request slots are in use";
         return NULL;
     }
-    int64_t need = (int64_t)prompt_tokens + max_tokens + g.slack;
+    const int64_t full = (int64_t)prompt_tokens + max_tokens + g.slack;
+    int64_t need = full;
+    /* past max_seq_len: seq_open below refuses it, saying so */
+    if (g.grow && full <= duet_model_opts(w->m)->max_seq_len) {
+        /* it must fit the pool alone, so that resuming it never waits for nothing */
+        static char msg[160];
+        const duet_kv_pool_desc_t *kd = duet_kv_pool_desc(duet_model_kv_pool(w->m));
+        const int64_t pages = (full + kd->page_tokens - 1) / kd->page_tokens;
+        if (pages > kd->n_pages) {
+            snprintf(msg, sizeof(msg), "the request may need %lld pages; the pool holds %lld",
+                     (long long)pages, (long long)kd->n_pages);
+            *why = msg;
+            return NULL;
+        }
+        for (int64_t i = 0; i < w->n_reqs; i++)
+            if (gr_at(w, i)->base.phase == GR_SUSPENDED) {
+                *why = "suspended requests are waiting for pages";
+                return NULL;
+            }
+        /* the prompt and the first step's rows; decoding grows it */
+        need = (int64_t)prompt_tokens + 1 + g.slack;
+        need = need < full ? need : full;
+    }
     if (duet_model_seq_open(w->m, need, &r->base.seq) != DUET_OK) {
         *why = duet_error_last();
         r->base.seq.id = -1;
         return NULL;
     }
     duet_worker_req_init(w, &r->base, rid, prompt_tokens, max_tokens, s, deadline);
+    r->full = full;
+    r->full_cap = full;
+    if (duet_model_kv_pool(w->m) != NULL) {
+        const int64_t pt = w->layout.page_tokens;
+        r->full_cap = (full + pt - 1) / pt * pt;
+    }
     return r;
 }
 
@@ -219,7 +273,7 @@ static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
         const int64_t held = q->seq.n_tokens - (n - i);
         if (duet_worker_is_stop(&q->sampling, tok))
             finish = DUET__TOKENS__FINISH_REASON__STOP;
-        else if (r->produced >= q->max_tokens || held + 1 > q->seq.cap_tokens)
+        else if (r->produced >= q->max_tokens || held + 1 > r->full_cap)
             finish = DUET__TOKENS__FINISH_REASON__LENGTH;
     }
     duet_worker_send_tokens(w->link, q->rid, ids, (size_t)i, finish, NULL);
@@ -467,6 +521,108 @@ static bool gen_on_message(duet_worker_t *w, const Duet__Envelope *env)
     }
 }
 
+/* ------------------------------------------------------------------------------ suspend */
+
+/* Tokens r's sequence must hold for its next step: a token, or a verify of up to spec.k drafts
+ * (never past what it may come to hold). */
+static int64_t gr_step_need(const gr_t *r, int64_t n_tokens)
+{
+    const int64_t need = n_tokens + 1 + (g.spec != NULL ? g.so.k : 0);
+    return need < r->full ? need : r->full;
+}
+
+/* Suspend decoding request r: its cache to a host buffer, its pages and slot back to the pool. */
+static void gr_suspend(duet_worker_t *w, gr_t *r)
+{
+    duet_worker_req_t *q = &r->base;
+    const size_t bytes = duet_model_seq_snapshot_bytes(w->m, q->seq.n_tokens);
+    r->snap = malloc(bytes > 0 ? bytes : 1);
+    if (r->snap == NULL) {
+        gr_fail(w, q, "out of host memory to suspend the request in");
+        return;
+    }
+    if (duet_model_seq_snapshot_save(w->m, &q->seq, r->snap) != DUET_OK) {
+        char why[320];
+        snprintf(why, sizeof(why), "cannot suspend the request: %s", duet_error_last());
+        gr_fail(w, q, why);
+        return;
+    }
+    r->snap_tokens = q->seq.n_tokens;
+    duet_model_seq_close(w->m, &q->seq);
+    q->phase = GR_SUSPENDED;
+    g.suspensions++;
+    DUET_RLOG_DEBUG(q->rid, "suspended at %lld tokens (%zu bytes)", (long long)r->snap_tokens,
+                    bytes);
+}
+
+/* Resume suspended request r if its pages and a slot are free; false when they are not. */
+static bool gr_resume(duet_worker_t *w, gr_t *r)
+{
+    duet_worker_req_t *q = &r->base;
+    if (duet_model_seq_open(w->m, gr_step_need(r, r->snap_tokens), &q->seq) != DUET_OK) {
+        q->seq.id = -1;
+        return false;
+    }
+    duet_status_t st = duet_model_seq_snapshot_restore(w->m, &q->seq, r->snap, r->snap_tokens);
+    free(r->snap);
+    r->snap = NULL;
+    g.resumes++;
+    if (st != DUET_OK) {
+        char why[320];
+        snprintf(why, sizeof(why), "cannot resume the request: %s", duet_error_last());
+        gr_fail(w, q, why);
+        return true;
+    }
+    q->phase = GR_DECODE;
+    DUET_RLOG_DEBUG(q->rid, "resumed at %lld tokens", (long long)r->snap_tokens);
+    return true;
+}
+
+/* The request of phase `ph` that arrived first (oldest 1) or last (0); NULL when none. */
+static gr_t *gr_by_age(const duet_worker_t *w, int ph, int oldest)
+{
+    gr_t *best = NULL;
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        gr_t *r = gr_at(w, i);
+        if ((int)r->base.phase == ph &&
+            (best == NULL || (oldest ? r->base.arrival < best->base.arrival
+                                     : r->base.arrival > best->base.arrival)))
+            best = r;
+    }
+    return best;
+}
+
+/*
+ * Before a step (cache.suspend): every decoding request, oldest first, grows to hold the step's
+ * rows; one that cannot suspends the youngest decoding request (itself when it is the youngest)
+ * until it can. Then the oldest suspended requests resume, in order, while they fit.
+ */
+static void gen_make_room(duet_worker_t *w)
+{
+    for (;;) {
+        gr_t *r = NULL; /* the oldest decoding request not yet grown this step */
+        for (int64_t i = 0; i < w->n_reqs; i++) {
+            gr_t *c = gr_at(w, i);
+            if (c->base.phase == GR_DECODE &&
+                c->base.seq.cap_tokens < gr_step_need(c, c->base.seq.n_tokens) &&
+                (r == NULL || c->base.arrival < r->base.arrival))
+                r = c;
+        }
+        if (r == NULL)
+            break;
+        while (duet_model_seq_grow(w->m, &r->base.seq, gr_step_need(r, r->base.seq.n_tokens)) !=
+               DUET_OK) {
+            gr_t *v = gr_by_age(w, GR_DECODE, 0);
+            gr_suspend(w, v);
+            if (v == r)
+                break;
+        }
+    }
+    gr_t *o;
+    while ((o = gr_by_age(w, GR_SUSPENDED, 1)) != NULL && gr_resume(w, o))
+        ;
+}
+
 /* ------------------------------------------------------------------------------ step */
 
 /*
@@ -529,6 +685,8 @@ static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
 static int64_t gen_plan_step(duet_worker_t *w)
 {
     int64_t n = 0, budget = w->budget;
+    if (g.grow)
+        gen_make_room(w);
     if (g.spec != NULL)
         n = gen_plan_spec(w, &budget);
     for (int64_t i = 0; g.spec == NULL && i < w->n_reqs && budget > 0; i++) {
@@ -621,12 +779,18 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
     }
 }
 
+/* Decoding or prefilling requests, or a suspended one whose pages are free. */
 static bool gen_has_work(duet_worker_t *w)
 {
     for (int64_t i = 0; i < w->n_reqs; i++)
         if (gr_at(w, i)->base.phase == GR_DECODE || gr_at(w, i)->base.phase == GR_PREFILL)
             return true;
-    return false;
+    const gr_t *o = gr_by_age(w, GR_SUSPENDED, 1);
+    if (o == NULL)
+        return false;
+    const int64_t pt = w->layout.page_tokens;
+    return (gr_step_need(o, o->snap_tokens) + pt - 1) / pt <=
+           duet_kv_pool_n_free(duet_model_kv_pool(w->m));
 }
 
 /* ------------------------------------------------------------------------------ timers */
@@ -647,6 +811,8 @@ static void gen_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb)
     hb->decode_seq_steps = g.decode_seq_steps;
     hb->decoded_tokens = g.decoded_tokens;
     hb->step_seconds = g.step_seconds;
+    hb->suspensions = g.suspensions;
+    hb->resumes = g.resumes;
     if (g.spec != NULL) { /* positions up to spec.k; the heartbeat is packed before they change */
         hb->n_spec_step_tokens = (size_t)g.so.k + 1;
         hb->spec_step_tokens = g.spec_step_tokens;
@@ -678,6 +844,7 @@ static void gen_tick(duet_worker_t *w)
             gr_free(w, &r->base);
         }
     }
+    duet_worker_update(w); /* pages freed here may let a suspended request resume */
 }
 
 /* ------------------------------------------------------------------------------ the role */
@@ -697,6 +864,13 @@ static duet_status_t gen_init(duet_worker_t *w)
 {
     g.quarantine_ms = (uint32_t)duet_config_get_int(w->cfg, "cache.quarantine_ms");
     g.slack = duet_config_get_int(w->cfg, "cache.slack_tokens");
+    g.grow = duet_config_get_bool(w->cfg, "cache.suspend") && duet_model_kv_pool(w->m) != NULL;
+    if (g.grow && duet_model_opts(w->m)->device != DUET_DEVICE_CPU) {
+        DUET_LOG_INFO("cache.suspend: off on %s (a snapshot reads the KV from host memory); "
+                      "requests reserve their pages up front",
+                      duet_model_device_name(duet_model_opts(w->m)->device));
+        g.grow = false;
+    }
     if (g.so.method == DUET_SPEC_NONE)
         return DUET_OK;
     duet_status_t st = duet_spec_create(&g.so, w->m, &g.spec);

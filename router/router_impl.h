@@ -60,6 +60,7 @@ struct duet__router {
     duet_http_metrics_t http_fams;
     duet_metric_t *m_ttft, *m_tpot, *m_e2e, *m_tok_in, *m_tok_out;
     duet_metric_t *m_gen_steps, *m_gen_seq_steps, *m_gen_tokens, *m_gen_step_s, *m_prefill_tok;
+    duet_metric_t *m_gen_suspended, *m_gen_resumed;
     /* speculative decoding: tokens per verify step; drafts proposed / kept by draft position */
     duet_metric_t *m_spec_step_tokens;
     duet_metric_t *m_spec_drafted[DUET_PROTO_SPEC_POSITIONS];

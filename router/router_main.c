@@ -190,6 +190,11 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
          offsetof(duet__router_t, m_gen_step_s)},
         {"duet_worker_prefill_tokens_total", "prompt tokens prefilled by workers",
          offsetof(duet__router_t, m_prefill_tok)},
+        {"duet_gen_suspended_total",
+         "requests a generation worker suspended to host memory when its pages ran out",
+         offsetof(duet__router_t, m_gen_suspended)},
+        {"duet_gen_resumed_total", "suspended requests resumed when pages freed up",
+         offsetof(duet__router_t, m_gen_resumed)},
     };
     for (size_t i = 0; i < sizeof(wc) / sizeof(wc[0]); i++) {
         if ((st = duet_metrics_counter_new(m, wc[i].name, wc[i].help, NULL, 0, &f)) < 0)
@@ -221,6 +226,8 @@ static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *
         duet_metrics_counter_add(rt->m_gen_seq_steps, (double)d->decode_seq_steps);
         duet_metrics_counter_add(rt->m_gen_tokens, (double)d->decoded_tokens);
         duet_metrics_counter_add(rt->m_gen_step_s, d->step_seconds);
+        duet_metrics_counter_add(rt->m_gen_suspended, (double)d->suspensions);
+        duet_metrics_counter_add(rt->m_gen_resumed, (double)d->resumes);
         for (unsigned i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
             duet_metrics_histogram_observe_n(rt->m_spec_step_tokens, (double)(i + 1),
                                              d->spec_step_tokens[i]);

@@ -394,6 +394,8 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
             .decode_seq_steps = hb->decode_seq_steps,
             .decoded_tokens = hb->decoded_tokens,
             .prefill_tokens = hb->prefill_tokens,
+            .suspensions = hb->suspensions,
+            .resumes = hb->resumes,
             .step_seconds =
                 isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds : 0.0,
         };
@@ -404,6 +406,8 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         REG_DELTA(decode_seq_steps);
         REG_DELTA(decoded_tokens);
         REG_DELTA(prefill_tokens);
+        REG_DELTA(suspensions);
+        REG_DELTA(resumes);
         REG_DELTA(step_seconds);
         for (size_t i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
             REG_DELTA(spec_step_tokens[i]);

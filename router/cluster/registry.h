@@ -53,9 +53,10 @@
 
 typedef struct duet_registry duet_registry_t;
 
-/* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-13). */
+/* A worker's work counters, or their increments between two heartbeats (Heartbeat fields 6-15). */
 typedef struct {
     uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
+    uint64_t suspensions, resumes; /* gen: requests suspended to host memory / resumed */
     double step_seconds;
     /* speculative decoding: spec_step_tokens[i] verify steps emitted i + 1 tokens; drafts
      * proposed / kept at draft position j + 1 (entries past a heartbeat's own count are 0) */

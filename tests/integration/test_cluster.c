@@ -68,7 +68,7 @@
 #define DRAFT    DUET_SOURCE_DIR "/models/duet-demo-draft"
 
 #define CTX_PAGES   400 /* 16-token pages */
-#define GEN_PAGES   300 /* 32-token pages */
+#define GEN_PAGES   300 /* 32-token pages (a test may start its gen workers with fewer) */
 #define LOCAL_BELOW 24
 #define CHUNK       64
 
@@ -98,6 +98,8 @@ static void speculate(const char *method, const char *k)
 
 /* placement.local_prefill_tokens: prompts shorter than this are prefilled by the gen worker */
 static int local_below = LOCAL_BELOW;
+/* the gen workers' cache.kv_pages in the next start_cluster */
+static int gen_pages = GEN_PAGES;
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -232,7 +234,7 @@ static int workers_idle(int expect_workers)
         json_t *load = json_object_get(w, "load");
         int pages = (int)json_integer_value(json_object_get(load, "free_pages"));
         int run = (int)json_integer_value(json_object_get(load, "running"));
-        int want = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : GEN_PAGES;
+        int want = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : gen_pages;
         if (pages != want || run != 0)
             ok = 0;
     }
@@ -273,6 +275,8 @@ static int wait_workers(int n_up, int ms)
 
 static void start_cluster(int n_ctx, int n_gen)
 {
+    static char gen_kv_pages[16];
+    snprintf(gen_kv_pages, sizeof(gen_kv_pages), "%d", gen_pages);
     char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(dir, sizeof(dir), "%s", tmpl);
@@ -339,7 +343,7 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--cache.page_tokens",
                         "32",
                         "--cache.kv_pages",
-                        "300",
+                        gen_kv_pages,
                         "--batch.prefill_chunk",
                         "64",
                         "--batch.max_tokens",
@@ -737,6 +741,58 @@ static void client_cancel_body(void)
     stop_all();
 }
 
+/*
+ * A generation worker with too few pages for its load (cache.suspend, gen_main.c): 10 greedy
+ * requests (local and remote prefill, streamed and not, ignore_eos so that each decodes all its
+ * max_tokens) are admitted by what they hold, 12-16 pages each when they finish against 48 in the
+ * pool, so the worker suspends the youngest to host memory and resumes them as pages free up.
+ * Every answer equals duet-generate's, every page is back at the end, and the router counts the
+ * suspensions and resumes (> 0: the load did run out of pages).
+ */
+static void suspend_under_pressure_body(void)
+{
+    enum { N = 10 };
+    static const int lens[N] = {10, 150, 20, 200, 120, 15, 180, 90, 220, 60};
+    static job_t jobs[N];
+    gen_pages = 48;
+    start_cluster(1, 1);
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, lens[i], 200 + (i * 37) % 150);
+        jobs[i].stream = i % 2 == 0;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    const double sus0 = metric("duet_gen_suspended_total");
+    const double res0 = metric("duet_gen_resumed_total");
+    cr_assert(sus0 >= 0 && res0 >= 0, "the router exports the suspension counters");
+    pthread_t th[N];
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++)
+        check_job(&jobs[i], i);
+    wait_idle(2, 15000);
+    usleep(300000); /* a heartbeat after the last step carries the final counts */
+    const double sus = metric("duet_gen_suspended_total") - sus0;
+    const double res = metric("duet_gen_resumed_total") - res0;
+    cr_expect_gt(sus, 0, "the load should have run the pool out of pages");
+    cr_expect_eq(sus, res, "every suspended request resumed (%g suspensions, %g resumes)", sus,
+                 res);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    stop_all();
+    gen_pages = GEN_PAGES;
+}
+
+Test(cluster, suspend_under_page_pressure_equal_duet_generate, .timeout = 300)
+{
+    suspend_under_pressure_body();
+}
+
 Test(cluster, client_cancel_frees_pages_on_both_workers, .timeout = 120)
 {
     client_cancel_body();
@@ -986,6 +1042,14 @@ Test(cluster_spec, client_cancel_frees_pages_on_both_workers, .timeout = 120)
 {
     speculate("ngram", "4");
     client_cancel_body();
+}
+
+/* With drafts and the draft model: a verify's rows grow the sequence by up to k + 1 at once, a
+ * suspension folds the accepted rows in first, and the drafter's sequence stays open meanwhile. */
+Test(cluster_spec, suspend_under_page_pressure_equal_duet_generate, .timeout = 300)
+{
+    speculate("draft", "4");
+    suspend_under_pressure_body();
 }
 
 Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout = 180)

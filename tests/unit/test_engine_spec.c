@@ -959,6 +959,99 @@ Test(engine_spec, state_restore_rollback_equals_never_running_the_tokens, .timeo
     free_cases(cs, n);
 }
 
+/* ---- suspend and resume ---------------------------------------------------------------------- */
+
+/*
+ * A generation worker out of pages suspends a request: snapshot (replay-only commit, KV pages and
+ * KDA state to a host buffer), close, and later open, restore, continue. Reference: the same
+ * tokens in a sequence never suspended. The suspended sequence is opened small and grown page by
+ * page (duet_model_seq_grow) as a worker grows it, and restored into other pages than it had. Half
+ * the trials suspend right after an accepted verify, with rows not yet folded into the KDA state
+ * (the snapshot's commit folds them; the reference folds them at its next forward). Bound: 0.
+ */
+Test(engine_spec, suspend_resume_equals_never_suspending, .timeout = 600)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    int with_replay = 0;
+    for (int c = 0; c < n; c++) {
+        duet_model_t *m = load_spec(cs[c].dir, SPEC_ROWS);
+        duet_kv_pool_t *kv = duet_model_kv_pool(m);
+        const int64_t free0 = kv != NULL ? duet_kv_pool_n_free(kv) : 0;
+        const int64_t V = duet_model_config(m)->vocab_size, P = 21, CONT = 6;
+        float *lg = malloc(sizeof(float) * (size_t)(P * V));
+        float *la = malloc(sizeof(float) * (size_t)(CONT * V));
+        float *lb = malloc(sizeof(float) * (size_t)(CONT * V));
+        for (int trial = 0; trial < 4; trial++) {
+            int32_t toks[P], drafts[KMAX + 1], cont[CONT];
+            for (int64_t i = 0; i < P; i++)
+                toks[i] = (int32_t)(rng_u32() % (uint32_t)V);
+            for (int j = 0; j <= KMAX; j++)
+                drafts[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            for (int j = 0; j < CONT; j++)
+                cont[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            const int verify = trial % 2 == 0;
+            const int64_t keep = 1 + rng_u32() % KMAX;
+            duet_seq_t a, s, r, hole;
+            cr_assert_eq(duet_model_seq_open(m, P + 64, &a), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(m, P, &s), DUET_OK, "%s", duet_error_last());
+            step(m, &a, toks, P, 0, lg);
+            step(m, &s, toks, P, 0, lg);
+            if (verify) { /* a verify of KMAX drafts, `keep` rows kept: n_replay = keep */
+                cr_assert_eq(duet_model_seq_grow(m, &s, P + KMAX + 1), DUET_OK, "%s",
+                             duet_error_last());
+                step(m, &a, drafts, KMAX + 1, 1, lg);
+                step(m, &s, drafts, KMAX + 1, 1, lg);
+                cr_assert_eq(duet_model_seq_accept(m, &a, keep), DUET_OK);
+                cr_assert_eq(duet_model_seq_accept(m, &s, keep), DUET_OK);
+                with_replay += s.n_replay > 0;
+            }
+            const int64_t held = s.n_tokens;
+            const size_t bytes = duet_model_seq_snapshot_bytes(m, held);
+            uint8_t *snap = malloc(bytes > 0 ? bytes : 1);
+            cr_assert_eq(duet_model_seq_snapshot_save(m, &s, snap), DUET_OK, "%s",
+                         duet_error_last());
+            cr_assert_eq(s.n_replay, 0, "%s: the snapshot folded the accepted rows in", cs[c].name);
+            duet_model_seq_close(m, &s);
+            /* another sequence takes the freed pages, so the resumed one gets other pages */
+            cr_assert_eq(duet_model_seq_open(m, P, &hole), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(m, held + 1, &r), DUET_OK, "%s", duet_error_last());
+            cr_assert_eq(duet_model_seq_snapshot_restore(m, &r, snap, held), DUET_OK, "%s",
+                         duet_error_last());
+            free(snap);
+            cr_assert(r.n_tokens == held && r.n_pending == 0 && r.n_replay == 0);
+            cr_assert(kv_equal(m, &r, &a, held), "%s trial %d: restored KV differs", cs[c].name,
+                      trial);
+            /* the continuation one token per step, the suspended one growing as it goes */
+            for (int64_t j = 0; j < CONT; j++) {
+                cr_assert_eq(duet_model_seq_grow(m, &r, r.n_tokens + 1), DUET_OK, "%s",
+                             duet_error_last());
+                step(m, &a, &cont[j], 1, 0, la + j * V);
+                step(m, &r, &cont[j], 1, 0, lb + j * V);
+            }
+            cr_assert(memcmp(la, lb, sizeof(float) * (size_t)(CONT * V)) == 0,
+                      "%s trial %d (%s): logits after the resume differ from never suspending",
+                      cs[c].name, trial, verify ? "unreplayed rows" : "plain");
+            cr_assert(kda_equal(m, &r, &a) && kv_equal(m, &r, &a, a.n_tokens),
+                      "%s trial %d: caches after the resume differ", cs[c].name, trial);
+            duet_model_seq_close(m, &a);
+            duet_model_seq_close(m, &r);
+            duet_model_seq_close(m, &hole);
+        }
+        if (kv != NULL)
+            cr_assert_eq(duet_kv_pool_n_free(kv), free0, "%s: every page back", cs[c].name);
+        printf("spec %-30s suspend (snapshot, close) and resume (open, restore, grow): logits and "
+               "caches bit-identical to never suspending\n",
+               cs[c].name);
+        free(lg);
+        free(la);
+        free(lb);
+        duet_model_free(m);
+    }
+    cr_assert_geq(with_replay, 2, "expected snapshots taken with unreplayed rows (KDA models)");
+    free_cases(cs, n);
+}
+
 /* ---- refusals -------------------------------------------------------------------------------- */
 
 static void expect_err(duet_status_t got, duet_status_t want, const char *needle, const char *what)
@@ -1121,5 +1214,62 @@ Test(engine_spec, bad_spec_rows_are_refused_at_load, .timeout = 120)
         expect_err(duet_model_load(cs[0].dir, &opts, &m), cases[i].want, cases[i].needle, what);
         cr_expect_null(m);
     }
+    free_cases(cs, n);
+}
+
+/* Growing and snapshots refuse what they cannot do, changing nothing. */
+Test(engine_spec, grow_and_snapshot_refusals, .timeout = 120)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    duet_model_opts_t opts; /* the demo model (KDA and MLA) with a pool of 4 pages */
+    duet_model_opts_default(&opts);
+    opts.n_threads = 2;
+    opts.max_seqs = 4;
+    opts.max_seq_len = 640;
+    opts.page_tokens = 16;
+    opts.kv_pages = 4;
+    opts.spec_rows = SPEC_ROWS;
+    duet_model_t *m = NULL;
+    cr_assert_eq(duet_model_load(cs[n - 1].dir, &opts, &m), DUET_OK, "%s", duet_error_last());
+    duet_kv_pool_t *kv = duet_model_kv_pool(m);
+    cr_assert_not_null(kv);
+    const int64_t V = duet_model_config(m)->vocab_size;
+    float *lg = malloc(sizeof(float) * (size_t)(SPEC_ROWS * V));
+    int32_t toks[SPEC_ROWS] = {1, 2, 3, 4, 5};
+    duet_seq_t s, t, closed = {.id = -1};
+    cr_assert_eq(duet_model_seq_open(m, 16, &s), DUET_OK);
+    expect_err(duet_model_seq_grow(m, &s, 641), DUET_ERR_RANGE, "at most 640", "grow past max");
+    expect_err(duet_model_seq_grow(m, &closed, 32), DUET_ERR_INVALID, "not an open", "grow closed");
+    /* take every free page but one, then ask for two more */
+    const int64_t left = duet_kv_pool_n_free(kv);
+    cr_assert_eq(duet_model_seq_open(m, (left - 1) * 16, &t), DUET_OK, "%s", duet_error_last());
+    expect_err(duet_model_seq_grow(m, &s, 48), DUET_ERR_NO_SPACE, "pages wanted", "grow, no room");
+    cr_assert(s.n_pages == 1 && s.cap_tokens == 16 && duet_kv_pool_n_free(kv) == 1,
+              "a refused grow changes nothing");
+    cr_assert_eq(duet_model_seq_grow(m, &s, 32), DUET_OK, "%s", duet_error_last());
+    cr_assert(s.n_pages == 2 && s.cap_tokens == 32 && duet_kv_pool_n_free(kv) == 0);
+    /* a snapshot of a sequence with verify rows pending is refused */
+    step(m, &s, toks, SPEC_ROWS, 1, lg);
+    uint8_t *snap = malloc(duet_model_seq_snapshot_bytes(m, 32));
+    expect_err(duet_model_seq_snapshot_save(m, &s, snap), DUET_ERR_INVALID, "accept them",
+               "snapshot with pending rows");
+    expect_err(duet_model_seq_snapshot_save(m, &closed, snap), DUET_ERR_INVALID, "not an open",
+               "snapshot of a closed sequence");
+    cr_assert_eq(duet_model_seq_accept(m, &s, 2), DUET_OK);
+    cr_assert_eq(duet_model_seq_snapshot_save(m, &s, snap), DUET_OK, "%s", duet_error_last());
+    /* restoring into a sequence that holds tokens, or past its capacity, is refused */
+    expect_err(duet_model_seq_snapshot_restore(m, &s, snap, 2), DUET_ERR_RANGE, "holding 2",
+               "restore into a non-empty sequence");
+    duet_model_seq_close(m, &t);
+    cr_assert_eq(duet_model_seq_open(m, 16, &t), DUET_OK);
+    expect_err(duet_model_seq_snapshot_restore(m, &t, snap, 17), DUET_ERR_RANGE, "capacity 16",
+               "restore past the capacity");
+    cr_assert_eq(t.n_tokens, 0);
+    free(snap);
+    free(lg);
+    duet_model_seq_close(m, &s);
+    duet_model_seq_close(m, &t);
+    duet_model_free(m);
     free_cases(cs, n);
 }
