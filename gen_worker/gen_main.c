@@ -710,10 +710,12 @@ static duet_status_t gen_cache_plan(duet_worker_t *w, duet_model_opts_t *mo)
         (st = duet_model_config_load(g.so.draft_model, &dc)) != DUET_OK) {
         char why[400];
         snprintf(why, sizeof(why), "%s", duet_error_last());
-        return duet_error_set(st, "spec.draft_model %s: %s", g.so.draft_model, why);
+        st = duet_error_set(st, "spec.draft_model %s: %s", g.so.draft_model, why);
     }
+    /* an unreadable config.json: the model's load reports it (exit 1, as it always did);
+     * only --print-cache-plan, which loads nothing, fails here */
     if (st != DUET_OK)
-        return st;
+        return duet_config_get_bool(w->cfg, "print_cache_plan") ? st : DUET_OK;
     duet_cache_plan_in_t in;
     duet_cache_plan_inputs(
         &tc, mo, g.so.method == DUET_SPEC_DRAFT ? &dc : NULL, &g.so,
