@@ -119,14 +119,14 @@ struct duet_replay_pool {
     duet__slab_t slab; /* blocks addressed by KDA slot: no ids of its own */
 };
 
-static duet_kv_layout_t duet__kv_layout(const duet_kv_pool_desc_t *d)
+duet_kv_layout_t duet_kv_pool_desc_layout(const duet_kv_pool_desc_t *d)
 {
     return (duet_kv_layout_t){.page_tokens = (uint64_t)d->page_tokens,
                               .n_layers = (uint64_t)d->n_layers,
                               .token_bytes = (uint64_t)d->token_dim * duet_dtype_size(d->dtype)};
 }
 
-static duet_kda_layout_t duet__kda_layout(const duet_kda_pool_desc_t *d)
+duet_kda_layout_t duet_kda_pool_desc_layout(const duet_kda_pool_desc_t *d)
 {
     return (duet_kda_layout_t){.n_layers = (uint64_t)d->n_layers,
                                .heads = (uint64_t)d->heads,
@@ -138,7 +138,7 @@ static duet_kda_layout_t duet__kda_layout(const duet_kda_pool_desc_t *d)
 /* SIZE_MAX when the layout's sizes overflow (the allocation then fails). */
 size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
 {
-    duet_kv_layout_t l = duet__kv_layout(desc);
+    duet_kv_layout_t l = duet_kv_pool_desc_layout(desc);
     uint64_t block, r;
     if (!duet_kv_layout_block_bytes(&l, &block) ||
         !duet__layout_mul(block, (uint64_t)desc->n_pages, &r) ||
@@ -150,7 +150,7 @@ size_t duet_kv_pool_bytes_needed(const duet_kv_pool_desc_t *desc)
 
 size_t duet_kda_pool_bytes_needed(const duet_kda_pool_desc_t *desc)
 {
-    duet_kda_layout_t l = duet__kda_layout(desc);
+    duet_kda_layout_t l = duet_kda_pool_desc_layout(desc);
     uint64_t slot, r;
     if (!duet_kda_layout_slot_bytes(&l, &slot) ||
         !duet__layout_mul(slot, (uint64_t)desc->n_slots, &r) || r > SIZE_MAX)
@@ -176,7 +176,7 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     if (pool == NULL)
         goto err_nomem;
     pool->desc = *desc;
-    pool->layout = duet__kv_layout(desc);
+    pool->layout = duet_kv_pool_desc_layout(desc);
     uint64_t block = 0;
     (void)duet_kv_layout_block_bytes(&pool->layout, &block); /* bounded by bytes_needed */
     pool->block_bytes = (size_t)block;
@@ -276,7 +276,7 @@ duet_status_t duet_kda_pool_create(const duet_kda_pool_desc_t *desc, duet_kda_po
     if (pool == NULL)
         goto err_nomem;
     pool->desc = *desc;
-    pool->layout = duet__kda_layout(desc);
+    pool->layout = duet_kda_pool_desc_layout(desc);
     uint64_t layer = 0;
     (void)duet_kda_layout_layer_bytes(&pool->layout, &layer); /* bounded by bytes_needed */
     pool->layer_bytes = (size_t)layer;
@@ -370,7 +370,7 @@ duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool)
     return pool->layout;
 }
 
-static duet_replay_layout_t duet__replay_layout(const duet_replay_pool_desc_t *d)
+duet_replay_layout_t duet_replay_pool_desc_layout(const duet_replay_pool_desc_t *d)
 {
     return (duet_replay_layout_t){.n_layers = (uint64_t)d->n_layers,
                                   .heads = (uint64_t)d->heads,
@@ -381,7 +381,7 @@ static duet_replay_layout_t duet__replay_layout(const duet_replay_pool_desc_t *d
 
 size_t duet_replay_pool_bytes_needed(const duet_replay_pool_desc_t *desc)
 {
-    duet_replay_layout_t l = duet__replay_layout(desc);
+    duet_replay_layout_t l = duet_replay_pool_desc_layout(desc);
     uint64_t slot, r;
     if (!duet_replay_layout_slot_bytes(&l, &slot) ||
         !duet__layout_mul(slot, (uint64_t)desc->n_slots, &r) || r > SIZE_MAX)
@@ -408,7 +408,7 @@ duet_status_t duet_replay_pool_create(const duet_replay_pool_desc_t *desc,
     if (pool == NULL)
         goto err_nomem;
     pool->desc = *desc;
-    pool->layout = duet__replay_layout(desc);
+    pool->layout = duet_replay_pool_desc_layout(desc);
     if (duet__slab_init(&pool->slab, bytes, NULL, 0))
         goto err_free_pool;
     *pool_p = pool;

@@ -53,6 +53,8 @@ size_t duet_kv_pool_block_bytes(const duet_kv_pool_t *pool);
 void *duet_kv_pool_block(const duet_kv_pool_t *pool, int32_t page, int64_t layer);
 /* The pool's layout (common/cache_layout.h). */
 duet_kv_layout_t duet_kv_pool_layout(const duet_kv_pool_t *pool);
+/* The layout a pool made from desc has, without making it (the cache plan sizes pools from it). */
+duet_kv_layout_t duet_kv_pool_desc_layout(const duet_kv_pool_desc_t *desc);
 /* Zero every layer of pages[0..n) (a fresh sequence's pages, so a cache dump is deterministic). */
 void duet_kv_pool_zero_pages(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
 
@@ -85,6 +87,8 @@ float *duet_kda_pool_state(const duet_kda_pool_t *pool, int32_t slot, int64_t la
 float *duet_kda_pool_conv(const duet_kda_pool_t *pool, int32_t slot, int64_t layer);
 /* The pool's layout (common/cache_layout.h). */
 duet_kda_layout_t duet_kda_pool_layout(const duet_kda_pool_t *pool);
+/* The layout a pool made from desc has, without making it. */
+duet_kda_layout_t duet_kda_pool_desc_layout(const duet_kda_pool_desc_t *desc);
 
 /*
  * The KDA replay pool (speculative decoding): per KDA state slot and KDA layer, `rows` rows of
@@ -117,5 +121,7 @@ float *duet_replay_pool_row(const duet_replay_pool_t *pool, int32_t slot, int64_
                             int64_t row);
 /* The pool's layout (common/cache_layout.h). */
 duet_replay_layout_t duet_replay_pool_layout(const duet_replay_pool_t *pool);
+/* The layout a pool made from desc has, without making it. */
+duet_replay_layout_t duet_replay_pool_desc_layout(const duet_replay_pool_desc_t *desc);
 
 #endif

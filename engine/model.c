@@ -196,6 +196,34 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
     return DUET_OK;
 }
 
+void duet_model_pool_descs(const duet_model_config_t *c, const duet_model_opts_t *opts,
+                           duet_kv_pool_desc_t *kv, duet_kda_pool_desc_t *kda,
+                           duet_replay_pool_desc_t *replay)
+{
+    const int64_t pages_per_seq = (opts->max_seq_len + opts->page_tokens - 1) / opts->page_tokens;
+    *kv = (duet_kv_pool_desc_t){
+        .page_tokens = opts->page_tokens,
+        .n_pages = opts->kv_pages > 0 ? opts->kv_pages : opts->max_seqs * pages_per_seq,
+        .n_layers = c->n_mla_layers,
+        .token_dim = c->kv_lora_rank + c->qk_rope_head_dim,
+        .dtype = opts->kv_dtype,
+    };
+    *kda = (duet_kda_pool_desc_t){
+        .n_slots = opts->max_seqs,
+        .n_layers = c->n_kda_layers,
+        .heads = c->kda_heads,
+        .head_dim = c->kda_head_dim,
+        .conv_kernel = c->conv_kernel,
+    };
+    *replay = (duet_replay_pool_desc_t){
+        .n_slots = opts->max_seqs,
+        .n_layers = opts->spec_rows > 0 ? c->n_kda_layers : 0,
+        .heads = c->kda_heads,
+        .head_dim = c->kda_head_dim,
+        .rows = opts->spec_rows,
+    };
+}
+
 /* Pools, sequence table and the backend, once m->cfg, m->opts (compute dtype resolved) and, for a
  * checkpoint, m->w are set. from_checkpoint == 0: random device weights from `seed`. */
 static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, uint64_t seed)
@@ -209,14 +237,11 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         m->layer_sub[l] = c->mixer[l] == DUET_MIXER_KDA ? n_kda++ : n_mla++;
 
     m->max_pages_per_seq = (opts.max_seq_len + opts.page_tokens - 1) / opts.page_tokens;
+    duet_kv_pool_desc_t kd;
+    duet_kda_pool_desc_t sd;
+    duet_replay_pool_desc_t rd;
+    duet_model_pool_descs(c, &opts, &kd, &sd, &rd);
     if (n_mla > 0) {
-        duet_kv_pool_desc_t kd = {
-            .page_tokens = opts.page_tokens,
-            .n_pages = opts.kv_pages > 0 ? opts.kv_pages : opts.max_seqs * m->max_pages_per_seq,
-            .n_layers = n_mla,
-            .token_dim = c->kv_lora_rank + c->qk_rope_head_dim,
-            .dtype = opts.kv_dtype,
-        };
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kv_pool_bytes_needed(&kd);
             kd.mem = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KV, bytes);
@@ -228,13 +253,6 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
             return st;
     }
     if (n_kda > 0) {
-        duet_kda_pool_desc_t sd = {
-            .n_slots = opts.max_seqs,
-            .n_layers = n_kda,
-            .heads = c->kda_heads,
-            .head_dim = c->kda_head_dim,
-            .conv_kernel = c->conv_kernel,
-        };
         if (opts.pool_alloc != NULL) {
             size_t bytes = duet_kda_pool_bytes_needed(&sd);
             sd.mem = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_KDA, bytes);
@@ -244,15 +262,8 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         }
         if ((st = duet_kda_pool_create(&sd, &m->kda)) != DUET_OK)
             return st;
-        if (opts.spec_rows > 0) {
-            const duet_replay_pool_desc_t rd = {.n_slots = opts.max_seqs,
-                                                .n_layers = n_kda,
-                                                .heads = c->kda_heads,
-                                                .head_dim = c->kda_head_dim,
-                                                .rows = opts.spec_rows};
-            if ((st = duet_replay_pool_create(&rd, &m->replay)) != DUET_OK)
-                return st;
-        }
+        if (rd.n_layers > 0 && (st = duet_replay_pool_create(&rd, &m->replay)) != DUET_OK)
+            return st;
     }
     m->page_table = calloc((size_t)(opts.max_seqs * m->max_pages_per_seq), sizeof(int32_t));
     m->seq_used = calloc((size_t)opts.max_seqs, 1);

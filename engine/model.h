@@ -141,6 +141,17 @@ duet_status_t duet_model_dtype_resolve(duet_device_kind_t dev, duet_dtype_t ckpt
 void duet_model_opts_default(duet_model_opts_t *opts);
 
 /*
+ * The descriptors of the cache pools a model of config c loads with under opts (mem NULL): the
+ * one place that says which pools a model has and how large they are, for the load and for
+ * whoever sizes pools before loading (engine/cache_plan.h). A pool the model does not have gets
+ * n_layers 0 (no MLA layers: no KV pool; no KDA layers: no state or replay pool; spec_rows 0: no
+ * replay pool). Pure; opts are not validated here.
+ */
+void duet_model_pool_descs(const duet_model_config_t *c, const duet_model_opts_t *opts,
+                           duet_kv_pool_desc_t *kv, duet_kda_pool_desc_t *kda,
+                           duet_replay_pool_desc_t *replay);
+
+/*
  * Load checkpoint folder `dir` (config.json + safetensors), validate it, bind the weights,
  * resolve the compute dtype (opts->dtype and the checkpoint's dtype, duet_model_dtype_resolve;
  * logged), create the backend and the cache pools. Errors carry a detail naming the file/tensor.

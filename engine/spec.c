@@ -153,6 +153,9 @@ duet_status_t duet_spec_opts_validate(const duet_spec_opts_t *o)
         return duet_error_set(DUET_ERR_INVALID,
                               "spec.method draft needs spec.draft_model (the draft checkpoint's "
                               "folder)");
+    if (o->method == DUET_SPEC_DRAFT && o->draft_kv_pages < 0)
+        return duet_error_set(DUET_ERR_RANGE, "draft KV pages: %lld (need >= 0)",
+                              (long long)o->draft_kv_pages);
     if (o->method == DUET_SPEC_DRAFT && o->draft_page_tokens < 1)
         return duet_error_set(DUET_ERR_RANGE, "cache.draft_page_tokens: %lld (need >= 1)",
                               (long long)o->draft_page_tokens);
@@ -190,6 +193,25 @@ void duet_spec_destroy(duet_spec_t *sp)
     free(sp);
 }
 
+void duet_spec_draft_opts(const duet_spec_opts_t *o, const duet_model_opts_t *to,
+                          duet_model_opts_t *dopts)
+{
+    duet_model_opts_default(dopts);
+    dopts->device = DUET_DEVICE_CPU;
+    dopts->n_threads = to->n_threads;
+    dopts->max_seqs = to->max_seqs;
+    dopts->max_seq_len = to->max_seq_len + o->k + 1;
+    dopts->page_tokens = o->draft_page_tokens;
+    dopts->kv_pages = o->draft_kv_pages;
+    /* whole catch-up items (up to DUET_SPEC_CATCHUP_ROWS rows) and a draft step of every
+     * sequence must fit one forward */
+    dopts->max_batch_tokens = to->max_batch_tokens;
+    if (dopts->max_batch_tokens < DUET_SPEC_CATCHUP_ROWS)
+        dopts->max_batch_tokens = DUET_SPEC_CATCHUP_ROWS;
+    if (dopts->max_batch_tokens < to->max_seqs)
+        dopts->max_batch_tokens = to->max_seqs;
+}
+
 duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, duet_spec_t **sp_p)
 {
     duet_status_t st = duet_spec_opts_validate(o);
@@ -216,19 +238,7 @@ duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, 
     }
     if (o->method == DUET_SPEC_DRAFT) {
         duet_model_opts_t dopts;
-        duet_model_opts_default(&dopts);
-        dopts.device = DUET_DEVICE_CPU;
-        dopts.n_threads = to->n_threads;
-        dopts.max_seqs = to->max_seqs;
-        dopts.max_seq_len = to->max_seq_len + o->k + 1;
-        dopts.page_tokens = o->draft_page_tokens;
-        /* whole catch-up items (up to DUET_SPEC_CATCHUP_ROWS rows) and a draft step of every
-         * sequence must fit one forward */
-        dopts.max_batch_tokens = to->max_batch_tokens;
-        if (dopts.max_batch_tokens < DUET_SPEC_CATCHUP_ROWS)
-            dopts.max_batch_tokens = DUET_SPEC_CATCHUP_ROWS;
-        if (dopts.max_batch_tokens < to->max_seqs)
-            dopts.max_batch_tokens = to->max_seqs;
+        duet_spec_draft_opts(o, to, &dopts);
         if ((st = duet_model_load(o->draft_model, &dopts, &sp->draft)) != DUET_OK) {
             duet_spec_destroy(sp);
             return st;

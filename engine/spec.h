@@ -75,6 +75,9 @@ typedef struct {
     int ngram_min, ngram_max;  /* NGRAM: match lengths tried, longest first (default 1..3) */
     const char *draft_model;   /* DRAFT: the draft checkpoint's folder (not owned) */
     int64_t draft_page_tokens; /* DRAFT: its KV page size in tokens (default 32) */
+    int64_t draft_kv_pages;    /* DRAFT: its KV pool's pages (0 = max_seqs * ceil((max_seq_len
+                                  + k + 1) / draft_page_tokens); duet-gen passes its cache
+                                  plan's, engine/cache_plan.h) */
 } duet_spec_opts_t;
 
 /* The defaults above. */
@@ -140,14 +143,20 @@ int64_t duet_spec_target_rows(const duet_spec_opts_t *o);
 
 typedef struct duet_spec duet_spec_t;
 
+/* The options duet_spec_create loads a DRAFT model with, beside a target loaded with `to`: CPU,
+ * the target's threads and max_seqs, max_seq_len + k + 1 tokens per sequence, draft_page_tokens
+ * and draft_kv_pages, room for whole catch-up items in one forward. */
+void duet_spec_draft_opts(const duet_spec_opts_t *o, const duet_model_opts_t *to,
+                          duet_model_opts_t *dopts);
+
 /*
  * The speculative decoder of `target` (loaded with spec_rows >= k + 1; it must outlive the
  * decoder): for DRAFT it loads o->draft_model on the CPU with as many sequences as the target
- * and max_seq_len + k tokens each (plain decode: no verify rows), and refuses one whose
- * vocabulary differs from the target's. Its layers may be any mix of KDA and MLA layers: a draft
- * sequence is rolled back past rejected drafts with duet_model_seq_truncate, its KDA state from a
- * copy taken before the drafts (duet_spec_propose). Errors: duet_spec_opts_validate's, the draft
- * model's load errors, DUET_ERR_UNSUPPORTED, NOMEM.
+ * and max_seq_len + k tokens each (plain decode: no verify rows) and o->draft_kv_pages KV pages,
+ * and refuses one whose vocabulary differs from the target's. Its layers may be any mix of KDA and
+ * MLA layers: a draft sequence is rolled back past rejected drafts with duet_model_seq_truncate,
+ * its KDA state from a copy taken before the drafts (duet_spec_propose). Errors:
+ * duet_spec_opts_validate's, the draft model's load errors, DUET_ERR_UNSUPPORTED, NOMEM.
  */
 duet_status_t duet_spec_create(const duet_spec_opts_t *o, duet_model_t *target, duet_spec_t **sp_p);
 void duet_spec_destroy(duet_spec_t *sp); /* accepts NULL */

@@ -53,6 +53,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "engine/cache_plan.h"
 #include "engine/spec.h"
 #include "proto/envelope.h"
 #include "worker/skeleton.h"
@@ -79,6 +80,19 @@ static const duet_config_key_t gen_keys[] = {
      "when speculating)",
      .min = "0", .max = "65536"},
     DUET_SPEC_CONFIG_KEYS,
+    {"cache.budget_gib", DUET_CONFIG_FLOAT, "0",
+     "cache memory in GiB for the target's and the draft model's KV pools and KDA state / replay "
+     "slots (0 = what cache.kv_pages implies); split as docs/architecture.md, \"The cache plan\", "
+     "says; sets cache.kv_pages",
+     .min = "0", .max = "1048576"},
+    {"cache.draft_kv_budget_gib", DUET_CONFIG_FLOAT, "0",
+     "the most GiB of the budget the draft model's KV pool takes (0 = no cap; never below its "
+     "floor: batch.max_seqs requests at cache.max_seq_len + spec.k tokens); the excess goes to the "
+     "target's pool",
+     .min = "0", .max = "1048576"},
+    {"print_cache_plan", DUET_CONFIG_BOOL, "false",
+     "print the cache plan (pools, pages, bytes) as JSON and exit, without a router or weights",
+     .min = NULL},
 };
 
 typedef enum {
@@ -124,6 +138,7 @@ static struct {
     /* Heartbeat 11-13: verify steps by tokens emitted; drafts proposed / kept per position */
     uint64_t spec_step_tokens[DUET_SPEC_MAX_K + 1];
     uint64_t spec_drafted[DUET_SPEC_MAX_K], spec_accepted[DUET_SPEC_MAX_K];
+    duet_cache_plan_t plan; /* how the cache budget was split (gen_cache_plan) */
 } g;
 
 static gr_t *gr_at(const duet_worker_t *w, int64_t i)
@@ -849,6 +864,50 @@ static void gen_tick(duet_worker_t *w)
 
 /* ------------------------------------------------------------------------------ the role */
 
+/*
+ * The cache plan (engine/cache_plan.h) from the model configs, before anything loads: the target's
+ * KV pages go into mo, the draft model's into g.so (duet_spec_create loads it with them).
+ */
+static duet_status_t gen_cache_plan(duet_worker_t *w, duet_model_opts_t *mo)
+{
+    duet_model_config_t tc, dc;
+    const char *dir = duet_config_get_string(w->cfg, "model.dir");
+    duet_status_t st = duet_model_config_load(dir, &tc);
+    if (st == DUET_OK && g.so.method == DUET_SPEC_DRAFT &&
+        (st = duet_model_config_load(g.so.draft_model, &dc)) != DUET_OK) {
+        char why[400];
+        snprintf(why, sizeof(why), "%s", duet_error_last());
+        st = duet_error_set(st, "spec.draft_model %s: %s", g.so.draft_model, why);
+    }
+    /* an unreadable config.json: the model's load reports it (exit 1, as it always did);
+     * only --print-cache-plan, which loads nothing, fails here */
+    if (st != DUET_OK)
+        return duet_config_get_bool(w->cfg, "print_cache_plan") ? st : DUET_OK;
+    duet_cache_plan_in_t in;
+    duet_cache_plan_inputs(
+        &tc, mo, g.so.method == DUET_SPEC_DRAFT ? &dc : NULL, &g.so,
+        duet_cache_plan_gib_bytes(duet_config_get_float(w->cfg, "cache.budget_gib")),
+        duet_cache_plan_gib_bytes(duet_config_get_float(w->cfg, "cache.draft_kv_budget_gib")), &in);
+    if ((st = duet_cache_plan_compute(&in, &g.plan)) != DUET_OK)
+        return st;
+    const duet_cache_plan_t *p = &g.plan;
+    if (p->target.pages > 0)
+        mo->kv_pages = p->target.pages;
+    g.so.draft_kv_pages = p->draft.pages;
+    DUET_LOG_INFO("cache plan: budget %.3f GiB (%s), KDA state + replay %.3f GiB; target KV %lld "
+                  "pages of %lld tokens (%.3f GiB, %llu bytes per token); draft KV %lld pages of "
+                  "%lld tokens (%.3f GiB, floor %lld pages%s%s)",
+                  (double)p->budget_bytes / 1073741824.0,
+                  p->budget_implied ? "from cache.kv_pages" : "cache.budget_gib",
+                  (double)p->fixed_bytes / 1073741824.0, (long long)p->target.pages,
+                  (long long)p->target.page_tokens, (double)p->target.bytes / 1073741824.0,
+                  (unsigned long long)p->target.token_bytes, (long long)p->draft.pages,
+                  (long long)p->draft.page_tokens, (double)p->draft.bytes / 1073741824.0,
+                  (long long)p->draft.min_pages, p->cap_bound ? ", capped" : "",
+                  p->floor_bound ? ", at its floor" : "");
+    return DUET_OK;
+}
+
 /* The spec.* keys (checked together, naming the key) and the target's verify rows. */
 static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
 {
@@ -857,7 +916,18 @@ static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
         return st;
     /* on a backend without verify rows (cuda) the model's load refuses this, saying why */
     mo->spec_rows = duet_spec_target_rows(&g.so);
-    return DUET_OK;
+    if ((st = gen_cache_plan(w, mo)) != DUET_OK)
+        return st;
+    if (duet_config_get_bool(w->cfg, "print_cache_plan")) {
+        duet_strbuf_t sb;
+        duet_strbuf_init(&sb);
+        if ((st = duet_cache_plan_json(&g.plan, &sb)) == DUET_OK) {
+            printf("%s\n", sb.data);
+            w->exit_now = true;
+        }
+        duet_strbuf_free(&sb);
+    }
+    return st;
 }
 
 static duet_status_t gen_init(duet_worker_t *w)

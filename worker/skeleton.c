@@ -519,6 +519,10 @@ int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
         duet_config_destroy(w.cfg);
         return 2;
     }
+    if (w.exit_now) {
+        duet_config_destroy(w.cfg);
+        return 0;
+    }
     bool owned = false;
     st = w_load(&w, mo, &owned);
     if (st == DUET_OK && (st = ops->init(&w)) != DUET_OK)

@@ -125,7 +125,9 @@ struct duet_worker {
     int64_t budget;    /* batch.max_tokens */
     int64_t max_seqs;
     bool draining, stopping;
-    bool in_step; /* inside duet_model_forward */
+    bool exit_now; /* set by ops->configure: the role did what the command line asked (e.g.
+                      printed something) and the process exits 0 without loading the model */
+    bool in_step;  /* inside duet_model_forward */
     uint64_t arrivals;
     uint64_t prefill_tokens; /* prompt tokens prefilled (Heartbeat) */
     int64_t step_prefill;    /* of the step being planned or run */

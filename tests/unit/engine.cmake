@@ -29,3 +29,8 @@ duet_add_test(test_engine_accept SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_e
 duet_add_test(test_engine_generate SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_generate.c
               ${PROJECT_SOURCE_DIR}/tests/unit/st_writer.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 600)
+# The cache plan (engine/cache_plan.h): a hand-computed table of budgets, caps, floors and page
+# sizes, and duet-gen --print-cache-plan against the pure function on the demo model + drafter.
+duet_add_test(test_engine_cache_plan SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cache_plan.c
+              LIBS duet_engine PkgConfig::JANSSON TIMEOUT 120)
+add_dependencies(test_engine_cache_plan duet-gen)
