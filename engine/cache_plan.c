@@ -74,8 +74,12 @@ duet_status_t duet_cache_plan_compute(const duet_cache_plan_in_t *in, duet_cache
             !duet__layout_add(p.budget_bytes, db, &p.budget_bytes))
             return plan_overflow();
     }
+    /* An implied budget holds whatever target pages cache.kv_pages names, however few: a small
+     * pool is how a worker is made to suspend requests under pressure, and a request that could
+     * never fit it alone is refused at Reserve. A budget given in GiB must hold one request. */
+    const uint64_t t_min = p.budget_implied ? 0 : t->min_bytes;
     uint64_t need;
-    if (!duet__layout_add(p.fixed_bytes, t->min_bytes, &need) ||
+    if (!duet__layout_add(p.fixed_bytes, t_min, &need) ||
         !duet__layout_add(need, d->min_bytes, &need))
         return plan_overflow();
     if (p.budget_bytes < need)
@@ -113,8 +117,8 @@ duet_status_t duet_cache_plan_compute(const duet_cache_plan_in_t *in, duet_cache
             want = d->min_bytes;
             p.floor_bound = true;
         }
-        if (want > p.kv_budget_bytes - t->min_bytes) {
-            want = p.kv_budget_bytes - t->min_bytes;
+        if (want > p.kv_budget_bytes - t_min) {
+            want = p.kv_budget_bytes - t_min;
             p.target_min_bound = true;
         }
         d->pages = (int64_t)(want / d->page_bytes);

@@ -15,7 +15,9 @@
  *  - pages are whole: each pool rounds its bytes down to pages; what the draft's rounding leaves
  *    goes to the target, what the target's leaves is unused.
  * Without a drafter everything after the fixed pools is the target's. A budget too small for the
- * fixed pools, the target's minimum and the draft floor together is an error naming the keys.
+ * fixed pools, the target's minimum and the draft floor together is an error naming the keys
+ * (the target's minimum only for cache.budget_gib: an implied budget holds any cache.kv_pages,
+ * a small pool being how a worker is made to suspend requests).
  *
  * When no budget is given (cache.budget_gib 0) the budget is what the pools would take today:
  * the fixed pools, cache.kv_pages target pages (or its default) and the draft's default pool, so

@@ -147,6 +147,13 @@ Test(cache_plan, too_small_message)
     in.draft.kv_pages = 1;
     cr_assert_eq(duet_cache_plan_compute(&in, &p), DUET_ERR_RANGE);
     cr_expect_not_null(strstr(duet_error_last(), "cache.kv_pages"), "%s", duet_error_last());
+    /* an implied budget below one request's target minimum is the operator's choice (suspend
+     * under pressure): only the draft floor is required */
+    in = base_in(false, false);
+    in.budget_bytes = 0;
+    in.target.kv_pages = 1;
+    cr_expect_eq(duet_cache_plan_compute(&in, &p), DUET_OK, "%s", duet_error_last());
+    cr_expect_eq(p.target.pages, 1);
 }
 
 Test(cache_plan, bad_inputs)
