@@ -2,8 +2,8 @@
 # top-level CMakeLists.txt after bench/, so that every binary target is defined by then.
 set(DUET_HELP_TARGETS duet duet-router duetctl duet-ctx duet-gen duet-generate duet-http-echo
     duet-test-worker duet-bench duet-bench-kernels duet-bench-xfer bench_tokenizer duet-xfer-peer
-    duet-bench-gemm-cuda duet-bench-model-cuda duet-bench-launch-floor tokenizer_oracle_driver
-    duet-chat-template)
+    duet-bench-gemm-cuda duet-bench-model-cuda duet-bench-launch-floor duet-bench-suspend
+    tokenizer_oracle_driver duet-chat-template)
 set(DUET_HELP_FILES "")
 set(DUET_HELP_DEPS "")
 foreach(t ${DUET_HELP_TARGETS})
