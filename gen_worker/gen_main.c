@@ -828,6 +828,11 @@ static void gen_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb)
     hb->step_seconds = g.step_seconds;
     hb->suspensions = g.suspensions;
     hb->resumes = g.resumes;
+    hb->cache_budget_bytes = g.plan.budget_bytes;
+    hb->cache_target_pages = (uint64_t)g.plan.target.pages;
+    hb->cache_target_bytes = g.plan.target.bytes;
+    hb->cache_draft_pages = (uint64_t)g.plan.draft.pages;
+    hb->cache_draft_bytes = g.plan.draft.bytes;
     if (g.spec != NULL) { /* positions up to spec.k; the heartbeat is packed before they change */
         hb->n_spec_step_tokens = (size_t)g.so.k + 1;
         hb->spec_step_tokens = g.spec_step_tokens;

@@ -86,8 +86,30 @@ static void ep_live(duet__router_t *rt, duet_http_request_t *http, const rt_endp
     rt_answer_json(http, 200, "{\"status\":\"live\"}");
 }
 
+/* Adds a live generation worker's cache plan into the sums at user (doubles: the figures come
+ * off the wire, and a double sum cannot wrap). */
+static void ep_cache_plan_add(const duet_worker_info_t *w, void *user)
+{
+    double *sum = user;
+    if (w->role != DUET_WORKER_ROLE_GEN || w->state == DUET_WORKER_STATE_DEAD)
+        return;
+    sum[0] += (double)w->cache_plan.budget_bytes;
+    sum[1] += (double)w->cache_plan.target_pages;
+    sum[2] += (double)w->cache_plan.target_bytes;
+    sum[3] += (double)w->cache_plan.draft_pages;
+    sum[4] += (double)w->cache_plan.draft_bytes;
+}
+
 static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
 {
+    /* summed over the live workers at each scrape, so a departed worker's share goes with it */
+    double plans[5] = {0};
+    duet_registry_foreach(rt->reg, ep_cache_plan_add, plans);
+    duet_metrics_gauge_set(rt->m_cache_budget, plans[0]);
+    duet_metrics_gauge_set(rt->m_cache_target_pages, plans[1]);
+    duet_metrics_gauge_set(rt->m_cache_target_bytes, plans[2]);
+    duet_metrics_gauge_set(rt->m_cache_draft_pages, plans[3]);
+    duet_metrics_gauge_set(rt->m_cache_draft_bytes, plans[4]);
     /* the worker gauges are read from the registry when scraped, not kept up to date */
     for (int role = DUET_WORKER_ROLE_CTX; role <= DUET_WORKER_ROLE_GEN; role++)
         for (int s = 0; s < DUET_WORKER_STATE_COUNT; s++) {

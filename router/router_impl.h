@@ -61,6 +61,9 @@ struct duet__router {
     duet_metric_t *m_ttft, *m_tpot, *m_e2e, *m_tok_in, *m_tok_out;
     duet_metric_t *m_gen_steps, *m_gen_seq_steps, *m_gen_tokens, *m_gen_step_s, *m_prefill_tok;
     duet_metric_t *m_gen_suspended, *m_gen_resumed;
+    /* the live gen workers' cache plans, summed when /metrics is scraped (endpoints.c) */
+    duet_metric_t *m_cache_budget, *m_cache_target_pages, *m_cache_target_bytes;
+    duet_metric_t *m_cache_draft_pages, *m_cache_draft_bytes;
     /* speculative decoding: tokens per verify step; drafts proposed / kept by draft position */
     duet_metric_t *m_spec_step_tokens;
     duet_metric_t *m_spec_drafted[DUET_PROTO_SPEC_POSITIONS];

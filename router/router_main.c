@@ -201,6 +201,27 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
             return st;
         *(duet_metric_t **)((char *)rt + wc[i].off) = duet_metrics_single(f);
     }
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } cp[] = {
+        {"duet_gen_cache_budget_bytes",
+         "cache budgets of the live generation workers, summed (their cache plans)",
+         offsetof(duet__router_t, m_cache_budget)},
+        {"duet_gen_cache_target_pages", "target KV pages those plans give, summed",
+         offsetof(duet__router_t, m_cache_target_pages)},
+        {"duet_gen_cache_target_bytes", "bytes of those target KV pools, summed",
+         offsetof(duet__router_t, m_cache_target_bytes)},
+        {"duet_gen_cache_draft_pages", "draft model KV pages those plans give, summed",
+         offsetof(duet__router_t, m_cache_draft_pages)},
+        {"duet_gen_cache_draft_bytes", "bytes of those draft KV pools, summed",
+         offsetof(duet__router_t, m_cache_draft_bytes)},
+    };
+    for (size_t i = 0; i < sizeof(cp) / sizeof(cp[0]); i++) {
+        if ((st = duet_metrics_gauge_new(m, cp[i].name, cp[i].help, NULL, 0, &f)) < 0)
+            return st;
+        *(duet_metric_t **)((char *)rt + cp[i].off) = duet_metrics_single(f);
+    }
     if ((st = rt_spec_metrics_init(rt)) < 0)
         return st;
     if ((st = duet_metrics_gauge_new(m, "duet_router_workers",

@@ -389,6 +389,13 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         w->info.queued = hb->queued;
         w->info.queued_tokens = hb->queued_tokens;
         w->info.last_heartbeat_ms = uv_now(reg->loop);
+        w->info.cache_plan = (duet_worker_cache_plan_t){
+            .budget_bytes = hb->cache_budget_bytes,
+            .target_pages = hb->cache_target_pages,
+            .target_bytes = hb->cache_target_bytes,
+            .draft_pages = hb->cache_draft_pages,
+            .draft_bytes = hb->cache_draft_bytes,
+        };
         duet_worker_stats_t now = {
             .decode_steps = hb->decode_steps,
             .decode_seq_steps = hb->decode_seq_steps,

@@ -65,6 +65,15 @@ typedef struct {
     uint64_t spec_accepted[DUET_PROTO_SPEC_POSITIONS];
 } duet_worker_stats_t;
 
+/* A gen worker's cache plan, as its heartbeats report it (Heartbeat fields 16-20; all 0 until
+ * the first heartbeat, and from a worker without one). The router exports the sums over live
+ * generation workers as gauges. */
+typedef struct {
+    uint64_t budget_bytes;
+    uint64_t target_pages, target_bytes;
+    uint64_t draft_pages, draft_bytes;
+} duet_worker_cache_plan_t;
+
 /* A copy of one worker's state, for callbacks and the query API. */
 typedef struct {
     uint64_t id; /* registry-assigned, 1, 2, ...; never reused */
@@ -84,6 +93,7 @@ typedef struct {
     uint64_t registered_ms;     /* uv_now at registration */
     uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
     duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
+    duet_worker_cache_plan_t cache_plan; /* from the last Heartbeat */
 } duet_worker_info_t;
 
 typedef void (*duet_registry_worker_cb)(const duet_worker_info_t *w, void *user);

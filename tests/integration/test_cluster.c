@@ -16,7 +16,8 @@
  *        with no other context worker it fails with a clear error; no pages leak
  *   gen_killed_fails_its_requests_router_stays_healthy  kill -9 of a generation worker mid-stream:
  *        its requests end with a clear error, the other worker's complete, /health stays 200 and
- *        new requests succeed
+ *        new requests succeed; the router's cache-plan gauges are twice duet-gen
+ *        --print-cache-plan's figures before the kill and once after
  *   perf_gates_on_the_real_cluster  duet-bench against the cluster: a baseline the cluster meets
  *        passes (exit 0; the server-side metrics avg_decoded_tokens_per_iter = 1 and
  *        device_step_time_ms come through the router), an impossible one fails (exit 3)
@@ -95,6 +96,9 @@ static void speculate(const char *method, const char *k)
     spec_k = k;
     worker_device = "cpu"; /* verify rows are CPU-only: cuda refuses speculation at start */
 }
+
+/* gen-0's command line in the last start_cluster, shell-quoted (check_cache_gauges reruns it) */
+static char gen_cmd[4096];
 
 /* placement.local_prefill_tokens: prompts shorter than this are prefilled by the gen worker */
 static int local_below = LOCAL_BELOW;
@@ -376,6 +380,13 @@ static void start_cluster(int n_ctx, int n_gen)
                 argv[at + 5] = DRAFT;
             }
         }
+        if (i == 0) {
+            gen_cmd[0] = '\0';
+            for (size_t a = 0; argv[a] != NULL; a++) {
+                size_t at = strlen(gen_cmd);
+                snprintf(gen_cmd + at, sizeof(gen_cmd) - at, "%s'%s'", a > 0 ? " " : "", argv[a]);
+            }
+        }
         spawn(name, argv);
     }
     cr_assert(wait_workers(n_ctx + n_gen, 30000), "the cluster did not come up (logs in %s)", dir);
@@ -567,6 +578,65 @@ static double metric(const char *name)
     snprintf(pat, sizeof(pat), "\n%s ", name);
     const char *p = strstr(buf, pat);
     return p != NULL ? atof(p + strlen(pat)) : -1;
+}
+
+/* An integer of duet-gen --print-cache-plan's JSON (pool NULL: top level; a null pool: 0). */
+static double plan_figure(json_t *o, const char *pool, const char *key)
+{
+    json_t *p = pool != NULL ? json_object_get(o, pool) : o;
+    if (json_is_null(p))
+        return 0;
+    json_t *v = json_object_get(p, key);
+    cr_assert(json_is_integer(v), "--print-cache-plan: %s.%s missing", pool ? pool : "", key);
+    return (double)json_integer_value(v);
+}
+
+/*
+ * The router's cache-plan gauges are the sums over n_gen live generation workers of the plan
+ * duet-gen --print-cache-plan prints for the same flags (every gen worker of start_cluster has
+ * gen-0's). Waits up to 3 s: the figures come with the workers' heartbeats, and a worker that
+ * died leaves the sums only once the router has noticed.
+ */
+static void check_cache_gauges(int n_gen)
+{
+    static char out[1 << 16];
+    char cmd[sizeof(gen_cmd) + 64];
+    snprintf(cmd, sizeof(cmd), "%s --print-cache-plan 2>/dev/null", gen_cmd);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s\n%s", cmd, out);
+    json_error_t je;
+    json_t *o = json_loads(out, 0, &je);
+    cr_assert_not_null(o, "--print-cache-plan: not JSON: %s (%s)", je.text, out);
+    static const struct {
+        const char *metric, *pool, *key;
+    } g[] = {
+        {"duet_gen_cache_budget_bytes", NULL, "budget_bytes"},
+        {"duet_gen_cache_target_pages", "target", "pages"},
+        {"duet_gen_cache_target_bytes", "target", "bytes"},
+        {"duet_gen_cache_draft_pages", "draft", "pages"},
+        {"duet_gen_cache_draft_bytes", "draft", "bytes"},
+    };
+    enum { NG = sizeof(g) / sizeof(g[0]) };
+    double want[NG], got[NG];
+    for (int i = 0; i < NG; i++)
+        want[i] = n_gen * plan_figure(o, g[i].pool, g[i].key);
+    json_decref(o);
+    cr_assert_gt(want[1], 0, "the plan gives the target pages: %s", out);
+    if (spec_method != NULL && strcmp(spec_method, "draft") == 0)
+        cr_assert_gt(want[3], 0, "the plan gives the drafter pages: %s", out);
+    uint64_t end = now_ms() + 3000;
+    for (;;) {
+        int same = 1;
+        for (int i = 0; i < NG; i++) {
+            got[i] = metric(g[i].metric);
+            same &= got[i] == want[i];
+        }
+        if (same || now_ms() >= end)
+            break;
+        usleep(50000);
+    }
+    for (int i = 0; i < NG; i++)
+        cr_expect_eq(got[i], want[i], "%s: %.0f, want %d x %s%s%s = %.0f", g[i].metric, got[i],
+                     n_gen, g[i].pool ? g[i].pool : "", g[i].pool ? "." : "", g[i].key, want[i]);
 }
 
 static void check_job(const job_t *j, int i)
@@ -881,6 +951,7 @@ static void gen_killed_body(void)
     static job_t jobs[N];
     worker_device = "cpu"; /* the kill must land while the streams are still decoding */
     start_cluster(1, 2);
+    check_cache_gauges(2);
     pthread_t th[N];
     for (int i = 0; i < N; i++) {
         memset(&jobs[i], 0, sizeof(jobs[i]));
@@ -917,6 +988,7 @@ static void gen_killed_body(void)
     cr_expect_gt(failed, 0, "requests on the killed worker failed");
     static char buf[4096];
     cr_expect_eq(http(http_port, "GET", "/health", NULL, buf, sizeof(buf)), 200, "%s", buf);
+    check_cache_gauges(1); /* the dead worker's plan left the sums */
     job_t j = {0};
     prompt_of(&j, 11, 120, 24);
     reference(&j);
