@@ -395,6 +395,12 @@ void duet_model_free(duet_model_t *m)
 
 /* ---- sequences ------------------------------------------------------------------------------ */
 
+/* Pages holding n_tokens tokens (0 without MLA layers). */
+static int64_t duet__kv_pages_of(const duet_model_t *m, int64_t n_tokens)
+{
+    return m->kv != NULL ? (n_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens : 0;
+}
+
 duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p)
 {
     if (max_tokens <= 0 || max_tokens > m->opts.max_seq_len)
@@ -409,10 +415,9 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     if (id < 0)
         return duet_error_set(DUET_ERR_NO_SPACE, "all %lld sequence slots are in use",
                               (long long)m->opts.max_seqs);
-    int64_t n_pages = 0;
+    const int64_t n_pages = duet__kv_pages_of(m, max_tokens);
     int32_t *pages = m->page_table + (int64_t)id * m->max_pages_per_seq;
     if (m->kv != NULL) {
-        n_pages = (max_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens;
         duet_status_t st = duet_kv_pool_alloc(m->kv, n_pages, pages);
         if (st != DUET_OK)
             return st;
@@ -606,7 +611,7 @@ duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_
         seq->cap_tokens = max_tokens;
         return DUET_OK;
     }
-    const int64_t want = (max_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens;
+    const int64_t want = duet__kv_pages_of(m, max_tokens);
     const int64_t add = want - seq->n_pages;
     int32_t *fresh = seq->pages + seq->n_pages; /* the table row has max_pages_per_seq entries */
     duet_status_t st = duet_kv_pool_alloc(m->kv, add, fresh);
@@ -617,12 +622,6 @@ duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_
     seq->n_pages = want;
     seq->cap_tokens = want * m->opts.page_tokens;
     return DUET_OK;
-}
-
-/* Pages holding n_tokens tokens (0 without MLA layers). */
-static int64_t duet__kv_pages_of(const duet_model_t *m, int64_t n_tokens)
-{
-    return m->kv != NULL ? (n_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens : 0;
 }
 
 size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens)
