@@ -35,10 +35,6 @@ static const duet_config_key_t ctx_keys[] = {
      .min = "1", .max = "1048576"},
     {"batch.max_queue", DUET_CONFIG_INT, "256", "prompts waiting for a slot at most", .min = "0",
      .max = "1000000"},
-    {"transfer.checksum", DUET_CONFIG_BOOL, "false",
-     "send an XXH3-64 of each transfer's bytes (the gen worker verifies it; host pools only: "
-     "not with transfer.device_pools moving the GPU's pools)",
-     .min = NULL},
 };
 
 typedef enum {

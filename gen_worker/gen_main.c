@@ -15,12 +15,23 @@
  *              speculating (spec.method), a verify of up to spec.k drafted tokens per step and
  *              1..k+1 tokens streamed
  *   SUSPENDED  out of pages (below): its cache in a host buffer, no pages, no state slot
+ *   PAUSED     a decoding request the router is moving to another generation worker (MovePause):
+ *              out of the batch, its caches as the last step left them, until MoveOut / MoveCancel
+ *   MOVING     its caches are being put into the target's reservation (MoveOut); DONE: Moved(ok)
+ *              and the request is the target's; ABORTED: Moved(failed) and it decodes here again
  *   QUARANTINE a reservation that ended without its data (cancel, deadline, abort): its pages
  *              stay held for cache.quarantine_ms so that a context worker that has not yet seen
  *              the abort cannot put into pages another request already uses (transfer/xfer.h,
  *              "known limit"), then they return to the pool
  * Every end sends exactly one final Tokens (STOP, LENGTH, CANCELLED or ERROR) unless the router
- * ended the request first, and returns the pages (at once, or after the quarantine).
+ * ended the request first, and returns the pages (at once, or after the quarantine). A request
+ * that moved away ends with Moved(ok) instead.
+ *
+ * Moving in (Reserve with a MoveState; docs/architecture.md, "Moving a running request"): the
+ * request is RECEIVING its KV, KDA state and pending replay rows from the source generation
+ * worker; the router's PrefillDone says the source let go, and it decodes on from the MoveState
+ * (produced, next token, RNG state; with speculation the drafter starts from the prompt and the
+ * generated ids).
  *
  * Pages under pressure (cache.suspend, on by default on the CPU; docs/architecture.md, "Suspend
  * and resume"): a request's sequence holds pages for its tokens plus one step's growth and grows
@@ -60,6 +71,8 @@
 
 _Static_assert(DUET_SPEC_MAX_K <= DUET_PROTO_SPEC_POSITIONS,
                "the heartbeat's speculation counters must cover every draft position");
+_Static_assert(sizeof(duet_rng_t) == DUET_PROTO_RNG_WORDS * sizeof(uint64_t),
+               "MoveState.rng must carry the whole RNG state");
 
 static const duet_config_key_t gen_keys[] = {
     DUET_WORKER_CONFIG_KEYS,
@@ -93,6 +106,10 @@ static const duet_config_key_t gen_keys[] = {
     {"print_cache_plan", DUET_CONFIG_BOOL, "false",
      "print the cache plan (pools, pages, bytes) as JSON and exit, without a router or weights",
      .min = NULL},
+    {"test.move_hold_ms", DUET_CONFIG_INT, "0",
+     "fault injection for tests: a request moving off this worker waits this long after its "
+     "transfer started before any byte is put (0 = none)",
+     .min = "0", .max = "600000"},
 };
 
 typedef enum {
@@ -102,6 +119,8 @@ typedef enum {
     GR_DECODE,
     GR_SUSPENDED,
     GR_QUARANTINE,
+    GR_PAUSED,
+    GR_MOVING,
 } gr_phase_t;
 
 typedef struct {
@@ -118,6 +137,15 @@ typedef struct {
     bool spec_open;
     duet_spec_seq_t ss;
     int32_t vtok[DUET_SPEC_MAX_K + 1]; /* the step's item: the next token, then the drafts */
+    int64_t n_hist; /* ids in base.prompt: the prompt, or a moved-in request's prompt and
+                       generated ids but the newest (what its drafter starts from) */
+    /* moving in: RECEIVING holds the source's caches */
+    bool moved_in;
+    int64_t in_tokens, in_replay; /* tokens of KV received; of them, pending replay rows */
+    /* moving out (PAUSED, MOVING) */
+    duet_xfer_reservation_t mres; /* the target's reservation, decoded (MOVING) */
+    bool mres_live;
+    double put_at; /* MOVING: test.move_hold_ms: when the puts start (0 = started) */
 } gr_t;
 
 static struct {
@@ -139,6 +167,8 @@ static struct {
     uint64_t spec_step_tokens[DUET_SPEC_MAX_K + 1];
     uint64_t spec_drafted[DUET_SPEC_MAX_K], spec_accepted[DUET_SPEC_MAX_K];
     duet_cache_plan_t plan; /* how the cache budget was split (gen_cache_plan) */
+    bool checksum;          /* transfer.checksum: moves send an XXH3-64 */
+    uint32_t move_hold_ms;  /* test.move_hold_ms */
 } g;
 
 static gr_t *gr_at(const duet_worker_t *w, int64_t i)
@@ -166,6 +196,8 @@ static void gr_free(duet_worker_t *w, duet_worker_req_t *q)
         duet_spec_seq_close(g.spec, &r->ss);
         r->spec_open = false;
     }
+    if (r->mres_live)
+        duet_xfer_reservation_free(&r->mres);
     free(r->snap);
     duet_worker_req_clear(w, q);
 }
@@ -185,13 +217,14 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
 }
 
 /*
- * Start speculating for r, whose first generated token is r->next: the decoder's history is the
- * prompt (then freed) and that token. false: the request was ended with an error.
+ * Start speculating for r, whose newest generated token is r->next: the decoder's history is the
+ * prompt (then freed; a moved-in request's also holds the tokens it generated before) and that
+ * token. false: the request was ended with an error.
  */
 static bool gr_spec_open(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
-    duet_status_t st = duet_spec_seq_open(g.spec, &r->ss, q->prompt, q->n_prompt, r->next,
+    duet_status_t st = duet_spec_seq_open(g.spec, &r->ss, q->prompt, r->n_hist, r->next,
                                           q->max_tokens, &q->sampling.sp, &q->sampling.rng);
     free(q->prompt);
     q->prompt = NULL;
@@ -215,8 +248,13 @@ static void gr_quarantine(gr_t *r)
     r->release_at = duet_worker_now() + g.quarantine_ms / 1000.0;
 }
 
+/*
+ * A new request in a free slot with a sequence for `held` tokens (its prompt; a moved-in
+ * request's KV) and the next step's rows (with cache.suspend; else all it may come to hold).
+ * NULL with *why when it cannot be taken.
+ */
 static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint32_t max_tokens,
-                    const Duet__Sampling *s, uint64_t deadline, const char **why)
+                    int64_t held, const Duet__Sampling *s, uint64_t deadline, const char **why)
 {
     if (duet_worker_find(w, rid) != NULL) {
         *why = "a request with this id is already here";
@@ -250,8 +288,8 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
                 *why = "suspended requests are waiting for pages";
                 return NULL;
             }
-        /* the prompt and the first step's rows; decoding grows it */
-        need = (int64_t)prompt_tokens + 1 + g.slack;
+        /* what it holds and the next step's rows; decoding grows it */
+        need = held + 1 + g.slack;
         need = need < full ? need : full;
     }
     if (duet_model_seq_open(w->m, need, &r->base.seq) != DUET_OK) {
@@ -262,6 +300,7 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
     duet_worker_req_init(w, &r->base, rid, prompt_tokens, max_tokens, s, deadline);
     r->full = full;
     r->full_cap = full;
+    r->n_hist = prompt_tokens;
     if (duet_model_kv_pool(w->m) != NULL) {
         const int64_t pt = w->layout.page_tokens;
         r->full_cap = (full + pt - 1) / pt * pt;
@@ -302,11 +341,19 @@ static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
     return i;
 }
 
+static void gr_resume_moved_in(duet_worker_t *w, gr_t *r);
+static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t n_replay,
+                            uint64_t deadline_unix_ms);
+
 /* Transferred cache and first token are both here: continue after the prompt. */
 static void gr_start_decode(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
     q->xfer_live = false;
+    if (r->moved_in) {
+        gr_resume_moved_in(w, r);
+        return;
+    }
     if (duet_model_seq_set_filled(w->m, &q->seq, q->n_prompt) != DUET_OK) {
         gr_fail(w, q, duet_error_last());
         return;
@@ -330,11 +377,259 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
     duet_worker_update(w);
 }
 
+/* ------------------------------------------------------------------------------ moving */
+
+static void gen_send_moved(duet_worker_t *w, uint64_t rid, bool ok, const char *reason)
+{
+    Duet__Moved mv = DUET__MOVED__INIT;
+    mv.request_id = rid;
+    mv.ok = ok;
+    mv.reason = (char *)(reason != NULL ? reason : "");
+    Duet__Envelope env = duet_envelope_moved(&mv);
+    (void)duet_link_send(w->link, &env);
+}
+
+static void gen_send_paused(duet_worker_t *w, uint64_t rid, const char *refusal,
+                            const Duet__MoveState *st)
+{
+    Duet__MovePaused mp = DUET__MOVE_PAUSED__INIT;
+    mp.request_id = rid;
+    mp.ok = refusal == NULL;
+    mp.reason = (char *)(refusal != NULL ? refusal : "");
+    mp.state = (Duet__MoveState *)st;
+    Duet__Envelope env = duet_envelope_move_paused(&mp);
+    (void)duet_link_send(w->link, &env);
+}
+
+/* A moved-in request's caches and the router's go are both here: decode on from its state. */
+static void gr_resume_moved_in(duet_worker_t *w, gr_t *r)
+{
+    duet_worker_req_t *q = &r->base;
+    if (duet_model_seq_set_filled(w->m, &q->seq, r->in_tokens) != DUET_OK) { /* MOVE_REPLAY */
+        char why[320];
+        snprintf(why, sizeof(why), "cannot take the moved caches: %s", duet_error_last());
+        gr_fail(w, q, why);
+        return;
+    }
+    q->phase = GR_DECODE;
+    DUET_RLOG_DEBUG(q->rid, "moved in: decoding on from %lld tokens, %u generated",
+                    (long long)r->in_tokens, r->produced);
+    if (g.spec != NULL && !gr_spec_open(w, r))
+        return;
+    free(q->prompt); /* without speculation nothing reads it */
+    q->prompt = NULL;
+    duet_worker_update(w);
+}
+
+/*
+ * Reserve with a MoveState: a running request moving in from another generation worker. Its
+ * state is checked against itself (the router checked it against the stream) before anything is
+ * reserved: pages for the KV it holds, the state slot, the pending replay rows.
+ */
+static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
+{
+    const Duet__MoveState *ms = m->move;
+    const char *bad = NULL;
+    if (ms->n_rng != DUET_PROTO_RNG_WORDS)
+        bad = "Reserve: the moving request's RNG state has the wrong size";
+    else if (ms->produced == 0 || ms->produced >= m->max_tokens ||
+             ms->n_generated != ms->produced || ms->generated[ms->produced - 1] != ms->next_token)
+        bad = "Reserve: the moving request's generated ids do not match its state";
+    else if (m->n_tokens != m->prompt_tokens || m->prompt_tokens == 0 ||
+             ms->kv_tokens != (uint64_t)m->prompt_tokens + ms->produced - 1)
+        bad = "Reserve: the moving request's KV length is not its prompt and generated ids";
+    else if (ms->replay_rows > ms->kv_tokens)
+        bad = "Reserve: more replay rows than tokens";
+    else if (ms->replay_rows > 0) /* MOVE_REPLAY */
+        bad = "Reserve: this worker cannot take pending replay rows";
+    else if (!duet_worker_in_vocab(w, m->tokens, m->n_tokens) ||
+             !duet_worker_in_vocab(w, ms->generated, ms->n_generated))
+        bad = "Reserve: a token of the moving request is outside the vocabulary";
+    if (bad != NULL) {
+        DUET_RLOG_WARN(m->request_id, "refusing the move: %s", bad);
+        duet_worker_send_refused(w->link, m->request_id, bad, 0);
+        return;
+    }
+    const char *why = NULL;
+    gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, (int64_t)ms->kv_tokens,
+                     m->sampling, m->deadline_unix_ms, &why);
+    if (r == NULL) {
+        DUET_RLOG_INFO(m->request_id, "refusing the move: %s", why);
+        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        return;
+    }
+    duet_worker_req_t *q = &r->base;
+    r->moved_in = true;
+    r->in_tokens = (int64_t)ms->kv_tokens;
+    r->in_replay = ms->replay_rows;
+    r->produced = ms->produced;
+    r->next = (int32_t)ms->next_token;
+    for (unsigned i = 0; i < DUET_PROTO_RNG_WORDS; i++)
+        q->sampling.rng.s[i] = ms->rng[i];
+    if (g.spec != NULL) { /* the drafter's history: prompt, then every id but the newest */
+        r->n_hist = r->in_tokens;
+        q->prompt = malloc(sizeof(int32_t) * (size_t)r->n_hist);
+        if (q->prompt == NULL) {
+            duet_worker_send_refused(w->link, q->rid, "out of memory", 500);
+            gr_free(w, q);
+            return;
+        }
+        for (size_t i = 0; i < m->n_tokens; i++)
+            q->prompt[i] = (int32_t)m->tokens[i];
+        for (uint32_t i = 0; i + 1 < ms->produced; i++)
+            q->prompt[m->n_tokens + i] = (int32_t)ms->generated[i];
+    }
+    gr_reserve_recv(w, r, r->in_tokens, r->in_replay, m->deadline_unix_ms);
+}
+
+/* MovePause: take a decoding request out of the batch and tell the router where it stands. */
+static void gen_on_move_pause(duet_worker_t *w, const Duet__MovePause *m)
+{
+    gr_t *r = (gr_t *)duet_worker_find(w, m->request_id);
+    if (r == NULL || r->base.phase != GR_DECODE) {
+        gen_send_paused(w, m->request_id,
+                        r == NULL ? "no such request here" : "the request is not decoding yet",
+                        NULL);
+        return;
+    }
+    duet_worker_req_t *q = &r->base;
+    /* between steps nothing is pending; the replay rows travel unless the target cannot take
+     * them: then they are folded in here (MOVE_REPLAY) */
+    if (q->seq.n_replay > 0 && duet_model_seq_commit(w->m, &q->seq) != DUET_OK) {
+        char why[320];
+        snprintf(why, sizeof(why), "cannot fold the accepted rows in: %s", duet_error_last());
+        gen_send_paused(w, q->rid, why, NULL);
+        return;
+    }
+    uint64_t rng[DUET_PROTO_RNG_WORDS];
+    for (unsigned i = 0; i < DUET_PROTO_RNG_WORDS; i++)
+        rng[i] = q->sampling.rng.s[i];
+    Duet__MoveState st = DUET__MOVE_STATE__INIT;
+    st.kv_tokens = (uint64_t)q->seq.n_tokens;
+    st.replay_rows = (uint32_t)q->seq.n_replay;
+    st.produced = r->produced;
+    st.next_token = (uint32_t)r->next;
+    st.rng = rng;
+    st.n_rng = DUET_PROTO_RNG_WORDS;
+    q->phase = GR_PAUSED;
+    gen_send_paused(w, q->rid, NULL, &st);
+    DUET_RLOG_DEBUG(q->rid, "paused to move at %lld tokens", (long long)q->seq.n_tokens);
+}
+
+/* Put every byte of a moving request (now, or when test.move_hold_ms has passed). */
+static void gr_move_put(duet_worker_t *w, gr_t *r)
+{
+    r->put_at = 0;
+    for (uint32_t l = 0; l < w->layout.n_mla_layers; l++)
+        (void)duet_xfer_send_layer_ready(w->x, r->base.xid, l); /* an ended one reports */
+    (void)duet_xfer_send_kda_ready(w->x, r->base.xid);
+}
+
+/* MoveOut: send a paused request's caches into the target's reservation. */
+static void gen_on_move_out(duet_worker_t *w, const Duet__MoveOut *m)
+{
+    gr_t *r = (gr_t *)duet_worker_find(w, m->request_id);
+    if (r == NULL || r->base.phase != GR_PAUSED) {
+        gen_send_moved(w, m->request_id, false, "MoveOut for a request not paused here");
+        return;
+    }
+    duet_worker_req_t *q = &r->base;
+    char why[384];
+    duet_status_t st = duet_xfer_reservation_decode(m->reservation.data, m->reservation.len,
+                                                    duet_xfer_now_unix_ms(), &r->mres);
+    if (st == DUET_OK) {
+        r->mres_live = true;
+        const uint32_t pt = w->layout.page_tokens;
+        duet_xfer_send_args_t a = {
+            .req_id = q->rid,
+            .reservations = &r->mres,
+            .n_ranks = 1,
+            .layout = w->layout,
+            .src = {.pages = q->seq.pages,
+                    .n_pages = (uint32_t)((q->seq.n_tokens + pt - 1) / pt),
+                    .kda_slot = q->seq.kda_slot,
+                    .n_tokens = (uint64_t)q->seq.n_tokens},
+            .checksum = g.checksum,
+            .cb = duet_worker_xfer_cb,
+            .user = w,
+        };
+        if (w->layout.n_mla_layers == 0)
+            a.src.n_pages = 0;
+        st = duet_xfer_send_start(w->x, &a, &q->xid);
+    }
+    if (st != DUET_OK) {
+        snprintf(why, sizeof(why), "cannot start sending the caches: %s", duet_error_last());
+        DUET_RLOG_WARN(q->rid, "%s", why);
+        if (r->mres_live)
+            duet_xfer_reservation_free(&r->mres);
+        r->mres_live = false;
+        q->phase = GR_DECODE;
+        gen_send_moved(w, q->rid, false, why);
+        duet_worker_update(w);
+        return;
+    }
+    q->xfer_live = true;
+    q->phase = GR_MOVING;
+    if (g.move_hold_ms > 0)
+        r->put_at = duet_worker_now() + g.move_hold_ms / 1000.0;
+    else
+        gr_move_put(w, r);
+}
+
+/* MoveCancel: the move is off; decode on (a transfer under way ends first, in gr_moved). */
+static void gen_on_move_cancel(duet_worker_t *w, const Duet__MoveCancel *m)
+{
+    gr_t *r = (gr_t *)duet_worker_find(w, m->request_id);
+    if (r == NULL)
+        return;
+    if (r->base.phase == GR_PAUSED) {
+        DUET_RLOG_DEBUG(r->base.rid, "not moving: %s", m->reason);
+        r->base.phase = GR_DECODE;
+        duet_worker_update(w);
+    } else if (r->base.phase == GR_MOVING && r->base.xfer_live) {
+        (void)duet_xfer_send_cancel(w->x, r->base.xid, m->reason);
+    }
+}
+
+/* The outcome of a moving request's transfer: gone to the target, or back in the batch. */
+static void gr_moved(duet_worker_t *w, gr_t *r, const duet_xfer_outcome_t *o)
+{
+    duet_worker_req_t *q = &r->base;
+    q->xfer_live = false;
+    if (r->mres_live)
+        duet_xfer_reservation_free(&r->mres);
+    r->mres_live = false;
+    if (r->cancelling) { /* the request ended meanwhile (its final Tokens went out) */
+        gr_free(w, q);
+        duet_worker_update(w);
+        return;
+    }
+    if (o->kind == DUET_XFER_OUTCOME_DONE) {
+        DUET_RLOG_INFO(q->rid, "moved out: %llu bytes in %.3f ms", (unsigned long long)o->bytes,
+                       o->seconds * 1e3);
+        gen_send_moved(w, q->rid, true, NULL);
+        gr_free(w, q);
+        duet_worker_update(w);
+        return;
+    }
+    char msg[384];
+    snprintf(msg, sizeof(msg), "sending the caches failed (%s): %s",
+             duet_xfer_reason_str(o->reason), o->message);
+    DUET_RLOG_WARN(q->rid, "%s; decoding on here", msg);
+    q->phase = GR_DECODE;
+    gen_send_moved(w, q->rid, false, msg);
+    duet_worker_update(w);
+}
+
 /* ------------------------------------------------------------------------------ transfer */
 
 static void gen_on_xfer(duet_worker_t *w, duet_worker_req_t *q, const duet_xfer_outcome_t *o)
 {
     gr_t *r = (gr_t *)q;
+    if (o->role == DUET_XFER_ROLE_SEND) {
+        gr_moved(w, r, o);
+        return;
+    }
     if (o->kind == DUET_XFER_OUTCOME_DONE) {
         r->xfer_done = true;
         DUET_RLOG_DEBUG(q->rid, "cache received: %llu bytes in %.3f ms",
@@ -361,6 +656,10 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         duet_worker_send_refused(w->link, m->request_id, "draining", 0);
         return;
     }
+    if (m->move != NULL) {
+        gen_on_move_in(w, m);
+        return;
+    }
     if (m->n_tokens != 0 && m->n_tokens != m->prompt_tokens) {
         duet_worker_send_refused(w->link, m->request_id, "Reserve: tokens and prompt_tokens differ",
                                  0);
@@ -378,8 +677,8 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     const char *why = NULL;
-    gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->sampling,
-                     m->deadline_unix_ms, &why);
+    gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->prompt_tokens,
+                     m->sampling, m->deadline_unix_ms, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the reservation: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
@@ -391,21 +690,33 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         gr_free(w, q);
         return;
     }
+    gr_reserve_recv(w, r, q->n_prompt, 0, m->deadline_unix_ms);
+}
+
+/*
+ * Reserve r's first n_tokens tokens of KV, its state slot and n_replay replay rows for a sender
+ * (RECEIVING) and answer Reserved with the reservation; or Refused, r freed.
+ */
+static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t n_replay,
+                            uint64_t deadline_unix_ms)
+{
+    duet_worker_req_t *q = &r->base;
     const uint32_t pt = w->layout.page_tokens;
     q->phase = GR_RECEIVING;
     duet_xfer_recv_args_t a = {
         .req_id = q->rid,
         .layout = w->layout,
         .pages = q->seq.pages,
-        .n_pages = (uint32_t)((q->n_prompt + pt - 1) / pt),
+        .n_pages = (uint32_t)((n_tokens + pt - 1) / pt),
         .kda_slot = q->seq.kda_slot,
-        .n_tokens = (uint64_t)q->n_prompt,
+        .n_tokens = (uint64_t)n_tokens,
         .rank = 0,
         .group_size = 1,
-        .deadline_unix_ms = m->deadline_unix_ms,
+        .deadline_unix_ms = deadline_unix_ms,
         .cb = duet_worker_xfer_cb,
         .user = w,
     };
+    (void)n_replay; /* MOVE_REPLAY */
     if (w->layout.n_mla_layers == 0)
         a.n_pages = 0;
     duet_xfer_reservation_t res;
@@ -438,8 +749,9 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
     Duet__Envelope env = duet_envelope_reserved(&rs);
     (void)duet_link_send(w->link, &env);
     free(buf);
-    DUET_RLOG_DEBUG(q->rid, "reserved %lld pages for %lld + %u tokens", (long long)q->seq.n_pages,
-                    (long long)q->n_prompt, q->max_tokens);
+    DUET_RLOG_DEBUG(q->rid, "reserved %lld pages for %lld tokens (%lld + %u at most)",
+                    (long long)q->seq.n_pages, (long long)n_tokens, (long long)q->n_prompt,
+                    q->max_tokens);
 }
 
 static void gen_on_prefill_done(duet_worker_t *w, const Duet__PrefillDone *m)
@@ -461,7 +773,8 @@ static void gen_on_prefill_done(duet_worker_t *w, const Duet__PrefillDone *m)
         return;
     }
     r->have_first = true;
-    r->next = (int32_t)m->first_token;
+    if (!r->moved_in) /* a moved-in request's next token came with its MoveState */
+        r->next = (int32_t)m->first_token;
     if (r->xfer_done)
         gr_start_decode(w, r);
 }
@@ -478,8 +791,8 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
         return;
     }
     const char *why = NULL;
-    gr_t *r = gr_new(w, m->request_id, (uint32_t)m->n_tokens, m->max_tokens, m->sampling,
-                     m->deadline_unix_ms, &why);
+    gr_t *r = gr_new(w, m->request_id, (uint32_t)m->n_tokens, m->max_tokens, (int64_t)m->n_tokens,
+                     m->sampling, m->deadline_unix_ms, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the local prefill: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
@@ -502,6 +815,11 @@ static void gen_on_cancel(duet_worker_t *w, const Duet__Cancel *m)
     DUET_RLOG_DEBUG(r->base.rid, "cancelled: %s", m->reason);
     duet_worker_send_tokens(w->link, r->base.rid, NULL, 0, DUET__TOKENS__FINISH_REASON__CANCELLED,
                             NULL);
+    if (r->base.phase == GR_MOVING && r->base.xfer_live) {
+        r->cancelling = true; /* freed by the outcome, once no put reads its pages */
+        (void)duet_xfer_send_cancel(w->x, r->base.xid, m->reason);
+        return;
+    }
     if (r->base.phase == GR_RECEIVING && r->base.xfer_live) {
         r->cancelling = true;
         (void)duet_xfer_recv_cancel(w->x, r->base.xid, m->reason); /* outcome: quarantine */
@@ -530,6 +848,15 @@ static bool gen_on_message(duet_worker_t *w, const Duet__Envelope *env)
         return true;
     case DUET__ENVELOPE__BODY_CANCEL:
         gen_on_cancel(w, env->cancel);
+        return true;
+    case DUET__ENVELOPE__BODY_MOVE_PAUSE:
+        gen_on_move_pause(w, env->move_pause);
+        return true;
+    case DUET__ENVELOPE__BODY_MOVE_OUT:
+        gen_on_move_out(w, env->move_out);
+        return true;
+    case DUET__ENVELOPE__BODY_MOVE_CANCEL:
+        gen_on_move_cancel(w, env->move_cancel);
         return true;
     default:
         return false;
@@ -855,6 +1182,19 @@ static void gen_tick(duet_worker_t *w)
         }
         if (r->base.phase == GR_FREE || r->base.phase == GR_QUARANTINE)
             continue;
+        if (r->base.phase == GR_MOVING && r->put_at > 0 && now >= r->put_at)
+            gr_move_put(w, r);
+        if (r->base.phase == GR_MOVING && r->cancelling)
+            continue; /* ending: its outcome frees it */
+        if (r->base.phase == GR_MOVING && duet_worker_req_overdue(&r->base, wall)) {
+            DUET_RLOG_WARN(r->base.rid, "deadline passed while moving: ending the request");
+            duet_worker_send_tokens(w->link, r->base.rid, NULL, 0,
+                                    DUET__TOKENS__FINISH_REASON__ERROR,
+                                    "the request's deadline passed");
+            r->cancelling = true;
+            (void)duet_xfer_send_cancel(w->x, r->base.xid, "the request's deadline passed");
+            continue;
+        }
         if (duet_worker_req_overdue(&r->base, wall) &&
             r->base.phase != GR_RECEIVING) { /* a reservation's deadline is the transfer layer's */
             DUET_RLOG_WARN(r->base.rid, "deadline passed: ending the request");
@@ -939,6 +1279,8 @@ static duet_status_t gen_init(duet_worker_t *w)
 {
     g.quarantine_ms = (uint32_t)duet_config_get_int(w->cfg, "cache.quarantine_ms");
     g.slack = duet_config_get_int(w->cfg, "cache.slack_tokens");
+    g.checksum = duet_config_get_bool(w->cfg, "transfer.checksum");
+    g.move_hold_ms = (uint32_t)duet_config_get_int(w->cfg, "test.move_hold_ms");
     g.grow = duet_config_get_bool(w->cfg, "cache.suspend") && duet_model_kv_pool(w->m) != NULL;
     if (g.grow && duet_model_opts(w->m)->device != DUET_DEVICE_CPU) {
         DUET_LOG_INFO("cache.suspend: off on %s (a snapshot reads the KV from host memory); "

@@ -28,7 +28,12 @@
     X(prefill_done, PREFILL_DONE, PrefillDone)                                                     \
     X(reservation, RESERVATION, Reservation)                                                       \
     X(xfer_done, XFER_DONE, XferDone)                                                              \
-    X(xfer_abort, XFER_ABORT, XferAbort)
+    X(xfer_abort, XFER_ABORT, XferAbort)                                                           \
+    X(move_pause, MOVE_PAUSE, MovePause)                                                           \
+    X(move_paused, MOVE_PAUSED, MovePaused)                                                        \
+    X(move_out, MOVE_OUT, MoveOut)                                                                 \
+    X(move_cancel, MOVE_CANCEL, MoveCancel)                                                        \
+    X(moved, MOVED, Moved)
 
 /* duet_envelope_<field>(body): an Envelope of this build's version carrying `body`. */
 #define DUET__ENVELOPE_CTOR(field, CASE, Type)                                                     \

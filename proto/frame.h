@@ -34,6 +34,10 @@
  * at compile time that its drafts per step (engine/spec.h, DUET_SPEC_MAX_K) fit. */
 #define DUET_PROTO_SPEC_POSITIONS 8u
 
+/* Words of a request's RNG state in MoveState.rng (engine/sampler.h's duet_rng_t; duet-gen checks
+ * at compile time that they agree). */
+#define DUET_PROTO_RNG_WORDS 4u
+
 /* Bytes the frame of `env` takes (header included). */
 size_t duet_frame_size(const Duet__Envelope *env);
 

@@ -1,6 +1,7 @@
 /*
  * The admin API's operations over this router (router/cluster/admin.h knows nothing of the
- * registry; it calls this ops table): list the workers, drain and undrain one by name, and
+ * registry; it calls this ops table): list the workers, drain (optionally moving its running
+ * requests elsewhere: request.c's tick starts the moves) and undrain one by name, and
  * answer `drain --wait` callers once the router has no request in flight on the worker. A
  * request's end (request.c) and a worker's death check the waiters, since either can be what
  * they wait for.
@@ -94,14 +95,46 @@ void duet__rt_drain_waiters_check(duet__router_t *rt, uint64_t worker_id, duet_s
     }
 }
 
-static duet_status_t rt_admin_drain(void *ctx, const char *name, duet_admin_drain_done_cb done_cb,
-                                    void *done_user)
+bool duet__rt_migrating(const duet__router_t *rt, uint64_t id)
+{
+    for (size_t i = 0; i < rt->n_migrate_from; i++)
+        if (rt->migrate_from[i] == id)
+            return true;
+    return false;
+}
+
+bool duet__rt_set_migrating(duet__router_t *rt, uint64_t id, bool on)
+{
+    for (size_t i = 0; i < rt->n_migrate_from; i++)
+        if (rt->migrate_from[i] == id) {
+            if (!on)
+                rt->migrate_from[i] = rt->migrate_from[--rt->n_migrate_from];
+            return true;
+        }
+    if (!on)
+        return true;
+    if (rt->n_migrate_from == DUET__RT_MAX_MIGRATE)
+        return false;
+    rt->migrate_from[rt->n_migrate_from++] = id;
+    return true;
+}
+
+static duet_status_t rt_admin_drain(void *ctx, const char *name, bool migrate,
+                                    duet_admin_drain_done_cb done_cb, void *done_user)
 {
     duet__router_t *rt = ctx;
     uint64_t id = 0;
     duet_status_t st = rt_find_worker(rt, name, &id);
     if (st < 0)
         return st;
+    duet_worker_info_t w;
+    if (migrate && (duet_registry_get(rt->reg, id, &w) < 0 || w.role != DUET_WORKER_ROLE_GEN))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "worker %s is not a generation worker: only those move requests",
+                              name);
+    if (migrate && !duet__rt_set_migrating(rt, id, true))
+        return duet_error_set(DUET_ERR_BUSY, "%d workers are already draining with migrate",
+                              DUET__RT_MAX_MIGRATE);
     if ((st = duet_registry_set_draining(rt->reg, id, true)) < 0)
         return st;
     duet__rq_capacity_changed(rt);
@@ -142,6 +175,7 @@ static duet_status_t rt_admin_undrain(void *ctx, const char *name)
         return st;
     if ((st = duet_registry_set_draining(rt->reg, id, false)) < 0)
         return st;
+    (void)duet__rt_set_migrating(rt, id, false); /* moves under way finish; no new ones */
     duet__rt_drain_waiters_check(rt, id, DUET_ERR_CANCELLED, "the worker was undrained");
     duet__rq_capacity_changed(rt);
     return DUET_OK;

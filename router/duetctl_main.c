@@ -2,7 +2,7 @@
  * duetctl: the operator's command-line client for the router's admin API (router/cluster/admin.h).
  *
  *   duetctl [--admin URL] [--token T] status
- *   duetctl drain <worker> [--wait] [--timeout S]
+ *   duetctl drain <worker> [--migrate] [--wait] [--timeout S]
  *   duetctl undrain <worker>
  *   duetctl admission pause | resume | set [--max-inflight N] [--max-queue N]
  *
@@ -48,8 +48,9 @@ static const char *const usage_main =
     "\n"
     "commands:\n"
     "  status                          workers (role, state, load) and admission\n"
-    "  drain <worker> [--wait] [--timeout S]\n"
-    "                                  stop placing new requests on a worker\n"
+    "  drain <worker> [--migrate] [--wait] [--timeout S]\n"
+    "                                  stop placing new requests on a worker (--migrate: move\n"
+    "                                  its running requests to other generation workers)\n"
     "  undrain <worker>                put a drained worker back in service\n"
     "  admission pause|resume          refuse / accept new requests (503 while paused)\n"
     "  admission set [--max-inflight N] [--max-queue N]\n"
@@ -71,9 +72,12 @@ static const char *const usage_status =
     "pages, running and queued requests) and the admission state.\n";
 
 static const char *const usage_drain =
-    "usage: duetctl drain <worker> [--wait] [--timeout S]\n"
+    "usage: duetctl drain <worker> [--migrate] [--wait] [--timeout S]\n"
     "\n"
     "Mark a worker draining: the router places no new requests on it; running ones finish.\n"
+    "  --migrate     a generation worker: move its running requests, mid-decode, to other\n"
+    "                generation workers (their caches go over UCX; a client's stream only\n"
+    "                pauses); a request no other worker can take finishes where it is\n"
     "  --wait        return only when the worker has no running requests\n"
     "  --timeout S   with --wait: give up after S seconds (exit 3; the worker stays draining)\n";
 
@@ -544,7 +548,7 @@ static bool parse_number(const char *s, double min, double max, double *v_p)
 static int cmd_drain(const ctl_t *c, int argc, char **argv)
 {
     const char *worker = NULL;
-    bool wait = false;
+    bool wait = false, migrate = false;
     double timeout_s = -1;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -552,6 +556,8 @@ static int cmd_drain(const ctl_t *c, int argc, char **argv)
             return EXIT_OK;
         } else if (strcmp(argv[i], "--wait") == 0) {
             wait = true;
+        } else if (strcmp(argv[i], "--migrate") == 0) {
+            migrate = true;
         } else if (strcmp(argv[i], "--timeout") == 0 || strncmp(argv[i], "--timeout=", 10) == 0) {
             const char *v = argv[i][9] == '=' ? argv[i] + 10 : (i + 1 < argc ? argv[++i] : NULL);
             if (v == NULL || !parse_number(v, 0.001, 3600, &timeout_s))
@@ -571,16 +577,19 @@ static int cmd_drain(const ctl_t *c, int argc, char **argv)
         die_usage("drain: --timeout only applies with --wait");
     char enc[768], path[1024];
     encode_name(worker, enc, sizeof(enc));
+    char query[96] = "";
+    snprintf(query, sizeof(query), "%s%s", migrate ? "&migrate=1" : "", wait ? "&wait=1" : "");
     if (wait && timeout_s > 0)
-        snprintf(path, sizeof(path), "/admin/workers/%s/drain?wait=1&timeout_s=%g", enc, timeout_s);
-    else
-        snprintf(path, sizeof(path), "/admin/workers/%s/drain%s", enc, wait ? "?wait=1" : "");
+        snprintf(query + strlen(query), sizeof(query) - strlen(query), "&timeout_s=%g", timeout_s);
+    if (query[0] != '\0')
+        query[0] = '?';
+    snprintf(path, sizeof(path), "/admin/workers/%s/drain%s", enc, query);
     /* The server ends the wait (its default or --timeout); give it room to answer. */
     int64_t timeout_ms =
         wait ? (int64_t)((timeout_s > 0 ? timeout_s : 3600) * 1000) + 10000 : REQUEST_TIMEOUT_MS;
     if (wait)
-        fprintf(stderr, "duetctl: draining %s, waiting for its running requests to finish...\n",
-                worker);
+        fprintf(stderr, "duetctl: draining %s, waiting for its running requests to %s...\n", worker,
+                migrate ? "move or finish" : "finish");
     json_t *j = NULL;
     int rc = admin_call(c, "POST", path, NULL, timeout_ms, &j);
     if (rc != EXIT_OK)
@@ -589,7 +598,7 @@ static int cmd_drain(const ctl_t *c, int argc, char **argv)
         printf("worker %s: drained (no running requests, waited %.1f s)\n", worker,
                jint(j, "waited_ms") / 1000.0);
     else
-        printf("worker %s: draining%s\n", worker,
+        printf("worker %s: draining%s%s\n", worker, migrate ? ", moving its requests" : "",
                json_is_true(json_object_get(j, "idle")) ? " (idle)" : " (requests still running)");
     json_decref(j);
     return EXIT_OK;

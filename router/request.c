@@ -11,6 +11,18 @@
  *   GENERATING  the gen worker streams Tokens (after PrefillDone, or at once after Generate when
  *               the prompt is shorter than placement.local_prefill_tokens)
  *
+ * Moving (docs/architecture.md, "Moving a running request"): a GENERATING request on a gen worker
+ * drained with migrate moves to another one, beside its phase (r->move):
+ *   MV_PAUSING    MovePause sent to the source (gen_id)  <- MovePaused: ok (-> MV_RESERVING), or
+ *                                                           not decoding yet (retried later)
+ *   MV_RESERVING  Reserve with the MoveState sent to the target (move_to)  <- Reserved: MoveOut
+ *                 to the source (-> MV_SENDING) | Refused: the next target, else MoveCancel
+ *   MV_SENDING    the source puts the caches into the target's pages  <- Moved: ok: gen_id becomes
+ *                 the target, PrefillDone to it; failed: Cancel to the target, the source goes on
+ * Until Moved(ok) the source owns the request and its Tokens are the stream; the target's are
+ * ignored. Whatever ends the request cancels both. A source lost mid-move fails the request
+ * (502); a target lost mid-move sends the source MoveCancel and the source goes on.
+ *
  * Tokens go through the openai stream state (detokenization, stop strings, max_tokens) to the
  * client, as SSE chunks or one JSON body. SSE headers go out with the first token, so every
  * failure before it is a proper HTTP status; after it, an SSE error event.
@@ -41,7 +53,16 @@ typedef enum {
     RQ_GENERATING, /* gen_id streams (after PrefillDone, or Generate) */
 } rq_phase_t;
 
-#define RQ_MAX_EXCLUDE 8
+typedef enum {
+    MV_NONE = 0,
+    MV_PAUSING,   /* MovePause sent to gen_id */
+    MV_RESERVING, /* Reserve (with move) sent to move_to */
+    MV_SENDING,   /* MoveOut sent to gen_id: its caches go to move_to */
+} rq_move_t;
+
+#define RQ_MAX_EXCLUDE   8
+#define RQ_MOVE_ATTEMPTS 3   /* moves of one request that may fail before the router gives up */
+#define RQ_MOVE_RETRY_MS 200 /* a source not ready to move (not decoding yet) is asked again */
 
 typedef struct rq {
     duet__router_t *rt;
@@ -68,6 +89,22 @@ typedef struct rq {
     uint64_t t_start_ns, t_first_ns, t_last_ns;
     uint64_t deadline_ms; /* uv_now clock */
     uint32_t retry_after_ms;
+    uint32_t *out; /* (n_out, cap_out) every generated id so far: a move's MoveState.generated */
+    size_t n_out, cap_out;
+    /* moving from gen_id to move_to (the file comment) */
+    rq_move_t move;
+    uint64_t move_to;       /* the target, 0 = none */
+    bool move_to_busy;      /* the target holds a reservation for it (owes a final Tokens) */
+    int move_attempts;      /* moves started (PAUSING) */
+    bool move_given_up;     /* stays where it is */
+    uint64_t move_retry_ms; /* uv_now: not before */
+    uint64_t move_t0_ns;
+    uint64_t move_exclude[RQ_MAX_EXCLUDE]; /* targets that refused this move */
+    size_t n_move_exclude;
+    struct {
+        uint64_t kv_tokens, rng[DUET_PROTO_RNG_WORDS];
+        uint32_t replay_rows, produced, next_token;
+    } mv; /* the source's MovePaused state */
     struct rq *bucket_next;
 } rq_t;
 
@@ -164,6 +201,10 @@ static void respond_error(duet_http_request_t *http, const duet_oai_error_t *e,
 /* ---------------------------------------------------------------- ending */
 
 static void rq_start(rq_t *r);
+static void rq_move_reserve(rq_t *r);
+static void rq_move_target_gone(rq_t *r);
+static void rq_send_move_cancel(rq_t *r, const char *reason);
+static void rt_move_result(duet__router_t *rt, const char *result);
 
 /*
  * The one exit. Cancels workers that still hold the request, hands the admission slot on, and
@@ -180,6 +221,12 @@ static void rq_end(rq_t *r, const char *why)
             rt_send_cancel(rt, r->gen_id, r->id, why);
         duet_registry_inflight_add(rt->reg, r->gen_id, -1);
         duet__rt_drain_waiters_check(rt, r->gen_id, DUET_OK, NULL);
+    }
+    if (r->move_to != 0) {
+        if (r->move_to_busy)
+            rt_send_cancel(rt, r->move_to, r->id, why);
+        duet_registry_inflight_add(rt->reg, r->move_to, -1);
+        duet__rt_drain_waiters_check(rt, r->move_to, DUET_OK, NULL);
     }
     if (r->ctx_id != 0) {
         if (r->ctx_busy)
@@ -202,6 +249,7 @@ static void rq_end(rq_t *r, const char *why)
     duet_oai_stream_destroy(r->stream);
     duet_oai_request_free(&r->oai);
     free(r->ids);
+    free(r->out);
     free(r->reservation);
     free(r);
 }
@@ -601,20 +649,260 @@ void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, vo
         if (r->gen_id == w->id && r->phase != RQ_QUEUED) {
             r->gen_busy = false;
             r->gen_id = 0; /* its in-flight count died with it */
+            if (r->move != MV_NONE)
+                rt_move_result(rt, "lost");
             rq_fail(r, 502, "server_error", "worker_lost", 0, "%s", what);
+        } else if (r->move_to == w->id) {
+            /* the move's target: another target, or the source goes on with it */
+            r->move_to_busy = false;
+            rq_move_target_gone(r);
+            if (r->move == MV_RESERVING) {
+                rq_move_reserve(r);
+            } else if (r->move == MV_SENDING) {
+                rq_send_move_cancel(r, what); /* its Moved (failed) follows */
+                rt_move_result(rt, "lost");
+            }
         } else if (r->ctx_id == w->id && r->phase == RQ_PREFILLING) {
             rq_prefill_failed(r, what); /* excludes r->ctx_id (= w) and retries once */
         }
     }
     free(v);
+    (void)duet__rt_set_migrating(rt, w->id, false);
     duet__rt_drain_waiters_check(rt, w->id, DUET_ERR_TRANSPORT, what);
     duet__rq_capacity_changed(rt);
+}
+
+/* ---------------------------------------------------------------- moving a running request */
+
+static void rt_move_result(duet__router_t *rt, const char *result)
+{
+    duet_metric_t *m;
+    const char *const v[1] = {result};
+    if (duet_metrics_child(rt->f_moves, v, 1, &m) == DUET_OK)
+        duet_metrics_counter_inc(m);
+}
+
+/* Append a worker's ids to what the request has generated; false when out of memory. */
+static bool rq_record(rq_t *r, const uint32_t *ids, size_t n)
+{
+    if (r->n_out + n > r->cap_out) {
+        size_t cap = r->cap_out > 0 ? r->cap_out : 64;
+        while (cap < r->n_out + n)
+            cap *= 2;
+        uint32_t *v = realloc(r->out, cap * sizeof(*v));
+        if (v == NULL)
+            return false;
+        r->out = v;
+        r->cap_out = cap;
+    }
+    memcpy(r->out + r->n_out, ids, n * sizeof(*ids));
+    r->n_out += n;
+    return true;
+}
+
+static void rq_send_move_cancel(rq_t *r, const char *reason)
+{
+    Duet__MoveCancel mc = DUET__MOVE_CANCEL__INIT;
+    mc.request_id = r->id;
+    mc.reason = (char *)reason;
+    Duet__Envelope env = duet_envelope_move_cancel(&mc);
+    (void)duet_registry_send(r->rt->reg, r->gen_id, &env);
+}
+
+/* The target no longer holds the request (it refused, died, or the move failed). */
+static void rq_move_target_gone(rq_t *r)
+{
+    if (r->move_to == 0)
+        return;
+    duet_registry_inflight_add(r->rt->reg, r->move_to, -1);
+    duet__rt_drain_waiters_check(r->rt, r->move_to, DUET_OK, NULL);
+    r->move_to = 0;
+    r->move_to_busy = false;
+}
+
+/* No target can take the request: it goes on where it is, and stays there. */
+static void rq_move_abandon(rq_t *r, const char *why)
+{
+    DUET_RLOG_INFO(r->id, "not moving off gen worker %llu: %s", (unsigned long long)r->gen_id, why);
+    rq_send_move_cancel(r, why);
+    rq_move_target_gone(r);
+    r->move = MV_NONE;
+    r->move_given_up = true;
+    rt_move_result(r->rt, "abandoned");
+}
+
+/* Ask the source to pause r between two steps and say where it stands. */
+static void rq_move_start(rq_t *r)
+{
+    Duet__MovePause mp = DUET__MOVE_PAUSE__INIT;
+    mp.request_id = r->id;
+    Duet__Envelope env = duet_envelope_move_pause(&mp);
+    if (duet_registry_send(r->rt->reg, r->gen_id, &env) < 0)
+        return; /* the worker is going; its loss ends the request */
+    r->move = MV_PAUSING;
+    r->move_attempts++;
+    r->n_move_exclude = 0;
+    r->move_t0_ns = uv_hrtime();
+    DUET_RLOG_DEBUG(r->id, "moving off gen worker %llu: pausing it (attempt %d)",
+                    (unsigned long long)r->gen_id, r->move_attempts);
+}
+
+/* Reserve on a target other than the source and those that refused; none left: abandon. */
+static void rq_move_reserve(rq_t *r)
+{
+    duet__router_t *rt = r->rt;
+    uint64_t ex[RQ_MAX_EXCLUDE + 1];
+    size_t n_ex = 0;
+    ex[n_ex++] = r->gen_id;
+    for (size_t i = 0; i < r->n_move_exclude; i++)
+        ex[n_ex++] = r->move_exclude[i];
+    uint64_t tid = rt_pick(rt, DUET_WORKER_ROLE_GEN, ex, n_ex);
+    if (tid == 0) {
+        rq_move_abandon(r, "no other live generation worker can take it");
+        return;
+    }
+    uint32_t stop_ids[DUET_OAI_MAX_EOS];
+    Duet__Sampling s = DUET__SAMPLING__INIT;
+    rq_fill_sampling(r, &s, stop_ids);
+    Duet__MoveState ms = DUET__MOVE_STATE__INIT;
+    ms.kv_tokens = r->mv.kv_tokens;
+    ms.replay_rows = r->mv.replay_rows;
+    ms.produced = r->mv.produced;
+    ms.next_token = r->mv.next_token;
+    ms.rng = r->mv.rng;
+    ms.n_rng = DUET_PROTO_RNG_WORDS;
+    ms.generated = r->out;
+    ms.n_generated = r->n_out;
+    Duet__Reserve rs = DUET__RESERVE__INIT;
+    rs.request_id = r->id;
+    rs.prompt_tokens = (uint32_t)r->n_ids;
+    rs.max_tokens = r->oai.max_tokens;
+    /* the move's own bound: past it the source goes on with the request */
+    uint64_t deadline = rq_deadline_unix_ms(r), bound = unix_ms() + rt->migrate_timeout_ms;
+    rs.deadline_unix_ms = bound < deadline ? bound : deadline;
+    rs.tokens = r->ids;
+    rs.n_tokens = r->n_ids;
+    rs.sampling = &s;
+    rs.move = &ms;
+    Duet__Envelope env = duet_envelope_reserve(&rs);
+    if (duet_registry_send(rt->reg, tid, &env) < 0) {
+        if (r->n_move_exclude < RQ_MAX_EXCLUDE) {
+            r->move_exclude[r->n_move_exclude++] = tid;
+            rq_move_reserve(r);
+        } else {
+            rq_move_abandon(r, "no generation worker could be reached");
+        }
+        return;
+    }
+    r->move = MV_RESERVING;
+    r->move_to = tid;
+    r->move_to_busy = true;
+    duet_registry_inflight_add(rt->reg, tid, +1);
+    DUET_RLOG_DEBUG(r->id, "moving to gen worker %llu: %llu tokens of KV", (unsigned long long)tid,
+                    (unsigned long long)r->mv.kv_tokens);
+}
+
+/* MovePaused: the source stopped decoding r (or cannot yet). */
+static void rq_on_move_paused(duet__router_t *rt, uint64_t wid, const Duet__MovePaused *m)
+{
+    rq_t *r = rq_find(rt, m->request_id);
+    if (r == NULL || r->gen_id != wid || r->move != MV_PAUSING)
+        return; /* ended meanwhile: its Cancel reaches the source */
+    if (!m->ok) {
+        DUET_RLOG_DEBUG(r->id, "gen worker %llu cannot pause it yet: %s", (unsigned long long)wid,
+                        m->reason);
+        r->move = MV_NONE;
+        r->move_attempts--; /* not an attempt: it was not decoding yet */
+        r->move_retry_ms = uv_now(rt->loop) + RQ_MOVE_RETRY_MS;
+        return;
+    }
+    const Duet__MoveState *st = m->state;
+    /* the source sent every token before pausing (one connection, in order), so the router's
+     * record and the source's state must agree */
+    if (st == NULL || st->n_rng != DUET_PROTO_RNG_WORDS || st->produced != r->n_out ||
+        r->n_out == 0 || st->next_token != r->out[r->n_out - 1] ||
+        st->kv_tokens != (uint64_t)r->n_ids + r->n_out - 1 || st->replay_rows > st->kv_tokens) {
+        DUET_RLOG_ERROR(r->id,
+                        "gen worker %llu paused it in a state that does not match its stream "
+                        "(%u tokens produced, %zu streamed)",
+                        (unsigned long long)wid, st != NULL ? st->produced : 0, r->n_out);
+        rq_move_abandon(r, "the source's state does not match the stream");
+        return;
+    }
+    r->mv.kv_tokens = st->kv_tokens;
+    r->mv.replay_rows = st->replay_rows;
+    r->mv.produced = st->produced;
+    r->mv.next_token = st->next_token;
+    memcpy(r->mv.rng, st->rng, sizeof(r->mv.rng));
+    rq_move_reserve(r);
+}
+
+/* Reserved by the move's target: the source sends the caches into it. */
+static void rq_move_out(rq_t *r, const Duet__Reserved *m)
+{
+    Duet__MoveOut mo = DUET__MOVE_OUT__INIT;
+    mo.request_id = r->id;
+    mo.reservation = m->reservation;
+    Duet__Envelope env = duet_envelope_move_out(&mo);
+    if (duet_registry_send(r->rt->reg, r->gen_id, &env) < 0)
+        return; /* the source is going; its loss ends the request */
+    r->move = MV_SENDING;
+}
+
+/* Moved: the source's transfer ended; ok: the target continues the request. */
+static void rq_on_moved(duet__router_t *rt, uint64_t wid, const Duet__Moved *m)
+{
+    rq_t *r = rq_find(rt, m->request_id);
+    if (r == NULL || r->gen_id != wid || r->move != MV_SENDING)
+        return;
+    const double ms = (double)(uv_hrtime() - r->move_t0_ns) / 1e6;
+    if (!m->ok) {
+        DUET_RLOG_WARN(r->id,
+                       "moving off gen worker %llu failed after %.1f ms, it goes on there: %s",
+                       (unsigned long long)wid, ms, m->reason);
+        if (r->move_to_busy)
+            rt_send_cancel(rt, r->move_to, r->id, "the move failed");
+        rq_move_target_gone(r);
+        r->move = MV_NONE;
+        r->move_retry_ms = uv_now(rt->loop) + 1000;
+        r->move_given_up = r->move_attempts >= RQ_MOVE_ATTEMPTS;
+        rt_move_result(rt, "failed");
+        return;
+    }
+    if (r->move_to == 0) { /* the target died after the source let go */
+        r->gen_busy = false;
+        rt_move_result(rt, "lost");
+        rq_fail(r, 502, "server_error", "worker_lost", 0,
+                "the request's caches went to a generation worker that was lost before it resumed");
+        return;
+    }
+    const uint64_t src = r->gen_id;
+    duet_registry_inflight_add(rt->reg, src, -1);
+    r->gen_id = r->move_to; /* its inflight count moves with it */
+    r->gen_busy = true;
+    r->move_to = 0;
+    r->move_to_busy = false;
+    r->move = MV_NONE;
+    Duet__PrefillDone pd = DUET__PREFILL_DONE__INIT;
+    pd.request_id = r->id;
+    Duet__Envelope env = duet_envelope_prefill_done(&pd);
+    DUET_RLOG_INFO(r->id, "moved from gen worker %llu to %llu in %.1f ms at %zu generated tokens",
+                   (unsigned long long)src, (unsigned long long)r->gen_id, ms, r->n_out);
+    rt_move_result(rt, "ok");
+    duet__rt_drain_waiters_check(rt, src, DUET_OK, NULL);
+    if (duet_registry_send(rt->reg, r->gen_id, &env) < 0)
+        rq_fail(r, 502, "server_error", "worker_lost", 0, "generation worker %llu is gone",
+                (unsigned long long)r->gen_id);
 }
 
 /* Reserved: the gen worker holds pages for the request; the ctx worker prefills into them. */
 static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserved *m)
 {
     rq_t *r = rq_find(rt, m->request_id);
+    if (r != NULL && r->move == MV_RESERVING && wid == r->move_to) {
+        rq_move_out(r, m);
+        return;
+    }
     if (r == NULL || r->gen_id != wid || r->phase != RQ_RESERVING) {
         /* the request is gone (or this is stale): give the pages back */
         if (r == NULL)
@@ -638,6 +926,15 @@ static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserve
 static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused *m)
 {
     rq_t *r = rq_find(rt, m->request_id);
+    if (r != NULL && r->move == MV_RESERVING && wid == r->move_to) {
+        DUET_RLOG_INFO(r->id, "gen worker %llu cannot take the moving request: %s",
+                       (unsigned long long)wid, m->reason);
+        rq_move_target_gone(r);
+        if (r->n_move_exclude < RQ_MAX_EXCLUDE)
+            r->move_exclude[r->n_move_exclude++] = wid;
+        rq_move_reserve(r);
+        return;
+    }
     if (r == NULL || r->gen_id != wid ||
         !(r->phase == RQ_RESERVING || (r->local && r->t_first_ns == 0)))
         return;
@@ -669,6 +966,13 @@ static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m
         return; /* ended already (its Cancel crossed these tokens) */
     bool from_ctx = r->phase == RQ_PREFILLING && wid == r->ctx_id;
     bool from_gen = r->phase == RQ_GENERATING && wid == r->gen_id;
+    if (wid == r->move_to && wid != r->gen_id) {
+        /* a move's target before the switch: its final Tokens says it let its pages go (its
+         * reservation ended); the source still streams */
+        if (m->finish_reason != DUET__TOKENS__FINISH_REASON__NONE)
+            r->move_to_busy = false;
+        return;
+    }
     if (!from_ctx && !from_gen) {
         DUET_RLOG_DEBUG(r->id, "ignoring Tokens from worker %llu (phase %d)",
                         (unsigned long long)wid, (int)r->phase);
@@ -692,6 +996,10 @@ static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m
     }
     if (fin != DUET__TOKENS__FINISH_REASON__NONE)
         *busy = false;
+    if (!rq_record(r, m->ids, m->n_ids)) {
+        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
     if (!from_ctx) {
         rq_feed(r, m->ids, m->n_ids, fin);
         return;
@@ -726,6 +1034,12 @@ void duet__rq_on_message(uint64_t wid, const Duet__Envelope *env, void *user)
     case DUET__ENVELOPE__BODY_TOKENS:
         rq_on_tokens(rt, wid, env->tokens);
         return;
+    case DUET__ENVELOPE__BODY_MOVE_PAUSED:
+        rq_on_move_paused(rt, wid, env->move_paused);
+        return;
+    case DUET__ENVELOPE__BODY_MOVED:
+        rq_on_moved(rt, wid, env->moved);
+        return;
     default:
         return;
     }
@@ -749,10 +1063,17 @@ void duet__rq_tick(uv_timer_t *t)
     duet_admission_expire(rt->adm, now, rq_on_expired, rt);
     rq_t **v = NULL;
     size_t n = rq_collect(rt, &v);
-    for (size_t i = 0; i < n; i++)
-        if (v[i]->phase != RQ_QUEUED && now >= v[i]->deadline_ms)
-            rq_fail(v[i], 504, "server_error", "deadline_exceeded", 0,
+    for (size_t i = 0; i < n; i++) {
+        rq_t *r = v[i];
+        if (r->phase != RQ_QUEUED && now >= r->deadline_ms) {
+            rq_fail(r, 504, "server_error", "deadline_exceeded", 0,
                     "the request ran past its deadline (request.deadline_ms = %llu)",
                     (unsigned long long)rt->deadline_ms);
+            continue;
+        }
+        if (rt->n_migrate_from > 0 && r->phase == RQ_GENERATING && r->move == MV_NONE &&
+            !r->move_given_up && now >= r->move_retry_ms && duet__rt_migrating(rt, r->gen_id))
+            rq_move_start(r);
+    }
     free(v);
 }

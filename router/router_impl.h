@@ -27,7 +27,8 @@
 #include "router/http/http.h"
 #include "tokenizer/tokenizer.h"
 
-#define DUET__RQ_BUCKETS 1024 /* the live-request table's hash buckets (request.c) */
+#define DUET__RQ_BUCKETS     1024 /* the live-request table's hash buckets (request.c) */
+#define DUET__RT_MAX_MIGRATE 64   /* gen workers draining with migrate at once */
 
 typedef struct duet__router duet__router_t;
 
@@ -52,6 +53,10 @@ struct duet__router {
     uint32_t local_prefill_tokens;
     uint64_t deadline_ms;
     uint64_t queue_timeout_ms;
+    uint64_t migrate_timeout_ms; /* migrate.timeout_ms */
+    /* gen workers drained with migrate (duetctl drain --migrate): their running requests move */
+    uint64_t migrate_from[DUET__RT_MAX_MIGRATE];
+    size_t n_migrate_from;
     struct rq *buckets[DUET__RQ_BUCKETS]; /* live requests by id (request.c's rq_t) */
     size_t n_rq;
     struct rt_drain_waiter *waiters; /* owned: `drain --wait` callers (admin_ops.c) */
@@ -68,7 +73,7 @@ struct duet__router {
     duet_metric_t *m_spec_step_tokens;
     duet_metric_t *m_spec_drafted[DUET_PROTO_SPEC_POSITIONS];
     duet_metric_t *m_spec_accepted[DUET_PROTO_SPEC_POSITIONS];
-    duet_metric_family_t *f_workers, *f_results, *f_retries;
+    duet_metric_family_t *f_workers, *f_results, *f_retries, *f_moves;
 };
 
 /* ---------------------------------------------------------------- request.c */
@@ -82,7 +87,8 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
                     const char *label);
 /* duet_http_options_t.on_abort: the client went away; its request ends (workers get Cancel). */
 void duet__rq_on_abort(duet_http_request_t *http, void *user);
-/* The router's periodic tick: admission queue timeouts (503) and request deadlines (504). */
+/* The router's periodic tick: admission queue timeouts (503), request deadlines (504), and moves
+ * off generation workers drained with migrate. */
 void duet__rq_tick(uv_timer_t *t);
 /* Live generation workers may have come or gone: tell admission, start queued requests. */
 void duet__rq_capacity_changed(duet__router_t *rt);
@@ -92,6 +98,10 @@ void duet__rq_on_worker_up(const duet_worker_info_t *w, void *user);
 void duet__rq_on_worker_state(const duet_worker_info_t *w, void *user);
 void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, void *user);
 void duet__rq_on_message(uint64_t worker_id, const Duet__Envelope *env, void *user);
+
+/* Whether gen worker `id` is drained with migrate; set / clear it (false: the table is full). */
+bool duet__rt_migrating(const duet__router_t *rt, uint64_t id);
+bool duet__rt_set_migrating(duet__router_t *rt, uint64_t id, bool on);
 
 /* ---------------------------------------------------------------- endpoints.c */
 

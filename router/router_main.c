@@ -52,6 +52,10 @@ static const duet_config_key_t rt_keys[] = {
      .max = "1000000"},
     {"request.deadline_ms", DUET_CONFIG_INT, "600000",
      "a request still running after this long is cancelled (504)", .min = "1", .max = "86400000"},
+    {"migrate.timeout_ms", DUET_CONFIG_INT, "10000",
+     "moving a running request to another generation worker (duetctl drain --migrate) gives up "
+     "after this long, and the request goes on where it was",
+     .min = "1", .max = "3600000"},
     {"limits.max_tokens_default", DUET_CONFIG_INT, "256", "max_tokens when a request has none",
      .min = "1", .max = "10000000"},
     {"limits.max_tokens", DUET_CONFIG_INT, "8192", "largest max_tokens accepted", .min = "1",
@@ -131,6 +135,7 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
     const char *const res[] = {"result"};
     const char *const wk[] = {"role", "state"};
     const char *const er[] = {"endpoint", "result"};
+    const char *const mv[] = {"result"};
     double lat[16];
     duet_metric_family_t *f;
     duet_metrics_buckets_exponential(0.005, 2.0, 16, lat); /* 5 ms .. 164 s */
@@ -233,7 +238,13 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
                                        er, 2, &rt->f_results)) < 0 ||
         (st = duet_metrics_counter_new(m, "duet_router_prefill_retries_total",
                                        "prefills retried on another context worker", NULL, 0,
-                                       &rt->f_retries)) < 0)
+                                       &rt->f_retries)) < 0 ||
+        (st = duet_metrics_counter_new(m, "duet_router_moves_total",
+                                       "running requests moved between generation workers, by "
+                                       "result (ok; failed: the source goes on with it; "
+                                       "abandoned: no target could take it; lost: a worker died "
+                                       "mid-move)",
+                                       mv, 1, &rt->f_moves)) < 0)
         return st;
     return DUET_OK;
 }
@@ -389,6 +400,7 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
         rt->lim.max_context = model_max_len;
     rt->local_prefill_tokens = (uint32_t)duet_config_get_int(cfg, "placement.local_prefill_tokens");
     rt->deadline_ms = (uint64_t)duet_config_get_int(cfg, "request.deadline_ms");
+    rt->migrate_timeout_ms = (uint64_t)duet_config_get_int(cfg, "migrate.timeout_ms");
     rt->queue_timeout_ms = (uint64_t)duet_config_get_int(cfg, "admission.queue_timeout_ms");
     duet_placement_policy_t policy;
     duet_placement_policy_parse(duet_config_get_enum(cfg, "placement.policy"), &policy);

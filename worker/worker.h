@@ -62,6 +62,11 @@
          "duet-generate --prefill-chunk)",                                                         \
          .min = "1",                                                                               \
          .max = "1048576"},                                                                        \
+        {"transfer.checksum", DUET_CONFIG_BOOL, "false",                                           \
+         "send an XXH3-64 of the bytes of each transfer this worker sends (a context worker's "    \
+         "prefill, a generation worker's moved request); the receiver verifies it. Host pools "    \
+         "only: not with transfer.device_pools moving the GPU's pools",                            \
+         .min = NULL},                                                                             \
     {                                                                                              \
         "transfer.device_pools", DUET_CONFIG_ENUM, "off",                                          \
             "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes "  \

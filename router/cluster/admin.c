@@ -328,6 +328,16 @@ static bool handle_drain(duet_admin_t *admin, duet_http_request_t *req, const ch
             return false;
         }
     }
+    bool migrate = false;
+    if (duet_http_request_query_param(req, "migrate", buf, sizeof(buf))) {
+        if (strcmp(buf, "1") == 0 || strcmp(buf, "true") == 0)
+            migrate = true;
+        else if (strcmp(buf, "0") != 0 && strcmp(buf, "false") != 0) {
+            respond_error(req, 400,
+                          "query parameter migrate: expected 1/true or 0/false, got \"%s\"", buf);
+            return false;
+        }
+    }
     uint32_t timeout_ms = admin->opts.drain_wait_timeout_ms;
     if (duet_http_request_query_param(req, "timeout_s", buf, sizeof(buf))) {
         char *end = NULL;
@@ -348,7 +358,7 @@ static bool handle_drain(duet_admin_t *admin, duet_http_request_t *req, const ch
     const duet_admin_ops_t *ops = admin->opts.ops;
     if (!wait) {
         duet_error_clear();
-        duet_status_t st = ops->drain(admin->opts.ops_ctx, name, NULL, NULL);
+        duet_status_t st = ops->drain(admin->opts.ops_ctx, name, migrate, NULL, NULL);
         if (st < 0) {
             if (st == DUET_ERR_NOT_FOUND)
                 respond_error(req, 404, "unknown worker \"%s\"", name);
@@ -362,8 +372,8 @@ static bool handle_drain(duet_admin_t *admin, duet_http_request_t *req, const ch
         ops->list_workers(admin->opts.ops_ctx, find_worker, &f);
         DUET_RLOG_INFO(duet_http_request_id(req), "admin: drain worker %s (from %s)", name,
                        duet_http_request_peer(req));
-        json_t *o = json_pack("{s:s,s:s,s:b}", "worker", name, "state", "draining", "idle",
-                              f.found && f.info.running == 0);
+        json_t *o = json_pack("{s:s,s:s,s:b,s:b}", "worker", name, "state", "draining", "idle",
+                              f.found && f.info.running == 0, "migrate", migrate);
         respond_json(req, 200, o, NULL, 0);
         return false;
     }
@@ -394,7 +404,7 @@ static bool handle_drain(duet_admin_t *admin, duet_http_request_t *req, const ch
     w->registered = true;
     w->in_drain = true;
     duet_error_clear();
-    duet_status_t st = ops->drain(admin->opts.ops_ctx, name, waiter_on_done, w);
+    duet_status_t st = ops->drain(admin->opts.ops_ctx, name, migrate, waiter_on_done, w);
     w->in_drain = false;
     if (st < 0) {
         w->registered = false; /* the router keeps nothing on failure */

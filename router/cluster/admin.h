@@ -12,6 +12,9 @@
  *        ?wait=1[&timeout_s=S]            answer only once the worker has no running requests
  *                                         (200, "idle": true), or 504 after S seconds (default
  *                                         drain_wait_timeout_ms; the worker stays draining)
+ *        ?migrate=1                       a generation worker's running requests move to other
+ *                                         generation workers instead of finishing there
+ *                                         ("migrate": true in the answer; 409 for a ctx worker)
  *   POST /admin/workers/{name}/undrain    {"worker", "state": "live"}
  *   GET  /admin/admission                 {"paused", "has_capacity", "in_flight", "queued",
  *                                          "max_inflight", "max_queue", "admitted_total",
@@ -86,10 +89,11 @@ typedef struct {
      * Mark the worker draining (idempotent). When done_cb is not NULL the caller waits: the
      * router calls done_cb(done_user, ...) exactly once later, or from inside drain when the
      * worker is already idle, unless drain_forget(ctx, done_user) is called first. When drain
-     * fails, done_cb is never called. Required.
+     * fails, done_cb is never called. migrate: also move the worker's running requests to other
+     * generation workers (an error for a worker that is not a generation worker). Required.
      */
-    duet_status_t (*drain)(void *ctx, const char *name, duet_admin_drain_done_cb done_cb,
-                           void *done_user);
+    duet_status_t (*drain)(void *ctx, const char *name, bool migrate,
+                           duet_admin_drain_done_cb done_cb, void *done_user);
     /* The admin gives up waiting (timeout, client gone, shutdown): never call done_cb for
      * done_user after this returns. Required. */
     void (*drain_forget)(void *ctx, void *done_user);

@@ -433,18 +433,23 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
     case DUET__ENVELOPE__BODY_DEREGISTER:
         reg_worker_dead(reg, w, "deregistered");
         return false;
+    case DUET__ENVELOPE__BODY_MOVE_PAUSED: /* a running request moving: gen workers only */
+    case DUET__ENVELOPE__BODY_MOVED:
+        if (w->info.role != DUET_WORKER_ROLE_GEN)
+            break;
+        /* fall through */
     case DUET__ENVELOPE__BODY_RESERVED:
     case DUET__ENVELOPE__BODY_REFUSED:
     case DUET__ENVELOPE__BODY_TOKENS:
         reg->opts.on_message(w->info.id, env, reg->opts.user);
         return !c->closing;
     default:
-        DUET_LOG_WARN(
-            "registry: worker %llu (%s) sent body %d, which workers may not send: closing",
-            (unsigned long long)w->info.id, w->info.name, (int)env->body_case);
-        reg_worker_dead(reg, w, "protocol error (unexpected message)");
-        return false;
+        break;
     }
+    DUET_LOG_WARN("registry: worker %llu (%s) sent body %d, which it may not send: closing",
+                  (unsigned long long)w->info.id, w->info.name, (int)env->body_case);
+    reg_worker_dead(reg, w, "protocol error (unexpected message)");
+    return false;
 protocol_error:
     if (c->w != NULL)
         reg_worker_dead(reg, c->w, "protocol error");

@@ -23,6 +23,12 @@
  *        device_step_time_ms come through the router), an impossible one fails (exit 3)
  *   drain_under_load_loses_nothing  draining a generation worker while 12 requests run: all
  *        complete correctly, drain --wait returns, new requests avoid the drained worker
+ *   drain_migrate_moves_requests_mid_decode  drain --migrate --wait while greedy requests decode:
+ *        gen-0's move to gen-1 mid-decode, every answer equals duet-generate's, the drain returns
+ *        while streams still run, every page comes back
+ *   drain_migrate_faults_end_once_and_free_every_page  a move's target killed, its deadline
+ *        passing (the request goes on at the source, equal to duet-generate), its source killed
+ *        (the request ends once, naming the worker); every page back on the live workers
  *
  * With speculative decoding on the generation workers (cluster_spec: prompt lookup, spec.k 2 and
  * 4; the draft model variant needs models/duet-demo-draft):
@@ -32,7 +38,8 @@
  *        show several tokens per decode step, verify steps by tokens emitted and drafts proposed /
  *        kept per position, consistent with each other and with the tokens the clients got
  *   client_cancel_frees_pages_on_both_workers, gen_killed_fails_its_requests_router_stays_healthy,
- *   drain_under_load_loses_nothing  the bodies above with speculation on (seeded sampling then
+ *   drain_under_load_loses_nothing, drain_migrate_moves_requests_mid_decode  the bodies above
+ *        with speculation on (seeded sampling then
  *        equals duet-generate with the same spec keys and seed)
  *   duet_up_local_spec_yaml_answers  `duet up deploy/configs/local-spec.yaml --once` (prompt
  *        lookup standing in for the draft model) answers the sample as duet-generate does
@@ -104,6 +111,8 @@ static char gen_cmd[4096];
 static int local_below = LOCAL_BELOW;
 /* the gen workers' cache.kv_pages in the next start_cluster */
 static int gen_pages = GEN_PAGES;
+/* extra flags for the router / every gen worker in the next start_cluster (NULL-ended) */
+static const char *router_extra[5], *gen_extra[5];
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -311,7 +320,16 @@ static void start_cluster(int n_ctx, int n_gen)
                      "5000",
                      "--admission.max_inflight",
                      "64",
+                     NULL,
+                     NULL,
+                     NULL,
+                     NULL,
                      NULL};
+    size_t rtail = 0; /* the first empty slot */
+    while (rargv[rtail] != NULL)
+        rtail++;
+    for (size_t e = 0; router_extra[e] != NULL; e++)
+        rargv[rtail + e] = (char *)router_extra[e];
     spawn("router", rargv);
     for (int i = 0; i < n_ctx; i++) {
         char name[16];
@@ -362,15 +380,25 @@ static void start_cluster(int n_ctx, int n_gen)
                         (char *)worker_device,
                         "--dtype",
                         "f32",
-                        NULL, /* speculation's four flags, and the draft model's two */
+                        NULL, /* speculation's four flags, the draft model's two, extras */
+                        NULL,
+                        NULL,
+                        NULL,
+                        NULL,
+                        NULL,
                         NULL,
                         NULL,
                         NULL,
                         NULL,
                         NULL,
                         NULL};
+        size_t tail = 0; /* the first empty slot */
+        while (argv[tail] != NULL)
+            tail++;
+        for (size_t e = 0; gen_extra[e] != NULL; e++)
+            argv[tail++] = (char *)gen_extra[e];
         if (spec_method != NULL) {
-            const size_t at = sizeof(argv) / sizeof(argv[0]) - 7;
+            const size_t at = tail;
             argv[at] = "--spec.method";
             argv[at + 1] = (char *)spec_method;
             argv[at + 2] = "--spec.k";
@@ -1055,6 +1083,177 @@ Test(cluster, drain_under_load_loses_nothing, .timeout = 180)
     drain_body();
 }
 
+/* A labelled series of the router's /metrics ("name{labels}"), or -1. */
+static double metric_series(const char *name, const char *labels)
+{
+    char full[256];
+    snprintf(full, sizeof(full), "%s%s", name, labels);
+    return metric(full);
+}
+
+/* duet_router_moves_total{result} (0 before the first one of that result). */
+static double moves(const char *result)
+{
+    char l[64];
+    snprintf(l, sizeof(l), "{result=\"%s\"}", result);
+    const double v = metric_series("duet_router_moves_total", l);
+    return v < 0 ? 0 : v;
+}
+
+/*
+ * drain --migrate --wait of a generation worker while greedy requests decode on both: every
+ * request on it moves mid-decode to the other one and every answer (streamed and not) equals
+ * duet-generate's token for token; the drain returns once the worker holds nothing, well before
+ * the streams end; the router counted the moves and no failure; every page is back on every
+ * worker at the end.
+ */
+static void migrate_body(void)
+{
+    enum { N = 6 };
+    static job_t jobs[N];
+    static char buf[65536];
+    worker_device = "cpu"; /* the moves must land mid-decode */
+    start_cluster(1, 2);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + 60, 30 + i * 41, 260);
+        jobs[i].stream = i % 2;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    cr_assert_eq(busy_worker("gen-", 1, 20000), 0, "gen-0 never ran a request");
+    usleep(400000); /* its requests are decoding */
+    const uint64_t t0 = now_ms();
+    int st = http(admin_port, "POST", "/admin/workers/gen-0/drain?migrate=1&wait=1", "", buf,
+                  sizeof(buf));
+    const uint64_t drained_ms = now_ms() - t0;
+    cr_expect_eq(st, 200, "drain --migrate --wait: %s", buf);
+    int running = 0;
+    for (int i = 0; i < N; i++)
+        running += jobs[i].status == 0; /* not answered yet */
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++)
+        check_job(&jobs[i], i);
+    cr_log_info("drain --migrate took %llu ms; %d requests were still running then",
+                (unsigned long long)drained_ms, running);
+    cr_expect_gt(running, 0, "requests were still running on gen-1 when gen-0 was drained");
+    cr_expect_geq(moves("ok"), 1, "the router moved requests");
+    cr_expect_eq(moves("failed") + moves("lost"), 0, "no move failed");
+    wait_idle(3, 15000); /* gen-0 stays live, draining, with every page back */
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    stop_all();
+}
+
+Test(cluster, drain_migrate_moves_requests_mid_decode, .timeout = 240)
+{
+    migrate_body();
+}
+
+/*
+ * Faults during a move. The source holds each move 1.5 s after its transfer started, before any
+ * byte (test.move_hold_ms), and the router gives a move 1 s (migrate.timeout_ms):
+ *   - the target is killed mid-move: the source decodes on; the answer equals duet-generate's
+ *   - the move's deadline passes: the same, and the router counts the failed moves
+ *   - the source is killed mid-move: the request ends once with an error naming the lost worker
+ * and afterwards every page is back on every live worker (the target's after its quarantine).
+ */
+static job_t *fault_start(job_t *j, pthread_t *th, int seed)
+{
+    memset(j, 0, sizeof(*j));
+    prompt_of(j, seed, 40, 300);
+    j->stream = 1;
+    j->ignore_eos = 1;
+    reference(j);
+    pthread_create(th, NULL, run_job, j);
+    return j;
+}
+
+/* The gen worker running the only request (waits for it to decode), and the other one. */
+static void fault_roles(char *src, char *dst)
+{
+    const int i = busy_worker("gen-", 2, 20000);
+    cr_assert_geq(i, 0, "no gen worker ran the request");
+    snprintf(src, 16, "gen-%d", i);
+    snprintf(dst, 16, "gen-%d", 1 - i);
+    usleep(400000);
+}
+
+static void migrate_faults_body(void)
+{
+    static char buf[65536];
+    static const char *hold[] = {"--test.move_hold_ms", "1500", NULL};
+    static const char *bound[] = {"--migrate.timeout_ms", "1000", NULL};
+    memcpy(gen_extra, hold, sizeof(hold));
+    memcpy(router_extra, bound, sizeof(bound));
+    worker_device = "cpu";
+    job_t j;
+    pthread_t th;
+    char src[16], dst[16], path[96];
+
+    /* the target dies while the source holds the move */
+    start_cluster(1, 2);
+    fault_start(&j, &th, 71);
+    fault_roles(src, dst);
+    snprintf(path, sizeof(path), "/admin/workers/%s/drain?migrate=1", src);
+    cr_assert_eq(http(admin_port, "POST", path, "", buf, sizeof(buf)), 200, "%s", buf);
+    usleep(500000);
+    kill(pid_of(dst), SIGKILL);
+    pthread_join(th, NULL);
+    check_job(&j, 0);
+    cr_expect_geq(moves("failed") + moves("lost"), 1, "the broken move was counted");
+    cr_expect_eq(moves("ok"), 0);
+    wait_idle(2, 15000);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+
+    /* the move's deadline passes while the source holds it (every attempt) */
+    start_cluster(1, 2);
+    fault_start(&j, &th, 72);
+    fault_roles(src, dst);
+    snprintf(path, sizeof(path), "/admin/workers/%s/drain?migrate=1", src);
+    cr_assert_eq(http(admin_port, "POST", path, "", buf, sizeof(buf)), 200, "%s", buf);
+    pthread_join(th, NULL);
+    check_job(&j, 0);
+    cr_expect_geq(moves("failed"), 1, "the late moves were counted as failed");
+    cr_expect_eq(moves("ok"), 0);
+    wait_idle(3, 15000);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+
+    /* the source dies while it holds the move */
+    start_cluster(1, 2);
+    fault_start(&j, &th, 73);
+    fault_roles(src, dst);
+    snprintf(path, sizeof(path), "/admin/workers/%s/drain?migrate=1", src);
+    cr_assert_eq(http(admin_port, "POST", path, "", buf, sizeof(buf)), 200, "%s", buf);
+    usleep(500000);
+    kill(pid_of(src), SIGKILL);
+    pthread_join(th, NULL);
+    cr_expect_eq(j.status, 200, "the stream had started: %s", j.got_text);
+    cr_expect(strstr(j.got_text, "[error]") != NULL && strstr(j.got_text, src) != NULL,
+              "the stream ends with an error naming %s: %.400s", src, j.got_text);
+    cr_expect_geq(moves("lost"), 1);
+    wait_idle(2, 15000);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+    gen_extra[0] = router_extra[0] = NULL;
+}
+
+Test(cluster, drain_migrate_faults_end_once_and_free_every_page, .timeout = 300)
+{
+    migrate_faults_body();
+}
+
 /* Run duet-bench's `workload` against the cluster; returns its exit status, its stdout in out. */
 static int run_bench_workload(const char *workload, const char *baseline, const char *json,
                               char *out, size_t cap)
@@ -1130,20 +1329,19 @@ Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout 
     gen_killed_body();
 }
 
+/* Moves carry the KDA replay rows of the last verify (ngram drafts keep many). */
+Test(cluster_spec, drain_migrate_moves_requests_mid_decode, .timeout = 240)
+{
+    speculate("ngram", "4");
+    migrate_body();
+}
+
 Test(cluster_spec, drain_under_load_loses_nothing, .timeout = 180)
 {
     /* the drafter samples its drafts for the seeded requests here: their streams must repeat
      * duet-generate's with the same keys whatever the batch around them */
     speculate("draft", "2");
     drain_body();
-}
-
-/* A labelled series of the router's /metrics ("name{labels}"), or -1. */
-static double metric_series(const char *name, const char *labels)
-{
-    char full[256];
-    snprintf(full, sizeof(full), "%s%s", name, labels);
-    return metric(full);
 }
 
 /*

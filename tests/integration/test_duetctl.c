@@ -123,6 +123,12 @@ Test(duetctl, drain_undrain_and_refusals, .timeout = 60)
     cr_expect_eq(ctl(TOK "drain ctx-0"), 3);
     expect_out("server refused (HTTP 409)");
     expect_out("dead");
+    cr_expect_eq(atomic_load(&AH.fake.migrates), 0);
+    cr_expect_eq(ctl(TOK "drain gen-0 --migrate"), 0, "%s", OUT);
+    expect_out("worker gen-0: draining, moving its requests (requests still running)");
+    cr_expect_eq(ctl(TOK "drain gen-1 --migrate --wait"), 0, "%s", OUT);
+    expect_out("worker gen-1: drained");
+    cr_expect_eq(atomic_load(&AH.fake.migrates), 2, "--migrate reached the router twice");
     ah_stop();
 }
 

@@ -3,7 +3,8 @@
  * accepts the worker's Register, and sends it malformed, out-of-range and out-of-order messages,
  * checking that each gets the clear answer the protocol defines (Refused, Tokens ERROR with a
  * reason, or nothing for a harmless stray) and that the worker keeps serving, then that a frame
- * that is not a frame makes it leave cleanly (exit status, never a signal). Bad command lines end
+ * that is not a frame makes it leave cleanly (exit status, never a signal); the same for the
+ * messages that move a running request. Bad command lines end
  * at start-up with status 2 and a message naming the problem.
  */
 #include <criterion/criterion.h>
@@ -281,6 +282,206 @@ Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
         duet_envelope_free(h);
     }
     cr_expect_eq(free_pages, 64u, "pages back after cancel + quarantine");
+    finish_with_garbage();
+}
+
+/* The next body of `kind` (NULL after ms); Tokens of request `rid` are counted into *n_tok and
+ * their last id kept in *last; other bodies are dropped. Caller frees. */
+static Duet__Envelope *recv_kind(int kind, uint64_t rid, uint32_t *n_tok, uint32_t *last, int ms)
+{
+    uint64_t end = now_ms() + (uint64_t)ms;
+    while (now_ms() < end) {
+        Duet__Envelope *e = recv_env((int)(end - now_ms()));
+        if (e == NULL)
+            return NULL;
+        if ((int)e->body_case == kind)
+            return e;
+        if (e->body_case == DUET__ENVELOPE__BODY_TOKENS && e->tokens->request_id == rid) {
+            *n_tok += (uint32_t)e->tokens->n_ids;
+            if (e->tokens->n_ids > 0)
+                *last = e->tokens->ids[e->tokens->n_ids - 1];
+        }
+        duet_envelope_free(e);
+    }
+    return NULL;
+}
+
+static void send_move_reserve(uint64_t rid, uint32_t *toks, size_t n, uint32_t max,
+                              const Duet__MoveState *ms)
+{
+    Duet__Reserve r = DUET__RESERVE__INIT;
+    r.request_id = rid;
+    r.prompt_tokens = (uint32_t)n;
+    r.tokens = toks;
+    r.n_tokens = n;
+    r.max_tokens = max;
+    r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
+    r.move = (Duet__MoveState *)ms;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_RESERVE;
+    env.reserve = &r;
+    send_env(&env);
+}
+
+/*
+ * Moving a running request, the generation worker's side (docs/architecture.md, "Moving a running
+ * request"): a Reserve whose MoveState contradicts itself is refused naming what is wrong; a
+ * MovePause of a request that is not decoding says so; a decoding request pauses with a state
+ * that matches the Tokens it sent, a MoveOut with a reservation that does not decode fails the
+ * move (Moved, not ok) and the request decodes on; a valid move-in reserves the KV it holds.
+ */
+Test(worker_protocol, gen_answers_bad_move_messages, .timeout = 120)
+{
+    start(GEN, "--cache.quarantine_ms=100");
+    uint32_t toks[8] = {256, 72, 101, 108, 108, 111, 32, 87};
+    uint32_t gen[4] = {72, 105, 33, 10};
+    uint64_t rng[4] = {1, 2, 3, 4};
+    Duet__MoveState ms = DUET__MOVE_STATE__INIT;
+    ms.kv_tokens = 8 + 4 - 1;
+    ms.produced = 4;
+    ms.next_token = 10;
+    ms.rng = rng;
+    ms.n_rng = 4;
+    ms.generated = gen;
+    ms.n_generated = 4;
+
+    ms.n_rng = 3;
+    send_move_reserve(20, toks, 8, 50, &ms);
+    expect_refused(20, "RNG");
+    ms.n_rng = 4;
+    ms.n_generated = 3;
+    send_move_reserve(21, toks, 8, 50, &ms);
+    expect_refused(21, "generated ids");
+    ms.n_generated = 4;
+    ms.next_token = 11;
+    send_move_reserve(22, toks, 8, 50, &ms);
+    expect_refused(22, "generated ids");
+    ms.next_token = 10;
+    send_move_reserve(23, toks, 8, 4, &ms); /* produced == max_tokens: nothing left to move */
+    expect_refused(23, "generated ids");
+    ms.kv_tokens = 12;
+    send_move_reserve(24, toks, 8, 50, &ms);
+    expect_refused(24, "KV length");
+    ms.kv_tokens = 11;
+    ms.replay_rows = 12;
+    send_move_reserve(25, toks, 8, 50, &ms);
+    expect_refused(25, "replay rows");
+    ms.replay_rows = 0;
+    gen[1] = VOCAB + 7;
+    send_move_reserve(26, toks, 8, 50, &ms);
+    expect_refused(26, "vocabulary");
+    gen[1] = 105;
+
+    /* a valid move-in: the reservation is for the 11 tokens of KV it holds */
+    send_move_reserve(27, toks, 8, 50, &ms);
+    Duet__Envelope *e = recv_env(5000);
+    cr_assert_not_null(e);
+    cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_RESERVED, "body %d", (int)e->body_case);
+    duet_xfer_reservation_t res;
+    cr_assert_eq(duet_xfer_reservation_decode(e->reserved->reservation.data,
+                                              e->reserved->reservation.len, 0, &res),
+                 DUET_OK, "%s", duet_error_last());
+    cr_expect_eq(res.n_tokens, 11u);
+    cr_expect_eq(res.n_pages, 1u, "11 tokens fill one 16-token page");
+    duet_xfer_reservation_free(&res);
+    duet_envelope_free(e);
+
+    /* pausing: unknown, and not decoding yet (27 is receiving) */
+    Duet__MovePause mp = DUET__MOVE_PAUSE__INIT;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_MOVE_PAUSE;
+    env.move_pause = &mp;
+    const uint64_t ask[2] = {999, 27};
+    const char *const why[2] = {"no such request", "not decoding"};
+    for (int i = 0; i < 2; i++) {
+        mp.request_id = ask[i];
+        send_env(&env);
+        e = recv_env(5000);
+        cr_assert_not_null(e);
+        cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_MOVE_PAUSED);
+        cr_expect(!e->move_paused->ok);
+        cr_expect(strstr(e->move_paused->reason, why[i]) != NULL, "%s", e->move_paused->reason);
+        duet_envelope_free(e);
+    }
+    /* MoveOut for a request that is not paused */
+    Duet__MoveOut mo = DUET__MOVE_OUT__INIT;
+    mo.request_id = 27;
+    env.body_case = DUET__ENVELOPE__BODY_MOVE_OUT;
+    env.move_out = &mo;
+    send_env(&env);
+    e = recv_env(5000);
+    cr_assert_not_null(e);
+    cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_MOVED);
+    cr_expect(!e->moved->ok);
+    cr_expect(strstr(e->moved->reason, "not paused") != NULL, "%s", e->moved->reason);
+    duet_envelope_free(e);
+
+    /* a decoding request pauses with the state its Tokens show */
+    Duet__Generate g = DUET__GENERATE__INIT;
+    g.request_id = 30;
+    g.tokens = toks;
+    g.n_tokens = 8;
+    g.max_tokens = 400;
+    Duet__Sampling sp = DUET__SAMPLING__INIT;
+    sp.ignore_eos = true;
+    g.sampling = &sp;
+    env.body_case = DUET__ENVELOPE__BODY_GENERATE;
+    env.generate = &g;
+    send_env(&env);
+    uint32_t n_tok = 0, last = 0;
+    while (n_tok < 3) {
+        e = recv_kind(DUET__ENVELOPE__BODY_TOKENS, 30, &n_tok, &last, 5000);
+        cr_assert_not_null(e, "request 30 does not decode");
+        n_tok += (uint32_t)e->tokens->n_ids;
+        last = e->tokens->ids[e->tokens->n_ids - 1];
+        duet_envelope_free(e);
+    }
+    mp.request_id = 30;
+    env.body_case = DUET__ENVELOPE__BODY_MOVE_PAUSE;
+    env.move_pause = &mp;
+    send_env(&env);
+    e = recv_kind(DUET__ENVELOPE__BODY_MOVE_PAUSED, 30, &n_tok, &last, 5000);
+    cr_assert_not_null(e);
+    cr_assert(e->move_paused->ok, "%s", e->move_paused->reason);
+    const Duet__MoveState *st = e->move_paused->state;
+    cr_assert_not_null(st);
+    cr_expect_eq(st->produced, n_tok, "produced %u, %u tokens streamed", st->produced, n_tok);
+    cr_expect_eq(st->next_token, last);
+    cr_expect_eq(st->kv_tokens, 8u + n_tok - 1);
+    cr_expect_eq(st->n_rng, 4u);
+    duet_envelope_free(e);
+    /* paused: no Tokens for it now */
+    e = recv_env(500);
+    cr_expect(e == NULL || e->body_case != DUET__ENVELOPE__BODY_TOKENS,
+              "a paused request decoded on");
+    duet_envelope_free(e);
+    /* a reservation that does not decode: the move fails, the request decodes on */
+    uint8_t junk[5] = {0xff, 0xff, 0xff, 0xff, 0x0f};
+    mo.request_id = 30;
+    mo.reservation.data = junk;
+    mo.reservation.len = sizeof(junk);
+    env.body_case = DUET__ENVELOPE__BODY_MOVE_OUT;
+    env.move_out = &mo;
+    send_env(&env);
+    e = recv_env(5000);
+    cr_assert_not_null(e);
+    cr_assert_eq(e->body_case, DUET__ENVELOPE__BODY_MOVED, "body %d", (int)e->body_case);
+    cr_expect(!e->moved->ok);
+    cr_expect(strstr(e->moved->reason, "cannot start sending") != NULL, "%s", e->moved->reason);
+    duet_envelope_free(e);
+    e = recv_env(5000);
+    cr_assert_not_null(e);
+    cr_expect_eq(e->body_case, DUET__ENVELOPE__BODY_TOKENS, "it decodes on");
+    duet_envelope_free(e);
+
+    Duet__Cancel c = DUET__CANCEL__INIT;
+    c.reason = "test";
+    env.body_case = DUET__ENVELOPE__BODY_CANCEL;
+    env.cancel = &c;
+    c.request_id = 30;
+    send_env(&env);
+    c.request_id = 27;
+    send_env(&env);
     finish_with_garbage();
 }
 

@@ -34,7 +34,7 @@ typedef struct {
 typedef struct {
     fake_worker_t w[FAKE_MAX_WORKERS];
     int n;
-    atomic_int drains, undrains, forgets, changed;
+    atomic_int drains, undrains, forgets, changed, migrates;
 } fake_registry_t;
 
 static fake_worker_t *fake_find(fake_registry_t *f, const char *name)
@@ -62,8 +62,8 @@ static void fake_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_u
     }
 }
 
-static duet_status_t fake_drain(void *ctx, const char *name, duet_admin_drain_done_cb done_cb,
-                                void *done_user)
+static duet_status_t fake_drain(void *ctx, const char *name, bool migrate,
+                                duet_admin_drain_done_cb done_cb, void *done_user)
 {
     fake_registry_t *f = ctx;
     fake_worker_t *w = fake_find(f, name);
@@ -71,7 +71,10 @@ static duet_status_t fake_drain(void *ctx, const char *name, duet_admin_drain_do
         return DUET_ERR_NOT_FOUND;
     if (w->state == DUET_ADMIN_WORKER_DEAD)
         return duet_error_set(DUET_ERR_INVALID, "worker %s is dead", name);
+    if (migrate && strcmp(w->role, "gen") != 0)
+        return duet_error_set(DUET_ERR_INVALID, "worker %s is not a generation worker", name);
     atomic_fetch_add(&f->drains, 1);
+    atomic_fetch_add(&f->migrates, migrate ? 1 : 0);
     w->state = DUET_ADMIN_WORKER_DRAINING;
     if (done_cb != NULL) {
         if (w->running == 0) {

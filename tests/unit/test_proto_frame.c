@@ -333,8 +333,8 @@ Test(proto_frame, truncated_frame_waits_for_more, .timeout = 10)
 /* A body tag this build does not know (a newer peer's message) decodes as NOT_SET. */
 Test(proto_frame, unknown_body_decodes_as_not_set, .timeout = 10)
 {
-    /* version = 1; field 40 (varint) = 1 */
-    const uint8_t frame[] = {0, 0, 0, 5, 0x08, 0x01, 0xc0, 0x02, 0x01};
+    /* version = 1; field 99 (varint) = 1 */
+    const uint8_t frame[] = {0, 0, 0, 5, 0x08, 0x01, 0x98, 0x06, 0x01};
     duet_frame_decoder_t d;
     Duet__Envelope *env = NULL;
     cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK);

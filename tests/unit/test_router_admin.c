@@ -297,6 +297,27 @@ Test(admin, drain_and_undrain_without_wait, .timeout = 30)
     reply_free(&r);
     cr_expect_eq(atomic_load(&AH.fake.drains), 2);
     cr_expect_eq(atomic_load(&AH.fake.undrains), 1);
+    cr_expect_eq(atomic_load(&AH.fake.migrates), 0, "no drain asked to migrate");
+    ah_stop();
+}
+
+Test(admin, drain_with_migrate_reaches_the_router, .timeout = 30)
+{
+    ah_start();
+    reply_t r;
+    call("POST", "/admin/workers/gen-0/drain?migrate=1", NULL, &r);
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    cr_expect(json_is_true(json_object_get(r.json, "migrate")), "%s", r.body);
+    reply_free(&r);
+    call("POST", "/admin/workers/gen-1/drain?migrate=false", NULL, &r);
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    cr_expect(json_is_false(json_object_get(r.json, "migrate")), "%s", r.body);
+    reply_free(&r);
+    call("POST", "/admin/workers/gen-0/drain?migrate=sure", NULL, &r);
+    expect_error(&r, 400, "migrate");
+    reply_free(&r);
+    cr_expect_eq(atomic_load(&AH.fake.drains), 2, "the bad value reached no op");
+    cr_expect_eq(atomic_load(&AH.fake.migrates), 1);
     ah_stop();
 }
 
