@@ -1162,6 +1162,7 @@ Test(cluster, drain_migrate_moves_requests_mid_decode, .timeout = 240)
  *   - the target is killed mid-move: the source decodes on; the answer equals duet-generate's
  *   - the move's deadline passes: the same, and the router counts the failed moves
  *   - the source is killed mid-move: the request ends once with an error naming the lost worker
+ *   - no other generation worker: the move is abandoned and the request finishes where it is
  * and afterwards every page is back on every live worker (the target's after its quarantine).
  */
 static job_t *fault_start(job_t *j, pthread_t *th, int seed)
@@ -1246,7 +1247,24 @@ static void migrate_faults_body(void)
     free(j.want_text);
     free(j.got_text);
     stop_all();
+
+    /* no other generation worker: the request stays and finishes where it is */
     gen_extra[0] = router_extra[0] = NULL;
+    start_cluster(1, 1);
+    fault_start(&j, &th, 74);
+    cr_assert_eq(busy_worker("gen-", 1, 20000), 0);
+    usleep(400000);
+    cr_assert_eq(http(admin_port, "POST", "/admin/workers/gen-0/drain?migrate=1", "", buf,
+                      sizeof(buf)),
+                 200, "%s", buf);
+    pthread_join(th, NULL);
+    check_job(&j, 0);
+    cr_expect_geq(moves("abandoned"), 1, "the router gave the move up");
+    cr_expect_eq(moves("ok") + moves("failed") + moves("lost"), 0);
+    wait_idle(2, 15000);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
 }
 
 Test(cluster, drain_migrate_faults_end_once_and_free_every_page, .timeout = 300)
