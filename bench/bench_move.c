@@ -17,7 +17,9 @@
  * checked) on the same monotonic clock, checks every moved byte against the pattern through the
  * plan, and takes the sequence over (duet_model_seq_set_received, 5 rows). The reference, timed in
  * the same run by the sender: memcpy of the same source ranges (the plan's entries) into a warm
- * buffer.
+ * buffer; and, beside it, memcpy of pieces of the same sizes from a warm private buffer, because
+ * memcpy reads the pools (UCX-allocated shared-memory segments) markedly more slowly than
+ * anonymous memory on the machine of bench/RESULTS.md.
  *
  * Models: the demo model (models/duet-demo) and one with Kimi-Linear-48B's cache dimensions
  * (bench/configs/kimi-linear-48b; bench/cache_bench.h). Medians of --reps runs.
@@ -275,7 +277,8 @@ static int run_receiver(int in, int out)
 typedef struct {
     xt_child_t c; /* the receiver (pid, pipe ends) */
     side_t s;
-    uint8_t *scratch; /* the memcpy reference's destination, warm */
+    uint8_t *scratch; /* the memcpy references' destination, warm */
+    uint8_t *priv;    /* their private source (anonymous memory), warm */
     size_t scratch_bytes;
 } sender_t;
 
@@ -293,7 +296,7 @@ static int send_cmd(sender_t *S, const char *what, char *reply, size_t cap)
 }
 
 typedef struct {
-    double send, recv, cpy; /* seconds */
+    double send, recv, cpy, cpy_priv; /* seconds */
     uint64_t bytes;
     size_t puts;
 } run_t;
@@ -348,9 +351,17 @@ static int send_run(sender_t *S, const duet_seq_t *seq, uint32_t seed, run_t *ou
     }
     if (plan.total_bytes > S->scratch_bytes) {
         free(S->scratch);
+        free(S->priv);
         S->scratch = malloc(plan.total_bytes);
+        S->priv = malloc(plan.total_bytes);
+        if (S->scratch == NULL || S->priv == NULL) {
+            fprintf(stderr, PROG ": no memory for the memcpy buffers\n");
+            S->scratch_bytes = 0;
+            goto done;
+        }
         S->scratch_bytes = plan.total_bytes;
         memset(S->scratch, 1, plan.total_bytes); /* warm: no first touch while timing */
+        memset(S->priv, 2, plan.total_bytes);
     }
 
     outcome_t o = {0};
@@ -391,18 +402,26 @@ static int send_run(sender_t *S, const duet_seq_t *seq, uint32_t seed, run_t *ou
                 (char *)b, bad, (unsigned long long)o.bytes);
         goto done;
     }
-    /* the reference: memcpy of the same source ranges */
+    /* the references: memcpy of the same source ranges, then of the same pieces from private
+     * memory (the pools are UCX's shared-memory segments, which memcpy reads more slowly) */
     const double tm0 = cache_bench_now_s();
-    uint8_t *d = S->scratch;
+    uint64_t at = 0;
     for (size_t i = 0; i < plan.n_entries; i++) {
         const duet_xfer_entry_t *e = &plan.entries[i];
-        memcpy(d, s->base[e->kind] + e->src_off, e->len);
-        d += e->len;
+        memcpy(S->scratch + at, s->base[e->kind] + e->src_off, e->len);
+        at += e->len;
     }
     const double tm1 = cache_bench_now_s();
+    at = 0;
+    for (size_t i = 0; i < plan.n_entries; i++) {
+        memcpy(S->scratch + at, S->priv + at, plan.entries[i].len);
+        at += plan.entries[i].len;
+    }
+    const double tm2 = cache_bench_now_s();
     *out = (run_t){.send = t1 - t0,
                    .recv = t_recv - t0,
                    .cpy = tm1 - tm0,
+                   .cpy_priv = tm2 - tm1,
                    .bytes = plan.total_bytes,
                    .puts = plan.n_entries};
     rc = 0;
@@ -438,22 +457,26 @@ static int bench_model(sender_t *S, int which, const char *label, const char *tr
             rc = -1;
             break;
         }
-        double ts[MAX_REPS], tr[MAX_REPS], tc[MAX_REPS];
+        double ts[MAX_REPS], tr[MAX_REPS], tc[MAX_REPS], tp[MAX_REPS];
         run_t r = {0};
         for (int k = 0; k < reps && rc == 0; k++) {
             rc = send_run(S, &seq, (uint32_t)(1000 * i + k + 1), &r);
             ts[k] = r.send;
             tr[k] = r.recv;
             tc[k] = r.cpy;
+            tp[k] = r.cpy_priv;
         }
         duet_model_seq_close(S->s.m, &seq);
         if (rc != 0)
             break;
         const double gb = (double)r.bytes / 1e9, send = cache_bench_median(ts, reps),
-                     recv = cache_bench_median(tr, reps), cpy = cache_bench_median(tc, reps);
-        printf("| %s | %lld | %s | %.1f | %zu | %.2f (%.1f) | %.2f (%.1f) | %.2f (%.1f) | %.2f |\n",
+                     recv = cache_bench_median(tr, reps), cpy = cache_bench_median(tc, reps),
+                     cpy_priv = cache_bench_median(tp, reps);
+        printf("| %s | %lld | %s | %.1f | %zu | %.2f (%.1f) | %.2f (%.1f) | %.2f (%.1f) | %.2f "
+               "(%.1f) | %.2f |\n",
                label, (long long)ctx[i], transport, (double)r.bytes / MIB, r.puts, send * 1e3,
-               gb / send, recv * 1e3, gb / recv, cpy * 1e3, gb / cpy, send / cpy);
+               gb / send, recv * 1e3, gb / recv, cpy * 1e3, gb / cpy, cpy_priv * 1e3, gb / cpy_priv,
+               send / cpy);
         fflush(stdout);
     }
     side_free(&S->s);
@@ -492,6 +515,7 @@ static int bench_transport(const char *name, const char *tls, const int64_t *ctx
         rc = -1;
     }
     free(S.scratch);
+    free(S.priv);
     return rc;
 }
 
@@ -601,13 +625,14 @@ int main(int argc, char **argv)
     if (rc == 0) {
         printf("Medians of %d runs; times in ms from duet_xfer_send_start, (GB/s) = moved bytes / "
                "time; send = the sender's DONE (puts flushed, XferDone sent), receiver = its DONE "
-               "(byte count checked); memcpy = the same source ranges into a warm buffer; "
-               "send / memcpy = the ratio of the times.\n\n",
+               "(byte count checked); memcpy = the same source ranges (the plan's entries) into a "
+               "warm buffer, from the pools, and the same pieces from a private buffer; send / "
+               "memcpy = the ratio of the times (memcpy from the pools).\n\n",
                reps);
         printf(
             "| model | context | transport | MiB moved | puts | send ms (GB/s) | receiver DONE ms "
-            "(GB/s) | memcpy ms (GB/s) | send / memcpy |\n");
-        printf("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+            "(GB/s) | memcpy ms (GB/s) | memcpy, private src ms (GB/s) | send / memcpy |\n");
+        printf("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
         if (strcmp(which, "tcp") != 0)
             rc |= bench_transport("shm", "posix,sysv,cma,self", ctx, n_ctx, reps) != 0;
         if (rc == 0 && strcmp(which, "shm") != 0)
