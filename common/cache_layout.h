@@ -38,8 +38,11 @@
  *   row_bytes = (6*H*K + H) * elem_bytes; field f starts f*H*K elements into the row
  *   (DUET_REPLAY_FIELD_*)
  *
- * It is never transferred: a sequence's accepted rows are folded into the KDA pool before its
- * state leaves the process (duet_model_seq_commit).
+ * It is transferred only with a running request that moves between generation workers: its
+ * accepted rows not yet folded into the KDA pool (rows [0, n_replay) of each layer of its slot)
+ * travel with its state (transfer/plan.h, DUET_XFER_SEG_REPLAY) and are folded in at the target
+ * (duet_model_seq_set_received). A context worker's sequences never have such rows; suspend
+ * folds them in first (duet_model_seq_commit).
  *
  * Header-only (pure arithmetic, inlined where offsets are taken per item and head).
  */

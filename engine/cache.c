@@ -409,7 +409,7 @@ duet_status_t duet_replay_pool_create(const duet_replay_pool_desc_t *desc,
         goto err_nomem;
     pool->desc = *desc;
     pool->layout = duet_replay_pool_desc_layout(desc);
-    if (duet__slab_init(&pool->slab, bytes, NULL, 0))
+    if (duet__slab_init(&pool->slab, bytes, desc->mem, 0))
         goto err_free_pool;
     *pool_p = pool;
     return DUET_OK;

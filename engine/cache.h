@@ -94,8 +94,9 @@ duet_kda_layout_t duet_kda_pool_desc_layout(const duet_kda_pool_desc_t *desc);
  * The KDA replay pool (speculative decoding): per KDA state slot and KDA layer, `rows` rows of
  * what folding one verified token into S and the conv windows needs (common/cache_layout.h).
  * Its blocks are addressed by the KDA slot of the sequence they belong to, so it hands out
- * nothing of its own; it is never transferred (a sequence's state is committed before it
- * leaves), so the model always allocates it itself.
+ * nothing of its own. A running request moved between generation workers brings its pending
+ * rows along (transfer/plan.h), so on a generation worker it is registered with UCX like the
+ * other two.
  */
 typedef struct {
     int64_t n_slots;  /* = the KDA pool's */
@@ -103,6 +104,7 @@ typedef struct {
     int64_t heads;    /* H */
     int64_t head_dim; /* K = V */
     int64_t rows;     /* rows per (slot, layer): spec_rows */
+    void *mem;        /* as duet_kv_pool_desc_t.mem, duet_replay_pool_bytes_needed() bytes */
 } duet_replay_pool_desc_t;
 
 typedef struct duet_replay_pool duet_replay_pool_t;

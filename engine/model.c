@@ -262,8 +262,17 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         }
         if ((st = duet_kda_pool_create(&sd, &m->kda)) != DUET_OK)
             return st;
-        if (rd.n_layers > 0 && (st = duet_replay_pool_create(&rd, &m->replay)) != DUET_OK)
-            return st;
+        if (rd.n_layers > 0) {
+            size_t bytes = duet_replay_pool_bytes_needed(&rd);
+            if (opts.pool_alloc != NULL && bytes != SIZE_MAX) { /* create refuses an overflow */
+                rd.mem = opts.pool_alloc(opts.pool_alloc_user, DUET_MODEL_POOL_REPLAY, bytes);
+                if (rd.mem == NULL)
+                    return DUET_FAIL(DUET_ERR_NOMEM,
+                                     "model: the replay pool allocator gave no %zu bytes", bytes);
+            }
+            if ((st = duet_replay_pool_create(&rd, &m->replay)) != DUET_OK)
+                return st;
+        }
     }
     m->page_table = calloc((size_t)(opts.max_seqs * m->max_pages_per_seq), sizeof(int32_t));
     m->seq_used = calloc((size_t)opts.max_seqs, 1);
@@ -474,6 +483,36 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
     }
     seq->n_tokens = n_tokens;
     seq->n_replay = 0;
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_set_received(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
+                                          int64_t n_replay)
+{
+    if (n_replay == 0)
+        return duet_model_seq_set_filled(m, seq, n_tokens);
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "set_received: not an open sequence");
+    if (n_replay < 0)
+        return duet_error_set(DUET_ERR_RANGE, "set_received: n_replay %lld is negative",
+                              (long long)n_replay);
+    if (!(m->ops->caps & DUET_BACKEND_CAP_VERIFY))
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "set_received: the %s backend cannot take %lld replay rows (no "
+                              "verify rows, no host replay pool)",
+                              m->ops->name, (long long)n_replay);
+    if (m->kda == NULL || m->replay == NULL)
+        return duet_error_set(
+            DUET_ERR_INVALID, "set_received: %lld replay rows into a model without %s",
+            (long long)n_replay, m->kda == NULL ? "KDA layers" : "a replay pool (spec_rows 0)");
+    if (n_replay > n_tokens || n_replay > m->opts.spec_rows)
+        return duet_error_set(
+            DUET_ERR_RANGE, "set_received: %lld replay rows of %lld tokens (spec_rows %lld)",
+            (long long)n_replay, (long long)n_tokens, (long long)m->opts.spec_rows);
+    duet_status_t st = duet_model_seq_set_filled(m, seq, n_tokens);
+    if (st != DUET_OK)
+        return st;
+    seq->n_replay = n_replay;
     return DUET_OK;
 }
 

@@ -42,14 +42,15 @@ typedef struct duet_model duet_model_t;
 typedef enum {
     DUET_MODEL_POOL_KV = 0,     /* the MLA KV pool */
     DUET_MODEL_POOL_KDA = 1,    /* the KDA state pool */
-    DUET_MODEL_POOL_REPLAY = 2, /* the KDA replay pool (spec_rows > 0); never from pool_alloc */
+    DUET_MODEL_POOL_REPLAY = 2, /* the KDA replay pool (spec_rows > 0, KDA layers) */
 } duet_model_pool_t;
 
 /*
  * Memory for a cache pool: `bytes` zeroed bytes, 64-byte aligned, that outlive the model (the
  * model never frees them); NULL = out of memory. A generation worker passes an allocator that
- * returns UCX-registered segments so that a context worker's puts land in them directly. Called
- * for DUET_MODEL_POOL_KV and DUET_MODEL_POOL_KDA only: the replay pool is never transferred.
+ * returns UCX-registered segments so that a context worker's puts land in them directly, and
+ * another generation worker's when a running request moves (its pending replay rows too). Called
+ * for every pool the model has (duet_model_pool_descs): KV, KDA, and the replay pool.
  */
 typedef void *(*duet_model_pool_alloc_fn)(void *user, duet_model_pool_t which, size_t bytes);
 
@@ -177,7 +178,8 @@ const duet_model_opts_t *duet_model_opts(const duet_model_t *m);
 duet_kv_pool_t *duet_model_kv_pool(duet_model_t *m);
 duet_kda_pool_t *duet_model_kda_pool(duet_model_t *m);
 /* The KDA replay pool, addressed by a sequence's kda_slot; NULL without spec_rows or without KDA
- * layers (tests and tools read it; nothing outside the engine writes it). */
+ * layers. Outside the engine only a transfer writes it (a moved running request's rows, then
+ * duet_model_seq_set_received); tests and tools read it. */
 duet_replay_pool_t *duet_model_replay_pool(duet_model_t *m);
 
 /* A sequence's cache handle. Fields are read-only for callers. */
@@ -210,6 +212,22 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
  * pending). Afterwards n_pending = n_replay = 0 (the replay pool holds nothing of it).
  */
 duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens);
+
+/*
+ * A sequence whose pools were written from outside (a moved request): n_tokens of KV, the KDA
+ * state through n_tokens - n_replay, and the last n_replay accepted rows in the replay pool,
+ * folded in at its next forward (or duet_model_seq_commit). n_replay 0 == set_filled.
+ *
+ * The rows are rows [0, n_replay) of each KDA layer of the sequence's slot in the replay pool
+ * (common/cache_layout.h), exactly what duet_model_seq_accept left there on the sending model;
+ * afterwards n_pending = 0 and n_replay = n_replay, as after that accept. Errors (nothing
+ * changes): duet_model_seq_set_filled's; DUET_ERR_RANGE for n_replay < 0, > n_tokens or >
+ * spec_rows; DUET_ERR_UNSUPPORTED (n_replay > 0) on a backend without verify rows, whose replay
+ * pool is on the device or absent (cuda); DUET_ERR_INVALID (n_replay > 0) for a model without KDA
+ * layers or without a replay pool (spec_rows 0).
+ */
+duet_status_t duet_model_seq_set_received(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
+                                          int64_t n_replay);
 
 /* Return the sequence's pages and slot. Accepts an already closed sequence, and one with pending
  * or unreplayed rows (they are dropped). */

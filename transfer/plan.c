@@ -7,7 +7,9 @@
  * so one run is one contiguous range on both sides; a run that continues the previous entry on
  * both sides (same rank) is merged into it. KDA: per layer and rank, S of the rank's heads is one
  * contiguous range on the sender (heads are the outer dimension) and the q, k, v conv windows of
- * its channels are three more; with one rank the four are contiguous and merge into one.
+ * its channels are three more; with one rank the four are contiguous and merge into one. Replay
+ * rows (one rank only): per KDA layer, rows [0, n_replay) of the slot's block are contiguous on
+ * both sides, one entry after the layer's state; entries of different pools never merge.
  *
  * Everything is validated before the plan is touched, with 64-bit overflow checks on every
  * offset the plan can produce (the largest page id and slot bound them). The entry buffer is
@@ -46,6 +48,15 @@ static duet_kda_layout_t kda_layout_of(const duet_xfer_layout_t *l)
                                .elem_bytes = l->state_elem};
 }
 
+duet_replay_layout_t duet_xfer_layout_replay(const duet_xfer_layout_t *l)
+{
+    return (duet_replay_layout_t){.n_layers = l->n_kda_layers,
+                                  .heads = l->kda_heads,
+                                  .head_dim = l->kda_head_dim,
+                                  .rows = l->replay_rows,
+                                  .elem_bytes = l->state_elem};
+}
+
 /* Bytes of one KDA layer block. False on overflow or a conv kernel of 0. */
 static bool layout_kda_layer_bytes(const duet_xfer_layout_t *l, uint64_t *r)
 {
@@ -69,6 +80,27 @@ uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l)
     if (l->n_kda_layers == 0)
         return 0;
     if (!duet_kda_layout_slot_bytes(&k, &r))
+        return UINT64_MAX;
+    return r;
+}
+
+uint64_t duet_xfer_layout_replay_slot_bytes(const duet_xfer_layout_t *l)
+{
+    const duet_replay_layout_t k = duet_xfer_layout_replay(l);
+    uint64_t r;
+    if (l->n_kda_layers == 0 || l->replay_rows == 0)
+        return 0;
+    if (!duet_replay_layout_slot_bytes(&k, &r))
+        return UINT64_MAX;
+    return r;
+}
+
+uint64_t duet_xfer_layout_replay_bytes(const duet_xfer_layout_t *l, uint32_t n_replay)
+{
+    const duet_replay_layout_t k = duet_xfer_layout_replay(l);
+    uint64_t row, r;
+    if (!duet_replay_layout_row_bytes(&k, &row) || !mul64(row, n_replay, &r) ||
+        !mul64(r, l->n_kda_layers, &r))
         return UINT64_MAX;
     return r;
 }
@@ -148,7 +180,8 @@ static duet_status_t plan_reserve(duet_xfer_plan_t *plan, size_t n_entries, size
 }
 
 /* Append a range to the current layer group, merging it into the previous entry when it
- * continues that entry on both sides. `group_start` is the first entry of the group. */
+ * continues that entry on both sides (in the same pools). `group_start` is the first entry of the
+ * group. */
 static void plan_add(duet_xfer_plan_t *plan, size_t group_start, uint8_t kind, uint32_t rank,
                      uint32_t layer, uint64_t src_off, uint64_t dst_off, uint64_t len)
 {
@@ -158,7 +191,8 @@ static void plan_add(duet_xfer_plan_t *plan, size_t group_start, uint8_t kind, u
     plan->total_bytes += len;
     if (plan->n_entries > group_start) {
         duet_xfer_entry_t *p = &plan->entries[plan->n_entries - 1];
-        if (p->rank == rank && p->src_off + p->len == src_off && p->dst_off + p->len == dst_off) {
+        if (p->kind == kind && p->rank == rank && p->src_off + p->len == src_off &&
+            p->dst_off + p->len == dst_off) {
             p->len += len;
             return;
         }
@@ -220,6 +254,38 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                              src->kda_slot);
     }
 
+    /* Replay rows: moved with the KDA state, into one rank (a move into a Helix group would
+     * have to shard the rows by heads: not built). */
+    const uint32_t n_replay = src->n_replay;
+    uint64_t replay_row = 0;
+    if (n_replay > 0) {
+        if (n_ranks != 1)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "xfer plan: %u replay rows into a group of %u ranks (moving a "
+                             "request into a Helix group is not built)",
+                             n_replay, n_ranks);
+        if (!kda)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "xfer plan: %u replay rows but no KDA state is sent (%u KDA layers, "
+                             "sender kda_slot %d)",
+                             n_replay, LK, src->kda_slot);
+        if (n_replay > src->n_tokens)
+            return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: %u replay rows of only %llu tokens",
+                             n_replay, (unsigned long long)src->n_tokens);
+        if (n_replay > sl->replay_rows)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "xfer plan: %u replay rows, the sender's replay pool holds %u per "
+                             "slot and layer",
+                             n_replay, sl->replay_rows);
+        const duet_replay_layout_t srl = duet_xfer_layout_replay(sl);
+        uint64_t slot_end;
+        if (!duet_replay_layout_row_bytes(&srl, &replay_row) ||
+            !duet_replay_layout_row_offset(&srl, (uint64_t)src->kda_slot + 1, 0, 0, &slot_end))
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "xfer plan: sender replay slot %d overflows 64-bit offsets",
+                             src->kda_slot);
+    }
+
     const uint32_t pd = dst_layout[0].page_tokens;
     uint64_t n_dst_pages = 0; /* global destination pages */
     uint64_t src_page_bytes = 0;
@@ -278,12 +344,27 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                 return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: rank %u: KDA slot %d overflows", r,
                                  dst[r].kda_slot);
         }
+        if (n_replay > 0) {
+            if (n_replay > dl->replay_rows)
+                return DUET_FAIL(DUET_ERR_RANGE,
+                                 "xfer plan: %u replay rows, rank %u's replay pool holds %u per "
+                                 "slot and layer",
+                                 n_replay, r, dl->replay_rows);
+            const duet_replay_layout_t drl = duet_xfer_layout_replay(dl);
+            uint64_t slot_end;
+            if (!duet_replay_layout_row_offset(&drl, (uint64_t)dst[r].kda_slot + 1, 0, 0,
+                                               &slot_end))
+                return DUET_FAIL(DUET_ERR_RANGE,
+                                 "xfer plan: rank %u: replay slot %d overflows 64-bit offsets", r,
+                                 dst[r].kda_slot);
+        }
     }
 
     /* Upper bound on entries: per MLA layer one run per source or destination page boundary;
-     * per KDA layer and rank S + 3 conv windows. */
+     * per KDA layer and rank S + 3 conv windows, and the replay rows. */
     uint64_t src_pages_used = kv ? pages_for(src->n_tokens, sl->page_tokens) : 0;
-    uint64_t bound = (uint64_t)L * (src_pages_used + n_dst_pages) + (kda ? 4ull * LK * n_ranks : 0);
+    uint64_t bound = (uint64_t)L * (src_pages_used + n_dst_pages) +
+                     (kda ? 4ull * LK * n_ranks : 0) + (n_replay > 0 ? LK : 0);
     if (bound > SIZE_MAX / sizeof(duet_xfer_entry_t))
         return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: %llu entries are too many",
                          (unsigned long long)bound);
@@ -358,6 +439,16 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                 DUET_ASSERT(ok);
                 plan_add(plan, group_start, DUET_XFER_SEG_KDA, r, l, src_off, dst_off, c_len);
             }
+        }
+        if (n_replay > 0) { /* one rank (checked above): rows [0, n_replay) of the layer */
+            const duet_replay_layout_t srl = duet_xfer_layout_replay(sl),
+                                       drl = duet_xfer_layout_replay(dst_layout);
+            uint64_t src_off = 0, dst_off = 0;
+            ok = duet_replay_layout_row_offset(&srl, (uint64_t)src->kda_slot, l, 0, &src_off) &&
+                 duet_replay_layout_row_offset(&drl, (uint64_t)dst[0].kda_slot, l, 0, &dst_off);
+            DUET_ASSERT(ok);
+            plan_add(plan, group_start, DUET_XFER_SEG_REPLAY, 0, l, src_off, dst_off,
+                     replay_row * n_replay);
         }
     }
     plan->layer_first[n_groups] = plan->n_entries;

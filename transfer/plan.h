@@ -15,9 +15,17 @@
  * [i*H/N, (i+1)*H/N) of S and the matching channels of each of the q, k, v conv windows, laid out
  * on the rank exactly as a pool with H/N heads).
  *
+ * A running request that moves between generation workers (src.n_replay > 0) also carries the
+ * accepted speculative rows not yet folded into its KDA state: rows [0, n_replay) of each KDA
+ * layer of its slot in the KDA replay pool (common/cache_layout.h), one DUET_XFER_SEG_REPLAY
+ * entry per KDA layer, into the same rows of the destination slot. Only into one rank (a move
+ * into a Helix group is not built); the two sides' replay pools may hold different numbers of
+ * rows per (slot, layer), n_replay must fit both. A context worker's transfer has n_replay 0.
+ *
  * Entries are grouped by layer in order (all MLA layer 0 entries, then layer 1, ...; then the
- * KDA entries), so the sender can start layer L as soon as layer L is ready. Within a layer,
- * adjacent byte ranges that are contiguous on both sides are merged into one entry.
+ * KDA entries, each KDA layer's group its state, conv windows and replay rows), so the sender can
+ * start layer L as soon as layer L is ready. Within a layer, adjacent byte ranges of one pool
+ * that are contiguous on both sides are merged into one entry.
  */
 #ifndef DUET_TRANSFER_PLAN_H
 #define DUET_TRANSFER_PLAN_H
@@ -25,6 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/cache_layout.h"
 #include "common/status.h"
 
 #define DUET_XFER_MAX_RANKS 64
@@ -39,6 +48,9 @@ typedef struct {
     uint32_t kda_head_dim; /* K = V */
     uint32_t conv_kernel;  /* W */
     uint32_t state_elem;   /* bytes per state element: 4 (fp32) */
+    uint32_t replay_rows;  /* rows per (KDA slot, KDA layer) of the replay pool, each
+                              (6*H*K + H) * state_elem bytes (common/cache_layout.h);
+                              0 = no replay pool */
 } duet_xfer_layout_t;
 
 /* What a destination rank reserved for one request. */
@@ -54,18 +66,22 @@ typedef struct {
     uint32_t n_pages;
     int32_t kda_slot;  /* -1 when no KDA state is sent */
     uint64_t n_tokens; /* tokens of KV to move (<= n_pages * page_tokens) */
+    uint32_t n_replay; /* accepted rows not yet folded into the KDA state: rows [0, n_replay)
+                          of each KDA layer of kda_slot in the replay pool (0 = none) */
 } duet_xfer_src_t;
 
 typedef enum {
-    DUET_XFER_SEG_KV = 0,  /* MLA KV bytes; `layer` is the MLA layer */
-    DUET_XFER_SEG_KDA = 1, /* KDA state / conv bytes; `layer` is the KDA layer */
+    DUET_XFER_SEG_KV = 0,     /* MLA KV bytes; `layer` is the MLA layer */
+    DUET_XFER_SEG_KDA = 1,    /* KDA state / conv bytes; `layer` is the KDA layer */
+    DUET_XFER_SEG_REPLAY = 2, /* KDA replay rows; `layer` is the KDA layer */
 } duet_xfer_seg_kind_t;
 
 typedef struct {
     uint8_t kind; /* duet_xfer_seg_kind_t */
     uint8_t rank; /* destination rank in the group */
     uint16_t layer;
-    uint64_t src_off; /* byte offset from the sender pool's base (KV or KDA pool by kind) */
+    uint64_t src_off; /* byte offset from the sender pool's base (KV, KDA or replay pool by
+                         kind) */
     uint64_t dst_off; /* byte offset from the destination rank's pool base */
     uint64_t len;     /* bytes */
 } duet_xfer_entry_t;
@@ -76,7 +92,7 @@ typedef struct {
     size_t cap;
     size_t *layer_first; /* owned, [n_mla_layers + n_kda_layers + 1]: entries of layer
                             group g are [layer_first[g], layer_first[g+1]) with KV layers
-                            first, then KDA layers */
+                            first, then KDA layers (state, conv and replay entries) */
     uint64_t bytes_per_rank[DUET_XFER_MAX_RANKS]; /* [n_ranks] used, rest 0 */
     uint64_t total_bytes;
     size_t n_groups;  /* layer groups: n_mla_layers + n_kda_layers */
@@ -89,8 +105,10 @@ typedef struct {
  * message (DUET_ERR_INVALID / DUET_ERR_RANGE): token_bytes / layer counts / head_dim / kernel /
  * elem differing between the sides, kda_heads not divisible by n_ranks or not matching a rank's
  * layout, too few destination pages for n_tokens on some rank, page ids negative, n_ranks outside
- * [1, DUET_XFER_MAX_RANKS]. The plan is built into *plan_p (which must be zeroed or previously
- * built; buffers are reused and grown). Pure: touches no pool memory.
+ * [1, DUET_XFER_MAX_RANKS]; and for replay rows (src.n_replay > 0): more than one rank, no KDA
+ * layers or no slot, n_replay above n_tokens or above either side's replay_rows. The plan is built
+ * into *plan_p (which must be zeroed or previously built; buffers are reused and grown). Pure:
+ * touches no pool memory.
  */
 duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
                                    const duet_xfer_layout_t *dst_layout,
@@ -104,5 +122,12 @@ void duet_xfer_plan_free(duet_xfer_plan_t *plan); /* frees buffers; accepts zero
  * decoder). The KDA size of a layout with n_kda_layers = 0 is 0. */
 uint64_t duet_xfer_layout_kv_page_bytes(const duet_xfer_layout_t *l);  /* all layers of a page */
 uint64_t duet_xfer_layout_kda_slot_bytes(const duet_xfer_layout_t *l); /* all layers of a slot */
+/* The replay pool's layout (common/cache_layout.h) that l describes: its KDA layers, heads and
+ * head dim, replay_rows rows, state_elem bytes per element. */
+duet_replay_layout_t duet_xfer_layout_replay(const duet_xfer_layout_t *l);
+/* The replay pool's rows of one slot, all KDA layers (0 without KDA layers or replay_rows). */
+uint64_t duet_xfer_layout_replay_slot_bytes(const duet_xfer_layout_t *l);
+/* What a transfer with n_replay moves of the replay pool: n_replay rows of every KDA layer. */
+uint64_t duet_xfer_layout_replay_bytes(const duet_xfer_layout_t *l, uint32_t n_replay);
 
 #endif

@@ -75,10 +75,15 @@ duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r, u
     if (r->kda_rkey.len > DUET_XFER_RKEY_MAX)
         return DUET_FAIL(DUET_ERR_RANGE, "reservation: kda_rkey of %zu bytes exceeds %u",
                          r->kda_rkey.len, DUET_XFER_RKEY_MAX);
+    if (r->replay_rkey.len > DUET_XFER_RKEY_MAX)
+        return DUET_FAIL(DUET_ERR_RANGE, "reservation: replay_rkey of %zu bytes exceeds %u",
+                         r->replay_rkey.len, DUET_XFER_RKEY_MAX);
     if (__builtin_add_overflow(r->kv_base, r->kv_bytes, &end))
         return DUET_FAIL(DUET_ERR_RANGE, "reservation: kv_base + kv_bytes overflows");
     if (__builtin_add_overflow(r->kda_base, r->kda_bytes, &end))
         return DUET_FAIL(DUET_ERR_RANGE, "reservation: kda_base + kda_bytes overflows");
+    if (__builtin_add_overflow(r->replay_base, r->replay_bytes, &end))
+        return DUET_FAIL(DUET_ERR_RANGE, "reservation: replay_base + replay_bytes overflows");
     if (l->n_mla_layers > UINT16_MAX || l->n_kda_layers > UINT16_MAX)
         return DUET_FAIL(DUET_ERR_RANGE,
                          "reservation: layout.n_mla_layers %u / n_kda_layers %u exceed %u",
@@ -157,6 +162,41 @@ duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r, u
                              (unsigned long long)r->kda_bytes);
     }
 
+    /* Replay rows of the KDA slot (a moved running request). */
+    if (r->n_replay > 0) {
+        if (r->kda_slot < 0)
+            return DUET_FAIL(DUET_ERR_FORMAT, "reservation: n_replay %u but no kda_slot",
+                             r->n_replay);
+        if (r->group_size != 1)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "reservation: n_replay %u in a group of %u ranks (moving a request "
+                             "into a Helix group is not built)",
+                             r->n_replay, r->group_size);
+        if (r->n_replay > l->replay_rows)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "reservation: n_replay %u exceeds layout.replay_rows %u", r->n_replay,
+                             l->replay_rows);
+        if (r->n_replay > r->n_tokens)
+            return DUET_FAIL(DUET_ERR_RANGE, "reservation: n_replay %u exceeds n_tokens %llu",
+                             r->n_replay, (unsigned long long)r->n_tokens);
+        if (r->replay_rkey.len == 0 || r->replay_rkey.data == NULL)
+            return DUET_FAIL(DUET_ERR_FORMAT, "reservation: n_replay %u but replay_rkey is empty",
+                             r->n_replay);
+        uint64_t slot_bytes = duet_xfer_layout_replay_slot_bytes(l);
+        if (slot_bytes == UINT64_MAX ||
+            __builtin_mul_overflow((uint64_t)r->kda_slot + 1, slot_bytes, &end))
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "reservation: kda_slot %d's replay rows overflow 64-bit offsets "
+                             "(layout.replay_rows %u)",
+                             r->kda_slot, l->replay_rows);
+        if (end > r->replay_bytes)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "reservation: kda_slot %d's replay rows (%llu bytes per slot) lie "
+                             "outside replay_bytes %llu",
+                             r->kda_slot, (unsigned long long)slot_bytes,
+                             (unsigned long long)r->replay_bytes);
+    }
+
     if (r->deadline_unix_ms == 0)
         return DUET_FAIL(DUET_ERR_FORMAT, "reservation: deadline_unix_ms is missing");
     if (now_unix_ms != 0 && r->deadline_unix_ms <= now_unix_ms)
@@ -191,6 +231,7 @@ void duet_xfer_reservation_to_proto(const duet_xfer_reservation_t *r, Duet__Rese
     layout_msg->kda_head_dim = l->kda_head_dim;
     layout_msg->conv_kernel = l->conv_kernel;
     layout_msg->state_elem = l->state_elem;
+    layout_msg->replay_rows = l->replay_rows;
 
     duet__reservation__init(msg);
     msg->version = r->version;
@@ -211,6 +252,10 @@ void duet_xfer_reservation_to_proto(const duet_xfer_reservation_t *r, Duet__Rese
     msg->kda_slot = r->kda_slot;
     msg->n_tokens = r->n_tokens;
     msg->deadline_unix_ms = r->deadline_unix_ms;
+    msg->replay_rkey = bytes_to_proto(r->replay_rkey);
+    msg->replay_base = r->replay_base;
+    msg->replay_bytes = r->replay_bytes;
+    msg->n_replay = r->n_replay;
 }
 
 duet_status_t duet_xfer_reservation_from_proto(const Duet__Reservation *msg, uint64_t now_unix_ms,
@@ -242,12 +287,17 @@ duet_status_t duet_xfer_reservation_from_proto(const Duet__Reservation *msg, uin
                    .kda_heads = lm->kda_heads,
                    .kda_head_dim = lm->kda_head_dim,
                    .conv_kernel = lm->conv_kernel,
-                   .state_elem = lm->state_elem},
+                   .state_elem = lm->state_elem,
+                   .replay_rows = lm->replay_rows},
         .pages = msg->pages,
         .n_pages = (uint32_t)msg->n_pages,
         .kda_slot = msg->kda_slot,
         .n_tokens = msg->n_tokens,
         .deadline_unix_ms = msg->deadline_unix_ms,
+        .replay_rkey = bytes_from_proto(msg->replay_rkey),
+        .replay_base = msg->replay_base,
+        .replay_bytes = msg->replay_bytes,
+        .n_replay = msg->n_replay,
         .msg = NULL,
     };
     duet_status_t st = duet_xfer_reservation_validate(&r, now_unix_ms);

@@ -6,7 +6,8 @@
  * router carries the bytes; the context worker decodes them and builds a transfer plan against
  * them. Those bytes come from another process, so decoding validates every field before anything
  * uses it: sizes are capped before protobuf-c allocates, the page list must fit the advertised
- * registered region, the KDA slot must fit the KDA region, products must not overflow, and a
+ * registered region, the KDA slot must fit the KDA region (and, when replay rows are sent, the
+ * replay region), products must not overflow, and a
  * reservation whose deadline has passed is refused as stale. Each refusal names the field.
  *
  * Byte spans and the page list of a decoded reservation point into the unpacked protobuf message
@@ -54,7 +55,14 @@ typedef struct {
     int32_t kda_slot;          /* -1 when no KDA state is sent */
     uint64_t n_tokens;         /* tokens of KV the whole group receives */
     uint64_t deadline_unix_ms; /* wall clock (CLOCK_REALTIME) ms; 0 is refused */
-    Duet__Reservation *msg;    /* owned after decode: backs the spans; NULL otherwise */
+    /* A moved running request's replay rows (transfer/plan.h; all 0 / empty when none are sent:
+     * a context worker's transfer, or a peer that predates them) */
+    duet_xfer_bytes_t replay_rkey; /* packed rkey of the replay pool (non-empty with n_replay) */
+    uint64_t replay_base;
+    uint64_t replay_bytes;
+    uint32_t n_replay;      /* rows [0, n_replay) of each KDA layer of kda_slot; <=
+                               layout.replay_rows and n_tokens; needs a kda_slot */
+    Duet__Reservation *msg; /* owned after decode: backs the spans; NULL otherwise */
 } duet_xfer_reservation_t;
 
 /* Wall-clock milliseconds since the Unix epoch (the clock deadlines are written in). */

@@ -9,7 +9,9 @@
  * progress: the runtime is single-threaded like the worker (UCS_THREAD_MODE_SINGLE).
  *
  * Receiver (generation side):
- *   duet_xfer_recv_reserve() takes the request's destination pages and KDA slot (which the owner
+ *   duet_xfer_recv_reserve() takes the request's destination pages and KDA slot (and, for a
+ *   running request moved from another generation worker, how many replay rows come: n_replay),
+ *   which the owner
  *   already took from its pools) and a deadline, and produces the Reservation (worker address,
  *   rkeys, pool bases, layout, pages, deadline) that travels to the sender through the router.
  *   The transfer is then RESERVED -> RECEIVING (the sender said hello; a later hello from another
@@ -27,7 +29,8 @@
  *   group) and the source pages/slot, builds the plan, connects (one cached endpoint per peer
  *   worker), and is CONNECTING -> SENDING -> FLUSHING -> DONE | ABORTED. Layer-wise streaming:
  *   duet_xfer_send_layer_ready(L) puts MLA layer L at once (ucp_put_nbx, zero copy from the
- *   registered pool), duet_xfer_send_kda_ready() puts the KDA state and conv windows; when every
+ *   registered pool), duet_xfer_send_kda_ready() puts the KDA state and conv windows (and the
+ *   replay rows of a moved running request, src.n_replay > 0); when every
  *   layer is out the endpoints are flushed and one XferDone active message goes to each rank
  *   (bytes, optional XXH3-64 of the rank's bytes in plan order, computed on the source bytes).
  *   A dead or failing receiver ends the transfer through the endpoint's UCX error handler
@@ -88,11 +91,14 @@ typedef enum {
     DUET_XFER_MEM_CUDA = 1,
 } duet_xfer_mem_kind_t;
 
-/* The registered pools; the values match duet_xfer_seg_kind_t so plan entries index them. */
+/* The registered pools; the values match duet_xfer_seg_kind_t so plan entries index them. The
+ * replay pool (speculative decoding's KDA replay rows) is registered only by a process whose
+ * model has one: it is sent only when a running request moves between generation workers. */
 typedef enum {
     DUET_XFER_POOL_KV = 0,
     DUET_XFER_POOL_KDA = 1,
-    DUET_XFER_N_POOLS = 2,
+    DUET_XFER_POOL_REPLAY = 2,
+    DUET_XFER_N_POOLS = 3,
 } duet_xfer_pool_t;
 
 typedef enum {
@@ -238,6 +244,10 @@ typedef struct {
     uint32_t n_pages;
     int32_t kda_slot;          /* -1 when no KDA state is expected */
     uint64_t n_tokens;         /* tokens of KV the whole group receives */
+    uint32_t n_replay;         /* replay rows expected with the KDA state (a moved running
+                                  request; transfer/plan.h): 0 = none. Needs kda_slot >= 0, the
+                                  replay pool registered, layout.replay_rows >= n_replay and
+                                  group_size 1; they count in XferDone's byte check */
     uint32_t rank;             /* this rank in the destination group */
     uint32_t group_size;       /* 1 = no Helix CP */
     uint64_t deadline_unix_ms; /* wall clock (the peer is another host) */
@@ -272,9 +282,9 @@ typedef struct {
     const duet_xfer_reservation_t *reservations; /* [n_ranks], rank r at [r]; decoded */
     uint32_t n_ranks;                            /* destination group size */
     duet_xfer_layout_t layout;                   /* the source pools' layout */
-    duet_xfer_src_t src;                         /* source pages / slot / n_tokens; pages copied */
-    uint64_t deadline_unix_ms;                   /* 0 = the reservations' (earliest) deadline */
-    bool checksum; /* send XXH3-64 of each rank's bytes (host pools) */
+    duet_xfer_src_t src;       /* source pages / slot / n_tokens / n_replay; pages copied */
+    uint64_t deadline_unix_ms; /* 0 = the reservations' (earliest) deadline */
+    bool checksum;             /* send XXH3-64 of each rank's bytes (host pools) */
     duet_xfer_outcome_cb_t cb;
     void *user;
 } duet_xfer_send_args_t;
@@ -282,7 +292,8 @@ typedef struct {
 /*
  * Start sending: check every reservation again (duet_xfer_reservation_validate with the current
  * clock: it may have been filled by hand or waited in a queue) and against each other and the
- * source (rank r at [r], one group size, one transfer per rank, n_tokens equal to src.n_tokens,
+ * source (rank r at [r], one group size, one transfer per rank, n_tokens and n_replay equal to
+ * src's,
  * the plan's byte ranges inside each rank's advertised pools and inside our registered pools),
  * build the plan, connect (the rkeys must unpack). Nothing is put until layers are ready.
  * *id_p = the sender-side handle. Refusals, each with a detail in duet_error_last():
@@ -311,7 +322,8 @@ duet_status_t duet_xfer_send_layer_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id
  */
 bool duet_xfer_send_connecting(duet_xfer_ctx_t *ctx, duet_xfer_id_t id);
 
-/* The KDA state and conv windows are final: put them (no-op when the request has none). */
+/* The KDA state and conv windows (and replay rows, src.n_replay) are final: put them (no-op
+ * when the request has none). */
 duet_status_t duet_xfer_send_kda_ready(duet_xfer_ctx_t *ctx, duet_xfer_id_t id);
 
 /*

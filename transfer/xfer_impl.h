@@ -134,6 +134,7 @@ struct duet__xfer {
     duet_xfer_layout_t layout;
     int32_t kda_slot;
     uint64_t n_tokens;
+    uint32_t n_replay;
     uint32_t rank, group_size;
     uint64_t deadline_unix_ms;
     uint64_t expect_bytes;

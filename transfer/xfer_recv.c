@@ -10,7 +10,8 @@
  * The checksum of a rank's bytes is recomputed from the destination pages in the order the
  * sender's plan writes them (transfer/plan.h): for each MLA layer, this rank's tokens in sequence
  * order (its local pages in order, full pages then the partial last one), then each KDA layer's
- * whole block (S, then the q, k, v conv windows). That is "destination bytes in plan order".
+ * whole block (S, then the q, k, v conv windows) followed by that layer's replay rows (a moved
+ * request's). That is "destination bytes in plan order".
  */
 #include <stdio.h>
 #include <string.h>
@@ -84,6 +85,21 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
             return DUET_FAIL(DUET_ERR_RANGE, "xfer reserve: KDA slot %d outside the KDA pool",
                              a->kda_slot);
     }
+    uint64_t replay_bytes = 0; /* what the replay rows add to the transfer */
+    if (a->n_replay > 0) {
+        if (a->kda_slot < 0 || ctx->pools[DUET_XFER_POOL_REPLAY].memh == NULL)
+            return DUET_FAIL(DUET_ERR_INVALID, "xfer reserve: %u replay rows but %s", a->n_replay,
+                             a->kda_slot < 0 ? "no KDA slot" : "no replay pool registered");
+        uint64_t rs = duet_xfer_layout_replay_slot_bytes(l), end;
+        if (a->n_replay > l->replay_rows || rs == UINT64_MAX ||
+            __builtin_mul_overflow((uint64_t)a->kda_slot + 1, rs, &end) ||
+            end > ctx->pools[DUET_XFER_POOL_REPLAY].bytes)
+            return DUET_FAIL(DUET_ERR_RANGE,
+                             "xfer reserve: %u replay rows of KDA slot %d outside the replay pool "
+                             "(layout.replay_rows %u)",
+                             a->n_replay, a->kda_slot, l->replay_rows);
+        replay_bytes = duet_xfer_layout_replay_bytes(l, a->n_replay);
+    }
     uint64_t tokens, need_pages;
     duet__rank_tokens(a->n_tokens, l->page_tokens, a->rank, a->group_size, &tokens, &need_pages);
     if (need_pages > a->n_pages)
@@ -103,12 +119,13 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     x->n_pages = a->n_pages;
     x->kda_slot = a->kda_slot;
     x->n_tokens = a->n_tokens;
+    x->n_replay = a->n_replay;
     x->rank = a->rank;
     x->group_size = a->group_size;
     x->deadline_unix_ms = a->deadline_unix_ms;
     x->deadline_ns = x->t0_ns + (a->deadline_unix_ms - now_ms) * 1000000ull;
-    x->expect_bytes =
-        tokens * l->token_bytes * l->n_mla_layers + (a->kda_slot >= 0 ? slot_bytes : 0);
+    x->expect_bytes = tokens * l->token_bytes * l->n_mla_layers +
+                      (a->kda_slot >= 0 ? slot_bytes : 0) + replay_bytes;
 
     duet_xfer_reservation_t r = {
         .version = DUET_XFER_RESERVATION_VERSION,
@@ -123,6 +140,7 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
         .kda_slot = a->kda_slot,
         .n_tokens = a->n_tokens,
         .deadline_unix_ms = a->deadline_unix_ms,
+        .n_replay = a->n_replay,
     };
     if (ctx->pools[DUET_XFER_POOL_KV].memh != NULL) {
         r.kv_rkey = (duet_xfer_bytes_t){ctx->pools[DUET_XFER_POOL_KV].rkey,
@@ -136,6 +154,12 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
         r.kda_base = (uint64_t)(uintptr_t)ctx->pools[DUET_XFER_POOL_KDA].base;
         r.kda_bytes = ctx->pools[DUET_XFER_POOL_KDA].bytes;
     }
+    if (a->n_replay > 0) { /* only then: a reservation without replay rows stays as it was */
+        r.replay_rkey = (duet_xfer_bytes_t){ctx->pools[DUET_XFER_POOL_REPLAY].rkey,
+                                            ctx->pools[DUET_XFER_POOL_REPLAY].rkey_len};
+        r.replay_base = (uint64_t)(uintptr_t)ctx->pools[DUET_XFER_POOL_REPLAY].base;
+        r.replay_bytes = ctx->pools[DUET_XFER_POOL_REPLAY].bytes;
+    }
     duet_status_t st = duet_xfer_reservation_validate(&r, now_ms);
     if (st < 0) {
         char why[256];
@@ -143,8 +167,10 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
         duet__xfer_slot_release(ctx, x);
         return DUET_FAIL(st, "xfer reserve: %s", why);
     }
-    DUET_RLOG_DEBUG(x->req_id, "xfer %016llx recv: RESERVED (%u pages, slot %d, %llu bytes due)",
-                    (unsigned long long)x->id, x->n_pages, x->kda_slot,
+    DUET_RLOG_DEBUG(x->req_id,
+                    "xfer %016llx recv: RESERVED (%u pages, slot %d, %u replay rows, %llu bytes "
+                    "due)",
+                    (unsigned long long)x->id, x->n_pages, x->kda_slot, x->n_replay,
                     (unsigned long long)x->expect_bytes);
     *res_p = r;
     return DUET_OK;
@@ -200,8 +226,21 @@ static uint64_t duet__recv_checksum(duet_xfer_ctx_t *ctx, const duet__xfer_t *x)
         }
     }
     if (x->kda_slot >= 0 && l->n_kda_layers > 0) {
-        uint64_t slot_bytes = duet_xfer_layout_kda_slot_bytes(l);
-        XXH3_64bits_update(ctx->xxh, kda + (uint64_t)x->kda_slot * slot_bytes, slot_bytes);
+        const uint64_t slot_bytes = duet_xfer_layout_kda_slot_bytes(l);
+        const uint64_t layer_bytes = slot_bytes / l->n_kda_layers;
+        const uint8_t *replay = ctx->pools[DUET_XFER_POOL_REPLAY].base;
+        const duet_replay_layout_t rl = duet_xfer_layout_replay(l);
+        uint64_t row = 0; /* the replay region was checked against the pool at reserve */
+        (void)duet_replay_layout_row_bytes(&rl, &row);
+        for (uint32_t layer = 0; layer < l->n_kda_layers; layer++) {
+            XXH3_64bits_update(ctx->xxh,
+                               kda + (uint64_t)x->kda_slot * slot_bytes + layer * layer_bytes,
+                               layer_bytes);
+            uint64_t off = 0;
+            if (x->n_replay > 0 &&
+                duet_replay_layout_row_offset(&rl, (uint64_t)x->kda_slot, layer, 0, &off))
+                XXH3_64bits_update(ctx->xxh, replay + off, row * x->n_replay);
+        }
     }
     return XXH3_64bits_digest(ctx->xxh);
 }

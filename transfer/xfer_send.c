@@ -20,6 +20,9 @@
 #include "common/log.h"
 #include "transfer/xfer_send_impl.h"
 
+/* A pool's name in refusals, by duet_xfer_pool_t (= the plan entry's kind). */
+static const char *const duet__pool_name[DUET_XFER_N_POOLS] = {"KV", "KDA", "replay"};
+
 #define DUET__BIT_TEST(w, i) (((w)[(i) / 64] >> ((i) % 64)) & 1u)
 #define DUET__BIT_SET(w, i)  ((w)[(i) / 64] |= (uint64_t)1 << ((i) % 64))
 
@@ -361,6 +364,10 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
             return DUET_FAIL(DUET_ERR_INVALID,
                              "xfer send: rank %u reserved for %llu tokens, the source has %llu", r,
                              (unsigned long long)rv->n_tokens, (unsigned long long)a->src.n_tokens);
+        if (rv->n_replay != a->src.n_replay)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "xfer send: rank %u reserved for %u replay rows, the source has %u", r,
+                             rv->n_replay, a->src.n_replay);
         if (rv->n_pages > ctx->max_pages)
             return DUET_FAIL(DUET_ERR_RANGE, "xfer send: rank %u reserved %u pages (max_pages %u)",
                              r, rv->n_pages, ctx->max_pages);
@@ -389,6 +396,12 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
         return DUET_FAIL(DUET_ERR_INVALID, "xfer send: the KV pool is not registered");
     if (want_kda && ctx->pools[DUET_XFER_POOL_KDA].memh == NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "xfer send: the KDA pool is not registered");
+    const bool want_replay = a->src.n_replay > 0;
+    if (want_replay && ctx->pools[DUET_XFER_POOL_REPLAY].memh == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "xfer send: %u replay rows but the replay pool is not "
+                         "registered",
+                         a->src.n_replay);
 
     duet__xfer_t *x = duet__xfer_slot_take(ctx, DUET_XFER_ROLE_SEND);
     if (x == NULL)
@@ -405,15 +418,20 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
     /* The plan's ranges must fall inside our pools and each rank's advertised pools. */
     for (size_t i = 0; i < x->plan.n_entries; i++) {
         const duet_xfer_entry_t *e = &x->plan.entries[i];
+        if (e->kind >= DUET_XFER_N_POOLS || e->rank >= n) { /* the plan makes no such entry */
+            duet__xfer_slot_release(ctx, x);
+            return DUET_FAIL(DUET_ERR_INTERNAL, "xfer send: plan entry of kind %u to rank %u",
+                             e->kind, e->rank);
+        }
         const duet_xfer_reservation_t *rv = &a->reservations[e->rank];
-        uint64_t dst_bytes = e->kind == DUET_XFER_SEG_KV ? rv->kv_bytes : rv->kda_bytes;
-        if (e->kind >= DUET_XFER_N_POOLS || e->rank >= n ||
-            e->src_off + e->len > ctx->pools[e->kind].bytes || e->src_off + e->len < e->len) {
+        const uint64_t adv[DUET_XFER_N_POOLS] = {rv->kv_bytes, rv->kda_bytes, rv->replay_bytes};
+        const uint64_t dst_bytes = adv[e->kind];
+        if (e->src_off + e->len > ctx->pools[e->kind].bytes || e->src_off + e->len < e->len) {
             duet__xfer_slot_release(ctx, x);
             return DUET_FAIL(DUET_ERR_RANGE,
                              "xfer send: source range [%llu, +%llu) outside the local %s pool",
                              (unsigned long long)e->src_off, (unsigned long long)e->len,
-                             e->kind == DUET_XFER_SEG_KV ? "KV" : "KDA");
+                             duet__pool_name[e->kind]);
         }
         if (e->dst_off + e->len > dst_bytes || e->dst_off + e->len < e->len) {
             duet__xfer_slot_release(ctx, x);
@@ -421,15 +439,15 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
                              "xfer send: rank %u destination range [%llu, +%llu) outside its "
                              "advertised %s pool (%llu bytes)",
                              e->rank, (unsigned long long)e->dst_off, (unsigned long long)e->len,
-                             e->kind == DUET_XFER_SEG_KV ? "KV" : "KDA",
-                             (unsigned long long)dst_bytes);
+                             duet__pool_name[e->kind], (unsigned long long)dst_bytes);
         }
     }
 
     /* Endpoints and rkeys. */
     for (uint32_t r = 0; r < n; r++) {
         x->ranks[r].peer = -1;
-        x->ranks[r].rkey[0] = x->ranks[r].rkey[1] = NULL;
+        for (int k = 0; k < DUET_XFER_N_POOLS; k++)
+            x->ranks[r].rkey[k] = NULL;
     }
     x->n_ranks = n;
     for (uint32_t r = 0; r < n; r++) {
@@ -438,15 +456,18 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
         rk->xfer_id = rv->transfer_id;
         rk->base[DUET_XFER_POOL_KV] = rv->kv_base;
         rk->base[DUET_XFER_POOL_KDA] = rv->kda_base;
+        rk->base[DUET_XFER_POOL_REPLAY] = rv->replay_base;
         rk->checksum = 0;
         if ((st = duet__xfer_peer_get(ctx, rv->worker_address.data, rv->worker_address.len,
                                       &rk->peer)) < 0) {
             duet__send_unwind(ctx, x);
             return st;
         }
-        const duet_xfer_bytes_t *keys[DUET_XFER_N_POOLS] = {&rv->kv_rkey, &rv->kda_rkey};
+        const duet_xfer_bytes_t *keys[DUET_XFER_N_POOLS] = {&rv->kv_rkey, &rv->kda_rkey,
+                                                            &rv->replay_rkey};
         for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
-            if (keys[k]->len == 0 || (k == DUET_XFER_POOL_KDA && !want_kda))
+            if (keys[k]->len == 0 || (k == DUET_XFER_POOL_KDA && !want_kda) ||
+                (k == DUET_XFER_POOL_REPLAY && !want_replay))
                 continue;
             ucs_status_t us = duet__xfer_peer_rkey(ctx, rk->peer, keys[k]->data, keys[k]->len,
                                                    &rk->rkey[k], &rk->rkey_own[k]);
@@ -454,7 +475,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
                 rk->rkey[k] = NULL;
                 duet__send_unwind(ctx, x);
                 return DUET_FAIL(DUET_ERR_FORMAT, "xfer send: rank %u: %s rkey does not unpack: %s",
-                                 r, k == DUET_XFER_POOL_KV ? "KV" : "KDA", ucs_status_string(us));
+                                 r, duet__pool_name[k], ucs_status_string(us));
             }
         }
     }

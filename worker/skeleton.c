@@ -311,20 +311,6 @@ static int w_configure(const duet_worker_ops_t *ops, int argc, char **argv, duet
     return -1;
 }
 
-/* Pool memory for a receiving worker: UCX segments, registered as they are allocated. */
-static void *w_pool_alloc(void *user, duet_model_pool_t which, size_t bytes)
-{
-    duet_worker_t *w = user;
-    void *base = NULL;
-    if (duet_xfer_ctx_alloc(w->x,
-                            which == DUET_MODEL_POOL_KV ? DUET_XFER_POOL_KV : DUET_XFER_POOL_KDA,
-                            bytes, DUET_XFER_MEM_HOST, &base) != DUET_OK) {
-        DUET_LOG_ERROR("cannot allocate a %zu-byte pool through UCX: %s", bytes, duet_error_last());
-        return NULL;
-    }
-    return base;
-}
-
 /* UCX, the model (options mo) and its pools; a failure is told on stderr. *pools_from_ucx_p: the
  * transfer context owns the pool memory. */
 static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_from_ucx_p)
@@ -344,9 +330,9 @@ static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_
     if (ops->receives) {
         mo.mirror_in = !device_pools;
         mo.device_pools_shared = device_pools;
-        if (!device_pools) {
-            mo.pool_alloc = w_pool_alloc;
-            mo.pool_alloc_user = w;
+        if (!device_pools) { /* UCX segments, registered as they are allocated */
+            mo.pool_alloc = duet_worker_pool_alloc;
+            mo.pool_alloc_user = w->x;
         }
     } else {
         mo.mirror_out = !device_pools;

@@ -56,13 +56,44 @@ duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bo
             return duet_error_set(DUET_ERR_INTERNAL,
                                   "the model's device pools do not cover its host pools");
     }
+    duet_replay_pool_t *rp = duet_model_replay_pool(m);
+    if (device && rp != NULL)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "moving a device model's KDA replay rows is not built");
     duet_status_t st = DUET_OK;
     if (kv != NULL)
         st = duet_xfer_ctx_register(x, DUET_XFER_POOL_KV, kv_base, duet_kv_pool_bytes(kv), kind);
     if (st == DUET_OK && kda != NULL)
         st =
             duet_xfer_ctx_register(x, DUET_XFER_POOL_KDA, kda_base, duet_kda_pool_bytes(kda), kind);
+    if (st == DUET_OK && rp != NULL)
+        st = duet_xfer_ctx_register(x, DUET_XFER_POOL_REPLAY, duet_replay_pool_base(rp),
+                                    duet_replay_pool_bytes(rp), DUET_XFER_MEM_HOST);
     return st;
+}
+
+duet_xfer_pool_t duet_worker_xfer_pool(duet_model_pool_t which)
+{
+    switch (which) {
+    case DUET_MODEL_POOL_KV:
+        return DUET_XFER_POOL_KV;
+    case DUET_MODEL_POOL_KDA:
+        return DUET_XFER_POOL_KDA;
+    case DUET_MODEL_POOL_REPLAY:
+        return DUET_XFER_POOL_REPLAY;
+    }
+    return DUET_XFER_N_POOLS; /* refused by duet_xfer_ctx_alloc */
+}
+
+void *duet_worker_pool_alloc(void *xfer_ctx, duet_model_pool_t which, size_t bytes)
+{
+    void *base = NULL;
+    if (duet_xfer_ctx_alloc(xfer_ctx, duet_worker_xfer_pool(which), bytes, DUET_XFER_MEM_HOST,
+                            &base) != DUET_OK) {
+        DUET_LOG_ERROR("cannot allocate a %zu-byte pool through UCX: %s", bytes, duet_error_last());
+        return NULL;
+    }
+    return base;
 }
 
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
@@ -92,6 +123,8 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
         l->kda_head_dim = 1;
         l->conv_kernel = 1;
     }
+    duet_replay_pool_t *rp = duet_model_replay_pool(m);
+    l->replay_rows = rp != NULL ? (uint32_t)duet_replay_pool_layout(rp).rows : 0;
 }
 
 /* ---- UCX on the loop ------------------------------------------------------------------ */

@@ -95,10 +95,23 @@ duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t
 bool duet_worker_device_pools(const duet_config_t *cfg, const duet_model_opts_t *mo,
                               duet_xfer_ctx_t *x);
 /* Register a loaded model's pools with x: the device pools (device == true; the host pools' byte
- * ranges, whose page and slot offsets they share) or the host pools. */
+ * ranges, whose page and slot offsets they share) or the host pools, and the KDA replay pool when
+ * the model has one (host memory; a device model has none: its backend has no verify rows, and
+ * DUET_ERR_UNSUPPORTED should one have it). */
 duet_status_t duet_worker_register_pools(duet_xfer_ctx_t *x, duet_model_t *m, bool device);
 
-/* The transfer layout of a loaded model's pools (fp32 KV and state on the CPU path). */
+/* The transfer pool that holds model pool `which` (KV, KDA, replay). */
+duet_xfer_pool_t duet_worker_xfer_pool(duet_model_pool_t which);
+
+/* A duet_model_pool_alloc_fn for a worker whose pools receive: `xfer_ctx` is its
+ * duet_xfer_ctx_t, and every pool the model asks for (KV, KDA, the replay pool with spec_rows)
+ * comes from duet_xfer_ctx_alloc, registered as it is allocated, so that puts land in it directly
+ * (a context worker's, or another generation worker's moving a running request). NULL (logged)
+ * when UCX gives none. */
+void *duet_worker_pool_alloc(void *xfer_ctx, duet_model_pool_t which, size_t bytes);
+
+/* The transfer layout of a loaded model's pools (fp32 KV and state on the CPU path; replay_rows
+ * from its replay pool, 0 without one). */
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l);
 
 /* UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines. */

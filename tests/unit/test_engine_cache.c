@@ -166,6 +166,25 @@ Test(engine_cache, replay_pool_layout, .timeout = 30)
     duet_replay_pool_destroy(p);
     duet_replay_pool_destroy(NULL);
 
+    /* caller memory (a UCX segment that receives a moved request's rows): used as it is, rows
+     * at the same offsets, and left to the caller by destroy */
+    const size_t need = duet_replay_pool_bytes_needed(&d);
+    uint8_t *mem = aligned_alloc(64, need + 64);
+    cr_assert_not_null(mem);
+    memset(mem, 0, need + 64);
+    mem[need] = 0x77;
+    duet_replay_pool_desc_t dm = d;
+    dm.mem = mem;
+    cr_assert_eq(duet_replay_pool_create(&dm, &p), DUET_OK, "%s", duet_error_last());
+    cr_expect(duet_replay_pool_base(p) == mem && duet_replay_pool_bytes(p) == need);
+    cr_expect_eq((uint8_t *)duet_replay_pool_row(p, 2, 1, 4) - mem,
+                 (ptrdiff_t)(((2 * 2 + 1) * 5 + 4) * rb));
+    memset(duet_replay_pool_row(p, 2, 1, 4), 0x11, rb); /* the last row ends at `need` */
+    duet_replay_pool_destroy(p);
+    cr_expect_eq(mem[need - 1], 0x11);
+    cr_expect_eq(mem[need], 0x77, "a row past the pool was written");
+    free(mem); /* still ours: destroy did not unmap it */
+
     const duet_replay_pool_desc_t bad[] = {
         {.n_slots = 0, .n_layers = 2, .heads = 2, .head_dim = 8, .rows = 5},
         {.n_slots = 3, .n_layers = 0, .heads = 2, .head_dim = 8, .rows = 5},

@@ -1052,6 +1052,207 @@ Test(engine_spec, suspend_resume_equals_never_suspending, .timeout = 600)
     free_cases(cs, n);
 }
 
+/* ---- a running request moved to another model instance -------------------------------------- */
+
+/* A test pool allocator (what a generation worker's UCX allocator stands for): zeroed, aligned
+ * memory, and which pools asked for it. The model never frees it; the test does. */
+typedef struct {
+    void *mem[3];
+    size_t bytes[3];
+} test_pools_t;
+
+static void *test_pool_alloc(void *user, duet_model_pool_t which, size_t bytes)
+{
+    test_pools_t *tp = user;
+    cr_assert((int)which >= 0 && (int)which < 3 && tp->mem[which] == NULL, "pool %d twice",
+              (int)which);
+    void *p = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    cr_assert_not_null(p);
+    memset(p, 0, bytes);
+    tp->mem[which] = p;
+    tp->bytes[which] = bytes;
+    return p;
+}
+
+/* What a transfer moves of sequence `a` of model A into the open, empty sequence `b` of model B
+ * (same weights and pool shapes): the KV pages holding its tokens, every KDA layer's block of its
+ * slot, and rows [0, a->n_replay) of each KDA layer of its slot in the replay pool, each copied
+ * through the pools' layouts (common/cache_layout.h), as the plan's puts copy them. */
+static void move_caches(duet_model_t *A, const duet_seq_t *a, duet_model_t *B, const duet_seq_t *b)
+{
+    duet_kv_pool_t *ka = duet_model_kv_pool(A), *kb = duet_model_kv_pool(B);
+    if (ka != NULL) {
+        const int64_t PT = duet_kv_pool_desc(ka)->page_tokens;
+        for (int64_t pg = 0; pg < (a->n_tokens + PT - 1) / PT; pg++)
+            for (int64_t l = 0; l < duet_kv_pool_desc(ka)->n_layers; l++)
+                memcpy(duet_kv_pool_block(kb, b->pages[pg], l),
+                       duet_kv_pool_block(ka, a->pages[pg], l), duet_kv_pool_block_bytes(ka));
+    }
+    if (duet_model_kda_pool(A) != NULL)
+        memcpy((void *)kda_slot(B, b), kda_slot(A, a), kda_slot_bytes(A));
+    if (a->n_replay > 0) {
+        duet_replay_pool_t *ra = duet_model_replay_pool(A), *rb = duet_model_replay_pool(B);
+        const duet_replay_layout_t la = duet_replay_pool_layout(ra);
+        uint64_t row = 0;
+        cr_assert(duet_replay_layout_row_bytes(&la, &row));
+        for (int64_t l = 0; l < (int64_t)la.n_layers; l++)
+            memcpy(duet_replay_pool_row(rb, b->kda_slot, l, 0),
+                   duet_replay_pool_row(ra, a->kda_slot, l, 0), (size_t)(row * a->n_replay));
+    }
+}
+
+/* The replay rows of b's slot from row `from` on, filled with NaN: rows a move did not send must
+ * not be read (a NaN would reach the logits). */
+static void poison_replay_rows(duet_model_t *B, const duet_seq_t *b, int64_t from)
+{
+    duet_replay_pool_t *rb = duet_model_replay_pool(B);
+    const duet_replay_layout_t l = duet_replay_pool_layout(rb);
+    uint64_t row = 0;
+    cr_assert(duet_replay_layout_row_bytes(&l, &row));
+    for (int64_t layer = 0; layer < (int64_t)l.n_layers; layer++)
+        for (int64_t r = from; r < (int64_t)l.rows; r++) {
+            float *p = duet_replay_pool_row(rb, b->kda_slot, layer, r);
+            for (uint64_t i = 0; i < row / sizeof(float); i++)
+                p[i] = NAN;
+        }
+}
+
+/* Two sequences of two models: the KV rows of positions [0, n) and the KDA slots, byte for byte. */
+static int caches_equal(duet_model_t *A, const duet_seq_t *a, duet_model_t *B, const duet_seq_t *b,
+                        int64_t n)
+{
+    if (duet_model_kda_pool(A) != NULL &&
+        memcmp(kda_slot(A, a), kda_slot(B, b), kda_slot_bytes(A)) != 0)
+        return 0;
+    duet_kv_pool_t *p = duet_model_kv_pool(A);
+    if (p == NULL)
+        return 1;
+    const size_t tb = duet_kv_pool_block_bytes(p) / (size_t)duet_kv_pool_desc(p)->page_tokens;
+    for (int64_t l = 0; l < duet_kv_pool_desc(p)->n_layers; l++)
+        for (int64_t pos = 0; pos < n; pos++)
+            if (memcmp(kv_row(A, a, l, pos), kv_row(B, b, l, pos), tb) != 0)
+                return 0;
+    return 1;
+}
+
+/*
+ * A generation worker moving a running request to another (issue 37): sequence a of model A,
+ * right after a verify and an accept (its last n_replay accepted rows still in the replay pool),
+ * is copied into a fresh sequence b of a second instance B of the same checkpoint, whose pools
+ * came from its pool_alloc (the replay pool too), as a transfer copies them (move_caches), and
+ * handed over with duet_model_seq_set_received. Then both take the same steps: a verify with an
+ * accept, plain decode, and (odd trials) the replay-only commit right after the move. Reference:
+ * model A, which never moved. Bound: 0 (memcmp) on every logits row, on the KDA slots after the
+ * commit and at the end, and on the KV rows. Also the n_replay = 0 path (a plain prefix) and the
+ * fullest accept (k + 1 rows). b is placed in other pages and another slot than a (B has a
+ * sequence open first), and B's replay rows past n_replay are NaN: only the sent rows are read.
+ */
+Test(engine_spec, set_received_continues_as_the_sender, .timeout = 900)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    int n_moved_with_rows = 0, n_models = 0;
+    for (int c = 0; c < n; c++) {
+        duet_model_t *A = load_spec(cs[c].dir, SPEC_ROWS);
+        test_pools_t tp;
+        memset(&tp, 0, sizeof(tp));
+        duet_model_opts_t opts = *duet_model_opts(A);
+        opts.pool_alloc = test_pool_alloc;
+        opts.pool_alloc_user = &tp;
+        duet_model_t *B = NULL;
+        cr_assert_eq(duet_model_load(cs[c].dir, &opts, &B), DUET_OK, "%s", duet_error_last());
+        const int kda = duet_model_kda_pool(B) != NULL;
+        if (kda) { /* every pool the model has came from pool_alloc */
+            cr_assert_not_null(duet_model_replay_pool(B));
+            cr_assert(duet_replay_pool_base(duet_model_replay_pool(B)) ==
+                              tp.mem[DUET_MODEL_POOL_REPLAY] &&
+                          duet_replay_pool_bytes(duet_model_replay_pool(B)) ==
+                              tp.bytes[DUET_MODEL_POOL_REPLAY],
+                      "%s: the replay pool is not pool_alloc's memory", cs[c].name);
+            cr_assert(duet_kda_pool_base(duet_model_kda_pool(B)) == tp.mem[DUET_MODEL_POOL_KDA]);
+        } else {
+            cr_assert_null(tp.mem[DUET_MODEL_POOL_REPLAY], "no KDA layers: no replay pool");
+        }
+        n_models++;
+        const int64_t V = duet_model_config(A)->vocab_size, P = 19, CONT = 4;
+        float *lg = malloc(sizeof(float) * (size_t)(P * V));
+        float *la = malloc(sizeof(float) * (size_t)(SPEC_ROWS * V));
+        float *lb = malloc(sizeof(float) * (size_t)(SPEC_ROWS * V));
+        for (int trial = 0; trial < 4; trial++) {
+            int32_t toks[P], drafts[SPEC_ROWS], drafts2[SPEC_ROWS], cont[CONT];
+            for (int64_t i = 0; i < P; i++)
+                toks[i] = (int32_t)(rng_u32() % (uint32_t)V);
+            for (int j = 0; j < SPEC_ROWS; j++) {
+                drafts[j] = (int32_t)(rng_u32() % (uint32_t)V);
+                drafts2[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            }
+            for (int j = 0; j < CONT; j++)
+                cont[j] = (int32_t)(rng_u32() % (uint32_t)V);
+            const int verify = trial != 2; /* trial 2: a plain prefix, nothing to replay */
+            const int64_t keep = trial == 3 ? SPEC_ROWS : 1 + rng_u32() % SPEC_ROWS;
+            duet_seq_t a, b, other;
+            cr_assert_eq(duet_model_seq_open(A, P + 32, &a), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(B, P + 16, &other), DUET_OK);
+            cr_assert_eq(duet_model_seq_open(B, P + 32, &b), DUET_OK);
+            step(A, &a, toks, P, 0, lg);
+            if (verify) {
+                step(A, &a, drafts, SPEC_ROWS, 1, la);
+                cr_assert_eq(duet_model_seq_accept(A, &a, keep), DUET_OK);
+            }
+            const int64_t n_replay = a.n_replay;
+            cr_assert_eq(n_replay, verify && kda ? keep : 0);
+            n_moved_with_rows += n_replay > 0;
+            move_caches(A, &a, B, &b);
+            if (kda)
+                poison_replay_rows(B, &b, n_replay);
+            cr_assert_eq(duet_model_seq_set_received(B, &b, a.n_tokens, n_replay), DUET_OK, "%s",
+                         duet_error_last());
+            cr_assert(b.n_tokens == a.n_tokens && b.n_replay == n_replay && b.n_pending == 0,
+                      "%s: b holds %lld tokens, %lld to replay", cs[c].name, (long long)b.n_tokens,
+                      (long long)b.n_replay);
+            if (trial % 2 == 1) { /* the replay-only commit on both: the same state */
+                cr_assert_eq(duet_model_seq_commit(A, &a), DUET_OK, "%s", duet_error_last());
+                cr_assert_eq(duet_model_seq_commit(B, &b), DUET_OK, "%s", duet_error_last());
+                cr_assert(b.n_replay == 0 && caches_equal(A, &a, B, &b, a.n_tokens),
+                          "%s trial %d: the commit after the move differs", cs[c].name, trial);
+            }
+            /* a verify (folding the moved rows in first) and an accept, on both */
+            step(A, &a, drafts2, SPEC_ROWS, 1, la);
+            step(B, &b, drafts2, SPEC_ROWS, 1, lb);
+            cr_assert(memcmp(la, lb, sizeof(float) * (size_t)(SPEC_ROWS * V)) == 0,
+                      "%s trial %d (%lld rows moved): verify logits after the move differ",
+                      cs[c].name, trial, (long long)n_replay);
+            const int64_t keep2 = 1 + rng_u32() % SPEC_ROWS;
+            cr_assert_eq(duet_model_seq_accept(A, &a, keep2), DUET_OK);
+            cr_assert_eq(duet_model_seq_accept(B, &b, keep2), DUET_OK);
+            for (int64_t j = 0; j < CONT; j++) { /* then plain decode */
+                step(A, &a, &cont[j], 1, 0, la);
+                step(B, &b, &cont[j], 1, 0, lb);
+                cr_assert(memcmp(la, lb, sizeof(float) * (size_t)V) == 0,
+                          "%s trial %d (%lld rows moved): step %lld after the move differs",
+                          cs[c].name, trial, (long long)n_replay, (long long)j);
+            }
+            cr_assert(a.n_tokens == b.n_tokens && caches_equal(A, &a, B, &b, a.n_tokens),
+                      "%s trial %d: caches after the move differ", cs[c].name, trial);
+            duet_model_seq_close(A, &a);
+            duet_model_seq_close(B, &b);
+            duet_model_seq_close(B, &other);
+        }
+        printf("spec %-30s moved to a second instance (set_received, replay rows sent): logits "
+               "and caches bit-identical to the sender's\n",
+               cs[c].name);
+        free(lg);
+        free(la);
+        free(lb);
+        duet_model_free(A);
+        duet_model_free(B);
+        for (int i = 0; i < 3; i++)
+            free(tp.mem[i]);
+    }
+    cr_assert_geq(n_moved_with_rows, 6, "expected moves with unreplayed rows (KDA models)");
+    free_cases(cs, n);
+}
+
 /* ---- refusals -------------------------------------------------------------------------------- */
 
 static void expect_err(duet_status_t got, duet_status_t want, const char *needle, const char *what)
@@ -1271,5 +1472,52 @@ Test(engine_spec, grow_and_snapshot_refusals, .timeout = 120)
     duet_model_seq_close(m, &s);
     duet_model_seq_close(m, &t);
     duet_model_free(m);
+    free_cases(cs, n);
+}
+
+Test(engine_spec, set_received_refusals, .timeout = 120)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    duet_model_t *m = load_spec(cs[n - 1].dir, SPEC_ROWS); /* the demo model: KDA and MLA */
+    cr_assert_not_null(duet_model_replay_pool(m));
+    duet_seq_t s, closed = {.id = -1};
+    cr_assert_eq(duet_model_seq_open(m, 32, &s), DUET_OK);
+    expect_err(duet_model_seq_set_received(m, &closed, 8, 2), DUET_ERR_INVALID, "not an open",
+               "set_received on a closed sequence");
+    expect_err(duet_model_seq_set_received(m, &s, 8, -1), DUET_ERR_RANGE, "negative",
+               "n_replay -1");
+    expect_err(duet_model_seq_set_received(m, &s, 3, 4), DUET_ERR_RANGE, "4 replay rows of 3",
+               "n_replay > n_tokens");
+    expect_err(duet_model_seq_set_received(m, &s, 16, SPEC_ROWS + 1), DUET_ERR_RANGE, "spec_rows 5",
+               "n_replay > spec_rows");
+    expect_err(duet_model_seq_set_received(m, &s, 33, 2), DUET_ERR_RANGE, "capacity 32",
+               "n_tokens past the capacity");
+    cr_assert(s.n_tokens == 0 && s.n_replay == 0, "refusals change nothing");
+    cr_assert_eq(duet_model_seq_set_received(m, &s, 8, 2), DUET_OK, "%s", duet_error_last());
+    cr_assert(s.n_tokens == 8 && s.n_replay == 2 && s.n_pending == 0);
+    expect_err(duet_model_seq_set_received(m, &s, 8, 2), DUET_ERR_RANGE, "holding 8",
+               "set_received into a sequence holding tokens");
+    duet_model_seq_close(m, &s);
+    duet_model_free(m);
+
+    /* no replay pool: without spec_rows, and on a model without KDA layers */
+    m = load_spec(cs[n - 1].dir, 0);
+    cr_assert_eq(duet_model_seq_open(m, 32, &s), DUET_OK);
+    expect_err(duet_model_seq_set_received(m, &s, 8, 1), DUET_ERR_INVALID, "spec_rows 0",
+               "set_received without a replay pool");
+    cr_assert_eq(duet_model_seq_set_received(m, &s, 8, 0), DUET_OK, "%s", duet_error_last());
+    cr_assert(s.n_tokens == 8 && s.n_replay == 0, "n_replay 0 is set_filled");
+    duet_model_seq_close(m, &s);
+    duet_model_free(m);
+    char dir[64];
+    make_mla_only(dir, sizeof(dir));
+    m = load_spec(dir, SPEC_ROWS);
+    cr_assert_eq(duet_model_seq_open(m, 32, &s), DUET_OK);
+    expect_err(duet_model_seq_set_received(m, &s, 8, 1), DUET_ERR_INVALID, "KDA layers",
+               "set_received on an MLA-only model");
+    duet_model_seq_close(m, &s);
+    duet_model_free(m);
+    mla_only_remove(dir);
     free_cases(cs, n);
 }

@@ -13,16 +13,28 @@ static xt_scn_t g_s;
 static xt_recv_t g_R;
 static xt_send_t g_S;
 
-/* A receiver and a sender context over the transports `tls` (UCX_TLS). */
-static void harness(const char *tls)
+/* The scenario of these tests: 4 transfers, 5 s deadlines. */
+static xt_scn_t local_scn(void)
+{
+    xt_scn_t s = xt_scn_default();
+    s.count = 4;
+    s.deadline_ms = 5000;
+    return s;
+}
+
+/* A receiver and a sender context for scenario s over the transports `tls` (UCX_TLS). */
+static void harness_scn(const char *tls, xt_scn_t s)
 {
     setenv("UCX_TLS", tls, 1);
     setenv("UCX_NET_DEVICES", "lo", 1);
-    g_s = xt_scn_default();
-    g_s.count = 4;
-    g_s.deadline_ms = 5000;
+    g_s = s;
     cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK, "%s", duet_error_last());
     cr_assert_eq(xt_send_init(&g_S, &g_s, 4, 4), DUET_OK, "%s", duet_error_last());
+}
+
+static void harness(const char *tls)
+{
+    harness_scn(tls, local_scn());
 }
 
 static void setup(void)
@@ -449,4 +461,174 @@ Test(transfer_tcp, sender_reports_its_handshake, .init = setup_tcp, .fini = tear
     cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[0].msg);
     cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id), "an ended transfer");
     cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id ^ 0x5a5a5a5aull), "an unknown id");
+}
+
+/* ---- replay rows: a running request moved between generation workers ------------------------ */
+
+/* Both sides with replay pools of 5 rows per (slot, layer); each transfer moves 3 of them. */
+static void setup_replay(void)
+{
+    xt_scn_t s = local_scn();
+    s.rrows = 5;
+    s.replay = 3;
+    harness_scn("posix,sysv,cma,self", s);
+}
+
+TestSuite(transfer_replay, .init = setup_replay, .fini = teardown, .timeout = 30);
+
+/* The pending rows arrive byte for byte (pattern-filled on the sender, every byte compared on the
+ * receiver: rows 0..2 of each KDA layer of the slot hold the sender's, rows 3..4 still hold the
+ * receiver's background), and both sides count them: tokens x MLA layers x token bytes + the KDA
+ * slot + KDA layers x 3 rows of (6 H K + H) fp32, computed here from the scenario. */
+Test(transfer_replay, replay_rows_moved_byte_for_byte)
+{
+    transfer_0_done();
+    cr_assert_eq(g_R.x[0].bad, 0, "%llu bytes differ", (unsigned long long)g_R.x[0].bad);
+    cr_assert(g_R.x[0].out.has_checksum);
+    cr_assert_eq(g_R.x[0].out.checksum, g_S.x[0].out.checksum);
+    const uint64_t H = g_s.heads, K = g_s.hd, W = g_s.conv;
+    const uint64_t kv = (uint64_t)g_s.tokens * g_s.mla * g_s.tb;
+    const uint64_t kda = g_s.kda * (H * K * K + 3 * H * K * (W - 1)) * 4;
+    const uint64_t replay = (uint64_t)g_s.kda * 3 * (6 * H * K + H) * 4;
+    cr_assert_eq(g_R.x[0].out.bytes, kv + kda + replay, "receiver counted %llu, want %llu",
+                 (unsigned long long)g_R.x[0].out.bytes, (unsigned long long)(kv + kda + replay));
+    cr_assert_eq(g_S.x[0].out.bytes, kv + kda + replay);
+    /* a second transfer into another slot: its rows are its own pattern, slot 0 unchanged */
+    duet_xfer_reservation_t res;
+    reserve(1, &res);
+    cr_assert_eq(res.n_replay, 3u);
+    cr_assert_gt(res.replay_rkey.len, 0);
+    cr_assert_eq(xt_send_start(&g_S, 1, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 1, 2, l);
+    PUMP_UNTIL(g_R.n_ended == 2 && g_S.n_ended == 2, 10000);
+    cr_assert_eq(g_R.x[1].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_R.x[1].msg);
+    cr_assert_eq(g_R.x[1].bad, 0);
+    cr_assert_eq(xt_verify_replay(&g_s, g_s.seed + 0, g_R.rp_view, g_R.x[0].slot, 0xee), 0);
+}
+
+/* The receiver expects 3 rows; a sender that sends 2 (its reservation altered to match) is
+ * refused by XferDone's byte count, and the pages come back. */
+Test(transfer_replay, receiver_expecting_other_rows_refuses)
+{
+    duet_xfer_reservation_t res;
+    reserve(0, &res);
+    res.n_replay = 2;
+    g_S.s.replay = 2;
+    cr_assert_eq(xt_send_start(&g_S, 0, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 0, 1, l);
+    PUMP_UNTIL(g_R.n_ended == 1 && g_S.n_ended == 1, 10000);
+    cr_assert_eq(g_R.x[0].out.kind, DUET_XFER_OUTCOME_ABORTED);
+    cr_assert_eq(g_R.x[0].out.reason, DUET_XFER_REASON_REFUSED, "%s", g_R.x[0].msg);
+    const uint64_t row = (6ull * g_s.heads * g_s.hd + g_s.heads) * 4;
+    char want[160];
+    snprintf(want, sizeof(want), "sender reported %llu bytes, the reservation expects %llu",
+             (unsigned long long)(g_S.x[0].out.bytes),
+             (unsigned long long)(g_S.x[0].out.bytes + g_s.kda * row));
+    cr_assert(strstr(g_R.x[0].msg, want) != NULL, "\"%s\" lacks \"%s\"", g_R.x[0].msg, want);
+    cr_assert_eq(g_R.pool.n_free, g_R.pool.n);
+}
+
+/* The sender checks the reservation's n_replay against its own before anything moves. */
+Test(transfer_replay, sender_refuses_other_rows)
+{
+    duet_xfer_reservation_t res, r;
+    reserve(0, &res);
+    r = res;
+    r.n_replay = 3;
+    static int32_t src_pages[64];
+    for (int i = 0; i < 64; i++)
+        src_pages[i] = i;
+    duet_xfer_send_args_t a = {
+        .reservations = &r,
+        .n_ranks = 1,
+        .layout = xt_layout(&g_s, true),
+        .src = {.pages = src_pages,
+                .n_pages = 64,
+                .kda_slot = 0,
+                .n_tokens = g_s.tokens,
+                .n_replay = 2},
+        .cb = count_cb,
+    };
+    duet_xfer_id_t id;
+    cr_assert_eq(duet_xfer_send_start(g_S.ctx, &a, &id), DUET_ERR_INVALID);
+    cr_assert(strstr(duet_error_last(), "reserved for 3 replay rows, the source has 2") != NULL,
+              "%s", duet_error_last());
+    /* a replay region that no longer holds the slot's rows */
+    a.src.n_replay = 3;
+    r.replay_bytes = 16;
+    cr_assert_eq(duet_xfer_send_start(g_S.ctx, &a, &id), DUET_ERR_RANGE);
+    cr_assert(strstr(duet_error_last(), "replay_bytes") != NULL, "%s", duet_error_last());
+    /* no replay rkey */
+    r = res;
+    r.replay_rkey.len = 0;
+    cr_assert_eq(duet_xfer_send_start(g_S.ctx, &a, &id), DUET_ERR_FORMAT);
+    cr_assert(strstr(duet_error_last(), "replay_rkey") != NULL, "%s", duet_error_last());
+    cr_assert_eq(duet_xfer_ctx_active(g_S.ctx, DUET_XFER_ROLE_SEND), 0);
+    cr_assert_eq(g_cb_calls, 0);
+    duet_xfer_reservation_free(&res);
+}
+
+/* Reserving rows the pools cannot take is refused; without rows the reservation carries no
+ * replay fields (what a context worker sends, and a reservation from before them). */
+Test(transfer_replay, reserve_refusals)
+{
+    int32_t pages[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    duet_xfer_recv_args_t a = {
+        .layout = xt_layout(&g_s, false),
+        .pages = pages,
+        .n_pages = 8,
+        .kda_slot = 0,
+        .n_tokens = g_s.tokens,
+        .n_replay = 3,
+        .group_size = 1,
+        .deadline_unix_ms = duet_xfer_now_unix_ms() + 1000,
+        .cb = count_cb,
+    };
+    duet_xfer_reservation_t res;
+    duet_xfer_recv_args_t b = a;
+    b.n_replay = 6; /* 5 rows per (slot, layer) */
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_RANGE);
+    cr_assert(strstr(duet_error_last(), "replay") != NULL, "%s", duet_error_last());
+    b = a;
+    b.kda_slot = (int32_t)g_s.count; /* the replay pool holds count slots */
+    cr_assert_neq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_OK);
+    b = a;
+    b.kda_slot = -1;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_ERR_INVALID);
+    cr_assert(strstr(duet_error_last(), "no KDA slot") != NULL, "%s", duet_error_last());
+    b = a;
+    b.n_replay = 0;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &b, &res), DUET_OK, "%s", duet_error_last());
+    cr_assert(res.n_replay == 0 && res.replay_rkey.len == 0 && res.replay_base == 0 &&
+              res.replay_bytes == 0);
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &a, &res), DUET_OK, "%s", duet_error_last());
+    cr_assert(res.n_replay == 3 && res.replay_rkey.len > 0 && res.replay_bytes == g_R.rp_bytes);
+    cr_assert_eq(g_cb_calls, 0);
+}
+
+/* A receiver without a replay pool cannot take replay rows. */
+Test(transfer_local, reserve_replay_without_a_replay_pool)
+{
+    int32_t pages[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    duet_xfer_layout_t l = xt_layout(&g_s, false);
+    l.replay_rows = 5;
+    duet_xfer_recv_args_t a = {
+        .layout = l,
+        .pages = pages,
+        .n_pages = 8,
+        .kda_slot = 0,
+        .n_tokens = g_s.tokens,
+        .n_replay = 2,
+        .group_size = 1,
+        .deadline_unix_ms = duet_xfer_now_unix_ms() + 1000,
+        .cb = count_cb,
+    };
+    duet_xfer_reservation_t res;
+    cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &a, &res), DUET_ERR_INVALID);
+    cr_assert(strstr(duet_error_last(), "no replay pool registered") != NULL, "%s",
+              duet_error_last());
 }

@@ -6,8 +6,10 @@
  * bytes, twice (one copy for the plan, one for the reference). The plan is applied with one
  * memcpy per entry; the reference is computed independently of plan.c, token by token for the
  * KV (where does token t of layer l live on each side?) and head by head / channel by channel for
- * the KDA state and conv windows. The two destination copies must then be identical, which also
- * proves that no byte outside the planned ranges was touched (the background would differ).
+ * the KDA state and conv windows, row by row for the replay rows of a moved request (each offset
+ * from the replay pool's formula in common/cache_layout.h, written out here). The two destination
+ * copies must then be identical, which also proves that no byte outside the planned ranges was
+ * touched (the background would differ).
  * Structural checks: entries grouped by layer in order, no two entries overlapping on a
  * destination, every range inside its pool, adjacent mergeable entries merged, and the byte
  * counters adding up.
@@ -65,17 +67,19 @@ static void rng_pages(uint64_t *s, int32_t *out, uint32_t n, uint32_t pool_pages
 typedef struct {
     uint32_t ps, pd; /* page tokens: sender, destination */
     uint32_t n_tokens;
-    uint32_t L, LK;      /* MLA, KDA layers */
-    uint32_t tb;         /* token bytes */
-    uint32_t H, K, W, e; /* KDA heads (sender), head dim, conv kernel, elem */
-    uint32_t N;          /* destination ranks */
-    bool kda;            /* send KDA state */
+    uint32_t L, LK;          /* MLA, KDA layers */
+    uint32_t tb;             /* token bytes */
+    uint32_t H, K, W, e;     /* KDA heads (sender), head dim, conv kernel, elem */
+    uint32_t N;              /* destination ranks */
+    bool kda;                /* send KDA state */
+    uint32_t R;              /* replay rows sent (only with N = 1 and kda) */
+    uint32_t rows_s, rows_d; /* replay rows per (slot, layer): sender, destination */
 } shape_t;
 
 typedef struct {
-    uint8_t *kv, *kda;         /* plan copy */
-    uint8_t *kv_ref, *kda_ref; /* reference copy */
-    size_t kv_bytes, kda_bytes;
+    uint8_t *kv, *kda, *rp;             /* plan copy */
+    uint8_t *kv_ref, *kda_ref, *rp_ref; /* reference copy */
+    size_t kv_bytes, kda_bytes, rp_bytes;
     int32_t *pages;
     uint32_t n_pages;
     int32_t slot;
@@ -95,6 +99,19 @@ static char g_why[512]; /* why the last case failed */
 static uint64_t kda_layer_bytes(uint32_t H, uint32_t K, uint32_t W, uint32_t e)
 {
     return ((uint64_t)H * K * K + 3ull * H * K * (W - 1)) * e;
+}
+
+/* One replay row: (6*H*K + H) * e (common/cache_layout.h). */
+static uint64_t replay_row_bytes(uint32_t H, uint32_t K, uint32_t e)
+{
+    return (6ull * H * K + H) * e;
+}
+
+/* Row `row` of (slot, layer) in a replay pool of LK layers and `rows` rows per (slot, layer). */
+static uint64_t replay_row_off(uint32_t slot, uint32_t layer, uint32_t row, uint32_t LK,
+                               uint32_t rows, uint64_t row_bytes)
+{
+    return (((uint64_t)slot * LK + layer) * rows + row) * row_bytes;
 }
 
 static uint64_t div_up(uint64_t a, uint64_t b)
@@ -118,7 +135,8 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
                              .kda_heads = sh->H,
                              .kda_head_dim = sh->K,
                              .conv_kernel = sh->W,
-                             .state_elem = sh->e};
+                             .state_elem = sh->e,
+                             .replay_rows = sh->rows_s};
     uint32_t src_need = (uint32_t)div_up(sh->n_tokens, sh->ps);
     uint32_t src_extra = rng_range(rng, 0, 3);
     uint32_t src_pool_pages = src_need + src_extra + rng_range(rng, 0, 5);
@@ -127,17 +145,22 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     uint32_t src_slots = rng_range(rng, 1, 3);
     uint64_t src_kda_layer = kda_layer_bytes(sh->H, sh->K, sh->W, sh->e);
     size_t src_kda_bytes = (size_t)(src_slots * sh->LK * src_kda_layer);
+    const uint64_t rb = replay_row_bytes(sh->H, sh->K, sh->e);
+    size_t src_rp_bytes = (size_t)((uint64_t)src_slots * sh->LK * sh->rows_s * rb);
     uint8_t *src_kv = malloc(src_kv_bytes + 1);
     uint8_t *src_kda = malloc(src_kda_bytes + 1);
+    uint8_t *src_rp = malloc(src_rp_bytes + 1);
     int32_t *src_pages = malloc((size_t)(src_need + src_extra + 1) * sizeof(int32_t));
-    cr_assert(src_kv && src_kda && src_pages);
+    cr_assert(src_kv && src_kda && src_rp && src_pages);
     rng_fill(rng, src_kv, src_kv_bytes);
     rng_fill(rng, src_kda, src_kda_bytes);
+    rng_fill(rng, src_rp, src_rp_bytes);
     rng_pages(rng, src_pages, src_need + src_extra, src_pool_pages);
     duet_xfer_src_t src = {.pages = src_pages,
                            .n_pages = src_need + src_extra,
                            .kda_slot = sh->kda ? (int32_t)rng_range(rng, 0, src_slots - 1) : -1,
-                           .n_tokens = sh->n_tokens};
+                           .n_tokens = sh->n_tokens,
+                           .n_replay = sh->R};
 
     /* Destination ranks. */
     duet_xfer_layout_t dl[DUET_XFER_MAX_RANKS];
@@ -148,6 +171,7 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         dl[r] = sl;
         dl[r].page_tokens = sh->pd;
         dl[r].kda_heads = Hr;
+        dl[r].replay_rows = sh->rows_d;
         uint32_t need = (uint32_t)(global_pages / N + (r < global_pages % N));
         uint32_t extra = rng_range(rng, 0, 2);
         uint32_t pool = need + extra + rng_range(rng, 0, 5);
@@ -156,6 +180,12 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         uint32_t slots = rng_range(rng, 1, 3);
         rk[r].kda_bytes = (size_t)(slots * sh->LK * dst_kda_layer);
         rk[r].slot = sh->kda ? (int32_t)rng_range(rng, 0, slots - 1) : -1;
+        rk[r].rp_bytes = (size_t)((uint64_t)slots * sh->LK * sh->rows_d * rb);
+        rk[r].rp = malloc(rk[r].rp_bytes + 1);
+        rk[r].rp_ref = malloc(rk[r].rp_bytes + 1);
+        cr_assert(rk[r].rp && rk[r].rp_ref);
+        rng_fill(rng, rk[r].rp, rk[r].rp_bytes);
+        memcpy(rk[r].rp_ref, rk[r].rp, rk[r].rp_bytes);
         rk[r].pages = malloc((size_t)(rk[r].n_pages + 1) * sizeof(int32_t));
         rk[r].kv = malloc(rk[r].kv_bytes + 1);
         rk[r].kv_ref = malloc(rk[r].kv_bytes + 1);
@@ -211,6 +241,14 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         }
     }
 
+    /* Reference: the replay rows, row by row (one rank). */
+    for (uint32_t l = 0; l < sh->LK && sh->R > 0; l++)
+        for (uint32_t row = 0; row < sh->R; row++)
+            memcpy(rk[0].rp_ref +
+                       replay_row_off((uint32_t)rk[0].slot, l, row, sh->LK, sh->rows_d, rb),
+                   src_rp + replay_row_off((uint32_t)src.kda_slot, l, row, sh->LK, sh->rows_s, rb),
+                   rb);
+
     /* Structure: groups, bounds, merging, counters. */
     size_t n_groups = (size_t)sh->L + sh->LK;
     CHECK(plan->n_groups == n_groups, "n_groups %zu, want %zu", plan->n_groups, n_groups);
@@ -223,31 +261,55 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
               g);
         uint8_t kind = g < sh->L ? DUET_XFER_SEG_KV : DUET_XFER_SEG_KDA;
         uint16_t layer = (uint16_t)(g < sh->L ? g : g - sh->L);
+        uint32_t n_replay_entries = 0;
         for (size_t i = plan->layer_first[g]; i < plan->layer_first[g + 1]; i++) {
             const duet_xfer_entry_t *en = &plan->entries[i];
-            CHECK(en->kind == kind && en->layer == layer,
+            /* a KDA layer's group ends with its replay rows: one entry, at the formula's offsets */
+            const bool replay = kind == DUET_XFER_SEG_KDA && en->kind == DUET_XFER_SEG_REPLAY;
+            CHECK((en->kind == kind || replay) && en->layer == layer,
                   "entry %zu in group %zu has kind %u layer %u", i, g, en->kind, en->layer);
             CHECK(en->rank < N && en->len > 0, "entry %zu: rank %u len %llu", i, en->rank,
                   (unsigned long long)en->len);
-            size_t src_lim = kind == DUET_XFER_SEG_KV ? src_kv_bytes : src_kda_bytes;
-            size_t dst_lim =
-                kind == DUET_XFER_SEG_KV ? rk[en->rank].kv_bytes : rk[en->rank].kda_bytes;
+            if (replay) {
+                n_replay_entries++;
+                CHECK(i + 1 == plan->layer_first[g + 1], "replay entry %zu is not its group's last",
+                      i);
+                CHECK(en->rank == 0 &&
+                          en->src_off == replay_row_off((uint32_t)src.kda_slot, layer, 0, sh->LK,
+                                                        sh->rows_s, rb) &&
+                          en->dst_off == replay_row_off((uint32_t)rk[0].slot, layer, 0, sh->LK,
+                                                        sh->rows_d, rb) &&
+                          en->len == sh->R * rb,
+                      "replay entry %zu: rank %u src %llu dst %llu len %llu", i, en->rank,
+                      (unsigned long long)en->src_off, (unsigned long long)en->dst_off,
+                      (unsigned long long)en->len);
+            }
+            size_t src_lim = en->kind == DUET_XFER_SEG_KV    ? src_kv_bytes
+                             : en->kind == DUET_XFER_SEG_KDA ? src_kda_bytes
+                                                             : src_rp_bytes;
+            size_t dst_lim = en->kind == DUET_XFER_SEG_KV    ? rk[en->rank].kv_bytes
+                             : en->kind == DUET_XFER_SEG_KDA ? rk[en->rank].kda_bytes
+                                                             : rk[en->rank].rp_bytes;
             CHECK(en->src_off + en->len <= src_lim && en->dst_off + en->len <= dst_lim,
                   "entry %zu out of its pools", i);
             if (i > plan->layer_first[g]) {
                 const duet_xfer_entry_t *pv = en - 1;
-                CHECK(!(pv->rank == en->rank && pv->src_off + pv->len == en->src_off &&
+                CHECK(!(pv->kind == en->kind && pv->rank == en->rank &&
+                        pv->src_off + pv->len == en->src_off &&
                         pv->dst_off + pv->len == en->dst_off),
                       "entries %zu and %zu should have been merged", i - 1, i);
             }
             per_rank[en->rank] += en->len;
             total += en->len;
         }
+        CHECK(n_replay_entries == (kind == DUET_XFER_SEG_KDA && sh->R > 0),
+              "group %zu has %u replay entries (%u rows sent)", g, n_replay_entries, sh->R);
     }
     CHECK(total == plan->total_bytes, "total_bytes %llu, entries sum to %llu",
           (unsigned long long)plan->total_bytes, (unsigned long long)total);
-    uint64_t want_total =
-        (uint64_t)sh->n_tokens * sh->L * sh->tb + (sh->kda ? (uint64_t)sh->LK * src_kda_layer : 0);
+    uint64_t want_total = (uint64_t)sh->n_tokens * sh->L * sh->tb +
+                          (sh->kda ? (uint64_t)sh->LK * src_kda_layer : 0) +
+                          (uint64_t)sh->LK * sh->R * rb;
     CHECK(total == want_total, "total %llu, want %llu", (unsigned long long)total,
           (unsigned long long)want_total);
     for (uint32_t r = 0; r < DUET_XFER_MAX_RANKS; r++)
@@ -258,14 +320,17 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     for (uint32_t r = 0; r < N; r++) {
         uint8_t *seen_kv = calloc(rk[r].kv_bytes + 1, 1);
         uint8_t *seen_kda = calloc(rk[r].kda_bytes + 1, 1);
-        cr_assert(seen_kv && seen_kda);
+        uint8_t *seen_rp = calloc(rk[r].rp_bytes + 1, 1);
+        cr_assert(seen_kv && seen_kda && seen_rp);
         bool overlap = false;
         size_t bad = 0;
         for (size_t i = 0; i < plan->n_entries && !overlap; i++) {
             const duet_xfer_entry_t *en = &plan->entries[i];
             if (en->rank != r)
                 continue;
-            uint8_t *seen = en->kind == DUET_XFER_SEG_KV ? seen_kv : seen_kda;
+            uint8_t *seen = en->kind == DUET_XFER_SEG_KV    ? seen_kv
+                            : en->kind == DUET_XFER_SEG_KDA ? seen_kda
+                                                            : seen_rp;
             for (uint64_t b = 0; b < en->len; b++) {
                 if (seen[en->dst_off + b]++ != 0) {
                     overlap = true;
@@ -276,6 +341,7 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         }
         free(seen_kv);
         free(seen_kda);
+        free(seen_rp);
         CHECK(!overlap, "rank %u: entry %zu overlaps another on the destination", r, bad);
     }
 
@@ -284,12 +350,16 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         const duet_xfer_entry_t *en = &plan->entries[i];
         if (en->kind == DUET_XFER_SEG_KV)
             memcpy(rk[en->rank].kv + en->dst_off, src_kv + en->src_off, en->len);
-        else
+        else if (en->kind == DUET_XFER_SEG_KDA)
             memcpy(rk[en->rank].kda + en->dst_off, src_kda + en->src_off, en->len);
+        else
+            memcpy(rk[en->rank].rp + en->dst_off, src_rp + en->src_off, en->len);
     }
     for (uint32_t r = 0; r < N; r++) {
         CHECK(memcmp(rk[r].kv, rk[r].kv_ref, rk[r].kv_bytes) == 0, "rank %u: KV bytes differ", r);
         CHECK(memcmp(rk[r].kda, rk[r].kda_ref, rk[r].kda_bytes) == 0, "rank %u: KDA bytes differ",
+              r);
+        CHECK(memcmp(rk[r].rp, rk[r].rp_ref, rk[r].rp_bytes) == 0, "rank %u: replay bytes differ",
               r);
     }
 
@@ -300,9 +370,12 @@ out:
         free(rk[r].kv_ref);
         free(rk[r].kda);
         free(rk[r].kda_ref);
+        free(rk[r].rp);
+        free(rk[r].rp_ref);
     }
     free(src_kv);
     free(src_kda);
+    free(src_rp);
     free(src_pages);
     return ok;
 }
@@ -349,14 +422,22 @@ static shape_t random_shape(uint64_t *rng)
     sh.W = rng_range(rng, 1, 4);
     sh.e = (uint32_t[]){1, 2, 4}[rng_next(rng) % 3];
     sh.kda = sh.LK > 0 && rng_next(rng) % 5 != 0;
+    /* replay pools on both sides of differing sizes; rows sent in 3/4 of the one-rank KDA cases */
+    sh.rows_s = rng_range(rng, 0, 6);
+    sh.rows_d = rng_range(rng, 0, 6);
+    uint32_t most = sh.rows_s < sh.rows_d ? sh.rows_s : sh.rows_d;
+    most = most < sh.n_tokens ? most : sh.n_tokens;
+    sh.R = sh.kda && sh.N == 1 && most > 0 && rng_next(rng) % 4 != 0 ? rng_range(rng, 1, most) : 0;
     return sh;
 }
 
 static void describe(const shape_t *sh, char *buf, size_t n)
 {
-    snprintf(buf, n, "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u kda %d",
+    snprintf(buf, n,
+             "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u kda %d R %u rows %u "
+             "-> %u",
              sh->ps, sh->pd, sh->n_tokens, sh->L, sh->LK, sh->tb, sh->H, sh->K, sh->W, sh->e, sh->N,
-             sh->kda);
+             sh->kda, sh->R, sh->rows_s, sh->rows_d);
 }
 
 /* Thousands of random shapes through one reused plan (buffers grow and shrink in use). */
@@ -365,8 +446,10 @@ Test(transfer_plan, random_shapes_match_reference, .timeout = 240)
     enum { N_CASES = 4000 };
     duet_xfer_plan_t plan = {0};
     uint64_t rng = 0x5eed0001;
+    int n_replay_cases = 0;
     for (int c = 0; c < N_CASES; c++) {
         shape_t sh = random_shape(&rng);
+        n_replay_cases += sh.R > 0;
         if (!run_case(&rng, &sh, &plan)) {
             char d[256];
             describe(&sh, d, sizeof(d));
@@ -374,7 +457,9 @@ Test(transfer_plan, random_shapes_match_reference, .timeout = 240)
             break;
         }
     }
-    cr_log_info("transfer_plan: %d random shapes match the reference", N_CASES);
+    cr_assert_geq(n_replay_cases, 200, "only %d cases sent replay rows", n_replay_cases);
+    cr_log_info("transfer_plan: %d random shapes (%d with replay rows) match the reference",
+                N_CASES, n_replay_cases);
     duet_xfer_plan_free(&plan);
 }
 
@@ -402,6 +487,10 @@ Test(transfer_plan, named_page_size_pairs, .timeout = 120)
                 else if (rep == 2)
                     sh.n_tokens =
                         pairs[p][0] * pairs[p][1] > 2000 ? 1000 : pairs[p][0] * pairs[p][1];
+                if (N > 1)
+                    sh.R = 0; /* replay rows go to one rank only */
+                if (sh.R > sh.n_tokens)
+                    sh.R = sh.n_tokens;
                 if (!run_case(&rng, &sh, &plan)) {
                     char d[256];
                     describe(&sh, d, sizeof(d));
@@ -612,5 +701,113 @@ Test(transfer_plan, empty_parts_give_empty_groups, .timeout = 10)
     cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK);
     cr_assert_eq(plan.layer_first[2], 0u); /* KV groups empty */
     cr_assert_eq(plan.total_bytes, 2u * (4 * 16 + 3 * 16 * 3) * 4);
+    duet_xfer_plan_free(&plan);
+}
+
+/* ---- replay rows (a moved running request) -------------------------------------------------- */
+
+/* The fixture as a move into one generation worker: 4 heads on both sides, 4 pages of 128, replay
+ * pools of 5 (sender) and 3 (destination) rows per (slot, layer), 3 rows sent. */
+static void replay_fixture(fixture_t *f)
+{
+    fixture(f);
+    f->n = 1;
+    f->sl.replay_rows = 5;
+    f->dl[0].kda_heads = 4;
+    f->dl[0].replay_rows = 3;
+    f->dst[0].n_pages = 4;
+    f->src.n_replay = 3;
+}
+
+/* Each KDA layer's group ends with one replay entry: rows [0, 3) of the layer's block of the
+ * sender's slot 1 into the destination's slot 0, at the offsets of common/cache_layout.h's
+ * formula, ((slot * LK + layer) * rows + row) * row_bytes, row_bytes = (6 * H * K + H) * elem. */
+Test(transfer_plan, replay_rows_follow_each_kda_layer, .timeout = 10)
+{
+    fixture_t f;
+    replay_fixture(&f);
+    duet_xfer_plan_t plan = {0};
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK, "%s",
+                 duet_error_last());
+    const uint64_t rb = (6 * 4 * 4 + 4) * 4; /* H = K = 4, fp32 */
+    cr_assert_eq(rb, 400);
+    uint64_t replay_total = 0;
+    for (uint32_t l = 0; l < 2; l++) {
+        const size_t g = 2 + l, last = plan.layer_first[g + 1] - 1;
+        cr_assert_gt(plan.layer_first[g + 1], plan.layer_first[g]);
+        for (size_t i = plan.layer_first[g]; i < last; i++)
+            cr_assert_eq(plan.entries[i].kind, DUET_XFER_SEG_KDA);
+        const duet_xfer_entry_t *e = &plan.entries[last];
+        cr_assert_eq(e->kind, DUET_XFER_SEG_REPLAY);
+        cr_assert_eq(e->layer, l);
+        cr_assert_eq(e->rank, 0);
+        cr_assert_eq(e->src_off, ((1 * 2 + l) * 5 + 0) * rb);
+        cr_assert_eq(e->dst_off, ((0 * 2 + l) * 3 + 0) * rb);
+        cr_assert_eq(e->len, 3 * rb);
+        replay_total += e->len;
+    }
+    /* KV (500 tokens x 2 layers x 16 B), 2 KDA layer blocks, 2 x 3 replay rows */
+    const uint64_t kda_layer = (4 * 4 * 4 + 3 * 4 * 4 * 3) * 4;
+    cr_assert_eq(plan.total_bytes, 500u * 2 * 16 + 2 * kda_layer + replay_total);
+    cr_assert_eq(replay_total, 6 * rb);
+    /* what the receiver counts with (duet_xfer_layout_replay_bytes) */
+    cr_assert_eq(duet_xfer_layout_replay_bytes(&f.dl[0], 3), 6 * rb);
+    cr_assert_eq(duet_xfer_layout_replay_slot_bytes(&f.dl[0]), 2 * 3 * rb);
+    cr_assert_eq(duet_xfer_layout_replay_slot_bytes(&f.sl), 2 * 5 * rb);
+    /* n_replay 0: the same plan without the replay entries */
+    f.src.n_replay = 0;
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK);
+    cr_assert_eq(plan.total_bytes, 500u * 2 * 16 + 2 * kda_layer);
+    for (size_t i = 0; i < plan.n_entries; i++)
+        cr_assert_neq(plan.entries[i].kind, DUET_XFER_SEG_REPLAY);
+    duet_xfer_plan_free(&plan);
+}
+
+Test(transfer_plan, refuses_bad_replay_rows, .timeout = 10, .init = cr_redirect_stderr)
+{
+    fixture_t f;
+    replay_fixture(&f);
+    f.n = 2; /* into a Helix group: not built */
+    f.dl[0].kda_heads = 2;
+    f.dl[1].replay_rows = 3;
+    f.dst[0].n_pages = 2;
+    expect_refusal(&f, DUET_ERR_INVALID, "Helix");
+    replay_fixture(&f);
+    f.src.n_replay = 4; /* the destination holds 3 rows per (slot, layer) */
+    expect_refusal(&f, DUET_ERR_RANGE, "rank 0's replay pool holds 3");
+    replay_fixture(&f);
+    f.sl.replay_rows = 2; /* the sender holds 2 */
+    expect_refusal(&f, DUET_ERR_RANGE, "sender's replay pool holds 2");
+    replay_fixture(&f);
+    f.dl[0].replay_rows = 0; /* no replay pool on the destination */
+    expect_refusal(&f, DUET_ERR_RANGE, "holds 0");
+    replay_fixture(&f);
+    f.src.kda_slot = -1; /* no KDA state sent */
+    f.dst[0].kda_slot = -1;
+    expect_refusal(&f, DUET_ERR_INVALID, "no KDA state");
+    replay_fixture(&f);
+    f.sl.n_kda_layers = 0; /* no KDA layers */
+    f.dl[0].n_kda_layers = 0;
+    expect_refusal(&f, DUET_ERR_INVALID, "no KDA state");
+    replay_fixture(&f);
+    f.src.n_tokens = 2; /* 3 accepted rows of 2 tokens */
+    expect_refusal(&f, DUET_ERR_RANGE, "of only 2 tokens");
+    replay_fixture(&f);
+    /* slot ends past 64 bits in the replay pool only: 2^20 heads of dim 1 (a KDA layer block of
+     * 40 MiB, a replay row of 28 MiB), 2^32 - 1 rows per (slot, layer), slot 1024 */
+    f.sl.kda_heads = f.dl[0].kda_heads = 1u << 20;
+    f.sl.kda_head_dim = f.dl[0].kda_head_dim = 1;
+    f.sl.replay_rows = 0xffffffffu;
+    f.src.kda_slot = 1024;
+    expect_refusal(&f, DUET_ERR_RANGE, "sender replay slot 1024 overflows");
+    f.sl.replay_rows = 5;
+    f.src.kda_slot = 0;
+    f.dl[0].replay_rows = 0xffffffffu;
+    f.dst[0].kda_slot = 1024;
+    expect_refusal(&f, DUET_ERR_RANGE, "rank 0: replay slot 1024 overflows");
+    f.dl[0].replay_rows = 3; /* the same slots with rows that fit: planned */
+    duet_xfer_plan_t plan = {0};
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK, "%s",
+                 duet_error_last());
     duet_xfer_plan_free(&plan);
 }

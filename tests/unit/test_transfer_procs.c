@@ -118,6 +118,20 @@ Test(transfer_procs, shm_two_processes_random_pages, .timeout = 60)
     send_to_children("posix,sysv,cma,self", s);
 }
 
+/* Running requests moved between two generation workers' processes: KV, KDA state and 5 pending
+ * replay rows per KDA layer (of replay pools of 5 rows per slot and layer), over tcp and shm, the
+ * receiver checking every row byte against the pattern. */
+Test(transfer_procs, moved_requests_with_replay_rows, .timeout = 60)
+{
+    xt_scn_t s = xt_scn_default();
+    s.count = 3;
+    s.rrows = 5;
+    s.replay = 5;
+    send_to_children("tcp,self", s);
+    s.alloc = 1; /* receive pools from UCX, as a generation worker's */
+    send_to_children("posix,sysv,cma,self", s);
+}
+
 Test(transfer_procs, shm_bigger_source_pages, .timeout = 60)
 {
     xt_scn_t s = xt_scn_default();

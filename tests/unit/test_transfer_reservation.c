@@ -24,7 +24,7 @@ static uint64_t rng_next(uint64_t *s)
 
 #define NOW 1700000000000ull /* a fixed "now" for deadline checks */
 
-static uint8_t g_addr[300], g_kv_rkey[40], g_kda_rkey[24];
+static uint8_t g_addr[300], g_kv_rkey[40], g_kda_rkey[24], g_rp_rkey[32];
 static int32_t g_pages[16] = {9, 2, 7, 0, 4, 11, 5, 3, 1, 6, 8, 10, 12, 13, 14, 15};
 
 /* Rank 1 of 2: 64-token pages, 3 MLA layers of 32 bytes per token, 2 KDA layers of 4 heads. */
@@ -62,6 +62,23 @@ static duet_xfer_reservation_t valid(void)
         .n_tokens = 600, /* 10 global pages of 64: 5 on rank 1 */
         .deadline_unix_ms = NOW + 5000,
     };
+}
+
+/* A moved running request into one generation worker: valid()'s layout with replay pools of 5
+ * rows per (slot, layer), 3 rows of slot 2 sent; 600 tokens on 10 pages. */
+static duet_xfer_reservation_t valid_replay(void)
+{
+    duet_xfer_reservation_t r = valid();
+    memset(g_rp_rkey, 0xef, sizeof(g_rp_rkey));
+    r.rank = 0;
+    r.group_size = 1;
+    r.n_pages = 10;
+    r.layout.replay_rows = 5;
+    r.replay_rkey = (duet_xfer_bytes_t){g_rp_rkey, sizeof(g_rp_rkey)};
+    r.replay_base = 0x7d0000000000ull;
+    r.replay_bytes = 3 * duet_xfer_layout_replay_slot_bytes(&r.layout); /* 3 slots */
+    r.n_replay = 3;
+    return r;
 }
 
 /* Pack r as protobuf-c would, without our validation. */
@@ -102,6 +119,12 @@ static void same(const duet_xfer_reservation_t *a, const duet_xfer_reservation_t
     cr_assert_eq(a->kda_slot, b->kda_slot);
     cr_assert_eq(a->n_tokens, b->n_tokens);
     cr_assert_eq(a->deadline_unix_ms, b->deadline_unix_ms);
+    cr_assert_eq(a->replay_rkey.len, b->replay_rkey.len);
+    cr_assert(a->replay_rkey.len == 0 ||
+              memcmp(a->replay_rkey.data, b->replay_rkey.data, a->replay_rkey.len) == 0);
+    cr_assert_eq(a->replay_base, b->replay_base);
+    cr_assert_eq(a->replay_bytes, b->replay_bytes);
+    cr_assert_eq(a->n_replay, b->n_replay);
 }
 
 Test(transfer_reservation, round_trip, .timeout = 10)
@@ -437,4 +460,95 @@ Test(transfer_reservation, fuzz_decode, .timeout = 120, .init = cr_redirect_stde
     cr_assert_gt(n_ok, 0);
     cr_assert_gt(n_bad, 0);
     cr_log_info("reservation fuzz: 5000 buffers, %d accepted, %d refused", n_ok, n_bad);
+}
+
+/* ---- replay rows (a moved running request) --------------------------------------------------- */
+
+Test(transfer_reservation, replay_round_trip_into_a_plan, .timeout = 10)
+{
+    duet_xfer_reservation_t r = valid_replay();
+    /* the slot's rows: 2 layers x 5 rows of (6 * 4 * 8 + 4) * 4 bytes */
+    cr_assert_eq(duet_xfer_layout_replay_slot_bytes(&r.layout), 2ull * 5 * (6 * 4 * 8 + 4) * 4);
+    uint8_t buf[2048];
+    size_t len = 0;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
+                 duet_error_last());
+    duet_xfer_reservation_t got;
+    cr_assert_eq(duet_xfer_reservation_decode(buf, len, NOW, &got), DUET_OK, "%s",
+                 duet_error_last());
+    same(&r, &got);
+    cr_assert_eq(got.layout.replay_rows, 5u);
+    cr_assert_eq(got.n_replay, 3u);
+    /* the sender's plan against it: each replay entry inside the advertised replay region */
+    duet_xfer_layout_t sl = got.layout;
+    sl.page_tokens = 128;
+    sl.replay_rows = 7; /* the sides' pools may differ in rows */
+    int32_t sp[5] = {4, 3, 2, 1, 0};
+    duet_xfer_src_t src = {
+        .pages = sp, .n_pages = 5, .kda_slot = 0, .n_tokens = 600, .n_replay = got.n_replay};
+    duet_xfer_dest_t dst;
+    duet_xfer_reservation_dest(&got, &dst);
+    duet_xfer_plan_t plan = {0};
+    cr_assert_eq(duet_xfer_plan_build(&sl, &src, &got.layout, &dst, 1, &plan), DUET_OK, "%s",
+                 duet_error_last());
+    int n_replay_entries = 0;
+    for (size_t i = 0; i < plan.n_entries; i++) {
+        const duet_xfer_entry_t *e = &plan.entries[i];
+        if (e->kind != DUET_XFER_SEG_REPLAY)
+            continue;
+        n_replay_entries++;
+        cr_assert_leq(e->dst_off + e->len, got.replay_bytes);
+    }
+    cr_assert_eq(n_replay_entries, 2);
+    duet_xfer_plan_free(&plan);
+    duet_xfer_reservation_free(&got);
+
+    /* a reservation without the new fields decodes with n_replay 0 and empty replay fields */
+    r = valid();
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
+    cr_assert_eq(duet_xfer_reservation_decode(buf, len, NOW, &got), DUET_OK);
+    cr_assert(got.n_replay == 0 && got.replay_rkey.len == 0 && got.replay_bytes == 0 &&
+              got.layout.replay_rows == 0);
+    duet_xfer_reservation_free(&got);
+}
+
+#define REFUSE_REPLAY(mut, want, needle)                                                           \
+    do {                                                                                           \
+        duet_xfer_reservation_t r = valid_replay();                                                \
+        mut;                                                                                       \
+        refused(&r, false, want, needle);                                                          \
+    } while (0)
+
+Test(transfer_reservation, malformed_replay_fields_refused, .timeout = 10,
+     .init = cr_redirect_stderr)
+{
+    static uint8_t big[DUET_XFER_RKEY_MAX + 1];
+    REFUSE_REPLAY(r.replay_rkey.len = 0, DUET_ERR_FORMAT, "replay_rkey is empty");
+    REFUSE_REPLAY((r.replay_rkey = (duet_xfer_bytes_t){big, sizeof(big)}), DUET_ERR_RANGE,
+                  "replay_rkey of");
+    /* slot 2's rows end at 3 slots: 2 slots of rows do not hold them */
+    REFUSE_REPLAY(r.replay_bytes = 2 * duet_xfer_layout_replay_slot_bytes(&r.layout),
+                  DUET_ERR_RANGE, "outside replay_bytes");
+    REFUSE_REPLAY(r.replay_bytes = 0, DUET_ERR_RANGE, "outside replay_bytes");
+    REFUSE_REPLAY(r.replay_base = UINT64_MAX - 10, DUET_ERR_RANGE, "replay_base");
+    REFUSE_REPLAY(r.n_replay = 6, DUET_ERR_RANGE, "replay_rows 5");
+    REFUSE_REPLAY(r.layout.replay_rows = 0, DUET_ERR_RANGE, "replay_rows 0");
+    REFUSE_REPLAY(r.n_tokens = 2, DUET_ERR_RANGE, "exceeds n_tokens 2");
+    REFUSE_REPLAY((r.kda_slot = -1, r.kda_rkey.len = 0), DUET_ERR_FORMAT, "no kda_slot");
+    REFUSE_REPLAY((r.group_size = 2, r.n_pages = 5), DUET_ERR_RANGE, "Helix");
+    /* rows per slot past 64 bits: 2^31 heads of dim 1 (the KDA slot, 2^34 bytes, still fits),
+     * 2^32 - 1 replay rows of 28 * 2^31 bytes */
+    REFUSE_REPLAY((r.layout.kda_heads = 1u << 31, r.layout.kda_head_dim = 1,
+                   r.layout.conv_kernel = 1, r.layout.replay_rows = 0xffffffffu,
+                   r.kda_bytes = 3 * duet_xfer_layout_kda_slot_bytes(&r.layout)),
+                  DUET_ERR_RANGE, "overflow 64-bit");
+    /* the same reservation without replay rows is valid: the refusals are about the rows */
+    duet_xfer_reservation_t r = valid_replay();
+    r.n_replay = 0;
+    r.replay_rkey.len = 0;
+    r.replay_bytes = 0;
+    uint8_t buf[2048];
+    size_t len;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
+                 duet_error_last());
 }

@@ -43,7 +43,9 @@ typedef struct {
     uint32_t checksum;    /* sender sends XXH3 */
     int32_t stall_after;  /* sender: after this many MLA layers, report "stalled" and hang */
     uint32_t pool_pages;  /* pages in each side's KV pool (0 = enough for count transfers) */
-    uint32_t alloc; /* receiver: pools from duet_xfer_ctx_alloc instead of malloc + register */
+    uint32_t alloc;  /* receiver: pools from duet_xfer_ctx_alloc instead of malloc + register */
+    uint32_t rrows;  /* replay pool rows per (KDA slot, KDA layer) on both sides (0 = no pool) */
+    uint32_t replay; /* replay rows sent (a moved running request; needs group 1, rrows >= it) */
 } xt_scn_t;
 
 static inline xt_scn_t xt_scn_default(void)
@@ -87,7 +89,9 @@ static inline xt_scn_t xt_scn_default(void)
     X(checksum)                                                                                    \
     X(stall_after)                                                                                 \
     X(pool_pages)                                                                                  \
-    X(alloc)
+    X(alloc)                                                                                       \
+    X(rrows)                                                                                       \
+    X(replay)
 
 /* Parse "key=value" arguments into s; false on an unknown key. */
 static inline bool xt_scn_parse(xt_scn_t *s, int argc, char **argv)
@@ -136,6 +140,7 @@ static inline duet_xfer_layout_t xt_layout(const xt_scn_t *s, bool sender)
         .kda_head_dim = s->hd,
         .conv_kernel = s->conv,
         .state_elem = 4,
+        .replay_rows = s->rrows,
     };
     return l;
 }
@@ -183,6 +188,55 @@ static inline uint64_t xt_kda_slot_bytes(const xt_scn_t *s, uint32_t heads)
 {
     uint64_t hk = (uint64_t)heads * s->hd;
     return (uint64_t)s->kda * (hk * s->hd + 3 * hk * (s->conv - 1)) * 4;
+}
+
+/* Element g of row `row` of KDA layer l's replay rows. */
+static inline uint32_t xt_replay_elem(uint32_t seed, uint32_t l, uint32_t row, uint64_t g)
+{
+    return (uint32_t)xt_mix(0x7e91aull ^ ((uint64_t)seed << 48) ^ ((uint64_t)l << 40) ^
+                            ((uint64_t)row << 32) ^ g);
+}
+
+/* A replay row: (6*H*K + H) fp32 values (common/cache_layout.h; one rank holds every head). */
+static inline uint64_t xt_replay_row_bytes(const xt_scn_t *s)
+{
+    return (6ull * s->heads * s->hd + s->heads) * 4;
+}
+
+/* A slot's replay rows: every KDA layer's rrows rows. */
+static inline uint64_t xt_replay_slot_bytes(const xt_scn_t *s)
+{
+    return (uint64_t)s->kda * s->rrows * xt_replay_row_bytes(s);
+}
+
+/* Fill every replay row of the sender's slot with the pattern of `seed`. */
+static inline void xt_fill_replay(const xt_scn_t *s, uint32_t seed, uint8_t *rp, int32_t slot)
+{
+    const uint64_t rb = xt_replay_row_bytes(s), n = rb / 4;
+    for (uint32_t l = 0; l < s->kda; l++)
+        for (uint32_t row = 0; row < s->rrows; row++) {
+            uint32_t *e = (uint32_t *)(rp + (((uint64_t)slot * s->kda + l) * s->rrows + row) * rb);
+            for (uint64_t g = 0; g < n; g++)
+                e[g] = xt_replay_elem(seed, l, row, g);
+        }
+}
+
+/* Count bytes of the destination slot's replay rows that are wrong: rows [0, s->replay) must hold
+ * the pattern of `seed`, the rows after them the receiver's background byte `bg` (not sent). */
+static inline uint64_t xt_verify_replay(const xt_scn_t *s, uint32_t seed, const uint8_t *rp,
+                                        int32_t slot, uint8_t bg)
+{
+    const uint64_t rb = xt_replay_row_bytes(s), n = rb / 4;
+    const uint32_t bgw = 0x01010101u * bg;
+    uint64_t bad = 0;
+    for (uint32_t l = 0; l < s->kda; l++)
+        for (uint32_t row = 0; row < s->rrows; row++) {
+            const uint32_t *e =
+                (const uint32_t *)(rp + (((uint64_t)slot * s->kda + l) * s->rrows + row) * rb);
+            for (uint64_t g = 0; g < n; g++)
+                bad += e[g] != (row < s->replay ? xt_replay_elem(seed, l, row, g) : bgw);
+        }
+    return bad;
 }
 
 /* Fill the sender's pages (sequence order) and KDA slot with the pattern of `seed`. */
@@ -456,9 +510,9 @@ typedef struct {
 struct xt_recv {
     xt_scn_t s;
     duet_xfer_ctx_t *ctx;
-    uint8_t *kv, *kda;           /* malloc'ed pools (NULL when the context owns them) */
-    uint8_t *kv_view, *kda_view; /* the pools, whoever owns them */
-    size_t kv_bytes, kda_bytes;
+    uint8_t *kv, *kda, *rp;                /* malloc'ed pools (NULL when the context owns them) */
+    uint8_t *kv_view, *kda_view, *rp_view; /* the pools, whoever owns them */
+    size_t kv_bytes, kda_bytes, rp_bytes;
     xt_pool_t pool;
     xt_rxfer_t *x; /* [count] */
     uint32_t n_ended, n_done, n_aborted;
@@ -475,6 +529,8 @@ static inline void xt_recv_cb(const duet_xfer_outcome_t *o, void *user)
     if (o->kind == DUET_XFER_OUTCOME_DONE) {
         t->bad = xt_verify_dst(&R->s, R->s.seed + t->k, R->kv_view, t->pages, t->n_pages,
                                R->kda_view, t->slot);
+        if (R->rp_view != NULL && t->slot >= 0)
+            t->bad += xt_verify_replay(&R->s, R->s.seed + t->k, R->rp_view, t->slot, 0xee);
         R->bad += t->bad;
         R->n_done++;
     } else {
@@ -500,6 +556,7 @@ static inline duet_status_t xt_recv_init(xt_recv_t *R, const xt_scn_t *s)
     xt_pool_init(&R->pool, n_pages, 0x1234 + s->rank);
     if (s->kda > 0)
         R->kda_bytes = xt_kda_slot_bytes(s, s->heads / s->group) * s->count;
+    R->rp_bytes = xt_replay_slot_bytes(s) * s->count;
     if (s->alloc) {
         void *kv, *kda;
         if ((st = duet_xfer_ctx_alloc(R->ctx, DUET_XFER_POOL_KV, R->kv_bytes, DUET_XFER_MEM_HOST,
@@ -514,6 +571,14 @@ static inline duet_status_t xt_recv_init(xt_recv_t *R, const xt_scn_t *s)
             R->kda_view = kda;
             memset(kda, 0xee, R->kda_bytes);
         }
+        if (R->rp_bytes > 0) {
+            void *rp;
+            if ((st = duet_xfer_ctx_alloc(R->ctx, DUET_XFER_POOL_REPLAY, R->rp_bytes,
+                                          DUET_XFER_MEM_HOST, &rp)) < 0)
+                return st;
+            R->rp_view = rp;
+            memset(rp, 0xee, R->rp_bytes);
+        }
     } else {
         R->kv = R->kv_view = malloc(R->kv_bytes);
         memset(R->kv, 0xee, R->kv_bytes);
@@ -524,6 +589,13 @@ static inline duet_status_t xt_recv_init(xt_recv_t *R, const xt_scn_t *s)
             R->kda = R->kda_view = malloc(R->kda_bytes);
             memset(R->kda, 0xee, R->kda_bytes);
             if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_KDA, R->kda, R->kda_bytes,
+                                             DUET_XFER_MEM_HOST)) < 0)
+                return st;
+        }
+        if (R->rp_bytes > 0) {
+            R->rp = R->rp_view = malloc(R->rp_bytes);
+            memset(R->rp, 0xee, R->rp_bytes);
+            if ((st = duet_xfer_ctx_register(R->ctx, DUET_XFER_POOL_REPLAY, R->rp, R->rp_bytes,
                                              DUET_XFER_MEM_HOST)) < 0)
                 return st;
         }
@@ -552,6 +624,7 @@ static inline duet_status_t xt_recv_reserve(xt_recv_t *R, uint32_t k, uint8_t *b
         .n_pages = t->n_pages,
         .kda_slot = t->slot,
         .n_tokens = s->tokens,
+        .n_replay = s->replay,
         .rank = s->rank,
         .group_size = s->group,
         .deadline_unix_ms = duet_xfer_now_unix_ms() + s->deadline_ms,
@@ -586,6 +659,7 @@ static inline void xt_recv_free(xt_recv_t *R)
     free(R->x);
     free(R->kv);
     free(R->kda);
+    free(R->rp);
     free(R->pool.free_ids);
     memset(R, 0, sizeof(*R));
 }
@@ -608,8 +682,8 @@ typedef struct {
 struct xt_send {
     xt_scn_t s;
     duet_xfer_ctx_t *ctx;
-    uint8_t *kv, *kda;
-    size_t kv_bytes, kda_bytes;
+    uint8_t *kv, *kda, *rp;
+    size_t kv_bytes, kda_bytes, rp_bytes;
     xt_pool_t pool;
     uint32_t n_slots;
     xt_sxfer_t *x;
@@ -658,6 +732,13 @@ static inline duet_status_t xt_send_init(xt_send_t *S, const xt_scn_t *s, uint32
                                          DUET_XFER_MEM_HOST)) < 0)
             return st;
     }
+    S->rp_bytes = xt_replay_slot_bytes(s) * slots;
+    if (S->rp_bytes > 0) {
+        S->rp = malloc(S->rp_bytes);
+        if ((st = duet_xfer_ctx_register(S->ctx, DUET_XFER_POOL_REPLAY, S->rp, S->rp_bytes,
+                                         DUET_XFER_MEM_HOST)) < 0)
+            return st;
+    }
     S->x = calloc(max_x, sizeof(*S->x));
     S->n_x = max_x;
     return DUET_OK;
@@ -676,6 +757,8 @@ static inline duet_status_t xt_send_start(xt_send_t *S, uint32_t k,
         return DUET_ERR_NO_SPACE;
     t->slot = s->kda > 0 ? (int32_t)(k % S->n_slots) : -1;
     xt_fill_src(s, s->seed + k, S->kv, t->pages, S->kda, t->slot);
+    if (S->rp != NULL && t->slot >= 0)
+        xt_fill_replay(s, s->seed + k, S->rp, t->slot);
     duet_xfer_send_args_t a = {
         .req_id = res[0].request_id,
         .reservations = res,
@@ -684,7 +767,8 @@ static inline duet_status_t xt_send_start(xt_send_t *S, uint32_t k,
         .src = {.pages = t->pages,
                 .n_pages = t->n_pages,
                 .kda_slot = t->slot,
-                .n_tokens = s->tokens},
+                .n_tokens = s->tokens,
+                .n_replay = s->replay},
         .checksum = s->checksum != 0,
         .cb = xt_send_cb,
         .user = t,
@@ -729,6 +813,7 @@ static inline void xt_send_free(xt_send_t *S)
     free(S->x);
     free(S->kv);
     free(S->kda);
+    free(S->rp);
     free(S->pool.free_ids);
     memset(S, 0, sizeof(*S));
 }
