@@ -405,7 +405,7 @@ static void gen_send_paused(duet_worker_t *w, uint64_t rid, const char *refusal,
 static void gr_resume_moved_in(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
-    if (duet_model_seq_set_filled(w->m, &q->seq, r->in_tokens) != DUET_OK) { /* MOVE_REPLAY */
+    if (duet_model_seq_set_received(w->m, &q->seq, r->in_tokens, r->in_replay) != DUET_OK) {
         char why[320];
         snprintf(why, sizeof(why), "cannot take the moved caches: %s", duet_error_last());
         gr_fail(w, q, why);
@@ -440,8 +440,9 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
         bad = "Reserve: the moving request's KV length is not its prompt and generated ids";
     else if (ms->replay_rows > ms->kv_tokens)
         bad = "Reserve: more replay rows than tokens";
-    else if (ms->replay_rows > 0) /* MOVE_REPLAY */
-        bad = "Reserve: this worker cannot take pending replay rows";
+    else if (ms->replay_rows > w->layout.replay_rows)
+        bad = "Reserve: the moving request has more pending replay rows than this worker's replay "
+              "pool holds per slot (no speculation here, or a smaller spec.k)";
     else if (!duet_worker_in_vocab(w, m->tokens, m->n_tokens) ||
              !duet_worker_in_vocab(w, ms->generated, ms->n_generated))
         bad = "Reserve: a token of the moving request is outside the vocabulary";
@@ -493,14 +494,8 @@ static void gen_on_move_pause(duet_worker_t *w, const Duet__MovePause *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
-    /* between steps nothing is pending; the replay rows travel unless the target cannot take
-     * them: then they are folded in here (MOVE_REPLAY) */
-    if (q->seq.n_replay > 0 && duet_model_seq_commit(w->m, &q->seq) != DUET_OK) {
-        char why[320];
-        snprintf(why, sizeof(why), "cannot fold the accepted rows in: %s", duet_error_last());
-        gen_send_paused(w, q->rid, why, NULL);
-        return;
-    }
+    /* between steps nothing is pending (n_pending 0); the accepted rows not yet folded into the
+     * KDA state (n_replay) travel as they are, and the target folds them in at its first step */
     uint64_t rng[DUET_PROTO_RNG_WORDS];
     for (unsigned i = 0; i < DUET_PROTO_RNG_WORDS; i++)
         rng[i] = q->sampling.rng.s[i];
@@ -548,7 +543,8 @@ static void gen_on_move_out(duet_worker_t *w, const Duet__MoveOut *m)
             .src = {.pages = q->seq.pages,
                     .n_pages = (uint32_t)((q->seq.n_tokens + pt - 1) / pt),
                     .kda_slot = q->seq.kda_slot,
-                    .n_tokens = (uint64_t)q->seq.n_tokens},
+                    .n_tokens = (uint64_t)q->seq.n_tokens,
+                    .n_replay = (uint32_t)q->seq.n_replay},
             .checksum = g.checksum,
             .cb = duet_worker_xfer_cb,
             .user = w,
@@ -605,8 +601,9 @@ static void gr_moved(duet_worker_t *w, gr_t *r, const duet_xfer_outcome_t *o)
         return;
     }
     if (o->kind == DUET_XFER_OUTCOME_DONE) {
-        DUET_RLOG_INFO(q->rid, "moved out: %llu bytes in %.3f ms", (unsigned long long)o->bytes,
-                       o->seconds * 1e3);
+        DUET_RLOG_INFO(q->rid, "moved out: %lld tokens, %lld replay rows, %llu bytes in %.3f ms",
+                       (long long)q->seq.n_tokens, (long long)q->seq.n_replay,
+                       (unsigned long long)o->bytes, o->seconds * 1e3);
         gen_send_moved(w, q->rid, true, NULL);
         gr_free(w, q);
         duet_worker_update(w);
@@ -716,7 +713,7 @@ static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t
         .cb = duet_worker_xfer_cb,
         .user = w,
     };
-    (void)n_replay; /* MOVE_REPLAY */
+    a.n_replay = (uint32_t)n_replay;
     if (w->layout.n_mla_layers == 0)
         a.n_pages = 0;
     duet_xfer_reservation_t res;

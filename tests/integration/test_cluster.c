@@ -39,7 +39,8 @@
  *        kept per position, consistent with each other and with the tokens the clients got
  *   client_cancel_frees_pages_on_both_workers, gen_killed_fails_its_requests_router_stays_healthy,
  *   drain_under_load_loses_nothing, drain_migrate_moves_requests_mid_decode  the bodies above
- *        with speculation on (seeded sampling then
+ *        with speculation on (drain_migrate_with_the_draft_model: the migrate body with the
+ *        draft model, rebuilt on the target) (seeded sampling then
  *        equals duet-generate with the same spec keys and seed)
  *   duet_up_local_spec_yaml_answers  `duet up deploy/configs/local-spec.yaml --once` (prompt
  *        lookup standing in for the draft model) answers the sample as duet-generate does
@@ -1107,6 +1108,31 @@ static double moves(const char *result)
  * the streams end; the router counted the moves and no failure; every page is back on every
  * worker at the end.
  */
+/* Moves the gen workers' logs record ("moved out: T tokens, R replay rows, ..."): how many, and
+ * how many of them carried replay rows (R > 0). */
+static int moved_out_logged(int n_gen, int *with_replay)
+{
+    int n = 0;
+    *with_replay = 0;
+    for (int i = 0; i < n_gen; i++) {
+        char path[512], line[1024];
+        snprintf(path, sizeof(path), "%s/gen-%d.log", dir, i);
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        while (fgets(line, sizeof(line), f) != NULL) {
+            const char *p = strstr(line, "moved out: ");
+            long long t = 0, rows = 0;
+            if (p == NULL || sscanf(p, "moved out: %lld tokens, %lld replay rows", &t, &rows) != 2)
+                continue;
+            n++;
+            *with_replay += rows > 0;
+        }
+        fclose(f);
+    }
+    return n;
+}
+
 static void migrate_body(void)
 {
     enum { N = 6 };
@@ -1143,6 +1169,12 @@ static void migrate_body(void)
     cr_expect_gt(running, 0, "requests were still running on gen-1 when gen-0 was drained");
     cr_expect_geq(moves("ok"), 1, "the router moved requests");
     cr_expect_eq(moves("failed") + moves("lost"), 0, "no move failed");
+    int with_replay = 0;
+    cr_expect_eq(moved_out_logged(2, &with_replay), (int)moves("ok"), "each move is logged");
+    if (spec_method != NULL) /* a verify leaves its accepted rows as replay rows */
+        cr_expect_gt(with_replay, 0, "a move carried pending replay rows");
+    else
+        cr_expect_eq(with_replay, 0, "replay rows without speculation");
     wait_idle(3, 15000); /* gen-0 stays live, draining, with every page back */
     for (int i = 0; i < N; i++) {
         free(jobs[i].want_text);
@@ -1254,9 +1286,9 @@ static void migrate_faults_body(void)
     fault_start(&j, &th, 74);
     cr_assert_eq(busy_worker("gen-", 1, 20000), 0);
     usleep(400000);
-    cr_assert_eq(http(admin_port, "POST", "/admin/workers/gen-0/drain?migrate=1", "", buf,
-                      sizeof(buf)),
-                 200, "%s", buf);
+    cr_assert_eq(
+        http(admin_port, "POST", "/admin/workers/gen-0/drain?migrate=1", "", buf, sizeof(buf)), 200,
+        "%s", buf);
     pthread_join(th, NULL);
     check_job(&j, 0);
     cr_expect_geq(moves("abandoned"), 1, "the router gave the move up");
@@ -1351,6 +1383,14 @@ Test(cluster_spec, gen_killed_fails_its_requests_router_stays_healthy, .timeout 
 Test(cluster_spec, drain_migrate_moves_requests_mid_decode, .timeout = 240)
 {
     speculate("ngram", "4");
+    migrate_body();
+}
+
+/* The draft model (KDA and MLA layers) is rebuilt on the target from the prompt and the generated
+ * ids, catching up as for a new request. */
+Test(cluster_spec, drain_migrate_with_the_draft_model, .timeout = 240)
+{
+    speculate("draft", "4");
     migrate_body();
 }
 
