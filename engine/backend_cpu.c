@@ -57,34 +57,35 @@ typedef struct {
     int64_t *item_replay;       /* (T) */
 
     /* workspace: one allocation, carved; T = max_batch_tokens */
-    float *ws;          /* owned */
-    float *x;           /* (T, D) residual stream */
-    float *xn;          /* (T, D) normed input of a sub-layer */
-    float *proj;        /* (T, 3*H*K) KDA pre-conv q|k|v */
-    float *qkv;         /* (T, 3*H*K) KDA post-conv q|k|v */
-    float *fa;          /* (T, K) */
-    float *gk;          /* (T, H*K) KDA log decay g */
-    float *beta;        /* (T, H) */
-    float *ga;          /* (T, K) */
-    float *gate;        /* (T, H*K) output gate pre-activation */
-    float *o;           /* (T, max(H*K, n*dv)) mixer output before o_proj */
-    float *mq;          /* (T, n*(dn+dr)) MLA queries */
-    float *mqa;         /* (T, q_lora) */
-    float *ckr;         /* (T, r+dr) */
-    float *qhat;        /* (T, n, r) absorbed queries */
-    float *lat;         /* (T, n, r) attention result in latent space */
-    float *f1;          /* (T, Imax) FFN gate */
-    float *f2;          /* (T, Imax) FFN up */
-    float *router;      /* (T, E) */
-    int32_t *topk_idx;  /* (T, top_k) */
-    float *topk_w;      /* (T, top_k) */
-    int32_t *exp_rows;  /* (T * top_k) rows grouped by expert */
-    float *exp_wts;     /* (T * top_k) */
-    int64_t *exp_off;   /* (E + 1) */
-    float *xg;          /* (T, D) gathered rows of one expert */
-    float *eo;          /* (T, D) expert output */
-    float *thr_scratch; /* (n_threads, per_thread) */
-    int64_t per_thread; /* floats of scratch per thread */
+    float *ws;                /* owned */
+    float *x;                 /* (T, D) residual stream */
+    float *xn;                /* (T, D) normed input of a sub-layer */
+    float *proj;              /* (T, 3*H*K) KDA pre-conv q|k|v */
+    float *qkv;               /* (T, 3*H*K) KDA post-conv q|k|v */
+    float *fa;                /* (T, K) */
+    float *gk;                /* (T, H*K) KDA log decay g */
+    float *beta;              /* (T, H) */
+    float *ga;                /* (T, K) */
+    float *gate;              /* (T, H*K) output gate pre-activation */
+    float *o;                 /* (T, max(H*K, n*dv)) mixer output before o_proj */
+    float *mq;                /* (T, n*(dn+dr)) MLA queries */
+    float *mqa;               /* (T, q_lora) */
+    float *ckr;               /* (T, r+dr) */
+    float *qhat;              /* (T, n, r) absorbed queries */
+    float *lat;               /* (T, n, r) attention result in latent space */
+    float *f1;                /* (T, Imax) FFN gate */
+    float *f2;                /* (T, Imax) FFN up */
+    float *router;            /* (T, E) */
+    int32_t *topk_idx;        /* (T, top_k) */
+    float *topk_w;            /* (T, top_k) */
+    int32_t *exp_rows;        /* (T * top_k) rows grouped by expert */
+    float *exp_wts;           /* (T * top_k) */
+    int64_t *exp_off;         /* (E + 1) */
+    float *xg;                /* (T, D) gathered rows of one expert */
+    float *eo;                /* (T, D) expert output */
+    float *thr_scratch;       /* (n_threads, per_thread) */
+    int64_t per_thread;       /* floats of scratch per thread */
+    duet_cpu_mla_ws_t mla_ws; /* the MLA attention's split-KV plan and partials */
 } duet__cpu_t;
 
 static duet_tensor_t duet__f32_view(float *data, int64_t rows, int64_t cols)
@@ -131,15 +132,15 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
     const int64_t E = c->n_experts > 0 ? c->n_experts : 1, tk = c->top_k > 0 ? c->top_k : 1;
     const int64_t nthr = duet_kernels_n_threads(b->k);
 
-    /* Per-thread scratch: KDA chunk scratch, or MLA scores over a whole sequence. */
+    /* Per-thread scratch: KDA chunk scratch, or one MLA segment's scores and partial. */
     int64_t per = 64;
     if (has_kda) {
         int64_t s = duet_cpu_kda_chunk_scratch_floats(K, K);
         if (s > per)
             per = s;
     }
-    if (has_mla && b->bm.opts->max_seq_len + 64 > per)
-        per = b->bm.opts->max_seq_len + 64;
+    if (has_mla && duet_cpu_mla_scratch_floats(r) > per)
+        per = duet_cpu_mla_scratch_floats(r);
     if (b->bm.replay != NULL && duet_cpu_kda_verify_scratch_floats(K) > per)
         per = duet_cpu_kda_verify_scratch_floats(K);
     b->per_thread = per;
@@ -206,6 +207,7 @@ static void duet__cpu_destroy(duet_backend_t *be)
     if (b == NULL)
         return;
     duet_backend_f32_free(b->bm.cfg, b->f32);
+    duet_cpu_mla_ws_free(&b->mla_ws);
     free(b->ws);
     free(b->topk_idx);
     free(b->exp_rows);
@@ -373,8 +375,10 @@ static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
             DUET_OK)
             return s;
     }
-    duet_cpu_mla_attend(k, st, &ly, b->qhat, b->mq + dn, n * dqk, dqk, 1.0f / sqrtf((float)dqk),
-                        b->lat, b->thr_scratch, b->per_thread);
+    if ((s = duet_cpu_mla_attend(k, st, &ly, b->qhat, b->mq + dn, n * dqk, dqk,
+                                 1.0f / sqrtf((float)dqk), b->lat, b->thr_scratch, b->per_thread,
+                                 &b->mla_ws)) != DUET_OK)
+        return s;
     /* o_h = W_UV[h] · latent_h */
     for (int64_t h = 0; h < n; h++) {
         duet_tensor_t wuv = duet__row_view(&w->kv_b_proj, h * (dn + dv) + dn, dv);

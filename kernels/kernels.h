@@ -121,6 +121,13 @@ const char *duet_kernels_cpu_isa(const duet_kernels_t *k);
 typedef void (*duet_k_task_fn)(void *ctx, int64_t begin, int64_t end, int thread_idx);
 void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_task_fn fn, void *ctx);
 
+/*
+ * The same with one task per index (fn(ctx, i, i + 1, thread_idx)), each claimed by the next free
+ * thread: for work the caller has already cut into balanced pieces (kernels/splitkv.h), where
+ * grouping neighbours into ranges would put the big pieces of one request on one thread.
+ */
+void duet_k_parallel_each(duet_kernels_t *k, int64_t n, duet_k_task_fn fn, void *ctx);
+
 /* ---- ops ---------------------------------------------------------------------------------- */
 
 /*

@@ -4,9 +4,17 @@
  * Kimi Linear's MLA has no rotary embedding: q_r and k_r are used as they are. Host pointers,
  * fp32, an F32 KV pool; the work runs per (item, head) on the thread pool.
  *
+ * Split-KV (kernels/splitkv.h): each step is planned per request, in units of fixed segments of
+ * DUET_CPU_MLA_SEG positions: a long item's segments are cut into several work items that run in
+ * parallel, short items stay whole. The arithmetic does not depend on that cut: every (row, head)
+ * computes each segment's (max, sum of exp, weighted sum of c) in position order, and folds the
+ * segments in order with one log-sum-exp merge function, whether the segments were computed by
+ * one task (which folds them itself and writes the row directly) or by several (whose partials
+ * the merge pass folds).
+ *
  * Batch invariance (docs/architecture.md): a row's result depends only on its own queries and its
- * sequence's cache; the sums over positions run in position order, so neither the batch nor the
- * page size changes a bit.
+ * sequence's cache; segments are cut in positions, sums run in position order and segments fold
+ * in order, so neither the batch, its plan nor the page size changes a bit.
  */
 #ifndef DUET_KERNELS_CPU_MLA_H
 #define DUET_KERNELS_CPU_MLA_H
@@ -16,6 +24,11 @@
 #include "common/cache_layout.h"
 #include "kernels/cpu/cpu_step.h"
 #include "kernels/kernels.h"
+#include "kernels/splitkv.h"
+
+/* Positions per attention segment: the unit of the CPU's plans and of its arithmetic (a constant:
+ * the numbers must not depend on the batch or the machine). */
+#define DUET_CPU_MLA_SEG 256
 
 /* One MLA layer's view of the KV pool (the host pool's memory and layout; token_bytes must be
  * (r + dr) * 4: an F32 pool). */
@@ -37,15 +50,39 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
                            float eps);
 
 /*
+ * The attention's plan and partials, kept between steps by the caller (zero it first; free with
+ * duet_cpu_mla_ws_free). mode and units may be set before a step; the rest is grown as steps
+ * need and is not for the caller.
+ */
+typedef struct {
+    duet_splitkv_mode_t mode; /* PER_REQUEST (0, the default); the others for comparison */
+    int64_t units;            /* parallel units the plan aims at; 0 = the pool's threads */
+    duet_splitkv_plan_t plan;
+    int64_t *lens, *rows, *part0; /* [cap_items] */
+    int64_t cap_items, cap_work;
+    float *part; /* the split items' partials: (m, l, acc[r]) per (segment, row, head) */
+    int64_t cap_part;
+    int64_t *merge; /* (item, row) pairs of the split items' rows */
+    int64_t cap_merge;
+} duet_cpu_mla_ws_t;
+
+void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws); /* frees the buffers; accepts a zeroed one */
+
+/* Floats of per-thread scratch duet_cpu_mla_attend needs for latent rank r. */
+int64_t duet_cpu_mla_scratch_floats(int64_t r);
+
+/*
  * Attention of every row and head over its item's positions 0 .. its own (causal, the row's own
  * token included, already written by kv_write): score_s = (q̂·c_s + q_r·k_r,s) · scale,
  * lat = softmax(score) · c. qhat: [n_rows][n][r]; q_r of head h at qr + row*ldqr + h*dqr_stride
  * (dr values); lat: [n_rows][n][r] out. scratch: duet_kernels_n_threads(k) blocks of
- * scratch_per_thread floats, each at least the longest context of the step.
+ * scratch_per_thread floats, each at least duet_cpu_mla_scratch_floats(r). The step is planned
+ * per request into ws (above). DUET_ERR_NOMEM when ws cannot grow (lat is not written then).
  */
-void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
-                         const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
-                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
-                         int64_t scratch_per_thread);
+duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
+                                  const duet_cpu_mla_layer_t *ly, const float *qhat,
+                                  const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
+                                  float *lat, float *scratch, int64_t scratch_per_thread,
+                                  duet_cpu_mla_ws_t *ws);
 
 #endif

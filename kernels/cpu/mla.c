@@ -6,6 +6,8 @@
 #include "kernels/cpu/cpu_mla.h"
 
 #include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/isa.h"
@@ -50,9 +52,49 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
     }
 }
 
+/* ---- planned attention ------------------------------------------------------------------- */
+
+/* One partial: a segment's (m, l) then acc[r]. */
+#define DUET__MLA_PART(r) ((r) + 2)
+
+int64_t duet_cpu_mla_scratch_floats(int64_t r)
+{
+    return DUET_CPU_MLA_SEG + DUET__MLA_PART(r);
+}
+
+void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws)
+{
+    free(ws->plan.splits);
+    free(ws->plan.work0);
+    free(ws->plan.work);
+    free(ws->lens);
+    free(ws->rows);
+    free(ws->part0);
+    free(ws->part);
+    free(ws->merge);
+    memset(ws, 0, sizeof(*ws));
+}
+
+/* Grow *p to n elements of `size` bytes; false when out of memory (*p unchanged). */
+static bool duet__grow(void **p, int64_t *cap, int64_t n, size_t size)
+{
+    if (n <= *cap)
+        return true;
+    int64_t c = *cap > 0 ? *cap : 16;
+    while (c < n)
+        c *= 2;
+    void *q = realloc(*p, (size_t)c * size);
+    if (q == NULL)
+        return false;
+    *p = q;
+    *cap = c;
+    return true;
+}
+
 typedef struct {
     const duet_cpu_step_t *st;
     const duet_cpu_mla_layer_t *ly;
+    const duet_cpu_mla_ws_t *ws;
     const float *qhat, *qr;
     int64_t ldqr, dqr_stride;
     float scale;
@@ -61,72 +103,223 @@ typedef struct {
     int64_t per_thread;
 } duet__mla_attn_ctx_t;
 
-/* Attention over the latent cache for one (item, head): every new token t of the item attends
- * to positions 0 .. pos+t. Scores in r + dr dims, result in r dims (absorbed form). */
-DUET__CPU_CLONES
-static void duet__mla_attn_task(void *vctx, int64_t b, int64_t e, int tid)
+/*
+ * Segment `seg` of one (row, head) whose newest position is `last`: its scores' max m, the sum l
+ * of exp(score - m) and acc = sum of exp(score - m) * c, all in position order, into part
+ * ([m, l, acc[r]]); a segment wholly after `last` gets l = 0. sc: DUET_CPU_MLA_SEG floats. One
+ * function for every caller, so a segment's bits never depend on who computes it.
+ */
+DUET__CPU_CLONES __attribute__((noinline)) static void
+duet__mla_segment(const duet_cpu_mla_layer_t *ly, const int32_t *pages, const float *qh,
+                  const float *qr, float scale, int64_t seg, int64_t last, float *sc, float *part)
+{
+    const int64_t r = ly->r, dr = ly->dr, td = r + dr, PT = (int64_t)ly->layout.page_tokens;
+    const int64_t p0 = seg * DUET_CPU_MLA_SEG;
+    float *acc = part + 2;
+    for (int64_t j = 0; j < r; j++)
+        acc[j] = 0.0f;
+    if (p0 > last) {
+        part[0] = -INFINITY;
+        part[1] = 0.0f;
+        return;
+    }
+    const int64_t p1 = last + 1 < p0 + DUET_CPU_MLA_SEG ? last + 1 : p0 + DUET_CPU_MLA_SEG;
+    float mx = -INFINITY;
+    for (int64_t p = p0; p < p1;) { /* keys page by page: contiguous tokens inside a page */
+        const float *blk = duet__mla_block(ly, pages[p / PT]);
+        const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
+        for (; p < end; p++) {
+            const float *kv = blk + (p % PT) * td;
+            const float a = (duet__dot(qh, kv, r) + duet__dot(qr, kv + r, dr)) * scale;
+            sc[p - p0] = a;
+            mx = a > mx ? a : mx;
+        }
+    }
+    float sum = 0.0f;
+    for (int64_t p = p0; p < p1; p++) {
+        sc[p - p0] = expf(sc[p - p0] - mx);
+        sum += sc[p - p0];
+    }
+    for (int64_t p = p0; p < p1;) {
+        const float *blk = duet__mla_block(ly, pages[p / PT]);
+        const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
+        for (; p < end; p++) {
+            const float *kv = blk + (p % PT) * td;
+            const float w = sc[p - p0];
+            for (int64_t j = 0; j < r; j++)
+                acc[j] += w * kv[j];
+        }
+    }
+    part[0] = mx;
+    part[1] = sum;
+}
+
+/*
+ * Fold segment partial `part` into the running (state[0] = M, state[1] = L, out[r] = ACC) of one
+ * (row, head); first: it is segment 0 (copied). Segments with l = 0 (past the row) change nothing.
+ * One function for both the whole-item tasks and the merge pass: the same bits either way.
+ */
+DUET__CPU_CLONES __attribute__((noinline)) static void
+duet__mla_fold(float *state, float *out, const float *part, int64_t r, int first)
+{
+    if (first) {
+        state[0] = part[0];
+        state[1] = part[1];
+        memcpy(out, part + 2, sizeof(float) * (size_t)r);
+        return;
+    }
+    if (part[1] == 0.0f)
+        return;
+    const float m = state[0] > part[0] ? state[0] : part[0];
+    const float a = expf(state[0] - m), b = expf(part[0] - m);
+    state[0] = m;
+    state[1] = state[1] * a + part[1] * b;
+    for (int64_t j = 0; j < r; j++)
+        out[j] = out[j] * a + part[2 + j] * b;
+}
+
+/* out /= L: the row's result. */
+static void duet__mla_finish(const float *state, float *out, int64_t r)
+{
+    const float inv = 1.0f / state[1];
+    for (int64_t j = 0; j < r; j++)
+        out[j] *= inv;
+}
+
+/* Work item idx / n of the plan for head idx % n: every row of the item over the work's segments;
+ * an item of one split folds them into its output, a split one leaves its partials. */
+static void duet__mla_work_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__mla_attn_ctx_t *cx = vctx;
     const duet_cpu_step_t *st = cx->st;
     const duet_cpu_mla_layer_t *ly = cx->ly;
-    const int64_t n = ly->n_heads, dr = ly->dr, r = ly->r, td = r + dr;
-    const int64_t PT = (int64_t)ly->layout.page_tokens;
-    const float scale = cx->scale;
-    float *sc = cx->scratch + (int64_t)tid * cx->per_thread;
-
+    const duet_cpu_mla_ws_t *ws = cx->ws;
+    const int64_t n = ly->n_heads, r = ly->r, P = DUET__MLA_PART(r);
+    float *sc = cx->scratch + (int64_t)tid * cx->per_thread, *tmp = sc + DUET_CPU_MLA_SEG;
     for (int64_t idx = b; idx < e; idx++) {
-        const int64_t it = idx / n, h = idx % n;
-        const int32_t *const pages = st->item_pages[it];
+        const duet_splitkv_work_t *wk = &ws->plan.work[idx / n];
+        const int64_t h = idx % n, it = wk->item;
+        const int whole = ws->plan.splits[it] == 1;
         const int64_t r0 = st->item_row0[it], nt = st->item_row0[it + 1] - r0;
-        const int64_t pos0 = st->item_pos0[it];
+        const int64_t segs = duet_splitkv_blocks(ws->lens[it], DUET_CPU_MLA_SEG);
         for (int64_t t = 0; t < nt; t++) {
-            const int64_t row = r0 + t, last = pos0 + t;
+            const int64_t row = r0 + t, last = st->item_pos0[it] + t;
             const float *qh = cx->qhat + (row * n + h) * r;
-            const float *qr = cx->qr + row * cx->ldqr + h * cx->dqr_stride;
-            float mx = -INFINITY;
-            /* keys page by page: one block lookup per page, contiguous tokens inside */
-            for (int64_t p0 = 0; p0 <= last; p0 += PT) {
-                const float *blk = duet__mla_block(ly, pages[p0 / PT]);
-                const int64_t ns = last - p0 + 1 < PT ? last - p0 + 1 : PT;
-                for (int64_t s = 0; s < ns; s++) {
-                    const float *kv = blk + s * td;
-                    float acc = (duet__dot(qh, kv, r) + duet__dot(qr, kv + r, dr)) * scale;
-                    sc[p0 + s] = acc;
-                    mx = acc > mx ? acc : mx;
+            const float *q_r = cx->qr + row * cx->ldqr + h * cx->dqr_stride;
+            if (whole) {
+                float state[2];
+                float *out = cx->lat + (row * n + h) * r;
+                for (int64_t g = wk->block0; g < wk->block1 && g * DUET_CPU_MLA_SEG <= last; g++) {
+                    duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->scale, g, last, sc, tmp);
+                    duet__mla_fold(state, out, tmp, r, g == 0);
                 }
+                duet__mla_finish(state, out, r);
+                continue;
             }
-            float sum = 0.0f;
-            for (int64_t s = 0; s <= last; s++) {
-                sc[s] = expf(sc[s] - mx);
-                sum += sc[s];
+            for (int64_t g = wk->block0; g < wk->block1; g++) {
+                float *part = cx->ws->part + ws->part0[it] + ((t * segs + g) * n + h) * P;
+                duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->scale, g, last, sc, part);
             }
-            float *out = cx->lat + (row * n + h) * r;
-            for (int64_t j = 0; j < r; j++)
-                out[j] = 0.0f;
-            for (int64_t p0 = 0; p0 <= last; p0 += PT) {
-                const float *blk = duet__mla_block(ly, pages[p0 / PT]);
-                const int64_t ns = last - p0 + 1 < PT ? last - p0 + 1 : PT;
-                for (int64_t s = 0; s < ns; s++) {
-                    const float *kv = blk + s * td;
-                    const float p = sc[p0 + s];
-                    for (int64_t j = 0; j < r; j++)
-                        out[j] += p * kv[j];
-                }
-            }
-            float inv = 1.0f / sum;
-            for (int64_t j = 0; j < r; j++)
-                out[j] *= inv;
         }
     }
 }
 
-void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
-                         const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
-                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
-                         int64_t scratch_per_thread)
+/* The merge of split items: one (item row, head) per index, its partials folded in order. */
+static void duet__mla_merge_task(void *vctx, int64_t b, int64_t e, int tid)
 {
+    const duet__mla_attn_ctx_t *cx = vctx;
+    const duet_cpu_step_t *st = cx->st;
+    const duet_cpu_mla_ws_t *ws = cx->ws;
+    const int64_t n = cx->ly->n_heads, r = cx->ly->r, P = DUET__MLA_PART(r);
+    (void)tid;
+    for (int64_t idx = b; idx < e; idx++) {
+        const int64_t m = idx / n, h = idx % n, it = ws->merge[2 * m], t = ws->merge[2 * m + 1];
+        const int64_t row = st->item_row0[it] + t, last = st->item_pos0[it] + t;
+        const int64_t segs = duet_splitkv_blocks(ws->lens[it], DUET_CPU_MLA_SEG);
+        float state[2];
+        float *out = cx->lat + (row * n + h) * r;
+        for (int64_t g = 0; g < segs && g * DUET_CPU_MLA_SEG <= last; g++)
+            duet__mla_fold(state, out, ws->part + ws->part0[it] + ((t * segs + g) * n + h) * P, r,
+                           g == 0);
+        duet__mla_finish(state, out, r);
+    }
+}
+
+/* Room for a step of n items in every per-item array of ws (one capacity for all of them). */
+static bool duet__ws_items(duet_cpu_mla_ws_t *ws, int64_t n)
+{
+    if (n <= ws->cap_items)
+        return true;
+    int64_t c = ws->cap_items > 0 ? ws->cap_items : 16;
+    while (c < n)
+        c *= 2;
+    int64_t *lens = realloc(ws->lens, (size_t)c * sizeof(int64_t));
+    ws->lens = lens != NULL ? lens : ws->lens;
+    int64_t *rows = realloc(ws->rows, (size_t)c * sizeof(int64_t));
+    ws->rows = rows != NULL ? rows : ws->rows;
+    int64_t *part0 = realloc(ws->part0, (size_t)c * sizeof(int64_t));
+    ws->part0 = part0 != NULL ? part0 : ws->part0;
+    int32_t *splits = realloc(ws->plan.splits, (size_t)c * sizeof(int32_t));
+    ws->plan.splits = splits != NULL ? splits : ws->plan.splits;
+    int32_t *work0 = realloc(ws->plan.work0, (size_t)(c + 1) * sizeof(int32_t));
+    ws->plan.work0 = work0 != NULL ? work0 : ws->plan.work0;
+    if (lens == NULL || rows == NULL || part0 == NULL || splits == NULL || work0 == NULL)
+        return false; /* the arrays that grew stay valid; cap_items still bounds them all */
+    ws->cap_items = c;
+    return true;
+}
+
+duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
+                                  const duet_cpu_mla_layer_t *ly, const float *qhat,
+                                  const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
+                                  float *lat, float *scratch, int64_t scratch_per_thread,
+                                  duet_cpu_mla_ws_t *ws)
+{
+    const int64_t ni = st->n_items, n = ly->n_heads, P = DUET__MLA_PART(ly->r);
+    const int64_t units = ws->units > 0 ? ws->units : duet_kernels_n_threads(k);
+    if (!duet__ws_items(ws, ni) ||
+        !duet__grow((void **)&ws->plan.work, &ws->cap_work, duet_splitkv_max_work(ni, n, units),
+                    sizeof(duet_splitkv_work_t)))
+        return duet_error_set(DUET_ERR_NOMEM,
+                              "MLA attention: out of memory for the plan of %lld items",
+                              (long long)ni);
+    for (int64_t i = 0; i < ni; i++) {
+        ws->rows[i] = st->item_row0[i + 1] - st->item_row0[i];
+        ws->lens[i] = st->item_pos0[i] + ws->rows[i];
+    }
+    const duet_splitkv_in_t in = {.n_items = ni,
+                                  .lens = ws->lens,
+                                  .rows = ws->rows,
+                                  .heads = n,
+                                  .block_tokens = DUET_CPU_MLA_SEG,
+                                  .units = units,
+                                  .mode = ws->mode};
+    duet_status_t s = duet_splitkv_plan(&in, &ws->plan, ws->cap_work);
+    if (s != DUET_OK)
+        return s;
+    /* the split items' partials, and the (item, row) pairs the merge folds */
+    int64_t parts = 0, n_merge = 0;
+    for (int64_t i = 0; i < ni; i++) {
+        ws->part0[i] = -1;
+        if (ws->plan.splits[i] == 1)
+            continue;
+        ws->part0[i] = parts * P;
+        parts += duet_splitkv_blocks(ws->lens[i], DUET_CPU_MLA_SEG) * ws->rows[i] * n;
+        n_merge += ws->rows[i];
+    }
+    if (!duet__grow((void **)&ws->part, &ws->cap_part, parts * P, sizeof(float)) ||
+        !duet__grow((void **)&ws->merge, &ws->cap_merge, 2 * n_merge, sizeof(int64_t)))
+        return duet_error_set(DUET_ERR_NOMEM,
+                              "MLA attention: out of memory for %lld split partials",
+                              (long long)parts);
+    for (int64_t i = 0, m = 0; i < ni; i++)
+        for (int64_t t = 0; ws->plan.splits[i] > 1 && t < ws->rows[i]; t++, m++) {
+            ws->merge[2 * m] = i;
+            ws->merge[2 * m + 1] = t;
+        }
     duet__mla_attn_ctx_t cx = {.st = st,
                                .ly = ly,
+                               .ws = ws,
                                .qhat = qhat,
                                .qr = qr,
                                .ldqr = ldqr,
@@ -135,5 +328,8 @@ void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                                .lat = lat,
                                .scratch = scratch,
                                .per_thread = scratch_per_thread};
-    duet_k_parallel_for(k, st->n_items * ly->n_heads, 1, duet__mla_attn_task, &cx);
+    duet_k_parallel_each(k, ws->plan.n_work * n, duet__mla_work_task, &cx);
+    if (n_merge > 0)
+        duet_k_parallel_for(k, n_merge * n, 1, duet__mla_merge_task, &cx);
+    return DUET_OK;
 }

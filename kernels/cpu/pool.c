@@ -182,6 +182,25 @@ void duet_k_parallel_for(duet_kernels_t *k, int64_t n, int64_t grain, duet_k_tas
     duet__pool_run(k, n_tasks, duet__pfor_task, &p);
 }
 
+typedef struct {
+    duet_k_task_fn fn;
+    void *ctx;
+} duet__each_t;
+
+static void duet__each_task(void *ctx, int64_t t, int thread_idx)
+{
+    const duet__each_t *p = ctx;
+    p->fn(p->ctx, t, t + 1, thread_idx);
+}
+
+void duet_k_parallel_each(duet_kernels_t *k, int64_t n, duet_k_task_fn fn, void *ctx)
+{
+    if (n <= 0)
+        return;
+    duet__each_t p = {.fn = fn, .ctx = ctx};
+    duet__pool_run(k, n, duet__each_task, &p);
+}
+
 /* ---- instance ------------------------------------------------------------------------------ */
 
 static int duet__default_threads(void)
