@@ -139,8 +139,8 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
         if (s > per)
             per = s;
     }
-    if (has_mla && duet_cpu_mla_scratch_floats(r) > per)
-        per = duet_cpu_mla_scratch_floats(r);
+    if (has_mla && duet_cpu_mla_scratch_floats(n, r) > per)
+        per = duet_cpu_mla_scratch_floats(n, r);
     if (b->bm.replay != NULL && duet_cpu_kda_verify_scratch_floats(K) > per)
         per = duet_cpu_kda_verify_scratch_floats(K);
     b->per_thread = per;

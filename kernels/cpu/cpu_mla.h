@@ -6,11 +6,12 @@
  *
  * Split-KV (kernels/splitkv.h): each step is planned per request, in units of fixed segments of
  * DUET_CPU_MLA_SEG positions: a long item's segments are cut into several work items that run in
- * parallel, short items stay whole. The arithmetic does not depend on that cut: every (row, head)
- * computes each segment's (max, sum of exp, weighted sum of c) in position order, and folds the
- * segments in order with one log-sum-exp merge function, whether the segments were computed by
- * one task (which folds them itself and writes the row directly) or by several (whose partials
- * the merge pass folds).
+ * parallel, short items stay whole. A task is one (work item, query row) for every head at once:
+ * MLA's heads share the latent rows, so each row is read once per task, not once per head. The
+ * arithmetic does not depend on that cut: every (row, head) computes each segment's (max, sum of
+ * exp, weighted sum of c) in position order, and folds the segments in order with one log-sum-exp
+ * merge function, whether the segments were computed by one task (which folds them itself and
+ * writes the row directly) or by several (whose partials the merge pass folds).
  *
  * Batch invariance (docs/architecture.md): a row's result depends only on its own queries and its
  * sequence's cache; segments are cut in positions, sums run in position order and segments fold
@@ -64,12 +65,14 @@ typedef struct {
     int64_t cap_part;
     int64_t *merge; /* (item, row) pairs of the split items' rows */
     int64_t cap_merge;
+    int64_t *tasks; /* (work item, row) pairs: the step's tasks */
+    int64_t cap_tasks;
 } duet_cpu_mla_ws_t;
 
 void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws); /* frees the buffers; accepts a zeroed one */
 
-/* Floats of per-thread scratch duet_cpu_mla_attend needs for latent rank r. */
-int64_t duet_cpu_mla_scratch_floats(int64_t r);
+/* Floats of per-thread scratch duet_cpu_mla_attend needs for n_heads heads of latent rank r. */
+int64_t duet_cpu_mla_scratch_floats(int64_t n_heads, int64_t r);
 
 /*
  * Attention of every row and head over its item's positions 0 .. its own (causal, the row's own

@@ -57,9 +57,9 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
 /* One partial: a segment's (m, l) then acc[r]. */
 #define DUET__MLA_PART(r) ((r) + 2)
 
-int64_t duet_cpu_mla_scratch_floats(int64_t r)
+int64_t duet_cpu_mla_scratch_floats(int64_t n_heads, int64_t r)
 {
-    return DUET_CPU_MLA_SEG + DUET__MLA_PART(r);
+    return n_heads * (DUET_CPU_MLA_SEG + DUET__MLA_PART(r) + 2);
 }
 
 void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws)
@@ -72,6 +72,7 @@ void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws)
     free(ws->part0);
     free(ws->part);
     free(ws->merge);
+    free(ws->tasks);
     memset(ws, 0, sizeof(*ws));
 }
 
@@ -104,54 +105,66 @@ typedef struct {
 } duet__mla_attn_ctx_t;
 
 /*
- * Segment `seg` of one (row, head) whose newest position is `last`: its scores' max m, the sum l
- * of exp(score - m) and acc = sum of exp(score - m) * c, all in position order, into part
- * ([m, l, acc[r]]); a segment wholly after `last` gets l = 0. sc: DUET_CPU_MLA_SEG floats. One
- * function for every caller, so a segment's bits never depend on who computes it.
+ * Segment `seg` of one query row, every head, whose newest position is `last`: for head h its
+ * scores' max m, the sum l of exp(score - m) and acc = sum of exp(score - m) * c, all in position
+ * order, into parts + h * (r + 2) ([m, l, acc[r]]); a segment wholly after `last` gets l = 0.
+ * Every head in one pass, because MLA's heads share the latent rows: each row is read once. qh:
+ * the row's q-hat [n][r]; q_r of head h at qr + h * dqr_stride. sc: n * DUET_CPU_MLA_SEG floats.
+ * One function for every caller, so a segment's bits never depend on who computes it.
  */
 DUET__CPU_CLONES __attribute__((noinline)) static void
 duet__mla_segment(const duet_cpu_mla_layer_t *ly, const int32_t *pages, const float *qh,
-                  const float *qr, float scale, int64_t seg, int64_t last, float *sc, float *part)
+                  const float *qr, int64_t dqr_stride, float scale, int64_t seg, int64_t last,
+                  float *sc, float *parts)
 {
-    const int64_t r = ly->r, dr = ly->dr, td = r + dr, PT = (int64_t)ly->layout.page_tokens;
-    const int64_t p0 = seg * DUET_CPU_MLA_SEG;
-    float *acc = part + 2;
-    for (int64_t j = 0; j < r; j++)
-        acc[j] = 0.0f;
-    if (p0 > last) {
+    const int64_t n = ly->n_heads, r = ly->r, dr = ly->dr, td = r + dr, P = DUET__MLA_PART(r);
+    const int64_t PT = (int64_t)ly->layout.page_tokens, p0 = seg * DUET_CPU_MLA_SEG;
+    for (int64_t h = 0; h < n; h++) {
+        float *part = parts + h * P;
         part[0] = -INFINITY;
         part[1] = 0.0f;
-        return;
+        for (int64_t j = 0; j < r; j++)
+            part[2 + j] = 0.0f;
     }
+    if (p0 > last)
+        return;
     const int64_t p1 = last + 1 < p0 + DUET_CPU_MLA_SEG ? last + 1 : p0 + DUET_CPU_MLA_SEG;
-    float mx = -INFINITY;
     for (int64_t p = p0; p < p1;) { /* keys page by page: contiguous tokens inside a page */
         const float *blk = duet__mla_block(ly, pages[p / PT]);
         const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
         for (; p < end; p++) {
             const float *kv = blk + (p % PT) * td;
-            const float a = (duet__dot(qh, kv, r) + duet__dot(qr, kv + r, dr)) * scale;
-            sc[p - p0] = a;
-            mx = a > mx ? a : mx;
+            for (int64_t h = 0; h < n; h++) {
+                const float a =
+                    (duet__dot(qh + h * r, kv, r) + duet__dot(qr + h * dqr_stride, kv + r, dr)) *
+                    scale;
+                sc[h * DUET_CPU_MLA_SEG + (p - p0)] = a;
+                parts[h * P] = a > parts[h * P] ? a : parts[h * P];
+            }
         }
     }
-    float sum = 0.0f;
-    for (int64_t p = p0; p < p1; p++) {
-        sc[p - p0] = expf(sc[p - p0] - mx);
-        sum += sc[p - p0];
+    for (int64_t h = 0; h < n; h++) {
+        float *w = sc + h * DUET_CPU_MLA_SEG, sum = 0.0f;
+        const float mx = parts[h * P];
+        for (int64_t p = 0; p < p1 - p0; p++) {
+            w[p] = expf(w[p] - mx);
+            sum += w[p];
+        }
+        parts[h * P + 1] = sum;
     }
     for (int64_t p = p0; p < p1;) {
         const float *blk = duet__mla_block(ly, pages[p / PT]);
         const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
         for (; p < end; p++) {
             const float *kv = blk + (p % PT) * td;
-            const float w = sc[p - p0];
-            for (int64_t j = 0; j < r; j++)
-                acc[j] += w * kv[j];
+            for (int64_t h = 0; h < n; h++) {
+                const float w = sc[h * DUET_CPU_MLA_SEG + (p - p0)];
+                float *acc = parts + h * P + 2;
+                for (int64_t j = 0; j < r; j++)
+                    acc[j] += w * kv[j];
+            }
         }
     }
-    part[0] = mx;
-    part[1] = sum;
 }
 
 /*
@@ -186,8 +199,8 @@ static void duet__mla_finish(const float *state, float *out, int64_t r)
         out[j] *= inv;
 }
 
-/* Work item idx / n of the plan for head idx % n: every row of the item over the work's segments;
- * an item of one split folds them into its output, a split one leaves its partials. */
+/* Task (work item, row) idx of the step: one query row, every head, over the work's segments; an
+ * item of one split folds them into its output, a split one leaves its partials. */
 static void duet__mla_work_task(void *vctx, int64_t b, int64_t e, int tid)
 {
     const duet__mla_attn_ctx_t *cx = vctx;
@@ -195,32 +208,28 @@ static void duet__mla_work_task(void *vctx, int64_t b, int64_t e, int tid)
     const duet_cpu_mla_layer_t *ly = cx->ly;
     const duet_cpu_mla_ws_t *ws = cx->ws;
     const int64_t n = ly->n_heads, r = ly->r, P = DUET__MLA_PART(r);
-    float *sc = cx->scratch + (int64_t)tid * cx->per_thread, *tmp = sc + DUET_CPU_MLA_SEG;
+    float *sc = cx->scratch + (int64_t)tid * cx->per_thread, *tmp = sc + n * DUET_CPU_MLA_SEG;
+    float *state = tmp + n * P;
     for (int64_t idx = b; idx < e; idx++) {
-        const duet_splitkv_work_t *wk = &ws->plan.work[idx / n];
-        const int64_t h = idx % n, it = wk->item;
-        const int whole = ws->plan.splits[it] == 1;
-        const int64_t r0 = st->item_row0[it], nt = st->item_row0[it + 1] - r0;
+        const duet_splitkv_work_t *wk = &ws->plan.work[ws->tasks[2 * idx]];
+        const int64_t t = ws->tasks[2 * idx + 1], it = wk->item;
+        const int64_t row = st->item_row0[it] + t, last = st->item_pos0[it] + t;
         const int64_t segs = duet_splitkv_blocks(ws->lens[it], DUET_CPU_MLA_SEG);
-        for (int64_t t = 0; t < nt; t++) {
-            const int64_t row = r0 + t, last = st->item_pos0[it] + t;
-            const float *qh = cx->qhat + (row * n + h) * r;
-            const float *q_r = cx->qr + row * cx->ldqr + h * cx->dqr_stride;
-            if (whole) {
-                float state[2];
-                float *out = cx->lat + (row * n + h) * r;
-                for (int64_t g = wk->block0; g < wk->block1 && g * DUET_CPU_MLA_SEG <= last; g++) {
-                    duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->scale, g, last, sc, tmp);
-                    duet__mla_fold(state, out, tmp, r, g == 0);
-                }
-                duet__mla_finish(state, out, r);
-                continue;
-            }
-            for (int64_t g = wk->block0; g < wk->block1; g++) {
-                float *part = cx->ws->part + ws->part0[it] + ((t * segs + g) * n + h) * P;
-                duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->scale, g, last, sc, part);
-            }
+        const float *qh = cx->qhat + row * n * r, *q_r = cx->qr + row * cx->ldqr;
+        if (ws->plan.splits[it] > 1) {
+            for (int64_t g = wk->block0; g < wk->block1; g++)
+                duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->dqr_stride, cx->scale, g,
+                                  last, sc, ws->part + ws->part0[it] + (t * segs + g) * n * P);
+            continue;
         }
+        for (int64_t g = 0; g < wk->block1 && g * DUET_CPU_MLA_SEG <= last; g++) {
+            duet__mla_segment(ly, st->item_pages[it], qh, q_r, cx->dqr_stride, cx->scale, g, last,
+                              sc, tmp);
+            for (int64_t h = 0; h < n; h++)
+                duet__mla_fold(state + 2 * h, cx->lat + (row * n + h) * r, tmp + h * P, r, g == 0);
+        }
+        for (int64_t h = 0; h < n; h++)
+            duet__mla_finish(state + 2 * h, cx->lat + (row * n + h) * r, r);
     }
 }
 
@@ -278,7 +287,7 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
     const int64_t ni = st->n_items, n = ly->n_heads, P = DUET__MLA_PART(ly->r);
     const int64_t units = ws->units > 0 ? ws->units : duet_kernels_n_threads(k);
     if (!duet__ws_items(ws, ni) ||
-        !duet__grow((void **)&ws->plan.work, &ws->cap_work, duet_splitkv_max_work(ni, n, units),
+        !duet__grow((void **)&ws->plan.work, &ws->cap_work, duet_splitkv_max_work(ni, 1, units),
                     sizeof(duet_splitkv_work_t)))
         return duet_error_set(DUET_ERR_NOMEM,
                               "MLA attention: out of memory for the plan of %lld items",
@@ -290,7 +299,7 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
     const duet_splitkv_in_t in = {.n_items = ni,
                                   .lens = ws->lens,
                                   .rows = ws->rows,
-                                  .heads = n,
+                                  .heads = 1, /* a task covers every head */
                                   .block_tokens = DUET_CPU_MLA_SEG,
                                   .units = units,
                                   .mode = ws->mode};
@@ -317,6 +326,18 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
             ws->merge[2 * m] = i;
             ws->merge[2 * m + 1] = t;
         }
+    /* one task per (work item, row): a task covers every head (they share the latent rows) */
+    int64_t n_tasks = 0;
+    for (int64_t w = 0; w < ws->plan.n_work; w++)
+        n_tasks += ws->rows[ws->plan.work[w].item];
+    if (!duet__grow((void **)&ws->tasks, &ws->cap_tasks, 2 * n_tasks, sizeof(int64_t)))
+        return duet_error_set(DUET_ERR_NOMEM, "MLA attention: out of memory for %lld tasks",
+                              (long long)n_tasks);
+    for (int64_t w = 0, x = 0; w < ws->plan.n_work; w++)
+        for (int64_t t = 0; t < ws->rows[ws->plan.work[w].item]; t++, x++) {
+            ws->tasks[2 * x] = w;
+            ws->tasks[2 * x + 1] = t;
+        }
     duet__mla_attn_ctx_t cx = {.st = st,
                                .ly = ly,
                                .ws = ws,
@@ -328,7 +349,7 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                                .lat = lat,
                                .scratch = scratch,
                                .per_thread = scratch_per_thread};
-    duet_k_parallel_each(k, ws->plan.n_work * n, duet__mla_work_task, &cx);
+    duet_k_parallel_each(k, n_tasks, duet__mla_work_task, &cx);
     if (n_merge > 0)
         duet_k_parallel_for(k, n_merge * n, 1, duet__mla_merge_task, &cx);
     return DUET_OK;

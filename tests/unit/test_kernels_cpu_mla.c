@@ -118,7 +118,7 @@ static void attend(const batch_t *b, int threads, duet_splitkv_mode_t mode, int6
                                 .item_pages = (const int32_t *const *)b->pages};
     const duet_cpu_mla_layer_t ly = {
         .kv_base = b->kv, .layout = b->layout, .layer = 0, .n_heads = NH, .r = R, .dr = DR};
-    const int64_t per = duet_cpu_mla_scratch_floats(R);
+    const int64_t per = duet_cpu_mla_scratch_floats(NH, R);
     float *scratch = malloc((size_t)(threads * per) * sizeof(float));
     duet_cpu_mla_ws_t ws = {.mode = mode, .units = units};
     for (int64_t x = 0; x < b->n_rows * NH * R; x++)
