@@ -15,13 +15,14 @@ duet_status_t duet_splitkv_plan(const duet_splitkv_in_t *in, duet_splitkv_plan_t
                                 int64_t work_cap)
 {
     const int64_t n = in->n_items, bt = in->block_tokens;
-    if (n < 0 || in->heads < 1 || bt < 1 || in->units < 1 ||
-        (n > 0 && (in->lens == NULL || in->rows == NULL)))
+    if (n < 0 || in->heads < 1 || bt < 1 || in->units < 1 || in->heads > DUET_SPLITKV_MAX_UNITS ||
+        in->units > DUET_SPLITKV_MAX_UNITS || (n > 0 && (in->lens == NULL || in->rows == NULL)))
         return duet_error_set(DUET_ERR_INVALID,
                               "split-KV plan: %lld items, %lld heads, %lld-token blocks, %lld "
-                              "units: every count but items must be >= 1",
+                              "units: every count but items must be >= 1, heads and units at "
+                              "most %lld",
                               (long long)n, (long long)in->heads, (long long)bt,
-                              (long long)in->units);
+                              (long long)in->units, (long long)DUET_SPLITKV_MAX_UNITS);
     int64_t total = 0, max_blocks = 0;
     for (int64_t i = 0; i < n; i++) {
         if (in->lens[i] < 0 || in->rows[i] < 0)
@@ -33,7 +34,15 @@ duet_status_t duet_splitkv_plan(const duet_splitkv_in_t *in, duet_splitkv_plan_t
             return duet_error_set(DUET_ERR_INVALID,
                                   "split-KV plan: item %lld has %lld blocks (more than int32)",
                                   (long long)i, (long long)b);
-        total += b * (in->rows[i] > 0 ? in->rows[i] : 1);
+        /* The sum is checked before it is formed: past int64 it would be undefined. */
+        const int64_t r = in->rows[i] > 0 ? in->rows[i] : 1;
+        if (b > 0 && r > (DUET_SPLITKV_MAX_COST - total) / b)
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "split-KV plan: the step's cost (blocks x rows) passes %lld at "
+                                  "item %lld (%lld blocks, %lld rows)",
+                                  (long long)DUET_SPLITKV_MAX_COST, (long long)i, (long long)b,
+                                  (long long)in->rows[i]);
+        total += duet_splitkv_cost(b, in->rows[i]);
         max_blocks = b > max_blocks ? b : max_blocks;
     }
     plan->chunk = duet_splitkv_chunk(total, in->heads, in->units);

@@ -38,6 +38,10 @@
 #define DUET_SPLITKV_WAVES      8    /* waves of work per parallel unit the plan aims at */
 #define DUET_SPLITKV_MAX_ROWS   16   /* items with more query rows are never split */
 #define DUET_SPLITKV_MAX_SPLITS 4096 /* splits of one item at most */
+/* The most a step's cost may total, and the most heads and units: the planner's arithmetic
+ * (cost plus chunk, units times waves) then stays far inside int64. */
+#define DUET_SPLITKV_MAX_COST  (INT64_MAX / 4)
+#define DUET_SPLITKV_MAX_UNITS INT32_MAX
 
 /* How a step's split counts are chosen. */
 typedef enum {
@@ -71,10 +75,18 @@ typedef struct {
     int64_t chunk; /* cost (blocks x rows) one work item aims at */
 } duet_splitkv_plan_t;
 
-/* KV blocks of an item of len positions. */
+/* KV blocks of an item of len positions (rounded up without forming len + block_tokens, which
+ * could pass int64). */
 DUET_SPLITKV_HD static inline int64_t duet_splitkv_blocks(int64_t len, int64_t block_tokens)
 {
-    return len <= 0 ? 0 : (len + block_tokens - 1) / block_tokens;
+    return len <= 0 ? 0 : (len - 1) / block_tokens + 1;
+}
+
+/* The cost of an item of `blocks` KV blocks and `rows` query rows, what the chunks cut: blocks x
+ * rows, an item of no rows counted as one row. */
+DUET_SPLITKV_HD static inline int64_t duet_splitkv_cost(int64_t blocks, int64_t rows)
+{
+    return blocks * (rows > 0 ? rows : 1);
 }
 
 /* Work items the plan aims at: about DUET_SPLITKV_WAVES per unit, each counted once per head. */
@@ -103,7 +115,7 @@ DUET_SPLITKV_HD static inline int32_t duet_splitkv_splits(int64_t blocks, int64_
 {
     if (blocks <= 1 || rows > DUET_SPLITKV_MAX_ROWS)
         return 1;
-    int64_t s = (blocks * (rows > 0 ? rows : 1) + chunk - 1) / chunk;
+    int64_t s = (duet_splitkv_cost(blocks, rows) + chunk - 1) / chunk;
     if (s > blocks)
         s = blocks;
     if (s > DUET_SPLITKV_MAX_SPLITS)
@@ -142,7 +154,8 @@ int64_t duet_splitkv_max_work(int64_t n_items, int64_t heads, int64_t units);
  * Plan a step: fill plan->splits[n_items], plan->work0[n_items + 1] and plan->work (room for
  * work_cap entries; duet_splitkv_max_work is always enough). An item with no positions (len 0)
  * gets one split and no work items. DUET_ERR_INVALID for a bad input (n_items < 0, a negative
- * length or row count, heads / block_tokens / units < 1, a block index past int32),
+ * length or row count, heads / block_tokens / units < 1, heads or units past
+ * DUET_SPLITKV_MAX_UNITS, a block index past int32, a total cost past DUET_SPLITKV_MAX_COST),
  * DUET_ERR_RANGE when work_cap is too small. Pure.
  */
 duet_status_t duet_splitkv_plan(const duet_splitkv_in_t *in, duet_splitkv_plan_t *plan,

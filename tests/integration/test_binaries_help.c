@@ -105,6 +105,7 @@ Test(binaries, bad_option_values, .timeout = 60)
         {"duet-bench-xfer", "--transport foo", "bad value 'foo' for --transport"},
         {"bench_tokenizer", "a b c", "unexpected argument c"},
         {"duet-bench-gemm-cuda", "--min-ms -1", "bad value '-1' for --min-ms"},
+        {"duet-splitkv-plan", "--lens 1 --heads 1 --page 1 --units 0", "bad value '0' for --units"},
     };
     int checked = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
