@@ -56,6 +56,8 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
 
 /* One partial: a segment's (m, l) then acc[r]. */
 #define DUET__MLA_PART(r) ((r) + 2)
+/* Latent rows of a segment taken for every head in turn (32 x 576 fp32 = 72 KiB) */
+#define DUET__MLA_SUB 32
 
 int64_t duet_cpu_mla_scratch_floats(int64_t n_heads, int64_t r)
 {
@@ -129,18 +131,23 @@ duet__mla_segment(const duet_cpu_mla_layer_t *ly, const int32_t *pages, const fl
     if (p0 > last)
         return;
     const int64_t p1 = last + 1 < p0 + DUET_CPU_MLA_SEG ? last + 1 : p0 + DUET_CPU_MLA_SEG;
-    for (int64_t p = p0; p < p1;) { /* keys page by page: contiguous tokens inside a page */
-        const float *blk = duet__mla_block(ly, pages[p / PT]);
-        const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
-        for (; p < end; p++) {
-            const float *kv = blk + (p % PT) * td;
-            for (int64_t h = 0; h < n; h++) {
-                const float a =
-                    (duet__dot(qh + h * r, kv, r) + duet__dot(qr + h * dqr_stride, kv + r, dr)) *
-                    scale;
-                sc[h * DUET_CPU_MLA_SEG + (p - p0)] = a;
-                parts[h * P] = a > parts[h * P] ? a : parts[h * P];
+    /* The rows in sub-blocks of DUET__MLA_SUB, each sub-block for every head in turn: a head's
+     * q-hat and accumulator stay in L1 while the sub-block's rows stay in L2 (every head reading
+     * the whole segment's rows, or every head's accumulator per row, would not fit). */
+    const float *kv[DUET__MLA_SUB];
+    for (int64_t q0 = p0; q0 < p1; q0 += DUET__MLA_SUB) {
+        const int64_t nq = p1 - q0 < DUET__MLA_SUB ? p1 - q0 : DUET__MLA_SUB;
+        for (int64_t i = 0; i < nq; i++)
+            kv[i] = duet__mla_block(ly, pages[(q0 + i) / PT]) + ((q0 + i) % PT) * td;
+        for (int64_t h = 0; h < n; h++) {
+            const float *qhh = qh + h * r, *qrh = qr + h * dqr_stride;
+            float *sch = sc + h * DUET_CPU_MLA_SEG + (q0 - p0), mx = parts[h * P];
+            for (int64_t i = 0; i < nq; i++) {
+                const float a = (duet__dot(qhh, kv[i], r) + duet__dot(qrh, kv[i] + r, dr)) * scale;
+                sch[i] = a;
+                mx = a > mx ? a : mx;
             }
+            parts[h * P] = mx;
         }
     }
     for (int64_t h = 0; h < n; h++) {
@@ -152,17 +159,16 @@ duet__mla_segment(const duet_cpu_mla_layer_t *ly, const int32_t *pages, const fl
         }
         parts[h * P + 1] = sum;
     }
-    for (int64_t p = p0; p < p1;) {
-        const float *blk = duet__mla_block(ly, pages[p / PT]);
-        const int64_t end = (p / PT + 1) * PT < p1 ? (p / PT + 1) * PT : p1;
-        for (; p < end; p++) {
-            const float *kv = blk + (p % PT) * td;
-            for (int64_t h = 0; h < n; h++) {
-                const float w = sc[h * DUET_CPU_MLA_SEG + (p - p0)];
-                float *acc = parts + h * P + 2;
+    for (int64_t q0 = p0; q0 < p1; q0 += DUET__MLA_SUB) {
+        const int64_t nq = p1 - q0 < DUET__MLA_SUB ? p1 - q0 : DUET__MLA_SUB;
+        for (int64_t i = 0; i < nq; i++)
+            kv[i] = duet__mla_block(ly, pages[(q0 + i) / PT]) + ((q0 + i) % PT) * td;
+        for (int64_t h = 0; h < n; h++) {
+            const float *w = sc + h * DUET_CPU_MLA_SEG + (q0 - p0);
+            float *acc = parts + h * P + 2;
+            for (int64_t i = 0; i < nq; i++) /* position order, per output element */
                 for (int64_t j = 0; j < r; j++)
-                    acc[j] += w * kv[j];
-            }
+                    acc[j] += w[i] * kv[i][j];
         }
     }
 }
