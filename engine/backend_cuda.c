@@ -21,9 +21,10 @@
  * the next layer's compute, before the layer hook runs).
  *
  * A pure decode step (every item one token, logits of the last row or a sampled token) runs as a
- * CUDA graph captured once per (batch bucket = next power of two, MLA split count, sampling
- * kind) and replayed with the step's metadata copied in first; other steps are queued kernel by
- * kernel. Every step ends with one stream synchronisation.
+ * CUDA graph captured once per (batch bucket = next power of two, sampling kind) and replayed
+ * with the step's metadata copied in first; other steps are queued kernel by kernel. The MLA
+ * split-KV plan is part of the step (computed on the device from the metadata: kernels/splitkv.h),
+ * so a graph serves every context length. Every step ends with one stream synchronisation.
  *
  * In a build without the CUDA backend the table still exists (the front end names it for
  * --device cuda and its dtypes): its probe says why and its create refuses.
@@ -70,6 +71,11 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 #define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
 #define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
+/* MLA split-KV splits items of at most this many new tokens: decode items. There are no verify
+ * rows here yet, and a prompt chunk of 2 .. 16 tokens is rare, while the partials grow with it
+ * (DUET_SPLITKV_MAX_ROWS = 16 would take 16 times the memory, about 1 GiB at Kimi Linear's shape
+ * on an H200: cuda_mla.h, duet_cuda_mla_scratch_bytes). */
+#define DUET__MLA_SPLIT_ROWS 1
 
 /* DUET_CUDA_NO_MLA_X=1 keeps every step on the absorbed MLA form (side-by-side comparisons);
  * the test hooks below override it */
@@ -128,7 +134,7 @@ typedef struct {
 } duet__dlayer_t;
 
 typedef struct {
-    int bucket, splits, sampled;
+    int bucket, sampled;
     cudaGraphExec_t exec;
 } duet__graph_t;
 
@@ -184,7 +190,7 @@ struct duet_cuda_model {
     int *route_sync;      /* duet_cuda_moe_router_route's (DUET_CUDA_ROUTER_SYNC_INTS(E)) */
     int32_t *token_out_h; /* pinned */
     void *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
-    int max_splits;
+    size_t mla_scratch_bytes;
     /* the expanded MLA form for long prefill chunks (duet__mla_x_step): on when the shapes
      * allow it; xkv holds xcap positions of every head = max(T, min(max_seq_len,
      * DUET__MLA_X_CAP)), so chunks after the first of a prompt up to 8K positions take it too
@@ -512,6 +518,20 @@ static int64_t duet__pow2_at_least(int64_t n)
     return p;
 }
 
+/* MLA layer `sub` (its index among the MLA layers) as the attention kernels see it. */
+static duet_cuda_mla_layer_t duet__mla_ly(const duet_cuda_model_t *dm, int64_t sub)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    return (duet_cuda_mla_layer_t){.kv_base = dm->kv_dev,
+                                   .kv_dtype = duet_kv_pool_desc(dm->kv_host)->dtype,
+                                   .kv_n_layers = c->n_mla_layers,
+                                   .page_tokens = dm->opts.page_tokens,
+                                   .layer = sub,
+                                   .n_heads = c->mla_heads,
+                                   .r = c->kv_lora_rank,
+                                   .dr = c->qk_rope_head_dim};
+}
+
 static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
 {
     const duet_model_config_t *c = &dm->cfg;
@@ -545,19 +565,12 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         TRY(duet__dalloc_f(dm, T * (r + dr), &dm->ckr));
         TRY(duet__dalloc_f(dm, T * n * r, &dm->qhat));
         TRY(duet__dalloc_f(dm, T * n * r, &dm->lat));
-        /* enough splits to fill the GPU at batch 1 over the longest sequence */
-        dm->max_splits = duet_cuda_mla_plan_splits(1, dm->opts.max_seq_len, dm->n_sms);
-        for (int64_t b = 2; b <= dm->imax_items; b *= 2) {
-            int s = duet_cuda_mla_plan_splits(b, dm->opts.max_seq_len, dm->n_sms);
-            if (s > dm->max_splits)
-                dm->max_splits = s;
-        }
-        if (dm->max_splits < 1)
-            dm->max_splits = 1;
-        /* split-KV partials exist for decode steps only (rows = items <= imax_items); a step
-         * with a prefill chunk runs unsplit (kv_splits 1 needs no scratch) */
-        TRY(duet__dalloc(dm, duet_cuda_mla_scratch_bytes(dm->imax_items, n, r, dm->max_splits),
-                         &dm->mla_scratch));
+        /* the split-KV plan and partials of any step (a graph bucket's included: sized once,
+         * so replays never reallocate); only one-token items are split (duet__cuda_forward) */
+        const duet_cuda_mla_layer_t ly = duet__mla_ly(dm, 0);
+        dm->mla_scratch_bytes = duet_cuda_mla_scratch_bytes(
+            &ly, dm->imax_items, T > dm->imax_items ? T : dm->imax_items, DUET__MLA_SPLIT_ROWS);
+        TRY(duet__dalloc(dm, dm->mla_scratch_bytes, &dm->mla_scratch));
         if (dm->mla_x) {
             const int64_t sl = T < DUET__MLA_X_SLICE ? T : DUET__MLA_X_SLICE;
             dm->xslice = sl;
@@ -975,7 +988,6 @@ static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
-    int splits;
     int sample;    /* 0 none, 1 argmax, 2 full sampling rule */
     int64_t x_ctx; /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
                     * item (this many in all) */
@@ -1036,14 +1048,7 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
     cudaStream_t s = dm->stream;
     duet_cuda_gemm_t *g = dm->gemm;
     const unsigned f = dm->gemm_flags;
-    duet_cuda_mla_layer_t ly = {.kv_base = dm->kv_dev,
-                                .kv_dtype = duet_kv_pool_desc(dm->kv_host)->dtype,
-                                .kv_n_layers = c->n_mla_layers,
-                                .page_tokens = dm->opts.page_tokens,
-                                .layer = dm->layer_sub[l],
-                                .n_heads = n,
-                                .r = r,
-                                .dr = dr};
+    const duet_cuda_mla_layer_t ly = duet__mla_ly(dm, dm->layer_sub[l]);
     if (c->q_lora_rank > 0) {
         const int64_t ql = c->q_lora_rank;
         const duet_cuda_gemm_op_t ops[2] = {
@@ -1082,7 +1087,7 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
         TRY(duet_cuda_gemm_matmul_batched(g, s, dm->qhat, n * r, r, dm->mq, n * dqk, dqk, T,
                                           &w->wuk_t, 0, f));
         TRY(duet_cuda_mla_attend(s, &dm->step, &ly, dm->qhat, dm->mq + dn, n * dqk, dqk, scale,
-                                 sh->splits, dm->lat, dm->mla_scratch));
+                                 dm->lat, dm->mla_scratch, dm->mla_scratch_bytes));
         TRY(duet_cuda_gemm_matmul_batched(g, s, dm->o, n * dv, dv, dm->lat, n * r, r, T, &w->wuv, 0,
                                           f));
     }
@@ -1274,6 +1279,11 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
     const int mirror = dm->opts.mirror_out && hook != NULL;
     int64_t pending = -1; /* layer whose hook has not run yet */
 
+    if (c->n_mla_layers > 0 && sh->x_ctx == 0) {
+        /* the split-KV plan every absorbed MLA layer's attend reads */
+        const duet_cuda_mla_layer_t ly = duet__mla_ly(dm, 0);
+        TRY(duet_cuda_mla_plan(s, &dm->step, &ly, dm->mla_scratch, dm->mla_scratch_bytes));
+    }
     TRY(duet_cuda_embed(s, dm->x, dm->embed.data, dm->embed.dtype, D, dm->meta_d + dm->ml.tokens,
                         T));
     for (int64_t l = 0; l < c->num_layers; l++) {
@@ -1348,8 +1358,7 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
 {
     duet__graph_t *gr = NULL;
     for (int i = 0; i < dm->n_graphs; i++)
-        if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].splits == sh->splits &&
-            dm->graphs[i].sampled == sh->sample)
+        if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].sampled == sh->sample)
             gr = &dm->graphs[i];
     if (gr == NULL) {
         if (dm->n_graphs == DUET_CUDA_MAX_GRAPHS) { /* full: drop the oldest */
@@ -1369,11 +1378,9 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
         CU(e, "graph instantiate");
         gr = &dm->graphs[dm->n_graphs++];
         gr->bucket = (int)sh->n_items;
-        gr->splits = sh->splits;
         gr->sampled = sh->sample;
         gr->exec = exec;
-        DUET_LOG_DEBUG("cuda model: captured the decode graph for %d sequences, %d KV splits",
-                       gr->bucket, gr->splits);
+        DUET_LOG_DEBUG("cuda model: captured the decode graph for %d sequences", gr->bucket);
     }
     CU(cudaGraphLaunch(gr->exec, dm->stream), "graph launch");
     return DUET_OK;
@@ -1389,15 +1396,15 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     const duet_model_config_t *c = &dm->cfg;
     const duet__meta_layout_t *ml = &dm->ml;
     int32_t *mh = dm->meta_h;
-    int64_t max_tokens = 1, max_ctx = 1, n_logits = 0;
+    int64_t max_tokens = 1, split_rows = 0, n_logits = 0;
     int any_sampled = 0, any_token = 0, any_all = 0;
 
     for (int64_t i = 0; i < n_items; i++) {
         const duet_batch_item_t *it = &items[i];
         if (it->n_tokens > max_tokens)
             max_tokens = it->n_tokens;
-        if (it->seq->n_tokens + it->n_tokens > max_ctx)
-            max_ctx = it->seq->n_tokens + it->n_tokens;
+        if (it->n_tokens <= DUET__MLA_SPLIT_ROWS && it->n_tokens > split_rows)
+            split_rows = it->n_tokens;
         any_all |= it->logits_mode == DUET_LOGITS_ALL;
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             any_token = 1;
@@ -1454,18 +1461,12 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
                         .n_rows = row,
                         .n_logit_rows = n_logits,
                         .sample = any_token ? (any_sampled ? 2 : 1) : 0};
-    sh.splits = c->n_mla_layers > 0 && max_tokens == 1
-                    ? duet_cuda_mla_plan_splits(n_eff, max_ctx, dm->n_sms)
-                    : 1;
-    if (sh.splits > dm->max_splits)
-        sh.splits = dm->max_splits;
     sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
     duet__mla_x_steps += sh.x_ctx > 0;
-    if (sh.splits < 1)
-        sh.splits = 1;
     dm->step.n_items = (int32_t)n_eff;
     dm->step.n_rows = (int32_t)row;
     dm->step.max_item_tokens = (int32_t)max_tokens;
+    dm->step.max_split_rows = (int32_t)split_rows;
 
     CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->total, cudaMemcpyHostToDevice,
                        dm->stream),

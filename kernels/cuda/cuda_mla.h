@@ -43,23 +43,38 @@ duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_cuda_step_t
  * token included, already written by kv_write): score_s = (q̂·c_s + q_r·k_r,s) · scale,
  * lat = softmax(score) · c. qhat: [n_rows][n][r]; q_r of head h at qr + row*ldqr + h*dqr_stride
  * (dr values); lat: [n_rows][n][r] out, 16-byte aligned.
- * Split-KV: each (item, head-group) is cut into `kv_splits` ranges of positions processed by
- * separate blocks; partial (max, sum, acc) results are merged by a reducer weighing them by
- * exp(max_i - max) (log-sum-exp merge). kv_splits = 1 is the unsplit kernel; any value >= 1 gives
- * the same result up to fp32 rounding. `scratch` has duet_cuda_mla_scratch_bytes(...) bytes.
+ * Split-KV (kernels/splitkv.h): each item is cut into ranges of positions processed by
+ * separate blocks as the step's plan says; a split item's partial (max, sum, acc) results are
+ * merged by a reducer weighing them by exp(max_i - max) (log-sum-exp merge), an item planned
+ * onto one split writes lat directly. Any plan gives the same result up to fp32 rounding.
+ *
+ * duet_cuda_mla_scratch_bytes: the scratch bytes (plan and partials) for any step of at most
+ *   max_items items, max_rows rows and st->max_split_rows <= max_split_rows, for layers of ly's
+ *   shape (n_heads, r, dr, kv dtype) on the current device (its SM count); 0 for a bad argument.
+ *   It grows with each count, so one scratch sized for a CUDA-graph batch bucket's largest step
+ *   (or for the engine's largest) serves every replay without reallocating. Partials take
+ *   min(max_split_rows, 16) · (max_items + ~8 · SMs) · n_heads · r floats: what a step whose
+ *   split items all have max_split_rows rows may need.
+ * duet_cuda_mla_plan: the step's split-KV plan into `scratch` (16-byte aligned, at least
+ *   duet_cuda_mla_scratch_bytes for the step's counts): one single-block kernel computing, from
+ *   the step's metadata on the device (an item's KV length is its last row's position + 1), the
+ *   plan duet_splitkv_plan computes in DUET_SPLITKV_PER_REQUEST mode with heads = the attention
+ *   grid's head groups, units = the SMs and blocks of 64 positions; items of more than
+ *   st->max_split_rows rows are planned unsplit. Call it once per step, after the step's
+ *   metadata is on the device and before the step's first attend; every layer's attend (same
+ *   st, a layer of the same shape) reads it. The host never reads it (no sync; capturable).
+ * duet_cuda_mla_attend: the attention by the plan in `scratch` (the plan of this step: attend
+ *   does not check it). DUET_ERR_RANGE when the scratch is smaller than the step needs.
  */
-size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads, int64_t r, int64_t kv_splits);
+size_t duet_cuda_mla_scratch_bytes(const duet_cuda_mla_layer_t *ly, int64_t max_items,
+                                   int64_t max_rows, int64_t max_split_rows);
+duet_status_t duet_cuda_mla_plan(cudaStream_t stream, const duet_cuda_step_t *st,
+                                 const duet_cuda_mla_layer_t *ly, void *scratch,
+                                 size_t scratch_bytes);
 duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *st,
                                    const duet_cuda_mla_layer_t *ly, const float *qhat,
                                    const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
-                                   int kv_splits, float *lat, void *scratch);
-
-/*
- * A split count for a decode step of n_items sequences of at most max_context positions on a
- * GPU of n_sms SMs: a power of two (1 for short contexts) that fills the GPU while keeping the
- * per-block fixed cost and the reducer's traffic in check, each busy range >= 64 positions.
- */
-int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms);
+                                   float *lat, void *scratch, size_t scratch_bytes);
 
 /*
  * The expanded (non-absorbed) form, for steps of long prefill chunks. The absorbed attend

@@ -23,6 +23,9 @@ typedef struct {
     int32_t n_items;           /* host value */
     int32_t n_rows;            /* host value: sum of the items' new tokens */
     int32_t max_item_tokens;   /* host value: >= every item's new tokens (1 = pure decode) */
+    int32_t max_split_rows;    /* host value: MLA split-KV splits items of at most this many
+                                  new tokens (and at most DUET_SPLITKV_MAX_ROWS), and sizes its
+                                  partials by it: 1 = decode items, 0 = none */
     const int32_t *item_row0;  /* [n_items + 1] first row of each item; item_row0[n] = n_rows */
     const int32_t *item_pos0;  /* [n_items] tokens in the item's caches before this step */
     const int32_t *item_slot;  /* [n_items] KDA state slot */

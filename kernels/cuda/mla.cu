@@ -24,14 +24,15 @@
  *     m-tile (w & 1) over k-quarter (w >> 1) of the 576 dims with its q fragments held in
  *     registers for the whole block, the four quarters meet in shared memory; for P · c warp w
  *     owns 64 output dims of all 32 slots (V fragments via ldmatrix.trans). Tiles of 64
- *     positions, 2 in shared memory, one in flight while the other is computed. When the grid
- *     of blocks of 16 slots (one m-tile; warp w then takes half w & 1 of the tile's n-tiles)
- *     still fits on the SMs at once, those are launched instead: batch-1 decode at 2K has 64
- *     splits, of which 33 hold positions, so 32-slot blocks leave most SMs idle, and each
- *     block's fixed chain (q in, one tile, the partial out) halves with its slots: faster at
- *     2K, even at 4K; 32K takes 32 slots either way, since its 128 splits fill the SMs
- *     (bench/RESULTS.md, "MLA decode attention: 16-slot blocks"). A test hook selects tiles
- *     of 32, 4 in shared memory, 3 in flight: more instructions per position, and slower.
+ *     positions, 2 in shared memory, one in flight while the other is computed. A test hook
+ *     launches blocks of 16 slots (one m-tile; warp w then takes half w & 1 of the tile's
+ *     n-tiles): each block's fixed chain (q in, one tile, the partial out) halves with its
+ *     slots, which paid when the old uniform split count left most SMs idle (batch-1 decode at
+ *     2K: bench/RESULTS.md, "MLA decode attention: 16-slot blocks"). The per-request plan aims
+ *     at DUET_SPLITKV_WAVES waves of work per SM and its work count lives on the device, so
+ *     attend no longer knows when a grid would fit in one wave and keeps 32 slots (re-measure
+ *     before choosing 16 again). Another test hook selects tiles of 32, 4 in shared memory, 3
+ *     in flight: more instructions per position, and slower.
  *     Memory does not bound this kernel (about half the HBM rate at 32K with every SM busy);
  *     q̂ and P split in two make 34 mma per position. Kimi's rows (r = 512, dr = 64) get an
  *     instance with the dims compiled in, so the per-tile shared-memory addresses and loop
@@ -42,18 +43,26 @@
  *     a token group with one 31-shuffle reduce-scatter; for P · c each thread owns 8 slots × 8
  *     dims. Double-buffered tiles of 64 (BF16) or 32 (F32) positions. fp32 FMA throughput, not
  *     memory, bounds this path (several times slower than the tensor cores at Kimi's shape).
- *   Split-KV: positions 0 .. L−1 (L = the block's largest row_pos + 1, read on the device) are cut
- *   into kv_splits ranges of ceil(L / kv_splits) rounded up to a tile; a block whose range is
- *   empty (short items in a batch planned for long ones) writes the neutral partial (m = −inf,
- *   l = 0) and no accumulator, and the reducer skips those. With kv_splits = 1 the block writes
- *   lat = acc / l itself and no reducer runs.
- *   Row blocks: block x of the grid is the (gridDim.x − 1 − x)-th block of rb rows in item order
- *   (the longest rows of a prefill first, so the short ones fill the last wave); a warp scan over
- *   item_row0 finds it, so the grid is sized from host counts only (graph capture) and blocks
- *   past the real count exit. Prefill rows of one item share a block only when n < 32 (rb =
- *   32 / n); at n = 32 each row is its own block and the item's KV is re-read per row, mostly
- *   from L2. Plan prefill splits with n_items = the number of row blocks (or use 1): splitting a
- *   long prefill by its item count multiplies the fp32 partials by the row count.
+ *   Split-KV (kernels/splitkv.h; docs/architecture.md, "Split-KV planning"): duet_cuda_mla_plan
+ *   computes the step's per-request plan on the device, one single-block launch per step from
+ *   the step's metadata (an item's KV length is its last row's position + 1), with the shared
+ *   helpers and formulas of the host's duet_splitkv_plan: blocks of DUET_MLA_PLAN_BT = 64
+ *   positions (the default tensor-core tile, two of the 32-position tiles: ranges stay whole
+ *   tiles on every path), heads = the grid's head groups (a work item runs once per group),
+ *   units = the SMs (one attention block per SM: 150-200 KiB of shared memory at Kimi's shape).
+ *   Beside the work list it writes one task per (work item, row block of rb rows), in reverse
+ *   item order (a prefill's last, longest rows first, so short ones fill the last wave), each
+ *   holding all its block needs (one 32-byte load: rows, positions, partial slot), and per row
+ *   where the reducer finds its partials. The attention grid is an upper bound from host counts
+ *   only (graph capture); blocks past the step's task count exit. A block of an item planned
+ *   onto one split writes lat = acc / l itself; a split block writes its partial (m, l, acc), or
+ *   the neutral one (m = −inf, l = 0, no accumulator) when its rows see none of its range. The
+ *   reducer merges split rows only: its blocks for rows of one-split items return at once, and
+ *   it is not launched when no item may split (st->max_split_rows = 0).
+ *   Prefill rows of one item share a block only when n < 32 (rb = 32 / n); at n = 32 each row
+ *   is its own block and the item's KV is re-read per row, mostly from L2. An item of more than
+ *   DUET_SPLITKV_MAX_ROWS rows is never split (the planner's rule), so a prefill's partials never
+ *   take rows times the memory.
  *   Graph capture: the first attend per kernel and device opts the kernel into its shared memory
  *   (cudaFuncSetAttribute, not a stream operation); later calls only launch.
  *
@@ -71,13 +80,13 @@
  *   products, bit for bit, and faster. Measured: bench/RESULTS.md, "MLA prefill: the expanded
  *   form".
  *
- * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the attention kernels and the reducer
- *   are launched with duet_pdl_launch. Before its wait a kernel reads only the step's metadata
- *   (copied in by the host ahead of the step) and weights; the tensor-core attention also
- *   starts copying its first tiles when they end before the item's first new position
- *   (item_pos0): those rows were cached by earlier steps and nothing in this step writes them,
- *   so at batch 1 a short split's cache traffic overlaps the W_UK product before it. q̂ and the
- *   rows kv_write adds are read after the wait.
+ * Programmatic dependent launch (cuda_pdl.cuh): kv_write, the planner, the attention kernels and
+ *   the reducer are launched with duet_pdl_launch. Before its wait a kernel reads only the
+ *   step's metadata (copied in by the host ahead of the step) and weights. The attention kernels
+ *   and the reducer read the step's plan, which the planner, a kernel of the same step, wrote,
+ *   so they start after the wait: the tensor-core attention no longer copies its first cached
+ *   tiles under the W_UK product before it, as it did when a block found its range from the
+ *   metadata alone (a trigger does not make the planner's writes visible; only the wait does).
  *
  * Batch-1 decode: a block's fixed chain (launch, setup, q prologue, first load, partial write)
  *   is what a short split costs, so it is kept short. The q prologue's loads are unconditional
@@ -85,9 +94,8 @@
  *   issued them one round trip at a time. q lands by coalesced cp.async in the stage that no
  *   copy uses before the loop, and the accumulators leave through shared memory as whole rows
  *   in float4 stores, not as 32 scattered stores per thread from the fragments, each behind a
- *   destination lookup. With the chain short, the planner cuts a lone sequence into ranges of
- *   64 positions (64 splits at 2K, 128 at 32K, 132 just past it: see the planner). Measured:
- *   bench/RESULTS.md, "MLA decode attention: the block's fixed chain".
+ *   destination lookup. Measured (with the old uniform split count): bench/RESULTS.md, "MLA
+ *   decode attention: the block's fixed chain".
  *
  * Limits (DUET_ERR_UNSUPPORTED otherwise): r a multiple of 32 with r <= 512, dr a multiple of 8
  * with r + dr <= 640; kv dtype F32 or BF16. The tensor-core path additionally needs r + dr <= 576
@@ -107,6 +115,10 @@
 #include "kernels/cuda/cuda_pdl.cuh"
 #include "kernels/cuda/mla_x.cuh"
 
+extern "C" {
+#include "kernels/splitkv.h"
+}
+
 #define DUET__MODULE          "cuda mla" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
@@ -122,8 +134,8 @@
 #define DUET_MLA_TC2_STAGES  4
 #define DUET_MLA_MAX_DEV     16  /* devices whose shared-memory opt-in is remembered */
 #define DUET_MLA_KVW_THREADS 128 /* kv_write block */
-#define DUET_MLA_MIN_SPLIT   64  /* plan_splits: fewest positions per busy split */
-#define DUET_MLA_MAX_SPLIT   1024
+#define DUET_MLA_PLAN_BT     64  /* positions per plan block: the default tensor-core tile */
+#define DUET_MLA_PLAN_NT     512 /* planner threads (one block) */
 #define DUET_LOG2E           1.4426950408889634f
 
 /* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
@@ -158,20 +170,49 @@ extern "C" int duet__cuda_mla_x_wgmma_usable(void)
     return duet__mla_wgmma_usable();
 }
 
-/* Slots per tensor-core block: 0 chooses (see attend), 16 or 32 forces (64-position tiles). */
+/* Slots per tensor-core block (64-position tiles): 16 forces blocks of 16, anything else 32. */
 extern "C" void duet__cuda_mla_tc_slots(int n)
 {
     duet__mla_tc_slots = n;
 }
 
+/* The plan's parallel units (test hook): 0 = the SMs, else this many (other chunk sizes). */
+static int duet__mla_plan_units = 0;
+
+extern "C" void duet__cuda_mla_plan_units(int units)
+{
+    duet__mla_plan_units = units;
+}
+
 /* ---- kernel arguments --------------------------------------------------------------------- */
 
+/* One attention block's share of a step, written by the planner: 32 bytes at a 256-byte aligned
+ * array, so a block reads it in two 16-byte loads and needs no further lookup but its rows'
+ * positions. */
 typedef struct {
-    const int32_t *item_row0;  /* device [n_items + 1] */
-    const int32_t *item_pos0;  /* device [n_items] */
+    int32_t item;       /* the item */
+    int32_t row0, row1; /* the block's rows [row0, row1) */
+    int32_t first;      /* the item's first row */
+    int32_t pos0, pos1; /* the work item's positions [pos0, pos1), cut at the item's length */
+    int32_t part;       /* partial slot of row `first` in this split; -1: one split, lat directly */
+    int32_t pad;
+} duet__mla_task_t;
+
+/* Where a step's plan lives in the scratch (device pointers; duet__mla_layout places them). */
+typedef struct {
+    int64_t *hdr;              /* [0] work items, [1] tasks, [2] chunk */
+    int32_t *splits;           /* [n_items] */
+    int32_t *work0, *task0;    /* [n_items + 1] exclusive scans of work items and tasks */
+    duet_splitkv_work_t *work; /* [max_work] */
+    duet__mla_task_t *tasks;   /* [max_tasks], block x takes tasks[x] */
+    int2 *row_red;             /* [n_rows] (partial slot of the row's split 0, its splits) */
+    float *part_ml, *part_o;   /* [max_work · prows][n] × 2 (m, l), × r (acc) */
+} duet__mla_plan_dev_t;
+
+typedef struct {
     const int32_t *item_pages; /* device [n_items][max_pages] */
     const int32_t *row_pos;    /* device [n_rows] */
-    int32_t n_items, n_rows, max_pages;
+    int32_t n_rows, max_pages;
     const void *kv; /* device, the KV pool */
     int64_t kv_n_layers, layer;
     int page_tokens;
@@ -181,18 +222,19 @@ typedef struct {
     const float *qhat; /* device [n_rows][n][r] */
     const float *qr;   /* device, q_r of (row, head) at row · ldqr + head · dqr_stride */
     int64_t ldqr, dqr_stride;
-    float qscale; /* scale · log2 e */
-    int kv_splits;
-    float *lat;     /* device [n_rows][n][r] */
-    float *part_o;  /* device scratch [kv_splits][n_rows][n][r] */
-    float *part_ml; /* device scratch [kv_splits][n_rows][n][2]: (m, l) */
-    int q_vec;      /* q̂ and q_r rows 16-byte aligned: the staged q copy moves 16-byte chunks */
+    float qscale;                  /* scale · log2 e */
+    float *lat;                    /* device [n_rows][n][r] */
+    const duet__mla_task_t *tasks; /* the plan's tasks, and their count */
+    const int64_t *n_tasks;
+    float *part_o, *part_ml; /* the plan's partials */
+    int q_vec; /* q̂ and q_r rows 16-byte aligned: the staged q copy moves 16-byte chunks */
 } duet__mla_args_t;
 
 /* What one attention block knows about itself (shared memory). */
 typedef struct {
     int item, k0, k1;        /* item; this split's positions [k0, k1) */
-    int safe;                /* positions below it were cached before this step */
+    int direct;              /* the item has one split: lat = acc / l, no partial */
+    int pbase;               /* partial slot of row `row` = pbase + row (split items) */
     int row[DUET_MLA_SLOTS]; /* row of each slot, -1 for an unused slot */
     int head[DUET_MLA_SLOTS];
     int pos[DUET_MLA_SLOTS];          /* last visible position; -1 (all masked) when unused */
@@ -385,59 +427,32 @@ __global__ static void __launch_bounds__(DUET_MLA_KVW_THREADS)
 /* ---- attention: shared pieces ------------------------------------------------------------- */
 
 /*
- * Find this block's rows, slots and position range; false when block x is past the real row
- * blocks (the grid is an upper bound). Warp 0 scans ceil(rows_i / rb) over the items. Reads
- * only the step's metadata (the host copies it in ahead of the step), so it may run before the
- * PDL wait.
+ * This block's rows, slots and position range, from its task; false when block x is past the
+ * step's tasks (the grid is an upper bound). It reads the plan, so it runs after the PDL wait.
  */
-__device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__mla_block_t *b)
+__device__ static bool duet__mla_setup(const duet__mla_args_t &a, duet__mla_block_t *b)
 {
     if (threadIdx.x < 32) {
         const unsigned full = 0xffffffffu;
-        /* row blocks in reverse (the file comment) */
-        const int lane = threadIdx.x, bx = (int)(gridDim.x - 1 - blockIdx.x);
-        int item = -1, rs = 0, re = 0, first = 0, base = 0;
-        for (int i0 = 0; i0 < a.n_items; i0 += 32) {
-            const int i = i0 + lane;
-            int r0 = 0, r1 = 0, cnt = 0;
-            if (i < a.n_items) {
-                r0 = a.item_row0[i];
-                r1 = a.item_row0[i + 1];
-                cnt = (r1 - r0 + a.rb - 1) / a.rb;
-            }
-            int inc = cnt;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(full, inc, o);
-                if (lane >= o)
-                    inc += y;
-            }
-            const int ex = base + inc - cnt;
-            const unsigned hit = __ballot_sync(full, cnt > 0 && bx >= ex && bx < ex + cnt);
-            if (hit != 0) {
-                const int src = __ffs(hit) - 1;
-                item = __shfl_sync(full, i, src);
-                rs = __shfl_sync(full, r0 + (bx - ex) * a.rb, src);
-                re = __shfl_sync(full, r1, src);
-                first = __shfl_sync(full, r0, src);
-                break;
-            }
-            base += __shfl_sync(full, inc, 31);
-        }
-        re = min(re, rs + a.rb);
+        const int lane = threadIdx.x;
+        /* the count and the task in flight together; a task past the count is never used */
+        const int64_t nt = *a.n_tasks;
+        const int4 *tp = (const int4 *)(a.tasks + blockIdx.x);
+        const int4 t0 = tp[0], t1 = tp[1]; /* (item, row0, row1, first), (pos0, pos1, part, -) */
+        const bool busy = (int64_t)blockIdx.x < nt;
         int row = -1, head = 0, pos = -1;
-        if (item >= 0) {
+        if (busy) {
             const int hl = lane % a.hb, rr = lane / a.hb;
             head = (int)blockIdx.y * a.hb + hl;
-            if (rr < a.rb && rs + rr < re && head < a.n) {
-                row = rs + rr;
+            if (rr < a.rb && t0.y + rr < t0.z && head < a.n) {
+                row = t0.y + rr;
                 pos = a.row_pos[row];
             }
         }
         int mx = pos;
         for (int o = 16; o > 0; o >>= 1)
             mx = max(mx, __shfl_xor_sync(full, mx, o));
-        const int L = mx + 1, S = a.kv_splits;
-        const int chunk = ((L + S - 1) / S + tk - 1) / tk * tk;
+        const int L = mx + 1;
         b->row[lane] = row;
         b->head[lane] = head;
         b->pos[lane] = pos;
@@ -449,12 +464,12 @@ __device__ static bool duet__mla_setup(const duet__mla_args_t &a, int tk, duet__
         b->l[lane] = 0.0f;
         b->alpha[lane] = 1.0f;
         if (lane == 0) {
-            b->item = item;
-            b->k0 = min(L, (int)blockIdx.z * chunk);
-            b->k1 = min(L, (int)blockIdx.z * chunk + chunk);
-            /* the item's rows of this step are written by this step's kv_write: the positions
-             * before its first one (and before item_pos0) are older */
-            b->safe = item >= 0 ? min(a.item_pos0[item], a.row_pos[first]) : 0;
+            b->item = busy ? t0.x : -1;
+            /* the rows' last position may end before the split's range, or inside it */
+            b->k0 = min(L, t1.x);
+            b->k1 = min(L, t1.y);
+            b->direct = t1.z < 0;
+            b->pbase = t1.z - t0.w;
         }
     }
     __syncthreads();
@@ -629,21 +644,21 @@ __device__ static void duet__mla_softmax(duet__mla_block_t *b, const float *s, i
     }
 }
 
-/* (m, l) of every used slot into the split's partial (split runs only). */
+/* (m, l) of every used slot into the split's partial (split items only). */
 __device__ static void duet__mla_write_ml(const duet__mla_args_t &a, const duet__mla_block_t *b)
 {
     const int slot = threadIdx.x;
-    if (a.kv_splits > 1 && slot < DUET_MLA_SLOTS && b->row[slot] >= 0) {
-        const int64_t i = ((int64_t)blockIdx.z * a.n_rows + b->row[slot]) * a.n + b->head[slot];
+    if (!b->direct && slot < DUET_MLA_SLOTS && b->row[slot] >= 0) {
+        const int64_t i = (int64_t)(b->pbase + b->row[slot]) * a.n + b->head[slot];
         a.part_ml[2 * i] = b->m[slot];
         a.part_ml[2 * i + 1] = b->l[slot];
     }
 }
 
 /*
- * Where the accumulator of (slot, dim) goes: lat (already divided by l) without splits, the
- * split's partial otherwise; NULL when nothing is written (unused slot, or a split that saw none
- * of the slot's positions: the reducer skips it by its m = -inf).
+ * Where the accumulator of (slot, dim) goes: lat (already divided by l) for an item of one
+ * split, the split's partial otherwise; NULL when nothing is written (unused slot, or a split
+ * that saw none of the slot's positions: the reducer skips it by its m = -inf).
  */
 __device__ static inline float *duet__mla_out(const duet__mla_args_t &a, const duet__mla_block_t *b,
                                               int slot, int dim, float *mul)
@@ -651,15 +666,14 @@ __device__ static inline float *duet__mla_out(const duet__mla_args_t &a, const d
     const int row = b->row[slot];
     if (row < 0)
         return NULL;
-    const int64_t rh = (int64_t)row * a.n + b->head[slot];
-    if (a.kv_splits == 1) {
+    if (b->direct) {
         *mul = 1.0f / b->l[slot];
-        return a.lat + rh * a.r + dim;
+        return a.lat + ((int64_t)row * a.n + b->head[slot]) * a.r + dim;
     }
     if (b->l[slot] == 0.0f)
         return NULL;
     *mul = 1.0f;
-    return a.part_o + ((int64_t)blockIdx.z * a.n_rows * a.n + rh) * a.r + dim;
+    return a.part_o + ((int64_t)(b->pbase + row) * a.n + b->head[slot]) * a.r + dim;
 }
 
 /* ---- attention, CUDA cores ---------------------------------------------------------------- */
@@ -677,10 +691,9 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
 {
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;
-    const bool busy = duet__mla_setup(a, TK, &blk);
-    duet_pdl_wait(); /* q̂ and this step's cache rows are written by earlier kernels */
+    duet_pdl_wait(); /* the plan, q̂ and this step's cache rows are written by earlier kernels */
     duet_pdl_trigger();
-    if (!busy)
+    if (!duet__mla_setup(a, &blk))
         return;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -878,10 +891,10 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     constexpr int NTW = SL == 32 ? NT : NT / 2; /* n-tiles of scores per warp */
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ duet__mla_block_t blk;
-    if (!duet__mla_setup(a, TK, &blk)) {
-        duet_pdl_wait(); /* every block waits: the grid completes after its predecessor */
+    duet_pdl_wait(); /* the plan, q̂ and this step's cache rows are written by earlier kernels */
+    duet_pdl_trigger();
+    if (!duet__mla_setup(a, &blk))
         return;
-    }
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tg = lane & 3;
     const int td = TD > 0 ? TD : a.td, tdp = (td + 15) & ~15, ld = tdp + 8;
@@ -911,27 +924,12 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             for (int c = 0; c < 4; c++)
                 o[m][nt][c] = 0.0f;
 
-    /*
-     * Queue tiles 0 .. STAGES-2, one copy group each, in order; `next` then holds tile
-     * STAGES-1. The leading tiles that end before blk.safe hold rows cached by earlier steps,
-     * which no kernel of this step writes: their copies start before the PDL wait, under the
-     * tail of the previous kernels (at batch 1 that is all of a short split's cache traffic).
-     */
+    /* queue tiles 0 .. STAGES-2, one copy group each, in order; `next` then holds tile
+     * STAGES-1 */
     const int32_t *pages = a.item_pages + (int64_t)blk.item * a.max_pages;
-    const int k0 = blk.k0, k1 = blk.k1, safe = blk.safe;
+    const int k0 = blk.k0, k1 = blk.k1;
     duet__mla_offs_t next = duet__mla_tile_offs(a, pages, k0, k1, td);
-    int st = 0;
-    for (; st < STAGES - 1; st++) {
-        const int t = k0 + st * TK;
-        if (t >= k1 || min(t + TK, k1) > safe)
-            break;
-        duet__mla_load_tile<__nv_bfloat16, TD>(kvs + st * TK * ld, ld, a, next, TK, td);
-        duet__cp_async_commit();
-        next = duet__mla_tile_offs(a, pages, t + TK, k1, td);
-    }
-    duet_pdl_wait(); /* q̂ and this step's cache rows are written by earlier kernels */
-    duet_pdl_trigger();
-    for (; st < STAGES - 1; st++) {
+    for (int st = 0; st < STAGES - 1; st++) {
         const int t = k0 + st * TK;
         if (t < k1)
             duet__mla_load_tile<__nv_bfloat16, TD>(kvs + st * TK * ld, ld, a, next, TK, td);
@@ -1120,28 +1118,193 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
     duet__mla_write_ml(a, &blk);
 }
 
+/* ---- the planner ------------------------------------------------------------------------- */
+
+/* Rows of item i, its first row, and its KV length (its last row's position + 1; 0 without
+ * rows): the splitkv.h length of an item whose rows attend over every earlier position. */
+__device__ static inline void duet__mla_item(const int32_t *item_row0, const int32_t *row_pos,
+                                             int i, int *r0, int *rows, int64_t *len)
+{
+    *r0 = item_row0[i];
+    const int r1 = item_row0[i + 1];
+    *rows = r1 - *r0;
+    *len = *rows > 0 ? (int64_t)row_pos[r1 - 1] + 1 : 0;
+}
+
+/* Exclusive prefix sums of (x, y) over the block's threads in order, and their totals. */
+__device__ static void duet__mla_scan2(int64_t x, int64_t y, int64_t *ex, int64_t *ey, int64_t *tx,
+                                       int64_t *ty)
+{
+    const int NW = DUET_MLA_PLAN_NT / 32;
+    __shared__ long long s_x[NW], s_y[NW];
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    long long ix = x, iy = y;
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long ux = __shfl_up_sync(full, ix, o), uy = __shfl_up_sync(full, iy, o);
+        if (lane >= o) {
+            ix += ux;
+            iy += uy;
+        }
+    }
+    if (lane == 31) {
+        s_x[warp] = ix;
+        s_y[warp] = iy;
+    }
+    __syncthreads();
+    long long px = 0, py = 0, sx = 0, sy = 0;
+    for (int w = 0; w < NW; w++) {
+        if (w < warp) {
+            px += s_x[w];
+            py += s_y[w];
+        }
+        sx += s_x[w];
+        sy += s_y[w];
+    }
+    __syncthreads(); /* the next call reuses s_x, s_y */
+    *ex = px + ix - x;
+    *ey = py + iy - y;
+    *tx = sx;
+    *ty = sy;
+}
+
+/* The last i < n with a[i] <= v (a non-decreasing, a[0] <= v): for a scan of per-item counts,
+ * the item that holds entry v (items with none share their successor's value and lose). */
+__device__ static int duet__mla_find(const int32_t *a, int n, int64_t v)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (a[mid] <= v)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/*
+ * The step's plan (file comment), one block: the total cost, each item's split count
+ * (duet_splitkv_splits of its blocks, rows and the chunk; unsplit when it has more rows than
+ * prows, which only a step breaking its max_split_rows contract has), then, from the scans of
+ * work items and tasks, every entry of the work list, the tasks and the rows' reducer info in
+ * parallel (each thread finds its entry's item by a binary search over the scan). It writes
+ * nothing before the PDL wait: the kernels before it (a previous step's, or a test's) may
+ * still read the plan it replaces.
+ */
+__global__ static void __launch_bounds__(DUET_MLA_PLAN_NT)
+    duet__mla_plan_kernel(const int32_t *item_row0, const int32_t *row_item, const int32_t *row_pos,
+                          int n_items, int n_rows, int64_t heads, int64_t units, int prows, int rb,
+                          duet__mla_plan_dev_t p)
+{
+    const int NT = DUET_MLA_PLAN_NT, BT = DUET_MLA_PLAN_BT, tid = threadIdx.x;
+    duet_pdl_wait();
+    duet_pdl_trigger();
+
+    int64_t total = 0, unused;
+    for (int i = tid; i < n_items; i += NT) {
+        int r0, rows;
+        int64_t len;
+        duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
+        total += duet_splitkv_cost(duet_splitkv_blocks(len, BT), rows);
+    }
+    duet__mla_scan2(total, 0, &unused, &unused, &total, &unused);
+    const int64_t chunk = duet_splitkv_chunk(total, heads, units);
+
+    int64_t n_work = 0, n_tasks = 0;
+    for (int i0 = 0; i0 < n_items; i0 += NT) {
+        const int i = i0 + tid;
+        int32_t s = 1;
+        int64_t nw = 0, nt = 0;
+        if (i < n_items) {
+            int r0, rows;
+            int64_t len;
+            duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
+            const int64_t blocks = duet_splitkv_blocks(len, BT);
+            if (rows <= prows)
+                s = duet_splitkv_splits(blocks, rows, chunk);
+            nw = blocks > 0 ? s : 0;
+            nt = nw * ((rows + rb - 1) / rb);
+        }
+        int64_t ew, et, sw, st;
+        duet__mla_scan2(nw, nt, &ew, &et, &sw, &st);
+        if (i < n_items) {
+            p.splits[i] = s;
+            p.work0[i] = (int32_t)(n_work + ew);
+            p.task0[i] = (int32_t)(n_tasks + et);
+        }
+        n_work += sw;
+        n_tasks += st;
+    }
+    if (tid == 0) {
+        p.work0[n_items] = (int32_t)n_work;
+        p.task0[n_items] = (int32_t)n_tasks;
+        p.hdr[0] = n_work;
+        p.hdr[1] = n_tasks;
+        p.hdr[2] = chunk;
+    }
+    __syncthreads(); /* the scans are read back below */
+
+    for (int64_t w = tid; w < n_work; w += NT) {
+        const int i = duet__mla_find(p.work0, n_items, w);
+        int r0, rows;
+        int64_t len, b0, b1;
+        duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
+        const int32_t k = (int32_t)(w - p.work0[i]);
+        duet_splitkv_range(duet_splitkv_blocks(len, BT), p.splits[i], k, &b0, &b1);
+        p.work[w] = duet_splitkv_work_t{i, k, (int32_t)b0, (int32_t)b1};
+    }
+    for (int64_t t = tid; t < n_tasks; t += NT) {
+        const int i = duet__mla_find(p.task0, n_items, t);
+        int r0, rows;
+        int64_t len, b0, b1;
+        duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
+        const int nrb = (rows + rb - 1) / rb, q = (int)(t - p.task0[i]), k = q / nrb;
+        const int32_t s = p.splits[i];
+        duet_splitkv_range(duet_splitkv_blocks(len, BT), s, k, &b0, &b1);
+        duet__mla_task_t x;
+        x.item = i;
+        x.row0 = r0 + (q % nrb) * rb;
+        x.row1 = min(r0 + rows, x.row0 + rb);
+        x.first = r0;
+        x.pos0 = (int32_t)min(len, b0 * BT);
+        x.pos1 = (int32_t)min(len, b1 * BT);
+        x.part = s > 1 ? (p.work0[i] + k) * prows : -1;
+        x.pad = 0;
+        p.tasks[n_tasks - 1 - t] = x; /* reversed: the file comment */
+    }
+    for (int row = tid; row < n_rows; row += NT) {
+        const int i = row_item[row];
+        const int32_t s = p.splits[i];
+        p.row_red[row] = make_int2(s > 1 ? p.work0[i] * prows + row - item_row0[i] : -1, s);
+    }
+}
+
 /* ---- split reducer ------------------------------------------------------------------------ */
 
 /*
- * lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (row, head). Block
+ * lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (row, head) of a
+ * split item; a row of a one-split item returns at once (its block wrote lat). Block
  * (row · n + head, slice of 4 · cols dims), 256 threads: `cols` float4 columns × 256 / cols
  * split groups accumulate and meet in shared memory. The host picks narrow slices when there
  * are few (row, head) pairs (a lone decode item split 64 ways still spreads over hundreds of
- * blocks) and whole rows when there are many.
+ * blocks) and whole rows when there are many. Split s of the row's partials is vector
+ * (slot + s · prows) · n + head, slot the row's split-0 slot (row_red, from the planner).
  * Latency: everything here waits on the attention kernel, so the loads are issued together
- * right after the PDL wait: each thread's first DUET_MLA_RED_PF accumulators (all of them for
- * the usual split counts) with the (m, l) pairs, and only the weighting waits for the max.
+ * right after the PDL wait and the row's reducer info: each thread's first DUET_MLA_RED_PF
+ * accumulators (all of them for the usual split counts) with the (m, l) pairs, and only the
+ * weighting waits for the max.
  * A neutral partial (m = −inf) has no accumulator written: its weight is 0 and the garbage
  * read in its place is dropped by a select, never multiplied.
  */
 #define DUET_MLA_RED_PF 4
 
 __global__ static void __launch_bounds__(256)
-    duet__mla_reduce_kernel(const float *part_o, const float *part_ml, float *lat, int64_t n_rh,
-                            int r, int n_splits, int cols)
+    duet__mla_reduce_kernel(const int2 *row_red, const float *part_o, const float *part_ml,
+                            float *lat, int n, int r, int prows, int cols)
 {
-    __shared__ float s_w[DUET_MLA_MAX_SPLIT]; /* m_s, then the weight 2^(m_s − M) */
-    __shared__ float s_l[DUET_MLA_MAX_SPLIT];
+    __shared__ float s_w[DUET_SPLITKV_MAX_SPLITS]; /* m_s, then the weight 2^(m_s − M) */
+    __shared__ float s_l[DUET_SPLITKV_MAX_SPLITS];
     __shared__ float s_red[8];
     __shared__ float4 s_acc[256];
     const int64_t rh = blockIdx.x;
@@ -1152,17 +1315,22 @@ __global__ static void __launch_bounds__(256)
 
     duet_pdl_wait();
     duet_pdl_trigger();
+    const int2 red = row_red[rh / n]; /* (written by the planner) */
+    const int n_splits = red.y;
+    if (n_splits <= 1)
+        return;
+    const int64_t v0 = (int64_t)red.x * n + rh % n, vs = (int64_t)prows * n; /* split 0, stride */
 
     float4 pf[DUET_MLA_RED_PF];
 #pragma unroll
     for (int k = 0; k < DUET_MLA_RED_PF; k++) {
         const int s = grp + k * groups;
         const int sc = act && s < n_splits ? s : 0, dc = act ? dim : 0; /* clamped, always valid */
-        pf[k] = *(const float4 *)(part_o + (sc * n_rh + rh) * r + dc);
+        pf[k] = *(const float4 *)(part_o + (v0 + sc * vs) * r + dc);
     }
     float mx = -INFINITY;
     for (int s = tid; s < n_splits; s += 256) {
-        const float2 ml = *(const float2 *)(part_ml + 2 * (s * n_rh + rh));
+        const float2 ml = *(const float2 *)(part_ml + 2 * (v0 + s * vs));
         s_w[s] = ml.x;
         s_l[s] = ml.y;
         mx = fmaxf(mx, ml.x);
@@ -1206,7 +1374,7 @@ __global__ static void __launch_bounds__(256)
         }
 #pragma unroll 4
         for (int s = grp + DUET_MLA_RED_PF * groups; s < n_splits; s += groups) {
-            const float4 v = *(const float4 *)(part_o + (s * n_rh + rh) * r + dim);
+            const float4 v = *(const float4 *)(part_o + (v0 + s * vs) * r + dim);
             const float w = s_w[s];
             acc.x += w != 0.0f ? w * v.x : 0.0f;
             acc.y += w != 0.0f ? w * v.y : 0.0f;
@@ -1280,85 +1448,6 @@ extern "C" duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_
     return DUET_OK;
 }
 
-static size_t duet__align256(size_t n)
-{
-    return (n + 255) & ~(size_t)255;
-}
-
-extern "C" size_t duet_cuda_mla_scratch_bytes(int64_t max_rows, int64_t n_heads, int64_t r,
-                                              int64_t kv_splits)
-{
-    if (kv_splits <= 1 || max_rows < 1 || n_heads < 1 || r < 1)
-        return 0;
-    const size_t rh = (size_t)kv_splits * (size_t)max_rows * (size_t)n_heads;
-    return duet__align256(rh * (size_t)r * sizeof(float)) + rh * 2 * sizeof(float);
-}
-
-/*
- * Cost model, in times of one tile (DUET_MLA_PLAN_TK positions) of the tensor-core kernel on
- * one SM. The attention kernels run one block per SM (150-200 KiB of shared memory) and round
- * each split's range up to whole tiles, so with s splits of a context of T tiles a block
- * streams tps = ceil(T / s) tiles after a fixed cost (launch, the block's setup and q prologue,
- * the first tile's unhidden load: DUET_MLA_PLAN_FIXED, the 3 tiles' worth measured in
- * bench/RESULTS.md, "MLA decode attention: the block's fixed chain"), ceil(T / tps) blocks per
- * item carry work, and they run in ceil(n_items · busy / n_sms) waves. A split run adds the reducer
- * (DUET_MLA_PLAN_RED) and the traffic of one fp32 partial per (head, dim) per busy split,
- * written and read back (Kimi: 32 · 512 · 4 B twice, ~4 tiles of cache bytes, spread over all
- * SMs: DUET_MLA_PLAN_PART). Split counts are powers of two, or n_sms / n_items (every item an
- * equal share of the SMs), so a context growing token by token changes the plan (and the
- * engine's graph for it) only a few times; a busy split keeps at least DUET_MLA_MIN_SPLIT
- * positions. The cheapest count (fewest on ties) is returned; blocks past the busy ones leave
- * neutral partials. Why the SM share: a lone sequence just past 32K (32800 positions) cut 128
- * ways gets ranges of 257 positions, 5 tiles of 64 after rounding, so only 103 blocks carry
- * work; cut 132 ways (an H200's SMs) they are 249 positions, 4 tiles, on 129 blocks.
- */
-#define DUET_MLA_PLAN_TK    32 /* ranges are whole tiles of either tensor-core shape */
-#define DUET_MLA_PLAN_FIXED 3.0
-#define DUET_MLA_PLAN_RED   2.0
-#define DUET_MLA_PLAN_PART  4.0
-
-/* The model's cost of s splits of `tiles` tiles per item; < 0 when a busy split would get
- * fewer than DUET_MLA_MIN_SPLIT positions. */
-static double duet__mla_plan_cost(int64_t n_items, int64_t tiles, int n_sms, int64_t s)
-{
-    const int64_t min_tps = (DUET_MLA_MIN_SPLIT + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
-    const int64_t tps = (tiles + s - 1) / s;
-    if (s > 1 && tps < min_tps)
-        return -1.0;
-    const int64_t busy = (tiles + tps - 1) / tps;
-    const int64_t waves = (n_items * busy + n_sms - 1) / n_sms;
-    double cost = (double)waves * ((double)tps + DUET_MLA_PLAN_FIXED);
-    if (busy > 1)
-        cost += DUET_MLA_PLAN_RED + DUET_MLA_PLAN_PART * (double)(n_items * busy) / n_sms;
-    return cost;
-}
-
-extern "C" int duet_cuda_mla_plan_splits(int64_t n_items, int64_t max_context, int n_sms)
-{
-    if (n_items < 1 || n_sms < 1 || max_context < 2 * DUET_MLA_MIN_SPLIT)
-        return 1;
-    const int64_t tiles = (max_context + DUET_MLA_PLAN_TK - 1) / DUET_MLA_PLAN_TK;
-    /* the powers of two 2 .. DUET_MLA_MAX_SPLIT, then the SM share */
-    int64_t cand[16];
-    int n_cand = 0;
-    for (int64_t c = 2; c <= DUET_MLA_MAX_SPLIT; c *= 2)
-        cand[n_cand++] = c;
-    const int64_t share = n_sms / n_items;
-    if (share > 2 && share <= DUET_MLA_MAX_SPLIT && (share & (share - 1)) != 0)
-        cand[n_cand++] = share;
-    int best = 1;
-    double best_cost = duet__mla_plan_cost(n_items, tiles, n_sms, 1);
-    for (int i = 0; i < n_cand; i++) {
-        const double cost = duet__mla_plan_cost(n_items, tiles, n_sms, cand[i]);
-        if (cost >= 0.0 &&
-            (cost < best_cost - 1e-9 || (cost <= best_cost + 1e-9 && cand[i] < best))) {
-            best = (int)cand[i];
-            best_cost = cost;
-        }
-    }
-    return best;
-}
-
 /*
  * Launch attention kernel `which` (blocks of `block` threads) with `smem` dynamic bytes. Above
  * 48 KiB a kernel must be opted in (cudaFuncSetAttribute); that is done once per kernel and
@@ -1401,43 +1490,198 @@ static int64_t duet__mla_row_blocks(int64_t n_rows, int64_t n_items, int rb)
     return nrb < n_rows ? nrb : n_rows;
 }
 
-/*
- * The attention grid for blocks of `sl` slots: heads per block hb and rows per block rb into
- * *a, (row blocks, head groups, splits) returned. Row blocks: the sum over items of
- * ceil(rows_i / rb) <= (n_rows + n_items (rb - 1)) / rb.
- */
-static dim3 duet__mla_grid(duet__mla_args_t *a, int sl, int kv_splits)
+static size_t duet__align256(size_t n)
 {
-    a->hb = a->n < sl ? a->n : sl;
-    a->rb = sl / a->hb;
-    const int64_t nrb = duet__mla_row_blocks(a->n_rows, a->n_items, a->rb);
-    return dim3((unsigned)nrb, (unsigned)((a->n + a->hb - 1) / a->hb), (unsigned)kv_splits);
+    return (n + 255) & ~(size_t)255;
+}
+
+/* The tensor-core path's tile (positions), and whether a layer's attention runs on it. */
+static int duet__mla_tk(void)
+{
+    return duet__mla_tc_tile == DUET_MLA_TC2_TK ? DUET_MLA_TC2_TK : DUET_MLA_TC_TK;
+}
+
+static bool duet__mla_tc(const duet_cuda_mla_layer_t *ly)
+{
+    const int64_t tdp = (ly->r + ly->dr + 15) & ~(int64_t)15;
+    return ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only;
+}
+
+/* What the plan and attend of a step share: the attention grid's shape and where the plan's
+ * parts lie in the scratch. */
+typedef struct {
+    int sl, hb, rb, hg; /* slots, heads and rows per block, head groups */
+    int64_t units;      /* the plan's parallel units */
+    int64_t prows;      /* partial rows per work item: the most rows a split item has */
+    int64_t max_work, max_tasks;
+    size_t o_hdr, o_splits, o_work0, o_task0, o_work, o_tasks, o_red, o_ml, o_o, total;
+} duet__mla_layout_t;
+
+/*
+ * The layout for a step of n_items items, n_rows rows and items of at most split_rows rows
+ * split (clamped to 0 .. DUET_SPLITKV_MAX_ROWS), from host values only, so the planner, attend
+ * and duet_cuda_mla_scratch_bytes agree, and a graph captured for a bucket keeps it. Every part
+ * grows with each count, so the bytes for the largest step cover every smaller one.
+ * Task bound: one per row block of every item, plus, per split beyond an item's first (at most
+ * duet_splitkv_want_work of them over the step: each costs more than a chunk), the row blocks
+ * of an item of at most prows rows.
+ */
+static void duet__mla_layout(const duet_cuda_mla_layer_t *ly, int64_t n_items, int64_t n_rows,
+                             int64_t split_rows, duet__mla_layout_t *p)
+{
+    p->sl = duet__mla_tc(ly) && duet__mla_tk() == DUET_MLA_TC_TK && duet__mla_tc_slots == 16
+                ? 16
+                : DUET_MLA_SLOTS;
+    p->hb = ly->n_heads < p->sl ? (int)ly->n_heads : p->sl;
+    p->rb = p->sl / p->hb;
+    p->hg = (int)((ly->n_heads + p->hb - 1) / p->hb);
+    /* one attention block fits per SM (file comment), so an SM is a unit */
+    const int sms = duet_cuda_sm_count();
+    p->units = duet__mla_plan_units > 0 ? duet__mla_plan_units : (sms > 0 ? sms : 1);
+    p->prows = split_rows < 0                       ? 0
+               : split_rows > DUET_SPLITKV_MAX_ROWS ? DUET_SPLITKV_MAX_ROWS
+                                                    : split_rows;
+    p->max_work = duet_splitkv_max_work(n_items, p->hg, p->units);
+    p->max_tasks = duet__mla_row_blocks(n_rows, n_items, p->rb) +
+                   duet_splitkv_want_work(p->hg, p->units) * ((p->prows + p->rb - 1) / p->rb);
+    const size_t I = (size_t)n_items, W = (size_t)p->max_work, V = W * (size_t)p->prows;
+    size_t at = 0;
+    p->o_hdr = at;
+    at += duet__align256(3 * sizeof(int64_t));
+    p->o_splits = at;
+    at += duet__align256(I * sizeof(int32_t));
+    p->o_work0 = at;
+    at += duet__align256((I + 1) * sizeof(int32_t));
+    p->o_task0 = at;
+    at += duet__align256((I + 1) * sizeof(int32_t));
+    p->o_work = at;
+    at += duet__align256(W * sizeof(duet_splitkv_work_t));
+    p->o_tasks = at;
+    at += duet__align256((size_t)p->max_tasks * sizeof(duet__mla_task_t));
+    p->o_red = at;
+    at += duet__align256((size_t)n_rows * sizeof(int2));
+    p->o_ml = at;
+    at += duet__align256(V * (size_t)ly->n_heads * 2 * sizeof(float));
+    p->o_o = at;
+    at += V * (size_t)ly->n_heads * (size_t)ly->r * sizeof(float);
+    p->total = at;
+}
+
+/* The layout of st's step and the plan's device pointers in `scratch`, after checking that the
+ * scratch holds it; `what` names the caller in errors. */
+static duet_status_t duet__mla_plan_at(const duet_cuda_step_t *st, const duet_cuda_mla_layer_t *ly,
+                                       void *scratch, size_t bytes, const char *what,
+                                       duet__mla_layout_t *p, duet__mla_plan_dev_t *d)
+{
+    if (st->max_split_rows < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda mla %s: max_split_rows = %d", what,
+                              (int)st->max_split_rows);
+    duet__mla_layout(ly, st->n_items, st->n_rows, st->max_split_rows, p);
+    if (p->max_tasks > INT32_MAX || p->max_work * p->prows > INT32_MAX || p->hg > 65535)
+        return duet_error_set(DUET_ERR_RANGE, "cuda mla %s: %d items and %d rows: too many to plan",
+                              what, (int)st->n_items, (int)st->n_rows);
+    if (scratch == NULL || (uintptr_t)scratch % 16 != 0 || bytes < p->total)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda mla %s: the scratch (%zu bytes at %p) must be 16-byte aligned "
+                              "and hold %zu (duet_cuda_mla_scratch_bytes)",
+                              what, bytes, scratch, p->total);
+    char *b = (char *)scratch;
+    d->hdr = (int64_t *)(b + p->o_hdr);
+    d->splits = (int32_t *)(b + p->o_splits);
+    d->work0 = (int32_t *)(b + p->o_work0);
+    d->task0 = (int32_t *)(b + p->o_task0);
+    d->work = (duet_splitkv_work_t *)(b + p->o_work);
+    d->tasks = (duet__mla_task_t *)(b + p->o_tasks);
+    d->row_red = (int2 *)(b + p->o_red);
+    d->part_ml = (float *)(b + p->o_ml);
+    d->part_o = (float *)(b + p->o_o);
+    return DUET_OK;
+}
+
+extern "C" size_t duet_cuda_mla_scratch_bytes(const duet_cuda_mla_layer_t *ly, int64_t max_items,
+                                              int64_t max_rows, int64_t max_split_rows)
+{
+    if (ly == NULL || ly->n_heads < 1 || ly->r < 1 || max_items < 0 || max_rows < 0 ||
+        max_items > INT32_MAX || max_rows > INT32_MAX)
+        return 0;
+    duet__mla_layout_t p;
+    duet__mla_layout(ly, max_items, max_rows, max_split_rows, &p);
+    return p.total;
+}
+
+extern "C" duet_status_t duet_cuda_mla_plan(cudaStream_t stream, const duet_cuda_step_t *st,
+                                            const duet_cuda_mla_layer_t *ly, void *scratch,
+                                            size_t scratch_bytes)
+{
+    duet_status_t s = duet__mla_check(st, ly, "plan");
+    if (s != DUET_OK)
+        return s;
+    if (st->n_items == 0)
+        return DUET_OK;
+    duet__mla_layout_t p;
+    duet__mla_plan_dev_t d;
+    s = duet__mla_plan_at(st, ly, scratch, scratch_bytes, "plan", &p, &d);
+    if (s != DUET_OK)
+        return s;
+    DUET__TRY(duet_pdl_launch(duet__mla_plan_kernel, dim3(1), dim3(DUET_MLA_PLAN_NT), 0, stream,
+                              st->item_row0, st->row_item, st->row_pos, (int)st->n_items,
+                              (int)st->n_rows, (int64_t)p.hg, p.units, (int)p.prows, p.rb, d),
+              "plan launch");
+    return DUET_OK;
+}
+
+/* Test hook: the parameters a step of st's shape is planned with (heads, units, block
+ * positions, work list and task capacity) and where its plan lies in `scratch` (device
+ * pointers: header [n_work, n_tasks, chunk], splits, work0, work). */
+extern "C" duet_status_t duet__cuda_mla_plan_where(const duet_cuda_step_t *st,
+                                                   const duet_cuda_mla_layer_t *ly, void *scratch,
+                                                   size_t scratch_bytes, int64_t shape[5],
+                                                   void *where[4])
+{
+    duet_status_t s = duet__mla_check(st, ly, "plan_where");
+    if (s != DUET_OK)
+        return s;
+    duet__mla_layout_t p;
+    duet__mla_plan_dev_t d;
+    s = duet__mla_plan_at(st, ly, scratch, scratch_bytes, "plan_where", &p, &d);
+    if (s != DUET_OK)
+        return s;
+    shape[0] = p.hg;
+    shape[1] = p.units;
+    shape[2] = DUET_MLA_PLAN_BT;
+    shape[3] = p.max_work;
+    shape[4] = p.max_tasks;
+    where[0] = d.hdr;
+    where[1] = d.splits;
+    where[2] = d.work0;
+    where[3] = d.work;
+    return DUET_OK;
 }
 
 extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *st,
                                               const duet_cuda_mla_layer_t *ly, const float *qhat,
                                               const float *qr, int64_t ldqr, int64_t dqr_stride,
-                                              float scale, int kv_splits, float *lat, void *scratch)
+                                              float scale, float *lat, void *scratch,
+                                              size_t scratch_bytes)
 {
     duet_status_t s = duet__mla_check(st, ly, "attend");
     if (s != DUET_OK)
         return s;
-    if (kv_splits < 1 || kv_splits > DUET_MLA_MAX_SPLIT || (kv_splits > 1 && scratch == NULL))
-        return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: kv_splits = %d%s", kv_splits,
-                              kv_splits > 1 ? " without scratch" : "");
     if (st->n_rows == 0 || st->n_items == 0)
         return DUET_OK;
     if (qhat == NULL || lat == NULL || (ly->dr > 0 && qr == NULL))
         return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: NULL input or output");
     if ((uintptr_t)lat % 16 != 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda mla attend: lat not 16-byte aligned");
+    duet__mla_layout_t p;
+    duet__mla_plan_dev_t d;
+    s = duet__mla_plan_at(st, ly, scratch, scratch_bytes, "attend", &p, &d);
+    if (s != DUET_OK)
+        return s;
 
     duet__mla_args_t a;
-    a.item_row0 = st->item_row0;
-    a.item_pos0 = st->item_pos0;
     a.item_pages = st->item_pages;
     a.row_pos = st->row_pos;
-    a.n_items = st->n_items;
     a.n_rows = st->n_rows;
     a.max_pages = st->max_pages;
     a.kv = ly->kv_base;
@@ -1456,41 +1700,22 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
     a.ldqr = ldqr;
     a.dqr_stride = dqr_stride;
     a.qscale = scale * DUET_LOG2E;
-    a.kv_splits = kv_splits;
     a.lat = lat;
-    a.part_o = NULL;
-    a.part_ml = NULL;
+    a.tasks = d.tasks;
+    a.n_tasks = d.hdr + 1;
+    a.part_o = d.part_o;
+    a.part_ml = d.part_ml;
     a.q_vec = (uintptr_t)qhat % 16 == 0 &&
               (ly->dr == 0 || ((uintptr_t)qr % 16 == 0 && ldqr % 4 == 0 && dqr_stride % 4 == 0));
-    if (kv_splits > 1) {
-        const size_t rh = (size_t)kv_splits * (size_t)a.n_rows * (size_t)a.n;
-        a.part_o = (float *)scratch;
-        a.part_ml = (float *)((char *)scratch + duet__align256(rh * (size_t)a.r * sizeof(float)));
-    }
+    a.hb = p.hb;
+    a.rb = p.rb;
 
     const int tdp = (a.td + 15) & ~15;
-    const bool tc =
-        ly->kv_dtype == DUET_DTYPE_BF16 && tdp <= DUET_MLA_TC_MAX_TD && !duet__mla_simt_only;
-    const int tk = duet__mla_tc_tile == DUET_MLA_TC2_TK ? DUET_MLA_TC2_TK : DUET_MLA_TC_TK;
-    /*
-     * Slots per block. A block is one SM (shared memory), and a short split's time is mostly
-     * its fixed chain (q in, one tile, the partial out), each step proportional to its slots.
-     * When the grid of 16-slot blocks still fits on the SMs at once (batch-1 decode at short
-     * contexts: 64 splits × 2 head groups), taking twice the blocks at half the slots each
-     * puts idle SMs to work; otherwise 32 slots read each KV tile for twice the queries.
-     */
-    int sl = DUET_MLA_SLOTS;
-    if (tc && tk == DUET_MLA_TC_TK) {
-        if (duet__mla_tc_slots == 16 || duet__mla_tc_slots == 32)
-            sl = duet__mla_tc_slots;
-        else {
-            const dim3 g16 = duet__mla_grid(&a, 16, kv_splits);
-            sl = (int64_t)g16.x * g16.y * g16.z <= duet_cuda_sm_count() ? 16 : DUET_MLA_SLOTS;
-        }
-    }
-    const dim3 grid = duet__mla_grid(&a, sl, kv_splits); /* sets a.hb, a.rb */
+    const int sl = p.sl;
+    const dim3 grid((unsigned)p.max_tasks, (unsigned)p.hg);
 
-    if (tc) {
+    if (duet__mla_tc(ly)) {
+        const int tk = duet__mla_tk();
         const int stages = tk == DUET_MLA_TC_TK ? DUET_MLA_TC_STAGES : DUET_MLA_TC2_STAGES;
         const size_t smem = (size_t)stages * tk * (tdp + 8) * 2 + (size_t)4 * sl * (tk + 8) * 4 +
                             (size_t)2 * sl * (tk + 8) * 2;
@@ -1534,7 +1759,7 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
     if (s != DUET_OK)
         return s;
 
-    if (kv_splits > 1) {
+    if (p.prows > 0) { /* some item may be split: merge its rows */
         /* widest slice (<= 128 float4 columns, the whole row at r = 512) that still gives >= 512
          * blocks, at least 16 columns */
         const int64_t n_rh = (int64_t)a.n_rows * a.n;
@@ -1543,8 +1768,8 @@ extern "C" duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cu
             cols /= 2;
         const dim3 rgrid((unsigned)n_rh, (unsigned)((a.r / 4 + cols - 1) / cols));
         DUET__TRY(duet_pdl_launch(duet__mla_reduce_kernel, rgrid, dim3(256), 0, stream,
-                                  (const float *)a.part_o, (const float *)a.part_ml, lat, n_rh, a.r,
-                                  kv_splits, cols),
+                                  (const int2 *)d.row_red, (const float *)a.part_o,
+                                  (const float *)a.part_ml, lat, a.n, a.r, (int)p.prows, cols),
                   "attend reduce launch");
     }
     return DUET_OK;

@@ -1,5 +1,5 @@
 # GPU test of the MLA cache write and paged attention kernels (kernels/cuda/mla.cu); without a
-# CUDA device it skips the GPU cases and still checks the planner and the argument checks.
+# CUDA device it skips the GPU cases and still checks the scratch size and the argument checks.
 if(DUET_HAVE_CUDA)
   duet_add_test(test_cuda_mla SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_cuda_mla.c
                 LIBS duet_kernels_cuda TIMEOUT 300)

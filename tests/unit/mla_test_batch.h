@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_step.h"
+#include "kernels/splitkv.h"
 
 typedef struct {
     int pos0, n_tok; /* tokens already cached, new tokens this step */
@@ -79,8 +80,16 @@ static void batch_build(batch_t *b, const item_spec_t *items, int n_items, int p
         }
 }
 
+/* The step's device copy; max_split_rows lets every item the planner may split be split (the
+ * most rows of an item of at most DUET_SPLITKV_MAX_ROWS). */
 static void batch_upload(batch_t *b, int max_item_tokens)
 {
+    int split_rows = 0;
+    for (int i = 0; i < b->n_items; i++) {
+        const int rows = b->item_row0[i + 1] - b->item_row0[i];
+        if (rows <= DUET_SPLITKV_MAX_ROWS && rows > split_rows)
+            split_rows = rows;
+    }
     b->d_arrays[0] = dev_copy(b->item_row0, sizeof(int32_t) * (size_t)(b->n_items + 1));
     b->d_arrays[1] = dev_copy(b->item_pos0, sizeof(int32_t) * (size_t)b->n_items);
     b->d_arrays[2] = dev_copy(b->item_slot, sizeof(int32_t) * (size_t)b->n_items);
@@ -90,6 +99,7 @@ static void batch_upload(batch_t *b, int max_item_tokens)
     b->st = (duet_cuda_step_t){.n_items = b->n_items,
                                .n_rows = b->n_rows,
                                .max_item_tokens = max_item_tokens,
+                               .max_split_rows = split_rows,
                                .item_row0 = b->d_arrays[0],
                                .item_pos0 = b->d_arrays[1],
                                .item_slot = b->d_arrays[2],

@@ -479,6 +479,10 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
         batch_upload(&it, sp.n_tok);
         const int R = it.n_rows, L = item_ctx(&it, 0);
         const int n_kern = duet__cuda_mla_x_wgmma_usable() ? 2 : 1;
+        /* the step's split-KV plan, once per step as the engine makes it (a prefill: unsplit) */
+        const size_t scr_bytes = duet_cuda_mla_scratch_bytes(&ly, 1, R, it.st.max_split_rows);
+        void *d_scr = dev_alloc(scr_bytes);
+        DUET_OK_OR_FAIL(duet_cuda_mla_plan(0, &it.st, &ly, d_scr, scr_bytes));
         double best_a = 1e30, best_e = 1e30, best_k[2] = {1e30, 1e30};
         for (int rep = 0; rep < reps; rep++) {
             /* absorbed, as the engine's MLA layer runs it */
@@ -487,7 +491,7 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
                                                           d_q, (int64_t)n * DQK, DQK, R, &w.wuk_t,
                                                           0, 0));
             DUET_OK_OR_FAIL(duet_cuda_mla_attend(0, &it.st, &ly, d_qhat, d_q + DN, (int64_t)n * DQK,
-                                                 DQK, scale, 1, d_lat, NULL));
+                                                 DQK, scale, d_lat, d_scr, scr_bytes));
             DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_batched(g, 0, d_oa, (int64_t)n * DN, DN, d_lat,
                                                           (int64_t)n * R_LAT, R_LAT, R, &w.wuv, 0,
                                                           0));
@@ -555,6 +559,7 @@ Test(cuda_mla_x, timing_8k, .timeout = 300)
         CHECK(kdiff <= 2e-5 * mx,
               "%d rows at %d: the wgmma and mma.sync kernels differ by %g (max %g)", R, L, kdiff,
               mx);
+        cudaFree(d_scr);
         batch_free(&it);
     }
     cudaEventDestroy(e0);
