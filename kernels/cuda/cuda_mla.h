@@ -19,6 +19,12 @@ extern "C" {
 #include "common/status.h"
 #include "kernels/kernels.h"
 
+/* SMs per parallel unit of the attention's split-KV plan (kernels/splitkv.h aims at 8 waves of
+ * work per unit; bench/RESULTS.md, "Split-KV planning", says why a unit is several SMs). */
+#ifndef DUET_CUDA_MLA_SMS_PER_UNIT
+#define DUET_CUDA_MLA_SMS_PER_UNIT 8
+#endif
+
 typedef struct {
     void *kv_base;         /* the KV pool */
     duet_dtype_t kv_dtype; /* F32 or BF16 */
@@ -59,9 +65,9 @@ duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_cuda_step_t
  *   duet_cuda_mla_scratch_bytes for the step's counts): one single-block kernel computing, from
  *   the step's metadata on the device (an item's KV length is its last row's position + 1), the
  *   plan duet_splitkv_plan computes in DUET_SPLITKV_PER_REQUEST mode with heads = the attention
- *   grid's head groups, units = the SMs and blocks of 64 positions; items of more than
- *   st->max_split_rows rows are planned unsplit. Call it once per step, after the step's
- *   metadata is on the device and before the step's first attend; every layer's attend (same
+ *   grid's head groups, units = the SMs / DUET_CUDA_MLA_SMS_PER_UNIT and blocks of 64 positions;
+ * items of more than st->max_split_rows rows are planned unsplit. Call it once per step, after the
+ * step's metadata is on the device and before the step's first attend; every layer's attend (same
  *   st, a layer of the same shape) reads it. The host never reads it (no sync; capturable).
  * duet_cuda_mla_attend: the attention by the plan in `scratch` (the plan of this step: attend
  *   does not check it). DUET_ERR_RANGE when the scratch is smaller than the step needs.

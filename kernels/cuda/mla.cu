@@ -49,7 +49,9 @@
  *   helpers and formulas of the host's duet_splitkv_plan: blocks of DUET_MLA_PLAN_BT = 64
  *   positions (the default tensor-core tile, two of the 32-position tiles: ranges stay whole
  *   tiles on every path), heads = the grid's head groups (a work item runs once per group),
- *   units = the SMs (one attention block per SM: 150-200 KiB of shared memory at Kimi's shape).
+ *   units = the SMs / DUET_CUDA_MLA_SMS_PER_UNIT (8): one attention block fits per SM (150-200
+ *   KiB of shared memory at Kimi's shape), and 8 waves of single SMs cut a batch-1 32K item 512
+ *   ways, whose partials cost more than the parallelism gains (bench/RESULTS.md).
  *   Beside the work list it writes one task per (work item, row block of rb rows), in reverse
  *   item order (a prefill's last, longest rows first, so short ones fill the last wave), each
  *   holding all its block needs (one 32-byte load: rows, positions, partial slot), and per row
@@ -134,7 +136,9 @@ extern "C" {
 #define DUET_MLA_TC2_STAGES  4
 #define DUET_MLA_MAX_DEV     16  /* devices whose shared-memory opt-in is remembered */
 #define DUET_MLA_KVW_THREADS 128 /* kv_write block */
-#define DUET_MLA_PLAN_BT     64  /* positions per plan block: the default tensor-core tile */
+#ifndef DUET_MLA_PLAN_BT /* -D for a measurement (bench/RESULTS.md) */
+#define DUET_MLA_PLAN_BT 64 /* positions per plan block: the default tensor-core tile */
+#endif
 #define DUET_MLA_PLAN_NT     512 /* planner threads (one block) */
 #define DUET_LOG2E           1.4426950408889634f
 
@@ -1535,9 +1539,10 @@ static void duet__mla_layout(const duet_cuda_mla_layer_t *ly, int64_t n_items, i
     p->hb = ly->n_heads < p->sl ? (int)ly->n_heads : p->sl;
     p->rb = p->sl / p->hb;
     p->hg = (int)((ly->n_heads + p->hb - 1) / p->hb);
-    /* one attention block fits per SM (file comment), so an SM is a unit */
+    /* DUET_CUDA_MLA_SMS_PER_UNIT SMs to a unit (file comment) */
     const int sms = duet_cuda_sm_count();
-    p->units = duet__mla_plan_units > 0 ? duet__mla_plan_units : (sms > 0 ? sms : 1);
+    const int su = sms / DUET_CUDA_MLA_SMS_PER_UNIT;
+    p->units = duet__mla_plan_units > 0 ? duet__mla_plan_units : (su > 0 ? su : 1);
     p->prows = split_rows < 0                       ? 0
                : split_rows > DUET_SPLITKV_MAX_ROWS ? DUET_SPLITKV_MAX_ROWS
                                                     : split_rows;

@@ -100,6 +100,13 @@ static int n_sms(void)
     return v;
 }
 
+/* The units the engine's plans aim at: the SMs, DUET_CUDA_MLA_SMS_PER_UNIT to a unit. */
+static int default_units(void)
+{
+    const int u = n_sms() / DUET_CUDA_MLA_SMS_PER_UNIT;
+    return u > 0 ? u : 1;
+}
+
 /* One cache element as a float. */
 static float kv_get(const void *pool, duet_dtype_t dt, int64_t i)
 {
@@ -461,7 +468,7 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
                 CHECK(pl.splits[i] == 1, "%s: item %d has %d splits", what, i, pl.splits[i]);
             CHECK(pl.n_work == n_items, "%s: %lld work items", what, (long long)pl.n_work);
         } else
-            plan_check(what, &pl, &b, hg, units[k] > 0 ? units[k] : n_sms(), rb);
+            plan_check(what, &pl, &b, hg, units[k] > 0 ? units[k] : default_units(), rb);
         int split_items = 0;
         for (int i = 0; i < n_items; i++)
             split_items += pl.splits[i] > 1;
@@ -696,7 +703,7 @@ Test(cuda_mla, kimi_shape, .timeout = 300)
 /*
  * The device's plan equals duet_splitkv_plan (PER_REQUEST) on random steps, every field
  * (plan_check), for several head counts (one or two head groups, up to 16 rows per block), unit
- * counts (the SMs; 1, 7: chunks of many blocks; 100000: a chunk of one block, so a 300K
+ * counts (the SMs; 1, 7: chunks of many blocks; 2048: a chunk of one block, so a 300K
  * context hits DUET_SPLITKV_MAX_SPLITS) and 16-slot blocks. Steps: skewed (one long item and
  * many short ones), uniform, verify rows (2 .. 16 rows per item), prefill items (17 .. 300 rows:
  * never split) with items of no rows, and over 512 items (the planner's scans take several
@@ -707,7 +714,7 @@ Test(cuda_mla, device_plan_equals_host, .timeout = 300)
     skip_without_device();
     void *d_dummy = dev_alloc(64); /* the pool: the planner never reads it */
     const int heads[4] = {32, 8, 40, 2};
-    const int units[4] = {0, 1, 7, 100000};
+    const int units[4] = {0, 1, 7, 2048};
     item_spec_t *items = xmalloc(sizeof(item_spec_t) * 1000);
     for (int trial = 0; trial < 40; trial++) {
         const int kind = trial % 5, n = heads[trial / 5 % 4], u = units[trial % 4];
@@ -716,7 +723,7 @@ Test(cuda_mla, device_plan_equals_host, .timeout = 300)
         switch (kind) {
         case 0: { /* skewed */
             items[n_items++] =
-                (item_spec_t){u == 100000 ? 300000 : 20000 + (int)(rng_u32() % 100000), 1};
+                (item_spec_t){u == 2048 ? 300000 : 20000 + (int)(rng_u32() % 100000), 1};
             const int k = 1 + (int)(rng_u32() % 100);
             for (int i = 0; i < k; i++)
                 items[n_items++] = (item_spec_t){(int)(rng_u32() % 2000), 1};
@@ -782,7 +789,7 @@ Test(cuda_mla, device_plan_equals_host, .timeout = 300)
         char what[96];
         snprintf(what, sizeof(what), "trial %d (kind %d, %d items, %d heads, units %d, slots %d)",
                  trial, kind, n_items, n, u, slots);
-        plan_check(what, &pl, &b, hg, u > 0 ? u : n_sms(), rb);
+        plan_check(what, &pl, &b, hg, u > 0 ? u : default_units(), rb);
         int split = 0, most = 0;
         for (int i = 0; i < n_items; i++) {
             split += pl.splits[i] > 1;
