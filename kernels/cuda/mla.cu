@@ -136,11 +136,11 @@ extern "C" {
 #define DUET_MLA_TC2_STAGES  4
 #define DUET_MLA_MAX_DEV     16  /* devices whose shared-memory opt-in is remembered */
 #define DUET_MLA_KVW_THREADS 128 /* kv_write block */
-#ifndef DUET_MLA_PLAN_BT /* -D for a measurement (bench/RESULTS.md) */
-#define DUET_MLA_PLAN_BT 64 /* positions per plan block: the default tensor-core tile */
+#ifndef DUET_MLA_PLAN_BT         /* -D for a measurement (bench/RESULTS.md) */
+#define DUET_MLA_PLAN_BT 64      /* positions per plan block: the default tensor-core tile */
 #endif
-#define DUET_MLA_PLAN_NT     512 /* planner threads (one block) */
-#define DUET_LOG2E           1.4426950408889634f
+#define DUET_MLA_PLAN_NT 512 /* planner threads (one block) */
+#define DUET_LOG2E       1.4426950408889634f
 
 /* Test hooks (tests/unit/test_cuda_mla.c): route BF16 caches to the CUDA-core path as well;
  * pick the tensor-core tile (0: the default DUET_MLA_TC_TK, or DUET_MLA_TC2_TK). */
