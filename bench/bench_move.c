@@ -47,8 +47,6 @@
 #include "worker/worker.h"
 
 #define PROG     "duet-bench-move"
-#define MAX_CTX  8
-#define MAX_REPS 64
 #define N_REPLAY 5         /* k + 1 rows of a verify of k = 4 drafts, all accepted */
 #define WAIT_MS  120000ull /* any one exchange on the pipe */
 #define DEADLINE 120000ull /* reservations */
@@ -457,7 +455,8 @@ static int bench_model(sender_t *S, int which, const char *label, const char *tr
             rc = -1;
             break;
         }
-        double ts[MAX_REPS], tr[MAX_REPS], tc[MAX_REPS], tp[MAX_REPS];
+        double ts[CACHE_BENCH_MAX_REPS], tr[CACHE_BENCH_MAX_REPS], tc[CACHE_BENCH_MAX_REPS],
+            tp[CACHE_BENCH_MAX_REPS];
         run_t r = {0};
         for (int k = 0; k < reps && rc == 0; k++) {
             rc = send_run(S, &seq, (uint32_t)(1000 * i + k + 1), &r);
@@ -521,11 +520,9 @@ static int bench_transport(const char *name, const char *tls, const int64_t *ctx
 
 int main(int argc, char **argv)
 {
-    const char *demo_dir = DUET_SOURCE_DIR "/models/duet-demo";
-    const char *big_dir = DUET_SOURCE_DIR "/bench/configs/kimi-linear-48b";
     const char *which = "both";
-    int64_t ctx[MAX_CTX] = {1024, 8192, 32768};
-    int n_ctx = 3, reps = 5, quick = 0, reps_set = 0;
+    cache_bench_args_t A;
+    cache_bench_args_init(&A, DUET_SOURCE_DIR, 5);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (duet_version_flag(a)) {
@@ -545,27 +542,11 @@ int main(int argc, char **argv)
                    "tokens, 3 runs.\n");
             return 0;
         }
-        if (strcmp(a, "--quick") == 0) {
-            quick = 1;
-        } else if (strcmp(a, "--reps") == 0 && v != NULL) {
-            char *end;
-            long r = strtol(v, &end, 10);
-            if (*end != '\0' || r < 1 || r > MAX_REPS) {
-                fprintf(stderr, PROG ": --reps %s: want 1..%d\n", v, MAX_REPS);
-                return 2;
-            }
-            reps = (int)r;
-            reps_set = 1;
-            i++;
-        } else if (strcmp(a, "--contexts") == 0 && v != NULL) {
-            if (cache_bench_parse_contexts(v, ctx, MAX_CTX, &n_ctx) != 0) {
-                fprintf(stderr,
-                        PROG ": --contexts %s: want up to %d positive token counts, "
-                             "comma-separated\n",
-                        v, MAX_CTX);
-                return 2;
-            }
-            i++;
+        const int used = cache_bench_arg(PROG, &A, argc, argv, i);
+        if (used < 0)
+            return 2;
+        if (used > 0) {
+            i += used - 1;
         } else if (strcmp(a, "--transport") == 0 && v != NULL) {
             which = v;
             if (strcmp(which, "shm") != 0 && strcmp(which, "tcp") != 0 &&
@@ -574,23 +555,15 @@ int main(int argc, char **argv)
                 return 2;
             }
             i++;
-        } else if (strcmp(a, "--demo") == 0 && v != NULL) {
-            demo_dir = v;
-            i++;
-        } else if (strcmp(a, "--big") == 0 && v != NULL) {
-            big_dir = v;
-            i++;
         } else {
             fprintf(stderr, PROG ": unknown option or missing value: %s (see --help)\n", a);
             return 2;
         }
     }
-    if (quick) {
-        ctx[0] = 1024;
-        n_ctx = 1;
-        if (!reps_set)
-            reps = 3;
-    }
+    cache_bench_args_finish(&A);
+    const char *demo_dir = A.demo_dir, *big_dir = A.big_dir;
+    const int64_t *ctx = A.ctx;
+    const int n_ctx = A.n_ctx, reps = A.reps;
     for (int i = 0; i < n_ctx; i++)
         if (ctx[i] < N_REPLAY) {
             fprintf(stderr, PROG ": a context of %lld tokens cannot hold %d accepted rows\n",

@@ -27,9 +27,6 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 
-#define MAX_CTX  8
-#define MAX_REPS 64
-
 /* Every byte of both pools gets a position-dependent value, so a resume that lost or moved
  * bytes shows up in the check, and no page is left untouched (zero-page mapping). */
 static void fill_pattern(duet_model_t *m)
@@ -68,8 +65,9 @@ static int bench_one(duet_model_t *m, const char *label, int64_t ctx, int reps)
     if (duet_model_seq_set_filled(m, &seq, ctx) != DUET_OK ||
         duet_model_seq_snapshot_save(m, &seq, chk) != DUET_OK)
         goto fail;
-    double t_save[MAX_REPS], t_close[MAX_REPS], t_open[MAX_REPS], t_rest[MAX_REPS],
-        t_resume[MAX_REPS], t_cpy[MAX_REPS];
+    double t_save[CACHE_BENCH_MAX_REPS], t_close[CACHE_BENCH_MAX_REPS],
+        t_open[CACHE_BENCH_MAX_REPS], t_rest[CACHE_BENCH_MAX_REPS], t_resume[CACHE_BENCH_MAX_REPS],
+        t_cpy[CACHE_BENCH_MAX_REPS];
     for (int r = 0; r < reps; r++) {
         double t0 = cache_bench_now_s();
         if (duet_model_seq_snapshot_save(m, &seq, buf) != DUET_OK)
@@ -147,12 +145,10 @@ static void opts_for(duet_model_opts_t *o, int64_t max_ctx)
 
 int main(int argc, char **argv)
 {
-    const char *demo_dir = DUET_SOURCE_DIR "/models/duet-demo";
-    const char *big_dir = DUET_SOURCE_DIR "/bench/configs/kimi-linear-48b";
-    int64_t ctx[MAX_CTX] = {1024, 8192, 32768};
-    int n_ctx = 3, reps = 7, quick = 0, reps_set = 0;
+    cache_bench_args_t A;
+    cache_bench_args_init(&A, DUET_SOURCE_DIR, 7);
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        const char *a = argv[i];
         if (duet_version_flag(a)) {
             duet_version_print("duet-bench-suspend");
             return 0;
@@ -168,45 +164,20 @@ int main(int argc, char **argv)
                    "Prints a markdown table. --quick: 1024 tokens, 3 runs.\n");
             return 0;
         }
-        if (strcmp(a, "--quick") == 0) {
-            quick = 1;
-        } else if (strcmp(a, "--reps") == 0 && v != NULL) {
-            char *end;
-            long r = strtol(v, &end, 10);
-            if (*end != '\0' || r < 1 || r > MAX_REPS) {
-                fprintf(stderr, "duet-bench-suspend: --reps %s: want 1..%d\n", v, MAX_REPS);
-                return 2;
-            }
-            reps = (int)r;
-            reps_set = 1;
-            i++;
-        } else if (strcmp(a, "--contexts") == 0 && v != NULL) {
-            if (cache_bench_parse_contexts(v, ctx, MAX_CTX, &n_ctx) != 0) {
-                fprintf(stderr,
-                        "duet-bench-suspend: --contexts %s: want up to %d positive token "
-                        "counts, comma-separated\n",
-                        v, MAX_CTX);
-                return 2;
-            }
-            i++;
-        } else if (strcmp(a, "--demo") == 0 && v != NULL) {
-            demo_dir = v;
-            i++;
-        } else if (strcmp(a, "--big") == 0 && v != NULL) {
-            big_dir = v;
-            i++;
-        } else {
+        const int used = cache_bench_arg("duet-bench-suspend", &A, argc, argv, i);
+        if (used < 0)
+            return 2;
+        if (used == 0) {
             fprintf(stderr,
                     "duet-bench-suspend: unknown option or missing value: %s (see --help)\n", a);
             return 2;
         }
+        i += used - 1;
     }
-    if (quick) {
-        ctx[0] = 1024;
-        n_ctx = 1;
-        if (!reps_set)
-            reps = 3;
-    }
+    cache_bench_args_finish(&A);
+    const char *demo_dir = A.demo_dir, *big_dir = A.big_dir;
+    const int64_t *ctx = A.ctx;
+    const int n_ctx = A.n_ctx, reps = A.reps;
     int64_t max_ctx = 0;
     for (int i = 0; i < n_ctx; i++)
         max_ctx = ctx[i] > max_ctx ? ctx[i] : max_ctx;

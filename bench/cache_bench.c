@@ -48,6 +48,61 @@ int cache_bench_parse_contexts(const char *s, int64_t *ctx, int max, int *n_p)
     return n > 0 ? 0 : -1;
 }
 
+void cache_bench_args_init(cache_bench_args_t *a, const char *src_dir, int reps)
+{
+    static char demo[512], big[512];
+    snprintf(demo, sizeof(demo), "%s/models/duet-demo", src_dir);
+    snprintf(big, sizeof(big), "%s/bench/configs/kimi-linear-48b", src_dir);
+    *a = (cache_bench_args_t){
+        .demo_dir = demo, .big_dir = big, .ctx = {1024, 8192, 32768}, .n_ctx = 3, .reps = reps};
+}
+
+int cache_bench_arg(const char *prog, cache_bench_args_t *a, int argc, char **argv, int i)
+{
+    const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(o, "--quick") == 0) {
+        a->quick = 1;
+        return 1;
+    }
+    if (v == NULL)
+        return 0;
+    if (strcmp(o, "--reps") == 0) {
+        char *end;
+        long r = strtol(v, &end, 10);
+        if (*end != '\0' || r < 1 || r > CACHE_BENCH_MAX_REPS) {
+            fprintf(stderr, "%s: --reps %s: want 1..%d\n", prog, v, CACHE_BENCH_MAX_REPS);
+            return -1;
+        }
+        a->reps = (int)r;
+        a->reps_set = 1;
+        return 2;
+    }
+    if (strcmp(o, "--contexts") == 0) {
+        if (cache_bench_parse_contexts(v, a->ctx, CACHE_BENCH_MAX_CTX, &a->n_ctx) != 0) {
+            fprintf(stderr,
+                    "%s: --contexts %s: want up to %d positive token counts, comma-separated\n",
+                    prog, v, CACHE_BENCH_MAX_CTX);
+            return -1;
+        }
+        return 2;
+    }
+    if (strcmp(o, "--demo") == 0 || strcmp(o, "--big") == 0) {
+        *(o[2] == 'd' ? &a->demo_dir : &a->big_dir) = v;
+        return 2;
+    }
+    return 0;
+}
+
+void cache_bench_args_finish(cache_bench_args_t *a)
+{
+    if (!a->quick)
+        return;
+    a->ctx[0] = 1024;
+    a->n_ctx = 1;
+    if (!a->reps_set)
+        a->reps = 3;
+}
+
 /* DIR/config.json + model.safetensors: big's cache dimensions, tiny weights (cache_bench.h); the
  * written config into *small_p. 0 on success. */
 static int write_small_checkpoint(const char *prog, const duet_model_config_t *big, const char *dir,

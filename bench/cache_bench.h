@@ -26,6 +26,30 @@ double cache_bench_median(double *v, int n);
  * bad list. */
 int cache_bench_parse_contexts(const char *s, int64_t *ctx, int max, int *n_p);
 
+#define CACHE_BENCH_MAX_CTX  8
+#define CACHE_BENCH_MAX_REPS 64
+
+/* The options both benchmarks take: --quick, --reps N, --contexts LIST, --demo DIR, --big DIR. */
+typedef struct {
+    const char *demo_dir, *big_dir;
+    int64_t ctx[CACHE_BENCH_MAX_CTX];
+    int n_ctx, reps, quick, reps_set;
+} cache_bench_args_t;
+
+/* Defaults: models/duet-demo, bench/configs/kimi-linear-48b (under src_dir), 1K / 8K / 32K,
+ * `reps` runs. */
+void cache_bench_args_init(cache_bench_args_t *a, const char *src_dir, int reps);
+
+/*
+ * If argv[i] is one of the shared options, take it (and its value): returns how many arguments
+ * it used (1 or 2); 0 when it is not one of them; -1 after printing why its value is bad (to
+ * stderr, prefixed with `prog`: exit 2).
+ */
+int cache_bench_arg(const char *prog, cache_bench_args_t *a, int argc, char **argv, int i);
+
+/* After the last argument: --quick means 1024 tokens and 3 runs (unless --reps was given). */
+void cache_bench_args_finish(cache_bench_args_t *a);
+
 /*
  * Write the small checkpoint with the cache dimensions of big_dir's config.json into a fresh
  * folder under /tmp (its path into dir[0..cap)); *big_p = big_dir's config. Messages go to stderr

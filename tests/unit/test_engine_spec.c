@@ -33,6 +33,7 @@
 #include "kernels/cpu/cpu_kda.h"
 
 #include "golden_fixtures.h"
+#include "model_step_util.h"
 #include "spec_test_util.h"
 
 #define DUET_TEST_RNG_SEED 0x5bec0de5eed1e5ull
@@ -84,19 +85,6 @@ static duet_model_t *load_spec(const char *dir, int64_t spec_rows)
     duet_model_t *m = NULL;
     cr_assert_eq(duet_model_load(dir, &opts, &m), DUET_OK, "%s: %s", dir, duet_error_last());
     return m;
-}
-
-/* One item of `n` tokens, logits of every row into `logits`, run alone. */
-static void step(duet_model_t *m, duet_seq_t *s, const int32_t *toks, int64_t n, int verify,
-                 float *logits)
-{
-    duet_batch_item_t it = {.seq = s,
-                            .tokens = toks,
-                            .n_tokens = n,
-                            .logits_mode = DUET_LOGITS_ALL,
-                            .logits = logits,
-                            .verify = verify};
-    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
 }
 
 /* ---- the caches, byte for byte --------------------------------------------------------------- */

@@ -18,6 +18,8 @@
 #include "transfer/xfer.h"
 #include "worker/worker.h"
 
+#include "model_step_util.h"
+
 #define SPEC_ROWS 5
 #define DEMO      DUET_SOURCE_DIR "/models/duet-demo"
 
@@ -46,18 +48,6 @@ static duet_model_t *gen_model(duet_xfer_ctx_t *x, int64_t spec_rows)
     duet_model_t *m = NULL;
     cr_assert_eq(duet_model_load(DEMO, &o, &m), DUET_OK, "%s", duet_error_last());
     return m;
-}
-
-static void step(duet_model_t *m, duet_seq_t *s, const int32_t *toks, int64_t n, int verify,
-                 float *logits)
-{
-    duet_batch_item_t it = {.seq = s,
-                            .tokens = toks,
-                            .n_tokens = n,
-                            .logits_mode = DUET_LOGITS_ALL,
-                            .logits = logits,
-                            .verify = verify};
-    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
 }
 
 typedef struct {
