@@ -173,7 +173,9 @@ static void expect_tokens(uint64_t rid, int finish, const char *err_part)
     duet_envelope_free(e);
 }
 
-static void send_reserve(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n, uint32_t max)
+/* Reserve for rid (a running request moving in when ms is set). */
+static void send_reserve_move(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n, uint32_t max,
+                              const Duet__MoveState *ms)
 {
     Duet__Reserve r = DUET__RESERVE__INIT;
     r.request_id = rid;
@@ -182,10 +184,16 @@ static void send_reserve(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n
     r.n_tokens = n;
     r.max_tokens = max;
     r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
+    r.move = (Duet__MoveState *)ms;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
     env.body_case = DUET__ENVELOPE__BODY_RESERVE;
     env.reserve = &r;
     send_env(&env);
+}
+
+static void send_reserve(uint64_t rid, uint32_t prompt, uint32_t *toks, size_t n, uint32_t max)
+{
+    send_reserve_move(rid, prompt, toks, n, max, NULL);
 }
 
 Test(worker_protocol, gen_answers_bad_input_and_keeps_serving, .timeout = 120)
@@ -309,18 +317,7 @@ static Duet__Envelope *recv_kind(int kind, uint64_t rid, uint32_t *n_tok, uint32
 static void send_move_reserve(uint64_t rid, uint32_t *toks, size_t n, uint32_t max,
                               const Duet__MoveState *ms)
 {
-    Duet__Reserve r = DUET__RESERVE__INIT;
-    r.request_id = rid;
-    r.prompt_tokens = (uint32_t)n;
-    r.tokens = toks;
-    r.n_tokens = n;
-    r.max_tokens = max;
-    r.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
-    r.move = (Duet__MoveState *)ms;
-    Duet__Envelope env = DUET__ENVELOPE__INIT;
-    env.body_case = DUET__ENVELOPE__BODY_RESERVE;
-    env.reserve = &r;
-    send_env(&env);
+    send_reserve_move(rid, (uint32_t)n, toks, n, max, ms);
 }
 
 /*
