@@ -234,6 +234,14 @@ Test(kernels_cpu_mla, skewed_and_uniform_batches_match_the_reference, .timeout =
         for (int64_t i = 0; i < b.n_items; i++)
             split += ws.plan.splits[i] > 1;
         cr_assert_gt(split, 0, "batch %zu: some item was split at 64 units", c);
+        /* one-split items never reach the merge: no partials, no merge pairs */
+        int64_t n_merge = 0;
+        for (int64_t i = 0; i < b.n_items; i++) {
+            cr_assert_eq(ws.part0[i] < 0, ws.plan.splits[i] == 1, "item %lld", (long long)i);
+            n_merge += ws.plan.splits[i] > 1 ? bs[c].rows[i] : 0;
+        }
+        for (int64_t m = 0; m < n_merge; m++)
+            cr_assert_gt(ws.plan.splits[ws.merge[2 * m]], 1, "merge pair %lld", (long long)m);
         duet_cpu_mla_ws_free(&ws);
         const double worst = check_reference(&b, lat);
         printf("[mla] batch %zu: %d items split, worst error %.3f of the bound\n", c, split, worst);
