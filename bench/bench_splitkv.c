@@ -104,7 +104,8 @@ static void batch_free(batch_t *b)
     free(b->lat);
 }
 
-/* Median seconds of reps calls under `mode`; the output stays in b->lat. */
+/* Median seconds of reps plans + calls under `mode` (the engine plans once per step, then runs
+ * each MLA layer); the output stays in b->lat. */
 static double run(duet_kernels_t *k, batch_t *b, duet_splitkv_mode_t mode, int reps, float *scratch,
                   int64_t per, int *max_splits)
 {
@@ -119,11 +120,12 @@ static double run(duet_kernels_t *k, batch_t *b, duet_splitkv_mode_t mode, int r
     double t[64];
     for (int i = -1; i < reps; i++) { /* one warm-up call */
         const double t0 = now_s();
-        if (duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.0625f, b->lat, scratch,
-                                per, &ws) != DUET_OK) {
+        if (duet_cpu_mla_plan(k, &st, NH, R, &ws) != DUET_OK) { /* timed with the attention */
             fprintf(stderr, "duet-bench-splitkv: %s\n", duet_error_last());
             exit(1);
         }
+        duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.0625f, b->lat, scratch, per,
+                            &ws);
         if (i >= 0)
             t[i] = now_s() - t0;
     }

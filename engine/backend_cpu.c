@@ -85,7 +85,7 @@ typedef struct {
     float *eo;                /* (T, D) expert output */
     float *thr_scratch;       /* (n_threads, per_thread) */
     int64_t per_thread;       /* floats of scratch per thread */
-    duet_cpu_mla_ws_t mla_ws; /* the MLA attention's split-KV plan and partials */
+    duet_cpu_mla_ws_t mla_ws; /* the step's MLA split-KV plan and partials (duet__cpu_forward) */
 } duet__cpu_t;
 
 static duet_tensor_t duet__f32_view(float *data, int64_t rows, int64_t cols)
@@ -375,10 +375,8 @@ static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
             DUET_OK)
             return s;
     }
-    if ((s = duet_cpu_mla_attend(k, st, &ly, b->qhat, b->mq + dn, n * dqk, dqk,
-                                 1.0f / sqrtf((float)dqk), b->lat, b->thr_scratch, b->per_thread,
-                                 &b->mla_ws)) != DUET_OK)
-        return s;
+    duet_cpu_mla_attend(k, st, &ly, b->qhat, b->mq + dn, n * dqk, dqk, 1.0f / sqrtf((float)dqk),
+                        b->lat, b->thr_scratch, b->per_thread, &b->mla_ws);
     /* o_h = W_UV[h] · latent_h */
     for (int64_t h = 0; h < n; h++) {
         duet_tensor_t wuv = duet__row_view(&w->kv_b_proj, h * (dn + dv) + dn, dv);
@@ -499,6 +497,10 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
         b->item_replay[i] = items[i].seq->n_replay;
     }
 
+    /* one split-KV plan serves every MLA layer of the step */
+    if (c->n_mla_layers > 0 &&
+        (s = duet_cpu_mla_plan(b->k, &st, c->mla_heads, c->kv_lora_rank, &b->mla_ws)) != DUET_OK)
+        return s;
     for (int64_t i = 0; i < n_items; i++)
         duet_k_embed(b->k, b->x + b->item_row0[i] * D, &w->embed_tokens, items[i].tokens,
                      items[i].n_tokens);

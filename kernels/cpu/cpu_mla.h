@@ -67,6 +67,8 @@ typedef struct {
     int64_t cap_merge;
     int64_t *tasks; /* (work item, row) pairs: the step's tasks */
     int64_t cap_tasks;
+    int64_t n_tasks, n_merge; /* the planned step's tasks and merge pairs */
+    int64_t heads, r;         /* the shape it was planned for */
 } duet_cpu_mla_ws_t;
 
 void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws); /* frees the buffers; accepts a zeroed one */
@@ -75,17 +77,24 @@ void duet_cpu_mla_ws_free(duet_cpu_mla_ws_t *ws); /* frees the buffers; accepts 
 int64_t duet_cpu_mla_scratch_floats(int64_t n_heads, int64_t r);
 
 /*
+ * Plan step st for MLA layers of n_heads heads and latent rank r into ws (kernels/splitkv.h):
+ * the work list, the split items' partials and the tasks. Once per step: every MLA layer of the
+ * step runs on the same plan. DUET_ERR_NOMEM when ws cannot grow.
+ */
+duet_status_t duet_cpu_mla_plan(duet_kernels_t *k, const duet_cpu_step_t *st, int64_t n_heads,
+                                int64_t r, duet_cpu_mla_ws_t *ws);
+
+/*
  * Attention of every row and head over its item's positions 0 .. its own (causal, the row's own
  * token included, already written by kv_write): score_s = (q̂·c_s + q_r·k_r,s) · scale,
  * lat = softmax(score) · c. qhat: [n_rows][n][r]; q_r of head h at qr + row*ldqr + h*dqr_stride
  * (dr values); lat: [n_rows][n][r] out. scratch: duet_kernels_n_threads(k) blocks of
- * scratch_per_thread floats, each at least duet_cpu_mla_scratch_floats(r). The step is planned
- * per request into ws (above). DUET_ERR_NOMEM when ws cannot grow (lat is not written then).
+ * scratch_per_thread floats, each at least duet_cpu_mla_scratch_floats(n, r). ws: st's plan
+ * (duet_cpu_mla_plan, for ly's heads and rank).
  */
-duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
-                                  const duet_cpu_mla_layer_t *ly, const float *qhat,
-                                  const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
-                                  float *lat, float *scratch, int64_t scratch_per_thread,
-                                  duet_cpu_mla_ws_t *ws);
+void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
+                         const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
+                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
+                         int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws);
 
 #endif

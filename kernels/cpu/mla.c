@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "kernels/cpu/isa.h"
 
 /* Dot product with 8 independent partial sums: the explicit lanes let the compiler vectorise
@@ -284,13 +285,10 @@ static bool duet__ws_items(duet_cpu_mla_ws_t *ws, int64_t n)
     return true;
 }
 
-duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
-                                  const duet_cpu_mla_layer_t *ly, const float *qhat,
-                                  const float *qr, int64_t ldqr, int64_t dqr_stride, float scale,
-                                  float *lat, float *scratch, int64_t scratch_per_thread,
-                                  duet_cpu_mla_ws_t *ws)
+duet_status_t duet_cpu_mla_plan(duet_kernels_t *k, const duet_cpu_step_t *st, int64_t n_heads,
+                                int64_t r, duet_cpu_mla_ws_t *ws)
 {
-    const int64_t ni = st->n_items, n = ly->n_heads, P = DUET__MLA_PART(ly->r);
+    const int64_t ni = st->n_items, n = n_heads, P = DUET__MLA_PART(r);
     const int64_t units = ws->units > 0 ? ws->units : duet_kernels_n_threads(k);
     if (!duet__ws_items(ws, ni) ||
         !duet__grow((void **)&ws->plan.work, &ws->cap_work, duet_splitkv_max_work(ni, 1, units),
@@ -344,6 +342,19 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
             ws->tasks[2 * x] = w;
             ws->tasks[2 * x + 1] = t;
         }
+    ws->n_tasks = n_tasks;
+    ws->n_merge = n_merge;
+    ws->heads = n_heads;
+    ws->r = r;
+    return DUET_OK;
+}
+
+void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
+                         const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
+                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
+                         int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws)
+{
+    DUET_ASSERT(ws->heads == ly->n_heads && ws->r == ly->r); /* planned for this shape */
     duet__mla_attn_ctx_t cx = {.st = st,
                                .ly = ly,
                                .ws = ws,
@@ -355,8 +366,7 @@ duet_status_t duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                                .lat = lat,
                                .scratch = scratch,
                                .per_thread = scratch_per_thread};
-    duet_k_parallel_each(k, n_tasks, duet__mla_work_task, &cx);
-    if (n_merge > 0)
-        duet_k_parallel_for(k, n_merge * n, 1, duet__mla_merge_task, &cx);
-    return DUET_OK;
+    duet_k_parallel_each(k, ws->n_tasks, duet__mla_work_task, &cx);
+    if (ws->n_merge > 0)
+        duet_k_parallel_for(k, ws->n_merge * ly->n_heads, 1, duet__mla_merge_task, &cx);
 }
