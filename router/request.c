@@ -202,9 +202,28 @@ static void respond_error(duet_http_request_t *http, const duet_oai_error_t *e,
 
 static void rq_start(rq_t *r);
 static void rq_move_reserve(rq_t *r);
-static void rq_move_target_gone(rq_t *r);
+static void rq_move_target_gone(rq_t *r, const char *cancel_why);
 static void rq_send_move_cancel(rq_t *r, const char *reason);
 static void rt_move_result(duet__router_t *rt, const char *result);
+
+/*
+ * Let worker *id go from request rid: a Cancel(cancel_why) when it still owes Tokens (*busy; a
+ * NULL cancel_why: it holds nothing, it refused or died), its in-flight count back, its
+ * `drain --wait` callers told; then *id = 0 and *busy = false. Nothing when *id is 0.
+ */
+static void rt_release(duet__router_t *rt, uint64_t rid, uint64_t *id, bool *busy,
+                       const char *cancel_why)
+{
+    if (*id == 0)
+        return;
+    const uint64_t wid = *id;
+    if (*busy && cancel_why != NULL)
+        rt_send_cancel(rt, wid, rid, cancel_why);
+    *id = 0;
+    *busy = false;
+    duet_registry_inflight_add(rt->reg, wid, -1);
+    duet__rt_drain_waiters_check(rt, wid, DUET_OK, NULL);
+}
 
 /*
  * The one exit. Cancels workers that still hold the request, hands the admission slot on, and
@@ -216,24 +235,9 @@ static void rq_end(rq_t *r, const char *why)
         return;
     r->done = true;
     duet__router_t *rt = r->rt;
-    if (r->gen_id != 0) {
-        if (r->gen_busy)
-            rt_send_cancel(rt, r->gen_id, r->id, why);
-        duet_registry_inflight_add(rt->reg, r->gen_id, -1);
-        duet__rt_drain_waiters_check(rt, r->gen_id, DUET_OK, NULL);
-    }
-    if (r->move_to != 0) {
-        if (r->move_to_busy)
-            rt_send_cancel(rt, r->move_to, r->id, why);
-        duet_registry_inflight_add(rt->reg, r->move_to, -1);
-        duet__rt_drain_waiters_check(rt, r->move_to, DUET_OK, NULL);
-    }
-    if (r->ctx_id != 0) {
-        if (r->ctx_busy)
-            rt_send_cancel(rt, r->ctx_id, r->id, why);
-        duet_registry_inflight_add(rt->reg, r->ctx_id, -1);
-        duet__rt_drain_waiters_check(rt, r->ctx_id, DUET_OK, NULL);
-    }
+    rt_release(rt, r->id, &r->gen_id, &r->gen_busy, why);
+    rt_release(rt, r->id, &r->move_to, &r->move_to_busy, why);
+    rt_release(rt, r->id, &r->ctx_id, &r->ctx_busy, why);
     uint64_t now = uv_now(rt->loop);
     if (r->admitted) {
         void *next = NULL;
@@ -654,8 +658,7 @@ void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, vo
             rq_fail(r, 502, "server_error", "worker_lost", 0, "%s", what);
         } else if (r->move_to == w->id) {
             /* the move's target: another target, or the source goes on with it */
-            r->move_to_busy = false;
-            rq_move_target_gone(r);
+            rq_move_target_gone(r, NULL);
             if (r->move == MV_RESERVING) {
                 rq_move_reserve(r);
             } else if (r->move == MV_SENDING) {
@@ -709,15 +712,10 @@ static void rq_send_move_cancel(rq_t *r, const char *reason)
     (void)duet_registry_send(r->rt->reg, r->gen_id, &env);
 }
 
-/* The target no longer holds the request (it refused, died, or the move failed). */
-static void rq_move_target_gone(rq_t *r)
+/* The move's target lets the request go (it refused, died, or the move failed: cancel_why). */
+static void rq_move_target_gone(rq_t *r, const char *cancel_why)
 {
-    if (r->move_to == 0)
-        return;
-    duet_registry_inflight_add(r->rt->reg, r->move_to, -1);
-    duet__rt_drain_waiters_check(r->rt, r->move_to, DUET_OK, NULL);
-    r->move_to = 0;
-    r->move_to_busy = false;
+    rt_release(r->rt, r->id, &r->move_to, &r->move_to_busy, cancel_why);
 }
 
 /* No target can take the request: it goes on where it is, and stays there. */
@@ -725,7 +723,7 @@ static void rq_move_abandon(rq_t *r, const char *why)
 {
     DUET_RLOG_INFO(r->id, "not moving off gen worker %llu: %s", (unsigned long long)r->gen_id, why);
     rq_send_move_cancel(r, why);
-    rq_move_target_gone(r);
+    rq_move_target_gone(r, why);
     r->move = MV_NONE;
     r->move_given_up = true;
     rt_move_result(r->rt, "abandoned");
@@ -860,9 +858,7 @@ static void rq_on_moved(duet__router_t *rt, uint64_t wid, const Duet__Moved *m)
         DUET_RLOG_WARN(r->id,
                        "moving off gen worker %llu failed after %.1f ms, it goes on there: %s",
                        (unsigned long long)wid, ms, m->reason);
-        if (r->move_to_busy)
-            rt_send_cancel(rt, r->move_to, r->id, "the move failed");
-        rq_move_target_gone(r);
+        rq_move_target_gone(r, "the move failed");
         r->move = MV_NONE;
         r->move_retry_ms = uv_now(rt->loop) + 1000;
         r->move_given_up = r->move_attempts >= RQ_MOVE_ATTEMPTS;
@@ -876,20 +872,20 @@ static void rq_on_moved(duet__router_t *rt, uint64_t wid, const Duet__Moved *m)
                 "the request's caches went to a generation worker that was lost before it resumed");
         return;
     }
-    const uint64_t src = r->gen_id;
-    duet_registry_inflight_add(rt->reg, src, -1);
+    uint64_t src = r->gen_id, src_shown = src;
+    bool src_busy = false;  /* it let go: nothing to cancel */
     r->gen_id = r->move_to; /* its inflight count moves with it */
     r->gen_busy = true;
     r->move_to = 0;
     r->move_to_busy = false;
     r->move = MV_NONE;
+    rt_release(rt, r->id, &src, &src_busy, NULL);
     Duet__PrefillDone pd = DUET__PREFILL_DONE__INIT;
     pd.request_id = r->id;
     Duet__Envelope env = duet_envelope_prefill_done(&pd);
     DUET_RLOG_INFO(r->id, "moved from gen worker %llu to %llu in %.1f ms at %zu generated tokens",
-                   (unsigned long long)src, (unsigned long long)r->gen_id, ms, r->n_out);
+                   (unsigned long long)src_shown, (unsigned long long)r->gen_id, ms, r->n_out);
     rt_move_result(rt, "ok");
-    duet__rt_drain_waiters_check(rt, src, DUET_OK, NULL);
     if (duet_registry_send(rt->reg, r->gen_id, &env) < 0)
         rq_fail(r, 502, "server_error", "worker_lost", 0, "generation worker %llu is gone",
                 (unsigned long long)r->gen_id);
@@ -929,7 +925,7 @@ static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused 
     if (r != NULL && r->move == MV_RESERVING && wid == r->move_to) {
         DUET_RLOG_INFO(r->id, "gen worker %llu cannot take the moving request: %s",
                        (unsigned long long)wid, m->reason);
-        rq_move_target_gone(r);
+        rq_move_target_gone(r, NULL);
         if (r->n_move_exclude < RQ_MAX_EXCLUDE)
             r->move_exclude[r->n_move_exclude++] = wid;
         rq_move_reserve(r);
