@@ -124,8 +124,8 @@ static double run(duet_kernels_t *k, batch_t *b, duet_splitkv_mode_t mode, int r
             fprintf(stderr, "duet-bench-splitkv: %s\n", duet_error_last());
             exit(1);
         }
-        duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.0625f, b->lat, scratch, per,
-                            &ws);
+        duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.0625f, b->lat, NULL,
+                            scratch, per, &ws);
         if (i >= 0)
             t[i] = now_s() - t0;
     }

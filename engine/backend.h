@@ -58,6 +58,7 @@
 #include "engine/cache.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
+#include "engine/shard.h"
 #include "engine/weights.h"
 #include "kernels/kernels.h"
 
@@ -97,6 +98,11 @@ typedef struct {
     int64_t max_pages_per_seq;  /* columns of a sequence's page table */
     const int64_t *layer_sub;   /* [num_layers] index among layers of the same
                                    mixer (MLA layer l of the KV pool, ...) */
+    /* A Helix group's rank (model.h's opts.comm): cfg and w are then the rank's cut
+     * (engine/shard.h), the pools hold its share, and the forward is collective over comm.
+     * NULL both when alone. */
+    const duet_shard_t *shard;
+    duet_comm_t *comm;
 } duet_backend_model_t;
 
 /*

@@ -86,6 +86,14 @@ typedef struct {
     float *thr_scratch;       /* (n_threads, per_thread) */
     int64_t per_thread;       /* floats of scratch per thread */
     duet_cpu_mla_ws_t mla_ws; /* the step's MLA split-KV plan and partials (duet__cpu_forward) */
+
+    /* a Helix group's rank (bm.shard): the sub-layers' partial outputs are summed over the group
+     * before they join the residual; MLA's partial attention is exchanged and merged per head */
+    float *y;      /* (T, D) this rank's part of a sub-layer's output */
+    float *red;    /* (size, T, D) the all-reduce's scratch */
+    float *lse;    /* (T, n_att) log-sum-exp of each partial attention row */
+    float *a2a_tx; /* (T, n_att, r + 1) partial attention rows by destination rank */
+    float *a2a_rx; /* (cp, T, n_own, r + 1) every rank's partials of the heads merged here */
 } duet__cpu_t;
 
 static duet_tensor_t duet__f32_view(float *data, int64_t rows, int64_t cols)
@@ -110,6 +118,30 @@ static duet_tensor_t duet__row_view(const duet_tensor_t *w, int64_t r0, int64_t 
     return t;
 }
 
+/* ---- a group's sums ------------------------------------------------------------------------ */
+
+/* The residual's input from a sub-layer: alone, where its last GEMM accumulates (x itself); in a
+ * group, this rank's part (y), which duet__join then sums over the group into x. */
+static float *duet__out(duet__cpu_t *b)
+{
+    return b->bm.shard != NULL ? b->y : b->x;
+}
+
+/* In a group: x += the sum over the ranks of their y (T rows), the same bits on every rank. */
+static duet_status_t duet__join(duet__cpu_t *b, int64_t T)
+{
+    if (b->bm.shard == NULL)
+        return DUET_OK;
+    const int64_t n = T * b->bm.cfg->hidden_size;
+    duet_comm_t *cm = b->bm.comm;
+    duet_status_t s = cm->ops->allreduce_sum_f32(cm, b->y, n, b->red);
+    if (s != DUET_OK)
+        return s;
+    for (int64_t i = 0; i < n; i++)
+        b->x[i] += b->y[i];
+    return DUET_OK;
+}
+
 /* ---- create ---------------------------------------------------------------------------------- */
 
 static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
@@ -131,6 +163,8 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
         (has_kda ? HK : 0) > (has_mla ? n * c->v_head_dim : 0) ? HK : n * c->v_head_dim;
     const int64_t E = c->n_experts > 0 ? c->n_experts : 1, tk = c->top_k > 0 ? c->top_k : 1;
     const int64_t nthr = duet_kernels_n_threads(b->k);
+    const int64_t grp = b->bm.shard != NULL, gsize = grp ? b->bm.shard->size : 0;
+    const int64_t gcp = grp ? b->bm.shard->cp : 0;
 
     /* Per-thread scratch: KDA chunk scratch, or one MLA segment's scores and partial. */
     int64_t per = 64;
@@ -172,6 +206,11 @@ static duet_status_t duet__cpu_alloc_ws(duet__cpu_t *b)
         {&b->xg, T * D},
         {&b->eo, T * D},
         {&b->thr_scratch, nthr * per},
+        {&b->y, grp * T * D},
+        {&b->red, grp * gsize * T * D},
+        {&b->lse, grp * has_mla * T * n},
+        {&b->a2a_tx, grp * has_mla * T * n * (r + 1)},
+        {&b->a2a_rx, grp * has_mla * gcp * T * n * (r + 1)},
     };
     int64_t total = 0;
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
@@ -248,6 +287,9 @@ static duet_status_t duet__cpu_create(const duet_backend_model_t *bm, duet_backe
         (st = duet_backend_f32_prepare(bm->cfg, bm->w, &b->f32)) != DUET_OK ||
         (st = duet__cpu_alloc_ws(b)) != DUET_OK)
         goto fail;
+    if (bm->shard != NULL)
+        b->mla_ws.shard = (duet_cpu_mla_shard_t){
+            .cp = bm->shard->cp, .c = bm->shard->c, .page_tokens = bm->opts->page_tokens};
     *be_p = &b->base;
     return DUET_OK;
 
@@ -333,7 +375,69 @@ static duet_status_t duet__kda_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
     duet_cpu_kda_prep(k, T, H, K, kf->neg_A, kf->dt_bias, b->qkv, b->gk, b->beta);
     duet_cpu_kda_core(k, st, &ly, b->qkv, b->gk, b->beta, b->o, b->thr_scratch, b->per_thread);
     duet_cpu_kda_out(k, T, H, K, kf->o_norm, c->rms_norm_eps, b->gate, b->o);
-    return duet_k_matmul(k, b->x, D, b->o, HK, T, &w->o_proj, 1);
+    if ((s = duet_k_matmul(k, duet__out(b), D, b->o, HK, T, &w->o_proj, b->bm.shard == NULL)) !=
+        DUET_OK)
+        return s;
+    return duet__join(b, T);
+}
+
+/*
+ * Helix: each rank of t's cp ranks attended t's heads over its own pages (b->lat, b->lse); one
+ * all-to-all gives each of them every rank's partials of the heads it owns, merged by their
+ * log-sum-exp in rank order into b->lat as (T, n_own, r).
+ */
+static duet_status_t duet__mla_exchange(duet__cpu_t *b, int64_t T)
+{
+    const duet_shard_t *sh = b->bm.shard;
+    const int64_t n = sh->att_h1 - sh->att_h0, r = b->bm.cfg->kv_lora_rank, R = r + 1;
+    const int64_t no = sh->own_h1 - sh->own_h0;
+    size_t tx_b[DUET_SHARD_MAX_RANKS] = {0}, tx_o[DUET_SHARD_MAX_RANKS] = {0};
+    size_t rx_b[DUET_SHARD_MAX_RANKS] = {0}, rx_o[DUET_SHARD_MAX_RANKS] = {0};
+    /* pack: to rank (c', t) the rows of the heads c' owns, each [lat | lse] */
+    float *tx = b->a2a_tx;
+    for (int cc = 0; cc < sh->cp; cc++) {
+        const int64_t a = duet_shard_cut(n, sh->cp, cc), e = duet_shard_cut(n, sh->cp, cc + 1);
+        const int dst = cc * sh->tp + sh->t;
+        tx_o[dst] = (size_t)(tx - b->a2a_tx) * sizeof(float);
+        for (int64_t row = 0; row < T; row++)
+            for (int64_t h = a; h < e; h++, tx += R) {
+                memcpy(tx, b->lat + (row * n + h) * r, sizeof(float) * (size_t)r);
+                tx[r] = b->lse[row * n + h];
+            }
+        tx_b[dst] = (size_t)(T * (e - a) * R) * sizeof(float);
+        rx_o[dst] = (size_t)(cc * T * no * R) * sizeof(float);
+        rx_b[dst] = (size_t)(T * no * R) * sizeof(float);
+    }
+    duet_comm_t *cm = b->bm.comm;
+    duet_status_t s = cm->ops->alltoallv(cm, b->a2a_tx, tx_b, tx_o, b->a2a_rx, rx_b, rx_o);
+    if (s != DUET_OK)
+        return s;
+    /* merge: out = sum_c exp(lse_c - m) lat_c / sum_c exp(lse_c - m), ranks in order */
+    for (int64_t row = 0; row < T; row++)
+        for (int64_t h = 0; h < no; h++) {
+            float m = -INFINITY;
+            for (int cc = 0; cc < sh->cp; cc++) {
+                const float l = b->a2a_rx[((cc * T + row) * no + h) * R + r];
+                m = l > m ? l : m;
+            }
+            float *out = b->lat + (row * no + h) * r, den = 0.0f;
+            memset(out, 0, sizeof(float) * (size_t)r);
+            if (m == -INFINITY) /* no rank saw a position: cannot happen for a causal row */
+                continue;
+            for (int cc = 0; cc < sh->cp; cc++) {
+                const float *p = b->a2a_rx + ((cc * T + row) * no + h) * R;
+                if (p[r] == -INFINITY)
+                    continue;
+                const float wgt = expf(p[r] - m);
+                den += wgt;
+                for (int64_t j = 0; j < r; j++)
+                    out[j] += wgt * p[j];
+            }
+            const float inv = 1.0f / den;
+            for (int64_t j = 0; j < r; j++)
+                out[j] *= inv;
+        }
+    return DUET_OK;
 }
 
 static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, int64_t l)
@@ -367,7 +471,8 @@ static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
                                      .r = r,
                                      .dr = dr};
     /* c ← RMSNorm(c), then [c | k_r] goes into the sequence's page slot. */
-    duet_cpu_mla_kv_write(k, st, &ly, b->ckr, &w->kv_a_layernorm, DUET_MLA_NORM_EPS);
+    duet_cpu_mla_kv_write(k, st, &ly, &b->mla_ws.shard, b->ckr, &w->kv_a_layernorm,
+                          DUET_MLA_NORM_EPS);
     /* q̂_h = W_UK[h]ᵀ q_nope_h for every row */
     for (int64_t h = 0; h < n; h++) {
         duet_tensor_t wt = duet__f32_view((float *)wuk_t + h * r * dn, r, dn);
@@ -376,15 +481,31 @@ static duet_status_t duet__mla_layer(duet__cpu_t *b, const duet_cpu_step_t *st, 
             return s;
     }
     duet_cpu_mla_attend(k, st, &ly, b->qhat, b->mq + dn, n * dqk, dqk, 1.0f / sqrtf((float)dqk),
-                        b->lat, b->thr_scratch, b->per_thread, &b->mla_ws);
-    /* o_h = W_UV[h] · latent_h */
-    for (int64_t h = 0; h < n; h++) {
-        duet_tensor_t wuv = duet__row_view(&w->kv_b_proj, h * (dn + dv) + dn, dv);
-        if ((s = duet_k_matmul(k, b->o + h * dv, n * dv, b->lat + h * r, n * r, T, &wuv, 0)) !=
-            DUET_OK)
+                        b->lat, b->bm.shard != NULL ? b->lse : NULL, b->thr_scratch, b->per_thread,
+                        &b->mla_ws);
+    /* heads [h0, h1) of the attended ones go on: all of them alone, this rank's merged share in
+     * a group (their latent rows then in b->lat with a row stride of n_own heads) */
+    int64_t h0 = 0, h1 = n;
+    if (b->bm.shard != NULL) {
+        h0 = b->bm.shard->own_h0 - b->bm.shard->att_h0;
+        h1 = b->bm.shard->own_h1 - b->bm.shard->att_h0;
+        if ((s = duet__mla_exchange(b, T)) != DUET_OK)
             return s;
     }
-    return duet_k_matmul(k, b->x, D, b->o, n * dv, T, &w->o_proj, 1);
+    const int64_t no = h1 - h0, ldl = b->bm.shard != NULL ? no * r : n * r;
+    /* o_h = W_UV[h] · latent_h */
+    for (int64_t h = h0; h < h1; h++) {
+        duet_tensor_t wuv = duet__row_view(&w->kv_b_proj, h * (dn + dv) + dn, dv);
+        const float *lat = b->lat + (b->bm.shard != NULL ? (h - h0) * r : h * r);
+        if ((s = duet_k_matmul(k, b->o + (h - h0) * dv, no * dv, lat, ldl, T, &wuv, 0)) != DUET_OK)
+            return s;
+    }
+    if (no == 0)
+        memset(b->y, 0, sizeof(float) * (size_t)(T * D));
+    else if ((s = duet_k_matmul(k, duet__out(b), D, b->o, no * dv, T, &w->o_proj,
+                                b->bm.shard == NULL)) != DUET_OK)
+        return s;
+    return duet__join(b, T);
 }
 
 /* ---- FFN ------------------------------------------------------------------------------------- */
@@ -442,9 +563,10 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
         b->exp_off[e] = b->exp_off[e - 1];
     b->exp_off[0] = 0;
 
+    float *out = duet__out(b);
     for (int64_t e = 0; e < E; e++) {
         const int64_t a = b->exp_off[e], M = b->exp_off[e + 1] - a;
-        if (M == 0)
+        if (M == 0 || w->w1[e].data == NULL) /* no rows, or another group rank's expert */
             continue;
         for (int64_t i = 0; i < M; i++)
             memcpy(b->xg + i * D, b->xn + (int64_t)b->exp_rows[a + i] * D,
@@ -456,7 +578,7 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
         if ((s = duet_k_matmul(b->k, b->eo, D, b->f1, I, M, &w->w2[e], 0)) != DUET_OK)
             return s;
         for (int64_t i = 0; i < M; i++) {
-            float *y = b->x + (int64_t)b->exp_rows[a + i] * D;
+            float *y = out + (int64_t)b->exp_rows[a + i] * D;
             const float *eo = b->eo + i * D;
             const float wt = b->exp_wts[a + i];
             for (int64_t d = 0; d < D; d++)
@@ -464,7 +586,7 @@ static duet_status_t duet__moe_layer(duet__cpu_t *b, int64_t T, int64_t l)
         }
     }
     if (c->n_shared_experts > 0)
-        return duet__mlp(b, &w->shared, b->x, b->xn, T, b->f1, b->f2);
+        return duet__mlp(b, &w->shared, out, b->xn, T, b->f1, b->f2);
     return DUET_OK;
 }
 
@@ -513,11 +635,13 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
             return s;
         duet_backend_layer_done(&b->bm, bt, l);
         duet_k_rmsnorm(b->k, b->xn, b->x, &lw->post_attention_layernorm, rows, D, c->rms_norm_eps);
+        if (b->bm.shard != NULL) /* the FFN's parts accumulate into y */
+            memset(b->y, 0, sizeof(float) * (size_t)(rows * D));
         if (c->ffn[l] == DUET_FFN_MOE)
             s = duet__moe_layer(b, rows, l);
         else
-            s = duet__mlp(b, &lw->mlp, b->x, b->xn, rows, b->f1, b->f2);
-        if (s != DUET_OK)
+            s = duet__mlp(b, &lw->mlp, duet__out(b), b->xn, rows, b->f1, b->f2);
+        if (s != DUET_OK || (s = duet__join(b, rows)) != DUET_OK)
             return s;
     }
 

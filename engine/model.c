@@ -16,10 +16,17 @@
 #include "common/log.h"
 #include "engine/backend.h"
 #include "engine/checkpoint.h"
+#include "engine/shard.h"
 #include "engine/weights.h"
 
 struct duet_model {
     duet_model_config_t cfg;
+    /* a Helix group's rank (opts.comm): its shard, and the config and weights it holds (the
+     * pools and the backend are made from these); alone, lcfg == cfg and lw is unused */
+    int grouped;
+    duet_shard_t shard;
+    duet_model_config_t lcfg;
+    duet_weights_t lw; /* owned tables and column copies; rows are views into w's */
     duet_model_opts_t opts;
     duet_checkpoint_t *ck;      /* owned; weights are views into its mmaps (NULL: random weights) */
     duet_weights_t w;           /* owned tables */
@@ -228,7 +235,7 @@ void duet_model_pool_descs(const duet_model_config_t *c, const duet_model_opts_t
  * checkpoint, m->w are set. from_checkpoint == 0: random device weights from `seed`. */
 static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, uint64_t seed)
 {
-    const duet_model_config_t *c = &m->cfg;
+    const duet_model_config_t *c = &m->lcfg;
     const duet_model_opts_t opts = m->opts;
     duet_status_t st;
 
@@ -237,6 +244,8 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         m->layer_sub[l] = c->mixer[l] == DUET_MIXER_KDA ? n_kda++ : n_mla++;
 
     m->max_pages_per_seq = (opts.max_seq_len + opts.page_tokens - 1) / opts.page_tokens;
+    if (m->grouped)
+        m->max_pages_per_seq = duet_shard_local_pages(&m->shard, m->max_pages_per_seq);
     duet_kv_pool_desc_t kd;
     duet_kda_pool_desc_t sd;
     duet_replay_pool_desc_t rd;
@@ -279,9 +288,11 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
     if (m->page_table == NULL || m->seq_used == NULL)
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
 
-    m->bm = (duet_backend_model_t){.cfg = &m->cfg,
+    m->bm = (duet_backend_model_t){.cfg = &m->lcfg,
                                    .opts = &m->opts,
-                                   .w = from_checkpoint ? &m->w : NULL,
+                                   .w = from_checkpoint ? (m->grouped ? &m->lw : &m->w) : NULL,
+                                   .shard = m->grouped ? &m->shard : NULL,
+                                   .comm = m->grouped ? m->opts.comm : NULL,
                                    .seed = seed,
                                    .kv = m->kv,
                                    .kda = m->kda,
@@ -292,6 +303,14 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         return st;
     char be[160];
     duet_model_describe_backend(m, be, sizeof(be));
+    if (m->grouped)
+        DUET_LOG_INFO("model: helix rank %d of cp %d x tp %d: KDA heads [%lld, %lld), MLA heads "
+                      "[%lld, %lld) attended and [%lld, %lld) projected, experts [%lld, %lld)",
+                      m->shard.rank, m->shard.cp, m->shard.tp, (long long)m->shard.kda_h0,
+                      (long long)m->shard.kda_h1, (long long)m->shard.att_h0,
+                      (long long)m->shard.att_h1, (long long)m->shard.own_h0,
+                      (long long)m->shard.own_h1, (long long)m->shard.exp_e0,
+                      (long long)m->shard.exp_e1);
     DUET_LOG_INFO("model ready: %s, %lld KV pages of %lld tokens, %lld state slots%s", be,
                   (long long)(m->kv != NULL ? duet_kv_pool_desc(m->kv)->n_pages : 0),
                   (long long)opts.page_tokens, (long long)opts.max_seqs,
@@ -300,6 +319,38 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
         DUET_LOG_INFO("model: KDA replay pool of %lld rows per slot and layer, %.1f MiB",
                       (long long)opts.spec_rows,
                       (double)duet_replay_pool_bytes(m->replay) / 1048576.0);
+    return DUET_OK;
+}
+
+/* A group rank (opts.comm with more than one rank): its shard, config and weights. */
+static duet_status_t duet__model_group(duet_model_t *m)
+{
+    const duet_model_opts_t *o = &m->opts;
+    if (o->comm == NULL || o->comm->size <= 1) {
+        if (o->helix_cp > 1 || o->helix_tp > 1)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "model: helix cp %d x tp %d needs a communicator of as many ranks",
+                             o->helix_cp, o->helix_tp);
+        return DUET_OK;
+    }
+    const int cp = o->helix_cp > 0 ? o->helix_cp : 1, tp = o->helix_tp > 0 ? o->helix_tp : 1;
+    if (cp * tp != o->comm->size)
+        return DUET_FAIL(DUET_ERR_INVALID, "model: helix cp %d x tp %d is not the group's %d ranks",
+                         cp, tp, o->comm->size);
+    if (o->device != DUET_DEVICE_CPU)
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "model: a helix group computes on the cpu backend (the %s backend has no "
+                         "sharded forward yet)",
+                         m->ops->name);
+    if (o->spec_rows > 0)
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
+                         "model: speculative decoding (spec_rows) in a helix group is not built");
+    duet_status_t st;
+    if ((st = duet_shard_make(&m->cfg, cp, tp, o->comm->rank, &m->shard)) != DUET_OK ||
+        (st = duet_shard_weights(&m->cfg, &m->w, &m->shard, &m->lw)) != DUET_OK)
+        return st;
+    duet_shard_config(&m->cfg, &m->shard, &m->lcfg);
+    m->grouped = 1;
     return DUET_OK;
 }
 
@@ -340,7 +391,8 @@ duet_status_t duet_model_load(const char *dir, const duet_model_opts_t *opts_in,
                       m->ops->name, duet_dtype_name(m->opts.compute_dtype), duet_dtype_name(ck_dt));
     DUET_LOG_INFO("dtype %s: %s checkpoint, %s compute on %s", duet_model_dtype_name(opts.dtype),
                   duet_dtype_name(ck_dt), duet_dtype_name(m->opts.compute_dtype), m->ops->name);
-    if ((st = duet__model_finish(m, 1, 0)) != DUET_OK)
+    m->lcfg = m->cfg;
+    if ((st = duet__model_group(m)) != DUET_OK || (st = duet__model_finish(m, 1, 0)) != DUET_OK)
         goto err;
     *m_p = m;
     return DUET_OK;
@@ -371,7 +423,13 @@ duet_status_t duet_model_create_random(const duet_model_config_t *cfg,
         return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
     m->opts = *opts;
     m->cfg = *cfg;
+    m->lcfg = *cfg;
     m->ops = ops;
+    if (opts->comm != NULL && opts->comm->size > 1) {
+        free(m);
+        return DUET_FAIL(DUET_ERR_UNSUPPORTED, "model: a helix group loads a checkpoint (random "
+                                               "weights are for one device)");
+    }
     /* the checkpoint dtype does not matter for an explicit request */
     if ((st = duet_model_dtype_resolve(opts->device, DUET_DTYPE_F32, opts->dtype,
                                        &m->opts.compute_dtype)) != DUET_OK) {
@@ -397,6 +455,7 @@ void duet_model_free(duet_model_t *m)
     duet_replay_pool_destroy(m->replay);
     duet_kda_pool_destroy(m->kda);
     duet_kv_pool_destroy(m->kv);
+    duet_weights_free(&m->lw);
     duet_weights_free(&m->w);
     duet_checkpoint_close(m->ck);
     free(m);
@@ -408,6 +467,13 @@ void duet_model_free(duet_model_t *m)
 static int64_t duet__kv_pages_of(const duet_model_t *m, int64_t n_tokens)
 {
     return m->kv != NULL ? (n_tokens + m->opts.page_tokens - 1) / m->opts.page_tokens : 0;
+}
+
+/* This rank's pages of a sequence of n_tokens tokens (duet__kv_pages_of alone). */
+static int64_t duet__kv_local_pages_of(const duet_model_t *m, int64_t n_tokens)
+{
+    const int64_t g = duet__kv_pages_of(m, n_tokens);
+    return m->grouped ? duet_shard_local_pages(&m->shard, g) : g;
 }
 
 duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p)
@@ -424,7 +490,7 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     if (id < 0)
         return duet_error_set(DUET_ERR_NO_SPACE, "all %lld sequence slots are in use",
                               (long long)m->opts.max_seqs);
-    const int64_t n_pages = duet__kv_pages_of(m, max_tokens);
+    const int64_t n_pages = duet__kv_local_pages_of(m, max_tokens);
     int32_t *pages = m->page_table + (int64_t)id * m->max_pages_per_seq;
     if (m->kv != NULL) {
         duet_status_t st = duet_kv_pool_alloc(m->kv, n_pages, pages);
@@ -457,7 +523,8 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     seq_p->pages = pages;
     seq_p->n_pages = n_pages;
     seq_p->kda_slot = slot;
-    seq_p->cap_tokens = m->kv != NULL ? n_pages * m->opts.page_tokens : max_tokens;
+    seq_p->cap_tokens =
+        m->kv != NULL ? duet__kv_pages_of(m, max_tokens) * m->opts.page_tokens : max_tokens;
     return DUET_OK;
 }
 
@@ -650,7 +717,7 @@ duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_
         seq->cap_tokens = max_tokens;
         return DUET_OK;
     }
-    const int64_t want = duet__kv_pages_of(m, max_tokens);
+    const int64_t want = duet__kv_local_pages_of(m, max_tokens);
     const int64_t add = want - seq->n_pages;
     int32_t *fresh = seq->pages + seq->n_pages; /* the table row has max_pages_per_seq entries */
     duet_status_t st = duet_kv_pool_alloc(m->kv, add, fresh);
@@ -659,7 +726,7 @@ duet_status_t duet_model_seq_grow(duet_model_t *m, duet_seq_t *seq, int64_t max_
     /* as seq_open: stale KV is never read, but a dump of the sequence stays deterministic */
     duet_kv_pool_zero_pages(m->kv, fresh, add);
     seq->n_pages = want;
-    seq->cap_tokens = want * m->opts.page_tokens;
+    seq->cap_tokens = duet__kv_pages_of(m, max_tokens) * m->opts.page_tokens;
     return DUET_OK;
 }
 
@@ -667,8 +734,8 @@ size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens)
 {
     size_t kv = 0;
     if (m->kv != NULL)
-        kv = (size_t)duet__kv_pages_of(m, n_tokens) * (size_t)duet_kv_pool_desc(m->kv)->n_layers *
-             duet_kv_pool_block_bytes(m->kv);
+        kv = (size_t)duet__kv_local_pages_of(m, n_tokens) *
+             (size_t)duet_kv_pool_desc(m->kv)->n_layers * duet_kv_pool_block_bytes(m->kv);
     return kv + duet_model_seq_state_bytes(m);
 }
 
@@ -706,7 +773,7 @@ duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, voi
     duet_status_t st = duet_model_seq_commit(m, seq); /* refuses pending rows */
     if (st != DUET_OK)
         return st;
-    const int64_t n_pages = duet__kv_pages_of(m, seq->n_tokens);
+    const int64_t n_pages = duet__kv_local_pages_of(m, seq->n_tokens);
     if ((st = duet__seq_kv_copy(m, seq, n_pages, buf, 1)) != DUET_OK)
         return st;
     const size_t kv_bytes =
@@ -725,7 +792,7 @@ duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, 
                               "holding %lld (and %lld pending)",
                               (long long)n_tokens, (long long)seq->cap_tokens,
                               (long long)seq->n_tokens, (long long)seq->n_pending);
-    const int64_t n_pages = duet__kv_pages_of(m, n_tokens);
+    const int64_t n_pages = duet__kv_local_pages_of(m, n_tokens);
     duet_status_t st = duet__seq_kv_copy(m, seq, n_pages, (uint8_t *)buf, 0);
     if (st != DUET_OK)
         return st;
@@ -822,6 +889,11 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
                                   "%lld reserved",
                                   (long long)i, (long long)it->seq->n_tokens,
                                   (long long)it->n_tokens, (long long)it->seq->cap_tokens);
+        if (m->grouped && m->shard.rank != 0 && it->logits_mode != DUET_LOGITS_NONE)
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "forward: item %lld asks rank %d of a helix group for logits: "
+                                  "only rank 0 holds the LM head",
+                                  (long long)i, m->shard.rank);
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             if (it->token_out == NULL)
                 return duet_error_set(DUET_ERR_INVALID,

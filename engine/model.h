@@ -30,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/comm.h"
 #include "common/status.h"
 #include "engine/cache.h"
 #include "engine/model_config.h"
@@ -99,6 +100,17 @@ typedef struct {
                                 pool (spec_rows rows per state slot and KDA layer, allocated at
                                 load). Needs a backend with verify rows (the CPU's;
                                 DUET_ERR_UNSUPPORTED on cuda) */
+    /* A Helix generation group (engine/shard.h, docs/architecture.md "Generation groups"): this
+     * model is rank comm->rank of helix_cp * helix_tp == comm->size ranks, holds that rank's cut
+     * of the weights and caches, and every forward is collective: each rank of the group makes
+     * the same calls (seq_open, set_filled, forward, close) in the same order with the same
+     * tokens. NULL (or one rank) = alone. The communicator is the caller's and outlives the
+     * model. Groups compute on the cpu backend and without spec_rows (DUET_ERR_UNSUPPORTED);
+     * only rank 0 computes logits (the others' items must ask for none). kv_pages counts the
+     * rank's own pages; a sequence's pages are dealt across the cp ranks (seq->pages holds this
+     * rank's share, seq->cap_tokens the whole sequence's). */
+    duet_comm_t *comm;
+    int helix_cp, helix_tp;
 } duet_model_opts_t;
 
 /*

@@ -417,6 +417,8 @@ void duet_weights_free(duet_weights_t *w)
         return;
     free(w->layers);
     free(w->expert_slab);
+    free(w->copies);
     w->layers = NULL;
     w->expert_slab = NULL;
+    w->copies = NULL;
 }

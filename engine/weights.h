@@ -73,6 +73,7 @@ typedef struct {
     duet_tensor_t lm_head;        /* (V, D); = embed_tokens when tied */
     duet_layer_weights_t *layers; /* [num_layers], owned */
     duet_tensor_t *expert_slab;   /* owned storage behind every moe.w1/w2/w3 array */
+    void *copies;                 /* owned: a group rank's column cuts (engine/shard.h) */
 } duet_weights_t;
 
 /*

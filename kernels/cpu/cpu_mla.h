@@ -42,13 +42,37 @@ typedef struct {
 } duet_cpu_mla_layer_t;
 
 /*
+ * A Helix rank's share of the KV (engine/shard.h): of a sequence's global pages it holds those
+ * with index j % cp == c, as its pages 0, 1, ... in order (seq->pages is that list). Its tokens
+ * are then a dense run of "local" positions, and the positions a row at global position p sees
+ * are a prefix of them (duet_cpu_mla_local_len): attention runs over local positions unchanged.
+ * cp <= 1: every page.
+ */
+typedef struct {
+    int64_t cp, c;
+    int64_t page_tokens;
+} duet_cpu_mla_shard_t;
+
+/* Local tokens among global positions 0 .. pos - 1 (pos tokens), for shard sh (NULL: pos). */
+static inline int64_t duet_cpu_mla_local_len(const duet_cpu_mla_shard_t *sh, int64_t pos)
+{
+    if (sh == NULL || sh->cp <= 1 || pos <= 0)
+        return pos;
+    const int64_t P = sh->page_tokens, last = pos - 1, gp = last / P;
+    int64_t n = (gp > sh->c ? (gp - sh->c - 1) / sh->cp + 1 : 0) * P;
+    if (gp % sh->cp == sh->c)
+        n += last % P + 1;
+    return n;
+}
+
+/*
  * For every row: c = RMSNorm(ckr[row][0:r]; norm_w, eps) in place, then [c | ckr[row][r:r+dr]] is
- * stored at the row's position in its item's pages. ckr is [n_rows][r + dr]; norm_w is [r], any
- * dtype.
+ * stored at the row's position in its item's pages (on a shard: only rows whose page it holds).
+ * ckr is [n_rows][r + dr]; norm_w is [r], any dtype. sh: NULL = every page.
  */
 void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
-                           const duet_cpu_mla_layer_t *ly, float *ckr, const duet_tensor_t *norm_w,
-                           float eps);
+                           const duet_cpu_mla_layer_t *ly, const duet_cpu_mla_shard_t *sh,
+                           float *ckr, const duet_tensor_t *norm_w, float eps);
 
 /*
  * The attention's plan and partials, kept between steps by the caller (zero it first; free with
@@ -56,10 +80,11 @@ void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
  * need and is not for the caller.
  */
 typedef struct {
-    duet_splitkv_mode_t mode; /* PER_REQUEST (0, the default); the others for comparison */
-    int64_t units;            /* parallel units the plan aims at; 0 = the pool's threads */
+    duet_splitkv_mode_t mode;   /* PER_REQUEST (0, the default); the others for comparison */
+    int64_t units;              /* parallel units the plan aims at; 0 = the pool's threads */
+    duet_cpu_mla_shard_t shard; /* a Helix rank's share of the pages (zeroed: every page) */
     duet_splitkv_plan_t plan;
-    int64_t *lens, *rows, *part0; /* [cap_items] */
+    int64_t *lens, *rows, *part0; /* [cap_items]; lens in local positions */
     int64_t cap_items, cap_work;
     float *part; /* the split items' partials: (m, l, acc[r]) per (segment, row, head) */
     int64_t cap_part;
@@ -91,10 +116,15 @@ duet_status_t duet_cpu_mla_plan(duet_kernels_t *k, const duet_cpu_step_t *st, in
  * (dr values); lat: [n_rows][n][r] out. scratch: duet_kernels_n_threads(k) blocks of
  * scratch_per_thread floats, each at least duet_cpu_mla_scratch_floats(n, r). ws: st's plan
  * (duet_cpu_mla_plan, for ly's heads and rank).
+ *
+ * On a shard (ws->shard) a row attends to the positions it sees that the rank holds; lse (NULL
+ * = not wanted, [n_rows][n]) gets each (row, head)'s log-sum-exp of its scores, the weight of
+ * this partial result in the merge of the ranks' (engine/backend_cpu.c). A row that sees none of
+ * the rank's positions gets lat 0 and lse -inf.
  */
 void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                          const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
-                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
-                         int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws);
+                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *lse,
+                         float *scratch, int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws);
 
 #endif

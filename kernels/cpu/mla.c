@@ -37,17 +37,20 @@ static float *duet__mla_block(const duet_cpu_mla_layer_t *ly, int32_t page)
 }
 
 void duet_cpu_mla_kv_write(duet_kernels_t *k, const duet_cpu_step_t *st,
-                           const duet_cpu_mla_layer_t *ly, float *ckr, const duet_tensor_t *norm_w,
-                           float eps)
+                           const duet_cpu_mla_layer_t *ly, const duet_cpu_mla_shard_t *sh,
+                           float *ckr, const duet_tensor_t *norm_w, float eps)
 {
+    const int64_t cp = sh != NULL && sh->cp > 1 ? sh->cp : 1, c = cp > 1 ? sh->c : 0;
     const int64_t r = ly->r, td = ly->r + ly->dr, PT = (int64_t)ly->layout.page_tokens;
     for (int64_t it = 0; it < st->n_items; it++) {
         const int64_t r0 = st->item_row0[it], n = st->item_row0[it + 1] - r0;
         for (int64_t t = 0; t < n; t++) {
             const int64_t row = r0 + t, pos = st->item_pos0[it] + t;
             float *src = ckr + row * td;
+            if ((pos / PT) % cp != c) /* another rank's page */
+                continue;
             duet_k_rmsnorm(k, src, src, norm_w, 1, r, eps);
-            float *dst = duet__mla_block(ly, st->item_pages[it][pos / PT]) + (pos % PT) * td;
+            float *dst = duet__mla_block(ly, st->item_pages[it][pos / PT / cp]) + (pos % PT) * td;
             memcpy(dst, src, sizeof(float) * (size_t)td);
         }
     }
@@ -102,7 +105,7 @@ typedef struct {
     const float *qhat, *qr;
     int64_t ldqr, dqr_stride;
     float scale;
-    float *lat;
+    float *lat, *lse;
     float *scratch;
     int64_t per_thread;
 } duet__mla_attn_ctx_t;
@@ -198,12 +201,22 @@ duet__mla_fold(float *state, float *out, const float *part, int64_t r, int first
         out[j] = out[j] * a + part[2 + j] * b;
 }
 
-/* out /= L: the row's result. */
-static void duet__mla_finish(const float *state, float *out, int64_t r)
+/* out /= L: the row's result; its log-sum-exp M + log L into *lse when wanted. */
+static void duet__mla_finish(const float *state, float *out, int64_t r, float *lse)
 {
     const float inv = 1.0f / state[1];
     for (int64_t j = 0; j < r; j++)
         out[j] *= inv;
+    if (lse != NULL)
+        *lse = state[0] + logf(state[1]);
+}
+
+/* A row that sees none of a shard's positions: nothing to attend, weight 0 in the merge. */
+static void duet__mla_empty(float *out, int64_t r, float *lse)
+{
+    memset(out, 0, sizeof(float) * (size_t)r);
+    if (lse != NULL)
+        *lse = -INFINITY;
 }
 
 /* Task (work item, row) idx of the step: one query row, every head, over the work's segments; an
@@ -220,7 +233,8 @@ static void duet__mla_work_task(void *vctx, int64_t b, int64_t e, int tid)
     for (int64_t idx = b; idx < e; idx++) {
         const duet_splitkv_work_t *wk = &ws->plan.work[ws->tasks[2 * idx]];
         const int64_t t = ws->tasks[2 * idx + 1], it = wk->item;
-        const int64_t row = st->item_row0[it] + t, last = st->item_pos0[it] + t;
+        const int64_t row = st->item_row0[it] + t;
+        const int64_t last = duet_cpu_mla_local_len(&ws->shard, st->item_pos0[it] + t + 1) - 1;
         const int64_t segs = duet_splitkv_blocks(ws->lens[it], DUET_CPU_MLA_SEG);
         const float *qh = cx->qhat + row * n * r, *q_r = cx->qr + row * cx->ldqr;
         if (ws->plan.splits[it] > 1) {
@@ -235,8 +249,13 @@ static void duet__mla_work_task(void *vctx, int64_t b, int64_t e, int tid)
             for (int64_t h = 0; h < n; h++)
                 duet__mla_fold(state + 2 * h, cx->lat + (row * n + h) * r, tmp + h * P, r, g == 0);
         }
-        for (int64_t h = 0; h < n; h++)
-            duet__mla_finish(state + 2 * h, cx->lat + (row * n + h) * r, r);
+        for (int64_t h = 0; h < n; h++) {
+            float *lse = cx->lse != NULL ? cx->lse + row * n + h : NULL;
+            if (last < 0)
+                duet__mla_empty(cx->lat + (row * n + h) * r, r, lse);
+            else
+                duet__mla_finish(state + 2 * h, cx->lat + (row * n + h) * r, r, lse);
+        }
     }
 }
 
@@ -250,14 +269,19 @@ static void duet__mla_merge_task(void *vctx, int64_t b, int64_t e, int tid)
     (void)tid;
     for (int64_t idx = b; idx < e; idx++) {
         const int64_t m = idx / n, h = idx % n, it = ws->merge[2 * m], t = ws->merge[2 * m + 1];
-        const int64_t row = st->item_row0[it] + t, last = st->item_pos0[it] + t;
+        const int64_t row = st->item_row0[it] + t;
+        const int64_t last = duet_cpu_mla_local_len(&ws->shard, st->item_pos0[it] + t + 1) - 1;
+        float *lse = cx->lse != NULL ? cx->lse + row * n + h : NULL;
         const int64_t segs = duet_splitkv_blocks(ws->lens[it], DUET_CPU_MLA_SEG);
         float state[2];
         float *out = cx->lat + (row * n + h) * r;
         for (int64_t g = 0; g < segs && g * DUET_CPU_MLA_SEG <= last; g++)
             duet__mla_fold(state, out, ws->part + ws->part0[it] + ((t * segs + g) * n + h) * P, r,
                            g == 0);
-        duet__mla_finish(state, out, r);
+        if (last < 0)
+            duet__mla_empty(out, r, lse);
+        else
+            duet__mla_finish(state, out, r, lse);
     }
 }
 
@@ -298,7 +322,7 @@ duet_status_t duet_cpu_mla_plan(duet_kernels_t *k, const duet_cpu_step_t *st, in
                               (long long)ni);
     for (int64_t i = 0; i < ni; i++) {
         ws->rows[i] = st->item_row0[i + 1] - st->item_row0[i];
-        ws->lens[i] = st->item_pos0[i] + ws->rows[i];
+        ws->lens[i] = duet_cpu_mla_local_len(&ws->shard, st->item_pos0[i] + ws->rows[i]);
     }
     const duet_splitkv_in_t in = {.n_items = ni,
                                   .lens = ws->lens,
@@ -351,8 +375,8 @@ duet_status_t duet_cpu_mla_plan(duet_kernels_t *k, const duet_cpu_step_t *st, in
 
 void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                          const duet_cpu_mla_layer_t *ly, const float *qhat, const float *qr,
-                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *scratch,
-                         int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws)
+                         int64_t ldqr, int64_t dqr_stride, float scale, float *lat, float *lse,
+                         float *scratch, int64_t scratch_per_thread, const duet_cpu_mla_ws_t *ws)
 {
     DUET_ASSERT(ws->heads == ly->n_heads && ws->r == ly->r); /* planned for this shape */
     duet__mla_attn_ctx_t cx = {.st = st,
@@ -364,9 +388,19 @@ void duet_cpu_mla_attend(duet_kernels_t *k, const duet_cpu_step_t *st,
                                .dqr_stride = dqr_stride,
                                .scale = scale,
                                .lat = lat,
+                               .lse = lse,
                                .scratch = scratch,
                                .per_thread = scratch_per_thread};
     duet_k_parallel_each(k, ws->n_tasks, duet__mla_work_task, &cx);
     if (ws->n_merge > 0)
         duet_k_parallel_for(k, ws->n_merge * ly->n_heads, 1, duet__mla_merge_task, &cx);
+    /* items the plan gave no work: none of their positions is held here (a shard) */
+    for (int64_t it = 0; it < st->n_items; it++) {
+        if (ws->lens[it] > 0)
+            continue;
+        for (int64_t row = st->item_row0[it]; row < st->item_row0[it + 1]; row++)
+            for (int64_t h = 0; h < ly->n_heads; h++)
+                duet__mla_empty(lat + (row * ly->n_heads + h) * ly->r, ly->r,
+                                lse != NULL ? lse + row * ly->n_heads + h : NULL);
+    }
 }

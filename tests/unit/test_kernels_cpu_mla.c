@@ -124,7 +124,8 @@ static void attend(const batch_t *b, int threads, duet_splitkv_mode_t mode, int6
     for (int64_t x = 0; x < b->n_rows * NH * R; x++)
         lat[x] = NAN;
     cr_assert_eq(duet_cpu_mla_plan(k, &st, NH, R, &ws), DUET_OK, "%s", duet_error_last());
-    duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.125f, lat, scratch, per, &ws);
+    duet_cpu_mla_attend(k, &st, &ly, b->qhat, b->qr, NH * DR, DR, 0.125f, lat, NULL, scratch, per,
+                        &ws);
     if (ws_out != NULL) {
         *ws_out = ws; /* the caller frees it */
     } else {
