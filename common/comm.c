@@ -57,6 +57,12 @@ static void duet__self_destroy(duet_comm_t *c)
     free(c);
 }
 
+static void duet__self_abort(duet_comm_t *c, int code)
+{
+    (void)c;
+    exit(code);
+}
+
 static const duet_comm_ops_t duet__self_ops = {
     .name = "self",
     .on_device = 0,
@@ -66,6 +72,7 @@ static const duet_comm_ops_t duet__self_ops = {
     .bcast = duet__self_bcast,
     .barrier = duet__self_barrier,
     .destroy = duet__self_destroy,
+    .abort = duet__self_abort,
 };
 
 duet_status_t duet_comm_self_create(duet_comm_t **c_p)

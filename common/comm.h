@@ -38,7 +38,12 @@ struct duet_comm {
     const duet_comm_ops_t *ops;
     int rank;           /* 0 .. size - 1 */
     int size;           /* ranks in the group */
-    int64_t timeout_ms; /* the longest any op waits for the other ranks */
+    int64_t timeout_ms; /* the longest any op waits for the other ranks (0 = no bound) */
+    /* Optional: called now and then while an op of a host transport waits for the other ranks,
+     * for the rank's other duties (a follower's UCX progress); it must not use the
+     * communicator. */
+    void (*on_wait)(void *user);
+    void *on_wait_user;
 };
 
 struct duet_comm_ops {
@@ -61,6 +66,9 @@ struct duet_comm_ops {
     duet_status_t (*barrier)(duet_comm_t *c);
     /* Frees the instance; collective only when the communicator is healthy. Accepts NULL. */
     void (*destroy)(duet_comm_t *c);
+    /* Ends every rank's process with this exit code (after a failure, so that no rank is left
+     * waiting for the others); does not return. */
+    void (*abort)(duet_comm_t *c, int code);
 };
 
 /* A one-rank communicator ("self"): *c_p owns nothing else; destroy with duet_comm_destroy. */

@@ -326,14 +326,14 @@ static duet_status_t duet__model_finish(duet_model_t *m, int from_checkpoint, ui
 static duet_status_t duet__model_group(duet_model_t *m)
 {
     const duet_model_opts_t *o = &m->opts;
+    const int cp = o->helix_cp > 0 ? o->helix_cp : 1, tp = o->helix_tp > 0 ? o->helix_tp : 1;
     if (o->comm == NULL || o->comm->size <= 1) {
-        if (o->helix_cp > 1 || o->helix_tp > 1)
+        if (cp * tp > 1)
             return DUET_FAIL(DUET_ERR_INVALID,
                              "model: helix cp %d x tp %d needs a communicator of as many ranks",
-                             o->helix_cp, o->helix_tp);
+                             cp, tp);
         return DUET_OK;
     }
-    const int cp = o->helix_cp > 0 ? o->helix_cp : 1, tp = o->helix_tp > 0 ? o->helix_tp : 1;
     if (cp * tp != o->comm->size)
         return DUET_FAIL(DUET_ERR_INVALID, "model: helix cp %d x tp %d is not the group's %d ranks",
                          cp, tp, o->comm->size);

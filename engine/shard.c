@@ -21,10 +21,10 @@ duet_status_t duet_shard_make(const duet_model_config_t *c, int cp, int tp, int 
         return duet_error_set(DUET_ERR_INVALID, "helix: rank %d of a group of %d", rank, n);
     /* every rank holds at least one KDA head (its state pool and its transfer layout need one)
      * and attends with at least one MLA head */
-    if (c->n_kda_layers > 0 && c->kda_heads < n)
+    if (c->n_kda_layers > 0 && c->kda_heads % n != 0)
         return duet_error_set(DUET_ERR_INVALID,
-                              "helix: %d ranks, but the model has %lld KDA heads to share (at most "
-                              "one rank per head)",
+                              "helix: %d ranks cannot share the model's %lld KDA heads evenly (the "
+                              "cache transfer deals them out evenly)",
                               n, (long long)c->kda_heads);
     if (c->n_mla_layers > 0 && c->mla_heads < tp)
         return duet_error_set(DUET_ERR_INVALID,

@@ -15,7 +15,7 @@
  *  - FFN: rows [rank*I/N, ..) of the dense MLP's and the shared expert's intermediate, and the
  *    routed experts [rank*E/N, ..) whole (expert parallel); routing is computed by every rank.
  *  - Embedding, norms, the router's gate: every rank. The LM head: rank 0 only (it samples).
- * Cuts may be uneven; every rank holds at least one KDA head and attends with at least one MLA
+ * KDA heads divide evenly; every rank attends with at least one MLA
  * head, but may own no MLA head after the merge, no expert or no FFN row (it adds zeros).
  */
 #ifndef DUET_ENGINE_SHARD_H
@@ -49,8 +49,9 @@ static inline int64_t duet_shard_cut(int64_t n, int64_t parts, int64_t i)
 
 /*
  * The shard of `rank` in a group of cp * tp ranks for config c. DUET_ERR_INVALID for cp or tp
- * < 1, more than DUET_SHARD_MAX_RANKS ranks, a rank outside the group, more ranks than KDA heads
- * or tp above the MLA heads. Cuts may be uneven.
+ * < 1, more than DUET_SHARD_MAX_RANKS ranks, a rank outside the group, KDA heads that do not
+ * divide evenly over the ranks (transfer/plan.c deals them evenly) or tp above the MLA heads.
+ * Other cuts may be uneven.
  */
 duet_status_t duet_shard_make(const duet_model_config_t *c, int cp, int tp, int rank,
                               duet_shard_t *s);

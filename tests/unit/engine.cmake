@@ -34,3 +34,6 @@ duet_add_test(test_engine_generate SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test
 duet_add_test(test_engine_cache_plan SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_cache_plan.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 120)
 add_dependencies(test_engine_cache_plan duet-gen)
+# A Helix group rank's cut (engine/shard.h): cuts, dealt pages, sharded weights, refusals.
+duet_add_test(test_engine_shard SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_shard.c
+              LIBS duet_engine TIMEOUT 60)
