@@ -25,3 +25,15 @@ add_test(NAME group_comm_mpi_kill
                  $<TARGET_FILE:test_comm_mpi> 3)
 set_tests_properties(group_comm_mpi_kill PROPERTIES TIMEOUT 60 LABELS mpi
                      ENVIRONMENT "${DUET_MPI_TEST_ENV}")
+
+# The nccl transport on device buffers, 2 ranks with a GPU each; skips (exit 77) where fewer
+# than 2 CUDA devices are visible, as on CI.
+if(DUET_HAVE_NCCL)
+  add_executable(test_comm_nccl ${CMAKE_CURRENT_LIST_DIR}/test_comm_nccl.c)
+  duet_target_defaults(test_comm_nccl)
+  target_link_libraries(test_comm_nccl PRIVATE duet_group_nccl m)
+  add_test(NAME group_comm_nccl_n2
+           COMMAND ${DUET_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} 2 $<TARGET_FILE:test_comm_nccl>)
+  set_tests_properties(group_comm_nccl_n2 PROPERTIES TIMEOUT 120 LABELS mpi SKIP_RETURN_CODE 77
+                       ENVIRONMENT "${DUET_MPI_TEST_ENV}")
+endif()
