@@ -12,6 +12,7 @@
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include <mpi.h>
@@ -92,6 +93,8 @@ static duet_status_t duet__mpi_wait(duet__mpi_t *m, MPI_Request *req, const char
                                   op, (long long)duet__poll_elapsed_ms(&p), m->base.rank,
                                   m->base.size, (long long)m->base.timeout_ms);
         }
+        if (m->base.on_wait != NULL) /* the rank's other duties (a follower's UCX progress) */
+            m->base.on_wait(m->base.on_wait_user);
         duet__poll_pause(&p);
     }
 }
@@ -284,6 +287,13 @@ static void duet__mpi_destroy(duet_comm_t *c)
     free(m);
 }
 
+static void duet__mpi_abort(duet_comm_t *c, int code)
+{
+    (void)c;
+    MPI_Abort(MPI_COMM_WORLD, code); /* mpirun ends every rank of the job */
+    _exit(code);
+}
+
 static const duet_comm_ops_t duet__mpi_ops = {
     .name = "mpi",
     .on_device = 0,
@@ -293,6 +303,7 @@ static const duet_comm_ops_t duet__mpi_ops = {
     .bcast = duet__mpi_bcast,
     .barrier = duet__mpi_barrier,
     .destroy = duet__mpi_destroy,
+    .abort = duet__mpi_abort,
 };
 
 duet_status_t duet_comm_mpi_gatherv_bytes(duet_comm_t *c, const void *send, size_t bytes,

@@ -12,6 +12,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include <cuda_runtime.h>
@@ -26,7 +27,8 @@ typedef struct {
     cudaStream_t stream;
     int device;
     int broken;
-    float *one; /* the barrier's device float */
+    float *one;        /* the barrier's device float */
+    duet_comm_t *boot; /* the MPI communicator it was bootstrapped through (the caller's) */
 } duet__nccl_t;
 
 /* Stops the NCCL communicator (its kernels too) and breaks this one. */
@@ -257,6 +259,14 @@ static void duet__nccl_destroy(duet_comm_t *c)
     free(m);
 }
 
+static void duet__nccl_abort_job(duet_comm_t *c, int code)
+{
+    duet__nccl_t *m = (duet__nccl_t *)c;
+    if (!m->broken)
+        duet__nccl_abort(m);
+    m->boot->ops->abort(m->boot, code); /* the MPI job's ranks: mpirun ends them all */
+}
+
 static const duet_comm_ops_t duet__nccl_ops = {
     .name = "nccl",
     .on_device = 1,
@@ -266,6 +276,7 @@ static const duet_comm_ops_t duet__nccl_ops = {
     .bcast = duet__nccl_bcast,
     .barrier = duet__nccl_barrier,
     .destroy = duet__nccl_destroy,
+    .abort = duet__nccl_abort_job,
 };
 
 /* What each rank tells the others at creation: whether it is ready, and rank 0's unique id. */
@@ -291,6 +302,7 @@ duet_status_t duet_comm_nccl_create(duet_comm_t *mpi, int device, void *stream, 
     m->base.ops = &duet__nccl_ops;
     m->base.rank = mpi->rank;
     m->base.size = mpi->size;
+    m->boot = mpi;
     m->base.timeout_ms = timeout_ms > 0 ? timeout_ms : 0;
     m->stream = (cudaStream_t)stream;
     m->device = device;

@@ -26,7 +26,7 @@
  * carries it to every rank together with every rank's readiness (device selected), so a rank
  * that cannot start makes all of them fail alike. The NCCL communicator is made nonblocking and
  * its initialisation is bounded by timeout_ms (0 = unbounded), like every op. Collective over
- * `mpi`, which the new communicator does not own (it must outlive it only through creation).
+ * `mpi`, which the new communicator does not own; it must outlive it (abort goes through it).
  * Destroy with duet_comm_destroy.
  */
 duet_status_t duet_comm_nccl_create(duet_comm_t *mpi, int device, void *stream, int64_t timeout_ms,

@@ -37,3 +37,22 @@ if(DUET_HAVE_NCCL)
   set_tests_properties(group_comm_nccl_n2 PROPERTIES TIMEOUT 120 LABELS mpi SKIP_RETURN_CODE 77
                        ENVIRONMENT "${DUET_MPI_TEST_ENV}")
 endif()
+
+# A group's forward (engine/shard.h) against the single-process model: the demo model at cp x tp
+# 2x1, 4x1, 1x2, 2x2 and a q_lora fixture at 2x1 (tests/group/test_engine_group.c).
+add_executable(test_engine_group ${CMAKE_CURRENT_LIST_DIR}/test_engine_group.c)
+duet_target_defaults(test_engine_group)
+target_link_libraries(test_engine_group PRIVATE duet_engine duet_group m)
+foreach(case "demo;models/duet-demo;2;1" "demo;models/duet-demo;4;1" "demo;models/duet-demo;1;2"
+        "demo;models/duet-demo;2;2" "mla;tests/fixtures/mla-first-bf16-mixed-norenorm;2;1")
+  list(GET case 0 tag)
+  list(GET case 1 dir)
+  list(GET case 2 cp)
+  list(GET case 3 tp)
+  math(EXPR n "${cp} * ${tp}")
+  add_test(NAME group_engine_${tag}_cp${cp}_tp${tp}
+           COMMAND ${DUET_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:test_engine_group>
+                   ${PROJECT_SOURCE_DIR}/${dir} ${cp} ${tp})
+  set_tests_properties(group_engine_${tag}_cp${cp}_tp${tp} PROPERTIES TIMEOUT 120 LABELS mpi
+                       ENVIRONMENT "${DUET_MPI_TEST_ENV}")
+endforeach()
