@@ -208,7 +208,7 @@ static int recv_run(side_t *s, const uint8_t *msg, uint32_t len, int out)
                            .n_replay = N_REPLAY};
     duet_xfer_dest_t dst = {
         .pages = b.pages, .n_pages = (uint32_t)b.n_pages, .kda_slot = b.kda_slot};
-    if (duet_xfer_plan_build(&rq.layout, &src, &s->layout, &dst, 1, &plan) != DUET_OK)
+    if (duet_xfer_plan_build(&rq.layout, &src, &s->layout, &dst, 1, 0, &plan) != DUET_OK)
         goto fail;
     const uint64_t bad = verify_moved(s, &plan, rq.seed);
     if (plan.total_bytes != r.bytes) {
@@ -337,7 +337,7 @@ static int send_run(sender_t *S, const duet_seq_t *seq, uint32_t seed, run_t *ou
                                  .n_replay = (uint32_t)seq->n_replay};
     duet_xfer_dest_t dst;
     duet_xfer_reservation_dest(&res, &dst);
-    if (duet_xfer_plan_build(&s->layout, &src, &res.layout, &dst, 1, &plan) != DUET_OK) {
+    if (duet_xfer_plan_build(&s->layout, &src, &res.layout, &dst, 1, 0, &plan) != DUET_OK) {
         fprintf(stderr, PROG ": plan: %s\n", duet_error_last());
         goto done;
     }

@@ -17,6 +17,9 @@
  *              ABORTED: Tokens(ERROR, no ids) so the router may prefill once more elsewhere.
  * The sequence's pages are returned only once the transfer reported its outcome (no UCX
  * operation reads them any more). Cancel and deadlines end a request in any state.
+ * A Prefill for a Helix generation group carries one reservation per rank (reservation and
+ * more_reservations); they are decoded as one set (transfer/reservation.h: one whole group,
+ * ordered by rank) and the transfer goes to every rank.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,9 +48,10 @@ typedef enum {
 } cr_phase_t;
 
 typedef struct {
-    duet_worker_req_t base;      /* first: the skeleton's table holds cr_t */
-    duet_xfer_reservation_t res; /* decoded; owns its message */
-    bool ended;                  /* the router was told the end; free at the outcome */
+    duet_worker_req_t base;       /* first: the skeleton's table holds cr_t */
+    duet_xfer_reservation_t *res; /* (n_res) decoded, rank r at [r]; each owns its message */
+    uint32_t n_res;
+    bool ended; /* the router was told the end; free at the outcome */
     bool last_in_step;
     double t_arrive;
     double t_admit; /* when its transfer started */
@@ -69,8 +73,11 @@ static void ctx_release(duet_worker_t *w, duet_worker_req_t *q)
 {
     if (q->seq.id >= 0)
         c.open_seqs--;
-    duet_xfer_reservation_free(&((cr_t *)q)->res);
-    duet_worker_req_clear(w, q);
+    cr_t *r = (cr_t *)q;
+    for (uint32_t i = 0; i < r->n_res; i++)
+        duet_xfer_reservation_free(&r->res[i]);
+    free(r->res);
+    duet_worker_req_clear(w, q); /* zeroes r */
 }
 
 /*
@@ -114,8 +121,8 @@ static void ctx_admit(duet_worker_t *w)
         c.open_seqs++;
         duet_xfer_send_args_t a = {
             .req_id = q->rid,
-            .reservations = &r->res,
-            .n_ranks = 1,
+            .reservations = r->res,
+            .n_ranks = r->n_res,
             .layout = w->layout,
             .src = {.pages = q->seq.pages,
                     .n_pages = (uint32_t)q->seq.n_pages,
@@ -206,11 +213,30 @@ static void ctx_on_prefill(duet_worker_t *w, const Duet__Prefill *m)
     cr_t *r = why == NULL ? (cr_t *)duet_worker_free_slot(w) : NULL;
     if (why == NULL && r == NULL)
         why = "the context worker's queue is full";
-    duet_xfer_reservation_t res = {0};
-    if (why == NULL &&
-        duet_xfer_reservation_decode(m->reservation.data, m->reservation.len, 0, &res) != DUET_OK) {
-        snprintf(buf, sizeof(buf), "unusable reservation: %s", duet_error_last());
+    duet_xfer_reservation_t *res = NULL;
+    const uint32_t n_res = m->n_more_reservations < DUET_XFER_MAX_RANKS
+                               ? (uint32_t)m->n_more_reservations + 1
+                               : DUET_XFER_MAX_RANKS + 1;
+    if (why == NULL && n_res > DUET_XFER_MAX_RANKS) {
+        snprintf(buf, sizeof(buf), "unusable reservations: %zu of them, a group has at most %d",
+                 m->n_more_reservations + 1, DUET_XFER_MAX_RANKS);
         why = buf;
+    }
+    if (why == NULL) {
+        duet_xfer_bytes_t spans[DUET_XFER_MAX_RANKS];
+        spans[0] = (duet_xfer_bytes_t){m->reservation.data, m->reservation.len};
+        for (uint32_t i = 1; i < n_res; i++)
+            spans[i] = (duet_xfer_bytes_t){m->more_reservations[i - 1].data,
+                                           m->more_reservations[i - 1].len};
+        res = calloc(n_res, sizeof(*res));
+        if (res == NULL) {
+            why = "out of memory";
+        } else if (duet_xfer_reservation_decode_group(spans, n_res, 0, res) != DUET_OK) {
+            snprintf(buf, sizeof(buf), "unusable reservation: %s", duet_error_last());
+            why = buf;
+            free(res);
+            res = NULL;
+        }
     }
     if (why != NULL) {
         DUET_RLOG_INFO(m->request_id, "prefill refused: %s", why);
@@ -219,7 +245,9 @@ static void ctx_on_prefill(duet_worker_t *w, const Duet__Prefill *m)
         return;
     }
     if (!duet_worker_req_set_prompt(&r->base, m->tokens, m->n_tokens)) {
-        duet_xfer_reservation_free(&res);
+        for (uint32_t i = 0; i < n_res; i++)
+            duet_xfer_reservation_free(&res[i]);
+        free(res);
         duet_worker_send_tokens(w->link, m->request_id, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
                                 "out of memory");
         return;
@@ -228,6 +256,7 @@ static void ctx_on_prefill(duet_worker_t *w, const Duet__Prefill *m)
                          m->sampling, m->deadline_unix_ms);
     r->base.phase = CR_WAITING;
     r->res = res;
+    r->n_res = n_res;
     r->t_arrive = duet_worker_now();
     duet_worker_update(w);
 }

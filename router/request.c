@@ -8,6 +8,10 @@
  *                                                 else 429)
  *   PREFILLING  Prefill + reservation sent to a ctx worker   <- Tokens (the first token), then
  *                                                 PrefillDone to the gen worker
+ * A Helix generation group's Reserved carries one reservation per rank (more_reservations: ranks
+ * 1..); the router keeps them, opaque, with the request (at most DUET_XFER_MAX_RANKS in all, each
+ * within DUET_XFER_RESERVATION_MAX_BYTES, else the request fails naming the worker) and puts them
+ * into the Prefill. A move into a group is not supported: such a Reserved refuses the move.
  *   GENERATING  the gen worker streams Tokens (after PrefillDone, or at once after Generate when
  *               the prompt is shorter than placement.local_prefill_tokens)
  *
@@ -44,6 +48,8 @@
 #include "common/strbuf.h"
 #include "proto/envelope.h"
 #include "router/router_impl.h"
+#include "transfer/plan.h"        /* DUET_XFER_MAX_RANKS (constants only) */
+#include "transfer/reservation.h" /* DUET_XFER_RESERVATION_MAX_BYTES */
 
 typedef enum {
     RQ_NEW = 0,    /* not queued, not started (also: left the queue without starting) */
@@ -86,6 +92,8 @@ typedef struct rq {
     int prefill_attempts;
     uint8_t *reservation; /* owned */
     size_t reservation_len;
+    ProtobufCBinaryData *more_res; /* (n_more_res) a Helix group's ranks 1..; each owned */
+    size_t n_more_res;
     uint64_t t_start_ns, t_first_ns, t_last_ns;
     uint64_t deadline_ms; /* uv_now clock */
     uint32_t retry_after_ms;
@@ -107,6 +115,16 @@ typedef struct rq {
     } mv; /* the source's MovePaused state */
     struct rq *bucket_next;
 } rq_t;
+
+/* Drop the extra reservations of a Helix group (a Reserved's more_reservations). */
+static void rq_more_res_free(rq_t *r)
+{
+    for (size_t i = 0; i < r->n_more_res; i++)
+        free(r->more_res[i].data);
+    free(r->more_res);
+    r->more_res = NULL;
+    r->n_more_res = 0;
+}
 
 /* ---------------------------------------------------------------- the live-request table */
 
@@ -255,6 +273,7 @@ static void rq_end(rq_t *r, const char *why)
     free(r->ids);
     free(r->out);
     free(r->reservation);
+    rq_more_res_free(r);
     free(r);
 }
 
@@ -486,6 +505,8 @@ static bool rq_send_to_ctx(rq_t *r)
     p.max_tokens = r->oai.max_tokens;
     p.reservation.data = r->reservation;
     p.reservation.len = r->reservation_len;
+    p.more_reservations = r->more_res;
+    p.n_more_reservations = r->n_more_res;
     p.deadline_unix_ms = rq_deadline_unix_ms(r);
     Duet__Envelope env = duet_envelope_prefill(&p);
     r->phase = RQ_PREFILLING;
@@ -891,11 +912,72 @@ static void rq_on_moved(duet__router_t *rt, uint64_t wid, const Duet__Moved *m)
                 (unsigned long long)r->gen_id);
 }
 
+/* Keep a Reserved's reservations (copies; opaque) with r; false when r failed (a bad Reserved:
+ * too many or too big, the error names the worker; or out of memory). */
+static bool rq_keep_reservations(rq_t *r, uint64_t wid, const Duet__Reserved *m)
+{
+    size_t too_big = SIZE_MAX;
+    if (m->reservation.len > DUET_XFER_RESERVATION_MAX_BYTES)
+        too_big = 0;
+    for (size_t i = 0; i < m->n_more_reservations && too_big == SIZE_MAX; i++)
+        if (m->more_reservations[i].len > DUET_XFER_RESERVATION_MAX_BYTES)
+            too_big = i + 1;
+    if (m->n_more_reservations > DUET_XFER_MAX_RANKS - 1 || too_big != SIZE_MAX) {
+        char what[96];
+        if (too_big != SIZE_MAX)
+            snprintf(what, sizeof(what), "reservation %zu is larger than %u bytes", too_big,
+                     DUET_XFER_RESERVATION_MAX_BYTES);
+        else
+            snprintf(what, sizeof(what), "%zu reservations exceed a group's %d ranks",
+                     m->n_more_reservations + 1, DUET_XFER_MAX_RANKS);
+        DUET_RLOG_ERROR(r->id, "gen worker %llu sent a bad Reserved: %s", (unsigned long long)wid,
+                        what);
+        rq_fail(r, 502, "server_error", "bad_worker_output", 0,
+                "generation worker %llu sent a bad reservation: %s", (unsigned long long)wid, what);
+        return false;
+    }
+    free(r->reservation);
+    rq_more_res_free(r);
+    r->reservation_len = m->reservation.len;
+    r->reservation = malloc(r->reservation_len > 0 ? r->reservation_len : 1);
+    if (r->reservation == NULL)
+        goto nomem;
+    memcpy(r->reservation, m->reservation.data, r->reservation_len);
+    if (m->n_more_reservations > 0) {
+        r->more_res = calloc(m->n_more_reservations, sizeof(*r->more_res));
+        if (r->more_res == NULL)
+            goto nomem;
+        for (size_t i = 0; i < m->n_more_reservations; i++, r->n_more_res++) {
+            const size_t n = m->more_reservations[i].len;
+            r->more_res[i].data = malloc(n > 0 ? n : 1);
+            if (r->more_res[i].data == NULL)
+                goto nomem;
+            memcpy(r->more_res[i].data, m->more_reservations[i].data, n);
+            r->more_res[i].len = n;
+        }
+    }
+    return true;
+nomem:
+    rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+    return false;
+}
+
 /* Reserved: the gen worker holds pages for the request; the ctx worker prefills into them. */
 static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserved *m)
 {
     rq_t *r = rq_find(rt, m->request_id);
     if (r != NULL && r->move == MV_RESERVING && wid == r->move_to) {
+        if (m->n_more_reservations > 0) { /* a Helix group: moving into one is not built */
+            DUET_RLOG_INFO(r->id,
+                           "gen worker %llu reserved as a group of %zu ranks: moving a running "
+                           "request into a Helix group is not supported",
+                           (unsigned long long)wid, m->n_more_reservations + 1);
+            rq_move_target_gone(r, "moving a running request into a Helix group is not supported");
+            if (r->n_move_exclude < RQ_MAX_EXCLUDE)
+                r->move_exclude[r->n_move_exclude++] = wid;
+            rq_move_reserve(r);
+            return;
+        }
         rq_move_out(r, m);
         return;
     }
@@ -905,14 +987,8 @@ static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserve
             rt_send_cancel(rt, wid, m->request_id, "request no longer exists");
         return;
     }
-    free(r->reservation);
-    r->reservation_len = m->reservation.len;
-    r->reservation = malloc(r->reservation_len > 0 ? r->reservation_len : 1);
-    if (r->reservation == NULL) {
-        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+    if (!rq_keep_reservations(r, wid, m))
         return;
-    }
-    memcpy(r->reservation, m->reservation.data, r->reservation_len);
     if (!rq_send_to_ctx(r))
         rq_fail(r, 503, "server_error", "no_capacity", 1,
                 "no live context worker can prefill the request");

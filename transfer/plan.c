@@ -5,7 +5,9 @@
  * KV: for each MLA layer, tokens are walked in runs over which neither the source page nor the
  * destination page changes (a run ends at whichever page boundary comes first, or at n_tokens),
  * so one run is one contiguous range on both sides; a run that continues the previous entry on
- * both sides (same rank) is merged into it. KDA: per layer and rank, S of the rank's heads is one
+ * both sides (same rank) is merged into it. A page held by several ranks (the tp ranks of one
+ * Helix c) is walked once per copy: copy t of every page, then copy t + 1, so that each rank's
+ * runs stay adjacent and merge. KDA: per layer and rank, S of the rank's heads is one
  * contiguous range on the sender (heads are the outer dimension) and the q, k, v conv windows of
  * its channels are three more; with one rank the four are contiguous and merge into one. Replay
  * rows (one rank only): per KDA layer, rows [0, n_replay) of the slot's block are contiguous on
@@ -208,7 +210,7 @@ static void plan_add(duet_xfer_plan_t *plan, size_t group_start, uint8_t kind, u
 
 duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
                                    const duet_xfer_layout_t *dst_layout,
-                                   const duet_xfer_dest_t *dst, uint32_t n_ranks,
+                                   const duet_xfer_dest_t *dst, uint32_t n_ranks, uint32_t kv_ranks,
                                    duet_xfer_plan_t *plan_p)
 {
     duet_status_t st;
@@ -217,6 +219,13 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     if (n_ranks < 1 || n_ranks > DUET_XFER_MAX_RANKS)
         return DUET_FAIL(DUET_ERR_INVALID, "xfer plan: n_ranks %u outside [1, %d]", n_ranks,
                          DUET_XFER_MAX_RANKS);
+    kv_ranks = duet_xfer_kv_ranks_or(kv_ranks, n_ranks);
+    if (kv_ranks > n_ranks || n_ranks % kv_ranks != 0)
+        return DUET_FAIL(DUET_ERR_INVALID,
+                         "xfer plan: KV pages dealt over %u ranks, which does not divide the group "
+                         "of %u",
+                         kv_ranks, n_ranks);
+    const uint32_t copies = n_ranks / kv_ranks; /* ranks holding each KV page (a c's tp) */
 
     const duet_xfer_layout_t *sl = src_layout;
     const uint32_t L = sl->n_mla_layers;
@@ -316,13 +325,14 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
                                  "xfer plan: rank %u: layout.page_tokens %u differs from rank 0's "
                                  "%u (one page size per group)",
                                  r, dl->page_tokens, pd);
-            uint64_t need = n_dst_pages / n_ranks + (r < n_dst_pages % n_ranks);
+            const uint32_t shard = duet_xfer_kv_shard_of(r, n_ranks, kv_ranks);
+            uint64_t need = duet_xfer_kv_shard_pages(n_dst_pages, kv_ranks, shard);
             if (need > dst[r].n_pages || (need > 0 && dst[r].pages == NULL))
                 return DUET_FAIL(DUET_ERR_RANGE,
-                                 "xfer plan: rank %u: %llu tokens need %llu pages of %u tokens on "
-                                 "this rank, the reservation has %u",
-                                 r, (unsigned long long)src->n_tokens, (unsigned long long)need, pd,
-                                 dst[r].n_pages);
+                                 "xfer plan: rank %u (KV shard %u of %u): %llu tokens need %llu "
+                                 "pages of %u tokens on this rank, the reservation has %u",
+                                 r, shard, kv_ranks, (unsigned long long)src->n_tokens,
+                                 (unsigned long long)need, pd, dst[r].n_pages);
             uint64_t page_bytes = duet_xfer_layout_kv_page_bytes(dl);
             if (page_bytes == UINT64_MAX)
                 return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: rank %u: page size overflows", r);
@@ -360,10 +370,10 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
         }
     }
 
-    /* Upper bound on entries: per MLA layer one run per source or destination page boundary;
-     * per KDA layer and rank S + 3 conv windows, and the replay rows. */
+    /* Upper bound on entries: per MLA layer and copy one run per source or destination page
+     * boundary; per KDA layer and rank S + 3 conv windows, and the replay rows. */
     uint64_t src_pages_used = kv ? pages_for(src->n_tokens, sl->page_tokens) : 0;
-    uint64_t bound = (uint64_t)L * (src_pages_used + n_dst_pages) +
+    uint64_t bound = (uint64_t)L * copies * (src_pages_used + n_dst_pages) +
                      (kda ? 4ull * LK * n_ranks : 0) + (n_replay > 0 ? LK : 0);
     if (bound > SIZE_MAX / sizeof(duet_xfer_entry_t))
         return DUET_FAIL(DUET_ERR_RANGE, "xfer plan: %llu entries are too many",
@@ -378,7 +388,8 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
     plan->total_bytes = 0;
     memset(plan->bytes_per_rank, 0, sizeof(plan->bytes_per_rank));
 
-    /* MLA KV, layer by layer, in token order (offsets within the bounds checked above). */
+    /* MLA KV, layer by layer, in token order once per copy (offsets within the bounds checked
+     * above): page j goes to rank c * copies + copy, c = j % kv_ranks. */
     const uint64_t tb = sl->token_bytes;
     const uint32_t ps = sl->page_tokens;
     const duet_kv_layout_t skv = kv_layout_of(sl);
@@ -390,23 +401,25 @@ duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const d
         plan->layer_first[l] = group_start;
         if (!kv)
             continue;
-        for (uint64_t t = 0; t < src->n_tokens;) {
-            uint64_t a = t / ps, sa = t % ps; /* source page index, slot */
-            uint64_t j = t / pd, sd = t % pd; /* global destination page index, slot */
-            uint64_t run = ps - sa;
-            if (pd - sd < run)
-                run = pd - sd;
-            if (src->n_tokens - t < run)
-                run = src->n_tokens - t;
-            uint32_t r = (uint32_t)(j % n_ranks);
-            uint64_t local = j / n_ranks;
-            uint64_t src_off = 0, dst_off = 0;
-            bool ok =
-                duet_kv_layout_offset(&skv, (uint64_t)src->pages[a], l, sa, &src_off) &&
-                duet_kv_layout_offset(&dkv[r], (uint64_t)dst[r].pages[local], l, sd, &dst_off);
-            DUET_ASSERT(ok);
-            plan_add(plan, group_start, DUET_XFER_SEG_KV, r, l, src_off, dst_off, run * tb);
-            t += run;
+        for (uint32_t copy = 0; copy < copies; copy++) {
+            for (uint64_t t = 0; t < src->n_tokens;) {
+                uint64_t a = t / ps, sa = t % ps; /* source page index, slot */
+                uint64_t j = t / pd, sd = t % pd; /* global destination page index, slot */
+                uint64_t run = ps - sa;
+                if (pd - sd < run)
+                    run = pd - sd;
+                if (src->n_tokens - t < run)
+                    run = src->n_tokens - t;
+                uint32_t r = (uint32_t)(j % kv_ranks) * copies + copy;
+                uint64_t local = j / kv_ranks;
+                uint64_t src_off = 0, dst_off = 0;
+                bool ok =
+                    duet_kv_layout_offset(&skv, (uint64_t)src->pages[a], l, sa, &src_off) &&
+                    duet_kv_layout_offset(&dkv[r], (uint64_t)dst[r].pages[local], l, sd, &dst_off);
+                DUET_ASSERT(ok);
+                plan_add(plan, group_start, DUET_XFER_SEG_KV, r, l, src_off, dst_off, run * tb);
+                t += run;
+            }
         }
     }
 

@@ -9,11 +9,14 @@
  *
  * The two sides may use different page sizes (e.g. 64-token context pages into 128-token
  * generation pages); the last page of either side may be partial. A destination may be a Helix
- * CP group of N ranks, each with its own reservation: MLA KV pages are dealt round-robin by the
- * *destination* page index (global dest page j lives on rank j % N as that rank's local page
- * j / N), and the KDA state is sharded by heads for tensor parallelism (rank i holds heads
- * [i*H/N, (i+1)*H/N) of S and the matching channels of each of the q, k, v conv windows, laid out
- * on the rank exactly as a pool with H/N heads).
+ * group of N = cp * tp ranks (rank r = c * tp + t; engine/shard.h), each with its own
+ * reservation. MLA KV pages are dealt round-robin by the *destination* page index over the
+ * kv_ranks = cp KV shards: global dest page j belongs to shard c = j % kv_ranks and is sent to
+ * every one of the N / kv_ranks ranks of that c, as each one's local page j / kv_ranks (kv_ranks
+ * = N: every rank its own pages; kv_ranks = 1: every rank all of them). The KDA state is sharded
+ * by heads over all N ranks (rank i holds heads [i*H/N, (i+1)*H/N) of S and the matching
+ * channels of each of the q, k, v conv windows, laid out on the rank exactly as a pool with H/N
+ * heads).
  *
  * A running request that moves between generation workers (src.n_replay > 0) also carries the
  * accepted speculative rows not yet folded into its KDA state: rows [0, n_replay) of each KDA
@@ -37,6 +40,29 @@
 #include "common/status.h"
 
 #define DUET_XFER_MAX_RANKS 64
+
+/* kv_ranks as given, or group_size for 0 (the wire's and the arguments' "every rank its own
+ * pages"). */
+static inline uint32_t duet_xfer_kv_ranks_or(uint32_t kv_ranks, uint32_t group_size)
+{
+    return kv_ranks != 0 ? kv_ranks : group_size;
+}
+
+/* The KV shard (a Helix rank's c) that `rank` of a group of group_size ranks holds when the
+ * pages are dealt over kv_ranks shards: rank / (group_size / kv_ranks). kv_ranks must be in
+ * [1, group_size] and divide it (the callers validate that first). */
+static inline uint32_t duet_xfer_kv_shard_of(uint32_t rank, uint32_t group_size, uint32_t kv_ranks)
+{
+    return rank / (group_size / kv_ranks);
+}
+
+/* Pages of `global_pages` that KV shard `shard` of kv_ranks holds (global page j is shard
+ * j % kv_ranks's local page j / kv_ranks). */
+static inline uint64_t duet_xfer_kv_shard_pages(uint64_t global_pages, uint32_t kv_ranks,
+                                                uint32_t shard)
+{
+    return global_pages / kv_ranks + (shard < global_pages % kv_ranks);
+}
 
 /* Byte layout of one side's pools (the "page header" the reservation carries). */
 typedef struct {
@@ -94,25 +120,27 @@ typedef struct {
                             group g are [layer_first[g], layer_first[g+1]) with KV layers
                             first, then KDA layers (state, conv and replay entries) */
     uint64_t bytes_per_rank[DUET_XFER_MAX_RANKS]; /* [n_ranks] used, rest 0 */
-    uint64_t total_bytes;
-    size_t n_groups;  /* layer groups: n_mla_layers + n_kda_layers */
-    size_t layer_cap; /* size_t allocated at layer_first (so it can be reused) */
+    uint64_t total_bytes; /* every rank's bytes (a KV page sent to two ranks counts twice) */
+    size_t n_groups;      /* layer groups: n_mla_layers + n_kda_layers */
+    size_t layer_cap;     /* size_t allocated at layer_first (so it can be reused) */
 } duet_xfer_plan_t;
 
 /*
  * Build the plan for moving `src` (laid out as `src_layout`) into a group of `n_ranks`
- * destinations (dst[r] laid out as dst_layout[r]). Validates everything and refuses with a clear
- * message (DUET_ERR_INVALID / DUET_ERR_RANGE): token_bytes / layer counts / head_dim / kernel /
- * elem differing between the sides, kda_heads not divisible by n_ranks or not matching a rank's
- * layout, too few destination pages for n_tokens on some rank, page ids negative, n_ranks outside
- * [1, DUET_XFER_MAX_RANKS]; and for replay rows (src.n_replay > 0): more than one rank, no KDA
+ * destinations (dst[r] laid out as dst_layout[r]) whose KV pages are dealt over kv_ranks shards
+ * (0 = n_ranks; see the file comment). Validates everything and refuses with a clear message
+ * (DUET_ERR_INVALID / DUET_ERR_RANGE): token_bytes / layer counts / head_dim / kernel / elem
+ * differing between the sides, kda_heads not divisible by n_ranks or not matching a rank's
+ * layout, too few destination pages for n_tokens on some rank (its shard's pages), page ids
+ * negative, n_ranks outside [1, DUET_XFER_MAX_RANKS], kv_ranks above n_ranks or not dividing it;
+ * and for replay rows (src.n_replay > 0): more than one rank, no KDA
  * layers or no slot, n_replay above n_tokens or above either side's replay_rows. The plan is built
  * into *plan_p (which must be zeroed or previously built; buffers are reused and grown). Pure:
  * touches no pool memory.
  */
 duet_status_t duet_xfer_plan_build(const duet_xfer_layout_t *src_layout, const duet_xfer_src_t *src,
                                    const duet_xfer_layout_t *dst_layout,
-                                   const duet_xfer_dest_t *dst, uint32_t n_ranks,
+                                   const duet_xfer_dest_t *dst, uint32_t n_ranks, uint32_t kv_ranks,
                                    duet_xfer_plan_t *plan_p);
 
 void duet_xfer_plan_free(duet_xfer_plan_t *plan); /* frees buffers; accepts zeroed */

@@ -9,6 +9,7 @@
  */
 #include "transfer/reservation.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -64,6 +65,15 @@ duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r, u
     if (r->rank >= r->group_size)
         return DUET_FAIL(DUET_ERR_RANGE, "reservation: rank %u not below group_size %u", r->rank,
                          r->group_size);
+    const uint32_t kv_ranks = duet_xfer_kv_ranks_or(r->kv_ranks, r->group_size);
+    if (kv_ranks > r->group_size)
+        return DUET_FAIL(DUET_ERR_RANGE, "reservation: kv_ranks %u exceeds group_size %u", kv_ranks,
+                         r->group_size);
+    if (r->group_size % kv_ranks != 0)
+        return DUET_FAIL(DUET_ERR_FORMAT,
+                         "reservation: kv_ranks %u does not divide group_size %u (a Helix group "
+                         "is cp x tp ranks)",
+                         kv_ranks, r->group_size);
     if (r->worker_address.len == 0 || r->worker_address.data == NULL)
         return DUET_FAIL(DUET_ERR_FORMAT, "reservation: worker_address is empty");
     if (r->worker_address.len > DUET_XFER_WORKER_ADDRESS_MAX)
@@ -99,12 +109,13 @@ duet_status_t duet_xfer_reservation_validate(const duet_xfer_reservation_t *r, u
         if (l->token_bytes == 0)
             return DUET_FAIL(DUET_ERR_FORMAT, "reservation: layout.token_bytes is 0");
         uint64_t global = r->n_tokens / l->page_tokens + (r->n_tokens % l->page_tokens != 0);
-        uint64_t need = global / r->group_size + (r->rank < global % r->group_size);
+        uint32_t shard = duet_xfer_kv_shard_of(r->rank, r->group_size, kv_ranks);
+        uint64_t need = duet_xfer_kv_shard_pages(global, kv_ranks, shard);
         if (need > r->n_pages)
             return DUET_FAIL(DUET_ERR_RANGE,
-                             "reservation: pages: %u pages of %u tokens on rank %u of %u cannot "
-                             "hold its share (%llu pages) of n_tokens %llu",
-                             r->n_pages, l->page_tokens, r->rank, r->group_size,
+                             "reservation: pages: %u pages of %u tokens on rank %u of %u (KV shard "
+                             "%u of %u) cannot hold its share (%llu pages) of n_tokens %llu",
+                             r->n_pages, l->page_tokens, r->rank, r->group_size, shard, kv_ranks,
                              (unsigned long long)need, (unsigned long long)r->n_tokens);
     }
     if (r->n_pages > 0) {
@@ -239,6 +250,7 @@ void duet_xfer_reservation_to_proto(const duet_xfer_reservation_t *r, Duet__Rese
     msg->request_id = r->request_id;
     msg->rank = r->rank;
     msg->group_size = r->group_size;
+    msg->kv_ranks = r->kv_ranks;
     msg->worker_address = bytes_to_proto(r->worker_address);
     msg->kv_rkey = bytes_to_proto(r->kv_rkey);
     msg->kv_base = r->kv_base;
@@ -273,6 +285,7 @@ duet_status_t duet_xfer_reservation_from_proto(const Duet__Reservation *msg, uin
         .request_id = msg->request_id,
         .rank = msg->rank,
         .group_size = msg->group_size,
+        .kv_ranks = duet_xfer_kv_ranks_or(msg->kv_ranks, msg->group_size),
         .worker_address = bytes_from_proto(msg->worker_address),
         .kv_rkey = bytes_from_proto(msg->kv_rkey),
         .kv_base = msg->kv_base,
@@ -365,6 +378,64 @@ void duet_xfer_reservation_free(duet_xfer_reservation_t *r)
     if (r->msg != NULL)
         duet__reservation__free_unpacked(r->msg, NULL);
     memset(r, 0, sizeof(*r));
+}
+
+static int cmp_rank(const void *a, const void *b)
+{
+    uint32_t x = ((const duet_xfer_reservation_t *)a)->rank,
+             y = ((const duet_xfer_reservation_t *)b)->rank;
+    return (x > y) - (x < y);
+}
+
+duet_status_t duet_xfer_reservation_decode_group(const duet_xfer_bytes_t *bufs, uint32_t n,
+                                                 uint64_t now_unix_ms, duet_xfer_reservation_t *out)
+{
+    duet_status_t st = DUET_OK;
+    uint32_t done = 0;
+    if (n < 1 || n > DUET_XFER_MAX_RANKS)
+        return DUET_FAIL(DUET_ERR_INVALID, "reservations: %u of them, a group has 1 to %d", n,
+                         DUET_XFER_MAX_RANKS);
+    memset(out, 0, (size_t)n * sizeof(*out));
+    if (now_unix_ms == 0)
+        now_unix_ms = duet_xfer_now_unix_ms();
+    for (; done < n; done++) {
+        if ((st = duet_xfer_reservation_decode(bufs[done].data, bufs[done].len, now_unix_ms,
+                                               &out[done])) < 0) {
+            char why[256];
+            snprintf(why, sizeof(why), "%s", duet_error_last()); /* FAIL rewrites the detail */
+            st = DUET_FAIL(st, "reservations: [%u] of %u: %s", done, n, why);
+            goto fail;
+        }
+    }
+    qsort(out, n, sizeof(*out), cmp_rank);
+    for (uint32_t i = 0; i < n; i++) {
+        const duet_xfer_reservation_t *r = &out[i], *r0 = &out[0];
+        if (r->group_size != n) {
+            st = DUET_FAIL(DUET_ERR_INVALID,
+                           "reservations: rank %u claims a group of %u, %u reservations came",
+                           r->rank, r->group_size, n);
+            goto fail;
+        }
+        if (i > 0 && r->rank == out[i - 1].rank) {
+            st = DUET_FAIL(DUET_ERR_INVALID, "reservations: rank %u appears twice", r->rank);
+            goto fail;
+        }
+        if (r->kv_ranks != r0->kv_ranks || r->request_id != r0->request_id ||
+            r->n_tokens != r0->n_tokens) {
+            st = DUET_FAIL(DUET_ERR_INVALID,
+                           "reservations: rank %u (kv_ranks %u, request %llu, %llu tokens) differs "
+                           "from rank %u (kv_ranks %u, request %llu, %llu tokens)",
+                           r->rank, r->kv_ranks, (unsigned long long)r->request_id,
+                           (unsigned long long)r->n_tokens, r0->rank, r0->kv_ranks,
+                           (unsigned long long)r0->request_id, (unsigned long long)r0->n_tokens);
+            goto fail;
+        }
+    }
+    return DUET_OK; /* n distinct ranks below n: exactly 0..n-1, out[r] is rank r */
+fail:
+    for (uint32_t i = 0; i < done; i++)
+        duet_xfer_reservation_free(&out[i]);
+    return st;
 }
 
 void duet_xfer_reservation_dest(const duet_xfer_reservation_t *r, duet_xfer_dest_t *dest_p)

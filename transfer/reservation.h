@@ -40,8 +40,12 @@ typedef struct {
     uint32_t version; /* DUET_XFER_RESERVATION_VERSION */
     uint64_t transfer_id;
     uint64_t request_id;
-    uint32_t rank;                    /* this rank in the destination group */
-    uint32_t group_size;              /* ranks in the group, [1, DUET_XFER_MAX_RANKS] */
+    uint32_t rank;       /* this rank in the destination group */
+    uint32_t group_size; /* ranks in the group, [1, DUET_XFER_MAX_RANKS] */
+    uint32_t kv_ranks;   /* KV shards the pages are dealt over (a Helix group's cp; this rank holds
+                            shard duet_xfer_kv_shard_of(rank, ..), transfer/plan.h): in
+                            [1, group_size] and dividing it; 0 = group_size (decode writes
+                            group_size) */
     duet_xfer_bytes_t worker_address; /* receiver's packed UCX worker address, non-empty */
     duet_xfer_bytes_t kv_rkey;        /* packed rkey of the KV pool (non-empty with pages) */
     uint64_t kv_base;                 /* remote address of the KV pool */
@@ -115,6 +119,19 @@ duet_status_t duet_xfer_reservation_decode(const uint8_t *buf, size_t n, uint64_
 
 /* Release what decode allocated and zero *r. Accepts NULL and hand-filled reservations. */
 void duet_xfer_reservation_free(duet_xfer_reservation_t *r);
+
+/*
+ * Decode the reservations of one destination group (rank 0's and the others', in any order:
+ * Prefill.reservation and Prefill.more_reservations) into out[0..n), ordered by rank (out[r] is
+ * rank r's). Each is decoded as by duet_xfer_reservation_decode (now_unix_ms likewise); then the
+ * set must be one whole group: n in [1, DUET_XFER_MAX_RANKS], every one with group_size n and
+ * the same kv_ranks, request_id and n_tokens, and no rank twice (DUET_ERR_INVALID, naming what
+ * differs). On success out[0..n) own their messages (free each with
+ * duet_xfer_reservation_free); on failure nothing is allocated and out is zeroed.
+ */
+duet_status_t duet_xfer_reservation_decode_group(const duet_xfer_bytes_t *bufs, uint32_t n,
+                                                 uint64_t now_unix_ms,
+                                                 duet_xfer_reservation_t *out);
 
 /* The plan's view of this rank's reservation (pointers into r). */
 void duet_xfer_reservation_dest(const duet_xfer_reservation_t *r, duet_xfer_dest_t *dest_p);

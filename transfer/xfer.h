@@ -25,12 +25,13 @@
  *   pages.
  *
  * Sender (context side):
- *   duet_xfer_send_start() takes one decoded Reservation per destination rank (N for a Helix CP
- *   group) and the source pages/slot, builds the plan, connects (one cached endpoint per peer
- *   worker), and is CONNECTING -> SENDING -> FLUSHING -> DONE | ABORTED. Layer-wise streaming:
- *   duet_xfer_send_layer_ready(L) puts MLA layer L at once (ucp_put_nbx, zero copy from the
- *   registered pool), duet_xfer_send_kda_ready() puts the KDA state and conv windows (and the
- *   replay rows of a moved running request, src.n_replay > 0); when every
+ *   duet_xfer_send_start() takes one decoded Reservation per destination rank (N for a Helix
+ *   group of cp x tp ranks: KV pages dealt over the cp shards, each to the tp ranks of its
+ *   shard, the KDA heads cut over all N; transfer/plan.h) and the source pages/slot, builds the
+ * plan, connects (one cached endpoint per peer worker), and is CONNECTING -> SENDING -> FLUSHING ->
+ * DONE | ABORTED. Layer-wise streaming: duet_xfer_send_layer_ready(L) puts MLA layer L at once
+ * (ucp_put_nbx, zero copy from the registered pool), duet_xfer_send_kda_ready() puts the KDA state
+ * and conv windows (and the replay rows of a moved running request, src.n_replay > 0); when every
  *   layer is out the endpoints are flushed and one XferDone active message goes to each rank
  *   (bytes, optional XXH3-64 of the rank's bytes in plan order, computed on the source bytes).
  *   A dead or failing receiver ends the transfer through the endpoint's UCX error handler
@@ -249,7 +250,10 @@ typedef struct {
                                   replay pool registered, layout.replay_rows >= n_replay and
                                   group_size 1; they count in XferDone's byte check */
     uint32_t rank;             /* this rank in the destination group */
-    uint32_t group_size;       /* 1 = no Helix CP */
+    uint32_t group_size;       /* 1 = no Helix group */
+    uint32_t kv_ranks;         /* KV shards the group's pages are dealt over (its cp; this rank
+                                  holds shard duet_xfer_kv_shard_of(rank, group_size, kv_ranks),
+                                  transfer/plan.h); 0 = group_size. Must divide group_size */
     uint64_t deadline_unix_ms; /* wall clock (the peer is another host) */
     duet_xfer_outcome_cb_t cb;
     void *user;
@@ -279,7 +283,8 @@ duet_status_t duet_xfer_recv_cancel(duet_xfer_ctx_t *ctx, duet_xfer_id_t id, con
 
 typedef struct {
     uint64_t req_id;
-    const duet_xfer_reservation_t *reservations; /* [n_ranks], rank r at [r]; decoded */
+    const duet_xfer_reservation_t *reservations; /* [n_ranks], rank r at [r]; decoded; all
+                                                    with one group_size and kv_ranks */
     uint32_t n_ranks;                            /* destination group size */
     duet_xfer_layout_t layout;                   /* the source pools' layout */
     duet_xfer_src_t src;       /* source pages / slot / n_tokens / n_replay; pages copied */
@@ -292,15 +297,14 @@ typedef struct {
 /*
  * Start sending: check every reservation again (duet_xfer_reservation_validate with the current
  * clock: it may have been filled by hand or waited in a queue) and against each other and the
- * source (rank r at [r], one group size, one transfer per rank, n_tokens and n_replay equal to
- * src's,
- * the plan's byte ranges inside each rank's advertised pools and inside our registered pools),
- * build the plan, connect (the rkeys must unpack). Nothing is put until layers are ready.
- * *id_p = the sender-side handle. Refusals, each with a detail in duet_error_last():
- * DUET_ERR_UNSUPPORTED (version), DUET_ERR_FORMAT (a required field missing, an rkey or worker
- * address UCX cannot use), DUET_ERR_INVALID (inconsistent group or layouts), DUET_ERR_RANGE
- * (oversized: pages past max_pages, bytes outside a pool), DUET_ERR_TIMEOUT (stale: deadline
- * passed), DUET_ERR_BUSY (table or peer cache full). On error no callback will run.
+ * source (rank r at [r], one group size and kv_ranks, one transfer per rank, n_tokens and
+ * n_replay equal to src's, the plan's byte ranges inside each rank's advertised pools and inside
+ * our registered pools), build the plan, connect (the rkeys must unpack). Nothing is put until
+ * layers are ready. *id_p = the sender-side handle. Refusals, each with a detail in
+ * duet_error_last(): DUET_ERR_UNSUPPORTED (version), DUET_ERR_FORMAT (a required field missing, an
+ * rkey or worker address UCX cannot use), DUET_ERR_INVALID (inconsistent group or layouts),
+ * DUET_ERR_RANGE (oversized: pages past max_pages, bytes outside a pool), DUET_ERR_TIMEOUT (stale:
+ * deadline passed), DUET_ERR_BUSY (table or peer cache full). On error no callback will run.
  */
 duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_args_t *args,
                                    duet_xfer_id_t *id_p);

@@ -135,7 +135,7 @@ struct duet__xfer {
     int32_t kda_slot;
     uint64_t n_tokens;
     uint32_t n_replay;
-    uint32_t rank, group_size;
+    uint32_t rank, group_size, kv_ranks; /* kv_ranks resolved (never 0) */
     uint64_t deadline_unix_ms;
     uint64_t expect_bytes;
     bool hello_pending; /* hello arrived; address in hello_addr (hello_len > 0) */

@@ -20,12 +20,13 @@
 #include "transfer/xfer_recv_impl.h"
 
 /* Tokens of KV that rank `rank` of a group of `n` holds when the group receives n_tokens, and
- * how many local pages they take (global page j lives on rank j % n). */
+ * how many local pages they take (global page j lives on the ranks of KV shard j % kv_ranks;
+ * transfer/plan.h). kv_ranks resolved and checked against n. */
 static void duet__rank_tokens(uint64_t n_tokens, uint32_t page_tokens, uint32_t rank, uint32_t n,
-                              uint64_t *tokens_p, uint64_t *pages_p)
+                              uint32_t kv_ranks, uint64_t *tokens_p, uint64_t *pages_p)
 {
     uint64_t g_pages = (n_tokens + page_tokens - 1) / page_tokens, tokens = 0, pages = 0;
-    for (uint64_t j = rank; j < g_pages; j += n) {
+    for (uint64_t j = duet_xfer_kv_shard_of(rank, n, kv_ranks); j < g_pages; j += kv_ranks) {
         uint64_t left = n_tokens - j * page_tokens;
         tokens += left < page_tokens ? left : page_tokens;
         pages++;
@@ -45,6 +46,12 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     if (a->group_size == 0 || a->group_size > DUET_XFER_MAX_RANKS || a->rank >= a->group_size)
         return DUET_FAIL(DUET_ERR_RANGE, "xfer reserve: rank %u of a group of %u", a->rank,
                          a->group_size);
+    const uint32_t kv_ranks = duet_xfer_kv_ranks_or(a->kv_ranks, a->group_size);
+    if (kv_ranks > a->group_size || a->group_size % kv_ranks != 0)
+        return DUET_FAIL(DUET_ERR_RANGE,
+                         "xfer reserve: KV pages dealt over %u ranks of a group of %u (must divide "
+                         "it)",
+                         kv_ranks, a->group_size);
     if (a->n_pages > ctx->max_pages)
         return DUET_FAIL(DUET_ERR_RANGE, "xfer reserve: %u pages (max_pages %u)", a->n_pages,
                          ctx->max_pages);
@@ -101,7 +108,8 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
         replay_bytes = duet_xfer_layout_replay_bytes(l, a->n_replay);
     }
     uint64_t tokens, need_pages;
-    duet__rank_tokens(a->n_tokens, l->page_tokens, a->rank, a->group_size, &tokens, &need_pages);
+    duet__rank_tokens(a->n_tokens, l->page_tokens, a->rank, a->group_size, kv_ranks, &tokens,
+                      &need_pages);
     if (need_pages > a->n_pages)
         return DUET_FAIL(
             DUET_ERR_RANGE, "xfer reserve: %llu tokens need %llu pages on rank %u, %u reserved",
@@ -122,6 +130,7 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
     x->n_replay = a->n_replay;
     x->rank = a->rank;
     x->group_size = a->group_size;
+    x->kv_ranks = kv_ranks;
     x->deadline_unix_ms = a->deadline_unix_ms;
     x->deadline_ns = x->t0_ns + (a->deadline_unix_ms - now_ms) * 1000000ull;
     x->expect_bytes = tokens * l->token_bytes * l->n_mla_layers +
@@ -133,6 +142,7 @@ duet_status_t duet_xfer_recv_reserve(duet_xfer_ctx_t *ctx, const duet_xfer_recv_
         .request_id = a->req_id,
         .rank = a->rank,
         .group_size = a->group_size,
+        .kv_ranks = kv_ranks,
         .worker_address = {(const uint8_t *)ctx->addr, ctx->addr_len},
         .layout = *l,
         .pages = x->pages,
@@ -213,7 +223,8 @@ static uint64_t duet__recv_checksum(duet_xfer_ctx_t *ctx, const duet__xfer_t *x)
     const uint8_t *kv = ctx->pools[DUET_XFER_POOL_KV].base;
     const uint8_t *kda = ctx->pools[DUET_XFER_POOL_KDA].base;
     uint64_t tokens, pages;
-    duet__rank_tokens(x->n_tokens, l->page_tokens, x->rank, x->group_size, &tokens, &pages);
+    duet__rank_tokens(x->n_tokens, l->page_tokens, x->rank, x->group_size, x->kv_ranks, &tokens,
+                      &pages);
     XXH3_64bits_reset(ctx->xxh);
     for (uint32_t layer = 0; layer < l->n_mla_layers; layer++) {
         uint64_t left = tokens;

@@ -349,6 +349,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
 
     duet_xfer_layout_t dst_layout[DUET_XFER_MAX_RANKS];
     duet_xfer_dest_t dst[DUET_XFER_MAX_RANKS];
+    const uint32_t kv_ranks = duet_xfer_kv_ranks_or(a->reservations[0].kv_ranks, n);
     for (uint32_t r = 0; r < n; r++) {
         const duet_xfer_reservation_t *rv = &a->reservations[r];
         if ((st = duet_xfer_reservation_validate(rv, now_ms)) < 0) {
@@ -360,6 +361,10 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
             return DUET_FAIL(DUET_ERR_INVALID,
                              "xfer send: reservation [%u] is rank %u of %u, expected rank %u of %u",
                              r, rv->rank, rv->group_size, r, n);
+        if (duet_xfer_kv_ranks_or(rv->kv_ranks, n) != kv_ranks)
+            return DUET_FAIL(DUET_ERR_INVALID,
+                             "xfer send: rank %u deals the KV pages over %u ranks, rank 0 over %u",
+                             r, duet_xfer_kv_ranks_or(rv->kv_ranks, n), kv_ranks);
         if (rv->n_tokens != a->src.n_tokens)
             return DUET_FAIL(DUET_ERR_INVALID,
                              "xfer send: rank %u reserved for %llu tokens, the source has %llu", r,
@@ -411,7 +416,7 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
     x->n_pages = a->src.n_pages;
     duet_xfer_src_t src = a->src;
     src.pages = x->pages;
-    if ((st = duet_xfer_plan_build(l, &src, dst_layout, dst, n, &x->plan)) < 0) {
+    if ((st = duet_xfer_plan_build(l, &src, dst_layout, dst, n, kv_ranks, &x->plan)) < 0) {
         duet__xfer_slot_release(ctx, x);
         return st;
     }

@@ -7,7 +7,8 @@
  * another, a gen worker that stops heartbeating fails its request with a clear error, refused
  * reservations give 429 with Retry-After, a full admission queue gives 429 and a paused one 503,
  * a wrong-version worker is refused, drain via the
- * admin API.
+ * admin API, a (fake) Helix group's reservations reach the ctx worker's Prefill unchanged and too
+ * many of them fail the request naming the worker.
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
  * literal "test" (--model.fingerprint), which the workers present.
@@ -471,6 +472,58 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
     cr_assert_eq(waitpid(p, &ws, 0), p);
     cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
     n_pids -= 2;
+    stop_all();
+}
+
+/* A fake gen worker answering as a Helix group of 3 ranks: the router carries rank 0's reservation
+ * and the two more, unchanged and in order, into the Prefill (the fake ctx worker logs them as
+ * they came; the line must match whole). */
+Test(router_cluster, group_reservations_reach_the_prefill, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--group-ranks", "3", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"text\":\"dlrow\"") != NULL, "%s", buf);
+    cr_assert(has_event("ctx-0",
+                        "reservations 1 test-reservation:1 test-reservation:1:1 "
+                        "test-reservation:1:2\n",
+                        1000),
+              "the Prefill did not carry the group's reservations as sent");
+    stop_all();
+
+    /* one generation worker: rank 0's reservation alone */
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(has_event("ctx-0", "reservations 1 test-reservation:1\n", 1000));
+    stop_all();
+}
+
+/* 65 reservations (a group larger than DUET_XFER_MAX_RANKS): a bad Reserved, the request fails
+ * with an error naming the worker, and the ctx worker never sees it. */
+Test(router_cluster, too_many_group_reservations_fail_the_request, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--group-ranks", "65", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    int st =
+        http(http_port, "POST", "/v1/completions",
+             "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
+    cr_assert_eq(st, 502, "%s", buf);
+    cr_assert(strstr(buf, "generation worker 1 sent a bad reservation: 65 reservations exceed a "
+                          "group's 64 ranks") != NULL,
+              "%s", buf);
+    cr_assert(has_event("gen-0", "cancel 1", 1000), "the gen worker was not told to let go");
+    cr_assert(!has_event("ctx-0", "prefill", 200));
     stop_all();
 }
 

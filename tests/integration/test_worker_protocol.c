@@ -565,7 +565,9 @@ Test(worker_protocol, gen_speculating_checks_reserved_prompts, .timeout = 120)
     finish_with_garbage();
 }
 
-static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res, size_t rlen)
+/* A Prefill with rank 0's reservation res and n_more more (a Helix group's). */
+static void send_prefill_group(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res,
+                               size_t rlen, ProtobufCBinaryData *more, size_t n_more)
 {
     Duet__Prefill p = DUET__PREFILL__INIT;
     p.request_id = rid;
@@ -574,11 +576,18 @@ static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *
     p.max_tokens = 4;
     p.reservation.data = (uint8_t *)res;
     p.reservation.len = rlen;
+    p.more_reservations = more;
+    p.n_more_reservations = n_more;
     p.deadline_unix_ms = duet_xfer_now_unix_ms() + 60000;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
     env.body_case = DUET__ENVELOPE__BODY_PREFILL;
     env.prefill = &p;
     send_env(&env);
+}
+
+static void send_prefill(uint64_t rid, uint32_t *toks, size_t n, const uint8_t *res, size_t rlen)
+{
+    send_prefill_group(rid, toks, n, res, rlen, NULL, 0);
 }
 
 Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
@@ -645,6 +654,36 @@ Test(worker_protocol, ctx_answers_bad_input_and_keeps_serving, .timeout = 120)
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
     send_prefill(7, toks, 8, buf, len);
     expect_tokens(7, DUET__TOKENS__FINISH_REASON__ERROR, "transfer");
+
+    /* a Helix group's set that is not one whole group: two reservations that claim a group of
+     * 3, then rank 0 twice; a whole group of 2 (any order) gets as far as the transfer */
+    uint8_t buf1[4096];
+    size_t len1 = 0;
+    r.group_size = 3;
+    r.rank = 0;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK, "%s",
+                 duet_error_last());
+    r.rank = 1;
+    r.transfer_id = 8;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf1, sizeof(buf1), &len1), DUET_OK, "%s",
+                 duet_error_last());
+    ProtobufCBinaryData more = {.len = len1, .data = buf1};
+    send_prefill_group(9, toks, 8, buf, len, &more, 1);
+    expect_tokens(9, DUET__TOKENS__FINISH_REASON__ERROR,
+                  "claims a group of 3, 2 reservations came");
+    r.group_size = 2;
+    r.rank = 0;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
+    more = (ProtobufCBinaryData){.len = len, .data = buf};
+    send_prefill_group(10, toks, 8, buf, len, &more, 1);
+    expect_tokens(10, DUET__TOKENS__FINISH_REASON__ERROR, "rank 0 appears twice");
+    r.request_id = 11;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_OK);
+    r.rank = 1;
+    cr_assert_eq(duet_xfer_reservation_encode(&r, buf1, sizeof(buf1), &len1), DUET_OK);
+    more = (ProtobufCBinaryData){.len = len, .data = buf}; /* rank 0's as the extra one */
+    send_prefill_group(11, toks, 8, buf1, len1, &more, 1);
+    expect_tokens(11, DUET__TOKENS__FINISH_REASON__ERROR, "cannot start the KV cache transfer");
 
     /* Cancel for a request it does not have: nothing; Drain: it refuses new prompts */
     Duet__Cancel c = DUET__CANCEL__INIT;

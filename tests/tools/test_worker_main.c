@@ -6,7 +6,9 @@
  * Deterministic output: the tokens of a request are its prompt ids reversed (cycling when
  * max_tokens is longer), one Tokens message per token. A ctx test worker answers Prefill with
  * the first of them; a gen test worker answers Reserve with a fake reservation
- * ("test-reservation:<request id>"), then PrefillDone with the rest, or Generate with all of them.
+ * ("test-reservation:<request id>"; with --group-ranks N, N - 1 more, "test-reservation:<request
+ * id>:<rank>", as a Helix group's rank 0 sends them), then PrefillDone with the rest, or Generate
+ * with all of them. A ctx test worker's event for a Prefill lists every reservation it came with.
  * Fault flags stop heartbeats, exit abruptly after N tokens, stall (silent but connected) after N
  * tokens, or refuse every reservation. --events FILE appends one line per message received
  * ("reserve 7", "cancel 7 client disconnected", "drain", ...) for tests to inspect.
@@ -55,6 +57,7 @@ static struct {
     long die_after;   /* -1 = never */
     long stall_after; /* -1 = never */
     int refuse;
+    uint32_t group_ranks; /* reservations per Reserved (a fake Helix group): 1 + the extra ones */
     uint32_t kv_pages;
     const char *events;
     int quiet;
@@ -64,6 +67,7 @@ static struct {
          .heartbeat_ms = 200,
          .die_after = -1,
          .stall_after = -1,
+         .group_ranks = 1,
          .kv_pages = 1000};
 
 static tw_req_t tw_reqs[TW_MAX_REQ];
@@ -205,9 +209,26 @@ static void on_message(int fd, Duet__Envelope *env)
         rs.request_id = m->request_id;
         rs.reservation.data = (uint8_t *)res;
         rs.reservation.len = strlen(res);
+        size_t n_more = opt.group_ranks - 1;
+        ProtobufCBinaryData *more = calloc(n_more + 1, sizeof(*more));
+        char(*more_text)[64] = calloc(n_more + 1, sizeof(*more_text));
+        if (more == NULL || more_text == NULL) {
+            fprintf(stderr, "duet-test-worker: out of memory\n");
+            exit(6);
+        }
+        for (size_t k = 0; k < n_more; k++) {
+            snprintf(more_text[k], sizeof(more_text[k]), "test-reservation:%llu:%zu",
+                     (unsigned long long)m->request_id, k + 1);
+            more[k] =
+                (ProtobufCBinaryData){.len = strlen(more_text[k]), .data = (uint8_t *)more_text[k]};
+        }
+        rs.n_more_reservations = n_more;
+        rs.more_reservations = more;
         Duet__Envelope e = duet_envelope_reserved(&rs);
         (void)r;
         send_env(fd, &e);
+        free(more);
+        free(more_text);
         return;
     }
     case DUET__ENVELOPE__BODY_PREFILL_DONE: {
@@ -233,6 +254,18 @@ static void on_message(int fd, Duet__Envelope *env)
         size_t n = prefill ? env->prefill->n_tokens : env->generate->n_tokens;
         uint32_t maxt = prefill ? env->prefill->max_tokens : env->generate->max_tokens;
         event("%s %llu %zu", prefill ? "prefill" : "generate", (unsigned long long)rid, n);
+        if (prefill) { /* the reservations as they came, rank 0's first */
+            const Duet__Prefill *p = env->prefill;
+            char line[4096];
+            int at = snprintf(line, sizeof(line), "reservations %llu %.*s", (unsigned long long)rid,
+                              (int)p->reservation.len, (const char *)p->reservation.data);
+            for (size_t k = 0; k < p->n_more_reservations && at > 0 && (size_t)at < sizeof(line);
+                 k++)
+                at += snprintf(line + at, sizeof(line) - (size_t)at, " %.*s",
+                               (int)p->more_reservations[k].len,
+                               (const char *)p->more_reservations[k].data);
+            event("%s", line);
+        }
         if (opt.die_after == 0) {
             event("dying as told (--die-after 0)");
             exit(5);
@@ -339,6 +372,8 @@ static void usage(FILE *f)
         "                         Prefill/Generate)\n"
         "  --stall-after N        after N tokens stop heartbeats and tokens, stay connected\n"
         "  --refuse               answer every Reserve with Refused\n"
+        "  --group-ranks N        answer Reserve with N reservations, as a Helix group of N\n"
+        "                         ranks (default 1)\n"
         "  --events FILE          append one line per message received\n"
         "  --quiet                no log lines on stderr\n"
         "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
@@ -350,23 +385,12 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"router", 1, 0, 'r'},
-        {"role", 1, 0, 'o'},
-        {"name", 1, 0, 'n'},
-        {"fingerprint", 1, 0, 'f'},
-        {"proto-version", 1, 0, 'v'},
-        {"kv-pages", 1, 0, 'k'},
-        {"heartbeat-ms", 1, 0, 'b'},
-        {"delay-ms", 1, 0, 'd'},
-        {"die-after", 1, 0, 'x'},
-        {"stall-after", 1, 0, 's'},
-        {"refuse", 0, 0, 'R'},
-        {"events", 1, 0, 'e'},
-        {"quiet", 0, 0, 'q'},
-        {"help", 0, 0, 'h'},
-        {"model", 1, 0, 'm'},
-        {"version", 0, 0, 'V'},
-        {0, 0, 0, 0},
+        {"router", 1, 0, 'r'},       {"role", 1, 0, 'o'},          {"name", 1, 0, 'n'},
+        {"fingerprint", 1, 0, 'f'},  {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
+        {"heartbeat-ms", 1, 0, 'b'}, {"delay-ms", 1, 0, 'd'},      {"die-after", 1, 0, 'x'},
+        {"stall-after", 1, 0, 's'},  {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
+        {"events", 1, 0, 'e'},       {"quiet", 0, 0, 'q'},         {"help", 0, 0, 'h'},
+        {"model", 1, 0, 'm'},        {"version", 0, 0, 'V'},       {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
     int c;
@@ -404,6 +428,13 @@ int main(int argc, char **argv)
             break;
         case 'R':
             opt.refuse = 1;
+            break;
+        case 'G':
+            opt.group_ranks = (uint32_t)strtoul(optarg, NULL, 10);
+            if (opt.group_ranks < 1 || opt.group_ranks > 1000) {
+                fprintf(stderr, "duet-test-worker: --group-ranks must be 1..1000\n");
+                return 1;
+            }
             break;
         case 'e':
             opt.events = optarg;

@@ -71,6 +71,7 @@ typedef struct {
     uint32_t tb;             /* token bytes */
     uint32_t H, K, W, e;     /* KDA heads (sender), head dim, conv kernel, elem */
     uint32_t N;              /* destination ranks */
+    uint32_t KV;             /* KV shards (kv_ranks, divides N): rank r holds shard r / (N / KV) */
     bool kda;                /* send KDA state */
     uint32_t R;              /* replay rows sent (only with N = 1 and kda) */
     uint32_t rows_s, rows_d; /* replay rows per (slot, layer): sender, destination */
@@ -123,7 +124,7 @@ static uint64_t div_up(uint64_t a, uint64_t b)
 static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
 {
     bool ok = true;
-    const uint32_t N = sh->N, Hr = sh->H / sh->N;
+    const uint32_t N = sh->N, Hr = sh->H / sh->N, KV = sh->KV, TP = N / KV;
     rank_pools_t rk[DUET_XFER_MAX_RANKS];
     memset(rk, 0, sizeof(rk));
 
@@ -172,7 +173,8 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
         dl[r].page_tokens = sh->pd;
         dl[r].kda_heads = Hr;
         dl[r].replay_rows = sh->rows_d;
-        uint32_t need = (uint32_t)(global_pages / N + (r < global_pages % N));
+        const uint32_t c = r / TP; /* the rank's KV shard, written out (not plan.h's helper) */
+        uint32_t need = (uint32_t)(global_pages / KV + (c < global_pages % KV));
         uint32_t extra = rng_range(rng, 0, 2);
         uint32_t pool = need + extra + rng_range(rng, 0, 5);
         rk[r].n_pages = need + extra;
@@ -201,19 +203,24 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
             .pages = rk[r].pages, .n_pages = rk[r].n_pages, .kda_slot = rk[r].slot};
     }
 
-    duet_status_t st = duet_xfer_plan_build(&sl, &src, dl, dst, N, plan);
+    /* kv_ranks = N is also passed as 0 (its spelling on the wire) half of the time */
+    duet_status_t st =
+        duet_xfer_plan_build(&sl, &src, dl, dst, N, KV == N && rng_next(rng) % 2 ? 0 : KV, plan);
     CHECK(st == DUET_OK, "build: %s: %s", duet_status_name(st), duet_error_last());
 
-    /* Reference: KV token by token. */
+    /* Reference: KV token by token, into every rank of the token's page's shard. */
     for (uint32_t l = 0; l < sh->L; l++) {
         for (uint64_t t = 0; t < sh->n_tokens; t++) {
             uint64_t s_off =
                 (((uint64_t)src_pages[t / sh->ps] * sh->L + l) * sh->ps + t % sh->ps) * sh->tb;
             uint64_t j = t / sh->pd;
-            uint32_t r = (uint32_t)(j % N);
-            uint64_t d_off =
-                (((uint64_t)rk[r].pages[j / N] * sh->L + l) * sh->pd + t % sh->pd) * sh->tb;
-            memcpy(rk[r].kv_ref + d_off, src_kv + s_off, sh->tb);
+            for (uint32_t r = 0; r < N; r++) {
+                if (r / TP != j % KV)
+                    continue;
+                uint64_t d_off =
+                    (((uint64_t)rk[r].pages[j / KV] * sh->L + l) * sh->pd + t % sh->pd) * sh->tb;
+                memcpy(rk[r].kv_ref + d_off, src_kv + s_off, sh->tb);
+            }
         }
     }
     /* Reference: KDA head by head (S) and channel by channel (conv windows). */
@@ -307,7 +314,7 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     }
     CHECK(total == plan->total_bytes, "total_bytes %llu, entries sum to %llu",
           (unsigned long long)plan->total_bytes, (unsigned long long)total);
-    uint64_t want_total = (uint64_t)sh->n_tokens * sh->L * sh->tb +
+    uint64_t want_total = (uint64_t)sh->n_tokens * sh->L * sh->tb * TP +
                           (sh->kda ? (uint64_t)sh->LK * src_kda_layer : 0) +
                           (uint64_t)sh->LK * sh->R * rb;
     CHECK(total == want_total, "total %llu, want %llu", (unsigned long long)total,
@@ -315,6 +322,15 @@ static bool run_case(uint64_t *rng, const shape_t *sh, duet_xfer_plan_t *plan)
     for (uint32_t r = 0; r < DUET_XFER_MAX_RANKS; r++)
         CHECK(per_rank[r] == plan->bytes_per_rank[r], "bytes_per_rank[%u] %llu, entries %llu", r,
               (unsigned long long)plan->bytes_per_rank[r], (unsigned long long)per_rank[r]);
+    for (uint32_t r = 0; r < N; r++) { /* each rank: its shard's tokens + its heads + replay */
+        uint64_t kv_tokens = 0;
+        for (uint64_t j = r / TP; j < global_pages; j += KV)
+            kv_tokens += sh->n_tokens - j * sh->pd < sh->pd ? sh->n_tokens - j * sh->pd : sh->pd;
+        uint64_t want = kv_tokens * sh->L * sh->tb + (sh->kda ? sh->LK * dst_kda_layer : 0) +
+                        (r == 0 ? (uint64_t)sh->LK * sh->R * rb : 0);
+        CHECK(per_rank[r] == want, "rank %u: %llu bytes planned, its share is %llu", r,
+              (unsigned long long)per_rank[r], (unsigned long long)want);
+    }
 
     /* No two entries overlap on a destination: mark every destination byte once. */
     for (uint32_t r = 0; r < N; r++) {
@@ -416,8 +432,11 @@ static shape_t random_shape(uint64_t *rng)
     sh.L = rng_range(rng, 0, 8);
     sh.LK = rng_range(rng, 0, 6);
     sh.tb = rng_range(rng, 1, 24);
-    sh.N = rng_range(rng, 1, 5);
-    sh.H = sh.N * rng_range(rng, 1, 8 / sh.N);
+    sh.N = rng_range(rng, 1, 6);
+    sh.H = sh.N * rng_range(rng, 1, 12 / sh.N);
+    do /* a divisor of N: N (every rank its pages) as often as the others together */
+        sh.KV = rng_next(rng) % 2 ? sh.N : rng_range(rng, 1, sh.N);
+    while (sh.N % sh.KV != 0);
     sh.K = rng_range(rng, 1, 6);
     sh.W = rng_range(rng, 1, 4);
     sh.e = (uint32_t[]){1, 2, 4}[rng_next(rng) % 3];
@@ -434,10 +453,10 @@ static shape_t random_shape(uint64_t *rng)
 static void describe(const shape_t *sh, char *buf, size_t n)
 {
     snprintf(buf, n,
-             "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u kda %d R %u rows %u "
-             "-> %u",
+             "ps %u pd %u tokens %u L %u LK %u tb %u H %u K %u W %u e %u N %u KV %u kda %d R %u "
+             "rows %u -> %u",
              sh->ps, sh->pd, sh->n_tokens, sh->L, sh->LK, sh->tb, sh->H, sh->K, sh->W, sh->e, sh->N,
-             sh->kda, sh->R, sh->rows_s, sh->rows_d);
+             sh->KV, sh->kda, sh->R, sh->rows_s, sh->rows_d);
 }
 
 /* Thousands of random shapes through one reused plan (buffers grow and shrink in use). */
@@ -446,10 +465,11 @@ Test(transfer_plan, random_shapes_match_reference, .timeout = 240)
     enum { N_CASES = 4000 };
     duet_xfer_plan_t plan = {0};
     uint64_t rng = 0x5eed0001;
-    int n_replay_cases = 0;
+    int n_replay_cases = 0, n_shared_kv_cases = 0;
     for (int c = 0; c < N_CASES; c++) {
         shape_t sh = random_shape(&rng);
         n_replay_cases += sh.R > 0;
+        n_shared_kv_cases += sh.KV < sh.N;
         if (!run_case(&rng, &sh, &plan)) {
             char d[256];
             describe(&sh, d, sizeof(d));
@@ -458,6 +478,8 @@ Test(transfer_plan, random_shapes_match_reference, .timeout = 240)
         }
     }
     cr_assert_geq(n_replay_cases, 200, "only %d cases sent replay rows", n_replay_cases);
+    cr_assert_geq(n_shared_kv_cases, 400, "only %d cases dealt KV over fewer ranks than the group",
+                  n_shared_kv_cases);
     cr_log_info("transfer_plan: %d random shapes (%d with replay rows) match the reference",
                 N_CASES, n_replay_cases);
     duet_xfer_plan_free(&plan);
@@ -478,6 +500,7 @@ Test(transfer_plan, named_page_size_pairs, .timeout = 120)
                 sh.ps = pairs[p][0];
                 sh.pd = pairs[p][1];
                 sh.N = N;
+                sh.KV = N % 2 == 0 && rep % 2 ? N / 2 : N; /* cp x tp 2 half the time */
                 sh.H = N * rng_range(&rng, 1, 8 / N);
                 sh.L = rng_range(&rng, 1, 8);
                 if (rep == 0)
@@ -506,6 +529,49 @@ done:
     duet_xfer_plan_free(&plan);
 }
 
+/* Helix groups whose tp ranks share KV pages: cp 2 x tp 2 (N 4, kv_ranks 2) and tp 2 (N 2,
+ * kv_ranks 1), across page-size pairs and token counts around page boundaries. run_case checks
+ * every destination byte against the reference (each page into every rank of its c, nowhere
+ * else: the background bytes would differ), each rank's byte share and its page count (the
+ * destination reserves exactly its shard's pages), and the KDA heads cut over all N. */
+Test(transfer_plan, kv_shared_by_tp_ranks_match_reference, .timeout = 60)
+{
+    static const uint32_t groups[][2] = {{4, 2}, {2, 1}, {4, 1}, {6, 3}}; /* N, kv_ranks */
+    static const uint32_t pairs[][2] = {{64, 128}, {128, 64}, {128, 128}, {1, 16}, {7, 3}};
+    duet_xfer_plan_t plan = {0};
+    uint64_t rng = 0x5eed0003;
+    int n = 0;
+    for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]); g++) {
+        for (size_t p = 0; p < sizeof(pairs) / sizeof(pairs[0]); p++) {
+            for (int rep = 0; rep < 8; rep++) {
+                shape_t sh = random_shape(&rng);
+                sh.N = groups[g][0];
+                sh.KV = groups[g][1];
+                sh.H = sh.N * rng_range(&rng, 1, 2);
+                sh.ps = pairs[p][0];
+                sh.pd = pairs[p][1];
+                sh.L = rng_range(&rng, 1, 4);
+                sh.LK = rng_range(&rng, 1, 3);
+                sh.kda = true;
+                sh.R = 0;
+                const uint32_t m = sh.ps > sh.pd ? sh.ps : sh.pd;
+                sh.n_tokens = rep < 4 ? (uint32_t)(rep + 1) * m * sh.N + (uint32_t)rep % 3 - 1
+                                      : rng_range(&rng, 1, 1500);
+                if (!run_case(&rng, &sh, &plan)) {
+                    char d[256];
+                    describe(&sh, d, sizeof(d));
+                    cr_assert_fail("%s: %s", d, g_why);
+                    goto done;
+                }
+                n++;
+            }
+        }
+    }
+done:
+    cr_log_info("transfer_plan: %d cases with KV shared by tp ranks match the reference", n);
+    duet_xfer_plan_free(&plan);
+}
+
 /* Equal page sizes, one rank, consecutive pages on both sides and one layer: one entry. */
 Test(transfer_plan, contiguous_runs_merge_into_one_entry, .timeout = 10)
 {
@@ -514,7 +580,7 @@ Test(transfer_plan, contiguous_runs_merge_into_one_entry, .timeout = 10)
     duet_xfer_src_t src = {.pages = sp, .n_pages = 3, .kda_slot = -1, .n_tokens = 40};
     duet_xfer_dest_t dst = {.pages = dp, .n_pages = 3, .kda_slot = -1};
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&l, &src, &l, &dst, 1, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&l, &src, &l, &dst, 1, 0, &plan), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(plan.n_entries, 1);
     cr_assert_eq(plan.entries[0].src_off, 4u * 16 * 8);
@@ -535,6 +601,7 @@ typedef struct {
     duet_xfer_dest_t dst[8];
     int32_t sp[16], dp[8][16];
     uint32_t n;
+    uint32_t kv; /* kv_ranks (0 = n) */
 } fixture_t;
 
 /* A valid 2-rank case: 64-token pages into 128-token pages, 2 MLA + 2 KDA layers, 4 heads. */
@@ -566,7 +633,7 @@ static void fixture(fixture_t *f)
 static void expect_refusal(fixture_t *f, duet_status_t want, const char *needle)
 {
     duet_xfer_plan_t plan = {0};
-    duet_status_t st = duet_xfer_plan_build(&f->sl, &f->src, f->dl, f->dst, f->n, &plan);
+    duet_status_t st = duet_xfer_plan_build(&f->sl, &f->src, f->dl, f->dst, f->n, f->kv, &plan);
     cr_assert_eq(st, want, "got %s (%s), want %s", duet_status_name(st), duet_error_last(),
                  duet_status_name(want));
     cr_assert_not_null(strstr(duet_error_last(), needle), "detail \"%s\" lacks \"%s\"",
@@ -580,7 +647,7 @@ Test(transfer_plan, fixture_is_valid, .timeout = 10)
     fixture_t f;
     fixture(&f);
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK, "%s",
                  duet_error_last());
     /* 500 tokens = 4 pages of 128: ranks 0 and 1 get 2 each. */
     cr_assert_eq(plan.bytes_per_rank[0] + plan.bytes_per_rank[1], plan.total_bytes);
@@ -667,6 +734,77 @@ Test(transfer_plan, refuses_bad_rank_counts, .timeout = 10, .init = cr_redirect_
     expect_refusal(&f, DUET_ERR_INVALID, "n_ranks");
     f.n = DUET_XFER_MAX_RANKS + 1;
     expect_refusal(&f, DUET_ERR_INVALID, "n_ranks");
+    fixture(&f);
+    f.kv = 3; /* more KV shards than ranks */
+    expect_refusal(&f, DUET_ERR_INVALID, "does not divide");
+    fixture(&f);
+    f.n = 4;
+    f.kv = 3; /* 3 does not divide 4 */
+    for (uint32_t r = 0; r < 4; r++)
+        f.dl[r].kda_heads = 1;
+    expect_refusal(&f, DUET_ERR_INVALID, "does not divide");
+}
+
+/* cp 2 x tp 2, 500 tokens into 4 pages of 128: pages 0 and 2 go to ranks 0 and 1 (c 0) as their
+ * local pages 0 and 1, pages 1 and 3 to ranks 2 and 3 (c 1); each KV entry lies within one page
+ * of the right rank's list; the KDA heads are cut over 4 ranks. */
+Test(transfer_plan, kv_pages_of_c_go_to_its_tp_ranks, .timeout = 10)
+{
+    fixture_t f;
+    fixture(&f);
+    f.n = 4;
+    f.kv = 2;
+    for (uint32_t r = 0; r < 4; r++)
+        f.dl[r].kda_heads = 1;
+    duet_xfer_plan_t plan = {0};
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK, "%s",
+                 duet_error_last());
+    const uint64_t page_bytes = 128ull * 2 * 16,
+                   kda_layer = (16ull + 3 * 4 * 3) * 4; /* H 1, K 4, W 4, fp32 */
+    uint64_t kv_bytes[4] = {0};
+    for (size_t i = 0; i < plan.n_entries; i++) {
+        const duet_xfer_entry_t *e = &plan.entries[i];
+        if (e->kind != DUET_XFER_SEG_KV)
+            continue;
+        /* the global page of the entry's first token: from its source offset (64-token source
+         * pages, sp[i] = 15 - i, 2 layers of 16-byte tokens) */
+        uint64_t src_page = e->src_off / (64ull * 2 * 16);
+        uint64_t in_page = e->src_off % (64ull * 2 * 16) % (64ull * 16) / 16;
+        uint64_t t = (15 - src_page) * 64 + in_page, j = t / 128;
+        cr_assert_eq(e->rank / 2, j % 2, "entry %zu (token %llu, page %llu) on rank %u", i,
+                     (unsigned long long)t, (unsigned long long)j, e->rank);
+        uint64_t dpage = e->dst_off / page_bytes;
+        cr_assert_eq(dpage, (uint64_t)f.dp[e->rank][j / 2], "entry %zu: dst page %llu", i,
+                     (unsigned long long)dpage);
+        kv_bytes[e->rank] += e->len;
+    }
+    /* c 0: pages 0, 2 (256 tokens); c 1: pages 1, 3 (128 + 116 tokens); 2 layers of 16 bytes */
+    const uint64_t want[4] = {256 * 32, 256 * 32, 244 * 32, 244 * 32};
+    for (uint32_t r = 0; r < 4; r++) {
+        cr_assert_eq(kv_bytes[r], want[r], "rank %u: %llu KV bytes", r,
+                     (unsigned long long)kv_bytes[r]);
+        cr_assert_eq(plan.bytes_per_rank[r], want[r] + 2 * kda_layer, "rank %u", r);
+    }
+    cr_assert_eq(plan.total_bytes, 2 * 500u * 32 + 2 * 4 * kda_layer);
+    duet_xfer_plan_free(&plan);
+}
+
+/* cp 2 x tp 2: each rank needs its shard's pages (4 global pages: 2 per c), not a quarter. */
+Test(transfer_plan, refuses_too_few_pages_for_the_shard, .timeout = 10, .init = cr_redirect_stderr)
+{
+    fixture_t f;
+    fixture(&f);
+    f.n = 4;
+    f.kv = 2;
+    for (uint32_t r = 0; r < 4; r++)
+        f.dl[r].kda_heads = 1;
+    f.dst[3].n_pages = 1;
+    expect_refusal(&f, DUET_ERR_RANGE, "rank 3 (KV shard 1 of 2)");
+    fixture(&f);
+    f.n = 2;
+    f.kv = 1; /* tp 2: both ranks hold all 4 pages */
+    f.dst[0].n_pages = 3;
+    expect_refusal(&f, DUET_ERR_RANGE, "rank 0 (KV shard 0 of 1)");
 }
 
 Test(transfer_plan, refuses_overflowing_offsets, .timeout = 10, .init = cr_redirect_stderr)
@@ -693,12 +831,12 @@ Test(transfer_plan, empty_parts_give_empty_groups, .timeout = 10)
     for (int r = 0; r < 2; r++)
         f.dst[r].kda_slot = -1;
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK);
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK);
     cr_assert_eq(plan.layer_first[2], plan.n_entries); /* KDA groups empty */
     cr_assert_eq(plan.total_bytes, 500u * 2 * 16);
     fixture(&f);
     f.src.n_tokens = 0;
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK);
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK);
     cr_assert_eq(plan.layer_first[2], 0u); /* KV groups empty */
     cr_assert_eq(plan.total_bytes, 2u * (4 * 16 + 3 * 16 * 3) * 4);
     duet_xfer_plan_free(&plan);
@@ -727,7 +865,7 @@ Test(transfer_plan, replay_rows_follow_each_kda_layer, .timeout = 10)
     fixture_t f;
     replay_fixture(&f);
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK, "%s",
                  duet_error_last());
     const uint64_t rb = (6 * 4 * 4 + 4) * 4; /* H = K = 4, fp32 */
     cr_assert_eq(rb, 400);
@@ -756,7 +894,7 @@ Test(transfer_plan, replay_rows_follow_each_kda_layer, .timeout = 10)
     cr_assert_eq(duet_xfer_layout_replay_slot_bytes(&f.sl), 2 * 5 * rb);
     /* n_replay 0: the same plan without the replay entries */
     f.src.n_replay = 0;
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK);
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK);
     cr_assert_eq(plan.total_bytes, 500u * 2 * 16 + 2 * kda_layer);
     for (size_t i = 0; i < plan.n_entries; i++)
         cr_assert_neq(plan.entries[i].kind, DUET_XFER_SEG_REPLAY);
@@ -807,7 +945,7 @@ Test(transfer_plan, refuses_bad_replay_rows, .timeout = 10, .init = cr_redirect_
     expect_refusal(&f, DUET_ERR_RANGE, "rank 0: replay slot 1024 overflows");
     f.dl[0].replay_rows = 3; /* the same slots with rows that fit: planned */
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&f.sl, &f.src, f.dl, f.dst, f.n, f.kv, &plan), DUET_OK, "%s",
                  duet_error_last());
     duet_xfer_plan_free(&plan);
 }

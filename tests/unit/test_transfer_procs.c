@@ -162,6 +162,23 @@ Test(transfer_procs, cp_group_one_sender_four_receivers, .timeout = 60)
     send_to_children("posix,sysv,cma,self", s);
 }
 
+/* Helix groups whose tp ranks share the KV pages: tp 2 (kv_ranks 1: both ranks get every page)
+ * and cp 2 x tp 2 (pages of c to ranks 2c and 2c + 1); each receiver checks every byte of its
+ * pages and its KDA heads against the pattern, and the byte count its reservation expects. */
+Test(transfer_procs, helix_tp_ranks_share_kv_pages, .timeout = 60)
+{
+    xt_scn_t s = xt_scn_default();
+    s.tokens = 1234;
+    s.group = 2;
+    s.kvr = 1;
+    s.alloc = 1;
+    send_to_children("posix,sysv,cma,self", s);
+    s.group = 4;
+    s.kvr = 2;
+    s.heads = 8;
+    send_to_children("posix,sysv,cma,self", s);
+}
+
 Test(transfer_procs, hundred_concurrent_transfers, .timeout = 90)
 {
     xt_scn_t s = xt_scn_default();

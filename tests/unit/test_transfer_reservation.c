@@ -103,6 +103,8 @@ static void same(const duet_xfer_reservation_t *a, const duet_xfer_reservation_t
     cr_assert_eq(a->request_id, b->request_id);
     cr_assert_eq(a->rank, b->rank);
     cr_assert_eq(a->group_size, b->group_size);
+    /* b is decoded: 0 (every rank its own pages) comes back as group_size */
+    cr_assert_eq(duet_xfer_kv_ranks_or(a->kv_ranks, a->group_size), b->kv_ranks);
     cr_assert_eq(a->worker_address.len, b->worker_address.len);
     cr_assert_eq(memcmp(a->worker_address.data, b->worker_address.data, a->worker_address.len), 0);
     cr_assert_eq(a->kv_rkey.len, b->kv_rkey.len);
@@ -228,7 +230,7 @@ Test(transfer_reservation, through_a_frame_into_a_plan, .timeout = 10)
     int32_t sp[5] = {4, 3, 2, 1, 0};
     duet_xfer_src_t src = {.pages = sp, .n_pages = 5, .kda_slot = 0, .n_tokens = 600};
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&sl, &src, dl, dst, 2, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&sl, &src, dl, dst, 2, 0, &plan), DUET_OK, "%s",
                  duet_error_last());
     cr_assert_eq(plan.total_bytes, 600ull * 3 * 32 + 2 * duet_xfer_layout_kda_slot_bytes(&sl) / 2);
     for (size_t i = 0; i < plan.n_entries; i++) {
@@ -279,6 +281,9 @@ Test(transfer_reservation, refusals_name_the_field, .timeout = 30, .init = cr_re
     REFUSE(r.group_size = 0, DUET_ERR_RANGE, "group_size");
     REFUSE(r.group_size = DUET_XFER_MAX_RANKS + 1, DUET_ERR_RANGE, "group_size");
     REFUSE(r.rank = 2, DUET_ERR_RANGE, "rank");
+    REFUSE(r.kv_ranks = 3, DUET_ERR_RANGE, "kv_ranks 3 exceeds group_size 2");
+    REFUSE((r.group_size = 4, r.kv_ranks = 3), DUET_ERR_FORMAT,
+           "kv_ranks 3 does not divide group_size 4");
     REFUSE(r.worker_address.len = 0, DUET_ERR_FORMAT, "worker_address");
     REFUSE((r.worker_address = (duet_xfer_bytes_t){big, sizeof(big)}), DUET_ERR_RANGE,
            "worker_address");
@@ -330,6 +335,138 @@ Test(transfer_reservation, n_tokens_641_needs_six_pages_on_rank_0, .timeout = 10
     r.rank = 0;
     cr_assert_eq(duet_xfer_reservation_encode(&r, buf, sizeof(buf), &len), DUET_ERR_RANGE);
     cr_assert_not_null(strstr(duet_error_last(), "rank 0 of 2"));
+}
+
+/* Pack r with our encoder and decode it at NOW. */
+static duet_status_t round_trip(const duet_xfer_reservation_t *r, duet_xfer_reservation_t *got)
+{
+    uint8_t buf[2048];
+    size_t len;
+    duet_status_t st = duet_xfer_reservation_encode(r, buf, sizeof(buf), &len);
+    return st < 0 ? st : duet_xfer_reservation_decode(buf, len, NOW, got);
+}
+
+/* KV pages dealt over kv_ranks shards: a rank needs its shard's pages (rank r of a group of N
+ * holds shard r / (N / kv_ranks)); 0 on the wire is group_size. */
+Test(transfer_reservation, kv_ranks_set_each_ranks_page_need, .timeout = 10,
+     .init = cr_redirect_stderr)
+{
+    duet_xfer_reservation_t got, r = valid();
+    r.kv_ranks = 0; /* rank 1 of 2, its own 5 pages of 10 */
+    cr_assert_eq(round_trip(&r, &got), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(got.kv_ranks, 2u, "kv_ranks 0 decodes as group_size");
+    duet_xfer_reservation_free(&got);
+    r.kv_ranks = 2;
+    cr_assert_eq(round_trip(&r, &got), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(got.kv_ranks, 2u);
+    duet_xfer_reservation_free(&got);
+
+    /* tp 2 (kv_ranks 1): rank 1 holds all 10 pages */
+    r.kv_ranks = 1;
+    cr_assert_eq(round_trip(&r, &got), DUET_ERR_RANGE);
+    cr_assert_not_null(strstr(duet_error_last(), "KV shard 0 of 1"), "%s", duet_error_last());
+    r.n_pages = 10;
+    cr_assert_eq(round_trip(&r, &got), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(got.kv_ranks, 1u);
+    duet_xfer_reservation_free(&got);
+
+    /* cp 2 x tp 2: 641 tokens = 11 pages, 6 in shard 0 (ranks 0, 1), 5 in shard 1 (2, 3) */
+    r = valid();
+    r.group_size = 4;
+    r.kv_ranks = 2;
+    r.n_tokens = 641;
+    r.n_pages = 6;
+    for (uint32_t rank = 0; rank < 4; rank++) {
+        r.rank = rank;
+        cr_assert_eq(round_trip(&r, &got), DUET_OK, "rank %u: %s", rank, duet_error_last());
+        cr_assert_eq(got.kv_ranks, 2u);
+        duet_xfer_reservation_free(&got);
+    }
+    r.n_pages = 5;
+    for (uint32_t rank = 0; rank < 4; rank++) {
+        r.rank = rank;
+        cr_assert_eq(round_trip(&r, &got), rank < 2 ? DUET_ERR_RANGE : DUET_OK, "rank %u: %s", rank,
+                     duet_error_last());
+        if (rank < 2)
+            cr_assert_not_null(strstr(duet_error_last(), "KV shard 0 of 2"), "%s",
+                               duet_error_last());
+        else
+            duet_xfer_reservation_free(&got);
+    }
+}
+
+/* ranks[i] of a group of `group` (kv_ranks kv), each packed into bufs[i] / spans[i]. */
+static void pack_group(const uint32_t *ranks, uint32_t n, uint32_t group, uint32_t kv,
+                       uint8_t (*bufs)[2048], duet_xfer_bytes_t *spans)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        duet_xfer_reservation_t r = valid();
+        r.group_size = group;
+        r.kv_ranks = kv;
+        r.rank = ranks[i];
+        r.n_pages = 10; /* enough for any rank's share */
+        r.transfer_id += ranks[i];
+        size_t len;
+        cr_assert_eq(duet_xfer_reservation_encode(&r, bufs[i], sizeof(bufs[i]), &len), DUET_OK,
+                     "%s", duet_error_last());
+        spans[i] = (duet_xfer_bytes_t){bufs[i], len};
+    }
+}
+
+Test(transfer_reservation, decode_group_orders_by_rank, .timeout = 10)
+{
+    uint8_t bufs[3][2048];
+    duet_xfer_bytes_t spans[3];
+    duet_xfer_reservation_t out[3];
+    pack_group((const uint32_t[]){0, 2, 1}, 3, 3, 1, bufs, spans);
+    cr_assert_eq(duet_xfer_reservation_decode_group(spans, 3, NOW, out), DUET_OK, "%s",
+                 duet_error_last());
+    for (uint32_t r = 0; r < 3; r++) {
+        cr_assert_eq(out[r].rank, r);
+        cr_assert_eq(out[r].transfer_id, valid().transfer_id + r);
+        cr_assert_eq(out[r].kv_ranks, 1u);
+        cr_assert_not_null(out[r].msg);
+        duet_xfer_reservation_free(&out[r]);
+    }
+    pack_group((const uint32_t[]){0}, 1, 1, 0, bufs, spans); /* one generation worker */
+    cr_assert_eq(duet_xfer_reservation_decode_group(spans, 1, NOW, out), DUET_OK, "%s",
+                 duet_error_last());
+    cr_assert_eq(out[0].kv_ranks, 1u);
+    duet_xfer_reservation_free(&out[0]);
+}
+
+static void group_refused(const duet_xfer_bytes_t *spans, uint32_t n, duet_status_t want,
+                          const char *needle)
+{
+    duet_xfer_reservation_t out[4];
+    duet_status_t st = duet_xfer_reservation_decode_group(spans, n, NOW, out);
+    cr_assert_eq(st, want, "[%s] got %s (%s)", needle, duet_status_name(st), duet_error_last());
+    cr_assert_not_null(strstr(duet_error_last(), needle), "detail \"%s\" lacks \"%s\"",
+                       duet_error_last(), needle);
+    for (uint32_t i = 0; i < n; i++)
+        cr_assert_null(out[i].msg, "out[%u] still owns a message", i);
+}
+
+Test(transfer_reservation, decode_group_refuses_inconsistent_sets, .timeout = 10,
+     .init = cr_redirect_stderr)
+{
+    uint8_t bufs[4][2048];
+    duet_xfer_bytes_t spans[4];
+    /* two reservations that claim a group of 3 */
+    pack_group((const uint32_t[]){0, 1}, 2, 3, 0, bufs, spans);
+    group_refused(spans, 2, DUET_ERR_INVALID, "claims a group of 3, 2 reservations came");
+    /* rank 1 twice, rank 0 missing */
+    pack_group((const uint32_t[]){1, 1}, 2, 2, 0, bufs, spans);
+    group_refused(spans, 2, DUET_ERR_INVALID, "rank 1 appears twice");
+    /* kv_ranks differing between ranks */
+    pack_group((const uint32_t[]){0, 1, 2, 3}, 4, 4, 2, bufs, spans);
+    pack_group((const uint32_t[]){3}, 1, 4, 4, bufs + 3, spans + 3);
+    group_refused(spans, 4, DUET_ERR_INVALID, "differs from rank 0");
+    /* one undecodable member: named by its place */
+    pack_group((const uint32_t[]){0, 1}, 2, 2, 0, bufs, spans);
+    spans[1].len = 3;
+    group_refused(spans, 2, DUET_ERR_FORMAT, "[1] of 2");
+    group_refused(spans, 0, DUET_ERR_INVALID, "a group has 1 to 64");
 }
 
 Test(transfer_reservation, too_many_pages_and_oversized_buffers, .timeout = 30,
@@ -489,7 +626,7 @@ Test(transfer_reservation, replay_round_trip_into_a_plan, .timeout = 10)
     duet_xfer_dest_t dst;
     duet_xfer_reservation_dest(&got, &dst);
     duet_xfer_plan_t plan = {0};
-    cr_assert_eq(duet_xfer_plan_build(&sl, &src, &got.layout, &dst, 1, &plan), DUET_OK, "%s",
+    cr_assert_eq(duet_xfer_plan_build(&sl, &src, &got.layout, &dst, 1, 0, &plan), DUET_OK, "%s",
                  duet_error_last());
     int n_replay_entries = 0;
     for (size_t i = 0; i < plan.n_entries; i++) {

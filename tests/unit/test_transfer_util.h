@@ -36,6 +36,7 @@ typedef struct {
     uint32_t hd;          /* KDA head dim */
     uint32_t conv;        /* conv kernel */
     uint32_t group;       /* receiver ranks */
+    uint32_t kvr;         /* KV shards the pages are dealt over (kv_ranks; 0 = group) */
     uint32_t rank;        /* receiver: its rank */
     uint32_t count;       /* transfers */
     uint32_t seed;        /* pattern seed of transfer k is seed + k */
@@ -82,6 +83,7 @@ static inline xt_scn_t xt_scn_default(void)
     X(hd)                                                                                          \
     X(conv)                                                                                        \
     X(group)                                                                                       \
+    X(kvr)                                                                                         \
     X(rank)                                                                                        \
     X(count)                                                                                       \
     X(seed)                                                                                        \
@@ -150,11 +152,19 @@ static inline uint64_t xt_pages_for(uint64_t tokens, uint32_t pt)
     return (tokens + pt - 1) / pt;
 }
 
-/* Pages rank r of the group holds for s->tokens tokens. */
+/* KV shards of the scenario's group (kvr, or the group for 0). */
+static inline uint32_t xt_kv_shards(const xt_scn_t *s)
+{
+    return s->kvr != 0 ? s->kvr : s->group;
+}
+
+/* Pages rank r of the group holds for s->tokens tokens: those of its shard c = r / (group /
+ * shards), global pages c, c + shards, ... (written out here, not transfer/plan.h's helpers). */
 static inline uint32_t xt_rank_pages(const xt_scn_t *s, uint32_t r)
 {
     uint64_t g = xt_pages_for(s->tokens, s->dst_pt);
-    return (uint32_t)(g / s->group + (r < g % s->group));
+    uint32_t kv = xt_kv_shards(s), c = r / (s->group / kv);
+    return (uint32_t)(g / kv + (c < g % kv));
 }
 
 /* --- pattern ------------------------------------------------------------------------------ */
@@ -268,8 +278,9 @@ static inline uint64_t xt_verify_dst(const xt_scn_t *s, uint32_t seed, const uin
 {
     uint64_t bad = 0;
     uint32_t pt = s->dst_pt, wpt = s->tb / 8, N = s->group, r = s->rank;
+    const uint32_t KV = xt_kv_shards(s), shard = r / (N / KV);
     for (uint32_t i = 0; i < n_pages; i++) {
-        uint64_t j = (uint64_t)i * N + r;
+        uint64_t j = (uint64_t)i * KV + shard; /* local page i holds global page j */
         for (uint32_t sl = 0; sl < pt; sl++) {
             uint64_t t = j * pt + sl;
             if (t >= s->tokens)
@@ -627,6 +638,7 @@ static inline duet_status_t xt_recv_reserve(xt_recv_t *R, uint32_t k, uint8_t *b
         .n_replay = s->replay,
         .rank = s->rank,
         .group_size = s->group,
+        .kv_ranks = s->kvr,
         .deadline_unix_ms = duet_xfer_now_unix_ms() + s->deadline_ms,
         .cb = xt_recv_cb,
         .user = t,
