@@ -65,8 +65,10 @@
 
 #include "common/log.h"
 #include "engine/cache_plan.h"
+#include "engine/shard.h"
 #include "engine/spec.h"
 #include "proto/envelope.h"
+#include "group/comm_mpi.h"
 #include "worker/skeleton.h"
 
 _Static_assert(DUET_SPEC_MAX_K <= DUET_PROTO_SPEC_POSITIONS,
@@ -106,6 +108,18 @@ static const duet_config_key_t gen_keys[] = {
     {"print_cache_plan", DUET_CONFIG_BOOL, "false",
      "print the cache plan (pools, pages, bytes) as JSON and exit, without a router or weights",
      .min = NULL},
+    {"helix.cp", DUET_CONFIG_INT, "1",
+     "context-parallel ranks of a generation group (docs/architecture.md, \"Generation "
+     "groups\"): MLA KV pages dealt over them; started as cp x tp MPI ranks (mpirun, srun)",
+     .min = "1", .max = "64"},
+    {"helix.tp", DUET_CONFIG_INT, "1",
+     "tensor-parallel ranks of a generation group: MLA query heads split over them (each "
+     "holding its cp share of the KV); KDA heads, MLPs and experts are split over all cp x tp",
+     .min = "1", .max = "64"},
+    {"helix.timeout_ms", DUET_CONFIG_INT, "30000",
+     "the longest a rank of a generation group waits for the others in a collective before the "
+     "group is declared failed",
+     .min = "100", .max = "3600000"},
     {"test.move_hold_ms", DUET_CONFIG_INT, "0",
      "fault injection for tests: a request moving off this worker waits this long after its "
      "transfer started before any byte is put (0 = none)",
@@ -292,7 +306,7 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         need = held + 1 + g.slack;
         need = need < full ? need : full;
     }
-    if (duet_model_seq_open(w->m, need, &r->base.seq) != DUET_OK) {
+    if (duet_worker_seq_open(w, need, &r->base.seq) != DUET_OK) {
         *why = duet_error_last();
         r->base.seq.id = -1;
         return NULL;
@@ -354,7 +368,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
         gr_resume_moved_in(w, r);
         return;
     }
-    if (duet_model_seq_set_filled(w->m, &q->seq, q->n_prompt) != DUET_OK) {
+    if (duet_worker_seq_filled(w, &q->seq, q->n_prompt, q->deadline_unix_ms) != DUET_OK) {
         gr_fail(w, q, duet_error_last());
         return;
     }
@@ -430,7 +444,9 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
 {
     const Duet__MoveState *ms = m->move;
     const char *bad = NULL;
-    if (ms->n_rng != DUET_PROTO_RNG_WORDS)
+    if (w->group != NULL)
+        bad = "Reserve: moving a running request into a generation group is not built";
+    else if (ms->n_rng != DUET_PROTO_RNG_WORDS)
         bad = "Reserve: the moving request's RNG state has the wrong size";
     else if (ms->produced == 0 || ms->produced >= m->max_tokens ||
              ms->n_generated != ms->produced || ms->generated[ms->produced - 1] != ms->next_token)
@@ -487,6 +503,11 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
 static void gen_on_move_pause(duet_worker_t *w, const Duet__MovePause *m)
 {
     gr_t *r = (gr_t *)duet_worker_find(w, m->request_id);
+    if (w->group != NULL) {
+        gen_send_paused(w, m->request_id, "moving a request out of a generation group is not built",
+                        NULL);
+        return;
+    }
     if (r == NULL || r->base.phase != GR_DECODE) {
         gen_send_paused(w, m->request_id,
                         r == NULL ? "no such request here" : "the request is not decoding yet",
@@ -700,15 +721,18 @@ static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t
     duet_worker_req_t *q = &r->base;
     const uint32_t pt = w->layout.page_tokens;
     q->phase = GR_RECEIVING;
+    /* in a group rank 0 holds the pages of c = 0: global pages 0, cp, 2 cp, ... */
+    const int64_t cp = w->group != NULL ? duet_group_cp(w->group) : 1;
     duet_xfer_recv_args_t a = {
         .req_id = q->rid,
         .layout = w->layout,
         .pages = q->seq.pages,
-        .n_pages = (uint32_t)((n_tokens + pt - 1) / pt),
+        .n_pages = (uint32_t)(((n_tokens + pt - 1) / pt + cp - 1) / cp),
         .kda_slot = q->seq.kda_slot,
         .n_tokens = (uint64_t)n_tokens,
         .rank = 0,
-        .group_size = 1,
+        .group_size = w->group != NULL ? (uint32_t)duet_group_size(w->group) : 1,
+        .kv_ranks = (uint32_t)cp,
         .deadline_unix_ms = deadline_unix_ms,
         .cb = duet_worker_xfer_cb,
         .user = w,
@@ -731,6 +755,20 @@ static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t
             q->xfer_live = true;
         }
     }
+    /* the followers' shares of a group */
+    uint8_t *more[DUET_XFER_MAX_RANKS] = {0};
+    size_t more_len[DUET_XFER_MAX_RANKS] = {0};
+    ProtobufCBinaryData more_pb[DUET_XFER_MAX_RANKS];
+    const int n_more = w->group != NULL ? duet_group_size(w->group) - 1 : 0;
+    if (st == DUET_OK && n_more > 0 &&
+        (st = duet_group_reserve(w->group, &q->seq, q->rid, n_tokens, deadline_unix_ms, more,
+                                 more_len)) != DUET_OK) {
+        char why[256];
+        snprintf(why, sizeof(why), "%s", duet_error_last());
+        (void)duet_xfer_recv_cancel(w->x, q->xid, why);
+        q->xfer_live = false;
+        duet_error_set(st, "%s", why);
+    }
     if (st != DUET_OK) {
         char why_buf[256];
         snprintf(why_buf, sizeof(why_buf), "cannot reserve: %s", duet_error_last());
@@ -743,12 +781,26 @@ static void gr_reserve_recv(duet_worker_t *w, gr_t *r, int64_t n_tokens, int64_t
     rs.request_id = q->rid;
     rs.reservation.data = buf;
     rs.reservation.len = len;
+    for (int i = 0; i < n_more; i++)
+        more_pb[i] = (ProtobufCBinaryData){.len = more_len[i], .data = more[i]};
+    rs.n_more_reservations = (size_t)n_more;
+    rs.more_reservations = n_more > 0 ? more_pb : NULL;
     Duet__Envelope env = duet_envelope_reserved(&rs);
     (void)duet_link_send(w->link, &env);
     free(buf);
+    if (n_more > 0)
+        duet_group_free_reservations(w->group, more);
     DUET_RLOG_DEBUG(q->rid, "reserved %lld pages for %lld tokens (%lld + %u at most)",
                     (long long)q->seq.n_pages, (long long)n_tokens, (long long)q->n_prompt,
                     q->max_tokens);
+}
+
+/* End r's reservation before its data came (rank 0's, and in a group every rank's share). */
+static void gen_recv_cancel(duet_worker_t *w, gr_t *r, const char *why)
+{
+    if (w->group != NULL)
+        duet_group_recv_cancel(w->group, &r->base.seq, why);
+    (void)duet_xfer_recv_cancel(w->x, r->base.xid, why);
 }
 
 static void gen_on_prefill_done(duet_worker_t *w, const Duet__PrefillDone *m)
@@ -765,7 +817,7 @@ static void gen_on_prefill_done(duet_worker_t *w, const Duet__PrefillDone *m)
                                 "PrefillDone: first token outside the vocabulary");
         if (r->base.xfer_live) {
             r->cancelling = true;
-            (void)duet_xfer_recv_cancel(w->x, r->base.xid, "bad first token");
+            gen_recv_cancel(w, r, "bad first token");
         }
         return;
     }
@@ -819,8 +871,8 @@ static void gen_on_cancel(duet_worker_t *w, const Duet__Cancel *m)
     }
     if (r->base.phase == GR_RECEIVING && r->base.xfer_live) {
         r->cancelling = true;
-        (void)duet_xfer_recv_cancel(w->x, r->base.xid, m->reason); /* outcome: quarantine */
-        if (r->base.phase == GR_RECEIVING)                         /* ended before? */
+        gen_recv_cancel(w, r, m->reason);  /* outcome: quarantine */
+        if (r->base.phase == GR_RECEIVING) /* ended before? */
             gr_quarantine(r);
         return;
     }
@@ -1251,10 +1303,57 @@ static duet_status_t gen_cache_plan(duet_worker_t *w, duet_model_opts_t *mo)
 }
 
 /* The spec.* keys (checked together, naming the key) and the target's verify rows. */
+/*
+ * helix.cp x helix.tp > 1: this process is one rank of a generation group started by mpirun /
+ * srun as that many ranks (worker/group.h); the model loads the rank's cut. What a group does
+ * not do yet is refused here, saying so.
+ */
+static duet_status_t gen_group(duet_worker_t *w, duet_model_opts_t *mo)
+{
+    const int cp = (int)duet_config_get_int(w->cfg, "helix.cp");
+    const int tp = (int)duet_config_get_int(w->cfg, "helix.tp");
+    if (cp * tp == 1)
+        return DUET_OK;
+    if (g.so.method != DUET_SPEC_NONE)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "helix.cp x helix.tp = %d: speculative "
+                              "decoding in a generation group is not built "
+                              "(set spec.method none)",
+                              cp * tp);
+    if (cp * tp > DUET_SHARD_MAX_RANKS)
+        return duet_error_set(DUET_ERR_RANGE, "helix.cp x helix.tp = %d: at most %d ranks", cp * tp,
+                              DUET_SHARD_MAX_RANKS);
+    int rank = 0, size = 1;
+    duet_status_t st = duet_group_mpi_init(NULL, NULL, &rank, &size);
+    if (st != DUET_OK)
+        return st;
+    if (size != cp * tp)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "helix.cp %d x helix.tp %d = %d ranks, but this job has %d: start "
+                              "it with mpirun -n %d (or srun -n %d)",
+                              cp, tp, cp * tp, size, cp * tp, cp * tp);
+    duet_comm_t *comm = NULL;
+    if ((st = duet_comm_mpi_create(duet_config_get_int(w->cfg, "helix.timeout_ms"), &comm)) !=
+            DUET_OK ||
+        (st = duet_group_create(comm, cp, tp, &w->group)) != DUET_OK) {
+        duet_comm_destroy(comm);
+        return st;
+    }
+    mo->comm = comm;
+    mo->helix_cp = cp;
+    mo->helix_tp = tp;
+    if (rank != 0) /* a follower's log lines say which rank they come from */
+        snprintf(w->name, sizeof(w->name), "rank %d", rank);
+    DUET_LOG_INFO("generation group: rank %d of cp %d x tp %d", rank, cp, tp);
+    return DUET_OK;
+}
+
 static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
 {
     duet_status_t st = duet_spec_opts_from_config(w->cfg, &g.so);
     if (st != DUET_OK)
+        return st;
+    if ((st = gen_group(w, mo)) != DUET_OK)
         return st;
     /* on a backend without verify rows (cuda) the model's load refuses this, saying why */
     mo->spec_rows = duet_spec_target_rows(&g.so);
@@ -1279,6 +1378,11 @@ static duet_status_t gen_init(duet_worker_t *w)
     g.checksum = duet_config_get_bool(w->cfg, "transfer.checksum");
     g.move_hold_ms = (uint32_t)duet_config_get_int(w->cfg, "test.move_hold_ms");
     g.grow = duet_config_get_bool(w->cfg, "cache.suspend") && duet_model_kv_pool(w->m) != NULL;
+    if (g.grow && w->group != NULL) {
+        DUET_LOG_INFO("cache.suspend: off in a generation group (suspending a sharded sequence "
+                      "is not built); requests reserve their pages up front");
+        g.grow = false;
+    }
     if (g.grow && duet_model_opts(w->m)->device != DUET_DEVICE_CPU) {
         DUET_LOG_INFO("cache.suspend: off on %s (a snapshot reads the KV from host memory); "
                       "requests reserve their pages up front",
@@ -1359,5 +1463,7 @@ static const duet_worker_ops_t gen_ops = {
 
 int main(int argc, char **argv)
 {
-    return duet_worker_main(&gen_ops, argc, argv);
+    const int rc = duet_worker_main(&gen_ops, argc, argv);
+    duet_group_mpi_finalize(); /* nothing when this was no group */
+    return rc;
 }

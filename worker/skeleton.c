@@ -71,10 +71,33 @@ bool duet_worker_req_set_prompt(duet_worker_req_t *r, const uint32_t *ids, size_
 
 void duet_worker_req_clear(duet_worker_t *w, duet_worker_req_t *r)
 {
-    duet_model_seq_close(w->m, &r->seq);
+    duet_worker_seq_close(w, &r->seq);
     free(r->prompt);
     memset(r, 0, w->ops->req_size);
     r->seq.id = -1;
+}
+
+duet_status_t duet_worker_seq_open(duet_worker_t *w, int64_t max_tokens, duet_seq_t *seq)
+{
+    if (w->group == NULL)
+        return duet_model_seq_open(w->m, max_tokens, seq);
+    return duet_group_seq_open(w->group, w->m, max_tokens, seq);
+}
+
+void duet_worker_seq_close(duet_worker_t *w, duet_seq_t *seq)
+{
+    if (w->group == NULL || duet_group_broken(w->group))
+        duet_model_seq_close(w->m, seq);
+    else
+        duet_group_seq_close(w->group, w->m, seq);
+}
+
+duet_status_t duet_worker_seq_filled(duet_worker_t *w, duet_seq_t *seq, int64_t n_tokens,
+                                     uint64_t deadline_unix_ms)
+{
+    if (w->group == NULL)
+        return duet_model_seq_set_filled(w->m, seq, n_tokens);
+    return duet_group_seq_filled(w->group, w->m, seq, n_tokens, deadline_unix_ms);
 }
 
 bool duet_worker_in_vocab(const duet_worker_t *w, const uint32_t *ids, size_t n)
@@ -154,12 +177,38 @@ static void w_on_closed(const char *reason, void *user)
     w_stop(user, reason);
 }
 
+void duet_worker_group_failed(duet_worker_t *w)
+{
+    if (w->group == NULL || !duet_group_broken(w->group) || w->stopping)
+        return;
+    char why[320];
+    snprintf(why, sizeof(why),
+             "the generation group %s failed (a rank died or stopped answering): its requests "
+             "end here",
+             w->name);
+    DUET_LOG_ERROR("%s", why);
+    for (int64_t i = 0; i < w->n_reqs; i++) {
+        duet_worker_req_t *r = duet_worker_req(w, i);
+        if (r->phase == 0)
+            continue;
+        duet_worker_send_tokens(w->link, r->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR, why);
+        w->ops->release(w, r);
+    }
+    w_stop(w, why); /* then Deregister; duet_worker_main aborts the job */
+}
+
 /* A Heartbeat from the current state (also from the layer hook, mid-step). */
+static int64_t w_kv_scale(const duet_worker_t *w)
+{
+    return w->group != NULL ? duet_group_cp(w->group) : 1;
+}
+
 static void w_heartbeat(duet_worker_t *w)
 {
     duet_kv_pool_t *kv = duet_model_kv_pool(w->m);
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
-    hb.free_pages = kv != NULL ? (uint32_t)duet_kv_pool_n_free(kv) : 0;
+    /* a group's pages: rank 0 holds the largest share of every sequence, cp ranks share them */
+    hb.free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
     hb.draining = w->draining;
     hb.prefill_tokens = w->prefill_tokens;
     w->ops->heartbeat(w, &hb);
@@ -185,7 +234,8 @@ void duet_worker_update(duet_worker_t *w)
 void duet_worker_xfer_cb(const duet_xfer_outcome_t *o, void *user)
 {
     duet_worker_t *w = user;
-    if (w->ops->defer_outcomes && w->in_step && w->n_deferred < w->n_reqs) {
+    /* a group's followers are inside the step's collectives: no other group call may start */
+    if ((w->ops->defer_outcomes || w->group != NULL) && w->in_step && w->n_deferred < w->n_reqs) {
         duet_worker_deferred_t *d = &w->deferred[w->n_deferred++];
         d->o = *o;
         snprintf(d->msg, sizeof(d->msg), "%s", o->message != NULL ? o->message : "");
@@ -201,6 +251,10 @@ void duet_worker_xfer_cb(const duet_xfer_outcome_t *o, void *user)
 static void w_step(uv_idle_t *h)
 {
     duet_worker_t *w = h->data;
+    if (w->group != NULL && duet_group_broken(w->group)) {
+        duet_worker_group_failed(w);
+        return;
+    }
     w->step_prefill = 0;
     int64_t n = w->ops->plan_step(w);
     if (n == 0) {
@@ -209,8 +263,14 @@ static void w_step(uv_idle_t *h)
     }
     double t0 = duet_worker_now();
     w->in_step = true;
-    duet_status_t st = duet_model_forward(w->m, w->items, n);
+    duet_status_t st = w->group != NULL ? duet_group_forward(w->group, w->m, w->items, n)
+                                        : duet_model_forward(w->m, w->items, n);
     w->in_step = false;
+    if (st != DUET_OK && w->group != NULL && duet_group_broken(w->group)) {
+        w->n_deferred = 0;           /* their requests end below */
+        duet_worker_group_failed(w); /* every request, the step's too, ends naming the group */
+        return;
+    }
     double dt = duet_worker_now() - t0;
     if (st == DUET_OK)
         w->prefill_tokens += (uint64_t)w->step_prefill;
@@ -225,6 +285,10 @@ static void w_step(uv_idle_t *h)
 static void w_tick(uv_timer_t *t)
 {
     duet_worker_t *w = t->data;
+    if (w->group != NULL && duet_group_broken(w->group)) {
+        duet_worker_group_failed(w);
+        return;
+    }
     w->ops->tick(w);
     w_heartbeat(w);
     duet_worker_update(w);
@@ -392,7 +456,7 @@ static duet_status_t w_start(duet_worker_t *w)
     const duet_model_opts_t *mo = duet_model_opts(w->m);
     duet_kv_pool_t *kv = duet_model_kv_pool(w->m);
     Duet__Capacity cap = DUET__CAPACITY__INIT;
-    cap.kv_pages = kv != NULL ? (uint32_t)duet_kv_pool_desc(kv)->n_pages : 0;
+    cap.kv_pages = kv != NULL ? (uint32_t)(duet_kv_pool_desc(kv)->n_pages * w_kv_scale(w)) : 0;
     cap.page_tokens = (uint32_t)mo->page_tokens;
     cap.max_seqs = (uint32_t)mo->max_seqs;
     cap.max_batch_tokens = (uint32_t)mo->max_batch_tokens;
@@ -477,6 +541,8 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
     w_release_all(w);
     if (w->ops->fini != NULL)
         w->ops->fini(w);
+    duet_group_destroy(w->group); /* rank 0: the followers stop once every sequence is closed */
+    w->group = NULL;
     duet_model_free(w->m);
     duet_xfer_ctx_destroy(w->x);
     free(w->reqs);
@@ -485,6 +551,19 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
     free(w->order);
     free(w->deferred);
     duet_config_destroy(w->cfg);
+}
+
+/* A group's follower rank: serve rank 0 until it stops the group (or the group breaks). */
+static int w_follow(duet_worker_t *w, bool owned)
+{
+    /* no loop, no router: UCX progresses while the follower waits on the group (on_wait) */
+    duet_model_set_layer_hook(w->m, NULL, NULL);
+    const int rc = duet_group_follow(w->group, w->m, w->x, &w->layout);
+    if (rc != 0)
+        duet_group_abort(w->group, 1);
+    w_free(w, owned);
+    DUET_LOG_INFO("stopped");
+    return 0;
 }
 
 int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
@@ -511,6 +590,8 @@ int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
     }
     bool owned = false;
     st = w_load(&w, mo, &owned);
+    if (st == DUET_OK && w.group != NULL && duet_group_rank(w.group) != 0)
+        return w_follow(&w, owned);
     if (st == DUET_OK && (st = ops->init(&w)) != DUET_OK)
         fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
     if (st == DUET_OK && (st = w_tables(&w)) != DUET_OK)
@@ -532,6 +613,9 @@ int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
         ops->shutdown(&w);
     else
         w_release_all(&w);
+    const bool broken = w.group != NULL && duet_group_broken(w.group);
+    if (broken) /* the followers may be waiting on a collective that will never end */
+        duet_group_abort(w.group, 1);
     w_free(&w, owned);
     DUET_LOG_INFO("stopped");
     return 0;

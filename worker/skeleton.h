@@ -18,6 +18,7 @@
 
 #include <uv.h>
 
+#include "worker/group.h"
 #include "worker/worker.h"
 
 typedef struct duet_worker duet_worker_t;
@@ -118,6 +119,9 @@ struct duet_worker {
     duet_model_t *m;
     duet_xfer_ctx_t *x;
     duet_xfer_layout_t layout; /* of this worker's pools */
+    /* A Helix group (worker/group.h; set by the role's configure): this process is its rank 0
+     * when it runs the loop; every sequence change and step then goes through the group */
+    duet_group_t *group;
     duet_worker_pump_t pump;
     duet_link_t *link; /* the router; NULL once closed */
     int64_t V;         /* vocabulary size */
@@ -175,6 +179,23 @@ bool duet_worker_req_set_prompt(duet_worker_req_t *r, const uint32_t *ids, size_
 
 /* Close r's sequence, free its prompt and zero the whole slot (the role freed its own parts). */
 void duet_worker_req_clear(duet_worker_t *w, duet_worker_req_t *r);
+
+/* The model's sequence calls as the worker makes them: on rank 0 of a group the followers make
+ * them too (worker/group.h), alone they are the model's own. A failure that broke the group ends
+ * the worker (duet_worker_group_failed). */
+duet_status_t duet_worker_seq_open(duet_worker_t *w, int64_t max_tokens, duet_seq_t *seq);
+void duet_worker_seq_close(duet_worker_t *w, duet_seq_t *seq);
+/* The sequence's first n_tokens arrived (a cache transfer); a group's followers wait for theirs
+ * until deadline_unix_ms (0: the group's bound). */
+duet_status_t duet_worker_seq_filled(duet_worker_t *w, duet_seq_t *seq, int64_t n_tokens,
+                                     uint64_t deadline_unix_ms);
+
+/*
+ * The group broke (a rank died or stopped answering): every request ends with Tokens(ERROR, why)
+ * once, the worker deregisters and stops; the process then aborts the job so that no rank is
+ * left behind. Does nothing when the group is healthy or there is none.
+ */
+void duet_worker_group_failed(duet_worker_t *w);
 
 /* Whether every id is inside the vocabulary. */
 bool duet_worker_in_vocab(const duet_worker_t *w, const uint32_t *ids, size_t n);

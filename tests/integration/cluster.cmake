@@ -8,3 +8,5 @@ add_dependencies(test_cluster duet-router duet-ctx duet-gen duet-generate duet-b
 duet_add_test(test_worker_protocol SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_worker_protocol.c
               LIBS duet_transfer TIMEOUT 300)
 add_dependencies(test_worker_protocol duet-ctx duet-gen)
+# the generation groups' mpirun (tests/integration/test_cluster.c, cluster_group)
+target_compile_definitions(test_cluster PRIVATE DUET_MPIEXEC="${MPIEXEC_EXECUTABLE}")

@@ -45,6 +45,19 @@
  *   duet_up_local_spec_yaml_answers  `duet up deploy/configs/local-spec.yaml --once` (prompt
  *        lookup standing in for the draft model) answers the sample as duet-generate does
  *
+ * Generation groups (cluster_group; docs/architecture.md, "Generation groups"): gen workers started
+ * by mpirun as helix.cp x helix.tp ranks:
+ *   cp2_ / cp4_ / tp2_greedy_equal_duet_generate  requests of mixed lengths (prompts over fewer KV
+ *        pages than ranks and over many; prefilled by the context worker into every rank's pools
+ *        and by the group itself) give exactly duet-generate's text and token count; every page
+ *        back; no rank left after the stop
+ *   a_rank_killed_fails_the_groups_requests_once  kill -9 of rank 1 of a CP=2 group beside a plain
+ *        worker: the group's requests fail naming it, the other's complete, new requests
+ *        succeed, the job ends and leaves no rank
+ *   a_stalled_rank_fails_the_group_in_bounded_time  SIGSTOP of rank 1: rank 0's collective times
+ *        out (helix.timeout_ms), its requests end with the group's reason, the job ends
+ *   drain_of_a_group_loses_nothing  drain_under_load_loses_nothing with gen-0 a CP=2 group
+ *
  * Every process runs with one compute thread so the suite fits the 2-core CI machine.
  */
 #include <criterion/criterion.h>
@@ -108,6 +121,11 @@ static void speculate(const char *method, const char *k)
 /* gen-0's command line in the last start_cluster, shell-quoted (check_cache_gauges reruns it) */
 static char gen_cmd[4096];
 
+/* Set by a test before start_cluster: gen-0 (or every gen worker with helix_all) is a generation
+ * group of helix_cp x helix_tp ranks started by mpirun (docs/architecture.md, "Generation
+ * groups"); 0: plain processes. Its cache.kv_pages are per rank; it reports cp times as many. */
+static int helix_cp, helix_tp, helix_all;
+
 /* placement.local_prefill_tokens: prompts shorter than this are prefilled by the gen worker */
 static int local_below = LOCAL_BELOW;
 /* the gen workers' cache.kv_pages in the next start_cluster */
@@ -152,6 +170,13 @@ static pid_t spawn(const char *name, char *const argv[])
         const char *tls = getenv("DUET_TEST_UCX_TLS");
         setenv("UCX_TLS", tls != NULL ? tls : "tcp,self,sm", 1);
         setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+        /* a generation group's mpirun: ranks over shared memory, root allowed (CI runs as root) */
+        setenv("OMPI_MCA_pml", "ob1", 1);
+        setenv("OMPI_MCA_btl", "self,vader", 1);
+        setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+        setenv("OMPI_MCA_oob_tcp_if_include", "lo", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+        setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
         execv(argv[0], argv);
         _exit(127);
     }
@@ -248,7 +273,11 @@ static int workers_idle(int expect_workers)
         json_t *load = json_object_get(w, "load");
         int pages = (int)json_integer_value(json_object_get(load, "free_pages"));
         int run = (int)json_integer_value(json_object_get(load, "running"));
+        const char *wname = json_string_value(json_object_get(w, "name"));
         int want = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : gen_pages;
+        if (helix_cp > 0 && wname != NULL && strncmp(wname, "gen-", 4) == 0 &&
+            (helix_all || strcmp(wname, "gen-0") == 0))
+            want *= helix_cp;
         if (pages != want || run != 0)
             ok = 0;
     }
@@ -409,6 +438,31 @@ static void start_cluster(int n_ctx, int n_gen)
                 argv[at + 5] = DRAFT;
             }
         }
+        /* a group: mpirun -n cp*tp <the same command> --helix.cp C --helix.tp T */
+        static char np[16], hcp[16], htp[16];
+        char *margv[64];
+        if (helix_cp * helix_tp > 1 && (helix_all || i == 0)) {
+            snprintf(np, sizeof(np), "%d", helix_cp * helix_tp);
+            snprintf(hcp, sizeof(hcp), "%d", helix_cp);
+            snprintf(htp, sizeof(htp), "%d", helix_tp);
+            size_t m = 0;
+            const char *pre[] = {DUET_MPIEXEC,
+                                 "--oversubscribe",
+                                 "--allow-run-as-root",
+                                 "--bind-to",
+                                 "none",
+                                 "-n",
+                                 np};
+            for (size_t k = 0; k < sizeof(pre) / sizeof(pre[0]); k++)
+                margv[m++] = (char *)pre[k];
+            for (size_t a = 0; argv[a] != NULL; a++)
+                margv[m++] = argv[a];
+            const char *post[] = {"--helix.cp", hcp, "--helix.tp", htp, NULL};
+            for (size_t k = 0; k < sizeof(post) / sizeof(post[0]); k++)
+                margv[m++] = (char *)post[k];
+            spawn(name, margv);
+            continue;
+        }
         if (i == 0) {
             gen_cmd[0] = '\0';
             for (size_t a = 0; argv[a] != NULL; a++) {
@@ -424,6 +478,8 @@ static void start_cluster(int n_ctx, int n_gen)
 static void stop_all(void)
 {
     for (int i = n_pids - 1; i >= 0; i--) {
+        if (pids[i] <= 0) /* reaped by the test already */
+            continue;
         kill(pids[i], SIGTERM);
         int st;
         for (int k = 0; k < 150 && waitpid(pids[i], &st, WNOHANG) == 0; k++)
@@ -1697,4 +1753,269 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
     free(j.want_text);
     n_pids = 0;
     stop_all(); /* removes the folder */
+}
+
+/* ---------------------------------------------------------------- generation groups (Helix) */
+
+/* Processes whose parent is `parent` (a group's ranks under its mpirun). */
+static int children_of(pid_t parent, pid_t *out, int cap)
+{
+    int n = 0;
+    FILE *p = popen("ps -e -o pid=,ppid=", "r");
+    cr_assert_not_null(p);
+    int pid, ppid;
+    while (n < cap && fscanf(p, "%d %d", &pid, &ppid) == 2)
+        if (ppid == parent)
+            out[n++] = pid;
+    pclose(p);
+    return n;
+}
+
+/* The pid of the rank `rank` of the group whose mpirun is `mpirun` (its OMPI_COMM_WORLD_RANK). */
+static pid_t rank_pid(pid_t mpirun, int rank)
+{
+    pid_t kids[64];
+    const int n = children_of(mpirun, kids, 64);
+    char want[64];
+    snprintf(want, sizeof(want), "OMPI_COMM_WORLD_RANK=%d", rank);
+    for (int i = 0; i < n; i++) {
+        char path[64], env[65536];
+        snprintf(path, sizeof(path), "/proc/%d/environ", (int)kids[i]);
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        size_t len = fread(env, 1, sizeof(env) - 1, f);
+        fclose(f);
+        for (size_t at = 0; at < len; at += strlen(env + at) + 1)
+            if (strcmp(env + at, want) == 0)
+                return kids[i];
+    }
+    return -1;
+}
+
+/* Whether a generation worker of this test's cluster (its router port; other tests run beside
+ * it) still runs: a group's rank left behind. */
+static int gen_running(int port)
+{
+    char cmd[512], out[256];
+    snprintf(cmd, sizeof(cmd), "pgrep -f '^%s .*--router 127.0.0.1:%d( |$)' || true", GEN, port);
+    return test_run(cmd, out, sizeof(out)) == 0 && out[0] != '\0';
+}
+
+/*
+ * One generation group (cp x tp ranks) behind the router with one context worker: requests of
+ * mixed lengths in flight together — prompts over fewer KV pages than the group has ranks and
+ * over many, prefilled by the context worker (which puts each page into its ranks' pools) and
+ * by the group itself (short prompts), streamed and not — give exactly duet-generate's text and
+ * token count; afterwards every page is back and no rank is left once the group stops.
+ */
+static void group_greedy_body(int cp, int tp)
+{
+    enum { N = 8 };
+    static job_t jobs[N];
+    helix_cp = cp;
+    helix_tp = tp;
+    helix_all = 1;
+    worker_device = "cpu"; /* a group computes on the cpu backend */
+    start_cluster(1, 1);
+    pthread_t th[N];
+    /* prompt lengths in tokens (bytes): under local_prefill_tokens, one 32-token page (fewer
+     * pages than ranks), a few pages, many pages */
+    const int len[N] = {12, 20, 30, 45, 70, 110, 180, 260};
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i * 3 + 1, len[i], 24 + 8 * (i % 3));
+        jobs[i].stream = i % 2;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++)
+        check_job(&jobs[i], i);
+    wait_idle(2, 15000);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    const int port = worker_port;
+    stop_all();
+    cr_expect(!gen_running(port), "a rank of the group is still running after the stop");
+    helix_cp = helix_tp = helix_all = 0;
+}
+
+Test(cluster_group, cp2_greedy_equal_duet_generate, .timeout = 240)
+{
+    group_greedy_body(2, 1);
+}
+
+Test(cluster_group, cp4_greedy_equal_duet_generate, .timeout = 240)
+{
+    group_greedy_body(4, 1);
+}
+
+Test(cluster_group, tp2_greedy_equal_duet_generate, .timeout = 240)
+{
+    group_greedy_body(1, 2);
+}
+
+/*
+ * kill -9 of one rank (not rank 0) of gen-0, a CP=2 group, while it decodes beside a plain gen-1:
+ * gen-0's requests end once with an error naming it, gen-1's complete as duet-generate's, new
+ * requests go to gen-1 and succeed, and nothing of gen-0's job is left running.
+ */
+Test(cluster_group, a_rank_killed_fails_the_groups_requests_once, .timeout = 240)
+{
+    enum { N = 6 };
+    static job_t jobs[N];
+    helix_cp = 2;
+    helix_tp = 1;
+    helix_all = 0;
+    worker_device = "cpu";
+    start_cluster(1, 2);
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) { /* prefilled by the generation workers: decoding at once */
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + 7, 12 + i, 300);
+        jobs[i].stream = 1;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    cr_assert_eq(busy_worker("gen-", 1, 30000), 0, "gen-0 never ran a request");
+    const pid_t mpirun = pid_of("gen-0"), victim = rank_pid(mpirun, 1);
+    cr_assert_gt(victim, 0, "rank 1 of gen-0 not found under mpirun %d", (int)mpirun);
+    kill(victim, SIGKILL);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    int ok = 0, failed = 0;
+    for (int i = 0; i < N; i++) {
+        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
+            jobs[i].got_tokens == jobs[i].want_tokens) {
+            ok++;
+            continue;
+        }
+        failed++;
+        cr_expect(strstr(jobs[i].got_text, "gen-0") != NULL ||
+                      strstr(jobs[i].got_text, "502") != NULL,
+                  "request %d failed without naming gen-0: %.300s", i, jobs[i].got_text);
+    }
+    cr_expect_gt(ok, 0, "requests on gen-1 completed");
+    cr_expect_gt(failed, 0, "requests on the group failed");
+    /* the group's job ends: mpirun exits (nothing hangs), no rank is left */
+    int st = 0;
+    pid_t done = 0;
+    for (int k = 0; k < 300 && (done = waitpid(mpirun, &st, WNOHANG)) == 0; k++)
+        usleep(50000);
+    cr_expect_eq(done, mpirun, "gen-0's mpirun still runs 15 s after a rank died");
+    for (int i = 0; i < n_pids; i++)
+        if (pids[i] == mpirun)
+            pids[i] = -1; /* reaped */
+    usleep(200000);
+    pid_t left[8];
+    cr_expect_eq(children_of(mpirun, left, 8), 0, "a rank of gen-0 is left running");
+    /* new work goes to gen-1 */
+    job_t j = {0};
+    prompt_of(&j, 13, 90, 20);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+    helix_cp = helix_tp = 0;
+}
+
+/* drain --wait of gen-0, a CP=2 group, under load beside gen-1: drain_body's checks. */
+Test(cluster_group, drain_of_a_group_loses_nothing, .timeout = 240)
+{
+    helix_cp = 2;
+    helix_tp = 1;
+    helix_all = 0;
+    worker_device = "cpu";
+    drain_body();
+    cr_expect(!gen_running(worker_port), "a rank of the group is still running after the stop");
+    helix_cp = helix_tp = 0;
+}
+
+/*
+ * SIGSTOP of rank 1 of gen-0 (a CP=2 group, helix.timeout_ms 2000) while it decodes beside a
+ * plain gen-1: rank 0's next collective times out, the group ends its requests once with an error
+ * naming it, deregisters and aborts its job (the stopped rank too) in bounded time; gen-1's
+ * requests complete as duet-generate's and new requests go to gen-1.
+ */
+Test(cluster_group, a_stalled_rank_fails_the_group_in_bounded_time, .timeout = 240)
+{
+    enum { N = 6 };
+    static job_t jobs[N];
+    helix_cp = 2;
+    helix_tp = 1;
+    helix_all = 0;
+    worker_device = "cpu";
+    gen_extra[0] = "--helix.timeout_ms";
+    gen_extra[1] = "2000";
+    start_cluster(1, 2);
+    gen_extra[0] = gen_extra[1] = NULL;
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + 3, 12 + i, 300);
+        jobs[i].stream = 1;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    cr_assert_eq(busy_worker("gen-", 1, 30000), 0, "gen-0 never ran a request");
+    const pid_t mpirun = pid_of("gen-0"), victim = rank_pid(mpirun, 1);
+    cr_assert_gt(victim, 0, "rank 1 of gen-0 not found under mpirun %d", (int)mpirun);
+    const uint64_t t0 = now_ms();
+    kill(victim, SIGSTOP);
+    int st = 0;
+    pid_t done = 0;
+    for (int k = 0; k < 400 && (done = waitpid(mpirun, &st, WNOHANG)) == 0; k++)
+        usleep(50000);
+    cr_expect_eq(done, mpirun, "gen-0's job still runs 20 s after its rank 1 stopped");
+    cr_log_info("gen-0's job ended %llu ms after its rank 1 stopped",
+                (unsigned long long)(now_ms() - t0));
+    for (int i = 0; i < n_pids; i++)
+        if (pids[i] == mpirun)
+            pids[i] = -1;  /* reaped */
+    kill(victim, SIGKILL); /* in case the job left it (checked below) */
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    int ok = 0, failed = 0;
+    for (int i = 0; i < N; i++) {
+        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
+            jobs[i].got_tokens == jobs[i].want_tokens) {
+            ok++;
+            continue;
+        }
+        failed++;
+        cr_expect(strstr(jobs[i].got_text, "generation group gen-0 failed") != NULL,
+                  "request %d failed without the group's reason: %.300s", i, jobs[i].got_text);
+    }
+    cr_expect_gt(ok, 0, "requests on gen-1 completed");
+    cr_expect_gt(failed, 0, "requests on the group failed");
+    job_t j = {0};
+    prompt_of(&j, 17, 90, 20);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    free(j.want_text);
+    free(j.got_text);
+    const int port = worker_port;
+    stop_all();
+    cr_expect(!gen_running(port), "a rank of gen-0 is left running");
+    helix_cp = helix_tp = 0;
 }

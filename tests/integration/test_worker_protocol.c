@@ -749,6 +749,17 @@ Test(worker_protocol, bad_command_lines_are_refused, .timeout = 60)
     char *nomodel[] = {GEN, "--router", "127.0.0.1:1", NULL};
     cr_expect_eq(run_capture(nomodel, err, sizeof(err)), 2);
     cr_expect(strstr(err, "model.dir") != NULL, "%s", err);
+    /* a generation group: started without mpirun, or asked to speculate */
+    char *group[] = {GEN, "--model", MODEL, "--helix.cp", "2", NULL};
+    cr_expect_eq(run_capture(group, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "start it with mpirun -n 2") != NULL, "%s", err);
+    char *gspec[] = {GEN, "--model", MODEL, "--helix.tp", "2", "--spec.method", "ngram", NULL};
+    cr_expect_eq(run_capture(gspec, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "speculative decoding in a generation group is not built") != NULL, "%s",
+              err);
+    char *grange[] = {GEN, "--model", MODEL, "--helix.cp", "65", NULL};
+    cr_expect_eq(run_capture(grange, err, sizeof(err)), 2);
+    cr_expect(strstr(err, "helix.cp") != NULL, "%s", err);
 }
 
 /*
