@@ -30,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/comm.h"
 #include "common/status.h"
 #include "engine/cache.h"
 #include "engine/model_config.h"
@@ -99,6 +100,18 @@ typedef struct {
                                 pool (spec_rows rows per state slot and KDA layer, allocated at
                                 load). Needs a backend with verify rows (the CPU's;
                                 DUET_ERR_UNSUPPORTED on cuda) */
+    /* Autotuning (kernels/tune.h, issue 39): 1 = at load, profile the backend's tactics for the
+     * model's decode shapes (M = 1 .. max_seqs) and keep the fastest per shape. Every tactic
+     * gives the same bits, so it changes speed only; it costs load time, so it is off by default.
+     * Needs a backend with DUET_BACKEND_CAP_TUNE (cpu); DUET_ERR_UNSUPPORTED elsewhere. */
+    int tune;
+    /* With tune: a table to load instead of profiling when the file exists, and where the
+     * profiled table is saved when it does not (NULL = neither). A malformed file or one made on
+     * another machine fails the load. */
+    const char *tune_file;
+    /* With tune: the generation group whose ranks split the profiling (common/comm.h; every rank
+     * loads with the same options); NULL = this process alone. Not owned. */
+    duet_comm_t *comm;
 } duet_model_opts_t;
 
 /*
