@@ -263,7 +263,7 @@ static duet_status_t duet__cpu_tune(duet__cpu_t *b)
     if ((st = duet_k_matmul_tuner_create(b->k, &b->tuner)) != DUET_OK)
         return st;
     if (o->tune_file != NULL) {
-        st = duet_tune_load(b->tuner, o->tune_file);
+        st = duet_tune_load_group(b->tuner, o->tune_file, o->comm);
         if (st == DUET_OK) {
             DUET_LOG_INFO("model: %lld tuned shapes from %s", (long long)duet_tune_count(b->tuner),
                           o->tune_file);

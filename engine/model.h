@@ -107,7 +107,8 @@ typedef struct {
     int tune;
     /* With tune: a table to load instead of profiling when the file exists, and where the
      * profiled table is saved when it does not (NULL = neither). A malformed file or one made on
-     * another machine fails the load. */
+     * another machine fails the load. In a group every rank loads its file or, if one has none,
+     * every rank profiles (duet_tune_load_group). */
     const char *tune_file;
     /* With tune: the generation group whose ranks split the profiling (common/comm.h; every rank
      * loads with the same options); NULL = this process alone. Not owned. */

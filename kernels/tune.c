@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "kernels/kernels.h"
@@ -382,9 +383,12 @@ void duet_tune_entry(const duet_tune_t *t, int64_t i, duet_tune_key_t *key, int 
 
 duet_status_t duet_tune_save(const duet_tune_t *t, const char *path)
 {
-    FILE *f = fopen(path, "w");
+    char tmp[4096];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof(tmp))
+        return duet_error_set(DUET_ERR_IO, "tune: path too long: %s", path);
+    FILE *f = fopen(tmp, "w");
     if (f == NULL)
-        return duet_error_set(DUET_ERR_IO, "tune: cannot write %s: %s", path, strerror(errno));
+        return duet_error_set(DUET_ERR_IO, "tune: cannot write %s: %s", tmp, strerror(errno));
     fprintf(f, "duet-tune %d %s\n", DUET__TUNE_VERSION, t->machine);
     for (int64_t i = 0; i < t->n_ent; i++) {
         const duet__tune_entry_t *e = &t->ent[i];
@@ -393,8 +397,16 @@ duet_status_t duet_tune_save(const duet_tune_t *t, const char *path)
                 e->key.n, e->key.k, e->tactic);
     }
     int bad = ferror(f);
-    if (fclose(f) != 0 || bad)
-        return duet_error_set(DUET_ERR_IO, "tune: cannot write %s", path);
+    if (fclose(f) != 0 || bad) {
+        remove(tmp);
+        return duet_error_set(DUET_ERR_IO, "tune: cannot write %s", tmp);
+    }
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        remove(tmp);
+        return duet_error_set(DUET_ERR_IO, "tune: cannot rename %s to %s: %s", tmp, path,
+                              strerror(e));
+    }
     return DUET_OK;
 }
 
@@ -604,4 +616,65 @@ done:
     fclose(f);
     free(buf);
     return st;
+}
+
+/* FNV-1a over the chosen table (the load_group check that ranks hold the same one). */
+static uint64_t duet__tune_table_digest(const duet_tune_t *t)
+{
+    uint64_t h = UINT64_C(1469598103934665603);
+    for (int64_t i = 0; i < t->n_ent; i++) {
+        const duet__tune_entry_t *e = &t->ent[i];
+        int64_t f[6] = {e->key.op, e->key.dtype, e->key.m, e->key.n, e->key.k, e->tactic};
+        const unsigned char *p = (const unsigned char *)f;
+        for (size_t b = 0; b < sizeof(f); b++)
+            h = (h ^ p[b]) * UINT64_C(1099511628211);
+    }
+    return h;
+}
+
+duet_status_t duet_tune_load_group(duet_tune_t *t, const char *path, duet_comm_t *comm)
+{
+    duet_status_t st = duet_tune_load(t, path);
+    if (comm == NULL || comm->size <= 1) {
+        if (st == DUET_ERR_NOT_FOUND)
+            t->n_ent = 0;
+        return st;
+    }
+    /* 0 loaded, 1 no file, 2 another error; then the table's digest */
+    uint64_t mine[2] = {st == DUET_OK              ? 0u
+                        : st == DUET_ERR_NOT_FOUND ? 1u
+                                                   : 2u,
+                        duet__tune_table_digest(t)};
+    uint64_t *all = malloc(sizeof(mine) * (size_t)comm->size);
+    if (all == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "tune: out of memory");
+    duet_status_t cst = comm->ops->allgather(comm, mine, all, sizeof(mine));
+    if (cst != DUET_OK) {
+        free(all);
+        return cst;
+    }
+    int failed = -1, missing = -1, differs = -1;
+    for (int r = 0; r < comm->size; r++) {
+        if (all[2 * r] == 2 && failed < 0)
+            failed = r;
+        if (all[2 * r] == 1 && missing < 0)
+            missing = r;
+        if (all[2 * r] == 0 && mine[0] == 0 && all[2 * r + 1] != mine[1] && differs < 0)
+            differs = r;
+    }
+    free(all);
+    if (mine[0] == 2)
+        return st; /* this rank's own error, already set */
+    if (failed >= 0)
+        return duet_error_set(DUET_ERR_INVALID, "tune: rank %d could not load %s", failed, path);
+    if (missing >= 0) {
+        t->n_ent = 0;
+        return duet_error_set(DUET_ERR_NOT_FOUND, "tune: rank %d has no %s: the group profiles",
+                              missing, path);
+    }
+    if (differs >= 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "tune: rank %d loaded another table from %s than rank %d", differs,
+                              path, comm->rank);
+    return DUET_OK;
 }

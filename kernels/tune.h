@@ -113,7 +113,9 @@ void duet_tune_entry(const duet_tune_t *t, int64_t i, duet_tune_key_t *key, int 
 
 /*
  * Save the chosen entries as text: a header line "duet-tune <version> <machine>" and one line per
- * shape "<op> <dtype> <m bucket> <n> <k> <tactic>" in key order. DUET_ERR_IO.
+ * shape "<op> <dtype> <m bucket> <n> <k> <tactic>" in key order, written to a temporary file
+ * beside `path` and renamed over it (ranks of a group on one file system each save the same
+ * table; a reader never sees half a file). DUET_ERR_IO.
  */
 duet_status_t duet_tune_save(const duet_tune_t *t, const char *path);
 
@@ -125,6 +127,15 @@ duet_status_t duet_tune_save(const duet_tune_t *t, const char *path);
  * cannot be read (DUET_ERR_NOT_FOUND when it does not exist).
  */
 duet_status_t duet_tune_load(duet_tune_t *t, const char *path);
+/*
+ * duet_tune_load on every rank of `comm` (NULL = alone), so that a group either uses loaded tables
+ * on every rank or profiles on every rank (duet_tune_run is collective: one rank profiling alone
+ * would wait for the others). Collective. DUET_OK when every rank loaded the same table;
+ * DUET_ERR_NOT_FOUND on every rank when some rank has no file (the table is then emptied: profile
+ * and save); a rank whose file is malformed returns its own error and the others DUET_ERR_INVALID
+ * naming it, as when the ranks' tables differ; a comm error as is.
+ */
+duet_status_t duet_tune_load_group(duet_tune_t *t, const char *path, duet_comm_t *comm);
 /* The same from `len` bytes of `text`; `name` names them in errors. */
 duet_status_t duet_tune_load_text(duet_tune_t *t, const char *text, size_t len, const char *name);
 

@@ -8,7 +8,7 @@
  *    table the same and equal to an argmin computed here from the cost model (ties: lowest
  *    tactic), and to the N = 1 run; ranks that registered other candidates all fail.
  *  - The file: save -> load round trip, and malformed files refused with DUET_ERR_FORMAT naming the
- *    line.
+ *    line; in a group, every rank loads or every rank profiles (duet_tune_load_group).
  *  - The CPU matmul's tactics: every tactic gives the bits of the default split, on odd shapes,
  *    every weight dtype, each ISA path this CPU has.
  *  - The engine option: a model loaded with tune on (profiling, then from the saved file, then
@@ -455,6 +455,82 @@ Test(tune, malformed_files_refused)
     const char nul[] = "duet-tune 1 test machine 1\ncpu_matmul F32 1 16\0 32 3\n";
     cr_assert_eq(duet_tune_load_text(t, nul, sizeof(nul) - 1, "f"), DUET_ERR_FORMAT);
     duet_tune_destroy(t);
+}
+
+/* load_group: each fake rank loads its own file (path[rank]); the statuses they return. */
+typedef struct {
+    fake_group_t *g;
+    int rank, size;
+    const char *path;
+    duet_status_t st;
+    int64_t count;
+} load_arg_t;
+
+static void *load_rank_main(void *arg)
+{
+    load_arg_t *a = arg;
+    fake_comm_t *fc = calloc(1, sizeof(*fc));
+    fc->base = (duet_comm_t){.ops = &fake_ops, .rank = a->rank, .size = a->size};
+    fc->g = a->g;
+    duet_tune_t *t = new_tuner();
+    a->st = duet_tune_load_group(t, a->path, &fc->base);
+    a->count = duet_tune_count(t);
+    duet_tune_destroy(t);
+    fake_destroy(&fc->base);
+    return NULL;
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+Test(tune, load_group_agrees_on_load_or_profile)
+{
+    const char *good = "duet-tune 1 test machine 1\ncpu_matmul F32 1 16 32 3\n";
+    const char *other = "duet-tune 1 test machine 1\ncpu_matmul F32 1 16 32 4\n";
+    const char *bad = "duet-tune 1 test machine 1\ncpu_matmul F32 1 16 32\n";
+    enum { GOOD, OTHER, BAD, NONE };
+    static const struct {
+        int file[3];
+        duet_status_t want[3];
+    } cases[] = {
+        {{GOOD, GOOD, GOOD}, {DUET_OK, DUET_OK, DUET_OK}},
+        {{GOOD, NONE, GOOD}, {DUET_ERR_NOT_FOUND, DUET_ERR_NOT_FOUND, DUET_ERR_NOT_FOUND}},
+        {{GOOD, GOOD, BAD}, {DUET_ERR_INVALID, DUET_ERR_INVALID, DUET_ERR_FORMAT}},
+        {{GOOD, OTHER, GOOD}, {DUET_ERR_INVALID, DUET_ERR_INVALID, DUET_ERR_INVALID}},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        char paths[3][64];
+        fake_group_t g = {.size = 3};
+        pthread_barrier_init(&g.bar, NULL, 3);
+        load_arg_t a[3];
+        pthread_t th[3];
+        for (int r = 0; r < 3; r++) {
+            snprintf(paths[r], sizeof(paths[r]), "/tmp/duet_test_tune_group_%d_%d", (int)getpid(),
+                     r);
+            int f = cases[c].file[r];
+            if (f == NONE)
+                unlink(paths[r]);
+            else
+                write_file(paths[r], f == GOOD ? good : f == OTHER ? other : bad);
+            a[r] = (load_arg_t){.g = &g, .rank = r, .size = 3, .path = paths[r]};
+            cr_assert_eq(pthread_create(&th[r], NULL, load_rank_main, &a[r]), 0);
+        }
+        for (int r = 0; r < 3; r++)
+            pthread_join(th[r], NULL);
+        pthread_barrier_destroy(&g.bar);
+        for (int r = 0; r < 3; r++) {
+            cr_assert_eq(a[r].st, cases[c].want[r], "case %zu rank %d: %d, want %d", c, r, a[r].st,
+                         cases[c].want[r]);
+            if (a[r].st == DUET_ERR_NOT_FOUND)
+                cr_assert_eq(a[r].count, 0, "case %zu rank %d: the table is emptied", c, r);
+            unlink(paths[r]);
+        }
+    }
 }
 
 /* ---- the CPU matmul's tactics ---------------------------------------------------------------- */
