@@ -44,6 +44,7 @@ typedef struct {
     duet_backend_t base;
     duet_backend_model_t bm; /* what it was created from (front-end pointers) */
     duet_kernels_t *k;       /* owned */
+    duet_tune_t *tuner;      /* owned; opts.tune: k's matmul tactics (set on k) */
     duet_backend_f32_t *f32; /* owned, [num_layers] */
     duet_sampler_t *sampler; /* owned; DUET_LOGITS_TOKEN */
     float *tok_logits;       /* (vocab) logits of a DUET_LOGITS_TOKEN item */
@@ -260,7 +261,150 @@ static void duet__cpu_destroy(duet_backend_t *be)
     duet_sampler_destroy(b->sampler);
     free(b->tok_logits);
     duet_kernels_destroy(b->k);
+    duet_tune_destroy(b->tuner);
     free(b);
+}
+
+/* ---- autotuning ------------------------------------------------------------------------------ */
+
+/* Append w (a copy of the view) to the list of decode matmul weights. */
+static duet_status_t duet__tune_push(duet_tensor_t **ws, int64_t *n, int64_t *cap,
+                                     const duet_tensor_t *w)
+{
+    if (*n == *cap) {
+        int64_t nc = *cap > 0 ? *cap * 2 : 64;
+        duet_tensor_t *p = realloc(*ws, sizeof(*p) * (size_t)nc);
+        if (p == NULL)
+            return DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+        *ws = p;
+        *cap = nc;
+    }
+    if (w->data != NULL) /* a group rank's weights another rank holds (experts, the LM head) */
+        (*ws)[(*n)++] = *w;
+    return DUET_OK;
+}
+
+/*
+ * opts.tune: profile k's matmul tactics for every weight the forward pass multiplies by (the
+ * layer functions above, in their order) at decode's row counts, one per M bucket up to
+ * max_seqs (kernels/tune.h), or load them from opts.tune_file; then set them on k. Experts share
+ * a shape: the first one held stands for them all. In a group every rank must list the same
+ * shapes (the tuner refuses otherwise): the LM head, rank 0's alone, is left out there, and the
+ * cuts must be even (a rank without an expert, or an uneven cut, fails the load, saying so).
+ */
+static duet_status_t duet__cpu_tune(duet__cpu_t *b)
+{
+    const duet_model_config_t *c = b->bm.cfg;
+    const duet_weights_t *w = b->bm.w;
+    const duet_model_opts_t *o = b->bm.opts;
+    duet_tensor_t *ws = NULL;
+    duet_k_matmul_shape_t *sh = NULL;
+    int64_t n = 0, cap = 0;
+    duet_status_t st;
+
+    if ((st = duet_k_matmul_tuner_create(b->k, &b->tuner)) != DUET_OK)
+        return st;
+    if (o->tune_file != NULL) {
+        st = duet_tune_load_group(b->tuner, o->tune_file, o->comm);
+        if (st == DUET_OK) {
+            DUET_LOG_INFO("model: %lld tuned shapes from %s", (long long)duet_tune_count(b->tuner),
+                          o->tune_file);
+            duet_kernels_set_tuner(b->k, b->tuner);
+            return DUET_OK;
+        }
+        if (st != DUET_ERR_NOT_FOUND)
+            return st;
+    }
+
+#define DUET__PUSH(t)                                                                              \
+    do {                                                                                           \
+        if ((st = duet__tune_push(&ws, &n, &cap, (t))) != DUET_OK)                                 \
+            goto done;                                                                             \
+    } while (0)
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        const duet_layer_weights_t *lw = &w->layers[l];
+        if (lw->mixer == DUET_MIXER_KDA) {
+            const duet_kda_weights_t *kw = &lw->kda;
+            DUET__PUSH(&kw->q_proj);
+            DUET__PUSH(&kw->k_proj);
+            DUET__PUSH(&kw->v_proj);
+            DUET__PUSH(&kw->f_a_proj);
+            DUET__PUSH(&kw->f_b_proj);
+            DUET__PUSH(&kw->b_proj);
+            DUET__PUSH(&kw->g_a_proj);
+            DUET__PUSH(&kw->g_b_proj);
+            DUET__PUSH(&kw->o_proj);
+        } else {
+            const duet_mla_weights_t *mw = &lw->mla;
+            const int64_t dn = c->qk_nope_head_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
+            if (c->q_lora_rank > 0) {
+                DUET__PUSH(&mw->q_a_proj);
+                DUET__PUSH(&mw->q_b_proj);
+            } else {
+                DUET__PUSH(&mw->q_proj);
+            }
+            DUET__PUSH(&mw->kv_a_proj_with_mqa);
+            duet_tensor_t wt = duet__f32_view(b->f32[l].wuk_t, r, dn);
+            duet_tensor_t wuv = duet__row_view(&mw->kv_b_proj, dn, dv);
+            DUET__PUSH(&wt);
+            DUET__PUSH(&wuv);
+            DUET__PUSH(&mw->o_proj);
+        }
+        if (lw->ffn == DUET_FFN_MOE) {
+            const duet_moe_weights_t *ew = &lw->moe;
+            DUET__PUSH(&ew->gate);
+            int64_t e0 = 0;
+            while (e0 + 1 < c->n_experts && ew->w1[e0].data == NULL)
+                e0++;
+            DUET__PUSH(&ew->w1[e0]);
+            DUET__PUSH(&ew->w3[e0]);
+            DUET__PUSH(&ew->w2[e0]);
+            if (c->n_shared_experts > 0) {
+                DUET__PUSH(&ew->shared.gate_proj);
+                DUET__PUSH(&ew->shared.up_proj);
+                DUET__PUSH(&ew->shared.down_proj);
+            }
+        } else {
+            DUET__PUSH(&lw->mlp.gate_proj);
+            DUET__PUSH(&lw->mlp.up_proj);
+            DUET__PUSH(&lw->mlp.down_proj);
+        }
+    }
+    if (b->bm.shard == NULL)
+        DUET__PUSH(&w->lm_head);
+#undef DUET__PUSH
+
+    /* decode's row counts: one per M bucket that max_seqs reaches (its top, or max_seqs) */
+    int64_t ms[DUET_TUNE_M_BUCKETS], n_m = 0;
+    for (int32_t bk = 0; bk < DUET_TUNE_M_BUCKETS; bk++) {
+        int64_t lo = bk == 0 ? 1 : duet_tune_m_bucket_max(bk - 1) + 1;
+        if (lo > o->max_seqs)
+            break;
+        int64_t hi = duet_tune_m_bucket_max(bk);
+        ms[n_m++] = hi < o->max_seqs ? hi : o->max_seqs;
+    }
+    sh = malloc(sizeof(*sh) * (size_t)(n * n_m > 0 ? n * n_m : 1));
+    if (sh == NULL) {
+        st = DUET_FAIL(DUET_ERR_NOMEM, "model: out of memory");
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < n_m; j++)
+            sh[i * n_m + j] = (duet_k_matmul_shape_t){.m = ms[j], .w = &ws[i]};
+    duet_tune_stats_t stats;
+    if ((st = duet_k_matmul_tune(b->k, b->tuner, sh, n * n_m, o->comm, &stats)) != DUET_OK)
+        goto done;
+    DUET_LOG_INFO("model: tuned %lld matmul shapes (%lld pairs, %lld profiled here) in %.3f s",
+                  (long long)stats.shapes, (long long)stats.pairs, (long long)stats.profiled,
+                  stats.seconds);
+    if (o->tune_file != NULL && (st = duet_tune_save(b->tuner, o->tune_file)) != DUET_OK)
+        goto done;
+    duet_kernels_set_tuner(b->k, b->tuner);
+
+done:
+    free(ws);
+    free(sh);
+    return st;
 }
 
 static duet_status_t duet__cpu_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
@@ -290,6 +434,8 @@ static duet_status_t duet__cpu_create(const duet_backend_model_t *bm, duet_backe
     if (bm->shard != NULL)
         b->mla_ws.shard = (duet_cpu_mla_shard_t){
             .cp = bm->shard->cp, .c = bm->shard->c, .page_tokens = bm->opts->page_tokens};
+    if (bm->opts->tune && (st = duet__cpu_tune(b)) != DUET_OK)
+        goto fail;
     *be_p = &b->base;
     return DUET_OK;
 
@@ -704,7 +850,7 @@ const duet_backend_ops_t duet_backend_cpu_ops = {
     .device = DUET_DEVICE_CPU,
     .compute_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
     .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32),
-    .caps = DUET_BACKEND_CAP_VERIFY,
+    .caps = DUET_BACKEND_CAP_VERIFY | DUET_BACKEND_CAP_TUNE,
     .probe = duet__cpu_probe,
     .create = duet__cpu_create,
     .destroy = duet__cpu_destroy,

@@ -6,6 +6,7 @@
  *   duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [--max-tokens N]
  *                 [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *                 [--dump-logits FILE] [--json] [--no-skip-special-tokens]
+ *                 [--tune [--tune-file FILE]]
  *
  * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
  * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
@@ -66,6 +67,13 @@ static const duet_config_key_t gen_keys[] = {
      "visible), cpu or cuda",
      .choices = gen_devices},
     {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = gen_dtypes},
+    {"tune", DUET_CONFIG_BOOL, "false",
+     "at load, profile the kernels' tactics for the decode shapes and keep the fastest (same "
+     "output, costs load time; cpu)",
+     .min = NULL},
+    {"tune_file", DUET_CONFIG_STRING, NULL,
+     "with --tune: load the tuned table from this file if it exists, else save it there",
+     .min = NULL},
     DUET_SPEC_CONFIG_KEYS,
 };
 
@@ -292,6 +300,8 @@ int main(int argc, char **argv)
     opts.max_seqs = 1;
     opts.max_seq_len = n_prompt + max_new;
     opts.spec_rows = duet_spec_target_rows(&so);
+    opts.tune = duet_config_get_bool(cfg, "tune");
+    opts.tune_file = duet_config_get_string(cfg, "tune_file");
     if ((st = duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &opts.dtype)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
         goto out;

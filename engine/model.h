@@ -108,9 +108,20 @@ typedef struct {
      * model. Groups compute on the cpu backend and without spec_rows (DUET_ERR_UNSUPPORTED);
      * only rank 0 computes logits (the others' items must ask for none). kv_pages counts the
      * rank's own pages; a sequence's pages are dealt across the cp ranks (seq->pages holds this
-     * rank's share, seq->cap_tokens the whole sequence's). */
+     * rank's share, seq->cap_tokens the whole sequence's). With tune, the group's ranks split
+     * the profiling over comm. */
     duet_comm_t *comm;
     int helix_cp, helix_tp;
+    /* Autotuning (kernels/tune.h, issue 39): 1 = at load, profile the backend's tactics for the
+     * model's decode shapes (M = 1 .. max_seqs) and keep the fastest per shape. Every tactic
+     * gives the same bits, so it changes speed only; it costs load time, so it is off by default.
+     * Needs a backend with DUET_BACKEND_CAP_TUNE (cpu); DUET_ERR_UNSUPPORTED elsewhere. */
+    int tune;
+    /* With tune: a table to load instead of profiling when the file exists, and where the
+     * profiled table is saved when it does not (NULL = neither). A malformed file or one made on
+     * another machine fails the load. In a group every rank loads its file or, if one has none,
+     * every rank profiles (duet_tune_load_group). */
+    const char *tune_file;
 } duet_model_opts_t;
 
 /*

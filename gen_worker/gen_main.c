@@ -90,6 +90,13 @@ static const duet_config_key_t gen_keys[] = {
      "reserve pages for what a request holds and grow it as it decodes, suspending the youngest "
      "requests to host memory when the pool runs out (CPU only: cuda always reserves up front)",
      .min = NULL},
+    {"tune", DUET_CONFIG_BOOL, "false",
+     "at load, profile the kernels' tactics for the decode shapes and keep the fastest (same "
+     "output, costs load time; cpu)",
+     .min = NULL},
+    {"tune_file", DUET_CONFIG_STRING, NULL,
+     "with tune: load the tuned table from this file if it exists, else save it there",
+     .min = NULL},
     {"cache.slack_tokens", DUET_CONFIG_INT, "0",
      "extra tokens reserved per request (draft slack for speculative decoding: at least spec.k "
      "when speculating)",
@@ -1357,6 +1364,8 @@ static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
         return st;
     /* on a backend without verify rows (cuda) the model's load refuses this, saying why */
     mo->spec_rows = duet_spec_target_rows(&g.so);
+    mo->tune = duet_config_get_bool(w->cfg, "tune");
+    mo->tune_file = duet_config_get_string(w->cfg, "tune_file");
     if ((st = gen_cache_plan(w, mo)) != DUET_OK)
         return st;
     if (duet_config_get_bool(w->cfg, "print_cache_plan")) {

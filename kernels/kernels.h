@@ -24,7 +24,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common/comm.h"
 #include "common/status.h"
+#include "kernels/tune.h"
 
 typedef enum {
     DUET_DTYPE_F32 = 0,
@@ -137,6 +139,41 @@ void duet_k_parallel_each(duet_kernels_t *k, int64_t n, duet_k_task_fn fn, void 
  */
 duet_status_t duet_k_matmul(duet_kernels_t *k, float *y, int64_t ldy, const float *x, int64_t ldx,
                             int64_t M, const duet_tensor_t *w, int accumulate);
+
+/* ---- the matmul's autotuning (kernels/tune.h; issue 39) ------------------------------------- */
+
+/*
+ * Let k's matmul take each shape's tactic from t (not owned; it must outlive its use by k, and
+ * not change while k runs a matmul); NULL: the default split everywhere. A shape t does not hold
+ * keeps the default. Every tactic gives the same bits (matmul.c).
+ */
+void duet_kernels_set_tuner(duet_kernels_t *k, const duet_tune_t *t);
+
+/* One product the tuner should know: M rows of x against weight w (a CPU tensor of shape [N, K]).
+ */
+typedef struct {
+    int64_t m;
+    const duet_tensor_t *w;
+} duet_k_matmul_shape_t;
+
+/*
+ * An empty tuner for k's matmul tactics on this machine (its description: the backend, ISA path
+ * and thread count, so that a file saved under another is refused). Destroy with
+ * duet_tune_destroy.
+ */
+duet_status_t duet_k_matmul_tuner_create(const duet_kernels_t *k, duet_tune_t **t_p);
+
+/*
+ * Profile the split tactics of duet_k_matmul on k for `n` products (shapes of the same key, the
+ * same dtype, N, K and M bucket, are profiled once, at the most rows given for them) and keep the
+ * fastest of each in t (duet_tune_run: collective over comm, NULL = alone). Each profile is real
+ * calls of the matmul on the given weights and scratch inputs, the median of several runs. Does
+ * not install t (duet_kernels_set_tuner). DUET_ERR_INVALID for a bad shape, DUET_ERR_NOMEM, or
+ * the comm's error.
+ */
+duet_status_t duet_k_matmul_tune(duet_kernels_t *k, duet_tune_t *t,
+                                 const duet_k_matmul_shape_t *shapes, int64_t n, duet_comm_t *comm,
+                                 duet_tune_stats_t *stats);
 
 /* y[M, D] = w ⊙ x / sqrt(mean(x²) + eps), per row; w is [D] any dtype. y may alias x. */
 void duet_k_rmsnorm(duet_kernels_t *k, float *y, const float *x, const duet_tensor_t *w, int64_t M,

@@ -48,6 +48,8 @@ struct duet_kernels {
     void *ctx;
     int64_t n_tasks;
     int64_t spin_ns; /* how long an idle worker spins before sleeping */
+
+    const duet_tune_t *tuner; /* not owned; NULL: every matmul takes the default split */
 };
 
 /*
@@ -62,5 +64,20 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
  * lacks the ISA.
  */
 duet_status_t duet__kernels_cpu_set_isa(struct duet_kernels *k, duet__isa_t isa);
+
+/* The matmul's split tactics (matmul.c): 0 .. DUET__MM_TACTICS - 1. */
+#define DUET__MM_TACTICS 13
+/* duet__matmul_tactic's `tactic` that means: the tuner's choice, else the default. */
+#define DUET__MM_LOOKUP (-2)
+
+/*
+ * duet_k_matmul with the split forced: `tactic` in [0, DUET__MM_TACTICS), -1 for the default
+ * split, DUET__MM_LOOKUP for duet_k_matmul's own choice (tests and the tuner's profiling).
+ */
+duet_status_t duet__matmul_tactic(struct duet_kernels *k, float *y, int64_t ldy, const float *x,
+                                  int64_t ldx, int64_t M, const duet_tensor_t *w, int accumulate,
+                                  int tactic);
+/* The tactic the tuner of k holds for an M-row product with w, or -1 (none). */
+int duet__matmul_tactic_for(const struct duet_kernels *k, int64_t M, const duet_tensor_t *w);
 
 #endif
