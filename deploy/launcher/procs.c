@@ -27,8 +27,9 @@
 
 #include "common/log.h"
 
-#define PROCS_NAME_MAX 64
-#define PROCS_LINE_MAX 4096 /* a longer line is forwarded in pieces */
+#define PROCS_NAME_MAX  64
+#define PROCS_LINE_MAX  4096 /* a longer line is forwarded in pieces */
+#define PROCS_MAX_RANKS 256  /* children of one mpirun looked at (a group has at most 64) */
 
 typedef struct {
     char name[PROCS_NAME_MAX];
@@ -183,18 +184,16 @@ static void procs_kill_group(pid_t pid, int sig)
         kill(pid, sig);
 }
 
-/*
- * Signal the process group of every child of `parent` (found in /proc, since the launcher is
- * not their parent); the number signalled.
- */
-static int procs_kill_children(pid_t parent, int sig)
+/* The children of `parent` (found in /proc, since the launcher is not their parent), at most
+ * cap of them; the number found. */
+static int procs_children(pid_t parent, pid_t *out, int cap)
 {
     DIR *d = opendir("/proc");
     if (d == NULL)
         return 0;
     int n = 0;
     struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
+    while (n < cap && (e = readdir(d)) != NULL) {
         char *end;
         long pid = strtol(e->d_name, &end, 10);
         if (end == e->d_name || *end != '\0' || pid <= 0)
@@ -212,13 +211,55 @@ static int procs_kill_children(pid_t parent, int sig)
         /* "pid (comm) state ppid ...": comm may hold anything, so parse after its last ')' */
         const char *rp = strrchr(buf, ')');
         int ppid = 0;
-        if (rp != NULL && sscanf(rp + 1, " %*c %d", &ppid) == 1 && ppid == (int)parent) {
-            procs_kill_group((pid_t)pid, sig);
-            n++;
-        }
+        if (rp != NULL && sscanf(rp + 1, " %*c %d", &ppid) == 1 && ppid == (int)parent)
+            out[n++] = (pid_t)pid;
     }
     closedir(d);
     return n;
+}
+
+/* Whether process `pid` is rank 0 of its Open MPI job (mpirun sets OMPI_COMM_WORLD_RANK in
+ * every rank's environment). */
+static bool procs_is_rank0(pid_t pid)
+{
+    static const char key[] = "OMPI_COMM_WORLD_RANK=0";
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/environ", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    /* entries are NUL-terminated; keep the unfinished one across reads */
+    char buf[8192];
+    size_t have = 0;
+    bool found = false, skipping = false;
+    for (;;) {
+        ssize_t r = read(fd, buf + have, sizeof(buf) - have);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        have += (size_t)r;
+        size_t start = 0;
+        for (size_t i = 0; i < have; i++) {
+            if (buf[i] != '\0')
+                continue;
+            if (!skipping && i - start == sizeof(key) - 1 &&
+                memcmp(buf + start, key, i - start) == 0)
+                found = true;
+            skipping = false;
+            start = i + 1;
+        }
+        if (found)
+            break;
+        memmove(buf, buf + start, have - start);
+        have -= start;
+        if (have == sizeof(buf)) { /* an entry longer than the buffer: not ours */
+            have = 0;
+            skipping = true;
+        }
+    }
+    close(fd);
+    return found;
 }
 
 static void procs_kill(const proc_t *p, int sig)
@@ -228,15 +269,27 @@ static void procs_kill(const proc_t *p, int sig)
         procs_kill_group(p->pid, sig);
         return;
     }
+    pid_t ranks[PROCS_MAX_RANKS];
     if (sig == SIGKILL) {
         /* freeze mpirun so it starts no rank between the scan and its own end */
         procs_kill_group(p->pid, SIGSTOP);
-        procs_kill_children(p->pid, SIGKILL);
+        int n = procs_children(p->pid, ranks, PROCS_MAX_RANKS);
+        for (int i = 0; i < n; i++)
+            procs_kill_group(ranks[i], SIGKILL);
         procs_kill_group(p->pid, SIGKILL);
         return;
     }
-    /* the ranks themselves (see procs.h, "Groups"); mpirun only while it has none */
-    if (procs_kill_children(p->pid, sig) == 0)
+    /* rank 0, which stops its followers (see procs.h, "Groups"); every rank when none is known
+     * to be rank 0; mpirun only while it has no rank yet */
+    int n = procs_children(p->pid, ranks, PROCS_MAX_RANKS);
+    for (int i = 0; i < n; i++)
+        if (procs_is_rank0(ranks[i])) {
+            procs_kill_group(ranks[i], sig);
+            return;
+        }
+    for (int i = 0; i < n; i++)
+        procs_kill_group(ranks[i], sig);
+    if (n == 0)
         procs_kill_group(p->pid, sig);
 }
 

@@ -15,10 +15,12 @@
  * that command line; duet_procs_spawn_group starts it). Open MPI puts each rank in a process
  * group of its own, and mpirun answers SIGTERM by stopping its ranks one at a time with only
  * one second each before SIGKILL, exiting 1 whatever they did. So a group's stop skips mpirun:
- * SIGTERM goes to each rank's own process group (every child of mpirun), the ranks shut down
- * together with the full grace period, and mpirun exits by itself, 0 when every rank did; only
- * while no rank exists yet does SIGTERM go to mpirun. SIGKILL goes to the ranks' groups and to
- * mpirun's, so a killed group leaves no rank behind.
+ * SIGTERM goes to rank 0 (the child of mpirun whose environment says OMPI_COMM_WORLD_RANK=0),
+ * which drains and deregisters like any worker and then tells its followers to stop (duet-gen's
+ * group protocol: a follower waits on rank 0 and has no SIGTERM handling of its own); every
+ * rank exits 0 within the full grace period and mpirun with them. Should no rank 0 be found,
+ * every rank gets the SIGTERM; while no rank exists yet, mpirun does. SIGKILL goes to every
+ * rank's process group and to mpirun's, so a killed group leaves no rank behind.
  *
  * Signals. duet_procs_create installs handlers for SIGCHLD, SIGINT and SIGTERM that only write
  * to a self-pipe, so duet_procs_poll wakes at once; SIGPIPE is ignored in the launcher (and

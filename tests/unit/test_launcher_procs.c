@@ -5,8 +5,9 @@
  * duet_procs_which, and real groups under Open MPI's mpirun (a dependency, deploy/install-deps.sh;
  * its absence fails these tests): a small shell script stands in for duet-gen, so the test sees
  * that mpirun starts N ranks with the flags, that their output reaches the worker's log, that a
- * stop lets every rank shut down cleanly at once and mpirun exit 0, and that neither a stop nor
- * a SIGKILL leaves any rank running (checked in /proc by the script's unique path).
+ * stop reaches rank 0 alone, which stops its followers, so every rank and mpirun exit 0, and
+ * that neither a stop nor a SIGKILL leaves any rank running (checked in /proc by the script's
+ * unique path).
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -14,6 +15,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -248,13 +250,16 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-/* Processes whose command line holds `needle`: "/bin/sh SCRIPT" is a rank (mpirun's own command
- * line names the script too, but not after /bin/sh). */
+/*
+ * Ranks running `needle` ("/bin/sh SCRIPT": mpirun's own command line names the script too, but
+ * not after /bin/sh), counted by process group: each rank leads one, and a subshell the script
+ * has forked but not yet exec'd (its `sleep`) wears the same command line in the same group.
+ */
 static int count_procs_with(const char *needle)
 {
     DIR *d = opendir("/proc");
     cr_assert_not_null(d);
-    int n = 0;
+    int pgids[256], n = 0;
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         if (e->d_name[0] < '0' || e->d_name[0] > '9')
@@ -270,7 +275,9 @@ static int count_procs_with(const char *needle)
             continue;
         st[r] = '\0';
         const char *rp = strrchr(st, ')');
-        if (rp != NULL && rp[2] == 'Z')
+        char state = 0;
+        int ppid = 0, pgid = 0;
+        if (rp == NULL || sscanf(rp + 1, " %c %d %d", &state, &ppid, &pgid) != 3 || state == 'Z')
             continue; /* a zombie runs nothing; its parent reaps it */
         snprintf(path, sizeof(path), "/proc/%s/cmdline", e->d_name);
         if ((fd = open(path, O_RDONLY)) < 0)
@@ -283,8 +290,13 @@ static int count_procs_with(const char *needle)
             if (buf[i] == '\0')
                 buf[i] = ' ';
         buf[r] = '\0';
-        if (strstr(buf, needle) != NULL)
-            n++;
+        if (strstr(buf, needle) == NULL)
+            continue;
+        bool seen = false;
+        for (int i = 0; i < n; i++)
+            seen = seen || pgids[i] == pgid;
+        if (!seen && n < 256)
+            pgids[n++] = pgid;
     }
     closedir(d);
     return n;
@@ -345,12 +357,24 @@ static void start_group(const char *script, int cp, int tp, duet_procs_t **ps_p,
     cr_assert_eq(count_lines_with(log, " up "), cp * tp, "every rank started (log %s)", log);
 }
 
-/* Prints its rank, size and flags; on SIGTERM waits a little (a drain), says bye and exits 0. */
+/*
+ * A stand-in for duet-gen's group protocol: prints its rank, size and flags; rank 0 on SIGTERM
+ * drains a little, then tells the followers to stop (a file beside the script, where duet-gen
+ * broadcasts a stop command) and exits 0; a follower has no SIGTERM handler (one signalled
+ * directly dies of it, and mpirun then exits non-zero) and exits 0 once told.
+ */
 static const char graceful_rank[] =
     "#!/bin/sh\n"
-    "trap 'sleep 0.5; echo \"rank $OMPI_COMM_WORLD_RANK bye\"; exit 0' TERM\n"
-    "echo \"rank $OMPI_COMM_WORLD_RANK of $OMPI_COMM_WORLD_SIZE up $*\"\n"
-    "while :; do sleep 0.05; done\n";
+    "dir=$(dirname \"$0\")\n"
+    "r=$OMPI_COMM_WORLD_RANK\n"
+    "if [ \"$r\" = 0 ]; then\n"
+    "  trap 'sleep 0.5; : > \"$dir/stop\"; echo \"rank 0 bye\"; exit 0' TERM\n"
+    "fi\n"
+    "echo \"rank $r of $OMPI_COMM_WORLD_SIZE up $*\"\n"
+    "while :; do\n"
+    "  if [ \"$r\" != 0 ] && [ -e \"$dir/stop\" ]; then echo \"rank $r bye\"; exit 0; fi\n"
+    "  sleep 0.05\n"
+    "done\n";
 
 Test(launcher_procs, group_starts_n_ranks_and_stops_cleanly, .timeout = 60)
 {
@@ -374,8 +398,9 @@ Test(launcher_procs, group_starts_n_ranks_and_stops_cleanly, .timeout = 60)
     }
     cr_assert_eq(count_procs_with(rank_cmd), 4, "4 ranks run the script");
 
-    /* the stop: every rank gets SIGTERM together (4 x 0.5 s of drain would be 2 s one by one),
-     * says bye, and mpirun exits 0 within the grace period, with no SIGKILL */
+    /* the stop: rank 0 gets SIGTERM, drains, stops the followers, and every rank says bye;
+     * mpirun exits 0 within the grace period, with no SIGKILL (mpirun's own SIGTERM handling
+     * would kill each rank in turn and exit 1) */
     uint64_t t0 = now_ms();
     int killed = -1;
     duet_procs_stop(ps, &idx, 1, 10000, &killed);
@@ -386,7 +411,7 @@ Test(launcher_procs, group_starts_n_ranks_and_stops_cleanly, .timeout = 60)
     char how[128];
     cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "mpirun %s",
               duet_procs_describe_exit(ps, idx, how, sizeof(how)));
-    cr_expect_lt(took, 1900, "the ranks drained together (%llu ms)", (unsigned long long)took);
+    cr_expect_lt(took, 1900, "the group stopped within %llu ms", (unsigned long long)took);
     cr_expect_eq(count_lines_with(log, " bye"), 4, "every rank shut down cleanly (log %s)", log);
     cr_assert_eq(wait_none_with(rank_cmd, 2000), 0, "no rank left running after the stop");
     duet_procs_destroy(ps);
