@@ -306,6 +306,8 @@ static duet_status_t cl_flags_to_args(cl_walk_t *w, const cl_flags_t *f, duet_cl
 
 static const char *const cl_router_reserved[] = {"model.dir", NULL};
 static const char *const cl_worker_reserved[] = {"router", "model", "model.dir", "name", NULL};
+static const char *const cl_gen_reserved[] = {"router",   "model",    "model.dir", "name",
+                                              "helix.cp", "helix.tp", NULL};
 
 static duet_status_t cl_need_mapping(cl_walk_t *w, const yaml_node_t *n, const char *what)
 {
@@ -378,13 +380,14 @@ static duet_status_t cl_router(cl_walk_t *w, yaml_node_t *map, duet_cluster_t *s
     return st;
 }
 
-/* ctx: / gen: {count, args, binary}. */
+/* ctx: / gen: {count, args, binary}; gen (group) also takes the Helix shape {cp, tp}. */
 static duet_status_t cl_workers(cl_walk_t *w, yaml_node_t *map, const char *section, int min_count,
-                                duet_cluster_role_t *role)
+                                bool group, duet_cluster_role_t *role)
 {
     cl_flags_t flags = {0};
     duet_status_t st = cl_need_mapping(w, map, section);
     char what[64];
+    size_t shape_line = 0; /* the later of cp / tp, where a too-large product is reported */
     for (yaml_node_pair_t *p = map->data.mapping.pairs.start;
          st == DUET_OK && p < map->data.mapping.pairs.top; p++) {
         const char *key;
@@ -394,6 +397,10 @@ static duet_status_t cl_workers(cl_walk_t *w, yaml_node_t *map, const char *sect
         snprintf(what, sizeof(what), "%s.%s", section, key);
         if (strcmp(key, "count") == 0) {
             st = cl_int(w, vn, what, min_count, DUET_CLUSTER_MAX_WORKERS, &role->count);
+        } else if (group && (strcmp(key, "cp") == 0 || strcmp(key, "tp") == 0)) {
+            st = cl_int(w, vn, what, 1, DUET_CLUSTER_MAX_RANKS,
+                        key[0] == 'c' ? &role->cp : &role->tp);
+            shape_line = duet_yaml_line(vn);
         } else if (strcmp(key, "binary") == 0) {
             st = cl_string(w, vn, what, &role->binary, true);
         } else if (strcmp(key, "args") == 0) {
@@ -404,15 +411,25 @@ static duet_status_t cl_workers(cl_walk_t *w, yaml_node_t *map, const char *sect
                 const char *sub;
                 yaml_node_t *sv;
                 if ((st = cl_pair(w, q, what, &sub, &sv)) == DUET_OK)
-                    st = cl_flatten(w, what, sub, sv, 1, &flags, cl_worker_reserved,
-                                    "set by duet up (--router, --model, --name); remove it here");
+                    st = cl_flatten(w, what, sub, sv, 1, &flags,
+                                    group ? cl_gen_reserved : cl_worker_reserved,
+                                    group ? "set by duet up (--router, --model, --name; "
+                                            "--helix.cp / --helix.tp from gen.cp / gen.tp); "
+                                            "remove it here"
+                                          : "set by duet up (--router, --model, --name); "
+                                            "remove it here");
             }
         } else {
-            st = duet_error_set(DUET_ERR_NOT_FOUND,
-                                "%s:%zu: %s: unknown key \"%s\" (known: count, args, binary)",
-                                w->y.name, duet_yaml_line(vn), section, key);
+            st = duet_error_set(DUET_ERR_NOT_FOUND, "%s:%zu: %s: unknown key \"%s\" (known: %s)",
+                                w->y.name, duet_yaml_line(vn), section, key,
+                                group ? "count, cp, tp, args, binary" : "count, args, binary");
         }
     }
+    if (st == DUET_OK && role->cp * role->tp > DUET_CLUSTER_MAX_RANKS)
+        st = duet_error_set(DUET_ERR_RANGE,
+                            "%s:%zu: %s: cp %d x tp %d = %d ranks per group is more than %d",
+                            w->y.name, shape_line, section, role->cp, role->tp, role->cp * role->tp,
+                            DUET_CLUSTER_MAX_RANKS);
     if (st == DUET_OK)
         st = cl_flags_to_args(w, &flags, role);
     cl_flags_free(&flags);
@@ -479,10 +496,10 @@ static duet_status_t cl_top(cl_walk_t *w, yaml_node_t *root, duet_cluster_t *spe
             st = cl_router(w, vn, spec);
             break;
         case 3:
-            st = cl_workers(w, vn, "ctx", 0, &spec->ctx);
+            st = cl_workers(w, vn, "ctx", 0, false, &spec->ctx);
             break;
         case 4:
-            st = cl_workers(w, vn, "gen", 1, &spec->gen);
+            st = cl_workers(w, vn, "gen", 1, true, &spec->gen);
             break;
         case 5:
             st = cl_int(w, vn, "startup_timeout_s", 1, 3600, &spec->startup_timeout_s);
@@ -562,9 +579,9 @@ duet_status_t duet_cluster_load_string(const char *text, size_t len, const char 
     duet_cluster_t *spec = calloc(1, sizeof(*spec));
     if (spec == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "%s: out of memory", name);
-    spec->router.count = 1;
-    spec->ctx.count = 1;
-    spec->gen.count = 1;
+    duet_cluster_role_t *roles[] = {&spec->router, &spec->ctx, &spec->gen};
+    for (size_t i = 0; i < sizeof(roles) / sizeof(roles[0]); i++)
+        roles[i]->count = roles[i]->cp = roles[i]->tp = 1;
     spec->http_port = 8000;
     spec->workers_port = 8100;
     spec->startup_timeout_s = 120;

@@ -10,7 +10,7 @@
  *     http: {host: 127.0.0.1, port: 8000}
  *     workers: {host: 127.0.0.1, port: 8100}
  *   ctx: {count: 1, args: {threads: 1}, binary: PATH}   # count 0..64
- *   gen: {count: 1, args: {threads: 1}, binary: PATH}   # count 1..64
+ *   gen: {count: 1, cp: 1, tp: 1, args: {threads: 1}, binary: PATH}   # count 1..64
  *   startup_timeout_s: 120             # 1..3600
  *   stop_timeout_s: 10                 # grace before SIGKILL, 1..600
  *   sample: {prompt: "...", max_tokens: 40}
@@ -20,7 +20,14 @@
  * common/config.h. A plain `true` becomes the bare flag "--a.b" (a bool key reads it as true,
  * and so does a getopt tool). A folder the workers read besides the model (spec.draft_model) is
  * joined to `root` when relative, as `model` is. Lists, null values, empty mappings and keys the
- * launcher sets itself (the router's model.dir; a worker's router, model, name) are refused.
+ * launcher sets itself (the router's model.dir; a worker's router, model, name; a gen worker's
+ * helix.cp, helix.tp) are refused.
+ *
+ * Helix groups. gen's `cp` and `tp` (each 1..64, cp * tp <= 64, default 1) make each generation
+ * worker a group of cp x tp ranks: context parallelism over the KV cache times tensor
+ * parallelism over the heads. A group is one worker to the router (its rank 0 registers); the
+ * launcher starts it under mpirun with --helix.cp/--helix.tp (deploy/launcher/procs.h), which is
+ * why those two are refused inside `args`. 1 x 1 is a plain single-process worker.
  *
  * Why the parser knows so little about the keys: duet-router, duet-ctx and duet-gen validate
  * their own flags, so a misspelt router or worker key is reported by that binary, at start-up,
@@ -37,13 +44,15 @@
 #include "common/status.h"
 
 #define DUET_CLUSTER_MAX_WORKERS 64 /* per role */
+#define DUET_CLUSTER_MAX_RANKS   64 /* cp * tp of one Helix group */
 
 /* One kind of process: the router, the context workers or the generation workers. */
 typedef struct {
     char *binary; /* executable path (root-relative paths resolved), owned */
     char **args;  /* (n_args) flattened "--key=value" flags, owned, in file order */
     size_t n_args;
-    int count; /* processes to start: 1 for the router */
+    int count;  /* processes to start: 1 for the router; gen: groups */
+    int cp, tp; /* gen: each worker is a Helix group of cp * tp ranks; 1 x 1 for the others */
 } duet_cluster_role_t;
 
 /* A validated cluster file. Read-only for callers; free with duet_cluster_destroy. */
@@ -72,7 +81,7 @@ typedef struct {
  * Parse and validate the YAML text[0..len); `name` stands in for the file name in messages.
  * On success *spec_p receives a new cluster (destroy it). Errors, with a detail naming
  * name:line: DUET_ERR_FORMAT (syntax, structure, types, lists), DUET_ERR_NOT_FOUND (unknown
- * key), DUET_ERR_RANGE (counts, ports, timeouts), DUET_ERR_INVALID (missing model, keys the
+ * key), DUET_ERR_RANGE (counts, cp, tp, ports, timeouts), DUET_ERR_INVALID (missing model, keys the
  * launcher sets itself, empty values). Never touches the file system.
  */
 duet_status_t duet_cluster_load_string(const char *text, size_t len, const char *name,

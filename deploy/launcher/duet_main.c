@@ -58,6 +58,7 @@ typedef struct {
     duet_status_t abort; /* sticky: why the current phase must end (OK = keep going) */
     int stops_seen;      /* stop requests handled */
     char http_host[256], workers_host[256]; /* addresses to connect to (0.0.0.0 -> 127.0.0.1) */
+    char mpirun[PATH_MAX];                  /* found on PATH when a gen group needs it, else "" */
     uint64_t t0_ms;
 } up_t;
 
@@ -156,6 +157,13 @@ static const char up_usage[] =
     "  --exit-on-child-death    stop the cluster when any child exits after start-up\n"
     "                           (default: report it and keep the rest running)\n"
     "  -h, --help               this text\n"
+    "\n"
+    "The cluster file's keys: model, binaries, router, ctx {count, args, binary},\n"
+    "gen {count, cp, tp, args, binary}, startup_timeout_s, stop_timeout_s, sample\n"
+    "(deploy/configs/local.yaml explains each). gen cp / tp (default 1, cp * tp <= 64) make\n"
+    "each generation worker a Helix group of cp x tp ranks, started as\n"
+    "`mpirun -n CP*TP ... duet-gen ... --helix.cp=CP --helix.tp=TP` (Open MPI's mpirun must\n"
+    "be on PATH); it is one worker to the router, and its ranks' output goes to its log.\n"
     "\n"
     "Exit status: 0 after a requested stop, 1 when start-up, the --once sample or the stop\n"
     "failed, 2 for usage and cluster-file errors.\n";
@@ -296,6 +304,12 @@ static duet_status_t up_preflight(up_t *up)
                                   "it, or point `binaries:` or %s at it)",
                                   s->file, roles[i].what, bin, roles[i].key);
     }
+    if (s->gen.count > 0 && s->gen.cp * s->gen.tp > 1 &&
+        !duet_procs_which("mpirun", up->mpirun, sizeof(up->mpirun)))
+        return duet_error_set(DUET_ERR_NOT_FOUND,
+                              "%s: gen cp %d x tp %d needs mpirun (Open MPI: apt install "
+                              "openmpi-bin); none on PATH",
+                              s->file, s->gen.cp, s->gen.tp);
     const struct {
         const char *host;
         int port;
@@ -314,30 +328,27 @@ static duet_status_t up_preflight(up_t *up)
     return DUET_OK;
 }
 
-/* argv for one child: binary, fixed flags, then the role's flattened flags. Free with free(). */
-static char **up_argv(const duet_cluster_role_t *role, char *const *fixed, size_t n_fixed)
-{
-    char **argv = calloc(1 + n_fixed + role->n_args + 1, sizeof(*argv));
-    if (argv == NULL)
-        return NULL;
-    size_t n = 0;
-    argv[n++] = role->binary;
-    for (size_t i = 0; i < n_fixed; i++)
-        argv[n++] = fixed[i];
-    for (size_t i = 0; i < role->n_args; i++)
-        argv[n++] = role->args[i];
-    argv[n] = NULL;
-    return argv;
-}
-
+/* Start one child: the role's binary (or, for a Helix group, mpirun over it), fixed flags, then
+ * the role's flattened flags; duet_procs_worker_argv has the command line's contract. */
 static duet_status_t up_spawn(up_t *up, const char *name, const duet_cluster_role_t *role,
                               char *const *fixed, size_t n_fixed, int *idx_p)
 {
-    char **argv = up_argv(role, fixed, n_fixed);
-    if (argv == NULL)
-        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
-    duet_status_t st = duet_procs_spawn(up->ps, name, argv, idx_p);
-    free(argv);
+    const duet_procs_cmd_t cmd = {.binary = role->binary,
+                                  .fixed = fixed,
+                                  .n_fixed = n_fixed,
+                                  .args = role->args,
+                                  .n_args = role->n_args,
+                                  .cp = role->cp,
+                                  .tp = role->tp,
+                                  .mpirun = up->mpirun,
+                                  .as_root = geteuid() == 0};
+    char **argv = NULL;
+    duet_status_t st = duet_procs_worker_argv(&cmd, &argv);
+    if (st != DUET_OK)
+        return st;
+    st = role->cp * role->tp > 1 ? duet_procs_spawn_group(up->ps, name, argv, idx_p)
+                                 : duet_procs_spawn(up->ps, name, argv, idx_p);
+    duet_procs_argv_free(argv);
     if (st == DUET_OK && up->log_dir != NULL)
         fprintf(stderr, "duet: %s: output in %s/%s.log\n", name, up->log_dir, name);
     return st;
@@ -376,9 +387,16 @@ static duet_status_t up_start_workers(up_t *up)
         const char *prefix;
     } roles[] = {{&s->ctx, "ctx"}, {&s->gen, "gen"}};
     for (size_t r = 0; r < 2; r++) {
-        if (roles[r].role->count > 0)
-            fprintf(stderr, "duet: starting %d %s worker%s (%s)\n", roles[r].role->count,
-                    roles[r].prefix, roles[r].role->count == 1 ? "" : "s", roles[r].role->binary);
+        const duet_cluster_role_t *role = roles[r].role;
+        if (role->count > 0 && role->cp * role->tp > 1)
+            fprintf(stderr,
+                    "duet: starting %d %s worker%s (%s), each a Helix group of cp %d x tp %d = %d "
+                    "ranks under %s\n",
+                    role->count, roles[r].prefix, role->count == 1 ? "" : "s", role->binary,
+                    role->cp, role->tp, role->cp * role->tp, up->mpirun);
+        else if (role->count > 0)
+            fprintf(stderr, "duet: starting %d %s worker%s (%s)\n", role->count, roles[r].prefix,
+                    role->count == 1 ? "" : "s", role->binary);
         for (int i = 0; i < roles[r].role->count; i++) {
             char name[32];
             snprintf(name, sizeof(name), "%s-%d", roles[r].prefix, i);

@@ -9,10 +9,12 @@
 #define _GNU_SOURCE
 #include "deploy/launcher/procs.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,13 +27,15 @@
 
 #include "common/log.h"
 
-#define PROCS_NAME_MAX 64
-#define PROCS_LINE_MAX 4096 /* a longer line is forwarded in pieces */
+#define PROCS_NAME_MAX  64
+#define PROCS_LINE_MAX  4096 /* a longer line is forwarded in pieces */
+#define PROCS_MAX_RANKS 256  /* children of one mpirun looked at (a group has at most 64) */
 
 typedef struct {
     char name[PROCS_NAME_MAX];
     pid_t pid;
-    int fd; /* read end of the output pipe; -1 with a log folder or once closed */
+    bool group; /* mpirun: its children are ranks, each leading its own process group */
+    int fd;     /* read end of the output pipe; -1 with a log folder or once closed */
     bool running;
     bool reported; /* duet_procs_next_exit returned it */
     int wstatus;
@@ -173,11 +177,120 @@ duet_status_t duet_procs_create(const char *log_dir, duet_procs_t **ps_p)
     return DUET_OK;
 }
 
+/* Signal the process group `pid` leads, or the process alone when it leads none. */
+static void procs_kill_group(pid_t pid, int sig)
+{
+    if (kill(-pid, sig) != 0)
+        kill(pid, sig);
+}
+
+/* The children of `parent` (found in /proc, since the launcher is not their parent), at most
+ * cap of them; the number found. */
+static int procs_children(pid_t parent, pid_t *out, int cap)
+{
+    DIR *d = opendir("/proc");
+    if (d == NULL)
+        return 0;
+    int n = 0;
+    struct dirent *e;
+    while (n < cap && (e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (end == e->d_name || *end != '\0' || pid <= 0)
+            continue;
+        char path[64], buf[512];
+        snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue; /* gone meanwhile */
+        ssize_t r = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (r <= 0)
+            continue;
+        buf[r] = '\0';
+        /* "pid (comm) state ppid ...": comm may hold anything, so parse after its last ')' */
+        const char *rp = strrchr(buf, ')');
+        int ppid = 0;
+        if (rp != NULL && sscanf(rp + 1, " %*c %d", &ppid) == 1 && ppid == (int)parent)
+            out[n++] = (pid_t)pid;
+    }
+    closedir(d);
+    return n;
+}
+
+/* Whether process `pid` is rank 0 of its Open MPI job (mpirun sets OMPI_COMM_WORLD_RANK in
+ * every rank's environment). */
+static bool procs_is_rank0(pid_t pid)
+{
+    static const char key[] = "OMPI_COMM_WORLD_RANK=0";
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/environ", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    /* entries are NUL-terminated; keep the unfinished one across reads */
+    char buf[8192];
+    size_t have = 0;
+    bool found = false, skipping = false;
+    for (;;) {
+        ssize_t r = read(fd, buf + have, sizeof(buf) - have);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        have += (size_t)r;
+        size_t start = 0;
+        for (size_t i = 0; i < have; i++) {
+            if (buf[i] != '\0')
+                continue;
+            if (!skipping && i - start == sizeof(key) - 1 &&
+                memcmp(buf + start, key, i - start) == 0)
+                found = true;
+            skipping = false;
+            start = i + 1;
+        }
+        if (found)
+            break;
+        memmove(buf, buf + start, have - start);
+        have -= start;
+        if (have == sizeof(buf)) { /* an entry longer than the buffer: not ours */
+            have = 0;
+            skipping = true;
+        }
+    }
+    close(fd);
+    return found;
+}
+
 static void procs_kill(const proc_t *p, int sig)
 {
-    /* the child leads its own group: reach whatever it started too */
-    if (kill(-p->pid, sig) != 0)
-        kill(p->pid, sig);
+    if (!p->group) {
+        /* the child leads its own group: reach whatever it started too */
+        procs_kill_group(p->pid, sig);
+        return;
+    }
+    pid_t ranks[PROCS_MAX_RANKS];
+    if (sig == SIGKILL) {
+        /* freeze mpirun so it starts no rank between the scan and its own end */
+        procs_kill_group(p->pid, SIGSTOP);
+        int n = procs_children(p->pid, ranks, PROCS_MAX_RANKS);
+        for (int i = 0; i < n; i++)
+            procs_kill_group(ranks[i], SIGKILL);
+        procs_kill_group(p->pid, SIGKILL);
+        return;
+    }
+    /* rank 0, which stops its followers (see procs.h, "Groups"); every rank when none is known
+     * to be rank 0; mpirun only while it has no rank yet */
+    int n = procs_children(p->pid, ranks, PROCS_MAX_RANKS);
+    for (int i = 0; i < n; i++)
+        if (procs_is_rank0(ranks[i])) {
+            procs_kill_group(ranks[i], sig);
+            return;
+        }
+    for (int i = 0; i < n; i++)
+        procs_kill_group(ranks[i], sig);
+    if (n == 0)
+        procs_kill_group(p->pid, sig);
 }
 
 static void procs_reap_blocking(proc_t *p)
@@ -214,7 +327,8 @@ void duet_procs_destroy(duet_procs_t *ps)
     free(ps);
 }
 
-duet_status_t duet_procs_spawn(duet_procs_t *ps, const char *name, char *const argv[], int *idx_p)
+static duet_status_t procs_spawn(duet_procs_t *ps, const char *name, char *const argv[], bool group,
+                                 int *idx_p)
 {
     struct stat sb;
     if (ps->n == DUET_PROCS_MAX)
@@ -300,9 +414,125 @@ duet_status_t duet_procs_spawn(duet_procs_t *ps, const char *name, char *const a
         return duet_error_set(DUET_ERR_IO, "%s: fork: %s", name, strerror(fork_errno));
     }
     p->pid = pid;
+    p->group = group;
     p->running = true;
     *idx_p = ps->n++;
     return DUET_OK;
+}
+
+duet_status_t duet_procs_spawn(duet_procs_t *ps, const char *name, char *const argv[], int *idx_p)
+{
+    return procs_spawn(ps, name, argv, false, idx_p);
+}
+
+duet_status_t duet_procs_spawn_group(duet_procs_t *ps, const char *name, char *const argv[],
+                                     int *idx_p)
+{
+    return procs_spawn(ps, name, argv, true, idx_p);
+}
+
+/* ---------------------------------------------------------------- command lines */
+
+void duet_procs_argv_free(char **argv)
+{
+    if (argv == NULL)
+        return;
+    for (char **a = argv; *a != NULL; a++)
+        free(*a);
+    free(argv);
+}
+
+/* Append a copy of s (printf format) to argv[*n]; false when out of memory. */
+static bool procs_argv_add(char **argv, size_t *n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static bool procs_argv_add(char **argv, size_t *n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int rc = vasprintf(&argv[*n], fmt, ap);
+    va_end(ap);
+    if (rc < 0) {
+        argv[*n] = NULL;
+        return false;
+    }
+    (*n)++;
+    return true;
+}
+
+duet_status_t duet_procs_worker_argv(const duet_procs_cmd_t *cmd, char ***argv_p)
+{
+    static const char *const mpi_opts[] = {
+        "--oversubscribe", "--bind-to", "none",          "--tag-output", "--mca", "pml", "ob1",
+        "--mca",           "btl",       "self,vader,tcp"};
+    const size_t n_mpi = sizeof(mpi_opts) / sizeof(mpi_opts[0]);
+    if (cmd->cp < 1 || cmd->tp < 1)
+        return duet_error_set(DUET_ERR_INVALID, "%s: helix cp %d x tp %d: each must be at least 1",
+                              cmd->binary, cmd->cp, cmd->tp);
+    const bool group = cmd->cp * cmd->tp > 1;
+    if (group && (cmd->mpirun == NULL || cmd->mpirun[0] == '\0'))
+        return duet_error_set(DUET_ERR_INVALID, "%s: a group of cp %d x tp %d needs mpirun",
+                              cmd->binary, cmd->cp, cmd->tp);
+    bool has_threads = false;
+    for (size_t i = 0; i < cmd->n_args; i++)
+        has_threads = has_threads || strcmp(cmd->args[i], "--threads") == 0 ||
+                      strncmp(cmd->args[i], "--threads=", 10) == 0;
+    /* mpirun -n N, its options, --allow-run-as-root; the helix pair and --threads=1 */
+    size_t cap = 1 + cmd->n_fixed + cmd->n_args + 1 + (group ? 3 + n_mpi + 1 + 3 : 0);
+    char **argv = calloc(cap, sizeof(*argv));
+    if (argv == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    size_t n = 0;
+    bool ok = true;
+    if (group) {
+        ok = procs_argv_add(argv, &n, "%s", cmd->mpirun) && procs_argv_add(argv, &n, "-n") &&
+             procs_argv_add(argv, &n, "%d", cmd->cp * cmd->tp);
+        for (size_t i = 0; ok && i < n_mpi; i++)
+            ok = procs_argv_add(argv, &n, "%s", mpi_opts[i]);
+        if (ok && cmd->as_root)
+            ok = procs_argv_add(argv, &n, "--allow-run-as-root");
+    }
+    ok = ok && procs_argv_add(argv, &n, "%s", cmd->binary);
+    for (size_t i = 0; ok && i < cmd->n_fixed; i++)
+        ok = procs_argv_add(argv, &n, "%s", cmd->fixed[i]);
+    if (ok && group) {
+        ok = procs_argv_add(argv, &n, "--helix.cp=%d", cmd->cp) &&
+             procs_argv_add(argv, &n, "--helix.tp=%d", cmd->tp);
+        if (ok && !has_threads)
+            ok = procs_argv_add(argv, &n, "--threads=1");
+    }
+    for (size_t i = 0; ok && i < cmd->n_args; i++)
+        ok = procs_argv_add(argv, &n, "%s", cmd->args[i]);
+    if (!ok) {
+        duet_procs_argv_free(argv);
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    }
+    *argv_p = argv;
+    return DUET_OK;
+}
+
+bool duet_procs_which(const char *prog, char *out, size_t cap)
+{
+    const char *path = getenv("PATH");
+    if (path == NULL || strchr(prog, '/') != NULL)
+        return false;
+    for (const char *at = path;;) {
+        const char *colon = strchr(at, ':');
+        size_t len = colon != NULL ? (size_t)(colon - at) : strlen(at);
+        struct stat sb;
+        /* an empty entry is the working directory, as in a shell */
+        int w = len > 0 ? snprintf(out, cap, "%.*s/%s", (int)len, at, prog)
+                        : snprintf(out, cap, "./%s", prog);
+        if (w > 0 && (size_t)w < cap && stat(out, &sb) == 0 && S_ISREG(sb.st_mode) &&
+            access(out, X_OK) == 0)
+            return true;
+        if (colon == NULL)
+            break;
+        at = colon + 1;
+    }
+    if (cap > 0)
+        out[0] = '\0';
+    return false;
 }
 
 /* ---------------------------------------------------------------- waiting */

@@ -11,6 +11,17 @@
  * when the launcher dies (prctl PR_SET_PDEATHSIG), so even a SIGKILLed launcher leaves nothing
  * running. duet_procs_destroy SIGKILLs and reaps whatever is still alive.
  *
+ * Groups. A Helix generation worker is N ranks started by mpirun (duet_procs_worker_argv builds
+ * that command line; duet_procs_spawn_group starts it). Open MPI puts each rank in a process
+ * group of its own, and mpirun answers SIGTERM by stopping its ranks one at a time with only
+ * one second each before SIGKILL, exiting 1 whatever they did. So a group's stop skips mpirun:
+ * SIGTERM goes to rank 0 (the child of mpirun whose environment says OMPI_COMM_WORLD_RANK=0),
+ * which drains and deregisters like any worker and then tells its followers to stop (duet-gen's
+ * group protocol: a follower waits on rank 0 and has no SIGTERM handling of its own); every
+ * rank exits 0 within the full grace period and mpirun with them. Should no rank 0 be found,
+ * every rank gets the SIGTERM; while no rank exists yet, mpirun does. SIGKILL goes to every
+ * rank's process group and to mpirun's, so a killed group leaves no rank behind.
+ *
  * Signals. duet_procs_create installs handlers for SIGCHLD, SIGINT and SIGTERM that only write
  * to a self-pipe, so duet_procs_poll wakes at once; SIGPIPE is ignored in the launcher (and
  * restored in the children). One duet_procs_t per process.
@@ -45,6 +56,46 @@ void duet_procs_destroy(duet_procs_t *ps);
  * fork/pipe/open fails; the detail names the child.
  */
 duet_status_t duet_procs_spawn(duet_procs_t *ps, const char *name, char *const argv[], int *idx_p);
+
+/*
+ * duet_procs_spawn for an mpirun command line (a Helix group, see "Groups" above): the same
+ * contract; only the stop and kill paths differ.
+ */
+duet_status_t duet_procs_spawn_group(duet_procs_t *ps, const char *name, char *const argv[],
+                                     int *idx_p);
+
+/* A worker's command line, for duet_procs_worker_argv. */
+typedef struct {
+    const char *binary; /* the worker's executable */
+    char *const *fixed; /* (n_fixed) flags the launcher sets: --router, --model, --name */
+    size_t n_fixed;
+    char *const *args; /* (n_args) the cluster file's "--key=value" flags */
+    size_t n_args;
+    int cp, tp;         /* Helix group shape; cp * tp > 1 runs cp * tp ranks under mpirun */
+    const char *mpirun; /* mpirun's path; read only for a group */
+    bool as_root;       /* we are root: Open MPI refuses to start then unless told */
+} duet_procs_cmd_t;
+
+/*
+ * Build a worker's argv (NULL-terminated, every string owned; free with duet_procs_argv_free)
+ * into *argv_p. A single process (cp * tp == 1): binary, fixed, args. A group:
+ *   mpirun -n N --oversubscribe [--allow-run-as-root] --bind-to none --tag-output
+ *          --mca pml ob1 --mca btl self,vader,tcp
+ *          binary fixed --helix.cp=C --helix.tp=T [--threads=1] args
+ * (ranks may outnumber cores, so none is pinned, and each computes on one thread unless args
+ * name `threads`; shared memory and TCP transports only, which work on any machine). Errors:
+ * DUET_ERR_INVALID for cp or tp below 1 or a group without mpirun, DUET_ERR_NOMEM.
+ */
+duet_status_t duet_procs_worker_argv(const duet_procs_cmd_t *cmd, char ***argv_p);
+
+/* Free an argv from duet_procs_worker_argv. NULL is fine. */
+void duet_procs_argv_free(char **argv);
+
+/*
+ * Find the executable `prog` (no '/') in $PATH, as a shell would; its path goes to out (cap
+ * bytes). False when it is not there (or the path does not fit).
+ */
+bool duet_procs_which(const char *prog, char *out, size_t cap);
 
 /*
  * Wait up to timeout_ms for something to happen (output, a child exiting, a signal, or

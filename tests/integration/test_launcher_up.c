@@ -330,6 +330,27 @@ Test(launcher_up, missing_binary_is_refused_before_starting)
     assert_all_gone();
 }
 
+/* a Helix gen group (cp x tp > 1) is started by mpirun: without one on PATH, nothing starts */
+Test(launcher_up, group_without_mpirun_is_refused_before_starting)
+{
+    setup_cluster(1, 1, NULL, NULL);
+    char yaml[8192];
+    snprintf(yaml, sizeof(yaml), "%s", read_file("cluster.yaml"));
+    char *gen = strstr(yaml, "gen:\n");
+    cr_assert_not_null(gen);
+    char grouped[8300];
+    snprintf(grouped, sizeof(grouped), "%.*sgen:\n  cp: 2\n%s", (int)(gen - yaml), yaml,
+             gen + strlen("gen:\n"));
+    write_file("cluster.yaml", grouped);
+    setenv("PATH", "/nonexistent", 1);
+    int rc = wait_exit(start_up("--once", NULL, NULL, NULL), 30000, NULL);
+    cr_assert_eq(rc, 2);
+    cr_assert_not_null(strstr(read_file("err"), "gen cp 2 x tp 1 needs mpirun (Open MPI: apt "
+                                                "install openmpi-bin)"),
+                       "%s", read_file("err"));
+    assert_all_gone();
+}
+
 Test(launcher_up, killed_launcher_leaves_no_orphans)
 {
     setup_cluster(1, 1, NULL, NULL);

@@ -1,10 +1,10 @@
 /*
  * The cluster file of `duet up` (deploy/launcher/cluster.h): a full file and the defaults,
  * flattening of nested router/worker keys into --a.b=c flags (dotted keys, bare `true`), every
- * refusal with its name:line (unknown keys, wrong types, lists, nulls, counts, ports, keys the
- * launcher sets itself, duplicates, syntax, several documents, alias bombs), the repository's own
- * deploy/configs/local.yaml, and a few hundred random mutations of a valid file that must each
- * end in a valid parse or an error with a detail, never a crash.
+ * refusal with its name:line (unknown keys, wrong types, lists, nulls, counts, gen's Helix cp / tp,
+ * ports, keys the launcher sets itself, duplicates, syntax, several documents, alias bombs), the
+ * repository's own deploy/configs/local.yaml, and a few hundred random mutations of a valid file
+ * that must each end in a valid parse or an error with a detail, never a crash.
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
@@ -301,6 +301,77 @@ Test(launcher_cluster, repository_local_yaml)
 
     cr_assert_eq(duet_cluster_load_file("/nonexistent/cluster.yaml", &p, &spec), DUET_ERR_IO);
     cr_assert_not_null(strstr(duet_error_last(), "/nonexistent/cluster.yaml"));
+}
+
+/* gen's Helix shape: cp and tp default to 1 (and stay 1 elsewhere), each 1..64, product <= 64,
+ * only under gen:, and helix.cp / helix.tp inside args (nested or dotted) are the launcher's */
+Test(launcher_cluster, helix_group_shape)
+{
+    duet_cluster_t *s = load_ok("model: m\n");
+    cr_assert_eq(s->gen.cp, 1);
+    cr_assert_eq(s->gen.tp, 1);
+    cr_assert_eq(s->ctx.cp * s->ctx.tp * s->router.cp * s->router.tp, 1);
+    duet_cluster_destroy(s);
+
+    s = load_ok("model: m\ngen: {count: 2, cp: 4, tp: 2, args: {threads: 2}}\n");
+    cr_assert_eq(s->gen.count, 2);
+    cr_assert_eq(s->gen.cp, 4);
+    cr_assert_eq(s->gen.tp, 2);
+    const char *const args[] = {"--threads=2"};
+    assert_args(&s->gen, args, 1);
+    duet_cluster_destroy(s);
+
+    s = load_ok("model: m\ngen:\n  cp: 64\n");
+    cr_assert_eq(s->gen.cp, 64);
+    cr_assert_eq(s->gen.tp, 1);
+    duet_cluster_destroy(s);
+    s = load_ok("model: m\ngen:\n  tp: 8\n  cp: 8\n");
+    cr_assert_eq(s->gen.cp * s->gen.tp, 64);
+    duet_cluster_destroy(s);
+
+    load_err("model: m\ngen:\n  cp: 0\n", DUET_ERR_RANGE,
+             "t.yaml:3: gen.cp: 0 is out of range (1..64)");
+    load_err("model: m\ngen:\n  count: 1\n  tp: 65\n", DUET_ERR_RANGE,
+             "t.yaml:4: gen.tp: 65 is out of range (1..64)");
+    load_err("model: m\ngen: {tp: -2}\n", DUET_ERR_RANGE, "gen.tp: -2 is out of range");
+    load_err("model: m\ngen:\n  cp: two\n", DUET_ERR_FORMAT,
+             "t.yaml:3: gen.cp: expected an integer, got \"two\"");
+    load_err("model: m\ngen:\n  cp: {a: 1}\n", DUET_ERR_FORMAT, "gen.cp: expected an integer");
+    load_err("model: m\ngen:\n  cp: 16\n  tp: 8\n", DUET_ERR_RANGE,
+             "t.yaml:4: gen: cp 16 x tp 8 = 128 ranks per group is more than 64");
+    load_err("model: m\ngen:\n  tp: 5\n  count: 3\n  cp: 13\n", DUET_ERR_RANGE,
+             "t.yaml:5: gen: cp 13 x tp 5 = 65 ranks");
+    load_err("model: m\nctx:\n  cp: 2\n", DUET_ERR_NOT_FOUND,
+             "t.yaml:3: ctx: unknown key \"cp\" (known: count, args, binary)");
+    load_err("model: m\ngen:\n  dp: 2\n", DUET_ERR_NOT_FOUND,
+             "t.yaml:3: gen: unknown key \"dp\" (known: count, cp, tp, args, binary)");
+    load_err("model: m\ngen:\n  args:\n    helix: {cp: 2}\n", DUET_ERR_INVALID,
+             "t.yaml:4: gen.args.helix.cp: set by duet up (--router, --model, --name; "
+             "--helix.cp / --helix.tp from gen.cp / gen.tp)");
+    load_err("model: m\ngen:\n  args: {helix.tp: 2}\n", DUET_ERR_INVALID,
+             "t.yaml:3: gen.args.helix.tp: set by duet up");
+    load_err("model: m\ngen:\n  cp: 2\n  args: {threads: 1, helix: {tp: 1}}\n", DUET_ERR_INVALID,
+             "gen.args.helix.tp");
+    load_err("model: m\ngen:\n  args: {name: g}\n", DUET_ERR_INVALID,
+             "t.yaml:3: gen.args.name: set by duet up");
+}
+
+/* local-cp2.yaml: local.yaml's cluster with one generation worker made a CP=2 Helix group */
+Test(launcher_cluster, repository_local_cp2_yaml)
+{
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/deploy/configs/local-cp2.yaml", DUET_SOURCE_DIR);
+    duet_cluster_paths_t p = {.root = DUET_SOURCE_DIR, .binaries = DUET_BINARY_DIR};
+    duet_cluster_t *spec = NULL;
+    cr_assert_eq(duet_cluster_load_file(path, &p, &spec), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(spec->ctx.count, 1);
+    cr_assert_eq(spec->ctx.cp * spec->ctx.tp, 1);
+    cr_assert_eq(spec->gen.count, 1);
+    cr_assert_eq(spec->gen.cp, 2);
+    cr_assert_eq(spec->gen.tp, 1);
+    const char *const args[] = {"--threads=1"};
+    assert_args(&spec->gen, args, 1);
+    duet_cluster_destroy(spec);
 }
 
 /* local-spec.yaml: local.yaml's cluster, the gen worker speculating with the draft model, whose
