@@ -5,9 +5,12 @@
  * bumping `gen`; every thread (the caller included) then claims task indices with a CAS on
  * `claim` = (gen << 32) | next, which fails for a thread still looking at an older job, so no
  * thread ever runs a task with another job's function. The caller spins until `n_done` reaches
- * the task count. Idle workers spin for `spin_ns` (DUET_SPIN_US, default 200 us) before they
- * sleep on the condition variable: a decode step issues ops back to back, and waking a sleeping
- * thread costs several microseconds, more than many of those ops take.
+ * the task count. Before it rewrites the job's fields it closes the claim (the new gen, next at
+ * DUET__CLAIM_CLOSED): a worker that read the old claim and is about to compare it with the new
+ * task count would otherwise win its CAS on the old value and run, and count, a task twice. Idle
+ * workers spin for `spin_ns` (DUET_SPIN_US, default 200 us) before they sleep on the condition
+ * variable: a decode step issues ops back to back, and waking a sleeping thread costs several
+ * microseconds, more than many of those ops take.
  *
  * Sleep/wake is a Dekker pattern on two seq_cst atomics: a worker increments n_sleeping, then
  * re-reads gen under the mutex before waiting; the caller stores gen, then reads n_sleeping and
@@ -42,12 +45,15 @@ static int64_t duet__now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The claim's `next` while a job's fields are being written: past every task count. */
+#define DUET__CLAIM_CLOSED 0xffffffffu
+
 /* Claim and run tasks of job `gen` until none are left. */
 static void duet__pool_work(struct duet_kernels *k, uint32_t gen, int thread_idx)
 {
     uint64_t c = atomic_load_explicit(&k->claim, memory_order_acquire);
     for (;;) {
-        if ((uint32_t)(c >> 32) != gen)
+        if ((uint32_t)(c >> 32) != gen || (uint32_t)c == DUET__CLAIM_CLOSED)
             return;
         int64_t t = (int64_t)(c & 0xffffffffu);
         if (t >= k->n_tasks)
@@ -112,11 +118,13 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
             fn(ctx, t, idx);
         return;
     }
-    DUET_ASSERT(n_tasks < ((int64_t)1 << 32));
+    DUET_ASSERT(n_tasks < (int64_t)DUET__CLAIM_CLOSED);
     /* One dispatcher at a time: two threads sharing one instance is a bug in the caller. */
     DUET_ASSERT(atomic_exchange(&k->busy, 1) == 0);
 
     uint32_t gen = atomic_load_explicit(&k->gen, memory_order_relaxed) + 1;
+    /* a worker still holding the last job's claim value fails its CAS from here on */
+    atomic_store(&k->claim, ((uint64_t)gen << 32) | DUET__CLAIM_CLOSED);
     k->fn = fn;
     k->ctx = ctx;
     k->n_tasks = n_tasks;

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <criterion/logging.h>
 
 #include "kernels/cpu/cpu_impl.h"
@@ -363,6 +364,73 @@ Test(kernels_cpu, pool_many_small_jobs, .timeout = 60)
             CHECK((atomic_load(&hits[i])) == (1), "rep %d index %d", rep, i);
     }
     duet_kernels_destroy(k);
+}
+
+/* Tiny jobs back to back while the pool's threads are preempted: each task must run exactly once
+ * and every task of a job must have finished when the job returns. */
+typedef struct {
+    int *out;
+    int job;
+    _Atomic int *runs;
+} each_ctx_t;
+
+static void each_fn(void *vctx, int64_t begin, int64_t end, int thread_idx)
+{
+    each_ctx_t *c = vctx;
+    (void)thread_idx;
+    for (int64_t t = begin; t < end; t++) {
+        c->out[t] = c->job;
+        atomic_fetch_add(&c->runs[t], 1);
+    }
+}
+
+static _Atomic int hog_stop;
+
+static void *hog(void *arg)
+{
+    (void)arg;
+    while (!atomic_load_explicit(&hog_stop, memory_order_relaxed))
+        ;
+    return NULL;
+}
+
+/*
+ * A worker that read the claim of a job just finished used to win its CAS once the next job's
+ * task count was written but before its claim was, and run (and count) a task twice, so the job
+ * could return before its last task had run: seen 2-4 times per 2 million jobs on 2 cores with
+ * three spinning processes beside them (CI's failing test_engine_generate). Busy threads of its
+ * own in this process preempt the pool's: before the fix this test failed 3 runs in 4 on the
+ * 2-core build VM (3-11 tasks run twice per run), after it none of 8.
+ */
+Test(kernels_cpu, pool_jobs_back_to_back_run_each_task_once, .timeout = 60)
+{
+    unsetenv("DUET_SPIN_US");
+    duet_kernels_t *k = make_k(2);
+    pthread_t hogs[2];
+    atomic_store(&hog_stop, 0);
+    for (int i = 0; i < 2; i++)
+        CHECK(pthread_create(&hogs[i], NULL, hog, NULL) == 0);
+    int out[8];
+    _Atomic int runs[8];
+    long early = 0, twice = 0;
+    for (int job = 1; job <= 1000000; job++) {
+        const int n = 2 + job % 5;
+        for (int t = 0; t < n; t++)
+            atomic_store(&runs[t], 0);
+        each_ctx_t c = {.out = out, .job = job, .runs = runs};
+        duet_k_parallel_each(k, n, each_fn, &c);
+        for (int t = 0; t < n; t++) {
+            early += out[t] != job;
+            twice += atomic_load(&runs[t]) != 1;
+        }
+    }
+    atomic_store(&hog_stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(hogs[i], NULL);
+    duet_kernels_destroy(k);
+    CHECK(early == 0 && twice == 0,
+          "1000000 jobs: %ld tasks unfinished when their job returned, %ld not run exactly once",
+          early, twice);
 }
 
 typedef struct {
