@@ -5,10 +5,12 @@
  *
  * Usage: duet-bench-tune [--model DIR] [--threads N] [--max-seqs S] [--reps R]
  *
- * The warm-up is collective over a communicator (common/comm.h); this binary makes one with
- * bench_comm_create, today the one-rank "self" transport. Under mpirun with the MPI transport
- * only that function changes (every rank then loads with the same options and its share of the
- * profiling; each prints its own line, "rank r of n").
+ * The warm-up is collective over a communicator (common/comm.h). Alone it is the one-rank "self"
+ * transport; started by mpirun as N ranks it is the MPI transport and the model loads as a
+ * generation group of cp N (engine/shard.h): every rank tunes its cut's shapes and profiles its
+ * share of the pairs; each prints its own line, "rank r of n".
+ *
+ *   mpirun -n 2 duet-bench-tune [options]
  */
 #include <float.h>
 #include <stdio.h>
@@ -21,6 +23,7 @@
 #include "common/log.h"
 #include "common/version.h"
 #include "engine/model.h"
+#include "group/comm_mpi.h"
 
 static double now_s(void)
 {
@@ -38,8 +41,11 @@ static int cmp_dbl(const void *a, const void *b)
 /* The group the warm-up is split over: the one place to change for MPI. */
 static duet_status_t bench_comm_create(int *argc, char ***argv, duet_comm_t **c_p)
 {
-    (void)argc, (void)argv;
-    return duet_comm_self_create(c_p);
+    if (!duet_group_mpi_launched())
+        return duet_comm_self_create(c_p);
+    int rank, size;
+    duet_status_t st = duet_group_mpi_init(argc, argv, &rank, &size);
+    return st != DUET_OK ? st : duet_comm_mpi_create(600000, c_p);
 }
 
 /* Seconds duet_model_load takes with tune on or off (the model freed again). */
@@ -112,6 +118,7 @@ int main(int argc, char **argv)
     base.max_seqs = max_seqs;
     base.max_seq_len = 256;
     base.comm = comm;
+    base.helix_cp = comm->size; /* under mpirun: a group of cp N */
     double *on = calloc((size_t)reps, sizeof(double)), *off = calloc((size_t)reps, sizeof(double));
     int rc = 1;
     if (on == NULL || off == NULL)
@@ -134,6 +141,9 @@ int main(int argc, char **argv)
 out:
     free(on);
     free(off);
+    const int mpi = strcmp(comm->ops->name, "mpi") == 0;
     duet_comm_destroy(comm);
+    if (mpi)
+        duet_group_mpi_finalize();
     return rc;
 }

@@ -2,4 +2,4 @@
 add_executable(duet-bench-tune ${CMAKE_CURRENT_LIST_DIR}/bench_tune.c)
 duet_target_defaults(duet-bench-tune)
 target_compile_definitions(duet-bench-tune PRIVATE DUET_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
-target_link_libraries(duet-bench-tune PRIVATE duet_engine)
+target_link_libraries(duet-bench-tune PRIVATE duet_engine duet_group)

@@ -22,17 +22,13 @@
 /* The receive part of the staging area starts on this boundary (floats, uint64). */
 #define DUET__MPI_STAGE_ALIGN 64
 
-/* gatherv's per-rank header: length, root's capacity, whether root gave a lengths array. */
-enum { DUET__GV_LEN, DUET__GV_CAP, DUET__GV_READY, DUET__GV_FIELDS };
-
 typedef struct {
     duet_comm_t base;
     MPI_Comm comm;
     int broken; /* an op failed or timed out: every later op fails, destroy leaks */
     char *stage;
     size_t stage_cap;
-    int *counts;       /* 4 * size: send counts, send displs, recv counts, recv displs */
-    uint64_t *gv_head; /* DUET__GV_FIELDS * size: gatherv's exchanged headers */
+    int *counts; /* 4 * size: send counts, send displs, recv counts, recv displs */
 } duet__mpi_t;
 
 static const duet_comm_ops_t duet__mpi_ops;
@@ -283,7 +279,6 @@ static void duet__mpi_destroy(duet_comm_t *c)
     MPI_Comm_free(&m->comm);
     free(m->stage);
     free(m->counts);
-    free(m->gv_head);
     free(m);
 }
 
@@ -305,74 +300,6 @@ static const duet_comm_ops_t duet__mpi_ops = {
     .destroy = duet__mpi_destroy,
     .abort = duet__mpi_abort,
 };
-
-duet_status_t duet_comm_mpi_gatherv_bytes(duet_comm_t *c, const void *send, size_t bytes,
-                                          void *recv, size_t *recv_bytes, size_t cap, int root)
-{
-    static const char op[] = "gatherv_bytes";
-    if (c == NULL || c->ops != &duet__mpi_ops)
-        return duet_error_set(DUET_ERR_INVALID,
-                              "comm mpi: %s needs an \"mpi\" communicator, not "
-                              "\"%s\"",
-                              op, c == NULL ? "(null)" : c->ops->name);
-    duet__mpi_t *m = (duet__mpi_t *)c;
-    DUET_TRY(duet__mpi_enter(m, op));
-    if (root < 0 || root >= c->size)
-        return duet_error_set(DUET_ERR_INVALID, "comm mpi: %s to rank %d of %d", op, root, c->size);
-    if (bytes > 0 && send == NULL)
-        return duet_error_set(DUET_ERR_INVALID, "comm mpi: %s of %zu bytes with no buffer", op,
-                              bytes);
-    const int is_root = c->rank == root;
-    /* root's capacity and readiness travel with the lengths, so every rank refuses alike */
-    uint64_t head[DUET__GV_FIELDS] = {
-        [DUET__GV_LEN] = bytes,
-        [DUET__GV_CAP] = is_root && recv != NULL ? cap : 0,
-        [DUET__GV_READY] = is_root && recv_bytes != NULL,
-    };
-    char *out = NULL;
-    DUET_TRY(duet__mpi_allgather_stage(m, op, head, sizeof(head), &out));
-    memcpy(m->gv_head, out, sizeof(head) * (size_t)c->size);
-    const uint64_t *root_head = m->gv_head + (size_t)root * DUET__GV_FIELDS;
-    if (!root_head[DUET__GV_READY])
-        return duet_error_set(DUET_ERR_INVALID, "comm mpi: %s: root %d gave no lengths array", op,
-                              root);
-    uint64_t total = 0;
-    int *rcount = m->counts, *rdispl = rcount + c->size;
-    for (int r = 0; r < c->size; r++) {
-        const uint64_t len = m->gv_head[(size_t)r * DUET__GV_FIELDS + DUET__GV_LEN];
-        if (len > (uint64_t)INT_MAX || total + len > (uint64_t)INT_MAX)
-            return duet_error_set(DUET_ERR_RANGE,
-                                  "comm mpi: %s: rank %d's %llu bytes take the total past MPI's "
-                                  "int count (%d)",
-                                  op, r, (unsigned long long)len, INT_MAX);
-        rcount[r] = (int)len;
-        rdispl[r] = (int)total;
-        total += len;
-    }
-    if (total > root_head[DUET__GV_CAP])
-        return duet_error_set(DUET_ERR_RANGE,
-                              "comm mpi: %s: %llu bytes from %d ranks exceed root %d's capacity "
-                              "of %llu",
-                              op, (unsigned long long)total, c->size, root,
-                              (unsigned long long)root_head[DUET__GV_CAP]);
-    const size_t roff = duet__mpi_align(bytes);
-    DUET_TRY(duet__mpi_stage(m, roff + (is_root ? (size_t)total : 0), op));
-    if (bytes > 0)
-        memcpy(m->stage, send, bytes);
-    MPI_Request req;
-    const int rc = MPI_Igatherv(m->stage, (int)bytes, MPI_BYTE, m->stage + roff, rcount, rdispl,
-                                MPI_BYTE, root, m->comm, &req);
-    if (rc != MPI_SUCCESS)
-        return duet__mpi_fail(m, op, "MPI_Igatherv", rc);
-    DUET_TRY(duet__mpi_wait(m, &req, op));
-    if (is_root) {
-        if (total > 0)
-            memcpy(recv, m->stage + roff, (size_t)total);
-        for (int r = 0; r < c->size; r++)
-            recv_bytes[r] = (size_t)rcount[r];
-    }
-    return DUET_OK;
-}
 
 duet_status_t duet_group_mpi_init(int *argc, char ***argv, int *rank, int *size)
 {
@@ -475,8 +402,7 @@ duet_status_t duet_comm_mpi_create(int64_t timeout_ms, duet_comm_t **c_p)
         goto fail;
     const size_t n = (size_t)m->base.size;
     m->counts = malloc(sizeof(int) * 4 * n);
-    m->gv_head = malloc(sizeof(uint64_t) * DUET__GV_FIELDS * n);
-    if (m->counts == NULL || m->gv_head == NULL) {
+    if (m->counts == NULL) {
         st = duet_error_set(DUET_ERR_NOMEM, "comm mpi: out of memory");
         goto fail;
     }
@@ -501,7 +427,6 @@ duet_status_t duet_comm_mpi_create(int64_t timeout_ms, duet_comm_t **c_p)
     return DUET_OK;
 fail:
     free(m->counts);
-    free(m->gv_head);
     free(m);
     return st;
 }

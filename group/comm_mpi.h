@@ -55,17 +55,4 @@ int duet_group_mpi_launched(void);
  * initialised (duet_group_mpi_init). Destroy with duet_comm_destroy.
  */
 duet_status_t duet_comm_mpi_create(int64_t timeout_ms, duet_comm_t **c_p);
-
-/*
- * Gathers each rank's byte string (`bytes` bytes of `send`; lengths may differ, 0 allowed) to
- * `root`, packed in rank order into recv: rank r's bytes start at the sum of the lengths of
- * ranks 0 .. r-1, and recv_bytes[r] (size entries) gets each length. recv (cap bytes) and
- * recv_bytes are read only at root (NULL elsewhere is fine). c must be an "mpi" communicator.
- * Collective and bounded like every op: first an allgather of every rank's (length, capacity),
- * so each rank refuses the same way, without moving data, when the total exceeds root's cap or
- * INT_MAX (DUET_ERR_RANGE; the communicator stays usable), then the data (MPI_Igatherv).
- */
-duet_status_t duet_comm_mpi_gatherv_bytes(duet_comm_t *c, const void *send, size_t bytes,
-                                          void *recv, size_t *recv_bytes, size_t cap, int root);
-
 #endif /* DUET_GROUP_COMM_MPI_H */

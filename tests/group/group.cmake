@@ -56,3 +56,15 @@ foreach(case "demo;models/duet-demo;2;1" "demo;models/duet-demo;4;1" "demo;model
   set_tests_properties(group_engine_${tag}_cp${cp}_tp${tp} PROPERTIES TIMEOUT 120 LABELS mpi
                        ENVIRONMENT "${DUET_MPI_TEST_ENV}")
 endforeach()
+
+# The autotuner's profiling split over real ranks with an injected cost model
+# (tests/group/test_tune_group.c): each pair profiled once, equal tables, equal to one rank alone.
+add_executable(test_tune_group ${CMAKE_CURRENT_LIST_DIR}/test_tune_group.c)
+duet_target_defaults(test_tune_group)
+target_link_libraries(test_tune_group PRIVATE duet_kernels duet_group m)
+foreach(n 2 3 4)
+  add_test(NAME group_tune_n${n}
+           COMMAND ${DUET_MPIRUN} ${MPIEXEC_NUMPROC_FLAG} ${n} $<TARGET_FILE:test_tune_group>)
+  set_tests_properties(group_tune_n${n} PROPERTIES TIMEOUT 60 LABELS mpi
+                       ENVIRONMENT "${DUET_MPI_TEST_ENV}")
+endforeach()
