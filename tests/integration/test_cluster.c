@@ -57,6 +57,8 @@
  *   a_stalled_rank_fails_the_group_in_bounded_time  SIGSTOP of rank 1: rank 0's collective times
  *        out (helix.timeout_ms), its requests end with the group's reason, the job ends
  *   drain_of_a_group_loses_nothing  drain_under_load_loses_nothing with gen-0 a CP=2 group
+ *   duet_up_local_cp2_yaml_answers  `duet up deploy/configs/local-cp2.yaml --once` answers the
+ *        sample as duet-generate does, its generation worker a CP=2 group
  *
  * Every process runs with one compute thread so the suite fits the 2-core CI machine.
  */
@@ -1692,19 +1694,23 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 420)
  * cluster with the drafter (models/duet-demo-draft) and the sample answer is duet-generate's. The
  * file runs as it is, from a copy on free ports.
  */
-Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
+/* `duet up deploy/configs/NAME --once` answers the sample as duet-generate does, and gen-0's log
+ * holds `want` (the worker is what the file says it is). */
+static void duet_up_yaml_answers(const char *name, const char *want_log)
 {
     static char text[8192], out[1 << 16];
     char tmpl[] = "/tmp/duet-cluster-test-XXXXXX";
     cr_assert_not_null(mkdtemp(tmpl));
     snprintf(dir, sizeof(dir), "%s", tmpl);
-    FILE *f = fopen(DUET_SOURCE_DIR "/deploy/configs/local-spec.yaml", "r");
+    char src[512];
+    snprintf(src, sizeof(src), "%s/deploy/configs/%s", DUET_SOURCE_DIR, name);
+    FILE *f = fopen(src, "r");
     cr_assert_not_null(f);
     size_t n = fread(text, 1, sizeof(text) - 1, f);
     fclose(f);
     text[n] = '\0';
     char path[512];
-    snprintf(path, sizeof(path), "%s/local-spec.yaml", dir);
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
     f = fopen(path, "w");
     cr_assert_not_null(f);
     http_port = free_port();
@@ -1725,7 +1731,7 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
         fprintf(f, "%s\n", line);
     }
     fclose(f);
-    cr_assert_eq(replaced, 2, "local-spec.yaml: both ports found");
+    cr_assert_eq(replaced, 2, "%s: both ports found", name);
     /* the sample the file asks for, from duet-generate */
     job_t j = {0};
     snprintf(j.prompt, sizeof(j.prompt), "The LORD said unto Moses,");
@@ -1745,14 +1751,25 @@ Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
     snprintf(path, sizeof(path), "%s/logs/gen-0.log", dir);
     f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
-    int speculating = 0;
+    int found = 0;
     while (fgets(text, sizeof(text), f) != NULL)
-        speculating |= strstr(text, "speculative decoding: draft, up to 4 drafts") != NULL;
+        found |= strstr(text, want_log) != NULL;
     fclose(f);
-    cr_expect(speculating, "gen-0 speculates (its log in %s)", path);
+    cr_expect(found, "gen-0's log says \"%s\" (%s)", want_log, path);
     free(j.want_text);
     n_pids = 0;
     stop_all(); /* removes the folder */
+}
+
+Test(cluster_spec, duet_up_local_spec_yaml_answers, .timeout = 180)
+{
+    duet_up_yaml_answers("local-spec.yaml", "speculative decoding: draft, up to 4 drafts");
+}
+
+/* `duet up deploy/configs/local-cp2.yaml --once`: its generation worker a CP=2 group. */
+Test(cluster_group, duet_up_local_cp2_yaml_answers, .timeout = 180)
+{
+    duet_up_yaml_answers("local-cp2.yaml", "helix follower: rank 1 of 2 (cp 2 x tp 1)");
 }
 
 /* ---------------------------------------------------------------- generation groups (Helix) */
