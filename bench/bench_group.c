@@ -16,28 +16,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "common/comm.h"
+#include "bench/cache_bench.h"
 #include "common/version.h"
 #include "engine/model.h"
 #include "group/comm_mpi.h"
 
-#define MAX_CTX   8
 #define MAX_BATCH 64
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static void usage(FILE *f)
 {
@@ -50,7 +36,7 @@ int main(int argc, char **argv)
 {
     const char *model = DUET_SOURCE_DIR "/models/duet-demo";
     int cp = 1, tp = 1, batch = 1, steps = 20, threads = 1, n_ctx = 0;
-    int64_t ctx[MAX_CTX];
+    int64_t ctx[CACHE_BENCH_MAX_CTX];
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
@@ -79,14 +65,10 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--threads") == 0)
             threads = atoi(v);
         else if (strcmp(a, "--ctx") == 0) {
-            char *s = (char *)v, *end;
-            for (n_ctx = 0; n_ctx < MAX_CTX && *s != '\0'; n_ctx++) {
-                ctx[n_ctx] = strtoll(s, &end, 10);
-                if (end == s || ctx[n_ctx] < 1) {
-                    fprintf(stderr, "duet-bench-group: --ctx %s: positive integers\n", v);
-                    return 2;
-                }
-                s = *end == ',' ? end + 1 : end;
+            if (cache_bench_parse_contexts(v, ctx, CACHE_BENCH_MAX_CTX, &n_ctx) != 0) {
+                fprintf(stderr, "duet-bench-group: --ctx %s: up to %d positive counts\n", v,
+                        CACHE_BENCH_MAX_CTX);
+                return 2;
             }
         } else {
             fprintf(stderr, "duet-bench-group: unknown argument %s (try --help)\n", a);
@@ -160,22 +142,21 @@ int main(int argc, char **argv)
                                             .logits_mode =
                                                 rank == 0 ? DUET_LOGITS_LAST : DUET_LOGITS_NONE,
                                             .logits = logits + b * V};
-            const double t0 = now_s();
+            const double t0 = cache_bench_now_s();
             if (duet_model_forward(m, it, batch) != DUET_OK) {
                 fprintf(stderr, "duet-bench-group: rank %d: %s\n", rank, duet_error_last());
                 rc = 1;
                 break;
             }
-            t[k] = now_s() - t0;
+            t[k] = cache_bench_now_s() - t0;
         }
         for (int b = 0; b < batch; b++)
             duet_model_seq_close(m, &s[b]);
         if (rc == 0 && rank == 0) {
-            qsort(t + 2, (size_t)(steps - 2), sizeof(double), cmp_double);
+            const double med = cache_bench_median(t + 2, steps - 2);
             printf("duet-bench-group cp %d x tp %d, %d thread(s) per rank, batch %d, context "
                    "%lld: decode step %.3f ms (median of %d)\n",
-                   cp, tp, threads, batch, (long long)ctx[c], 1e3 * t[2 + (steps - 2) / 2],
-                   steps - 2);
+                   cp, tp, threads, batch, (long long)ctx[c], 1e3 * med, steps - 2);
             fflush(stdout);
         }
     }

@@ -1,6 +1,7 @@
 /*
- * What the request-cache benchmarks share (duet-bench-suspend, duet-bench-move; issue 37): the
- * clock and medians of their tables, the --contexts list, and the model with Kimi-Linear-48B's
+ * What the request-cache benchmarks share (duet-bench-suspend, duet-bench-move; issue 37; the
+ * clock, medians and context lists also duet-bench-group's, issue 39): the clock and medians of
+ * their tables, the --contexts list, and the model with Kimi-Linear-48B's
  * cache dimensions that both time beside the demo model.
  *
  * That model keeps a config's cache dimensions (its layer pattern, MLA latent kv_lora_rank +

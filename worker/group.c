@@ -9,6 +9,7 @@
  */
 #include "worker/group.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,6 +144,31 @@ static duet_status_t g_statuses(duet_group_t *g, int32_t mine, int *bad_rank)
     return st;
 }
 
+/* After a call every rank made (rank 0's status `mine`): rank 0's own failure, its message kept
+ * across the exchange; else *bad is the first follower that failed (-1: none). */
+static duet_status_t g_after(duet_group_t *g, duet_status_t mine, int *bad)
+{
+    char why[256];
+    snprintf(why, sizeof(why), "%s", mine != DUET_OK ? duet_error_last() : "");
+    duet_status_t st = g_statuses(g, (int32_t)mine, bad);
+    if (st != DUET_OK)
+        return st;
+    return mine != DUET_OK ? duet_error_set(mine, "%s", why) : DUET_OK;
+}
+
+/* Room for a step's payload of `bytes` in g->fwd_hdr. */
+static bool g_fwd_room(duet_group_t *g, size_t bytes)
+{
+    if (bytes <= g->fwd_cap)
+        return true;
+    int64_t *p = realloc(g->fwd_hdr, bytes);
+    if (p == NULL)
+        return false;
+    g->fwd_hdr = p;
+    g->fwd_cap = bytes;
+    return true;
+}
+
 void duet_group_destroy(duet_group_t *g)
 {
     if (g == NULL)
@@ -196,14 +222,9 @@ duet_status_t duet_group_seq_filled(duet_group_t *g, duet_model_t *m, duet_seq_t
     duet_status_t st = g_send(g, &c);
     if (st != DUET_OK)
         return st;
-    const duet_status_t mine = duet_model_seq_set_filled(m, seq, n_tokens);
-    char why[256];
-    snprintf(why, sizeof(why), "%s", mine != DUET_OK ? duet_error_last() : "");
     int bad = -1;
-    if ((st = g_statuses(g, (int32_t)mine, &bad)) != DUET_OK)
+    if ((st = g_after(g, duet_model_seq_set_filled(m, seq, n_tokens), &bad)) != DUET_OK)
         return st;
-    if (mine != DUET_OK)
-        return duet_error_set(mine, "%s", why);
     if (bad >= 0)
         return duet_error_set(DUET_ERR_TRANSPORT,
                               "helix group: rank %d's share of the cache transfer did not arrive",
@@ -219,13 +240,8 @@ duet_status_t duet_group_forward(duet_group_t *g, duet_model_t *m, duet_batch_it
         rows += items[i].n_tokens;
     /* the payload: (seq id, n_tokens) per item, then the tokens */
     const size_t bytes = (size_t)(2 * n_items) * sizeof(int64_t) + (size_t)rows * sizeof(int32_t);
-    if (bytes > g->fwd_cap) {
-        int64_t *p = realloc(g->fwd_hdr, bytes);
-        if (p == NULL)
-            return duet_error_set(DUET_ERR_NOMEM, "helix group: out of memory for a step");
-        g->fwd_hdr = p;
-        g->fwd_cap = bytes;
-    }
+    if (!g_fwd_room(g, bytes))
+        return duet_error_set(DUET_ERR_NOMEM, "helix group: out of memory for a step");
     int32_t *tok = (int32_t *)(g->fwd_hdr + 2 * n_items);
     for (int64_t i = 0; i < n_items; i++) {
         g->fwd_hdr[2 * i] = items[i].seq->id;
@@ -238,14 +254,9 @@ duet_status_t duet_group_forward(duet_group_t *g, duet_model_t *m, duet_batch_it
     if (st != DUET_OK || (st = g_check(g, g->comm->ops->bcast(g->comm, g->fwd_hdr, bytes, 0),
                                        "a step's items")) != DUET_OK)
         return st;
-    const duet_status_t mine = duet_model_forward(m, items, n_items);
-    char why[256];
-    snprintf(why, sizeof(why), "%s", mine != DUET_OK ? duet_error_last() : "");
     int bad = -1;
-    if ((st = g_statuses(g, (int32_t)mine, &bad)) != DUET_OK)
+    if ((st = g_after(g, duet_model_forward(m, items, n_items), &bad)) != DUET_OK)
         return st;
-    if (mine != DUET_OK)
-        return duet_error_set(mine, "%s", why);
     if (bad >= 0) { /* the ranks' caches may now differ: nothing they compute can be trusted */
         g->broken = 1;
         return duet_error_set(DUET_ERR_INTERNAL, "helix group: rank %d's step failed", bad);
@@ -472,12 +483,10 @@ static int32_t f_forward(duet_group_t *g, const gcmd_t *c)
     const size_t bytes = (size_t)(2 * n) * sizeof(int64_t) + (size_t)rows * sizeof(int32_t);
     if (n < 0 || rows < 0 || n > g->n_seqs)
         return DUET_ERR_INTERNAL;
-    if (bytes > g->fwd_cap) {
-        int64_t *p = realloc(g->fwd_hdr, bytes);
-        if (p == NULL)
-            return DUET_ERR_NOMEM; /* the bcast below still runs: rank 0 sent it */
-        g->fwd_hdr = p;
-        g->fwd_cap = bytes;
+    if (!g_fwd_room(g, bytes)) { /* rank 0 waits in this bcast: the group cannot go on */
+        g->broken = 1;
+        DUET_LOG_ERROR("helix follower: out of memory for a step of %zu bytes", bytes);
+        return DUET_ERR_NOMEM;
     }
     if (g_check(g, g->comm->ops->bcast(g->comm, g->fwd_hdr, bytes, 0), "a step's items") != DUET_OK)
         return DUET_ERR_TRANSPORT;

@@ -1878,6 +1878,60 @@ Test(cluster_group, tp2_greedy_equal_duet_generate, .timeout = 240)
 }
 
 /*
+ * After gen-0 (a group) failed beside a plain gen-1: some requests completed as duet-generate's
+ * (gen-1's), the others failed with a body holding one of want_a / want_b (NULL: none needed).
+ */
+static void expect_group_failed(job_t *jobs, int n, const char *want_a, const char *want_b)
+{
+    int ok = 0, failed = 0;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
+            jobs[i].got_tokens == jobs[i].want_tokens) {
+            ok++;
+            continue;
+        }
+        failed++;
+        cr_expect(strstr(jobs[i].got_text, want_a) != NULL ||
+                      (want_b != NULL && strstr(jobs[i].got_text, want_b) != NULL),
+                  "request %d failed without naming %s: %.300s", i, want_a, jobs[i].got_text);
+    }
+    cr_expect_gt(ok, 0, "requests on gen-1 completed");
+    cr_expect_gt(failed, 0, "requests on the group failed");
+}
+
+/*
+ * gen-0 a CP=2 group beside a plain gen-1 (extra: gen flags or NULL), n greedy streams of 300
+ * tokens prefilled by the generation workers (decoding at once) started on threads th; returns
+ * once gen-0 runs one, with its mpirun's pid in *mpirun_p and its rank 1's.
+ */
+static pid_t group_streams(job_t *jobs, int n, pthread_t *th, int seed, const char *extra,
+                           const char *extra_value, pid_t *mpirun_p)
+{
+    helix_cp = 2;
+    helix_tp = 1;
+    helix_all = 0;
+    worker_device = "cpu";
+    gen_extra[0] = extra;
+    gen_extra[1] = extra_value;
+    start_cluster(1, 2);
+    gen_extra[0] = gen_extra[1] = NULL;
+    for (int i = 0; i < n; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + seed, 12 + i, 300);
+        jobs[i].stream = 1;
+        jobs[i].ignore_eos = 1;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < n; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    cr_assert_eq(busy_worker("gen-", 1, 30000), 0, "gen-0 never ran a request");
+    const pid_t mpirun = pid_of("gen-0"), victim = rank_pid(mpirun, 1);
+    cr_assert_gt(victim, 0, "rank 1 of gen-0 not found under mpirun %d", (int)mpirun);
+    *mpirun_p = mpirun;
+    return victim;
+}
+
+/*
  * kill -9 of one rank (not rank 0) of gen-0, a CP=2 group, while it decodes beside a plain gen-1:
  * gen-0's requests end once with an error naming it, gen-1's complete as duet-generate's, new
  * requests go to gen-1 and succeed, and nothing of gen-0's job is left running.
@@ -1886,41 +1940,13 @@ Test(cluster_group, a_rank_killed_fails_the_groups_requests_once, .timeout = 240
 {
     enum { N = 6 };
     static job_t jobs[N];
-    helix_cp = 2;
-    helix_tp = 1;
-    helix_all = 0;
-    worker_device = "cpu";
-    start_cluster(1, 2);
     pthread_t th[N];
-    for (int i = 0; i < N; i++) { /* prefilled by the generation workers: decoding at once */
-        memset(&jobs[i], 0, sizeof(jobs[i]));
-        prompt_of(&jobs[i], i + 7, 12 + i, 300);
-        jobs[i].stream = 1;
-        jobs[i].ignore_eos = 1;
-        reference(&jobs[i]);
-    }
-    for (int i = 0; i < N; i++)
-        pthread_create(&th[i], NULL, run_job, &jobs[i]);
-    cr_assert_eq(busy_worker("gen-", 1, 30000), 0, "gen-0 never ran a request");
-    const pid_t mpirun = pid_of("gen-0"), victim = rank_pid(mpirun, 1);
-    cr_assert_gt(victim, 0, "rank 1 of gen-0 not found under mpirun %d", (int)mpirun);
+    pid_t mpirun;
+    const pid_t victim = group_streams(jobs, N, th, 7, NULL, NULL, &mpirun);
     kill(victim, SIGKILL);
     for (int i = 0; i < N; i++)
         pthread_join(th[i], NULL);
-    int ok = 0, failed = 0;
-    for (int i = 0; i < N; i++) {
-        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
-            jobs[i].got_tokens == jobs[i].want_tokens) {
-            ok++;
-            continue;
-        }
-        failed++;
-        cr_expect(strstr(jobs[i].got_text, "gen-0") != NULL ||
-                      strstr(jobs[i].got_text, "502") != NULL,
-                  "request %d failed without naming gen-0: %.300s", i, jobs[i].got_text);
-    }
-    cr_expect_gt(ok, 0, "requests on gen-1 completed");
-    cr_expect_gt(failed, 0, "requests on the group failed");
+    expect_group_failed(jobs, N, "gen-0", "502");
     /* the group's job ends: mpirun exits (nothing hangs), no rank is left */
     int st = 0;
     pid_t done = 0;
@@ -1971,27 +1997,9 @@ Test(cluster_group, a_stalled_rank_fails_the_group_in_bounded_time, .timeout = 2
 {
     enum { N = 6 };
     static job_t jobs[N];
-    helix_cp = 2;
-    helix_tp = 1;
-    helix_all = 0;
-    worker_device = "cpu";
-    gen_extra[0] = "--helix.timeout_ms";
-    gen_extra[1] = "2000";
-    start_cluster(1, 2);
-    gen_extra[0] = gen_extra[1] = NULL;
     pthread_t th[N];
-    for (int i = 0; i < N; i++) {
-        memset(&jobs[i], 0, sizeof(jobs[i]));
-        prompt_of(&jobs[i], i + 3, 12 + i, 300);
-        jobs[i].stream = 1;
-        jobs[i].ignore_eos = 1;
-        reference(&jobs[i]);
-    }
-    for (int i = 0; i < N; i++)
-        pthread_create(&th[i], NULL, run_job, &jobs[i]);
-    cr_assert_eq(busy_worker("gen-", 1, 30000), 0, "gen-0 never ran a request");
-    const pid_t mpirun = pid_of("gen-0"), victim = rank_pid(mpirun, 1);
-    cr_assert_gt(victim, 0, "rank 1 of gen-0 not found under mpirun %d", (int)mpirun);
+    pid_t mpirun;
+    const pid_t victim = group_streams(jobs, N, th, 3, "--helix.timeout_ms", "2000", &mpirun);
     const uint64_t t0 = now_ms();
     kill(victim, SIGSTOP);
     int st = 0;
@@ -2007,19 +2015,7 @@ Test(cluster_group, a_stalled_rank_fails_the_group_in_bounded_time, .timeout = 2
     kill(victim, SIGKILL); /* in case the job left it (checked below) */
     for (int i = 0; i < N; i++)
         pthread_join(th[i], NULL);
-    int ok = 0, failed = 0;
-    for (int i = 0; i < N; i++) {
-        if (strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
-            jobs[i].got_tokens == jobs[i].want_tokens) {
-            ok++;
-            continue;
-        }
-        failed++;
-        cr_expect(strstr(jobs[i].got_text, "generation group gen-0 failed") != NULL,
-                  "request %d failed without the group's reason: %.300s", i, jobs[i].got_text);
-    }
-    cr_expect_gt(ok, 0, "requests on gen-1 completed");
-    cr_expect_gt(failed, 0, "requests on the group failed");
+    expect_group_failed(jobs, N, "generation group gen-0 failed", NULL);
     job_t j = {0};
     prompt_of(&j, 17, 90, 20);
     reference(&j);
