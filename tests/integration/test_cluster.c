@@ -60,6 +60,19 @@
  *   duet_up_local_cp2_yaml_answers  `duet up deploy/configs/local-cp2.yaml --once` answers the
  *        sample as duet-generate does, its generation worker a CP=2 group
  *
+ * Across network namespaces (cluster_netns; needs root and iproute2, fails without them): the
+ * router, a context worker and two generation workers each in its own namespace, joined by veths
+ * through a bridge (10.213.<pid % 250>.0/24), UCX over tcp on the veth only (ucx.tls,
+ * ucx.net_devices), so every router message and KV transfer crosses a real interface:
+ *   greedy_equal_and_a_cut_link_fails_its_requests_once  each worker logs the UCX variables its
+ *        keys set; short and long (moved from the context worker) prompts give exactly
+ *        duet-generate's text; gen-0's link set down while streams decode and prompts arrive: its
+ *        requests end once with an error within 30 s, the others complete equal to
+ *        duet-generate, every page is back on the live workers, a new request succeeds. The
+ *        cut-off worker stays cut (two gen workers, so the cluster goes on): a worker that
+ *        came back would have to re-register, which is not what this checks. Namespaces and
+ *        links are named dnt<pid>; the fini and the next run's start remove them.
+ *
  * Every process runs with one compute thread so the suite fits the 2-core CI machine.
  */
 #include <criterion/criterion.h>
