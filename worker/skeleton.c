@@ -365,12 +365,15 @@ static int w_configure(const duet_worker_ops_t *ops, int argc, char **argv, duet
                                 "(%lld)",
                                 (long long)chunk, (long long)max);
     }
+    if (st == DUET_OK)
+        duet_config_log(cfg);
+    if (st == DUET_OK) /* before w_load starts UCX, which reads them */
+        st = duet_worker_ucx_env(cfg);
     if (st != DUET_OK) {
         fprintf(stderr, "%s: %s\n", ops->prog, duet_error_last());
         duet_config_destroy(cfg);
         return 2;
     }
-    duet_config_log(cfg);
     *cfg_p = cfg;
     return -1;
 }

@@ -1,6 +1,7 @@
 /* What duet-ctx and duet-gen share; see worker/worker.h. */
 #include "worker/worker.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
@@ -30,6 +31,62 @@ duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t
     /* only auto / f32 / bf16 reach here */
     if (duet_model_dtype_parse(duet_config_get_enum(cfg, "dtype"), &o->dtype) != DUET_OK)
         o->dtype = DUET_MODEL_DTYPE_AUTO;
+    return DUET_OK;
+}
+
+/* A UCX list value: names of [A-Za-z0-9_.:-] joined by commas, optionally led by '^'. */
+static bool duet__ucx_list_ok(const char *v)
+{
+    if (*v == '^')
+        v++;
+    if (*v == '\0' || strlen(v) > 1024)
+        return false;
+    bool item = false; /* the current name has a character */
+    for (; *v != '\0'; v++) {
+        const char c = *v;
+        if (c == ',') {
+            if (!item)
+                return false;
+            item = false;
+        } else if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                   c == '_' || c == '.' || c == ':' || c == '-') {
+            item = true;
+        } else {
+            return false;
+        }
+    }
+    return item;
+}
+
+duet_status_t duet_worker_ucx_env(const duet_config_t *cfg)
+{
+    static const char *const map[][2] = {{"ucx.tls", "UCX_TLS"},
+                                         {"ucx.net_devices", "UCX_NET_DEVICES"}};
+    const size_t n = sizeof(map) / sizeof(map[0]);
+    for (size_t i = 0; i < n; i++) { /* all checked before any is set */
+        const char *v = duet_config_get_string(cfg, map[i][0]);
+        if (v != NULL && *v != '\0' && !duet__ucx_list_ok(v))
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "%s: '%s' is not a UCX list (names of letters, digits, _ . : - "
+                                  "separated by commas, optionally led by ^)",
+                                  map[i][0], v);
+    }
+    for (size_t i = 0; i < n; i++) {
+        const char *v = duet_config_get_string(cfg, map[i][0]);
+        const char *env = getenv(map[i][1]);
+        if (v != NULL && *v != '\0') {
+            /* the role's own key is the more specific choice than a variable the whole job may
+             * have inherited; the operator sees that it was replaced */
+            if (env != NULL && strcmp(env, v) != 0)
+                DUET_LOG_WARN("%s=%s replaces %s=%s from the environment", map[i][0], v, map[i][1],
+                              env);
+            if (setenv(map[i][1], v, 1) != 0)
+                return duet_error_set(DUET_ERR_NOMEM, "setenv %s", map[i][1]);
+            DUET_LOG_INFO("UCX: %s=%s (from %s)", map[i][1], v, map[i][0]);
+        } else {
+            DUET_LOG_INFO("UCX: %s=%s", map[i][1], env != NULL ? env : "unset (UCX's own choice)");
+        }
+    }
     return DUET_OK;
 }
 

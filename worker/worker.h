@@ -62,6 +62,14 @@
          "duet-generate --prefill-chunk)",                                                         \
          .min = "1",                                                                               \
          .max = "1048576"},                                                                        \
+        {"ucx.tls", DUET_CONFIG_STRING, "",                                                        \
+         "UCX transports for KV transfers (sets UCX_TLS, e.g. tcp or rc,sm,self; empty = the "     \
+         "environment's UCX_TLS or UCX's own choice)",                                             \
+         .min = NULL},                                                                             \
+        {"ucx.net_devices", DUET_CONFIG_STRING, "",                                                \
+         "network devices UCX may use (sets UCX_NET_DEVICES, e.g. eth1 or mlx5_0:1; empty = the "  \
+         "environment's UCX_NET_DEVICES or all)",                                                  \
+         .min = NULL},                                                                             \
         {"transfer.checksum", DUET_CONFIG_BOOL, "false",                                           \
          "send an XXH3-64 of the bytes of each transfer this worker sends (a context worker's "    \
          "prefill, a generation worker's moved request); the receiver verifies it. Host pools "    \
@@ -85,6 +93,17 @@ extern const char *const duet_worker_device_pools_modes[]; /* "off", "auto" */
  * naming the device when the engine takes no backend of that name (never a silent fallback to
  * another device). */
 duet_status_t duet_worker_model_opts(const duet_config_t *cfg, duet_model_opts_t *opts);
+
+/*
+ * Check ucx.tls and ucx.net_devices and put them into the environment as UCX_TLS and
+ * UCX_NET_DEVICES, before UCX is initialised (duet_xfer_ctx_create reads its configuration
+ * there). A value is a comma-separated list of names of [A-Za-z0-9_.:-], optionally led by '^'
+ * (UCX's "all but"); anything else is DUET_ERR_INVALID naming the key, the environment untouched.
+ * A set key wins over the variable the process inherited; a different inherited value is logged
+ * as a warning. An empty key leaves the variable as it is. Each variable's effective value (or
+ * "unset") is logged at info.
+ */
+duet_status_t duet_worker_ucx_env(const duet_config_t *cfg);
 
 /*
  * Whether this worker's transfers move its model's device pools directly (decided before the

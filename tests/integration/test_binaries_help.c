@@ -106,6 +106,14 @@ Test(binaries, bad_option_values, .timeout = 60)
         {"bench_tokenizer", "a b c", "unexpected argument c"},
         {"duet-bench-gemm-cuda", "--min-ms -1", "bad value '-1' for --min-ms"},
         {"duet-splitkv-plan", "--lens 1 --heads 1 --page 1 --units 0", "bad value '0' for --units"},
+        /* the network keys are refused before UCX or the model start (no model is read) */
+        {"duet-gen", "--model /nonexistent --ucx.tls 'tcp rc'",
+         "ucx.tls: 'tcp rc' is not a UCX list"},
+        {"duet-ctx", "--model /nonexistent --ucx.net_devices eth0,,eth1",
+         "ucx.net_devices: 'eth0,,eth1' is not a UCX list"},
+        {"duet-ctx", "--model /nonexistent --ucx.tls ^", "ucx.tls: '^' is not a UCX list"},
+        {"duet-gen", "--model /nonexistent --ucx.net_devices 'eth0;id'",
+         "ucx.net_devices: 'eth0;id' is not a UCX list"},
     };
     int checked = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -60,6 +60,19 @@
  *   duet_up_local_cp2_yaml_answers  `duet up deploy/configs/local-cp2.yaml --once` answers the
  *        sample as duet-generate does, its generation worker a CP=2 group
  *
+ * Across network namespaces (cluster_netns; needs root and iproute2, fails without them): the
+ * router, a context worker and two generation workers each in its own namespace, joined by veths
+ * through a bridge (10.213.<pid % 250>.0/24), UCX over tcp on the veth only (ucx.tls,
+ * ucx.net_devices), so every router message and KV transfer crosses a real interface:
+ *   greedy_equal_and_a_cut_link_fails_its_requests_once  each worker logs the UCX variables its
+ *        keys set; short and long (moved from the context worker) prompts give exactly
+ *        duet-generate's text; gen-0's link set down while streams decode and prompts arrive: its
+ *        requests end once with an error within 30 s, the others complete equal to
+ *        duet-generate, every page is back on the live workers, a new request succeeds. The
+ *        cut-off worker stays cut (two gen workers, so the cluster goes on): a worker that
+ *        came back would have to re-register, which is not what this checks. Namespaces and
+ *        links are named dnt<pid>; the fini and the next run's start remove them.
+ *
  * Every process runs with one compute thread so the suite fits the 2-core CI machine.
  */
 #include <criterion/criterion.h>
@@ -98,6 +111,11 @@
 
 static char dir[256];
 static int http_port, worker_port, admin_port;
+static const char *http_host =
+    "127.0.0.1"; /* the router's address (cluster_netns: its namespace) */
+/* cluster_netns: > 0 while the namespaces dnt<netns_id>-{a,b,c,d} exist; their 10.x.y subnet */
+static int netns_id;
+static char netns_net[16];
 static pid_t pids[16];
 static char names[16][32];
 static int n_pids;
@@ -156,6 +174,56 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+/*
+ * cluster_netns: one namespace per process (router a, ctx-0 b, gen-0 c, gen-1 d), each with
+ * one veth into a bridge in the test's namespace; address 10.213.S.<1..4>, the bridge .254.
+ * Process names map to namespace letters; interface names stay under IFNAMSIZ (15).
+ */
+static char netns_letter(const char *name)
+{
+    if (strcmp(name, "router") == 0)
+        return 'a';
+    if (strncmp(name, "ctx-", 4) == 0)
+        return 'b';
+    if (strncmp(name, "gen-", 4) == 0)
+        return (char)('c' + atoi(name + 4) % 2);
+    return 0;
+}
+
+/* In the child: exec argv in name's namespace through `ip netns exec`, with the role's network
+ * keys (the router binds its address, a worker's UCX uses tcp on its veth only). */
+static void netns_exec(const char *name, char *const argv[])
+{
+    const char l = netns_letter(name);
+    static char ns[32], dev[32], ip[32];
+    snprintf(ns, sizeof(ns), "dnt%d-%c", netns_id, l);
+    snprintf(dev, sizeof(dev), "dnt%dn%c", netns_id, l);
+    snprintf(ip, sizeof(ip), "%s.%d", netns_net, l - 'a' + 1);
+    char *nargv[96];
+    size_t n = 0;
+    nargv[n++] = "ip";
+    nargv[n++] = "netns";
+    nargv[n++] = "exec";
+    nargv[n++] = ns;
+    for (size_t a = 0; argv[a] != NULL && n < 80; a++)
+        nargv[n++] = argv[a];
+    if (l == 'a') {
+        const char *keys[] = {"--http.host", "--workers.host", "--admin.host"};
+        for (size_t k = 0; k < 3; k++) {
+            nargv[n++] = (char *)keys[k];
+            nargv[n++] = ip;
+        }
+    } else {
+        nargv[n++] = "--ucx.tls";
+        nargv[n++] = "tcp";
+        nargv[n++] = "--ucx.net_devices";
+        nargv[n++] = dev;
+    }
+    nargv[n] = NULL;
+    execvp("ip", nargv);
+    _exit(127);
+}
+
 static pid_t spawn(const char *name, char *const argv[])
 {
     pid_t pid = fork();
@@ -179,6 +247,8 @@ static pid_t spawn(const char *name, char *const argv[])
         setenv("OMPI_MCA_oob_tcp_if_include", "lo", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+        if (netns_id > 0)
+            netns_exec(name, argv);
         execv(argv[0], argv);
         _exit(127);
     }
@@ -200,7 +270,7 @@ static int http_send(int port, const char *method, const char *path, const char 
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    inet_pton(AF_INET, http_host, &a.sin_addr);
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
         close(fd);
         return -1;
@@ -333,7 +403,7 @@ static void start_cluster(int n_ctx, int n_gen)
     snprintf(wp, sizeof(wp), "%d", worker_port);
     snprintf(ap, sizeof(ap), "%d", admin_port);
     snprintf(lp, sizeof(lp), "%d", local_below);
-    snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
+    snprintf(rt, sizeof(rt), "%s:%d", http_host, worker_port);
     char *rargv[] = {ROUTER,
                      "--model",
                      MODEL,
@@ -518,8 +588,9 @@ typedef struct {
     int status;
     int stream;
     int ignore_eos;
-    int seed;     /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
-    int delay_ms; /* run_job waits this long before sending */
+    int seed;         /* > 0: sample at temperature 0.8, top_p 0.95 with this seed */
+    int delay_ms;     /* run_job waits this long before sending */
+    uint64_t done_ms; /* now_ms() when the answer had come */
 } job_t;
 
 static void prompt_of(job_t *j, int i, int len, int max_tokens)
@@ -638,6 +709,7 @@ static void *run_job(void *arg)
              j->ignore_eos ? ",\"ignore_eos\":true" : "");
     static __thread char resp[1 << 20];
     j->status = http(http_port, "POST", "/v1/completions", body, resp, sizeof(resp));
+    j->done_ms = now_ms();
     if (j->status != 200) {
         j->got_text = strdup(resp);
         return NULL;
@@ -2031,4 +2103,188 @@ Test(cluster_group, a_stalled_rank_fails_the_group_in_bounded_time, .timeout = 2
     stop_all();
     cr_expect(!gen_running(port), "a rank of gen-0 is left running");
     helix_cp = helix_tp = 0;
+}
+
+/* ---------------------------------------------------------------- across network namespaces */
+
+/* Remove what an earlier run left (a crash skips the fini): namespaces and links named dnt<pid>
+ * whose pid is gone. The bridge is a link; deleting a namespace deletes the veth end in it and
+ * with it the other end. */
+static void netns_sweep(const char *only)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd),
+             "for n in $(ip netns list | awk '{print $1}' | grep -E '^dnt[0-9]+-[a-d]$'); do "
+             "p=${n#dnt}; p=${p%%%%-*}; if [ \"$p\" = '%s' ] || ! kill -0 \"$p\" 2>/dev/null; "
+             "then ip netns del \"$n\"; fi; done; "
+             "for l in $(ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | "
+             "grep -E '^dnt[0-9]+[bhn][a-d]?$'); do p=$(echo \"$l\" | sed -E "
+             "'s/^dnt([0-9]+).*/\\1/'); if [ \"$p\" = '%s' ] || ! kill -0 \"$p\" 2>/dev/null; "
+             "then ip link del \"$l\" 2>/dev/null; fi; done; true",
+             only, only);
+    if (system(cmd) != 0)
+        cr_log_warn("netns sweep failed");
+}
+
+static void netns_init(void)
+{
+    cr_assert_eq(geteuid(), 0,
+                 "cluster_netns needs root (CAP_NET_ADMIN) to create network namespaces and veth "
+                 "links; CI runs as root: run this suite as root");
+    cr_assert_eq(system("ip netns list >/dev/null 2>&1"), 0,
+                 "cluster_netns needs iproute2's `ip` with netns support on PATH");
+    netns_sweep("");
+    const int id = (int)getpid();
+    snprintf(netns_net, sizeof(netns_net), "10.213.%d", id % 250);
+    char cmd[2048];
+    int at = snprintf(cmd, sizeof(cmd),
+                      "set -e; ip link add dnt%db type bridge; ip addr add %s.254/24 dev dnt%db; "
+                      "ip link set dnt%db up; ",
+                      id, netns_net, id, id);
+    for (int i = 0; i < 4; i++) {
+        const char l = (char)('a' + i);
+        at += snprintf(cmd + at, sizeof(cmd) - (size_t)at,
+                       "ip netns add dnt%d-%c; ip link add dnt%dh%c type veth peer name dnt%dn%c; "
+                       "ip link set dnt%dn%c netns dnt%d-%c; ip link set dnt%dh%c master dnt%db "
+                       "up; ip -n dnt%d-%c addr add %s.%d/24 dev dnt%dn%c; "
+                       "ip -n dnt%d-%c link set dnt%dn%c up; ip -n dnt%d-%c link set lo up; ",
+                       id, l, id, l, id, l, id, l, id, l, id, l, id, id, l, netns_net, i + 1, id, l,
+                       id, l, id, l, id, l);
+    }
+    netns_id = id; /* from here the fini removes them */
+    cr_assert_eq(system(cmd), 0, "could not create the namespaces: %s", cmd);
+    static char host[32];
+    snprintf(host, sizeof(host), "%s.1", netns_net);
+    http_host = host;
+}
+
+static void netns_fini(void)
+{
+    stop_all();
+    if (netns_id > 0) {
+        char pid[16];
+        snprintf(pid, sizeof(pid), "%d", netns_id);
+        netns_sweep(pid);
+    }
+    netns_id = 0;
+    http_host = "127.0.0.1";
+}
+
+/* Whether name's log holds the line want. */
+static int log_has(const char *name, const char *want)
+{
+    char path[512], line[2048];
+    snprintf(path, sizeof(path), "%s/%s.log", dir, name);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f) != NULL)
+        found = strstr(line, want) != NULL;
+    fclose(f);
+    return found;
+}
+
+/*
+ * Router, context worker and two generation workers each in their own network namespace, UCX
+ * over tcp on the veths only (ucx.tls, ucx.net_devices): every router message and every KV
+ * transfer crosses a real interface. Greedy answers equal duet-generate's; then gen-0's link is
+ * cut while streams decode and prompts are in transfer: its requests end once, with an error,
+ * within a bound; every page comes back on the live workers; a new request succeeds.
+ */
+Test(cluster_netns, greedy_equal_and_a_cut_link_fails_its_requests_once, .init = netns_init,
+     .fini = netns_fini, .timeout = 120)
+{
+    worker_device = "cpu";
+    start_cluster(1, 2);
+    for (int i = 0; i < 3; i++) {
+        const char *w = i == 0 ? "ctx-0" : i == 1 ? "gen-0" : "gen-1";
+        char dev[64];
+        snprintf(dev, sizeof(dev), "UCX: UCX_NET_DEVICES=dnt%dn%c (from ucx.net_devices)", netns_id,
+                 (char)('b' + i));
+        cr_expect(log_has(w, "UCX: UCX_TLS=tcp (from ucx.tls)"), "%s: no ucx.tls line", w);
+        cr_expect(log_has(w, "ucx.tls=tcp replaces UCX_TLS=tcp,self,sm from the environment"),
+                  "%s: the key replaced the inherited UCX_TLS without saying so", w);
+        cr_expect(log_has(w, dev), "%s: no '%s'", w, dev);
+    }
+    /* short ones prefilled on the gen workers, the rest by ctx-0 and moved across */
+    static const int lens[] = {8, 20, 40, 130, 300, 500};
+    enum { G = 6, N = 8 };
+    static job_t jobs[N];
+    pthread_t th[N];
+    for (int i = 0; i < G; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, lens[i], 12 + i * 5);
+        jobs[i].stream = i % 2;
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < G; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    for (int i = 0; i < G; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < G; i++) {
+        check_job(&jobs[i], i);
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    wait_idle(3, 10000);
+
+    /* long streams on both gen workers, more prompts arriving around the cut */
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i + 20, 40 + i * 30, 200);
+        jobs[i].stream = 1;
+        jobs[i].ignore_eos = 1;
+        jobs[i].delay_ms = i < 4 ? 0 : 300 * (i - 3);
+        reference(&jobs[i]);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    cr_assert_eq(busy_worker("gen-", 1, 20000), 0, "gen-0 never ran a request");
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "ip link set dnt%dhc down", netns_id);
+    const uint64_t cut = now_ms();
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    int ok = 0, failed = 0;
+    for (int i = 0; i < N; i++) {
+        if (jobs[i].status == 200 && strcmp(jobs[i].got_text, jobs[i].want_text) == 0 &&
+            jobs[i].got_tokens == jobs[i].want_tokens) {
+            ok++;
+            continue;
+        }
+        failed++;
+        const char *e = strstr(jobs[i].got_text, "[error]");
+        /* a started stream: one error event, nothing after it; else one error response */
+        if (jobs[i].status == 200) {
+            cr_expect_not_null(e, "request %d: a stream cut short without an error: %.300s", i,
+                               jobs[i].got_text);
+            if (e != NULL)
+                cr_expect(strstr(e + 1, "[error]") == NULL && strchr(e, '\n') == NULL,
+                          "request %d: more after its error: %.300s", i, e);
+        }
+        cr_expect(strstr(jobs[i].got_text, "gen-0") != NULL ||
+                      strstr(jobs[i].got_text, "lost") != NULL || jobs[i].status >= 500,
+                  "request %d failed without naming the lost worker: %.300s", i, jobs[i].got_text);
+        cr_expect_lt(jobs[i].done_ms - cut, 30000,
+                     "request %d ended %llu ms after the cut (bound 30 s)", i,
+                     (unsigned long long)(jobs[i].done_ms - cut));
+    }
+    printf("cluster_netns: after the cut %d requests completed, %d failed\n", ok, failed);
+    cr_expect_gt(ok, 0, "requests on gen-1 completed");
+    cr_expect_gt(failed, 0, "requests on the cut-off gen-0 failed");
+    wait_idle(2, 20000); /* ctx-0 and gen-1, all pages back */
+    job_t j = {0};
+    prompt_of(&j, 7, 200, 16);
+    reference(&j);
+    run_job(&j);
+    check_job(&j, 0);
+    wait_idle(2, 10000);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    free(j.want_text);
+    free(j.got_text);
 }
