@@ -7,7 +7,7 @@ add_dependencies(test_cluster duet-router duet-ctx duet-gen duet-generate duet-b
 # parallel): the perf gates and the fault timings must not share 2 cores with another suite's
 # clusters, and a failing suite is named by its entry.
 set_tests_properties(test_cluster PROPERTIES RESOURCE_LOCK duet_cluster)
-foreach(suite cluster_spec cluster_group)
+foreach(suite cluster_spec cluster_group cluster_netns)
   add_test(NAME test_${suite} COMMAND test_cluster --jobs 2 --tap=- --filter "${suite}/*")
   set_tests_properties(test_${suite} PROPERTIES TIMEOUT 900 RESOURCE_LOCK duet_cluster
                        ENVIRONMENT "DUET_SOURCE_DIR=${PROJECT_SOURCE_DIR};DUET_BINARY_DIR=${PROJECT_BINARY_DIR}")
