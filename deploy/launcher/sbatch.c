@@ -69,7 +69,7 @@ static const char sb__body[] =
     "# (Slurm's GPU binding) indexed by SLURM_LOCALID, or device SLURM_LOCALID when Slurm set\n"
     "# none, so that device 0 of the process (the engine's) is its own. In a Helix group only\n"
     "# rank 0 answers SIGTERM (it drains, deregisters and then stops its followers); the other\n"
-    "# ranks ignore the SIGTERM srun forwards to every task.\n"
+    "# ranks ignore the SIGTERM that `scancel --signal=TERM JOB.STEP` sends to every task.\n"
     "cat > \"$DUET_LOG_DIR/task.sh\" <<'EOF'\n"
     "#!/bin/bash\n"
     "local_id=${SLURM_LOCALID:-0}\n"
@@ -90,27 +90,29 @@ static const char sb__body[] =
     "EOF\n"
     "\n"
     "declare -A DUET_PID=()\n"
-    "started() { DUET_PID[$1]=$2; say \"$1: step started (srun pid $2), log $DUET_LOG_DIR/$1*.log\"; }\n"
+    "started() { DUET_PID[$1]=$2; say \"$1: step started (srun pid $2), log "
+    "$DUET_LOG_DIR/$1*.log\"; }\n"
     "alive() { [ -n \"${DUET_PID[$1]:-}\" ] && kill -0 \"${DUET_PID[$1]}\" 2>/dev/null; }\n"
     "\n"
-    "# SIGKILL a step whose tasks outlived the grace period, through Slurm (its tasks may be on\n"
-    "# other nodes), then its srun.\n"
-    "kill_step() {\n"
-    "  local id\n"
-    "  id=$(squeue -h -s -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null | awk -v n=\"$1\" '$2 == n "
-    "{print $1}')\n"
-    "  [ -n \"$id\" ] && scancel --signal=KILL \"$id\" 2>/dev/null\n"
-    "  kill -KILL \"${DUET_PID[$1]}\" 2>/dev/null\n"
+    "# Slurm's id (JOB.STEP) of the step NAME, or nothing.\n"
+    "step_id() {\n"
+    "  squeue -h -s -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null | awk -v n=\"$1\" '$2 == n "
+    "{print $1}'\n"
     "}\n"
     "\n"
-    "# SIGTERM to the steps NAME... (srun forwards it to their tasks), wait up to GRACE s, then\n"
-    "# kill what is left.\n"
+    "# SIGTERM to the tasks of the steps NAME... through Slurm (they may be on other nodes; a\n"
+    "# signal to srun itself would make it kill them), wait up to GRACE s, then SIGKILL the\n"
+    "# steps left.\n"
     "stop_steps() {\n"
-    "  local grace=$1 name t left=(); shift\n"
+    "  local grace=$1 name t id left=(); shift\n"
     "  for name; do alive \"$name\" && left+=(\"$name\"); done\n"
     "  [ ${#left[@]} -eq 0 ] && return 0\n"
     "  say \"stopping ${left[*]}\"\n"
-    "  for name in \"${left[@]}\"; do kill -TERM \"${DUET_PID[$name]}\" 2>/dev/null; done\n"
+    "  for name in \"${left[@]}\"; do\n"
+    "    id=$(step_id \"$name\")\n"
+    "    if [ -n \"$id\" ]; then scancel --signal=TERM \"$id\"; else kill -TERM "
+    "\"${DUET_PID[$name]}\"; fi\n"
+    "  done\n"
     "  for ((t = 0; t < grace * 10; t++)); do\n"
     "    left=(); for name; do alive \"$name\" && left+=(\"$name\"); done\n"
     "    [ ${#left[@]} -eq 0 ] && break\n"
@@ -118,7 +120,9 @@ static const char sb__body[] =
     "  done\n"
     "  for name in \"${left[@]}\"; do\n"
     "    say \"$name did not stop within ${grace} s (stop_timeout_s): killing its step\"\n"
-    "    kill_step \"$name\"\n"
+    "    id=$(step_id \"$name\")\n"
+    "    [ -n \"$id\" ] && scancel --signal=KILL \"$id\"\n"
+    "    kill -KILL \"${DUET_PID[$name]}\" 2>/dev/null\n"
     "  done\n"
     "  for name; do [ -n \"${DUET_PID[$name]:-}\" ] && wait \"${DUET_PID[$name]}\" 2>/dev/null; "
     "done\n"
@@ -135,7 +139,8 @@ static const char sb__body[] =
     "    for g in \"${DUET_GEN[@]}\"; do\n"
     "      alive \"$g\" || continue\n"
     "      say \"draining $g\"\n"
-    "      \"$DUET_DUETCTL\" --admin \"$DUET_ADMIN_URL\" --token \"$DUET_ADMIN_TOKEN\" drain \"$g\" "
+    "      \"$DUET_DUETCTL\" --admin \"$DUET_ADMIN_URL\" --token \"$DUET_ADMIN_TOKEN\" drain "
+    "\"$g\" "
     "--wait --timeout \"$DUET_STOP_TIMEOUT\" >>\"$DUET_LOG_DIR/job.log\" 2>&1 ||\n"
     "        say \"drain of $g failed (see job.log); stopping it anyway\"\n"
     "    done\n"
@@ -163,7 +168,8 @@ static const char sb__body[] =
     "}\n"
     "\n"
     "say \"job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (head $DUET_HEAD); logs in $DUET_LOG_DIR\"\n"
-    "srun --overlap --nodes=\"$SLURM_JOB_NUM_NODES\" --ntasks-per-node=1 --cpus-per-task=1 "
+    "srun --overlap --nodes=\"$SLURM_JOB_NUM_NODES\" --ntasks=\"$SLURM_JOB_NUM_NODES\" "
+    "--ntasks-per-node=1 --cpus-per-task=1 "
     "--job-name=nodes --output=\"$DUET_LOG_DIR/node-%N.log\" \\\n"
     "  bash -c 'echo \"$(hostname): $(date)\"; echo \"cpus $(nproc)\"; "
     "nvidia-smi -L 2>/dev/null || echo \"no nvidia-smi\"' || fail \"cannot run a step on "
@@ -206,8 +212,7 @@ static const char sb__serve[] =
     "done\n";
 
 /* One worker's srun line: `srun ... bash task.sh BINARY --router ... ARGS & started NAME $!`. */
-static void sb__worker(duet_strbuf_t *sb, const duet_cluster_role_t *r, const char *name,
-                       int gpus)
+static void sb__worker(duet_strbuf_t *sb, const duet_cluster_role_t *r, const char *name, int gpus)
 {
     const int ranks = r->cp * r->tp;
     duet_strbuf_printf(sb,
@@ -263,33 +268,34 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
     /* the teardown's worst case: drains, then three stages of stop_timeout_s, plus slack */
     const int grace = 4 * s->stop_timeout_s + 30;
 
-    duet_strbuf_printf(sb,
-                       "#!/bin/bash\n"
-                       "# duet on Slurm, generated by `duet sbatch` from %s (docs/deploy-slurm.md).\n"
-                       "# Regenerate rather than edit. Submit: sbatch THIS_FILE. Stop in order:\n"
-                       "#   scancel --batch --signal=TERM JOBID\n"
-                       "#SBATCH --job-name=duet\n"
-                       "#SBATCH --nodes=%d\n"
-                       "#SBATCH --ntasks=%d\n"
-                       "#SBATCH --cpus-per-task=%d\n"
-                       "#SBATCH --output=duet-%%j.out\n"
-                       "#SBATCH --signal=B:TERM@%d\n",
-                       s->file, o->nodes, ranks, cpus, grace);
+    duet_strbuf_printf(
+        sb,
+        "#!/bin/bash\n"
+        "# duet on Slurm, generated by `duet sbatch` from %s (docs/deploy-slurm.md).\n"
+        "# Regenerate rather than edit. Submit: sbatch THIS_FILE. Stop in order:\n"
+        "#   scancel --batch --signal=TERM JOBID\n"
+        "#SBATCH --job-name=duet\n"
+        "#SBATCH --nodes=%d\n"
+        "#SBATCH --ntasks=%d\n"
+        "#SBATCH --cpus-per-task=%d\n"
+        "#SBATCH --output=duet-%%j.out\n"
+        "#SBATCH --signal=B:TERM@%d\n",
+        s->file, o->nodes, ranks, cpus, grace);
     if (o->gpus_per_node > 0)
         duet_strbuf_printf(sb, "#SBATCH --gpus-per-node=%d\n", o->gpus_per_node);
     if (o->time != NULL)
         duet_strbuf_printf(sb, "#SBATCH --time=%s\n", o->time);
     duet_strbuf_puts(sb, "set -u\n\n");
 
-#define SB_VAR(name, value)                                                                       \
-    do {                                                                                          \
-        duet_strbuf_puts(sb, name "=");                                                           \
-        duet_sbatch_shell_quote(sb, value);                                                       \
-        duet_strbuf_puts(sb, "\n");                                                               \
+#define SB_VAR(name, value)                                                                        \
+    do {                                                                                           \
+        duet_strbuf_puts(sb, name "=");                                                            \
+        duet_sbatch_shell_quote(sb, value);                                                        \
+        duet_strbuf_puts(sb, "\n");                                                                \
     } while (0)
     SB_VAR("DUET_MODEL", s->model);
-    duet_strbuf_printf(sb, "DUET_STARTUP_TIMEOUT=%d\nDUET_STOP_TIMEOUT=%d\n",
-                       s->startup_timeout_s, s->stop_timeout_s);
+    duet_strbuf_printf(sb, "DUET_STARTUP_TIMEOUT=%d\nDUET_STOP_TIMEOUT=%d\n", s->startup_timeout_s,
+                       s->stop_timeout_s);
     duet_strbuf_puts(sb,
                      "DUET_HEAD=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
                      "DUET_LOG_DIR=\"${SLURM_SUBMIT_DIR:-$PWD}/duet-$SLURM_JOB_ID\"\n"
@@ -345,8 +351,9 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
     duet_strbuf_puts(sb, " &\nstarted router $!\n");
     duet_strbuf_puts(sb, sb__ready);
 
-    duet_strbuf_printf(sb, "\nsay \"starting %d ctx + %d gen workers (gen: cp %d x tp %d ranks "
-                           "each); workers reach the router at $DUET_ROUTER_ADDR\"\n",
+    duet_strbuf_printf(sb,
+                       "\nsay \"starting %d ctx + %d gen workers (gen: cp %d x tp %d ranks "
+                       "each); workers reach the router at $DUET_ROUTER_ADDR\"\n",
                        s->ctx.count, s->gen.count, s->gen.cp, s->gen.tp);
     char name[32];
     for (int i = 0; i < s->ctx.count; i++) {

@@ -20,9 +20,9 @@
 
 /* What the cluster file does not say about the allocation. */
 typedef struct {
-    int nodes;          /* #SBATCH --nodes (1..4096) */
-    int gpus_per_node;  /* #SBATCH --gpus-per-node and one GPU per worker rank; 0: none (0..64) */
-    const char *time;   /* #SBATCH --time (Slurm's syntax, [A-Za-z0-9:-] only); NULL: default */
+    int nodes;           /* #SBATCH --nodes (1..4096) */
+    int gpus_per_node;   /* #SBATCH --gpus-per-node and one GPU per worker rank; 0: none (0..64) */
+    const char *time;    /* #SBATCH --time (Slurm's syntax, [A-Za-z0-9:-] only); NULL: default */
     const char *duetctl; /* duetctl's path, for the drain on stop when the router has an admin
                             token; NULL: "<binaries>/router/duetctl" */
 } duet_sbatch_opts_t;
