@@ -24,13 +24,34 @@ die() {
   exit 1
 }
 
+# The live processes of the job: those carrying this test's tag (sbatch and srun pass the
+# submitter's environment to every task), as "PID (command line, state S)"; zombies run nothing.
+job_procs() {
+  local env pid state
+  for env in /proc/[0-9]*/environ; do
+    tr '\0' '\n' 2>/dev/null <"$env" | grep -qx "DUET_SLURM_TEST_TAG=$T" || continue
+    pid=${env#/proc/}
+    pid=${pid%/environ}
+    state=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
+    [ -n "$state" ] && [ "$state" != Z ] &&
+      echo "$pid ($(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline"), state $state)"
+  done
+}
 cleanup() {
-  [ -n "$JOB" ] && SLURM_CONF=$T/slurm.conf scancel "$JOB" 2>/dev/null
+  local i p
+  if [ -n "$JOB" ]; then
+    # let Slurm end the job while its daemons still run, then end whatever the job left
+    SLURM_CONF=$T/slurm.conf scancel "$JOB" 2>/dev/null
+    for ((i = 0; i < 150; i++)); do
+      [ -z "$(SLURM_CONF=$T/slurm.conf squeue -h -j "$JOB" 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+    for p in $(job_procs | cut -d' ' -f1); do kill -KILL "$p" 2>/dev/null; done
+  fi
   # our daemons, by the ids we started them with, slurmd first (it owns the job's processes)
-  local i
   for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do kill -TERM "${PIDS[$i]}" 2>/dev/null; done
   for ((i = 0; i < 50; i++)); do
-    local left=0 p
+    local left=0
     for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && left=1; done
     [ $left = 0 ] && break
     sleep 0.1
@@ -38,6 +59,8 @@ cleanup() {
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
   [ -n "$T" ] && rm -rf "$T"
 }
+# `timeout 240` on each daemon: should ctest kill this script (SIGKILL runs no trap), the daemons
+# still end after the test's TIMEOUT
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
@@ -77,7 +100,7 @@ ADMIN_PORT=$(free_port)
 
 dd if=/dev/urandom of="$T/munge/munge.key" bs=1024 count=1 2>/dev/null
 chown munge: "$T/munge/munge.key" && chmod 400 "$T/munge/munge.key"
-runuser -u munge -- munged -F --key-file="$T/munge/munge.key" \
+runuser -u munge -- timeout 240 munged -F --key-file="$T/munge/munge.key" \
   --socket="$T/munge/munge.sock" --pid-file="$T/munge/munged.pid" \
   --log-file="$T/munge/munged.log" --seed-file="$T/munge/seed" >"$T/munged.out" 2>&1 &
 PIDS+=($!)
@@ -116,9 +139,9 @@ export SLURM_CONF=$T/slurm.conf
 
 for ((i = 0; i < 50; i++)); do [ -S "$T/munge/munge.sock" ] && break; sleep 0.1; done
 [ -S "$T/munge/munge.sock" ] || die "munged did not start: $(cat "$T/munged.out" "$T/munge/munged.log" 2>/dev/null)"
-slurmctld -D -f "$T/slurm.conf" >"$T/slurmctld.out" 2>&1 &
+timeout 240 slurmctld -D -f "$T/slurm.conf" >"$T/slurmctld.out" 2>&1 &
 PIDS+=($!)
-slurmd -D -N localhost -f "$T/slurm.conf" >"$T/slurmd.out" 2>&1 &
+timeout 240 slurmd -D -N localhost -f "$T/slurm.conf" >"$T/slurmd.out" 2>&1 &
 PIDS+=($!)
 state=""
 for ((i = 0; i < 150; i++)); do
@@ -149,8 +172,8 @@ EOF
 "$BUILD/deploy/launcher/duet" sbatch "$T/cluster.yaml" >"$T/submit/job.sbatch" ||
   die "duet sbatch failed"
 cd "$T/submit" || die "no submit folder"
-export DUET_SLURM_TEST_TAG=$T # marks every process of the job (the check after scancel)
-JOB=$(sbatch --parsable job.sbatch) || die "sbatch refused the script"
+# the tag marks every process of the job (job_procs), and only those: it is sbatch's alone
+JOB=$(DUET_SLURM_TEST_TAG=$T sbatch --parsable job.sbatch) || die "sbatch refused the script"
 OUT="$T/submit/duet-$JOB.out"
 LOGS="$T/submit/duet-$JOB"
 echo "test_slurm: job $JOB submitted"
@@ -194,20 +217,7 @@ done
 JOB_DONE=$JOB
 JOB=""
 
-# nothing that ran in the job is left: no live process carries this test's tag (sbatch and srun
-# pass the submitter's environment to every task); a zombie whose parent has yet to reap it
-# runs nothing, so it gets 5 s to go
-job_procs() {
-  local env pid state
-  for env in /proc/[0-9]*/environ; do
-    tr '\0' '\n' 2>/dev/null <"$env" | grep -qx "DUET_SLURM_TEST_TAG=$T" || continue
-    pid=${env#/proc/}
-    pid=${pid%/environ}
-    state=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
-    [ -n "$state" ] && [ "$state" != Z ] &&
-      echo "$pid ($(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline"), state $state)"
-  done
-}
+# nothing that ran in the job is left (a zombie gets 5 s for its parent to reap it)
 for ((i = 0; i < 50; i++)); do
   left=$(job_procs)
   [ -z "$left" ] && break
