@@ -237,6 +237,11 @@ done
 nodelogs=("$LOGS"/node-*.log)
 [ ${#nodelogs[@]} -eq 1 ] && [ -s "${nodelogs[0]}" ] || die "want one node log, have: ${nodelogs[*]}"
 grep -q "no nvidia-smi\|GPU" "${nodelogs[0]}" || die "the node log lacks its device line"
+# each rank of the group took its own device from SLURM_LOCALID (no GPU scheduling here)
+for r in 0 1; do
+  grep -q "rank $r local $r CUDA_VISIBLE_DEVICES=$r\$" "$LOGS/gen-0.$r.log" ||
+    die "gen-0 rank $r: no device line for local id $r: $(grep duet-task "$LOGS/gen-0.$r.log")"
+done
 for f in ctx-0.log gen-0.0.log; do
   grep -q "stopping: SIGTERM" "$LOGS/$f" || die "$f: the worker did not stop on SIGTERM"
 done

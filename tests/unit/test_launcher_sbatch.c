@@ -3,7 +3,8 @@
  * and one gen worker that is a Helix group of cp 2 has the allocation, the router's step on the
  * head node, one srun step per worker (the group as one `--mpi=pmix` step of 2 tasks with the
  * helix flags), per-process logs, the drain on stop when the router has an admin token, GPUs per
- * task when asked; bash accepts its syntax; values reach the shell quoted; bad options are refused.
+ * task when asked; bash accepts its syntax; its task wrapper picks each rank's device and lets only
+ * rank 0 of a group take SIGTERM; values reach the shell quoted; bad options are refused.
  * The job itself runs on a real Slurm in tests/integration/test_slurm.sh.
  */
 #define _GNU_SOURCE
@@ -166,6 +167,66 @@ Test(launcher_sbatch, gpus_time_admin_drain)
         free(gen);
     }
     free(s);
+}
+
+/* The script's task wrapper (task.sh), written to a temp file whose path goes to path. */
+static void write_task_sh(char *path)
+{
+    duet_sbatch_opts_t o = {.nodes = 1};
+    char *s = script(cp2_yaml, &o);
+    const char *a = strstr(s, "<<'EOF'\n");
+    cr_assert_not_null(a);
+    a += strlen("<<'EOF'\n");
+    const char *b = strstr(a, "\nEOF\n");
+    cr_assert_not_null(b);
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, a, (size_t)(b - a) + 1), (ssize_t)(b - a) + 1);
+    close(fd);
+    free(s);
+}
+
+/* Run `env ENV bash task.sh CMD` through the shell; its first line of stdout goes to out. */
+static void run_task(const char *task, const char *env, const char *cmd, char *out, size_t cap)
+{
+    char line[1024];
+    snprintf(line, sizeof(line),
+             "(env -u CUDA_VISIBLE_DEVICES %s bash %s %s | grep -v duet-task) 2>/dev/null", env,
+             task, cmd);
+    FILE *p = popen(line, "r");
+    cr_assert_not_null(p);
+    out[0] = '\0';
+    if (fgets(out, (int)cap, p) == NULL)
+        out[0] = '\0';
+    out[strcspn(out, "\n")] = '\0';
+    pclose(p);
+}
+
+/* Each task keeps its own GPU: entry SLURM_LOCALID of the step's list, a single entry as it
+ * is, SLURM_LOCALID itself without a list; in a group only rank 0 takes SIGTERM. */
+Test(launcher_sbatch, task_wrapper_devices_and_sigterm)
+{
+    char task[] = "/tmp/duet-task-XXXXXX";
+    write_task_sh(task);
+    char out[256];
+    const char *dev = "bash -c 'echo \"dev=$CUDA_VISIBLE_DEVICES\"'";
+    run_task(task, "SLURM_LOCALID=2 CUDA_VISIBLE_DEVICES=4,5,6,7", dev, out, sizeof(out));
+    cr_assert_str_eq(out, "dev=6");
+    run_task(task, "SLURM_LOCALID=0 CUDA_VISIBLE_DEVICES=4,5", dev, out, sizeof(out));
+    cr_assert_str_eq(out, "dev=4");
+    run_task(task, "SLURM_LOCALID=1 CUDA_VISIBLE_DEVICES=3", dev, out, sizeof(out));
+    cr_assert_str_eq(out, "dev=3"); /* Slurm bound one GPU to this task already */
+    run_task(task, "SLURM_LOCALID=3", dev, out, sizeof(out));
+    cr_assert_str_eq(out, "dev=3");
+    /* a follower survives the SIGTERM sent to every task of its step; rank 0 does not */
+    const char *term = "bash -c 'kill -TERM $$; echo survived'";
+    run_task(task, "SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=1", term, out, sizeof(out));
+    cr_assert_str_eq(out, "survived");
+    run_task(task, "SLURM_STEP_NUM_TASKS=2 SLURM_PROCID=0", term, out, sizeof(out));
+    cr_assert_str_eq(out, "");
+    run_task(task, "SLURM_STEP_NUM_TASKS=1 SLURM_PROCID=0", term, out, sizeof(out));
+    cr_assert_str_eq(out, "");
+    unlink(task);
 }
 
 /* A value with a quote and a command substitution reaches the shell as one literal word. */
