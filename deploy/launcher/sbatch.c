@@ -267,6 +267,13 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
     int cpus = sb__cpus(&s->ctx) > sb__cpus(&s->gen) ? sb__cpus(&s->ctx) : sb__cpus(&s->gen);
     /* the teardown's worst case: drains, then three stages of stop_timeout_s, plus slack */
     const int grace = 4 * s->stop_timeout_s + 30;
+    /* the file's name goes into a comment: a control character (a newline) would end it */
+    char *file = strdup(s->file);
+    if (file == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "sbatch script: out of memory");
+    for (char *c = file; *c != '\0'; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            *c = '?';
 
     duet_strbuf_printf(
         sb,
@@ -280,7 +287,8 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
         "#SBATCH --cpus-per-task=%d\n"
         "#SBATCH --output=duet-%%j.out\n"
         "#SBATCH --signal=B:TERM@%d\n",
-        s->file, o->nodes, ranks, cpus, grace);
+        file, o->nodes, ranks, cpus, grace);
+    free(file);
     if (o->gpus_per_node > 0)
         duet_strbuf_printf(sb, "#SBATCH --gpus-per-node=%d\n", o->gpus_per_node);
     if (o->time != NULL)
@@ -313,9 +321,11 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
     if (token != NULL) {
         const char *host = sb__arg(&s->router, "admin.host");
         const char *port = sb__arg(&s->router, "admin.port");
-        duet_strbuf_printf(sb, "DUET_ADMIN_URL=http://%s:%s\n",
-                           host == NULL || sb__wildcard(host) ? "127.0.0.1" : host,
-                           port != NULL ? port : "8081");
+        duet_strbuf_puts(sb, "DUET_ADMIN_URL=http://");
+        duet_sbatch_shell_quote(sb, host == NULL || sb__wildcard(host) ? "127.0.0.1" : host);
+        duet_strbuf_puts(sb, ":");
+        duet_sbatch_shell_quote(sb, port != NULL ? port : "8081");
+        duet_strbuf_puts(sb, "\n");
         SB_VAR("DUET_ADMIN_TOKEN", token);
         if (o->duetctl != NULL) {
             SB_VAR("DUET_DUETCTL", o->duetctl);

@@ -151,7 +151,7 @@ Test(launcher_sbatch, gpus_time_admin_drain)
     has(s, "DUET_ROUTER_ADDR='127.0.0.1':9100\n");
     has(s, "DUET_ENDPOINT=http://'127.0.0.1':9000\n");
     /* the drain through the admin API before the stop */
-    has(s, "DUET_ADMIN_URL=http://127.0.0.1:9200\n");
+    has(s, "DUET_ADMIN_URL=http://'127.0.0.1':'9200'\n");
     has(s, "DUET_ADMIN_TOKEN='tok'\n");
     has(s, "DUET_DUETCTL='/repo/build'/router/duetctl\n");
     has(s, "drain \"$g\" --wait --timeout \"$DUET_STOP_TIMEOUT\"");
@@ -239,6 +239,23 @@ Test(launcher_sbatch, values_quoted)
     has(s, "DUET_MODEL='/m/it'\\''s $(touch x)'\n");
     has(s, " '--tag=a'\\''b; rm -rf /' &\n");
     free(s);
+}
+
+/* A file name with a newline stays inside its comment line. */
+Test(launcher_sbatch, file_name_in_comment)
+{
+    duet_cluster_t *spec = NULL;
+    cr_assert_eq(
+        duet_cluster_load_string(cp2_yaml, strlen(cp2_yaml), "a\nrm -rf x\n.yaml", &paths, &spec),
+        DUET_OK);
+    duet_sbatch_opts_t o = {.nodes = 1};
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    cr_assert_eq(duet_sbatch_write(spec, &o, &sb), DUET_OK);
+    has(sb.data, "from a?rm -rf x?.yaml (docs/deploy-slurm.md).\n");
+    lacks(sb.data, "\nrm -rf x");
+    duet_strbuf_free(&sb);
+    duet_cluster_destroy(spec);
 }
 
 Test(launcher_sbatch, bad_options)
