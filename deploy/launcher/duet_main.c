@@ -4,7 +4,8 @@
  * starts the context and generation workers, waits until the router reports every one of them up,
  * prints the endpoint and a sample curl command, sends that sample request itself and prints the
  * answer, then stays in the foreground until Ctrl-C / SIGTERM (or exits after the answer with
- * --once).
+ * --once). `duet sbatch [CLUSTER.yaml]` writes the same cluster as a Slurm batch script instead
+ * (deploy/launcher/sbatch.h).
  *
  * Readiness. The router's GET /health answers {"gen_workers": N, "ctx_workers": M, ...} from its
  * registry's UP counts, whatever the status code; the cluster is up when it answers 200 (at least
