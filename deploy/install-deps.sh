@@ -13,7 +13,8 @@ pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-venv
 case "${1:-}" in
   "") ;;
   --tests) pkgs+=(libcriterion-dev  # the unit and integration suites
-                  prometheus)       # promtool: router_openai_client checks /metrics with it
+                  prometheus        # promtool: router_openai_client checks /metrics with it
+                  slurm-wlm munge curl)  # test_slurm: `duet sbatch` jobs on a local Slurm
     ;;
   *) echo "usage: deploy/install-deps.sh [--tests]" >&2; exit 2 ;;
 esac

@@ -4,7 +4,8 @@
  * starts the context and generation workers, waits until the router reports every one of them up,
  * prints the endpoint and a sample curl command, sends that sample request itself and prints the
  * answer, then stays in the foreground until Ctrl-C / SIGTERM (or exits after the answer with
- * --once).
+ * --once). `duet sbatch [CLUSTER.yaml]` writes the same cluster as a Slurm batch script instead
+ * (deploy/launcher/sbatch.h).
  *
  * Readiness. The router's GET /health answers {"gen_workers": N, "ctx_workers": M, ...} from its
  * registry's UP counts, whatever the status code; the cluster is up when it answers 200 (at least
@@ -41,6 +42,7 @@
 #include "deploy/launcher/cluster.h"
 #include "deploy/launcher/hreq.h"
 #include "deploy/launcher/procs.h"
+#include "deploy/launcher/sbatch.h"
 
 #define UP_HEALTH_EVERY_MS   200
 #define UP_PROGRESS_EVERY_MS 2000
@@ -174,6 +176,9 @@ static const char main_usage[] =
     "Commands:\n"
     "  up [CLUSTER.yaml]   start a local cluster (router + ctx + gen workers) in the\n"
     "                      foreground; `duet up --help` for its options\n"
+    "  sbatch [CLUSTER.yaml]\n"
+    "                      write a Slurm batch script for the cluster file to stdout;\n"
+    "                      `duet sbatch --help` for its options\n"
     "  --version           the version, git commit and CUDA build\n"
     "\n"
     "The processes themselves are duet-router, duet-ctx and duet-gen; each takes --help.\n";
@@ -461,19 +466,6 @@ static duet_status_t up_wait_ready(up_t *up)
 
 /* ---------------------------------------------------------------- the sample request */
 
-/* Append s to sb quoted for a POSIX shell ('...' with ' written as '\''). */
-static void up_shell_quote(duet_strbuf_t *sb, const char *s)
-{
-    duet_strbuf_puts(sb, "'");
-    for (; *s != '\0'; s++) {
-        if (*s == '\'')
-            duet_strbuf_puts(sb, "'\\''");
-        else
-            duet_strbuf_append(sb, s, 1);
-    }
-    duet_strbuf_puts(sb, "'");
-}
-
 /*
  * The served model's name from /v1/models (the request must name it); else the model folder's
  * name, the router's default. A copy, or NULL when out of memory.
@@ -533,7 +525,7 @@ static duet_status_t up_announce(up_t *up)
                        "curl -s http://%s%s%s:%d/v1/completions -H 'Content-Type: "
                        "application/json' -d ",
                        h6, up->http_host, h6e, s->http_port);
-    up_shell_quote(&sb, body);
+    duet_sbatch_shell_quote(&sb, body);
     printf("\nduet is up in %.1f s: %d ctx + %d gen workers, model \"%s\"\n"
            "  OpenAI API  http://%s%s%s:%d/v1   (health /health, metrics /metrics)\n"
            "  try         %s\n\n",
@@ -646,6 +638,28 @@ static bool up_serve(up_t *up)
     return up->abort == DUET_ERR_CANCELLED;
 }
 
+/*
+ * Load the cluster file `file` (NULL: deploy/configs/local.yaml of the source tree), relative
+ * paths resolved against the repository root and binaries defaulting to this build's folder.
+ */
+static duet_status_t load_cluster(const char *file, duet_cluster_t **spec_p)
+{
+    char exe_dir[PATH_MAX], root[PATH_MAX], bin[PATH_MAX + 8], def_file[PATH_MAX + 32];
+    up_exe_dir(exe_dir, sizeof(exe_dir));
+    up_find_root(exe_dir, root, sizeof(root));
+    /* the executable sits at <build>/deploy/launcher/duet */
+    char joined[PATH_MAX + 8];
+    snprintf(joined, sizeof(joined), "%s/../..", exe_dir);
+    if (exe_dir[0] == '\0' || realpath(joined, bin) == NULL)
+        snprintf(bin, sizeof(bin), "%s/build", root);
+    if (file == NULL) {
+        snprintf(def_file, sizeof(def_file), "%s/deploy/configs/local.yaml", root);
+        file = def_file;
+    }
+    duet_cluster_paths_t paths = {.root = root, .binaries = bin};
+    return duet_cluster_load_file(file, &paths, spec_p);
+}
+
 static int up_main(int argc, char **argv)
 {
     up_t up = {.router = -1};
@@ -673,20 +687,7 @@ static int up_main(int argc, char **argv)
         }
     }
 
-    char exe_dir[PATH_MAX], root[PATH_MAX], bin[PATH_MAX + 8], def_file[PATH_MAX + 32];
-    up_exe_dir(exe_dir, sizeof(exe_dir));
-    up_find_root(exe_dir, root, sizeof(root));
-    /* the executable sits at <build>/deploy/launcher/duet */
-    char joined[PATH_MAX + 8];
-    snprintf(joined, sizeof(joined), "%s/../..", exe_dir);
-    if (exe_dir[0] == '\0' || realpath(joined, bin) == NULL)
-        snprintf(bin, sizeof(bin), "%s/build", root);
-    if (file == NULL) {
-        snprintf(def_file, sizeof(def_file), "%s/deploy/configs/local.yaml", root);
-        file = def_file;
-    }
-    duet_cluster_paths_t paths = {.root = root, .binaries = bin};
-    if (duet_cluster_load_file(file, &paths, &up.spec) != DUET_OK) {
+    if (load_cluster(file, &up.spec) != DUET_OK) {
         fprintf(stderr, "duet up: %s\n", duet_error_last());
         return 2;
     }
@@ -733,6 +734,99 @@ static int up_main(int argc, char **argv)
     return rc;
 }
 
+/* ---------------------------------------------------------------- sbatch */
+
+static const char sbatch_usage[] =
+    "usage: duet sbatch [CLUSTER.yaml] [--nodes N] [--gpus-per-node G] [--time T] > job.sbatch\n"
+    "\n"
+    "Write a Slurm batch script for the cluster file to stdout (docs/deploy-slurm.md): the\n"
+    "router as a job step on the allocation's first node, each ctx worker and each gen worker\n"
+    "as a step of its own (a gen worker with cp x tp > 1: one `srun --mpi=pmix -n CP*TP` step\n"
+    "of duet-gen with --helix.cp/--helix.tp). The job prints \"duet: ... endpoint URL\" once\n"
+    "every worker is up; logs go to $SLURM_SUBMIT_DIR/duet-$SLURM_JOB_ID/. Stop it in order\n"
+    "(drain the gen workers, stop them, the ctx workers, the router) with\n"
+    "`scancel --batch --signal=TERM JOBID`.\n"
+    "\n"
+    "  CLUSTER.yaml        the cluster file of `duet up` (default deploy/configs/local.yaml);\n"
+    "                      paths in it must be the same on every node (a shared file system)\n"
+    "  --nodes N           nodes to allocate (default 1)\n"
+    "  --gpus-per-node G   allocate G GPUs a node and give each worker rank one of them\n"
+    "                      (default 0: CPU workers, or GPUs without Slurm's GPU scheduling)\n"
+    "  --time T            the job's time limit, in Slurm's syntax (default: the partition's)\n"
+    "  -h, --help          this text\n"
+    "\n"
+    "Exit status: 0 when the script was written, 2 for usage and cluster-file errors.\n";
+
+/* Parse a count option's value; false (and a message) when it is not an integer. */
+static bool sbatch_int(const char *opt, const char *v, int *out)
+{
+    char *end = NULL;
+    long n = strtol(v, &end, 10);
+    if (v[0] == '\0' || *end != '\0' || n < INT_MIN || n > INT_MAX) {
+        fprintf(stderr, "duet sbatch: %s \"%s\": not an integer\n", opt, v);
+        return false;
+    }
+    *out = (int)n;
+    return true;
+}
+
+static bool sbatch_loopback(const char *host)
+{
+    return strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0 ||
+           strcmp(host, "localhost") == 0;
+}
+
+static int sbatch_main(int argc, char **argv)
+{
+    duet_sbatch_opts_t o = {.nodes = 1};
+    const char *file = NULL;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(sbatch_usage, stdout);
+            return 0;
+        } else if (strcmp(a, "--nodes") == 0 && v != NULL) {
+            if (!sbatch_int(a, argv[++i], &o.nodes))
+                return 2;
+        } else if (strcmp(a, "--gpus-per-node") == 0 && v != NULL) {
+            if (!sbatch_int(a, argv[++i], &o.gpus_per_node))
+                return 2;
+        } else if (strcmp(a, "--time") == 0 && v != NULL) {
+            o.time = argv[++i];
+        } else if (a[0] == '-' || file != NULL) {
+            fprintf(stderr, "duet sbatch: unexpected argument %s\n%s", a, sbatch_usage);
+            return 2;
+        } else {
+            file = a;
+        }
+    }
+    duet_cluster_t *spec = NULL;
+    if (load_cluster(file, &spec) != DUET_OK) {
+        fprintf(stderr, "duet sbatch: %s\n", duet_error_last());
+        return 2;
+    }
+    if (o.nodes > 1 && (sbatch_loopback(spec->workers_host) || sbatch_loopback(spec->http_host)))
+        fprintf(stderr,
+                "duet sbatch: warning: %s: the router binds loopback (http %s, workers %s), which "
+                "workers on the other %d nodes cannot reach; bind 0.0.0.0 for several nodes\n",
+                spec->file, spec->http_host, spec->workers_host, o.nodes - 1);
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_status_t st = duet_sbatch_write(spec, &o, &sb);
+    int rc = 0;
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet sbatch: %s\n", duet_error_last());
+        rc = 2;
+    } else if (fwrite(sb.data, 1, sb.len, stdout) != sb.len || fflush(stdout) != 0) {
+        fprintf(stderr, "duet sbatch: writing the script: %s\n", strerror(errno));
+        rc = 1;
+    }
+    duet_strbuf_free(&sb);
+    duet_cluster_destroy(spec);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0 ||
@@ -746,6 +840,8 @@ int main(int argc, char **argv)
     }
     if (strcmp(argv[1], "up") == 0)
         return up_main(argc - 2, argv + 2);
+    if (strcmp(argv[1], "sbatch") == 0)
+        return sbatch_main(argc - 2, argv + 2);
     fprintf(stderr, "duet: unknown command \"%s\"\n%s", argv[1], main_usage);
     return 2;
 }

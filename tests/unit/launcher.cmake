@@ -5,3 +5,7 @@ duet_add_test(test_launcher_cluster SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_launc
 # of a stand-in script (Open MPI is a dependency: deploy/install-deps.sh).
 duet_add_test(test_launcher_procs SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_launcher_procs.c
               LIBS duet_launcher TIMEOUT 120)
+# deploy/launcher: `duet sbatch`'s batch script (pure text; the job runs on a real Slurm in
+# tests/integration/test_slurm.sh).
+duet_add_test(test_launcher_sbatch SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_launcher_sbatch.c
+              LIBS duet_launcher TIMEOUT 60)
