@@ -374,6 +374,24 @@ Test(launcher_cluster, repository_local_cp2_yaml)
     duet_cluster_destroy(spec);
 }
 
+/* deploy/slurm/cluster.yaml: wildcard binds for workers on other nodes, UCX over tcp */
+Test(launcher_cluster, repository_slurm_cluster_yaml)
+{
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/deploy/slurm/cluster.yaml", DUET_SOURCE_DIR);
+    duet_cluster_paths_t p = {.root = DUET_SOURCE_DIR, .binaries = DUET_BINARY_DIR};
+    duet_cluster_t *spec = NULL;
+    cr_assert_eq(duet_cluster_load_file(path, &p, &spec), DUET_OK, "%s", duet_error_last());
+    cr_assert_str_eq(spec->http_host, "0.0.0.0");
+    cr_assert_str_eq(spec->workers_host, "0.0.0.0");
+    cr_assert_eq(spec->ctx.count, 2);
+    cr_assert_eq(spec->gen.count, 2);
+    const char *const args[] = {"--threads=4", "--ucx.tls=tcp"};
+    assert_args(&spec->ctx, args, 2);
+    assert_args(&spec->gen, args, 2);
+    duet_cluster_destroy(spec);
+}
+
 /* local-spec.yaml: local.yaml's cluster, the gen worker speculating with the draft model, whose
  * root-relative folder reaches the worker joined to the root (workers run in the launcher's
  * working directory) */
