@@ -4,7 +4,10 @@
 # loopback (ucx.net_devices=lo) and once with each process in its own network namespace joined by
 # veths through a bridge (ucx.net_devices=<its veth>), so every router message and KV transfer
 # crosses a real interface. duet-bench sends long prompts (prefilled by duet-ctx, the KV moved
-# to duet-gen: TTFT holds the transfer) and reports TTFT / TPOT; the script prints the ratios.
+# to duet-gen: TTFT holds the transfer) and reports TTFT / TPOT; the KV transfer rate is each
+# transfer's bytes over its time as the sender logs it (duet-ctx at debug: "xfer ... send: DONE (B
+# bytes, T ms)", from the first put to the receiver's XferDone), median over the run's transfers;
+# the script prints the ratios.
 # Needs root and iproute2 (ip netns). Usage: bench/netns_bench.sh [BUILD_DIR] [PROMPTS] [WORDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +49,8 @@ run_mode() {
     --admin.port $((hp + 2)) --admin.insecure-no-token --placement.local_prefill_tokens 32 \
     > "$dir/router-$mode.log" 2>&1 &
   pids+=($!)
-  "${pre_c[@]}" "$build/ctx_worker/duet-ctx" "${common[@]}" --ucx.net_devices "$dev_c" \
+  DUET_LOG_LEVEL=debug "${pre_c[@]}" "$build/ctx_worker/duet-ctx" "${common[@]}" \
+    --ucx.net_devices "$dev_c" \
     --name ctx-0 > "$dir/ctx-$mode.log" 2>&1 &
   pids+=($!)
   "${pre_g[@]}" "$build/gen_worker/duet-gen" "${common[@]}" --ucx.net_devices "$dev_g" \
@@ -64,7 +68,11 @@ run_mode() {
     --metrics-settle-ms 0 --json "$dir/$mode.json" > "$dir/bench-$mode.txt" 2>&1 ||
     { cat "$dir/bench-$mode.txt" "$dir"/*-"$mode".log >&2; exit 1; }
   stop_all
-  jq -r '[.ttft_ms.median, .tpot_ms.median, .completed] | @tsv' "$dir/$mode.json"
+  local rate
+  rate=$(sed -nE 's/.* send: DONE \(([0-9]+) bytes, ([0-9.]+) ms\).*/\1 \2/p' "$dir/ctx-$mode.log" |
+    awk '$2 > 0 { print $1 / ($2 * 1000) }' | sort -g |
+    awk '{ v[NR] = $1 } END { if (NR == 0) print "nan"; else print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }')
+  printf '%s\t%s\n' "$(jq -r '[.ttft_ms.median, .tpot_ms.median, .completed] | @tsv' "$dir/$mode.json")" "$rate"
 }
 
 ip link add "dnb${id}b" type bridge
@@ -84,9 +92,10 @@ done
 
 echo "netns_bench: $(git rev-parse --short HEAD) $(date -u '+%F %H:%M UTC') $(nproc) cores," \
   "load $(cut -d' ' -f1-3 /proc/loadavg); $nprompts prompts of $words words, 16 tokens each"
-read -r lo_ttft lo_tpot lo_n < <(run_mode lo)
-read -r ns_ttft ns_tpot ns_n < <(run_mode netns)
-printf '%-8s %10s %10s %5s\n' mode ttft_ms tpot_ms done
-printf '%-8s %10.2f %10.2f %5s\n' loopback "$lo_ttft" "$lo_tpot" "$lo_n" netns "$ns_ttft" "$ns_tpot" "$ns_n"
-awk -v a="$lo_ttft" -v b="$ns_ttft" -v c="$lo_tpot" -v d="$ns_tpot" \
-  'BEGIN { printf "netns / loopback: TTFT %.3f, TPOT %.3f\n", b / a, d / c }'
+read -r lo_ttft lo_tpot lo_n lo_rate < <(run_mode lo)
+read -r ns_ttft ns_tpot ns_n ns_rate < <(run_mode netns)
+printf '%-8s %10s %10s %5s %12s\n' mode ttft_ms tpot_ms done kv_MB_per_s
+printf '%-8s %10.2f %10.2f %5s %12.1f\n' loopback "$lo_ttft" "$lo_tpot" "$lo_n" "$lo_rate" \
+  netns "$ns_ttft" "$ns_tpot" "$ns_n" "$ns_rate"
+awk -v a="$lo_ttft" -v b="$ns_ttft" -v c="$lo_tpot" -v d="$ns_tpot" -v e="$lo_rate" -v f="$ns_rate" \
+  'BEGIN { printf "netns / loopback: TTFT %.3f, TPOT %.3f, KV transfer rate %.3f\n", b / a, d / c, f / e }'

@@ -334,8 +334,8 @@ static duet_status_t duet__model_group(duet_model_t *m)
     if (o->comm == NULL || o->comm->size <= 1) {
         if (cp * tp > 1)
             return DUET_FAIL(DUET_ERR_INVALID,
-                             "model: helix cp %d x tp %d needs a communicator of as many ranks",
-                             cp, tp);
+                             "model: helix cp %d x tp %d needs a communicator of as many ranks", cp,
+                             tp);
         return DUET_OK;
     }
     if (cp * tp != o->comm->size)

@@ -17,8 +17,8 @@ __global__ void duet__nccl_sum_parts_kernel(float *dst, const float *src, int pa
     }
 }
 
-extern "C" cudaError_t duet__nccl_sum_parts_f32(float *dst, const float *src, int parts,
-                                                int64_t n, cudaStream_t stream)
+extern "C" cudaError_t duet__nccl_sum_parts_f32(float *dst, const float *src, int parts, int64_t n,
+                                                cudaStream_t stream)
 {
     if (n <= 0 || parts <= 0)
         return cudaSuccess;
