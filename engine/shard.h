@@ -62,16 +62,6 @@ static inline int64_t duet_shard_local_pages(const duet_shard_t *s, int64_t glob
     return global_pages > s->c ? (global_pages - s->c - 1) / s->cp + 1 : 0;
 }
 
-/* Tokens of positions 0..pos (inclusive) whose KV this rank holds; pages of page_tokens. */
-static inline int64_t duet_shard_local_tokens(int64_t pos, int64_t page_tokens, int cp, int c)
-{
-    const int64_t gp = pos / page_tokens;
-    int64_t n = (gp > c ? (gp - c - 1) / cp + 1 : 0) * page_tokens;
-    if (gp % cp == c)
-        n += pos % page_tokens + 1;
-    return n;
-}
-
 /* The rank's copy of the config: heads, intermediate sizes as it holds them (for its pools and
  * its backend); experts stay E (routing is over all of them). */
 void duet_shard_config(const duet_model_config_t *full, const duet_shard_t *s,

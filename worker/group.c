@@ -169,6 +169,44 @@ static bool g_fwd_room(duet_group_t *g, size_t bytes)
     return true;
 }
 
+/*
+ * Every rank's byte string (this rank's `len` bytes of `mine`) to every rank: first their sizes
+ * (sizes[size]), then the strings padded to the longest, rank r's at *all_p + r * *max_p
+ * (malloc'ed; the caller frees it). Every rank calls it; a failure breaks the group.
+ */
+static duet_status_t g_gather_bytes(duet_group_t *g, const void *mine, uint64_t len,
+                                    uint64_t *sizes, uint8_t **all_p, uint64_t *max_p)
+{
+    *all_p = NULL;
+    duet_status_t st =
+        g_check(g, g->comm->ops->allgather(g->comm, &len, sizes, sizeof(len)), "byte sizes");
+    if (st != DUET_OK)
+        return st;
+    uint64_t max = 0;
+    for (int r = 0; r < g->comm->size; r++)
+        max = sizes[r] > max ? sizes[r] : max;
+    uint8_t *pad = calloc(1, max > 0 ? max : 1);
+    uint8_t *all = malloc((size_t)g->comm->size * (max > 0 ? max : 1));
+    if (pad == NULL || all == NULL) { /* the others are in the all-gather: so must we be */
+        free(pad);
+        free(all);
+        g->broken = 1;
+        return duet_error_set(DUET_ERR_NOMEM, "helix group: out of memory for %llu bytes a rank",
+                              (unsigned long long)max);
+    }
+    if (len > 0)
+        memcpy(pad, mine, len);
+    st = g_check(g, g->comm->ops->allgather(g->comm, pad, all, max), "byte strings");
+    free(pad);
+    if (st != DUET_OK) {
+        free(all);
+        return st;
+    }
+    *all_p = all;
+    *max_p = max;
+    return DUET_OK;
+}
+
 void duet_group_destroy(duet_group_t *g)
 {
     if (g == NULL)
@@ -274,25 +312,13 @@ duet_status_t duet_group_reserve(duet_group_t *g, const duet_seq_t *seq, uint64_
     duet_status_t st = g_send(g, &c);
     if (st != DUET_OK)
         return st;
-    /* sizes, then every rank's bytes padded to the largest (reservations are small) */
-    uint64_t mine = 0, sizes[DUET_SHARD_MAX_RANKS];
-    if ((st = g_check(g, g->comm->ops->allgather(g->comm, &mine, sizes, sizeof(mine)),
-                      "reservation sizes")) != DUET_OK)
+    /* the followers' packed reservations (rank 0 gives none; reservations are small) */
+    uint64_t sizes[DUET_SHARD_MAX_RANKS], max = 0;
+    uint8_t *all = NULL;
+    if ((st = g_gather_bytes(g, NULL, 0, sizes, &all, &max)) != DUET_OK)
         return st;
-    uint64_t max = 0;
-    for (int r = 1; r < n; r++)
-        max = sizes[r] > max ? sizes[r] : max;
-    uint8_t *all = calloc((size_t)n, max > 0 ? max : 1), *pad = calloc(1, max > 0 ? max : 1);
-    if (all == NULL || pad == NULL) { /* the others are in the all-gather: so must we be */
-        free(all);
-        free(pad);
-        g->broken = 1;
-        return duet_error_set(DUET_ERR_NOMEM, "helix group: out of memory for reservations");
-    }
-    st = g_check(g, g->comm->ops->allgather(g->comm, pad, all, max), "reservations");
-    free(pad);
     int failed = -1;
-    for (int r = 1; st == DUET_OK && r < n; r++) {
+    for (int r = 1; r < n; r++) {
         out[r - 1] = NULL;
         len[r - 1] = 0;
         if (sizes[r] == 0) {
@@ -308,8 +334,6 @@ duet_status_t duet_group_reserve(duet_group_t *g, const duet_seq_t *seq, uint64_
         len[r - 1] = sizes[r];
     }
     free(all);
-    if (st != DUET_OK)
-        return st;
     if (failed >= 0) {
         duet_group_free_reservations(g, out);
         duet_group_recv_cancel(g, seq, "another rank of the group could not reserve");
@@ -408,12 +432,12 @@ static void f_reserve(duet_group_t *g, const gcmd_t *c, uint8_t **buf, size_t *l
         return;
     const uint32_t pt = g->layout.page_tokens;
     const uint64_t global = pt > 0 ? ((uint64_t)c->a + pt - 1) / pt : 0;
-    const int c_idx = g->comm->rank / g->tp;
+    const uint32_t c_idx = (uint32_t)(g->comm->rank / g->tp);
     duet_xfer_recv_args_t a = {
         .req_id = c->rid,
         .layout = g->layout,
         .pages = f->seq.pages,
-        .n_pages = global > (uint64_t)c_idx ? (uint32_t)((global - c_idx - 1) / g->cp + 1) : 0,
+        .n_pages = (uint32_t)duet_xfer_kv_shard_pages(global, (uint32_t)g->cp, c_idx),
         .kda_slot = f->seq.kda_slot,
         .n_tokens = (uint64_t)c->a,
         .rank = (uint32_t)g->comm->rank,
@@ -568,25 +592,9 @@ int duet_group_follow(duet_group_t *g, duet_model_t *m, duet_xfer_ctx_t *x,
             uint8_t *buf;
             size_t len;
             f_reserve(g, &c, &buf, &len);
-            uint64_t sz = len, sizes[DUET_SHARD_MAX_RANKS];
-            st = g_check(g, g->comm->ops->allgather(g->comm, &sz, sizes, sizeof(sz)),
-                         "reservation sizes");
-            uint64_t max = 0;
-            for (int r = 1; st == DUET_OK && r < g->comm->size; r++)
-                max = sizes[r] > max ? sizes[r] : max;
-            uint8_t *pad = st == DUET_OK ? calloc(1, max > 0 ? max : 1) : NULL;
-            uint8_t *all =
-                st == DUET_OK ? malloc((size_t)g->comm->size * (max > 0 ? max : 1)) : NULL;
-            if (st == DUET_OK && (pad == NULL || all == NULL)) {
-                g->broken = 1;
-                st = DUET_ERR_NOMEM;
-            }
-            if (st == DUET_OK) {
-                if (len > 0)
-                    memcpy(pad, buf, len);
-                st = g_check(g, g->comm->ops->allgather(g->comm, pad, all, max), "reservations");
-            }
-            free(pad);
+            uint64_t sizes[DUET_SHARD_MAX_RANKS], max = 0;
+            uint8_t *all = NULL;
+            st = g_gather_bytes(g, buf, len, sizes, &all, &max);
             free(all);
             free(buf);
             break;

@@ -10,6 +10,7 @@
 #include "engine/checkpoint.h"
 #include "engine/model.h"
 #include "engine/shard.h"
+#include "kernels/cpu/cpu_mla.h"
 
 #define DEMO DUET_SOURCE_DIR "/models/duet-demo"
 
@@ -62,7 +63,8 @@ Test(engine_shard, pages_and_tokens_are_the_dealt_ones)
                     int64_t want = 0;
                     for (int64_t p = 0; p <= pos; p++)
                         want += (p / P) % cp == c;
-                    cr_assert_eq(duet_shard_local_tokens(pos, P, cp, c), want,
+                    const duet_cpu_mla_shard_t sh = {.cp = cp, .c = c, .page_tokens = P};
+                    cr_assert_eq(duet_cpu_mla_local_len(&sh, pos + 1), want,
                                  "cp %d c %d P %lld pos %lld", cp, c, (long long)P, (long long)pos);
                     const int64_t g = pos + 1; /* global pages */
                     int64_t pages = 0;
