@@ -48,7 +48,8 @@ struct duet__router {
     duet_placement_t pl;
     uv_timer_t tick;
     uv_signal_t sig_int, sig_term;
-    bool draining; /* SIGINT / SIGTERM came: new completions and /health answer 503 */
+    bool draining;              /* SIGINT / SIGTERM came: new completions and /health answer 503 */
+    uint64_t leave_deadline_ms; /* shutdown.drain_s: uv_now when the router stops waiting */
     uint64_t next_rid;
     uint32_t local_prefill_tokens;
     uint64_t deadline_ms;

@@ -52,6 +52,10 @@ static const duet_config_key_t rt_keys[] = {
      .max = "1000000"},
     {"request.deadline_ms", DUET_CONFIG_INT, "600000",
      "a request still running after this long is cancelled (504)", .min = "1", .max = "86400000"},
+    {"shutdown.drain_s", DUET_CONFIG_INT, "0",
+     "on SIGINT / SIGTERM, once the requests in flight have finished, wait up to S s for the "
+     "workers to leave before closing their links (0 = close at once)",
+     .min = "0", .max = "86400"},
     {"migrate.timeout_ms", DUET_CONFIG_INT, "10000",
      "moving a running request to another generation worker (duetctl drain --migrate) gives up "
      "after this long, and the request goes on where it was",
@@ -273,10 +277,9 @@ static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *
 
 /* ---------------------------------------------------------------- shutdown */
 
-static void rt_http_closed(void *user)
+/* The workers' links, the admin API and the loop's handles: the loop then ends. */
+static void rt_close_rest(duet__router_t *rt)
 {
-    duet__router_t *rt = user;
-    rt->http = NULL;
     duet_registry_close(rt->reg, NULL, NULL);
     if (rt->admin != NULL)
         duet_admin_close(rt->admin, NULL, NULL);
@@ -284,6 +287,44 @@ static void rt_http_closed(void *user)
     uv_close((uv_handle_t *)&rt->tick, NULL);
     uv_close((uv_handle_t *)&rt->sig_int, NULL);
     uv_close((uv_handle_t *)&rt->sig_term, NULL);
+}
+
+static size_t rt_live_workers(const duet__router_t *rt)
+{
+    return duet_registry_count(rt->reg, 0, DUET_WORKER_STATE_UP) +
+           duet_registry_count(rt->reg, 0, DUET_WORKER_STATE_DRAINING);
+}
+
+/* shutdown.drain_s: the router goes last, once its workers have left or the time is up. */
+static void rt_wait_workers(uv_timer_t *t)
+{
+    duet__router_t *rt = t->data;
+    const size_t n = rt_live_workers(rt);
+    if (n > 0 && uv_now(rt->loop) < rt->leave_deadline_ms)
+        return;
+    if (n > 0)
+        DUET_LOG_WARN("router: shutdown.drain_s passed with %zu worker%s still registered: closing "
+                      "their links",
+                      n, n == 1 ? "" : "s");
+    else
+        DUET_LOG_INFO("router: every worker has left");
+    rt_close_rest(rt);
+}
+
+static void rt_http_closed(void *user)
+{
+    duet__router_t *rt = user;
+    rt->http = NULL;
+    const int64_t drain_s = duet_config_get_int(rt->cfg, "shutdown.drain_s");
+    const size_t n = rt_live_workers(rt);
+    if (drain_s == 0 || n == 0) {
+        rt_close_rest(rt);
+        return;
+    }
+    DUET_LOG_INFO("router: requests finished; waiting up to %lld s for %zu worker%s to leave",
+                  (long long)drain_s, n, n == 1 ? "" : "s");
+    rt->leave_deadline_ms = uv_now(rt->loop) + (uint64_t)drain_s * 1000;
+    uv_timer_start(&rt->tick, rt_wait_workers, 100, 100); /* the request tick has nothing left */
 }
 
 /* SIGINT / SIGTERM: drain (health and new completions 503), let requests in flight finish. */

@@ -167,9 +167,32 @@ static void w_stop(duet_worker_t *w, const char *why)
     uv_stop(w->loop);
 }
 
+static void w_heartbeat(duet_worker_t *w);
+
+/* SIGTERM with shutdown.drain_s > 0 starts leaving (w_leave_tick ends it); a repeated SIGTERM
+ * does not cut that short, since Slurm and the job's own stop may both send one. */
 static void w_on_signal(uv_signal_t *s, int signum)
 {
-    w_stop(s->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
+    duet_worker_t *w = s->data;
+    if (signum != SIGTERM || w->drain_s <= 0) {
+        w_stop(w, signum == SIGINT ? "SIGINT" : "SIGTERM");
+        return;
+    }
+    if (w->leaving) {
+        DUET_LOG_INFO("SIGTERM again: still finishing the requests here (SIGINT stops now)");
+        return;
+    }
+    int64_t n = 0;
+    for (int64_t i = 0; i < w->n_reqs; i++)
+        n += duet_worker_req(w, i)->phase != 0;
+    DUET_LOG_INFO("SIGTERM: taking no new work, finishing %lld request%s here, then stopping "
+                  "(shutdown.drain_s %.0f; SIGINT stops now)",
+                  (long long)n, n == 1 ? "" : "s", w->drain_s);
+    w->leaving = true;
+    w->leave_deadline = duet_worker_now() + w->drain_s;
+    w->idle_since = 0;
+    if (w->link != NULL)
+        w_heartbeat(w); /* says draining: the router places nothing new here from now on */
 }
 
 static void w_on_closed(const char *reason, void *user)
@@ -209,7 +232,7 @@ static void w_heartbeat(duet_worker_t *w)
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
     /* a group's pages: rank 0 holds the largest share of every sequence, cp ranks share them */
     hb.free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
-    hb.draining = w->draining;
+    hb.draining = w->draining || w->leaving;
     hb.prefill_tokens = w->prefill_tokens;
     w->ops->heartbeat(w, &hb);
     Duet__Envelope env = duet_envelope_heartbeat(&hb);
@@ -282,6 +305,34 @@ static void w_step(uv_idle_t *h)
 }
 
 /* Every heartbeat period: the role's timers, a heartbeat, then admission. */
+/*
+ * Leaving: stop once nothing has been here for two heartbeat periods (a request the router
+ * placed before it saw this worker draining is still on its way for about one round trip), or
+ * at the deadline.
+ */
+static void w_leave_tick(duet_worker_t *w)
+{
+    int64_t n = 0;
+    for (int64_t i = 0; i < w->n_reqs; i++)
+        n += duet_worker_req(w, i)->phase != 0;
+    const double now = duet_worker_now();
+    if (n > 0) {
+        w->idle_since = 0;
+        if (now < w->leave_deadline)
+            return;
+        char why[160];
+        snprintf(why, sizeof(why),
+                 "SIGTERM: shutdown.drain_s (%.0f s) passed with %lld request%s here", w->drain_s,
+                 (long long)n, n == 1 ? "" : "s");
+        w_stop(w, why);
+        return;
+    }
+    if (w->idle_since == 0)
+        w->idle_since = now;
+    else if (now - w->idle_since >= 2 * w->hb_period_s)
+        w_stop(w, "SIGTERM: every request here finished");
+}
+
 static void w_tick(uv_timer_t *t)
 {
     duet_worker_t *w = t->data;
@@ -292,6 +343,8 @@ static void w_tick(uv_timer_t *t)
     w->ops->tick(w);
     w_heartbeat(w);
     duet_worker_update(w);
+    if (w->leaving && !w->stopping)
+        w_leave_tick(w);
 }
 
 /* Layer hook: inside a long step the loop cannot run, so a heartbeat that is due goes out here
@@ -493,6 +546,7 @@ static duet_status_t w_start(duet_worker_t *w)
     w->sigint.data = w;
     w->sigterm.data = w;
     w->hb_period_s = (double)hb_ms / 1000.0;
+    w->drain_s = (double)duet_config_get_int(w->cfg, "shutdown.drain_s");
     uv_timer_start(&w->hb, w_tick, 0, (uint64_t)hb_ms);
     uv_signal_start(&w->sigint, w_on_signal, SIGINT);
     uv_signal_start(&w->sigterm, w_on_signal, SIGTERM);

@@ -152,6 +152,10 @@ struct duet_worker {
     bool idle_on;
     char name[64];
     double hb_period_s, last_hb; /* seconds (duet_worker_now) */
+    /* SIGTERM with shutdown.drain_s: finishing what is here (heartbeats say draining, so the
+     * router places nothing new) until it is done or the deadline; then the usual stop */
+    bool leaving;
+    double drain_s, leave_deadline, idle_since; /* duet_worker_now; idle_since 0 while busy */
 };
 
 /* Run a worker of this role: returns the process's exit status (0, 1 on a failed start, 2 for a

@@ -35,6 +35,13 @@
          .choices = duet_worker_devices},                                                          \
         {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = duet_worker_dtypes}, \
         {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"}, \
+        {"shutdown.drain_s",                                                                       \
+         DUET_CONFIG_INT,                                                                          \
+         "0",                                                                                      \
+         "on SIGTERM take no new work and finish what is here for up to S s, then stop (0 = stop " \
+         "at once; SIGINT always stops at once)",                                                  \
+         .min = "0",                                                                               \
+         .max = "86400"},                                                                          \
         {"router_connect_timeout_ms",                                                              \
          DUET_CONFIG_INT,                                                                          \
          "60000",                                                                                  \

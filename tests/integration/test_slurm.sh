@@ -6,6 +6,9 @@
 # for the same prompts (the flags of test_cluster.c's reference()); then
 # `scancel --batch --signal=TERM` must stop everything in order: the job leaves squeue, its output
 # says every step stopped without a kill, no process of the job is left, and the logs exist.
+# A second job is then stopped with a plain `scancel JOB` (Slurm sends every process SIGTERM at
+# once) while a long completion streams: the stream must run to its end and equal duet-generate's,
+# the workers finish and leave before the router (shutdown.drain_s), and nothing is left.
 # Fails (never skips) when Slurm or munge is missing (deploy/install-deps.sh --tests installs them)
 # or its daemons do not come up.
 # Usage: test_slurm.sh SOURCE_DIR BUILD_DIR
@@ -131,7 +134,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 ReturnToService=2
-KillWait=5
+KillWait=30
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -173,20 +176,42 @@ EOF
   die "duet sbatch failed"
 cd "$T/submit" || die "no submit folder"
 # the tag marks every process of the job (job_procs), and only those: it is sbatch's alone
-JOB=$(DUET_SLURM_TEST_TAG=$T sbatch --parsable job.sbatch) || die "sbatch refused the script"
-OUT="$T/submit/duet-$JOB.out"
-LOGS="$T/submit/duet-$JOB"
-echo "test_slurm: job $JOB submitted"
+# submit the script; sets JOB, OUT, LOGS and endpoint once the job printed it
+submit() {
+  JOB=$(DUET_SLURM_TEST_TAG=$T sbatch --parsable job.sbatch) || die "sbatch refused the script"
+  OUT="$T/submit/duet-$JOB.out"
+  LOGS="$T/submit/duet-$JOB"
+  echo "test_slurm: job $JOB submitted"
+  endpoint=""
+  for ((i = 0; i < 600; i++)); do
+    endpoint=$(grep -o 'endpoint http://[^ ]*' "$OUT" 2>/dev/null | head -n 1 | cut -d' ' -f2)
+    [ -n "$endpoint" ] && break
+    [ -n "$(squeue -h -j "$JOB" 2>/dev/null)" ] || die "the job ended before printing its endpoint"
+    sleep 0.1
+  done
+  [ -n "$endpoint" ] || die "no endpoint line in the job's output within 60 s"
+  echo "test_slurm: endpoint $endpoint"
+}
 
-endpoint=""
-for ((i = 0; i < 600; i++)); do
-  endpoint=$(grep -o 'endpoint http://[^ ]*' "$OUT" 2>/dev/null | head -n 1 | cut -d' ' -f2)
-  [ -n "$endpoint" ] && break
-  [ -n "$(squeue -h -j "$JOB" 2>/dev/null)" ] || die "the job ended before printing its endpoint"
-  sleep 0.1
-done
-[ -n "$endpoint" ] || die "no endpoint line in the job's output within 60 s"
-echo "test_slurm: endpoint $endpoint"
+# wait until job JOB left squeue and none of its processes is left; then JOB_DONE=JOB, JOB=""
+wait_gone() {
+  for ((i = 0; i < 600; i++)); do
+    [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] && break
+    sleep 0.1
+  done
+  [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] || die "the job was still in squeue 60 s after scancel"
+  JOB_DONE=$JOB
+  JOB=""
+  # nothing that ran in the job is left (a zombie gets 5 s for its parent to reap it)
+  for ((i = 0; i < 50; i++)); do
+    left=$(job_procs)
+    [ -z "$left" ] && break
+    sleep 0.1
+  done
+  [ -z "$left" ] || die "processes of job $JOB_DONE still running: $left"
+}
+
+submit
 
 model=$(curl -s -m 5 "$endpoint/models" |
   python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])') ||
@@ -209,21 +234,7 @@ done
 echo "test_slurm: $n completions match duet-generate"
 
 scancel --batch --signal=TERM "$JOB" || die "scancel failed"
-for ((i = 0; i < 600; i++)); do
-  [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] && break
-  sleep 0.1
-done
-[ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] || die "the job was still in squeue 60 s after scancel"
-JOB_DONE=$JOB
-JOB=""
-
-# nothing that ran in the job is left (a zombie gets 5 s for its parent to reap it)
-for ((i = 0; i < 50; i++)); do
-  left=$(job_procs)
-  [ -z "$left" ] && break
-  sleep 0.1
-done
-[ -z "$left" ] || die "processes of job $JOB_DONE still running: $left"
+wait_gone
 grep -q "SIGTERM received" "$OUT" || die "the batch script did not see the SIGTERM"
 grep -q "draining gen-0" "$OUT" || die "gen-0 was not drained before its stop"
 grep -q "all steps stopped" "$OUT" || die "the job did not report every step stopped"
@@ -245,4 +256,60 @@ done
 for f in ctx-0.log gen-0.0.log; do
   grep -q "stopping: SIGTERM" "$LOGS/$f" || die "$f: the worker did not stop on SIGTERM"
 done
-echo "test_slurm: PASS (job $JOB_DONE: up, $n answers as duet-generate, stopped in order, logs present)"
+echo "test_slurm: job $JOB_DONE: up, $n answers as duet-generate, stopped in order, logs present"
+
+# A plain scancel while a long completion streams.
+first=$JOB_DONE
+submit
+prompt="And it came to pass"
+want=$("$BUILD/engine/duet-generate" --model "$SRC/models/duet-demo" --prompt "$prompt" \
+  --max-tokens 1500 --prefill-chunk 64 --threads 1 --dtype f32 --json 2>/dev/null |
+  python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["finish_reason"], d["text"], end="")') ||
+  die "duet-generate failed for \"$prompt\""
+[ "${want%% *}" = length ] || die "duet-generate stopped early (${want%% *}): pick a longer answer"
+# the client: streams the completion, says "first" after its first chunk, writes the text and
+# the finish reason when the stream ends
+python3 - "$endpoint" "$model" "$prompt" >"$T/stream.out" 2>"$T/stream.err" <<'PY' &
+import json, sys, urllib.request
+url, model, prompt = sys.argv[1:4]
+body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1500, "temperature": 0,
+                   "stream": True}).encode()
+req = urllib.request.Request(url + "/completions", body, {"Content-Type": "application/json"})
+text, reason, first = "", None, True
+with urllib.request.urlopen(req, timeout=120) as r:
+    for line in r:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ch = json.loads(line[6:])["choices"][0]
+        text += ch["text"]
+        reason = ch.get("finish_reason") or reason
+        if first:
+            print("first", file=sys.stderr, flush=True)
+            first = False
+sys.stdout.write(f"{reason} {text}")
+PY
+client=$!
+for ((i = 0; i < 300; i++)); do
+  grep -q first "$T/stream.err" 2>/dev/null && break
+  kill -0 $client 2>/dev/null || break
+  sleep 0.05
+done
+grep -q first "$T/stream.err" || die "the stream did not start: $(cat "$T/stream.err")"
+kill -0 $client 2>/dev/null || die "the stream ended before scancel: no mid-stream stop to test"
+scancel "$JOB" || die "plain scancel failed"
+wait $client || die "the stream failed after a plain scancel: $(tail -n 5 "$T/stream.err")"
+got=$(cat "$T/stream.out")
+[ "$got" = "$want" ] ||
+  die "plain scancel cut the stream: got ${#got} chars (${got%% *}), duet-generate ${#want} (${want%% *})"
+wait_gone
+for f in ctx-0.log gen-0.0.log; do
+  grep -q "SIGTERM: taking no new work" "$LOGS/$f" || die "$f: the worker did not drain on SIGTERM"
+  grep -q "stopping: SIGTERM: every request here finished" "$LOGS/$f" ||
+    die "$f: the worker did not finish its requests before it stopped"
+done
+grep -q "router: every worker has left" "$LOGS/router.log" ||
+  die "the router did not outlast its workers: $(tail -n 5 "$LOGS/router.log")"
+! grep -q "killing its step" "$OUT" || die "a step had to be killed: $(grep killing "$OUT")"
+echo "test_slurm: PASS (job $first stopped in order by the batch script; job $JOB_DONE by a plain" \
+  "scancel mid-stream: the ${#got}-char answer as duet-generate, workers before the router)"

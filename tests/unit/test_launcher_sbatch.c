@@ -3,9 +3,11 @@
  * and one gen worker that is a Helix group of cp 2 has the allocation, the router's step on the
  * head node, one srun step per worker (the group as one `--mpi=pmix` step of 2 tasks with the
  * helix flags), per-process logs, the drain on stop when the router has an admin token, GPUs per
- * task when asked; bash accepts its syntax; its task wrapper picks each rank's device and lets only
- * rank 0 of a group take SIGTERM; values reach the shell quoted; bad options are refused.
- * The job itself runs on a real Slurm in tests/integration/test_slurm.sh.
+ * task when asked, shutdown.drain_s for every process (a plain scancel: workers finish what they
+ * hold, the router goes last) unless the file sets its own; bash accepts its syntax; its task
+ * wrapper picks each rank's device and lets only rank 0 of a group take SIGTERM; values reach the
+ * shell quoted; bad options are refused. The job itself runs on a real Slurm in
+ * tests/integration/test_slurm.sh.
  */
 #define _GNU_SOURCE
 #include <criterion/criterion.h>
@@ -79,7 +81,9 @@ Test(launcher_sbatch, ctx1_gen_cp2_steps)
     char *router = step_of(s, "router");
     has(router, "srun --overlap --nodes=1 --ntasks=1 --nodelist=\"$DUET_HEAD\"");
     has(router, "--output=\"$DUET_LOG_DIR/router.log\"");
-    has(router, "'/repo/build/router/duet-router' --model \"$DUET_MODEL\" '--http.host=0.0.0.0'");
+    /* a plain scancel: the router outlasts its workers, who finish what they hold */
+    has(router, "'/repo/build/router/duet-router' --model \"$DUET_MODEL\" "
+                "--shutdown.drain_s=$((DUET_STOP_TIMEOUT + 5)) '--http.host=0.0.0.0'");
     /* wildcard binds: the workers and the endpoint use the head node's name */
     has(s, "DUET_ROUTER_ADDR=\"$DUET_HEAD\":8100\n");
     has(s, "DUET_ENDPOINT=http://\"$DUET_HEAD\":8000\n");
@@ -89,7 +93,8 @@ Test(launcher_sbatch, ctx1_gen_cp2_steps)
     has(ctx, "srun --exact --nodes=1 --ntasks=1 --cpus-per-task=2 --job-name=ctx-0");
     has(ctx, "--output=\"$DUET_LOG_DIR/ctx-0.log\"");
     has(ctx, "bash \"$DUET_LOG_DIR/task.sh\" '/repo/build/ctx_worker/duet-ctx' --router "
-             "\"$DUET_ROUTER_ADDR\" --model \"$DUET_MODEL\" --name ctx-0 '--threads=2'");
+             "\"$DUET_ROUTER_ADDR\" --model \"$DUET_MODEL\" --name ctx-0 "
+             "--shutdown.drain_s=\"$DUET_STOP_TIMEOUT\" '--threads=2'");
     lacks(ctx, "--mpi");
     lacks(ctx, "--helix");
     /* the gen worker: one pmix step of cp 2 ranks with the helix flags, a log per rank */
@@ -97,7 +102,8 @@ Test(launcher_sbatch, ctx1_gen_cp2_steps)
     has(gen, "srun --exact --nodes=1 --ntasks=2 --cpus-per-task=1 --job-name=gen-0");
     has(gen, "--output=\"$DUET_LOG_DIR/gen-0.%t.log\" --mpi=pmix");
     has(gen, "'/repo/build/gen_worker/duet-gen' --router \"$DUET_ROUTER_ADDR\" --model "
-             "\"$DUET_MODEL\" --name gen-0 --helix.cp=2 --helix.tp=1 --threads=1 '--dtype=f32'");
+             "\"$DUET_MODEL\" --name gen-0 --shutdown.drain_s=\"$DUET_STOP_TIMEOUT\" "
+             "--helix.cp=2 --helix.tp=1 --threads=1 '--dtype=f32'");
     /* the task wrapper: a device per local task, SIGTERM for rank 0 of a group only */
     has(s, "export CUDA_VISIBLE_DEVICES=${devs[$local_id]}\n");
     has(s, "export CUDA_VISIBLE_DEVICES=$local_id\n");
@@ -238,6 +244,28 @@ Test(launcher_sbatch, values_quoted)
     char *s = script(yaml, &o);
     has(s, "DUET_MODEL='/m/it'\\''s $(touch x)'\n");
     has(s, " '--tag=a'\\''b; rm -rf /' &\n");
+    free(s);
+}
+
+/* The file's own shutdown.drain_s wins over the script's default, for the router and a worker. */
+Test(launcher_sbatch, own_drain_time_kept)
+{
+    const char *yaml = "model: models/duet-demo\n"
+                       "router: {shutdown: {drain_s: 40}}\n"
+                       "gen: {count: 1, args: {shutdown: {drain_s: 7}}}\n";
+    duet_sbatch_opts_t o = {.nodes = 1};
+    char *s = script(yaml, &o);
+    char *router = step_of(s, "router");
+    char *gen = step_of(s, "gen-0");
+    char *ctx = step_of(s, "ctx-0");
+    has(router, " '--shutdown.drain_s=40'");
+    lacks(router, "DUET_STOP_TIMEOUT + 5");
+    has(gen, " '--shutdown.drain_s=7'");
+    lacks(gen, "--shutdown.drain_s=\"$DUET_STOP_TIMEOUT\"");
+    has(ctx, " --shutdown.drain_s=\"$DUET_STOP_TIMEOUT\"");
+    free(router);
+    free(gen);
+    free(ctx);
     free(s);
 }
 
