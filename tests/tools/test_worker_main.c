@@ -88,10 +88,11 @@ static uint64_t now_ms(void)
     return now_us() / 1000;
 }
 
-/* When a request's next token is due: --delay-ms from now. */
+/* When a request's next token is due: --delay-ms from now; at once with --delay-ms 0 (a due
+ * time of "now" would be later than emit_due's clock reading, and cost a poll round of 1 ms). */
 static uint64_t token_due(void)
 {
-    return now_us() + 1000 * (uint64_t)opt.delay_ms;
+    return opt.delay_ms == 0 ? 0 : now_us() + 1000 * (uint64_t)opt.delay_ms;
 }
 
 static void event(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
