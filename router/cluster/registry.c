@@ -4,8 +4,10 @@
  * each other until the worker dies; the connection is then closed and freed in its close
  * callback, while the worker entry stays (state DEAD) for the admin API.
  *
- * Writes copy the frame into one allocation with its uv_write_t: worker messages are small and
- * few per token, and this keeps the lifetime rule trivial (the write callback frees it).
+ * Writes are corked: the frames for a connection are encoded into one allocation with its
+ * uv_write_t, written from a uv_check callback at the end of the loop turn (one syscall for what
+ * a turn sends to a worker, e.g. the Reserve / Prefill / PrefillDone of many requests), and
+ * freed by the write callback.
  */
 #include "router/cluster/registry.h"
 
@@ -21,6 +23,14 @@
 
 typedef struct reg_worker reg_worker_t;
 
+typedef struct {
+    uv_write_t req;
+    uv_buf_t buf; /* data, buf.len bytes filled */
+    struct reg_conn *conn;
+    size_t cap; /* bytes of data */
+    uint8_t data[];
+} reg_write_t;
+
 typedef struct reg_conn {
     uv_tcp_t tcp;             /* the handle; freed in reg_conn_closed */
     duet_registry_t *reg;     /* not owned */
@@ -29,6 +39,7 @@ typedef struct reg_conn {
     bool closing;             /* uv_close called */
     bool close_after_write;   /* refused: close once the ack is flushed */
     size_t writes_pending;
+    reg_write_t *cork; /* owned: frames not yet handed to uv_write (reg->check sends) */
     uint64_t connected_ms;
     char peer[64];
     struct reg_conn *prev, *next; /* in reg->conns */
@@ -44,6 +55,7 @@ struct duet_registry {
     uv_loop_t *loop;
     uv_tcp_t listener;
     uv_timer_t timer;
+    uv_check_t check; /* sends the connections' corks at the end of each loop turn */
     duet_registry_options_t opts;
     char host[64];
     char fingerprint[DUET_REGISTRY_FINGERPRINT_MAX + 1];
@@ -52,18 +64,11 @@ struct duet_registry {
     reg_conn_t *conns;     /* open connections */
     uint64_t next_id;
     uint16_t port;
-    int open_handles; /* listener + timer + connections not yet closed */
+    int open_handles; /* listener + timer + check + connections not yet closed */
     bool closing;
     duet_registry_close_cb close_cb;
     void *close_user;
 };
-
-typedef struct {
-    uv_write_t req;
-    uv_buf_t buf;
-    reg_conn_t *conn;
-    uint8_t data[];
-} reg_write_t;
 
 /* ------------------------------------------------------------------------------ names */
 
@@ -118,6 +123,7 @@ static void reg_conn_closed(uv_handle_t *h)
     if (c->next != NULL)
         c->next->prev = c->prev;
     duet_frame_decoder_free(&c->dec);
+    free(c->cork);
     free(c);
     reg->open_handles--;
     reg_maybe_freed(reg);
@@ -171,30 +177,74 @@ static void reg_write_done(uv_write_t *req, int status)
         reg_conn_close(c);
 }
 
+/* Hand c's cork to uv_write; a failed write kills its worker (or closes the connection). */
+static void reg_conn_uncork(reg_conn_t *c)
+{
+    reg_write_t *wr = c->cork;
+    if (wr == NULL)
+        return;
+    c->cork = NULL;
+    if (c->closing) {
+        free(wr);
+        return;
+    }
+    wr->conn = c;
+    int rc = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &wr->buf, 1, reg_write_done);
+    if (rc < 0) {
+        free(wr);
+        DUET_LOG_WARN("registry: write to %s failed: %s", c->peer, uv_strerror(rc));
+        if (c->w != NULL)
+            reg_worker_dead(c->reg, c->w, "write to the worker failed");
+        else
+            reg_conn_close(c);
+        return;
+    }
+    c->writes_pending++;
+}
+
+static void reg_on_check(uv_check_t *h)
+{
+    duet_registry_t *reg = h->data;
+    uv_check_stop(h);
+    for (reg_conn_t *c = reg->conns, *next; c != NULL; c = next) {
+        next = c->next; /* a failed write closes c, which stays listed until its close callback */
+        reg_conn_uncork(c);
+    }
+}
+
+/* Encode env into c's cork (sent at the end of the loop turn). */
 static duet_status_t reg_conn_send(reg_conn_t *c, Duet__Envelope *env)
 {
     if (c->closing)
         return DUET_ERR_NOT_FOUND;
     if (env->version == 0)
         env->version = DUET_PROTO_VERSION;
-    size_t n = duet_frame_size(env);
-    reg_write_t *wr = malloc(sizeof(*wr) + n);
-    if (wr == NULL)
-        return DUET_FAIL(DUET_ERR_NOMEM, "registry: %zu-byte frame", n);
+    const size_t n = duet_frame_size(env);
+    const size_t have = c->cork != NULL ? c->cork->buf.len : 0;
+    if (c->cork == NULL || have + n > c->cork->cap) {
+        size_t cap = c->cork != NULL ? 2 * c->cork->cap : 4096;
+        while (cap < have + n)
+            cap *= 2;
+        /* not handed to libuv yet: its uv_write_t may move */
+        reg_write_t *wr = realloc(c->cork, sizeof(*wr) + cap);
+        if (wr == NULL)
+            return DUET_FAIL(DUET_ERR_NOMEM, "registry: %zu-byte frame", n);
+        wr->cap = cap;
+        wr->buf = uv_buf_init((char *)wr->data, (unsigned)have);
+        c->cork = wr;
+    }
     size_t len = 0;
-    duet_status_t st = duet_frame_encode(env, wr->data, n, &len);
+    duet_status_t st = duet_frame_encode(env, c->cork->data + have, n, &len);
     if (st < 0) {
-        free(wr);
+        if (have == 0) {
+            free(c->cork);
+            c->cork = NULL;
+        }
         return st;
     }
-    wr->conn = c;
-    wr->buf = uv_buf_init((char *)wr->data, (unsigned)len);
-    int rc = uv_write(&wr->req, (uv_stream_t *)&c->tcp, &wr->buf, 1, reg_write_done);
-    if (rc < 0) {
-        free(wr);
-        return DUET_FAIL(DUET_ERR_TRANSPORT, "registry: write to %s: %s", c->peer, uv_strerror(rc));
-    }
-    c->writes_pending++;
+    c->cork->buf.len = (unsigned)(have + len);
+    if (have == 0)
+        uv_check_start(&c->reg->check, reg_on_check);
     return DUET_OK;
 }
 
@@ -649,6 +699,9 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
     uv_timer_init(loop, &reg->timer);
     reg->timer.data = reg;
     reg->open_handles++;
+    uv_check_init(loop, &reg->check);
+    reg->check.data = reg;
+    reg->open_handles++;
     uint64_t period = opts->heartbeat_timeout_ms / 4;
     if (period < 10)
         period = 10;
@@ -688,10 +741,13 @@ void duet_registry_close(duet_registry_t *reg, duet_registry_close_cb cb, void *
         if (w->info.id != 0)
             w->info.state = DUET_WORKER_STATE_DEAD;
     }
-    for (reg_conn_t *c = reg->conns; c != NULL; c = c->next)
+    for (reg_conn_t *c = reg->conns; c != NULL; c = c->next) {
+        reg_conn_uncork(c); /* what this turn sent (a Cancel) still goes out */
         reg_conn_close(c);
+    }
     uv_timer_stop(&reg->timer);
     uv_close((uv_handle_t *)&reg->timer, reg_handle_closed);
+    uv_close((uv_handle_t *)&reg->check, reg_handle_closed);
     uv_close((uv_handle_t *)&reg->listener, reg_handle_closed);
 }
 

@@ -16,8 +16,11 @@
  *  - Server-initiated closes send a FIN after the last response and then drain the client's
  *    unread bytes for linger_ms, so the client sees the response (e.g. a 413 sent before the
  *    body was read) instead of a reset.
- * - Writes try uv_try_write first and queue only the unsent rest with uv_write (docs/platform.md
- * "libuv 1.44": one syscall fewer per response).
+ * - Writes are corked: the bytes for a connection collect in its cork and go out from a uv_check
+ *   callback at the end of the loop turn (before a FIN, at once), so a burst of stream chunks
+ *   (a worker's Tokens frames for many tokens, read at once) costs one syscall, not one each.
+ *   Then uv_try_write first and only the unsent rest queued with uv_write (docs/platform.md
+ *   "libuv 1.44": one syscall fewer per response).
  */
 #include "router/http/http.h"
 
@@ -46,10 +49,12 @@ struct duet_http_server {
     uv_tcp_t listener;
     uv_timer_t grace_timer;
     uv_idle_t resume_idle;
+    uv_check_t cork_check; /* flushes srv->corked at the end of each loop turn */
     duet_http_options_t opts;
     http_parser_settings settings;
     duet__http_link_t conns;  /* every http_conn_t not yet freed */
     duet__http_link_t resume; /* connections whose parsing waits to resume */
+    duet__http_link_t corked; /* connections with bytes in their cork */
     size_t n_open;            /* http_conn_t alive (rejected ones included) */
     size_t n_active;          /* accepted connections not yet closing */
     uint64_t next_id;
@@ -314,19 +319,22 @@ static void conn_on_write(uv_write_t *w, int status)
 }
 
 /*
- * Hand bufs to the socket: uv_try_write first, the unsent rest copied into one uv_write.
+ * Hand the cork to the socket: uv_try_write first, the unsent rest copied into one uv_write.
  * A write error closes the connection (which aborts what is in flight).
  */
-static void conn_send(http_conn_t *conn, const uv_buf_t *bufs, unsigned n)
+static void conn_uncork(http_conn_t *conn)
 {
+    if (conn->cork_len == 0)
+        return;
+    link_remove(&conn->cork_link);
+    const size_t total = conn->cork_len;
+    conn->cork_len = 0;
+    conn->out_bytes -= total;
     if (conn->closing)
         return;
-    size_t total = 0;
-    for (unsigned i = 0; i < n; i++)
-        total += bufs[i].len;
-    if (total == 0)
-        return;
-    metric_add(conn->srv->m_bytes_out, (double)total);
+    uv_buf_t one = uv_buf_init(conn->cork, (unsigned)total);
+    const uv_buf_t *bufs = &one;
+    const unsigned n = 1;
     int r = uv_try_write((uv_stream_t *)&conn->tcp, bufs, n);
     if (r == UV_EAGAIN || r == UV_ENOSYS) {
         r = 0;
@@ -366,6 +374,48 @@ static void conn_send(http_conn_t *conn, const uv_buf_t *bufs, unsigned n)
         return;
     }
     conn->out_bytes += rest;
+}
+
+static void server_on_cork_check(uv_check_t *check)
+{
+    duet_http_server_t *srv = check->data;
+    while (srv->corked.next != &srv->corked) {
+        http_conn_t *conn = CONN_OF(srv->corked.next, cork_link);
+        conn_uncork(conn); /* a closed conn is freed by its close callback, not here */
+        if (conn->cork_cap > 64 * 1024) { /* a big response once: do not keep its buffer */
+            free(conn->cork);
+            conn->cork = NULL;
+            conn->cork_cap = 0;
+        }
+    }
+    uv_check_stop(check);
+}
+
+/* Queue bytes for the socket in the connection's cork (sent at the end of the loop turn). */
+static void conn_send(http_conn_t *conn, const uv_buf_t *bufs, unsigned n)
+{
+    if (conn->closing)
+        return;
+    size_t total = 0;
+    for (unsigned i = 0; i < n; i++)
+        total += bufs[i].len;
+    if (total == 0)
+        return;
+    metric_add(conn->srv->m_bytes_out, (double)total);
+    if (!grow(&conn->cork, &conn->cork_cap, conn->cork_len + total)) {
+        DUET_LOG_ERROR("http: out of memory queueing %zu bytes to %s", total, conn->peer);
+        conn_close(conn);
+        return;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        memcpy(conn->cork + conn->cork_len, bufs[i].base, bufs[i].len);
+        conn->cork_len += bufs[i].len;
+    }
+    conn->out_bytes += total;
+    if (conn->cork_len == total) { /* it was empty: not listed yet */
+        link_push(&conn->srv->corked, &conn->cork_link);
+        uv_check_start(&conn->srv->cork_check, server_on_cork_check);
+    }
 }
 
 /* Emit response bytes of req: straight to the socket at the queue head, else buffered. */
@@ -1341,6 +1391,9 @@ static void conn_finish(http_conn_t *conn)
         link_remove(&conn->resume_link);
         conn->resume_queued = false;
     }
+    conn_uncork(conn); /* the FIN follows the last byte */
+    if (conn->closing)
+        return;
     conn->shutdown_req.data = conn;
     int e = uv_shutdown(&conn->shutdown_req, (uv_stream_t *)&conn->tcp, conn_on_shutdown);
     if (e < 0) {
@@ -1374,6 +1427,7 @@ static void conn_destroy(http_conn_t *conn)
     conn->q_len = 0;
     req_free(conn->cur);
     free(conn->pend);
+    free(conn->cork);
     link_remove(&conn->link);
     srv->n_open--;
     free(conn);
@@ -1394,6 +1448,9 @@ static void conn_close(http_conn_t *conn)
         return;
     conn->closing = true;
     duet_http_server_t *srv = conn->srv;
+    link_remove(&conn->cork_link); /* a hard close drops what is not sent */
+    conn->out_bytes -= conn->cork_len;
+    conn->cork_len = 0;
     for (duet_http_request_t *r = conn->q_head; r != NULL; r = r->next)
         if (!r->ended)
             r->aborted = true;
@@ -1443,6 +1500,7 @@ static void server_on_connection(uv_stream_t *listener, int status)
     }
     conn->srv = srv;
     link_init(&conn->resume_link);
+    link_init(&conn->cork_link);
     uv_tcp_init(srv->loop, &conn->tcp);
     uv_timer_init(srv->loop, &conn->timer);
     conn->tcp.data = conn;
@@ -1525,6 +1583,7 @@ static void server_maybe_finish(duet_http_server_t *srv)
     srv->finishing = true;
     uv_close((uv_handle_t *)&srv->grace_timer, server_on_handle_close);
     uv_close((uv_handle_t *)&srv->resume_idle, server_on_handle_close);
+    uv_close((uv_handle_t *)&srv->cork_check, server_on_handle_close);
 }
 
 static void server_on_grace(uv_timer_t *t)
@@ -1571,6 +1630,7 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
     srv->opts = *opts;
     link_init(&srv->conns);
     link_init(&srv->resume);
+    link_init(&srv->corked);
     srv->settings.on_message_begin = on_message_begin;
     srv->settings.on_url = on_url;
     srv->settings.on_header_field = on_header_field;
@@ -1604,7 +1664,9 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
     srv->grace_timer.data = srv;
     uv_idle_init(loop, &srv->resume_idle);
     srv->resume_idle.data = srv;
-    srv->handles_open = 3;
+    uv_check_init(loop, &srv->cork_check);
+    srv->cork_check.data = srv;
+    srv->handles_open = 4;
     if (e != 0) {
         duet_status_t st = DUET_FAIL(DUET_ERR_IO, "http: listen on %s:%u: %s", opts->host,
                                      opts->port, uv_strerror(e));
@@ -1614,6 +1676,7 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
         uv_close((uv_handle_t *)&srv->listener, server_on_handle_close);
         uv_close((uv_handle_t *)&srv->grace_timer, server_on_handle_close);
         uv_close((uv_handle_t *)&srv->resume_idle, server_on_handle_close);
+        uv_close((uv_handle_t *)&srv->cork_check, server_on_handle_close);
         return st;
     }
     DUET_LOG_INFO("http: listening on %s:%u", opts->host, srv->port);

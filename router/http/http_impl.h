@@ -128,7 +128,12 @@ struct http_conn {
     http_rd_mode_t rd_mode;
     http_timer_kind_t timer_kind;
     uint64_t timer_deadline;
-    size_t out_bytes; /* unsent: pending uv_writes + bytes buffered in queued requests */
+    size_t out_bytes; /* unsent: pending uv_writes + bytes buffered in queued requests + cork */
+    /* bytes for the socket held to the end of the loop turn (srv->corked): what one turn's
+     * callbacks write to a connection (a burst of stream chunks) goes out in one syscall */
+    char *cork; /* heap, owned */
+    size_t cork_len, cork_cap;
+    duet__http_link_t cork_link; /* srv->corked while cork_len > 0 */
     int handles_open;
 
     bool reading;
