@@ -53,6 +53,7 @@
 #define BENCH_TICK_MS         100  /* timeout checks */
 #define BENCH_PROGRESS_MS     1000 /* progress line period */
 #define BENCH_MAX_REASONS     16   /* distinct failure reasons reported */
+#define BENCH_MAX_TOLS        32   /* --tolerance flags */
 
 /* The router counters read from /metrics before and after the run (docs/architecture.md,
  * "Admission, placement, drain, admin API, metrics"); the last two are the count and sum of the
@@ -93,6 +94,8 @@ typedef struct {
     long settle_ms;
     const char *json_path;
     const char *baseline_path;
+    serving_tol_t tols[BENCH_MAX_TOLS]; /* --tolerance, for a baseline run */
+    size_t n_tols;
     bool quiet;
 } bench_opts_t;
 
@@ -213,7 +216,10 @@ static const char bench_usage_text[] =
     "                          in one argument separated by spaces/commas or as following args)\n"
     "  --metrics-settle-ms MS  wait before the final /metrics scrape (default 1500)\n"
     "  --json FILE             write every metric and the configuration as JSON\n"
-    "  --baseline FILE         perf gates, exit 3 when one fails (format below)\n"
+    "  --baseline FILE         perf gates, exit 3 when one fails: a gates file, or an earlier\n"
+    "                          run's --json output (relative gates; both below)\n"
+    "  --tolerance M=+-P%      with a baseline run: metric M may rise (+) or drop (-) by P%\n"
+    "                          (repeatable; replaces M's default or gates one more metric)\n"
     "  --quiet                 no progress lines on stderr\n"
     "  -h, --help              this text\n"
     "  --version               the version, git commit and CUDA build\n"
@@ -247,6 +253,10 @@ static const char bench_usage_text[] =
     "   \"output_throughput\": {\"min\": 50}, \"mean_tpot_ms\": {\"min\": 1, \"max\": 200}}}\n"
     "  Each key is a top-level number of the --json output; min/max are inclusive. A gated metric\n"
     "  that is missing or null fails. Each gate prints PASS/FAIL with measured value and bound.\n"
+    "  A baseline run (an earlier --json): request / output / total token throughput may drop\n"
+    "  5%, the mean and median TTFT, TPOT, ITL and E2EL may rise 10%, error_rate may not rise\n"
+    "  (metrics the run measured); e.g. --tolerance output_throughput=-3% --tolerance\n"
+    "  p99_ttft_ms=+25%.\n"
     "\n"
     "exit: 0 ok, 1 run failed (no server/model, nothing completed), 2 usage, 3 a gate failed\n";
 
@@ -325,6 +335,7 @@ enum {
     OPT_SETTLE,
     OPT_JSON,
     OPT_BASELINE,
+    OPT_TOLERANCE,
     OPT_QUIET,
 };
 
@@ -350,6 +361,7 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         {"metrics-settle-ms", 1, 0, OPT_SETTLE},
         {"json", 1, 0, OPT_JSON},
         {"baseline", 1, 0, OPT_BASELINE},
+        {"tolerance", 1, 0, OPT_TOLERANCE},
         {"quiet", 0, 0, OPT_QUIET},
         {"help", 0, 0, 'h'},
         {"version", 0, 0, 'V'},
@@ -454,6 +466,13 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         case OPT_BASELINE:
             o->baseline_path = a;
             break;
+        case OPT_TOLERANCE:
+            if (o->n_tols == BENCH_MAX_TOLS)
+                return bench_usage_error("--tolerance: at most %d", BENCH_MAX_TOLS);
+            if (serving_tol_parse(a, &o->tols[o->n_tols]) != DUET_OK)
+                return bench_usage_error("--tolerance: %s", duet_error_last());
+            o->n_tols++;
+            break;
         case OPT_QUIET:
             o->quiet = true;
             break;
@@ -465,6 +484,8 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
     }
     if (optind < argc)
         return bench_usage_error("unexpected argument \"%s\"", argv[optind]);
+    if (o->n_tols > 0 && o->baseline_path == NULL)
+        return bench_usage_error("--tolerance needs --baseline with an earlier run's --json");
     if (!bench_parse_url(o->url, o->host, sizeof(o->host), &o->port))
         return bench_usage_error("--url must be http://HOST[:PORT], not \"%s\"", o->url);
     if (o->prompts_file != NULL && o->random_prompt_len > 0)
@@ -1102,13 +1123,25 @@ static void bench_print(const json_t *res, const serving_summary_t *s)
 
 /* ---------------------------------------------------------------- main */
 
-/* Load and validate the baseline before any load is sent. Exit code on failure, else -1. */
-static int bench_load_baseline(const char *path, serving_gates_t *g)
+/*
+ * Load and validate the baseline before any load is sent: a gates file, or an earlier run's
+ * results with o's tolerances. Exit code on failure, else -1.
+ */
+static int bench_load_baseline(const bench_opts_t *o, serving_gates_t *g)
 {
+    const char *path = o->baseline_path;
     json_t *root = NULL;
-    duet_status_t st = duet_json_load_file(path, 1u << 20, &root);
+    duet_status_t st = duet_json_load_file(path, 16u << 20, &root);
     if (st == DUET_OK) {
-        st = serving_gates_parse(root, path, g);
+        if (serving_gates_is_run(root))
+            st = serving_gates_from_run(root, path, o->tols, o->n_tols, g);
+        else if (o->n_tols > 0)
+            st = duet_error_set(DUET_ERR_INVALID,
+                                "%s is a gates file: --tolerance applies to an earlier run's "
+                                "--json output",
+                                path);
+        else
+            st = serving_gates_parse(root, path, g);
         json_decref(root);
     }
     if (st != DUET_OK) {
@@ -1134,7 +1167,7 @@ int main(int argc, char **argv)
     json_t *res = NULL;
     rc = BENCH_EXIT_RUN;
 
-    if (o.baseline_path != NULL && (rc = bench_load_baseline(o.baseline_path, &gates)) >= 0)
+    if (o.baseline_path != NULL && (rc = bench_load_baseline(&o, &gates)) >= 0)
         goto out;
     rc = BENCH_EXIT_USAGE;
     duet_status_t st;

@@ -116,6 +116,120 @@ fail:
     return st;
 }
 
+/* The defaults of a baseline run: which way each metric may move, and how far. */
+static const struct {
+    const char *metric;
+    double tol;
+} gates_default_tols[] = {
+    {"error_rate", 0.0},          {"request_throughput", -0.05},
+    {"output_throughput", -0.05}, {"total_token_throughput", -0.05},
+    {"mean_ttft_ms", 0.10},       {"median_ttft_ms", 0.10},
+    {"mean_tpot_ms", 0.10},       {"median_tpot_ms", 0.10},
+    {"mean_itl_ms", 0.10},        {"median_itl_ms", 0.10},
+    {"mean_e2el_ms", 0.10},       {"median_e2el_ms", 0.10},
+};
+
+duet_status_t serving_tol_parse(const char *arg, serving_tol_t *out)
+{
+    const char *eq = strchr(arg, '=');
+    if (eq == NULL || eq == arg || (size_t)(eq - arg) >= sizeof(out->metric))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "tolerance \"%s\": expected METRIC=-5%% (may drop) or "
+                              "METRIC=+10%% (may rise)",
+                              arg);
+    const char *v = eq + 1;
+    char *end = NULL;
+    double x = strtod(v, &end);
+    bool pct = end != v && *end == '%';
+    if (end == v || (pct ? end[1] != '\0' : *end != '\0') || !isfinite(x))
+        return duet_error_set(DUET_ERR_INVALID, "tolerance \"%s\": \"%s\" is not a number", arg, v);
+    if (pct)
+        x /= 100.0;
+    if (x < -1.0 || x > 100.0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "tolerance \"%s\": a drop is at most 100%% and a rise at most "
+                              "10000%%",
+                              arg);
+    memcpy(out->metric, arg, (size_t)(eq - arg));
+    out->metric[eq - arg] = '\0';
+    out->tol = x;
+    return DUET_OK;
+}
+
+bool serving_gates_is_run(const json_t *root)
+{
+    return json_is_object(root) && !json_is_object(json_object_get(root, "gates")) &&
+           json_is_integer(json_object_get(root, "completed")) &&
+           json_object_get(root, "output_throughput") != NULL;
+}
+
+/* Append the relative gate metric = ref x (1 + tol) to g (capacity checked by the caller). */
+static duet_status_t gates_add_relative(serving_gates_t *g, const char *metric, double ref,
+                                        double tol)
+{
+    for (size_t i = 0; i < g->n; i++)
+        if (strcmp(g->gates[i].metric, metric) == 0) { /* a tolerance replacing a default */
+            g->gates[i].tol = tol;
+            g->gates[i].has_min = tol < 0;
+            g->gates[i].has_max = tol >= 0;
+            g->gates[i].min = g->gates[i].max = ref * (1.0 + tol);
+            return DUET_OK;
+        }
+    serving_gate_t *gt = &g->gates[g->n];
+    gt->metric = strdup(metric);
+    if (gt->metric == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "gate name");
+    gt->relative = true;
+    gt->ref = ref;
+    gt->tol = tol;
+    gt->has_min = tol < 0;
+    gt->has_max = tol >= 0;
+    gt->min = gt->max = ref * (1.0 + tol);
+    g->n++;
+    return DUET_OK;
+}
+
+duet_status_t serving_gates_from_run(const json_t *run, const char *source,
+                                     const serving_tol_t *tols, size_t n_tols,
+                                     serving_gates_t *out_p)
+{
+    const size_t n_def = sizeof(gates_default_tols) / sizeof(gates_default_tols[0]);
+    serving_gates_t g = {.gates = calloc(n_def + n_tols, sizeof(serving_gate_t)), .n = 0};
+    if (g.gates == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "%s: gates", source);
+    duet_status_t st = DUET_OK;
+    for (size_t i = 0; i < n_def; i++) {
+        json_t *v = json_object_get(run, gates_default_tols[i].metric);
+        if (!json_is_number(v) || !isfinite(json_number_value(v)))
+            continue; /* not measured in the baseline run (e.g. TPOT of one-token answers) */
+        if ((st = gates_add_relative(&g, gates_default_tols[i].metric, json_number_value(v),
+                                     gates_default_tols[i].tol)) != DUET_OK)
+            goto fail;
+    }
+    for (size_t i = 0; i < n_tols; i++) {
+        json_t *v = json_object_get(run, tols[i].metric);
+        if (!json_is_number(v) || !isfinite(json_number_value(v))) {
+            st = duet_error_set(DUET_ERR_FORMAT,
+                                "%s: the baseline run has no number for \"%s\" to gate against",
+                                source, tols[i].metric);
+            goto fail;
+        }
+        if ((st = gates_add_relative(&g, tols[i].metric, json_number_value(v), tols[i].tol)) !=
+            DUET_OK)
+            goto fail;
+    }
+    if (g.n == 0) {
+        st = duet_error_set(DUET_ERR_FORMAT, "%s: the baseline run measured nothing to gate on",
+                            source);
+        goto fail;
+    }
+    *out_p = g;
+    return DUET_OK;
+fail:
+    serving_gates_free(&g);
+    return st;
+}
+
 bool serving_gate_eval(const serving_gate_t *g, const json_t *results, double *value_p, char *why,
                        size_t cap)
 {
@@ -152,10 +266,14 @@ size_t serving_gates_check(const serving_gates_t *g, const json_t *results, duet
     size_t failed = 0;
     for (size_t i = 0; i < g->n; i++) {
         const serving_gate_t *gt = &g->gates[i];
-        char why[128], bounds[96];
+        char why[128], bounds[160];
         double v = NAN;
         bool pass = serving_gate_eval(gt, results, &v, why, sizeof(why));
-        if (gt->has_min && gt->has_max)
+        if (gt->relative)
+            snprintf(bounds, sizeof(bounds), "%s %g = baseline %g %c %g%%",
+                     gt->has_min ? "min" : "max", gt->has_min ? gt->min : gt->max, gt->ref,
+                     gt->tol < 0 ? '-' : '+', fabs(gt->tol) * 100.0);
+        else if (gt->has_min && gt->has_max)
             snprintf(bounds, sizeof(bounds), "min %g, max %g", gt->min, gt->max);
         else if (gt->has_min)
             snprintf(bounds, sizeof(bounds), "min %g", gt->min);

@@ -4,7 +4,8 @@
  *
  * Checks the JSON of a closed-loop run (completed, failed, output tokens = usage counts, TTFT,
  * TPOT measured against the workers' 20 ms per-token delay), the exit codes of a failing (3) and
- * a passing (0) baseline, a malformed baseline (2, before any load), the chat endpoint with
+ * a passing (0) baseline, an earlier run as the baseline (relative gates, 3 and 0), a malformed
+ * baseline (2, before any load), the chat endpoint with
  * Poisson arrivals, and a server that is not there (every request fails with a reason, exit 1).
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
@@ -344,6 +345,49 @@ Test(bench_serving, closed_loop_json_tpot_and_gates, .timeout = 240)
         "--prompts",     prompts, "--metrics-settle-ms", "0", "--baseline",   pass, NULL};
     rc = run_bench("bench3.log", gate_pass);
     cr_assert_eq(rc, 0, "passing gates: exit %d (log %s/bench3.log)", rc, tdir);
+
+    /* an earlier run as the baseline (relative gates): the first run's JSON made unbeatable
+     * (throughput x 1e6) fails with exit 3; made easy (throughputs / 1e6, latencies x 1e6) and
+     * with a tolerance for one more metric, it passes */
+    json_t *base = load_json("out.json");
+    json_t *easy = json_deep_copy(base);
+    json_object_set_new(base, "output_throughput", json_real(num(base, "output_throughput") * 1e6));
+    cr_assert_eq(json_dump_file(base, fail, 0), 0);
+    const char *names[] = {"request_throughput", "output_throughput", "total_token_throughput"};
+    for (size_t i = 0; i < 3; i++)
+        json_object_set_new(easy, names[i], json_real(num(easy, names[i]) / 1e6));
+    const char *lat[] = {"mean_ttft_ms",   "median_ttft_ms", "mean_tpot_ms",
+                         "median_tpot_ms", "mean_itl_ms",    "median_itl_ms",
+                         "mean_e2el_ms",   "median_e2el_ms", "p99_e2el_ms"};
+    for (size_t i = 0; i < sizeof(lat) / sizeof(lat[0]); i++)
+        json_object_set_new(easy, lat[i], json_real(num(easy, lat[i]) * 1e6));
+    cr_assert_eq(json_dump_file(easy, pass, 0), 0);
+    json_decref(base);
+    json_decref(easy);
+    rc = run_bench("bench5.log", gate_fail); /* --baseline fail.json: now a run */
+    cr_assert_eq(rc, 3, "a baseline run out of reach: exit %d (log %s/bench5.log)", rc, tdir);
+    cr_assert(file_has("bench5.log", "FAIL output_throughput", 0), "log %s/bench5.log", tdir);
+    cr_assert(file_has("bench5.log", "- 5%)", 0), "no relative bound (log %s/bench5.log)", tdir);
+    const char *run_pass[] = {"--concurrency",
+                              "4",
+                              "--num-prompts",
+                              "4",
+                              "--max-tokens",
+                              "4",
+                              "--ignore-eos",
+                              "--prompts",
+                              prompts,
+                              "--baseline",
+                              pass,
+                              "--tolerance",
+                              "p99_e2el_ms=+10%",
+                              "--metrics-settle-ms",
+                              "0",
+                              NULL};
+    rc = run_bench("bench6.log", run_pass);
+    cr_assert_eq(rc, 0, "an easy baseline run: exit %d (log %s/bench6.log)", rc, tdir);
+    cr_assert(file_has("bench6.log", "PASS p99_e2el_ms", 0), "log %s/bench6.log", tdir);
+    cr_assert(file_has("bench6.log", "PASS mean_ttft_ms", 0), "log %s/bench6.log", tdir);
 
     /* a malformed baseline: usage error before any request */
     put_file("bad.json", "{\"gates\": {\"error_rate\": {\"max\": \"zero\"}}}");
