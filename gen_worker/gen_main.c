@@ -1350,6 +1350,15 @@ static duet_status_t gen_group(duet_worker_t *w, duet_model_opts_t *mo)
     mo->comm = comm;
     mo->helix_cp = cp;
     mo->helix_tp = tp;
+    /* a group computes on the cpu backend only: `auto` means that one even beside a GPU (an
+     * explicit `cuda` is refused by the model, saying why) */
+    if (strcmp(duet_config_get_enum(w->cfg, "device"), "auto") == 0 &&
+        mo->device != DUET_DEVICE_CPU) {
+        mo->device = DUET_DEVICE_CPU;
+        if (rank == 0)
+            DUET_LOG_WARN("device auto: a generation group computes on the cpu backend (no "
+                          "sharded forward on cuda yet), so the group runs on the CPU");
+    }
     if (rank != 0) /* a follower's log lines say which rank they come from */
         snprintf(w->name, sizeof(w->name), "rank %d", rank);
     DUET_LOG_INFO("generation group: rank %d of cp %d x tp %d", rank, cp, tp);

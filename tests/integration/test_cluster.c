@@ -637,7 +637,8 @@ static void reference(job_t *j)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
                   "--temperature", "0.8", "--top-p", "0.95", "--seed", seed, "--spec.method",
-                  spec_method, "--spec.k", spec_k, "--spec.draft-model", DRAFT, (char *)NULL);
+                  spec_method, "--spec.k", spec_k, "--spec.draft-model", DRAFT, "--device", "cpu",
+                  (char *)NULL); /* verify rows are CPU-only, as on the workers (speculate) */
         if (j->seed > 0)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
@@ -1330,7 +1331,9 @@ Test(cluster, drain_migrate_moves_requests_mid_decode, .timeout = 240)
 static job_t *fault_start(job_t *j, pthread_t *th, int seed)
 {
     memset(j, 0, sizeof(*j));
-    prompt_of(j, seed, 40, 300);
+    /* long enough to still be decoding when the move starts on a fast host (one CPU thread of
+     * a 16-core machine decodes the demo model at ~500 tokens/s) */
+    prompt_of(j, seed, 40, 1500);
     j->stream = 1;
     j->ignore_eos = 1;
     reference(j);
