@@ -232,6 +232,11 @@ static void w_heartbeat(duet_worker_t *w)
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
     /* a group's pages: rank 0 holds the largest share of every sequence, cp ranks share them */
     hb.free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
+    duet_kda_pool_t *kda = duet_model_kda_pool(w->m);
+    if (kda != NULL) {
+        hb.free_state_slots = (uint32_t)duet_kda_pool_n_free(kda);
+        hb.state_slots = (uint32_t)duet_kda_pool_desc(kda)->n_slots;
+    }
     hb.draining = w->draining || w->leaving;
     hb.prefill_tokens = w->prefill_tokens;
     w->ops->heartbeat(w, &hb);

@@ -385,6 +385,8 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
     case DUET__ENVELOPE__BODY_HEARTBEAT: {
         const Duet__Heartbeat *hb = env->heartbeat;
         w->info.free_pages = hb->free_pages;
+        w->info.free_state_slots = hb->free_state_slots;
+        w->info.state_slots = hb->state_slots;
         w->info.running = hb->running;
         w->info.queued = hb->queued;
         w->info.queued_tokens = hb->queued_tokens;
