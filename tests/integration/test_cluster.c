@@ -14,6 +14,9 @@
  *   ctx_killed_during_prefill_is_retried  kill -9 of the context worker that is prefilling:
  *        the request is prefilled again on the other one and still equals duet-generate;
  *        with no other context worker it fails with a clear error; no pages leak
+ *   ctx_stopped_mid_transfer_fails_with_the_reservations_end  SIGTERM of the context worker
+ *        whose transfer is held (test.xfer_hold_ms): the request fails at once with the gen
+ *        worker's reason (a retry on the other one is cancelled), no pages leak
  *   gen_killed_fails_its_requests_router_stays_healthy  kill -9 of a generation worker mid-stream:
  *        its requests end with a clear error, the other worker's complete, /health stays 200 and
  *        new requests succeed; the router's cache-plan gauges are twice duet-gen
@@ -151,7 +154,7 @@ static int local_below = LOCAL_BELOW;
 /* the gen workers' cache.kv_pages in the next start_cluster */
 static int gen_pages = GEN_PAGES;
 /* extra flags for the router / every gen worker in the next start_cluster (NULL-ended) */
-static const char *router_extra[5], *gen_extra[5];
+static const char *router_extra[5], *gen_extra[5], *ctx_extra[3];
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -350,7 +353,9 @@ static int workers_idle(int expect_workers)
         if (helix_cp > 0 && wname != NULL && strncmp(wname, "gen-", 4) == 0 &&
             (helix_all || strcmp(wname, "gen-0") == 0))
             want *= helix_cp;
-        if (pages != want || run != 0)
+        const json_int_t slots = json_integer_value(json_object_get(load, "state_slots"));
+        if (pages != want || run != 0 ||
+            json_integer_value(json_object_get(load, "free_state_slots")) != slots || slots == 0)
             ok = 0;
     }
     json_decref(o);
@@ -449,7 +454,10 @@ static void start_cluster(int n_ctx, int n_gen)
                         "100",      "--transfer.checksum",
                         "--device", (char *)worker_device,
                         "--dtype",  "f32",
+                        NULL,       NULL, /* ctx_extra */
                         NULL};
+        for (size_t e = 0; ctx_extra[e] != NULL; e++)
+            argv[sizeof(argv) / sizeof(argv[0]) - 3 + e] = (char *)ctx_extra[e];
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -1101,6 +1109,41 @@ Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
     cr_expect(strstr(k.got_text, "prefill failed") != NULL, "a clear error: %s", k.got_text);
     free(k.got_text);
     wait_idle(1, 15000);
+    stop_all();
+}
+
+/*
+ * A context worker stopped while it holds a prompt's transfer (test.xfer_hold_ms) aborts it, and
+ * the generation worker ends the reservation: the request fails at once with that reason. It
+ * once was prefilled again on the other context worker, into the ended reservation (the retry's
+ * puts reach quarantined pages; it failed later as "no such reservation", or after its first
+ * token as "PrefillDone for a request with no reservation"). Found by bench/soak.
+ */
+Test(cluster, ctx_stopped_mid_transfer_fails_with_the_reservations_end, .timeout = 120)
+{
+    static const char *hold[] = {"--test.xfer_hold_ms", "60000", NULL};
+    memcpy(ctx_extra, hold, sizeof(hold));
+    start_cluster(2, 1);
+    ctx_extra[0] = NULL;
+    job_t j = {0};
+    prompt_of(&j, 5, 200, 16);
+    pthread_t th;
+    pthread_create(&th, NULL, run_job, &j);
+    const int victim = busy_ctx(2, 10000);
+    cr_assert_geq(victim, 0, "no ctx worker took the prefill");
+    char name[16];
+    snprintf(name, sizeof(name), "ctx-%d", victim);
+    usleep(300000); /* prefilled: the puts are held */
+    const uint64_t t0 = now_ms();
+    kill(pid_of(name), SIGTERM); /* shutdown.drain_s 0: stops now, aborting the transfer */
+    pthread_join(th, NULL);
+    cr_expect_eq(j.status, 502, "HTTP %d: %s", j.status, j.got_text);
+    cr_expect(strstr(j.got_text, "the KV cache transfer was aborted") != NULL,
+              "the gen worker's reason: %s", j.got_text);
+    cr_expect_lt(j.done_ms - t0, 5000, "failed at once: %llu ms",
+                 (unsigned long long)(j.done_ms - t0));
+    free(j.got_text);
+    wait_idle(2, 15000);
     stop_all();
 }
 
