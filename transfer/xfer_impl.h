@@ -191,7 +191,8 @@ struct duet_xfer_ctx {
     uint64_t sweeps;
     bool dirty; /* something changed inside a UCX callback */
     bool destroying;
-    bool no_peer_err;  /* PEER error mode was unreachable once: go straight to NONE */
+    bool no_peer_err;  /* UCX_TLS has no transport that detects a dead peer: every endpoint
+                          without error handling (duet__xfer_peer_get) */
     XXH3_state_t *xxh; /* owned, checksum scratch */
 
     struct {
