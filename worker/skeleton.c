@@ -200,6 +200,27 @@ static void w_on_closed(const char *reason, void *user)
     w_stop(user, reason);
 }
 
+/*
+ * The process did not run for longer than the router's heartbeat timeout (stopped, or starved):
+ * the router has dropped this worker and failed its requests, and its peers have failed their UCX
+ * endpoints to it. Leave at once, without touching UCX again: UCX 1.13 aborts the process when a
+ * put that arrived meanwhile is to be acknowledged on such an endpoint (bench/soak, a generation
+ * worker stopped past the timeout). Exit status 0, as for a router that went away; a group's rank
+ * 0 aborts the job instead, so that no follower waits for it.
+ */
+static void w_frozen(void *user, uint64_t gap_ms)
+{
+    duet_worker_t *w = user;
+    DUET_LOG_WARN("stopping: this process did not run for %llu ms, longer than the router's "
+                  "heartbeat timeout (%u ms): the router has dropped it; leaving without touching "
+                  "UCX again",
+                  (unsigned long long)gap_ms, w->pump.frozen_ms);
+    fflush(NULL);
+    if (w->group != NULL)
+        duet_group_abort(w->group, 1);
+    _exit(0);
+}
+
 void duet_worker_group_failed(duet_worker_t *w)
 {
     if (w->group == NULL || !duet_group_broken(w->group) || w->stopping)
@@ -537,6 +558,9 @@ static duet_status_t w_start(duet_worker_t *w)
     uint64_t wid = 0;
     if ((st = duet_link_open(w->loop, &lo, &w->link, &wid)) != DUET_OK)
         return st;
+    w->pump.frozen_ms = duet_link_router_timeout_ms(w->link);
+    w->pump.on_frozen = w_frozen;
+    w->pump.frozen_user = w;
     DUET_LOG_INFO("%s registered with the router at %s as worker %llu (%u KV pages of %u tokens, "
                   "%u sequences, %u tokens per step)",
                   w->name, lo.router, (unsigned long long)wid, cap.kv_pages, cap.page_tokens,

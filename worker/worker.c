@@ -188,6 +188,11 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
 
 void duet_worker_pump_progress(duet_worker_pump_t *p)
 {
+    const uint64_t now = uv_hrtime() / 1000000;
+    if (p->frozen_ms > 0 && p->on_frozen != NULL && p->last_ms > 0 &&
+        now - p->last_ms > p->frozen_ms)
+        p->on_frozen(p->frozen_user, now - p->last_ms);
+    p->last_ms = now;
     while (duet_xfer_ctx_progress(p->x) > 0) {
     }
 }

@@ -299,6 +299,7 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
     ack.accepted = true;
     ack.reason = "";
     ack.worker_id = i->id;
+    ack.heartbeat_timeout_ms = reg->opts.heartbeat_timeout_ms;
     Duet__Envelope env = duet_envelope_register_ack(&ack);
     if (reg_conn_send(c, &env) < 0) {
         reg_worker_dead(reg, w, "could not send RegisterAck");
