@@ -563,11 +563,14 @@ void duet__xfer_drop_ranks(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
             if (x->ranks[r].rkey[k] != NULL && x->ranks[r].rkey_own[k])
                 ucp_rkey_destroy(x->ranks[r].rkey[k]);
             x->ranks[r].rkey[k] = NULL;
+            x->ranks[r].key[k] = NULL;
         }
         duet__xfer_peer_put(ctx, x->ranks[r].peer);
         x->ranks[r].peer = -1;
     }
     x->n_ranks = 0;
+    free(x->keys);
+    x->keys = NULL;
 }
 
 void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_kind_t kind)
