@@ -203,10 +203,13 @@ static void w_on_closed(const char *reason, void *user)
 /*
  * The process did not run for longer than the router's heartbeat timeout (stopped, or starved):
  * the router has dropped this worker and failed its requests, and its peers have failed their UCX
- * endpoints to it. Leave at once, without touching UCX again: UCX 1.13 aborts the process when a
- * put that arrived meanwhile is to be acknowledged on such an endpoint (bench/soak, a generation
- * worker stopped past the timeout). Exit status 0, as for a router that went away; a group's rank
- * 0 aborts the job instead, so that no follower waits for it.
+ * endpoints to it. Leave at once, without touching UCX again. bench/soak found both ways that went
+ * wrong: UCX 1.13 aborted a generation worker when a put that arrived meanwhile was to be
+ * acknowledged on such an endpoint; and a context worker stopped mid-step went on with the step
+ * and put a prefill whose reservation had long ended into pages the generation worker had given
+ * to another request (a wrong answer). So the layer hook, the step's end and the tick check too,
+ * before any put. Exit status 0, as for a router that went away; a group's rank 0 aborts the job
+ * instead, so that no follower waits for it.
  */
 static void w_frozen(void *user, uint64_t gap_ms)
 {
@@ -315,6 +318,7 @@ static void w_step(uv_idle_t *h)
     duet_status_t st = w->group != NULL ? duet_group_forward(w->group, w->m, w->items, n)
                                         : duet_model_forward(w->m, w->items, n);
     w->in_step = false;
+    duet_worker_pump_check_frozen(&w->pump); /* before step_done puts */
     if (st != DUET_OK && w->group != NULL && duet_group_broken(w->group)) {
         w->n_deferred = 0;           /* their requests end below */
         duet_worker_group_failed(w); /* every request, the step's too, ends naming the group */
@@ -362,6 +366,7 @@ static void w_leave_tick(duet_worker_t *w)
 static void w_tick(uv_timer_t *t)
 {
     duet_worker_t *w = t->data;
+    duet_worker_pump_check_frozen(&w->pump); /* timers run first when it runs again */
     if (w->group != NULL && duet_group_broken(w->group)) {
         duet_worker_group_failed(w);
         return;
@@ -379,6 +384,7 @@ static void w_tick(uv_timer_t *t)
 static void w_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
 {
     duet_worker_t *w = user;
+    duet_worker_pump_check_frozen(&w->pump); /* before on_layer puts */
     if (w->link != NULL && !w->stopping && duet_worker_now() - w->last_hb >= w->hb_period_s)
         w_heartbeat(w);
     if (mla >= 0 && w->ops->on_layer != NULL)

@@ -143,7 +143,8 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l);
 /*
  * UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines.
  * frozen_ms > 0: when more than that passed since the last progress (the process was stopped or
- * starved that long), on_frozen runs first, before UCX is touched again.
+ * starved that long), on_frozen runs first, before UCX is touched again (progress checks it;
+ * duet_worker_pump_check_frozen for the callers that put).
  */
 typedef struct {
     duet_xfer_ctx_t *x;
@@ -160,6 +161,9 @@ typedef struct {
 duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p);
 /* Progress UCX until it has nothing left to do now (layer hooks call it inside long steps). */
 void duet_worker_pump_progress(duet_worker_pump_t *p);
+/* on_frozen when more than frozen_ms passed since the last progress: before anything that may
+ * start a UCX operation (a put) outside progress. */
+void duet_worker_pump_check_frozen(duet_worker_pump_t *p);
 /* Close the handles (run the loop afterwards to finish closing). */
 void duet_worker_pump_stop(duet_worker_pump_t *p);
 
