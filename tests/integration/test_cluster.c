@@ -14,6 +14,9 @@
  *   ctx_killed_during_prefill_is_retried  kill -9 of the context worker that is prefilling:
  *        the request is prefilled again on the other one and still equals duet-generate;
  *        with no other context worker it fails with a clear error; no pages leak
+ *   a_stopped_ctx_worker_puts_into_no_reused_page  a context worker stopped 2 s (under the
+ *        heartbeat timeout) while its transfer is held and its client leaves: a local request
+ *        decoding meanwhile still equals duet-generate (no late put lands in its pages)
  *   ctx_stopped_mid_transfer_fails_with_the_reservations_end  SIGTERM of the context worker
  *        whose transfer is held (test.xfer_hold_ms): the request fails at once with the gen
  *        worker's reason (a retry on the other one is cancelled), no pages leak
@@ -1145,6 +1148,57 @@ Test(cluster, ctx_stopped_mid_transfer_fails_with_the_reservations_end, .timeout
     free(j.got_text);
     wait_idle(2, 15000);
     stop_all();
+}
+
+/*
+ * A context worker stopped (SIGSTOP, 2 s: under the router's heartbeat timeout, so it stays)
+ * while its transfer is held; the client leaves, so the gen worker quarantines the reservation
+ * (cache.quarantine_ms 500 here) and a short local request then decodes on the gen worker. When
+ * the context worker runs again its timer puts the held transfer before it reads its Cancel: the
+ * reservation's pages and state slot must not have gone to the new request (they once had, the
+ * pool handing out the last freed first, and its answer went wrong; bench/soak saw it). The
+ * quarantine now lasts at least the router's heartbeat timeout, past which a stopped worker puts
+ * nothing (it leaves as it runs again).
+ */
+Test(cluster, a_stopped_ctx_worker_puts_into_no_reused_page, .timeout = 120)
+{
+    static const char *hold[] = {"--test.xfer_hold_ms", "1000", NULL};
+    memcpy(ctx_extra, hold, sizeof(hold));
+    gen_pages = 48;
+    start_cluster(1, 1);
+    ctx_extra[0] = NULL;
+    job_t b = {0};
+    prompt_of(&b, 9, 10, 400); /* local: below placement.local_prefill_tokens */
+    b.stream = 1;
+    b.ignore_eos = 1;
+    reference(&b);
+    char prompt[256], ps[512], body[1024];
+    for (int i = 0; i < 200; i++)
+        prompt[i] = corpus[(i * 7) % strlen(corpus)];
+    prompt[200] = '\0';
+    json_str(prompt, ps, sizeof(ps));
+    snprintf(body, sizeof(body),
+             "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":16,\"stream\":true}", ps);
+    int fd = http_send(http_port, "POST", "/v1/completions", body);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(busy_ctx(1, 10000), 0, "the ctx worker did not take the prompt");
+    usleep(300000); /* prefilled; its puts are held */
+    const pid_t ctx = pid_of("ctx-0");
+    kill(ctx, SIGSTOP);
+    close(fd); /* the client leaves: Cancel to both workers, quarantine on the gen worker */
+    usleep(900000);
+    pthread_t th;
+    pthread_create(&th, NULL, run_job, &b);
+    cr_assert_eq(busy_worker("gen-", 1, 10000), 0, "the local request did not start");
+    usleep(1000000);
+    kill(ctx, SIGCONT); /* its timer puts the held transfer, then it reads the Cancel */
+    pthread_join(th, NULL);
+    check_job(&b, 0);
+    free(b.want_text);
+    free(b.got_text);
+    wait_idle(2, 15000);
+    stop_all();
+    gen_pages = GEN_PAGES;
 }
 
 static void gen_killed_body(void)
