@@ -38,6 +38,10 @@ static const duet_config_key_t ctx_keys[] = {
      .min = "1", .max = "1048576"},
     {"batch.max_queue", DUET_CONFIG_INT, "256", "prompts waiting for a slot at most", .min = "0",
      .max = "1000000"},
+    {"test.xfer_hold_ms", DUET_CONFIG_INT, "0",
+     "fault injection for tests: a prompt's cache transfer puts no byte until this long after its "
+     "prefill finished (0 = none; bench/soak holds transfers past their deadline)",
+     .min = "0", .max = "600000"},
 };
 
 typedef enum {
@@ -55,11 +59,13 @@ typedef struct {
     bool last_in_step;
     double t_arrive;
     double t_admit; /* when its transfer started */
+    double put_at;  /* SENDING with test.xfer_hold_ms: when the puts start (0 = started) */
 } cr_t;
 
 static struct {
     int64_t open_seqs;
     bool checksum;
+    uint32_t hold_ms; /* test.xfer_hold_ms */
 } c;
 
 static cr_t *cr_at(const duet_worker_t *w, int64_t i)
@@ -181,10 +187,10 @@ static void ctx_on_xfer(duet_worker_t *w, duet_worker_req_t *q, const duet_xfer_
     duet_worker_update(w);
 }
 
-/* Layer hook: the step's finished prompts stream MLA layer `mla` now. */
+/* Layer hook: the step's finished prompts stream MLA layer `mla` now (unless held). */
 static void ctx_on_layer(duet_worker_t *w, int64_t mla)
 {
-    for (int64_t i = 0; i < w->n_reqs; i++) {
+    for (int64_t i = 0; c.hold_ms == 0 && i < w->n_reqs; i++) {
         cr_t *r = cr_at(w, i);
         if (r->base.phase == CR_PREFILL && r->last_in_step && r->base.xfer_live)
             (void)duet_xfer_send_layer_ready(w->x, r->base.xid, (uint32_t)mla);
@@ -350,7 +356,9 @@ static void ctx_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
         if (!last)
             continue;
         r->base.phase = CR_SENDING; /* the step drew the first token */
-        if (r->base.xfer_live)
+        if (c.hold_ms > 0)
+            r->put_at = duet_worker_now() + c.hold_ms / 1000.0; /* ctx_tick puts it all then */
+        else if (r->base.xfer_live)
             (void)duet_xfer_send_kda_ready(w->x, r->base.xid);
         DUET_RLOG_DEBUG(r->base.rid, "prefill done in %.1f ms since arrival",
                         (duet_worker_now() - r->t_arrive) * 1e3);
@@ -393,6 +401,12 @@ static void ctx_tick(duet_worker_t *w)
         cr_t *r = cr_at(w, i);
         if (r->base.phase == CR_FREE || r->ended)
             continue;
+        if (r->put_at > 0 && duet_worker_now() >= r->put_at && r->base.xfer_live) {
+            r->put_at = 0; /* test.xfer_hold_ms has passed: every layer, then the KDA state */
+            for (uint32_t l = 0; l < w->layout.n_mla_layers; l++)
+                (void)duet_xfer_send_layer_ready(w->x, r->base.xid, l);
+            (void)duet_xfer_send_kda_ready(w->x, r->base.xid);
+        }
         if (duet_worker_req_overdue(&r->base, wall)) {
             DUET_RLOG_WARN(r->base.rid, "deadline passed before the prefill finished");
             cr_end(w, r, DUET__TOKENS__FINISH_REASON__ERROR,
@@ -406,6 +420,7 @@ static void ctx_tick(duet_worker_t *w)
 static duet_status_t ctx_init(duet_worker_t *w)
 {
     c.checksum = duet_config_get_bool(w->cfg, "transfer.checksum");
+    c.hold_ms = (uint32_t)duet_config_get_int(w->cfg, "test.xfer_hold_ms");
     w->n_reqs = w->max_seqs + duet_config_get_int(w->cfg, "batch.max_queue");
     return DUET_OK;
 }

@@ -85,7 +85,9 @@ static const duet_config_key_t gen_keys[] = {
      "prompts together and interrupt decoding less often",
      .min = "1", .max = "1048576"},
     {"cache.quarantine_ms", DUET_CONFIG_INT, "2000",
-     "pages of an aborted reservation are reused after this long", .min = "0", .max = "600000"},
+     "pages of an aborted reservation are reused after this long, and never before the router's "
+     "heartbeat timeout",
+     .min = "0", .max = "600000"},
     {"cache.suspend", DUET_CONFIG_BOOL, "true",
      "reserve pages for what a request holds and grow it as it decodes, suspending the youngest "
      "requests to host memory when the pool runs out (CPU only: cuda always reserves up front)",
@@ -259,14 +261,23 @@ static bool gr_spec_open(duet_worker_t *w, gr_t *r)
     return true;
 }
 
-/* Hold the pages of a reservation that ended without its data; freed by the heartbeat tick. */
-static void gr_quarantine(gr_t *r)
+/*
+ * Hold the pages of a reservation that ended without its data; freed by the heartbeat tick, after
+ * cache.quarantine_ms but never before the router's heartbeat timeout. A sender that is stopped
+ * or starved (SIGSTOP, a paused VM) reads its Cancel only when it runs again, and its timers and
+ * the rest of its step put first: for less than the timeout it is still the router's worker and
+ * does so; for longer it has been dropped and leaves as it runs again, putting nothing
+ * (worker/skeleton.c, w_frozen). So the timeout bounds how late its puts can come; a quarantine
+ * shorter than that once let them land in another request's pages (bench/soak: a wrong answer).
+ */
+static void gr_quarantine(duet_worker_t *w, gr_t *r)
 {
     free(r->base.prompt);
     r->base.prompt = NULL;
     r->base.phase = GR_QUARANTINE;
     r->base.xfer_live = false;
-    r->release_at = duet_worker_now() + g.quarantine_ms / 1000.0;
+    const uint32_t rt = w->link != NULL ? duet_link_router_timeout_ms(w->link) : 0;
+    r->release_at = duet_worker_now() + (rt > g.quarantine_ms ? rt : g.quarantine_ms) / 1000.0;
 }
 
 /*
@@ -670,7 +681,7 @@ static void gen_on_xfer(duet_worker_t *w, duet_worker_req_t *q, const duet_xfer_
         DUET_RLOG_WARN(q->rid, "%s", msg);
         duet_worker_send_tokens(w->link, q->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR, msg);
     }
-    gr_quarantine(r);
+    gr_quarantine(w, r);
 }
 
 /* ------------------------------------------------------------------------------ messages */
@@ -881,11 +892,11 @@ static void gen_on_cancel(duet_worker_t *w, const Duet__Cancel *m)
         r->cancelling = true;
         gen_recv_cancel(w, r, m->reason);  /* outcome: quarantine */
         if (r->base.phase == GR_RECEIVING) /* ended before? */
-            gr_quarantine(r);
+            gr_quarantine(w, r);
         return;
     }
     if (r->base.phase == GR_RECEIVING) {
-        gr_quarantine(r);
+        gr_quarantine(w, r);
         return;
     }
     gr_free(w, &r->base);

@@ -34,6 +34,9 @@ static void rt_visit_one(const duet_worker_info_t *w, void *user)
                  : w->state == DUET_WORKER_STATE_DRAINING ? DUET_ADMIN_WORKER_DRAINING
                                                           : DUET_ADMIN_WORKER_DEAD,
         .free_pages = w->free_pages,
+        .kv_pages = w->kv_pages,
+        .free_state_slots = w->free_state_slots,
+        .state_slots = w->state_slots,
         .running = w->running,
         .queued = w->queued,
     };

@@ -1029,15 +1029,24 @@ static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused 
 /*
  * Tokens: from the ctx worker the first token (then PrefillDone to the gen worker), from the gen
  * worker the rest; a worker's ERROR or CANCELLED fails the request (a ctx worker's ERROR without
- * ids is a failed prefill, retried once).
+ * ids is a failed prefill, retried once; the gen worker's during the prefill ends it, since its
+ * reservation is gone).
  */
 static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m)
 {
     rq_t *r = rq_find(rt, m->request_id);
     if (r == NULL)
         return; /* ended already (its Cancel crossed these tokens) */
+    const int fin = m->finish_reason;
+    const bool failed =
+        fin == DUET__TOKENS__FINISH_REASON__ERROR || fin == DUET__TOKENS__FINISH_REASON__CANCELLED;
     bool from_ctx = r->phase == RQ_PREFILLING && wid == r->ctx_id;
-    bool from_gen = r->phase == RQ_GENERATING && wid == r->gen_id;
+    /* while a context worker prefills, the gen worker's final Tokens says it ended the
+     * reservation (the transfer aborted: the sender gave up or stopped, the deadline): no prefill
+     * can land there any more, and one retried on another context worker would put into pages
+     * the gen worker has quarantined and will hand to another request */
+    bool from_gen =
+        wid == r->gen_id && (r->phase == RQ_GENERATING || (r->phase == RQ_PREFILLING && failed));
     if (wid == r->move_to && wid != r->gen_id) {
         /* a move's target before the switch: its final Tokens says it let its pages go (its
          * reservation ended); the source still streams */
@@ -1051,9 +1060,7 @@ static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m
         return;
     }
     bool *busy = from_ctx ? &r->ctx_busy : &r->gen_busy;
-    int fin = m->finish_reason;
-    if (fin == DUET__TOKENS__FINISH_REASON__ERROR ||
-        fin == DUET__TOKENS__FINISH_REASON__CANCELLED) {
+    if (failed) {
         char what[320];
         snprintf(what, sizeof(what), "worker %llu %s: %s", (unsigned long long)wid,
                  fin == DUET__TOKENS__FINISH_REASON__ERROR ? "failed" : "cancelled the request",

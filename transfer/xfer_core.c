@@ -395,18 +395,23 @@ duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, siz
     p->no_err = false;
     if (us == UCS_ERR_UNREACHABLE) {
         /* UCX 1.13's shared-memory transports (posix, sysv) cannot detect a dead peer, so with
-         * UCP_ERR_HANDLING_MODE_PEER a shm-only UCX_TLS has no active-message lane. Fall back to
-         * an endpoint without error handling: the deadlines on both sides still end every
-         * transfer, only later than an error callback would. */
+         * UCP_ERR_HANDLING_MODE_PEER a shm-only UCX_TLS (ctx->no_peer_err, known from UCX_TLS)
+         * has no active-message lane: an endpoint without error handling, whose transfers the
+         * deadlines on both sides still end, only later than an error callback would. Otherwise
+         * it is this peer that no such transport reaches (the worker is gone: its tcp listener
+         * refuses; or its UCX_TLS lacks tcp): the same fallback, for this endpoint only and not
+         * kept past its transfers (duet__xfer_peer_put). Once this turned error handling off for
+         * every later peer, and an endpoint to a dead worker was never closed, its pools' shared
+         * memory staying mapped here (bench/soak saw a context worker grow by each restarted
+         * generation worker's pools). */
         ep_params.field_mask &=
             ~(uint64_t)(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
         us = ucp_ep_create(ctx->worker, &ep_params, &ep);
         p->no_err = us == UCS_OK;
         if (us == UCS_OK && !ctx->no_peer_err)
-            DUET_LOG_INFO("xfer: no transport can detect peer failure; endpoint %u relies on "
-                          "deadlines",
+            DUET_LOG_INFO("xfer: no transport that detects peer failure reaches endpoint %u; it "
+                          "relies on deadlines and closes when its transfers end",
                           (unsigned)free_i);
-        ctx->no_peer_err |= us == UCS_OK;
     }
     if (us != UCS_OK)
         return DUET_FAIL(DUET_ERR_FORMAT,
@@ -473,6 +478,10 @@ void duet__xfer_peer_put(duet_xfer_ctx_t *ctx, int32_t peer)
     duet__peer_t *p = &ctx->peers[peer];
     DUET_ASSERT(p->refs > 0);
     p->refs--;
+    /* an endpoint without error handling where UCX_TLS could detect failures (peer_get) is not
+     * kept: its peer may be gone for good, which nothing would tell us */
+    if (p->refs == 0 && p->no_err && !ctx->no_peer_err && p->state == DUET__PEER_READY)
+        duet__xfer_peer_close(ctx, p, false);
     if (p->refs == 0 && p->state == DUET__PEER_CLOSING && p->ep == NULL && p->req == NULL)
         p->state = DUET__PEER_FREE;
 }
@@ -554,11 +563,14 @@ void duet__xfer_drop_ranks(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
             if (x->ranks[r].rkey[k] != NULL && x->ranks[r].rkey_own[k])
                 ucp_rkey_destroy(x->ranks[r].rkey[k]);
             x->ranks[r].rkey[k] = NULL;
+            x->ranks[r].key[k] = NULL;
         }
         duet__xfer_peer_put(ctx, x->ranks[r].peer);
         x->ranks[r].peer = -1;
     }
     x->n_ranks = 0;
+    free(x->keys);
+    x->keys = NULL;
 }
 
 void duet__xfer_finish(duet_xfer_ctx_t *ctx, duet__xfer_t *x, duet_xfer_outcome_kind_t kind)

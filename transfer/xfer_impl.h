@@ -101,11 +101,14 @@ typedef enum {
 
 /* Per destination rank of a sender's transfer. */
 typedef struct {
-    int32_t peer;                       /* index in ctx->peers */
-    uint64_t xfer_id;                   /* the receiver's transfer id */
-    ucp_rkey_h rkey[DUET_XFER_N_POOLS]; /* unpacked for peer's ep; NULL when absent */
-    bool rkey_own[DUET_XFER_N_POOLS];   /* not in the peer's cache: destroy at the end */
-    uint64_t base[DUET_XFER_N_POOLS];   /* remote pool bases */
+    int32_t peer;                          /* index in ctx->peers */
+    uint64_t xfer_id;                      /* the receiver's transfer id */
+    ucp_rkey_h rkey[DUET_XFER_N_POOLS];    /* unpacked for peer's ep; NULL when absent */
+    bool rkey_own[DUET_XFER_N_POOLS];      /* not in the peer's cache: destroy at the end */
+    const uint8_t *key[DUET_XFER_N_POOLS]; /* packed rkey (in the transfer's keys) until it is
+                                              unpacked once the endpoint is up; NULL when none */
+    uint32_t key_len[DUET_XFER_N_POOLS];
+    uint64_t base[DUET_XFER_N_POOLS]; /* remote pool bases */
     uint64_t checksum;
     void *flush_req[2]; /* flushes in flight on this rank's endpoint (completion, abort);
                            released at destroy if stuck */
@@ -127,6 +130,7 @@ struct duet__xfer {
     duet_xfer_reason_t reason;
     char msg[DUET__XFER_MSG_TEXT];
     int32_t *pages; /* owned, [ctx->max_pages]: receiver's pages */
+    uint8_t *keys;  /* owned, sender: the ranks' packed rkeys, copied at the start */
     uint32_t n_pages;
     uint64_t bytes;
 
@@ -191,7 +195,8 @@ struct duet_xfer_ctx {
     uint64_t sweeps;
     bool dirty; /* something changed inside a UCX callback */
     bool destroying;
-    bool no_peer_err;  /* PEER error mode was unreachable once: go straight to NONE */
+    bool no_peer_err;  /* UCX_TLS has no transport that detects a dead peer: every endpoint
+                          without error handling (duet__xfer_peer_get) */
     XXH3_state_t *xxh; /* owned, checksum scratch */
 
     struct {

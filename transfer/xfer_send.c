@@ -15,6 +15,7 @@
  * was outstanding on it.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/log.h"
@@ -185,9 +186,27 @@ static bool duet__send_peers_ready(duet_xfer_ctx_t *ctx, const duet__xfer_t *x)
     return true;
 }
 
-/* Every endpoint is up: say hello to each rank, then put what is ready. */
+/* Every endpoint is up: unpack the ranks' rkeys, say hello to each rank, then put what is
+ * ready. */
 static void duet__send_go(duet_xfer_ctx_t *ctx, duet__xfer_t *x)
 {
+    for (uint32_t r = 0; r < x->n_ranks; r++) {
+        duet__rank_t *rk = &x->ranks[r];
+        for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
+            if (rk->key[k] == NULL || rk->rkey[k] != NULL)
+                continue;
+            ucs_status_t us = duet__xfer_peer_rkey(ctx, rk->peer, rk->key[k], rk->key_len[k],
+                                                   &rk->rkey[k], &rk->rkey_own[k]);
+            if (us != UCS_OK) {
+                rk->rkey[k] = NULL;
+                duet__xfer_set_reason(x, DUET_XFER_REASON_TRANSPORT,
+                                      "rank %u: %s rkey does not unpack: %s", r, duet__pool_name[k],
+                                      ucs_status_string(us));
+                duet__xfer_send_abort_x(ctx, x, DUET_XFER_REASON_TRANSPORT);
+                return;
+            }
+        }
+    }
     for (uint32_t r = 0; r < x->n_ranks; r++) {
         if (duet__xfer_send_hello(ctx, x->ranks[r].peer, x->ranks[r].xfer_id) < 0) {
             duet__xfer_set_reason(x, DUET_XFER_REASON_TRANSPORT, "hello to rank %u: %s", r,
@@ -448,13 +467,27 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
         }
     }
 
-    /* Endpoints and rkeys. */
+    /* Endpoints, and the packed rkeys: they are unpacked only once every endpoint is up
+     * (duet__send_go). Unpacking maps the receiver's shared memory, and for a receiver that died
+     * meanwhile UCX 1.13 crashed in the failed unpack's cleanup (uct_rkey_release, seen by
+     * bench/soak on a context worker); a dead receiver's endpoint fails its first flush instead. */
+    size_t key_bytes = 0;
     for (uint32_t r = 0; r < n; r++) {
         x->ranks[r].peer = -1;
-        for (int k = 0; k < DUET_XFER_N_POOLS; k++)
+        for (int k = 0; k < DUET_XFER_N_POOLS; k++) {
             x->ranks[r].rkey[k] = NULL;
+            x->ranks[r].key[k] = NULL;
+        }
+        const duet_xfer_reservation_t *rv = &a->reservations[r];
+        key_bytes += rv->kv_rkey.len + rv->kda_rkey.len + rv->replay_rkey.len;
+    }
+    x->keys = malloc(key_bytes > 0 ? key_bytes : 1);
+    if (x->keys == NULL) {
+        duet__xfer_slot_release(ctx, x);
+        return DUET_FAIL(DUET_ERR_NOMEM, "xfer send: %zu bytes of rkeys", key_bytes);
     }
     x->n_ranks = n;
+    size_t key_at = 0;
     for (uint32_t r = 0; r < n; r++) {
         const duet_xfer_reservation_t *rv = &a->reservations[r];
         duet__rank_t *rk = &x->ranks[r];
@@ -474,14 +507,10 @@ duet_status_t duet_xfer_send_start(duet_xfer_ctx_t *ctx, const duet_xfer_send_ar
             if (keys[k]->len == 0 || (k == DUET_XFER_POOL_KDA && !want_kda) ||
                 (k == DUET_XFER_POOL_REPLAY && !want_replay))
                 continue;
-            ucs_status_t us = duet__xfer_peer_rkey(ctx, rk->peer, keys[k]->data, keys[k]->len,
-                                                   &rk->rkey[k], &rk->rkey_own[k]);
-            if (us != UCS_OK) {
-                rk->rkey[k] = NULL;
-                duet__send_unwind(ctx, x);
-                return DUET_FAIL(DUET_ERR_FORMAT, "xfer send: rank %u: %s rkey does not unpack: %s",
-                                 r, duet__pool_name[k], ucs_status_string(us));
-            }
+            memcpy(x->keys + key_at, keys[k]->data, keys[k]->len);
+            rk->key[k] = x->keys + key_at;
+            rk->key_len[k] = (uint32_t)keys[k]->len;
+            key_at += keys[k]->len;
         }
     }
 

@@ -32,8 +32,9 @@ struct duet_link {
     duet_strbuf_t pending;  /* frames not yet handed to a write */
     duet_strbuf_t inflight; /* the bytes of the write in flight */
     bool writing;
-    bool closed;  /* no more callbacks */
-    bool closing; /* uv_close called */
+    bool closed;                /* no more callbacks */
+    bool closing;               /* uv_close called */
+    uint32_t router_timeout_ms; /* RegisterAck.heartbeat_timeout_ms */
     char rbuf[65536];
 };
 
@@ -219,6 +220,11 @@ static void link_closed(duet_link_t *l, const char *reason)
         l->opts.on_closed(reason, l->opts.user);
 }
 
+uint32_t duet_link_router_timeout_ms(const duet_link_t *link)
+{
+    return link->router_timeout_ms;
+}
+
 duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet_link_t **link_p,
                              uint64_t *worker_id_p)
 {
@@ -292,6 +298,7 @@ duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet
         goto fail;
     }
     *worker_id_p = ack->register_ack->worker_id;
+    l->router_timeout_ms = ack->register_ack->heartbeat_timeout_ms;
     duet_envelope_free(ack);
     ack = NULL;
 

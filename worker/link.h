@@ -36,12 +36,16 @@ typedef struct {
 } duet_link_opts_t;
 
 /*
- * Connect, register and join `loop`. *worker_id_p = the router's id for this worker.
+ * Connect, register and join `loop`. *worker_id_p = the router's id for this worker;
+ * duet_link_router_timeout_ms() then says how long the router waits for a heartbeat.
  * DUET_ERR_INVALID (bad address), DUET_ERR_TIMEOUT (no router within the timeout),
  * DUET_ERR_UNSUPPORTED (the router refused: the detail carries its reason), DUET_ERR_IO.
  */
 duet_status_t duet_link_open(uv_loop_t *loop, const duet_link_opts_t *opts, duet_link_t **link_p,
                              uint64_t *worker_id_p);
+
+/* The router's heartbeat timeout from its RegisterAck (0 when it did not say). */
+uint32_t duet_link_router_timeout_ms(const duet_link_t *link);
 
 /* Queue `env` (version set here). DUET_ERR_IO once the link is closed. */
 duet_status_t duet_link_send(duet_link_t *link, Duet__Envelope *env);

@@ -200,6 +200,30 @@ static void w_on_closed(const char *reason, void *user)
     w_stop(user, reason);
 }
 
+/*
+ * The process did not run for longer than the router's heartbeat timeout (stopped, or starved):
+ * the router has dropped this worker and failed its requests, and its peers have failed their UCX
+ * endpoints to it. Leave at once, without touching UCX again. bench/soak found both ways that went
+ * wrong: UCX 1.13 aborted a generation worker when a put that arrived meanwhile was to be
+ * acknowledged on such an endpoint; and a context worker stopped mid-step went on with the step
+ * and put a prefill whose reservation had long ended into pages the generation worker had given
+ * to another request (a wrong answer). So the layer hook, the step's end and the tick check too,
+ * before any put. Exit status 0, as for a router that went away; a group's rank 0 aborts the job
+ * instead, so that no follower waits for it.
+ */
+static void w_frozen(void *user, uint64_t gap_ms)
+{
+    duet_worker_t *w = user;
+    DUET_LOG_WARN("stopping: this process did not run for %llu ms, longer than the router's "
+                  "heartbeat timeout (%u ms): the router has dropped it; leaving without touching "
+                  "UCX again",
+                  (unsigned long long)gap_ms, w->pump.frozen_ms);
+    fflush(NULL);
+    if (w->group != NULL)
+        duet_group_abort(w->group, 1);
+    _exit(0);
+}
+
 void duet_worker_group_failed(duet_worker_t *w)
 {
     if (w->group == NULL || !duet_group_broken(w->group) || w->stopping)
@@ -232,6 +256,11 @@ static void w_heartbeat(duet_worker_t *w)
     Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
     /* a group's pages: rank 0 holds the largest share of every sequence, cp ranks share them */
     hb.free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
+    duet_kda_pool_t *kda = duet_model_kda_pool(w->m);
+    if (kda != NULL) {
+        hb.free_state_slots = (uint32_t)duet_kda_pool_n_free(kda);
+        hb.state_slots = (uint32_t)duet_kda_pool_desc(kda)->n_slots;
+    }
     hb.draining = w->draining || w->leaving;
     hb.prefill_tokens = w->prefill_tokens;
     w->ops->heartbeat(w, &hb);
@@ -289,6 +318,7 @@ static void w_step(uv_idle_t *h)
     duet_status_t st = w->group != NULL ? duet_group_forward(w->group, w->m, w->items, n)
                                         : duet_model_forward(w->m, w->items, n);
     w->in_step = false;
+    duet_worker_pump_check_frozen(&w->pump); /* before step_done puts */
     if (st != DUET_OK && w->group != NULL && duet_group_broken(w->group)) {
         w->n_deferred = 0;           /* their requests end below */
         duet_worker_group_failed(w); /* every request, the step's too, ends naming the group */
@@ -336,6 +366,7 @@ static void w_leave_tick(duet_worker_t *w)
 static void w_tick(uv_timer_t *t)
 {
     duet_worker_t *w = t->data;
+    duet_worker_pump_check_frozen(&w->pump); /* timers run first when it runs again */
     if (w->group != NULL && duet_group_broken(w->group)) {
         duet_worker_group_failed(w);
         return;
@@ -353,6 +384,7 @@ static void w_tick(uv_timer_t *t)
 static void w_on_layer(void *user, int64_t layer, int64_t mla, int64_t kda)
 {
     duet_worker_t *w = user;
+    duet_worker_pump_check_frozen(&w->pump); /* before on_layer puts */
     if (w->link != NULL && !w->stopping && duet_worker_now() - w->last_hb >= w->hb_period_s)
         w_heartbeat(w);
     if (mla >= 0 && w->ops->on_layer != NULL)
@@ -532,6 +564,9 @@ static duet_status_t w_start(duet_worker_t *w)
     uint64_t wid = 0;
     if ((st = duet_link_open(w->loop, &lo, &w->link, &wid)) != DUET_OK)
         return st;
+    w->pump.frozen_ms = duet_link_router_timeout_ms(w->link);
+    w->pump.on_frozen = w_frozen;
+    w->pump.frozen_user = w;
     DUET_LOG_INFO("%s registered with the router at %s as worker %llu (%u KV pages of %u tokens, "
                   "%u sequences, %u tokens per step)",
                   w->name, lo.router, (unsigned long long)wid, cap.kv_pages, cap.page_tokens,

@@ -186,8 +186,18 @@ void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l)
 
 /* ---- UCX on the loop ------------------------------------------------------------------ */
 
+void duet_worker_pump_check_frozen(duet_worker_pump_t *p)
+{
+    const uint64_t now = uv_hrtime() / 1000000;
+    if (p->frozen_ms > 0 && p->on_frozen != NULL && p->last_ms > 0 &&
+        now - p->last_ms > p->frozen_ms)
+        p->on_frozen(p->frozen_user, now - p->last_ms);
+}
+
 void duet_worker_pump_progress(duet_worker_pump_t *p)
 {
+    duet_worker_pump_check_frozen(p);
+    p->last_ms = uv_hrtime() / 1000000;
     while (duet_xfer_ctx_progress(p->x) > 0) {
     }
 }

@@ -140,18 +140,30 @@ void *duet_worker_pool_alloc(void *xfer_ctx, duet_model_pool_t which, size_t byt
  * from its replay pool, 0 without one). */
 void duet_worker_layout(duet_model_t *m, duet_xfer_layout_t *l);
 
-/* UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines. */
+/*
+ * UCX progress on a libuv loop: progress before every sleep, on fd events and at deadlines.
+ * frozen_ms > 0: when more than that passed since the last progress (the process was stopped or
+ * starved that long), on_frozen runs first, before UCX is touched again (progress checks it;
+ * duet_worker_pump_check_frozen for the callers that put).
+ */
 typedef struct {
     duet_xfer_ctx_t *x;
     uv_poll_t poll;
     uv_prepare_t prep;
     uv_timer_t timer;
     int open_handles;
+    uint64_t last_ms; /* monotonic: the last progress */
+    uint32_t frozen_ms;
+    void (*on_frozen)(void *user, uint64_t gap_ms);
+    void *frozen_user;
 } duet_worker_pump_t;
 
 duet_status_t duet_worker_pump_start(uv_loop_t *loop, duet_xfer_ctx_t *x, duet_worker_pump_t *p);
 /* Progress UCX until it has nothing left to do now (layer hooks call it inside long steps). */
 void duet_worker_pump_progress(duet_worker_pump_t *p);
+/* on_frozen when more than frozen_ms passed since the last progress: before anything that may
+ * start a UCX operation (a put) outside progress. */
+void duet_worker_pump_check_frozen(duet_worker_pump_t *p);
 /* Close the handles (run the loop afterwards to finish closing). */
 void duet_worker_pump_stop(duet_worker_pump_t *p);
 

@@ -7,7 +7,9 @@
  *
  * Endpoints (all JSON; errors are {"error": {"code": <status>, "message": "..."}}):
  *   GET  /admin/workers                   {"workers": [{"id", "name", "role", "state",
- *                                          "load": {"free_pages", "running", "queued"}}]}
+ *                                          "load": {"free_pages", "kv_pages",
+ *                                          "free_state_slots", "state_slots", "running",
+ *                                          "queued"}}]}
  *   POST /admin/workers/{name}/drain      {"worker", "state": "draining", "idle": bool}
  *        ?wait=1[&timeout_s=S]            answer only once the worker has no running requests
  *                                         (200, "idle": true), or 504 after S seconds (default
@@ -64,7 +66,9 @@ typedef struct {
     const char *name; /* unique, e.g. "gen-0" */
     const char *role; /* "gen" or "ctx" */
     duet_admin_worker_state_t state;
-    int64_t free_pages; /* from the last heartbeat */
+    int64_t free_pages;                    /* from the last heartbeat */
+    int64_t kv_pages;                      /* the pool's pages (Register) */
+    int64_t free_state_slots, state_slots; /* KDA state pool, from the last heartbeat */
     int64_t running;
     int64_t queued;
 } duet_admin_worker_info_t;

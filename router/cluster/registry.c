@@ -349,6 +349,7 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
     ack.accepted = true;
     ack.reason = "";
     ack.worker_id = i->id;
+    ack.heartbeat_timeout_ms = reg->opts.heartbeat_timeout_ms;
     Duet__Envelope env = duet_envelope_register_ack(&ack);
     if (reg_conn_send(c, &env) < 0) {
         reg_worker_dead(reg, w, "could not send RegisterAck");
@@ -435,6 +436,8 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
     case DUET__ENVELOPE__BODY_HEARTBEAT: {
         const Duet__Heartbeat *hb = env->heartbeat;
         w->info.free_pages = hb->free_pages;
+        w->info.free_state_slots = hb->free_state_slots;
+        w->info.state_slots = hb->state_slots;
         w->info.running = hb->running;
         w->info.queued = hb->queued;
         w->info.queued_tokens = hb->queued_tokens;

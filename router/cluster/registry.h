@@ -86,6 +86,8 @@ typedef struct {
     uint32_t max_seqs;
     uint32_t max_batch_tokens;
     uint32_t free_pages; /* load, from the last Heartbeat (kv_pages until the first) */
+    uint32_t free_state_slots, state_slots; /* KDA state pool, from the last Heartbeat (0 until
+                                               the first) */
     uint32_t running;
     uint32_t queued;
     uint64_t queued_tokens;

@@ -14,6 +14,12 @@
  *   ctx_killed_during_prefill_is_retried  kill -9 of the context worker that is prefilling:
  *        the request is prefilled again on the other one and still equals duet-generate;
  *        with no other context worker it fails with a clear error; no pages leak
+ *   a_stopped_ctx_worker_puts_into_no_reused_page  a context worker stopped 2 s (under the
+ *        heartbeat timeout) while its transfer is held and its client leaves: a local request
+ *        decoding meanwhile still equals duet-generate (no late put lands in its pages)
+ *   ctx_stopped_mid_transfer_fails_with_the_reservations_end  SIGTERM of the context worker
+ *        whose transfer is held (test.xfer_hold_ms): the request fails at once with the gen
+ *        worker's reason (a retry on the other one is cancelled), no pages leak
  *   gen_killed_fails_its_requests_router_stays_healthy  kill -9 of a generation worker mid-stream:
  *        its requests end with a clear error, the other worker's complete, /health stays 200 and
  *        new requests succeed; the router's cache-plan gauges are twice duet-gen
@@ -151,7 +157,7 @@ static int local_below = LOCAL_BELOW;
 /* the gen workers' cache.kv_pages in the next start_cluster */
 static int gen_pages = GEN_PAGES;
 /* extra flags for the router / every gen worker in the next start_cluster (NULL-ended) */
-static const char *router_extra[5], *gen_extra[5];
+static const char *router_extra[5], *gen_extra[5], *ctx_extra[3];
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -350,7 +356,9 @@ static int workers_idle(int expect_workers)
         if (helix_cp > 0 && wname != NULL && strncmp(wname, "gen-", 4) == 0 &&
             (helix_all || strcmp(wname, "gen-0") == 0))
             want *= helix_cp;
-        if (pages != want || run != 0)
+        const json_int_t slots = json_integer_value(json_object_get(load, "state_slots"));
+        if (pages != want || run != 0 ||
+            json_integer_value(json_object_get(load, "free_state_slots")) != slots || slots == 0)
             ok = 0;
     }
     json_decref(o);
@@ -449,7 +457,10 @@ static void start_cluster(int n_ctx, int n_gen)
                         "100",      "--transfer.checksum",
                         "--device", (char *)worker_device,
                         "--dtype",  "f32",
+                        NULL,       NULL, /* ctx_extra */
                         NULL};
+        for (size_t e = 0; ctx_extra[e] != NULL; e++)
+            argv[sizeof(argv) / sizeof(argv[0]) - 3 + e] = (char *)ctx_extra[e];
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -1103,6 +1114,92 @@ Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
     free(k.got_text);
     wait_idle(1, 15000);
     stop_all();
+}
+
+/*
+ * A context worker stopped while it holds a prompt's transfer (test.xfer_hold_ms) aborts it, and
+ * the generation worker ends the reservation: the request fails at once with that reason. It
+ * once was prefilled again on the other context worker, into the ended reservation (the retry's
+ * puts reach quarantined pages; it failed later as "no such reservation", or after its first
+ * token as "PrefillDone for a request with no reservation"). Found by bench/soak.
+ */
+Test(cluster, ctx_stopped_mid_transfer_fails_with_the_reservations_end, .timeout = 120)
+{
+    static const char *hold[] = {"--test.xfer_hold_ms", "60000", NULL};
+    memcpy(ctx_extra, hold, sizeof(hold));
+    start_cluster(2, 1);
+    ctx_extra[0] = NULL;
+    job_t j = {0};
+    prompt_of(&j, 5, 200, 16);
+    pthread_t th;
+    pthread_create(&th, NULL, run_job, &j);
+    const int victim = busy_ctx(2, 10000);
+    cr_assert_geq(victim, 0, "no ctx worker took the prefill");
+    char name[16];
+    snprintf(name, sizeof(name), "ctx-%d", victim);
+    usleep(300000); /* prefilled: the puts are held */
+    const uint64_t t0 = now_ms();
+    kill(pid_of(name), SIGTERM); /* shutdown.drain_s 0: stops now, aborting the transfer */
+    pthread_join(th, NULL);
+    cr_expect_eq(j.status, 502, "HTTP %d: %s", j.status, j.got_text);
+    cr_expect(strstr(j.got_text, "the KV cache transfer was aborted") != NULL,
+              "the gen worker's reason: %s", j.got_text);
+    cr_expect_lt(j.done_ms - t0, 5000, "failed at once: %llu ms",
+                 (unsigned long long)(j.done_ms - t0));
+    free(j.got_text);
+    wait_idle(2, 15000);
+    stop_all();
+}
+
+/*
+ * A context worker stopped (SIGSTOP, 2 s: under the router's heartbeat timeout, so it stays)
+ * while its transfer is held; the client leaves, so the gen worker quarantines the reservation
+ * (cache.quarantine_ms 500 here) and a short local request then decodes on the gen worker. When
+ * the context worker runs again its timer puts the held transfer before it reads its Cancel: the
+ * reservation's pages and state slot must not have gone to the new request (they once had, the
+ * pool handing out the last freed first, and its answer went wrong; bench/soak saw it). The
+ * quarantine now lasts at least the router's heartbeat timeout, past which a stopped worker puts
+ * nothing (it leaves as it runs again).
+ */
+Test(cluster, a_stopped_ctx_worker_puts_into_no_reused_page, .timeout = 120)
+{
+    static const char *hold[] = {"--test.xfer_hold_ms", "1000", NULL};
+    memcpy(ctx_extra, hold, sizeof(hold));
+    gen_pages = 48;
+    start_cluster(1, 1);
+    ctx_extra[0] = NULL;
+    job_t b = {0};
+    prompt_of(&b, 9, 10, 400); /* local: below placement.local_prefill_tokens */
+    b.stream = 1;
+    b.ignore_eos = 1;
+    reference(&b);
+    char prompt[256], ps[512], body[1024];
+    for (int i = 0; i < 200; i++)
+        prompt[i] = corpus[(i * 7) % strlen(corpus)];
+    prompt[200] = '\0';
+    json_str(prompt, ps, sizeof(ps));
+    snprintf(body, sizeof(body),
+             "{\"model\":\"duet-demo\",\"prompt\":%s,\"max_tokens\":16,\"stream\":true}", ps);
+    int fd = http_send(http_port, "POST", "/v1/completions", body);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(busy_ctx(1, 10000), 0, "the ctx worker did not take the prompt");
+    usleep(300000); /* prefilled; its puts are held */
+    const pid_t ctx = pid_of("ctx-0");
+    kill(ctx, SIGSTOP);
+    close(fd); /* the client leaves: Cancel to both workers, quarantine on the gen worker */
+    usleep(900000);
+    pthread_t th;
+    pthread_create(&th, NULL, run_job, &b);
+    cr_assert_eq(busy_worker("gen-", 1, 10000), 0, "the local request did not start");
+    usleep(1000000);
+    kill(ctx, SIGCONT); /* its timer puts the held transfer, then it reads the Cancel */
+    pthread_join(th, NULL);
+    check_job(&b, 0);
+    free(b.want_text);
+    free(b.got_text);
+    wait_idle(2, 15000);
+    stop_all();
+    gen_pages = GEN_PAGES;
 }
 
 static void gen_killed_body(void)

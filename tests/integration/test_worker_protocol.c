@@ -31,6 +31,7 @@
 
 static int lfd = -1, cfd = -1;
 static pid_t wpid;
+static uint32_t ack_timeout_ms; /* RegisterAck.heartbeat_timeout_ms (0: not said) */
 static duet_frame_decoder_t dec;
 
 static uint64_t now_ms(void)
@@ -114,6 +115,7 @@ static void start_with(const char *bin, const char *extra, const char *extra2)
     Duet__RegisterAck ack = DUET__REGISTER_ACK__INIT;
     ack.accepted = true;
     ack.worker_id = 1;
+    ack.heartbeat_timeout_ms = ack_timeout_ms;
     Duet__Envelope env = DUET__ENVELOPE__INIT;
     env.body_case = DUET__ENVELOPE__BODY_REGISTER_ACK;
     env.register_ack = &ack;
@@ -499,6 +501,46 @@ static Duet__Envelope *recv_heartbeat(int ms)
         duet_envelope_free(h);
     }
     return NULL;
+}
+
+/*
+ * A worker that did not run for longer than the router's heartbeat timeout (its RegisterAck) has
+ * been dropped: when it runs again it leaves at once with status 0, before it touches UCX, where
+ * a put to acknowledge on an endpoint its peer had failed meanwhile made UCX 1.13 abort it
+ * (bench/soak stops workers past the timeout). A shorter stop changes nothing.
+ */
+Test(worker_protocol, a_worker_stopped_past_the_heartbeat_timeout_leaves, .timeout = 60)
+{
+    ack_timeout_ms = 1000;
+    start(GEN, NULL);
+    ack_timeout_ms = 0;
+    Duet__Envelope *h = recv_heartbeat(5000);
+    cr_assert_not_null(h, "no heartbeat");
+    duet_envelope_free(h);
+    kill(wpid, SIGSTOP);
+    usleep(400000);
+    kill(wpid, SIGCONT);
+    usleep(300000);
+    h = recv_heartbeat(3000);
+    cr_assert_not_null(h, "a 0.4 s stop ended the worker");
+    duet_envelope_free(h);
+    cr_assert_eq(waitpid(wpid, NULL, WNOHANG), 0, "the worker left after a 0.4 s stop");
+    kill(wpid, SIGSTOP);
+    usleep(1600000);
+    kill(wpid, SIGCONT);
+    int st = 0;
+    for (int i = 0; i < 120 && waitpid(wpid, &st, WNOHANG) == 0; i++)
+        usleep(25000);
+    if (waitpid(wpid, &st, WNOHANG) == 0) {
+        kill(wpid, SIGKILL);
+        waitpid(wpid, &st, 0);
+        cr_assert(0, "the worker kept running 3 s after a 1.6 s stop past a 1 s timeout");
+    }
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d (signal %d)",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1, WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+    close(cfd);
+    close(lfd);
+    duet_frame_decoder_free(&dec);
 }
 
 /*

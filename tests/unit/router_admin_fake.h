@@ -55,6 +55,9 @@ static void fake_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_u
             .role = f->w[i].role,
             .state = f->w[i].state,
             .free_pages = f->w[i].free_pages,
+            .kv_pages = 4096, /* every fake worker's pool; slots: 16, as many free as not running */
+            .free_state_slots = 16 - f->w[i].running,
+            .state_slots = 16,
             .running = f->w[i].running,
             .queued = f->w[i].queued,
         };

@@ -265,6 +265,9 @@ Test(admin, lists_workers_with_state_and_load, .timeout = 30)
     cr_expect_str_eq(json_string_value(json_object_get(w0, "state")), "live");
     json_t *load = json_object_get(w0, "load");
     cr_expect_eq(json_integer_value(json_object_get(load, "free_pages")), 1024);
+    cr_expect_eq(json_integer_value(json_object_get(load, "kv_pages")), 4096);
+    cr_expect_eq(json_integer_value(json_object_get(load, "free_state_slots")), 14);
+    cr_expect_eq(json_integer_value(json_object_get(load, "state_slots")), 16);
     cr_expect_eq(json_integer_value(json_object_get(load, "running")), 2);
     cr_expect_eq(json_integer_value(json_object_get(load, "queued")), 1);
     cr_expect_str_eq(json_string_value(json_object_get(json_array_get(ws, 2), "state")), "dead");

@@ -451,6 +451,13 @@ Test(transfer_tcp, sender_reports_its_handshake, .init = setup_tcp, .fini = tear
     const duet_xfer_id_t id = g_S.x[0].id;
     cr_assert(duet_xfer_send_connecting(g_S.ctx, id),
               "a new tcp endpoint cannot be connected before any progress");
+    /* the receiver's rkeys wait for the endpoint: unpacking a dead receiver's crashed UCX 1.13
+     * (bench/soak), whose endpoint fails its first flush instead */
+    const duet__xfer_t *xs = duet__xfer_find(g_S.ctx, DUET_XFER_ROLE_SEND, id);
+    cr_assert_not_null(xs);
+    for (int k = 0; k < DUET_XFER_N_POOLS; k++)
+        cr_assert_null(xs->ranks[0].rkey[k],
+                       "the %d-th rkey was unpacked before the endpoint was up", k);
     PUMP_UNTIL(!duet_xfer_send_connecting(g_S.ctx, id), 10000);
     cr_assert_not(duet_xfer_send_connecting(g_S.ctx, id), "the handshake did not finish");
     cr_assert_eq(g_S.n_ended + g_R.n_ended, 0, "the transfer ended before any layer was ready");
@@ -631,4 +638,65 @@ Test(transfer_local, reserve_replay_without_a_replay_pool)
     cr_assert_eq(duet_xfer_recv_reserve(g_R.ctx, &a, &res), DUET_ERR_INVALID);
     cr_assert(strstr(duet_error_last(), "no replay pool registered") != NULL, "%s",
               duet_error_last());
+}
+
+/* ---- a peer that no transport with error handling reaches ---------------------------------- */
+
+/* The receiver runs without tcp, the sender with tcp and shared memory (UCX's own choice on one
+ * host, as the cluster runs): the sender's endpoint to it cannot have error handling, as for a
+ * receiver that is gone (its tcp listener refuses) while its shared memory is still mapped. */
+static void setup_no_tcp_peer(void)
+{
+    setenv("UCX_NET_DEVICES", "lo", 1);
+    g_s = local_scn();
+    setenv("UCX_TLS", "posix,sysv,cma,self", 1);
+    cr_assert_eq(xt_recv_init(&g_R, &g_s), DUET_OK, "%s", duet_error_last());
+    setenv("UCX_TLS", "tcp,posix,sysv,cma,self", 1);
+    cr_assert_eq(xt_send_init(&g_S, &g_s, 4, 4), DUET_OK, "%s", duet_error_last());
+}
+
+/*
+ * The fallback to an endpoint without error handling is that endpoint's alone and it is closed
+ * when its transfer ends: it once turned error handling off for every later endpoint and was
+ * kept, so a context worker never noticed generation workers that died and kept their pools'
+ * shared memory mapped (bench/soak: its RSS grew with every restarted generation worker).
+ */
+Test(transfer_peer_err, a_peer_without_error_handling_leaves_it_on_for_the_next,
+     .init = setup_no_tcp_peer, .fini = teardown, .timeout = 30)
+{
+    transfer_0_done();
+    cr_assert_not(g_S.ctx->no_peer_err, "one peer turned error handling off for every peer");
+    PUMP_UNTIL(false, 100); /* the close completes */
+    for (uint32_t i = 0; i < g_S.ctx->max_peers; i++)
+        cr_assert(g_S.ctx->peers[i].state == DUET__PEER_FREE ||
+                      g_S.ctx->peers[i].state == DUET__PEER_CLOSING,
+                  "endpoint %u (state %d, no error handling %d) was kept", i,
+                  (int)g_S.ctx->peers[i].state, (int)g_S.ctx->peers[i].no_err);
+    /* a receiver with tcp: its endpoint has error handling again, and the transfer completes */
+    xt_recv_t R2;
+    cr_assert_eq(xt_recv_init(&R2, &g_s), DUET_OK, "%s", duet_error_last());
+    static uint8_t buf[1 << 16];
+    size_t len;
+    duet_xfer_reservation_t res;
+    cr_assert_eq(xt_recv_reserve(&R2, 1, buf, sizeof(buf), &len), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_xfer_reservation_decode(buf, len, 0, &res), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(xt_send_start(&g_S, 1, &res), DUET_OK, "%s", duet_error_last());
+    duet_xfer_reservation_free(&res);
+    int in_use = 0;
+    for (uint32_t i = 0; i < g_S.ctx->max_peers; i++)
+        if (g_S.ctx->peers[i].refs > 0) {
+            in_use++;
+            cr_assert_not(g_S.ctx->peers[i].no_err, "the tcp receiver's endpoint");
+        }
+    cr_assert_eq(in_use, 1);
+    for (uint32_t l = 0; l <= g_s.mla; l++)
+        xt_send_layer(&g_S, 1, 2, l);
+    uint64_t end = xt_now_ms() + 10000;
+    while ((R2.n_ended < 1 || g_S.n_ended < 2) && xt_now_ms() < end) {
+        duet_xfer_ctx_progress(g_S.ctx);
+        duet_xfer_ctx_wait(R2.ctx, 1);
+    }
+    cr_assert_eq(g_S.x[1].out.kind, DUET_XFER_OUTCOME_DONE, "%s", g_S.x[1].msg);
+    cr_assert_eq(R2.x[1].out.kind, DUET_XFER_OUTCOME_DONE, "%s", R2.x[1].msg);
+    xt_recv_free(&R2);
 }
