@@ -899,6 +899,8 @@ static int on_header_field(http_parser *p, const char *at, size_t len)
 {
     http_conn_t *conn = p->data;
     duet_http_request_t *req = conn->cur;
+    if (conn->msg_state == HTTP_MSG_BODY) /* a trailer of a chunked body: counted, dropped */
+        return count_header_bytes(conn, len);
     if (conn->hdr_state != HTTP_HS_FIELD) {
         if (!end_text(conn))
             return fail_cb(conn, 503);
@@ -928,6 +930,8 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
 {
     http_conn_t *conn = p->data;
     duet_http_request_t *req = conn->cur;
+    if (conn->msg_state == HTTP_MSG_BODY) /* a trailer's value */
+        return count_header_bytes(conn, len);
     if (conn->hdr_state != HTTP_HS_VALUE) {
         if (!req_text_nul(req))
             return fail_cb(conn, 503);
@@ -939,7 +943,11 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
     return req_text_append(req, at, len) ? 0 : fail_cb(conn, 503);
 }
 
-/* Split the URL into path and query (stored after the headers in req->text). */
+/*
+ * Split the URL into path and query (stored after the headers in req->text). The pieces are
+ * copied from req->text itself, so the room for them is made first: growing after taking a
+ * pointer into the buffer would copy from freed memory.
+ */
 static bool split_url(duet_http_request_t *req, int is_connect)
 {
     if (req->url_len == 1 && req->text[0] == '*')
@@ -948,7 +956,16 @@ static bool split_url(duet_http_request_t *req, int is_connect)
     http_parser_url_init(&u);
     if (http_parser_parse_url(req->text, req->url_len, is_connect, &u) != 0)
         return false;
-    if (u.field_set & (1 << UF_PATH)) {
+    const bool has_path = (u.field_set & (1 << UF_PATH)) != 0;
+    const bool has_query = (u.field_set & (1 << UF_QUERY)) != 0;
+    size_t need = req->text_len + 1;
+    if (has_path)
+        need += u.field_data[UF_PATH].len + 1;
+    if (has_query)
+        need += u.field_data[UF_QUERY].len + 1;
+    if (!grow(&req->text, &req->text_cap, need))
+        return false;
+    if (has_path) {
         uint32_t off = (uint32_t)req->text_len;
         if (!req_text_append(req, req->text + u.field_data[UF_PATH].off,
                              u.field_data[UF_PATH].len) ||
@@ -956,7 +973,7 @@ static bool split_url(duet_http_request_t *req, int is_connect)
             return false;
         req->path_off = off;
     }
-    if (u.field_set & (1 << UF_QUERY)) {
+    if (has_query) {
         uint32_t off = (uint32_t)req->text_len;
         if (!req_text_append(req, req->text + u.field_data[UF_QUERY].off,
                              u.field_data[UF_QUERY].len) ||

@@ -30,6 +30,10 @@
  * a connection has max_pipeline requests queued it is not read, so a disconnect is then noticed
  * at the next write.
  *
+ * Trailer fields after a chunked body are read and dropped, never merged into the headers (RFC
+ * 9110, 6.5: a client must not be able to add, say, an Authorization field after the body); their
+ * bytes count against max_header_bytes.
+ *
  * Limits and timeouts (duet_http_options_t) answer with the matching status and close the
  * connection: malformed request 400, header timeout / body timeout 408, body too large 413 (sent
  * at once, the body is not read), URL too long 414, headers too large or too many 431,
