@@ -994,7 +994,8 @@ static int on_headers_complete(http_parser *p)
     if (!end_text(conn))
         return fail_cb(conn, 503);
     req->method = http_method_str((enum http_method)p->method);
-    req->minor = p->http_minor;
+    /* HTTP/1.x above 1.1 is read as 1.1 (RFC 9110, 2.5), the highest this server speaks */
+    req->minor = p->http_minor > 1 ? 1 : p->http_minor;
     if (conn->te_bad)
         return fail_cb(conn, 501);
     if (p->method == HTTP_CONNECT)

@@ -26,6 +26,7 @@ typedef struct {
     size_t n_headers[MAX_REQS];
     bool has_auth[MAX_REQS];
     char body[MAX_REQS][64];
+    int minor[MAX_REQS];
     bool stream; /* answer with an SSE stream instead of a whole response */
 } seen_t;
 
@@ -37,6 +38,7 @@ static void on_request(duet_http_request_t *req, void *user)
     snprintf(s->method[k], sizeof(s->method[k]), "%s", duet_http_request_method(req));
     snprintf(s->path[k], sizeof(s->path[k]), "%s", duet_http_request_path(req));
     snprintf(s->query[k], sizeof(s->query[k]), "%s", duet_http_request_query(req));
+    s->minor[k] = duet_http_request_version_minor(req);
     s->n_headers[k] = duet_http_request_header_count(req);
     for (size_t i = 0; i < s->n_headers[k]; i++) {
         const char *name, *value;
@@ -154,5 +156,18 @@ Test(router_http_fake, long_url_split_into_path_and_query, .timeout = 10)
     cr_assert_eq(seen.n, 1);
     cr_assert_str_eq(seen.path[0], path);
     cr_assert_str_eq(seen.query[0], query);
+    duet_strbuf_free(&out);
+}
+
+/* Found by fuzz/fuzz_http (fuzz/regressions/http/minor_version_above_one): "HTTP/1.5" came to the
+ * application as minor version 5, where http.h promises 0 or 1. */
+Test(router_http_fake, minor_versions_above_one_read_as_http_1_1, .timeout = 10)
+{
+    seen_t seen = {0};
+    duet_strbuf_t out;
+    run("GET /a HTTP/1.5\r\nHost: t\r\n\r\nGET /b HTTP/1.0\r\nHost: t\r\n\r\n", 0, &seen, &out);
+    cr_assert_eq(seen.n, 2);
+    cr_assert_eq(seen.minor[0], 1, "HTTP/1.5 read as 1.%d", seen.minor[0]);
+    cr_assert_eq(seen.minor[1], 0);
     duet_strbuf_free(&out);
 }
