@@ -958,6 +958,9 @@ static bool split_url(duet_http_request_t *req, int is_connect)
         return false;
     const bool has_path = (u.field_set & (1 << UF_PATH)) != 0;
     const bool has_query = (u.field_set & (1 << UF_QUERY)) != 0;
+    /* http-parser takes "*x" for a path; a request target's path is absolute (RFC 9112, 3.2) */
+    if (has_path && req->text[u.field_data[UF_PATH].off] != '/')
+        return false;
     size_t need = req->text_len + 1;
     if (has_path)
         need += u.field_data[UF_PATH].len + 1;

@@ -171,3 +171,18 @@ Test(router_http_fake, minor_versions_above_one_read_as_http_1_1, .timeout = 10)
     cr_assert_eq(seen.minor[1], 0);
     duet_strbuf_free(&out);
 }
+
+/* Found by fuzz/fuzz_http (fuzz/regressions/http/path_not_absolute): http-parser accepts
+ * "*OPTIONS" as a request target, and the application got the path "*OPTIONS"; a path must be
+ * absolute (RFC 9112, 3.2), so that is a 400 now. "*" alone (OPTIONS *) stays the path "/". */
+Test(router_http_fake, request_target_path_must_be_absolute, .timeout = 10)
+{
+    seen_t seen = {0};
+    duet_strbuf_t out;
+    run("OPTIONS * HTTP/1.1\r\nHost: t\r\n\r\nOPTIONS *OPTIONS HTTP/1.1\r\nHost: t\r\n\r\n", 0,
+        &seen, &out);
+    cr_assert_eq(seen.n, 1, "%d requests reached the application", seen.n);
+    cr_assert_str_eq(seen.path[0], "/");
+    cr_assert_not_null(strstr(out.data, "HTTP/1.1 400 Bad Request"), "%s", out.data);
+    duet_strbuf_free(&out);
+}
