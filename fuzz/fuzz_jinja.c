@@ -11,8 +11,9 @@
  *
  * Input: the template text. Checked besides no crash / sanitizer report / hang:
  *  - a refusal (parse or render) sets a detail and leaves an empty output;
- *  - a render's output is at most max_output bytes, its segments cover the text exactly, in
- *    order, and adjacent segments have different origins.
+ *  - a render's output is at most max_output bytes of valid UTF-8 (what the tokenizer and JSON
+ *    need), its segments cover the text exactly, in order, and adjacent segments have different
+ *    origins.
  */
 #include "fuzz/fuzz.h"
 
@@ -20,6 +21,7 @@
 #include <time.h>
 
 #include "common/status.h"
+#include "common/utf8.h"
 #include "router/api/chat_template.h"
 #include "router/api/jinja.h"
 
@@ -94,6 +96,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             at += sg->len;
         }
         FUZZ_CHECK(at == out.text.len, "segments cover %zu of %zu bytes", at, out.text.len);
+        FUZZ_CHECK(duet_utf8_valid(out.text.data != NULL ? out.text.data : "", out.text.len),
+                   "the output is not valid UTF-8");
         duet_jinja_output_free(&out);
     }
     duet_oai_template_destroy(tmpl);

@@ -53,7 +53,7 @@ static void setup(void)
 static void check_json(const duet_strbuf_t *sb, const char *what)
 {
     json_error_t e;
-    json_t *j = json_loadb(sb->data != NULL ? sb->data : "", sb->len, 0, &e);
+    json_t *j = json_loadb(sb->data != NULL ? sb->data : "", sb->len, JSON_ALLOW_NUL, &e);
     FUZZ_CHECK(j != NULL, "%s is not JSON (%s): %.*s", what, e.text, (int)sb->len, sb->data);
     json_decref(j);
 }
