@@ -675,7 +675,7 @@ static duet_status_t stream_check(duet_http_request_t *req)
 duet_status_t duet_http_stream_write(duet_http_request_t *req, const void *data, size_t len)
 {
     duet_status_t st = stream_check(req);
-    if (st != DUET_OK || len == 0)
+    if (st != DUET_OK || len == 0 || req->is_head) /* a HEAD answer has no body */
         return st;
     http_conn_t *conn = req->conn;
     size_t max = conn->srv->opts.max_output_bytes;
@@ -708,7 +708,7 @@ duet_status_t duet_http_stream_end(duet_http_request_t *req)
     if (st != DUET_OK)
         return st;
     http_conn_t *conn = req->conn;
-    if (req->chunked) {
+    if (req->chunked && !req->is_head) {
         uv_buf_t b = uv_buf_init("0\r\n\r\n", 5);
         if (!req_emit(req, &b, 1)) {
             conn_close(conn);

@@ -207,7 +207,8 @@ duet_status_t duet_http_respond(duet_http_request_t *req, int status, const char
 /*
  * Start a streamed response: status line and headers now, then chunks. HTTP/1.1 clients get
  * "Transfer-Encoding: chunked"; HTTP/1.0 clients get the raw bytes and the connection closes at
- * the end. Errors as duet_http_respond.
+ * the end. A HEAD request gets the head only: the writes and the end send no body bytes. Errors
+ * as duet_http_respond.
  */
 duet_status_t duet_http_stream_begin(duet_http_request_t *req, int status, const char *content_type,
                                      const duet_http_header_t *headers, size_t n_headers);

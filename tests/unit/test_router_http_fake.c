@@ -186,3 +186,20 @@ Test(router_http_fake, request_target_path_must_be_absolute, .timeout = 10)
     cr_assert_not_null(strstr(out.data, "HTTP/1.1 400 Bad Request"), "%s", out.data);
     duet_strbuf_free(&out);
 }
+
+/* Found by fuzz/fuzz_http (fuzz/regressions/http/head_answered_with_a_stream): a streamed answer
+ * to a HEAD request sent its chunks, which a client reads as the start of the next response. */
+Test(router_http_fake, streamed_answer_to_head_has_no_body, .timeout = 10)
+{
+    seen_t seen = {.stream = true};
+    duet_strbuf_t out;
+    run("HEAD /v1/completions HTTP/1.1\r\nHost: t\r\n\r\nGET /b HTTP/1.1\r\nHost: t\r\n\r\n", 0,
+        &seen, &out);
+    cr_assert_eq(seen.n, 2);
+    const char *second = strstr(out.data + 1, "HTTP/1.1 200");
+    cr_assert_not_null(second, "%s", out.data);
+    const char *head_end = strstr(out.data, "\r\n\r\n");
+    cr_assert_eq(head_end + 4, second, "bytes after the HEAD answer's head: %s", out.data);
+    cr_assert_not_null(strstr(second, "data: {\"a\":1}"), "the GET lost its events");
+    duet_strbuf_free(&out);
+}
