@@ -222,9 +222,15 @@ duet_status_t duet_frame_decoder_feed(duet_frame_decoder_t *d, const uint8_t *da
         *env_p = env;
         return DUET_OK;
     }
-    if ((st = frame_decoder_reserve(d, d->need)) < 0)
-        return st;
+    /* Grow with the bytes that came, not to the announced length: a peer that sends a header
+     * and a trickle of body must not make us hold max_frame bytes per connection. */
     size_t take = avail < want ? avail : want;
+    if (take == 0) { /* the header ended the chunk */
+        *consumed_p = used;
+        return DUET_OK;
+    }
+    if ((st = frame_decoder_reserve(d, d->have + take)) < 0)
+        return st;
     memcpy(d->buf + d->have, data + used, take);
     d->have += take;
     used += take;

@@ -5,7 +5,8 @@
  * The encoder writes into a caller buffer or appends to a strbuf. The decoder is incremental: it
  * accepts byte chunks of any size as they come from a socket and hands back whole Envelopes. It
  * refuses a length above its maximum as soon as the 4 header bytes are in, before allocating
- * anything for the body, so a peer cannot make us allocate what it merely announces. A stream
+ * anything for the body, and below it grows its buffer with the body bytes that arrived (at most
+ * twice them), so a peer cannot make us allocate what it merely announces. A stream
  * that produced an error is out of sync and stays failed (the connection must be closed); the
  * decoder then answers every feed with the same status.
  *

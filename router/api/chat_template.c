@@ -748,6 +748,14 @@ static duet_status_t tpl_jinja_vars(const duet_oai_template_t *t, const duet_oai
 duet_status_t duet_oai_template_render(const duet_oai_template_t *tmpl, const duet_oai_chat_t *chat,
                                        duet_jinja_output_t *out)
 {
+    return duet__oai_template_render_limits(tmpl, chat, NULL, out);
+}
+
+duet_status_t duet__oai_template_render_limits(const duet_oai_template_t *tmpl,
+                                               const duet_oai_chat_t *chat,
+                                               const duet_jinja_limits_t *lim,
+                                               duet_jinja_output_t *out)
+{
     if (out != NULL)
         memset(out, 0, sizeof(*out));
     if (tmpl == NULL || chat == NULL || out == NULL || tmpl->jinja == NULL)
@@ -759,7 +767,7 @@ duet_status_t duet_oai_template_render(const duet_oai_template_t *tmpl, const du
     duet_error_clear();
     st = tpl_jinja_vars(tmpl, chat, vars);
     if (st == DUET_OK)
-        st = duet_jinja_render(tmpl->jinja, vars, NULL, out);
+        st = duet_jinja_render(tmpl->jinja, vars, lim, out);
     duet_jinja_vars_destroy(vars);
     return st;
 }

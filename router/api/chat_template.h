@@ -149,6 +149,16 @@ duet_status_t duet_oai_template_render(const duet_oai_template_t *tmpl, const du
                                        duet_jinja_output_t *out);
 
 /*
+ * Internal: duet_oai_template_render under limits other than jinja.h's defaults (NULL = them), so
+ * that the fuzz target (fuzz/fuzz_jinja.c) renders under small ones and a template that runs
+ * long within them is a finding.
+ */
+duet_status_t duet__oai_template_render_limits(const duet_oai_template_t *tmpl,
+                                               const duet_oai_chat_t *chat,
+                                               const duet_jinja_limits_t *lim,
+                                               duet_jinja_output_t *out);
+
+/*
  * Render a Jinja template over `chat` and tokenize: special tokens are recognised only in
  * TEMPLATE segments, the rest is encoded as ordinary text. Same output convention as
  * duet_oai_chat_prompt; errors those of duet_oai_template_render and the tokenizer.

@@ -911,8 +911,25 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
                            "%%%c format: a real number is required, not %s", conv, jj_type_name(v));
         spec[sl] = '\0';
         if (strchr("diuxXoc", conv) != NULL) {
+            if (v->kind == JV_FLOAT && conv == 'c')
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "%%c requires int or char");
+            /* A float converts when it fits duet's 64-bit integers (the range is [-2^63, 2^63)):
+             * a C cast of anything else is undefined. */
+            if (v->kind == JV_FLOAT && v->f != v->f)
+                return JJ_RERR(r, DUET_ERR_INVALID, off, "cannot convert float NaN to integer");
+            if (v->kind == JV_FLOAT && !(v->f >= -0x1p63 && v->f < 0x1p63))
+                return JJ_RERR(r, DUET_ERR_RANGE, off, "%%%c format: %g: integer overflow", conv,
+                               v->f);
             int64_t iv = v->kind == JV_FLOAT ? (int64_t)v->f : jj_ival(v);
             if (conv == 'c') {
+                /* a code point UTF-8 can carry; Python stops at 0x10ffff, and a lone surrogate
+                 * could not be encoded for the tokenizer either */
+                if (iv < 0 || iv > 0x10ffff)
+                    return JJ_RERR(r, DUET_ERR_RANGE, off, "%%c arg not in range(0x110000)");
+                if (iv >= 0xd800 && iv <= 0xdfff)
+                    return JJ_RERR(r, DUET_ERR_UNSUPPORTED, off,
+                                   "%%c of a surrogate (U+%04llX) is not valid UTF-8",
+                                   (unsigned long long)iv);
                 char u[4];
                 jj_sb_put(&sb, u, jj_utf8_put(u, (uint32_t)iv), DUET_JINJA_ORIGIN_TEMPLATE);
                 continue;
@@ -931,7 +948,7 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
                          conv == 'x'   ? "llx"
                          : conv == 'X' ? "llX"
                                        : "llo");
-                snprintf(mag, sizeof(mag), cf, (long long)-iv);
+                snprintf(mag, sizeof(mag), cf, 0ull - (unsigned long long)iv); /* INT64_MIN */
                 len = snprintf(buf, sizeof(buf), "-%s", mag);
             } else {
                 len = snprintf(buf, sizeof(buf), cf, (long long)iv);
@@ -2625,7 +2642,8 @@ static duet_status_t jj_select(jj_render_t *r, size_t off, duet_jinja_value_t *x
                            a->pos[k]->s);
         k++;
     }
-    jj_args_t rest = {.pos = a->pos + k, .n_pos = a->n_pos - k};
+    /* no positional arguments: pos may be NULL, and NULL + 0 is undefined in C */
+    jj_args_t rest = {.pos = k < a->n_pos ? a->pos + k : NULL, .n_pos = a->n_pos - k};
     duet_jinja_value_t *l = jj_list_new(r, true);
     if (l == NULL)
         return jj_nomem(r, off);

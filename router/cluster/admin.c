@@ -20,6 +20,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "router/http/http.h"
+#include "router/http/http_impl.h"
 
 #define ADMIN_MAX_BODY (64 * 1024)
 #define ADMIN_MAX_NAME 256
@@ -657,8 +658,9 @@ static const char *path_class(const char *path, void *user)
     return "other";
 }
 
-duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts,
-                               duet_admin_t **admin_p)
+/* duet_admin_start, or with `fake_out` its test seam (see duet__admin_start_fake). */
+static duet_status_t admin_start(uv_loop_t *loop, const duet_admin_options_t *opts,
+                                 duet_strbuf_t *fake_out, duet_admin_t **admin_p)
 {
     const duet_admin_ops_t *ops = opts->ops;
     if (ops == NULL || ops->list_workers == NULL || ops->drain == NULL ||
@@ -708,7 +710,9 @@ duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts
     ho.on_abort = on_abort;
     ho.user = admin;
     ho.path_class = path_class;
-    duet_status_t st = duet_http_server_start(loop, &ho, &admin->srv);
+    duet_status_t st = fake_out != NULL
+                           ? duet__http_server_start_fake(loop, &ho, fake_out, &admin->srv)
+                           : duet_http_server_start(loop, &ho, &admin->srv);
     if (st < 0) {
         DUET_LOG_ERROR("admin API: %s", duet_error_last());
         free(admin->token);
@@ -720,6 +724,25 @@ duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts
                   admin->token == NULL ? " (no token)" : "");
     *admin_p = admin;
     return DUET_OK;
+}
+
+duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts,
+                               duet_admin_t **admin_p)
+{
+    return admin_start(loop, opts, NULL, admin_p);
+}
+
+duet_status_t duet__admin_start_fake(uv_loop_t *loop, const duet_admin_options_t *opts,
+                                     duet_strbuf_t *out, duet_admin_t **admin_p)
+{
+    if (out == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "admin API: the fake needs an output buffer");
+    return admin_start(loop, opts, out, admin_p);
+}
+
+bool duet__admin_feed(duet_admin_t *admin, const char *data, size_t len)
+{
+    return duet__http_server_feed(admin->srv, data, len);
 }
 
 uint16_t duet_admin_port(const duet_admin_t *admin)

@@ -45,6 +45,7 @@
 
 #include "common/config.h"
 #include "common/status.h"
+#include "common/strbuf.h"
 #include "router/cluster/admission.h"
 
 typedef struct duet_admin duet_admin_t;
@@ -177,5 +178,16 @@ void duet_admin_close(duet_admin_t *admin, void (*cb)(void *user), void *user);
  * declared with DUET_ADMIN_CONFIG_KEYS (strings stay owned by cfg). Other fields are untouched.
  */
 void duet_admin_options_from_config(duet_admin_options_t *opts, const duet_config_t *cfg);
+
+/*
+ * Test seam (the fuzz target fuzz/fuzz_admin.c and its unit test): the admin API on the HTTP
+ * server's socketless fake (router/http/http_impl.h, duet__http_server_start_fake): one client
+ * connection whose bytes come from duet__admin_feed (len 0 = the client's EOF; false when the
+ * connection does not read) and whose responses are appended to `out`. Otherwise exactly
+ * duet_admin_start: the same checks, routes, ops and waiters; close it with duet_admin_close.
+ */
+duet_status_t duet__admin_start_fake(uv_loop_t *loop, const duet_admin_options_t *opts,
+                                     duet_strbuf_t *out, duet_admin_t **admin_p);
+bool duet__admin_feed(duet_admin_t *admin, const char *data, size_t len);
 
 #endif

@@ -68,6 +68,7 @@ struct duet_registry {
     bool closing;
     duet_registry_close_cb close_cb;
     void *close_user;
+    duet_strbuf_t *fake_out; /* duet__registry_start_fake: no listener, frames land here */
 };
 
 /* ------------------------------------------------------------------------------ names */
@@ -219,6 +220,8 @@ static duet_status_t reg_conn_send(reg_conn_t *c, Duet__Envelope *env)
         return DUET_ERR_NOT_FOUND;
     if (env->version == 0)
         env->version = DUET_PROTO_VERSION;
+    if (c->reg->fake_out != NULL) /* the test seam's socket takes everything at once */
+        return duet_frame_append(env, c->reg->fake_out);
     const size_t n = duet_frame_size(env);
     const size_t have = c->cork != NULL ? c->cork->buf.len : 0;
     if (c->cork == NULL || have + n > c->cork->cap) {
@@ -561,22 +564,19 @@ static void reg_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     }
 }
 
-static void reg_on_connection(uv_stream_t *server, int status)
+/* A connection's struct, decoder and handle, linked first in reg->conns; NULL when out of memory.
+ */
+static reg_conn_t *reg_conn_new(duet_registry_t *reg)
 {
-    duet_registry_t *reg = server->data;
-    if (status < 0) {
-        DUET_LOG_WARN("registry: accept: %s", uv_strerror(status));
-        return;
-    }
     reg_conn_t *c = calloc(1, sizeof(*c));
     if (c == NULL)
-        return;
+        return NULL;
     c->reg = reg;
     if (duet_frame_decoder_init(&c->dec, reg->opts.max_frame) < 0 ||
         uv_tcp_init(reg->loop, &c->tcp) < 0) {
         duet_frame_decoder_free(&c->dec);
         free(c);
-        return;
+        return NULL;
     }
     c->tcp.data = c;
     reg->open_handles++;
@@ -585,6 +585,19 @@ static void reg_on_connection(uv_stream_t *server, int status)
         reg->conns->prev = c;
     reg->conns = c;
     c->connected_ms = uv_now(reg->loop);
+    return c;
+}
+
+static void reg_on_connection(uv_stream_t *server, int status)
+{
+    duet_registry_t *reg = server->data;
+    if (status < 0) {
+        DUET_LOG_WARN("registry: accept: %s", uv_strerror(status));
+        return;
+    }
+    reg_conn_t *c = reg_conn_new(reg);
+    if (c == NULL)
+        return;
     if (uv_accept(server, (uv_stream_t *)&c->tcp) < 0) {
         reg_conn_close(c);
         return;
@@ -643,8 +656,9 @@ static void reg_handle_closed(uv_handle_t *h)
     reg_maybe_freed(reg);
 }
 
-duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t *opts,
-                                  duet_registry_t **reg_p)
+/* The registry without its listener and timer: options, fingerprint, the worker table. */
+static duet_status_t reg_new(uv_loop_t *loop, const duet_registry_options_t *opts,
+                             duet_registry_t **reg_p)
 {
     if (opts->on_message == NULL || opts->heartbeat_timeout_ms == 0 || opts->host == NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "registry: on_message, host and a timeout are required");
@@ -673,7 +687,17 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
         free(reg);
         return DUET_FAIL(DUET_ERR_NOMEM, "registry: worker table");
     }
+    *reg_p = reg;
+    return DUET_OK;
+}
 
+duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t *opts,
+                                  duet_registry_t **reg_p)
+{
+    duet_registry_t *reg = NULL;
+    duet_status_t st = reg_new(loop, opts, &reg);
+    if (st < 0)
+        return st;
     struct sockaddr_storage addr;
     if (uv_ip4_addr(reg->host, opts->port, (struct sockaddr_in *)&addr) != 0 &&
         uv_ip6_addr(reg->host, opts->port, (struct sockaddr_in6 *)&addr) != 0) {
@@ -688,8 +712,8 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
     if (rc == 0)
         rc = uv_listen((uv_stream_t *)&reg->listener, 128, reg_on_connection);
     if (rc < 0) {
-        duet_status_t st = DUET_FAIL(DUET_ERR_IO, "registry: cannot listen on %s:%u: %s", reg->host,
-                                     opts->port, uv_strerror(rc));
+        st = DUET_FAIL(DUET_ERR_IO, "registry: cannot listen on %s:%u: %s", reg->host, opts->port,
+                       uv_strerror(rc));
         reg->closing = true;
         uv_close((uv_handle_t *)&reg->listener, reg_handle_closed);
         return st;
@@ -717,6 +741,50 @@ duet_status_t duet_registry_start(uv_loop_t *loop, const duet_registry_options_t
         reg->adopt ? "adopted from the first worker" : reg->fingerprint);
     *reg_p = reg;
     return DUET_OK;
+}
+
+duet_status_t duet__registry_start_fake(uv_loop_t *loop, const duet_registry_options_t *opts,
+                                        duet_strbuf_t *out, duet_registry_t **reg_p)
+{
+    if (out == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "registry: the fake needs an output buffer");
+    duet_registry_t *reg = NULL;
+    duet_status_t st = reg_new(loop, opts, &reg);
+    if (st < 0)
+        return st;
+    reg->fake_out = out;
+    uv_tcp_init(loop, &reg->listener); /* never bound: closed with the registry */
+    reg->listener.data = reg;
+    uv_timer_init(loop, &reg->timer); /* never started: heartbeats do not time out */
+    reg->timer.data = reg;
+    uv_check_init(loop, &reg->check); /* never started: the fake writes at once */
+    reg->check.data = reg;
+    reg->open_handles = 3;
+    *reg_p = reg;
+    return DUET_OK;
+}
+
+bool duet__registry_feed(duet_registry_t *reg, const uint8_t *data, size_t len)
+{
+    DUET_ASSERT(reg->fake_out != NULL);
+    if (reg->closing)
+        return false;
+    reg_conn_t *c = reg->conns;
+    if (c != NULL && !c->closing && c->close_after_write) {
+        reg_conn_close(c); /* refused: its ack went out at once, so it closes now */
+        return false;
+    }
+    if (c == NULL || c->closing) {
+        if (len == 0)
+            return false;
+        c = reg_conn_new(reg);
+        if (c == NULL)
+            return false;
+        snprintf(c->peer, sizeof(c->peer), "fake:%d", reg->open_handles);
+    }
+    uv_buf_t buf = uv_buf_init((char *)data, (unsigned)len);
+    reg_read((uv_stream_t *)&c->tcp, len > 0 ? (ssize_t)len : UV_EOF, &buf);
+    return true;
 }
 
 uint16_t duet_registry_port(const duet_registry_t *reg)

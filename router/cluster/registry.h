@@ -45,6 +45,7 @@
 #include <uv.h>
 
 #include "common/status.h"
+#include "common/strbuf.h"
 #include "proto/frame.h"
 #include "router/cluster/placement.h"
 
@@ -186,5 +187,18 @@ size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candi
 /* "up", "draining", "dead"; "ctx", "gen". */
 const char *duet_worker_state_name(duet_worker_state_t state);
 const char *duet_worker_role_name(duet_worker_role_t role);
+
+/*
+ * Test seam (the fuzz target fuzz/fuzz_registry.c and its unit test): a registry with no listener
+ * and no heartbeat timer, whose connections have no socket. duet__registry_feed hands len bytes
+ * to the newest connection as one read (len 0: its EOF), opening a new one when there is none or
+ * the newest is closing, as a worker connecting (one the registry refused closes at the next
+ * feed, which then feeds nothing); every frame the registry writes is appended to
+ * `out` instead. Otherwise exactly the registry of duet_registry_start: the same decoding,
+ * validation, callbacks and close (duet_registry_close). Returns false when nothing was fed.
+ */
+duet_status_t duet__registry_start_fake(uv_loop_t *loop, const duet_registry_options_t *opts,
+                                        duet_strbuf_t *out, duet_registry_t **reg_p);
+bool duet__registry_feed(duet_registry_t *reg, const uint8_t *data, size_t len);
 
 #endif

@@ -32,6 +32,7 @@
 #include <strings.h>
 
 #include "common/log.h"
+#include "common/strbuf.h"
 #include "router/http/http_impl.h"
 
 #define HTTP_READ_BUF     (64 * 1024)
@@ -65,6 +66,8 @@ struct duet_http_server {
     duet_http_close_cb close_cb;
     void *close_user;
 
+    duet_strbuf_t *fake_out; /* duet__http_server_start_fake: no listener, writes land here */
+
     duet_metric_t *m_bytes_in, *m_bytes_out, *m_conns, *m_accepted, *m_rejected;
     http_metric_slot_t metric_cache[HTTP_METRIC_CACHE];
 
@@ -83,6 +86,8 @@ static void conn_finish(http_conn_t *conn);
 static void conn_update_timer(http_conn_t *conn);
 static void conn_parse(http_conn_t *conn, const char *data, size_t len);
 static void conn_read_on(http_conn_t *conn);
+static int conn_read_start(http_conn_t *conn);
+static void conn_on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 static void server_on_resume(uv_idle_t *idle);
 static void server_maybe_finish(duet_http_server_t *srv);
 
@@ -402,6 +407,14 @@ static void conn_send(http_conn_t *conn, const uv_buf_t *bufs, unsigned n)
     if (total == 0)
         return;
     metric_add(conn->srv->m_bytes_out, (double)total);
+    if (conn->srv->fake_out != NULL) { /* the test seam's socket takes everything at once */
+        for (unsigned i = 0; i < n; i++)
+            if (duet_strbuf_append(conn->srv->fake_out, bufs[i].base, bufs[i].len) != DUET_OK) {
+                conn_close(conn);
+                return;
+            }
+        return;
+    }
     if (!grow(&conn->cork, &conn->cork_cap, conn->cork_len + total)) {
         DUET_LOG_ERROR("http: out of memory queueing %zu bytes to %s", total, conn->peer);
         conn_close(conn);
@@ -712,7 +725,7 @@ static duet_status_t stream_check(duet_http_request_t *req)
 duet_status_t duet_http_stream_write(duet_http_request_t *req, const void *data, size_t len)
 {
     duet_status_t st = stream_check(req);
-    if (st != DUET_OK || len == 0)
+    if (st != DUET_OK || len == 0 || req->is_head) /* a HEAD answer has no body */
         return st;
     http_conn_t *conn = req->conn;
     size_t max = conn->srv->opts.max_output_bytes;
@@ -745,7 +758,7 @@ duet_status_t duet_http_stream_end(duet_http_request_t *req)
     if (st != DUET_OK)
         return st;
     http_conn_t *conn = req->conn;
-    if (req->chunked) {
+    if (req->chunked && !req->is_head) {
         uv_buf_t b = uv_buf_init("0\r\n\r\n", 5);
         if (!req_emit(req, &b, 1)) {
             conn_close(conn);
@@ -936,6 +949,8 @@ static int on_header_field(http_parser *p, const char *at, size_t len)
 {
     http_conn_t *conn = p->data;
     duet_http_request_t *req = conn->cur;
+    if (conn->msg_state == HTTP_MSG_BODY) /* a trailer of a chunked body: counted, dropped */
+        return count_header_bytes(conn, len);
     if (conn->hdr_state != HTTP_HS_FIELD) {
         if (!end_text(conn))
             return fail_cb(conn, 503);
@@ -965,6 +980,8 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
 {
     http_conn_t *conn = p->data;
     duet_http_request_t *req = conn->cur;
+    if (conn->msg_state == HTTP_MSG_BODY) /* a trailer's value */
+        return count_header_bytes(conn, len);
     if (conn->hdr_state != HTTP_HS_VALUE) {
         if (!req_text_nul(req))
             return fail_cb(conn, 503);
@@ -976,7 +993,11 @@ static int on_header_value(http_parser *p, const char *at, size_t len)
     return req_text_append(req, at, len) ? 0 : fail_cb(conn, 503);
 }
 
-/* Split the URL into path and query (stored after the headers in req->text). */
+/*
+ * Split the URL into path and query (stored after the headers in req->text). The pieces are
+ * copied from req->text itself, so the room for them is made first: growing after taking a
+ * pointer into the buffer would copy from freed memory.
+ */
 static bool split_url(duet_http_request_t *req, int is_connect)
 {
     if (req->url_len == 1 && req->text[0] == '*')
@@ -985,7 +1006,19 @@ static bool split_url(duet_http_request_t *req, int is_connect)
     http_parser_url_init(&u);
     if (http_parser_parse_url(req->text, req->url_len, is_connect, &u) != 0)
         return false;
-    if (u.field_set & (1 << UF_PATH)) {
+    const bool has_path = (u.field_set & (1 << UF_PATH)) != 0;
+    const bool has_query = (u.field_set & (1 << UF_QUERY)) != 0;
+    /* http-parser takes "*x" for a path; a request target's path is absolute (RFC 9112, 3.2) */
+    if (has_path && req->text[u.field_data[UF_PATH].off] != '/')
+        return false;
+    size_t need = req->text_len + 1;
+    if (has_path)
+        need += u.field_data[UF_PATH].len + 1;
+    if (has_query)
+        need += u.field_data[UF_QUERY].len + 1;
+    if (!grow(&req->text, &req->text_cap, need))
+        return false;
+    if (has_path) {
         uint32_t off = (uint32_t)req->text_len;
         if (!req_text_append(req, req->text + u.field_data[UF_PATH].off,
                              u.field_data[UF_PATH].len) ||
@@ -993,7 +1026,7 @@ static bool split_url(duet_http_request_t *req, int is_connect)
             return false;
         req->path_off = off;
     }
-    if (u.field_set & (1 << UF_QUERY)) {
+    if (has_query) {
         uint32_t off = (uint32_t)req->text_len;
         if (!req_text_append(req, req->text + u.field_data[UF_QUERY].off,
                              u.field_data[UF_QUERY].len) ||
@@ -1014,7 +1047,8 @@ static int on_headers_complete(http_parser *p)
     if (!end_text(conn))
         return fail_cb(conn, 503);
     req->method = http_method_str((enum http_method)p->method);
-    req->minor = p->http_minor;
+    /* HTTP/1.x above 1.1 is read as 1.1 (RFC 9110, 2.5), the highest this server speaks */
+    req->minor = p->http_minor > 1 ? 1 : p->http_minor;
     if (conn->te_bad)
         return fail_cb(conn, 501);
     if (p->method == HTTP_CONNECT)
@@ -1153,6 +1187,15 @@ static void conn_parse(http_conn_t *conn, const char *data, size_t len)
     }
 }
 
+/* Start reading the socket; the test seam's connection has none (its reads come from
+ * duet__http_server_feed), so there it succeeds without doing anything. */
+static int conn_read_start(http_conn_t *conn)
+{
+    if (conn->srv->fake_out != NULL)
+        return 0;
+    return uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read);
+}
+
 static void conn_on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     http_conn_t *conn = s->data;
@@ -1194,7 +1237,7 @@ static void conn_read_on(http_conn_t *conn)
 {
     if (conn->closing || conn->reading || conn->eof || conn->paused)
         return;
-    int e = uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read);
+    int e = conn_read_start(conn);
     if (e < 0) {
         conn_close(conn);
         return;
@@ -1333,7 +1376,7 @@ static void conn_resume(http_conn_t *conn)
     if (conn->closing)
         return;
     if (!conn->paused && !conn->reading && !conn->eof) {
-        if (uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read) == 0)
+        if (conn_read_start(conn) == 0)
             conn->reading = true;
     }
     conn_update_timer(conn);
@@ -1363,7 +1406,7 @@ static void conn_on_shutdown(uv_shutdown_t *sreq, int status)
     /* Our FIN is out: drain what the client still sends until its EOF or linger_ms. */
     conn->rd_mode = HTTP_RD_LINGER;
     if (!conn->reading) {
-        if (uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read) != 0) {
+        if (conn_read_start(conn) != 0) {
             conn_close(conn);
             return;
         }
@@ -1486,18 +1529,12 @@ static void conn_set_peer(http_conn_t *conn)
     }
 }
 
-static void server_on_connection(uv_stream_t *listener, int status)
+/* A connection's struct and handles, counted as open (not yet accepted). */
+static http_conn_t *conn_new(duet_http_server_t *srv)
 {
-    duet_http_server_t *srv = listener->data;
-    if (status < 0) {
-        DUET_LOG_WARN("http: accept: %s", uv_strerror(status));
-        return;
-    }
     http_conn_t *conn = calloc(1, sizeof(*conn));
-    if (conn == NULL) {
-        DUET_LOG_ERROR("http: out of memory accepting a connection");
-        return;
-    }
+    if (conn == NULL)
+        return NULL;
     conn->srv = srv;
     link_init(&conn->resume_link);
     link_init(&conn->cork_link);
@@ -1508,6 +1545,33 @@ static void server_on_connection(uv_stream_t *listener, int status)
     conn->handles_open = 2;
     link_push(&srv->conns, &conn->link);
     srv->n_open++;
+    return conn;
+}
+
+/* An accepted connection: count it and make its request parser. */
+static void conn_begin(http_conn_t *conn)
+{
+    duet_http_server_t *srv = conn->srv;
+    srv->n_active++;
+    metric_add(srv->m_accepted, 1);
+    if (srv->m_conns != NULL)
+        duet_metrics_gauge_inc(srv->m_conns);
+    http_parser_init(&conn->parser, HTTP_REQUEST);
+    conn->parser.data = conn;
+}
+
+static void server_on_connection(uv_stream_t *listener, int status)
+{
+    duet_http_server_t *srv = listener->data;
+    if (status < 0) {
+        DUET_LOG_WARN("http: accept: %s", uv_strerror(status));
+        return;
+    }
+    http_conn_t *conn = conn_new(srv);
+    if (conn == NULL) {
+        DUET_LOG_ERROR("http: out of memory accepting a connection");
+        return;
+    }
     int e = uv_accept(listener, (uv_stream_t *)&conn->tcp);
     if (e < 0 || srv->n_active >= srv->opts.max_connections) {
         conn->rejected = true;
@@ -1525,15 +1589,10 @@ static void server_on_connection(uv_stream_t *listener, int status)
         conn_close(conn);
         return;
     }
-    srv->n_active++;
-    metric_add(srv->m_accepted, 1);
-    if (srv->m_conns != NULL)
-        duet_metrics_gauge_inc(srv->m_conns);
+    conn_begin(conn);
     uv_tcp_nodelay(&conn->tcp, 1);
     conn_set_peer(conn);
-    http_parser_init(&conn->parser, HTTP_REQUEST);
-    conn->parser.data = conn;
-    e = uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read);
+    e = conn_read_start(conn);
     if (e < 0) {
         conn_close(conn);
         return;
@@ -1601,8 +1660,7 @@ static void server_on_grace(uv_timer_t *t)
         DUET_LOG_INFO("http: shutdown grace over: cut %zu connection(s)", cut);
 }
 
-duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t *opts,
-                                     duet_http_server_t **srv_p)
+static duet_status_t options_check(uv_loop_t *loop, const duet_http_options_t *opts)
 {
     if (loop == NULL || opts == NULL || opts->on_request == NULL || opts->host == NULL)
         return DUET_FAIL(DUET_ERR_INVALID, "http: loop, options, host and on_request required");
@@ -1612,20 +1670,15 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
         return DUET_FAIL(DUET_ERR_INVALID, "http: limits and timeouts must be positive");
     if (opts->max_url_bytes > UINT32_MAX / 2 || opts->max_header_bytes > UINT32_MAX / 2)
         return DUET_FAIL(DUET_ERR_INVALID, "http: header limits too large");
+    return DUET_OK;
+}
 
-    /* libuv writes with write(2): a peer's reset must be EPIPE, not a fatal signal. */
-    struct sigaction sa;
-    if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL)
-        signal(SIGPIPE, SIG_IGN);
-
-    struct sockaddr_storage addr;
-    if (uv_ip4_addr(opts->host, opts->port, (struct sockaddr_in *)&addr) != 0 &&
-        uv_ip6_addr(opts->host, opts->port, (struct sockaddr_in6 *)&addr) != 0)
-        return DUET_FAIL(DUET_ERR_INVALID, "http: bad listen address '%s'", opts->host);
-
+/* The server without its listener: parser callbacks, metrics, the grace timer, the resume idle. */
+static duet_http_server_t *server_new(uv_loop_t *loop, const duet_http_options_t *opts)
+{
     duet_http_server_t *srv = calloc(1, sizeof(*srv));
     if (srv == NULL)
-        return DUET_FAIL(DUET_ERR_NOMEM, "http: server");
+        return NULL;
     srv->loop = loop;
     srv->opts = *opts;
     link_init(&srv->conns);
@@ -1646,8 +1699,39 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
     srv->m_accepted = metric_child1(m->connections_total, "accepted");
     srv->m_rejected = metric_child1(m->connections_total, "rejected");
 
+    uv_timer_init(loop, &srv->grace_timer);
+    srv->grace_timer.data = srv;
+    uv_idle_init(loop, &srv->resume_idle);
+    srv->resume_idle.data = srv;
+    uv_check_init(loop, &srv->cork_check);
+    srv->cork_check.data = srv;
+    srv->handles_open = 3;
+    return srv;
+}
+
+duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t *opts,
+                                     duet_http_server_t **srv_p)
+{
+    duet_status_t st = options_check(loop, opts);
+    if (st != DUET_OK)
+        return st;
+
+    /* libuv writes with write(2): a peer's reset must be EPIPE, not a fatal signal. */
+    struct sigaction sa;
+    if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL)
+        signal(SIGPIPE, SIG_IGN);
+
+    struct sockaddr_storage addr;
+    if (uv_ip4_addr(opts->host, opts->port, (struct sockaddr_in *)&addr) != 0 &&
+        uv_ip6_addr(opts->host, opts->port, (struct sockaddr_in6 *)&addr) != 0)
+        return DUET_FAIL(DUET_ERR_INVALID, "http: bad listen address '%s'", opts->host);
+
+    duet_http_server_t *srv = server_new(loop, opts);
+    if (srv == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "http: server");
     uv_tcp_init(loop, &srv->listener);
     srv->listener.data = srv;
+    srv->handles_open++;
     int e = uv_tcp_bind(&srv->listener, (const struct sockaddr *)&addr, 0);
     if (e == 0)
         e = uv_listen((uv_stream_t *)&srv->listener, opts->backlog, server_on_connection);
@@ -1660,16 +1744,9 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
                 ntohs(bound.ss_family == AF_INET ? ((struct sockaddr_in *)&bound)->sin_port
                                                  : ((struct sockaddr_in6 *)&bound)->sin6_port);
     }
-    uv_timer_init(loop, &srv->grace_timer);
-    srv->grace_timer.data = srv;
-    uv_idle_init(loop, &srv->resume_idle);
-    srv->resume_idle.data = srv;
-    uv_check_init(loop, &srv->cork_check);
-    srv->cork_check.data = srv;
-    srv->handles_open = 4;
     if (e != 0) {
-        duet_status_t st = DUET_FAIL(DUET_ERR_IO, "http: listen on %s:%u: %s", opts->host,
-                                     opts->port, uv_strerror(e));
+        st = DUET_FAIL(DUET_ERR_IO, "http: listen on %s:%u: %s", opts->host, opts->port,
+                       uv_strerror(e));
         /* The handles are freed by their close callbacks; the loop must run once more. */
         srv->closing = true;
         srv->finishing = true;
@@ -1682,6 +1759,45 @@ duet_status_t duet_http_server_start(uv_loop_t *loop, const duet_http_options_t 
     DUET_LOG_INFO("http: listening on %s:%u", opts->host, srv->port);
     *srv_p = srv;
     return DUET_OK;
+}
+
+duet_status_t duet__http_server_start_fake(uv_loop_t *loop, const duet_http_options_t *opts,
+                                           duet_strbuf_t *out, duet_http_server_t **srv_p)
+{
+    duet_status_t st = options_check(loop, opts);
+    if (st != DUET_OK)
+        return st;
+    if (out == NULL)
+        return DUET_FAIL(DUET_ERR_INVALID, "http: the fake server needs an output buffer");
+    duet_http_server_t *srv = server_new(loop, opts);
+    if (srv == NULL)
+        return DUET_FAIL(DUET_ERR_NOMEM, "http: server");
+    srv->fake_out = out;
+    http_conn_t *conn = conn_new(srv);
+    if (conn == NULL) {
+        srv->closing = true;
+        server_maybe_finish(srv);
+        return DUET_FAIL(DUET_ERR_NOMEM, "http: connection");
+    }
+    conn_begin(conn);
+    snprintf(conn->peer, sizeof(conn->peer), "fake:0");
+    conn->reading = true; /* as after uv_read_start: the seam delivers the reads */
+    conn_update_timer(conn);
+    *srv_p = srv;
+    return DUET_OK;
+}
+
+bool duet__http_server_feed(duet_http_server_t *srv, const char *data, size_t len)
+{
+    DUET_ASSERT(srv->fake_out != NULL);
+    if (srv->conns.next == &srv->conns)
+        return false;
+    http_conn_t *conn = CONN_OF(srv->conns.next, link);
+    if (conn->closing || !conn->reading)
+        return false;
+    uv_buf_t buf = uv_buf_init((char *)data, (unsigned)len);
+    conn_on_read((uv_stream_t *)&conn->tcp, len > 0 ? (ssize_t)len : UV_EOF, &buf);
+    return true;
 }
 
 uint16_t duet_http_server_port(const duet_http_server_t *srv)
@@ -1700,7 +1816,8 @@ void duet_http_server_close(duet_http_server_t *srv, duet_http_close_cb cb, void
     srv->closing = true;
     srv->close_cb = cb;
     srv->close_user = user;
-    uv_close((uv_handle_t *)&srv->listener, server_on_handle_close);
+    if (srv->fake_out == NULL)
+        uv_close((uv_handle_t *)&srv->listener, server_on_handle_close);
     uv_timer_start(&srv->grace_timer, server_on_grace, srv->opts.shutdown_grace_ms, 0);
     for (duet__http_link_t *l = srv->conns.next, *next; l != &srv->conns; l = next) {
         next = l->next;
@@ -1722,8 +1839,7 @@ void duet_http_server_close(duet_http_server_t *srv, duet_http_close_cb cb, void
                 link_remove(&conn->resume_link);
                 conn->resume_queued = false;
             }
-            if (!conn->reading && !conn->eof &&
-                uv_read_start((uv_stream_t *)&conn->tcp, conn_on_alloc, conn_on_read) == 0)
+            if (!conn->reading && !conn->eof && conn_read_start(conn) == 0)
                 conn->reading = true;
         }
         if (conn->q_len == 0)

@@ -30,6 +30,10 @@
  * a connection has max_pipeline requests queued it is not read, so a disconnect is then noticed
  * at the next write.
  *
+ * Trailer fields after a chunked body are read and dropped, never merged into the headers (RFC
+ * 9110, 6.5: a client must not be able to add, say, an Authorization field after the body); their
+ * bytes count against max_header_bytes.
+ *
  * Limits and timeouts (duet_http_options_t) answer with the matching status and close the
  * connection: malformed request 400, header timeout / body timeout 408, body too large 413 (sent
  * at once, the body is not read), URL too long 414, headers too large or too many 431,
@@ -203,7 +207,8 @@ duet_status_t duet_http_respond(duet_http_request_t *req, int status, const char
 /*
  * Start a streamed response: status line and headers now, then chunks. HTTP/1.1 clients get
  * "Transfer-Encoding: chunked"; HTTP/1.0 clients get the raw bytes and the connection closes at
- * the end. Errors as duet_http_respond.
+ * the end. A HEAD request gets the head only: the writes and the end send no body bytes. Errors
+ * as duet_http_respond.
  */
 duet_status_t duet_http_stream_begin(duet_http_request_t *req, int status, const char *content_type,
                                      const duet_http_header_t *headers, size_t n_headers);

@@ -1,7 +1,8 @@
 /*
- * Internals of the HTTP server (router/http/http.c): the connection and request structs. Only
- * http.c includes this; it is a separate header so the layout and the ownership rules read in one
- * place.
+ * Internals of the HTTP server (router/http/http.c): the connection and request structs, and a
+ * test seam. Only http.c reads the structs; it is a separate header so the layout and the
+ * ownership rules read in one place. The seam (at the end) is for the fuzz targets and the unit
+ * test that runs the server's request parsing without sockets.
  *
  * Lifetimes.
  *  - A connection (http_conn_t) owns a TCP handle and a timer; it is freed in the close callback
@@ -24,6 +25,7 @@
 #include <uv.h>
 
 #include "common/metrics.h"
+#include "common/strbuf.h"
 #include "router/http/http.h"
 
 typedef struct duet__http_link {
@@ -146,5 +148,27 @@ struct http_conn {
     bool resume_queued;
     char peer[64];
 };
+
+/* ------------------------------------------------------------------ test seam */
+
+/*
+ * A server with no listener and exactly one connection, which has no socket: its reads come from
+ * duet__http_server_feed and every byte it writes is appended to `out` at once (so the whole
+ * response stream is in `out`, in order). Everything else is the real server: the parser and its
+ * limits, the response queue, pipelining, pausing at max_pipeline, error answers, timers (run the
+ * loop to fire them), on_request / on_abort. Shutting the write side down is not possible without
+ * a socket, so where the server would send its FIN and linger the connection closes at once.
+ * Close it with duet_http_server_close as any server. Options as duet_http_server_start (host and
+ * port are not used); DUET_ERR_INVALID for a missing `out`.
+ */
+duet_status_t duet__http_server_start_fake(uv_loop_t *loop, const duet_http_options_t *opts,
+                                           duet_strbuf_t *out, duet_http_server_t **srv_p);
+
+/*
+ * Hand len bytes to the fake server's connection as one read from its socket; len 0 is the
+ * client's EOF. Returns false (and takes nothing) when the connection is not reading: paused at
+ * max_pipeline until responses go out, after an EOF, or closed.
+ */
+bool duet__http_server_feed(duet_http_server_t *srv, const char *data, size_t len);
 
 #endif

@@ -282,6 +282,53 @@ Test(proto_frame, oversized_length_refused_before_allocating, .timeout = 10,
     cr_assert_eq(duet_frame_decoder_init(&d, (size_t)DUET_FRAME_MAX_LIMIT + 1), DUET_ERR_INVALID);
 }
 
+/* Found with fuzz/fuzz_frame (short inputs ran slowly: each header announcing a length under the
+ * maximum made the decoder allocate all of it before a byte of the body came). */
+Test(proto_frame, announced_length_allocated_as_the_body_arrives, .timeout = 10)
+{
+    duet_frame_decoder_t d;
+    cr_assert_eq(duet_frame_decoder_init(&d, 0), DUET_OK); /* 16 MiB */
+    /* A 16 MiB Envelope: field 2 (reserved header space, unknown to this build) as bytes. */
+    const uint32_t len = 16u << 20;
+    const uint8_t hdr[] = {
+        (uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8), (uint8_t)len, 0x08, 0x01};
+    Duet__Envelope *env = NULL;
+    size_t used = 0;
+    cr_assert_eq(duet_frame_decoder_feed(&d, hdr, sizeof(hdr), &used, &env), DUET_OK);
+    cr_assert_eq(used, sizeof(hdr));
+    cr_assert_null(env);
+    cr_assert_leq(d.cap, 256u, "%zu bytes held for 2 body bytes of an announced %u", d.cap, len);
+    /* The buffer follows the bytes (at most twice them) and the frame still completes. */
+    uint8_t *chunk = calloc(1, 1u << 20);
+    cr_assert_not_null(chunk);
+    size_t have = 2, fed_chunks = 0;
+    while (have < len) {
+        size_t n = len - have < (1u << 20) ? len - have : (1u << 20);
+        if (have == 2) { /* the rest of field 1's frame: unknown field 2, length-delimited */
+            size_t rest = len - 2 - 5; /* tag + 4-byte varint length */
+            chunk[0] = 0x12;
+            chunk[1] = (uint8_t)(0x80 | (rest & 0x7f));
+            chunk[2] = (uint8_t)(0x80 | ((rest >> 7) & 0x7f));
+            chunk[3] = (uint8_t)(0x80 | ((rest >> 14) & 0x7f));
+            chunk[4] = (uint8_t)(rest >> 21);
+        }
+        cr_assert_eq(duet_frame_decoder_feed(&d, chunk, n, &used, &env), DUET_OK, "%s",
+                     duet_error_last());
+        cr_assert_eq(used, n);
+        if (have == 2)
+            memset(chunk, 0, 5);
+        have += n;
+        fed_chunks++;
+        if (have < len)
+            cr_assert_leq(d.cap, 2 * have, "%zu bytes held for %zu received", d.cap, have);
+    }
+    cr_assert_not_null(env, "the whole frame did not decode after %zu chunks", fed_chunks);
+    cr_assert_eq(env->version, 1u);
+    duet_envelope_free(env);
+    free(chunk);
+    duet_frame_decoder_free(&d);
+}
+
 Test(proto_frame, zero_length_and_garbage_bodies_refused, .timeout = 10, .init = cr_redirect_stderr)
 {
     duet_frame_decoder_t d;

@@ -255,6 +255,17 @@ Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
          "got multiple values for keyword argument 'a'"},
         /* Markup + int is a TypeError as str + int is */
         {"{{ 'a'|safe + 1 }}", DUET_ERR_INVALID, "can only concatenate str"},
+        /* % of a float that is no 64-bit integer, %c outside Unicode (found by fuzz/fuzz_jinja,
+         * fuzz/regressions/jinja/percent_d_of_1e300: the C cast of such a float is undefined) */
+        {"{{ '%d' % 1e300 }}", DUET_ERR_RANGE, "integer overflow"},
+        {"{{ '%x' % -1e19 }}", DUET_ERR_RANGE, "integer overflow"},
+        {"{{ '%d' % (1e300 * 1e300) }}", DUET_ERR_RANGE, "integer overflow"},
+        {"{{ '%i' % (1e300 * 1e300 - 1e300 * 1e300) }}", DUET_ERR_INVALID,
+         "cannot convert float NaN to integer"},
+        {"{{ '%c' % 65.0 }}", DUET_ERR_INVALID, "%c requires int or char"},
+        {"{{ '%c' % 1114112 }}", DUET_ERR_RANGE, "%c arg not in range(0x110000)"},
+        {"{{ '%c' % -1 }}", DUET_ERR_RANGE, "%c arg not in range(0x110000)"},
+        {"{{ '%c' % 55296 }}", DUET_ERR_UNSUPPORTED, "surrogate"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         duet_status_t st;
@@ -267,6 +278,27 @@ Test(router_jinja, errors_where_jinja2_raises, .timeout = 10)
         else
             cr_assert(strstr(duet_error_last(), cases[i].msg) != NULL, "%s: got '%s'", cases[i].src,
                       duet_error_last());
+    }
+}
+
+/* % formatting at the edges of 64-bit integers and of Unicode, as CPython prints them. */
+Test(router_jinja, percent_format_edges, .timeout = 10)
+{
+    static const struct {
+        const char *src, *want;
+    } cases[] = {
+        {"{{ '%x' % (-9223372036854775807 - 1) }}", "-8000000000000000"},
+        {"{{ '%o' % -8 }}|{{ '%X' % -255 }}", "-10|-FF"},
+        {"{{ '%d' % -9.2233720368547758e18 }}", "-9223372036854775808"},
+        {"{{ '%d' % 2.9 }}|{{ '%i' % -2.9 }}", "2|-2"},
+        {"{{ '%c' % 1114111 }}|{{ '%c' % 233 }}", "\xf4\x8f\xbf\xbf|\xc3\xa9"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        duet_status_t st;
+        char *got = render_with(cases[i].src, two, 2, false, NULL, &st);
+        cr_assert_not_null(got, "%s: %s", cases[i].src, duet_error_last());
+        cr_assert_str_eq(got, cases[i].want, "%s", cases[i].src);
+        free(got);
     }
 }
 
