@@ -113,14 +113,15 @@ for t in "${targets[@]}"; do
     fi
     # shellcheck disable=SC2206
     [ -n "${FUZZ_EXTRA:-}" ] && flags+=($FUZZ_EXTRA)
-    start=$(date +%s.%N)
+    start_ms=$(($(date +%s%N) / 1000000))
     pids=()
     for ((j = 0; j < jobs; j++)); do
         "$exe" "${flags[@]}" "$tw/corpus" > "$tw/log.$j" 2>&1 &
         pids+=($!)
     done
     for p in "${pids[@]}"; do wait "$p"; done
-    end=$(date +%s.%N)
+    ms=$(($(date +%s%N) / 1000000 - start_ms))
+    [ "$ms" -gt 0 ] || ms=1
     execs=0
     result=OK
     for ((j = 0; j < jobs; j++)); do
@@ -135,9 +136,8 @@ for t in "${targets[@]}"; do
             failed=1
         fi
     done
-    secs=$(echo "$end - $start" | bc -l)
-    rate=$(echo "$execs / ($secs + 0.000001)" | bc)
-    printf '%-14s %13d %9.1f %10d  %s\n' "$t" "$execs" "$secs" "$rate" "$result"
+    printf '%-14s %13d %7d.%d %10d  %s\n' "$t" "$execs" $((ms / 1000)) $((ms % 1000 / 100)) \
+        $((execs * 1000 / ms)) "$result"
     if [ "$result" != OK ]; then
         for f in "$tw"/artifacts/*; do
             [ -e "$f" ] && echo "    reproducer: $f (replay: $exe $f)"
