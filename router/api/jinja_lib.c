@@ -2625,7 +2625,8 @@ static duet_status_t jj_select(jj_render_t *r, size_t off, duet_jinja_value_t *x
                            a->pos[k]->s);
         k++;
     }
-    jj_args_t rest = {.pos = a->pos + k, .n_pos = a->n_pos - k};
+    /* a call without positional arguments has pos NULL, and NULL + 0 is undefined in C */
+    jj_args_t rest = {.pos = k < a->n_pos ? a->pos + k : NULL, .n_pos = a->n_pos - k};
     duet_jinja_value_t *l = jj_list_new(r, true);
     if (l == NULL)
         return jj_nomem(r, off);
