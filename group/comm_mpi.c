@@ -5,7 +5,9 @@
  * Each op starts the nonblocking collective and polls it (group/poll.h) until it completes or
  * the communicator's timeout passes; then the communicator is broken, and every later op fails
  * at once. The data goes through a staging area the communicator owns (comm_mpi.h says why), and
- * a broken communicator is leaked on destroy with everything a pending collective may touch.
+ * a broken communicator is never freed: destroy moves it, with everything a pending collective may
+ * touch and the collective's request, to a list the process keeps until it exits (so the memory is
+ * still there for MPI, and LeakSanitizer sees it held rather than lost).
  */
 #include "group/comm_mpi.h"
 
@@ -22,14 +24,28 @@
 /* The receive part of the staging area starts on this boundary (floats, uint64). */
 #define DUET__MPI_STAGE_ALIGN 64
 
-typedef struct {
+typedef struct duet__mpi {
     duet_comm_t base;
     MPI_Comm comm;
-    int broken; /* an op failed or timed out: every later op fails, destroy leaks */
+    int broken; /* an op failed or timed out: every later op fails, destroy abandons it */
     char *stage;
     size_t stage_cap;
-    int *counts; /* 4 * size: send counts, send displs, recv counts, recv displs */
+    int *counts;         /* 4 * size: send counts, send displs, recv counts, recv displs */
+    MPI_Request pending; /* the collective a timeout left running (MPI_REQUEST_NULL if none) */
+    struct duet__mpi *next_abandoned;
 } duet__mpi_t;
+
+/* Broken communicators, kept (never freed) for the collectives they may have pending: MPI can
+ * neither cancel nor free those, and writes the staging area if the late rank arrives. Only the
+ * MPI thread touches the list (MPI_THREAD_FUNNELED). */
+static duet__mpi_t *duet__mpi_abandoned;
+
+/* Keep m and what it owns until the process exits (see duet__mpi_abandoned). */
+static void duet__mpi_abandon(duet__mpi_t *m)
+{
+    m->next_abandoned = duet__mpi_abandoned;
+    duet__mpi_abandoned = m;
+}
 
 static const duet_comm_ops_t duet__mpi_ops;
 
@@ -82,6 +98,7 @@ static duet_status_t duet__mpi_wait(duet__mpi_t *m, MPI_Request *req, const char
             return DUET_OK;
         if (duet__poll_expired(&p)) {
             m->broken = 1;
+            m->pending = *req; /* still running: kept with m (duet__mpi_abandon) */
             return duet_error_set(DUET_ERR_TIMEOUT,
                                   "comm mpi: %s timed out after %lld ms waiting for the other "
                                   "ranks (rank %d of a communicator of %d, timeout_ms %lld); "
@@ -272,10 +289,12 @@ static void duet__mpi_destroy(duet_comm_t *c)
     if (m == NULL)
         return;
     /* A broken communicator may have a collective pending that still reads the counts and
-     * writes the staging area if the late rank ever arrives: all of it is leaked, once per
-     * broken communicator (the group fails after that). */
-    if (m->broken)
+     * writes the staging area if the late rank ever arrives: all of it is kept, once per broken
+     * communicator (the group fails after that). */
+    if (m->broken) {
+        duet__mpi_abandon(m);
         return;
+    }
     MPI_Comm_free(&m->comm);
     free(m->stage);
     free(m->counts);
@@ -395,6 +414,7 @@ duet_status_t duet_comm_mpi_create(int64_t timeout_ms, duet_comm_t **c_p)
     m->base.ops = &duet__mpi_ops;
     m->base.timeout_ms = timeout_ms > 0 ? timeout_ms : 0;
     m->comm = MPI_COMM_NULL;
+    m->pending = MPI_REQUEST_NULL;
     MPI_Comm_rank(MPI_COMM_WORLD, &m->base.rank);
     MPI_Comm_size(MPI_COMM_WORLD, &m->base.size);
     duet_status_t st = duet__mpi_enter(m, "create");
@@ -414,8 +434,10 @@ duet_status_t duet_comm_mpi_create(int64_t timeout_ms, duet_comm_t **c_p)
         goto fail;
     }
     st = duet__mpi_wait(m, &req, "create");
-    if (st != DUET_OK)
-        return st; /* the pending duplication writes m->comm: m is leaked */
+    if (st != DUET_OK) {
+        duet__mpi_abandon(m); /* the pending duplication writes m->comm */
+        return st;
+    }
     rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
     if (rc != MPI_SUCCESS) {
         st = duet__mpi_fail(m, "create", "MPI_Comm_set_errhandler", rc);

@@ -9,7 +9,7 @@
  * Every op is a nonblocking MPI collective polled until timeout_ms (common/comm.h "Bounded"),
  * through buffers the communicator owns: a collective that timed out can be neither cancelled
  * nor freed (MPI forbids both for nonblocking collectives) and may still complete if the late
- * rank arrives, so it must then write into memory the communicator leaks on destroy, never into
+ * rank arrives, so it must then write into memory the communicator keeps after destroy, never into
  * the caller's. Each op therefore costs one host copy of its data in and one out.
  */
 #ifndef DUET_GROUP_COMM_MPI_H

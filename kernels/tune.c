@@ -181,8 +181,10 @@ duet_status_t duet_tune_add(duet_tune_t *t, const duet_tune_key_t *key, const in
     if (set == 0)
         return duet_error_set(DUET_ERR_INVALID, "tune: add: no candidate tactics");
     duet__tune_cand_t probe = {.key = *key};
-    duet__tune_cand_t *hit =
-        bsearch(&probe, t->cand, (size_t)t->n_cand, sizeof(*t->cand), duet__tune_cand_cmp);
+    /* bsearch and qsort take no NULL array, even with no elements: an empty table has none */
+    duet__tune_cand_t *hit = t->n_cand == 0 ? NULL
+                                            : bsearch(&probe, t->cand, (size_t)t->n_cand,
+                                                      sizeof(*t->cand), duet__tune_cand_cmp);
     if (hit != NULL) {
         hit->cand |= set;
         return DUET_OK;
@@ -206,8 +208,9 @@ duet_status_t duet_tune_add(duet_tune_t *t, const duet_tune_key_t *key, const in
 static duet_status_t duet__tune_put(duet_tune_t *t, const duet_tune_key_t *key, int tactic)
 {
     duet__tune_entry_t probe = {.key = *key};
-    duet__tune_entry_t *hit =
-        bsearch(&probe, t->ent, (size_t)t->n_ent, sizeof(*t->ent), duet__tune_ent_cmp);
+    duet__tune_entry_t *hit = t->n_ent == 0 ? NULL
+                                            : bsearch(&probe, t->ent, (size_t)t->n_ent,
+                                                      sizeof(*t->ent), duet__tune_ent_cmp);
     if (hit != NULL) {
         hit->tactic = tactic;
         return DUET_OK;
@@ -565,7 +568,8 @@ duet_status_t duet_tune_load_text(duet_tune_t *t, const char *text, size_t len, 
         st = duet_error_set(DUET_ERR_FORMAT, "tune: %s: empty (no header line)", name);
         goto done;
     }
-    qsort(ent, (size_t)n_ent, sizeof(*ent), duet__tune_ent_cmp);
+    if (n_ent > 0) /* a file of its header alone leaves ent NULL */
+        qsort(ent, (size_t)n_ent, sizeof(*ent), duet__tune_ent_cmp);
     free(t->ent);
     t->ent = ent;
     t->n_ent = n_ent;

@@ -46,7 +46,9 @@ struct duet_kernels {
     _Atomic int stop;
     duet__task_fn fn; /* current job, valid while its tasks run */
     void *ctx;
-    int64_t n_tasks;
+    /* read by a worker before its claim succeeds, which may be while the caller writes the next
+     * job's count (its CAS then fails): atomic, relaxed, so the read is not a data race */
+    _Atomic int64_t n_tasks;
     int64_t spin_ns; /* how long an idle worker spins before sleeping */
 
     const duet_tune_t *tuner; /* not owned; NULL: every matmul takes the default split */

@@ -56,7 +56,7 @@ static void duet__pool_work(struct duet_kernels *k, uint32_t gen, int thread_idx
         if ((uint32_t)(c >> 32) != gen || (uint32_t)c == DUET__CLAIM_CLOSED)
             return;
         int64_t t = (int64_t)(c & 0xffffffffu);
-        if (t >= k->n_tasks)
+        if (t >= atomic_load_explicit(&k->n_tasks, memory_order_relaxed))
             return;
         if (!atomic_compare_exchange_weak_explicit(&k->claim, &c, c + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
@@ -127,7 +127,7 @@ void duet__pool_run(struct duet_kernels *k, int64_t n_tasks, duet__task_fn fn, v
     atomic_store(&k->claim, ((uint64_t)gen << 32) | DUET__CLAIM_CLOSED);
     k->fn = fn;
     k->ctx = ctx;
-    k->n_tasks = n_tasks;
+    atomic_store_explicit(&k->n_tasks, n_tasks, memory_order_relaxed);
     atomic_store_explicit(&k->n_done, 0, memory_order_relaxed);
     atomic_store_explicit(&k->claim, (uint64_t)gen << 32, memory_order_release);
     atomic_store(&k->gen, gen); /* seq_cst: pairs with the workers' n_sleeping increment */

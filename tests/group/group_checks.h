@@ -239,7 +239,7 @@ static void check_barrier(duet_comm_t *c)
  * while the others call allgather. They must give up within the timeout plus slack, with a detail
  * naming the op and the size, and every later op must fail at once. The late rank's own
  * allgather then completes (late_completes: MPI, where the others' collectives are still pending
- * in memory their communicator leaked and MPI progresses them in the world barrier) or fails
+ * in memory their communicator kept and MPI progresses them in the world barrier) or fails
  * within its own bound (NCCL, where the others aborted). Ends with every rank in a world
  * barrier. Returns 1 on the ranks that timed out. */
 enum { GT_TIMEOUT_MS = 300, GT_SLACK_MS = 700, GT_SLEEP_MS = 1200 };

@@ -14,7 +14,7 @@
 
 #include "tests/unit/test_run.h"
 
-#define GEN DUET_BINARY_DIR "/engine/duet-generate"
+#define GEN test_bin("engine/duet-generate") /* or DUET_TEST_BIN_DIR's (test_run.h) */
 #define FIX DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32"
 
 static json_t *golden(void)
@@ -105,11 +105,12 @@ Test(generate_cli, demo_model_greedy_matches_transformers_fp32, .timeout = 120)
         "32,97,114,101,32,105,110,32,121,111,117,114,32";
     char out[65536];
     /* --dtype f32: on a GPU, auto would compute this bf16 model in bf16 */
-    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DUET_SOURCE_DIR
-                          "/models/duet-demo "
-                          "--prompt 'And God said' --max-tokens 60 --dtype f32 --json",
-                          out, sizeof(out)),
-                 0, "%s", out);
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd),
+             "DUET_LOG_LEVEL=error %s --model " DUET_SOURCE_DIR "/models/duet-demo "
+             "--prompt 'And God said' --max-tokens 60 --dtype f32 --json",
+             GEN);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
@@ -142,11 +143,13 @@ Test(generate_cli, demo_draft_model_matches_transformers_fp32, .timeout = 120)
         "101,101,32,116,104,101,32,76,111,114,100,63,226,128,157,32";
     const char *dump = "/tmp/duet_test_draft_logits.bin";
     char out[65536];
-    cr_assert_eq(test_run("DUET_LOG_LEVEL=error " GEN " --model " DRAFT
-                          " --prompt 'And God said' --max-tokens 40 --dtype f32 --json"
-                          " --dump-logits /tmp/duet_test_draft_logits.bin",
-                          out, sizeof(out)),
-                 0, "%s", out);
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd),
+             "DUET_LOG_LEVEL=error %s --model " DRAFT
+             " --prompt 'And God said' --max-tokens 40 --dtype f32 --json"
+             " --dump-logits /tmp/duet_test_draft_logits.bin",
+             GEN);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
     json_t *o = json_loads(out, 0, NULL);
     cr_assert_not_null(o, "%s", out);
     cr_expect_str_eq(ids_csv(json_object_get(o, "tokens")), want);
@@ -239,7 +242,9 @@ Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
                   cases[i].args, cases[i].needle, out);
     }
     char out[65536];
-    cr_expect_eq(test_run(GEN " --help", out, sizeof(out)), 0);
+    char cmd[4200];
+    snprintf(cmd, sizeof(cmd), "%s --help", GEN);
+    cr_expect_eq(test_run(cmd, out, sizeof(out)), 0);
     cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s",
               out);
 }

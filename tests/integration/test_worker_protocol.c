@@ -22,11 +22,14 @@
 #include <unistd.h>
 
 #include "proto/frame.h"
+#include "tests/unit/test_run.h"
 #include "transfer/reservation.h"
 
-#define CTX   DUET_BINARY_DIR "/ctx_worker/duet-ctx"
-#define GEN   DUET_BINARY_DIR "/gen_worker/duet-gen"
 #define MODEL DUET_SOURCE_DIR "/models/duet-demo"
+
+/* the workers under test: DUET_TEST_BIN_DIR may name another build's (test_run.h) */
+#define CTX   test_bin("ctx_worker/duet-ctx")
+#define GEN   test_bin("gen_worker/duet-gen")
 #define VOCAB 258
 
 static int lfd = -1, cfd = -1;

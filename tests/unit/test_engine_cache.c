@@ -169,9 +169,11 @@ Test(engine_cache, replay_pool_layout, .timeout = 30)
     /* caller memory (a UCX segment that receives a moved request's rows): used as it is, rows
      * at the same offsets, and left to the caller by destroy */
     const size_t need = duet_replay_pool_bytes_needed(&d);
-    uint8_t *mem = aligned_alloc(64, need + 64);
+    /* a byte past the pool to watch; aligned_alloc takes whole multiples of the alignment */
+    const size_t cap = (need + 1 + 63) / 64 * 64;
+    uint8_t *mem = aligned_alloc(64, cap);
     cr_assert_not_null(mem);
-    memset(mem, 0, need + 64);
+    memset(mem, 0, cap);
     mem[need] = 0x77;
     duet_replay_pool_desc_t dm = d;
     dm.mem = mem;

@@ -8,13 +8,11 @@
  * 1e-5 * sum_k |x_k w_k|, which is the meaningful "relative" error when outputs cancel to ~0.
  */
 #include <math.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <criterion/criterion.h>
-#include <pthread.h>
 #include <criterion/logging.h>
 
 #include "kernels/cpu/cpu_impl.h"
@@ -35,6 +33,9 @@
 
 /* One summary line per op on stdout (visible in `ctest -V`); per-case detail is cr_log_info. */
 #define REPORT(...) (printf("[kernels] " __VA_ARGS__), printf("\n"), fflush(stdout))
+
+/* the pool's checks, shared with the plain program test_pool_threads (pool_make too) */
+#include "tests/unit/pool_checks.h"
 
 static float bits_f(uint32_t u)
 {
@@ -86,15 +87,6 @@ static void diff_add(diff_t *d, double got, double ref, double floor)
         d->max_abs = a;
     if (fabs(ref) >= floor && a / fabs(ref) > d->max_rel)
         d->max_rel = a / fabs(ref);
-}
-
-static duet_kernels_t *make_k(int n_threads)
-{
-    duet_kernels_t *k = NULL;
-    duet_status_t st = duet_kernels_create(DUET_DEVICE_CPU, n_threads, &k);
-    CHECK((st) == (DUET_OK), "create: %s", duet_error_last());
-    CHECK((duet_kernels_n_threads(k)) == (n_threads));
-    return k;
 }
 
 /* ---- dtypes and conversions ---------------------------------------------------------------- */
@@ -295,173 +287,28 @@ Test(kernels_cpu, create_and_errors, .timeout = 10)
     duet_kernels_destroy(NULL);
 }
 
-typedef struct {
-    _Atomic int *hits;
-    int64_t grain, n;
-    int n_threads;
-    _Atomic int bad;
-    _Atomic int n_ranges;
-} pfor_ctx_t;
-
-static void pfor_fn(void *vctx, int64_t begin, int64_t end, int thread_idx)
-{
-    pfor_ctx_t *c = vctx;
-    if (thread_idx < 0 || thread_idx >= c->n_threads || begin >= end ||
-        (end - begin < c->grain && end - begin != c->n))
-        atomic_store(&c->bad, 1);
-    atomic_fetch_add(&c->n_ranges, 1);
-    for (int64_t i = begin; i < end; i++)
-        atomic_fetch_add(&c->hits[i], 1);
-}
-
 Test(kernels_cpu, parallel_for_covers_once, .timeout = 60)
 {
-    static const int threads[] = {1, 2, 3, 5, 8};
-    static const int64_t ns[] = {1, 2, 3, 7, 64, 100, 1000, 4097, 100003};
-    static const int64_t grains[] = {0, 1, 3, 16, 1000, 200000};
-    int combos = 0;
-    for (size_t ti = 0; ti < sizeof(threads) / sizeof(threads[0]); ti++) {
-        duet_kernels_t *k = make_k(threads[ti]);
-        for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
-            for (size_t gi = 0; gi < sizeof(grains) / sizeof(grains[0]); gi++) {
-                int64_t n = ns[ni];
-                pfor_ctx_t c = {
-                    .grain = grains[gi] < 1 ? 1 : grains[gi], .n = n, .n_threads = threads[ti]};
-                c.hits = calloc((size_t)n, sizeof(*c.hits));
-                for (int rep = 0; rep < 3; rep++)
-                    duet_k_parallel_for(k, n, grains[gi], pfor_fn, &c);
-                for (int64_t i = 0; i < n; i++)
-                    CHECK((atomic_load(&c.hits[i])) == (3),
-                          "threads %d n %lld grain %lld: index %lld hit %d/3", threads[ti],
-                          (long long)n, (long long)grains[gi], (long long)i,
-                          atomic_load(&c.hits[i]));
-                CHECK((atomic_load(&c.bad)) == (0), "bad range or thread_idx");
-                free(c.hits);
-                combos++;
-            }
-        }
-        /* n = 0 runs nothing */
-        pfor_ctx_t c = {.grain = 1, .n = 0, .n_threads = threads[ti]};
-        duet_k_parallel_for(k, 0, 1, pfor_fn, &c);
-        CHECK((atomic_load(&c.n_ranges)) == (0));
-        duet_kernels_destroy(k);
-    }
+    int combos = pool_check_parallel_for_covers_once();
     REPORT("parallel_for: %d (threads, n, grain) combos, every index exactly once", combos);
 }
 
 /* Many tiny back-to-back jobs with sleeping in between: the wake-up path must not lose jobs. */
 Test(kernels_cpu, pool_many_small_jobs, .timeout = 60)
 {
-    setenv("DUET_SPIN_US", "0", 1); /* workers sleep at once: exercise the futex/condvar path */
-    duet_kernels_t *k = make_k(4);
-    _Atomic int hits[64];
-    for (int rep = 0; rep < 20000; rep++) {
-        for (int i = 0; i < 64; i++)
-            atomic_store(&hits[i], 0);
-        pfor_ctx_t c = {.hits = hits, .grain = 1, .n = 64, .n_threads = 4};
-        duet_k_parallel_for(k, 64, 1, pfor_fn, &c);
-        for (int i = 0; i < 64; i++)
-            CHECK((atomic_load(&hits[i])) == (1), "rep %d index %d", rep, i);
-    }
-    duet_kernels_destroy(k);
+    pool_check_many_small_jobs(20000);
 }
 
-/* Tiny jobs back to back while the pool's threads are preempted: each task must run exactly once
- * and every task of a job must have finished when the job returns. */
-typedef struct {
-    int *out;
-    int job;
-    _Atomic int *runs;
-} each_ctx_t;
-
-static void each_fn(void *vctx, int64_t begin, int64_t end, int thread_idx)
-{
-    each_ctx_t *c = vctx;
-    (void)thread_idx;
-    for (int64_t t = begin; t < end; t++) {
-        c->out[t] = c->job;
-        atomic_fetch_add(&c->runs[t], 1);
-    }
-}
-
-static _Atomic int hog_stop;
-
-static void *hog(void *arg)
-{
-    (void)arg;
-    while (!atomic_load_explicit(&hog_stop, memory_order_relaxed))
-        ;
-    return NULL;
-}
-
-/*
- * A worker that read the claim of a job just finished used to win its CAS once the next job's
- * task count was written but before its claim was, and run (and count) a task twice, so the job
- * could return before its last task had run: seen 2-4 times per 2 million jobs on 2 cores with
- * three spinning processes beside them (CI's failing test_engine_generate). Busy threads of its
- * own in this process preempt the pool's: before the fix this test failed 3 runs in 4 on the
- * 2-core build VM (3-11 tasks run twice per run), after it none of 8.
- */
+/* Tiny jobs back to back while the pool's threads are preempted (pool_checks.h: the race this
+ * caught, and how often). */
 Test(kernels_cpu, pool_jobs_back_to_back_run_each_task_once, .timeout = 60)
 {
-    unsetenv("DUET_SPIN_US");
-    duet_kernels_t *k = make_k(2);
-    pthread_t hogs[2];
-    atomic_store(&hog_stop, 0);
-    for (int i = 0; i < 2; i++)
-        CHECK(pthread_create(&hogs[i], NULL, hog, NULL) == 0);
-    int out[8];
-    _Atomic int runs[8];
-    long early = 0, twice = 0;
-    for (int job = 1; job <= 1000000; job++) {
-        const int n = 2 + job % 5;
-        for (int t = 0; t < n; t++)
-            atomic_store(&runs[t], 0);
-        each_ctx_t c = {.out = out, .job = job, .runs = runs};
-        duet_k_parallel_each(k, n, each_fn, &c);
-        for (int t = 0; t < n; t++) {
-            early += out[t] != job;
-            twice += atomic_load(&runs[t]) != 1;
-        }
-    }
-    atomic_store(&hog_stop, 1);
-    for (int i = 0; i < 2; i++)
-        pthread_join(hogs[i], NULL);
-    duet_kernels_destroy(k);
-    CHECK(early == 0 && twice == 0,
-          "1000000 jobs: %ld tasks unfinished when their job returned, %ld not run exactly once",
-          early, twice);
-}
-
-typedef struct {
-    duet_kernels_t *k;
-    _Atomic int *hits;
-} nested_ctx_t;
-
-static void nested_inner(void *vctx, int64_t begin, int64_t end, int thread_idx)
-{
-    _Atomic int *hits = vctx;
-    for (int64_t i = begin; i < end; i++)
-        atomic_fetch_add(&hits[i], 1);
-}
-
-static void nested_outer(void *vctx, int64_t begin, int64_t end, int thread_idx)
-{
-    nested_ctx_t *c = vctx;
-    for (int64_t i = begin; i < end; i++)
-        duet_k_parallel_for(c->k, 100, 1, nested_inner, c->hits + i * 100);
+    pool_check_jobs_back_to_back(1000000);
 }
 
 Test(kernels_cpu, parallel_for_nested_runs_inline, .timeout = 20)
 {
-    duet_kernels_t *k = make_k(3);
-    _Atomic int *hits = calloc(1000, sizeof(*hits));
-    nested_ctx_t c = {.k = k, .hits = hits};
-    duet_k_parallel_for(k, 10, 1, nested_outer, &c);
-    for (int i = 0; i < 1000; i++)
-        CHECK((atomic_load(&hits[i])) == (1));
-    free(hits);
-    duet_kernels_destroy(k);
+    pool_check_nested_runs_inline();
 }
 
 /* ---- matmul --------------------------------------------------------------------------------- */
@@ -501,7 +348,7 @@ static void mm_check_isa(duet__isa_t isa)
     const float sentinel = -12345.0f;
     duet_kernels_t *ks[2];
     for (int t = 0; t < 2; t++) {
-        ks[t] = make_k(threads[t]);
+        ks[t] = pool_make(threads[t]);
         CHECK((duet__kernels_cpu_set_isa(ks[t], isa)) == (DUET_OK));
     }
     diff_t summary[3] = {{0}};
@@ -610,7 +457,7 @@ Test(kernels_cpu, matmul_avx512, .timeout = 120)
 /* A view of rows of a larger matrix, M = 0, K = 0. */
 Test(kernels_cpu, matmul_views_and_empty, .timeout = 10)
 {
-    duet_kernels_t *k = make_k(2);
+    duet_kernels_t *k = pool_make(2);
     double *wide;
     float *wf = make_weights(DUET_DTYPE_F32, 10 * 20, 1.0f, &wide);
     float x[20], y[4];
@@ -646,8 +493,8 @@ Test(kernels_cpu, matmul_batch_invariant, .timeout = 120)
 {
     static const int64_t Ks[] = {64, 1000, 1537, 3000};
     static const int64_t Ms[] = {1, 2, 3, 5, 8, 9, 17, 64, 65, 130};
-    duet_kernels_t *k1 = make_k(1);
-    duet_kernels_t *k3 = make_k(3);
+    duet_kernels_t *k1 = pool_make(1);
+    duet_kernels_t *k3 = pool_make(3);
     for (int dt_i = 0; dt_i < 2; dt_i++) {
         duet_dtype_t dt = dt_i == 0 ? DUET_DTYPE_F32 : DUET_DTYPE_BF16;
         for (size_t ki = 0; ki < sizeof(Ks) / sizeof(Ks[0]); ki++) {
@@ -690,7 +537,7 @@ Test(kernels_cpu, rmsnorm, .timeout = 30)
 {
     static const int64_t shapes[][2] = {{1, 1}, {1, 7}, {3, 2304}, {5, 33}, {64, 2304}, {200, 511}};
     for (int t = 1; t <= 3; t += 2) {
-        duet_kernels_t *k = make_k(t);
+        duet_kernels_t *k = pool_make(t);
         for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
             int64_t M = shapes[si][0], D = shapes[si][1];
             for (int dt = 0; dt < 3; dt++) {
@@ -749,7 +596,7 @@ Test(kernels_cpu, gated_activations, .timeout = 30)
 {
     static const int64_t ns[] = {1, 17, 9216, 70001};
     for (int t = 1; t <= 3; t += 2) {
-        duet_kernels_t *k = make_k(t);
+        duet_kernels_t *k = pool_make(t);
         for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
             int64_t n = ns[ni];
             float *g = malloc((size_t)n * sizeof(*g)), *u = malloc((size_t)n * sizeof(*u));
@@ -800,7 +647,7 @@ Test(kernels_cpu, gated_activations, .timeout = 30)
 Test(kernels_cpu, add, .timeout = 10)
 {
     static const int64_t ns[] = {1, 5, 2304, 300001};
-    duet_kernels_t *k = make_k(3);
+    duet_kernels_t *k = pool_make(3);
     for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++) {
         int64_t n = ns[ni];
         float *y = malloc((size_t)n * sizeof(*y)), *x = malloc((size_t)n * sizeof(*x));
@@ -822,7 +669,7 @@ Test(kernels_cpu, add, .timeout = 10)
 
 Test(kernels_cpu, embed, .timeout = 10)
 {
-    duet_kernels_t *k = make_k(3);
+    duet_kernels_t *k = pool_make(3);
     const int64_t V = 1000, D = 129;
     for (int dt = 0; dt < 3; dt++) {
         double *wide;

@@ -457,6 +457,24 @@ Test(tune, malformed_files_refused)
     duet_tune_destroy(t);
 }
 
+/* A file of its header alone is a table with no entries (it once reached qsort with a NULL array,
+ * which UBSan reports): it loads and replaces a table that had entries. */
+Test(tune, header_only_file_is_an_empty_table)
+{
+    duet_tune_t *t = new_tuner();
+    const char good[] = "duet-tune 1 test machine 1\ncpu_matmul BF16 9-16 48 96 7\n";
+    cr_assert_eq(duet_tune_load_text(t, good, strlen(good), "good"), DUET_OK, "%s",
+                 duet_error_last());
+    duet_tune_key_t gk = {.op = 0, .dtype = 1, .m = 3, .n = 48, .k = 96};
+    cr_assert_eq(duet_tune_get(t, &gk), 7);
+    const char empty[] = "duet-tune 1 test machine 1\n";
+    cr_assert_eq(duet_tune_load_text(t, empty, strlen(empty), "empty"), DUET_OK, "%s",
+                 duet_error_last());
+    cr_assert_eq(duet_tune_count(t), 0);
+    cr_assert_eq(duet_tune_get(t, &gk), -1);
+    duet_tune_destroy(t);
+}
+
 /* load_group: each fake rank loads its own file (path[rank]); the statuses they return. */
 typedef struct {
     fake_group_t *g;
