@@ -20,6 +20,7 @@
  *  - admission limits stay within their bounds.
  */
 #include "fuzz/fuzz.h"
+#include "fuzz/fuzz_loop.h"
 #include "fuzz/http_check.h"
 
 #include <jansson.h>
@@ -177,20 +178,10 @@ static bool has(const uint8_t *p, size_t n, const char *s)
     return false;
 }
 
-static void on_closed(void *user)
-{
-    *(bool *)user = true;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fuzz_quiet();
-    static uv_loop_t loop;
-    static bool loop_ready;
-    if (!loop_ready) {
-        FUZZ_CHECK(uv_loop_init(&loop) == 0, "loop");
-        loop_ready = true;
-    }
+    uv_loop_t *loop = fuzz_loop();
     fuzz_in_t in = {data, size};
     uint8_t ctl = fuzz_byte(&in);
     uint32_t rng = fuzz_byte(&in) * 2654435761u + 3;
@@ -222,7 +213,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     duet_strbuf_t out;
     duet_strbuf_init(&out);
     duet_admin_t *admin = NULL;
-    FUZZ_CHECK(duet__admin_start_fake(&loop, &o, &out, &admin) == DUET_OK, "start: %s",
+    FUZZ_CHECK(duet__admin_start_fake(loop, &o, &out, &admin) == DUET_OK, "start: %s",
                duet_error_last());
     const uint8_t *stream = in.p;
     const size_t stream_len = in.n;
@@ -231,23 +222,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t chunk = 1 + (rng >> 16) % 512, len;
         const uint8_t *p = fuzz_take(&in, chunk, &len);
         bool took = duet__admin_feed(admin, (const char *)p, len);
-        uv_run(&loop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
         if ((ctl >> 1) & 1)
             finish_waits(&fake, (ctl >> 2) & 1);
         if (!took) {
             finish_waits(&fake, true);
-            uv_run(&loop, UV_RUN_NOWAIT);
+            uv_run(loop, UV_RUN_NOWAIT);
             if (!duet__admin_feed(admin, (const char *)p, len))
                 break;
-            uv_run(&loop, UV_RUN_NOWAIT);
+            uv_run(loop, UV_RUN_NOWAIT);
         }
     }
     (void)duet__admin_feed(admin, "", 0);
-    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_run(loop, UV_RUN_NOWAIT);
     bool closed = false;
-    duet_admin_close(admin, on_closed, &closed);
+    duet_admin_close(admin, fuzz_on_closed, &closed);
     while (!closed)
-        uv_run(&loop, UV_RUN_ONCE);
+        uv_run(loop, UV_RUN_ONCE);
     FUZZ_CHECK(fake.n_waits == 0, "%zu waits not forgotten at close", fake.n_waits);
 
     seen_t seen = {.token_mode = token_mode, .token_seen = has(stream, stream_len, TOKEN)};

@@ -19,6 +19,7 @@
  *  - every request is released exactly once; on_abort comes only for requests still held.
  */
 #include "fuzz/fuzz.h"
+#include "fuzz/fuzz_loop.h"
 #include "fuzz/http_check.h"
 
 #include <uv.h>
@@ -169,20 +170,10 @@ static void check_responses(const app_t *app, const duet_strbuf_t *out)
     FUZZ_CHECK(n <= app->n_reqs + 1, "%zu responses for %zu requests", n, app->n_reqs);
 }
 
-static void on_closed(void *user)
-{
-    *(bool *)user = true;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fuzz_quiet();
-    static uv_loop_t loop;
-    static bool loop_ready;
-    if (!loop_ready) {
-        FUZZ_CHECK(uv_loop_init(&loop) == 0, "loop");
-        loop_ready = true;
-    }
+    uv_loop_t *loop = fuzz_loop();
     fuzz_in_t in = {data, size};
     uint32_t rng = fuzz_byte(&in) * 2654435761u + 7;
     static app_t app;
@@ -205,7 +196,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     duet_strbuf_t out;
     duet_strbuf_init(&out);
     duet_http_server_t *srv = NULL;
-    FUZZ_CHECK(duet__http_server_start_fake(&loop, &o, &out, &srv) == DUET_OK, "start");
+    FUZZ_CHECK(duet__http_server_start_fake(loop, &o, &out, &srv) == DUET_OK, "start");
 
     while (in.n > 0) {
         rng = rng * 1103515245u + 12345u;
@@ -213,21 +204,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         const uint8_t *p = fuzz_take(&in, chunk, &len);
         if (!duet__http_server_feed(srv, (const char *)p, len)) {
             answer_held(&app); /* paused at max_pipeline: answers let it read again */
-            uv_run(&loop, UV_RUN_NOWAIT);
+            uv_run(loop, UV_RUN_NOWAIT);
             if (!duet__http_server_feed(srv, (const char *)p, len))
                 break;
         }
-        uv_run(&loop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
         if ((rng >> 8) & 1)
             answer_held(&app);
     }
     (void)duet__http_server_feed(srv, "", 0); /* the client's EOF */
-    uv_run(&loop, UV_RUN_NOWAIT);
+    uv_run(loop, UV_RUN_NOWAIT);
     answer_held(&app);
     bool closed = false;
-    duet_http_server_close(srv, on_closed, &closed);
+    duet_http_server_close(srv, fuzz_on_closed, &closed);
     while (!closed)
-        uv_run(&loop, UV_RUN_ONCE);
+        uv_run(loop, UV_RUN_ONCE);
     FUZZ_CHECK(app.n_held == 0, "held requests left");
     check_responses(&app, &out);
     duet_strbuf_free(&out);

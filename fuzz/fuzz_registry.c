@@ -18,6 +18,7 @@
  *  - heartbeat counter increments never exceed the counters.
  */
 #include "fuzz/fuzz.h"
+#include "fuzz/fuzz_loop.h"
 
 #include <uv.h>
 
@@ -97,20 +98,10 @@ static void on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *d, 
                    "spec increments");
 }
 
-static void on_closed(void *user)
-{
-    *(bool *)user = true;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fuzz_quiet();
-    static uv_loop_t loop;
-    static bool loop_ready;
-    if (!loop_ready) {
-        FUZZ_CHECK(uv_loop_init(&loop) == 0, "loop");
-        loop_ready = true;
-    }
+    uv_loop_t *loop = fuzz_loop();
     fuzz_in_t in = {data, size};
     uint8_t ctl = fuzz_byte(&in);
     uint32_t rng = (ctl >> 1) * 2654435761u + 5;
@@ -127,7 +118,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     o.user = &app;
     duet_strbuf_t out;
     duet_strbuf_init(&out);
-    FUZZ_CHECK(duet__registry_start_fake(&loop, &o, &out, &app.reg) == DUET_OK, "start");
+    FUZZ_CHECK(duet__registry_start_fake(loop, &o, &out, &app.reg) == DUET_OK, "start");
     while (in.n > 0) {
         size_t len;
         const uint8_t *conn = fuzz_piece(&in, "\n--conn--\n", &len);
@@ -142,12 +133,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             at += chunk;
         }
         (void)duet__registry_feed(app.reg, NULL, 0); /* the worker's EOF */
-        uv_run(&loop, UV_RUN_NOWAIT);
+        uv_run(loop, UV_RUN_NOWAIT);
     }
     bool closed = false;
-    duet_registry_close(app.reg, on_closed, &closed);
+    duet_registry_close(app.reg, fuzz_on_closed, &closed);
     while (!closed)
-        uv_run(&loop, UV_RUN_ONCE);
+        uv_run(loop, UV_RUN_ONCE);
 
     /* What the registry wrote: RegisterAck frames, one accepting ack per worker up. */
     duet_frame_decoder_t d;
