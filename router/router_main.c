@@ -53,8 +53,8 @@ static const duet_config_key_t rt_keys[] = {
     {"request.deadline_ms", DUET_CONFIG_INT, "600000",
      "a request still running after this long is cancelled (504)", .min = "1", .max = "86400000"},
     {"shutdown.drain_s", DUET_CONFIG_INT, "0",
-     "on SIGINT / SIGTERM, once the requests in flight have finished, wait up to S s for the "
-     "workers to leave before closing their links (0 = close at once)",
+     "on SIGINT / SIGTERM, let the requests in flight run up to S s (at least 10), then wait up "
+     "to S s for the workers to leave before closing their links (0 = close at once)",
      .min = "0", .max = "86400"},
     {"migrate.timeout_ms", DUET_CONFIG_INT, "10000",
      "moving a running request to another generation worker (duetctl drain --migrate) gives up "
@@ -496,6 +496,10 @@ static duet_status_t rt_start(duet__router_t *rt, const char *fingerprint)
     ho.port = (uint16_t)duet_config_get_int(cfg, "http.port");
     ho.max_body_bytes = rt->lim.max_body_bytes;
     ho.max_connections = (size_t)duet_config_get_int(cfg, "http.max_connections");
+    /* a drain lets the streams in flight run as long as shutdown.drain_s, not the default 10 s */
+    const int64_t drain_s = duet_config_get_int(cfg, "shutdown.drain_s");
+    if (drain_s * 1000 > (int64_t)ho.shutdown_grace_ms)
+        ho.shutdown_grace_ms = (uint32_t)(drain_s * 1000);
     ho.on_request = duet__rt_on_request;
     ho.on_abort = duet__rq_on_abort;
     ho.user = rt;

@@ -4,4 +4,4 @@
 add_test(NAME test_slurm
          COMMAND bash ${PROJECT_SOURCE_DIR}/tests/integration/test_slurm.sh ${PROJECT_SOURCE_DIR}
                  ${PROJECT_BINARY_DIR})
-set_tests_properties(test_slurm PROPERTIES TIMEOUT 180 LABELS "integration;network")
+set_tests_properties(test_slurm PROPERTIES TIMEOUT 360 LABELS "integration;network")

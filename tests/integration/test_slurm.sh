@@ -62,7 +62,7 @@ cleanup() {
   for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
   [ -n "$T" ] && rm -rf "$T"
 }
-# `timeout 240` on each daemon: should ctest kill this script (SIGKILL runs no trap), the daemons
+# `timeout 400` on each daemon: should ctest kill this script (SIGKILL runs no trap), the daemons
 # still end after the test's TIMEOUT
 trap cleanup EXIT
 trap 'exit 1' INT TERM
@@ -103,7 +103,7 @@ ADMIN_PORT=$(free_port)
 
 dd if=/dev/urandom of="$T/munge/munge.key" bs=1024 count=1 2>/dev/null
 chown munge: "$T/munge/munge.key" && chmod 400 "$T/munge/munge.key"
-runuser -u munge -- timeout 240 munged -F --key-file="$T/munge/munge.key" \
+runuser -u munge -- timeout 400 munged -F --key-file="$T/munge/munge.key" \
   --socket="$T/munge/munge.sock" --pid-file="$T/munge/munged.pid" \
   --log-file="$T/munge/munged.log" --seed-file="$T/munge/seed" >"$T/munged.out" 2>&1 &
 PIDS+=($!)
@@ -134,7 +134,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 ReturnToService=2
-KillWait=30
+KillWait=90
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -142,9 +142,9 @@ export SLURM_CONF=$T/slurm.conf
 
 for ((i = 0; i < 50; i++)); do [ -S "$T/munge/munge.sock" ] && break; sleep 0.1; done
 [ -S "$T/munge/munge.sock" ] || die "munged did not start: $(cat "$T/munged.out" "$T/munge/munged.log" 2>/dev/null)"
-timeout 240 slurmctld -D -f "$T/slurm.conf" >"$T/slurmctld.out" 2>&1 &
+timeout 400 slurmctld -D -f "$T/slurm.conf" >"$T/slurmctld.out" 2>&1 &
 PIDS+=($!)
-timeout 240 slurmd -D -N localhost -f "$T/slurm.conf" >"$T/slurmd.out" 2>&1 &
+timeout 400 slurmd -D -N localhost -f "$T/slurm.conf" >"$T/slurmd.out" 2>&1 &
 PIDS+=($!)
 state=""
 for ((i = 0; i < 150; i++)); do
@@ -170,7 +170,7 @@ gen:
   cp: 2
   args: {threads: 1, dtype: f32, batch: {prefill_chunk: 64}}
 startup_timeout_s: 60
-stop_timeout_s: 10
+stop_timeout_s: 60
 EOF
 "$BUILD/deploy/launcher/duet" sbatch "$T/cluster.yaml" >"$T/submit/job.sbatch" ||
   die "duet sbatch failed"

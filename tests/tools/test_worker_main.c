@@ -460,6 +460,10 @@ int main(int argc, char **argv)
         usage(stderr);
         return 1;
     }
+    /* a line before registering (not an event): whoever waits for the registration has seen
+     * this worker speak, however fast the rest goes */
+    if (!opt.quiet)
+        fprintf(stderr, "duet-test-worker %s: connecting to %s\n", opt.name, opt.router);
     char host[256];
     snprintf(host, sizeof(host), "%s", opt.router);
     char *colon = strrchr(host, ':');
