@@ -138,6 +138,11 @@ KillWait=90
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
+# PMIx's per-step client directories (spmix_appdir_UID_JOB.STEP) default to /tmp; job ids restart at
+# 1 with every fresh state directory, so one left by an earlier run (a killed step does not remove
+# its own) would fail the same step here with "File exists". Keep them in this run's directory.
+mkdir -p "$T/pmix"
+echo "PMIxCliTmpDirBase=$T/pmix" >"$T/mpi.conf"
 export SLURM_CONF=$T/slurm.conf
 
 for ((i = 0; i < 50; i++)); do [ -S "$T/munge/munge.sock" ] && break; sleep 0.1; done
