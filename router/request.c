@@ -44,6 +44,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <jansson.h>
+
 #include "common/log.h"
 #include "common/strbuf.h"
 #include "proto/envelope.h"
@@ -545,6 +547,29 @@ static void rq_start(rq_t *r)
 
 /* ---------------------------------------------------------------- a request arrives */
 
+#define RT_MAX_IGNORED_LOGGED 256 /* distinct unknown field names remembered (then no more logs)   \
+                                   */
+
+/* Log each unknown request field the parser ignored, once per name per process. */
+static void rt_log_ignored(duet__router_t *rt, const json_t *names)
+{
+    size_t i;
+    const json_t *v;
+    json_array_foreach(names, i, v)
+    {
+        const char *name = json_string_value(v);
+        if (rt->ignored_seen == NULL)
+            rt->ignored_seen = json_object();
+        if (rt->ignored_seen == NULL || json_object_get(rt->ignored_seen, name) != NULL ||
+            json_object_size(rt->ignored_seen) >= RT_MAX_IGNORED_LOGGED)
+            continue;
+        json_object_set_new(rt->ignored_seen, name, json_true());
+        DUET_LOG_DEBUG("router: ignoring the unknown request field '%.100s' (logged once; "
+                       "api.strict refuses such fields)",
+                       name);
+    }
+}
+
 /* Refuse a request before it has an rq_t (nothing else to end). */
 static void rt_refuse(duet_http_request_t *http, int status, const char *code,
                       uint32_t retry_after_s, const char *message)
@@ -589,6 +614,8 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
         rq_end(r, "invalid request");
         return;
     }
+    if (r->oai.ignored_fields != NULL)
+        rt_log_ignored(rt, r->oai.ignored_fields);
     duet_oai_response_id(ep, r->id, r->resp_id, sizeof(r->resp_id));
     r->meta.endpoint = ep;
     r->meta.id = r->resp_id;

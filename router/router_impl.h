@@ -38,6 +38,7 @@ struct duet__router {
     duet_tokenizer_t *tok;     /* owned */
     duet_oai_template_t *tmpl; /* owned */
     duet_oai_limits_t lim;
+    struct json_t *ignored_seen;    /* unknown request fields already logged (api.strict off) */
     uint32_t eos[DUET_OAI_MAX_EOS]; /* (n_eos) the model's stop ids */
     size_t n_eos;
     char model_name[256];

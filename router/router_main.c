@@ -71,6 +71,9 @@ static const duet_config_key_t rt_keys[] = {
      .max = "100000000"},
     {"limits.max_body_bytes", DUET_CONFIG_SIZE, "4MiB", "largest request body", .min = "1024",
      .max = "1GiB"},
+    {"api.strict", DUET_CONFIG_BOOL, "false",
+     "refuse (400) request fields the OpenAI API does not define, instead of ignoring them",
+     .min = NULL},
     DUET_ADMISSION_CONFIG_KEYS,
     DUET_ADMIN_CONFIG_KEYS,
 };
@@ -437,6 +440,7 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
     rt->lim.max_prompt_tokens = (size_t)duet_config_get_int(cfg, "limits.max_prompt_tokens");
     rt->lim.max_context = (size_t)duet_config_get_int(cfg, "limits.max_context");
     rt->lim.jinja_template = duet_oai_template_is_jinja(rt->tmpl);
+    rt->lim.strict = duet_config_get_bool(cfg, "api.strict");
     if (rt->lim.max_context == 0)
         rt->lim.max_context = model_max_len;
     rt->local_prefill_tokens = (uint32_t)duet_config_get_int(cfg, "placement.local_prefill_tokens");
@@ -563,6 +567,7 @@ out:
     duet_tokenizer_destroy(rt->tok);
     if (rc == 0)
         duet_metrics_destroy(rt->metrics);
+    json_decref(rt->ignored_seen);
     duet_config_destroy(rt->cfg);
     return rc;
 }

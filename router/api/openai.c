@@ -986,6 +986,27 @@ static duet_status_t oai_check_harmless(oai_parse_t *p)
     return DUET_OK;
 }
 
+/* Top-level fields the endpoint does not define: a 400 under lim->strict, else their names go to
+ * req->ignored_fields. */
+static duet_status_t oai_unknown_fields(oai_parse_t *p)
+{
+    const char *key;
+    json_t *val;
+    json_object_foreach(p->root, key, val)
+    {
+        if (oai_field_find(p->ep, key) != NULL)
+            continue;
+        if (p->lim->strict)
+            return duet_oai_error_make(p->err, 400, NULL, "unrecognized_argument", key,
+                                       "Unrecognized request argument supplied: %.100s", key);
+        if (p->req->ignored_fields == NULL && (p->req->ignored_fields = json_array()) == NULL)
+            return oai_nomem(p);
+        if (json_array_append_new(p->req->ignored_fields, json_string_nocheck(key)) != 0)
+            return oai_nomem(p);
+    }
+    return DUET_OK;
+}
+
 void duet_oai_request_free(duet_oai_request_t *req)
 {
     if (req == NULL)
@@ -999,6 +1020,7 @@ void duet_oai_request_free(duet_oai_request_t *req)
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
+    json_decref(req->ignored_fields);
     memset(req, 0, sizeof(*req));
 }
 
@@ -1043,16 +1065,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         goto fail;
     }
 
-    const char *key;
-    json_t *val;
-    json_object_foreach(p.root, key, val)
-    {
-        if (oai_field_find(endpoint, key) == NULL) {
-            st = duet_oai_error_make(err_p, 400, NULL, "unrecognized_argument", key,
-                                     "Unrecognized request argument supplied: %.100s", key);
-            goto fail;
-        }
-    }
+    if ((st = oai_unknown_fields(&p)) != DUET_OK)
+        goto fail;
     if ((st = oai_parse_model(&p)) != DUET_OK)
         goto fail;
     st = endpoint == DUET_OAI_ENDPOINT_CHAT ? oai_parse_messages(&p) : oai_parse_prompt(&p);

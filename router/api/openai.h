@@ -13,11 +13,14 @@
  * {"error": {"message", "type", "param", "code"}}.
  *
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
- * because its value changes nothing (user, frequency_penalty 0, n 1, logprobs false, ...), or
- * refused with 400 "unsupported_parameter" naming it (logprobs true, tools, logit_bias, ...).
- * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k and
- * skip_special_tokens) is refused as
- * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
+ * because its value changes nothing (user, frequency_penalty 0, logprobs false, ...), or
+ * refused with 400 "unsupported_parameter" naming it (logprobs true, logit_bias, ...).
+ * A top-level field the endpoint does not define (other than the vLLM extensions ignore_eos,
+ * top_k and skip_special_tokens) is accepted and ignored, as vLLM and SGLang do, so that clients
+ * sending newer or other servers' fields keep working; its name is listed in the request's
+ * ignored_fields (the router logs each name once). Under lim->strict (the router's api.strict) it
+ * is refused as OpenAI refuses it ("Unrecognized request argument supplied"). Unknown keys inside
+ * a message, a tool call or stream_options are always refused. JSON null means "absent" for
  * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
  * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
  * may use duet_oai_error_make for its own errors: 429, 503, 500).
@@ -60,6 +63,7 @@ typedef struct {
     bool jinja_template;         /* the chat template is Jinja: tool messages (role "tool",
                                     tool_call_id) and assistant tool_calls are accepted in the
                                     conversation; with duet's format they are a 400 */
+    bool strict;                 /* api.strict: unknown top-level fields are a 400 */
 } duet_oai_limits_t;
 
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
@@ -90,8 +94,10 @@ typedef struct {
      * produce no text; false: their text is part of the output (stop ids never are) */
     bool skip_special_tokens;
     bool stream;
-    bool include_usage; /* stream_options.include_usage (only with stream) */
-    char *user;         /* NULL when absent; for logs */
+    bool include_usage;            /* stream_options.include_usage (only with stream) */
+    char *user;                    /* NULL when absent; for logs */
+    struct json_t *ignored_fields; /* unknown top-level field names ignored (not strict): an
+                                      array of strings; NULL when none */
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */

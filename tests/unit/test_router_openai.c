@@ -348,14 +348,25 @@ static const bad_case_t bad_cases[] = {
      "repetition_penalty", NULL},
 };
 
+/* Every bad case under api.strict; without it, the same but for unknown top-level fields (the
+ * cases whose code is unrecognized_argument and whose param is a top-level name), which
+ * unknown_fields_ignored covers. */
 Test(router_openai, validation_errors, .timeout = 30)
 {
-    for (size_t i = 0; i < sizeof(bad_cases) / sizeof(bad_cases[0]); i++) {
+    duet_oai_limits_t strict = lim;
+    strict.strict = true;
+    for (size_t k = 0; k < 2 * sizeof(bad_cases) / sizeof(bad_cases[0]); k++) {
+        const size_t i = k / 2;
         const bad_case_t *c = &bad_cases[i];
+        const bool top_unknown = c->code != NULL && strcmp(c->code, "unrecognized_argument") == 0 &&
+                                 c->param != NULL && strpbrk(c->param, ".[") == NULL;
+        if (k % 2 == 1 && top_unknown)
+            continue;
         duet_oai_request_t r;
         duet_oai_error_t e;
         memset(&e, 0, sizeof(e));
-        duet_status_t st = parse(c->ep, c->body, &r, &e);
+        duet_status_t st = duet_oai_request_parse(k % 2 == 0 ? &strict : &lim, c->ep, c->body,
+                                                  strlen(c->body), &r, &e);
         cr_assert_neq(st, DUET_OK, "case %zu accepted: %s", i, c->body);
         cr_assert_eq(e.http_status, c->status, "case %zu (%s): status %d: %s", i, c->body,
                      e.http_status, e.message);
@@ -481,6 +492,47 @@ Test(router_openai, tool_history_with_jinja_template, .timeout = 10)
     cr_assert_neq(parse(DUET_OAI_ENDPOINT_CHAT, ok, &r, &e), DUET_OK);
     cr_assert_eq(e.http_status, 400);
     cr_assert(strstr(e.message, "duet's format") != NULL, "%s", e.message);
+}
+
+Test(router_openai, unknown_fields_ignored, .timeout = 10)
+{
+    duet_oai_request_t r;
+    duet_oai_error_t e;
+    /* unknown fields, and a field of the other endpoint, are listed and otherwise ignored */
+    const char *body = "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"bogus\":{\"a\":[1]},"
+                       "\"messages\":7,\"guided_json\":null,\"max_tokens\":3}";
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS, body, &r, &e), DUET_OK, "%s", e.message);
+    cr_assert_eq(r.max_tokens, 3);
+    cr_assert_eq(json_array_size(r.ignored_fields), 3);
+    const char *want[] = {"bogus", "messages", "guided_json"};
+    for (size_t i = 0; i < 3; i++)
+        cr_assert_str_eq(json_string_value(json_array_get(r.ignored_fields, i)), want[i]);
+    duet_oai_request_free(&r);
+    cr_assert_null(r.ignored_fields);
+    /* known fields keep their checks: an unknown field does not hide a bad known one */
+    cr_assert_neq(parse(DUET_OAI_ENDPOINT_CHAT,
+                        "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\","
+                        "\"content\":\"hi\"}],\"x_y\":1,\"audio\":{\"voice\":\"x\"}}",
+                        &r, &e),
+                  DUET_OK);
+    cr_assert_str_eq(e.code, "unsupported_parameter");
+    cr_assert_str_eq(e.param, "audio");
+    /* a known request has no list */
+    cr_assert_eq(
+        parse(DUET_OAI_ENDPOINT_COMPLETIONS, "{\"model\":\"duet-demo\",\"prompt\":\"x\"}", &r, &e),
+        DUET_OK);
+    cr_assert_null(r.ignored_fields);
+    duet_oai_request_free(&r);
+    /* api.strict refuses the first unknown one */
+    duet_oai_limits_t strict = lim;
+    strict.strict = true;
+    cr_assert_neq(
+        duet_oai_request_parse(&strict, DUET_OAI_ENDPOINT_COMPLETIONS, body, strlen(body), &r, &e),
+        DUET_OK);
+    cr_assert_eq(e.http_status, 400);
+    cr_assert_str_eq(e.code, "unrecognized_argument");
+    cr_assert_str_eq(e.param, "bogus");
+    check_error_json(&e);
 }
 
 Test(router_openai, body_too_large_is_413, .timeout = 10)
