@@ -220,7 +220,7 @@ static const oai_field_t oai_fields[] = {
     {"presence_penalty", OAI_EP_BOTH, OAI_F_ZERO, 0},
     {"min_p", OAI_EP_BOTH, OAI_F_ZERO, 0},
     {"top_logprobs", OAI_EP_CHAT, OAI_F_ZERO, 0},
-    {"best_of", OAI_EP_COMPL, OAI_F_ONE, 0},
+    {"best_of", OAI_EP_COMPL, OAI_F_USED, 0},
     {"repetition_penalty", OAI_EP_BOTH, OAI_F_ONE, 0},
     {"logit_bias", OAI_EP_BOTH, OAI_F_EMPTY, JSON_OBJECT},
     {"tools", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
@@ -760,6 +760,39 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
     return DUET_OK;
 }
 
+/* n in [1, DUET_OAI_MAX_N]; completions' best_of (>= n) only equal to n: picking the best of
+ * more samples needs their log-probabilities, which the workers do not send. */
+static duet_status_t oai_parse_n(oai_parse_t *p)
+{
+    int64_t n = 1, best_of = 0;
+    bool present = false, has_best = false;
+    duet_status_t st = oai_int_field(p, "n", &n, &present);
+    if (st != DUET_OK)
+        return st;
+    if (n < 1 || n > DUET_OAI_MAX_N)
+        return oai_bad_value(p, "n",
+                             "Invalid 'n': %" PRId64 ". Expected a value in [1, %d] (choices "
+                             "per request on this server).",
+                             n, DUET_OAI_MAX_N);
+    p->req->n = (uint32_t)n;
+    if (p->ep != DUET_OAI_ENDPOINT_COMPLETIONS)
+        return DUET_OK;
+    if ((st = oai_int_field(p, "best_of", &best_of, &has_best)) != DUET_OK || !has_best)
+        return st;
+    if (best_of < n || best_of > DUET_OAI_MAX_N)
+        return oai_bad_value(p, "best_of",
+                             "Invalid 'best_of': %" PRId64 ". Expected a value in [n, %d] (n = "
+                             "%" PRId64 ").",
+                             best_of, DUET_OAI_MAX_N, n);
+    if (best_of != n)
+        return duet_oai_error_make(p->err, 400, NULL, "unsupported_value", "best_of",
+                                   "best_of = %" PRId64 " > n = %" PRId64 " is not supported: "
+                                   "ranking samples needs their log-probabilities, which this "
+                                   "server does not compute. Use best_of = n (or leave it out).",
+                                   best_of, n);
+    return DUET_OK;
+}
+
 static duet_status_t oai_parse_sampling(oai_parse_t *p)
 {
     duet_oai_request_t *req = p->req;
@@ -792,20 +825,8 @@ static duet_status_t oai_parse_sampling(oai_parse_t *p)
     if ((st = oai_int_field(p, "seed", &req->seed, &req->has_seed)) != DUET_OK)
         return st;
 
-    int64_t n = 1;
-    if ((st = oai_int_field(p, "n", &n, &present)) != DUET_OK)
+    if ((st = oai_parse_n(p)) != DUET_OK)
         return st;
-    if (n < 1)
-        return oai_bad_value(p, "n",
-                             "Invalid 'n': %" PRId64 ". Expected a value >= 1 (and only 1 is "
-                             "supported).",
-                             n);
-    if (n > 1)
-        return duet_oai_error_make(p->err, 400, NULL, "unsupported_value", "n",
-                                   "n = %" PRId64 " is not supported: this server returns one "
-                                   "choice per request. Send %" PRId64 " requests instead (with "
-                                   "different seeds for different samples).",
-                                   n, n);
     if ((st = oai_bool_field(p, "ignore_eos", &req->ignore_eos)) != DUET_OK)
         return st;
     req->skip_special_tokens = true;
@@ -1424,20 +1445,34 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
                                      duet_oai_finish_t finish, uint32_t prompt_tokens,
                                      uint32_t completion_tokens, duet_strbuf_t *out)
 {
+    const duet_oai_choice_t c = {.text = text, .len = len, .finish = finish};
+    return duet_oai_response_json_n(m, &c, 1, prompt_tokens, completion_tokens, out);
+}
+
+duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
+                                       const duet_oai_choice_t *choices, size_t n,
+                                       uint32_t prompt_tokens, uint32_t completion_tokens,
+                                       duet_strbuf_t *out)
+{
     oai_head(out, m, false);
-    duet_strbuf_puts(out, "[{\"index\":0,");
-    if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
-        duet_strbuf_puts(out, "\"message\":{\"role\":\"assistant\",\"content\":");
-        duet_oai_json_string(out, text, len);
-        duet_strbuf_puts(out, "},");
-    } else {
-        duet_strbuf_puts(out, "\"text\":");
-        duet_oai_json_string(out, text, len);
-        duet_strbuf_puts(out, ",");
+    duet_strbuf_puts(out, "[");
+    for (size_t i = 0; i < n; i++) {
+        const duet_oai_choice_t *c = &choices[i];
+        duet_strbuf_printf(out, "%s{\"index\":%zu,", i > 0 ? "," : "", i);
+        if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
+            duet_strbuf_puts(out, "\"message\":{\"role\":\"assistant\",\"content\":");
+            duet_oai_json_string(out, c->text, c->len);
+            duet_strbuf_puts(out, "},");
+        } else {
+            duet_strbuf_puts(out, "\"text\":");
+            duet_oai_json_string(out, c->text, c->len);
+            duet_strbuf_puts(out, ",");
+        }
+        duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
+        oai_finish_value(out, c->finish);
+        duet_strbuf_puts(out, "}");
     }
-    duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
-    oai_finish_value(out, finish);
-    duet_strbuf_puts(out, "}],\"usage\":");
+    duet_strbuf_puts(out, "],\"usage\":");
     oai_usage(out, prompt_tokens, completion_tokens);
     duet_strbuf_puts(out, "}");
     return duet_strbuf_status(out);
@@ -1452,7 +1487,7 @@ static duet_status_t oai_chunk(const duet_oai_resp_meta_t *m, bool role, const c
 {
     duet_strbuf_puts(out, "data: ");
     oai_head(out, m, true);
-    duet_strbuf_puts(out, "[{\"index\":0,");
+    duet_strbuf_printf(out, "[{\"index\":%u,", m->index);
     if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
         if (role)
             duet_strbuf_puts(out, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"},");
@@ -1495,7 +1530,19 @@ duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t 
                                uint32_t prompt_tokens, uint32_t completion_tokens,
                                duet_strbuf_t *out)
 {
-    oai_chunk(m, false, NULL, 0, finish, out);
+    duet_oai_sse_finish(m, finish, out);
+    return duet_oai_sse_done(m, prompt_tokens, completion_tokens, out);
+}
+
+duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
+                                  duet_strbuf_t *out)
+{
+    return oai_chunk(m, false, NULL, 0, finish, out);
+}
+
+duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,
+                                uint32_t completion_tokens, duet_strbuf_t *out)
+{
     if (m->include_usage) {
         duet_strbuf_puts(out, "data: ");
         oai_head(out, m, true);

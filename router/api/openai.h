@@ -44,6 +44,7 @@ struct json_t;
 #define DUET_OAI_MAX_STOP     4   /* stop strings per request (OpenAI's limit) */
 #define DUET_OAI_MAX_STOP_LEN 256 /* bytes per stop string (ours: bounds the hold-back buffer) */
 #define DUET_OAI_MAX_EOS      8   /* end-of-sequence ids a stream watches */
+#define DUET_OAI_MAX_N        16  /* choices per request (n, best_of) */
 
 typedef enum {
     DUET_OAI_ENDPOINT_COMPLETIONS = 0, /* POST /v1/completions */
@@ -93,6 +94,8 @@ typedef struct {
     /* vLLM extension, default true: special tokens the tokenizer skips (duet_tokenizer_is_skipped)
      * produce no text; false: their text is part of the output (stop ids never are) */
     bool skip_special_tokens;
+    uint32_t n; /* choices, [1, DUET_OAI_MAX_N]: each an independent generation (seed + i);
+                   completions' best_of is accepted only equal to n (no logprobs to rank by) */
     bool stream;
     bool include_usage;            /* stream_options.include_usage (only with stream) */
     char *user;                    /* NULL when absent; for logs */
@@ -216,15 +219,29 @@ typedef struct {
     const char *model;  /* the served model name; not owned */
     int64_t created;    /* unix seconds */
     bool include_usage; /* streaming: usage null on chunks, then a usage chunk */
+    uint32_t index;     /* the choice the chunks written with this meta belong to (n > 1) */
 } duet_oai_resp_meta_t;
+
+/* One finished choice of a non-streaming response. */
+typedef struct {
+    const char *text; /* not owned */
+    size_t len;
+    duet_oai_finish_t finish;
+} duet_oai_choice_t;
 
 /* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */
 void duet_oai_response_id(duet_oai_endpoint_t endpoint, uint64_t req_id, char *buf, size_t cap);
 
-/* Append a whole text_completion / chat.completion object with usage. */
+/* Append a whole text_completion / chat.completion object with usage (one choice, index 0). */
 duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *text, size_t len,
                                      duet_oai_finish_t finish, uint32_t prompt_tokens,
                                      uint32_t completion_tokens, duet_strbuf_t *out);
+
+/* The same with n choices (index i = choices[i]); completion_tokens summed over them. */
+duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
+                                       const duet_oai_choice_t *choices, size_t n,
+                                       uint32_t prompt_tokens, uint32_t completion_tokens,
+                                       duet_strbuf_t *out);
 
 /*
  * Streaming, each call appends whole SSE events ("data: {...}\n\n"):
@@ -233,6 +250,9 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
  *   duet_oai_sse_delta  one content chunk; nothing for len 0.
  *   duet_oai_sse_end    the finish chunk (empty delta / text, finish_reason), then with
  *                       include_usage the usage chunk ("choices": []), then "data: [DONE]\n\n".
+ * The chunks carry choice m->index. With n > 1 choices interleaved, each choice has its begin,
+ * deltas and duet_oai_sse_finish (its finish chunk); duet_oai_sse_done then closes the stream
+ * (the usage chunk, summed over the choices, and [DONE]); duet_oai_sse_end = finish + done.
  */
 duet_status_t duet_oai_sse_begin(const duet_oai_resp_meta_t *m, duet_strbuf_t *out);
 duet_status_t duet_oai_sse_delta(const duet_oai_resp_meta_t *m, const char *text, size_t len,
@@ -240,6 +260,10 @@ duet_status_t duet_oai_sse_delta(const duet_oai_resp_meta_t *m, const char *text
 duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
                                uint32_t prompt_tokens, uint32_t completion_tokens,
                                duet_strbuf_t *out);
+duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
+                                  duet_strbuf_t *out);
+duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,
+                                uint32_t completion_tokens, duet_strbuf_t *out);
 
 /* Append s (len bytes) as a JSON string literal; ill-formed UTF-8 becomes U+FFFD. */
 duet_status_t duet_oai_json_string(duet_strbuf_t *out, const char *s, size_t len);

@@ -9,8 +9,9 @@
  * ("test-reservation:<request id>"; with --group-ranks N, N - 1 more, "test-reservation:<request
  * id>:<rank>", as a Helix group's rank 0 sends them), then PrefillDone with the rest, or Generate
  * with all of them. A ctx test worker's event for a Prefill lists every reservation it came with.
- * Fault flags stop heartbeats, exit abruptly after N tokens, stall (silent but connected) after N
- * tokens, or refuse every reservation. --events FILE appends one line per message received
+ * A seeded request's Reserve / Generate also logs "seed <id> <seed>". Fault flags stop heartbeats,
+ * exit abruptly after N tokens, stall (silent but connected) after N tokens, or refuse every
+ * reservation. --events FILE appends one line per message received
  * ("reserve 7", "cancel 7 client disconnected", "drain", ...) for tests to inspect.
  *
  * Blocking sockets and poll(): a tool, so plain and obvious beats an event library.
@@ -114,6 +115,14 @@ static void event(const char *fmt, ...)
     }
 }
 
+/* "seed <request id> <seed>" for a seeded request's Reserve / Generate (the router gives choice i
+ * of a request seed + i). */
+static void event_seed(uint64_t rid, const Duet__Sampling *s)
+{
+    if (s != NULL && s->has_seed)
+        event("seed %llu %llu", (unsigned long long)rid, (unsigned long long)s->seed);
+}
+
 static void send_env(int fd, Duet__Envelope *env)
 {
     env->version = opt.version; /* --proto-version: the router must refuse another version */
@@ -194,6 +203,7 @@ static void on_message(int fd, Duet__Envelope *env)
     case DUET__ENVELOPE__BODY_RESERVE: {
         Duet__Reserve *m = env->reserve;
         event("reserve %llu", (unsigned long long)m->request_id);
+        event_seed(m->request_id, m->sampling);
         if (opt.refuse || tw_draining) {
             Duet__Refused rf = DUET__REFUSED__INIT;
             rf.request_id = m->request_id;
@@ -255,6 +265,8 @@ static void on_message(int fd, Duet__Envelope *env)
         size_t n = prefill ? env->prefill->n_tokens : env->generate->n_tokens;
         uint32_t maxt = prefill ? env->prefill->max_tokens : env->generate->max_tokens;
         event("%s %llu %zu", prefill ? "prefill" : "generate", (unsigned long long)rid, n);
+        if (!prefill)
+            event_seed(rid, env->generate->sampling);
         if (prefill) { /* the reservations as they came, rank 0's first */
             const Duet__Prefill *p = env->prefill;
             char line[4096];

@@ -100,6 +100,14 @@ Test(router_openai, completion_fields, .timeout = 10)
     cr_assert_eq(r.stop_len[1], 3);
     cr_assert(r.ignore_eos && r.stream && r.include_usage);
     cr_assert_str_eq(r.user, "u1");
+    cr_assert_eq(r.n, 1);
+    duet_oai_request_free(&r);
+    /* n > 1 with best_of = n */
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS,
+                       "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"n\":16,\"best_of\":16}", &r,
+                       &e),
+                 DUET_OK, "%s", e.message);
+    cr_assert_eq(r.n, 16);
     duet_oai_request_free(&r);
 
     /* Defaults. */
@@ -294,9 +302,12 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"skip_special_tokens\":0}", 400, "invalid_type", "skip_special_tokens", NULL},
     {C, "{" M "\"prompt\":\"x\",\"user\":5}", 400, "invalid_type", "user", NULL},
     /* n */
-    {C, "{" M "\"prompt\":\"x\",\"n\":2}", 400, "unsupported_value", "n", "one choice"},
-    {H, "{" M MSG ",\"n\":4}", 400, "unsupported_value", "n", "n = 4"},
+    {C, "{" M "\"prompt\":\"x\",\"n\":17}", 400, "invalid_value", "n", "[1, 16]"},
     {H, "{" M MSG ",\"n\":0}", 400, "invalid_value", "n", NULL},
+    {H, "{" M MSG ",\"n\":2.5}", 400, "invalid_type", "n", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"n\":3,\"best_of\":2}", 400, "invalid_value", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":17}", 400, "invalid_value", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":\"2\"}", 400, "invalid_type", "best_of", NULL},
     /* stop */
     {C, "{" M "\"prompt\":\"x\",\"stop\":\"\"}", 400, "invalid_value", "stop", NULL},
     {C, "{" M "\"prompt\":\"x\",\"stop\":[\"a\",\"\"]}", 400, "invalid_value", "stop[1]", NULL},
@@ -341,7 +352,7 @@ static const bad_case_t bad_cases[] = {
      "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
      "presence_penalty", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_parameter", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_value", "best_of", "log-prob"},
     {C, "{" M "\"prompt\":\"x\",\"echo\":true}", 400, "unsupported_parameter", "echo", NULL},
     {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix", NULL},
     {C, "{" M "\"prompt\":\"x\",\"repetition_penalty\":1.2}", 400, "unsupported_parameter",
@@ -1061,6 +1072,66 @@ Test(router_openai, sse_completions_without_usage, .timeout = 10)
         "\"duet-demo\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,"
         "\"finish_reason\":\"length\"}]}\n\n"
         "data: [DONE]\n\n");
+    duet_strbuf_free(&sb);
+}
+
+/* n choices: the body lists them by index; interleaved chunks carry theirs, one usage + [DONE]. */
+Test(router_openai, n_choices_response_and_sse, .timeout = 10)
+{
+    duet_oai_resp_meta_t m = chat_meta;
+    m.include_usage = false;
+    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP},
+                                    {"bb", 2, DUET_OAI_FINISH_LENGTH},
+                                    {"", 0, DUET_OAI_FINISH_STOP}};
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    cr_assert_eq(duet_oai_response_json_n(&m, c, 3, 4, 6, &sb), DUET_OK);
+    json_error_t je;
+    json_t *root = json_loads(sb.data, 0, &je);
+    cr_assert_not_null(root, "%s: %s", sb.data, je.text);
+    json_t *choices = json_object_get(root, "choices");
+    cr_assert_eq(json_array_size(choices), 3, "%s", sb.data);
+    for (size_t i = 0; i < 3; i++) {
+        json_t *ci = json_array_get(choices, i);
+        cr_assert_eq(json_integer_value(json_object_get(ci, "index")), (json_int_t)i);
+        cr_assert_str_eq(
+            json_string_value(json_object_get(json_object_get(ci, "message"), "content")),
+            c[i].text);
+        cr_assert_str_eq(json_string_value(json_object_get(ci, "finish_reason")),
+                         duet_oai_finish_name(c[i].finish));
+    }
+    cr_assert_eq(
+        json_integer_value(json_object_get(json_object_get(root, "usage"), "total_tokens")), 10);
+    json_decref(root);
+    duet_strbuf_free(&sb);
+
+    /* streaming: choice 1 then 0 interleaved, then the stream's end */
+    duet_oai_resp_meta_t m0 = chat_meta, m1 = chat_meta;
+    m1.index = 1;
+    duet_strbuf_init(&sb);
+    duet_oai_sse_begin(&m1, &sb);
+    duet_oai_sse_delta(&m1, "x", 1, &sb);
+    duet_oai_sse_begin(&m0, &sb);
+    duet_oai_sse_delta(&m0, "y", 1, &sb);
+    duet_oai_sse_finish(&m1, DUET_OAI_FINISH_STOP, &sb);
+    duet_oai_sse_finish(&m0, DUET_OAI_FINISH_LENGTH, &sb);
+    cr_assert_eq(duet_oai_sse_done(&m0, 3, 2, &sb), DUET_OK);
+    char ev[10][1024];
+    size_t n = sse_split(sb.data, ev, 10);
+    cr_assert_eq(n, 8, "%s", sb.data);
+    const int want_index[6] = {1, 1, 0, 0, 1, 0};
+    for (size_t i = 0; i < 6; i++) {
+        json_t *e = json_loads(ev[i], 0, &je);
+        cr_assert_not_null(e, "%s", ev[i]);
+        json_t *c0 = json_array_get(json_object_get(e, "choices"), 0);
+        cr_assert_eq(json_integer_value(json_object_get(c0, "index")), want_index[i], "%s", ev[i]);
+        json_decref(e);
+    }
+    cr_assert(
+        strstr(ev[6], "\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2") !=
+            NULL,
+        "%s", ev[6]);
+    cr_assert_str_eq(ev[7], "[DONE]");
     duet_strbuf_free(&sb);
 }
 
