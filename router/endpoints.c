@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/strbuf.h"
+#include "router/api/tokenize.h"
 #include "router/router_impl.h"
 
 typedef struct rt_endpoint rt_endpoint_t;
@@ -56,15 +57,46 @@ static void ep_completion(duet__router_t *rt, duet_http_request_t *http, const r
     duet__rq_begin(rt, http, e->oai, e->path);
 }
 
+/* The one served model, with vLLM's max_model_len (null: no limit) and the router's start. */
 static void ep_models(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     duet_strbuf_puts(&sb, "{\"object\":\"list\",\"data\":[{\"id\":");
     duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
-    duet_strbuf_printf(&sb, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\"}]}",
-                       (long long)0);
+    duet_strbuf_printf(&sb,
+                       ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\","
+                       "\"root\":",
+                       (long long)rt->started_unix);
+    duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
+    duet_strbuf_puts(&sb, ",\"max_model_len\":");
+    if (rt->lim.max_context > 0)
+        duet_strbuf_printf(&sb, "%zu}]}", rt->lim.max_context);
+    else
+        duet_strbuf_puts(&sb, "null}]}");
     rt_answer(http, 200, "application/json", NULL, 0, sb.data, sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/* POST /tokenize and /detokenize (vLLM's): answered at once from the tokenizer. */
+static void ep_tokenize(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    size_t len = 0;
+    const char *body = duet_http_request_body(http, &len);
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_t err;
+    memset(&err, 0, sizeof(err));
+    duet_status_t st = strcmp(e->path, "/tokenize") == 0
+                           ? duet_oai_tokenize(&rt->lim, rt->tmpl, rt->tok, body, len, &sb, &err)
+                           : duet_oai_detokenize(&rt->lim, rt->tok, body, len, &sb, &err);
+    if (st != DUET_OK) {
+        duet_strbuf_free(&sb);
+        duet_strbuf_init(&sb);
+        duet_oai_error_json(&err, &sb);
+    }
+    rt_answer(http, st == DUET_OK ? 200 : err.http_status, "application/json", NULL, 0,
+              sb.data != NULL ? sb.data : "", sb.len);
     duet_strbuf_free(&sb);
 }
 
@@ -135,6 +167,8 @@ static const rt_endpoint_t rt_endpoints[] = {
     {.method = "POST", .path = "/v1/chat/completions", .handle = ep_completion,
      .oai = DUET_OAI_ENDPOINT_CHAT},
     {.method = "GET",  .path = "/v1/models",           .handle = ep_models},
+    {.method = "POST", .path = "/tokenize",            .handle = ep_tokenize},
+    {.method = "POST", .path = "/detokenize",          .handle = ep_tokenize},
     {.method = "GET",  .path = "/health",              .handle = ep_health},
     {.method = "GET",  .path = "/live",                .handle = ep_live},
     {.method = "GET",  .path = "/metrics",             .handle = ep_metrics},

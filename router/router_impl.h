@@ -42,6 +42,7 @@ struct duet__router {
     uint32_t eos[DUET_OAI_MAX_EOS]; /* (n_eos) the model's stop ids */
     size_t n_eos;
     char model_name[256];
+    int64_t started_unix;     /* when the router started (/v1/models' "created") */
     duet_http_server_t *http; /* NULL once closed */
     duet_registry_t *reg;
     duet_admission_t *adm; /* owned */

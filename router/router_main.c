@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <uv.h>
 
@@ -463,6 +464,7 @@ static duet_status_t rt_start(duet__router_t *rt, const char *fingerprint)
     duet_config_t *cfg = rt->cfg;
     duet_status_t st;
     rt->loop = uv_default_loop();
+    rt->started_unix = (int64_t)time(NULL);
     if ((st = duet_metrics_create(&rt->metrics)) < 0 || (st = rt_metrics_init(rt)) < 0) {
         fprintf(stderr, "duet-router: metrics: %s\n", duet_error_last());
         return st;
