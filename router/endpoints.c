@@ -22,6 +22,7 @@ struct rt_endpoint {
     const char *path;
     rt_endpoint_fn handle;
     duet_oai_endpoint_t oai; /* the completions endpoints: which OpenAI API */
+    bool api;                /* an API route: needs api.key when one is set */
 };
 
 /* The whole answer, and the handler's reference dropped: for endpoints that keep no state. */
@@ -163,12 +164,12 @@ static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_e
 // clang-format off
 static const rt_endpoint_t rt_endpoints[] = {
     {.method = "POST", .path = "/v1/completions",      .handle = ep_completion,
-     .oai = DUET_OAI_ENDPOINT_COMPLETIONS},
+     .oai = DUET_OAI_ENDPOINT_COMPLETIONS, .api = true},
     {.method = "POST", .path = "/v1/chat/completions", .handle = ep_completion,
-     .oai = DUET_OAI_ENDPOINT_CHAT},
-    {.method = "GET",  .path = "/v1/models",           .handle = ep_models},
-    {.method = "POST", .path = "/tokenize",            .handle = ep_tokenize},
-    {.method = "POST", .path = "/detokenize",          .handle = ep_tokenize},
+     .oai = DUET_OAI_ENDPOINT_CHAT, .api = true},
+    {.method = "GET",  .path = "/v1/models",           .handle = ep_models,   .api = true},
+    {.method = "POST", .path = "/tokenize",            .handle = ep_tokenize, .api = true},
+    {.method = "POST", .path = "/detokenize",          .handle = ep_tokenize, .api = true},
     {.method = "GET",  .path = "/health",              .handle = ep_health},
     {.method = "GET",  .path = "/live",                .handle = ep_live},
     {.method = "GET",  .path = "/metrics",             .handle = ep_metrics},
@@ -191,6 +192,34 @@ const char *duet__rt_path_class(const char *path, void *user)
     return e != NULL ? e->path : "other";
 }
 
+/*
+ * api.key: an API route (and any unknown path under /v1/) without "Authorization: Bearer <key>"
+ * gets 401, shaped as OpenAI's; true when it may go on. /health, /live and /metrics stay open.
+ */
+static bool rt_api_authorized(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    const char *path = duet_http_request_path(http);
+    if (rt->api_key == NULL || !(e != NULL ? e->api : strncmp(path, "/v1/", 4) == 0))
+        return true;
+    duet_http_auth_t a = duet_http_request_bearer(http, rt->api_key, strlen(rt->api_key));
+    if (a == DUET_HTTP_AUTH_OK)
+        return true;
+    duet_oai_error_t err;
+    duet_oai_error_make(&err, 401, NULL, "invalid_api_key", NULL, "%s",
+                        a == DUET_HTTP_AUTH_MISSING
+                            ? "You didn't provide an API key. You need to provide your API key in "
+                              "an Authorization header using Bearer auth (i.e. Authorization: "
+                              "Bearer YOUR_KEY)."
+                            : "Incorrect API key provided.");
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_json(&err, &sb);
+    duet_http_header_t h = {"WWW-Authenticate", "Bearer"};
+    rt_answer(http, 401, "application/json", &h, 1, sb.data != NULL ? sb.data : "", sb.len);
+    duet_strbuf_free(&sb);
+    return false;
+}
+
 /* A known path with another method gets 405; an unknown path 404 (405 unless GET or HEAD). */
 void duet__rt_on_request(duet_http_request_t *http, void *user)
 {
@@ -198,6 +227,8 @@ void duet__rt_on_request(duet_http_request_t *http, void *user)
     const char *method = duet_http_request_method(http);
     bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
     const rt_endpoint_t *e = rt_endpoint_find(duet_http_request_path(http));
+    if (!rt_api_authorized(rt, http, e))
+        return;
     if (e == NULL && get)
         rt_answer_json(http, 404,
                        "{\"error\":{\"message\":\"not found\",\"type\":"

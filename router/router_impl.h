@@ -43,6 +43,7 @@ struct duet__router {
     size_t n_eos;
     char model_name[256];
     int64_t started_unix;     /* when the router started (/v1/models' "created") */
+    const char *api_key;      /* api.key (owned by cfg); NULL: the API is open */
     duet_http_server_t *http; /* NULL once closed */
     duet_registry_t *reg;
     duet_admission_t *adm; /* owned */

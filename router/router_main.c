@@ -75,6 +75,10 @@ static const duet_config_key_t rt_keys[] = {
     {"api.strict", DUET_CONFIG_BOOL, "false",
      "refuse (400) request fields the OpenAI API does not define, instead of ignoring them",
      .min = NULL},
+    {"api.key", DUET_CONFIG_STRING, "",
+     "bearer token every /v1 route, /tokenize and /detokenize require (\"\" = open; /health and "
+     "/metrics stay open); keep it off the command line: DUET_API_KEY",
+     .secret = true},
     DUET_ADMISSION_CONFIG_KEYS,
     DUET_ADMIN_CONFIG_KEYS,
 };
@@ -442,6 +446,8 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
     rt->lim.max_context = (size_t)duet_config_get_int(cfg, "limits.max_context");
     rt->lim.jinja_template = duet_oai_template_is_jinja(rt->tmpl);
     rt->lim.strict = duet_config_get_bool(cfg, "api.strict");
+    const char *key = duet_config_get_string(cfg, "api.key");
+    rt->api_key = key != NULL && key[0] != '\0' ? key : NULL;
     if (rt->lim.max_context == 0)
         rt->lim.max_context = model_max_len;
     rt->local_prefill_tokens = (uint32_t)duet_config_get_int(cfg, "placement.local_prefill_tokens");

@@ -2,7 +2,8 @@
 
 Run by tests/integration/run_openai_client_test.sh, which starts duet-router (model "m", byte
 tokenizer with <|bos|>, the default chat template) with 1 ctx and 2 gen duet-test-worker
-processes and passes the router's base URL as argv[1].
+processes and passes the router's base URL as argv[1]. The router runs with api.key "unused"
+(DUET_API_KEY), the key this client sends.
 
 The test worker answers with the prompt's token ids reversed (cycling), so the text is
 deterministic: with the byte tokenizer a token is a byte.
@@ -311,7 +312,7 @@ def post_root(path, body):
         return e.code, json.loads(e.read())
 
 
-AUTH = {}
+AUTH = {"Authorization": "Bearer unused"}  # the router runs with api.key "unused"
 
 
 @test
@@ -327,6 +328,25 @@ def tokenize_and_detokenize():
     assert st == 200 and d == {"prompt": "<|bos|>" + CHAT_PROMPT}, (st, d)
     st, e = post_root("/detokenize", {"tokens": [1, -5]})
     assert st == 400 and e["error"]["param"] == "tokens[1]", (st, e)
+
+
+@test
+def wrong_api_key_is_authentication_error():
+    bad = OpenAI(base_url=BASE, api_key="not-the-key", max_retries=0, timeout=30)
+    try:
+        bad.models.list()
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401, e.status_code
+        assert e.code == "invalid_api_key", e.code
+    else:
+        raise AssertionError("a wrong key did not raise openai.AuthenticationError")
+    global AUTH
+    saved, AUTH = AUTH, {}
+    try:
+        st, e = post_root("/tokenize", {"prompt": "x"})
+        assert st == 401 and e["error"]["code"] == "invalid_api_key", (st, e)
+    finally:
+        AUTH = saved
 
 
 @test

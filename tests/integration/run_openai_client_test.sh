@@ -53,7 +53,8 @@ printf '{"bos_token_id": 256, "eos_token_id": 257, "model_max_length": 4096}\n' 
 printf '{"type": "byte", "specials": ["<|bos|>", "<|eos|>"], "add_bos": true}\n' \
   > "$dir/duet_tokenizer.json"
 
-"$router" --model "$dir" --model.name m --model.fingerprint test --http.port 0 \
+# api.key from the environment (not the command line): the client's key is "unused"
+DUET_API_KEY=unused "$router" --model "$dir" --model.name m --model.fingerprint test --http.port 0 \
   --workers.port 0 --admin.port 0 --admin.insecure-no-token --placement.policy round_robin \
   > "$dir/router.out" 2> "$dir/router.log" &
 pids+=($!)

@@ -84,9 +84,19 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+static int http_auth(int port, const char *method, const char *path, const char *body,
+                     const char *auth, char *out, size_t cap);
+
 /* One HTTP request with Connection: close; the whole response in out. Returns the status. */
 static int http(int port, const char *method, const char *path, const char *body, char *out,
                 size_t cap)
+{
+    return http_auth(port, method, path, body, NULL, out, cap);
+}
+
+/* The same with an Authorization header of value `auth` (NULL: none). */
+static int http_auth(int port, const char *method, const char *path, const char *body,
+                     const char *auth, char *out, size_t cap)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
@@ -98,8 +108,10 @@ static int http(int port, const char *method, const char *path, const char *body
     char req[8192];
     int n = snprintf(req, sizeof(req),
                      "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
-                     "application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                     method, path, body != NULL ? strlen(body) : 0, body != NULL ? body : "");
+                     "application/json\r\n%s%s%sContent-Length: %zu\r\n\r\n%s",
+                     method, path, auth != NULL ? "Authorization: " : "", auth != NULL ? auth : "",
+                     auth != NULL ? "\r\n" : "", body != NULL ? strlen(body) : 0,
+                     body != NULL ? body : "");
     cr_assert_eq(write(fd, req, (size_t)n), n);
     size_t at = 0;
     for (;;) {
@@ -502,6 +514,49 @@ Test(router_cluster, n_choices_fail_and_cancel_together, .timeout = 90)
     close(fd);
     cr_assert(has_event("gen-0", "cancel 3 client disconnected", 3000), "choice 0 not cancelled");
     cr_assert(has_event("gen-0", "cancel 4 client disconnected", 3000), "choice 1 not cancelled");
+    stop_all();
+}
+
+/* api.key from DUET_API_KEY: every API route needs the bearer key; health and metrics do not. */
+Test(router_cluster, api_key_guards_the_api_routes, .timeout = 60)
+{
+    static char buf[65536];
+    setenv("DUET_API_KEY", "sk-test-1", 1);
+    start_router(NULL, NULL);
+    unsetenv("DUET_API_KEY");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200, "/health is open");
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    static const struct {
+        const char *method, *path, *body;
+        int ok_status;
+    } routes[] = {
+        {"GET", "/v1/models", NULL, 200},
+        {"POST", "/v1/completions", "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2}", 200},
+        {"POST", "/v1/chat/completions",
+         "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+         "\"max_tokens\":1}",
+         200},
+        {"POST", "/tokenize", "{\"prompt\":\"hi\"}", 200},
+        {"POST", "/detokenize", "{\"tokens\":[104]}", 200},
+        {"GET", "/v1/nothing-here", NULL, 404},
+    };
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
+        const char *m = routes[i].method, *p = routes[i].path, *b = routes[i].body;
+        cr_assert_eq(http(http_port, m, p, b, buf, sizeof(buf)), 401, "%s without a key: %s", p,
+                     buf);
+        cr_assert(strstr(buf, "WWW-Authenticate: Bearer") != NULL, "%s", buf);
+        cr_assert(strstr(body_of(buf), "\"code\":\"invalid_api_key\"") != NULL, "%s", buf);
+        cr_assert(strstr(body_of(buf), "didn't provide an API key") != NULL, "%s", buf);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Bearer sk-test-2", buf, sizeof(buf)), 401,
+                     "%s with a wrong key", p);
+        cr_assert(strstr(body_of(buf), "Incorrect API key") != NULL, "%s", buf);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Basic sk-test-1", buf, sizeof(buf)), 401);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Bearer sk-test-", buf, sizeof(buf)), 401);
+        cr_assert_eq(http_auth(http_port, m, p, b, "bearer  sk-test-1 ", buf, sizeof(buf)),
+                     routes[i].ok_status, "%s with the key: %s", p, buf);
+    }
     stop_all();
 }
 
