@@ -105,6 +105,7 @@ typedef struct rq {
     const uint32_t *ids; /* (n_ids) the group's prompt */
     size_t n_ids;
     duet_oai_stream_t *stream; /* owned */
+    duet_oai_toolparse_t *tp;  /* owned; the request offers tools: the text's tool calls */
     duet_oai_resp_meta_t meta; /* the group's, with this choice's index */
     rq_phase_t phase;
     bool admitted, local, began, done;    /* began: its first chunk went out (streaming) */
@@ -279,8 +280,10 @@ static void rq_group_maybe_free(rq_group_t *g)
     duet_http_request_release(g->http);
     duet_oai_request_free(&g->oai);
     free(g->ids);
-    for (uint32_t i = 0; i < g->n && g->results != NULL; i++)
+    for (uint32_t i = 0; i < g->n && g->results != NULL; i++) {
         free((char *)g->results[i].text);
+        free((char *)g->results[i].tool_calls_json);
+    }
     free(g->results);
     free(g->choices);
     free(g);
@@ -324,6 +327,7 @@ static void rq_end(rq_t *r, const char *why)
     g->choices[r->index] = NULL;
     g->n_live--;
     duet_oai_stream_destroy(r->stream);
+    duet_oai_toolparse_destroy(r->tp);
     free(r->out);
     free(r->reservation);
     rq_more_res_free(r);
@@ -392,10 +396,27 @@ static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
 
 /* The choice finished normally: its final bytes (and the response's, when it is the last),
  * metrics, end. */
+static void rq_emit_tools(rq_t *r, const char *text, size_t len, bool end);
+
 static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 {
     duet__router_t *rt = r->rt;
     rq_group_t *g = r->g;
+    char *calls = NULL;
+    if (r->tp != NULL) { /* the held text settles; a choice that called tools says so */
+        rq_emit_tools(r, NULL, 0, true);
+        if (r->done)
+            return; /* it failed */
+        if (duet_oai_toolparse_n_calls(r->tp) > 0) {
+            duet_strbuf_t cj;
+            duet_strbuf_init(&cj);
+            duet_oai_toolparse_calls_json(r->tp, &cj);
+            calls = duet_strbuf_detach(&cj);
+            duet_strbuf_free(&cj);
+            if (finish == DUET_OAI_FINISH_STOP)
+                finish = DUET_OAI_FINISH_TOOL_CALLS;
+        }
+    }
     uint32_t n_c = duet_oai_stream_n_tokens(r->stream);
     g->completion_tokens += n_c;
     const bool last = ++g->n_finished == g->n;
@@ -413,16 +434,23 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
     } else {
         const char *text;
         size_t len;
-        duet_oai_stream_text(r->stream, &text, &len);
+        if (r->tp != NULL)
+            duet_oai_toolparse_content(r->tp, &text, &len);
+        else
+            duet_oai_stream_text(r->stream, &text, &len);
         char *copy = malloc(len + 1);
-        if (copy == NULL) {
+        if (copy == NULL ||
+            (r->tp != NULL && duet_oai_toolparse_n_calls(r->tp) > 0 && calls == NULL)) {
+            free(copy);
             duet_strbuf_free(&sb);
             g->n_finished--;
             rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
             return;
         }
         memcpy(copy, text, len);
-        g->results[r->index] = (duet_oai_choice_t){.text = copy, .len = len, .finish = finish};
+        g->results[r->index] = (duet_oai_choice_t){
+            .text = copy, .len = len, .finish = finish, .tool_calls_json = calls};
+        calls = NULL;
         if (last) {
             duet_oai_response_json_n(&g->meta, g->results, g->n, (uint32_t)g->n_ids,
                                      g->completion_tokens, &sb);
@@ -430,6 +458,7 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
         }
     }
     duet_strbuf_free(&sb);
+    free(calls);
     if (n_c > 1 && r->t_last_ns > r->t_first_ns)
         duet_metrics_histogram_observe(rt->m_tpot,
                                        (double)(r->t_last_ns - r->t_first_ns) / 1e9 / (n_c - 1));
@@ -442,9 +471,44 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
     rq_end(r, "finished");
 }
 
+/* Text of a choice that offers tools through its tool-call parser (`end`: the last), then, when
+ * streaming, out as content and tool-call deltas. */
+static void rq_emit_tools(rq_t *r, const char *text, size_t len, bool end)
+{
+    const duet_oai_tp_event_t *ev = NULL;
+    size_t n = 0;
+    if (duet_oai_toolparse_feed(r->tp, text, len, end, &ev, &n) != DUET_OK) {
+        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
+    if (!r->g->oai.stream || n == 0)
+        return;
+    duet_strbuf_t sb, d;
+    duet_strbuf_init(&sb);
+    duet_strbuf_init(&d);
+    if (rq_stream_begin(r, &sb)) {
+        for (size_t i = 0; i < n; i++) {
+            if (ev[i].kind == DUET_OAI_TP_CONTENT) {
+                duet_oai_sse_delta(&r->meta, ev[i].text, ev[i].len, &sb);
+                continue;
+            }
+            d.len = 0;
+            duet_oai_tool_delta_json(&ev[i], &d);
+            duet_oai_sse_delta_json(&r->meta, d.data, d.len, &sb);
+        }
+        duet_http_stream_write(r->g->http, sb.data, sb.len);
+    }
+    duet_strbuf_free(&d);
+    duet_strbuf_free(&sb);
+}
+
 /* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). */
 static void rq_emit(rq_t *r, const char *text, size_t len)
 {
+    if (r->tp != NULL && len > 0) {
+        rq_emit_tools(r, text, len, false);
+        return;
+    }
     if (!r->g->oai.stream || len == 0)
         return;
     duet_strbuf_t sb;
@@ -712,7 +776,9 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     if (r == NULL)
         return NULL;
     if (duet_oai_stream_create(rt->tok, &g->oai, rt->eos, rt->n_eos, !g->oai.stream, &r->stream) <
-        0) {
+            0 ||
+        (g->oai.tools != NULL && duet_oai_toolparse_create(&r->tp) < 0)) {
+        duet_oai_stream_destroy(r->stream);
         free(r);
         return NULL;
     }

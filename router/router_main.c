@@ -446,6 +446,16 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
     rt->lim.max_context = (size_t)duet_config_get_int(cfg, "limits.max_context");
     rt->lim.jinja_template = duet_oai_template_is_jinja(rt->tmpl);
     rt->lim.strict = duet_config_get_bool(cfg, "api.strict");
+    /* tools are offered when the tokenizer has Kimi K2's tool-call tokens (router/api/tools.h) */
+    static const char *const markers[] = {DUET_OAI_TOOL_SECTION_BEGIN, DUET_OAI_TOOL_SECTION_END,
+                                          DUET_OAI_TOOL_CALL_BEGIN, DUET_OAI_TOOL_ARG_BEGIN,
+                                          DUET_OAI_TOOL_CALL_END};
+    rt->lim.tool_calls = true;
+    for (size_t i = 0; i < sizeof(markers) / sizeof(markers[0]); i++) {
+        uint32_t id;
+        rt->lim.tool_calls =
+            rt->lim.tool_calls && duet_tokenizer_special_id(rt->tok, markers[i], &id) == DUET_OK;
+    }
     const char *key = duet_config_get_string(cfg, "api.key");
     rt->api_key = key != NULL && key[0] != '\0' ? key : NULL;
     if (rt->lim.max_context == 0)

@@ -106,6 +106,8 @@ const char *duet_oai_finish_name(duet_oai_finish_t f)
         return "stop";
     case DUET_OAI_FINISH_LENGTH:
         return "length";
+    case DUET_OAI_FINISH_TOOL_CALLS:
+        return "tool_calls";
     case DUET_OAI_FINISH_NONE:
         break;
     }
@@ -223,7 +225,7 @@ static const oai_field_t oai_fields[] = {
     {"best_of", OAI_EP_COMPL, OAI_F_USED, 0},
     {"repetition_penalty", OAI_EP_BOTH, OAI_F_ONE, 0},
     {"logit_bias", OAI_EP_BOTH, OAI_F_EMPTY, JSON_OBJECT},
-    {"tools", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
+    {"tools", OAI_EP_CHAT, OAI_F_USED, 0},
     {"functions", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
     {"suffix", OAI_EP_COMPL, OAI_F_EMPTY, JSON_STRING},
     {"function_call", OAI_EP_CHAT, OAI_F_NEVER, 0},
@@ -231,7 +233,7 @@ static const oai_field_t oai_fields[] = {
     {"prediction", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"reasoning_effort", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"web_search_options", OAI_EP_CHAT, OAI_F_NEVER, 0},
-    {"tool_choice", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
+    {"tool_choice", OAI_EP_CHAT, OAI_F_USED, 0},
     {"response_format", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
     {"modalities", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
 };
@@ -923,17 +925,9 @@ static duet_status_t oai_parse_stream(oai_parse_t *p)
     return DUET_OK;
 }
 
-/* tool_choice "none"/"auto", response_format {"type": "text"}, modalities ["text"]. */
+/* response_format {"type": "text"}, modalities ["text"]. */
 static duet_status_t oai_check_custom(oai_parse_t *p, const char *key, const json_t *v)
 {
-    if (strcmp(key, "tool_choice") == 0) {
-        if (!json_is_string(v) && !json_is_object(v))
-            return oai_bad_type(p, key, "a string or an object", v);
-        if (json_is_string(v) && (strcmp(json_string_value(v), "none") == 0 ||
-                                  strcmp(json_string_value(v), "auto") == 0))
-            return DUET_OK;
-        return oai_unsupported(p, key, "(no tool use)");
-    }
     if (strcmp(key, "response_format") == 0) {
         if (!json_is_object(v))
             return oai_bad_type(p, key, "an object", v);
@@ -1042,6 +1036,7 @@ void duet_oai_request_free(duet_oai_request_t *req)
         free(req->stop[i]);
     free(req->user);
     json_decref(req->ignored_fields);
+    json_decref(req->tools);
     memset(req, 0, sizeof(*req));
 }
 
@@ -1095,6 +1090,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         st = oai_parse_max_tokens(&p);
     if (st == DUET_OK)
         st = oai_parse_sampling(&p);
+    if (st == DUET_OK && endpoint == DUET_OAI_ENDPOINT_CHAT) /* after skip_special_tokens */
+        st = duet__oai_parse_tools(lim, p.root, &req, err_p);
     if (st == DUET_OK)
         st = oai_parse_stop(&p);
     if (st == DUET_OK)
@@ -1127,7 +1124,8 @@ duet_status_t duet_oai_request_tokens(const duet_oai_request_t *req, const duet_
     size_t n = 0;
     duet_status_t st;
     if (chat && duet_oai_template_is_jinja(tmpl) && req->messages_json != NULL) {
-        duet_oai_chat_t c = {.messages = req->messages_json, .add_generation_prompt = true};
+        duet_oai_chat_t c = {
+            .messages = req->messages_json, .tools = req->tools, .add_generation_prompt = true};
         st = duet_oai_chat_prompt_json(tmpl, tok, &c, &ids, &n);
         if (st != DUET_OK && st != DUET_ERR_NOMEM && st != DUET_ERR_INTERNAL) {
             /* The template refused these messages (its raise_exception, or an error where
@@ -1461,7 +1459,14 @@ duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
         duet_strbuf_printf(out, "%s{\"index\":%zu,", i > 0 ? "," : "", i);
         if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
             duet_strbuf_puts(out, "\"message\":{\"role\":\"assistant\",\"content\":");
-            duet_oai_json_string(out, c->text, c->len);
+            if (c->tool_calls_json != NULL && c->len == 0)
+                duet_strbuf_puts(out, "null");
+            else
+                duet_oai_json_string(out, c->text, c->len);
+            if (c->tool_calls_json != NULL) {
+                duet_strbuf_puts(out, ",\"tool_calls\":");
+                duet_strbuf_puts(out, c->tool_calls_json);
+            }
             duet_strbuf_puts(out, "},");
         } else {
             duet_strbuf_puts(out, "\"text\":");
@@ -1480,7 +1485,8 @@ duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
 
 /*
  * One SSE chunk with one choice. Chat: delta = {"role":"assistant","content":""} (role chunk),
- * {"content": text} or {} (finish chunk). Completions: "text".
+ * {"content": text} or {} (finish chunk), or with role and text both set, text itself (a delta
+ * object as JSON). Completions: "text".
  */
 static duet_status_t oai_chunk(const duet_oai_resp_meta_t *m, bool role, const char *text,
                                size_t len, duet_oai_finish_t finish, duet_strbuf_t *out)
@@ -1489,7 +1495,11 @@ static duet_status_t oai_chunk(const duet_oai_resp_meta_t *m, bool role, const c
     oai_head(out, m, true);
     duet_strbuf_printf(out, "[{\"index\":%u,", m->index);
     if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
-        if (role)
+        if (role && text != NULL) { /* a delta object given as JSON */
+            duet_strbuf_puts(out, "\"delta\":");
+            duet_strbuf_append(out, text, len);
+            duet_strbuf_puts(out, ",");
+        } else if (role)
             duet_strbuf_puts(out, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"},");
         else if (text != NULL) {
             duet_strbuf_puts(out, "\"delta\":{\"content\":");
@@ -1538,6 +1548,12 @@ duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish
                                   duet_strbuf_t *out)
 {
     return oai_chunk(m, false, NULL, 0, finish, out);
+}
+
+duet_status_t duet_oai_sse_delta_json(const duet_oai_resp_meta_t *m, const char *delta, size_t len,
+                                      duet_strbuf_t *out)
+{
+    return oai_chunk(m, true, delta, len, DUET_OAI_FINISH_NONE, out);
 }
 
 duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,

@@ -38,6 +38,7 @@
 #include "common/strbuf.h"
 #include "tokenizer/tokenizer.h"
 #include "router/api/chat_template.h"
+#include "router/api/tools.h"
 
 struct json_t;
 
@@ -65,6 +66,7 @@ typedef struct {
                                     tool_call_id) and assistant tool_calls are accepted in the
                                     conversation; with duet's format they are a 400 */
     bool strict;                 /* api.strict: unknown top-level fields are a 400 */
+    bool tool_calls;             /* the tokenizer has Kimi K2's tool-call tokens (tools.h) */
 } duet_oai_limits_t;
 
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
@@ -101,6 +103,10 @@ typedef struct {
     char *user;                    /* NULL when absent; for logs */
     struct json_t *ignored_fields; /* unknown top-level field names ignored (not strict): an
                                       array of strings; NULL when none */
+    struct json_t *tools; /* chat: the validated "tools" (a reference) when offered (given, not
+                             empty, tool_choice not "none"); then the output is parsed for
+                             tool calls (tools.h) */
+    duet_oai_tool_choice_t tool_choice;
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */
@@ -114,12 +120,13 @@ typedef struct {
 
 /* Why a choice ended. */
 typedef enum {
-    DUET_OAI_FINISH_NONE = 0, /* still generating */
-    DUET_OAI_FINISH_STOP,     /* EOS or a stop string */
-    DUET_OAI_FINISH_LENGTH,   /* max_tokens (or the context) reached */
+    DUET_OAI_FINISH_NONE = 0,   /* still generating */
+    DUET_OAI_FINISH_STOP,       /* EOS or a stop string */
+    DUET_OAI_FINISH_LENGTH,     /* max_tokens (or the context) reached */
+    DUET_OAI_FINISH_TOOL_CALLS, /* stopped after tool calls (tools.h) */
 } duet_oai_finish_t;
 
-/* "stop", "length"; NULL for NONE. */
+/* "stop", "length", "tool_calls"; NULL for NONE. */
 const char *duet_oai_finish_name(duet_oai_finish_t f);
 
 /* ---------------------------------------------------------------- errors */
@@ -227,6 +234,8 @@ typedef struct {
     const char *text; /* not owned */
     size_t len;
     duet_oai_finish_t finish;
+    const char *tool_calls_json; /* chat: NULL, or the message's "tool_calls" array as JSON (then
+                                    an empty text is "content": null); not owned */
 } duet_oai_choice_t;
 
 /* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */
@@ -262,8 +271,16 @@ duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t 
                                duet_strbuf_t *out);
 duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
                                   duet_strbuf_t *out);
+/* A chat chunk whose delta is the JSON object `delta` (len bytes, written as it is: tool-call
+ * deltas, tools.h). */
+duet_status_t duet_oai_sse_delta_json(const duet_oai_resp_meta_t *m, const char *delta, size_t len,
+                                      duet_strbuf_t *out);
 duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,
                                 uint32_t completion_tokens, duet_strbuf_t *out);
+
+/* Internal (tools.c): "tools" and "tool_choice" of a chat request's body into req. */
+duet_status_t duet__oai_parse_tools(const duet_oai_limits_t *lim, const struct json_t *root,
+                                    duet_oai_request_t *req, duet_oai_error_t *err);
 
 /* Append s (len bytes) as a JSON string literal; ill-formed UTF-8 becomes U+FFFD. */
 duet_status_t duet_oai_json_string(duet_strbuf_t *out, const char *s, size_t len);

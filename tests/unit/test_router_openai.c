@@ -334,13 +334,58 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"logit_bias\":{\"50256\":-100}}", 400, "unsupported_parameter", "logit_bias",
      NULL},
     {H, "{" M MSG ",\"logit_bias\":[]}", 400, "invalid_type", "logit_bias", NULL},
-    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\"}]}", 400, "unsupported_parameter", "tools",
-     NULL},
+    /* tools: malformed, then well formed for a model without a tool format (duet's template) */
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\"}]}", 400, "missing_required_parameter",
+     "tools[0].function", NULL},
+    {H, "{" M MSG ",\"tools\":\"f\"}", 400, "invalid_type", "tools", NULL},
+    {H, "{" M MSG ",\"tools\":[5]}", 400, "invalid_type", "tools[0]", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"retrieval\",\"function\":{\"name\":\"f\"}}]}", 400,
+     "invalid_value", "tools[0].type", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a b\"}}]}", 400,
+     "invalid_value", "tools[0].function.name", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"\"}}]}", 400,
+     "invalid_value", "tools[0].function.name", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+     "\"x1234567890123456789012345678901234567890123456789012345678901234\"}}]}",
+     400, "invalid_value", "tools[0].function.name", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"parameters\":\"x\"}}]}",
+     400, "invalid_type", "tools[0].function.parameters", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"description\":5}}]}",
+     400, "invalid_type", "tools[0].function.description", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"strict\":\"yes\"}}]}",
+     400, "invalid_type", "tools[0].function.strict", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"x\":1}}]}",
+     400, "unrecognized_argument", "tools[0].function", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"},\"x\":1}]}",
+     400, "unrecognized_argument", "tools[0]", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}", 400,
+     "unsupported_parameter", "tools", "duet's format"},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+     "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}",
+     400, "invalid_value", "tool_choice", "'g'"},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+     "\"tool_choice\":{\"type\":\"function\"}}",
+     400, "invalid_value", "tool_choice", NULL},
+    {H, "{" M MSG ",\"tool_choice\":5}", 400, "invalid_type", "tool_choice", NULL},
+    {H, "{" M MSG ",\"tool_choice\":\"sometimes\"}", 400, "invalid_value", "tool_choice", NULL},
+    {H,
+     "{" M MSG ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"},"
+     "\"x\":1}}",
+     400, "unrecognized_argument", "tool_choice", NULL},
     {H, "{" M MSG ",\"functions\":[{}]}", 400, "unsupported_parameter", "functions", NULL},
     {H, "{" M MSG ",\"function_call\":\"auto\"}", 400, "unsupported_parameter", "function_call",
      NULL},
-    {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "unsupported_parameter", "tool_choice",
-     NULL},
+    {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "invalid_value", "tool_choice",
+     "no 'tools'"},
     {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\"}}", 400, "unsupported_parameter",
      "response_format", NULL},
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
@@ -1080,9 +1125,11 @@ Test(router_openai, n_choices_response_and_sse, .timeout = 10)
 {
     duet_oai_resp_meta_t m = chat_meta;
     m.include_usage = false;
-    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP},
-                                    {"bb", 2, DUET_OAI_FINISH_LENGTH},
-                                    {"", 0, DUET_OAI_FINISH_STOP}};
+    const char *calls = "[{\"id\":\"functions.f:0\",\"type\":\"function\",\"function\":"
+                        "{\"name\":\"f\",\"arguments\":\"{}\"}}]";
+    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP, NULL},
+                                    {"bb", 2, DUET_OAI_FINISH_LENGTH, NULL},
+                                    {"", 0, DUET_OAI_FINISH_TOOL_CALLS, calls}};
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_oai_response_json_n(&m, c, 3, 4, 6, &sb), DUET_OK);
@@ -1094,9 +1141,15 @@ Test(router_openai, n_choices_response_and_sse, .timeout = 10)
     for (size_t i = 0; i < 3; i++) {
         json_t *ci = json_array_get(choices, i);
         cr_assert_eq(json_integer_value(json_object_get(ci, "index")), (json_int_t)i);
-        cr_assert_str_eq(
-            json_string_value(json_object_get(json_object_get(ci, "message"), "content")),
-            c[i].text);
+        json_t *msg = json_object_get(ci, "message");
+        if (i < 2) {
+            cr_assert_str_eq(json_string_value(json_object_get(msg, "content")), c[i].text);
+            cr_assert_null(json_object_get(msg, "tool_calls"));
+        } else { /* tool calls without text: content null */
+            cr_assert(json_is_null(json_object_get(msg, "content")), "%s", sb.data);
+            json_t *tc = json_array_get(json_object_get(msg, "tool_calls"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(tc, "id")), "functions.f:0");
+        }
         cr_assert_str_eq(json_string_value(json_object_get(ci, "finish_reason")),
                          duet_oai_finish_name(c[i].finish));
     }
