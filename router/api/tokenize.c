@@ -114,7 +114,8 @@ static duet_status_t tk_messages(const duet_oai_limits_t *lim, const duet_oai_te
     if (st != DUET_OK)
         return st;
     if (duet_oai_template_is_jinja(tmpl)) {
-        duet_oai_chat_t c = {.messages = req.messages_json, .add_generation_prompt = gen};
+        duet_oai_chat_t c = {
+            .messages = req.messages_json, .tools = req.tools, .add_generation_prompt = gen};
         st = duet_oai_chat_prompt_json(tmpl, tok, &c, ids_p, n_p);
     } else {
         st = duet_oai_chat_prompt_ex(tmpl, tok, req.messages, req.n_messages, gen, ids_p, n_p);
