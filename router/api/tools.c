@@ -467,7 +467,7 @@ duet_status_t duet_oai_toolparse_feed(duet_oai_toolparse_t *tp, const char *text
                                       bool end, const duet_oai_tp_event_t **ev_p, size_t *n_p)
 {
     if (tp->state == TP_DONE)
-        return DUET_FAIL(DUET_ERR_INVALID, "tool parser: fed after the end");
+        return duet_error_set(DUET_ERR_INVALID, "tool parser: fed after the end");
     tp->n_ev = 0;
     tp->scratch.len = 0;
     if (len > 0 && duet_strbuf_append(&tp->buf, text, len) != DUET_OK)
