@@ -43,9 +43,12 @@ static duet_status_t tk_load(const duet_oai_limits_t *lim, const char *body, siz
         for (size_t i = 0; known[i] != NULL && !ok; i++)
             ok = strcmp(key, known[i]) == 0;
         if (!ok && lim->strict) {
-            json_decref(root);
-            return duet_oai_error_make(err, 400, NULL, "unrecognized_argument", key,
-                                       "Unrecognized request argument supplied: %.100s", key);
+            duet_status_t st = duet_oai_error_make(err, 400, NULL, "unrecognized_argument", key,
+                                                   "Unrecognized request argument supplied: "
+                                                   "%.100s",
+                                                   key);
+            json_decref(root); /* key lives in root */
+            return st;
         }
     }
     json_t *model = json_object_get(root, "model");
