@@ -1,6 +1,7 @@
 /*
  * duet-router's request state machine (docs/architecture.md, "The path of one request"). One rq_t
- * per completion request, all on the loop thread:
+ * per engine request, all on the loop thread; a client request is an rq_group_t of n of them (its
+ * `n` choices, each its own engine request: see rq_group_t), most often one:
  *
  *   NEW         validated and tokenized (duet__rq_begin) -> admission: run now, queue, or refuse
  *   QUEUED      waits in admission's bounded FIFO (429 / 503 with Retry-After when refused)
@@ -30,6 +31,9 @@
  * Tokens go through the openai stream state (detokenization, stop strings, max_tokens) to the
  * client, as SSE chunks or one JSON body. SSE headers go out with the first token, so every
  * failure before it is a proper HTTP status; after it, an SSE error event.
+ *
+ * With tools offered, each choice's text goes through the Kimi K2 tool-call parser
+ * (router/api/tools.h) before it reaches the client.
  *
  * Ending. rq_end() is the only exit and runs exactly once per request (guarded by r->done),
  * early failures included: it cancels whatever a worker still runs for it (client disconnect,

@@ -560,6 +560,22 @@ Test(router_cluster, api_key_guards_the_api_routes, .timeout = 60)
     stop_all();
 }
 
+/* api.strict: an unknown request field is OpenAI's 400 (without it, ignored). */
+Test(router_cluster, api_strict_refuses_unknown_fields, .timeout = 60)
+{
+    static char buf[65536];
+    start_router("--api.strict", NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"x\"}",
+                  buf, sizeof(buf));
+    cr_assert_eq(st, 400, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"code\":\"unrecognized_argument\"") != NULL, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"param\":\"guided_regex\"") != NULL, "%s", buf);
+    stop_all();
+}
+
 Test(router_cluster, client_disconnect_sends_cancel, .timeout = 60)
 {
     start_router(NULL, NULL);
