@@ -400,7 +400,7 @@ static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
 
 /* The choice finished normally: its final bytes (and the response's, when it is the last),
  * metrics, end. */
-static void rq_emit_tools(rq_t *r, const char *text, size_t len, bool end);
+static bool rq_emit_tools(rq_t *r, const char *text, size_t len, bool end);
 
 static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 {
@@ -408,9 +408,8 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
     rq_group_t *g = r->g;
     char *calls = NULL;
     if (r->tp != NULL) { /* the held text settles; a choice that called tools says so */
-        rq_emit_tools(r, NULL, 0, true);
-        if (r->done)
-            return; /* it failed */
+        if (!rq_emit_tools(r, NULL, 0, true))
+            return; /* it failed (and is gone) */
         if (duet_oai_toolparse_n_calls(r->tp) > 0) {
             duet_strbuf_t cj;
             duet_strbuf_init(&cj);
@@ -476,17 +475,17 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 }
 
 /* Text of a choice that offers tools through its tool-call parser (`end`: the last), then, when
- * streaming, out as content and tool-call deltas. */
-static void rq_emit_tools(rq_t *r, const char *text, size_t len, bool end)
+ * streaming, out as content and tool-call deltas. False when the request failed (r is gone). */
+static bool rq_emit_tools(rq_t *r, const char *text, size_t len, bool end)
 {
     const duet_oai_tp_event_t *ev = NULL;
     size_t n = 0;
     if (duet_oai_toolparse_feed(r->tp, text, len, end, &ev, &n) != DUET_OK) {
         rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
-        return;
+        return false;
     }
     if (!r->g->oai.stream || n == 0)
-        return;
+        return true;
     duet_strbuf_t sb, d;
     duet_strbuf_init(&sb);
     duet_strbuf_init(&d);
@@ -504,17 +503,17 @@ static void rq_emit_tools(rq_t *r, const char *text, size_t len, bool end)
     }
     duet_strbuf_free(&d);
     duet_strbuf_free(&sb);
+    return true;
 }
 
-/* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). */
-static void rq_emit(rq_t *r, const char *text, size_t len)
+/* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). False when the
+ * request failed (r is gone). */
+static bool rq_emit(rq_t *r, const char *text, size_t len)
 {
-    if (r->tp != NULL && len > 0) {
-        rq_emit_tools(r, text, len, false);
-        return;
-    }
+    if (r->tp != NULL && len > 0)
+        return rq_emit_tools(r, text, len, false);
     if (!r->g->oai.stream || len == 0)
-        return;
+        return true;
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     if (rq_stream_begin(r, &sb)) {
@@ -522,6 +521,7 @@ static void rq_emit(rq_t *r, const char *text, size_t len)
         duet_http_stream_write(r->g->http, sb.data, sb.len);
     }
     duet_strbuf_free(&sb);
+    return true;
 }
 
 /*
@@ -547,7 +547,8 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
                     "worker sent token id %u, which is outside the vocabulary", ids[i]);
             return true;
         }
-        rq_emit(r, text, len);
+        if (!rq_emit(r, text, len))
+            return true;
         if (fin != DUET_OAI_FINISH_NONE) {
             rq_complete(r, fin);
             return true;
@@ -563,7 +564,8 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
                                    ? DUET_OAI_FINISH_STOP
                                    : DUET_OAI_FINISH_LENGTH,
                                &text, &len, &fin);
-        rq_emit(r, text, len);
+        if (!rq_emit(r, text, len))
+            return true;
         rq_complete(r, fin != DUET_OAI_FINISH_NONE ? fin : DUET_OAI_FINISH_STOP);
         return true;
     }
