@@ -4,8 +4,11 @@
 #
 # Starts duet-router (model "m": a byte tokenizer with <|bos|>/<|eos|>, the default chat template)
 # with 1 ctx and 2 gen duet-test-worker processes on loopback (ephemeral ports: the router prints
-# the ports it bound), runs tests/integration/openai_client_test.py, then scrapes /metrics and
-# checks it with promtool. Every process started here is stopped on exit (trap).
+# the ports it bound), runs tests/integration/openai_client_test.py; then a second router (model
+# "k": Kimi's specials and Kimi K2's chat template, workers answering with a scripted tool call)
+# for tests/integration/openai_tools_test.py; then scrapes the first router's /metrics and
+# checks it with promtool. Both routers run with api.key "unused" (from DUET_API_KEY). Every
+# process started here is stopped on exit (trap).
 #
 # The client comes from the tests' venv, BUILD_DIR/pyvenv (tests/python/setup.sh, pinned in
 # tests/python/requirements.txt); without it the test FAILS with a clear message, never passes.
