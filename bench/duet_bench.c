@@ -20,9 +20,15 @@
  * parses. The send time of a request is taken just before its connect: TTFT and E2EL include the
  * loopback connect, as a fresh HTTP client's would.
  *
+ * --accuracy DATA replaces the load run: each document of DATA is scored in bits per byte from
+ * the echoed prompt log-probabilities of POST /v1/completions (bench/serving_accuracy.h says
+ * exactly what is scored), and with --baseline a paired t-test over documents decides whether
+ * accuracy dropped.
+ *
  * Exit codes: 0 ok; 1 the run could not happen or nothing completed (no server, no model, cannot
- * write --json); 2 usage (bad flag, unreadable or malformed prompts/baseline file); 3 a gate
- * failed.
+ * write --json, a document that could not be scored); 2 usage (bad flag, unreadable or malformed
+ * prompts/baseline/documents file, a baseline over other documents); 3 a gate failed or accuracy
+ * dropped.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -38,12 +44,15 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "bench/serving_accuracy.h"
 #include "bench/serving_gates.h"
 #include "bench/serving_http.h"
 #include "bench/serving_sse.h"
 #include "bench/serving_stats.h"
+#include "common/fingerprint.h"
 #include "common/json.h"
 #include "common/strbuf.h"
+#include "common/utf8.h"
 #include "common/version.h"
 
 #define BENCH_EXIT_OK    0
@@ -668,15 +677,18 @@ static duet_status_t bench_prompts_push(bench_prompts_t *p, size_t *cap, const c
     return DUET_OK;
 }
 
-/* JSONL: one object a line; the first string field of "question", "prompt", "text". */
-static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
+/*
+ * JSONL: one object a line; the first string field among keys (n_keys of them; `what` names
+ * them in the error of a record without any).
+ */
+static duet_status_t bench_jsonl_load(const char *path, const char *const *keys, size_t n_keys,
+                                      const char *what, bench_prompts_t *p)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     duet_status_t st = duet_strbuf_read_file(&sb, path, BENCH_MAX_PROMPT_FILE);
     if (st != DUET_OK)
         return st;
-    static const char *const keys[] = {"question", "prompt", "text"};
     size_t cap = 0, lineno = 0;
     char *save = NULL;
     for (char *line = strtok_r(sb.data != NULL ? sb.data : "", "\n", &save); line != NULL;
@@ -693,16 +705,15 @@ static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
             goto fail;
         }
         const char *text = NULL;
-        for (size_t k = 0; k < 3 && text == NULL; k++) {
+        for (size_t k = 0; k < n_keys && text == NULL; k++) {
             json_t *v = json_object_get(obj, keys[k]);
             if (json_is_string(v))
                 text = json_string_value(v);
         }
         if (text == NULL) {
             json_decref(obj);
-            st = duet_error_set(DUET_ERR_FORMAT,
-                                "%s: record %zu: no \"question\", \"prompt\" or \"text\" string",
-                                path, lineno);
+            st =
+                duet_error_set(DUET_ERR_FORMAT, "%s: record %zu: no %s string", path, lineno, what);
             goto fail;
         }
         st = bench_prompts_push(p, &cap, text);
@@ -712,12 +723,19 @@ static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
     }
     duet_strbuf_free(&sb);
     if (p->n == 0)
-        return duet_error_set(DUET_ERR_FORMAT, "%s: no prompts", path);
+        return duet_error_set(DUET_ERR_FORMAT, "%s: no records", path);
     return DUET_OK;
 fail:
     duet_strbuf_free(&sb);
     bench_prompts_free(p);
     return st;
+}
+
+/* --prompts: "question", "prompt" or "text" (e.g. gsm8k-test.jsonl). */
+static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
+{
+    static const char *const keys[] = {"question", "prompt", "text"};
+    return bench_jsonl_load(path, keys, 3, "\"question\", \"prompt\" or \"text\"", p);
 }
 
 /* n synthetic prompts of `words` random words each, deterministic in seed. */
@@ -1461,9 +1479,11 @@ typedef struct {
     const serving_gates_t *gates;
 } bench_shared_t;
 
-static int bench_write_json(const json_t *j, const char *path, const char *what)
+/* Write j to path; digits: significant digits of reals (17 round-trips a double exactly). */
+static int bench_write_json(const json_t *j, const char *path, const char *what, int digits)
 {
-    if (json_dump_file(j, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(10)) != 0) {
+    if (json_dump_file(j, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(digits)) !=
+        0) {
         fprintf(stderr, "duet-bench: cannot write %s %s: %s\n", what, path, strerror(errno));
         return BENCH_EXIT_RUN;
     }
@@ -1577,12 +1597,13 @@ static int bench_measure(const bench_shared_t *sh, const bench_opts_t *o, const 
         if (failed > 0)
             rc = BENCH_EXIT_GATE;
     }
-    if (json_path != NULL && bench_write_json(res, json_path, "--json") != BENCH_EXIT_OK &&
+    if (json_path != NULL && bench_write_json(res, json_path, "--json", 10) != BENCH_EXIT_OK &&
         rc == BENCH_EXIT_OK)
         rc = BENCH_EXIT_RUN;
     if (save_path != NULL) {
         json_t *v = bench_vllm_result(&run, sh->model, &sum);
-        if (bench_write_json(v, save_path, "--save-result") != BENCH_EXIT_OK && rc == BENCH_EXIT_OK)
+        if (bench_write_json(v, save_path, "--save-result", 10) != BENCH_EXIT_OK &&
+            rc == BENCH_EXIT_OK)
             rc = BENCH_EXIT_RUN;
         json_decref(v);
     }
@@ -1595,6 +1616,329 @@ out:
     free(run.reqs);
     free(run.arrival_ns);
     free(recs);
+    return rc;
+}
+
+/*
+ * Resolve --url and find the model (--model, else the first id of GET /v1/models), printing the
+ * reason on failure. *model_p is malloc'd.
+ */
+static duet_status_t bench_connect(const bench_opts_t *o, uv_loop_t *loop,
+                                   struct sockaddr_storage *addr, char **model_p)
+{
+    if (serving_http_resolve(loop, o->host, o->port, addr) != DUET_OK) {
+        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+        return DUET_ERR_TRANSPORT;
+    }
+    if (o->model != NULL) {
+        *model_p = strdup(o->model);
+        if (*model_p == NULL) {
+            fprintf(stderr, "duet-bench: out of memory\n");
+            return DUET_ERR_NOMEM;
+        }
+        return DUET_OK;
+    }
+    bench_run_t probe = {.o = o, .loop = loop, .addr = *addr};
+    duet_status_t st = bench_find_model(&probe, model_p);
+    if (st != DUET_OK)
+        fprintf(stderr, "duet-bench: cannot find the model (pass --model): %s\n",
+                duet_error_last());
+    return st;
+}
+
+/* ---------------------------------------------------------------- accuracy */
+
+/* --accuracy DATA with --accuracy-doc-bytes N: plain UTF-8 text cut into N-byte documents,
+ * each cut moved back to a character boundary. */
+static duet_status_t bench_docs_cut(const char *path, size_t n, bench_prompts_t *d)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, BENCH_MAX_PROMPT_FILE);
+    if (st != DUET_OK)
+        return st;
+    const char *t = sb.data != NULL ? sb.data : "";
+    if (!duet_utf8_valid(t, sb.len) || memchr(t, '\0', sb.len) != NULL) {
+        duet_strbuf_free(&sb);
+        return duet_error_set(DUET_ERR_FORMAT, "%s: not UTF-8 text (or holds NUL bytes)", path);
+    }
+    size_t cap = 0;
+    for (size_t at = 0; at < sb.len && st == DUET_OK;) {
+        size_t end = sb.len - at > n ? at + n : sb.len;
+        while (end > at + 1 && end < sb.len && ((unsigned char)t[end] & 0xC0) == 0x80)
+            end--;
+        char save = sb.data[end];
+        sb.data[end] = '\0';
+        st = bench_prompts_push(d, &cap, t + at);
+        sb.data[end] = save;
+        at = end;
+    }
+    duet_strbuf_free(&sb);
+    if (st == DUET_OK && d->n == 0)
+        st = duet_error_set(DUET_ERR_FORMAT, "%s: empty", path);
+    if (st != DUET_OK)
+        bench_prompts_free(d);
+    return st;
+}
+
+/* "sha256:" + 64 hex digits of s (what a baseline's documents are matched by). */
+static void bench_sha256_hex(const char *s, char out[72])
+{
+    uint8_t h[32];
+    duet__sha256(s, strlen(s), h);
+    memcpy(out, "sha256:", 7);
+    for (int i = 0; i < 32; i++)
+        snprintf(out + 7 + 2 * i, 3, "%02x", h[i]);
+}
+
+/*
+ * Read an earlier --accuracy --json and check it scored the same documents (same sha256, same
+ * order): its per-document bits per byte into *base_p (malloc'd, n). Exit code 2 with a message
+ * on any mismatch or malformed file, else -1.
+ */
+static int bench_accuracy_baseline(const char *path, char (*hashes)[72], size_t n, double **base_p)
+{
+    json_t *root = NULL;
+    if (duet_json_load_file(path, 256u << 20, &root) != DUET_OK) {
+        fprintf(stderr, "duet-bench: --baseline: %s\n", duet_error_last());
+        return BENCH_EXIT_USAGE;
+    }
+    int rc = BENCH_EXIT_USAGE;
+    json_t *docs = json_object_get(json_object_get(root, "accuracy"), "per_document");
+    double *base = NULL;
+    if (!json_is_array(docs)) {
+        fprintf(stderr,
+                "duet-bench: --baseline %s: no accuracy.per_document array (not an "
+                "--accuracy run's --json)\n",
+                path);
+        goto out;
+    }
+    if (json_array_size(docs) != n) {
+        fprintf(stderr,
+                "duet-bench: --baseline %s scored %zu documents, this run has %zu: refusing to "
+                "compare different document sets\n",
+                path, json_array_size(docs), n);
+        goto out;
+    }
+    base = calloc(n, sizeof(*base));
+    if (base == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        rc = BENCH_EXIT_RUN;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *d = json_array_get(docs, i);
+        const char *h = json_string_value(json_object_get(d, "sha256"));
+        json_t *b = json_object_get(d, "bits_per_byte");
+        if (h == NULL || !json_is_number(b) || !isfinite(json_number_value(b))) {
+            fprintf(stderr,
+                    "duet-bench: --baseline %s: per_document[%zu] needs a sha256 string and a "
+                    "bits_per_byte number\n",
+                    path, i);
+            goto out;
+        }
+        if (strcmp(h, hashes[i]) != 0) {
+            fprintf(stderr,
+                    "duet-bench: --baseline %s: document %zu differs (%s there, %s here): "
+                    "refusing to compare different document sets\n",
+                    path, i + 1, h, hashes[i]);
+            goto out;
+        }
+        base[i] = json_number_value(b);
+    }
+    *base_p = base;
+    base = NULL;
+    rc = -1;
+out:
+    free(base);
+    json_decref(root);
+    return rc;
+}
+
+/* One document through POST /v1/completions with echo: its score, or an error with detail. */
+static duet_status_t bench_accuracy_doc(uv_loop_t *loop, const struct sockaddr *addr,
+                                        const bench_opts_t *o, const char *model, const char *doc,
+                                        serving_doc_score_t *sc)
+{
+    json_t *b = json_object();
+    json_object_set_new(b, "model", json_string(model));
+    json_t *text = json_string(doc);
+    if (text == NULL) {
+        json_decref(b);
+        return duet_error_set(DUET_ERR_FORMAT, "not valid UTF-8");
+    }
+    json_object_set_new(b, "prompt", text);
+    json_object_set_new(b, "max_tokens", json_integer(0));
+    json_object_set_new(b, "echo", json_true());
+    /* 1, not 0: a server testing `if logprobs:` would read 0 as "none"; top_logprobs is unused */
+    json_object_set_new(b, "logprobs", json_integer(1));
+    json_object_set_new(b, "temperature", json_real(0));
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    if (body == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "request body");
+    duet_strbuf_t resp;
+    duet_strbuf_init(&resp);
+    int status = 0;
+    duet_status_t st =
+        serving_http_fetch(loop, addr, o->host, "POST", "/v1/completions", body, strlen(body),
+                           (uint64_t)(o->timeout_s * 1000), &status, &resp);
+    free(body);
+    if (st == DUET_OK && status != 200)
+        st = duet_error_set(DUET_ERR_TRANSPORT, "HTTP %d: %.200s", status,
+                            resp.data != NULL ? resp.data : "");
+    json_t *root = NULL;
+    if (st == DUET_OK)
+        st = duet_json_load_buffer(resp.data != NULL ? resp.data : "", resp.len, "the answer",
+                                   64u << 20, &root);
+    if (st == DUET_OK)
+        st = serving_score_echo(root, doc, strlen(doc), sc);
+    json_decref(root);
+    duet_strbuf_free(&resp);
+    return st;
+}
+
+/*
+ * --accuracy: load the documents (and the baseline, checked against them) before any request,
+ * score each document in order, print, compare, write --json. Exit 0, 1 (a document could not
+ * be scored: no partial result), 2 (usage, different document sets) or 3 (accuracy dropped).
+ */
+static int bench_accuracy(const bench_opts_t *o)
+{
+    bench_prompts_t docs = {0};
+    char(*hashes)[72] = NULL;
+    double *base = NULL, *bpb = NULL;
+    serving_doc_score_t *sc = NULL;
+    char *model = NULL;
+    json_t *res = NULL;
+    uv_loop_t *loop = NULL;
+    int rc = BENCH_EXIT_USAGE;
+    static const char *const keys[] = {"text"};
+    duet_status_t st = o->accuracy_doc_bytes > 0
+                           ? bench_docs_cut(o->accuracy_path, (size_t)o->accuracy_doc_bytes, &docs)
+                           : bench_jsonl_load(o->accuracy_path, keys, 1, "\"text\"", &docs);
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-bench: --accuracy: %s\n", duet_error_last());
+        goto out;
+    }
+    rc = BENCH_EXIT_RUN;
+    hashes = calloc(docs.n, sizeof(*hashes));
+    bpb = calloc(docs.n, sizeof(*bpb));
+    sc = calloc(docs.n, sizeof(*sc));
+    if (hashes == NULL || bpb == NULL || sc == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        goto out;
+    }
+    for (size_t i = 0; i < docs.n; i++)
+        bench_sha256_hex(docs.v[i], hashes[i]);
+    if (o->baseline_path != NULL &&
+        (rc = bench_accuracy_baseline(o->baseline_path, hashes, docs.n, &base)) >= 0)
+        goto out;
+    rc = BENCH_EXIT_RUN;
+    struct sockaddr_storage addr;
+    loop = uv_default_loop();
+    if (bench_connect(o, loop, &addr, &model) != DUET_OK)
+        goto out;
+    if (!o->quiet)
+        fprintf(stderr, "duet-bench: %s model %s, accuracy over %zu documents of %s\n", o->url,
+                model, docs.n, o->accuracy_path);
+
+    double sum_bpb = 0, sum_nats = 0;
+    size_t bytes = 0, tokens = 0;
+    uint64_t last = uv_hrtime();
+    for (size_t i = 0; i < docs.n; i++) {
+        if (bench_accuracy_doc(loop, (struct sockaddr *)&addr, o, model, docs.v[i], &sc[i]) !=
+            DUET_OK) {
+            fprintf(stderr, "duet-bench: --accuracy: document %zu: %s\n", i + 1, duet_error_last());
+            goto out;
+        }
+        bpb[i] = sc[i].bits_per_byte;
+        sum_bpb += bpb[i];
+        sum_nats += sc[i].sum_logprob;
+        bytes += sc[i].bytes_scored;
+        tokens += sc[i].tokens_scored;
+        uint64_t now = uv_hrtime();
+        if (!o->quiet && (now - last >= (uint64_t)BENCH_PROGRESS_MS * 1000000 || i + 1 == docs.n)) {
+            last = now;
+            fprintf(stderr, "duet-bench: %zu/%zu documents, mean %.4f bits per byte\n", i + 1,
+                    docs.n, sum_bpb / (double)(i + 1));
+        }
+    }
+    double mean = sum_bpb / (double)docs.n, pooled = -sum_nats / M_LN2 / (double)bytes;
+
+    res = json_object();
+    json_t *acc = json_object(), *per = json_array();
+    for (size_t i = 0; i < docs.n; i++)
+        json_array_append_new(per, json_pack("{s:I, s:s, s:I, s:I, s:I, s:f, s:f}", "index",
+                                             (json_int_t)i, "sha256", hashes[i], "bytes",
+                                             (json_int_t)strlen(docs.v[i]), "bytes_scored",
+                                             (json_int_t)sc[i].bytes_scored, "tokens_scored",
+                                             (json_int_t)sc[i].tokens_scored, "sum_logprob",
+                                             sc[i].sum_logprob, "bits_per_byte", bpb[i]));
+    json_object_set_new(acc, "documents", json_integer((json_int_t)docs.n));
+    json_object_set_new(acc, "mean_bits_per_byte", json_real(mean));
+    json_object_set_new(acc, "pooled_bits_per_byte", json_real(pooled));
+    json_object_set_new(acc, "bytes_scored", json_integer((json_int_t)bytes));
+    json_object_set_new(acc, "tokens_scored", json_integer((json_int_t)tokens));
+    json_object_set_new(acc, "per_document", per);
+    json_object_set_new(res, "accuracy", acc);
+    printf("============ Accuracy (bits per byte) ============\n");
+    printf("%-40s %zu\n", "Documents:", docs.n);
+    printf("%-40s %zu\n", "Bytes scored:", bytes);
+    printf("%-40s %zu\n", "Tokens scored:", tokens);
+    printf("%-40s %.6f\n", "Mean bits per byte (per document):", mean);
+    printf("%-40s %.6f\n", "Bits per byte (all bytes pooled):", pooled);
+
+    rc = BENCH_EXIT_OK;
+    if (base != NULL) {
+        serving_paired_t t;
+        if (serving_paired_ttest(bpb, base, docs.n, o->accuracy_alpha, &t) != DUET_OK) {
+            fprintf(stderr, "duet-bench: --baseline: %s\n", duet_error_last());
+            rc = BENCH_EXIT_USAGE;
+            goto out;
+        }
+        printf("---------- vs baseline (paired t-test) -----------\n");
+        printf("%-40s %s\n", "Baseline:", o->baseline_path);
+        printf("%-40s %+.6f\n", "Mean difference (run - baseline):", t.mean_diff);
+        printf("%-40s %.6f\n", "Std of the differences (n - 1):", t.sd_diff);
+        printf("%-40s %.4f (df %.0f)\n", "t statistic:", t.t, t.df);
+        printf("%-40s %.3g\n", "p, one-sided (H1: bits per byte rose):", t.p);
+        printf("accuracy %s at alpha %g\n", t.dropped ? "DROPPED" : "did not drop",
+               o->accuracy_alpha);
+        json_object_set_new(res, "comparison",
+                            json_pack("{s:s, s:s, s:I, s:f, s:f, s:o, s:f, s:f, s:f, s:b}",
+                                      "baseline", o->baseline_path, "test",
+                                      "paired t, one-sided (bits per byte rose)", "n",
+                                      (json_int_t)t.n, "mean_diff", t.mean_diff, "sd_diff",
+                                      t.sd_diff, "t", bench_num(t.t), "df", t.df, "p", t.p, "alpha",
+                                      o->accuracy_alpha, "dropped", t.dropped));
+        if (t.dropped)
+            rc = BENCH_EXIT_GATE;
+    }
+    printf("==================================================\n");
+    json_object_set_new(
+        res, "config",
+        json_pack("{s:s, s:s, s:s, s:o, s:f}", "url", o->url, "model", model, "data",
+                  o->accuracy_path, "doc_bytes",
+                  o->accuracy_doc_bytes > 0 ? json_integer(o->accuracy_doc_bytes) : json_null(),
+                  "alpha", o->accuracy_alpha));
+    /* every digit: a later run compares its per-document values with these */
+    if (o->json_path != NULL &&
+        bench_write_json(res, o->json_path, "--json", 17) != BENCH_EXIT_OK && rc == BENCH_EXIT_OK)
+        rc = BENCH_EXIT_RUN;
+    fflush(stdout);
+out:
+    if (loop != NULL) {
+        uv_run(loop, UV_RUN_NOWAIT);
+        uv_loop_close(loop);
+    }
+    json_decref(res);
+    free(model);
+    free(hashes);
+    free(base);
+    free(bpb);
+    free(sc);
+    bench_prompts_free(&docs);
     return rc;
 }
 
@@ -1704,6 +2048,8 @@ int main(int argc, char **argv)
     if (rc >= 0)
         return rc;
     signal(SIGPIPE, SIG_IGN);
+    if (o.accuracy_path != NULL)
+        return bench_accuracy(&o);
 
     serving_gates_t gates = {0};
     bench_prompts_t prompts = {0};
@@ -1731,21 +2077,7 @@ int main(int argc, char **argv)
 
     rc = BENCH_EXIT_RUN;
     sh.loop = uv_default_loop();
-    if (serving_http_resolve(sh.loop, o.host, o.port, &sh.addr) != DUET_OK) {
-        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
-        goto out;
-    }
-    if (o.model != NULL) {
-        model = strdup(o.model);
-    } else {
-        bench_run_t probe = {.o = &o, .loop = sh.loop, .addr = sh.addr};
-        if (bench_find_model(&probe, &model) != DUET_OK) {
-            fprintf(stderr, "duet-bench: cannot find the model (pass --model): %s\n",
-                    duet_error_last());
-            goto out;
-        }
-    }
-    if (model == NULL)
+    if (bench_connect(&o, sh.loop, &sh.addr, &model) != DUET_OK)
         goto out;
     sh.model = model;
 
