@@ -5,8 +5,10 @@
  * Checks the JSON of a closed-loop run (completed, failed, output tokens = usage counts, TTFT,
  * TPOT measured against the workers' 20 ms per-token delay), the exit codes of a failing (3) and
  * a passing (0) baseline, an earlier run as the baseline (relative gates, 3 and 0), a malformed
- * baseline (2, before any load), the chat endpoint with
- * Poisson arrivals, and a server that is not there (every request fails with a reason, exit 1).
+ * baseline (2, before any load), the chat endpoint with Poisson arrivals, a server that is not
+ * there (every request fails with a reason, exit 1), --save-result (vLLM's keys, one entry per
+ * request, the numbers of --json for the same run), a concurrency sweep and a request-rate sweep
+ * (a file per value, the CSV's rows) and bench/plot_sweep.py's PNG of the CSV.
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
  * literal "test", which the workers present.
@@ -675,7 +677,39 @@ Test(bench_serving, save_result_sweep_csv_and_plot, .timeout = 180)
     cr_assert_gt(csv_cell(text, 1, "output_throughput"), csv_cell(text, 0, "output_throughput"));
     free(text);
 
-    /* the plot of that CSV: a PNG */
+    /* a request-rate sweep: "inf" as a value, in the CSV and in the file names */
+    char rates_csv[512];
+    snprintf(rates_csv, sizeof(rates_csv), "%s/rates.csv", tdir);
+    const char *rates[] = {"--sweep",
+                           "request-rate=50,inf",
+                           "--num-prompts",
+                           "3",
+                           "--max-tokens",
+                           "2",
+                           "--random-prompt-len",
+                           "12",
+                           "--json",
+                           json,
+                           "--csv",
+                           rates_csv,
+                           "--metrics-settle-ms",
+                           "0",
+                           NULL};
+    rc = run_bench("rates.log", rates);
+    cr_assert_eq(rc, 0, "exit %d (log %s/rates.log)", rc, tdir);
+    text = read_text("rates.csv", &len);
+    cr_assert(strstr(text, "\nrequest-rate,50,3,0,0,") != NULL, "%s", text);
+    cr_assert(strstr(text, "\nrequest-rate,inf,3,0,0,") != NULL, "%s", text);
+    free(text);
+    v = load_json("run-request-rate-inf.json");
+    cr_assert_str_eq(
+        json_string_value(json_object_get(json_object_get(v, "config"), "request_rate")), "inf");
+    json_decref(v);
+    v = load_json("run-request-rate-50.json");
+    cr_assert_eq(num(json_object_get(v, "config"), "request_rate"), 50);
+    json_decref(v);
+
+    /* the plot of the concurrency sweep's CSV: a PNG */
     char cmd[1600];
     snprintf(cmd, sizeof(cmd), "%s %s/bench/plot_sweep.py %s %s/sweep.png > %s/plot.log 2>&1",
              SYSTEM_PYTHON, DUET_SOURCE_DIR, csv, tdir, tdir);
