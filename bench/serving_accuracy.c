@@ -60,7 +60,7 @@ duet_status_t serving_score_echo(const json_t *resp, const char *doc, size_t doc
     double sum = 0;
     for (size_t i = 0; i < n; i++) {
         json_t *o = json_array_get(off, i);
-        if (!json_is_integer(o) || json_integer_value(o) < prev)
+        if (!json_is_integer(o) || json_integer_value(o) < prev) /* prev starts at 0 */
             return duet_error_set(DUET_ERR_FORMAT,
                                   "text_offset[%zu] is not an integer >= the one before", i);
         prev = json_integer_value(o);
@@ -73,11 +73,12 @@ duet_status_t serving_score_echo(const json_t *resp, const char *doc, size_t doc
                                   "token_logprobs[%zu] is not a finite number <= 0", i);
         sum += x;
     }
+    /* only text_offset[1] is used: later offsets may fall inside a character (a byte-level
+     * token of a multi-byte one), where servers differ in what they count */
     json_int_t first = json_integer_value(json_array_get(off, 1));
-    size_t pos = acc_cp_to_byte(t, tlen, (size_t)first);
-    json_int_t last = json_integer_value(json_array_get(off, n - 1));
-    if (pos == SIZE_MAX || acc_cp_to_byte(t, tlen, (size_t)last) == SIZE_MAX)
-        return duet_error_set(DUET_ERR_FORMAT, "text_offset past the end of choices[0].text");
+    size_t pos = first >= 0 ? acc_cp_to_byte(t, tlen, (size_t)first) : SIZE_MAX;
+    if (pos == SIZE_MAX)
+        return duet_error_set(DUET_ERR_FORMAT, "text_offset[1] past the end of choices[0].text");
     size_t scored = tlen - pos;
     if (scored == 0)
         return duet_error_set(DUET_ERR_FORMAT, "the scored text (from text_offset[1]) is empty");

@@ -36,9 +36,9 @@ typedef struct {
  * Score the completions answer `resp` (a parsed JSON object) for the document doc[0..doc_len).
  * DUET_ERR_FORMAT with a detail naming the field on anything malformed or inconsistent: no
  * choices[0].logprobs, fewer than 2 tokens, a scored logprob that is not a finite number <= 0
- * (1e-3 of rounding is allowed above 0), text_offset not non-decreasing integers within the
- * text, arrays of unequal length, nothing scored, a scored text that is not the document's end.
- * *out is written only on success.
+ * (1e-3 of rounding is allowed above 0), text_offset not non-decreasing integers >= 0 or its
+ * [1] past the text, arrays of unequal length, nothing scored, a scored text that is not the
+ * document's end. *out is written only on success.
  */
 duet_status_t serving_score_echo(const json_t *resp, const char *doc, size_t doc_len,
                                  serving_doc_score_t *out);

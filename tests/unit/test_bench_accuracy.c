@@ -132,6 +132,14 @@ Test(bench_accuracy, score_echo)
     cr_assert_eq(s.bytes_scored, 3);
     cr_assert_float_eq(s.bits_per_byte, 2.5 / M_LN2 / 3, 1e-12);
     json_decref(j);
+    /* byte-level tokens (the demo model's tokenizer): "\xc3" and "\xa9" are two tokens of one
+     * character, so later offsets count bytes or fall inside it; only text_offset[1] is used */
+    j = answer("\"h\\u00e9!\"", "[null, -1.0, -2.0, -0.25, -0.5]", "[0, 0, 1, 2, 3]");
+    cr_assert_eq(serving_score_echo(j, doc, strlen(doc), &s), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(s.bytes_scored, 4);
+    cr_assert_eq(s.tokens_scored, 4);
+    cr_assert_float_eq(s.bits_per_byte, 3.75 / M_LN2 / 4, 1e-12);
+    json_decref(j);
     /* BOS rendered as text before the document: still the document's bytes */
     j = answer("\"<s>h\\u00e9!\"", "[null, -1.0, -2.0, -0.5]", "[0, 3, 4, 5]");
     cr_assert_eq(serving_score_echo(j, doc, strlen(doc), &s), DUET_OK, "%s", duet_error_last());
@@ -146,7 +154,8 @@ Test(bench_accuracy, score_echo)
         {"\"h\\u00e9!\"", "[null, -1, 0.5]", "[0, 1, 2]", "token_logprobs[2]"},
         {"\"h\\u00e9!\"", "[null, -1, -1]", "[0, 2, 1]", "text_offset[2]"},
         {"\"h\\u00e9!\"", "[null, -1, -1]", "[0, 1]", "differ in length"},
-        {"\"h\\u00e9!\"", "[null, -1, -1]", "[0, 1, 9]", "past the end"},
+        {"\"h\\u00e9!\"", "[null, -1, -1]", "[0, 9, 9]", "past the end"},
+        {"\"h\\u00e9!\"", "[null, -1, -1]", "[-1, 1, 2]", "text_offset[0]"},
         {"\"h\\u00e9!\"", "[null, -1, -1]", "[0, 3, 3]", "empty"},
         {"\"h\\u00e9!xyz\"", "[null, -1, -1]", "[0, 1, 2]", "not the end of the document"},
         {"\"other\"", "[null, -1, -1]", "[0, 1, 2]", "not the end of the document"},
