@@ -5,11 +5,13 @@
  *   t.sf(T, DF); betainc(A, B, X)
  * and stored here; the paired t-test's statistic on a hand-computable case and its edge cases;
  * echo scoring of OpenAI-shaped answers (BOS first or not, multi-byte text, code-point offsets)
- * and the refusal of every malformed or inconsistent answer.
+ * and the refusal of every malformed or inconsistent answer; 20,000 random byte edits of a valid
+ * answer never crash the scorer.
  */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "bench/serving_accuracy.h"
@@ -176,4 +178,51 @@ Test(bench_accuracy, score_echo)
     j = json_loads("{\"error\": {\"message\": \"x\"}}", 0, &e);
     cr_assert_eq(serving_score_echo(j, doc, strlen(doc), &s), DUET_ERR_FORMAT);
     json_decref(j);
+}
+
+/* splitmix64, for reproducible mutations */
+static uint64_t mix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Random byte edits of a valid answer: whatever still parses as JSON is scored without a crash,
+ * and either fails with a reason or gives a finite, non-negative score of at most the document. */
+Test(bench_accuracy, mutated_answers_never_crash)
+{
+    const char *doc = "h\xc3\xa9!";
+    const char *valid = "{\"choices\": [{\"index\": 0, \"text\": \"h\\u00e9!\", \"logprobs\": "
+                        "{\"tokens\": [\"\", \"h\", \"\\u00e9\", \"!\"], \"token_logprobs\": "
+                        "[null, -1.0, -2.0, -0.5], \"text_offset\": [0, 0, 1, 2]}}]}";
+    static const char alphabet[] = "{}[]\",:0123456789-.enulltrfas \\";
+    size_t n = strlen(valid), parsed = 0, scored = 0;
+    uint64_t seed = 42;
+    char buf[512];
+    for (int it = 0; it < 20000; it++) {
+        memcpy(buf, valid, n + 1);
+        int edits = 1 + (int)(mix(&seed) % 3);
+        for (int e = 0; e < edits; e++)
+            buf[mix(&seed) % n] = alphabet[mix(&seed) % (sizeof(alphabet) - 1)];
+        json_error_t err;
+        json_t *j = json_loads(buf, 0, &err);
+        if (j == NULL)
+            continue;
+        parsed++;
+        serving_doc_score_t s;
+        duet_status_t st = serving_score_echo(j, doc, strlen(doc), &s);
+        if (st == DUET_OK) {
+            scored++;
+            cr_assert(isfinite(s.bits_per_byte) && s.bits_per_byte >= -1e-2, "%s", buf);
+            cr_assert(s.bytes_scored >= 1 && s.bytes_scored <= strlen(doc), "%s", buf);
+        } else {
+            cr_assert_eq(st, DUET_ERR_FORMAT, "%s", buf);
+            cr_assert_neq(duet_error_last()[0], '\0');
+        }
+        json_decref(j);
+    }
+    cr_assert_gt(parsed, 500, "the mutations reach the scorer (%zu parsed)", parsed);
+    cr_assert_gt(scored, 10, "some mutations still score (%zu)", scored);
 }
