@@ -110,6 +110,7 @@ static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_e
     duet_metrics_gauge_set(rt->m_cache_target_bytes, plans[2]);
     duet_metrics_gauge_set(rt->m_cache_draft_pages, plans[3]);
     duet_metrics_gauge_set(rt->m_cache_draft_bytes, plans[4]);
+    duet__obs_scrape(rt);
     /* the worker gauges are read from the registry when scraped, not kept up to date */
     for (int role = DUET_WORKER_ROLE_CTX; role <= DUET_WORKER_ROLE_GEN; role++)
         for (int s = 0; s < DUET_WORKER_STATE_COUNT; s++) {

@@ -35,6 +35,9 @@
  *   drain_migrate_faults_end_once_and_free_every_page  a move's target killed, its deadline
  *        passing (the request goes on at the source, equal to duet-generate), its source killed
  *        (the request ends once, naming the worker); every page back on the live workers
+ *   vllm_metrics_move_under_traffic_and_pass_promtool  the router's vLLM-named series before,
+ *        during and after traffic: gauges rise and fall back, counters and histograms grow by
+ *        exactly the requests' figures, promtool accepts each scrape, one access line a request
  *
  * With speculative decoding on the generation workers (cluster_spec: prompt lookup, spec.k 2 and
  * 4; the draft model variant needs models/duet-demo-draft):
@@ -921,6 +924,183 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
               first1 = check_first_steps_connected("ctx-1");
     printf("cluster: %d + %d first prefill steps, each after its handshake\n", first0, first1);
     cr_expect(first0 >= 2 && first1 >= 2, "first prefill steps logged: %d, %d", first0, first1);
+    stop_all();
+}
+
+/* ---------------------------------------------------------------- observability */
+
+#define VLLM_MODEL "{model_name=\"duet-demo\"}"
+
+/* The value of one exposition series ("name{labels}", exactly as rendered) in text; -1: absent. */
+static double series_in(const char *text, const char *series)
+{
+    char pat[256];
+    snprintf(pat, sizeof(pat), "\n%s ", series);
+    const char *p = strstr(text, pat);
+    return p != NULL ? atof(p + strlen(pat)) : -1;
+}
+
+/* GET /metrics into out (the body); the status. */
+static int scrape(int port, char *out, size_t cap)
+{
+    static char buf[1 << 18];
+    int st = http(port, "GET", "/metrics", NULL, buf, sizeof(buf));
+    snprintf(out, cap, "\n%s", body_of(buf)); /* a leading newline: series_in finds line 1 */
+    return st;
+}
+
+/* tests/tools/promtool_check.sh on an exposition (kept in the test's folder as name). */
+static void promtool_ok(const char *text, const char *name)
+{
+    char path[512], cmd[1024], out[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text + 1, f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "%s/tests/tools/promtool_check.sh %s 2>&1", DUET_SOURCE_DIR, path);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s: %s", name, out);
+}
+
+/* Lines of the router's log that hold every string of want[0..n). */
+static int router_log_count(const char *const *want, int n)
+{
+    char path[512], line[2048];
+    snprintf(path, sizeof(path), "%s/router.log", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    int count = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        int all = 1;
+        for (int i = 0; i < n && all; i++)
+            all = strstr(line, want[i]) != NULL;
+        count += all;
+    }
+    fclose(f);
+    return count;
+}
+
+/*
+ * The router's vLLM-named series under traffic (docs/observability.md): running goes up while
+ * requests stream and back to 0; KV cache usage is above 0 and at most 1 meanwhile; after N
+ * requests of P prompt tokens that each run to max_tokens M (ignore_eos), the token counters grew
+ * by exactly N x P and N x M, request_success{length} by N, every request histogram by N
+ * observations and the inter-token one by N x (M - 1); promtool accepts the exposition before,
+ * during and after; the router logged one access line per request.
+ */
+Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
+{
+    enum { N = 6, LEN = 60, M = 24 };
+    static char before[1 << 18], during[1 << 18], after[1 << 18];
+    static job_t jobs[N];
+    start_cluster(1, 1);
+    cr_assert_eq(scrape(http_port, before, sizeof(before)), 200);
+    static const char *const series[] = {
+        "vllm:num_requests_running" VLLM_MODEL,
+        "vllm:num_requests_waiting" VLLM_MODEL,
+        "vllm:kv_cache_usage_perc" VLLM_MODEL,
+        "vllm:prompt_tokens_total" VLLM_MODEL,
+        "vllm:generation_tokens_total" VLLM_MODEL,
+        "vllm:num_preemptions_total" VLLM_MODEL,
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"stop\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"length\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"abort\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"error\"}",
+    };
+    for (size_t i = 0; i < sizeof(series) / sizeof(series[0]); i++)
+        cr_assert_geq(series_in(before, series[i]), 0, "%s missing before traffic", series[i]);
+    static const char *const hists[] = {
+        "vllm:time_to_first_token_seconds",  "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",  "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        "vllm:inter_token_latency_seconds",
+    };
+    enum { NH = sizeof(hists) / sizeof(hists[0]) };
+    double h0[NH];
+    for (int i = 0; i < NH; i++) {
+        char c[128];
+        snprintf(c, sizeof(c), "%s_count" VLLM_MODEL, hists[i]);
+        h0[i] = series_in(before, c);
+        cr_assert_geq(h0[i], 0, "%s missing before traffic", c);
+    }
+    promtool_ok(before, "metrics-before.txt");
+
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, LEN, M);
+        jobs[i].stream = i % 2;
+        jobs[i].ignore_eos = 1;
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    }
+    /* during: running > 0 at some scrape; the most KV usage seen */
+    double running = 0, kv = 0, gen_during = 0;
+    int scraped_during = 0;
+    for (uint64_t end = now_ms() + 20000; now_ms() < end;) {
+        cr_assert_eq(scrape(http_port, during, sizeof(during)), 200);
+        const double r = series_in(during, "vllm:num_requests_running" VLLM_MODEL);
+        const double k = series_in(during, "vllm:kv_cache_usage_perc" VLLM_MODEL);
+        cr_assert(k >= 0 && k <= 1, "vllm:kv_cache_usage_perc %f outside 0..1", k);
+        if (r > running)
+            running = r;
+        if (k > kv)
+            kv = k;
+        if (r > 0 && !scraped_during) {
+            scraped_during = 1;
+            promtool_ok(during, "metrics-during.txt");
+        }
+        gen_during = series_in(during, "vllm:generation_tokens_total" VLLM_MODEL);
+        if (r > 0 && k > 0 && gen_during > series_in(before, series[4]))
+            break;
+        usleep(20000);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++) {
+        cr_expect_eq(jobs[i].status, 200, "request %d: %s", i, jobs[i].got_text);
+        cr_expect_eq(jobs[i].got_tokens, M, "request %d: completion tokens", i);
+        free(jobs[i].got_text);
+    }
+    cr_expect_gt(running, 0, "vllm:num_requests_running never above 0 while %d requests ran", N);
+    cr_expect_gt(kv, 0, "vllm:kv_cache_usage_perc never above 0 while %d requests ran", N);
+    cr_expect_gt(gen_during, series_in(before, series[4]),
+                 "vllm:generation_tokens_total did not move while requests streamed");
+    wait_idle(2, 10000);
+    usleep(400000); /* a heartbeat carries the free pages */
+    cr_assert_eq(scrape(http_port, after, sizeof(after)), 200);
+    cr_expect_eq(series_in(after, series[0]), 0, "running after the traffic");
+    cr_expect_eq(series_in(after, series[1]), 0, "waiting after the traffic");
+    cr_expect_eq(series_in(after, series[2]), 0, "KV cache usage once every page is back");
+    cr_expect_eq(series_in(after, series[3]) - series_in(before, series[3]), N * (LEN + 1),
+                 "prompt tokens: N x (prompt + BOS)");
+    cr_expect_eq(series_in(after, series[4]) - series_in(before, series[4]), N * M,
+                 "generation tokens");
+    cr_expect_eq(series_in(after, series[7]) - series_in(before, series[7]), N,
+                 "request_success{length}");
+    cr_expect_eq(series_in(after, series[6]) - series_in(before, series[6]), 0,
+                 "request_success{stop}");
+    for (int i = 0; i < NH; i++) {
+        char c[128], sum[128];
+        snprintf(c, sizeof(c), "%s_count" VLLM_MODEL, hists[i]);
+        snprintf(sum, sizeof(sum), "%s_sum" VLLM_MODEL, hists[i]);
+        const double want = strcmp(hists[i], "vllm:inter_token_latency_seconds") == 0
+                                ? N * (M - 1)
+                                : N; /* per gap, else per request */
+        cr_expect_eq(series_in(after, c) - h0[i], want, "%s: observations", c);
+        cr_expect_geq(series_in(after, sum), 0, "%s", sum);
+    }
+    cr_expect_gt(series_in(after, "vllm:e2e_request_latency_seconds_sum" VLLM_MODEL), 0);
+    promtool_ok(after, "metrics-after.txt");
+    /* one access line per request, with its figures */
+    char ct[64];
+    snprintf(ct, sizeof(ct), "completion_tokens=%d ", M);
+    const char *const access[] = {"INFO",
+                                  "access /v1/completions status=200 finish=length",
+                                  "prompt_tokens=61 ",
+                                  ct,
+                                  "ttft_ms=",
+                                  "duration_ms="};
+    cr_expect_eq(router_log_count(access, 6), N, "access lines in %s/router.log", dir);
     stop_all();
 }
 
