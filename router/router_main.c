@@ -76,6 +76,7 @@ static const duet_config_key_t rt_keys[] = {
      .max = "86400"},
     DUET_ADMISSION_CONFIG_KEYS,
     DUET_ADMIN_CONFIG_KEYS,
+    DUET_LOG_CONFIG_KEYS,
 };
 
 /* ---------------------------------------------------------------- start-up */
@@ -381,6 +382,7 @@ static int rt_configure(duet__router_t *rt, int argc, char **argv)
         fprintf(stderr, "duet-router: %s\n(try --help)\n", duet_error_last());
         return 2;
     }
+    duet_log_configure(rt->cfg); /* before the configuration's own lines */
     duet_config_log(rt->cfg);
     return -1;
 }

@@ -209,8 +209,17 @@ static void add_worker(const duet_admin_worker_info_t *w, void *user)
     json_t *o = json_pack("{s:I,s:s,s:s,s:s,s:o}", "id", (json_int_t)w->id, "name",
                           w->name != NULL ? w->name : "", "role", w->role != NULL ? w->role : "",
                           "state", duet_admin_worker_state_name(w->state), "load", load);
-    if (o != NULL)
-        json_array_append_new(arr, o);
+    if (o == NULL)
+        return;
+    /* json_string refuses invalid UTF-8: the registry keeps these to [A-Za-z0-9_.:-] */
+    json_object_set_new(o, "address", json_string(w->address != NULL ? w->address : ""));
+    json_object_set_new(o, "device", json_string(w->device != NULL ? w->device : ""));
+    json_object_set_new(o, "dtype", json_string(w->dtype != NULL ? w->dtype : ""));
+    json_object_set_new(o, "uptime_s", json_integer((json_int_t)w->uptime_s));
+    json_object_set_new(o, "heartbeat_age_ms", json_integer((json_int_t)w->heartbeat_age_ms));
+    json_object_set_new(o, "utilisation", json_real(w->utilisation));
+    json_object_set_new(o, "metrics_port", json_integer((json_int_t)w->metrics_port));
+    json_array_append_new(arr, o);
 }
 
 typedef struct {
@@ -227,6 +236,7 @@ static void find_worker(const duet_admin_worker_info_t *w, void *user)
         f->info = *w;
         f->info.name = NULL; /* borrowed strings end with the visit */
         f->info.role = NULL;
+        f->info.address = f->info.device = f->info.dtype = NULL;
     }
 }
 
@@ -514,6 +524,43 @@ static void handle_admission_set(duet_admin_t *admin, duet_http_request_t *req)
     respond_json(req, 200, admission_json(admin->opts.admission), NULL, 0);
 }
 
+/* POST /admin/log-level {"level": "debug"}: the router's level now, then its workers'. */
+static void handle_log_level_set(duet_admin_t *admin, duet_http_request_t *req)
+{
+    size_t len = 0;
+    const char *body = duet_http_request_body(req, &len);
+    json_t *root = NULL;
+    if (duet_json_load_buffer(body, len, "request body", ADMIN_MAX_BODY, &root) < 0) {
+        respond_error(req, 400, "bad JSON: %s", duet_error_last());
+        return;
+    }
+    json_t *lv = json_object_get(root, "level");
+    duet_log_level_t level;
+    if (!json_is_object(root) || json_object_size(root) != 1 || !json_is_string(lv) ||
+        duet_log_level_parse(json_string_value(lv), &level) != DUET_OK) {
+        respond_error(req, 400,
+                      "request body: expected {\"level\": \"error|warn|info|debug|trace\"} and "
+                      "no other field");
+        json_decref(root);
+        return;
+    }
+    json_decref(root);
+    const duet_log_level_t previous = duet_log_level();
+    duet_log_set_level(level);
+    size_t told = 0;
+    if (admin->opts.ops->log_level_changed != NULL)
+        told = admin->opts.ops->log_level_changed(admin->opts.ops_ctx, level);
+    /* at warn, so that the change shows at any level it leaves */
+    DUET_RLOG_WARN(duet_http_request_id(req),
+                   "admin: log level %s -> %s (from %s; %zu workers told)",
+                   duet_log_level_name(previous), duet_log_level_name(level),
+                   duet_http_request_peer(req), told);
+    respond_json(req, 200,
+                 json_pack("{s:s,s:s,s:I}", "level", duet_log_level_name(level), "previous",
+                           duet_log_level_name(previous), "workers", (json_int_t)told),
+                 NULL, 0);
+}
+
 static int hexval(char c)
 {
     if (c >= '0' && c <= '9')
@@ -602,6 +649,17 @@ static bool route(duet_admin_t *admin, duet_http_request_t *req)
             respond_405(req, "GET, POST");
         return false;
     }
+    if (strcmp(path, "/admin/log-level") == 0) {
+        if (get)
+            respond_json(req, 200,
+                         json_pack("{s:s}", "level", duet_log_level_name(duet_log_level())), NULL,
+                         0);
+        else if (post)
+            handle_log_level_set(admin, req);
+        else
+            respond_405(req, "GET, POST");
+        return false;
+    }
     if (strcmp(path, "/admin/admission/pause") == 0 ||
         strcmp(path, "/admin/admission/resume") == 0) {
         if (!post) {
@@ -651,7 +709,8 @@ static const char *path_class(const char *path, void *user)
     if (strncmp(path, WORKERS_PREFIX, strlen(WORKERS_PREFIX)) == 0)
         return "/admin/workers/*";
     static const char *const known[] = {"/admin/workers", "/admin/admission",
-                                        "/admin/admission/pause", "/admin/admission/resume"};
+                                        "/admin/admission/pause", "/admin/admission/resume",
+                                        "/admin/log-level"};
     for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
         if (strcmp(path, known[i]) == 0)
             return known[i];

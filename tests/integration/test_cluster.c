@@ -37,7 +37,9 @@
  *        (the request ends once, naming the worker); every page back on the live workers
  *   vllm_metrics_move_under_traffic_and_pass_promtool  the router's vLLM-named series before,
  *        during and after traffic: gauges rise and fall back, counters and histograms grow by
- *        exactly the requests' figures, promtool accepts each scrape, one access line a request
+ *        exactly the requests' figures, promtool accepts each scrape, one access line a request;
+ *        each worker's own /metrics (listed by the router's /metrics/targets): cache, prefill
+ *        and decode counters, transfers (duet_xfer_*) grow by the requests' figures
  *
  * With speculative decoding on the generation workers (cluster_spec: prompt lookup, spec.k 2 and
  * 4; the draft model variant needs models/duet-demo-draft):
@@ -962,6 +964,35 @@ static void promtool_ok(const char *text, const char *name)
     cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s: %s", name, out);
 }
 
+/*
+ * GET /metrics/targets on the router: the http_sd list of the workers' /metrics, one target per
+ * worker labelled with its role and name; their ports.
+ */
+static void worker_metrics_ports(int *ctx_port, int *gen_port)
+{
+    static char buf[65536];
+    cr_assert_eq(http(http_port, "GET", "/metrics/targets", NULL, buf, sizeof(buf)), 200);
+    json_error_t je;
+    json_t *a = json_loads(body_of(buf), 0, &je);
+    cr_assert(json_is_array(a) && json_array_size(a) == 2, "/metrics/targets: %s", body_of(buf));
+    for (size_t i = 0; i < 2; i++) {
+        json_t *t = json_array_get(a, i);
+        json_t *targets = json_object_get(t, "targets");
+        cr_assert(json_is_array(targets) && json_array_size(targets) == 1, "%s", body_of(buf));
+        const char *hp = json_string_value(json_array_get(targets, 0));
+        const char *role = json_string_value(json_object_get(json_object_get(t, "labels"), "role"));
+        const char *name =
+            json_string_value(json_object_get(json_object_get(t, "labels"), "worker"));
+        cr_assert(hp != NULL && role != NULL && name != NULL, "%s", body_of(buf));
+        int port = 0;
+        cr_assert_eq(sscanf(hp, "127.0.0.1:%d", &port), 1, "target %s", hp);
+        cr_assert_str_eq(name, strcmp(role, "ctx") == 0 ? "ctx-0" : "gen-0");
+        *(strcmp(role, "ctx") == 0 ? ctx_port : gen_port) = port;
+    }
+    json_decref(a);
+    cr_assert(*ctx_port > 0 && *gen_port > 0, "%s", body_of(buf));
+}
+
 /* Lines of the router's log that hold every string of want[0..n). */
 static int router_log_count(const char *const *want, int n)
 {
@@ -981,11 +1012,12 @@ static int router_log_count(const char *const *want, int n)
 }
 
 /*
- * The router's vLLM-named series under traffic (docs/observability.md): running goes up while
- * requests stream and back to 0; KV cache usage is above 0 and at most 1 meanwhile; after N
- * requests of P prompt tokens that each run to max_tokens M (ignore_eos), the token counters grew
- * by exactly N x P and N x M, request_success{length} by N, every request histogram by N
- * observations and the inter-token one by N x (M - 1); promtool accepts the exposition before,
+ * The router's vLLM-named series under traffic (docs/observability.md), and the workers' own
+ * /metrics (metrics.port 0: ephemeral ports, found through the router's /metrics/targets): running
+ * goes up while requests stream and back to 0; KV cache usage is above 0 and at most 1 meanwhile;
+ * after N requests of P prompt tokens that each run to max_tokens M (ignore_eos), the token
+ * counters grew by exactly N x P and N x M, request_success{length} by N, every request histogram
+ * by N observations and the inter-token one by N x (M - 1); promtool accepts the exposition before,
  * during and after; the router logged one access line per request.
  */
 Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
@@ -993,8 +1025,16 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
     enum { N = 6, LEN = 60, M = 24 };
     static char before[1 << 18], during[1 << 18], after[1 << 18];
     static job_t jobs[N];
+    ctx_extra[0] = gen_extra[0] = "--metrics.port";
+    ctx_extra[1] = gen_extra[1] = "0"; /* ephemeral: the router lists them */
     start_cluster(1, 1);
+    ctx_extra[0] = gen_extra[0] = NULL;
     cr_assert_eq(scrape(http_port, before, sizeof(before)), 200);
+    int ctx_mport = 0, gen_mport = 0;
+    worker_metrics_ports(&ctx_mport, &gen_mport);
+    static char wbefore[2][1 << 18], wafter[2][1 << 18];
+    cr_assert_eq(scrape(ctx_mport, wbefore[0], sizeof(wbefore[0])), 200);
+    cr_assert_eq(scrape(gen_mport, wbefore[1], sizeof(wbefore[1])), 200);
     static const char *const series[] = {
         "vllm:num_requests_running" VLLM_MODEL,
         "vllm:num_requests_waiting" VLLM_MODEL,
@@ -1101,6 +1141,30 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
                                   "ttft_ms=",
                                   "duration_ms="};
     cr_expect_eq(router_log_count(access, 6), N, "access lines in %s/router.log", dir);
+
+    /* the workers' own /metrics: cache, counters, transfers (every prompt is over LOCAL_BELOW:
+     * prefilled on ctx-0, whose KV moved to gen-0 once per request) */
+    cr_assert_eq(scrape(ctx_mport, wafter[0], sizeof(wafter[0])), 200);
+    cr_assert_eq(scrape(gen_mport, wafter[1], sizeof(wafter[1])), 200);
+    cr_expect_eq(series_in(wafter[0], "duet_worker_kv_pages"), CTX_PAGES);
+    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages"), GEN_PAGES);
+    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages_free"), GEN_PAGES, "all pages back");
+    cr_expect_gt(series_in(wafter[1], "duet_worker_state_slots"), 0);
+    cr_expect_eq(series_in(wafter[0], "duet_worker_prefill_tokens_total") -
+                     series_in(wbefore[0], "duet_worker_prefill_tokens_total"),
+                 N * (LEN + 1), "ctx-0 prefilled every prompt token once");
+    cr_expect_eq(series_in(wafter[1], "duet_worker_decoded_tokens_total") -
+                     series_in(wbefore[1], "duet_worker_decoded_tokens_total"),
+                 N * (M - 1), "gen-0 decoded every token after the first");
+    cr_expect_gt(series_in(wafter[1], "duet_worker_busy_seconds_total"), 0);
+    cr_expect_geq(series_in(wafter[1], "duet_worker_spec_drafted_total{position=\"1\"}"), 0);
+    const char *sent = "duet_xfer_transfers_total{role=\"send\",outcome=\"done\"}";
+    const char *got = "duet_xfer_transfers_total{role=\"recv\",outcome=\"done\"}";
+    cr_expect_eq(series_in(wafter[0], sent) - series_in(wbefore[0], sent), N, "%s", sent);
+    cr_expect_eq(series_in(wafter[1], got) - series_in(wbefore[1], got), N, "%s", got);
+    cr_expect_gt(series_in(wafter[1], "duet_xfer_bytes_total{role=\"recv\"}"), 0);
+    promtool_ok(wafter[0], "metrics-ctx.txt");
+    promtool_ok(wafter[1], "metrics-gen.txt");
     stop_all();
 }
 
