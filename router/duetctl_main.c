@@ -62,11 +62,15 @@ static const char *const usage_main =
     "                                  level of the router and its workers at run time\n"
     "\n"
     "options:\n"
-    "  --admin URL   admin API address (default http://127.0.0.1:8081)\n"
-    "  --token T     bearer token (default: $DUET_ADMIN_TOKEN)\n"
+    "  --admin URL   admin API address (default: the admin file's, else\n"
+    "                http://127.0.0.1:8081)\n"
+    "  --token T     bearer token (default: $DUET_ADMIN_TOKEN, else the admin file's)\n"
     "  --json        print the answer as JSON (any command)\n"
     "  -h, --help    this help; 'duetctl COMMAND --help' for a command\n"
     "  --version     the version, git commit and CUDA build\n"
+    "\n"
+    "The admin file ($DUET_ADMIN_FILE, else ~/.duet/admin) is where `duet up` leaves its\n"
+    "router's admin URL and token, so that plain `duetctl status` reaches it.\n"
     "\n"
     "exit status: 0 ok, 1 usage error, 2 connection or HTTP error, 3 the server refused\n"
     "(401 bad token, 404 unknown worker, 409 conflict, 504 drain wait timed out, ...).\n";
@@ -854,6 +858,21 @@ int main(int argc, char **argv)
     }
     if (c.token != NULL && c.token[0] == '\0')
         c.token = NULL;
+    /* `duet up` leaves its router's URL and token in the admin file: used when --admin is not
+     * given (or names the same router), its token when none was given */
+    static char file_url[300], file_token[512];
+    char file[4096];
+    if (duet_admin_file_path(file, sizeof(file)) && access(file, F_OK) == 0) {
+        if (duet_admin_file_read(file, file_url, sizeof(file_url), file_token,
+                                 sizeof(file_token)) != DUET_OK)
+            fprintf(stderr, "duetctl: ignoring %s\n", duet_error_last());
+        else if (admin_url == NULL || strcmp(admin_url, file_url) == 0) {
+            if (admin_url == NULL && file_url[0] != '\0')
+                admin_url = file_url;
+            if (c.token == NULL && file_token[0] != '\0')
+                c.token = file_token;
+        }
+    }
     if (c.token != NULL && strpbrk(c.token, "\r\n") != NULL)
         die_usage("the token must not contain a line break");
     char err[512];

@@ -5,6 +5,7 @@
  */
 #include "worker/skeleton.h"
 
+#include <ctype.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -587,7 +588,11 @@ static duet_status_t w_start(duet_worker_t *w)
     reg.model_fingerprint = fp;
     reg.capacity = &cap;
     reg.device = (char *)duet_model_device_name(mo->device);
-    reg.dtype = (char *)duet_dtype_name(mo->compute_dtype);
+    char dtype[16]; /* "f32", as the dtype key spells it */
+    snprintf(dtype, sizeof(dtype), "%s", duet_dtype_name(mo->compute_dtype));
+    for (char *p = dtype; *p != '\0'; p++)
+        *p = (char)tolower((unsigned char)*p);
+    reg.dtype = dtype;
     reg.started_unix_ms = w->started_unix_ms;
     if (w->metrics != NULL) { /* before Register, which reports its port */
         const char *host = duet_config_get_string(w->cfg, "metrics.host");

@@ -10,11 +10,15 @@
  */
 #include "router/cluster/admin.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "common/config.h"
 #include "common/json.h"
@@ -826,4 +830,74 @@ void duet_admin_close(duet_admin_t *admin, void (*cb)(void *user), void *user)
         waiter_finish(w);
     }
     duet_http_server_close(admin->srv, on_server_closed, admin);
+}
+
+/* ------------------------------------------------------------------ the admin file */
+
+bool duet_admin_file_path(char *out, size_t cap)
+{
+    const char *f = getenv("DUET_ADMIN_FILE"), *home = getenv("HOME");
+    if (f != NULL && f[0] != '\0')
+        return (size_t)snprintf(out, cap, "%s", f) < cap;
+    if (home != NULL && home[0] != '\0')
+        return (size_t)snprintf(out, cap, "%s/.duet/admin", home) < cap;
+    return false;
+}
+
+duet_status_t duet_admin_file_write(const char *path, const char *url, const char *token)
+{
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL && slash != dir) {
+        *slash = '\0';
+        if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+            return duet_error_set(DUET_ERR_IO, "%s: %s", dir, strerror(errno));
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return duet_error_set(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+    (void)fchmod(fd, 0600); /* an older file of wider mode */
+    char text[1024];
+    int n = snprintf(text, sizeof(text), "url=%s\ntoken=%s\n", url, token);
+    bool ok = n > 0 && (size_t)n < sizeof(text) && write(fd, text, (size_t)n) == n;
+    close(fd);
+    return ok ? DUET_OK : duet_error_set(DUET_ERR_IO, "%s: write failed", path);
+}
+
+duet_status_t duet_admin_file_read(const char *path, char *url, size_t url_cap, char *token,
+                                   size_t token_cap)
+{
+    url[0] = token[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return duet_error_set(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+    char text[4097];
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    if (n == sizeof(text) - 1)
+        return duet_error_set(DUET_ERR_FORMAT, "%s: larger than 4 KiB", path);
+    text[n] = '\0';
+    int lineno = 0;
+    for (char *line = text, *next; line != NULL && *line != '\0'; line = next) {
+        lineno++;
+        next = strchr(line, '\n');
+        if (next != NULL)
+            *next++ = '\0';
+        char *out = strncmp(line, "url=", 4) == 0     ? url
+                    : strncmp(line, "token=", 6) == 0 ? token
+                                                      : NULL;
+        const size_t cap = out == url ? url_cap : token_cap;
+        const char *v = out == url ? line + 4 : line + 6;
+        if (out == NULL)
+            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: expected url=... or token=...", path,
+                                  lineno);
+        for (const char *p = v; *p != '\0'; p++)
+            if ((unsigned char)*p < 0x20 || *p == 0x7f)
+                return duet_error_set(DUET_ERR_FORMAT, "%s:%d: a control character", path, lineno);
+        if (strlen(v) >= cap)
+            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: value too long", path, lineno);
+        memcpy(out, v, strlen(v) + 1);
+    }
+    return DUET_OK;
 }

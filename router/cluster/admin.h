@@ -156,6 +156,22 @@ duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts
 uint16_t duet_admin_port(const duet_admin_t *admin);
 
 /*
+ * The admin file: where `duet up` leaves its router's admin URL and token so that a plain
+ * `duetctl status` on the same machine reaches it (docs/observability.md). Two lines,
+ * "url=http://HOST:PORT" and "token=TOKEN", mode 0600.
+ *
+ * duet_admin_file_path: $DUET_ADMIN_FILE, else $HOME/.duet/admin; false when neither is set.
+ * duet_admin_file_write: write it (its folder made 0700 when missing), replacing what was there.
+ * duet_admin_file_read: url and token from it ("" for a line that is absent); DUET_ERR_IO when it
+ * cannot be read, DUET_ERR_FORMAT (with detail) for a line that is neither, a value with a
+ * control character or one too long for its buffer, or a file over 4 KiB.
+ */
+bool duet_admin_file_path(char *out, size_t cap);
+duet_status_t duet_admin_file_write(const char *path, const char *url, const char *token);
+duet_status_t duet_admin_file_read(const char *path, char *url, size_t url_cap, char *token,
+                                   size_t token_cap);
+
+/*
  * Stop: waiting drains are answered 503 (and forgotten with drain_forget), the listener closes
  * gracefully, and cb(user) runs once every handle is closed and the admin is freed.
  */

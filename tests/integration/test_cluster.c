@@ -993,11 +993,11 @@ static void worker_metrics_ports(int *ctx_port, int *gen_port)
     cr_assert(*ctx_port > 0 && *gen_port > 0, "%s", body_of(buf));
 }
 
-/* Lines of the router's log that hold every string of want[0..n). */
-static int router_log_count(const char *const *want, int n)
+/* Lines of process name's log that hold every string of want[0..n). */
+static int log_count(const char *name, const char *const *want, int n)
 {
     char path[512], line[2048];
-    snprintf(path, sizeof(path), "%s/router.log", dir);
+    snprintf(path, sizeof(path), "%s/%s.log", dir, name);
     FILE *f = fopen(path, "r");
     cr_assert_not_null(f, "%s", path);
     int count = 0;
@@ -1140,7 +1140,7 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
                                   ct,
                                   "ttft_ms=",
                                   "duration_ms="};
-    cr_expect_eq(router_log_count(access, 6), N, "access lines in %s/router.log", dir);
+    cr_expect_eq(log_count("router", access, 6), N, "access lines in %s/router.log", dir);
 
     /* the workers' own /metrics: cache, counters, transfers (every prompt is over LOCAL_BELOW:
      * prefilled on ctx-0, whose KV moved to gen-0 once per request) */
@@ -1165,6 +1165,45 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
     cr_expect_gt(series_in(wafter[1], "duet_xfer_bytes_total{role=\"recv\"}"), 0);
     promtool_ok(wafter[0], "metrics-ctx.txt");
     promtool_ok(wafter[1], "metrics-gen.txt");
+
+    /* duetctl against this router: what each worker said of itself; the log level at run time
+     * on the router and both workers */
+    static char out[1 << 16];
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%d --json status 2>&1",
+             test_bin("router/duetctl"), admin_port);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    json_t *st = json_loads(out, 0, NULL);
+    json_t *ws = json_object_get(st, "workers");
+    cr_assert_eq(json_array_size(ws), 2, "%s", out);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *w = json_array_get(ws, i);
+        const char *role = json_string_value(json_object_get(w, "role"));
+        cr_expect_str_eq(json_string_value(json_object_get(w, "device")), "cpu");
+        cr_expect_str_eq(json_string_value(json_object_get(w, "dtype")), "f32");
+        cr_expect(strncmp(json_string_value(json_object_get(w, "address")), "127.0.0.1:", 10) == 0,
+                  "%s", out);
+        cr_expect_eq(json_integer_value(json_object_get(w, "metrics_port")),
+                     strcmp(role, "ctx") == 0 ? ctx_mport : gen_mport);
+        cr_expect_lt(json_integer_value(json_object_get(w, "heartbeat_age_ms")), 2000);
+        cr_expect_lt(json_integer_value(json_object_get(w, "uptime_s")), 600);
+        const double u = json_number_value(json_object_get(w, "utilisation"));
+        cr_expect(u >= 0 && u <= 1, "utilisation %f", u);
+    }
+    json_decref(st);
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%d log-level debug 2>&1",
+             test_bin("router/duetctl"), admin_port);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    cr_expect(strstr(out, "log level: debug (was info; 2 workers told)") != NULL, "%s", out);
+    const char *const changed[] = {"WARN", "log level info -> debug"};
+    for (uint64_t end = now_ms() + 3000; now_ms() < end;) {
+        if (log_count("ctx-0", changed, 2) == 1 && log_count("gen-0", changed, 2) == 1)
+            break;
+        usleep(50000);
+    }
+    cr_expect_eq(log_count("ctx-0", changed, 2), 1, "ctx-0 did not log the change");
+    cr_expect_eq(log_count("gen-0", changed, 2), 1, "gen-0 did not log the change");
+    cr_expect_eq(log_count("router", changed, 2), 1, "the router did not log the change");
     stop_all();
 }
 

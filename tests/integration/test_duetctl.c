@@ -25,7 +25,9 @@ static char OUT[65536];
 static int ctl(const char *args)
 {
     char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN %s --admin http://127.0.0.1:%u %s 2>&1",
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=/nonexistent %s --admin "
+             "http://127.0.0.1:%u %s 2>&1",
              DUETCTL, AH.port, args);
     return test_run(cmd, OUT, sizeof(OUT));
 }
@@ -158,6 +160,41 @@ Test(duetctl, log_level_shows_and_sets_at_run_time, .timeout = 60)
     expect_out("usage: duetctl log-level");
     cr_expect_eq(atomic_load(&AH.fake.log_levels), 1, "usage errors send nothing");
     duet_log_set_level(DUET_LOG_LEVEL_WARN);
+    ah_stop();
+}
+
+/* The admin file duet up writes: plain `duetctl status` uses its URL and token; a malformed one
+ * is named and ignored; another --admin does not get its token. */
+Test(duetctl, admin_file_gives_url_and_token, .timeout = 60)
+{
+    ah_start();
+    char path[] = "/tmp/duetctl-admin-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", AH.port);
+    cr_assert_eq(duet_admin_file_write(path, url, TEST_TOKEN), DUET_OK, "%s", duet_error_last());
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s status 2>&1", path,
+             DUETCTL);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 0, "%s", OUT);
+    expect_out("gen-1");
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s --admin http://127.0.0.1:%u/ status "
+             "2>&1",
+             path, DUETCTL, AH.port);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 3, "another URL: no token from the file");
+    FILE *f = fopen(path, "w");
+    fputs("url=http://127.0.0.1:1\nbogus\n", f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s --admin %s status 2>&1", path, DUETCTL,
+             url);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 3, "%s", OUT);
+    expect_out("ignoring");
+    expect_out(":2: expected url=... or token=...");
+    unlink(path);
     ah_stop();
 }
 
