@@ -37,7 +37,8 @@
  *        (the request ends once, naming the worker); every page back on the live workers
  *   vllm_metrics_move_under_traffic_and_pass_promtool  the router's vLLM-named series before,
  *        during and after traffic: gauges rise and fall back, counters and histograms grow by
- *        exactly the requests' figures, promtool accepts each scrape, one access line a request;
+ *        exactly the requests' figures, promtool accepts each scrape, one access line a request,
+ *        a stats line with the traffic and none while idle;
  *        each worker's own /metrics (listed by the router's /metrics/targets): cache, prefill
  *        and decode counters, transfers (duet_xfer_*) grow by the requests' figures
  *
@@ -1027,8 +1028,10 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
     static job_t jobs[N];
     ctx_extra[0] = gen_extra[0] = "--metrics.port";
     ctx_extra[1] = gen_extra[1] = "0"; /* ephemeral: the router lists them */
+    router_extra[0] = "--log.stats_interval_s";
+    router_extra[1] = "1";
     start_cluster(1, 1);
-    ctx_extra[0] = gen_extra[0] = NULL;
+    ctx_extra[0] = gen_extra[0] = router_extra[0] = NULL;
     cr_assert_eq(scrape(http_port, before, sizeof(before)), 200);
     int ctx_mport = 0, gen_mport = 0;
     worker_metrics_ports(&ctx_mport, &gen_mport);
@@ -1141,6 +1144,14 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
                                   "ttft_ms=",
                                   "duration_ms="};
     cr_expect_eq(log_count("router", access, 6), N, "access lines in %s/router.log", dir);
+    /* the stats line (log.stats_interval_s 1): one came with the traffic, none while idle */
+    const char *const stats[] = {"INFO", "stats: ", " req/s, prompt ", " tok/s, generation ",
+                                 "; running ", ", KV cache "};
+    usleep(1200000);
+    const int n_stats = log_count("router", stats, 6);
+    cr_expect_geq(n_stats, 1, "no stats line in %s/router.log", dir);
+    usleep(2200000);
+    cr_expect_eq(log_count("router", stats, 6), n_stats, "stats lines while idle");
 
     /* the workers' own /metrics: cache, counters, transfers (every prompt is over LOCAL_BELOW:
      * prefilled on ctx-0, whose KV moved to gen-0 once per request) */
@@ -1165,6 +1176,9 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
     cr_expect_gt(series_in(wafter[1], "duet_xfer_bytes_total{role=\"recv\"}"), 0);
     promtool_ok(wafter[0], "metrics-ctx.txt");
     promtool_ok(wafter[1], "metrics-gen.txt");
+    static char other[4096];
+    cr_expect_eq(http(gen_mport, "GET", "/v1/models", NULL, other, sizeof(other)), 404);
+    cr_expect_eq(http(gen_mport, "POST", "/metrics", "{}", other, sizeof(other)), 405);
 
     /* duetctl against this router: what each worker said of itself; the log level at run time
      * on the router and both workers */
