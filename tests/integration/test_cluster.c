@@ -1145,8 +1145,8 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
                                   "duration_ms="};
     cr_expect_eq(log_count("router", access, 6), N, "access lines in %s/router.log", dir);
     /* the stats line (log.stats_interval_s 1): one came with the traffic, none while idle */
-    const char *const stats[] = {"INFO", "stats: ", " req/s, prompt ", " tok/s, generation ",
-                                 "; running ", ", KV cache "};
+    const char *const stats[] = {
+        "INFO", "stats: ", " req/s, prompt ", " tok/s, generation ", "; running ", ", KV cache "};
     usleep(1200000);
     const int n_stats = log_count("router", stats, 6);
     cr_expect_geq(n_stats, 1, "no stats line in %s/router.log", dir);
