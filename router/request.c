@@ -95,6 +95,8 @@ typedef struct rq {
     ProtobufCBinaryData *more_res; /* (n_more_res) a Helix group's ranks 1..; each owned */
     size_t n_more_res;
     uint64_t t_start_ns, t_first_ns, t_last_ns;
+    uint64_t t_admit_ns;  /* when admission let it run (0: never) */
+    int status, finish;   /* for the access line and metrics (obs.c): HTTP status, DUET__OBS_* */
     uint64_t deadline_ms; /* uv_now clock */
     uint32_t retry_after_ms;
     uint32_t *out; /* (n_out, cap_out) every generated id so far: a move's MoveState.generated */
@@ -266,6 +268,20 @@ static void rq_end(rq_t *r, const char *why)
     }
     rq_table_del(rt, r);
     DUET_RLOG_DEBUG(r->id, "request ended: %s", why);
+    const duet__obs_request_t rec = {
+        .id = r->id,
+        .endpoint = r->endpoint,
+        .status = r->status,
+        .finish = r->finish,
+        .prompt_tokens = r->n_ids,
+        .completion_tokens = r->stream != NULL ? duet_oai_stream_n_tokens(r->stream) : 0,
+        .t_start_ns = r->t_start_ns,
+        .t_admit_ns = r->t_admit_ns,
+        .t_first_ns = r->t_first_ns,
+        .t_last_ns = r->t_last_ns,
+        .t_end_ns = uv_hrtime(),
+    };
+    duet__obs_request_end(rt, &rec);
     duet_http_request_set_data(r->http, NULL);
     duet_http_request_release(r->http);
     duet_oai_stream_destroy(r->stream);
@@ -307,6 +323,8 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
         }
     }
     rt_result(r->rt, r->endpoint, status == 429 ? "rejected" : "error");
+    r->status = status;
+    r->finish = r->t_admit_ns != 0 ? DUET__OBS_ERROR : -1;
     rq_end(r, msg);
 }
 
@@ -341,6 +359,8 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
                                        (double)(r->t_last_ns - r->t_first_ns) / 1e9 / (n_c - 1));
     duet_metrics_counter_add(rt->m_tok_out, n_c);
     rt_result(rt, r->endpoint, "ok");
+    r->status = 200;
+    r->finish = finish == DUET_OAI_FINISH_LENGTH ? DUET__OBS_LENGTH : DUET__OBS_STOP;
     rq_end(r, "finished");
 }
 
@@ -379,7 +399,9 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
             duet_metrics_histogram_observe(r->rt->m_ttft,
                                            (double)(r->t_first_ns - r->t_start_ns) / 1e9);
         }
-        r->t_last_ns = uv_hrtime();
+        const uint64_t now_ns = uv_hrtime();
+        duet__obs_token(r->rt, r->t_last_ns, now_ns);
+        r->t_last_ns = now_ns;
         duet_status_t st = duet_oai_stream_feed(r->stream, ids[i], &text, &len, &fin);
         if (st < 0) {
             rq_fail(r, 502, "server_error", "bad_worker_output", 0,
@@ -538,6 +560,8 @@ static void rq_prefill_failed(rq_t *r, const char *what)
 static void rq_start(rq_t *r)
 {
     r->admitted = true;
+    r->t_admit_ns = uv_hrtime();
+    duet__obs_admitted(r->rt, r->n_ids);
     if (!rq_send_to_gen(r))
         rq_fail(r, 503, "server_error", "no_capacity", 1,
                 "no live generation worker can take the request");
@@ -572,6 +596,7 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
     r->id = ++rt->next_rid;
     r->t_start_ns = uv_hrtime();
     r->endpoint = label;
+    r->finish = -1;
     size_t len = 0;
     const char *body = duet_http_request_body(http, &len);
     duet_oai_error_t err;
@@ -586,6 +611,7 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
         DUET_RLOG_INFO(r->id, "rejected (%d): %s", err.http_status, err.message);
         respond_error(http, &err, 0);
         rt_result(rt, r->endpoint, "invalid");
+        r->status = err.http_status;
         rq_end(r, "invalid request");
         return;
     }
@@ -637,6 +663,8 @@ void duet__rq_on_abort(duet_http_request_t *http, void *user)
         return;
     DUET_RLOG_INFO(r->id, "client disconnected");
     rt_result(r->rt, r->endpoint, "cancelled");
+    r->status = 499; /* nginx's "client closed request": nothing was answered */
+    r->finish = r->t_admit_ns != 0 ? DUET__OBS_ABORT : -1;
     rq_end(r, "client disconnected");
 }
 
