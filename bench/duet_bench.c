@@ -10,16 +10,25 @@
  * loop of N in flight (--concurrency) or Poisson arrivals (--request-rate, optionally capped by
  * --concurrency). Every streamed byte is timestamped as it is read (uv_hrtime) and parsed by
  * serving_sse. After the last request: wait --metrics-settle-ms, scrape /metrics again,
- * summarise, print, write --json, check gates. With a speculating cluster the router also exports
- * drafts proposed / kept per draft position; duet-bench reports each position's acceptance rate.
+ * summarise, print, check gates, write --json and --save-result (vLLM's result file). With a
+ * speculating cluster the router also exports drafts proposed / kept per draft position;
+ * duet-bench reports each position's acceptance rate. --sweep repeats the run once per value of
+ * the concurrency or the request rate (same prompts and bodies), each run as above, then prints
+ * a table; --csv gets one row per run.
  *
  * Request bodies are built before the clock starts so the timed path only connects, writes and
  * parses. The send time of a request is taken just before its connect: TTFT and E2EL include the
  * loopback connect, as a fresh HTTP client's would.
  *
+ * --accuracy DATA replaces the load run: each document of DATA is scored in bits per byte from
+ * the echoed prompt log-probabilities of POST /v1/completions (bench/serving_accuracy.h says
+ * exactly what is scored), and with --baseline a paired t-test over documents decides whether
+ * accuracy dropped.
+ *
  * Exit codes: 0 ok; 1 the run could not happen or nothing completed (no server, no model, cannot
- * write --json); 2 usage (bad flag, unreadable or malformed prompts/baseline file); 3 a gate
- * failed.
+ * write --json, a document that could not be scored); 2 usage (bad flag, unreadable or malformed
+ * prompts/baseline/documents file, a baseline over other documents); 3 a gate failed or accuracy
+ * dropped.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -35,12 +44,15 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "bench/serving_accuracy.h"
 #include "bench/serving_gates.h"
 #include "bench/serving_http.h"
 #include "bench/serving_sse.h"
 #include "bench/serving_stats.h"
+#include "common/fingerprint.h"
 #include "common/json.h"
 #include "common/strbuf.h"
+#include "common/utf8.h"
 #include "common/version.h"
 
 #define BENCH_EXIT_OK    0
@@ -54,6 +66,7 @@
 #define BENCH_PROGRESS_MS     1000 /* progress line period */
 #define BENCH_MAX_REASONS     16   /* distinct failure reasons reported */
 #define BENCH_MAX_TOLS        32   /* --tolerance flags */
+#define BENCH_MAX_SWEEP       32   /* values of --sweep */
 
 /* The router counters read from /metrics before and after the run (docs/architecture.md,
  * "Admission, placement, drain, admin API, metrics"); the last two are the count and sum of the
@@ -72,6 +85,10 @@ static const char *const bench_server_counters[] = {
 #define BENCH_SPEC_MAX_POSITIONS 64
 
 typedef enum { BENCH_EP_COMPLETIONS = 0, BENCH_EP_CHAT = 1 } bench_endpoint_t;
+
+/* What --sweep varies; the names are the flags' and the CSV's "sweep" column. */
+typedef enum { BENCH_SWEEP_NONE = 0, BENCH_SWEEP_CONC, BENCH_SWEEP_RATE } bench_sweep_t;
+static const char *const bench_sweep_names[] = {"", "concurrency", "request-rate"};
 
 typedef struct {
     const char *url;
@@ -97,6 +114,14 @@ typedef struct {
     serving_tol_t tols[BENCH_MAX_TOLS]; /* --tolerance, for a baseline run */
     size_t n_tols;
     bool quiet;
+    const char *save_result_path; /* vLLM's --save-result shape */
+    bench_sweep_t sweep;
+    double sweep_values[BENCH_MAX_SWEEP]; /* concurrency or request rate (INFINITY = inf) */
+    size_t n_sweep;
+    const char *csv_path;
+    const char *accuracy_path; /* --accuracy: score documents instead of a load run */
+    long accuracy_doc_bytes;   /* > 0: accuracy_path is plain text cut into documents */
+    double accuracy_alpha;
 } bench_opts_t;
 
 typedef struct bench_run bench_run_t;
@@ -216,11 +241,31 @@ static const char bench_usage_text[] =
     "                          in one argument separated by spaces/commas or as following args)\n"
     "  --metrics-settle-ms MS  wait before the final /metrics scrape (default 1500)\n"
     "  --json FILE             write every metric and the configuration as JSON\n"
+    "  --save-result FILE      write the run as vLLM's benchmark_serving.py --save-result (with\n"
+    "                          --save-detailed) does: its top-level keys and the per-request\n"
+    "                          input_lens, output_lens, ttfts (s), itls (lists of s),\n"
+    "                          generated_texts and errors (\"\" when the request succeeded)\n"
+    "  --sweep P=V1,V2,...     one run per value in one invocation, same prompts: P concurrency\n"
+    "                          (integers) or request-rate (numbers or inf); prints a table.\n"
+    "                          --json / --save-result FILE then write one file per value,\n"
+    "                          \"-P-V\" inserted before the extension: out.json ->\n"
+    "                          out-concurrency-4.json, out-request-rate-inf.json, ...;\n"
+    "                          gates apply to every run\n"
+    "  --csv FILE              one row per run: sweep,value,completed,failed,error_rate,\n"
+    "                          request_throughput,output_throughput, then mean/median/p99 of\n"
+    "                          ttft, tpot, itl, e2el in ms (empty when not measured);\n"
+    "                          bench/plot_sweep.py CSV PNG plots it\n"
     "  --baseline FILE         perf gates, exit 3 when one fails: a gates file, or an earlier\n"
-    "                          run's --json output (relative gates; both below)\n"
+    "                          run's --json output (relative gates; both below); with\n"
+    "                          --accuracy an earlier accuracy run's --json (see accuracy)\n"
     "  --tolerance M=+-P%      with a baseline run: metric M may rise (+) or drop (-) by P%\n"
     "                          (repeatable; replaces M's default or gates one more metric)\n"
     "  --quiet                 no progress lines on stderr\n"
+    "accuracy (instead of a load run; see \"accuracy\" below):\n"
+    "  --accuracy DATA         score the documents of DATA through POST /v1/completions\n"
+    "  --accuracy-doc-bytes N  DATA is plain text cut into documents of N bytes (at a UTF-8\n"
+    "                          boundary); without it DATA is JSONL with a \"text\" string a line\n"
+    "  --accuracy-alpha A      significance level of the test against --baseline (default 0.01)\n"
     "  -h, --help              this text\n"
     "  --version               the version, git commit and CUDA build\n"
     "\n"
@@ -258,7 +303,23 @@ static const char bench_usage_text[] =
     "  (metrics the run measured); e.g. --tolerance output_throughput=-3% --tolerance\n"
     "  p99_ttft_ms=+25%.\n"
     "\n"
-    "exit: 0 ok, 1 run failed (no server/model, nothing completed), 2 usage, 3 a gate failed\n";
+    "accuracy (--accuracy DATA):\n"
+    "  Each document is sent alone, in order: {\"prompt\": text, \"max_tokens\": 0,\n"
+    "  \"echo\": true, \"logprobs\": 1, \"temperature\": 0}. The answer's choices[0].logprobs has\n"
+    "  one entry per prompt token; the first (null: nothing precedes it, e.g. BOS) is not\n"
+    "  scored, every later one must be a number. The scored text is choices[0].text from\n"
+    "  text_offset[1] (a code-point offset, as OpenAI and vLLM give it) to its end, and must be\n"
+    "  a suffix of the document.\n"
+    "  bits_per_byte = -(sum of the scored token_logprobs) / ln 2 / (UTF-8 bytes of scored text)\n"
+    "  The --json holds the mean over documents and each document's value, bytes, tokens and\n"
+    "  sha256. --baseline FILE (an earlier --accuracy --json) compares: the documents must be the\n"
+    "  same (same sha256 in the same order, else exit 2); a one-sided paired t-test on the\n"
+    "  per-document differences d = bpb - bpb_baseline (t = mean(d) / (sd(d) / sqrt(n)), sd with\n"
+    "  n - 1, df = n - 1, p = P(T_df >= t)) says accuracy dropped when p < --accuracy-alpha:\n"
+    "  exit 3. bench/accuracy_docs.py cuts the demo model's held-out text into such documents.\n"
+    "\n"
+    "exit: 0 ok, 1 run failed (no server/model, nothing completed), 2 usage, 3 a gate failed or\n"
+    "  accuracy dropped\n";
 
 static int bench_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int bench_usage_error(const char *fmt, ...)
@@ -316,6 +377,46 @@ static int bench_parse_goodput(const char *arg, serving_slo_t *slo)
     return n;
 }
 
+/* "concurrency=1,2,4" or "request-rate=1,2,inf" into o->sweep, o->sweep_values. */
+static duet_status_t bench_parse_sweep(const char *arg, bench_opts_t *o)
+{
+    const char *eq = strchr(arg, '=');
+    size_t nl = eq != NULL ? (size_t)(eq - arg) : 0;
+    if (eq != NULL && nl == 11 && strncmp(arg, "concurrency", nl) == 0)
+        o->sweep = BENCH_SWEEP_CONC;
+    else if (eq != NULL && nl == 12 && strncmp(arg, "request-rate", nl) == 0)
+        o->sweep = BENCH_SWEEP_RATE;
+    else
+        return duet_error_set(DUET_ERR_INVALID,
+                              "expected concurrency=N,N,... or request-rate=R,R,..., not \"%s\"",
+                              arg);
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", eq + 1);
+    o->n_sweep = 0;
+    for (char *save = NULL, *it = strtok_r(buf, ",", &save); it != NULL;
+         it = strtok_r(NULL, ",", &save)) {
+        if (o->n_sweep == BENCH_MAX_SWEEP)
+            return duet_error_set(DUET_ERR_INVALID, "at most %d values", BENCH_MAX_SWEEP);
+        double v;
+        long c;
+        if (o->sweep == BENCH_SWEEP_CONC) {
+            if (!bench_parse_long(it, 1, 100000, &c))
+                return duet_error_set(DUET_ERR_INVALID,
+                                      "concurrency \"%s\" is not an integer in [1, 100000]", it);
+            v = (double)c;
+        } else if (strcmp(it, "inf") == 0 || strcmp(it, "infinity") == 0) {
+            v = INFINITY;
+        } else if (!bench_parse_double(it, 1e-9, 1e9, &v)) {
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "request rate \"%s\" is not a positive number or inf", it);
+        }
+        o->sweep_values[o->n_sweep++] = v;
+    }
+    if (o->n_sweep == 0)
+        return duet_error_set(DUET_ERR_INVALID, "no values after \"=\"");
+    return DUET_OK;
+}
+
 enum {
     OPT_URL = 256,
     OPT_MODEL,
@@ -337,6 +438,12 @@ enum {
     OPT_BASELINE,
     OPT_TOLERANCE,
     OPT_QUIET,
+    OPT_SAVE_RESULT,
+    OPT_SWEEP,
+    OPT_CSV,
+    OPT_ACCURACY,
+    OPT_ACC_DOC_BYTES,
+    OPT_ACC_ALPHA,
 };
 
 /* Parse argv into *o. Returns -1 to go on, else the exit code (help: 0, bad flag: 2). */
@@ -363,6 +470,12 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         {"baseline", 1, 0, OPT_BASELINE},
         {"tolerance", 1, 0, OPT_TOLERANCE},
         {"quiet", 0, 0, OPT_QUIET},
+        {"save-result", 1, 0, OPT_SAVE_RESULT},
+        {"sweep", 1, 0, OPT_SWEEP},
+        {"csv", 1, 0, OPT_CSV},
+        {"accuracy", 1, 0, OPT_ACCURACY},
+        {"accuracy-doc-bytes", 1, 0, OPT_ACC_DOC_BYTES},
+        {"accuracy-alpha", 1, 0, OPT_ACC_ALPHA},
         {"help", 0, 0, 'h'},
         {"version", 0, 0, 'V'},
         {0, 0, 0, 0},
@@ -371,7 +484,8 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
                         .num_prompts = 32,
                         .max_tokens = 64,
                         .timeout_s = 600,
-                        .settle_ms = 1500};
+                        .settle_ms = 1500,
+                        .accuracy_alpha = 0.01};
     long seed = 0;
     int c;
     opterr = 0;
@@ -476,6 +590,27 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         case OPT_QUIET:
             o->quiet = true;
             break;
+        case OPT_SAVE_RESULT:
+            o->save_result_path = a;
+            break;
+        case OPT_SWEEP:
+            if (bench_parse_sweep(a, o) != DUET_OK)
+                return bench_usage_error("--sweep: %s", duet_error_last());
+            break;
+        case OPT_CSV:
+            o->csv_path = a;
+            break;
+        case OPT_ACCURACY:
+            o->accuracy_path = a;
+            break;
+        case OPT_ACC_DOC_BYTES:
+            if (!bench_parse_long(a, 1, 100000000, &o->accuracy_doc_bytes))
+                return bench_usage_error("--accuracy-doc-bytes must be an integer in [1, 10^8]");
+            break;
+        case OPT_ACC_ALPHA:
+            if (!bench_parse_double(a, 1e-12, 0.5, &o->accuracy_alpha))
+                return bench_usage_error("--accuracy-alpha must be a number in (0, 0.5]");
+            break;
         case ':':
             return bench_usage_error("%s needs a value", argv[optind - 1]);
         default:
@@ -490,7 +625,16 @@ static int bench_parse_args(int argc, char **argv, bench_opts_t *o)
         return bench_usage_error("--url must be http://HOST[:PORT], not \"%s\"", o->url);
     if (o->prompts_file != NULL && o->random_prompt_len > 0)
         return bench_usage_error("--prompts and --random-prompt-len exclude each other");
-    if (o->request_rate == 0 && o->concurrency == 0)
+    if (o->accuracy_doc_bytes > 0 && o->accuracy_path == NULL)
+        return bench_usage_error("--accuracy-doc-bytes needs --accuracy");
+    if (o->accuracy_path != NULL && (o->sweep != BENCH_SWEEP_NONE || o->csv_path != NULL ||
+                                     o->save_result_path != NULL || o->n_tols > 0))
+        return bench_usage_error("--accuracy excludes --sweep, --csv, --save-result, --tolerance");
+    if (o->sweep == BENCH_SWEEP_RATE && o->request_rate > 0)
+        return bench_usage_error("--sweep request-rate replaces --request-rate: give one");
+    if (o->sweep == BENCH_SWEEP_CONC && o->concurrency > 0)
+        return bench_usage_error("--sweep concurrency replaces --concurrency: give one");
+    if (o->request_rate == 0 && o->concurrency == 0 && o->sweep != BENCH_SWEEP_RATE)
         o->concurrency = 1;
     return -1;
 }
@@ -528,15 +672,18 @@ static duet_status_t bench_prompts_push(bench_prompts_t *p, size_t *cap, const c
     return DUET_OK;
 }
 
-/* JSONL: one object a line; the first string field of "question", "prompt", "text". */
-static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
+/*
+ * JSONL: one object a line; the first string field among keys (n_keys of them; `what` names
+ * them in the error of a record without any).
+ */
+static duet_status_t bench_jsonl_load(const char *path, const char *const *keys, size_t n_keys,
+                                      const char *what, bench_prompts_t *p)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     duet_status_t st = duet_strbuf_read_file(&sb, path, BENCH_MAX_PROMPT_FILE);
     if (st != DUET_OK)
         return st;
-    static const char *const keys[] = {"question", "prompt", "text"};
     size_t cap = 0, lineno = 0;
     char *save = NULL;
     for (char *line = strtok_r(sb.data != NULL ? sb.data : "", "\n", &save); line != NULL;
@@ -553,16 +700,15 @@ static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
             goto fail;
         }
         const char *text = NULL;
-        for (size_t k = 0; k < 3 && text == NULL; k++) {
+        for (size_t k = 0; k < n_keys && text == NULL; k++) {
             json_t *v = json_object_get(obj, keys[k]);
             if (json_is_string(v))
                 text = json_string_value(v);
         }
         if (text == NULL) {
             json_decref(obj);
-            st = duet_error_set(DUET_ERR_FORMAT,
-                                "%s: record %zu: no \"question\", \"prompt\" or \"text\" string",
-                                path, lineno);
+            st =
+                duet_error_set(DUET_ERR_FORMAT, "%s: record %zu: no %s string", path, lineno, what);
             goto fail;
         }
         st = bench_prompts_push(p, &cap, text);
@@ -572,12 +718,19 @@ static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
     }
     duet_strbuf_free(&sb);
     if (p->n == 0)
-        return duet_error_set(DUET_ERR_FORMAT, "%s: no prompts", path);
+        return duet_error_set(DUET_ERR_FORMAT, "%s: no records", path);
     return DUET_OK;
 fail:
     duet_strbuf_free(&sb);
     bench_prompts_free(p);
     return st;
+}
+
+/* --prompts: "question", "prompt" or "text" (e.g. gsm8k-test.jsonl). */
+static duet_status_t bench_prompts_load(const char *path, bench_prompts_t *p)
+{
+    static const char *const keys[] = {"question", "prompt", "text"};
+    return bench_jsonl_load(path, keys, 3, "\"question\", \"prompt\" or \"text\"", p);
 }
 
 /* n synthetic prompts of `words` random words each, deterministic in seed. */
@@ -1121,6 +1274,669 @@ static void bench_print(const json_t *res, const serving_summary_t *s)
     printf("==================================================\n");
 }
 
+/* ---------------------------------------------------------------- vLLM's --save-result */
+
+/*
+ * The run in the shape vLLM's benchmark_serving.py (benchmarks/serve.py) writes with
+ * --save-result --save-detailed: date ("%Y%m%d-%H%M%S", local time), backend, model_id,
+ * tokenizer_id (the model name: duet-bench has no tokenizer), num_prompts, request_rate ("inf"
+ * for a closed loop, as vLLM's --max-concurrency runs say), burstiness (1: Poisson),
+ * max_concurrency, the summary numbers and the per-request arrays in request order. A failed
+ * request has input and output length 0, ttft 0, no itls, "" text and its reason in errors, as
+ * vLLM's RequestFuncOutput defaults give. Latency statistics: mean, median, std, p90, p99 of
+ * ttft, tpot, itl, e2el in ms (the same values as --json).
+ */
+static json_t *bench_vllm_result(const bench_run_t *run, const char *model,
+                                 const serving_summary_t *s)
+{
+    const bench_opts_t *o = run->o;
+    char date[32];
+    time_t t = time(NULL);
+    struct tm tm;
+    localtime_r(&t, &tm);
+    strftime(date, sizeof(date), "%Y%m%d-%H%M%S", &tm);
+    json_t *r = json_object();
+    json_object_set_new(r, "date", json_string(date));
+    json_object_set_new(r, "backend",
+                        json_string(o->endpoint == BENCH_EP_CHAT ? "openai-chat" : "openai"));
+    json_object_set_new(r, "model_id", json_string(model));
+    json_object_set_new(r, "tokenizer_id", json_string(model));
+    json_object_set_new(r, "num_prompts", json_integer(o->num_prompts));
+    json_object_set_new(r, "request_rate",
+                        o->request_rate > 0 && isfinite(o->request_rate)
+                            ? json_real(o->request_rate)
+                            : json_string("inf"));
+    json_object_set_new(r, "burstiness", json_real(1.0));
+    json_object_set_new(r, "max_concurrency",
+                        o->concurrency > 0 ? json_integer(o->concurrency) : json_null());
+    json_object_set_new(r, "duration", bench_num(s->duration_s));
+    json_object_set_new(r, "completed", json_integer((json_int_t)s->completed));
+    json_object_set_new(r, "total_input_tokens", json_integer((json_int_t)s->total_input_tokens));
+    json_object_set_new(r, "total_output_tokens", json_integer((json_int_t)s->total_output_tokens));
+    json_object_set_new(r, "request_throughput", bench_num(s->request_throughput));
+    json_object_set_new(r, "request_goodput", s->has_goodput ? bench_num(s->goodput) : json_null());
+    json_object_set_new(r, "output_throughput", bench_num(s->output_throughput));
+    json_object_set_new(r, "total_token_throughput", bench_num(s->total_token_throughput));
+
+    json_t *in = json_array(), *out = json_array(), *ttfts = json_array(), *itls = json_array(),
+           *texts = json_array(), *errs = json_array();
+    for (size_t i = 0; i < run->n; i++) {
+        const bench_req_t *q = &run->reqs[i];
+        const serving_stream_t *st = &q->stream;
+        json_t *itl = json_array();
+        if (q->ok) {
+            json_array_append_new(in, json_integer(st->usage_prompt_tokens));
+            json_array_append_new(
+                out, json_integer(st->has_usage ? st->usage_completion_tokens : st->n_text_chunks));
+            json_array_append_new(ttfts,
+                                  json_real((double)(st->first_text_ns - q->t_send_ns) / 1e9));
+            for (size_t k = 0; k < st->n_itl; k++)
+                json_array_append_new(itl, json_real(st->itl_ms[k] / 1e3));
+            json_t *text = json_stringn(st->text != NULL ? st->text : "", st->text_len);
+            json_array_append_new(texts, text != NULL ? text : json_string(""));
+            json_array_append_new(errs, json_string(""));
+        } else {
+            json_array_append_new(in, json_integer(0));
+            json_array_append_new(out, json_integer(0));
+            json_array_append_new(ttfts, json_real(0.0));
+            json_array_append_new(texts, json_string(""));
+            json_t *why = json_string(q->error);
+            json_array_append_new(errs, why != NULL ? why : json_string("(not UTF-8)"));
+        }
+        json_array_append_new(itls, itl);
+    }
+    json_object_set_new(r, "input_lens", in);
+    json_object_set_new(r, "output_lens", out);
+    json_object_set_new(r, "ttfts", ttfts);
+    json_object_set_new(r, "itls", itls);
+    json_object_set_new(r, "generated_texts", texts);
+    json_object_set_new(r, "errors", errs);
+
+    static const char *const names[] = {"ttft", "tpot", "itl", "e2el"};
+    const serving_dist_t *d[] = {&s->ttft, &s->tpot, &s->itl, &s->e2el};
+    for (size_t m = 0; m < 4; m++) {
+        static const char *const stat[] = {"mean", "median", "std", "p90", "p99"};
+        double v[] = {d[m]->mean, d[m]->median, d[m]->std, d[m]->p90, d[m]->p99};
+        for (size_t k = 0; k < 5; k++) {
+            char key[64];
+            snprintf(key, sizeof(key), "%s_%s_ms", stat[k], names[m]);
+            json_object_set_new(r, key, bench_num(v[k]));
+        }
+    }
+    return r;
+}
+
+/* ---------------------------------------------------------------- sweeps */
+
+/* A sweep value as text: "4", "2.5", "inf". */
+static void bench_sweep_value_str(bench_sweep_t sw, double v, char *buf, size_t cap)
+{
+    if (isinf(v))
+        snprintf(buf, cap, "inf");
+    else if (sw == BENCH_SWEEP_CONC)
+        snprintf(buf, cap, "%ld", (long)v);
+    else
+        snprintf(buf, cap, "%g", v);
+}
+
+/*
+ * The file of one sweep run: "-PARAM-VALUE" inserted before path's extension (the last '.' of
+ * its last component), or appended when it has none. malloc'd; NULL when out of memory.
+ */
+static char *bench_sweep_path(const char *path, bench_sweep_t sw, double v)
+{
+    char val[32];
+    bench_sweep_value_str(sw, v, val, sizeof(val));
+    const char *slash = strrchr(path, '/');
+    const char *dot = strrchr(slash != NULL ? slash + 1 : path, '.');
+    if (dot == NULL || dot == (slash != NULL ? slash + 1 : path))
+        dot = path + strlen(path);
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_strbuf_append(&sb, path, (size_t)(dot - path));
+    duet_strbuf_printf(&sb, "-%s-%s%s", bench_sweep_names[sw], val, dot);
+    if (duet_strbuf_status(&sb) != DUET_OK) {
+        duet_strbuf_free(&sb);
+        return NULL;
+    }
+    return duet_strbuf_detach(&sb);
+}
+
+/* The CSV columns after "sweep,value": keys of the results JSON. */
+static const char *const bench_csv_keys[] = {
+    "completed",      "failed",         "error_rate",    "request_throughput", "output_throughput",
+    "mean_ttft_ms",   "median_ttft_ms", "p99_ttft_ms",   "mean_tpot_ms",       "median_tpot_ms",
+    "p99_tpot_ms",    "mean_itl_ms",    "median_itl_ms", "p99_itl_ms",         "mean_e2el_ms",
+    "median_e2el_ms", "p99_e2el_ms"};
+#define BENCH_N_CSV (sizeof(bench_csv_keys) / sizeof(bench_csv_keys[0]))
+
+static void bench_csv_header(FILE *f)
+{
+    fputs("sweep,value", f);
+    for (size_t k = 0; k < BENCH_N_CSV; k++)
+        fprintf(f, ",%s", bench_csv_keys[k]);
+    fputc('\n', f);
+}
+
+/* One row: the swept parameter (for a single run: how its load was shaped) and its value. */
+static void bench_csv_row(FILE *f, const char *param, const char *value, const json_t *res)
+{
+    fprintf(f, "%s,%s", param, value);
+    for (size_t k = 0; k < BENCH_N_CSV; k++) {
+        json_t *v = json_object_get(res, bench_csv_keys[k]);
+        if (json_is_integer(v))
+            fprintf(f, ",%lld", (long long)json_integer_value(v));
+        else if (json_is_number(v))
+            fprintf(f, ",%.6g", json_number_value(v));
+        else
+            fputc(',', f);
+    }
+    fputc('\n', f);
+    fflush(f);
+}
+
+static double bench_get(const json_t *res, const char *key)
+{
+    json_t *v = json_object_get(res, key);
+    return json_is_number(v) ? json_number_value(v) : NAN;
+}
+
+static void bench_sweep_table(const bench_opts_t *o, json_t *const *res)
+{
+    printf("================ Sweep: %s ================\n", bench_sweep_names[o->sweep]);
+    printf("%-8s %9s %7s %9s %10s %10s %10s %10s %10s\n", "value", "completed", "errors", "req/s",
+           "out tok/s", "med TTFT", "med TPOT", "med ITL", "p99 E2EL");
+    for (size_t i = 0; i < o->n_sweep; i++) {
+        char val[32];
+        bench_sweep_value_str(o->sweep, o->sweep_values[i], val, sizeof(val));
+        if (res[i] == NULL) {
+            printf("%-8s (no result)\n", val);
+            continue;
+        }
+        printf("%-8s %9.0f %7.4f %9.2f %10.2f %10.2f %10.2f %10.2f %10.2f\n", val,
+               bench_get(res[i], "completed"), bench_get(res[i], "error_rate"),
+               bench_get(res[i], "request_throughput"), bench_get(res[i], "output_throughput"),
+               bench_get(res[i], "median_ttft_ms"), bench_get(res[i], "median_tpot_ms"),
+               bench_get(res[i], "median_itl_ms"), bench_get(res[i], "p99_e2el_ms"));
+    }
+    printf("(latencies in ms)\n");
+}
+
+/* ---------------------------------------------------------------- one run */
+
+/* What every run of an invocation shares. */
+typedef struct {
+    uv_loop_t *loop;
+    struct sockaddr_storage addr;
+    const char *model;
+    char *const *bodies; /* request bodies, one per distinct prompt used */
+    size_t n_prompts;    /* request i sends bodies[i % n_prompts] */
+    const serving_gates_t *gates;
+} bench_shared_t;
+
+/* Write j to path; digits: significant digits of reals (17 round-trips a double exactly). */
+static int bench_write_json(const json_t *j, const char *path, const char *what, int digits)
+{
+    if (json_dump_file(j, path, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(digits)) !=
+        0) {
+        fprintf(stderr, "duet-bench: cannot write %s %s: %s\n", what, path, strerror(errno));
+        return BENCH_EXIT_RUN;
+    }
+    return BENCH_EXIT_OK;
+}
+
+/*
+ * One load run shaped by o: send, measure, print, check gates, write json_path / save_path
+ * (either may be NULL). *res_p receives the results JSON (NULL when the run could not happen).
+ * Returns 0, 1 (could not run, nothing completed, a file not written) or 3 (a gate failed).
+ */
+static int bench_measure(const bench_shared_t *sh, const bench_opts_t *o, const char *json_path,
+                         const char *save_path, json_t **res_p)
+{
+    *res_p = NULL;
+    int rc = BENCH_EXIT_RUN;
+    bench_run_t run = {.o = o, .loop = sh->loop, .addr = sh->addr};
+    run.n = (size_t)o->num_prompts;
+    run.path = o->endpoint == BENCH_EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
+    run.reqs = calloc(run.n, sizeof(*run.reqs));
+    serving_record_t *recs = calloc(run.n, sizeof(*recs));
+    json_t *res = NULL;
+    if (run.reqs == NULL || recs == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        goto out;
+    }
+    for (size_t i = 0; i < run.n; i++) {
+        run.reqs[i].run = &run;
+        run.reqs[i].body = sh->bodies[i % sh->n_prompts];
+        run.reqs[i].body_len = strlen(run.reqs[i].body);
+        serving_stream_init(&run.reqs[i].stream);
+    }
+    if (o->request_rate > 0) {
+        run.arrival_ns = bench_arrivals(run.n, o->request_rate, o->seed);
+        if (run.arrival_ns == NULL) {
+            fprintf(stderr, "duet-bench: out of memory\n");
+            goto out;
+        }
+        run.cap = o->concurrency > 0 ? (size_t)o->concurrency : run.n;
+    } else {
+        run.cap = (size_t)o->concurrency;
+    }
+
+    bench_scrape_t before, after;
+    bench_scrape(&run, &before);
+    if (!o->quiet)
+        fprintf(stderr, "duet-bench: %s model %s, %zu requests, %s, max_tokens %ld%s\n", o->url,
+                sh->model, run.n, o->request_rate > 0 ? "Poisson arrivals" : "closed loop",
+                o->max_tokens, before.ok ? "" : " (no /metrics: server-side metrics will be null)");
+
+    uv_timer_init(run.loop, &run.tick);
+    uv_timer_init(run.loop, &run.arrive);
+    run.tick.data = &run;
+    run.arrive.data = &run;
+    run.t0_ns = run.last_progress_ns = uv_hrtime();
+    uv_timer_start(&run.tick, bench_on_tick, BENCH_TICK_MS, BENCH_TICK_MS);
+    bench_pump(&run);
+    uv_run(run.loop, UV_RUN_DEFAULT);
+
+    if (o->settle_ms > 0)
+        usleep((useconds_t)o->settle_ms * 1000);
+    bench_scrape(&run, &after);
+
+    /* records for the stats module */
+    for (size_t i = 0; i < run.n; i++) {
+        const bench_req_t *r = &run.reqs[i];
+        serving_record_t *c = &recs[i];
+        c->ok = r->ok;
+        if (!r->ok)
+            continue;
+        c->ttft_ms = (double)(r->stream.first_text_ns - r->t_send_ns) / 1e6;
+        c->e2el_ms = (double)(r->t_last_ns - r->t_send_ns) / 1e6;
+        c->prompt_tokens = r->stream.usage_prompt_tokens;
+        c->output_tokens =
+            r->stream.has_usage ? r->stream.usage_completion_tokens : r->stream.n_text_chunks;
+        c->itl_ms = r->stream.itl_ms;
+        c->n_itl = r->stream.n_itl;
+    }
+    double duration = (double)(run.t_end_ns - run.t0_ns) / 1e9;
+    serving_summary_t sum;
+    if (serving_summarize(recs, run.n, duration > 0 ? duration : 1e-9, &o->slo, &sum) != DUET_OK) {
+        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+        goto out;
+    }
+    res = bench_results_json(&run, sh->model, &sum, &before, &after);
+    bench_print(res, &sum);
+
+    rc = sum.completed > 0 ? BENCH_EXIT_OK : BENCH_EXIT_RUN;
+    if (sum.completed == 0)
+        fprintf(stderr, "duet-bench: no request completed\n");
+    const serving_gates_t *gates = sh->gates;
+    if (gates->n > 0) {
+        duet_strbuf_t report;
+        duet_strbuf_init(&report);
+        size_t failed = serving_gates_check(gates, res, &report);
+        printf("--------------- Perf gates (%s) ---------------\n%s", o->baseline_path,
+               report.data != NULL ? report.data : "");
+        printf("gates: %zu of %zu failed\n", failed, gates->n);
+        json_t *gj = json_array();
+        for (size_t i = 0; i < gates->n; i++) {
+            char why[128];
+            double v;
+            bool pass = serving_gate_eval(&gates->gates[i], res, &v, why, sizeof(why));
+            json_array_append_new(gj, json_pack("{s:s, s:o, s:b, s:s}", "metric",
+                                                gates->gates[i].metric, "value", bench_num(v),
+                                                "pass", pass, "reason", why));
+        }
+        json_object_set_new(res, "gates", gj);
+        json_object_set_new(res, "gates_failed", json_integer((json_int_t)failed));
+        duet_strbuf_free(&report);
+        if (failed > 0)
+            rc = BENCH_EXIT_GATE;
+    }
+    if (json_path != NULL && bench_write_json(res, json_path, "--json", 10) != BENCH_EXIT_OK &&
+        rc == BENCH_EXIT_OK)
+        rc = BENCH_EXIT_RUN;
+    if (save_path != NULL) {
+        json_t *v = bench_vllm_result(&run, sh->model, &sum);
+        if (bench_write_json(v, save_path, "--save-result", 10) != BENCH_EXIT_OK &&
+            rc == BENCH_EXIT_OK)
+            rc = BENCH_EXIT_RUN;
+        json_decref(v);
+    }
+    fflush(stdout);
+    *res_p = res;
+out:
+    if (run.reqs != NULL)
+        for (size_t i = 0; i < run.n; i++)
+            serving_stream_free(&run.reqs[i].stream);
+    free(run.reqs);
+    free(run.arrival_ns);
+    free(recs);
+    return rc;
+}
+
+/*
+ * Resolve --url and find the model (--model, else the first id of GET /v1/models), printing the
+ * reason on failure. *model_p is malloc'd.
+ */
+static duet_status_t bench_connect(const bench_opts_t *o, uv_loop_t *loop,
+                                   struct sockaddr_storage *addr, char **model_p)
+{
+    if (serving_http_resolve(loop, o->host, o->port, addr) != DUET_OK) {
+        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+        return DUET_ERR_TRANSPORT;
+    }
+    if (o->model != NULL) {
+        *model_p = strdup(o->model);
+        if (*model_p == NULL) {
+            fprintf(stderr, "duet-bench: out of memory\n");
+            return DUET_ERR_NOMEM;
+        }
+        return DUET_OK;
+    }
+    bench_run_t probe = {.o = o, .loop = loop, .addr = *addr};
+    duet_status_t st = bench_find_model(&probe, model_p);
+    if (st != DUET_OK)
+        fprintf(stderr, "duet-bench: cannot find the model (pass --model): %s\n",
+                duet_error_last());
+    return st;
+}
+
+/* ---------------------------------------------------------------- accuracy */
+
+/* --accuracy DATA with --accuracy-doc-bytes N: plain UTF-8 text cut into N-byte documents,
+ * each cut moved back to a character boundary. */
+static duet_status_t bench_docs_cut(const char *path, size_t n, bench_prompts_t *d)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_status_t st = duet_strbuf_read_file(&sb, path, BENCH_MAX_PROMPT_FILE);
+    if (st != DUET_OK)
+        return st;
+    const char *t = sb.data != NULL ? sb.data : "";
+    if (!duet_utf8_valid(t, sb.len) || memchr(t, '\0', sb.len) != NULL) {
+        duet_strbuf_free(&sb);
+        return duet_error_set(DUET_ERR_FORMAT, "%s: not UTF-8 text (or holds NUL bytes)", path);
+    }
+    size_t cap = 0;
+    for (size_t at = 0; at < sb.len && st == DUET_OK;) {
+        size_t end = sb.len - at > n ? at + n : sb.len;
+        while (end > at + 1 && end < sb.len && ((unsigned char)t[end] & 0xC0) == 0x80)
+            end--;
+        char save = sb.data[end];
+        sb.data[end] = '\0';
+        st = bench_prompts_push(d, &cap, t + at);
+        sb.data[end] = save;
+        at = end;
+    }
+    duet_strbuf_free(&sb);
+    if (st == DUET_OK && d->n == 0)
+        st = duet_error_set(DUET_ERR_FORMAT, "%s: empty", path);
+    if (st != DUET_OK)
+        bench_prompts_free(d);
+    return st;
+}
+
+/* "sha256:" + 64 hex digits of s (what a baseline's documents are matched by). */
+static void bench_sha256_hex(const char *s, char out[72])
+{
+    uint8_t h[32];
+    duet__sha256(s, strlen(s), h);
+    memcpy(out, "sha256:", 7);
+    for (int i = 0; i < 32; i++)
+        snprintf(out + 7 + 2 * i, 3, "%02x", h[i]);
+}
+
+/*
+ * Read an earlier --accuracy --json and check it scored the same documents (same sha256, same
+ * order): its per-document bits per byte into *base_p (malloc'd, n). Exit code 2 with a message
+ * on any mismatch or malformed file, else -1.
+ */
+static int bench_accuracy_baseline(const char *path, char (*hashes)[72], size_t n, double **base_p)
+{
+    json_t *root = NULL;
+    if (duet_json_load_file(path, 256u << 20, &root) != DUET_OK) {
+        fprintf(stderr, "duet-bench: --baseline: %s\n", duet_error_last());
+        return BENCH_EXIT_USAGE;
+    }
+    int rc = BENCH_EXIT_USAGE;
+    json_t *docs = json_object_get(json_object_get(root, "accuracy"), "per_document");
+    double *base = NULL;
+    if (!json_is_array(docs)) {
+        fprintf(stderr,
+                "duet-bench: --baseline %s: no accuracy.per_document array (not an "
+                "--accuracy run's --json)\n",
+                path);
+        goto out;
+    }
+    if (json_array_size(docs) != n) {
+        fprintf(stderr,
+                "duet-bench: --baseline %s scored %zu documents, this run has %zu: refusing to "
+                "compare different document sets\n",
+                path, json_array_size(docs), n);
+        goto out;
+    }
+    base = calloc(n, sizeof(*base));
+    if (base == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        rc = BENCH_EXIT_RUN;
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *d = json_array_get(docs, i);
+        const char *h = json_string_value(json_object_get(d, "sha256"));
+        json_t *b = json_object_get(d, "bits_per_byte");
+        if (h == NULL || !json_is_number(b) || !isfinite(json_number_value(b))) {
+            fprintf(stderr,
+                    "duet-bench: --baseline %s: per_document[%zu] needs a sha256 string and a "
+                    "bits_per_byte number\n",
+                    path, i);
+            goto out;
+        }
+        if (strcmp(h, hashes[i]) != 0) {
+            fprintf(stderr,
+                    "duet-bench: --baseline %s: document %zu differs (%s there, %s here): "
+                    "refusing to compare different document sets\n",
+                    path, i + 1, h, hashes[i]);
+            goto out;
+        }
+        base[i] = json_number_value(b);
+    }
+    *base_p = base;
+    base = NULL;
+    rc = -1;
+out:
+    free(base);
+    json_decref(root);
+    return rc;
+}
+
+/* One document through POST /v1/completions with echo: its score, or an error with detail. */
+static duet_status_t bench_accuracy_doc(uv_loop_t *loop, const struct sockaddr *addr,
+                                        const bench_opts_t *o, const char *model, const char *doc,
+                                        serving_doc_score_t *sc)
+{
+    json_t *b = json_object();
+    json_object_set_new(b, "model", json_string(model));
+    json_t *text = json_string(doc);
+    if (text == NULL) {
+        json_decref(b);
+        return duet_error_set(DUET_ERR_FORMAT, "not valid UTF-8");
+    }
+    json_object_set_new(b, "prompt", text);
+    json_object_set_new(b, "max_tokens", json_integer(0));
+    json_object_set_new(b, "echo", json_true());
+    /* 1, not 0: a server testing `if logprobs:` would read 0 as "none"; top_logprobs is unused */
+    json_object_set_new(b, "logprobs", json_integer(1));
+    json_object_set_new(b, "temperature", json_real(0));
+    char *body = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    if (body == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "request body");
+    duet_strbuf_t resp;
+    duet_strbuf_init(&resp);
+    int status = 0;
+    duet_status_t st =
+        serving_http_fetch(loop, addr, o->host, "POST", "/v1/completions", body, strlen(body),
+                           (uint64_t)(o->timeout_s * 1000), &status, &resp);
+    free(body);
+    if (st == DUET_OK && status != 200)
+        st = duet_error_set(DUET_ERR_TRANSPORT, "HTTP %d: %.200s", status,
+                            resp.data != NULL ? resp.data : "");
+    json_t *root = NULL;
+    if (st == DUET_OK)
+        st = duet_json_load_buffer(resp.data != NULL ? resp.data : "", resp.len, "the answer",
+                                   64u << 20, &root);
+    if (st == DUET_OK)
+        st = serving_score_echo(root, doc, strlen(doc), sc);
+    json_decref(root);
+    duet_strbuf_free(&resp);
+    return st;
+}
+
+/*
+ * --accuracy: load the documents (and the baseline, checked against them) before any request,
+ * score each document in order, print, compare, write --json. Exit 0, 1 (a document could not
+ * be scored: no partial result), 2 (usage, different document sets) or 3 (accuracy dropped).
+ */
+static int bench_accuracy(const bench_opts_t *o)
+{
+    bench_prompts_t docs = {0};
+    char(*hashes)[72] = NULL;
+    double *base = NULL, *bpb = NULL;
+    serving_doc_score_t *sc = NULL;
+    char *model = NULL;
+    json_t *res = NULL;
+    uv_loop_t *loop = NULL;
+    int rc = BENCH_EXIT_USAGE;
+    static const char *const keys[] = {"text"};
+    duet_status_t st = o->accuracy_doc_bytes > 0
+                           ? bench_docs_cut(o->accuracy_path, (size_t)o->accuracy_doc_bytes, &docs)
+                           : bench_jsonl_load(o->accuracy_path, keys, 1, "\"text\"", &docs);
+    if (st != DUET_OK) {
+        fprintf(stderr, "duet-bench: --accuracy: %s\n", duet_error_last());
+        goto out;
+    }
+    rc = BENCH_EXIT_RUN;
+    hashes = calloc(docs.n, sizeof(*hashes));
+    bpb = calloc(docs.n, sizeof(*bpb));
+    sc = calloc(docs.n, sizeof(*sc));
+    if (hashes == NULL || bpb == NULL || sc == NULL) {
+        fprintf(stderr, "duet-bench: out of memory\n");
+        goto out;
+    }
+    for (size_t i = 0; i < docs.n; i++)
+        bench_sha256_hex(docs.v[i], hashes[i]);
+    if (o->baseline_path != NULL &&
+        (rc = bench_accuracy_baseline(o->baseline_path, hashes, docs.n, &base)) >= 0)
+        goto out;
+    rc = BENCH_EXIT_RUN;
+    struct sockaddr_storage addr;
+    loop = uv_default_loop();
+    if (bench_connect(o, loop, &addr, &model) != DUET_OK)
+        goto out;
+    if (!o->quiet)
+        fprintf(stderr, "duet-bench: %s model %s, accuracy over %zu documents of %s\n", o->url,
+                model, docs.n, o->accuracy_path);
+
+    double sum_bpb = 0, sum_nats = 0;
+    size_t bytes = 0, tokens = 0;
+    uint64_t last = uv_hrtime();
+    for (size_t i = 0; i < docs.n; i++) {
+        if (bench_accuracy_doc(loop, (struct sockaddr *)&addr, o, model, docs.v[i], &sc[i]) !=
+            DUET_OK) {
+            fprintf(stderr, "duet-bench: --accuracy: document %zu: %s\n", i + 1, duet_error_last());
+            goto out;
+        }
+        bpb[i] = sc[i].bits_per_byte;
+        sum_bpb += bpb[i];
+        sum_nats += sc[i].sum_logprob;
+        bytes += sc[i].bytes_scored;
+        tokens += sc[i].tokens_scored;
+        uint64_t now = uv_hrtime();
+        if (!o->quiet && (now - last >= (uint64_t)BENCH_PROGRESS_MS * 1000000 || i + 1 == docs.n)) {
+            last = now;
+            fprintf(stderr, "duet-bench: %zu/%zu documents, mean %.4f bits per byte\n", i + 1,
+                    docs.n, sum_bpb / (double)(i + 1));
+        }
+    }
+    double mean = sum_bpb / (double)docs.n, pooled = -sum_nats / M_LN2 / (double)bytes;
+
+    res = json_object();
+    json_t *acc = json_object(), *per = json_array();
+    for (size_t i = 0; i < docs.n; i++)
+        json_array_append_new(per, json_pack("{s:I, s:s, s:I, s:I, s:I, s:f, s:f}", "index",
+                                             (json_int_t)i, "sha256", hashes[i], "bytes",
+                                             (json_int_t)strlen(docs.v[i]), "bytes_scored",
+                                             (json_int_t)sc[i].bytes_scored, "tokens_scored",
+                                             (json_int_t)sc[i].tokens_scored, "sum_logprob",
+                                             sc[i].sum_logprob, "bits_per_byte", bpb[i]));
+    json_object_set_new(acc, "documents", json_integer((json_int_t)docs.n));
+    json_object_set_new(acc, "mean_bits_per_byte", json_real(mean));
+    json_object_set_new(acc, "pooled_bits_per_byte", json_real(pooled));
+    json_object_set_new(acc, "bytes_scored", json_integer((json_int_t)bytes));
+    json_object_set_new(acc, "tokens_scored", json_integer((json_int_t)tokens));
+    json_object_set_new(acc, "per_document", per);
+    json_object_set_new(res, "accuracy", acc);
+    printf("============ Accuracy (bits per byte) ============\n");
+    printf("%-40s %zu\n", "Documents:", docs.n);
+    printf("%-40s %zu\n", "Bytes scored:", bytes);
+    printf("%-40s %zu\n", "Tokens scored:", tokens);
+    printf("%-40s %.6f\n", "Mean bits per byte (per document):", mean);
+    printf("%-40s %.6f\n", "Bits per byte (all bytes pooled):", pooled);
+
+    rc = BENCH_EXIT_OK;
+    if (base != NULL) {
+        serving_paired_t t;
+        if (serving_paired_ttest(bpb, base, docs.n, o->accuracy_alpha, &t) != DUET_OK) {
+            fprintf(stderr, "duet-bench: --baseline: %s\n", duet_error_last());
+            rc = BENCH_EXIT_USAGE;
+            goto out;
+        }
+        printf("---------- vs baseline (paired t-test) -----------\n");
+        printf("%-40s %s\n", "Baseline:", o->baseline_path);
+        printf("%-40s %+.6f\n", "Mean difference (run - baseline):", t.mean_diff);
+        printf("%-40s %.6f\n", "Std of the differences (n - 1):", t.sd_diff);
+        printf("%-40s %.4f (df %.0f)\n", "t statistic:", t.t, t.df);
+        printf("%-40s %.3g\n", "p, one-sided (H1: bits per byte rose):", t.p);
+        printf("accuracy %s at alpha %g\n", t.dropped ? "DROPPED" : "did not drop",
+               o->accuracy_alpha);
+        json_object_set_new(res, "comparison",
+                            json_pack("{s:s, s:s, s:I, s:f, s:f, s:o, s:f, s:f, s:f, s:b}",
+                                      "baseline", o->baseline_path, "test",
+                                      "paired t, one-sided (bits per byte rose)", "n",
+                                      (json_int_t)t.n, "mean_diff", t.mean_diff, "sd_diff",
+                                      t.sd_diff, "t", bench_num(t.t), "df", t.df, "p", t.p, "alpha",
+                                      o->accuracy_alpha, "dropped", t.dropped));
+        if (t.dropped)
+            rc = BENCH_EXIT_GATE;
+    }
+    printf("==================================================\n");
+    json_object_set_new(
+        res, "config",
+        json_pack("{s:s, s:s, s:s, s:o, s:f}", "url", o->url, "model", model, "data",
+                  o->accuracy_path, "doc_bytes",
+                  o->accuracy_doc_bytes > 0 ? json_integer(o->accuracy_doc_bytes) : json_null(),
+                  "alpha", o->accuracy_alpha));
+    /* every digit: a later run compares its per-document values with these */
+    if (o->json_path != NULL &&
+        bench_write_json(res, o->json_path, "--json", 17) != BENCH_EXIT_OK && rc == BENCH_EXIT_OK)
+        rc = BENCH_EXIT_RUN;
+    fflush(stdout);
+out:
+    if (loop != NULL) {
+        uv_run(loop, UV_RUN_NOWAIT);
+        uv_loop_close(loop);
+    }
+    json_decref(res);
+    free(model);
+    free(hashes);
+    free(base);
+    free(bpb);
+    free(sc);
+    bench_prompts_free(&docs);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- main */
 
 /*
@@ -1151,6 +1967,75 @@ static int bench_load_baseline(const bench_opts_t *o, serving_gates_t *g)
     return -1;
 }
 
+/* Every run of the invocation (one, or one per --sweep value), the CSV and the sweep table. */
+static int bench_runs(const bench_shared_t *sh, const bench_opts_t *o)
+{
+    FILE *csv = NULL;
+    if (o->csv_path != NULL) {
+        csv = fopen(o->csv_path, "w");
+        if (csv == NULL) {
+            fprintf(stderr, "duet-bench: cannot write --csv %s: %s\n", o->csv_path,
+                    strerror(errno));
+            return BENCH_EXIT_RUN;
+        }
+        bench_csv_header(csv);
+    }
+    int rc = BENCH_EXIT_OK;
+    if (o->sweep == BENCH_SWEEP_NONE) {
+        json_t *res = NULL;
+        rc = bench_measure(sh, o, o->json_path, o->save_result_path, &res);
+        if (csv != NULL && res != NULL) {
+            char val[32];
+            bool rate = o->request_rate > 0;
+            bench_sweep_value_str(rate ? BENCH_SWEEP_RATE : BENCH_SWEEP_CONC,
+                                  rate ? o->request_rate : (double)o->concurrency, val,
+                                  sizeof(val));
+            bench_csv_row(csv, bench_sweep_names[rate ? BENCH_SWEEP_RATE : BENCH_SWEEP_CONC], val,
+                          res);
+        }
+        json_decref(res);
+    } else {
+        json_t *res[BENCH_MAX_SWEEP] = {0};
+        for (size_t i = 0; i < o->n_sweep; i++) {
+            bench_opts_t ov = *o;
+            if (o->sweep == BENCH_SWEEP_CONC)
+                ov.concurrency = (long)o->sweep_values[i];
+            else
+                ov.request_rate = o->sweep_values[i];
+            char val[32];
+            bench_sweep_value_str(o->sweep, o->sweep_values[i], val, sizeof(val));
+            printf("################ %s = %s ################\n", bench_sweep_names[o->sweep], val);
+            char *jp = o->json_path != NULL
+                           ? bench_sweep_path(o->json_path, o->sweep, o->sweep_values[i])
+                           : NULL;
+            char *sp = o->save_result_path != NULL
+                           ? bench_sweep_path(o->save_result_path, o->sweep, o->sweep_values[i])
+                           : NULL;
+            int r = BENCH_EXIT_RUN;
+            if ((o->json_path != NULL && jp == NULL) || (o->save_result_path != NULL && sp == NULL))
+                fprintf(stderr, "duet-bench: out of memory\n");
+            else
+                r = bench_measure(sh, &ov, jp, sp, &res[i]);
+            free(jp);
+            free(sp);
+            if (csv != NULL && res[i] != NULL)
+                bench_csv_row(csv, bench_sweep_names[o->sweep], val, res[i]);
+            if (r > rc) /* a failed gate (3) outranks a failed run (1), as in one run */
+                rc = r;
+        }
+        bench_sweep_table(o, res);
+        for (size_t i = 0; i < o->n_sweep; i++)
+            json_decref(res[i]);
+    }
+    if (csv != NULL && fclose(csv) != 0) {
+        fprintf(stderr, "duet-bench: cannot write --csv %s: %s\n", o->csv_path, strerror(errno));
+        if (rc == BENCH_EXIT_OK)
+            rc = BENCH_EXIT_RUN;
+    }
+    fflush(stdout);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     bench_opts_t o;
@@ -1158,13 +2043,14 @@ int main(int argc, char **argv)
     if (rc >= 0)
         return rc;
     signal(SIGPIPE, SIG_IGN);
+    if (o.accuracy_path != NULL)
+        return bench_accuracy(&o);
 
     serving_gates_t gates = {0};
     bench_prompts_t prompts = {0};
-    bench_run_t run = {.o = &o};
+    bench_shared_t sh = {.gates = &gates};
     char *model = NULL;
     char **bodies = NULL; /* (prompts.n) request bodies, one per distinct prompt */
-    json_t *res = NULL;
     rc = BENCH_EXIT_RUN;
 
     if (o.baseline_path != NULL && (rc = bench_load_baseline(&o, &gates)) >= 0)
@@ -1185,31 +2071,18 @@ int main(int argc, char **argv)
         bench_truncate_utf8(prompts.v[i], (size_t)o.prompt_chars_max);
 
     rc = BENCH_EXIT_RUN;
-    run.loop = uv_default_loop();
-    if (serving_http_resolve(run.loop, o.host, o.port, &run.addr) != DUET_OK) {
-        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
+    sh.loop = uv_default_loop();
+    if (bench_connect(&o, sh.loop, &sh.addr, &model) != DUET_OK)
         goto out;
-    }
-    if (o.model != NULL) {
-        model = strdup(o.model);
-    } else if (bench_find_model(&run, &model) != DUET_OK) {
-        fprintf(stderr, "duet-bench: cannot find the model (pass --model): %s\n",
-                duet_error_last());
-        goto out;
-    }
-    if (model == NULL)
-        goto out;
+    sh.model = model;
 
     /* every request body, before the clock starts */
-    run.n = (size_t)o.num_prompts;
-    run.path = o.endpoint == BENCH_EP_CHAT ? "/v1/chat/completions" : "/v1/completions";
-    run.reqs = calloc(run.n, sizeof(*run.reqs));
     bodies = calloc(prompts.n, sizeof(*bodies));
-    if (run.reqs == NULL || bodies == NULL) {
+    if (bodies == NULL) {
         fprintf(stderr, "duet-bench: out of memory\n");
         goto out;
     }
-    size_t n_bodies = run.n < prompts.n ? run.n : prompts.n;
+    size_t n_bodies = (size_t)o.num_prompts < prompts.n ? (size_t)o.num_prompts : prompts.n;
     for (size_t i = 0; i < n_bodies; i++) {
         bodies[i] = bench_body(&o, model, prompts.v[i]);
         if (bodies[i] == NULL) {
@@ -1217,122 +2090,18 @@ int main(int argc, char **argv)
             goto out;
         }
     }
-    for (size_t i = 0; i < run.n; i++) {
-        run.reqs[i].run = &run;
-        run.reqs[i].body = bodies[i % prompts.n];
-        run.reqs[i].body_len = strlen(run.reqs[i].body);
-        serving_stream_init(&run.reqs[i].stream);
-    }
-    if (o.request_rate > 0) {
-        run.arrival_ns = bench_arrivals(run.n, o.request_rate, o.seed);
-        if (run.arrival_ns == NULL) {
-            fprintf(stderr, "duet-bench: out of memory\n");
-            goto out;
-        }
-        run.cap = o.concurrency > 0 ? (size_t)o.concurrency : run.n;
-    } else {
-        run.cap = (size_t)o.concurrency;
-    }
-
-    bench_scrape_t before, after;
-    bench_scrape(&run, &before);
-    if (!o.quiet)
-        fprintf(stderr, "duet-bench: %s model %s, %zu requests, %s, max_tokens %ld%s\n", o.url,
-                model, run.n, o.request_rate > 0 ? "Poisson arrivals" : "closed loop", o.max_tokens,
-                before.ok ? "" : " (no /metrics: server-side metrics will be null)");
-
-    uv_timer_init(run.loop, &run.tick);
-    uv_timer_init(run.loop, &run.arrive);
-    run.tick.data = &run;
-    run.arrive.data = &run;
-    run.t0_ns = run.last_progress_ns = uv_hrtime();
-    uv_timer_start(&run.tick, bench_on_tick, BENCH_TICK_MS, BENCH_TICK_MS);
-    bench_pump(&run);
-    uv_run(run.loop, UV_RUN_DEFAULT);
-
-    if (o.settle_ms > 0)
-        usleep((useconds_t)o.settle_ms * 1000);
-    bench_scrape(&run, &after);
-
-    /* records for the stats module */
-    serving_record_t *recs = calloc(run.n, sizeof(*recs));
-    if (recs == NULL) {
-        fprintf(stderr, "duet-bench: out of memory\n");
-        goto out;
-    }
-    for (size_t i = 0; i < run.n; i++) {
-        const bench_req_t *r = &run.reqs[i];
-        serving_record_t *c = &recs[i];
-        c->ok = r->ok;
-        if (!r->ok)
-            continue;
-        c->ttft_ms = (double)(r->stream.first_text_ns - r->t_send_ns) / 1e6;
-        c->e2el_ms = (double)(r->t_last_ns - r->t_send_ns) / 1e6;
-        c->prompt_tokens = r->stream.usage_prompt_tokens;
-        c->output_tokens =
-            r->stream.has_usage ? r->stream.usage_completion_tokens : r->stream.n_text_chunks;
-        c->itl_ms = r->stream.itl_ms;
-        c->n_itl = r->stream.n_itl;
-    }
-    double duration = (double)(run.t_end_ns - run.t0_ns) / 1e9;
-    serving_summary_t sum;
-    st = serving_summarize(recs, run.n, duration > 0 ? duration : 1e-9, &o.slo, &sum);
-    free(recs);
-    if (st != DUET_OK) {
-        fprintf(stderr, "duet-bench: %s\n", duet_error_last());
-        goto out;
-    }
-    res = bench_results_json(&run, model, &sum, &before, &after);
-    bench_print(res, &sum);
-
-    rc = sum.completed > 0 ? BENCH_EXIT_OK : BENCH_EXIT_RUN;
-    if (sum.completed == 0)
-        fprintf(stderr, "duet-bench: no request completed\n");
-    if (gates.n > 0) {
-        duet_strbuf_t report;
-        duet_strbuf_init(&report);
-        size_t failed = serving_gates_check(&gates, res, &report);
-        printf("--------------- Perf gates (%s) ---------------\n%s", o.baseline_path,
-               report.data != NULL ? report.data : "");
-        printf("gates: %zu of %zu failed\n", failed, gates.n);
-        json_t *gj = json_array();
-        for (size_t i = 0; i < gates.n; i++) {
-            char why[128];
-            double v;
-            bool pass = serving_gate_eval(&gates.gates[i], res, &v, why, sizeof(why));
-            json_array_append_new(gj,
-                                  json_pack("{s:s, s:o, s:b, s:s}", "metric", gates.gates[i].metric,
-                                            "value", bench_num(v), "pass", pass, "reason", why));
-        }
-        json_object_set_new(res, "gates", gj);
-        json_object_set_new(res, "gates_failed", json_integer((json_int_t)failed));
-        duet_strbuf_free(&report);
-        if (failed > 0)
-            rc = BENCH_EXIT_GATE;
-    }
-    if (o.json_path != NULL &&
-        json_dump_file(res, o.json_path,
-                       JSON_INDENT(2) | JSON_SORT_KEYS | JSON_REAL_PRECISION(10)) != 0) {
-        fprintf(stderr, "duet-bench: cannot write --json %s: %s\n", o.json_path, strerror(errno));
-        if (rc == BENCH_EXIT_OK)
-            rc = BENCH_EXIT_RUN;
-    }
-    fflush(stdout);
+    sh.bodies = bodies;
+    sh.n_prompts = prompts.n;
+    rc = bench_runs(&sh, &o);
 
 out:
     for (size_t i = 0; i < prompts.n && bodies != NULL; i++)
         free(bodies[i]);
     free(bodies);
-    if (run.reqs != NULL)
-        for (size_t i = 0; i < run.n; i++)
-            serving_stream_free(&run.reqs[i].stream);
-    if (run.loop != NULL) {
-        uv_run(run.loop, UV_RUN_NOWAIT);
-        uv_loop_close(run.loop);
+    if (sh.loop != NULL) {
+        uv_run(sh.loop, UV_RUN_NOWAIT);
+        uv_loop_close(sh.loop);
     }
-    json_decref(res);
-    free(run.reqs);
-    free(run.arrival_ns);
     free(model);
     bench_prompts_free(&prompts);
     serving_gates_free(&gates);

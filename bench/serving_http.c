@@ -241,7 +241,7 @@ duet_status_t serving_http_start(uv_loop_t *loop, serving_http_req_t *req,
     return DUET_OK;
 }
 
-/* ---------------------------------------------------------------- blocking GET */
+/* ---------------------------------------------------------------- blocking requests */
 
 typedef struct {
     int status;
@@ -278,15 +278,16 @@ static void http_get_timeout(uv_timer_t *t)
     serving_http_abort(t->data, "timed out");
 }
 
-duet_status_t serving_http_get(uv_loop_t *loop, const struct sockaddr *addr, const char *host_hdr,
-                               const char *path, uint64_t timeout_ms, int *status_p,
-                               duet_strbuf_t *body)
+duet_status_t serving_http_fetch(uv_loop_t *loop, const struct sockaddr *addr, const char *host_hdr,
+                                 const char *method, const char *path, const char *body,
+                                 size_t body_len, uint64_t timeout_ms, int *status_p,
+                                 duet_strbuf_t *resp)
 {
     static const serving_http_cbs_t cbs = {http_get_headers, http_get_body, http_get_done};
-    http_get_t g = {.status = 0, .body = body};
+    http_get_t g = {.status = 0, .body = resp};
     serving_http_req_t req;
     duet_status_t st =
-        serving_http_start(loop, &req, addr, host_hdr, "GET", path, NULL, 0, &cbs, &g);
+        serving_http_start(loop, &req, addr, host_hdr, method, path, body, body_len, &cbs, &g);
     if (st != DUET_OK)
         return st;
     uv_timer_t timer;
@@ -298,9 +299,17 @@ duet_status_t serving_http_get(uv_loop_t *loop, const struct sockaddr *addr, con
     uv_close((uv_handle_t *)&timer, NULL);
     uv_run(loop, UV_RUN_NOWAIT); /* let the timer's close finish before it leaves scope */
     if (g.error[0] != '\0')
-        return duet_error_set(DUET_ERR_TRANSPORT, "GET %s: %s", path, g.error);
-    if (duet_strbuf_status(body) != DUET_OK)
-        return duet_error_set(DUET_ERR_NOMEM, "GET %s: body", path);
+        return duet_error_set(DUET_ERR_TRANSPORT, "%s %s: %s", method, path, g.error);
+    if (duet_strbuf_status(resp) != DUET_OK)
+        return duet_error_set(DUET_ERR_NOMEM, "%s %s: body", method, path);
     *status_p = g.status;
     return DUET_OK;
+}
+
+duet_status_t serving_http_get(uv_loop_t *loop, const struct sockaddr *addr, const char *host_hdr,
+                               const char *path, uint64_t timeout_ms, int *status_p,
+                               duet_strbuf_t *body)
+{
+    return serving_http_fetch(loop, addr, host_hdr, "GET", path, NULL, 0, timeout_ms, status_p,
+                              body);
 }

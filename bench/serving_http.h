@@ -71,10 +71,17 @@ void serving_http_abort(serving_http_req_t *req, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /*
- * GET path and wait for the whole answer, running the loop (call only while no other request is
- * on it). *status_p receives the status, body the bytes. DUET_ERR_TRANSPORT (with detail) when
- * no complete response came within timeout_ms.
+ * `method path` with an optional JSON body, waiting for the whole answer while running the loop
+ * (call only while no other request is on it). *status_p receives the status, resp the bytes
+ * (64 MiB at most). DUET_ERR_TRANSPORT (with detail) when no complete response came within
+ * timeout_ms.
  */
+duet_status_t serving_http_fetch(uv_loop_t *loop, const struct sockaddr *addr, const char *host_hdr,
+                                 const char *method, const char *path, const char *body,
+                                 size_t body_len, uint64_t timeout_ms, int *status_p,
+                                 duet_strbuf_t *resp);
+
+/* serving_http_fetch of `GET path` without a body. */
 duet_status_t serving_http_get(uv_loop_t *loop, const struct sockaddr *addr, const char *host_hdr,
                                const char *path, uint64_t timeout_ms, int *status_p,
                                duet_strbuf_t *body);

@@ -26,6 +26,7 @@ void serving_stream_free(serving_stream_t *s)
     free(s->line);
     free(s->data);
     free(s->itl_ms);
+    free(s->text);
     serving_stream_init(s);
 }
 
@@ -141,8 +142,15 @@ static duet_status_t sse_chunk(serving_stream_t *s, json_t *root, uint64_t now_n
         }
         if (t != NULL && !json_is_null(t) && !json_is_string(t))
             return serving_stream_fail(s, "choices[%zu] text/content is not a string", i);
-        if (json_is_string(t) && json_string_length(t) > 0)
+        if (json_is_string(t) && json_string_length(t) > 0) {
+            size_t n = json_string_length(t);
+            if (!sse_reserve(&s->text, &s->text_cap, s->text_len + n + 1))
+                return serving_stream_fail(s, "out of memory for the generated text");
+            memcpy(s->text + s->text_len, json_string_value(t), n);
+            s->text_len += n;
+            s->text[s->text_len] = '\0';
             text = true;
+        }
     }
     return text ? sse_text_chunk(s, now_ns) : DUET_OK;
 }

@@ -49,6 +49,9 @@ typedef struct {
     uint64_t last_text_ns;
     double *itl_ms; /* owned, (n_itl): gaps between successive text chunks */
     size_t n_itl, itl_cap;
+    char *text; /* owned, (text_len) + NUL: the text of every choice, concatenated in order
+                   (NULL until some text came) */
+    size_t text_len, text_cap;
     bool has_usage; /* a usage object with completion_tokens was seen */
     uint32_t usage_prompt_tokens;
     uint32_t usage_completion_tokens;

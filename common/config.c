@@ -34,10 +34,19 @@ extern char **environ;
 
 /* DUET_ variables that are not configuration keys and must not draw a warning: the switches of
  * docs/switches.md. An entry ending in '*' is a prefix. */
-static const char *const config_env_allowlist[] = {
-    "DUET_LOG_LEVEL", "DUET_SOURCE_DIR",  "DUET_BINARY_DIR",    "DUET_THREADS",
-    "DUET_SPIN_US",   "DUET_KERNELS_ISA", "DUET_TRACE_OUT",     "DUET_ADMIN_TOKEN",
-    "DUET_CUDA_*",    "DUET_TEST_*",      "DUET_KEEP_TEST_DIR", NULL};
+static const char *const config_env_allowlist[] = {"DUET_LOG_LEVEL",
+                                                   "DUET_SOURCE_DIR",
+                                                   "DUET_BINARY_DIR",
+                                                   "DUET_THREADS",
+                                                   "DUET_SPIN_US",
+                                                   "DUET_KERNELS_ISA",
+                                                   "DUET_TRACE_OUT",
+                                                   "DUET_ADMIN_TOKEN",
+                                                   "DUET_CUDA_*",
+                                                   "DUET_TEST_*",
+                                                   "DUET_KEEP_TEST_DIR",
+                                                   "DUET_ADMIN_FILE",
+                                                   NULL};
 
 /* A parsed value of any type. */
 typedef struct {

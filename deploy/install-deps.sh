@@ -3,7 +3,8 @@
 # CI runs; Ubuntu 22.04 / 24.04 use the same package names (universe), not tested here.
 # Usage: deploy/install-deps.sh [--tests]     (root, or a user with sudo)
 #   without flags: what building and running need (compiler, CMake, UCX, libuv, protobuf-c, ...);
-#   --tests:       also what only the tests need (Criterion, promtool); deploy/test.sh passes it.
+#   --tests:       also what only the tests need (Criterion, promtool, matplotlib); deploy/test.sh
+#                  passes it.
 # The tests' Python venv (openai client, jinja2, tiktoken) is made by tests/python/setup.sh.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config git python3 python3-venv
@@ -14,7 +15,8 @@ case "${1:-}" in
   "") ;;
   --tests) pkgs+=(libcriterion-dev  # the unit and integration suites
                   prometheus        # promtool: router_openai_client checks /metrics with it
-                  slurm-wlm munge curl)  # test_slurm: `duet sbatch` jobs on a local Slurm
+                  slurm-wlm munge curl   # test_slurm: `duet sbatch` jobs on a local Slurm
+                  python3-matplotlib)    # test_bench_serving runs bench/plot_sweep.py
     ;;
   *) echo "usage: deploy/install-deps.sh [--tests]" >&2; exit 2 ;;
 esac

@@ -75,6 +75,7 @@ static const duet_config_key_t gen_keys[] = {
      "with --tune: load the tuned table from this file if it exists, else save it there",
      .min = NULL},
     DUET_SPEC_CONFIG_KEYS,
+    DUET_LOG_CONFIG_KEYS,
 };
 
 /* Where the run's output goes: the text of the generated tokens (streamed to stdout, or kept
@@ -205,6 +206,8 @@ int main(int argc, char **argv)
     }
     if (st == DUET_OK)
         st = duet_config_check_required(cfg);
+    if (st == DUET_OK)
+        duet_log_configure(cfg);
     if (st == DUET_OK && n_pos > 0)
         st = duet_error_set(DUET_ERR_INVALID, "unexpected argument \"%s\" (see --help)", argv[1]);
     const char *prompt_text = duet_config_get_string(cfg, "prompt");

@@ -18,6 +18,7 @@
     X(deregister, DEREGISTER, Deregister)                                                          \
     X(drain, DRAIN, Drain)                                                                         \
     X(undrain, UNDRAIN, Undrain)                                                                   \
+    X(set_log_level, SET_LOG_LEVEL, SetLogLevel)                                                   \
     X(reserve, RESERVE, Reserve)                                                                   \
     X(reserved, RESERVED, Reserved)                                                                \
     X(refused, REFUSED, Refused)                                                                   \

@@ -8,6 +8,9 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+#include "proto/envelope.h"
 
 #include "router/router_impl.h"
 
@@ -21,11 +24,17 @@ struct rt_drain_waiter {
 typedef struct {
     duet_admin_worker_visit_cb visit;
     void *user;
+    uint64_t now_ms, now_unix_ms; /* uv_now, the wall clock */
 } rt_visit_t;
 
 static void rt_visit_one(const duet_worker_info_t *w, void *user)
 {
     rt_visit_t *v = user;
+    /* uptime from the worker's own start when it said it (and the clocks agree), else since it
+     * registered */
+    const uint64_t up_ms = w->started_unix_ms != 0 && w->started_unix_ms <= v->now_unix_ms
+                               ? v->now_unix_ms - w->started_unix_ms
+                               : v->now_ms - w->registered_ms;
     duet_admin_worker_info_t a = {
         .id = w->id,
         .name = w->name,
@@ -39,6 +48,13 @@ static void rt_visit_one(const duet_worker_info_t *w, void *user)
         .state_slots = w->state_slots,
         .running = w->running,
         .queued = w->queued,
+        .address = w->peer,
+        .device = w->device,
+        .dtype = w->dtype,
+        .uptime_s = (int64_t)(up_ms / 1000),
+        .heartbeat_age_ms = (int64_t)(v->now_ms - w->last_heartbeat_ms),
+        .utilisation = w->utilisation,
+        .metrics_port = w->metrics_port,
     };
     v->visit(&a, v->user);
 }
@@ -46,7 +62,10 @@ static void rt_visit_one(const duet_worker_info_t *w, void *user)
 static void rt_admin_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_user)
 {
     duet__router_t *rt = ctx;
-    rt_visit_t v = {visit, visit_user};
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    rt_visit_t v = {visit, visit_user, uv_now(rt->loop),
+                    (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000};
     duet_registry_foreach(rt->reg, rt_visit_one, &v);
 }
 
@@ -189,10 +208,37 @@ static void rt_admin_changed(void *ctx)
     duet__rq_capacity_changed(ctx);
 }
 
+typedef struct {
+    duet__router_t *rt;
+    const char *level;
+    size_t told;
+} rt_log_level_t;
+
+static void rt_log_level_one(const duet_worker_info_t *w, void *user)
+{
+    rt_log_level_t *l = user;
+    if (w->state == DUET_WORKER_STATE_DEAD)
+        return;
+    Duet__SetLogLevel m = DUET__SET_LOG_LEVEL__INIT;
+    m.level = (char *)l->level;
+    Duet__Envelope env = duet_envelope_set_log_level(&m);
+    if (duet_registry_send(l->rt->reg, w->id, &env) == DUET_OK)
+        l->told++;
+}
+
+/* The router's log level changed (admin API): every live worker's too. */
+static size_t rt_admin_log_level(void *ctx, duet_log_level_t level)
+{
+    rt_log_level_t l = {ctx, duet_log_level_name(level), 0};
+    duet_registry_foreach(((duet__router_t *)ctx)->reg, rt_log_level_one, &l);
+    return l.told;
+}
+
 const duet_admin_ops_t duet__rt_admin_ops = {
     .list_workers = rt_admin_list,
     .drain = rt_admin_drain,
     .drain_forget = rt_admin_drain_forget,
     .undrain = rt_admin_undrain,
     .admission_changed = rt_admin_changed,
+    .log_level_changed = rt_admin_log_level,
 };

@@ -1,10 +1,13 @@
 /*
  * duetctl: the operator's command-line client for the router's admin API (router/cluster/admin.h).
  *
- *   duetctl [--admin URL] [--token T] status
+ *   duetctl [--admin URL] [--token T] [--json] status
  *   duetctl drain <worker> [--migrate] [--wait] [--timeout S]
  *   duetctl undrain <worker>
  *   duetctl admission pause | resume | set [--max-inflight N] [--max-queue N]
+ *   duetctl log-level [LEVEL]
+ *
+ * --json (any command) prints the admin API's answer as one JSON document instead of text.
  *
  * The HTTP client is deliberately small and blocking: one connection per call with
  * "Connection: close", a connect and an overall deadline enforced with poll(2), a cap on the
@@ -55,12 +58,19 @@ static const char *const usage_main =
     "  admission pause|resume          refuse / accept new requests (503 while paused)\n"
     "  admission set [--max-inflight N] [--max-queue N]\n"
     "                                  change admission limits at run time\n"
+    "  log-level [LEVEL]               show, or set (error, warn, info, debug, trace), the log\n"
+    "                                  level of the router and its workers at run time\n"
     "\n"
     "options:\n"
-    "  --admin URL   admin API address (default http://127.0.0.1:8081)\n"
-    "  --token T     bearer token (default: $DUET_ADMIN_TOKEN)\n"
+    "  --admin URL   admin API address (default: the admin file's, else\n"
+    "                http://127.0.0.1:8081)\n"
+    "  --token T     bearer token (default: $DUET_ADMIN_TOKEN, else the admin file's)\n"
+    "  --json        print the answer as JSON (any command)\n"
     "  -h, --help    this help; 'duetctl COMMAND --help' for a command\n"
     "  --version     the version, git commit and CUDA build\n"
+    "\n"
+    "The admin file ($DUET_ADMIN_FILE, else ~/.duet/admin) is where `duet up` leaves its\n"
+    "router's admin URL and token, so that plain `duetctl status` reaches it.\n"
     "\n"
     "exit status: 0 ok, 1 usage error, 2 connection or HTTP error, 3 the server refused\n"
     "(401 bad token, 404 unknown worker, 409 conflict, 504 drain wait timed out, ...).\n";
@@ -68,8 +78,15 @@ static const char *const usage_main =
 static const char *const usage_status =
     "usage: duetctl status\n"
     "\n"
-    "Print every worker the router knows (name, role, state live/draining/dead, free cache\n"
-    "pages, running and queued requests) and the admission state.\n";
+    "Print every worker the router knows (name, role, state live/draining/dead, address,\n"
+    "device and dtype, uptime, age of its last heartbeat, utilisation = time in forward steps,\n"
+    "KV cache use, running and queued requests) and the admission state.\n";
+
+static const char *const usage_log_level =
+    "usage: duetctl log-level [error|warn|info|debug|trace]\n"
+    "\n"
+    "Without an argument, print the router's log level; with one, set it at once on the\n"
+    "router and on every live worker (until they restart: the log.level key is the default).\n";
 
 static const char *const usage_drain =
     "usage: duetctl drain <worker> [--migrate] [--wait] [--timeout S]\n"
@@ -423,7 +440,17 @@ fail:
 typedef struct {
     url_t url;
     const char *token;
+    bool json; /* --json: print the answers, not text */
 } ctl_t;
+
+/* --json: one answer (or an object of several) as indented JSON on stdout. */
+static void print_json(json_t *j)
+{
+    char *text = json_dumps(j, JSON_INDENT(2) | JSON_SORT_KEYS);
+    if (text != NULL)
+        printf("%s\n", text);
+    free(text);
+}
 
 /*
  * Call the admin API and parse a JSON object answer into *json_p. Prints the error and returns
@@ -473,6 +500,26 @@ static const char *jstr(json_t *o, const char *key)
     return s != NULL ? s : "?";
 }
 
+/* A string field, "-" when absent or empty (an older worker did not say). */
+static const char *jdash(json_t *o, const char *key)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    return s != NULL && s[0] != '\0' ? s : "-";
+}
+
+/* 42s, 3m07s, 5h02m, 2d03h. */
+static void fmt_duration(long long s, char *out, size_t cap)
+{
+    if (s < 60)
+        snprintf(out, cap, "%llds", s);
+    else if (s < 3600)
+        snprintf(out, cap, "%lldm%02llds", s / 60, s % 60);
+    else if (s < 86400)
+        snprintf(out, cap, "%lldh%02lldm", s / 3600, s % 3600 / 60);
+    else
+        snprintf(out, cap, "%lldd%02lldh", s / 86400, s % 86400 / 3600);
+}
+
 static void print_admission(json_t *a)
 {
     json_t *rej = json_object_get(a, "rejected_total");
@@ -497,18 +544,39 @@ static int cmd_status(const ctl_t *c)
         return rc;
     }
     json_t *ws = json_object_get(w, "workers");
+    if (c->json) {
+        json_t *both = json_pack("{s:O,s:O}", "workers", ws, "admission", a);
+        print_json(both);
+        json_decref(both);
+        json_decref(w);
+        json_decref(a);
+        return EXIT_OK;
+    }
     int name_w = 6;
     for (size_t i = 0; i < json_array_size(ws); i++) {
         int l = (int)strlen(jstr(json_array_get(ws, i), "name"));
         if (l > name_w)
             name_w = l;
     }
-    printf("%-*s  %-4s  %-8s  %10s  %7s  %6s\n", name_w, "WORKER", "ROLE", "STATE", "FREE_PAGES",
-           "RUNNING", "QUEUED");
+    printf("%-*s  %-4s  %-8s  %-21s  %-6s  %-5s  %8s  %6s  %5s  %-17s  %7s  %6s\n", name_w,
+           "WORKER", "ROLE", "STATE", "ADDRESS", "DEVICE", "DTYPE", "UPTIME", "HB_AGE", "UTIL",
+           "CACHE_USED", "RUNNING", "QUEUED");
     for (size_t i = 0; i < json_array_size(ws); i++) {
         json_t *o = json_array_get(ws, i), *load = json_object_get(o, "load");
-        printf("%-*s  %-4s  %-8s  %10lld  %7lld  %6lld\n", name_w, jstr(o, "name"), jstr(o, "role"),
-               jstr(o, "state"), jint(load, "free_pages"), jint(load, "running"),
+        const long long pages = jint(load, "kv_pages"), free_pages = jint(load, "free_pages");
+        char up[64], age[64], util[64], cache[96];
+        fmt_duration(jint(o, "uptime_s"), up, sizeof(up));
+        snprintf(age, sizeof(age), "%.1fs", (double)jint(o, "heartbeat_age_ms") / 1000.0);
+        snprintf(util, sizeof(util), "%.0f%%",
+                 100.0 * json_number_value(json_object_get(o, "utilisation")));
+        if (pages > 0)
+            snprintf(cache, sizeof(cache), "%lld/%lld %.0f%%", pages - free_pages, pages,
+                     100.0 * (double)(pages - free_pages) / (double)pages);
+        else
+            snprintf(cache, sizeof(cache), "-");
+        printf("%-*s  %-4s  %-8s  %-21s  %-6s  %-5s  %8s  %6s  %5s  %-17s  %7lld  %6lld\n", name_w,
+               jstr(o, "name"), jstr(o, "role"), jstr(o, "state"), jdash(o, "address"),
+               jdash(o, "device"), jdash(o, "dtype"), up, age, util, cache, jint(load, "running"),
                jint(load, "queued"));
     }
     if (json_array_size(ws) == 0)
@@ -594,7 +662,9 @@ static int cmd_drain(const ctl_t *c, int argc, char **argv)
     int rc = admin_call(c, "POST", path, NULL, timeout_ms, &j);
     if (rc != EXIT_OK)
         return rc;
-    if (wait)
+    if (c->json)
+        print_json(j);
+    else if (wait)
         printf("worker %s: drained (no running requests, waited %.1f s)\n", worker,
                jint(j, "waited_ms") / 1000.0);
     else
@@ -628,7 +698,10 @@ static int cmd_undrain(const ctl_t *c, int argc, char **argv)
     int rc = admin_call(c, "POST", path, NULL, REQUEST_TIMEOUT_MS, &j);
     if (rc != EXIT_OK)
         return rc;
-    printf("worker %s: live\n", worker);
+    if (c->json)
+        print_json(j);
+    else
+        printf("worker %s: live\n", worker);
     json_decref(j);
     return EXIT_OK;
 }
@@ -692,14 +765,59 @@ static int cmd_admission(const ctl_t *c, int argc, char **argv)
     }
     if (rc != EXIT_OK)
         return rc;
-    print_admission(j);
+    if (c->json)
+        print_json(j);
+    else
+        print_admission(j);
+    json_decref(j);
+    return EXIT_OK;
+}
+
+static int cmd_log_level(const ctl_t *c, int argc, char **argv)
+{
+    const char *level = NULL;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            fputs(usage_log_level, stdout);
+            return EXIT_OK;
+        } else if (argv[i][0] == '-' || level != NULL) {
+            die_usage("log-level: unexpected argument \"%s\"", argv[i]);
+        }
+        level = argv[i];
+    }
+    static const char *const levels[] = {"error", "warn", "info", "debug", "trace"};
+    bool known = level == NULL;
+    for (size_t i = 0; !known && i < sizeof(levels) / sizeof(levels[0]); i++)
+        known = strcmp(level, levels[i]) == 0;
+    if (!known)
+        die_usage("log-level: \"%s\" is not one of error, warn, info, debug, trace", level);
+    json_t *j = NULL;
+    int rc;
+    if (level == NULL) {
+        rc = admin_call(c, "GET", "/admin/log-level", NULL, REQUEST_TIMEOUT_MS, &j);
+    } else {
+        json_t *body = json_pack("{s:s}", "level", level);
+        char *text = json_dumps(body, JSON_COMPACT);
+        json_decref(body);
+        rc = admin_call(c, "POST", "/admin/log-level", text, REQUEST_TIMEOUT_MS, &j);
+        free(text);
+    }
+    if (rc != EXIT_OK)
+        return rc;
+    if (c->json)
+        print_json(j);
+    else if (level == NULL)
+        printf("log level: %s\n", jstr(j, "level"));
+    else
+        printf("log level: %s (was %s; %lld workers told)\n", jstr(j, "level"), jstr(j, "previous"),
+               jint(j, "workers"));
     json_decref(j);
     return EXIT_OK;
 }
 
 int main(int argc, char **argv)
 {
-    ctl_t c;
+    ctl_t c = {.json = false};
     const char *admin_url = NULL;
     c.token = getenv("DUET_ADMIN_TOKEN");
     /* Global options may appear anywhere; the rest is the command and its arguments. */
@@ -721,6 +839,8 @@ int main(int argc, char **argv)
             admin_url = a + 8;
         } else if (strncmp(a, "--token=", 8) == 0) {
             c.token = a + 8;
+        } else if (strcmp(a, "--json") == 0) {
+            c.json = true;
         } else if ((strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) && nrest == 0) {
             help = true;
         } else if (duet_version_flag(a) && nrest == 0) {
@@ -738,6 +858,21 @@ int main(int argc, char **argv)
     }
     if (c.token != NULL && c.token[0] == '\0')
         c.token = NULL;
+    /* `duet up` leaves its router's URL and token in the admin file: used when --admin is not
+     * given (or names the same router), its token when none was given */
+    static char file_url[300], file_token[512];
+    char file[4096];
+    if (duet_admin_file_path(file, sizeof(file)) && access(file, F_OK) == 0) {
+        if (duet_admin_file_read(file, file_url, sizeof(file_url), file_token,
+                                 sizeof(file_token)) != DUET_OK)
+            fprintf(stderr, "duetctl: ignoring %s\n", duet_error_last());
+        else if (admin_url == NULL || strcmp(admin_url, file_url) == 0) {
+            if (admin_url == NULL && file_url[0] != '\0')
+                admin_url = file_url;
+            if (c.token == NULL && file_token[0] != '\0')
+                c.token = file_token;
+        }
+    }
     if (c.token != NULL && strpbrk(c.token, "\r\n") != NULL)
         die_usage("the token must not contain a line break");
     char err[512];
@@ -764,6 +899,8 @@ int main(int argc, char **argv)
         rc = cmd_undrain(&c, nrest - 1, rest + 1);
     } else if (strcmp(cmd, "admission") == 0) {
         rc = cmd_admission(&c, nrest - 1, rest + 1);
+    } else if (strcmp(cmd, "log-level") == 0) {
+        rc = cmd_log_level(&c, nrest - 1, rest + 1);
     } else {
         die_usage("unknown command \"%s\"", cmd);
     }

@@ -4,7 +4,9 @@
  * completions endpoints hand the request to the request state machine (request.c); the others
  * answer at once from the router's state.
  */
+#include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/strbuf.h"
@@ -143,6 +145,7 @@ static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_e
     duet_metrics_gauge_set(rt->m_cache_target_bytes, plans[2]);
     duet_metrics_gauge_set(rt->m_cache_draft_pages, plans[3]);
     duet_metrics_gauge_set(rt->m_cache_draft_bytes, plans[4]);
+    duet__obs_scrape(rt);
     /* the worker gauges are read from the registry when scraped, not kept up to date */
     for (int role = DUET_WORKER_ROLE_CTX; role <= DUET_WORKER_ROLE_GEN; role++)
         for (int s = 0; s < DUET_WORKER_STATE_COUNT; s++) {
@@ -161,6 +164,44 @@ static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_e
     duet_strbuf_free(&sb);
 }
 
+/* Adds a live worker that serves /metrics to the http_sd array at user. */
+static void ep_target_add(const duet_worker_info_t *w, void *user)
+{
+    if (w->metrics_port == 0 || w->state == DUET_WORKER_STATE_DEAD)
+        return;
+    /* the address the worker connected from ("ip:port", "[ip6]:port"), with its metrics port */
+    char host[64], target[80];
+    snprintf(host, sizeof(host), "%s", w->peer);
+    char *colon = strrchr(host, ':');
+    if (colon != NULL)
+        *colon = '\0';
+    snprintf(target, sizeof(target), "%s:%u", host, w->metrics_port);
+    char id[24];
+    snprintf(id, sizeof(id), "%llu", (unsigned long long)w->id);
+    json_t *labels = json_pack("{s:s, s:s, s:s}", "role", duet_worker_role_name(w->role), "worker",
+                               w->name, "worker_id", id);
+    json_t *o = json_pack("{s:[s], s:o}", "targets", target, "labels", labels);
+    if (o != NULL)
+        json_array_append_new(user, o);
+}
+
+/* GET /metrics/targets: the live workers' /metrics endpoints in Prometheus's HTTP service
+ * discovery shape ([{"targets": ["host:port"], "labels": {...}}]; docs/observability.md). */
+static void ep_metrics_targets(duet__router_t *rt, duet_http_request_t *http,
+                               const rt_endpoint_t *e)
+{
+    json_t *a = json_array();
+    duet_registry_foreach(rt->reg, ep_target_add, a);
+    char *text = a != NULL ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    if (text == NULL) {
+        rt_answer_json(http, 500, "{\"error\":{\"message\":\"out of memory\"}}");
+        return;
+    }
+    rt_answer_json(http, 200, text);
+    free(text);
+}
+
 // clang-format off
 static const rt_endpoint_t rt_endpoints[] = {
     {.method = "POST", .path = "/v1/completions",      .handle = ep_completion,
@@ -173,6 +214,7 @@ static const rt_endpoint_t rt_endpoints[] = {
     {.method = "GET",  .path = "/health",              .handle = ep_health},
     {.method = "GET",  .path = "/live",                .handle = ep_live},
     {.method = "GET",  .path = "/metrics",             .handle = ep_metrics},
+    {.method = "GET",  .path = "/metrics/targets",     .handle = ep_metrics_targets},
 };
 // clang-format on
 

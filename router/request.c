@@ -125,6 +125,8 @@ typedef struct rq {
     ProtobufCBinaryData *more_res; /* (n_more_res) a Helix group's ranks 1..; each owned */
     size_t n_more_res;
     uint64_t t_start_ns, t_first_ns, t_last_ns;
+    uint64_t t_admit_ns;  /* when admission let it run (0: never) */
+    int status, finish;   /* for the access line and metrics (obs.c): HTTP status, DUET__OBS_* */
     uint64_t deadline_ms; /* uv_now clock */
     uint32_t retry_after_ms;
     uint32_t *out; /* (n_out, cap_out) every generated id so far: a move's MoveState.generated */
@@ -293,13 +295,19 @@ static void rq_group_maybe_free(rq_group_t *g)
     free(g);
 }
 
-/* End every live choice of g (the client went away, or one choice failed the response). */
-static void rq_group_end_all(rq_group_t *g, const char *why)
+/* End every live choice of g (the client went away, or one choice failed the response), each
+ * recorded (obs.c) with HTTP `status` and, when it was admitted, `finish` (DUET__OBS_*). */
+static void rq_group_end_all(rq_group_t *g, const char *why, int status, int finish)
 {
     g->hold++;
-    for (uint32_t i = 0; i < g->n; i++)
-        if (g->choices[i] != NULL)
-            rq_end(g->choices[i], why);
+    for (uint32_t i = 0; i < g->n; i++) {
+        rq_t *c = g->choices[i];
+        if (c == NULL)
+            continue;
+        c->status = status;
+        c->finish = c->t_admit_ns != 0 ? finish : -1;
+        rq_end(c, why);
+    }
     g->hold--;
     rq_group_maybe_free(g);
 }
@@ -327,6 +335,20 @@ static void rq_end(rq_t *r, const char *why)
     }
     rq_table_del(rt, r);
     DUET_RLOG_DEBUG(r->id, "request ended: %s", why);
+    const duet__obs_request_t rec = {
+        .id = r->id,
+        .endpoint = r->g->endpoint,
+        .status = r->status,
+        .finish = r->finish,
+        .prompt_tokens = r->n_ids,
+        .completion_tokens = r->stream != NULL ? duet_oai_stream_n_tokens(r->stream) : 0,
+        .t_start_ns = r->t_start_ns,
+        .t_admit_ns = r->t_admit_ns,
+        .t_first_ns = r->t_first_ns,
+        .t_last_ns = r->t_last_ns,
+        .t_end_ns = uv_hrtime(),
+    };
+    duet__obs_request_end(rt, &rec); /* one access line per engine request (choice) */
     rq_group_t *g = r->g;
     g->choices[r->index] = NULL;
     g->n_live--;
@@ -376,9 +398,11 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
         }
     }
     rt_result(r->rt, g->endpoint, status == 429 ? "rejected" : "error");
+    r->status = status;
+    r->finish = r->t_admit_ns != 0 ? DUET__OBS_ERROR : -1;
     rq_end(r, msg);
     g->hold--;
-    rq_group_end_all(g, "another choice of the request failed");
+    rq_group_end_all(g, "another choice of the request failed", status, DUET__OBS_ABORT);
 }
 
 /* Streaming: the SSE headers (once per group) and this choice's first chunk (chat: its role
@@ -471,6 +495,8 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
         duet_metrics_histogram_observe(rt->m_e2e, (double)(uv_hrtime() - g->t_start_ns) / 1e9);
         rt_result(rt, g->endpoint, "ok");
     }
+    r->status = 200;
+    r->finish = finish == DUET_OAI_FINISH_LENGTH ? DUET__OBS_LENGTH : DUET__OBS_STOP;
     rq_end(r, "finished");
 }
 
@@ -540,7 +566,9 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
                 duet_metrics_histogram_observe(r->rt->m_ttft,
                                                (double)(r->t_first_ns - r->t_start_ns) / 1e9);
         }
-        r->t_last_ns = uv_hrtime();
+        const uint64_t now_ns = uv_hrtime();
+        duet__obs_token(r->rt, r->t_last_ns, now_ns);
+        r->t_last_ns = now_ns;
         duet_status_t st = duet_oai_stream_feed(r->stream, ids[i], &text, &len, &fin);
         if (st < 0) {
             rq_fail(r, 502, "server_error", "bad_worker_output", 0,
@@ -702,6 +730,8 @@ static void rq_prefill_failed(rq_t *r, const char *what)
 static void rq_start(rq_t *r)
 {
     r->admitted = true;
+    r->t_admit_ns = uv_hrtime();
+    duet__obs_admitted(r->rt, r->n_ids);
     if (!rq_send_to_gen(r))
         rq_fail(r, 503, "server_error", "no_capacity", 1,
                 "no live generation worker can take the request");
@@ -797,6 +827,7 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     r->meta = g->meta;
     r->meta.index = i;
     r->t_start_ns = g->t_start_ns;
+    r->finish = -1;
     r->local = r->n_ids < rt->local_prefill_tokens;
     r->deadline_ms = now + rt->deadline_ms;
     g->choices[i] = r;
@@ -837,6 +868,13 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
         DUET_RLOG_INFO(g->id, "rejected (%d): %s", err.http_status, err.message);
         respond_error(http, &err, 0);
         rt_result(rt, g->endpoint, "invalid");
+        const duet__obs_request_t rec = {.id = g->id,
+                                         .endpoint = g->endpoint,
+                                         .status = err.http_status,
+                                         .finish = -1,
+                                         .t_start_ns = g->t_start_ns,
+                                         .t_end_ns = uv_hrtime()};
+        duet__obs_request_end(rt, &rec);
         rq_group_maybe_free(g);
         return;
     }
@@ -889,7 +927,8 @@ void duet__rq_on_abort(duet_http_request_t *http, void *user)
     DUET_RLOG_INFO(g->id, "client disconnected");
     rt_result(g->rt, g->endpoint, "cancelled");
     g->answered = true;
-    rq_group_end_all(g, "client disconnected");
+    /* 499, nginx's "client closed request": nothing was answered */
+    rq_group_end_all(g, "client disconnected", 499, DUET__OBS_ABORT);
 }
 
 /* ---------------------------------------------------------------- worker events */

@@ -7,6 +7,7 @@
  *                  tokens to the client, the one end of a request, worker events, deadlines
  *   endpoints.c    the HTTP endpoints, routed by method + path through one table
  *   admin_ops.c    the admin API's operations (list, drain, undrain) over the registry
+ *   obs.c          the metrics under vLLM's names, the access line, the periodic stats line
  */
 #ifndef DUET_ROUTER_ROUTER_IMPL_H
 #define DUET_ROUTER_ROUTER_IMPL_H
@@ -31,6 +32,29 @@
 #define DUET__RT_MAX_MIGRATE 64   /* gen workers draining with migrate at once */
 
 typedef struct duet__router duet__router_t;
+
+/* vllm:request_success_total's finished_reason values (obs.c names them) */
+enum { DUET__OBS_STOP = 0, DUET__OBS_LENGTH, DUET__OBS_ABORT, DUET__OBS_ERROR, DUET__OBS_N_FINISH };
+
+/* obs.c's state: the vLLM-named series (model_name label) and the stats line's window. */
+typedef struct {
+    duet_metric_t *running, *waiting, *kv_usage;
+    duet_metric_t *ttft, *itl, *tpot, *e2e, *queue, *prefill, *decode;
+    duet_metric_t *prompt_tokens, *generation_tokens, *preemptions;
+    duet_metric_t *success[DUET__OBS_N_FINISH];
+    uv_timer_t stats_timer;
+    uint64_t win_start_ms, win_requests, win_prompt_tokens, win_gen_tokens;
+} duet__obs_t;
+
+/* What a request was, for duet__obs_request_end (times are uv_hrtime; 0 = never happened). */
+typedef struct {
+    uint64_t id;
+    const char *endpoint; /* the path */
+    int status;           /* the HTTP status answered (200 also for a stream that ended well) */
+    int finish;           /* DUET__OBS_*, or -1: never admitted (invalid, refused) */
+    size_t prompt_tokens, completion_tokens;
+    uint64_t t_start_ns, t_admit_ns, t_first_ns, t_last_ns, t_end_ns;
+} duet__obs_request_t;
 
 struct duet__router {
     uv_loop_t *loop;
@@ -78,6 +102,7 @@ struct duet__router {
     duet_metric_t *m_spec_drafted[DUET_PROTO_SPEC_POSITIONS];
     duet_metric_t *m_spec_accepted[DUET_PROTO_SPEC_POSITIONS];
     duet_metric_family_t *f_workers, *f_results, *f_retries, *f_moves;
+    duet__obs_t obs;
 };
 
 /* ---------------------------------------------------------------- request.c */
@@ -112,6 +137,24 @@ bool duet__rt_set_migrating(duet__router_t *rt, uint64_t id, bool on);
 /* duet_http_options_t.on_request and .path_class (user = the router). */
 void duet__rt_on_request(duet_http_request_t *http, void *user);
 const char *duet__rt_path_class(const char *path, void *user);
+
+/* ---------------------------------------------------------------- obs.c */
+
+/* Register the vLLM-named series in rt->metrics (after rt->model_name is known). */
+duet_status_t duet__obs_init(duet__router_t *rt);
+/* Start / stop the periodic stats line (every interval_ms when there was traffic; 0 = never). */
+void duet__obs_start(duet__router_t *rt, uint64_t interval_ms);
+void duet__obs_stop(duet__router_t *rt);
+/* A request was admitted with this many prompt tokens. */
+void duet__obs_admitted(duet__router_t *rt, size_t prompt_tokens);
+/* A token reached the router at now_ns; prev_ns is the request's previous token's (0: first). */
+void duet__obs_token(duet__router_t *rt, uint64_t prev_ns, uint64_t now_ns);
+/* A request ended (called once, from its one end): histograms, counters, the access line. */
+void duet__obs_request_end(duet__router_t *rt, const duet__obs_request_t *q);
+/* Before /metrics renders: the gauges read from admission and the registry. */
+void duet__obs_scrape(duet__router_t *rt);
+/* Generation workers suspended n more requests (vllm:num_preemptions_total). */
+void duet__obs_suspensions(duet__router_t *rt, uint64_t n);
 
 /* ---------------------------------------------------------------- admin_ops.c */
 

@@ -79,8 +79,12 @@ static const duet_config_key_t rt_keys[] = {
      "bearer token every /v1 route, /tokenize and /detokenize require (\"\" = open; /health and "
      "/metrics stay open); keep it off the command line: DUET_API_KEY",
      .secret = true},
+    {"log.stats_interval_s", DUET_CONFIG_INT, "10",
+     "log throughput and KV cache use every S s when there was traffic (0 = never)", .min = "0",
+     .max = "86400"},
     DUET_ADMISSION_CONFIG_KEYS,
     DUET_ADMIN_CONFIG_KEYS,
+    DUET_LOG_CONFIG_KEYS,
 };
 
 /* ---------------------------------------------------------------- start-up */
@@ -239,7 +243,7 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
             return st;
         *(duet_metric_t **)((char *)rt + cp[i].off) = duet_metrics_single(f);
     }
-    if ((st = rt_spec_metrics_init(rt)) < 0)
+    if ((st = rt_spec_metrics_init(rt)) < 0 || (st = duet__obs_init(rt)) < 0)
         return st;
     if ((st = duet_metrics_gauge_new(m, "duet_router_workers",
                                      "registered workers by role and state", wk, 2,
@@ -271,6 +275,7 @@ static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *
         duet_metrics_counter_add(rt->m_gen_tokens, (double)d->decoded_tokens);
         duet_metrics_counter_add(rt->m_gen_step_s, d->step_seconds);
         duet_metrics_counter_add(rt->m_gen_suspended, (double)d->suspensions);
+        duet__obs_suspensions(rt, d->suspensions);
         duet_metrics_counter_add(rt->m_gen_resumed, (double)d->resumes);
         for (unsigned i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
             duet_metrics_histogram_observe_n(rt->m_spec_step_tokens, (double)(i + 1),
@@ -293,6 +298,7 @@ static void rt_close_rest(duet__router_t *rt)
         duet_admin_close(rt->admin, NULL, NULL);
     uv_timer_stop(&rt->tick);
     uv_close((uv_handle_t *)&rt->tick, NULL);
+    duet__obs_stop(rt);
     uv_close((uv_handle_t *)&rt->sig_int, NULL);
     uv_close((uv_handle_t *)&rt->sig_term, NULL);
 }
@@ -384,6 +390,7 @@ static int rt_configure(duet__router_t *rt, int argc, char **argv)
         fprintf(stderr, "duet-router: %s\n(try --help)\n", duet_error_last());
         return 2;
     }
+    duet_log_configure(rt->cfg); /* before the configuration's own lines */
     duet_config_log(rt->cfg);
     return -1;
 }
@@ -549,6 +556,7 @@ static duet_status_t rt_start(duet__router_t *rt, const char *fingerprint)
     uv_timer_init(rt->loop, &rt->tick);
     rt->tick.data = rt;
     uv_timer_start(&rt->tick, duet__rq_tick, 50, 50);
+    duet__obs_start(rt, (uint64_t)duet_config_get_int(cfg, "log.stats_interval_s") * 1000);
     uv_signal_init(rt->loop, &rt->sig_int);
     uv_signal_init(rt->loop, &rt->sig_term);
     rt->sig_int.data = rt;

@@ -5,6 +5,7 @@
  */
 #include "worker/skeleton.h"
 
+#include <ctype.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,7 +15,9 @@
 #include "common/fingerprint.h"
 #include "common/log.h"
 #include "common/version.h"
+#include "kernels/kernels.h"
 #include "proto/envelope.h"
+#include "worker/metrics.h"
 
 /* ---- requests ------------------------------------------------------------------------- */
 
@@ -250,20 +253,28 @@ static int64_t w_kv_scale(const duet_worker_t *w)
     return w->group != NULL ? duet_group_cp(w->group) : 1;
 }
 
-static void w_heartbeat(duet_worker_t *w)
+void duet_worker_fill_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb, uint32_t *kv_pages_p)
 {
     duet_kv_pool_t *kv = duet_model_kv_pool(w->m);
-    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
     /* a group's pages: rank 0 holds the largest share of every sequence, cp ranks share them */
-    hb.free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
+    hb->free_pages = kv != NULL ? (uint32_t)(duet_kv_pool_n_free(kv) * w_kv_scale(w)) : 0;
+    if (kv_pages_p != NULL)
+        *kv_pages_p = kv != NULL ? (uint32_t)(duet_kv_pool_desc(kv)->n_pages * w_kv_scale(w)) : 0;
     duet_kda_pool_t *kda = duet_model_kda_pool(w->m);
     if (kda != NULL) {
-        hb.free_state_slots = (uint32_t)duet_kda_pool_n_free(kda);
-        hb.state_slots = (uint32_t)duet_kda_pool_desc(kda)->n_slots;
+        hb->free_state_slots = (uint32_t)duet_kda_pool_n_free(kda);
+        hb->state_slots = (uint32_t)duet_kda_pool_desc(kda)->n_slots;
     }
-    hb.draining = w->draining || w->leaving;
-    hb.prefill_tokens = w->prefill_tokens;
-    w->ops->heartbeat(w, &hb);
+    hb->draining = w->draining || w->leaving;
+    hb->prefill_tokens = w->prefill_tokens;
+    hb->busy_seconds = w->busy_seconds;
+    w->ops->heartbeat(w, hb);
+}
+
+static void w_heartbeat(duet_worker_t *w)
+{
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    duet_worker_fill_heartbeat(w, &hb, NULL);
     Duet__Envelope env = duet_envelope_heartbeat(&hb);
     (void)duet_link_send(w->link, &env);
     w->last_hb = duet_worker_now();
@@ -325,6 +336,7 @@ static void w_step(uv_idle_t *h)
         return;
     }
     double dt = duet_worker_now() - t0;
+    w->busy_seconds += dt;
     if (st == DUET_OK)
         w->prefill_tokens += (uint64_t)w->step_prefill;
     w->ops->step_done(w, n, st, dt);
@@ -404,6 +416,19 @@ static void w_on_message(const Duet__Envelope *env, void *user)
         DUET_LOG_INFO("%s", w->ops->undrain_log);
         w->draining = false;
         return;
+    case DUET__ENVELOPE__BODY_SET_LOG_LEVEL: {
+        duet_log_level_t lvl;
+        const char *name = env->set_log_level->level;
+        if (duet_log_level_parse(name, &lvl) != DUET_OK) {
+            DUET_LOG_WARN("ignoring a log level the router sent that is not one of error, warn, "
+                          "info, debug, trace");
+            return;
+        }
+        DUET_LOG_WARN("log level %s -> %s (the router's admin API)",
+                      duet_log_level_name(duet_log_level()), duet_log_level_name(lvl));
+        duet_log_set_level(lvl);
+        return;
+    }
     default:
         if (!w->ops->on_message(w, env))
             DUET_LOG_WARN("ignoring a message with body %d from the router", (int)env->body_case);
@@ -450,8 +475,10 @@ static int w_configure(const duet_worker_ops_t *ops, int argc, char **argv, duet
                                 "(%lld)",
                                 (long long)chunk, (long long)max);
     }
-    if (st == DUET_OK)
+    if (st == DUET_OK) {
+        duet_log_configure(cfg); /* before the configuration's own lines */
         duet_config_log(cfg);
+    }
     if (st == DUET_OK) /* before w_load starts UCX, which reads them */
         st = duet_worker_ucx_env(cfg);
     if (st != DUET_OK) {
@@ -472,6 +499,13 @@ static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_
     duet_xfer_ctx_opts_t xo;
     duet_xfer_ctx_opts_default(&xo);
     xo.recv_no_abort_back = ops->receives;
+    /* metrics.port: a registry for the worker's /metrics, which the transfer layer fills too */
+    if (duet_config_get_int(w->cfg, "metrics.port") >= 0 &&
+        (st = duet_metrics_create(&w->metrics)) != DUET_OK) {
+        fprintf(stderr, "%s: metrics: %s\n", ops->prog, duet_error_last());
+        return st;
+    }
+    xo.metrics = w->metrics;
     if ((st = duet_xfer_ctx_create(&xo, &w->x)) != DUET_OK) {
         fprintf(stderr, "%s: cannot start UCX: %s\n", ops->prog, duet_error_last());
         return st;
@@ -553,6 +587,22 @@ static duet_status_t w_start(duet_worker_t *w)
     reg.worker_name = w->name;
     reg.model_fingerprint = fp;
     reg.capacity = &cap;
+    reg.device = (char *)duet_model_device_name(mo->device);
+    char dtype[16]; /* "f32", as the dtype key spells it */
+    snprintf(dtype, sizeof(dtype), "%s", duet_dtype_name(mo->compute_dtype));
+    for (char *p = dtype; *p != '\0'; p++)
+        *p = (char)tolower((unsigned char)*p);
+    reg.dtype = dtype;
+    reg.started_unix_ms = w->started_unix_ms;
+    if (w->metrics != NULL) { /* before Register, which reports its port */
+        const char *host = duet_config_get_string(w->cfg, "metrics.host");
+        if ((st = duet_worker_metrics_start(w, w->metrics, host,
+                                            (uint16_t)duet_config_get_int(w->cfg, "metrics.port"),
+                                            &w->wmetrics)) != DUET_OK)
+            return st;
+        reg.metrics_port = duet_worker_metrics_port(w->wmetrics);
+        DUET_LOG_INFO("metrics: serving GET /metrics on %s:%u", host, reg.metrics_port);
+    }
     duet_link_opts_t lo = {
         .router = duet_config_get_string(w->cfg, "router"),
         .connect_timeout_ms = (uint32_t)duet_config_get_int(w->cfg, "router_connect_timeout_ms"),
@@ -601,6 +651,8 @@ static void w_close(duet_worker_t *w)
     (void)duet_link_send(w->link, &env);
     duet_link_close(w->link, 1000);
     w->link = NULL;
+    duet_worker_metrics_close(w->wmetrics);
+    w->wmetrics = NULL;
     duet_worker_pump_stop(&w->pump);
     uv_close((uv_handle_t *)&w->idle, NULL);
     uv_close((uv_handle_t *)&w->hb, NULL);
@@ -642,6 +694,8 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
     free(w->item_req);
     free(w->order);
     free(w->deferred);
+    duet_metrics_destroy(w->metrics); /* after the transfer context, which updated it */
+    w->metrics = NULL;
     duet_config_destroy(w->cfg);
 }
 
@@ -662,6 +716,7 @@ int duet_worker_main(const duet_worker_ops_t *ops, int argc, char **argv)
 {
     static duet_worker_t w; /* lives as long as the process; handles point into it */
     w.ops = ops;
+    w.started_unix_ms = duet_xfer_now_unix_ms();
     int rc = w_configure(ops, argc, argv, &w.cfg);
     if (rc >= 0)
         return rc;

@@ -156,7 +156,21 @@ struct duet_worker {
      * router places nothing new) until it is done or the deadline; then the usual stop */
     bool leaving;
     double drain_s, leave_deadline, idle_since; /* duet_worker_now; idle_since 0 while busy */
+    /* observability: the registry of this worker's /metrics (NULL when metrics.port is -1; the
+     * transfer layer's duet_xfer_* go there too) and its listener; time in steps; start time */
+    duet_metrics_t *metrics;
+    struct duet_worker_metrics *wmetrics;
+    double busy_seconds;
+    uint64_t started_unix_ms;
 };
+
+/*
+ * A heartbeat's worth of the worker's state into hb (from DUET__HEARTBEAT__INIT): its pools'
+ * free pages and slots, draining, prefill tokens, busy seconds and the role's fields; *kv_pages_p
+ * (may be NULL) receives the pool's pages as Register reported them. No side effects: the
+ * heartbeat and the worker's /metrics (worker/metrics.h) both read it.
+ */
+void duet_worker_fill_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb, uint32_t *kv_pages_p);
 
 /* Run a worker of this role: returns the process's exit status (0, 1 on a failed start, 2 for a
  * bad command line). */

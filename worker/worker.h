@@ -13,6 +13,7 @@
 #include <uv.h>
 
 #include "common/config.h"
+#include "common/log.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "transfer/xfer.h"
@@ -35,6 +36,16 @@
          .choices = duet_worker_devices},                                                          \
         {"dtype", DUET_CONFIG_ENUM, "auto", DUET_MODEL_DTYPE_HELP, .choices = duet_worker_dtypes}, \
         {"heartbeat_ms", DUET_CONFIG_INT, "250", "heartbeat period", .min = "10", .max = "60000"}, \
+        {"metrics.port",                                                                           \
+         DUET_CONFIG_INT,                                                                          \
+         "-1",                                                                                     \
+         "serve GET /metrics (Prometheus) on this port: -1 = off, 0 = an ephemeral port (the "     \
+         "router lists it at /metrics/targets)",                                                   \
+         .min = "-1",                                                                              \
+         .max = "65535"},                                                                          \
+        {"metrics.host", DUET_CONFIG_STRING, "127.0.0.1",                                          \
+         "the /metrics listener's bind address (\"0.0.0.0\": reachable from other hosts)",         \
+         .min = NULL},                                                                             \
         {"shutdown.drain_s",                                                                       \
          DUET_CONFIG_INT,                                                                          \
          "0",                                                                                      \
@@ -82,15 +93,14 @@
          "prefill, a generation worker's moved request); the receiver verifies it. Host pools "    \
          "only: not with transfer.device_pools moving the GPU's pools",                            \
          .min = NULL},                                                                             \
-    {                                                                                              \
-        "transfer.device_pools", DUET_CONFIG_ENUM, "off",                                          \
-            "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes "  \
-            "the "                                                                                 \
-            "GPU's pools directly when it has CUDA transports (experimental: with UCX 1.13.1 "     \
-            "slower "                                                                              \
-            "than staging, see bench/RESULTS.md)",                                                 \
-            .choices = duet_worker_device_pools_modes                                              \
-    }
+        {"transfer.device_pools", DUET_CONFIG_ENUM, "off",                                         \
+         "cuda: off = KV and state go through pinned host pools; auto = UCX reads and writes "     \
+         "the "                                                                                    \
+         "GPU's pools directly when it has CUDA transports (experimental: with UCX 1.13.1 "        \
+         "slower "                                                                                 \
+         "than staging, see bench/RESULTS.md)",                                                    \
+         .choices = duet_worker_device_pools_modes},                                               \
+        DUET_LOG_CONFIG_KEYS
 
 extern const char *const duet_worker_devices[];            /* "auto", "cpu", "cuda" */
 extern const char *const duet_worker_dtypes[];             /* "auto", "f32", "bf16" */

@@ -637,3 +637,13 @@ void duet_cluster_destroy(duet_cluster_t *spec)
     free(spec->sample_prompt);
     free(spec);
 }
+
+const char *duet_cluster_arg(const duet_cluster_role_t *r, const char *key)
+{
+    size_t kl = strlen(key);
+    for (size_t i = 0; i < r->n_args; i++)
+        if (strncmp(r->args[i], "--", 2) == 0 && strncmp(r->args[i] + 2, key, kl) == 0 &&
+            r->args[i][2 + kl] == '=')
+            return r->args[i] + 3 + kl;
+    return NULL;
+}

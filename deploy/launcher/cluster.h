@@ -94,4 +94,8 @@ duet_status_t duet_cluster_load_file(const char *path, const duet_cluster_paths_
 /* Free a cluster. Accepts NULL. */
 void duet_cluster_destroy(duet_cluster_t *spec);
 
+/* The value of flag "--key=value" among a role's flags (its `args:` / the router's keys), or
+ * NULL when the file does not set it. */
+const char *duet_cluster_arg(const duet_cluster_role_t *r, const char *key);
+
 #endif

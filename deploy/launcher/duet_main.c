@@ -43,6 +43,7 @@
 #include "deploy/launcher/hreq.h"
 #include "deploy/launcher/procs.h"
 #include "deploy/launcher/sbatch.h"
+#include "router/cluster/admin.h"
 
 #define UP_HEALTH_EVERY_MS   200
 #define UP_PROGRESS_EVERY_MS 2000
@@ -62,6 +63,10 @@ typedef struct {
     char http_host[256], workers_host[256]; /* addresses to connect to (0.0.0.0 -> 127.0.0.1) */
     char mpirun[PATH_MAX];                  /* found on PATH when a gen group needs it, else "" */
     uint64_t t0_ms;
+    /* the router's admin API (up_admin_prepare): its URL, the token (made here when the file
+     * sets none: then the router alone gets it, as DUET_ADMIN_TOKEN), the admin file written */
+    char admin_url[300], admin_token[72], admin_file[PATH_MAX];
+    bool admin_on, token_made, admin_file_written;
 } up_t;
 
 static uint64_t up_now_ms(void)
@@ -359,13 +364,64 @@ static duet_status_t up_spawn(up_t *up, const char *name, const duet_cluster_rol
     return st;
 }
 
+/*
+ * The router's admin API, so that `duetctl status` works out of the box: its admin.token from
+ * the cluster file or DUET_ADMIN_TOKEN, else a fresh random one (admin.insecure_no_token: none);
+ * the URL from admin.host / admin.port (default 127.0.0.1:8081). Both go to the admin file
+ * (router/cluster/admin.h), which plain duetctl reads; a failure to write it only warns.
+ */
+static void up_admin_prepare(up_t *up)
+{
+    const duet_cluster_role_t *r = &up->spec->router;
+    const char *token = duet_cluster_arg(r, "admin.token");
+    const char *insecure = duet_cluster_arg(r, "admin.insecure_no_token");
+    if (token == NULL || token[0] == '\0')
+        token = getenv("DUET_ADMIN_TOKEN");
+    const bool no_token = insecure != NULL && strcmp(insecure, "false") != 0;
+    if ((token == NULL || token[0] == '\0') && !no_token) {
+        unsigned char raw[16];
+        FILE *f = fopen("/dev/urandom", "rb");
+        const bool ok = f != NULL && fread(raw, 1, sizeof(raw), f) == sizeof(raw);
+        if (f != NULL)
+            fclose(f);
+        if (!ok) {
+            fprintf(stderr, "duet: cannot read /dev/urandom: the admin API stays off\n");
+            return;
+        }
+        for (size_t i = 0; i < sizeof(raw); i++)
+            snprintf(up->admin_token + 2 * i, 3, "%02x", raw[i]);
+        up->token_made = true;
+    } else if (token != NULL) {
+        snprintf(up->admin_token, sizeof(up->admin_token), "%s", token);
+    }
+    const char *host = duet_cluster_arg(r, "admin.host"), *port = duet_cluster_arg(r, "admin.port");
+    char connect[256];
+    up_connect_host(host != NULL ? host : "127.0.0.1", connect, sizeof(connect));
+    const bool v6 = strchr(connect, ':') != NULL;
+    snprintf(up->admin_url, sizeof(up->admin_url), "http://%s%s%s:%s", v6 ? "[" : "", connect,
+             v6 ? "]" : "", port != NULL ? port : "8081");
+    up->admin_on = true;
+    if (duet_admin_file_path(up->admin_file, sizeof(up->admin_file))) {
+        if (duet_admin_file_write(up->admin_file, up->admin_url, up->admin_token) == DUET_OK)
+            up->admin_file_written = true;
+        else
+            fprintf(stderr, "duet: %s (duetctl needs --admin and --token)\n", duet_error_last());
+    }
+}
+
 static duet_status_t up_start_router(up_t *up)
 {
     const duet_cluster_t *s = up->spec;
     char *fixed[] = {"--model", s->model};
     fprintf(stderr, "duet: starting duet-router (%s): http %s:%d, workers %s:%d\n",
             s->router.binary, s->http_host, s->http_port, s->workers_host, s->workers_port);
+    /* a token made here reaches the router only (the environment, not its command line, which
+     * other users can read; the workers have no such key and would warn) */
+    if (up->token_made)
+        setenv("DUET_ADMIN_TOKEN", up->admin_token, 1);
     duet_status_t st = up_spawn(up, "router", &s->router, fixed, 2, &up->router);
+    if (up->token_made)
+        unsetenv("DUET_ADMIN_TOKEN");
     if (st != DUET_OK)
         return st;
     uint64_t deadline = up->t0_ms + (uint64_t)s->startup_timeout_s * 1000;
@@ -528,10 +584,21 @@ static duet_status_t up_announce(up_t *up)
     duet_sbatch_shell_quote(&sb, body);
     printf("\nduet is up in %.1f s: %d ctx + %d gen workers, model \"%s\"\n"
            "  OpenAI API  http://%s%s%s:%d/v1   (health /health, metrics /metrics)\n"
-           "  try         %s\n\n",
+           "  try         %s\n",
            (double)(up_now_ms() - up->t0_ms) / 1000.0, s->ctx.count, s->gen.count,
            model != NULL ? model : "?", h6, up->http_host, h6e, s->http_port,
            sb.data != NULL ? sb.data : "");
+    if (up->admin_on && up->admin_file_written)
+        printf("  admin       %s  token %s\n"
+               "  operate     duetctl status   (URL and token in %s)\n",
+               up->admin_url, up->admin_token[0] != '\0' ? up->admin_token : "(none)",
+               up->admin_file);
+    else if (up->admin_on)
+        printf("  admin       %s  token %s\n"
+               "  operate     duetctl --admin %s%s%s status\n",
+               up->admin_url, up->admin_token[0] != '\0' ? up->admin_token : "(none)",
+               up->admin_url, up->admin_token[0] != '\0' ? " --token " : "", up->admin_token);
+    printf("\n");
     fflush(stdout);
     duet_strbuf_free(&sb);
     free(model);
@@ -706,6 +773,7 @@ static int up_main(int argc, char **argv)
     fprintf(stderr, "duet: cluster %s: model %s\n", up.spec->file, up.spec->model);
     up.t0_ms = up_now_ms();
     int rc = 1;
+    up_admin_prepare(&up);
     duet_status_t st = up_start_router(&up);
     if (st == DUET_OK)
         st = up_start_workers(&up);
@@ -729,6 +797,8 @@ static int up_main(int argc, char **argv)
         fprintf(stderr, "duet: start-up interrupted\n");
     if (!up_stop(&up) && rc == 0)
         rc = 1;
+    if (up.admin_file_written) /* its router is gone */
+        (void)unlink(up.admin_file);
     duet_procs_destroy(up.ps);
     duet_cluster_destroy(up.spec);
     return rc;

@@ -22,21 +22,10 @@ void duet_sbatch_shell_quote(duet_strbuf_t *sb, const char *s)
     duet_strbuf_puts(sb, "'");
 }
 
-/* The value of flag "--key=value" among a role's flags, or NULL. */
-static const char *sb__arg(const duet_cluster_role_t *r, const char *key)
-{
-    size_t kl = strlen(key);
-    for (size_t i = 0; i < r->n_args; i++)
-        if (strncmp(r->args[i], "--", 2) == 0 && strncmp(r->args[i] + 2, key, kl) == 0 &&
-            r->args[i][2 + kl] == '=')
-            return r->args[i] + 3 + kl;
-    return NULL;
-}
-
 /* CPUs one rank of a role computes on: its `threads` when a positive number, else 1. */
 static int sb__cpus(const duet_cluster_role_t *r)
 {
-    const char *t = sb__arg(r, "threads");
+    const char *t = duet_cluster_arg(r, "threads");
     long n = t != NULL ? strtol(t, NULL, 10) : 1;
     return n >= 1 && n <= 1024 ? (int)n : 1;
 }
@@ -230,11 +219,11 @@ static void sb__worker(duet_strbuf_t *sb, const duet_cluster_role_t *r, const ch
                        name);
     /* a plain `scancel JOB` sends every task SIGTERM at once: each worker finishes what it
      * holds before it stops, and the router waits for them (the batch script's order) */
-    if (sb__arg(r, "shutdown.drain_s") == NULL)
+    if (duet_cluster_arg(r, "shutdown.drain_s") == NULL)
         duet_strbuf_puts(sb, " --shutdown.drain_s=\"$DUET_STOP_TIMEOUT\"");
     if (ranks > 1) {
         duet_strbuf_printf(sb, " --helix.cp=%d --helix.tp=%d", r->cp, r->tp);
-        if (sb__arg(r, "threads") == NULL)
+        if (duet_cluster_arg(r, "threads") == NULL)
             duet_strbuf_puts(sb, " --threads=1"); /* as duet up's groups: one thread a rank */
     }
     for (size_t i = 0; i < r->n_args; i++) {
@@ -324,10 +313,10 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
     duet_strbuf_puts(sb, "DUET_ENDPOINT=$DUET_ENDPOINT/v1\n");
 
     /* the drain on stop needs the admin API, which runs only with a token */
-    const char *token = sb__arg(&s->router, "admin.token");
+    const char *token = duet_cluster_arg(&s->router, "admin.token");
     if (token != NULL) {
-        const char *host = sb__arg(&s->router, "admin.host");
-        const char *port = sb__arg(&s->router, "admin.port");
+        const char *host = duet_cluster_arg(&s->router, "admin.host");
+        const char *port = duet_cluster_arg(&s->router, "admin.port");
         duet_strbuf_puts(sb, "DUET_ADMIN_URL=http://");
         duet_sbatch_shell_quote(sb, host == NULL || sb__wildcard(host) ? "127.0.0.1" : host);
         duet_strbuf_puts(sb, ":");
@@ -361,7 +350,7 @@ duet_status_t duet_sbatch_write(const duet_cluster_t *s, const duet_sbatch_opts_
                          "     --output=\"$DUET_LOG_DIR/router.log\" ");
     duet_sbatch_shell_quote(sb, s->router.binary);
     duet_strbuf_puts(sb, " --model \"$DUET_MODEL\"");
-    if (sb__arg(&s->router, "shutdown.drain_s") == NULL)
+    if (duet_cluster_arg(&s->router, "shutdown.drain_s") == NULL)
         duet_strbuf_puts(sb, " --shutdown.drain_s=$((DUET_STOP_TIMEOUT + 5))");
     for (size_t i = 0; i < s->router.n_args; i++) {
         duet_strbuf_puts(sb, " ");

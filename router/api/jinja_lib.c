@@ -845,6 +845,7 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
             while (i < fmt->len && fmt->s[i] >= '0' && fmt->s[i] <= '9' && sl < 24)
                 spec[sl++] = fmt->s[i++];
         }
+        spec[sl] = '\0'; /* the precision is read with strtoul below */
         if (i >= fmt->len)
             return JJ_RERR(r, DUET_ERR_INVALID, off, "incomplete format");
         /* Width and precision beyond 4 digits would only build strings over the limits. */
@@ -909,7 +910,6 @@ duet_status_t jj_percent(jj_render_t *r, size_t off, const duet_jinja_value_t *f
         if (!jj_is_number(v))
             return JJ_RERR(r, DUET_ERR_INVALID, off,
                            "%%%c format: a real number is required, not %s", conv, jj_type_name(v));
-        spec[sl] = '\0';
         if (strchr("diuxXoc", conv) != NULL) {
             if (v->kind == JV_FLOAT && conv == 'c')
                 return JJ_RERR(r, DUET_ERR_INVALID, off, "%%c requires int or char");

@@ -10,11 +10,15 @@
  */
 #include "router/cluster/admin.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "common/config.h"
 #include "common/json.h"
@@ -189,8 +193,17 @@ static void add_worker(const duet_admin_worker_info_t *w, void *user)
     json_t *o = json_pack("{s:I,s:s,s:s,s:s,s:o}", "id", (json_int_t)w->id, "name",
                           w->name != NULL ? w->name : "", "role", w->role != NULL ? w->role : "",
                           "state", duet_admin_worker_state_name(w->state), "load", load);
-    if (o != NULL)
-        json_array_append_new(arr, o);
+    if (o == NULL)
+        return;
+    /* json_string refuses invalid UTF-8: the registry keeps these to [A-Za-z0-9_.:-] */
+    json_object_set_new(o, "address", json_string(w->address != NULL ? w->address : ""));
+    json_object_set_new(o, "device", json_string(w->device != NULL ? w->device : ""));
+    json_object_set_new(o, "dtype", json_string(w->dtype != NULL ? w->dtype : ""));
+    json_object_set_new(o, "uptime_s", json_integer((json_int_t)w->uptime_s));
+    json_object_set_new(o, "heartbeat_age_ms", json_integer((json_int_t)w->heartbeat_age_ms));
+    json_object_set_new(o, "utilisation", json_real(w->utilisation));
+    json_object_set_new(o, "metrics_port", json_integer((json_int_t)w->metrics_port));
+    json_array_append_new(arr, o);
 }
 
 typedef struct {
@@ -207,6 +220,7 @@ static void find_worker(const duet_admin_worker_info_t *w, void *user)
         f->info = *w;
         f->info.name = NULL; /* borrowed strings end with the visit */
         f->info.role = NULL;
+        f->info.address = f->info.device = f->info.dtype = NULL;
     }
 }
 
@@ -494,6 +508,43 @@ static void handle_admission_set(duet_admin_t *admin, duet_http_request_t *req)
     respond_json(req, 200, admission_json(admin->opts.admission), NULL, 0);
 }
 
+/* POST /admin/log-level {"level": "debug"}: the router's level now, then its workers'. */
+static void handle_log_level_set(duet_admin_t *admin, duet_http_request_t *req)
+{
+    size_t len = 0;
+    const char *body = duet_http_request_body(req, &len);
+    json_t *root = NULL;
+    if (duet_json_load_buffer(body, len, "request body", ADMIN_MAX_BODY, &root) < 0) {
+        respond_error(req, 400, "bad JSON: %s", duet_error_last());
+        return;
+    }
+    json_t *lv = json_object_get(root, "level");
+    duet_log_level_t level;
+    if (!json_is_object(root) || json_object_size(root) != 1 || !json_is_string(lv) ||
+        duet_log_level_parse(json_string_value(lv), &level) != DUET_OK) {
+        respond_error(req, 400,
+                      "request body: expected {\"level\": \"error|warn|info|debug|trace\"} and "
+                      "no other field");
+        json_decref(root);
+        return;
+    }
+    json_decref(root);
+    const duet_log_level_t previous = duet_log_level();
+    duet_log_set_level(level);
+    size_t told = 0;
+    if (admin->opts.ops->log_level_changed != NULL)
+        told = admin->opts.ops->log_level_changed(admin->opts.ops_ctx, level);
+    /* at warn, so that the change shows at any level it leaves */
+    DUET_RLOG_WARN(duet_http_request_id(req),
+                   "admin: log level %s -> %s (from %s; %zu workers told)",
+                   duet_log_level_name(previous), duet_log_level_name(level),
+                   duet_http_request_peer(req), told);
+    respond_json(req, 200,
+                 json_pack("{s:s,s:s,s:I}", "level", duet_log_level_name(level), "previous",
+                           duet_log_level_name(previous), "workers", (json_int_t)told),
+                 NULL, 0);
+}
+
 static int hexval(char c)
 {
     if (c >= '0' && c <= '9')
@@ -582,6 +633,17 @@ static bool route(duet_admin_t *admin, duet_http_request_t *req)
             respond_405(req, "GET, POST");
         return false;
     }
+    if (strcmp(path, "/admin/log-level") == 0) {
+        if (get)
+            respond_json(req, 200,
+                         json_pack("{s:s}", "level", duet_log_level_name(duet_log_level())), NULL,
+                         0);
+        else if (post)
+            handle_log_level_set(admin, req);
+        else
+            respond_405(req, "GET, POST");
+        return false;
+    }
     if (strcmp(path, "/admin/admission/pause") == 0 ||
         strcmp(path, "/admin/admission/resume") == 0) {
         if (!post) {
@@ -631,7 +693,8 @@ static const char *path_class(const char *path, void *user)
     if (strncmp(path, WORKERS_PREFIX, strlen(WORKERS_PREFIX)) == 0)
         return "/admin/workers/*";
     static const char *const known[] = {"/admin/workers", "/admin/admission",
-                                        "/admin/admission/pause", "/admin/admission/resume"};
+                                        "/admin/admission/pause", "/admin/admission/resume",
+                                        "/admin/log-level"};
     for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
         if (strcmp(path, known[i]) == 0)
             return known[i];
@@ -747,4 +810,74 @@ void duet_admin_close(duet_admin_t *admin, void (*cb)(void *user), void *user)
         waiter_finish(w);
     }
     duet_http_server_close(admin->srv, on_server_closed, admin);
+}
+
+/* ------------------------------------------------------------------ the admin file */
+
+bool duet_admin_file_path(char *out, size_t cap)
+{
+    const char *f = getenv("DUET_ADMIN_FILE"), *home = getenv("HOME");
+    if (f != NULL && f[0] != '\0')
+        return (size_t)snprintf(out, cap, "%s", f) < cap;
+    if (home != NULL && home[0] != '\0')
+        return (size_t)snprintf(out, cap, "%s/.duet/admin", home) < cap;
+    return false;
+}
+
+duet_status_t duet_admin_file_write(const char *path, const char *url, const char *token)
+{
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL && slash != dir) {
+        *slash = '\0';
+        if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+            return duet_error_set(DUET_ERR_IO, "%s: %s", dir, strerror(errno));
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return duet_error_set(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+    (void)fchmod(fd, 0600); /* an older file of wider mode */
+    char text[1024];
+    int n = snprintf(text, sizeof(text), "url=%s\ntoken=%s\n", url, token);
+    bool ok = n > 0 && (size_t)n < sizeof(text) && write(fd, text, (size_t)n) == n;
+    close(fd);
+    return ok ? DUET_OK : duet_error_set(DUET_ERR_IO, "%s: write failed", path);
+}
+
+duet_status_t duet_admin_file_read(const char *path, char *url, size_t url_cap, char *token,
+                                   size_t token_cap)
+{
+    url[0] = token[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return duet_error_set(DUET_ERR_IO, "%s: %s", path, strerror(errno));
+    char text[4097];
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    if (n == sizeof(text) - 1)
+        return duet_error_set(DUET_ERR_FORMAT, "%s: larger than 4 KiB", path);
+    text[n] = '\0';
+    int lineno = 0;
+    for (char *line = text, *next; line != NULL && *line != '\0'; line = next) {
+        lineno++;
+        next = strchr(line, '\n');
+        if (next != NULL)
+            *next++ = '\0';
+        char *out = strncmp(line, "url=", 4) == 0     ? url
+                    : strncmp(line, "token=", 6) == 0 ? token
+                                                      : NULL;
+        const size_t cap = out == url ? url_cap : token_cap;
+        const char *v = out == url ? line + 4 : line + 6;
+        if (out == NULL)
+            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: expected url=... or token=...", path,
+                                  lineno);
+        for (const char *p = v; *p != '\0'; p++)
+            if ((unsigned char)*p < 0x20 || *p == 0x7f)
+                return duet_error_set(DUET_ERR_FORMAT, "%s:%d: a control character", path, lineno);
+        if (strlen(v) >= cap)
+            return duet_error_set(DUET_ERR_FORMAT, "%s:%d: value too long", path, lineno);
+        memcpy(out, v, strlen(v) + 1);
+    }
+    return DUET_OK;
 }

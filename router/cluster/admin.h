@@ -7,6 +7,8 @@
  *
  * Endpoints (all JSON; errors are {"error": {"code": <status>, "message": "..."}}):
  *   GET  /admin/workers                   {"workers": [{"id", "name", "role", "state",
+ *                                          "address", "device", "dtype", "uptime_s",
+ *                                          "heartbeat_age_ms", "utilisation", "metrics_port",
  *                                          "load": {"free_pages", "kv_pages",
  *                                          "free_state_slots", "state_slots", "running",
  *                                          "queued"}}]}
@@ -26,6 +28,10 @@
  *   POST /admin/admission/resume          same
  *   POST /admin/admission                 body {"max_inflight": N, "max_queue": N} (either or
  *                                         both; no other keys); the admission object
+ *   GET  /admin/log-level                 {"level": "info"}: the router's log level
+ *   POST /admin/log-level                 body {"level": "debug"}: set it now, on the router and
+ *                                         (ops->log_level_changed) its live workers;
+ *                                         {"level", "previous", "workers": <how many told>}
  * Status codes: 401 missing/wrong token (with WWW-Authenticate: Bearer), 404 unknown path or
  * worker, 405 wrong method (with Allow), 400 bad JSON or values, 409 when the router refuses the
  * operation in the worker's state (e.g. drain of a dead worker), 503 while the admin API shuts
@@ -44,6 +50,7 @@
 #include <uv.h>
 
 #include "common/config.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "common/strbuf.h"
 #include "router/cluster/admission.h"
@@ -72,6 +79,14 @@ typedef struct {
     int64_t free_state_slots, state_slots; /* KDA state pool, from the last heartbeat */
     int64_t running;
     int64_t queued;
+    /* for `duetctl status` (0 / NULL when the worker did not say: Register fields 7-10) */
+    const char *address;      /* "ip:port" its connection to the router came from */
+    const char *device;       /* "cpu", "cuda" */
+    const char *dtype;        /* "f32", "bf16" */
+    int64_t uptime_s;         /* since the worker process started (else since it registered) */
+    int64_t heartbeat_age_ms; /* since its last heartbeat */
+    double utilisation;       /* 0..1: time in forward steps over wall time, last heartbeat */
+    int64_t metrics_port;     /* its /metrics port, 0 = none */
 } duet_admin_worker_info_t;
 
 typedef void (*duet_admin_worker_visit_cb)(const duet_admin_worker_info_t *info, void *visit_user);
@@ -109,6 +124,9 @@ typedef struct {
      * router runs its duet_admission_pop_ready loop). Optional.
      */
     void (*admission_changed)(void *ctx);
+    /* The process's log level was set to `level` (POST /admin/log-level): pass it on to the
+     * workers; returns how many were told. Optional. */
+    size_t (*log_level_changed)(void *ctx, duet_log_level_t level);
 } duet_admin_ops_t;
 
 typedef struct {
@@ -136,6 +154,22 @@ duet_status_t duet_admin_start(uv_loop_t *loop, const duet_admin_options_t *opts
 
 /* The bound port. */
 uint16_t duet_admin_port(const duet_admin_t *admin);
+
+/*
+ * The admin file: where `duet up` leaves its router's admin URL and token so that a plain
+ * `duetctl status` on the same machine reaches it (docs/observability.md). Two lines,
+ * "url=http://HOST:PORT" and "token=TOKEN", mode 0600.
+ *
+ * duet_admin_file_path: $DUET_ADMIN_FILE, else $HOME/.duet/admin; false when neither is set.
+ * duet_admin_file_write: write it (its folder made 0700 when missing), replacing what was there.
+ * duet_admin_file_read: url and token from it ("" for a line that is absent); DUET_ERR_IO when it
+ * cannot be read, DUET_ERR_FORMAT (with detail) for a line that is neither, a value with a
+ * control character or one too long for its buffer, or a file over 4 KiB.
+ */
+bool duet_admin_file_path(char *out, size_t cap);
+duet_status_t duet_admin_file_write(const char *path, const char *url, const char *token);
+duet_status_t duet_admin_file_read(const char *path, char *url, size_t url_cap, char *token,
+                                   size_t token_cap);
 
 /*
  * Stop: waiting drains are answered 503 (and forgotten with drain_forget), the listener closes

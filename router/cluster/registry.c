@@ -297,6 +297,20 @@ static void reg_refuse(reg_conn_t *c, const char *fmt, ...)
     uv_read_stop((uv_stream_t *)&c->tcp);
 }
 
+/* A worker's short word (device, dtype) for operators' output: [A-Za-z0-9_.:-] kept, anything
+ * else '?', cut to cap - 1 bytes ("" for NULL). */
+static void reg_copy_word(char *dst, size_t cap, const char *src)
+{
+    size_t n = 0;
+    for (; src != NULL && src[n] != '\0' && n + 1 < cap; n++) {
+        const char ch = src[n];
+        const bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                        (ch >= '0' && ch <= '9') || strchr("_.:-", ch) != NULL;
+        dst[n] = ok ? ch : '?';
+    }
+    dst[n] = '\0';
+}
+
 static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Register *r)
 {
     if (r->version != DUET_PROTO_VERSION) {
@@ -343,6 +357,10 @@ static void reg_on_register(duet_registry_t *reg, reg_conn_t *c, const Duet__Reg
         i->max_batch_tokens = r->capacity->max_batch_tokens;
     }
     i->free_pages = i->kv_pages;
+    i->metrics_port = r->metrics_port <= 65535 ? (uint16_t)r->metrics_port : 0;
+    reg_copy_word(i->device, sizeof(i->device), r->device);
+    reg_copy_word(i->dtype, sizeof(i->dtype), r->dtype);
+    i->started_unix_ms = r->started_unix_ms;
     i->registered_ms = uv_now(reg->loop);
     i->last_heartbeat_ms = i->registered_ms;
     w->conn = c;
@@ -444,7 +462,16 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         w->info.running = hb->running;
         w->info.queued = hb->queued;
         w->info.queued_tokens = hb->queued_tokens;
-        w->info.last_heartbeat_ms = uv_now(reg->loop);
+        const uint64_t hb_now = uv_now(reg->loop);
+        const double busy =
+            isfinite(hb->busy_seconds) && hb->busy_seconds >= 0 ? hb->busy_seconds : 0.0;
+        if (hb_now > w->info.last_heartbeat_ms && busy >= w->info.busy_seconds) {
+            const double u = (busy - w->info.busy_seconds) /
+                             ((double)(hb_now - w->info.last_heartbeat_ms) / 1e3);
+            w->info.utilisation = u < 0 ? 0 : u > 1 ? 1 : u;
+        }
+        w->info.busy_seconds = busy;
+        w->info.last_heartbeat_ms = hb_now;
         w->info.cache_plan = (duet_worker_cache_plan_t){
             .budget_bytes = hb->cache_budget_bytes,
             .target_pages = hb->cache_target_pages,

@@ -97,6 +97,12 @@ typedef struct {
     uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
     duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
     duet_worker_cache_plan_t cache_plan; /* from the last Heartbeat */
+    /* for operators (Register fields 7-10, Heartbeat field 23; 0 / "" from older workers) */
+    uint16_t metrics_port;      /* the worker's /metrics HTTP port (0 = none) */
+    char device[16], dtype[16]; /* "cpu", "f32"; [A-Za-z0-9_.:-] only (others become '?') */
+    uint64_t started_unix_ms;   /* the worker process's start, its wall clock */
+    double busy_seconds;        /* time in forward steps since it started (the last Heartbeat) */
+    double utilisation;         /* 0..1: busy time over wall time between its last two Heartbeats */
 } duet_worker_info_t;
 
 typedef void (*duet_registry_worker_cb)(const duet_worker_info_t *w, void *user);

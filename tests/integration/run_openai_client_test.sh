@@ -153,9 +153,8 @@ fi
 [ "$(get "$base/metrics" "$dir/metrics.txt")" = 200 ] || fail "GET /metrics failed"
 grep -q '^duet_router_http_requests_total{.*path="/v1/chat/completions"' "$dir/metrics.txt" ||
   fail "/metrics has no chat request counter after the traffic: $dir/metrics.txt"
-if ! promtool check metrics < "$dir/metrics.txt"; then
+if ! "$here/../tools/promtool_check.sh" "$dir/metrics.txt"; then
   keep=1
   fail "promtool check metrics rejected the router's /metrics (kept in $dir/metrics.txt)"
 fi
-echo "promtool check metrics: ok ($(grep -vc '^#' "$dir/metrics.txt") samples)"
 echo "openai_client: PASS"

@@ -5,8 +5,10 @@
  * Checks the JSON of a closed-loop run (completed, failed, output tokens = usage counts, TTFT,
  * TPOT measured against the workers' 20 ms per-token delay), the exit codes of a failing (3) and
  * a passing (0) baseline, an earlier run as the baseline (relative gates, 3 and 0), a malformed
- * baseline (2, before any load), the chat endpoint with
- * Poisson arrivals, and a server that is not there (every request fails with a reason, exit 1).
+ * baseline (2, before any load), the chat endpoint with Poisson arrivals, a server that is not
+ * there (every request fails with a reason, exit 1), --save-result (vLLM's keys, one entry per
+ * request, the numbers of --json for the same run), a concurrency sweep and a request-rate sweep
+ * (a file per value, the CSV's rows) and bench/plot_sweep.py's PNG of the CSV.
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
  * literal "test", which the workers present.
@@ -450,5 +452,272 @@ Test(bench_serving, chat_poisson_and_no_server, .timeout = 180)
                      "connect") != NULL);
     json_decref(j);
     unlink(out);
+    cluster_stop();
+}
+
+/* The text of tdir/name (malloc'd, NUL-terminated). */
+static char *read_text(const char *name, size_t *len_p)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", tdir, name);
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s", path);
+    char *buf = malloc(1 << 20);
+    size_t n = fread(buf, 1, (1 << 20) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    if (len_p != NULL)
+        *len_p = n;
+    return buf;
+}
+
+/*
+ * --save-result next to --json of the same run: vLLM's keys, one array entry per request, and the
+ * same numbers (vLLM's ttfts are seconds, the statistics ms).
+ */
+static void check_save_result(const char *save, const char *json, long n_req, long max_tokens)
+{
+    json_t *v = load_json(save), *j = load_json(json);
+    static const char *const keys[] = {"date",
+                                       "backend",
+                                       "model_id",
+                                       "tokenizer_id",
+                                       "num_prompts",
+                                       "request_rate",
+                                       "burstiness",
+                                       "max_concurrency",
+                                       "duration",
+                                       "completed",
+                                       "total_input_tokens",
+                                       "total_output_tokens",
+                                       "request_throughput",
+                                       "request_goodput",
+                                       "output_throughput",
+                                       "total_token_throughput",
+                                       "input_lens",
+                                       "output_lens",
+                                       "ttfts",
+                                       "itls",
+                                       "generated_texts",
+                                       "errors"};
+    for (size_t k = 0; k < sizeof(keys) / sizeof(keys[0]); k++)
+        cr_assert_not_null(json_object_get(v, keys[k]), "%s: no %s", save, keys[k]);
+    static const char *const arrays[] = {"input_lens", "output_lens",     "ttfts",
+                                         "itls",       "generated_texts", "errors"};
+    for (size_t k = 0; k < 6; k++)
+        cr_assert_eq(json_array_size(json_object_get(v, arrays[k])), (size_t)n_req, "%s %s", save,
+                     arrays[k]);
+    cr_assert_str_eq(json_string_value(json_object_get(v, "backend")), "openai");
+    cr_assert_str_eq(json_string_value(json_object_get(v, "model_id")), "m");
+    cr_assert_eq(num(v, "num_prompts"), n_req);
+    cr_assert(json_is_null(json_object_get(v, "request_goodput")), "no --goodput given");
+    /* the same run: every shared number equal */
+    static const char *const same[] = {"completed",           "total_input_tokens",
+                                       "total_output_tokens", "request_throughput",
+                                       "output_throughput",   "total_token_throughput"};
+    for (size_t k = 0; k < sizeof(same) / sizeof(same[0]); k++)
+        cr_assert_float_eq(num(v, same[k]), num(j, same[k]), 1e-9 * (1 + fabs(num(j, same[k]))),
+                           "%s", same[k]);
+    cr_assert_float_eq(num(v, "duration"), num(j, "duration_s"), 1e-9);
+    static const char *const met[] = {"ttft", "tpot", "itl", "e2el"};
+    static const char *const stat[] = {"mean", "median", "std", "p99"};
+    for (size_t m = 0; m < 4; m++)
+        for (size_t k = 0; k < 4; k++) {
+            char key[64];
+            snprintf(key, sizeof(key), "%s_%s_ms", stat[k], met[m]);
+            cr_assert_float_eq(num(v, key), num(j, key), 1e-6, "%s", key);
+        }
+    /* per request: seconds, lengths and texts that add up to the summary */
+    double ttft_sum = 0, out_sum = 0, in_sum = 0;
+    size_t n_itl = 0;
+    for (size_t i = 0; i < (size_t)n_req; i++) {
+        json_t *t = json_array_get(json_object_get(v, "ttfts"), i);
+        cr_assert(json_is_number(t));
+        ttft_sum += json_number_value(t);
+        json_int_t ol = json_integer_value(json_array_get(json_object_get(v, "output_lens"), i));
+        cr_assert_eq(ol, max_tokens, "request %zu output_len", i);
+        out_sum += (double)ol;
+        in_sum += (double)json_integer_value(json_array_get(json_object_get(v, "input_lens"), i));
+        json_t *itl = json_array_get(json_object_get(v, "itls"), i);
+        cr_assert(json_is_array(itl));
+        for (size_t k = 0; k < json_array_size(itl); k++)
+            cr_assert(json_number_value(json_array_get(itl, k)) < 10.0, "itls in seconds");
+        n_itl += json_array_size(itl);
+        const char *text =
+            json_string_value(json_array_get(json_object_get(v, "generated_texts"), i));
+        cr_assert(text != NULL && strlen(text) > 0, "request %zu generated text", i);
+        cr_assert_str_eq(json_string_value(json_array_get(json_object_get(v, "errors"), i)), "");
+    }
+    cr_assert_float_eq(ttft_sum / (double)n_req * 1000.0, num(j, "mean_ttft_ms"), 1e-6,
+                       "ttfts are seconds and average to mean_ttft_ms");
+    cr_assert_eq(out_sum, num(j, "total_output_tokens"));
+    cr_assert_eq(in_sum, num(j, "total_input_tokens"));
+    cr_assert_eq(n_itl, (size_t)num(json_object_get(j, "itl_ms"), "n"));
+    json_decref(v);
+    json_decref(j);
+}
+
+/* One CSV cell of row r (0 = first data row) by column name, as a number (NaN when empty). */
+static double csv_cell(const char *csv, int r, const char *col)
+{
+    char *dup = strdup(csv), *save = NULL;
+    char *hdr = strtok_r(dup, "\n", &save);
+    int want = -1, c = 0;
+    for (char *p = hdr, *q; p != NULL; p = q, c++) {
+        q = strchr(p, ',');
+        size_t l = q != NULL ? (size_t)(q - p) : strlen(p);
+        if (l == strlen(col) && strncmp(p, col, l) == 0)
+            want = c;
+        if (q != NULL)
+            q++;
+    }
+    cr_assert_geq(want, 0, "no CSV column %s", col);
+    char *line = NULL;
+    for (int i = 0; i <= r; i++)
+        line = strtok_r(NULL, "\n", &save);
+    cr_assert_not_null(line, "no CSV row %d", r);
+    const char *p = line;
+    for (int i = 0; i < want; i++) {
+        p = strchr(p, ',');
+        cr_assert_not_null(p);
+        p++;
+    }
+    double v = (*p == ',' || *p == '\0') ? NAN : strtod(p, NULL);
+    free(dup);
+    return v;
+}
+
+/* Debian's python3, where python3-matplotlib installs (deploy/install-deps.sh --tests). */
+#define SYSTEM_PYTHON "/usr/bin/python3"
+
+Test(bench_serving, save_result_sweep_csv_and_plot, .timeout = 180)
+{
+    cluster_start();
+    write_prompts();
+    char prompts[512], json[512], save[512], csv[512];
+    snprintf(prompts, sizeof(prompts), "%s/prompts.jsonl", tdir);
+    snprintf(json, sizeof(json), "%s/run.json", tdir);
+    snprintf(save, sizeof(save), "%s/vllm.json", tdir);
+    snprintf(csv, sizeof(csv), "%s/sweep.csv", tdir);
+
+    /* one run: --save-result beside --json */
+    const char *one[] = {"--concurrency",
+                         "2",
+                         "--num-prompts",
+                         "6",
+                         "--max-tokens",
+                         "4",
+                         "--ignore-eos",
+                         "--prompts",
+                         prompts,
+                         "--json",
+                         json,
+                         "--save-result",
+                         save,
+                         "--metrics-settle-ms",
+                         "0",
+                         NULL};
+    int rc = run_bench("one.log", one);
+    cr_assert_eq(rc, 0, "exit %d (log %s/one.log)", rc, tdir);
+    check_save_result("vllm.json", "run.json", 6, 4);
+    json_t *v = load_json("vllm.json");
+    cr_assert_str_eq(json_string_value(json_object_get(v, "request_rate")), "inf",
+                     "a closed loop is vLLM's inf rate with max_concurrency");
+    cr_assert_eq(num(v, "max_concurrency"), 2);
+    json_decref(v);
+
+    /* a sweep of 2 concurrencies: a file per value, 2 CSV rows, a table */
+    const char *sweep[] = {"--sweep",
+                           "concurrency=1,2",
+                           "--num-prompts",
+                           "4",
+                           "--max-tokens",
+                           "4",
+                           "--ignore-eos",
+                           "--prompts",
+                           prompts,
+                           "--json",
+                           json,
+                           "--save-result",
+                           save,
+                           "--csv",
+                           csv,
+                           "--metrics-settle-ms",
+                           "0",
+                           NULL};
+    rc = run_bench("sweep.log", sweep);
+    cr_assert_eq(rc, 0, "exit %d (log %s/sweep.log)", rc, tdir);
+    cr_assert(file_has("sweep.log", "Sweep: concurrency", 0), "no table (log %s/sweep.log)", tdir);
+    check_save_result("vllm-concurrency-1.json", "run-concurrency-1.json", 4, 4);
+    check_save_result("vllm-concurrency-2.json", "run-concurrency-2.json", 4, 4);
+    size_t len;
+    char *text = read_text("sweep.csv", &len);
+    int lines = 0;
+    for (size_t i = 0; i < len; i++)
+        lines += text[i] == '\n';
+    cr_assert_eq(lines, 3, "header + 2 rows:\n%s", text);
+    cr_assert(strncmp(text, "sweep,value,", 12) == 0);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(csv_cell(text, r, "value"), r + 1);
+        cr_assert_eq(csv_cell(text, r, "completed"), 4);
+        cr_assert_eq(csv_cell(text, r, "error_rate"), 0);
+        cr_assert_gt(csv_cell(text, r, "output_throughput"), 0);
+        cr_assert_gt(csv_cell(text, r, "request_throughput"), 0);
+        /* the workers' 20 ms per token bounds TPOT from below (see the first test) */
+        cr_assert_geq(csv_cell(text, r, "median_tpot_ms"), 19.0);
+        cr_assert_lt(csv_cell(text, r, "median_tpot_ms"), 500.0);
+        cr_assert_geq(csv_cell(text, r, "p99_ttft_ms"), csv_cell(text, r, "median_ttft_ms"));
+        cr_assert_gt(csv_cell(text, r, "mean_e2el_ms"), csv_cell(text, r, "mean_ttft_ms"));
+        json_t *j = load_json(r == 0 ? "run-concurrency-1.json" : "run-concurrency-2.json");
+        cr_assert_float_eq(csv_cell(text, r, "output_throughput"), num(j, "output_throughput"),
+                           1e-5 * num(j, "output_throughput"), "the CSV row is the run's");
+        json_decref(j);
+    }
+    /* two in flight deliver more tokens per second than one: 4 x 4 tokens at 20 ms each */
+    cr_assert_gt(csv_cell(text, 1, "output_throughput"), csv_cell(text, 0, "output_throughput"));
+    free(text);
+
+    /* a request-rate sweep: "inf" as a value, in the CSV and in the file names */
+    char rates_csv[512];
+    snprintf(rates_csv, sizeof(rates_csv), "%s/rates.csv", tdir);
+    const char *rates[] = {"--sweep",
+                           "request-rate=50,inf",
+                           "--num-prompts",
+                           "3",
+                           "--max-tokens",
+                           "2",
+                           "--random-prompt-len",
+                           "12",
+                           "--json",
+                           json,
+                           "--csv",
+                           rates_csv,
+                           "--metrics-settle-ms",
+                           "0",
+                           NULL};
+    rc = run_bench("rates.log", rates);
+    cr_assert_eq(rc, 0, "exit %d (log %s/rates.log)", rc, tdir);
+    text = read_text("rates.csv", &len);
+    cr_assert(strstr(text, "\nrequest-rate,50,3,0,0,") != NULL, "%s", text);
+    cr_assert(strstr(text, "\nrequest-rate,inf,3,0,0,") != NULL, "%s", text);
+    free(text);
+    v = load_json("run-request-rate-inf.json");
+    cr_assert_str_eq(
+        json_string_value(json_object_get(json_object_get(v, "config"), "request_rate")), "inf");
+    json_decref(v);
+    v = load_json("run-request-rate-50.json");
+    cr_assert_eq(num(json_object_get(v, "config"), "request_rate"), 50);
+    json_decref(v);
+
+    /* the plot of the concurrency sweep's CSV: a PNG */
+    char cmd[1600];
+    snprintf(cmd, sizeof(cmd), "%s %s/bench/plot_sweep.py %s %s/sweep.png > %s/plot.log 2>&1",
+             SYSTEM_PYTHON, DUET_SOURCE_DIR, csv, tdir, tdir);
+    rc = system(cmd);
+    cr_assert_eq(rc, 0, "plot_sweep.py failed (needs python3-matplotlib; log %s/plot.log)", tdir);
+    char *png = read_text("sweep.png", &len);
+    cr_assert_gt(len, 8);
+    cr_assert(memcmp(png, "\x89PNG\r\n\x1a\n", 8) == 0, "not a PNG");
+    free(png);
     cluster_stop();
 }

@@ -35,6 +35,13 @@
  *   drain_migrate_faults_end_once_and_free_every_page  a move's target killed, its deadline
  *        passing (the request goes on at the source, equal to duet-generate), its source killed
  *        (the request ends once, naming the worker); every page back on the live workers
+ *   vllm_metrics_move_under_traffic_and_pass_promtool  the router's vLLM-named series before,
+ *        during and after traffic: gauges rise and fall back, counters and histograms grow by
+ *        exactly the requests' figures, promtool accepts each scrape, one access line a request,
+ *        a stats line with the traffic and none while idle; ctx-0 with log.format json writes
+ *        only JSON lines (ts, level, msg, src), the run-time level change among them;
+ *        each worker's own /metrics (listed by the router's /metrics/targets): cache, prefill
+ *        and decode counters, transfers (duet_xfer_*) grow by the requests' figures
  *
  * With speculative decoding on the generation workers (cluster_spec: prompt lookup, spec.k 2 and
  * 4; the draft model variant needs models/duet-demo-draft):
@@ -157,7 +164,7 @@ static int local_below = LOCAL_BELOW;
 /* the gen workers' cache.kv_pages in the next start_cluster */
 static int gen_pages = GEN_PAGES;
 /* extra flags for the router / every gen worker in the next start_cluster (NULL-ended) */
-static const char *router_extra[5], *gen_extra[5], *ctx_extra[3];
+static const char *router_extra[5], *gen_extra[5], *ctx_extra[5];
 
 /* ---------------------------------------------------------------- processes and HTTP */
 
@@ -458,9 +465,10 @@ static void start_cluster(int n_ctx, int n_gen)
                         "--device", (char *)worker_device,
                         "--dtype",  "f32",
                         NULL,       NULL, /* ctx_extra */
+                        NULL,       NULL,
                         NULL};
         for (size_t e = 0; ctx_extra[e] != NULL; e++)
-            argv[sizeof(argv) / sizeof(argv[0]) - 3 + e] = (char *)ctx_extra[e];
+            argv[sizeof(argv) / sizeof(argv[0]) - 5 + e] = (char *)ctx_extra[e];
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -921,6 +929,336 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
               first1 = check_first_steps_connected("ctx-1");
     printf("cluster: %d + %d first prefill steps, each after its handshake\n", first0, first1);
     cr_expect(first0 >= 2 && first1 >= 2, "first prefill steps logged: %d, %d", first0, first1);
+    stop_all();
+}
+
+/* ---------------------------------------------------------------- observability */
+
+#define VLLM_MODEL "{model_name=\"duet-demo\"}"
+
+/* The value of one exposition series ("name{labels}", exactly as rendered) in text; -1: absent. */
+static double series_in(const char *text, const char *series)
+{
+    char pat[256];
+    snprintf(pat, sizeof(pat), "\n%s ", series);
+    const char *p = strstr(text, pat);
+    return p != NULL ? atof(p + strlen(pat)) : -1;
+}
+
+/* GET /metrics into out (the body); the status. */
+static int scrape(int port, char *out, size_t cap)
+{
+    static char buf[1 << 18];
+    int st = http(port, "GET", "/metrics", NULL, buf, sizeof(buf));
+    snprintf(out, cap, "\n%s", body_of(buf)); /* a leading newline: series_in finds line 1 */
+    return st;
+}
+
+/* tests/tools/promtool_check.sh on an exposition (kept in the test's folder as name). */
+static void promtool_ok(const char *text, const char *name)
+{
+    char path[512], cmd[1024], out[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text + 1, f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd), "%s/tests/tools/promtool_check.sh %s 2>&1", DUET_SOURCE_DIR, path);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s: %s", name, out);
+}
+
+/*
+ * GET /metrics/targets on the router: the http_sd list of the workers' /metrics, one target per
+ * worker labelled with its role and name; their ports.
+ */
+static void worker_metrics_ports(int *ctx_port, int *gen_port)
+{
+    static char buf[65536];
+    cr_assert_eq(http(http_port, "GET", "/metrics/targets", NULL, buf, sizeof(buf)), 200);
+    json_error_t je;
+    json_t *a = json_loads(body_of(buf), 0, &je);
+    cr_assert(json_is_array(a) && json_array_size(a) == 2, "/metrics/targets: %s", body_of(buf));
+    for (size_t i = 0; i < 2; i++) {
+        json_t *t = json_array_get(a, i);
+        json_t *targets = json_object_get(t, "targets");
+        cr_assert(json_is_array(targets) && json_array_size(targets) == 1, "%s", body_of(buf));
+        const char *hp = json_string_value(json_array_get(targets, 0));
+        const char *role = json_string_value(json_object_get(json_object_get(t, "labels"), "role"));
+        const char *name =
+            json_string_value(json_object_get(json_object_get(t, "labels"), "worker"));
+        cr_assert(hp != NULL && role != NULL && name != NULL, "%s", body_of(buf));
+        int port = 0;
+        cr_assert_eq(sscanf(hp, "127.0.0.1:%d", &port), 1, "target %s", hp);
+        cr_assert_str_eq(name, strcmp(role, "ctx") == 0 ? "ctx-0" : "gen-0");
+        *(strcmp(role, "ctx") == 0 ? ctx_port : gen_port) = port;
+    }
+    json_decref(a);
+    cr_assert(*ctx_port > 0 && *gen_port > 0, "%s", body_of(buf));
+}
+
+/*
+ * Process name logs with log.format json: every line of ours parses as an object with ts, level,
+ * msg and src (others, e.g. a library's own, are not ours and are skipped: they do not start with
+ * '{' nor with a date), the run-time change among them at warn, and no text line of ours.
+ */
+static void check_json_log(const char *name)
+{
+    char path[512], line[4096];
+    snprintf(path, sizeof(path), "%s/%s.log", dir, name);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    int objects = 0, warn_change = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        int y, mo, d;
+        cr_expect(sscanf(line, "%4d-%2d-%2dT", &y, &mo, &d) != 3, "%s: a text line: %s", name,
+                  line);
+        if (line[0] != '{')
+            continue;
+        json_error_t e;
+        json_t *o = json_loads(line, 0, &e);
+        cr_assert_not_null(o, "%s: not JSON (%s): %s", name, e.text, line);
+        const char *lvl = json_string_value(json_object_get(o, "level"));
+        const char *msg = json_string_value(json_object_get(o, "msg"));
+        cr_expect(json_is_string(json_object_get(o, "ts")) && lvl != NULL && msg != NULL &&
+                      json_is_string(json_object_get(o, "src")),
+                  "%s: fields missing: %s", name, line);
+        warn_change += lvl != NULL && msg != NULL && strcmp(lvl, "warn") == 0 &&
+                       strstr(msg, "log level info -> debug") != NULL;
+        objects++;
+        json_decref(o);
+    }
+    fclose(f);
+    cr_expect_gt(objects, 10, "%s: %d JSON lines", name, objects);
+    cr_expect_eq(warn_change, 1, "%s: the level change at warn", name);
+}
+
+/* Lines of process name's log that hold every string of want[0..n). */
+static int log_count(const char *name, const char *const *want, int n)
+{
+    char path[512], line[2048];
+    snprintf(path, sizeof(path), "%s/%s.log", dir, name);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    int count = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        int all = 1;
+        for (int i = 0; i < n && all; i++)
+            all = strstr(line, want[i]) != NULL;
+        count += all;
+    }
+    fclose(f);
+    return count;
+}
+
+/*
+ * The router's vLLM-named series under traffic (docs/observability.md), and the workers' own
+ * /metrics (metrics.port 0: ephemeral ports, found through the router's /metrics/targets): running
+ * goes up while requests stream and back to 0; KV cache usage is above 0 and at most 1 meanwhile;
+ * after N requests of P prompt tokens that each run to max_tokens M (ignore_eos), the token
+ * counters grew by exactly N x P and N x M, request_success{length} by N, every request histogram
+ * by N observations and the inter-token one by N x (M - 1); promtool accepts the exposition before,
+ * during and after; the router logged one access line per request.
+ */
+Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
+{
+    enum { N = 6, LEN = 60, M = 24 };
+    static char before[1 << 18], during[1 << 18], after[1 << 18];
+    static job_t jobs[N];
+    ctx_extra[0] = gen_extra[0] = "--metrics.port";
+    ctx_extra[1] = gen_extra[1] = "0"; /* ephemeral: the router lists them */
+    ctx_extra[2] = "--log.format";     /* ctx-0 logs JSON lines */
+    ctx_extra[3] = "json";
+    router_extra[0] = "--log.stats_interval_s";
+    router_extra[1] = "1";
+    start_cluster(1, 1);
+    ctx_extra[0] = gen_extra[0] = router_extra[0] = NULL;
+    cr_assert_eq(scrape(http_port, before, sizeof(before)), 200);
+    int ctx_mport = 0, gen_mport = 0;
+    worker_metrics_ports(&ctx_mport, &gen_mport);
+    static char wbefore[2][1 << 18], wafter[2][1 << 18];
+    cr_assert_eq(scrape(ctx_mport, wbefore[0], sizeof(wbefore[0])), 200);
+    cr_assert_eq(scrape(gen_mport, wbefore[1], sizeof(wbefore[1])), 200);
+    static const char *const series[] = {
+        "vllm:num_requests_running" VLLM_MODEL,
+        "vllm:num_requests_waiting" VLLM_MODEL,
+        "vllm:kv_cache_usage_perc" VLLM_MODEL,
+        "vllm:prompt_tokens_total" VLLM_MODEL,
+        "vllm:generation_tokens_total" VLLM_MODEL,
+        "vllm:num_preemptions_total" VLLM_MODEL,
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"stop\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"length\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"abort\"}",
+        "vllm:request_success_total{model_name=\"duet-demo\",finished_reason=\"error\"}",
+    };
+    for (size_t i = 0; i < sizeof(series) / sizeof(series[0]); i++)
+        cr_assert_geq(series_in(before, series[i]), 0, "%s missing before traffic", series[i]);
+    static const char *const hists[] = {
+        "vllm:time_to_first_token_seconds",  "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",  "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+        "vllm:inter_token_latency_seconds",
+    };
+    enum { NH = sizeof(hists) / sizeof(hists[0]) };
+    double h0[NH];
+    for (int i = 0; i < NH; i++) {
+        char c[128];
+        snprintf(c, sizeof(c), "%s_count" VLLM_MODEL, hists[i]);
+        h0[i] = series_in(before, c);
+        cr_assert_geq(h0[i], 0, "%s missing before traffic", c);
+    }
+    promtool_ok(before, "metrics-before.txt");
+
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, LEN, M);
+        jobs[i].stream = i % 2;
+        jobs[i].ignore_eos = 1;
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    }
+    /* during: running > 0 at some scrape; the most KV usage seen */
+    double running = 0, kv = 0, gen_during = 0;
+    int scraped_during = 0;
+    for (uint64_t end = now_ms() + 20000; now_ms() < end;) {
+        cr_assert_eq(scrape(http_port, during, sizeof(during)), 200);
+        const double r = series_in(during, "vllm:num_requests_running" VLLM_MODEL);
+        const double k = series_in(during, "vllm:kv_cache_usage_perc" VLLM_MODEL);
+        cr_assert(k >= 0 && k <= 1, "vllm:kv_cache_usage_perc %f outside 0..1", k);
+        if (r > running)
+            running = r;
+        if (k > kv)
+            kv = k;
+        if (r > 0 && !scraped_during) {
+            scraped_during = 1;
+            promtool_ok(during, "metrics-during.txt");
+        }
+        gen_during = series_in(during, "vllm:generation_tokens_total" VLLM_MODEL);
+        if (r > 0 && k > 0 && gen_during > series_in(before, series[4]))
+            break;
+        usleep(20000);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N; i++) {
+        cr_expect_eq(jobs[i].status, 200, "request %d: %s", i, jobs[i].got_text);
+        cr_expect_eq(jobs[i].got_tokens, M, "request %d: completion tokens", i);
+        free(jobs[i].got_text);
+    }
+    cr_expect_gt(running, 0, "vllm:num_requests_running never above 0 while %d requests ran", N);
+    cr_expect_gt(kv, 0, "vllm:kv_cache_usage_perc never above 0 while %d requests ran", N);
+    cr_expect_gt(gen_during, series_in(before, series[4]),
+                 "vllm:generation_tokens_total did not move while requests streamed");
+    wait_idle(2, 10000);
+    usleep(400000); /* a heartbeat carries the free pages */
+    cr_assert_eq(scrape(http_port, after, sizeof(after)), 200);
+    cr_expect_eq(series_in(after, series[0]), 0, "running after the traffic");
+    cr_expect_eq(series_in(after, series[1]), 0, "waiting after the traffic");
+    cr_expect_eq(series_in(after, series[2]), 0, "KV cache usage once every page is back");
+    cr_expect_eq(series_in(after, series[3]) - series_in(before, series[3]), N * (LEN + 1),
+                 "prompt tokens: N x (prompt + BOS)");
+    cr_expect_eq(series_in(after, series[4]) - series_in(before, series[4]), N * M,
+                 "generation tokens");
+    cr_expect_eq(series_in(after, series[7]) - series_in(before, series[7]), N,
+                 "request_success{length}");
+    cr_expect_eq(series_in(after, series[6]) - series_in(before, series[6]), 0,
+                 "request_success{stop}");
+    for (int i = 0; i < NH; i++) {
+        char c[128], sum[128];
+        snprintf(c, sizeof(c), "%s_count" VLLM_MODEL, hists[i]);
+        snprintf(sum, sizeof(sum), "%s_sum" VLLM_MODEL, hists[i]);
+        const double want = strcmp(hists[i], "vllm:inter_token_latency_seconds") == 0
+                                ? N * (M - 1)
+                                : N; /* per gap, else per request */
+        cr_expect_eq(series_in(after, c) - h0[i], want, "%s: observations", c);
+        cr_expect_geq(series_in(after, sum), 0, "%s", sum);
+    }
+    cr_expect_gt(series_in(after, "vllm:e2e_request_latency_seconds_sum" VLLM_MODEL), 0);
+    promtool_ok(after, "metrics-after.txt");
+    /* one access line per request, with its figures */
+    char ct[64];
+    snprintf(ct, sizeof(ct), "completion_tokens=%d ", M);
+    const char *const access[] = {"INFO",
+                                  "access /v1/completions status=200 finish=length",
+                                  "prompt_tokens=61 ",
+                                  ct,
+                                  "ttft_ms=",
+                                  "duration_ms="};
+    cr_expect_eq(log_count("router", access, 6), N, "access lines in %s/router.log", dir);
+    /* the stats line (log.stats_interval_s 1): one came with the traffic, none while idle */
+    const char *const stats[] = {
+        "INFO", "stats: ", " req/s, prompt ", " tok/s, generation ", "; running ", ", KV cache "};
+    usleep(1200000);
+    const int n_stats = log_count("router", stats, 6);
+    cr_expect_geq(n_stats, 1, "no stats line in %s/router.log", dir);
+    usleep(2200000);
+    cr_expect_eq(log_count("router", stats, 6), n_stats, "stats lines while idle");
+
+    /* the workers' own /metrics: cache, counters, transfers (every prompt is over LOCAL_BELOW:
+     * prefilled on ctx-0, whose KV moved to gen-0 once per request) */
+    cr_assert_eq(scrape(ctx_mport, wafter[0], sizeof(wafter[0])), 200);
+    cr_assert_eq(scrape(gen_mport, wafter[1], sizeof(wafter[1])), 200);
+    cr_expect_eq(series_in(wafter[0], "duet_worker_kv_pages"), CTX_PAGES);
+    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages"), GEN_PAGES);
+    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages_free"), GEN_PAGES, "all pages back");
+    cr_expect_gt(series_in(wafter[1], "duet_worker_state_slots"), 0);
+    cr_expect_eq(series_in(wafter[0], "duet_worker_prefill_tokens_total") -
+                     series_in(wbefore[0], "duet_worker_prefill_tokens_total"),
+                 N * (LEN + 1), "ctx-0 prefilled every prompt token once");
+    cr_expect_eq(series_in(wafter[1], "duet_worker_decoded_tokens_total") -
+                     series_in(wbefore[1], "duet_worker_decoded_tokens_total"),
+                 N * (M - 1), "gen-0 decoded every token after the first");
+    cr_expect_gt(series_in(wafter[1], "duet_worker_busy_seconds_total"), 0);
+    cr_expect_geq(series_in(wafter[1], "duet_worker_spec_drafted_total{position=\"1\"}"), 0);
+    const char *sent = "duet_xfer_transfers_total{role=\"send\",outcome=\"done\"}";
+    const char *got = "duet_xfer_transfers_total{role=\"recv\",outcome=\"done\"}";
+    cr_expect_eq(series_in(wafter[0], sent) - series_in(wbefore[0], sent), N, "%s", sent);
+    cr_expect_eq(series_in(wafter[1], got) - series_in(wbefore[1], got), N, "%s", got);
+    cr_expect_gt(series_in(wafter[1], "duet_xfer_bytes_total{role=\"recv\"}"), 0);
+    promtool_ok(wafter[0], "metrics-ctx.txt");
+    promtool_ok(wafter[1], "metrics-gen.txt");
+    static char other[4096];
+    cr_expect_eq(http(gen_mport, "GET", "/v1/models", NULL, other, sizeof(other)), 404);
+    cr_expect_eq(http(gen_mport, "POST", "/metrics", "{}", other, sizeof(other)), 405);
+
+    /* duetctl against this router: what each worker said of itself; the log level at run time
+     * on the router and both workers */
+    static char out[1 << 16];
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%d --json status 2>&1",
+             test_bin("router/duetctl"), admin_port);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    json_t *st = json_loads(out, 0, NULL);
+    json_t *ws = json_object_get(st, "workers");
+    cr_assert_eq(json_array_size(ws), 2, "%s", out);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *w = json_array_get(ws, i);
+        const char *role = json_string_value(json_object_get(w, "role"));
+        cr_expect_str_eq(json_string_value(json_object_get(w, "device")), "cpu");
+        cr_expect_str_eq(json_string_value(json_object_get(w, "dtype")), "f32");
+        cr_expect(strncmp(json_string_value(json_object_get(w, "address")), "127.0.0.1:", 10) == 0,
+                  "%s", out);
+        cr_expect_eq(json_integer_value(json_object_get(w, "metrics_port")),
+                     strcmp(role, "ctx") == 0 ? ctx_mport : gen_mport);
+        cr_expect_lt(json_integer_value(json_object_get(w, "heartbeat_age_ms")), 2000);
+        cr_expect_lt(json_integer_value(json_object_get(w, "uptime_s")), 600);
+        const double u = json_number_value(json_object_get(w, "utilisation"));
+        cr_expect(u >= 0 && u <= 1, "utilisation %f", u);
+    }
+    json_decref(st);
+    snprintf(cmd, sizeof(cmd), "%s --admin http://127.0.0.1:%d log-level debug 2>&1",
+             test_bin("router/duetctl"), admin_port);
+    cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    cr_expect(strstr(out, "log level: debug (was info; 2 workers told)") != NULL, "%s", out);
+    const char *const changed[] = {"log level info -> debug"};
+    for (uint64_t end = now_ms() + 3000; now_ms() < end;) {
+        if (log_count("ctx-0", changed, 1) == 1 && log_count("gen-0", changed, 1) == 1)
+            break;
+        usleep(50000);
+    }
+    cr_expect_eq(log_count("ctx-0", changed, 1), 1, "ctx-0 did not log the change");
+    cr_expect_eq(log_count("gen-0", changed, 1), 1, "gen-0 did not log the change");
+    cr_expect_eq(log_count("router", changed, 1), 1, "the router did not log the change");
+    check_json_log("ctx-0");
     stop_all();
 }
 

@@ -1,13 +1,14 @@
 /*
  * duetctl as a real process against an admin API started by the test (with the FAKE ops table of
  * tests/unit/router_admin_fake.h and a real admission controller): every command's output and
- * exit status, --help, usage errors (1), connection refused and protocol errors (2), and the
- * server's refusals (3: wrong token, unknown worker, dead worker, drain wait timeout) with the
- * server's message printed.
+ * exit status, --json on each, log-level, --help, usage errors (1), connection refused and
+ * protocol errors (2), and the server's refusals (3: wrong token, unknown worker, dead worker,
+ * drain wait timeout) with the server's message printed.
  */
 #include "tests/unit/router_admin_fake.h"
 
 #include <arpa/inet.h>
+#include <jansson.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -24,7 +25,9 @@ static char OUT[65536];
 static int ctl(const char *args)
 {
     char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN %s --admin http://127.0.0.1:%u %s 2>&1",
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=/nonexistent %s --admin "
+             "http://127.0.0.1:%u %s 2>&1",
              DUETCTL, AH.port, args);
     return test_run(cmd, OUT, sizeof(OUT));
 }
@@ -76,9 +79,15 @@ Test(duetctl, status_prints_workers_and_admission, .timeout = 60)
     ah_start();
     cr_expect_eq(ctl(TOK "status"), 0, "%s", OUT);
     expect_out("WORKER");
-    expect_out("FREE_PAGES");
+    expect_out("ADDRESS");
+    expect_out("CACHE_USED");
     cr_expect(strstr(OUT, "gen-0   gen   live") != NULL, "%s", OUT);
-    expect_out("1024");
+    /* gen-0: its address, device, dtype, uptime 3725 s, heartbeat 300 ms ago, busy half the
+     * time, 1024 of 4096 pages free */
+    cr_expect(strstr(OUT, "127.0.0.1:40001        cpu     f32       1h02m    0.3s    50%  "
+                          "3072/4096 75%") != NULL,
+              "%s", OUT);
+    expect_out("2048/4096 50%"); /* gen-1 */
     cr_expect(strstr(OUT, "ctx-0   ctx   dead") != NULL, "%s", OUT);
     expect_out("admission: accepting, in flight 0/8, queued 0/16");
     /* DUET_ADMIN_TOKEN works like --token. */
@@ -90,6 +99,102 @@ Test(duetctl, status_prints_workers_and_admission, .timeout = 60)
     OUT[n] = '\0';
     cr_expect_eq(WEXITSTATUS(pclose(p)), 0, "%s", OUT);
     expect_out("gen-1");
+    ah_stop();
+}
+
+/* --json on every command: the admin API's answer, parsed back here. */
+static json_t *ctl_json(const char *args)
+{
+    cr_expect_eq(ctl(args), 0, "%s", OUT);
+    json_error_t e;
+    json_t *j = json_loads(OUT, 0, &e);
+    cr_assert_not_null(j, "duetctl %s: not JSON (%s): %s", args, e.text, OUT);
+    return j;
+}
+
+Test(duetctl, json_on_every_command, .timeout = 60)
+{
+    ah_start();
+    json_t *j = ctl_json(TOK "--json status");
+    json_t *w0 = json_array_get(json_object_get(j, "workers"), 0);
+    cr_expect_str_eq(json_string_value(json_object_get(w0, "name")), "gen-0");
+    cr_expect_str_eq(json_string_value(json_object_get(w0, "device")), "cpu");
+    cr_expect_str_eq(json_string_value(json_object_get(w0, "address")), "127.0.0.1:40001");
+    cr_expect_eq(json_integer_value(json_object_get(w0, "uptime_s")), 3725);
+    cr_expect_eq(json_integer_value(json_object_get(w0, "metrics_port")), 9100);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(w0, "load"), "free_pages")),
+                 1024);
+    cr_expect_eq(json_integer_value(json_object_get(json_object_get(j, "admission"), "max_queue")),
+                 16);
+    json_decref(j);
+    j = ctl_json(TOK "drain gen-0 --json");
+    cr_expect_str_eq(json_string_value(json_object_get(j, "state")), "draining");
+    json_decref(j);
+    j = ctl_json(TOK "undrain gen-0 --json");
+    cr_expect_str_eq(json_string_value(json_object_get(j, "state")), "live");
+    json_decref(j);
+    j = ctl_json(TOK "--json admission set --max-queue 4");
+    cr_expect_eq(json_integer_value(json_object_get(j, "max_queue")), 4);
+    json_decref(j);
+    j = ctl_json(TOK "--json log-level");
+    cr_expect_str_eq(json_string_value(json_object_get(j, "level")), "warn");
+    json_decref(j);
+    ah_stop();
+}
+
+Test(duetctl, log_level_shows_and_sets_at_run_time, .timeout = 60)
+{
+    ah_start(); /* the admin API runs in this process, at warn */
+    cr_expect_eq(ctl(TOK "log-level"), 0, "%s", OUT);
+    expect_out("log level: warn");
+    cr_expect_eq(ctl(TOK "log-level debug"), 0, "%s", OUT);
+    expect_out("log level: debug (was warn; 2 workers told)");
+    cr_expect_eq(duet_log_level(), DUET_LOG_LEVEL_DEBUG, "the process's level changed");
+    cr_expect_eq(atomic_load(&AH.fake.log_levels), 1, "the workers were told once");
+    cr_expect_eq(ctl(TOK "log-level"), 0, "%s", OUT);
+    expect_out("log level: debug");
+    cr_expect_eq(ctl(TOK "log-level loud"), 1);
+    expect_out("not one of error, warn, info, debug, trace");
+    cr_expect_eq(ctl(TOK "log-level info warn"), 1);
+    cr_expect_eq(ctl(TOK "log-level --help"), 0);
+    expect_out("usage: duetctl log-level");
+    cr_expect_eq(atomic_load(&AH.fake.log_levels), 1, "usage errors send nothing");
+    duet_log_set_level(DUET_LOG_LEVEL_WARN);
+    ah_stop();
+}
+
+/* The admin file duet up writes: plain `duetctl status` uses its URL and token; a malformed one
+ * is named and ignored; another --admin does not get its token. */
+Test(duetctl, admin_file_gives_url_and_token, .timeout = 60)
+{
+    ah_start();
+    char path[] = "/tmp/duetctl-admin-XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    char url[64];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%u", AH.port);
+    cr_assert_eq(duet_admin_file_write(path, url, TEST_TOKEN), DUET_OK, "%s", duet_error_last());
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s status 2>&1", path,
+             DUETCTL);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 0, "%s", OUT);
+    expect_out("gen-1");
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s --admin http://127.0.0.1:%u/ status "
+             "2>&1",
+             path, DUETCTL, AH.port);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 3, "another URL: no token from the file");
+    FILE *f = fopen(path, "w");
+    fputs("url=http://127.0.0.1:1\nbogus\n", f);
+    fclose(f);
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s --admin %s status 2>&1", path, DUETCTL,
+             url);
+    cr_expect_eq(test_run(cmd, OUT, sizeof(OUT)), 3, "%s", OUT);
+    expect_out("ignoring");
+    expect_out(":2: expected url=... or token=...");
+    unlink(path);
     ah_stop();
 }
 

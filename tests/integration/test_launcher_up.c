@@ -6,7 +6,9 @@
  * 0; a worker that exits at once fails start-up with a message naming it; a SIGKILLed launcher's
  * children die too (PR_SET_PDEATHSIG); --log-dir writes one file per process; a worker killed
  * after start-up is reported while the rest keep serving, or stops everything with
- * --exit-on-child-death; a missing binary and a busy port are refused before anything starts.
+ * --exit-on-child-death; a missing binary and a busy port are refused before anything starts;
+ * the router's admin API is on with a token duet up made, printed and left in the admin file,
+ * where a plain `duetctl status` finds it (and the file goes with the cluster).
  *
  * "Nothing running" is checked two ways: no process whose command line holds this test's
  * private model folder (every child gets --model DIR), and both router ports refuse connections.
@@ -29,11 +31,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DUET   DUET_BINARY_DIR "/deploy/launcher/duet"
-#define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
+#include "tests/unit/test_run.h"
+
+#define DUET    DUET_BINARY_DIR "/deploy/launcher/duet"
+#define WORKER  DUET_BINARY_DIR "/tests/tools/duet-test-worker"
+#define DUETCTL DUET_BINARY_DIR "/router/duetctl"
 
 static char dir[256];
-static int http_port, worker_port;
+static int http_port, worker_port, admin_port;
 
 static uint64_t now_ms(void)
 {
@@ -111,6 +116,9 @@ static void setup_cluster(int n_ctx, int n_gen, const char *ctx_binary, const ch
     worker_port = free_port();
     while (worker_port == http_port)
         worker_port = free_port();
+    admin_port = free_port();
+    while (admin_port == http_port || admin_port == worker_port)
+        admin_port = free_port();
     char yaml[4096];
     snprintf(yaml, sizeof(yaml),
              "model: %s\n"
@@ -119,6 +127,7 @@ static void setup_cluster(int n_ctx, int n_gen, const char *ctx_binary, const ch
              "  workers: {host: 127.0.0.1, port: %d, heartbeat_timeout_ms: 2000}\n"
              "  model: {fingerprint: test}\n"
              "  placement: {policy: round_robin}\n"
+             "  admin: {port: %d}\n"
              "ctx:\n"
              "  count: %d\n"
              "  binary: %s\n"
@@ -131,8 +140,8 @@ static void setup_cluster(int n_ctx, int n_gen, const char *ctx_binary, const ch
              "stop_timeout_s: 5\n"
              "sample: {prompt: \"hello world\", max_tokens: 11}\n"
              "%s",
-             model, http_port, worker_port, n_ctx, ctx_binary != NULL ? ctx_binary : WORKER, n_gen,
-             WORKER, extra != NULL ? extra : "");
+             model, http_port, worker_port, admin_port, n_ctx,
+             ctx_binary != NULL ? ctx_binary : WORKER, n_gen, WORKER, extra != NULL ? extra : "");
     write_file("cluster.yaml", yaml);
 }
 
@@ -151,6 +160,10 @@ static pid_t start_up(const char *f1, const char *f2, const char *f3, const char
         dup2(o, 1);
         dup2(e, 2);
         setenv("DUET_LOG_LEVEL", "info", 1);
+        char admin[512];
+        snprintf(admin, sizeof(admin), "%s/admin", dir); /* not the user's ~/.duet/admin */
+        setenv("DUET_ADMIN_FILE", admin, 1);
+        unsetenv("DUET_ADMIN_TOKEN");
         char *argv[] = {DUET, "up", cfg, (char *)f1, (char *)f2, (char *)f3, (char *)f4, NULL};
         execv(argv[0], argv);
         _exit(127);
@@ -298,12 +311,37 @@ Test(launcher_up, sigterm_stops_foreground_cluster)
               read_file("err"));
     cr_assert_eq(count_children(), 4, "router + 3 workers expected");
     cr_assert(port_open(http_port));
+    /* the admin API is on with a token duet up made and printed, and plain duetctl finds both
+     * in the admin file */
+    char want[128];
+    snprintf(want, sizeof(want), "admin       http://127.0.0.1:%d  token ", admin_port);
+    const char *tok = strstr(read_file("out"), want);
+    cr_assert_not_null(tok, "no admin line in:\n%s", read_file("out"));
+    char token[64] = "";
+    cr_assert_eq(sscanf(tok + strlen(want), "%63[0-9a-f]", token), 1);
+    cr_expect_eq(strlen(token), 32, "a 128-bit token: %s", token);
+    struct stat sa;
+    char admin[512];
+    snprintf(admin, sizeof(admin), "%s/admin", dir);
+    cr_assert_eq(stat(admin, &sa), 0, "no admin file %s", admin);
+    cr_expect_eq(sa.st_mode & 0777, 0600, "admin file mode %o", sa.st_mode & 0777);
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof(cmd), "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=%s %s status 2>&1", admin,
+             DUETCTL);
+    cr_expect_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+    cr_expect(strstr(out, "gen-1") != NULL && strstr(out, "ctx-0") != NULL, "%s", out);
+    snprintf(cmd, sizeof(cmd),
+             "env -u DUET_ADMIN_TOKEN DUET_ADMIN_FILE=/nonexistent %s --admin "
+             "http://127.0.0.1:%d status 2>&1",
+             DUETCTL, admin_port);
+    cr_expect_eq(test_run(cmd, out, sizeof(out)), 3, "no token: refused: %s", out);
     kill(pid, SIGTERM);
     uint64_t took = 0;
     int rc = wait_exit(pid, 15000, &took);
     cr_assert_eq(rc, 0, "exit %d after SIGTERM:\n%s", rc, read_file("err"));
     cr_assert_lt(took, 5000, "took %llu ms, longer than the 5 s grace", (unsigned long long)took);
     cr_assert_not_null(strstr(read_file("err"), "SIGTERM received"));
+    cr_expect_neq(access(admin, F_OK), 0, "the admin file outlived its router");
     assert_all_gone();
 }
 

@@ -11,3 +11,5 @@ duet_add_test(common_utf8 SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_utf8.c
               LIBS duet_common TIMEOUT 60)
 duet_add_test(common_cache_layout SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_cache_layout.c
               LIBS duet_common TIMEOUT 60)
+duet_add_test(common_log SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_log.c
+              LIBS duet_common PkgConfig::JANSSON TIMEOUT 60)

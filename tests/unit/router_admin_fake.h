@@ -34,7 +34,7 @@ typedef struct {
 typedef struct {
     fake_worker_t w[FAKE_MAX_WORKERS];
     int n;
-    atomic_int drains, undrains, forgets, changed, migrates;
+    atomic_int drains, undrains, forgets, changed, migrates, log_levels;
 } fake_registry_t;
 
 static fake_worker_t *fake_find(fake_registry_t *f, const char *name)
@@ -49,6 +49,8 @@ static void fake_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_u
 {
     fake_registry_t *f = ctx;
     for (int i = 0; i < f->n; i++) {
+        char address[32];
+        snprintf(address, sizeof(address), "127.0.0.1:4000%d", i + 1);
         duet_admin_worker_info_t info = {
             .id = (uint64_t)i + 1,
             .name = f->w[i].name,
@@ -60,6 +62,15 @@ static void fake_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_u
             .state_slots = 16,
             .running = f->w[i].running,
             .queued = f->w[i].queued,
+            /* operators' figures: worker i was up 3725 + i s, heard from 300 ms ago, busy half
+             * the time */
+            .address = address,
+            .device = "cpu",
+            .dtype = "f32",
+            .uptime_s = 3725 + i,
+            .heartbeat_age_ms = 300,
+            .utilisation = 0.5,
+            .metrics_port = 9100 + i,
         };
         visit(&info, visit_user);
     }
@@ -127,12 +138,21 @@ static void fake_changed(void *ctx)
     atomic_fetch_add(&f->changed, 1);
 }
 
+/* Counts the calls; "tells" the two live workers. */
+static size_t fake_log_level(void *ctx, duet_log_level_t level)
+{
+    fake_registry_t *f = ctx;
+    atomic_fetch_add(&f->log_levels, 1);
+    return 2;
+}
+
 static const duet_admin_ops_t fake_ops = {
     .list_workers = fake_list,
     .drain = fake_drain,
     .drain_forget = fake_forget,
     .undrain = fake_undrain,
     .admission_changed = fake_changed,
+    .log_level_changed = fake_log_level,
 };
 
 /* ------------------------------------------------------------------ admin server in a thread */

@@ -1,9 +1,9 @@
 /*
  * duet-bench's streaming reader (bench/serving_sse.h): router-shaped completions and chat
  * streams give the same result fed whole or one byte at a time (with "\n", "\r\n" and "\r" line
- * ends); text-chunk times and ITL; usage; every kind of malformed input fails with a reason; and
- * a few thousand random mutations of a valid stream, fed in random pieces, never crash and end
- * either complete or failed with a reason.
+ * ends); the generated text; text-chunk times and ITL; usage; every kind of malformed input fails
+ * with a reason; and a few thousand random mutations of a valid stream, fed in random pieces, never
+ * crash and end either complete or failed with a reason.
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
@@ -83,6 +83,8 @@ Test(bench_sse, completions_stream_whole_and_bytewise_all_line_ends)
             cr_assert(s.has_usage);
             cr_assert_eq(s.usage_completion_tokens, 4);
             cr_assert_eq(s.usage_prompt_tokens, 12);
+            cr_assert_eq(s.text_len, 6, "the generated text, chunks joined");
+            cr_assert_str_eq(s.text, "dlr\xc3\xa9w");
             if (step == 1) {
                 /* the first text chunk counts when the byte ending its blank line arrives */
                 static const char *blank[] = {"\n\n", "\r\n\r\n", "\r\r"};
@@ -105,6 +107,7 @@ Test(bench_sse, chat_stream_role_chunk_is_not_text)
     cr_assert_eq(feed(&s, chat_stream, 1), DUET_OK, "%s", s.error);
     cr_assert_eq(serving_stream_finish(&s), DUET_OK, "%s", s.error);
     cr_assert_eq(s.n_text_chunks, 2);
+    cr_assert_str_eq(s.text, "ab");
     cr_assert(!s.has_usage);
     serving_stream_free(&s);
 }

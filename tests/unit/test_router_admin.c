@@ -275,6 +275,65 @@ Test(admin, lists_workers_with_state_and_load, .timeout = 30)
     ah_stop();
 }
 
+Test(admin, workers_carry_the_operators_figures, .timeout = 30)
+{
+    ah_start();
+    reply_t r;
+    call("GET", "/admin/workers", NULL, &r);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    json_t *w1 = json_array_get(json_object_get(r.json, "workers"), 1);
+    cr_expect_str_eq(json_string_value(json_object_get(w1, "address")), "127.0.0.1:40002");
+    cr_expect_str_eq(json_string_value(json_object_get(w1, "device")), "cpu");
+    cr_expect_str_eq(json_string_value(json_object_get(w1, "dtype")), "f32");
+    cr_expect_eq(json_integer_value(json_object_get(w1, "uptime_s")), 3726);
+    cr_expect_eq(json_integer_value(json_object_get(w1, "heartbeat_age_ms")), 300);
+    cr_expect_eq(json_real_value(json_object_get(w1, "utilisation")), 0.5);
+    cr_expect_eq(json_integer_value(json_object_get(w1, "metrics_port")), 9101);
+    reply_free(&r);
+    ah_stop();
+}
+
+/* GET and POST /admin/log-level: the process's level, set at once; bad bodies are a 400 that
+ * changes nothing and tells no worker. */
+Test(admin, log_level_get_set_and_refusals, .timeout = 30)
+{
+    ah_start(); /* at warn */
+    reply_t r;
+    call("GET", "/admin/log-level", NULL, &r);
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    cr_expect_str_eq(json_string_value(json_object_get(r.json, "level")), "warn");
+    reply_free(&r);
+    static const struct {
+        const char *body, *fragment;
+    } bad[] = {
+        {"{\"level\": \"loud\"}", "error|warn|info|debug|trace"},
+        {"{\"level\": 3}", "error|warn|info|debug|trace"},
+        {"{\"level\": \"info\", \"x\": 1}", "no other field"},
+        {"[\"info\"]", "error|warn|info|debug|trace"},
+        {"{\"level\": ", "bad JSON"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        call("POST", "/admin/log-level", bad[i].body, &r);
+        expect_error(&r, 400, bad[i].fragment);
+        reply_free(&r);
+    }
+    cr_expect_eq(duet_log_level(), DUET_LOG_LEVEL_WARN, "refused bodies change nothing");
+    cr_expect_eq(atomic_load(&AH.fake.log_levels), 0);
+    call("POST", "/admin/log-level", "{\"level\": \"ERROR\"}", &r);
+    cr_expect_eq(r.status, 200, "%s", r.body);
+    cr_expect_str_eq(json_string_value(json_object_get(r.json, "level")), "error");
+    cr_expect_str_eq(json_string_value(json_object_get(r.json, "previous")), "warn");
+    cr_expect_eq(json_integer_value(json_object_get(r.json, "workers")), 2);
+    reply_free(&r);
+    cr_expect_eq(duet_log_level(), DUET_LOG_LEVEL_ERROR);
+    cr_expect_eq(atomic_load(&AH.fake.log_levels), 1);
+    call("DELETE", "/admin/log-level", NULL, &r);
+    cr_expect_eq(r.status, 405, "%s", r.body);
+    reply_free(&r);
+    duet_log_set_level(DUET_LOG_LEVEL_WARN);
+    ah_stop();
+}
+
 Test(admin, drain_and_undrain_without_wait, .timeout = 30)
 {
     ah_start();
