@@ -5,8 +5,10 @@
  * byte tokenizer), and the text stream of a choice with the request's stop strings
  * (duet_oai_stream_*), serialised as the response and the SSE events.
  *
- * Input: a control byte (bit 0: chat endpoint; bit 1: the model's template is Jinja), then the
- * body. Checked besides no crash / sanitizer report:
+ * Input: a control byte (bit 0: chat endpoint; bit 1: the model's template is Jinja; bit 2: the
+ * model has Kimi K2's tool-call format; bit 3: the body goes to /tokenize (bit 0 clear) or
+ * /detokenize (set) instead, router/api/tokenize.h), then the body. Checked besides no crash /
+ * sanitizer report:
  *  - a refusal is a 400 / 404 / 413 with a message, its zeroed request, and serialises as JSON
  *    that jansson parses (also as an SSE event);
  *  - a parsed request keeps the documented limits: the endpoint's fields only, max_tokens in
@@ -16,7 +18,10 @@
  *  - its prompt, when it tokenizes, is 1..max_prompt_tokens ids inside the vocabulary, and with
  *    max_tokens within max_context;
  *  - fed its own prompt ids as the "generated" ids, the choice's text never contains a stop
- *    string, ends by max_tokens at the latest, and the response and SSE bytes are valid JSON.
+ *    string, ends by max_tokens at the latest, and the response and SSE bytes are valid JSON;
+ *  - with tools offered, that text through the tool-call parser (router/api/tools.h) gives
+ *    valid JSON deltas, chunks and tool_calls, whatever it holds;
+ *  - /tokenize and /detokenize answer JSON or an OpenAI error (400 / 404 / 413).
  */
 #include "fuzz/fuzz.h"
 
@@ -27,6 +32,8 @@
 #include "common/utf8.h"
 #include "router/api/chat_template.h"
 #include "router/api/openai.h"
+#include "router/api/tokenize.h"
+#include "router/api/tools.h"
 #include "tokenizer/tokenizer.h"
 
 static duet_tokenizer_t *tok;
@@ -83,6 +90,46 @@ static bool contains(const char *hay, size_t hn, const char *needle, size_t nn)
     return false;
 }
 
+/* Text through the tool-call parser; its content and tool-call deltas into sse. */
+static void tool_feed(duet_oai_toolparse_t *tp, const duet_oai_resp_meta_t *meta, const char *text,
+                      size_t len, bool end, duet_strbuf_t *sse)
+{
+    const duet_oai_tp_event_t *ev;
+    size_t n;
+    FUZZ_CHECK(duet_oai_toolparse_feed(tp, text, len, end, &ev, &n) == DUET_OK, "tool feed");
+    for (size_t i = 0; i < n; i++) {
+        if (ev[i].kind == DUET_OAI_TP_CONTENT) {
+            FUZZ_CHECK(duet_oai_sse_delta(meta, ev[i].text, ev[i].len, sse) == DUET_OK, "delta");
+            continue;
+        }
+        duet_strbuf_t d;
+        duet_strbuf_init(&d);
+        FUZZ_CHECK(duet_oai_tool_delta_json(&ev[i], &d) == DUET_OK, "tool delta");
+        check_json(&d, "a tool-call delta");
+        FUZZ_CHECK(duet_oai_sse_delta_json(meta, d.data, d.len, sse) == DUET_OK, "tool chunk");
+        duet_strbuf_free(&d);
+    }
+}
+
+/* /tokenize or /detokenize: JSON, or an OpenAI error. */
+static void check_tokenize(const duet_oai_limits_t *lim, bool detok, const char *body, size_t len)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_t err;
+    memset(&err, 0, sizeof(err));
+    duet_status_t st = detok ? duet_oai_detokenize(lim, tok, body, len, &sb, &err)
+                             : duet_oai_tokenize(lim, tmpl_duet, tok, body, len, &sb, &err);
+    if (st == DUET_OK) {
+        check_json(&sb, detok ? "/detokenize" : "/tokenize");
+    } else {
+        FUZZ_CHECK(err.http_status == 400 || err.http_status == 404 || err.http_status == 413,
+                   "tokenize status %d", err.http_status);
+        FUZZ_CHECK(sb.len == 0, "a refused tokenize wrote a body");
+    }
+    duet_strbuf_free(&sb);
+}
+
 static void check_stream(const duet_oai_request_t *req, const duet_oai_limits_t *lim,
                          const uint32_t *ids, size_t n)
 {
@@ -98,6 +145,9 @@ static void check_stream(const duet_oai_request_t *req, const duet_oai_limits_t 
     duet_strbuf_t sse;
     duet_strbuf_init(&sse);
     FUZZ_CHECK(duet_oai_sse_begin(&meta, &sse) == DUET_OK, "sse begin");
+    duet_oai_toolparse_t *tp = NULL;
+    if (req->tools != NULL)
+        FUZZ_CHECK(duet_oai_toolparse_create(&tp) == DUET_OK, "tool parser");
     duet_oai_finish_t fin = DUET_OAI_FINISH_NONE;
     size_t fed = 0;
     for (size_t i = 0; i < n && fin == DUET_OAI_FINISH_NONE; i++) {
@@ -107,6 +157,8 @@ static void check_stream(const duet_oai_request_t *req, const duet_oai_limits_t 
                    duet_error_last());
         fed++;
         FUZZ_CHECK(duet_oai_sse_delta(&meta, text, len, &sse) == DUET_OK, "sse delta");
+        if (tp != NULL)
+            tool_feed(tp, &meta, text, len, false, &sse);
     }
     if (fin == DUET_OAI_FINISH_NONE) {
         const char *text;
@@ -114,6 +166,28 @@ static void check_stream(const duet_oai_request_t *req, const duet_oai_limits_t 
         FUZZ_CHECK(duet_oai_stream_finish(s, DUET_OAI_FINISH_LENGTH, &text, &len, &fin) == DUET_OK,
                    "finish");
         FUZZ_CHECK(duet_oai_sse_delta(&meta, text, len, &sse) == DUET_OK, "sse delta");
+    }
+    if (tp != NULL) {
+        tool_feed(tp, &meta, NULL, 0, true, &sse);
+        duet_strbuf_t calls;
+        duet_strbuf_init(&calls);
+        FUZZ_CHECK(duet_oai_toolparse_calls_json(tp, &calls) == DUET_OK, "tool_calls");
+        check_json(&calls, "tool_calls");
+        const char *c;
+        size_t cl;
+        duet_oai_toolparse_content(tp, &c, &cl);
+        const duet_oai_choice_t ch = {.text = c,
+                                      .len = cl,
+                                      .finish = DUET_OAI_FINISH_TOOL_CALLS,
+                                      .tool_calls_json = calls.data != NULL ? calls.data : "[]"};
+        duet_strbuf_t body;
+        duet_strbuf_init(&body);
+        FUZZ_CHECK(duet_oai_response_json_n(&meta, &ch, 1, (uint32_t)n, 1, &body) == DUET_OK,
+                   "tool response");
+        check_json(&body, "the tool-call response");
+        duet_strbuf_free(&body);
+        duet_strbuf_free(&calls);
+        duet_oai_toolparse_destroy(tp);
     }
     FUZZ_CHECK(fed <= req->max_tokens, "fed %zu ids past max_tokens %u", fed, req->max_tokens);
     FUZZ_CHECK(fin == DUET_OAI_FINISH_STOP || fin == DUET_OAI_FINISH_LENGTH, "finish %d", (int)fin);
@@ -154,7 +228,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                    .max_prompt_tokens = 2048,
                                    .max_context = 4096,
                                    .max_messages = 64,
-                                   .jinja_template = jinja};
+                                   .jinja_template = jinja,
+                                   .tool_calls = (ctl & 4) != 0};
+    if ((ctl & 8) != 0) {
+        check_tokenize(&lim, (ctl & 1) != 0, (const char *)in.p, in.n);
+        return 0;
+    }
     duet_oai_request_t req;
     duet_oai_error_t err;
     memset(&err, 0, sizeof(err));
@@ -189,6 +268,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        req.stop_len[i] <= DUET_OAI_MAX_STOP_LEN,
                    "stop %zu of %zu bytes", i, req.stop_len[i]);
     FUZZ_CHECK(req.stream || !req.include_usage, "include_usage without stream");
+    FUZZ_CHECK(req.n >= 1 && req.n <= DUET_OAI_MAX_N, "n %u", req.n);
+    FUZZ_CHECK(req.tools == NULL || (ep == DUET_OAI_ENDPOINT_CHAT && jinja && lim.tool_calls &&
+                                     req.tool_choice != DUET_OAI_TOOL_CHOICE_NONE &&
+                                     !req.skip_special_tokens && json_array_size(req.tools) >= 1 &&
+                                     json_array_size(req.tools) <= DUET_OAI_MAX_TOOLS),
+               "tools offered where they cannot be");
     if (ep == DUET_OAI_ENDPOINT_COMPLETIONS) {
         FUZZ_CHECK((req.prompt != NULL) != (req.prompt_ids != NULL), "one prompt form");
         FUZZ_CHECK(req.messages == NULL && req.n_messages == 0, "messages on completions");

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/strbuf.h"
+#include "router/api/tokenize.h"
 #include "router/router_impl.h"
 
 typedef struct rt_endpoint rt_endpoint_t;
@@ -23,6 +24,7 @@ struct rt_endpoint {
     const char *path;
     rt_endpoint_fn handle;
     duet_oai_endpoint_t oai; /* the completions endpoints: which OpenAI API */
+    bool api;                /* an API route: needs api.key when one is set */
 };
 
 /* The whole answer, and the handler's reference dropped: for endpoints that keep no state. */
@@ -58,15 +60,46 @@ static void ep_completion(duet__router_t *rt, duet_http_request_t *http, const r
     duet__rq_begin(rt, http, e->oai, e->path);
 }
 
+/* The one served model, with vLLM's max_model_len (null: no limit) and the router's start. */
 static void ep_models(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     duet_strbuf_puts(&sb, "{\"object\":\"list\",\"data\":[{\"id\":");
     duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
-    duet_strbuf_printf(&sb, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\"}]}",
-                       (long long)0);
+    duet_strbuf_printf(&sb,
+                       ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\","
+                       "\"root\":",
+                       (long long)rt->started_unix);
+    duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
+    duet_strbuf_puts(&sb, ",\"max_model_len\":");
+    if (rt->lim.max_context > 0)
+        duet_strbuf_printf(&sb, "%zu}]}", rt->lim.max_context);
+    else
+        duet_strbuf_puts(&sb, "null}]}");
     rt_answer(http, 200, "application/json", NULL, 0, sb.data, sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/* POST /tokenize and /detokenize (vLLM's): answered at once from the tokenizer. */
+static void ep_tokenize(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    size_t len = 0;
+    const char *body = duet_http_request_body(http, &len);
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_t err;
+    memset(&err, 0, sizeof(err));
+    duet_status_t st = strcmp(e->path, "/tokenize") == 0
+                           ? duet_oai_tokenize(&rt->lim, rt->tmpl, rt->tok, body, len, &sb, &err)
+                           : duet_oai_detokenize(&rt->lim, rt->tok, body, len, &sb, &err);
+    if (st != DUET_OK) {
+        duet_strbuf_free(&sb);
+        duet_strbuf_init(&sb);
+        duet_oai_error_json(&err, &sb);
+    }
+    rt_answer(http, st == DUET_OK ? 200 : err.http_status, "application/json", NULL, 0,
+              sb.data != NULL ? sb.data : "", sb.len);
     duet_strbuf_free(&sb);
 }
 
@@ -172,10 +205,12 @@ static void ep_metrics_targets(duet__router_t *rt, duet_http_request_t *http,
 // clang-format off
 static const rt_endpoint_t rt_endpoints[] = {
     {.method = "POST", .path = "/v1/completions",      .handle = ep_completion,
-     .oai = DUET_OAI_ENDPOINT_COMPLETIONS},
+     .oai = DUET_OAI_ENDPOINT_COMPLETIONS, .api = true},
     {.method = "POST", .path = "/v1/chat/completions", .handle = ep_completion,
-     .oai = DUET_OAI_ENDPOINT_CHAT},
-    {.method = "GET",  .path = "/v1/models",           .handle = ep_models},
+     .oai = DUET_OAI_ENDPOINT_CHAT, .api = true},
+    {.method = "GET",  .path = "/v1/models",           .handle = ep_models,   .api = true},
+    {.method = "POST", .path = "/tokenize",            .handle = ep_tokenize, .api = true},
+    {.method = "POST", .path = "/detokenize",          .handle = ep_tokenize, .api = true},
     {.method = "GET",  .path = "/health",              .handle = ep_health},
     {.method = "GET",  .path = "/live",                .handle = ep_live},
     {.method = "GET",  .path = "/metrics",             .handle = ep_metrics},
@@ -199,6 +234,34 @@ const char *duet__rt_path_class(const char *path, void *user)
     return e != NULL ? e->path : "other";
 }
 
+/*
+ * api.key: an API route (and any unknown path under /v1/) without "Authorization: Bearer <key>"
+ * gets 401, shaped as OpenAI's; true when it may go on. /health, /live and /metrics stay open.
+ */
+static bool rt_api_authorized(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    const char *path = duet_http_request_path(http);
+    if (rt->api_key == NULL || !(e != NULL ? e->api : strncmp(path, "/v1/", 4) == 0))
+        return true;
+    duet_http_auth_t a = duet_http_request_bearer(http, rt->api_key, strlen(rt->api_key));
+    if (a == DUET_HTTP_AUTH_OK)
+        return true;
+    duet_oai_error_t err;
+    duet_oai_error_make(&err, 401, NULL, "invalid_api_key", NULL, "%s",
+                        a == DUET_HTTP_AUTH_MISSING
+                            ? "You didn't provide an API key. You need to provide your API key in "
+                              "an Authorization header using Bearer auth (i.e. Authorization: "
+                              "Bearer YOUR_KEY)."
+                            : "Incorrect API key provided.");
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_json(&err, &sb);
+    duet_http_header_t h = {"WWW-Authenticate", "Bearer"};
+    rt_answer(http, 401, "application/json", &h, 1, sb.data != NULL ? sb.data : "", sb.len);
+    duet_strbuf_free(&sb);
+    return false;
+}
+
 /* A known path with another method gets 405; an unknown path 404 (405 unless GET or HEAD). */
 void duet__rt_on_request(duet_http_request_t *http, void *user)
 {
@@ -206,6 +269,8 @@ void duet__rt_on_request(duet_http_request_t *http, void *user)
     const char *method = duet_http_request_method(http);
     bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
     const rt_endpoint_t *e = rt_endpoint_find(duet_http_request_path(http));
+    if (!rt_api_authorized(rt, http, e))
+        return;
     if (e == NULL && get)
         rt_answer_json(http, 404,
                        "{\"error\":{\"message\":\"not found\",\"type\":"

@@ -1,6 +1,7 @@
 /*
  * duet-router's request state machine (docs/architecture.md, "The path of one request"). One rq_t
- * per completion request, all on the loop thread:
+ * per engine request, all on the loop thread; a client request is an rq_group_t of n of them (its
+ * `n` choices, each its own engine request: see rq_group_t), most often one:
  *
  *   NEW         validated and tokenized (duet__rq_begin) -> admission: run now, queue, or refuse
  *   QUEUED      waits in admission's bounded FIFO (429 / 503 with Retry-After when refused)
@@ -31,6 +32,9 @@
  * client, as SSE chunks or one JSON body. SSE headers go out with the first token, so every
  * failure before it is a proper HTTP status; after it, an SSE error event.
  *
+ * With tools offered, each choice's text goes through the Kimi K2 tool-call parser
+ * (router/api/tools.h) before it reaches the client.
+ *
  * Ending. rq_end() is the only exit and runs exactly once per request (guarded by r->done),
  * early failures included: it cancels whatever a worker still runs for it (client disconnect,
  * deadline, stop string, error), gives the admission slot back (which may start a queued
@@ -43,6 +47,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <jansson.h>
 
 #include "common/log.h"
 #include "common/strbuf.h"
@@ -70,19 +76,43 @@ typedef enum {
 #define RQ_MOVE_ATTEMPTS 3   /* moves of one request that may fail before the router gives up */
 #define RQ_MOVE_RETRY_MS 200 /* a source not ready to move (not decoding yet) is asked again */
 
+/*
+ * One client request: the HTTP exchange and its n choices (the request's `n`), each an rq_t
+ * placed and run like a request of its own; it ends when its last choice has ended. What is sent
+ * back is the group's: choice i's chunks carry index i, the non-streaming body and the usage come
+ * once all n finished. A failure of any choice fails the whole response (a status when nothing
+ * was sent yet, else one SSE error event and [DONE]) and cancels the other choices.
+ */
+typedef struct rq_group {
+    duet__router_t *rt;
+    uint64_t id;               /* its first choice's request id: the response id, logs */
+    duet_http_request_t *http; /* one reference, released when the last choice ends */
+    duet_oai_request_t oai;    /* owned */
+    uint32_t *ids;             /* (n_ids) prompt, owned; the choices share it */
+    size_t n_ids;
+    duet_oai_resp_meta_t meta; /* index 0; each choice has a copy with its index */
+    char resp_id[32];
+    const char *endpoint; /* metric label (a literal) */
+    uint64_t t_start_ns;
+    bool sse_started, answered;           /* answered: the final bytes or an error went out */
+    uint32_t n, n_live, n_finished, hold; /* hold: a loop over choices keeps it alive */
+    uint32_t completion_tokens;           /* finished choices' tokens, summed */
+    struct rq **choices;                  /* (n) NULL once that choice ended */
+    duet_oai_choice_t *results;           /* (n) finished choices, texts owned (non-streaming) */
+} rq_group_t;
+
 typedef struct rq {
     duet__router_t *rt;
     uint64_t id;
-    duet_http_request_t *http; /* one reference, released in rq_end */
-    duet_oai_request_t oai;    /* owned */
-    uint32_t *ids;             /* (n_ids) prompt, owned */
+    rq_group_t *g;       /* the client request this choice belongs to */
+    uint32_t index;      /* choice index */
+    const uint32_t *ids; /* (n_ids) the group's prompt */
     size_t n_ids;
     duet_oai_stream_t *stream; /* owned */
-    duet_oai_resp_meta_t meta;
-    char resp_id[32];
-    const char *endpoint; /* metric label (a literal) */
+    duet_oai_toolparse_t *tp;  /* owned; the request offers tools: the text's tool calls */
+    duet_oai_resp_meta_t meta; /* the group's, with this choice's index */
     rq_phase_t phase;
-    bool admitted, local, sse_started, done;
+    bool admitted, local, began, done;    /* began: its first chunk went out (streaming) */
     uint64_t gen_id, ctx_id;              /* 0 = none */
     bool gen_busy, ctx_busy;              /* the worker still works on it (owes Tokens) */
     uint64_t exclude_gen[RQ_MAX_EXCLUDE]; /* gens that refused */
@@ -156,16 +186,17 @@ static rq_t *rq_find(duet__router_t *rt, uint64_t id)
     return NULL;
 }
 
-/* Every live request, collected first so that the callee may end them. */
-static size_t rq_collect(duet__router_t *rt, rq_t ***out_p)
+/* The ids of every live request, collected first so that the caller may end them (ending one
+ * choice can end its siblings: look each id up again with rq_find). */
+static size_t rq_collect(duet__router_t *rt, uint64_t **out_p)
 {
-    rq_t **v = malloc((rt->n_rq + 1) * sizeof(*v));
+    uint64_t *v = malloc((rt->n_rq + 1) * sizeof(*v));
     size_t n = 0;
     if (v == NULL)
         return 0;
     for (size_t b = 0; b < DUET__RQ_BUCKETS; b++)
         for (rq_t *r = rt->buckets[b]; r != NULL; r = r->bucket_next)
-            v[n++] = r;
+            v[n++] = r->id;
     *out_p = v;
     return n;
 }
@@ -221,6 +252,7 @@ static void respond_error(duet_http_request_t *http, const duet_oai_error_t *e,
 /* ---------------------------------------------------------------- ending */
 
 static void rq_start(rq_t *r);
+static void rq_end(rq_t *r, const char *why);
 static void rq_move_reserve(rq_t *r);
 static void rq_move_target_gone(rq_t *r, const char *cancel_why);
 static void rq_send_move_cancel(rq_t *r, const char *reason);
@@ -245,9 +277,44 @@ static void rt_release(duet__router_t *rt, uint64_t rid, uint64_t *id, bool *bus
     duet__rt_drain_waiters_check(rt, wid, DUET_OK, NULL);
 }
 
+/* Free the group once no choice is live and no loop holds it: the HTTP reference goes. */
+static void rq_group_maybe_free(rq_group_t *g)
+{
+    if (g->n_live > 0 || g->hold > 0)
+        return;
+    duet_http_request_set_data(g->http, NULL);
+    duet_http_request_release(g->http);
+    duet_oai_request_free(&g->oai);
+    free(g->ids);
+    for (uint32_t i = 0; i < g->n && g->results != NULL; i++) {
+        free((char *)g->results[i].text);
+        free((char *)g->results[i].tool_calls_json);
+    }
+    free(g->results);
+    free(g->choices);
+    free(g);
+}
+
+/* End every live choice of g (the client went away, or one choice failed the response), each
+ * recorded (obs.c) with HTTP `status` and, when it was admitted, `finish` (DUET__OBS_*). */
+static void rq_group_end_all(rq_group_t *g, const char *why, int status, int finish)
+{
+    g->hold++;
+    for (uint32_t i = 0; i < g->n; i++) {
+        rq_t *c = g->choices[i];
+        if (c == NULL)
+            continue;
+        c->status = status;
+        c->finish = c->t_admit_ns != 0 ? finish : -1;
+        rq_end(c, why);
+    }
+    g->hold--;
+    rq_group_maybe_free(g);
+}
+
 /*
- * The one exit. Cancels workers that still hold the request, hands the admission slot on, and
- * releases everything. Runs once (r->done guards it).
+ * The one exit of a choice. Cancels workers that still hold it, hands the admission slot on, and
+ * releases it (the group goes with its last choice). Runs once (r->done guards it).
  */
 static void rq_end(rq_t *r, const char *why)
 {
@@ -270,7 +337,7 @@ static void rq_end(rq_t *r, const char *why)
     DUET_RLOG_DEBUG(r->id, "request ended: %s", why);
     const duet__obs_request_t rec = {
         .id = r->id,
-        .endpoint = r->endpoint,
+        .endpoint = r->g->endpoint,
         .status = r->status,
         .finish = r->finish,
         .prompt_tokens = r->n_ids,
@@ -281,16 +348,17 @@ static void rq_end(rq_t *r, const char *why)
         .t_last_ns = r->t_last_ns,
         .t_end_ns = uv_hrtime(),
     };
-    duet__obs_request_end(rt, &rec);
-    duet_http_request_set_data(r->http, NULL);
-    duet_http_request_release(r->http);
+    duet__obs_request_end(rt, &rec); /* one access line per engine request (choice) */
+    rq_group_t *g = r->g;
+    g->choices[r->index] = NULL;
+    g->n_live--;
     duet_oai_stream_destroy(r->stream);
-    duet_oai_request_free(&r->oai);
-    free(r->ids);
+    duet_oai_toolparse_destroy(r->tp);
     free(r->out);
     free(r->reservation);
     rq_more_res_free(r);
     free(r);
+    rq_group_maybe_free(g);
 }
 
 /* Fail a request with an OpenAI error: a status when nothing was sent yet, else an SSE event. */
@@ -309,79 +377,177 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
     va_end(ap);
     duet_oai_error_make(&e, status, type, code, NULL, "%s", msg);
     DUET_RLOG_WARN(r->id, "request failed (%d): %s", status, msg);
-    if (!duet_http_request_aborted(r->http)) {
-        if (r->sse_started) {
+    rq_group_t *g = r->g;
+    if (g->answered) { /* another choice failed it already */
+        rq_end(r, msg);
+        return;
+    }
+    g->answered = true;
+    g->hold++; /* until every choice has ended */
+    if (!duet_http_request_aborted(g->http)) {
+        if (g->sse_started) {
             duet_strbuf_t sb;
             duet_strbuf_init(&sb);
             duet_oai_sse_error(&e, &sb);
             duet_strbuf_puts(&sb, "data: [DONE]\n\n");
-            duet_http_stream_write(r->http, sb.data, sb.len);
-            duet_http_stream_end(r->http);
+            duet_http_stream_write(g->http, sb.data, sb.len);
+            duet_http_stream_end(g->http);
             duet_strbuf_free(&sb);
         } else {
-            respond_error(r->http, &e, retry_after_s);
+            respond_error(g->http, &e, retry_after_s);
         }
     }
-    rt_result(r->rt, r->endpoint, status == 429 ? "rejected" : "error");
+    rt_result(r->rt, g->endpoint, status == 429 ? "rejected" : "error");
     r->status = status;
     r->finish = r->t_admit_ns != 0 ? DUET__OBS_ERROR : -1;
     rq_end(r, msg);
+    g->hold--;
+    rq_group_end_all(g, "another choice of the request failed", status, DUET__OBS_ABORT);
 }
 
-/* The choice finished normally: final bytes to the client, metrics, end. */
+/* Streaming: the SSE headers (once per group) and this choice's first chunk (chat: its role
+ * chunk) into sb; false when the client is gone (on_abort ends the request). */
+static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
+{
+    rq_group_t *g = r->g;
+    if (!g->sse_started) {
+        if (duet_http_sse_begin(g->http, NULL, 0) != DUET_OK)
+            return false;
+        g->sse_started = true;
+    }
+    if (!r->began) {
+        r->began = true;
+        duet_oai_sse_begin(&r->meta, sb);
+    }
+    return true;
+}
+
+/* The choice finished normally: its final bytes (and the response's, when it is the last),
+ * metrics, end. */
+static bool rq_emit_tools(rq_t *r, const char *text, size_t len, bool end);
+
 static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 {
     duet__router_t *rt = r->rt;
+    rq_group_t *g = r->g;
+    char *calls = NULL;
+    if (r->tp != NULL) { /* the held text settles; a choice that called tools says so */
+        if (!rq_emit_tools(r, NULL, 0, true))
+            return; /* it failed (and is gone) */
+        if (duet_oai_toolparse_n_calls(r->tp) > 0) {
+            duet_strbuf_t cj;
+            duet_strbuf_init(&cj);
+            duet_oai_toolparse_calls_json(r->tp, &cj);
+            calls = duet_strbuf_detach(&cj);
+            duet_strbuf_free(&cj);
+            if (finish == DUET_OAI_FINISH_STOP)
+                finish = DUET_OAI_FINISH_TOOL_CALLS;
+        }
+    }
     uint32_t n_c = duet_oai_stream_n_tokens(r->stream);
+    g->completion_tokens += n_c;
+    const bool last = ++g->n_finished == g->n;
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
-    if (r->oai.stream) {
-        if (!r->sse_started) {
-            if (duet_http_sse_begin(r->http, NULL, 0) == DUET_OK)
-                r->sse_started = true;
-            duet_oai_sse_begin(&r->meta, &sb);
+    if (g->oai.stream) {
+        if (rq_stream_begin(r, &sb)) {
+            duet_oai_sse_finish(&r->meta, finish, &sb);
+            if (last)
+                duet_oai_sse_done(&g->meta, (uint32_t)g->n_ids, g->completion_tokens, &sb);
+            duet_http_stream_write(g->http, sb.data, sb.len);
+            if (last)
+                duet_http_stream_end(g->http);
         }
-        duet_oai_sse_end(&r->meta, finish, (uint32_t)r->n_ids, n_c, &sb);
-        duet_http_stream_write(r->http, sb.data, sb.len);
-        duet_http_stream_end(r->http);
     } else {
         const char *text;
         size_t len;
-        duet_oai_stream_text(r->stream, &text, &len);
-        duet_oai_response_json(&r->meta, text, len, finish, (uint32_t)r->n_ids, n_c, &sb);
-        duet_http_respond(r->http, 200, "application/json", NULL, 0, sb.data, sb.len);
+        if (r->tp != NULL)
+            duet_oai_toolparse_content(r->tp, &text, &len);
+        else
+            duet_oai_stream_text(r->stream, &text, &len);
+        char *copy = malloc(len + 1);
+        if (copy == NULL ||
+            (r->tp != NULL && duet_oai_toolparse_n_calls(r->tp) > 0 && calls == NULL)) {
+            free(copy);
+            duet_strbuf_free(&sb);
+            g->n_finished--;
+            rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+            return;
+        }
+        memcpy(copy, text, len);
+        g->results[r->index] = (duet_oai_choice_t){
+            .text = copy, .len = len, .finish = finish, .tool_calls_json = calls};
+        calls = NULL;
+        if (last) {
+            duet_oai_response_json_n(&g->meta, g->results, g->n, (uint32_t)g->n_ids,
+                                     g->completion_tokens, &sb);
+            duet_http_respond(g->http, 200, "application/json", NULL, 0, sb.data, sb.len);
+        }
     }
     duet_strbuf_free(&sb);
-    uint64_t now = uv_hrtime();
-    duet_metrics_histogram_observe(rt->m_e2e, (double)(now - r->t_start_ns) / 1e9);
+    free(calls);
     if (n_c > 1 && r->t_last_ns > r->t_first_ns)
         duet_metrics_histogram_observe(rt->m_tpot,
                                        (double)(r->t_last_ns - r->t_first_ns) / 1e9 / (n_c - 1));
     duet_metrics_counter_add(rt->m_tok_out, n_c);
-    rt_result(rt, r->endpoint, "ok");
+    if (last) {
+        g->answered = true;
+        duet_metrics_histogram_observe(rt->m_e2e, (double)(uv_hrtime() - g->t_start_ns) / 1e9);
+        rt_result(rt, g->endpoint, "ok");
+    }
     r->status = 200;
     r->finish = finish == DUET_OAI_FINISH_LENGTH ? DUET__OBS_LENGTH : DUET__OBS_STOP;
     rq_end(r, "finished");
 }
 
-/* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). */
-static void rq_emit(rq_t *r, const char *text, size_t len)
+/* Text of a choice that offers tools through its tool-call parser (`end`: the last), then, when
+ * streaming, out as content and tool-call deltas. False when the request failed (r is gone). */
+static bool rq_emit_tools(rq_t *r, const char *text, size_t len, bool end)
 {
-    if (!r->oai.stream || len == 0)
-        return;
+    const duet_oai_tp_event_t *ev = NULL;
+    size_t n = 0;
+    if (duet_oai_toolparse_feed(r->tp, text, len, end, &ev, &n) != DUET_OK) {
+        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return false;
+    }
+    if (!r->g->oai.stream || n == 0)
+        return true;
+    duet_strbuf_t sb, d;
+    duet_strbuf_init(&sb);
+    duet_strbuf_init(&d);
+    if (rq_stream_begin(r, &sb)) {
+        for (size_t i = 0; i < n; i++) {
+            if (ev[i].kind == DUET_OAI_TP_CONTENT) {
+                duet_oai_sse_delta(&r->meta, ev[i].text, ev[i].len, &sb);
+                continue;
+            }
+            d.len = 0;
+            duet_oai_tool_delta_json(&ev[i], &d);
+            duet_oai_sse_delta_json(&r->meta, d.data, d.len, &sb);
+        }
+        duet_http_stream_write(r->g->http, sb.data, sb.len);
+    }
+    duet_strbuf_free(&d);
+    duet_strbuf_free(&sb);
+    return true;
+}
+
+/* Emit text now (streaming) or keep it (the stream keeps it for non-streaming). False when the
+ * request failed (r is gone). */
+static bool rq_emit(rq_t *r, const char *text, size_t len)
+{
+    if (r->tp != NULL && len > 0)
+        return rq_emit_tools(r, text, len, false);
+    if (!r->g->oai.stream || len == 0)
+        return true;
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
-    if (!r->sse_started) {
-        if (duet_http_sse_begin(r->http, NULL, 0) != DUET_OK) {
-            duet_strbuf_free(&sb);
-            return; /* aborted: on_abort ends it */
-        }
-        r->sse_started = true;
-        duet_oai_sse_begin(&r->meta, &sb);
+    if (rq_stream_begin(r, &sb)) {
+        duet_oai_sse_delta(&r->meta, text, len, &sb);
+        duet_http_stream_write(r->g->http, sb.data, sb.len);
     }
-    duet_oai_sse_delta(&r->meta, text, len, &sb);
-    duet_http_stream_write(r->http, sb.data, sb.len);
     duet_strbuf_free(&sb);
+    return true;
 }
 
 /*
@@ -396,8 +562,9 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
         duet_oai_finish_t fin = DUET_OAI_FINISH_NONE;
         if (r->t_first_ns == 0) {
             r->t_first_ns = uv_hrtime();
-            duet_metrics_histogram_observe(r->rt->m_ttft,
-                                           (double)(r->t_first_ns - r->t_start_ns) / 1e9);
+            if (r->index == 0) /* one TTFT per client request */
+                duet_metrics_histogram_observe(r->rt->m_ttft,
+                                               (double)(r->t_first_ns - r->t_start_ns) / 1e9);
         }
         const uint64_t now_ns = uv_hrtime();
         duet__obs_token(r->rt, r->t_last_ns, now_ns);
@@ -408,7 +575,8 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
                     "worker sent token id %u, which is outside the vocabulary", ids[i]);
             return true;
         }
-        rq_emit(r, text, len);
+        if (!rq_emit(r, text, len))
+            return true;
         if (fin != DUET_OAI_FINISH_NONE) {
             rq_complete(r, fin);
             return true;
@@ -424,7 +592,8 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
                                    ? DUET_OAI_FINISH_STOP
                                    : DUET_OAI_FINISH_LENGTH,
                                &text, &len, &fin);
-        rq_emit(r, text, len);
+        if (!rq_emit(r, text, len))
+            return true;
         rq_complete(r, fin != DUET_OAI_FINISH_NONE ? fin : DUET_OAI_FINISH_STOP);
         return true;
     }
@@ -446,14 +615,15 @@ static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint6
 
 static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_ids)
 {
-    s->temperature = (float)r->oai.temperature;
-    s->top_p = (float)r->oai.top_p;
-    s->top_k = r->oai.top_k > 0 ? (uint32_t)r->oai.top_k : 0;
-    s->has_seed = r->oai.has_seed;
-    s->seed = (uint64_t)r->oai.seed;
-    s->ignore_eos = r->oai.ignore_eos;
+    const duet_oai_request_t *o = &r->g->oai;
+    s->temperature = (float)o->temperature;
+    s->top_p = (float)o->top_p;
+    s->top_k = o->top_k > 0 ? (uint32_t)o->top_k : 0;
+    s->has_seed = o->has_seed;
+    s->seed = (uint64_t)o->seed + r->index; /* choice 0 is the n = 1 answer with that seed */
+    s->ignore_eos = o->ignore_eos;
     size_t n = 0;
-    if (!r->oai.ignore_eos)
+    if (!o->ignore_eos)
         for (size_t i = 0; i < r->rt->n_eos; i++)
             stop_ids[n++] = r->rt->eos[i];
     s->stop_token_ids = stop_ids;
@@ -477,10 +647,10 @@ static bool rq_send_to_gen(rq_t *r)
     if (r->local) {
         Duet__Generate g = DUET__GENERATE__INIT;
         g.request_id = r->id;
-        g.tokens = r->ids;
+        g.tokens = (uint32_t *)r->ids;
         g.n_tokens = r->n_ids;
         g.sampling = &s;
-        g.max_tokens = r->oai.max_tokens;
+        g.max_tokens = r->g->oai.max_tokens;
         g.deadline_unix_ms = deadline;
         Duet__Envelope env = duet_envelope_generate(&g);
         r->phase = RQ_GENERATING;
@@ -489,9 +659,9 @@ static bool rq_send_to_gen(rq_t *r)
         Duet__Reserve rs = DUET__RESERVE__INIT;
         rs.request_id = r->id;
         rs.prompt_tokens = (uint32_t)r->n_ids;
-        rs.max_tokens = r->oai.max_tokens;
+        rs.max_tokens = r->g->oai.max_tokens;
         rs.deadline_unix_ms = deadline;
-        rs.tokens = r->ids;
+        rs.tokens = (uint32_t *)r->ids;
         rs.n_tokens = r->n_ids;
         rs.sampling = &s;
         Duet__Envelope env = duet_envelope_reserve(&rs);
@@ -521,10 +691,10 @@ static bool rq_send_to_ctx(rq_t *r)
     rq_fill_sampling(r, &s, stop_ids);
     Duet__Prefill p = DUET__PREFILL__INIT;
     p.request_id = r->id;
-    p.tokens = r->ids;
+    p.tokens = (uint32_t *)r->ids;
     p.n_tokens = r->n_ids;
     p.sampling = &s;
-    p.max_tokens = r->oai.max_tokens;
+    p.max_tokens = r->g->oai.max_tokens;
     p.reservation.data = r->reservation;
     p.reservation.len = r->reservation_len;
     p.more_reservations = r->more_res;
@@ -569,6 +739,30 @@ static void rq_start(rq_t *r)
 
 /* ---------------------------------------------------------------- a request arrives */
 
+#define RT_MAX_IGNORED_LOGGED                                                                      \
+    256 /* distinct unknown field names remembered (then no more logs)                             \
+         */
+
+/* Log each unknown request field the parser ignored, once per name per process. */
+static void rt_log_ignored(duet__router_t *rt, const json_t *names)
+{
+    size_t i;
+    const json_t *v;
+    json_array_foreach(names, i, v)
+    {
+        const char *name = json_string_value(v);
+        if (rt->ignored_seen == NULL)
+            rt->ignored_seen = json_object();
+        if (rt->ignored_seen == NULL || json_object_get(rt->ignored_seen, name) != NULL ||
+            json_object_size(rt->ignored_seen) >= RT_MAX_IGNORED_LOGGED)
+            continue;
+        json_object_set_new(rt->ignored_seen, name, json_true());
+        DUET_LOG_DEBUG("router: ignoring the unknown request field '%.100s' (logged once; "
+                       "api.strict refuses such fields)",
+                       name);
+    }
+}
+
 /* Refuse a request before it has an rq_t (nothing else to end). */
 static void rt_refuse(duet_http_request_t *http, int status, const char *code,
                       uint32_t retry_after_s, const char *message)
@@ -579,57 +773,10 @@ static void rt_refuse(duet_http_request_t *http, int status, const char *code,
     duet_http_request_release(http);
 }
 
-void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endpoint_t ep,
-                    const char *label)
+/* Admit choice r (run now, queue, or refuse, which fails the whole request). */
+static void rq_admit(rq_t *r, uint64_t now)
 {
-    if (rt->draining) {
-        rt_refuse(http, 503, "draining", 1, "the router is shutting down");
-        return;
-    }
-    rq_t *r = calloc(1, sizeof(*r));
-    if (r == NULL) {
-        rt_refuse(http, 500, NULL, 0, "out of memory");
-        return;
-    }
-    r->rt = rt;
-    r->http = http;
-    r->id = ++rt->next_rid;
-    r->t_start_ns = uv_hrtime();
-    r->endpoint = label;
-    r->finish = -1;
-    size_t len = 0;
-    const char *body = duet_http_request_body(http, &len);
-    duet_oai_error_t err;
-    memset(&err, 0, sizeof(err));
-    if (duet_oai_request_parse(&rt->lim, ep, body, len, &r->oai, &err) < 0 ||
-        duet_oai_request_tokens(&r->oai, &rt->lim, rt->tmpl, rt->tok, &r->ids, &r->n_ids, &err) <
-            0 ||
-        duet_oai_stream_create(rt->tok, &r->oai, rt->eos, rt->n_eos, !r->oai.stream, &r->stream) <
-            0) {
-        if (err.http_status == 0)
-            duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "%s", duet_error_last());
-        DUET_RLOG_INFO(r->id, "rejected (%d): %s", err.http_status, err.message);
-        respond_error(http, &err, 0);
-        rt_result(rt, r->endpoint, "invalid");
-        r->status = err.http_status;
-        rq_end(r, "invalid request");
-        return;
-    }
-    duet_oai_response_id(ep, r->id, r->resp_id, sizeof(r->resp_id));
-    r->meta.endpoint = ep;
-    r->meta.id = r->resp_id;
-    r->meta.model = rt->model_name;
-    r->meta.created = (int64_t)time(NULL);
-    r->meta.include_usage = r->oai.include_usage;
-    r->local = r->n_ids < rt->local_prefill_tokens;
-    uint64_t now = uv_now(rt->loop);
-    r->deadline_ms = now + rt->deadline_ms;
-    duet_metrics_counter_add(rt->m_tok_in, (double)r->n_ids);
-    rq_table_add(rt, r);
-    duet_http_request_set_data(http, r);
-    DUET_RLOG_DEBUG(r->id, "%s: %zu prompt tokens, max_tokens %u, stream %d", r->endpoint, r->n_ids,
-                    r->oai.max_tokens, (int)r->oai.stream);
-
+    duet__router_t *rt = r->rt;
     /* the admission integration point: bounded queue, 429 / 503 with Retry-After */
     duet_admission_result_t res;
     duet_admission_try_admit(rt->adm, r, now, now + rt->queue_timeout_ms, &res);
@@ -656,16 +803,132 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
     }
 }
 
+/* Choice i of g: its own request id, text stream and deadline; into the live table. NULL when
+ * out of memory (nothing made). */
+static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
+{
+    duet__router_t *rt = g->rt;
+    rq_t *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return NULL;
+    if (duet_oai_stream_create(rt->tok, &g->oai, rt->eos, rt->n_eos, !g->oai.stream, &r->stream) <
+            0 ||
+        (g->oai.tools != NULL && duet_oai_toolparse_create(&r->tp) < 0)) {
+        duet_oai_stream_destroy(r->stream);
+        free(r);
+        return NULL;
+    }
+    r->rt = rt;
+    r->g = g;
+    r->index = i;
+    r->id = i == 0 ? g->id : ++rt->next_rid;
+    r->ids = g->ids;
+    r->n_ids = g->n_ids;
+    r->meta = g->meta;
+    r->meta.index = i;
+    r->t_start_ns = g->t_start_ns;
+    r->finish = -1;
+    r->local = r->n_ids < rt->local_prefill_tokens;
+    r->deadline_ms = now + rt->deadline_ms;
+    g->choices[i] = r;
+    g->n_live++;
+    rq_table_add(rt, r);
+    return r;
+}
+
+void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endpoint_t ep,
+                    const char *label)
+{
+    if (rt->draining) {
+        rt_refuse(http, 503, "draining", 1, "the router is shutting down");
+        return;
+    }
+    rq_group_t *g = calloc(1, sizeof(*g));
+    if (g == NULL) {
+        rt_refuse(http, 500, NULL, 0, "out of memory");
+        return;
+    }
+    g->rt = rt;
+    g->http = http;
+    g->id = ++rt->next_rid;
+    g->t_start_ns = uv_hrtime();
+    g->endpoint = label;
+    size_t len = 0;
+    const char *body = duet_http_request_body(http, &len);
+    duet_oai_error_t err;
+    memset(&err, 0, sizeof(err));
+    if (duet_oai_request_parse(&rt->lim, ep, body, len, &g->oai, &err) < 0 ||
+        duet_oai_request_tokens(&g->oai, &rt->lim, rt->tmpl, rt->tok, &g->ids, &g->n_ids, &err) <
+            0 ||
+        (g->n = g->oai.n > 0 ? g->oai.n : 1,
+         (g->choices = calloc(g->n, sizeof(*g->choices))) == NULL ||
+             (g->results = calloc(g->n, sizeof(*g->results))) == NULL)) {
+        if (err.http_status == 0)
+            duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "out of memory");
+        DUET_RLOG_INFO(g->id, "rejected (%d): %s", err.http_status, err.message);
+        respond_error(http, &err, 0);
+        rt_result(rt, g->endpoint, "invalid");
+        const duet__obs_request_t rec = {.id = g->id,
+                                         .endpoint = g->endpoint,
+                                         .status = err.http_status,
+                                         .finish = -1,
+                                         .t_start_ns = g->t_start_ns,
+                                         .t_end_ns = uv_hrtime()};
+        duet__obs_request_end(rt, &rec);
+        rq_group_maybe_free(g);
+        return;
+    }
+    if (g->oai.ignored_fields != NULL)
+        rt_log_ignored(rt, g->oai.ignored_fields);
+    duet_oai_response_id(ep, g->id, g->resp_id, sizeof(g->resp_id));
+    g->meta.endpoint = ep;
+    g->meta.id = g->resp_id;
+    g->meta.model = rt->model_name;
+    g->meta.created = (int64_t)time(NULL);
+    g->meta.include_usage = g->oai.include_usage;
+    duet_metrics_counter_add(rt->m_tok_in, (double)g->n_ids);
+    duet_http_request_set_data(http, g);
+    DUET_RLOG_DEBUG(g->id, "%s: %zu prompt tokens, max_tokens %u, stream %d, n %u", g->endpoint,
+                    g->n_ids, g->oai.max_tokens, (int)g->oai.stream, g->n);
+
+    /* n independent choices, each admitted and placed like a request of its own; a refusal of
+     * any fails the request (and ends those made before it) */
+    const uint64_t now = uv_now(rt->loop);
+    g->hold++;
+    for (uint32_t i = 0; i < g->n && !g->answered; i++) {
+        rq_t *r = rq_choice_new(g, i, now);
+        if (r == NULL) {
+            rq_t *live = NULL;
+            for (uint32_t k = 0; k < i && live == NULL; k++)
+                live = g->choices[k];
+            if (live != NULL) {
+                rq_fail(live, 500, "server_error", NULL, 0, "out of memory");
+            } else {
+                duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "out of memory");
+                respond_error(http, &err, 0);
+                rt_result(rt, g->endpoint, "error");
+                g->answered = true;
+            }
+            break;
+        }
+        if (g->n > 1)
+            DUET_RLOG_DEBUG(r->id, "choice %u of request %llu", i, (unsigned long long)g->id);
+        rq_admit(r, now);
+    }
+    g->hold--;
+    rq_group_maybe_free(g);
+}
+
 void duet__rq_on_abort(duet_http_request_t *http, void *user)
 {
-    rq_t *r = duet_http_request_get_data(http);
-    if (r == NULL)
+    rq_group_t *g = duet_http_request_get_data(http);
+    if (g == NULL)
         return;
-    DUET_RLOG_INFO(r->id, "client disconnected");
-    rt_result(r->rt, r->endpoint, "cancelled");
-    r->status = 499; /* nginx's "client closed request": nothing was answered */
-    r->finish = r->t_admit_ns != 0 ? DUET__OBS_ABORT : -1;
-    rq_end(r, "client disconnected");
+    DUET_RLOG_INFO(g->id, "client disconnected");
+    rt_result(g->rt, g->endpoint, "cancelled");
+    g->answered = true;
+    /* 499, nginx's "client closed request": nothing was answered */
+    rq_group_end_all(g, "client disconnected", 499, DUET__OBS_ABORT);
 }
 
 /* ---------------------------------------------------------------- worker events */
@@ -692,13 +955,15 @@ void duet__rq_on_worker_state(const duet_worker_info_t *w, void *user)
 void duet__rq_on_worker_down(const duet_worker_info_t *w, const char *reason, void *user)
 {
     duet__router_t *rt = user;
-    rq_t **v = NULL;
+    uint64_t *v = NULL;
     size_t n = rq_collect(rt, &v);
     char what[256];
     snprintf(what, sizeof(what), "%s worker %llu (%s) lost: %s", duet_worker_role_name(w->role),
              (unsigned long long)w->id, w->name, reason);
     for (size_t i = 0; i < n; i++) {
-        rq_t *r = v[i];
+        rq_t *r = rq_find(rt, v[i]);
+        if (r == NULL)
+            continue; /* ended with a sibling choice */
         if (r->gen_id == w->id && r->phase != RQ_QUEUED) {
             r->gen_busy = false;
             r->gen_id = 0; /* its in-flight count died with it */
@@ -823,11 +1088,11 @@ static void rq_move_reserve(rq_t *r)
     Duet__Reserve rs = DUET__RESERVE__INIT;
     rs.request_id = r->id;
     rs.prompt_tokens = (uint32_t)r->n_ids;
-    rs.max_tokens = r->oai.max_tokens;
+    rs.max_tokens = r->g->oai.max_tokens;
     /* the move's own bound: past it the source goes on with the request */
     uint64_t deadline = rq_deadline_unix_ms(r), bound = unix_ms() + rt->migrate_timeout_ms;
     rs.deadline_unix_ms = bound < deadline ? bound : deadline;
-    rs.tokens = r->ids;
+    rs.tokens = (uint32_t *)r->ids;
     rs.n_tokens = r->n_ids;
     rs.sampling = &s;
     rs.move = &ms;
@@ -1168,10 +1433,12 @@ void duet__rq_tick(uv_timer_t *t)
     duet__router_t *rt = t->data;
     uint64_t now = uv_now(rt->loop);
     duet_admission_expire(rt->adm, now, rq_on_expired, rt);
-    rq_t **v = NULL;
+    uint64_t *v = NULL;
     size_t n = rq_collect(rt, &v);
     for (size_t i = 0; i < n; i++) {
-        rq_t *r = v[i];
+        rq_t *r = rq_find(rt, v[i]);
+        if (r == NULL)
+            continue; /* ended with a sibling choice */
         if (r->phase != RQ_QUEUED && now >= r->deadline_ms) {
             rq_fail(r, 504, "server_error", "deadline_exceeded", 0,
                     "the request ran past its deadline (request.deadline_ms = %llu)",

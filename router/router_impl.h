@@ -62,9 +62,12 @@ struct duet__router {
     duet_tokenizer_t *tok;     /* owned */
     duet_oai_template_t *tmpl; /* owned */
     duet_oai_limits_t lim;
+    struct json_t *ignored_seen;    /* unknown request fields already logged (api.strict off) */
     uint32_t eos[DUET_OAI_MAX_EOS]; /* (n_eos) the model's stop ids */
     size_t n_eos;
     char model_name[256];
+    int64_t started_unix;     /* when the router started (/v1/models' "created") */
+    const char *api_key;      /* api.key (owned by cfg); NULL: the API is open */
     duet_http_server_t *http; /* NULL once closed */
     duet_registry_t *reg;
     duet_admission_t *adm; /* owned */

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <uv.h>
 
@@ -71,6 +72,13 @@ static const duet_config_key_t rt_keys[] = {
      .max = "100000000"},
     {"limits.max_body_bytes", DUET_CONFIG_SIZE, "4MiB", "largest request body", .min = "1024",
      .max = "1GiB"},
+    {"api.strict", DUET_CONFIG_BOOL, "false",
+     "refuse (400) request fields the OpenAI API does not define, instead of ignoring them",
+     .min = NULL},
+    {"api.key", DUET_CONFIG_STRING, "",
+     "bearer token every /v1 route, /tokenize and /detokenize require (\"\" = open; /health and "
+     "/metrics stay open); keep it off the command line: DUET_API_KEY",
+     .secret = true},
     {"log.stats_interval_s", DUET_CONFIG_INT, "10",
      "log throughput and KV cache use every S s when there was traffic (0 = never)", .min = "0",
      .max = "86400"},
@@ -444,6 +452,19 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
     rt->lim.max_prompt_tokens = (size_t)duet_config_get_int(cfg, "limits.max_prompt_tokens");
     rt->lim.max_context = (size_t)duet_config_get_int(cfg, "limits.max_context");
     rt->lim.jinja_template = duet_oai_template_is_jinja(rt->tmpl);
+    rt->lim.strict = duet_config_get_bool(cfg, "api.strict");
+    /* tools are offered when the tokenizer has Kimi K2's tool-call tokens (router/api/tools.h) */
+    static const char *const markers[] = {DUET_OAI_TOOL_SECTION_BEGIN, DUET_OAI_TOOL_SECTION_END,
+                                          DUET_OAI_TOOL_CALL_BEGIN, DUET_OAI_TOOL_ARG_BEGIN,
+                                          DUET_OAI_TOOL_CALL_END};
+    rt->lim.tool_calls = true;
+    for (size_t i = 0; i < sizeof(markers) / sizeof(markers[0]); i++) {
+        uint32_t id;
+        rt->lim.tool_calls =
+            rt->lim.tool_calls && duet_tokenizer_special_id(rt->tok, markers[i], &id) == DUET_OK;
+    }
+    const char *key = duet_config_get_string(cfg, "api.key");
+    rt->api_key = key != NULL && key[0] != '\0' ? key : NULL;
     if (rt->lim.max_context == 0)
         rt->lim.max_context = model_max_len;
     rt->local_prefill_tokens = (uint32_t)duet_config_get_int(cfg, "placement.local_prefill_tokens");
@@ -466,6 +487,7 @@ static duet_status_t rt_start(duet__router_t *rt, const char *fingerprint)
     duet_config_t *cfg = rt->cfg;
     duet_status_t st;
     rt->loop = uv_default_loop();
+    rt->started_unix = (int64_t)time(NULL);
     if ((st = duet_metrics_create(&rt->metrics)) < 0 || (st = rt_metrics_init(rt)) < 0) {
         fprintf(stderr, "duet-router: metrics: %s\n", duet_error_last());
         return st;
@@ -571,6 +593,7 @@ out:
     duet_tokenizer_destroy(rt->tok);
     if (rc == 0)
         duet_metrics_destroy(rt->metrics);
+    json_decref(rt->ignored_seen);
     duet_config_destroy(rt->cfg);
     return rc;
 }

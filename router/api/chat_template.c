@@ -833,6 +833,13 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
                                    const duet_oai_message_t *msgs, size_t n_msgs, uint32_t **ids_p,
                                    size_t *n_p)
 {
+    return duet_oai_chat_prompt_ex(tmpl, tok, msgs, n_msgs, true, ids_p, n_p);
+}
+
+duet_status_t duet_oai_chat_prompt_ex(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
+                                      const duet_oai_message_t *msgs, size_t n_msgs,
+                                      bool add_generation_prompt, uint32_t **ids_p, size_t *n_p)
+{
     if (tmpl == NULL || tok == NULL || (msgs == NULL && n_msgs > 0) || ids_p == NULL ||
         n_p == NULL || tmpl->tok != tok)
         return DUET_FAIL(DUET_ERR_INVALID, "chat template: bad arguments");
@@ -843,7 +850,7 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
         json_t *arr = tpl_messages_json(msgs, n_msgs);
         if (arr == NULL)
             return DUET_FAIL(DUET_ERR_NOMEM, "chat template: no memory");
-        duet_oai_chat_t chat = {.messages = arr, .add_generation_prompt = true};
+        duet_oai_chat_t chat = {.messages = arr, .add_generation_prompt = add_generation_prompt};
         duet_status_t st = duet_oai_chat_prompt_json(tmpl, tok, &chat, ids_p, n_p);
         json_decref(arr);
         return st;
@@ -858,7 +865,7 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
         }
         st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_MSG_SYSTEM + msgs[i].role], &msgs[i]);
     }
-    if (st == DUET_OK)
+    if (st == DUET_OK && add_generation_prompt)
         st = tpl_out_seq(&o, tmpl, &tmpl->seq[TPL_SEQ_GENERATION], NULL);
     return tpl_out_finish(&o, st, ids_p, n_p);
 }

@@ -177,6 +177,11 @@ duet_status_t duet_oai_chat_prompt(const duet_oai_template_t *tmpl, const duet_t
                                    const duet_oai_message_t *msgs, size_t n_msgs, uint32_t **ids_p,
                                    size_t *n_p);
 
+/* The same with the generation prompt (the assistant's turn) only when add_generation_prompt. */
+duet_status_t duet_oai_chat_prompt_ex(const duet_oai_template_t *tmpl, const duet_tokenizer_t *tok,
+                                      const duet_oai_message_t *msgs, size_t n_msgs,
+                                      bool add_generation_prompt, uint32_t **ids_p, size_t *n_p);
+
 /*
  * A /v1/completions text prompt: the bos id when the model folder's tokenizer adds one (set by
  * duet_oai_template_load; a template made otherwise adds none), the template's

@@ -106,6 +106,8 @@ const char *duet_oai_finish_name(duet_oai_finish_t f)
         return "stop";
     case DUET_OAI_FINISH_LENGTH:
         return "length";
+    case DUET_OAI_FINISH_TOOL_CALLS:
+        return "tool_calls";
     case DUET_OAI_FINISH_NONE:
         break;
     }
@@ -220,10 +222,10 @@ static const oai_field_t oai_fields[] = {
     {"presence_penalty", OAI_EP_BOTH, OAI_F_ZERO, 0},
     {"min_p", OAI_EP_BOTH, OAI_F_ZERO, 0},
     {"top_logprobs", OAI_EP_CHAT, OAI_F_ZERO, 0},
-    {"best_of", OAI_EP_COMPL, OAI_F_ONE, 0},
+    {"best_of", OAI_EP_COMPL, OAI_F_USED, 0},
     {"repetition_penalty", OAI_EP_BOTH, OAI_F_ONE, 0},
     {"logit_bias", OAI_EP_BOTH, OAI_F_EMPTY, JSON_OBJECT},
-    {"tools", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
+    {"tools", OAI_EP_CHAT, OAI_F_USED, 0},
     {"functions", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
     {"suffix", OAI_EP_COMPL, OAI_F_EMPTY, JSON_STRING},
     {"function_call", OAI_EP_CHAT, OAI_F_NEVER, 0},
@@ -231,7 +233,7 @@ static const oai_field_t oai_fields[] = {
     {"prediction", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"reasoning_effort", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"web_search_options", OAI_EP_CHAT, OAI_F_NEVER, 0},
-    {"tool_choice", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
+    {"tool_choice", OAI_EP_CHAT, OAI_F_USED, 0},
     {"response_format", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
     {"modalities", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
 };
@@ -760,6 +762,39 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
     return DUET_OK;
 }
 
+/* n in [1, DUET_OAI_MAX_N]; completions' best_of (>= n) only equal to n: picking the best of
+ * more samples needs their log-probabilities, which the workers do not send. */
+static duet_status_t oai_parse_n(oai_parse_t *p)
+{
+    int64_t n = 1, best_of = 0;
+    bool present = false, has_best = false;
+    duet_status_t st = oai_int_field(p, "n", &n, &present);
+    if (st != DUET_OK)
+        return st;
+    if (n < 1 || n > DUET_OAI_MAX_N)
+        return oai_bad_value(p, "n",
+                             "Invalid 'n': %" PRId64 ". Expected a value in [1, %d] (choices "
+                             "per request on this server).",
+                             n, DUET_OAI_MAX_N);
+    p->req->n = (uint32_t)n;
+    if (p->ep != DUET_OAI_ENDPOINT_COMPLETIONS)
+        return DUET_OK;
+    if ((st = oai_int_field(p, "best_of", &best_of, &has_best)) != DUET_OK || !has_best)
+        return st;
+    if (best_of < n || best_of > DUET_OAI_MAX_N)
+        return oai_bad_value(p, "best_of",
+                             "Invalid 'best_of': %" PRId64 ". Expected a value in [n, %d] (n = "
+                             "%" PRId64 ").",
+                             best_of, DUET_OAI_MAX_N, n);
+    if (best_of != n)
+        return duet_oai_error_make(p->err, 400, NULL, "unsupported_value", "best_of",
+                                   "best_of = %" PRId64 " > n = %" PRId64 " is not supported: "
+                                   "ranking samples needs their log-probabilities, which this "
+                                   "server does not compute. Use best_of = n (or leave it out).",
+                                   best_of, n);
+    return DUET_OK;
+}
+
 static duet_status_t oai_parse_sampling(oai_parse_t *p)
 {
     duet_oai_request_t *req = p->req;
@@ -792,20 +827,8 @@ static duet_status_t oai_parse_sampling(oai_parse_t *p)
     if ((st = oai_int_field(p, "seed", &req->seed, &req->has_seed)) != DUET_OK)
         return st;
 
-    int64_t n = 1;
-    if ((st = oai_int_field(p, "n", &n, &present)) != DUET_OK)
+    if ((st = oai_parse_n(p)) != DUET_OK)
         return st;
-    if (n < 1)
-        return oai_bad_value(p, "n",
-                             "Invalid 'n': %" PRId64 ". Expected a value >= 1 (and only 1 is "
-                             "supported).",
-                             n);
-    if (n > 1)
-        return duet_oai_error_make(p->err, 400, NULL, "unsupported_value", "n",
-                                   "n = %" PRId64 " is not supported: this server returns one "
-                                   "choice per request. Send %" PRId64 " requests instead (with "
-                                   "different seeds for different samples).",
-                                   n, n);
     if ((st = oai_bool_field(p, "ignore_eos", &req->ignore_eos)) != DUET_OK)
         return st;
     req->skip_special_tokens = true;
@@ -902,17 +925,9 @@ static duet_status_t oai_parse_stream(oai_parse_t *p)
     return DUET_OK;
 }
 
-/* tool_choice "none"/"auto", response_format {"type": "text"}, modalities ["text"]. */
+/* response_format {"type": "text"}, modalities ["text"]. */
 static duet_status_t oai_check_custom(oai_parse_t *p, const char *key, const json_t *v)
 {
-    if (strcmp(key, "tool_choice") == 0) {
-        if (!json_is_string(v) && !json_is_object(v))
-            return oai_bad_type(p, key, "a string or an object", v);
-        if (json_is_string(v) && (strcmp(json_string_value(v), "none") == 0 ||
-                                  strcmp(json_string_value(v), "auto") == 0))
-            return DUET_OK;
-        return oai_unsupported(p, key, "(no tool use)");
-    }
     if (strcmp(key, "response_format") == 0) {
         if (!json_is_object(v))
             return oai_bad_type(p, key, "an object", v);
@@ -986,6 +1001,27 @@ static duet_status_t oai_check_harmless(oai_parse_t *p)
     return DUET_OK;
 }
 
+/* Top-level fields the endpoint does not define: a 400 under lim->strict, else their names go to
+ * req->ignored_fields. */
+static duet_status_t oai_unknown_fields(oai_parse_t *p)
+{
+    const char *key;
+    json_t *val;
+    json_object_foreach(p->root, key, val)
+    {
+        if (oai_field_find(p->ep, key) != NULL)
+            continue;
+        if (p->lim->strict)
+            return duet_oai_error_make(p->err, 400, NULL, "unrecognized_argument", key,
+                                       "Unrecognized request argument supplied: %.100s", key);
+        if (p->req->ignored_fields == NULL && (p->req->ignored_fields = json_array()) == NULL)
+            return oai_nomem(p);
+        if (json_array_append_new(p->req->ignored_fields, json_string_nocheck(key)) != 0)
+            return oai_nomem(p);
+    }
+    return DUET_OK;
+}
+
 void duet_oai_request_free(duet_oai_request_t *req)
 {
     if (req == NULL)
@@ -999,6 +1035,8 @@ void duet_oai_request_free(duet_oai_request_t *req)
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
+    json_decref(req->ignored_fields);
+    json_decref(req->tools);
     memset(req, 0, sizeof(*req));
 }
 
@@ -1043,16 +1081,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         goto fail;
     }
 
-    const char *key;
-    json_t *val;
-    json_object_foreach(p.root, key, val)
-    {
-        if (oai_field_find(endpoint, key) == NULL) {
-            st = duet_oai_error_make(err_p, 400, NULL, "unrecognized_argument", key,
-                                     "Unrecognized request argument supplied: %.100s", key);
-            goto fail;
-        }
-    }
+    if ((st = oai_unknown_fields(&p)) != DUET_OK)
+        goto fail;
     if ((st = oai_parse_model(&p)) != DUET_OK)
         goto fail;
     st = endpoint == DUET_OAI_ENDPOINT_CHAT ? oai_parse_messages(&p) : oai_parse_prompt(&p);
@@ -1060,6 +1090,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         st = oai_parse_max_tokens(&p);
     if (st == DUET_OK)
         st = oai_parse_sampling(&p);
+    if (st == DUET_OK && endpoint == DUET_OAI_ENDPOINT_CHAT) /* after skip_special_tokens */
+        st = duet__oai_parse_tools(lim, p.root, &req, err_p);
     if (st == DUET_OK)
         st = oai_parse_stop(&p);
     if (st == DUET_OK)
@@ -1092,7 +1124,8 @@ duet_status_t duet_oai_request_tokens(const duet_oai_request_t *req, const duet_
     size_t n = 0;
     duet_status_t st;
     if (chat && duet_oai_template_is_jinja(tmpl) && req->messages_json != NULL) {
-        duet_oai_chat_t c = {.messages = req->messages_json, .add_generation_prompt = true};
+        duet_oai_chat_t c = {
+            .messages = req->messages_json, .tools = req->tools, .add_generation_prompt = true};
         st = duet_oai_chat_prompt_json(tmpl, tok, &c, &ids, &n);
         if (st != DUET_OK && st != DUET_ERR_NOMEM && st != DUET_ERR_INTERNAL) {
             /* The template refused these messages (its raise_exception, or an error where
@@ -1410,20 +1443,41 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
                                      duet_oai_finish_t finish, uint32_t prompt_tokens,
                                      uint32_t completion_tokens, duet_strbuf_t *out)
 {
+    const duet_oai_choice_t c = {.text = text, .len = len, .finish = finish};
+    return duet_oai_response_json_n(m, &c, 1, prompt_tokens, completion_tokens, out);
+}
+
+duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
+                                       const duet_oai_choice_t *choices, size_t n,
+                                       uint32_t prompt_tokens, uint32_t completion_tokens,
+                                       duet_strbuf_t *out)
+{
     oai_head(out, m, false);
-    duet_strbuf_puts(out, "[{\"index\":0,");
-    if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
-        duet_strbuf_puts(out, "\"message\":{\"role\":\"assistant\",\"content\":");
-        duet_oai_json_string(out, text, len);
-        duet_strbuf_puts(out, "},");
-    } else {
-        duet_strbuf_puts(out, "\"text\":");
-        duet_oai_json_string(out, text, len);
-        duet_strbuf_puts(out, ",");
+    duet_strbuf_puts(out, "[");
+    for (size_t i = 0; i < n; i++) {
+        const duet_oai_choice_t *c = &choices[i];
+        duet_strbuf_printf(out, "%s{\"index\":%zu,", i > 0 ? "," : "", i);
+        if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
+            duet_strbuf_puts(out, "\"message\":{\"role\":\"assistant\",\"content\":");
+            if (c->tool_calls_json != NULL && c->len == 0)
+                duet_strbuf_puts(out, "null");
+            else
+                duet_oai_json_string(out, c->text, c->len);
+            if (c->tool_calls_json != NULL) {
+                duet_strbuf_puts(out, ",\"tool_calls\":");
+                duet_strbuf_puts(out, c->tool_calls_json);
+            }
+            duet_strbuf_puts(out, "},");
+        } else {
+            duet_strbuf_puts(out, "\"text\":");
+            duet_oai_json_string(out, c->text, c->len);
+            duet_strbuf_puts(out, ",");
+        }
+        duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
+        oai_finish_value(out, c->finish);
+        duet_strbuf_puts(out, "}");
     }
-    duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
-    oai_finish_value(out, finish);
-    duet_strbuf_puts(out, "}],\"usage\":");
+    duet_strbuf_puts(out, "],\"usage\":");
     oai_usage(out, prompt_tokens, completion_tokens);
     duet_strbuf_puts(out, "}");
     return duet_strbuf_status(out);
@@ -1431,16 +1485,21 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
 
 /*
  * One SSE chunk with one choice. Chat: delta = {"role":"assistant","content":""} (role chunk),
- * {"content": text} or {} (finish chunk). Completions: "text".
+ * {"content": text} or {} (finish chunk), or with role and text both set, text itself (a delta
+ * object as JSON). Completions: "text".
  */
 static duet_status_t oai_chunk(const duet_oai_resp_meta_t *m, bool role, const char *text,
                                size_t len, duet_oai_finish_t finish, duet_strbuf_t *out)
 {
     duet_strbuf_puts(out, "data: ");
     oai_head(out, m, true);
-    duet_strbuf_puts(out, "[{\"index\":0,");
+    duet_strbuf_printf(out, "[{\"index\":%u,", m->index);
     if (m->endpoint == DUET_OAI_ENDPOINT_CHAT) {
-        if (role)
+        if (role && text != NULL) { /* a delta object given as JSON */
+            duet_strbuf_puts(out, "\"delta\":");
+            duet_strbuf_append(out, text, len);
+            duet_strbuf_puts(out, ",");
+        } else if (role)
             duet_strbuf_puts(out, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"},");
         else if (text != NULL) {
             duet_strbuf_puts(out, "\"delta\":{\"content\":");
@@ -1481,7 +1540,25 @@ duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t 
                                uint32_t prompt_tokens, uint32_t completion_tokens,
                                duet_strbuf_t *out)
 {
-    oai_chunk(m, false, NULL, 0, finish, out);
+    duet_oai_sse_finish(m, finish, out);
+    return duet_oai_sse_done(m, prompt_tokens, completion_tokens, out);
+}
+
+duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
+                                  duet_strbuf_t *out)
+{
+    return oai_chunk(m, false, NULL, 0, finish, out);
+}
+
+duet_status_t duet_oai_sse_delta_json(const duet_oai_resp_meta_t *m, const char *delta, size_t len,
+                                      duet_strbuf_t *out)
+{
+    return oai_chunk(m, true, delta, len, DUET_OAI_FINISH_NONE, out);
+}
+
+duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,
+                                uint32_t completion_tokens, duet_strbuf_t *out)
+{
     if (m->include_usage) {
         duet_strbuf_puts(out, "data: ");
         oai_head(out, m, true);

@@ -13,11 +13,14 @@
  * {"error": {"message", "type", "param", "code"}}.
  *
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
- * because its value changes nothing (user, frequency_penalty 0, n 1, logprobs false, ...), or
- * refused with 400 "unsupported_parameter" naming it (logprobs true, tools, logit_bias, ...).
- * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k and
- * skip_special_tokens) is refused as
- * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
+ * because its value changes nothing (user, frequency_penalty 0, logprobs false, ...), or
+ * refused with 400 "unsupported_parameter" naming it (logprobs true, logit_bias, ...).
+ * A top-level field the endpoint does not define (other than the vLLM extensions ignore_eos,
+ * top_k and skip_special_tokens) is accepted and ignored, as vLLM and SGLang do, so that clients
+ * sending newer or other servers' fields keep working; its name is listed in the request's
+ * ignored_fields (the router logs each name once). Under lim->strict (the router's api.strict) it
+ * is refused as OpenAI refuses it ("Unrecognized request argument supplied"). Unknown keys inside
+ * a message, a tool call or stream_options are always refused. JSON null means "absent" for
  * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
  * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
  * may use duet_oai_error_make for its own errors: 429, 503, 500).
@@ -35,12 +38,14 @@
 #include "common/strbuf.h"
 #include "tokenizer/tokenizer.h"
 #include "router/api/chat_template.h"
+#include "router/api/tools.h"
 
 struct json_t;
 
 #define DUET_OAI_MAX_STOP     4   /* stop strings per request (OpenAI's limit) */
 #define DUET_OAI_MAX_STOP_LEN 256 /* bytes per stop string (ours: bounds the hold-back buffer) */
 #define DUET_OAI_MAX_EOS      8   /* end-of-sequence ids a stream watches */
+#define DUET_OAI_MAX_N        16  /* choices per request (n, best_of) */
 
 typedef enum {
     DUET_OAI_ENDPOINT_COMPLETIONS = 0, /* POST /v1/completions */
@@ -60,6 +65,8 @@ typedef struct {
     bool jinja_template;         /* the chat template is Jinja: tool messages (role "tool",
                                     tool_call_id) and assistant tool_calls are accepted in the
                                     conversation; with duet's format they are a 400 */
+    bool strict;                 /* api.strict: unknown top-level fields are a 400 */
+    bool tool_calls;             /* the tokenizer has Kimi K2's tool-call tokens (tools.h) */
 } duet_oai_limits_t;
 
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
@@ -89,9 +96,17 @@ typedef struct {
     /* vLLM extension, default true: special tokens the tokenizer skips (duet_tokenizer_is_skipped)
      * produce no text; false: their text is part of the output (stop ids never are) */
     bool skip_special_tokens;
+    uint32_t n; /* choices, [1, DUET_OAI_MAX_N]: each an independent generation (seed + i);
+                   completions' best_of is accepted only equal to n (no logprobs to rank by) */
     bool stream;
-    bool include_usage; /* stream_options.include_usage (only with stream) */
-    char *user;         /* NULL when absent; for logs */
+    bool include_usage;            /* stream_options.include_usage (only with stream) */
+    char *user;                    /* NULL when absent; for logs */
+    struct json_t *ignored_fields; /* unknown top-level field names ignored (not strict): an
+                                      array of strings; NULL when none */
+    struct json_t *tools; /* chat: the validated "tools" (a reference) when offered (given, not
+                             empty, tool_choice not "none"); then the output is parsed for
+                             tool calls (tools.h) */
+    duet_oai_tool_choice_t tool_choice;
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */
@@ -105,12 +120,13 @@ typedef struct {
 
 /* Why a choice ended. */
 typedef enum {
-    DUET_OAI_FINISH_NONE = 0, /* still generating */
-    DUET_OAI_FINISH_STOP,     /* EOS or a stop string */
-    DUET_OAI_FINISH_LENGTH,   /* max_tokens (or the context) reached */
+    DUET_OAI_FINISH_NONE = 0,   /* still generating */
+    DUET_OAI_FINISH_STOP,       /* EOS or a stop string */
+    DUET_OAI_FINISH_LENGTH,     /* max_tokens (or the context) reached */
+    DUET_OAI_FINISH_TOOL_CALLS, /* stopped after tool calls (tools.h) */
 } duet_oai_finish_t;
 
-/* "stop", "length"; NULL for NONE. */
+/* "stop", "length", "tool_calls"; NULL for NONE. */
 const char *duet_oai_finish_name(duet_oai_finish_t f);
 
 /* ---------------------------------------------------------------- errors */
@@ -210,15 +226,31 @@ typedef struct {
     const char *model;  /* the served model name; not owned */
     int64_t created;    /* unix seconds */
     bool include_usage; /* streaming: usage null on chunks, then a usage chunk */
+    uint32_t index;     /* the choice the chunks written with this meta belong to (n > 1) */
 } duet_oai_resp_meta_t;
+
+/* One finished choice of a non-streaming response. */
+typedef struct {
+    const char *text; /* not owned */
+    size_t len;
+    duet_oai_finish_t finish;
+    const char *tool_calls_json; /* chat: NULL, or the message's "tool_calls" array as JSON (then
+                                    an empty text is "content": null); not owned */
+} duet_oai_choice_t;
 
 /* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */
 void duet_oai_response_id(duet_oai_endpoint_t endpoint, uint64_t req_id, char *buf, size_t cap);
 
-/* Append a whole text_completion / chat.completion object with usage. */
+/* Append a whole text_completion / chat.completion object with usage (one choice, index 0). */
 duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *text, size_t len,
                                      duet_oai_finish_t finish, uint32_t prompt_tokens,
                                      uint32_t completion_tokens, duet_strbuf_t *out);
+
+/* The same with n choices (index i = choices[i]); completion_tokens summed over them. */
+duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
+                                       const duet_oai_choice_t *choices, size_t n,
+                                       uint32_t prompt_tokens, uint32_t completion_tokens,
+                                       duet_strbuf_t *out);
 
 /*
  * Streaming, each call appends whole SSE events ("data: {...}\n\n"):
@@ -227,6 +259,9 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
  *   duet_oai_sse_delta  one content chunk; nothing for len 0.
  *   duet_oai_sse_end    the finish chunk (empty delta / text, finish_reason), then with
  *                       include_usage the usage chunk ("choices": []), then "data: [DONE]\n\n".
+ * The chunks carry choice m->index. With n > 1 choices interleaved, each choice has its begin,
+ * deltas and duet_oai_sse_finish (its finish chunk); duet_oai_sse_done then closes the stream
+ * (the usage chunk, summed over the choices, and [DONE]); duet_oai_sse_end = finish + done.
  */
 duet_status_t duet_oai_sse_begin(const duet_oai_resp_meta_t *m, duet_strbuf_t *out);
 duet_status_t duet_oai_sse_delta(const duet_oai_resp_meta_t *m, const char *text, size_t len,
@@ -234,6 +269,18 @@ duet_status_t duet_oai_sse_delta(const duet_oai_resp_meta_t *m, const char *text
 duet_status_t duet_oai_sse_end(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
                                uint32_t prompt_tokens, uint32_t completion_tokens,
                                duet_strbuf_t *out);
+duet_status_t duet_oai_sse_finish(const duet_oai_resp_meta_t *m, duet_oai_finish_t finish,
+                                  duet_strbuf_t *out);
+/* A chat chunk whose delta is the JSON object `delta` (len bytes, written as it is: tool-call
+ * deltas, tools.h). */
+duet_status_t duet_oai_sse_delta_json(const duet_oai_resp_meta_t *m, const char *delta, size_t len,
+                                      duet_strbuf_t *out);
+duet_status_t duet_oai_sse_done(const duet_oai_resp_meta_t *m, uint32_t prompt_tokens,
+                                uint32_t completion_tokens, duet_strbuf_t *out);
+
+/* Internal (tools.c): "tools" and "tool_choice" of a chat request's body into req. */
+duet_status_t duet__oai_parse_tools(const duet_oai_limits_t *lim, const struct json_t *root,
+                                    duet_oai_request_t *req, duet_oai_error_t *err);
 
 /* Append s (len bytes) as a JSON string literal; ill-formed UTF-8 becomes U+FFFD. */
 duet_status_t duet_oai_json_string(duet_strbuf_t *out, const char *s, size_t len);

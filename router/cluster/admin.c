@@ -139,38 +139,18 @@ static void respond_405(duet_http_request_t *req, const char *allow)
 
 /* ------------------------------------------------------------------ auth */
 
-/* Compare in time that depends only on the expected token's length. */
-static bool token_equal(const char *want, size_t want_len, const char *got, size_t got_len)
-{
-    unsigned diff = (unsigned)(want_len ^ got_len);
-    for (size_t i = 0; i < want_len; i++) {
-        unsigned char g = got_len > 0 ? (unsigned char)got[i % got_len] : 0;
-        diff |= (unsigned)((unsigned char)want[i] ^ g);
-    }
-    return diff == 0;
-}
-
 static bool authorized(const duet_admin_t *admin, duet_http_request_t *req)
 {
     if (admin->token == NULL)
         return true;
-    const char *v = duet_http_request_header(req, "Authorization");
-    if (v == NULL) {
+    duet_http_auth_t a = duet_http_request_bearer(req, admin->token, admin->token_len);
+    if (a == DUET_HTTP_AUTH_MISSING) {
         duet_http_header_t h = {"WWW-Authenticate", "Bearer"};
         respond_error_h(req, 401, &h, 1,
                         "missing Authorization header: send \"Authorization: Bearer <token>\"");
         return false;
     }
-    while (*v == ' ' || *v == '\t')
-        v++;
-    bool bearer = strncasecmp(v, "Bearer", 6) == 0 && (v[6] == ' ' || v[6] == '\t');
-    const char *tok = bearer ? v + 7 : "";
-    while (*tok == ' ' || *tok == '\t')
-        tok++;
-    size_t n = strlen(tok);
-    while (n > 0 && (tok[n - 1] == ' ' || tok[n - 1] == '\t'))
-        n--;
-    if (!bearer || !token_equal(admin->token, admin->token_len, tok, n)) {
+    if (a != DUET_HTTP_AUTH_OK) {
         duet_http_header_t h = {"WWW-Authenticate", "Bearer error=\"invalid_token\""};
         respond_error_h(req, 401, &h, 1, "invalid admin token");
         return false;

@@ -607,6 +607,36 @@ const char *duet_http_request_header(const duet_http_request_t *req, const char 
     return NULL;
 }
 
+/* Compare in time that depends only on the expected token's length. */
+static bool http_token_equal(const char *want, size_t want_len, const char *got, size_t got_len)
+{
+    unsigned diff = (unsigned)(want_len ^ got_len);
+    for (size_t i = 0; i < want_len; i++) {
+        unsigned char g = got_len > 0 ? (unsigned char)got[i % got_len] : 0;
+        diff |= (unsigned)((unsigned char)want[i] ^ g);
+    }
+    return diff == 0;
+}
+
+duet_http_auth_t duet_http_request_bearer(const duet_http_request_t *req, const char *token,
+                                          size_t len)
+{
+    const char *v = duet_http_request_header(req, "Authorization");
+    if (v == NULL)
+        return DUET_HTTP_AUTH_MISSING;
+    while (*v == ' ' || *v == '\t')
+        v++;
+    bool bearer = strncasecmp(v, "Bearer", 6) == 0 && (v[6] == ' ' || v[6] == '\t');
+    const char *tok = bearer ? v + 7 : "";
+    while (*tok == ' ' || *tok == '\t')
+        tok++;
+    size_t n = strlen(tok);
+    while (n > 0 && (tok[n - 1] == ' ' || tok[n - 1] == '\t'))
+        n--;
+    return bearer && http_token_equal(token, len, tok, n) ? DUET_HTTP_AUTH_OK
+                                                          : DUET_HTTP_AUTH_INVALID;
+}
+
 size_t duet_http_request_header_count(const duet_http_request_t *req)
 {
     return req->n_hdrs;

@@ -175,6 +175,20 @@ const char *duet_http_request_header(const duet_http_request_t *req, const char 
 size_t duet_http_request_header_count(const duet_http_request_t *req);
 void duet_http_request_header_at(const duet_http_request_t *req, size_t i, const char **name_p,
                                  const char **value_p);
+/* What duet_http_request_bearer found. */
+typedef enum {
+    DUET_HTTP_AUTH_OK = 0,  /* "Authorization: Bearer <token>" with the expected token */
+    DUET_HTTP_AUTH_MISSING, /* no Authorization header */
+    DUET_HTTP_AUTH_INVALID, /* another scheme, or another token */
+} duet_http_auth_t;
+
+/*
+ * Check the request's "Authorization: Bearer <token>" (scheme case-insensitive, blanks around the
+ * token ignored) against `token` (len bytes). The comparison takes time that depends only on
+ * len, not on where a wrong token differs.
+ */
+duet_http_auth_t duet_http_request_bearer(const duet_http_request_t *req, const char *token,
+                                          size_t len);
 /* The complete body (de-chunked), NUL-terminated for convenience; *len_p gets its length. */
 const char *duet_http_request_body(const duet_http_request_t *req, size_t *len_p);
 /* The client's address as "ip:port" ("[v6]:port"). */

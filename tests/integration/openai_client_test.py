@@ -2,7 +2,8 @@
 
 Run by tests/integration/run_openai_client_test.sh, which starts duet-router (model "m", byte
 tokenizer with <|bos|>, the default chat template) with 1 ctx and 2 gen duet-test-worker
-processes and passes the router's base URL as argv[1].
+processes and passes the router's base URL as argv[1]. The router runs with api.key "unused"
+(DUET_API_KEY), the key this client sends.
 
 The test worker answers with the prompt's token ids reversed (cycling), so the text is
 deterministic: with the byte tokenizer a token is a byte.
@@ -232,31 +233,120 @@ def chat_stream_helper_length():
 
 @test
 def models_list():
-    ids = [m.id for m in client.models.list()]
-    assert MODEL in ids, ids
+    models = list(client.models.list())
+    assert [m.id for m in models] == [MODEL], models
+    m = models[0].to_dict()
+    assert m["owned_by"] == "duet", m
+    assert m["max_model_len"] == 4096, m  # config.json's model_max_length
+    assert isinstance(m["created"], int) and m["created"] > 1_600_000_000, m
 
 
 @test
-def n2_is_bad_request():
+def unknown_fields_are_ignored():
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                  extra_body={"guided_regex": "x", "chat_template_kwargs": {}})
+    assert r.choices[0].text == PROMPT_REV[:3], repr(r.choices[0].text)
+
+
+@test
+def chat_n3_non_streaming():
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, n=3, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2], r.choices
+    for c in r.choices:
+        assert c.message.content == CHAT_REV[:5], repr(c.message.content)
+        assert c.finish_reason == "length", c.finish_reason
+    assert r.usage.prompt_tokens == CHAT_TOKENS, r.usage  # counted once
+    assert r.usage.completion_tokens == 15, r.usage
+
+
+@test
+def completions_n2_streaming_interleaved():
+    text, finishes, usage = {}, {}, []
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2,
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+    assert text == {0: PROMPT_REV[:5], 1: PROMPT_REV[:5]}, text
+    assert finishes == {0: "length", 1: "length"}, finishes
+    assert len(usage) == 1 and usage[0].completion_tokens == 10, usage
+
+
+@test
+def n_over_the_limit_is_bad_request():
     try:
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=2)
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, n=17)
     except openai.BadRequestError as e:
         assert e.status_code == 400, e.status_code
-        assert "n = 2 is not supported" in e.message, e.message
         assert e.param == "n", e.param
-        assert e.code == "unsupported_value", e.code
     else:
-        raise AssertionError("n=2 did not raise openai.BadRequestError")
+        raise AssertionError("n=17 did not raise openai.BadRequestError")
 
 
 @test
-def n2_is_bad_request_completions():
+def best_of_over_n_is_bad_request():
     try:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=1, best_of=2)
     except openai.BadRequestError as e:
-        assert "n = 2 is not supported" in e.message, e.message
+        assert e.param == "best_of", e.param
+        assert "log-probabilities" in e.message, e.message
     else:
-        raise AssertionError("n=2 did not raise openai.BadRequestError")
+        raise AssertionError("best_of=2 did not raise openai.BadRequestError")
+
+
+def post_root(path, body):
+    """POST JSON to the router's root (vLLM's /tokenize is outside /v1): (status, JSON)."""
+    import json
+    import urllib.error
+    import urllib.request
+    root = BASE[:-len("/v1")] if BASE.endswith("/v1") else BASE
+    req = urllib.request.Request(root + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **AUTH}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+AUTH = {"Authorization": "Bearer unused"}  # the router runs with api.key "unused"
+
+
+@test
+def tokenize_and_detokenize():
+    st, r = post_root("/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert st == 200, (st, r)
+    # the router's model folder adds <|bos|> (256) to a completions prompt; bytes are ids
+    assert r == {"count": PROMPT_TOKENS, "max_model_len": 4096,
+                 "tokens": [256] + list(PROMPT.encode())}, r
+    st, r = post_root("/tokenize", {"messages": CHAT})
+    assert st == 200 and r["count"] == CHAT_TOKENS, (st, r)
+    st, d = post_root("/detokenize", {"tokens": r["tokens"]})
+    assert st == 200 and d == {"prompt": "<|bos|>" + CHAT_PROMPT}, (st, d)
+    st, e = post_root("/detokenize", {"tokens": [1, -5]})
+    assert st == 400 and e["error"]["param"] == "tokens[1]", (st, e)
+
+
+@test
+def wrong_api_key_is_authentication_error():
+    bad = OpenAI(base_url=BASE, api_key="not-the-key", max_retries=0, timeout=30)
+    try:
+        bad.models.list()
+    except openai.AuthenticationError as e:
+        assert e.status_code == 401, e.status_code
+        assert e.code == "invalid_api_key", e.code
+    else:
+        raise AssertionError("a wrong key did not raise openai.AuthenticationError")
+    global AUTH
+    saved, AUTH = AUTH, {}
+    try:
+        st, e = post_root("/tokenize", {"prompt": "x"})
+        assert st == 401 and e["error"]["code"] == "invalid_api_key", (st, e)
+    finally:
+        AUTH = saved
 
 
 @test

@@ -4,8 +4,11 @@
 #
 # Starts duet-router (model "m": a byte tokenizer with <|bos|>/<|eos|>, the default chat template)
 # with 1 ctx and 2 gen duet-test-worker processes on loopback (ephemeral ports: the router prints
-# the ports it bound), runs tests/integration/openai_client_test.py, then scrapes /metrics and
-# checks it with promtool. Every process started here is stopped on exit (trap).
+# the ports it bound), runs tests/integration/openai_client_test.py; then a second router (model
+# "k": Kimi's specials and Kimi K2's chat template, workers answering with a scripted tool call)
+# for tests/integration/openai_tools_test.py; then scrapes the first router's /metrics and
+# checks it with promtool. Both routers run with api.key "unused" (from DUET_API_KEY). Every
+# process started here is stopped on exit (trap).
 #
 # The client comes from the tests' venv, BUILD_DIR/pyvenv (tests/python/setup.sh, pinned in
 # tests/python/requirements.txt); without it the test FAILS with a clear message, never passes.
@@ -53,7 +56,8 @@ printf '{"bos_token_id": 256, "eos_token_id": 257, "model_max_length": 4096}\n' 
 printf '{"type": "byte", "specials": ["<|bos|>", "<|eos|>"], "add_bos": true}\n' \
   > "$dir/duet_tokenizer.json"
 
-"$router" --model "$dir" --model.name m --model.fingerprint test --http.port 0 \
+# api.key from the environment (not the command line): the client's key is "unused"
+DUET_API_KEY=unused "$router" --model "$dir" --model.name m --model.fingerprint test --http.port 0 \
   --workers.port 0 --admin.port 0 --admin.insecure-no-token --placement.policy round_robin \
   > "$dir/router.out" 2> "$dir/router.log" &
 pids+=($!)
@@ -105,7 +109,47 @@ if [ $rc -ne 0 ]; then
   fail "openai_client_test.py exited $rc"
 fi
 
-# ---------------------------------------------------------------- 2. promtool on /metrics
+# ---------------------------------------------------------------- 2. tool calling
+# A second router, model "k": a byte tokenizer with Kimi's chat and tool-call specials (ids 256..267
+# in this order) and Kimi K2's chat template; its workers answer with a scripted tool call.
+mkdir -p "$dir/k"
+printf '{"bos_token_id": 256, "eos_token_id": 258, "model_max_length": 4096}\n' > "$dir/k/config.json"
+printf '{"type": "byte", "specials": ["<|bos|>", "<|eos|>", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"], "add_bos": false}\n' \
+  > "$dir/k/duet_tokenizer.json"
+tmpl=$here/../data/chat_templates/moonshotai-Kimi-K2.jinja
+cp "$tmpl" "$dir/k/chat_template.jinja"
+# "Let me check." <|tool_calls_section_begin|> <|tool_call_begin|> functions.get_weather:0
+# <|tool_call_argument_begin|> {"city": "Paris"} <|tool_call_end|> <|tool_calls_section_end|> <|im_end|>
+script=$("$py" -c 'b=lambda s: list(s.encode()); print(",".join(map(str, b("Let me check.") + [263, 265] + b("functions.get_weather:0") + [266] + b("{\"city\": \"Paris\"}") + [267, 264, 258])))')
+DUET_API_KEY=unused "$router" --model "$dir/k" --model.name k --model.fingerprint test --http.port 0 \
+  --workers.port 0 --admin.port 0 --admin.insecure-no-token \
+  > "$dir/k/router.out" 2> "$dir/k/router.log" &
+pids+=($!)
+kpid=$!
+line=""
+for _ in $(seq 100); do
+  line=$(grep -m1 '^duet-router: serving' "$dir/k/router.out" 2> /dev/null) && break
+  kill -0 "$kpid" 2> /dev/null || break
+  sleep 0.1
+done
+[ -n "$line" ] || { cat "$dir/k/router.log" >&2; fail "duet-router (model k) did not start"; }
+k_http=$(sed -E 's/.* on http [^,]*:([0-9]+),.*/\1/' <<< "$line")
+k_workers=$(sed -E 's/.*, workers [^,]*:([0-9]+),.*/\1/' <<< "$line")
+for w in ctx:k-ctx gen:k-gen; do
+  "$worker" --router "127.0.0.1:$k_workers" --role "${w%%:*}" --name "${w#*:}" \
+    --fingerprint test --heartbeat-ms 100 --events "$dir/${w#*:}.events" \
+    --script-ids "$script" --script-unless 263 2> "$dir/${w#*:}.log" &
+  pids+=($!)
+done
+for _ in $(seq 100); do [ "$(get "http://127.0.0.1:$k_http/health")" = 200 ] && break; sleep 0.05; done
+"$py" "$here/openai_tools_test.py" "http://127.0.0.1:$k_http/v1" "$tmpl"
+rc=$?
+if [ $rc -ne 0 ]; then
+  echo "--- k/router.log (tail)" >&2; tail -n 40 "$dir/k/router.log" >&2
+  fail "openai_tools_test.py exited $rc"
+fi
+
+# ---------------------------------------------------------------- 3. promtool on /metrics
 [ "$(get "$base/metrics" "$dir/metrics.txt")" = 200 ] || fail "GET /metrics failed"
 grep -q '^duet_router_http_requests_total{.*path="/v1/chat/completions"' "$dir/metrics.txt" ||
   fail "/metrics has no chat request counter after the traffic: $dir/metrics.txt"

@@ -84,9 +84,19 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+static int http_auth(int port, const char *method, const char *path, const char *body,
+                     const char *auth, char *out, size_t cap);
+
 /* One HTTP request with Connection: close; the whole response in out. Returns the status. */
 static int http(int port, const char *method, const char *path, const char *body, char *out,
                 size_t cap)
+{
+    return http_auth(port, method, path, body, NULL, out, cap);
+}
+
+/* The same with an Authorization header of value `auth` (NULL: none). */
+static int http_auth(int port, const char *method, const char *path, const char *body,
+                     const char *auth, char *out, size_t cap)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
@@ -98,8 +108,10 @@ static int http(int port, const char *method, const char *path, const char *body
     char req[8192];
     int n = snprintf(req, sizeof(req),
                      "%s %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
-                     "application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                     method, path, body != NULL ? strlen(body) : 0, body != NULL ? body : "");
+                     "application/json\r\n%s%s%sContent-Length: %zu\r\n\r\n%s",
+                     method, path, auth != NULL ? "Authorization: " : "", auth != NULL ? auth : "",
+                     auth != NULL ? "\r\n" : "", body != NULL ? strlen(body) : 0,
+                     body != NULL ? body : "");
     cr_assert_eq(write(fd, req, (size_t)n), n);
     size_t at = 0;
     for (;;) {
@@ -364,6 +376,203 @@ Test(router_cluster, completions_and_chat_streaming_and_not, .timeout = 90)
                      "duet_router_http_requests_total{method=\"POST\",path=\"/v1/completions\","
                      "status=\"200\"} 3") != NULL,
               "%s", buf);
+    stop_all();
+}
+
+/* The "content"/"text" deltas of choice `index` in an SSE stream (one chunk per line). */
+static void sse_text_of(const char *resp, int index, const char *key, char *out, size_t cap)
+{
+    char want[32], pat[32];
+    snprintf(want, sizeof(want), "\"choices\":[{\"index\":%d,", index);
+    snprintf(pat, sizeof(pat), "\"%s\":\"", key);
+    size_t at = 0;
+    for (const char *line = strstr(resp, "data: "); line != NULL;
+         line = strstr(line + 1, "data: ")) {
+        const char *eol = strchr(line, '\n');
+        const char *c = strstr(line, want), *p = strstr(line, pat);
+        if (c == NULL || p == NULL || (eol != NULL && (c > eol || p > eol)))
+            continue;
+        for (p += strlen(pat); *p != '"' && at + 1 < cap;)
+            out[at++] = *p++;
+    }
+    out[at] = '\0';
+}
+
+static int count(const char *hay, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(hay, needle); p != NULL; p = strstr(p + 1, needle))
+        n++;
+    return n;
+}
+
+/* n > 1: n engine requests (seed + i), choices by index, usage summed, streams interleaved. */
+Test(router_cluster, n_choices_fan_out, .timeout = 90)
+{
+    static char buf[65536], text[4096];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("gen", "gen-1", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+
+    /* requests 1, 2, 3: seeds 7, 8, 9; each choice the prompt reversed (the test worker) */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5,\"n\":3,"
+                  "\"best_of\":3,\"seed\":7}",
+                  buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    for (int i = 0; i < 3; i++) {
+        char want[64];
+        snprintf(want, sizeof(want), "{\"index\":%d,\"text\":\"dlrow\"", i);
+        cr_assert(strstr(body_of(buf), want) != NULL, "%s", buf);
+    }
+    cr_assert(strstr(buf, "{\"index\":3") == NULL, "%s", buf);
+    cr_assert(strstr(buf, "\"prompt_tokens\":12,\"completion_tokens\":15,\"total_tokens\":27") !=
+                  NULL,
+              "%s", buf);
+    const char *seeds[3] = {"seed 1 7", "seed 2 8", "seed 3 9"};
+    for (int i = 0; i < 3; i++)
+        cr_assert(has_event("gen-0", seeds[i], 200) || has_event("gen-1", seeds[i], 200),
+                  "no gen worker got \"%s\"", seeds[i]);
+
+    /* chat, streaming, n = 2, with usage: each choice its role chunk, text and finish chunk;
+     * one usage chunk, one [DONE] */
+    st = http(http_port, "POST", "/v1/chat/completions",
+              "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"abc\"}],"
+              "\"max_tokens\":11,\"stream\":true,\"n\":2,\"stream_options\":{\"include_usage\":"
+              "true}}",
+              buf, sizeof(buf));
+    cr_assert_eq(st, 200, "%s", buf);
+    for (int i = 0; i < 2; i++) {
+        sse_text_of(buf, i, "content", text, sizeof(text));
+        cr_assert_str_eq(text, " :tnatsissa", "choice %d: %s", i, buf);
+    }
+    cr_assert_eq(count(buf, "\"role\":\"assistant\""), 2, "%s", buf);
+    cr_assert_eq(count(buf, "\"finish_reason\":\"length\""), 2, "%s", buf);
+    cr_assert_eq(count(buf, "\"choices\":[],\"usage\":{\"prompt_tokens\":"), 1, "%s", buf);
+    cr_assert(strstr(buf, "\"completion_tokens\":22,") != NULL, "%s", buf);
+    cr_assert_eq(count(buf, "data: [DONE]"), 1, "%s", buf);
+
+    /* the limits: a 400 naming the parameter */
+    st = http(http_port, "POST", "/v1/completions", "{\"model\":\"m\",\"prompt\":\"x\",\"n\":17}",
+              buf, sizeof(buf));
+    cr_assert_eq(st, 400, "%s", buf);
+    cr_assert(strstr(buf, "\"param\":\"n\"") != NULL, "%s", buf);
+    st = http(http_port, "POST", "/v1/completions",
+              "{\"model\":\"m\",\"prompt\":\"x\",\"n\":2,\"best_of\":3}", buf, sizeof(buf));
+    cr_assert_eq(st, 400, "%s", buf);
+    cr_assert(strstr(buf, "\"param\":\"best_of\"") != NULL, "%s", buf);
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_assert(strstr(buf, "duet_router_request_results_total{endpoint=\"/v1/completions\","
+                          "result=\"ok\"} 1") != NULL,
+              "%s", buf);
+    stop_all();
+}
+
+/* A failing choice fails the response and cancels its siblings; a disconnect cancels all n. */
+Test(router_cluster, n_choices_fail_and_cancel_together, .timeout = 90)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--delay-ms", "50", NULL);
+    start_worker("gen", "gen-1", "--die-after", "2", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    /* choice 0 on gen-0 (slow), choice 1 on gen-1, which dies: 502 before anything was sent */
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"a long enough prompt\",\"max_tokens\":100,"
+                  "\"n\":2}",
+                  buf, sizeof(buf));
+    cr_assert_eq(st, 502, "%s", buf);
+    cr_assert(strstr(buf, "\"error\":{") != NULL, "%s", buf);
+    cr_assert(has_event("gen-0", "cancel 1 another choice of the request failed", 3000) ||
+                  has_event("gen-0", "cancel 2 another choice of the request failed", 100),
+              "the choice on gen-0 was not cancelled");
+
+    /* a disconnect mid-stream cancels both choices (requests 3 and 4 on gen-0, the one left) */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)http_port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    const char *body = "{\"model\":\"m\",\"prompt\":\"a long enough prompt\",\"max_tokens\":200,"
+                       "\"stream\":true,\"n\":2}";
+    char req[1024];
+    int n = snprintf(req, sizeof(req),
+                     "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n%s",
+                     strlen(body), body);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    char rb[4096];
+    size_t at = 0;
+    rb[0] = '\0';
+    while (strstr(rb, "data:") == NULL && at < sizeof(rb) - 1) {
+        ssize_t r = read(fd, rb + at, sizeof(rb) - 1 - at);
+        cr_assert_gt(r, 0);
+        at += (size_t)r;
+        rb[at] = '\0';
+    }
+    close(fd);
+    cr_assert(has_event("gen-0", "cancel 3 client disconnected", 3000), "choice 0 not cancelled");
+    cr_assert(has_event("gen-0", "cancel 4 client disconnected", 3000), "choice 1 not cancelled");
+    stop_all();
+}
+
+/* api.key from DUET_API_KEY: every API route needs the bearer key; health and metrics do not. */
+Test(router_cluster, api_key_guards_the_api_routes, .timeout = 60)
+{
+    static char buf[65536];
+    setenv("DUET_API_KEY", "sk-test-1", 1);
+    start_router(NULL, NULL);
+    unsetenv("DUET_API_KEY");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200, "/health is open");
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    static const struct {
+        const char *method, *path, *body;
+        int ok_status;
+    } routes[] = {
+        {"GET", "/v1/models", NULL, 200},
+        {"POST", "/v1/completions", "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2}", 200},
+        {"POST", "/v1/chat/completions",
+         "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
+         "\"max_tokens\":1}",
+         200},
+        {"POST", "/tokenize", "{\"prompt\":\"hi\"}", 200},
+        {"POST", "/detokenize", "{\"tokens\":[104]}", 200},
+        {"GET", "/v1/nothing-here", NULL, 404},
+    };
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++) {
+        const char *m = routes[i].method, *p = routes[i].path, *b = routes[i].body;
+        cr_assert_eq(http(http_port, m, p, b, buf, sizeof(buf)), 401, "%s without a key: %s", p,
+                     buf);
+        cr_assert(strstr(buf, "WWW-Authenticate: Bearer") != NULL, "%s", buf);
+        cr_assert(strstr(body_of(buf), "\"code\":\"invalid_api_key\"") != NULL, "%s", buf);
+        cr_assert(strstr(body_of(buf), "didn't provide an API key") != NULL, "%s", buf);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Bearer sk-test-2", buf, sizeof(buf)), 401,
+                     "%s with a wrong key", p);
+        cr_assert(strstr(body_of(buf), "Incorrect API key") != NULL, "%s", buf);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Basic sk-test-1", buf, sizeof(buf)), 401);
+        cr_assert_eq(http_auth(http_port, m, p, b, "Bearer sk-test-", buf, sizeof(buf)), 401);
+        cr_assert_eq(http_auth(http_port, m, p, b, "bearer  sk-test-1 ", buf, sizeof(buf)),
+                     routes[i].ok_status, "%s with the key: %s", p, buf);
+    }
+    stop_all();
+}
+
+/* api.strict: an unknown request field is OpenAI's 400 (without it, ignored). */
+Test(router_cluster, api_strict_refuses_unknown_fields, .timeout = 60)
+{
+    static char buf[65536];
+    start_router("--api.strict", NULL);
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"x\"}",
+                  buf, sizeof(buf));
+    cr_assert_eq(st, 400, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"code\":\"unrecognized_argument\"") != NULL, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"param\":\"guided_regex\"") != NULL, "%s", buf);
     stop_all();
 }
 

@@ -4,13 +4,15 @@
  * loss, drain and the router's request path can be tested with real processes and no model.
  *
  * Deterministic output: the tokens of a request are its prompt ids reversed (cycling when
- * max_tokens is longer), one Tokens message per token. A ctx test worker answers Prefill with
+ * max_tokens is longer), one Tokens message per token; with --script-ids, a scripted answer
+ * (a tool call, say) instead. A ctx test worker answers Prefill with
  * the first of them; a gen test worker answers Reserve with a fake reservation
  * ("test-reservation:<request id>"; with --group-ranks N, N - 1 more, "test-reservation:<request
  * id>:<rank>", as a Helix group's rank 0 sends them), then PrefillDone with the rest, or Generate
  * with all of them. A ctx test worker's event for a Prefill lists every reservation it came with.
- * Fault flags stop heartbeats, exit abruptly after N tokens, stall (silent but connected) after N
- * tokens, or refuse every reservation. --events FILE appends one line per message received
+ * A seeded request's Reserve / Generate also logs "seed <id> <seed>". Fault flags stop heartbeats,
+ * exit abruptly after N tokens, stall (silent but connected) after N tokens, or refuse every
+ * reservation. --events FILE appends one line per message received
  * ("reserve 7", "cancel 7 client disconnected", "drain", ...) for tests to inspect.
  *
  * Blocking sockets and poll(): a tool, so plain and obvious beats an event library.
@@ -43,6 +45,7 @@ typedef struct {
     uint32_t produced; /* tokens of this request emitted so far (by anyone) */
     uint32_t limit;    /* emit until produced == limit */
     int active;        /* emitting */
+    int scripted;      /* answers with --script-ids */
     uint64_t next_us;  /* when the next token is due (CLOCK_MONOTONIC, µs) */
 } tw_req_t;
 
@@ -61,7 +64,11 @@ static struct {
     uint32_t kv_pages;
     const char *events;
     int quiet;
-} opt = {.role = 0,
+    uint32_t script[256]; /* --script-ids */
+    size_t n_script;
+    long script_unless; /* -1 = none */
+} opt = {.script_unless = -1,
+         .role = 0,
          .name = "test-worker",
          .version = DUET_PROTO_VERSION,
          .heartbeat_ms = 200,
@@ -112,6 +119,14 @@ static void event(const char *fmt, ...)
             fclose(f);
         }
     }
+}
+
+/* "seed <request id> <seed>" for a seeded request's Reserve / Generate (the router gives choice i
+ * of a request seed + i). */
+static void event_seed(uint64_t rid, const Duet__Sampling *s)
+{
+    if (s != NULL && s->has_seed)
+        event("seed %llu %llu", (unsigned long long)rid, (unsigned long long)s->seed);
 }
 
 static void send_env(int fd, Duet__Envelope *env)
@@ -165,6 +180,10 @@ static tw_req_t *req_new(uint64_t rid, const uint32_t *t, size_t n, uint32_t max
     r->max_tokens = max_tokens;
     if (n > 0)
         memcpy(r->tokens, t, n * sizeof(uint32_t));
+    /* --script-ids answers a prompt that does not hold --script-unless's id */
+    r->scripted = opt.n_script > 0;
+    for (size_t i = 0; i < n && r->scripted && opt.script_unless >= 0; i++)
+        r->scripted = t[i] != (uint32_t)opt.script_unless;
     return r;
 }
 
@@ -194,6 +213,7 @@ static void on_message(int fd, Duet__Envelope *env)
     case DUET__ENVELOPE__BODY_RESERVE: {
         Duet__Reserve *m = env->reserve;
         event("reserve %llu", (unsigned long long)m->request_id);
+        event_seed(m->request_id, m->sampling);
         if (opt.refuse || tw_draining) {
             Duet__Refused rf = DUET__REFUSED__INIT;
             rf.request_id = m->request_id;
@@ -255,6 +275,8 @@ static void on_message(int fd, Duet__Envelope *env)
         size_t n = prefill ? env->prefill->n_tokens : env->generate->n_tokens;
         uint32_t maxt = prefill ? env->prefill->max_tokens : env->generate->max_tokens;
         event("%s %llu %zu", prefill ? "prefill" : "generate", (unsigned long long)rid, n);
+        if (!prefill)
+            event_seed(rid, env->generate->sampling);
         if (prefill) { /* the reservations as they came, rank 0's first */
             const Duet__Prefill *p = env->prefill;
             char line[4096];
@@ -327,13 +349,18 @@ static int emit_due(int fd)
                 tw_stalled = 1;
                 break;
             }
-            uint32_t id =
-                r->n_tokens > 0 ? r->tokens[r->n_tokens - 1 - r->produced % r->n_tokens] : 0;
+            uint32_t id = r->scripted       ? opt.script[r->produced % opt.n_script]
+                          : r->n_tokens > 0 ? r->tokens[r->n_tokens - 1 - r->produced % r->n_tokens]
+                                            : 0;
             r->produced++;
             tw_emitted++;
             int last = r->produced >= r->limit;
             int finish = r->produced >= r->max_tokens ? DUET__TOKENS__FINISH_REASON__LENGTH
                                                       : DUET__TOKENS__FINISH_REASON__NONE;
+            if (r->scripted && r->produced >= opt.n_script && r->produced < r->max_tokens) {
+                finish = DUET__TOKENS__FINISH_REASON__STOP; /* the script's end: as an EOS */
+                last = 1;
+            }
             send_tokens(fd, r->rid, &id, 1, finish, NULL);
             if (last) {
                 req_free(r);
@@ -378,6 +405,9 @@ static void usage(FILE *f)
         "  --events FILE          append one line per message received\n"
         "  --quiet                no log lines on stderr\n"
         "  --model DIR            accepted and ignored (so `duet up` can start it as a worker)\n"
+        "  --script-ids I,J,...   answer with these ids (at most 256), then stop (as an EOS)\n"
+        "  --script-unless ID     but give the default answer to a prompt that holds ID (a\n"
+        "                         conversation that had the scripted answer already)\n"
         "  -h, --help             this text\n"
         "  --version              the version, git commit and CUDA build\n",
         DUET_PROTO_VERSION);
@@ -386,12 +416,16 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"router", 1, 0, 'r'},       {"role", 1, 0, 'o'},          {"name", 1, 0, 'n'},
-        {"fingerprint", 1, 0, 'f'},  {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
-        {"heartbeat-ms", 1, 0, 'b'}, {"delay-ms", 1, 0, 'd'},      {"die-after", 1, 0, 'x'},
-        {"stall-after", 1, 0, 's'},  {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
-        {"events", 1, 0, 'e'},       {"quiet", 0, 0, 'q'},         {"help", 0, 0, 'h'},
-        {"model", 1, 0, 'm'},        {"version", 0, 0, 'V'},       {0, 0, 0, 0},
+        {"router", 1, 0, 'r'},        {"role", 1, 0, 'o'},
+        {"name", 1, 0, 'n'},          {"fingerprint", 1, 0, 'f'},
+        {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
+        {"heartbeat-ms", 1, 0, 'b'},  {"delay-ms", 1, 0, 'd'},
+        {"die-after", 1, 0, 'x'},     {"stall-after", 1, 0, 's'},
+        {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
+        {"events", 1, 0, 'e'},        {"quiet", 0, 0, 'q'},
+        {"help", 0, 0, 'h'},          {"model", 1, 0, 'm'},
+        {"version", 0, 0, 'V'},       {"script-ids", 1, 0, 'S'},
+        {"script-unless", 1, 0, 'U'}, {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
     int c;
@@ -448,6 +482,24 @@ int main(int argc, char **argv)
             return 0;
         case 'm':
             break; /* workers take the model folder; the fake one has no use for it */
+        case 'U':
+            opt.script_unless = atol(optarg);
+            break;
+        case 'S': {
+            char *p = optarg;
+            opt.n_script = 0;
+            while (*p != '\0' && opt.n_script < sizeof(opt.script) / sizeof(opt.script[0])) {
+                char *e;
+                unsigned long v = strtoul(p, &e, 10);
+                if (e == p || (*e != ',' && *e != '\0')) {
+                    fprintf(stderr, "duet-test-worker: --script-ids takes ids like 1,2,3\n");
+                    return 1;
+                }
+                opt.script[opt.n_script++] = (uint32_t)v;
+                p = *e == ',' ? e + 1 : e;
+            }
+            break;
+        }
         case 'h':
             usage(stdout);
             return 0;

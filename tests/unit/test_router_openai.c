@@ -100,6 +100,14 @@ Test(router_openai, completion_fields, .timeout = 10)
     cr_assert_eq(r.stop_len[1], 3);
     cr_assert(r.ignore_eos && r.stream && r.include_usage);
     cr_assert_str_eq(r.user, "u1");
+    cr_assert_eq(r.n, 1);
+    duet_oai_request_free(&r);
+    /* n > 1 with best_of = n */
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS,
+                       "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"n\":16,\"best_of\":16}", &r,
+                       &e),
+                 DUET_OK, "%s", e.message);
+    cr_assert_eq(r.n, 16);
     duet_oai_request_free(&r);
 
     /* Defaults. */
@@ -294,9 +302,12 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"skip_special_tokens\":0}", 400, "invalid_type", "skip_special_tokens", NULL},
     {C, "{" M "\"prompt\":\"x\",\"user\":5}", 400, "invalid_type", "user", NULL},
     /* n */
-    {C, "{" M "\"prompt\":\"x\",\"n\":2}", 400, "unsupported_value", "n", "one choice"},
-    {H, "{" M MSG ",\"n\":4}", 400, "unsupported_value", "n", "n = 4"},
+    {C, "{" M "\"prompt\":\"x\",\"n\":17}", 400, "invalid_value", "n", "[1, 16]"},
     {H, "{" M MSG ",\"n\":0}", 400, "invalid_value", "n", NULL},
+    {H, "{" M MSG ",\"n\":2.5}", 400, "invalid_type", "n", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"n\":3,\"best_of\":2}", 400, "invalid_value", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":17}", 400, "invalid_value", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":\"2\"}", 400, "invalid_type", "best_of", NULL},
     /* stop */
     {C, "{" M "\"prompt\":\"x\",\"stop\":\"\"}", 400, "invalid_value", "stop", NULL},
     {C, "{" M "\"prompt\":\"x\",\"stop\":[\"a\",\"\"]}", 400, "invalid_value", "stop[1]", NULL},
@@ -323,13 +334,58 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"logit_bias\":{\"50256\":-100}}", 400, "unsupported_parameter", "logit_bias",
      NULL},
     {H, "{" M MSG ",\"logit_bias\":[]}", 400, "invalid_type", "logit_bias", NULL},
-    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\"}]}", 400, "unsupported_parameter", "tools",
-     NULL},
+    /* tools: malformed, then well formed for a model without a tool format (duet's template) */
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\"}]}", 400, "missing_required_parameter",
+     "tools[0].function", NULL},
+    {H, "{" M MSG ",\"tools\":\"f\"}", 400, "invalid_type", "tools", NULL},
+    {H, "{" M MSG ",\"tools\":[5]}", 400, "invalid_type", "tools[0]", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"retrieval\",\"function\":{\"name\":\"f\"}}]}", 400,
+     "invalid_value", "tools[0].type", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a b\"}}]}", 400,
+     "invalid_value", "tools[0].function.name", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"\"}}]}", 400,
+     "invalid_value", "tools[0].function.name", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":"
+     "\"x1234567890123456789012345678901234567890123456789012345678901234\"}}]}",
+     400, "invalid_value", "tools[0].function.name", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"parameters\":\"x\"}}]}",
+     400, "invalid_type", "tools[0].function.parameters", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"description\":5}}]}",
+     400, "invalid_type", "tools[0].function.description", NULL},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+     "\"strict\":\"yes\"}}]}",
+     400, "invalid_type", "tools[0].function.strict", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"x\":1}}]}",
+     400, "unrecognized_argument", "tools[0].function", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"},\"x\":1}]}",
+     400, "unrecognized_argument", "tools[0]", NULL},
+    {H, "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}", 400,
+     "unsupported_parameter", "tools", "duet's format"},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+     "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}",
+     400, "invalid_value", "tool_choice", "'g'"},
+    {H,
+     "{" M MSG ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+     "\"tool_choice\":{\"type\":\"function\"}}",
+     400, "invalid_value", "tool_choice", NULL},
+    {H, "{" M MSG ",\"tool_choice\":5}", 400, "invalid_type", "tool_choice", NULL},
+    {H, "{" M MSG ",\"tool_choice\":\"sometimes\"}", 400, "invalid_value", "tool_choice", NULL},
+    {H,
+     "{" M MSG ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"},"
+     "\"x\":1}}",
+     400, "unrecognized_argument", "tool_choice", NULL},
     {H, "{" M MSG ",\"functions\":[{}]}", 400, "unsupported_parameter", "functions", NULL},
     {H, "{" M MSG ",\"function_call\":\"auto\"}", 400, "unsupported_parameter", "function_call",
      NULL},
-    {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "unsupported_parameter", "tool_choice",
-     NULL},
+    {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "invalid_value", "tool_choice",
+     "no 'tools'"},
     {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\"}}", 400, "unsupported_parameter",
      "response_format", NULL},
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
@@ -341,21 +397,32 @@ static const bad_case_t bad_cases[] = {
      "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
      "presence_penalty", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_parameter", "best_of", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_value", "best_of", "log-prob"},
     {C, "{" M "\"prompt\":\"x\",\"echo\":true}", 400, "unsupported_parameter", "echo", NULL},
     {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix", NULL},
     {C, "{" M "\"prompt\":\"x\",\"repetition_penalty\":1.2}", 400, "unsupported_parameter",
      "repetition_penalty", NULL},
 };
 
+/* Every bad case under api.strict; without it, the same but for unknown top-level fields (the
+ * cases whose code is unrecognized_argument and whose param is a top-level name), which
+ * unknown_fields_ignored covers. */
 Test(router_openai, validation_errors, .timeout = 30)
 {
-    for (size_t i = 0; i < sizeof(bad_cases) / sizeof(bad_cases[0]); i++) {
+    duet_oai_limits_t strict = lim;
+    strict.strict = true;
+    for (size_t k = 0; k < 2 * sizeof(bad_cases) / sizeof(bad_cases[0]); k++) {
+        const size_t i = k / 2;
         const bad_case_t *c = &bad_cases[i];
+        const bool top_unknown = c->code != NULL && strcmp(c->code, "unrecognized_argument") == 0 &&
+                                 c->param != NULL && strpbrk(c->param, ".[") == NULL;
+        if (k % 2 == 1 && top_unknown)
+            continue;
         duet_oai_request_t r;
         duet_oai_error_t e;
         memset(&e, 0, sizeof(e));
-        duet_status_t st = parse(c->ep, c->body, &r, &e);
+        duet_status_t st = duet_oai_request_parse(k % 2 == 0 ? &strict : &lim, c->ep, c->body,
+                                                  strlen(c->body), &r, &e);
         cr_assert_neq(st, DUET_OK, "case %zu accepted: %s", i, c->body);
         cr_assert_eq(e.http_status, c->status, "case %zu (%s): status %d: %s", i, c->body,
                      e.http_status, e.message);
@@ -481,6 +548,47 @@ Test(router_openai, tool_history_with_jinja_template, .timeout = 10)
     cr_assert_neq(parse(DUET_OAI_ENDPOINT_CHAT, ok, &r, &e), DUET_OK);
     cr_assert_eq(e.http_status, 400);
     cr_assert(strstr(e.message, "duet's format") != NULL, "%s", e.message);
+}
+
+Test(router_openai, unknown_fields_ignored, .timeout = 10)
+{
+    duet_oai_request_t r;
+    duet_oai_error_t e;
+    /* unknown fields, and a field of the other endpoint, are listed and otherwise ignored */
+    const char *body = "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"bogus\":{\"a\":[1]},"
+                       "\"messages\":7,\"guided_json\":null,\"max_tokens\":3}";
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS, body, &r, &e), DUET_OK, "%s", e.message);
+    cr_assert_eq(r.max_tokens, 3);
+    cr_assert_eq(json_array_size(r.ignored_fields), 3);
+    const char *want[] = {"bogus", "messages", "guided_json"};
+    for (size_t i = 0; i < 3; i++)
+        cr_assert_str_eq(json_string_value(json_array_get(r.ignored_fields, i)), want[i]);
+    duet_oai_request_free(&r);
+    cr_assert_null(r.ignored_fields);
+    /* known fields keep their checks: an unknown field does not hide a bad known one */
+    cr_assert_neq(parse(DUET_OAI_ENDPOINT_CHAT,
+                        "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\","
+                        "\"content\":\"hi\"}],\"x_y\":1,\"audio\":{\"voice\":\"x\"}}",
+                        &r, &e),
+                  DUET_OK);
+    cr_assert_str_eq(e.code, "unsupported_parameter");
+    cr_assert_str_eq(e.param, "audio");
+    /* a known request has no list */
+    cr_assert_eq(
+        parse(DUET_OAI_ENDPOINT_COMPLETIONS, "{\"model\":\"duet-demo\",\"prompt\":\"x\"}", &r, &e),
+        DUET_OK);
+    cr_assert_null(r.ignored_fields);
+    duet_oai_request_free(&r);
+    /* api.strict refuses the first unknown one */
+    duet_oai_limits_t strict = lim;
+    strict.strict = true;
+    cr_assert_neq(
+        duet_oai_request_parse(&strict, DUET_OAI_ENDPOINT_COMPLETIONS, body, strlen(body), &r, &e),
+        DUET_OK);
+    cr_assert_eq(e.http_status, 400);
+    cr_assert_str_eq(e.code, "unrecognized_argument");
+    cr_assert_str_eq(e.param, "bogus");
+    check_error_json(&e);
 }
 
 Test(router_openai, body_too_large_is_413, .timeout = 10)
@@ -1009,6 +1117,74 @@ Test(router_openai, sse_completions_without_usage, .timeout = 10)
         "\"duet-demo\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,"
         "\"finish_reason\":\"length\"}]}\n\n"
         "data: [DONE]\n\n");
+    duet_strbuf_free(&sb);
+}
+
+/* n choices: the body lists them by index; interleaved chunks carry theirs, one usage + [DONE]. */
+Test(router_openai, n_choices_response_and_sse, .timeout = 10)
+{
+    duet_oai_resp_meta_t m = chat_meta;
+    m.include_usage = false;
+    const char *calls = "[{\"id\":\"functions.f:0\",\"type\":\"function\",\"function\":"
+                        "{\"name\":\"f\",\"arguments\":\"{}\"}}]";
+    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP, NULL},
+                                    {"bb", 2, DUET_OAI_FINISH_LENGTH, NULL},
+                                    {"", 0, DUET_OAI_FINISH_TOOL_CALLS, calls}};
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    cr_assert_eq(duet_oai_response_json_n(&m, c, 3, 4, 6, &sb), DUET_OK);
+    json_error_t je;
+    json_t *root = json_loads(sb.data, 0, &je);
+    cr_assert_not_null(root, "%s: %s", sb.data, je.text);
+    json_t *choices = json_object_get(root, "choices");
+    cr_assert_eq(json_array_size(choices), 3, "%s", sb.data);
+    for (size_t i = 0; i < 3; i++) {
+        json_t *ci = json_array_get(choices, i);
+        cr_assert_eq(json_integer_value(json_object_get(ci, "index")), (json_int_t)i);
+        json_t *msg = json_object_get(ci, "message");
+        if (i < 2) {
+            cr_assert_str_eq(json_string_value(json_object_get(msg, "content")), c[i].text);
+            cr_assert_null(json_object_get(msg, "tool_calls"));
+        } else { /* tool calls without text: content null */
+            cr_assert(json_is_null(json_object_get(msg, "content")), "%s", sb.data);
+            json_t *tc = json_array_get(json_object_get(msg, "tool_calls"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(tc, "id")), "functions.f:0");
+        }
+        cr_assert_str_eq(json_string_value(json_object_get(ci, "finish_reason")),
+                         duet_oai_finish_name(c[i].finish));
+    }
+    cr_assert_eq(
+        json_integer_value(json_object_get(json_object_get(root, "usage"), "total_tokens")), 10);
+    json_decref(root);
+    duet_strbuf_free(&sb);
+
+    /* streaming: choice 1 then 0 interleaved, then the stream's end */
+    duet_oai_resp_meta_t m0 = chat_meta, m1 = chat_meta;
+    m1.index = 1;
+    duet_strbuf_init(&sb);
+    duet_oai_sse_begin(&m1, &sb);
+    duet_oai_sse_delta(&m1, "x", 1, &sb);
+    duet_oai_sse_begin(&m0, &sb);
+    duet_oai_sse_delta(&m0, "y", 1, &sb);
+    duet_oai_sse_finish(&m1, DUET_OAI_FINISH_STOP, &sb);
+    duet_oai_sse_finish(&m0, DUET_OAI_FINISH_LENGTH, &sb);
+    cr_assert_eq(duet_oai_sse_done(&m0, 3, 2, &sb), DUET_OK);
+    char ev[10][1024];
+    size_t n = sse_split(sb.data, ev, 10);
+    cr_assert_eq(n, 8, "%s", sb.data);
+    const int want_index[6] = {1, 1, 0, 0, 1, 0};
+    for (size_t i = 0; i < 6; i++) {
+        json_t *e = json_loads(ev[i], 0, &je);
+        cr_assert_not_null(e, "%s", ev[i]);
+        json_t *c0 = json_array_get(json_object_get(e, "choices"), 0);
+        cr_assert_eq(json_integer_value(json_object_get(c0, "index")), want_index[i], "%s", ev[i]);
+        json_decref(e);
+    }
+    cr_assert(
+        strstr(ev[6], "\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2") !=
+            NULL,
+        "%s", ev[6]);
+    cr_assert_str_eq(ev[7], "[DONE]");
     duet_strbuf_free(&sb);
 }
 
