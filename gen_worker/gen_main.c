@@ -247,6 +247,11 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
 static bool gr_spec_open(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
+    if (q->sampling.host) { /* decoded without speculation (docs/architecture.md, "Sampling") */
+        free(q->prompt);
+        q->prompt = NULL;
+        return true;
+    }
     duet_status_t st = duet_spec_seq_open(g.spec, &r->ss, q->prompt, r->n_hist, r->next,
                                           q->max_tokens, &q->sampling.sp, &q->sampling.rng);
     free(q->prompt);
@@ -362,7 +367,13 @@ static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
         else if (r->produced >= q->max_tokens || held + 1 > r->full_cap)
             finish = DUET__TOKENS__FINISH_REASON__LENGTH;
     }
-    duet_worker_send_tokens(w->link, q->rid, ids, (size_t)i, finish, NULL);
+    /* the host path emits one token per step: its logprobs are the newest draw's; a local
+     * prefill's first Tokens carries the prompt's */
+    const duet_worker_sampling_t *ws = &q->sampling;
+    const bool first = r->produced == (uint32_t)i;
+    duet_worker_send_tokens_lp(w->link, q->rid, ids, (size_t)i, ws->logprobs ? &ws->drawn_lp : NULL,
+                               first ? ws->prompt_lp : NULL, first ? (size_t)ws->n_prompt_lp : 0,
+                               finish, NULL);
     if (finish != DUET__TOKENS__FINISH_REASON__NONE) {
         DUET_RLOG_DEBUG(q->rid, "finished: %u tokens", r->produced);
         gr_free(w, q);
@@ -391,6 +402,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
         return;
     }
     r->produced = 1; /* the context worker's token, already streamed by the router */
+    duet_worker_sampling_seen(&q->sampling, r->next);
     if (q->sampling.sp.temperature > 0.0f && q->sampling.sp.top_k != 1)
         (void)duet_rng_uniform(&q->sampling.rng); /* the draw the context worker made for it */
     int finish = DUET__TOKENS__FINISH_REASON__NONE;
@@ -494,6 +506,12 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    if (!duet_worker_req_setup(w, q, m->tokens, m->n_tokens, ms->generated, ms->n_generated,
+                               &why)) {
+        duet_worker_send_refused(w->link, q->rid, why, 500);
+        gr_free(w, q);
+        return;
+    }
     r->moved_in = true;
     r->in_tokens = (int64_t)ms->kv_tokens;
     r->in_replay = ms->replay_rows;
@@ -721,6 +739,13 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    /* the penalties read the prompt ids (the router sends them) */
+    if (!duet_worker_req_setup(w, q, m->n_tokens == m->prompt_tokens ? m->tokens : NULL,
+                               m->prompt_tokens, NULL, 0, &why)) {
+        duet_worker_send_refused(w->link, q->rid, why, 0);
+        gr_free(w, q);
+        return;
+    }
     if (g.spec != NULL && !duet_worker_req_set_prompt(q, m->tokens, m->n_tokens)) {
         duet_worker_send_refused(w->link, q->rid, "out of memory", 500);
         gr_free(w, q);
@@ -864,6 +889,11 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the local prefill: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
+        return;
+    }
+    if (!duet_worker_req_setup(w, &r->base, m->tokens, m->n_tokens, NULL, 0, &why)) {
+        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        gr_free(w, &r->base);
         return;
     }
     if (!duet_worker_req_set_prompt(&r->base, m->tokens, m->n_tokens)) {
@@ -1049,8 +1079,8 @@ static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
     int64_t n = 0, budget = *budget_p;
     for (int64_t i = 0; i < w->n_reqs; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE)
-            continue;
+        if (r->base.phase != GR_DECODE || r->base.sampling.host)
+            continue; /* the host path decodes one row per step, planned by gen_plan_step */
         /* a decoding request has produced fewer than max_tokens */
         const int64_t left = (int64_t)r->base.max_tokens - r->produced - 1;
         const int cap = (int)(left < g.so.k ? left : g.so.k);
@@ -1099,17 +1129,12 @@ static int64_t gen_plan_step(duet_worker_t *w)
         gen_make_room(w);
     if (g.spec != NULL)
         n = gen_plan_spec(w, &budget);
-    for (int64_t i = 0; g.spec == NULL && i < w->n_reqs && budget > 0; i++) {
+    for (int64_t i = 0; i < w->n_reqs && budget > 0; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE)
+        if (r->base.phase != GR_DECODE || (g.spec != NULL && !r->base.sampling.host))
             continue;
-        w->items[n] = (duet_batch_item_t){.seq = &r->base.seq,
-                                          .tokens = &r->next,
-                                          .n_tokens = 1,
-                                          .logits_mode = DUET_LOGITS_TOKEN,
-                                          .sampling = r->base.sampling.sp,
-                                          .token_out = &r->base.drawn};
-        w->items[n].u = duet_sampling_draw(&r->base.sampling.sp, &r->base.sampling.rng);
+        w->items[n] = (duet_batch_item_t){.seq = &r->base.seq, .tokens = &r->next, .n_tokens = 1};
+        duet_worker_item_draw(w, &r->base, &w->items[n]);
         w->item_req[n] = &r->base;
         n++;
         budget--;
@@ -1168,8 +1193,9 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
         if (i < g.n_decode) { /* a decoding request: its token(s) */
             int32_t toks[DUET_SPEC_MAX_K + 1];
             int n_toks = 1;
-            toks[0] = r->base.drawn; /* drawn by the step (DUET_LOGITS_TOKEN) */
-            if (g.spec != NULL && !gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
+            toks[0] = r->base.drawn; /* drawn by the step (or the host after it) */
+            if (g.spec != NULL && !r->base.sampling.host &&
+                !gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
                 continue;
             g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks);
             continue;
