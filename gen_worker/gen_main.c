@@ -297,8 +297,8 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         *why = "a request with this id is already here";
         return NULL;
     }
-    if (prompt_tokens == 0 || max_tokens == 0) {
-        *why = "empty prompt or max_tokens 0";
+    if (prompt_tokens == 0) {
+        *why = "empty prompt";
         return NULL;
     }
     gr_t *r = (gr_t *)duet_worker_free_slot(w);
@@ -717,6 +717,10 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
     if (m->n_tokens != 0 && m->n_tokens != m->prompt_tokens) {
         duet_worker_send_refused(w->link, m->request_id, "Reserve: tokens and prompt_tokens differ",
                                  0);
+        return;
+    }
+    if (m->max_tokens == 0) { /* scoring the prompt only is a Generate (local prefill) */
+        duet_worker_send_refused(w->link, m->request_id, "Reserve: max_tokens 0", 0);
         return;
     }
     /* speculation drafts from the prompt (and a draft model prefills it here) */
@@ -1203,6 +1207,14 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
         r->base.prefilled += w->items[i].n_tokens; /* a prefill chunk */
         if (r->base.prefilled < r->base.n_prompt)
             continue;
+        if (r->base.max_tokens == 0) { /* scoring the prompt (echo): no token, its logprobs */
+            const duet_worker_sampling_t *ws = &r->base.sampling;
+            duet_worker_send_tokens_lp(w->link, r->base.rid, NULL, 0, NULL, ws->prompt_lp,
+                                       (size_t)ws->n_prompt_lp, DUET__TOKENS__FINISH_REASON__LENGTH,
+                                       NULL);
+            gr_free(w, &r->base);
+            continue;
+        }
         gr_emit(w, r, &r->base.drawn, 1); /* the first token, drawn by the last chunk */
         if (r->base.phase != GR_DECODE)
             continue; /* it ended there */

@@ -47,6 +47,7 @@
 #include "common/log.h"
 #include "common/strbuf.h"
 #include "proto/envelope.h"
+#include "router/api/openai_logprobs.h"
 #include "router/router_impl.h"
 #include "transfer/plan.h"        /* DUET_XFER_MAX_RANKS (constants only) */
 #include "transfer/reservation.h" /* DUET_XFER_RESERVATION_MAX_BYTES */
@@ -113,6 +114,11 @@ typedef struct rq {
         uint64_t kv_tokens, rng[DUET_PROTO_RNG_WORDS];
         uint32_t replay_rows, produced, next_token;
     } mv; /* the source's MovePaused state */
+    /* log-probabilities (NULL when not asked for) and how many the stream has sent */
+    duet_oai_lp_t *lp;
+    size_t lp_sent;
+    Duet__LogitBias *bias_msgs; /* (oai.lp.n_bias) Sampling.logit_bias, owned */
+    Duet__LogitBias **bias_ptrs;
     struct rq *bucket_next;
 } rq_t;
 
@@ -269,6 +275,9 @@ static void rq_end(rq_t *r, const char *why)
     duet_http_request_set_data(r->http, NULL);
     duet_http_request_release(r->http);
     duet_oai_stream_destroy(r->stream);
+    duet_oai_lp_destroy(r->lp);
+    free(r->bias_msgs);
+    free(r->bias_ptrs);
     duet_oai_request_free(&r->oai);
     free(r->ids);
     free(r->out);
@@ -310,19 +319,107 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
     rq_end(r, msg);
 }
 
+/* ---------------------------------------------------------------- logprobs and echo */
+
+/* choices[0].logprobs for generated positions [from, to) (and the prompt's with with_prompt) in
+ * *buf; NULL without logprobs (or when out of memory: the field is then null). */
+static const char *rq_logprobs_json(rq_t *r, size_t from, size_t to, bool with_prompt,
+                                    duet_strbuf_t *buf)
+{
+    if (r->lp == NULL || (from >= to && !with_prompt) ||
+        duet_oai_lp_json(r->lp, from, to, with_prompt, buf) != DUET_OK)
+        return NULL;
+    r->lp_sent = to;
+    return buf->data;
+}
+
+/* The prompt's text for echo: as the client gave it, or its ids decoded. malloc'd into *len_p
+ * bytes; NULL when out of memory or on a decode error. */
+static char *rq_prompt_text(const rq_t *r, size_t *len_p)
+{
+    if (r->oai.prompt != NULL) {
+        char *t = malloc(r->oai.prompt_len + 1);
+        if (t != NULL)
+            memcpy(t, r->oai.prompt, r->oai.prompt_len + 1);
+        *len_p = r->oai.prompt_len;
+        return t;
+    }
+    /* ids: decoded as output is (special tokens the tokenizer skips give no text) */
+    const duet_tokenizer_t *tok = r->rt->tok;
+    uint32_t *ids = malloc((r->oai.n_prompt_ids + 1) * sizeof(*ids));
+    if (ids == NULL)
+        return NULL;
+    size_t n_ids = 0, n = 0;
+    for (size_t i = 0; i < r->oai.n_prompt_ids; i++)
+        if (!r->oai.skip_special_tokens || !duet_tokenizer_is_skipped(tok, r->oai.prompt_ids[i]))
+            ids[n_ids++] = r->oai.prompt_ids[i];
+    duet_status_t st = duet_tokenizer_decode(tok, ids, n_ids, NULL, 0, &n);
+    char *t = st == DUET_OK || st == DUET_ERR_NO_SPACE ? malloc(n + 1) : NULL;
+    if (t == NULL || duet_tokenizer_decode(tok, ids, n_ids, t, n, &n) != DUET_OK) {
+        free(ids);
+        free(t);
+        return NULL;
+    }
+    free(ids);
+    t[n] = '\0';
+    *len_p = n;
+    return t;
+}
+
+/* echo (non-streaming): the prompt's text then the output's, malloc'd, *len_p updated; NULL
+ * without echo (or on failure: the output alone is sent). */
+static char *rq_echo_text(const rq_t *r, const char *text, size_t *len_p)
+{
+    if (!r->oai.lp.echo)
+        return NULL;
+    size_t plen = 0;
+    char *p = rq_prompt_text(r, &plen);
+    char *all = p != NULL ? realloc(p, plen + *len_p + 1) : NULL;
+    if (all == NULL) {
+        free(p);
+        return NULL;
+    }
+    memcpy(all + plen, text, *len_p);
+    all[plen + *len_p] = '\0';
+    *len_p += plen;
+    return all;
+}
+
+/* echo (streaming): the prompt's text as the first content chunk, with its logprobs. */
+static void rq_echo_chunk(rq_t *r, duet_strbuf_t *sb)
+{
+    if (!r->oai.lp.echo)
+        return;
+    size_t plen = 0;
+    char *p = rq_prompt_text(r, &plen);
+    duet_strbuf_t lpj;
+    duet_strbuf_init(&lpj);
+    r->meta.logprobs_json = rq_logprobs_json(r, 0, 0, true, &lpj);
+    if (p != NULL)
+        duet_oai_sse_delta(&r->meta, p, plen, sb);
+    r->meta.logprobs_json = NULL;
+    duet_strbuf_free(&lpj);
+    free(p);
+}
+
 /* The choice finished normally: final bytes to the client, metrics, end. */
 static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 {
     duet__router_t *rt = r->rt;
     uint32_t n_c = duet_oai_stream_n_tokens(r->stream);
-    duet_strbuf_t sb;
+    duet_strbuf_t sb, lpj;
     duet_strbuf_init(&sb);
+    duet_strbuf_init(&lpj);
     if (r->oai.stream) {
         if (!r->sse_started) {
             if (duet_http_sse_begin(r->http, NULL, 0) == DUET_OK)
                 r->sse_started = true;
             duet_oai_sse_begin(&r->meta, &sb);
+            rq_echo_chunk(r, &sb);
         }
+        /* the finish chunk carries what no content chunk did (held back by a stop string, the
+         * EOS id) */
+        r->meta.logprobs_json = rq_logprobs_json(r, r->lp_sent, n_c, false, &lpj);
         duet_oai_sse_end(&r->meta, finish, (uint32_t)r->n_ids, n_c, &sb);
         duet_http_stream_write(r->http, sb.data, sb.len);
         duet_http_stream_end(r->http);
@@ -330,9 +427,15 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
         const char *text;
         size_t len;
         duet_oai_stream_text(r->stream, &text, &len);
-        duet_oai_response_json(&r->meta, text, len, finish, (uint32_t)r->n_ids, n_c, &sb);
+        r->meta.logprobs_json = rq_logprobs_json(r, 0, n_c, r->oai.lp.echo, &lpj);
+        char *echoed = rq_echo_text(r, text, &len);
+        duet_oai_response_json(&r->meta, echoed != NULL ? echoed : text, len, finish,
+                               (uint32_t)r->n_ids, n_c, &sb);
+        free(echoed);
         duet_http_respond(r->http, 200, "application/json", NULL, 0, sb.data, sb.len);
     }
+    r->meta.logprobs_json = NULL;
+    duet_strbuf_free(&lpj);
     duet_strbuf_free(&sb);
     uint64_t now = uv_hrtime();
     duet_metrics_histogram_observe(rt->m_e2e, (double)(now - r->t_start_ns) / 1e9);
@@ -358,8 +461,17 @@ static void rq_emit(rq_t *r, const char *text, size_t len)
         }
         r->sse_started = true;
         duet_oai_sse_begin(&r->meta, &sb);
+        rq_echo_chunk(r, &sb);
     }
+    /* the ids fed up to this text: the ones whose text it is (held-back text waits with its
+     * logprobs) */
+    duet_strbuf_t lpj;
+    duet_strbuf_init(&lpj);
+    r->meta.logprobs_json =
+        rq_logprobs_json(r, r->lp_sent, duet_oai_stream_n_tokens(r->stream), false, &lpj);
     duet_oai_sse_delta(&r->meta, text, len, &sb);
+    r->meta.logprobs_json = NULL;
+    duet_strbuf_free(&lpj);
     duet_http_stream_write(r->http, sb.data, sb.len);
     duet_strbuf_free(&sb);
 }
@@ -424,6 +536,16 @@ static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint6
 
 static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_ids)
 {
+    const duet_oai_lp_params_t *lp = &r->oai.lp;
+    s->presence_penalty = (float)lp->presence_penalty;
+    s->frequency_penalty = (float)lp->frequency_penalty;
+    s->repetition_penalty = (float)lp->repetition_penalty;
+    s->logit_bias = r->bias_ptrs;
+    s->n_logit_bias = r->bias_ptrs != NULL ? lp->n_bias : 0;
+    s->min_tokens = lp->min_tokens;
+    s->logprobs = lp->logprobs;
+    s->top_logprobs = lp->top_logprobs;
+    s->prompt_logprobs = lp->logprobs && lp->echo;
     s->temperature = (float)r->oai.temperature;
     s->top_p = (float)r->oai.top_p;
     s->top_k = r->oai.top_k > 0 ? (uint32_t)r->oai.top_k : 0;
@@ -545,6 +667,77 @@ static void rq_start(rq_t *r)
 
 /* ---------------------------------------------------------------- a request arrives */
 
+/* The request's logprobs recorder and Sampling.logit_bias messages; false when out of memory. */
+static bool rq_lp_begin(rq_t *r)
+{
+    const duet_oai_lp_params_t *lp = &r->oai.lp;
+    if (lp->logprobs && duet_oai_lp_create(r->rt->tok, &r->oai, &r->lp) != DUET_OK)
+        return false;
+    if (lp->n_bias == 0)
+        return true;
+    r->bias_msgs = calloc(lp->n_bias, sizeof(*r->bias_msgs));
+    r->bias_ptrs = calloc(lp->n_bias, sizeof(*r->bias_ptrs));
+    if (r->bias_msgs == NULL || r->bias_ptrs == NULL)
+        return false;
+    for (size_t i = 0; i < lp->n_bias; i++) {
+        duet__logit_bias__init(&r->bias_msgs[i]);
+        r->bias_msgs[i].id = lp->bias_ids[i];
+        r->bias_msgs[i].bias = lp->bias[i];
+        r->bias_ptrs[i] = &r->bias_msgs[i];
+    }
+    return true;
+}
+
+/* One position's logprobs from a worker's message (at most DUET_OAI_MAX_TOP_LOGPROBS kept; the
+ * shorter of its two lists). */
+static void rq_lp_entry(const Duet__TokenLogprob *t, uint32_t id, duet_oai_lp_entry_t *e)
+{
+    e->id = id;
+    e->logprob = t->logprob;
+    size_t n = t->n_top_ids < t->n_top_logprobs ? t->n_top_ids : t->n_top_logprobs;
+    e->n_top = (int)(n < DUET_OAI_MAX_TOP_LOGPROBS ? n : DUET_OAI_MAX_TOP_LOGPROBS);
+    for (int j = 0; j < e->n_top; j++) {
+        e->top_ids[j] = t->top_ids[j];
+        e->top_lps[j] = t->top_logprobs[j];
+    }
+}
+
+/* A worker's logprobs for m's ids (and, in the first message, the prompt's) into r->lp. false:
+ * the worker sent the wrong count (what is wrong goes to *why), or out of memory. */
+static bool rq_lp_record(rq_t *r, const Duet__Tokens *m, const char **why)
+{
+    *why = "out of memory";
+    if (r->lp == NULL)
+        return true;
+    if (m->n_logprobs != m->n_ids) {
+        *why = "worker sent logprobs that do not match its token ids";
+        return false;
+    }
+    duet_oai_lp_entry_t e[16];
+    for (size_t i = 0; i < m->n_logprobs;) {
+        size_t k = 0;
+        for (; k < 16 && i < m->n_logprobs; k++, i++) {
+            rq_lp_entry(m->logprobs[i], m->ids[i], &e[k]);
+        }
+        if (duet_oai_lp_add(r->lp, e, k) != DUET_OK)
+            return false;
+    }
+    if (m->n_prompt_logprobs == 0 || !r->oai.lp.echo)
+        return true;
+    if (m->n_prompt_logprobs + 1 != r->n_ids) {
+        *why = "worker sent prompt logprobs that do not match the prompt";
+        return false;
+    }
+    duet_oai_lp_entry_t *pe = calloc(m->n_prompt_logprobs, sizeof(*pe));
+    if (pe == NULL)
+        return false;
+    for (size_t i = 0; i < m->n_prompt_logprobs; i++)
+        rq_lp_entry(m->prompt_logprobs[i], r->ids[i + 1], &pe[i]);
+    const bool ok = duet_oai_lp_set_prompt(r->lp, r->ids, r->n_ids, pe) == DUET_OK;
+    free(pe);
+    return ok;
+}
+
 /* Refuse a request before it has an rq_t (nothing else to end). */
 static void rt_refuse(duet_http_request_t *http, int status, const char *code,
                       uint32_t retry_after_s, const char *message)
@@ -595,12 +788,19 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
     r->meta.model = rt->model_name;
     r->meta.created = (int64_t)time(NULL);
     r->meta.include_usage = r->oai.include_usage;
-    r->local = r->n_ids < rt->local_prefill_tokens;
+    /* a scoring request (echo, max_tokens 0) generates nothing: the gen worker's local prefill
+     * answers it */
+    r->local = r->n_ids < rt->local_prefill_tokens || r->oai.max_tokens == 0;
+
     uint64_t now = uv_now(rt->loop);
     r->deadline_ms = now + rt->deadline_ms;
     duet_metrics_counter_add(rt->m_tok_in, (double)r->n_ids);
     rq_table_add(rt, r);
     duet_http_request_set_data(http, r);
+    if (!rq_lp_begin(r)) {
+        rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
     DUET_RLOG_DEBUG(r->id, "%s: %zu prompt tokens, max_tokens %u, stream %d", r->endpoint, r->n_ids,
                     r->oai.max_tokens, (int)r->oai.stream);
 
@@ -1077,6 +1277,12 @@ static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m
         *busy = false;
     if (!rq_record(r, m->ids, m->n_ids)) {
         rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
+    const char *lp_why = NULL;
+    if (!rq_lp_record(r, m, &lp_why)) {
+        rq_fail(r, 502, "server_error", "bad_worker_output", 0, "worker %llu: %s",
+                (unsigned long long)wid, lp_why);
         return;
     }
     if (!from_ctx) {

@@ -62,6 +62,25 @@ typedef struct {
                                     conversation; with duet's format they are a 400 */
 } duet_oai_limits_t;
 
+/* logit_bias entries per request at most (OpenAI's limit; the worker keeps as many). */
+#define DUET_OAI_MAX_LOGIT_BIAS 300
+
+/*
+ * Logit processing and log-probabilities of a request (router/api/openai_logprobs.h parses them;
+ * docs/architecture.md, "Sampling", says what they do).
+ */
+typedef struct {
+    double presence_penalty, frequency_penalty; /* [-2, 2], 0 = off */
+    double repetition_penalty;                  /* > 0, 1 = off (the default) */
+    uint32_t *bias_ids;                         /* (n_bias) owned, < vocab_size */
+    float *bias;                                /* (n_bias) owned, [-100, 100] */
+    size_t n_bias;
+    uint32_t min_tokens;   /* <= max_tokens */
+    bool logprobs;         /* chat: logprobs true; completions: logprobs given */
+    uint32_t top_logprobs; /* chat: top_logprobs (0..20); completions: logprobs (0..5) */
+    bool echo;             /* completions: the prompt comes first in the text (and logprobs) */
+} duet_oai_lp_params_t;
+
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
 typedef struct {
     duet_oai_endpoint_t endpoint;
@@ -76,7 +95,8 @@ typedef struct {
     struct json_t *messages_json; /* the validated "messages" array (a reference), which a Jinja
                                      template reads as it came in */
     /* sampling and stopping */
-    uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat */
+    uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat; 0 only for
+                            a completion with echo (prompt scoring) */
     double temperature;  /* [0, 2], default 1 (0 = greedy) */
     double top_p;        /* (0, 1], default 1 */
     int64_t top_k;       /* vLLM extension: 0 = no limit (-1 is read as 0) */
@@ -92,6 +112,7 @@ typedef struct {
     bool stream;
     bool include_usage; /* stream_options.include_usage (only with stream) */
     char *user;         /* NULL when absent; for logs */
+    duet_oai_lp_params_t lp;
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */
@@ -210,6 +231,9 @@ typedef struct {
     const char *model;  /* the served model name; not owned */
     int64_t created;    /* unix seconds */
     bool include_usage; /* streaming: usage null on chunks, then a usage chunk */
+    /* The JSON written as choices[0].logprobs of the next response or content / finish chunk
+     * (router/api/openai_logprobs.h builds it); NULL: null. Not owned. */
+    const char *logprobs_json;
 } duet_oai_resp_meta_t;
 
 /* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */
