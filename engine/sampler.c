@@ -318,8 +318,10 @@ void duet_logits_process(const duet_logit_proc_t *lp, const duet_token_hist_t *h
         float *l = &logits[e->id];
         if (rep)
             *l = *l > 0.0f ? *l / rp : *l * rp;
-        if (e->count > 0)
-            *l -= (float)e->count * lp->frequency_penalty + lp->presence_penalty;
+        if (e->count > 0) { /* two subtractions, as vLLM applies them */
+            *l -= (float)e->count * lp->frequency_penalty;
+            *l -= lp->presence_penalty;
+        }
     }
     for (size_t i = 0; i < lp->n_bias; i++)
         if (lp->bias[i].id >= 0 && lp->bias[i].id < vocab)
