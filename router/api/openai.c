@@ -10,7 +10,9 @@
  * Requests are parsed with jansson (duplicate keys refused) and checked field by field against a
  * table of every field the endpoint knows; error messages follow OpenAI's wording where one
  * exists ("Invalid type for 'x': ...", "Unsupported parameter: 'x' ...") so clients that match
- * on them keep working.
+ * on them keep working. The log-probability and logit-processing fields are parsed and their
+ * JSON written by openai_logprobs.c (duet_oai_lp_parse; meta.logprobs_json); this file only calls
+ * it and puts that JSON where "logprobs" goes.
  */
 #define _GNU_SOURCE /* memmem */
 #include "router/api/openai.h"

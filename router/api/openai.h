@@ -13,10 +13,12 @@
  * {"error": {"message", "type", "param", "code"}}.
  *
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
- * because its value changes nothing (user, frequency_penalty 0, n 1, logprobs false, ...), or
- * refused with 400 "unsupported_parameter" naming it (logprobs true, tools, logit_bias, ...).
- * A field OpenAI does not define (other than the vLLM extensions ignore_eos, top_k and
- * skip_special_tokens) is refused as
+ * because its value changes nothing (user, n 1, min_p 0, best_of 1, ...), or refused with 400
+ * "unsupported_parameter" naming it (tools, functions, suffix, audio, ...). Log-probabilities and
+ * logit processing (logprobs, top_logprobs, echo, presence_penalty, frequency_penalty,
+ * logit_bias and the vLLM extensions repetition_penalty and min_tokens) are read by
+ * openai_logprobs.c. A field OpenAI does not define (other than the vLLM extensions ignore_eos,
+ * top_k, skip_special_tokens, repetition_penalty and min_tokens) is refused as
  * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
  * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
  * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
