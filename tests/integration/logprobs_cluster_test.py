@@ -1,7 +1,9 @@
 """Log-probabilities and logit processing through a real local cluster, against duet-generate.
 
-Starts duet-router, one duet-ctx and one duet-gen on the demo model (CPU, f32, the same prefill
-chunk as duet-generate, so batch invariance makes the logits bit-identical), then checks:
+Starts duet-router, one duet-ctx and two duet-gen on the demo model (CPU, f32, the same prefill
+chunk as duet-generate, so batch invariance makes the logits bit-identical; gen-1 speculates with
+n-gram drafts, which such requests must not use; round-robin placement, every check runs on
+both), then checks:
   - greedy completions with logprobs + top_logprobs, by local prefill (a short prompt) and by
     remote prefill on the context worker (a long one), equal duet-generate --logprobs: the same
     tokens, every logprob within 1e-4 absolute (float32 logits, log-softmax in double on both
@@ -19,6 +21,7 @@ Usage: logprobs_cluster_test.py BUILD_DIR MODEL_DIR
 import json
 import math
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -86,7 +89,7 @@ def main():
     hp, wp, ap = free_port(), free_port(), free_port()
     procs = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
-    env["DUET_LOG_LEVEL"] = "warn"
+    env["DUET_LOG_LEVEL"] = os.environ.get("LOGPROBS_TEST_LOG_LEVEL", "warn")
 
     def spawn(name, argv):
         log = open(f"{tmp}/{name}.log", "w")
@@ -95,21 +98,26 @@ def main():
     try:
         spawn("router", [ROUTER, "--model", MODEL, "--http.port", str(hp), "--workers.port",
                          str(wp), "--admin.port", str(ap), "--admin.insecure-no-token",
-                         "--placement.local_prefill_tokens", str(LOCAL_BELOW)])
+                         "--placement.local_prefill_tokens", str(LOCAL_BELOW),
+                         "--placement.policy", "round_robin"])
         common = ["--router", f"127.0.0.1:{wp}", "--model", MODEL, "--threads", "1",
                   "--batch.prefill_chunk", CHUNK, "--heartbeat_ms", "100", "--device", "cpu",
                   "--dtype", "f32", "--cache.page_tokens", "16", "--cache.kv_pages", "256",
                   "--batch.max_seqs", "4"]
         spawn("ctx", [CTX, "--name", "ctx-0", *common])
-        spawn("gen", [GEN, "--name", "gen-0", *common])
+        spawn("gen-0", [GEN, "--name", "gen-0", *common])
+        spawn("gen-1", [GEN, "--name", "gen-1", *common, "--spec.method", "ngram", "--spec.k",
+                        "2"])
         deadline = time.time() + 60
-        while time.time() < deadline:
-            st, _ = post(hp, "/v1/completions", {"model": "duet-demo", "prompt": [1, 2, 3, 4,
-                         5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
-                         "max_tokens": 1})
-            if st == 200:
-                break
-            time.sleep(0.3)
+        while time.time() < deadline:  # the three workers registered
+            try:
+                h = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/health",
+                                                      timeout=5).read())
+                if h.get("gen_workers", 0) + h.get("ctx_workers", 0) == 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
         else:
             raise SystemExit(f"the cluster did not come up (logs in {tmp})")
         model = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/v1/models",
@@ -126,6 +134,7 @@ def main():
     if failures:
         print(f"{len(failures)} check(s) failed (logs in {tmp})")
         sys.exit(1)
+    shutil.rmtree(tmp, ignore_errors=True)
     print("logprobs_cluster: all checks passed")
 
 
@@ -154,8 +163,9 @@ def compare_completion(port, model, ids, n_top, what):
 def run_checks(port, model, tmp):
     short = [256, 65, 110, 100, 32, 71, 111, 100]  # below LOCAL_BELOW: the gen worker prefills
     long = [256] + list(b"In the beginning God created the heaven and the earth. And the earth")
-    compare_completion(port, model, short, 3, "local prefill")
-    compare_completion(port, model, long, 5, "remote prefill")
+    for gen in range(2):  # round robin: each path on both generation workers
+        compare_completion(port, model, short, 3, f"local prefill #{gen}")
+        compare_completion(port, model, long, 5, f"remote prefill #{gen}")
 
     # penalties, bias, min_tokens: duet-generate's greedy tokens with the same flags
     cases = [
@@ -166,7 +176,8 @@ def run_checks(port, model, tmp):
         ({"min_tokens": 20, "presence_penalty": -2.0, "repetition_penalty": 0.5},
          ["--min-tokens", "20", "--presence-penalty", "-2", "--repetition-penalty", "0.5"]),
     ]
-    for ids, path in ((short, "local"), (long, "remote")):
+    for ids, path in ((short, "local"), (long, "remote"), (short, "local#2"),
+                      (long, "remote#2")):
         for body_extra, flags in cases:
             body = {"model": model, "prompt": ids, "max_tokens": 24, "temperature": 0,
                     **body_extra}
