@@ -117,6 +117,9 @@ typedef struct rq {
     /* log-probabilities (NULL when not asked for) and how many the stream has sent */
     duet_oai_lp_t *lp;
     size_t lp_sent;
+    uint32_t stop_ids[DUET_OAI_MAX_EOS]; /* (n_stop_ids) the model's EOS ids (unless ignore_eos)
+                                            and the request's stop_token_ids */
+    size_t n_stop_ids;
     Duet__LogitBias *bias_msgs; /* (oai.lp.n_bias) Sampling.logit_bias, owned */
     Duet__LogitBias **bias_ptrs;
     struct rq *bucket_next;
@@ -552,12 +555,9 @@ static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_id
     s->has_seed = r->oai.has_seed;
     s->seed = (uint64_t)r->oai.seed;
     s->ignore_eos = r->oai.ignore_eos;
-    size_t n = 0;
-    if (!r->oai.ignore_eos)
-        for (size_t i = 0; i < r->rt->n_eos; i++)
-            stop_ids[n++] = r->rt->eos[i];
+    memcpy(stop_ids, r->stop_ids, r->n_stop_ids * sizeof(*stop_ids));
     s->stop_token_ids = stop_ids;
-    s->n_stop_token_ids = n;
+    s->n_stop_token_ids = r->n_stop_ids;
 }
 
 /* Send Reserve (or Generate) to a gen worker not yet excluded; false when none is left. */
@@ -667,6 +667,40 @@ static void rq_start(rq_t *r)
 
 /* ---------------------------------------------------------------- a request arrives */
 
+/*
+ * The ids that end r with "stop": the model's EOS ids unless ignore_eos, then stop_token_ids
+ * (they stop even with ignore_eos, as in vLLM). The stream gets them as its EOS list, and a copy
+ * of the request without ignore_eos (rq_stream_create). false: more than
+ * DUET_OAI_MAX_EOS in all, a 400 in *err.
+ */
+static bool rq_stop_ids(rq_t *r, duet_oai_error_t *err)
+{
+    const duet__router_t *rt = r->rt;
+    const size_t n_eos = r->oai.ignore_eos ? 0 : rt->n_eos;
+    if (n_eos + r->oai.lp.n_stop_token_ids > DUET_OAI_MAX_EOS) {
+        duet_oai_error_make(err, 400, NULL, "invalid_value", "stop_token_ids",
+                            "Invalid 'stop_token_ids': at most %zu ids beside this model's %zu "
+                            "end-of-sequence ids.",
+                            DUET_OAI_MAX_EOS - n_eos, n_eos);
+        return false;
+    }
+    memcpy(r->stop_ids, rt->eos, n_eos * sizeof(*r->stop_ids));
+    memcpy(r->stop_ids + n_eos, r->oai.lp.stop_token_ids,
+           r->oai.lp.n_stop_token_ids * sizeof(*r->stop_ids));
+    r->n_stop_ids = n_eos + r->oai.lp.n_stop_token_ids;
+    return true;
+}
+
+/* r's text stream, ended by r->stop_ids (which already leave the EOS ids out under ignore_eos:
+ * the stream is given a shallow copy of the request without it). */
+static duet_status_t rq_stream_create(rq_t *r)
+{
+    duet_oai_request_t q = r->oai;
+    q.ignore_eos = false;
+    return duet_oai_stream_create(r->rt->tok, &q, r->stop_ids, r->n_stop_ids, !r->oai.stream,
+                                  &r->stream);
+}
+
 /* The request's logprobs recorder and Sampling.logit_bias messages; false when out of memory. */
 static bool rq_lp_begin(rq_t *r)
 {
@@ -772,8 +806,7 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
     if (duet_oai_request_parse(&rt->lim, ep, body, len, &r->oai, &err) < 0 ||
         duet_oai_request_tokens(&r->oai, &rt->lim, rt->tmpl, rt->tok, &r->ids, &r->n_ids, &err) <
             0 ||
-        duet_oai_stream_create(rt->tok, &r->oai, rt->eos, rt->n_eos, !r->oai.stream, &r->stream) <
-            0) {
+        !rq_stop_ids(r, &err) || rq_stream_create(r) < 0) {
         if (err.http_status == 0)
             duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "%s", duet_error_last());
         DUET_RLOG_INFO(r->id, "rejected (%d): %s", err.http_status, err.message);

@@ -225,6 +225,7 @@ static const oai_field_t oai_fields[] = {
     {"repetition_penalty", OAI_EP_BOTH, OAI_F_USED, 0},
     {"logit_bias", OAI_EP_BOTH, OAI_F_USED, 0},
     {"min_tokens", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"stop_token_ids", OAI_EP_BOTH, OAI_F_USED, 0},
     {"min_p", OAI_EP_BOTH, OAI_F_ZERO, 0},
     {"best_of", OAI_EP_COMPL, OAI_F_ONE, 0},
     {"tools", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},

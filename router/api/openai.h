@@ -16,9 +16,9 @@
  * because its value changes nothing (user, n 1, min_p 0, best_of 1, ...), or refused with 400
  * "unsupported_parameter" naming it (tools, functions, suffix, audio, ...). Log-probabilities and
  * logit processing (logprobs, top_logprobs, echo, presence_penalty, frequency_penalty,
- * logit_bias and the vLLM extensions repetition_penalty and min_tokens) are read by
+ * logit_bias and the vLLM extensions repetition_penalty, min_tokens, stop_token_ids) are read by
  * openai_logprobs.c. A field OpenAI does not define (other than the vLLM extensions ignore_eos,
- * top_k, skip_special_tokens, repetition_penalty and min_tokens) is refused as
+ * top_k, skip_special_tokens, repetition_penalty, min_tokens and stop_token_ids) is refused as
  * OpenAI refuses it ("Unrecognized request argument supplied"). JSON null means "absent" for
  * every optional field. Status codes: 400 for every validation error (as OpenAI), 404
  * model_not_found, 413 for a body over the limit; 422 is not used by the parser (the HTTP layer
@@ -81,6 +81,8 @@ typedef struct {
     bool logprobs;         /* chat: logprobs true; completions: logprobs given */
     uint32_t top_logprobs; /* chat: top_logprobs (0..20); completions: logprobs (0..5) */
     bool echo;             /* completions: the prompt comes first in the text (and logprobs) */
+    uint32_t stop_token_ids[DUET_OAI_MAX_EOS]; /* vLLM: ids that end the choice with "stop" */
+    size_t n_stop_token_ids;
 } duet_oai_lp_params_t;
 
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */

@@ -114,6 +114,38 @@ static duet_status_t lp_parse_bias(const json_t *root, const duet_oai_limits_t *
     return DUET_OK;
 }
 
+static duet_status_t lp_parse_stop_ids(const json_t *root, const duet_oai_limits_t *lim,
+                                       duet_oai_lp_params_t *lp, duet_oai_error_t *err)
+{
+    json_t *a = lp_opt(root, "stop_token_ids");
+    if (a == NULL)
+        return DUET_OK;
+    if (!json_is_array(a))
+        return lp_bad_type(err, "stop_token_ids", "an array of integers");
+    if (json_array_size(a) > DUET_OAI_MAX_EOS)
+        return duet_oai_error_make(err, 400, NULL, "invalid_value", "stop_token_ids",
+                                   "Invalid 'stop_token_ids': %zu ids; at most %d are allowed.",
+                                   json_array_size(a), DUET_OAI_MAX_EOS);
+    size_t i;
+    json_t *id;
+    json_array_foreach(a, i, id)
+    {
+        char param[48];
+        snprintf(param, sizeof(param), "stop_token_ids[%zu]", i);
+        if (!json_is_integer(id))
+            return lp_bad_type(err, param, "an integer");
+        const json_int_t v = json_integer_value(id);
+        if (v < 0 || v > (json_int_t)UINT32_MAX ||
+            (lim->vocab_size > 0 && v >= (json_int_t)lim->vocab_size))
+            return duet_oai_error_make(err, 400, NULL, "invalid_value", param,
+                                       "Invalid '%s': %lld is not a token id of this model (below "
+                                       "%u).",
+                                       param, (long long)v, lim->vocab_size);
+        lp->stop_token_ids[lp->n_stop_token_ids++] = (uint32_t)v;
+    }
+    return DUET_OK;
+}
+
 duet_status_t duet_oai_lp_parse(const json_t *root, const duet_oai_limits_t *lim,
                                 duet_oai_request_t *req, duet_oai_error_t *err)
 {
@@ -134,6 +166,8 @@ duet_status_t duet_oai_lp_parse(const json_t *root, const duet_oai_limits_t *lim
     if ((st = lp_int(root, "min_tokens", 0, req->max_tokens, &v, &present, err)) != DUET_OK)
         return st;
     lp->min_tokens = (uint32_t)v;
+    if ((st = lp_parse_stop_ids(root, lim, lp, err)) != DUET_OK)
+        return st;
 
     json_t *j = lp_opt(root, "logprobs");
     if (chat) {

@@ -27,7 +27,8 @@
  * Read and validate, from a request body's object `root`, the fields of duet_oai_lp_params_t:
  * presence_penalty, frequency_penalty ([-2, 2]), repetition_penalty (> 0), logit_bias (an object
  * of token-id strings below lim->vocab_size to numbers in [-100, 100], at most
- * DUET_OAI_MAX_LOGIT_BIAS), min_tokens (0..max_tokens), logprobs (chat: a boolean; completions:
+ * DUET_OAI_MAX_LOGIT_BIAS), min_tokens (0..max_tokens), stop_token_ids (at most
+ * DUET_OAI_MAX_EOS ids below lim->vocab_size), logprobs (chat: a boolean; completions:
  * an integer 0..5), top_logprobs (chat: 0..20, above 0 only with logprobs true), echo
  * (completions; with it max_tokens may be 0, but not when streaming). req->endpoint,
  * req->max_tokens and req->stream are set. Bad input: a 400 in *err naming the parameter,

@@ -14,6 +14,7 @@ both), then checks:
     greedy tokens with the same flags, on both paths;
   - chat logprobs parse with the official openai client (ChatCompletion.choices[0].logprobs):
     top_logprobs as asked, the bytes spell the content, streamed chunks carry the same values;
+  - stop_token_ids end the text before the first such id of duet-generate's output, "stop";
   - bad values are 400s naming the parameter.
 
 Usage: logprobs_cluster_test.py BUILD_DIR MODEL_DIR
@@ -192,6 +193,22 @@ def run_checks(port, model, tmp):
             plain = generate(ids, 24)
             check(ref["tokens"] != plain["tokens"], f"{body_extra} changes nothing on {path} "
                   "(the case cannot fail)")
+
+    # stop_token_ids (vLLM): duet-generate's plain greedy text cut before the first such id, "stop";
+    # with ignore_eos too (they still stop)
+    for ids, path in ((short, "local"), (long, "remote")):
+        plain = generate(ids, 24)
+        stop_id = plain["tokens"][5]
+        cut = plain["tokens"][:plain["tokens"].index(stop_id)]
+        for extra in ({}, {"ignore_eos": True}):
+            st, text = post(port, "/v1/completions", {"model": model, "prompt": ids,
+                                                      "max_tokens": 24, "temperature": 0,
+                                                      "stop_token_ids": [stop_id], **extra})
+            check(st == 200, f"{path} stop_token_ids {extra}: HTTP {st}: {text}")
+            if st == 200:
+                c = json.loads(text)["choices"][0]
+                check(c["text"] == bytes(cut).decode("utf-8", "replace") and
+                      c["finish_reason"] == "stop", f"{path} stop_token_ids {extra}: {c}")
 
     # echo + max_tokens 0: the prompt's logprobs, scored by the gen worker
     dump = f"{tmp}/prompt.logits"

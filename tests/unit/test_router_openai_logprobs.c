@@ -35,7 +35,7 @@ Test(router_openai_logprobs, fields_parse, .timeout = 10)
     const char *chat = "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
                        "\"logprobs\":true,\"top_logprobs\":20,\"presence_penalty\":-2,"
                        "\"frequency_penalty\":1.5,\"repetition_penalty\":1.3,\"min_tokens\":3,"
-                       "\"logit_bias\":{\"65\":-100,\"257\":2.5}}";
+                       "\"logit_bias\":{\"65\":-100,\"257\":2.5},\"stop_token_ids\":[10,0]}";
     cr_assert_eq(duet_oai_request_parse(&lim, DUET_OAI_ENDPOINT_CHAT, chat, strlen(chat), &r, &e),
                  DUET_OK, "%s", e.message);
     cr_expect(r.lp.logprobs);
@@ -44,6 +44,8 @@ Test(router_openai_logprobs, fields_parse, .timeout = 10)
     cr_expect_eq(r.lp.frequency_penalty, 1.5);
     cr_expect_eq(r.lp.repetition_penalty, 1.3);
     cr_expect_eq(r.lp.min_tokens, 3);
+    cr_expect(r.lp.n_stop_token_ids == 2 && r.lp.stop_token_ids[0] == 10 &&
+              r.lp.stop_token_ids[1] == 0);
     cr_assert_eq(r.lp.n_bias, 2);
     for (size_t i = 0; i < 2; i++) /* jansson keeps insertion order */
         cr_expect(r.lp.bias_ids[i] == (i ? 257u : 65u) && r.lp.bias[i] == (i ? 2.5f : -100.0f));
