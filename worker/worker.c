@@ -1,6 +1,7 @@
 /* What duet-ctx and duet-gen share; see worker/worker.h. */
 #include "worker/worker.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -301,8 +302,19 @@ bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *promp
                                 const uint32_t *generated, size_t n_generated, uint32_t max_tokens,
                                 int64_t vocab, int64_t chunk, const char **why)
 {
+    /* the router validated these; a worker still refuses what would make NaN logits */
+    const duet_logit_proc_t *lp = &w->proc;
+    if (!isfinite(lp->presence_penalty) || !isfinite(lp->frequency_penalty) ||
+        !isfinite(lp->repetition_penalty) || lp->repetition_penalty < 0.0f) {
+        *why = "Sampling: a penalty is not a finite number (repetition_penalty >= 0)";
+        return false;
+    }
+    for (size_t i = 0; i < lp->n_bias; i++)
+        if (!isfinite(w->bias[i].bias)) {
+            *why = "Sampling: a logit_bias is not a finite number";
+            return false;
+        }
     *why = "out of memory";
-    /* an id outside the vocabulary is ignored by processing; keep it out of the history */
     for (size_t i = 0; i < w->proc.n_bias; i++)
         if (w->bias[i].id >= vocab) {
             *why = "logit_bias: a token id is outside the vocabulary";
