@@ -896,7 +896,9 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
         return;
     }
     if (!duet_worker_req_setup(w, &r->base, m->tokens, m->n_tokens, NULL, 0, &why)) {
-        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        /* not a matter of capacity (bad Sampling, or out of memory): end it, saying why */
+        duet_worker_send_tokens(w->link, m->request_id, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
+                                why);
         gr_free(w, &r->base);
         return;
     }

@@ -210,6 +210,34 @@ def run_checks(port, model, tmp):
                 check(c["text"] == bytes(cut).decode("utf-8", "replace") and
                       c["finish_reason"] == "stop", f"{path} stop_token_ids {extra}: {c}")
 
+    # streaming with a stop string: the chunks' logprobs, joined, are the non-streamed ones (text
+    # held back by a possible stop string keeps its ids' logprobs until it is sent; the finish
+    # chunk carries the rest, up to the id that completed the stop string)
+    plain_text = generate(long, 24)["text"]
+    stop = plain_text[6:8]
+    body = {"model": model, "prompt": long, "max_tokens": 24, "temperature": 0, "logprobs": 2,
+            "stop": [stop]}
+    st, text = post(port, "/v1/completions", body)
+    whole = json.loads(text)["choices"][0] if st == 200 else None
+    st2, sse = post(port, "/v1/completions", {**body, "stream": True})
+    check(st == 200 and st2 == 200, f"stop-string stream: HTTP {st} {st2}")
+    if whole is not None and st2 == 200:
+        joined, joined_text, finish = [], "", None
+        for line in sse.splitlines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                joined_text += c["text"]
+                finish = c["finish_reason"] or finish
+                if c["logprobs"] is not None:
+                    joined += c["logprobs"]["token_logprobs"]
+        check(whole["finish_reason"] == "stop" and finish == "stop", "stop string did not stop")
+        check(joined_text == whole["text"] == plain_text[:plain_text.index(stop)],
+              f"stop-string text {joined_text!r} / {whole['text']!r}")
+        check(joined == whole["logprobs"]["token_logprobs"],
+              f"streamed logprobs {joined} != {whole['logprobs']['token_logprobs']}")
+        n_text = len(whole["text"].encode())
+        check(len(joined) > n_text, "the ids of the stop string have logprobs too")
+
     # echo + max_tokens 0: the prompt's logprobs, scored by the gen worker
     dump = f"{tmp}/prompt.logits"
     generate(long, 1, dump=dump)
