@@ -148,8 +148,9 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
     proc.stop_ids = o->ignore_eos ? NULL : o->stop_ids;
     proc.n_stop = o->ignore_eos ? 0 : o->n_stop;
     const int processing = duet_logit_proc_active(&proc);
-    /* speculation only for requests that need neither (docs/architecture.md, "Sampling") */
-    const int speculate = o->spec != NULL && !processing && o->on_step_logits == NULL;
+    /* speculation only without processing (docs/architecture.md, "Sampling"); on_step_logits
+     * then gets the verify rows of the emitted tokens */
+    const int speculate = o->spec != NULL && !processing;
     float *logits = malloc(sizeof(float) * (size_t)V * (size_t)(k_max + 2));
     float *work = logits != NULL ? logits + (size_t)V * (size_t)(k_max + 1) : NULL;
     duet_status_t st = logits == NULL ? duet_error_set(DUET_ERR_NOMEM, "out of memory")
@@ -217,10 +218,16 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
             if (st != DUET_OK)
                 goto out;
         }
-        for (int i = 0; i < n_toks && end == 0 && r->n_tokens < max_new; i++)
+        for (int i = 0; i < n_toks && end == 0 && r->n_tokens < max_new; i++) {
+            /* speculating, toks[i] came from verify row i (row 0 of a plain step) */
+            if (speculate && o->on_step_logits != NULL &&
+                (st = o->on_step_logits(o->user, logits + (size_t)i * (size_t)V, toks[i])) !=
+                    DUET_OK)
+                goto out;
             if ((st = duet__generate_emit(o, r, toks[i], &end)) != DUET_OK ||
                 (st = duet__generate_seen(&proc, &hist, toks[i])) != DUET_OK)
                 goto out;
+        }
     }
     r->decode_s = duet__generate_now() - t1;
 

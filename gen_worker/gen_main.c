@@ -160,6 +160,8 @@ typedef struct {
     bool spec_open;
     duet_spec_seq_t ss;
     int32_t vtok[DUET_SPEC_MAX_K + 1]; /* the step's item: the next token, then the drafts */
+    /* logprobs of a speculating step's tokens, from its verify rows */
+    duet_worker_logprob_t vlp[DUET_SPEC_MAX_K + 1];
     int64_t n_hist; /* ids in base.prompt: the prompt, or a moved-in request's prompt and
                        generated ids but the newest (what its drafter starts from) */
     /* moving in: RECEIVING holds the source's caches */
@@ -239,6 +241,13 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
     return g.logits + slot * (int64_t)(g.so.k + 1) * w->V;
 }
 
+/* Whether r is decoded speculatively: on a worker that speculates, unless it has logit
+ * processing. */
+static bool gr_speculates(const gr_t *r)
+{
+    return g.spec != NULL && duet_worker_sampling_speculates(&r->base.sampling);
+}
+
 /*
  * Start speculating for r, whose newest generated token is r->next: the decoder's history is the
  * prompt (then freed; a moved-in request's also holds the tokens it generated before) and that
@@ -247,7 +256,7 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
 static bool gr_spec_open(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
-    if (q->sampling.host) { /* decoded without speculation (docs/architecture.md, "Sampling") */
+    if (!gr_speculates(r)) { /* processing: no speculation (docs/architecture.md, "Sampling") */
         free(q->prompt);
         q->prompt = NULL;
         return true;
@@ -351,7 +360,8 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
  * that ends the request (a stop id, max_tokens, a full sequence) exactly where one token per step
  * would stop, and end the request there or go on decoding. Returns how many were streamed.
  */
-static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
+static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n,
+                   const duet_worker_logprob_t *lps)
 {
     duet_worker_req_t *q = &r->base;
     int finish = DUET__TOKENS__FINISH_REASON__NONE, i = 0;
@@ -367,11 +377,11 @@ static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
         else if (r->produced >= q->max_tokens || held + 1 > r->full_cap)
             finish = DUET__TOKENS__FINISH_REASON__LENGTH;
     }
-    /* the host path emits one token per step: its logprobs are the newest draw's; a local
-     * prefill's first Tokens carries the prompt's */
+    /* lps: one per token (NULL without logprobs); a local prefill's first Tokens carries the
+     * prompt's */
     const duet_worker_sampling_t *ws = &q->sampling;
     const bool first = r->produced == (uint32_t)i;
-    duet_worker_send_tokens_lp(w->link, q->rid, ids, (size_t)i, ws->logprobs ? &ws->drawn_lp : NULL,
+    duet_worker_send_tokens_lp(w->link, q->rid, ids, (size_t)i, ws->logprobs ? lps : NULL,
                                first ? ws->prompt_lp : NULL, first ? (size_t)ws->n_prompt_lp : 0,
                                finish, NULL);
     if (finish != DUET__TOKENS__FINISH_REASON__NONE) {
@@ -1085,8 +1095,8 @@ static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
     int64_t n = 0, budget = *budget_p;
     for (int64_t i = 0; i < w->n_reqs; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE || r->base.sampling.host)
-            continue; /* the host path decodes one row per step, planned by gen_plan_step */
+        if (r->base.phase != GR_DECODE || !gr_speculates(r))
+            continue; /* one row per step, planned by gen_plan_step */
         /* a decoding request has produced fewer than max_tokens */
         const int64_t left = (int64_t)r->base.max_tokens - r->produced - 1;
         const int cap = (int)(left < g.so.k ? left : g.so.k);
@@ -1137,7 +1147,7 @@ static int64_t gen_plan_step(duet_worker_t *w)
         n = gen_plan_spec(w, &budget);
     for (int64_t i = 0; i < w->n_reqs && budget > 0; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE || (g.spec != NULL && !r->base.sampling.host))
+        if (r->base.phase != GR_DECODE || gr_speculates(r))
             continue;
         w->items[n] = (duet_batch_item_t){.seq = &r->base.seq, .tokens = &r->next, .n_tokens = 1};
         duet_worker_item_draw(w, &r->base, &w->items[n]);
@@ -1200,10 +1210,17 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
             int32_t toks[DUET_SPEC_MAX_K + 1];
             int n_toks = 1;
             toks[0] = r->base.drawn; /* drawn by the step (or the host after it) */
-            if (g.spec != NULL && !r->base.sampling.host &&
-                !gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
-                continue;
-            g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks);
+            const duet_worker_logprob_t *lps = &r->base.sampling.drawn_lp;
+            if (gr_speculates(r)) {
+                if (!gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
+                    continue;
+                /* token j came from verify row j (row 0 of a plain step) */
+                for (int j = 0; j < n_toks && r->base.sampling.logprobs; j++)
+                    duet_worker_logprob(&r->base.sampling, w->items[i].logits + j * w->V, w->V,
+                                        toks[j], &r->vlp[j]);
+                lps = r->vlp;
+            }
+            g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks, lps);
             continue;
         }
         r->base.prefilled += w->items[i].n_tokens; /* a prefill chunk */
@@ -1217,7 +1234,8 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
             gr_free(w, &r->base);
             continue;
         }
-        gr_emit(w, r, &r->base.drawn, 1); /* the first token, drawn by the last chunk */
+        /* the first token, drawn by the last chunk */
+        gr_emit(w, r, &r->base.drawn, 1, &r->base.sampling.drawn_lp);
         if (r->base.phase != GR_DECODE)
             continue; /* it ended there */
         if (g.spec == NULL) {

@@ -368,9 +368,13 @@ void duet_worker_sampling_free(duet_worker_sampling_t *w)
     w->n_prompt_lp = 0;
 }
 
-/* The log-probabilities of `chosen` in a raw row, w->n_top most likely with it. */
-static void w_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
-                      int32_t chosen, duet_worker_logprob_t *out)
+bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w)
+{
+    return !duet_logit_proc_active(&w->proc);
+}
+
+void duet_worker_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
+                         int32_t chosen, duet_worker_logprob_t *out)
 {
     out->n_top = w->n_top < vocab ? w->n_top : (int)vocab;
     duet_logprobs(raw, vocab, chosen, out->n_top, &out->logprob, out->top_ids, out->top_lps);
@@ -387,7 +391,7 @@ int32_t duet_worker_host_draw(duet_worker_sampling_t *w, duet_sampler_t *smp, co
     }
     const int32_t t = duet_sampler_sample_u(smp, &w->sp, u, row);
     if (w->logprobs)
-        w_logprob(w, raw, vocab, t, &w->drawn_lp);
+        duet_worker_logprob(w, raw, vocab, t, &w->drawn_lp);
     duet_worker_sampling_seen(w, t);
     return t;
 }
@@ -398,7 +402,7 @@ void duet_worker_prompt_logprobs(duet_worker_sampling_t *w, const int32_t *promp
     for (int64_t j = 0; j < n_rows; j++) {
         const int64_t a = from + j; /* row a scores prompt[a + 1] */
         if (a < w->n_prompt_lp)
-            w_logprob(w, rows + j * vocab, vocab, prompt[a + 1], &w->prompt_lp[a]);
+            duet_worker_logprob(w, rows + j * vocab, vocab, prompt[a + 1], &w->prompt_lp[a]);
     }
 }
 

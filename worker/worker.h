@@ -197,7 +197,7 @@ typedef struct {
     bool logprobs, prompt_logprobs;
     int n_top;
     /* processing or logprobs: the step computes the logits row and the host draws from it
-     * (duet_worker_host_draws) instead of the backend; no speculation */
+     * (duet_worker_host_draw) instead of the backend; with processing, no speculation */
     bool host;
     float *rows; /* owned, rows_cap rows of the vocabulary: the host path's logits */
     int64_t rows_cap;
@@ -221,6 +221,14 @@ void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *
 bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *prompt, size_t n_prompt,
                                 const uint32_t *generated, size_t n_generated, uint32_t max_tokens,
                                 int64_t vocab, int64_t chunk, const char **why);
+
+/* Whether a request of w may be decoded speculatively: not with logit processing (its logprobs
+ * then come from the verify rows, duet_worker_logprob). */
+bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w);
+
+/* The log-probabilities of `chosen` in a raw logits row, with w->n_top most likely. */
+void duet_worker_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
+                         int32_t chosen, duet_worker_logprob_t *out);
 
 /* Record a generated id (min_tokens, penalties). Never allocates after setup. */
 void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok);

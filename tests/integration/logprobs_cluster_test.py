@@ -2,8 +2,9 @@
 
 Starts duet-router, one duet-ctx and two duet-gen on the demo model (CPU, f32, the same prefill
 chunk as duet-generate, so batch invariance makes the logits bit-identical; gen-1 speculates with
-n-gram drafts, which such requests must not use; round-robin placement, every check runs on
-both), then checks:
+the shipped draft model: requests with logprobs speculate there, their logprobs from the verify
+rows, requests with logit processing do not; round-robin placement, every check runs on both),
+then checks:
   - greedy completions with logprobs + top_logprobs, by local prefill (a short prompt) and by
     remote prefill on the context worker (a long one), equal duet-generate --logprobs: the same
     tokens, every logprob within 1e-4 absolute (float32 logits, log-softmax in double on both
@@ -37,6 +38,7 @@ ROUTER = f"{BUILD}/router/duet-router"
 CTX = f"{BUILD}/ctx_worker/duet-ctx"
 GEN = f"{BUILD}/gen_worker/duet-gen"
 GENERATE = f"{BUILD}/engine/duet-generate"
+DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
 CHUNK = "64"
 LOCAL_BELOW = 16  # prompts shorter than this are prefilled by the gen worker
 TOL = 1e-4
@@ -107,8 +109,8 @@ def main():
                   "--batch.max_seqs", "4"]
         spawn("ctx", [CTX, "--name", "ctx-0", *common])
         spawn("gen-0", [GEN, "--name", "gen-0", *common])
-        spawn("gen-1", [GEN, "--name", "gen-1", *common, "--spec.method", "ngram", "--spec.k",
-                        "2"])
+        spawn("gen-1", [GEN, "--name", "gen-1", *common, "--spec.method", "draft", "--spec.k",
+                        "3", "--spec.draft-model", DRAFT])
         deadline = time.time() + 60
         while time.time() < deadline:  # the three workers registered
             try:
@@ -161,12 +163,23 @@ def compare_completion(port, model, ids, n_top, what):
     check(len(lp["tokens"]) == n and len(lp["text_offset"]) == n, f"{what}: list lengths")
 
 
+def metric(port, name):
+    """The sum of a counter's series on the router's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def run_checks(port, model, tmp):
     short = [256, 65, 110, 100, 32, 71, 111, 100]  # below LOCAL_BELOW: the gen worker prefills
     long = [256] + list(b"In the beginning God created the heaven and the earth. And the earth")
     for gen in range(2):  # round robin: each path on both generation workers
         compare_completion(port, model, short, 3, f"local prefill #{gen}")
         compare_completion(port, model, long, 5, f"remote prefill #{gen}")
+    time.sleep(0.5)  # a heartbeat brings gen-1's counters
+    print("spec drafts kept:", metric(port, "duet_gen_spec_accepted_total"), flush=True)
+    check(metric(port, "duet_gen_spec_accepted_total") > 0,
+          "gen-1 kept no draft for the logprobs requests (the case proves nothing)")
 
     # penalties, bias, min_tokens: duet-generate's greedy tokens with the same flags
     cases = [

@@ -325,3 +325,31 @@ Test(generate_cli, logprobs_are_the_step_logits_log_softmax, .timeout = 120)
         json_decref(o);
     }
 }
+
+/*
+ * Speculating (the shipped drafter), the logprobs come from the verify rows of the emitted
+ * positions, which on the CPU are bit-identical to plain decoding's rows: the JSON equals a run
+ * without speculation exactly, and drafts were kept (else the case proves nothing).
+ */
+Test(generate_cli, logprobs_under_speculation_equal_plain_decoding, .timeout = 120)
+{
+    static char plain[1 << 16], spec[1 << 16];
+    char cmd[4096];
+    const char *base = "DUET_LOG_LEVEL=error %s --model " DEMO " --prompt 'And God said' "
+                       "--max-tokens 24 --dtype f32 --json --logprobs 3%s";
+    snprintf(cmd, sizeof(cmd), base, GEN, "");
+    cr_assert_eq(test_run(cmd, plain, sizeof(plain)), 0, "%s", plain);
+    snprintf(cmd, sizeof(cmd), base, GEN,
+             " --spec.method draft --spec.k 3 --spec.draft-model " DRAFT);
+    cr_assert_eq(test_run(cmd, spec, sizeof(spec)), 0, "%s", spec);
+    json_t *a = json_loads(plain, 0, NULL), *b = json_loads(spec, 0, NULL);
+    cr_assert(a != NULL && b != NULL);
+    cr_expect_gt(json_integer_value(json_object_get(b, "accepted_tokens")), 0,
+                 "no draft was kept: %s", spec);
+    cr_expect(json_equal(json_object_get(a, "tokens"), json_object_get(b, "tokens")));
+    cr_expect(json_equal(json_object_get(a, "logprobs"), json_object_get(b, "logprobs")),
+              "speculating changed the logprobs:\n%s\n%s", plain, spec);
+    cr_expect_eq(json_array_size(json_object_get(b, "logprobs")), 24);
+    json_decref(a);
+    json_decref(b);
+}
