@@ -9,8 +9,9 @@ then checks:
     remote prefill on the context worker (a long one), equal duet-generate --logprobs: the same
     tokens, every logprob within 1e-4 absolute (float32 logits, log-softmax in double on both
     sides; the JSON carries 9 significant digits), the same top ids in the same order;
-  - echo with max_tokens 0 (prompt scoring) equals the log-softmax of duet-generate
-    --dump-logits' rows at the prompt's ids (1e-4);
+  - echo with max_tokens 0 (prompt scoring, by the gen worker) equals the log-softmax of
+    duet-generate --dump-logits' rows at the prompt's ids (1e-4), and echo while generating (the
+    context worker scores the prompt) gives the same, then duet-generate's tokens;
   - presence / frequency / repetition penalties, logit_bias and min_tokens give duet-generate's
     greedy tokens with the same flags, on both paths;
   - chat logprobs parse with the official openai client (ChatCompletion.choices[0].logprobs):
@@ -273,6 +274,22 @@ def run_checks(port, model, tmp):
         offs = choice["logprobs"]["text_offset"]
         check(offs[:3] == [0, 0, 1], f"echo text_offset {offs[:3]}")
         check(choice["finish_reason"] == "length", "echo finish")
+        # echo while generating: the context worker scores the long prompt (remote prefill)
+        st, text = post(port, "/v1/completions", {"model": model, "prompt": long,
+                                                  "max_tokens": 4, "echo": True, "logprobs": 1,
+                                                  "temperature": 0})
+        check(st == 200, f"echo max_tokens 4: HTTP {st}: {text}")
+        if st == 200:
+            c4 = json.loads(text)["choices"][0]
+            tl4 = c4["logprobs"]["token_logprobs"]
+            ref = generate(long, 4, ["--logprobs", "1"])
+            check(len(tl4) == len(long) + 4 and tl4[0] is None, f"echo+4: {len(tl4)} positions")
+            check(all(abs(a - b) <= TOL for a, b in zip(tl4[1:len(long)], tl[1:])),
+                  "echo+4: the context worker's prompt logprobs differ from the gen worker's")
+            check(all(abs(a - b["logprob"]) <= TOL for a, b in zip(tl4[len(long):],
+                                                                   ref["logprobs"])),
+                  "echo+4: generated logprobs differ from duet-generate")
+            check(c4["text"] == choice["text"] + ref["text"], f"echo+4 text {c4['text']!r}")
 
     # chat through the official client, plain and streamed
     import openai
