@@ -19,7 +19,9 @@ then checks:
   - stop_token_ids end the text before the first such id of duet-generate's output, "stop";
   - bad values are 400s naming the parameter.
 
-Usage: logprobs_cluster_test.py BUILD_DIR MODEL_DIR
+Usage: logprobs_cluster_test.py BUILD_DIR MODEL_DIR (the draft model is MODEL_DIR's sibling
+duet-demo-draft). Env: LOGPROBS_TEST_LOG_LEVEL, the processes' log level (default warn); their
+logs stay in the temp dir the failure message names.
 """
 import json
 import math
