@@ -942,6 +942,8 @@ static void rt_move_result(duet__router_t *rt, const char *result)
 /* Append a worker's ids to what the request has generated; false when out of memory. */
 static bool rq_record(rq_t *r, const uint32_t *ids, size_t n)
 {
+    if (n == 0) /* e.g. a scoring request's only Tokens: nothing to copy (r->out may be NULL) */
+        return true;
     if (r->n_out + n > r->cap_out) {
         size_t cap = r->cap_out > 0 ? r->cap_out : 64;
         while (cap < r->n_out + n)
