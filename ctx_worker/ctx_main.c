@@ -173,7 +173,9 @@ static void ctx_on_xfer(duet_worker_t *w, duet_worker_req_t *q, const duet_xfer_
         uint32_t id = (uint32_t)q->drawn; /* the first token, drawn by the prompt's last step */
         DUET_RLOG_DEBUG(q->rid, "prefilled %lld tokens, cache sent (%llu bytes, %.3f ms)",
                         (long long)q->n_prompt, (unsigned long long)o->bytes, o->seconds * 1e3);
-        duet_worker_send_tokens(w->link, q->rid, &id, 1, finish, NULL);
+        const duet_worker_sampling_t *ws = &q->sampling;
+        duet_worker_send_tokens_lp(w->link, q->rid, &id, 1, ws->logprobs ? &ws->drawn_lp : NULL,
+                                   ws->prompt_lp, (size_t)ws->n_prompt_lp, finish, NULL);
         ctx_release(w, q);
     } else {
         char msg[384];
@@ -260,6 +262,16 @@ static void ctx_on_prefill(duet_worker_t *w, const Duet__Prefill *m)
     }
     duet_worker_req_init(w, &r->base, m->request_id, (int64_t)m->n_tokens, m->max_tokens,
                          m->sampling, m->deadline_unix_ms);
+    const char *bad = NULL;
+    if (!duet_worker_req_setup(w, &r->base, m->tokens, m->n_tokens, NULL, 0, &bad)) {
+        for (uint32_t i = 0; i < n_res; i++)
+            duet_xfer_reservation_free(&res[i]);
+        free(res);
+        duet_worker_send_tokens(w->link, m->request_id, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
+                                bad);
+        duet_worker_req_clear(w, &r->base);
+        return;
+    }
     r->base.phase = CR_WAITING;
     r->res = res;
     r->n_res = n_res;
@@ -332,7 +344,7 @@ static int64_t ctx_plan_step(duet_worker_t *w)
     int64_t n = duet_worker_add_prefill(w, w->order, n_pre, 0, &budget);
     for (int64_t i = 0; i < n; i++) {
         cr_t *r = (cr_t *)w->item_req[i];
-        r->last_in_step = w->items[i].logits_mode == DUET_LOGITS_TOKEN; /* draws the first token */
+        r->last_in_step = w->items[i].token_out != NULL; /* draws the first token */
         if (r->base.prefilled == 0 && r->base.xfer_live) /* test_cluster reads this line */
             DUET_RLOG_DEBUG(
                 r->base.rid, "first prefill step %.2f ms after the transfer started (%s)",

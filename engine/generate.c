@@ -86,6 +86,32 @@ static duet_status_t duet__generate_emit(const duet_generate_opts_t *o, duet_gen
     return o->on_token != NULL ? o->on_token(o->user, t) : DUET_OK;
 }
 
+/* Record a generated id in the history penalties read. */
+static duet_status_t duet__generate_seen(const duet_logit_proc_t *proc, duet_token_hist_t *hist,
+                                         int32_t t)
+{
+    return duet_logit_proc_needs_hist(proc) ? duet_token_hist_add(hist, t, 0) : DUET_OK;
+}
+
+/* One token from a raw logits row of `vocab`: the row handed to on_step_logits, processed into
+ * `work` (the raw row kept) when proc is active, then drawn under the request's rule. Errors into
+ * *st. */
+static int32_t duet__generate_draw(const duet_generate_opts_t *o, const duet_logit_proc_t *proc,
+                                   const duet_token_hist_t *hist, duet_sampler_t *smp,
+                                   duet_rng_t *rng, int64_t vocab, const float *raw, float *work,
+                                   int64_t n_generated, duet_status_t *st)
+{
+    const float *row = raw;
+    if (duet_logit_proc_active(proc)) {
+        memcpy(work, raw, sizeof(float) * (size_t)vocab);
+        duet_logits_process(proc, hist, n_generated, work, vocab);
+        row = work;
+    }
+    const int32_t t = duet_sampler_sample(smp, &o->sampling, rng, row);
+    *st = o->on_step_logits != NULL ? o->on_step_logits(o->user, raw, t) : DUET_OK;
+    return t;
+}
+
 duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32_t *prompt,
                                    int64_t n_prompt, const float *last_logits,
                                    const duet_generate_opts_t *o, duet_generate_result_t *r)
@@ -115,9 +141,22 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
     const int k_max = o->spec != NULL ? duet_spec_opts(o->spec)->k : 0;
     duet_sampler_t *smp = NULL;
     duet_spec_seq_t ss = {.dseq = {.id = -1}};
-    float *logits = malloc(sizeof(float) * (size_t)V * (size_t)(k_max + 1));
+    duet_token_hist_t hist = {0};
+    /* processing (its stop ids the request's unless ignore_eos), and a copy of the row it works
+     * on when the raw row is wanted too */
+    duet_logit_proc_t proc = o->proc;
+    proc.stop_ids = o->ignore_eos ? NULL : o->stop_ids;
+    proc.n_stop = o->ignore_eos ? 0 : o->n_stop;
+    const int processing = duet_logit_proc_active(&proc);
+    /* speculation only without processing (docs/architecture.md, "Sampling"); on_step_logits
+     * then gets the verify rows of the emitted tokens */
+    const int speculate = o->spec != NULL && !processing;
+    float *logits = malloc(sizeof(float) * (size_t)V * (size_t)(k_max + 2));
+    float *work = logits != NULL ? logits + (size_t)V * (size_t)(k_max + 1) : NULL;
     duet_status_t st = logits == NULL ? duet_error_set(DUET_ERR_NOMEM, "out of memory")
                                       : duet_sampler_create(V, &smp);
+    for (int64_t i = 0; st == DUET_OK && duet_logit_proc_needs_hist(&proc) && i < n_prompt; i++)
+        st = duet_token_hist_add(&hist, prompt[i], 1);
     if (st != DUET_OK)
         goto out;
 
@@ -128,10 +167,12 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
     int end = 0;
     const double t1 = duet__generate_now();
     if (max_new > 0) {
-        const int32_t first = duet_sampler_sample(smp, &o->sampling, &rng, last_logits);
-        if ((st = duet__generate_emit(o, r, first, &end)) != DUET_OK)
+        const int32_t first =
+            duet__generate_draw(o, &proc, &hist, smp, &rng, V, last_logits, work, r->n_tokens, &st);
+        if (st != DUET_OK || (st = duet__generate_emit(o, r, first, &end)) != DUET_OK ||
+            (st = duet__generate_seen(&proc, &hist, first)) != DUET_OK)
             goto out;
-        if (o->spec != NULL && end == 0 &&
+        if (speculate && end == 0 &&
             (st = duet_spec_seq_open(o->spec, &ss, prompt, n_prompt, first, max_new, &o->sampling,
                                      &rng)) != DUET_OK)
             goto out;
@@ -145,7 +186,7 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
                                   .n_tokens = 1,
                                   .logits_mode = DUET_LOGITS_LAST,
                                   .logits = logits};
-        if (o->spec != NULL) {
+        if (speculate) {
             /* drafts so that the kept ones and the target's token stay within max_tokens */
             const int64_t room = max_new - r->n_tokens - 1;
             int k_cap = (int)(room < k_max ? room : k_max);
@@ -168,15 +209,25 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
             goto out;
         }
         r->steps++;
-        if (o->spec != NULL) {
+        if (speculate) {
             if ((st = duet_spec_finish(o->spec, &ss, seq, logits, toks, &n_toks)) != DUET_OK)
                 goto out;
         } else {
-            toks[n_toks++] = duet_sampler_sample(smp, &o->sampling, &rng, logits);
-        }
-        for (int i = 0; i < n_toks && end == 0 && r->n_tokens < max_new; i++)
-            if ((st = duet__generate_emit(o, r, toks[i], &end)) != DUET_OK)
+            toks[n_toks++] =
+                duet__generate_draw(o, &proc, &hist, smp, &rng, V, logits, work, r->n_tokens, &st);
+            if (st != DUET_OK)
                 goto out;
+        }
+        for (int i = 0; i < n_toks && end == 0 && r->n_tokens < max_new; i++) {
+            /* speculating, toks[i] came from verify row i (row 0 of a plain step) */
+            if (speculate && o->on_step_logits != NULL &&
+                (st = o->on_step_logits(o->user, logits + (size_t)i * (size_t)V, toks[i])) !=
+                    DUET_OK)
+                goto out;
+            if ((st = duet__generate_emit(o, r, toks[i], &end)) != DUET_OK ||
+                (st = duet__generate_seen(&proc, &hist, toks[i])) != DUET_OK)
+                goto out;
+        }
     }
     r->decode_s = duet__generate_now() - t1;
 
@@ -186,6 +237,7 @@ out:
     r->accepted_tokens = ss.kept;
     if (o->spec != NULL)
         duet_spec_seq_close(o->spec, &ss);
+    duet_token_hist_free(&hist);
     duet_sampler_destroy(smp);
     free(logits);
     return st;

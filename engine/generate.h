@@ -35,6 +35,14 @@ typedef struct {
     /* Each emitted token that is not a stop id, in order, as it is emitted (duet-generate's
      * text); NULL: none. A status other than DUET_OK ends the run with it. */
     duet_status_t (*on_token)(void *user, int32_t token);
+    /* Logit processing (engine/sampler.h; its stop ids are set from stop_ids here unless
+     * ignore_eos). Active processing decodes without speculation. */
+    duet_logit_proc_t proc;
+    /* Each generated token (stop ids included) with the raw logits row it was drawn from, before
+     * any processing (duet-generate's --logprobs and --dump-step-logits): speculating, the verify
+     * row of its position (bit-identical to plain decoding's on the CPU); NULL: none. A status
+     * other than DUET_OK ends the run with it. */
+    duet_status_t (*on_step_logits)(void *user, const float *logits, int32_t token);
     void *user;
 } duet_generate_opts_t;
 

@@ -6,9 +6,15 @@
  *   duet-generate --model DIR (--prompt TEXT | --tokens 1,2,3) [--max-tokens N]
  *                 [--temperature T] [--top-p P] [--top-k K] [--seed S]
  *                 [--dump-logits FILE] [--json] [--no-skip-special-tokens]
- *                 [--tune [--tune-file FILE]]
+ *                 [--tune [--tune-file FILE]] [--logprobs N] [--dump-step-logits FILE]
+ *                 [--presence-penalty P] [--frequency-penalty F] [--repetition-penalty R]
+ *                 [--min-tokens N] [--logit-bias ID:BIAS,...]
  *
  * --dump-logits writes float32 little-endian [prompt_len, vocab] logits of the prompt positions.
+ * --dump-step-logits writes float32 little-endian [n_generated, vocab]: the raw logits row each
+ * generated token was drawn from (the first is the prompt's last row), before any processing.
+ * --logprobs N (0..20) adds "logprobs" to --json: per generated token {"id", "logprob", "top":
+ * [[id, logprob], ...N]} from the raw logits (docs/architecture.md, "Sampling").
  * --json prints one object: {"tokens", "text", "prompt_tokens", "prefill_tokens_per_s",
  * "decode_tokens_per_s", "finish_reason", "steps", "draft_tokens", "accepted_tokens"}.
  * The prefill + decode loop (with --spec.method, speculative) is the engine's
@@ -55,6 +61,24 @@ static const duet_config_key_t gen_keys[] = {
      "leave special tokens out of the text (false: print their text; stop ids never)", .min = NULL},
     {"dump_logits", DUET_CONFIG_STRING, NULL,
      "write float32 LE [prompt_len, vocab] prompt logits to this file", .min = NULL},
+    {"dump_step_logits", DUET_CONFIG_STRING, NULL,
+     "write float32 LE [n_generated, vocab]: the raw logits row each generated token came from",
+     .min = NULL},
+    {"logprobs", DUET_CONFIG_INT, "-1",
+     "with --json: each generated token's log-probability and the N most likely (0..20; -1 = "
+     "off)",
+     .min = "-1", .max = "20"},
+    {"presence_penalty", DUET_CONFIG_FLOAT, "0", "OpenAI presence penalty over generated ids",
+     .min = "-2", .max = "2"},
+    {"frequency_penalty", DUET_CONFIG_FLOAT, "0", "OpenAI frequency penalty over generated ids",
+     .min = "-2", .max = "2"},
+    {"repetition_penalty", DUET_CONFIG_FLOAT, "1",
+     "vLLM repetition penalty over prompt and generated ids (1 = off)", .min = "0.01",
+     .max = "100"},
+    {"min_tokens", DUET_CONFIG_INT, "0", "stop ids cannot end the output before this many tokens",
+     .min = "0", .max = "1000000"},
+    {"logit_bias", DUET_CONFIG_STRING, NULL,
+     "ID:BIAS,... added to those ids' logits (bias in [-100, 100])", .min = NULL},
     {"json", DUET_CONFIG_BOOL, "false", "print one JSON object instead of streaming text",
      .min = NULL},
     {"threads", DUET_CONFIG_INT, "0", "CPU threads (0 = all cores)", .min = "0", .max = "1024"},
@@ -88,6 +112,10 @@ typedef struct {
     FILE *dump;
     const char *dump_path;
     int64_t vocab;
+    FILE *step_dump; /* --dump-step-logits */
+    const char *step_dump_path;
+    int n_top;        /* --logprobs, -1 = off */
+    json_t *logprobs; /* with --logprobs: the array of --json */
 } gen_out_t;
 
 /* duet_generate_opts_t.on_token: a generated token's text (a stop id never comes here). */
@@ -125,6 +153,72 @@ static duet_status_t gen_on_prefill_logits(void *user, const float *logits, int6
     const size_t n = (size_t)(n_rows * e->vocab);
     if (fwrite(logits, sizeof(float), n, e->dump) != n)
         return duet_error_set(DUET_ERR_IO, "writing %s: %s", e->dump_path, strerror(errno));
+    return DUET_OK;
+}
+
+/* duet_generate_opts_t.on_step_logits: --dump-step-logits and --logprobs. */
+static duet_status_t gen_on_step_logits(void *user, const float *logits, int32_t t)
+{
+    gen_out_t *e = user;
+    if (e->step_dump != NULL &&
+        fwrite(logits, sizeof(float), (size_t)e->vocab, e->step_dump) != (size_t)e->vocab)
+        return duet_error_set(DUET_ERR_IO, "writing %s: %s", e->step_dump_path, strerror(errno));
+    if (e->logprobs == NULL)
+        return DUET_OK;
+    float lp, top_lps[DUET_MAX_TOP_LOGPROBS];
+    int32_t top_ids[DUET_MAX_TOP_LOGPROBS];
+    duet_logprobs(logits, e->vocab, t, e->n_top, &lp, top_ids, top_lps);
+    json_t *o = json_object(), *top = json_array();
+    for (int i = 0; i < e->n_top && i < e->vocab; i++)
+        json_array_append_new(top, json_pack("[if]", top_ids[i], (double)top_lps[i]));
+    json_object_set_new(o, "id", json_integer(t));
+    json_object_set_new(o, "logprob", json_real((double)lp));
+    json_object_set_new(o, "top", top);
+    json_array_append_new(e->logprobs, o);
+    return DUET_OK;
+}
+
+/* Parse --logit-bias "ID:BIAS,..." into a malloc'd array (ids below vocab, bias in [-100, 100]). */
+static duet_status_t gen_parse_bias(const char *s, int64_t vocab, duet_logit_bias_t **b_p,
+                                    size_t *n_p)
+{
+    size_t cap = 1;
+    for (const char *c = s; *c; c++)
+        cap += *c == ',';
+    duet_logit_bias_t *b = malloc(sizeof(*b) * cap);
+    if (b == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    size_t n = 0;
+    const char *p = s;
+    while (*p != '\0') {
+        char *end;
+        errno = 0;
+        long id = strtol(p, &end, 10);
+        if (end == p || *end != ':' || errno != 0 || id < 0 || id >= vocab) {
+            free(b);
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "--logit-bias: expected ID:BIAS with ID in [0, %lld) at "
+                                  "\"%.20s\"",
+                                  (long long)vocab, p);
+        }
+        p = end + 1;
+        double v = strtod(p, &end);
+        if (end == p || !(v >= -100.0 && v <= 100.0)) {
+            free(b);
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "--logit-bias: bias must be in [-100, 100] at \"%.20s\"", p);
+        }
+        b[n++] = (duet_logit_bias_t){.id = (int32_t)id, .bias = (float)v};
+        p = end;
+        if (*p == ',')
+            p++;
+        else if (*p != '\0') {
+            free(b);
+            return duet_error_set(DUET_ERR_INVALID, "--logit-bias: expected ',' at \"%.20s\"", p);
+        }
+    }
+    *b_p = b;
+    *n_p = n;
     return DUET_OK;
 }
 
@@ -180,6 +274,8 @@ int main(int argc, char **argv)
     duet_tokenizer_t *tok = NULL;
     duet_spec_t *spec = NULL;
     int32_t *prompt = NULL;
+    duet_logit_bias_t *bias = NULL;
+    size_t n_bias = 0;
     gen_out_t gout = {0};
     duet_generate_result_t res = {0};
     int rc = 1, n_pos = 0;
@@ -331,6 +427,22 @@ int main(int argc, char **argv)
         fprintf(stderr, "duet-generate: cannot write %s: %s\n", dump_path, strerror(errno));
         goto out;
     }
+    gout.step_dump_path = duet_config_get_string(cfg, "dump_step_logits");
+    if (gout.step_dump_path != NULL &&
+        (gout.step_dump = fopen(gout.step_dump_path, "wb")) == NULL) {
+        fprintf(stderr, "duet-generate: cannot write %s: %s\n", gout.step_dump_path,
+                strerror(errno));
+        goto out;
+    }
+    gout.n_top = (int)duet_config_get_int(cfg, "logprobs");
+    if (gout.n_top >= 0 && (gout.logprobs = json_array()) == NULL)
+        goto out;
+    const char *bias_text = duet_config_get_string(cfg, "logit_bias");
+    if (bias_text != NULL && gen_parse_bias(bias_text, duet_model_config(model)->vocab_size, &bias,
+                                            &n_bias) != DUET_OK) {
+        fprintf(stderr, "duet-generate: %s\n", duet_error_last());
+        goto out;
+    }
     const unsigned detok_flags =
         duet_config_get_bool(cfg, "skip_special_tokens") ? DUET_DETOK_SKIP_SPECIAL : 0;
     if (tok != NULL && duet_detok_create(tok, detok_flags, &gout.detok) != DUET_OK) {
@@ -353,6 +465,13 @@ int main(int argc, char **argv)
     go.prefill_chunk = opts.max_batch_tokens;
     go.on_prefill_logits = gout.dump != NULL ? gen_on_prefill_logits : NULL;
     go.on_token = gen_on_token;
+    go.proc.presence_penalty = (float)duet_config_get_float(cfg, "presence_penalty");
+    go.proc.frequency_penalty = (float)duet_config_get_float(cfg, "frequency_penalty");
+    go.proc.repetition_penalty = (float)duet_config_get_float(cfg, "repetition_penalty");
+    go.proc.min_tokens = duet_config_get_int(cfg, "min_tokens");
+    go.proc.bias = bias;
+    go.proc.n_bias = n_bias;
+    go.on_step_logits = gout.step_dump != NULL || gout.logprobs != NULL ? gen_on_step_logits : NULL;
     go.user = &gout;
     if ((st = duet_generate_run(model, prompt, n_prompt, &go, &res)) != DUET_OK) {
         fprintf(stderr, "duet-generate: %s\n", duet_error_last());
@@ -397,6 +516,10 @@ int main(int argc, char **argv)
         json_object_set_new(o, "steps", json_integer(res.steps));
         json_object_set_new(o, "draft_tokens", json_integer((json_int_t)res.draft_tokens));
         json_object_set_new(o, "accepted_tokens", json_integer((json_int_t)res.accepted_tokens));
+        if (gout.logprobs != NULL) {
+            json_object_set_new(o, "logprobs", gout.logprobs);
+            gout.logprobs = NULL;
+        }
         char *s = json_dumps(o, JSON_COMPACT | JSON_ENSURE_ASCII);
         if (s != NULL)
             puts(s);
@@ -420,6 +543,12 @@ out:
         fprintf(stderr, "duet-generate: closing %s: %s\n", dump_path, strerror(errno));
         rc = 1;
     }
+    if (gout.step_dump != NULL && fclose(gout.step_dump) != 0 && rc == 0) {
+        fprintf(stderr, "duet-generate: closing %s: %s\n", gout.step_dump_path, strerror(errno));
+        rc = 1;
+    }
+    json_decref(gout.logprobs);
+    free(bias);
     duet_spec_destroy(spec);
     free(gout.text);
     free(res.tokens);

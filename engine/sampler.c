@@ -226,3 +226,143 @@ void duet_sampler_probs(duet_sampler_t *s, const duet_sampling_t *p, const float
     for (int64_t i = 0; i < n; i++)
         probs[s->idx[i]] = (float)(s->prob[i] / sum);
 }
+
+/* ---- logit processing ----------------------------------------------------------------- */
+
+void duet_logit_proc_default(duet_logit_proc_t *lp)
+{
+    memset(lp, 0, sizeof(*lp));
+}
+
+int duet_logit_proc_needs_hist(const duet_logit_proc_t *lp)
+{
+    return lp->presence_penalty != 0.0f || lp->frequency_penalty != 0.0f ||
+           (lp->repetition_penalty != 0.0f && lp->repetition_penalty != 1.0f);
+}
+
+int duet_logit_proc_active(const duet_logit_proc_t *lp)
+{
+    return duet_logit_proc_needs_hist(lp) || lp->n_bias > 0 ||
+           (lp->min_tokens > 0 && lp->n_stop > 0);
+}
+
+static size_t duet__hist_bucket(int32_t id, size_t cap)
+{
+    return ((uint32_t)id * 0x9e3779b1u) & (cap - 1);
+}
+
+/* Grow to at least ncap buckets (a power of two), rehashing. */
+static duet_status_t duet__hist_grow(duet_token_hist_t *h, size_t ncap)
+{
+    duet_token_hist_entry_t *ns = malloc(sizeof(*ns) * ncap);
+    if (ns == NULL)
+        return duet_error_set(DUET_ERR_NOMEM, "token history: out of memory");
+    for (size_t i = 0; i < ncap; i++)
+        ns[i].id = -1;
+    for (size_t i = 0; i < h->cap; i++) {
+        if (h->slots[i].id < 0)
+            continue;
+        size_t b = duet__hist_bucket(h->slots[i].id, ncap);
+        while (ns[b].id >= 0)
+            b = (b + 1) & (ncap - 1);
+        ns[b] = h->slots[i];
+    }
+    free(h->slots);
+    h->slots = ns;
+    h->cap = ncap;
+    return DUET_OK;
+}
+
+duet_status_t duet_token_hist_reserve(duet_token_hist_t *h, size_t n)
+{
+    size_t ncap = h->cap ? h->cap : 64;
+    while (n * 2 > ncap)
+        ncap *= 2;
+    return ncap > h->cap ? duet__hist_grow(h, ncap) : DUET_OK;
+}
+
+duet_status_t duet_token_hist_add(duet_token_hist_t *h, int32_t id, int from_prompt)
+{
+    /* kept at most half full */
+    if ((h->used + 1) * 2 > h->cap && duet__hist_grow(h, h->cap ? h->cap * 2 : 64) != DUET_OK)
+        return DUET_ERR_NOMEM;
+    size_t b = duet__hist_bucket(id, h->cap);
+    while (h->slots[b].id >= 0 && h->slots[b].id != id)
+        b = (b + 1) & (h->cap - 1);
+    if (h->slots[b].id < 0) {
+        h->slots[b] = (duet_token_hist_entry_t){.id = id};
+        h->used++;
+    }
+    if (from_prompt)
+        h->slots[b].prompt = 1;
+    else
+        h->slots[b].count++;
+    return DUET_OK;
+}
+
+void duet_token_hist_free(duet_token_hist_t *h)
+{
+    free(h->slots);
+    memset(h, 0, sizeof(*h));
+}
+
+void duet_logits_process(const duet_logit_proc_t *lp, const duet_token_hist_t *h,
+                         int64_t n_generated, float *logits, int64_t vocab)
+{
+    const float rp = lp->repetition_penalty;
+    const int rep = rp != 0.0f && rp != 1.0f;
+    for (size_t i = 0; h != NULL && i < h->cap; i++) {
+        const duet_token_hist_entry_t *e = &h->slots[i];
+        if (e->id < 0 || e->id >= vocab)
+            continue;
+        float *l = &logits[e->id];
+        if (rep)
+            *l = *l > 0.0f ? *l / rp : *l * rp;
+        if (e->count > 0) { /* two subtractions, as vLLM applies them */
+            *l -= (float)e->count * lp->frequency_penalty;
+            *l -= lp->presence_penalty;
+        }
+    }
+    for (size_t i = 0; i < lp->n_bias; i++)
+        if (lp->bias[i].id >= 0 && lp->bias[i].id < vocab)
+            logits[lp->bias[i].id] += lp->bias[i].bias;
+    if (n_generated < lp->min_tokens)
+        for (size_t i = 0; i < lp->n_stop; i++)
+            if ((int64_t)lp->stop_ids[i] < vocab)
+                logits[lp->stop_ids[i]] = -INFINITY;
+}
+
+/* ---- log-probabilities ---------------------------------------------------------------- */
+
+void duet_logprobs(const float *logits, int64_t vocab, int32_t chosen, int n_top, float *chosen_lp,
+                   int32_t *top_ids, float *top_lps)
+{
+    float mx = logits[0];
+    for (int64_t i = 1; i < vocab; i++)
+        if (logits[i] > mx)
+            mx = logits[i];
+    double sum = 0.0;
+    for (int64_t i = 0; i < vocab; i++)
+        sum += exp((double)logits[i] - (double)mx);
+    const double lse = (double)mx + log(sum);
+    *chosen_lp = (float)((double)logits[chosen] - lse);
+    if (n_top > DUET_MAX_TOP_LOGPROBS)
+        n_top = DUET_MAX_TOP_LOGPROBS;
+    if (n_top > vocab)
+        n_top = (int)vocab;
+    /* insertion into a sorted window of n_top: O(vocab * n_top) at worst, n_top <= 20 */
+    int n = 0;
+    for (int64_t i = 0; i < vocab && n_top > 0; i++) {
+        const float l = logits[i];
+        if (n == n_top && !(l > logits[top_ids[n - 1]]))
+            continue; /* not better than the worst kept (a tie loses: higher id) */
+        int j = n < n_top ? n++ : n - 1;
+        while (j > 0 && l > logits[top_ids[j - 1]]) {
+            top_ids[j] = top_ids[j - 1];
+            j--;
+        }
+        top_ids[j] = (int32_t)i;
+    }
+    for (int i = 0; i < n; i++)
+        top_lps[i] = (float)((double)logits[top_ids[i]] - lse);
+}

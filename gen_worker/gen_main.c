@@ -160,6 +160,8 @@ typedef struct {
     bool spec_open;
     duet_spec_seq_t ss;
     int32_t vtok[DUET_SPEC_MAX_K + 1]; /* the step's item: the next token, then the drafts */
+    /* logprobs of a speculating step's tokens, from its verify rows */
+    duet_worker_logprob_t vlp[DUET_SPEC_MAX_K + 1];
     int64_t n_hist; /* ids in base.prompt: the prompt, or a moved-in request's prompt and
                        generated ids but the newest (what its drafter starts from) */
     /* moving in: RECEIVING holds the source's caches */
@@ -239,6 +241,13 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
     return g.logits + slot * (int64_t)(g.so.k + 1) * w->V;
 }
 
+/* Whether r is decoded speculatively: on a worker that speculates, unless it has logit
+ * processing. */
+static bool gr_speculates(const gr_t *r)
+{
+    return g.spec != NULL && duet_worker_sampling_speculates(&r->base.sampling);
+}
+
 /*
  * Start speculating for r, whose newest generated token is r->next: the decoder's history is the
  * prompt (then freed; a moved-in request's also holds the tokens it generated before) and that
@@ -247,6 +256,11 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
 static bool gr_spec_open(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
+    if (!gr_speculates(r)) { /* processing: no speculation (docs/architecture.md, "Sampling") */
+        free(q->prompt);
+        q->prompt = NULL;
+        return true;
+    }
     duet_status_t st = duet_spec_seq_open(g.spec, &r->ss, q->prompt, r->n_hist, r->next,
                                           q->max_tokens, &q->sampling.sp, &q->sampling.rng);
     free(q->prompt);
@@ -292,8 +306,8 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         *why = "a request with this id is already here";
         return NULL;
     }
-    if (prompt_tokens == 0 || max_tokens == 0) {
-        *why = "empty prompt or max_tokens 0";
+    if (prompt_tokens == 0) {
+        *why = "empty prompt";
         return NULL;
     }
     gr_t *r = (gr_t *)duet_worker_free_slot(w);
@@ -346,7 +360,8 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
  * that ends the request (a stop id, max_tokens, a full sequence) exactly where one token per step
  * would stop, and end the request there or go on decoding. Returns how many were streamed.
  */
-static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
+static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n,
+                   const duet_worker_logprob_t *lps)
 {
     duet_worker_req_t *q = &r->base;
     int finish = DUET__TOKENS__FINISH_REASON__NONE, i = 0;
@@ -362,7 +377,13 @@ static int gr_emit(duet_worker_t *w, gr_t *r, const int32_t *toks, int n)
         else if (r->produced >= q->max_tokens || held + 1 > r->full_cap)
             finish = DUET__TOKENS__FINISH_REASON__LENGTH;
     }
-    duet_worker_send_tokens(w->link, q->rid, ids, (size_t)i, finish, NULL);
+    /* lps: one per token (NULL without logprobs); a local prefill's first Tokens carries the
+     * prompt's */
+    const duet_worker_sampling_t *ws = &q->sampling;
+    const bool first = r->produced == (uint32_t)i;
+    duet_worker_send_tokens_lp(w->link, q->rid, ids, (size_t)i, ws->logprobs ? lps : NULL,
+                               first ? ws->prompt_lp : NULL, first ? (size_t)ws->n_prompt_lp : 0,
+                               finish, NULL);
     if (finish != DUET__TOKENS__FINISH_REASON__NONE) {
         DUET_RLOG_DEBUG(q->rid, "finished: %u tokens", r->produced);
         gr_free(w, q);
@@ -391,6 +412,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
         return;
     }
     r->produced = 1; /* the context worker's token, already streamed by the router */
+    duet_worker_sampling_seen(&q->sampling, r->next);
     if (q->sampling.sp.temperature > 0.0f && q->sampling.sp.top_k != 1)
         (void)duet_rng_uniform(&q->sampling.rng); /* the draw the context worker made for it */
     int finish = DUET__TOKENS__FINISH_REASON__NONE;
@@ -494,6 +516,12 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    if (!duet_worker_req_setup(w, q, m->tokens, m->n_tokens, ms->generated, ms->n_generated,
+                               &why)) {
+        duet_worker_send_refused(w->link, q->rid, why, 500);
+        gr_free(w, q);
+        return;
+    }
     r->moved_in = true;
     r->in_tokens = (int64_t)ms->kv_tokens;
     r->in_replay = ms->replay_rows;
@@ -701,6 +729,10 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
                                  0);
         return;
     }
+    if (m->max_tokens == 0) { /* scoring the prompt only is a Generate (local prefill) */
+        duet_worker_send_refused(w->link, m->request_id, "Reserve: max_tokens 0", 0);
+        return;
+    }
     /* speculation drafts from the prompt (and a draft model prefills it here) */
     if (g.spec != NULL && m->n_tokens == 0) {
         duet_worker_send_refused(w->link, m->request_id,
@@ -721,6 +753,13 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    /* the penalties read the prompt ids (the router sends them) */
+    if (!duet_worker_req_setup(w, q, m->n_tokens == m->prompt_tokens ? m->tokens : NULL,
+                               m->prompt_tokens, NULL, 0, &why)) {
+        duet_worker_send_refused(w->link, q->rid, why, 0);
+        gr_free(w, q);
+        return;
+    }
     if (g.spec != NULL && !duet_worker_req_set_prompt(q, m->tokens, m->n_tokens)) {
         duet_worker_send_refused(w->link, q->rid, "out of memory", 500);
         gr_free(w, q);
@@ -864,6 +903,13 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the local prefill: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
+        return;
+    }
+    if (!duet_worker_req_setup(w, &r->base, m->tokens, m->n_tokens, NULL, 0, &why)) {
+        /* not a matter of capacity (bad Sampling, or out of memory): end it, saying why */
+        duet_worker_send_tokens(w->link, m->request_id, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
+                                why);
+        gr_free(w, &r->base);
         return;
     }
     if (!duet_worker_req_set_prompt(&r->base, m->tokens, m->n_tokens)) {
@@ -1049,8 +1095,8 @@ static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
     int64_t n = 0, budget = *budget_p;
     for (int64_t i = 0; i < w->n_reqs; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE)
-            continue;
+        if (r->base.phase != GR_DECODE || !gr_speculates(r))
+            continue; /* one row per step, planned by gen_plan_step */
         /* a decoding request has produced fewer than max_tokens */
         const int64_t left = (int64_t)r->base.max_tokens - r->produced - 1;
         const int cap = (int)(left < g.so.k ? left : g.so.k);
@@ -1099,17 +1145,12 @@ static int64_t gen_plan_step(duet_worker_t *w)
         gen_make_room(w);
     if (g.spec != NULL)
         n = gen_plan_spec(w, &budget);
-    for (int64_t i = 0; g.spec == NULL && i < w->n_reqs && budget > 0; i++) {
+    for (int64_t i = 0; i < w->n_reqs && budget > 0; i++) {
         gr_t *r = gr_at(w, i);
-        if (r->base.phase != GR_DECODE)
+        if (r->base.phase != GR_DECODE || gr_speculates(r))
             continue;
-        w->items[n] = (duet_batch_item_t){.seq = &r->base.seq,
-                                          .tokens = &r->next,
-                                          .n_tokens = 1,
-                                          .logits_mode = DUET_LOGITS_TOKEN,
-                                          .sampling = r->base.sampling.sp,
-                                          .token_out = &r->base.drawn};
-        w->items[n].u = duet_sampling_draw(&r->base.sampling.sp, &r->base.sampling.rng);
+        w->items[n] = (duet_batch_item_t){.seq = &r->base.seq, .tokens = &r->next, .n_tokens = 1};
+        duet_worker_item_draw(w, &r->base, &w->items[n]);
         w->item_req[n] = &r->base;
         n++;
         budget--;
@@ -1168,16 +1209,33 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
         if (i < g.n_decode) { /* a decoding request: its token(s) */
             int32_t toks[DUET_SPEC_MAX_K + 1];
             int n_toks = 1;
-            toks[0] = r->base.drawn; /* drawn by the step (DUET_LOGITS_TOKEN) */
-            if (g.spec != NULL && !gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
-                continue;
-            g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks);
+            toks[0] = r->base.drawn; /* drawn by the step (or the host after it) */
+            const duet_worker_logprob_t *lps = &r->base.sampling.drawn_lp;
+            if (gr_speculates(r)) {
+                if (!gen_spec_finish(w, r, &w->items[i], toks, &n_toks))
+                    continue;
+                /* token j came from verify row j (row 0 of a plain step) */
+                for (int j = 0; j < n_toks && r->base.sampling.logprobs; j++)
+                    duet_worker_logprob(&r->base.sampling, w->items[i].logits + j * w->V, w->V,
+                                        toks[j], &r->vlp[j]);
+                lps = r->vlp;
+            }
+            g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks, lps);
             continue;
         }
         r->base.prefilled += w->items[i].n_tokens; /* a prefill chunk */
         if (r->base.prefilled < r->base.n_prompt)
             continue;
-        gr_emit(w, r, &r->base.drawn, 1); /* the first token, drawn by the last chunk */
+        if (r->base.max_tokens == 0) { /* scoring the prompt (echo): no token, its logprobs */
+            const duet_worker_sampling_t *ws = &r->base.sampling;
+            duet_worker_send_tokens_lp(w->link, r->base.rid, NULL, 0, NULL, ws->prompt_lp,
+                                       (size_t)ws->n_prompt_lp, DUET__TOKENS__FINISH_REASON__LENGTH,
+                                       NULL);
+            gr_free(w, &r->base);
+            continue;
+        }
+        /* the first token, drawn by the last chunk */
+        gr_emit(w, r, &r->base.drawn, 1, &r->base.sampling.drawn_lp);
         if (r->base.phase != GR_DECODE)
             continue; /* it ended there */
         if (g.spec == NULL) {

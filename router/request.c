@@ -53,6 +53,7 @@
 #include "common/log.h"
 #include "common/strbuf.h"
 #include "proto/envelope.h"
+#include "router/api/openai_logprobs.h"
 #include "router/router_impl.h"
 #include "transfer/plan.h"        /* DUET_XFER_MAX_RANKS (constants only) */
 #include "transfer/reservation.h" /* DUET_XFER_RESERVATION_MAX_BYTES */
@@ -99,6 +100,11 @@ typedef struct rq_group {
     uint32_t completion_tokens;           /* finished choices' tokens, summed */
     struct rq **choices;                  /* (n) NULL once that choice ended */
     duet_oai_choice_t *results;           /* (n) finished choices, texts owned (non-streaming) */
+    uint32_t stop_ids[DUET_OAI_MAX_EOS];  /* (n_stop_ids) the model's EOS ids (unless ignore_eos)
+                                             and the request's stop_token_ids */
+    size_t n_stop_ids;
+    Duet__LogitBias *bias_msgs; /* (oai.lp.n_bias) Sampling.logit_bias, owned */
+    Duet__LogitBias **bias_ptrs;
 } rq_group_t;
 
 typedef struct rq {
@@ -145,6 +151,9 @@ typedef struct rq {
         uint64_t kv_tokens, rng[DUET_PROTO_RNG_WORDS];
         uint32_t replay_rows, produced, next_token;
     } mv; /* the source's MovePaused state */
+    /* log-probabilities (NULL when not asked for) and how many the stream has sent */
+    duet_oai_lp_t *lp;
+    size_t lp_sent;
     struct rq *bucket_next;
 } rq_t;
 
@@ -289,8 +298,11 @@ static void rq_group_maybe_free(rq_group_t *g)
     for (uint32_t i = 0; i < g->n && g->results != NULL; i++) {
         free((char *)g->results[i].text);
         free((char *)g->results[i].tool_calls_json);
+        free((char *)g->results[i].logprobs_json);
     }
     free(g->results);
+    free(g->bias_msgs);
+    free(g->bias_ptrs);
     free(g->choices);
     free(g);
 }
@@ -354,6 +366,7 @@ static void rq_end(rq_t *r, const char *why)
     g->n_live--;
     duet_oai_stream_destroy(r->stream);
     duet_oai_toolparse_destroy(r->tp);
+    duet_oai_lp_destroy(r->lp);
     free(r->out);
     free(r->reservation);
     rq_more_res_free(r);
@@ -405,6 +418,90 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
     rq_group_end_all(g, "another choice of the request failed", status, DUET__OBS_ABORT);
 }
 
+/* ---------------------------------------------------------------- logprobs and echo */
+
+/* This choice's "logprobs" for generated positions [from, to) (and the prompt's with with_prompt)
+ * in *buf; NULL without logprobs (or when out of memory: the field is then null). */
+static const char *rq_logprobs_json(rq_t *r, size_t from, size_t to, bool with_prompt,
+                                    duet_strbuf_t *buf)
+{
+    if (r->lp == NULL || (from >= to && !with_prompt) ||
+        duet_oai_lp_json(r->lp, from, to, with_prompt, buf) != DUET_OK)
+        return NULL;
+    r->lp_sent = to;
+    return buf->data;
+}
+
+/* The prompt's text for echo: as the client gave it, or its ids decoded. malloc'd into *len_p
+ * bytes; NULL when out of memory or on a decode error. */
+static char *rq_prompt_text(const rq_t *r, size_t *len_p)
+{
+    if (r->g->oai.prompt != NULL) {
+        char *t = malloc(r->g->oai.prompt_len + 1);
+        if (t != NULL)
+            memcpy(t, r->g->oai.prompt, r->g->oai.prompt_len + 1);
+        *len_p = r->g->oai.prompt_len;
+        return t;
+    }
+    /* ids: decoded as output is (special tokens the tokenizer skips give no text) */
+    const duet_tokenizer_t *tok = r->rt->tok;
+    uint32_t *ids = malloc((r->g->oai.n_prompt_ids + 1) * sizeof(*ids));
+    if (ids == NULL)
+        return NULL;
+    size_t n_ids = 0, n = 0;
+    for (size_t i = 0; i < r->g->oai.n_prompt_ids; i++)
+        if (!r->g->oai.skip_special_tokens ||
+            !duet_tokenizer_is_skipped(tok, r->g->oai.prompt_ids[i]))
+            ids[n_ids++] = r->g->oai.prompt_ids[i];
+    duet_status_t st = duet_tokenizer_decode(tok, ids, n_ids, NULL, 0, &n);
+    char *t = st == DUET_OK || st == DUET_ERR_NO_SPACE ? malloc(n + 1) : NULL;
+    if (t == NULL || duet_tokenizer_decode(tok, ids, n_ids, t, n, &n) != DUET_OK) {
+        free(ids);
+        free(t);
+        return NULL;
+    }
+    free(ids);
+    t[n] = '\0';
+    *len_p = n;
+    return t;
+}
+
+/* echo (non-streaming): the prompt's text then the output's, malloc'd, *len_p updated; NULL
+ * without echo (or on failure: the output alone is sent). */
+static char *rq_echo_text(const rq_t *r, const char *text, size_t *len_p)
+{
+    if (!r->g->oai.lp.echo)
+        return NULL;
+    size_t plen = 0;
+    char *p = rq_prompt_text(r, &plen);
+    char *all = p != NULL ? realloc(p, plen + *len_p + 1) : NULL;
+    if (all == NULL) {
+        free(p);
+        return NULL;
+    }
+    memcpy(all + plen, text, *len_p);
+    all[plen + *len_p] = '\0';
+    *len_p += plen;
+    return all;
+}
+
+/* echo (streaming): the prompt's text as the first content chunk, with its logprobs. */
+static void rq_echo_chunk(rq_t *r, duet_strbuf_t *sb)
+{
+    if (!r->g->oai.lp.echo)
+        return;
+    size_t plen = 0;
+    char *p = rq_prompt_text(r, &plen);
+    duet_strbuf_t lpj;
+    duet_strbuf_init(&lpj);
+    r->meta.logprobs_json = rq_logprobs_json(r, 0, 0, true, &lpj);
+    if (p != NULL)
+        duet_oai_sse_delta(&r->meta, p, plen, sb);
+    r->meta.logprobs_json = NULL;
+    duet_strbuf_free(&lpj);
+    free(p);
+}
+
 /* Streaming: the SSE headers (once per group) and this choice's first chunk (chat: its role
  * chunk) into sb; false when the client is gone (on_abort ends the request). */
 static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
@@ -418,6 +515,7 @@ static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
     if (!r->began) {
         r->began = true;
         duet_oai_sse_begin(&r->meta, sb);
+        rq_echo_chunk(r, sb);
     }
     return true;
 }
@@ -447,10 +545,14 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
     uint32_t n_c = duet_oai_stream_n_tokens(r->stream);
     g->completion_tokens += n_c;
     const bool last = ++g->n_finished == g->n;
-    duet_strbuf_t sb;
+    duet_strbuf_t sb, lpj;
     duet_strbuf_init(&sb);
+    duet_strbuf_init(&lpj);
     if (g->oai.stream) {
         if (rq_stream_begin(r, &sb)) {
+            /* the finish chunk carries what no content chunk did (held back by a stop string,
+             * the EOS id) */
+            r->meta.logprobs_json = rq_logprobs_json(r, r->lp_sent, n_c, false, &lpj);
             duet_oai_sse_finish(&r->meta, finish, &sb);
             if (last)
                 duet_oai_sse_done(&g->meta, (uint32_t)g->n_ids, g->completion_tokens, &sb);
@@ -465,18 +567,28 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
             duet_oai_toolparse_content(r->tp, &text, &len);
         else
             duet_oai_stream_text(r->stream, &text, &len);
-        char *copy = malloc(len + 1);
-        if (copy == NULL ||
+        const char *lp = rq_logprobs_json(r, 0, n_c, g->oai.lp.echo, &lpj);
+        char *lp_copy = lp != NULL ? strdup(lp) : NULL;
+        char *copy = rq_echo_text(r, text, &len);
+        if (copy == NULL && (copy = malloc(len + 1)) != NULL) {
+            memcpy(copy, text, len);
+            copy[len] = '\0';
+        }
+        if (copy == NULL || (lp != NULL && lp_copy == NULL) ||
             (r->tp != NULL && duet_oai_toolparse_n_calls(r->tp) > 0 && calls == NULL)) {
             free(copy);
+            free(lp_copy);
+            duet_strbuf_free(&lpj);
             duet_strbuf_free(&sb);
             g->n_finished--;
             rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
             return;
         }
-        memcpy(copy, text, len);
-        g->results[r->index] = (duet_oai_choice_t){
-            .text = copy, .len = len, .finish = finish, .tool_calls_json = calls};
+        g->results[r->index] = (duet_oai_choice_t){.text = copy,
+                                                   .len = len,
+                                                   .finish = finish,
+                                                   .tool_calls_json = calls,
+                                                   .logprobs_json = lp_copy};
         calls = NULL;
         if (last) {
             duet_oai_response_json_n(&g->meta, g->results, g->n, (uint32_t)g->n_ids,
@@ -484,6 +596,8 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
             duet_http_respond(g->http, 200, "application/json", NULL, 0, sb.data, sb.len);
         }
     }
+    r->meta.logprobs_json = NULL;
+    duet_strbuf_free(&lpj);
     duet_strbuf_free(&sb);
     free(calls);
     if (n_c > 1 && r->t_last_ns > r->t_first_ns)
@@ -543,7 +657,15 @@ static bool rq_emit(rq_t *r, const char *text, size_t len)
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     if (rq_stream_begin(r, &sb)) {
+        /* the ids fed up to this text: the ones whose text it is (held-back text waits with its
+         * logprobs) */
+        duet_strbuf_t lpj;
+        duet_strbuf_init(&lpj);
+        r->meta.logprobs_json =
+            rq_logprobs_json(r, r->lp_sent, duet_oai_stream_n_tokens(r->stream), false, &lpj);
         duet_oai_sse_delta(&r->meta, text, len, &sb);
+        r->meta.logprobs_json = NULL;
+        duet_strbuf_free(&lpj);
         duet_http_stream_write(r->g->http, sb.data, sb.len);
     }
     duet_strbuf_free(&sb);
@@ -616,16 +738,24 @@ static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint6
 static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_ids)
 {
     const duet_oai_request_t *o = &r->g->oai;
+    const duet_oai_lp_params_t *lp = &o->lp;
+    s->presence_penalty = (float)lp->presence_penalty;
+    s->frequency_penalty = (float)lp->frequency_penalty;
+    s->repetition_penalty = (float)lp->repetition_penalty;
+    s->logit_bias = r->g->bias_ptrs;
+    s->n_logit_bias = r->g->bias_ptrs != NULL ? lp->n_bias : 0;
+    s->min_tokens = lp->min_tokens;
+    s->logprobs = lp->logprobs;
+    s->top_logprobs = lp->top_logprobs;
+    s->prompt_logprobs = lp->logprobs && lp->echo;
     s->temperature = (float)o->temperature;
     s->top_p = (float)o->top_p;
     s->top_k = o->top_k > 0 ? (uint32_t)o->top_k : 0;
     s->has_seed = o->has_seed;
     s->seed = (uint64_t)o->seed + r->index; /* choice 0 is the n = 1 answer with that seed */
     s->ignore_eos = o->ignore_eos;
-    size_t n = 0;
-    if (!o->ignore_eos)
-        for (size_t i = 0; i < r->rt->n_eos; i++)
-            stop_ids[n++] = r->rt->eos[i];
+    size_t n = r->g->n_stop_ids;
+    memcpy(stop_ids, r->g->stop_ids, n * sizeof(*stop_ids));
     s->stop_token_ids = stop_ids;
     s->n_stop_token_ids = n;
 }
@@ -763,6 +893,110 @@ static void rt_log_ignored(duet__router_t *rt, const json_t *names)
     }
 }
 
+/*
+ * The ids that end g's choices with "stop": the model's EOS ids unless ignore_eos, then
+ * stop_token_ids (they stop even with ignore_eos, as in vLLM). The stream gets them as its EOS
+ * list, and a copy of the request without ignore_eos (rq_stream_create). false: more than
+ * DUET_OAI_MAX_EOS in all, a 400 in *err.
+ */
+static bool rq_stop_ids(rq_group_t *g, duet_oai_error_t *err)
+{
+    const duet__router_t *rt = g->rt;
+    const size_t n_eos = g->oai.ignore_eos ? 0 : rt->n_eos;
+    if (n_eos + g->oai.lp.n_stop_token_ids > DUET_OAI_MAX_EOS) {
+        duet_oai_error_make(err, 400, NULL, "invalid_value", "stop_token_ids",
+                            "Invalid 'stop_token_ids': at most %zu ids beside this model's %zu "
+                            "end-of-sequence ids.",
+                            DUET_OAI_MAX_EOS - n_eos, n_eos);
+        return false;
+    }
+    memcpy(g->stop_ids, rt->eos, n_eos * sizeof(*g->stop_ids));
+    memcpy(g->stop_ids + n_eos, g->oai.lp.stop_token_ids,
+           g->oai.lp.n_stop_token_ids * sizeof(*g->stop_ids));
+    g->n_stop_ids = n_eos + g->oai.lp.n_stop_token_ids;
+    return true;
+}
+
+/* r's text stream, ended by the group's stop_ids (which already leave the EOS ids out under
+ * ignore_eos: the stream is given a shallow copy of the request without it). */
+static duet_status_t rq_stream_create(rq_t *r)
+{
+    const rq_group_t *g = r->g;
+    duet_oai_request_t q = g->oai;
+    q.ignore_eos = false;
+    return duet_oai_stream_create(r->rt->tok, &q, g->stop_ids, g->n_stop_ids, !g->oai.stream,
+                                  &r->stream);
+}
+
+/* The request's Sampling.logit_bias messages, shared by its choices; false when out of memory. */
+static bool rq_bias_begin(rq_group_t *g)
+{
+    const duet_oai_lp_params_t *lp = &g->oai.lp;
+    if (lp->n_bias == 0)
+        return true;
+    g->bias_msgs = calloc(lp->n_bias, sizeof(*g->bias_msgs));
+    g->bias_ptrs = calloc(lp->n_bias, sizeof(*g->bias_ptrs));
+    if (g->bias_msgs == NULL || g->bias_ptrs == NULL)
+        return false;
+    for (size_t i = 0; i < lp->n_bias; i++) {
+        duet__logit_bias__init(&g->bias_msgs[i]);
+        g->bias_msgs[i].id = lp->bias_ids[i];
+        g->bias_msgs[i].bias = lp->bias[i];
+        g->bias_ptrs[i] = &g->bias_msgs[i];
+    }
+    return true;
+}
+
+/* One position's logprobs from a worker's message (at most DUET_OAI_MAX_TOP_LOGPROBS kept; the
+ * shorter of its two lists). */
+static void rq_lp_entry(const Duet__TokenLogprob *t, uint32_t id, duet_oai_lp_entry_t *e)
+{
+    e->id = id;
+    e->logprob = t->logprob;
+    size_t n = t->n_top_ids < t->n_top_logprobs ? t->n_top_ids : t->n_top_logprobs;
+    e->n_top = (int)(n < DUET_OAI_MAX_TOP_LOGPROBS ? n : DUET_OAI_MAX_TOP_LOGPROBS);
+    for (int j = 0; j < e->n_top; j++) {
+        e->top_ids[j] = t->top_ids[j];
+        e->top_lps[j] = t->top_logprobs[j];
+    }
+}
+
+/* A worker's logprobs for m's ids (and, in the first message, the prompt's) into r->lp. false:
+ * the worker sent the wrong count (what is wrong goes to *why), or out of memory. */
+static bool rq_lp_record(rq_t *r, const Duet__Tokens *m, const char **why)
+{
+    *why = "out of memory";
+    if (r->lp == NULL)
+        return true;
+    if (m->n_logprobs != m->n_ids) {
+        *why = "worker sent logprobs that do not match its token ids";
+        return false;
+    }
+    duet_oai_lp_entry_t e[16];
+    for (size_t i = 0; i < m->n_logprobs;) {
+        size_t k = 0;
+        for (; k < 16 && i < m->n_logprobs; k++, i++) {
+            rq_lp_entry(m->logprobs[i], m->ids[i], &e[k]);
+        }
+        if (duet_oai_lp_add(r->lp, e, k) != DUET_OK)
+            return false;
+    }
+    if (m->n_prompt_logprobs == 0 || !r->g->oai.lp.echo)
+        return true;
+    if (m->n_prompt_logprobs + 1 != r->n_ids) {
+        *why = "worker sent prompt logprobs that do not match the prompt";
+        return false;
+    }
+    duet_oai_lp_entry_t *pe = calloc(m->n_prompt_logprobs, sizeof(*pe));
+    if (pe == NULL)
+        return false;
+    for (size_t i = 0; i < m->n_prompt_logprobs; i++)
+        rq_lp_entry(m->prompt_logprobs[i], r->ids[i + 1], &pe[i]);
+    const bool ok = duet_oai_lp_set_prompt(r->lp, r->ids, r->n_ids, pe) == DUET_OK;
+    free(pe);
+    return ok;
+}
+
 /* Refuse a request before it has an rq_t (nothing else to end). */
 static void rt_refuse(duet_http_request_t *http, int status, const char *code,
                       uint32_t retry_after_s, const char *message)
@@ -811,15 +1045,16 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     rq_t *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return NULL;
-    if (duet_oai_stream_create(rt->tok, &g->oai, rt->eos, rt->n_eos, !g->oai.stream, &r->stream) <
-            0 ||
-        (g->oai.tools != NULL && duet_oai_toolparse_create(&r->tp) < 0)) {
+    r->rt = rt;
+    r->g = g;
+    if (rq_stream_create(r) < 0 ||
+        (g->oai.tools != NULL && duet_oai_toolparse_create(&r->tp) < 0) ||
+        (g->oai.lp.logprobs && duet_oai_lp_create(rt->tok, &g->oai, &r->lp) != DUET_OK)) {
         duet_oai_stream_destroy(r->stream);
+        duet_oai_toolparse_destroy(r->tp);
         free(r);
         return NULL;
     }
-    r->rt = rt;
-    r->g = g;
     r->index = i;
     r->id = i == 0 ? g->id : ++rt->next_rid;
     r->ids = g->ids;
@@ -828,7 +1063,9 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     r->meta.index = i;
     r->t_start_ns = g->t_start_ns;
     r->finish = -1;
-    r->local = r->n_ids < rt->local_prefill_tokens;
+    /* a scoring request (echo, max_tokens 0) generates nothing: the gen worker's local prefill
+     * answers it */
+    r->local = r->n_ids < rt->local_prefill_tokens || g->oai.max_tokens == 0;
     r->deadline_ms = now + rt->deadline_ms;
     g->choices[i] = r;
     g->n_live++;
@@ -860,6 +1097,7 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
     if (duet_oai_request_parse(&rt->lim, ep, body, len, &g->oai, &err) < 0 ||
         duet_oai_request_tokens(&g->oai, &rt->lim, rt->tmpl, rt->tok, &g->ids, &g->n_ids, &err) <
             0 ||
+        !rq_stop_ids(g, &err) || !rq_bias_begin(g) ||
         (g->n = g->oai.n > 0 ? g->oai.n : 1,
          (g->choices = calloc(g->n, sizeof(*g->choices))) == NULL ||
              (g->results = calloc(g->n, sizeof(*g->results))) == NULL)) {
@@ -1002,6 +1240,8 @@ static void rt_move_result(duet__router_t *rt, const char *result)
 /* Append a worker's ids to what the request has generated; false when out of memory. */
 static bool rq_record(rq_t *r, const uint32_t *ids, size_t n)
 {
+    if (n == 0) /* e.g. a scoring request's only Tokens: nothing to copy (r->out may be NULL) */
+        return true;
     if (r->n_out + n > r->cap_out) {
         size_t cap = r->cap_out > 0 ? r->cap_out : 64;
         while (cap < r->n_out + n)
@@ -1370,6 +1610,12 @@ static void rq_on_tokens(duet__router_t *rt, uint64_t wid, const Duet__Tokens *m
         *busy = false;
     if (!rq_record(r, m->ids, m->n_ids)) {
         rq_fail(r, 500, "server_error", NULL, 0, "out of memory");
+        return;
+    }
+    const char *lp_why = NULL;
+    if (!rq_lp_record(r, m, &lp_why)) {
+        rq_fail(r, 502, "server_error", "bad_worker_output", 0, "worker %llu: %s",
+                (unsigned long long)wid, lp_why);
         return;
     }
     if (!from_ctx) {

@@ -72,9 +72,54 @@ bool duet_worker_req_set_prompt(duet_worker_req_t *r, const uint32_t *ids, size_
     return true;
 }
 
+bool duet_worker_req_setup(duet_worker_t *w, duet_worker_req_t *r, const uint32_t *prompt,
+                           size_t n_prompt, const uint32_t *generated, size_t n_generated,
+                           const char **why)
+{
+    return duet_worker_sampling_setup(&r->sampling, prompt, n_prompt, generated, n_generated,
+                                      r->max_tokens, w->V, w->chunk, why);
+}
+
+void duet_worker_item_draw(duet_worker_t *w, duet_worker_req_t *r, duet_batch_item_t *it)
+{
+    (void)w;
+    it->sampling = r->sampling.sp;
+    it->u = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
+    it->token_out = &r->drawn;
+    if (!r->sampling.host) {
+        it->logits_mode = DUET_LOGITS_TOKEN;
+        return;
+    }
+    /* a prompt chunk scored for prompt_logprobs keeps every row (rows_cap = chunk) */
+    it->logits_mode = it->logits_mode == DUET_LOGITS_ALL ? DUET_LOGITS_ALL : DUET_LOGITS_LAST;
+    it->logits = r->sampling.rows;
+}
+
+/* The step's host-path work (the skeleton's, before ops->step_done): prompt chunks scored for
+ * prompt_logprobs, and the tokens of items that left their logits for the host to draw. */
+static void w_host_draws(duet_worker_t *w, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        duet_batch_item_t *it = &w->items[i];
+        duet_worker_req_t *r = w->item_req[i];
+        if (it->logits_mode == DUET_LOGITS_TOKEN || it->logits != r->sampling.rows ||
+            it->logits == NULL)
+            continue;
+        const int64_t rows = it->logits_mode == DUET_LOGITS_ALL ? it->n_tokens : 1;
+        if (it->logits_mode == DUET_LOGITS_ALL && r->prompt != NULL &&
+            it->tokens == r->prompt + r->prefilled)
+            duet_worker_prompt_logprobs(&r->sampling, r->prompt, r->prefilled, it->n_tokens,
+                                        it->logits, w->V);
+        if (it->token_out != NULL)
+            *it->token_out = duet_worker_host_draw(
+                &r->sampling, w->smp, it->logits + (rows - 1) * w->V, w->scratch, w->V, it->u);
+    }
+}
+
 void duet_worker_req_clear(duet_worker_t *w, duet_worker_req_t *r)
 {
     duet_worker_seq_close(w, &r->seq);
+    duet_worker_sampling_free(&r->sampling);
     free(r->prompt);
     memset(r, 0, w->ops->req_size);
     r->seq.id = -1;
@@ -134,17 +179,17 @@ int64_t duet_worker_add_prefill(duet_worker_t *w, duet_worker_req_t **pre, int64
         if (len > *budget_p)
             continue;
         const bool last = end == r->n_prompt;
+        /* prompt_logprobs: every chunk's rows, scored after the step (w_host_draws) */
+        const bool score = r->sampling.prompt_logprobs && r->sampling.rows != NULL;
         w->items[n] = (duet_batch_item_t){
             .seq = &r->seq,
             .tokens = r->prompt + r->prefilled,
             .n_tokens = len,
-            .logits_mode = last ? DUET_LOGITS_TOKEN : DUET_LOGITS_NONE,
-            .token_out = &r->drawn,
+            .logits_mode = score ? DUET_LOGITS_ALL : DUET_LOGITS_NONE,
+            .logits = score ? r->sampling.rows : NULL,
         };
-        if (last) {
-            w->items[n].sampling = r->sampling.sp;
-            w->items[n].u = duet_sampling_draw(&r->sampling.sp, &r->sampling.rng);
-        }
+        if (last)
+            duet_worker_item_draw(w, r, &w->items[n]);
         w->item_req[n] = r;
         n++;
         *budget_p -= len;
@@ -337,8 +382,10 @@ static void w_step(uv_idle_t *h)
     }
     double dt = duet_worker_now() - t0;
     w->busy_seconds += dt;
-    if (st == DUET_OK)
+    if (st == DUET_OK) {
         w->prefill_tokens += (uint64_t)w->step_prefill;
+        w_host_draws(w, n);
+    }
     w->ops->step_done(w, n, st, dt);
     for (int64_t i = 0; i < w->n_deferred; i++) /* outcomes that came during the step */
         duet_worker_xfer_cb(&w->deferred[i].o, w);
@@ -552,9 +599,13 @@ static duet_status_t w_tables(duet_worker_t *w)
     w->item_req = calloc((size_t)w->max_seqs, sizeof(*w->item_req));
     w->order = calloc((size_t)w->n_reqs, sizeof(*w->order));
     w->deferred = calloc((size_t)w->n_reqs, sizeof(*w->deferred));
+    w->scratch = malloc(sizeof(float) * (size_t)w->V);
     if (w->reqs == NULL || w->items == NULL || w->item_req == NULL || w->order == NULL ||
-        w->deferred == NULL)
+        w->deferred == NULL || w->scratch == NULL)
         return duet_error_set(DUET_ERR_NOMEM, "out of memory");
+    duet_status_t st = duet_sampler_create(w->V, &w->smp);
+    if (st != DUET_OK)
+        return st;
     for (int64_t i = 0; i < w->n_reqs; i++)
         duet_worker_req(w, i)->seq.id = -1;
     return DUET_OK;
@@ -696,6 +747,8 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
     free(w->deferred);
     duet_metrics_destroy(w->metrics); /* after the transfer context, which updated it */
     w->metrics = NULL;
+    free(w->scratch);
+    duet_sampler_destroy(w->smp);
     duet_config_destroy(w->cfg);
 }
 

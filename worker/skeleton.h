@@ -143,6 +143,8 @@ struct duet_worker {
     duet_worker_req_t **order;        /* owned, [n_reqs]: scratch for the step */
     duet_worker_deferred_t *deferred; /* owned, [n_reqs]: one outcome per transfer at most */
     int64_t n_deferred;
+    duet_sampler_t *smp; /* owned: the host path's sampler (duet_worker_host_draw) */
+    float *scratch;      /* owned, [V]: its processed row */
 
     /* the loop */
     uv_loop_t *loop;
@@ -194,6 +196,23 @@ void duet_worker_req_init(duet_worker_t *w, duet_worker_req_t *r, uint64_t rid, 
 
 /* Copy n prompt ids into r->prompt; false when out of memory (r->prompt stays NULL). */
 bool duet_worker_req_set_prompt(duet_worker_req_t *r, const uint32_t *ids, size_t n);
+
+/*
+ * After duet_worker_req_init: r's sampling state for its prompt (and, moved in, the ids it
+ * generated before): duet_worker_sampling_setup with this worker's vocabulary and chunk. false
+ * with `why` (out of memory; prompt ids missing when a penalty needs them): the caller refuses.
+ */
+bool duet_worker_req_setup(duet_worker_t *w, duet_worker_req_t *r, const uint32_t *prompt,
+                           size_t n_prompt, const uint32_t *generated, size_t n_generated,
+                           const char **why);
+
+/*
+ * Make `it` (r's row whose logits give r's next token) draw that token into r->drawn with r's
+ * rule and its next RNG draw: inside the step (DUET_LOGITS_TOKEN), or for a request on the host
+ * path (processing, logprobs) as the logits of its last row, drawn after the step by the
+ * skeleton before ops->step_done sees r->drawn. it->seq, tokens and n_tokens are the caller's.
+ */
+void duet_worker_item_draw(duet_worker_t *w, duet_worker_req_t *r, duet_batch_item_t *it);
 
 /* Close r's sequence, free its prompt and zero the whole slot (the role freed its own parts). */
 void duet_worker_req_clear(duet_worker_t *w, duet_worker_req_t *r);

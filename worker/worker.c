@@ -1,6 +1,7 @@
 /* What duet-ctx and duet-gen share; see worker/worker.h. */
 #include "worker/worker.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -271,12 +272,138 @@ void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *
             w->stop[w->n_stop++] = s->stop_token_ids[i];
         if (s->has_seed)
             seed = s->seed;
+        /* the router validated the ranges; what does not fit is left out rather than read */
+        w->proc.presence_penalty = s->presence_penalty;
+        w->proc.frequency_penalty = s->frequency_penalty;
+        w->proc.repetition_penalty = s->repetition_penalty;
+        for (size_t i = 0; i < s->n_logit_bias && i < DUET_WORKER_MAX_BIAS; i++)
+            w->bias[i] = (duet_logit_bias_t){.id = (int32_t)s->logit_bias[i]->id,
+                                             .bias = s->logit_bias[i]->bias};
+        w->proc.n_bias =
+            s->n_logit_bias < DUET_WORKER_MAX_BIAS ? s->n_logit_bias : DUET_WORKER_MAX_BIAS;
+        w->proc.min_tokens = s->min_tokens;
+        w->logprobs = s->logprobs;
+        w->n_top =
+            s->top_logprobs < DUET_MAX_TOP_LOGPROBS ? (int)s->top_logprobs : DUET_MAX_TOP_LOGPROBS;
+        w->prompt_logprobs = s->prompt_logprobs;
     }
+    w->proc.bias = w->bias;
+    w->proc.stop_ids = w->stop;
+    w->proc.n_stop = w->n_stop;
+    w->host = duet_logit_proc_active(&w->proc) || w->logprobs || w->prompt_logprobs;
     if (s == NULL || !s->has_seed)
         if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
             seed = rid * 0x9e3779b97f4a7c15ull ^ (uint64_t)(duet_worker_now() * 1e9);
     w->sp.seed = seed;
     duet_rng_seed(&w->rng, seed);
+}
+
+bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *prompt, size_t n_prompt,
+                                const uint32_t *generated, size_t n_generated, uint32_t max_tokens,
+                                int64_t vocab, int64_t chunk, const char **why)
+{
+    /* the router validated these; a worker still refuses what would make NaN logits */
+    const duet_logit_proc_t *lp = &w->proc;
+    if (!isfinite(lp->presence_penalty) || !isfinite(lp->frequency_penalty) ||
+        !isfinite(lp->repetition_penalty) || lp->repetition_penalty < 0.0f) {
+        *why = "Sampling: a penalty is not a finite number (repetition_penalty >= 0)";
+        return false;
+    }
+    for (size_t i = 0; i < lp->n_bias; i++)
+        if (!isfinite(w->bias[i].bias)) {
+            *why = "Sampling: a logit_bias is not a finite number";
+            return false;
+        }
+    *why = "out of memory";
+    for (size_t i = 0; i < w->proc.n_bias; i++)
+        if (w->bias[i].id >= vocab) {
+            *why = "logit_bias: a token id is outside the vocabulary";
+            return false;
+        }
+    if (!w->host)
+        return true;
+    if (duet_logit_proc_needs_hist(&w->proc)) {
+        if (prompt == NULL && n_prompt > 0) {
+            *why = "the penalties need the prompt ids";
+            return false;
+        }
+        /* distinct ids at most: prompt + output, and never more than the vocabulary; adding
+         * then never grows the table (it grows when more than half full) */
+        int64_t distinct = (int64_t)n_prompt + max_tokens;
+        distinct = distinct < vocab ? distinct : vocab;
+        if (duet_token_hist_reserve(&w->hist, (size_t)distinct) != DUET_OK)
+            return false;
+        for (size_t i = 0; i < n_prompt; i++)
+            (void)duet_token_hist_add(&w->hist, (int32_t)prompt[i], 1);
+    }
+    for (size_t i = 0; i < n_generated; i++)
+        duet_worker_sampling_seen(w, (int32_t)generated[i]);
+    w->rows_cap = w->prompt_logprobs ? chunk : 1;
+    w->rows = malloc(sizeof(float) * (size_t)vocab * (size_t)(w->rows_cap + 1));
+    if (w->rows == NULL)
+        return false;
+    if (w->prompt_logprobs && n_prompt > 1) {
+        w->prompt_lp = calloc(n_prompt - 1, sizeof(*w->prompt_lp));
+        if (w->prompt_lp == NULL)
+            return false;
+        w->n_prompt_lp = (int64_t)n_prompt - 1;
+    }
+    return true;
+}
+
+void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok)
+{
+    w->n_generated++;
+    if (duet_logit_proc_needs_hist(&w->proc))
+        (void)duet_token_hist_add(&w->hist, tok, 0); /* room reserved by setup */
+}
+
+void duet_worker_sampling_free(duet_worker_sampling_t *w)
+{
+    duet_token_hist_free(&w->hist);
+    free(w->rows);
+    free(w->prompt_lp);
+    w->rows = NULL;
+    w->prompt_lp = NULL;
+    w->n_prompt_lp = 0;
+}
+
+bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w)
+{
+    return !duet_logit_proc_active(&w->proc);
+}
+
+void duet_worker_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
+                         int32_t chosen, duet_worker_logprob_t *out)
+{
+    out->n_top = w->n_top < vocab ? w->n_top : (int)vocab;
+    duet_logprobs(raw, vocab, chosen, out->n_top, &out->logprob, out->top_ids, out->top_lps);
+}
+
+int32_t duet_worker_host_draw(duet_worker_sampling_t *w, duet_sampler_t *smp, const float *raw,
+                              float *scratch, int64_t vocab, float u)
+{
+    const float *row = raw;
+    if (duet_logit_proc_active(&w->proc)) {
+        memcpy(scratch, raw, sizeof(float) * (size_t)vocab);
+        duet_logits_process(&w->proc, &w->hist, w->n_generated, scratch, vocab);
+        row = scratch;
+    }
+    const int32_t t = duet_sampler_sample_u(smp, &w->sp, u, row);
+    if (w->logprobs)
+        duet_worker_logprob(w, raw, vocab, t, &w->drawn_lp);
+    duet_worker_sampling_seen(w, t);
+    return t;
+}
+
+void duet_worker_prompt_logprobs(duet_worker_sampling_t *w, const int32_t *prompt, int64_t from,
+                                 int64_t n_rows, const float *rows, int64_t vocab)
+{
+    for (int64_t j = 0; j < n_rows; j++) {
+        const int64_t a = from + j; /* row a scores prompt[a + 1] */
+        if (a < w->n_prompt_lp)
+            duet_worker_logprob(w, rows + j * vocab, vocab, prompt[a + 1], &w->prompt_lp[a]);
+    }
 }
 
 bool duet_worker_is_stop(const duet_worker_sampling_t *w, int32_t tok)
@@ -307,6 +434,56 @@ void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *id
     Duet__Envelope env = duet_envelope_tokens(&t);
     if (duet_link_send(link, &env) < 0)
         DUET_RLOG_WARN(rid, "tokens not sent: %s", duet_error_last());
+}
+
+void duet_worker_send_tokens_lp(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
+                                const duet_worker_logprob_t *lps,
+                                const duet_worker_logprob_t *prompt_lps, size_t n_prompt_lps,
+                                int finish, const char *error)
+{
+    if (lps == NULL && n_prompt_lps == 0) {
+        duet_worker_send_tokens(link, rid, ids, n, finish, error);
+        return;
+    }
+    const size_t n_lp = lps != NULL ? n : 0, total = n_lp + n_prompt_lps;
+    Duet__TokenLogprob *m = calloc(total ? total : 1, sizeof(*m));
+    Duet__TokenLogprob **p = calloc(total ? total : 1, sizeof(*p));
+    uint32_t *top_ids = calloc((total ? total : 1) * DUET_MAX_TOP_LOGPROBS, sizeof(*top_ids));
+    if (m == NULL || p == NULL || top_ids == NULL) {
+        free(m);
+        free(p);
+        free(top_ids);
+        duet_worker_send_tokens(link, rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR,
+                                "out of memory for the log-probabilities");
+        return;
+    }
+    for (size_t i = 0; i < total; i++) {
+        const duet_worker_logprob_t *l = i < n_lp ? &lps[i] : &prompt_lps[i - n_lp];
+        duet__token_logprob__init(&m[i]);
+        m[i].logprob = l->logprob;
+        m[i].n_top_ids = m[i].n_top_logprobs = (size_t)l->n_top;
+        m[i].top_ids = top_ids + i * DUET_MAX_TOP_LOGPROBS;
+        for (int k = 0; k < l->n_top; k++)
+            m[i].top_ids[k] = (uint32_t)l->top_ids[k];
+        m[i].top_logprobs = (float *)l->top_lps;
+        p[i] = &m[i];
+    }
+    Duet__Tokens t = DUET__TOKENS__INIT;
+    t.request_id = rid;
+    t.ids = (uint32_t *)ids;
+    t.n_ids = n;
+    t.finish_reason = finish;
+    t.error = (char *)(error != NULL ? error : "");
+    t.logprobs = n_lp ? p : NULL;
+    t.n_logprobs = n_lp;
+    t.prompt_logprobs = n_prompt_lps ? p + n_lp : NULL;
+    t.n_prompt_logprobs = n_prompt_lps;
+    Duet__Envelope env = duet_envelope_tokens(&t);
+    if (duet_link_send(link, &env) < 0)
+        DUET_RLOG_WARN(rid, "tokens not sent: %s", duet_error_last());
+    free(m);
+    free(p);
+    free(top_ids);
 }
 
 void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reason,

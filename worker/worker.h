@@ -180,16 +180,79 @@ void duet_worker_pump_stop(duet_worker_pump_t *p);
 /* Stop ids kept per request; the router sends at most DUET_OAI_MAX_EOS (8). */
 #define DUET_WORKER_MAX_STOP 16
 
-/* How one request samples: parameters, its own RNG stream, and the ids that end it. */
+/* logit_bias entries kept per request; the router accepts at most this many (OpenAI's 300). */
+#define DUET_WORKER_MAX_BIAS 300
+
+/* One position's log-probabilities (Duet__TokenLogprob's content). */
+typedef struct {
+    float logprob;
+    int n_top;
+    int32_t top_ids[DUET_MAX_TOP_LOGPROBS];
+    float top_lps[DUET_MAX_TOP_LOGPROBS];
+} duet_worker_logprob_t;
+
+/*
+ * How one request samples: parameters, its own RNG stream, the ids that end it, its logit
+ * processing and log-probabilities (docs/architecture.md, "Sampling").
+ */
 typedef struct {
     duet_sampling_t sp;
     duet_rng_t rng;
     uint32_t stop[DUET_WORKER_MAX_STOP];
     size_t n_stop;
+    duet_logit_proc_t proc; /* proc.bias -> bias, proc.stop_ids -> stop */
+    duet_logit_bias_t bias[DUET_WORKER_MAX_BIAS];
+    duet_token_hist_t hist; /* with a penalty: the prompt's and the generated ids (owned) */
+    int64_t n_generated;    /* ids drawn so far (min_tokens) */
+    bool logprobs, prompt_logprobs;
+    int n_top;
+    /* processing or logprobs: the step computes the logits row and the host draws from it
+     * (duet_worker_host_draw) instead of the backend; with processing, no speculation */
+    bool host;
+    float *rows; /* owned, rows_cap rows of the vocabulary: the host path's logits */
+    int64_t rows_cap;
+    duet_worker_logprob_t drawn_lp;   /* logprobs: the newest drawn id's */
+    duet_worker_logprob_t *prompt_lp; /* owned, prompt_logprobs: [n_prompt - 1] */
+    int64_t n_prompt_lp;
 } duet_worker_sampling_t;
 
-/* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random. */
+/* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random.
+ * Allocates nothing (duet_worker_sampling_setup does). */
 void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *s, uint64_t rid);
+
+/*
+ * Make w ready for a request of prompt[0..n_prompt) that may generate max_tokens ids and has
+ * already generated generated[0..n_generated) (a moved-in request; else 0) on a worker of vocab
+ * ids whose prefill chunks are `chunk` tokens: the history sized so that recording never
+ * allocates, the prompt and generated ids recorded (with a penalty), the host path's logits rows
+ * (prompt_logprobs: a chunk's) and the prompt's logprob slots. prompt may be NULL when the
+ * request needs no history. false: out of memory, or prompt ids needed but not given (`why`).
+ */
+bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *prompt, size_t n_prompt,
+                                const uint32_t *generated, size_t n_generated, uint32_t max_tokens,
+                                int64_t vocab, int64_t chunk, const char **why);
+
+/* Whether a request of w may be decoded speculatively: not with logit processing (its logprobs
+ * then come from the verify rows, duet_worker_logprob). */
+bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w);
+
+/* The log-probabilities of `chosen` in a raw logits row, with w->n_top most likely. */
+void duet_worker_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
+                         int32_t chosen, duet_worker_logprob_t *out);
+
+/* Record a generated id (min_tokens, penalties). Never allocates after setup. */
+void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok);
+
+/* Free what setup allocated (the rest is plain data). */
+void duet_worker_sampling_free(duet_worker_sampling_t *w);
+
+/*
+ * The host path's draw for w from a raw logits row: logprobs into w->drawn_lp (when asked),
+ * processing into scratch (vocab floats), the request's rule with the uniform u, and the id
+ * recorded (duet_worker_sampling_seen). smp: a sampler of this vocabulary.
+ */
+int32_t duet_worker_host_draw(duet_worker_sampling_t *w, duet_sampler_t *smp, const float *raw,
+                              float *scratch, int64_t vocab, float u);
 
 /* Whether tok is one of the request's stop ids. */
 bool duet_worker_is_stop(const duet_worker_sampling_t *w, int32_t tok);
@@ -198,9 +261,20 @@ bool duet_worker_is_stop(const duet_worker_sampling_t *w, int32_t tok);
  * (duet-generate's cut, which batch invariance needs to give its exact output). */
 int64_t duet_worker_chunk_end(int64_t prefilled, int64_t n_prompt, int64_t chunk);
 
+/* prompt_logprobs: the rows of a prefill chunk of prompt[from..from + n_rows) ([n_rows][vocab],
+ * row j after prompt[from + j]) score the prompt ids after them into w->prompt_lp. */
+void duet_worker_prompt_logprobs(duet_worker_sampling_t *w, const int32_t *prompt, int64_t from,
+                                 int64_t n_rows, const float *rows, int64_t vocab);
+
 /* Send Tokens(ids, finish, error) for request rid. */
 void duet_worker_send_tokens(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
                              int finish, const char *error);
+/* The same with log-probabilities: lps[0..n) one per id (NULL: none), prompt_lps[0..n_prompt_lps)
+ * (NULL: none) for the request's first Tokens. */
+void duet_worker_send_tokens_lp(duet_link_t *link, uint64_t rid, const uint32_t *ids, size_t n,
+                                const duet_worker_logprob_t *lps,
+                                const duet_worker_logprob_t *prompt_lps, size_t n_prompt_lps,
+                                int finish, const char *error);
 /* Send Refused(reason, retry_after_ms) for request rid. */
 void duet_worker_send_refused(duet_link_t *link, uint64_t rid, const char *reason,
                               uint32_t retry_after_ms);

@@ -10,7 +10,9 @@
  * Requests are parsed with jansson (duplicate keys refused) and checked field by field against a
  * table of every field the endpoint knows; error messages follow OpenAI's wording where one
  * exists ("Invalid type for 'x': ...", "Unsupported parameter: 'x' ...") so clients that match
- * on them keep working.
+ * on them keep working. The log-probability and logit-processing fields are parsed and their
+ * JSON written by openai_logprobs.c (duet_oai_lp_parse; meta.logprobs_json); this file only calls
+ * it and puts that JSON where "logprobs" goes.
  */
 #define _GNU_SOURCE /* memmem */
 #include "router/api/openai.h"
@@ -25,6 +27,7 @@
 #include "common/json.h"
 #include "common/log.h"
 #include "common/utf8.h"
+#include "router/api/openai_logprobs.h"
 
 #define OAI_DEFAULT_MAX_MESSAGES 1024
 
@@ -215,16 +218,18 @@ static const oai_field_t oai_fields[] = {
     {"store", OAI_EP_CHAT, OAI_F_ANY, 0},
     {"metadata", OAI_EP_CHAT, OAI_F_ANY, 0},
     {"service_tier", OAI_EP_BOTH, OAI_F_ANY, 0},
-    {"echo", OAI_EP_COMPL, OAI_F_FALSE, 0},
-    {"logprobs", OAI_EP_CHAT, OAI_F_FALSE, 0},
-    {"logprobs", OAI_EP_COMPL, OAI_F_NEVER, 0},
-    {"frequency_penalty", OAI_EP_BOTH, OAI_F_ZERO, 0},
-    {"presence_penalty", OAI_EP_BOTH, OAI_F_ZERO, 0},
+    /* read by duet_oai_lp_parse (openai_logprobs.c) */
+    {"echo", OAI_EP_COMPL, OAI_F_USED, 0},
+    {"logprobs", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"frequency_penalty", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"presence_penalty", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"top_logprobs", OAI_EP_CHAT, OAI_F_USED, 0},
+    {"repetition_penalty", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"logit_bias", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"min_tokens", OAI_EP_BOTH, OAI_F_USED, 0},
+    {"stop_token_ids", OAI_EP_BOTH, OAI_F_USED, 0},
     {"min_p", OAI_EP_BOTH, OAI_F_ZERO, 0},
-    {"top_logprobs", OAI_EP_CHAT, OAI_F_ZERO, 0},
     {"best_of", OAI_EP_COMPL, OAI_F_USED, 0},
-    {"repetition_penalty", OAI_EP_BOTH, OAI_F_ONE, 0},
-    {"logit_bias", OAI_EP_BOTH, OAI_F_EMPTY, JSON_OBJECT},
     {"tools", OAI_EP_CHAT, OAI_F_USED, 0},
     {"functions", OAI_EP_CHAT, OAI_F_EMPTY, JSON_ARRAY},
     {"suffix", OAI_EP_COMPL, OAI_F_EMPTY, JSON_STRING},
@@ -745,10 +750,13 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
             return st;
         if (!present)
             continue;
-        if (v < 1)
+        /* 0 scores the prompt without generating: a completion with echo only */
+        const bool scoring = v == 0 && p->ep == DUET_OAI_ENDPOINT_COMPLETIONS &&
+                             json_is_true(json_object_get(p->root, "echo"));
+        if (v < 1 && !scoring)
             return oai_bad_value(p, keys[k],
                                  "Invalid '%s': integer below minimum value. Expected a value >= "
-                                 "1, but got %" PRId64 " instead.",
+                                 "1 (0 only with echo), but got %" PRId64 " instead.",
                                  keys[k], v);
         if (v > (int64_t)p->lim->max_tokens_cap)
             return oai_bad_value(p, keys[k],
@@ -757,13 +765,11 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
                                  keys[k], v, p->lim->max_tokens_cap);
         req->max_tokens = (uint32_t)v; /* max_completion_tokens (read second) wins */
     }
-    if (req->max_tokens < 1)
-        req->max_tokens = 1;
     return DUET_OK;
 }
 
-/* n in [1, DUET_OAI_MAX_N]; completions' best_of (>= n) only equal to n: picking the best of
- * more samples needs their log-probabilities, which the workers do not send. */
+/* n in [1, DUET_OAI_MAX_N]; completions' best_of (>= n) only equal to n: the router does not
+ * rank extra samples by their log-probability (yet). */
 static duet_status_t oai_parse_n(oai_parse_t *p)
 {
     int64_t n = 1, best_of = 0;
@@ -787,11 +793,12 @@ static duet_status_t oai_parse_n(oai_parse_t *p)
                              "%" PRId64 ").",
                              best_of, DUET_OAI_MAX_N, n);
     if (best_of != n)
-        return duet_oai_error_make(p->err, 400, NULL, "unsupported_value", "best_of",
-                                   "best_of = %" PRId64 " > n = %" PRId64 " is not supported: "
-                                   "ranking samples needs their log-probabilities, which this "
-                                   "server does not compute. Use best_of = n (or leave it out).",
-                                   best_of, n);
+        return duet_oai_error_make(
+            p->err, 400, NULL, "unsupported_value", "best_of",
+            "best_of = %" PRId64 " > n = %" PRId64 " is not supported: "
+            "this server does not rank extra samples by their log-probabilities. "
+            "Use best_of = n (or leave it out).",
+            best_of, n);
     return DUET_OK;
 }
 
@@ -1037,6 +1044,7 @@ void duet_oai_request_free(duet_oai_request_t *req)
     free(req->user);
     json_decref(req->ignored_fields);
     json_decref(req->tools);
+    duet_oai_lp_params_free(&req->lp);
     memset(req, 0, sizeof(*req));
 }
 
@@ -1096,6 +1104,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         st = oai_parse_stop(&p);
     if (st == DUET_OK)
         st = oai_parse_stream(&p);
+    if (st == DUET_OK)
+        st = duet_oai_lp_parse(p.root, lim, &req, err_p);
     if (st == DUET_OK)
         st = oai_check_harmless(&p);
     if (st != DUET_OK)
@@ -1432,6 +1442,14 @@ static void oai_finish_value(duet_strbuf_t *out, duet_oai_finish_t f)
         duet_strbuf_puts(out, "null");
 }
 
+/* "logprobs":<json or null>,"finish_reason": */
+static void oai_logprobs_value(duet_strbuf_t *out, const char *json)
+{
+    duet_strbuf_puts(out, "\"logprobs\":");
+    duet_strbuf_puts(out, json != NULL ? json : "null");
+    duet_strbuf_puts(out, ",\"finish_reason\":");
+}
+
 static void oai_usage(duet_strbuf_t *out, uint32_t prompt_tokens, uint32_t completion_tokens)
 {
     duet_strbuf_printf(
@@ -1443,7 +1461,8 @@ duet_status_t duet_oai_response_json(const duet_oai_resp_meta_t *m, const char *
                                      duet_oai_finish_t finish, uint32_t prompt_tokens,
                                      uint32_t completion_tokens, duet_strbuf_t *out)
 {
-    const duet_oai_choice_t c = {.text = text, .len = len, .finish = finish};
+    const duet_oai_choice_t c = {
+        .text = text, .len = len, .finish = finish, .logprobs_json = m->logprobs_json};
     return duet_oai_response_json_n(m, &c, 1, prompt_tokens, completion_tokens, out);
 }
 
@@ -1473,7 +1492,7 @@ duet_status_t duet_oai_response_json_n(const duet_oai_resp_meta_t *m,
             duet_oai_json_string(out, c->text, c->len);
             duet_strbuf_puts(out, ",");
         }
-        duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
+        oai_logprobs_value(out, c->logprobs_json);
         oai_finish_value(out, c->finish);
         duet_strbuf_puts(out, "}");
     }
@@ -1512,7 +1531,7 @@ static duet_status_t oai_chunk(const duet_oai_resp_meta_t *m, bool role, const c
         duet_oai_json_string(out, text != NULL ? text : "", text != NULL ? len : 0);
         duet_strbuf_puts(out, ",");
     }
-    duet_strbuf_puts(out, "\"logprobs\":null,\"finish_reason\":");
+    oai_logprobs_value(out, role ? NULL : m->logprobs_json);
     oai_finish_value(out, finish);
     duet_strbuf_puts(out, "}]");
     if (m->include_usage)

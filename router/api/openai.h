@@ -13,10 +13,14 @@
  * {"error": {"message", "type", "param", "code"}}.
  *
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
- * because its value changes nothing (user, frequency_penalty 0, logprobs false, ...), or
- * refused with 400 "unsupported_parameter" naming it (logprobs true, logit_bias, ...).
+ * because its value changes nothing (user, best_of equal to n, ...), or refused with 400
+ * "unsupported_parameter" naming it (functions, suffix, audio, best_of > n, ...).
+ * Log-probabilities and logit processing (logprobs, top_logprobs, echo, presence_penalty,
+ * frequency_penalty, logit_bias and the vLLM extensions repetition_penalty, min_tokens,
+ * stop_token_ids) are read by openai_logprobs.c.
  * A top-level field the endpoint does not define (other than the vLLM extensions ignore_eos,
- * top_k and skip_special_tokens) is accepted and ignored, as vLLM and SGLang do, so that clients
+ * top_k, skip_special_tokens, repetition_penalty, min_tokens and stop_token_ids) is accepted and
+ * ignored, as vLLM and SGLang do, so that clients
  * sending newer or other servers' fields keep working; its name is listed in the request's
  * ignored_fields (the router logs each name once). Under lim->strict (the router's api.strict) it
  * is refused as OpenAI refuses it ("Unrecognized request argument supplied"). Unknown keys inside
@@ -69,6 +73,27 @@ typedef struct {
     bool tool_calls;             /* the tokenizer has Kimi K2's tool-call tokens (tools.h) */
 } duet_oai_limits_t;
 
+/* logit_bias entries per request at most (OpenAI's limit; the worker keeps as many). */
+#define DUET_OAI_MAX_LOGIT_BIAS 300
+
+/*
+ * Logit processing and log-probabilities of a request (router/api/openai_logprobs.h parses them;
+ * docs/architecture.md, "Sampling", says what they do).
+ */
+typedef struct {
+    double presence_penalty, frequency_penalty; /* [-2, 2], 0 = off */
+    double repetition_penalty;                  /* > 0, 1 = off (the default) */
+    uint32_t *bias_ids;                         /* (n_bias) owned, < vocab_size */
+    float *bias;                                /* (n_bias) owned, [-100, 100] */
+    size_t n_bias;
+    uint32_t min_tokens;   /* <= max_tokens */
+    bool logprobs;         /* chat: logprobs true; completions: logprobs given */
+    uint32_t top_logprobs; /* chat: top_logprobs (0..20); completions: logprobs (0..5) */
+    bool echo;             /* completions: the prompt comes first in the text (and logprobs) */
+    uint32_t stop_token_ids[DUET_OAI_MAX_EOS]; /* vLLM: ids that end the choice with "stop" */
+    size_t n_stop_token_ids;
+} duet_oai_lp_params_t;
+
 /* A validated request. Every pointer is owned by the request (duet_oai_request_free). */
 typedef struct {
     duet_oai_endpoint_t endpoint;
@@ -83,7 +108,8 @@ typedef struct {
     struct json_t *messages_json; /* the validated "messages" array (a reference), which a Jinja
                                      template reads as it came in */
     /* sampling and stopping */
-    uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat */
+    uint32_t max_tokens; /* >= 1 and <= the cap; max_completion_tokens wins in chat; 0 only for
+                            a completion with echo (prompt scoring) */
     double temperature;  /* [0, 2], default 1 (0 = greedy) */
     double top_p;        /* (0, 1], default 1 */
     int64_t top_k;       /* vLLM extension: 0 = no limit (-1 is read as 0) */
@@ -107,6 +133,7 @@ typedef struct {
                              empty, tool_choice not "none"); then the output is parsed for
                              tool calls (tools.h) */
     duet_oai_tool_choice_t tool_choice;
+    duet_oai_lp_params_t lp;
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */
@@ -227,6 +254,10 @@ typedef struct {
     int64_t created;    /* unix seconds */
     bool include_usage; /* streaming: usage null on chunks, then a usage chunk */
     uint32_t index;     /* the choice the chunks written with this meta belong to (n > 1) */
+    /* The JSON written as choices[].logprobs of the next content / finish chunk (streaming) or of
+     * duet_oai_response_json's one choice (router/api/openai_logprobs.h builds it); NULL: null.
+     * Not owned. */
+    const char *logprobs_json;
 } duet_oai_resp_meta_t;
 
 /* One finished choice of a non-streaming response. */
@@ -236,6 +267,8 @@ typedef struct {
     duet_oai_finish_t finish;
     const char *tool_calls_json; /* chat: NULL, or the message's "tool_calls" array as JSON (then
                                     an empty text is "content": null); not owned */
+    const char *logprobs_json;   /* the choice's "logprobs" as JSON (openai_logprobs.h); NULL:
+                                    null; not owned */
 } duet_oai_choice_t;
 
 /* Write "cmpl-<16 hex>" or "chatcmpl-<16 hex>" from a request id into buf (cap >= 26). */

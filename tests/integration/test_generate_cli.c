@@ -248,3 +248,108 @@ Test(generate_cli, bad_invocations_fail_clearly, .timeout = 60)
     cr_expect(strstr(out, "--dump-logits") != NULL || strstr(out, "dump_logits") != NULL, "%s",
               out);
 }
+
+/*
+ * --logprobs N: each generated token's logprob and the N most likely are the log-softmax of the
+ * raw row --dump-step-logits writes for it (float32 logits, log-softmax in double here; 1e-5
+ * absolute covers the JSON's 17 digits and the float32 rounding of duet's result); the top ids
+ * are the row's largest logits in descending order (ties: lower id first), and the tokens are
+ * the rows' argmax (greedy). With a processing flag the logprobs stay the raw rows' while the
+ * tokens change.
+ */
+Test(generate_cli, logprobs_are_the_step_logits_log_softmax, .timeout = 120)
+{
+    const char *dump = "/tmp/duet_test_step_logits.bin";
+    char cmd[4096];
+    static char out[1 << 16];
+    for (int processed = 0; processed < 2; processed++) {
+        snprintf(cmd, sizeof(cmd),
+                 "DUET_LOG_LEVEL=error %s --model " DRAFT " --prompt 'And God said' --max-tokens "
+                 "12 --dtype f32 --json --logprobs 5 --dump-step-logits %s%s",
+                 GEN, dump, processed ? " --repetition-penalty 3 --logit-bias 32:-100" : "");
+        cr_assert_eq(test_run(cmd, out, sizeof(out)), 0, "%s", out);
+        json_t *o = json_loads(out, 0, NULL);
+        cr_assert_not_null(o, "%s", out);
+        json_t *toks = json_object_get(o, "tokens"), *lps = json_object_get(o, "logprobs");
+        const size_t n = json_array_size(toks);
+        cr_assert(n > 0 && json_array_size(lps) == n, "%s", out);
+        enum { V = 258 };
+        static float rows[64 * V];
+        FILE *f = fopen(dump, "rb");
+        cr_assert_not_null(f);
+        cr_assert_eq(fread(rows, sizeof(float), n * V, f), n * V, "dump is short");
+        cr_expect_eq(fgetc(f), EOF, "dump is [n_generated, vocab] exactly");
+        fclose(f);
+        remove(dump);
+        int differs = 0;
+        for (size_t t = 0; t < n; t++) {
+            const float *row = rows + t * V;
+            double mx = row[0], sum = 0;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (row[v] > row[best])
+                    best = v;
+            mx = row[best];
+            for (int v = 0; v < V; v++)
+                sum += exp((double)row[v] - mx);
+            const double lse = mx + log(sum);
+            json_t *e = json_array_get(lps, t);
+            const json_int_t id = json_integer_value(json_array_get(toks, t));
+            cr_expect_eq(json_integer_value(json_object_get(e, "id")), id);
+            cr_expect_float_eq(json_number_value(json_object_get(e, "logprob")),
+                               (double)row[id] - lse, 1e-5, "token %zu", t);
+            differs += id != best;
+            if (!processed)
+                cr_expect_eq(id, best, "greedy token %zu is the row's argmax", t);
+            json_t *top = json_object_get(e, "top");
+            cr_assert_eq(json_array_size(top), 5);
+            int prev = -1;
+            for (size_t k = 0; k < 5; k++) {
+                const int tid = (int)json_integer_value(json_array_get(json_array_get(top, k), 0));
+                const double tlp = json_number_value(json_array_get(json_array_get(top, k), 1));
+                cr_expect_float_eq(tlp, (double)row[tid] - lse, 1e-5, "token %zu top %zu", t, k);
+                if (prev >= 0)
+                    cr_expect(row[tid] < row[prev] || (row[tid] == row[prev] && tid > prev),
+                              "token %zu top %zu out of order", t, k);
+                /* nothing outside the list beats its last */
+                prev = tid;
+            }
+            int above = 0;
+            for (int v = 0; v < V; v++)
+                above += row[v] > row[prev] || (row[v] == row[prev] && v < prev);
+            cr_expect_eq(above, 4, "token %zu: the top 5 are not the 5 largest", t);
+        }
+        if (processed)
+            cr_expect_gt(differs, 0,
+                         "the processing flags changed no token (the case cannot fail)");
+        json_decref(o);
+    }
+}
+
+/*
+ * Speculating (the shipped drafter), the logprobs come from the verify rows of the emitted
+ * positions, which on the CPU are bit-identical to plain decoding's rows: the JSON equals a run
+ * without speculation exactly, and drafts were kept (else the case proves nothing).
+ */
+Test(generate_cli, logprobs_under_speculation_equal_plain_decoding, .timeout = 120)
+{
+    static char plain[1 << 16], spec[1 << 16];
+    char cmd[4096];
+    const char *base = "DUET_LOG_LEVEL=error %s --model " DEMO " --prompt 'And God said' "
+                       "--max-tokens 24 --dtype f32 --json --logprobs 3%s";
+    snprintf(cmd, sizeof(cmd), base, GEN, "");
+    cr_assert_eq(test_run(cmd, plain, sizeof(plain)), 0, "%s", plain);
+    snprintf(cmd, sizeof(cmd), base, GEN,
+             " --spec.method draft --spec.k 3 --spec.draft-model " DRAFT);
+    cr_assert_eq(test_run(cmd, spec, sizeof(spec)), 0, "%s", spec);
+    json_t *a = json_loads(plain, 0, NULL), *b = json_loads(spec, 0, NULL);
+    cr_assert(a != NULL && b != NULL);
+    cr_expect_gt(json_integer_value(json_object_get(b, "accepted_tokens")), 0,
+                 "no draft was kept: %s", spec);
+    cr_expect(json_equal(json_object_get(a, "tokens"), json_object_get(b, "tokens")));
+    cr_expect(json_equal(json_object_get(a, "logprobs"), json_object_get(b, "logprobs")),
+              "speculating changed the logprobs:\n%s\n%s", plain, spec);
+    cr_expect_eq(json_array_size(json_object_get(b, "logprobs")), 24);
+    json_decref(a);
+    json_decref(b);
+}

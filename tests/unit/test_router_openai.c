@@ -328,11 +328,18 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"stream\":true,\"stream_options\":[]}", 400, "invalid_type", "stream_options",
      NULL},
     /* unsupported */
-    {H, "{" M MSG ",\"logprobs\":true}", 400, "unsupported_parameter", "logprobs", "logprobs"},
-    {C, "{" M "\"prompt\":\"x\",\"logprobs\":2}", 400, "unsupported_parameter", "logprobs", NULL},
-    {H, "{" M MSG ",\"top_logprobs\":3}", 400, "unsupported_parameter", "top_logprobs", NULL},
-    {H, "{" M MSG ",\"logit_bias\":{\"50256\":-100}}", 400, "unsupported_parameter", "logit_bias",
+    /* logprobs and logit processing (router/api/openai_logprobs.c) */
+    {H, "{" M MSG ",\"logprobs\":1}", 400, "invalid_type", "logprobs", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"logprobs\":6}", 400, "invalid_value", "logprobs", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"logprobs\":true}", 400, "invalid_type", "logprobs", NULL},
+    {H, "{" M MSG ",\"top_logprobs\":3}", 400, "invalid_value", "top_logprobs", "requires"},
+    {H, "{" M MSG ",\"logprobs\":true,\"top_logprobs\":21}", 400, "invalid_value", "top_logprobs",
      NULL},
+    {H, "{" M MSG ",\"logit_bias\":{\"50256\":-100}}", 400, "invalid_value", "logit_bias.50256",
+     NULL},
+    {H, "{" M MSG ",\"logit_bias\":{\"-1\":1}}", 400, "invalid_value", "logit_bias.-1", NULL},
+    {H, "{" M MSG ",\"logit_bias\":{\"5\":100.5}}", 400, "invalid_value", "logit_bias.5", NULL},
+    {H, "{" M MSG ",\"logit_bias\":{\"5\":\"1\"}}", 400, "invalid_type", "logit_bias.5", NULL},
     {H, "{" M MSG ",\"logit_bias\":[]}", 400, "invalid_type", "logit_bias", NULL},
     /* tools: malformed, then well formed for a model without a tool format (duet's template) */
     {H, "{" M MSG ",\"tools\":[{\"type\":\"function\"}]}", 400, "missing_required_parameter",
@@ -381,6 +388,25 @@ static const bad_case_t bad_cases[] = {
      "{" M MSG ",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"},"
      "\"x\":1}}",
      400, "unrecognized_argument", "tool_choice", NULL},
+    {H, "{" M MSG ",\"frequency_penalty\":2.5}", 400, "invalid_value", "frequency_penalty", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":-2.01}", 400, "invalid_value",
+     "presence_penalty", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
+     "presence_penalty", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"repetition_penalty\":0}", 400, "invalid_value",
+     "repetition_penalty", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"max_tokens\":4,\"min_tokens\":5}", 400, "invalid_value",
+     "min_tokens", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"max_tokens\":0}", 400, "invalid_value", "max_tokens", "echo"},
+    {C, "{" M "\"prompt\":\"x\",\"max_tokens\":0,\"echo\":true,\"stream\":true}", 400,
+     "unsupported_value", "max_tokens", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"echo\":1}", 400, "invalid_type", "echo", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"stop_token_ids\":[3,258]}", 400, "invalid_value",
+     "stop_token_ids[1]", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"stop_token_ids\":[\"3\"]}", 400, "invalid_type",
+     "stop_token_ids[0]", NULL},
+    {C, "{" M "\"prompt\":\"x\",\"stop_token_ids\":[1,2,3,4,5,6,7,8,9]}", 400, "invalid_value",
+     "stop_token_ids", NULL},
     {H, "{" M MSG ",\"functions\":[{}]}", 400, "unsupported_parameter", "functions", NULL},
     {H, "{" M MSG ",\"function_call\":\"auto\"}", 400, "unsupported_parameter", "function_call",
      NULL},
@@ -391,17 +417,10 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
      "modalities", NULL},
     {H, "{" M MSG ",\"audio\":{}}", 400, "unsupported_parameter", "audio", NULL},
-    {H, "{" M MSG ",\"frequency_penalty\":0.5}", 400, "unsupported_parameter", "frequency_penalty",
-     NULL},
-    {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":-1}", 400, "unsupported_parameter",
-     "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
      "presence_penalty", NULL},
     {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_value", "best_of", "log-prob"},
-    {C, "{" M "\"prompt\":\"x\",\"echo\":true}", 400, "unsupported_parameter", "echo", NULL},
     {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"repetition_penalty\":1.2}", 400, "unsupported_parameter",
-     "repetition_penalty", NULL},
 };
 
 /* Every bad case under api.strict; without it, the same but for unknown top-level fields (the
@@ -1127,9 +1146,9 @@ Test(router_openai, n_choices_response_and_sse, .timeout = 10)
     m.include_usage = false;
     const char *calls = "[{\"id\":\"functions.f:0\",\"type\":\"function\",\"function\":"
                         "{\"name\":\"f\",\"arguments\":\"{}\"}}]";
-    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP, NULL},
-                                    {"bb", 2, DUET_OAI_FINISH_LENGTH, NULL},
-                                    {"", 0, DUET_OAI_FINISH_TOOL_CALLS, calls}};
+    const duet_oai_choice_t c[3] = {{"a", 1, DUET_OAI_FINISH_STOP, NULL, NULL},
+                                    {"bb", 2, DUET_OAI_FINISH_LENGTH, NULL, NULL},
+                                    {"", 0, DUET_OAI_FINISH_TOOL_CALLS, calls, NULL}};
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
     cr_assert_eq(duet_oai_response_json_n(&m, c, 3, 4, 6, &sb), DUET_OK);
@@ -1626,8 +1645,8 @@ Test(router_openai, fuzz_parsers, .timeout = 120)
         if (st == DUET_OK) {
             n_ok++;
             bool sane =
-                r.max_tokens >= 1 && r.max_tokens <= lim.max_tokens_cap &&
-                r.n_stop <= DUET_OAI_MAX_STOP &&
+                (r.max_tokens >= 1 || (r.lp.echo && !r.stream)) &&
+                r.max_tokens <= lim.max_tokens_cap && r.n_stop <= DUET_OAI_MAX_STOP &&
                 (ep == DUET_OAI_ENDPOINT_CHAT ? r.n_messages > 0
                                               : (r.prompt != NULL) != (r.prompt_ids != NULL));
             cr_assert(sane, "accepted an insane request: %.*s", (int)len, buf);
