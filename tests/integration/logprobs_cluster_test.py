@@ -17,7 +17,10 @@ then checks:
   - chat logprobs parse with the official openai client (ChatCompletion.choices[0].logprobs):
     top_logprobs as asked, the bytes spell the content, streamed chunks carry the same values;
   - stop_token_ids end the text before the first such id of duet-generate's output, "stop";
-  - bad values are 400s naming the parameter.
+  - bad values are 400s naming the parameter;
+  - duet-bench --accuracy (bench/accuracy_docs.py's held-out documents, 4 of ~120 bytes): each
+    document's bits per byte equals the one from duet-generate --dump-logits (1e-4), a run
+    against itself as baseline is not a drop, against a baseline 0.05 bits/byte better it is.
 
 Usage: logprobs_cluster_test.py BUILD_DIR MODEL_DIR (the draft model is MODEL_DIR's sibling
 duet-demo-draft). Env: LOGPROBS_TEST_LOG_LEVEL, the processes' log level (default warn); their
@@ -173,7 +176,57 @@ def metric(port, name):
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def check_accuracy_gate(port, tmp):
+    """duet-bench --accuracy through the cluster: each document's bits per byte equals the one
+    computed from duet-generate --dump-logits (1e-4), the same run against itself as a baseline
+    is not a drop (exit 0), and against a baseline 0.05 bits per byte better on every document it
+    is (exit 3)."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(MODEL)))
+    docs = f"{tmp}/heldout.jsonl"
+    subprocess.run([sys.executable, f"{src}/bench/accuracy_docs.py", "--data", f"{src}/data/corpus",
+                    "--doc-bytes", "120", docs],
+                   check=True, capture_output=True)
+    texts = [json.loads(line)["text"] for line in open(docs, encoding="utf-8")][:4]
+    with open(docs, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+    bench = [f"{BUILD}/bench/duet-bench", "--url", f"http://127.0.0.1:{port}", "--quiet",
+             "--accuracy", docs]
+    acc = f"{tmp}/acc.json"
+    run = subprocess.run(bench + ["--json", acc], capture_output=True, text=True)
+    check(run.returncode == 0, f"duet-bench --accuracy: exit {run.returncode}: {run.stderr[-400:]}")
+    if run.returncode != 0:
+        return
+    got = json.load(open(acc))
+    per_doc = got["accuracy"]["per_document"] if "accuracy" in got else got["per_document"]
+    check(len(per_doc) == len(texts), f"accuracy: {len(per_doc)} documents scored")
+    for i, t in enumerate(texts):  # the demo tokenizer: BOS, then one id per byte
+        ids = [256] + list(t.encode())
+        dump = f"{tmp}/acc{i}.logits"
+        generate(ids, 1, dump=dump)
+        raw = open(dump, "rb").read()
+        V = len(raw) // 4 // len(ids)
+        nats = sum(log_softmax_at(struct.unpack_from(f"<{V}f", raw, r * V * 4), ids[r + 1])
+                   for r in range(len(ids) - 1))
+        want = -nats / math.log(2) / len(t.encode())
+        check(abs(per_doc[i]["bits_per_byte"] - want) <= 1e-4,
+              f"accuracy: document {i}: {per_doc[i]['bits_per_byte']} bits/byte, "
+              f"duet-generate's logits give {want}")
+    same = subprocess.run(bench + ["--baseline", acc], capture_output=True, text=True)
+    check(same.returncode == 0, f"accuracy against itself: exit {same.returncode}: {same.stdout}")
+    better = json.load(open(acc))
+    for d in (better["accuracy"]["per_document"] if "accuracy" in better
+              else better["per_document"]):
+        d["bits_per_byte"] -= 0.05
+    json.dump(better, open(f"{tmp}/acc-better.json", "w"))
+    drop = subprocess.run(bench + ["--baseline", f"{tmp}/acc-better.json"], capture_output=True,
+                          text=True)
+    check(drop.returncode == 3 and "DROPPED" in drop.stdout,
+          f"accuracy against a better baseline: exit {drop.returncode}: {drop.stdout[-400:]}")
+
+
 def run_checks(port, model, tmp):
+    check_accuracy_gate(port, tmp)
     short = [256, 65, 110, 100, 32, 71, 111, 100]  # below LOCAL_BELOW: the gen worker prefills
     long = [256] + list(b"In the beginning God created the heaven and the earth. And the earth")
     for gen in range(2):  # round robin: each path on both generation workers
