@@ -192,13 +192,11 @@ static int str_byte(duet_json_t *s, uint8_t c)
 int duet_json_feed(duet_json_t *s, uint8_t c)
 {
     switch (s->mode) {
-    case M_TOP_OBJ:
-        if (is_ws(c))
-            return gap_ws(s);
+    case M_TOP_OBJ: /* no whitespace before the top-level value (nor after it) */
         return c == '{' && push(s, 1);
     case M_VALUE:
         if (is_ws(c))
-            return gap_ws(s);
+            return s->depth > 0 && gap_ws(s);
         return value_start(s, c);
     case M_ARR_FIRST:
         if (is_ws(c))

@@ -7,8 +7,8 @@
  *
  * Limits that keep every accepted text finite and parseable by ordinary JSON parsers: nesting at
  * most DUET_JSON_MAX_DEPTH, at most DUET_JSON_MAX_WS whitespace bytes between two tokens and none
- * after the top-level value, at most 15 integer and 15 fraction digits and 2 exponent digits in a
- * number; \u escapes must pair surrogates.
+ * before or after the top-level value, at most 15 integer and 15 fraction digits and 2 exponent
+ * digits in a number; \u escapes must pair surrogates.
  */
 #ifndef DUET_ENGINE_JSON_GRAMMAR_H
 #define DUET_ENGINE_JSON_GRAMMAR_H
@@ -19,7 +19,7 @@
 #include "common/status.h"
 
 #define DUET_JSON_MAX_DEPTH 32
-#define DUET_JSON_MAX_WS    16
+#define DUET_JSON_MAX_WS    8
 
 /* The automaton's state; zero is not valid, use duet_json_init. */
 typedef struct {

@@ -86,6 +86,8 @@ Test(json_grammar, invalid_rejected_at_the_byte)
         {"{\"a\":\"\xed\xa0\x80\"}", 7, 1}, /* UTF-8 surrogate */
         {"{\"a\":\"\xe2\x82\"}", 8, 1},     /* truncated UTF-8 */
         {"{} ", 2, 1},                      /* nothing after the value */
+        {" {}", 0, 1},                      /* nor before it */
+        {"\n1", 0, 0},
         {"{}{}", 2, 1},
         {"{\"a\":1]", 6, 1},     /* wrong close */
         {"{\"a\":1e123}", 9, 1}, /* exponent digits limited */

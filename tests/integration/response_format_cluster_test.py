@@ -1,0 +1,184 @@
+"""response_format json_object through a real local cluster, with the official openai client.
+
+Starts duet-router, one duet-ctx and two duet-gen on the demo model (CPU; gen-1 speculates with
+the shipped draft model, which a response_format request must not use; round-robin placement, so
+every check runs on both gen workers), then checks:
+  - chat with response_format {"type": "json_object"}, greedy and seeded (temperature 1), by local
+    prefill (a short prompt: the gen worker samples every id under the mask) and by remote
+    prefill (a long prompt: the context worker samples the first id under the mask, the gen
+    worker replays it into its automaton and goes on): the content parses with json.loads as an
+    object whenever finish_reason is "stop", and with "length" it is a prefix the Python json
+    parser fails on only because it ended (json.JSONDecodeError at the text's end);
+  - the same prompts without response_format: the demo model's free text is not a JSON object
+    (so the checks above can fail);
+  - max_tokens 2 cuts the object: finish_reason "length", a valid prefix;
+  - streaming gives the same content as the non-streamed greedy answer;
+  - json_schema and unknown types are 400s naming response_format.type (openai.BadRequestError).
+
+Usage: response_format_cluster_test.py BUILD_DIR MODEL_DIR. Env: RF_TEST_LOG_LEVEL (default
+warn); the processes' logs stay in the temp dir a failure names.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+BUILD, MODEL = sys.argv[1], sys.argv[2]
+DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
+LOCAL_BELOW = 16  # prompts shorter than this many tokens are prefilled by the gen worker
+CUT_SCALAR = re.compile(r"^(-?[0-9]*\.?[0-9]*([eE][+-]?[0-9]*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?|"
+                        r"n(u(ll?)?)?)$")
+failures = []
+counts = {"stop": 0, "length": 0}
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def check_json(content, finish, what):
+    """A finished answer is one JSON object; a cut one fails to parse only at its end."""
+    counts[finish] = counts.get(finish, 0) + 1
+    if finish == "stop":
+        try:
+            check(isinstance(json.loads(content), dict), f"{what}: not an object: {content!r}")
+        except json.JSONDecodeError as e:
+            check(False, f"{what}: finished but does not parse ({e}): {content!r}")
+    else:
+        check(finish == "length", f"{what}: finish_reason {finish}")
+        try:
+            json.loads(content)
+            check(False, f"{what}: cut by length yet complete: {content!r}")
+        except json.JSONDecodeError as e:
+            # cut inside the value: the parser runs out of text (or stops at a cut string,
+            # escape, number or literal), it never meets a wrong byte
+            rest = content[e.pos:]
+            check(e.pos >= len(content.rstrip()) or e.msg.startswith("Unterminated string")
+                  or e.msg.startswith("Invalid \\uXXXX") or CUT_SCALAR.match(rest),
+                  f"{what}: a byte the mask should have refused ({e}): {content!r}")
+
+
+def run_checks(client, model):
+    import openai
+    short = [{"role": "user", "content": "Give me a JSON object."}]
+    long = [{"role": "user", "content": "Describe the weather in JSON. " * 12}]
+    rf = {"type": "json_object"}
+    for prompt, where in ((short, "local prefill"), (long, "remote prefill")):
+        for rep in range(2):  # round robin: each gen worker
+            r = client.chat.completions.create(model=model, messages=prompt, max_tokens=48,
+                                               temperature=0, response_format=rf)
+            c = r.choices[0]
+            check_json(c.message.content, c.finish_reason, f"greedy, {where}, run {rep}")
+            if rep == 0:
+                greedy = c.message.content
+                print(f"greedy, {where}: {greedy!r} ({c.finish_reason})", flush=True)
+            else:
+                check(c.message.content == greedy, f"greedy, {where}: the two gen workers differ: "
+                      f"{greedy!r} vs {c.message.content!r}")
+            free = client.chat.completions.create(model=model, messages=prompt, max_tokens=48,
+                                                  temperature=0)
+            text = free.choices[0].message.content
+            try:
+                is_obj = isinstance(json.loads(text), dict)
+            except json.JSONDecodeError:
+                is_obj = False
+            check(not is_obj, f"{where}: the free text is already a JSON object: {text!r}")
+            if rep == 0:
+                print(f"free text, {where}: {text!r}", flush=True)
+        for seed in range(4):
+            r = client.chat.completions.create(model=model, messages=prompt, max_tokens=48,
+                                               temperature=1.0, seed=seed, response_format=rf)
+            c = r.choices[0]
+            check_json(c.message.content, c.finish_reason, f"seed {seed}, {where}")
+            print(f"seed {seed}, {where}: {c.message.content!r} ({c.finish_reason})", flush=True)
+        r = client.chat.completions.create(model=model, messages=prompt, max_tokens=2,
+                                           temperature=0, response_format=rf)
+        c = r.choices[0]
+        check(c.finish_reason == "length", f"max_tokens 2, {where}: {c.finish_reason}")
+        check_json(c.message.content, c.finish_reason, f"max_tokens 2, {where}")
+        stream = client.chat.completions.create(model=model, messages=prompt, max_tokens=48,
+                                                temperature=0, response_format=rf, stream=True)
+        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        check(text == greedy, f"stream, {where}: {text!r} vs {greedy!r}")
+    for bad, what in (({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                       "json_schema"), ({"type": "xml"}, "unknown type")):
+        try:
+            client.chat.completions.create(model=model, messages=short, max_tokens=4,
+                                           response_format=bad)
+            check(False, f"{what}: accepted")
+        except openai.BadRequestError as e:
+            check(e.body.get("param") == "response_format.type", f"{what}: {e.body}")
+
+
+def main():
+    import openai
+    tmp = tempfile.mkdtemp(prefix="duet-rf-")
+    hp, wp, ap = free_port(), free_port(), free_port()
+    procs = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
+    env["DUET_LOG_LEVEL"] = os.environ.get("RF_TEST_LOG_LEVEL", "warn")
+
+    def spawn(name, argv):
+        log = open(f"{tmp}/{name}.log", "w")
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env))
+
+    try:
+        spawn("router", [f"{BUILD}/router/duet-router", "--model", MODEL, "--http.port", str(hp),
+                         "--workers.port", str(wp), "--admin.port", str(ap),
+                         "--admin.insecure-no-token", "--placement.local_prefill_tokens",
+                         str(LOCAL_BELOW), "--placement.policy", "round_robin"])
+        common = ["--router", f"127.0.0.1:{wp}", "--model", MODEL, "--threads", "1",
+                  "--heartbeat_ms", "100", "--device", "cpu", "--cache.page_tokens", "16",
+                  "--cache.kv_pages", "256", "--batch.max_seqs", "4"]
+        spawn("ctx", [f"{BUILD}/ctx_worker/duet-ctx", "--name", "ctx-0", *common])
+        spawn("gen-0", [f"{BUILD}/gen_worker/duet-gen", "--name", "gen-0", *common])
+        spawn("gen-1", [f"{BUILD}/gen_worker/duet-gen", "--name", "gen-1", *common,
+                        "--spec.method", "draft", "--spec.k", "3", "--spec.draft-model", DRAFT])
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                h = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/health",
+                                                      timeout=5).read())
+                if h.get("gen_workers", 0) + h.get("ctx_workers", 0) == 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        else:
+            raise SystemExit(f"the cluster did not come up (logs in {tmp})")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{hp}/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        run_checks(client, model)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print(f"finish reasons of the constrained answers: {counts}")
+    if failures:
+        print(f"{len(failures)} check(s) failed (logs in {tmp})")
+        sys.exit(1)
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("response_format_cluster: all checks passed")
+
+
+main()
