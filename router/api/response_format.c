@@ -39,6 +39,12 @@ duet_status_t duet_oai_rf_parse(const json_t *root, duet_oai_request_t *req, due
     if (strcmp(type, "text") == 0)
         return DUET_OK;
     if (strcmp(type, "json_object") == 0) {
+        if (req->ignore_eos) { /* a complete object must be able to end the output */
+            duet_oai_error_make(err, 400, NULL, "unsupported_value", "ignore_eos",
+                                "ignore_eos cannot be combined with a response_format: the "
+                                "output must end when the JSON does.");
+            return DUET_ERR_INVALID;
+        }
         req->response_format = DUET_RF_JSON_OBJECT;
         return DUET_OK;
     }

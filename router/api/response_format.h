@@ -14,8 +14,9 @@
 
 /*
  * Read and validate a chat body's response_format from `root` into req->response_format (NULL
- * for none or text, else a static string, DUET_RF_JSON_OBJECT). Bad input: a 400 in *err naming
- * response_format (or the field under it), DUET_ERR_INVALID.
+ * for none or text, else a static string, DUET_RF_JSON_OBJECT); req->ignore_eos must be parsed
+ * already (it cannot go with json_object). Bad input: a 400 in *err naming response_format (or
+ * the field under it, or ignore_eos), DUET_ERR_INVALID.
  */
 duet_status_t duet_oai_rf_parse(const struct json_t *root, duet_oai_request_t *req,
                                 duet_oai_error_t *err);

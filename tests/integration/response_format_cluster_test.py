@@ -22,34 +22,16 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from demo_cluster import check, demo_cluster, failures
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
-DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
 LOCAL_BELOW = 16  # prompts shorter than this many tokens are prefilled by the gen worker
 CUT_SCALAR = re.compile(r"^(-?[0-9]*\.?[0-9]*([eE][+-]?[0-9]*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?|"
                         r"n(u(ll?)?)?)$")
-failures = []
 counts = {"stop": 0, "length": 0}
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def check_json(content, finish, what):
@@ -129,50 +111,11 @@ def run_checks(client, model):
 def main():
     import openai
     tmp = tempfile.mkdtemp(prefix="duet-rf-")
-    hp, wp, ap = free_port(), free_port(), free_port()
-    procs = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
-    env["DUET_LOG_LEVEL"] = os.environ.get("RF_TEST_LOG_LEVEL", "warn")
-
-    def spawn(name, argv):
-        log = open(f"{tmp}/{name}.log", "w")
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env))
-
-    try:
-        spawn("router", [f"{BUILD}/router/duet-router", "--model", MODEL, "--http.port", str(hp),
-                         "--workers.port", str(wp), "--admin.port", str(ap),
-                         "--admin.insecure-no-token", "--placement.local_prefill_tokens",
-                         str(LOCAL_BELOW), "--placement.policy", "round_robin"])
-        common = ["--router", f"127.0.0.1:{wp}", "--model", MODEL, "--threads", "1",
-                  "--heartbeat_ms", "100", "--device", "cpu", "--cache.page_tokens", "16",
-                  "--cache.kv_pages", "256", "--batch.max_seqs", "4"]
-        spawn("ctx", [f"{BUILD}/ctx_worker/duet-ctx", "--name", "ctx-0", *common])
-        spawn("gen-0", [f"{BUILD}/gen_worker/duet-gen", "--name", "gen-0", *common])
-        spawn("gen-1", [f"{BUILD}/gen_worker/duet-gen", "--name", "gen-1", *common,
-                        "--spec.method", "draft", "--spec.k", "3", "--spec.draft-model", DRAFT])
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                h = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/health",
-                                                      timeout=5).read())
-                if h.get("gen_workers", 0) + h.get("ctx_workers", 0) == 3:
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        else:
-            raise SystemExit(f"the cluster did not come up (logs in {tmp})")
+    with demo_cluster(BUILD, MODEL, tmp, os.environ.get("RF_TEST_LOG_LEVEL", "warn"),
+                      LOCAL_BELOW) as hp:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{hp}/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         run_checks(client, model)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
     print(f"finish reasons of the constrained answers: {counts}")
     if failures:
         print(f"{len(failures)} check(s) failed (logs in {tmp})")

@@ -428,6 +428,8 @@ static const bad_case_t bad_cases[] = {
      NULL},
     {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\",\"strict\":true}}", 400,
      "unrecognized_argument", "response_format", "strict"},
+    {H, "{" M MSG ",\"ignore_eos\":true,\"response_format\":{\"type\":\"json_object\"}}", 400,
+     "unsupported_value", "ignore_eos", "JSON"},
     {C, "{" M "\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", 400,
      "unrecognized_argument", "response_format", NULL},
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
