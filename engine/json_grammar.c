@@ -410,34 +410,82 @@ typedef struct {
     uint8_t byte;
 } duet__trie_node_t;
 
-struct duet_json_vocab {
-    int64_t vocab;
+typedef struct {
     duet__trie_node_t *nodes;
     uint32_t n_nodes, cap_nodes;
-    int32_t *next_tok;     /* [vocab]: the next id ending at the same node, -1 = none */
+} duet__trie_t;
+
+/*
+ * Two tries: every id, and the ids that are not plain string text. Inside a string (the state
+ * the mask meets most, and the costliest: nearly every id continues it) the plain ids are
+ * allowed wholesale from a bitmap and only the other trie is walked.
+ */
+struct duet_json_vocab {
+    int64_t vocab;
+    duet__trie_t all, rest;
+    int32_t *next_all, *next_rest; /* [vocab]: the next id ending at the same node, -1 = none */
+    uint8_t *plain;                /* [vocab]: 1 = fed inside a string, leaves it as it was */
+    int64_t n_plain;
     const uint8_t **bytes; /* [vocab] */
     size_t *len;           /* [vocab] */
 };
 
-static int64_t duet__trie_child(duet_json_vocab_t *v, uint32_t node, uint8_t b)
+static int duet__trie_init(duet__trie_t *t)
 {
-    uint32_t c = v->nodes[node].child;
-    for (; c != 0; c = v->nodes[c].sibling)
-        if (v->nodes[c].byte == b)
+    t->cap_nodes = 1024;
+    t->nodes = malloc(sizeof(*t->nodes) * t->cap_nodes);
+    if (t->nodes == NULL)
+        return 0;
+    t->nodes[0] = (duet__trie_node_t){.tok = -1};
+    t->n_nodes = 1;
+    return 1;
+}
+
+static int64_t duet__trie_child(duet__trie_t *t, uint32_t node, uint8_t b)
+{
+    uint32_t c = t->nodes[node].child;
+    for (; c != 0; c = t->nodes[c].sibling)
+        if (t->nodes[c].byte == b)
             return c;
-    if (v->n_nodes == v->cap_nodes) {
-        uint32_t ncap = v->cap_nodes * 2;
-        duet__trie_node_t *nn = realloc(v->nodes, sizeof(*nn) * ncap);
+    if (t->n_nodes == t->cap_nodes) {
+        uint32_t ncap = t->cap_nodes * 2;
+        duet__trie_node_t *nn = realloc(t->nodes, sizeof(*nn) * ncap);
         if (nn == NULL)
             return -1;
-        v->nodes = nn;
-        v->cap_nodes = ncap;
+        t->nodes = nn;
+        t->cap_nodes = ncap;
     }
-    c = v->n_nodes++;
-    v->nodes[c] =
-        (duet__trie_node_t){.child = 0, .sibling = v->nodes[node].child, .tok = -1, .byte = b};
-    v->nodes[node].child = c;
+    c = t->n_nodes++;
+    t->nodes[c] =
+        (duet__trie_node_t){.child = 0, .sibling = t->nodes[node].child, .tok = -1, .byte = b};
+    t->nodes[node].child = c;
     return c;
+}
+
+/* Add id's bytes; 0 when out of memory. */
+static int duet__trie_add(duet__trie_t *t, int32_t *next, int32_t id, const uint8_t *p, size_t n)
+{
+    int64_t node = 0;
+    for (size_t i = 0; i < n && node >= 0; i++)
+        node = duet__trie_child(t, (uint32_t)node, p[i]);
+    if (node < 0)
+        return 0;
+    next[id] = t->nodes[node].tok;
+    t->nodes[node].tok = id;
+    return 1;
+}
+
+/* Whether p[0..n) inside a string stays string text and ends where it began (outside a
+ * multi-byte character): then it is allowed in every string state and changes none. */
+static int duet__plain_text(const uint8_t *p, size_t n)
+{
+    duet_json_t s;
+    duet_json_init(&s, 0);
+    s.mode = M_STR;
+    for (size_t i = 0; i < n; i++)
+        if (!duet_json_feed(&s, p[i]) || (s.mode != M_STR && s.mode != M_UTF8))
+            return 0;
+    return s.mode == M_STR;
 }
 
 duet_status_t duet_json_vocab_create(
@@ -448,29 +496,29 @@ duet_status_t duet_json_vocab_create(
     if (v == NULL || vocab <= 0 || vocab > INT32_MAX)
         goto nomem;
     v->vocab = vocab;
-    v->cap_nodes = 1024;
-    v->nodes = malloc(sizeof(*v->nodes) * v->cap_nodes);
-    v->next_tok = malloc(sizeof(*v->next_tok) * (size_t)vocab);
+    v->next_all = malloc(sizeof(*v->next_all) * (size_t)vocab);
+    v->next_rest = malloc(sizeof(*v->next_rest) * (size_t)vocab);
+    v->plain = calloc((size_t)vocab, 1);
     v->bytes = calloc((size_t)vocab, sizeof(*v->bytes));
     v->len = calloc((size_t)vocab, sizeof(*v->len));
-    if (v->nodes == NULL || v->next_tok == NULL || v->bytes == NULL || v->len == NULL)
+    if (!duet__trie_init(&v->all) || !duet__trie_init(&v->rest) || v->next_all == NULL ||
+        v->next_rest == NULL || v->plain == NULL || v->bytes == NULL || v->len == NULL)
         goto nomem;
-    v->nodes[0] = (duet__trie_node_t){.tok = -1};
-    v->n_nodes = 1;
     for (int64_t id = 0; id < vocab; id++) {
         const uint8_t *p;
         size_t n;
-        v->next_tok[id] = -1;
+        v->next_all[id] = v->next_rest[id] = -1;
         if (token_bytes(user, (uint32_t)id, &p, &n) != 0 || n == 0 ||
             (is_special != NULL && is_special(user, (uint32_t)id)))
             continue;
-        int64_t node = 0;
-        for (size_t i = 0; i < n && node >= 0; i++)
-            node = duet__trie_child(v, (uint32_t)node, p[i]);
-        if (node < 0)
+        if (!duet__trie_add(&v->all, v->next_all, (int32_t)id, p, n))
             goto nomem;
-        v->next_tok[id] = v->nodes[node].tok;
-        v->nodes[node].tok = (int32_t)id;
+        if (duet__plain_text(p, n)) {
+            v->plain[id] = 1;
+            v->n_plain++;
+        } else if (!duet__trie_add(&v->rest, v->next_rest, (int32_t)id, p, n)) {
+            goto nomem;
+        }
         v->bytes[id] = p;
         v->len[id] = n;
     }
@@ -485,8 +533,11 @@ void duet_json_vocab_destroy(duet_json_vocab_t *v)
 {
     if (v == NULL)
         return;
-    free(v->nodes);
-    free(v->next_tok);
+    free(v->all.nodes);
+    free(v->rest.nodes);
+    free(v->next_all);
+    free(v->next_rest);
+    free(v->plain);
     free(v->bytes);
     free(v->len);
     free(v);
@@ -509,25 +560,29 @@ const uint8_t *duet_json_vocab_bytes(const duet_json_vocab_t *v, uint32_t id, si
 
 /* Depth-first under node with s (the state after the node's bytes): every id ending below. The
  * recursion is as deep as the longest token. */
-static int64_t duet__walk(const duet_json_vocab_t *v, uint32_t node, const duet_json_t *s,
-                          uint8_t *ok)
+static int64_t duet__walk(const duet__trie_t *t, const int32_t *next, uint32_t node,
+                          const duet_json_t *s, uint8_t *ok)
 {
     int64_t n = 0;
-    for (uint32_t c = v->nodes[node].child; c != 0; c = v->nodes[c].sibling) {
-        duet_json_t t = *s;
-        if (!duet_json_feed(&t, v->nodes[c].byte))
+    for (uint32_t c = t->nodes[node].child; c != 0; c = t->nodes[c].sibling) {
+        duet_json_t u = *s;
+        if (!duet_json_feed(&u, t->nodes[c].byte))
             continue; /* every token below shares the rejected prefix */
-        for (int32_t id = v->nodes[c].tok; id >= 0; id = v->next_tok[id]) {
+        for (int32_t id = t->nodes[c].tok; id >= 0; id = next[id]) {
             ok[id] = 1;
             n++;
         }
-        n += duet__walk(v, c, &t, ok);
+        n += duet__walk(t, next, c, &u, ok);
     }
     return n;
 }
 
 int64_t duet_json_allowed(const duet_json_t *s, const duet_json_vocab_t *v, uint8_t *ok)
 {
+    if (s->mode == M_STR) {
+        memcpy(ok, v->plain, (size_t)v->vocab);
+        return v->n_plain + duet__walk(&v->rest, v->next_rest, 0, s, ok);
+    }
     memset(ok, 0, (size_t)v->vocab);
-    return duet__walk(v, 0, s, ok);
+    return duet__walk(&v->all, v->next_all, 0, s, ok);
 }

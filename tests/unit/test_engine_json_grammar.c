@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "engine/json_grammar.h"
+#include "tokenizer/tokenizer.h"
 
 /* Index of the first rejected byte, or -1 when all of text is accepted. */
 static long first_reject(const char *text, size_t n, int top_object, duet_json_t *out)
@@ -263,4 +264,63 @@ Test(json_grammar, mask_matches_per_token_feed)
     }
     cr_assert_gt(checked, 1000);
     duet_json_vocab_destroy(v);
+}
+
+/* o200k_base (200,019 ids, multi-byte pieces, partial UTF-8 pieces): the mask (with the plain
+ * string ids taken from the bitmap) equals feeding each id alone, in states of every kind. */
+static int tik_bytes(void *user, uint32_t id, const uint8_t **p, size_t *n)
+{
+    return duet_tokenizer_token_bytes(user, id, p, n) != DUET_OK;
+}
+
+static int tik_special(void *user, uint32_t id)
+{
+    return duet_tokenizer_is_special(user, id);
+}
+
+Test(json_grammar, mask_on_a_large_vocabulary, .timeout = 120)
+{
+    duet_tokenizer_t *tok = NULL;
+    cr_assert_eq(duet_tokenizer_load(DUET_SOURCE_DIR "/data/tokenizers/o200k_base.tiktoken", &tok),
+                 DUET_OK, "%s", duet_error_last());
+    const int64_t V = duet_tokenizer_vocab_size(tok);
+    duet_json_vocab_t *v;
+    cr_assert_eq(duet_json_vocab_create(V, tik_bytes, tik_special, tok, &v), DUET_OK);
+    uint8_t *ok = malloc((size_t)V);
+    static const char *const prefixes[] = {
+        "",
+        "{",
+        "{\"",
+        "{\"name\": \"Jo",
+        "{\"a\": 12",
+        "{\"a\": [1, ",
+        "{\"a\": {\"b\": tr",
+        "{\"s\": \"caf\xc3",
+        "{\"s\": \"\\u00",
+        "{\"s\": \"\\ud83d",
+        "{\"a\": -0.5e",
+        "{\"a\":1}",
+    };
+    for (size_t i = 0; i < sizeof(prefixes) / sizeof(prefixes[0]); i++) {
+        duet_json_t s;
+        duet_json_init(&s, 1);
+        cr_assert(duet_json_feed_n(&s, (const uint8_t *)prefixes[i], strlen(prefixes[i])));
+        int64_t n = duet_json_allowed(&s, v, ok), count = 0;
+        for (int64_t id = 0; id < V; id++) {
+            const uint8_t *p;
+            size_t len;
+            int expect = 0;
+            if (duet_tokenizer_token_bytes(tok, (uint32_t)id, &p, &len) == DUET_OK && len > 0 &&
+                !duet_tokenizer_is_special(tok, (uint32_t)id)) {
+                duet_json_t t = s;
+                expect = duet_json_feed_n(&t, p, len);
+            }
+            cr_assert_eq(ok[id], expect, "state %s: id %lld", prefixes[i], (long long)id);
+            count += expect;
+        }
+        cr_assert_eq(n, count);
+    }
+    free(ok);
+    duet_json_vocab_destroy(v);
+    duet_tokenizer_destroy(tok);
 }
