@@ -31,10 +31,13 @@ def free_port():
 
 
 @contextlib.contextmanager
-def demo_cluster(build, model, tmp, log_level, local_below, worker_args=()):
+def demo_cluster(build, model, tmp, log_level, local_below, worker_args=(), admin_port=None):
     """The cluster's HTTP port while the with-block runs; the processes' logs go to tmp.
-    worker_args: more flags for every worker."""
+    worker_args: more flags for every worker; admin_port: a list that receives the admin API's
+    port (no token)."""
     hp, wp, ap = free_port(), free_port(), free_port()
+    if admin_port is not None:
+        admin_port.append(ap)
     procs = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
     env["DUET_LOG_LEVEL"] = log_level

@@ -13,6 +13,10 @@ every check runs on both gen workers), then checks:
     (so the checks above can fail);
   - max_tokens 2 cuts the object: finish_reason "length", a valid prefix;
   - streaming gives the same content as the non-streamed greedy answer;
+  - a long constrained request (logit_bias keeps "}" away, so the object goes on) moved between
+    the gen workers mid-decode (drain --migrate of the worker running it): the target rebuilds
+    the automaton from the ids generated before the move, so the whole text stays a valid prefix;
+    the router's duet_router_moves_total{result="ok"} counts the move;
   - json_schema and unknown types are 400s naming response_format.type (openai.BadRequestError).
 
 Usage: response_format_cluster_test.py BUILD_DIR MODEL_DIR. Env: RF_TEST_LOG_LEVEL (default
@@ -24,6 +28,9 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
 
 from demo_cluster import check, demo_cluster, failures
 
@@ -54,6 +61,60 @@ def check_json(content, finish, what):
             check(e.pos >= len(content.rstrip()) or e.msg.startswith("Unterminated string")
                   or e.msg.startswith("Invalid \\uXXXX") or CUT_SCALAR.match(rest),
                   f"{what}: a byte the mask should have refused ({e}): {content!r}")
+
+
+def admin(port, method, path):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                 data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or b"null")
+
+
+def moves_ok(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("duet_router_moves_total{") and 'result="ok"' in line)
+
+
+def check_move(client, model, hp, ap):
+    """A constrained request moved mid-decode stays a valid JSON prefix."""
+    got = {}
+
+    def consume():
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "JSON"}], max_tokens=1500,
+            temperature=0, response_format={"type": "json_object"},
+            logit_bias={str(ord("}")): -100}, stream=True)
+        parts, finish = [], None
+        for ch in stream:
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+                finish = ch.choices[0].finish_reason or finish
+        got["text"], got["finish"] = "".join(parts), finish
+
+    before = moves_ok(hp)
+    t0 = time.time()
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.4)  # heartbeats (100 ms) no longer show the requests before this one
+    source = None
+    deadline = time.time() + 20
+    while source is None and time.time() < deadline and t.is_alive():
+        for w in admin(ap, "GET", "/admin/workers")["workers"]:
+            if w["role"] == "gen" and w["load"]["running"] > 0:
+                source = w["name"]
+        time.sleep(0.02)
+    check(source is not None, "move: never saw the request running on a gen worker")
+    if source is not None:
+        r = admin(ap, "POST", f"/admin/workers/{source}/drain?migrate=1")
+        check(r.get("migrate") is True, f"move: drain answered {r}")
+    t.join(120)
+    if source is not None:
+        admin(ap, "POST", f"/admin/workers/{source}/undrain")
+    check(moves_ok(hp) > before, f"move: no move counted (source {source})")
+    print(f"moved from {source}: {got.get('text', '')[:80]!r}... ({len(got.get('text', ''))} "
+          f"bytes, {got.get('finish')}, {time.time() - t0:.1f} s)", flush=True)
+    check_json(got.get("text", ""), got.get("finish"), "moved request")
 
 
 def run_checks(client, model):
@@ -111,11 +172,13 @@ def run_checks(client, model):
 def main():
     import openai
     tmp = tempfile.mkdtemp(prefix="duet-rf-")
+    ap = []
     with demo_cluster(BUILD, MODEL, tmp, os.environ.get("RF_TEST_LOG_LEVEL", "warn"),
-                      LOCAL_BELOW) as hp:
+                      LOCAL_BELOW, admin_port=ap) as hp:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{hp}/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         run_checks(client, model)
+        check_move(client, model, hp, ap[0])
     print(f"finish reasons of the constrained answers: {counts}")
     if failures:
         print(f"{len(failures)} check(s) failed (logs in {tmp})")
