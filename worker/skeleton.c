@@ -17,6 +17,7 @@
 #include "common/version.h"
 #include "kernels/kernels.h"
 #include "proto/envelope.h"
+#include "tokenizer/tokenizer.h"
 #include "worker/metrics.h"
 
 /* ---- requests ------------------------------------------------------------------------- */
@@ -537,6 +538,34 @@ static int w_configure(const duet_worker_ops_t *ops, int argc, char **argv, duet
     return -1;
 }
 
+static int w_token_bytes(void *user, uint32_t id, const uint8_t **p, size_t *n)
+{
+    return duet_tokenizer_token_bytes(user, id, p, n) != DUET_OK;
+}
+
+static int w_token_special(void *user, uint32_t id)
+{
+    return duet_tokenizer_is_special(user, id);
+}
+
+/* response_format's vocabulary trie from the model folder's tokenizer (a folder without one
+ * serves no response_format; the requests are refused). */
+static duet_status_t w_json_vocab(duet_worker_t *w, const char *dir)
+{
+    duet_status_t st = duet_tokenizer_load(dir, &w->tok);
+    if (st == DUET_ERR_NOT_FOUND) {
+        DUET_LOG_INFO("%s has no tokenizer: response_format is refused", dir);
+        return DUET_OK;
+    }
+    if (st != DUET_OK)
+        return st;
+    if ((st = duet_json_vocab_create(w->V, w_token_bytes, w_token_special, w->tok, &w->jv)) !=
+        DUET_OK)
+        return st;
+    duet_worker_set_json_vocab(w->jv);
+    return DUET_OK;
+}
+
 /* UCX, the model (options mo) and its pools; a failure is told on stderr. *pools_from_ucx_p: the
  * transfer context owns the pool memory. */
 static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_from_ucx_p)
@@ -587,6 +616,11 @@ static duet_status_t w_load(duet_worker_t *w, duet_model_opts_t mo, bool *pools_
     duet_worker_layout(w->m, &w->layout);
     duet_model_set_layer_hook(w->m, w_on_layer, w);
     w->V = duet_model_config(w->m)->vocab_size;
+    if ((st = w_json_vocab(w, dir)) != DUET_OK) {
+        fprintf(stderr, "%s: cannot load the tokenizer of %s: %s\n", ops->prog, dir,
+                duet_error_last());
+        return st;
+    }
     w->max_seqs = mo.max_seqs;
     w->n_reqs = mo.max_seqs;
     return DUET_OK;
@@ -739,6 +773,11 @@ static void w_free(duet_worker_t *w, bool pools_from_ucx)
     duet_group_destroy(w->group); /* rank 0: the followers stop once every sequence is closed */
     w->group = NULL;
     duet_model_free(w->m);
+    duet_worker_set_json_vocab(NULL);
+    duet_json_vocab_destroy(w->jv);
+    duet_tokenizer_destroy(w->tok);
+    w->jv = NULL;
+    w->tok = NULL;
     duet_xfer_ctx_destroy(w->x);
     free(w->reqs);
     free(w->items);

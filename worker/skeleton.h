@@ -143,8 +143,10 @@ struct duet_worker {
     duet_worker_req_t **order;        /* owned, [n_reqs]: scratch for the step */
     duet_worker_deferred_t *deferred; /* owned, [n_reqs]: one outcome per transfer at most */
     int64_t n_deferred;
-    duet_sampler_t *smp; /* owned: the host path's sampler (duet_worker_host_draw) */
-    float *scratch;      /* owned, [V]: its processed row */
+    duet_sampler_t *smp;        /* owned: the host path's sampler (duet_worker_host_draw) */
+    float *scratch;             /* owned, [V]: its processed row */
+    struct duet_tokenizer *tok; /* owned: the model folder's, for response_format (or NULL) */
+    duet_json_vocab_t *jv;      /* owned: its vocabulary trie (or NULL) */
 
     /* the loop */
     uv_loop_t *loop;

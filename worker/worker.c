@@ -259,6 +259,14 @@ void duet_worker_pump_stop(duet_worker_pump_t *p)
 
 /* ---- requests ------------------------------------------------------------------------- */
 
+/* The response_format mask's vocabulary (duet_worker_set_json_vocab). */
+static const duet_json_vocab_t *g_json_vocab;
+
+void duet_worker_set_json_vocab(const duet_json_vocab_t *v)
+{
+    g_json_vocab = v;
+}
+
 void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *s, uint64_t rid)
 {
     memset(w, 0, sizeof(*w));
@@ -286,11 +294,16 @@ void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *
         w->n_top =
             s->top_logprobs < DUET_MAX_TOP_LOGPROBS ? (int)s->top_logprobs : DUET_MAX_TOP_LOGPROBS;
         w->prompt_logprobs = s->prompt_logprobs;
+        if (s->response_format != NULL && s->response_format[0] != '\0') {
+            w->grammar = strcmp(s->response_format, "json_object") == 0;
+            w->bad_format = !w->grammar;
+            duet_json_init(&w->js, 1);
+        }
     }
     w->proc.bias = w->bias;
     w->proc.stop_ids = w->stop;
     w->proc.n_stop = w->n_stop;
-    w->host = duet_logit_proc_active(&w->proc) || w->logprobs || w->prompt_logprobs;
+    w->host = duet_logit_proc_active(&w->proc) || w->logprobs || w->prompt_logprobs || w->grammar;
     if (s == NULL || !s->has_seed)
         if (getrandom(&seed, sizeof(seed), 0) != (ssize_t)sizeof(seed))
             seed = rid * 0x9e3779b97f4a7c15ull ^ (uint64_t)(duet_worker_now() * 1e9);
@@ -320,8 +333,19 @@ bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *promp
             *why = "logit_bias: a token id is outside the vocabulary";
             return false;
         }
+    if (w->bad_format) {
+        *why = "Sampling: unknown response_format (this worker knows \"json_object\")";
+        return false;
+    }
+    if (w->grammar && (g_json_vocab == NULL || duet_json_vocab_size(g_json_vocab) != vocab)) {
+        *why = "response_format needs the model folder's tokenizer, which this worker has not "
+               "loaded";
+        return false;
+    }
     if (!w->host)
         return true;
+    if (w->grammar && (w->ok = malloc((size_t)vocab)) == NULL)
+        return false;
     if (duet_logit_proc_needs_hist(&w->proc)) {
         if (prompt == NULL && n_prompt > 0) {
             *why = "the penalties need the prompt ids";
@@ -356,6 +380,34 @@ void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok)
     w->n_generated++;
     if (duet_logit_proc_needs_hist(&w->proc))
         (void)duet_token_hist_add(&w->hist, tok, 0); /* room reserved by setup */
+    if (w->grammar && !duet_worker_is_stop(w, tok)) {
+        size_t n;
+        const uint8_t *b = duet_json_vocab_bytes(g_json_vocab, (uint32_t)tok, &n);
+        /* the mask let only accepted ids through; an id it rejects (a replayed one that came
+         * from elsewhere) leaves the automaton where it was, which keeps masking */
+        duet_json_t t = w->js;
+        if (b != NULL && duet_json_feed_n(&t, b, n))
+            w->js = t;
+    }
+}
+
+/*
+ * response_format: ids the automaton rejects to -inf in row; the stop ids allowed exactly when
+ * the JSON is complete. When nothing would be left (complete, and no stop id: ignore_eos) the
+ * row is left as it is.
+ */
+static void duet__worker_mask(duet_worker_sampling_t *w, float *row, int64_t vocab)
+{
+    (void)duet_json_allowed(&w->js, g_json_vocab, w->ok);
+    const int done = duet_json_accepting(&w->js);
+    for (size_t i = 0; i < w->n_stop; i++)
+        if ((int64_t)w->stop[i] < vocab)
+            w->ok[w->stop[i]] = (uint8_t)done;
+    if (memchr(w->ok, 1, (size_t)vocab) == NULL)
+        return;
+    for (int64_t i = 0; i < vocab; i++)
+        if (!w->ok[i])
+            row[i] = -INFINITY;
 }
 
 void duet_worker_sampling_free(duet_worker_sampling_t *w)
@@ -363,6 +415,8 @@ void duet_worker_sampling_free(duet_worker_sampling_t *w)
     duet_token_hist_free(&w->hist);
     free(w->rows);
     free(w->prompt_lp);
+    free(w->ok);
+    w->ok = NULL;
     w->rows = NULL;
     w->prompt_lp = NULL;
     w->n_prompt_lp = 0;
@@ -370,7 +424,7 @@ void duet_worker_sampling_free(duet_worker_sampling_t *w)
 
 bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w)
 {
-    return !duet_logit_proc_active(&w->proc);
+    return !duet_logit_proc_active(&w->proc) && !w->grammar;
 }
 
 void duet_worker_logprob(const duet_worker_sampling_t *w, const float *raw, int64_t vocab,
@@ -387,6 +441,12 @@ int32_t duet_worker_host_draw(duet_worker_sampling_t *w, duet_sampler_t *smp, co
     if (duet_logit_proc_active(&w->proc)) {
         memcpy(scratch, raw, sizeof(float) * (size_t)vocab);
         duet_logits_process(&w->proc, &w->hist, w->n_generated, scratch, vocab);
+        row = scratch;
+    }
+    if (w->grammar) {
+        if (row != scratch)
+            memcpy(scratch, raw, sizeof(float) * (size_t)vocab);
+        duet__worker_mask(w, scratch, vocab);
         row = scratch;
     }
     const int32_t t = duet_sampler_sample_u(smp, &w->sp, u, row);

@@ -14,6 +14,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "engine/json_grammar.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "transfer/xfer.h"
@@ -214,7 +215,19 @@ typedef struct {
     duet_worker_logprob_t drawn_lp;   /* logprobs: the newest drawn id's */
     duet_worker_logprob_t *prompt_lp; /* owned, prompt_logprobs: [n_prompt - 1] */
     int64_t n_prompt_lp;
+    /* response_format (Sampling.response_format): the output's JSON automaton, advanced by every
+     * generated id; each host draw masks the ids it rejects (engine/json_grammar.h) */
+    bool grammar;
+    bool bad_format; /* an unknown response_format: setup refuses the request */
+    duet_json_t js;
+    uint8_t *ok; /* owned, grammar: [vocab] the mask's scratch */
 } duet_worker_sampling_t;
+
+/*
+ * The vocabulary the response_format mask walks (worker-wide, made from the model folder's
+ * tokenizer at start; NULL when it has none: such requests are then refused). Not owned.
+ */
+void duet_worker_set_json_vocab(const duet_json_vocab_t *v);
 
 /* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random.
  * Allocates nothing (duet_worker_sampling_setup does). */
@@ -232,7 +245,8 @@ bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *promp
                                 const uint32_t *generated, size_t n_generated, uint32_t max_tokens,
                                 int64_t vocab, int64_t chunk, const char **why);
 
-/* Whether a request of w may be decoded speculatively: not with logit processing (its logprobs
+/* Whether a request of w may be decoded speculatively: not with logit processing or a
+ * response_format (its logprobs
  * then come from the verify rows, duet_worker_logprob). */
 bool duet_worker_sampling_speculates(const duet_worker_sampling_t *w);
 

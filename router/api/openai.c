@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "common/utf8.h"
 #include "router/api/openai_logprobs.h"
+#include "router/api/response_format.h"
 
 #define OAI_DEFAULT_MAX_MESSAGES 1024
 
@@ -186,7 +187,7 @@ typedef enum {
     OAI_F_ONE,      /* 1 accepted; any other number unsupported */
     OAI_F_EMPTY,    /* empty (of json type `jtype`) accepted; anything else unsupported */
     OAI_F_NEVER,    /* any non-null value unsupported */
-    OAI_F_CUSTOM,   /* tool_choice, response_format, modalities: see oai_check_custom */
+    OAI_F_CUSTOM,   /* modalities: see oai_check_custom */
 } oai_field_kind_t;
 
 typedef struct {
@@ -239,7 +240,7 @@ static const oai_field_t oai_fields[] = {
     {"reasoning_effort", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"web_search_options", OAI_EP_CHAT, OAI_F_NEVER, 0},
     {"tool_choice", OAI_EP_CHAT, OAI_F_USED, 0},
-    {"response_format", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
+    {"response_format", OAI_EP_CHAT, OAI_F_USED, 0}, /* response_format.c */
     {"modalities", OAI_EP_CHAT, OAI_F_CUSTOM, 0},
 };
 #define OAI_N_FIELDS (sizeof(oai_fields) / sizeof(oai_fields[0]))
@@ -932,19 +933,9 @@ static duet_status_t oai_parse_stream(oai_parse_t *p)
     return DUET_OK;
 }
 
-/* response_format {"type": "text"}, modalities ["text"]. */
+/* modalities ["text"]. */
 static duet_status_t oai_check_custom(oai_parse_t *p, const char *key, const json_t *v)
 {
-    if (strcmp(key, "response_format") == 0) {
-        if (!json_is_object(v))
-            return oai_bad_type(p, key, "an object", v);
-        json_t *t = json_object_get(v, "type");
-        if (json_is_string(t) && strcmp(json_string_value(t), "text") == 0 &&
-            json_object_size(v) == 1)
-            return DUET_OK;
-        return oai_unsupported(p, key, "(only {\"type\": \"text\"})");
-    }
-    /* modalities */
     if (!json_is_array(v))
         return oai_bad_type(p, key, "an array", v);
     for (size_t i = 0; i < json_array_size(v); i++) {
@@ -1106,6 +1097,8 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         st = oai_parse_stream(&p);
     if (st == DUET_OK)
         st = duet_oai_lp_parse(p.root, lim, &req, err_p);
+    if (st == DUET_OK && endpoint == DUET_OAI_ENDPOINT_CHAT)
+        st = duet_oai_rf_parse(p.root, &req, err_p);
     if (st == DUET_OK)
         st = oai_check_harmless(&p);
     if (st != DUET_OK)

@@ -134,6 +134,7 @@ typedef struct {
                              tool calls (tools.h) */
     duet_oai_tool_choice_t tool_choice;
     duet_oai_lp_params_t lp;
+    const char *response_format; /* static: NULL (text) or "json_object" (response_format.h) */
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */

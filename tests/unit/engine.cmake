@@ -3,6 +3,9 @@ duet_add_test(test_engine_kda SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engi
               LIBS duet_engine TIMEOUT 300)
 duet_add_test(test_engine_sampler SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_sampler.c
               LIBS duet_engine TIMEOUT 120)
+# response_format's JSON automaton and vocabulary mask, jansson as the oracle.
+duet_add_test(test_engine_json_grammar SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_json_grammar.c
+              LIBS duet_engine duet_tokenizer PkgConfig::JANSSON TIMEOUT 120)
 duet_add_test(test_engine_golden SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_golden.c
               LIBS duet_engine PkgConfig::JANSSON TIMEOUT 900)
 duet_add_test(test_engine_dtype SOURCES ${PROJECT_SOURCE_DIR}/tests/unit/test_engine_dtype.c

@@ -195,6 +195,12 @@ Test(router_openai, chat_fields_and_content_parts, .timeout = 10)
     cr_assert_eq(r.n_stop, 1);
     cr_assert_str_eq(r.stop[0], "bye");
     cr_assert(r.stream && !r.include_usage);
+    cr_assert_null(r.response_format, "text is free output");
+    duet_oai_request_free(&r);
+    const char *jo = "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\",\"content\":"
+                     "\"hi\"}],\"response_format\":{\"type\":\"json_object\"}}";
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_CHAT, jo, &r, &e), DUET_OK, "%s", e.message);
+    cr_assert_str_eq(r.response_format, "json_object");
     duet_oai_request_free(&r);
 }
 
@@ -412,8 +418,20 @@ static const bad_case_t bad_cases[] = {
      NULL},
     {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "invalid_value", "tool_choice",
      "no 'tools'"},
-    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\"}}", 400, "unsupported_parameter",
-     "response_format", NULL},
+    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}}", 400,
+     "unsupported_value", "response_format.type", "json_object"},
+    {H, "{" M MSG ",\"response_format\":{\"type\":\"yaml\"}}", 400, "invalid_value",
+     "response_format.type", NULL},
+    {H, "{" M MSG ",\"response_format\":{}}", 400, "missing_required_parameter",
+     "response_format.type", NULL},
+    {H, "{" M MSG ",\"response_format\":\"json_object\"}", 400, "invalid_type", "response_format",
+     NULL},
+    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_object\",\"strict\":true}}", 400,
+     "unrecognized_argument", "response_format", "strict"},
+    {H, "{" M MSG ",\"ignore_eos\":true,\"response_format\":{\"type\":\"json_object\"}}", 400,
+     "unsupported_value", "ignore_eos", "JSON"},
+    {C, "{" M "\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", 400,
+     "unrecognized_argument", "response_format", NULL},
     {H, "{" M MSG ",\"modalities\":[\"text\",\"audio\"]}", 400, "unsupported_parameter",
      "modalities", NULL},
     {H, "{" M MSG ",\"audio\":{}}", 400, "unsupported_parameter", "audio", NULL},
