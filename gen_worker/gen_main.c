@@ -508,8 +508,12 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     const char *why = NULL;
+    /* the reservation is bound by the move's deadline (gr_reserve_recv below), the request's
+     * decoding after it by its own */
+    const uint64_t deadline =
+        ms->request_deadline_unix_ms != 0 ? ms->request_deadline_unix_ms : m->deadline_unix_ms;
     gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, (int64_t)ms->kv_tokens,
-                     m->sampling, m->deadline_unix_ms, &why);
+                     m->sampling, deadline, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the move: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);

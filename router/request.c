@@ -1333,6 +1333,7 @@ static void rq_move_reserve(rq_t *r)
     /* the move's own bound: past it the source goes on with the request */
     uint64_t deadline = rq_deadline_unix_ms(r), bound = unix_ms() + rt->migrate_timeout_ms;
     rs.deadline_unix_ms = bound < deadline ? bound : deadline;
+    ms.request_deadline_unix_ms = deadline; /* the decoding after the move keeps the request's */
     rs.tokens = (uint32_t *)r->ids;
     rs.n_tokens = r->n_ids;
     rs.sampling = &s;

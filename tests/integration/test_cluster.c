@@ -1848,6 +1848,31 @@ static void migrate_faults_body(void)
     free(j.got_text);
     stop_all();
 
+    /* a move that succeeds well inside its 1 s: the request decodes on after it for longer
+     * than that, bound by its own deadline, not the move's (the target once took the move's
+     * deadline for the request's and ended it 1 s after the move) */
+    gen_extra[0] = NULL;
+    start_cluster(1, 2);
+    memset(&j, 0, sizeof(j));
+    prompt_of(&j, 75, 40, 3000); /* ~6 s at 500 tokens/s: decodes for seconds after the move */
+    j.stream = 1;
+    j.ignore_eos = 1;
+    reference(&j);
+    pthread_create(&th, NULL, run_job, &j);
+    fault_roles(src, dst);
+    snprintf(path, sizeof(path), "/admin/workers/%s/drain?migrate=1", src);
+    cr_assert_eq(http(admin_port, "POST", path, "", buf, sizeof(buf)), 200, "%s", buf);
+    const uint64_t t_drain = now_ms();
+    pthread_join(th, NULL);
+    cr_log_info("the moved request finished %llu ms after the drain",
+                (unsigned long long)(now_ms() - t_drain));
+    check_job(&j, 0);
+    cr_expect_geq(moves("ok"), 1, "the request was moved");
+    wait_idle(3, 15000);
+    free(j.want_text);
+    free(j.got_text);
+    stop_all();
+
     /* no other generation worker: the request stays and finishes where it is */
     gen_extra[0] = router_extra[0] = NULL;
     start_cluster(1, 1);
