@@ -398,9 +398,8 @@ duet_status_t duet__xfer_peer_get(duet_xfer_ctx_t *ctx, const uint8_t *addr, siz
          * UCP_ERR_HANDLING_MODE_PEER a shm-only UCX_TLS (ctx->no_peer_err, known from UCX_TLS)
          * has no active-message lane: an endpoint without error handling, whose transfers the
          * deadlines on both sides still end, only later than an error callback would. Otherwise
-         * it is this peer that no such transport reaches (its UCX_TLS lacks tcp; or the worker is
-         * gone and UCX_TCP_CONN_NB=n made the refused connect synchronous, duet__ucp_init):
-         * the same fallback, for this endpoint only and not
+         * it is this peer that no such transport reaches (the worker is gone: its tcp listener
+         * refuses; or its UCX_TLS lacks tcp): the same fallback, for this endpoint only and not
          * kept past its transfers (duet__xfer_peer_put). Once this turned error handling off for
          * every later peer, and an endpoint to a dead worker was never closed, its pools' shared
          * memory staying mapped here (bench/soak saw a context worker grow by each restarted

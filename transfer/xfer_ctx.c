@@ -190,15 +190,6 @@ bool duet__tls_may_detect_peer_failure(const char *tls)
 /* ucp_init with the environment's configuration (UCX_*), plus PROTO_ENABLE=y when proto_v2. */
 static ucs_status_t duet__ucp_init(const ucp_params_t *up, bool proto_v2, ucp_context_h *ucp_p)
 {
-    /* UCX 1.13 keeps the socket of a blocking tcp connect that a dead worker's closed listener
-     * refused: ucp_ep_create returns UNREACHABLE and one fd is gone for good (bench/soak saw a
-     * context worker's fds grow with each connect to a generation worker that had just died). A
-     * non-blocking connect reports the refusal through the endpoint's error callback instead, and
-     * the endpoint's close frees the socket. Only where tcp may be used (UCX warns about a
-     * variable no transport reads) and the operator has not chosen; ucp_config_modify does not
-     * reach transport keys, hence the environment, read when the worker opens its transports. */
-    if (getenv("UCX_TCP_CONN_NB") == NULL && duet__tls_may_use_tcp(getenv("UCX_TLS")))
-        setenv("UCX_TCP_CONN_NB", "y", 0);
     ucp_config_t *cfg = NULL;
     ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
     if (us != UCS_OK)
