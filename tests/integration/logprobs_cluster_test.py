@@ -29,8 +29,6 @@ logs stay in the temp dir the failure message names.
 import json
 import math
 import os
-import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -39,13 +37,10 @@ import time
 import urllib.error
 import urllib.request
 
+from duet_cluster import cluster, finish, generate as duet_generate, log_softmax_at, served_model
+
 BUILD, MODEL = sys.argv[1], sys.argv[2]
-ROUTER = f"{BUILD}/router/duet-router"
-CTX = f"{BUILD}/ctx_worker/duet-ctx"
-GEN = f"{BUILD}/gen_worker/duet-gen"
-GENERATE = f"{BUILD}/engine/duet-generate"
 DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
-CHUNK = "64"
 LOCAL_BELOW = 16  # prompts shorter than this are prefilled by the gen worker
 TOL = 1e-4
 
@@ -56,14 +51,6 @@ def check(cond, what):
     if not cond:
         failures.append(what)
         print("FAIL:", what, flush=True)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def post(port, path, body):
@@ -78,73 +65,20 @@ def post(port, path, body):
 
 def generate(ids, max_tokens, extra=(), dump=None):
     """duet-generate's greedy run over token ids: its --json object (with logprobs)."""
-    cmd = [GENERATE, "--model", MODEL, "--tokens", ",".join(map(str, ids)), "--max-tokens",
-           str(max_tokens), "--json", "--device", "cpu", "--dtype", "f32", "--threads", "1",
-           "--prefill-chunk", CHUNK, "--temperature", "0", *extra]
-    if dump:
-        cmd += ["--dump-logits", dump]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                         env={**os.environ, "DUET_LOG_LEVEL": "error"}).stdout
-    return json.loads(out)
-
-
-def log_softmax_at(row, i):
-    m = max(row)
-    return row[i] - (m + math.log(sum(math.exp(x - m) for x in row)))
+    return duet_generate(BUILD, MODEL, ids, max_tokens, extra, dump)
 
 
 def main():
     tmp = tempfile.mkdtemp(prefix="duet-logprobs-")
-    hp, wp, ap = free_port(), free_port(), free_port()
-    procs = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_")}
-    env["DUET_LOG_LEVEL"] = os.environ.get("LOGPROBS_TEST_LOG_LEVEL", "warn")
-
-    def spawn(name, argv):
-        log = open(f"{tmp}/{name}.log", "w")
-        procs.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env))
-
-    try:
-        spawn("router", [ROUTER, "--model", MODEL, "--http.port", str(hp), "--workers.port",
-                         str(wp), "--admin.port", str(ap), "--admin.insecure-no-token",
-                         "--placement.local_prefill_tokens", str(LOCAL_BELOW),
-                         "--placement.policy", "round_robin"])
-        common = ["--router", f"127.0.0.1:{wp}", "--model", MODEL, "--threads", "1",
-                  "--batch.prefill_chunk", CHUNK, "--heartbeat_ms", "100", "--device", "cpu",
-                  "--dtype", "f32", "--cache.page_tokens", "16", "--cache.kv_pages", "256",
-                  "--batch.max_seqs", "4"]
-        spawn("ctx", [CTX, "--name", "ctx-0", *common])
-        spawn("gen-0", [GEN, "--name", "gen-0", *common])
-        spawn("gen-1", [GEN, "--name", "gen-1", *common, "--spec.method", "draft", "--spec.k",
-                        "3", "--spec.draft-model", DRAFT])
-        deadline = time.time() + 60
-        while time.time() < deadline:  # the three workers registered
-            try:
-                h = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/health",
-                                                      timeout=5).read())
-                if h.get("gen_workers", 0) + h.get("ctx_workers", 0) == 3:
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        else:
-            raise SystemExit(f"the cluster did not come up (logs in {tmp})")
-        model = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/v1/models",
-                                                  timeout=10).read())["data"][0]["id"]
-        run_checks(hp, model, tmp)
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    if failures:
-        print(f"{len(failures)} check(s) failed (logs in {tmp})")
-        sys.exit(1)
-    shutil.rmtree(tmp, ignore_errors=True)
-    print("logprobs_cluster: all checks passed")
+    workers = [("ctx-0", "ctx", []), ("gen-0", "gen", []),
+               ("gen-1", "gen", ["--spec.method", "draft", "--spec.k", "3",
+                                 "--spec.draft-model", DRAFT])]
+    with cluster(BUILD, MODEL, tmp, workers,
+                 router_args=["--placement.local_prefill_tokens", str(LOCAL_BELOW),
+                              "--placement.policy", "round_robin"],
+                 log_level=os.environ.get("LOGPROBS_TEST_LOG_LEVEL", "warn")) as port:
+        run_checks(port, served_model(port), tmp)
+    finish("logprobs_cluster", failures, tmp)
 
 
 def compare_completion(port, model, ids, n_top, what):
