@@ -29,7 +29,6 @@ logs stay in the temp dir the failure message names.
 import json
 import math
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -38,16 +37,21 @@ import time
 import urllib.error
 import urllib.request
 
-from demo_cluster import check, demo_cluster, failures
+from duet_cluster import cluster, finish, generate as duet_generate, log_softmax_at, served_model
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
-ROUTER = f"{BUILD}/router/duet-router"
-CTX = f"{BUILD}/ctx_worker/duet-ctx"
-GEN = f"{BUILD}/gen_worker/duet-gen"
-GENERATE = f"{BUILD}/engine/duet-generate"
-CHUNK = "64"
+DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
 LOCAL_BELOW = 16  # prompts shorter than this are prefilled by the gen worker
 TOL = 1e-4
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
 
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
@@ -61,33 +65,20 @@ def post(port, path, body):
 
 def generate(ids, max_tokens, extra=(), dump=None):
     """duet-generate's greedy run over token ids: its --json object (with logprobs)."""
-    cmd = [GENERATE, "--model", MODEL, "--tokens", ",".join(map(str, ids)), "--max-tokens",
-           str(max_tokens), "--json", "--device", "cpu", "--dtype", "f32", "--threads", "1",
-           "--prefill-chunk", CHUNK, "--temperature", "0", *extra]
-    if dump:
-        cmd += ["--dump-logits", dump]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                         env={**os.environ, "DUET_LOG_LEVEL": "error"}).stdout
-    return json.loads(out)
-
-
-def log_softmax_at(row, i):
-    m = max(row)
-    return row[i] - (m + math.log(sum(math.exp(x - m) for x in row)))
+    return duet_generate(BUILD, MODEL, ids, max_tokens, extra, dump)
 
 
 def main():
     tmp = tempfile.mkdtemp(prefix="duet-logprobs-")
-    with demo_cluster(BUILD, MODEL, tmp, os.environ.get("LOGPROBS_TEST_LOG_LEVEL", "warn"),
-                      LOCAL_BELOW, ["--batch.prefill_chunk", CHUNK, "--dtype", "f32"]) as hp:
-        model = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{hp}/v1/models",
-                                                  timeout=10).read())["data"][0]["id"]
-        run_checks(hp, model, tmp)
-    if failures:
-        print(f"{len(failures)} check(s) failed (logs in {tmp})")
-        sys.exit(1)
-    shutil.rmtree(tmp, ignore_errors=True)
-    print("logprobs_cluster: all checks passed")
+    workers = [("ctx-0", "ctx", []), ("gen-0", "gen", []),
+               ("gen-1", "gen", ["--spec.method", "draft", "--spec.k", "3",
+                                 "--spec.draft-model", DRAFT])]
+    with cluster(BUILD, MODEL, tmp, workers,
+                 router_args=["--placement.local_prefill_tokens", str(LOCAL_BELOW),
+                              "--placement.policy", "round_robin"],
+                 log_level=os.environ.get("LOGPROBS_TEST_LOG_LEVEL", "warn")) as port:
+        run_checks(port, served_model(port), tmp)
+    finish("logprobs_cluster", failures, tmp)
 
 
 def compare_completion(port, model, ids, n_top, what):

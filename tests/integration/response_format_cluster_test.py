@@ -25,14 +25,23 @@ warn); the processes' logs stay in the temp dir a failure names.
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
-from demo_cluster import check, demo_cluster, failures
+from duet_cluster import cluster, finish
+
+failures = []
+
+
+def check(cond, what):
+    """Record a failed check (the test goes on, and fails at the end)."""
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
 LOCAL_BELOW = 16  # prompts shorter than this many tokens are prefilled by the gen worker
@@ -173,18 +182,20 @@ def main():
     import openai
     tmp = tempfile.mkdtemp(prefix="duet-rf-")
     ap = []
-    with demo_cluster(BUILD, MODEL, tmp, os.environ.get("RF_TEST_LOG_LEVEL", "warn"),
-                      LOCAL_BELOW, admin_port=ap) as hp:
+    draft = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
+    workers = [("ctx-0", "ctx", []), ("gen-0", "gen", []),
+               ("gen-1", "gen", ["--spec.method", "draft", "--spec.k", "3",
+                                 "--spec.draft-model", draft])]
+    with cluster(BUILD, MODEL, tmp, workers,
+                 router_args=["--placement.local_prefill_tokens", str(LOCAL_BELOW),
+                              "--placement.policy", "round_robin"],
+                 log_level=os.environ.get("RF_TEST_LOG_LEVEL", "warn"), admin_port=ap) as hp:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{hp}/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         run_checks(client, model)
         check_move(client, model, hp, ap[0])
     print(f"finish reasons of the constrained answers: {counts}")
-    if failures:
-        print(f"{len(failures)} check(s) failed (logs in {tmp})")
-        sys.exit(1)
-    shutil.rmtree(tmp, ignore_errors=True)
-    print("response_format_cluster: all checks passed")
+    finish("response_format_cluster", failures, tmp)
 
 
 main()
