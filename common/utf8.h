@@ -28,4 +28,7 @@ bool duet_utf8_valid(const char *s, size_t len);
  */
 bool duet_unicode_isspace(uint32_t cp);
 
+/* The value of one hexadecimal digit (0-9, a-f, A-F), -1 for any other byte. */
+int duet_hex_digit(int c);
+
 #endif

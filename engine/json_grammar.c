@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/utf8.h"
+
 enum {
     M_VALUE,     /* a value (the top one, or after ':' or an array's ',') */
     M_TOP_OBJ,   /* the top-level value, which must be an object */
@@ -54,17 +56,6 @@ static int is_ws(uint8_t c)
 static int is_digit(uint8_t c)
 {
     return c >= '0' && c <= '9';
-}
-
-static int hex_val(uint8_t c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
 }
 
 /* A value ended: the next byte is the enclosing container's. */
@@ -258,7 +249,7 @@ int duet_json_feed(duet_json_t *s, uint8_t c)
         s->mode = M_STR;
         return 1;
     case M_HEX: {
-        int h = hex_val(c);
+        int h = duet_hex_digit(c);
         if (h < 0)
             return 0;
         s->u = (uint16_t)(s->u << 4 | (unsigned)h);

@@ -23,6 +23,7 @@
 #include "common/config.h"
 #include "common/json.h"
 #include "common/log.h"
+#include "common/utf8.h"
 #include "router/http/http.h"
 #include "router/http/http_impl.h"
 
@@ -545,17 +546,6 @@ static void handle_log_level_set(duet_admin_t *admin, duet_http_request_t *req)
                  NULL, 0);
 }
 
-static int hexval(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-        return c - 'A' + 10;
-    return -1;
-}
-
 /* Percent-decode one path segment into out (cap bytes); false for bad or unsafe names. */
 static bool decode_name(const char *s, size_t n, char *out, size_t cap)
 {
@@ -563,8 +553,8 @@ static bool decode_name(const char *s, size_t n, char *out, size_t cap)
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         if (c == '%') {
-            int hi = i + 2 < n ? hexval(s[i + 1]) : -1;
-            int lo = i + 2 < n ? hexval(s[i + 2]) : -1;
+            int hi = i + 2 < n ? duet_hex_digit((unsigned char)s[i + 1]) : -1;
+            int lo = i + 2 < n ? duet_hex_digit((unsigned char)s[i + 2]) : -1;
             if (hi < 0 || lo < 0)
                 return false;
             c = (unsigned char)(hi * 16 + lo);
