@@ -576,6 +576,45 @@ Test(router_cluster, api_strict_refuses_unknown_fields, .timeout = 60)
     stop_all();
 }
 
+/* Occurrences of needle in the router's log. */
+static int router_log_count(const char *needle)
+{
+    char path[512];
+    snprintf(path, sizeof(path), "%s/router.log", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s", path);
+    static char line[4096];
+    int n = 0;
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Without api.strict an unknown field is ignored, and logged once per name however often it
+ * comes. */
+Test(router_cluster, unknown_fields_ignored_and_logged_once_per_name, .timeout = 60)
+{
+    static char buf[65536];
+    start_router("--log.level", "debug");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    static const char *const bodies[] = {
+        "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"x\"}",
+        "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"y\"}",
+        "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":1,"
+        "\"my_field\":[]}",
+    };
+    for (size_t i = 0; i < 3; i++)
+        cr_assert_eq(http(http_port, "POST", "/v1/completions", bodies[i], buf, sizeof(buf)), 200,
+                     "body %zu: %s", i, buf);
+    usleep(200000); /* the log lines reach the file */
+    cr_expect_eq(router_log_count("unknown request field 'guided_regex'"), 1);
+    cr_expect_eq(router_log_count("unknown request field 'my_field'"), 1);
+    stop_all();
+}
+
 Test(router_cluster, client_disconnect_sends_cancel, .timeout = 60)
 {
     start_router(NULL, NULL);
