@@ -603,8 +603,8 @@ Test(router_cluster, unknown_fields_ignored_and_logged_once_per_name, .timeout =
     static const char *const bodies[] = {
         "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"x\"}",
         "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":\"y\"}",
-        "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":1,"
-        "\"my_field\":[]}",
+        ("{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2,\"guided_regex\":1,"
+         "\"my_field\":[]}"),
     };
     for (size_t i = 0; i < 3; i++)
         cr_assert_eq(http(http_port, "POST", "/v1/completions", bodies[i], buf, sizeof(buf)), 200,
