@@ -109,6 +109,8 @@ static const ck_entry_t *find_entry(const duet_checkpoint_t *ck, const char *nam
 {
     ck_entry_t key;
     key.name = (char *)name;
+    if (ck->n_entries == 0)
+        return NULL; /* entries may be NULL, and bsearch's base is nonnull */
     return bsearch(&key, ck->entries, (size_t)ck->n_entries, sizeof(*ck->entries), entry_cmp_name);
 }
 
@@ -498,7 +500,8 @@ static duet_status_t open_all(duet_checkpoint_t *ck)
             goto out;
     }
 
-    qsort(ck->entries, (size_t)ck->n_entries, sizeof(*ck->entries), entry_cmp_name);
+    if (ck->n_entries > 1) /* shards of no tensors leave entries NULL: qsort's is nonnull */
+        qsort(ck->entries, (size_t)ck->n_entries, sizeof(*ck->entries), entry_cmp_name);
     for (int64_t i = 1; i < ck->n_entries; i++) {
         const ck_entry_t *a = &ck->entries[i - 1], *b = &ck->entries[i];
         if (strcmp(a->name, b->name) == 0) {

@@ -540,6 +540,22 @@ Test(engine_checkpoint, weights_tied_and_unused, .timeout = 10)
     remove_dir(dir);
 }
 
+/* A file with only __metadata__ (found by fuzz_safetensors: the empty entry table reached qsort
+ * and bsearch as NULL) opens, and every lookup says the tensor is not there. */
+Test(engine_checkpoint, file_without_tensors_finds_none, .timeout = 10)
+{
+    char dir[64];
+    make_dir(dir);
+    write_raw_single(dir, "{\"__metadata__\":{\"format\":\"pt\"}}", 0);
+    duet_checkpoint_t *ck = NULL;
+    cr_assert_eq(duet_checkpoint_open(dir, &ck), DUET_OK, "%s", duet_error_last());
+    duet_tensor_t t;
+    cr_assert_eq(duet_checkpoint_get(ck, "lm_head.weight", &t), DUET_ERR_NOT_FOUND);
+    cr_assert_not_null(strstr(duet_error_last(), "lm_head.weight"), "%s", duet_error_last());
+    duet_checkpoint_close(ck);
+    remove_dir(dir);
+}
+
 Test(engine_checkpoint, weights_missing_tensor_is_named, .timeout = 10)
 {
     static const char *victims[] = {
