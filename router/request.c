@@ -749,6 +749,7 @@ static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_id
     s->top_logprobs = lp->top_logprobs;
     s->prompt_logprobs = lp->logprobs && lp->echo;
     s->response_format = (char *)(o->response_format != NULL ? o->response_format : "");
+    s->json_schema = o->json_schema != NULL ? o->json_schema : (char *)"";
     s->temperature = (float)o->temperature;
     s->top_p = (float)o->top_p;
     s->top_k = o->top_k > 0 ? (uint32_t)o->top_k : 0;

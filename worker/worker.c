@@ -296,8 +296,14 @@ void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *
         w->prompt_logprobs = s->prompt_logprobs;
         if (s->response_format != NULL && s->response_format[0] != '\0') {
             w->grammar = strcmp(s->response_format, "json_object") == 0;
-            w->bad_format = !w->grammar;
             duet_json_init(&w->js, 1);
+            if (strcmp(s->response_format, "json_schema") == 0 && s->json_schema != NULL &&
+                duet_jschema_compile(s->json_schema, strlen(s->json_schema), &w->schema) ==
+                    DUET_OK) {
+                duet_jschema_start(w->schema, &w->jss);
+                w->grammar = true;
+            }
+            w->bad_format = !w->grammar;
         }
     }
     w->proc.bias = w->bias;
@@ -334,7 +340,8 @@ bool duet_worker_sampling_setup(duet_worker_sampling_t *w, const uint32_t *promp
             return false;
         }
     if (w->bad_format) {
-        *why = "Sampling: unknown response_format (this worker knows \"json_object\")";
+        *why = "Sampling: unknown response_format (this worker knows \"json_object\" and "
+               "\"json_schema\" with a schema it compiles)";
         return false;
     }
     if (w->grammar && (g_json_vocab == NULL || duet_json_vocab_size(g_json_vocab) != vocab)) {
@@ -385,9 +392,15 @@ void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok)
         const uint8_t *b = duet_json_vocab_bytes(g_json_vocab, (uint32_t)tok, &n);
         /* the mask let only accepted ids through; an id it rejects (a replayed one that came
          * from elsewhere) leaves the automaton where it was, which keeps masking */
-        duet_json_t t = w->js;
-        if (b != NULL && duet_json_feed_n(&t, b, n))
-            w->js = t;
+        if (w->schema != NULL) {
+            duet_jschema_state_t t = w->jss;
+            if (b != NULL && duet_jschema_feed_n(w->schema, &t, b, n))
+                w->jss = t;
+        } else {
+            duet_json_t t = w->js;
+            if (b != NULL && duet_json_feed_n(&t, b, n))
+                w->js = t;
+        }
     }
 }
 
@@ -398,8 +411,14 @@ void duet_worker_sampling_seen(duet_worker_sampling_t *w, int32_t tok)
  */
 static void duet__worker_mask(duet_worker_sampling_t *w, float *row, int64_t vocab)
 {
-    (void)duet_json_allowed(&w->js, g_json_vocab, w->ok);
-    const int done = duet_json_accepting(&w->js);
+    int done;
+    if (w->schema != NULL) {
+        (void)duet_jschema_allowed(w->schema, &w->jss, g_json_vocab, w->ok);
+        done = duet_jschema_accepting(w->schema, &w->jss);
+    } else {
+        (void)duet_json_allowed(&w->js, g_json_vocab, w->ok);
+        done = duet_json_accepting(&w->js);
+    }
     for (size_t i = 0; i < w->n_stop; i++)
         if ((int64_t)w->stop[i] < vocab)
             w->ok[w->stop[i]] = (uint8_t)done;
@@ -417,6 +436,8 @@ void duet_worker_sampling_free(duet_worker_sampling_t *w)
     free(w->prompt_lp);
     free(w->ok);
     w->ok = NULL;
+    duet_jschema_free(w->schema);
+    w->schema = NULL;
     w->rows = NULL;
     w->prompt_lp = NULL;
     w->n_prompt_lp = 0;

@@ -14,7 +14,8 @@
 
 #include "common/config.h"
 #include "common/log.h"
-#include "engine/json_grammar.h"
+#include "grammar/json_grammar.h"
+#include "grammar/json_schema.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "transfer/xfer.h"
@@ -216,10 +217,13 @@ typedef struct {
     duet_worker_logprob_t *prompt_lp; /* owned, prompt_logprobs: [n_prompt - 1] */
     int64_t n_prompt_lp;
     /* response_format (Sampling.response_format): the output's JSON automaton, advanced by every
-     * generated id; each host draw masks the ids it rejects (engine/json_grammar.h) */
+     * generated id; each host draw masks the ids it rejects (grammar/json_grammar.h) */
     bool grammar;
-    bool bad_format; /* an unknown response_format: setup refuses the request */
+    bool bad_format; /* an unknown response_format or a schema that does not compile: setup
+                      * refuses the request */
     duet_json_t js;
+    duet_jschema_t *schema; /* owned, "json_schema": the compiled schema (js then unused) */
+    duet_jschema_state_t jss;
     uint8_t *ok; /* owned, grammar: [vocab] the mask's scratch */
 } duet_worker_sampling_t;
 
@@ -230,7 +234,7 @@ typedef struct {
 void duet_worker_set_json_vocab(const duet_json_vocab_t *v);
 
 /* From a request's Sampling (NULL = greedy); without a seed, the stream is seeded at random.
- * Allocates nothing (duet_worker_sampling_setup does). */
+ * Allocates only a json_schema's compiled schema (duet_worker_sampling_free frees it). */
 void duet_worker_sampling_init(duet_worker_sampling_t *w, const Duet__Sampling *s, uint64_t rid);
 
 /*

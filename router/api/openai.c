@@ -1033,6 +1033,7 @@ void duet_oai_request_free(duet_oai_request_t *req)
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
+    free(req->json_schema);
     json_decref(req->ignored_fields);
     json_decref(req->tools);
     duet_oai_lp_params_free(&req->lp);

@@ -134,7 +134,9 @@ typedef struct {
                              tool calls (tools.h) */
     duet_oai_tool_choice_t tool_choice;
     duet_oai_lp_params_t lp;
-    const char *response_format; /* static: NULL (text) or "json_object" (response_format.h) */
+    const char *response_format; /* static: NULL (text), "json_object" or "json_schema"
+                                    (response_format.h) */
+    char *json_schema;           /* owned, "json_schema": the schema's compact JSON text */
 } duet_oai_request_t;
 
 /* An OpenAI error, ready to serialise. Strings are truncated to fit (at a UTF-8 boundary). */

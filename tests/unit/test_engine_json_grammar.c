@@ -1,5 +1,5 @@
 /*
- * The JSON automaton of response_format (engine/json_grammar.h) against jansson as the oracle:
+ * The JSON automaton of response_format (grammar/json_grammar.h) against jansson as the oracle:
  * valid texts accepted, invalid ones rejected at the first wrong byte, random walks through the
  * automaton parse whenever it says complete, random generated documents accepted, and the trie
  * mask equal to feeding every token on its own.
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/json_grammar.h"
+#include "grammar/json_grammar.h"
 #include "tokenizer/tokenizer.h"
 
 /* Index of the first rejected byte, or -1 when all of text is accepted. */

@@ -202,6 +202,17 @@ Test(router_openai, chat_fields_and_content_parts, .timeout = 10)
     cr_assert_eq(parse(DUET_OAI_ENDPOINT_CHAT, jo, &r, &e), DUET_OK, "%s", e.message);
     cr_assert_str_eq(r.response_format, "json_object");
     duet_oai_request_free(&r);
+    const char *js =
+        "{\"model\":\"duet-demo\",\"messages\":[{\"role\":\"user\",\"content\":"
+        "\"hi\"}],\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+        "{\"name\":\"p\",\"strict\":true,\"schema\":{\"type\":\"object\",\"properties\":"
+        "{\"b\":{\"type\":\"integer\"},\"a\":{\"enum\":[\"x\"]}},\"required\":[\"b\"]}}}}";
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_CHAT, js, &r, &e), DUET_OK, "%s", e.message);
+    cr_assert_str_eq(r.response_format, "json_schema");
+    /* the schema travels compact, its properties in the client's order */
+    cr_assert_str_eq(r.json_schema, "{\"type\":\"object\",\"properties\":{\"b\":{\"type\":"
+                                    "\"integer\"},\"a\":{\"enum\":[\"x\"]}},\"required\":[\"b\"]}");
+    duet_oai_request_free(&r);
 }
 
 /* ---------------------------------------------------------------- bad bodies */
@@ -419,7 +430,28 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"tool_choice\":\"required\"}", 400, "invalid_value", "tool_choice",
      "no 'tools'"},
     {H, "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{}}}", 400,
-     "unsupported_value", "response_format.type", "json_object"},
+     "invalid_value", "response_format.json_schema.name", NULL},
+    {H, "{" M MSG ",\"response_format\":{\"type\":\"json_schema\"}}", 400,
+     "missing_required_parameter", "response_format.json_schema", NULL},
+    {H,
+     "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\"}}}",
+     400, "missing_required_parameter", "response_format.json_schema.schema", NULL},
+    {H,
+     "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\","
+     "\"schema\":{\"type\":\"string\",\"format\":\"uri\"}}}}",
+     400, "unsupported_value", "response_format.json_schema.schema", "'format'"},
+    {H,
+     "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\","
+     "\"schema\":{},\"other\":1}}}",
+     400, "unrecognized_argument", "response_format.json_schema", "other"},
+    {H,
+     "{" M MSG ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\","
+     "\"schema\":{},\"strict\":\"yes\"}}}",
+     400, "invalid_type", "response_format.json_schema.strict", NULL},
+    {H,
+     "{" M MSG ",\"ignore_eos\":true,\"response_format\":{\"type\":\"json_schema\","
+     "\"json_schema\":{\"name\":\"n\",\"schema\":{}}}}",
+     400, "unsupported_value", "ignore_eos", "JSON"},
     {H, "{" M MSG ",\"response_format\":{\"type\":\"yaml\"}}", 400, "invalid_value",
      "response_format.type", NULL},
     {H, "{" M MSG ",\"response_format\":{}}", 400, "missing_required_parameter",

@@ -3,7 +3,7 @@
  * are open. A value's end is noticed by the byte after it for numbers (that byte is then fed
  * again in the mode the end leads to); everything else ends on its own last byte.
  */
-#include "engine/json_grammar.h"
+#include "grammar/json_grammar.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -549,31 +549,52 @@ const uint8_t *duet_json_vocab_bytes(const duet_json_vocab_t *v, uint32_t id, si
     return v->bytes[id];
 }
 
-/* Depth-first under node with s (the state after the node's bytes): every id ending below. The
- * recursion is as deep as the longest token. */
-static int64_t duet__walk(const duet__trie_t *t, const int32_t *next, uint32_t node,
-                          const duet_json_t *s, uint8_t *ok)
+int duet_json_in_string(const duet_json_t *s)
+{
+    return s->mode == M_STR;
+}
+
+/* Depth-first under node with s (the state after the node's bytes): every id ending below, the
+ * state copies on the stack. The recursion is as deep as the longest token. */
+static int64_t duet__walk_fn(const duet__trie_t *t, const int32_t *next, uint32_t node,
+                             const void *s, size_t size, duet_json_feed_fn feed, const void *ctx,
+                             uint8_t *ok)
 {
     int64_t n = 0;
+    unsigned char u[DUET_JSON_MAX_STATE];
     for (uint32_t c = t->nodes[node].child; c != 0; c = t->nodes[c].sibling) {
-        duet_json_t u = *s;
-        if (!duet_json_feed(&u, t->nodes[c].byte))
-            continue; /* every token below shares the rejected prefix */
+        memcpy(u, s, size);
+        if (!feed(ctx, u, t->nodes[c].byte))
+            continue;
         for (int32_t id = t->nodes[c].tok; id >= 0; id = next[id]) {
             ok[id] = 1;
             n++;
         }
-        n += duet__walk(t, next, c, &u, ok);
+        n += duet__walk_fn(t, next, c, u, size, feed, ctx, ok);
     }
     return n;
 }
 
-int64_t duet_json_allowed(const duet_json_t *s, const duet_json_vocab_t *v, uint8_t *ok)
+int64_t duet_json_allowed_fn(const duet_json_vocab_t *v, const void *state, size_t size,
+                             duet_json_feed_fn feed, const void *ctx, int plain_ok, uint8_t *ok)
 {
-    if (s->mode == M_STR) {
+    if (size > DUET_JSON_MAX_STATE)
+        return -1;
+    if (plain_ok) {
         memcpy(ok, v->plain, (size_t)v->vocab);
-        return v->n_plain + duet__walk(&v->rest, v->next_rest, 0, s, ok);
+        return v->n_plain + duet__walk_fn(&v->rest, v->next_rest, 0, state, size, feed, ctx, ok);
     }
     memset(ok, 0, (size_t)v->vocab);
-    return duet__walk(&v->all, v->next_all, 0, s, ok);
+    return duet__walk_fn(&v->all, v->next_all, 0, state, size, feed, ctx, ok);
+}
+
+static int duet__json_feed_cb(const void *ctx, void *state, uint8_t c)
+{
+    (void)ctx;
+    return duet_json_feed(state, c);
+}
+
+int64_t duet_json_allowed(const duet_json_t *s, const duet_json_vocab_t *v, uint8_t *ok)
+{
+    return duet_json_allowed_fn(v, s, sizeof(*s), duet__json_feed_cb, NULL, s->mode == M_STR, ok);
 }
