@@ -100,6 +100,8 @@ typedef struct rq_group {
     uint32_t completion_tokens;           /* finished choices' tokens, summed */
     struct rq **choices;                  /* (n) NULL once that choice ended */
     duet_oai_choice_t *results;           /* (n) finished choices, texts owned (non-streaming) */
+    double *rank;                         /* (n) best_of > n: each choice's mean logprob */
+    uint32_t n_return;                    /* choices answered: oai.n (n runs oai.best_of) */
     uint32_t stop_ids[DUET_OAI_MAX_EOS];  /* (n_stop_ids) the model's EOS ids (unless ignore_eos)
                                              and the request's stop_token_ids */
     size_t n_stop_ids;
@@ -300,6 +302,7 @@ static void rq_group_maybe_free(rq_group_t *g)
         free((char *)g->results[i].tool_calls_json);
         free((char *)g->results[i].logprobs_json);
     }
+    free(g->rank);
     free(g->results);
     free(g->bias_msgs);
     free(g->bias_ptrs);
@@ -425,7 +428,7 @@ static void rq_fail(rq_t *r, int status, const char *type, const char *code, uin
 static const char *rq_logprobs_json(rq_t *r, size_t from, size_t to, bool with_prompt,
                                     duet_strbuf_t *buf)
 {
-    if (r->lp == NULL || (from >= to && !with_prompt) ||
+    if (r->lp == NULL || !r->g->oai.lp.logprobs || (from >= to && !with_prompt) ||
         duet_oai_lp_json(r->lp, from, to, with_prompt, buf) != DUET_OK)
         return NULL;
     r->lp_sent = to;
@@ -524,6 +527,32 @@ static bool rq_stream_begin(rq_t *r, duet_strbuf_t *sb)
  * metrics, end. */
 static bool rq_emit_tools(rq_t *r, const char *text, size_t len, bool end);
 
+/* The choices to answer: all of them, or with best_of > n the n of the highest mean logprob per
+ * generated token (OpenAI's rule), best first, ties to the lower index. A shallow copy the
+ * caller frees (not its strings), or g->results itself. */
+static duet_oai_choice_t *rq_best_of(const rq_group_t *g)
+{
+    if (g->n_return >= g->n)
+        return g->results;
+    duet_oai_choice_t *best = malloc(g->n_return * sizeof(*best));
+    bool *taken = calloc(g->n, sizeof(*taken));
+    if (best == NULL || taken == NULL) { /* the first n then, rather than no answer */
+        free(best);
+        free(taken);
+        return g->results;
+    }
+    for (uint32_t k = 0; k < g->n_return; k++) {
+        uint32_t pick = g->n;
+        for (uint32_t i = 0; i < g->n; i++)
+            if (!taken[i] && (pick == g->n || g->rank[i] > g->rank[pick]))
+                pick = i;
+        taken[pick] = true;
+        best[k] = g->results[pick];
+    }
+    free(taken);
+    return best;
+}
+
 static void rq_complete(rq_t *r, duet_oai_finish_t finish)
 {
     duet__router_t *rt = r->rt;
@@ -590,9 +619,14 @@ static void rq_complete(rq_t *r, duet_oai_finish_t finish)
                                                    .tool_calls_json = calls,
                                                    .logprobs_json = lp_copy};
         calls = NULL;
+        if (r->lp != NULL)
+            g->rank[r->index] = duet_oai_lp_mean(r->lp, n_c);
         if (last) {
-            duet_oai_response_json_n(&g->meta, g->results, g->n, (uint32_t)g->n_ids,
+            duet_oai_choice_t *best = rq_best_of(g);
+            duet_oai_response_json_n(&g->meta, best, g->n_return, (uint32_t)g->n_ids,
                                      g->completion_tokens, &sb);
+            if (best != g->results)
+                free(best);
             duet_http_respond(g->http, 200, "application/json", NULL, 0, sb.data, sb.len);
         }
     }
@@ -745,7 +779,7 @@ static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_id
     s->logit_bias = r->g->bias_ptrs;
     s->n_logit_bias = r->g->bias_ptrs != NULL ? lp->n_bias : 0;
     s->min_tokens = lp->min_tokens;
-    s->logprobs = lp->logprobs;
+    s->logprobs = lp->logprobs || r->g->n > r->g->n_return; /* best_of ranks by them */
     s->top_logprobs = lp->top_logprobs;
     s->prompt_logprobs = lp->logprobs && lp->echo;
     s->response_format = (char *)(o->response_format != NULL ? o->response_format : "");
@@ -1051,7 +1085,8 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     r->g = g;
     if (rq_stream_create(r) < 0 ||
         (g->oai.tools != NULL && duet_oai_toolparse_create(&r->tp) < 0) ||
-        (g->oai.lp.logprobs && duet_oai_lp_create(rt->tok, &g->oai, &r->lp) != DUET_OK)) {
+        ((g->oai.lp.logprobs || g->n > g->n_return) &&
+         duet_oai_lp_create(rt->tok, &g->oai, &r->lp) != DUET_OK)) {
         duet_oai_stream_destroy(r->stream);
         duet_oai_toolparse_destroy(r->tp);
         free(r);
@@ -1100,9 +1135,13 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
         duet_oai_request_tokens(&g->oai, &rt->lim, rt->tmpl, rt->tok, &g->ids, &g->n_ids, &err) <
             0 ||
         !rq_stop_ids(g, &err) || !rq_bias_begin(g) ||
-        (g->n = g->oai.n > 0 ? g->oai.n : 1,
+        (g->n = g->oai.best_of > g->oai.n ? g->oai.best_of
+                : g->oai.n > 0            ? g->oai.n
+                                          : 1,
+         g->n_return = g->oai.n > 0 ? g->oai.n : 1,
          (g->choices = calloc(g->n, sizeof(*g->choices))) == NULL ||
-             (g->results = calloc(g->n, sizeof(*g->results))) == NULL)) {
+             (g->results = calloc(g->n, sizeof(*g->results))) == NULL ||
+             (g->rank = calloc(g->n, sizeof(*g->rank))) == NULL)) {
         if (err.http_status == 0)
             duet_oai_error_make(&err, 500, "server_error", NULL, NULL, "out of memory");
         DUET_RLOG_INFO(g->id, "rejected (%d): %s", err.http_status, err.message);

@@ -769,8 +769,7 @@ static duet_status_t oai_parse_max_tokens(oai_parse_t *p)
     return DUET_OK;
 }
 
-/* n in [1, DUET_OAI_MAX_N]; completions' best_of (>= n) only equal to n: the router does not
- * rank extra samples by their log-probability (yet). */
+/* n in [1, DUET_OAI_MAX_N]; completions' best_of in [n, DUET_OAI_MAX_N] (n when absent). */
 static duet_status_t oai_parse_n(oai_parse_t *p)
 {
     int64_t n = 1, best_of = 0;
@@ -783,7 +782,7 @@ static duet_status_t oai_parse_n(oai_parse_t *p)
                              "Invalid 'n': %" PRId64 ". Expected a value in [1, %d] (choices "
                              "per request on this server).",
                              n, DUET_OAI_MAX_N);
-    p->req->n = (uint32_t)n;
+    p->req->n = p->req->best_of = (uint32_t)n;
     if (p->ep != DUET_OAI_ENDPOINT_COMPLETIONS)
         return DUET_OK;
     if ((st = oai_int_field(p, "best_of", &best_of, &has_best)) != DUET_OK || !has_best)
@@ -793,13 +792,7 @@ static duet_status_t oai_parse_n(oai_parse_t *p)
                              "Invalid 'best_of': %" PRId64 ". Expected a value in [n, %d] (n = "
                              "%" PRId64 ").",
                              best_of, DUET_OAI_MAX_N, n);
-    if (best_of != n)
-        return duet_oai_error_make(
-            p->err, 400, NULL, "unsupported_value", "best_of",
-            "best_of = %" PRId64 " > n = %" PRId64 " is not supported: "
-            "this server does not rank extra samples by their log-probabilities. "
-            "Use best_of = n (or leave it out).",
-            best_of, n);
+    p->req->best_of = (uint32_t)best_of;
     return DUET_OK;
 }
 
@@ -1096,6 +1089,10 @@ duet_status_t duet_oai_request_parse(const duet_oai_limits_t *lim, duet_oai_endp
         st = oai_parse_stop(&p);
     if (st == DUET_OK)
         st = oai_parse_stream(&p);
+    if (st == DUET_OK && req.stream && req.best_of > req.n) /* ranked once all have finished */
+        st = duet_oai_error_make(err_p, 400, NULL, "invalid_value", "best_of",
+                                 "best_of > n cannot be streamed: the best choices are known "
+                                 "only once every one has finished.");
     if (st == DUET_OK)
         st = duet_oai_lp_parse(p.root, lim, &req, err_p);
     if (st == DUET_OK && endpoint == DUET_OAI_ENDPOINT_CHAT)

@@ -14,7 +14,7 @@
  *
  * Validation policy. Every field the OpenAI API defines for the endpoint is either used, accepted
  * because its value changes nothing (user, best_of equal to n, ...), or refused with 400
- * "unsupported_parameter" naming it (functions, suffix, audio, best_of > n, ...).
+ * "unsupported_parameter" naming it (functions, suffix, audio, ...).
  * Log-probabilities and logit processing (logprobs, top_logprobs, echo, presence_penalty,
  * frequency_penalty, logit_bias and the vLLM extensions repetition_penalty, min_tokens,
  * stop_token_ids) are read by openai_logprobs.c.
@@ -122,8 +122,9 @@ typedef struct {
     /* vLLM extension, default true: special tokens the tokenizer skips (duet_tokenizer_is_skipped)
      * produce no text; false: their text is part of the output (stop ids never are) */
     bool skip_special_tokens;
-    uint32_t n; /* choices, [1, DUET_OAI_MAX_N]: each an independent generation (seed + i);
-                   completions' best_of is accepted only equal to n (no logprobs to rank by) */
+    uint32_t n;       /* choices, [1, DUET_OAI_MAX_N]: each an independent generation (seed + i) */
+    uint32_t best_of; /* completions: generations run, [n, DUET_OAI_MAX_N] (n when absent); the
+                         n with the highest mean log-probability per token are returned */
     bool stream;
     bool include_usage;            /* stream_options.include_usage (only with stream) */
     char *user;                    /* NULL when absent; for logs */

@@ -283,6 +283,15 @@ size_t duet_oai_lp_count(const duet_oai_lp_t *lp)
     return lp->n_gen;
 }
 
+double duet_oai_lp_mean(const duet_oai_lp_t *lp, size_t n)
+{
+    double sum = 0;
+    n = n < lp->n_gen ? n : lp->n_gen;
+    for (size_t i = 0; i < n; i++)
+        sum += lp->gen[i].logprob;
+    return n > 0 ? sum / (double)n : 0.0;
+}
+
 /* ---------------------------------------------------------------- serialising */
 
 /* The bytes a token adds to the text (text_offset): none for a special token the tokenizer

@@ -67,6 +67,10 @@ duet_status_t duet_oai_lp_set_prompt(duet_oai_lp_t *lp, const uint32_t *ids, siz
 /* Generated positions recorded so far. */
 size_t duet_oai_lp_count(const duet_oai_lp_t *lp);
 
+/* The mean log-probability of the generated positions [0, n) (n <= duet_oai_lp_count): best_of's
+ * rank. 0 when n is 0. */
+double duet_oai_lp_mean(const duet_oai_lp_t *lp, size_t n);
+
 /*
  * Append choices[i].logprobs for the generated positions [from, to) (to <= duet_oai_lp_count),
  * led by the prompt's when with_prompt (echo), to out (NUL-terminated there).

@@ -159,6 +159,43 @@ def check_accuracy_gate(port, tmp):
           f"accuracy against a better baseline: exit {drop.returncode}: {drop.stdout[-400:]}")
 
 
+def check_best_of(port, model, prompt):
+    """best_of > n returns the n of best_of seeded samples with the highest mean logprob per
+    token, best first. The oracle: the same request with n = best_of (choice i samples with
+    seed + i either way) and its logprobs, ranked here. A zero logit_bias (no effect on the
+    distribution) keeps gen-1 from speculating: speculative sampling spends its random draws
+    otherwise, so seeded samples agree across the gen workers only without it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": 7,
+            "logit_bias": {"256": 0}}
+    st, text = post(port, "/v1/completions", dict(body, n=5, logprobs=0))
+    check(st == 200, f"best_of oracle (n=5): HTTP {st}: {text}")
+    st2, text2 = post(port, "/v1/completions", dict(body, n=2, best_of=5, logprobs=0))
+    check(st2 == 200, f"best_of=5, n=2: HTTP {st2}: {text2}")
+    st3, text3 = post(port, "/v1/completions", dict(body, n=2, best_of=5))
+    check(st3 == 200, f"best_of=5, n=2 without logprobs: HTTP {st3}: {text3}")
+    if st != 200 or st2 != 200 or st3 != 200:
+        return
+    every = json.loads(text)["choices"]
+    mean = [sum(c["logprobs"]["token_logprobs"]) / max(1, len(c["logprobs"]["token_logprobs"]))
+            for c in every]
+    order = sorted(range(5), key=lambda i: (-mean[i], i))[:2]
+    got = json.loads(text2)
+    check([c["index"] for c in got["choices"]] == [0, 1], f"best_of: indexes {got['choices']}")
+    check([c["text"] for c in got["choices"]] == [every[i]["text"] for i in order],
+          f"best_of: got {[c['text'] for c in got['choices']]}, want choices {order} of "
+          f"{[c['text'] for c in every]} (mean logprobs {mean})")
+    plain = json.loads(text3)
+    check([c["text"] for c in plain["choices"]] == [every[i]["text"] for i in order],
+          "best_of without logprobs: another pick")
+    check(all(c["logprobs"] is None for c in plain["choices"]),
+          "best_of without logprobs: logprobs returned anyway")
+    want_tokens = sum(len(c["logprobs"]["token_logprobs"]) for c in every)
+    check(plain["usage"]["completion_tokens"] == want_tokens,
+          f"best_of usage: {plain['usage']} (all 5 samples: {want_tokens} tokens)")
+    print(f"best_of=5, n=2: picked {order} of mean logprobs {[round(m, 3) for m in mean]}",
+          flush=True)
+
+
 def run_checks(port, model, tmp):
     check_accuracy_gate(port, tmp)
     short = [256, 65, 110, 100, 32, 71, 111, 100]  # below LOCAL_BELOW: the gen worker prefills
@@ -179,6 +216,7 @@ def run_checks(port, model, tmp):
             check(len(got) == len(ref["logprobs"]) and
                   all(abs(a - b["logprob"]) <= TOL for a, b in zip(got, ref["logprobs"])),
                   f"n=2: choice {c['index']}: logprobs differ from duet-generate's")
+    check_best_of(port, model, long)
     time.sleep(0.5)  # a heartbeat brings gen-1's counters
     print("spec drafts kept:", metric(port, "duet_gen_spec_accepted_total"), flush=True)
     check(metric(port, "duet_gen_spec_accepted_total") > 0,

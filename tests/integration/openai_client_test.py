@@ -287,14 +287,15 @@ def n_over_the_limit_is_bad_request():
 
 
 @test
-def best_of_over_n_is_bad_request():
+def streamed_best_of_over_n_is_bad_request():
     try:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=1, best_of=2)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=1, best_of=2,
+                                  stream=True)
     except openai.BadRequestError as e:
         assert e.param == "best_of", e.param
-        assert "log-probabilities" in e.message, e.message
+        assert "cannot be streamed" in e.message, e.message
     else:
-        raise AssertionError("best_of=2 did not raise openai.BadRequestError")
+        raise AssertionError("streamed best_of=2 did not raise openai.BadRequestError")
 
 
 def post_root(path, body):

@@ -108,6 +108,13 @@ Test(router_openai, completion_fields, .timeout = 10)
                        &e),
                  DUET_OK, "%s", e.message);
     cr_assert_eq(r.n, 16);
+    cr_assert_eq(r.best_of, 16);
+    duet_oai_request_free(&r);
+    /* best_of > n: n returned of best_of run (not streamed); chat has no best_of */
+    cr_assert_eq(parse(DUET_OAI_ENDPOINT_COMPLETIONS,
+                       "{\"model\":\"duet-demo\",\"prompt\":\"x\",\"n\":2,\"best_of\":5}", &r, &e),
+                 DUET_OK, "%s", e.message);
+    cr_assert(r.n == 2 && r.best_of == 5);
     duet_oai_request_free(&r);
 
     /* Defaults. */
@@ -469,7 +476,8 @@ static const bad_case_t bad_cases[] = {
     {H, "{" M MSG ",\"audio\":{}}", 400, "unsupported_parameter", "audio", NULL},
     {C, "{" M "\"prompt\":\"x\",\"presence_penalty\":\"0\"}", 400, "invalid_type",
      "presence_penalty", NULL},
-    {C, "{" M "\"prompt\":\"x\",\"best_of\":2}", 400, "unsupported_value", "best_of", "log-prob"},
+    {C, "{" M "\"prompt\":\"x\",\"best_of\":2,\"stream\":true}", 400, "invalid_value", "best_of",
+     "cannot be streamed"},
     {C, "{" M "\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "unsupported_parameter", "suffix", NULL},
 };
 
