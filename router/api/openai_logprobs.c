@@ -194,10 +194,6 @@ duet_status_t duet_oai_lp_parse(const json_t *root, const duet_oai_limits_t *lim
         if (e != NULL && !json_is_boolean(e))
             return lp_bad_type(err, "echo", "a boolean");
         lp->echo = json_is_true(e);
-        if (lp->echo && req->stream && req->max_tokens == 0)
-            return duet_oai_error_make(err, 400, NULL, "unsupported_value", "max_tokens",
-                                       "max_tokens 0 (scoring the prompt) is not supported with "
-                                       "stream: send it without stream.");
     }
     return DUET_OK;
 }

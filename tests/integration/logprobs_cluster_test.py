@@ -314,6 +314,24 @@ def run_checks(port, model, tmp):
         offs = choice["logprobs"]["text_offset"]
         check(offs[:3] == [0, 0, 1], f"echo text_offset {offs[:3]}")
         check(choice["finish_reason"] == "length", "echo finish")
+        # the same scoring streamed: the prompt as one chunk with its logprobs, then the finish
+        st2, sse = post(port, "/v1/completions", {"model": model, "prompt": long,
+                                                  "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                  "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+        check(st2 == 200, f"streamed echo max_tokens 0: HTTP {st2}: {sse}")
+        events = [json.loads(line[6:]) for line in sse.splitlines() if line.startswith("data: {")]
+        texts = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        lps = [x for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+        fins = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        usage = [e["usage"] for e in events if e.get("usage")]
+        check(texts == choice["text"], f"streamed echo text {texts!r} vs {choice['text']!r}")
+        check(lps == tl, "streamed echo logprobs differ from the non-streamed ones")
+        check(fins[-1:] == ["length"], f"streamed echo finish reasons {fins}")
+        check(usage[-1:] and usage[-1]["prompt_tokens"] == len(long) and
+              usage[-1]["completion_tokens"] == 0, f"streamed echo usage {usage}")
+        check(sse.rstrip().endswith("data: [DONE]"), "streamed echo: no [DONE]")
         # echo while generating: the context worker scores the long prompt (remote prefill)
         st, text = post(port, "/v1/completions", {"model": model, "prompt": long,
                                                   "max_tokens": 4, "echo": True, "logprobs": 1,

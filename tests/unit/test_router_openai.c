@@ -422,8 +422,6 @@ static const bad_case_t bad_cases[] = {
     {C, "{" M "\"prompt\":\"x\",\"max_tokens\":4,\"min_tokens\":5}", 400, "invalid_value",
      "min_tokens", NULL},
     {C, "{" M "\"prompt\":\"x\",\"max_tokens\":0}", 400, "invalid_value", "max_tokens", "echo"},
-    {C, "{" M "\"prompt\":\"x\",\"max_tokens\":0,\"echo\":true,\"stream\":true}", 400,
-     "unsupported_value", "max_tokens", NULL},
     {C, "{" M "\"prompt\":\"x\",\"echo\":1}", 400, "invalid_type", "echo", NULL},
     {C, "{" M "\"prompt\":\"x\",\"stop_token_ids\":[3,258]}", 400, "invalid_value",
      "stop_token_ids[1]", NULL},
