@@ -460,7 +460,8 @@ Test(router_cluster, n_choices_fan_out, .timeout = 90)
     cr_assert_eq(st, 400, "%s", buf);
     cr_assert(strstr(buf, "\"param\":\"n\"") != NULL, "%s", buf);
     st = http(http_port, "POST", "/v1/completions",
-              "{\"model\":\"m\",\"prompt\":\"x\",\"n\":2,\"best_of\":3}", buf, sizeof(buf));
+              "{\"model\":\"m\",\"prompt\":\"x\",\"n\":2,\"best_of\":3,\"stream\":true}", buf,
+              sizeof(buf));
     cr_assert_eq(st, 400, "%s", buf);
     cr_assert(strstr(buf, "\"param\":\"best_of\"") != NULL, "%s", buf);
     cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
