@@ -103,6 +103,7 @@ struct duet_kv_pool {
     duet_kv_layout_t layout;
     duet__slab_t slab; /* blocks = pages */
     size_t block_bytes;
+    int32_t *extra; /* [n_pages] holders of each page beyond its first (duet_kv_pool_ref) */
 };
 
 struct duet_kda_pool {
@@ -180,12 +181,15 @@ duet_status_t duet_kv_pool_create(const duet_kv_pool_desc_t *desc, duet_kv_pool_
     uint64_t block = 0;
     (void)duet_kv_layout_block_bytes(&pool->layout, &block); /* bounded by bytes_needed */
     pool->block_bytes = (size_t)block;
+    if ((pool->extra = calloc((size_t)desc->n_pages, sizeof(*pool->extra))) == NULL)
+        goto err_free_pool;
     if (duet__slab_init(&pool->slab, duet_kv_pool_bytes_needed(desc), desc->mem, desc->n_pages))
         goto err_free_pool;
     *pool_p = pool;
     return DUET_OK;
 
 err_free_pool:
+    free(pool->extra);
     free(pool);
 err_nomem:
     return DUET_FAIL(DUET_ERR_NOMEM, "kv pool: cannot allocate %lld pages",
@@ -197,6 +201,7 @@ void duet_kv_pool_destroy(duet_kv_pool_t *pool)
     if (pool == NULL)
         return;
     duet__slab_destroy(&pool->slab);
+    free(pool->extra);
     free(pool);
 }
 
@@ -219,8 +224,29 @@ duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages
 
 void duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        duet__ids_give(&pool->slab.free, pages[i]);
+    for (int64_t i = 0; i < n; i++) {
+        DUET_ASSERT(pages[i] >= 0 && pages[i] < pool->desc.n_pages);
+        if (pool->extra[pages[i]] > 0)
+            pool->extra[pages[i]]--; /* another holder keeps it */
+        else
+            duet__ids_give(&pool->slab.free, pages[i]);
+    }
+}
+
+void duet_kv_pool_ref(duet_kv_pool_t *pool, const int32_t *pages, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        DUET_ASSERT(pages[i] >= 0 && pages[i] < pool->desc.n_pages);
+        DUET_ASSERT(!pool->slab.free.is_free[pages[i]]);
+        pool->extra[pages[i]]++;
+    }
+}
+
+int32_t duet_kv_pool_holders(const duet_kv_pool_t *pool, int32_t page)
+{
+    if (page < 0 || page >= pool->desc.n_pages || pool->slab.free.is_free[page])
+        return 0;
+    return 1 + pool->extra[page];
 }
 
 int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool)

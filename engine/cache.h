@@ -41,9 +41,15 @@ const duet_kv_pool_desc_t *duet_kv_pool_desc(const duet_kv_pool_t *pool);
 
 /* Take n pages (all or nothing). DUET_ERR_NO_SPACE when fewer than n are free. */
 duet_status_t duet_kv_pool_alloc(duet_kv_pool_t *pool, int64_t n, int32_t *pages_out);
-/* Return pages; a page id out of range or already free is an invariant violation (asserts). */
+/* Give up one hold on each page (it returns to the pool with its last holder); a page id out of
+ * range or already free is an invariant violation (asserts). */
 void duet_kv_pool_free(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
 int64_t duet_kv_pool_n_free(const duet_kv_pool_t *pool);
+/* One more holder of each of pages[0..n) (each allocated): a page goes back to the pool when
+ * every holder has freed it (the prefix cache shares a prompt's pages with later requests). */
+void duet_kv_pool_ref(duet_kv_pool_t *pool, const int32_t *pages, int64_t n);
+/* Holders of a page: 0 when it is free. */
+int32_t duet_kv_pool_holders(const duet_kv_pool_t *pool, int32_t page);
 /* Base of the pool's one allocation and its size (for registration with a transport). */
 void *duet_kv_pool_base(const duet_kv_pool_t *pool);
 size_t duet_kv_pool_bytes(const duet_kv_pool_t *pool);

@@ -480,7 +480,10 @@ static int64_t duet__kv_local_pages_of(const duet_model_t *m, int64_t n_tokens)
     return m->grouped ? duet_shard_local_pages(&m->shard, g) : g;
 }
 
-duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p)
+/* duet_model_seq_open, its first n_shared pages `shared` (each gaining a holder, never zeroed)
+ * and its KDA slot a copy of kda_state when given. */
+static duet_status_t duet__seq_open(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
+                                    int64_t n_shared, const void *kda_state, duet_seq_t *seq_p)
 {
     if (max_tokens <= 0 || max_tokens > m->opts.max_seq_len)
         return duet_error_set(DUET_ERR_RANGE, "sequence of %lld tokens: the model holds 1..%lld",
@@ -495,11 +498,18 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
         return duet_error_set(DUET_ERR_NO_SPACE, "all %lld sequence slots are in use",
                               (long long)m->opts.max_seqs);
     const int64_t n_pages = duet__kv_local_pages_of(m, max_tokens);
+    if (n_shared > n_pages)
+        return duet_error_set(DUET_ERR_RANGE, "a shared prefix of %lld pages in a sequence of %lld",
+                              (long long)n_shared, (long long)n_pages);
     int32_t *pages = m->page_table + (int64_t)id * m->max_pages_per_seq;
     if (m->kv != NULL) {
-        duet_status_t st = duet_kv_pool_alloc(m->kv, n_pages, pages);
+        duet_status_t st = duet_kv_pool_alloc(m->kv, n_pages - n_shared, pages + n_shared);
         if (st != DUET_OK)
             return st;
+        if (n_shared > 0) {
+            memcpy(pages, shared, sizeof(*pages) * (size_t)n_shared);
+            duet_kv_pool_ref(m->kv, shared, n_shared);
+        }
     }
     int32_t slot = -1;
     if (m->kda != NULL) {
@@ -509,8 +519,13 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
                 duet_kv_pool_free(m->kv, pages, n_pages);
             return st;
         }
+        if (kda_state != NULL)
+            memcpy(duet_kda_pool_state(m->kda, slot, 0), kda_state,
+                   duet_kda_pool_slot_bytes(m->kda));
     }
-    duet_seq_t tmp = {.id = id, .kda_slot = slot, .pages = pages, .n_pages = n_pages};
+    /* the backend readies the pages the sequence will write: not the shared ones */
+    duet_seq_t tmp = {
+        .id = id, .kda_slot = slot, .pages = pages + n_shared, .n_pages = n_pages - n_shared};
     duet_status_t st = m->ops->seq_open(m->be, &tmp);
     if (st != DUET_OK) {
         if (m->kv != NULL)
@@ -521,7 +536,7 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     }
     m->seq_used[id] = 1;
     seq_p->id = id;
-    seq_p->n_tokens = 0;
+    seq_p->n_tokens = m->kv != NULL ? n_shared * m->opts.page_tokens : 0;
     seq_p->n_pending = 0;
     seq_p->n_replay = 0;
     seq_p->pages = pages;
@@ -530,6 +545,57 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     seq_p->cap_tokens =
         m->kv != NULL ? duet__kv_pages_of(m, max_tokens) * m->opts.page_tokens : max_tokens;
     return DUET_OK;
+}
+
+duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p)
+{
+    return duet__seq_open(m, max_tokens, NULL, 0, NULL, seq_p);
+}
+
+/* The prefix cache copies host pools: a backend with its own (device) pools cannot share them. */
+static duet_status_t duet__host_pools(const duet_model_t *m, const char *what)
+{
+    duet_backend_pool_mem_t pk = {0}, ps = {0};
+    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pk);
+    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &ps);
+    if (pk.on_device || ps.on_device || m->kv == NULL || m->grouped)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "%s: the prefix cache needs the %s backend's pools in host memory, "
+                              "MLA layers and one rank",
+                              what, m->ops->name);
+    return DUET_OK;
+}
+
+duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
+                                         int64_t n_shared, const void *kda_state, duet_seq_t *seq_p)
+{
+    duet_status_t st = duet__host_pools(m, "seq_open_prefix");
+    if (st != DUET_OK)
+        return st;
+    if (n_shared < 0 || (n_shared > 0 && shared == NULL) ||
+        (m->kda != NULL && n_shared > 0 && kda_state == NULL))
+        return duet_error_set(DUET_ERR_INVALID, "seq_open_prefix: a prefix without its pages or "
+                                                "KDA state");
+    return duet__seq_open(m, max_tokens, shared, n_shared, kda_state, seq_p);
+}
+
+duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *seq, void *dst)
+{
+    duet_status_t st = duet__host_pools(m, "seq_kda_read");
+    if (st != DUET_OK)
+        return st;
+    if (seq == NULL || seq->id < 0 || seq->n_pending != 0 || seq->n_replay != 0)
+        return duet_error_set(DUET_ERR_INVALID, "seq_kda_read: not an open sequence with its "
+                                                "state committed");
+    if (m->kda != NULL)
+        memcpy(dst, duet_kda_pool_state(m->kda, seq->kda_slot, 0),
+               duet_kda_pool_slot_bytes(m->kda));
+    return DUET_OK;
+}
+
+size_t duet_model_kda_state_bytes(const duet_model_t *m)
+{
+    return m->kda != NULL ? duet_kda_pool_slot_bytes(m->kda) : 0;
 }
 
 static int duet__seq_is_open(const duet_model_t *m, const duet_seq_t *seq)

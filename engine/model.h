@@ -229,6 +229,23 @@ typedef struct {
  */
 duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_t *seq_p);
 /*
+ * duet_model_seq_open for a prompt whose first n_shared * page_tokens tokens are a cached prefix
+ * (the prefix cache, worker/prefix_cache.h): its first n_shared pages are `shared`, each gaining a
+ * holder (duet_kv_pool_ref) and never written by it, and its KDA state and conv windows a copy of
+ * kda_state (duet_model_kda_state_bytes bytes, the state after the prefix; NULL without KDA
+ * layers). Afterwards n_tokens = n_shared * page_tokens. DUET_ERR_UNSUPPORTED on a backend whose
+ * pools are on a device, a model without MLA layers or of several ranks; else as seq_open.
+ */
+duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
+                                         int64_t n_shared, const void *kda_state,
+                                         duet_seq_t *seq_p);
+/* Copy the sequence's KDA state and conv windows (after its n_tokens, which must all be folded
+ * in: no pending or replay rows) to dst, duet_model_kda_state_bytes bytes. Errors as above. */
+duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *seq, void *dst);
+/* Bytes of one sequence's KDA state and conv windows (0 without KDA layers). */
+size_t duet_model_kda_state_bytes(const duet_model_t *m);
+
+/*
  * The sequence's caches were filled from outside (a cache transfer from a context worker): they
  * now hold the first n_tokens tokens (KV pages and KDA state + conv windows after token n-1).
  * DUET_ERR_RANGE when n_tokens > cap_tokens or the sequence already holds tokens (committed or

@@ -25,6 +25,8 @@ enum {
     WM_QUEUED,
     WM_QUEUED_TOKENS,
     WM_DRAINING,
+    WM_PREFIX_ENTRIES,
+    WM_PREFIX_PAGES,
     WM_N_GAUGES,
     WM_PREFILL_TOKENS = WM_N_GAUGES,
     WM_BUSY_SECONDS,
@@ -34,6 +36,10 @@ enum {
     WM_STEP_SECONDS,
     WM_SUSPENDED,
     WM_RESUMED,
+    WM_PREFIX_LOOKUPS,
+    WM_PREFIX_HITS,
+    WM_PREFIX_SAVED,
+    WM_PREFIX_EVICTIONS,
     WM_N
 };
 
@@ -49,6 +55,8 @@ static const struct {
     {"duet_worker_queued", "requests waiting (prefill queue / admission)"},
     {"duet_worker_queued_tokens", "prompt tokens waiting to be prefilled or admitted"},
     {"duet_worker_draining", "1 while the worker takes no new requests"},
+    {"duet_worker_prefix_cache_entries", "ctx: prefix snapshots kept (cache.prefix)"},
+    {"duet_worker_prefix_cache_pages", "ctx: KV pages the prefix cache holds (shared or not)"},
     {"duet_worker_prefill_tokens_total", "prompt tokens this worker prefilled"},
     {"duet_worker_busy_seconds_total", "wall time in forward steps"},
     {"duet_worker_decode_steps_total", "gen: forward steps that decoded"},
@@ -57,6 +65,10 @@ static const struct {
     {"duet_worker_step_seconds_total", "gen: wall time of those steps"},
     {"duet_worker_suspended_total", "gen: requests suspended to host memory (pages ran out)"},
     {"duet_worker_resumed_total", "gen: suspended requests resumed"},
+    {"duet_worker_prefix_cache_lookups_total", "ctx: prompts looked up in the prefix cache"},
+    {"duet_worker_prefix_cache_hits_total", "ctx: prompts that reused a cached prefix"},
+    {"duet_worker_prefix_cache_tokens_saved_total", "ctx: prompt tokens not prefilled (hits)"},
+    {"duet_worker_prefix_cache_evictions_total", "ctx: prefix snapshots dropped"},
 };
 
 struct duet_worker_metrics {
@@ -104,6 +116,8 @@ static void wm_update(duet_worker_metrics_t *wm)
         [WM_QUEUED] = hb.queued,
         [WM_QUEUED_TOKENS] = (double)hb.queued_tokens,
         [WM_DRAINING] = hb.draining ? 1 : 0,
+        [WM_PREFIX_ENTRIES] = hb.prefix_entries,
+        [WM_PREFIX_PAGES] = hb.prefix_pages,
     };
     for (int i = 0; i < WM_N_GAUGES; i++)
         duet_metrics_gauge_set(wm->m[i], g[i]);
@@ -116,6 +130,10 @@ static void wm_update(duet_worker_metrics_t *wm)
         [WM_STEP_SECONDS] = hb.step_seconds,
         [WM_SUSPENDED] = (double)hb.suspensions,
         [WM_RESUMED] = (double)hb.resumes,
+        [WM_PREFIX_LOOKUPS] = (double)hb.prefix_lookups,
+        [WM_PREFIX_HITS] = (double)hb.prefix_hits,
+        [WM_PREFIX_SAVED] = (double)hb.prefix_tokens_saved,
+        [WM_PREFIX_EVICTIONS] = (double)hb.prefix_evictions,
     };
     for (int i = WM_N_GAUGES; i < WM_N; i++)
         duet_metrics_counter_add(wm->m[i], wm_delta(c[i], &wm->last[i]));

@@ -1,0 +1,8 @@
+# The context worker's prefix cache through a real cluster (duet-router + duet-ctx with
+# cache.prefix + duet-gen, demo model): answers equal duet-generate's, hit or miss.
+add_test(NAME prefix_cache_cluster
+         COMMAND ${PROJECT_BINARY_DIR}/pyvenv/bin/python
+                 ${PROJECT_SOURCE_DIR}/tests/integration/prefix_cache_cluster_test.py
+                 ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR}/models/duet-demo)
+set_tests_properties(prefix_cache_cluster PROPERTIES TIMEOUT 300 LABELS "integration;network"
+                                                     RESOURCE_LOCK duet_cluster)

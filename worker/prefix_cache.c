@@ -1,0 +1,192 @@
+/*
+ * Entries in a small array searched linearly (a worker keeps tens of snapshots: the hash chain
+ * is computed once per lookup, each length compared against every entry's). A hash chain:
+ * block k's hash is FNV-1a over block k's tokens seeded with block k-1's hash.
+ */
+#include "worker/prefix_cache.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    uint64_t hash; /* the chain's hash after n_blocks blocks */
+    int64_t n_blocks;
+    int32_t *tokens; /* owned, n_blocks * page_tokens */
+    int32_t *pages;  /* owned, n_blocks; one hold each on the pool */
+    void *state;     /* owned, state_bytes */
+    uint64_t used;   /* tick of the last insert or hit */
+} pc_entry_t;
+
+struct duet_prefix_cache {
+    duet_prefix_cache_desc_t d;
+    duet_kv_pool_t *kv;
+    pc_entry_t *e; /* [d.max_entries], the first n used */
+    int64_t n;
+    uint64_t tick;
+    duet_prefix_cache_stats_t st;
+};
+
+static uint64_t block_hash(uint64_t h, const int32_t *t, int64_t n)
+{
+    const uint8_t *p = (const uint8_t *)t;
+    for (size_t i = 0; i < (size_t)n * sizeof(*t); i++)
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+#define CHAIN_SEED 0xcbf29ce484222325ull
+
+duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, duet_kv_pool_t *kv,
+                                       duet_prefix_cache_t **pc_p)
+{
+    if (desc->page_tokens <= 0 || desc->max_entries <= 0 || kv == NULL)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "prefix cache: page_tokens %lld and entries %lld "
+                              "must be positive, over a KV pool",
+                              (long long)desc->page_tokens, (long long)desc->max_entries);
+    duet_prefix_cache_t *pc = calloc(1, sizeof(*pc));
+    if (pc == NULL || (pc->e = calloc((size_t)desc->max_entries, sizeof(*pc->e))) == NULL) {
+        free(pc);
+        return duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory");
+    }
+    pc->d = *desc;
+    pc->kv = kv;
+    *pc_p = pc;
+    return DUET_OK;
+}
+
+static void entry_drop(duet_prefix_cache_t *pc, int64_t i)
+{
+    pc_entry_t *e = &pc->e[i];
+    duet_kv_pool_free(pc->kv, e->pages, e->n_blocks);
+    free(e->tokens);
+    free(e->pages);
+    free(e->state);
+    pc->e[i] = pc->e[--pc->n];
+    memset(&pc->e[pc->n], 0, sizeof(pc->e[pc->n]));
+    pc->st.entries = pc->n;
+}
+
+void duet_prefix_cache_destroy(duet_prefix_cache_t *pc)
+{
+    if (pc == NULL)
+        return;
+    while (pc->n > 0)
+        entry_drop(pc, pc->n - 1);
+    free(pc->e);
+    free(pc);
+}
+
+static int64_t entry_of(const duet_prefix_cache_t *pc, uint64_t hash, int64_t n_blocks,
+                        const int32_t *tokens)
+{
+    const size_t bytes = sizeof(*tokens) * (size_t)(n_blocks * pc->d.page_tokens);
+    for (int64_t i = 0; i < pc->n; i++)
+        if (pc->e[i].n_blocks == n_blocks && pc->e[i].hash == hash &&
+            memcmp(pc->e[i].tokens, tokens, bytes) == 0)
+            return i;
+    return -1;
+}
+
+int64_t duet_prefix_cache_lookup(duet_prefix_cache_t *pc, const int32_t *prompt, int64_t n,
+                                 const int32_t **pages_p, const void **state_p)
+{
+    const int64_t P = pc->d.page_tokens;
+    int64_t best = -1;
+    uint64_t h = CHAIN_SEED;
+    for (int64_t k = 1; k * P < n; k++) { /* at least one token left to prefill */
+        h = block_hash(h, prompt + (k - 1) * P, P);
+        int64_t i = entry_of(pc, h, k, prompt);
+        if (i >= 0)
+            best = i;
+    }
+    if (best < 0)
+        return 0;
+    pc_entry_t *e = &pc->e[best];
+    e->used = ++pc->tick;
+    *pages_p = e->pages;
+    *state_p = e->state;
+    return e->n_blocks;
+}
+
+bool duet_prefix_cache_evict(duet_prefix_cache_t *pc)
+{
+    if (pc->n == 0)
+        return false;
+    int64_t lru = 0;
+    for (int64_t i = 1; i < pc->n; i++)
+        if (pc->e[i].used < pc->e[lru].used)
+            lru = i;
+    entry_drop(pc, lru);
+    pc->st.evictions++;
+    return true;
+}
+
+duet_status_t duet_prefix_cache_insert(duet_prefix_cache_t *pc, const int32_t *prompt,
+                                       int64_t n_blocks, const int32_t *pages,
+                                       int (*fill)(void *user, void *dst), void *user)
+{
+    const int64_t P = pc->d.page_tokens;
+    if (n_blocks <= 0)
+        return duet_error_set(DUET_ERR_INVALID, "prefix cache: an entry of %lld blocks",
+                              (long long)n_blocks);
+    uint64_t h = CHAIN_SEED;
+    for (int64_t k = 0; k < n_blocks; k++)
+        h = block_hash(h, prompt + k * P, P);
+    int64_t have = entry_of(pc, h, n_blocks, prompt);
+    if (have >= 0) {
+        pc->e[have].used = ++pc->tick;
+        return DUET_OK;
+    }
+    pc_entry_t e = {.hash = h, .n_blocks = n_blocks};
+    e.tokens = malloc(sizeof(*e.tokens) * (size_t)(n_blocks * P));
+    e.pages = malloc(sizeof(*e.pages) * (size_t)n_blocks);
+    e.state = malloc(pc->d.state_bytes > 0 ? pc->d.state_bytes : 1);
+    if (e.tokens == NULL || e.pages == NULL || e.state == NULL) {
+        free(e.tokens);
+        free(e.pages);
+        free(e.state);
+        return duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory for an entry");
+    }
+    if (pc->d.state_bytes > 0 && fill(user, e.state) != 0) {
+        free(e.tokens);
+        free(e.pages);
+        free(e.state);
+        return duet_error_set(DUET_ERR_INVALID, "prefix cache: the snapshot could not be read");
+    }
+    memcpy(e.tokens, prompt, sizeof(*e.tokens) * (size_t)(n_blocks * P));
+    memcpy(e.pages, pages, sizeof(*e.pages) * (size_t)n_blocks);
+    if (pc->n == pc->d.max_entries)
+        (void)duet_prefix_cache_evict(pc);
+    duet_kv_pool_ref(pc->kv, e.pages, n_blocks);
+    e.used = ++pc->tick;
+    pc->e[pc->n++] = e;
+    pc->st.inserts++;
+    pc->st.entries = pc->n;
+    return DUET_OK;
+}
+
+void duet_prefix_cache_count(duet_prefix_cache_t *pc, int64_t n_blocks)
+{
+    pc->st.lookups++;
+    if (n_blocks > 0) {
+        pc->st.hits++;
+        pc->st.tokens_saved += (uint64_t)(n_blocks * pc->d.page_tokens);
+    }
+}
+
+duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc)
+{
+    duet_prefix_cache_stats_t st = pc->st;
+    const int64_t n_pages = duet_kv_pool_desc(pc->kv)->n_pages;
+    uint8_t *seen = calloc((size_t)n_pages, 1);
+    st.pages = seen == NULL ? -1 : 0; /* -1: not counted (out of memory) */
+    for (int64_t i = 0; seen != NULL && i < pc->n; i++)
+        for (int64_t k = 0; k < pc->e[i].n_blocks; k++)
+            if (!seen[pc->e[i].pages[k]]) {
+                seen[pc->e[i].pages[k]] = 1;
+                st.pages++;
+            }
+    free(seen);
+    return st;
+}
