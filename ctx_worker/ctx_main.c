@@ -522,12 +522,9 @@ static duet_status_t ctx_init(duet_worker_t *w)
         .state_bytes = duet_model_kda_state_bytes(w->m),
     };
     c.snap_tokens = mo->page_tokens * duet_config_get_int(w->cfg, "cache.prefix_state_every");
-    /* the same check a cached prefix meets, before any request does */
-    duet_seq_t probe;
-    duet_status_t st = duet_model_seq_open_prefix(w->m, 1, NULL, 0, NULL, &probe);
+    duet_status_t st = duet_model_prefix_supported(w->m, "cache.prefix");
     if (st != DUET_OK)
-        return duet_error_set(st, "cache.prefix: %s", duet_error_last());
-    duet_model_seq_close(w->m, &probe);
+        return st;
     if ((st = duet_prefix_cache_create(&d, duet_model_kv_pool(w->m), &c.pc)) != DUET_OK)
         return st;
     DUET_LOG_INFO("prefix cache: up to %lld snapshots of %.1f MiB (KDA state) each, one every "

@@ -553,7 +553,7 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
 }
 
 /* The prefix cache copies host pools: a backend with its own (device) pools cannot share them. */
-static duet_status_t duet__host_pools(const duet_model_t *m, const char *what)
+duet_status_t duet_model_prefix_supported(const duet_model_t *m, const char *what)
 {
     duet_backend_pool_mem_t pk = {0}, ps = {0};
     m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pk);
@@ -569,7 +569,7 @@ static duet_status_t duet__host_pools(const duet_model_t *m, const char *what)
 duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
                                          int64_t n_shared, const void *kda_state, duet_seq_t *seq_p)
 {
-    duet_status_t st = duet__host_pools(m, "seq_open_prefix");
+    duet_status_t st = duet_model_prefix_supported(m, "seq_open_prefix");
     if (st != DUET_OK)
         return st;
     if (n_shared < 0 || (n_shared > 0 && shared == NULL) ||
@@ -581,7 +581,7 @@ duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, co
 
 duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *seq, void *dst)
 {
-    duet_status_t st = duet__host_pools(m, "seq_kda_read");
+    duet_status_t st = duet_model_prefix_supported(m, "seq_kda_read");
     if (st != DUET_OK)
         return st;
     if (seq == NULL || seq->id < 0 || seq->n_pending != 0 || seq->n_replay != 0)

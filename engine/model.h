@@ -239,6 +239,9 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
 duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
                                          int64_t n_shared, const void *kda_state,
                                          duet_seq_t *seq_p);
+/* DUET_OK when sequences of m can open on a cached prefix (its pools in host memory, MLA layers,
+ * one rank), else DUET_ERR_UNSUPPORTED with a detail led by `what`. */
+duet_status_t duet_model_prefix_supported(const duet_model_t *m, const char *what);
 /* Copy the sequence's KDA state and conv windows (after its n_tokens, which must all be folded
  * in: no pending or replay rows) to dst, duet_model_kda_state_bytes bytes. Errors as above. */
 duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *seq, void *dst);

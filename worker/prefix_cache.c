@@ -142,17 +142,16 @@ duet_status_t duet_prefix_cache_insert(duet_prefix_cache_t *pc, const int32_t *p
     e.tokens = malloc(sizeof(*e.tokens) * (size_t)(n_blocks * P));
     e.pages = malloc(sizeof(*e.pages) * (size_t)n_blocks);
     e.state = malloc(pc->d.state_bytes > 0 ? pc->d.state_bytes : 1);
-    if (e.tokens == NULL || e.pages == NULL || e.state == NULL) {
+    duet_status_t st = DUET_OK;
+    if (e.tokens == NULL || e.pages == NULL || e.state == NULL)
+        st = duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory for an entry");
+    else if (pc->d.state_bytes > 0 && fill(user, e.state) != 0)
+        st = duet_error_set(DUET_ERR_INVALID, "prefix cache: the snapshot could not be read");
+    if (st != DUET_OK) {
         free(e.tokens);
         free(e.pages);
         free(e.state);
-        return duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory for an entry");
-    }
-    if (pc->d.state_bytes > 0 && fill(user, e.state) != 0) {
-        free(e.tokens);
-        free(e.pages);
-        free(e.state);
-        return duet_error_set(DUET_ERR_INVALID, "prefix cache: the snapshot could not be read");
+        return st;
     }
     memcpy(e.tokens, prompt, sizeof(*e.tokens) * (size_t)(n_blocks * P));
     memcpy(e.pages, pages, sizeof(*e.pages) * (size_t)n_blocks);
