@@ -473,15 +473,8 @@ static void ctx_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb)
             hb->queued_tokens += (uint64_t)(r->base.n_prompt - r->base.prefilled);
         }
     }
-    if (c.pc != NULL) {
-        const duet_prefix_cache_stats_t ps = duet_prefix_cache_stats(c.pc);
-        hb->prefix_lookups = ps.lookups;
-        hb->prefix_hits = ps.hits;
-        hb->prefix_tokens_saved = ps.tokens_saved;
-        hb->prefix_evictions = ps.evictions;
-        hb->prefix_entries = (uint32_t)ps.entries;
-        hb->prefix_pages = ps.pages > 0 ? (uint32_t)ps.pages : 0;
-    }
+    if (c.pc != NULL)
+        duet_prefix_cache_heartbeat(c.pc, hb);
 }
 
 /* End overdue requests. */

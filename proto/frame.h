@@ -35,6 +35,11 @@
  * at compile time that its drafts per step (engine/spec.h, DUET_SPEC_MAX_K) fit. */
 #define DUET_PROTO_SPEC_POSITIONS 8u
 
+/* Prefix hashes a Heartbeat carries at most (prefix_hashes: one per prefix cache entry; a worker
+ * keeping more entries reports its most recently used): the router refuses the summary of a
+ * heartbeat with more and places that worker as if it held nothing. */
+#define DUET_PROTO_PREFIX_HASHES 256u
+
 /* Words of a request's RNG state in MoveState.rng (engine/sampler.h's duet_rng_t; duet-gen checks
  * at compile time that they agree). */
 #define DUET_PROTO_RNG_WORDS 4u

@@ -1,12 +1,15 @@
 /*
  * Entries in a small array searched linearly (a worker keeps tens of snapshots: the hash chain
- * is computed once per lookup, each length compared against every entry's). A hash chain:
- * block k's hash is FNV-1a over block k's tokens seeded with block k-1's hash.
+ * is computed once per lookup, each length compared against every entry's). The hash chain is
+ * common/prefix_hash.h's, the router's too (placement by cached prefix).
  */
 #include "worker/prefix_cache.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+#include "common/prefix_hash.h"
+#include "proto/frame.h"
 
 typedef struct {
     uint64_t hash; /* the chain's hash after n_blocks blocks */
@@ -24,17 +27,8 @@ struct duet_prefix_cache {
     int64_t n;
     uint64_t tick;
     duet_prefix_cache_stats_t st;
+    uint64_t summary[DUET_PROTO_PREFIX_HASHES]; /* the last heartbeat's prefix_hashes */
 };
-
-static uint64_t block_hash(uint64_t h, const int32_t *t, int64_t n)
-{
-    const uint8_t *p = (const uint8_t *)t;
-    for (size_t i = 0; i < (size_t)n * sizeof(*t); i++)
-        h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
-
-#define CHAIN_SEED 0xcbf29ce484222325ull
 
 duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, duet_kv_pool_t *kv,
                                        duet_prefix_cache_t **pc_p)
@@ -93,9 +87,9 @@ int64_t duet_prefix_cache_lookup(duet_prefix_cache_t *pc, const int32_t *prompt,
 {
     const int64_t P = pc->d.page_tokens;
     int64_t best = -1;
-    uint64_t h = CHAIN_SEED;
+    uint64_t h = DUET_PREFIX_HASH_SEED;
     for (int64_t k = 1; k * P < n; k++) { /* at least one token left to prefill */
-        h = block_hash(h, prompt + (k - 1) * P, P);
+        h = duet_prefix_hash_block(h, prompt + (k - 1) * P, P);
         int64_t i = entry_of(pc, h, k, prompt);
         if (i >= 0)
             best = i;
@@ -130,9 +124,9 @@ duet_status_t duet_prefix_cache_insert(duet_prefix_cache_t *pc, const int32_t *p
     if (n_blocks <= 0)
         return duet_error_set(DUET_ERR_INVALID, "prefix cache: an entry of %lld blocks",
                               (long long)n_blocks);
-    uint64_t h = CHAIN_SEED;
+    uint64_t h = DUET_PREFIX_HASH_SEED;
     for (int64_t k = 0; k < n_blocks; k++)
-        h = block_hash(h, prompt + k * P, P);
+        h = duet_prefix_hash_block(h, prompt + k * P, P);
     int64_t have = entry_of(pc, h, n_blocks, prompt);
     if (have >= 0) {
         pc->e[have].used = ++pc->tick;
@@ -188,4 +182,40 @@ duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc)
             }
     free(seen);
     return st;
+}
+
+size_t duet_prefix_cache_summary(const duet_prefix_cache_t *pc, uint64_t *out, size_t max_out)
+{
+    size_t n = 0;
+    uint64_t floor = 0; /* with more entries than room: only those used after the floor */
+    if ((size_t)pc->n > max_out) {
+        /* the max_out-th most recent tick: entries' ticks are distinct */
+        for (int64_t i = 0; i < pc->n; i++) {
+            size_t newer = 0;
+            for (int64_t j = 0; j < pc->n; j++)
+                newer += pc->e[j].used > pc->e[i].used;
+            if (newer == max_out) {
+                floor = pc->e[i].used;
+                break;
+            }
+        }
+    }
+    for (int64_t i = 0; i < pc->n && n < max_out; i++)
+        if (pc->e[i].used > floor)
+            out[n++] = pc->e[i].hash;
+    return n;
+}
+
+void duet_prefix_cache_heartbeat(duet_prefix_cache_t *pc, Duet__Heartbeat *hb)
+{
+    const duet_prefix_cache_stats_t ps = duet_prefix_cache_stats(pc);
+    hb->prefix_lookups = ps.lookups;
+    hb->prefix_hits = ps.hits;
+    hb->prefix_tokens_saved = ps.tokens_saved;
+    hb->prefix_evictions = ps.evictions;
+    hb->prefix_entries = (uint32_t)ps.entries;
+    hb->prefix_pages = ps.pages > 0 ? (uint32_t)ps.pages : 0;
+    hb->n_prefix_hashes = duet_prefix_cache_summary(pc, pc->summary, DUET_PROTO_PREFIX_HASHES);
+    hb->prefix_hashes = pc->summary;
+    hb->prefix_page_tokens = (uint32_t)pc->d.page_tokens;
 }

@@ -20,6 +20,7 @@
 
 #include "common/status.h"
 #include "engine/cache.h"
+#include "proto/duet.pb-c.h"
 
 typedef struct {
     int64_t page_tokens; /* tokens per page (a block) */
@@ -69,5 +70,16 @@ duet_status_t duet_prefix_cache_insert(duet_prefix_cache_t *pc, const int32_t *p
 bool duet_prefix_cache_evict(duet_prefix_cache_t *pc);
 
 duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc);
+
+/*
+ * The cache's summary for the router (heartbeats): each entry's hash (common/prefix_hash.h, the
+ * hash of the whole prefix it holds, which a prompt resumes from), at most max_out of them in no
+ * particular order. Returns how many were written.
+ */
+size_t duet_prefix_cache_summary(const duet_prefix_cache_t *pc, uint64_t *out, size_t max_out);
+
+/* Fill hb's prefix_* fields: the counters, and the summary (prefix_hashes, pointing into pc until
+ * the next call). */
+void duet_prefix_cache_heartbeat(duet_prefix_cache_t *pc, Duet__Heartbeat *hb);
 
 #endif

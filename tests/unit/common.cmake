@@ -13,3 +13,5 @@ duet_add_test(common_cache_layout SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_
               LIBS duet_common TIMEOUT 60)
 duet_add_test(common_log SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_log.c
               LIBS duet_common PkgConfig::JANSSON TIMEOUT 60)
+duet_add_test(common_prefix_hash SOURCES ${CMAKE_CURRENT_LIST_DIR}/test_common_prefix_hash.c
+              LIBS duet_common TIMEOUT 60)
