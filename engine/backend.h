@@ -172,6 +172,12 @@ struct duet_backend_ops {
      * a host mirror of it. duet_model_seq_state_save / _restore. */
     duet_status_t (*seq_state_copy)(duet_backend_t *be, const duet_seq_t *seq, void *buf,
                                     int to_host);
+    /* Optional; needed when pool_mem puts the KV pool on the device. The same for the sequence's
+     * first n_pages pages: every MLA layer of each, in page order, the host pool's page layout
+     * (n_pages * the layout's page bytes in buf); a copy into the pages also updates a host
+     * mirror of them. duet_model_seq_snapshot_save / _restore (suspend and resume). */
+    duet_status_t (*seq_kv_copy)(duet_backend_t *be, const duet_seq_t *seq, int64_t n_pages,
+                                 void *buf, int to_host);
 
     /* One mixed step: prefill chunks and decode rows of any logits mode, DUET_LOGITS_TOKEN drawn
      * by the backend (on the device for CUDA). Runs the batch's hook after each layer's mixer. */

@@ -861,5 +861,6 @@ const duet_backend_ops_t duet_backend_cpu_ops = {
     .seq_replay = duet__cpu_seq_replay,
     .forward = duet__cpu_forward,
     .pool_mem = duet__cpu_pool_mem,
-    .seq_state_copy = NULL, /* the host KDA pool is the state: the front end copies it */
+    .seq_state_copy = NULL, /* the host pools are the caches: the front end copies them */
+    .seq_kv_copy = NULL,
 };

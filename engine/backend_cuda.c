@@ -959,6 +959,30 @@ static duet_status_t duet__cuda_seq_state_copy(duet_backend_t *be, const duet_se
     return DUET_OK;
 }
 
+static duet_status_t duet__cuda_seq_kv_copy(duet_backend_t *be, const duet_seq_t *seq,
+                                            int64_t n_pages, void *buf, int to_host)
+{
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
+    if (dm->kv_dev == NULL)
+        return DUET_OK;
+    const bool mirrored = dm->opts.mirror_in || dm->opts.mirror_out;
+    for (int64_t p = 0; p < n_pages; p++) {
+        /* a page's layers are contiguous in the layout: one copy per page */
+        const size_t off = duet__kv_off(dm, seq->pages[p], 0, 0);
+        uint8_t *dev = (uint8_t *)dm->kv_dev + off, *host = (uint8_t *)buf + p * dm->kv_page_bytes;
+        if (to_host)
+            CU(cudaMemcpyAsync(host, dev, dm->kv_page_bytes, cudaMemcpyDeviceToHost, dm->stream),
+               "KV pages device → host");
+        else
+            CU(cudaMemcpyAsync(dev, host, dm->kv_page_bytes, cudaMemcpyHostToDevice, dm->stream),
+               "KV pages host → device");
+        if (!to_host && mirrored)
+            memcpy((uint8_t *)duet_kv_pool_base(dm->kv_host) + off, host, dm->kv_page_bytes);
+    }
+    CU(cudaStreamSynchronize(dm->stream), "KV pages copy");
+    return DUET_OK;
+}
+
 /* ---- the step ------------------------------------------------------------------------------- */
 
 /*
@@ -1566,6 +1590,7 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
     .forward = duet__cuda_forward,
     .pool_mem = duet__cuda_pool_mem,
     .seq_state_copy = duet__cuda_seq_state_copy,
+    .seq_kv_copy = duet__cuda_seq_kv_copy,
 #else /* create refuses, so no instance reaches the rest */
 #endif
 };

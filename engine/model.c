@@ -809,8 +809,8 @@ size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens)
     return kv + duet_model_seq_state_bytes(m);
 }
 
-/* Copy the first n_pages pages of seq, every MLA layer, to buf (to_host 1) or back (0). The KV
- * must be the host pool's (DUET_ERR_UNSUPPORTED otherwise). */
+/* Copy the first n_pages pages of seq, every MLA layer, to buf (to_host 1) or back (0): the host
+ * pool itself, else the backend's seq_kv_copy (DUET_ERR_UNSUPPORTED without one). */
 static duet_status_t duet__seq_kv_copy(duet_model_t *m, const duet_seq_t *seq, int64_t n_pages,
                                        uint8_t *buf, int to_host)
 {
@@ -818,11 +818,14 @@ static duet_status_t duet__seq_kv_copy(duet_model_t *m, const duet_seq_t *seq, i
         return DUET_OK;
     duet_backend_pool_mem_t pm = {0};
     m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pm);
-    if (pm.on_device)
-        return duet_error_set(DUET_ERR_UNSUPPORTED,
-                              "the %s backend keeps the KV cache where a snapshot cannot copy it "
-                              "from",
-                              m->ops->name);
+    if (pm.on_device) {
+        if (m->ops->seq_kv_copy == NULL)
+            return duet_error_set(DUET_ERR_UNSUPPORTED,
+                                  "the %s backend keeps the KV cache where a snapshot cannot "
+                                  "copy it from",
+                                  m->ops->name);
+        return m->ops->seq_kv_copy(m->be, seq, n_pages, buf, to_host);
+    }
     const int64_t layers = duet_kv_pool_desc(m->kv)->n_layers;
     const size_t block = duet_kv_pool_block_bytes(m->kv);
     for (int64_t p = 0; p < n_pages; p++)

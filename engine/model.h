@@ -371,8 +371,8 @@ size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens);
  * Accepted rows not yet folded into the KDA state are folded in first (duet_model_seq_commit, the
  * replay-only commit), so the snapshot is the state after its last committed token. The sequence
  * is left open and otherwise unchanged. Errors: DUET_ERR_INVALID for a closed sequence or one with
- * pending verify rows (accept them first); DUET_ERR_UNSUPPORTED on a backend whose KV lives where
- * the host cannot read it (cuda), and duet_model_seq_commit's.
+ * pending verify rows (accept them first); DUET_ERR_UNSUPPORTED on a backend whose pools live on
+ * a device it cannot copy from (no seq_kv_copy / seq_state_copy), and duet_model_seq_commit's.
  */
 duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, void *buf);
 

@@ -33,7 +33,7 @@
  * (produced, next token, RNG state; with speculation the drafter starts from the prompt and the
  * generated ids).
  *
- * Pages under pressure (cache.suspend, on by default on the CPU; docs/architecture.md, "Suspend
+ * Pages under pressure (cache.suspend, on by default; docs/architecture.md, "Suspend
  * and resume"): a request's sequence holds pages for its tokens plus one step's growth and grows
  * page by page as it decodes, so the pool admits requests by what they hold, not by what they may
  * reach. When a decoding request cannot grow, the youngest decoding requests (by arrival; the
@@ -43,8 +43,8 @@
  * younger ones wait behind it, and no reservation is taken while one waits. The drafter's
  * sequence (its own pool) stays open through a suspension. The restored caches are the bytes
  * saved, so a suspended request's tokens are those of a run never suspended; the client only sees
- * a pause. With cache.suspend off (and on cuda) a request reserves prompt + max_tokens + slack up
- * front and the pool refuses what does not fit, as before.
+ * a pause. With cache.suspend off (and in a group) a request reserves prompt + max_tokens + slack
+ * up front and the pool refuses what does not fit, as before.
  *
  * Batch invariance (engine/model.h) makes every request's tokens equal to duet-generate's under
  * greedy sampling, whatever else runs in the batch. A seeded request samples the same tokens as
@@ -90,7 +90,7 @@ static const duet_config_key_t gen_keys[] = {
      .min = "0", .max = "600000"},
     {"cache.suspend", DUET_CONFIG_BOOL, "true",
      "reserve pages for what a request holds and grow it as it decodes, suspending the youngest "
-     "requests to host memory when the pool runs out (CPU only: cuda always reserves up front)",
+     "requests to host memory when the pool runs out (not in a generation group)",
      .min = NULL},
     {"tune", DUET_CONFIG_BOOL, "false",
      "at load, profile the kernels' tactics for the decode shapes and keep the fastest (same "
@@ -1473,12 +1473,6 @@ static duet_status_t gen_init(duet_worker_t *w)
     if (g.grow && w->group != NULL) {
         DUET_LOG_INFO("cache.suspend: off in a generation group (suspending a sharded sequence "
                       "is not built); requests reserve their pages up front");
-        g.grow = false;
-    }
-    if (g.grow && duet_model_opts(w->m)->device != DUET_DEVICE_CPU) {
-        DUET_LOG_INFO("cache.suspend: off on %s (a snapshot reads the KV from host memory); "
-                      "requests reserve their pages up front",
-                      duet_model_device_name(duet_model_opts(w->m)->device));
         g.grow = false;
     }
     if (g.so.method == DUET_SPEC_NONE)

@@ -495,6 +495,87 @@ Test(engine_cuda, staged_sequence_continues_like_the_original, .timeout = 600)
 }
 
 /*
+ * Suspend and resume with device pools (a generation worker out of pages): a sequence's snapshot
+ * (duet_model_seq_snapshot_save: its KV pages and KDA state copied to host memory through the
+ * backend's seq_kv_copy / seq_state_copy), the sequence closed, a fresh one restored from it
+ * decodes exactly as the original went on to (the same kernels over the same bytes: rel L2 0 is
+ * expected, 1e-6 allowed), on the generation worker's model (graphs, mirror_in).
+ */
+Test(engine_cuda, snapshot_resume_continues_like_the_original, .timeout = 600)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    for (int i = 0; i < n; i++) {
+        fixture_t *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt, before = 3, after = 6;
+        duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 1, 0);
+        duet_seq_t a, b;
+        cr_assert_eq(duet_model_seq_open(m, np + before + after, &a), DUET_OK);
+        float *all = malloc(sizeof(float) * (size_t)(np * V));
+        float *ref = malloc(sizeof(float) * (size_t)(after * V));
+        float *got = malloc(sizeof(float) * (size_t)V);
+        int32_t toks[16];
+        prefill_all(m, &a, x->prompt, np, all);
+        toks[0] = duet_argmax(all + (np - 1) * V, V);
+        for (int64_t s = 0; s < before + after; s++) {
+            if (s == before) { /* suspend here: the snapshot, then a's reference continuation */
+                const size_t bytes = duet_model_seq_snapshot_bytes(m, a.n_tokens);
+                void *snap = malloc(bytes);
+                const int64_t held = a.n_tokens;
+                cr_assert_eq(duet_model_seq_snapshot_save(m, &a, snap), DUET_OK, "%s: %s", x->name,
+                             duet_error_last());
+                for (int64_t r = 0; r < after; r++) {
+                    duet_batch_item_t it = {.seq = &a,
+                                            .tokens = &toks[before + r],
+                                            .n_tokens = 1,
+                                            .logits_mode = DUET_LOGITS_LAST,
+                                            .logits = ref + r * V};
+                    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
+                    toks[before + r + 1] = duet_argmax(ref + r * V, V);
+                }
+                duet_model_seq_close(m, &a);
+                cr_assert_eq(duet_model_seq_open(m, np + before + after, &b), DUET_OK);
+                cr_assert_eq(duet_model_seq_snapshot_restore(m, &b, snap, held), DUET_OK, "%s: %s",
+                             x->name, duet_error_last());
+                free(snap);
+                break;
+            }
+            duet_batch_item_t it = {.seq = &a,
+                                    .tokens = &toks[s],
+                                    .n_tokens = 1,
+                                    .logits_mode = DUET_LOGITS_LAST,
+                                    .logits = got};
+            cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
+            toks[s + 1] = duet_argmax(got, V);
+        }
+        double worst = 0;
+        for (int64_t r = 0; r < after; r++) {
+            duet_batch_item_t it = {.seq = &b,
+                                    .tokens = &toks[before + r],
+                                    .n_tokens = 1,
+                                    .logits_mode = DUET_LOGITS_LAST,
+                                    .logits = got};
+            cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
+            double e = rel_l2(got, ref + r * V, V);
+            worst = e > worst ? e : worst;
+            cr_expect_eq(duet_argmax(got, V), toks[before + r + 1], "%s: step %lld differs",
+                         x->name, (long long)r);
+        }
+        printf("cuda %-30s suspended after %lld decode steps, resumed: %lld steps, max rel L2 "
+               "%.3g\n",
+               x->name, (long long)before, (long long)after, worst);
+        cr_expect_leq(worst, 1e-6, "%s: resumed continuation rel L2 %g", x->name, worst);
+        duet_model_seq_close(m, &b);
+        free(all);
+        free(ref);
+        free(got);
+        duet_model_free(m);
+    }
+    free_fixtures(fx, n);
+}
+
+/*
  * A step that mixes a prompt wanting every row's logits (more logits rows than a decode bucket
  * has sequences) with an item drawing its token on the device: the drawn token equals the one a
  * token-only step draws for the same sequence state and draw, and the prompt's logits equal a
