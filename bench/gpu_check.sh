@@ -8,7 +8,8 @@
 # Usage: bench/gpu_check.sh [OUT_DIR]   (default: ./gpu-check-out)
 # Env: DEPS=DIR of carried .deb files (the GPU machine lacks libuv etc.: tools/gpu_deps.sh),
 #      PY=python with torch + transformers (default: the first of /opt/torch/.venv/bin/python3,
-#      python3), STAGES="build tests cluster bench tf" to run a subset (add `trace` for the
+#      python3), STAGES="build tests cluster bench tf" to run a subset (add `pycluster` for the
+#      Python cluster tests on cuda, `trace` for the
 #      27-layer batch-1 step's per-kernel table under the CUPTI tracer), TARGETS="..." to build
 #      only some targets, CUDA_UCX=DIR a CUDA-built UCX (tools/build_ucx_cuda.sh): the tests
 #      stage then also runs transfer_cuda and the cluster's greedy test with it, the workers'
@@ -68,6 +69,16 @@ if has cluster; then
     >"$out/test_cluster.log" 2>&1; rc=$?
   grep -E "Synthesis|FAIL|fail|\[----\]" "$out/test_cluster.log" | tail -30
   say "test_cluster exit $rc"
+fi
+if has pycluster; then
+  # the Python cluster tests that run on any device (tests/integration/duet_cluster.py)
+  for t in prefix_cache_cluster; do
+    say "$t (DUET_TEST_DEVICE=cuda)"
+    DUET_TEST_DEVICE=cuda timeout 300 "$py" "tests/integration/${t}_test.py" build-gpu \
+      models/duet-demo >"$out/$t.log" 2>&1; rc=$?
+    tail -5 "$out/$t.log"
+    say "$t exit $rc"
+  done
 fi
 if has bench; then
   say "duet-bench-model-cuda 27 layers"

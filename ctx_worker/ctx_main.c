@@ -41,7 +41,7 @@ static const duet_config_key_t ctx_keys[] = {
      .max = "1000000"},
     {"cache.prefix", DUET_CONFIG_BOOL, "false",
      "keep finished prompts' pages and KDA state snapshots by content and prefill only what a new "
-     "prompt adds to a cached prefix (worker/prefix_cache.h; the cpu backend, one rank)",
+     "prompt adds to a cached prefix (worker/prefix_cache.h; one rank)",
      .min = NULL, .max = NULL},
     {"cache.prefix_snapshots", DUET_CONFIG_INT, "16",
      "prefix snapshots kept at most (each holds its prefix's pages and one copy of the KDA "

@@ -519,7 +519,7 @@ static duet_status_t duet__seq_open(duet_model_t *m, int64_t max_tokens, const i
                 duet_kv_pool_free(m->kv, pages, n_pages);
             return st;
         }
-        if (kda_state != NULL)
+        if (kda_state != NULL) /* the host slot; a device's copy is written after seq_open */
             memcpy(duet_kda_pool_state(m->kda, slot, 0), kda_state,
                    duet_kda_pool_slot_bytes(m->kda));
     }
@@ -527,6 +527,10 @@ static duet_status_t duet__seq_open(duet_model_t *m, int64_t max_tokens, const i
     duet_seq_t tmp = {
         .id = id, .kda_slot = slot, .pages = pages + n_shared, .n_pages = n_pages - n_shared};
     duet_status_t st = m->ops->seq_open(m->be, &tmp);
+    duet_backend_pool_mem_t ps = {0};
+    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &ps);
+    if (st == DUET_OK && kda_state != NULL && ps.on_device) /* seq_open zeroed the slot there */
+        st = m->ops->seq_state_copy(m->be, &tmp, (void *)kda_state, 0);
     if (st != DUET_OK) {
         if (m->kv != NULL)
             duet_kv_pool_free(m->kv, pages, n_pages);
@@ -552,16 +556,16 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
     return duet__seq_open(m, max_tokens, NULL, 0, NULL, seq_p);
 }
 
-/* The prefix cache copies host pools: a backend with its own (device) pools cannot share them. */
+/* Shared pages are the same page ids in a device's KV pool, so they need nothing there; a KDA
+ * state on a device is copied in and out by the backend's seq_state_copy. */
 duet_status_t duet_model_prefix_supported(const duet_model_t *m, const char *what)
 {
-    duet_backend_pool_mem_t pk = {0}, ps = {0};
-    m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pk);
+    duet_backend_pool_mem_t ps = {0};
     m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &ps);
-    if (pk.on_device || ps.on_device || m->kv == NULL || m->grouped)
+    if (m->kv == NULL || m->grouped || (ps.on_device && m->ops->seq_state_copy == NULL))
         return duet_error_set(DUET_ERR_UNSUPPORTED,
-                              "%s: the prefix cache needs the %s backend's pools in host memory, "
-                              "MLA layers and one rank",
+                              "%s: the prefix cache needs MLA layers, one rank, and a %s backend "
+                              "that can copy a KDA state",
                               what, m->ops->name);
     return DUET_OK;
 }
@@ -579,6 +583,9 @@ duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, co
     return duet__seq_open(m, max_tokens, shared, n_shared, kda_state, seq_p);
 }
 
+static duet_status_t duet__seq_state_copy(const duet_model_t *m, const duet_seq_t *seq, void *buf,
+                                          int to_host);
+
 duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *seq, void *dst)
 {
     duet_status_t st = duet_model_prefix_supported(m, "seq_kda_read");
@@ -587,10 +594,7 @@ duet_status_t duet_model_seq_kda_read(const duet_model_t *m, const duet_seq_t *s
     if (seq == NULL || seq->id < 0 || seq->n_pending != 0 || seq->n_replay != 0)
         return duet_error_set(DUET_ERR_INVALID, "seq_kda_read: not an open sequence with its "
                                                 "state committed");
-    if (m->kda != NULL)
-        memcpy(dst, duet_kda_pool_state(m->kda, seq->kda_slot, 0),
-               duet_kda_pool_slot_bytes(m->kda));
-    return DUET_OK;
+    return m->kda != NULL ? duet__seq_state_copy(m, seq, dst, 1) : DUET_OK;
 }
 
 size_t duet_model_kda_state_bytes(const duet_model_t *m)
@@ -703,7 +707,7 @@ size_t duet_model_seq_state_bytes(const duet_model_t *m)
 
 /* Copy seq's KDA slot to buf (to_host 1) or back (0): the host pool when it is the backend's
  * state, else the backend's seq_state_copy. */
-static duet_status_t duet__seq_state_copy(duet_model_t *m, const duet_seq_t *seq, void *buf,
+static duet_status_t duet__seq_state_copy(const duet_model_t *m, const duet_seq_t *seq, void *buf,
                                           int to_host)
 {
     duet_backend_pool_mem_t pm = {0};

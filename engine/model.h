@@ -233,14 +233,16 @@ duet_status_t duet_model_seq_open(duet_model_t *m, int64_t max_tokens, duet_seq_
  * (the prefix cache, worker/prefix_cache.h): its first n_shared pages are `shared`, each gaining a
  * holder (duet_kv_pool_ref) and never written by it, and its KDA state and conv windows a copy of
  * kda_state (duet_model_kda_state_bytes bytes, the state after the prefix; NULL without KDA
- * layers). Afterwards n_tokens = n_shared * page_tokens. DUET_ERR_UNSUPPORTED on a backend whose
- * pools are on a device, a model without MLA layers or of several ranks; else as seq_open.
+ * layers). Afterwards n_tokens = n_shared * page_tokens. The pages may be a device pool's (the
+ * same ids); the state is copied to the device when the KDA pool is there. DUET_ERR_UNSUPPORTED
+ * as duet_model_prefix_supported says; else as seq_open.
  */
 duet_status_t duet_model_seq_open_prefix(duet_model_t *m, int64_t max_tokens, const int32_t *shared,
                                          int64_t n_shared, const void *kda_state,
                                          duet_seq_t *seq_p);
-/* DUET_OK when sequences of m can open on a cached prefix (its pools in host memory, MLA layers,
- * one rank), else DUET_ERR_UNSUPPORTED with a detail led by `what`. */
+/* DUET_OK when sequences of m can open on a cached prefix (MLA layers, one rank, and a KDA state
+ * the host can copy: a host pool, or a backend with seq_state_copy), else DUET_ERR_UNSUPPORTED
+ * with a detail led by `what`. */
 duet_status_t duet_model_prefix_supported(const duet_model_t *m, const char *what);
 /* Copy the sequence's KDA state and conv windows (after its n_tokens, which must all be folded
  * in: no pending or replay rows) to dst, duet_model_kda_state_bytes bytes. Errors as above. */

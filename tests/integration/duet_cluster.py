@@ -4,6 +4,10 @@ cluster() starts duet-router and its workers on the demo model (CPU, f32, one th
 prefill chunk as generate() gives duet-generate, so batch invariance makes the logits
 bit-identical), waits until every worker registered and yields the router's HTTP port; on exit
 it stops them all. Their logs stay in the caller's temp dir.
+
+DUET_TEST_DEVICE (default cpu) is the device of the workers and of duet-generate alike: a GPU
+machine runs these tests on cuda (bench/gpu_check.sh), equal answers then meaning the cluster
+against the same backend alone.
 """
 import contextlib
 import json
@@ -17,6 +21,7 @@ import time
 import urllib.request
 
 CHUNK = "64"
+DEVICE = os.environ.get("DUET_TEST_DEVICE", "cpu")
 
 
 def free_port():
@@ -50,7 +55,7 @@ def cluster(build, model, tmp, workers, router_args=(), max_seqs=4, log_level="w
                          "--workers.port", str(wp), "--admin.port", str(ap),
                          "--admin.insecure-no-token", *router_args])
         common = ["--router", f"127.0.0.1:{wp}", "--model", model, "--threads", "1",
-                  "--batch.prefill_chunk", CHUNK, "--heartbeat_ms", "100", "--device", "cpu",
+                  "--batch.prefill_chunk", CHUNK, "--heartbeat_ms", "100", "--device", DEVICE,
                   "--dtype", "f32", "--cache.page_tokens", "16", "--cache.kv_pages", "256",
                   "--batch.max_seqs", str(max_seqs)]
         for name, kind, extra in workers:
@@ -88,7 +93,7 @@ def generate(build, model, ids, max_tokens, extra=(), dump=None):
     """duet-generate's greedy run over token ids: its --json object; with dump, its
     --dump-logits file (one float32 row of logits per prompt position)."""
     cmd = [f"{build}/engine/duet-generate", "--model", model, "--tokens", ",".join(map(str, ids)),
-           "--max-tokens", str(max_tokens), "--json", "--device", "cpu", "--dtype", "f32",
+           "--max-tokens", str(max_tokens), "--json", "--device", DEVICE, "--dtype", "f32",
            "--threads", "1", "--prefill-chunk", CHUNK, "--temperature", "0", *extra]
     if dump:
         cmd += ["--dump-logits", dump]

@@ -576,6 +576,75 @@ Test(engine_cuda, snapshot_resume_continues_like_the_original, .timeout = 600)
 }
 
 /*
+ * The prefix cache on device pools: a sequence opened on another's first k pages (the same page
+ * ids in the device's KV pool) and the KDA state read after them (duet_model_seq_kda_read, copied
+ * back by seq_open_prefix) prefills the rest exactly as a sequence that prefilled the same two
+ * chunks itself (the same kernels over the same bytes: rel L2 0 expected, 1e-6 allowed), and the
+ * shared pages are left as they were (the owner's next decode step is unchanged).
+ */
+Test(engine_cuda, prefix_open_continues_like_its_own_prefill, .timeout = 600)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    int ran = 0;
+    for (int i = 0; i < n; i++) {
+        fixture_t *x = &fx[i];
+        const int64_t V = x->vocab, np = x->n_prompt;
+        duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 1);
+        const int64_t P = duet_model_opts(m)->page_tokens, k = (np - 1) / P, cut = k * P;
+        if (k == 0 || duet_model_prefix_supported(m, "test") != DUET_OK) {
+            printf("cuda %-30s prefix: not run (%lld-token prompt, %s)\n", x->name, (long long)np,
+                   k == 0 ? "under a page" : duet_error_last());
+            duet_model_free(m);
+            continue;
+        }
+        ran++;
+        duet_seq_t a, b, c;
+        float *la = malloc(sizeof(float) * (size_t)(np * V));
+        float *lb = malloc(sizeof(float) * (size_t)(np * V));
+        float *lc = malloc(sizeof(float) * (size_t)(np * V));
+        void *state = malloc(duet_model_kda_state_bytes(m) + 1);
+        cr_assert_eq(duet_model_seq_open(m, cut + 1, &a), DUET_OK);
+        prefill_all(m, &a, x->prompt, cut, la);
+        cr_assert_eq(duet_model_seq_kda_read(m, &a, state), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(duet_model_seq_open_prefix(m, np, a.pages, k, state, &b), DUET_OK, "%s: %s",
+                     x->name, duet_error_last());
+        cr_assert_eq(b.n_tokens, cut);
+        prefill_all(m, &b, x->prompt + cut, np - cut, lb);
+        cr_assert_eq(duet_model_seq_open(m, np, &c), DUET_OK);
+        prefill_all(m, &c, x->prompt, cut, lc);
+        prefill_all(m, &c, x->prompt + cut, np - cut, lc);
+        const double e = rel_l2(lb, lc, (np - cut) * V);
+        cr_expect_leq(e, 1e-6, "%s: rel L2 %g", x->name, e);
+        cr_expect_eq(duet_argmax(lb + (np - cut - 1) * V, V),
+                     duet_argmax(lc + (np - cut - 1) * V, V));
+        /* a's own next step, its pages shared with b meanwhile: as c's row at the cut */
+        duet_batch_item_t it = {.seq = &a,
+                                .tokens = x->prompt + cut,
+                                .n_tokens = 1,
+                                .logits_mode = DUET_LOGITS_LAST,
+                                .logits = la};
+        cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
+        const double ea = rel_l2(la, lc, V);
+        cr_expect_leq(ea, 1e-5, "%s: the owner's step after sharing, rel L2 %g", x->name, ea);
+        printf("cuda %-30s prefix of %lld pages shared: the rest's %lld rows rel L2 %.3g, the "
+               "owner's next step %.3g\n",
+               x->name, (long long)k, (long long)(np - cut), e, ea);
+        duet_model_seq_close(m, &a);
+        duet_model_seq_close(m, &b);
+        duet_model_seq_close(m, &c);
+        free(la);
+        free(lb);
+        free(lc);
+        free(state);
+        duet_model_free(m);
+    }
+    cr_expect_gt(ran, 0, "no fixture had a prompt over one page");
+    free_fixtures(fx, n);
+}
+
+/*
  * A step that mixes a prompt wanting every row's logits (more logits rows than a decode bucket
  * has sequences) with an item drawing its token on the device: the drawn token equals the one a
  * token-only step draws for the same sequence state and draw, and the prompt's logits equal a
