@@ -3,7 +3,7 @@
 set(DUET_HELP_TARGETS duet duet-router duetctl duet-ctx duet-gen duet-generate duet-http-echo
     duet-test-worker duet-bench duet-bench-kernels duet-bench-xfer bench_tokenizer duet-xfer-peer
     duet-bench-gemm-cuda duet-bench-model-cuda duet-bench-launch-floor duet-bench-suspend
-    duet-bench-move duet-bench-splitkv duet-bench-tune duet-bench-grammar duet-jschema-walk
+    duet-bench-move duet-bench-splitkv duet-bench-splitkv-cuda duet-bench-tune duet-bench-grammar duet-jschema-walk
     tokenizer_oracle_driver duet-chat-template duet-splitkv-plan)
 set(DUET_HELP_FILES "")
 set(DUET_HELP_DEPS "")

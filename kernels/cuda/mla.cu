@@ -188,6 +188,15 @@ extern "C" void duet__cuda_mla_plan_units(int units)
     duet__mla_plan_units = units;
 }
 
+/* The plan's mode (test and benchmark hook, duet_splitkv_mode_t): the engine always plans per
+ * request; uniform and none are there to be measured against it (bench/bench_splitkv_cuda.c). */
+static int duet__mla_plan_mode = DUET_SPLITKV_PER_REQUEST;
+
+extern "C" void duet__cuda_mla_plan_mode(int mode)
+{
+    duet__mla_plan_mode = mode;
+}
+
 /* ---- kernel arguments --------------------------------------------------------------------- */
 
 /* One attention block's share of a step, written by the planner: 32 bytes at a 256-byte aligned
@@ -1199,21 +1208,28 @@ __device__ static int duet__mla_find(const int32_t *a, int n, int64_t v)
 __global__ static void __launch_bounds__(DUET_MLA_PLAN_NT)
     duet__mla_plan_kernel(const int32_t *item_row0, const int32_t *row_item, const int32_t *row_pos,
                           int n_items, int n_rows, int64_t heads, int64_t units, int prows, int rb,
-                          duet__mla_plan_dev_t p)
+                          int mode, duet__mla_plan_dev_t p)
 {
     const int NT = DUET_MLA_PLAN_NT, BT = DUET_MLA_PLAN_BT, tid = threadIdx.x;
+    __shared__ unsigned long long s_max_blocks; /* the uniform mode's longest item */
+    if (tid == 0)
+        s_max_blocks = 0;
     duet_pdl_wait();
     duet_pdl_trigger();
+    __syncthreads();
 
     int64_t total = 0, unused;
     for (int i = tid; i < n_items; i += NT) {
         int r0, rows;
         int64_t len;
         duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
-        total += duet_splitkv_cost(duet_splitkv_blocks(len, BT), rows);
+        const int64_t blocks = duet_splitkv_blocks(len, BT);
+        total += duet_splitkv_cost(blocks, rows);
+        atomicMax(&s_max_blocks, (unsigned long long)blocks);
     }
-    duet__mla_scan2(total, 0, &unused, &unused, &total, &unused);
+    duet__mla_scan2(total, 0, &unused, &unused, &total, &unused); /* synchronises the block */
     const int64_t chunk = duet_splitkv_chunk(total, heads, units);
+    const int32_t uni = duet_splitkv_uniform(n_items, (int64_t)s_max_blocks, heads, units);
 
     int64_t n_work = 0, n_tasks = 0;
     for (int i0 = 0; i0 < n_items; i0 += NT) {
@@ -1225,8 +1241,10 @@ __global__ static void __launch_bounds__(DUET_MLA_PLAN_NT)
             int64_t len;
             duet__mla_item(item_row0, row_pos, i, &r0, &rows, &len);
             const int64_t blocks = duet_splitkv_blocks(len, BT);
-            if (rows <= prows)
+            if (rows <= prows && mode == DUET_SPLITKV_PER_REQUEST)
                 s = duet_splitkv_splits(blocks, rows, chunk);
+            else if (rows <= prows && mode == DUET_SPLITKV_UNIFORM) /* splitkv.c's rule */
+                s = (int32_t)(uni < blocks ? uni : (blocks > 1 ? blocks : 1));
             nw = blocks > 0 ? s : 0;
             nt = nw * ((rows + rb - 1) / rb);
         }
@@ -1630,7 +1648,8 @@ extern "C" duet_status_t duet_cuda_mla_plan(cudaStream_t stream, const duet_cuda
         return s;
     DUET__TRY(duet_pdl_launch(duet__mla_plan_kernel, dim3(1), dim3(DUET_MLA_PLAN_NT), 0, stream,
                               st->item_row0, st->row_item, st->row_pos, (int)st->n_items,
-                              (int)st->n_rows, (int64_t)p.hg, p.units, (int)p.prows, p.rb, d),
+                              (int)st->n_rows, (int64_t)p.hg, p.units, (int)p.prows, p.rb,
+                              duet__mla_plan_mode, d),
               "plan launch");
     return DUET_OK;
 }

@@ -76,6 +76,7 @@ void duet__cuda_mla_force_simt(int on);
 void duet__cuda_mla_tc_tile(int tk);
 void duet__cuda_mla_tc_slots(int n);
 void duet__cuda_mla_plan_units(int units);
+void duet__cuda_mla_plan_mode(int mode);
 duet_status_t duet__cuda_mla_plan_where(const duet_cuda_step_t *st, const duet_cuda_mla_layer_t *ly,
                                         void *scratch, size_t scratch_bytes, int64_t shape[5],
                                         void *where[4]);
@@ -212,7 +213,7 @@ static void plan_free(plan_t *p)
  * Also the task count: every work item once per block of rb rows of its item.
  */
 static void plan_check(const char *what, const plan_t *p, const batch_t *b, int64_t heads,
-                       int64_t units, int rb)
+                       int64_t units, int rb, duet_splitkv_mode_t mode)
 {
     const int n = b->n_items;
     CHECK(p->heads == heads && p->units == units && p->block_tokens == 64,
@@ -231,7 +232,7 @@ static void plan_check(const char *what, const plan_t *p, const batch_t *b, int6
                                   .heads = heads,
                                   .block_tokens = 64,
                                   .units = units,
-                                  .mode = DUET_SPLITKV_PER_REQUEST};
+                                  .mode = mode};
     const int64_t cap = duet_splitkv_max_work(n, heads, units);
     CHECK(p->max_work == cap, "%s: work list of %lld, expected %lld", what, (long long)p->max_work,
           (long long)cap);
@@ -468,7 +469,8 @@ static void run_case(const cfg_t *c, const item_spec_t *items, int n_items)
                 CHECK(pl.splits[i] == 1, "%s: item %d has %d splits", what, i, pl.splits[i]);
             CHECK(pl.n_work == n_items, "%s: %lld work items", what, (long long)pl.n_work);
         } else
-            plan_check(what, &pl, &b, hg, units[k] > 0 ? units[k] : default_units(), rb);
+            plan_check(what, &pl, &b, hg, units[k] > 0 ? units[k] : default_units(), rb,
+                       DUET_SPLITKV_PER_REQUEST);
         int split_items = 0;
         for (int i = 0; i < n_items; i++)
             split_items += pl.splits[i] > 1;
@@ -779,17 +781,34 @@ Test(cuda_mla, device_plan_equals_host, .timeout = 300)
             duet_cuda_mla_scratch_bytes(&ly, n_items, b.n_rows, b.st.max_split_rows);
         void *d_scratch = dev_alloc(bytes);
         CUDA_OK(cudaMemset(d_scratch, 0xff, bytes));
+        int64_t hg;
+        int rb;
+        grid_of(n, 512, 64, DUET_DTYPE_BF16, 0, 0, slots, &hg, &rb);
+        char what[128];
+        /* the modes measured against the engine's (bench/bench_splitkv_cuda.c), then its own */
+        const duet_splitkv_mode_t other[2] = {DUET_SPLITKV_UNIFORM, DUET_SPLITKV_NONE};
+        for (int m = 0; m < 2; m++) {
+            duet__cuda_mla_plan_mode(other[m]);
+            CUDA_OK(cudaMemset(d_scratch, 0xff, bytes));
+            DUET_OK_OR_FAIL(duet_cuda_mla_plan(0, &b.st, &ly, d_scratch, bytes));
+            CUDA_OK(cudaDeviceSynchronize());
+            plan_t po;
+            plan_fetch(&po, &b, &ly, d_scratch, bytes);
+            snprintf(what, sizeof(what),
+                     "trial %d (kind %d, %d items, %d heads, units %d, mode %d)", trial, kind,
+                     n_items, n, u, (int)other[m]);
+            plan_check(what, &po, &b, hg, u > 0 ? u : default_units(), rb, other[m]);
+            plan_free(&po);
+        }
+        duet__cuda_mla_plan_mode(DUET_SPLITKV_PER_REQUEST);
+        CUDA_OK(cudaMemset(d_scratch, 0xff, bytes));
         DUET_OK_OR_FAIL(duet_cuda_mla_plan(0, &b.st, &ly, d_scratch, bytes));
         CUDA_OK(cudaDeviceSynchronize());
         plan_t pl;
         plan_fetch(&pl, &b, &ly, d_scratch, bytes);
-        int64_t hg;
-        int rb;
-        grid_of(n, 512, 64, DUET_DTYPE_BF16, 0, 0, slots, &hg, &rb);
-        char what[96];
         snprintf(what, sizeof(what), "trial %d (kind %d, %d items, %d heads, units %d, slots %d)",
                  trial, kind, n_items, n, u, slots);
-        plan_check(what, &pl, &b, hg, u > 0 ? u : default_units(), rb);
+        plan_check(what, &pl, &b, hg, u > 0 ? u : default_units(), rb, DUET_SPLITKV_PER_REQUEST);
         int split = 0, most = 0;
         for (int i = 0; i < n_items; i++) {
             split += pl.splits[i] > 1;
