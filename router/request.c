@@ -762,10 +762,9 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
 
 /*
  * A worker of `role` not in ex[0..n_ex) (placement.h), 0 when none. With a prompt (pp) and
- * placement.prefix_aware, the workers' cached prefixes of it weigh in, and *cached_p (when not
- * NULL) is the tokens of it the pick holds. A gen worker's cache only saves work when the request
- * is prefilled there (Generate), so its cached prefix counts only when it leaves fewer than
- * placement.local_prefill_tokens tokens uncached.
+ * placement.prefix_aware, the workers' cached prefixes of it weigh in (a gen worker's only where
+ * it would prefill the rest itself: duet_placement_gen_cached), and *cached_p (when not NULL) is
+ * the tokens of it the pick holds as weighed.
  */
 static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint64_t *ex,
                         size_t n_ex, duet_prefix_prompt_t *pp, uint64_t *cached_p)
@@ -775,8 +774,8 @@ static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint6
     if (pp != NULL && rt->pl.prefix_aware) {
         duet_registry_prefix_cached(rt->reg, role, pp, c, n);
         for (size_t i = 0; i < n && role == DUET_WORKER_ROLE_GEN; i++)
-            if (pp->n_tokens - c[i].cached_tokens >= rt->local_prefill_tokens)
-                c[i].cached_tokens = 0;
+            c[i].cached_tokens = duet_placement_gen_cached(pp->n_tokens, c[i].cached_tokens,
+                                                           rt->local_prefill_tokens);
     }
     size_t idx = 0;
     if (duet_placement_pick(&rt->pl, role, c, n, ex, n_ex, &idx) < 0)

@@ -49,8 +49,10 @@ static const duet_config_key_t rt_keys[] = {
      .min = NULL},
     {"placement.policy", DUET_CONFIG_ENUM, "least_loaded", "worker choice", .choices = rt_policies},
     {"placement.local_prefill_tokens", DUET_CONFIG_INT, "0",
-     "prompts shorter than this are prefilled on the gen worker (Generate); 0 = never", .min = "0",
-     .max = "1000000"},
+     "prompts shorter than this are prefilled on the gen worker (Generate), and so are those a gen "
+     "worker's prefix cache holds all but fewer than this many tokens of (placement.prefix_aware); "
+     "0 = never",
+     .min = "0", .max = "1000000"},
     {"placement.prefix_aware", DUET_CONFIG_BOOL, "true",
      "place a request on the worker whose prefix cache likely holds the most of its prompt, less "
      "its queued tokens (the workers' heartbeats summarise their caches); off = the policy alone",

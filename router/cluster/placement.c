@@ -115,3 +115,11 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
     *idx_p = best;
     return DUET_OK;
 }
+
+uint64_t duet_placement_gen_cached(uint64_t prompt_tokens, uint64_t cached,
+                                   uint64_t local_prefill_tokens)
+{
+    if (cached == 0 || cached > prompt_tokens)
+        return 0; /* a summary never names the whole prompt (one token is left to prefill) */
+    return prompt_tokens - cached < local_prefill_tokens ? cached : 0;
+}

@@ -26,7 +26,9 @@
  * cached_tokens), the prompt tokens being the same for every candidate, so the comparison is of
  * queued_tokens - cached_tokens. A cached prefix thus beats a shorter queue when it saves more
  * tokens than the queue is longer. Ties go to the policy's order above. When no eligible
- * candidate has a cached prefix (or prefix_aware is off) the policy is exactly as above.
+ * candidate has a cached prefix (or prefix_aware is off) the policy is exactly as above. A
+ * generation worker's cache counts only where it would prefill the request itself
+ * (duet_placement_gen_cached).
  */
 #ifndef DUET_ROUTER_PLACEMENT_H
 #define DUET_ROUTER_PLACEMENT_H
@@ -90,5 +92,15 @@ void duet_placement_init(duet_placement_t *pl, duet_placement_policy_t policy);
 duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
                                   const duet_placement_candidate_t *c, size_t n,
                                   const uint64_t *exclude, size_t n_exclude, size_t *idx_p);
+
+/*
+ * A generation worker's cached tokens as placement weighs them. Its cache saves work only when it
+ * prefills the request itself (Generate: the router's placement.local_prefill_tokens), which it
+ * does when what its cache leaves of the prompt is shorter than local_prefill_tokens: then all of
+ * `cached` counts, else none (a context worker prefills the prompt; 0 when local_prefill_tokens
+ * is 0, the router never prefilling on a gen worker).
+ */
+uint64_t duet_placement_gen_cached(uint64_t prompt_tokens, uint64_t cached,
+                                   uint64_t local_prefill_tokens);
 
 #endif

@@ -232,6 +232,19 @@ Test(placement, off_or_nothing_cached_is_the_plain_policy)
     }
 }
 
+Test(placement, gen_cache_counts_only_where_it_prefills_locally)
+{
+    /* prompt 100 tokens, local prefill below 20 tokens: 96 cached leaves 4 (local), 80 leaves 20
+     * (not local: a ctx worker prefills it all) */
+    cr_assert_eq(duet_placement_gen_cached(100, 96, 20), 96);
+    cr_assert_eq(duet_placement_gen_cached(100, 81, 20), 81);
+    cr_assert_eq(duet_placement_gen_cached(100, 80, 20), 0);
+    cr_assert_eq(duet_placement_gen_cached(100, 96, 0), 0, "never local");
+    cr_assert_eq(duet_placement_gen_cached(10, 0, 20), 0, "nothing cached");
+    cr_assert_eq(duet_placement_gen_cached(10, 8, 20), 8, "a short prompt is local anyway");
+    cr_assert_eq(duet_placement_gen_cached(10, 11, 20), 0, "more than the prompt: nonsense");
+}
+
 /* ---------------------------------------------------------------- exhaustive vs. a reference */
 
 /* Reference: sort the eligible workers by (load key, rr order) with a plain selection. */
