@@ -118,8 +118,8 @@ duet_status_t duet__obs_init(duet__router_t *rt)
     }
     const char *const role[] = {"role"};
     if ((st = duet_metrics_counter_new(rt->metrics, "duet_router_prefix_placements_total",
-                                       "requests placed on a worker because it holds part of "
-                                       "their prompt (placement.prefix_aware), by role",
+                                       "requests placed on a worker that holds part of their "
+                                       "prompt (placement.prefix_aware), by role",
                                        role, 1, &f)) < 0)
         return st;
     const duet_worker_role_t roles[] = {DUET_WORKER_ROLE_CTX, DUET_WORKER_ROLE_GEN};
