@@ -7,7 +7,8 @@
  * (arrival, admission, first and last token) and calls duet__obs_request_end once from its one
  * end; the token gaps come from duet__obs_token as tokens reach the router; the gauges (running,
  * waiting, KV cache usage) are read from admission and the registry when /metrics is scraped;
- * preemptions are the generation workers' suspensions (their heartbeats, router_main.c).
+ * preemptions are the generation workers' suspensions (their heartbeats, router_main.c); the
+ * placements by cached prefix are counted by request.c's worker pick.
  *
  * Bucket lists are vLLM v1's (vllm/v1/metrics/loggers.py), so that histogram_quantile over a
  * mixed fleet compares like with like.
@@ -115,6 +116,18 @@ duet_status_t duet__obs_init(duet__router_t *rt)
         if ((st = duet_metrics_child(f, v, 2, &o->success[i])) < 0)
             return st;
     }
+    const char *const role[] = {"role"};
+    if ((st = duet_metrics_counter_new(rt->metrics, "duet_router_prefix_placements_total",
+                                       "requests placed on a worker that holds part of their "
+                                       "prompt (placement.prefix_aware), by role",
+                                       role, 1, &f)) < 0)
+        return st;
+    const duet_worker_role_t roles[] = {DUET_WORKER_ROLE_CTX, DUET_WORKER_ROLE_GEN};
+    for (size_t i = 0; i < OBS_N(roles); i++) {
+        const char *const v[] = {duet_worker_role_name(roles[i])};
+        if ((st = duet_metrics_child(f, v, 1, &o->prefix_placements[roles[i]])) < 0)
+            return st;
+    }
     return DUET_OK;
 }
 
@@ -198,6 +211,12 @@ void duet__obs_scrape(duet__router_t *rt)
 void duet__obs_suspensions(duet__router_t *rt, uint64_t n)
 {
     duet_metrics_counter_add(rt->obs.preemptions, (double)n);
+}
+
+void duet__obs_prefix_placement(duet__router_t *rt, duet_worker_role_t role)
+{
+    if (role == DUET_WORKER_ROLE_CTX || role == DUET_WORKER_ROLE_GEN)
+        duet_metrics_counter_inc(rt->obs.prefix_placements[role]);
 }
 
 /* The periodic line: throughput over the window and the load now, when the window saw traffic. */

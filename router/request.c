@@ -91,7 +91,8 @@ typedef struct rq_group {
     duet_oai_request_t oai;    /* owned */
     uint32_t *ids;             /* (n_ids) prompt, owned; the choices share it */
     size_t n_ids;
-    duet_oai_resp_meta_t meta; /* index 0; each choice has a copy with its index */
+    duet_prefix_prompt_t prefix; /* the prompt's prefix hashes, for placement (chains owned) */
+    duet_oai_resp_meta_t meta;   /* index 0; each choice has a copy with its index */
     char resp_id[32];
     const char *endpoint; /* metric label (a literal) */
     uint64_t t_start_ns;
@@ -296,6 +297,7 @@ static void rq_group_maybe_free(rq_group_t *g)
     duet_http_request_set_data(g->http, NULL);
     duet_http_request_release(g->http);
     duet_oai_request_free(&g->oai);
+    duet_prefix_prompt_free(&g->prefix);
     free(g->ids);
     for (uint32_t i = 0; i < g->n && g->results != NULL; i++) {
         free((char *)g->results[i].text);
@@ -758,15 +760,39 @@ static bool rq_feed(rq_t *r, const uint32_t *ids, size_t n, int worker_finish)
 
 /* ---------------------------------------------------------------- placement and sending */
 
+/*
+ * A worker of `role` not in ex[0..n_ex) (placement.h), 0 when none. With a prompt (pp) and
+ * placement.prefix_aware, the workers' cached prefixes of it weigh in (a gen worker's only where
+ * it would prefill the rest itself: duet_placement_gen_cached), and *cached_p (when not NULL) is
+ * the tokens of it the pick holds as weighed.
+ */
 static uint64_t rt_pick(duet__router_t *rt, duet_worker_role_t role, const uint64_t *ex,
-                        size_t n_ex)
+                        size_t n_ex, duet_prefix_prompt_t *pp, uint64_t *cached_p)
 {
     duet_placement_candidate_t c[256];
     size_t n = duet_registry_candidates(rt->reg, c, 256);
+    if (pp != NULL && rt->pl.prefix_aware) {
+        duet_registry_prefix_cached(rt->reg, role, pp, c, n);
+        for (size_t i = 0; i < n && role == DUET_WORKER_ROLE_GEN; i++)
+            c[i].cached_tokens = duet_placement_gen_cached(pp->n_tokens, c[i].cached_tokens,
+                                                           rt->local_prefill_tokens);
+    }
     size_t idx = 0;
     if (duet_placement_pick(&rt->pl, role, c, n, ex, n_ex, &idx) < 0)
         return 0;
+    if (c[idx].cached_tokens > 0)
+        duet__obs_prefix_placement(rt, role);
+    if (cached_p != NULL)
+        *cached_p = c[idx].cached_tokens;
     return c[idx].id;
+}
+
+/* Whether r is prefilled on its gen worker whatever that worker caches: a prompt shorter than
+ * placement.local_prefill_tokens, or a scoring request (echo, max_tokens 0: it generates
+ * nothing, the gen worker's local prefill answers it). */
+static bool rq_local_always(const rq_t *r)
+{
+    return r->n_ids < r->rt->local_prefill_tokens || r->g->oai.max_tokens == 0;
 }
 
 static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_ids)
@@ -800,9 +826,12 @@ static void rq_fill_sampling(const rq_t *r, Duet__Sampling *s, uint32_t *stop_id
 static bool rq_send_to_gen(rq_t *r)
 {
     duet__router_t *rt = r->rt;
-    uint64_t gid = rt_pick(rt, DUET_WORKER_ROLE_GEN, r->exclude_gen, r->n_exclude_gen);
+    uint64_t cached = 0; /* counts only where it makes the prefill local (rt_pick) */
+    uint64_t gid = rt_pick(rt, DUET_WORKER_ROLE_GEN, r->exclude_gen, r->n_exclude_gen,
+                           rt->local_prefill_tokens > 0 ? &r->g->prefix : NULL, &cached);
     if (gid == 0)
         return false;
+    r->local = rq_local_always(r) || cached > 0;
     r->gen_id = gid;
     r->gen_busy = true;
     duet_registry_inflight_add(rt->reg, gid, +1);
@@ -834,8 +863,9 @@ static bool rq_send_to_gen(rq_t *r)
         r->phase = RQ_RESERVING;
         duet_registry_send(rt->reg, gid, &env);
     }
-    DUET_RLOG_DEBUG(r->id, "%s sent to gen worker %llu", r->local ? "Generate" : "Reserve",
-                    (unsigned long long)gid);
+    DUET_RLOG_DEBUG(r->id, "%s sent to gen worker %llu (it holds %llu prompt tokens)",
+                    r->local ? "Generate" : "Reserve", (unsigned long long)gid,
+                    (unsigned long long)cached);
     return true;
 }
 
@@ -843,7 +873,9 @@ static bool rq_send_to_gen(rq_t *r)
 static bool rq_send_to_ctx(rq_t *r)
 {
     duet__router_t *rt = r->rt;
-    uint64_t cid = rt_pick(rt, DUET_WORKER_ROLE_CTX, r->exclude_ctx, r->n_exclude_ctx);
+    uint64_t cached = 0;
+    uint64_t cid =
+        rt_pick(rt, DUET_WORKER_ROLE_CTX, r->exclude_ctx, r->n_exclude_ctx, &r->g->prefix, &cached);
     if (cid == 0)
         return false;
     if (r->ctx_id != 0)
@@ -869,8 +901,9 @@ static bool rq_send_to_ctx(rq_t *r)
     Duet__Envelope env = duet_envelope_prefill(&p);
     r->phase = RQ_PREFILLING;
     duet_registry_send(rt->reg, cid, &env);
-    DUET_RLOG_DEBUG(r->id, "Prefill sent to ctx worker %llu (attempt %d)", (unsigned long long)cid,
-                    r->prefill_attempts);
+    DUET_RLOG_DEBUG(r->id,
+                    "Prefill sent to ctx worker %llu (attempt %d; it holds %llu prompt tokens)",
+                    (unsigned long long)cid, r->prefill_attempts, (unsigned long long)cached);
     return true;
 }
 
@@ -1100,9 +1133,7 @@ static rq_t *rq_choice_new(rq_group_t *g, uint32_t i, uint64_t now)
     r->meta.index = i;
     r->t_start_ns = g->t_start_ns;
     r->finish = -1;
-    /* a scoring request (echo, max_tokens 0) generates nothing: the gen worker's local prefill
-     * answers it */
-    r->local = r->n_ids < rt->local_prefill_tokens || g->oai.max_tokens == 0;
+    r->local = rq_local_always(r); /* and where a gen worker holds most of it (rq_send_to_gen) */
     r->deadline_ms = now + rt->deadline_ms;
     g->choices[i] = r;
     g->n_live++;
@@ -1157,6 +1188,7 @@ void duet__rq_begin(duet__router_t *rt, duet_http_request_t *http, duet_oai_endp
         rq_group_maybe_free(g);
         return;
     }
+    duet_prefix_prompt_init(&g->prefix, g->ids, g->n_ids); /* hashed when a pick needs it */
     if (g->oai.ignored_fields != NULL)
         rt_log_ignored(rt, g->oai.ignored_fields);
     duet_oai_response_id(ep, g->id, g->resp_id, sizeof(g->resp_id));
@@ -1349,7 +1381,7 @@ static void rq_move_reserve(rq_t *r)
     ex[n_ex++] = r->gen_id;
     for (size_t i = 0; i < r->n_move_exclude; i++)
         ex[n_ex++] = r->move_exclude[i];
-    uint64_t tid = rt_pick(rt, DUET_WORKER_ROLE_GEN, ex, n_ex);
+    uint64_t tid = rt_pick(rt, DUET_WORKER_ROLE_GEN, ex, n_ex, NULL, NULL);
     if (tid == 0) {
         rq_move_abandon(r, "no other live generation worker can take it");
         return;

@@ -42,6 +42,7 @@ typedef struct {
     duet_metric_t *ttft, *itl, *tpot, *e2e, *queue, *prefill, *decode;
     duet_metric_t *prompt_tokens, *generation_tokens, *preemptions;
     duet_metric_t *success[DUET__OBS_N_FINISH];
+    duet_metric_t *prefix_placements[3]; /* by role (ctx 1, gen 2): duet_router_prefix_... */
     uv_timer_t stats_timer;
     uint64_t win_start_ms, win_requests, win_prompt_tokens, win_gen_tokens;
 } duet__obs_t;
@@ -155,6 +156,8 @@ void duet__obs_request_end(duet__router_t *rt, const duet__obs_request_t *q);
 void duet__obs_scrape(duet__router_t *rt);
 /* Generation workers suspended n more requests (vllm:num_preemptions_total). */
 void duet__obs_suspensions(duet__router_t *rt, uint64_t n);
+/* A request was placed on a worker of `role` that holds part of its prompt (placement.h). */
+void duet__obs_prefix_placement(duet__router_t *rt, duet_worker_role_t role);
 
 /* ---------------------------------------------------------------- admin_ops.c */
 

@@ -49,8 +49,14 @@ static const duet_config_key_t rt_keys[] = {
      .min = NULL},
     {"placement.policy", DUET_CONFIG_ENUM, "least_loaded", "worker choice", .choices = rt_policies},
     {"placement.local_prefill_tokens", DUET_CONFIG_INT, "0",
-     "prompts shorter than this are prefilled on the gen worker (Generate); 0 = never", .min = "0",
-     .max = "1000000"},
+     "prompts shorter than this are prefilled on the gen worker (Generate), and so are those a gen "
+     "worker's prefix cache holds all but fewer than this many tokens of (placement.prefix_aware); "
+     "0 = never",
+     .min = "0", .max = "1000000"},
+    {"placement.prefix_aware", DUET_CONFIG_BOOL, "true",
+     "place a request on the worker whose prefix cache likely holds the most of its prompt, less "
+     "its queued tokens (the workers' heartbeats summarise their caches); off = the policy alone",
+     .min = NULL},
     {"request.deadline_ms", DUET_CONFIG_INT, "600000",
      "a request still running after this long is cancelled (504)", .min = "1", .max = "86400000"},
     {"shutdown.drain_s", DUET_CONFIG_INT, "0",
@@ -474,6 +480,7 @@ static duet_status_t rt_load_model(duet__router_t *rt, char *fingerprint, size_t
     duet_placement_policy_t policy;
     duet_placement_policy_parse(duet_config_get_enum(cfg, "placement.policy"), &policy);
     duet_placement_init(&rt->pl, policy);
+    rt->pl.prefix_aware = duet_config_get_bool(cfg, "placement.prefix_aware");
     return DUET_OK;
 }
 

@@ -69,6 +69,18 @@ static int placement_load_cmp(const duet_placement_candidate_t *a,
     return 0;
 }
 
+/*
+ * -1 when a is less estimated work than b under prefix awareness (queued_tokens - cached_tokens,
+ * compared without overflow as queued_a + cached_b against queued_b + cached_a), 1 when more.
+ */
+static int placement_work_cmp(const duet_placement_candidate_t *a,
+                              const duet_placement_candidate_t *b)
+{
+    const unsigned __int128 wa = (unsigned __int128)a->queued_tokens + b->cached_tokens;
+    const unsigned __int128 wb = (unsigned __int128)b->queued_tokens + a->cached_tokens;
+    return wa < wb ? -1 : wa > wb ? 1 : 0;
+}
+
 duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
                                   const duet_placement_candidate_t *c, size_t n,
                                   const uint64_t *exclude, size_t n_exclude, size_t *idx_p)
@@ -77,6 +89,11 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
         (role != DUET_WORKER_ROLE_CTX && role != DUET_WORKER_ROLE_GEN))
         return duet_error_set(DUET_ERR_INVALID, "placement: bad arguments");
     uint64_t last = pl->last_id[role];
+    bool by_cache = false; /* some eligible worker holds part of the prompt */
+    if (pl->prefix_aware)
+        for (size_t i = 0; i < n && !by_cache; i++)
+            by_cache =
+                c[i].cached_tokens > 0 && placement_eligible(&c[i], role, exclude, n_exclude);
     size_t best = n;
     for (size_t i = 0; i < n; i++) {
         if (!placement_eligible(&c[i], role, exclude, n_exclude))
@@ -85,8 +102,8 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
             best = i;
             continue;
         }
-        int cmp = 0;
-        if (pl->policy == DUET_PLACEMENT_LEAST_LOADED)
+        int cmp = by_cache ? placement_work_cmp(&c[i], &c[best]) : 0;
+        if (cmp == 0 && pl->policy == DUET_PLACEMENT_LEAST_LOADED)
             cmp = placement_load_cmp(&c[i], &c[best]);
         if (cmp < 0 || (cmp == 0 && placement_rr_before(c[i].id, c[best].id, last)))
             best = i;
@@ -97,4 +114,12 @@ duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
     pl->last_id[role] = c[best].id;
     *idx_p = best;
     return DUET_OK;
+}
+
+uint64_t duet_placement_gen_cached(uint64_t prompt_tokens, uint64_t cached,
+                                   uint64_t local_prefill_tokens)
+{
+    if (cached == 0 || cached > prompt_tokens)
+        return 0; /* a summary never names the whole prompt (one token is left to prefill) */
+    return prompt_tokens - cached < local_prefill_tokens ? cached : 0;
 }

@@ -18,10 +18,22 @@
  *                 tokens, then to the fewest requests the router has in flight on it (heartbeats
  *                 lag, so this spreads a burst that arrives between two heartbeats), then to
  *                 round robin among the remaining ties.
+ *
+ * Cached prefixes (prefix_aware, the router's placement.prefix_aware). Each candidate says how
+ * many of the prompt's tokens it likely holds already (cached_tokens: its prefix cache's summary,
+ * registry.h). When prefix_aware is on and some eligible candidate has cached_tokens > 0, the
+ * eligible worker with the least estimated work wins: queued_tokens + (prompt tokens -
+ * cached_tokens), the prompt tokens being the same for every candidate, so the comparison is of
+ * queued_tokens - cached_tokens. A cached prefix thus beats a shorter queue when it saves more
+ * tokens than the queue is longer. Ties go to the policy's order above. When no eligible
+ * candidate has a cached prefix (or prefix_aware is off) the policy is exactly as above. A
+ * generation worker's cache counts only where it would prefill the request itself
+ * (duet_placement_gen_cached).
  */
 #ifndef DUET_ROUTER_PLACEMENT_H
 #define DUET_ROUTER_PLACEMENT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,11 +64,13 @@ typedef struct {
     uint32_t free_pages;    /* from the last heartbeat */
     uint64_t queued_tokens; /* from the last heartbeat */
     uint32_t inflight;      /* requests the router has on it now */
+    uint64_t cached_tokens; /* the prompt's tokens it likely holds (0 = none; prefix_aware) */
 } duet_placement_candidate_t;
 
 /* Placement state: the policy and the round-robin cursor per role. Embeddable. */
 typedef struct {
     duet_placement_policy_t policy;
+    bool prefix_aware;   /* weigh cached_tokens (see above); off after init, the caller sets it */
     uint64_t last_id[3]; /* indexed by role: the id picked last (0 = none yet) */
 } duet_placement_t;
 
@@ -78,5 +92,15 @@ void duet_placement_init(duet_placement_t *pl, duet_placement_policy_t policy);
 duet_status_t duet_placement_pick(duet_placement_t *pl, duet_worker_role_t role,
                                   const duet_placement_candidate_t *c, size_t n,
                                   const uint64_t *exclude, size_t n_exclude, size_t *idx_p);
+
+/*
+ * A generation worker's cached tokens as placement weighs them. Its cache saves work only when it
+ * prefills the request itself (Generate: the router's placement.local_prefill_tokens), which it
+ * does when what its cache leaves of the prompt is shorter than local_prefill_tokens: then all of
+ * `cached` counts, else none (a context worker prefills the prompt; 0 when local_prefill_tokens
+ * is 0, the router never prefilling on a gen worker).
+ */
+uint64_t duet_placement_gen_cached(uint64_t prompt_tokens, uint64_t cached,
+                                   uint64_t local_prefill_tokens);
 
 #endif

@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include "common/log.h"
+#include "common/prefix_hash.h"
 #include "common/strbuf.h"
 #include "proto/envelope.h"
 
@@ -49,6 +50,10 @@ struct reg_worker {
     duet_worker_info_t info; /* info.id == 0: free slot */
     reg_conn_t *conn;        /* NULL once dead */
     bool warned_spec;        /* told once that its heartbeats carry too many draft positions */
+    bool warned_prefix;      /* told once that its heartbeats carry a malformed prefix summary */
+    uint32_t prefix_page_tokens;               /* its summary's block size (0: no summary) */
+    uint32_t n_prefix;                         /* hashes in prefix */
+    uint64_t prefix[DUET_PROTO_PREFIX_HASHES]; /* its latest summary, sorted (binary search) */
 };
 
 struct duet_registry {
@@ -430,6 +435,42 @@ static void reg_spec_counters(reg_worker_t *w, const Duet__Heartbeat *hb, duet_w
     }
 }
 
+static int reg_u64_cmp(const void *a, const void *b)
+{
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/*
+ * A heartbeat's prefix summary (fields 30-31) replaces the worker's. Peer bytes: a list longer
+ * than DUET_PROTO_PREFIX_HASHES or with an unusable block size is a worker this router does not
+ * understand, so it keeps no summary of it (placement then treats it as holding nothing).
+ */
+static void reg_prefix_summary(reg_worker_t *w, const Duet__Heartbeat *hb)
+{
+    w->n_prefix = 0;
+    w->prefix_page_tokens = 0;
+    if (hb->n_prefix_hashes == 0)
+        return;
+    if (hb->n_prefix_hashes > DUET_PROTO_PREFIX_HASHES || hb->prefix_page_tokens == 0 ||
+        hb->prefix_page_tokens > DUET_REGISTRY_PREFIX_PAGE_TOKENS_MAX) {
+        if (!w->warned_prefix) {
+            w->warned_prefix = true;
+            DUET_LOG_WARN("registry: worker %llu (%s) sent a prefix summary of %zu hashes over "
+                          "blocks of %u tokens (at most %u hashes, blocks of 1..%u): placement "
+                          "ignores its cache",
+                          (unsigned long long)w->info.id, w->info.name, hb->n_prefix_hashes,
+                          hb->prefix_page_tokens, DUET_PROTO_PREFIX_HASHES,
+                          DUET_REGISTRY_PREFIX_PAGE_TOKENS_MAX);
+        }
+        return;
+    }
+    memcpy(w->prefix, hb->prefix_hashes, hb->n_prefix_hashes * sizeof(*w->prefix));
+    qsort(w->prefix, hb->n_prefix_hashes, sizeof(*w->prefix), reg_u64_cmp);
+    w->n_prefix = (uint32_t)hb->n_prefix_hashes;
+    w->prefix_page_tokens = hb->prefix_page_tokens;
+}
+
 /* One decoded Envelope from connection c. Returns false when the connection was closed. */
 static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope *env)
 {
@@ -490,6 +531,7 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
                 isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds : 0.0,
         };
         reg_spec_counters(w, hb, &now);
+        reg_prefix_summary(w, hb);
         duet_worker_stats_t *old = &w->info.stats, d;
 #define REG_DELTA(f) d.f = now.f >= old->f ? now.f - old->f : now.f
         REG_DELTA(decode_steps);
@@ -948,7 +990,82 @@ size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candi
         out[n].free_pages = w->free_pages;
         out[n].queued_tokens = w->queued_tokens;
         out[n].inflight = w->inflight;
+        out[n].cached_tokens = 0;
         n++;
     }
     return n;
+}
+
+void duet_prefix_prompt_init(duet_prefix_prompt_t *pp, const uint32_t *tokens, size_t n_tokens)
+{
+    memset(pp, 0, sizeof(*pp));
+    pp->tokens = tokens;
+    pp->n_tokens = n_tokens;
+}
+
+void duet_prefix_prompt_free(duet_prefix_prompt_t *pp)
+{
+    for (size_t i = 0; i < pp->n_chains; i++)
+        free(pp->chain[i].hashes);
+    pp->n_chains = 0;
+}
+
+/* pp's chain over blocks of page_tokens, computed now when it is the first of that size; NULL
+ * when there is no room for another size. */
+static const uint64_t *reg_prompt_chain(duet_prefix_prompt_t *pp, uint32_t page_tokens, size_t *n_p)
+{
+    size_t i = 0;
+    while (i < pp->n_chains && pp->chain[i].page_tokens != page_tokens)
+        i++;
+    if (i == pp->n_chains) {
+        if (i == DUET_REGISTRY_PREFIX_CHAINS)
+            return NULL;
+        pp->n_chains++;
+        pp->chain[i].page_tokens = page_tokens;
+        pp->chain[i].n = 0;
+        /* whole blocks that leave a token after them (duet_prefix_hash_chain) */
+        size_t max = pp->n_tokens > 0 ? (pp->n_tokens - 1) / page_tokens : 0;
+        pp->chain[i].hashes = max > 0 ? malloc(max * sizeof(uint64_t)) : NULL;
+        if (pp->chain[i].hashes != NULL)
+            pp->chain[i].n =
+                duet_prefix_hash_chain((const int32_t *)pp->tokens, (int64_t)pp->n_tokens,
+                                       page_tokens, pp->chain[i].hashes, max);
+    }
+    *n_p = pp->chain[i].n;
+    return pp->chain[i].hashes;
+}
+
+/* The longest k whose chain[k - 1] is in w's summary (0: none). */
+static size_t reg_prefix_match(const reg_worker_t *w, const uint64_t *chain, size_t n)
+{
+    for (size_t k = n; k > 0; k--)
+        if (bsearch(&chain[k - 1], w->prefix, w->n_prefix, sizeof(*w->prefix), reg_u64_cmp))
+            return k;
+    return 0;
+}
+
+void duet_registry_prefix_cached(const duet_registry_t *reg, duet_worker_role_t role,
+                                 duet_prefix_prompt_t *pp, duet_placement_candidate_t *c, size_t n)
+{
+    size_t at = 0; /* candidates come in table order: each search starts where the last ended */
+    for (size_t j = 0; j < n; j++) {
+        c[j].cached_tokens = 0;
+        if (c[j].role != role || c[j].id == 0)
+            continue;
+        const reg_worker_t *w = NULL;
+        for (size_t s = 0; s < reg->opts.max_workers && w == NULL; s++) {
+            const reg_worker_t *x = &reg->workers[(at + s) % reg->opts.max_workers];
+            if (x->info.id == c[j].id) {
+                w = x;
+                at = (at + s) % reg->opts.max_workers;
+            }
+        }
+        if (w == NULL || w->n_prefix == 0)
+            continue;
+        size_t n_chain = 0;
+        const uint64_t *chain = reg_prompt_chain(pp, w->prefix_page_tokens, &n_chain);
+        if (chain != NULL)
+            c[j].cached_tokens =
+                (uint64_t)reg_prefix_match(w, chain, n_chain) * w->prefix_page_tokens;
+    }
 }

@@ -29,6 +29,14 @@
  * DRAINING; a worker's own Heartbeat.draining also shows as DRAINING. Placement never picks a
  * draining worker; messages for requests already on it keep flowing.
  *
+ * Prefix summaries. A worker with a prefix cache lists in each Heartbeat the hash of every prefix
+ * it keeps (common/prefix_hash.h, over blocks of prefix_page_tokens tokens; at most
+ * DUET_PROTO_PREFIX_HASHES). The registry keeps the latest list per worker, replaced by every
+ * heartbeat (one without hashes clears it). A list that is too long, or hashes with a block size
+ * of 0 or above DUET_REGISTRY_PREFIX_PAGE_TOKENS_MAX, leave that worker with no summary (the
+ * operator is told once per worker). duet_registry_prefix_cached() turns the summaries into the
+ * candidates' cached_tokens for one prompt.
+ *
  * Messages. Every other body from an accepted worker (Reserved, Refused, Tokens, ...) goes to
  * on_message(worker_id, env): the callee may read env only during the call (the registry frees it
  * after). duet_registry_send() frames and queues an Envelope to a worker.
@@ -49,8 +57,10 @@
 #include "proto/frame.h"
 #include "router/cluster/placement.h"
 
-#define DUET_REGISTRY_NAME_MAX        64  /* worker_name bytes kept (longer names are cut) */
-#define DUET_REGISTRY_FINGERPRINT_MAX 128 /* longest fingerprint accepted */
+#define DUET_REGISTRY_NAME_MAX               64  /* worker_name bytes kept (longer names are cut) */
+#define DUET_REGISTRY_FINGERPRINT_MAX        128 /* longest fingerprint accepted */
+#define DUET_REGISTRY_PREFIX_PAGE_TOKENS_MAX (1u << 20) /* largest summary block size accepted */
+#define DUET_REGISTRY_PREFIX_CHAINS          4 /* distinct block sizes a prompt is hashed for */
 
 typedef struct duet_registry duet_registry_t;
 
@@ -184,11 +194,42 @@ size_t duet_registry_count(const duet_registry_t *reg, int role, duet_worker_sta
 void duet_registry_foreach(const duet_registry_t *reg, duet_registry_worker_cb cb, void *user);
 
 /*
- * Fill out[0..cap) with placement candidates (live workers only) and return how many were
- * written (at most cap).
+ * Fill out[0..cap) with placement candidates (live workers only, cached_tokens 0) and return how
+ * many were written (at most cap).
  */
 size_t duet_registry_candidates(const duet_registry_t *reg, duet_placement_candidate_t *out,
                                 size_t cap);
+
+/*
+ * One prompt's prefix hash chains (common/prefix_hash.h), one per block size the workers'
+ * summaries use, each computed on first need and kept for the prompt's later picks. Set it up
+ * with duet_prefix_prompt_init; duet_prefix_prompt_free releases the chains.
+ */
+typedef struct {
+    const uint32_t *tokens; /* (n_tokens) the prompt, not owned */
+    size_t n_tokens;
+    struct {
+        uint32_t page_tokens;
+        size_t n;         /* hashes (0 also when they could not be allocated) */
+        uint64_t *hashes; /* (n) owned */
+    } chain[DUET_REGISTRY_PREFIX_CHAINS];
+    size_t n_chains;
+} duet_prefix_prompt_t;
+
+/* A prompt with no chain computed yet; tokens must outlive it. */
+void duet_prefix_prompt_init(duet_prefix_prompt_t *pp, const uint32_t *tokens, size_t n_tokens);
+void duet_prefix_prompt_free(duet_prefix_prompt_t *pp);
+
+/*
+ * For each candidate c[0..n) of `role` (from duet_registry_candidates), set cached_tokens to the
+ * tokens of pp's prompt that worker likely holds: k * its summary's block size for the longest k
+ * whose chain hash is in its latest summary (0 without a summary or a match); candidates of
+ * another role get 0. Hashes the prompt
+ * once per block size (kept in pp); a prompt whose chain cannot be allocated, or a
+ * (DUET_REGISTRY_PREFIX_CHAINS + 1)-th block size, counts as nothing cached.
+ */
+void duet_registry_prefix_cached(const duet_registry_t *reg, duet_worker_role_t role,
+                                 duet_prefix_prompt_t *pp, duet_placement_candidate_t *c, size_t n);
 
 /* "up", "draining", "dead"; "ctx", "gen". */
 const char *duet_worker_state_name(duet_worker_state_t state);

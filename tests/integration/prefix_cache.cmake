@@ -6,3 +6,13 @@ add_test(NAME prefix_cache_cluster
                  ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR}/models/duet-demo)
 set_tests_properties(prefix_cache_cluster PROPERTIES TIMEOUT 300 LABELS "integration;network"
                                                      RESOURCE_LOCK duet_cluster)
+
+# The router's placement by cached prefix (placement.prefix_aware): two duet-ctx with cache.prefix
+# and one duet-gen; multi-turn conversations stay on the context worker holding them.
+add_test(NAME prefix_placement_cluster
+         COMMAND ${PROJECT_BINARY_DIR}/pyvenv/bin/python
+                 ${PROJECT_SOURCE_DIR}/tests/integration/prefix_placement_cluster_test.py
+                 ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR}/models/duet-demo)
+set_tests_properties(prefix_placement_cluster PROPERTIES TIMEOUT 300
+                                                         LABELS "integration;network"
+                                                         RESOURCE_LOCK duet_cluster)

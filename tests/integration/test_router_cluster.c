@@ -8,7 +8,8 @@
  * reservations give 429 with Retry-After, a full admission queue gives 429 and a paused one 503,
  * a wrong-version worker is refused, drain via the
  * admin API, a (fake) Helix group's reservations reach the ctx worker's Prefill unchanged and too
- * many of them fail the request naming the worker.
+ * many of them fail the request naming the worker, and placement by the prefix summaries workers
+ * report (faked: --prefix-ids), on and off.
  *
  * The model folder is made per test (config.json + a byte tokenizer); the fingerprint is the
  * literal "test" (--model.fingerprint), which the workers present.
@@ -845,4 +846,109 @@ Test(router_cluster, admission_queue_429_and_pause_through_the_admin_api, .timeo
     st = http(http_port, "POST", "/v1/completions", body, buf, sizeof(buf));
     cr_assert_eq(st, 200, "resumed: %s", buf);
     stop_all();
+}
+
+/* Lines of the events file of `name` that start with `prefix`. */
+static int count_events(const char *name, const char *prefix)
+{
+    char path[512], line[512];
+    snprintf(path, sizeof(path), "%s/%s.events", dir, name);
+    FILE *f = fopen(path, "r");
+    int n = 0;
+    while (f != NULL && fgets(line, sizeof(line), f) != NULL)
+        n += strncmp(line, prefix, strlen(prefix)) == 0;
+    if (f != NULL)
+        fclose(f);
+    return n;
+}
+
+/* text's prompt ids (the byte tokenizer: <|bos|> = 256, then one id per byte) as "256,I,J,..." */
+static void ids_of(const char *text, char *out, size_t cap)
+{
+    size_t n = (size_t)snprintf(out, cap, "256");
+    for (const char *p = text; *p != '\0' && n < cap; p++)
+        n += (size_t)snprintf(out + n, cap - n, ",%u", (unsigned)(unsigned char)*p);
+    cr_assert_lt(n, cap);
+}
+
+/* The router's duet_router_prefix_placements_total{role="ROLE"}, -1 when absent. */
+static double prefix_placements(const char *role)
+{
+    static char buf[262144];
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    char key[96];
+    snprintf(key, sizeof(key), "duet_router_prefix_placements_total{role=\"%s\"} ", role);
+    const char *p = strstr(buf, key);
+    return p != NULL ? strtod(p + strlen(key), NULL) : -1;
+}
+
+/* 99 bytes each (100 tokens with <|bos|>: six whole 16-token blocks before the last token),
+ * different from the first byte on */
+#define PROMPT_P                                                                                   \
+    "Pack my box with five dozen liquor jugs, then weigh the crate twice and write the sums on "   \
+    "its lids."
+#define PROMPT_Q                                                                                   \
+    "Quick zephyrs blow, vexing daft Jim; the sailors reef the mainsail and steer their sloops "   \
+    "home now."
+
+/*
+ * Placement by cached prefix, with the workers' summaries faked (--prefix-ids): gen-1 "holds" all
+ * of P but its last 4 tokens, fewer than placement.local_prefill_tokens (8), so P is prefilled
+ * there (Generate) every time, never on gen-0 nor a ctx worker; ctx-1 "holds" 96 tokens of Q, so
+ * every Prefill of Q goes to ctx-1. With placement.prefix_aware off, round robin as ever.
+ */
+static void prefix_case(bool aware)
+{
+    static char buf[65536], ids_p[1024], ids_q[1024];
+    cr_assert_eq(strlen(PROMPT_P), 99);
+    cr_assert_eq(strlen(PROMPT_Q), 99);
+    ids_of(PROMPT_P, ids_p, sizeof(ids_p));
+    ids_of(PROMPT_Q, ids_q, sizeof(ids_q));
+    start_router("--placement.local-prefill-tokens=8",
+                 aware ? "--placement.prefix-aware" : "--no-placement.prefix-aware");
+    start_worker("gen", "gen-0", NULL, NULL, NULL);
+    start_worker("gen", "gen-1", "--prefix-ids", ids_p, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    start_worker("ctx", "ctx-1", "--prefix-ids", ids_q, NULL);
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    usleep(400000); /* heartbeats (100 ms) bring the summaries */
+    const char *bodies[] = {"{\"model\":\"m\",\"prompt\":\"" PROMPT_P "\",\"max_tokens\":2}",
+                            "{\"model\":\"m\",\"prompt\":\"" PROMPT_Q "\",\"max_tokens\":2}"};
+    for (int i = 0; i < 4; i++) {
+        int st = http(http_port, "POST", "/v1/completions", bodies[i % 2], buf, sizeof(buf));
+        cr_assert_eq(st, 200, "%s", buf);
+        /* the prompt reversed: its last two bytes */
+        cr_assert(strstr(body_of(buf), i % 2 ? "\"text\":\".w\"" : "\"text\":\".s\"") != NULL, "%s",
+                  buf);
+        cr_assert(strstr(buf, "\"prompt_tokens\":100,") != NULL, "%s", buf);
+    }
+    if (aware) {
+        cr_assert_eq(count_events("gen-1", "generate"), 2, "P prefilled where it is cached");
+        cr_assert_eq(count_events("gen-0", "generate") + count_events("gen-0", "reserve") +
+                         count_events("gen-1", "reserve"),
+                     2, "Q reserved (round robin), P never");
+        cr_assert_eq(count_events("ctx-1", "prefill"), 2, "Q prefilled where it is cached");
+        cr_assert_eq(count_events("ctx-0", "prefill"), 0);
+        cr_assert_eq(prefix_placements("gen"), 2);
+        cr_assert_eq(prefix_placements("ctx"), 2);
+    } else {
+        cr_assert_eq(count_events("gen-0", "generate") + count_events("gen-1", "generate"), 0);
+        cr_assert_eq(count_events("gen-0", "reserve"), 2, "round robin");
+        cr_assert_eq(count_events("gen-1", "reserve"), 2, "round robin");
+        cr_assert_eq(count_events("ctx-0", "prefill"), 2, "round robin");
+        cr_assert_eq(count_events("ctx-1", "prefill"), 2, "round robin");
+        cr_assert_eq(prefix_placements("gen"), 0);
+        cr_assert_eq(prefix_placements("ctx"), 0);
+    }
+    stop_all();
+}
+
+Test(router_cluster, placement_by_cached_prefix, .timeout = 60)
+{
+    prefix_case(true);
+}
+
+Test(router_cluster, placement_by_cached_prefix_off_is_round_robin, .timeout = 60)
+{
+    prefix_case(false);
 }

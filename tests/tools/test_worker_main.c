@@ -12,7 +12,9 @@
  * with all of them. A ctx test worker's event for a Prefill lists every reservation it came with.
  * A seeded request's Reserve / Generate also logs "seed <id> <seed>". Fault flags stop heartbeats,
  * exit abruptly after N tokens, stall (silent but connected) after N tokens, or refuse every
- * reservation. --events FILE appends one line per message received
+ * reservation. --prefix-ids makes its heartbeats carry a prefix cache's summary (the hash of every
+ * whole 16-token block prefix of those ids, common/prefix_hash.h), as if it had cached them, for
+ * the router's placement by cached prefix. --events FILE appends one line per message received
  * ("reserve 7", "cancel 7 client disconnected", "drain", ...) for tests to inspect.
  *
  * Blocking sockets and poll(): a tool, so plain and obvious beats an event library.
@@ -33,9 +35,12 @@
 
 #include "proto/envelope.h"
 #include "proto/frame.h"
+#include "common/prefix_hash.h"
 #include "common/version.h"
 
-#define TW_MAX_REQ 512
+#define TW_MAX_REQ        512
+#define TW_PAGE_TOKENS    16   /* the page size it registers */
+#define TW_MAX_PREFIX_IDS 4096 /* --prefix-ids */
 
 typedef struct {
     uint64_t rid;     /* 0 = free slot */
@@ -66,7 +71,9 @@ static struct {
     int quiet;
     uint32_t script[256]; /* --script-ids */
     size_t n_script;
-    long script_unless; /* -1 = none */
+    long script_unless;                        /* -1 = none */
+    uint64_t prefix[DUET_PROTO_PREFIX_HASHES]; /* --prefix-ids: the summary heartbeats carry */
+    size_t n_prefix;
 } opt = {.script_unless = -1,
          .role = 0,
          .name = "test-worker",
@@ -408,6 +415,8 @@ static void usage(FILE *f)
         "  --script-ids I,J,...   answer with these ids (at most 256), then stop (as an EOS)\n"
         "  --script-unless ID     but give the default answer to a prompt that holds ID (a\n"
         "                         conversation that had the scripted answer already)\n"
+        "  --prefix-ids I,J,...   heartbeats carry a prefix cache summary holding these ids'\n"
+        "                         whole 16-token blocks (at most 4096 ids; no cache is kept)\n"
         "  -h, --help             this text\n"
         "  --version              the version, git commit and CUDA build\n",
         DUET_PROTO_VERSION);
@@ -416,16 +425,13 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"router", 1, 0, 'r'},        {"role", 1, 0, 'o'},
-        {"name", 1, 0, 'n'},          {"fingerprint", 1, 0, 'f'},
-        {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
-        {"heartbeat-ms", 1, 0, 'b'},  {"delay-ms", 1, 0, 'd'},
-        {"die-after", 1, 0, 'x'},     {"stall-after", 1, 0, 's'},
-        {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
-        {"events", 1, 0, 'e'},        {"quiet", 0, 0, 'q'},
-        {"help", 0, 0, 'h'},          {"model", 1, 0, 'm'},
-        {"version", 0, 0, 'V'},       {"script-ids", 1, 0, 'S'},
-        {"script-unless", 1, 0, 'U'}, {0, 0, 0, 0},
+        {"router", 1, 0, 'r'},        {"role", 1, 0, 'o'},          {"name", 1, 0, 'n'},
+        {"fingerprint", 1, 0, 'f'},   {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
+        {"heartbeat-ms", 1, 0, 'b'},  {"delay-ms", 1, 0, 'd'},      {"die-after", 1, 0, 'x'},
+        {"stall-after", 1, 0, 's'},   {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
+        {"events", 1, 0, 'e'},        {"quiet", 0, 0, 'q'},         {"help", 0, 0, 'h'},
+        {"model", 1, 0, 'm'},         {"version", 0, 0, 'V'},       {"script-ids", 1, 0, 'S'},
+        {"script-unless", 1, 0, 'U'}, {"prefix-ids", 1, 0, 'P'},    {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
     int c;
@@ -500,6 +506,26 @@ int main(int argc, char **argv)
             }
             break;
         }
+        case 'P': {
+            static int32_t ids[TW_MAX_PREFIX_IDS];
+            size_t n = 0;
+            char *p = optarg;
+            while (*p != '\0') {
+                char *e;
+                long v = strtol(p, &e, 10);
+                if (e == p || (*e != ',' && *e != '\0') || n == TW_MAX_PREFIX_IDS) {
+                    fprintf(stderr,
+                            "duet-test-worker: --prefix-ids takes up to %d ids like 1,2,3\n",
+                            TW_MAX_PREFIX_IDS);
+                    return 1;
+                }
+                ids[n++] = (int32_t)v;
+                p = *e == ',' ? e + 1 : e;
+            }
+            opt.n_prefix = duet_prefix_hash_chain(ids, (int64_t)n, TW_PAGE_TOKENS, opt.prefix,
+                                                  DUET_PROTO_PREFIX_HASHES);
+            break;
+        }
         case 'h':
             usage(stdout);
             return 0;
@@ -541,7 +567,7 @@ int main(int argc, char **argv)
 
     Duet__Capacity cap = DUET__CAPACITY__INIT;
     cap.kv_pages = opt.kv_pages;
-    cap.page_tokens = 16;
+    cap.page_tokens = TW_PAGE_TOKENS;
     cap.max_seqs = 64;
     cap.max_batch_tokens = 2048;
     Duet__Register reg = DUET__REGISTER__INIT;
@@ -566,6 +592,9 @@ int main(int argc, char **argv)
                 hb.draining = tw_draining;
                 for (int i = 0; i < TW_MAX_REQ; i++)
                     hb.running += tw_reqs[i].rid != 0;
+                hb.prefix_hashes = opt.prefix;
+                hb.n_prefix_hashes = opt.n_prefix;
+                hb.prefix_page_tokens = opt.n_prefix > 0 ? TW_PAGE_TOKENS : 0;
                 Duet__Envelope he = duet_envelope_heartbeat(&hb);
                 send_env(fd, &he);
                 next_hb = now + (uint64_t)opt.heartbeat_ms;

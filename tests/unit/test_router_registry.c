@@ -3,7 +3,9 @@
  * plays workers with blocking sockets. Registration accepted and refused (version, role,
  * fingerprint, adopt-the-first), heartbeat loss marks dead and closes, heartbeats keep alive,
  * malformed frames close only their own connection, deregister, drain/undrain sends the messages,
- * messages reach on_message, and the fingerprint hash against NIST vectors.
+ * messages reach on_message, the prefix summaries heartbeats carry (kept, matched against a
+ * prompt, replaced, cleared; malformed ones kept as none, the worker untouched), and the
+ * fingerprint hash against NIST vectors.
  */
 #include <criterion/criterion.h>
 
@@ -20,6 +22,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/prefix_hash.h"
 #include "proto/frame.h"
 #include "router/cluster/registry.h"
 
@@ -67,6 +70,12 @@ static void on_down(const duet_worker_info_t *w, const char *reason, void *u)
 static void on_state(const duet_worker_info_t *w, void *u)
 {
     ev_add("state %llu %s", (unsigned long long)w->id, duet_worker_state_name(w->state));
+}
+static int log_heartbeats; /* start() with on_stats: "hb ID N" for a worker's Nth heartbeat */
+static int n_heartbeats[8];
+static void on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *d, void *u)
+{
+    ev_add("hb %llu %d", (unsigned long long)w->id, ++n_heartbeats[w->id % 8]);
 }
 static void on_msg(uint64_t id, const Duet__Envelope *env, void *u)
 {
@@ -133,6 +142,8 @@ static uint16_t start(const char *fingerprint, uint32_t timeout_ms)
     o.on_worker_down = on_down;
     o.on_worker_state = on_state;
     o.on_message = on_msg;
+    o.on_stats = log_heartbeats ? on_stats : NULL;
+    memset(n_heartbeats, 0, sizeof(n_heartbeats));
     cr_assert_eq(duet_registry_start(&loop, &o, &reg), DUET_OK, "%s", duet_error_last());
     uint16_t port = duet_registry_port(reg);
     pthread_create(&thr, NULL, loop_main, NULL);
@@ -484,6 +495,131 @@ Test(registry, drain_undrain_and_deregister, .timeout = 20)
     cr_assert_not_null(wait_event("down 1 deregistered", 2000));
     cr_assert(wait_closed(fd, 2000));
     close(fd);
+    stop();
+}
+
+/* ---------------------------------------------------------------- prefix summaries */
+
+static void send_summary(int fd, const uint64_t *hashes, size_t n, uint32_t page_tokens)
+{
+    Duet__Heartbeat hb = DUET__HEARTBEAT__INIT;
+    hb.free_pages = 10;
+    hb.prefix_hashes = (uint64_t *)hashes;
+    hb.n_prefix_hashes = n;
+    hb.prefix_page_tokens = page_tokens;
+    Duet__Envelope env = DUET__ENVELOPE__INIT;
+    env.body_case = DUET__ENVELOPE__BODY_HEARTBEAT;
+    env.heartbeat = &hb;
+    wsend(fd, &env);
+}
+
+static uint32_t prompt[100]; /* token i = 1000 + i */
+
+typedef struct {
+    duet_worker_role_t role;
+    size_t n_tokens;
+    uint64_t cached[4]; /* by worker id 1..3 (index 0 unused) */
+} cached_job_t;
+
+static void job_cached(void *arg)
+{
+    cached_job_t *j = arg;
+    duet_placement_candidate_t c[8];
+    size_t n = duet_registry_candidates(reg, c, 8);
+    duet_prefix_prompt_t pp;
+    duet_prefix_prompt_init(&pp, prompt, j->n_tokens);
+    duet_registry_prefix_cached(reg, j->role, &pp, c, n);
+    memset(j->cached, 0xff, sizeof(j->cached));
+    for (size_t i = 0; i < n; i++)
+        if (c[i].id < 4)
+            j->cached[c[i].id] = c[i].cached_tokens;
+    duet_registry_prefix_cached(reg, j->role, &pp, c, n); /* again: the chains are kept */
+    for (size_t i = 0; i < n; i++)
+        if (c[i].id < 4)
+            cr_assert_eq(j->cached[c[i].id], c[i].cached_tokens);
+    cr_assert_leq(pp.n_chains, 2, "one chain per block size");
+    duet_prefix_prompt_free(&pp);
+}
+
+/* Each worker's cached tokens of the first n_tokens of prompt, as the registry sees them. */
+static void expect_cached(duet_worker_role_t role, size_t n_tokens, uint64_t w1, uint64_t w2,
+                          uint64_t w3, const char *what)
+{
+    cached_job_t j = {.role = role, .n_tokens = n_tokens};
+    on_loop(job_cached, &j);
+    cr_assert(j.cached[1] == w1 && j.cached[2] == w2 && j.cached[3] == w3,
+              "%s: cached %llu %llu %llu, want %llu %llu %llu", what,
+              (unsigned long long)j.cached[1], (unsigned long long)j.cached[2],
+              (unsigned long long)j.cached[3], (unsigned long long)w1, (unsigned long long)w2,
+              (unsigned long long)w3);
+}
+
+Test(registry, prefix_summaries_kept_matched_and_validated, .timeout = 30)
+{
+    for (size_t i = 0; i < 100; i++)
+        prompt[i] = 1000 + (uint32_t)i;
+    uint64_t h16[6], h8[12]; /* the prompt's chains: 99 tokens before its last one */
+    cr_assert_eq(duet_prefix_hash_chain((const int32_t *)prompt, 100, 16, h16, 6), 6);
+    cr_assert_eq(duet_prefix_hash_chain((const int32_t *)prompt, 100, 8, h8, 12), 12);
+    log_heartbeats = 1;
+    uint16_t port = start(FP, 5000);
+    log_heartbeats = 0;
+    int fd[4] = {-1, -1, -1, -1};
+    const int roles[4] = {0, DUET__WORKER_ROLE__WORKER_ROLE_CTX, DUET__WORKER_ROLE__WORKER_ROLE_CTX,
+                          DUET__WORKER_ROLE__WORKER_ROLE_GEN};
+    for (int w = 1; w <= 3; w++) {
+        fd[w] = wconnect(port);
+        Duet__Envelope *ack = do_register(fd[w], roles[w], DUET_PROTO_VERSION, FP);
+        cr_assert_eq(ack->register_ack->worker_id, (uint64_t)w);
+        duet_envelope_free(ack);
+    }
+    const duet_worker_role_t CTX = DUET_WORKER_ROLE_CTX, GEN = DUET_WORKER_ROLE_GEN;
+    expect_cached(CTX, 100, 0, 0, 0, "before any summary");
+
+    /* 1 (blocks of 16) holds 3 and 5 blocks of it and an unrelated prefix; 2 (blocks of 8) 7
+     * blocks; 3 (gen, 16) the whole chain. The longest match counts, in each one's block size. */
+    uint64_t s1[] = {h16[2], 0x1234, h16[4]}, s2[] = {h8[6], h8[0] ^ 1}, s3[] = {h16[5]};
+    send_summary(fd[1], s1, 3, 16);
+    send_summary(fd[2], s2, 2, 8);
+    send_summary(fd[3], s3, 1, 16);
+    cr_assert_not_null(wait_event("hb 1 1", 2000));
+    cr_assert_not_null(wait_event("hb 2 1", 2000));
+    cr_assert_not_null(wait_event("hb 3 1", 2000));
+    expect_cached(CTX, 100, 80, 56, 0, "ctx picks");
+    expect_cached(GEN, 100, 0, 0, 96, "gen pick");
+    /* a shorter prompt: its chain stops before 5 blocks of 16 (a block must leave a token) */
+    expect_cached(CTX, 80, 48, 56, 0, "80 tokens");
+    expect_cached(CTX, 16, 0, 0, 0, "one block with nothing after it");
+    expect_cached(CTX, 0, 0, 0, 0, "empty prompt");
+
+    /* malformed summaries: none kept for that worker, which stays up */
+    uint64_t many[DUET_PROTO_PREFIX_HASHES + 1];
+    for (size_t i = 0; i <= DUET_PROTO_PREFIX_HASHES; i++)
+        many[i] = h16[4] + i; /* holds h16[4] */
+    send_summary(fd[1], many, DUET_PROTO_PREFIX_HASHES + 1, 16);
+    send_summary(fd[2], s2, 2, 0);
+    cr_assert_not_null(wait_event("hb 1 2", 2000));
+    cr_assert_not_null(wait_event("hb 2 2", 2000));
+    expect_cached(CTX, 100, 0, 0, 0, "too many hashes; block size 0");
+    send_summary(fd[1], s1, 3, 16);
+    send_summary(fd[2], s2, 2, DUET_REGISTRY_PREFIX_PAGE_TOKENS_MAX + 1);
+    cr_assert_not_null(wait_event("hb 1 3", 2000));
+    cr_assert_not_null(wait_event("hb 2 3", 2000));
+    expect_cached(CTX, 100, 80, 0, 0, "a good summary again; an absurd block size");
+    /* exactly the most hashes allowed is fine */
+    send_summary(fd[1], many + 1, DUET_PROTO_PREFIX_HASHES, 16);
+    cr_assert_not_null(wait_event("hb 1 4", 2000));
+    expect_cached(CTX, 100, 0, 0, 0, "256 hashes, none of them the prompt's");
+    send_summary(fd[1], many, DUET_PROTO_PREFIX_HASHES, 16);
+    cr_assert_not_null(wait_event("hb 1 5", 2000));
+    expect_cached(CTX, 100, 80, 0, 0, "256 hashes, one of them the prompt's");
+    /* a heartbeat without hashes clears it */
+    send_heartbeat(fd[1], 5);
+    cr_assert_not_null(wait_event("hb 1 6", 2000));
+    expect_cached(CTX, 100, 0, 0, 0, "cleared");
+    cr_assert_null(wait_event("down", 10), "no worker was closed");
+    for (int w = 1; w <= 3; w++)
+        close(fd[w]);
     stop();
 }
 
