@@ -69,14 +69,20 @@
 #define BENCH_MAX_SWEEP       32   /* values of --sweep */
 
 /* The router counters read from /metrics before and after the run (docs/architecture.md,
- * "Admission, placement, drain, admin API, metrics"); the last two are the count and sum of the
- * histogram of tokens a speculating worker's verify step emitted per request. */
+ * "Admission, placement, drain, admin API, metrics"): [4], [5] are the count and sum of the
+ * histogram of tokens a speculating worker's verify step emitted per request, [6..9] the
+ * workers' prefix caches (cache.prefix). */
 static const char *const bench_server_counters[] = {
-    "duet_gen_decode_steps_total",     "duet_gen_decode_seq_steps_total",
-    "duet_gen_decoded_tokens_total",   "duet_gen_step_seconds_total",
-    "duet_gen_spec_step_tokens_count", "duet_gen_spec_step_tokens_sum",
+    "duet_gen_decode_steps_total",           "duet_gen_decode_seq_steps_total",
+    "duet_gen_decoded_tokens_total",         "duet_gen_step_seconds_total",
+    "duet_gen_spec_step_tokens_count",       "duet_gen_spec_step_tokens_sum",
+    "duet_router_prefix_lookups_total",      "duet_router_prefix_hits_total",
+    "duet_router_prefix_tokens_saved_total", "duet_router_prefix_evictions_total",
 };
-#define BENCH_N_COUNTERS 6
+#define BENCH_N_COUNTERS 10
+/* Gauges read once, after the run: the prefix caches' occupancy at its end. */
+#define BENCH_PREFIX_PAGES   "duet_router_prefix_cache_pages"
+#define BENCH_PREFIX_ENTRIES "duet_router_prefix_cache_entries"
 
 /* Drafts proposed / kept per draft position (label position="1", "2", ...): positions are read
  * from 1 up while the router exports them, at most this many. */
@@ -292,6 +298,10 @@ static const char bench_usage_text[] =
     "  spec_acceptance_rate = d duet_gen_spec_accepted_total / d duet_gen_spec_drafted_total\n"
     "         (every draft position); spec_positions lists each position's drafted, accepted\n"
     "         and acceptance_rate (positions with drafts only)\n"
+    "  prefix caches (null when no worker looked a prompt up: cache.prefix off):\n"
+    "  prefix_hit_rate = d duet_router_prefix_hits_total / d duet_router_prefix_lookups_total;\n"
+    "         prefix_tokens_saved, prefix_evictions: deltas of ..._tokens_saved_total,\n"
+    "         ..._evictions_total; prefix_cache_entries / _pages: the gauges after the run\n"
     "\n"
     "baseline file (--baseline):\n"
     "  {\"description\": \"...\", \"gates\": {\"error_rate\": {\"max\": 0},\n"
@@ -961,6 +971,8 @@ typedef struct {
     double value[BENCH_N_COUNTERS];
     int n_positions; /* draft positions 1..n_positions have both series */
     double drafted[BENCH_SPEC_MAX_POSITIONS], accepted[BENCH_SPEC_MAX_POSITIONS];
+    bool found_prefix; /* both prefix gauges were there */
+    double prefix_pages, prefix_entries;
 } bench_scrape_t;
 
 static void bench_scrape(bench_run_t *run, bench_scrape_t *s)
@@ -976,6 +988,10 @@ static void bench_scrape(bench_run_t *run, bench_scrape_t *s)
         const char *text = body.data != NULL ? body.data : "";
         for (int i = 0; i < BENCH_N_COUNTERS; i++)
             serving_prom_sum(text, body.len, bench_server_counters[i], &s->value[i], &s->found[i]);
+        bool fp, fe;
+        serving_prom_sum(text, body.len, BENCH_PREFIX_PAGES, &s->prefix_pages, &fp);
+        serving_prom_sum(text, body.len, BENCH_PREFIX_ENTRIES, &s->prefix_entries, &fe);
+        s->found_prefix = fp && fe;
         for (int j = 0; j < BENCH_SPEC_MAX_POSITIONS; j++) {
             char pos[16];
             snprintf(pos, sizeof(pos), "%d", j + 1);
@@ -1125,6 +1141,15 @@ static json_t *bench_results_json(const bench_run_t *run, const char *model,
     json_object_set_new(res, "avg_decoded_tokens_per_iter", bench_num(per_iter));
     json_object_set_new(res, "device_step_time_ms", bench_num(step_ms));
     bench_put_spec(res, d[4], d[5], before, after);
+    /* prefix caches: null when the workers looked nothing up (cache.prefix off) */
+    const bool prefix = d[6] > 0;
+    json_object_set_new(res, "prefix_hit_rate", bench_num(prefix ? d[7] / d[6] : NAN));
+    json_object_set_new(res, "prefix_tokens_saved", bench_num(prefix ? d[8] : NAN));
+    json_object_set_new(res, "prefix_evictions", bench_num(prefix ? d[9] : NAN));
+    json_object_set_new(res, "prefix_cache_pages",
+                        bench_num(prefix && after->found_prefix ? after->prefix_pages : NAN));
+    json_object_set_new(res, "prefix_cache_entries",
+                        bench_num(prefix && after->found_prefix ? after->prefix_entries : NAN));
 
     /* the distinct failure reasons with counts */
     bench_reason_t reasons[BENCH_MAX_REASONS];
@@ -1241,6 +1266,19 @@ static void bench_print(const json_t *res, const serving_summary_t *s)
                 3);
     v = json_object_get(res, "device_step_time_ms");
     bench_row_f("Device step time (ms):", json_is_number(v) ? json_number_value(v) : NAN, 3);
+    v = json_object_get(res, "prefix_hit_rate");
+    if (json_is_number(v)) {
+        bench_row_f("Prefix cache hit rate:", json_number_value(v), 3);
+        static const char *const rows[][2] = {
+            {"prefix_tokens_saved", "Prefix cache tokens saved:"},
+            {"prefix_evictions", "Prefix cache evictions:"},
+            {"prefix_cache_entries", "Prefix cache entries (end):"},
+            {"prefix_cache_pages", "Prefix cache pages (end):"}};
+        for (size_t k = 0; k < sizeof(rows) / sizeof(rows[0]); k++) {
+            json_t *x = json_object_get(res, rows[k][0]);
+            bench_row_f(rows[k][1], json_is_number(x) ? json_number_value(x) : NAN, 0);
+        }
+    }
     json_t *pos = json_object_get(res, "spec_positions");
     if (json_array_size(pos) > 0) {
         v = json_object_get(res, "spec_mean_step_tokens");

@@ -135,11 +135,24 @@ static void ep_cache_plan_add(const duet_worker_info_t *w, void *user)
     sum[4] += (double)w->cache_plan.draft_bytes;
 }
 
+/* Adds a live worker's prefix cache (entries, pages) into the sums at user. */
+static void ep_prefix_add(const duet_worker_info_t *w, void *user)
+{
+    double *sum = user;
+    if (w->state == DUET_WORKER_STATE_DEAD)
+        return;
+    sum[0] += (double)w->prefix_entries;
+    sum[1] += (double)w->prefix_pages;
+}
+
 static void ep_metrics(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
 {
     /* summed over the live workers at each scrape, so a departed worker's share goes with it */
-    double plans[5] = {0};
+    double plans[5] = {0}, prefix[2] = {0};
     duet_registry_foreach(rt->reg, ep_cache_plan_add, plans);
+    duet_registry_foreach(rt->reg, ep_prefix_add, prefix);
+    duet_metrics_gauge_set(rt->m_prefix_entries, prefix[0]);
+    duet_metrics_gauge_set(rt->m_prefix_pages, prefix[1]);
     duet_metrics_gauge_set(rt->m_cache_budget, plans[0]);
     duet_metrics_gauge_set(rt->m_cache_target_pages, plans[1]);
     duet_metrics_gauge_set(rt->m_cache_target_bytes, plans[2]);

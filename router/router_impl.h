@@ -98,6 +98,9 @@ struct duet__router {
     /* the live gen workers' cache plans, summed when /metrics is scraped (endpoints.c) */
     duet_metric_t *m_cache_budget, *m_cache_target_pages, *m_cache_target_bytes;
     duet_metric_t *m_cache_draft_pages, *m_cache_draft_bytes;
+    /* the workers' prefix caches (heartbeats): counters, and gauges summed at each scrape */
+    duet_metric_t *m_prefix_lookups, *m_prefix_hits, *m_prefix_saved, *m_prefix_evictions;
+    duet_metric_t *m_prefix_entries, *m_prefix_pages;
     /* speculative decoding: tokens per verify step; drafts proposed / kept by draft position */
     duet_metric_t *m_spec_step_tokens;
     duet_metric_t *m_spec_drafted[DUET_PROTO_SPEC_POSITIONS];

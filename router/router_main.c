@@ -222,6 +222,16 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
          offsetof(duet__router_t, m_gen_suspended)},
         {"duet_gen_resumed_total", "suspended requests resumed when pages freed up",
          offsetof(duet__router_t, m_gen_resumed)},
+        {"duet_router_prefix_lookups_total",
+         "prompts the workers looked up in their prefix caches (cache.prefix)",
+         offsetof(duet__router_t, m_prefix_lookups)},
+        {"duet_router_prefix_hits_total", "of those, prompts that reused a cached prefix",
+         offsetof(duet__router_t, m_prefix_hits)},
+        {"duet_router_prefix_tokens_saved_total",
+         "prompt tokens the workers did not prefill thanks to a cached prefix",
+         offsetof(duet__router_t, m_prefix_saved)},
+        {"duet_router_prefix_evictions_total", "prefix cache entries the workers dropped",
+         offsetof(duet__router_t, m_prefix_evictions)},
     };
     for (size_t i = 0; i < sizeof(wc) / sizeof(wc[0]); i++) {
         if ((st = duet_metrics_counter_new(m, wc[i].name, wc[i].help, NULL, 0, &f)) < 0)
@@ -243,6 +253,11 @@ static duet_status_t rt_metrics_init(duet__router_t *rt)
          offsetof(duet__router_t, m_cache_draft_pages)},
         {"duet_gen_cache_draft_bytes", "bytes of those draft KV pools, summed",
          offsetof(duet__router_t, m_cache_draft_bytes)},
+        {"duet_router_prefix_cache_entries",
+         "prefix cache entries the live workers keep, summed (cache occupancy)",
+         offsetof(duet__router_t, m_prefix_entries)},
+        {"duet_router_prefix_cache_pages", "KV pages those entries hold, summed",
+         offsetof(duet__router_t, m_prefix_pages)},
     };
     for (size_t i = 0; i < sizeof(cp) / sizeof(cp[0]); i++) {
         if ((st = duet_metrics_gauge_new(m, cp[i].name, cp[i].help, NULL, 0, &f)) < 0)
@@ -292,6 +307,10 @@ static void rt_on_stats(const duet_worker_info_t *w, const duet_worker_stats_t *
         }
     }
     duet_metrics_counter_add(rt->m_prefill_tok, (double)d->prefill_tokens);
+    duet_metrics_counter_add(rt->m_prefix_lookups, (double)d->prefix_lookups);
+    duet_metrics_counter_add(rt->m_prefix_hits, (double)d->prefix_hits);
+    duet_metrics_counter_add(rt->m_prefix_saved, (double)d->prefix_tokens_saved);
+    duet_metrics_counter_add(rt->m_prefix_evictions, (double)d->prefix_evictions);
 }
 
 /* ---------------------------------------------------------------- shutdown */

@@ -520,6 +520,8 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
             .draft_pages = hb->cache_draft_pages,
             .draft_bytes = hb->cache_draft_bytes,
         };
+        w->info.prefix_entries = hb->prefix_entries;
+        w->info.prefix_pages = hb->prefix_pages;
         duet_worker_stats_t now = {
             .decode_steps = hb->decode_steps,
             .decode_seq_steps = hb->decode_seq_steps,
@@ -527,6 +529,10 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
             .prefill_tokens = hb->prefill_tokens,
             .suspensions = hb->suspensions,
             .resumes = hb->resumes,
+            .prefix_lookups = hb->prefix_lookups,
+            .prefix_hits = hb->prefix_hits,
+            .prefix_tokens_saved = hb->prefix_tokens_saved,
+            .prefix_evictions = hb->prefix_evictions,
             .step_seconds =
                 isfinite(hb->step_seconds) && hb->step_seconds >= 0 ? hb->step_seconds : 0.0,
         };
@@ -540,6 +546,10 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         REG_DELTA(prefill_tokens);
         REG_DELTA(suspensions);
         REG_DELTA(resumes);
+        REG_DELTA(prefix_lookups);
+        REG_DELTA(prefix_hits);
+        REG_DELTA(prefix_tokens_saved);
+        REG_DELTA(prefix_evictions);
         REG_DELTA(step_seconds);
         for (size_t i = 0; i <= DUET_PROTO_SPEC_POSITIONS; i++)
             REG_DELTA(spec_step_tokens[i]);

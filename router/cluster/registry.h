@@ -68,6 +68,9 @@ typedef struct duet_registry duet_registry_t;
 typedef struct {
     uint64_t decode_steps, decode_seq_steps, decoded_tokens, prefill_tokens;
     uint64_t suspensions, resumes; /* gen: requests suspended to host memory / resumed */
+    /* cache.prefix (Heartbeat fields 24-27): prompts looked up, those that hit, prompt tokens
+     * not prefilled thanks to a hit, entries dropped */
+    uint64_t prefix_lookups, prefix_hits, prefix_tokens_saved, prefix_evictions;
     double step_seconds;
     /* speculative decoding: spec_step_tokens[i] verify steps emitted i + 1 tokens; drafts
      * proposed / kept at draft position j + 1 (entries past a heartbeat's own count are 0) */
@@ -106,7 +109,8 @@ typedef struct {
     uint64_t registered_ms;     /* uv_now at registration */
     uint64_t last_heartbeat_ms; /* uv_now at the last Heartbeat */
     duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
-    duet_worker_cache_plan_t cache_plan; /* from the last Heartbeat */
+    duet_worker_cache_plan_t cache_plan;   /* from the last Heartbeat */
+    uint32_t prefix_entries, prefix_pages; /* its prefix cache now (Heartbeat fields 28-29) */
     /* for operators (Register fields 7-10, Heartbeat field 23; 0 / "" from older workers) */
     uint16_t metrics_port;      /* the worker's /metrics HTTP port (0 = none) */
     char device[16], dtype[16]; /* "cpu", "f32"; [A-Za-z0-9_.:-] only (others become '?') */

@@ -14,13 +14,16 @@ test waits for heartbeats (3 x heartbeat_ms), so that the router knows the worke
     {role="ctx"};
   - prefix_aware off: the same traffic gets strictly fewer hits (a turn lands where the
     conversation was two turns before at best), and the router counts no such placement;
-  - every answer, either way, equals duet-generate's for the same ids (a prefill from the start).
+  - every answer, either way, equals duet-generate's for the same ids (a prefill from the start);
+  - the router's duet_router_prefix_* counters and gauges equal the sums of the workers' own, and
+    duet-bench's prefix figures over a run equal the router's deltas around it.
 
 Usage: prefix_placement_cluster_test.py BUILD_DIR MODEL_DIR
 """
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +88,38 @@ def conversations():
     return convs
 
 
+def bench(port, tmp):
+    """duet-bench's prefix figures over a run of one prompt repeated equal the deltas of the
+    router's counters around it, and its end occupancy the router's gauges."""
+    prompts = f"{tmp}/prompts.jsonl"
+    with open(prompts, "w") as f:
+        f.write(json.dumps({"prompt": "Delta station. " * 40}) + "\n")
+    before = scrape(port, "duet_router_prefix_[a-z_]+")
+    out = f"{tmp}/bench.json"
+    subprocess.run([f"{BUILD}/bench/duet-bench", "--url", f"http://127.0.0.1:{port}",
+                    "--prompts", prompts, "--num-prompts", "6", "--max-tokens", "2",
+                    "--metrics-settle-ms", "500", "--json", out],
+                   check=True, capture_output=True, timeout=300)
+    after = scrape(port, "duet_router_prefix_[a-z_]+")
+    with open(out) as f:
+        res = json.load(f)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    lookups = d.get("duet_router_prefix_lookups_total", 0)
+    check(lookups == 6, f"bench: the router counted {lookups} lookups for 6 prompts")
+    want = d.get("duet_router_prefix_hits_total", 0) / lookups if lookups else None
+    got = res.get("prefix_hit_rate")
+    check(got is not None and want is not None and abs(got - want) < 1e-9,  # JSON: 10 digits
+          f"bench: prefix_hit_rate {res.get('prefix_hit_rate')}, the router's deltas {want}")
+    check(res.get("prefix_tokens_saved") == d.get("duet_router_prefix_tokens_saved_total"),
+          f"bench: prefix_tokens_saved {res.get('prefix_tokens_saved')}, router "
+          f"{d.get('duet_router_prefix_tokens_saved_total')}")
+    check(res.get("prefix_cache_pages") == after.get("duet_router_prefix_cache_pages"),
+          f"bench: prefix_cache_pages {res.get('prefix_cache_pages')}, router "
+          f"{after.get('duet_router_prefix_cache_pages')}")
+    print(f"duet-bench: prefix_hit_rate {res.get('prefix_hit_rate')}, tokens saved "
+          f"{res.get('prefix_tokens_saved')}, pages {res.get('prefix_cache_pages')}", flush=True)
+
+
 def run(prefix_aware, convs, reference, tmp):
     """One cluster (logs in tmp), the traffic, and its figures: (hits summed over the ctx
     workers, lookups, the router's ctx and gen prefix placements)."""
@@ -111,6 +146,20 @@ def run(prefix_aware, convs, reference, tmp):
         per = [scrape(p, "duet_worker_prefix_cache_[a-z_]+") for p in mports]
         rt = scrape(hp, "duet_router_prefix_placements_total")
         print(f"{label}: workers {per}, router {rt}", flush=True)
+        # the router's sums of the workers' heartbeats equal their own /metrics
+        agg = scrape(hp, "duet_router_prefix_[a-z_]+")
+        for name in ("lookups", "hits", "tokens_saved", "evictions"):
+            mine = sum(m.get(f"duet_worker_prefix_cache_{name}_total", 0) for m in per)
+            check(agg.get(f"duet_router_prefix_{name}_total") == mine,
+                  f"{label}: router's duet_router_prefix_{name}_total "
+                  f"{agg.get(f'duet_router_prefix_{name}_total')}, the workers' {mine}")
+        for name in ("entries", "pages"):
+            mine = sum(m.get(f"duet_worker_prefix_cache_{name}", 0) for m in per)
+            check(agg.get(f"duet_router_prefix_cache_{name}") == mine,
+                  f"{label}: router's duet_router_prefix_cache_{name} "
+                  f"{agg.get(f'duet_router_prefix_cache_{name}')}, the workers' {mine}")
+        if prefix_aware:
+            bench(hp, tmp)
     hits = sum(m.get("duet_worker_prefix_cache_hits_total", 0) for m in per)
     lookups = sum(m.get("duet_worker_prefix_cache_lookups_total", 0) for m in per)
     return (hits, lookups, rt.get('duet_router_prefix_placements_total{role="ctx"}', -1),
