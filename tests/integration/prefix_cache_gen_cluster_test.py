@@ -19,7 +19,10 @@ from the start, then plain decoding):
       prompt afterwards saves no more tokens than the chunks finished before the cancel (read
       from the worker's log) and answers as duet-generate;
   and at the end, with nothing running, the pool's free pages plus the pages only the cache holds
-  make the whole pool (nothing leaked, nothing freed twice).
+  make the whole pool (nothing leaked, nothing freed twice);
+  (e) a second worker speculating (spec.method ngram): a decode entry is kept only when a step
+      lands on the page grid, accepted rows folded in first; repetitive prompts (drafts accepted),
+      their next turns and repeats answer as duet-generate without speculation.
 
 Usage: prefix_cache_gen_cluster_test.py BUILD_DIR MODEL_DIR
 """
@@ -193,6 +196,22 @@ def main():
         check(0 < held and free + held == PAGES,
               f"idle: {free} pages free + {held} held by the cache != the pool's {PAGES}")
         check(0 < m.get("duet_worker_prefix_cache_entries", 0) <= 64, "entries out of bounds")
+    # (e) speculation: verify steps of several tokens, replay rows folded in before a keep
+    workers = [("gen-spec", "gen", ["--cache.prefix", "--cache.prefix_snapshots", "64",
+                                    "--spec.method", "ngram", "--spec.k", "3",
+                                    "--metrics.port", str(mp)])]
+    with cluster(BUILD, MODEL, tmp, workers,
+                 router_args=["--placement.local_prefill_tokens", "100000"]) as hp:
+        model = served_model(hp)
+        for i, text in enumerate(("the cat sat on the mat and the dog sat on the log. ",
+                                  "one two three four five six seven eight nine ten. ")):
+            ids = text_ids(text * 6)
+            t1 = expect(hp, model, f"(e) spec turn 1 #{i}", ids)
+            expect(hp, model, f"(e) spec turn 2 #{i}", ids + t1["tokens"] + list(text.encode()))
+            expect(hp, model, f"(e) spec turn 1 again #{i}", ids)
+        m = settled(mp)
+        print({k: v for k, v in m.items() if "prefix" in k or "spec" in k}, flush=True)
+        check(m.get("duet_worker_prefix_cache_hits_total", 0) >= 2, "(e): fewer than 2 hits")
     finish("prefix_cache_gen_cluster", failures, tmp)
 
 
