@@ -22,7 +22,10 @@ from the start, then plain decoding):
   make the whole pool (nothing leaked, nothing freed twice);
   (e) a second worker speculating (spec.method ngram): a decode entry is kept only when a step
       lands on the page grid, accepted rows folded in first; repetitive prompts (drafts accepted),
-      their next turns and repeats answer as duet-generate without speculation.
+      their next turns and repeats answer as duet-generate without speculation;
+  (f) with a context worker beside it (placement.local_prefill_tokens 200): short prompts fill the
+      generation worker's cache, then long ones arrive transferred (a Reserve for their pages):
+      the cache gives pages back for the reservations, answers equal, the pool whole at the end.
 
 Usage: prefix_cache_gen_cluster_test.py BUILD_DIR MODEL_DIR
 """
@@ -212,6 +215,32 @@ def main():
         m = settled(mp)
         print({k: v for k, v in m.items() if "prefix" in k or "spec" in k}, flush=True)
         check(m.get("duet_worker_prefix_cache_hits_total", 0) >= 2, "(e): fewer than 2 hits")
+    # (f) reservations for transferred prompts take their pages from the cache
+    pages = 40
+    workers = [("ctx-f", "ctx", []),
+               ("gen-f", "gen", ["--cache.prefix", "--cache.prefix_snapshots", "64",
+                                 "--cache.kv_pages", str(pages), "--metrics.port", str(mp)])]
+    with cluster(BUILD, MODEL, tmp, workers,
+                 router_args=["--placement.local_prefill_tokens", "200"]) as hp:
+        model = served_model(hp)
+        for i, ids in enumerate(others[1:]):  # under 200 tokens: prefilled on gen-f
+            expect(hp, model, f"(f) local #{i}", ids[:190])
+        mf = settled(mp)
+        check(mf.get("duet_worker_prefix_cache_pages", 0) > pages // 2,
+              f"(f): the local prompts left only {mf.get('duet_worker_prefix_cache_pages')} "
+              "pages in the cache")
+        for i, ids in enumerate(others[1:]):  # 200 tokens and more: prefilled by ctx-f
+            expect(hp, model, f"(f) transferred #{i}", ids + list(b" Then, at last, it ended."))
+        m = settled(mp)
+        print({k: v for k, v in m.items() if "prefix" in k or "kv_pages" in k}, flush=True)
+        check(m.get("duet_worker_prefix_cache_lookups_total", 0) == 3,
+              "(f): a transferred prompt was looked up")
+        check(m.get("duet_worker_prefix_cache_evictions_total", 0) >= 1,
+              "(f): the reservations evicted nothing")
+        free = m.get("duet_worker_kv_pages_free", -1)
+        held = m.get("duet_worker_prefix_cache_pages", -1)
+        check(free + held == pages,
+              f"(f) idle: {free} pages free + {held} held by the cache != the pool's {pages}")
     finish("prefix_cache_gen_cluster", failures, tmp)
 
 
