@@ -39,17 +39,7 @@ static const duet_config_key_t ctx_keys[] = {
      .min = "1", .max = "1048576"},
     {"batch.max_queue", DUET_CONFIG_INT, "256", "prompts waiting for a slot at most", .min = "0",
      .max = "1000000"},
-    {"cache.prefix", DUET_CONFIG_BOOL, "false",
-     "keep finished prompts' pages and KDA state snapshots by content and prefill only what a new "
-     "prompt adds to a cached prefix (worker/prefix_cache.h; one rank)",
-     .min = NULL, .max = NULL},
-    {"cache.prefix_snapshots", DUET_CONFIG_INT, "16",
-     "prefix snapshots kept at most (each holds its prefix's pages and one copy of the KDA "
-     "state: duet-ctx logs its size)",
-     .min = "1", .max = "4096"},
-    {"cache.prefix_state_every", DUET_CONFIG_INT, "1",
-     "snapshot the KDA state every this many pages of a prompt (at prefill chunk ends)", .min = "1",
-     .max = "65536"},
+    DUET_PREFIX_CACHE_CONFIG_KEYS,
     {"test.xfer_hold_ms", DUET_CONFIG_INT, "0",
      "fault injection for tests: a prompt's cache transfer puts no byte until this long after its "
      "prefill finished (0 = none; bench/soak holds transfers past their deadline)",
@@ -79,7 +69,6 @@ static struct {
     bool checksum;
     uint32_t hold_ms;        /* test.xfer_hold_ms */
     duet_prefix_cache_t *pc; /* cache.prefix; NULL when off */
-    int64_t snap_tokens;     /* a snapshot every this many prompt tokens (pages x every) */
 } c;
 
 static cr_t *cr_at(const duet_worker_t *w, int64_t i)
@@ -117,58 +106,20 @@ static void cr_end(duet_worker_t *w, cr_t *r, int finish, const char *error)
 }
 
 /* The request's sequence: on the longest cached prefix of its prompt when the prefix cache has
- * one (then only the rest is prefilled), else empty. Pages short: the cache's least recently
- * used entries go first (pages a request still holds stay with it). */
+ * one (then only the rest is prefilled; not for prompt_logprobs, which scores every prompt row),
+ * else empty; the cache's least recently used entries make room when pages are short. */
 static duet_status_t ctx_seq_open(duet_worker_t *w, duet_worker_req_t *q)
 {
-    for (;;) {
-        const int32_t *pages = NULL;
-        const void *state = NULL;
-        const int64_t k =
-            c.pc != NULL && q->prompt != NULL
-                ? duet_prefix_cache_lookup(c.pc, q->prompt, q->n_prompt, &pages, &state)
-                : 0;
-        duet_status_t st =
-            k > 0 ? duet_model_seq_open_prefix(w->m, q->n_prompt, pages, k, state, &q->seq)
-                  : duet_model_seq_open(w->m, q->n_prompt, &q->seq);
-        if (st == DUET_OK) {
-            if (c.pc != NULL)
-                duet_prefix_cache_count(c.pc, k);
-            q->prefilled = q->seq.n_tokens;
-            if (k > 0)
-                DUET_RLOG_DEBUG(q->rid, "prefix cache: %lld of %lld prompt tokens cached",
-                                (long long)q->prefilled, (long long)q->n_prompt);
-            return DUET_OK;
-        }
-        if (st != DUET_ERR_NO_SPACE || c.pc == NULL || !duet_prefix_cache_evict(c.pc))
-            return st;
-    }
-}
-
-typedef struct {
-    duet_model_t *m;
-    const duet_seq_t *seq;
-} ctx_snap_t;
-
-static int ctx_snapshot_fill(void *user, void *dst)
-{
-    const ctx_snap_t *sn = user;
-    return duet_model_seq_kda_read(sn->m, sn->seq, dst) == DUET_OK ? 0 : -1;
-}
-
-/* After a step that prefilled r through `done` tokens: a chunk end on a snapshot boundary keeps
- * the prompt so far (its full pages, none written again) and the state after it. Only chunk
- * ends: a later prompt resumes there on the same chunk grid as a prefill from the start, so its
- * output is the same (the cut must be duet-generate's). */
-static void ctx_snapshot(duet_worker_t *w, duet_worker_req_t *q, int64_t done)
-{
-    if (c.pc == NULL || q->prompt == NULL || done % c.snap_tokens != 0 || done % w->chunk != 0)
-        return;
-    const int64_t P = duet_model_opts(w->m)->page_tokens;
-    ctx_snap_t sn = {w->m, &q->seq};
-    if (duet_prefix_cache_insert(c.pc, q->prompt, done / P, q->seq.pages, ctx_snapshot_fill, &sn) !=
-        DUET_OK)
-        DUET_RLOG_WARN(q->rid, "prefix cache: not kept: %s", duet_error_last());
+    const int32_t *lookup = q->sampling.prompt_logprobs ? NULL : q->prompt;
+    duet_status_t st =
+        duet_prefix_cache_seq_open(c.pc, w->m, lookup, q->n_prompt, q->n_prompt, &q->seq);
+    if (st != DUET_OK)
+        return st;
+    q->prefilled = q->seq.n_tokens;
+    if (q->prefilled > 0)
+        DUET_RLOG_DEBUG(q->rid, "prefix cache: %lld of %lld prompt tokens cached",
+                        (long long)q->prefilled, (long long)q->n_prompt);
+    return DUET_OK;
 }
 
 /* Give waiting requests a sequence and start their transfers, oldest first. */
@@ -434,7 +385,7 @@ static void ctx_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
             continue;
         }
         r->base.prefilled += w->items[i].n_tokens;
-        ctx_snapshot(w, &r->base, r->base.prefilled);
+        (void)duet_prefix_cache_keep(c.pc, w->m, &r->base.seq, r->base.prompt, w->chunk);
         if (!last)
             continue;
         r->base.phase = CR_SENDING; /* the step drew the first token */
@@ -506,25 +457,7 @@ static duet_status_t ctx_init(duet_worker_t *w)
     c.checksum = duet_config_get_bool(w->cfg, "transfer.checksum");
     c.hold_ms = (uint32_t)duet_config_get_int(w->cfg, "test.xfer_hold_ms");
     w->n_reqs = w->max_seqs + duet_config_get_int(w->cfg, "batch.max_queue");
-    if (!duet_config_get_bool(w->cfg, "cache.prefix"))
-        return DUET_OK;
-    const duet_model_opts_t *mo = duet_model_opts(w->m);
-    duet_prefix_cache_desc_t d = {
-        .page_tokens = mo->page_tokens,
-        .max_entries = duet_config_get_int(w->cfg, "cache.prefix_snapshots"),
-        .state_bytes = duet_model_kda_state_bytes(w->m),
-    };
-    c.snap_tokens = mo->page_tokens * duet_config_get_int(w->cfg, "cache.prefix_state_every");
-    duet_status_t st = duet_model_prefix_supported(w->m, "cache.prefix");
-    if (st != DUET_OK)
-        return st;
-    if ((st = duet_prefix_cache_create(&d, duet_model_kv_pool(w->m), &c.pc)) != DUET_OK)
-        return st;
-    DUET_LOG_INFO("prefix cache: up to %lld snapshots of %.1f MiB (KDA state) each, one every "
-                  "%lld prompt tokens at prefill chunk ends (%lld tokens)",
-                  (long long)d.max_entries, (double)d.state_bytes / (1 << 20),
-                  (long long)c.snap_tokens, (long long)w->chunk);
-    return DUET_OK;
+    return duet_prefix_cache_from_config(w->cfg, w->m, w->chunk, &c.pc);
 }
 
 /* Destroying the transfer context aborts live transfers; their outcomes then free quietly. */

@@ -69,6 +69,7 @@
 #include "engine/spec.h"
 #include "proto/envelope.h"
 #include "group/comm_mpi.h"
+#include "worker/prefix_cache.h"
 #include "worker/skeleton.h"
 
 _Static_assert(DUET_SPEC_MAX_K <= DUET_PROTO_SPEC_POSITIONS,
@@ -104,6 +105,7 @@ static const duet_config_key_t gen_keys[] = {
      "when speculating)",
      .min = "0", .max = "65536"},
     DUET_SPEC_CONFIG_KEYS,
+    DUET_PREFIX_CACHE_CONFIG_KEYS,
     {"cache.budget_gib", DUET_CONFIG_FLOAT, "0",
      "cache memory in GiB for the target's and the draft model's KV pools and KDA state / replay "
      "slots (0 = what cache.kv_pages implies); split as docs/architecture.md, \"The cache plan\", "
@@ -171,6 +173,11 @@ typedef struct {
     duet_xfer_reservation_t mres; /* the target's reservation, decoded (MOVING) */
     bool mres_live;
     double put_at; /* MOVING: test.move_hold_ms: when the puts start (0 = started) */
+    /* the prefix cache (g.pc) and the request's ids known: prompt then every generated id, so
+     * that what its sequence holds can be kept for its next turn (gr_keep_decoded) */
+    int32_t *ids; /* owned, ids_cap */
+    int64_t n_ids, ids_cap;
+    int64_t kept_blocks; /* its newest decode snapshot's blocks (0: none) */
 } gr_t;
 
 static struct {
@@ -191,9 +198,10 @@ static struct {
     /* Heartbeat 11-13: verify steps by tokens emitted; drafts proposed / kept per position */
     uint64_t spec_step_tokens[DUET_SPEC_MAX_K + 1];
     uint64_t spec_drafted[DUET_SPEC_MAX_K], spec_accepted[DUET_SPEC_MAX_K];
-    duet_cache_plan_t plan; /* how the cache budget was split (gen_cache_plan) */
-    bool checksum;          /* transfer.checksum: moves send an XXH3-64 */
-    uint32_t move_hold_ms;  /* test.move_hold_ms */
+    duet_cache_plan_t plan;  /* how the cache budget was split (gen_cache_plan) */
+    bool checksum;           /* transfer.checksum: moves send an XXH3-64 */
+    uint32_t move_hold_ms;   /* test.move_hold_ms */
+    duet_prefix_cache_t *pc; /* cache.prefix; NULL when off */
 } g;
 
 static gr_t *gr_at(const duet_worker_t *w, int64_t i)
@@ -224,6 +232,7 @@ static void gr_free(duet_worker_t *w, duet_worker_req_t *q)
     if (r->mres_live)
         duet_xfer_reservation_free(&r->mres);
     free(r->snap);
+    free(r->ids);
     duet_worker_req_clear(w, q);
 }
 
@@ -232,6 +241,58 @@ static void gr_fail(duet_worker_t *w, duet_worker_req_t *q, const char *why)
 {
     duet_worker_send_tokens(w->link, q->rid, NULL, 0, DUET__TOKENS__FINISH_REASON__ERROR, why);
     gr_free(w, q);
+}
+
+/*
+ * With the prefix cache: r's ids start as prompt[0..n) then generated[0..n_gen), with room for
+ * every id it may produce. Without the cache, or out of memory, r keeps none (nothing of it is
+ * kept for a next turn; it is served as ever).
+ */
+static void gr_ids_init(gr_t *r, const uint32_t *prompt, size_t n, const uint32_t *generated,
+                        size_t n_gen)
+{
+    if (g.pc == NULL || prompt == NULL)
+        return;
+    r->ids_cap = (int64_t)n + r->base.max_tokens + 1;
+    r->ids = malloc(sizeof(*r->ids) * (size_t)r->ids_cap);
+    if (r->ids == NULL)
+        return;
+    for (size_t i = 0; i < n; i++)
+        r->ids[r->n_ids++] = (int32_t)prompt[i];
+    for (size_t i = 0; i < n_gen && r->n_ids < r->ids_cap; i++)
+        r->ids[r->n_ids++] = (int32_t)generated[i];
+}
+
+/* r produced toks[0..n) (generated ids, in order). */
+static void gr_ids_add(gr_t *r, const int32_t *toks, int n)
+{
+    if (r->ids == NULL)
+        return;
+    if (r->n_ids + n > r->ids_cap) { /* never: ids_cap counts max_tokens; drop rather than lie */
+        free(r->ids);
+        r->ids = NULL;
+        return;
+    }
+    memcpy(r->ids + r->n_ids, toks, sizeof(*toks) * (size_t)n);
+    r->n_ids += n;
+}
+
+/*
+ * After a decode step: when r's sequence now holds a snapshot-grid length, keep it (its ids and
+ * pages, the state decode reached) for its next turn, in place of its previous decode snapshot
+ * (a request keeps its newest one only, so that one long answer does not flush the cache).
+ */
+static void gr_keep_decoded(duet_worker_t *w, gr_t *r)
+{
+    duet_worker_req_t *q = &r->base;
+    if (r->ids == NULL || r->n_ids < q->seq.n_tokens)
+        return;
+    const int64_t k = duet_prefix_cache_keep(g.pc, w->m, &q->seq, r->ids, 0);
+    if (k <= 0)
+        return;
+    if (r->kept_blocks > 0 && r->kept_blocks < k)
+        (void)duet_prefix_cache_forget(g.pc, r->ids, r->kept_blocks);
+    r->kept_blocks = k;
 }
 
 /* Request slot of r: which rows of g.logits are its. */
@@ -300,7 +361,8 @@ static void gr_quarantine(duet_worker_t *w, gr_t *r)
  * NULL with *why when it cannot be taken.
  */
 static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint32_t max_tokens,
-                    int64_t held, const Duet__Sampling *s, uint64_t deadline, const char **why)
+                    int64_t held, const uint32_t *lookup, const Duet__Sampling *s,
+                    uint64_t deadline, const char **why)
 {
     if (duet_worker_find(w, rid) != NULL) {
         *why = "a request with this id is already here";
@@ -338,12 +400,24 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         need = held + 1 + g.slack;
         need = need < full ? need : full;
     }
-    if (duet_worker_seq_open(w, need, &r->base.seq) != DUET_OK) {
+    /* prompt_logprobs scores every prompt row: no prefix skipped */
+    if (s != NULL && s->prompt_logprobs)
+        lookup = NULL;
+    /* ids < V (checked by the caller): the same bits as int32 */
+    duet_status_t st = g.pc != NULL
+                           ? duet_prefix_cache_seq_open(g.pc, w->m, (const int32_t *)lookup,
+                                                        prompt_tokens, need, &r->base.seq)
+                           : duet_worker_seq_open(w, need, &r->base.seq);
+    if (st != DUET_OK) {
         *why = duet_error_last();
         r->base.seq.id = -1;
         return NULL;
     }
     duet_worker_req_init(w, &r->base, rid, prompt_tokens, max_tokens, s, deadline);
+    r->base.prefilled = r->base.seq.n_tokens; /* a cached prefix (a local prefill's) */
+    if (r->base.prefilled > 0)
+        DUET_RLOG_DEBUG(rid, "prefix cache: %lld of %lld prompt tokens cached",
+                        (long long)r->base.prefilled, (long long)prompt_tokens);
     r->full = full;
     r->full_cap = full;
     r->n_hist = prompt_tokens;
@@ -412,6 +486,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
         return;
     }
     r->produced = 1; /* the context worker's token, already streamed by the router */
+    gr_ids_add(r, &r->next, 1);
     duet_worker_sampling_seen(&q->sampling, r->next);
     if (q->sampling.sp.temperature > 0.0f && q->sampling.sp.top_k != 1)
         (void)duet_rng_uniform(&q->sampling.rng); /* the draw the context worker made for it */
@@ -513,7 +588,7 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
     const uint64_t deadline =
         ms->request_deadline_unix_ms != 0 ? ms->request_deadline_unix_ms : m->deadline_unix_ms;
     gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, (int64_t)ms->kv_tokens,
-                     m->sampling, deadline, &why);
+                     NULL, m->sampling, deadline, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the move: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
@@ -526,6 +601,7 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
         gr_free(w, q);
         return;
     }
+    gr_ids_init(r, m->tokens, m->n_tokens, ms->generated, ms->produced);
     r->moved_in = true;
     r->in_tokens = (int64_t)ms->kv_tokens;
     r->in_replay = ms->replay_rows;
@@ -749,7 +825,7 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     const char *why = NULL;
-    gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->prompt_tokens,
+    gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->prompt_tokens, NULL,
                      m->sampling, m->deadline_unix_ms, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the reservation: %s", why);
@@ -769,6 +845,7 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         gr_free(w, q);
         return;
     }
+    gr_ids_init(r, m->n_tokens == m->prompt_tokens ? m->tokens : NULL, m->n_tokens, NULL, 0);
     gr_reserve_recv(w, r, q->n_prompt, 0, m->deadline_unix_ms);
 }
 
@@ -903,7 +980,7 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
     }
     const char *why = NULL;
     gr_t *r = gr_new(w, m->request_id, (uint32_t)m->n_tokens, m->max_tokens, (int64_t)m->n_tokens,
-                     m->sampling, m->deadline_unix_ms, &why);
+                     m->tokens, m->sampling, m->deadline_unix_ms, &why);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the local prefill: %s", why);
         duet_worker_send_refused(w->link, m->request_id, why, 500);
@@ -921,6 +998,7 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
         gr_free(w, &r->base);
         return;
     }
+    gr_ids_init(r, m->tokens, m->n_tokens, NULL, 0);
     r->base.phase = GR_PREFILL;
     duet_worker_update(w);
 }
@@ -930,7 +1008,9 @@ static void gen_on_cancel(duet_worker_t *w, const Duet__Cancel *m)
     gr_t *r = (gr_t *)duet_worker_find(w, m->request_id);
     if (r == NULL || r->base.phase == GR_QUARANTINE)
         return;
-    DUET_RLOG_DEBUG(r->base.rid, "cancelled: %s", m->reason);
+    /* prefix_cache_gen_cluster reads this line: a cancel while the prompt is prefilled */
+    DUET_RLOG_DEBUG(r->base.rid, "cancelled at %lld of %lld prompt tokens prefilled: %s",
+                    (long long)r->base.prefilled, (long long)r->base.n_prompt, m->reason);
     duet_worker_send_tokens(w->link, r->base.rid, NULL, 0, DUET__TOKENS__FINISH_REASON__CANCELLED,
                             NULL);
     if (r->base.phase == GR_MOVING && r->base.xfer_live) {
@@ -1019,10 +1099,9 @@ static void gr_suspend(duet_worker_t *w, gr_t *r)
 static bool gr_resume(duet_worker_t *w, gr_t *r)
 {
     duet_worker_req_t *q = &r->base;
-    if (duet_model_seq_open(w->m, gr_step_need(r, r->snap_tokens), &q->seq) != DUET_OK) {
-        q->seq.id = -1;
+    if (duet_prefix_cache_seq_open(g.pc, w->m, NULL, 0, gr_step_need(r, r->snap_tokens), &q->seq) !=
+        DUET_OK)
         return false;
-    }
     duet_status_t st = duet_model_seq_snapshot_restore(w->m, &q->seq, r->snap, r->snap_tokens);
     free(r->snap);
     r->snap = NULL;
@@ -1070,8 +1149,9 @@ static void gen_make_room(duet_worker_t *w)
         }
         if (r == NULL)
             break;
-        while (duet_model_seq_grow(w->m, &r->base.seq, gr_step_need(r, r->base.seq.n_tokens)) !=
-               DUET_OK) {
+        /* the prefix cache's entries go before any request is suspended */
+        while (duet_prefix_cache_seq_grow(g.pc, w->m, &r->base.seq,
+                                          gr_step_need(r, r->base.seq.n_tokens)) != DUET_OK) {
             gr_t *v = gr_by_age(w, GR_DECODE, 0);
             gr_suspend(w, v);
             if (v == r)
@@ -1224,10 +1304,13 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
                                         toks[j], &r->vlp[j]);
                 lps = r->vlp;
             }
+            gr_ids_add(r, toks, n_toks); /* the sequence holds all but the newest */
+            gr_keep_decoded(w, r);
             g.decoded_tokens += (uint64_t)gr_emit(w, r, toks, n_toks, lps);
             continue;
         }
         r->base.prefilled += w->items[i].n_tokens; /* a prefill chunk */
+        (void)duet_prefix_cache_keep(g.pc, w->m, &r->base.seq, r->base.prompt, w->chunk);
         if (r->base.prefilled < r->base.n_prompt)
             continue;
         if (r->base.max_tokens == 0) { /* scoring the prompt (echo): no token, its logprobs */
@@ -1239,6 +1322,7 @@ static void gen_step_done(duet_worker_t *w, int64_t n, duet_status_t st, double 
             continue;
         }
         /* the first token, drawn by the last chunk */
+        gr_ids_add(r, &r->base.drawn, 1);
         gr_emit(w, r, &r->base.drawn, 1, &r->base.sampling.drawn_lp);
         if (r->base.phase != GR_DECODE)
             continue; /* it ended there */
@@ -1260,6 +1344,8 @@ static bool gen_has_work(duet_worker_t *w)
     const gr_t *o = gr_by_age(w, GR_SUSPENDED, 1);
     if (o == NULL)
         return false;
+    if (g.pc != NULL && duet_prefix_cache_stats(g.pc).entries > 0)
+        return true; /* its resume drops cache entries for pages (gen_make_room) */
     const int64_t pt = w->layout.page_tokens;
     return (gr_step_need(o, o->snap_tokens) + pt - 1) / pt <=
            duet_kv_pool_n_free(duet_model_kv_pool(w->m));
@@ -1297,6 +1383,8 @@ static void gen_heartbeat(duet_worker_t *w, Duet__Heartbeat *hb)
         hb->spec_drafted = g.spec_drafted;
         hb->spec_accepted = g.spec_accepted;
     }
+    if (g.pc != NULL)
+        duet_prefix_cache_heartbeat(g.pc, hb);
 }
 
 /* End quarantines and overdue requests. */
@@ -1475,9 +1563,10 @@ static duet_status_t gen_init(duet_worker_t *w)
                       "is not built); requests reserve their pages up front");
         g.grow = false;
     }
-    if (g.so.method == DUET_SPEC_NONE)
-        return DUET_OK;
-    duet_status_t st = duet_spec_create(&g.so, w->m, &g.spec);
+    duet_status_t st = duet_prefix_cache_from_config(w->cfg, w->m, w->chunk, &g.pc);
+    if (st != DUET_OK || g.so.method == DUET_SPEC_NONE)
+        return st;
+    st = duet_spec_create(&g.so, w->m, &g.spec);
     if (st != DUET_OK) {
         char why[512];
         snprintf(why, sizeof(why), "%s", duet_error_last());
@@ -1508,6 +1597,8 @@ static duet_status_t gen_init(duet_worker_t *w)
 static void gen_fini(duet_worker_t *w)
 {
     (void)w;
+    duet_prefix_cache_destroy(g.pc); /* its page holds go back to the pool, still there */
+    g.pc = NULL;
     duet_spec_destroy(g.spec);
     g.spec = NULL;
     free(g.logits);

@@ -55,8 +55,8 @@ static const struct {
     {"duet_worker_queued", "requests waiting (prefill queue / admission)"},
     {"duet_worker_queued_tokens", "prompt tokens waiting to be prefilled or admitted"},
     {"duet_worker_draining", "1 while the worker takes no new requests"},
-    {"duet_worker_prefix_cache_entries", "ctx: prefix snapshots kept (cache.prefix)"},
-    {"duet_worker_prefix_cache_pages", "ctx: KV pages the prefix cache holds (shared or not)"},
+    {"duet_worker_prefix_cache_entries", "prefix snapshots kept (cache.prefix)"},
+    {"duet_worker_prefix_cache_pages", "KV pages the prefix cache holds (shared or not)"},
     {"duet_worker_prefill_tokens_total", "prompt tokens this worker prefilled"},
     {"duet_worker_busy_seconds_total", "wall time in forward steps"},
     {"duet_worker_decode_steps_total", "gen: forward steps that decoded"},
@@ -65,10 +65,10 @@ static const struct {
     {"duet_worker_step_seconds_total", "gen: wall time of those steps"},
     {"duet_worker_suspended_total", "gen: requests suspended to host memory (pages ran out)"},
     {"duet_worker_resumed_total", "gen: suspended requests resumed"},
-    {"duet_worker_prefix_cache_lookups_total", "ctx: prompts looked up in the prefix cache"},
-    {"duet_worker_prefix_cache_hits_total", "ctx: prompts that reused a cached prefix"},
-    {"duet_worker_prefix_cache_tokens_saved_total", "ctx: prompt tokens not prefilled (hits)"},
-    {"duet_worker_prefix_cache_evictions_total", "ctx: prefix snapshots dropped"},
+    {"duet_worker_prefix_cache_lookups_total", "prompts looked up in the prefix cache"},
+    {"duet_worker_prefix_cache_hits_total", "prompts that reused a cached prefix"},
+    {"duet_worker_prefix_cache_tokens_saved_total", "prompt tokens not prefilled (hits)"},
+    {"duet_worker_prefix_cache_evictions_total", "prefix snapshots dropped"},
 };
 
 struct duet_worker_metrics {

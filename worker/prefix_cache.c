@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
 #include "common/prefix_hash.h"
 #include "proto/frame.h"
 
@@ -33,7 +34,7 @@ struct duet_prefix_cache {
 duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, duet_kv_pool_t *kv,
                                        duet_prefix_cache_t **pc_p)
 {
-    if (desc->page_tokens <= 0 || desc->max_entries <= 0 || kv == NULL)
+    if (desc->page_tokens <= 0 || desc->max_entries <= 0 || desc->state_every < 0 || kv == NULL)
         return duet_error_set(DUET_ERR_INVALID,
                               "prefix cache: page_tokens %lld and entries %lld "
                               "must be positive, over a KV pool",
@@ -44,6 +45,8 @@ duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, due
         return duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory");
     }
     pc->d = *desc;
+    if (pc->d.state_every == 0)
+        pc->d.state_every = 1;
     pc->kv = kv;
     *pc_p = pc;
     return DUET_OK;
@@ -113,6 +116,18 @@ bool duet_prefix_cache_evict(duet_prefix_cache_t *pc)
             lru = i;
     entry_drop(pc, lru);
     pc->st.evictions++;
+    return true;
+}
+
+bool duet_prefix_cache_forget(duet_prefix_cache_t *pc, const int32_t *prompt, int64_t n_blocks)
+{
+    uint64_t h = DUET_PREFIX_HASH_SEED;
+    for (int64_t k = 0; k < n_blocks; k++)
+        h = duet_prefix_hash_block(h, prompt + k * pc->d.page_tokens, pc->d.page_tokens);
+    const int64_t i = n_blocks > 0 ? entry_of(pc, h, n_blocks, prompt) : -1;
+    if (i < 0)
+        return false;
+    entry_drop(pc, i);
     return true;
 }
 
@@ -218,4 +233,109 @@ void duet_prefix_cache_heartbeat(duet_prefix_cache_t *pc, Duet__Heartbeat *hb)
     hb->n_prefix_hashes = duet_prefix_cache_summary(pc, pc->summary, DUET_PROTO_PREFIX_HASHES);
     hb->prefix_hashes = pc->summary;
     hb->prefix_page_tokens = (uint32_t)pc->d.page_tokens;
+}
+
+/* ------------------------------------------------------------------ a worker's sequences on it */
+
+duet_status_t duet_prefix_cache_from_config(const duet_config_t *cfg, duet_model_t *m,
+                                            int64_t chunk, duet_prefix_cache_t **pc_p)
+{
+    *pc_p = NULL;
+    if (!duet_config_get_bool(cfg, "cache.prefix"))
+        return DUET_OK;
+    duet_status_t st = duet_model_prefix_supported(m, "cache.prefix");
+    if (st != DUET_OK)
+        return st;
+    const duet_model_opts_t *mo = duet_model_opts(m);
+    const duet_prefix_cache_desc_t d = {
+        .page_tokens = mo->page_tokens,
+        .max_entries = duet_config_get_int(cfg, "cache.prefix_snapshots"),
+        .state_bytes = duet_model_kda_state_bytes(m),
+        .state_every = duet_config_get_int(cfg, "cache.prefix_state_every"),
+    };
+    if ((st = duet_prefix_cache_create(&d, duet_model_kv_pool(m), pc_p)) != DUET_OK)
+        return st;
+    DUET_LOG_INFO("prefix cache: up to %lld snapshots of %.1f MiB (KDA state) each, one every "
+                  "%lld tokens at prefill chunk ends (%lld tokens)",
+                  (long long)d.max_entries, (double)d.state_bytes / (1 << 20),
+                  (long long)(d.page_tokens * (*pc_p)->d.state_every), (long long)chunk);
+    return DUET_OK;
+}
+
+/* Whether a failed open or grow for `pages` more pages is the pool's shortage that dropping an
+ * entry may end (not a state slot's, nor max_seq_len's). */
+static bool pc_short(duet_prefix_cache_t *pc, duet_status_t st, int64_t pages)
+{
+    return pc != NULL && st == DUET_ERR_NO_SPACE && duet_kv_pool_n_free(pc->kv) < pages;
+}
+
+duet_status_t duet_prefix_cache_seq_open(duet_prefix_cache_t *pc, duet_model_t *m,
+                                         const int32_t *prompt, int64_t n_prompt,
+                                         int64_t max_tokens, duet_seq_t *seq)
+{
+    for (;;) {
+        const int32_t *pages = NULL;
+        const void *state = NULL;
+        const int64_t k = pc != NULL && prompt != NULL
+                              ? duet_prefix_cache_lookup(pc, prompt, n_prompt, &pages, &state)
+                              : 0;
+        duet_status_t st = k > 0 ? duet_model_seq_open_prefix(m, max_tokens, pages, k, state, seq)
+                                 : duet_model_seq_open(m, max_tokens, seq);
+        if (st == DUET_OK) {
+            if (pc != NULL && prompt != NULL)
+                duet_prefix_cache_count(pc, k);
+            return DUET_OK;
+        }
+        seq->id = -1;
+        const int64_t P = pc != NULL ? pc->d.page_tokens : 1;
+        if (!pc_short(pc, st, (max_tokens + P - 1) / P - k) || !duet_prefix_cache_evict(pc))
+            return st;
+    }
+}
+
+duet_status_t duet_prefix_cache_seq_grow(duet_prefix_cache_t *pc, duet_model_t *m, duet_seq_t *seq,
+                                         int64_t max_tokens)
+{
+    for (;;) {
+        duet_status_t st = duet_model_seq_grow(m, seq, max_tokens);
+        if (st == DUET_OK)
+            return st;
+        const int64_t P = pc != NULL ? pc->d.page_tokens : 1;
+        if (!pc_short(pc, st, (max_tokens + P - 1) / P - seq->n_pages) ||
+            !duet_prefix_cache_evict(pc))
+            return st;
+    }
+}
+
+typedef struct {
+    const duet_model_t *m;
+    const duet_seq_t *seq;
+} pc_snap_t;
+
+static int pc_snapshot_fill(void *user, void *dst)
+{
+    const pc_snap_t *sn = user;
+    return duet_model_seq_kda_read(sn->m, sn->seq, dst) == DUET_OK ? 0 : -1;
+}
+
+int64_t duet_prefix_cache_keep(duet_prefix_cache_t *pc, duet_model_t *m, duet_seq_t *seq,
+                               const int32_t *tokens, int64_t chunk)
+{
+    const int64_t n = seq->n_tokens;
+    if (pc == NULL || tokens == NULL || n <= 0 ||
+        n % (pc->d.page_tokens * pc->d.state_every) != 0 || (chunk > 0 && n % chunk != 0) ||
+        seq->n_pending > 0)
+        return 0;
+    if (seq->n_replay > 0 && duet_model_seq_commit(m, seq) != DUET_OK) {
+        DUET_LOG_WARN("prefix cache: not kept: %s", duet_error_last());
+        return 0;
+    }
+    const pc_snap_t sn = {m, seq};
+    const int64_t n_blocks = n / pc->d.page_tokens;
+    if (duet_prefix_cache_insert(pc, tokens, n_blocks, seq->pages, pc_snapshot_fill, (void *)&sn) !=
+        DUET_OK) {
+        DUET_LOG_WARN("prefix cache: not kept: %s", duet_error_last());
+        return 0;
+    }
+    return n_blocks;
 }

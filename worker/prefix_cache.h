@@ -18,14 +18,42 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/config.h"
 #include "common/status.h"
 #include "engine/cache.h"
+#include "engine/model.h"
 #include "proto/duet.pb-c.h"
+
+/* The keys of a worker that keeps a prefix cache (duet-ctx, duet-gen);
+ * duet_prefix_cache_from_config reads them. */
+#define DUET_PREFIX_CACHE_CONFIG_KEYS                                                              \
+    {"cache.prefix",                                                                               \
+     DUET_CONFIG_BOOL,                                                                             \
+     "false",                                                                                      \
+     "keep finished prompts' pages and KDA state snapshots by content and prefill only what a "    \
+     "new prompt adds to a cached prefix (worker/prefix_cache.h; one rank)",                       \
+     .min = NULL,                                                                                  \
+     .max = NULL},                                                                                 \
+        {"cache.prefix_snapshots",                                                                 \
+         DUET_CONFIG_INT,                                                                          \
+         "16",                                                                                     \
+         "prefix snapshots kept at most (each holds its prefix's pages and one copy of the KDA "   \
+         "state: the worker logs its size)",                                                       \
+         .min = "1",                                                                               \
+         .max = "4096"},                                                                           \
+    {                                                                                              \
+        "cache.prefix_state_every", DUET_CONFIG_INT, "1",                                          \
+            "snapshot the KDA state every this many pages of a prompt (at prefill chunk ends; "    \
+            "duet-gen also as a request decodes, for its next turn)",                              \
+            .min = "1", .max = "65536"                                                             \
+    }
 
 typedef struct {
     int64_t page_tokens; /* tokens per page (a block) */
     int64_t max_entries; /* snapshots kept at most (cache.prefix_snapshots) */
     size_t state_bytes;  /* one snapshot: duet_model_kda_state_bytes (0: no KDA layers) */
+    int64_t
+        state_every; /* snapshot grid: every this many pages (cache.prefix_state_every; 0 = 1) */
 } duet_prefix_cache_desc_t;
 
 typedef struct {
@@ -69,6 +97,10 @@ duet_status_t duet_prefix_cache_insert(duet_prefix_cache_t *pc, const int32_t *p
 /* Drop the least recently used entry (its page holds go back). false when the cache is empty. */
 bool duet_prefix_cache_evict(duet_prefix_cache_t *pc);
 
+/* Drop the entry of exactly prompt[0..n_blocks * page_tokens) if there is one (a request's
+ * earlier decode snapshot, superseded by a longer one); whether one was dropped. */
+bool duet_prefix_cache_forget(duet_prefix_cache_t *pc, const int32_t *prompt, int64_t n_blocks);
+
 duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc);
 
 /*
@@ -81,5 +113,49 @@ size_t duet_prefix_cache_summary(const duet_prefix_cache_t *pc, uint64_t *out, s
 /* Fill hb's prefix_* fields: the counters, and the summary (prefix_hashes, pointing into pc until
  * the next call). */
 void duet_prefix_cache_heartbeat(duet_prefix_cache_t *pc, Duet__Heartbeat *hb);
+
+/* ------------------------------------------------------------------ a worker's sequences on it
+ *
+ * What both workers do with the cache around the model's sequences (one home for the rules: the
+ * chunk grid, eviction before refusing). pc may be NULL (cache.prefix off): plain model calls.
+ */
+
+/*
+ * From a worker's keys (DUET_PREFIX_CACHE_CONFIG_KEYS): *pc_p NULL when cache.prefix is off,
+ * else a cache over m's KV pool (DUET_ERR_UNSUPPORTED where m cannot share pages:
+ * duet_model_prefix_supported). chunk (batch.prefill_chunk) is only logged with the sizes.
+ */
+duet_status_t duet_prefix_cache_from_config(const duet_config_t *cfg, duet_model_t *m,
+                                            int64_t chunk, duet_prefix_cache_t **pc_p);
+
+/*
+ * Open *seq able to hold max_tokens for a prompt of n_prompt tokens: on the longest cached prefix
+ * of prompt (the lookup counted once) when there is one, so that seq->n_tokens tokens are already
+ * in (prefill from there), else empty. prompt NULL: no lookup (a request that needs every
+ * prompt row's logits, or one whose caches arrive by transfer). When the KV pool is short of
+ * pages, the least recently used entries are dropped until it fits or the cache is empty (pages a
+ * request holds stay with it). Errors as duet_model_seq_open (seq->id -1).
+ */
+duet_status_t duet_prefix_cache_seq_open(duet_prefix_cache_t *pc, duet_model_t *m,
+                                         const int32_t *prompt, int64_t n_prompt,
+                                         int64_t max_tokens, duet_seq_t *seq);
+
+/* duet_model_seq_grow, dropping least recently used entries while the pool is short of pages. */
+duet_status_t duet_prefix_cache_seq_grow(duet_prefix_cache_t *pc, duet_model_t *m, duet_seq_t *seq,
+                                         int64_t max_tokens);
+
+/*
+ * Keep seq's tokens (tokens[0..seq->n_tokens), what it holds) when seq->n_tokens is on the
+ * snapshot grid (a multiple of page_tokens x state_every) and, for chunk > 0 (a prefill), a
+ * multiple of chunk: a later prompt resumes there on duet-generate's chunk grid, so its output is
+ * a miss's. chunk 0 (a decoding sequence): any grid point; accepted rows not yet folded into the
+ * KDA state are folded in first (duet_model_seq_commit reaches plain decode's state bit for bit,
+ * so the sequence's next tokens do not change); the state is then decode's, not a chunked
+ * prefill's (docs/architecture.md, "Prefix cache": equal to rounding). A sequence with pending
+ * verify rows is not kept. Returns the entry's block count, 0 when nothing was kept (off the
+ * grid, or not kept: logged).
+ */
+int64_t duet_prefix_cache_keep(duet_prefix_cache_t *pc, duet_model_t *m, duet_seq_t *seq,
+                               const int32_t *tokens, int64_t chunk);
 
 #endif

@@ -16,3 +16,13 @@ add_test(NAME prefix_placement_cluster
 set_tests_properties(prefix_placement_cluster PROPERTIES TIMEOUT 300
                                                          LABELS "integration;network"
                                                          RESOURCE_LOCK duet_cluster)
+
+# The generation worker's prefix cache (cache.prefix on duet-gen, every prompt prefilled there):
+# hits at chunk ends, a next turn from what decoding kept, page pressure, a cancel mid-prefill;
+# answers equal duet-generate's.
+add_test(NAME prefix_cache_gen_cluster
+         COMMAND ${PROJECT_BINARY_DIR}/pyvenv/bin/python
+                 ${PROJECT_SOURCE_DIR}/tests/integration/prefix_cache_gen_cluster_test.py
+                 ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR}/models/duet-demo)
+set_tests_properties(prefix_cache_gen_cluster PROPERTIES TIMEOUT 300
+                     LABELS "integration;network" RESOURCE_LOCK duet_cluster)

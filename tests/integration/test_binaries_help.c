@@ -118,6 +118,11 @@ Test(binaries, bad_option_values, .timeout = 60)
         {"duet-ctx", "--model /nonexistent --ucx.tls ^", "ucx.tls: '^' is not a UCX list"},
         {"duet-gen", "--model /nonexistent --ucx.net_devices 'eth0;id'",
          "ucx.net_devices: 'eth0;id' is not a UCX list"},
+        /* the prefix cache's keys are both workers' (worker/prefix_cache.h) */
+        {"duet-gen", "--model /nonexistent --cache.prefix_snapshots 0",
+         "cache.prefix_snapshots: 0 is below the minimum 1"},
+        {"duet-ctx", "--model /nonexistent --cache.prefix_state_every 0",
+         "cache.prefix_state_every: 0 is below the minimum 1"},
     };
     int checked = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
