@@ -48,6 +48,8 @@ static void rt_visit_one(const duet_worker_info_t *w, void *user)
         .state_slots = w->state_slots,
         .running = w->running,
         .queued = w->queued,
+        .prefix_pages = w->prefix_pages,
+        .prefix_entries = w->prefix_entries,
         .address = w->peer,
         .device = w->device,
         .dtype = w->dtype,

@@ -180,13 +180,15 @@ void duet__obs_request_end(duet__router_t *rt, const duet__obs_request_t *q)
                                                     (double)(q->completion_tokens - 1));
 }
 
-/* Adds a live generation worker's pages in use and pages into sums[0..1]. */
+/* Adds a live generation worker's pages in use and pages into sums[0..1]. Pages only its prefix
+ * cache holds count as free: they are given back as soon as a request needs them. */
 static void obs_pages_add(const duet_worker_info_t *w, void *user)
 {
     double *sum = user;
     if (w->role != DUET_WORKER_ROLE_GEN || w->state == DUET_WORKER_STATE_DEAD || w->kv_pages == 0)
         return;
-    const uint32_t free_pages = w->free_pages < w->kv_pages ? w->free_pages : w->kv_pages;
+    const uint64_t avail = (uint64_t)w->free_pages + w->prefix_pages_evictable;
+    const uint64_t free_pages = avail < w->kv_pages ? avail : w->kv_pages;
     sum[0] += (double)(w->kv_pages - free_pages);
     sum[1] += (double)w->kv_pages;
 }

@@ -29,6 +29,7 @@ struct duet_prefix_cache {
     uint64_t tick;
     duet_prefix_cache_stats_t st;
     uint64_t summary[DUET_PROTO_PREFIX_HASHES]; /* the last heartbeat's prefix_hashes */
+    int32_t *holds; /* [the pool's pages] stats' scratch, all 0 between calls: the cache's holds */
 };
 
 duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, duet_kv_pool_t *kv,
@@ -40,7 +41,10 @@ duet_status_t duet_prefix_cache_create(const duet_prefix_cache_desc_t *desc, due
                               "must be positive, over a KV pool",
                               (long long)desc->page_tokens, (long long)desc->max_entries);
     duet_prefix_cache_t *pc = calloc(1, sizeof(*pc));
-    if (pc == NULL || (pc->e = calloc((size_t)desc->max_entries, sizeof(*pc->e))) == NULL) {
+    if (pc == NULL || (pc->e = calloc((size_t)desc->max_entries, sizeof(*pc->e))) == NULL ||
+        (pc->holds = calloc((size_t)duet_kv_pool_desc(kv)->n_pages, sizeof(*pc->holds))) == NULL) {
+        if (pc != NULL)
+            free(pc->e);
         free(pc);
         return duet_error_set(DUET_ERR_NOMEM, "prefix cache: out of memory");
     }
@@ -71,6 +75,7 @@ void duet_prefix_cache_destroy(duet_prefix_cache_t *pc)
     while (pc->n > 0)
         entry_drop(pc, pc->n - 1);
     free(pc->e);
+    free(pc->holds);
     free(pc);
 }
 
@@ -183,19 +188,23 @@ void duet_prefix_cache_count(duet_prefix_cache_t *pc, int64_t n_blocks)
     }
 }
 
-duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc)
+duet_prefix_cache_stats_t duet_prefix_cache_stats(duet_prefix_cache_t *pc)
 {
     duet_prefix_cache_stats_t st = pc->st;
-    const int64_t n_pages = duet_kv_pool_desc(pc->kv)->n_pages;
-    uint8_t *seen = calloc((size_t)n_pages, 1);
-    st.pages = seen == NULL ? -1 : 0; /* -1: not counted (out of memory) */
-    for (int64_t i = 0; seen != NULL && i < pc->n; i++)
+    st.pages = st.pages_evictable = 0;
+    /* two passes over the entries' pages, the second leaving the scratch all 0 again */
+    for (int64_t i = 0; i < pc->n; i++)
         for (int64_t k = 0; k < pc->e[i].n_blocks; k++)
-            if (!seen[pc->e[i].pages[k]]) {
-                seen[pc->e[i].pages[k]] = 1;
-                st.pages++;
-            }
-    free(seen);
+            pc->holds[pc->e[i].pages[k]]++;
+    for (int64_t i = 0; i < pc->n; i++)
+        for (int64_t k = 0; k < pc->e[i].n_blocks; k++) {
+            const int32_t page = pc->e[i].pages[k];
+            if (pc->holds[page] == 0)
+                continue; /* counted already */
+            st.pages++;
+            st.pages_evictable += pc->holds[page] == duet_kv_pool_holders(pc->kv, page);
+            pc->holds[page] = 0;
+        }
     return st;
 }
 
@@ -229,7 +238,8 @@ void duet_prefix_cache_heartbeat(duet_prefix_cache_t *pc, Duet__Heartbeat *hb)
     hb->prefix_tokens_saved = ps.tokens_saved;
     hb->prefix_evictions = ps.evictions;
     hb->prefix_entries = (uint32_t)ps.entries;
-    hb->prefix_pages = ps.pages > 0 ? (uint32_t)ps.pages : 0;
+    hb->prefix_pages = (uint32_t)ps.pages;
+    hb->prefix_pages_evictable = (uint32_t)ps.pages_evictable;
     hb->n_prefix_hashes = duet_prefix_cache_summary(pc, pc->summary, DUET_PROTO_PREFIX_HASHES);
     hb->prefix_hashes = pc->summary;
     hb->prefix_page_tokens = (uint32_t)pc->d.page_tokens;

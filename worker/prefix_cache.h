@@ -61,7 +61,8 @@ typedef struct {
     uint64_t tokens_saved;  /* prompt tokens not prefilled thanks to a hit */
     uint64_t inserts, evictions;
     int64_t entries;
-    int64_t pages; /* distinct pages the entries hold */
+    int64_t pages;           /* distinct pages the entries hold */
+    int64_t pages_evictable; /* of those, pages no request holds (evictions would free them) */
 } duet_prefix_cache_stats_t;
 
 typedef struct duet_prefix_cache duet_prefix_cache_t;
@@ -101,7 +102,8 @@ bool duet_prefix_cache_evict(duet_prefix_cache_t *pc);
  * earlier decode snapshot, superseded by a longer one); whether one was dropped. */
 bool duet_prefix_cache_forget(duet_prefix_cache_t *pc, const int32_t *prompt, int64_t n_blocks);
 
-duet_prefix_cache_stats_t duet_prefix_cache_stats(const duet_prefix_cache_t *pc);
+/* The counters and what the entries hold now (a pass over their pages; no allocation). */
+duet_prefix_cache_stats_t duet_prefix_cache_stats(duet_prefix_cache_t *pc);
 
 /*
  * The cache's summary for the router (heartbeats): each entry's hash (common/prefix_hash.h, the

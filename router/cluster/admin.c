@@ -186,11 +186,12 @@ static json_t *admission_json(duet_admission_t *adm)
 static void add_worker(const duet_admin_worker_info_t *w, void *user)
 {
     json_t *arr = user;
-    json_t *load =
-        json_pack("{s:I,s:I,s:I,s:I,s:I,s:I}", "free_pages", (json_int_t)w->free_pages, "kv_pages",
-                  (json_int_t)w->kv_pages, "free_state_slots", (json_int_t)w->free_state_slots,
-                  "state_slots", (json_int_t)w->state_slots, "running", (json_int_t)w->running,
-                  "queued", (json_int_t)w->queued);
+    json_t *load = json_pack(
+        "{s:I,s:I,s:I,s:I,s:I,s:I,s:I,s:I}", "free_pages", (json_int_t)w->free_pages, "kv_pages",
+        (json_int_t)w->kv_pages, "free_state_slots", (json_int_t)w->free_state_slots, "state_slots",
+        (json_int_t)w->state_slots, "running", (json_int_t)w->running, "queued",
+        (json_int_t)w->queued, "prefix_pages", (json_int_t)w->prefix_pages, "prefix_entries",
+        (json_int_t)w->prefix_entries);
     json_t *o = json_pack("{s:I,s:s,s:s,s:s,s:o}", "id", (json_int_t)w->id, "name",
                           w->name != NULL ? w->name : "", "role", w->role != NULL ? w->role : "",
                           "state", duet_admin_worker_state_name(w->state), "load", load);

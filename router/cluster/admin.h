@@ -11,7 +11,7 @@
  *                                          "heartbeat_age_ms", "utilisation", "metrics_port",
  *                                          "load": {"free_pages", "kv_pages",
  *                                          "free_state_slots", "state_slots", "running",
- *                                          "queued"}}]}
+ *                                          "queued", "prefix_pages", "prefix_entries"}}]}
  *   POST /admin/workers/{name}/drain      {"worker", "state": "draining", "idle": bool}
  *        ?wait=1[&timeout_s=S]            answer only once the worker has no running requests
  *                                         (200, "idle": true), or 504 after S seconds (default
@@ -79,6 +79,7 @@ typedef struct {
     int64_t free_state_slots, state_slots; /* KDA state pool, from the last heartbeat */
     int64_t running;
     int64_t queued;
+    int64_t prefix_pages, prefix_entries; /* its prefix cache (cache.prefix): pages held, entries */
     /* for `duetctl status` (0 / NULL when the worker did not say: Register fields 7-10) */
     const char *address;      /* "ip:port" its connection to the router came from */
     const char *device;       /* "cpu", "cuda" */

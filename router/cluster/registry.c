@@ -522,6 +522,7 @@ static bool reg_on_envelope(duet_registry_t *reg, reg_conn_t *c, Duet__Envelope 
         };
         w->info.prefix_entries = hb->prefix_entries;
         w->info.prefix_pages = hb->prefix_pages;
+        w->info.prefix_pages_evictable = hb->prefix_pages_evictable;
         duet_worker_stats_t now = {
             .decode_steps = hb->decode_steps,
             .decode_seq_steps = hb->decode_seq_steps,

@@ -111,6 +111,7 @@ typedef struct {
     duet_worker_stats_t stats;  /* work counters of the last Heartbeat (since worker start) */
     duet_worker_cache_plan_t cache_plan;   /* from the last Heartbeat */
     uint32_t prefix_entries, prefix_pages; /* its prefix cache now (Heartbeat fields 28-29) */
+    uint32_t prefix_pages_evictable;       /* of those, held by no request (field 32) */
     /* for operators (Register fields 7-10, Heartbeat field 23; 0 / "" from older workers) */
     uint16_t metrics_port;      /* the worker's /metrics HTTP port (0 = none) */
     char device[16], dtype[16]; /* "cpu", "f32"; [A-Za-z0-9_.:-] only (others become '?') */

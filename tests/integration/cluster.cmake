@@ -12,6 +12,11 @@ foreach(suite cluster_spec cluster_group cluster_netns)
   set_tests_properties(test_${suite} PROPERTIES TIMEOUT 900 RESOURCE_LOCK duet_cluster
                        ENVIRONMENT "DUET_SOURCE_DIR=${PROJECT_SOURCE_DIR};DUET_BINARY_DIR=${PROJECT_BINARY_DIR}")
 endforeach()
+# The cluster suite again with every worker's prefix cache on (cache.prefix; issue 43): the same
+# answers, faults and page accounting (idle: free pages + the cache's = the pool).
+add_test(NAME test_cluster_prefix COMMAND test_cluster --jobs 2 --tap=- --filter "cluster/*")
+set_tests_properties(test_cluster_prefix PROPERTIES TIMEOUT 900 RESOURCE_LOCK duet_cluster
+                     ENVIRONMENT "DUET_TEST_PREFIX_CACHE=1;DUET_SOURCE_DIR=${PROJECT_SOURCE_DIR};DUET_BINARY_DIR=${PROJECT_BINARY_DIR}")
 
 # duet-ctx / duet-gen against malformed and out-of-order messages from a fake router (the test).
 duet_add_test(test_worker_protocol SOURCES ${PROJECT_SOURCE_DIR}/tests/integration/test_worker_protocol.c

@@ -338,7 +338,15 @@ static const char *body_of(const char *resp)
     return b != NULL ? b + 4 : "";
 }
 
-/* Admin API: sum of running over workers and whether every live worker has all its pages. */
+/* DUET_TEST_PREFIX_CACHE set: every worker not in a group runs with cache.prefix (the
+ * test_cluster_prefix entry: the cluster suite with the prefix caches on). */
+static bool prefix_cache_on(void)
+{
+    return getenv("DUET_TEST_PREFIX_CACHE") != NULL;
+}
+
+/* Admin API: sum of running over workers and whether every live worker has all its pages (free,
+ * or held by its prefix cache alone: nothing runs). */
 static int workers_idle(int expect_workers)
 {
     static char buf[65536];
@@ -356,7 +364,8 @@ static int workers_idle(int expect_workers)
             continue;
         live++;
         json_t *load = json_object_get(w, "load");
-        int pages = (int)json_integer_value(json_object_get(load, "free_pages"));
+        int pages = (int)(json_integer_value(json_object_get(load, "free_pages")) +
+                          json_integer_value(json_object_get(load, "prefix_pages")));
         int run = (int)json_integer_value(json_object_get(load, "running"));
         const char *wname = json_string_value(json_object_get(w, "name"));
         int want = role != NULL && strcmp(role, "ctx") == 0 ? CTX_PAGES : gen_pages;
@@ -464,11 +473,16 @@ static void start_cluster(int n_ctx, int n_gen)
                         "100",      "--transfer.checksum",
                         "--device", (char *)worker_device,
                         "--dtype",  "f32",
-                        NULL,       NULL, /* ctx_extra */
+                        NULL,       NULL, /* DUET_TEST_PREFIX_CACHE, ctx_extra */
                         NULL,       NULL,
-                        NULL};
+                        NULL,       NULL};
+        size_t tail = 0; /* the first empty slot */
+        while (argv[tail] != NULL)
+            tail++;
+        if (prefix_cache_on())
+            argv[tail++] = "--cache.prefix";
         for (size_t e = 0; ctx_extra[e] != NULL; e++)
-            argv[sizeof(argv) / sizeof(argv[0]) - 5 + e] = (char *)ctx_extra[e];
+            argv[tail++] = (char *)ctx_extra[e];
         spawn(name, argv);
     }
     for (int i = 0; i < n_gen; i++) {
@@ -501,7 +515,8 @@ static void start_cluster(int n_ctx, int n_gen)
                         (char *)worker_device,
                         "--dtype",
                         "f32",
-                        NULL, /* speculation's four flags, the draft model's two, extras */
+                        NULL, /* speculation's four flags, the draft model's two, extras, */
+                        NULL, /* DUET_TEST_PREFIX_CACHE */
                         NULL,
                         NULL,
                         NULL,
@@ -518,6 +533,9 @@ static void start_cluster(int n_ctx, int n_gen)
             tail++;
         for (size_t e = 0; gen_extra[e] != NULL; e++)
             argv[tail++] = (char *)gen_extra[e];
+        const bool grouped = helix_cp * helix_tp > 1 && (helix_all || i == 0);
+        if (prefix_cache_on() && !grouped) /* a group refuses it (sharded sequences) */
+            argv[tail++] = "--cache.prefix";
         if (spec_method != NULL) {
             const size_t at = tail;
             argv[at] = "--spec.method";
@@ -1199,11 +1217,15 @@ Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
     cr_assert_eq(scrape(gen_mport, wafter[1], sizeof(wafter[1])), 200);
     cr_expect_eq(series_in(wafter[0], "duet_worker_kv_pages"), CTX_PAGES);
     cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages"), GEN_PAGES);
-    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages_free"), GEN_PAGES, "all pages back");
+    cr_expect_eq(series_in(wafter[1], "duet_worker_kv_pages_free") +
+                     series_in(wafter[1], "duet_worker_prefix_cache_pages"),
+                 GEN_PAGES, "all pages back (free, or the prefix cache's)");
     cr_expect_gt(series_in(wafter[1], "duet_worker_state_slots"), 0);
     cr_expect_eq(series_in(wafter[0], "duet_worker_prefill_tokens_total") -
-                     series_in(wbefore[0], "duet_worker_prefill_tokens_total"),
-                 N * (LEN + 1), "ctx-0 prefilled every prompt token once");
+                     series_in(wbefore[0], "duet_worker_prefill_tokens_total") +
+                     series_in(wafter[0], "duet_worker_prefix_cache_tokens_saved_total") -
+                     series_in(wbefore[0], "duet_worker_prefix_cache_tokens_saved_total"),
+                 N * (LEN + 1), "ctx-0 prefilled every prompt token once (or had it cached)");
     cr_expect_eq(series_in(wafter[1], "duet_worker_decoded_tokens_total") -
                      series_in(wbefore[1], "duet_worker_decoded_tokens_total"),
                  N * (M - 1), "gen-0 decoded every token after the first");

@@ -62,6 +62,8 @@ static void fake_list(void *ctx, duet_admin_worker_visit_cb visit, void *visit_u
             .state_slots = 16,
             .running = f->w[i].running,
             .queued = f->w[i].queued,
+            .prefix_pages = 7 * i, /* worker i's prefix cache: 7i pages in 2i entries */
+            .prefix_entries = 2 * i,
             /* operators' figures: worker i was up 3725 + i s, heard from 300 ms ago, busy half
              * the time */
             .address = address,

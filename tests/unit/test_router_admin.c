@@ -270,6 +270,10 @@ Test(admin, lists_workers_with_state_and_load, .timeout = 30)
     cr_expect_eq(json_integer_value(json_object_get(load, "state_slots")), 16);
     cr_expect_eq(json_integer_value(json_object_get(load, "running")), 2);
     cr_expect_eq(json_integer_value(json_object_get(load, "queued")), 1);
+    cr_expect_eq(json_integer_value(json_object_get(load, "prefix_pages")), 0);
+    json_t *load1 = json_object_get(json_array_get(ws, 1), "load");
+    cr_expect_eq(json_integer_value(json_object_get(load1, "prefix_pages")), 7);
+    cr_expect_eq(json_integer_value(json_object_get(load1, "prefix_entries")), 2);
     cr_expect_str_eq(json_string_value(json_object_get(json_array_get(ws, 2), "state")), "dead");
     reply_free(&r);
     ah_stop();

@@ -63,6 +63,9 @@ Test(prefix_cache, longest_prefix_that_leaves_a_token)
     duet_prefix_cache_count(pc, 3);
     duet_prefix_cache_count(pc, 1);
     cr_assert_eq(duet_prefix_cache_stats(pc).pages, 3, "distinct pages held");
+    cr_assert_eq(duet_prefix_cache_stats(pc).pages_evictable, 0, "the test holds them too");
+    duet_kv_pool_free(kv, pages + 1, 1); /* page 1: the cache's alone now */
+    cr_assert_eq(duet_prefix_cache_stats(pc).pages_evictable, 1);
     cr_assert_eq(memcmp(got, pages, 3 * sizeof(int32_t)), 0);
     cr_assert_eq(((const uint8_t *)state)[0], 2);
     /* exactly 12 tokens: the 3-block entry would leave nothing, the 1-block one is used */
@@ -80,8 +83,13 @@ Test(prefix_cache, longest_prefix_that_leaves_a_token)
               "lookups %llu hits %llu saved %llu entries %lld", (unsigned long long)st.lookups,
               (unsigned long long)st.hits, (unsigned long long)st.tokens_saved,
               (long long)st.entries);
+    /* page 0 held by both entries and the test: evictable only once the test lets it go */
+    duet_kv_pool_free(kv, pages + 2, 2);
+    cr_assert_eq(duet_prefix_cache_stats(pc).pages_evictable, 2);
+    duet_kv_pool_free(kv, pages, 1);
+    cr_assert_eq(duet_prefix_cache_stats(pc).pages_evictable, 3);
+    cr_assert_eq(duet_prefix_cache_stats(pc).pages, 3, "the stats leave no count behind");
     duet_prefix_cache_destroy(pc);
-    duet_kv_pool_free(kv, pages, 4);
     cr_assert_eq(duet_kv_pool_n_free(kv), 16);
     duet_kv_pool_destroy(kv);
 }
