@@ -14,6 +14,12 @@ case happen:
     (hits at least 3, tokens saved at least 3 chunks' worth, evictions at least 1);
   - at the end, with no request running, the pool's free pages plus the pages only the cache
     holds make the whole pool (nothing leaked), read from the worker's own figures.
+Then eviction while a transfer is in flight: a second cluster whose context worker holds every
+transfer 2 s after its prefill (test.xfer_hold_ms) over a pool too small for two prompts at once.
+A prompt's transfer is held while a second prompt needs pages: the cache gives up the entries it
+made of the first (they share its pages) but those pages stay the first request's until its
+transfer ends, so the second waits for them; both answers equal duet-generate's, the evictions
+show, and the pool is whole at the end.
 
 Usage: prefix_cache_cluster_test.py BUILD_DIR MODEL_DIR
 """
@@ -106,7 +112,54 @@ def main():
         held = m.get("duet_worker_prefix_cache_pages", -1)
         check(0 < held and free + held == PAGES,
               f"idle: {free} pages free + {held} held by the cache != the pool's {PAGES}")
+    in_flight_eviction(tmp)
     finish("prefix_cache_cluster", failures, tmp)
+
+
+def in_flight_eviction(tmp):
+    import threading
+    pages = 40  # 640 tokens: the two prompts below need 57 pages together
+    mp = free_port()
+    first = text_ids("In the beginning God created the heaven and the earth. And the earth was "
+                     "without form, and void; and darkness was upon the face of the deep. And "
+                     "the Spirit of God moved upon the face of the waters. And God said, Let "
+                     "there be light: and there was light. And God saw the light, that it was "
+                     "good: and God divided the light from the darkness. And God called the "
+                     "light Day, and the darkness he called Night.")
+    second = text_ids(("It was the best of times, it was the worst of times, it was the age of "
+                       "wisdom, it was the age of foolishness, ") * 5)
+    check(len(first) // 16 + 1 + len(second) // 16 + 1 > pages, "the prompts fit together")
+    workers = [("ctx-0", "ctx", ["--cache.prefix", "--cache.kv_pages", str(pages),
+                                 "--test.xfer_hold_ms", "2000", "--metrics.port", str(mp)]),
+               ("gen-0", "gen", [])]
+    os.makedirs(f"{tmp}/in-flight")
+    with cluster(BUILD, MODEL, f"{tmp}/in-flight", workers,
+                 router_args=["--placement.local_prefill_tokens", "16"]) as hp:
+        model = served_model(hp)
+        got = {}
+
+        def ask(name, ids):
+            got[name] = completion(hp, model, ids)
+        t = threading.Thread(target=ask, args=("first", first))
+        t.start()
+        time.sleep(0.8)  # its prefill is done, its entries made, its transfer held
+        ask("second", second)
+        t.join()
+        for name, ids in (("first", first), ("second", second)):
+            want = generate(BUILD, MODEL, ids, 6)["text"]
+            check(got.get(name) == want,
+                  f"in flight: {name} ({len(ids)} tokens): {got.get(name)!r}, "
+                  f"duet-generate {want!r}")
+        time.sleep(0.3)
+        m = metrics(mp)
+        print("in flight:", {k: v for k, v in m.items() if "prefix" in k or "kv_pages" in k},
+              flush=True)
+        check(m.get("duet_worker_prefix_cache_evictions_total", 0) >= 1,
+              "in flight: the second prompt evicted nothing")
+        free = m.get("duet_worker_kv_pages_free", -1)
+        held = m.get("duet_worker_prefix_cache_pages", -1)
+        check(free + held == pages,
+              f"in flight, idle: {free} pages free + {held} held by the cache != {pages}")
 
 
 main()
