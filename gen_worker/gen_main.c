@@ -1344,7 +1344,7 @@ static bool gen_has_work(duet_worker_t *w)
     const gr_t *o = gr_by_age(w, GR_SUSPENDED, 1);
     if (o == NULL)
         return false;
-    if (g.pc != NULL && duet_prefix_cache_stats(g.pc).entries > 0)
+    if (duet_prefix_cache_entries(g.pc) > 0)
         return true; /* its resume drops cache entries for pages (gen_make_room) */
     const int64_t pt = w->layout.page_tokens;
     return (gr_step_need(o, o->snap_tokens) + pt - 1) / pt <=

@@ -188,6 +188,11 @@ void duet_prefix_cache_count(duet_prefix_cache_t *pc, int64_t n_blocks)
     }
 }
 
+int64_t duet_prefix_cache_entries(const duet_prefix_cache_t *pc)
+{
+    return pc != NULL ? pc->n : 0;
+}
+
 duet_prefix_cache_stats_t duet_prefix_cache_stats(duet_prefix_cache_t *pc)
 {
     duet_prefix_cache_stats_t st = pc->st;

@@ -102,6 +102,8 @@ bool duet_prefix_cache_evict(duet_prefix_cache_t *pc);
  * earlier decode snapshot, superseded by a longer one); whether one was dropped. */
 bool duet_prefix_cache_forget(duet_prefix_cache_t *pc, const int32_t *prompt, int64_t n_blocks);
 
+/* Entries kept now (cheap). Accepts NULL (0). */
+int64_t duet_prefix_cache_entries(const duet_prefix_cache_t *pc);
 /* The counters and what the entries hold now (a pass over their pages; no allocation). */
 duet_prefix_cache_stats_t duet_prefix_cache_stats(duet_prefix_cache_t *pc);
 

@@ -24,12 +24,20 @@ CHUNK = "64"
 DEVICE = os.environ.get("DUET_TEST_DEVICE", "cpu")
 
 
+_given_ports = set()
+
+
 def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    """A port free now and never given before in this process (the kernel may hand a closed
+    socket's ephemeral port out again: two roles on one port would stop a cluster starting)."""
+    while True:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        s.close()
+        if p not in _given_ports:
+            _given_ports.add(p)
+            return p
 
 
 @contextlib.contextmanager
