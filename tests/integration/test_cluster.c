@@ -107,6 +107,7 @@
 #include <unistd.h>
 
 #include "tests/unit/test_run.h"
+#include "tests/integration/test_ports.h"
 
 #define ROUTER   DUET_BINARY_DIR "/router/duet-router"
 #define CTX      DUET_BINARY_DIR "/ctx_worker/duet-ctx"
@@ -167,32 +168,6 @@ static int gen_pages = GEN_PAGES;
 static const char *router_extra[5], *gen_extra[5], *ctx_extra[5];
 
 /* ---------------------------------------------------------------- processes and HTTP */
-
-/* A port free now, never one this process was given before: the kernel may hand the same
- * ephemeral port out again once its socket is closed (a cluster once got its HTTP and admin
- * ports equal, and the router could not start). */
-static int free_port(void)
-{
-    static int given[64];
-    static size_t n_given;
-    for (;;) {
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET};
-        inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-        cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-        socklen_t l = sizeof(a);
-        getsockname(fd, (struct sockaddr *)&a, &l);
-        close(fd);
-        const int port = ntohs(a.sin_port);
-        bool seen = false;
-        for (size_t i = 0; i < n_given && i < 64; i++)
-            seen = seen || given[i] == port;
-        if (seen)
-            continue;
-        given[n_given++ % 64] = port;
-        return port;
-    }
-}
 
 static uint64_t now_ms(void)
 {

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "tests/unit/test_run.h"
+#include "tests/integration/test_ports.h"
 
 #define DUET    DUET_BINARY_DIR "/deploy/launcher/duet"
 #define WORKER  DUET_BINARY_DIR "/tests/tools/duet-test-worker"
@@ -45,18 +46,6 @@ static uint64_t now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-    socklen_t l = sizeof(a);
-    getsockname(fd, (struct sockaddr *)&a, &l);
-    close(fd);
-    return ntohs(a.sin_port);
 }
 
 static bool port_open(int port)

@@ -29,6 +29,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include "tests/integration/test_ports.h"
 
 #define ROUTER DUET_BINARY_DIR "/router/duet-router"
 #define WORKER DUET_BINARY_DIR "/tests/tools/duet-test-worker"
@@ -37,18 +38,6 @@ static char dir[256];
 static int http_port, worker_port, admin_port;
 static pid_t pids[16];
 static int n_pids;
-
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-    socklen_t l = sizeof(a);
-    getsockname(fd, (struct sockaddr *)&a, &l);
-    close(fd);
-    return ntohs(a.sin_port);
-}
 
 static void write_file(const char *name, const char *text)
 {
