@@ -115,6 +115,16 @@ def log_softmax_at(row, i):
     return row[i] - (m + math.log(sum(math.exp(x - m) for x in row)))
 
 
+failures = []  # the checks that failed, for finish()
+
+
+def check(cond, what):
+    """Record a failed check (the test goes on, and fails at the end, in finish())."""
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
 def finish(name, failures, tmp):
     """The test's end: exit 1 with the failed checks' count and where the logs stay, or remove
     tmp and say that every check passed."""

@@ -41,7 +41,8 @@ import sys
 import tempfile
 import urllib.request
 
-from duet_cluster import cluster, finish, generate as duet_generate, log_softmax_at, served_model
+from duet_cluster import (check, cluster, failures, finish, generate as duet_generate,
+                          log_softmax_at, served_model)
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(MODEL)))
@@ -61,13 +62,7 @@ except ImportError as e:
           "make it with: bash tests/python/setup.sh BUILD_DIR")
     sys.exit(77)
 
-failures = []
 
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
 
 
 def generate(ids, max_tokens, dump=None):

@@ -37,21 +37,13 @@ import time
 import urllib.error
 import urllib.request
 
-from duet_cluster import cluster, finish, generate as duet_generate, log_softmax_at, served_model
+from duet_cluster import (check, cluster, failures, finish, generate as duet_generate,
+                          log_softmax_at, served_model)
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
 DRAFT = os.path.join(os.path.dirname(MODEL), "duet-demo-draft")
 LOCAL_BELOW = 16  # prompts shorter than this are prefilled by the gen worker
 TOL = 1e-4
-
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
 
 def post(port, path, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),

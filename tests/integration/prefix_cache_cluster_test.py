@@ -30,15 +30,9 @@ import tempfile
 import time
 import urllib.request
 
-from duet_cluster import CHUNK, cluster, finish, free_port, generate, served_model
-
-failures = []
+from duet_cluster import check, CHUNK, cluster, failures, finish, free_port, generate, served_model
 
 
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
 
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]

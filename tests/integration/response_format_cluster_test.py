@@ -37,17 +37,7 @@ import threading
 import time
 import urllib.request
 
-from duet_cluster import cluster, finish
-
-failures = []
-
-
-def check(cond, what):
-    """Record a failed check (the test goes on, and fails at the end)."""
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what, flush=True)
-
+from duet_cluster import check, cluster, failures, finish
 
 BUILD, MODEL = sys.argv[1], sys.argv[2]
 LOCAL_BELOW = 16  # prompts shorter than this many tokens are prefilled by the gen worker
