@@ -10,8 +10,13 @@ at a time. Prints per mode: mean and p50 / p90 TTFT (first streamed chunk), the 
 the context worker prefilled (its duet_worker_prefill_tokens_total), the prefix cache's hits and
 tokens saved, requests/s, and whether every answer is the same in both modes.
 
+With --ctx N (N >= 2) the cluster has N context workers placed round robin and a third mode
+runs: the cache on without placement.prefix_aware (the router's placement by cached prefix off),
+against the cache on with it.
+
 Usage: bench/prefix_cache_bench.py [BUILD_DIR [MODEL_DIR]] [--convs N] [--turns N]
-       [--system N] [--user N] [--answer N]   (defaults: build models/duet-demo 4 8 2048 64 16)
+       [--system N] [--user N] [--answer N] [--ctx N]
+       (defaults: build models/duet-demo 4 8 2048 64 16 1)
 """
 import argparse
 import json
@@ -57,21 +62,32 @@ def stream(port, model, ids, answer):
     return ttft, text
 
 
-def run(args, build, model_dir, cache):
+def run(args, build, model_dir, cache, prefix_aware):
     corpus = open(os.path.join(HERE, "..", "data", "corpus", "web-plain.txt"), "rb").read()
     system = [256] + list(corpus[:args.system - 1])
     tmp = tempfile.mkdtemp(prefix="duet-prefix-bench-")
-    mp = free_port()
-    extra = ["--metrics.port", str(mp), "--cache.kv_pages", "4096"]
-    if cache:
-        extra += ["--cache.prefix", "--cache.prefix_snapshots", "64",
-                  "--cache.prefix_state_every", "8"]
-    workers = [("ctx-0", "ctx", extra), ("gen-0", "gen", ["--cache.kv_pages", "1024"])]
+    mps = [free_port() for _ in range(args.ctx)]
+    workers = []
+    for i, mp in enumerate(mps):
+        extra = ["--metrics.port", str(mp), "--cache.kv_pages", "4096"]
+        if cache:
+            extra += ["--cache.prefix", "--cache.prefix_snapshots", "64",
+                      "--cache.prefix_state_every", "8"]
+        workers.append((f"ctx-{i}", "ctx", extra))
+    workers.append(("gen-0", "gen", ["--cache.kv_pages", "1024"]))
     ttfts, answers = [], []
-    with cluster(build, model_dir, tmp, workers,
-                 router_args=["--placement.local_prefill_tokens", "16"]) as hp:
+    router_args = ["--placement.local_prefill_tokens", "16", "--placement.policy", "round_robin",
+                   "--placement.prefix_aware" if prefix_aware else "--no-placement.prefix_aware"]
+    with cluster(build, model_dir, tmp, workers, router_args=router_args) as hp:
         model = served_model(hp)
-        before = metrics(mp)
+
+        def metrics_all():  # the context workers' counters, summed
+            out = {}
+            for mp in mps:
+                for k, v in metrics(mp).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+        before = metrics_all()
         t0 = time.perf_counter()
         for c in range(args.convs):
             history = []
@@ -85,7 +101,7 @@ def run(args, build, model_dir, cache):
                 history += user + list(text.encode())
         wall = time.perf_counter() - t0
         time.sleep(0.3)
-        after = metrics(mp)
+        after = metrics_all()
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     return {"ttft": ttfts, "answers": answers, "wall": wall,
             "prefill": d.get("duet_worker_prefill_tokens_total", 0),
@@ -102,25 +118,30 @@ def main():
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--user", type=int, default=64)
     ap.add_argument("--answer", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=1,
+                    help="context workers; with 2 or more, a third mode: the cache on, placed "
+                         "round robin without placement.prefix_aware")
     args = ap.parse_args()
     res = {}
-    for cache in (False, True):
-        name = "on" if cache else "off"
-        print(f"prefix cache {name}: {args.convs} conversations x {args.turns} turns ...",
-              file=sys.stderr, flush=True)
-        res[name] = run(args, args.build, args.model, cache)
+    modes = [("off", False, True), ("on", True, True)]
+    if args.ctx > 1:
+        modes.append(("on, round robin", True, False))
+    for name, cache, aware in modes:
+        print(f"prefix cache {name}: {args.convs} conversations x {args.turns} turns, "
+              f"{args.ctx} context worker(s) ...", file=sys.stderr, flush=True)
+        res[name] = run(args, args.build, args.model, cache, aware)
     n = args.convs * args.turns
     print(f"| prefix cache | TTFT mean ms | p50 ms | p90 ms | prompt tokens prefilled | hits | "
           f"tokens saved | requests/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in ("off", "on"):
+    for name, _, _ in modes:
         r = res[name]
         t = sorted(r["ttft"])
         print(f"| {name} | {statistics.mean(t) * 1e3:.1f} | {t[len(t) // 2] * 1e3:.1f} | "
               f"{t[int(len(t) * 0.9)] * 1e3:.1f} | {int(r['prefill']):,} | {int(r['hits'])} | "
               f"{int(r['saved']):,} | {n / r['wall']:.2f} |")
-    same = res["off"]["answers"] == res["on"]["answers"]
-    print(f"\nanswers identical with the cache on and off: {same}; TTFT ratio off/on (mean): "
+    same = all(res[name]["answers"] == res["off"]["answers"] for name, _, _ in modes)
+    print(f"\nanswers identical in every mode: {same}; TTFT ratio off/on (mean): "
           f"{statistics.mean(res['off']['ttft']) / statistics.mean(res['on']['ttft']):.2f}x")
     return 0 if same else 1
 
