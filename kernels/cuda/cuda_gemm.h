@@ -191,6 +191,10 @@ duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream, d
                                      int64_t M, int64_t N, int64_t K, unsigned flags, int tactic,
                                      int reps, double *seconds);
 
+/* Free the operands duet_cuda_gemm_profile allocated (after tuning; a later profile makes them
+ * again). Synchronises the device. */
+void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g);
+
 /* Test hook: the algorithm index (0 .. DUET_CUDA_GEMM_TACTICS - 1) the last cuBLASLt call of `g`
  * ran (profiling excluded), -1 before any. */
 int duet_cuda_gemm_last_algo(const duet_cuda_gemm_t *g);

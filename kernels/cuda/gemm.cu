@@ -1437,6 +1437,18 @@ static duet_status_t duet__prof_buf(void **p, size_t *have, size_t bytes, cudaSt
     return DUET_OK;
 }
 
+extern "C" void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g)
+{
+    if (g == NULL)
+        return;
+    cudaFree(g->prof_x); /* cudaFree waits for work still using them */
+    cudaFree(g->prof_w);
+    cudaFree(g->prof_y);
+    g->prof_x = g->prof_w = NULL;
+    g->prof_y = NULL;
+    g->prof_x_bytes = g->prof_w_bytes = g->prof_y_bytes = 0;
+}
+
 extern "C" duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream,
                                                 duet_dtype_t dtype, int64_t M, int64_t N,
                                                 int64_t K, unsigned flags, int tactic, int reps,
