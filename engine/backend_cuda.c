@@ -160,6 +160,7 @@ struct duet_cuda_model {
     unsigned gemm_flags;
     duet_tune_t *tuner; /* opts.tune: the GEMM's chosen cuBLASLt algorithms (gemm reads it) */
     int64_t tune_m[DUET_TUNE_M_BUCKETS]; /* the M profiled for each bucket (duet__cuda_tune) */
+    int64_t tune_head_rows;              /* ... at most this many for lm_head's shape */
     int n_sms;
 
     /* allocations, freed in reverse at destroy */
@@ -706,8 +707,11 @@ static void duet__cuda_destroy(duet_backend_t *be);
 static double duet__cuda_tune_profile(void *user, const duet_tune_key_t *key, int tactic)
 {
     duet_cuda_model_t *dm = user;
-    /* the bucket's representative M was registered as the key's m; see duet__cuda_tune */
-    const int64_t M = dm->tune_m[key->m];
+    /* the bucket's representative M (duet__cuda_tune); lm_head's calls have fewer rows */
+    int64_t M = dm->tune_m[key->m];
+    if (key->dtype == (int32_t)dm->lm_head.dtype && key->n == dm->lm_head.shape[0] &&
+        key->k == dm->lm_head.shape[1] && M > dm->tune_head_rows)
+        M = dm->tune_head_rows;
     double t[3];
     for (int i = 0; i < 3; i++)
         if (duet_cuda_gemm_profile(dm->gemm, dm->stream, (duet_dtype_t)key->dtype, M, key->n,
@@ -718,7 +722,8 @@ static double duet__cuda_tune_profile(void *user, const duet_tune_key_t *key, in
 }
 
 /* Register shape (w, rows up to m_cap) for every M bucket the engine reaches whose calls go to
- * cuBLASLt (the GEMV sizes have no tactics). */
+ * cuBLASLt (the GEMV sizes have no tactics), judged at the row count profiled (the bucket's,
+ * capped at m_cap). */
 static duet_status_t duet__cuda_tune_add(duet_cuda_model_t *dm, const duet_tensor_t *w,
                                          int64_t m_cap)
 {
@@ -727,8 +732,8 @@ static duet_status_t duet__cuda_tune_add(duet_cuda_model_t *dm, const duet_tenso
         return DUET_OK;
     for (int32_t b = 0; b < DUET_TUNE_M_BUCKETS; b++) {
         const int64_t lo = b == 0 ? 1 : duet_tune_m_bucket_max(b - 1) + 1;
-        if (lo > m_cap || dm->tune_m[b] > m_cap ||
-            !duet_cuda_gemm_tunable(w->dtype, dm->tune_m[b], w->shape[1], dm->gemm_flags))
+        const int64_t m = dm->tune_m[b] < m_cap ? dm->tune_m[b] : m_cap;
+        if (lo > m_cap || !duet_cuda_gemm_tunable(w->dtype, m, w->shape[1], dm->gemm_flags))
             continue;
         const duet_tune_key_t key = {.op = DUET_TUNE_OP_CUDA_GEMM,
                                      .dtype = (int32_t)w->dtype,
@@ -782,7 +787,7 @@ static duet_status_t duet__cuda_tune(duet_cuda_model_t *dm)
         const int64_t hi = duet_tune_m_bucket_max(b);
         dm->tune_m[b] = hi < rows ? hi : rows;
     }
-    const int64_t head_rows = dm->logit_rows_cap < rows ? dm->logit_rows_cap : rows;
+    dm->tune_head_rows = dm->logit_rows_cap < rows ? dm->logit_rows_cap : rows;
 #define ADD(w, cap)                                                                                \
     do {                                                                                           \
         if ((st = duet__cuda_tune_add(dm, (w), (cap))) != DUET_OK)                                 \
@@ -806,7 +811,7 @@ static duet_status_t duet__cuda_tune(duet_cuda_model_t *dm)
         ADD(&w->mlp.down, rows);
         ADD(&w->router, rows);
     }
-    ADD(&dm->lm_head, head_rows);
+    ADD(&dm->lm_head, dm->tune_head_rows);
 #undef ADD
     duet_tune_stats_t stats;
     st = duet_tune_run(dm->tuner, o->comm, duet__cuda_tune_profile, dm, &stats);
