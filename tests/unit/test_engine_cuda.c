@@ -11,8 +11,10 @@
  *   every fixture that has a bf16 run. Our bf16 rounds weights and GEMM inputs to bf16 but keeps
  *   activations, norms, the recurrence and attention in fp32, so it is expected well inside.
  * - Autotuned (opts.tune: cuBLASLt's algorithm per GEMM shape, kernels/cuda/cuda_gemm.h) vs
- *   untuned: the tactics agree to fp32 summation order only, so <= 1e-5 rel L2 and identical
- *   greedy tokens, with the profiled table and with a table that forces other algorithms.
+ *   untuned: the tactics agree to fp32 summation order only, so F32 <= 1e-5 rel L2 and identical
+ *   greedy tokens, with the profiled table and with a table that forces other algorithms. BF16
+ *   compute <= 1e-4: there each GEMM rounds its x to bf16, and a summation-order difference of
+ *   ~1e-7 upstream flips the rounding of a few elements by 2^-8 each, a few 1e-5 over a model.
  * - Graph replay vs queued kernels, a mixed batch vs each item alone, the staged copy of a
  *   sequence vs the original: the GPU path is not bit-batch-invariant (cuBLASLt picks algorithms
  *   per row count), so <= 1e-5 rel L2 and identical greedy tokens.
@@ -1052,11 +1054,12 @@ static void run_gpu(const fixture_t *x, duet_dtype_t dt, float *lg, int32_t *got
 }
 
 /*
- * A model loaded with tune on gives the untuned model's logits to 1e-5 rel L2 and its greedy
- * tokens: profiled (saving the table), loaded from the saved file, and from that file with every
- * tactic moved to the next one (so algorithms other than cuBLASLt's first run wherever a shape
- * has more than one; an index past a call's count falls back to algo 0). A file whose machine
- * line names another GPU fails the load. F32 and BF16 compute.
+ * A model loaded with tune on gives the untuned model's logits (to 1e-5 rel L2 in F32, 1e-4 in
+ * BF16: see the top of the file) and its greedy tokens: profiled (saving the table), loaded from
+ * the saved file, and from that file with every tactic moved to the next one (so algorithms other
+ * than cuBLASLt's first run wherever a shape has more than one; an index past a call's count falls
+ * back to algo 0). A file whose machine line names another GPU fails the load. F32 and BF16
+ * compute.
  */
 Test(engine_cuda, tuned_equals_untuned, .timeout = 900)
 {
@@ -1101,8 +1104,9 @@ Test(engine_cuda, tuned_equals_untuned, .timeout = 900)
                    : pass == 1 ? "from file   "
                                : "tactics + 1 ",
                    e);
-            cr_expect_leq(e, 1e-5, "%s %s pass %d: rel L2 %g", x->name, duet_dtype_name(dt), pass,
-                          e);
+            const double tol = dt == DUET_DTYPE_F32 ? 1e-5 : 1e-4;
+            cr_expect_leq(e, tol, "%s %s pass %d: rel L2 %g (bound %g)", x->name,
+                          duet_dtype_name(dt), pass, e, tol);
             for (int64_t t = 0; t < x->n_greedy; t++)
                 cr_expect_eq(t1[t], t0[t], "%s %s pass %d: greedy token %lld: %d vs %d", x->name,
                              duet_dtype_name(dt), pass, (long long)t, t1[t], t0[t]);
