@@ -16,8 +16,8 @@
  * M, N, K, ldx, ldy, pointer alignments) gets one entry holding its descriptors and the
  * heuristic's first DUET_CUDA_GEMM_TACTICS choices (the first is the default; a tuner may pick
  * another, see "Tactics" in cuda_gemm.h); the cache is a small array searched linearly (a
- * forward pass has a few dozen shapes) and evicts round-robin when full. α/β are not part of the key: the
- * heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
+ * forward pass has a few dozen shapes) and evicts round-robin when full. α/β are not part of
+ * the key: the heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
  * operands unless told otherwise, and a weight view into a larger matrix or an offset row of
  * y may be less aligned, so the alignment of each pointer (capped at 256) is passed as a
  * preference and keyed on.
