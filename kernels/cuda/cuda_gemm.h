@@ -183,9 +183,10 @@ int duet_cuda_gemm_tunable(duet_dtype_t dtype, int64_t M, int64_t K, unsigned fl
  * handle allocates on first use, grows when a larger shape needs it and frees at destroy.
  * *seconds = the mean seconds of one call. Synchronises `stream`. A tactic past the count the
  * heuristic returned for the shape gives DUET_ERR_RANGE and *seconds = NaN (unusable, as
- * duet_tune_profile_fn wants). The engine's calls may differ from this form in strides and
- * pointer alignment, which cuBLASLt's heuristic also sees: the chosen index then names that
- * call's own t-th algorithm (still correct, maybe not the fastest). Not for use during capture.
+ * duet_tune_profile_fn wants). The engine's calls may differ from this form in their exact row
+ * count (a bucket is profiled at one M), strides and pointer alignment, which cuBLASLt's
+ * heuristic also sees: the chosen index then names that call's own t-th algorithm (still
+ * correct, maybe not the fastest). Not for use during capture.
  */
 duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream, duet_dtype_t dtype,
                                      int64_t M, int64_t N, int64_t K, unsigned flags, int tactic,
