@@ -6,6 +6,7 @@
  *
  *   duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64] [--context 2048,32768]
  *                         [--steps 20] [--prefill 2048,8192] [--dtype bf16|f32] [--kv bf16|f32]
+ *                         [--tune [--tune_file PATH]]
  *
  * Decode: B sequences are opened with C tokens of context "filled" (device pools hold random
  * KV and state, which costs the same to read as real ones), then `steps` decode steps run with
@@ -18,6 +19,9 @@
  * Prefill: one sequence of P tokens in one forward call; tokens/s, and the step's GEMM FLOPs
  * (2 · active matrix parameters · P) per second against a cuBLASLt bf16 GEMM of the model's
  * largest projection shape at M = P timed in the same run.
+ * --tune loads the model with opts.tune (the GEMM's cuBLASLt algorithm per shape, profiled at load
+ * or read from --tune_file: kernels/cuda/cuda_gemm.h "Tactics"); every measurement line says
+ * "tuned", so a run with and one without --tune compare side by side.
  * Output: one JSON object per measurement on stdout, progress on stderr. Exits 0 without a
  * device (nothing to measure), 1 on errors.
  */
@@ -93,7 +97,8 @@ static void count_params(const duet_model_config_t *c, double *dense, double *ex
 
 int main(int argc, char **argv)
 {
-    const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16";
+    const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16", *tune_file = NULL;
+    int tune = 0;
     int64_t layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
             pre[MAX_LIST] = {2048, 8192};
     int n_batch = 3, n_ctx = 2, n_pre = 2;
@@ -106,12 +111,21 @@ int main(int argc, char **argv)
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             printf("usage: duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64]\n"
                    "       [--context 2048,32768] [--steps 20] [--prefill 2048,8192]\n"
-                   "       [--dtype bf16|f32] [--kv bf16|f32]\n"
+                   "       [--dtype bf16|f32] [--kv bf16|f32] [--tune [--tune_file PATH]]\n"
                    "Decode step time vs the memory roofline and prefill tok/s vs the cuBLASLt\n"
                    "GEMM rate of a model with DIR/config.json's dimensions and random weights\n"
                    "generated on the GPU. JSON lines on stdout. --prefill 0 skips prefill,\n"
-                   "--batch 0 skips decode.\n");
+                   "--batch 0 skips decode.\n"
+                   "--tune autotunes the model at load (each weight GEMM shape runs the fastest\n"
+                   "of cuBLASLt's first 4 algorithms; the load time includes the profiling);\n"
+                   "--tune_file PATH (implies --tune) loads that table if it exists, else\n"
+                   "profiles and saves it there.\n"
+                   "Every line says \"tuned\": run with and without --tune to compare.\n");
             return 0;
+        }
+        if (strcmp(a, "--tune") == 0) {
+            tune = 1;
+            continue;
         }
         if (v == NULL) {
             fprintf(stderr, "duet-bench-model-cuda: %s needs a value (see --help)\n", a);
@@ -121,6 +135,8 @@ int main(int argc, char **argv)
         int bad = 0;
         if (strcmp(a, "--config") == 0)
             cfg_dir = v;
+        else if (strcmp(a, "--tune_file") == 0)
+            tune_file = v;
         else if (strcmp(a, "--layers") == 0)
             bad = duet_config_parse_int(v, 1, INT64_MAX, &layers) != DUET_OK;
         else if (strcmp(a, "--steps") == 0)
@@ -199,6 +215,8 @@ int main(int argc, char **argv)
     o.max_batch_tokens = max_p > max_b ? max_p : max_b;
     /* the pool holds max_b sequences of the longest context, or one prefill */
     o.kv_pages = (o.max_seq_len + o.page_tokens - 1) / o.page_tokens * max_b;
+    o.tune = tune || tune_file != NULL; /* --tune_file implies --tune */
+    o.tune_file = tune_file;
     double t0 = now_s();
     duet_model_t *m = NULL;
     if (duet_model_create_random(&cfg, &o, 1234, &m) != DUET_OK) {
@@ -292,13 +310,14 @@ int main(int argc, char **argv)
                 /* the copy's rate counts bytes read + written: the rate at which the memory
                  * system moves bytes, the same unit as the bytes a step reads or writes */
                 const double roof = bytes / bw;
-                printf("{\"impl\":\"duet\",\"layers\":%lld,\"batch\":%lld,\"context\":%lld,"
+                printf("{\"impl\":\"duet\",\"tuned\":%s,\"layers\":%lld,\"batch\":%lld,\"context\":"
+                       "%lld,"
                        "\"step_ms\":%.3f,\"min_ms\":%.3f,\"bytes_GB\":%.3f,\"weights_GB\":%.3f,"
                        "\"kv_GB\":%.3f,\"state_GB\":%.3f,\"roofline_ms\":%.3f,"
                        "\"roofline_frac\":%.3f,\"tok_s\":%.1f}\n",
-                       (long long)c->num_layers, (long long)B, (long long)C, med * 1e3, ts[0] * 1e3,
-                       bytes / 1e9, w_bytes / 1e9, kv / 1e9, st / 1e9, roof * 1e3, roof / med,
-                       (double)B / med);
+                       o.tune ? "true" : "false", (long long)c->num_layers, (long long)B,
+                       (long long)C, med * 1e3, ts[0] * 1e3, bytes / 1e9, w_bytes / 1e9, kv / 1e9,
+                       st / 1e9, roof * 1e3, roof / med, (double)B / med);
                 fflush(stdout);
                 fprintf(stderr, "decode B=%lld C=%lld: %.3f ms/step (roofline %.3f ms, %.0f%%)\n",
                         (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
@@ -399,11 +418,12 @@ int main(int argc, char **argv)
             const double flops = 2.0 * (double)P * (dense + k * expert * (double)c->n_moe_layers) -
                                  2.0 * (double)P * (double)c->vocab_size * (double)c->hidden_size +
                                  2.0 * (double)c->vocab_size * (double)c->hidden_size;
-            printf("{\"impl\":\"duet\",\"layers\":%lld,\"prefill\":%lld,\"ms\":%.2f,"
+            printf("{\"impl\":\"duet\",\"tuned\":%s,\"layers\":%lld,\"prefill\":%lld,\"ms\":%.2f,"
                    "\"tok_s\":%.0f,\"gemm_TFLOPs\":%.1f,\"cublaslt_bf16_TFLOPs\":%.1f,"
                    "\"gemm_frac\":%.3f}\n",
-                   (long long)c->num_layers, (long long)P, best * 1e3, (double)P / best,
-                   flops / best / 1e12, gemm_tflops, flops / best / 1e12 / gemm_tflops);
+                   o.tune ? "true" : "false", (long long)c->num_layers, (long long)P, best * 1e3,
+                   (double)P / best, flops / best / 1e12, gemm_tflops,
+                   flops / best / 1e12 / gemm_tflops);
             fflush(stdout);
             fprintf(stderr,
                     "prefill %lld: %.1f ms, %.0f tok/s (GEMM part %.1f TFLOP/s; cuBLASLt "

@@ -73,7 +73,7 @@
 #define DUET_BACKEND_CAP_RANDOM_WEIGHTS 0x1u /* create with w == NULL generates random weights */
 /* verify items (speculative decoding): the replay pool and seq_replay */
 #define DUET_BACKEND_CAP_VERIFY 0x2u
-/* opts.tune: create profiles the backend's tactics (kernels/tune.h) for the decode shapes */
+/* opts.tune: create profiles the backend's tactics (kernels/tune.h) for the model's shapes */
 #define DUET_BACKEND_CAP_TUNE 0x4u
 
 typedef struct duet_backend duet_backend_t;

@@ -67,6 +67,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_step.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/tune.h"
 
 #define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
@@ -157,6 +158,9 @@ struct duet_cuda_model {
     cudaEvent_t *layer_done, *copy_done; /* [num_layers] for mirror_out */
     duet_cuda_gemm_t *gemm;
     unsigned gemm_flags;
+    duet_tune_t *tuner; /* opts.tune: the GEMM's chosen cuBLASLt algorithms (gemm reads it) */
+    int64_t tune_m[DUET_TUNE_M_BUCKETS]; /* the M profiled for each bucket (duet__cuda_tune) */
+    int64_t tune_head_rows;              /* ... at most this many for lm_head's shape */
     int n_sms;
 
     /* allocations, freed in reverse at destroy */
@@ -697,6 +701,132 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
 
 static void duet__cuda_destroy(duet_backend_t *be);
 
+/* ---- autotuning (opts.tune): the GEMM's cuBLASLt algorithm per shape ------------------------ */
+
+/* duet_tune_profile_fn over duet_cuda_gemm_profile: the median of 3 means of 10 calls. */
+static double duet__cuda_tune_profile(void *user, const duet_tune_key_t *key, int tactic)
+{
+    duet_cuda_model_t *dm = user;
+    /* the bucket's representative M (duet__cuda_tune); lm_head's calls have fewer rows */
+    int64_t M = dm->tune_m[key->m];
+    if (key->dtype == (int32_t)dm->lm_head.dtype && key->n == dm->lm_head.shape[0] &&
+        key->k == dm->lm_head.shape[1] && M > dm->tune_head_rows)
+        M = dm->tune_head_rows;
+    double t[3];
+    for (int i = 0; i < 3; i++)
+        if (duet_cuda_gemm_profile(dm->gemm, dm->stream, (duet_dtype_t)key->dtype, M, key->n,
+                                   key->k, dm->gemm_flags, tactic, 10, &t[i]) != DUET_OK)
+            return NAN; /* no such algorithm for the shape (or it failed): unusable */
+    double lo = fmin(t[0], fmin(t[1], t[2])), hi = fmax(t[0], fmax(t[1], t[2]));
+    return t[0] + t[1] + t[2] - lo - hi;
+}
+
+/* Register shape (w, rows up to m_cap) for every M bucket the engine reaches whose calls go to
+ * cuBLASLt (the GEMV sizes have no tactics), judged at the row count profiled (the bucket's,
+ * capped at m_cap). */
+static duet_status_t duet__cuda_tune_add(duet_cuda_model_t *dm, const duet_tensor_t *w,
+                                         int64_t m_cap)
+{
+    static const int tactics[DUET_CUDA_GEMM_TACTICS] = {0, 1, 2, 3};
+    if (w->data == NULL || w->ndim != 2)
+        return DUET_OK;
+    for (int32_t b = 0; b < DUET_TUNE_M_BUCKETS; b++) {
+        const int64_t lo = b == 0 ? 1 : duet_tune_m_bucket_max(b - 1) + 1;
+        const int64_t m = dm->tune_m[b] < m_cap ? dm->tune_m[b] : m_cap;
+        if (lo > m_cap || !duet_cuda_gemm_tunable(w->dtype, m, w->shape[1], dm->gemm_flags))
+            continue;
+        const duet_tune_key_t key = {.op = DUET_TUNE_OP_CUDA_GEMM,
+                                     .dtype = (int32_t)w->dtype,
+                                     .m = b,
+                                     .n = w->shape[0],
+                                     .k = w->shape[1]};
+        duet_status_t st = duet_tune_add(dm->tuner, &key, tactics, DUET_CUDA_GEMM_TACTICS);
+        if (st != DUET_OK)
+            return st;
+    }
+    return DUET_OK;
+}
+
+/*
+ * opts.tune: load opts.tune_file when it exists, else profile cuBLASLt's first
+ * DUET_CUDA_GEMM_TACTICS algorithms for every weight GEMM of the forward (duet_cuda_gemm_matmul's
+ * plain calls: projections, FFN, router, lm_head; the per-head MLA products are batched and not
+ * tuned) at each M bucket the engine reaches, one representative M per bucket (its top, capped
+ * at the most rows a step has), and save the table there. Then the GEMM handle uses it. Runs at
+ * create, before any decode graph is captured (a graph keeps the algorithms it captured).
+ */
+static duet_status_t duet__cuda_tune(duet_cuda_model_t *dm)
+{
+    const duet_model_opts_t *o = &dm->opts;
+    const duet_model_config_t *c = &dm->cfg;
+    struct cudaDeviceProp prop;
+    duet_status_t st = duet__cu(cudaGetDeviceProperties(&prop, 0), "device properties");
+    if (st != DUET_OK)
+        return st;
+    char machine[300];
+    snprintf(machine, sizeof(machine), "%s cuda", prop.name);
+    duet_tune_space_t sp = {0};
+    sp.n_tactics[DUET_TUNE_OP_CUDA_GEMM] = DUET_CUDA_GEMM_TACTICS;
+    if ((st = duet_tune_create(&sp, machine, &dm->tuner)) != DUET_OK)
+        return st;
+    if (o->tune_file != NULL) {
+        st = duet_tune_load_group(dm->tuner, o->tune_file, o->comm);
+        if (st == DUET_OK) {
+            DUET_LOG_INFO("cuda model: %lld tuned GEMM shapes from %s",
+                          (long long)duet_tune_count(dm->tuner), o->tune_file);
+            duet_cuda_gemm_set_tuner(dm->gemm, dm->tuner);
+            return DUET_OK;
+        }
+        if (st != DUET_ERR_NOT_FOUND)
+            return st;
+    }
+
+    /* rows of a step: decode batches padded to graph buckets, prefills up to max_batch_tokens */
+    const int64_t rows = dm->T > dm->imax_items ? dm->T : dm->imax_items;
+    for (int32_t b = 0; b < DUET_TUNE_M_BUCKETS; b++) {
+        const int64_t hi = duet_tune_m_bucket_max(b);
+        dm->tune_m[b] = hi < rows ? hi : rows;
+    }
+    dm->tune_head_rows = dm->logit_rows_cap < rows ? dm->logit_rows_cap : rows;
+#define ADD(w, cap)                                                                                \
+    do {                                                                                           \
+        if ((st = duet__cuda_tune_add(dm, (w), (cap))) != DUET_OK)                                 \
+            return st;                                                                             \
+    } while (0)
+    for (int64_t l = 0; l < c->num_layers; l++) {
+        const duet__dlayer_t *w = &dm->layers[l];
+        ADD(&w->kda.qkv, rows);
+        ADD(&w->kda.fg_a, rows);
+        ADD(&w->kda.b, rows);
+        ADD(&w->kda.f_b, rows);
+        ADD(&w->kda.g_b, rows);
+        ADD(&w->kda.o, rows);
+        ADD(&w->mla.q, rows);
+        ADD(&w->mla.q_a, rows);
+        ADD(&w->mla.q_b, rows);
+        ADD(&w->mla.kv_a, rows);
+        ADD(&w->mla.wkv, rows);
+        ADD(&w->mla.o, rows);
+        ADD(&w->mlp.gu, rows);
+        ADD(&w->mlp.down, rows);
+        ADD(&w->router, rows);
+    }
+    ADD(&dm->lm_head, dm->tune_head_rows);
+#undef ADD
+    duet_tune_stats_t stats;
+    st = duet_tune_run(dm->tuner, o->comm, duet__cuda_tune_profile, dm, &stats);
+    duet_cuda_gemm_profile_free(dm->gemm); /* up to max_batch_tokens rows of the widest GEMM */
+    if (st != DUET_OK)
+        return st;
+    DUET_LOG_INFO("cuda model: tuned %lld GEMM shapes (%lld pairs, %lld profiled here) in %.3f s",
+                  (long long)stats.shapes, (long long)stats.pairs, (long long)stats.profiled,
+                  stats.seconds);
+    if (o->tune_file != NULL && (st = duet_tune_save(dm->tuner, o->tune_file)) != DUET_OK)
+        return st;
+    duet_cuda_gemm_set_tuner(dm->gemm, dm->tuner);
+    return DUET_OK;
+}
+
 static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_backend_t **be_p)
 {
     const duet_model_config_t *cfg = bm->cfg;
@@ -812,6 +942,8 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     STEP(duet__create_pools(dm));
     STEP(duet__alloc_workspace(dm));
     STEP(duet__cu(cudaStreamSynchronize(dm->stream), "weights ready"));
+    if (opts->tune)
+        STEP(duet__cuda_tune(dm));
 #undef STEP
     DUET_LOG_INFO("cuda model ready: %s weights, %.2f GiB on the device, %d SMs, graphs %s",
                   duet_dtype_name(dm->wdt), (double)dm->dev_bytes / 1073741824.0, dm->n_sms,
@@ -840,6 +972,7 @@ static void duet__cuda_destroy(duet_backend_t *be)
     if (dm->mirrored & 2)
         cudaHostUnregister(duet_kda_pool_base(dm->kda_host));
     duet_cuda_gemm_destroy(dm->gemm);
+    duet_tune_destroy(dm->tuner);
     for (int64_t i = dm->n_allocs - 1; i >= 0; i--)
         cudaFree(dm->allocs[i]);
     free(dm->allocs);
@@ -1576,7 +1709,7 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
     .compute_dtypes =
         DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
     .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
-    .caps = DUET_BACKEND_CAP_RANDOM_WEIGHTS,
+    .caps = DUET_BACKEND_CAP_RANDOM_WEIGHTS | DUET_BACKEND_CAP_TUNE,
     .probe = duet__cuda_probe,
     .create = duet__cuda_create,
 #ifdef DUET_HAVE_CUDA

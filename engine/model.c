@@ -183,9 +183,11 @@ static duet_status_t duet__check_opts(const duet_model_opts_t *opts)
     if ((unsigned)opts->dtype > DUET_MODEL_DTYPE_BF16)
         return DUET_FAIL(DUET_ERR_INVALID, "model: unknown dtype request %d", (int)opts->dtype);
     if (opts->tune != 0 && (ops->caps & DUET_BACKEND_CAP_TUNE) == 0)
-        return DUET_FAIL(DUET_ERR_UNSUPPORTED,
-                         "model: autotuning (tune) has no tactics on the %s backend yet (cpu has)",
-                         ops->name);
+        return DUET_FAIL(
+            DUET_ERR_UNSUPPORTED,
+            "model: autotuning (tune) has no tactics on the %s backend yet (cpu and cuda "
+            "have)",
+            ops->name);
     if (opts->spec_rows != 0) {
         if ((ops->caps & DUET_BACKEND_CAP_VERIFY) == 0)
             return DUET_FAIL(DUET_ERR_UNSUPPORTED,

@@ -113,9 +113,12 @@ typedef struct {
     duet_comm_t *comm;
     int helix_cp, helix_tp;
     /* Autotuning (kernels/tune.h, issue 39): 1 = at load, profile the backend's tactics for the
-     * model's decode shapes (M = 1 .. max_seqs) and keep the fastest per shape. Every tactic
-     * gives the same bits, so it changes speed only; it costs load time, so it is off by default.
-     * Needs a backend with DUET_BACKEND_CAP_TUNE (cpu); DUET_ERR_UNSUPPORTED elsewhere. */
+     * model's shapes and keep the fastest per shape. cpu: the matmul's work split for the decode
+     * shapes (M = 1 .. max_seqs), every tactic giving the same bits; cuda: cuBLASLt's algorithm of
+     * each weight GEMM for the M buckets of decode and prefill (up to max_batch_tokens) that reach
+     * cuBLASLt, tactics agreeing to fp32 summation order (not bit for bit: cuda_gemm.h). It costs
+     * load time, so it is off by default. Needs a backend with DUET_BACKEND_CAP_TUNE (cpu, cuda);
+     * DUET_ERR_UNSUPPORTED elsewhere. */
     int tune;
     /* With tune: a table to load instead of profiling when the file exists, and where the
      * profiled table is saved when it does not (NULL = neither). A malformed file or one made on

@@ -94,8 +94,9 @@ static const duet_config_key_t gen_keys[] = {
      "requests to host memory when the pool runs out (not in a generation group)",
      .min = NULL},
     {"tune", DUET_CONFIG_BOOL, "false",
-     "at load, profile the kernels' tactics for the decode shapes and keep the fastest (same "
-     "output, costs load time; cpu)",
+     "at load, profile the kernels' tactics and keep the fastest per shape (costs load time; "
+     "cpu: the matmul's work split, same output; cuda: cuBLASLt's GEMM algorithm, output equal "
+     "to fp32 summation order)",
      .min = NULL},
     {"tune_file", DUET_CONFIG_STRING, NULL,
      "with tune: load the tuned table from this file if it exists, else save it there",

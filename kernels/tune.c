@@ -45,7 +45,7 @@ struct duet_tune {
     int64_t n_ent, cap_ent;
 };
 
-static const char *const duet__tune_op_names[DUET_TUNE_OP_COUNT] = {"cpu_matmul"};
+static const char *const duet__tune_op_names[DUET_TUNE_OP_COUNT] = {"cpu_matmul", "cuda_gemm"};
 static const char *const duet__tune_bucket_names[DUET_TUNE_M_BUCKETS] = {"1",    "2-4",   "5-8",
                                                                          "9-16", "17-64", "65+"};
 static const int64_t duet__tune_bucket_max[DUET_TUNE_M_BUCKETS] = {1, 4, 8, 16, 64, INT64_MAX};

@@ -1,16 +1,20 @@
 /*
  * tune.h: a generic autotuner (issue 39). A backend has, for each op shape, several candidate
- * tactics (ways to run the op that give the same bits but not the same speed: the CPU matmul's
- * work split, a CUDA GEMM's kernel choice); they are profiled once at start and the fastest per
- * shape is kept, looked up by shape on every call, and can be saved to and loaded from a file.
+ * tactics (ways to run the op that compute the same products at different speeds); they are
+ * profiled once at start and the fastest per shape is kept, looked up by shape on every call, and
+ * can be saved to and loaded from a file. What "the same" means is the op's: the CPU matmul's
+ * tactics (its work split) give the same bits; the CUDA GEMM's (cuBLASLt's algorithms for the
+ * shape, kernels/cuda/cuda_gemm.h) round x the same way and agree to the order and split of their
+ * fp32 sums only, so a tuned CUDA run is not bit-identical to an untuned one.
  *
  * In a group (common/comm.h) the profiling is split over the ranks: every rank registers the same
  * (shape, tactic) pairs, rank r profiles only its share of them, the timings are all-gathered and
- * every rank keeps the same fastest tactic per shape (the same bits on every rank make the same
- * choice), equal to what one rank profiling everything would choose with the same timings.
+ * every rank keeps the same fastest tactic per shape (the same timings on every rank make the
+ * same choice), equal to what one rank profiling everything would choose with the same timings.
  *
  * This file knows no device and no engine: a shape is a key (op, dtype, M bucket, N, K), a tactic
- * a small int the op's owner interprets (kernels/cpu/matmul.c), and the timing a callback.
+ * a small int the op's owner interprets (kernels/cpu/matmul.c, kernels/cuda/gemm.cu), and the
+ * timing a callback.
  */
 #ifndef DUET_KERNELS_TUNE_H
 #define DUET_KERNELS_TUNE_H
@@ -24,6 +28,7 @@
 /* Ops a tuner may hold (each op's owner defines its tactics; a saved file names the op). */
 typedef enum {
     DUET_TUNE_OP_CPU_MATMUL = 0, /* duet_k_matmul: work split (kernels/cpu/matmul.c) */
+    DUET_TUNE_OP_CUDA_GEMM = 1,  /* duet_cuda_gemm_matmul: cuBLASLt's t-th algorithm (gemm.cu) */
     DUET_TUNE_OP_COUNT
 } duet_tune_op_t;
 
@@ -65,7 +70,7 @@ int64_t duet_tune_m_bucket_max(int32_t b);
 /* Order of keys (op, dtype, m, n, k): < 0, 0, > 0. Compare keys with it, never with memcmp (the
  * struct has padding). */
 int duet_tune_key_cmp(const duet_tune_key_t *a, const duet_tune_key_t *b);
-/* "cpu_matmul"; NULL for an unknown op. */
+/* "cpu_matmul", "cuda_gemm"; NULL for an unknown op. */
 const char *duet_tune_op_name(int32_t op);
 
 /*

@@ -29,6 +29,16 @@
  * pairs, so x is kept to 2^-16 instead of rounded to 2^-8, and no conversion runs;
  * DUET_CUDA_NO_TGEMV=1 sends those calls to cuBLASLt (DUET_CUDA_NO_GEMV=1 sends all).
  *
+ * Tactics (kernels/tune.h, op DUET_TUNE_OP_CUDA_GEMM). Every call that reaches cuBLASLt runs one
+ * of the first DUET_CUDA_GEMM_TACTICS algorithms cublasLtMatmulAlgoGetHeuristic returns for its
+ * key: tactic t is the t-th. Without a tuner, or when the tuner has no entry for the shape (or its
+ * tactic is past the count returned for this call), algo 0, the heuristic's first choice. All
+ * tactics of a shape round x the same way (above) and multiply the same operands with fp32
+ * accumulation: they differ only in the order and split of the fp32 sums (tiles, split-K), so they
+ * agree to fp32 summation order, within the bounds above, but not bit for bit. The small-M paths
+ * are not tactics (they keep x in fp32: other numerics): a shape whose calls take them is never
+ * tuned (duet_cuda_gemm_tunable). Batched calls (duet_cuda_gemm_matmul_batched) are not tuned.
+ *
  * Resources are made once, at create: the cuBLASLt handle, its workspace and the staging buffer
  * for x. Per call, cuBLASLt's descriptors and heuristic algorithm are looked up in a small cache
  * keyed by shape, strides, dtype and pointer alignment, so a steady-state call does no host-side
@@ -144,6 +154,51 @@ duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t st
                                             int64_t ldy, int64_t stride_y, const float *x,
                                             int64_t ldx, int64_t stride_x, int64_t M,
                                             const duet_tensor_t *w, int accumulate, unsigned flags);
+
+/* Algorithms a tuned shape may choose from: the heuristic's first results (tune.h tactics). */
+#define DUET_CUDA_GEMM_TACTICS 4
+
+typedef struct duet_tune duet_tune_t; /* kernels/tune.h */
+
+/*
+ * Use `t` (NULL = none) for every later cuBLASLt call of `g`: a plain call of M rows and weight
+ * [N, K] runs tactic duet_tune_get(t, {DUET_TUNE_OP_CUDA_GEMM, W's dtype, duet_tune_m_bucket(M),
+ * N, K}) when that is >= 0 and below the algorithms returned for the call's key, else algo 0. The
+ * tuner is read, not owned, and must outlive its use; set it before capturing CUDA graphs (a
+ * captured call keeps the algorithm it was captured with).
+ */
+void duet_cuda_gemm_set_tuner(duet_cuda_gemm_t *g, const duet_tune_t *t);
+
+/*
+ * Whether duet_cuda_gemm_matmul of M rows of K columns against a `dtype` weight, with 16-byte
+ * aligned contiguous operands and `flags`, goes to cuBLASLt (1) rather than a small-M GEMV (0):
+ * the shapes that have tactics. Follows DUET_CUDA_NO_GEMV / DUET_CUDA_NO_TGEMV.
+ */
+int duet_cuda_gemm_tunable(duet_dtype_t dtype, int64_t M, int64_t K, unsigned flags);
+
+/*
+ * Time tactic `tactic` of the shape (dtype, M, N, K) with `flags`: `reps` cuBLASLt calls, after
+ * one untimed call, between two CUDA events on `stream`, on contiguous 256-byte aligned operands
+ * (x already in `dtype`: the conversion is the same for every tactic and is not timed) that the
+ * handle allocates on first use, grows when a larger shape needs it and frees at destroy.
+ * *seconds = the mean seconds of one call. Synchronises `stream`. A tactic past the count the
+ * heuristic returned for the shape gives DUET_ERR_RANGE and *seconds = NaN (unusable, as
+ * duet_tune_profile_fn wants). The engine's calls may differ from this form in their exact row
+ * count (a bucket is profiled at one M), strides and pointer alignment, which cuBLASLt's
+ * heuristic also sees: the chosen index then names that call's own t-th algorithm (still
+ * correct, maybe not the fastest). Not for use during capture.
+ */
+duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream, duet_dtype_t dtype,
+                                     int64_t M, int64_t N, int64_t K, unsigned flags, int tactic,
+                                     int reps, double *seconds);
+
+/* Free the operands duet_cuda_gemm_profile allocated (after tuning; a later profile makes them
+ * again). Synchronises the device. */
+void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g);
+
+/* Test hook: the algorithm index (0 .. DUET_CUDA_GEMM_TACTICS - 1) the last cuBLASLt call of `g`
+ * ran (profiling excluded), -1 before any. */
+int duet_cuda_gemm_last_algo(const duet_cuda_gemm_t *g);
 
 /*
  * dst[m, k] = (dtype) src[m * ld_src + k] for m < M, k < K, dst contiguous [M, K] in `dtype`

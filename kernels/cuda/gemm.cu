@@ -14,13 +14,15 @@
  * Algorithm cache. Building the descriptors and running the heuristic costs tens of
  * microseconds of host time, as much as a decode-sized GEMM. Each distinct (dtype, compute type,
  * M, N, K, ldx, ldy, pointer alignments) gets one entry holding its descriptors and the
- * heuristic's first choice; the cache is a small array searched linearly (a forward pass has a
- * few dozen shapes) and evicts round-robin when full. α/β are not part of the key: the
- * heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
+ * heuristic's first DUET_CUDA_GEMM_TACTICS choices (the first is the default; a tuner may pick
+ * another, see "Tactics" in cuda_gemm.h); the cache is a small array searched linearly (a
+ * forward pass has a few dozen shapes) and evicts round-robin when full. α/β are not part of
+ * the key: the heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
  * operands unless told otherwise, and a weight view into a larger matrix or an offset row of
  * y may be less aligned, so the alignment of each pointer (capped at 256) is passed as a
  * preference and keyed on.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include <cuda_bf16.h>
@@ -35,6 +37,7 @@
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/tune.h"
 
 #define DUET__MODULE          "cuda gemm" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -54,7 +57,8 @@ typedef struct {
     /* value: owned by the entry, destroyed on eviction or at handle destroy */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, lc; /* A = W, B = x, C = D = y */
-    cublasLtMatmulAlgo_t algo;
+    cublasLtMatmulAlgo_t algo[DUET_CUDA_GEMM_TACTICS]; /* the heuristic's results, best first */
+    int n_algo;                                        /* 1 .. DUET_CUDA_GEMM_TACTICS */
 } duet__gemm_entry_t;
 
 struct duet_cuda_gemm {
@@ -65,6 +69,13 @@ struct duet_cuda_gemm {
     int64_t stage_elems;
     duet__gemm_entry_t cache[DUET_CUDA_GEMM_CACHE];
     int next_evict; /* round-robin victim when the cache is full */
+    const duet_tune_t *tuner; /* chosen algorithms per shape (NULL: algo 0 always) */
+    int last_algo;            /* the algorithm index of the last cuBLASLt call (test hook) */
+    /* duet_cuda_gemm_profile's operands, grown on demand (device, owned) */
+    void *prof_x, *prof_w;
+    float *prof_y;
+    size_t prof_x_bytes, prof_w_bytes, prof_y_bytes;
+    cudaEvent_t prof_ev[2];
 };
 
 /* ---- errors ------------------------------------------------------------------------------- */
@@ -909,6 +920,7 @@ extern "C" duet_status_t duet_cuda_gemm_create(size_t workspace_bytes, int64_t m
         }
     }
     g->stage_elems = max_x_elems;
+    g->last_algo = -1;
     *g_p = g;
     return DUET_OK;
 
@@ -928,6 +940,12 @@ extern "C" void duet_cuda_gemm_destroy(duet_cuda_gemm_t *g)
     for (int i = 0; i < DUET_CUDA_GEMM_CACHE; i++)
         duet__entry_clear(&g->cache[i]);
     cudaFree(g->stage); /* cudaFree waits for work still using the buffers */
+    cudaFree(g->prof_x);
+    cudaFree(g->prof_w);
+    cudaFree(g->prof_y);
+    for (int i = 0; i < 2; i++)
+        if (g->prof_ev[i] != NULL)
+            cudaEventDestroy(g->prof_ev[i]);
     cudaFree(g->workspace);
     cublasLtDestroy(g->lt);
     free(g);
@@ -953,7 +971,7 @@ static duet_status_t duet__entry_build(duet_cuda_gemm_t *g, duet__gemm_entry_t *
     cublasStatus_t s;
     duet_status_t st;
     cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t res;
+    cublasLtMatmulHeuristicResult_t res[DUET_CUDA_GEMM_TACTICS];
     int n_res = 0;
     cudaDataType_t in_t = duet__cuda_type(e->dtype);
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
@@ -1014,8 +1032,8 @@ static duet_status_t duet__entry_build(duet_cuda_gemm_t *g, duet__gemm_entry_t *
                      pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ac, sizeof(ac)),
                  "preference align D");
     }
-    DUET__LT(cublasLtMatmulAlgoGetHeuristic(g->lt, e->desc, e->la, e->lb, e->lc, e->lc, pref, 1,
-                                            &res, &n_res),
+    DUET__LT(cublasLtMatmulAlgoGetHeuristic(g->lt, e->desc, e->la, e->lb, e->lc, e->lc, pref,
+                                            DUET_CUDA_GEMM_TACTICS, res, &n_res),
              "heuristic");
 #undef DUET__LT
     if (n_res < 1) {
@@ -1028,7 +1046,9 @@ static duet_status_t duet__entry_build(duet_cuda_gemm_t *g, duet__gemm_entry_t *
         goto fail;
     }
     cublasLtMatmulPreferenceDestroy(pref);
-    e->algo = res.algo;
+    e->n_algo = n_res < DUET_CUDA_GEMM_TACTICS ? n_res : DUET_CUDA_GEMM_TACTICS;
+    for (int i = 0; i < e->n_algo; i++)
+        e->algo[i] = res[i].algo;
     e->valid = 1;
     return DUET_OK;
 
@@ -1099,12 +1119,16 @@ static duet_status_t duet__check_w(const duet_tensor_t *w, int64_t M, int64_t ld
     return DUET_OK;
 }
 
-/* The low-precision-input GEMM over `batch` matrices (checked by the callers). */
-static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
-                                       int64_t ldy, int64_t stride_y, const void *x, int64_t ldx,
-                                       int64_t stride_x, int64_t M, const void *w_data,
-                                       duet_dtype_t w_dtype, int64_t N, int64_t K, int32_t batch,
-                                       int accumulate, unsigned flags)
+/*
+ * The low-precision-input GEMM over `batch` matrices (checked by the callers) with algorithm
+ * `tactic` of its entry: -1 = the tuner's choice for a plain (batch 1) call, else algo 0; >= 0 =
+ * that one (duet_cuda_gemm_profile), DUET_ERR_RANGE past the entry's count.
+ */
+static duet_status_t duet__matmul_lowp_t(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                         int64_t ldy, int64_t stride_y, const void *x, int64_t ldx,
+                                         int64_t stride_x, int64_t M, const void *w_data,
+                                         duet_dtype_t w_dtype, int64_t N, int64_t K, int32_t batch,
+                                         int accumulate, unsigned flags, int tactic)
 {
     if (M == 0 || N == 0 || batch == 0)
         return DUET_OK;
@@ -1149,12 +1173,41 @@ static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
     if (st != DUET_OK)
         return st;
 
+    int a = tactic;
+    if (a < 0) { /* the tuner's key: batched calls (per-head MLA) are not tuned */
+        const duet_tune_key_t tk = {.op = DUET_TUNE_OP_CUDA_GEMM,
+                                    .dtype = (int32_t)w_dtype,
+                                    .m = duet_tune_m_bucket(M),
+                                    .n = N,
+                                    .k = K};
+        a = batch == 1 ? duet_tune_get(g->tuner, &tk) : -1;
+        if (a < 0 || a >= e->n_algo)
+            a = 0;
+    } else if (a >= e->n_algo) {
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda gemm: tactic %d of %s M=%lld N=%lld K=%lld: cuBLASLt "
+                              "returned %d algorithms",
+                              tactic, duet_dtype_name(w_dtype), (long long)M, (long long)N,
+                              (long long)K, e->n_algo);
+    }
+    g->last_algo = a;
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     cublasStatus_t s = cublasLtMatmul(g->lt, e->desc, &alpha, w_data, e->la, x, e->lb, &beta, y,
-                                      e->lc, y, e->lc, &e->algo, g->workspace, g->ws_bytes, stream);
+                                      e->lc, y, e->lc, &e->algo[a], g->workspace, g->ws_bytes,
+                                      stream);
     if (s != CUBLAS_STATUS_SUCCESS)
         return duet__lt_fail(s, "cublasLtMatmul");
     return DUET_OK;
+}
+
+static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                       int64_t ldy, int64_t stride_y, const void *x, int64_t ldx,
+                                       int64_t stride_x, int64_t M, const void *w_data,
+                                       duet_dtype_t w_dtype, int64_t N, int64_t K, int32_t batch,
+                                       int accumulate, unsigned flags)
+{
+    return duet__matmul_lowp_t(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w_data, w_dtype,
+                               N, K, batch, accumulate, flags, -1);
 }
 
 extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
@@ -1344,5 +1397,99 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
     args.D = norm->D;
     args.eps = norm->eps;
     DUET__TRY(duet__gemv_run(stream, M, &args), "norm gemv launch");
+    return DUET_OK;
+}
+
+/* ---- tactics ------------------------------------------------------------------------------ */
+
+extern "C" void duet_cuda_gemm_set_tuner(duet_cuda_gemm_t *g, const duet_tune_t *t)
+{
+    if (g != NULL)
+        g->tuner = t;
+}
+
+extern "C" int duet_cuda_gemm_last_algo(const duet_cuda_gemm_t *g)
+{
+    return g != NULL ? g->last_algo : -1;
+}
+
+extern "C" int duet_cuda_gemm_tunable(duet_dtype_t dtype, int64_t M, int64_t K, unsigned flags)
+{
+    /* the routing of duet_cuda_gemm_matmul for 256-byte aligned, contiguous operands */
+    const void *al = (const void *)(uintptr_t)256;
+    return M >= 1 && K >= 1 && !duet__gemv_fits((const float *)al, K, 0, 1, M, al, dtype, 1, K,
+                                                 flags) &&
+           !duet__tgemv_fits((const float *)al, K, 0, 1, M, al, dtype, 1, K);
+}
+
+/* Make *p at least `bytes` long (contents: a small finite constant in every dtype). */
+static duet_status_t duet__prof_buf(void **p, size_t *have, size_t bytes, cudaStream_t stream)
+{
+    if (*have >= bytes)
+        return DUET_OK;
+    cudaFree(*p);
+    *p = NULL;
+    *have = 0;
+    DUET__TRY(cudaMalloc(p, bytes), "profile cudaMalloc");
+    *have = bytes;
+    /* 0x3c bytes: about 0.0115 as bf16, f16 (1.06) and fp32 alike, never NaN or Inf */
+    DUET__TRY(cudaMemsetAsync(*p, 0x3c, bytes, stream), "profile memset");
+    return DUET_OK;
+}
+
+extern "C" void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g)
+{
+    if (g == NULL)
+        return;
+    cudaFree(g->prof_x); /* cudaFree waits for work still using them */
+    cudaFree(g->prof_w);
+    cudaFree(g->prof_y);
+    g->prof_x = g->prof_w = NULL;
+    g->prof_y = NULL;
+    g->prof_x_bytes = g->prof_w_bytes = g->prof_y_bytes = 0;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                duet_dtype_t dtype, int64_t M, int64_t N,
+                                                int64_t K, unsigned flags, int tactic, int reps,
+                                                double *seconds)
+{
+    if (seconds != NULL)
+        *seconds = NAN;
+    if (g == NULL || seconds == NULL || M < 1 || N < 1 || K < 1 || tactic < 0 || reps < 1 ||
+        duet_dtype_size(dtype) == 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad profile arguments");
+    const size_t es = duet_dtype_size(dtype);
+    duet_status_t st;
+    if ((st = duet__prof_buf(&g->prof_x, &g->prof_x_bytes, (size_t)(M * K) * es, stream)) !=
+            DUET_OK ||
+        (st = duet__prof_buf(&g->prof_w, &g->prof_w_bytes, (size_t)(N * K) * es, stream)) !=
+            DUET_OK ||
+        (st = duet__prof_buf((void **)&g->prof_y, &g->prof_y_bytes,
+                             (size_t)(M * N) * sizeof(float), stream)) != DUET_OK)
+        return st;
+    for (int i = 0; i < 2; i++)
+        if (g->prof_ev[i] == NULL)
+            DUET__TRY(cudaEventCreate(&g->prof_ev[i]), "profile event");
+    const int saved = g->last_algo;
+    /* one untimed call: builds the entry (descriptors, heuristic) and warms the kernel */
+    st = duet__matmul_lowp_t(g, stream, g->prof_y, N, 0, g->prof_x, K, 0, M, g->prof_w, dtype, N,
+                             K, 1, 0, flags, tactic);
+    if (st != DUET_OK) {
+        g->last_algo = saved;
+        return st; /* DUET_ERR_RANGE: no such tactic for the shape */
+    }
+    DUET__TRY(cudaEventRecord(g->prof_ev[0], stream), "profile event record");
+    for (int r = 0; r < reps && st == DUET_OK; r++)
+        st = duet__matmul_lowp_t(g, stream, g->prof_y, N, 0, g->prof_x, K, 0, M, g->prof_w, dtype,
+                                 N, K, 1, 0, flags, tactic);
+    g->last_algo = saved;
+    if (st != DUET_OK)
+        return st;
+    DUET__TRY(cudaEventRecord(g->prof_ev[1], stream), "profile event record");
+    DUET__TRY(cudaEventSynchronize(g->prof_ev[1]), "profile event sync");
+    float ms = 0.0f;
+    DUET__TRY(cudaEventElapsedTime(&ms, g->prof_ev[0], g->prof_ev[1]), "profile elapsed");
+    *seconds = (double)ms * 1e-3 / reps;
     return DUET_OK;
 }

@@ -10,6 +10,11 @@
  * - BF16 compute: rel L2 vs transformers fp32 <= 1.5 x transformers' own bf16 run's rel L2, on
  *   every fixture that has a bf16 run. Our bf16 rounds weights and GEMM inputs to bf16 but keeps
  *   activations, norms, the recurrence and attention in fp32, so it is expected well inside.
+ * - Autotuned (opts.tune: cuBLASLt's algorithm per GEMM shape, kernels/cuda/cuda_gemm.h) vs
+ *   untuned: the tactics agree to fp32 summation order only, so F32 <= 1e-5 rel L2 and identical
+ *   greedy tokens, with the profiled table and with a table that forces other algorithms. BF16
+ *   compute <= 1e-4: there each GEMM rounds its x to bf16, and a summation-order difference of
+ *   ~1e-7 upstream flips the rounding of a few elements by 2^-8 each, a few 1e-5 over a model.
  * - Graph replay vs queued kernels, a mixed batch vs each item alone, the staged copy of a
  *   sequence vs the original: the GPU path is not bit-batch-invariant (cuBLASLt picks algorithms
  *   per row count), so <= 1e-5 rel L2 and identical greedy tokens.
@@ -21,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine/cache.h"
 #include "engine/model.h"
@@ -41,6 +47,8 @@ static int64_t g_logit_rows_cap; /* load(): the models' logit_rows_cap (0: the d
 static int64_t g_max_batch_tokens, g_max_seq_len; /* load(): 0 = 512 */
 static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32;  /* load(): the models' KV pool dtype */
 static int g_dtype_auto;                          /* load(): ask for --dtype auto instead of dt */
+static int g_tune;                                /* load(): opts.tune */
+static const char *g_tune_file;                   /* load(): opts.tune_file */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)
@@ -61,6 +69,8 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     o.mirror_out = mirror_out;
     o.logit_rows_cap = g_logit_rows_cap;
     o.kv_dtype = g_kv_dtype;
+    o.tune = g_tune;
+    o.tune_file = g_tune_file;
     duet_model_t *m = NULL;
     duet_status_t st = duet_model_load(x->dir, &o, &m);
     cr_assert_eq(st, DUET_OK, "%s: load (%s) failed: %s", x->name, duet_model_device_name(dev),
@@ -1000,5 +1010,137 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
         free(longp);
     }
     cr_assert_geq(checked, 1, "no fixture reaches the expanded MLA form (kimi-mla-dims-bf16 does)");
+    free_fixtures(fx, n);
+}
+
+/* ---- autotuning ----------------------------------------------------------------------------- */
+
+/* Read `path` whole (NUL-terminated). */
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    cr_assert_eq(fread(b, 1, (size_t)n, f), (size_t)n);
+    b[n] = '\0';
+    fclose(f);
+    return b;
+}
+
+static void spit(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "%s", path);
+    cr_assert_eq(fwrite(text, 1, strlen(text), f), strlen(text));
+    fclose(f);
+}
+
+/* Prompt logits and greedy tokens of `x` on the GPU with the current g_tune / g_tune_file. */
+static void run_gpu(const fixture_t *x, duet_dtype_t dt, float *lg, int32_t *got)
+{
+    duet_model_t *m = load(x, DUET_DEVICE_CUDA, dt, 1, 0, 0);
+    const int64_t V = x->vocab, np = x->n_prompt;
+    duet_seq_t sq;
+    cr_assert_eq(duet_model_seq_open(m, np + x->n_greedy, &sq), DUET_OK);
+    prefill_all(m, &sq, x->prompt, np, lg);
+    float *last = malloc(sizeof(float) * (size_t)V);
+    memcpy(last, lg + (np - 1) * V, sizeof(float) * (size_t)V);
+    greedy(m, &sq, last, V, got, x->n_greedy);
+    free(last);
+    duet_model_free(m);
+}
+
+/*
+ * A model loaded with tune on gives the untuned model's logits (to 1e-5 rel L2 in F32, 1e-4 in
+ * BF16: see the top of the file) and its greedy tokens: profiled (saving the table), loaded from
+ * the saved file, and from that file with every tactic moved to the next one (so algorithms other
+ * than cuBLASLt's first run wherever a shape has more than one; an index past a call's count falls
+ * back to algo 0). A file whose machine line names another GPU fails the load. F32 and BF16
+ * compute.
+ */
+Test(engine_cuda, tuned_equals_untuned, .timeout = 900)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    cr_assert_geq(n, 1);
+    char path[] = "/tmp/duet_test_cuda_tune_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    for (int i = 0; i < 2 * n; i++) {
+        const fixture_t *x = &fx[i % n];
+        const duet_dtype_t dt = i < n ? DUET_DTYPE_F32 : DUET_DTYPE_BF16;
+        const int64_t V = x->vocab, np = x->n_prompt;
+        float *l0 = malloc(sizeof(float) * (size_t)(np * V)),
+              *l1 = malloc(sizeof(float) * (size_t)(np * V));
+        int32_t t0[64], t1[64];
+        run_gpu(x, dt, l0, t0);
+        unlink(path); /* no file: profile, then save */
+        g_tune = 1;
+        g_tune_file = path;
+        for (int pass = 0; pass < 3; pass++) {
+            if (pass == 2) { /* every tactic + 1 (mod 4) */
+                char *text = slurp(path);
+                for (char *p = strchr(text, '\n'); p != NULL && p[1] != '\0';
+                     p = strchr(p + 1, '\n')) {
+                    char *end = strchr(p + 1, '\n');
+                    cr_assert_not_null(end);
+                    char *d = end - 1; /* the tactic: one digit, 0-3 */
+                    cr_assert(*d >= '0' && *d <= '3' && d[-1] == ' ', "%s", text);
+                    *d = (char)('0' + (*d - '0' + 1) % 4);
+                }
+                spit(path, text);
+                free(text);
+            }
+            run_gpu(x, dt, l1, t1);
+            double e = rel_l2(l1, l0, np * V);
+            printf("cuda tune %-30s %s %s: prompt logits rel L2 vs untuned %.3g\n", x->name,
+                   duet_dtype_name(dt),
+                   pass == 0   ? "profiled    "
+                   : pass == 1 ? "from file   "
+                               : "tactics + 1 ",
+                   e);
+            const double tol = dt == DUET_DTYPE_F32 ? 1e-5 : 1e-4;
+            cr_expect_leq(e, tol, "%s %s pass %d: rel L2 %g (bound %g)", x->name,
+                          duet_dtype_name(dt), pass, e, tol);
+            for (int64_t t = 0; t < x->n_greedy; t++)
+                cr_expect_eq(t1[t], t0[t], "%s %s pass %d: greedy token %lld: %d vs %d", x->name,
+                             duet_dtype_name(dt), pass, (long long)t, t1[t], t0[t]);
+        }
+        if (i == 0) {
+            char *text = slurp(path);
+            printf("cuda tune: the table of %s (%s):\n%s", x->name, duet_dtype_name(dt), text);
+            /* the machine line names this GPU: another's is refused */
+            char *nl = strchr(text, '\n');
+            cr_assert_not_null(nl);
+            char other[4096];
+            snprintf(other, sizeof(other), "duet-tune 1 Some Other GPU cuda%s", nl);
+            spit(path, other);
+            duet_model_opts_t o;
+            duet_model_opts_default(&o);
+            o.max_seqs = 4;
+            o.max_seq_len = 512;
+            o.max_batch_tokens = 512;
+            o.page_tokens = 16;
+            o.device = DUET_DEVICE_CUDA;
+            o.tune = 1;
+            o.tune_file = path;
+            duet_model_t *m = NULL;
+            duet_status_t st = duet_model_load(x->dir, &o, &m);
+            cr_expect_eq(st, DUET_ERR_FORMAT, "another GPU's file: %s", duet_status_name(st));
+            cr_expect_not_null(strstr(duet_error_last(), "made on"), "%s", duet_error_last());
+            cr_expect_null(m);
+            free(text);
+        }
+        g_tune = 0;
+        g_tune_file = NULL;
+        free(l0);
+        free(l1);
+    }
+    unlink(path);
     free_fixtures(fx, n);
 }

@@ -8,7 +8,8 @@
  *    table the same and equal to an argmin computed here from the cost model (ties: lowest
  *    tactic), and to the N = 1 run; ranks that registered other candidates all fail.
  *  - The file: save -> load round trip, and malformed files refused with DUET_ERR_FORMAT naming the
- *    line; in a group, every rank loads or every rank profiles (duet_tune_load_group).
+ *    line; the ops' names, and a table of both ops (cuda_gemm's lines, its 4 tactics' range); in a
+ * group, every rank loads or every rank profiles (duet_tune_load_group).
  *  - The CPU matmul's tactics: every tactic gives the bits of the default split, on odd shapes,
  *    every weight dtype, each ISA path this CPU has.
  *  - The engine option: a model loaded with tune on (profiling, then from the saved file, then
@@ -362,6 +363,70 @@ Test(tune, m_buckets)
 
 /* ---- the file ------------------------------------------------------------------------------- */
 
+/* Saved files name the op: the names are the file format's, and stay what they are. */
+Test(tune, op_names)
+{
+    cr_assert_str_eq(duet_tune_op_name(DUET_TUNE_OP_CPU_MATMUL), "cpu_matmul");
+    cr_assert_str_eq(duet_tune_op_name(DUET_TUNE_OP_CUDA_GEMM), "cuda_gemm");
+    cr_assert_null(duet_tune_op_name(DUET_TUNE_OP_COUNT));
+    cr_assert_null(duet_tune_op_name(-1));
+}
+
+/* A tuner of both ops (the CUDA backend's holds cuda_gemm with its 4 cuBLASLt tactics): lines of
+ * each op load, save in key order (cpu_matmul's first: op is the key's first field) and load back;
+ * a cuda_gemm tactic past 3 is refused, and the op of a line is part of its shape. */
+Test(tune, cuda_gemm_lines)
+{
+    duet_tune_space_t sp = {0};
+    sp.n_tactics[DUET_TUNE_OP_CPU_MATMUL] = N_TAC;
+    sp.n_tactics[DUET_TUNE_OP_CUDA_GEMM] = 4;
+    duet_tune_t *t = NULL, *u = NULL;
+    cr_assert_eq(duet_tune_create(&sp, "NVIDIA H200 cuda", &t), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_tune_create(&sp, "NVIDIA H200 cuda", &u), DUET_OK, "%s", duet_error_last());
+    const char text[] = "duet-tune 1 NVIDIA H200 cuda\n"
+                        "cuda_gemm BF16 65+ 4096 2048 3\n"
+                        "cpu_matmul BF16 65+ 4096 2048 7\n"
+                        "cuda_gemm F32 9-16 128 64 1\n";
+    cr_assert_eq(duet_tune_load_text(t, text, strlen(text), "t"), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_tune_count(t), 3);
+    duet_tune_key_t kg = {
+        .op = DUET_TUNE_OP_CUDA_GEMM, .dtype = DUET_DTYPE_BF16, .m = 5, .n = 4096, .k = 2048};
+    duet_tune_key_t kc = kg, kf = {.op = DUET_TUNE_OP_CUDA_GEMM,
+                                   .dtype = DUET_DTYPE_F32,
+                                   .m = 3,
+                                   .n = 128,
+                                   .k = 64};
+    kc.op = DUET_TUNE_OP_CPU_MATMUL;
+    cr_assert_eq(duet_tune_get(t, &kg), 3);
+    cr_assert_eq(duet_tune_get(t, &kc), 7);
+    cr_assert_eq(duet_tune_get(t, &kf), 1);
+    kf.m = 2; /* another bucket: no entry */
+    cr_assert_eq(duet_tune_get(t, &kf), -1);
+    duet_tune_key_t k0;
+    int tac;
+    duet_tune_entry(t, 0, &k0, &tac);
+    cr_assert_eq(k0.op, DUET_TUNE_OP_CPU_MATMUL);
+
+    char path[] = "/tmp/duet_test_tune_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    cr_assert_eq(duet_tune_save(t, path), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_tune_load(u, path), DUET_OK, "%s", duet_error_last());
+    cr_assert_eq(duet_tune_count(u), 3);
+    cr_assert_eq(duet_tune_get(u, &kg), 3);
+    cr_assert_eq(duet_tune_get(u, &kc), 7);
+    unlink(path);
+
+    const char past[] = "duet-tune 1 NVIDIA H200 cuda\ncuda_gemm BF16 65+ 4096 2048 4\n";
+    cr_assert_eq(duet_tune_load_text(u, past, strlen(past), "past"), DUET_ERR_FORMAT);
+    cr_assert_not_null(strstr(duet_error_last(), "line 2: tactic out of range"), "%s",
+                       duet_error_last());
+    cr_assert_eq(duet_tune_get(u, &kg), 3, "a refused file left the table as it was");
+    duet_tune_destroy(t);
+    duet_tune_destroy(u);
+}
+
 static double by_cost(void *user, const duet_tune_key_t *key, int tactic)
 {
     (void)user;
@@ -417,7 +482,9 @@ Test(tune, malformed_files_refused)
         {"duet-tune 1 another machine\n", "wrong machine", "line 1: made on"},
         {"duet-tune 1\n", "no machine", "line 1: made on"},
         {"tune 1 test machine 1\n", "no magic", "line 1"},
-        {"duet-tune 1 test machine 1\ncuda_gemm F32 1 16 32 3\n", "unknown op",
+        {"duet-tune 1 test machine 1\ncuda_gemm F32 1 16 32 3\n", "op not in this tuner",
+         "line 2: unknown op"},
+        {"duet-tune 1 test machine 1\nrocm_gemm F32 1 16 32 3\n", "unknown op",
          "line 2: unknown op"},
         {"duet-tune 1 test machine 1\ncpu_matmul F64 1 16 32 3\n", "unknown dtype",
          "line 2: unknown dtype"},
