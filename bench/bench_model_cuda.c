@@ -6,7 +6,7 @@
  *
  *   duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64] [--context 2048,32768]
  *                         [--steps 20] [--prefill 2048,8192] [--dtype bf16|f32] [--kv bf16|f32]
- *                         [--tune [--tune_file PATH]]
+ *                         [--tune [--tune_file PATH]] [--verify 1,2,3,4]
  *
  * Decode: B sequences are opened with C tokens of context "filled" (device pools hold random
  * KV and state, which costs the same to read as real ones), then `steps` decode steps run with
@@ -16,6 +16,15 @@
  * the KDA states read and written) divided by the device-to-device copy bandwidth measured in
  * the same run (bytes read + written per second). Experts touched per layer at batch B are the
  * expectation under uniform routing, E·(1 − (1 − k/E)^B).
+ * Verify (--verify K_LIST, speculative decoding): the model is loaded with spec_rows = max k + 1
+ * (model.h "Speculative decoding"). At each batch and context, right after its decode
+ * measurement on the same sequences, each k of the list rolls every sequence back to C tokens
+ * (duet_model_seq_truncate) and runs `steps` steps in which every sequence carries one verify
+ * item of k + 1 random tokens, the logits of every row copied to the host (pageable memory, as
+ * duet-gen's), then keeps one row (duet_model_seq_accept 1, the least a step keeps, so that each
+ * step also folds one replay row in, as a serving loop's do). Context grows one token per step, as
+ * in decode. The median time per step (forward + accepts) is reported with its ratio to the
+ * decode step's.
  * Prefill: one sequence of P tokens in one forward call; tokens/s, and the step's GEMM FLOPs
  * (2 · active matrix parameters · P) per second against a cuBLASLt bf16 GEMM of the model's
  * largest projection shape at M = P timed in the same run.
@@ -71,6 +80,57 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* xorshift64*: the verify items' stand-in tokens */
+static uint64_t rng_next(uint64_t *x)
+{
+    *x ^= *x >> 12;
+    *x ^= *x << 25;
+    *x ^= *x >> 27;
+    return *x * 2685821657736338717ull;
+}
+
+/*
+ * One verify measurement (see the header): roll the B sequences back to C tokens with KDA state
+ * `state`, then 3 warm-up and `steps` timed steps of one verify item of k + 1 random tokens per
+ * sequence (logits of every row into `logits`, B * (k + 1) * vocab floats), each followed by
+ * duet_model_seq_accept(1) for every sequence. The sequences must have room for C + steps + 3 + k
+ * tokens. Returns the median seconds per step (forward + accepts), or -1 after printing the error.
+ */
+static double verify_step_s(duet_model_t *m, duet_seq_t *seqs, int64_t B, int64_t C, int64_t k,
+                            int64_t steps, const void *state, duet_batch_item_t *items,
+                            int32_t *tok, float *logits, double *ts, uint64_t *rng)
+{
+    const int64_t V = duet_model_config(m)->vocab_size, rows = k + 1;
+    duet_status_t st = DUET_OK;
+    for (int64_t s = 0; s < B && st == DUET_OK; s++)
+        st = duet_model_seq_truncate(m, &seqs[s], C, state);
+    for (int64_t it = -3; it < steps && st == DUET_OK; it++) {
+        for (int64_t s = 0; s < B; s++) {
+            for (int64_t r = 0; r < rows; r++)
+                tok[s * rows + r] = (int32_t)(rng_next(rng) % (uint64_t)V);
+            items[s] = (duet_batch_item_t){.seq = &seqs[s],
+                                           .tokens = &tok[s * rows],
+                                           .n_tokens = rows,
+                                           .logits_mode = DUET_LOGITS_ALL,
+                                           .logits = logits + (size_t)(s * rows) * (size_t)V,
+                                           .verify = 1};
+        }
+        double a = now_s();
+        st = duet_model_forward(m, items, B);
+        for (int64_t s = 0; s < B && st == DUET_OK; s++)
+            st = duet_model_seq_accept(m, &seqs[s], 1);
+        if (it >= 0)
+            ts[it] = now_s() - a;
+    }
+    if (st != DUET_OK) {
+        fprintf(stderr, "verify B=%lld C=%lld k=%lld: %s\n", (long long)B, (long long)C,
+                (long long)k, duet_error_last());
+        return -1;
+    }
+    qsort(ts, (size_t)steps, sizeof(double), cmp_d);
+    return ts[steps / 2];
+}
+
 /* Parameters of every matrix a token's forward reads, split into always-read and per-expert. */
 static void count_params(const duet_model_config_t *c, double *dense, double *expert, double *embed)
 {
@@ -100,8 +160,8 @@ int main(int argc, char **argv)
     const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16", *tune_file = NULL;
     int tune = 0;
     int64_t layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
-            pre[MAX_LIST] = {2048, 8192};
-    int n_batch = 3, n_ctx = 2, n_pre = 2;
+            pre[MAX_LIST] = {2048, 8192}, vk[MAX_LIST];
+    int n_batch = 3, n_ctx = 2, n_pre = 2, n_vk = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (duet_version_flag(a)) {
@@ -112,6 +172,7 @@ int main(int argc, char **argv)
             printf("usage: duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64]\n"
                    "       [--context 2048,32768] [--steps 20] [--prefill 2048,8192]\n"
                    "       [--dtype bf16|f32] [--kv bf16|f32] [--tune [--tune_file PATH]]\n"
+                   "       [--verify K_LIST]\n"
                    "Decode step time vs the memory roofline and prefill tok/s vs the cuBLASLt\n"
                    "GEMM rate of a model with DIR/config.json's dimensions and random weights\n"
                    "generated on the GPU. JSON lines on stdout. --prefill 0 skips prefill,\n"
@@ -120,7 +181,12 @@ int main(int argc, char **argv)
                    "of cuBLASLt's first 4 algorithms; the load time includes the profiling);\n"
                    "--tune_file PATH (implies --tune) loads that table if it exists, else\n"
                    "profiles and saves it there.\n"
-                   "Every line says \"tuned\": run with and without --tune to compare.\n");
+                   "Every line says \"tuned\": run with and without --tune to compare.\n"
+                   "--verify 1,2,4 (speculative decoding) loads the model with spec_rows =\n"
+                   "max k + 1 and, after each decode measurement, times steps where every\n"
+                   "sequence verifies k random drafts (k + 1 rows, all logits to the host)\n"
+                   "and keeps one row, at the same batch and context: {\"bench\":\"verify\",\n"
+                   "...,\"ms\",\"decode_ms\",\"ratio\"} per k. Needs --batch.\n");
             return 0;
         }
         if (strcmp(a, "--tune") == 0) {
@@ -148,6 +214,8 @@ int main(int argc, char **argv)
             bad = (n_ctx = parse_list(v, ctx, MAX_LIST)) <= 0;
         else if (strcmp(a, "--prefill") == 0)
             bad = strcmp(v, "0") == 0 ? (n_pre = 0) : (n_pre = parse_list(v, pre, MAX_LIST)) < 0;
+        else if (strcmp(a, "--verify") == 0)
+            bad = (n_vk = parse_list(v, vk, MAX_LIST)) <= 0;
         else if (strcmp(a, "--dtype") == 0)
             bad = strcmp(dtype = v, "bf16") != 0 && strcmp(v, "f32") != 0;
         else if (strcmp(a, "--kv") == 0)
@@ -163,6 +231,11 @@ int main(int argc, char **argv)
     }
     if (cfg_dir == NULL) {
         fprintf(stderr, "duet-bench-model-cuda: --config DIR is required (see --help)\n");
+        return 2;
+    }
+    if (n_vk > 0 && n_batch == 0) {
+        fprintf(stderr, "duet-bench-model-cuda: --verify measures at the --batch sizes: not with "
+                        "--batch 0\n");
         return 2;
     }
     duet_model_config_t cfg;
@@ -201,6 +274,12 @@ int main(int argc, char **argv)
         max_c = ctx[i] > max_c ? ctx[i] : max_c;
     for (int i = 0; i < n_pre; i++)
         max_p = pre[i] > max_p ? pre[i] : max_p;
+    int64_t max_k = 0;
+    for (int i = 0; i < n_vk; i++)
+        max_k = vk[i] > max_k ? vk[i] : max_k;
+    const int64_t spec_rows = n_vk > 0 ? max_k + 1 : 0;
+    /* a sequence is opened at C + room: the warm-up and timed steps, and a verify item past them */
+    const int64_t room = steps + 8 + spec_rows;
 
     duet_model_opts_t o;
     duet_model_opts_default(&o);
@@ -209,10 +288,14 @@ int main(int argc, char **argv)
     o.kv_dtype = kvb == 2 ? DUET_DTYPE_BF16 : DUET_DTYPE_F32;
     o.page_tokens = 64;
     o.max_seqs = max_b;
-    o.max_seq_len = (n_batch > 0 ? max_c : 0) + steps + 16 > max_p
-                        ? (n_batch > 0 ? max_c : 0) + steps + 16
-                        : max_p;
-    o.max_batch_tokens = max_p > max_b ? max_p : max_b;
+    o.max_seq_len =
+        (n_batch > 0 ? max_c : 0) + room + 8 > max_p ? (n_batch > 0 ? max_c : 0) + room + 8 : max_p;
+    /* a step carries one prefill, one decode row per sequence, or one verify item per sequence;
+     * spec_rows <= max_batch_tokens and <= max_seq_len (model.h) follow */
+    o.max_batch_tokens = max_p > max_b * (spec_rows > 0 ? spec_rows : 1)
+                             ? max_p
+                             : max_b * (spec_rows > 0 ? spec_rows : 1);
+    o.spec_rows = spec_rows;
     /* the pool holds max_b sequences of the longest context, or one prefill */
     o.kv_pages = (o.max_seq_len + o.page_tokens - 1) / o.page_tokens * max_b;
     o.tune = tune || tune_file != NULL; /* --tune_file implies --tune */
@@ -243,8 +326,23 @@ int main(int argc, char **argv)
         3.0 * c->kda_heads * c->kda_head_dim * (c->conv_kernel - 1) * 4.0;
     const double kv_row_bytes = (double)(c->kv_lora_rank + c->qk_rope_head_dim) * (double)kvb;
 
-    /* 2. decode */
+    /* 2. decode, and verify: its host buffers sized for the largest step, and the KDA state that
+     * sequences roll back to between verify measurements */
     int rc = 0;
+    const size_t state_bytes = duet_model_seq_state_bytes(m);
+    int32_t *vtok = NULL;
+    float *vlogits = NULL;
+    void *state = NULL;
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    if (n_vk > 0) {
+        vtok = malloc(sizeof(int32_t) * (size_t)(max_b * spec_rows));
+        vlogits = malloc(sizeof(float) * (size_t)(max_b * spec_rows) * (size_t)c->vocab_size);
+        state = state_bytes > 0 ? malloc(state_bytes) : NULL;
+        if (vtok == NULL || vlogits == NULL || (state_bytes > 0 && state == NULL)) {
+            fprintf(stderr, "duet-bench-model-cuda: no host memory for the verify logits\n");
+            return 1;
+        }
+    }
     for (int ic = 0; ic < n_ctx && n_batch > 0; ic++)
         for (int ib = 0; ib < n_batch; ib++) {
             const int64_t B = batch[ib], C = ctx[ic];
@@ -257,7 +355,7 @@ int main(int argc, char **argv)
             for (int64_t s = 0; s < B; s++)
                 seqs[s].id = -1;
             for (int64_t s = 0; s < B && ok; s++) {
-                ok = duet_model_seq_open(m, C + steps + 8, &seqs[s]) == DUET_OK &&
+                ok = duet_model_seq_open(m, C + room, &seqs[s]) == DUET_OK &&
                      duet_model_seq_set_filled(m, &seqs[s], C) == DUET_OK;
                 tok[s] = (int32_t)((s * 7919) % c->vocab_size);
             }
@@ -275,6 +373,13 @@ int main(int argc, char **argv)
                                               98, 0.05f, 0.0f) != DUET_OK) ||
                        cudaDeviceSynchronize() != cudaSuccess))
                 ok = 0, rc = 1;
+            /* every sequence rolls back to seq 0's state at C: their contents are random
+             * stand-ins, so any state of the right shape costs the same */
+            if (ok && n_vk > 0 && duet_model_seq_state_save(m, &seqs[0], state) != DUET_OK) {
+                fprintf(stderr, "verify B=%lld C=%lld: %s\n", (long long)B, (long long)C,
+                        duet_error_last());
+                ok = 0, rc = 1;
+            }
             for (int64_t it = -3; it < steps && ok; it++) {
                 for (int64_t s = 0; s < B; s++)
                     items[s] = (duet_batch_item_t){.seq = &seqs[s],
@@ -321,6 +426,22 @@ int main(int argc, char **argv)
                 fflush(stdout);
                 fprintf(stderr, "decode B=%lld C=%lld: %.3f ms/step (roofline %.3f ms, %.0f%%)\n",
                         (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
+                for (int iv = 0; iv < n_vk; iv++) {
+                    const double vs = verify_step_s(m, seqs, B, C, vk[iv], steps, state, items,
+                                                    vtok, vlogits, ts, &rng);
+                    if (vs < 0) {
+                        rc = 1;
+                        break;
+                    }
+                    printf("{\"bench\":\"verify\",\"layers\":%lld,\"B\":%lld,\"C\":%lld,\"k\":%lld,"
+                           "\"ms\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,\"dtype\":\"%s\","
+                           "\"tuned\":%s}\n",
+                           (long long)c->num_layers, (long long)B, (long long)C, (long long)vk[iv],
+                           vs * 1e3, med * 1e3, vs / med, dtype, o.tune ? "true" : "false");
+                    fflush(stdout);
+                    fprintf(stderr, "verify B=%lld C=%lld k=%lld: %.3f ms/step (%.2fx decode)\n",
+                            (long long)B, (long long)C, (long long)vk[iv], vs * 1e3, vs / med);
+                }
             }
             for (int64_t s = 0; s < B; s++)
                 if (seqs[s].id >= 0)
@@ -331,6 +452,9 @@ int main(int argc, char **argv)
             free(out);
             free(ts);
         }
+    free(vtok);
+    free(vlogits);
+    free(state);
 
     /* 3. prefill, against the GEMM rate of the largest projection at M = P */
     duet_cuda_gemm_t *g = NULL;
