@@ -31,12 +31,38 @@ typedef struct {
      * 2^-24); 0: fp32 FMA. The engine sets it for BF16 compute, where the rest of the step
      * rounds far more coarsely. */
     int tc;
+    /* The KDA replay pool (speculative decoding; common/cache_layout.h, fp32): replay_rows rows
+     * per (slot, KDA layer), kda_n_layers layers per slot, each row (6*H*K + H) floats. NULL:
+     * none, and the step has no verify items nor replay rows. */
+    float *replay_base;
+    int64_t replay_rows;
 } duet_cuda_kda_layer_t;
+
+/*
+ * Verify items (speculative decoding; st->item_verify, the CPU reference kernels/cpu/cpu_kda.h):
+ * a verify item's rows read the committed state and window and leave them as they are. The conv
+ * writes its rows' pre-conv projections to its replay rows instead of rolling the window; the core
+ * runs the recurrent form row after row on a register copy of S (each row the same arithmetic as
+ * a one-token step of the recurrent kernel and the decode chain, which are bit-identical) and
+ * writes its rows' k, v, g, β to the replay rows. duet_cuda_kda_replay later folds accepted rows
+ * in with the same arithmetic, so S and the windows end as that many one-token steps over the
+ * stored rows would leave them, bit for bit.
+ */
+
+/*
+ * Fold every item's st->item_replay[i] accepted rows (rows 0.. of its replay block) into its state,
+ * in every KDA layer of the pool (ly->kda_n_layers) in one launch (ly->layer is ignored): the
+ * recurrent form over their k, v, g, β on S, then each window keeps the last W-1 of (window, the
+ * rows' projections). Items with none are left alone; does nothing without st->item_replay.
+ */
+duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cuda_step_t *st,
+                                   const duet_cuda_kda_layer_t *ly);
 
 /*
  * Causal depthwise conv + SiLU of every item's rows: qkv[row][ch] = SiLU(Σ_j taps[ch][j] ·
  * u[t - (W-1) + j][ch]) where u is the item's conv window (W-1 earlier pre-conv inputs) followed
- * by its proj rows; then the window keeps the last W-1 pre-conv inputs. taps: fp32 [3*H*K][W].
+ * by its proj rows; then the window keeps the last W-1 pre-conv inputs (a verify item's stays and
+ * its proj rows go to its replay rows). taps: fp32 [3*H*K][W].
  * Supports W <= 8 and K <= 128 (DUET_ERR_UNSUPPORTED otherwise).
  */
 duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
@@ -55,7 +81,8 @@ duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
 /*
  * The delta-rule core of every (item, head): reads q, k, v from qkv, g, beta; writes o
  * [n_rows][H*K]; updates the item's state S in the pool. Items with one new token use the
- * recurrent form, longer items the chunked form (chunks of 64), as the CPU path does; both are
+ * recurrent form, longer items the chunked form (chunks of 64), as the CPU path does (a verify
+ * item the recurrent form on a copy of S, its k, v, g, β to its replay rows); both are
  * the same function. `scratch` has duet_cuda_kda_scratch_bytes(max_items, max_rows, H, K) bytes
  * for steps of at most max_items items and max_rows rows (about 148 KB per 64 rows and head at
  * K = 128): there the chunked form leaves, for every chunk in parallel, everything that does not
@@ -85,11 +112,11 @@ typedef struct {
  * The mixer after its projections, in one call: conv, prep, core and out with the arguments the
  * four calls above take (n_rows = st->n_rows). Same results and the same buffers written: qkv
  * (from proj), g and beta (prepared in place), o (normed and gated), the items' S and windows.
- * A pure decode step (st->max_item_tokens == 1) of at most 768 (item, head) pairs on a device
- * with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four calls and
- * more than twice as fast at batch 1; anything else runs the four calls, which are faster from a
- * few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS).
- * Needs K a multiple of 16 in [16, 128] and W <= 8 (DUET_ERR_UNSUPPORTED otherwise).
+ * A pure decode step (st->max_item_tokens == 1, no verify item) of at most 768 (item, head) pairs
+ * on a device with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four
+ * calls and more than twice as fast at batch 1; anything else runs the four calls, which are faster
+ * from a few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS). Needs K a multiple of 16
+ * in [16, 128] and W <= 8 (DUET_ERR_UNSUPPORTED otherwise).
  */
 duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,
                                   const duet_cuda_kda_layer_t *ly, const duet_cuda_kda_weights_t *w,

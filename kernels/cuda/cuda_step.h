@@ -22,7 +22,8 @@
 typedef struct {
     int32_t n_items;           /* host value */
     int32_t n_rows;            /* host value: sum of the items' new tokens */
-    int32_t max_item_tokens;   /* host value: >= every item's new tokens (1 = pure decode) */
+    int32_t max_item_tokens;   /* host value: >= every item's new tokens, verify items aside
+                                  (1 = decode and verify items only) */
     int32_t max_split_rows;    /* host value: MLA split-KV splits items of at most this many
                                   new tokens (and at most DUET_SPLITKV_MAX_ROWS), and sizes its
                                   partials by it: 1 = decode items, 0 = none */
@@ -33,6 +34,10 @@ typedef struct {
     int32_t max_pages;         /* host value: row stride of item_pages */
     const int32_t *row_item;   /* [n_rows] item of each row */
     const int32_t *row_pos;    /* [n_rows] position of the row's token in its sequence */
+    /* Speculative decoding (both NULL without a replay pool): */
+    const int32_t *item_verify; /* [n_items] nonzero: a verify item (cuda_kda.h "Verify items") */
+    const int32_t *item_replay; /* [n_items] accepted rows to fold into the item's state first */
+    int32_t any_verify;         /* host value: some item of the step is a verify item */
 } duet_cuda_step_t;
 
 #endif

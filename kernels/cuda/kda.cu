@@ -158,6 +158,20 @@ __device__ static inline float *duet__kda_block(const duet_cuda_kda_layer_t &ly,
     return ly.kda_base + ((int64_t)slot * ly.kda_n_layers + ly.layer) * ly.kda_layer_floats;
 }
 
+/* Row `row` of (slot, KDA layer `layer`)'s replay block: [proj 3HK | k HK | v HK | g HK | β H]
+ * (common/cache_layout.h, DUET_REPLAY_FIELD_*). */
+__device__ static inline float *duet__kda_replay_row(const duet_cuda_kda_layer_t &ly, int32_t slot,
+                                                     int64_t layer, int64_t row)
+{
+    const int64_t RF = 6 * ly.H * ly.K + ly.H;
+    return ly.replay_base + (((int64_t)slot * ly.kda_n_layers + layer) * ly.replay_rows + row) * RF;
+}
+
+__device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, int64_t it)
+{
+    return st.item_verify != NULL && st.item_verify[it] != 0;
+}
+
 /* ---- conv --------------------------------------------------------------------------------- */
 
 /* qkv[row][ch] = SiLU(Σ_j taps[ch][j] · u[t-(W-1)+j][ch]); u is the window then the item's rows.
@@ -232,7 +246,8 @@ __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_
     }
 }
 
-/* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1). */
+/* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1); a verify item's
+ * inputs go to its replay rows instead. */
 __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
                                                const float *proj)
 {
@@ -244,6 +259,12 @@ __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kd
         return;
     for (int64_t it = blockIdx.y; it < st.n_items; it += gridDim.y) {
         const int64_t r0 = st.item_row0[it], n = st.item_row0[it + 1] - r0;
+        if (duet__kda_is_verify(st, it)) { /* the window stays; the inputs go to replay rows */
+            for (int64_t t = 0; t < n; t++)
+                duet__kda_replay_row(ly, st.item_slot[it], ly.layer, t)[ch] =
+                    proj[(r0 + t) * C3 + ch];
+            continue;
+        }
         float *win = duet__kda_block(ly, st.item_slot[it]) + ly.H * ly.K * ly.K + ch * (W - 1);
         float old[DUET_KDA_MAX_W];
         for (int64_t j = 0; j < W - 1; j++)
@@ -273,7 +294,7 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel, grid, dim3(th), 0, stream, *st, *ly, taps,
                               proj, qkv, R),
               "conv launch");
-    if (ly->W > 1) {
+    if (ly->W > 1 || st->any_verify) {
         dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
         DUET__TRY(
             duet_pdl_launch(duet__kda_window_kernel, wgrid, dim3(th), 0, stream, *st, *ly, proj),
@@ -448,7 +469,7 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
     /* The step's metadata is written before the step: it may be read ahead of the wait. */
     const int64_t row = a.st.item_row0[it];
-    const bool one = a.st.item_row0[it + 1] - row == 1;
+    const bool one = a.st.item_row0[it + 1] - row == 1 && !duet__kda_is_verify(a.st, it);
     __shared__ float sq[K], sk[K], se[K];
     __shared__ float red[3][DUET_KDA_RY][33];
     const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
@@ -481,6 +502,189 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     if (ty == 0)
         a.o[row * HK + h * K + x] = qs + u * kq;
     duet__kda_state_store<RPT>(S, V, x, ty, s, sk, u);
+}
+
+/*
+ * n rows of the recurrence on the block's columns of S, held in s (the recurrent kernel's thread
+ * layout), left in s: per row the recurrent kernel's arithmetic, so each row is a one-token step
+ * bit for bit. Row t's q, k, v are at q/k/v + t·ls, g at g + t·lg, β at beta[t·lb]; its output
+ * to o + t·lo (o NULL: none). Every thread of the block calls it (barriers inside).
+ */
+template <int K>
+static __device__ __forceinline__ void
+duet__kda_recur_rows(float (&s)[K / DUET_KDA_RY], int64_t n, const float *q, const float *k,
+                     const float *v, int64_t ls, const float *g, int64_t lg, const float *beta,
+                     int64_t lb, float *o, int64_t lo, float *sq, float *sk, float *se,
+                     float (&red)[3][DUET_KDA_RY][33], int tx, int ty, int x, bool active)
+{
+    constexpr int RPT = K / DUET_KDA_RY;
+    const int tid = ty * 32 + tx;
+    for (int64_t t = 0; t < n; t++) {
+        for (int d = tid; d < K; d += 32 * DUET_KDA_RY) {
+            sq[d] = q[t * ls + d];
+            sk[d] = k[t * ls + d];
+            se[d] = expf(g[t * lg + d]);
+        }
+        __syncthreads();
+        float kv, qs, kq;
+        duet__kda_decay_dots<RPT>(s, se, sk, sq, red, tx, ty, &kv, &qs, &kq);
+        const float u = active ? beta[t * lb] * (v[t * ls + x] - kv) : 0.0f;
+        if (o != NULL && active && ty == 0)
+            o[t * lo + x] = qs + u * kq;
+#pragma unroll
+        for (int r = 0; r < RPT; r++) {
+            const int d = ty + DUET_KDA_RY * r;
+            s[r] = s[r] + sk[d] * u; /* duet__kda_state_store's value */
+        }
+        __syncthreads(); /* sq, sk, se and red are rewritten for the next row */
+    }
+}
+
+/* Verify items: the recurrent kernel's block layout; S is read, never written; block y = 0 also
+ * writes the rows' k, v, g, β to the replay rows (the conv's window kernel wrote their proj). */
+template <int K>
+__global__ static void __launch_bounds__(32 * DUET_KDA_RY)
+    duet__kda_verify_kernel(duet__kda_core_args_t a)
+{
+    constexpr int V = K, RPT = K / DUET_KDA_RY;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int64_t row = a.st.item_row0[it], n = a.st.item_row0[it + 1] - row;
+    const bool verify = duet__kda_is_verify(a.st, it);
+    __shared__ float sq[K], sk[K], se[K];
+    __shared__ float red[3][DUET_KDA_RY][33];
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int x = blockIdx.y * 32 + tx;
+    const bool active = x < V;
+    const int32_t slot = a.st.item_slot[it];
+    const float *S = duet__kda_block(a.ly, slot) + h * K * V;
+    duet_pdl_wait(); /* qkv, g, beta */
+    duet_pdl_trigger();
+    if (!verify)
+        return;
+    float s[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; r++)
+        s[r] = active ? S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] : 0.0f;
+    const float *q = a.qkv + row * C3 + h * K;
+    duet__kda_recur_rows<K>(s, n, q, q + HK, q + 2 * HK, C3, a.g + row * HK + h * K, HK,
+                            a.beta + row * H + h, H, a.o + row * HK + h * K, HK, sq, sk, se, red,
+                            tx, ty, x, active);
+    if (blockIdx.y != 0)
+        return;
+    for (int64_t t = 0; t < n; t++) {
+        float *rr = duet__kda_replay_row(a.ly, slot, a.ly.layer, t);
+        const int64_t r = row + t;
+        for (int d = tid; d < K; d += 32 * DUET_KDA_RY) {
+            rr[3 * HK + h * K + d] = a.qkv[r * C3 + HK + h * K + d];
+            rr[4 * HK + h * K + d] = a.qkv[r * C3 + 2 * HK + h * K + d];
+            rr[5 * HK + h * K + d] = a.g[r * HK + h * K + d];
+        }
+        if (tid == 0)
+            rr[6 * HK + h] = a.beta[r * H + h];
+    }
+}
+
+/* Block (item·H + h, column slice of 32, KDA layer): fold the item's accepted rows into S, then
+ * (block y = 0) roll the head's q, k, v windows over their projections. */
+template <int K>
+__global__ static void __launch_bounds__(32 * DUET_KDA_RY)
+    duet__kda_replay_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly)
+{
+    constexpr int V = K, RPT = K / DUET_KDA_RY;
+    const int64_t H = ly.H, HK = H * K, W1 = ly.W - 1, RF = 6 * HK + H;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H, layer = blockIdx.z;
+    __shared__ float sq[K], sk[K], se[K];
+    __shared__ float red[3][DUET_KDA_RY][33];
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int x = blockIdx.y * 32 + tx;
+    const bool active = x < V;
+    duet_pdl_wait(); /* the replay rows and the state (earlier steps' kernels) */
+    duet_pdl_trigger();
+    const int64_t n = st.item_replay[it];
+    if (n <= 0)
+        return;
+    const int32_t slot = st.item_slot[it];
+    float *blk = ly.kda_base + ((int64_t)slot * ly.kda_n_layers + layer) * ly.kda_layer_floats;
+    float *S = blk + h * K * V;
+    float s[RPT];
+#pragma unroll
+    for (int r = 0; r < RPT; r++)
+        s[r] = active ? S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] : 0.0f;
+    const float *rows = duet__kda_replay_row(ly, slot, layer, 0);
+    const float *kr = rows + 3 * HK + h * K;
+    /* q is not stored: the state update does not read it, so k stands in and no output is kept */
+    duet__kda_recur_rows<K>(s, n, kr, kr, rows + 4 * HK + h * K, RF, rows + 5 * HK + h * K, RF,
+                            rows + 6 * HK + h, RF, NULL, 0, sq, sk, se, red, tx, ty, x, active);
+    if (active)
+#pragma unroll
+        for (int r = 0; r < RPT; r++)
+            S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] = s[r];
+    if (blockIdx.y != 0 || W1 == 0)
+        return;
+    /* window ++ projections, keep the last W-1 */
+    for (int idx = tid; idx < 3 * K; idx += 32 * DUET_KDA_RY) {
+        const int64_t c = (idx / K) * HK + h * K + idx % K;
+        float *win = blk + H * K * V + c * W1;
+        float old[DUET_KDA_MAX_W];
+        for (int64_t j = 0; j < W1; j++)
+            old[j] = win[j];
+        for (int64_t j = 0; j < W1; j++) {
+            const int64_t i = n + j;
+            win[j] = i < W1 ? old[i] : rows[(i - W1) * RF + c];
+        }
+    }
+}
+
+template <int K>
+static duet_status_t duet__kda_replay_launch(cudaStream_t stream, const duet_cuda_step_t &st,
+                                             const duet_cuda_kda_layer_t &ly)
+{
+    dim3 grid((unsigned)(st.n_items * ly.H), (unsigned)((K + 31) / 32), (unsigned)ly.kda_n_layers);
+    DUET__TRY(
+        duet_pdl_launch(duet__kda_replay_kernel<K>, grid, dim3(32, DUET_KDA_RY), 0, stream, st, ly),
+        "replay launch");
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cuda_step_t *st,
+                                              const duet_cuda_kda_layer_t *ly)
+{
+    duet_status_t s = duet__kda_check(ly, "replay");
+    if (s != DUET_OK)
+        return s;
+    if (ly->K % 16 != 0)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda kda replay: K = %lld is not a multiple of 16",
+                              (long long)ly->K);
+    if (st == NULL || st->n_items < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda replay: bad step");
+    if (st->item_replay == NULL || st->n_items == 0)
+        return DUET_OK;
+    if (ly->replay_base == NULL || ly->replay_rows < 1)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda replay: no replay pool");
+    if ((int64_t)st->n_items * ly->H > 0x7fffffff || ly->kda_n_layers > 65535)
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda kda replay: %d items x %lld heads x %lld layers", st->n_items,
+                              (long long)ly->H, (long long)ly->kda_n_layers);
+    switch (ly->K) {
+    case 16:
+        return duet__kda_replay_launch<16>(stream, *st, *ly);
+    case 32:
+        return duet__kda_replay_launch<32>(stream, *st, *ly);
+    case 48:
+        return duet__kda_replay_launch<48>(stream, *st, *ly);
+    case 64:
+        return duet__kda_replay_launch<64>(stream, *st, *ly);
+    case 80:
+        return duet__kda_replay_launch<80>(stream, *st, *ly);
+    case 96:
+        return duet__kda_replay_launch<96>(stream, *st, *ly);
+    case 112:
+        return duet__kda_replay_launch<112>(stream, *st, *ly);
+    default:
+        return duet__kda_replay_launch<128>(stream, *st, *ly);
+    }
 }
 
 /* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
@@ -826,7 +1030,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     duet_pdl_wait(); /* qkv, g, beta; and the sequential kernel before this one still reads the
                       * scratch */
     duet_pdl_trigger();
-    if (n_tok < 2 || (int64_t)c * C >= n_tok)
+    if (n_tok < 2 || (int64_t)c * C >= n_tok || duet__kda_is_verify(a.st, it))
         return;
     extern __shared__ float4 duet__kda_smem4[];
     float *sm = reinterpret_cast<float *>(duet__kda_smem4);
@@ -991,7 +1195,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
     duet_pdl_wait(); /* the wy blocks (the ahead kernel) */
     duet_pdl_trigger();
-    if (n_tok < 2)
+    if (n_tok < 2 || duet__kda_is_verify(a.st, it)) /* verify items: the recurrent kernel */
         return;
 
     extern __shared__ float4 duet__kda_smem4[];
@@ -1224,7 +1428,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
     duet_pdl_wait(); /* the wy blocks (the ahead kernel) */
     duet_pdl_trigger();
-    if (n_tok < 2)
+    if (n_tok < 2 || duet__kda_is_verify(a.st, it)) /* verify items: the recurrent kernel */
         return;
 
     extern __shared__ float4 duet__kda_smem4[];
@@ -1401,6 +1605,10 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
     DUET__TRY(
         duet_pdl_launch(duet__kda_recur_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
         "recurrent core launch");
+    if (a.st.any_verify)
+        DUET__TRY(
+            duet_pdl_launch(duet__kda_verify_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
+            "verify core launch");
     if (a.st.max_item_tokens > 1) {
         const size_t wy_bytes = sizeof(float) * (size_t)duet__kda_chunk_layout<K>::FLOATS;
         const size_t seq_bytes = sizeof(float) * (size_t)duet__kda_seq_layout<K>::FLOATS;
@@ -1449,6 +1657,9 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
                               "cuda kda core: items of %d tokens need the chunked form's scratch "
                               "(duet_cuda_kda_scratch_bytes), got NULL",
                               st->max_item_tokens);
+    if (st->any_verify && (st->item_verify == NULL || ly->replay_base == NULL))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda kda core: verify items without a replay pool");
     const int64_t max_chunks = (st->max_item_tokens + DUET_KDA_C - 1) / DUET_KDA_C;
     if ((int64_t)st->n_items * max_chunks > 0x7fffffff || ly->H > 65535)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items of up to %d tokens",
@@ -1724,8 +1935,8 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
     if ((int64_t)st->n_items * ly->H > 0x7fffffff)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda chain: %d items x %lld heads", st->n_items,
                               (long long)ly->H);
-    const bool small =
-        st->max_item_tokens == 1 && (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
+    const bool small = st->max_item_tokens == 1 && !st->any_verify &&
+                       (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
     int clusters = 0;
     if (small && (s = duet__kda_clusters(&clusters)) != DUET_OK)
         return s;

@@ -1162,3 +1162,262 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
         real_shape_free(&r);
     }
 }
+
+/* ---- verify items and the replay (speculative decoding) --------------------------------------
+ *
+ * The claim of cuda_kda.h's "Verify items": a verify item's rows and a later replay of its first
+ * j rows give what j one-token steps over the same inputs give, to the bit. Here a step of
+ * verify items (beside a plain decode item) runs through duet_cuda_kda_chain on pool B, and the
+ * same rows run as one-token decode steps (the fused chain kernel) on pool A:
+ *   - every verify row's output equals its one-token step's, bit for bit (TOL_EXACT);
+ *   - after the verify step the verify items' S and windows are untouched (bit for bit);
+ *   - the replay rows hold the inputs (proj) and the prepared k, v, g, β of the steps, bit for bit;
+ *   - after duet_cuda_kda_replay of j rows, S and the windows equal pool A after j steps, bit for
+ *     bit, for j = 1 and j = all rows; slots the step does not name stay untouched. (The pool has
+ *     one KDA layer: the replay folds every layer's rows, and a verify writes every layer's.)
+ */
+typedef struct {
+    int64_t H, K, W, HK, C3, lf, RF, rows;
+    int32_t n_slots;
+    float *d_pool, *d_replay, *d_taps, *d_neg_A, *d_dt_bias, *d_o_norm;
+    duet_cuda_kda_weights_t w;
+    duet_cuda_kda_layer_t ly;
+} vcase_t;
+
+/* One step of n items on the device: item i takes rows[i] rows of the host inputs starting at
+ * in_row[i] (proj, graw, braw, gate), in slot slot[i], verify[i], replay[i] rows folded first.
+ * Writes the step's o (T x HK) and prepared qkv, g, β to the host arrays given (may be NULL). */
+static void vstep(const vcase_t *v, int n, const int32_t *slot, const int32_t *rows,
+                  const int32_t *in_row, const int32_t *verify, const int32_t *replay,
+                  const float *proj, const float *graw, const float *braw, const float *gate,
+                  float *o_h, float *qkv_h, float *g_h, float *beta_h)
+{
+    int32_t T = 0, mx = 0, any_v = 0, any_r = 0;
+    for (int i = 0; i < n; i++) {
+        T += rows[i];
+        mx = rows[i] > mx ? rows[i] : mx;
+        any_v |= verify[i];
+        any_r |= replay[i] > 0;
+    }
+    /* row0 | pos0 | slot | pages | row_item | row_pos | verify | replay */
+    const size_t nm = (size_t)(6 * n + 1 + 2 * T);
+    int32_t *m = xmalloc(sizeof(int32_t) * nm);
+    int32_t *row0 = m, *pos0 = m + n + 1, *sl = m + 2 * n + 1, *pg = m + 3 * n + 1;
+    int32_t *ri = m + 4 * n + 1, *rp = ri + T, *vf = rp + T, *rr = vf + n;
+    float *p = xmalloc(sizeof(float) * (size_t)(T * v->C3)),
+          *gr = xmalloc(sizeof(float) * (size_t)(T * v->HK));
+    float *br = xmalloc(sizeof(float) * (size_t)(T * v->H)),
+          *ga = xmalloc(sizeof(float) * (size_t)(T * v->HK));
+    for (int i = 0, t = 0; i < n; i++) {
+        row0[i] = t;
+        pos0[i] = 10;
+        sl[i] = slot[i];
+        pg[i] = 0;
+        vf[i] = verify[i];
+        rr[i] = replay[i];
+        for (int r = 0; r < rows[i]; r++, t++) {
+            ri[t] = i;
+            rp[t] = 10 + r;
+            const int64_t src = in_row[i] + r;
+            memcpy(p + t * v->C3, proj + src * v->C3, sizeof(float) * (size_t)v->C3);
+            memcpy(gr + t * v->HK, graw + src * v->HK, sizeof(float) * (size_t)v->HK);
+            memcpy(br + t * v->H, braw + src * v->H, sizeof(float) * (size_t)v->H);
+            memcpy(ga + t * v->HK, gate + src * v->HK, sizeof(float) * (size_t)v->HK);
+        }
+    }
+    row0[n] = T;
+    int32_t *d_m = dev_copy(m, sizeof(int32_t) * nm);
+    float *d_p = dev_copy(p, sizeof(float) * (size_t)(T * v->C3));
+    float *d_g = dev_copy(gr, sizeof(float) * (size_t)(T * v->HK));
+    float *d_b = dev_copy(br, sizeof(float) * (size_t)(T * v->H));
+    float *d_ga = dev_copy(ga, sizeof(float) * (size_t)(T * v->HK));
+    float *d_qkv = dev_alloc(sizeof(float) * (size_t)(T * v->C3));
+    float *d_o = dev_alloc(sizeof(float) * (size_t)(T * v->HK));
+    void *d_scr = dev_alloc(duet_cuda_kda_scratch_bytes(n, T, v->H, v->K));
+    duet_cuda_step_t st = step_of(d_m, n, T, mx);
+    st.item_verify = d_m + 4 * n + 1 + 2 * T;
+    st.item_replay = st.item_verify + n;
+    st.any_verify = any_v;
+    if (any_r)
+        CHECK(duet_cuda_kda_replay(NULL, &st, &v->ly) == DUET_OK, "replay: %s", duet_error_last());
+    CHECK(duet_cuda_kda_chain(NULL, &st, &v->ly, &v->w, d_p, d_ga, d_qkv, d_g, d_b, d_o, d_scr) ==
+              DUET_OK,
+          "chain: %s", duet_error_last());
+    CUDA_OK(cudaDeviceSynchronize());
+    if (o_h != NULL)
+        CUDA_OK(cudaMemcpy(o_h, d_o, sizeof(float) * (size_t)(T * v->HK), cudaMemcpyDeviceToHost));
+    if (qkv_h != NULL)
+        CUDA_OK(
+            cudaMemcpy(qkv_h, d_qkv, sizeof(float) * (size_t)(T * v->C3), cudaMemcpyDeviceToHost));
+    if (g_h != NULL)
+        CUDA_OK(cudaMemcpy(g_h, d_g, sizeof(float) * (size_t)(T * v->HK), cudaMemcpyDeviceToHost));
+    if (beta_h != NULL)
+        CUDA_OK(
+            cudaMemcpy(beta_h, d_b, sizeof(float) * (size_t)(T * v->H), cudaMemcpyDeviceToHost));
+    cudaFree(d_m), cudaFree(d_p), cudaFree(d_g), cudaFree(d_b), cudaFree(d_ga), cudaFree(d_qkv);
+    cudaFree(d_o), cudaFree(d_scr);
+    free(m), free(p), free(gr), free(br), free(ga);
+}
+
+static void *dev_to_host(const void *d, size_t bytes)
+{
+    void *h = xmalloc(bytes);
+    CUDA_OK(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* Verify items of n_ver[0..nv) rows in slots 1..nv and a plain decode item in slot nv+1, then
+ * replays of j = 1 and j = all rows, against one-token steps (see above). */
+static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
+{
+    vcase_t v = {.H = H, .K = K, .W = W};
+    v.HK = H * K, v.C3 = 3 * v.HK, v.lf = H * K * K + v.C3 * (W - 1), v.RF = 6 * v.HK + H;
+    v.rows = 8;
+    v.n_slots = nv + 3; /* slot 0 and the last stay unused */
+    const size_t pool_f = (size_t)(v.n_slots * v.lf);
+    const size_t rep_f = (size_t)(v.n_slots * v.rows * v.RF);
+    float *pool0 = xmalloc(sizeof(float) * pool_f);
+    fill(pool0, pool_f, -1.0f, 1.0f);
+    float *taps = xmalloc(sizeof(float) * (size_t)(v.C3 * W)),
+          *negA = xmalloc(sizeof(float) * (size_t)H);
+    float *dtb = xmalloc(sizeof(float) * (size_t)v.HK), *on = xmalloc(sizeof(float) * (size_t)K);
+    fill(taps, (size_t)(v.C3 * W), -0.6f, 0.6f);
+    for (int64_t h = 0; h < H; h++)
+        negA[h] = -expf(rng_range(-2.0f, 0.5f));
+    fill(dtb, (size_t)v.HK, -1.0f, 1.0f);
+    fill(on, (size_t)K, 0.5f, 1.5f);
+    v.d_taps = dev_copy(taps, sizeof(float) * (size_t)(v.C3 * W));
+    v.d_neg_A = dev_copy(negA, sizeof(float) * (size_t)H);
+    v.d_dt_bias = dev_copy(dtb, sizeof(float) * (size_t)v.HK);
+    v.d_o_norm = dev_copy(on, sizeof(float) * (size_t)K);
+    v.w = (duet_cuda_kda_weights_t){.taps = v.d_taps,
+                                    .neg_A = v.d_neg_A,
+                                    .dt_bias = v.d_dt_bias,
+                                    .o_norm = v.d_o_norm,
+                                    .eps = 1e-6f};
+    float *rep0 = xmalloc(sizeof(float) * rep_f);
+    fill(rep0, rep_f, -9.0f, 9.0f); /* stale rows: every read row must have been written */
+    v.d_replay = dev_copy(rep0, sizeof(float) * rep_f);
+    v.d_pool = dev_copy(pool0, sizeof(float) * pool_f); /* pool B: the verify path */
+    float *d_poolA = dev_copy(pool0, sizeof(float) * pool_f);
+    v.ly = (duet_cuda_kda_layer_t){.kda_base = v.d_pool,
+                                   .kda_n_layers = 1,
+                                   .kda_layer_floats = v.lf,
+                                   .layer = 0,
+                                   .H = H,
+                                   .K = K,
+                                   .W = W,
+                                   .replay_base = v.d_replay,
+                                   .replay_rows = v.rows};
+    /* inputs: item i's rows start at in_row[i]; the decode item's one row last */
+    int32_t slot[8], rows[8], in_row[8], verify[8], replay[8], total = 0;
+    for (int i = 0; i <= nv; i++) {
+        slot[i] = i + 1;
+        rows[i] = i < nv ? n_ver[i] : 1;
+        in_row[i] = total;
+        verify[i] = i < nv;
+        replay[i] = 0;
+        total += rows[i];
+    }
+    float *proj = xmalloc(sizeof(float) * (size_t)(total * v.C3)),
+          *graw = xmalloc(sizeof(float) * (size_t)(total * v.HK));
+    float *braw = xmalloc(sizeof(float) * (size_t)(total * H)),
+          *gate = xmalloc(sizeof(float) * (size_t)(total * v.HK));
+    fill(proj, (size_t)(total * v.C3), -1.0f, 1.0f);
+    fill(graw, (size_t)(total * v.HK), -4.0f, 2.0f);
+    fill(braw, (size_t)(total * H), -3.0f, 3.0f);
+    fill(gate, (size_t)(total * v.HK), -3.0f, 3.0f);
+
+    /* B: the verify step */
+    float *oB = xmalloc(sizeof(float) * (size_t)(total * v.HK)),
+          *qkvB = xmalloc(sizeof(float) * (size_t)(total * v.C3));
+    float *gB = xmalloc(sizeof(float) * (size_t)(total * v.HK)),
+          *bB = xmalloc(sizeof(float) * (size_t)(total * H));
+    vstep(&v, nv + 1, slot, rows, in_row, verify, replay, proj, graw, braw, gate, oB, qkvB, gB, bB);
+    float *poolB = dev_to_host(v.d_pool, sizeof(float) * pool_f);
+    float *repB = dev_to_host(v.d_replay, sizeof(float) * rep_f);
+    for (int i = 0; i < nv; i++) { /* committed state and windows untouched */
+        const size_t at = (size_t)(slot[i] * v.lf);
+        CHECK(memcmp(poolB + at, pool0 + at, sizeof(float) * (size_t)v.lf) == 0,
+              "verify item %d changed its committed state", i);
+        for (int r = 0; r < rows[i]; r++) { /* replay rows: the inputs and the prepared values */
+            const float *row = repB + (slot[i] * v.rows + r) * v.RF;
+            const int64_t t = in_row[i] + r;
+            CHECK(memcmp(row, proj + t * v.C3, sizeof(float) * (size_t)v.C3) == 0,
+                  "replay proj row %d", r);
+            CHECK(memcmp(row + 3 * v.HK, qkvB + t * v.C3 + v.HK, sizeof(float) * (size_t)v.HK) == 0,
+                  "replay k row %d", r);
+            CHECK(memcmp(row + 4 * v.HK, qkvB + t * v.C3 + 2 * v.HK,
+                         sizeof(float) * (size_t)v.HK) == 0,
+                  "replay v row %d", r);
+            CHECK(memcmp(row + 5 * v.HK, gB + t * v.HK, sizeof(float) * (size_t)v.HK) == 0,
+                  "replay g row %d", r);
+            CHECK(memcmp(row + 6 * v.HK, bB + t * H, sizeof(float) * (size_t)H) == 0,
+                  "replay beta row %d", r);
+        }
+    }
+
+    /* A: every item's rows as one-token steps (pool A), keeping the pool after each step */
+    float **after = xmalloc(sizeof(float *) * (size_t)(total + 1));
+    float *oA = xmalloc(sizeof(float) * (size_t)(total * v.HK));
+    v.ly.kda_base = d_poolA;
+    const int32_t one = 1, zero = 0;
+    for (int i = 0; i <= nv; i++)
+        for (int r = 0; r < rows[i]; r++) {
+            const int32_t src = in_row[i] + r;
+            vstep(&v, 1, &slot[i], &one, &src, &zero, &zero, proj, graw, braw, gate,
+                  oA + (size_t)src * v.HK, NULL, NULL, NULL);
+            after[src] = dev_to_host(d_poolA, sizeof(float) * pool_f);
+        }
+    expect_close("verify vs one-token steps", "o", oB, oA, (size_t)(total * v.HK), TOL_EXACT);
+    /* the decode item beside the verify items went on as usual */
+    const size_t dat = (size_t)(slot[nv] * v.lf);
+    CHECK(memcmp(poolB + dat, after[in_row[nv]] + dat, sizeof(float) * (size_t)v.lf) == 0,
+          "the decode item's state differs from its one-token step's");
+
+    /* replays: j = 1, then (on a fresh copy of B) j = all rows */
+    for (int pass = 0; pass < 2; pass++) {
+        CUDA_OK(cudaMemcpy(v.d_pool, poolB, sizeof(float) * pool_f, cudaMemcpyHostToDevice));
+        v.ly.kda_base = v.d_pool;
+        int32_t rep[8] = {0};
+        for (int i = 0; i < nv; i++)
+            rep[i] = pass == 0 ? 1 : rows[i];
+        int32_t zrows[8] = {0}, zv[8] = {0};
+        vstep(&v, nv, slot, zrows, in_row, zv, rep, proj, graw, braw, gate, NULL, NULL, NULL, NULL);
+        float *got = dev_to_host(v.d_pool, sizeof(float) * pool_f);
+        for (int i = 0; i < nv; i++) {
+            const size_t at = (size_t)(slot[i] * v.lf);
+            const float *want = after[in_row[i] + rep[i] - 1] + at;
+            CHECK(memcmp(got + at, want, sizeof(float) * (size_t)(H * K * K)) == 0,
+                  "item %d: S after a replay of %d rows differs from %d one-token steps", i, rep[i],
+                  rep[i]);
+            CHECK(memcmp(got + at + H * K * K, want + H * K * K,
+                         sizeof(float) * (size_t)(v.lf - H * K * K)) == 0,
+                  "item %d: windows after a replay of %d rows differ", i, rep[i]);
+        }
+        for (int32_t s2 = 0; s2 < v.n_slots; s2 += v.n_slots - 1) /* unused slots */
+            CHECK(memcmp(got + (size_t)(s2 * v.lf), pool0 + (size_t)(s2 * v.lf),
+                         sizeof(float) * (size_t)v.lf) == 0,
+                  "unused slot %d changed", s2);
+        printf("[cuda_kda] verify H%lld K%lld W%lld: replay of %s rows bit-exact\n", (long long)H,
+               (long long)K, (long long)W, pass == 0 ? "1" : "all");
+        free(got);
+    }
+    for (int i = 0; i < total; i++)
+        free(after[i]);
+    free(after), free(oA), free(oB), free(qkvB), free(gB), free(bB), free(poolB), free(repB);
+    free(proj), free(graw), free(braw), free(gate), free(pool0), free(rep0), free(taps), free(negA);
+    free(dtb), free(on);
+    cudaFree(v.d_pool), cudaFree(d_poolA), cudaFree(v.d_replay), cudaFree(v.d_taps);
+    cudaFree(v.d_neg_A), cudaFree(v.d_dt_bias), cudaFree(v.d_o_norm);
+}
+
+Test(cuda_kda, verify_and_replay_equal_one_token_steps, .timeout = 120)
+{
+    skip_without_device();
+    const int a[2] = {3, 5}, b[1] = {8}, c[3] = {2, 1, 4};
+    verify_case(2, 64, 4, 2, a);  /* two verify items and a decode item */
+    verify_case(4, 128, 4, 1, b); /* Kimi Linear's head size, the most rows */
+    verify_case(3, 48, 8, 3, c);  /* a partial column slice, W = 8, a one-row verify item */
+    verify_case(2, 32, 1, 2, a);  /* no conv window */
+}
