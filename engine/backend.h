@@ -33,7 +33,7 @@
  *    backend's forward handling the rows (and folding a sequence's accepted rows, seq->n_replay,
  *    into its state before its new rows); the replay pool (DUET_MODEL_POOL_REPLAY, created by
  *    the front end like the others); the seq_replay op for the replay-only commit. Accepting and
- *    truncating are the front end's bookkeeping. The CUDA backend has no verify rows yet.
+ *    truncating are the front end's bookkeeping. Both backends have them.
  *  - A new pool (a draft model's KV): a new duet_model_pool_t value; the front end creates its
  *    host pool and bookkeeping as for KV and KDA (sized by the config, laid out in
  *    common/cache_layout.h), a backend reports where its memory is through pool_mem and zeroes /

@@ -26,6 +26,12 @@
  * split-KV plan is part of the step (computed on the device from the metadata: kernels/splitkv.h),
  * so a graph serves every context length. Every step ends with one stream synchronisation.
  *
+ * Speculative decoding (spec_rows > 0): the replay pool lives on the device too. A verify item's
+ * rows go through the MLA and FFN layers as a short chunk (split-KV plans items of up to
+ * spec_rows rows) and through KDA's verify kernel (cuda_kda.h); the accepted rows of earlier
+ * verify items are folded in at the start of a sequence's next step, every KDA layer in one
+ * launch, or by seq_replay.
+ *
  * In a build without the CUDA backend the table still exists (the front end names it for
  * --device cuda and its dtypes): its probe says why and its create refuses.
  */
@@ -67,26 +73,32 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_step.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/splitkv.h"
 #include "kernels/tune.h"
 
 #define DUET__MLA_X_MIN_ROWS 256  /* the expanded MLA form: rows per position (duet__mla_x_step) */
 #define DUET__MLA_X_SLICE    1024 /* ... positions per expansion GEMM */
 #define DUET__MLA_X_CAP      8192 /* ... positions it holds beyond max_batch_tokens (see xcap) */
-/* MLA split-KV splits items of at most this many new tokens: decode items. There are no verify
- * rows here yet, and a prompt chunk of 2 .. 16 tokens is rare, while the partials grow with it
- * (DUET_SPLITKV_MAX_ROWS = 16 would take 16 times the memory, about 1 GiB at Kimi Linear's shape
- * on an H200: cuda_mla.h, duet_cuda_mla_scratch_bytes). */
+/* MLA split-KV splits items of at most this many new tokens: decode items, and with speculation
+ * verify items (spec_rows, at most DUET_SPLITKV_MAX_ROWS). A prompt chunk of 2 .. 16 tokens is
+ * rare, while the partials grow with the rows (16 would take 16 times the memory, about 1 GiB at
+ * Kimi Linear's shape on an H200: cuda_mla.h, duet_cuda_mla_scratch_bytes). */
 #define DUET__MLA_SPLIT_ROWS 1
 
 /* DUET_CUDA_NO_MLA_X=1 keeps every step on the absorbed MLA form (side-by-side comparisons);
  * the test hooks below override it */
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
-static int64_t duet__mla_x_steps;
+static int64_t duet__mla_x_steps, duet__verify_graph_steps;
 
 void duet_backend_cuda_mla_x_set(int on)
 {
     duet__mla_x_force = on;
+}
+
+int64_t duet_backend_cuda_verify_graph_steps(void)
+{
+    return duet__verify_graph_steps;
 }
 
 int64_t duet_backend_cuda_mla_x_steps(void)
@@ -136,13 +148,14 @@ typedef struct {
 
 typedef struct {
     int bucket, sampled;
+    int rows, verify; /* rows per item: 1 for decode; a verify graph's items' rows */
     cudaGraphExec_t exec;
 } duet__graph_t;
 
 /* Offsets (in int32 units) of the step metadata inside its one host / device block. */
 typedef struct {
-    size_t item_row0, item_pos0, item_slot, item_pages, row_item, row_pos, tokens, logit_rows,
-        params, total;
+    size_t item_row0, item_pos0, item_slot, item_pages, item_verify, item_replay, row_item, row_pos,
+        tokens, logit_rows, params, total;
 } duet__meta_layout_t;
 
 typedef struct duet_cuda_model duet_cuda_model_t;
@@ -185,6 +198,13 @@ struct duet_cuda_model {
     int64_t kda_layer_floats;
     int32_t kda_spare_slot;
     int64_t max_pages;
+    /* the KDA replay pool (speculative decoding): the host pool's layout, on the device */
+    duet_replay_pool_t *replay_host;
+    float *replay_dev;
+    size_t replay_dev_bytes, replay_slot_bytes;
+    int64_t replay_rows;
+    int64_t
+        split_rows; /* MLA split-KV splits items of at most this many rows (DUET__MLA_SPLIT_ROWS) */
 
     /* workspace (fp32 unless said) */
     int64_t T, imax_items, logit_rows_cap;
@@ -573,7 +593,7 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
          * so replays never reallocate); only one-token items are split (duet__cuda_forward) */
         const duet_cuda_mla_layer_t ly = duet__mla_ly(dm, 0);
         dm->mla_scratch_bytes = duet_cuda_mla_scratch_bytes(
-            &ly, dm->imax_items, T > dm->imax_items ? T : dm->imax_items, DUET__MLA_SPLIT_ROWS);
+            &ly, dm->imax_items, T > dm->imax_items ? T : dm->imax_items, dm->split_rows);
         TRY(duet__dalloc(dm, dm->mla_scratch_bytes, &dm->mla_scratch));
         if (dm->mla_x) {
             const int64_t sl = T < DUET__MLA_X_SLICE ? T : DUET__MLA_X_SLICE;
@@ -627,6 +647,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     DUET__META(item_row0, I + 1);
     DUET__META(item_pos0, I);
     DUET__META(item_slot, I);
+    DUET__META(item_verify, I);
+    DUET__META(item_replay, I);
     DUET__META(row_item, T + I);
     DUET__META(row_pos, T + I);
     DUET__META(tokens, T + I);
@@ -645,6 +667,10 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
     dm->step.max_pages = (int32_t)(dm->max_pages > 0 ? dm->max_pages : 1);
     dm->step.row_item = dm->meta_d + ml->row_item;
     dm->step.row_pos = dm->meta_d + ml->row_pos;
+    if (dm->replay_host != NULL) {
+        dm->step.item_verify = dm->meta_d + ml->item_verify;
+        dm->step.item_replay = dm->meta_d + ml->item_replay;
+    }
     return DUET_OK;
 }
 
@@ -674,6 +700,18 @@ static duet_status_t duet__create_pools(duet_cuda_model_t *dm)
         dm->kda_dev_bytes = dm->kda_slot_bytes * (size_t)(sd->n_slots + 1);
         TRY(duet__dalloc(dm, dm->kda_dev_bytes, (void **)&dm->kda_dev));
         CU(cudaMemsetAsync(dm->kda_dev, 0, dm->kda_dev_bytes, dm->stream), "zero KDA pool");
+    }
+    if (dm->replay_host != NULL) {
+        const duet_replay_layout_t rl = duet_replay_pool_layout(dm->replay_host);
+        uint64_t slot = 0;
+        (void)duet_replay_layout_slot_bytes(&rl, &slot); /* the host pool's, bounded */
+        dm->replay_rows = (int64_t)rl.rows;
+        dm->replay_slot_bytes = (size_t)slot;
+        /* the spare slot's too: a graph bucket's padding items are verify-free but address it */
+        dm->replay_dev_bytes = dm->replay_slot_bytes * (size_t)(dm->kda_spare_slot + 1);
+        TRY(duet__dalloc(dm, dm->replay_dev_bytes, (void **)&dm->replay_dev));
+        CU(cudaMemsetAsync(dm->replay_dev, 0, dm->replay_dev_bytes, dm->stream),
+           "zero replay pool");
     }
     /* Staging mirrors: pin the host pools so the copies are asynchronous DMA. Memory the
      * transport already registered (or that cannot be pinned) still works, synchronously. */
@@ -854,6 +892,11 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     dm->wdt = opts->compute_dtype;
     dm->kv_host = kv;
     dm->kda_host = bm->kda;
+    dm->replay_host = bm->kda != NULL ? bm->replay : NULL;
+    dm->split_rows =
+        opts->spec_rows > DUET__MLA_SPLIT_ROWS ? opts->spec_rows : DUET__MLA_SPLIT_ROWS;
+    if (dm->split_rows > DUET_SPLITKV_MAX_ROWS)
+        dm->split_rows = DUET_SPLITKV_MAX_ROWS;
     dm->max_pages = bm->max_pages_per_seq;
     memcpy(dm->layer_sub, bm->layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
     dm->T = opts->max_batch_tokens;
@@ -1010,6 +1053,9 @@ static void duet__cuda_pool_mem(const duet_backend_t *be, duet_model_pool_t whic
     } else if (which == DUET_MODEL_POOL_KDA) {
         out->base = dm->kda_dev;
         out->bytes = dm->kda_dev_bytes;
+    } else if (which == DUET_MODEL_POOL_REPLAY) {
+        out->base = dm->replay_dev;
+        out->bytes = dm->replay_dev_bytes;
     }
 }
 
@@ -1067,6 +1113,13 @@ static duet_status_t duet__cuda_seq_set_filled(duet_backend_t *be, const duet_se
                            cudaMemcpyHostToDevice, dm->stream),
            "KDA state host → device");
     }
+    if (dm->replay_dev != NULL && seq->kda_slot >= 0) { /* a moved request's accepted rows */
+        const size_t off = dm->replay_slot_bytes * (size_t)seq->kda_slot;
+        CU(cudaMemcpyAsync((uint8_t *)dm->replay_dev + off,
+                           (uint8_t *)duet_replay_pool_base(dm->replay_host) + off,
+                           dm->replay_slot_bytes, cudaMemcpyHostToDevice, dm->stream),
+           "replay rows host → device");
+    }
     return duet__cu(cudaStreamSynchronize(dm->stream), "staging copy");
 }
 
@@ -1116,6 +1169,38 @@ static duet_status_t duet__cuda_seq_kv_copy(duet_backend_t *be, const duet_seq_t
     return DUET_OK;
 }
 
+/* The replay-only commit: the step's replay for one item and no rows, on the step stream. */
+static duet_status_t duet__cuda_seq_replay(duet_backend_t *be, const duet_seq_t *seq)
+{
+    duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
+    const duet_model_config_t *c = &dm->cfg;
+    if (dm->replay_dev == NULL || dm->kda_dev == NULL || seq->kda_slot < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda model: no replay pool to commit from");
+    const duet__meta_layout_t *ml = &dm->ml;
+    int32_t *mh = dm->meta_h;
+    mh[ml->item_row0] = mh[ml->item_row0 + 1] = 0;
+    mh[ml->item_slot] = seq->kda_slot;
+    mh[ml->item_replay] = (int32_t)seq->n_replay;
+    mh[ml->item_verify] = 0;
+    /* the first fields only: item_row0 .. item_replay lie before the rows' arrays */
+    CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->row_item, cudaMemcpyHostToDevice,
+                       dm->stream),
+       "replay metadata");
+    duet_cuda_step_t st = dm->step;
+    st.n_items = 1;
+    st.n_rows = 0;
+    const duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
+                                      .kda_n_layers = c->n_kda_layers,
+                                      .kda_layer_floats = dm->kda_layer_floats,
+                                      .H = c->kda_heads,
+                                      .K = c->kda_head_dim,
+                                      .W = c->conv_kernel,
+                                      .replay_base = dm->replay_dev,
+                                      .replay_rows = dm->replay_rows};
+    TRY(duet_cuda_kda_replay(dm->stream, &st, &ly));
+    return duet__cu(cudaStreamSynchronize(dm->stream), "replay");
+}
+
 /* ---- the step ------------------------------------------------------------------------------- */
 
 /*
@@ -1145,9 +1230,11 @@ static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
-    int sample;    /* 0 none, 1 argmax, 2 full sampling rule */
-    int64_t x_ctx; /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
-                    * item (this many in all) */
+    int sample;       /* 0 none, 1 argmax, 2 full sampling rule */
+    int64_t x_ctx;    /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
+                       * item (this many in all) */
+    int replay;       /* fold items' accepted rows first (duet_cuda_kda_replay) */
+    int rows, verify; /* a graph's key beside n_items and sample (duet__graph_t) */
 } duet__shape_t;
 
 /*
@@ -1172,7 +1259,9 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                 .H = H,
                                 .K = K,
                                 .W = c->conv_kernel,
-                                .tc = dm->kda_tc};
+                                .tc = dm->kda_tc,
+                                .replay_base = dm->replay_dev,
+                                .replay_rows = dm->replay_rows};
     /* projections of xn, then the two low-rank second halves: one launch each at decode sizes */
     const duet_cuda_gemm_op_t in[3] = {
         {.y = dm->proj, .ldy = 3 * HK, .x = dm->xn, .ldx = D, .w = &w->qkv},
@@ -1355,6 +1444,17 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
                    (uint8_t *)duet_kda_pool_base(dm->kda_host) + off, (uint8_t *)dm->kda_dev + off,
                    (size_t)dm->kda_layer_floats * sizeof(float), cudaMemcpyDeviceToHost, cs),
                "KDA state device → host");
+            if (items[i].verify && dm->replay_dev != NULL) { /* its rows travel with a move */
+                const size_t rb =
+                    dm->replay_slot_bytes / (size_t)(c->n_kda_layers * dm->replay_rows);
+                const size_t roff =
+                    ((size_t)seq->kda_slot * (size_t)c->n_kda_layers + (size_t)sub) *
+                    (size_t)dm->replay_rows * rb;
+                CU(cudaMemcpyAsync((uint8_t *)duet_replay_pool_base(dm->replay_host) + roff,
+                                   (uint8_t *)dm->replay_dev + roff, (size_t)items[i].n_tokens * rb,
+                                   cudaMemcpyDeviceToHost, cs),
+                   "replay rows device → host");
+            }
         } else {
             const int64_t PT = dm->opts.page_tokens;
             int64_t pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;
@@ -1436,6 +1536,19 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
     const int mirror = dm->opts.mirror_out && hook != NULL;
     int64_t pending = -1; /* layer whose hook has not run yet */
 
+    if (sh->replay) {
+        /* accepted rows of earlier verify items, every KDA layer at once: each layer's replay
+         * only has to come before that layer's conv and core */
+        const duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
+                                          .kda_n_layers = c->n_kda_layers,
+                                          .kda_layer_floats = dm->kda_layer_floats,
+                                          .H = c->kda_heads,
+                                          .K = c->kda_head_dim,
+                                          .W = c->conv_kernel,
+                                          .replay_base = dm->replay_dev,
+                                          .replay_rows = dm->replay_rows};
+        TRY(duet_cuda_kda_replay(s, &dm->step, &ly));
+    }
     if (c->n_mla_layers > 0 && sh->x_ctx == 0) {
         /* the split-KV plan every absorbed MLA layer's attend reads */
         const duet_cuda_mla_layer_t ly = duet__mla_ly(dm, 0);
@@ -1515,7 +1628,8 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
 {
     duet__graph_t *gr = NULL;
     for (int i = 0; i < dm->n_graphs; i++)
-        if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].sampled == sh->sample)
+        if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].sampled == sh->sample &&
+            dm->graphs[i].rows == sh->rows && dm->graphs[i].verify == sh->verify)
             gr = &dm->graphs[i];
     if (gr == NULL) {
         if (dm->n_graphs == DUET_CUDA_MAX_GRAPHS) { /* full: drop the oldest */
@@ -1536,8 +1650,11 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
         gr = &dm->graphs[dm->n_graphs++];
         gr->bucket = (int)sh->n_items;
         gr->sampled = sh->sample;
+        gr->rows = sh->rows;
+        gr->verify = sh->verify;
         gr->exec = exec;
-        DUET_LOG_DEBUG("cuda model: captured the decode graph for %d sequences", gr->bucket);
+        DUET_LOG_DEBUG("cuda model: captured the %s graph for %d sequences of %d rows",
+                       gr->verify ? "verify" : "decode", gr->bucket, gr->rows);
     }
     CU(cudaGraphLaunch(gr->exec, dm->stream), "graph launch");
     return DUET_OK;
@@ -1553,25 +1670,43 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     const duet_model_config_t *c = &dm->cfg;
     const duet__meta_layout_t *ml = &dm->ml;
     int32_t *mh = dm->meta_h;
-    int64_t max_tokens = 1, split_rows = 0, n_logits = 0;
-    int any_sampled = 0, any_token = 0, any_all = 0;
+    int64_t max_tokens = 1, chunk_tokens = 1, split_rows = 0, n_logits = 0;
+    int any_sampled = 0, any_token = 0, any_all = 0, any_verify = 0, any_replay = 0;
+    int all_verify = n_items > 0; /* every item a verify item of vrows rows, all rows logits */
+    const int64_t vrows = n_items > 0 ? items[0].n_tokens : 0;
 
     for (int64_t i = 0; i < n_items; i++) {
         const duet_batch_item_t *it = &items[i];
         if (it->n_tokens > max_tokens)
             max_tokens = it->n_tokens;
-        if (it->n_tokens <= DUET__MLA_SPLIT_ROWS && it->n_tokens > split_rows)
+        if (it->n_tokens <= dm->split_rows && it->n_tokens > split_rows)
             split_rows = it->n_tokens;
         any_all |= it->logits_mode == DUET_LOGITS_ALL;
+        any_verify |= it->verify != 0;
+        any_replay |= it->seq->n_replay > 0;
+        if (!it->verify && it->n_tokens > chunk_tokens)
+            chunk_tokens = it->n_tokens;
+        all_verify &= it->verify && it->n_tokens == vrows && it->logits_mode == DUET_LOGITS_ALL;
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             any_token = 1;
             any_sampled |= it->sampling.temperature > 0.0f && it->sampling.top_k != 1;
         }
     }
-    /* a pure decode step of at most a bucket of sequences runs as a graph */
-    const int use_graph = dm->opts.cuda_graphs && max_tokens == 1 && !any_all &&
-                          !(dm->opts.mirror_out && hook != NULL) && n_items <= dm->imax_items;
-    const int64_t n_eff = use_graph ? duet__pow2_at_least(n_items) : n_items;
+    /* A pure decode step of at most a bucket of sequences runs as a graph, and so does a step of
+     * verify items of one length (speculation's steady state) that a bucket's padding items, of
+     * that length too on the spare page and slot, still fit. */
+    const int64_t bucket = duet__pow2_at_least(n_items);
+    int64_t grows = 0; /* rows per item of the step's graph; 0: no graph */
+    if (dm->opts.cuda_graphs && !(dm->opts.mirror_out && hook != NULL) &&
+        n_items <= dm->imax_items) {
+        if (max_tokens == 1 && !any_all && !any_verify)
+            grows = 1;
+        else if (all_verify && vrows <= dm->split_rows && vrows <= dm->opts.page_tokens &&
+                 bucket * vrows <= dm->T && bucket * vrows <= dm->logit_rows_cap)
+            grows = vrows;
+    }
+    const int use_graph = grows > 0, graph_verify = use_graph && any_verify;
+    const int64_t n_eff = use_graph ? bucket : n_items;
 
     /* metadata (padding items of a bucket use the spare page and slot) */
     int64_t row = 0;
@@ -1579,11 +1714,13 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     for (int64_t i = 0; i < n_eff; i++) {
         const int real = i < n_items;
         const duet_batch_item_t *it = real ? &items[i] : NULL;
-        const int64_t nt = real ? it->n_tokens : 1, pos0 = real ? it->seq->n_tokens : 0;
+        const int64_t nt = real ? it->n_tokens : grows, pos0 = real ? it->seq->n_tokens : 0;
         mh[ml->item_row0 + i] = (int32_t)row;
         mh[ml->item_pos0 + i] = (int32_t)pos0;
         mh[ml->item_slot + i] =
             real ? (it->seq->kda_slot >= 0 ? it->seq->kda_slot : 0) : dm->kda_spare_slot;
+        mh[ml->item_verify + i] = real ? it->verify != 0 : graph_verify;
+        mh[ml->item_replay + i] = real ? (int32_t)it->seq->n_replay : 0;
         int32_t *pg = mh + ml->item_pages + i * dm->step.max_pages;
         if (dm->kv_host != NULL) {
             if (real)
@@ -1598,7 +1735,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         }
         /* the item's logits rows are its last nl rows; each gets sampling parameters (greedy,
          * and ignored, unless the item draws its token here) */
-        const int64_t nl = real ? duet__logit_rows(it, use_graph) : 1;
+        const int64_t nl = real ? duet__logit_rows(it, use_graph) : graph_verify ? grows : 1;
         for (int64_t t = 0; t < nl; t++) {
             duet_cuda_sample_params_t p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .u = 0};
             if (real && it->logits_mode == DUET_LOGITS_TOKEN) {
@@ -1617,19 +1754,25 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     duet__shape_t sh = {.n_items = n_eff,
                         .n_rows = row,
                         .n_logit_rows = n_logits,
-                        .sample = any_token ? (any_sampled ? 2 : 1) : 0};
+                        .sample = any_token ? (any_sampled ? 2 : 1) : 0,
+                        .rows = (int)grows,
+                        .verify = graph_verify};
     sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
+    /* a graph launches the replay whenever the model has a pool, as its shape is fixed */
+    sh.replay = dm->replay_dev != NULL && dm->kda_dev != NULL && (use_graph || any_replay);
     duet__mla_x_steps += sh.x_ctx > 0;
     dm->step.n_items = (int32_t)n_eff;
     dm->step.n_rows = (int32_t)row;
-    dm->step.max_item_tokens = (int32_t)max_tokens;
+    dm->step.max_item_tokens = (int32_t)chunk_tokens;
     dm->step.max_split_rows = (int32_t)split_rows;
+    dm->step.any_verify = any_verify;
 
     CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->total, cudaMemcpyHostToDevice,
                        dm->stream),
        "step metadata");
     if (use_graph) {
         TRY(duet__graph_launch(dm, &sh));
+        duet__verify_graph_steps += graph_verify;
     } else if (n_logits <= dm->logit_rows_cap) {
         TRY(duet__enqueue(dm, &sh, items, hook, hook_user));
     } else {
@@ -1709,7 +1852,7 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
     .compute_dtypes =
         DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
     .kv_dtypes = DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_F32) | DUET_BACKEND_DTYPE_BIT(DUET_DTYPE_BF16),
-    .caps = DUET_BACKEND_CAP_RANDOM_WEIGHTS | DUET_BACKEND_CAP_TUNE,
+    .caps = DUET_BACKEND_CAP_RANDOM_WEIGHTS | DUET_BACKEND_CAP_TUNE | DUET_BACKEND_CAP_VERIFY,
     .probe = duet__cuda_probe,
     .create = duet__cuda_create,
 #ifdef DUET_HAVE_CUDA
@@ -1718,12 +1861,11 @@ const duet_backend_ops_t duet_backend_cuda_ops = {
     .seq_open = duet__cuda_seq_open,
     .seq_set_filled = duet__cuda_seq_set_filled,
     .seq_close = NULL,
-    .seq_replay = NULL, /* no verify rows (DUET_BACKEND_CAP_VERIFY) yet: the load refuses
-                           spec_rows, so no sequence has rows to replay */
     .forward = duet__cuda_forward,
     .pool_mem = duet__cuda_pool_mem,
     .seq_state_copy = duet__cuda_seq_state_copy,
     .seq_kv_copy = duet__cuda_seq_kv_copy,
+    .seq_replay = duet__cuda_seq_replay,
 #else /* create refuses, so no instance reaches the rest */
 #endif
 };

@@ -17,4 +17,8 @@
 void duet_backend_cuda_mla_x_set(int on);
 int64_t duet_backend_cuda_mla_x_steps(void);
 
+/* Test hook: steps, over all models of the process, that ran as a captured verify graph (every
+ * item a verify item of one length: backend_cuda.c duet__cuda_forward). */
+int64_t duet_backend_cuda_verify_graph_steps(void);
+
 #endif

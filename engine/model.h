@@ -98,8 +98,8 @@ typedef struct {
                                 (k + 1 for k drafted tokens); 0 = no speculation (the default),
                                 else 2..max_batch_tokens and <= max_seq_len. Sizes the KDA replay
                                 pool (spec_rows rows per state slot and KDA layer, allocated at
-                                load). Needs a backend with verify rows (the CPU's;
-                                DUET_ERR_UNSUPPORTED on cuda) */
+                                load). Needs a backend with verify rows (cpu
+                                and cuda have them) */
     /* A Helix generation group (engine/shard.h, docs/architecture.md "Generation groups"): this
      * model is rank comm->rank of helix_cp * helix_tp == comm->size ranks, holds that rank's cut
      * of the weights and caches, and every forward is collective: each rank of the group makes
@@ -270,8 +270,8 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
  * (common/cache_layout.h), exactly what duet_model_seq_accept left there on the sending model;
  * afterwards n_pending = 0 and n_replay = n_replay, as after that accept. Errors (nothing
  * changes): duet_model_seq_set_filled's; DUET_ERR_RANGE for n_replay < 0, > n_tokens or >
- * spec_rows; DUET_ERR_UNSUPPORTED (n_replay > 0) on a backend without verify rows, whose replay
- * pool is on the device or absent (cuda); DUET_ERR_INVALID (n_replay > 0) for a model without KDA
+ * spec_rows; DUET_ERR_UNSUPPORTED (n_replay > 0) on a backend without verify rows;
+ * DUET_ERR_INVALID (n_replay > 0) for a model without KDA
  * layers or without a replay pool (spec_rows 0).
  */
 duet_status_t duet_model_seq_set_received(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,

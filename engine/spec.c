@@ -197,7 +197,7 @@ void duet_spec_draft_opts(const duet_spec_opts_t *o, const duet_model_opts_t *to
                           duet_model_opts_t *dopts)
 {
     duet_model_opts_default(dopts);
-    dopts->device = DUET_DEVICE_CPU;
+    dopts->device = to->device; /* the draft's pools and steps beside the target's */
     dopts->n_threads = to->n_threads;
     dopts->max_seqs = to->max_seqs;
     dopts->max_seq_len = to->max_seq_len + o->k + 1;

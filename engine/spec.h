@@ -151,7 +151,8 @@ void duet_spec_draft_opts(const duet_spec_opts_t *o, const duet_model_opts_t *to
 
 /*
  * The speculative decoder of `target` (loaded with spec_rows >= k + 1; it must outlive the
- * decoder): for DRAFT it loads o->draft_model on the CPU with as many sequences as the target
+ * decoder): for DRAFT it loads o->draft_model on the target's device with as many sequences as
+ * the target
  * and max_seq_len + k tokens each (plain decode: no verify rows) and o->draft_kv_pages KV pages,
  * and refuses one whose vocabulary differs from the target's. Its layers may be any mix of KDA and
  * MLA layers: a draft sequence is rolled back past rejected drafts with duet_model_seq_truncate,

@@ -809,8 +809,7 @@ Test(worker_protocol, bad_command_lines_are_refused, .timeout = 60)
 
 /*
  * duet-gen's speculation keys: a bad value or combination ends the start with a message naming
- * the key (status 2 for the keys themselves, 1 for a draft model that cannot serve), and cuda,
- * whose backend has no verify rows, refuses speculation rather than decoding without it.
+ * the key (status 2 for the keys themselves, 1 for a draft model that cannot serve).
  */
 Test(worker_protocol, bad_spec_keys_are_refused, .timeout = 60)
 {
@@ -833,9 +832,6 @@ Test(worker_protocol, bad_spec_keys_are_refused, .timeout = 60)
         {"--spec.method=draft",
          "--spec.draft_model=" DUET_SOURCE_DIR "/tests/fixtures/kda-first-fp32", NULL, 1,
          "spec.draft_model", "vocabulary"},
-        /* the load refuses verify rows on cuda, saying so (every build has the cuda backend's
-         * table, a CPU-only build a stub) */
-        {"--spec.method=ngram", "--device=cuda", NULL, 1, "speculative decoding", "cuda"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char *argv[] = {GEN,

@@ -49,6 +49,7 @@ static duet_dtype_t g_kv_dtype = DUET_DTYPE_F32;  /* load(): the models' KV pool
 static int g_dtype_auto;                          /* load(): ask for --dtype auto instead of dt */
 static int g_tune;                                /* load(): opts.tune */
 static const char *g_tune_file;                   /* load(): opts.tune_file */
+static int64_t g_spec_rows;                       /* load(): opts.spec_rows */
 
 static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype_t dt, int graphs,
                           int mirror_in, int mirror_out)
@@ -71,6 +72,7 @@ static duet_model_t *load(const fixture_t *x, duet_device_kind_t dev, duet_dtype
     o.kv_dtype = g_kv_dtype;
     o.tune = g_tune;
     o.tune_file = g_tune_file;
+    o.spec_rows = g_spec_rows;
     duet_model_t *m = NULL;
     duet_status_t st = duet_model_load(x->dir, &o, &m);
     cr_assert_eq(st, DUET_OK, "%s: load (%s) failed: %s", x->name, duet_model_device_name(dev),
@@ -128,43 +130,174 @@ Test(engine_cuda, no_device_fails_cleanly)
     free_fixtures(fx, n);
 }
 
-/* The CUDA backend has no verify rows yet (DUET_BACKEND_CAP_VERIFY): spec_rows is refused at
- * load, before any device is touched, and with a device a verify item is refused by the forward,
- * the sequence untouched; nothing falls back to the CPU. */
-Test(engine_cuda, verify_rows_are_refused, .timeout = 300)
+/* ---- speculative decoding: verify items against the CPU backend ------------------------------
+ *
+ * Two sequences of each fixture decode its transformers greedy continuation speculatively, in
+ * lockstep on a CUDA and a CPU model (F32 compute, spec_rows 6), one forward per step with both
+ * sequences in it: verify items of 1..5 drafts taken from the reference continuation (some
+ * corrupted, so acceptance stops early), plain one-token steps between them (folding the accepted
+ * rows inside the forward) and replay-only commits (duet_model_seq_commit); on every other
+ * fixture both lanes verify alike, so those steps run as the CUDA model's verify graphs. Checked:
+ * every verify row's logits against the CPU's (rel L2 <= 1e-5, the f32 bound above), the emitted
+ * tokens equal transformers' greedy ones, the KDA state and windows after each commit against the
+ * CPU's (max |diff| / max |cpu| <= 1e-5), and, bit for bit, that a verify step leaves the committed
+ * state as it was. */
+
+typedef struct {
+    duet_seq_t s[2];
+    int32_t out[64 + 8]; /* tokens emitted */
+    int64_t n_out;
+} spec_lane_t;
+
+static double max_rel(const float *a, const float *b, size_t n)
 {
+    double md = 0.0, mx = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double d = fabs((double)a[i] - (double)b[i]);
+        md = d > md || isnan(d) ? d : md;
+        mx = fabs((double)b[i]) > mx ? fabs((double)b[i]) : mx;
+    }
+    return md / (mx > 0.0 ? mx : 1.0);
+}
+
+Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
+{
+    need_gpu();
     fixture_t fx[MAX_FIXTURES];
     int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 1);
-    duet_model_opts_t o;
-    duet_model_opts_default(&o);
-    o.device = DUET_DEVICE_CUDA;
-    o.spec_rows = 4;
-    duet_model_t *m = NULL;
-    cr_assert_eq(duet_model_load(fx[0].dir, &o, &m), DUET_ERR_UNSUPPORTED, "%s", duet_error_last());
-    cr_assert_null(m);
-    cr_assert_not_null(strstr(duet_error_last(), "spec_rows 4"), "%s", duet_error_last());
-    need_gpu();
-    m = load(&fx[0], DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
-    duet_seq_t s;
-    cr_assert_eq(duet_model_seq_open(m, 64, &s), DUET_OK);
-    float *lg = malloc(sizeof(float) * (size_t)(3 * fx[0].vocab));
-    const int32_t toks[3] = {1, 2, 3};
-    duet_batch_item_t it = {.seq = &s,
-                            .tokens = toks,
-                            .n_tokens = 3,
-                            .logits_mode = DUET_LOGITS_ALL,
-                            .logits = lg,
-                            .verify = 1};
-    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_ERR_UNSUPPORTED, "%s", duet_error_last());
-    cr_assert_not_null(strstr(duet_error_last(), "cuda"), "%s", duet_error_last());
-    cr_assert(s.n_tokens == 0 && s.n_pending == 0);
-    it.verify = 0; /* the plain item runs */
-    cr_assert_eq(duet_model_forward(m, &it, 1), DUET_OK, "%s", duet_error_last());
-    cr_assert_eq(s.n_tokens, 3);
-    duet_model_seq_close(m, &s);
-    duet_model_free(m);
-    free(lg);
+    g_spec_rows = 6;
+    for (int fi = 0; fi < n; fi++) {
+        fixture_t *x = &fx[fi];
+        duet_model_t *m[2] = {load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0),
+                              load(x, DUET_DEVICE_CPU, DUET_DTYPE_F32, 0, 0, 0)};
+        const int64_t V = x->vocab, np = x->n_prompt, NG = x->n_greedy;
+        const size_t sb = duet_model_seq_state_bytes(m[0]);
+        float *lg[2] = {malloc(sizeof(float) * (size_t)(16 * V)),
+                        malloc(sizeof(float) * (size_t)(16 * V))}; /* 8 rows per lane */
+        uint8_t *st0 = malloc(sb + 1), *st1 = malloc(sb + 1), *stb = malloc(sb + 1);
+        spec_lane_t ln[2]; /* lane = a sequence; .s[d] its copy on model d */
+        for (int l = 0; l < 2; l++)
+            for (int d = 0; d < 2; d++) {
+                cr_assert_eq(duet_model_seq_open(m[d], np + NG + 8, &ln[l].s[d]), DUET_OK);
+                duet_batch_item_t it = {.seq = &ln[l].s[d],
+                                        .tokens = x->prompt,
+                                        .n_tokens = np,
+                                        .logits_mode = DUET_LOGITS_LAST,
+                                        .logits = lg[d] + l * V};
+                cr_assert_eq(duet_model_forward(m[d], &it, 1), DUET_OK, "%s", duet_error_last());
+            }
+        for (int l = 0; l < 2; l++) {
+            ln[l].out[0] = duet_argmax(lg[0] + l * V, V);
+            ln[l].n_out = 1;
+        }
+        const int64_t graphs0 = duet_backend_cuda_verify_graph_steps();
+        double worst = 0.0, worst_state = 0.0;
+        int verifies = 0, commits = 0, plains = 0;
+        int64_t accepted = 0;
+        for (int step = 0; ln[0].n_out < NG || ln[1].n_out < NG; step++) {
+            cr_assert_lt(step, 200, "%s: no progress", x->name);
+            int32_t toks[2][8];
+            int k[2] = {0, 0}, verify[2] = {0, 0}, n_it = 0, lane_of[2];
+            duet_batch_item_t it[2][2];
+            for (int l = 0; l < 2; l++) {
+                spec_lane_t *L = &ln[l];
+                if (L->n_out >= NG)
+                    continue;
+                /* odd fixtures: both lanes alike, so that verify steps are uniform and run as
+                 * the verify graph of their bucket and length */
+                const int lo = fi % 2 ? 0 : l;
+                const int kind = (step + 2 * lo) % 6; /* 0: plain step; 3: commit first */
+                if (kind == 3 && L->s[0].n_replay > 0) {
+                    for (int d = 0; d < 2; d++)
+                        cr_assert_eq(duet_model_seq_commit(m[d], &L->s[d]), DUET_OK, "%s",
+                                     duet_error_last());
+                    cr_assert_eq(duet_model_seq_state_save(m[0], &L->s[0], st0), DUET_OK);
+                    cr_assert_eq(duet_model_seq_state_save(m[1], &L->s[1], st1), DUET_OK);
+                    const double e = max_rel((const float *)st0, (const float *)st1, sb / 4);
+                    worst_state = e > worst_state ? e : worst_state;
+                    cr_expect_leq(e, 1e-5, "%s step %d: state after a commit %g", x->name, step, e);
+                    commits++;
+                }
+                toks[l][0] = L->out[L->n_out - 1];
+                if (kind != 0) {
+                    k[l] = 1 + (step + lo) % 5;
+                    if (k[l] > NG - L->n_out)
+                        k[l] = (int)(NG - L->n_out);
+                    for (int j = 0; j < k[l]; j++)
+                        toks[l][1 + j] = x->greedy[L->n_out + j];
+                    if (k[l] > 0 && (step + l) % 3 == 1) /* a wrong draft stops acceptance */
+                        toks[l][1 + k[l] / 2] = (toks[l][1 + k[l] / 2] + 1) % (int32_t)V;
+                    verify[l] = 1;
+                }
+                lane_of[n_it] = l;
+                for (int d = 0; d < 2; d++)
+                    it[d][n_it] = (duet_batch_item_t){.seq = &L->s[d],
+                                                      .tokens = toks[l],
+                                                      .n_tokens = 1 + k[l],
+                                                      .logits_mode = verify[l] ? DUET_LOGITS_ALL
+                                                                               : DUET_LOGITS_LAST,
+                                                      .logits = lg[d] + (int64_t)l * 8 * V,
+                                                      .verify = verify[l]};
+                n_it++;
+            }
+            /* the committed state of a verifying lane, to check it stays */
+            const int probe = n_it > 0 && verify[lane_of[0]] && ln[lane_of[0]].s[0].n_replay == 0;
+            if (probe)
+                cr_assert_eq(duet_model_seq_state_save(m[0], &ln[lane_of[0]].s[0], stb), DUET_OK);
+            for (int d = 0; d < 2; d++)
+                cr_assert_eq(duet_model_forward(m[d], it[d], n_it), DUET_OK, "%s: %s", x->name,
+                             duet_error_last());
+            if (probe) {
+                cr_assert_eq(duet_model_seq_state_save(m[0], &ln[lane_of[0]].s[0], st0), DUET_OK);
+                cr_expect(memcmp(st0, stb, sb) == 0, "%s step %d: a verify step changed the state",
+                          x->name, step);
+            }
+            for (int i = 0; i < n_it; i++) {
+                const int l = lane_of[i];
+                spec_lane_t *L = &ln[l];
+                const int64_t rows = 1 + k[l];
+                const float *g = lg[0] + (int64_t)l * 8 * V, *c = lg[1] + (int64_t)l * 8 * V;
+                const double e = rel_l2(g, c, (verify[l] ? rows : 1) * V);
+                worst = e > worst ? e : worst;
+                cr_expect_leq(e, 1e-5, "%s step %d lane %d: verify logits rel L2 %g", x->name, step,
+                              l, e);
+                if (!verify[l]) {
+                    L->out[L->n_out++] = duet_argmax(g, V);
+                    plains++;
+                    continue;
+                }
+                int j = 0;
+                while (j < k[l] && duet_argmax(g + j * V, V) == toks[l][1 + j])
+                    L->out[L->n_out++] = toks[l][1 + j++];
+                L->out[L->n_out++] = duet_argmax(g + j * V, V);
+                for (int d = 0; d < 2; d++)
+                    cr_assert_eq(duet_model_seq_accept(m[d], &L->s[d], j + 1), DUET_OK, "%s",
+                                 duet_error_last());
+                accepted += j;
+                verifies++;
+            }
+        }
+        for (int l = 0; l < 2; l++)
+            for (int64_t t = 0; t < NG; t++)
+                cr_expect_eq(ln[l].out[t], x->greedy[t], "%s lane %d: token %lld: %d vs %d",
+                             x->name, l, (long long)t, ln[l].out[t], x->greedy[t]);
+        printf("cuda spec %-30s %d verify items (%lld drafts kept), %d plain, %d commits: logits "
+               "rel L2 vs cpu <= %.3g, state after commit <= %.3g\n",
+               x->name, verifies, (long long)accepted, plains, commits, worst, worst_state);
+        cr_expect_gt(verifies, 0);
+        const int64_t graphs = duet_backend_cuda_verify_graph_steps() - graphs0;
+        printf("cuda spec %-30s %lld steps ran as verify graphs\n", x->name, (long long)graphs);
+        if (fi % 2)
+            cr_expect_gt(graphs, 0, "%s: no uniform verify step ran as a graph", x->name);
+        for (int l = 0; l < 2; l++)
+            for (int d = 0; d < 2; d++)
+                duet_model_seq_close(m[d], &ln[l].s[d]);
+        duet_model_free(m[0]);
+        duet_model_free(m[1]);
+        free(lg[0]), free(lg[1]), free(st0), free(st1), free(stb);
+    }
+    g_spec_rows = 0;
     free_fixtures(fx, n);
 }
 

@@ -1385,8 +1385,6 @@ Test(engine_spec, bad_spec_rows_are_refused_at_load, .timeout = 120)
         /* the replay pool's size overflows before anything is allocated for it */
         {(int64_t)1 << 60, (int64_t)1 << 61, (int64_t)1 << 61, DUET_DEVICE_CPU, DUET_ERR_INVALID,
          "replay pool"},
-        /* a backend without verify rows (cuda, whether or not this build has it) */
-        {4, 512, 640, DUET_DEVICE_CUDA, DUET_ERR_UNSUPPORTED, "spec_rows 4"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         duet_model_opts_default(&opts);
