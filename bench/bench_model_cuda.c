@@ -433,14 +433,26 @@ int main(int argc, char **argv)
                         rc = 1;
                         break;
                     }
+                    /* its roofline: the experts B·(k+1) rows route to, the same KV, the state
+                     * read by the verify and read + written by the replay of the accepted row */
+                    const double vrows = (double)B * (double)(vk[iv] + 1);
+                    const double vtouched =
+                        c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, vrows)) : 0;
+                    const double vbytes =
+                        (dense + vtouched * expert * (double)c->n_moe_layers) * (double)wb + kv +
+                        1.5 * st;
                     printf("{\"bench\":\"verify\",\"layers\":%lld,\"B\":%lld,\"C\":%lld,\"k\":%lld,"
-                           "\"ms\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,\"dtype\":\"%s\","
-                           "\"tuned\":%s}\n",
+                           "\"ms\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,\"roofline_ms\":%.3f,"
+                           "\"roofline_ratio\":%.3f,\"dtype\":\"%s\",\"tuned\":%s}\n",
                            (long long)c->num_layers, (long long)B, (long long)C, (long long)vk[iv],
-                           vs * 1e3, med * 1e3, vs / med, dtype, o.tune ? "true" : "false");
+                           vs * 1e3, med * 1e3, vs / med, vbytes / bw * 1e3, vbytes / bytes, dtype,
+                           o.tune ? "true" : "false");
                     fflush(stdout);
-                    fprintf(stderr, "verify B=%lld C=%lld k=%lld: %.3f ms/step (%.2fx decode)\n",
-                            (long long)B, (long long)C, (long long)vk[iv], vs * 1e3, vs / med);
+                    fprintf(stderr,
+                            "verify B=%lld C=%lld k=%lld: %.3f ms/step (%.2fx decode; roofline "
+                            "%.2fx decode's)\n",
+                            (long long)B, (long long)C, (long long)vk[iv], vs * 1e3, vs / med,
+                            vbytes / bytes);
                 }
             }
             for (int64_t s = 0; s < B; s++)

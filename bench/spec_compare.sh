@@ -8,7 +8,8 @@
 #
 # Environment: MODEL (models/duet-demo), DRAFT (models/duet-demo-draft; the draft rows are
 # skipped, saying so, when the folder is absent), THREADS (1), KS ("2 4 7"), BUILD (build),
-# OUT (the --json lines are kept there; default a temp dir).
+# DEVICE (cpu; cuda runs target and drafter on the GPU), OUT (the --json lines are kept there;
+# default a temp dir).
 #
 # Prints a markdown table per workload: decode tokens/s (decoded tokens after the first over the
 # decode time, summed over the prompts), tokens per step ((tokens - 1) / steps: the first token
@@ -23,6 +24,7 @@ DRAFT=${DRAFT:-models/duet-demo-draft}
 THREADS=${THREADS:-1}
 KS=${KS:-2 4 7}
 BUILD=${BUILD:-build}
+DEVICE=${DEVICE:-cpu}
 OUT=${OUT:-$(mktemp -d /tmp/duet-spec-compare-XXXXXX)}
 mkdir -p "$OUT"
 bin=$BUILD/engine/duet-generate
@@ -59,7 +61,7 @@ for work in gsm8k repetitive; do
         for cfg in "${configs[@]}"; do
             read -r method k <<< "$cfg"
             args=(--model "$MODEL" --prompt "$prompt" --max-tokens "$NEW" --ignore-eos --json
-                  --threads "$THREADS" --spec.method "$method")
+                  --threads "$THREADS" --device "$DEVICE" --spec.method "$method")
             [ "$method" = none ] || args+=(--spec.k "$k")
             [ "$method" = draft ] && args+=(--spec.draft_model "$DRAFT")
             res=$(DUET_LOG_LEVEL=error "$bin" "${args[@]}")
@@ -70,9 +72,9 @@ for work in gsm8k repetitive; do
     done < "$OUT/$work.prompts"
 done
 
-python3 - "$OUT" "$MODEL" "$THREADS" "$NEW" <<'PY'
+python3 - "$OUT" "$MODEL" "$THREADS" "$NEW" "$DEVICE" <<'PY'
 import json, sys
-out, model, threads, new = sys.argv[1:5]
+out, model, threads, new, device = sys.argv[1:6]
 for work in ("gsm8k", "repetitive"):
     runs = [json.loads(l) for l in open(f"{out}/{work}.jsonl")]
     n_prompts = len({r["prompt"] for r in runs})
@@ -94,7 +96,7 @@ for work in ("gsm8k", "repetitive"):
     base = rows[("none", 0)]
     base_tps = base["tok"] / base["sec"]
     print(f"\n### {work}: {n_prompts} prompt(s), {new} new tokens each, {model}, "
-          f"{threads} thread(s), greedy\n")
+          f"{threads} thread(s), --device {device}, greedy\n")
     print("| method | k | decode tok/s | tokens/step | acceptance | speedup | tokens = none's |")
     print("|---|---|---|---|---|---|---|")
     for key in order:
