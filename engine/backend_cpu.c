@@ -47,7 +47,7 @@ typedef struct {
     duet_tune_t *tuner;      /* owned; opts.tune: k's matmul tactics (set on k) */
     duet_backend_f32_t *f32; /* owned, [num_layers] */
     duet_sampler_t *sampler; /* owned; DUET_LOGITS_TOKEN */
-    float *tok_logits;       /* (vocab) logits of a DUET_LOGITS_TOKEN item */
+    float *tok_logits;       /* (vocab) logits of a DUET_LOGITS_TOKEN item, or of one ARGMAX row */
 
     /* the step's description for the mixers' kernels: arrays of T + 1 / T entries, owned */
     int64_t *item_row0;         /* (T + 1) first row of each item of the current step */
@@ -799,6 +799,19 @@ static duet_status_t duet__cpu_forward(duet_backend_t *be, const duet_backend_ba
             nr = 1;
         } else if (it->logits_mode == DUET_LOGITS_ALL) {
             nr = it->n_tokens;
+        }
+        if (it->logits_mode == DUET_LOGITS_ARGMAX) { /* row by row through the one-row buffer */
+            r0 = b->item_row0[i];
+            duet_k_rmsnorm(b->k, b->xn + r0 * D, b->x + r0 * D, &w->norm, it->n_tokens, D,
+                           c->rms_norm_eps);
+            for (int64_t t = 0; t < it->n_tokens; t++) {
+                s = duet_k_matmul(b->k, b->tok_logits, c->vocab_size, b->xn + (r0 + t) * D, D, 1,
+                                  &w->lm_head, 0);
+                if (s != DUET_OK)
+                    return s;
+                it->token_out[t] = duet_argmax(b->tok_logits, c->vocab_size);
+            }
+            continue;
         }
         if (nr > 0) {
             duet_k_rmsnorm(b->k, b->xn + r0 * D, b->x + r0 * D, &w->norm, nr, D, c->rms_norm_eps);

@@ -1515,6 +1515,7 @@ static int64_t duet__logit_rows(const duet_batch_item_t *it, int use_graph)
     case DUET_LOGITS_TOKEN:
         return 1;
     case DUET_LOGITS_ALL:
+    case DUET_LOGITS_ARGMAX:
         return it->n_tokens;
     default:
         return use_graph ? 1 : 0;
@@ -1672,7 +1673,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     int32_t *mh = dm->meta_h;
     int64_t max_tokens = 1, chunk_tokens = 1, split_rows = 0, n_logits = 0;
     int any_sampled = 0, any_token = 0, any_all = 0, any_verify = 0, any_replay = 0;
-    int all_verify = n_items > 0; /* every item a verify item of vrows rows, all rows logits */
+    int all_verify = n_items > 0; /* every item a verify item of vrows rows, one mode */
     const int64_t vrows = n_items > 0 ? items[0].n_tokens : 0;
 
     for (int64_t i = 0; i < n_items; i++) {
@@ -1686,7 +1687,9 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         any_replay |= it->seq->n_replay > 0;
         if (!it->verify && it->n_tokens > chunk_tokens)
             chunk_tokens = it->n_tokens;
-        all_verify &= it->verify && it->n_tokens == vrows && it->logits_mode == DUET_LOGITS_ALL;
+        all_verify &=
+            it->verify && it->n_tokens == vrows && it->logits_mode == items[0].logits_mode;
+        any_token |= it->logits_mode == DUET_LOGITS_ARGMAX; /* drawn greedily, row by row */
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             any_token = 1;
             any_sampled |= it->sampling.temperature > 0.0f && it->sampling.top_k != 1;
@@ -1834,6 +1837,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
             duet_batch_item_t *it = &items[i];
             if (it->logits_mode == DUET_LOGITS_TOKEN)
                 *it->token_out = dm->token_out_h[k];
+            else if (it->logits_mode == DUET_LOGITS_ARGMAX)
+                memcpy(it->token_out, dm->token_out_h + k, sizeof(int32_t) * (size_t)it->n_tokens);
             k += duet__logit_rows(it, use_graph);
         }
     }

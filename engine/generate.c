@@ -178,14 +178,17 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
             goto out;
     }
     while (end == 0 && r->n_tokens < max_new) {
-        int32_t toks[DUET_SPEC_MAX_K + 1], vtoks[DUET_SPEC_MAX_K + 1];
+        int32_t toks[DUET_SPEC_MAX_K + 1], vtoks[DUET_SPEC_MAX_K + 1], vmax[DUET_SPEC_MAX_K + 1];
         int n_toks = 0;
         int32_t next = r->tokens[r->n_tokens - 1];
+        /* greedy speculation without a logits consumer needs only each row's arg-max */
+        const int argmax = speculate && duet_spec_seq_greedy(&ss) && o->on_step_logits == NULL;
         duet_batch_item_t item = {.seq = seq,
                                   .tokens = &next,
                                   .n_tokens = 1,
-                                  .logits_mode = DUET_LOGITS_LAST,
-                                  .logits = logits};
+                                  .logits_mode = argmax ? DUET_LOGITS_ARGMAX : DUET_LOGITS_LAST,
+                                  .logits = logits,
+                                  .token_out = vmax};
         if (speculate) {
             /* drafts so that the kept ones and the target's token stay within max_tokens */
             const int64_t room = max_new - r->n_tokens - 1;
@@ -200,7 +203,7 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
                 memcpy(vtoks + 1, ss.drafts, sizeof(int32_t) * (size_t)ss.k);
                 item.tokens = vtoks;
                 item.n_tokens = ss.k + 1;
-                item.logits_mode = DUET_LOGITS_ALL;
+                item.logits_mode = argmax ? DUET_LOGITS_ARGMAX : DUET_LOGITS_ALL;
                 item.verify = 1;
             }
         }
@@ -210,7 +213,9 @@ duet_status_t duet_generate_decode(duet_model_t *m, duet_seq_t *seq, const int32
         }
         r->steps++;
         if (speculate) {
-            if ((st = duet_spec_finish(o->spec, &ss, seq, logits, toks, &n_toks)) != DUET_OK)
+            st = argmax ? duet_spec_finish_argmax(o->spec, &ss, seq, vmax, toks, &n_toks)
+                        : duet_spec_finish(o->spec, &ss, seq, logits, toks, &n_toks);
+            if (st != DUET_OK)
                 goto out;
         } else {
             toks[n_toks++] =

@@ -925,10 +925,10 @@ static duet_status_t duet__validate_verify(const duet_model_t *m, const duet_bat
                               "forward: item %lld is a verify item, but the model was loaded "
                               "without spec_rows",
                               (long long)i);
-    if (it->logits_mode != DUET_LOGITS_ALL)
+    if (it->logits_mode != DUET_LOGITS_ALL && it->logits_mode != DUET_LOGITS_ARGMAX)
         return duet_error_set(DUET_ERR_INVALID,
                               "forward: item %lld: a verify item wants the logits of every row "
-                              "(DUET_LOGITS_ALL)",
+                              "(DUET_LOGITS_ALL) or their arg-maxes (DUET_LOGITS_ARGMAX)",
                               (long long)i);
     if (it->n_tokens < 2 || it->n_tokens > m->opts.spec_rows)
         return duet_error_set(DUET_ERR_RANGE,
@@ -973,7 +973,13 @@ static duet_status_t duet__validate_batch(duet_model_t *m, const duet_batch_item
                                   "forward: item %lld asks rank %d of a helix group for logits: "
                                   "only rank 0 holds the LM head",
                                   (long long)i, m->shard.rank);
-        if (it->logits_mode == DUET_LOGITS_TOKEN) {
+        if (it->logits_mode == DUET_LOGITS_ARGMAX) {
+            if (it->token_out == NULL)
+                return duet_error_set(DUET_ERR_INVALID,
+                                      "forward: item %lld wants its rows' arg-maxes but has "
+                                      "nowhere to put them",
+                                      (long long)i);
+        } else if (it->logits_mode == DUET_LOGITS_TOKEN) {
             if (it->token_out == NULL)
                 return duet_error_set(DUET_ERR_INVALID,
                                       "forward: item %lld wants a token but "

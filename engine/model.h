@@ -392,11 +392,15 @@ duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, 
                                               int64_t n_tokens);
 
 typedef enum {
-    DUET_LOGITS_NONE = 0,  /* no logits (a prefill chunk that is not the prompt's last) */
-    DUET_LOGITS_LAST = 1,  /* logits of the item's last token: [1][vocab] */
-    DUET_LOGITS_ALL = 2,   /* logits of every token of the item: [n_tokens][vocab] */
-    DUET_LOGITS_TOKEN = 3, /* no logits: the model draws the next token (on the device for
-                              CUDA) with `sampling` and the uniform `u` into *token_out */
+    DUET_LOGITS_NONE = 0,   /* no logits (a prefill chunk that is not the prompt's last) */
+    DUET_LOGITS_LAST = 1,   /* logits of the item's last token: [1][vocab] */
+    DUET_LOGITS_ALL = 2,    /* logits of every token of the item: [n_tokens][vocab] */
+    DUET_LOGITS_TOKEN = 3,  /* no logits: the model draws the next token (on the device for
+                               CUDA) with `sampling` and the uniform `u` into *token_out */
+    DUET_LOGITS_ARGMAX = 4, /* no logits: the arg-max of every row's logits (duet_argmax's,
+                               the lowest id of a tie; on the device for CUDA) into
+                               token_out[0..n_tokens): greedy speculation keeps the vocabulary
+                               rows of a verify on the device */
 } duet_logits_mode_t;
 
 typedef struct {
@@ -407,9 +411,10 @@ typedef struct {
     float *logits;            /* caller-owned, rows per logits_mode */
     duet_sampling_t sampling; /* DUET_LOGITS_TOKEN: the rule (duet_sampler_sample's) */
     float u;                  /* DUET_LOGITS_TOKEN: this token's draw, duet_sampling_draw() */
-    int32_t *token_out;       /* DUET_LOGITS_TOKEN: where the token goes */
+    int32_t *token_out;       /* DUET_LOGITS_TOKEN: where the token goes; ARGMAX: n_tokens */
     int verify; /* 1: the rows are tentative (speculative decoding): the sequence's next token then
-                   k drafts, n_tokens = k + 1 in 2..spec_rows, logits_mode DUET_LOGITS_ALL.
+                   k drafts, n_tokens = k + 1 in 2..spec_rows, logits_mode DUET_LOGITS_ALL or
+                   DUET_LOGITS_ARGMAX.
                    Each row is computed from the committed caches as plain decode would compute
                    it after the rows before it; nothing is committed: afterwards seq->n_pending =
                    n_tokens and seq->n_tokens is unchanged (duet_model_seq_accept keeps a prefix).

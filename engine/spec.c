@@ -454,17 +454,13 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
     return st;
 }
 
-duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
-                               const float *logits, int32_t *out, int *n_p)
+/* duet_spec_finish's rest once out[0..n) is chosen: the target keeps the rows, the history and
+ * the counters record them, the draft sequence rolls back. */
+static duet_status_t duet__spec_keep(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
+                                     const int32_t *out, int n)
 {
     const int k = ss->k;
-    int n;
-    if (k == 0) {
-        out[0] = duet_sampler_sample(sp->sampler, ss->sampling, ss->rng, logits);
-        n = 1;
-    } else {
-        n = sp->accept(sp->sampler, ss->sampling, ss->rng, logits, sp->vocab, ss->drafts, k,
-                       ss->q_valid ? ss->q : NULL, sp->scratch, out);
+    if (k > 0) {
         duet_status_t st = duet_model_seq_accept(sp->target, tseq, n);
         if (st != DUET_OK)
             return st;
@@ -495,6 +491,48 @@ duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t 
         }
     }
     ss->k = 0;
-    *n_p = n;
     return DUET_OK;
+}
+
+duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
+                               const float *logits, int32_t *out, int *n_p)
+{
+    const int k = ss->k;
+    int n = 1;
+    if (k == 0)
+        out[0] = duet_sampler_sample(sp->sampler, ss->sampling, ss->rng, logits);
+    else
+        n = sp->accept(sp->sampler, ss->sampling, ss->rng, logits, sp->vocab, ss->drafts, k,
+                       ss->q_valid ? ss->q : NULL, sp->scratch, out);
+    duet_status_t st = duet__spec_keep(sp, ss, tseq, out, n);
+    if (st == DUET_OK)
+        *n_p = n;
+    return st;
+}
+
+int duet_spec_seq_greedy(const duet_spec_seq_t *ss)
+{
+    return ss->sampling->temperature <= 0.0f || ss->sampling->top_k == 1;
+}
+
+duet_status_t duet_spec_finish_argmax(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
+                                      const int32_t *row_tokens, int32_t *out, int *n_p)
+{
+    if (!duet_spec_seq_greedy(ss))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "spec: a sampling request's verify needs its rows' logits");
+    /* duet_spec_accept's greedy rule on the rows' arg-maxes: drafts kept while they equal them,
+     * then the arg-max of the row after the last kept one */
+    const int k = ss->k;
+    int n = 0;
+    while (n < k && row_tokens[n] == ss->drafts[n]) {
+        out[n] = row_tokens[n];
+        n++;
+    }
+    out[n] = row_tokens[n];
+    n++;
+    duet_status_t st = duet__spec_keep(sp, ss, tseq, out, n);
+    if (st == DUET_OK)
+        *n_p = n;
+    return st;
 }

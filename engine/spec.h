@@ -246,4 +246,18 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
 duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
                                const float *logits, int32_t *out, int *n_p);
 
+/* Whether ss's request decodes greedily (temperature 0 or top_k 1): its verify can then run with
+ * DUET_LOGITS_ARGMAX and finish with duet_spec_finish_argmax. */
+int duet_spec_seq_greedy(const duet_spec_seq_t *ss);
+
+/*
+ * duet_spec_finish for a greedy request whose step ran with DUET_LOGITS_ARGMAX: row_tokens[j] is
+ * row j's arg-max (k + 1 of them; one for a plain step, ss->k == 0). The greedy rule on them, which
+ * is duet_spec_accept's (drafts kept while each equals its row's arg-max, then the next row's),
+ * then the same keeping, history and rollback. DUET_ERR_INVALID for a request that samples
+ * (nothing changes); otherwise duet_spec_finish's errors.
+ */
+duet_status_t duet_spec_finish_argmax(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,
+                                      const int32_t *row_tokens, int32_t *out, int *n_p);
+
 #endif

@@ -163,6 +163,7 @@ typedef struct {
     bool spec_open;
     duet_spec_seq_t ss;
     int32_t vtok[DUET_SPEC_MAX_K + 1]; /* the step's item: the next token, then the drafts */
+    int32_t vmax[DUET_SPEC_MAX_K + 1]; /* its rows' arg-maxes (gr_spec_argmax) */
     /* logprobs of a speculating step's tokens, from its verify rows */
     duet_worker_logprob_t vlp[DUET_SPEC_MAX_K + 1];
     int64_t n_hist; /* ids in base.prompt: the prompt, or a moved-in request's prompt and
@@ -308,6 +309,13 @@ static float *gr_logits(const duet_worker_t *w, const gr_t *r)
 static bool gr_speculates(const gr_t *r)
 {
     return g.spec != NULL && duet_worker_sampling_speculates(&r->base.sampling);
+}
+
+/* Whether a speculating r's steps need only their rows' arg-maxes (DUET_LOGITS_ARGMAX: greedy,
+ * no logprobs), so the vocabulary rows stay on the device. */
+static bool gr_spec_argmax(const gr_t *r)
+{
+    return duet_spec_seq_greedy(&r->ss) && !r->base.sampling.logprobs;
 }
 
 /*
@@ -1210,11 +1218,15 @@ static int64_t gen_plan_spec(duet_worker_t *w, int64_t *budget_p)
         budget += g.k_cap[j] - k;
         r->vtok[0] = duet_spec_seq_next(&r->ss);
         memcpy(r->vtok + 1, r->ss.drafts, sizeof(int32_t) * (size_t)k);
+        const bool am = gr_spec_argmax(r);
         w->items[j] = (duet_batch_item_t){.seq = &r->base.seq,
                                           .tokens = r->vtok,
                                           .n_tokens = k + 1,
-                                          .logits_mode = k > 0 ? DUET_LOGITS_ALL : DUET_LOGITS_LAST,
+                                          .logits_mode = am      ? DUET_LOGITS_ARGMAX
+                                                         : k > 0 ? DUET_LOGITS_ALL
+                                                                 : DUET_LOGITS_LAST,
                                           .logits = gr_logits(w, r),
+                                          .token_out = r->vmax,
                                           .verify = k > 0};
     }
     *budget_p = budget;
@@ -1257,7 +1269,11 @@ static bool gen_spec_finish(duet_worker_t *w, gr_t *r, const duet_batch_item_t *
                             int *n_p)
 {
     const int k = r->ss.k;
-    if (duet_spec_finish(g.spec, &r->ss, &r->base.seq, it->logits, toks, n_p) != DUET_OK) {
+    const duet_status_t st =
+        it->logits_mode == DUET_LOGITS_ARGMAX
+            ? duet_spec_finish_argmax(g.spec, &r->ss, &r->base.seq, r->vmax, toks, n_p)
+            : duet_spec_finish(g.spec, &r->ss, &r->base.seq, it->logits, toks, n_p);
+    if (st != DUET_OK) {
         char why[320];
         snprintf(why, sizeof(why), "speculative step failed: %s", duet_error_last());
         gr_fail(w, &r->base, why);

@@ -137,7 +137,9 @@ Test(engine_cuda, no_device_fails_cleanly)
  * sequences in it: verify items of 1..5 drafts taken from the reference continuation (some
  * corrupted, so acceptance stops early), plain one-token steps between them (folding the accepted
  * rows inside the forward) and replay-only commits (duet_model_seq_commit); on every other
- * fixture both lanes verify alike, so those steps run as the CUDA model's verify graphs. Checked:
+ * fixture both lanes verify alike, so those steps run as the CUDA model's verify graphs; on every
+ * fourth the CUDA model returns only the rows' arg-maxes (DUET_LOGITS_ARGMAX), checked against
+ * the CPU's rows (equal, or a tie within 1e-5 of the row's maximum). Checked:
  * every verify row's logits against the CPU's (rel L2 <= 1e-5, the f32 bound above), the emitted
  * tokens equal transformers' greedy ones, the KDA state and windows after each commit against the
  * CPU's (max |diff| / max |cpu| <= 1e-5), and, bit for bit, that a verify step leaves the committed
@@ -192,6 +194,10 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
             ln[l].n_out = 1;
         }
         const int64_t graphs0 = duet_backend_cuda_verify_graph_steps();
+        /* every fourth fixture: the GPU's items ask for their rows' arg-maxes only */
+        const int am = fi % 4 == 3;
+        int32_t vmax[2][8];
+        int64_t argmaxes = 0;
         double worst = 0.0, worst_state = 0.0;
         int verifies = 0, commits = 0, plains = 0;
         int64_t accepted = 0;
@@ -232,13 +238,16 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
                 }
                 lane_of[n_it] = l;
                 for (int d = 0; d < 2; d++)
-                    it[d][n_it] = (duet_batch_item_t){.seq = &L->s[d],
-                                                      .tokens = toks[l],
-                                                      .n_tokens = 1 + k[l],
-                                                      .logits_mode = verify[l] ? DUET_LOGITS_ALL
-                                                                               : DUET_LOGITS_LAST,
-                                                      .logits = lg[d] + (int64_t)l * 8 * V,
-                                                      .verify = verify[l]};
+                    it[d][n_it] =
+                        (duet_batch_item_t){.seq = &L->s[d],
+                                            .tokens = toks[l],
+                                            .n_tokens = 1 + k[l],
+                                            .logits_mode = d == 0 && am ? DUET_LOGITS_ARGMAX
+                                                           : verify[l]  ? DUET_LOGITS_ALL
+                                                                        : DUET_LOGITS_LAST,
+                                            .logits = lg[d] + (int64_t)l * 8 * V,
+                                            .token_out = vmax[l],
+                                            .verify = verify[l]};
                 n_it++;
             }
             /* the committed state of a verifying lane, to check it stays */
@@ -258,19 +267,35 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
                 spec_lane_t *L = &ln[l];
                 const int64_t rows = 1 + k[l];
                 const float *g = lg[0] + (int64_t)l * 8 * V, *c = lg[1] + (int64_t)l * 8 * V;
-                const double e = rel_l2(g, c, (verify[l] ? rows : 1) * V);
-                worst = e > worst ? e : worst;
-                cr_expect_leq(e, 1e-5, "%s step %d lane %d: verify logits rel L2 %g", x->name, step,
-                              l, e);
+                const int64_t nr = verify[l] ? rows : 1;
+                if (am) { /* the GPU's arg-maxes against the CPU's rows (a near tie may differ) */
+                    for (int64_t j = 0; j < nr; j++) {
+                        const float *cr = c + j * V;
+                        const int32_t want = duet_argmax(cr, V), got = vmax[l][j];
+                        cr_expect(got == want || (got >= 0 && got < V &&
+                                                  fabsf(cr[got] - cr[want]) <=
+                                                      1e-5f * fabsf(cr[want]) + 1e-6f),
+                                  "%s step %d lane %d row %lld: GPU arg-max %d, CPU %d", x->name,
+                                  step, l, (long long)j, got, want);
+                    }
+                    argmaxes += nr;
+                } else {
+                    const double e = rel_l2(g, c, nr * V);
+                    worst = e > worst ? e : worst;
+                    cr_expect_leq(e, 1e-5, "%s step %d lane %d: verify logits rel L2 %g", x->name,
+                                  step, l, e);
+                    for (int64_t j = 0; j < nr; j++)
+                        vmax[l][j] = duet_argmax(g + j * V, V);
+                }
                 if (!verify[l]) {
-                    L->out[L->n_out++] = duet_argmax(g, V);
+                    L->out[L->n_out++] = vmax[l][0];
                     plains++;
                     continue;
                 }
                 int j = 0;
-                while (j < k[l] && duet_argmax(g + j * V, V) == toks[l][1 + j])
+                while (j < k[l] && vmax[l][j] == toks[l][1 + j])
                     L->out[L->n_out++] = toks[l][1 + j++];
-                L->out[L->n_out++] = duet_argmax(g + j * V, V);
+                L->out[L->n_out++] = vmax[l][j];
                 for (int d = 0; d < 2; d++)
                     cr_assert_eq(duet_model_seq_accept(m[d], &L->s[d], j + 1), DUET_OK, "%s",
                                  duet_error_last());
@@ -287,7 +312,8 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
                x->name, verifies, (long long)accepted, plains, commits, worst, worst_state);
         cr_expect_gt(verifies, 0);
         const int64_t graphs = duet_backend_cuda_verify_graph_steps() - graphs0;
-        printf("cuda spec %-30s %lld steps ran as verify graphs\n", x->name, (long long)graphs);
+        printf("cuda spec %-30s %lld steps ran as verify graphs, %lld rows as arg-maxes\n", x->name,
+               (long long)graphs, (long long)argmaxes);
         if (fi % 2)
             cr_expect_gt(graphs, 0, "%s: no uniform verify step ran as a graph", x->name);
         for (int l = 0; l < 2; l++)

@@ -1366,6 +1366,74 @@ Test(engine_spec, bad_verify_items_and_calls_are_refused, .timeout = 120)
     free_cases(cs, n);
 }
 
+/* DUET_LOGITS_ARGMAX: a verify item's (and a plain row's) arg-maxes are duet_argmax of the rows
+ * DUET_LOGITS_ALL returns for the same item, and everything else the step leaves is the same:
+ * two sequences with the same caches, one verified each way in one batch. */
+Test(engine_spec, argmax_rows_equal_argmax_of_all_rows, .timeout = 300)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    for (int c = 0; c < n; c++) {
+        duet_model_t *m = load_spec(cs[c].dir, SPEC_ROWS);
+        const int64_t V = duet_model_config(m)->vocab_size, np = cs[c].n_prompt;
+        const int64_t cap = np + 4 * SPEC_ROWS;
+        float *lg = malloc(sizeof(float) * (size_t)(SPEC_ROWS * V));
+        cr_assert_not_null(lg);
+        duet_seq_t a, b;
+        cr_assert_eq(duet_model_seq_open(m, cap, &a), DUET_OK);
+        duet_batch_item_t pre = {.seq = &a,
+                                 .tokens = cs[c].prompt,
+                                 .n_tokens = np,
+                                 .logits_mode = DUET_LOGITS_LAST,
+                                 .logits = lg};
+        cr_assert_eq(duet_model_forward(m, &pre, 1), DUET_OK, "%s", duet_error_last());
+        clone_seq(m, &a, cap, &b);
+        int32_t rows[SPEC_ROWS], got[SPEC_ROWS + 1];
+        for (int round = 0; round < 3; round++) {
+            /* round 0, 1: verify items of SPEC_ROWS and 2 rows; round 2: a plain row (after the
+             * accepted rows' replay is folded in) */
+            const int64_t nr = round == 0 ? SPEC_ROWS : round == 1 ? 2 : 1;
+            for (int64_t j = 0; j < nr; j++)
+                rows[j] = (int32_t)((7 * round + 13 * j + 1) % V);
+            memset(got, 0xff, sizeof(got));
+            duet_batch_item_t it[2] = {{.seq = &a,
+                                        .tokens = rows,
+                                        .n_tokens = nr,
+                                        .verify = nr > 1,
+                                        .logits_mode = nr > 1 ? DUET_LOGITS_ALL : DUET_LOGITS_LAST,
+                                        .logits = lg},
+                                       {.seq = &b,
+                                        .tokens = rows,
+                                        .n_tokens = nr,
+                                        .verify = nr > 1,
+                                        .logits_mode = DUET_LOGITS_ARGMAX,
+                                        .token_out = got}};
+            cr_assert_eq(duet_model_forward(m, it, 2), DUET_OK, "%s", duet_error_last());
+            for (int64_t j = 0; j < nr; j++)
+                cr_expect_eq(got[j], duet_argmax(lg + j * V, V), "%s round %d row %lld: %d vs %d",
+                             cs[c].name, round, (long long)j, got[j], duet_argmax(lg + j * V, V));
+            cr_expect_eq(got[nr], -1, "%s: ARGMAX wrote past its rows", cs[c].name);
+            if (nr > 1) {
+                cr_assert(a.n_pending == nr && b.n_pending == nr);
+                cr_assert_eq(duet_model_seq_accept(m, &a, nr - 1), DUET_OK);
+                cr_assert_eq(duet_model_seq_accept(m, &b, nr - 1), DUET_OK);
+            }
+            cr_expect(a.n_tokens == b.n_tokens && kda_equal(m, &a, &b),
+                      "%s round %d: the two sequences' caches differ", cs[c].name, round);
+        }
+        /* nowhere to put them */
+        duet_batch_item_t bad = {
+            .seq = &a, .tokens = rows, .n_tokens = 1, .logits_mode = DUET_LOGITS_ARGMAX};
+        expect_err(duet_model_forward(m, &bad, 1), DUET_ERR_INVALID, "nowhere to put",
+                   "ARGMAX without token_out");
+        duet_model_seq_close(m, &a);
+        duet_model_seq_close(m, &b);
+        duet_model_free(m);
+        free(lg);
+    }
+    free_cases(cs, n);
+}
+
 Test(engine_spec, bad_spec_rows_are_refused_at_load, .timeout = 120)
 {
     spec_case_t cs[MAX_CASES];
