@@ -24,7 +24,10 @@
  * duet-gen's), then keeps one row (duet_model_seq_accept 1, the least a step keeps, so that each
  * step also folds one replay row in, as a serving loop's do). Context grows one token per step, as
  * in decode. The median time per step (forward + accepts) is reported with its ratio to the
- * decode step's.
+ * decode step's, then the same with only each row's arg-max returned (DUET_LOGITS_ARGMAX, what
+ * greedy speculation asks for), and the verify step's memory roofline against decode's: the
+ * experts B·(k+1) rows route to, the same KV, the state read by the verify and read and written
+ * by the replay.
  * Prefill: one sequence of P tokens in one forward call; tokens/s, and the step's GEMM FLOPs
  * (2 · active matrix parameters · P) per second against a cuBLASLt bf16 GEMM of the model's
  * largest projection shape at M = P timed in the same run.
@@ -92,13 +95,14 @@ static uint64_t rng_next(uint64_t *x)
 /*
  * One verify measurement (see the header): roll the B sequences back to C tokens with KDA state
  * `state`, then 3 warm-up and `steps` timed steps of one verify item of k + 1 random tokens per
- * sequence (logits of every row into `logits`, B * (k + 1) * vocab floats), each followed by
+ * sequence (logits of every row into `logits`, B * (k + 1) * vocab floats; with `amax` instead
+ * only each row's arg-max, DUET_LOGITS_ARGMAX, into amax[B * (k + 1)]), each followed by
  * duet_model_seq_accept(1) for every sequence. The sequences must have room for C + steps + 3 + k
  * tokens. Returns the median seconds per step (forward + accepts), or -1 after printing the error.
  */
 static double verify_step_s(duet_model_t *m, duet_seq_t *seqs, int64_t B, int64_t C, int64_t k,
                             int64_t steps, const void *state, duet_batch_item_t *items,
-                            int32_t *tok, float *logits, double *ts, uint64_t *rng)
+                            int32_t *tok, float *logits, int32_t *amax, double *ts, uint64_t *rng)
 {
     const int64_t V = duet_model_config(m)->vocab_size, rows = k + 1;
     duet_status_t st = DUET_OK;
@@ -111,8 +115,10 @@ static double verify_step_s(duet_model_t *m, duet_seq_t *seqs, int64_t B, int64_
             items[s] = (duet_batch_item_t){.seq = &seqs[s],
                                            .tokens = &tok[s * rows],
                                            .n_tokens = rows,
-                                           .logits_mode = DUET_LOGITS_ALL,
+                                           .logits_mode =
+                                               amax != NULL ? DUET_LOGITS_ARGMAX : DUET_LOGITS_ALL,
                                            .logits = logits + (size_t)(s * rows) * (size_t)V,
+                                           .token_out = amax != NULL ? amax + s * rows : NULL,
                                            .verify = 1};
         }
         double a = now_s();
@@ -335,7 +341,7 @@ int main(int argc, char **argv)
     void *state = NULL;
     uint64_t rng = 0x9e3779b97f4a7c15ull;
     if (n_vk > 0) {
-        vtok = malloc(sizeof(int32_t) * (size_t)(max_b * spec_rows));
+        vtok = malloc(sizeof(int32_t) * (size_t)(2 * max_b * spec_rows)); /* tokens | arg-maxes */
         vlogits = malloc(sizeof(float) * (size_t)(max_b * spec_rows) * (size_t)c->vocab_size);
         state = state_bytes > 0 ? malloc(state_bytes) : NULL;
         if (vtok == NULL || vlogits == NULL || (state_bytes > 0 && state == NULL)) {
@@ -428,8 +434,12 @@ int main(int argc, char **argv)
                         (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
                 for (int iv = 0; iv < n_vk; iv++) {
                     const double vs = verify_step_s(m, seqs, B, C, vk[iv], steps, state, items,
-                                                    vtok, vlogits, ts, &rng);
-                    if (vs < 0) {
+                                                    vtok, vlogits, NULL, ts, &rng);
+                    const double va =
+                        vs < 0 ? -1
+                               : verify_step_s(m, seqs, B, C, vk[iv], steps, state, items, vtok,
+                                               vlogits, vtok + max_b * spec_rows, ts, &rng);
+                    if (vs < 0 || va < 0) {
                         rc = 1;
                         break;
                     }
@@ -442,17 +452,18 @@ int main(int argc, char **argv)
                         (dense + vtouched * expert * (double)c->n_moe_layers) * (double)wb + kv +
                         1.5 * st;
                     printf("{\"bench\":\"verify\",\"layers\":%lld,\"B\":%lld,\"C\":%lld,\"k\":%lld,"
-                           "\"ms\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,\"roofline_ms\":%.3f,"
-                           "\"roofline_ratio\":%.3f,\"dtype\":\"%s\",\"tuned\":%s}\n",
+                           "\"ms\":%.3f,\"ms_argmax\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,"
+                           "\"ratio_argmax\":%.3f,\"roofline_ms\":%.3f,\"roofline_ratio\":%.3f,"
+                           "\"dtype\":\"%s\",\"tuned\":%s}\n",
                            (long long)c->num_layers, (long long)B, (long long)C, (long long)vk[iv],
-                           vs * 1e3, med * 1e3, vs / med, vbytes / bw * 1e3, vbytes / bytes, dtype,
-                           o.tune ? "true" : "false");
+                           vs * 1e3, va * 1e3, med * 1e3, vs / med, va / med, vbytes / bw * 1e3,
+                           vbytes / bytes, dtype, o.tune ? "true" : "false");
                     fflush(stdout);
                     fprintf(stderr,
-                            "verify B=%lld C=%lld k=%lld: %.3f ms/step (%.2fx decode; roofline "
-                            "%.2fx decode's)\n",
-                            (long long)B, (long long)C, (long long)vk[iv], vs * 1e3, vs / med,
-                            vbytes / bytes);
+                            "verify B=%lld C=%lld k=%lld: %.3f ms/step, arg-maxes only %.3f "
+                            "(%.2fx / %.2fx decode; roofline %.2fx decode's)\n",
+                            (long long)B, (long long)C, (long long)vk[iv], vs * 1e3, va * 1e3,
+                            vs / med, va / med, vbytes / bytes);
                 }
             }
             for (int64_t s = 0; s < B; s++)
