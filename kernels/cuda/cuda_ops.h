@@ -93,6 +93,10 @@ typedef struct {
  * duet_cuda_moe_scratch_bytes(max_T, top_k, E, I, D) bytes.
  */
 size_t duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I, int64_t D);
+/* Whether duet_cuda_moe_experts runs T rows on the MMA kernels (BF16 weights, D and I multiples of
+ * 32, tensor cores, x rounded to bf16) rather than the GEMV ones (x kept in fp32): from an expected
+ * 1.25 rows per selected expert under uniform routing on, never for one row. */
+int duet_cuda_moe_auto_mma(int64_t T, int64_t top_k, int64_t E);
 duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                     const float *x, int64_t T, const int32_t *idx, const float *wts,
                                     int64_t top_k, duet_cuda_act_t act, float beta, float beta_lin,

@@ -1946,6 +1946,29 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
                                          NULL, out);
 }
 
+/* The automatic path: MMA once the rows per selected expert average DUET__MOE_MMA_ROWS under
+ * uniform routing (bench/RESULTS.md, "MoE: when the MMA path takes over"; at Kimi Linear's
+ * shape from 16 rows on). DUET_CUDA_MOE_MMA_ROWS=R in the environment (read once) moves it. */
+#define DUET__MOE_MMA_ROWS 1.25
+static double duet__moe_mma_rows(void)
+{
+    static double rows = -1.0;
+    if (rows < 0.0) {
+        const char *v = getenv("DUET_CUDA_MOE_MMA_ROWS");
+        const double r = v != NULL ? strtod(v, NULL) : 0.0;
+        rows = r > 0.0 ? r : DUET__MOE_MMA_ROWS;
+    }
+    return rows;
+}
+
+extern "C" int duet_cuda_moe_auto_mma(int64_t T, int64_t top_k, int64_t E)
+{
+    if (T <= 1 || E < 1 || top_k < 1 || top_k > E)
+        return 0; /* one row: the GEMV kernels (and the shared expert folded in) */
+    const double touched = (double)E * (1.0 - pow(1.0 - (double)top_k / (double)E, (double)T));
+    return (double)(T * top_k) >= duet__moe_mma_rows() * touched;
+}
+
 /*
  * duet_cuda_moe_experts with the path chosen by the caller (DUET__MOE_PATH_*): the tests run
  * both paths on the same inputs. Internal; not in the header.
@@ -2016,7 +2039,8 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               "cuda moe_experts: the MMA path needs BF16 weights and D, I "
                               "multiples of 32");
     if (path == DUET__MOE_PATH_AUTO)
-        path = mma_ok && P >= 8 * A ? DUET__MOE_PATH_MMA : DUET__MOE_PATH_GEMV;
+        path = mma_ok && duet_cuda_moe_auto_mma(T, top_k, E) ? DUET__MOE_PATH_MMA
+                                                             : DUET__MOE_PATH_GEMV;
     if (shared && !(path == DUET__MOE_PATH_GEMV && T == 1))
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe_experts: a shared expert is folded in only at T = 1 on "

@@ -636,6 +636,15 @@ typedef struct {
     duet_cuda_experts_t ex; /* without the shared expert */
 } experts_t;
 
+/* Whether moe.cu's automatic choice takes the MMA path for T rows of X at top_k K: BF16 weights,
+ * D and I multiples of 32, and duet_cuda_moe_auto_mma's rows per expert. */
+static int auto_mma(const experts_t *X, int64_t T, int64_t K)
+{
+    const duet_cuda_experts_t *e = &X->ex;
+    return e->dtype == DUET_DTYPE_BF16 && e->D % 32 == 0 && e->I % 32 == 0 &&
+           duet_cuda_moe_auto_mma(T, K, e->E);
+}
+
 static size_t pool_off(int64_t e, int m)
 {
     return (size_t)(3 * e + m) * POOL_STRIDE;
@@ -1051,9 +1060,8 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         experts_t X;
         experts_make(&X, dts[di], E, I, D);
         for (size_t ti = 0; ti < 4; ti++) {
-            const int64_t T = Ts[ti], P = T * K, A = P < E ? P : E;
-            /* moe.cu's automatic choice: MMA for BF16 once rows per expert average 8 */
-            const int auto_mma = dts[di] == DUET_DTYPE_BF16 && P >= 8 * A;
+            const int64_t T = Ts[ti];
+            const int am = auto_mma(&X, T, K);
             static const int bf16_paths[] = {PATH_AUTO,
                                              PATH_GEMV,
                                              PATH_MMA,
@@ -1066,14 +1074,14 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                              GEMV_SPB(4) | PATH_NO_PDL};
             static const int other_paths[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE};
             if (dts[di] == DUET_DTYPE_BF16)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, am, 0, 0);
             else
-                moe_case(cpu, &X, T, K, &silu, other_paths, 2, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &silu, other_paths, 2, am, 0, 0);
             if (dts[di] == DUET_DTYPE_BF16 && T == 64)
-                moe_case(cpu, &X, T, K, &situ, bf16_paths, 10, auto_mma, 0, 0);
+                moe_case(cpu, &X, T, K, &situ, bf16_paths, 10, am, 0, 0);
             /* invalid expert ids: skipped by the plan, the tickets and the combine */
             if (dts[di] == DUET_DTYPE_BF16 && T <= 64)
-                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, auto_mma, T == 1 ? 1 : 3, 0);
+                moe_case(cpu, &X, T, K, &silu, bf16_paths, 10, am, T == 1 ? 1 : 3, 0);
             /* the shared expert folded in (T = 1): tickets, the combine kernel, PDL off; with
              * an invalid expert id too, whose block must still count its ticket */
             if (T == 1) {
@@ -1107,9 +1115,9 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         const int n_tiles = duet__cuda_moe_wgmma_default(192, 128) ? 9 : 7;
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, E, 128, 192);
-        moe_case(cpu, &X, 64, K, &silu, tiles, n_tiles, 1, 0, 0);
-        moe_case(cpu, &X, 300, K, &silu, tiles, n_tiles, 1, 3, 0);
-        moe_case(cpu, &X, 300, K, &situ, tiles, n_tiles, 1, 0, 0);
+        moe_case(cpu, &X, 64, K, &silu, tiles, n_tiles, auto_mma(&X, 64, K), 0, 0);
+        moe_case(cpu, &X, 300, K, &silu, tiles, n_tiles, auto_mma(&X, 300, K), 3, 0);
+        moe_case(cpu, &X, 300, K, &situ, tiles, n_tiles, auto_mma(&X, 300, K), 0, 0);
         experts_free(&X);
     }
     /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
@@ -1129,7 +1137,7 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, 16, I, D);
         moe_case(cpu, &X, 1, 10, &silu, decode, 2, 0, 1, 0);
-        moe_case(cpu, &X, 3, 10, &silu, decode, 2, 0, 0, 0);
+        moe_case(cpu, &X, 3, 10, &silu, decode, 2, auto_mma(&X, 3, 10), 0, 0);
         experts_free(&X);
     }
     /* a shared expert is refused where it cannot be folded in: T > 1, the MMA path, or one of
@@ -1218,10 +1226,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
         GEMV_SPB(1), GEMV_SPB(4)};
     static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
                                  PATH_GEMV | PATH_DEEP};
-    moe_case(cpu, &X, 64, 8, &silu, paths, 6, 0, 0, 0);
+    moe_case(cpu, &X, 64, 8, &silu, paths, 6, auto_mma(&X, 64, 8), 0, 0);
     static const int prefill[] = {PATH_AUTO, PATH_MMA | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
                                   MMA_BM(128), MMA_BM(64)};
-    moe_case(cpu, &X, 600, 8, &silu, prefill, 5, 1, 0, 0); /* 18.75 rows per expert */
+    moe_case(cpu, &X, 600, 8, &silu, prefill, 5, auto_mma(&X, 600, 8), 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
