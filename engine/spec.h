@@ -95,8 +95,7 @@ extern const char *const duet_spec_method_choices[];
     {.name = "spec.method",                                                                        \
      .type = DUET_CONFIG_ENUM,                                                                     \
      .def = "none",                                                                                \
-     .help = "speculative decoding: none, ngram (prompt lookup) or draft (spec.draft_model); "     \
-             "CPU only",                                                                           \
+     .help = "speculative decoding: none, ngram (prompt lookup) or draft (spec.draft_model)",      \
      .choices = duet_spec_method_choices},                                                         \
         {.name = "spec.k",                                                                         \
          .type = DUET_CONFIG_INT,                                                                  \

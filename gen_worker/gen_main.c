@@ -1550,7 +1550,7 @@ static duet_status_t gen_configure(duet_worker_t *w, duet_model_opts_t *mo)
         return st;
     if ((st = gen_group(w, mo)) != DUET_OK)
         return st;
-    /* on a backend without verify rows (cuda) the model's load refuses this, saying why */
+    /* on a backend without verify rows the model's load refuses this, saying why */
     mo->spec_rows = duet_spec_target_rows(&g.so);
     mo->tune = duet_config_get_bool(w->cfg, "tune");
     mo->tune_file = duet_config_get_string(w->cfg, "tune_file");
