@@ -1444,17 +1444,6 @@ static duet_status_t duet__mirror_out(duet_cuda_model_t *dm, const duet_batch_it
                    (uint8_t *)duet_kda_pool_base(dm->kda_host) + off, (uint8_t *)dm->kda_dev + off,
                    (size_t)dm->kda_layer_floats * sizeof(float), cudaMemcpyDeviceToHost, cs),
                "KDA state device → host");
-            if (items[i].verify && dm->replay_dev != NULL) { /* its rows travel with a move */
-                const size_t rb =
-                    dm->replay_slot_bytes / (size_t)(c->n_kda_layers * dm->replay_rows);
-                const size_t roff =
-                    ((size_t)seq->kda_slot * (size_t)c->n_kda_layers + (size_t)sub) *
-                    (size_t)dm->replay_rows * rb;
-                CU(cudaMemcpyAsync((uint8_t *)duet_replay_pool_base(dm->replay_host) + roff,
-                                   (uint8_t *)dm->replay_dev + roff, (size_t)items[i].n_tokens * rb,
-                                   cudaMemcpyDeviceToHost, cs),
-                   "replay rows device → host");
-            }
         } else {
             const int64_t PT = dm->opts.page_tokens;
             int64_t pos = seq->n_tokens, end = seq->n_tokens + items[i].n_tokens;

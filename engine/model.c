@@ -860,6 +860,42 @@ duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, voi
     return duet_model_seq_state_save(m, seq, (uint8_t *)buf + kv_bytes);
 }
 
+duet_status_t duet_model_seq_sync_host(duet_model_t *m, duet_seq_t *seq)
+{
+    if (!duet__seq_is_open(m, seq))
+        return duet_error_set(DUET_ERR_INVALID, "sync host: not an open sequence");
+    if (seq->n_pending != 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "sync host: sequence %d has %lld verify rows pending: accept them "
+                              "first",
+                              seq->id, (long long)seq->n_pending);
+    duet_backend_pool_mem_t pm = {0};
+    duet_status_t st = DUET_OK;
+    if (m->replay != NULL && seq->n_replay > 0) {
+        /* rows in a device replay pool cannot travel from the host one: fold them in */
+        m->ops->pool_mem(m->be, DUET_MODEL_POOL_REPLAY, &pm);
+        if (pm.on_device && (st = duet_model_seq_commit(m, seq)) != DUET_OK)
+            return st;
+    }
+    if (m->kv != NULL) {
+        m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pm);
+        const int64_t n_pages = duet__kv_local_pages_of(m, seq->n_tokens);
+        for (int64_t p = 0; pm.on_device && p < n_pages && st == DUET_OK; p++) {
+            /* page by page into its own place: a page's MLA layers are contiguous there */
+            duet_seq_t one = *seq;
+            one.pages = &seq->pages[p];
+            one.n_pages = 1;
+            st = duet__seq_kv_copy(m, &one, 1, duet_kv_pool_block(m->kv, seq->pages[p], 0), 1);
+        }
+    }
+    if (st == DUET_OK && m->kda != NULL && seq->kda_slot >= 0) {
+        m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &pm);
+        if (pm.on_device)
+            st = duet__seq_state_copy(m, seq, duet_kda_pool_state(m->kda, seq->kda_slot, 0), 1);
+    }
+    return st;
+}
+
 duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, const void *buf,
                                               int64_t n_tokens)
 {

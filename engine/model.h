@@ -391,6 +391,17 @@ duet_status_t duet_model_seq_snapshot_save(duet_model_t *m, duet_seq_t *seq, voi
 duet_status_t duet_model_seq_snapshot_restore(duet_model_t *m, duet_seq_t *seq, const void *buf,
                                               int64_t n_tokens);
 
+/*
+ * Make the host pools hold what the backend holds of the sequence: its KV pages through n_tokens
+ * and its KDA slot, copied from the device where the backend keeps them there (a no-op where the
+ * host pools are the backend's own). Accepted rows still in a device replay pool are folded in
+ * first (duet_model_seq_commit); rows in a host replay pool stay there. What a transfer that reads
+ * the host pools needs before it sends a sequence computed on a device (a generation worker's
+ * move). Errors: DUET_ERR_INVALID for a closed sequence or one with pending verify rows,
+ * duet_model_seq_commit's, DUET_ERR_UNSUPPORTED / DEVICE from the copies.
+ */
+duet_status_t duet_model_seq_sync_host(duet_model_t *m, duet_seq_t *seq);
+
 typedef enum {
     DUET_LOGITS_NONE = 0,   /* no logits (a prefill chunk that is not the prompt's last) */
     DUET_LOGITS_LAST = 1,   /* logits of the item's last token: [1][vocab] */

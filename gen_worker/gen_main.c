@@ -650,8 +650,19 @@ static void gen_on_move_pause(duet_worker_t *w, const Duet__MovePause *m)
         return;
     }
     duet_worker_req_t *q = &r->base;
+    /* The move reads the host pools unless UCX moves the device pools directly: a device model's
+     * caches (its KV, state and replay rows live on the GPU) are copied there first. */
+    if (!duet_model_opts(w->m)->device_pools_shared &&
+        duet_model_seq_sync_host(w->m, &q->seq) != DUET_OK) {
+        char why[384];
+        snprintf(why, sizeof(why), "cannot stage the request's caches for the move: %s",
+                 duet_error_last());
+        gen_send_paused(w, m->request_id, why, NULL);
+        return;
+    }
     /* between steps nothing is pending (n_pending 0); the accepted rows not yet folded into the
-     * KDA state (n_replay) travel as they are, and the target folds them in at its first step */
+     * KDA state (n_replay) travel as they are (a device replay pool's were folded in just now),
+     * and the target folds them in at its first step */
     uint64_t rng[DUET_PROTO_RNG_WORDS];
     for (unsigned i = 0; i < DUET_PROTO_RNG_WORDS; i++)
         rng[i] = q->sampling.rng.s[i];

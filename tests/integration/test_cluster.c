@@ -149,7 +149,10 @@ static void speculate(const char *method, const char *k)
 {
     spec_method = method;
     spec_k = k;
-    worker_device = "cpu"; /* verify rows are CPU-only: cuda refuses speculation at start */
+    /* the seeded (sampling) references are duet-generate's on the CPU, and a GPU's logits differ
+     * from the CPU's within rounding, enough to change a sampled token: CPU workers here (GPU
+     * speculation: test_engine_cuda spec_verify_matches_cpu) */
+    worker_device = "cpu";
 }
 
 /* gen-0's command line in the last start_cluster, shell-quoted (check_cache_gauges reruns it) */
@@ -664,7 +667,7 @@ static void reference(job_t *j)
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",
                   "--temperature", "0.8", "--top-p", "0.95", "--seed", seed, "--spec.method",
                   spec_method, "--spec.k", spec_k, "--spec.draft-model", DRAFT, "--device", "cpu",
-                  (char *)NULL); /* verify rows are CPU-only, as on the workers (speculate) */
+                  (char *)NULL); /* on the CPU, as the workers speculate (speculate) */
         if (j->seed > 0)
             execl(GENERATE, GENERATE, "--model", MODEL, "--prompt", j->prompt, "--max-tokens", mt,
                   "--prefill-chunk", "64", "--threads", "1", "--dtype", "f32", "--json",

@@ -664,6 +664,108 @@ Test(engine_cuda, staged_sequence_continues_like_the_original, .timeout = 600)
 }
 
 /*
+ * duet_model_seq_sync_host (a generation worker's move, whose transfer reads the host pools):
+ * after a prefill, decode steps and a verify with accepted rows not yet folded in, the host
+ * pools hold exactly the sequence's device caches (its snapshot through seq_kv_copy /
+ * seq_state_copy: KV pages byte for byte, the KDA slot byte for byte), the replay rows are
+ * folded in (n_replay 0), and nothing of another sequence's pages changed. Before the sync the
+ * host pages differ (what makes the call necessary).
+ */
+Test(engine_cuda, sync_host_stages_the_device_caches, .timeout = 300)
+{
+    need_gpu();
+    fixture_t fx[MAX_FIXTURES];
+    int n = load_fixtures(fx, MAX_FIXTURES);
+    cr_assert_geq(n, 1);
+    g_spec_rows = 4;
+    for (int fi = 0; fi < n; fi++) {
+        fixture_t *x = &fx[fi];
+        duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 1, 0); /* mirror_in */
+        const int64_t V = x->vocab, np = x->n_prompt;
+        float *lg = malloc(sizeof(float) * (size_t)(4 * V));
+        duet_seq_t s, other;
+        cr_assert_eq(duet_model_seq_open(m, np + 32, &s), DUET_OK);
+        cr_assert_eq(duet_model_seq_open(m, np + 32, &other), DUET_OK);
+        duet_batch_item_t pre = {.seq = &s,
+                                 .tokens = x->prompt,
+                                 .n_tokens = np,
+                                 .logits_mode = DUET_LOGITS_LAST,
+                                 .logits = lg};
+        cr_assert_eq(duet_model_forward(m, &pre, 1), DUET_OK, "%s", duet_error_last());
+        int32_t got[8];
+        greedy(m, &s, lg, V, got, 6);
+        const int32_t vt[3] = {got[5], 1 % (int32_t)V, 2 % (int32_t)V};
+        duet_batch_item_t ver = {.seq = &s,
+                                 .tokens = vt,
+                                 .n_tokens = 3,
+                                 .verify = 1,
+                                 .logits_mode = DUET_LOGITS_ALL,
+                                 .logits = lg};
+        cr_assert_eq(duet_model_forward(m, &ver, 1), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(duet_model_seq_accept(m, &s, 2), DUET_OK);
+        const int has_kda = duet_model_kda_pool(m) != NULL;
+        cr_assert_eq(s.n_replay, has_kda ? 2 : 0);
+        duet_kv_pool_t *kv = duet_model_kv_pool(m);
+        duet_kda_pool_t *kda = duet_model_kda_pool(m);
+        const int64_t PT = 16, pages = (s.n_tokens + PT - 1) / PT;
+        const size_t page_b =
+            kv != NULL ? duet_kv_pool_block_bytes(kv) * (size_t)duet_kv_pool_desc(kv)->n_layers : 0;
+        const size_t slot_b = kda != NULL ? duet_kda_pool_slot_bytes(kda) : 0;
+        /* the other sequence's pages and slot in the host pools, before */
+        uint8_t *other0 = malloc(page_b + slot_b + 1);
+        if (kv != NULL)
+            memcpy(other0, duet_kv_pool_block(kv, other.pages[0], 0), page_b);
+        if (kda != NULL)
+            memcpy(other0 + page_b, duet_kda_pool_state(kda, other.kda_slot, 0), slot_b);
+        int host_differs = 0;
+        uint8_t *snap = malloc(duet_model_seq_snapshot_bytes(m, s.n_tokens) + 1);
+        cr_assert_eq(duet_model_seq_sync_host(m, &s), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(s.n_replay, 0, "the replay rows were not folded in");
+        cr_assert_eq(duet_model_seq_snapshot_save(m, &s, snap), DUET_OK, "%s", duet_error_last());
+        for (int64_t p = 0; kv != NULL && p < pages; p++)
+            cr_expect(memcmp(duet_kv_pool_block(kv, s.pages[p], 0), snap + (size_t)p * page_b,
+                             page_b) == 0,
+                      "%s: host KV page %lld differs from the device's", x->name, (long long)p);
+        if (kda != NULL)
+            cr_expect(memcmp(duet_kda_pool_state(kda, s.kda_slot, 0), snap + (size_t)pages * page_b,
+                             slot_b) == 0,
+                      "%s: host KDA slot differs from the device's", x->name);
+        if (kv != NULL)
+            cr_expect(memcmp(other0, duet_kv_pool_block(kv, other.pages[0], 0), page_b) == 0,
+                      "%s: another sequence's host page changed", x->name);
+        if (kda != NULL)
+            cr_expect(
+                memcmp(other0 + page_b, duet_kda_pool_state(kda, other.kda_slot, 0), slot_b) == 0,
+                "%s: another sequence's host slot changed", x->name);
+        /* the same on a second sequence, checking the host copy was stale before the sync */
+        duet_seq_t t;
+        cr_assert_eq(duet_model_seq_open(m, np + 32, &t), DUET_OK);
+        duet_batch_item_t pre2 = {.seq = &t,
+                                  .tokens = x->prompt,
+                                  .n_tokens = np,
+                                  .logits_mode = DUET_LOGITS_LAST,
+                                  .logits = lg};
+        cr_assert_eq(duet_model_forward(m, &pre2, 1), DUET_OK, "%s", duet_error_last());
+        cr_assert_eq(duet_model_seq_snapshot_save(m, &t, snap), DUET_OK);
+        if (kda != NULL)
+            host_differs |= memcmp(duet_kda_pool_state(kda, t.kda_slot, 0),
+                                   snap + (size_t)((np + PT - 1) / PT) * page_b, slot_b) != 0;
+        if (kv != NULL)
+            host_differs |= memcmp(duet_kv_pool_block(kv, t.pages[0], 0), snap, page_b) != 0;
+        cr_expect(host_differs, "%s: the host pools already held the device caches", x->name);
+        printf("cuda sync_host %-30s %lld pages + %s: host = device after the sync\n", x->name,
+               (long long)pages, kda != NULL ? "KDA slot" : "no KDA");
+        duet_model_seq_close(m, &t);
+        duet_model_seq_close(m, &other);
+        duet_model_seq_close(m, &s);
+        duet_model_free(m);
+        free(lg), free(snap), free(other0);
+    }
+    g_spec_rows = 0;
+    free_fixtures(fx, n);
+}
+
+/*
  * Suspend and resume with device pools (a generation worker out of pages): a sequence's snapshot
  * (duet_model_seq_snapshot_save: its KV pages and KDA state copied to host memory through the
  * backend's seq_kv_copy / seq_state_copy), the sequence closed, a fresh one restored from it

@@ -1434,6 +1434,54 @@ Test(engine_spec, argmax_rows_equal_argmax_of_all_rows, .timeout = 300)
     free_cases(cs, n);
 }
 
+/* duet_model_seq_sync_host on the CPU backend, whose pools are the host's: nothing to copy, the
+ * accepted rows stay in the (host) replay pool to travel with a move, the caches unchanged; and
+ * its refusals: pending verify rows, a closed sequence. */
+Test(engine_spec, sync_host_on_the_cpu_changes_nothing, .timeout = 120)
+{
+    spec_case_t cs[MAX_CASES];
+    const int n = load_cases(cs);
+    duet_model_t *m = load_spec(cs[0].dir, SPEC_ROWS);
+    const int64_t V = duet_model_config(m)->vocab_size, np = cs[0].n_prompt;
+    float *lg = malloc(sizeof(float) * (size_t)(SPEC_ROWS * V));
+    duet_seq_t a;
+    cr_assert_eq(duet_model_seq_open(m, np + 2 * SPEC_ROWS, &a), DUET_OK);
+    duet_batch_item_t pre = {.seq = &a,
+                             .tokens = cs[0].prompt,
+                             .n_tokens = np,
+                             .logits_mode = DUET_LOGITS_LAST,
+                             .logits = lg};
+    cr_assert_eq(duet_model_forward(m, &pre, 1), DUET_OK, "%s", duet_error_last());
+    const int32_t rows[3] = {1, 2, 3};
+    duet_batch_item_t ver = {.seq = &a,
+                             .tokens = rows,
+                             .n_tokens = 3,
+                             .verify = 1,
+                             .logits_mode = DUET_LOGITS_ALL,
+                             .logits = lg};
+    cr_assert_eq(duet_model_forward(m, &ver, 1), DUET_OK, "%s", duet_error_last());
+    expect_err(duet_model_seq_sync_host(m, &a), DUET_ERR_INVALID, "pending",
+               "sync with pending rows");
+    cr_assert_eq(duet_model_seq_accept(m, &a, 2), DUET_OK);
+    const int64_t replay = a.n_replay, tokens = a.n_tokens;
+    uint8_t *before = duet_model_kda_pool(m) != NULL ? malloc(kda_slot_bytes(m)) : NULL;
+    if (before != NULL)
+        memcpy(before, kda_slot(m, &a), kda_slot_bytes(m));
+    cr_assert_eq(duet_model_seq_sync_host(m, &a), DUET_OK, "%s", duet_error_last());
+    cr_expect(a.n_replay == replay && a.n_tokens == tokens,
+              "sync_host changed the sequence (%lld replay rows, %lld tokens)",
+              (long long)a.n_replay, (long long)a.n_tokens);
+    cr_expect(before == NULL || memcmp(before, kda_slot(m, &a), kda_slot_bytes(m)) == 0,
+              "sync_host changed a host-resident state");
+    duet_model_seq_close(m, &a);
+    expect_err(duet_model_seq_sync_host(m, &a), DUET_ERR_INVALID, "not an open sequence",
+               "sync a closed sequence");
+    free(before);
+    free(lg);
+    duet_model_free(m);
+    free_cases(cs, n);
+}
+
 Test(engine_spec, bad_spec_rows_are_refused_at_load, .timeout = 120)
 {
     spec_case_t cs[MAX_CASES];
