@@ -17,9 +17,9 @@
  * heuristic's first DUET_CUDA_GEMM_TACTICS choices (the first is the default; a tuner may pick
  * another, see "Tactics" in cuda_gemm.h); the cache is a small array searched linearly (a
  * forward pass has a few dozen shapes) and evicts round-robin when full. α/β are not part of
- * the key: the heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte aligned
- * operands unless told otherwise, and a weight view into a larger matrix or an offset row of
- * y may be less aligned, so the alignment of each pointer (capped at 256) is passed as a
+ * the key: the heuristic does not see them. Pointer alignments are: cuBLASLt assumes 256-byte
+ * aligned operands unless told otherwise, and a weight view into a larger matrix or an offset row
+ * of y may be less aligned, so the alignment of each pointer (capped at 256) is passed as a
  * preference and keyed on.
  */
 #include <math.h>
@@ -56,7 +56,7 @@ typedef struct {
     unsigned align_a, align_b, align_c;
     /* value: owned by the entry, destroyed on eviction or at handle destroy */
     cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t la, lb, lc; /* A = W, B = x, C = D = y */
+    cublasLtMatrixLayout_t la, lb, lc;                 /* A = W, B = x, C = D = y */
     cublasLtMatmulAlgo_t algo[DUET_CUDA_GEMM_TACTICS]; /* the heuristic's results, best first */
     int n_algo;                                        /* 1 .. DUET_CUDA_GEMM_TACTICS */
 } duet__gemm_entry_t;
@@ -68,7 +68,7 @@ struct duet_cuda_gemm {
     void *stage; /* device, owned, stage_elems 16-bit elements of x */
     int64_t stage_elems;
     duet__gemm_entry_t cache[DUET_CUDA_GEMM_CACHE];
-    int next_evict; /* round-robin victim when the cache is full */
+    int next_evict;           /* round-robin victim when the cache is full */
     const duet_tune_t *tuner; /* chosen algorithms per shape (NULL: algo 0 always) */
     int last_algo;            /* the algorithm index of the last cuBLASLt call (test hook) */
     /* duet_cuda_gemm_profile's operands, grown on demand (device, owned) */
@@ -1192,9 +1192,9 @@ static duet_status_t duet__matmul_lowp_t(duet_cuda_gemm_t *g, cudaStream_t strea
     }
     g->last_algo = a;
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    cublasStatus_t s = cublasLtMatmul(g->lt, e->desc, &alpha, w_data, e->la, x, e->lb, &beta, y,
-                                      e->lc, y, e->lc, &e->algo[a], g->workspace, g->ws_bytes,
-                                      stream);
+    cublasStatus_t s =
+        cublasLtMatmul(g->lt, e->desc, &alpha, w_data, e->la, x, e->lb, &beta, y, e->lc, y, e->lc,
+                       &e->algo[a], g->workspace, g->ws_bytes, stream);
     if (s != CUBLAS_STATUS_SUCCESS)
         return duet__lt_fail(s, "cublasLtMatmul");
     return DUET_OK;
@@ -1206,8 +1206,8 @@ static duet_status_t duet__matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
                                        duet_dtype_t w_dtype, int64_t N, int64_t K, int32_t batch,
                                        int accumulate, unsigned flags)
 {
-    return duet__matmul_lowp_t(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w_data, w_dtype,
-                               N, K, batch, accumulate, flags, -1);
+    return duet__matmul_lowp_t(g, stream, y, ldy, stride_y, x, ldx, stride_x, M, w_data, w_dtype, N,
+                               K, batch, accumulate, flags, -1);
 }
 
 extern "C" duet_status_t duet_cuda_gemm_matmul_lowp(duet_cuda_gemm_t *g, cudaStream_t stream,
@@ -1417,8 +1417,8 @@ extern "C" int duet_cuda_gemm_tunable(duet_dtype_t dtype, int64_t M, int64_t K, 
 {
     /* the routing of duet_cuda_gemm_matmul for 256-byte aligned, contiguous operands */
     const void *al = (const void *)(uintptr_t)256;
-    return M >= 1 && K >= 1 && !duet__gemv_fits((const float *)al, K, 0, 1, M, al, dtype, 1, K,
-                                                 flags) &&
+    return M >= 1 && K >= 1 &&
+           !duet__gemv_fits((const float *)al, K, 0, 1, M, al, dtype, 1, K, flags) &&
            !duet__tgemv_fits((const float *)al, K, 0, 1, M, al, dtype, 1, K);
 }
 
@@ -1450,8 +1450,8 @@ extern "C" void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g)
 }
 
 extern "C" duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream,
-                                                duet_dtype_t dtype, int64_t M, int64_t N,
-                                                int64_t K, unsigned flags, int tactic, int reps,
+                                                duet_dtype_t dtype, int64_t M, int64_t N, int64_t K,
+                                                unsigned flags, int tactic, int reps,
                                                 double *seconds)
 {
     if (seconds != NULL)
@@ -1465,16 +1465,16 @@ extern "C" duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_
             DUET_OK ||
         (st = duet__prof_buf(&g->prof_w, &g->prof_w_bytes, (size_t)(N * K) * es, stream)) !=
             DUET_OK ||
-        (st = duet__prof_buf((void **)&g->prof_y, &g->prof_y_bytes,
-                             (size_t)(M * N) * sizeof(float), stream)) != DUET_OK)
+        (st = duet__prof_buf((void **)&g->prof_y, &g->prof_y_bytes, (size_t)(M * N) * sizeof(float),
+                             stream)) != DUET_OK)
         return st;
     for (int i = 0; i < 2; i++)
         if (g->prof_ev[i] == NULL)
             DUET__TRY(cudaEventCreate(&g->prof_ev[i]), "profile event");
     const int saved = g->last_algo;
     /* one untimed call: builds the entry (descriptors, heuristic) and warms the kernel */
-    st = duet__matmul_lowp_t(g, stream, g->prof_y, N, 0, g->prof_x, K, 0, M, g->prof_w, dtype, N,
-                             K, 1, 0, flags, tactic);
+    st = duet__matmul_lowp_t(g, stream, g->prof_y, N, 0, g->prof_x, K, 0, M, g->prof_w, dtype, N, K,
+                             1, 0, flags, tactic);
     if (st != DUET_OK) {
         g->last_algo = saved;
         return st; /* DUET_ERR_RANGE: no such tactic for the shape */
