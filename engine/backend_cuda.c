@@ -1169,11 +1169,25 @@ static duet_status_t duet__cuda_seq_kv_copy(duet_backend_t *be, const duet_seq_t
     return DUET_OK;
 }
 
+/* Fold step st's items' accepted rows into their state, every KDA layer (cuda_kda.h). */
+static duet_status_t duet__replay(duet_cuda_model_t *dm, const duet_cuda_step_t *st)
+{
+    const duet_model_config_t *c = &dm->cfg;
+    const duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
+                                      .kda_n_layers = c->n_kda_layers,
+                                      .kda_layer_floats = dm->kda_layer_floats,
+                                      .H = c->kda_heads,
+                                      .K = c->kda_head_dim,
+                                      .W = c->conv_kernel,
+                                      .replay_base = dm->replay_dev,
+                                      .replay_rows = dm->replay_rows};
+    return duet_cuda_kda_replay(dm->stream, st, &ly);
+}
+
 /* The replay-only commit: the step's replay for one item and no rows, on the step stream. */
 static duet_status_t duet__cuda_seq_replay(duet_backend_t *be, const duet_seq_t *seq)
 {
     duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
-    const duet_model_config_t *c = &dm->cfg;
     if (dm->replay_dev == NULL || dm->kda_dev == NULL || seq->kda_slot < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda model: no replay pool to commit from");
     const duet__meta_layout_t *ml = &dm->ml;
@@ -1189,15 +1203,7 @@ static duet_status_t duet__cuda_seq_replay(duet_backend_t *be, const duet_seq_t 
     duet_cuda_step_t st = dm->step;
     st.n_items = 1;
     st.n_rows = 0;
-    const duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
-                                      .kda_n_layers = c->n_kda_layers,
-                                      .kda_layer_floats = dm->kda_layer_floats,
-                                      .H = c->kda_heads,
-                                      .K = c->kda_head_dim,
-                                      .W = c->conv_kernel,
-                                      .replay_base = dm->replay_dev,
-                                      .replay_rows = dm->replay_rows};
-    TRY(duet_cuda_kda_replay(dm->stream, &st, &ly));
+    TRY(duet__replay(dm, &st));
     return duet__cu(cudaStreamSynchronize(dm->stream), "replay");
 }
 
@@ -1529,15 +1535,7 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
     if (sh->replay) {
         /* accepted rows of earlier verify items, every KDA layer at once: each layer's replay
          * only has to come before that layer's conv and core */
-        const duet_cuda_kda_layer_t ly = {.kda_base = dm->kda_dev,
-                                          .kda_n_layers = c->n_kda_layers,
-                                          .kda_layer_floats = dm->kda_layer_floats,
-                                          .H = c->kda_heads,
-                                          .K = c->kda_head_dim,
-                                          .W = c->conv_kernel,
-                                          .replay_base = dm->replay_dev,
-                                          .replay_rows = dm->replay_rows};
-        TRY(duet_cuda_kda_replay(s, &dm->step, &ly));
+        TRY(duet__replay(dm, &dm->step));
     }
     if (c->n_mla_layers > 0 && sh->x_ctx == 0) {
         /* the split-KV plan every absorbed MLA layer's attend reads */
