@@ -44,6 +44,7 @@
 
 #include "common/log.h"
 #include "engine/backend.h"
+#include "engine/sampler.h"
 
 /* Whether this process can run the CUDA backend (backend.h's probe). */
 static int duet__cuda_probe(char *why, size_t cap)
@@ -1679,7 +1680,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         any_token |= it->logits_mode == DUET_LOGITS_ARGMAX; /* drawn greedily, row by row */
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             any_token = 1;
-            any_sampled |= it->sampling.temperature > 0.0f && it->sampling.top_k != 1;
+            any_sampled |= !duet_sampling_greedy(&it->sampling);
         }
     }
     /* A pure decode step of at most a bucket of sequences runs as a graph, and so does a step of

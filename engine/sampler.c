@@ -123,9 +123,14 @@ static int duet__by_logit_desc(const void *a, const void *b)
     return *(const int32_t *)a - *(const int32_t *)b;
 }
 
+int duet_sampling_greedy(const duet_sampling_t *p)
+{
+    return p->temperature <= 0.0f || p->top_k == 1;
+}
+
 float duet_sampling_draw(const duet_sampling_t *p, duet_rng_t *rng)
 {
-    if (p->temperature <= 0.0f || p->top_k == 1)
+    if (duet_sampling_greedy(p))
         return 0.0f;
     return duet_rng_uniform(rng);
 }
@@ -199,7 +204,7 @@ static int64_t duet__candidates(duet_sampler_t *s, const duet_sampling_t *p, con
 int32_t duet_sampler_sample_u(duet_sampler_t *s, const duet_sampling_t *p, float u_draw,
                               const float *logits)
 {
-    if (p->temperature <= 0.0f || p->top_k == 1)
+    if (duet_sampling_greedy(p))
         return duet_argmax(logits, s->vocab);
     double sum;
     const int64_t n = duet__candidates(s, p, logits, &sum);
@@ -217,7 +222,7 @@ void duet_sampler_probs(duet_sampler_t *s, const duet_sampling_t *p, const float
                         float *probs)
 {
     memset(probs, 0, sizeof(*probs) * (size_t)s->vocab);
-    if (p->temperature <= 0.0f || p->top_k == 1) {
+    if (duet_sampling_greedy(p)) {
         probs[duet_argmax(logits, s->vocab)] = 1.0f;
         return;
     }

@@ -31,6 +31,9 @@ float duet_rng_uniform(duet_rng_t *rng);
 /* Greedy defaults: temperature 0, top_k 0, top_p 1, seed 0. */
 void duet_sampling_default(duet_sampling_t *p);
 
+/* Whether p takes the arg-max (temperature 0 or top_k 1) rather than drawing. */
+int duet_sampling_greedy(const duet_sampling_t *p);
+
 /* DUET_ERR_RANGE naming the parameter when temperature < 0 or not finite, top_k < 0, top_p not
  * in (0, 1]. */
 duet_status_t duet_sampling_validate(const duet_sampling_t *p);

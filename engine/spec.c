@@ -68,7 +68,7 @@ int duet_spec_accept(duet_sampler_t *s, const duet_sampling_t *p, duet_rng_t *rn
                      const float *logits, int64_t vocab, const int32_t *drafts, int k,
                      const float *q, float *scratch, int32_t *out)
 {
-    const int greedy = p->temperature <= 0.0f || p->top_k == 1;
+    const int greedy = duet_sampling_greedy(p);
     float *P = scratch, *R = scratch + vocab;
     int n = 0;
     for (int j = 0; j < k; j++) {
@@ -424,7 +424,7 @@ duet_status_t duet_spec_propose(duet_spec_t *sp, duet_spec_seq_t *const *ss, con
             if (j >= k_cap[idx[t]])
                 continue;
             const float *row = sp->dlogits + t * sp->vocab;
-            const int greedy = s->sampling->temperature <= 0.0f || s->sampling->top_k == 1;
+            const int greedy = duet_sampling_greedy(s->sampling);
             int32_t d;
             if (greedy) {
                 d = duet_argmax(row, sp->vocab);
@@ -512,7 +512,7 @@ duet_status_t duet_spec_finish(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t 
 
 int duet_spec_seq_greedy(const duet_spec_seq_t *ss)
 {
-    return ss->sampling->temperature <= 0.0f || ss->sampling->top_k == 1;
+    return duet_sampling_greedy(ss->sampling);
 }
 
 duet_status_t duet_spec_finish_argmax(duet_spec_t *sp, duet_spec_seq_t *ss, duet_seq_t *tseq,

@@ -497,7 +497,7 @@ static void gr_start_decode(duet_worker_t *w, gr_t *r)
     r->produced = 1; /* the context worker's token, already streamed by the router */
     gr_ids_add(r, &r->next, 1);
     duet_worker_sampling_seen(&q->sampling, r->next);
-    if (q->sampling.sp.temperature > 0.0f && q->sampling.sp.top_k != 1)
+    if (!duet_sampling_greedy(&q->sampling.sp))
         (void)duet_rng_uniform(&q->sampling.rng); /* the draw the context worker made for it */
     int finish = DUET__TOKENS__FINISH_REASON__NONE;
     if (duet_worker_is_stop(&q->sampling, r->next))
