@@ -156,7 +156,8 @@ struct duet_backend_ops {
      * caches empty wherever this backend reads them. */
     duet_status_t (*seq_open)(duet_backend_t *be, const duet_seq_t *seq);
     /* Optional. The host pools now hold the sequence's first n_tokens tokens, written from
-     * outside (a cache transfer): take them from there. */
+     * outside (a cache transfer), and with seq->n_replay > 0 its accepted rows in the replay
+     * pool (a moved request's): take them from there. */
     duet_status_t (*seq_set_filled)(duet_backend_t *be, const duet_seq_t *seq, int64_t n_tokens);
     /* Optional. The sequence's pages and slot go back to the host pools after this. */
     void (*seq_close)(duet_backend_t *be, const duet_seq_t *seq);

@@ -893,7 +893,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     dm->wdt = opts->compute_dtype;
     dm->kv_host = kv;
     dm->kda_host = bm->kda;
-    dm->replay_host = bm->kda != NULL ? bm->replay : NULL;
+    dm->replay_host = bm->replay; /* NULL without KDA layers too */
     dm->split_rows =
         opts->spec_rows > DUET__MLA_SPLIT_ROWS ? opts->spec_rows : DUET__MLA_SPLIT_ROWS;
     if (dm->split_rows > DUET_SPLITKV_MAX_ROWS)
@@ -1114,7 +1114,7 @@ static duet_status_t duet__cuda_seq_set_filled(duet_backend_t *be, const duet_se
                            cudaMemcpyHostToDevice, dm->stream),
            "KDA state host → device");
     }
-    if (dm->replay_dev != NULL && seq->kda_slot >= 0) { /* a moved request's accepted rows */
+    if (dm->replay_dev != NULL && seq->n_replay > 0) { /* a moved request's accepted rows */
         const size_t off = dm->replay_slot_bytes * (size_t)seq->kda_slot;
         CU(cudaMemcpyAsync((uint8_t *)dm->replay_dev + off,
                            (uint8_t *)duet_replay_pool_base(dm->replay_host) + off,
@@ -1189,7 +1189,7 @@ static duet_status_t duet__replay(duet_cuda_model_t *dm, const duet_cuda_step_t 
 static duet_status_t duet__cuda_seq_replay(duet_backend_t *be, const duet_seq_t *seq)
 {
     duet_cuda_model_t *dm = (duet_cuda_model_t *)be;
-    if (dm->replay_dev == NULL || dm->kda_dev == NULL || seq->kda_slot < 0)
+    if (dm->replay_dev == NULL || seq->kda_slot < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda model: no replay pool to commit from");
     const duet__meta_layout_t *ml = &dm->ml;
     int32_t *mh = dm->meta_h;
@@ -1750,7 +1750,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
                         .verify = graph_verify};
     sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
     /* a graph launches the replay whenever the model has a pool, as its shape is fixed */
-    sh.replay = dm->replay_dev != NULL && dm->kda_dev != NULL && (use_graph || any_replay);
+    sh.replay = dm->replay_dev != NULL && (use_graph || any_replay);
     duet__mla_x_steps += sh.x_ctx > 0;
     dm->step.n_items = (int32_t)n_eff;
     dm->step.n_rows = (int32_t)row;

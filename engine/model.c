@@ -609,7 +609,10 @@ static int duet__seq_is_open(const duet_model_t *m, const duet_seq_t *seq)
     return seq != NULL && seq->id >= 0 && seq->id < m->opts.max_seqs && m->seq_used[seq->id];
 }
 
-duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
+/* set_filled with n_replay accepted rows in the host replay pool (set_received checked them):
+ * seq->n_replay is set before the backend takes the sequence, so it knows whether to take rows. */
+static duet_status_t duet__seq_fill(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
+                                    int64_t n_replay)
 {
     if (!duet__seq_is_open(m, seq))
         return duet_error_set(DUET_ERR_INVALID, "set_filled: not an open sequence");
@@ -619,14 +622,21 @@ duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_
                               "%lld (and %lld pending)",
                               (long long)n_tokens, (long long)seq->cap_tokens,
                               (long long)seq->n_tokens, (long long)seq->n_pending);
+    seq->n_replay = n_replay;
     if (m->ops->seq_set_filled != NULL) {
         duet_status_t st = m->ops->seq_set_filled(m->be, seq, n_tokens);
-        if (st != DUET_OK)
+        if (st != DUET_OK) {
+            seq->n_replay = 0;
             return st;
+        }
     }
     seq->n_tokens = n_tokens;
-    seq->n_replay = 0;
     return DUET_OK;
+}
+
+duet_status_t duet_model_seq_set_filled(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens)
+{
+    return duet__seq_fill(m, seq, n_tokens, 0);
 }
 
 duet_status_t duet_model_seq_set_received(duet_model_t *m, duet_seq_t *seq, int64_t n_tokens,
@@ -652,11 +662,7 @@ duet_status_t duet_model_seq_set_received(duet_model_t *m, duet_seq_t *seq, int6
         return duet_error_set(
             DUET_ERR_RANGE, "set_received: %lld replay rows of %lld tokens (spec_rows %lld)",
             (long long)n_replay, (long long)n_tokens, (long long)m->opts.spec_rows);
-    duet_status_t st = duet_model_seq_set_filled(m, seq, n_tokens);
-    if (st != DUET_OK)
-        return st;
-    seq->n_replay = n_replay;
-    return DUET_OK;
+    return duet__seq_fill(m, seq, n_tokens, n_replay);
 }
 
 duet_status_t duet_model_seq_accept(duet_model_t *m, duet_seq_t *seq, int64_t n_rows)
