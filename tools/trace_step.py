@@ -10,6 +10,10 @@ every node once), and for the last N replays each kernel's median
         time is the sum of adv over its kernels, plus the first kernel's start);
   gap   its start minus its predecessor's end (negative: it overlapped its predecessor, PDL).
 Kernels of the same name are summed per graph (count, adv total, adv per call).
+
+With --eager GAP_US the kernels launched outside graphs (a prefill's forward calls) are cut into
+calls where the device sat idle for more than GAP_US microseconds, and the last calls with as many
+kernels as the last one are tabulated the same way, each call standing for a replay.
 """
 import argparse
 import collections
@@ -35,11 +39,30 @@ def short(name):
     return s[:60]
 
 
+def eager_calls(ks, gap_ns):
+    """The eager kernels ks as replays of one call: cut at idle gaps longer than gap_ns, the last
+    calls with the last one's kernel count kept, each kernel's node = its index in its call."""
+    ks.sort()
+    calls, cur, end = [], [], None
+    for k in ks:
+        if cur and k[0] - end > gap_ns:
+            calls.append(cur)
+            cur = []
+        end = k[1] if not cur else max(end, k[1])
+        cur.append(k)
+    calls.append(cur)
+    n = len(calls[-1])
+    same = [c for c in calls if len(c) == n]
+    return [(k[0], k[1], i, k[3], k[4], k[5]) for c in same for i, k in enumerate(c)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--last", type=int, default=20, help="replays per graph to take medians over")
     ap.add_argument("--detail", action="store_true", help="print every kernel of the step too")
+    ap.add_argument("--eager", type=float, metavar="GAP_US",
+                    help="tabulate the kernels outside graphs instead, calls cut at idle gaps")
     a = ap.parse_args()
     graphs = collections.defaultdict(list)
     bad = 0
@@ -57,13 +80,16 @@ def main():
             except ValueError:
                 bad += 1
                 continue
-            if gid == 0:
+            if (gid == 0) != (a.eager is not None):
                 continue
             graphs[gid].append((t0, t1, node, grid, threads, p[8]))
     if bad:
         print(f"{a.trace}: {bad} malformed lines skipped", file=sys.stderr)
     if not graphs:
-        sys.exit("no graph kernels in the trace")
+        sys.exit("no eager kernels in the trace" if a.eager is not None else
+                 "no graph kernels in the trace")
+    if a.eager is not None:
+        graphs = {0: eager_calls(graphs[0], a.eager * 1e3)}
     names = demangle(sorted({k[5] for g in graphs.values() for k in g}))
     for gid, ks in sorted(graphs.items()):
         ks.sort()
