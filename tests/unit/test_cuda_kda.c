@@ -1412,6 +1412,208 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
     cudaFree(v.d_neg_A), cudaFree(v.d_dt_bias), cudaFree(v.d_o_norm);
 }
 
+/* ---- verify items and the replay against the CPU backend's kernels ---------------------------
+ *
+ * The same verify step (verify items beside a plain decode item) through the CPU step kernels
+ * (kernels/cpu/cpu_kda.h: conv, prep, core, out, then duet_cpu_kda_replay) and through
+ * duet_cuda_kda_chain / duet_cuda_kda_replay, from the same pool and inputs:
+ *   - both leave the verify items' committed S and windows as they were (bit for bit);
+ *   - the replay rows' pre-conv projections, what the windows are rebuilt from, are equal bit for
+ *     bit; their k, v, g, β (after expf, log1pf, sqrtf, which the two libraries round
+ *     differently) within TOL_PREP;
+ *   - after a replay of 1 and of all rows, the windows are equal bit for bit and S within
+ *     TOL_CORE; the decode item's window bit for bit, its S within TOL_CORE; o within TOL_OUT.
+ * The tolerances are the ones the CPU-vs-GPU chain tests above use (max |a − b| / max |b|).
+ */
+static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
+{
+    const int64_t HK = H * K, C3 = 3 * HK, lf = H * K * K + C3 * (W - 1), RF = 6 * HK + H;
+    const int64_t SR = 8; /* replay rows per slot */
+    const int n = nv + 1;
+    const int32_t n_slots = n + 2;
+    const size_t pool_f = (size_t)(n_slots * lf), rep_f = (size_t)(n_slots * SR * RF);
+    vcase_t v = {.H = H, .K = K, .W = W, .HK = HK, .C3 = C3, .lf = lf, .RF = RF, .rows = SR};
+    v.n_slots = n_slots;
+    float *pool0 = xmalloc(sizeof(float) * pool_f), *rep0 = xmalloc(sizeof(float) * rep_f);
+    fill(pool0, pool_f, -1.0f, 1.0f);
+    fill(rep0, rep_f, -9.0f, 9.0f);
+    float *taps = xmalloc(sizeof(float) * (size_t)(C3 * W)), *negA = xmalloc(sizeof(float) * H);
+    float *dtb = xmalloc(sizeof(float) * (size_t)HK), *on = xmalloc(sizeof(float) * (size_t)K);
+    fill(taps, (size_t)(C3 * W), -0.6f, 0.6f);
+    for (int64_t h = 0; h < H; h++)
+        negA[h] = -expf(rng_range(-2.0f, 0.5f));
+    fill(dtb, (size_t)HK, -1.0f, 1.0f);
+    fill(on, (size_t)K, 0.5f, 1.5f);
+    const float eps = 1e-6f;
+    v.d_taps = dev_copy(taps, sizeof(float) * (size_t)(C3 * W));
+    v.d_neg_A = dev_copy(negA, sizeof(float) * (size_t)H);
+    v.d_dt_bias = dev_copy(dtb, sizeof(float) * (size_t)HK);
+    v.d_o_norm = dev_copy(on, sizeof(float) * (size_t)K);
+    v.w = (duet_cuda_kda_weights_t){.taps = v.d_taps,
+                                    .neg_A = v.d_neg_A,
+                                    .dt_bias = v.d_dt_bias,
+                                    .o_norm = v.d_o_norm,
+                                    .eps = eps};
+    v.d_pool = dev_copy(pool0, sizeof(float) * pool_f);
+    v.d_replay = dev_copy(rep0, sizeof(float) * rep_f);
+    v.ly = (duet_cuda_kda_layer_t){.kda_base = v.d_pool,
+                                   .kda_n_layers = 1,
+                                   .kda_layer_floats = lf,
+                                   .layer = 0,
+                                   .H = H,
+                                   .K = K,
+                                   .W = W,
+                                   .replay_base = v.d_replay,
+                                   .replay_rows = SR};
+
+    /* the batch: verify items in slots 1..nv, the decode item in slot nv + 1 */
+    int32_t slot[8], rows[8], in_row[8], verify[8], zero[8] = {0}, T = 0;
+    int64_t row0[9], pos0[8], vf64[8], rep64[8];
+    int32_t vf32[8], page = 0;
+    const int32_t *pages[8];
+    for (int i = 0; i < n; i++) {
+        slot[i] = i + 1;
+        rows[i] = i < nv ? n_ver[i] : 1;
+        verify[i] = vf32[i] = i < nv;
+        in_row[i] = T;
+        row0[i] = T;
+        pos0[i] = 10;
+        vf64[i] = 0;
+        pages[i] = &page;
+        T += rows[i];
+    }
+    row0[n] = T;
+    float *proj = xmalloc(sizeof(float) * (size_t)(T * C3)),
+          *graw = xmalloc(sizeof(float) * (size_t)(T * HK));
+    float *braw = xmalloc(sizeof(float) * (size_t)(T * H)),
+          *gate = xmalloc(sizeof(float) * (size_t)(T * HK));
+    fill(proj, (size_t)(T * C3), -1.0f, 1.0f);
+    fill(graw, (size_t)(T * HK), -4.0f, 2.0f);
+    fill(braw, (size_t)(T * H), -3.0f, 3.0f);
+    fill(gate, (size_t)(T * HK), -3.0f, 3.0f);
+
+    /* CPU */
+    duet_kernels_t *kc = NULL;
+    CHECK(duet_kernels_create(DUET_DEVICE_CPU, 2, &kc) == DUET_OK, "kernels: %s",
+          duet_error_last());
+    float *poolC = xmalloc(sizeof(float) * pool_f), *repC = xmalloc(sizeof(float) * rep_f);
+    memcpy(poolC, pool0, sizeof(float) * pool_f);
+    memcpy(repC, rep0, sizeof(float) * rep_f);
+    duet_cpu_kda_layer_t cly = {.kda_base = poolC,
+                                .layout = {.n_layers = 1,
+                                           .heads = (uint64_t)H,
+                                           .head_dim = (uint64_t)K,
+                                           .conv_kernel = (uint64_t)W,
+                                           .elem_bytes = 4},
+                                .layer = 0,
+                                .replay_base = repC,
+                                .replay = {.n_layers = 1,
+                                           .heads = (uint64_t)H,
+                                           .head_dim = (uint64_t)K,
+                                           .rows = SR,
+                                           .elem_bytes = 4}};
+    duet_cpu_step_t cst = {.n_items = n,
+                           .n_rows = T,
+                           .item_row0 = row0,
+                           .item_pos0 = pos0,
+                           .item_slot = slot,
+                           .item_pages = pages,
+                           .item_verify = vf32,
+                           .item_replay = vf64};
+    int64_t per = duet_cpu_kda_chunk_scratch_floats(K, K);
+    if (duet_cpu_kda_verify_scratch_floats(K) > per)
+        per = duet_cpu_kda_verify_scratch_floats(K);
+    float *scr = xmalloc(sizeof(float) * (size_t)(per * duet_kernels_n_threads(kc)));
+    float *qkvC = xmalloc(sizeof(float) * (size_t)(T * C3)),
+          *gC = xmalloc(sizeof(float) * (size_t)(T * HK));
+    float *bC = xmalloc(sizeof(float) * (size_t)(T * H)),
+          *oC = xmalloc(sizeof(float) * (size_t)(T * HK));
+    memcpy(gC, graw, sizeof(float) * (size_t)(T * HK));
+    memcpy(bC, braw, sizeof(float) * (size_t)(T * H));
+    duet_cpu_kda_conv(kc, &cst, &cly, taps, proj, qkvC);
+    duet_cpu_kda_prep(kc, T, H, K, negA, dtb, qkvC, gC, bC);
+    duet_cpu_kda_core(kc, &cst, &cly, qkvC, gC, bC, oC, scr, per);
+    duet_cpu_kda_out(kc, T, H, K, on, eps, gate, oC);
+
+    /* GPU: the same step */
+    float *oG = xmalloc(sizeof(float) * (size_t)(T * HK));
+    vstep(&v, n, slot, rows, in_row, verify, zero, proj, graw, braw, gate, oG, NULL, NULL, NULL);
+    float *poolG = dev_to_host(v.d_pool, sizeof(float) * pool_f);
+    float *repG = dev_to_host(v.d_replay, sizeof(float) * rep_f);
+
+    printf("[cuda_kda] verify vs cpu H%lld K%lld W%lld:\n", (long long)H, (long long)K,
+           (long long)W);
+    expect_close("verify step vs cpu", "o", oG, oC, (size_t)(T * HK), TOL_OUT);
+    for (int i = 0; i < nv; i++) {
+        const size_t at = (size_t)(slot[i] * lf);
+        CHECK(memcmp(poolC + at, pool0 + at, sizeof(float) * (size_t)lf) == 0 &&
+                  memcmp(poolG + at, pool0 + at, sizeof(float) * (size_t)lf) == 0,
+              "verify item %d: a backend changed its committed state", i);
+        for (int r = 0; r < rows[i]; r++) {
+            const size_t ro = (size_t)((slot[i] * SR + r) * RF);
+            CHECK(memcmp(repG + ro, repC + ro, sizeof(float) * (size_t)C3) == 0,
+                  "item %d replay row %d: the pre-conv projections differ", i, r);
+            expect_close("replay row vs cpu", "k v g beta", repG + ro + C3, repC + ro + C3,
+                         (size_t)(RF - C3), TOL_PREP);
+        }
+    }
+    const size_t dat = (size_t)(slot[nv] * lf);
+    expect_close("decode item vs cpu", "S", poolG + dat, poolC + dat, (size_t)(H * K * K),
+                 TOL_CORE);
+    CHECK(memcmp(poolG + dat + H * K * K, poolC + dat + H * K * K,
+                 sizeof(float) * (size_t)(lf - H * K * K)) == 0,
+          "the decode item's windows differ from the cpu's");
+
+    /* replays of 1 and of every row, each from the state after the verify step */
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t rep32[8] = {0}, zrows[8] = {0};
+        int64_t zr0[9] = {0};
+        for (int i = 0; i < nv; i++)
+            rep32[i] = (int32_t)(rep64[i] = pass == 0 ? 1 : rows[i]);
+        float *pc = xmalloc(sizeof(float) * pool_f);
+        memcpy(pc, poolC, sizeof(float) * pool_f);
+        cly.kda_base = pc;
+        duet_cpu_step_t rst = {.n_items = nv,
+                               .n_rows = 0,
+                               .item_row0 = zr0,
+                               .item_pos0 = pos0,
+                               .item_slot = slot,
+                               .item_pages = pages,
+                               .item_verify = NULL,
+                               .item_replay = rep64};
+        duet_cpu_kda_replay(kc, &rst, &cly, scr, per);
+        CUDA_OK(cudaMemcpy(v.d_pool, poolG, sizeof(float) * pool_f, cudaMemcpyHostToDevice));
+        vstep(&v, nv, slot, zrows, in_row, zero, rep32, proj, graw, braw, gate, NULL, NULL, NULL,
+              NULL);
+        float *pg = dev_to_host(v.d_pool, sizeof(float) * pool_f);
+        for (int i = 0; i < nv; i++) {
+            const size_t at = (size_t)(slot[i] * lf);
+            expect_close(pass == 0 ? "replay of 1 row vs cpu" : "replay of all rows vs cpu", "S",
+                         pg + at, pc + at, (size_t)(H * K * K), TOL_CORE);
+            CHECK(memcmp(pg + at + H * K * K, pc + at + H * K * K,
+                         sizeof(float) * (size_t)(lf - H * K * K)) == 0,
+                  "item %d: windows after a replay of %d rows differ from the cpu's", i, rep32[i]);
+        }
+        free(pc), free(pg);
+    }
+    duet_kernels_destroy(kc);
+    free(pool0), free(rep0), free(taps), free(negA), free(dtb), free(on), free(proj), free(graw);
+    free(braw), free(gate), free(poolC), free(repC), free(scr), free(qkvC), free(gC), free(bC);
+    free(oC), free(oG), free(poolG), free(repG);
+    cudaFree(v.d_pool), cudaFree(v.d_replay), cudaFree(v.d_taps), cudaFree(v.d_neg_A);
+    cudaFree(v.d_dt_bias), cudaFree(v.d_o_norm);
+}
+
+Test(cuda_kda, verify_and_replay_against_the_cpu, .timeout = 120)
+{
+    skip_without_device();
+    const int a[2] = {3, 5}, b[1] = {8}, c[3] = {2, 1, 4};
+    verify_vs_cpu_case(2, 64, 4, 2, a);
+    verify_vs_cpu_case(4, 128, 4, 1, b);
+    verify_vs_cpu_case(3, 48, 8, 3, c);
+    verify_vs_cpu_case(2, 32, 1, 2, a);
+}
+
 Test(cuda_kda, verify_and_replay_equal_one_token_steps, .timeout = 120)
 {
     skip_without_device();
