@@ -176,7 +176,8 @@ struct duet_backend_ops {
     /* Optional; needed when pool_mem puts the KV pool on the device. The same for the sequence's
      * first n_pages pages: every MLA layer of each, in page order, the host pool's page layout
      * (n_pages * the layout's page bytes in buf); a copy into the pages also updates a host
-     * mirror of them. duet_model_seq_snapshot_save / _restore (suspend and resume). */
+     * mirror of them. duet_model_seq_snapshot_save / _restore (suspend and resume). buf NULL:
+     * each page to / from its own place in the host pool (duet_model_seq_sync_host). */
     duet_status_t (*seq_kv_copy)(duet_backend_t *be, const duet_seq_t *seq, int64_t n_pages,
                                  void *buf, int to_host);
 

@@ -1156,14 +1156,16 @@ static duet_status_t duet__cuda_seq_kv_copy(duet_backend_t *be, const duet_seq_t
     for (int64_t p = 0; p < n_pages; p++) {
         /* a page's layers are contiguous in the layout: one copy per page */
         const size_t off = duet__kv_off(dm, seq->pages[p], 0, 0);
-        uint8_t *dev = (uint8_t *)dm->kv_dev + off, *host = (uint8_t *)buf + p * dm->kv_page_bytes;
+        uint8_t *dev = (uint8_t *)dm->kv_dev + off;
+        uint8_t *host = buf != NULL ? (uint8_t *)buf + p * dm->kv_page_bytes
+                                    : (uint8_t *)duet_kv_pool_base(dm->kv_host) + off;
         if (to_host)
             CU(cudaMemcpyAsync(host, dev, dm->kv_page_bytes, cudaMemcpyDeviceToHost, dm->stream),
                "KV pages device → host");
         else
             CU(cudaMemcpyAsync(dev, host, dm->kv_page_bytes, cudaMemcpyHostToDevice, dm->stream),
                "KV pages host → device");
-        if (!to_host && mirrored)
+        if (!to_host && mirrored && buf != NULL)
             memcpy((uint8_t *)duet_kv_pool_base(dm->kv_host) + off, host, dm->kv_page_bytes);
     }
     CU(cudaStreamSynchronize(dm->stream), "KV pages copy");

@@ -822,7 +822,8 @@ size_t duet_model_seq_snapshot_bytes(const duet_model_t *m, int64_t n_tokens)
 }
 
 /* Copy the first n_pages pages of seq, every MLA layer, to buf (to_host 1) or back (0): the host
- * pool itself, else the backend's seq_kv_copy (DUET_ERR_UNSUPPORTED without one). */
+ * pool itself, else the backend's seq_kv_copy (DUET_ERR_UNSUPPORTED without one). buf NULL, only
+ * with a device pool: each page to / from its own place in the host pool. */
 static duet_status_t duet__seq_kv_copy(duet_model_t *m, const duet_seq_t *seq, int64_t n_pages,
                                        uint8_t *buf, int to_host)
 {
@@ -885,14 +886,8 @@ duet_status_t duet_model_seq_sync_host(duet_model_t *m, duet_seq_t *seq)
     }
     if (m->kv != NULL) {
         m->ops->pool_mem(m->be, DUET_MODEL_POOL_KV, &pm);
-        const int64_t n_pages = duet__kv_local_pages_of(m, seq->n_tokens);
-        for (int64_t p = 0; pm.on_device && p < n_pages && st == DUET_OK; p++) {
-            /* page by page into its own place: a page's MLA layers are contiguous there */
-            duet_seq_t one = *seq;
-            one.pages = &seq->pages[p];
-            one.n_pages = 1;
-            st = duet__seq_kv_copy(m, &one, 1, duet_kv_pool_block(m->kv, seq->pages[p], 0), 1);
-        }
+        if (pm.on_device) /* every page into its own place in the host pool (buf NULL) */
+            st = duet__seq_kv_copy(m, seq, duet__kv_local_pages_of(m, seq->n_tokens), NULL, 1);
     }
     if (st == DUET_OK && m->kda != NULL && seq->kda_slot >= 0) {
         m->ops->pool_mem(m->be, DUET_MODEL_POOL_KDA, &pm);
