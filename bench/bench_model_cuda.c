@@ -6,7 +6,8 @@
  *
  *   duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64] [--context 2048,32768]
  *                         [--steps 20] [--prefill 2048,8192] [--dtype bf16|f32] [--kv bf16|f32]
- *                         [--tune [--tune_file PATH]] [--verify 1,2,3,4]
+ *                         [--tune [--tune_file PATH]] [--verify 1,2,3,4 [--mixed]]
+ *                         [--no-graphs]
  *
  * Decode: B sequences are opened with C tokens of context "filled" (device pools hold random
  * KV and state, which costs the same to read as real ones), then `steps` decode steps run with
@@ -27,7 +28,11 @@
  * decode step's, then the same with only each row's arg-max returned (DUET_LOGITS_ARGMAX, what
  * greedy speculation asks for), and the verify step's memory roofline against decode's: the
  * experts B·(k+1) rows route to, the same KV, the state read by the verify and read and written
- * by the replay.
+ * by the replay. With --mixed the steps are mixed instead: sequence s drafts s mod (k + 1)
+ * tokens, so a step holds verify items of every length 2..k + 1 beside one-row plain items (the
+ * forward commits their row; no accept), as a serving loop whose drafters propose unevenly does.
+ * --no-graphs loads the model with cuda_graphs off (every step kernel by kernel): a run with and
+ * one without it compare the graphs' gain side by side.
  * Prefill: one sequence of P tokens in one forward call; tokens/s, and the step's GEMM FLOPs
  * (2 · active matrix parameters · P) per second against a cuBLASLt bf16 GEMM of the model's
  * largest projection shape at M = P timed in the same run.
@@ -95,13 +100,14 @@ static uint64_t rng_next(uint64_t *x)
 /*
  * One verify measurement (see the header): roll the B sequences back to C tokens with KDA state
  * `state`, then 3 warm-up and `steps` timed steps of one verify item of k + 1 random tokens per
- * sequence (logits of every row into `logits`, B * (k + 1) * vocab floats; with `amax` instead
- * only each row's arg-max, DUET_LOGITS_ARGMAX, into amax[B * (k + 1)]), each followed by
- * duet_model_seq_accept(1) for every sequence. The sequences must have room for C + steps + 3 + k
- * tokens. Returns the median seconds per step (forward + accepts), or -1 after printing the error.
+ * sequence (mixed: of s mod (k + 1) + 1 tokens, a plain item when that is 1) (logits of every row
+ * into `logits`, B * (k + 1) * vocab floats; with `amax` instead only each row's arg-max,
+ * DUET_LOGITS_ARGMAX, into amax[B * (k + 1)]), each followed by duet_model_seq_accept(1) for every
+ * sequence. The sequences must have room for C + steps + 3 + k tokens. Returns the median seconds
+ * per step (forward + accepts), or -1 after printing the error.
  */
 static double verify_step_s(duet_model_t *m, duet_seq_t *seqs, int64_t B, int64_t C, int64_t k,
-                            int64_t steps, const void *state, duet_batch_item_t *items,
+                            int mixed, int64_t steps, const void *state, duet_batch_item_t *items,
                             int32_t *tok, float *logits, int32_t *amax, double *ts, uint64_t *rng)
 {
     const int64_t V = duet_model_config(m)->vocab_size, rows = k + 1;
@@ -110,21 +116,24 @@ static double verify_step_s(duet_model_t *m, duet_seq_t *seqs, int64_t B, int64_
         st = duet_model_seq_truncate(m, &seqs[s], C, state);
     for (int64_t it = -3; it < steps && st == DUET_OK; it++) {
         for (int64_t s = 0; s < B; s++) {
-            for (int64_t r = 0; r < rows; r++)
+            const int64_t n = mixed ? s % rows + 1 : rows;
+            for (int64_t r = 0; r < n; r++)
                 tok[s * rows + r] = (int32_t)(rng_next(rng) % (uint64_t)V);
             items[s] = (duet_batch_item_t){.seq = &seqs[s],
                                            .tokens = &tok[s * rows],
-                                           .n_tokens = rows,
-                                           .logits_mode =
-                                               amax != NULL ? DUET_LOGITS_ARGMAX : DUET_LOGITS_ALL,
+                                           .n_tokens = n,
+                                           .logits_mode = amax != NULL ? DUET_LOGITS_ARGMAX
+                                                          : n > 1      ? DUET_LOGITS_ALL
+                                                                       : DUET_LOGITS_LAST,
                                            .logits = logits + (size_t)(s * rows) * (size_t)V,
                                            .token_out = amax != NULL ? amax + s * rows : NULL,
-                                           .verify = 1};
+                                           .verify = n > 1};
         }
         double a = now_s();
         st = duet_model_forward(m, items, B);
         for (int64_t s = 0; s < B && st == DUET_OK; s++)
-            st = duet_model_seq_accept(m, &seqs[s], 1);
+            if (items[s].verify)
+                st = duet_model_seq_accept(m, &seqs[s], 1);
         if (it >= 0)
             ts[it] = now_s() - a;
     }
@@ -164,7 +173,7 @@ static void count_params(const duet_model_config_t *c, double *dense, double *ex
 int main(int argc, char **argv)
 {
     const char *cfg_dir = NULL, *dtype = "bf16", *kvdt = "bf16", *tune_file = NULL;
-    int tune = 0;
+    int tune = 0, mixed = 0, graphs = 1;
     int64_t layers = 0, steps = 20, batch[MAX_LIST] = {1, 8, 64}, ctx[MAX_LIST] = {2048, 32768},
             pre[MAX_LIST] = {2048, 8192}, vk[MAX_LIST];
     int n_batch = 3, n_ctx = 2, n_pre = 2, n_vk = 0;
@@ -178,7 +187,7 @@ int main(int argc, char **argv)
             printf("usage: duet-bench-model-cuda --config DIR [--layers N] [--batch 1,8,64]\n"
                    "       [--context 2048,32768] [--steps 20] [--prefill 2048,8192]\n"
                    "       [--dtype bf16|f32] [--kv bf16|f32] [--tune [--tune_file PATH]]\n"
-                   "       [--verify K_LIST]\n"
+                   "       [--verify K_LIST [--mixed]] [--no-graphs]\n"
                    "Decode step time vs the memory roofline and prefill tok/s vs the cuBLASLt\n"
                    "GEMM rate of a model with DIR/config.json's dimensions and random weights\n"
                    "generated on the GPU. JSON lines on stdout. --prefill 0 skips prefill,\n"
@@ -192,11 +201,22 @@ int main(int argc, char **argv)
                    "max k + 1 and, after each decode measurement, times steps where every\n"
                    "sequence verifies k random drafts (k + 1 rows, all logits to the host)\n"
                    "and keeps one row, at the same batch and context: {\"bench\":\"verify\",\n"
-                   "...,\"ms\",\"decode_ms\",\"ratio\"} per k. Needs --batch.\n");
+                   "...,\"ms\",\"decode_ms\",\"ratio\"} per k. Needs --batch.\n"
+                   "--mixed: sequence s drafts s mod (k + 1) tokens instead (verify items of\n"
+                   "every length beside plain one-row items).\n"
+                   "--no-graphs: every step kernel by kernel (no CUDA graphs).\n");
             return 0;
         }
         if (strcmp(a, "--tune") == 0) {
             tune = 1;
+            continue;
+        }
+        if (strcmp(a, "--mixed") == 0) {
+            mixed = 1;
+            continue;
+        }
+        if (strcmp(a, "--no-graphs") == 0) {
+            graphs = 0;
             continue;
         }
         if (v == NULL) {
@@ -237,6 +257,11 @@ int main(int argc, char **argv)
     }
     if (cfg_dir == NULL) {
         fprintf(stderr, "duet-bench-model-cuda: --config DIR is required (see --help)\n");
+        return 2;
+    }
+    if (mixed && n_vk == 0) {
+        fprintf(stderr,
+                "duet-bench-model-cuda: --mixed shapes the --verify steps: give --verify\n");
         return 2;
     }
     if (n_vk > 0 && n_batch == 0) {
@@ -305,6 +330,7 @@ int main(int argc, char **argv)
     /* the pool holds max_b sequences of the longest context, or one prefill */
     o.kv_pages = (o.max_seq_len + o.page_tokens - 1) / o.page_tokens * max_b;
     o.tune = tune || tune_file != NULL; /* --tune_file implies --tune */
+    o.cuda_graphs = graphs;
     o.tune_file = tune_file;
     double t0 = now_s();
     duet_model_t *m = NULL;
@@ -425,27 +451,30 @@ int main(int argc, char **argv)
                        "%lld,"
                        "\"step_ms\":%.3f,\"min_ms\":%.3f,\"bytes_GB\":%.3f,\"weights_GB\":%.3f,"
                        "\"kv_GB\":%.3f,\"state_GB\":%.3f,\"roofline_ms\":%.3f,"
-                       "\"roofline_frac\":%.3f,\"tok_s\":%.1f}\n",
+                       "\"roofline_frac\":%.3f,\"tok_s\":%.1f,\"graphs\":%s}\n",
                        o.tune ? "true" : "false", (long long)c->num_layers, (long long)B,
                        (long long)C, med * 1e3, ts[0] * 1e3, bytes / 1e9, w_bytes / 1e9, kv / 1e9,
-                       st / 1e9, roof * 1e3, roof / med, (double)B / med);
+                       st / 1e9, roof * 1e3, roof / med, (double)B / med,
+                       graphs ? "true" : "false");
                 fflush(stdout);
                 fprintf(stderr, "decode B=%lld C=%lld: %.3f ms/step (roofline %.3f ms, %.0f%%)\n",
                         (long long)B, (long long)C, med * 1e3, roof * 1e3, 100.0 * roof / med);
                 for (int iv = 0; iv < n_vk; iv++) {
-                    const double vs = verify_step_s(m, seqs, B, C, vk[iv], steps, state, items,
-                                                    vtok, vlogits, NULL, ts, &rng);
+                    const double vs = verify_step_s(m, seqs, B, C, vk[iv], mixed, steps, state,
+                                                    items, vtok, vlogits, NULL, ts, &rng);
                     const double va =
                         vs < 0 ? -1
-                               : verify_step_s(m, seqs, B, C, vk[iv], steps, state, items, vtok,
-                                               vlogits, vtok + max_b * spec_rows, ts, &rng);
+                               : verify_step_s(m, seqs, B, C, vk[iv], mixed, steps, state, items,
+                                               vtok, vlogits, vtok + max_b * spec_rows, ts, &rng);
                     if (vs < 0 || va < 0) {
                         rc = 1;
                         break;
                     }
                     /* its roofline: the experts B·(k+1) rows route to, the same KV, the state
                      * read by the verify and read + written by the replay of the accepted row */
-                    const double vrows = (double)B * (double)(vk[iv] + 1);
+                    double vrows = 0; /* the step's rows (verify_step_s) */
+                    for (int64_t s = 0; s < B; s++)
+                        vrows += (double)(mixed ? s % (vk[iv] + 1) + 1 : vk[iv] + 1);
                     const double vtouched =
                         c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, vrows)) : 0;
                     const double vbytes =
@@ -454,10 +483,11 @@ int main(int argc, char **argv)
                     printf("{\"bench\":\"verify\",\"layers\":%lld,\"B\":%lld,\"C\":%lld,\"k\":%lld,"
                            "\"ms\":%.3f,\"ms_argmax\":%.3f,\"decode_ms\":%.3f,\"ratio\":%.3f,"
                            "\"ratio_argmax\":%.3f,\"roofline_ms\":%.3f,\"roofline_ratio\":%.3f,"
-                           "\"dtype\":\"%s\",\"tuned\":%s}\n",
+                           "\"dtype\":\"%s\",\"tuned\":%s,\"mixed\":%s,\"graphs\":%s}\n",
                            (long long)c->num_layers, (long long)B, (long long)C, (long long)vk[iv],
                            vs * 1e3, va * 1e3, med * 1e3, vs / med, va / med, vbytes / bw * 1e3,
-                           vbytes / bytes, dtype, o.tune ? "true" : "false");
+                           vbytes / bytes, dtype, o.tune ? "true" : "false",
+                           mixed ? "true" : "false", graphs ? "true" : "false");
                     fflush(stdout);
                     fprintf(stderr,
                             "verify B=%lld C=%lld k=%lld: %.3f ms/step, arg-maxes only %.3f "
