@@ -49,7 +49,8 @@
  *        plain rows and the gen worker's own prefill chunks share steps; streamed and not) give
  *        exactly duet-generate's text and token count without speculation; the router's metrics
  *        show several tokens per decode step, verify steps by tokens emitted and drafts proposed /
- *        kept per position, consistent with each other and with the tokens the clients got
+ *        kept per position, consistent with each other and with the tokens the clients got;
+ *        its workers run on a GPU when there is one (greedy tokens have no seeded draw to differ)
  *   client_cancel_frees_pages_on_both_workers, gen_killed_fails_its_requests_router_stays_healthy,
  *   drain_under_load_loses_nothing, drain_migrate_moves_requests_mid_decode  the bodies above
  *        with speculation on (drain_migrate_with_the_draft_model: the migrate body with the
@@ -2200,6 +2201,7 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 420)
                                                                                        "4"};
     for (int round = 0; round < 3; round++) {
         speculate(methods[round], ks[round]);
+        worker_device = "auto"; /* greedy: on a GPU when there is one (verify graphs, drafter) */
         start_cluster(1, 1);
         for (int i = 0; i < N; i++) {
             if (round == 0) { /* duet-generate without speculation, once */
