@@ -90,7 +90,9 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
  * the test hooks below override it */
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
-static int64_t duet__mla_x_steps, duet__verify_graph_steps;
+static int64_t duet__mla_x_steps, duet__verify_graph_steps, duet__mixed_graph_steps;
+static int duet__verify_pad = -1; /* DUET_CUDA_VERIFY_PAD: verify items of several lengths join a
+                                     verify graph, padded to the longest */
 
 void duet_backend_cuda_mla_x_set(int on)
 {
@@ -100,6 +102,16 @@ void duet_backend_cuda_mla_x_set(int on)
 int64_t duet_backend_cuda_verify_graph_steps(void)
 {
     return duet__verify_graph_steps;
+}
+
+int64_t duet_backend_cuda_mixed_graph_steps(void)
+{
+    return duet__mixed_graph_steps;
+}
+
+void duet_backend_cuda_verify_pad_set(int on)
+{
+    duet__verify_pad = on != 0;
 }
 
 int64_t duet_backend_cuda_mla_x_steps(void)
@@ -149,7 +161,8 @@ typedef struct {
 
 typedef struct {
     int bucket, sampled;
-    int rows, verify; /* rows per item: 1 for decode; a verify graph's items' rows */
+    int rows, verify; /* rows per item: 1 for decode; a verify graph's verify items' rows */
+    int plain;        /* a verify graph's one-row plain items */
     cudaGraphExec_t exec;
 } duet__graph_t;
 
@@ -1239,11 +1252,11 @@ static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
-    int sample;       /* 0 none, 1 argmax, 2 full sampling rule */
-    int64_t x_ctx;    /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
-                       * item (this many in all) */
-    int replay;       /* fold items' accepted rows first (duet_cuda_kda_replay) */
-    int rows, verify; /* a graph's key beside n_items and sample (duet__graph_t) */
+    int sample;    /* 0 none, 1 argmax, 2 full sampling rule */
+    int64_t x_ctx; /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
+                    * item (this many in all) */
+    int replay;    /* fold items' accepted rows first (duet_cuda_kda_replay) */
+    int rows, verify, plain; /* a graph's key beside n_items and sample (duet__graph_t) */
 } duet__shape_t;
 
 /*
@@ -1620,7 +1633,8 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
     duet__graph_t *gr = NULL;
     for (int i = 0; i < dm->n_graphs; i++)
         if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].sampled == sh->sample &&
-            dm->graphs[i].rows == sh->rows && dm->graphs[i].verify == sh->verify)
+            dm->graphs[i].rows == sh->rows && dm->graphs[i].verify == sh->verify &&
+            dm->graphs[i].plain == sh->plain)
             gr = &dm->graphs[i];
     if (gr == NULL) {
         if (dm->n_graphs == DUET_CUDA_MAX_GRAPHS) { /* full: drop the oldest */
@@ -1643,12 +1657,46 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
         gr->sampled = sh->sample;
         gr->rows = sh->rows;
         gr->verify = sh->verify;
+        gr->plain = sh->plain;
         gr->exec = exec;
-        DUET_LOG_DEBUG("cuda model: captured the %s graph for %d sequences of %d rows",
-                       gr->verify ? "verify" : "decode", gr->bucket, gr->rows);
+        DUET_LOG_DEBUG("cuda model: captured the %s graph for %d sequences of %d rows (%d plain)",
+                       gr->verify ? "verify" : "decode", gr->bucket, gr->rows, gr->plain);
     }
     CU(cudaGraphLaunch(gr->exec, dm->stream), "graph launch");
     return DUET_OK;
+}
+
+/* In a verify graph's step (every row a logits row, in row order), the first logits row of real
+ * item i whose nl logits rows are the last of its own rows. */
+static int64_t duet__logit_row0(const duet_cuda_model_t *dm, const duet_batch_item_t *it, int64_t i,
+                                int64_t nl)
+{
+    return dm->meta_h[dm->ml.item_row0 + i] + it->n_tokens - nl;
+}
+
+/* Whether every verify item of a step can be padded to rows rows in a verify graph: the
+ * positions of its padding rows must fit its row of the page table. */
+static int duet__pad_fits(const duet_cuda_model_t *dm, const duet_batch_item_t *items,
+                          int64_t n_items, int64_t rows)
+{
+    if (dm->kv_host == NULL) /* no MLA layers: no pages */
+        return 1;
+    const int64_t cap = dm->step.max_pages * dm->opts.page_tokens;
+    for (int64_t i = 0; i < n_items; i++)
+        if (items[i].verify && items[i].seq->n_tokens + rows > cap)
+            return 0;
+    return 1;
+}
+
+/* A padded item's page table row pg up to position end: the padding rows' KV goes to the
+ * item's own pages past its rows (positions no one reads before they are written again, as a
+ * rejected draft's) and, past its last page, to the spare page. */
+static void duet__pad_pages(const duet_cuda_model_t *dm, int32_t *pg, const duet_seq_t *seq,
+                            int64_t end)
+{
+    const int64_t PT = dm->opts.page_tokens, need = (end + PT - 1) / PT;
+    for (int64_t p = seq->n_pages; p < need; p++)
+        pg[p] = (int32_t)dm->kv_spare_page;
 }
 
 static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_batch_t *bt)
@@ -1663,8 +1711,9 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     int32_t *mh = dm->meta_h;
     int64_t max_tokens = 1, chunk_tokens = 1, split_rows = 0, n_logits = 0;
     int any_sampled = 0, any_token = 0, any_all = 0, any_verify = 0, any_replay = 0;
-    int all_verify = n_items > 0; /* every item a verify item of vrows rows, one mode */
-    const int64_t vrows = n_items > 0 ? items[0].n_tokens : 0;
+    int64_t n_plain = 0, vrows = 0; /* plain items; the most rows of a verify item */
+    int64_t n_rows_real = 0;        /* the items' own rows */
+    int mixed_ok = 1;               /* every plain item has one row */
 
     for (int64_t i = 0; i < n_items; i++) {
         const duet_batch_item_t *it = &items[i];
@@ -1677,8 +1726,11 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         any_replay |= it->seq->n_replay > 0;
         if (!it->verify && it->n_tokens > chunk_tokens)
             chunk_tokens = it->n_tokens;
-        all_verify &=
-            it->verify && it->n_tokens == vrows && it->logits_mode == items[0].logits_mode;
+        if (it->verify && it->n_tokens > vrows)
+            vrows = it->n_tokens;
+        n_rows_real += it->n_tokens;
+        n_plain += !it->verify;
+        mixed_ok &= it->verify || it->n_tokens == 1;
         any_token |= it->logits_mode == DUET_LOGITS_ARGMAX; /* drawn greedily, row by row */
         if (it->logits_mode == DUET_LOGITS_TOKEN) {
             any_token = 1;
@@ -1686,16 +1738,26 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         }
     }
     /* A pure decode step of at most a bucket of sequences runs as a graph, and so does a step of
-     * verify items of one length (speculation's steady state) that a bucket's padding items, of
-     * that length too on the spare page and slot, still fit. */
-    const int64_t bucket = duet__pow2_at_least(n_items);
-    int64_t grows = 0; /* rows per item of the step's graph; 0: no graph */
+     * verify items of one length vrows beside one-row plain items (speculation's steady state),
+     * the bucket's padding items being one-row plain items on the spare page and slot: the graph
+     * depends only on (bucket, vrows, verify items). Verify items of different lengths join it
+     * only with DUET_CUDA_VERIFY_PAD, padded to vrows rows that compute like rejected drafts
+     * (duet__pad_pages says where their KV goes; no output of the item's own rows depends on
+     * them): extra rows cost more than the graph saves at Kimi-Linear-48B's size (bench/
+     * RESULTS.md, "Mixed verify steps"). */
+    const int64_t bucket = duet__pow2_at_least(n_items), n_verify = n_items - n_plain;
+    int64_t grows = 0; /* rows per (verify) item of the step's graph; 0: no graph */
     if (dm->opts.cuda_graphs && !(dm->opts.mirror_out && hook != NULL) &&
         n_items <= dm->imax_items) {
+        const int64_t R = n_verify * vrows + (bucket - n_verify);
         if (max_tokens == 1 && !any_all && !any_verify)
             grows = 1;
-        else if (all_verify && vrows <= dm->split_rows && vrows <= dm->opts.page_tokens &&
-                 bucket * vrows <= dm->T && bucket * vrows <= dm->logit_rows_cap)
+        else if (any_verify && mixed_ok && vrows <= dm->split_rows &&
+                 vrows <= dm->opts.page_tokens && R <= dm->T && R <= dm->logit_rows_cap &&
+                 (n_rows_real == n_verify * vrows + n_plain
+                      ? 1
+                      : duet_cuda_env_flag(&duet__verify_pad, "DUET_CUDA_VERIFY_PAD") &&
+                            duet__pad_fits(dm, items, n_items, vrows)))
             grows = vrows;
     }
     const int use_graph = grows > 0, graph_verify = use_graph && any_verify;
@@ -1707,38 +1769,47 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     for (int64_t i = 0; i < n_eff; i++) {
         const int real = i < n_items;
         const duet_batch_item_t *it = real ? &items[i] : NULL;
-        const int64_t nt = real ? it->n_tokens : grows, pos0 = real ? it->seq->n_tokens : 0;
+        const int64_t nt = !real ? 1 : graph_verify && it->verify ? grows : it->n_tokens;
+        const int64_t pos0 = real ? it->seq->n_tokens : 0;
         mh[ml->item_row0 + i] = (int32_t)row;
         mh[ml->item_pos0 + i] = (int32_t)pos0;
         mh[ml->item_slot + i] =
             real ? (it->seq->kda_slot >= 0 ? it->seq->kda_slot : 0) : dm->kda_spare_slot;
-        mh[ml->item_verify + i] = real ? it->verify != 0 : graph_verify;
+        mh[ml->item_verify + i] = real ? it->verify != 0 : 0;
         mh[ml->item_replay + i] = real ? (int32_t)it->seq->n_replay : 0;
         int32_t *pg = mh + ml->item_pages + i * dm->step.max_pages;
         if (dm->kv_host != NULL) {
-            if (real)
+            if (real) {
                 memcpy(pg, it->seq->pages, sizeof(int32_t) * (size_t)it->seq->n_pages);
-            else
+                duet__pad_pages(dm, pg, it->seq, pos0 + nt);
+            } else {
                 pg[0] = (int32_t)dm->kv_spare_page;
+            }
         }
+        const int64_t nreal = real ? it->n_tokens : nt; /* rows past it: padding */
         for (int64_t t = 0; t < nt; t++, row++) {
             mh[ml->row_item + row] = (int32_t)i;
             mh[ml->row_pos + row] = (int32_t)(pos0 + t);
-            mh[ml->tokens + row] = real ? it->tokens[t] : 0;
+            mh[ml->tokens + row] = real && t < nreal ? it->tokens[t] : 0;
         }
-        /* the item's logits rows are its last nl rows; each gets sampling parameters (greedy,
-         * and ignored, unless the item draws its token here) */
-        const int64_t nl = real ? duet__logit_rows(it, use_graph) : graph_verify ? grows : 1;
-        for (int64_t t = 0; t < nl; t++) {
+        /* the item's logits rows are the last nl of its own rows, each with sampling parameters
+         * (greedy, and ignored, unless the item draws its token here); in a verify graph every
+         * row is a logits row, padding rows too, in row order (duet__enqueue's head then needs
+         * no gather; duet__logit_row0 finds an item's) */
+        const int64_t end = row - (nt - nreal);
+        const int64_t nl = real ? duet__logit_rows(it, use_graph) : 1;
+        const int64_t l0 = graph_verify ? row - nt : end - nl, nemit = graph_verify ? nt : nl;
+        for (int64_t t = 0; t < nemit; t++) {
             duet_cuda_sample_params_t p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .u = 0};
-            if (real && it->logits_mode == DUET_LOGITS_TOKEN) {
+            const int own = l0 + t >= end - nl && l0 + t < end;
+            if (real && own && it->logits_mode == DUET_LOGITS_TOKEN) {
                 p.temperature = it->sampling.temperature;
                 p.top_k =
                     (int32_t)(it->sampling.top_k > INT32_MAX ? INT32_MAX : it->sampling.top_k);
                 p.top_p = it->sampling.top_p;
                 p.u = it->u;
             }
-            mh[ml->logit_rows + n_logits] = (int32_t)(row - nl + t);
+            mh[ml->logit_rows + n_logits] = (int32_t)(l0 + t);
             pp[n_logits++] = p;
         }
     }
@@ -1749,7 +1820,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
                         .n_logit_rows = n_logits,
                         .sample = any_token ? (any_sampled ? 2 : 1) : 0,
                         .rows = (int)grows,
-                        .verify = graph_verify};
+                        .verify = graph_verify,
+                        .plain = graph_verify ? (int)(n_eff - n_verify) : 0};
     sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
     /* a graph launches the replay whenever the model has a pool, as its shape is fixed */
     sh.replay = dm->replay_dev != NULL && (use_graph || any_replay);
@@ -1759,6 +1831,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     dm->step.max_item_tokens = (int32_t)chunk_tokens;
     dm->step.max_split_rows = (int32_t)split_rows;
     dm->step.any_verify = any_verify;
+    dm->step.all_verify = any_verify && n_verify == n_eff; /* a bucket's padding items are plain */
 
     CU(cudaMemcpyAsync(dm->meta_d, mh, sizeof(int32_t) * ml->total, cudaMemcpyHostToDevice,
                        dm->stream),
@@ -1766,6 +1839,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     if (use_graph) {
         TRY(duet__graph_launch(dm, &sh));
         duet__verify_graph_steps += graph_verify;
+        duet__mixed_graph_steps +=
+            graph_verify && (n_plain > 0 || row != n_rows_real + (n_eff - n_items));
     } else if (n_logits <= dm->logit_rows_cap) {
         TRY(duet__enqueue(dm, &sh, items, hook, hook_user));
     } else {
@@ -1778,7 +1853,7 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
 
     /* outputs: copy logits rows to the items' buffers, tokens to theirs */
     const int64_t V = c->vocab_size, D = c->hidden_size;
-    int64_t lr = 0; /* logits row of the next item */
+    int64_t lr = 0; /* logits row of the next item (outside verify graphs) */
     for (int64_t done = 0; done < n_logits;) {
         int64_t slice = n_logits - done;
         if (n_logits > dm->logit_rows_cap) { /* sliced head */
@@ -1799,7 +1874,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         for (int64_t i = 0; i < n_items; i++) {
             duet_batch_item_t *it = &items[i];
             const int64_t nr = duet__logit_rows(it, use_graph);
-            int64_t first = lr, last = lr + nr; /* this item's rows [first, last) */
+            const int64_t first = graph_verify ? duet__logit_row0(dm, it, i, nr) : lr;
+            const int64_t last = first + nr; /* this item's rows [first, last) */
             lr += nr;
             if (it->logits_mode != DUET_LOGITS_LAST && it->logits_mode != DUET_LOGITS_ALL)
                 continue;
@@ -1825,6 +1901,8 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
         int64_t k = 0;
         for (int64_t i = 0; i < n_items; i++) {
             duet_batch_item_t *it = &items[i];
+            if (graph_verify)
+                k = duet__logit_row0(dm, it, i, duet__logit_rows(it, use_graph));
             if (it->logits_mode == DUET_LOGITS_TOKEN)
                 *it->token_out = dm->token_out_h[k];
             else if (it->logits_mode == DUET_LOGITS_ARGMAX)

@@ -17,8 +17,14 @@
 void duet_backend_cuda_mla_x_set(int on);
 int64_t duet_backend_cuda_mla_x_steps(void);
 
-/* Test hook: steps, over all models of the process, that ran as a captured verify graph (every
- * item a verify item of one length: backend_cuda.c duet__cuda_forward). */
+/* Test hooks: steps, over all models of the process, that ran as a captured verify graph (verify
+ * items and one-row plain items: backend_cuda.c duet__cuda_forward); of those, the mixed ones
+ * (plain items, or verify items of different lengths, padded to the longest). */
 int64_t duet_backend_cuda_verify_graph_steps(void);
+int64_t duet_backend_cuda_mixed_graph_steps(void);
+
+/* Test hook: verify items of different lengths join a verify graph padded to the longest (1), or
+ * run kernel by kernel (0), overriding DUET_CUDA_VERIFY_PAD (docs/switches.md). */
+void duet_backend_cuda_verify_pad_set(int on);
 
 #endif

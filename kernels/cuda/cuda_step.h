@@ -38,6 +38,7 @@ typedef struct {
     const int32_t *item_verify; /* [n_items] nonzero: a verify item (cuda_kda.h "Verify items") */
     const int32_t *item_replay; /* [n_items] accepted rows to fold into the item's state first */
     int32_t any_verify;         /* host value: some item of the step is a verify item */
+    int32_t all_verify;         /* host value: every item is one (no recurrent core to run) */
 } duet_cuda_step_t;
 
 #endif

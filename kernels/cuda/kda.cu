@@ -1602,9 +1602,10 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
 {
     const int64_t H = a.ly.H;
     dim3 rgrid((unsigned)(a.st.n_items * H), (unsigned)((K + 31) / 32));
-    DUET__TRY(
-        duet_pdl_launch(duet__kda_recur_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
-        "recurrent core launch");
+    if (!a.st.all_verify)
+        DUET__TRY(
+            duet_pdl_launch(duet__kda_recur_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),
+            "recurrent core launch");
     if (a.st.any_verify)
         DUET__TRY(
             duet_pdl_launch(duet__kda_verify_kernel<K>, rgrid, dim3(32, DUET_KDA_RY), 0, stream, a),

@@ -137,7 +137,11 @@ Test(engine_cuda, no_device_fails_cleanly)
  * sequences in it: verify items of 1..5 drafts taken from the reference continuation (some
  * corrupted, so acceptance stops early), plain one-token steps between them (folding the accepted
  * rows inside the forward) and replay-only commits (duet_model_seq_commit); on every other
- * fixture both lanes verify alike, so those steps run as the CUDA model's verify graphs; on every
+ * fixture both lanes verify alike, so those steps run as the CUDA model's verify graphs of one
+ * length; on the others the lanes differ (verify items of different lengths, a verify item beside
+ * a plain one): steps of a verify item beside a plain one run as mixed verify graphs, and so do
+ * verify items of different lengths on fixtures 0, 4, ... (padded to the longest,
+ * duet_backend_cuda_verify_pad_set), while fixtures 2, 6, ... run without graphs; on every
  * fourth the CUDA model returns only the rows' arg-maxes (DUET_LOGITS_ARGMAX), checked against
  * the CPU's rows (equal, or a tie within 1e-5 of the row's maximum). Checked:
  * every verify row's logits against the CPU's (rel L2 <= 1e-5, the f32 bound above), the emitted
@@ -171,7 +175,9 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
     g_spec_rows = 6;
     for (int fi = 0; fi < n; fi++) {
         fixture_t *x = &fx[fi];
-        duet_model_t *m[2] = {load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0),
+        const int graphs_on = fi % 4 != 2;
+        duet_backend_cuda_verify_pad_set(fi % 4 == 0);
+        duet_model_t *m[2] = {load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, graphs_on, 0, 0),
                               load(x, DUET_DEVICE_CPU, DUET_DTYPE_F32, 0, 0, 0)};
         const int64_t V = x->vocab, np = x->n_prompt, NG = x->n_greedy;
         const size_t sb = duet_model_seq_state_bytes(m[0]);
@@ -193,7 +199,8 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
             ln[l].out[0] = duet_argmax(lg[0] + l * V, V);
             ln[l].n_out = 1;
         }
-        const int64_t graphs0 = duet_backend_cuda_verify_graph_steps();
+        const int64_t graphs0 = duet_backend_cuda_verify_graph_steps(),
+                      mixed0 = duet_backend_cuda_mixed_graph_steps();
         /* every fourth fixture: the GPU's items ask for their rows' arg-maxes only */
         const int am = fi % 4 == 3;
         int32_t vmax[2][8];
@@ -311,11 +318,17 @@ Test(engine_cuda, spec_verify_matches_cpu, .timeout = 600)
                "rel L2 vs cpu <= %.3g, state after commit <= %.3g\n",
                x->name, verifies, (long long)accepted, plains, commits, worst, worst_state);
         cr_expect_gt(verifies, 0);
-        const int64_t graphs = duet_backend_cuda_verify_graph_steps() - graphs0;
-        printf("cuda spec %-30s %lld steps ran as verify graphs, %lld rows as arg-maxes\n", x->name,
-               (long long)graphs, (long long)argmaxes);
-        if (fi % 2)
+        const int64_t graphs = duet_backend_cuda_verify_graph_steps() - graphs0,
+                      mixed = duet_backend_cuda_mixed_graph_steps() - mixed0;
+        printf("cuda spec %-30s %lld steps ran as verify graphs (%lld mixed), %lld rows as "
+               "arg-maxes\n",
+               x->name, (long long)graphs, (long long)mixed, (long long)argmaxes);
+        if (!graphs_on)
+            cr_expect_eq(graphs, 0, "%s: a graph ran with graphs off", x->name);
+        else if (fi % 2)
             cr_expect_gt(graphs, 0, "%s: no uniform verify step ran as a graph", x->name);
+        else
+            cr_expect_gt(mixed, 0, "%s: no mixed verify step ran as a graph", x->name);
         for (int l = 0; l < 2; l++)
             for (int d = 0; d < 2; d++)
                 duet_model_seq_close(m[d], &ln[l].s[d]);
