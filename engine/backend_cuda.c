@@ -91,8 +91,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
 static int64_t duet__mla_x_steps, duet__verify_graph_steps, duet__mixed_graph_steps;
-static int duet__verify_pad = -1; /* DUET_CUDA_VERIFY_PAD: verify items of several lengths join a
-                                     verify graph, padded to the longest */
+static int duet__verify_pad = -2; /* DUET_CUDA_VERIFY_PAD (duet__pad_pays); -2: not read yet */
 
 void duet_backend_cuda_mla_x_set(int on)
 {
@@ -111,7 +110,7 @@ int64_t duet_backend_cuda_mixed_graph_steps(void)
 
 void duet_backend_cuda_verify_pad_set(int on)
 {
-    duet__verify_pad = on != 0;
+    duet__verify_pad = on < 0 ? -1 : on != 0;
 }
 
 int64_t duet_backend_cuda_mla_x_steps(void)
@@ -1674,6 +1673,38 @@ static int64_t duet__logit_row0(const duet_cuda_model_t *dm, const duet_batch_it
     return dm->meta_h[dm->ml.item_row0 + i] + it->n_tokens - nl;
 }
 
+/* A verify graph pads verify items only when the padding rows are expected to stream at most this
+ * many bytes of expert weights that the step's own rows do not (about 15 µs at the H200's copy
+ * rate, against the 0.3 ms a graph saved the demo model's mixed steps: bench/RESULTS.md, "Mixed
+ * verify steps"). */
+#define DUET__PAD_MAX_BYTES (64.0 * 1024 * 1024)
+
+/* Whether padding a step's verify items with pad rows beside its own rows (real of them) costs
+ * less than running it kernel by kernel saves: at most as many rows again, and the experts the
+ * padding rows route to beyond the real rows' (uniform routing, as duet-bench-model-cuda's
+ * roofline counts them) within DUET__PAD_MAX_BYTES. DUET_CUDA_VERIFY_PAD=0 never pads, another
+ * non-empty value always does (docs/switches.md). */
+static int duet__pad_pays(const duet_cuda_model_t *dm, int64_t real, int64_t pad)
+{
+    if (duet__verify_pad == -2) {
+        const char *v = getenv("DUET_CUDA_VERIFY_PAD");
+        duet__verify_pad = v == NULL || v[0] == '\0' ? -1 : strcmp(v, "0") != 0;
+    }
+    if (duet__verify_pad >= 0)
+        return duet__verify_pad;
+    const duet_model_config_t *c = &dm->cfg;
+    if (pad > real)
+        return 0;
+    if (c->n_experts <= 0 || c->n_moe_layers <= 0)
+        return 1;
+    const double miss = 1.0 - (double)c->top_k / (double)c->n_experts;
+    const double experts =
+        (double)c->n_experts * (pow(miss, (double)real) - pow(miss, (double)(real + pad)));
+    const double expert_bytes = 3.0 * (double)c->hidden_size * (double)c->moe_intermediate *
+                                (dm->wdt == DUET_DTYPE_F32 ? 4.0 : 2.0);
+    return experts * expert_bytes * (double)c->n_moe_layers <= DUET__PAD_MAX_BYTES;
+}
+
 /* Whether every verify item of a step can be padded to rows rows in a verify graph: the
  * positions of its padding rows must fit its row of the page table. */
 static int duet__pad_fits(const duet_cuda_model_t *dm, const duet_batch_item_t *items,
@@ -1741,10 +1772,9 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
      * verify items of one length vrows beside one-row plain items (speculation's steady state),
      * the bucket's padding items being one-row plain items on the spare page and slot: the graph
      * depends only on (bucket, vrows, verify items). Verify items of different lengths join it
-     * only with DUET_CUDA_VERIFY_PAD, padded to vrows rows that compute like rejected drafts
-     * (duet__pad_pages says where their KV goes; no output of the item's own rows depends on
-     * them): extra rows cost more than the graph saves at Kimi-Linear-48B's size (bench/
-     * RESULTS.md, "Mixed verify steps"). */
+     * padded to vrows rows that compute like rejected drafts (duet__pad_pages says where their
+     * KV goes; no output of the item's own rows depends on them) when that pays
+     * (duet__pad_pays: for a small model, not at Kimi-Linear-48B's size). */
     const int64_t bucket = duet__pow2_at_least(n_items), n_verify = n_items - n_plain;
     int64_t grows = 0; /* rows per (verify) item of the step's graph; 0: no graph */
     if (dm->opts.cuda_graphs && !(dm->opts.mirror_out && hook != NULL) &&
@@ -1754,10 +1784,9 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
             grows = 1;
         else if (any_verify && mixed_ok && vrows <= dm->split_rows &&
                  vrows <= dm->opts.page_tokens && R <= dm->T && R <= dm->logit_rows_cap &&
-                 (n_rows_real == n_verify * vrows + n_plain
-                      ? 1
-                      : duet_cuda_env_flag(&duet__verify_pad, "DUET_CUDA_VERIFY_PAD") &&
-                            duet__pad_fits(dm, items, n_items, vrows)))
+                 (n_rows_real == n_verify * vrows + n_plain ||
+                  (duet__pad_pays(dm, n_rows_real, n_verify * vrows + n_plain - n_rows_real) &&
+                   duet__pad_fits(dm, items, n_items, vrows))))
             grows = vrows;
     }
     const int use_graph = grows > 0, graph_verify = use_graph && any_verify;

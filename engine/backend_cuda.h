@@ -23,8 +23,9 @@ int64_t duet_backend_cuda_mla_x_steps(void);
 int64_t duet_backend_cuda_verify_graph_steps(void);
 int64_t duet_backend_cuda_mixed_graph_steps(void);
 
-/* Test hook: verify items of different lengths join a verify graph padded to the longest (1), or
- * run kernel by kernel (0), overriding DUET_CUDA_VERIFY_PAD (docs/switches.md). */
+/* Test hook: verify items of different lengths join a verify graph padded to the longest (1),
+ * run kernel by kernel (0), or as the cost rule decides (-1, backend_cuda.c duet__pad_pays),
+ * overriding DUET_CUDA_VERIFY_PAD (docs/switches.md). */
 void duet_backend_cuda_verify_pad_set(int on);
 
 #endif
