@@ -55,6 +55,7 @@
 #include "common/version.h"
 #include "engine/model.h"
 #include "kernels/cuda/cuda_gemm.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_util.h"
 
 #define MAX_LIST 16
@@ -435,9 +436,7 @@ int main(int argc, char **argv)
             if (ok) {
                 qsort(ts, (size_t)steps, sizeof(double), cmp_d);
                 const double med = ts[steps / 2];
-                const double E = (double)c->n_experts, k = (double)c->top_k;
-                const double touched =
-                    c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, (double)B)) : 0;
+                const double touched = duet_cuda_moe_touched((double)B, c->top_k, c->n_experts);
                 const double w_bytes =
                     (dense + touched * expert * (double)c->n_moe_layers) * (double)wb;
                 const double kv =
@@ -475,8 +474,7 @@ int main(int argc, char **argv)
                     double vrows = 0; /* the step's rows (verify_step_s) */
                     for (int64_t s = 0; s < B; s++)
                         vrows += (double)(mixed ? s % (vk[iv] + 1) + 1 : vk[iv] + 1);
-                    const double vtouched =
-                        c->n_experts > 0 ? E * (1.0 - pow(1.0 - k / E, vrows)) : 0;
+                    const double vtouched = duet_cuda_moe_touched(vrows, c->top_k, c->n_experts);
                     const double vbytes =
                         (dense + vtouched * expert * (double)c->n_moe_layers) * (double)wb + kv +
                         1.5 * st;

@@ -1697,9 +1697,8 @@ static int duet__pad_pays(const duet_cuda_model_t *dm, int64_t real, int64_t pad
         return 0;
     if (c->n_experts <= 0 || c->n_moe_layers <= 0)
         return 1;
-    const double miss = 1.0 - (double)c->top_k / (double)c->n_experts;
-    const double experts =
-        (double)c->n_experts * (pow(miss, (double)real) - pow(miss, (double)(real + pad)));
+    const double experts = duet_cuda_moe_touched((double)(real + pad), c->top_k, c->n_experts) -
+                           duet_cuda_moe_touched((double)real, c->top_k, c->n_experts);
     const double expert_bytes = 3.0 * (double)c->hidden_size * (double)c->moe_intermediate *
                                 (dm->wdt == DUET_DTYPE_F32 ? 4.0 : 2.0);
     return experts * expert_bytes * (double)c->n_moe_layers <= DUET__PAD_MAX_BYTES;

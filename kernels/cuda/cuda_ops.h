@@ -93,6 +93,11 @@ typedef struct {
  * duet_cuda_moe_scratch_bytes(max_T, top_k, E, I, D) bytes.
  */
 size_t duet_cuda_moe_scratch_bytes(int64_t max_T, int64_t top_k, int64_t E, int64_t I, int64_t D);
+/* Distinct experts `rows` rows route to in expectation when each picks top_k of E uniformly:
+ * E·(1 − (1 − top_k/E)^rows); 0 without experts. The one count of "experts a step reads" behind
+ * duet_cuda_moe_auto_mma, the CUDA backend's verify padding and duet-bench-model-cuda's roofline.
+ */
+double duet_cuda_moe_touched(double rows, int64_t top_k, int64_t E);
 /* Whether duet_cuda_moe_experts runs T rows on the MMA kernels (BF16 weights, D and I multiples of
  * 32, tensor cores, x rounded to bf16) rather than the GEMV ones (x kept in fp32): from an expected
  * 1.25 rows per selected expert under uniform routing on, never for one row. */

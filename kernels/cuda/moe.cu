@@ -1961,12 +1961,18 @@ static double duet__moe_mma_rows(void)
     return rows;
 }
 
+extern "C" double duet_cuda_moe_touched(double rows, int64_t top_k, int64_t E)
+{
+    if (E < 1 || top_k < 1)
+        return 0.0;
+    return (double)E * (1.0 - pow(1.0 - (double)top_k / (double)E, rows));
+}
+
 extern "C" int duet_cuda_moe_auto_mma(int64_t T, int64_t top_k, int64_t E)
 {
     if (T <= 1 || E < 1 || top_k < 1 || top_k > E)
         return 0; /* one row: the GEMV kernels (and the shared expert folded in) */
-    const double touched = (double)E * (1.0 - pow(1.0 - (double)top_k / (double)E, (double)T));
-    return (double)(T * top_k) >= duet__moe_mma_rows() * touched;
+    return (double)(T * top_k) >= duet__moe_mma_rows() * duet_cuda_moe_touched((double)T, top_k, E);
 }
 
 /*
