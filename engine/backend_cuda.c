@@ -160,8 +160,9 @@ typedef struct {
 
 typedef struct {
     int bucket, sampled;
-    int rows, verify; /* rows per item: 1 for decode; a verify graph's verify items' rows */
-    int plain;        /* a verify graph's one-row plain items */
+    int rows; /* 1: a decode graph; else a verify graph's verify items' rows (verify items have 2..)
+               */
+    int plain; /* a verify graph's one-row plain items */
     cudaGraphExec_t exec;
 } duet__graph_t;
 
@@ -1251,11 +1252,11 @@ static int64_t duet__mla_x_step(duet_cuda_model_t *dm, const duet_batch_item_t *
 
 typedef struct {
     int64_t n_items, n_rows, n_logit_rows;
-    int sample;    /* 0 none, 1 argmax, 2 full sampling rule */
-    int64_t x_ctx; /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
-                    * item (this many in all) */
-    int replay;    /* fold items' accepted rows first (duet_cuda_kda_replay) */
-    int rows, verify, plain; /* a graph's key beside n_items and sample (duet__graph_t) */
+    int sample;      /* 0 none, 1 argmax, 2 full sampling rule */
+    int64_t x_ctx;   /* > 0: the MLA layers take the expanded form, dm->xctx[i] positions per
+                      * item (this many in all) */
+    int replay;      /* fold items' accepted rows first (duet_cuda_kda_replay) */
+    int rows, plain; /* a graph's key beside n_items and sample (duet__graph_t) */
 } duet__shape_t;
 
 /*
@@ -1632,8 +1633,7 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
     duet__graph_t *gr = NULL;
     for (int i = 0; i < dm->n_graphs; i++)
         if (dm->graphs[i].bucket == sh->n_items && dm->graphs[i].sampled == sh->sample &&
-            dm->graphs[i].rows == sh->rows && dm->graphs[i].verify == sh->verify &&
-            dm->graphs[i].plain == sh->plain)
+            dm->graphs[i].rows == sh->rows && dm->graphs[i].plain == sh->plain)
             gr = &dm->graphs[i];
     if (gr == NULL) {
         if (dm->n_graphs == DUET_CUDA_MAX_GRAPHS) { /* full: drop the oldest */
@@ -1655,11 +1655,10 @@ static duet_status_t duet__graph_launch(duet_cuda_model_t *dm, const duet__shape
         gr->bucket = (int)sh->n_items;
         gr->sampled = sh->sample;
         gr->rows = sh->rows;
-        gr->verify = sh->verify;
         gr->plain = sh->plain;
         gr->exec = exec;
         DUET_LOG_DEBUG("cuda model: captured the %s graph for %d sequences of %d rows (%d plain)",
-                       gr->verify ? "verify" : "decode", gr->bucket, gr->rows, gr->plain);
+                       gr->rows > 1 ? "verify" : "decode", gr->bucket, gr->rows, gr->plain);
     }
     CU(cudaGraphLaunch(gr->exec, dm->stream), "graph launch");
     return DUET_OK;
@@ -1779,13 +1778,13 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
     if (dm->opts.cuda_graphs && !(dm->opts.mirror_out && hook != NULL) &&
         n_items <= dm->imax_items) {
         const int64_t R = n_verify * vrows + (bucket - n_verify);
+        const int64_t pad_rows = n_verify * vrows + n_plain - n_rows_real; /* with mixed_ok */
         if (max_tokens == 1 && !any_all && !any_verify)
             grows = 1;
         else if (any_verify && mixed_ok && vrows <= dm->split_rows &&
                  vrows <= dm->opts.page_tokens && R <= dm->T && R <= dm->logit_rows_cap &&
-                 (n_rows_real == n_verify * vrows + n_plain ||
-                  (duet__pad_pays(dm, n_rows_real, n_verify * vrows + n_plain - n_rows_real) &&
-                   duet__pad_fits(dm, items, n_items, vrows))))
+                 (pad_rows == 0 || (duet__pad_pays(dm, n_rows_real, pad_rows) &&
+                                    duet__pad_fits(dm, items, n_items, vrows))))
             grows = vrows;
     }
     const int use_graph = grows > 0, graph_verify = use_graph && any_verify;
@@ -1848,7 +1847,6 @@ static duet_status_t duet__cuda_forward(duet_backend_t *be, const duet_backend_b
                         .n_logit_rows = n_logits,
                         .sample = any_token ? (any_sampled ? 2 : 1) : 0,
                         .rows = (int)grows,
-                        .verify = graph_verify,
                         .plain = graph_verify ? (int)(n_eff - n_verify) : 0};
     sh.x_ctx = use_graph ? 0 : duet__mla_x_step(dm, items, n_items);
     /* a graph launches the replay whenever the model has a pool, as its shape is fixed */
