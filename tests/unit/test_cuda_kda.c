@@ -1182,6 +1182,14 @@ typedef struct {
     float *d_pool, *d_replay, *d_taps, *d_neg_A, *d_dt_bias, *d_o_norm;
     duet_cuda_kda_weights_t w;
     duet_cuda_kda_layer_t ly;
+    /* vcase_init's host originals (the pools' floats pool_f, rep_f) and batch: verify items of
+     * n_row[0..nv) rows in slots 1..nv, a decode item of one row in slot nv + 1, item i's input
+     * rows from in_row[i] of proj, graw, braw, gate (total rows) */
+    size_t pool_f, rep_f;
+    float *pool0, *rep0, *taps, *neg_A, *dt_bias, *o_norm;
+    int nv;
+    int32_t slot[8], n_row[8], in_row[8], verify[8], total;
+    float *proj, *graw, *braw, *gate;
 } vcase_t;
 
 /* One step of n items on the device: item i takes rows[i] rows of the host inputs starting at
@@ -1266,74 +1274,94 @@ static void *dev_to_host(const void *d, size_t bytes)
     return h;
 }
 
+/* A verify case of nv verify items of n_ver[i] rows (see vcase_t): random weights, pool (the
+ * device's a copy of pool0), stale replay rows (every read row must have been written) and
+ * inputs, one KDA layer of H heads of size K, conv width W, 8 replay rows per slot. */
+static void vcase_init(vcase_t *v, int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
+{
+    *v = (vcase_t){.H = H, .K = K, .W = W, .HK = H * K, .C3 = 3 * H * K, .rows = 8, .nv = nv};
+    v->lf = H * K * K + v->C3 * (W - 1), v->RF = 6 * v->HK + H;
+    v->n_slots = nv + 3; /* slot 0 and the last stay unused */
+    v->pool_f = (size_t)(v->n_slots * v->lf);
+    v->rep_f = (size_t)(v->n_slots * v->rows * v->RF);
+    v->pool0 = xmalloc(sizeof(float) * v->pool_f);
+    fill(v->pool0, v->pool_f, -1.0f, 1.0f);
+    v->taps = xmalloc(sizeof(float) * (size_t)(v->C3 * W));
+    v->neg_A = xmalloc(sizeof(float) * (size_t)H);
+    v->dt_bias = xmalloc(sizeof(float) * (size_t)v->HK);
+    v->o_norm = xmalloc(sizeof(float) * (size_t)K);
+    fill(v->taps, (size_t)(v->C3 * W), -0.6f, 0.6f);
+    for (int64_t h = 0; h < H; h++)
+        v->neg_A[h] = -expf(rng_range(-2.0f, 0.5f));
+    fill(v->dt_bias, (size_t)v->HK, -1.0f, 1.0f);
+    fill(v->o_norm, (size_t)K, 0.5f, 1.5f);
+    v->d_taps = dev_copy(v->taps, sizeof(float) * (size_t)(v->C3 * W));
+    v->d_neg_A = dev_copy(v->neg_A, sizeof(float) * (size_t)H);
+    v->d_dt_bias = dev_copy(v->dt_bias, sizeof(float) * (size_t)v->HK);
+    v->d_o_norm = dev_copy(v->o_norm, sizeof(float) * (size_t)K);
+    v->w = (duet_cuda_kda_weights_t){.taps = v->d_taps,
+                                     .neg_A = v->d_neg_A,
+                                     .dt_bias = v->d_dt_bias,
+                                     .o_norm = v->d_o_norm,
+                                     .eps = 1e-6f};
+    v->rep0 = xmalloc(sizeof(float) * v->rep_f);
+    fill(v->rep0, v->rep_f, -9.0f, 9.0f);
+    v->d_replay = dev_copy(v->rep0, sizeof(float) * v->rep_f);
+    v->d_pool = dev_copy(v->pool0, sizeof(float) * v->pool_f);
+    v->ly = (duet_cuda_kda_layer_t){.kda_base = v->d_pool,
+                                    .kda_n_layers = 1,
+                                    .kda_layer_floats = v->lf,
+                                    .layer = 0,
+                                    .H = H,
+                                    .K = K,
+                                    .W = W,
+                                    .replay_base = v->d_replay,
+                                    .replay_rows = v->rows};
+    for (int i = 0; i <= nv; i++) {
+        v->slot[i] = i + 1;
+        v->n_row[i] = i < nv ? n_ver[i] : 1;
+        v->in_row[i] = v->total;
+        v->verify[i] = i < nv;
+        v->total += v->n_row[i];
+    }
+    const size_t T = (size_t)v->total;
+    v->proj = xmalloc(sizeof(float) * T * (size_t)v->C3);
+    v->graw = xmalloc(sizeof(float) * T * (size_t)v->HK);
+    v->braw = xmalloc(sizeof(float) * T * (size_t)H);
+    v->gate = xmalloc(sizeof(float) * T * (size_t)v->HK);
+    fill(v->proj, T * (size_t)v->C3, -1.0f, 1.0f);
+    fill(v->graw, T * (size_t)v->HK, -4.0f, 2.0f);
+    fill(v->braw, T * (size_t)H, -3.0f, 3.0f);
+    fill(v->gate, T * (size_t)v->HK, -3.0f, 3.0f);
+}
+
+static void vcase_free(vcase_t *v)
+{
+    free(v->pool0), free(v->rep0), free(v->taps), free(v->neg_A), free(v->dt_bias);
+    free(v->o_norm), free(v->proj), free(v->graw), free(v->braw), free(v->gate);
+    cudaFree(v->d_pool), cudaFree(v->d_replay), cudaFree(v->d_taps), cudaFree(v->d_neg_A);
+    cudaFree(v->d_dt_bias), cudaFree(v->d_o_norm);
+}
+
 /* Verify items of n_ver[0..nv) rows in slots 1..nv and a plain decode item in slot nv+1, then
  * replays of j = 1 and j = all rows, against one-token steps (see above). */
 static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
 {
-    vcase_t v = {.H = H, .K = K, .W = W};
-    v.HK = H * K, v.C3 = 3 * v.HK, v.lf = H * K * K + v.C3 * (W - 1), v.RF = 6 * v.HK + H;
-    v.rows = 8;
-    v.n_slots = nv + 3; /* slot 0 and the last stay unused */
-    const size_t pool_f = (size_t)(v.n_slots * v.lf);
-    const size_t rep_f = (size_t)(v.n_slots * v.rows * v.RF);
-    float *pool0 = xmalloc(sizeof(float) * pool_f);
-    fill(pool0, pool_f, -1.0f, 1.0f);
-    float *taps = xmalloc(sizeof(float) * (size_t)(v.C3 * W)),
-          *negA = xmalloc(sizeof(float) * (size_t)H);
-    float *dtb = xmalloc(sizeof(float) * (size_t)v.HK), *on = xmalloc(sizeof(float) * (size_t)K);
-    fill(taps, (size_t)(v.C3 * W), -0.6f, 0.6f);
-    for (int64_t h = 0; h < H; h++)
-        negA[h] = -expf(rng_range(-2.0f, 0.5f));
-    fill(dtb, (size_t)v.HK, -1.0f, 1.0f);
-    fill(on, (size_t)K, 0.5f, 1.5f);
-    v.d_taps = dev_copy(taps, sizeof(float) * (size_t)(v.C3 * W));
-    v.d_neg_A = dev_copy(negA, sizeof(float) * (size_t)H);
-    v.d_dt_bias = dev_copy(dtb, sizeof(float) * (size_t)v.HK);
-    v.d_o_norm = dev_copy(on, sizeof(float) * (size_t)K);
-    v.w = (duet_cuda_kda_weights_t){.taps = v.d_taps,
-                                    .neg_A = v.d_neg_A,
-                                    .dt_bias = v.d_dt_bias,
-                                    .o_norm = v.d_o_norm,
-                                    .eps = 1e-6f};
-    float *rep0 = xmalloc(sizeof(float) * rep_f);
-    fill(rep0, rep_f, -9.0f, 9.0f); /* stale rows: every read row must have been written */
-    v.d_replay = dev_copy(rep0, sizeof(float) * rep_f);
-    v.d_pool = dev_copy(pool0, sizeof(float) * pool_f); /* pool B: the verify path */
-    float *d_poolA = dev_copy(pool0, sizeof(float) * pool_f);
-    v.ly = (duet_cuda_kda_layer_t){.kda_base = v.d_pool,
-                                   .kda_n_layers = 1,
-                                   .kda_layer_floats = v.lf,
-                                   .layer = 0,
-                                   .H = H,
-                                   .K = K,
-                                   .W = W,
-                                   .replay_base = v.d_replay,
-                                   .replay_rows = v.rows};
-    /* inputs: item i's rows start at in_row[i]; the decode item's one row last */
-    int32_t slot[8], rows[8], in_row[8], verify[8], replay[8], total = 0;
-    for (int i = 0; i <= nv; i++) {
-        slot[i] = i + 1;
-        rows[i] = i < nv ? n_ver[i] : 1;
-        in_row[i] = total;
-        verify[i] = i < nv;
-        replay[i] = 0;
-        total += rows[i];
-    }
-    float *proj = xmalloc(sizeof(float) * (size_t)(total * v.C3)),
-          *graw = xmalloc(sizeof(float) * (size_t)(total * v.HK));
-    float *braw = xmalloc(sizeof(float) * (size_t)(total * H)),
-          *gate = xmalloc(sizeof(float) * (size_t)(total * v.HK));
-    fill(proj, (size_t)(total * v.C3), -1.0f, 1.0f);
-    fill(graw, (size_t)(total * v.HK), -4.0f, 2.0f);
-    fill(braw, (size_t)(total * H), -3.0f, 3.0f);
-    fill(gate, (size_t)(total * v.HK), -3.0f, 3.0f);
+    vcase_t v;
+    vcase_init(&v, H, K, W, nv, n_ver);
+    const size_t pool_f = v.pool_f, rep_f = v.rep_f;
+    const float *pool0 = v.pool0, *proj = v.proj, *graw = v.graw, *braw = v.braw, *gate = v.gate;
+    const int32_t *slot = v.slot, *rows = v.n_row, *in_row = v.in_row, total = v.total;
+    const int32_t replay[8] = {0};
+    float *d_poolA = dev_copy(pool0, sizeof(float) * pool_f); /* A: one-token steps; B: v.d_pool */
 
     /* B: the verify step */
     float *oB = xmalloc(sizeof(float) * (size_t)(total * v.HK)),
           *qkvB = xmalloc(sizeof(float) * (size_t)(total * v.C3));
     float *gB = xmalloc(sizeof(float) * (size_t)(total * v.HK)),
           *bB = xmalloc(sizeof(float) * (size_t)(total * H));
-    vstep(&v, nv + 1, slot, rows, in_row, verify, replay, proj, graw, braw, gate, oB, qkvB, gB, bB);
+    vstep(&v, nv + 1, slot, rows, in_row, v.verify, replay, proj, graw, braw, gate, oB, qkvB, gB,
+          bB);
     float *poolB = dev_to_host(v.d_pool, sizeof(float) * pool_f);
     float *repB = dev_to_host(v.d_replay, sizeof(float) * rep_f);
     for (int i = 0; i < nv; i++) { /* committed state and windows untouched */
@@ -1406,10 +1434,8 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
     for (int i = 0; i < total; i++)
         free(after[i]);
     free(after), free(oA), free(oB), free(qkvB), free(gB), free(bB), free(poolB), free(repB);
-    free(proj), free(graw), free(braw), free(gate), free(pool0), free(rep0), free(taps), free(negA);
-    free(dtb), free(on);
-    cudaFree(v.d_pool), cudaFree(d_poolA), cudaFree(v.d_replay), cudaFree(v.d_taps);
-    cudaFree(v.d_neg_A), cudaFree(v.d_dt_bias), cudaFree(v.d_o_norm);
+    cudaFree(d_poolA);
+    vcase_free(&v);
 }
 
 /* ---- verify items and the replay against the CPU backend's kernels ---------------------------
@@ -1427,70 +1453,26 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
  */
 static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
 {
-    const int64_t HK = H * K, C3 = 3 * HK, lf = H * K * K + C3 * (W - 1), RF = 6 * HK + H;
-    const int64_t SR = 8; /* replay rows per slot */
+    vcase_t v;
+    vcase_init(&v, H, K, W, nv, n_ver);
+    const int64_t HK = v.HK, C3 = v.C3, lf = v.lf, RF = v.RF, SR = v.rows;
+    const size_t pool_f = v.pool_f, rep_f = v.rep_f;
+    const float *pool0 = v.pool0, *proj = v.proj, *graw = v.graw, *braw = v.braw, *gate = v.gate;
+    const int32_t *slot = v.slot, *rows = v.n_row, *in_row = v.in_row, T = v.total;
     const int n = nv + 1;
-    const int32_t n_slots = n + 2;
-    const size_t pool_f = (size_t)(n_slots * lf), rep_f = (size_t)(n_slots * SR * RF);
-    vcase_t v = {.H = H, .K = K, .W = W, .HK = HK, .C3 = C3, .lf = lf, .RF = RF, .rows = SR};
-    v.n_slots = n_slots;
-    float *pool0 = xmalloc(sizeof(float) * pool_f), *rep0 = xmalloc(sizeof(float) * rep_f);
-    fill(pool0, pool_f, -1.0f, 1.0f);
-    fill(rep0, rep_f, -9.0f, 9.0f);
-    float *taps = xmalloc(sizeof(float) * (size_t)(C3 * W)), *negA = xmalloc(sizeof(float) * H);
-    float *dtb = xmalloc(sizeof(float) * (size_t)HK), *on = xmalloc(sizeof(float) * (size_t)K);
-    fill(taps, (size_t)(C3 * W), -0.6f, 0.6f);
-    for (int64_t h = 0; h < H; h++)
-        negA[h] = -expf(rng_range(-2.0f, 0.5f));
-    fill(dtb, (size_t)HK, -1.0f, 1.0f);
-    fill(on, (size_t)K, 0.5f, 1.5f);
-    const float eps = 1e-6f;
-    v.d_taps = dev_copy(taps, sizeof(float) * (size_t)(C3 * W));
-    v.d_neg_A = dev_copy(negA, sizeof(float) * (size_t)H);
-    v.d_dt_bias = dev_copy(dtb, sizeof(float) * (size_t)HK);
-    v.d_o_norm = dev_copy(on, sizeof(float) * (size_t)K);
-    v.w = (duet_cuda_kda_weights_t){.taps = v.d_taps,
-                                    .neg_A = v.d_neg_A,
-                                    .dt_bias = v.d_dt_bias,
-                                    .o_norm = v.d_o_norm,
-                                    .eps = eps};
-    v.d_pool = dev_copy(pool0, sizeof(float) * pool_f);
-    v.d_replay = dev_copy(rep0, sizeof(float) * rep_f);
-    v.ly = (duet_cuda_kda_layer_t){.kda_base = v.d_pool,
-                                   .kda_n_layers = 1,
-                                   .kda_layer_floats = lf,
-                                   .layer = 0,
-                                   .H = H,
-                                   .K = K,
-                                   .W = W,
-                                   .replay_base = v.d_replay,
-                                   .replay_rows = SR};
+    const int32_t zero[8] = {0};
 
-    /* the batch: verify items in slots 1..nv, the decode item in slot nv + 1 */
-    int32_t slot[8], rows[8], in_row[8], verify[8], zero[8] = {0}, T = 0;
+    /* the CPU step's view of the batch */
     int64_t row0[9], pos0[8], vf64[8], rep64[8];
-    int32_t vf32[8], page = 0;
+    int32_t page = 0;
     const int32_t *pages[8];
     for (int i = 0; i < n; i++) {
-        slot[i] = i + 1;
-        rows[i] = i < nv ? n_ver[i] : 1;
-        verify[i] = vf32[i] = i < nv;
-        in_row[i] = T;
-        row0[i] = T;
-        pos0[i] = 10;
+        row0[i] = in_row[i];
+        pos0[i] = 10; /* as vstep's */
         vf64[i] = 0;
         pages[i] = &page;
-        T += rows[i];
     }
     row0[n] = T;
-    float *proj = xmalloc(sizeof(float) * (size_t)(T * C3)),
-          *graw = xmalloc(sizeof(float) * (size_t)(T * HK));
-    float *braw = xmalloc(sizeof(float) * (size_t)(T * H)),
-          *gate = xmalloc(sizeof(float) * (size_t)(T * HK));
-    fill(proj, (size_t)(T * C3), -1.0f, 1.0f);
-    fill(graw, (size_t)(T * HK), -4.0f, 2.0f);
-    fill(braw, (size_t)(T * H), -3.0f, 3.0f);
-    fill(gate, (size_t)(T * HK), -3.0f, 3.0f);
 
     /* CPU */
     duet_kernels_t *kc = NULL;
@@ -1498,7 +1480,7 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
           duet_error_last());
     float *poolC = xmalloc(sizeof(float) * pool_f), *repC = xmalloc(sizeof(float) * rep_f);
     memcpy(poolC, pool0, sizeof(float) * pool_f);
-    memcpy(repC, rep0, sizeof(float) * rep_f);
+    memcpy(repC, v.rep0, sizeof(float) * rep_f);
     duet_cpu_kda_layer_t cly = {.kda_base = poolC,
                                 .layout = {.n_layers = 1,
                                            .heads = (uint64_t)H,
@@ -1518,7 +1500,7 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
                            .item_pos0 = pos0,
                            .item_slot = slot,
                            .item_pages = pages,
-                           .item_verify = vf32,
+                           .item_verify = v.verify,
                            .item_replay = vf64};
     int64_t per = duet_cpu_kda_chunk_scratch_floats(K, K);
     if (duet_cpu_kda_verify_scratch_floats(K) > per)
@@ -1530,14 +1512,14 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
           *oC = xmalloc(sizeof(float) * (size_t)(T * HK));
     memcpy(gC, graw, sizeof(float) * (size_t)(T * HK));
     memcpy(bC, braw, sizeof(float) * (size_t)(T * H));
-    duet_cpu_kda_conv(kc, &cst, &cly, taps, proj, qkvC);
-    duet_cpu_kda_prep(kc, T, H, K, negA, dtb, qkvC, gC, bC);
+    duet_cpu_kda_conv(kc, &cst, &cly, v.taps, proj, qkvC);
+    duet_cpu_kda_prep(kc, T, H, K, v.neg_A, v.dt_bias, qkvC, gC, bC);
     duet_cpu_kda_core(kc, &cst, &cly, qkvC, gC, bC, oC, scr, per);
-    duet_cpu_kda_out(kc, T, H, K, on, eps, gate, oC);
+    duet_cpu_kda_out(kc, T, H, K, v.o_norm, v.w.eps, gate, oC);
 
     /* GPU: the same step */
     float *oG = xmalloc(sizeof(float) * (size_t)(T * HK));
-    vstep(&v, n, slot, rows, in_row, verify, zero, proj, graw, braw, gate, oG, NULL, NULL, NULL);
+    vstep(&v, n, slot, rows, in_row, v.verify, zero, proj, graw, braw, gate, oG, NULL, NULL, NULL);
     float *poolG = dev_to_host(v.d_pool, sizeof(float) * pool_f);
     float *repG = dev_to_host(v.d_replay, sizeof(float) * rep_f);
 
@@ -1597,11 +1579,9 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
         free(pc), free(pg);
     }
     duet_kernels_destroy(kc);
-    free(pool0), free(rep0), free(taps), free(negA), free(dtb), free(on), free(proj), free(graw);
-    free(braw), free(gate), free(poolC), free(repC), free(scr), free(qkvC), free(gC), free(bC);
-    free(oC), free(oG), free(poolG), free(repG);
-    cudaFree(v.d_pool), cudaFree(v.d_replay), cudaFree(v.d_taps), cudaFree(v.d_neg_A);
-    cudaFree(v.d_dt_bias), cudaFree(v.d_o_norm);
+    free(poolC), free(repC), free(scr), free(qkvC), free(gC), free(bC), free(oC), free(oG);
+    free(poolG), free(repG);
+    vcase_free(&v);
 }
 
 Test(cuda_kda, verify_and_replay_against_the_cpu, .timeout = 120)
