@@ -42,7 +42,6 @@
  * Output: one JSON object per measurement on stdout, progress on stderr. Exits 0 without a
  * device (nothing to measure), 1 on errors.
  */
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
