@@ -90,6 +90,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
  * the test hooks below override it */
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
+static int duet__mla_x_split = -1; /* DUET_CUDA_MLA_X_SPLIT=1: split products in BF16 too */
 static int64_t duet__mla_x_steps, duet__verify_graph_steps, duet__mixed_graph_steps;
 static int duet__verify_pad = -2; /* DUET_CUDA_VERIFY_PAD (duet__pad_pays); -2: not read yet */
 
@@ -234,6 +235,9 @@ struct duet_cuda_model {
      * DUET__MLA_X_CAP)), so chunks after the first of a prompt up to 8K positions take it too
      * (302 MB at Kimi-Linear-48B's 32 heads); xgath / xkvb hold one slice of the expansion */
     int mla_x;
+    /* the expanded attention's products (duet_cuda_mla_attend_x's prec): the compute dtype,
+     * unless DUET_CUDA_MLA_X_SPLIT=1 asks for the split (F32) ones under BF16 */
+    duet_dtype_t mla_x_prec;
     /* KDA's chunked core on the tensor cores (duet_cuda_kda_layer_t.tc): BF16 compute, unless
      * DUET_CUDA_NO_KDA_TC=1 */
     int kda_tc;
@@ -917,6 +921,8 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
     dm->kda_tc =
         dm->wdt == DUET_DTYPE_BF16 && !duet_cuda_env_flag(&duet__no_kda_tc, "DUET_CUDA_NO_KDA_TC");
+    dm->mla_x_prec =
+        duet_cuda_env_flag(&duet__mla_x_split, "DUET_CUDA_MLA_X_SPLIT") ? DUET_DTYPE_F32 : dm->wdt;
     {
         /* (no KV pool: no MLA layers, and the form stays off) */
         const duet_cuda_mla_layer_t xl = {.kv_dtype = kv != NULL ? duet_kv_pool_desc(kv)->dtype
@@ -1348,7 +1354,7 @@ static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                          dm->xcap));
             }
         TRY(duet_cuda_mla_attend_x(s, &dm->step, &ly, dm->xkv, dm->xcap, dm->mq, n * dqk, dqk,
-                                   scale, dm->o));
+                                   scale, dm->mla_x_prec, dm->o));
     } else {
         /* absorbed: q̂_h = W_UK[h]ᵀ q_nope_h, all heads in one batched GEMM; attention over the
          * latent rows; o_h = W_UV[h] · latent_h */

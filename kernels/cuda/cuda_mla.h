@@ -105,8 +105,11 @@ duet_status_t duet_cuda_mla_attend(cudaStream_t stream, const duet_cuda_step_t *
  *   every step), and its positions 0 .. its last row's (L_i of them) expanded in xkv from row
  *   x_i = L_0 + .. + L_(i-1) on (so the L_i sum to <= xstride); q of (row, head) at q + row · ldq +
  * head · dq_stride ([q_nope | q_r], 192 values, 8-byte aligned); o [n_rows][n][128] (16-byte
- * aligned) = softmax(scores) · V, the value the absorbed path's W_UV product gives. Launched with
- * PDL; reads nothing before its wait but the step's metadata.
+ * aligned) = softmax(scores) · V, the value the absorbed path's W_UV product gives. prec: F32
+ * multiplies hi + lo splits of q, K, V and P (within 2^-16 of each product, as attend); BF16
+ * rounds each to bf16 once and multiplies those alone (a third of the tensor-core products, the
+ * precision of a bf16 model's attention: 2^-8 of each operand at most); anything else is
+ * DUET_ERR_UNSUPPORTED. Launched with PDL; reads nothing before its wait but the step's metadata.
  */
 int duet_cuda_mla_x_shape(const duet_cuda_mla_layer_t *ly, int64_t dn, int64_t dv);
 size_t duet_cuda_mla_x_bytes(int64_t positions, int64_t n_heads);
@@ -121,7 +124,7 @@ duet_status_t duet_cuda_mla_x_pack(cudaStream_t stream, const duet_cuda_mla_laye
 duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_cuda_step_t *st,
                                      const duet_cuda_mla_layer_t *ly, const void *xkv,
                                      int64_t xstride, const float *q, int64_t ldq,
-                                     int64_t dq_stride, float scale, float *o);
+                                     int64_t dq_stride, float scale, duet_dtype_t prec, float *o);
 
 #ifdef __cplusplus
 }

@@ -1475,9 +1475,9 @@ extern "C" duet_status_t duet_cuda_mla_kv_write(cudaStream_t stream, const duet_
  * 48 KiB a kernel must be opted in (cudaFuncSetAttribute); that is done once per kernel and
  * device and remembered, so steady calls (and calls inside a stream capture) are launches only.
  * Concurrent first calls may both set the attribute, which is harmless. Kernels 0 .. 7 are
- * attend's, 8 is attend_x's.
+ * attend's, 8 and 9 attend_x's (split and one-term products).
  */
-static int duet__mla_smem_set[9][DUET_MLA_MAX_DEV];
+static int duet__mla_smem_set[10][DUET_MLA_MAX_DEV];
 
 template <typename... KArgs, typename... Args>
 static duet_status_t duet__mla_launch_as(void (*kernel)(KArgs...), int which, dim3 grid, dim3 block,
@@ -1862,27 +1862,37 @@ __global__ static void duet__mla_x_weights_kernel(const T *wuk_t, const T *wuv, 
  * blocks per SM). A warp holds its rows' q fragments (hi and lo, 12 k-steps of 16 over the 192
  * query dims, pre-scaled by scale · log2 e) in registers, its scores and the online softmax in
  * registers (a row's 8 values per thread, reduced over the quad), and P · V accumulates into
- * 16 n-tiles of 8 value dims: no scores cross warps, one barrier per tile. Products are 3-term
- * splits: q · k = qh · kh + ql · kh + qh · kl over the nope dims (kh, kl the row's k_hi, k_lo),
+ * 16 n-tiles of 8 value dims: no scores cross warps, one barrier per tile. TERMS = 3, the split
+ * products: q · k = qh · kh + ql · kh + qh · kl over the nope dims (kh, kl the row's k_hi, k_lo),
  * qh · kr + ql · kr over the rope dims (k_r is exact in bf16), P · v = Ph · vh + Pl · vh + Ph · vl;
- * the dropped lo · lo terms are < 2^-18 of the product. An item's rows must be consecutive
+ * the dropped lo · lo terms are < 2^-18 of the product. TERMS = 1: qh · kh, qh · kr and Ph · vh
+ * alone, a third of the products, each operand rounded to bf16 once, and the stage holds only
+ * the chunks those read (duet__mla_xa_cols). An item's rows must be consecutive
  * positions (row t at item_pos0 + t), as every step's are: a block reads its item's positions 0
  * .. its last row's.
  */
 #define DUET_MLA_XA_STAGES  3
-#define DUET_MLA_XA_LD      (DUET_MLA_X_TD + 8) /* an odd number of 16-byte chunks per row */
 #define DUET_MLA_XA_THREADS 128
-#define DUET_MLA_XA_SMEM    (DUET_MLA_XA_STAGES * DUET_MLA_XA_TK * DUET_MLA_XA_LD * 2)
 
-/* Queue the copy of positions t0 .. t0 + TK - 1 of a head's rows into a stage (rows of
- * DUET_MLA_XA_LD elements). */
+/* A stage row of the TERMS-term kernel: the chunks it reads (duet__mla_xa_cols) and 8 dims more,
+ * an odd number of 16-byte chunks per row; the kernel's shared memory. */
+template <int TERMS> struct duet__mla_xa_shape {
+    static constexpr int LD = duet__mla_xa_cols<TERMS>::N * 8 + 8;
+    static constexpr int SMEM = DUET_MLA_XA_STAGES * DUET_MLA_XA_TK * LD * 2;
+};
+
+/* Queue the copy of positions t0 .. t0 + TK - 1 of a head's rows into a stage (rows of LD
+ * elements). */
+template <int TERMS>
 __device__ static __forceinline__ void duet__mla_xa_load(__nv_bfloat16 *dst,
                                                          const __nv_bfloat16 *src, int t0, int L)
 {
-    duet__mla_xa_copy<DUET_MLA_XA_THREADS>(
-        src, t0, L, [dst](int row, int col) { return dst + row * DUET_MLA_XA_LD + col * 8; });
+    constexpr int LD = duet__mla_xa_shape<TERMS>::LD;
+    duet__mla_xa_copy<DUET_MLA_XA_THREADS, TERMS>(
+        src, t0, L, [dst](int row, int c) { return dst + row * LD + c * 8; });
 }
 
+template <int TERMS>
 __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
     duet__mla_xattn_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *item_row0,
                            int n_items, const int32_t *row_pos, const float *q, int64_t ldq,
@@ -1891,8 +1901,9 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
     extern __shared__ __align__(16) unsigned char duet__mla_smem[];
     __shared__ int s_blk[3]; /* first row, end of the item's rows, item's first expanded row */
     __nv_bfloat16 *kvs = (__nv_bfloat16 *)duet__mla_smem;
+    constexpr int LD = duet__mla_xa_shape<TERMS>::LD, KO = duet__mla_xa_cols<TERMS>::K;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, tg = lane & 3;
-    const int head = blockIdx.y, LD = DUET_MLA_XA_LD, TK = DUET_MLA_XA_TK;
+    const int head = blockIdx.y, TK = DUET_MLA_XA_TK;
     duet__mla_xa_rows_t b; /* which item and rows (mla_x.cuh); blocks without rows exit */
     if (!duet__mla_xa_begin(xkv, xstride, item_row0, n_items, row_pos, s_blk, &b))
         return;
@@ -1904,7 +1915,7 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
 #pragma unroll
     for (int st = 0; st < DUET_MLA_XA_STAGES - 1; st++) {
         if (st < n_tiles)
-            duet__mla_xa_load(kvs + st * TK * LD, src, st * TK, L);
+            duet__mla_xa_load<TERMS>(kvs + st * TK * LD, src, st * TK, L);
         duet__cp_async_commit();
     }
 
@@ -1925,7 +1936,8 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
         {
             const int tn = t + DUET_MLA_XA_STAGES - 1;
             if (tn < n_tiles)
-                duet__mla_xa_load(kvs + (tn % DUET_MLA_XA_STAGES) * TK * LD, src, tn * TK, L);
+                duet__mla_xa_load<TERMS>(kvs + (tn % DUET_MLA_XA_STAGES) * TK * LD, src, tn * TK,
+                                         L);
             duet__cp_async_commit();
         }
         const int t0 = t * TK;
@@ -1941,16 +1953,18 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
         for (int j = 0; j < 12; j++) {
 #pragma unroll
             for (int np = 0; np < 2; np++) {
-                /* k_hi (j < 8) or k_r (j >= 8): row dims 256 + 16 j; k_lo: 448 + 16 j */
+                /* k_hi (j < 8) or k_r (j >= 8): stage dims KO + 16 j; k_lo: KO + 192 + 16 j */
                 uint32_t b[4];
-                duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + 16 * j, b);
+                duet__ldsm_x4(kt + kb_off + 16 * np * LD + KO + 16 * j, b);
                 duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
-                duet_mma_bf16(s + 8 * np, ql[j], b[0], b[1]);
                 duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
-                duet_mma_bf16(s + 8 * np + 4, ql[j], b[2], b[3]);
-                if (j < 8) {
-                    duet__ldsm_x4(kt + kb_off + 16 * np * LD + DUET_MLA_X_S0 + DUET_MLA_X_DN +
-                                      DUET_MLA_X_DR + 16 * j,
+                if (TERMS == 3) {
+                    duet_mma_bf16(s + 8 * np, ql[j], b[0], b[1]);
+                    duet_mma_bf16(s + 8 * np + 4, ql[j], b[2], b[3]);
+                }
+                if (TERMS == 3 && j < 8) {
+                    duet__ldsm_x4(kt + kb_off + 16 * np * LD + KO + DUET_MLA_X_DN + DUET_MLA_X_DR +
+                                      16 * j,
                                   b);
                     duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
                     duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
@@ -1962,7 +1976,8 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
         duet__mla_xa_softmax(s, t0, tg, p0, p1, m0, m1, l0, l1, a0, a1);
         duet__mla_xa_rescale(o, a0, a1);
 
-        /* o += P · (v_hi + v_lo), k-steps of 16 positions; P's fragments are s's registers */
+        /* o += P · (v_hi + v_lo) (TERMS = 1: P · v_hi), k-steps of 16 positions; P's fragments
+         * are s's registers */
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             uint32_t ph[4], pl[4];
@@ -1973,12 +1988,14 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
                 uint32_t v[4];
                 duet__ldsm_x4_t(vt + 16 * jp, v);
                 duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
-                duet_mma_bf16(o + 8 * jp, pl, v[0], v[1]);
                 duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
-                duet_mma_bf16(o + 8 * jp + 4, pl, v[2], v[3]);
-                duet__ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
-                duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
-                duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
+                if (TERMS == 3) {
+                    duet_mma_bf16(o + 8 * jp, pl, v[0], v[1]);
+                    duet_mma_bf16(o + 8 * jp + 4, pl, v[2], v[3]);
+                    duet__ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
+                    duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
+                    duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
+                }
             }
         }
     }
@@ -2073,7 +2090,8 @@ extern "C" duet_status_t duet_cuda_mla_x_pack(cudaStream_t stream, const duet_cu
 extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_cuda_step_t *st,
                                                 const duet_cuda_mla_layer_t *ly, const void *xkv,
                                                 int64_t xstride, const float *q, int64_t ldq,
-                                                int64_t dq_stride, float scale, float *o)
+                                                int64_t dq_stride, float scale, duet_dtype_t prec,
+                                                float *o)
 {
     duet_status_t s = duet__mla_check(st, ly, "attend_x");
     if (s != DUET_OK)
@@ -2088,6 +2106,11 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
 
     if ((uintptr_t)q % 8 != 0 || ldq % 2 != 0 || dq_stride % 2 != 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda mla attend_x: q not 8-byte aligned");
+    if (prec != DUET_DTYPE_F32 && prec != DUET_DTYPE_BF16)
+        return duet_error_set(DUET_ERR_UNSUPPORTED,
+                              "cuda mla attend_x: products in dtype %d, not F32 or BF16",
+                              (int)prec);
+    const int terms = prec == DUET_DTYPE_BF16 ? 1 : 3;
     /* 2^x units, as attend: scores come out multiplied by log2 e */
     const float qscale = scale * DUET_LOG2E;
     const int n = (int)ly->n_heads;
@@ -2099,11 +2122,17 @@ extern "C" duet_status_t duet_cuda_mla_attend_x(cudaStream_t stream, const duet_
                               "cuda mla attend_x: the wgmma kernel needs an sm_90a device");
     if (which == 2 ||
         (which == 0 && usable && !duet_cuda_env_flag(&no_wgmma, "DUET_CUDA_NO_MLA_WGMMA")))
-        return duet__mla_xattn_wg(stream, dim3((unsigned)nrb, (unsigned)n),
+        return duet__mla_xattn_wg(stream, dim3((unsigned)nrb, (unsigned)n), terms,
                                   (const __nv_bfloat16 *)xkv, xstride, st->item_row0,
                                   (int)st->n_items, st->row_pos, q, ldq, dq_stride, qscale, n, o);
-    return duet__mla_launch_as(duet__mla_xattn_kernel, 8, dim3((unsigned)nrb, (unsigned)n),
-                               dim3(DUET_MLA_XA_THREADS), DUET_MLA_XA_SMEM, stream,
-                               (const __nv_bfloat16 *)xkv, xstride, st->item_row0, (int)st->n_items,
-                               st->row_pos, q, ldq, dq_stride, qscale, n, o);
+    return terms == 1
+               ? duet__mla_launch_as(duet__mla_xattn_kernel<1>, 9, dim3((unsigned)nrb, (unsigned)n),
+                                     dim3(DUET_MLA_XA_THREADS), duet__mla_xa_shape<1>::SMEM, stream,
+                                     (const __nv_bfloat16 *)xkv, xstride, st->item_row0,
+                                     (int)st->n_items, st->row_pos, q, ldq, dq_stride, qscale, n, o)
+               : duet__mla_launch_as(duet__mla_xattn_kernel<3>, 8, dim3((unsigned)nrb, (unsigned)n),
+                                     dim3(DUET_MLA_XA_THREADS), duet__mla_xa_shape<3>::SMEM, stream,
+                                     (const __nv_bfloat16 *)xkv, xstride, st->item_row0,
+                                     (int)st->n_items, st->row_pos, q, ldq, dq_stride, qscale, n,
+                                     o);
 }

@@ -3,9 +3,10 @@
  * Hopper's warpgroup MMA (sm_90a only; mla.cu chooses between it and its mma.sync kernel).
  *
  * The block is mla.cu's duet__mla_xattn_kernel's: 64 query rows of one head, one warpgroup
- * (warp w owns rows 16w ..), tiles of 32 positions through 3 shared-memory stages, two blocks
- * per SM, the same 3-term splits (q · k = qh · kh + ql · kh + qh · kl over the nope dims, qh ·
- * kr + ql · kr over the rope dims, P · v = Ph · vh + Pl · vh + Ph · vl), the same online softmax
+ * (warp w owns rows 16w ..), tiles of 32 positions through 3 shared-memory stages, the same
+ * products (TERMS = 3, the splits: q · k = qh · kh + ql · kh + qh · kl over the nope dims, qh ·
+ * kr + ql · kr over the rope dims, P · v = Ph · vh + Pl · vh + Ph · vl, two blocks per SM;
+ * TERMS = 1, qh · kh, qh · kr and Ph · vh alone, three blocks per SM), the same online softmax
  * in registers (mla_x.cuh). What differs is how the products reach the tensor cores. There each
  * warp loads every K and V fragment of the tile from shared memory with ldmatrix for its own 16
  * rows and issues m16n8k16 products: 4 warps read the tile 4 times, and shared memory was that
@@ -18,11 +19,12 @@
  * cover each other's softmax (bench/RESULTS.md, "MLA prefill attention on wgmma", with the
  * other forms tried).
  *
- * A stage holds a tile's 32 expanded rows as 9 column blocks of 64 dims (v_hi 0-1, v_lo 2-3,
- * k_hi 4-5, k_r 6, k_lo 7-8), each 32 rows of 128 bytes in cuda_wgmma.cuh's swizzled layout:
- * the scores' k-step j reads block 4 + j / 4 (k_lo: 7 + j / 4) 32 (j % 4) bytes into its rows;
- * P · V's k-step kk reads rows 16kk .. of blocks 0-1 (v_lo: 2-3), the second 64 dims one block
- * (4 KB) on.
+ * A stage holds a tile's 32 expanded rows as column blocks of 64 dims, each 32 rows of 128
+ * bytes in cuda_wgmma.cuh's swizzled layout: for the split products 9 (v_hi 0-1, v_lo 2-3, k_hi
+ * 4-5, k_r 6, k_lo 7-8), for the one-term products 5 (v_hi 0-1, k_hi 2-3, k_r 4; a smaller stage,
+ * so three blocks share an SM). The scores' k-step j reads block K / 64 + j / 4 (k_lo: 3 blocks
+ * on) 32 (j % 4) bytes into its rows; P · V's k-step kk reads rows 16kk .. of blocks 0-1 (v_lo:
+ * 2-3), the second 64 dims one block (4 KB) on.
  *
  * The build compiles this file for sm_90a alone (kernels/CMakeLists.txt). On any other device
  * the code does not load, cudaFuncGetAttributes says so, and duet__mla_wgmma_usable() returns 0.
@@ -41,12 +43,18 @@
 
 #define DUET__MODULE     "cuda mla" /* the prefix of this file's error details */
 #define DUET__XW_STAGES  3
-#define DUET__XW_BLOCK   (DUET_MLA_XA_TK * 128)                    /* one column block, bytes */
-#define DUET__XW_STAGE   (DUET_MLA_X_TD / 64 * DUET__XW_BLOCK)     /* 9 blocks: 36 KB */
-#define DUET__XW_SMEM    (DUET__XW_STAGES * DUET__XW_STAGE + 1024) /* + the 1024-byte alignment */
+#define DUET__XW_BLOCK   (DUET_MLA_XA_TK * 128) /* one column block, bytes */
 #define DUET__XW_THREADS 128
 
-static_assert(DUET_MLA_X_TD % 64 == 0, "whole column blocks");
+/* A stage of the TERMS-term kernel: the chunks it reads as whole column blocks of 8 chunks (9
+ * blocks, 36 KB, or 5, 20 KB); the shared memory with the 1024-byte alignment; blocks per SM. */
+template <int TERMS> struct duet__xw_shape {
+    typedef duet__mla_xa_cols<TERMS> Cols;
+    static_assert(Cols::N % 8 == 0, "whole column blocks");
+    static constexpr int STAGE = Cols::N / 8 * DUET__XW_BLOCK,
+                         SMEM = DUET__XW_STAGES * STAGE + 1024;
+    static constexpr int PER_SM = TERMS == 3 ? 2 : 3;
+};
 
 /* s (64 × 32 fp32, this thread's 16) += A (64 × 16, registers) · B (16 × 32, K-major). */
 static __device__ __forceinline__ void duet__wgmma_s(float (&d)[16], const uint32_t (&a)[4],
@@ -71,31 +79,36 @@ static __device__ __forceinline__ void duet__wgmma_o(float (&d)[64], const uint3
 
 /* Queue the copy of positions t0 .. t0 + 31 of a head's rows into the stage at shared address
  * st (the swizzled column blocks). */
+template <int TERMS>
 static __device__ __forceinline__ void duet__xw_load(unsigned st, const __nv_bfloat16 *src, int t0,
                                                      int L)
 {
-    duet__mla_xa_copy<DUET__XW_THREADS>(src, t0, L, [st](int row, int col) {
+    duet__mla_xa_copy<DUET__XW_THREADS, TERMS>(src, t0, L, [st](int row, int c) {
         return st +
-               (unsigned)((col >> 3) * DUET__XW_BLOCK + row * 128 + (((col & 7) ^ (row & 7)) << 4));
+               (unsigned)((c >> 3) * DUET__XW_BLOCK + row * 128 + (((c & 7) ^ (row & 7)) << 4));
     });
 }
 
 /* Issue s = q · k over the tile at shared address st (committed, not waited for). */
+template <int TERMS>
 static __device__ __forceinline__ void duet__xw_scores(float (&s)[16], const uint32_t (&qh)[12][4],
                                                        const uint32_t (&ql)[12][4], unsigned st)
 {
+    constexpr int KB = duet__mla_xa_cols<TERMS>::K / 64; /* k_hi's first block */
 #pragma unroll
     for (int i = 0; i < 16; i++)
         s[i] = 0.0f;
     duet__wg_fence();
 #pragma unroll
     for (int j = 0; j < 12; j++) {
-        /* k_hi (j < 8) or k_r (j >= 8): blocks 4 + j / 4; k_lo: blocks 7 + j / 4 */
-        const unsigned kb = st + (4 + j / 4) * DUET__XW_BLOCK + 32 * (j % 4);
+        /* k_hi (j < 8) or k_r (j >= 8): blocks KB + j / 4; k_lo: 3 blocks on */
+        const unsigned kb = st + (KB + j / 4) * DUET__XW_BLOCK + 32 * (j % 4);
         duet__wgmma_s(s, qh[j], duet__wg_desc(kb));
-        duet__wgmma_s(s, ql[j], duet__wg_desc(kb));
-        if (j < 8)
-            duet__wgmma_s(s, qh[j], duet__wg_desc(kb + 3 * DUET__XW_BLOCK));
+        if (TERMS == 3) {
+            duet__wgmma_s(s, ql[j], duet__wg_desc(kb));
+            if (j < 8)
+                duet__wgmma_s(s, qh[j], duet__wg_desc(kb + 3 * DUET__XW_BLOCK));
+        }
     }
     duet__wg_commit();
 }
@@ -113,7 +126,9 @@ static __device__ __forceinline__ void duet__xw_softmax(float (&s)[16], float (&
     duet__mla_xa_p(s, 1, ph[1], pl[1]);
 }
 
-/* Issue o += P · (v_hi + v_lo) over the tile at st, k-steps of 16 positions (committed). */
+/* Issue o += P · (v_hi + v_lo) (TERMS = 1: P · v_hi) over the tile at st, k-steps of 16
+ * positions (committed). */
+template <int TERMS>
 static __device__ __forceinline__ void duet__xw_pv(float (&o)[64], const uint32_t (&ph)[2][4],
                                                    const uint32_t (&pl)[2][4], unsigned st)
 {
@@ -122,17 +137,21 @@ static __device__ __forceinline__ void duet__xw_pv(float (&o)[64], const uint32_
     for (int kk = 0; kk < 2; kk++) {
         const unsigned vb = st + kk * 16 * 128; /* rows 16kk .. of blocks 0, 1 */
         duet__wgmma_o(o, ph[kk], duet__wg_desc(vb, DUET__XW_BLOCK));
-        duet__wgmma_o(o, pl[kk], duet__wg_desc(vb, DUET__XW_BLOCK));
-        duet__wgmma_o(o, ph[kk], duet__wg_desc(vb + 2 * DUET__XW_BLOCK, DUET__XW_BLOCK));
+        if (TERMS == 3) {
+            duet__wgmma_o(o, pl[kk], duet__wg_desc(vb, DUET__XW_BLOCK));
+            duet__wgmma_o(o, ph[kk], duet__wg_desc(vb + 2 * DUET__XW_BLOCK, DUET__XW_BLOCK));
+        }
     }
     duet__wg_commit();
 }
 
-__global__ static void __launch_bounds__(DUET__XW_THREADS, 2)
+template <int TERMS>
+__global__ static void __launch_bounds__(DUET__XW_THREADS, duet__xw_shape<TERMS>::PER_SM)
     duet__mla_xattn_wg_kernel(const __nv_bfloat16 *xkv, int64_t xstride, const int32_t *item_row0,
                               int n_items, const int32_t *row_pos, const float *q, int64_t ldq,
                               int64_t dq_stride, float qscale, int n, float *out)
 {
+    constexpr int STAGE = duet__xw_shape<TERMS>::STAGE;
     extern __shared__ __align__(16) unsigned char duet__xw_smem[];
     __shared__ int s_blk[3]; /* first row, end of the item's rows, item's first expanded row */
     const int tg = threadIdx.x & 3, head = blockIdx.y, TK = DUET_MLA_XA_TK, S = DUET__XW_STAGES;
@@ -148,7 +167,7 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, 2)
 #pragma unroll
     for (int st = 0; st < S - 1; st++) {
         if (st < n_tiles)
-            duet__xw_load(sbase + st * DUET__XW_STAGE, src, st * TK, L);
+            duet__xw_load<TERMS>(sbase + st * STAGE, src, st * TK, L);
         duet__cp_async_commit();
     }
 
@@ -171,15 +190,15 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, 2)
         {
             const int tn = t + S - 1;
             if (tn < n_tiles)
-                duet__xw_load(sbase + (tn % S) * DUET__XW_STAGE, src, tn * TK, L);
+                duet__xw_load<TERMS>(sbase + (tn % S) * STAGE, src, tn * TK, L);
             duet__cp_async_commit();
         }
-        const unsigned st = sbase + (t % S) * DUET__XW_STAGE;
-        duet__xw_scores(s, qh, ql, st);
+        const unsigned st = sbase + (t % S) * STAGE;
+        duet__xw_scores<TERMS>(s, qh, ql, st);
         duet__wg_wait0();
         duet__wg_fence_operands(s);
         duet__xw_softmax(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
-        duet__xw_pv(o, ph, pl, st);
+        duet__xw_pv<TERMS>(o, ph, pl, st);
         duet__wg_wait0();
         duet__wg_fence_operands(o);
     }
@@ -187,25 +206,37 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, 2)
     duet__mla_xa_store(o, l0, l1, r0, r1, n_rows, n, head, tg, out);
 }
 
-duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, const __nv_bfloat16 *xkv,
-                                 int64_t xstride, const int32_t *item_row0, int n_items,
-                                 const int32_t *row_pos, const float *q, int64_t ldq,
-                                 int64_t dq_stride, float qscale, int n, float *out)
+template <int TERMS>
+static duet_status_t duet__xw_launch(cudaStream_t stream, dim3 grid, const __nv_bfloat16 *xkv,
+                                     int64_t xstride, const int32_t *item_row0, int n_items,
+                                     const int32_t *row_pos, const float *q, int64_t ldq,
+                                     int64_t dq_stride, float qscale, int n, float *out)
 {
     static unsigned long long optin = 0;
-    const auto kernel = duet__mla_xattn_wg_kernel;
-    DUET_CUDA_TRY(duet__smem_optin(kernel, &optin, DUET__XW_SMEM), DUET__MODULE,
+    const auto kernel = duet__mla_xattn_wg_kernel<TERMS>;
+    const int smem = duet__xw_shape<TERMS>::SMEM;
+    DUET_CUDA_TRY(duet__smem_optin(kernel, &optin, smem), DUET__MODULE,
                   "attend_x wgmma shared-memory opt-in");
-    DUET_CUDA_TRY(duet_pdl_launch(kernel, grid, dim3(DUET__XW_THREADS), DUET__XW_SMEM, stream, xkv,
-                                  xstride, item_row0, n_items, row_pos, q, ldq, dq_stride, qscale,
-                                  n, out),
+    DUET_CUDA_TRY(duet_pdl_launch(kernel, grid, dim3(DUET__XW_THREADS), smem, stream, xkv, xstride,
+                                  item_row0, n_items, row_pos, q, ldq, dq_stride, qscale, n, out),
                   DUET__MODULE, "attend_x wgmma launch");
     return DUET_OK;
+}
+
+duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, int terms,
+                                 const __nv_bfloat16 *xkv, int64_t xstride,
+                                 const int32_t *item_row0, int n_items, const int32_t *row_pos,
+                                 const float *q, int64_t ldq, int64_t dq_stride, float qscale,
+                                 int n, float *out)
+{
+    return (terms == 1 ? duet__xw_launch<1> : duet__xw_launch<3>)(stream, grid, xkv, xstride,
+                                                                  item_row0, n_items, row_pos, q,
+                                                                  ldq, dq_stride, qscale, n, out);
 }
 
 /* Whether the current device runs this file's code (duet__wg_usable). */
 int duet__mla_wgmma_usable(void)
 {
     static unsigned long long asked = 0, usable = 0;
-    return duet__wg_usable(duet__mla_xattn_wg_kernel, &asked, &usable);
+    return duet__wg_usable(duet__mla_xattn_wg_kernel<3>, &asked, &usable);
 }

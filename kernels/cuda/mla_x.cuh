@@ -87,24 +87,44 @@ __device__ static inline void duet__mla_xa_find(const int32_t *item_row0, int n_
 }
 
 /*
- * Queue the copy of positions t0 .. t0 + 31 of a head's expanded rows (contiguous from src) by a
- * block of THREADS threads, each thread its share of the 72 16-byte chunks per row; the chunk
- * (row, col) goes to dst(row, col), the kernel's stage layout (a shared-memory pointer or
- * address). Positions >= L are zero-filled: P is 0 there, and 0 · garbage could be NaN.
+ * The 16-byte chunks of an expanded row that the products read: TERMS = 3 (the hi + lo splits)
+ * read all 72 ([v_hi | v_lo | k_hi | k_r | k_lo], 8 dims each); TERMS = 1 (q, K, V and P each
+ * rounded to bf16 once) reads v_hi, k_hi and k_r, 40 chunks, which a stage holds packed in that
+ * order. Chunk c of a stage row is chunk col(c) of the expanded row; offsets in dims within a
+ * stage row: V at 0 (v_lo at DN), k_hi at K, k_r at K + DN, k_lo at K + DN + DR.
  */
-template <int THREADS, typename Dst>
+template <int TERMS> struct duet__mla_xa_cols {
+    static_assert(TERMS == 1 || TERMS == 3, "one-term or split products");
+    static constexpr int N =
+        TERMS == 3 ? DUET_MLA_X_TD / 8 : (2 * DUET_MLA_X_DN + DUET_MLA_X_DR) / 8;
+    static constexpr int K = TERMS == 3 ? DUET_MLA_X_S0 : DUET_MLA_X_DN;
+    __device__ static constexpr int col(int c)
+    {
+        return TERMS == 3 || c < DUET_MLA_X_DN / 8 ? c : c + DUET_MLA_X_DN / 8;
+    }
+};
+
+/*
+ * Queue the copy of positions t0 .. t0 + 31 of a head's expanded rows (contiguous from src) by a
+ * block of THREADS threads, each thread its share of the row chunks the products read
+ * (duet__mla_xa_cols<TERMS>); stage chunk (row, c) goes to dst(row, c), the kernel's stage
+ * layout (a shared-memory pointer or address). Positions >= L are zero-filled: P is 0 there,
+ * and 0 · garbage could be NaN.
+ */
+template <int THREADS, int TERMS, typename Dst>
 __device__ static __forceinline__ void duet__mla_xa_copy(const __nv_bfloat16 *src, int t0, int L,
                                                          Dst dst)
 {
-    constexpr int CPR = DUET_MLA_X_TD * 2 / 16; /* 72 chunks of 16 bytes per row */
-    constexpr int N = DUET_MLA_XA_TK * CPR / THREADS;
-    static_assert(DUET_MLA_XA_TK * CPR % THREADS == 0, "whole chunks per thread");
+    typedef duet__mla_xa_cols<TERMS> Cols;
+    constexpr int N = DUET_MLA_XA_TK * Cols::N / THREADS;
+    static_assert(DUET_MLA_XA_TK * Cols::N % THREADS == 0, "whole chunks per thread");
 #pragma unroll
     for (int k = 0; k < N; k++) {
-        const int c = threadIdx.x + k * THREADS, row = c / CPR, col = c - row * CPR;
+        const int ch = threadIdx.x + k * THREADS, row = ch / Cols::N, c = ch - row * Cols::N;
         const int pos = t0 + row;
-        const __nv_bfloat16 *s = src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + col * 8;
-        duet__cp_async16(dst(row, col), s, pos < L);
+        const __nv_bfloat16 *s =
+            src + (int64_t)(pos < L ? pos : 0) * DUET_MLA_X_TD + Cols::col(c) * 8;
+        duet__cp_async16(dst(row, c), s, pos < L);
     }
 }
 
@@ -147,8 +167,9 @@ __device__ static inline int duet__mla_xa_begin(const __nv_bfloat16 *xkv, int64_
 }
 
 /* A warp's q fragments for rows r0 (g) and r1 (g + 8), hi + lo of q · qscale over the 192 query
- * dims in 12 k-steps of 16: registers a0a1 (r0, 2tg), a2a3 (r1, 2tg), a4a5 (r0, 2tg + 8), a6a7
- * (r1, 2tg + 8), the mma.m16n8k16 A fragment (and wgmma's, warp by warp); zero past n_rows. */
+ * dims in 12 k-steps of 16 (one-term products use hi alone, bf16 of q · qscale): registers a0a1
+ * (r0, 2tg), a2a3 (r1, 2tg), a4a5 (r0, 2tg + 8), a6a7 (r1, 2tg + 8), the mma.m16n8k16 A fragment
+ * (and wgmma's, warp by warp); zero past n_rows. */
 __device__ static inline void duet__mla_xa_q(const float *q, int64_t ldq, int64_t dq_stride,
                                              int head, float qscale, int r0, int r1, int n_rows,
                                              int tg, uint32_t (&qh)[12][4], uint32_t (&ql)[12][4])
@@ -225,7 +246,8 @@ __device__ static inline void duet__mla_xa_rescale(float (&o)[64], float a0, flo
     }
 }
 
-/* The weights of positions 16kk .. 16kk + 15 of the tile as A fragments, hi + lo. */
+/* The weights of positions 16kk .. 16kk + 15 of the tile as A fragments, hi + lo (one-term
+ * products use hi alone). */
 __device__ static inline void duet__mla_xa_p(const float (&s)[16], int kk, uint32_t (&ph)[4],
                                              uint32_t (&pl)[4])
 {
@@ -261,12 +283,14 @@ __device__ static inline void duet__mla_xa_store(const float (&o)[64], float l0,
 
 /*
  * mla_wgmma.cu's kernel, where duet__mla_wgmma_usable() says the current device runs its code
- * (sm_90a: H100 / H200): the grid and arguments of mla.cu's duet__mla_xattn_kernel.
+ * (sm_90a: H100 / H200): the grid and arguments of mla.cu's duet__mla_xattn_kernel, with
+ * terms 1 or 3 (duet__mla_xa_cols) chosen at run time.
  */
 int duet__mla_wgmma_usable(void);
-duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, const __nv_bfloat16 *xkv,
-                                 int64_t xstride, const int32_t *item_row0, int n_items,
-                                 const int32_t *row_pos, const float *q, int64_t ldq,
-                                 int64_t dq_stride, float qscale, int n, float *out);
+duet_status_t duet__mla_xattn_wg(cudaStream_t stream, dim3 grid, int terms,
+                                 const __nv_bfloat16 *xkv, int64_t xstride,
+                                 const int32_t *item_row0, int n_items, const int32_t *row_pos,
+                                 const float *q, int64_t ldq, int64_t dq_stride, float qscale,
+                                 int n, float *out);
 
 #endif

@@ -1127,16 +1127,16 @@ Test(engine_cuda, pdl_on_equals_pdl_off, .timeout = 600)
     free_fixtures(fx, n);
 }
 
-/* A CUDA model with the expanded MLA form on or off (the hook is read at creation), f32
- * compute, a BF16 KV pool, the given max_batch_tokens and max_seq_len. */
-static duet_model_t *load_x(const fixture_t *x, int on, int64_t max_batch_tokens,
-                            int64_t max_seq_len)
+/* A CUDA model with the expanded MLA form on or off (the hook is read at creation), the given
+ * compute dtype, a BF16 KV pool, the given max_batch_tokens and max_seq_len. */
+static duet_model_t *load_x(const fixture_t *x, int on, duet_dtype_t compute,
+                            int64_t max_batch_tokens, int64_t max_seq_len)
 {
     duet_backend_cuda_mla_x_set(on);
     g_kv_dtype = DUET_DTYPE_BF16;
     g_max_batch_tokens = max_batch_tokens;
     g_max_seq_len = max_seq_len;
-    duet_model_t *m = load(x, DUET_DEVICE_CUDA, DUET_DTYPE_F32, 1, 0, 0);
+    duet_model_t *m = load(x, DUET_DEVICE_CUDA, compute, 1, 0, 0);
     g_kv_dtype = DUET_DTYPE_F32;
     g_max_batch_tokens = g_max_seq_len = 0;
     duet_backend_cuda_mla_x_set(-1);
@@ -1148,11 +1148,11 @@ static duet_model_t *load_x(const fixture_t *x, int on, int64_t max_batch_tokens
  * greedy tokens into got, on load_x's model (max_batch_tokens = chunk); returns the steps that
  * took the expanded form.
  */
-static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int64_t n,
-                            int64_t chunk, float *out, int32_t *got, int64_t ng)
+static int64_t expanded_run(const fixture_t *x, int on, duet_dtype_t compute, const int32_t *toks,
+                            int64_t n, int64_t chunk, float *out, int32_t *got, int64_t ng)
 {
     const int64_t V = x->vocab;
-    duet_model_t *m = load_x(x, on, chunk, n + ng > 512 ? 1024 : 512);
+    duet_model_t *m = load_x(x, on, compute, chunk, n + ng > 512 ? 1024 : 512);
     const int64_t before = duet_backend_cuda_mla_x_steps();
     duet_seq_t seq;
     cr_assert_eq(duet_model_seq_open(m, n + ng, &seq), DUET_OK);
@@ -1172,7 +1172,7 @@ static int64_t expanded_run(const fixture_t *x, int on, const int32_t *toks, int
 static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64_t na,
                              const int32_t *b, int64_t nb, float *out)
 {
-    duet_model_t *m = load_x(x, on, 1024, 1024);
+    duet_model_t *m = load_x(x, on, DUET_DTYPE_F32, 1024, 1024);
     const int64_t before = duet_backend_cuda_mla_x_steps();
     duet_seq_t sa, sb;
     cr_assert_eq(duet_model_seq_open(m, na, &sa), DUET_OK);
@@ -1205,8 +1205,9 @@ static int64_t expanded_run2(const fixture_t *x, int on, const int32_t *a, int64
  * transformers' own bf16 run (2^-9 per rounding) lands at rel L2 b from its fp32 run, so 2^-16
  * in each form bounds the logits' rel L2 at 2 · 2^-16 · b / 2^-9 (kimi-mla-dims-bf16: b =
  * 0.0708, 1.1e-3). A wrong head, row or position moves them by O(1). (test_cuda_mla_x checks
- * the form's kernels to 2e-5 of a double reference.) The hook's step counter proves which form
- * ran.
+ * the form's kernels to 2e-5 of a double reference.) With BF16 compute the 560-token prompt
+ * again, where the expanded form multiplies bf16 operands once (bound below). The hook's step
+ * counter proves which form ran.
  */
 Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
 {
@@ -1231,15 +1232,15 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
             int64_t took[2];
             out[0] = malloc(sizeof(float) * (size_t)(runs[r].n * V));
             out[1] = malloc(sizeof(float) * (size_t)(runs[r].n * V));
-            took[0] =
-                expanded_run(x, 1, runs[r].toks, runs[r].n, runs[r].chunk, out[0], got[0], ng);
+            took[0] = expanded_run(x, 1, DUET_DTYPE_F32, runs[r].toks, runs[r].n, runs[r].chunk,
+                                   out[0], got[0], ng);
             if (took[0] == 0) { /* this fixture's shapes keep the absorbed form */
                 free(out[0]);
                 free(out[1]);
                 break;
             }
-            took[1] =
-                expanded_run(x, 0, runs[r].toks, runs[r].n, runs[r].chunk, out[1], got[1], ng);
+            took[1] = expanded_run(x, 0, DUET_DTYPE_F32, runs[r].toks, runs[r].n, runs[r].chunk,
+                                   out[1], got[1], ng);
             const double e_abs = rel_l2(out[0], out[1], runs[r].n * V);
             cr_assert_not_null(x->logits_bf16, "%s: no transformers bf16 run to scale by", x->name);
             const double b = rel_l2(x->logits_bf16, x->logits, np * V), tol = 2.0 * b / 128.0;
@@ -1280,6 +1281,34 @@ Test(engine_cuda, expanded_mla_prefill_equals_absorbed, .timeout = 600)
                           x->name, e2, tol);
             free(o2[0]);
             free(o2[1]);
+
+            /* BF16 compute: the expanded form's one-term products (q, K, V and P rounded to
+             * bf16 once each, in the MLA layers) against the absorbed form's split ones. Those
+             * four roundings are a few of the many transformers' bf16 run makes (every operand
+             * of every product, every layer), so b bounds their effect; a wrong head, row or
+             * position is O(1). */
+            float *ob[2] = {malloc(sizeof(float) * (size_t)(nl * V)),
+                            malloc(sizeof(float) * (size_t)(nl * V))};
+            int32_t gb[2][8];
+            int64_t tb[2];
+            for (int on = 1; on >= 0; on--)
+                tb[on] = expanded_run(x, on, DUET_DTYPE_BF16, longp, nl, 256, ob[on], gb[on], ng);
+            const double eb = rel_l2(ob[1], ob[0], nl * V);
+            int same = 0;
+            for (int64_t t = 0; t < ng; t++)
+                same += gb[0][t] == gb[1][t];
+            printf("cuda bf16, bf16 KV, %-30s %lld tokens in chunks of 256: expanded MLA prefill "
+                   "(%lld steps, one-term products) vs absorbed rel L2 %.3g (tol %.3g); %d of %lld "
+                   "greedy tokens equal\n",
+                   x->name, (long long)nl, (long long)tb[1], eb, b, same, (long long)ng);
+            cr_expect_eq(tb[1], 2, "%s: bf16 compute: %lld steps took the expanded form, not 2",
+                         x->name, (long long)tb[1]);
+            cr_expect_eq(tb[0], 0, "%s: bf16 compute: the absorbed run took the expanded form",
+                         x->name);
+            cr_expect_leq(eb, b, "%s: bf16 compute, expanded vs absorbed rel L2 %g (tol %g)",
+                          x->name, eb, b);
+            free(ob[0]);
+            free(ob[1]);
         }
         free(longp);
     }
