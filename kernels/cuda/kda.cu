@@ -89,6 +89,15 @@ static duet_status_t duet__kda_check(const duet_cuda_kda_layer_t *ly, const char
     return DUET_OK;
 }
 
+/* Test hook (tests/unit/test_cuda_kda.c): nonzero runs the general conv kernel (one channel per
+ * thread, W read at run time). */
+static int duet__kda_conv_scalar = 0;
+
+extern "C" void duet__cuda_kda_conv_scalar(int on)
+{
+    duet__kda_conv_scalar = on;
+}
+
 static unsigned duet__blocks(int64_t n, int per_block, int64_t cap)
 {
     int64_t b = (n + per_block - 1) / per_block;
@@ -108,15 +117,16 @@ __device__ static inline float duet__silu(float x)
 }
 
 /* One conv output: SiLU(Σ_j tp[j] · u[j] + tlast · x) over the W - 1 earlier inputs u and the
- * new input x, in the CPU loop's order. The conv kernel and the decode chain both call it, so
- * the chain's conv is the conv kernel's bit for bit. */
-__device__ static inline float duet__kda_conv_out(const float (&tp)[DUET_KDA_MAX_W - 1],
-                                                  const float (&u)[DUET_KDA_MAX_W - 1], float tlast,
-                                                  float x, int64_t W)
+ * new input x (N >= W - 1 slots, those past W - 2 ignored), in the CPU loop's order. The conv
+ * kernel and the decode chain both call it, so the chain's conv is the conv kernel's bit for
+ * bit. */
+template <int N>
+__device__ static inline float duet__kda_conv_out(const float (&tp)[N], const float (&u)[N],
+                                                  float tlast, float x, int64_t W)
 {
     float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
+    for (int j = 0; j < N; j++)
         if (j < W - 1)
             acc += tp[j] * u[j];
     acc += tlast * x;
@@ -175,29 +185,50 @@ __device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, in
 /* ---- conv --------------------------------------------------------------------------------- */
 
 /* qkv[row][ch] = SiLU(Σ_j taps[ch][j] · u[t-(W-1)+j][ch]); u is the window then the item's rows.
- * Summation order j = 0..W-1, as the CPU loop. A thread runs down R consecutive rows of one
- * channel with the last W-1 inputs in registers, so each input is loaded once and the row's
- * item is looked up only when the rows cross into the next item (R = 1 for decode batches, where
- * every row is its own item and parallelism matters more). The arrays are sized for W <= 8 and
- * indexed statically; positions past W-2 are ignored. */
+ * Summation order j = 0..W-1, as the CPU loop. A thread runs down R consecutive rows of VEC
+ * adjacent channels (VEC = 4: 16-byte loads and stores; the launch checks alignment) with the
+ * last W-1 inputs in registers, so each input is loaded once and the row's item is looked up
+ * only when the rows cross into the next item (R = 1 for decode batches, where every row is its
+ * own item and parallelism matters more). The arrays are sized for W = WC, or for W <= 8 when
+ * WC = 0 (W read at run time; positions past W-2 ignored), and indexed statically: sized for
+ * 8, a thread holds 14 more registers per channel, and the occupancy they cost is what hides
+ * the loads' latency. Each channel's arithmetic is the same whatever VEC and WC. */
 #ifndef DUET_KDA_CONV_AHEAD
 /* A thread's rows whose inputs it loads before using any, so that their round trips overlap
  * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
 #define DUET_KDA_CONV_AHEAD 4
 #endif
-__global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
-                                             const float *__restrict__ taps,
-                                             const float *__restrict__ proj,
-                                             float *__restrict__ qkv, int R)
+
+/* VEC consecutive floats at p (16-byte aligned when VEC = 4) into v. */
+template <int VEC> __device__ static inline void duet__kda_ldv(const float *p, float (&v)[VEC])
 {
-    const int64_t C3 = 3 * ly.H * ly.K, W = ly.W, HKK = ly.H * ly.K * ly.K;
-    const int64_t ch = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const bool on = ch < C3;
-    float tp[DUET_KDA_MAX_W - 1]; /* weights: loaded ahead of the wait */
+    if constexpr (VEC == 4) {
+        const float4 x = *reinterpret_cast<const float4 *>(p);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
 #pragma unroll
-    for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
-        tp[j] = on && j < W - 1 ? taps[ch * W + j] : 0.0f;
-    const float tlast = on ? taps[ch * W + W - 1] : 0.0f;
+        for (int c = 0; c < VEC; c++)
+            v[c] = p[c];
+    }
+}
+
+template <int VEC, int WC>
+__global__ static void
+duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float *__restrict__ taps,
+                      const float *__restrict__ proj, float *__restrict__ qkv, int R)
+{
+    constexpr int WM = WC > 0 ? WC - 1 : DUET_KDA_MAX_W - 1; /* the window's registers */
+    const int64_t C3 = 3 * ly.H * ly.K, W = WC > 0 ? WC : ly.W, HKK = ly.H * ly.K * ly.K;
+    const int64_t ch0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const bool on = ch0 < C3;      /* VEC divides C3 */
+    float tp[VEC][WM], tlast[VEC]; /* weights: loaded ahead of the wait */
+#pragma unroll
+    for (int c = 0; c < VEC; c++) {
+#pragma unroll
+        for (int j = 0; j < WM; j++)
+            tp[c][j] = on && j < W - 1 ? taps[(ch0 + c) * W + j] : 0.0f;
+        tlast[c] = on ? taps[(ch0 + c) * W + W - 1] : 0.0f;
+    }
     duet_pdl_wait(); /* proj */
     duet_pdl_trigger();
     if (!on)
@@ -206,20 +237,30 @@ __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_
         const int64_t rb = ra + R < st.n_rows ? ra + R : st.n_rows;
         int32_t it = st.row_item[ra];
         int64_t r0 = st.item_row0[it], r1 = st.item_row0[it + 1];
-        const float *win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch * (W - 1);
-        float u[DUET_KDA_MAX_W - 1]; /* u[j]: input at t-(W-1)+j for the next row t */
+        const float *win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch0 * (W - 1);
+        float u[VEC][WM]; /* u[c][j]: channel c's input at t-(W-1)+j for the next row t */
 #pragma unroll
-        for (int j = 0; j < DUET_KDA_MAX_W - 1; j++) {
-            const int64_t tau = (ra - r0) - (W - 1) + j;
-            u[j] = j >= W - 1 ? 0.0f : tau >= 0 ? proj[(r0 + tau) * C3 + ch] : win[(W - 1) + tau];
-        }
+        for (int c = 0; c < VEC; c++)
+#pragma unroll
+            for (int j = 0; j < WM; j++) {
+                const int64_t tau = (ra - r0) - (W - 1) + j;
+                u[c][j] = j >= W - 1 ? 0.0f
+                          : tau >= 0 ? proj[(r0 + tau) * C3 + ch0 + c]
+                                     : win[c * (W - 1) + (W - 1) + tau];
+            }
         for (int64_t rg = ra; rg < rb; rg += DUET_KDA_CONV_AHEAD) {
             /* the group's inputs first, all in flight together: they do not depend on the
              * items, only the windows do */
-            float xg[DUET_KDA_CONV_AHEAD];
+            float xg[DUET_KDA_CONV_AHEAD][VEC];
 #pragma unroll
-            for (int g = 0; g < DUET_KDA_CONV_AHEAD; g++)
-                xg[g] = rg + g < rb ? proj[(rg + g) * C3 + ch] : 0.0f;
+            for (int g = 0; g < DUET_KDA_CONV_AHEAD; g++) {
+                if (rg + g < rb)
+                    duet__kda_ldv<VEC>(proj + (rg + g) * C3 + ch0, xg[g]);
+                else
+#pragma unroll
+                    for (int c = 0; c < VEC; c++)
+                        xg[g][c] = 0.0f;
+            }
 #pragma unroll
             for (int g = 0; g < DUET_KDA_CONV_AHEAD; g++) {
                 const int64_t row = rg + g;
@@ -231,16 +272,29 @@ __global__ static void duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_
                         r0 = r1;
                         r1 = st.item_row0[it + 1];
                     } while (row >= r1);
-                    win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch * (W - 1);
+                    win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch0 * (W - 1);
 #pragma unroll
-                    for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
-                        u[j] = j < W - 1 ? win[j] : 0.0f;
+                    for (int c = 0; c < VEC; c++)
+#pragma unroll
+                        for (int j = 0; j < WM; j++)
+                            u[c][j] = j < W - 1 ? win[c * (W - 1) + j] : 0.0f;
                 }
-                const float x = xg[g];
-                qkv[row * C3 + ch] = duet__kda_conv_out(tp, u, tlast, x, W);
+                float y[VEC];
 #pragma unroll
-                for (int j = 0; j < DUET_KDA_MAX_W - 1; j++)
-                    u[j] = j == W - 2 ? x : (j + 1 < DUET_KDA_MAX_W - 1 ? u[j + 1] : u[j]);
+                for (int c = 0; c < VEC; c++) {
+                    const float x = xg[g][c];
+                    y[c] = duet__kda_conv_out(tp[c], u[c], tlast[c], x, W);
+#pragma unroll
+                    for (int j = 0; j < WM; j++)
+                        u[c][j] = j == W - 2 ? x : (j + 1 < WM ? u[c][j + 1] : u[c][j]);
+                }
+                if constexpr (VEC == 4)
+                    *reinterpret_cast<float4 *>(qkv + row * C3 + ch0) =
+                        make_float4(y[0], y[1], y[2], y[3]);
+                else
+#pragma unroll
+                    for (int c = 0; c < VEC; c++)
+                        qkv[row * C3 + ch0 + c] = y[c];
             }
         }
     }
@@ -290,10 +344,19 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     const int th = 256;
     const int64_t C3 = 3 * ly->H * ly->K;
     const int R = st->n_rows >= 4096 ? 16 : st->n_rows >= 256 ? st->n_rows / 256 : 1;
-    dim3 grid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
-    DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel, grid, dim3(th), 0, stream, *st, *ly, taps,
-                              proj, qkv, R),
-              "conv launch");
+    /* Kimi Linear's W = 4 with registers for 4, four channels per thread where the rows allow
+     * 16-byte accesses; any other W (and the test hook) the general kernel */
+    const bool fast = !duet__kda_conv_scalar && ly->W == 4 && C3 % 4 == 0 &&
+                      (((uintptr_t)proj | (uintptr_t)qkv) & 15) == 0;
+    dim3 grid(duet__blocks(fast ? C3 / 4 : C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
+    if (fast)
+        DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel<4, 4>, grid, dim3(th), 0, stream, *st, *ly,
+                                  taps, proj, qkv, R),
+                  "conv launch");
+    else
+        DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel<1, 0>, grid, dim3(th), 0, stream, *st, *ly,
+                                  taps, proj, qkv, R),
+                  "conv launch");
     if (ly->W > 1 || st->any_verify) {
         dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
         DUET__TRY(

@@ -53,6 +53,9 @@
 #define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
 #include "cuda_test_util.h"
 
+/* kda.cu's test hook: nonzero runs the conv one channel per thread */
+void duet__cuda_kda_conv_scalar(int on);
+
 #define TOL_EXACT 0.0
 #define TOL_PREP  1e-5
 #define TOL_CORE  1e-4
@@ -1055,7 +1058,8 @@ static float core_ms(real_shape_t *r, int iters, cudaEvent_t e0, cudaEvent_t e1)
     return ms;
 }
 
-/* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints only. */
+/* Timings at the real model's head shape (H = 32, K = V = 128, W = 4); prints them, and checks
+ * that the conv's two thread shapes agree bit for bit. */
 Test(cuda_kda, timing_real_shape, .timeout = 120)
 {
     skip_without_device();
@@ -1080,12 +1084,28 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         const int iters = n_tok == 1 ? 50 : 5;
         float ms_conv = 0.0f, ms_out = 0.0f;
         const float ms_core = core_ms(&r, iters, e0, e1);
-        CUDA_OK(cudaEventRecord(e0, 0));
-        for (int i = 0; i < iters; i++)
-            DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
-        CUDA_OK(cudaEventRecord(e1, 0));
-        CUDA_OK(cudaEventSynchronize(e1));
-        CUDA_OK(cudaEventElapsedTime(&ms_conv, e0, e1));
+        /* the conv four channels per thread (the launch's choice here) and one (the hook),
+         * timed side by side; their outputs must be equal bit for bit (the same arithmetic per
+         * channel) */
+        float ms_conv1 = 0.0f;
+        const size_t nq = (size_t)(T * C3);
+        float *q4 = xmalloc(sizeof(float) * nq), *q1 = xmalloc(sizeof(float) * nq);
+        for (int v = 0; v < 2; v++) {
+            duet__cuda_kda_conv_scalar(v);
+            CUDA_OK(cudaEventRecord(e0, 0));
+            for (int i = 0; i < iters; i++)
+                DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
+            CUDA_OK(cudaEventRecord(e1, 0));
+            CUDA_OK(cudaEventSynchronize(e1));
+            CUDA_OK(cudaEventElapsedTime(v ? &ms_conv1 : &ms_conv, e0, e1));
+            CUDA_OK(cudaMemcpy(v ? q1 : q4, r.qkv, sizeof(float) * nq, cudaMemcpyDeviceToHost));
+        }
+        duet__cuda_kda_conv_scalar(0);
+        CHECK(memcmp(q4, q1, sizeof(float) * nq) == 0,
+              "%d items x %d tokens: the conv differs between 4 channels per thread and 1", n_items,
+              n_tok);
+        free(q4);
+        free(q1);
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
             DUET_OK_OR_FAIL(duet_cuda_kda_out(0, T, H, K, r.w, 1e-6f, r.g, r.o));
@@ -1101,9 +1121,9 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         const double us = 1e3 * ms_core / iters;
         const double state_gb = 2.0 * (double)n_items * (double)(H * K * K * 4) / 1e9;
         printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core %9.1f us (%.0f GB/s of "
-               "state, %.0f tok/s), conv %.1f us, out %.1f us\n",
+               "state, %.0f tok/s), conv %.1f us (one channel per thread %.1f), out %.1f us\n",
                n_items, n_tok, us, state_gb / (us * 1e-6), (double)T / (us * 1e-6),
-               1e3 * ms_conv / iters, 1e3 * ms_out / iters);
+               1e3 * ms_conv / iters, 1e3 * ms_conv1 / iters, 1e3 * ms_out / iters);
         if (n_tok > 1)
             printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core on the tensor cores "
                    "%9.1f us\n",
