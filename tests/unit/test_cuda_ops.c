@@ -292,13 +292,16 @@ Test(cuda_ops, add_rmsnorm, .timeout = 60)
  */
 #define ACT_TOL 2e-6
 
+/* (rows, I, ld): four columns per thread (I and ld multiples of 4), and one (odd I and ld) */
 Test(cuda_ops, act_mul, .timeout = 60)
 {
     skip_without_device();
     duet_kernels_t *cpu = cpu_create();
-    const int64_t M = 7, I = 300, ld = 320;
+    const int64_t shapes[2][3] = {{7, 300, 320}, {5, 301, 303}};
     const float beta = 2.5f, beta_lin = 7.0f;
-    for (int act = 0; act < 2; act++) {
+    for (int si = 0; si < 4; si++) {
+        const int act = si & 1;
+        const int64_t M = shapes[si / 2][0], I = shapes[si / 2][1], ld = shapes[si / 2][2];
         float *g = xmalloc(sizeof(float) * M * ld), *u = xmalloc(sizeof(float) * M * ld);
         float *ref = xmalloc(sizeof(float) * M * I), *got = xmalloc(sizeof(float) * M * ld);
         for (int64_t i = 0; i < M * ld; i++) {
@@ -322,8 +325,9 @@ Test(cuda_ops, act_mul, .timeout = 60)
             for (int64_t i = I; i < ld; i++) /* padding untouched */
                 CHECK(got[m * ld + i] == g[m * ld + i], "padding written");
         }
-        printf("[cuda_ops] act_mul %s: max rel err %.2e (tol %.1e)\n",
-               act == DUET_CUDA_ACT_SILU ? "SiLU" : "SiTU", e, ACT_TOL);
+        printf("[cuda_ops] act_mul %s, %lld x %lld (ld %lld): max rel err %.2e (tol %.1e)\n",
+               act == DUET_CUDA_ACT_SILU ? "SiLU" : "SiTU", (long long)M, (long long)I,
+               (long long)ld, e, ACT_TOL);
         CHECK(e <= ACT_TOL, "act_mul %d", act);
         cudaFree(du);
         cudaFree(dg);
