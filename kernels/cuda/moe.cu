@@ -1041,7 +1041,7 @@ duet__gemv13_rows(const uint4 *const *w, const float *xs, int D, int I, int i0, 
         for (int r = 0; r < NR; r++)
             if (lane == ((j * NR + r) & 31) && r < n && i0 + j < I)
                 h[(size_t)pairs[r] * I + i0 + j] =
-                    duet__act(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
+                    duet_act_apply(acc[j][r], acc[DUET__GV_RI + j][r], act, beta, beta_lin);
 }
 
 template <int DT, int NR, int U, bool PRE = false>
@@ -1606,10 +1606,11 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
                     const int n = n0 + 16 * wn + 8 * j + 2 * (lane & 3);
                     if (n >= N)
                         continue;
-                    const float h0 = duet__act(acc[mi][j][2 * half], acc[mi][j + 2][2 * half], act,
-                                               beta, beta_lin);
-                    const float h1 = duet__act(acc[mi][j][2 * half + 1],
-                                               acc[mi][j + 2][2 * half + 1], act, beta, beta_lin);
+                    const float h0 = duet_act_apply(acc[mi][j][2 * half], acc[mi][j + 2][2 * half],
+                                                    act, beta, beta_lin);
+                    const float h1 =
+                        duet_act_apply(acc[mi][j][2 * half + 1], acc[mi][j + 2][2 * half + 1], act,
+                                       beta, beta_lin);
                     *reinterpret_cast<__nv_bfloat162 *>(h_out + (size_t)p * N + n) =
                         __floats2bfloat162_rn(h0, h1);
                 }

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "common/status.h"
+#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
 #include "kernels/cuda/cuda_wgmma.cuh"
@@ -48,17 +49,6 @@ typedef struct {
     const float *nx, *nw;
     float eps;
 } duet__moe_plan_t;
-
-/* act(g) · u, the CPU's expressions (kernels/cpu/ops.c). */
-static __device__ __forceinline__ float duet__act(float g, float u, int act, float beta,
-                                                  float beta_lin)
-{
-    if (act == DUET_CUDA_ACT_SILU)
-        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-    const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
-    return __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
-}
 
 /* Byte offset of 16-byte chunk c of row r in a [rows][BK] bf16 tile. BK = 32: 64-byte rows,
  * chunk c (0..3) XOR-ed with bits 1..2 of the row; BK = 64: 128-byte rows, chunk c (0..7)

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(128 * WG, 2)
             if (DUAL) {
                 const float *u = g + 32; /* the up row's group, j + 8 */
                 *reinterpret_cast<__nv_bfloat162 *>(h_out + (size_t)p * N + n) =
-                    __floats2bfloat162_rn(duet__act(g[0], u[0], act, beta, beta_lin),
-                                          duet__act(g[1], u[1], act, beta, beta_lin));
+                    __floats2bfloat162_rn(duet_act_apply(g[0], u[0], act, beta, beta_lin),
+                                          duet_act_apply(g[1], u[1], act, beta, beta_lin));
             } else {
                 *reinterpret_cast<float2 *>(o_out + (size_t)p * N + n) = make_float2(g[0], g[1]);
             }

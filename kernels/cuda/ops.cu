@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
@@ -220,17 +221,6 @@ extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, fl
 
 /* ---- gated activations --------------------------------------------------------------------- */
 
-/* One output: the CPU's expressions, operation for operation (kernels/cpu/ops.c). */
-__device__ static __forceinline__ float duet__act_mul1(float g, float u, int act, float beta,
-                                                       float beta_lin)
-{
-    if (act == DUET_CUDA_ACT_SILU)
-        return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
-    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-    const float a = __fmul_rn(__fmul_rn(beta, tanhf(__fdiv_rn(g, beta))), sig);
-    return __fmul_rn(a, __fmul_rn(beta_lin, tanhf(__fdiv_rn(u, beta_lin))));
-}
-
 /* Rows m = blockIdx.y, + gridDim.y, ...; a thread takes VEC adjacent columns of its row (VEC =
  * 4: float4 accesses, the launch checks alignment), so each load moves VEC values and no
  * thread divides its index by I. */
@@ -250,12 +240,12 @@ __global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, in
             const float4 g = *reinterpret_cast<const float4 *>(gr);
             const float4 u = *reinterpret_cast<const float4 *>(ur);
             *reinterpret_cast<float4 *>(gr) =
-                make_float4(duet__act_mul1(g.x, u.x, act, beta, beta_lin),
-                            duet__act_mul1(g.y, u.y, act, beta, beta_lin),
-                            duet__act_mul1(g.z, u.z, act, beta, beta_lin),
-                            duet__act_mul1(g.w, u.w, act, beta, beta_lin));
+                make_float4(duet_act_apply(g.x, u.x, act, beta, beta_lin),
+                            duet_act_apply(g.y, u.y, act, beta, beta_lin),
+                            duet_act_apply(g.z, u.z, act, beta, beta_lin),
+                            duet_act_apply(g.w, u.w, act, beta, beta_lin));
         } else {
-            gr[0] = duet__act_mul1(gr[0], ur[0], act, beta, beta_lin);
+            gr[0] = duet_act_apply(gr[0], ur[0], act, beta, beta_lin);
         }
     }
 }
