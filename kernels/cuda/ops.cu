@@ -267,7 +267,9 @@ extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, con
     const bool vec = I % 4 == 0 && ld % 4 == 0 && (((uintptr_t)gate | (uintptr_t)up) & 15) == 0;
     const int64_t per = vec ? 4 : 1, bx = (I + threads * per - 1) / (threads * per);
     if (bx > 0x7fffffff)
-        return duet_error_set(DUET_ERR_RANGE, "cuda act_mul: I=%lld", (long long)I);
+        return duet_error_set(DUET_ERR_RANGE,
+                              "cuda act_mul: I=%lld needs more than 2^31 - 1 blocks of a row",
+                              (long long)I);
     const dim3 grid((unsigned)bx, (unsigned)(M < 65535 ? M : 65535));
     cudaError_t e = vec ? duet_pdl_launch(duet__act_mul_kernel<4>, grid, dim3(threads), 0, stream,
                                           gate, up, M, I, ld, (int)act, beta, beta_lin)

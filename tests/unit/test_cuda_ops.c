@@ -292,6 +292,27 @@ Test(cuda_ops, add_rmsnorm, .timeout = 60)
  */
 #define ACT_TOL 2e-6
 
+/* act_mul refuses what it cannot run before touching the device (no device needed): a row
+ * stride below I, missing rows, an unknown activation, SiTU without its betas, and a row too
+ * long for one grid row of blocks. */
+Test(cuda_ops, act_mul_bad_arguments, .timeout = 30)
+{
+    _Alignas(16) float f[4] = {0};
+    const duet_cuda_act_t silu = DUET_CUDA_ACT_SILU, situ = DUET_CUDA_ACT_SITU;
+    CHECK(duet_cuda_act_mul(0, f, f, 1, 4, 3, silu, 1.0f, 1.0f) == DUET_ERR_INVALID, "ld < I");
+    CHECK(duet_cuda_act_mul(0, NULL, f, 1, 4, 4, silu, 1.0f, 1.0f) == DUET_ERR_INVALID, "no gate");
+    CHECK(duet_cuda_act_mul(0, f, NULL, 1, 4, 4, silu, 1.0f, 1.0f) == DUET_ERR_INVALID, "no up");
+    CHECK(duet_cuda_act_mul(0, f, f, -1, 4, 4, silu, 1.0f, 1.0f) == DUET_ERR_INVALID, "M < 0");
+    CHECK(duet_cuda_act_mul(0, f, f, 1, 4, 4, (duet_cuda_act_t)7, 1.0f, 1.0f) == DUET_ERR_INVALID,
+          "unknown activation");
+    CHECK(duet_cuda_act_mul(0, f, f, 1, 4, 4, situ, 0.0f, 1.0f) == DUET_ERR_INVALID, "beta 0");
+    CHECK(duet_cuda_act_mul(0, f, f, 1, 4, 4, situ, 1.0f, 0.0f) == DUET_ERR_INVALID, "beta_lin 0");
+    const int64_t huge = (int64_t)1 << 42; /* 2^32 blocks of 4 x 256 columns */
+    CHECK(duet_cuda_act_mul(0, f, f, 1, huge, huge, silu, 1.0f, 1.0f) == DUET_ERR_RANGE,
+          "a row of 2^42 columns");
+    CHECK(duet_cuda_act_mul(0, f, f, 0, 4, 4, silu, 1.0f, 1.0f) == DUET_OK, "no rows: nothing");
+}
+
 /* (rows, I, ld): four columns per thread (I and ld multiples of 4), and one (odd I and ld) */
 Test(cuda_ops, act_mul, .timeout = 60)
 {
