@@ -191,8 +191,9 @@ __device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, in
  * only when the rows cross into the next item (R = 1 for decode batches, where every row is its
  * own item and parallelism matters more). The arrays are sized for W = WC, or for W <= 8 when
  * WC = 0 (W read at run time; positions past W-2 ignored), and indexed statically: sized for
- * 8, a thread holds 14 more registers per channel, and the occupancy they cost is what hides
- * the loads' latency. Each channel's arithmetic is the same whatever VEC and WC. */
+ * 8, a thread holds 14 more registers per channel, which cost warps per SM and so loads in
+ * flight (bench/RESULTS.md, "KDA conv: registers for W = 4, four channels per thread"). Each
+ * channel's arithmetic is the same whatever VEC and WC. */
 #ifndef DUET_KDA_CONV_AHEAD
 /* A thread's rows whose inputs it loads before using any, so that their round trips overlap
  * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
