@@ -90,6 +90,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
  * the test hooks below override it */
 static int duet__no_mla_x = -1, duet__mla_x_force = -1;
 static int duet__no_kda_tc = -1; /* DUET_CUDA_NO_KDA_TC=1: the FMA sequential kernel in BF16 too */
+static int duet__kda_split = -1; /* DUET_CUDA_KDA_SPLIT=1: split tf32 products in BF16 */
 static int duet__mla_x_split = -1; /* DUET_CUDA_MLA_X_SPLIT=1: split products in BF16 too */
 static int64_t duet__mla_x_steps, duet__verify_graph_steps, duet__mixed_graph_steps;
 static int duet__verify_pad = -2; /* DUET_CUDA_VERIFY_PAD (duet__pad_pays); -2: not read yet */
@@ -238,9 +239,9 @@ struct duet_cuda_model {
     /* the expanded attention's products (duet_cuda_mla_attend_x's prec): the compute dtype,
      * unless DUET_CUDA_MLA_X_SPLIT=1 asks for the split (F32) ones under BF16 */
     duet_dtype_t mla_x_prec;
-    /* KDA's chunked core on the tensor cores (duet_cuda_kda_layer_t.tc): BF16 compute, unless
-     * DUET_CUDA_NO_KDA_TC=1 */
-    int kda_tc;
+    /* how KDA's chunked core multiplies (duet_cuda_kda_layer_t.tc): FMA for F32 compute, one
+     * tf32 term for BF16 unless DUET_CUDA_KDA_SPLIT=1 (split) or DUET_CUDA_NO_KDA_TC=1 (FMA) */
+    duet_cuda_kda_tc_t kda_tc;
     int64_t xcap, xslice; /* xslice <= T: the GEMM's staging holds T rows of x */
     void *xkv;
     float *xgath, *xkvb;
@@ -919,8 +920,12 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
     memcpy(dm->layer_sub, bm->layer_sub, sizeof(int64_t) * (size_t)cfg->num_layers);
     dm->T = opts->max_batch_tokens;
     dm->imax_items = duet__pow2_at_least(opts->max_seqs);
-    dm->kda_tc =
-        dm->wdt == DUET_DTYPE_BF16 && !duet_cuda_env_flag(&duet__no_kda_tc, "DUET_CUDA_NO_KDA_TC");
+    if (dm->wdt != DUET_DTYPE_BF16 || duet_cuda_env_flag(&duet__no_kda_tc, "DUET_CUDA_NO_KDA_TC"))
+        dm->kda_tc = DUET_CUDA_KDA_FMA;
+    else if (duet_cuda_env_flag(&duet__kda_split, "DUET_CUDA_KDA_SPLIT"))
+        dm->kda_tc = DUET_CUDA_KDA_TC_SPLIT;
+    else
+        dm->kda_tc = DUET_CUDA_KDA_TC_ONE;
     dm->mla_x_prec =
         duet_cuda_env_flag(&duet__mla_x_split, "DUET_CUDA_MLA_X_SPLIT") ? DUET_DTYPE_F32 : dm->wdt;
     {

@@ -20,16 +20,24 @@ extern "C" {
 
 #include "common/status.h"
 
+/* The chunked core's state products: fp32 FMA; on the tensor cores as tf32 products of fp32
+ * values split in two (about 2^-21 per product, against fp32 FMA's 2^-24); or as one tf32
+ * product of the values rounded to tf32 (2^-11 per operand, finer than bf16's 2^-8). The engine
+ * takes the one-term form for BF16 compute, where a bf16 model's own products round its
+ * operands to bf16. */
+typedef enum {
+    DUET_CUDA_KDA_FMA = 0,
+    DUET_CUDA_KDA_TC_SPLIT = 1,
+    DUET_CUDA_KDA_TC_ONE = 2,
+} duet_cuda_kda_tc_t;
+
 typedef struct {
     float *kda_base;          /* the KDA pool */
     int64_t kda_n_layers;     /* KDA layers per slot */
     int64_t kda_layer_floats; /* H*K*V + 3*H*K*(W-1) */
     int64_t layer;            /* this KDA layer's index among KDA layers */
     int64_t H, K, W;          /* heads, head dim (= V), conv kernel size */
-    /* Nonzero: the chunked core's state products (items of 2+ tokens) run on the tensor cores,
-     * as tf32 products of fp32 values split in two (about 2^-21 per product, against fp32 FMA's
-     * 2^-24); 0: fp32 FMA. The engine sets it for BF16 compute, where the rest of the step
-     * rounds far more coarsely. */
+    /* How the chunked core's state products (items of 2+ tokens) run: a duet_cuda_kda_tc_t. */
     int tc;
     /* The KDA replay pool (speculative decoding; common/cache_layout.h, fp32): replay_rows rows
      * per (slot, KDA layer), kda_n_layers layers per slot, each row (6*H*K + H) floats. NULL:

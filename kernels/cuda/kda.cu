@@ -32,7 +32,8 @@
  *     triangular solve on 4 warps per block (kernels/cpu/kda.c's U − W S = T(βV) − T(βe^Γ K) S,
  *     there with T applied once, to Y = βV − W S; the same algebra, rounded differently).
  *     duet__kda_seq_tc_kernel does the same three products on the tensor cores, as tf32 products
- *     of split fp32 values (the layer's `tc` flag; the engine sets it for BF16 compute).
+ *     of split fp32 values or of the values rounded to tf32 (the layer's `tc`; the engine takes
+ *     the rounded form for BF16 compute).
  *     Measured: bench/RESULTS.md, "KDA chunked core: ahead and sequential kernels".
  *   Γ is an fp32 running sum, so a decay carries an absolute error of about |Γ|·2^-24 in its
  *   exponent (as in the usual chunked GPU kernels); the CPU's products of per-token decays do
@@ -82,6 +83,10 @@ static duet_status_t duet__kda_check(const duet_cuda_kda_layer_t *ly, const char
         ly->layer < 0 || ly->layer >= ly->kda_n_layers ||
         ly->kda_layer_floats < ly->H * ly->K * ly->K + 3 * ly->H * ly->K * (ly->W - 1))
         return duet_error_set(DUET_ERR_INVALID, "cuda kda %s: bad layer description", what);
+    if (ly->tc != DUET_CUDA_KDA_FMA && ly->tc != DUET_CUDA_KDA_TC_SPLIT &&
+        ly->tc != DUET_CUDA_KDA_TC_ONE)
+        return duet_error_set(DUET_ERR_INVALID, "cuda kda %s: tc = %d is no duet_cuda_kda_tc_t",
+                              what, ly->tc);
     if (ly->K > DUET_KDA_MAX_K || ly->W > DUET_KDA_MAX_W)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
                               "cuda kda %s: K = %lld, W = %lld (supported: K <= %d, W <= %d)", what,
@@ -1381,11 +1386,13 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
 /*
  * The sequential kernel's three products on the tensor cores (duet_cuda_kda_layer_t.tc): the
  * same block (item·H + h, slice of 32 columns of S) and chunk recurrence, each product an
- * mma.m16n8k8 over tf32 with fp32 operands kept as big + small splits (three products each,
- * small terms first; cuda_mma.cuh), so its error stays near fp32's (about 2^-21 per product)
- * while the FMA kernel above is bound by shared-memory traffic and issue slots. A warp splits
- * each A fragment once for two 8-column tiles. With g = lane / 4 and t = lane % 4 the fragment
- * coordinates, per chunk:
+ * mma.m16n8k8 over tf32. With TERMS = 3 (DUET_CUDA_KDA_TC_SPLIT) the fp32 operands are kept as
+ * big + small splits (three products each, small terms first; cuda_mma.cuh), so the error stays
+ * near fp32's (about 2^-21 per product) while the FMA kernel above is bound by shared-memory
+ * traffic and issue slots; with TERMS = 1 (DUET_CUDA_KDA_TC_ONE) each operand is rounded to
+ * tf32 once and multiplied once, and the small arrays are neither written nor read. A warp
+ * splits (rounds) each A fragment once for two 8-column tiles. With g = lane / 4 and t = lane % 4
+ * the fragment coordinates, per chunk:
  *   1. Wt S: warp w takes rows 16(w/4).., columns 16((w/2)%2).. and every other k-step (from
  *      w%2); the two halves meet in RED, and V_new = U − (half 0 + half 1) is stored split (VB,
  *      VS) for the next two products;
@@ -1408,45 +1415,61 @@ template <int K> struct duet__kda_tc_layout {
                          FLOATS = RED + 2 * C * PS;
 };
 
-/* acc[j] += A · B_j for the warp's two 8-column tiles j: the A fragment at `a` (row-major,
- * pitch P: rows g, g + 8, columns t, t + 4) split once, the B fragments from the split arrays
- * bb / bs at `b` (pitch PB: rows t, t + 4, columns g and 8 + g); three tf32 products each, the
- * small terms first. */
-template <int P, int PB>
-static __device__ __forceinline__ void duet__kda_tc_step(float (&acc)[2][4], const float *a,
-                                                         const uint32_t *bb, const uint32_t *bs)
+/* x rounded to tf32 (round to nearest, as duet_split_tf32's big part). */
+static __device__ __forceinline__ uint32_t duet__kda_tf32(float x)
 {
+    uint32_t b;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(x));
+    return b;
+}
+
+/* acc[j] += A · B_j for the warp's two 8-column tiles j, A's fragment elements a0..a3 (rows g,
+ * g + 8, columns t, t + 4) given; the B fragments from the arrays bb / bs at their fragment
+ * (pitch PB: rows t, t + 4, columns g and 8 + g). TERMS = 3: A split once, three tf32 products
+ * each, the small terms first; TERMS = 1: A rounded once, one product with bb (bs unread). */
+template <int TERMS, int PB>
+static __device__ __forceinline__ void duet__kda_tc_mma(float (&acc)[2][4], float a0, float a1,
+                                                        float a2, float a3, const uint32_t *bb,
+                                                        const uint32_t *bs)
+{
+    static_assert(TERMS == 1 || TERMS == 3, "one term or the split's three");
     uint32_t ab[4], as[4];
-    duet_split_tf32(a[0], &ab[0], &as[0]);
-    duet_split_tf32(a[8 * P], &ab[1], &as[1]);
-    duet_split_tf32(a[4], &ab[2], &as[2]);
-    duet_split_tf32(a[8 * P + 4], &ab[3], &as[3]);
+    if constexpr (TERMS == 3) {
+        duet_split_tf32(a0, &ab[0], &as[0]);
+        duet_split_tf32(a1, &ab[1], &as[1]);
+        duet_split_tf32(a2, &ab[2], &as[2]);
+        duet_split_tf32(a3, &ab[3], &as[3]);
+    } else {
+        ab[0] = duet__kda_tf32(a0);
+        ab[1] = duet__kda_tf32(a1);
+        ab[2] = duet__kda_tf32(a2);
+        ab[3] = duet__kda_tf32(a3);
+    }
 #pragma unroll
     for (int j = 0; j < 2; j++) {
         const uint32_t b0 = bb[8 * j], b1 = bb[8 * j + 4 * PB];
-        duet_mma_tf32(acc[j], as, b0, b1);
-        duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
+        if constexpr (TERMS == 3) {
+            duet_mma_tf32(acc[j], as, b0, b1);
+            duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
+        }
         duet_mma_tf32(acc[j], ab, b0, b1);
     }
 }
 
+/* duet__kda_tc_mma with the A fragment at `a` (row-major, pitch P). */
+template <int TERMS, int P, int PB>
+static __device__ __forceinline__ void duet__kda_tc_step(float (&acc)[2][4], const float *a,
+                                                         const uint32_t *bb, const uint32_t *bs)
+{
+    duet__kda_tc_mma<TERMS, PB>(acc, a[0], a[8 * P], a[4], a[8 * P + 4], bb, bs);
+}
+
 /* The same with the A fragment transposed: element (m, k) at a[k * P + m] (Kdᵀ). */
-template <int P, int PB>
+template <int TERMS, int P, int PB>
 static __device__ __forceinline__ void duet__kda_tc_step_t(float (&acc)[2][4], const float *a,
                                                            const uint32_t *bb, const uint32_t *bs)
 {
-    uint32_t ab[4], as[4];
-    duet_split_tf32(a[0], &ab[0], &as[0]);
-    duet_split_tf32(a[8], &ab[1], &as[1]);
-    duet_split_tf32(a[4 * P], &ab[2], &as[2]);
-    duet_split_tf32(a[4 * P + 8], &ab[3], &as[3]);
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const uint32_t b0 = bb[8 * j], b1 = bb[8 * j + 4 * PB];
-        duet_mma_tf32(acc[j], as, b0, b1);
-        duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
-        duet_mma_tf32(acc[j], ab, b0, b1);
-    }
+    duet__kda_tc_mma<TERMS, PB>(acc, a[0], a[8], a[4 * P], a[4 * P + 8], bb, bs);
 }
 
 /* The C fragments of the warp's two tiles (rows r, r + 8; columns c + 8j, + 1) into a [rows][P]
@@ -1463,8 +1486,9 @@ static __device__ __forceinline__ void duet__kda_tc_put(float *dst, int r, int c
     }
 }
 
-/* The same values split (duet_split_tf32) into big and small arrays of pitch P. */
-template <int P>
+/* The same values split (duet_split_tf32) into big and small arrays of pitch P; TERMS = 1:
+ * only rounded to tf32, into big. */
+template <int TERMS, int P>
 static __device__ __forceinline__ void duet__kda_tc_put_split(float *big, float *small, int r,
                                                               int c, const float (&v)[2][4])
 {
@@ -1473,15 +1497,20 @@ static __device__ __forceinline__ void duet__kda_tc_put_split(float *big, float 
 #pragma unroll
         for (int hr = 0; hr < 2; hr++) {
             uint32_t b0, s0, b1, s1;
-            duet_split_tf32(v[j][2 * hr], &b0, &s0);
-            duet_split_tf32(v[j][2 * hr + 1], &b1, &s1);
             const int off = (r + 8 * hr) * P + c + 8 * j;
+            if constexpr (TERMS == 3) {
+                duet_split_tf32(v[j][2 * hr], &b0, &s0);
+                duet_split_tf32(v[j][2 * hr + 1], &b1, &s1);
+                *reinterpret_cast<uint2 *>(small + off) = make_uint2(s0, s1);
+            } else {
+                b0 = duet__kda_tf32(v[j][2 * hr]);
+                b1 = duet__kda_tf32(v[j][2 * hr + 1]);
+            }
             *reinterpret_cast<uint2 *>(big + off) = make_uint2(b0, b1);
-            *reinterpret_cast<uint2 *>(small + off) = make_uint2(s0, s1);
         }
 }
 
-template <int K>
+template <int K, int TERMS>
 __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     duet__kda_seq_tc_kernel(duet__kda_core_args_t a)
 {
@@ -1528,7 +1557,8 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
         const float *next = c + 1 < nch ? duet__kda_wy_block<K>(a, it, h, (int)(c + 1)) : NULL;
         if (own) /* S's split, the B operand of products 1 and 2 */
-            duet__kda_tc_put_split<PS>(sm + Ly::SB, sm + Ly::SS, 16 * md + g, cs + 2 * t, sr);
+            duet__kda_tc_put_split<TERMS, PS>(sm + Ly::SB, sm + Ly::SS, 16 * md + g, cs + 2 * t,
+                                              sr);
         duet__cp_async_wait<2>(); /* group 0: Wt, U */
         __syncthreads();
 
@@ -1537,9 +1567,9 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             float acc[2][4] = {};
 #pragma unroll
             for (int ks = kh; ks < KS; ks += 2)
-                duet__kda_tc_step<Ly::PA, PS>(acc, sm + Ly::WT + ra * Ly::PA + 8 * ks + t,
-                                              smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
-                                              smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS, Ly::PA, PS>(acc, sm + Ly::WT + ra * Ly::PA + 8 * ks + t,
+                                                     smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
+                                                     smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
             duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
         }
         __syncthreads();
@@ -1557,12 +1587,17 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
                 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
             uint4 b, s;
-            duet_split_tf32(v.x, &b.x, &s.x);
-            duet_split_tf32(v.y, &b.y, &s.y);
-            duet_split_tf32(v.z, &b.z, &s.z);
-            duet_split_tf32(v.w, &b.w, &s.w);
+            if constexpr (TERMS == 3) {
+                duet_split_tf32(v.x, &b.x, &s.x);
+                duet_split_tf32(v.y, &b.y, &s.y);
+                duet_split_tf32(v.z, &b.z, &s.z);
+                duet_split_tf32(v.w, &b.w, &s.w);
+                *reinterpret_cast<uint4 *>(sm + Ly::VS + rr * PS + rc) = s;
+            } else {
+                b = make_uint4(duet__kda_tf32(v.x), duet__kda_tf32(v.y), duet__kda_tf32(v.z),
+                               duet__kda_tf32(v.w));
+            }
             *reinterpret_cast<uint4 *>(sm + Ly::VB + rr * PS + rc) = b;
-            *reinterpret_cast<uint4 *>(sm + Ly::VS + rr * PS + rc) = s;
         }
         duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
         __syncthreads();
@@ -1573,22 +1608,22 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             float acc[2][4] = {};
 #pragma unroll
             for (int ks = kh; ks < KS; ks += 2)
-                duet__kda_tc_step<Ly::PA, PS>(acc, sm + Ly::QE + ra * Ly::PA + 8 * ks + t,
-                                              smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
-                                              smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS, Ly::PA, PS>(acc, sm + Ly::QE + ra * Ly::PA + 8 * ks + t,
+                                                     smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
+                                                     smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
             for (int ks = kh; ks <= 2 * mt + 1; ks += 2)
-                duet__kda_tc_step<Ly::PQ, PS>(acc, sm + Ly::A + ra * Ly::PQ + 8 * ks + t,
-                                              smu + Ly::VB + (8 * ks + t) * PS + c1 + g,
-                                              smu + Ly::VS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS, Ly::PQ, PS>(acc, sm + Ly::A + ra * Ly::PQ + 8 * ks + t,
+                                                     smu + Ly::VB + (8 * ks + t) * PS + c1 + g,
+                                                     smu + Ly::VS + (8 * ks + t) * PS + c1 + g);
             duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
         }
         /* 3. S ← e^{Γlast} S + Kdᵀ V_new on the warp's tiles of S (A[d][i] = Kd[i][d]) */
         if (own) {
             float acc[2][4] = {};
             for (int kk = 0; kk < n; kk += 8)
-                duet__kda_tc_step_t<Ly::PD, PS>(acc, sm + Ly::KD + (kk + t) * Ly::PD + 16 * md + g,
-                                                smu + Ly::VB + (kk + t) * PS + cs + g,
-                                                smu + Ly::VS + (kk + t) * PS + cs + g);
+                duet__kda_tc_step_t<TERMS, Ly::PD, PS>(
+                    acc, sm + Ly::KD + (kk + t) * Ly::PD + 16 * md + g,
+                    smu + Ly::VB + (kk + t) * PS + cs + g, smu + Ly::VS + (kk + t) * PS + cs + g);
             const float e0 = sm[Ly::GL + 16 * md + g], e1 = sm[Ly::GL + 16 * md + g + 8];
 #pragma unroll
             for (int j = 0; j < 2; j++) {
@@ -1653,7 +1688,10 @@ static duet_status_t duet__kda_chunk_smem_allow(size_t wy_bytes, size_t seq_byte
     DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_kernel<K>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)seq_bytes),
               "sequential kernel shared-memory attribute");
-    DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_tc_kernel<K>,
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_tc_kernel<K, 3>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tc_bytes),
+              "tensor-core sequential kernel shared-memory attribute");
+    DUET__TRY(cudaFuncSetAttribute(duet__kda_seq_tc_kernel<K, 1>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)tc_bytes),
               "tensor-core sequential kernel shared-memory attribute");
     if (dev >= 0 && dev < 64)
@@ -1687,9 +1725,13 @@ static duet_status_t duet__kda_core_launch(cudaStream_t stream, const duet__kda_
                   "ahead kernel launch");
         const dim3 sgrid((unsigned)(a.st.n_items * H),
                          (unsigned)((K + DUET_KDA_SEQ_COLS - 1) / DUET_KDA_SEQ_COLS));
-        if (a.ly.tc)
-            DUET__TRY(duet_pdl_launch(duet__kda_seq_tc_kernel<K>, sgrid, dim3(DUET_KDA_SEQ_THREADS),
-                                      tc_bytes, stream, a),
+        if (a.ly.tc == DUET_CUDA_KDA_TC_SPLIT)
+            DUET__TRY(duet_pdl_launch(duet__kda_seq_tc_kernel<K, 3>, sgrid,
+                                      dim3(DUET_KDA_SEQ_THREADS), tc_bytes, stream, a),
+                      "tensor-core sequential kernel launch");
+        else if (a.ly.tc == DUET_CUDA_KDA_TC_ONE)
+            DUET__TRY(duet_pdl_launch(duet__kda_seq_tc_kernel<K, 1>, sgrid,
+                                      dim3(DUET_KDA_SEQ_THREADS), tc_bytes, stream, a),
                       "tensor-core sequential kernel launch");
         else
             DUET__TRY(duet_pdl_launch(duet__kda_seq_kernel<K>, sgrid, dim3(DUET_KDA_SEQ_THREADS),
