@@ -16,8 +16,8 @@
  *
  * Experts. The routing result exists only on the device, and everything must stay
  * graph-capturable, so the grouping of (row, k) pairs by expert is done on the device by a
- * one-block plan kernel: count per expert, scan, scatter the pair ids into per-expert lists,
- * and cut each list into work items (slots of <= NR rows for the GEMV path, tiles of BM rows
+ * plan kernel: count per expert, scan, scatter the pair ids into per-expert lists, and cut
+ * each list into work items (slots of <= NR rows for the GEMV path, tiles of BM rows
  * for the tensor-core path). Grids are sized on the host for the worst case that T allows; the
  * blocks past the device-side item count exit at once. Each pair's expert output goes to its
  * own row of scratch (out[p], p = t * top_k + k) and a combine kernel adds
@@ -141,7 +141,9 @@ static constexpr __host__ __device__ int duet__mma_stages(int bk)
     return bk == 64 ? 3 : DUET__MMA_STAGES;
 }
 
-#define DUET__PLAN_THREADS 1024
+#define DUET__PLAN_THREADS    1024
+#define DUET__PLAN_PAIRS      2048 /* pairs per plan block (the last may have more: below) */
+#define DUET__PLAN_MAX_BLOCKS 64   /* at most this many plan blocks (and rows of counts) */
 
 #define DUET__ROUTE_THREADS 256 /* per routing block: up to 8 rows */
 #define DUET__ROUTE_UNROLL  8   /* scores per thread whose loads are in flight together */
@@ -784,24 +786,75 @@ static __device__ __forceinline__ int duet__pair_row(const duet__moe_plan_t &pl,
     return p < pl.P ? p / pl.top_k : p - pl.P;
 }
 
+/* Pairs [per · b, per · (b + 1)) ∩ [0, P) belong to plan block b. */
+static __device__ __forceinline__ void duet__plan_range(int P, int per, int *p0, int *p1)
+{
+    *p0 = (int)blockIdx.x * per;
+    *p1 = min(P, *p0 + per);
+}
+
+/* The plan in several blocks, part 1: block b counts the experts of its pairs into hist[b][e]. */
+__global__ void __launch_bounds__(DUET__PLAN_THREADS)
+    duet__moe_count_kernel(const int32_t *idx, int P, int E, int per, int *hist)
+{
+    extern __shared__ int plan_sh[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        plan_sh[e] = 0;
+    duet_pdl_wait(); /* the routing; the previous call's plan is done with hist */
+    duet_pdl_trigger();
+    __syncthreads();
+    int p0, p1;
+    duet__plan_range(P, per, &p0, &p1);
+    for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
+        const int e = idx[p];
+        if (e >= 0 && e < E)
+            atomicAdd(&plan_sh[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        hist[(int64_t)blockIdx.x * E + e] = plan_sh[e];
+}
+
 /*
- * One block. The order of pairs inside an expert's list depends on atomics, which is harmless:
+ * One block per `per` pairs. A single block counts its pairs itself; with several, each sums
+ * duet__moe_count_kernel's hist for every expert's total and for the pairs of that expert in
+ * the blocks before it. Every block scans the totals, block 0 writes off, slots, tiles and meta,
+ * and each block places its own pairs in their experts' lists after those of the blocks before.
+ * The order of pairs inside one block's part of a list depends on atomics, which is harmless:
  * every pair's output is computed on its own with a fixed operation order, wherever it sits.
  */
 __global__ void __launch_bounds__(DUET__PLAN_THREADS)
-    duet__moe_plan_kernel(const int32_t *idx, int P, int E, int nr, int bm, duet__moe_plan_t pl)
+    duet__moe_plan_kernel(const int32_t *idx, int P, int E, int nr, int bm, int per,
+                          const int *hist, duet__moe_plan_t pl)
 {
     extern __shared__ int plan_sh[];
     int *cnt = plan_sh, *cur = plan_sh + E;
+    const int nb = (int)gridDim.x, b = (int)blockIdx.x;
     for (int e = threadIdx.x; e < E; e += blockDim.x)
-        cnt[e] = 0;
-    duet_pdl_wait(); /* the routing; the previous call's kernels are done with the scratch */
+        cnt[e] = cur[e] = 0;
+    duet_pdl_wait(); /* the routing or the counts; the previous call's kernels are done with the
+                      * scratch */
     duet_pdl_trigger();
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const int e = idx[p];
-        if (e >= 0 && e < E)
-            atomicAdd(&cnt[e], 1);
+    int p0, p1;
+    duet__plan_range(P, per, &p0, &p1);
+    if (nb == 1) {
+        for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
+            const int e = idx[p];
+            if (e >= 0 && e < E)
+                atomicAdd(&cnt[e], 1);
+        }
+    } else {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            int tot = 0, before = 0;
+            for (int j = 0; j < nb; j++) {
+                const int c = hist[(int64_t)j * E + e];
+                tot += c;
+                before += j < b ? c : 0;
+            }
+            cnt[e] = tot;
+            cur[e] = before;
+        }
     }
     __syncthreads();
     const int chunk = (E + (int)blockDim.x - 1) / (int)blockDim.x;
@@ -818,21 +871,23 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
     int qb = duet__block_excl_scan(q, &q_tot);
     for (int e = e0; e < e1; e++) {
         const int n = cnt[e];
-        pl.off[e] = cb;
-        cur[e] = cb;
-        for (int j = 0; j < n; j += nr)
-            pl.slots[sb++] = make_int2(e, cb + j);
-        for (int j = 0; j < n; j += bm)
-            pl.tiles[qb++] = make_int2(e, cb + j);
+        cur[e] += cb;
+        if (b == 0) {
+            pl.off[e] = cb;
+            for (int j = 0; j < n; j += nr)
+                pl.slots[sb++] = make_int2(e, cb + j);
+            for (int j = 0; j < n; j += bm)
+                pl.tiles[qb++] = make_int2(e, cb + j);
+        }
         cb += n;
     }
-    if (threadIdx.x == 0) {
+    if (b == 0 && threadIdx.x == 0) {
         pl.off[E] = c_tot;
         pl.meta[0] = s_tot;
         pl.meta[1] = q_tot;
     }
     __syncthreads();
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
         const int e = idx[p];
         if (e >= 0 && e < E)
             pl.list[atomicAdd(&cur[e], 1)] = p;
@@ -1678,7 +1733,7 @@ __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32
 /* ---- host side ------------------------------------------------------------------------------ */
 
 typedef struct {
-    size_t off, list, meta, slots, tiles, cnt, xb, h, out, total;
+    size_t off, list, meta, slots, tiles, cnt, hist, xb, h, out, total;
     int64_t max_slots, max_tiles, n_slices;
 } duet__moe_layout_t;
 
@@ -1711,6 +1766,8 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.max_tiles * sizeof(int2));
     L.cnt = at; /* tickets: T = 1 only */
     at += duet__align256((size_t)L.n_slices * sizeof(int));
+    L.hist = at; /* the plan's counts per block and expert */
+    at += duet__align256((size_t)DUET__PLAN_MAX_BLOCKS * E * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
     L.h = at; /* P pairs' rows, then one for a folded shared expert (only ever at T = 1) */
@@ -2114,10 +2171,22 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             pl.nx = ex->norm_x;
             pl.nw = ex->norm_w;
         }
-    } else
-        DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3(1), dim3(DUET__PLAN_THREADS),
-                                  2 * E * sizeof(int), stream, idx, (int)P, (int)E, nrmax, bm, pl),
+    } else {
+        /* a block per DUET__PLAN_PAIRS pairs: one block alone took 0.1 ms at 65536 pairs */
+        int nb = (int)((P + DUET__PLAN_PAIRS - 1) / DUET__PLAN_PAIRS);
+        nb = nb < 1 ? 1 : nb > DUET__PLAN_MAX_BLOCKS ? DUET__PLAN_MAX_BLOCKS : nb;
+        const int per = (int)((P + nb - 1) / nb);
+        int *hist = (int *)(base + L.hist);
+        if (nb > 1)
+            DUET__TRY(duet_pdl_launch(duet__moe_count_kernel, dim3((unsigned)nb),
+                                      dim3(DUET__PLAN_THREADS), E * sizeof(int), stream, idx,
+                                      (int)P, (int)E, per, hist),
+                      "count kernel launch");
+        DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3((unsigned)nb),
+                                  dim3(DUET__PLAN_THREADS), 2 * E * sizeof(int), stream, idx,
+                                  (int)P, (int)E, nrmax, bm, per, (const int *)hist, pl),
                   "plan kernel launch");
+    }
 
     duet_status_t st;
     if (path == DUET__MOE_PATH_MMA) {

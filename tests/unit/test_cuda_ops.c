@@ -1237,8 +1237,9 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
  * without programmatic dependent launch; on the GEMV path, 384 slots, so 4 slices per block,
- * and forced to 1), T = 1 and 8 on the automatic (GEMV) path, which must match its variants bit
- * for bit (separate combine kernel, no PDL, at T = 1 the uncapped kernels). */
+ * and forced to 1), T = 600 on both paths (the plan in several blocks), T = 1 and 8 on the
+ * automatic (GEMV) path, which must match its variants bit for bit (separate combine kernel, no
+ * PDL, at T = 1 the uncapped kernels). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -1252,9 +1253,12 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     static const int decode[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, PATH_GEMV | PATH_NO_PDL,
                                  PATH_GEMV | PATH_DEEP};
     moe_case(cpu, &X, 64, 8, &silu, paths, 6, auto_mma(&X, 64, 8), 0, 0);
-    static const int prefill[] = {PATH_AUTO, PATH_MMA | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
-                                  MMA_BM(128), MMA_BM(64)};
-    moe_case(cpu, &X, 600, 8, &silu, prefill, 5, auto_mma(&X, 600, 8), 0, 0);
+    /* 4800 pairs: the plan in three blocks after the count kernel (moe.cu, DUET__PLAN_PAIRS),
+     * with and without PDL, its tiles on both MMA kernels and its slots on the GEMV path */
+    static const int prefill[] = {PATH_AUTO,   PATH_MMA | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
+                                  MMA_BM(128), MMA_BM(64),           PATH_MMA | PATH_NO_PDL,
+                                  PATH_GEMV};
+    moe_case(cpu, &X, 600, 8, &silu, prefill, 7, auto_mma(&X, 600, 8), 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
