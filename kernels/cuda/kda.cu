@@ -6,7 +6,10 @@
  *   registers (starting from the item's window), so runs are independent of each other and
  *   each input is read once. A second launch then rolls each (item, channel) window
  *   forward: a separate kernel because the first one still reads the old windows.
- * prep / out: one warp per (row, head); lanes stride over the head's K channels.
+ * prep / out: one warp per (row, head); lanes stride over the head's K channels. Where the conv
+ *   runs four channels per thread at K = 128 (a warp: one head's q, k or v), duet_cuda_kda_chain's
+ *   conv normalises q and k itself, to the bit as prep would, and prep takes only g and β: one
+ *   pass over q and k less.
  * core, recurrent (items of one token, the decode path): the state is the traffic, 64 KiB per
  *   head at K = V = 128. Column x of S evolves on its own (o[x], the delta u[x] and S[:, x] only
  *   need column x plus the shared q, k, g), so a block of 32 columns x 8 row groups loads each
@@ -103,6 +106,14 @@ extern "C" void duet__cuda_kda_conv_scalar(int on)
     duet__kda_conv_scalar = on;
 }
 
+/* Test hook: nonzero leaves q and k of duet_cuda_kda_chain's separate kernels to prep. */
+static int duet__kda_conv_norm_off = 0;
+
+extern "C" void duet__cuda_kda_conv_norm_off(int on)
+{
+    duet__kda_conv_norm_off = on;
+}
+
 static unsigned duet__blocks(int64_t n, int per_block, int64_t cap)
 {
     int64_t b = (n + per_block - 1) / per_block;
@@ -167,6 +178,17 @@ __device__ static inline float duet__warp_sum(float v)
     return v;
 }
 
+/* What prep multiplies a head's q (part 0) or k (part 1) by, from the head's sum of squares:
+ * every path that normalises q and k takes its sum in prep's order (lane l adds d = l, l + 32,
+ * ... in turn, then duet__warp_sum) and this factor, so that they agree to the bit. */
+__device__ static inline float duet__kda_l2_factor(float ss, int part, int64_t K)
+{
+    float inv = 1.0f / sqrtf(ss + DUET_KDA_L2_EPS);
+    if (part == 0)
+        inv *= 1.0f / sqrtf((float)K);
+    return inv;
+}
+
 /* The KDA layer block of (slot, layer): S [H][K][V], then the windows [3*H*K][W-1]. */
 __device__ static inline float *duet__kda_block(const duet_cuda_kda_layer_t &ly, int32_t slot)
 {
@@ -218,10 +240,34 @@ template <int VEC> __device__ static inline void duet__kda_ldv(const float *p, f
     }
 }
 
-template <int VEC, int WC>
-__global__ static void
-duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float *__restrict__ taps,
-                      const float *__restrict__ proj, float *__restrict__ qkv, int R)
+/* NORM (VEC = 4, K = 128: a warp's 128 channels are one head's q, k or v): each row's q and k
+ * leave normalised as prep would leave them, bit for bit (duet__kda_l2_factor); lane m forms
+ * prep's lane-m sum from channels m, m + 32, m + 64, m + 96, which lanes m/4 + 8j hold. */
+template <int VEC> __device__ static inline void duet__kda_conv_norm(float (&y)[VEC], int part)
+{
+    static_assert(VEC == 4, "one head of 128 channels per warp");
+    const int lane = threadIdx.x & 31, src = lane >> 2, c = lane & 3;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float a0 = __shfl_sync(0xffffffffu, y[0], src + 8 * j);
+        const float a1 = __shfl_sync(0xffffffffu, y[1], src + 8 * j);
+        const float a2 = __shfl_sync(0xffffffffu, y[2], src + 8 * j);
+        const float a3 = __shfl_sync(0xffffffffu, y[3], src + 8 * j);
+        const float x = c == 0 ? a0 : c == 1 ? a1 : c == 2 ? a2 : a3;
+        ss += x * x;
+    }
+    const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, 128);
+#pragma unroll
+    for (int k = 0; k < VEC; k++)
+        y[k] *= inv;
+}
+
+template <int VEC, int WC, bool NORM>
+__device__ static __forceinline__ void
+duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
+                    const float *__restrict__ taps, const float *__restrict__ proj,
+                    float *__restrict__ qkv, int R)
 {
     constexpr int WM = WC > 0 ? WC - 1 : DUET_KDA_MAX_W - 1; /* the window's registers */
     const int64_t C3 = 3 * ly.H * ly.K, W = WC > 0 ? WC : ly.W, HKK = ly.H * ly.K * ly.K;
@@ -294,6 +340,9 @@ duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float
                     for (int j = 0; j < WM; j++)
                         u[c][j] = j == W - 2 ? x : (j + 1 < WM ? u[c][j + 1] : u[c][j]);
                 }
+                if constexpr (NORM) /* (the part is the same for the whole warp) */
+                    if (ch0 < 2 * C3 / 3)
+                        duet__kda_conv_norm<VEC>(y, ch0 < C3 / 3 ? 0 : 1);
                 if constexpr (VEC == 4)
                     *reinterpret_cast<float4 *>(qkv + row * C3 + ch0) =
                         make_float4(y[0], y[1], y[2], y[3]);
@@ -304,6 +353,24 @@ duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float
             }
         }
     }
+}
+
+template <int VEC, int WC>
+__global__ static void
+duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float *__restrict__ taps,
+                      const float *__restrict__ proj, float *__restrict__ qkv, int R)
+{
+    duet__kda_conv_body<VEC, WC, false>(st, ly, taps, proj, qkv, R);
+}
+
+/* The fast kernel with NORM, its registers capped for three blocks per SM (80, no spills; 95
+ * uncapped, two blocks) */
+__global__ static void __launch_bounds__(256, 3)
+    duet__kda_conv_norm_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
+                               const float *__restrict__ taps, const float *__restrict__ proj,
+                               float *__restrict__ qkv, int R)
+{
+    duet__kda_conv_body<4, 4, true>(st, ly, taps, proj, qkv, R);
 }
 
 /* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1); a verify item's
@@ -336,10 +403,13 @@ __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kd
     }
 }
 
-extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
-                                            const duet_cuda_kda_layer_t *ly, const float *taps,
-                                            const float *proj, float *qkv)
+/* duet_cuda_kda_conv; with norm, where the fast kernel runs at K = 128 it also normalises q and
+ * k as prep would (NORM) and sets *normed. */
+static duet_status_t duet__kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
+                                    const duet_cuda_kda_layer_t *ly, const float *taps,
+                                    const float *proj, float *qkv, bool norm, bool *normed)
 {
+    *normed = false;
     duet_status_t s = duet__kda_check(ly, "conv");
     if (s != DUET_OK)
         return s;
@@ -355,7 +425,12 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     const bool fast = !duet__kda_conv_scalar && ly->W == 4 && C3 % 4 == 0 &&
                       (((uintptr_t)proj | (uintptr_t)qkv) & 15) == 0;
     dim3 grid(duet__blocks(fast ? C3 / 4 : C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
-    if (fast)
+    if (fast && norm && ly->K == 128 && !duet__kda_conv_norm_off) {
+        DUET__TRY(duet_pdl_launch(duet__kda_conv_norm_kernel, grid, dim3(th), 0, stream, *st, *ly,
+                                  taps, proj, qkv, R),
+                  "conv launch");
+        *normed = true;
+    } else if (fast)
         DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel<4, 4>, grid, dim3(th), 0, stream, *st, *ly,
                                   taps, proj, qkv, R),
                   "conv launch");
@@ -372,8 +447,18 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     return DUET_OK;
 }
 
+extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st,
+                                            const duet_cuda_kda_layer_t *ly, const float *taps,
+                                            const float *proj, float *qkv)
+{
+    bool normed;
+    return duet__kda_conv(stream, st, ly, taps, proj, qkv, false, &normed);
+}
+
 /* ---- prep --------------------------------------------------------------------------------- */
 
+/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_kernel's NORM). */
+template <bool QK>
 __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
                                              const float *neg_A, const float *dt_bias, float *qkv,
                                              float *g, float *beta)
@@ -381,7 +466,6 @@ __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t 
     const int lane = threadIdx.x & 31;
     const int64_t HK = H * K, C3 = 3 * HK;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-    const float scale = 1.0f / sqrtf((float)K);
     duet_pdl_wait(); /* qkv, g, beta */
     duet_pdl_trigger();
     for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
@@ -393,35 +477,41 @@ __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t 
             gr[d] = nA * duet__softplus(gr[d] + dt_bias[h * K + d]);
         if (lane == 0)
             beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
-        for (int part = 0; part < 2; part++) {
+        for (int part = 0; QK && part < 2; part++) {
             float *x = qkv + row * C3 + part * HK + h * K;
             float ss = 0.0f;
             for (int64_t d = lane; d < K; d += 32)
                 ss += x[d] * x[d];
-            ss = duet__warp_sum(ss);
-            float inv = 1.0f / sqrtf(ss + DUET_KDA_L2_EPS);
-            if (part == 0)
-                inv *= scale;
+            const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
             for (int64_t d = lane; d < K; d += 32)
                 x[d] *= inv;
         }
     }
 }
 
-extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
-                                            const duet_cuda_kda_layer_t *ly, const float *neg_A,
-                                            const float *dt_bias, float *qkv, float *g, float *beta)
+/* duet_cuda_kda_prep, with q and k left alone when !qk (the conv normalised them). */
+static duet_status_t duet__kda_prep(cudaStream_t stream, int64_t n_rows,
+                                    const duet_cuda_kda_layer_t *ly, const float *neg_A,
+                                    const float *dt_bias, float *qkv, float *g, float *beta,
+                                    bool qk)
 {
     if (ly == NULL || ly->H < 1 || ly->K < 1 || n_rows < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda kda prep: bad arguments");
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    DUET__TRY(duet_pdl_launch(duet__kda_prep_kernel,
+    DUET__TRY(duet_pdl_launch(qk ? duet__kda_prep_kernel<true> : duet__kda_prep_kernel<false>,
                               dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0,
                               stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
               "prep launch");
     return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
+                                            const duet_cuda_kda_layer_t *ly, const float *neg_A,
+                                            const float *dt_bias, float *qkv, float *g, float *beta)
+{
+    return duet__kda_prep(stream, n_rows, ly, neg_A, dt_bias, qkv, g, beta, true);
 }
 
 /* ---- out ---------------------------------------------------------------------------------- */
@@ -1934,10 +2024,7 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
         float ss = 0.0f;
         for (int d = tx; d < K; d += 32)
             ss += xv[d] * xv[d];
-        ss = duet__warp_sum(ss);
-        float inv = 1.0f / sqrtf(ss + DUET_KDA_L2_EPS);
-        if (ty == 0)
-            inv *= 1.0f / sqrtf((float)K);
+        const float inv = duet__kda_l2_factor(duet__warp_sum(ss), ty, K);
         if (tx == 0)
             sinv[ty] = inv;
     }
@@ -2047,10 +2134,12 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
     int clusters = 0;
     if (small && (s = duet__kda_clusters(&clusters)) != DUET_OK)
         return s;
-    if (!small || !clusters) { /* prefill, large batches, no clusters: the separate kernels */
-        if ((s = duet_cuda_kda_conv(stream, st, ly, w->taps, proj, qkv)) != DUET_OK ||
-            (s = duet_cuda_kda_prep(stream, st->n_rows, ly, w->neg_A, w->dt_bias, qkv, g, beta)) !=
-                DUET_OK ||
+    if (!small || !clusters) { /* prefill, large batches, no clusters: the separate kernels, q
+                                * and k normalised in the conv where it can */
+        bool normed;
+        if ((s = duet__kda_conv(stream, st, ly, w->taps, proj, qkv, true, &normed)) != DUET_OK ||
+            (s = duet__kda_prep(stream, st->n_rows, ly, w->neg_A, w->dt_bias, qkv, g, beta,
+                                !normed)) != DUET_OK ||
             (s = duet_cuda_kda_core(stream, st, ly, qkv, g, beta, o, scratch)) != DUET_OK)
             return s;
         return duet_cuda_kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o);

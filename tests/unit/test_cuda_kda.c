@@ -11,10 +11,11 @@
  * recurrent forms agree (one 150-token item versus 150 one-token steps), one replays the chain
  * as a captured CUDA graph, and one only times the kernels at the real model's shapes.
  *
- * duet_cuda_kda_chain (the four calls in one, a single fused kernel for decode steps) is checked
- * the same way against the CPU reference, and against the four separate calls launched without
- * programmatic dependent launch from the same pool (results and every pool element, tolerance
- * TOL_FUSED: the fused kernel computes each element with the same expression, so 0 is expected),
+ * duet_cuda_kda_chain (the four calls in one, a single fused kernel for decode steps, q and k
+ * normalised in the conv for prefill at K = 128) is checked the same way against the CPU
+ * reference, and against the four separate calls launched without programmatic dependent launch
+ * from the same pool (results and every pool element, TOL_FUSED = 0: the fused kernels compute
+ * each element with the same expressions),
  * at batch 1, at several items, for every cluster size (K = 16 .. 128), W from 1 to 8, and on
  * prefill / mixed steps and a large decode batch (where it runs the separate kernels), plus a
  * captured graph.
@@ -59,8 +60,10 @@
 #define DUET_TEST_RNG_SEED 0x9e3779b97f4a7c15ull
 #include "cuda_test_util.h"
 
-/* kda.cu's test hook: nonzero runs the conv one channel per thread */
+/* kda.cu's test hooks: nonzero runs the conv one channel per thread; nonzero leaves q and k of the
+ * chain's separate kernels to prep instead of the conv */
 void duet__cuda_kda_conv_scalar(int on);
+void duet__cuda_kda_conv_norm_off(int on);
 
 #define TOL_EXACT     0.0
 #define TOL_PREP      1e-5
@@ -68,7 +71,7 @@ void duet__cuda_kda_conv_scalar(int on);
 #define TOL_OUT       1e-3
 #define TOL_CORE_TF32 3.90625e-3 /* 2^-8 */
 #define TOL_OUT_TF32  3.90625e-2
-#define TOL_FUSED     1e-6 /* chain vs the four calls: the fused kernel repeats their expressions */
+#define TOL_FUSED     0.0 /* chain vs the four calls: the fused kernels repeat their expressions */
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
@@ -751,8 +754,10 @@ Test(cuda_kda, chain_prefill, .timeout = 120)
     skip_without_device();
     const kda_shape_t a = {"H3 K64 W4 mixed", 3, 64, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f, 0};
     const kda_shape_t b = {"H2 K128 W4 prefill", 2, 128, 4, 1, {130}, -2.0f, 0.5f, 0};
+    const kda_shape_t d = {"H2 K128 W4 mixed", 2, 128, 4, 4, {1, 70, 1, 3}, -2.0f, 0.5f, 0};
     run_chain_fused(&a);
     run_chain_fused(&b);
+    run_chain_fused(&d);
 }
 
 /* Whether the n floats at dev equal host's to the bit. */
@@ -1111,6 +1116,13 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
         CUDA_OK(
             cudaMemcpy(r.qkv, h_proj, sizeof(float) * (size_t)(T * C3), cudaMemcpyHostToDevice));
         free(h_proj);
+        /* Random conv taps (zeros would make every conv output SiLU(0) = 0 and the bit-for-bit
+         * checks below vacuous). */
+        float *h_taps = xmalloc(sizeof(float) * (size_t)(C3 * 4));
+        fill(h_taps, (size_t)(C3 * 4), -0.5f, 0.5f);
+        CUDA_OK(
+            cudaMemcpy(r.taps, h_taps, sizeof(float) * (size_t)(C3 * 4), cudaMemcpyHostToDevice));
+        free(h_taps);
         /* Prepared inputs: prep once on random qkv (neg_A = 0, so g = 0: no decay). */
         DUET_OK_OR_FAIL(duet_cuda_kda_prep(0, T, &r.ly, r.w, r.w, r.qkv, r.g, r.b));
         cudaEvent_t e0, e1;
@@ -1155,6 +1167,58 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
             ms_tc1 = core_ms(&r, iters, e0, e1);
             r.ly.tc = DUET_CUDA_KDA_FMA;
         }
+        /* The chain at prefill with q and k normalised in the conv (its choice at K = 128) and,
+         * with the hook, in prep: from the same pool and inputs equal bit for bit (qkv, g, β, o
+         * and the pool), then timed side by side. */
+        float ms_chain[2] = {0.0f, 0.0f};
+        if (n_tok > 1) {
+            const size_t ng = (size_t)(T * r.HK), nb = (size_t)(T * H),
+                         np = (size_t)((n_items + 1) * r.lf);
+            float *h_w = xmalloc(sizeof(float) * ng); /* neg_A, dt_bias, o_norm: nonzero */
+            fill(h_w, (size_t)r.HK, -1.0f, -0.1f);
+            CUDA_OK(cudaMemcpy(r.w, h_w, sizeof(float) * (size_t)r.HK, cudaMemcpyHostToDevice));
+            fill(h_w, ng, -1.0f, 1.0f);
+            float *g0 = dev_copy(h_w, sizeof(float) * ng), *b0 = dev_copy(h_w, sizeof(float) * nb);
+            CUDA_OK(cudaMemcpy(r.gate, h_w, sizeof(float) * ng, cudaMemcpyHostToDevice));
+            free(h_w);
+            const duet_cuda_kda_weights_t w = {
+                .taps = r.taps, .neg_A = r.w, .dt_bias = r.w, .o_norm = r.w, .eps = 1e-6f};
+            float *got[2][5];
+            for (int v = 0; v < 2; v++) {
+                duet__cuda_kda_conv_norm_off(v);
+                CUDA_OK(cudaMemset(r.pool, 0, sizeof(float) * np));
+                CUDA_OK(cudaMemcpy(r.g, g0, sizeof(float) * ng, cudaMemcpyDeviceToDevice));
+                CUDA_OK(cudaMemcpy(r.b, b0, sizeof(float) * nb, cudaMemcpyDeviceToDevice));
+                DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g,
+                                                    r.b, r.o, r.scr));
+                const float *src[5] = {r.qkv, r.g, r.b, r.o, r.pool};
+                const size_t n[5] = {nq, ng, nb, ng, np};
+                for (int k = 0; k < 5; k++) {
+                    got[v][k] = xmalloc(sizeof(float) * n[k]);
+                    CUDA_OK(cudaMemcpy(got[v][k], src[k], sizeof(float) * n[k],
+                                       cudaMemcpyDeviceToHost));
+                }
+                CUDA_OK(cudaEventRecord(e0, 0));
+                for (int i = 0; i < iters; i++)
+                    DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv,
+                                                        r.g, r.b, r.o, r.scr));
+                CUDA_OK(cudaEventRecord(e1, 0));
+                CUDA_OK(cudaEventSynchronize(e1));
+                CUDA_OK(cudaEventElapsedTime(&ms_chain[v], e0, e1));
+            }
+            duet__cuda_kda_conv_norm_off(0);
+            static const char *names[5] = {"qkv", "g", "beta", "o", "pool"};
+            const size_t n[5] = {nq, ng, nb, ng, np};
+            for (int k = 0; k < 5; k++) {
+                CHECK(memcmp(got[0][k], got[1][k], sizeof(float) * n[k]) == 0,
+                      "%d items x %d tokens: the chain's %s differs with q, k normalised in prep",
+                      n_items, n_tok, names[k]);
+                free(got[0][k]);
+                free(got[1][k]);
+            }
+            cudaFree(g0);
+            cudaFree(b0);
+        }
         const double us = 1e3 * ms_core / iters;
         const double state_gb = 2.0 * (double)n_items * (double)(H * K * K * 4) / 1e9;
         printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core %9.1f us (%.0f GB/s of "
@@ -1163,8 +1227,10 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
                1e3 * ms_conv / iters, 1e3 * ms_conv1 / iters, 1e3 * ms_out / iters);
         if (n_tok > 1)
             printf("[cuda_kda] timing H32 K128: %4d items x %4d tokens: core on the tensor cores "
-                   "%9.1f us split, %9.1f us one term\n",
-                   n_items, n_tok, 1e3 * ms_tc / iters, 1e3 * ms_tc1 / iters);
+                   "%9.1f us split, %9.1f us one term; chain %9.1f us (q, k normalised in prep "
+                   "%9.1f)\n",
+                   n_items, n_tok, 1e3 * ms_tc / iters, 1e3 * ms_tc1 / iters,
+                   1e3 * ms_chain[0] / iters, 1e3 * ms_chain[1] / iters);
         fflush(stdout);
         CUDA_OK(cudaEventDestroy(e0));
         CUDA_OK(cudaEventDestroy(e1));
