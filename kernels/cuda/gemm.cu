@@ -1338,12 +1338,28 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
                                               ops[i].w->dtype, N, K);
     }
     if (!fits && !fits_tc) { /* one call each (cuBLASLt, or a GEMV alone) */
+        /* ops on the same x rows (one norm's output, say) share its conversion: the staging
+         * still holds it, as no op writes what another reads */
+        const duet_cuda_gemm_op_t *staged = NULL;
         for (int i = 0; i < n_ops; i++) {
+            const duet_cuda_gemm_op_t *op = &ops[i];
+            const int64_t N = op->w->shape[0], K = op->w->shape[1];
+            const bool lowp =
+                op->w->dtype != DUET_DTYPE_F32 &&
+                !duet__gemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K, flags) &&
+                !duet__tgemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K);
+            const bool reuse = lowp && staged != NULL && staged->x == op->x &&
+                               staged->ldx == op->ldx && staged->w->dtype == op->w->dtype &&
+                               staged->w->shape[1] == K;
             duet_status_t st =
-                duet_cuda_gemm_matmul(g, stream, ops[i].y, ops[i].ldy, ops[i].x, ops[i].ldx, M,
-                                      ops[i].w, ops[i].accumulate, flags);
+                reuse ? duet_cuda_gemm_matmul_lowp(g, stream, op->y, op->ldy, g->stage, K, M, op->w,
+                                                   op->accumulate, flags)
+                      : duet_cuda_gemm_matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w,
+                                              op->accumulate, flags);
             if (st != DUET_OK)
                 return st;
+            if (lowp && !reuse)
+                staged = op; /* duet_cuda_gemm_matmul converted its x into the staging */
         }
         return DUET_OK;
     }

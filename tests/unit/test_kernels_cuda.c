@@ -849,6 +849,79 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 300)
 }
 
 /*
+ * duet_cuda_gemm_matmul_multi on the cuBLASLt path (M = 64 rows) with ops that share x: the first
+ * op on an x converts it to bf16 and the next ops on the same x use the staged copy; an op on
+ * another x converts that one, and a later op on the first x must convert it again. Each product
+ * must equal the same op run alone through duet_cuda_gemm_matmul, bit for bit (the same cuBLASLt
+ * call on the same bf16 rows), accumulating ones included.
+ */
+Test(kernels_cuda, multi_shares_conversion, .timeout = 120)
+{
+    skip_without_device();
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_cuda_gemm_create(0, 1 << 20, &g) == DUET_OK, "%s", duet_error_last());
+    const int64_t M = 64, K = 256, N = 96, ld = K + 4;
+    float *x[2], *dx[2], *y0 = xmalloc((size_t)(M * N) * 4);
+    for (int v = 0; v < 2; v++) {
+        x[v] = xmalloc((size_t)(M * ld) * 4);
+        for (int64_t i = 0; i < M * ld; i++)
+            x[v][i] = rng_f();
+        dx[v] = dev_copy(x[v], (size_t)(M * ld) * 4);
+    }
+    for (int64_t i = 0; i < M * N; i++)
+        y0[i] = rng_f();
+    enum { NOPS = 4 };
+    static const int which_x[NOPS] = {0, 0, 1, 0}, acc[NOPS] = {0, 1, 0, 1};
+    uint16_t *w = xmalloc((size_t)(N * K) * 2);
+    void *dw[NOPS];
+    duet_tensor_t t[NOPS];
+    float *dy[NOPS];
+    duet_cuda_gemm_op_t ops[NOPS];
+    for (int i = 0; i < NOPS; i++) {
+        for (int64_t k = 0; k < N * K; k++)
+            w[k] = duet_f32_to_bf16(rng_f());
+        dw[i] = dev_copy(w, (size_t)(N * K) * 2);
+        t[i] = (duet_tensor_t){.data = dw[i],
+                               .dtype = DUET_DTYPE_BF16,
+                               .device = DUET_DEVICE_CUDA,
+                               .ndim = 2,
+                               .shape = {N, K}};
+        dy[i] = dev_alloc((size_t)(M * N) * 4);
+        ops[i] = (duet_cuda_gemm_op_t){
+            .y = dy[i], .ldy = N, .x = dx[which_x[i]], .ldx = ld, .w = &t[i], .accumulate = acc[i]};
+    }
+    float *got[2][NOPS];
+    for (int alone = 0; alone <= 1; alone++) {
+        for (int i = 0; i < NOPS; i++)
+            CUDA_OK(cudaMemcpy(dy[i], y0, (size_t)(M * N) * 4, cudaMemcpyHostToDevice));
+        if (alone)
+            for (int i = 0; i < NOPS; i++)
+                CHECK(duet_cuda_gemm_matmul(g, 0, dy[i], N, ops[i].x, ld, M, &t[i], acc[i], 0) ==
+                          DUET_OK,
+                      "op %d alone: %s", i, duet_error_last());
+        else
+            CHECK(duet_cuda_gemm_matmul_multi(g, 0, M, ops, NOPS, 0) == DUET_OK, "multi: %s",
+                  duet_error_last());
+        for (int i = 0; i < NOPS; i++) {
+            got[alone][i] = xmalloc((size_t)(M * N) * 4);
+            CUDA_OK(cudaMemcpy(got[alone][i], dy[i], (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
+        }
+    }
+    for (int i = 0; i < NOPS; i++) {
+        CHECK(memcmp(got[0][i], got[1][i], (size_t)(M * N) * 4) == 0,
+              "op %d (x %d, accumulate %d): the multi call differs from the op alone", i,
+              which_x[i], acc[i]);
+        CHECK(memcmp(got[1][i], y0, (size_t)(M * N) * 4) != 0, "op %d wrote nothing", i);
+        free(got[0][i]), free(got[1][i]);
+        cudaFree(dw[i]), cudaFree(dy[i]);
+    }
+    for (int v = 0; v < 2; v++)
+        free(x[v]), cudaFree(dx[v]);
+    free(w), free(y0);
+    duet_cuda_gemm_destroy(g);
+}
+
+/*
  * duet_cuda_argmax_split (many blocks per row) against the CPU's rule — the first index of the
  * largest value — and the one-block duet_cuda_argmax: vocabularies from 1 to 163840 (chunk edges,
  * V not a multiple of 4), a row stride that breaks 16-byte alignment, ties planted across chunks
