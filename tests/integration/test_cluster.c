@@ -1072,7 +1072,10 @@ static int log_count(const char *name, const char *const *want, int n)
  */
 Test(cluster, vllm_metrics_move_under_traffic_and_pass_promtool, .timeout = 180)
 {
-    enum { N = 6, LEN = 60, M = 24 };
+    /* M long enough that each request holds its pages over several 100 ms heartbeats (the KV
+     * usage comes with them): at 24 a request could start and end between two, and a CI run saw
+     * the usage stay 0 */
+    enum { N = 6, LEN = 60, M = 128 };
     static char before[1 << 18], during[1 << 18], after[1 << 18];
     static job_t jobs[N];
     ctx_extra[0] = gen_extra[0] = "--metrics.port";
