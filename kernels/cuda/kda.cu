@@ -363,8 +363,8 @@ duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float
     duet__kda_conv_body<VEC, WC, false>(st, ly, taps, proj, qkv, R);
 }
 
-/* The fast kernel with NORM, its registers capped for three blocks per SM (80, no spills; 95
- * uncapped, two blocks) */
+/* The fast kernel with NORM, its registers capped so that three blocks fit on an SM (the
+ * shuffles would otherwise leave room for two) */
 __global__ static void __launch_bounds__(256, 3)
     duet__kda_conv_norm_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
                                const float *__restrict__ taps, const float *__restrict__ proj,
@@ -457,7 +457,7 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
 
 /* ---- prep --------------------------------------------------------------------------------- */
 
-/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_kernel's NORM). */
+/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). */
 template <bool QK>
 __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
                                              const float *neg_A, const float *dt_bias, float *qkv,
