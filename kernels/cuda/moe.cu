@@ -2172,7 +2172,8 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             pl.nw = ex->norm_w;
         }
     } else {
-        /* a block per DUET__PLAN_PAIRS pairs: one block alone took 0.1 ms at 65536 pairs */
+        /* a block per DUET__PLAN_PAIRS pairs: one block for every pair of a long prefill runs
+         * on one SM (bench/RESULTS.md, "MoE plan: one block per 2048 pairs") */
         int nb = (int)((P + DUET__PLAN_PAIRS - 1) / DUET__PLAN_PAIRS);
         nb = nb < 1 ? 1 : nb > DUET__PLAN_MAX_BLOCKS ? DUET__PLAN_MAX_BLOCKS : nb;
         const int per = (int)((P + nb - 1) / nb);
