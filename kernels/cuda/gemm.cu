@@ -1271,11 +1271,18 @@ duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t stream, float *y
                              w->dtype, N, K, (int32_t)B, accumulate, flags);
 }
 
-extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
-                                               int64_t ldy, const float *x, int64_t ldx, int64_t M,
-                                               const duet_tensor_t *w, int accumulate,
-                                               unsigned flags)
+/*
+ * duet_cuda_gemm_matmul. Where the product takes cuBLASLt with a 16-bit W it reads x from the
+ * staging in W's dtype: converted here, or, with `staged` set, left there by the caller's earlier
+ * call on the same x (rows, stride, dtype and K); *converted (may be NULL) says whether this call
+ * wrote the staging.
+ */
+static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y, int64_t ldy,
+                                  const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w,
+                                  int accumulate, unsigned flags, int staged, int *converted)
 {
+    if (converted != NULL)
+        *converted = 0;
     if (g == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
@@ -1291,15 +1298,27 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
 
-    if (M * K > g->stage_elems)
-        return duet_error_set(DUET_ERR_RANGE,
-                              "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
-                              "elements; raise max_x_elems at create)",
-                              (long long)M, (long long)K, (long long)g->stage_elems);
-    st = duet_cuda_convert_from_f32(g->stage, w->dtype, x, ldx, M, K, stream);
-    if (st != DUET_OK)
-        return st;
+    if (!staged) {
+        if (M * K > g->stage_elems)
+            return duet_error_set(DUET_ERR_RANGE,
+                                  "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
+                                  "elements; raise max_x_elems at create)",
+                                  (long long)M, (long long)K, (long long)g->stage_elems);
+        st = duet_cuda_convert_from_f32(g->stage, w->dtype, x, ldx, M, K, stream);
+        if (st != DUET_OK)
+            return st;
+        if (converted != NULL)
+            *converted = 1;
+    }
     return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
+}
+
+extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y,
+                                               int64_t ldy, const float *x, int64_t ldx, int64_t M,
+                                               const duet_tensor_t *w, int accumulate,
+                                               unsigned flags)
+{
+    return duet__matmul(g, stream, y, ldy, x, ldx, M, w, accumulate, flags, 0, NULL);
 }
 
 /* The GEMV launch arguments of multi-call ops (already checked to fit the GEMV path). */
@@ -1340,26 +1359,19 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     if (!fits && !fits_tc) { /* one call each (cuBLASLt, or a GEMV alone) */
         /* ops on the same x rows (one norm's output, say) share its conversion: the staging
          * still holds it, as no op writes what another reads */
-        const duet_cuda_gemm_op_t *staged = NULL;
+        const duet_cuda_gemm_op_t *staged = NULL; /* the op whose x the staging holds */
         for (int i = 0; i < n_ops; i++) {
             const duet_cuda_gemm_op_t *op = &ops[i];
-            const int64_t N = op->w->shape[0], K = op->w->shape[1];
-            const bool lowp =
-                op->w->dtype != DUET_DTYPE_F32 &&
-                !duet__gemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K, flags) &&
-                !duet__tgemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K);
-            const bool reuse = lowp && staged != NULL && staged->x == op->x &&
-                               staged->ldx == op->ldx && staged->w->dtype == op->w->dtype &&
-                               staged->w->shape[1] == K;
-            duet_status_t st =
-                reuse ? duet_cuda_gemm_matmul_lowp(g, stream, op->y, op->ldy, g->stage, K, M, op->w,
-                                                   op->accumulate, flags)
-                      : duet_cuda_gemm_matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w,
-                                              op->accumulate, flags);
+            const int same = staged != NULL && staged->x == op->x && staged->ldx == op->ldx &&
+                             staged->w->dtype == op->w->dtype &&
+                             staged->w->shape[1] == op->w->shape[1];
+            int converted;
+            duet_status_t st = duet__matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w,
+                                            op->accumulate, flags, same, &converted);
             if (st != DUET_OK)
                 return st;
-            if (lowp && !reuse)
-                staged = op; /* duet_cuda_gemm_matmul converted its x into the staging */
+            if (converted)
+                staged = op;
         }
         return DUET_OK;
     }
