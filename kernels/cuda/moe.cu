@@ -793,6 +793,18 @@ static __device__ __forceinline__ void duet__plan_range(int P, int per, int *p0,
     *p1 = min(P, *p0 + per);
 }
 
+/* cnt[e] += the pairs of [p0, p1) routed to expert e (shared-memory atomics); invalid experts
+ * are skipped. */
+static __device__ __forceinline__ void duet__plan_count(const int32_t *idx, int p0, int p1, int E,
+                                                        int *cnt)
+{
+    for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
+        const int e = idx[p];
+        if (e >= 0 && e < E)
+            atomicAdd(&cnt[e], 1);
+    }
+}
+
 /* The plan in several blocks, part 1: block b counts the experts of its pairs into hist[b][e]. */
 __global__ void __launch_bounds__(DUET__PLAN_THREADS)
     duet__moe_count_kernel(const int32_t *idx, int P, int E, int per, int *hist)
@@ -805,11 +817,7 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
     __syncthreads();
     int p0, p1;
     duet__plan_range(P, per, &p0, &p1);
-    for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
-        const int e = idx[p];
-        if (e >= 0 && e < E)
-            atomicAdd(&plan_sh[e], 1);
-    }
+    duet__plan_count(idx, p0, p1, E, plan_sh);
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x)
         hist[(int64_t)blockIdx.x * E + e] = plan_sh[e];
@@ -839,11 +847,7 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
     int p0, p1;
     duet__plan_range(P, per, &p0, &p1);
     if (nb == 1) {
-        for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
-            const int e = idx[p];
-            if (e >= 0 && e < E)
-                atomicAdd(&cnt[e], 1);
-        }
+        duet__plan_count(idx, p0, p1, E, cnt);
     } else {
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
             int tot = 0, before = 0;
