@@ -2,8 +2,8 @@
  * cuda_mma.cuh: the tensor-core pieces the attention (mla.cu), the small-M GEMV (gemm.cu) and
  * KDA's chunked core (kda.cu) share (CUDA C++ only): one bf16 mma.m16n8k16 with fp32
  * accumulation, and the split of fp32 values into bf16 hi + lo pairs that lets such products keep
- * fp32 operands to 2^-16; one tf32 mma.m16n8k8 and the split of an fp32 value into two tf32
- * parts (three products of the parts keep fp32 operands to about 2^-21).
+ * fp32 operands to 2^-16; one tf32 mma.m16n8k8, the rounding of an fp32 value to tf32 and its
+ * split into two tf32 parts (three products of the parts keep fp32 operands to about 2^-21).
  */
 #ifndef DUET_KERNELS_CUDA_MMA_CUH
 #define DUET_KERNELS_CUDA_MMA_CUH
@@ -63,16 +63,22 @@ static __device__ __forceinline__ void duet_mma_tf32(float c[4], const uint32_t 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* x = big + small as two tf32 values (10 explicit mantissa bits each, round to nearest): big
- * rounds x, small the remainder, so |x − big − small| <= 2^-22 |x| (up to subnormals). The three
- * products big·big + big·small + small·big of two such splits carry a product to about 2^-21. */
+/* x rounded to tf32 (10 explicit mantissa bits, round to nearest): within 2^-11 of x. */
+static __device__ __forceinline__ uint32_t duet_round_tf32(float x)
+{
+    uint32_t b;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(x));
+    return b;
+}
+
+/* x = big + small as two tf32 values: big rounds x (duet_round_tf32), small the remainder, so
+ * |x − big − small| <= 2^-22 |x| (up to subnormals). The three products big·big + big·small +
+ * small·big of two such splits carry a product to about 2^-21. */
 static __device__ __forceinline__ void duet_split_tf32(float x, uint32_t *big, uint32_t *small)
 {
-    uint32_t b, s;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(s) : "f"(x - __uint_as_float(b)));
+    const uint32_t b = duet_round_tf32(x);
     *big = b;
-    *small = s;
+    *small = duet_round_tf32(x - __uint_as_float(b));
 }
 
 #endif

@@ -1505,14 +1505,6 @@ template <int K> struct duet__kda_tc_layout {
                          FLOATS = RED + 2 * C * PS;
 };
 
-/* x rounded to tf32 (round to nearest, as duet_split_tf32's big part). */
-static __device__ __forceinline__ uint32_t duet__kda_tf32(float x)
-{
-    uint32_t b;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(b) : "f"(x));
-    return b;
-}
-
 /* acc[j] += A · B_j for the warp's two 8-column tiles j, A's fragment elements a0..a3 (rows g,
  * g + 8, columns t, t + 4) given; the B fragments from the arrays bb / bs at their fragment
  * (pitch PB: rows t, t + 4, columns g and 8 + g). TERMS = 3: A split once, three tf32 products
@@ -1530,10 +1522,10 @@ static __device__ __forceinline__ void duet__kda_tc_mma(float (&acc)[2][4], floa
         duet_split_tf32(a2, &ab[2], &as[2]);
         duet_split_tf32(a3, &ab[3], &as[3]);
     } else {
-        ab[0] = duet__kda_tf32(a0);
-        ab[1] = duet__kda_tf32(a1);
-        ab[2] = duet__kda_tf32(a2);
-        ab[3] = duet__kda_tf32(a3);
+        ab[0] = duet_round_tf32(a0);
+        ab[1] = duet_round_tf32(a1);
+        ab[2] = duet_round_tf32(a2);
+        ab[3] = duet_round_tf32(a3);
     }
 #pragma unroll
     for (int j = 0; j < 2; j++) {
@@ -1593,8 +1585,8 @@ static __device__ __forceinline__ void duet__kda_tc_put_split(float *big, float 
                 duet_split_tf32(v[j][2 * hr + 1], &b1, &s1);
                 *reinterpret_cast<uint2 *>(small + off) = make_uint2(s0, s1);
             } else {
-                b0 = duet__kda_tf32(v[j][2 * hr]);
-                b1 = duet__kda_tf32(v[j][2 * hr + 1]);
+                b0 = duet_round_tf32(v[j][2 * hr]);
+                b1 = duet_round_tf32(v[j][2 * hr + 1]);
             }
             *reinterpret_cast<uint2 *>(big + off) = make_uint2(b0, b1);
         }
@@ -1684,8 +1676,8 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
                 duet_split_tf32(v.w, &b.w, &s.w);
                 *reinterpret_cast<uint4 *>(sm + Ly::VS + rr * PS + rc) = s;
             } else {
-                b = make_uint4(duet__kda_tf32(v.x), duet__kda_tf32(v.y), duet__kda_tf32(v.z),
-                               duet__kda_tf32(v.w));
+                b = make_uint4(duet_round_tf32(v.x), duet_round_tf32(v.y), duet_round_tf32(v.z),
+                               duet_round_tf32(v.w));
             }
             *reinterpret_cast<uint4 *>(sm + Ly::VB + rr * PS + rc) = b;
         }
