@@ -44,6 +44,17 @@ template <int N> static __device__ __forceinline__ void duet__cp_async_wait(void
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* An arrival on the mbarrier `bar` (cuda_wgmma.cuh's duet__mbar_*) once every copy this thread
+ * has started so far has landed; it counts against the barrier's init count (.noinc). sm_80+. */
+static __device__ __forceinline__ void duet__cp_async_arrive(unsigned long long *bar)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(bar))
+                 : "memory");
+#endif
+}
+
 /* Commit the copies not yet in a group and wait for every copy of this thread. */
 static __device__ __forceinline__ void duet__cp_async_wait_all(void)
 {

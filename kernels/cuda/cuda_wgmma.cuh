@@ -41,6 +41,21 @@
     DUET__WG_R8(0), DUET__WG_R8(8), DUET__WG_R8(16), DUET__WG_R8(24), DUET__WG_R8(32),             \
         DUET__WG_R8(40), DUET__WG_R8(48), DUET__WG_R8(56)
 
+/* A 128-accumulator wgmma's d operand (m64n256 in fp32): the asm text and d[0 .. 127]
+ * (operands 0-127). */
+#define DUET__WG_D128                                                                              \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "   \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "   \
+    "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "   \
+    "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "   \
+    "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "     \
+    "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "   \
+    "%123, %124, %125, %126, %127}, "
+#define DUET__WG_OUT128                                                                            \
+    DUET__WG_OUT64, DUET__WG_R8(64), DUET__WG_R8(72), DUET__WG_R8(80), DUET__WG_R8(88),            \
+        DUET__WG_R8(96), DUET__WG_R8(104), DUET__WG_R8(112), DUET__WG_R8(120)
+
 /* Shared-memory matrix descriptor of the 128-byte swizzled layout at shared address saddr:
  * 8-row groups 1024 bytes apart; lbo (MN-major operands) the bytes from one 64-wide column
  * block to the next, unused (16) for K-major ones. */
@@ -62,9 +77,52 @@ static __device__ __forceinline__ void duet__wg_commit(void)
     DUET__WG_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
-static __device__ __forceinline__ void duet__wg_wait0(void)
+/* Wait until at most N of this warpgroup's committed wgmma groups are still running. */
+template <int N> static __device__ __forceinline__ void duet__wg_wait(void)
 {
-    DUET__WG_ASM("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    DUET__WG_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/*
+ * mbarriers in shared memory, for kernels whose warps hand stages to each other without a
+ * block-wide barrier: init (one thread, before a __syncthreads) sets the arrivals that complete
+ * a phase; arrive counts one (release: this thread's earlier writes are seen by the waiters);
+ * wait spins until the phase of the given parity has completed (acquire). A fresh barrier is in
+ * phase 0, and a wait for parity 1 returns at once (the phase before it counts as complete).
+ */
+static __device__ __forceinline__ void duet__mbar_init(unsigned long long *bar, unsigned count)
+{
+    DUET__WG_ASM(
+        "mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)),
+        "r"(count)
+        : "memory");
+}
+
+static __device__ __forceinline__ void duet__mbar_arrive(unsigned long long *bar)
+{
+    DUET__WG_ASM("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void duet__mbar_wait(unsigned long long *bar, unsigned parity)
+{
+    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
+    unsigned done = 1;
+    do {
+        DUET__WG_ASM("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(a), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+/* Named barrier `id` (1..15; __syncthreads is 0) among `n` threads, whole warps. */
+static __device__ __forceinline__ void duet__bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
 /* cp.async's writes are the generic proxy's; wgmma reads through the async proxy. */

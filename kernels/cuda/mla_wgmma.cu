@@ -195,11 +195,11 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, duet__xw_shape<TERMS>
         }
         const unsigned st = sbase + (t % S) * STAGE;
         duet__xw_scores<TERMS>(s, qh, ql, st);
-        duet__wg_wait0();
+        duet__wg_wait<0>();
         duet__wg_fence_operands(s);
         duet__xw_softmax(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
         duet__xw_pv<TERMS>(o, ph, pl, st);
-        duet__wg_wait0();
+        duet__wg_wait<0>();
         duet__wg_fence_operands(o);
     }
     duet__cp_async_wait<0>(); /* no copy may land in shared memory after the block exits */

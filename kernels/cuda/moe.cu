@@ -54,7 +54,8 @@
  *    out. x (and h) are rounded to bf16 on this path, like the cuBLASLt GEMM (cuda_gemm.h).
  *    On an sm_90a device (H100 / H200) with D and I multiples of 64 the same tiles run on
  *    wgmma instead (moe_wgmma.cu; the same bits in every case tested, and faster:
- *    bench/RESULTS.md, "MoE prefill experts on wgmma").
+ *    bench/RESULTS.md, "MoE prefill experts on wgmma"), the 128-row tiles on a persistent
+ *    warp-specialised kernel whose tiles span 256 weight rows (duet__mma_ws).
  * The automatic choice takes MMA when the average rows per selected expert reaches 8 and the
  * weights are BF16 (at the real dims GEMV is far slower than MMA at T = 256, while T <= 64
  * never qualifies: bench/RESULTS.md, "MoE: when the MMA path takes over");
@@ -99,6 +100,7 @@
 #define DUET__MOE_SPB_SHIFT        20     /* GEMV, T > 1: the slices per block (see above) */
 #define DUET__MOE_MMA_SYNC         0x1000000 /* MMA: the mma.sync kernels */
 #define DUET__MOE_MMA_WGMMA        0x2000000 /* MMA: the wgmma kernels (an error where unusable) */
+#define DUET__MOE_MMA_NO_WS        0x4000000 /* wgmma, 128-row tiles: not the warp-specialised kernel */
 
 #define DUET__GV_WARPS     8 /* warps per GEMV block */
 #define DUET__GV_THREADS   (DUET__GV_WARPS * 32)
@@ -889,6 +891,7 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
         pl.off[E] = c_tot;
         pl.meta[0] = s_tot;
         pl.meta[1] = q_tot;
+        pl.meta[2] = pl.meta[3] = 0; /* the warp-specialised kernels' work counters */
     }
     __syncthreads();
     for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
@@ -1942,6 +1945,18 @@ static bool duet__mma_wgmma(int kind, int64_t D, int64_t I)
     return duet__moe_wgmma_usable() != 0;
 }
 
+/*
+ * Whether the wgmma path's 128-row tiles run the warp-specialised kernel (moe_wgmma.cu), unless
+ * `path` has DUET__MOE_MMA_NO_WS or DUET_CUDA_MOE_NO_WS=1 is in the environment (read once:
+ * side-by-side runs).
+ */
+static bool duet__mma_ws(int path)
+{
+    static int off = -1;
+    return (path & DUET__MOE_MMA_NO_WS) == 0 &&
+           duet_cuda_env_flag(&off, "DUET_CUDA_MOE_NO_WS") == 0;
+}
+
 /* One MMA phase: the kernel of tile height BM, phase DUAL and k-step BK on grid g. */
 template <int BM, bool DUAL, int BK>
 static duet_status_t
@@ -1978,13 +1993,13 @@ static duet_status_t duet__launch_mma_k(cudaStream_t stream, dim3 g, const __nv_
                                                        beta, beta_lin, h_out, o_out);
 }
 
-/* Both MMA phases for tiles of BM rows: with `wg` the wgmma kernels (moe_wgmma.cu), else
- * mma.sync's. */
+/* Both MMA phases for tiles of BM rows: with `wg` the wgmma kernels (moe_wgmma.cu; with `ws`
+ * the warp-specialised one for BM = 128), else mma.sync's. */
 template <int BM>
-static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex,
-                                      const __nv_bfloat16 *xb, const duet__moe_plan_t &pl,
-                                      int64_t max_tiles, int top_k, duet_cuda_act_t act, float beta,
-                                      float beta_lin, __nv_bfloat16 *hb, float *out, bool wg)
+static duet_status_t
+duet__launch_mma(cudaStream_t stream, const duet_cuda_experts_t *ex, const __nv_bfloat16 *xb,
+                 const duet__moe_plan_t &pl, int64_t max_tiles, int top_k, duet_cuda_act_t act,
+                 float beta, float beta_lin, __nv_bfloat16 *hb, float *out, bool wg, bool ws)
 {
     const int I = (int)ex->I, D = (int)ex->D;
     const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)ex->w1, *w3 = (const __nv_bfloat16 *)ex->w3;
@@ -1993,12 +2008,12 @@ static duet_status_t duet__launch_mma(cudaStream_t stream, const duet_cuda_exper
     const dim3 g2((unsigned)((D + 127) / 128), (unsigned)max_tiles);
     if (wg) {
         const duet_status_t st =
-            duet__moe_wgmma_phase(stream, max_tiles, BM / 64, true, xb, top_k, w1, w3, I, D, pl,
-                                  act, beta, beta_lin, hb, NULL);
+            duet__moe_wgmma_phase(stream, max_tiles, BM / 64, ws && BM == 128, true, xb, top_k, w1,
+                                  w3, I, D, pl, act, beta, beta_lin, hb, NULL);
         if (st != DUET_OK)
             return st;
-        return duet__moe_wgmma_phase(stream, max_tiles, BM / 64, false, hb, 1, w2, w2, D, I, pl,
-                                     act, beta, beta_lin, NULL, out);
+        return duet__moe_wgmma_phase(stream, max_tiles, BM / 64, ws && BM == 128, false, hb, 1, w2,
+                                     w2, D, I, pl, act, beta, beta_lin, NULL, out);
     }
     const duet_status_t st = duet__launch_mma_k<BM, true>(stream, g1, xb, top_k, w1, w3, I, D, pl,
                                                           act, beta, beta_lin, hb, NULL);
@@ -2101,6 +2116,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
     const bool deep = (path & DUET__MOE_T1_DEEP) != 0 || duet__t1_deep_env();
     const int mma_kind = path & (DUET__MOE_MMA_SYNC | DUET__MOE_MMA_WGMMA);
+    const bool ws = duet__mma_ws(path);
     path &= 0xf;
     if (path == DUET__MOE_PATH_MMA && !mma_ok)
         return duet_error_set(DUET_ERR_UNSUPPORTED,
@@ -2214,10 +2230,10 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                                   (long long)P);
         if (bm == 128)
             st = duet__launch_mma<128>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
-                                       beta_lin, (__nv_bfloat16 *)h, out, wg);
+                                       beta_lin, (__nv_bfloat16 *)h, out, wg, ws);
         else
             st = duet__launch_mma<64>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
-                                      beta_lin, (__nv_bfloat16 *)h, out, wg);
+                                      beta_lin, (__nv_bfloat16 *)h, out, wg, ws);
     } else {
         int64_t max_slots = (P + nrmax - 1) / nrmax + A; /* the last slot may be partial */
         max_slots = max_slots < P ? max_slots : P;

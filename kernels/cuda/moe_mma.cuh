@@ -22,8 +22,9 @@
 #define DUET__MMA_BROWS 128          /* weight rows per stage: 64 of W1 + 64 of W3, or 128 of W2 */
 #define DUET__SMEM_CAP  (200 * 1024) /* opt-in dynamic shared memory we allow a kernel */
 
-/* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles. With list == NULL (T = 1 on
- * the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
+/* meta[0] = number of GEMV slots, meta[1] = number of MMA tiles, meta[2] and [3] the
+ * warp-specialised wgmma kernels' work counters (gate/up, down; zeroed by the plan). With list ==
+ * NULL (T = 1 on the GEMV path) there is no plan: slot p is pair p alone, its expert idx[p].
  *
  * gemv2's tickets (T = 1 only): cnt[s] counts the pairs whose slice s of out is written; the
  * gemv2 block that brings it to top_k (top_k + 1 with the shared expert) adds the slice into y.
@@ -140,13 +141,14 @@ template <int BM, int BK, int NT, bool DUAL> struct duet__mma_loader {
 
 /*
  * The wgmma form of one MMA phase (moe_wgmma.cu): tiles of 64 · wg rows (wg 1 or 2, the plan's
- * tile height), the grid and operands of duet__moe_mma_kernel, K a multiple of 64. Only when
+ * tile height), the operands of duet__moe_mma_kernel, K a multiple of 64; with ws (wg 2 only)
+ * the warp-specialised kernel, whose tiles span 256 weight rows instead of 128. Only when
  * duet__moe_wgmma_usable() says the current device runs that code (sm_90a: H100 / H200).
  */
 int duet__moe_wgmma_usable(void);
-duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int wg, bool dual,
-                                    const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
-                                    const __nv_bfloat16 *B1, int N, int K,
+duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int wg, bool ws,
+                                    bool dual, const __nv_bfloat16 *A, int a_div,
+                                    const __nv_bfloat16 *B0, const __nv_bfloat16 *B1, int N, int K,
                                     const duet__moe_plan_t &pl, duet_cuda_act_t act, float beta,
                                     float beta_lin, __nv_bfloat16 *h_out, float *o_out);
 

@@ -13,6 +13,11 @@
  * bytes; the k-slice ks of a tile is addressed by moving the descriptor's start 32 · ks bytes
  * into the row.
  *
+ * The 128-row tiles run by default on duet__moe_ws_kernel instead: persistent, warp-specialised
+ * (a copying warpgroup, two multiplying ones, mbarriers between them), 256 weight rows per
+ * tile; the same stage layout and the same bits (bench/RESULTS.md, "MoE prefill experts:
+ * warp-specialised tiles").
+ *
  * The build compiles this file for sm_90a alone (kernels/CMakeLists.txt). On any other device
  * the code does not load, cudaFuncGetAttributes says so, and duet__moe_wgmma_usable() returns 0.
  */
@@ -24,8 +29,13 @@
 #include "kernels/cuda/cuda_wgmma.cuh"
 #include "kernels/cuda/moe_mma.cuh"
 
-#define DUET__MODULE          "cuda moe" /* the prefix of this file's error details */
-#define DUET__WG_STAGES       3          /* 3 × 32 KB at 128-row tiles: two blocks per SM */
+#define DUET__MODULE     "cuda moe" /* the prefix of this file's error details */
+#define DUET__WG_STAGES  3          /* 3 × 32 KB at 128-row tiles: two blocks per SM */
+#define DUET__WS_STAGES  4          /* warp-specialised tiles: 4 × 48 KB, one block per SM */
+#define DUET__WS_THREADS 384        /* ... a copying warpgroup and two multiplying ones */
+#define DUET__WS_PITCH   40         /* ... words per staging row (32 + 8: fewer conflicts) */
+/* ... their shared memory: the stages (from 1024 bytes on), 16 staging rows per multiplying warp */
+#define DUET__WS_SMEM         (DUET__WS_STAGES * (128 + 256) * 64 * 2 + 1024 + 8 * 16 * DUET__WS_PITCH * 4)
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
 /* d (64 × 128 fp32, this thread's 64) += A (64 × 16) · B (16 × 128), both from shared memory. */
@@ -36,6 +46,36 @@ static __device__ __forceinline__ void duet__wgmma_m64n128k16(float (&d)[64], un
                  "%64, %65, 1, 1, 1, 0, 0;\n"
                  : DUET__WG_OUT64
                  : "l"(da), "l"(db));
+}
+
+/* d (64 × 256 fp32, this thread's 128) += A (64 × 16) · B (16 × 256), both from shared memory. */
+static __device__ __forceinline__ void
+duet__wgmma_m64n256k16(float (&d)[128], unsigned long long da, unsigned long long db)
+{
+    DUET__WG_ASM("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " DUET__WG_D128
+                 "%128, %129, 1, 1, 1, 0, 0;\n"
+                 : DUET__WG_OUT128
+                 : "l"(da), "l"(db));
+}
+
+/*
+ * One k-step of 64 as one committed group: this warpgroup's 64 rows of A (at shared address a,
+ * swizzled 128-byte rows) times the stage's weight rows at b, 128 or 256 of them by the size of
+ * d (64 or 128 accumulators per thread), four k-slices of 16.
+ */
+template <int NACC>
+static __device__ __forceinline__ void duet__wg_kstep(float (&d)[NACC], unsigned a, unsigned b)
+{
+    static_assert(NACC == 64 || NACC == 128, "m64n128 or m64n256");
+    duet__wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        if constexpr (NACC == 64)
+            duet__wgmma_m64n128k16(d, duet__wg_desc(a + ks * 32), duet__wg_desc(b + ks * 32));
+        else
+            duet__wgmma_m64n256k16(d, duet__wg_desc(a + ks * 32), duet__wg_desc(b + ks * 32));
+    }
+    duet__wg_commit();
 }
 
 /*
@@ -90,13 +130,8 @@ __global__ void __launch_bounds__(128 * WG, 2)
             ld.load(sbase + ((kt + S - 1) % S) * STAGE, kt + S - 1);
         duet__cp_async_commit();
         const unsigned st = sbase + (kt % S) * STAGE;
-        duet__wg_fence();
-#pragma unroll
-        for (int ks = 0; ks < BK / 16; ks++)
-            duet__wgmma_m64n128k16(d, duet__wg_desc(st + wg * 64 * 128 + ks * 32),
-                                   duet__wg_desc(st + A_BYTES + ks * 32));
-        duet__wg_commit();
-        duet__wg_wait0();
+        duet__wg_kstep(d, st + wg * 64 * 128, st + A_BYTES);
+        duet__wg_wait<0>();
     }
     duet__wg_fence_operands(d);
     duet__cp_async_wait<0>();
@@ -125,6 +160,219 @@ __global__ void __launch_bounds__(128 * WG, 2)
     }
 }
 
+/*
+ * The 128-row tiles with warp-specialised roles, persistent: a block per SM takes work items in
+ * order from a counter (pl.meta[2] for gate/up, [3] for down; the plan zeroes both), so items
+ * close in order run close in time: item w is column tile w % nx of MMA tile w / nx, and the
+ * items of one expert share its weights in L2 (a fixed share per block drifted apart and read
+ * them from DRAM again: bench/RESULTS.md, "MoE prefill experts: warp-specialised tiles"). An
+ * item is 128 rows (pairs of one expert) × 256 weight rows (DUAL: 128 of W1 from n0 and the
+ * same 128 of W3; else 256 of W2), K in steps of 64 through DUET__WS_STAGES stages of 48 KB.
+ *
+ * Warpgroup 0 only copies: each of its threads fills its share of a stage once the
+ * multiplying warps have released it (empty[s]), and its copies arrive on full[s] when they
+ * land (cp.async's mbarrier arrival), so the copier runs up to S k-steps ahead, into the next
+ * item while the multiplying warps store this one. Its thread 0 also arrives once, after
+ * writing item[s] (the item whose k-step fills stage s, or -1: no more items). Warpgroups 1
+ * and 2 only multiply, 64 rows each by all 256 weight rows (m64n256k16), with one k-step's
+ * products in flight: a stage goes back to the copier as soon as the products that read it are
+ * done, and no block-wide barrier stops the tensor cores. A warpgroup whose 64 rows are all
+ * past its expert's list (an expert's last tile, often) skips its products but keeps the
+ * barriers' count. Both roles count k-steps across items (q): stage q % S, phase q / S. The
+ * rows of a thread's accumulators are duet__moe_wgmma_kernel's; its weight row of d[4j + v] is
+ * 8j + 2 · (lane % 4) + v % 2 (DUAL: gate j < 16, its up at j + 16).
+ */
+template <bool DUAL>
+__global__ void __launch_bounds__(DUET__WS_THREADS, 1)
+    duet__moe_ws_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
+                        const __nv_bfloat16 *B1, int N, int K, int nx, duet__moe_plan_t pl, int act,
+                        float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+{
+    constexpr int BM = 128, BN = 256, BK = 64, S = DUET__WS_STAGES;
+    constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + BN * BK * 2;
+    extern __shared__ float4 mma_sh[];
+    __shared__ unsigned long long full[S], empty[S];
+    __shared__ int item[S], next[2];
+
+    if (threadIdx.x == 0)
+        for (int s = 0; s < S; s++) {
+            duet__mbar_init(&full[s], 128 + 1); /* every copier thread's copies, and item[s] */
+            duet__mbar_init(&empty[s], 8);      /* every multiplying warp */
+        }
+    __syncthreads();
+    duet_pdl_wait(); /* the plan and A (x in bf16, or h) */
+    duet_pdl_trigger();
+    const int n_items = pl.meta[1] * nx, KT = K / BK;
+    const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127;
+    const unsigned sbase = ((unsigned)__cvta_generic_to_shared(mma_sh) + 1023u) & ~1023u;
+    char *gbase = (char *)mma_sh + (sbase - (unsigned)__cvta_generic_to_shared(mma_sh));
+    int q = 0; /* k-steps of this block so far */
+
+    if (wg == 0) {
+        /* chunk c of rows r0 + 16j: A's 8 rows, then the stage's 16 weight rows */
+        const int c = t & 7, r0 = t >> 3;
+        const unsigned swz = (unsigned)((c ^ (r0 & 7)) << 4); /* duet__swz<64>: r & 7 == r0 & 7 */
+        for (int it = 0;; it++) {
+            if (t == 0)
+                next[it & 1] = atomicAdd(pl.meta + (DUAL ? 2 : 3), 1);
+            duet__bar_sync(1, 128); /* the copiers alone; next[] alternates, so one suffices */
+            const int w = next[it & 1] < n_items ? next[it & 1] : -1;
+            const int2 tl = pl.tiles[w < 0 ? 0 : w / nx];
+            const int e = tl.x, n_r = w < 0 ? 0 : min(BM, pl.off[e + 1] - tl.y);
+            const int n0 = (w < 0 ? 0 : w % nx) * (DUAL ? BN / 2 : BN);
+            const __nv_bfloat16 *src[24];
+            bool ok[24];
+#pragma unroll
+            for (int j = 0; j < 24; j++) {
+                if (j < 8) {
+                    const int r = r0 + 16 * j;
+                    ok[j] = r < n_r;
+                    src[j] = ok[j] ? A + (size_t)(pl.list[tl.y + r] / a_div) * K + c * 8 : A;
+                } else {
+                    const int rb = r0 + 16 * (j - 8), n = DUAL ? n0 + (rb & 127) : n0 + rb;
+                    ok[j] = w >= 0 && n < N;
+                    src[j] = ok[j] ? (DUAL && rb >= 128 ? B1 : B0) + ((size_t)e * N + n) * K + c * 8
+                                   : B0;
+                }
+            }
+            for (int kt = 0; kt < (w < 0 ? 1 : KT); kt++, q++) {
+                const int s = q % S;
+                if (q >= S)
+                    duet__mbar_wait(&empty[s], (unsigned)((q / S - 1) & 1));
+                if (t == 0 && kt == 0)
+                    item[s] = w;
+                if (w >= 0) {
+                    const unsigned st = sbase + s * STAGE;
+#pragma unroll
+                    for (int j = 0; j < 24; j++) {
+                        const unsigned row =
+                            (unsigned)(j < 8 ? r0 + 16 * j : BM + r0 + 16 * (j - 8));
+                        duet__cp_async16(st + row * 128 + swz, src[j] + (ok[j] ? kt * BK : 0),
+                                         ok[j]);
+                    }
+                }
+                duet__cp_async_arrive(&full[s]); /* once these copies have landed */
+                if (t == 0)
+                    duet__mbar_arrive(&full[s]); /* item[s] */
+            }
+            if (w < 0)
+                break;
+        }
+        duet__cp_async_wait_all();
+        return;
+    }
+
+    const int g = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3;
+    for (;;) {
+        duet__mbar_wait(&full[q % S], (unsigned)((q / S) & 1));
+        const int w = item[q % S];
+        if (w < 0)
+            break;
+        const int2 tl = pl.tiles[w / nx];
+        const int n_r = min(BM, pl.off[tl.x + 1] - tl.y);
+        const int n0 = (w % nx) * (DUAL ? BN / 2 : BN);
+        const bool busy = g * 64 < n_r;
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; i++)
+            d[i] = 0.0f;
+        duet__wg_fence_operands(d);
+        for (int kt = 0; kt < KT; kt++, q++) {
+            const int s = q % S;
+            if (kt > 0)
+                duet__mbar_wait(&full[s], (unsigned)((q / S) & 1));
+            if (busy) {
+                duet__fence_proxy_async(); /* the copies were the generic proxy's */
+                const unsigned st = sbase + s * STAGE;
+                duet__wg_kstep(d, st + g * 64 * 128, st + A_BYTES);
+                duet__wg_wait<1>(); /* k-step q - 1's products are done: its stage is free */
+            }
+            if (kt > 0 && lane == 0)
+                duet__mbar_arrive(&empty[(q - 1) % S]);
+        }
+        duet__wg_wait<0>();
+        duet__wg_fence_operands(d);
+        if (lane == 0)
+            duet__mbar_arrive(&empty[(q - 1) % S]);
+        if (!busy)
+            continue;
+
+        /*
+         * The warp's 16 rows go out through its staging rows, a chunk of columns at a time:
+         * the accumulators land there in their own layout, and every store then writes 128
+         * contiguous bytes of one row, instead of 16 or 32 bytes of eight rows (which cost as
+         * much as the products: bench/RESULTS.md, "MoE prefill experts: warp-specialised
+         * tiles"). Lane l < 16 holds the pair of the warp's row l.
+         */
+        const int m0 = g * 64 + warp * 16;
+        const int myp = lane < 16 && m0 + lane < n_r ? pl.list[tl.y + m0 + lane] : -1;
+        float *stg = (float *)(gbase + S * STAGE) + (g * 4 + warp) * 16 * DUET__WS_PITCH;
+        constexpr int CJ = DUAL ? 8 : 4; /* j's per chunk: 64 bf16 or 32 fp32 columns */
+#pragma unroll
+        for (int j0 = 0; j0 < (DUAL ? 16 : 32); j0 += CJ) {
+            if (n0 + 8 * j0 >= N) /* N is a multiple of 64: a chunk is all in or all out */
+                continue;
+            __syncwarp();
+#pragma unroll
+            for (int jj = 0; jj < CJ; jj++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int rr = (lane >> 2) + 8 * half, col = 8 * jj + 2 * (lane & 3);
+                    const float *v = &d[4 * (j0 + jj) + 2 * half];
+                    if (DUAL) {
+                        const float *u = v + 64; /* the up row's group, j + 16 */
+                        const __nv_bfloat162 h =
+                            __floats2bfloat162_rn(duet_act_apply(v[0], u[0], act, beta, beta_lin),
+                                                  duet_act_apply(v[1], u[1], act, beta, beta_lin));
+                        *reinterpret_cast<__nv_bfloat162 *>(stg + rr * DUET__WS_PITCH + col / 2) =
+                            h;
+                    } else {
+                        *reinterpret_cast<float2 *>(stg + rr * DUET__WS_PITCH + col) =
+                            make_float2(v[0], v[1]);
+                    }
+                }
+            __syncwarp();
+#pragma unroll
+            for (int pass = 0; pass < 4; pass++) {
+                const int rr = pass * 4 + (lane >> 3);
+                const int p = __shfl_sync(0xffffffffu, myp, rr);
+                const float4 val =
+                    *reinterpret_cast<const float4 *>(stg + rr * DUET__WS_PITCH + 4 * (lane & 7));
+                if (p < 0)
+                    continue;
+                if (DUAL)
+                    *reinterpret_cast<float4 *>(h_out + (size_t)p * N + n0 + 8 * j0 +
+                                                8 * (lane & 7)) = val;
+                else
+                    *reinterpret_cast<float4 *>(o_out + (size_t)p * N + n0 + 8 * j0 +
+                                                4 * (lane & 7)) = val;
+            }
+        }
+    }
+}
+
+template <bool DUAL>
+static duet_status_t duet__ws_launch(cudaStream_t stream, int64_t max_tiles, const __nv_bfloat16 *A,
+                                     int a_div, const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
+                                     int N, int K, const duet__moe_plan_t &pl, duet_cuda_act_t act,
+                                     float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+{
+    static unsigned long long optin = 0;
+    auto kernel = duet__moe_ws_kernel<DUAL>;
+    const size_t smem = DUET__WS_SMEM;
+    cudaError_t e = duet__smem_optin(kernel, &optin, DUET__WS_SMEM);
+    if (e != cudaSuccess)
+        return duet_cuda_status(e, DUET__MODULE, "wgmma shared-memory opt-in");
+    const int per = DUAL ? 128 : 256; /* outputs per item */
+    const int nx = (N + per - 1) / per;
+    const int64_t items = max_tiles * nx, sms = duet_cuda_sm_count();
+    const unsigned blocks = (unsigned)(sms > 0 && sms < items ? sms : items);
+    DUET__TRY(duet_pdl_launch(kernel, dim3(blocks), dim3(DUET__WS_THREADS), smem, stream, A, a_div,
+                              B0, B1, N, K, nx, pl, (int)act, beta, beta_lin, h_out, o_out),
+              DUAL ? "wgmma gate/up kernel launch" : "wgmma down kernel launch");
+    return DUET_OK;
+}
+
 template <int WG, bool DUAL>
 static duet_status_t duet__wgmma_launch(cudaStream_t stream, int64_t max_tiles,
                                         const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
@@ -148,15 +396,20 @@ static duet_status_t duet__wgmma_launch(cudaStream_t stream, int64_t max_tiles,
     return DUET_OK;
 }
 
-duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int wg, bool dual,
-                                    const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
-                                    const __nv_bfloat16 *B1, int N, int K,
+duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int wg, bool ws,
+                                    bool dual, const __nv_bfloat16 *A, int a_div,
+                                    const __nv_bfloat16 *B0, const __nv_bfloat16 *B1, int N, int K,
                                     const duet__moe_plan_t &pl, duet_cuda_act_t act, float beta,
                                     float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
-    if ((wg != 1 && wg != 2) || K % 64 != 0)
-        return duet_error_set(DUET_ERR_INVALID, "cuda moe: wgmma tiles of %d warpgroups, K=%d", wg,
-                              K);
+    if ((wg != 1 && wg != 2) || (ws && wg != 2) || K % 64 != 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda moe: wgmma tiles of %d warpgroups%s, K=%d",
+                              wg, ws ? " (warp-specialised)" : "", K);
+    if (ws)
+        return dual ? duet__ws_launch<true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
+                                            beta, beta_lin, h_out, o_out)
+                    : duet__ws_launch<false>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
+                                             beta, beta_lin, h_out, o_out);
     if (wg == 2)
         return dual ? duet__wgmma_launch<2, true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl,
                                                   act, beta, beta_lin, h_out, o_out)

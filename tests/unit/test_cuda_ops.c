@@ -56,7 +56,9 @@ enum {
     PATH_DEEP = 0x4000,
     PATH_EARLY = 0x10000,
     PATH_SYNC = 0x1000000, /* the MMA path's mma.sync kernels */
-    PATH_WG = 0x2000000    /* the MMA path's wgmma kernels (refused where unusable) */
+    PATH_WG = 0x2000000,   /* the MMA path's wgmma kernels (refused where unusable) */
+    PATH_NO_WS = 0x4000000 /* wgmma's 128-row tiles on the two-warpgroup kernel, not the
+                              warp-specialised one */
 };
 /* the MMA path with its tile height forced (moe.cu's path bits 8..11) */
 #define MMA_BM(bm) (PATH_MMA | ((bm) == 64 ? 1 << 8 : 2 << 8))
@@ -879,13 +881,14 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s%s%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s%s%s%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
              path & PATH_SYNC ? "-sync" : "", path & PATH_WG ? "-wgmma" : "",
-             path & PATH_NO_PDL ? "-nopdl" : "", path & PATH_SEPARATE ? "-sepcomb" : "",
-             path & PATH_DEEP ? "-deep" : "", path & PATH_EARLY ? "-early" : "");
+             path & PATH_NO_WS ? "-nows" : "", path & PATH_NO_PDL ? "-nopdl" : "",
+             path & PATH_SEPARATE ? "-sepcomb" : "", path & PATH_DEEP ? "-deep" : "",
+             path & PATH_EARLY ? "-early" : "");
     return buf;
 }
 
@@ -1126,7 +1129,10 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
     }
     /* D and I multiples of 64: the 64-row MMA tiles take k-steps of 64 in both phases (above,
      * I = 96 keeps the down phase at 32), the 128-row tiles 32; both tile heights forced, with
-     * mma.sync and, where the device runs them, wgmma (which needs these multiples of 64) */
+     * mma.sync and, where the device runs them, wgmma (which needs these multiples of 64): its
+     * 128-row tiles on both kernels, the warp-specialised one with a down phase (K = 128) of
+     * fewer k-steps than its copiers keep in flight and D = 192 filling 3/4 of its 256 weight
+     * rows. T = 1000 gives each expert about 250 rows: two 128-row tiles, the second partial. */
     {
         static const int tiles[] = {PATH_AUTO,
                                     PATH_GEMV,
@@ -1136,13 +1142,15 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                                     MMA_BM(64),
                                     MMA_BM(128),
                                     MMA_BM(64) | PATH_WG,
-                                    MMA_BM(128) | PATH_WG | PATH_NO_PDL};
-        const int n_tiles = duet__cuda_moe_wgmma_default(192, 128) ? 9 : 7;
+                                    MMA_BM(128) | PATH_WG | PATH_NO_PDL,
+                                    MMA_BM(128) | PATH_WG | PATH_NO_WS};
+        const int n_tiles = duet__cuda_moe_wgmma_default(192, 128) ? 10 : 7;
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, E, 128, 192);
         moe_case(cpu, &X, 64, K, &silu, tiles, n_tiles, auto_mma(&X, 64, K), 0, 0);
         moe_case(cpu, &X, 300, K, &silu, tiles, n_tiles, auto_mma(&X, 300, K), 3, 0);
         moe_case(cpu, &X, 300, K, &situ, tiles, n_tiles, auto_mma(&X, 300, K), 0, 0);
+        moe_case(cpu, &X, 1000, K, &silu, tiles, n_tiles, auto_mma(&X, 1000, K), 3, 0);
         experts_free(&X);
     }
     /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
@@ -1255,10 +1263,15 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
     moe_case(cpu, &X, 64, 8, &silu, paths, 6, auto_mma(&X, 64, 8), 0, 0);
     /* 4800 pairs: the plan in three blocks after the count kernel (moe.cu, DUET__PLAN_PAIRS),
      * with and without PDL, its tiles on both MMA kernels and its slots on the GEMV path */
-    static const int prefill[] = {PATH_AUTO,   PATH_MMA | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
-                                  MMA_BM(128), MMA_BM(64),           PATH_MMA | PATH_NO_PDL,
-                                  PATH_GEMV};
-    moe_case(cpu, &X, 600, 8, &silu, prefill, 7, auto_mma(&X, 600, 8), 0, 0);
+    static const int prefill[] = {PATH_AUTO,
+                                  PATH_MMA | PATH_SYNC,
+                                  MMA_BM(128) | PATH_SYNC,
+                                  MMA_BM(128),
+                                  MMA_BM(64),
+                                  PATH_MMA | PATH_NO_PDL,
+                                  PATH_GEMV,
+                                  MMA_BM(128) | PATH_NO_WS};
+    moe_case(cpu, &X, 600, 8, &silu, prefill, 8, auto_mma(&X, 600, 8), 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,
@@ -1698,21 +1711,22 @@ Test(cuda_ops, bench_moe, .timeout = 300)
                        (long long)T, names[v], t, bytes / t / 1e3);
             }
         } else {
-            const int iters = T <= 256 ? 20 : 5;
+            const int iters = T <= 256 ? 20 : 10;
             const double us = moe_time(&b, PATH_AUTO, iters, 0);
             printf("[cuda_ops] BENCH moe_experts BF16 T=%-5lld auto %9.1f us/call: %.1f TFLOP/s, "
                    "%.0f GB/s of experts\n",
                    (long long)T, us, flops / us / 1e6, bytes / us / 1e3);
             const int variants[] = {MMA_BM(64) | PATH_SYNC, MMA_BM(128) | PATH_SYNC,
-                                    MMA_BM(64) | PATH_WG, MMA_BM(128) | PATH_WG, PATH_GEMV};
+                                    MMA_BM(64) | PATH_WG,   MMA_BM(128) | PATH_WG | PATH_NO_WS,
+                                    MMA_BM(128) | PATH_WG,  PATH_GEMV};
             const char *names[] = {"mma.sync 64-row tiles ", "mma.sync 128-row tiles",
                                    "wgmma 64-row tiles    ", "wgmma 128-row tiles   ",
-                                   "gemv                  "};
+                                   "wgmma 128 x 256, ws   ", "gemv                  "};
             const int wg = duet__cuda_moe_wgmma_default(D, I);
-            for (int v = 0; v < 5; v++) {
-                if ((v == 4 && T > 2048) || ((v == 2 || v == 3) && !wg))
+            for (int v = 0; v < 6; v++) {
+                if ((v == 5 && T > 2048) || ((v >= 2 && v <= 4) && !wg))
                     continue;
-                const double t = moe_time(&b, variants[v], v == 4 ? 2 : iters, 0);
+                const double t = moe_time(&b, variants[v], v == 5 ? 2 : iters, 0);
                 printf("[cuda_ops] BENCH   T=%-5lld %s %9.1f us/call: %.1f TFLOP/s\n", (long long)T,
                        names[v], t, flops / t / 1e6);
             }
