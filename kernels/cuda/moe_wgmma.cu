@@ -402,9 +402,11 @@ duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int 
                                     const duet__moe_plan_t &pl, duet_cuda_act_t act, float beta,
                                     float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
-    if ((wg != 1 && wg != 2) || (ws && wg != 2) || K % 64 != 0)
-        return duet_error_set(DUET_ERR_INVALID, "cuda moe: wgmma tiles of %d warpgroups%s, K=%d",
-                              wg, ws ? " (warp-specialised)" : "", K);
+    /* ws: the staged stores take 32 or 64 columns at a time, all inside N or all past it */
+    if ((wg != 1 && wg != 2) || (ws && (wg != 2 || N % 64 != 0)) || K % 64 != 0)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe: wgmma tiles of %d warpgroups%s, N=%d, K=%d", wg,
+                              ws ? " (warp-specialised)" : "", N, K);
     if (ws)
         return dual ? duet__ws_launch<true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
                                             beta, beta_lin, h_out, o_out)
