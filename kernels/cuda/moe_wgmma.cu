@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(128 * WG, 2)
  * multiplying warps have released it (empty[s]), and its copies arrive on full[s] when they
  * land (cp.async's mbarrier arrival), so the copier runs up to S k-steps ahead, into the next
  * item while the multiplying warps store this one. Its thread 0 also arrives once, after
- * writing item[s] (the item whose k-step fills stage s, or -1: no more items). Warpgroups 1
+ * writing item[s] (the item whose k-step fills stage s, or -1: no more items, with the tile's
+ * list start, rows and n0, so the multiplying warps wait on no load of the plan). Warpgroups 1
  * and 2 only multiply, 64 rows each by all 256 weight rows (m64n256k16), with one k-step's
  * products in flight: a stage goes back to the copier as soon as the products that read it are
  * done, and no block-wide barrier stops the tensor cores. A warpgroup whose 64 rows are all
@@ -189,10 +190,12 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
                         float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
     constexpr int BM = 128, BN = 256, BK = 64, S = DUET__WS_STAGES;
-    constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + BN * BK * 2;
+    using loader_t = duet__mma_loader<BM, BK, 128, DUAL, BN>; /* run by the copying warpgroup */
+    constexpr int A_BYTES = loader_t::A_BYTES, STAGE = loader_t::STAGE;
     extern __shared__ float4 mma_sh[];
     __shared__ unsigned long long full[S], empty[S];
-    __shared__ int item[S], next[2];
+    __shared__ int4 item[S]; /* (w, list start, rows, n0) of the item whose k-step fills stage s */
+    __shared__ int next[2];
 
     if (threadIdx.x == 0)
         for (int s = 0; s < S; s++) {
@@ -209,48 +212,23 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
     int q = 0; /* k-steps of this block so far */
 
     if (wg == 0) {
-        /* chunk c of rows r0 + 16j: A's 8 rows, then the stage's 16 weight rows */
-        const int c = t & 7, r0 = t >> 3;
-        const unsigned swz = (unsigned)((c ^ (r0 & 7)) << 4); /* duet__swz<64>: r & 7 == r0 & 7 */
         for (int it = 0;; it++) {
             if (t == 0)
                 next[it & 1] = atomicAdd(pl.meta + (DUAL ? 2 : 3), 1);
             duet__bar_sync(1, 128); /* the copiers alone; next[] alternates, so one suffices */
             const int w = next[it & 1] < n_items ? next[it & 1] : -1;
             const int2 tl = pl.tiles[w < 0 ? 0 : w / nx];
-            const int e = tl.x, n_r = w < 0 ? 0 : min(BM, pl.off[e + 1] - tl.y);
+            const int n_r = w < 0 ? 0 : duet__tile_rows<BM>(pl, tl);
             const int n0 = (w < 0 ? 0 : w % nx) * (DUAL ? BN / 2 : BN);
-            const __nv_bfloat16 *src[24];
-            bool ok[24];
-#pragma unroll
-            for (int j = 0; j < 24; j++) {
-                if (j < 8) {
-                    const int r = r0 + 16 * j;
-                    ok[j] = r < n_r;
-                    src[j] = ok[j] ? A + (size_t)(pl.list[tl.y + r] / a_div) * K + c * 8 : A;
-                } else {
-                    const int rb = r0 + 16 * (j - 8), n = DUAL ? n0 + (rb & 127) : n0 + rb;
-                    ok[j] = w >= 0 && n < N;
-                    src[j] = ok[j] ? (DUAL && rb >= 128 ? B1 : B0) + ((size_t)e * N + n) * K + c * 8
-                                   : B0;
-                }
-            }
+            const loader_t ld(pl.list + tl.y, A, a_div, B0, B1, tl.x, n0, N, K, n_r);
             for (int kt = 0; kt < (w < 0 ? 1 : KT); kt++, q++) {
                 const int s = q % S;
                 if (q >= S)
                     duet__mbar_wait(&empty[s], (unsigned)((q / S - 1) & 1));
                 if (t == 0 && kt == 0)
-                    item[s] = w;
-                if (w >= 0) {
-                    const unsigned st = sbase + s * STAGE;
-#pragma unroll
-                    for (int j = 0; j < 24; j++) {
-                        const unsigned row =
-                            (unsigned)(j < 8 ? r0 + 16 * j : BM + r0 + 16 * (j - 8));
-                        duet__cp_async16(st + row * 128 + swz, src[j] + (ok[j] ? kt * BK : 0),
-                                         ok[j]);
-                    }
-                }
+                    item[s] = make_int4(w, tl.y, n_r, n0);
+                if (w >= 0)
+                    ld.load(sbase + s * STAGE, kt);
                 duet__cp_async_arrive(&full[s]); /* once these copies have landed */
                 if (t == 0)
                     duet__mbar_arrive(&full[s]); /* item[s] */
@@ -262,16 +240,16 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
         return;
     }
 
-    const int g = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3;
+    const int g = wg - 1, lane = tid & 31, warp = (tid >> 5) & 3, m0 = g * 64 + warp * 16;
     for (;;) {
         duet__mbar_wait(&full[q % S], (unsigned)((q / S) & 1));
-        const int w = item[q % S];
+        const int4 its = item[q % S];
+        const int w = its.x, start = its.y, n_r = its.z, n0 = its.w;
         if (w < 0)
             break;
-        const int2 tl = pl.tiles[w / nx];
-        const int n_r = min(BM, pl.off[tl.x + 1] - tl.y);
-        const int n0 = (w % nx) * (DUAL ? BN / 2 : BN);
         const bool busy = g * 64 < n_r;
+        /* lane l < 16: the pair of the warp's row l, loaded now and stored after the products */
+        const int myp = busy && lane < 16 && m0 + lane < n_r ? pl.list[start + m0 + lane] : -1;
         float d[128];
 #pragma unroll
         for (int i = 0; i < 128; i++)
@@ -302,10 +280,8 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
          * the accumulators land there in their own layout, and every store then writes 128
          * contiguous bytes of one row, instead of 16 or 32 bytes of eight rows (which cost as
          * much as the products: bench/RESULTS.md, "MoE prefill experts: warp-specialised
-         * tiles"). Lane l < 16 holds the pair of the warp's row l.
+         * tiles").
          */
-        const int m0 = g * 64 + warp * 16;
-        const int myp = lane < 16 && m0 + lane < n_r ? pl.list[tl.y + m0 + lane] : -1;
         float *stg = (float *)(gbase + S * STAGE) + (g * 4 + warp) * 16 * DUET__WS_PITCH;
         constexpr int CJ = DUAL ? 8 : 4; /* j's per chunk: 64 bf16 or 32 fp32 columns */
 #pragma unroll

@@ -1132,7 +1132,8 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
      * mma.sync and, where the device runs them, wgmma (which needs these multiples of 64): its
      * 128-row tiles on both kernels, the warp-specialised one with a down phase (K = 128) of
      * fewer k-steps than its copiers keep in flight and D = 192 filling 3/4 of its 256 weight
-     * rows. T = 1000 gives each expert about 250 rows: two 128-row tiles, the second partial. */
+     * rows. T = 1000 gives each expert about 250 rows: two 128-row tiles, the second partial;
+     * T = 2500 about 625 rows: five, each block of the warp-specialised kernel taking several. */
     {
         static const int tiles[] = {PATH_AUTO,
                                     PATH_GEMV,
@@ -1151,6 +1152,7 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         moe_case(cpu, &X, 300, K, &silu, tiles, n_tiles, auto_mma(&X, 300, K), 3, 0);
         moe_case(cpu, &X, 300, K, &situ, tiles, n_tiles, auto_mma(&X, 300, K), 0, 0);
         moe_case(cpu, &X, 1000, K, &silu, tiles, n_tiles, auto_mma(&X, 1000, K), 3, 0);
+        moe_case(cpu, &X, 2500, K, &silu, tiles, n_tiles, auto_mma(&X, 2500, K), 3, 0);
         experts_free(&X);
     }
     /* slices that do not fill the last block at 4 per block: I = 40 (5 gate/up slices of 8
