@@ -183,15 +183,14 @@ __global__ void __launch_bounds__(128 * WG, 2)
  * rows of a thread's accumulators are duet__moe_wgmma_kernel's; its weight row of d[4j + v] is
  * 8j + 2 · (lane % 4) + v % 2 (DUAL: gate j < 16, its up at j + 16).
  */
-template <bool DUAL>
+template <bool DUAL, int ACT>
 __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
     duet__moe_ws_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
-                        const __nv_bfloat16 *B1, int N, int K, int nx, duet__moe_plan_t pl, int act,
+                        const __nv_bfloat16 *B1, int N, int K, int nx, duet__moe_plan_t pl,
                         float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
     constexpr int BM = 128, BN = 256, BK = 64, S = DUET__WS_STAGES;
-    using loader_t = duet__mma_loader<BM, BK, 128, DUAL, BN>; /* run by the copying warpgroup */
-    constexpr int A_BYTES = loader_t::A_BYTES, STAGE = loader_t::STAGE;
+    constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + BN * BK * 2;
     extern __shared__ float4 mma_sh[];
     __shared__ unsigned long long full[S], empty[S];
     __shared__ int4 item[S]; /* (w, list start, rows, n0) of the item whose k-step fills stage s */
@@ -220,15 +219,37 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
             const int2 tl = pl.tiles[w < 0 ? 0 : w / nx];
             const int n_r = w < 0 ? 0 : duet__tile_rows<BM>(pl, tl);
             const int n0 = (w < 0 ? 0 : w % nx) * (DUAL ? BN / 2 : BN);
-            const loader_t ld(pl.list + tl.y, A, a_div, B0, B1, tl.x, n0, N, K, n_r);
+            /* duet__mma_loader's copies, written out: as a loader here the kernel spilled */
+            const int c = t & 7, r0 = t >> 3;
+            const unsigned d0 = duet__swz<BK>(r0, c);
+            const __nv_bfloat16 *src[24];
+            bool ok[24];
+#pragma unroll
+            for (int j = 0; j < 24; j++) {
+                const int r = r0 + 16 * (j & 7); /* A's rows, then 2 × 8 weight rows */
+                if (j < 8) {
+                    ok[j] = r < n_r;
+                    src[j] = ok[j] ? A + (size_t)(pl.list[tl.y + r] / a_div) * K + c * 8 : A;
+                } else {
+                    const int rb = r + 128 * (j >= 16), n = DUAL ? n0 + r : n0 + rb;
+                    ok[j] = n < N;
+                    src[j] = ok[j]
+                                 ? (DUAL && j >= 16 ? B1 : B0) + ((size_t)tl.x * N + n) * K + c * 8
+                                 : B0;
+                }
+            }
             for (int kt = 0; kt < (w < 0 ? 1 : KT); kt++, q++) {
                 const int s = q % S;
                 if (q >= S)
                     duet__mbar_wait(&empty[s], (unsigned)((q / S - 1) & 1));
                 if (t == 0 && kt == 0)
                     item[s] = make_int4(w, tl.y, n_r, n0);
-                if (w >= 0)
-                    ld.load(sbase + s * STAGE, kt);
+                if (w >= 0) {
+#pragma unroll
+                    for (int j = 0; j < 24; j++) /* rows 16 apart: the same swizzle (d0) */
+                        duet__cp_async16(sbase + s * STAGE + d0 + 16 * 128 * j,
+                                         src[j] + (ok[j] ? kt * BK : 0), ok[j]);
+                }
                 duet__cp_async_arrive(&full[s]); /* once these copies have landed */
                 if (t == 0)
                     duet__mbar_arrive(&full[s]); /* item[s] */
@@ -298,8 +319,8 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
                     if (DUAL) {
                         const float *u = v + 64; /* the up row's group, j + 16 */
                         const __nv_bfloat162 h =
-                            __floats2bfloat162_rn(duet_act_apply(v[0], u[0], act, beta, beta_lin),
-                                                  duet_act_apply(v[1], u[1], act, beta, beta_lin));
+                            __floats2bfloat162_rn(duet_act_apply(v[0], u[0], ACT, beta, beta_lin),
+                                                  duet_act_apply(v[1], u[1], ACT, beta, beta_lin));
                         *reinterpret_cast<__nv_bfloat162 *>(stg + rr * DUET__WS_PITCH + col / 2) =
                             h;
                     } else {
@@ -327,14 +348,14 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
     }
 }
 
-template <bool DUAL>
+template <bool DUAL, int ACT>
 static duet_status_t duet__ws_launch(cudaStream_t stream, int64_t max_tiles, const __nv_bfloat16 *A,
                                      int a_div, const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
-                                     int N, int K, const duet__moe_plan_t &pl, duet_cuda_act_t act,
-                                     float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+                                     int N, int K, const duet__moe_plan_t &pl, float beta,
+                                     float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
     static unsigned long long optin = 0;
-    auto kernel = duet__moe_ws_kernel<DUAL>;
+    auto kernel = duet__moe_ws_kernel<DUAL, ACT>;
     const size_t smem = DUET__WS_SMEM;
     cudaError_t e = duet__smem_optin(kernel, &optin, DUET__WS_SMEM);
     if (e != cudaSuccess)
@@ -344,7 +365,7 @@ static duet_status_t duet__ws_launch(cudaStream_t stream, int64_t max_tiles, con
     const int64_t items = max_tiles * nx, sms = duet_cuda_sm_count();
     const unsigned blocks = (unsigned)(sms > 0 && sms < items ? sms : items);
     DUET__TRY(duet_pdl_launch(kernel, dim3(blocks), dim3(DUET__WS_THREADS), smem, stream, A, a_div,
-                              B0, B1, N, K, nx, pl, (int)act, beta, beta_lin, h_out, o_out),
+                              B0, B1, N, K, nx, pl, beta, beta_lin, h_out, o_out),
               DUAL ? "wgmma gate/up kernel launch" : "wgmma down kernel launch");
     return DUET_OK;
 }
@@ -383,11 +404,16 @@ duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int 
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe: wgmma tiles of %d warpgroups%s, N=%d, K=%d", wg,
                               ws ? " (warp-specialised)" : "", N, K);
+    /* the activation a template argument: one instance's epilogue code, not every kind's */
+    if (ws && !dual)
+        return duet__ws_launch<false, DUET_CUDA_ACT_SILU>(stream, max_tiles, A, a_div, B0, B1, N, K,
+                                                          pl, beta, beta_lin, h_out, o_out);
+    if (ws && act == DUET_CUDA_ACT_SITU)
+        return duet__ws_launch<true, DUET_CUDA_ACT_SITU>(stream, max_tiles, A, a_div, B0, B1, N, K,
+                                                         pl, beta, beta_lin, h_out, o_out);
     if (ws)
-        return dual ? duet__ws_launch<true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
-                                            beta, beta_lin, h_out, o_out)
-                    : duet__ws_launch<false>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
-                                             beta, beta_lin, h_out, o_out);
+        return duet__ws_launch<true, DUET_CUDA_ACT_SILU>(stream, max_tiles, A, a_div, B0, B1, N, K,
+                                                         pl, beta, beta_lin, h_out, o_out);
     if (wg == 2)
         return dual ? duet__wgmma_launch<2, true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl,
                                                   act, beta, beta_lin, h_out, o_out)
