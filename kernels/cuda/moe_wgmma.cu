@@ -91,11 +91,11 @@ static __device__ __forceinline__ void duet__wg_kstep(float (&d)[NACC], unsigned
  * pipelines with a group in flight, and tiles of 256 weight rows, measured slower
  * (bench/RESULTS.md, "MoE prefill experts on wgmma").
  */
-template <int WG, bool DUAL>
+template <int WG, bool DUAL, int ACT>
 __global__ void __launch_bounds__(128 * WG, 2)
     duet__moe_wgmma_kernel(const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
-                           const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, int act,
-                           float beta, float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+                           const __nv_bfloat16 *B1, int N, int K, duet__moe_plan_t pl, float beta,
+                           float beta_lin, __nv_bfloat16 *h_out, float *o_out)
 {
     constexpr int BM = 64 * WG, NT = 128 * WG, S = DUET__WG_STAGES, BK = 64;
     using loader_t = duet__mma_loader<BM, BK, NT, DUAL>;
@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(128 * WG, 2)
             if (DUAL) {
                 const float *u = g + 32; /* the up row's group, j + 8 */
                 *reinterpret_cast<__nv_bfloat162 *>(h_out + (size_t)p * N + n) =
-                    __floats2bfloat162_rn(duet_act_apply(g[0], u[0], act, beta, beta_lin),
-                                          duet_act_apply(g[1], u[1], act, beta, beta_lin));
+                    __floats2bfloat162_rn(duet_act_apply(g[0], u[0], ACT, beta, beta_lin),
+                                          duet_act_apply(g[1], u[1], ACT, beta, beta_lin));
             } else {
                 *reinterpret_cast<float2 *>(o_out + (size_t)p * N + n) = make_float2(g[0], g[1]);
             }
@@ -370,15 +370,15 @@ static duet_status_t duet__ws_launch(cudaStream_t stream, int64_t max_tiles, con
     return DUET_OK;
 }
 
-template <int WG, bool DUAL>
+template <int WG, bool DUAL, int ACT>
 static duet_status_t duet__wgmma_launch(cudaStream_t stream, int64_t max_tiles,
                                         const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
                                         const __nv_bfloat16 *B1, int N, int K,
-                                        const duet__moe_plan_t &pl, duet_cuda_act_t act, float beta,
-                                        float beta_lin, __nv_bfloat16 *h_out, float *o_out)
+                                        const duet__moe_plan_t &pl, float beta, float beta_lin,
+                                        __nv_bfloat16 *h_out, float *o_out)
 {
     static unsigned long long optin = 0;
-    auto kernel = duet__moe_wgmma_kernel<WG, DUAL>;
+    auto kernel = duet__moe_wgmma_kernel<WG, DUAL, ACT>;
     /* + 1 KB: the kernel moves its stages up to the next 1024-byte boundary */
     const size_t smem =
         (size_t)DUET__WG_STAGES * duet__mma_loader<64 * WG, 64, 128 * WG, DUAL>::STAGE + 1024;
@@ -388,9 +388,27 @@ static duet_status_t duet__wgmma_launch(cudaStream_t stream, int64_t max_tiles,
     const int per = DUAL ? 64 : 128; /* outputs per block */
     const dim3 g((unsigned)((N + per - 1) / per), (unsigned)max_tiles);
     DUET__TRY(duet_pdl_launch(kernel, g, dim3(128 * WG), smem, stream, A, a_div, B0, B1, N, K, pl,
-                              (int)act, beta, beta_lin, h_out, o_out),
+                              beta, beta_lin, h_out, o_out),
               DUAL ? "wgmma gate/up kernel launch" : "wgmma down kernel launch");
     return DUET_OK;
+}
+
+/* One phase on the kernel that wg and ws pick, its activation ACT. */
+template <bool DUAL, int ACT>
+static duet_status_t duet__phase_launch(cudaStream_t stream, int64_t max_tiles, int wg, bool ws,
+                                        const __nv_bfloat16 *A, int a_div, const __nv_bfloat16 *B0,
+                                        const __nv_bfloat16 *B1, int N, int K,
+                                        const duet__moe_plan_t &pl, float beta, float beta_lin,
+                                        __nv_bfloat16 *h_out, float *o_out)
+{
+    if (ws)
+        return duet__ws_launch<DUAL, ACT>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, beta,
+                                          beta_lin, h_out, o_out);
+    if (wg == 2)
+        return duet__wgmma_launch<2, DUAL, ACT>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, beta,
+                                                beta_lin, h_out, o_out);
+    return duet__wgmma_launch<1, DUAL, ACT>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, beta,
+                                            beta_lin, h_out, o_out);
 }
 
 duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int wg, bool ws,
@@ -404,30 +422,22 @@ duet_status_t duet__moe_wgmma_phase(cudaStream_t stream, int64_t max_tiles, int 
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe: wgmma tiles of %d warpgroups%s, N=%d, K=%d", wg,
                               ws ? " (warp-specialised)" : "", N, K);
-    /* the activation a template argument: one instance's epilogue code, not every kind's */
-    if (ws && !dual)
-        return duet__ws_launch<false, DUET_CUDA_ACT_SILU>(stream, max_tiles, A, a_div, B0, B1, N, K,
-                                                          pl, beta, beta_lin, h_out, o_out);
-    if (ws && act == DUET_CUDA_ACT_SITU)
-        return duet__ws_launch<true, DUET_CUDA_ACT_SITU>(stream, max_tiles, A, a_div, B0, B1, N, K,
-                                                         pl, beta, beta_lin, h_out, o_out);
-    if (ws)
-        return duet__ws_launch<true, DUET_CUDA_ACT_SILU>(stream, max_tiles, A, a_div, B0, B1, N, K,
-                                                         pl, beta, beta_lin, h_out, o_out);
-    if (wg == 2)
-        return dual ? duet__wgmma_launch<2, true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl,
-                                                  act, beta, beta_lin, h_out, o_out)
-                    : duet__wgmma_launch<2, false>(stream, max_tiles, A, a_div, B0, B1, N, K, pl,
-                                                   act, beta, beta_lin, h_out, o_out);
-    return dual ? duet__wgmma_launch<1, true>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
-                                              beta, beta_lin, h_out, o_out)
-                : duet__wgmma_launch<1, false>(stream, max_tiles, A, a_div, B0, B1, N, K, pl, act,
-                                               beta, beta_lin, h_out, o_out);
+    /* the activation a template argument: an instance's epilogue holds one kind's code, not
+     * every kind's (bench/RESULTS.md, "MoE prefill experts: warp-specialised tiles"); the down
+     * phase has none */
+    if (!dual)
+        return duet__phase_launch<false, DUET_CUDA_ACT_SILU>(
+            stream, max_tiles, wg, ws, A, a_div, B0, B1, N, K, pl, beta, beta_lin, h_out, o_out);
+    if (act == DUET_CUDA_ACT_SITU)
+        return duet__phase_launch<true, DUET_CUDA_ACT_SITU>(
+            stream, max_tiles, wg, ws, A, a_div, B0, B1, N, K, pl, beta, beta_lin, h_out, o_out);
+    return duet__phase_launch<true, DUET_CUDA_ACT_SILU>(stream, max_tiles, wg, ws, A, a_div, B0, B1,
+                                                        N, K, pl, beta, beta_lin, h_out, o_out);
 }
 
 /* Whether the current device runs this file's code (duet__wg_usable). */
 int duet__moe_wgmma_usable(void)
 {
     static unsigned long long asked = 0, usable = 0;
-    return duet__wg_usable(duet__moe_wgmma_kernel<1, true>, &asked, &usable);
+    return duet__wg_usable(duet__moe_wgmma_kernel<1, true, DUET_CUDA_ACT_SILU>, &asked, &usable);
 }
