@@ -90,15 +90,15 @@ static __device__ __forceinline__ int duet__mma_tile(const duet__moe_plan_t &pl,
 
 /*
  * The copies that fill one k-step of an MMA tile's shared-memory stage, each thread's share
- * worked out once: BM rows of A (row r is A[rows[r] / a_div], zero where r >= n_rows or
- * rows[r] < 0) then BR weight rows (DUAL: BR / 2 rows of B0 from n0, then the same rows of B1;
- * else BR rows of B0; zero past N) of expert e, BK columns each, laid out by duet__swz<BK>, B
- * after A's A_BYTES. Threads 0 .. NT - 1.
+ * worked out once: BM rows of A (row r is A[rows[r] / a_div], zero where rows[r] < 0) then the
+ * DUET__MMA_BROWS weight rows (DUAL: 64 rows of B0 from n0, then the same 64 of B1; else 128 of
+ * B0; zero past N) of expert e, BK columns each, laid out by duet__swz<BK>, B after A's
+ * A_BYTES. NT threads.
  */
-template <int BM, int BK, int NT, bool DUAL, int BR = DUET__MMA_BROWS> struct duet__mma_loader {
+template <int BM, int BK, int NT, bool DUAL> struct duet__mma_loader {
     static constexpr int CPR = BK / 8; /* 16-byte chunks per row */
-    static constexpr int A_CH = BM * CPR / NT, B_CH = BR * CPR / NT;
-    static constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + BR * BK * 2;
+    static constexpr int A_CH = BM * CPR / NT, B_CH = DUET__MMA_BROWS * CPR / NT;
+    static constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + DUET__MMA_BROWS * BK * 2;
     /* a thread's rows are NT / CPR apart, a multiple of the swizzle's 8-row period (duet__swz),
      * so its chunk sits at the same place in each of them: one offset serves every copy */
     static constexpr int STEP = NT / CPR * BK * 2;
@@ -109,23 +109,21 @@ template <int BM, int BK, int NT, bool DUAL, int BR = DUET__MMA_BROWS> struct du
 
     __device__ __forceinline__ duet__mma_loader(const int *rows, const __nv_bfloat16 *A, int a_div,
                                                 const __nv_bfloat16 *B0, const __nv_bfloat16 *B1,
-                                                int e, int n0, int N, int K, int n_rows = BM)
+                                                int e, int n0, int N, int K)
     {
         d0 = duet__swz<BK>((int)threadIdx.x / CPR, (int)threadIdx.x % CPR);
 #pragma unroll
         for (int j = 0; j < A_CH + B_CH; j++) {
             const bool is_a = j < A_CH;
-            const int q = (int)threadIdx.x + NT * (is_a ? j : j - A_CH);
-            const int r = q / CPR, c = q % CPR;
+            const int q = (int)threadIdx.x + NT * (is_a ? j : j - A_CH), r = q / CPR, c = q % CPR;
             if (is_a) {
-                const int p = r < n_rows ? rows[r] : -1;
+                const int p = rows[r];
                 ok[j] = p >= 0;
                 src[j] = ok[j] ? A + (size_t)(p / a_div) * K + c * 8 : A;
             } else {
-                const int n = DUAL ? n0 + r % (BR / 2) : n0 + r;
+                const int n = DUAL ? n0 + (r & 63) : n0 + r;
                 ok[j] = n < N;
-                src[j] =
-                    ok[j] ? (DUAL && r >= BR / 2 ? B1 : B0) + ((size_t)e * N + n) * K + c * 8 : B0;
+                src[j] = ok[j] ? (DUAL && r >= 64 ? B1 : B0) + ((size_t)e * N + n) * K + c * 8 : B0;
             }
         }
     }
