@@ -67,13 +67,16 @@ template <int NACC>
 static __device__ __forceinline__ void duet__wg_kstep(float (&d)[NACC], unsigned a, unsigned b)
 {
     static_assert(NACC == 64 || NACC == 128, "m64n128 or m64n256");
+    /* a k-slice 32 bytes on is 2 more in the descriptors' start field (16-byte units): shared
+     * addresses stay below 2^18, so the field never carries */
+    const unsigned long long da = duet__wg_desc(a), db = duet__wg_desc(b);
     duet__wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) {
         if constexpr (NACC == 64)
-            duet__wgmma_m64n128k16(d, duet__wg_desc(a + ks * 32), duet__wg_desc(b + ks * 32));
+            duet__wgmma_m64n128k16(d, da + 2 * ks, db + 2 * ks);
         else
-            duet__wgmma_m64n256k16(d, duet__wg_desc(a + ks * 32), duet__wg_desc(b + ks * 32));
+            duet__wgmma_m64n256k16(d, da + 2 * ks, db + 2 * ks);
     }
     duet__wg_commit();
 }
