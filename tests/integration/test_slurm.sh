@@ -82,12 +82,16 @@ chmod 755 "$T" # munged runs as user munge and must reach its socket folder
 mkdir -p "$T/munge" "$T/state" "$T/spool" "$T/submit"
 chown munge: "$T/munge" || die "no user munge (is the munge package installed?)"
 
-# a free TCP port for each use, none listening now
+# a free TCP port for each use, none listening now, below the kernel's ephemeral range: there
+# an outgoing connection of a test running beside this one can take the port between the check
+# and the bind (seen in CI: the router's "address already in use")
+read -r eph_lo _ < /proc/sys/net/ipv4/ip_local_port_range 2> /dev/null || eph_lo=32768
+[ "$eph_lo" -gt 11024 ] 2> /dev/null || eph_lo=32768
 used=" "
 free_port() {
   local p
   while :; do
-    p=$((20000 + RANDOM % 30000))
+    p=$((10000 + RANDOM % (eph_lo - 10000)))
     case "$used" in *" $p "*) continue ;; esac
     (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && continue
     used="$used$p "
