@@ -194,6 +194,9 @@ __global__ void __launch_bounds__(DUET__WS_THREADS, 1)
 {
     constexpr int BM = 128, BN = 256, BK = 64, S = DUET__WS_STAGES;
     constexpr int A_BYTES = BM * BK * 2, STAGE = A_BYTES + BN * BK * 2;
+    static_assert(DUET__WS_SMEM == 1024 + S * STAGE + 8 * 16 * DUET__WS_PITCH * 4,
+                  "the launch's shared memory is this layout: 1 KB of alignment, the stages, "
+                  "the staging rows");
     extern __shared__ float4 mma_sh[];
     __shared__ unsigned long long full[S], empty[S];
     __shared__ int4 item[S]; /* (w, list start, rows, n0) of the item whose k-step fills stage s */
