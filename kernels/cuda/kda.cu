@@ -26,8 +26,8 @@
  * chunk); when j lies in an earlier 16-row sub-chunk than i, as the product of two such differences
  * through the last row of j's sub-chunk (duet__kda_chunk_kr), so that the exponentials are per
  * (row, channel) there, not per (pair, channel); Qe = e^Γ ⊙ Q,  Kd = e^{Γlast−Γ} ⊙ K,  and with T =
- * (I − L)^{-1} (formed by blocks of 16 rows: forward substitution inside each diagonal block,
- * products of blocks between them)  U = T (β V),  Wt = T (β e^Γ ⊙ K);
+ * (I − L)^{-1}  U = T (β V),  Wt = T (β e^Γ ⊙ K), by forward substitution down the chunk's rows,
+ * one column of a right-hand side per thread (T itself is never formed);
  *   - sequential (duet__kda_seq_kernel): one block per (item, head, 32 columns of S), the
  *     block's columns of S in shared memory for the whole item, per chunk in order
  *     V_new = U − Wt S,    O = Qe S + Aqk V_new,    S ← e^{Γlast} S + Kdᵀ V_new:
@@ -851,8 +851,7 @@ extern "C" duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cu
 /* Sub-chunks of 16 rows: a pairwise decay e^{Γi−Γj} with j in an earlier sub-chunk than i
  * factors through Γe, Γ of the last row of j's sub-chunk, into e^{Γi−Γe} · e^{Γe−Γj}, both
  * exponents <= 0 (Γ never increases down a chunk: g <= 0), so neither factor can overflow and
- * each is computed once per (row, channel) instead of once per (pair, channel). The same
- * blocks split T = (I − L)^{-1} (duet__kda_chunk_inverse). */
+ * each is computed once per (row, channel) instead of once per (pair, channel). */
 #define DUET_KDA_SUB 16
 
 /*
@@ -860,17 +859,17 @@ extern "C" duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cu
  * with (I − L)^{-1} are formed. Rows of Q, K, G are KR = K + 20 floats and channel d sits at
  * col(d) = d + 4·(d / (K/4)): a 4-float gap after each quarter. Readers are float4 loads in two
  * patterns, (a) 32 lanes on 32 rows at the same d and (b) 4 quarter owners on one row; the odd
- * KR/4 and the gaps put both on distinct 16-byte bank groups. The L and Aqk rows (LR = 80) hold
- * their 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2), so the owner of residue dq
- * reads its 16 entries as four float4 loads.
+ * KR/4 and the gaps put both on distinct 16-byte bank groups. The Aqk rows (LR = 80) hold their
+ * 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2). L is row-major with rows of LP = C + 4
+ * floats: the forward substitution reads row i four entries at a time, the same address in every
+ * lane.
  */
 template <int K> struct duet__kda_chunk_layout {
     static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
+    static constexpr int LP = C + 4;
     static constexpr int Q = 0, KK = Q + C * KR, G = KK + C * KR, VV = G + C * KR, L = VV + C * VR,
-                         A = L + C * LR, B = A + C * LR, GL = B + C, KRD = GL + K;
-    /* KRD holds sKr for L and Aqk, then T and the inverse's staging (duet__kda_chunk_inverse) */
-    static constexpr int TINV = C * LR + 3 * DUET_KDA_SUB * DUET_KDA_SUB;
-    static constexpr int FLOATS = KRD + (C * KR > TINV ? C * KR : TINV);
+                         A = L + C * LP, B = A + C * LR, GL = B + C, KRD = GL + K;
+    static constexpr int FLOATS = KRD + C * KR; /* KRD: sKr, for L and Aqk */
     __device__ static constexpr int col(int d)
     {
         return d + 4 * (d / Kq);
@@ -1014,7 +1013,7 @@ __constant__ static const unsigned char duet__kda_lqk_tasks[32] = {
 template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int KR = Ly::KR, LR = Ly::LR, NW = 4 * K / 32;
+    constexpr int KR = Ly::KR, LR = Ly::LR, LP = Ly::LP, NW = 4 * K / 32;
     static_assert(DUET_KDA_C == 4 * DUET_KDA_SUB, "4 sub-chunks of 16 rows, 8 tasks each");
     const float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G, *sB = sm + Ly::B;
     const float *sKr = sm + Ly::KRD;
@@ -1075,7 +1074,7 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
         for (int jj = 0; jj < 4; jj++) {
             const int j = j0 + jj;
             sA[i * LR + Ly::grp(j)] = j <= i ? sqk[jj] : 0.0f;
-            sL[j * LR + Ly::grp(i)] = j < i ? -bi * skk[jj] : 0.0f;
+            sL[i * LP + j] = j < i ? -bi * skk[jj] : 0.0f;
         }
     }
     __syncthreads();
@@ -1110,79 +1109,63 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(fl
 }
 
 /*
- * T = (I − L)^{-1} (unit lower triangular), stored as L is: sT[k·LR + grp(i)] = T[i][k]. Blocked
- * over the four 16-row sub-chunks, so that no step waits on more than 16 sequential rows: each
- * diagonal block T_bb = (I − L_bb)^{-1} by forward substitution, one thread per (block, column);
- * then, one block distance d = i − j at a time, T_ij = T_ii M with M = Σ_{k=j}^{i−1} L_ik T_kj
- * (block row i of (I − L) T = I), M staged in sM (3 · 256 floats). Entries above the diagonal
- * inside a diagonal block are written as 0; blocks above the diagonal are never read. Rows of L
- * past the chunk's tokens are zero, so T is the identity there.
+ * Step 5: U = T (β v) and Wt = T (β k e^Γ), T = (I − L)^{-1}, as the solution X of (I − L) X = B
+ * by forward substitution down the chunk's rows, x_i = b_i + Σ_{j<i} L[i][j] x_j: thread tid < K
+ * owns column tid of U, thread K + x column x of Wt, its C values in registers (so no thread
+ * waits on another); the four running sums by j mod 4 keep the chain from x_{i−1} to x_i short.
+ * Stores the columns at the wy block's U and WT (out). Rows past the chunk's tokens have b = 0
+ * (β = 0) and L = 0, so they stay zero.
  */
 template <int K>
-static __device__ __forceinline__ void duet__kda_chunk_inverse(const float *sL, float *sT,
-                                                               float *sM)
+static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sm, float *out)
 {
     typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int LR = Ly::LR, NT = 4 * K, SB = DUET_KDA_SUB, NB = DUET_KDA_C / DUET_KDA_SUB;
-    const int tid = threadIdx.x;
-    if (tid < NB * SB) { /* diagonal block b, column c: x = T_bb[:, c] */
-        const int b = tid / SB, c = tid % SB, o = SB * b;
-        float x[SB];
+    typedef duet__kda_wy_layout<K> Wy;
+    constexpr int C = Ly::C, KR = Ly::KR, VR = Ly::VR, LP = Ly::LP;
+    const int x = threadIdx.x % K;
+    const bool wt = threadIdx.x >= K;
+    const float *sL = sm + Ly::L;
+    float y[C];
 #pragma unroll
-        for (int r = 0; r < SB; r++) {
-            float acc = r == c ? 1.0f : 0.0f;
+    for (int i = 0; i < C; i++)
+        y[i] = wt ? sm[Ly::G + i * KR + Ly::col(x)] : sm[Ly::B + i] * sm[Ly::VV + i * VR + x];
 #pragma unroll
-            for (int q = 0; q < r; q++)
-                acc += sL[(o + q) * LR + Ly::grp(o + r)] * x[q];
-            x[r] = acc;
+    for (int i = 1; i < C; i++) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < i; j += 4) {
+            const float4 l = *reinterpret_cast<const float4 *>(&sL[i * LP + j]);
+            acc[0] += l.x * y[j];
+            if (j + 1 < i)
+                acc[1] += l.y * y[j + 1];
+            if (j + 2 < i)
+                acc[2] += l.z * y[j + 2];
+            if (j + 3 < i)
+                acc[3] += l.w * y[j + 3];
         }
-#pragma unroll
-        for (int r = 0; r < SB; r++)
-            sT[(o + c) * LR + Ly::grp(o + r)] = x[r];
+        y[i] += (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
-    __syncthreads();
-#pragma unroll 1
-    for (int d = 1; d < NB; d++) {
-        const int ne = (NB - d) * SB * SB;
-        /* element e: block j = e / 256, column c = (e / 16) % 16, row r = e % 16 (lanes on
-         * rows: their grp positions fall on distinct banks) */
-        for (int e = tid; e < ne; e += NT) { /* M of block (j + d, j), element (r, c) */
-            const int j = e / (SB * SB), c = (e / SB) % SB, r = e % SB, i = j + d;
-            float m = 0.0f;
-            for (int k = j; k < i; k++)
-#pragma unroll 4
-                for (int q = 0; q < SB; q++)
-                    m += sL[(SB * k + q) * LR + Ly::grp(SB * i + r)] *
-                         sT[(SB * j + c) * LR + Ly::grp(SB * k + q)];
-            sM[j * SB * SB + r * SB + c] = m;
-        }
-        __syncthreads();
-        for (int e = tid; e < ne; e += NT) { /* T_ij = T_ii M, T_ii lower triangular */
-            const int j = e / (SB * SB), c = (e / SB) % SB, r = e % SB, i = j + d;
-            float t = 0.0f;
-            for (int q = 0; q <= r; q++)
-                t += sT[(SB * i + q) * LR + Ly::grp(SB * i + r)] * sM[j * SB * SB + q * SB + c];
-            sT[(SB * j + c) * LR + Ly::grp(SB * i + r)] = t;
-        }
-        __syncthreads();
-    }
+    float *o = out + (wt ? Wy::WT : Wy::U) + x;
+#pragma unroll
+    for (int i = 0; i < C; i++)
+        o[i * K] = y[i];
 }
 
 /*
  * Everything of a chunk that does not depend on the state, for every chunk in parallel ahead of
  * the sequential kernel. One block per (item, chunk) × head, 4·K threads: the chunk, Γ, L and
- * Aqk, the decayed q and k (steps 1-4), then T = (I − L)^{-1} (duet__kda_chunk_inverse) and the
- * products U = T (β v) and Wt = T (β k e^Γ) (thread (x, dq) of the old column-local layout:
- * column x, rows ≡ dq mod 4), so that the state-dependent part of a chunk is V_new = U − Wt S,
- * three products and no triangular solve. Stores the duet__kda_wy_layout block at the chunk's
- * slot.
+ * Aqk, the decayed q and k (steps 1-4), then U = T (β v) and Wt = T (β k e^Γ), T = (I − L)^{-1}
+ * (duet__kda_chunk_solve, on the first 2·K threads while the others store Qe, Kd, Aqk and
+ * e^{Γlast}), so that the state-dependent part of a chunk is V_new = U − Wt S, three products and
+ * no triangular solve. Stores the duet__kda_wy_layout block at the chunk's slot.
  */
 template <int K>
 __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_core_args_t a)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     typedef duet__kda_wy_layout<K> Wy;
-    constexpr int C = Ly::C, KR = Ly::KR, VR = Ly::VR, LR = Ly::LR, NT = 4 * K;
+    constexpr int C = Ly::C, KR = Ly::KR, LR = Ly::LR, NS = 2 * K, NT = 4 * K;
+    static_assert(NS % 32 == 0, "the solving threads are whole warps");
     const int64_t it = blockIdx.x / a.max_chunks, h = blockIdx.y;
     const int c = (int)(blockIdx.x % a.max_chunks);
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
@@ -1201,55 +1184,22 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     duet__kda_chunk_scale<K>(sm);
 
     float *out = duet__kda_wy_block<K>(a, it, h, c);
-    const int tid = threadIdx.x;
-    for (int idx = 4 * tid; idx < C * K; idx += 4 * NT) {
+    if (threadIdx.x < NS) {
+        duet__kda_chunk_solve<K>(sm, out);
+        return;
+    }
+    const int t = threadIdx.x - NS;
+    for (int idx = 4 * t; idx < C * K; idx += 4 * (NT - NS)) {
         const int cc = (idx / K) * KR + Ly::col(idx % K);
         *reinterpret_cast<float4 *>(&out[Wy::QE + idx]) =
             *reinterpret_cast<const float4 *>(&sm[Ly::Q + cc]);
         *reinterpret_cast<float4 *>(&out[Wy::KD + idx]) =
             *reinterpret_cast<const float4 *>(&sm[Ly::KK + cc]);
     }
-    for (int idx = tid; idx < C * C; idx += NT)
+    for (int idx = t; idx < C * C; idx += NT - NS)
         out[Wy::A + idx] = sm[Ly::A + (idx / C) * LR + Ly::grp(idx % C)];
-    for (int d = tid; d < K; d += NT)
+    for (int d = t; d < K; d += NT - NS)
         out[Wy::GL + d] = duet__ex2(sm[Ly::GL + d]);
-
-    /* U = T (β v) and Wt = T (β k e^Γ): thread (x, dq) forms column x of both at rows i ≡ dq
-     * (mod 4), y[u] for row 4u + dq, summing over k in order; T[i][k] = 0 for i < k, so the k
-     * of sub-chunk kb only reach the rows from 16·kb on. */
-    float *sT = sm + Ly::KRD, *sM = sT + C * LR; /* sKr is spent */
-    duet__kda_chunk_inverse<K>(sm + Ly::L, sT, sM);
-    const int lane = tid & 31, dq = lane & 3, x = (tid >> 5) * 8 + (lane >> 2);
-    float yu[C / 4], yw[C / 4];
-#pragma unroll
-    for (int u = 0; u < C / 4; u++)
-        yu[u] = yw[u] = 0.0f;
-#pragma unroll
-    for (int kb = 0; kb < C / DUET_KDA_SUB; kb++)
-#pragma unroll 2
-        for (int kk = 0; kk < DUET_KDA_SUB; kk++) {
-            const int k = DUET_KDA_SUB * kb + kk;
-            const float rv = sm[Ly::B + k] * sm[Ly::VV + k * VR + x];
-            const float rw = sm[Ly::G + k * KR + Ly::col(x)];
-            const float *tk = &sT[k * LR + dq * 20];
-#pragma unroll
-            for (int u = 4 * kb; u < C / 4; u += 4) {
-                const float4 t4 = *reinterpret_cast<const float4 *>(&tk[u]);
-                yu[u] += t4.x * rv;
-                yu[u + 1] += t4.y * rv;
-                yu[u + 2] += t4.z * rv;
-                yu[u + 3] += t4.w * rv;
-                yw[u] += t4.x * rw;
-                yw[u + 1] += t4.y * rw;
-                yw[u + 2] += t4.z * rw;
-                yw[u + 3] += t4.w * rw;
-            }
-        }
-#pragma unroll
-    for (int u = 0; u < C / 4; u++) {
-        out[Wy::U + (4 * u + dq) * K + x] = yu[u];
-        out[Wy::WT + (4 * u + dq) * K + x] = yw[u];
-    }
 }
 
 /* Σ_r w[r] · s[r] over one quarter of a row (Kq floats, 16-byte aligned), four at a time: the
