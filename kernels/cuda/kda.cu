@@ -859,24 +859,18 @@ extern "C" duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cu
  * with (I − L)^{-1} are formed. Rows of Q, K, G are KR = K + 20 floats and channel d sits at
  * col(d) = d + 4·(d / (K/4)): a 4-float gap after each quarter. Readers are float4 loads in two
  * patterns, (a) 32 lanes on 32 rows at the same d and (b) 4 quarter owners on one row; the odd
- * KR/4 and the gaps put both on distinct 16-byte bank groups. The Aqk rows (LR = 80) hold their
- * 64 entries grouped by index mod 4, (i & 3)·20 + (i >> 2). L is row-major with rows of LP = C + 4
- * floats: the forward substitution reads row i four entries at a time, the same address in every
- * lane.
+ * KR/4 and the gaps put both on distinct 16-byte bank groups. L and Aqk are row-major with rows of
+ * LP = C + 4 floats: the forward substitution reads row i of L four entries at a time, the same
+ * address in every lane, and Aqk leaves as float4 copies.
  */
 template <int K> struct duet__kda_chunk_layout {
-    static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LR = 80;
-    static constexpr int LP = C + 4;
+    static constexpr int C = DUET_KDA_C, V = K, Kq = K / 4, KR = K + 20, VR = V + 8, LP = C + 4;
     static constexpr int Q = 0, KK = Q + C * KR, G = KK + C * KR, VV = G + C * KR, L = VV + C * VR,
-                         A = L + C * LP, B = A + C * LR, GL = B + C, KRD = GL + K;
+                         A = L + C * LP, B = A + C * LP, GL = B + C, KRD = GL + K;
     static constexpr int FLOATS = KRD + C * KR; /* KRD: sKr, for L and Aqk */
     __device__ static constexpr int col(int d)
     {
         return d + 4 * (d / Kq);
-    }
-    __device__ static constexpr int grp(int i)
-    {
-        return (i & 3) * 20 + (i >> 2);
     }
 };
 
@@ -1013,7 +1007,7 @@ __constant__ static const unsigned char duet__kda_lqk_tasks[32] = {
 template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
-    constexpr int KR = Ly::KR, LR = Ly::LR, LP = Ly::LP, NW = 4 * K / 32;
+    constexpr int KR = Ly::KR, LP = Ly::LP, NW = 4 * K / 32;
     static_assert(DUET_KDA_C == 4 * DUET_KDA_SUB, "4 sub-chunks of 16 rows, 8 tasks each");
     const float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G, *sB = sm + Ly::B;
     const float *sKr = sm + Ly::KRD;
@@ -1073,7 +1067,7 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
 #pragma unroll
         for (int jj = 0; jj < 4; jj++) {
             const int j = j0 + jj;
-            sA[i * LR + Ly::grp(j)] = j <= i ? sqk[jj] : 0.0f;
+            sA[i * LP + j] = j <= i ? sqk[jj] : 0.0f;
             sL[i * LP + j] = j < i ? -bi * skk[jj] : 0.0f;
         }
     }
@@ -1164,7 +1158,7 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
 {
     typedef duet__kda_chunk_layout<K> Ly;
     typedef duet__kda_wy_layout<K> Wy;
-    constexpr int C = Ly::C, KR = Ly::KR, LR = Ly::LR, NS = 2 * K, NT = 4 * K;
+    constexpr int C = Ly::C, KR = Ly::KR, LP = Ly::LP, NS = 2 * K, NT = 4 * K;
     static_assert(NS % 32 == 0, "the solving threads are whole warps");
     const int64_t it = blockIdx.x / a.max_chunks, h = blockIdx.y;
     const int c = (int)(blockIdx.x % a.max_chunks);
@@ -1196,8 +1190,9 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
         *reinterpret_cast<float4 *>(&out[Wy::KD + idx]) =
             *reinterpret_cast<const float4 *>(&sm[Ly::KK + cc]);
     }
-    for (int idx = t; idx < C * C; idx += NT - NS)
-        out[Wy::A + idx] = sm[Ly::A + (idx / C) * LR + Ly::grp(idx % C)];
+    for (int idx = 4 * t; idx < C * C; idx += 4 * (NT - NS))
+        *reinterpret_cast<float4 *>(&out[Wy::A + idx]) =
+            *reinterpret_cast<const float4 *>(&sm[Ly::A + (idx / C) * LP + idx % C]);
     for (int d = t; d < K; d += NT - NS)
         out[Wy::GL + d] = duet__ex2(sm[Ly::GL + d]);
 }
