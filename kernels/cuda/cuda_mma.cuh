@@ -3,7 +3,8 @@
  * KDA's chunked core (kda.cu) share (CUDA C++ only): one bf16 mma.m16n8k16 with fp32
  * accumulation, and the split of fp32 values into bf16 hi + lo pairs that lets such products keep
  * fp32 operands to 2^-16; one tf32 mma.m16n8k8, the rounding of an fp32 value to tf32 and its
- * split into two tf32 parts (three products of the parts keep fp32 operands to about 2^-21).
+ * split into two tf32 parts (three products of the parts keep fp32 operands to about 2^-21);
+ * and the ldmatrix loads of their fragments from shared memory.
  */
 #ifndef DUET_KERNELS_CUDA_MMA_CUH
 #define DUET_KERNELS_CUDA_MMA_CUH
@@ -79,6 +80,30 @@ static __device__ __forceinline__ void duet_split_tf32(float x, uint32_t *big, u
     const uint32_t b = duet_round_tf32(x);
     *big = b;
     *small = duet_round_tf32(x - __uint_as_float(b));
+}
+
+/* Four 8 × 8 matrices of 16-bit values (or 8 × 4 of 32-bit words: the bits move unchanged) from
+ * shared memory by one ldmatrix: lane L gives the address of row L % 8 of matrix L / 8 (16-byte
+ * aligned), and lane (g, t) gets the word t of row g of matrix i in v[i], g = lane / 4,
+ * t = lane % 4. */
+static __device__ __forceinline__ void duet_ldsm_x4(const void *p, uint32_t (&v)[4])
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(s)
+                 : "memory");
+}
+
+/* The same with each 8 × 8 matrix of 16-bit values transposed: lane (g, t) gets the values
+ * (2t, g) and (2t + 1, g) of matrix i in v[i]. */
+static __device__ __forceinline__ void duet_ldsm_x4_t(const void *p, uint32_t (&v)[4])
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                 : "r"(s)
+                 : "memory");
 }
 
 #endif

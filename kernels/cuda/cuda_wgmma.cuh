@@ -1,7 +1,8 @@
 /*
  * cuda_wgmma.cuh: what the Hopper warpgroup-MMA kernels share (CUDA C++ only): the shared-memory
  * matrix descriptor of the 128-byte swizzled layout, wgmma's fence / commit / wait, and the
- * launches' shared-memory opt-in; the copies that feed them are cuda_async.cuh's. The kernels
+ * launches' shared-memory opt-in; the copies that feed them, and the mbarriers, are
+ * cuda_async.cuh's. The kernels
  * live in files compiled for sm_90a alone (moe_wgmma.cu, mla_wgmma.cu); the opt-in serves other
  * targets too (moe.cu).
  *
@@ -83,52 +84,10 @@ template <int N> static __device__ __forceinline__ void duet__wg_wait(void)
     DUET__WG_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-/*
- * mbarriers in shared memory, for kernels whose warps hand stages to each other without a
- * block-wide barrier: init (one thread, before a __syncthreads) sets the arrivals that complete
- * a phase; arrive counts one (release: this thread's earlier writes are seen by the waiters);
- * wait spins until the phase of the given parity has completed (acquire). A fresh barrier is in
- * phase 0, and a wait for parity 1 returns at once (the phase before it counts as complete).
- */
-static __device__ __forceinline__ void duet__mbar_init(unsigned long long *bar, unsigned count)
-{
-    DUET__WG_ASM(
-        "mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((unsigned)__cvta_generic_to_shared(bar)),
-        "r"(count)
-        : "memory");
-}
-
-static __device__ __forceinline__ void duet__mbar_arrive(unsigned long long *bar)
-{
-    DUET__WG_ASM("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(
-                     (unsigned)__cvta_generic_to_shared(bar))
-                 : "memory");
-}
-
-static __device__ __forceinline__ void duet__mbar_wait(unsigned long long *bar, unsigned parity)
-{
-    const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
-    unsigned done = 1;
-    do {
-        DUET__WG_ASM("{\n.reg .pred p;\n"
-                     "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(a), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
 /* Named barrier `id` (1..15; __syncthreads is 0) among `n` threads, whole warps. */
 static __device__ __forceinline__ void duet__bar_sync(int id, int n)
 {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-
-/* cp.async's writes are the generic proxy's; wgmma reads through the async proxy. */
-static __device__ __forceinline__ void duet__fence_proxy_async(void)
-{
-    DUET__WG_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 /* Ties each of N accumulators to this point in program order: the compiler sees a wgmma

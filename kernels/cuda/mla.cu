@@ -341,24 +341,6 @@ template <> __device__ inline __nv_bfloat16 duet__mla_to<__nv_bfloat16>(float v)
     return __float2bfloat16_rn(v);
 }
 
-__device__ static inline void duet__ldsm_x4(const void *p, uint32_t v[4])
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "r"(s)
-                 : "memory");
-}
-
-__device__ static inline void duet__ldsm_x4_t(const void *p, uint32_t v[4])
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-                 : "r"(s)
-                 : "memory");
-}
-
 /* One butterfly step of a warp reduce-scatter over 2·O values (see the CUDA-core scores). */
 template <int O> __device__ static inline void duet__rs_step(float *v, int lane)
 {
@@ -1038,7 +1020,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                 for (int np = 0; np < NTW / 2; np++) {
                     /* matrices: (tokens 16np +0..7 | +8..15) × (dims 16ks +0..7 | +8..15) */
                     uint32_t bf[4];
-                    duet__ldsm_x4(kb + 16 * np * ld + 16 * i, bf);
+                    duet_ldsm_x4(kb + 16 * np * ld + 16 * i, bf);
                     duet_mma_bf16(sacc[2 * np], qh[i], bf[0], bf[1]);
                     duet_mma_bf16(sacc[2 * np], ql[i], bf[0], bf[1]);
                     duet_mma_bf16(sacc[2 * np + 1], qh[i], bf[2], bf[3]);
@@ -1075,8 +1057,8 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
             for (int m = 0; m < MT; m++) {
                 /* matrices: (slots +0..7 | +8..15) × (tokens 16ks +0..7), then tokens +8..15 */
                 const int off = pa_off + m * 16 * pld + ks * 16;
-                duet__ldsm_x4(ph + off, ah[m]);
-                duet__ldsm_x4(pl + off, al[m]);
+                duet_ldsm_x4(ph + off, ah[m]);
+                duet_ldsm_x4(pl + off, al[m]);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -1084,7 +1066,7 @@ __global__ static void __launch_bounds__(DUET_MLA_THREADS, 1)
                 if (8 * i + 8 <= n_pair || warp + 8 * i < n_pair) {
                     /* transposed: (tokens +0..7 | +8..15) × (dims 16p +0..7), then dims +8..15 */
                     uint32_t v[4];
-                    duet__ldsm_x4_t(kt + vb_off + 16 * ks * ld + 128 * i, v);
+                    duet_ldsm_x4_t(kt + vb_off + 16 * ks * ld + 128 * i, v);
 #pragma unroll
                     for (int m = 0; m < MT; m++) {
                         duet_mma_bf16(o[m][2 * i], ah[m], v[0], v[1]);
@@ -1955,7 +1937,7 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
             for (int np = 0; np < 2; np++) {
                 /* k_hi (j < 8) or k_r (j >= 8): stage dims KO + 16 j; k_lo: KO + 192 + 16 j */
                 uint32_t b[4];
-                duet__ldsm_x4(kt + kb_off + 16 * np * LD + KO + 16 * j, b);
+                duet_ldsm_x4(kt + kb_off + 16 * np * LD + KO + 16 * j, b);
                 duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
                 duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
                 if (TERMS == 3) {
@@ -1963,9 +1945,9 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
                     duet_mma_bf16(s + 8 * np + 4, ql[j], b[2], b[3]);
                 }
                 if (TERMS == 3 && j < 8) {
-                    duet__ldsm_x4(kt + kb_off + 16 * np * LD + KO + DUET_MLA_X_DN + DUET_MLA_X_DR +
-                                      16 * j,
-                                  b);
+                    duet_ldsm_x4(kt + kb_off + 16 * np * LD + KO + DUET_MLA_X_DN + DUET_MLA_X_DR +
+                                     16 * j,
+                                 b);
                     duet_mma_bf16(s + 8 * np, qh[j], b[0], b[1]);
                     duet_mma_bf16(s + 8 * np + 4, qh[j], b[2], b[3]);
                 }
@@ -1986,13 +1968,13 @@ __global__ static void __launch_bounds__(DUET_MLA_XA_THREADS, 2)
 #pragma unroll
             for (int jp = 0; jp < 8; jp++) {
                 uint32_t v[4];
-                duet__ldsm_x4_t(vt + 16 * jp, v);
+                duet_ldsm_x4_t(vt + 16 * jp, v);
                 duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
                 duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
                 if (TERMS == 3) {
                     duet_mma_bf16(o + 8 * jp, pl, v[0], v[1]);
                     duet_mma_bf16(o + 8 * jp + 4, pl, v[2], v[3]);
-                    duet__ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
+                    duet_ldsm_x4_t(vt + DUET_MLA_X_DN + 16 * jp, v);
                     duet_mma_bf16(o + 8 * jp, ph, v[0], v[1]);
                     duet_mma_bf16(o + 8 * jp + 4, ph, v[2], v[3]);
                 }
