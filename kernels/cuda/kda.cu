@@ -66,11 +66,13 @@
 #define DUET__MODULE          "cuda kda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
 
-#define DUET_KDA_C      64 /* chunk length, kernels/cpu/cpu_kda.h DUET_KDA_CHUNK */
-#define DUET_KDA_MAX_K  128
-#define DUET_KDA_MAX_W  8
-#define DUET_KDA_L2_EPS 1e-6f /* kernels/cpu/kda.c DUET_L2_EPS */
-#define DUET_LOG2E      1.4426950408889634f
+#define DUET_KDA_C           64  /* chunk length, kernels/cpu/cpu_kda.h DUET_KDA_CHUNK */
+#define DUET_KDA_SEQ_THREADS 512 /* 16 warps: 4 quarters of d x 4 groups of 16 rows */
+#define DUET_KDA_SEQ_COLS    32  /* columns of S (and of v, o) per block: one per lane */
+#define DUET_KDA_MAX_K       128
+#define DUET_KDA_MAX_W       8
+#define DUET_KDA_L2_EPS      1e-6f /* kernels/cpu/kda.c DUET_L2_EPS */
+#define DUET_LOG2E           1.4426950408889634f
 /* The chain fuses a decode step only up to this many (item, head) clusters: its blocks live
  * longer (three cluster barriers, serial phases), so once there are many waves the state streams
  * more slowly than in the recurrent kernel (bench/RESULTS.md, "KDA decode chain: one kernel up
@@ -875,13 +877,19 @@ template <int K> struct duet__kda_chunk_layout {
 };
 
 /* What the ahead kernel leaves for the sequential kernel, per (chunk, head), in floats: the
- * chunk's Qe = q e^Γ, Kd = k e^{Γlast−Γ}, Wt = T (β k e^Γ) and U = T (β v) as [C][K] rows
- * (T = (I − L)^{-1}), Aqk as [C][C] rows and e^{Γlast} per channel. Rows past the chunk's
- * tokens are zero. Every offset is a multiple of 4 floats (K % 16 == 0). */
+ * chunk's Wt = T (β k e^Γ) and Qe = q e^Γ as [C][PA] rows (T = (I − L)^{-1}), Aqk as [C][PQ]
+ * rows, Kd = k e^{Γlast−Γ} as [C][PD] rows, e^{Γlast} per channel, then U = T (β v) by slices
+ * of XS columns, [ceil(K / XS)][C][PS]; Qe, Kd, Wt and Aqk rounded to tf32 for
+ * DUET_CUDA_KDA_TC_ONE. The rows are padded as the sequential kernels keep them in shared memory
+ * (the pads are never read), so that each of a chunk's three copy groups (Wt and a slice of U;
+ * Qe and Aqk; Kd and e^{Γlast}) is one or two whole ranges. Rows past the chunk's tokens are
+ * zero, and so are a last slice's columns past K. Every offset is a multiple of 4 floats
+ * (K % 16 == 0). */
 template <int K> struct duet__kda_wy_layout {
-    static constexpr int C = DUET_KDA_C;
-    static constexpr int QE = 0, KD = QE + C * K, WT = KD + C * K, U = WT + C * K, A = U + C * K,
-                         GL = A + C * C, FLOATS = GL + K;
+    static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS, NSL = (K + XS - 1) / XS;
+    static constexpr int PA = K + 4, PD = K + 8, PQ = C + 4, PS = XS + 8;
+    static constexpr int WT = 0, QE = WT + C * PA, A = QE + C * PA, KD = A + C * PQ,
+                         GL = KD + C * PD, U = GL + K, FLOATS = U + NSL * C * PS;
 };
 
 /* Where chunk c of item it keeps its duet__kda_wy_layout block: rows r0.. of an item start at
@@ -1102,16 +1110,29 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(fl
     __syncthreads();
 }
 
+/* x rounded to tf32 (duet_round_tf32) if round, else x: the ahead kernel's Qe, Kd, Wt and Aqk
+ * for the sequential kernel that multiplies them once as tf32 (DUET_CUDA_KDA_TC_ONE), rounded
+ * once here instead of at every use. */
+static __device__ __forceinline__ float duet__kda_tf32_if(float x, bool round)
+{
+    return round ? __uint_as_float(duet_round_tf32(x)) : x;
+}
+static __device__ __forceinline__ float4 duet__kda_tf32_if(float4 v, bool round)
+{
+    return make_float4(duet__kda_tf32_if(v.x, round), duet__kda_tf32_if(v.y, round),
+                       duet__kda_tf32_if(v.z, round), duet__kda_tf32_if(v.w, round));
+}
+
 /*
  * Step 5: U = T (β v) and Wt = T (β k e^Γ), T = (I − L)^{-1}, as the solution X of (I − L) X = B
  * by forward substitution down the chunk's rows, x_i = b_i + Σ_{j<i} L[i][j] x_j: thread tid < K
  * owns column tid of U, thread K + x column x of Wt, its C values in registers (so no thread
  * waits on another); the four running sums by j mod 4 keep the chain from x_{i−1} to x_i short.
- * Stores the columns at the wy block's U and WT (out). Rows past the chunk's tokens have b = 0
- * (β = 0) and L = 0, so they stay zero.
+ * Stores the columns at the wy block's U and WT (out), Wt rounded to tf32 if tf32. Rows past
+ * the chunk's tokens have b = 0 (β = 0) and L = 0, so they stay zero.
  */
 template <int K>
-static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sm, float *out)
+static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sm, float *out, bool tf32)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     typedef duet__kda_wy_layout<K> Wy;
@@ -1139,10 +1160,12 @@ static __device__ __forceinline__ void duet__kda_chunk_solve(const float *sm, fl
         }
         y[i] += (acc[0] + acc[1]) + (acc[2] + acc[3]);
     }
-    float *o = out + (wt ? Wy::WT : Wy::U) + x;
+    float *o = wt ? out + Wy::WT + x : out + Wy::U + (x / Wy::XS) * C * Wy::PS + x % Wy::XS;
+    const int pitch = wt ? Wy::PA : Wy::PS;
+    const bool round = tf32 && wt;
 #pragma unroll
     for (int i = 0; i < C; i++)
-        o[i * K] = y[i];
+        o[i * pitch] = duet__kda_tf32_if(y[i], round);
 }
 
 /*
@@ -1178,21 +1201,28 @@ __global__ static void __launch_bounds__(4 * K) duet__kda_wy_kernel(duet__kda_co
     duet__kda_chunk_scale<K>(sm);
 
     float *out = duet__kda_wy_block<K>(a, it, h, c);
+    const bool tf32 = a.ly.tc == DUET_CUDA_KDA_TC_ONE; /* uniform per launch */
     if (threadIdx.x < NS) {
-        duet__kda_chunk_solve<K>(sm, out);
+        duet__kda_chunk_solve<K>(sm, out, tf32);
         return;
     }
     const int t = threadIdx.x - NS;
     for (int idx = 4 * t; idx < C * K; idx += 4 * (NT - NS)) {
-        const int cc = (idx / K) * KR + Ly::col(idx % K);
-        *reinterpret_cast<float4 *>(&out[Wy::QE + idx]) =
-            *reinterpret_cast<const float4 *>(&sm[Ly::Q + cc]);
-        *reinterpret_cast<float4 *>(&out[Wy::KD + idx]) =
-            *reinterpret_cast<const float4 *>(&sm[Ly::KK + cc]);
+        const int i = idx / K, d = idx % K, cc = i * KR + Ly::col(d);
+        *reinterpret_cast<float4 *>(&out[Wy::QE + i * Wy::PA + d]) =
+            duet__kda_tf32_if(*reinterpret_cast<const float4 *>(&sm[Ly::Q + cc]), tf32);
+        *reinterpret_cast<float4 *>(&out[Wy::KD + i * Wy::PD + d]) =
+            duet__kda_tf32_if(*reinterpret_cast<const float4 *>(&sm[Ly::KK + cc]), tf32);
     }
     for (int idx = 4 * t; idx < C * C; idx += 4 * (NT - NS))
-        *reinterpret_cast<float4 *>(&out[Wy::A + idx]) =
-            *reinterpret_cast<const float4 *>(&sm[Ly::A + (idx / C) * LP + idx % C]);
+        *reinterpret_cast<float4 *>(&out[Wy::A + (idx / C) * Wy::PQ + idx % C]) = duet__kda_tf32_if(
+            *reinterpret_cast<const float4 *>(&sm[Ly::A + (idx / C) * LP + idx % C]), tf32);
+    if constexpr (K % Wy::XS != 0) { /* the last slice of U: its columns past K */
+        constexpr int XL = K % Wy::XS;
+        float *ul = out + Wy::U + (Wy::NSL - 1) * C * Wy::PS;
+        for (int idx = t; idx < C * (Wy::XS - XL); idx += NT - NS)
+            ul[(idx / (Wy::XS - XL)) * Wy::PS + XL + idx % (Wy::XS - XL)] = 0.0f;
+    }
     for (int d = t; d < K; d += NT - NS)
         out[Wy::GL + d] = duet__ex2(sm[Ly::GL + d]);
 }
@@ -1218,61 +1248,67 @@ static __device__ __forceinline__ float duet__kda_quarters_sum(const float *rd, 
     return (rd[0] + rd[stride]) + (rd[2 * stride] + rd[3 * stride]);
 }
 
-#define DUET_KDA_SEQ_THREADS 512 /* 16 warps: 4 quarters of d x 4 groups of 16 rows */
-#define DUET_KDA_SEQ_COLS    32  /* columns of S (and of v, o) per block: one per lane */
-
 /*
  * Shared-memory layout of the sequential kernel (floats): the chunk's Qe, Kd, Wt ([C][K]), Aqk
  * ([C][C]), this block's columns of U ([C][32]), e^{Γlast} ([K]), the block's columns of S
  * ([K][32]), the four quarters' partial sums ([4][C][32]) and V_new ([C][32]).
  */
 template <int K> struct duet__kda_seq_layout {
+    typedef duet__kda_wy_layout<K> Wy;
     static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS;
-    static constexpr int PA = K, PD = K, PQ = C, PS = XS; /* row pitches, as the tc layout's */
-    static constexpr int QE = 0, KD = QE + C * K, WT = KD + C * K, A = WT + C * K, U = A + C * C,
-                         GL = U + C * XS, S = GL + K, RED = S + K * XS, VN = RED + 4 * C * XS,
-                         FLOATS = VN + C * XS;
+    /* the wy block's arrays and pitches (duet__kda_seq_fetch), then one slice of U */
+    static constexpr int PA = Wy::PA, PD = Wy::PD, PQ = Wy::PQ, PS = Wy::PS;
+    static constexpr int WT = Wy::WT, QE = Wy::QE, A = Wy::A, KD = Wy::KD, GL = Wy::GL, U = Wy::U,
+                         S = U + C * PS, RED = S + K * XS, VN = RED + 4 * C * XS, BAR = VN + C * XS,
+                         FLOATS = BAR + 8; /* BAR: 3 mbarriers */
 };
 
-/* Copy group `part` of a chunk's wy block (slot; NULL: none) into shared memory laid out as Ly
- * (duet__kda_seq_layout or duet__kda_tc_layout: offsets and row pitches) and commit it: 0 = Wt
- * and this block's columns of U, 1 = Qe and Aqk, 2 = Kd and e^{Γlast}. The sequential kernels
- * start each group as soon as the chunk before has finished with its buffers. */
+/* Group `part` of a chunk's wy block (slot; NULL: none) into shared memory laid out as Ly
+ * (duet__kda_seq_layout or duet__kda_tc_layout, which keep the wy block's first arrays at the
+ * same offsets and pitches, then one slice of U) by the bulk copy engine, counted on bar[part]:
+ * 0 = Wt and this block's slice of U, 1 = Qe and Aqk, 2 = Kd and e^{Γlast}. Thread 0 alone
+ * acts: it arrives expecting the group's bytes and starts one copy per range, so a chunk's
+ * 112 KB take four instructions instead of seven thousand 16-byte copies. The sequential
+ * kernels start each group as soon as the chunk before has finished with its buffers (a block
+ * barrier after their last reads) and wait for phase c % 2 of bar[part] before chunk c reads
+ * them. */
 template <int K, typename Ly>
 static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, int x0, float *sm,
-                                                           int part)
+                                                           unsigned long long *bar, int part)
 {
     typedef duet__kda_wy_layout<K> Wy;
-    constexpr int C = Ly::C, XS = Ly::XS, NT = DUET_KDA_SEQ_THREADS, K4 = K / 4;
-    const int tid = threadIdx.x;
-    if (slot != NULL) {
-        const int big = part == 0 ? Wy::WT : part == 1 ? Wy::QE : Wy::KD;
-        const int sbig = part == 0 ? Ly::WT : part == 1 ? Ly::QE : Ly::KD;
-        const int pitch = part == 2 ? Ly::PD : Ly::PA;
-        for (int idx = tid; idx < C * K4; idx += NT) {
-            const int i = idx / K4, q = 4 * (idx % K4);
-            /* (unpadded layouts: the plain index, as the compiler then sees it) */
-            duet__cp_async16(sm + sbig + (pitch == K ? 4 * idx : i * pitch + q),
-                             slot + big + 4 * idx, true);
-        }
-        if (part == 0)
-            for (int idx = tid; idx < C * XS / 4; idx += NT) {
-                const int i = idx / (XS / 4), q = 4 * (idx % (XS / 4));
-                const bool ok = x0 + q < K;
-                duet__cp_async16(sm + Ly::U + i * Ly::PS + q,
-                                 slot + Wy::U + i * K + (ok ? x0 + q : 0), ok);
-            }
-        else if (part == 1)
-            for (int idx = tid; idx < C * C / 4; idx += NT) {
-                const int i = idx / (C / 4), q = 4 * (idx % (C / 4));
-                duet__cp_async16(sm + Ly::A + (Ly::PQ == C ? 4 * idx : i * Ly::PQ + q),
-                                 slot + Wy::A + 4 * idx, true);
-            }
-        else
-            for (int idx = tid; idx < K4; idx += NT)
-                duet__cp_async16(sm + Ly::GL + 4 * idx, slot + Wy::GL + 4 * idx, true);
+    static_assert(Ly::WT == Wy::WT && Ly::QE == Wy::QE && Ly::A == Wy::A && Ly::KD == Wy::KD &&
+                      Ly::GL == Wy::GL && Ly::U == Wy::U,
+                  "shared memory starts as the wy block");
+    constexpr unsigned F = sizeof(float), SLICE = F * Wy::C * Wy::PS;
+    if (slot == NULL || threadIdx.x != 0)
+        return;
+    duet__fence_proxy_async(); /* the block's reads of the buffers came first */
+    if (part == 0) {
+        duet__mbar_arrive_tx(bar, F * (Wy::QE - Wy::WT) + SLICE);
+        duet__bulk_copy(sm + Wy::WT, slot + Wy::WT, F * (Wy::QE - Wy::WT), bar);
+        duet__bulk_copy(sm + Wy::U, slot + Wy::U + (x0 / Wy::XS) * Wy::C * Wy::PS, SLICE, bar);
+    } else {
+        const int from = part == 1 ? Wy::QE : Wy::KD, to = part == 1 ? Wy::KD : Wy::U;
+        duet__mbar_arrive_tx(bar + part, F * (to - from));
+        duet__bulk_copy(sm + from, slot + from, F * (to - from), bar + part);
     }
-    duet__cp_async_commit();
+}
+
+/* The sequential kernels' setup of their copies, by the whole block: the three mbarriers of
+ * duet__kda_seq_fetch, then the first chunk's groups started. */
+template <int K, typename Ly>
+static __device__ __forceinline__ void duet__kda_seq_start(const float *slot, int x0, float *sm,
+                                                           unsigned long long *bar)
+{
+    if (threadIdx.x == 0) {
+        for (int part = 0; part < 3; part++)
+            duet__mbar_init(bar + part, 1);
+        duet__mbar_init_fence();
+    }
+    __syncthreads();
+    for (int part = 0; part < 3; part++)
+        duet__kda_seq_fetch<K, Ly>(slot, x0, sm, bar, part);
 }
 
 /*
@@ -1284,15 +1320,14 @@ static __device__ __forceinline__ void duet__kda_seq_fetch(const float *slot, in
  *   2. O = Qe S + Aqk V_new, the same way (each quarter also takes 16 of the j of Aqk V_new);
  *   3. S ← e^{Γlast} S + Kdᵀ V_new, each thread K/16 rows of S in its column.
  * Phases 2 and 3 share the stretch between two barriers (four per chunk). The copies of the next
- * chunk's arrays start as soon as each buffer's last reader is past a barrier (three cp.async
- * groups per chunk), so they overlap the rest of this chunk.
+ * chunk's arrays start as soon as each buffer's last reader is past a barrier (three groups per
+ * chunk, duet__kda_seq_fetch), so they overlap the rest of this chunk.
  */
 template <int K>
 __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     duet__kda_seq_kernel(duet__kda_core_args_t a)
 {
     typedef duet__kda_seq_layout<K> Sy;
-    typedef duet__kda_wy_layout<K> Wy;
     constexpr int C = Sy::C, XS = Sy::XS, V = K, Kq = K / 4, DW = K / 16, NT = DUET_KDA_SEQ_THREADS;
     const int64_t H = a.ly.H, HK = H * K;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
@@ -1308,22 +1343,21 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     const int dq = warp & 3, i0 = (warp >> 2) * 16; /* phases 1-2: quarter of d, first row */
     const int x0 = (int)blockIdx.y * XS, x = x0 + lane;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
-    for (int idx = tid; idx < K * XS / 4; idx += NT) { /* joins the first chunk's group 0 */
-        const int d = idx / (XS / 4), q = 4 * (idx % (XS / 4));
-        const bool ok = x0 + q < V;
-        duet__cp_async16(sm + Sy::S + d * XS + q, S + (int64_t)d * V + (ok ? x0 + q : 0), ok);
+    unsigned long long *bar = reinterpret_cast<unsigned long long *>(sm + Sy::BAR);
+    for (int idx = tid; idx < K * XS; idx += NT) { /* seen after the first chunk's barrier */
+        const int d = idx / XS, l = idx % XS;
+        sm[Sy::S + idx] = x0 + l < V ? S[(int64_t)d * V + x0 + l] : 0.0f;
     }
     const int64_t nch = (n_tok + C - 1) / C;
-    const float *wy = a.wy + h * Wy::FLOATS;
-    const int64_t slot_stride = H * Wy::FLOATS;
-    for (int part = 0; part < 3; part++)
-        duet__kda_seq_fetch<K, Sy>(wy + duet__kda_wy_slot(a, it, 0) * slot_stride, x0, sm, part);
+    const float *wy0 = duet__kda_wy_block<K>(a, it, h, 0); /* chunk c's block: wy0 + c · HF */
+    const int64_t HF = H * duet__kda_wy_layout<K>::FLOATS;
+    duet__kda_seq_start<K, Sy>(wy0, x0, sm, bar);
 
     for (int64_t c = 0; c < nch; c++) {
         const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
-        const float *next =
-            c + 1 < nch ? wy + duet__kda_wy_slot(a, it, (int)(c + 1)) * slot_stride : NULL;
-        duet__cp_async_wait<2>(); /* group 0: Wt, U (and S) */
+        const float *next = c + 1 < nch ? wy0 + (c + 1) * HF : NULL;
+        const unsigned ph = (unsigned)(c & 1);
+        duet__mbar_wait(bar + 0, ph); /* group 0: Wt, U */
         __syncthreads();
         float s[Kq]; /* S[dq·Kq + r][x] */
 #pragma unroll
@@ -1334,18 +1368,20 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
 #pragma unroll 2
         for (int m = 0; m < 16; m++)
             sm[Sy::RED + (dq * C + i0 + m) * XS + lane] =
-                i0 < n ? duet__kda_quarter_dot<Kq>(sm + Sy::WT + (i0 + m) * K + dq * Kq, s) : 0.0f;
+                i0 < n ? duet__kda_quarter_dot<Kq>(sm + Sy::WT + (i0 + m) * Sy::PA + dq * Kq, s)
+                       : 0.0f;
         __syncthreads();
 #pragma unroll
         for (int m = 0; m < 4; m++) { /* rows 4·warp .. +3: V_new = U − the quarters' sum */
             const int i = 4 * warp + m;
             const float *rd = sm + Sy::RED + i * XS + lane;
             sm[Sy::VN + i * XS + lane] =
-                sm[Sy::U + i * XS + lane] - duet__kda_quarters_sum(rd, C * XS);
+                sm[Sy::U + i * Sy::PS + lane] - duet__kda_quarters_sum(rd, C * XS);
         }
-        duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
+        duet__mbar_wait(bar + 1, ph); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
+        duet__mbar_wait(bar + 2, ph);
         __syncthreads();
-        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 0);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, bar, 0);
 
         /* 2. Quarter dq of Σ_d Qe[i][d] S[d][x] + Σ_{j in 16dq..16dq+15} Aqk[i][j] V_new[j][x]. */
         float vq[16];
@@ -1356,8 +1392,8 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
         for (int m = 0; m < 16; m++) {
             float acc = 0.0f, acc2 = 0.0f;
             if (i0 < n) {
-                acc = duet__kda_quarter_dot<Kq>(sm + Sy::QE + (i0 + m) * K + dq * Kq, s);
-                const float *ar = sm + Sy::A + (i0 + m) * C + 16 * dq;
+                acc = duet__kda_quarter_dot<Kq>(sm + Sy::QE + (i0 + m) * Sy::PA + dq * Kq, s);
+                const float *ar = sm + Sy::A + (i0 + m) * Sy::PQ + 16 * dq;
 #pragma unroll
                 for (int jj = 0; jj < 16; jj += 4) {
                     const float4 a4 = *reinterpret_cast<const float4 *>(&ar[jj]);
@@ -1379,7 +1415,7 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
 #pragma unroll 4
         for (int i = 0; i < n; i++) {
             const float v = sm[Sy::VN + i * XS + lane];
-            const float *kd = sm + Sy::KD + i * K + DW * warp;
+            const float *kd = sm + Sy::KD + i * Sy::PD + DW * warp;
             if constexpr (DW % 4 == 0) { /* 16-byte aligned: one broadcast load per 4 rows */
 #pragma unroll
                 for (int t = 0; t < DW; t += 4) {
@@ -1407,10 +1443,9 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
                 if (i < n)
                     a.o[(r0 + c * C + i) * HK + h * K + x] = duet__kda_quarters_sum(rd, C * XS);
             }
-        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 1);
-        duet__kda_seq_fetch<K, Sy>(next, x0, sm, 2);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, bar, 1);
+        duet__kda_seq_fetch<K, Sy>(next, x0, sm, bar, 2);
     }
-    duet__cp_async_wait<0>(); /* the last chunk's empty groups */
     for (int idx = tid; idx < K * XS; idx += NT) {
         const int d = idx / XS, l = idx % XS;
         if (x0 + l < V)
@@ -1425,9 +1460,9 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
  * big + small splits (three products each, small terms first; cuda_mma.cuh), so the error stays
  * near fp32's (about 2^-21 per product) while the FMA kernel above is bound by shared-memory
  * traffic and issue slots; with TERMS = 1 (DUET_CUDA_KDA_TC_ONE) each operand is rounded to
- * tf32 once and multiplied once, and the small arrays are neither written nor read. A warp
- * splits (rounds) each A fragment once for two 8-column tiles. With g = lane / 4 and t = lane % 4
- * the fragment coordinates, per chunk:
+ * tf32 once and multiplied once, and the small arrays are neither written nor read (the ahead
+ * kernel stores Qe, Kd, Wt and Aqk already rounded then). With g = lane / 4 and t = lane % 4 the
+ * fragment coordinates, per chunk:
  *   1. Wt S: warp w takes rows 16(w/4).., columns 16((w/2)%2).. and every other k-step (from
  *      w%2); the two halves meet in RED, and V_new = U − (half 0 + half 1) is stored split (VB,
  *      VS) for the next two products;
@@ -1436,67 +1471,80 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
  *   3. S ← e^{Γlast} S + Kdᵀ V_new: S lives in registers as the C fragments of warp w's tiles
  *      (rows 16(w/2).., columns 16(w%2)..) for the whole item, in fp32; each chunk stores it
  *      split (SB, SS) as the B operand of products 1 and 2.
- * Row strides are padded so that fragment loads meet distinct banks. Rows of a chunk past its
- * tokens are zero in every wy array (duet__kda_wy_layout), so they add nothing.
+ * The B operands (S and V_new) are stored transposed, column by column, so that one ldmatrix
+ * brings a k-step's fragments of both 8-column tiles, as one brings Wt's, Qe's and Aqk's A
+ * fragments; Kdᵀ's are four loads. Row strides are padded so that the 8 rows of an ldmatrix,
+ * and the fragment loads, meet distinct banks. Rows of a chunk past its tokens are zero in every
+ * wy array (duet__kda_wy_layout), so they add nothing.
  */
 template <int K> struct duet__kda_tc_layout {
+    typedef duet__kda_wy_layout<K> Wy;
     static constexpr int C = DUET_KDA_C, XS = DUET_KDA_SEQ_COLS;
-    /* row strides: Qe and Wt (read along k = channel), Kd (read along the row index), Aqk, and
-     * the 32-column arrays */
-    static constexpr int PA = K + 4, PD = K + 8, PQ = C + 4, PS = XS + 8;
-    static constexpr int QE = 0, WT = QE + C * PA, KD = WT + C * PA, A = KD + C * PD,
-                         U = A + C * PQ, VB = U + C * PS, VS = VB + C * PS, SB = VS + C * PS,
-                         SS = SB + K * PS, GL = SS + K * PS, RED = GL + K,
-                         FLOATS = RED + 2 * C * PS;
+    /* the wy block's arrays and pitches (duet__kda_seq_fetch: Qe and Wt read along k = channel,
+     * Kd along the row index), one slice of U, the halves (32 columns); S's split [XS][K] and
+     * V_new's [XS][C], transposed */
+    static constexpr int PA = Wy::PA, PD = Wy::PD, PQ = Wy::PQ, PS = Wy::PS, PT = K + 4, PV = C + 4;
+    static constexpr int WT = Wy::WT, QE = Wy::QE, A = Wy::A, KD = Wy::KD, GL = Wy::GL, U = Wy::U,
+                         VB = U + C * PS, VS = VB + XS * PV, SB = VS + XS * PV, SS = SB + XS * PT,
+                         RED = SS + XS * PT, BAR = RED + 2 * C * PS,
+                         FLOATS = BAR + 8; /* BAR: 3 mbarriers */
 };
 
-/* acc[j] += A · B_j for the warp's two 8-column tiles j, A's fragment elements a0..a3 (rows g,
- * g + 8, columns t, t + 4) given; the B fragments from the arrays bb / bs at their fragment
- * (pitch PB: rows t, t + 4, columns g and 8 + g). TERMS = 3: A split once, three tf32 products
- * each, the small terms first; TERMS = 1: A rounded once, one product with bb (bs unread). */
-template <int TERMS, int PB>
-static __device__ __forceinline__ void duet__kda_tc_mma(float (&acc)[2][4], float a0, float a1,
-                                                        float a2, float a3, const uint32_t *bb,
-                                                        const uint32_t *bs)
+/* Lane offsets (floats) of duet_ldsm_x4 into a [rows][P] array at a tile's first row and
+ * k-step: for an A fragment (rows m, k along the row) the tiles are (rows 0-7, k 0-3), (8-15,
+ * 0-3), (0-7, 4-7), (8-15, 4-7), giving a0..a3; for the B fragments of two 8-column tiles
+ * stored transposed (rows n) they are (n 0-7, k 0-3), (0-7, 4-7), (8-15, 0-3), (8-15, 4-7),
+ * giving b0, b1 of tile 0 and b0, b1 of tile 1. */
+template <int P> static __device__ __forceinline__ int duet__kda_ldsm_a(int lane)
+{
+    const int i = lane >> 3;
+    return ((lane & 7) + 8 * (i & 1)) * P + 4 * (i >> 1);
+}
+template <int P> static __device__ __forceinline__ int duet__kda_ldsm_b(int lane)
+{
+    const int i = lane >> 3;
+    return ((lane & 7) + 8 * (i >> 1)) * P + 4 * (i & 1);
+}
+
+/* acc[j] += A · B_j for the warp's two 8-column tiles j: A's fragment a (TERMS = 3: fp32 words,
+ * split here; TERMS = 1: tf32 words as they are), B_j's b0, b1 at bb[2j], bb[2j + 1] (and the
+ * small terms' at bs). TERMS = 3: three tf32 products each, the small terms first. */
+template <int TERMS>
+static __device__ __forceinline__ void duet__kda_tc_mma(float (&acc)[2][4], const uint32_t (&a)[4],
+                                                        const uint32_t (&bb)[4],
+                                                        const uint32_t (&bs)[4])
 {
     static_assert(TERMS == 1 || TERMS == 3, "one term or the split's three");
-    uint32_t ab[4], as[4];
     if constexpr (TERMS == 3) {
-        duet_split_tf32(a0, &ab[0], &as[0]);
-        duet_split_tf32(a1, &ab[1], &as[1]);
-        duet_split_tf32(a2, &ab[2], &as[2]);
-        duet_split_tf32(a3, &ab[3], &as[3]);
-    } else {
-        ab[0] = duet_round_tf32(a0);
-        ab[1] = duet_round_tf32(a1);
-        ab[2] = duet_round_tf32(a2);
-        ab[3] = duet_round_tf32(a3);
-    }
+        uint32_t ab[4], as[4];
 #pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const uint32_t b0 = bb[8 * j], b1 = bb[8 * j + 4 * PB];
-        if constexpr (TERMS == 3) {
-            duet_mma_tf32(acc[j], as, b0, b1);
-            duet_mma_tf32(acc[j], ab, bs[8 * j], bs[8 * j + 4 * PB]);
+        for (int q = 0; q < 4; q++)
+            duet_split_tf32(__uint_as_float(a[q]), &ab[q], &as[q]);
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            duet_mma_tf32(acc[j], as, bb[2 * j], bb[2 * j + 1]);
+            duet_mma_tf32(acc[j], ab, bs[2 * j], bs[2 * j + 1]);
+            duet_mma_tf32(acc[j], ab, bb[2 * j], bb[2 * j + 1]);
         }
-        duet_mma_tf32(acc[j], ab, b0, b1);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            duet_mma_tf32(acc[j], a, bb[2 * j], bb[2 * j + 1]);
     }
 }
 
-/* duet__kda_tc_mma with the A fragment at `a` (row-major, pitch P). */
-template <int TERMS, int P, int PB>
-static __device__ __forceinline__ void duet__kda_tc_step(float (&acc)[2][4], const float *a,
-                                                         const uint32_t *bb, const uint32_t *bs)
+/* One k-step with both fragments by ldmatrix: A at pa (duet__kda_ldsm_a's offset added), B at
+ * pb / ps (duet__kda_ldsm_b's; ps only for TERMS = 3). */
+template <int TERMS>
+static __device__ __forceinline__ void duet__kda_tc_step(float (&acc)[2][4], const float *pa,
+                                                         const float *pb, const float *ps)
 {
-    duet__kda_tc_mma<TERMS, PB>(acc, a[0], a[8 * P], a[4], a[8 * P + 4], bb, bs);
-}
-
-/* The same with the A fragment transposed: element (m, k) at a[k * P + m] (Kdᵀ). */
-template <int TERMS, int P, int PB>
-static __device__ __forceinline__ void duet__kda_tc_step_t(float (&acc)[2][4], const float *a,
-                                                           const uint32_t *bb, const uint32_t *bs)
-{
-    duet__kda_tc_mma<TERMS, PB>(acc, a[0], a[8], a[4 * P], a[4 * P + 8], bb, bs);
+    uint32_t a[4], bb[4], bs[4];
+    duet_ldsm_x4(pa, a);
+    duet_ldsm_x4(pb, bb);
+    if constexpr (TERMS == 3)
+        duet_ldsm_x4(ps, bs);
+    duet__kda_tc_mma<TERMS>(acc, a, bb, bs);
 }
 
 /* The C fragments of the warp's two tiles (rows r, r + 8; columns c + 8j, + 1) into a [rows][P]
@@ -1513,28 +1561,19 @@ static __device__ __forceinline__ void duet__kda_tc_put(float *dst, int r, int c
     }
 }
 
-/* The same values split (duet_split_tf32) into big and small arrays of pitch P; TERMS = 1:
- * only rounded to tf32, into big. */
-template <int TERMS, int P>
-static __device__ __forceinline__ void duet__kda_tc_put_split(float *big, float *small, int r,
-                                                              int c, const float (&v)[2][4])
+/* v split (TERMS = 3, duet_split_tf32) into *big and *small, or (TERMS = 1) rounded to tf32 into
+ * *big, as float bits. */
+template <int TERMS>
+static __device__ __forceinline__ void duet__kda_tc_round(float v, float *big, float *small)
 {
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-        for (int hr = 0; hr < 2; hr++) {
-            uint32_t b0, s0, b1, s1;
-            const int off = (r + 8 * hr) * P + c + 8 * j;
-            if constexpr (TERMS == 3) {
-                duet_split_tf32(v[j][2 * hr], &b0, &s0);
-                duet_split_tf32(v[j][2 * hr + 1], &b1, &s1);
-                *reinterpret_cast<uint2 *>(small + off) = make_uint2(s0, s1);
-            } else {
-                b0 = duet_round_tf32(v[j][2 * hr]);
-                b1 = duet_round_tf32(v[j][2 * hr + 1]);
-            }
-            *reinterpret_cast<uint2 *>(big + off) = make_uint2(b0, b1);
-        }
+    uint32_t b, sm;
+    if constexpr (TERMS == 3) {
+        duet_split_tf32(v, &b, &sm);
+        *small = __uint_as_float(sm);
+    } else {
+        b = duet_round_tf32(v);
+    }
+    *big = __uint_as_float(b);
 }
 
 template <int K, int TERMS>
@@ -1542,7 +1581,9 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     duet__kda_seq_tc_kernel(duet__kda_core_args_t a)
 {
     typedef duet__kda_tc_layout<K> Ly;
-    constexpr int C = Ly::C, V = K, PS = Ly::PS, KS = K / 8;
+    constexpr int C = Ly::C, V = K, PS = Ly::PS, PT = Ly::PT, PV = Ly::PV, KS = K / 8;
+    static_assert(Ly::XS == 32 && DUET_KDA_SEQ_THREADS == 16 * 32 && C == 4 * 16,
+                  "V_new: a column per lane, four rows per warp");
     const int64_t H = a.ly.H, HK = H * K;
     const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
     const int64_t r0 = a.st.item_row0[it], n_tok = a.st.item_row0[it + 1] - r0;
@@ -1553,7 +1594,6 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
 
     extern __shared__ float4 duet__kda_smem4[];
     float *sm = reinterpret_cast<float *>(duet__kda_smem4);
-    const uint32_t *smu = reinterpret_cast<const uint32_t *>(sm);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     /* products 1 and 2: rows 16·mt.., columns 16·nh.., k-steps kh, kh + 2, ... */
@@ -1566,6 +1606,13 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
     const int rr = tid >> 3, rc = 4 * (tid & 7);
     const int x0 = (int)blockIdx.y * Ly::XS;
     float *S = duet__kda_block(a.ly, a.st.item_slot[it]) + h * K * V;
+    const bool o16 = ((uintptr_t)a.o & 15) == 0; /* uniform per launch */
+    /* this lane's ldmatrix rows: Wt, Qe (pitch PA) and Aqk at the warp's row tile; S's split
+     * (k = d) and V_new's (k = row) at the warp's column tiles */
+    const int la = 16 * mt * Ly::PA + duet__kda_ldsm_a<Ly::PA>(lane);
+    const int lq = 16 * mt * Ly::PQ + duet__kda_ldsm_a<Ly::PQ>(lane);
+    const int ls = c1 * PT + duet__kda_ldsm_b<PT>(lane);
+    const int lv = c1 * PV + duet__kda_ldsm_b<PV>(lane), lv3 = cs * PV + duet__kda_ldsm_b<PV>(lane);
 
     /* the warp's tiles of S: sr[j][q] = S[16·md + g + 8·(q/2)][x0 + cs + 8j + 2t + q%2] */
     float sr[2][4];
@@ -1577,16 +1624,25 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             sr[j][q] = own && x < V ? S[(int64_t)d * V + x] : 0.0f;
         }
     const int64_t nch = (n_tok + C - 1) / C;
-    for (int part = 0; part < 3; part++)
-        duet__kda_seq_fetch<K, Ly>(duet__kda_wy_block<K>(a, it, h, 0), x0, sm, part);
+    unsigned long long *bar = reinterpret_cast<unsigned long long *>(sm + Ly::BAR);
+    const float *wy0 = duet__kda_wy_block<K>(a, it, h, 0); /* chunk c's block: wy0 + c · HF */
+    const int64_t HF = H * duet__kda_wy_layout<K>::FLOATS;
+    duet__kda_seq_start<K, Ly>(wy0, x0, sm, bar);
 
     for (int64_t c = 0; c < nch; c++) {
         const int n = n_tok - c * C < C ? (int)(n_tok - c * C) : C;
-        const float *next = c + 1 < nch ? duet__kda_wy_block<K>(a, it, h, (int)(c + 1)) : NULL;
-        if (own) /* S's split, the B operand of products 1 and 2 */
-            duet__kda_tc_put_split<TERMS, PS>(sm + Ly::SB, sm + Ly::SS, 16 * md + g, cs + 2 * t,
-                                              sr);
-        duet__cp_async_wait<2>(); /* group 0: Wt, U */
+        const float *next = c + 1 < nch ? wy0 + (c + 1) * HF : NULL;
+        const unsigned ph = (unsigned)(c & 1);
+        if (own) /* S's split, transposed: the B operand of products 1 and 2 */
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int off =
+                        (cs + 8 * j + 2 * t + (q & 1)) * PT + 16 * md + g + 8 * (q >> 1);
+                    duet__kda_tc_round<TERMS>(sr[j][q], sm + Ly::SB + off, sm + Ly::SS + off);
+                }
+        duet__mbar_wait(bar + 0, ph); /* group 0: Wt, U */
         __syncthreads();
 
         /* 1. this warp's half of Wt S, into RED[kh] */
@@ -1594,63 +1650,59 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             float acc[2][4] = {};
 #pragma unroll
             for (int ks = kh; ks < KS; ks += 2)
-                duet__kda_tc_step<TERMS, Ly::PA, PS>(acc, sm + Ly::WT + ra * Ly::PA + 8 * ks + t,
-                                                     smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
-                                                     smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS>(acc, sm + Ly::WT + la + 8 * ks, sm + Ly::SB + ls + 8 * ks,
+                                         sm + Ly::SS + ls + 8 * ks);
             duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
         }
         __syncthreads();
-        { /* V_new = U − (half 0 + half 1), 0 past n; split */
-            float4 v = *reinterpret_cast<const float4 *>(sm + Ly::U + rr * PS + rc);
-            if (rr < n) {
-                const float4 h0 = *reinterpret_cast<const float4 *>(sm + Ly::RED + rr * PS + rc);
-                const float4 h1 =
-                    *reinterpret_cast<const float4 *>(sm + Ly::RED + C * PS + rr * PS + rc);
-                v.x -= h0.x + h1.x;
-                v.y -= h0.y + h1.y;
-                v.z -= h0.z + h1.z;
-                v.w -= h0.w + h1.w;
-            } else {
-                v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        { /* V_new = U − (half 0 + half 1), 0 past n; split, transposed: lane = column, the
+           * warp's four rows */
+            float4 vb, vs;
+            float *pb = &vb.x, *ps = &vs.x;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int i = 4 * warp + e;
+                float v = 0.0f;
+                if (i < n)
+                    v = sm[Ly::U + i * PS + lane] -
+                        (sm[Ly::RED + i * PS + lane] + sm[Ly::RED + C * PS + i * PS + lane]);
+                duet__kda_tc_round<TERMS>(v, pb + e, ps + e);
             }
-            uint4 b, s;
-            if constexpr (TERMS == 3) {
-                duet_split_tf32(v.x, &b.x, &s.x);
-                duet_split_tf32(v.y, &b.y, &s.y);
-                duet_split_tf32(v.z, &b.z, &s.z);
-                duet_split_tf32(v.w, &b.w, &s.w);
-                *reinterpret_cast<uint4 *>(sm + Ly::VS + rr * PS + rc) = s;
-            } else {
-                b = make_uint4(duet_round_tf32(v.x), duet_round_tf32(v.y), duet_round_tf32(v.z),
-                               duet_round_tf32(v.w));
-            }
-            *reinterpret_cast<uint4 *>(sm + Ly::VB + rr * PS + rc) = b;
+            *reinterpret_cast<float4 *>(sm + Ly::VB + lane * PV + 4 * warp) = vb;
+            if constexpr (TERMS == 3)
+                *reinterpret_cast<float4 *>(sm + Ly::VS + lane * PV + 4 * warp) = vs;
         }
-        duet__cp_async_wait<0>(); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
+        duet__mbar_wait(bar + 1, ph); /* groups 1 and 2: Qe, Aqk, Kd, e^{Γlast} */
+        duet__mbar_wait(bar + 2, ph);
         __syncthreads();
-        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 0); /* Wt and U are read */
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, bar, 0); /* Wt and U are read */
 
         /* 2. this warp's half of Qe S + Aqk V_new (Aqk is 0 past the diagonal), into RED[kh] */
         if (16 * mt < n) {
             float acc[2][4] = {};
 #pragma unroll
             for (int ks = kh; ks < KS; ks += 2)
-                duet__kda_tc_step<TERMS, Ly::PA, PS>(acc, sm + Ly::QE + ra * Ly::PA + 8 * ks + t,
-                                                     smu + Ly::SB + (8 * ks + t) * PS + c1 + g,
-                                                     smu + Ly::SS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS>(acc, sm + Ly::QE + la + 8 * ks, sm + Ly::SB + ls + 8 * ks,
+                                         sm + Ly::SS + ls + 8 * ks);
             for (int ks = kh; ks <= 2 * mt + 1; ks += 2)
-                duet__kda_tc_step<TERMS, Ly::PQ, PS>(acc, sm + Ly::A + ra * Ly::PQ + 8 * ks + t,
-                                                     smu + Ly::VB + (8 * ks + t) * PS + c1 + g,
-                                                     smu + Ly::VS + (8 * ks + t) * PS + c1 + g);
+                duet__kda_tc_step<TERMS>(acc, sm + Ly::A + lq + 8 * ks, sm + Ly::VB + lv + 8 * ks,
+                                         sm + Ly::VS + lv + 8 * ks);
             duet__kda_tc_put<PS>(sm + Ly::RED + kh * C * PS, ra, c1 + 2 * t, acc);
         }
         /* 3. S ← e^{Γlast} S + Kdᵀ V_new on the warp's tiles of S (A[d][i] = Kd[i][d]) */
         if (own) {
             float acc[2][4] = {};
-            for (int kk = 0; kk < n; kk += 8)
-                duet__kda_tc_step_t<TERMS, Ly::PD, PS>(
-                    acc, sm + Ly::KD + (kk + t) * Ly::PD + 16 * md + g,
-                    smu + Ly::VB + (kk + t) * PS + cs + g, smu + Ly::VS + (kk + t) * PS + cs + g);
+            for (int kk = 0; kk < n; kk += 8) {
+                const float *ka = sm + Ly::KD + (kk + t) * Ly::PD + 16 * md + g;
+                const uint32_t af[4] = {__float_as_uint(ka[0]), __float_as_uint(ka[8]),
+                                        __float_as_uint(ka[4 * Ly::PD]),
+                                        __float_as_uint(ka[4 * Ly::PD + 8])};
+                uint32_t bb[4], bs[4];
+                duet_ldsm_x4(sm + Ly::VB + lv3 + kk, bb);
+                if constexpr (TERMS == 3)
+                    duet_ldsm_x4(sm + Ly::VS + lv3 + kk, bs);
+                duet__kda_tc_mma<TERMS>(acc, af, bb, bs);
+            }
             const float e0 = sm[Ly::GL + 16 * md + g], e1 = sm[Ly::GL + 16 * md + g + 8];
 #pragma unroll
             for (int j = 0; j < 2; j++) {
@@ -1665,16 +1717,20 @@ __global__ static void __launch_bounds__(DUET_KDA_SEQ_THREADS, 1)
             const float4 h0 = *reinterpret_cast<const float4 *>(sm + Ly::RED + rr * PS + rc);
             const float4 h1 =
                 *reinterpret_cast<const float4 *>(sm + Ly::RED + C * PS + rr * PS + rc);
+            const float4 ov = make_float4(h0.x + h1.x, h0.y + h1.y, h0.z + h1.z, h0.w + h1.w);
             float *o = a.o + (r0 + c * C + rr) * HK + h * K + x0 + rc;
-            o[0] = h0.x + h1.x;
-            o[1] = h0.y + h1.y;
-            o[2] = h0.z + h1.z;
-            o[3] = h0.w + h1.w;
+            if (o16) {
+                *reinterpret_cast<float4 *>(o) = ov;
+            } else {
+                o[0] = ov.x;
+                o[1] = ov.y;
+                o[2] = ov.z;
+                o[3] = ov.w;
+            }
         }
-        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 1);
-        duet__kda_seq_fetch<K, Ly>(next, x0, sm, 2);
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, bar, 1);
+        duet__kda_seq_fetch<K, Ly>(next, x0, sm, bar, 2);
     }
-    duet__cp_async_wait<0>(); /* the last chunk's empty groups */
     if (own)
 #pragma unroll
         for (int j = 0; j < 2; j++)
@@ -1693,8 +1749,25 @@ extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_row
 {
     if (max_items < 0 || max_rows < 0 || H < 0 || K < 0)
         return 0;
-    const int64_t slots = max_rows / DUET_KDA_C + max_items + 1;          /* duet__kda_wy_slot */
-    const int64_t per = 4 * DUET_KDA_C * K + DUET_KDA_C * DUET_KDA_C + K; /* wy_layout FLOATS */
+    const int64_t slots = max_rows / DUET_KDA_C + max_items + 1; /* duet__kda_wy_slot */
+    int64_t per = 0;                                             /* wy_layout FLOATS */
+    switch (K) {
+#define DUET__WY_CASE(k)                                                                           \
+    case k:                                                                                        \
+        per = duet__kda_wy_layout<k>::FLOATS;                                                      \
+        break;
+        DUET__WY_CASE(16)
+        DUET__WY_CASE(32)
+        DUET__WY_CASE(48)
+        DUET__WY_CASE(64)
+        DUET__WY_CASE(80)
+        DUET__WY_CASE(96)
+        DUET__WY_CASE(112)
+        DUET__WY_CASE(128)
+#undef DUET__WY_CASE
+    default: /* no chunked form (duet_cuda_kda_core refuses the shape) */
+        return 0;
+    }
     return sizeof(float) * (size_t)(slots * H) * (size_t)per;
 }
 
