@@ -294,14 +294,20 @@ duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
         const float *win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch0 * (W - 1);
         float u[VEC][WM]; /* u[c][j]: channel c's input at t-(W-1)+j for the next row t */
 #pragma unroll
-        for (int c = 0; c < VEC; c++)
+        for (int j = 0; j < WM; j++) {
+            const int64_t tau = (ra - r0) - (W - 1) + j;
+            if (j < W - 1 && tau >= 0) { /* a row of the item: VEC channels in one load */
+                float xj[VEC];
+                duet__kda_ldv<VEC>(proj + (r0 + tau) * C3 + ch0, xj);
 #pragma unroll
-            for (int j = 0; j < WM; j++) {
-                const int64_t tau = (ra - r0) - (W - 1) + j;
-                u[c][j] = j >= W - 1 ? 0.0f
-                          : tau >= 0 ? proj[(r0 + tau) * C3 + ch0 + c]
-                                     : win[c * (W - 1) + (W - 1) + tau];
+                for (int c = 0; c < VEC; c++)
+                    u[c][j] = xj[c];
+            } else {
+#pragma unroll
+                for (int c = 0; c < VEC; c++)
+                    u[c][j] = j < W - 1 ? win[c * (W - 1) + (W - 1) + tau] : 0.0f;
             }
+        }
         for (int64_t rg = ra; rg < rb; rg += DUET_KDA_CONV_AHEAD) {
             /* the group's inputs first, all in flight together: they do not depend on the
              * items, only the windows do */
@@ -459,8 +465,22 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
 
 /* ---- prep --------------------------------------------------------------------------------- */
 
-/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). */
-template <bool QK>
+/* Lane `lane`'s elements d = lane, lane + 32, ... of a row of K floats (KC = K / 32 of them when
+ * KC > 0) into v, all loads in flight together; KC = 0 (K known only at run time) leaves v
+ * alone. The row kernels below use them in that order, as their K-generic loops do. */
+template <int KC>
+__device__ static __forceinline__ void duet__kda_lane_row(const float *p, int lane,
+                                                          float (&v)[KC > 0 ? KC : 1])
+{
+#pragma unroll
+    for (int j = 0; j < KC; j++)
+        v[j] = p[lane + 32 * j];
+}
+
+/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). KC = K / 32
+ * when the launch knows it (K = 128): each lane's inputs are loaded before any store, instead of
+ * one round trip per element behind the stores the compiler cannot move them past. */
+template <bool QK, int KC>
 __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
                                              const float *neg_A, const float *dt_bias, float *qkv,
                                              float *g, float *beta)
@@ -475,18 +495,39 @@ __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t 
         const int64_t row = wi / H, h = wi % H;
         float *gr = g + row * HK + h * K;
         const float nA = neg_A[h];
-        for (int64_t d = lane; d < K; d += 32)
-            gr[d] = nA * duet__softplus(gr[d] + dt_bias[h * K + d]);
+        if constexpr (KC > 0) {
+            float gv[KC], bv[KC];
+            duet__kda_lane_row<KC>(gr, lane, gv);
+            duet__kda_lane_row<KC>(dt_bias + h * K, lane, bv);
+#pragma unroll
+            for (int j = 0; j < KC; j++)
+                gr[lane + 32 * j] = nA * duet__softplus(gv[j] + bv[j]);
+        } else {
+            for (int64_t d = lane; d < K; d += 32)
+                gr[d] = nA * duet__softplus(gr[d] + dt_bias[h * K + d]);
+        }
         if (lane == 0)
             beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
         for (int part = 0; QK && part < 2; part++) {
             float *x = qkv + row * C3 + part * HK + h * K;
             float ss = 0.0f;
-            for (int64_t d = lane; d < K; d += 32)
-                ss += x[d] * x[d];
-            const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
-            for (int64_t d = lane; d < K; d += 32)
-                x[d] *= inv;
+            if constexpr (KC > 0) {
+                float xv[KC];
+                duet__kda_lane_row<KC>(x, lane, xv);
+#pragma unroll
+                for (int j = 0; j < KC; j++)
+                    ss += xv[j] * xv[j];
+                const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+#pragma unroll
+                for (int j = 0; j < KC; j++)
+                    x[lane + 32 * j] = xv[j] * inv;
+            } else {
+                for (int64_t d = lane; d < K; d += 32)
+                    ss += x[d] * x[d];
+                const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+                for (int64_t d = lane; d < K; d += 32)
+                    x[d] *= inv;
+            }
         }
     }
 }
@@ -502,9 +543,12 @@ static duet_status_t duet__kda_prep(cudaStream_t stream, int64_t n_rows,
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    DUET__TRY(duet_pdl_launch(qk ? duet__kda_prep_kernel<true> : duet__kda_prep_kernel<false>,
-                              dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0,
-                              stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
+    const bool k128 = ly->K == 128;
+    DUET__TRY(duet_pdl_launch(
+                  qk ? (k128 ? duet__kda_prep_kernel<true, 4> : duet__kda_prep_kernel<true, 0>)
+                     : (k128 ? duet__kda_prep_kernel<false, 4> : duet__kda_prep_kernel<false, 0>),
+                  dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0, stream, n_rows,
+                  ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
               "prep launch");
     return DUET_OK;
 }
@@ -518,12 +562,17 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
 
 /* ---- out ---------------------------------------------------------------------------------- */
 
+/* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each; KC as prep's: with K = 128
+ * a lane's o, gate and o_norm elements are all loaded before its first store. */
+template <int KC>
 __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K,
                                             const float *o_norm, float eps, const float *gate,
                                             float *o)
 {
     const int lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    float nv[KC > 0 ? KC : 1]; /* o_norm: the same for every row */
+    duet__kda_lane_row<KC>(o_norm, lane, nv);
     duet_pdl_wait(); /* o, gate */
     duet_pdl_trigger();
     for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
@@ -531,12 +580,26 @@ __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K
         float *x = o + wi * K; /* row * HK + h * K */
         const float *gt = gate + wi * K;
         float ss = 0.0f;
-        for (int64_t d = lane; d < K; d += 32)
-            ss += x[d] * x[d];
-        ss = duet__warp_sum(ss);
-        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
-        for (int64_t d = lane; d < K; d += 32)
-            x[d] = o_norm[d] * (x[d] * inv) * duet__sigmoid(gt[d]);
+        if constexpr (KC > 0) {
+            float xv[KC], gv[KC];
+            duet__kda_lane_row<KC>(x, lane, xv);
+            duet__kda_lane_row<KC>(gt, lane, gv);
+#pragma unroll
+            for (int j = 0; j < KC; j++)
+                ss += xv[j] * xv[j];
+            ss = duet__warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+#pragma unroll
+            for (int j = 0; j < KC; j++)
+                x[lane + 32 * j] = nv[j] * (xv[j] * inv) * duet__sigmoid(gv[j]);
+        } else {
+            for (int64_t d = lane; d < K; d += 32)
+                ss += x[d] * x[d];
+            ss = duet__warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+            for (int64_t d = lane; d < K; d += 32)
+                x[d] = o_norm[d] * (x[d] * inv) * duet__sigmoid(gt[d]);
+        }
     }
 }
 
@@ -549,7 +612,7 @@ extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, 
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    DUET__TRY(duet_pdl_launch(duet__kda_out_kernel,
+    DUET__TRY(duet_pdl_launch(K == 128 ? duet__kda_out_kernel<4> : duet__kda_out_kernel<0>,
                               dim3(duet__blocks(n_rows * H, th / 32, 1 << 20)), dim3(th), 0, stream,
                               n_rows, H, K, o_norm, eps, gate, o),
               "out launch");
