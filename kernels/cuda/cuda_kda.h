@@ -92,7 +92,7 @@ duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
  * recurrent form, longer items the chunked form (chunks of 64), as the CPU path does (a verify
  * item the recurrent form on a copy of S, its k, v, g, β to its replay rows); both are
  * the same function. `scratch` has duet_cuda_kda_scratch_bytes(max_items, max_rows, H, K) bytes
- * for steps of at most max_items items and max_rows rows (about 148 KB per 64 rows and head at
+ * for steps of at most max_items items and max_rows rows (about 161 KB per 64 rows and head at
  * K = 128): there the chunked form leaves, for every chunk in parallel, everything that does not
  * depend on the state, before its sequential pass. A step with an item of more than one token
  * and no scratch is refused (DUET_ERR_INVALID); a pure decode step may pass NULL. K must be a

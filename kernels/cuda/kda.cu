@@ -1312,9 +1312,10 @@ static __device__ __forceinline__ float duet__kda_quarters_sum(const float *rd, 
 }
 
 /*
- * Shared-memory layout of the sequential kernel (floats): the chunk's Qe, Kd, Wt ([C][K]), Aqk
- * ([C][C]), this block's columns of U ([C][32]), e^{Γlast} ([K]), the block's columns of S
- * ([K][32]), the four quarters' partial sums ([4][C][32]) and V_new ([C][32]).
+ * Shared-memory layout of the sequential kernel (floats): the chunk's Wt, Qe, Aqk, Kd and
+ * e^{Γlast} as the wy block holds them (padded rows), this block's slice of U ([C][PS]), the
+ * block's columns of S ([K][32]), the four quarters' partial sums ([4][C][32]), V_new ([C][32])
+ * and the copies' three mbarriers.
  */
 template <int K> struct duet__kda_seq_layout {
     typedef duet__kda_wy_layout<K> Wy;
