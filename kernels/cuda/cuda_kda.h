@@ -80,7 +80,8 @@ duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda_step_t *st
 /*
  * Per row: g[i] = neg_A[i / K] · softplus(g[i] + dt_bias[i]) (in place), beta = σ(beta) (in
  * place), q and k of every head L2-normalised (eps 1e-6 inside the sqrt), q also scaled by K^-1/2
- * (in place in qkv). neg_A: [H] = -exp(A_log); dt_bias: [H*K].
+ * (in place in qkv). neg_A: [H] = -exp(A_log); dt_bias: [H*K]. K <= 128 (DUET_ERR_UNSUPPORTED
+ * otherwise).
  */
 duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
                                  const duet_cuda_kda_layer_t *ly, const float *neg_A,
@@ -103,7 +104,8 @@ duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda_step_t *st
                                  const duet_cuda_kda_layer_t *ly, const float *qkv, const float *g,
                                  const float *beta, float *o, void *scratch);
 
-/* o[row][h*K + d] = o_norm[d] · o / sqrt(mean_d(o²) + eps) · σ(gate[row][h*K + d]), in place. */
+/* o[row][h*K + d] = o_norm[d] · o / sqrt(mean_d(o²) + eps) · σ(gate[row][h*K + d]), in place;
+ * K <= 128 (DUET_ERR_UNSUPPORTED otherwise). */
 duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H, int64_t K,
                                 const float *o_norm, float eps, const float *gate, float *o);
 

@@ -55,6 +55,8 @@
  */
 #include <stdlib.h>
 
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_async.cuh"
@@ -463,28 +465,64 @@ extern "C" duet_status_t duet_cuda_kda_conv(cudaStream_t stream, const duet_cuda
     return duet__kda_conv(stream, st, ly, taps, proj, qkv, false, &normed);
 }
 
-/* ---- prep --------------------------------------------------------------------------------- */
-
-/* Lane `lane`'s elements d = lane, lane + 32, ... of a row of K floats (KC = K / 32 of them when
- * KC > 0) into v, all loads in flight together; KC = 0 (K known only at run time) leaves v
- * alone. The row kernels below use them in that order, as their K-generic loops do. */
-template <int KC>
-__device__ static __forceinline__ void duet__kda_lane_row(const float *p, int lane,
-                                                          float (&v)[KC > 0 ? KC : 1])
+/*
+ * f(std::integral_constant<int, k>()) for k = K: the one list of the head sizes the templated
+ * kernels are built for (multiples of 16 up to DUET_KDA_MAX_K); other() for any other K.
+ */
+template <typename F, typename G> static auto duet__kda_with_k(int64_t K, F &&f, G &&other)
 {
-#pragma unroll
-    for (int j = 0; j < KC; j++)
-        v[j] = p[lane + 32 * j];
+    static_assert(DUET_KDA_MAX_K == 128, "the list below ends at DUET_KDA_MAX_K");
+    switch (K) {
+    case 16:
+        return f(std::integral_constant<int, 16>());
+    case 32:
+        return f(std::integral_constant<int, 32>());
+    case 48:
+        return f(std::integral_constant<int, 48>());
+    case 64:
+        return f(std::integral_constant<int, 64>());
+    case 80:
+        return f(std::integral_constant<int, 80>());
+    case 96:
+        return f(std::integral_constant<int, 96>());
+    case 112:
+        return f(std::integral_constant<int, 112>());
+    case 128:
+        return f(std::integral_constant<int, 128>());
+    default:
+        return other();
+    }
 }
 
-/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). KC = K / 32
- * when the launch knows it (K = 128): each lane's inputs are loaded before any store, instead of
- * one round trip per element behind the stores the compiler cannot move them past. */
-template <bool QK, int KC>
+/* The launchers' other(): a K that their checks let through, which no kernel is built for. */
+static duet_status_t duet__kda_no_k(int64_t K)
+{
+    return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda kda: no kernel for K = %lld", (long long)K);
+}
+
+/* ---- prep --------------------------------------------------------------------------------- */
+
+/* A lane's elements of a row of K <= DUET_KDA_MAX_K floats: d = lane + 32j for j < this. */
+#define DUET__KDA_LANE_N (DUET_KDA_MAX_K / 32)
+
+/* Lane `lane`'s elements d = lane + 32j < K of a row into v (0 past K), all loads in flight
+ * together: the row kernels below load a row's inputs before any store, instead of one round
+ * trip per element behind stores the compiler cannot move them past. */
+__device__ static __forceinline__ void duet__kda_lane_row(const float *p, int lane, int64_t K,
+                                                          float (&v)[DUET__KDA_LANE_N])
+{
+#pragma unroll
+    for (int j = 0; j < DUET__KDA_LANE_N; j++)
+        v[j] = lane + 32 * j < K ? p[lane + 32 * j] : 0.0f;
+}
+
+/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). */
+template <bool QK>
 __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
                                              const float *neg_A, const float *dt_bias, float *qkv,
                                              float *g, float *beta)
 {
+    constexpr int N = DUET__KDA_LANE_N;
     const int lane = threadIdx.x & 31;
     const int64_t HK = H * K, C3 = 3 * HK;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
@@ -495,39 +533,27 @@ __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t 
         const int64_t row = wi / H, h = wi % H;
         float *gr = g + row * HK + h * K;
         const float nA = neg_A[h];
-        if constexpr (KC > 0) {
-            float gv[KC], bv[KC];
-            duet__kda_lane_row<KC>(gr, lane, gv);
-            duet__kda_lane_row<KC>(dt_bias + h * K, lane, bv);
+        float gv[N], bv[N];
+        duet__kda_lane_row(gr, lane, K, gv);
+        duet__kda_lane_row(dt_bias + h * K, lane, K, bv);
 #pragma unroll
-            for (int j = 0; j < KC; j++)
+        for (int j = 0; j < N; j++)
+            if (lane + 32 * j < K)
                 gr[lane + 32 * j] = nA * duet__softplus(gv[j] + bv[j]);
-        } else {
-            for (int64_t d = lane; d < K; d += 32)
-                gr[d] = nA * duet__softplus(gr[d] + dt_bias[h * K + d]);
-        }
         if (lane == 0)
             beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
         for (int part = 0; QK && part < 2; part++) {
             float *x = qkv + row * C3 + part * HK + h * K;
-            float ss = 0.0f;
-            if constexpr (KC > 0) {
-                float xv[KC];
-                duet__kda_lane_row<KC>(x, lane, xv);
+            float xv[N], ss = 0.0f;
+            duet__kda_lane_row(x, lane, K, xv);
 #pragma unroll
-                for (int j = 0; j < KC; j++)
-                    ss += xv[j] * xv[j];
-                const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+            for (int j = 0; j < N; j++)
+                ss += xv[j] * xv[j]; /* 0 past K: the same sum */
+            const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
 #pragma unroll
-                for (int j = 0; j < KC; j++)
+            for (int j = 0; j < N; j++)
+                if (lane + 32 * j < K)
                     x[lane + 32 * j] = xv[j] * inv;
-            } else {
-                for (int64_t d = lane; d < K; d += 32)
-                    ss += x[d] * x[d];
-                const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
-                for (int64_t d = lane; d < K; d += 32)
-                    x[d] *= inv;
-            }
         }
     }
 }
@@ -540,15 +566,15 @@ static duet_status_t duet__kda_prep(cudaStream_t stream, int64_t n_rows,
 {
     if (ly == NULL || ly->H < 1 || ly->K < 1 || n_rows < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda kda prep: bad arguments");
+    if (ly->K > DUET_KDA_MAX_K)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda kda prep: K = %lld (supported: <= %d)",
+                              (long long)ly->K, DUET_KDA_MAX_K);
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    const bool k128 = ly->K == 128;
-    DUET__TRY(duet_pdl_launch(
-                  qk ? (k128 ? duet__kda_prep_kernel<true, 4> : duet__kda_prep_kernel<true, 0>)
-                     : (k128 ? duet__kda_prep_kernel<false, 4> : duet__kda_prep_kernel<false, 0>),
-                  dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0, stream, n_rows,
-                  ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
+    DUET__TRY(duet_pdl_launch(qk ? duet__kda_prep_kernel<true> : duet__kda_prep_kernel<false>,
+                              dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0,
+                              stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
               "prep launch");
     return DUET_OK;
 }
@@ -562,44 +588,33 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
 
 /* ---- out ---------------------------------------------------------------------------------- */
 
-/* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each; KC as prep's: with K = 128
- * a lane's o, gate and o_norm elements are all loaded before its first store. */
-template <int KC>
+/* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each. */
 __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K,
                                             const float *o_norm, float eps, const float *gate,
                                             float *o)
 {
+    constexpr int N = DUET__KDA_LANE_N;
     const int lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-    float nv[KC > 0 ? KC : 1]; /* o_norm: the same for every row */
-    duet__kda_lane_row<KC>(o_norm, lane, nv);
+    float nv[N]; /* o_norm: the same for every row */
+    duet__kda_lane_row(o_norm, lane, K, nv);
     duet_pdl_wait(); /* o, gate */
     duet_pdl_trigger();
     for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
          wi += warps) {
         float *x = o + wi * K; /* row * HK + h * K */
-        const float *gt = gate + wi * K;
-        float ss = 0.0f;
-        if constexpr (KC > 0) {
-            float xv[KC], gv[KC];
-            duet__kda_lane_row<KC>(x, lane, xv);
-            duet__kda_lane_row<KC>(gt, lane, gv);
+        float xv[N], gv[N], ss = 0.0f;
+        duet__kda_lane_row(x, lane, K, xv);
+        duet__kda_lane_row(gate + wi * K, lane, K, gv);
 #pragma unroll
-            for (int j = 0; j < KC; j++)
-                ss += xv[j] * xv[j];
-            ss = duet__warp_sum(ss);
-            const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int j = 0; j < N; j++)
+            ss += xv[j] * xv[j]; /* 0 past K: the same sum */
+        ss = duet__warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
 #pragma unroll
-            for (int j = 0; j < KC; j++)
+        for (int j = 0; j < N; j++)
+            if (lane + 32 * j < K)
                 x[lane + 32 * j] = nv[j] * (xv[j] * inv) * duet__sigmoid(gv[j]);
-        } else {
-            for (int64_t d = lane; d < K; d += 32)
-                ss += x[d] * x[d];
-            ss = duet__warp_sum(ss);
-            const float inv = 1.0f / sqrtf(ss / (float)K + eps);
-            for (int64_t d = lane; d < K; d += 32)
-                x[d] = o_norm[d] * (x[d] * inv) * duet__sigmoid(gt[d]);
-        }
     }
 }
 
@@ -609,10 +624,13 @@ extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, 
 {
     if (H < 1 || K < 1 || n_rows < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda kda out: bad arguments");
+    if (K > DUET_KDA_MAX_K)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda kda out: K = %lld (supported: <= %d)",
+                              (long long)K, DUET_KDA_MAX_K);
     if (n_rows == 0)
         return DUET_OK;
     const int th = 256;
-    DUET__TRY(duet_pdl_launch(K == 128 ? duet__kda_out_kernel<4> : duet__kda_out_kernel<0>,
+    DUET__TRY(duet_pdl_launch(duet__kda_out_kernel,
                               dim3(duet__blocks(n_rows * H, th / 32, 1 << 20)), dim3(th), 0, stream,
                               n_rows, H, K, o_norm, eps, gate, o),
               "out launch");
@@ -891,24 +909,10 @@ extern "C" duet_status_t duet_cuda_kda_replay(cudaStream_t stream, const duet_cu
         return duet_error_set(DUET_ERR_RANGE,
                               "cuda kda replay: %d items x %lld heads x %lld layers", st->n_items,
                               (long long)ly->H, (long long)ly->kda_n_layers);
-    switch (ly->K) {
-    case 16:
-        return duet__kda_replay_launch<16>(stream, *st, *ly);
-    case 32:
-        return duet__kda_replay_launch<32>(stream, *st, *ly);
-    case 48:
-        return duet__kda_replay_launch<48>(stream, *st, *ly);
-    case 64:
-        return duet__kda_replay_launch<64>(stream, *st, *ly);
-    case 80:
-        return duet__kda_replay_launch<80>(stream, *st, *ly);
-    case 96:
-        return duet__kda_replay_launch<96>(stream, *st, *ly);
-    case 112:
-        return duet__kda_replay_launch<112>(stream, *st, *ly);
-    default:
-        return duet__kda_replay_launch<128>(stream, *st, *ly);
-    }
+    return duet__kda_with_k(
+        ly->K,
+        [&](auto k) { return duet__kda_replay_launch<decltype(k)::value>(stream, *st, *ly); },
+        [&] { return duet__kda_no_k(ly->K); });
 }
 
 /* ---- core: chunked (items of 2+ tokens) --------------------------------------------------- */
@@ -1814,24 +1818,10 @@ extern "C" size_t duet_cuda_kda_scratch_bytes(int64_t max_items, int64_t max_row
     if (max_items < 0 || max_rows < 0 || H < 0 || K < 0)
         return 0;
     const int64_t slots = max_rows / DUET_KDA_C + max_items + 1; /* duet__kda_wy_slot */
-    int64_t per = 0;                                             /* wy_layout FLOATS */
-    switch (K) {
-#define DUET__WY_CASE(k)                                                                           \
-    case k:                                                                                        \
-        per = duet__kda_wy_layout<k>::FLOATS;                                                      \
-        break;
-        DUET__WY_CASE(16)
-        DUET__WY_CASE(32)
-        DUET__WY_CASE(48)
-        DUET__WY_CASE(64)
-        DUET__WY_CASE(80)
-        DUET__WY_CASE(96)
-        DUET__WY_CASE(112)
-        DUET__WY_CASE(128)
-#undef DUET__WY_CASE
-    default: /* no chunked form (duet_cuda_kda_core refuses the shape) */
-        return 0;
-    }
+    /* wy_layout's FLOATS; 0 where there is no chunked form (duet_cuda_kda_core refuses K) */
+    const int64_t per = duet__kda_with_k(
+        K, [](auto k) { return (int64_t)duet__kda_wy_layout<decltype(k)::value>::FLOATS; },
+        [] { return (int64_t)0; });
     return sizeof(float) * (size_t)(slots * H) * (size_t)per;
 }
 
@@ -1936,24 +1926,9 @@ extern "C" duet_status_t duet_cuda_kda_core(cudaStream_t stream, const duet_cuda
         return duet_error_set(DUET_ERR_RANGE, "cuda kda core: %d items of up to %d tokens",
                               st->n_items, st->max_item_tokens);
     const duet__kda_core_args_t a = {*st, *ly, qkv, g, beta, o, (float *)scratch, (int)max_chunks};
-    switch (ly->K) {
-    case 16:
-        return duet__kda_core_launch<16>(stream, a);
-    case 32:
-        return duet__kda_core_launch<32>(stream, a);
-    case 48:
-        return duet__kda_core_launch<48>(stream, a);
-    case 64:
-        return duet__kda_core_launch<64>(stream, a);
-    case 80:
-        return duet__kda_core_launch<80>(stream, a);
-    case 96:
-        return duet__kda_core_launch<96>(stream, a);
-    case 112:
-        return duet__kda_core_launch<112>(stream, a);
-    default:
-        return duet__kda_core_launch<128>(stream, a);
-    }
+    return duet__kda_with_k(
+        ly->K, [&](auto k) { return duet__kda_core_launch<decltype(k)::value>(stream, a); },
+        [&] { return duet__kda_no_k(ly->K); });
 }
 
 /* ---- chain: conv → prep → core → out, fused for decode batches ---------------------------- */
@@ -2219,22 +2194,7 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
         return duet_cuda_kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o);
     }
     const duet__kda_chain_args_t a = {*st, *ly, *w, proj, gate, qkv, g, beta, o};
-    switch (ly->K) {
-    case 16:
-        return duet__kda_decode_launch<16>(stream, a);
-    case 32:
-        return duet__kda_decode_launch<32>(stream, a);
-    case 48:
-        return duet__kda_decode_launch<48>(stream, a);
-    case 64:
-        return duet__kda_decode_launch<64>(stream, a);
-    case 80:
-        return duet__kda_decode_launch<80>(stream, a);
-    case 96:
-        return duet__kda_decode_launch<96>(stream, a);
-    case 112:
-        return duet__kda_decode_launch<112>(stream, a);
-    default:
-        return duet__kda_decode_launch<128>(stream, a);
-    }
+    return duet__kda_with_k(
+        ly->K, [&](auto k) { return duet__kda_decode_launch<decltype(k)::value>(stream, a); },
+        [&] { return duet__kda_no_k(ly->K); });
 }

@@ -660,6 +660,15 @@ Test(cuda_kda, bad_shapes_refused, .timeout = 30)
     CHECK(duet_cuda_kda_core(0, &st, &ly, NULL, NULL, NULL, NULL, NULL) == DUET_OK);
     CHECK(duet_cuda_kda_prep(0, 0, &ly, NULL, NULL, NULL, NULL, NULL) == DUET_OK);
     CHECK(duet_cuda_kda_out(0, 0, 2, 64, NULL, 1e-6f, NULL, NULL) == DUET_OK);
+    /* A lane of the row kernels holds at most four of a head's elements: K <= 128. */
+    r = duet_cuda_kda_out(0, 1, 2, 129, NULL, 1e-6f, NULL, NULL);
+    CHECK(r == DUET_ERR_UNSUPPORTED, "out K=129: %s", duet_status_name(r));
+    ly.K = 129;
+    r = duet_cuda_kda_prep(0, 1, &ly, NULL, NULL, NULL, NULL, NULL);
+    CHECK(r == DUET_ERR_UNSUPPORTED, "prep K=129: %s", duet_status_name(r));
+    CHECK(duet_cuda_kda_scratch_bytes(8, 64, 2, 129) == 0);
+    CHECK(duet_cuda_kda_scratch_bytes(8, 64, 2, 24) == 0);
+    ly.K = 64;
     CHECK(duet_cuda_kda_scratch_bytes(8, 64, 2, 64) < ((size_t)1 << 30));
     const duet_cuda_kda_weights_t w = {.eps = 1e-6f};
     st.n_rows = 1;
