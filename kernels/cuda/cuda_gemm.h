@@ -123,13 +123,13 @@ duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stre
 /*
  * RMSNorm fused in front of a multi call: norm->y[m] = RMSNorm(norm->x[m]) ⊙ norm->w for m < M,
  * then the ops, which read the normalised rows (ops[i].x == norm->y, ldx == norm->ldy, K ==
- * norm->D). When every op takes the GEMV path (and x, w allow 16-byte loads, x and y do not
+ * norm->D). When every op takes the GEMV path (and x, w, y allow 16-byte access, x and y do not
  * overlap) this is ONE launch: each warp forms RMSNorm(x) ⊙ w on the fly while it walks its
- * weight row and applies the 1/rms scale to its sum, and one warp stores the normalised rows at
- * norm->y for later readers, so a decode step's norm costs no launch of its own. Those rows are
- * duet_cuda_rmsnorm's per-element rounding with a scale from an fp32 sum of squares (the
- * separate kernel sums in double), so rows and products agree with normalising first to a few
- * 1e-7 relative. Otherwise duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi.
+ * weight row and applies the 1/rms scale to its sum, and every block stores a share of the
+ * normalised rows at norm->y for later readers, so a decode step's norm costs no launch of its
+ * own. Those rows are duet_cuda_rmsnorm's per-element rounding with a scale from an fp32 sum of
+ * squares (the separate kernel sums in double), so rows and products agree with normalising first
+ * to a few 1e-7 relative. Otherwise duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi.
  */
 typedef struct {
     const float *x; /* M rows to normalise, ldx apart */

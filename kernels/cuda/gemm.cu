@@ -246,7 +246,7 @@ typedef struct {
     duet__gemv_seg_t seg[DUET_CUDA_GEMV_MAX_SEGS];
     int n;
     /* Fused RMSNorm (nx != NULL, duet_cuda_gemm_norm_multi): every segment reads x = RMSNorm(nx)
-     * ⊙ nw (K == D), formed on the fly (duet__gemv_rows); warp 0 of block 0 also stores the
+     * ⊙ nw (K == D), formed on the fly (duet__gemv_rows); each block also stores a share of the
      * normalised rows at ny for later kernels. */
     const float *nx, *nw;
     float *ny;
@@ -303,6 +303,32 @@ template <> struct duet__wraw<float> {
     }
 };
 
+/* Block blockIdx.x's share of normalised row m (x: its source row, K = D floats, 16-byte
+ * aligned like ny's rows) at ny: float4 pieces, a lane's loads before its stores. */
+__device__ static inline void duet__gemv_store_norm(const duet__gemv_args_t &args, int m, int64_t K,
+                                                    const float *x, float scale, int lane)
+{
+    const int64_t q4 = K / 4, per = (q4 + gridDim.x - 1) / gridDim.x;
+    const int64_t i0 = (int64_t)blockIdx.x * per, i1 = min(q4, i0 + per);
+    const float4 *x4 = (const float4 *)x, *w4 = (const float4 *)args.nw;
+    float4 *y4 = (float4 *)(args.ny + m * args.ldny);
+    for (int64_t i = i0 + lane; i < i1; i += 64) {
+        const bool two = i + 32 < i1;
+        const float4 a = x4[i], g = w4[i];
+        float4 b = a, h = g;
+        if (two) {
+            b = x4[i + 32];
+            h = w4[i + 32];
+        }
+        y4[i] = make_float4(duet_rms_apply(g.x, a.x, scale), duet_rms_apply(g.y, a.y, scale),
+                            duet_rms_apply(g.z, a.z, scale), duet_rms_apply(g.w, a.w, scale));
+        if (two)
+            y4[i + 32] =
+                make_float4(duet_rms_apply(h.x, b.x, scale), duet_rms_apply(h.y, b.y, scale),
+                            duet_rms_apply(h.z, b.z, scale), duet_rms_apply(h.w, b.w, scale));
+    }
+}
+
 /*
  * R consecutive outputs n0.. of a segment (one warp): y[m][n] (+)= Σ_k W[n][k]·x[m][k] for m < M.
  * Lane l takes the 8-element pieces l, l + 32, ... of every row, U pieces of each of the R rows
@@ -316,9 +342,10 @@ template <> struct duet__wraw<float> {
  * shared memory, no block barrier, no prologue latency. The sum is fp32 (~1e-7 relative over a
  * few thousand squares): in double, its conversions in every warp made the fused projection
  * far slower than the plain one (bench/RESULTS.md, "Fused norm: sum of squares in fp32").
- * Warp 0 of block 0 also stores the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds
- * them, for later kernels. The product differs from normalising first by the rounding of one
- * multiplication per term (the scale is applied to the sum instead of to each x).
+ * Warp 0 of every block (which always has outputs: a block exists for its first row) also
+ * stores its share of the normalised rows, w·(x·scale) as duet_cuda_rmsnorm rounds them, for
+ * later kernels (duet__gemv_store_norm). The product differs from normalising first by the rounding
+ * of one multiplication per term (the scale is applied to the sum instead of to each x).
  */
 template <typename WT, int MR, int PRO, int R, int U>
 __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
@@ -406,9 +433,8 @@ __device__ static inline void duet__gemv_rows(const duet__gemv_args_t &args,
             for (int off = 16; off > 0; off >>= 1)
                 q += __shfl_xor_sync(0xffffffffu, q, off);
             scale = duet_rms_scale((double)q, (double)sg.K, args.eps);
-            if (blockIdx.x == 0 && threadIdx.x < 32 && m < M)
-                for (int64_t k = lane; k < sg.K; k += 32)
-                    args.ny[m * args.ldny + k] = duet_rms_apply(args.nw[k], x[m * ldx + k], scale);
+            if (threadIdx.x < 32 && m < M) /* warp 0 of every block has outputs: see above */
+                duet__gemv_store_norm(args, m, sg.K, x + m * ldx, scale, lane);
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {
@@ -1393,14 +1419,16 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad norm_multi arguments");
     if (M == 0)
         return DUET_OK;
-    /* Fused only at GEMV sizes (up to 2 rows, whatever the weight type) with every op reading
-     * the normalised rows, 16-byte loads of nx and nw, and x and y apart (warp 0 of block 0
-     * writes y while other warps read x). */
+    /* Fused only at GEMV sizes (up to 2 rows, whatever the weight type: the F32 router's 3 to
+     * 8 rows fused measured slower than a norm kernel and the GEMV, bench/RESULTS.md, "MoE at 2
+     * to 8 rows") with every op reading the normalised rows, 16-byte loads and stores of nx, nw
+     * and ny, and x and y apart (each block writes a share of y while the others read x). */
     const float *x0 = norm->x, *x1 = norm->x + (M - 1) * norm->ldx + norm->D;
     const float *y0 = norm->y, *y1 = norm->y + (M - 1) * norm->ldy + norm->D;
     int fused = M <= DUET_GEMV_MAX_M && n_ops >= 1 && n_ops <= DUET_CUDA_GEMV_MAX_SEGS &&
-                norm->ldx % 4 == 0 && ((uintptr_t)norm->x & 15u) == 0 &&
-                ((uintptr_t)norm->w & 15u) == 0 && (x1 <= y0 || y1 <= x0);
+                norm->ldx % 4 == 0 && norm->ldy % 4 == 0 && ((uintptr_t)norm->y & 15u) == 0 &&
+                ((uintptr_t)norm->x & 15u) == 0 && ((uintptr_t)norm->w & 15u) == 0 &&
+                (x1 <= y0 || y1 <= x0);
     for (int i = 0; i < n_ops; i++) {
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)

@@ -699,8 +699,9 @@ Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
  * ~1e-7 relative typically and at most ~2e-6 (72 sequential terms per lane, then 32), so stored
  * rows must agree within 4e-6 relative and products within 4e-6 · S, S = Σ|W|·|xn| (+ |y0|
  * when accumulating) — far below what a wrong scale or a missed element makes (≥ 1e-3 here). M = 3
- * and an in-place norm (x == y) take the two-call path and must be bit-identical. Programmatic
- * dependent launch off and on: PDL changes no arithmetic.
+ * and an in-place norm (x == y) take the two-call path and must be bit-identical. The F32 op alone
+ * too (a router: 5 blocks, which store the normalised rows between them). Programmatic dependent
+ * launch off and on: PDL changes no arithmetic.
  */
 static void norm_multi_run(int64_t N1)
 {
@@ -732,87 +733,91 @@ static void norm_multi_run(int64_t N1)
                         .shape = {N2, D}};
     int cases = 0;
     double worst_row = 0, worst_y = 0;
-    for (int pdl = 0; pdl <= 1; pdl++) {
-        duet_cuda_pdl_set(pdl);
-        for (int64_t M = 1; M <= 3; M++)
-            for (int in_place = 0; in_place <= 1; in_place++) {
-                float *x = xmalloc((size_t)(M * ld) * 4), *y0 = xmalloc((size_t)(M * N2) * 4);
-                for (int64_t i = 0; i < M * ld; i++)
-                    x[i] = 3.0f * rng_f();
-                for (int64_t i = 0; i < M * N2; i++)
-                    y0[i] = rng_f();
-                float *res[2][3];
-                for (int fused = 0; fused <= 1; fused++) {
-                    float *dx = dev_copy(x, (size_t)(M * ld) * 4);
-                    float *dn = in_place ? dx : dev_alloc((size_t)(M * ld) * 4);
-                    float *dy1 = dev_alloc((size_t)(M * N1) * 4);
-                    float *dy2 = dev_copy(y0, (size_t)(M * N2) * 4);
-                    const duet_cuda_gemm_op_t ops[2] = {
-                        {.y = dy1, .ldy = N1, .x = dn, .ldx = ld, .w = &t1},
-                        {.y = dy2, .ldy = N2, .x = dn, .ldx = ld, .w = &t2, .accumulate = 1}};
-                    const duet_cuda_gemm_norm_t nrm = {
-                        .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
-                    duet_status_t st;
-                    if (fused) {
-                        st = duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops, 2, 0);
-                    } else {
-                        st = duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f);
-                        if (st == DUET_OK)
-                            st = duet_cuda_gemm_matmul_multi(g, 0, M, ops, 2, 0);
-                    }
-                    CHECK(st == DUET_OK, "M=%lld fused=%d: %s", (long long)M, fused,
-                          duet_error_last());
-                    res[fused][0] = xmalloc((size_t)(M * ld) * 4);
-                    res[fused][1] = xmalloc((size_t)(M * N1) * 4);
-                    res[fused][2] = xmalloc((size_t)(M * N2) * 4);
-                    CUDA_OK(cudaMemcpy(res[fused][0], dn, (size_t)(M * ld) * 4,
-                                       cudaMemcpyDeviceToHost));
-                    CUDA_OK(cudaMemcpy(res[fused][1], dy1, (size_t)(M * N1) * 4,
-                                       cudaMemcpyDeviceToHost));
-                    CUDA_OK(cudaMemcpy(res[fused][2], dy2, (size_t)(M * N2) * 4,
-                                       cudaMemcpyDeviceToHost));
-                    if (!in_place)
-                        cudaFree(dn);
-                    cudaFree(dx);
-                    cudaFree(dy1);
-                    cudaFree(dy2);
-                }
-                const int exact = M > 2 || in_place; /* the two-call path both times */
-                for (int64_t m = 0; m < M; m++) {
-                    const float *a = res[1][0] + m * ld, *b = res[0][0] + m * ld;
-                    for (int64_t k = 0; k < D; k++) {
-                        const double d = fabs((double)a[k] - b[k]), r = d / (fabs(b[k]) + 1e-30);
-                        CHECK(exact ? d == 0 : d <= 4e-6 * fabs(b[k]),
-                              "row %lld col %lld: fused %.9g two-call %.9g (M=%lld in_place=%d)",
-                              (long long)m, (long long)k, a[k], b[k], (long long)M, in_place);
-                        worst_row = r > worst_row ? r : worst_row;
-                    }
-                    CHECK(fabs((double)b[0] - x[m * ld]) > 0 || x[m * ld] == 0,
-                          "row %lld was not normalised", (long long)m);
-                }
-                for (int op = 0; op < 2; op++) {
-                    const int64_t N = op ? N2 : N1;
-                    const float *wf = op ? w2 : w1f;
-                    for (int64_t m = 0; m < M; m++)
-                        for (int64_t nn = 0; nn < N; nn++) {
-                            double S = op ? fabs(y0[m * N2 + nn]) : 0;
-                            for (int64_t k = 0; k < D; k++)
-                                S += fabs((double)wf[nn * D + k] * res[0][0][m * ld + k]);
-                            const double a = res[1][1 + op][m * N + nn],
-                                         b = res[0][1 + op][m * N + nn], d = fabs(a - b);
-                            CHECK(exact ? d == 0 : d <= 4e-6 * S,
-                                  "op %d y[%lld, %lld]: fused %.9g two-call %.9g S %.3g", op,
-                                  (long long)m, (long long)nn, a, b, S);
-                            worst_y = d / S > worst_y ? d / S : worst_y;
+    for (int pdl = 0; pdl <= 1; pdl++)
+        for (int f32 = 0; f32 <= 1; f32++) { /* both ops, or the F32 one alone */
+            duet_cuda_pdl_set(pdl);
+            for (int64_t M = 1; M <= 3; M++)
+                for (int in_place = 0; in_place <= 1; in_place++) {
+                    float *x = xmalloc((size_t)(M * ld) * 4), *y0 = xmalloc((size_t)(M * N2) * 4);
+                    for (int64_t i = 0; i < M * ld; i++)
+                        x[i] = 3.0f * rng_f();
+                    for (int64_t i = 0; i < M * N2; i++)
+                        y0[i] = rng_f();
+                    float *res[2][3];
+                    for (int fused = 0; fused <= 1; fused++) {
+                        float *dx = dev_copy(x, (size_t)(M * ld) * 4);
+                        float *dn = in_place ? dx : dev_alloc((size_t)(M * ld) * 4);
+                        float *dy1 = dev_alloc((size_t)(M * N1) * 4);
+                        float *dy2 = dev_copy(y0, (size_t)(M * N2) * 4);
+                        const duet_cuda_gemm_op_t ops[2] = {
+                            {.y = dy1, .ldy = N1, .x = dn, .ldx = ld, .w = &t1},
+                            {.y = dy2, .ldy = N2, .x = dn, .ldx = ld, .w = &t2, .accumulate = 1}};
+                        const duet_cuda_gemm_norm_t nrm = {
+                            .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
+                        duet_status_t st;
+                        if (fused) {
+                            st = duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops + f32, 2 - f32, 0);
+                        } else {
+                            st = duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f);
+                            if (st == DUET_OK)
+                                st = duet_cuda_gemm_matmul_multi(g, 0, M, ops + f32, 2 - f32, 0);
                         }
+                        CHECK(st == DUET_OK, "M=%lld fused=%d: %s", (long long)M, fused,
+                              duet_error_last());
+                        res[fused][0] = xmalloc((size_t)(M * ld) * 4);
+                        res[fused][1] = xmalloc((size_t)(M * N1) * 4);
+                        res[fused][2] = xmalloc((size_t)(M * N2) * 4);
+                        CUDA_OK(cudaMemcpy(res[fused][0], dn, (size_t)(M * ld) * 4,
+                                           cudaMemcpyDeviceToHost));
+                        CUDA_OK(cudaMemcpy(res[fused][1], dy1, (size_t)(M * N1) * 4,
+                                           cudaMemcpyDeviceToHost));
+                        CUDA_OK(cudaMemcpy(res[fused][2], dy2, (size_t)(M * N2) * 4,
+                                           cudaMemcpyDeviceToHost));
+                        if (!in_place)
+                            cudaFree(dn);
+                        cudaFree(dx);
+                        cudaFree(dy1);
+                        cudaFree(dy2);
+                    }
+                    /* the two-call path both times */
+                    const int exact = M > 2 || in_place;
+                    for (int64_t m = 0; m < M; m++) {
+                        const float *a = res[1][0] + m * ld, *b = res[0][0] + m * ld;
+                        for (int64_t k = 0; k < D; k++) {
+                            const double d = fabs((double)a[k] - b[k]),
+                                         r = d / (fabs(b[k]) + 1e-30);
+                            CHECK(
+                                exact ? d == 0 : d <= 4e-6 * fabs(b[k]),
+                                "row %lld col %lld: fused %.9g two-call %.9g (M=%lld in_place=%d)",
+                                (long long)m, (long long)k, a[k], b[k], (long long)M, in_place);
+                            worst_row = r > worst_row ? r : worst_row;
+                        }
+                        CHECK(fabs((double)b[0] - x[m * ld]) > 0 || x[m * ld] == 0,
+                              "row %lld was not normalised", (long long)m);
+                    }
+                    for (int op = f32; op < 2; op++) {
+                        const int64_t N = op ? N2 : N1;
+                        const float *wf = op ? w2 : w1f;
+                        for (int64_t m = 0; m < M; m++)
+                            for (int64_t nn = 0; nn < N; nn++) {
+                                double S = op ? fabs(y0[m * N2 + nn]) : 0;
+                                for (int64_t k = 0; k < D; k++)
+                                    S += fabs((double)wf[nn * D + k] * res[0][0][m * ld + k]);
+                                const double a = res[1][1 + op][m * N + nn],
+                                             b = res[0][1 + op][m * N + nn], d = fabs(a - b);
+                                CHECK(exact ? d == 0 : d <= 4e-6 * S,
+                                      "op %d y[%lld, %lld]: fused %.9g two-call %.9g S %.3g", op,
+                                      (long long)m, (long long)nn, a, b, S);
+                                worst_y = d / S > worst_y ? d / S : worst_y;
+                            }
+                    }
+                    for (int f = 0; f < 2; f++)
+                        for (int j = 0; j < 3; j++)
+                            free(res[f][j]);
+                    free(x), free(y0);
+                    cases++;
                 }
-                for (int f = 0; f < 2; f++)
-                    for (int j = 0; j < 3; j++)
-                        free(res[f][j]);
-                free(x), free(y0);
-                cases++;
-            }
-    }
+        }
     duet_cuda_pdl_set(-1);
     { /* bad arguments are refused before anything is queued */
         float *bx = dev_alloc((size_t)D * 4), *by = dev_alloc((size_t)D * 4),
