@@ -632,7 +632,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         TRY(duet__dalloc(dm, sizeof(int32_t) * (size_t)(T * TK), (void **)&dm->topk_idx));
         const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(E);
         TRY(duet__dalloc(dm, sync_bytes, (void **)&dm->route_sync));
-        CU(cudaMemset(dm->route_sync, 0, sync_bytes), "router sync");
+        /* on the model's stream, which does not wait for the legacy one */
+        CU(cudaMemsetAsync(dm->route_sync, 0, sync_bytes, dm->stream), "router sync");
         TRY(duet__dalloc(dm, duet_cuda_moe_scratch_bytes(T, TK, E, c->moe_intermediate, D),
                          &dm->moe_scratch));
     }
@@ -1395,10 +1396,11 @@ static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int
     return duet__mlp_rest(dm, w, T);
 }
 
-/* Switches for side-by-side comparisons of a decode step at T = 1 (duet_cuda_env_flag):
+/* Switches for side-by-side comparisons of decode and verify steps (duet_cuda_env_flag):
  * DUET_CUDA_NO_SHARED_FOLD keeps the shared expert a separate MLP, DUET_CUDA_NO_ROUTER_ROUTE
- * the router GEMV and the routing two kernels, DUET_CUDA_NO_SHARED_EARLY the folded shared
- * expert's gate/up waiting for the routing with the routed slots. */
+ * the router GEMV and the routing two kernels (up to DUET_CUDA_ROUTER_MAX_T rows), and at T = 1
+ * DUET_CUDA_NO_SHARED_EARLY the folded shared expert's gate/up waiting for the routing with the
+ * routed slots. */
 static int duet__no_shared_fold = -1, duet__no_router_route = -1, duet__no_shared_early = -1;
 
 static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
@@ -1408,11 +1410,12 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const duet__dlayer_t *w = &dm->layers[l];
     const int64_t T = sh->n_rows, D = c->hidden_size, E = c->n_experts;
     cudaStream_t s = dm->stream;
-    /* One token with a shared expert shaped like the routed ones (n_shared_experts = 1): the
-     * expert kernels compute it as one more slot (cuda_ops.h), so no separate MLP. */
+    /* Rows on the experts' GEMV kernels (decode, verify) with a shared expert shaped like the
+     * routed ones (n_shared_experts = 1): they compute it as one more expert (cuda_ops.h), so
+     * no separate MLP. */
     duet_cuda_experts_t ex = w->ex;
-    const int fold = w->has_shared && T == 1 && w->mlp.down.shape[1] == ex.I &&
-                     w->mlp.gu.dtype == ex.dtype &&
+    const int fold = w->has_shared && duet_cuda_moe_gemv_path(&ex, T, c->top_k) &&
+                     w->mlp.down.shape[1] == ex.I && w->mlp.gu.dtype == ex.dtype &&
                      !duet_cuda_env_flag(&duet__no_shared_fold, "DUET_CUDA_NO_SHARED_FOLD");
     if (fold) {
         const size_t half = (size_t)ex.I * (size_t)D * duet_dtype_size(w->mlp.gu.dtype);
@@ -1423,18 +1426,18 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
     const int64_t G = c->n_group > 0 ? c->n_group : 1;
     const duet_cuda_gemm_op_t sgu = {
         .y = dm->f1, .ldy = 2 * w->mlp.down.shape[1], .x = dm->xn, .ldx = D, .w = &w->mlp.gu};
-    if (T == 1 && D % 4 == 0 &&
+    if (T <= DUET_CUDA_ROUTER_MAX_T && D % 4 == 0 && nrm->ldx == D && nrm->ldy == D &&
         !duet_cuda_env_flag(&duet__no_router_route, "DUET_CUDA_NO_ROUTER_ROUTE")) {
-        /* one token: the norm, the router and the routing in one kernel (its float4 loads want
-         * D % 4 == 0; other widths take the two-kernel path below) */
-        TRY(duet_cuda_moe_router_route(s, nrm->x, nrm->w, nrm->eps, w->router.data, E, D,
+        /* a few rows: the norm, the router and the routing in one kernel (its float4 loads want
+         * D % 4 == 0 and rows D apart; other shapes take the two-kernel path below) */
+        TRY(duet_cuda_moe_router_route(s, nrm->x, T, nrm->w, nrm->eps, w->router.data, E, D,
                                        w->router_bias, G, c->topk_group, c->top_k,
                                        c->moe_renormalize, c->routed_scaling_factor, nrm->y,
                                        dm->router, dm->topk_idx, dm->topk_w, dm->route_sync));
         if (w->has_shared && !fold)
             TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, &sgu, 1, dm->gemm_flags));
         /* the folded shared expert forms xn itself and runs beside the router (cuda_ops.h) */
-        if (fold && nrm->y == dm->xn &&
+        if (fold && T == 1 && nrm->y == dm->xn &&
             !duet_cuda_env_flag(&duet__no_shared_early, "DUET_CUDA_NO_SHARED_EARLY")) {
             ex.norm_x = nrm->x;
             ex.norm_w = nrm->w;

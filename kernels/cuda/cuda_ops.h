@@ -49,20 +49,23 @@ duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *logits, cons
                                   int64_t top_k, int renorm, float scale, int32_t *idx, float *wts);
 
 /*
- * One row (a decode step at batch 1) in one kernel: xn = RMSNorm(x) ⊙ nw (stored, rounded as
- * duet_cuda_rmsnorm rounds it), logits = W · xn for the fp32 router W [E][D], then
- * duet_cuda_moe_route's rule on them into idx, wts. The logits' sums are fp32 in their own
- * order (like the fused-norm GEMV's); the picks from given logits are the route kernel's, bit for
- * bit. `sync`: DUET_CUDA_ROUTER_SYNC_INTS(E) device ints, 8-byte aligned, zeroed before the
- * first call, then left to the calls (sync[0] counts them; the rest carries each call's logits
- * between its blocks); one per stream of calls.
+ * 1 to DUET_CUDA_ROUTER_MAX_T rows (decode at small batches, a verify step's rows) in one kernel:
+ * xn = RMSNorm(x) ⊙ nw (x, xn [T][D]; stored, rounded as duet_cuda_rmsnorm rounds it), logits =
+ * W · xn for the fp32 router W [E][D] (logits [T][E]), then duet_cuda_moe_route's rule on them
+ * into idx, wts [T][top_k]. The logits' sums are fp32 in their own order (like the fused-norm
+ * GEMV's); the picks from given logits are the route kernel's, bit for bit. `sync`:
+ * DUET_CUDA_ROUTER_SYNC_INTS(E) device ints, 8-byte aligned, zeroed before the first call, then
+ * left to the calls (sync[0] counts them; the rest carries each call's logits between its
+ * blocks); one per stream of calls.
  */
-#define DUET_CUDA_ROUTER_SYNC_INTS(E) (2 + 2 * (int64_t)(E))
-duet_status_t duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
-                                         float eps, const float *w, int64_t E, int64_t D,
-                                         const float *bias, int64_t n_group, int64_t topk_group,
-                                         int64_t top_k, int renorm, float scale, float *xn,
-                                         float *logits, int32_t *idx, float *wts, int *sync);
+#define DUET_CUDA_ROUTER_MAX_T        8
+#define DUET_CUDA_ROUTER_SYNC_INTS(E) (2 + 2 * DUET_CUDA_ROUTER_MAX_T * (int64_t)(E))
+duet_status_t duet_cuda_moe_router_route(cudaStream_t stream, const float *x, int64_t T,
+                                         const float *nw, float eps, const float *w, int64_t E,
+                                         int64_t D, const float *bias, int64_t n_group,
+                                         int64_t topk_group, int64_t top_k, int renorm, float scale,
+                                         float *xn, float *logits, int32_t *idx, float *wts,
+                                         int *sync);
 
 /* The routed experts of one MoE layer, stored contiguously on the device. */
 typedef struct {
@@ -72,9 +75,10 @@ typedef struct {
     duet_dtype_t dtype; /* of all three */
     int64_t E, I, D;
     /* Optional shared expert of the same dtype and I (all NULL: none): gate_proj [I][D],
-     * up_proj [I][D], down_proj [D][I]. Only a call with T = 1 takes one (the decode step's
-     * case, where a separate MLP costs three kernels more): y then also gets its output, with
-     * weight 1, after the routed sum, as engine/backend_cpu.c adds it. Other T are refused. */
+     * up_proj [I][D], down_proj [D][I]. Only a call on the GEMV kernels takes one
+     * (duet_cuda_moe_gemv_path: decode and verify steps, where a separate MLP costs three
+     * kernels more): y then also gets its output, with weight 1, after the routed sum, as
+     * engine/backend_cpu.c adds it. A call on the MMA kernels is refused. */
     const void *sw1, *sw3, *sw2;
     /* Optional, with the shared expert at T = 1 (both NULL: none): the call's x is
      * RMSNorm(norm_x) ⊙ norm_w with norm_eps as duet_cuda_moe_router_route stores it (norm_x
@@ -102,6 +106,9 @@ double duet_cuda_moe_touched(double rows, int64_t top_k, int64_t E);
  * 32, tensor cores, x rounded to bf16) rather than the GEMV ones (x kept in fp32): from an expected
  * 1.25 rows per selected expert under uniform routing on, never for one row. */
 int duet_cuda_moe_auto_mma(int64_t T, int64_t top_k, int64_t E);
+/* Whether duet_cuda_moe_experts runs T rows of these experts on the GEMV kernels (any dtype, not
+ * duet_cuda_moe_auto_mma's case): the calls that can take a shared expert. */
+int duet_cuda_moe_gemv_path(const duet_cuda_experts_t *ex, int64_t T, int64_t top_k);
 duet_status_t duet_cuda_moe_experts(cudaStream_t stream, const duet_cuda_experts_t *ex,
                                     const float *x, int64_t T, const int32_t *idx, const float *wts,
                                     int64_t top_k, duet_cuda_act_t act, float beta, float beta_lin,

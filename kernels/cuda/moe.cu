@@ -27,9 +27,11 @@
  * counter, and the block that brings it to top_k (every pair has its slice in out) adds the
  * slice into y in k order with the combine kernel's arithmetic, so y is bit-identical to a
  * separate combine, with one kernel less at decode.
- * A shared expert of the same shape (duet_cuda_experts_t's sw*) rides along at T = 1 as one more
- * slot, P, computed into row P of h and out and added after the routed sum: the decode step then
- * has no separate shared MLP (its gate|up, act_mul and down kernels).
+ * A shared expert of the same shape (duet_cuda_experts_t's sw*) rides along on the GEMV path: at
+ * T = 1 as one more slot, P, computed into row P of h and out; at T > 1 as expert E, whose list
+ * the plan fills with pairs P + t (rows P + t of h and out). Its output is added after the
+ * routed sum, so a decode or verify step has no separate shared MLP (its gate|up, act_mul and
+ * down kernels).
  *
  * Two expert paths, picked on the host from T (the grid shapes depend on it anyway):
  *  - GEMV (decode; any dtype): a block handles one slot (one expert, up to 4 rows whose x rows
@@ -524,7 +526,8 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     return DUET_OK;
 }
 
-/* ---- the router and the routing of one row, one kernel (decode) ------------------------------ */
+/* ---- the router and the routing of a few rows, one kernel (decode, verify) --------------------
+ */
 
 /* Warps per router row, each with every DUET__RR_SPLIT-th 32 pieces: 8 (one row per block, 256
  * blocks) puts the router's fp32 rows in flight soonest, in a kernel on every MoE layer's serial
@@ -559,24 +562,27 @@ static __device__ __forceinline__ float duet__rr_scale(const float *sq, int stri
 }
 
 typedef struct {
-    const float *x, *nw, *w, *bias; /* x [D], norm weight [D], router [E][D] fp32, bias [E] */
-    float *xn, *logits;             /* [D], [E] */
-    int32_t *idx;                   /* [top_k] */
-    float *wts;                     /* [top_k] */
+    const float *x, *nw, *w, *bias; /* x [T][D], norm weight [D], router [E][D] fp32, bias [E] */
+    float *xn, *logits;             /* [T][D], [T][E] */
+    int32_t *idx;                   /* [T][top_k] */
+    float *wts;                     /* [T][top_k] */
     unsigned *count;                /* the calls so far (sync[0] of the API) */
-    unsigned long long *slot;       /* [E] this call's logits, tagged with its count */
-    int E, D, G, topk_group, top_k, renorm;
+    unsigned long long *slot;       /* [T][E] this call's logits, tagged with its count */
+    int T, E, D, G, topk_group, top_k, renorm;
     float eps, scale;
     int early; /* the weights load before the PDL wait (duet_cuda_weights_early) */
 } duet__rr_args_t;
 
-/* This block's share of xn = RMSNorm(x) ⊙ nw, rounded as duet_cuda_rmsnorm rounds it (every
- * block has the same scale: the same sums in the same order). */
-static __device__ __forceinline__ void duet__rr_store_xn(const duet__rr_args_t &a, float scale)
+/* This block's share of row m of xn = RMSNorm(x) ⊙ nw, rounded as duet_cuda_rmsnorm rounds it
+ * (every block has the same scale: the same sums in the same order). */
+static __device__ __forceinline__ void duet__rr_store_xn(const duet__rr_args_t &a, int m,
+                                                         float scale)
 {
     const int per = (a.D + (int)gridDim.x - 1) / (int)gridDim.x, k0 = (int)blockIdx.x * per;
+    const float *x = a.x + (size_t)m * a.D;
+    float *xn = a.xn + (size_t)m * a.D;
     for (int k = k0 + (int)threadIdx.x; k < a.D && k < k0 + per; k += (int)blockDim.x)
-        a.xn[k] = duet_rms_apply(a.nw[k], a.x[k], scale);
+        xn[k] = duet_rms_apply(a.nw[k], x[k], scale);
 }
 
 /* A logit published with the call's tag in one 64-bit store: the word is its own flag. */
@@ -619,28 +625,30 @@ static __device__ __forceinline__ float duet__rr_collect(const unsigned long lon
 
 /*
  * Blocks of DUET__RR_ROWS router rows, DUET__RR_SPLIT warps per row: each warp dots its share
- * of the row with x ⊙ nw and sums x² over the same share, the block adds the shares in order and
- * scales by 1/rms (cuda_norm.cuh, as the fused-norm GEMV does). The router weights, the norm
- * weight and the routing bias (block 0's, which routes) load before the PDL wait, as weights
- * may; x after it, so that only x's round trip is on the wait-to-route path (bench/RESULTS.md,
- * "Router kernel: norm weight and bias before the PDL wait"). Each block stores its share of
- * xn.
- * Each block publishes its logits tagged with the call's number (duet__rr_publish) and exits;
- * block 0 collects all E, spinning on the tags, and routes the row: with no groups and a thread
- * per expert by duet__route_row_sorted, else with duet_cuda_moe_route's code. Only block 0
- * waits, for blocks that never wait for anything, so the grid makes progress however few of its
- * blocks fit at once. The tag is the call count + 1 (0 skipped), which block 0 stores at its
- * end for the next call (which reads it before its PDL wait: see there). This replaced
- * a ticket (each block's fence and atomic, the last block routing after reloading the logits)
- * and top_k rounds of warp picks, which made the path from the router's wait to the gate/up
- * blocks' release nearly twice as long (bench/RESULTS.md, "Router kernel: tagged logits instead
- * of a ticket").
+ * of the row with every x row ⊙ nw and sums x² over the same share, the block adds the shares in
+ * order and scales by 1/rms (cuda_norm.cuh, as the fused-norm GEMV does). The router weights,
+ * the norm weight and the routing bias (the routing blocks') load before the PDL wait, as
+ * weights may; x after it, so that only x's round trip is on the wait-to-route path
+ * (bench/RESULTS.md, "Router kernel: norm weight and bias before the PDL wait"). Each block
+ * stores its share of every xn row.
+ * Each block publishes its logits tagged with the call's number (duet__rr_publish) and exits,
+ * but for blocks 0 .. T - 1: block m collects row m's E logits, spinning on the tags, and routes
+ * the row: with no groups and a thread per expert by duet__route_row_sorted, else with
+ * duet_cuda_moe_route's code. Only they wait, for blocks that never wait for anything, so the
+ * grid makes progress however few of its blocks fit at once. The tag is the call count + 1 (0
+ * skipped), which block 0 stores at its end for the next call (which reads it before its PDL
+ * wait: see there). This replaced a ticket (each block's fence and atomic, the last block
+ * routing after reloading the logits) and top_k rounds of warp picks, which made the path from
+ * the router's wait to the gate/up blocks' release nearly twice as long (bench/RESULTS.md,
+ * "Router kernel: tagged logits instead of a ticket"). MT: the most rows, 1 (decode at batch 1,
+ * whose code stays as short as it was) or DUET_CUDA_ROUTER_MAX_T.
  */
+template <int MT>
 __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel(duet__rr_args_t a)
 {
     extern __shared__ float route_sh[];
-    __shared__ float part[DUET__ROUTE_THREADS / 32][2];
-    __shared__ float row_scale;
+    __shared__ float part[DUET__ROUTE_THREADS / 32][MT][2];
+    __shared__ float row_scale[MT];
     __shared__ unsigned long long cand[DUET__ROUTE_THREADS]; /* duet__route_row_sorted's */
     __shared__ float s_sh[DUET__ROUTE_THREADS];
     __shared__ int pick[32];
@@ -650,7 +658,6 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     const int q = warp % S, e = blockIdx.x * DUET__RR_ROWS + warp / S;
     const int nq = a.D / 4;
     const float4 *w4 = reinterpret_cast<const float4 *>(a.w + (size_t)min(e, a.E - 1) * a.D);
-    const float4 *x4 = reinterpret_cast<const float4 *>(a.x);
     const float4 *g4 = reinterpret_cast<const float4 *>(a.nw);
     float4 wv[U], gv[U];
     float b0[DUET__RR_ROUTE_U];
@@ -662,8 +669,8 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
         wv[u] = i < nq ? __ldg(w4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
         gv[u] = i < nq ? __ldg(g4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    /* for block 0's routing; the other blocks only zero b0 */
-    duet__route_bias0<DUET__RR_ROUTE_U>(blockIdx.x == 0 ? a.bias : NULL, a.E, a.E, b0);
+    /* for the routing blocks' rows; the other blocks only zero b0 */
+    duet__route_bias0<DUET__RR_ROUTE_U>((int)blockIdx.x < a.T ? a.bias : NULL, a.E, a.E, b0);
     /* The call's tag, before the wait, against the contract of cuda_pdl.cuh but safely: the
      * previous call's block 0 stored it, and that grid completed before the kernel this one
      * waits for could complete its own wait (every kernel of the step waits before it exits). */
@@ -671,7 +678,10 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
     tag = tag != 0 ? tag : 1u; /* slots start zeroed */
     duet_pdl_wait();           /* x (a second wait returns at once) */
     duet_pdl_trigger();
-    float dot = 0.0f, ss = 0.0f;
+    float dot[MT], ss[MT];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+        dot[m] = ss[m] = 0.0f;
     for (int i0 = 0; i0 < nq; i0 += S * U * 32) {
         if (i0 > 0)
 #pragma unroll
@@ -683,76 +693,95 @@ __global__ void __launch_bounds__(DUET__ROUTE_THREADS) duet__router_route_kernel
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int i = i0 + (q + S * u) * 32 + lane;
-            if (i < nq) {
-                const float4 xv = x4[i], g = gv[u];
-                ss = duet__sumsq4(ss, xv);
-                dot += wv[u].x * (xv.x * g.x) + wv[u].y * (xv.y * g.y) + wv[u].z * (xv.z * g.z) +
-                       wv[u].w * (xv.w * g.w);
-            }
+            if (i < nq)
+#pragma unroll
+                for (int m = 0; m < MT; m++)
+                    if (m < a.T) {
+                        const float4 xv = reinterpret_cast<const float4 *>(a.x)[m * nq + i];
+                        const float4 g = gv[u];
+                        ss[m] = duet__sumsq4(ss[m], xv);
+                        dot[m] += wv[u].x * (xv.x * g.x) + wv[u].y * (xv.y * g.y) +
+                                  wv[u].z * (xv.z * g.z) + wv[u].w * (xv.w * g.w);
+                    }
         }
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    }
-    if (lane == 0) {
-        part[warp][0] = dot;
-        part[warp][1] = ss;
-    }
+    for (int m = 0; m < MT; m++)
+        if (m < a.T) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                dot[m] += __shfl_xor_sync(0xffffffffu, dot[m], off);
+                ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], off);
+            }
+            if (lane == 0) {
+                part[warp][m][0] = dot[m];
+                part[warp][m][1] = ss[m];
+            }
+        }
     __syncthreads();
-    if (threadIdx.x < DUET__RR_ROWS) {
-        const int r = threadIdx.x, er = blockIdx.x * DUET__RR_ROWS + r;
-        float d = part[r * S][0];
+    if ((int)threadIdx.x < DUET__RR_ROWS * a.T) {
+        const int r = threadIdx.x % DUET__RR_ROWS, m = threadIdx.x / DUET__RR_ROWS;
+        const int er = blockIdx.x * DUET__RR_ROWS + r;
+        float d = part[r * S][m][0];
         for (int j = 1; j < S; j++)
-            d += part[r * S + j][0];
-        const float sc = duet__rr_scale(&part[r * S][1], 2, a.D, a.eps);
+            d += part[r * S + j][m][0];
+        const float sc = duet__rr_scale(&part[r * S][m][1], 2 * MT, a.D, a.eps);
         if (er < a.E)
-            duet__rr_publish(a.slot + er, tag, d * sc);
+            duet__rr_publish(a.slot + (size_t)m * a.E + er, tag, d * sc);
         if (r == 0)
-            row_scale = sc;
+            row_scale[m] = sc;
     }
     __syncthreads();
-    duet__rr_store_xn(a, row_scale);
-    if (blockIdx.x != 0)
+    for (int m = 0; m < a.T; m++)
+        duet__rr_store_xn(a, m, row_scale[m]);
+    if ((int)blockIdx.x >= a.T)
         return;
+    const int m = blockIdx.x; /* this block routes row m */
+    const unsigned long long *slot = a.slot + (size_t)m * a.E;
+    float *lg = a.logits + (size_t)m * a.E;
     float l = 0.0f; /* expert threadIdx.x's logit (E <= blockDim.x) */
     for (int i = threadIdx.x; i < a.E; i += blockDim.x) {
-        const float v = duet__rr_collect(a.slot + i, tag);
-        a.logits[i] = v; /* duet__route_block reads them back: this thread's own stores */
+        const float v = duet__rr_collect(slot + i, tag);
+        lg[i] = v; /* duet__route_block reads them back: this thread's own stores */
         if (i == (int)threadIdx.x)
             l = v;
     }
     if (a.G == 1 && a.E <= (int)blockDim.x)
         duet__route_row_sorted(cand, s_sh, pick, pick_s, l, b0[0], a.E, a.top_k, a.renorm, a.scale,
-                               a.idx, a.wts);
+                               a.idx + (size_t)m * a.top_k, a.wts + (size_t)m * a.top_k);
     else
-        duet__route_block(route_sh, a.logits, a.bias, b0, 0, 1, 1, a.E, a.G, a.topk_group, a.top_k,
-                          a.renorm, a.scale, a.idx, a.wts);
-    if (threadIdx.x == 0)
+        duet__route_block(route_sh, a.logits, a.bias, b0, m, 1, a.T, a.E, a.G, a.topk_group,
+                          a.top_k, a.renorm, a.scale, a.idx, a.wts);
+    if (m == 0 && threadIdx.x == 0)
         *(volatile unsigned *)a.count = tag;
 }
 
-extern "C" duet_status_t
-duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw, float eps,
-                           const float *w, int64_t E, int64_t D, const float *bias, int64_t n_group,
-                           int64_t topk_group, int64_t top_k, int renorm, float scale, float *xn,
-                           float *logits, int32_t *idx, float *wts, int *sync)
+extern "C" duet_status_t duet_cuda_moe_router_route(
+    cudaStream_t stream, const float *x, int64_t T, const float *nw, float eps, const float *w,
+    int64_t E, int64_t D, const float *bias, int64_t n_group, int64_t topk_group, int64_t top_k,
+    int renorm, float scale, float *xn, float *logits, int32_t *idx, float *wts, int *sync)
 {
     size_t per_row;
-    const duet_status_t st = duet__route_check("moe_router_route", logits, 1, E, n_group,
+    const duet_status_t st = duet__route_check("moe_router_route", logits, T, E, n_group,
                                                topk_group, top_k, idx, wts, &per_row);
     if (st != DUET_OK)
         return st;
+    if (T == 0)
+        return DUET_OK;
+    if (T > DUET_CUDA_ROUTER_MAX_T)
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda moe_router_route: T = %lld rows (at most %d; more take the "
+                              "router GEMM and duet_cuda_moe_route)",
+                              (long long)T, DUET_CUDA_ROUTER_MAX_T);
     if (x == NULL || nw == NULL || w == NULL || xn == NULL || sync == NULL || D <= 0 ||
-        D > 0x7fffffff || D % 4 != 0 || !duet__aligned16(x) || !duet__aligned16(nw) ||
-        !duet__aligned16(w) || ((uintptr_t)sync & 7u) != 0)
+        D > 0x7fffffff / DUET_CUDA_ROUTER_MAX_T || D % 4 != 0 || !duet__aligned16(x) ||
+        !duet__aligned16(nw) || !duet__aligned16(w) || ((uintptr_t)sync & 7u) != 0)
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe_router_route: bad arguments (D=%lld: a multiple of 4, "
                               "x, the norm and router weights 16-byte aligned, sync 8-byte "
                               "aligned)",
                               (long long)D);
-    if ((xn < x + D && x < xn + D) || (xn < nw + D && nw < xn + D))
+    if ((xn < x + T * D && x < xn + T * D) || (xn < nw + D && nw < xn + T * D))
         return duet_error_set(DUET_ERR_INVALID, "cuda moe_router_route: xn overlaps x or nw");
     duet__rr_args_t a = {.x = x,
                          .nw = nw,
@@ -764,6 +793,7 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                          .wts = wts,
                          .count = (unsigned *)sync,
                          .slot = (unsigned long long *)(sync + 2),
+                         .T = (int)T,
                          .E = (int)E,
                          .D = (int)D,
                          .G = (int)(n_group > 0 ? n_group : 1),
@@ -773,9 +803,13 @@ duet_cuda_moe_router_route(cudaStream_t stream, const float *x, const float *nw,
                          .eps = eps,
                          .scale = scale,
                          .early = duet_cuda_weights_early()};
-    const unsigned blocks = (unsigned)((E + DUET__RR_ROWS - 1) / DUET__RR_ROWS);
-    DUET__TRY(duet_pdl_launch(duet__router_route_kernel, dim3(blocks), dim3(DUET__ROUTE_THREADS),
-                              per_row, stream, a),
+    /* a block per router row, and at least one per routed row */
+    int64_t blocks = (E + DUET__RR_ROWS - 1) / DUET__RR_ROWS;
+    blocks = blocks > T ? blocks : T;
+    DUET__TRY(duet_pdl_launch(T == 1 ? duet__router_route_kernel<1>
+                                     : duet__router_route_kernel<DUET_CUDA_ROUTER_MAX_T>,
+                              dim3((unsigned)blocks), dim3(DUET__ROUTE_THREADS), per_row, stream,
+                              a),
               "router-route kernel launch");
     return DUET_OK;
 }
@@ -788,6 +822,16 @@ static __device__ __forceinline__ int duet__pair_row(const duet__moe_plan_t &pl,
     return p < pl.P ? p / pl.top_k : p - pl.P;
 }
 
+/* The expert of pair p: idx[p] for the P routed pairs (-1 when out of range: the plan skips the
+ * pair), E for the shared expert's rows P + t when it is folded in. */
+static __device__ __forceinline__ int duet__pair_expert(const int32_t *idx, int P, int E, int p)
+{
+    if (p >= P)
+        return E;
+    const int e = idx[p];
+    return e >= 0 && e < E ? e : -1;
+}
+
 /* Pairs [per · b, per · (b + 1)) ∩ [0, P) belong to plan block b. */
 static __device__ __forceinline__ void duet__plan_range(int P, int per, int *p0, int *p1)
 {
@@ -795,38 +839,41 @@ static __device__ __forceinline__ void duet__plan_range(int P, int per, int *p0,
     *p1 = min(P, *p0 + per);
 }
 
-/* cnt[e] += the pairs of [p0, p1) routed to expert e (shared-memory atomics); invalid experts
- * are skipped. */
-static __device__ __forceinline__ void duet__plan_count(const int32_t *idx, int p0, int p1, int E,
-                                                        int *cnt)
+/* cnt[e] += the pairs of [p0, p1) of expert e (shared-memory atomics); invalid experts are
+ * skipped. */
+static __device__ __forceinline__ void duet__plan_count(const int32_t *idx, int P, int p0, int p1,
+                                                        int E, int *cnt)
 {
     for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
-        const int e = idx[p];
-        if (e >= 0 && e < E)
+        const int e = duet__pair_expert(idx, P, E, p);
+        if (e >= 0)
             atomicAdd(&cnt[e], 1);
     }
 }
 
-/* The plan in several blocks, part 1: block b counts the experts of its pairs into hist[b][e]. */
+/* The plan in several blocks, part 1: block b counts the experts of its pairs into hist[b][e],
+ * e <= E (E: the shared expert's rows, pairs P .. Ps - 1). */
 __global__ void __launch_bounds__(DUET__PLAN_THREADS)
-    duet__moe_count_kernel(const int32_t *idx, int P, int E, int per, int *hist)
+    duet__moe_count_kernel(const int32_t *idx, int P, int Ps, int E, int per, int *hist)
 {
     extern __shared__ int plan_sh[];
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
+    const int En = E + 1;
+    for (int e = threadIdx.x; e < En; e += blockDim.x)
         plan_sh[e] = 0;
     duet_pdl_wait(); /* the routing; the previous call's plan is done with hist */
     duet_pdl_trigger();
     __syncthreads();
     int p0, p1;
-    duet__plan_range(P, per, &p0, &p1);
-    duet__plan_count(idx, p0, p1, E, plan_sh);
+    duet__plan_range(Ps, per, &p0, &p1);
+    duet__plan_count(idx, P, p0, p1, E, plan_sh);
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        hist[(int64_t)blockIdx.x * E + e] = plan_sh[e];
+    for (int e = threadIdx.x; e < En; e += blockDim.x)
+        hist[(int64_t)blockIdx.x * En + e] = plan_sh[e];
 }
 
 /*
- * One block per `per` pairs. A single block counts its pairs itself; with several, each sums
+ * One block per `per` pairs of the Ps (P routed ones, then the shared expert's rows as expert E
+ * when it is folded in). A single block counts its pairs itself; with several, each sums
  * duet__moe_count_kernel's hist for every expert's total and for the pairs of that expert in
  * the blocks before it. Every block scans the totals, block 0 writes off, slots, tiles and meta,
  * and each block places its own pairs in their experts' lists after those of the blocks before.
@@ -834,27 +881,28 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
  * every pair's output is computed on its own with a fixed operation order, wherever it sits.
  */
 __global__ void __launch_bounds__(DUET__PLAN_THREADS)
-    duet__moe_plan_kernel(const int32_t *idx, int P, int E, int nr, int bm, int per,
+    duet__moe_plan_kernel(const int32_t *idx, int P, int Ps, int E, int nr, int bm, int per,
                           const int *hist, duet__moe_plan_t pl)
 {
     extern __shared__ int plan_sh[];
-    int *cnt = plan_sh, *cur = plan_sh + E;
+    const int En = E + 1; /* the experts and the shared one's slot (no pairs unless folded in) */
+    int *cnt = plan_sh, *cur = plan_sh + En;
     const int nb = (int)gridDim.x, b = (int)blockIdx.x;
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
+    for (int e = threadIdx.x; e < En; e += blockDim.x)
         cnt[e] = cur[e] = 0;
     duet_pdl_wait(); /* the routing or the counts; the previous call's kernels are done with the
                       * scratch */
     duet_pdl_trigger();
     __syncthreads();
     int p0, p1;
-    duet__plan_range(P, per, &p0, &p1);
+    duet__plan_range(Ps, per, &p0, &p1);
     if (nb == 1) {
-        duet__plan_count(idx, p0, p1, E, cnt);
+        duet__plan_count(idx, P, p0, p1, E, cnt);
     } else {
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        for (int e = threadIdx.x; e < En; e += blockDim.x) {
             int tot = 0, before = 0;
             for (int j = 0; j < nb; j++) {
-                const int c = hist[(int64_t)j * E + e];
+                const int c = hist[(int64_t)j * En + e];
                 tot += c;
                 before += j < b ? c : 0;
             }
@@ -863,8 +911,8 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
         }
     }
     __syncthreads();
-    const int chunk = (E + (int)blockDim.x - 1) / (int)blockDim.x;
-    const int e0 = min(E, (int)threadIdx.x * chunk), e1 = min(E, e0 + chunk);
+    const int chunk = (En + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int e0 = min(En, (int)threadIdx.x * chunk), e1 = min(En, e0 + chunk);
     int c = 0, s = 0, q = 0;
     for (int e = e0; e < e1; e++) {
         c += cnt[e];
@@ -888,15 +936,15 @@ __global__ void __launch_bounds__(DUET__PLAN_THREADS)
         cb += n;
     }
     if (b == 0 && threadIdx.x == 0) {
-        pl.off[E] = c_tot;
+        pl.off[En] = c_tot;
         pl.meta[0] = s_tot;
         pl.meta[1] = q_tot;
         pl.meta[2] = pl.meta[3] = 0; /* the warp-specialised kernels' work counters */
     }
     __syncthreads();
     for (int p = p0 + (int)threadIdx.x; p < p1; p += blockDim.x) {
-        const int e = idx[p];
-        if (e >= 0 && e < E)
+        const int e = duet__pair_expert(idx, P, E, p);
+        if (e >= 0)
             pl.list[atomicAdd(&cur[e], 1)] = p;
     }
 }
@@ -1477,9 +1525,9 @@ __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_T1_BLOCKS)
 /*
  * T > 1 with many slots (duet__gemv_spb): each block takes DUET__GV_SPB slices of its slot's
  * output rows, so that the slot's lookup and its activation rows' round trip through L2 serve
- * four times the weight rows. At T > 1 there are no tickets, no folded shared expert and no
- * early weight loads, so these are the kernels above without them; each row's arithmetic is
- * theirs (duet__gemv13_rows, duet__gemv2_rows), so the bits are the same.
+ * four times the weight rows. At T > 1 there are no tickets and no early weight loads, so these
+ * are the kernels above without them (a folded shared expert's slots, expert E, as there); each
+ * row's arithmetic is theirs (duet__gemv13_rows, duet__gemv2_rows), so the bits are the same.
  */
 template <int DT, int NRMAX, int U, int SPB>
 __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_MULTI13_BLOCKS)
@@ -1509,7 +1557,8 @@ __global__ void __launch_bounds__(DUET__GV_THREADS, DUET__GV_MULTI13_BLOCKS)
         if (i0 >= I)
             return;
         const uint4 *w[2 * DUET__GV_RI];
-        duet__gemv13_row_ptrs(w, w1, w3, (size_t)e * I, i0, I, D, es);
+        duet__gemv13_row_ptrs(w, e == pl.E ? pl.sw1 : w1, e == pl.E ? pl.sw3 : w3,
+                              e == pl.E ? 0 : (size_t)e * I, i0, I, D, es);
         duet__gemv13_slot_rows<DT, NRMAX, U>(w, xs, D, I, i0, n, pairs, act, beta, beta_lin, h,
                                              lane, none);
     }
@@ -1536,7 +1585,8 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
     for (int sl = 0; sl < SPB; sl++) {
         const int d0 = (((int)blockIdx.y * SPB + sl) * DUET__GV_WARPS + warp) * DUET__GV_RD;
         if (n > 0 && e >= 0 && d0 < D) {
-            duet__gemv2_row_ptrs(w, w2, (size_t)e * D, d0, I, D, es);
+            duet__gemv2_row_ptrs(w, e == pl.E ? pl.sw2 : w2, e == pl.E ? 0 : (size_t)e * D, d0, I,
+                                 D, es);
             duet__prefetch_rows<DUET__GV_RD>(w, 0, (size_t)I * es, lane);
         }
     }
@@ -1551,7 +1601,8 @@ __global__ void __launch_bounds__(DUET__GV_THREADS)
         const int d0 = (((int)blockIdx.y * SPB + sl) * DUET__GV_WARPS + warp) * DUET__GV_RD;
         if (d0 >= D)
             return;
-        duet__gemv2_row_ptrs(w, w2, (size_t)e * D, d0, I, D, es);
+        duet__gemv2_row_ptrs(w, e == pl.E ? pl.sw2 : w2, e == pl.E ? 0 : (size_t)e * D, d0, I, D,
+                             es);
         duet__gemv2_slot_rows<DT, NRMAX, U>(w, hs, I, D, d0, n, pairs, out, lane, none);
     }
 }
@@ -1750,21 +1801,22 @@ static size_t duet__align256(size_t n)
 }
 
 /* Scratch carve-up for T rows: sizes grow with T, so a layout for T <= max_T fits in
- * duet_cuda_moe_scratch_bytes(max_T, ...). Slots are sized for nr = 1 and tiles for bm = 64,
- * the smallest cuts used. */
+ * duet_cuda_moe_scratch_bytes(max_T, ...). Every count allows for a folded shared expert (T more
+ * pairs, one more list); slots are sized for nr = 1 and tiles for bm = 64, the smallest cuts
+ * used. */
 static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, int64_t I,
                                            int64_t D)
 {
     duet__moe_layout_t L;
-    const int64_t P = T * top_k, A = P < E ? P : E;
-    L.max_slots = P + A;
-    L.max_tiles = (P + 63) / 64 + A;
+    const int64_t P = T * top_k, Ps = P + T, A = P < E ? P : E;
+    L.max_slots = Ps + A + 1;
+    L.max_tiles = (Ps + 63) / 64 + A + 1;
     L.n_slices = (D + DUET__GV_SLICE - 1) / DUET__GV_SLICE;
     size_t at = 0;
     L.off = at;
-    at += duet__align256((size_t)(E + 1) * sizeof(int));
+    at += duet__align256((size_t)(E + 2) * sizeof(int));
     L.list = at;
-    at += duet__align256((size_t)P * sizeof(int));
+    at += duet__align256((size_t)Ps * sizeof(int));
     L.meta = at;
     at += duet__align256(4 * sizeof(int));
     L.slots = at;
@@ -1774,13 +1826,13 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     L.cnt = at; /* tickets: T = 1 only */
     at += duet__align256((size_t)L.n_slices * sizeof(int));
     L.hist = at; /* the plan's counts per block and expert */
-    at += duet__align256((size_t)DUET__PLAN_MAX_BLOCKS * E * sizeof(int));
+    at += duet__align256((size_t)DUET__PLAN_MAX_BLOCKS * (E + 1) * sizeof(int));
     L.xb = at;
     at += duet__align256((size_t)T * D * sizeof(__nv_bfloat16));
-    L.h = at; /* P pairs' rows, then one for a folded shared expert (only ever at T = 1) */
-    at += duet__align256((size_t)(P + 1) * I * sizeof(float));
+    L.h = at; /* P pairs' rows, then T for a folded shared expert */
+    at += duet__align256((size_t)Ps * I * sizeof(float));
     L.out = at;
-    at += duet__align256((size_t)(P + 1) * D * sizeof(float));
+    at += duet__align256((size_t)Ps * D * sizeof(float));
     L.total = at;
     return L;
 }
@@ -2048,8 +2100,19 @@ extern "C" double duet_cuda_moe_touched(double rows, int64_t top_k, int64_t E)
 extern "C" int duet_cuda_moe_auto_mma(int64_t T, int64_t top_k, int64_t E)
 {
     if (T <= 1 || E < 1 || top_k < 1 || top_k > E)
-        return 0; /* one row: the GEMV kernels (and the shared expert folded in) */
+        return 0; /* one row: the GEMV kernels */
     return (double)(T * top_k) >= duet__moe_mma_rows() * duet_cuda_moe_touched((double)T, top_k, E);
+}
+
+/* Whether the MMA kernels take these weights at all: BF16, D and I multiples of 32. */
+static bool duet__mma_ok(const duet_cuda_experts_t *ex)
+{
+    return ex->dtype == DUET_DTYPE_BF16 && ex->D % 32 == 0 && ex->I % 32 == 0;
+}
+
+extern "C" int duet_cuda_moe_gemv_path(const duet_cuda_experts_t *ex, int64_t T, int64_t top_k)
+{
+    return ex != NULL && !(duet__mma_ok(ex) && duet_cuda_moe_auto_mma(T, top_k, ex->E));
 }
 
 /*
@@ -2063,7 +2126,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                             void *scratch, int path)
 {
     if (ex == NULL || T < 0 || top_k <= 0 || ex->E <= 0 || ex->I <= 0 || ex->D <= 0 ||
-        top_k > ex->E || T * top_k > 0x7fffffff || ex->E > 0x7fffffff || ex->I > 0x7fffffff ||
+        top_k > ex->E || T * (top_k + 1) > 0x7fffffff || ex->E > 0x7fffffff || ex->I > 0x7fffffff ||
         ex->D > 0x7fffffff)
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe_experts: bad arguments T=%lld top_k=%lld E=%lld I=%lld "
@@ -2090,7 +2153,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               "cuda moe_experts: D (%lld) and I (%lld) must be multiples of 8 "
                               "and x, y and the weights 16-byte aligned",
                               (long long)ex->D, (long long)ex->I);
-    if ((size_t)2 * ex->E * sizeof(int) > 48 * 1024)
+    if ((size_t)2 * (ex->E + 1) * sizeof(int) > 48 * 1024) /* the plan's counts */
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda moe_experts: %lld experts is too many",
                               (long long)ex->E);
     const int shared = ex->sw1 != NULL || ex->sw3 != NULL || ex->sw2 != NULL;
@@ -2110,7 +2173,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               (long long)ex->D);
 
     const int64_t E = ex->E, I = ex->I, D = ex->D, P = T * top_k, A = P < E ? P : E;
-    const int mma_ok = ex->dtype == DUET_DTYPE_BF16 && D % 32 == 0 && I % 32 == 0;
+    const int mma_ok = duet__mma_ok(ex);
     const int force_nr = (path >> 4) & 0xf, force_bm = (path >> 8) & 0xf;
     const int force_spb = (path >> DUET__MOE_SPB_SHIFT) & 0xf;
     const int separate = (path & DUET__MOE_SEPARATE_COMBINE) != 0;
@@ -2125,10 +2188,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     if (path == DUET__MOE_PATH_AUTO)
         path = mma_ok && duet_cuda_moe_auto_mma(T, top_k, E) ? DUET__MOE_PATH_MMA
                                                              : DUET__MOE_PATH_GEMV;
-    if (shared && !(path == DUET__MOE_PATH_GEMV && T == 1))
+    if (shared && path != DUET__MOE_PATH_GEMV)
         return duet_error_set(DUET_ERR_INVALID,
-                              "cuda moe_experts: a shared expert is folded in only at T = 1 on "
-                              "the GEMV path (T = %lld); run it separately",
+                              "cuda moe_experts: a shared expert is folded in only on the GEMV "
+                              "path (T = %lld takes the MMA kernels: duet_cuda_moe_gemv_path); "
+                              "run it separately",
                               (long long)T);
 
     /*
@@ -2181,6 +2245,8 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
      * of thousands of gemv2 blocks (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets").
      */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
+    /* pairs the plan groups: the routed ones, then the shared expert's T rows (expert E) */
+    const int64_t Ps = P + (shared && !direct ? T : 0);
     if (direct && !separate) {
         pl.cnt = (int *)(base + L.cnt);
         pl.n_cnt = (int)L.n_slices;
@@ -2194,18 +2260,18 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     } else {
         /* a block per DUET__PLAN_PAIRS pairs: one block for every pair of a long prefill runs
          * on one SM (bench/RESULTS.md, "MoE plan: one block per 2048 pairs") */
-        int nb = (int)((P + DUET__PLAN_PAIRS - 1) / DUET__PLAN_PAIRS);
+        int nb = (int)((Ps + DUET__PLAN_PAIRS - 1) / DUET__PLAN_PAIRS);
         nb = nb < 1 ? 1 : nb > DUET__PLAN_MAX_BLOCKS ? DUET__PLAN_MAX_BLOCKS : nb;
-        const int per = (int)((P + nb - 1) / nb);
+        const int per = (int)((Ps + nb - 1) / nb);
         int *hist = (int *)(base + L.hist);
         if (nb > 1)
             DUET__TRY(duet_pdl_launch(duet__moe_count_kernel, dim3((unsigned)nb),
-                                      dim3(DUET__PLAN_THREADS), E * sizeof(int), stream, idx,
-                                      (int)P, (int)E, per, hist),
+                                      dim3(DUET__PLAN_THREADS), (E + 1) * sizeof(int), stream, idx,
+                                      (int)P, (int)Ps, (int)E, per, hist),
                       "count kernel launch");
         DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3((unsigned)nb),
-                                  dim3(DUET__PLAN_THREADS), 2 * E * sizeof(int), stream, idx,
-                                  (int)P, (int)E, nrmax, bm, per, (const int *)hist, pl),
+                                  dim3(DUET__PLAN_THREADS), 2 * (E + 1) * sizeof(int), stream, idx,
+                                  (int)P, (int)Ps, (int)E, nrmax, bm, per, (const int *)hist, pl),
                   "plan kernel launch");
     }
 
@@ -2235,8 +2301,9 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             st = duet__launch_mma<64>(stream, ex, xb, pl, max_tiles, (int)top_k, act, beta,
                                       beta_lin, (__nv_bfloat16 *)h, out, wg, ws);
     } else {
-        int64_t max_slots = (P + nrmax - 1) / nrmax + A; /* the last slot may be partial */
-        max_slots = max_slots < P ? max_slots : P;
+        /* each expert's last slot may be partial (the shared expert's too) */
+        int64_t max_slots = (Ps + nrmax - 1) / nrmax + A + shared;
+        max_slots = max_slots < Ps ? max_slots : Ps;
         if (direct)
             max_slots = P + shared;
         const int spb = force_spb > 0 && !direct ? (force_spb > 1 ? DUET__GV_SPB : 1)

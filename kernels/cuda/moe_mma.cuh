@@ -30,8 +30,8 @@
  * gemv2 block that brings it to top_k (top_k + 1 with the shared expert) adds the slice into y.
  * gemv13 zeroes the counters; every pair, valid or not, has its gemv2 block. */
 typedef struct {
-    int *off;                      /* [E + 1] start of each expert's list */
-    int *list;                     /* [P] pair ids grouped by expert */
+    int *off;                      /* [E + 2] start of each expert's list (E: the shared one) */
+    int *list;                     /* [P + T] pair ids grouped by expert */
     int *meta;                     /* [4] */
     int2 *slots;                   /* [max_slots] (expert, list start), <= nr rows each */
     int2 *tiles;                   /* [max_tiles] (expert, list start), <= bm rows each */
@@ -39,8 +39,9 @@ typedef struct {
     int *cnt;                      /* [n_slices] gemv2 tickets, or NULL: no tickets */
     int E, top_k, n_slices, n_cnt; /* n_cnt = n_slices (T = 1) */
     int P;                         /* T * top_k pairs */
-    /* The shared expert folded in (T = 1 only, no plan): slot P computes it, as expert id E,
-     * into row P of h and out; combining adds it after the routed sum, weight 1. */
+    /* The shared expert folded in (the GEMV path): as expert id E, at T = 1 (no plan) slot P
+     * into row P of h and out, at T > 1 the plan's list of pairs P + t into rows P + t;
+     * combining adds it after the routed sum, weight 1. */
     int shared;
     const void *sw1, *sw3, *sw2;
     int early; /* weight loads before x / the PDL wait (duet_cuda_weights_early) */

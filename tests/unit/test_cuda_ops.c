@@ -446,7 +446,7 @@ Test(cuda_ops, moe_route, .timeout = 60)
 }
 
 /*
- * duet_cuda_moe_router_route: the norm, the router and the routing of one row in one kernel.
+ * duet_cuda_moe_router_route: the norm, the router and the routing of T rows in one kernel.
  * References, in double on the host: xn = nw · x / rms(x), within 1e-6 relative per element
  * (the kernel's scale comes from an fp32 sum of squares); logits = W · xn, within 1e-5 of
  * S = Σ |W| |xn| (fp32 sums in another order, a few ulps · sqrt(D) in the worst case; a wrong
@@ -457,64 +457,73 @@ Test(cuda_ops, moe_route, .timeout = 60)
  * dims, groups, an odd E (a half-empty last block), D not a multiple of 8, D longer than one
  * pass of loads (4100), no bias, top_k = 32 (every warp's 32 sorted keys are candidates), and
  * rows repeated in pairs so that choices tie (the lower index first, at E = 256 and at E = 200,
- * a partial last warp); then the argument checks.
+ * a partial last warp); each with T = 1 (decode at batch 1) and some with 5 or 8 rows (a verify
+ * step's, batch 8: block m routes row m); then the argument checks.
  */
-Test(cuda_ops, moe_router_route, .timeout = 60)
+Test(cuda_ops, moe_router_route, .timeout = 120)
 {
     skip_without_device();
     static const struct {
         int64_t E, D, G, tg, k;
         int renorm, bias;
         float scale;
-        int ties; /* rows 4j + 1 repeat rows 4j (and their bias): equal choices */
-    } cases[] = {{256, 2304, 1, 1, 8, 1, 1, 2.446f, 0}, {64, 2304, 8, 3, 6, 0, 1, 1.0f, 0},
-                 {37, 100, 1, 1, 4, 1, 0, 1.0f, 0},     {384, 4100, 12, 3, 16, 1, 1, 1.5f, 0},
-                 {256, 2304, 8, 4, 8, 1, 0, 2.5f, 0},   {256, 2304, 1, 1, 32, 1, 1, 1.0f, 0},
-                 {256, 2304, 1, 1, 8, 1, 1, 2.446f, 1}, {200, 512, 1, 1, 8, 0, 1, 1.0f, 1},
-                 {256, 2304, 1, 1, 32, 1, 0, 1.0f, 1}};
+        int ties;   /* rows 4j + 1 repeat rows 4j (and their bias): equal choices */
+        int64_t T2; /* a second row count, or 0 */
+    } cases[] = {{256, 2304, 1, 1, 8, 1, 1, 2.446f, 0, 5}, {64, 2304, 8, 3, 6, 0, 1, 1.0f, 0, 8},
+                 {37, 100, 1, 1, 4, 1, 0, 1.0f, 0, 8},     {384, 4100, 12, 3, 16, 1, 1, 1.5f, 0, 3},
+                 {256, 2304, 8, 4, 8, 1, 0, 2.5f, 0, 0},   {256, 2304, 1, 1, 32, 1, 1, 1.0f, 0, 2},
+                 {256, 2304, 1, 1, 8, 1, 1, 2.446f, 1, 8}, {200, 512, 1, 1, 8, 0, 1, 1.0f, 1, 0},
+                 {256, 2304, 1, 1, 32, 1, 0, 1.0f, 1, 0},  {4, 64, 1, 1, 2, 1, 1, 1.0f, 0, 8}};
     cudaStream_t st;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
-        const int64_t E = cases[c].E, D = cases[c].D, K = cases[c].k;
+    for (size_t c = 0; c < 2 * sizeof(cases) / sizeof(cases[0]); c++) {
+        const size_t ci = c / 2;
+        const int64_t E = cases[ci].E, D = cases[ci].D, K = cases[ci].k;
+        const int64_t T = c % 2 == 0 ? 1 : cases[ci].T2;
+        if (T == 0)
+            continue;
         const float eps = 1e-6f;
-        float *x = xmalloc(sizeof(float) * D), *nw = xmalloc(sizeof(float) * D);
+        float *x = xmalloc(sizeof(float) * T * D), *nw = xmalloc(sizeof(float) * D);
         float *w = xmalloc(sizeof(float) * E * D), *bias = xmalloc(sizeof(float) * E);
-        for (int64_t i = 0; i < D; i++) {
+        for (int64_t i = 0; i < T * D; i++)
             x[i] = rng_n() * 3.0f;
+        for (int64_t i = 0; i < D; i++)
             nw[i] = 1.0f + 0.3f * rng_f();
-        }
         for (int64_t i = 0; i < E * D; i++)
             w[i] = rng_f() / sqrtf((float)D);
         for (int64_t e = 0; e < E; e++)
-            bias[e] = cases[c].bias ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
-        for (int64_t e = 1; cases[c].ties && e < E; e += 4) {
+            bias[e] = cases[ci].bias ? (float)((int)(rng_u32() % 9) - 4) / 64.0f : 0.0f;
+        for (int64_t e = 1; cases[ci].ties && e < E; e += 4) {
             memcpy(w + e * D, w + (e - 1) * D, sizeof(float) * D);
             bias[e] = bias[e - 1];
         }
-        float *dx = dev_copy(x, sizeof(float) * D), *dnw = dev_copy(nw, sizeof(float) * D);
+        float *dx = dev_copy(x, sizeof(float) * T * D), *dnw = dev_copy(nw, sizeof(float) * D);
         float *dwr = dev_copy(w, sizeof(float) * E * D);
-        float *db = cases[c].bias ? dev_copy(bias, sizeof(float) * E) : NULL;
-        float *dxn = dev_alloc(sizeof(float) * D), *dlg = dev_alloc(sizeof(float) * E);
-        int32_t *di = dev_alloc(sizeof(int32_t) * K);
-        float *dwt = dev_alloc(sizeof(float) * K);
+        float *db = cases[ci].bias ? dev_copy(bias, sizeof(float) * E) : NULL;
+        float *dxn = dev_alloc(sizeof(float) * T * D), *dlg = dev_alloc(sizeof(float) * T * E);
+        int32_t *di = dev_alloc(sizeof(int32_t) * T * K);
+        float *dwt = dev_alloc(sizeof(float) * T * K);
         const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(E);
         int *dsync = dev_alloc(sync_bytes);
-        CUDA_OK(cudaMemset(dsync, 0, sync_bytes));
-        float *xn = xmalloc(sizeof(float) * D), *lg = xmalloc(sizeof(float) * E);
-        float *gw = xmalloc(sizeof(float) * K), *rw = xmalloc(sizeof(float) * K);
-        int32_t *gi = xmalloc(sizeof(int32_t) * K), *ri = xmalloc(sizeof(int32_t) * K);
-        float *first = xmalloc(sizeof(float) * (D + E + K));
-        int32_t *first_i = xmalloc(sizeof(int32_t) * K);
+        /* on st: a memset on the legacy stream would not order before st's kernels (st does
+         * not block on it), and one landing after the first call's tags hangs the next */
+        CUDA_OK(cudaMemsetAsync(dsync, 0, sync_bytes, st));
+        const int64_t nfirst = T * (D + E + K);
+        float *xn = xmalloc(sizeof(float) * T * D), *lg = xmalloc(sizeof(float) * T * E);
+        float *gw = xmalloc(sizeof(float) * T * K), *rw = xmalloc(sizeof(float) * K);
+        int32_t *gi = xmalloc(sizeof(int32_t) * T * K), *ri = xmalloc(sizeof(int32_t) * K);
+        float *first = xmalloc(sizeof(float) * nfirst);
+        int32_t *first_i = xmalloc(sizeof(int32_t) * T * K);
         cudaGraph_t g = NULL;
         cudaGraphExec_t ge = NULL;
         for (int call = 0; call < 5; call++) { /* 3 plain calls, then 2 graph replays */
-            CUDA_OK(cudaMemsetAsync(dlg, 0xff, sizeof(float) * E, st));
-            CUDA_OK(cudaMemsetAsync(di, 0xff, sizeof(int32_t) * K, st));
+            CUDA_OK(cudaMemsetAsync(dlg, 0xff, sizeof(float) * T * E, st));
+            CUDA_OK(cudaMemsetAsync(di, 0xff, sizeof(int32_t) * T * K, st));
             if (call == 3) {
                 CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
                 DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
-                    st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
-                    cases[c].scale, dxn, dlg, di, dwt, dsync));
+                    st, dx, T, dnw, eps, dwr, E, D, db, cases[ci].G, cases[ci].tg, K,
+                    cases[ci].renorm, cases[ci].scale, dxn, dlg, di, dwt, dsync));
                 CUDA_OK(cudaStreamEndCapture(st, &g));
                 CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
             }
@@ -522,64 +531,68 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
                 CUDA_OK(cudaGraphLaunch(ge, st));
             else
                 DUET_OK_OR_FAIL(duet_cuda_moe_router_route(
-                    st, dx, dnw, eps, dwr, E, D, db, cases[c].G, cases[c].tg, K, cases[c].renorm,
-                    cases[c].scale, dxn, dlg, di, dwt, dsync));
+                    st, dx, T, dnw, eps, dwr, E, D, db, cases[ci].G, cases[ci].tg, K,
+                    cases[ci].renorm, cases[ci].scale, dxn, dlg, di, dwt, dsync));
             CUDA_OK(cudaStreamSynchronize(st));
             int count = -1;
-            host_copy(xn, dxn, sizeof(float) * D);
-            host_copy(lg, dlg, sizeof(float) * E);
-            host_copy(gi, di, sizeof(int32_t) * K);
-            host_copy(gw, dwt, sizeof(float) * K);
+            host_copy(xn, dxn, sizeof(float) * T * D);
+            host_copy(lg, dlg, sizeof(float) * T * E);
+            host_copy(gi, di, sizeof(int32_t) * T * K);
+            host_copy(gw, dwt, sizeof(float) * T * K);
             host_copy(&count, dsync, sizeof(int));
-            CHECK(count == call + 1, "case %zu call %d: the call count is %d", c, call, count);
+            CHECK(count == call + 1, "case %zu T=%lld call %d: the call count is %d", ci,
+                  (long long)T, call, count);
             if (call == 0) {
-                memcpy(first, xn, sizeof(float) * D);
-                memcpy(first + D, lg, sizeof(float) * E);
-                memcpy(first + D + E, gw, sizeof(float) * K);
-                memcpy(first_i, gi, sizeof(int32_t) * K);
+                memcpy(first, xn, sizeof(float) * T * D);
+                memcpy(first + T * D, lg, sizeof(float) * T * E);
+                memcpy(first + T * (D + E), gw, sizeof(float) * T * K);
+                memcpy(first_i, gi, sizeof(int32_t) * T * K);
                 continue;
             }
-            CHECK(memcmp(first, xn, sizeof(float) * D) == 0 &&
-                      memcmp(first + D, lg, sizeof(float) * E) == 0 &&
-                      memcmp(first + D + E, gw, sizeof(float) * K) == 0 &&
-                      memcmp(first_i, gi, sizeof(int32_t) * K) == 0,
-                  "case %zu: call %d%s differs from the first", c, call,
+            CHECK(memcmp(first, xn, sizeof(float) * T * D) == 0 &&
+                      memcmp(first + T * D, lg, sizeof(float) * T * E) == 0 &&
+                      memcmp(first + T * (D + E), gw, sizeof(float) * T * K) == 0 &&
+                      memcmp(first_i, gi, sizeof(int32_t) * T * K) == 0,
+                  "case %zu T=%lld: call %d%s differs from the first", ci, (long long)T, call,
                   call >= 3 ? " (graph replay)" : "");
         }
-        double ss = 0;
-        for (int64_t i = 0; i < D; i++)
-            ss += (double)x[i] * x[i];
-        const double inv = 1.0 / sqrt(ss / (double)D + eps);
-        double e_xn = 0, e_lg = 0;
-        for (int64_t i = 0; i < D; i++) {
-            const double r = (double)nw[i] * x[i] * inv;
-            e_xn = fmax(e_xn, fabs(xn[i] - r) / (fabs(r) + 1e-30));
-        }
-        for (int64_t e = 0; e < E; e++) {
-            double r = 0, S = 0;
-            for (int64_t i = 0; i < D; i++) {
-                const double v = (double)nw[i] * x[i] * inv;
-                r += (double)w[e * D + i] * v;
-                S += fabs((double)w[e * D + i] * v);
-            }
-            e_lg = fmax(e_lg, fabs(lg[e] - r) / S);
-        }
-        route_ref(lg, bias, E, cases[c].G, cases[c].tg, K, cases[c].renorm, cases[c].scale, ri, rw);
+        double e_xn = 0, e_lg = 0, e_w = 0;
         int n_idx_diff = 0;
-        double e_w = 0;
-        for (int64_t k = 0; k < K; k++) {
-            n_idx_diff += gi[k] != ri[k];
-            e_w = fmax(e_w, rel_err(gw[k], rw[k]));
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * D;
+            double ss = 0;
+            for (int64_t i = 0; i < D; i++)
+                ss += (double)xt[i] * xt[i];
+            const double inv = 1.0 / sqrt(ss / (double)D + eps);
+            for (int64_t i = 0; i < D; i++) {
+                const double r = (double)nw[i] * xt[i] * inv;
+                e_xn = fmax(e_xn, fabs(xn[t * D + i] - r) / (fabs(r) + 1e-30));
+            }
+            for (int64_t e = 0; e < E; e++) {
+                double r = 0, S = 0;
+                for (int64_t i = 0; i < D; i++) {
+                    const double v = (double)nw[i] * xt[i] * inv;
+                    r += (double)w[e * D + i] * v;
+                    S += fabs((double)w[e * D + i] * v);
+                }
+                e_lg = fmax(e_lg, fabs(lg[t * E + e] - r) / S);
+            }
+            route_ref(lg + t * E, bias, E, cases[ci].G, cases[ci].tg, K, cases[ci].renorm,
+                      cases[ci].scale, ri, rw);
+            for (int64_t k = 0; k < K; k++) {
+                n_idx_diff += gi[t * K + k] != ri[k];
+                e_w = fmax(e_w, rel_err(gw[t * K + k], rw[k]));
+            }
         }
-        printf("[cuda_ops] moe_router_route E=%lld D=%lld n_group=%lld k=%lld%s%s: xn max rel err "
-               "%.2e (tol 1e-6), logits max err/S %.2e (tol 1e-5), %d expert ids differ from the "
-               "routing of its logits (must be 0), weights max rel err %.2e (tol 1e-6); 3 calls "
-               "and 2 graph replays bit-identical, the call count advanced\n",
-               (long long)E, (long long)D, (long long)cases[c].G, (long long)K,
-               cases[c].bias ? "" : " (no bias)", cases[c].ties ? " (tied pairs)" : "", e_xn, e_lg,
-               n_idx_diff, e_w);
+        printf("[cuda_ops] moe_router_route T=%lld E=%lld D=%lld n_group=%lld k=%lld%s%s: xn max "
+               "rel err %.2e (tol 1e-6), logits max err/S %.2e (tol 1e-5), %d expert ids differ "
+               "from the routing of its logits (must be 0), weights max rel err %.2e (tol "
+               "1e-6); 3 calls and 2 graph replays bit-identical, the call count advanced\n",
+               (long long)T, (long long)E, (long long)D, (long long)cases[ci].G, (long long)K,
+               cases[ci].bias ? "" : " (no bias)", cases[ci].ties ? " (tied pairs)" : "", e_xn,
+               e_lg, n_idx_diff, e_w);
         CHECK(e_xn <= 1e-6 && e_lg <= 1e-5 && n_idx_diff == 0 && e_w <= 1e-6,
-              "router_route case %zu", c);
+              "router_route case %zu T=%lld", ci, (long long)T);
         cudaGraphExecDestroy(ge);
         cudaGraphDestroy(g);
         free(first_i);
@@ -613,19 +626,21 @@ Test(cuda_ops, moe_router_route, .timeout = 60)
         const struct {
             const float *x;
             float *xn;
-            int64_t D, k;
+            int64_t T, D, k;
             int *sync;
             const char *what;
-        } bad[] = {{buf, buf + 2048, 102, 8, tk, "D = 102"},
-                   {buf + 1, buf + 2048, 100, 8, tk, "x not 16-byte aligned"},
-                   {buf, buf + 2048, 100, 8, NULL, "no sync"},
-                   {buf, buf + 2048, 100, 8, tk + 1, "sync not 8-byte aligned"},
-                   {buf, buf + 50, 100, 8, tk, "xn overlaps x"},
-                   {buf, buf + 2048, 100, 300, tk, "top_k > E"}};
+        } bad[] = {{buf, buf + 2048, 1, 102, 8, tk, "D = 102"},
+                   {buf + 1, buf + 2048, 1, 100, 8, tk, "x not 16-byte aligned"},
+                   {buf, buf + 2048, 1, 100, 8, NULL, "no sync"},
+                   {buf, buf + 2048, 1, 100, 8, tk + 1, "sync not 8-byte aligned"},
+                   {buf, buf + 50, 1, 100, 8, tk, "xn overlaps x"},
+                   {buf, buf + 250, 3, 100, 8, tk, "xn overlaps x's third row"},
+                   {buf, buf + 2048, 9, 100, 8, tk, "T = 9"},
+                   {buf, buf + 2048, 1, 100, 300, tk, "top_k > E"}};
         for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
             duet_status_t rs = duet_cuda_moe_router_route(
-                0, bad[i].x, buf + 1024, 1e-6f, buf, 256, bad[i].D, NULL, 1, 1, bad[i].k, 1, 1.0f,
-                bad[i].xn, buf + 3000, ib, buf + 3500, bad[i].sync);
+                0, bad[i].x, bad[i].T, buf + 1024, 1e-6f, buf, 256, bad[i].D, NULL, 1, 1, bad[i].k,
+                1, 1.0f, bad[i].xn, buf + 3000, ib, buf + 3500, bad[i].sync);
             printf("[cuda_ops] moe_router_route refuses %s: %s (%s)\n", bad[i].what,
                    duet_status_name(rs), duet_error_last());
             CHECK(rs == DUET_ERR_INVALID, "%s: %s", bad[i].what, duet_status_name(rs));
@@ -950,8 +965,8 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
         const size_t sync_bytes = sizeof(int) * (size_t)DUET_CUDA_ROUTER_SYNC_INTS(Er);
         int *dsync = dev_alloc(sync_bytes);
         CUDA_OK(cudaMemset(dsync, 0, sync_bytes));
-        DUET_OK_OR_FAIL(duet_cuda_moe_router_route(0, dnx, dnw, eps, dwr, Er, D, NULL, 1, 1, Kr, 1,
-                                                   1.0f, dxn, dlg, di2, dw2, dsync));
+        DUET_OK_OR_FAIL(duet_cuda_moe_router_route(0, dnx, 1, dnw, eps, dwr, Er, D, NULL, 1, 1, Kr,
+                                                   1, 1.0f, dxn, dlg, di2, dw2, dsync));
         host_copy(x, dxn, sizeof(float) * D);
         cudaFree(dsync);
         cudaFree(di2);
@@ -1124,6 +1139,16 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
                 moe_case(cpu, &X, T, K, &silu, early_paths, 5, 0, 0, 2);
                 moe_case(cpu, &X, T, K, &situ, early_paths, 5, 0, 1, 2);
             }
+            /* at T > 1 the plan lists its rows as one more expert (the GEMV path forced: at
+             * these dims the automatic choice for 5 rows or more is MMA, which refuses it),
+             * with 1 and 4 slices per block, PDL off, invalid expert ids */
+            if (T > 1) {
+                static const int fold_n[] = {PATH_GEMV, PATH_GEMV | PATH_NO_PDL, GEMV_SPB(4),
+                                             GEMV_SPB(1) | PATH_NO_PDL};
+                moe_case(cpu, &X, T, K, &silu, fold_n, 4, 0, 0, 1);
+                if (dts[di] == DUET_DTYPE_BF16)
+                    moe_case(cpu, &X, T, K, &situ, fold_n, 4, 0, 3, 1);
+            }
         }
         experts_free(&X);
     }
@@ -1175,8 +1200,16 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         moe_case(cpu, &X, 3, 10, &silu, decode, 2, auto_mma(&X, 3, 10), 0, 0);
         experts_free(&X);
     }
-    /* a shared expert is refused where it cannot be folded in: T > 1, the MMA path, or one of
-     * its matrices missing */
+    /* the shared expert with the plan in two blocks (3000 pairs with its rows) */
+    {
+        static const int fold_n[] = {PATH_GEMV, GEMV_SPB(4) | PATH_NO_PDL};
+        experts_t X;
+        experts_make(&X, DUET_DTYPE_BF16, E, I, D);
+        moe_case(cpu, &X, 1000, K, &silu, fold_n, 2, 0, 3, 1);
+        experts_free(&X);
+    }
+    /* a shared expert is refused where it cannot be folded in: the MMA path (forced, or the
+     * automatic choice at T = 64 here), or one of its matrices missing */
     {
         experts_t X;
         experts_make(&X, DUET_DTYPE_BF16, 4, 32, 32);
@@ -1185,11 +1218,14 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
         ex.sw1 = X.dsw[0];
         ex.sw3 = X.dsw[1];
         ex.sw2 = X.dsw[2];
+        CHECK(duet_cuda_moe_gemv_path(&ex, 1, 1) && duet_cuda_moe_gemv_path(&ex, 2, 1) &&
+                  !duet_cuda_moe_gemv_path(&ex, 64, 1),
+              "GEMV path at T = 1 and 2, MMA at 64 (E = 4, top 1)");
         const struct {
             int64_t T;
             int path, drop;
-        } bad[] = {{2, PATH_AUTO, 0},
-                   {1, PATH_MMA, 0},
+        } bad[] = {{64, PATH_AUTO, 0},
+                   {2, PATH_MMA, 0},
                    {1, PATH_AUTO, 1},
                    {1, PATH_AUTO, 2},
                    {1, PATH_AUTO, 3}};
@@ -1281,6 +1317,13 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
                                 PATH_GEMV | PATH_SEPARATE | PATH_EARLY};
     moe_case(cpu, &X, 1, 8, &silu, early, 4, 0, 0, 2); /* ... ahead of the routing */
     moe_case(cpu, &X, 8, 8, &silu, decode, 4, 0, 0, 0);
+    /* the shared expert at T > 1 (a k = 4 verify row block, batch 8) on the GEMV path, which
+     * the automatic choice takes there (duet_cuda_moe_gemv_path) */
+    CHECK(duet_cuda_moe_gemv_path(&X.ex, 5, 8) && duet_cuda_moe_gemv_path(&X.ex, 8, 8),
+          "the GEMV kernels take 5 and 8 rows at the real dims");
+    static const int verify[] = {PATH_AUTO, PATH_GEMV | PATH_NO_PDL, GEMV_SPB(4)};
+    moe_case(cpu, &X, 5, 8, &silu, verify, 3, 0, 0, 1);
+    moe_case(cpu, &X, 8, 8, &silu, verify, 3, 0, 0, 1);
     experts_free(&X);
     duet_kernels_destroy(cpu);
 }
