@@ -526,8 +526,7 @@ extern "C" duet_status_t duet_cuda_moe_route(cudaStream_t stream, const float *l
     return DUET_OK;
 }
 
-/* ---- the router and the routing of a few rows, one kernel (decode, verify) --------------------
- */
+/* ---- the router and the routing of up to 8 rows, one kernel (decode, verify) ----------------- */
 
 /* Warps per router row, each with every DUET__RR_SPLIT-th 32 pieces: 8 (one row per block, 256
  * blocks) puts the router's fp32 rows in flight soonest, in a kernel on every MoE layer's serial
@@ -2186,8 +2185,7 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                               "cuda moe_experts: the MMA path needs BF16 weights and D, I "
                               "multiples of 32");
     if (path == DUET__MOE_PATH_AUTO)
-        path = mma_ok && duet_cuda_moe_auto_mma(T, top_k, E) ? DUET__MOE_PATH_MMA
-                                                             : DUET__MOE_PATH_GEMV;
+        path = duet_cuda_moe_gemv_path(ex, T, top_k) ? DUET__MOE_PATH_GEMV : DUET__MOE_PATH_MMA;
     if (shared && path != DUET__MOE_PATH_GEMV)
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda moe_experts: a shared expert is folded in only on the GEMV "
