@@ -77,16 +77,34 @@ static __device__ __forceinline__ void duet__wgmma_o(float (&d)[64], const uint3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-/* Queue the copy of positions t0 .. t0 + 31 of a head's rows into the stage at shared address
- * st (the swizzled column blocks). */
+/*
+ * Queue the copy of positions t0 .. t0 + 31 of a head's rows into the stage at shared address
+ * st (the swizzled column blocks; positions >= L zero-filled, as mla_x.cuh's copy does). A
+ * thread takes chunk c8 = thread % 8 of stage rows r = thread / 8 and r + 16 in every column
+ * block: both rows sit at the same swizzled offset (16 is a multiple of the swizzle's 8-row
+ * period), so a tile costs a thread two source rows and every copy's addresses are those plus
+ * constants. mla_x.cuh's copy, general over the layout (mla.cu's kernel keeps it), worked out
+ * both addresses of each chunk, about 40% of this kernel's instructions (bench/RESULTS.md, "MLA
+ * prefill attention: fewer instructions per tile").
+ */
 template <int TERMS>
 static __device__ __forceinline__ void duet__xw_load(unsigned st, const __nv_bfloat16 *src, int t0,
                                                      int L)
 {
-    duet__mla_xa_copy<DUET__XW_THREADS, TERMS>(src, t0, L, [st](int row, int c) {
-        return st +
-               (unsigned)((c >> 3) * DUET__XW_BLOCK + row * 128 + (((c & 7) ^ (row & 7)) << 4));
-    });
+    typedef duet__mla_xa_cols<TERMS> Cols;
+    static_assert(DUET__XW_THREADS == 8 * DUET_MLA_XA_TK / 2, "a thread per chunk of 16 rows");
+    const int c8 = threadIdx.x & 7, r = threadIdx.x >> 3, p0 = t0 + r, p1 = p0 + 16;
+    const bool ok0 = p0 < L, ok1 = p1 < L;
+    const unsigned d = st + (unsigned)(r * 128 + ((c8 ^ (r & 7)) << 4));
+    const __nv_bfloat16 *s0 = src + (int64_t)(ok0 ? p0 : 0) * DUET_MLA_X_TD + c8 * 8;
+    const __nv_bfloat16 *s1 = src + (int64_t)(ok1 ? p1 : 0) * DUET_MLA_X_TD + c8 * 8;
+#pragma unroll
+    for (int b = 0; b < Cols::N / 8; b++) {
+        /* Cols::col moves whole blocks: block b's chunks are consecutive in the expanded row */
+        const int col = Cols::col(8 * b) * 8;
+        duet__cp_async16(d + b * DUET__XW_BLOCK, s0 + col, ok0);
+        duet__cp_async16(d + b * DUET__XW_BLOCK + 16 * 128, s1 + col, ok1);
+    }
 }
 
 /* Issue s = q · k over the tile at shared address st (committed, not waited for). */
@@ -113,15 +131,19 @@ static __device__ __forceinline__ void duet__xw_scores(float (&s)[16], const uin
     duet__wg_commit();
 }
 
-/* The tile's online softmax (mla_x.cuh), o rescaled, the weights as A fragments ph + pl. */
-static __device__ __forceinline__ void duet__xw_softmax(float (&s)[16], float (&o)[64], int t0,
-                                                        int tg, int p0, int p1, float &m0,
-                                                        float &m1, float &l0, float &l1,
-                                                        uint32_t (&ph)[2][4], uint32_t (&pl)[2][4])
+/* The tile's online softmax (mla_x.cuh; MASK false: no position of the tile is past a row's
+ * own), o rescaled, the weights as A fragments ph + pl. Past a row's first tiles its max seldom
+ * moves, and a factor of 1 leaves o as it is, so a warp whose factors are all 1 skips the 64
+ * products (2% of this kernel; mla.cu's kernel measured slower with the same skip). */
+template <bool MASK>
+static __device__ __forceinline__ void
+duet__xw_softmax(float (&s)[16], float (&o)[64], int t0, int tg, int p0, int p1, float &m0,
+                 float &m1, float &l0, float &l1, uint32_t (&ph)[2][4], uint32_t (&pl)[2][4])
 {
     float a0, a1;
-    duet__mla_xa_softmax(s, t0, tg, p0, p1, m0, m1, l0, l1, a0, a1);
-    duet__mla_xa_rescale(o, a0, a1);
+    duet__mla_xa_softmax<MASK>(s, t0, tg, p0, p1, m0, m1, l0, l1, a0, a1);
+    if (!__all_sync(0xffffffffu, a0 == 1.0f && a1 == 1.0f))
+        duet__mla_xa_rescale(o, a0, a1);
     duet__mla_xa_p(s, 0, ph[0], pl[0]);
     duet__mla_xa_p(s, 1, ph[1], pl[1]);
 }
@@ -180,7 +202,10 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, duet__xw_shape<TERMS>
         o[i] = 0.0f;
 
     /* Every warp runs every tile (wgmma is the warpgroup's): a warp whose rows all precede a
-     * tile gets every score masked, weights 0 and factors 1. */
+     * tile gets every score masked, weights 0 and factors 1. Tiles before tm lie at or before
+     * every row's position, and need no mask. */
+    const int minp = min(b.p0, b.p1); /* -1: a row past n_rows, every tile masked */
+    const int tm = (int)__reduce_min_sync(0xffffffffu, (unsigned)(minp < 0 ? 0 : (minp + 1) / TK));
     float s[16];
     uint32_t ph[2][4], pl[2][4];
     for (int t = 0; t < n_tiles; t++) {
@@ -197,7 +222,10 @@ __global__ static void __launch_bounds__(DUET__XW_THREADS, duet__xw_shape<TERMS>
         duet__xw_scores<TERMS>(s, qh, ql, st);
         duet__wg_wait<0>();
         duet__wg_fence_operands(s);
-        duet__xw_softmax(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
+        if (t < tm)
+            duet__xw_softmax<false>(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
+        else
+            duet__xw_softmax<true>(s, o, t * TK, tg, b.p0, b.p1, m0, m1, l0, l1, ph, pl);
         duet__xw_pv<TERMS>(o, ph, pl, st);
         duet__wg_wait<0>();
         duet__wg_fence_operands(o);

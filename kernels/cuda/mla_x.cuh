@@ -190,8 +190,10 @@ __device__ static inline void duet__mla_xa_q(const float *q, int64_t ldq, int64_
  * One tile's online softmax over a warp's scores s (2^x units): positions past a row's own (p0
  * for row g, p1 for g + 8; -1 masks every position) are masked, the running max m and this
  * thread's share of the sum l updated, s replaced by the weights, and the factors the row's
- * accumulators must take returned in a0 (row g) and a1 (row g + 8).
+ * accumulators must take returned in a0 (row g) and a1 (row g + 8). MASK false skips the mask,
+ * for a tile the caller knows lies at or before both rows' positions (the same result).
  */
+template <bool MASK = true>
 __device__ static inline void duet__mla_xa_softmax(float (&s)[16], int t0, int tg, int p0, int p1,
                                                    float &m0, float &m1, float &l0, float &l1,
                                                    float &a0, float &a1)
@@ -202,7 +204,7 @@ __device__ static inline void duet__mla_xa_softmax(float (&s)[16], int t0, int t
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int tok = t0 + 8 * i + 2 * tg + (c & 1);
-            if (tok > (c < 2 ? p0 : p1))
+            if (MASK && tok > (c < 2 ? p0 : p1))
                 s[4 * i + c] = -INFINITY;
             if (c < 2)
                 mx0 = fmaxf(mx0, s[4 * i + c]);
