@@ -119,52 +119,58 @@ extern "C" duet_status_t duet_cuda_embed(cudaStream_t stream, float *out, const 
 /* ---- rmsnorm ------------------------------------------------------------------------------- */
 
 /*
- * One block per row. When a != NULL the row of x is first updated in place (x += a), which is
- * what the fused residual + norm needs. Each thread reads and writes only its own elements, so
- * y may be x: the only cross-thread step is the reduction, finished before any write to y.
- * A thread's elements are d = t, t + 256, ... in that order (the sum's order, so the bits). The
- * loads of a pass of DUET__NORM_U of them all go out before the first store: with the stores
- * in between (x += a writes x, and y may be x or a) the compiler could not hoist the next load
- * above a store, and a 2304-wide row cost nine round trips in a row. The output pass batches
- * its loads of w and x the same way (bench/RESULTS.md, "Row norm: a pass of loads before any
- * store").
+ * One block per row. With ADD the row of x is first updated in place (x += a), which is what the
+ * fused residual + norm needs. Each thread reads and writes only its own elements, so y may be
+ * x: the only cross-thread step is the reduction, finished before any write to y. A thread's
+ * elements are d = t, t + 256, ... in that order (the sum's order, so the bits: U, the elements
+ * a thread loads per pass, does not change it). The loads of a pass all go out before the first
+ * store: with the stores in between (x += a writes x, and y may be x or a) the compiler could
+ * not hoist the next load above a store, and a 2304-wide row cost nine round trips in a row
+ * (bench/RESULTS.md, "Row norm: a pass of loads before any store"). A row of at most U · 256
+ * stays in registers for the output pass, w loaded before the PDL wait, and U is the smallest
+ * instance that holds it, so more blocks fit on an SM (bench/RESULTS.md, "Row norm: the row in
+ * registers").
  */
-#ifndef DUET__NORM_U
-#define DUET__NORM_U 12
-#endif
+#define DUET__NORM_U 12 /* the largest instance: wider rows take several passes */
 
-/* One pass's loads, all before any use: p[k] = pp[d] and, with q_on, q[k] = qq[d] for d = d0 +
- * k·step below D (0 elsewhere). */
-__device__ static __forceinline__ void
-duet__norm_pass_load(float (&p)[DUET__NORM_U], const float *pp, float (&q)[DUET__NORM_U],
-                     const float *qq, bool q_on, int64_t d0, int64_t step, int64_t D)
+/* One pass's loads: p[k] = pp[d] for d = d0 + k·step below D (0 elsewhere). */
+template <int U>
+__device__ static __forceinline__ void duet__norm_pass_load(float (&p)[U], const float *pp, int d0,
+                                                            int step, int D)
 {
 #pragma unroll
-    for (int k = 0; k < DUET__NORM_U; k++) {
-        const int64_t d = d0 + k * step;
+    for (int k = 0; k < U; k++) {
+        const int d = d0 + k * step;
         p[k] = d < D ? pp[d] : 0.0f;
-        q[k] = d < D && q_on ? qq[d] : 0.0f;
     }
 }
 
-__global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ldx, const float *a,
-                                     const float *w, int64_t D, float eps)
+/* U < DUET__NORM_U: the launch makes sure a row fits one pass (D <= U · blockDim.x). */
+template <int U, bool ADD>
+__global__ void __launch_bounds__(DUET__ROW_THREADS)
+    duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ldx, const float *a,
+                         const float *w, int D, float eps)
 {
-    const int64_t m = blockIdx.x, step = blockDim.x, pass = DUET__NORM_U * step;
+    const int t = threadIdx.x, step = blockDim.x, pass = U * step;
+    const bool one = U < DUET__NORM_U || D <= pass; /* the whole row in registers */
+    float v[U], u[U], wv[U];
+    if (one)
+        duet__norm_pass_load<U>(wv, w, t, step, D); /* weights: before the wait */
     duet_pdl_wait(); /* inputs come from earlier kernels of the step */
     duet_pdl_trigger();
-    float *xr = x + m * ldx;
-    float *yr = y + m * ldy;
-    const float *ar = a != NULL ? a + m * D : NULL;
+    float *xr = x + (int64_t)blockIdx.x * ldx;
+    float *yr = y + (int64_t)blockIdx.x * ldy;
+    const float *ar = ADD ? a + (int64_t)blockIdx.x * D : NULL;
     double ss = 0.0;
-    for (int64_t d0 = threadIdx.x; d0 < D; d0 += pass) {
-        float v[DUET__NORM_U], u[DUET__NORM_U];
-        duet__norm_pass_load(v, xr, u, ar, ar != NULL, d0, step, D);
+    for (int d0 = t; d0 < D; d0 += pass) {
+        duet__norm_pass_load<U>(v, xr, d0, step, D);
+        if (ADD)
+            duet__norm_pass_load<U>(u, ar, d0, step, D);
 #pragma unroll
-        for (int k = 0; k < DUET__NORM_U; k++) {
-            const int64_t d = d0 + k * step;
+        for (int k = 0; k < U; k++) {
+            const int d = d0 + k * step;
             if (d < D) {
-                if (ar != NULL) {
+                if (ADD) {
                     v[k] = __fadd_rn(v[k], u[k]);
                     xr[d] = v[k];
                 }
@@ -174,49 +180,80 @@ __global__ void duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ld
     }
     ss = duet__block_sum_f64(ss);
     const float scale = duet_rms_scale(ss, (double)D, eps);
-    for (int64_t d0 = threadIdx.x; d0 < D; d0 += pass) {
-        float v[DUET__NORM_U], wv[DUET__NORM_U];
-        duet__norm_pass_load(wv, w, v, xr, true, d0, step, D);
+    if (one) {
 #pragma unroll
-        for (int k = 0; k < DUET__NORM_U; k++) {
-            const int64_t d = d0 + k * step;
+        for (int k = 0; k < U; k++) {
+            const int d = t + k * step;
+            if (d < D)
+                yr[d] = duet_rms_apply(wv[k], v[k], scale);
+        }
+        return;
+    }
+    for (int d0 = t; d0 < D; d0 += pass) {
+        duet__norm_pass_load<U>(wv, w, d0, step, D);
+        duet__norm_pass_load<U>(v, xr, d0, step, D);
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            const int d = d0 + k * step;
             if (d < D)
                 yr[d] = duet_rms_apply(wv[k], v[k], scale);
         }
     }
 }
 
+/* The norm over M rows of D (a != NULL: x += a first), on the smallest instance that holds a
+ * row. */
+static duet_status_t duet__rmsnorm_launch(cudaStream_t stream, float *y, int64_t ldy, float *x,
+                                          int64_t ldx, const float *a, const float *w, int64_t M,
+                                          int64_t D, float eps)
+{
+    const int t = DUET__ROW_THREADS, d = (int)D; /* the callers checked D < 2^31 */
+    const dim3 g((unsigned)M), b((unsigned)t);
+    cudaError_t e;
+    if (d <= 4 * t)
+        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<4, true>, g, b, 0, stream, y, ldy, x,
+                                        ldx, a, w, d, eps)
+                      : duet_pdl_launch(duet__rmsnorm_kernel<4, false>, g, b, 0, stream, y, ldy, x,
+                                        ldx, a, w, d, eps);
+    else if (d <= 9 * t)
+        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<9, true>, g, b, 0, stream, y, ldy, x,
+                                        ldx, a, w, d, eps)
+                      : duet_pdl_launch(duet__rmsnorm_kernel<9, false>, g, b, 0, stream, y, ldy, x,
+                                        ldx, a, w, d, eps);
+    else
+        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<DUET__NORM_U, true>, g, b, 0, stream,
+                                        y, ldy, x, ldx, a, w, d, eps)
+                      : duet_pdl_launch(duet__rmsnorm_kernel<DUET__NORM_U, false>, g, b, 0, stream,
+                                        y, ldy, x, ldx, a, w, d, eps);
+    return duet__launched(e, a != NULL ? "add_rmsnorm kernel launch" : "rmsnorm kernel launch");
+}
+
 extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy,
                                            const float *x, int64_t ldx, const float *w, int64_t M,
                                            int64_t D, float eps)
 {
-    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
+    if (M < 0 || D < 0 || M > 0x7fffffff || D > 0x7fffffff || ldx < D || ldy < D ||
         (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda rmsnorm: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
                               (long long)M, (long long)D, (long long)ldx, (long long)ldy);
     if (M == 0 || D == 0)
         return DUET_OK;
-    /* x is only read when a == NULL; the kernel's x is non-const for the fused variant. */
-    cudaError_t e =
-        duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M), dim3(DUET__ROW_THREADS), 0, stream,
-                        y, ldy, (float *)x, ldx, (const float *)NULL, w, D, eps);
-    return duet__launched(e, "rmsnorm kernel launch");
+    /* x is only read without a; the kernel's x is non-const for the fused variant. */
+    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps);
 }
 
 extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x,
                                                const float *a, const float *w, int64_t M, int64_t D,
                                                float eps)
 {
-    if (M < 0 || D < 0 || M > 0x7fffffff ||
+    if (M < 0 || D < 0 || M > 0x7fffffff || D > 0x7fffffff ||
         (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
         return duet_error_set(DUET_ERR_INVALID, "cuda add_rmsnorm: bad arguments M=%lld D=%lld",
                               (long long)M, (long long)D);
     if (M == 0 || D == 0)
         return DUET_OK;
-    cudaError_t e = duet_pdl_launch(duet__rmsnorm_kernel, dim3((unsigned)M),
-                                    dim3(DUET__ROW_THREADS), 0, stream, y, D, x, D, a, w, D, eps);
-    return duet__launched(e, "add_rmsnorm kernel launch");
+    return duet__rmsnorm_launch(stream, y, D, x, D, a, w, M, D, eps);
 }
 
 /* ---- gated activations --------------------------------------------------------------------- */

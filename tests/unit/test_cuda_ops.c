@@ -179,9 +179,10 @@ Test(cuda_ops, rmsnorm, .timeout = 60)
 {
     skip_without_device();
     duet_kernels_t *cpu = cpu_create();
-    const int64_t Ms[] = {1, 33}, Ds[] = {100, 2304};
+    /* D picks the kernel's instance: 4, 9 or 12 elements per thread, 3500 in two passes */
+    const int64_t Ms[] = {1, 33}, Ds[] = {100, 1536, 2304, 3500};
     for (size_t a = 0; a < 2; a++)
-        for (size_t b = 0; b < 2; b++) {
+        for (size_t b = 0; b < 4; b++) {
             const int64_t M = Ms[a], D = Ds[b], ldx = D + 8, ldy = D + 4;
             const float eps = 1e-6f;
             float *x = xmalloc(sizeof(float) * M * ldx), *w = xmalloc(sizeof(float) * D);
