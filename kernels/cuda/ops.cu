@@ -189,17 +189,33 @@ __global__ void __launch_bounds__(DUET__ROW_THREADS)
         }
         return;
     }
-    for (int d0 = t; d0 < D; d0 += pass) {
-        duet__norm_pass_load<U>(wv, w, d0, step, D);
-        duet__norm_pass_load<U>(v, xr, d0, step, D);
+    if constexpr (U == DUET__NORM_U) /* only the largest instance takes rows of several passes */
+        for (int d0 = t; d0 < D; d0 += pass) {
+            duet__norm_pass_load<U>(wv, w, d0, step, D);
+            duet__norm_pass_load<U>(v, xr, d0, step, D);
 #pragma unroll
-        for (int k = 0; k < U; k++) {
-            const int d = d0 + k * step;
-            if (d < D)
-                yr[d] = duet_rms_apply(wv[k], v[k], scale);
+            for (int k = 0; k < U; k++) {
+                const int d = d0 + k * step;
+                if (d < D)
+                    yr[d] = duet_rms_apply(wv[k], v[k], scale);
+            }
         }
-    }
 }
+
+/* Instance U of the kernel, with or without a. */
+template <int U>
+static cudaError_t duet__rmsnorm_as(cudaStream_t stream, dim3 g, float *y, int64_t ldy, float *x,
+                                    int64_t ldx, const float *a, const float *w, int D, float eps)
+{
+    const dim3 b(DUET__ROW_THREADS);
+    return a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<U, true>, g, b, 0, stream, y, ldy, x,
+                                       ldx, a, w, D, eps)
+                     : duet_pdl_launch(duet__rmsnorm_kernel<U, false>, g, b, 0, stream, y, ldy, x,
+                                       ldx, a, w, D, eps);
+}
+
+/* The widest row the kernel takes: an index plus one pass stays below 2^31. */
+#define DUET__NORM_MAX_D (0x7fffffff - DUET__NORM_U * DUET__ROW_THREADS)
 
 /* The norm over M rows of D (a != NULL: x += a first), on the smallest instance that holds a
  * row. */
@@ -207,24 +223,16 @@ static duet_status_t duet__rmsnorm_launch(cudaStream_t stream, float *y, int64_t
                                           int64_t ldx, const float *a, const float *w, int64_t M,
                                           int64_t D, float eps)
 {
-    const int t = DUET__ROW_THREADS, d = (int)D; /* the callers checked D < 2^31 */
-    const dim3 g((unsigned)M), b((unsigned)t);
-    cudaError_t e;
-    if (d <= 4 * t)
-        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<4, true>, g, b, 0, stream, y, ldy, x,
-                                        ldx, a, w, d, eps)
-                      : duet_pdl_launch(duet__rmsnorm_kernel<4, false>, g, b, 0, stream, y, ldy, x,
-                                        ldx, a, w, d, eps);
-    else if (d <= 9 * t)
-        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<9, true>, g, b, 0, stream, y, ldy, x,
-                                        ldx, a, w, d, eps)
-                      : duet_pdl_launch(duet__rmsnorm_kernel<9, false>, g, b, 0, stream, y, ldy, x,
-                                        ldx, a, w, d, eps);
-    else
-        e = a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<DUET__NORM_U, true>, g, b, 0, stream,
-                                        y, ldy, x, ldx, a, w, d, eps)
-                      : duet_pdl_launch(duet__rmsnorm_kernel<DUET__NORM_U, false>, g, b, 0, stream,
-                                        y, ldy, x, ldx, a, w, d, eps);
+    if (D > DUET__NORM_MAX_D)
+        return duet_error_set(DUET_ERR_RANGE, "cuda %s: rows of D=%lld (at most %d)",
+                              a != NULL ? "add_rmsnorm" : "rmsnorm", (long long)D,
+                              DUET__NORM_MAX_D);
+    const int t = DUET__ROW_THREADS, d = (int)D;
+    const dim3 g((unsigned)M);
+    const cudaError_t e =
+        d <= 4 * t   ? duet__rmsnorm_as<4>(stream, g, y, ldy, x, ldx, a, w, d, eps)
+        : d <= 9 * t ? duet__rmsnorm_as<9>(stream, g, y, ldy, x, ldx, a, w, d, eps)
+                     : duet__rmsnorm_as<DUET__NORM_U>(stream, g, y, ldy, x, ldx, a, w, d, eps);
     return duet__launched(e, a != NULL ? "add_rmsnorm kernel launch" : "rmsnorm kernel launch");
 }
 
@@ -232,7 +240,7 @@ extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_
                                            const float *x, int64_t ldx, const float *w, int64_t M,
                                            int64_t D, float eps)
 {
-    if (M < 0 || D < 0 || M > 0x7fffffff || D > 0x7fffffff || ldx < D || ldy < D ||
+    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
         (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda rmsnorm: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
@@ -247,7 +255,7 @@ extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, fl
                                                const float *a, const float *w, int64_t M, int64_t D,
                                                float eps)
 {
-    if (M < 0 || D < 0 || M > 0x7fffffff || D > 0x7fffffff ||
+    if (M < 0 || D < 0 || M > 0x7fffffff ||
         (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
         return duet_error_set(DUET_ERR_INVALID, "cuda add_rmsnorm: bad arguments M=%lld D=%lld",
                               (long long)M, (long long)D);

@@ -235,6 +235,28 @@ Test(cuda_ops, rmsnorm, .timeout = 60)
     duet_kernels_destroy(cpu);
 }
 
+/* The norms refuse what they cannot run before touching the device (no device needed): missing
+ * rows or weights, strides below D, and rows wider than the kernel's 32-bit indices take. */
+Test(cuda_ops, rmsnorm_bad_arguments, .timeout = 30)
+{
+    float f[8] = {0};
+    CHECK(duet_cuda_rmsnorm(0, f, 4, f, 3, f, 1, 4, 1e-6f) == DUET_ERR_INVALID, "ldx < D");
+    CHECK(duet_cuda_rmsnorm(0, f, 3, f, 4, f, 1, 4, 1e-6f) == DUET_ERR_INVALID, "ldy < D");
+    CHECK(duet_cuda_rmsnorm(0, f, 4, f, 4, NULL, 1, 4, 1e-6f) == DUET_ERR_INVALID, "no w");
+    CHECK(duet_cuda_rmsnorm(0, f, 4, f, 4, f, -1, 4, 1e-6f) == DUET_ERR_INVALID, "M < 0");
+    CHECK(duet_cuda_add_rmsnorm(0, NULL, f, f, f, 1, 4, 1e-6f) == DUET_ERR_INVALID, "no y");
+    const int64_t wide = (int64_t)1 << 31; /* 2^31 values in a row */
+    const duet_status_t st = duet_cuda_rmsnorm(0, f, wide, f, wide, f, 1, wide, 1e-6f);
+    printf("[cuda_ops] rmsnorm refuses a row of 2^31: %s (%s)\n", duet_status_name(st),
+           duet_error_last());
+    CHECK(st == DUET_ERR_RANGE && strstr(duet_error_last(), "cuda rmsnorm") != NULL,
+          "a row of 2^31: %s", duet_status_name(st));
+    CHECK(duet_cuda_add_rmsnorm(0, f, f, f, f, 1, 0x7fffffff, 1e-6f) == DUET_ERR_RANGE &&
+              strstr(duet_error_last(), "cuda add_rmsnorm") != NULL,
+          "add: a row of 2^31 - 1");
+    CHECK(duet_cuda_rmsnorm(0, f, 4, f, 4, f, 0, 4, 1e-6f) == DUET_OK, "no rows: nothing");
+}
+
 /* x += a is one fp32 addition on both sides (bit-equal); y as for rmsnorm. */
 Test(cuda_ops, add_rmsnorm, .timeout = 60)
 {
