@@ -13,6 +13,7 @@
 #include <jansson.h>
 #include <netinet/in.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -547,6 +548,18 @@ Test(admin, drain_wait_answers_when_the_worker_goes_idle, .timeout = 30)
     ah_start();
     double t0 = mono_ms();
     int fd = request_fd("POST", "/admin/workers/gen-0/drain?wait=1", AUTH, NULL, 0);
+    /* The router's wait (waited_ms) starts when it handles the drain, which a loaded machine
+     * may reach tens of ms after the request left: the 300 ms start once gen-0 shows it. */
+    for (int i = 0, draining = 0; i < 400 && !draining; i++) {
+        reply_t w;
+        call("GET", "/admin/workers", NULL, &w);
+        const char *st = json_string_value(
+            json_object_get(json_array_get(json_object_get(w.json, "workers"), 0), "state"));
+        draining = st != NULL && strcmp(st, "draining") == 0;
+        reply_free(&w);
+        if (!draining)
+            sleep_ms(5);
+    }
     sleep_ms(300);
     ah_make_idle("gen-0");
     reply_t r;
