@@ -155,7 +155,9 @@ typedef struct {
     duet__dmla_t mla;
     duet__dmlp_t mlp; /* dense FFN, or the shared expert of a MoE layer */
     int has_shared;
-    duet_tensor_t router; /* (E, D) fp32 */
+    duet_tensor_t router;    /* (E, D) fp32 */
+    duet_tensor_t router_bf; /* the same as BF16 when every value is a bf16 value, else no data:
+                              * the prefill router's split form (cuda_gemm.h, w_bf16) */
     float *router_bias;
     duet_cuda_experts_t ex;
 } duet__dlayer_t;
@@ -400,6 +402,23 @@ static duet_status_t duet__weight(duet_cuda_model_t *dm, int from_host, duet_dty
     return DUET_OK;
 }
 
+/* Whether every value of host tensor t is a bf16 value (BF16, or F32 with its low 16 bits 0). */
+static int duet__bf16_valued(const duet_tensor_t *t)
+{
+    if (t == NULL || t->data == NULL)
+        return 0;
+    if (t->dtype == DUET_DTYPE_BF16)
+        return 1;
+    if (t->dtype != DUET_DTYPE_F32)
+        return 0;
+    const uint32_t *u = t->data;
+    const int64_t n = duet_tensor_numel(t);
+    for (int64_t i = 0; i < n; i++)
+        if (u[i] & 0xffffu)
+            return 0;
+    return 1;
+}
+
 /* An fp32 vector: from host fp32 values, from a host tensor, or constant / random. */
 static duet_status_t duet__vec(duet_cuda_model_t *dm, const float *host_f32,
                                const duet_tensor_t *host_t, int64_t n, uint64_t *seed, float scale,
@@ -516,6 +535,16 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l, const
         const int64_t E = c->n_experts, I = c->moe_intermediate;
         const duet_tensor_t *rg = mw ? &mw->gate : NULL;
         TRY(duet__weight(dm, fh, DUET_DTYPE_F32, &rg, 1, E, D, seed, &d->router));
+        /* The checkpoints store the router in bf16 (and random weights mirror them): its values
+         * are then bf16 values, which the prefill router multiplies on the tensor cores. */
+        if (!fh)
+            TRY(duet_cuda_round_bf16(dm->stream, d->router.data, E * D));
+        if (!fh || duet__bf16_valued(rg)) {
+            int64_t s_r[2] = {E, D};
+            TRY(duet__dtensor(dm, DUET_DTYPE_BF16, 2, s_r, &d->router_bf));
+            TRY(duet_cuda_convert_from_f32(d->router_bf.data, DUET_DTYPE_BF16, d->router.data, D, E,
+                                           D, dm->stream));
+        }
         TRY(duet__vec(dm, lf ? lf->moe_bias : NULL, NULL, E, seed, 0.0f, 0.0f, &d->router_bias));
         /* experts contiguous: w1, w3 [E][I][D], w2 [E][D][I] */
         duet_tensor_t t1, t3, t2;
@@ -985,7 +1014,13 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
         for (size_t i = 0; i < sizeof(cand) / sizeof(cand[0]); i++)
             if (cand[i] > width)
                 width = cand[i];
-        STEP(duet_cuda_gemm_create(0, dm->wdt == DUET_DTYPE_F32 ? 0 : dm->T * width, &dm->gemm));
+        /* the router's split x (three bf16 terms per value), in either compute dtype */
+        const int64_t split = cfg->n_experts > 0 ? 3 * D : 0;
+        if (dm->wdt == DUET_DTYPE_F32)
+            width = split;
+        else if (split > width)
+            width = split;
+        STEP(duet_cuda_gemm_create(0, dm->T * width, &dm->gemm));
     }
 
     uint64_t s = bm->seed;
@@ -1447,7 +1482,13 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         /* the router and the shared expert's gate|up read the same xn: one launch at decode
          * sizes */
         const duet_cuda_gemm_op_t ops[2] = {
-            {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router}, sgu};
+            {.y = dm->router,
+             .ldy = E,
+             .x = dm->xn,
+             .ldx = D,
+             .w = &w->router,
+             .w_bf16 = w->router_bf.data != NULL ? &w->router_bf : NULL},
+            sgu};
         const int n_ops = w->has_shared && !fold ? 2 : 1;
         TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, n_ops,
                                       n_ops == 2 ? dm->gemm_flags : 0));

@@ -115,7 +115,21 @@ typedef struct {
     int64_t ldx;
     const duet_tensor_t *w;
     int accumulate;
+    /* Optional (NULL: none), for an F32 w whose every value is a bf16 value: the same matrix
+     * as a BF16 tensor. A call of at least DUET_CUDA_GEMM_SPLIT_ROWS rows that would run
+     * cuBLASLt's fp32 GEMM (K % 8 == 0, 16-byte aligned x rows, 3·M·K within max_x_elems)
+     * instead splits x into three bf16 terms, x = x0 + x1 + x2 exactly (for |x| >= 2^-110: below,
+     * bf16's subnormals drop bits), and multiplies w_bf16 by each on the tensor cores with fp32
+     * accumulation, the smallest term first: every product is exact, so the result is an fp32 sum
+     * of the same products as the F32 GEMM's, in another order and at the BF16 rate. x0 is x
+     * rounded as for a BF16 weight, so a BF16 op of the same x in the same multi call reads
+     * it without converting again. */
+    const duet_tensor_t *w_bf16;
 } duet_cuda_gemm_op_t;
+/* Rows from which an op with w_bf16 takes the split form (DUET_CUDA_GEMM_SPLIT_ROWS=R in the
+ * environment, read once, moves it; R = 0 turns the form off): below it the F32 weight's own
+ * paths. */
+#define DUET_CUDA_GEMM_SPLIT_ROWS 1024
 duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                           const duet_cuda_gemm_op_t *ops, int n_ops,
                                           unsigned flags);
@@ -195,6 +209,10 @@ duet_status_t duet_cuda_gemm_profile(duet_cuda_gemm_t *g, cudaStream_t stream, d
 /* Free the operands duet_cuda_gemm_profile allocated (after tuning; a later profile makes them
  * again). Synchronises the device. */
 void duet_cuda_gemm_profile_free(duet_cuda_gemm_t *g);
+
+/* Test hook: how many split-form products (duet_cuda_gemm_op_t's w_bf16) this process has
+ * queued, on any handle. */
+int64_t duet_cuda_gemm_split_count(void);
 
 /* Test hook: the algorithm index (0 .. DUET_CUDA_GEMM_TACTICS - 1) the last cuBLASLt call of `g`
  * ran (profiling excluded), -1 before any. */

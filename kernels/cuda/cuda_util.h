@@ -25,6 +25,10 @@ duet_status_t duet_cuda_fill_random(cudaStream_t stream, void *p, duet_dtype_t d
 duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, const float *src, int64_t D,
                                     const int32_t *rows, int64_t n);
 
+/* p[i] = (float)bf16(p[i]) for i < n, rounded to nearest even, in place: fp32 values that a
+ * bf16 tensor holds exactly (random weights shaped like a checkpoint's bf16 ones). */
+duet_status_t duet_cuda_round_bf16(cudaStream_t stream, float *p, int64_t n);
+
 /* p[i] = -exp(p[i]) for i < n, fp32 in place (A_log → -A, as the CPU path prepares it). */
 duet_status_t duet_cuda_neg_exp(cudaStream_t stream, float *p, int64_t n);
 

@@ -107,6 +107,22 @@ extern "C" duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, 
     return DUET_OK;
 }
 
+__global__ static void duet__round_bf16_kernel(float *p, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        p[i] = __bfloat162float(__float2bfloat16_rn(p[i]));
+}
+
+extern "C" duet_status_t duet_cuda_round_bf16(cudaStream_t stream, float *p, int64_t n)
+{
+    if (n <= 0)
+        return DUET_OK;
+    duet__round_bf16_kernel<<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
+    DUET__TRY(cudaGetLastError(), "round_bf16 launch");
+    return DUET_OK;
+}
+
 __global__ static void duet__neg_exp_kernel(float *p, int64_t n)
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;

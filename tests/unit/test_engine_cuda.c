@@ -32,6 +32,7 @@
 #include "engine/model.h"
 #include "engine/backend_cuda.h"
 #include "engine/sampler.h"
+#include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_util.h"
 
 #include "device_probe.h"
@@ -353,9 +354,8 @@ Test(engine_cuda, device_usable_agrees_with_count)
     cr_assert_eq(duet_cuda_device_usable(NULL, 0), ok, "the answer without a buffer differs");
 }
 
-Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
+static void f32_vs_references(void)
 {
-    need_gpu();
     fixture_t fx[MAX_FIXTURES];
     int n = load_fixtures(fx, MAX_FIXTURES);
     cr_assert_geq(n, 5, "expected the 5 committed fixtures, found %d", n);
@@ -393,11 +393,16 @@ Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
     free_fixtures(fx, n);
 }
 
-/* With an fp32 KV pool and with a bf16 one (the 48B benchmark's configuration: MLA attention
- * then runs on the tensor cores, cuda_mla.h). */
-Test(engine_cuda, bf16_within_transformers_bf16_error, .timeout = 600)
+Test(engine_cuda, f32_matches_transformers_and_cpu, .timeout = 600)
 {
     need_gpu();
+    f32_vs_references();
+}
+
+/* With an fp32 KV pool and with a bf16 one (the 48B benchmark's configuration: MLA attention
+ * then runs on the tensor cores, cuda_mla.h). */
+static void bf16_vs_transformers(void)
+{
     fixture_t fx[MAX_FIXTURES];
     int n = load_fixtures(fx, MAX_FIXTURES), checked = 0;
     for (int i = 0; i < 2 * n; i++) {
@@ -425,6 +430,31 @@ Test(engine_cuda, bf16_within_transformers_bf16_error, .timeout = 600)
     }
     cr_assert_geq(checked, 1, "no fixture has a transformers bf16 run");
     free_fixtures(fx, n);
+}
+
+Test(engine_cuda, bf16_within_transformers_bf16_error, .timeout = 600)
+{
+    need_gpu();
+    bf16_vs_transformers();
+}
+
+/* The router's split form (cuda_gemm.h, w_bf16) from the first row instead of from
+ * DUET_CUDA_GEMM_SPLIT_ROWS, so that the fixtures' prompts take it: the f32 and bf16 bounds
+ * above hold as they are (a router off by x's bf16 rounding would route some rows otherwise
+ * and miss the f32 ones), and the fixtures whose routers are bf16 values did take it. */
+Test(engine_cuda, split_router_keeps_the_bounds, .timeout = 900)
+{
+    need_gpu();
+    cr_assert_eq(setenv("DUET_CUDA_GEMM_SPLIT_ROWS", "1", 1), 0);
+    const int64_t before = duet_cuda_gemm_split_count();
+    f32_vs_references();
+    const int64_t f32_calls = duet_cuda_gemm_split_count() - before;
+    bf16_vs_transformers();
+    const int64_t bf16_calls = duet_cuda_gemm_split_count() - before - f32_calls;
+    printf("split router: %lld products under f32 compute, %lld under bf16\n", (long long)f32_calls,
+           (long long)bf16_calls);
+    cr_expect_gt(f32_calls, 0, "no f32-compute prefill took the split router");
+    cr_expect_gt(bf16_calls, 0, "no bf16-compute prefill took the split router");
 }
 
 /* --dtype auto on the GPU: the checkpoint's dtype (the bf16 fixtures, those with a transformers
