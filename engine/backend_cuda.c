@@ -232,6 +232,7 @@ struct duet_cuda_model {
     int *route_sync;      /* duet_cuda_moe_router_route's (DUET_CUDA_ROUTER_SYNC_INTS(E)) */
     int32_t *token_out_h; /* pinned */
     void *kda_scratch, *mla_scratch, *moe_scratch, *sample_scratch, *argmax_scratch;
+    void *xsplit; /* [3][T][D] bf16: xn's planes for the router's split form (NULL: none) */
     size_t mla_scratch_bytes;
     /* the expanded MLA form for long prefill chunks (duet__mla_x_step): on when the shapes
      * allow it; xkv holds xcap positions of every head = max(T, min(max_seq_len,
@@ -665,6 +666,8 @@ static duet_status_t duet__alloc_workspace(duet_cuda_model_t *dm)
         CU(cudaMemsetAsync(dm->route_sync, 0, sync_bytes, dm->stream), "router sync");
         TRY(duet__dalloc(dm, duet_cuda_moe_scratch_bytes(T, TK, E, c->moe_intermediate, D),
                          &dm->moe_scratch));
+        if (duet_cuda_gemm_split_pays(T, D, 0)) /* the router's split x (duet__moe_layer) */
+            TRY(duet__dalloc(dm, 3 * sizeof(uint16_t) * (size_t)(T * D), &dm->xsplit));
     }
     /* logits: as many rows as fit in 1 GiB, at least one per sequence of a bucket */
     int64_t cap = ((int64_t)1 << 28) / (V > 0 ? V : 1);
@@ -1014,13 +1017,7 @@ static duet_status_t duet__cuda_create(const duet_backend_model_t *bm, duet_back
         for (size_t i = 0; i < sizeof(cand) / sizeof(cand[0]); i++)
             if (cand[i] > width)
                 width = cand[i];
-        /* the router's split x (three bf16 terms per value), in either compute dtype */
-        const int64_t split = cfg->n_experts > 0 ? 3 * D : 0;
-        if (dm->wdt == DUET_DTYPE_F32)
-            width = split;
-        else if (split > width)
-            width = split;
-        STEP(duet_cuda_gemm_create(0, dm->T * width, &dm->gemm));
+        STEP(duet_cuda_gemm_create(0, dm->wdt == DUET_DTYPE_F32 ? 0 : dm->T * width, &dm->gemm));
     }
 
     uint64_t s = bm->seed;
@@ -1480,18 +1477,25 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         }
     } else {
         /* the router and the shared expert's gate|up read the same xn: one launch at decode
-         * sizes */
-        const duet_cuda_gemm_op_t ops[2] = {
-            {.y = dm->router,
-             .ldy = E,
-             .x = dm->xn,
-             .ldx = D,
-             .w = &w->router,
-             .w_bf16 = w->router_bf.data != NULL ? &w->router_bf : NULL},
-            sgu};
+         * sizes. From DUET_CUDA_GEMM_SPLIT_ROWS rows, a router of bf16 values takes xn's split
+         * form on the tensor cores, whose plane 0 (xn rounded to bf16) the shared expert's
+         * gate|up and the experts read too (cuda_gemm.h). */
         const int n_ops = w->has_shared && !fold ? 2 : 1;
-        TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, n_ops,
-                                      n_ops == 2 ? dm->gemm_flags : 0));
+        const unsigned flags = n_ops == 2 ? dm->gemm_flags : 0;
+        const int split = w->router_bf.data != NULL && dm->xsplit != NULL && nrm->y == dm->xn &&
+                          nrm->ldy == D && duet_cuda_gemm_split_pays(T, D, flags);
+        duet_cuda_gemm_op_t ops[2] = {
+            {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router}, sgu};
+        if (split) {
+            TRY(duet_cuda_rmsnorm(s, nrm->y, nrm->ldy, nrm->x, nrm->ldx, nrm->w, T, D, nrm->eps));
+            TRY(duet_cuda_gemm_split_x(dm->xsplit, dm->xn, D, T, D, s));
+            ops[0].xs = ops[1].xs = dm->xsplit;
+            ops[0].w_bf16 = &w->router_bf;
+            ex.xb = dm->xsplit;
+            TRY(duet_cuda_gemm_matmul_multi(dm->gemm, s, T, ops, n_ops, flags));
+        } else {
+            TRY(duet_cuda_gemm_norm_multi(dm->gemm, s, T, nrm, ops, n_ops, flags));
+        }
         TRY(duet_cuda_moe_route(s, dm->router, w->router_bias, T, E, G, c->topk_group, c->top_k,
                                 c->moe_renormalize, c->routed_scaling_factor, dm->topk_idx,
                                 dm->topk_w));

@@ -115,24 +115,39 @@ typedef struct {
     int64_t ldx;
     const duet_tensor_t *w;
     int accumulate;
+    /* Optional (NULL: none): x already rounded / split by duet_cuda_gemm_split_x (its three
+     * planes, [3][M][K] bf16, K = w's columns). Where the op reaches cuBLASLt (not the GEMV
+     * paths of a few rows, which keep x in fp32), a BF16 w reads plane 0 (x rounded as the
+     * call would round it) instead of converting x, and an F32 w with w_bf16 takes the split
+     * form. */
+    const void *xs;
     /* Optional (NULL: none), for an F32 w whose every value is a bf16 value: the same matrix
-     * as a BF16 tensor. A call of at least DUET_CUDA_GEMM_SPLIT_ROWS rows that would run
-     * cuBLASLt's fp32 GEMM (K % 8 == 0, 16-byte aligned x rows, 3·M·K within max_x_elems)
-     * instead splits x into three bf16 terms, x = x0 + x1 + x2 exactly (for |x| >= 2^-110: below,
-     * bf16's subnormals drop bits), and multiplies w_bf16 by each on the tensor cores with fp32
-     * accumulation, the smallest term first: every product is exact, so the result is an fp32 sum
-     * of the same products as the F32 GEMM's, in another order and at the BF16 rate. x0 is x
-     * rounded as for a BF16 weight, so a BF16 op of the same x in the same multi call reads
-     * it without converting again. */
+     * as a BF16 tensor. With xs, and TF32 not asked for, the product is w_bf16 times each
+     * plane on the tensor cores with fp32 accumulation, the smallest term first: every product
+     * is exact, so the result is an fp32 sum of the same products as the F32 GEMM's, in
+     * another order and at the BF16 rate. Without xs the F32 weight's own paths. */
     const duet_tensor_t *w_bf16;
 } duet_cuda_gemm_op_t;
-/* Rows from which an op with w_bf16 takes the split form (DUET_CUDA_GEMM_SPLIT_ROWS=R in the
- * environment, read once, moves it; R = 0 turns the form off): below it the F32 weight's own
- * paths. */
-#define DUET_CUDA_GEMM_SPLIT_ROWS 1024
 duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                           const duet_cuda_gemm_op_t *ops, int n_ops,
                                           unsigned flags);
+
+/*
+ * x[M, K] (rows ldx apart) as three bf16 planes at xs, [3][M][K] contiguous: x0 = bf16(x) (the
+ * rounding duet_cuda_convert_from_f32 does), x1 = bf16(x − x0), x2 = bf16(x − x0 − x1), each to
+ * nearest even. x = x0 + x1 + x2 exactly for |x| >= 2^-110 (below, bf16's subnormals drop bits):
+ * both differences are exact in fp32 and x − x0 spans at most 16 bits. Needs K % 8 == 0, ldx % 4
+ * == 0 and 16-byte aligned x and xs (DUET_ERR_INVALID otherwise). Queued on `stream`.
+ */
+duet_status_t duet_cuda_gemm_split_x(void *xs, const float *x, int64_t ldx, int64_t M, int64_t K,
+                                     cudaStream_t stream);
+/* Rows from which splitting x for an op's w_bf16 pays (DUET_CUDA_GEMM_SPLIT_ROWS=R in the
+ * environment, read once, moves it; R = 0: never): below it the F32 weight's own paths cost
+ * less than the split and three GEMMs. */
+#define DUET_CUDA_GEMM_SPLIT_ROWS 1024
+/* Whether a caller should split x of M rows and K columns for an op with w_bf16 and `flags`:
+ * M reaches the rows above, K % 8 == 0 and TF32 is not asked for. */
+int duet_cuda_gemm_split_pays(int64_t M, int64_t K, unsigned flags);
 
 /*
  * RMSNorm fused in front of a multi call: norm->y[m] = RMSNorm(norm->x[m]) ⊙ norm->w for m < M,

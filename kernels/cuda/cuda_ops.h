@@ -87,6 +87,10 @@ typedef struct {
      * PDL, beside the router kernel). The caller guarantees x is that row. */
     const float *norm_x, *norm_w;
     float norm_eps;
+    /* Optional (NULL: none): the call's x already rounded to bf16, [T][D] contiguous, as
+     * duet_cuda_gemm_split_x's plane 0 holds it. The MMA path then reads it instead of
+     * rounding x itself (the same values); the GEMV path keeps reading x. */
+    const void *xb;
 } duet_cuda_experts_t;
 
 /*

@@ -158,26 +158,19 @@ __global__ void duet__convert8_kernel(T *dst, const float *src, int64_t ld_src, 
     }
 }
 
-/*
- * x as three bf16 terms for an op's w_bf16 (cuda_gemm.h): dst row m is [x0 | x1 | x2], 3·K
- * elements, x0 = bf16(x), x1 = bf16(x − x0), x2 = bf16(x − x0 − x1), each rounded to nearest
- * even. Both differences are exact in fp32 (a residual of rounding to fewer bits), x − x0 spans
- * at most the 16 bits below x0's and x − x0 − x1 at most 8, so x2 holds the rest exactly and
- * x = x0 + x1 + x2 (above bf16's subnormals). Same access pattern as duet__convert8_kernel
- * (K, ld_src and the pointers multiples of 8 elements / 16 bytes); x0 is that kernel's value.
- */
-__global__ void duet__split3_kernel(__nv_bfloat16 *dst, const float *src, int64_t ld_src, int64_t M,
+/* duet_cuda_gemm_split_x's kernel: plane t of xs gets term t (cuda_gemm.h says why the three
+ * sum to x exactly). Same access pattern as duet__convert8_kernel, whose value plane 0 is. */
+__global__ void duet__split3_kernel(__nv_bfloat16 *xs, const float *x, int64_t ldx, int64_t M,
                                     int64_t K8)
 {
-    duet_pdl_wait(); /* src, and the staging buffer the previous GEMM read */
+    duet_pdl_wait(); /* x, and the planes the previous GEMM read */
     duet_pdl_trigger();
-    const int64_t n = M * K8, stride = (int64_t)gridDim.x * blockDim.x, K = K8 * 8;
+    const int64_t n = M * K8, stride = (int64_t)gridDim.x * blockDim.x, plane = n * 8;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const int64_t m = i / K8, k = (i - m * K8) * 8;
-        const float4 a = *reinterpret_cast<const float4 *>(src + m * ld_src + k);
-        const float4 b = *reinterpret_cast<const float4 *>(src + m * ld_src + k + 4);
+        const float4 a = *reinterpret_cast<const float4 *>(x + m * ldx + k);
+        const float4 b = *reinterpret_cast<const float4 *>(x + m * ldx + k + 4);
         float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        __nv_bfloat16 *row = dst + m * 3 * K + k;
 #pragma unroll
         for (int t = 0; t < 3; t++) {
             union {
@@ -189,21 +182,30 @@ __global__ void duet__split3_kernel(__nv_bfloat16 *dst, const float *src, int64_
                 o.h[j] = __float2bfloat16_rn(r[j]);
                 r[j] -= __bfloat162float(o.h[j]);
             }
-            *reinterpret_cast<uint4 *>(row + t * K) = o.u;
+            *reinterpret_cast<uint4 *>(xs + t * plane + i * 8) = o.u;
         }
     }
 }
 
-/* Launch duet__split3_kernel over M rows of K (checked by the caller) into dst. */
-static duet_status_t duet__split3(__nv_bfloat16 *dst, const float *src, int64_t ld_src, int64_t M,
-                                  int64_t K, cudaStream_t stream)
+extern "C" duet_status_t duet_cuda_gemm_split_x(void *xs, const float *x, int64_t ldx, int64_t M,
+                                                int64_t K, cudaStream_t stream)
 {
+    if (M < 0 || K < 0 || ldx < K || K % 8 != 0 || ldx % 4 != 0 ||
+        (M > 0 && K > 0 &&
+         (xs == NULL || x == NULL || ((uintptr_t)xs & 15u) || ((uintptr_t)x & 15u))))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda gemm split_x: M=%lld K=%lld ldx=%lld (K and ldx multiples of "
+                              "8 and 4, 16-byte aligned x and xs)",
+                              (long long)M, (long long)K, (long long)ldx);
+    if (M == 0 || K == 0)
+        return DUET_OK;
     const int64_t n = M * (K / 8), per_block = 256;
     const int sms = duet_cuda_sm_count();
     int64_t blocks = (n + per_block - 1) / per_block, cap = (int64_t)(sms > 0 ? sms : 16) * 8;
     blocks = blocks < cap ? blocks : cap;
     DUET__TRY(duet_pdl_launch(duet__split3_kernel, dim3((unsigned)blocks),
-                              dim3((unsigned)per_block), 0, stream, dst, src, ld_src, M, K / 8),
+                              dim3((unsigned)per_block), 0, stream, (__nv_bfloat16 *)xs, x, ldx, M,
+                              K / 8),
               "split kernel launch");
     return DUET_OK;
 }
@@ -1361,17 +1363,10 @@ static int64_t duet__split_rows(void)
     return rows;
 }
 
-/* Whether an F32-weight product of M rows that reaches cuBLASLt takes the split form with wb
- * (cuda_gemm.h, duet_cuda_gemm_op_t's w_bf16). */
-static int duet__split_fits(const duet_cuda_gemm_t *g, const float *x, int64_t ldx, int64_t M,
-                            const duet_tensor_t *w, const duet_tensor_t *wb, unsigned flags)
+extern "C" int duet_cuda_gemm_split_pays(int64_t M, int64_t K, unsigned flags)
 {
     const int64_t rows = duet__split_rows();
-    return wb != NULL && w->dtype == DUET_DTYPE_F32 && !(flags & DUET_CUDA_GEMM_TF32) && rows > 0 &&
-           M >= rows && wb->dtype == DUET_DTYPE_BF16 && wb->ndim == 2 &&
-           wb->device == DUET_DEVICE_CUDA && wb->data != NULL && wb->shape[0] == w->shape[0] &&
-           wb->shape[1] == w->shape[1] && w->shape[1] % 8 == 0 && ldx % 4 == 0 &&
-           ((uintptr_t)x & 15u) == 0 && 3 * M * w->shape[1] <= g->stage_elems && DUET_CONVERT8;
+    return rows > 0 && M >= rows && K > 0 && K % 8 == 0 && !(flags & DUET_CUDA_GEMM_TF32);
 }
 
 static int64_t duet__split_count; /* duet_cuda_gemm_split_count (host threads: a test hook) */
@@ -1381,24 +1376,21 @@ extern "C" int64_t duet_cuda_gemm_split_count(void)
     return __atomic_load_n(&duet__split_count, __ATOMIC_RELAXED);
 }
 
-/* What the staging holds for a multi call's ops on one x (duet__matmul's `staged`). */
-enum { DUET__STAGED_NONE, DUET__STAGED_PLAIN, DUET__STAGED_SPLIT };
-
 /*
- * duet_cuda_gemm_matmul. Where the product takes cuBLASLt with a 16-bit W it reads x from the
- * staging in W's dtype: converted here, or, with `staged` PLAIN, left there by the caller's
- * earlier call on the same x (rows, stride, dtype and K), or, with `staged` SPLIT, as the x0
- * term of an earlier split of it (BF16 W only). An F32 W with a BF16 twin wb that fits
- * (duet__split_fits) takes the split form, converting x unless `staged` is SPLIT. *converted
- * (may be NULL) says what this call left in the staging (DUET__STAGED_NONE: nothing new).
+ * duet_cuda_gemm_matmul and one op of a multi call. Where the product takes cuBLASLt with a
+ * 16-bit W it reads x from the staging in W's dtype: converted here, or, with `staged` set, left
+ * there by the caller's earlier call on the same x (rows, stride, dtype and K), or from plane 0
+ * of xs (BF16 W). An F32 W with its BF16 twin wb and the planes xs takes the split form (unless
+ * TF32 is asked for). The GEMV paths of a few rows keep x in fp32 and read neither. *converted
+ * (may be NULL) says whether this call wrote the staging.
  */
 static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y, int64_t ldy,
                                   const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w,
-                                  const duet_tensor_t *wb, int accumulate, unsigned flags,
-                                  int staged, int *converted)
+                                  const void *xs, const duet_tensor_t *wb, int accumulate,
+                                  unsigned flags, int staged, int *converted)
 {
     if (converted != NULL)
-        *converted = DUET__STAGED_NONE;
+        *converted = 0;
     if (g == NULL)
         return duet_error_set(DUET_ERR_INVALID, "cuda gemm: NULL handle");
     duet_status_t st = duet__check_w(w, M, ldx, ldy, x, y);
@@ -1411,19 +1403,16 @@ static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, floa
     if (duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K))
         return duet__gemv_one(1, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
                               accumulate);
-    if (w->dtype == DUET_DTYPE_F32 && duet__split_fits(g, x, ldx, M, w, wb, flags)) {
-        __nv_bfloat16 *xs = (__nv_bfloat16 *)g->stage;
-        if (staged != DUET__STAGED_SPLIT) {
-            st = duet__split3(xs, x, ldx, M, K, stream);
-            if (st != DUET_OK)
-                return st;
-            if (converted != NULL)
-                *converted = DUET__STAGED_SPLIT;
-        }
+    if (xs != NULL && wb != NULL && w->dtype == DUET_DTYPE_F32 && !(flags & DUET_CUDA_GEMM_TF32)) {
+        if (wb->dtype != DUET_DTYPE_BF16 || wb->ndim != 2 || wb->device != DUET_DEVICE_CUDA ||
+            wb->data == NULL || wb->shape[0] != N || wb->shape[1] != K)
+            return duet_error_set(DUET_ERR_INVALID,
+                                  "cuda gemm: w_bf16 must be a CUDA BF16 tensor of w's shape");
         __atomic_add_fetch(&duet__split_count, 1, __ATOMIC_RELAXED);
-        /* x2, then x1, then x0 into y: the small terms' sums first */
+        const __nv_bfloat16 *p = (const __nv_bfloat16 *)xs;
+        /* plane 2, then 1, then 0 into y: the small terms' sums first */
         for (int t = 2; t >= 0; t--) {
-            st = duet__matmul_lowp(g, stream, y, ldy, 0, xs + t * K, 3 * K, 0, M, wb->data,
+            st = duet__matmul_lowp(g, stream, y, ldy, 0, p + t * M * K, K, 0, M, wb->data,
                                    DUET_DTYPE_BF16, N, K, 1, accumulate || t < 2, flags);
             if (st != DUET_OK)
                 return st;
@@ -1432,11 +1421,10 @@ static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, floa
     }
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
+    if (xs != NULL && w->dtype == DUET_DTYPE_BF16) /* x rounded already: plane 0 */
+        return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, xs, K, M, w, accumulate, flags);
 
-    if (staged == DUET__STAGED_SPLIT && w->dtype == DUET_DTYPE_BF16) /* x0 of the split */
-        return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, 3 * K, M, w, accumulate,
-                                          flags);
-    if (staged != DUET__STAGED_PLAIN) {
+    if (!staged) {
         if (M * K > g->stage_elems)
             return duet_error_set(DUET_ERR_RANGE,
                                   "cuda gemm: x of %lld x %lld exceeds the staging buffer (%lld "
@@ -1446,7 +1434,7 @@ static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, floa
         if (st != DUET_OK)
             return st;
         if (converted != NULL)
-            *converted = DUET__STAGED_PLAIN;
+            *converted = 1;
     }
     return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, g->stage, K, M, w, accumulate, flags);
 }
@@ -1456,8 +1444,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul(duet_cuda_gemm_t *g, cudaStream_t
                                                const duet_tensor_t *w, int accumulate,
                                                unsigned flags)
 {
-    return duet__matmul(g, stream, y, ldy, x, ldx, M, w, NULL, accumulate, flags, DUET__STAGED_NONE,
-                        NULL);
+    return duet__matmul(g, stream, y, ldy, x, ldx, M, w, NULL, NULL, accumulate, flags, 0, NULL);
 }
 
 /* The GEMV launch arguments of multi-call ops (already checked to fit the GEMV path). */
@@ -1497,33 +1484,22 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     }
     if (!fits && !fits_tc) { /* one call each (cuBLASLt, or a GEMV alone) */
         /* ops on the same x rows (one norm's output, say) share its conversion: the staging
-         * still holds it, as no op writes what another reads. The split ops go first, since a
-         * BF16 op can read x0 of their split but not the reverse. */
+         * still holds it, as no op writes what another reads */
         const duet_cuda_gemm_op_t *staged = NULL; /* the op whose x the staging holds */
-        int staged_as = DUET__STAGED_NONE;
-        for (int pass = 0; pass < 2; pass++)
-            for (int i = 0; i < n_ops; i++) {
-                const duet_cuda_gemm_op_t *op = &ops[i];
-                const int split = duet__split_fits(g, op->x, op->ldx, M, op->w, op->w_bf16, flags);
-                if (split != (pass == 0))
-                    continue;
-                const int same = staged != NULL && staged->x == op->x && staged->ldx == op->ldx &&
-                                 staged->w->shape[1] == op->w->shape[1];
-                int as = DUET__STAGED_NONE;
-                if (same && staged_as == DUET__STAGED_SPLIT)
-                    as = DUET__STAGED_SPLIT;
-                else if (same && staged->w->dtype == op->w->dtype)
-                    as = DUET__STAGED_PLAIN;
-                int converted;
-                duet_status_t st = duet__matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w,
-                                                op->w_bf16, op->accumulate, flags, as, &converted);
-                if (st != DUET_OK)
-                    return st;
-                if (converted != DUET__STAGED_NONE) {
-                    staged = op;
-                    staged_as = converted;
-                }
-            }
+        for (int i = 0; i < n_ops; i++) {
+            const duet_cuda_gemm_op_t *op = &ops[i];
+            const int same = staged != NULL && staged->x == op->x && staged->ldx == op->ldx &&
+                             staged->w->dtype == op->w->dtype &&
+                             staged->w->shape[1] == op->w->shape[1];
+            int converted;
+            duet_status_t st =
+                duet__matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w, op->xs,
+                             op->w_bf16, op->accumulate, flags, same, &converted);
+            if (st != DUET_OK)
+                return st;
+            if (converted)
+                staged = op;
+        }
         return DUET_OK;
     }
     duet__gemv_args_t args;

@@ -2281,11 +2281,16 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                                   "cuda moe_experts: the wgmma kernels need an sm_90a device "
                                   "(H100 / H200) and D, I multiples of 64 (D=%lld, I=%lld)",
                                   (long long)D, (long long)I);
-        __nv_bfloat16 *xb = (__nv_bfloat16 *)(base + L.xb);
-        const int64_t n = T * D;
-        const unsigned nb = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
-        DUET__TRY(duet_pdl_launch(duet__to_bf16_kernel, dim3(nb), dim3(256), 0, stream, xb, x, n),
-                  "x to bf16 kernel launch");
+        const __nv_bfloat16 *xb = (const __nv_bfloat16 *)ex->xb;
+        if (xb == NULL) { /* round x here */
+            __nv_bfloat16 *xr = (__nv_bfloat16 *)(base + L.xb);
+            const int64_t n = T * D;
+            const unsigned nb = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
+            DUET__TRY(
+                duet_pdl_launch(duet__to_bf16_kernel, dim3(nb), dim3(256), 0, stream, xr, x, n),
+                "x to bf16 kernel launch");
+            xb = xr;
+        }
         int64_t max_tiles = (P + bm - 1) / bm + A; /* each expert's last tile may be partial */
         max_tiles = max_tiles < P ? max_tiles : P;
         if (max_tiles > 65535)

@@ -21,6 +21,7 @@
 
 #include "engine/sampler.h"
 #include "kernels/cpu/cpu_moe.h"
+#include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/kernels.h"
@@ -55,6 +56,8 @@ enum {
     PATH_SEPARATE = 0x2000,
     PATH_DEEP = 0x4000,
     PATH_EARLY = 0x10000,
+    PATH_XB = 0x20000,     /* this file's: x handed over rounded already (experts_t's xb), as plane
+                              0 of duet_cuda_gemm_split_x */
     PATH_SYNC = 0x1000000, /* the MMA path's mma.sync kernels */
     PATH_WG = 0x2000000,   /* the MMA path's wgmma kernels (refused where unusable) */
     PATH_NO_WS = 0x4000000 /* wgmma's 128-row tiles on the two-warpgroup kernel, not the
@@ -919,14 +922,14 @@ static const char *path_name(int path)
 {
     static char buf[64];
     const int p = path & 0xf;
-    snprintf(buf, sizeof(buf), "%s%s%s%s%s%s%s%s",
+    snprintf(buf, sizeof(buf), "%s%s%s%s%s%s%s%s%s",
              p == PATH_GEMV  ? "gemv"
              : p == PATH_MMA ? "mma"
                              : "auto",
              path & PATH_SYNC ? "-sync" : "", path & PATH_WG ? "-wgmma" : "",
              path & PATH_NO_WS ? "-nows" : "", path & PATH_NO_PDL ? "-nopdl" : "",
              path & PATH_SEPARATE ? "-sepcomb" : "", path & PATH_DEEP ? "-deep" : "",
-             path & PATH_EARLY ? "-early" : "");
+             path & PATH_EARLY ? "-early" : "", path & PATH_XB ? "-xb" : "");
     return buf;
 }
 
@@ -1020,6 +1023,7 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     float *yfirst[3] = {xmalloc(sizeof(float) * T * D), xmalloc(sizeof(float) * T * D),
                         xmalloc(sizeof(float) * T * D)};
     int first_path[3] = {-1, -1, -1}; /* the path yfirst[fam] holds, per family */
+    void *dxs = NULL;                 /* PATH_XB's planes */
     double worst = 0;
     for (int pi = 0; pi < n_paths; pi++) {
         const int path = paths[pi];
@@ -1033,6 +1037,12 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
             exp.norm_x = dnx;
             exp.norm_w = dnw;
             exp.norm_eps = eps;
+        }
+        if (path & PATH_XB) {
+            if (dxs == NULL)
+                dxs = dev_alloc(3 * sizeof(uint16_t) * (size_t)(T * D));
+            DUET_OK_OR_FAIL(duet_cuda_gemm_split_x(dxs, dx, D, T, D, 0));
+            exp.xb = dxs;
         }
         DUET_OK_OR_FAIL(
             moe_call(0, &exp, dx, T, di, dwt, K, a->act, a->beta, a->beta_lin, dy, scratch, path));
@@ -1094,6 +1104,7 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     free(yfirst[2]);
     free(yfirst[1]);
     free(yfirst[0]);
+    cudaFree(dxs);
     cudaFree(dnw);
     cudaFree(dnx);
     cudaFree(scratch);
@@ -1306,7 +1317,8 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
 
 /* The real model's dims: D = 2304, I = 1024, E = 256, top 8, BF16; T = 64 on both paths (and
  * without programmatic dependent launch; on the GEMV path, 384 slots, so 4 slices per block,
- * and forced to 1), T = 600 on both paths (the plan in several blocks), T = 1 and 8 on the
+ * and forced to 1), T = 600 on both paths (the plan in several blocks; x also handed over as
+ * bf16, PATH_XB, which the MMA path must read to the same bits), T = 1 and 8 on the
  * automatic (GEMV) path, which must match its variants bit for bit (separate combine kernel, no
  * PDL, at T = 1 the uncapped kernels). */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
@@ -1331,8 +1343,10 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
                                   MMA_BM(64),
                                   PATH_MMA | PATH_NO_PDL,
                                   PATH_GEMV,
-                                  MMA_BM(128) | PATH_NO_WS};
-    moe_case(cpu, &X, 600, 8, &silu, prefill, 8, auto_mma(&X, 600, 8), 0, 0);
+                                  MMA_BM(128) | PATH_NO_WS,
+                                  MMA_BM(128) | PATH_XB,
+                                  PATH_GEMV | PATH_XB};
+    moe_case(cpu, &X, 600, 8, &silu, prefill, 10, auto_mma(&X, 600, 8), 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 0);
     moe_case(cpu, &X, 1, 8, &silu, decode, 4, 0, 0, 1); /* the decode step's shared expert */
     static const int early[] = {PATH_AUTO, PATH_AUTO | PATH_EARLY,

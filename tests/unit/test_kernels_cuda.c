@@ -927,143 +927,6 @@ Test(kernels_cuda, multi_shares_conversion, .timeout = 120)
 }
 
 /*
- * An F32 weight with a BF16 twin (duet_cuda_gemm_op_t's w_bf16): from DUET_CUDA_GEMM_SPLIT_ROWS
- * rows the product splits x into three bf16 terms on the tensor cores. Against a double
- * reference, S-relative as above, x spread over 2^±12 so that its low bits matter: the split
- * must be within fp32 accumulation error (2e-5, the F32 tolerance) and at most 4x the fp32
- * GEMM's own worst error plus 1e-7, where rounding x to bf16 (the plain BF16 product, measured
- * here too) is off by ~2^-9 — so the check would catch a lost term. Below the threshold, with
- * unaligned x rows and with TF32 asked for, the call must be the F32 weight's own path, bit for
- * bit. In a multi call a BF16 op on the same x, listed before the split op, reads x0 of the
- * split: within fp32 summation order (2e-5) of that op alone, where x rounded otherwise would
- * be ~2^-9 off; the split op beside it equals it alone; accumulate adds to y.
- */
-Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
-{
-    skip_without_device();
-    duet_cuda_gemm_t *g = NULL;
-    const int64_t M = DUET_CUDA_GEMM_SPLIT_ROWS + 37, N = 200, K = 520, ld = K + 4, N2 = 64;
-    CHECK(duet_cuda_gemm_create(0, 3 * M * ld, &g) == DUET_OK, "%s", duet_error_last());
-    float *x = xmalloc((size_t)(M * ld + 1) * 4), *wf = xmalloc((size_t)(N * K) * 4);
-    uint16_t *wb = xmalloc((size_t)(N * K) * 2), *w2 = xmalloc((size_t)(N2 * K) * 2);
-    for (int64_t i = 0; i < M * ld + 1; i++)
-        x[i] = rng_f() * ldexpf(1.0f, (int)(rng_u32() % 25) - 12);
-    for (int64_t i = 0; i < N * K; i++) {
-        wb[i] = duet_f32_to_bf16(rng_f());
-        wf[i] = duet_bf16_to_f32(wb[i]);
-    }
-    for (int64_t i = 0; i < N2 * K; i++)
-        w2[i] = duet_f32_to_bf16(rng_f());
-    float *dx = dev_copy(x, (size_t)(M * ld + 1) * 4);
-    duet_tensor_t tf = {.data = dev_copy(wf, (size_t)(N * K) * 4),
-                        .dtype = DUET_DTYPE_F32,
-                        .device = DUET_DEVICE_CUDA,
-                        .ndim = 2,
-                        .shape = {N, K}};
-    duet_tensor_t tb = tf, t2 = tf;
-    tb.data = dev_copy(wb, (size_t)(N * K) * 2);
-    tb.dtype = DUET_DTYPE_BF16;
-    t2.data = dev_copy(w2, (size_t)(N2 * K) * 2);
-    t2.dtype = DUET_DTYPE_BF16;
-    t2.shape[0] = N2;
-    const size_t yb = (size_t)(M * N) * 4, y2b = (size_t)(M * N2) * 4;
-    float *dy = dev_alloc(yb), *dy2 = dev_alloc(y2b);
-    float *ys = xmalloc(yb), *yf = xmalloc(yb), *yp = xmalloc(yb), *ya = xmalloc(yb),
-          *y2m = xmalloc(y2b), *y2a = xmalloc(y2b), *y0 = xmalloc(yb);
-    for (int64_t i = 0; i < M * N; i++)
-        y0[i] = rng_f();
-    duet_cuda_gemm_op_t split = {.y = dy, .ldy = N, .x = dx, .ldx = ld, .w = &tf, .w_bf16 = &tb};
-    duet_cuda_gemm_op_t plain = split;
-    plain.w_bf16 = NULL;
-
-    /* the split, the fp32 GEMM, the plain BF16 product */
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &split, 1, 0));
-    CUDA_OK(cudaMemcpy(ys, dy, yb, cudaMemcpyDeviceToHost));
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &plain, 1, 0));
-    CUDA_OK(cudaMemcpy(yf, dy, yb, cudaMemcpyDeviceToHost));
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul(g, 0, dy, N, dx, ld, M, &tb, 0, 0));
-    CUDA_OK(cudaMemcpy(yp, dy, yb, cudaMemcpyDeviceToHost));
-    /* accumulate onto y0 */
-    split.accumulate = 1;
-    CUDA_OK(cudaMemcpy(dy, y0, yb, cudaMemcpyHostToDevice));
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &split, 1, 0));
-    CUDA_OK(cudaMemcpy(ya, dy, yb, cudaMemcpyDeviceToHost));
-    split.accumulate = 0;
-
-    double es = 0, ef = 0, ep = 0, ea = 0;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
-            double ref = 0, S = 0;
-            for (int64_t k = 0; k < K; k++) {
-                const double p = (double)x[m * ld + k] * wf[n * K + k];
-                ref += p;
-                S += fabs(p);
-            }
-            const int64_t i = m * N + n;
-            es = fmax(es, fabs(ys[i] - ref) / S);
-            ef = fmax(ef, fabs(yf[i] - ref) / S);
-            ep = fmax(ep, fabs(yp[i] - ref) / S);
-            ea = fmax(ea, fabs(ya[i] - (ref + y0[i])) / (S + fabs(y0[i])));
-        }
-    printf("[kernels_cuda] split x, M=%lld N=%lld K=%lld: max S-relative error %.3g (fp32 GEMM "
-           "%.3g, x rounded to bf16 %.3g, accumulating %.3g)\n",
-           (long long)M, (long long)N, (long long)K, es, ef, ep, ea);
-    CHECK(es <= 2e-5 && es <= 4 * ef + 1e-7, "split error %g (fp32 GEMM %g)", es, ef);
-    CHECK(ea <= 2e-5, "accumulating split error %g", ea);
-    CHECK(ep > 1e-4, "x rounded to bf16 only %g off: the check above could not tell", ep);
-
-    /* below the threshold, x rows not 16-byte aligned, TF32: the F32 weight's own path */
-    const struct {
-        int64_t rows;
-        const float *x;
-        unsigned flags;
-        const char *what;
-    } same[3] = {{DUET_CUDA_GEMM_SPLIT_ROWS - 1, dx, 0, "below the threshold"},
-                 {M, dx + 1, 0, "unaligned x"},
-                 {M, dx, DUET_CUDA_GEMM_TF32, "TF32"}};
-    for (int c = 0; c < 3; c++) {
-        split.x = plain.x = same[c].x;
-        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, same[c].rows, &split, 1, same[c].flags));
-        CUDA_OK(cudaMemcpy(ys, dy, yb, cudaMemcpyDeviceToHost));
-        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, same[c].rows, &plain, 1, same[c].flags));
-        CUDA_OK(cudaMemcpy(yf, dy, yb, cudaMemcpyDeviceToHost));
-        CHECK(memcmp(ys, yf, (size_t)(same[c].rows * N) * 4) == 0,
-              "%s: the op with a BF16 twin differs from the F32 op", same[c].what);
-    }
-    split.x = plain.x = dx;
-
-    /* a BF16 op on the same x listed first: it reads x0 of the split */
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul(g, 0, dy2, N2, dx, ld, M, &t2, 0, 0));
-    CUDA_OK(cudaMemcpy(y2a, dy2, y2b, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemset(dy2, 0, y2b));
-    const duet_cuda_gemm_op_t two[2] = {{.y = dy2, .ldy = N2, .x = dx, .ldx = ld, .w = &t2}, split};
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, two, 2, 0));
-    CUDA_OK(cudaMemcpy(y2m, dy2, y2b, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(ya, dy, yb, cudaMemcpyDeviceToHost));
-    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &split, 1, 0));
-    CUDA_OK(cudaMemcpy(ys, dy, yb, cudaMemcpyDeviceToHost));
-    double e2 = 0; /* its x row stride differs (3K), so cuBLASLt may sum in another order */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N2; n++) {
-            double S = 0;
-            for (int64_t k = 0; k < K; k++)
-                S += fabs((double)x[m * ld + k] * duet_bf16_to_f32(w2[n * K + k]));
-            const double d = fabs((double)y2m[m * N2 + n] - y2a[m * N2 + n]);
-            CHECK(d <= 2e-5 * S + 1e-6, "BF16 op beside the split, y[%lld, %lld]: %.9g alone %.9g",
-                  (long long)m, (long long)n, y2m[m * N2 + n], y2a[m * N2 + n]);
-            e2 = S > 0 && d / S > e2 ? d / S : e2;
-        }
-    printf("[kernels_cuda] BF16 op on x0 of the split against it alone: max %.3g\n", e2);
-    CHECK(memcmp(ya, ys, yb) == 0, "the split op beside a BF16 op differs from it alone");
-
-    cudaFree(dx), cudaFree(tf.data), cudaFree(tb.data), cudaFree(t2.data), cudaFree(dy),
-        cudaFree(dy2);
-    free(x), free(wf), free(wb), free(w2), free(ys), free(yf), free(yp), free(ya), free(y2m),
-        free(y2a), free(y0);
-    duet_cuda_gemm_destroy(g);
-}
-
-/*
  * duet_cuda_argmax_split (many blocks per row) against the CPU's rule — the first index of the
  * largest value — and the one-block duet_cuda_argmax: vocabularies from 1 to 163840 (chunk edges,
  * V not a multiple of 4), a row stride that breaks 16-byte alignment, ties planted across chunks
@@ -1190,4 +1053,156 @@ Test(kernels_cuda, convert_paths_agree, .timeout = 60)
         cudaFree(d1), cudaFree(d2), cudaFree(o1), cudaFree(o2);
         free(h), free(h2), free(g1), free(g2);
     }
+}
+
+/*
+ * x split into three bf16 planes (duet_cuda_gemm_split_x) and an F32 weight with a BF16 twin
+ * (duet_cuda_gemm_op_t's xs and w_bf16). The planes: plane 0 is the host's round to nearest even
+ * of x, bit for bit, and x0 + x1 + x2 == x exactly for every element (x spread over 2^±12, so
+ * that x1 and x2 are rarely 0). The split product against a double reference, S-relative as
+ * above: within fp32 accumulation error (2e-5, the F32 tolerance) and at most 4x the fp32
+ * GEMM's own worst error plus 1e-7, where rounding x to bf16 (the plain BF16 product, measured
+ * here too) is off by ~2^-9, so a lost plane would fail it; accumulate adds to y. A BF16 op
+ * reading plane 0 equals the op converting x itself, bit for bit; an op with w_bf16 but no xs,
+ * or with TF32 asked for, is the F32 weight's own path, bit for bit. duet_cuda_gemm_split_pays
+ * and split_x's refusals.
+ */
+Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
+{
+    skip_without_device();
+    duet_cuda_gemm_t *g = NULL;
+    const int64_t M = 1061, N = 200, K = 520, ld = K + 4, N2 = 64;
+    CHECK(duet_cuda_gemm_create(0, M * K, &g) == DUET_OK, "%s", duet_error_last());
+    float *x = xmalloc((size_t)(M * ld) * 4), *wf = xmalloc((size_t)(N * K) * 4);
+    uint16_t *wb = xmalloc((size_t)(N * K) * 2), *w2 = xmalloc((size_t)(N2 * K) * 2);
+    uint16_t *planes = xmalloc((size_t)(3 * M * K) * 2);
+    for (int64_t i = 0; i < M * ld; i++)
+        x[i] = rng_f() * ldexpf(1.0f, (int)(rng_u32() % 25) - 12);
+    for (int64_t i = 0; i < N * K; i++) {
+        wb[i] = duet_f32_to_bf16(rng_f());
+        wf[i] = duet_bf16_to_f32(wb[i]);
+    }
+    for (int64_t i = 0; i < N2 * K; i++)
+        w2[i] = duet_f32_to_bf16(rng_f());
+    float *dx = dev_copy(x, (size_t)(M * ld) * 4);
+    void *dxs = dev_alloc((size_t)(3 * M * K) * 2);
+    DUET_OK_OR_FAIL(duet_cuda_gemm_split_x(dxs, dx, ld, M, K, 0));
+    CUDA_OK(cudaMemcpy(planes, dxs, (size_t)(3 * M * K) * 2, cudaMemcpyDeviceToHost));
+    int64_t nonzero2 = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t i = m * K + k;
+            const float v = x[m * ld + k];
+            CHECK(planes[i] == host_bf16_rne(v), "plane 0 [%lld, %lld] is not x rounded",
+                  (long long)m, (long long)k);
+            const double sum = (double)duet_bf16_to_f32(planes[i]) +
+                               duet_bf16_to_f32(planes[M * K + i]) +
+                               duet_bf16_to_f32(planes[2 * M * K + i]);
+            CHECK(sum == (double)v, "[%lld, %lld]: the planes sum to %.17g, x is %.9g",
+                  (long long)m, (long long)k, sum, v);
+            nonzero2 += planes[2 * M * K + i] != 0 && planes[2 * M * K + i] != 0x8000;
+        }
+    CHECK(nonzero2 > M * K / 2, "only %lld of %lld third terms are nonzero", (long long)nonzero2,
+          (long long)(M * K));
+
+    duet_tensor_t tf = {.data = dev_copy(wf, (size_t)(N * K) * 4),
+                        .dtype = DUET_DTYPE_F32,
+                        .device = DUET_DEVICE_CUDA,
+                        .ndim = 2,
+                        .shape = {N, K}};
+    duet_tensor_t tb = tf, t2 = tf;
+    tb.data = dev_copy(wb, (size_t)(N * K) * 2);
+    tb.dtype = DUET_DTYPE_BF16;
+    t2.data = dev_copy(w2, (size_t)(N2 * K) * 2);
+    t2.dtype = DUET_DTYPE_BF16;
+    t2.shape[0] = N2;
+    const size_t yb = (size_t)(M * N) * 4, y2b = (size_t)(M * N2) * 4;
+    float *dy = dev_alloc(yb), *dy2 = dev_alloc(y2b);
+    float *ys = xmalloc(yb), *yf = xmalloc(yb), *yp = xmalloc(yb), *ya = xmalloc(yb),
+          *y2m = xmalloc(y2b), *y2a = xmalloc(y2b), *y0 = xmalloc(yb);
+    for (int64_t i = 0; i < M * N; i++)
+        y0[i] = rng_f();
+    duet_cuda_gemm_op_t split = {
+        .y = dy, .ldy = N, .x = dx, .ldx = ld, .w = &tf, .xs = dxs, .w_bf16 = &tb};
+    duet_cuda_gemm_op_t plain = split;
+    plain.xs = NULL;
+    plain.w_bf16 = NULL;
+
+    /* the split, the fp32 GEMM, the plain BF16 product, the split accumulating onto y0 */
+    const int64_t calls = duet_cuda_gemm_split_count();
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &split, 1, 0));
+    CUDA_OK(cudaMemcpy(ys, dy, yb, cudaMemcpyDeviceToHost));
+    CHECK(duet_cuda_gemm_split_count() == calls + 1, "the split op did not take the split form");
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &plain, 1, 0));
+    CUDA_OK(cudaMemcpy(yf, dy, yb, cudaMemcpyDeviceToHost));
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul(g, 0, dy, N, dx, ld, M, &tb, 0, 0));
+    CUDA_OK(cudaMemcpy(yp, dy, yb, cudaMemcpyDeviceToHost));
+    split.accumulate = 1;
+    CUDA_OK(cudaMemcpy(dy, y0, yb, cudaMemcpyHostToDevice));
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &split, 1, 0));
+    CUDA_OK(cudaMemcpy(ya, dy, yb, cudaMemcpyDeviceToHost));
+    split.accumulate = 0;
+    double es = 0, ef = 0, ep = 0, ea = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double ref = 0, S = 0;
+            for (int64_t k = 0; k < K; k++) {
+                const double p = (double)x[m * ld + k] * wf[n * K + k];
+                ref += p;
+                S += fabs(p);
+            }
+            const int64_t i = m * N + n;
+            es = fmax(es, fabs(ys[i] - ref) / S);
+            ef = fmax(ef, fabs(yf[i] - ref) / S);
+            ep = fmax(ep, fabs(yp[i] - ref) / S);
+            ea = fmax(ea, fabs(ya[i] - (ref + y0[i])) / (S + fabs(y0[i])));
+        }
+    printf("[kernels_cuda] split x, M=%lld N=%lld K=%lld: max S-relative error %.3g (fp32 GEMM "
+           "%.3g, x rounded to bf16 %.3g, accumulating %.3g)\n",
+           (long long)M, (long long)N, (long long)K, es, ef, ep, ea);
+    CHECK(es <= 2e-5 && es <= 4 * ef + 1e-7, "split error %g (fp32 GEMM %g)", es, ef);
+    CHECK(ea <= 2e-5, "accumulating split error %g", ea);
+    CHECK(ep > 1e-4, "x rounded to bf16 only %g off: the check above could not tell", ep);
+
+    /* no planes, or TF32 asked for: the F32 weight's own path */
+    for (int c = 0; c < 2; c++) {
+        const unsigned flags = c == 0 ? 0 : DUET_CUDA_GEMM_TF32;
+        duet_cuda_gemm_op_t op = split;
+        if (c == 0)
+            op.xs = NULL;
+        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &op, 1, flags));
+        CUDA_OK(cudaMemcpy(ys, dy, yb, cudaMemcpyDeviceToHost));
+        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, &plain, 1, flags));
+        CUDA_OK(cudaMemcpy(yf, dy, yb, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(ys, yf, yb) == 0, "%s: the op with w_bf16 differs from the F32 op",
+              c == 0 ? "no planes" : "TF32");
+    }
+
+    /* a BF16 op reading plane 0, beside the split op, against it converting x itself */
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul(g, 0, dy2, N2, dx, ld, M, &t2, 0, 0));
+    CUDA_OK(cudaMemcpy(y2a, dy2, y2b, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemset(dy2, 0, y2b));
+    const duet_cuda_gemm_op_t two[2] = {
+        {.y = dy2, .ldy = N2, .x = dx, .ldx = ld, .w = &t2, .xs = dxs}, split};
+    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, two, 2, 0));
+    CUDA_OK(cudaMemcpy(y2m, dy2, y2b, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(y2m, y2a, y2b) == 0, "the BF16 op on plane 0 differs from it converting x");
+
+    /* when splitting pays, and what split_x refuses */
+    CHECK(duet_cuda_gemm_split_pays(DUET_CUDA_GEMM_SPLIT_ROWS, 2304, 0) == 1);
+    CHECK(duet_cuda_gemm_split_pays(DUET_CUDA_GEMM_SPLIT_ROWS - 1, 2304, 0) == 0);
+    CHECK(duet_cuda_gemm_split_pays(8192, 2300, 0) == 0);
+    CHECK(duet_cuda_gemm_split_pays(8192, 2304, DUET_CUDA_GEMM_TF32) == 0);
+    CHECK(duet_cuda_gemm_split_x(dxs, dx, ld, M, K - 4, 0) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_gemm_split_x(dxs, dx + 1, ld, M, K, 0) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_gemm_split_x((char *)dxs + 2, dx, ld, M, K, 0) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_gemm_split_x(dxs, dx, K - 8, M, K, 0) == DUET_ERR_INVALID);
+    CHECK(duet_cuda_gemm_split_x(NULL, dx, ld, M, K, 0) == DUET_ERR_INVALID);
+    CHECK(strstr(duet_error_last(), "split_x") != NULL, "%s", duet_error_last());
+
+    cudaFree(dx), cudaFree(dxs), cudaFree(tf.data), cudaFree(tb.data), cudaFree(t2.data),
+        cudaFree(dy), cudaFree(dy2);
+    free(x), free(wf), free(wb), free(w2), free(planes), free(ys), free(yf), free(yp), free(ya),
+        free(y2m), free(y2a), free(y0);
+    duet_cuda_gemm_destroy(g);
 }
