@@ -64,6 +64,7 @@
 #include "kernels/cuda/cuda_kda.h"
 #include "kernels/cuda/cuda_mma.cuh"
 #include "kernels/cuda/cuda_pdl.cuh"
+#include "kernels/cuda/cuda_util.h"
 
 #define DUET__MODULE          "cuda kda" /* the prefix of this file's error details */
 #define DUET__TRY(call, what) DUET_CUDA_TRY(call, DUET__MODULE, what)
@@ -516,44 +517,66 @@ __device__ static __forceinline__ void duet__kda_lane_row(const float *p, int la
         v[j] = lane + 32 * j < K ? p[lane + 32 * j] : 0.0f;
 }
 
-/* QK = false: g and β only (the conv normalised q and k: duet__kda_conv_norm_kernel). */
+/* Rows a prep warp loads before it stores any (its rows' g rows in flight together). */
+#define DUET__KDA_PREP_ROWS 2
+
+/*
+ * g ← −exp(A_log) · softplus(g + dt_bias), β ← σ(β), and with QK q and k L2-normalised, per
+ * (row, head), one warp each. A warp keeps one head (blockIdx.y · warps per block + warp), so
+ * its dt_bias and −exp(A_log) are loaded once, and walks the rows blockIdx.x, + gridDim.x, ...
+ * DUET__KDA_PREP_ROWS at a time: no division per (row, head), and the next rows' loads in flight
+ * while a row's results are formed. QK = false: g and β only (the conv normalised q and k:
+ * duet__kda_conv_norm_kernel).
+ */
 template <bool QK>
 __global__ static void duet__kda_prep_kernel(int64_t n_rows, int64_t H, int64_t K,
                                              const float *neg_A, const float *dt_bias, float *qkv,
                                              float *g, float *beta)
 {
-    constexpr int N = DUET__KDA_LANE_N;
+    constexpr int N = DUET__KDA_LANE_N, RW = DUET__KDA_PREP_ROWS;
     const int lane = threadIdx.x & 31;
     const int64_t HK = H * K, C3 = 3 * HK;
-    const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+    const int64_t h = (int64_t)blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+    float bv[N], nA = 0.0f;
+    if (h < H) { /* weights: loaded before the wait */
+        duet__kda_lane_row(dt_bias + h * K, lane, K, bv);
+        nA = neg_A[h];
+    }
     duet_pdl_wait(); /* qkv, g, beta */
     duet_pdl_trigger();
-    for (int64_t wi = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; wi < n_rows * H;
-         wi += warps) {
-        const int64_t row = wi / H, h = wi % H;
-        float *gr = g + row * HK + h * K;
-        const float nA = neg_A[h];
-        float gv[N], bv[N];
-        duet__kda_lane_row(gr, lane, K, gv);
-        duet__kda_lane_row(dt_bias + h * K, lane, K, bv);
+    if (h >= H)
+        return;
+    for (int64_t r0 = (int64_t)blockIdx.x * RW; r0 < n_rows; r0 += (int64_t)gridDim.x * RW) {
+        float gv[RW][N];
 #pragma unroll
-        for (int j = 0; j < N; j++)
-            if (lane + 32 * j < K)
-                gr[lane + 32 * j] = nA * duet__softplus(gv[j] + bv[j]);
-        if (lane == 0)
-            beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
-        for (int part = 0; QK && part < 2; part++) {
-            float *x = qkv + row * C3 + part * HK + h * K;
-            float xv[N], ss = 0.0f;
-            duet__kda_lane_row(x, lane, K, xv);
+        for (int i = 0; i < RW; i++)
+            if (r0 + i < n_rows)
+                duet__kda_lane_row(g + (r0 + i) * HK + h * K, lane, K, gv[i]);
 #pragma unroll
-            for (int j = 0; j < N; j++)
-                ss += xv[j] * xv[j]; /* 0 past K: the same sum */
-            const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+        for (int i = 0; i < RW; i++) {
+            const int64_t row = r0 + i;
+            if (row >= n_rows)
+                break;
+            float *gr = g + row * HK + h * K;
 #pragma unroll
             for (int j = 0; j < N; j++)
                 if (lane + 32 * j < K)
-                    x[lane + 32 * j] = xv[j] * inv;
+                    gr[lane + 32 * j] = nA * duet__softplus(gv[i][j] + bv[j]);
+            if (lane == 0)
+                beta[row * H + h] = duet__sigmoid(beta[row * H + h]);
+            for (int part = 0; QK && part < 2; part++) {
+                float *x = qkv + row * C3 + part * HK + h * K;
+                float xv[N], ss = 0.0f;
+                duet__kda_lane_row(x, lane, K, xv);
+#pragma unroll
+                for (int j = 0; j < N; j++)
+                    ss += xv[j] * xv[j]; /* 0 past K: the same sum */
+                const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+#pragma unroll
+                for (int j = 0; j < N; j++)
+                    if (lane + 32 * j < K)
+                        x[lane + 32 * j] = xv[j] * inv;
+            }
         }
     }
 }
@@ -569,12 +592,19 @@ static duet_status_t duet__kda_prep(cudaStream_t stream, int64_t n_rows,
     if (ly->K > DUET_KDA_MAX_K)
         return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda kda prep: K = %lld (supported: <= %d)",
                               (long long)ly->K, DUET_KDA_MAX_K);
+    if (ly->H > 65535 * 8)
+        return duet_error_set(DUET_ERR_UNSUPPORTED, "cuda kda prep: H = %lld (supported: <= %d)",
+                              (long long)ly->H, 65535 * 8);
     if (n_rows == 0)
         return DUET_OK;
-    const int th = 256;
-    DUET__TRY(duet_pdl_launch(qk ? duet__kda_prep_kernel<true> : duet__kda_prep_kernel<false>,
-                              dim3(duet__blocks(n_rows * ly->H, th / 32, 1 << 20)), dim3(th), 0,
-                              stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g, beta),
+    /* about two waves of blocks, each warp then walking its share of the rows */
+    const int th = 256, wpb = th / 32, sms = duet_cuda_sm_count();
+    const unsigned gy = (unsigned)((ly->H + wpb - 1) / wpb);
+    const int64_t cap = (int64_t)(sms > 0 ? sms : 16) * 16 / gy;
+    const dim3 grid(duet__blocks(n_rows, DUET__KDA_PREP_ROWS, cap > 1 ? cap : 1), gy);
+    DUET__TRY(duet_pdl_launch(qk ? duet__kda_prep_kernel<true> : duet__kda_prep_kernel<false>, grid,
+                              dim3(th), 0, stream, n_rows, ly->H, ly->K, neg_A, dt_bias, qkv, g,
+                              beta),
               "prep launch");
     return DUET_OK;
 }
