@@ -1487,8 +1487,8 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         duet_cuda_gemm_op_t ops[2] = {
             {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router}, sgu};
         if (split) {
-            TRY(duet_cuda_rmsnorm(s, nrm->y, nrm->ldy, nrm->x, nrm->ldx, nrm->w, T, D, nrm->eps));
-            TRY(duet_cuda_gemm_split_x(dm->xsplit, dm->xn, D, T, D, s));
+            TRY(duet_cuda_rmsnorm_planes(s, nrm->y, nrm->ldy, nrm->x, nrm->ldx, nrm->w, T, D,
+                                         nrm->eps, dm->xsplit, 3));
             ops[0].xs = ops[1].xs = dm->xsplit;
             ops[0].w_bf16 = &w->router_bf;
             ex.xb = dm->xsplit;

@@ -1,14 +1,32 @@
 /*
  * cuda_cvt.cuh: one 16-byte piece of 16-bit weights (8 values) to fp32, exactly (CUDA C++ only),
- * and the load the weight-streaming GEMVs (gemm.cu, moe.cu) bring such pieces in with before they
- * convert them in registers.
+ * the load the weight-streaming GEMVs (gemm.cu, moe.cu) bring such pieces in with before they
+ * convert them in registers, and the split of an fp32 value into bf16 terms.
  */
 #ifndef DUET_KERNELS_CUDA_CVT_CUH
 #define DUET_KERNELS_CUDA_CVT_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <string.h>
+
+/*
+ * The first P (1..3) terms of x's split into bf16 terms, each rounded to nearest even from
+ * what the terms before it left: h[0] = bf16(x), h[1] = bf16(x − h[0]), h[2] = bf16(x − h[0] −
+ * h[1]). The differences are exact in fp32, and with P = 3 the terms sum to x exactly
+ * (cuda_gemm.h, duet_cuda_gemm_split_x, says why).
+ */
+template <int P>
+static __device__ __forceinline__ void duet_bf16_split(float x, __nv_bfloat16 (&h)[P])
+{
+    static_assert(P >= 1 && P <= 3, "one to three terms");
+#pragma unroll
+    for (int t = 0; t < P; t++) {
+        h[t] = __float2bfloat16_rn(x);
+        x -= __bfloat162float(h[t]);
+    }
+}
 
 /*
  * A 16-byte piece of weights, read around L1 (ld.global.nc.L1::no_allocate): a step reads each

@@ -170,20 +170,20 @@ __global__ void duet__split3_kernel(__nv_bfloat16 *xs, const float *x, int64_t l
         const int64_t m = i / K8, k = (i - m * K8) * 8;
         const float4 a = *reinterpret_cast<const float4 *>(x + m * ldx + k);
         const float4 b = *reinterpret_cast<const float4 *>(x + m * ldx + k + 4);
-        float r[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        union {
+            __nv_bfloat16 h[8];
+            uint4 u;
+        } o[3];
 #pragma unroll
-        for (int t = 0; t < 3; t++) {
-            union {
-                __nv_bfloat16 h[8];
-                uint4 u;
-            } o;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                o.h[j] = __float2bfloat16_rn(r[j]);
-                r[j] -= __bfloat162float(o.h[j]);
-            }
-            *reinterpret_cast<uint4 *>(xs + t * plane + i * 8) = o.u;
+        for (int j = 0; j < 8; j++) {
+            __nv_bfloat16 h[3];
+            duet_bf16_split<3>(v[j], h);
+            o[0].h[j] = h[0], o[1].h[j] = h[1], o[2].h[j] = h[2];
         }
+#pragma unroll
+        for (int t = 0; t < 3; t++)
+            *reinterpret_cast<uint4 *>(xs + t * plane + i * 8) = o[t].u;
     }
 }
 
@@ -1464,47 +1464,71 @@ static void duet__ops_args(const duet_cuda_gemm_op_t *ops, int n_ops, duet__gemv
                                           .accumulate = ops[i].accumulate};
 }
 
-extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
-                                                     int64_t M, const duet_cuda_gemm_op_t *ops,
-                                                     int n_ops, unsigned flags)
+/*
+ * Whether ops (checked, M rows) run as one launch: 1 on the GEMV, 2 on the tensor-core GEMV,
+ * 0 if each op is its own call.
+ */
+static int duet__multi_one_launch(int64_t M, const duet_cuda_gemm_op_t *ops, int n_ops,
+                                  unsigned flags)
 {
-    if (g == NULL || ops == NULL || n_ops < 0)
-        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad multi arguments");
-    /* one launch when every op fits the same kernel: the GEMV, or the tensor-core GEMV */
     int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS, fits_tc = fits;
     for (int i = 0; i < n_ops; i++) {
-        duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
-        if (st != DUET_OK)
-            return st;
         const int64_t N = ops[i].w->shape[0], K = ops[i].w->shape[1];
         fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
                                        ops[i].w->dtype, N, K, flags);
         fits_tc = fits_tc && duet__tgemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
                                               ops[i].w->dtype, N, K);
     }
-    if (!fits && !fits_tc) { /* one call each (cuBLASLt, or a GEMV alone) */
-        /* ops on the same x rows (one norm's output, say) share its conversion: the staging
-         * still holds it, as no op writes what another reads */
-        const duet_cuda_gemm_op_t *staged = NULL; /* the op whose x the staging holds */
-        for (int i = 0; i < n_ops; i++) {
-            const duet_cuda_gemm_op_t *op = &ops[i];
-            const int same = staged != NULL && staged->x == op->x && staged->ldx == op->ldx &&
-                             staged->w->dtype == op->w->dtype &&
-                             staged->w->shape[1] == op->w->shape[1];
-            int converted;
-            duet_status_t st =
-                duet__matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w, op->xs,
-                             op->w_bf16, op->accumulate, flags, same, &converted);
-            if (st != DUET_OK)
-                return st;
-            if (converted)
-                staged = op;
-        }
-        return DUET_OK;
+    return fits ? 1 : fits_tc ? 2 : 0;
+}
+
+/*
+ * The ops of a multi call, one call each. Ops on the same x rows (one norm's output, say) share
+ * its conversion: the staging still holds it, as no op writes what another reads. pre != NULL:
+ * the staging already holds pre's rows (pre_ld apart, pre_k columns) rounded to bf16, which a
+ * BF16 op on those rows reads as its own conversion (duet_cuda_gemm_norm_multi's norm left it).
+ */
+static duet_status_t duet__multi_calls(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
+                                       const duet_cuda_gemm_op_t *ops, int n_ops, unsigned flags,
+                                       const float *pre, int64_t pre_ld, int64_t pre_k)
+{
+    const duet_cuda_gemm_op_t *staged = NULL; /* the op whose x the staging holds */
+    for (int i = 0; i < n_ops; i++) {
+        const duet_cuda_gemm_op_t *op = &ops[i];
+        const int same = staged != NULL
+                             ? staged->x == op->x && staged->ldx == op->ldx &&
+                                   staged->w->dtype == op->w->dtype &&
+                                   staged->w->shape[1] == op->w->shape[1]
+                             : pre != NULL && pre == op->x && pre_ld == op->ldx &&
+                                   op->w->dtype == DUET_DTYPE_BF16 && op->w->shape[1] == pre_k;
+        int converted;
+        duet_status_t st = duet__matmul(g, stream, op->y, op->ldy, op->x, op->ldx, M, op->w, op->xs,
+                                        op->w_bf16, op->accumulate, flags, same, &converted);
+        if (st != DUET_OK)
+            return st;
+        if (converted)
+            staged = op;
     }
+    return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
+                                                     int64_t M, const duet_cuda_gemm_op_t *ops,
+                                                     int n_ops, unsigned flags)
+{
+    if (g == NULL || ops == NULL || n_ops < 0)
+        return duet_error_set(DUET_ERR_INVALID, "cuda gemm: bad multi arguments");
+    for (int i = 0; i < n_ops; i++) {
+        duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
+        if (st != DUET_OK)
+            return st;
+    }
+    const int one = duet__multi_one_launch(M, ops, n_ops, flags);
+    if (one == 0) /* one call each (cuBLASLt, or a GEMV alone) */
+        return duet__multi_calls(g, stream, M, ops, n_ops, flags, NULL, 0, 0);
     duet__gemv_args_t args;
     duet__ops_args(ops, n_ops, &args);
-    DUET__TRY(fits ? duet__gemv_run(stream, M, &args) : duet__tgemv_run(stream, M, &args),
+    DUET__TRY(one == 1 ? duet__gemv_run(stream, M, &args) : duet__tgemv_run(stream, M, &args),
               "multi gemv launch");
     return DUET_OK;
 }
@@ -1540,9 +1564,28 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
                                 ops[i].w->shape[0], ops[i].w->shape[1], flags);
     }
     if (!fused) {
-        duet_status_t st = duet_cuda_rmsnorm(stream, norm->y, norm->ldy, norm->x, norm->ldx,
-                                             norm->w, M, norm->D, norm->eps);
-        return st != DUET_OK ? st : duet_cuda_gemm_matmul_multi(g, stream, M, ops, n_ops, flags);
+        /* One call per op: where one of them would round the rows to bf16 for cuBLASLt, the
+         * norm leaves them rounded in the staging as it stores them (the same values), and no
+         * conversion pass runs. */
+        int round =
+            duet__multi_one_launch(M, ops, n_ops, flags) == 0 && M * norm->D <= g->stage_elems;
+        int any = 0;
+        for (int i = 0; round && i < n_ops; i++) {
+            const duet_cuda_gemm_op_t *op = &ops[i];
+            any = any ||
+                  (op->x == norm->y && op->ldx == norm->ldy && op->w->dtype == DUET_DTYPE_BF16 &&
+                   op->w->shape[1] == norm->D && op->xs == NULL);
+        }
+        round = round && any;
+        duet_status_t st =
+            round ? duet_cuda_rmsnorm_planes(stream, norm->y, norm->ldy, norm->x, norm->ldx,
+                                             norm->w, M, norm->D, norm->eps, g->stage, 1)
+                  : duet_cuda_rmsnorm(stream, norm->y, norm->ldy, norm->x, norm->ldx, norm->w, M,
+                                      norm->D, norm->eps);
+        if (st != DUET_OK)
+            return st;
+        return duet__multi_calls(g, stream, M, ops, n_ops, flags, round ? norm->y : NULL, norm->ldy,
+                                 norm->D);
     }
     duet__gemv_args_t args;
     duet__ops_args(ops, n_ops, &args);

@@ -17,6 +17,7 @@
 
 #include "kernels/cuda/cuda_act.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_cvt.cuh"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -145,11 +146,27 @@ __device__ static __forceinline__ void duet__norm_pass_load(float (&p)[U], const
     }
 }
 
-/* U < DUET__NORM_U: the launch makes sure a row fits one pass (D <= U · blockDim.x). */
-template <int U, bool ADD>
+/* y[d] = v, and with P > 0 its first P bf16 terms at xs[t · plane + d] (duet_bf16_split). */
+template <int P>
+__device__ static __forceinline__ void duet__norm_store(float *yr, __nv_bfloat16 *xr, int64_t plane,
+                                                        int d, float v)
+{
+    yr[d] = v;
+    if constexpr (P > 0) {
+        __nv_bfloat16 h[P];
+        duet_bf16_split<P>(v, h);
+#pragma unroll
+        for (int t = 0; t < P; t++)
+            xr[t * plane + d] = h[t];
+    }
+}
+
+/* U < DUET__NORM_U: the launch makes sure a row fits one pass (D <= U · blockDim.x). P > 0: the
+ * rows also leave as P bf16 planes at xs (duet_cuda_rmsnorm_planes). */
+template <int U, bool ADD, int P>
 __global__ void __launch_bounds__(DUET__ROW_THREADS)
     duet__rmsnorm_kernel(float *y, int64_t ldy, float *x, int64_t ldx, const float *a,
-                         const float *w, int D, float eps)
+                         const float *w, int D, float eps, __nv_bfloat16 *xs, int64_t plane)
 {
     const int t = threadIdx.x, step = blockDim.x, pass = U * step;
     const bool one = U < DUET__NORM_U || D <= pass; /* the whole row in registers */
@@ -160,6 +177,7 @@ __global__ void __launch_bounds__(DUET__ROW_THREADS)
     duet_pdl_trigger();
     float *xr = x + (int64_t)blockIdx.x * ldx;
     float *yr = y + (int64_t)blockIdx.x * ldy;
+    __nv_bfloat16 *sr = P > 0 ? xs + (int64_t)blockIdx.x * D : NULL;
     const float *ar = ADD ? a + (int64_t)blockIdx.x * D : NULL;
     double ss = 0.0;
     for (int d0 = t; d0 < D; d0 += pass) {
@@ -185,7 +203,7 @@ __global__ void __launch_bounds__(DUET__ROW_THREADS)
         for (int k = 0; k < U; k++) {
             const int d = t + k * step;
             if (d < D)
-                yr[d] = duet_rms_apply(wv[k], v[k], scale);
+                duet__norm_store<P>(yr, sr, plane, d, duet_rms_apply(wv[k], v[k], scale));
         }
         return;
     }
@@ -197,21 +215,30 @@ __global__ void __launch_bounds__(DUET__ROW_THREADS)
             for (int k = 0; k < U; k++) {
                 const int d = d0 + k * step;
                 if (d < D)
-                    yr[d] = duet_rms_apply(wv[k], v[k], scale);
+                    duet__norm_store<P>(yr, sr, plane, d, duet_rms_apply(wv[k], v[k], scale));
             }
         }
 }
 
-/* Instance U of the kernel, with or without a. */
+/* Instance U of the kernel, with or without a, with P planes (0, 1 or 3; a only with 0). */
 template <int U>
 static cudaError_t duet__rmsnorm_as(cudaStream_t stream, dim3 g, float *y, int64_t ldy, float *x,
-                                    int64_t ldx, const float *a, const float *w, int D, float eps)
+                                    int64_t ldx, const float *a, const float *w, int D, float eps,
+                                    __nv_bfloat16 *xs, int P)
 {
     const dim3 b(DUET__ROW_THREADS);
-    return a != NULL ? duet_pdl_launch(duet__rmsnorm_kernel<U, true>, g, b, 0, stream, y, ldy, x,
-                                       ldx, a, w, D, eps)
-                     : duet_pdl_launch(duet__rmsnorm_kernel<U, false>, g, b, 0, stream, y, ldy, x,
-                                       ldx, a, w, D, eps);
+    const int64_t plane = (int64_t)g.x * D;
+    if (a != NULL)
+        return duet_pdl_launch(duet__rmsnorm_kernel<U, true, 0>, g, b, 0, stream, y, ldy, x, ldx, a,
+                               w, D, eps, xs, plane);
+    if (P == 3)
+        return duet_pdl_launch(duet__rmsnorm_kernel<U, false, 3>, g, b, 0, stream, y, ldy, x, ldx,
+                               a, w, D, eps, xs, plane);
+    if (P == 1)
+        return duet_pdl_launch(duet__rmsnorm_kernel<U, false, 1>, g, b, 0, stream, y, ldy, x, ldx,
+                               a, w, D, eps, xs, plane);
+    return duet_pdl_launch(duet__rmsnorm_kernel<U, false, 0>, g, b, 0, stream, y, ldy, x, ldx, a, w,
+                           D, eps, xs, plane);
 }
 
 /* The widest row the kernel takes: an index plus one pass stays below 2^31. */
@@ -221,7 +248,7 @@ static cudaError_t duet__rmsnorm_as(cudaStream_t stream, dim3 g, float *y, int64
  * row. */
 static duet_status_t duet__rmsnorm_launch(cudaStream_t stream, float *y, int64_t ldy, float *x,
                                           int64_t ldx, const float *a, const float *w, int64_t M,
-                                          int64_t D, float eps)
+                                          int64_t D, float eps, __nv_bfloat16 *xs, int P)
 {
     if (D > DUET__NORM_MAX_D)
         return duet_error_set(DUET_ERR_RANGE, "cuda %s: rows of D=%lld (at most %d)",
@@ -230,9 +257,10 @@ static duet_status_t duet__rmsnorm_launch(cudaStream_t stream, float *y, int64_t
     const int t = DUET__ROW_THREADS, d = (int)D;
     const dim3 g((unsigned)M);
     const cudaError_t e =
-        d <= 4 * t   ? duet__rmsnorm_as<4>(stream, g, y, ldy, x, ldx, a, w, d, eps)
-        : d <= 9 * t ? duet__rmsnorm_as<9>(stream, g, y, ldy, x, ldx, a, w, d, eps)
-                     : duet__rmsnorm_as<DUET__NORM_U>(stream, g, y, ldy, x, ldx, a, w, d, eps);
+        d <= 4 * t ? duet__rmsnorm_as<4>(stream, g, y, ldy, x, ldx, a, w, d, eps, xs, P)
+        : d <= 9 * t
+            ? duet__rmsnorm_as<9>(stream, g, y, ldy, x, ldx, a, w, d, eps, xs, P)
+            : duet__rmsnorm_as<DUET__NORM_U>(stream, g, y, ldy, x, ldx, a, w, d, eps, xs, P);
     return duet__launched(e, a != NULL ? "add_rmsnorm kernel launch" : "rmsnorm kernel launch");
 }
 
@@ -248,7 +276,27 @@ extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_
     if (M == 0 || D == 0)
         return DUET_OK;
     /* x is only read without a; the kernel's x is non-const for the fused variant. */
-    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps);
+    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps, NULL, 0);
+}
+
+extern "C" duet_status_t duet_cuda_rmsnorm_planes(cudaStream_t stream, float *y, int64_t ldy,
+                                                  const float *x, int64_t ldx, const float *w,
+                                                  int64_t M, int64_t D, float eps, void *xs,
+                                                  int planes)
+{
+    if (planes != 1 && planes != 3)
+        return duet_error_set(DUET_ERR_INVALID, "cuda rmsnorm_planes: %d planes (1 or 3)", planes);
+    if (M > 0 && D > 0 && xs == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda rmsnorm_planes: NULL planes");
+    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
+        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
+        return duet_error_set(DUET_ERR_INVALID,
+                              "cuda rmsnorm_planes: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
+                              (long long)M, (long long)D, (long long)ldx, (long long)ldy);
+    if (M == 0 || D == 0)
+        return DUET_OK;
+    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps,
+                                (__nv_bfloat16 *)xs, planes);
 }
 
 extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x,
@@ -261,7 +309,7 @@ extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, fl
                               (long long)M, (long long)D);
     if (M == 0 || D == 0)
         return DUET_OK;
-    return duet__rmsnorm_launch(stream, y, D, x, D, a, w, M, D, eps);
+    return duet__rmsnorm_launch(stream, y, D, x, D, a, w, M, D, eps, NULL, 0);
 }
 
 /* ---- gated activations --------------------------------------------------------------------- */

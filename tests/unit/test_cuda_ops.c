@@ -240,6 +240,70 @@ Test(cuda_ops, rmsnorm, .timeout = 60)
 
 /* The norms refuse what they cannot run before touching the device (no device needed): missing
  * rows or weights, strides below D, and rows wider than the kernel's 32-bit indices take. */
+/*
+ * duet_cuda_rmsnorm_planes against duet_cuda_rmsnorm on the same rows: y bit for bit (strided,
+ * and in place), and plane t equal to the t-th bf16 term of y as the host splits it (round to
+ * nearest even, then the exact remainder), bit for bit, for 1 and 3 planes; every instance of
+ * the kernel (D = 100, 1536, 2304, and 3500 in two passes). Bad plane counts are refused.
+ */
+Test(cuda_ops, rmsnorm_planes, .timeout = 60)
+{
+    skip_without_device();
+    const int64_t M = 33, Ds[] = {100, 1536, 2304, 3500};
+    for (size_t b = 0; b < 4; b++)
+        for (int P = 1; P <= 3; P += 2)
+            for (int in_place = 0; in_place <= 1; in_place++) {
+                const int64_t D = Ds[b], ld = D + 8;
+                const float eps = 1e-6f;
+                float *x = xmalloc(sizeof(float) * M * ld), *w = xmalloc(sizeof(float) * D);
+                for (int64_t i = 0; i < M * ld; i++)
+                    x[i] = rng_f() * (float)(1 + (i % 7));
+                for (int64_t i = 0; i < D; i++)
+                    w[i] = 1.0f + 0.5f * rng_f();
+                float *dx = dev_copy(x, sizeof(float) * M * ld),
+                      *dw = dev_copy(w, sizeof(float) * D);
+                float *dref = dev_alloc(sizeof(float) * M * ld);
+                float *dy = in_place ? dx : dev_alloc(sizeof(float) * M * ld);
+                uint16_t *dxs = dev_alloc(sizeof(uint16_t) * 3 * M * D);
+                DUET_OK_OR_FAIL(duet_cuda_rmsnorm(0, dref, ld, dx, ld, dw, M, D, eps));
+                DUET_OK_OR_FAIL(duet_cuda_rmsnorm_planes(0, dy, ld, dx, ld, dw, M, D, eps, dxs, P));
+                float *ref = xmalloc(sizeof(float) * M * ld),
+                      *got = xmalloc(sizeof(float) * M * ld);
+                uint16_t *xs = xmalloc(sizeof(uint16_t) * 3 * M * D);
+                host_copy(ref, dref, sizeof(float) * M * ld);
+                host_copy(got, dy, sizeof(float) * M * ld);
+                host_copy(xs, dxs, sizeof(uint16_t) * P * M * D);
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t d = 0; d < D; d++) {
+                        const float y = ref[m * ld + d];
+                        CHECK(memcmp(&got[m * ld + d], &y, 4) == 0,
+                              "D=%lld P=%d in place %d: y[%lld][%lld] %.9g, rmsnorm %.9g",
+                              (long long)D, P, in_place, (long long)m, (long long)d,
+                              got[m * ld + d], y);
+                        float r = y;
+                        for (int t = 0; t < P; t++) {
+                            const uint16_t h = duet_f32_to_bf16(r);
+                            CHECK(xs[t * M * D + m * D + d] == h,
+                                  "D=%lld P=%d: plane %d [%lld][%lld] %04x, host %04x",
+                                  (long long)D, P, t, (long long)m, (long long)d,
+                                  xs[t * M * D + m * D + d], h);
+                            r -= duet_bf16_to_f32(h);
+                        }
+                    }
+                printf("[cuda_ops] rmsnorm_planes D=%lld planes %d%s: y and planes bit-exact\n",
+                       (long long)D, P, in_place ? " (in place)" : "");
+                if (!in_place)
+                    cudaFree(dy);
+                cudaFree(dxs), cudaFree(dref), cudaFree(dw), cudaFree(dx);
+                free(xs), free(got), free(ref), free(w), free(x);
+            }
+    float one = 1.0f;
+    CHECK(duet_cuda_rmsnorm_planes(0, &one, 1, &one, 1, &one, 1, 1, 1e-6f, &one, 2) ==
+          DUET_ERR_INVALID);
+    CHECK(duet_cuda_rmsnorm_planes(0, &one, 1, &one, 1, &one, 1, 1, 1e-6f, NULL, 1) ==
+          DUET_ERR_INVALID);
+}
+
 Test(cuda_ops, rmsnorm_bad_arguments, .timeout = 30)
 {
     float f[8] = {0};

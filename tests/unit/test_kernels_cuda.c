@@ -860,6 +860,97 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 300)
  * must equal the same op run alone through duet_cuda_gemm_matmul, bit for bit (the same cuBLASLt
  * call on the same bf16 rows), accumulating ones included.
  */
+/*
+ * At cuBLASLt sizes the norm of duet_cuda_gemm_norm_multi leaves its rows rounded to bf16 in the
+ * staging for the BF16 ops (duet_cuda_rmsnorm_planes), instead of a conversion pass: the normed
+ * rows and every product must equal duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi bit for
+ * bit — a BF16 op and an accumulating F32 op on the rows, a BF16 op on other rows between them,
+ * in place and strided, D a multiple of 8 and not (the one-element conversion).
+ */
+Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
+{
+    skip_without_device();
+    duet_cuda_gemm_t *g = NULL;
+    CHECK(duet_cuda_gemm_create(0, 1 << 20, &g) == DUET_OK, "%s", duet_error_last());
+    const int64_t M = 64, N = 96, Ds[2] = {2304, 100};
+    for (int di = 0; di < 2; di++)
+        for (int in_place = 0; in_place <= 1; in_place++) {
+            const int64_t D = Ds[di], ld = D + 4;
+            float *x = xmalloc((size_t)(M * ld) * 4), *o = xmalloc((size_t)(M * ld) * 4);
+            float *nw = xmalloc((size_t)D * 4), *wf = xmalloc((size_t)(N * D) * 4);
+            float *y0 = xmalloc((size_t)(M * N) * 4);
+            uint16_t *wb = xmalloc((size_t)(N * D) * 2);
+            for (int64_t i = 0; i < M * ld; i++) {
+                x[i] = 3.0f * rng_f();
+                o[i] = rng_f();
+            }
+            for (int64_t i = 0; i < D; i++)
+                nw[i] = 1.0f + 0.5f * rng_f();
+            for (int64_t i = 0; i < N * D; i++) {
+                wb[i] = duet_f32_to_bf16(rng_f());
+                wf[i] = rng_f();
+            }
+            for (int64_t i = 0; i < M * N; i++)
+                y0[i] = rng_f();
+            duet_tensor_t tb = {.data = dev_copy(wb, (size_t)(N * D) * 2),
+                                .dtype = DUET_DTYPE_BF16,
+                                .device = DUET_DEVICE_CUDA,
+                                .ndim = 2,
+                                .shape = {N, D}};
+            duet_tensor_t tf = tb;
+            tf.data = dev_copy(wf, (size_t)(N * D) * 4);
+            tf.dtype = DUET_DTYPE_F32;
+            float *dnw = dev_copy(nw, (size_t)D * 4), *dother = dev_copy(o, (size_t)(M * ld) * 4);
+            float *got[2][4];
+            for (int way = 0; way < 2; way++) {
+                float *dx = dev_copy(x, (size_t)(M * ld) * 4);
+                float *dn = in_place ? dx : dev_alloc((size_t)(M * ld) * 4);
+                float *dy[3] = {dev_alloc((size_t)(M * N) * 4), dev_alloc((size_t)(M * N) * 4),
+                                dev_copy(y0, (size_t)(M * N) * 4)};
+                const duet_cuda_gemm_op_t ops[3] = {
+                    {.y = dy[0], .ldy = N, .x = dn, .ldx = ld, .w = &tb},
+                    {.y = dy[1], .ldy = N, .x = dother, .ldx = ld, .w = &tb},
+                    {.y = dy[2], .ldy = N, .x = dn, .ldx = ld, .w = &tf, .accumulate = 1}};
+                const duet_cuda_gemm_norm_t nrm = {
+                    .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
+                if (way == 0) {
+                    DUET_OK_OR_FAIL(duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f));
+                    DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, ops, 3, 0));
+                } else {
+                    DUET_OK_OR_FAIL(duet_cuda_gemm_norm_multi(g, 0, M, &nrm, ops, 3, 0));
+                }
+                got[way][0] = xmalloc((size_t)(M * ld) * 4);
+                CUDA_OK(cudaMemcpy(got[way][0], dn, (size_t)(M * ld) * 4, cudaMemcpyDeviceToHost));
+                for (int i = 0; i < 3; i++) {
+                    got[way][i + 1] = xmalloc((size_t)(M * N) * 4);
+                    CUDA_OK(cudaMemcpy(got[way][i + 1], dy[i], (size_t)(M * N) * 4,
+                                       cudaMemcpyDeviceToHost));
+                    cudaFree(dy[i]);
+                }
+                if (!in_place)
+                    cudaFree(dn);
+                cudaFree(dx);
+            }
+            for (int64_t m = 0; m < M; m++)
+                CHECK(memcmp(got[0][0] + m * ld, got[1][0] + m * ld, (size_t)D * 4) == 0,
+                      "D=%lld in place %d: normed row %lld differs", (long long)D, in_place,
+                      (long long)m);
+            for (int i = 1; i < 4; i++)
+                CHECK(memcmp(got[0][i], got[1][i], (size_t)(M * N) * 4) == 0,
+                      "D=%lld in place %d: op %d differs from norm then multi", (long long)D,
+                      in_place, i - 1);
+            printf("[kernels_cuda] norm_multi M=%lld D=%lld%s: rows and 3 products equal to norm "
+                   "then multi\n",
+                   (long long)M, (long long)D, in_place ? " (in place)" : "");
+            for (int w = 0; w < 2; w++)
+                for (int i = 0; i < 4; i++)
+                    free(got[w][i]);
+            cudaFree(tb.data), cudaFree(tf.data), cudaFree(dnw), cudaFree(dother);
+            free(x), free(o), free(nw), free(wf), free(y0), free(wb);
+        }
+    duet_cuda_gemm_destroy(g);
+}
+
 Test(kernels_cuda, multi_shares_conversion, .timeout = 120)
 {
     skip_without_device();
