@@ -1344,9 +1344,15 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                         .dt_bias = w->dt_bias,
                                         .o_norm = w->o_norm,
                                         .eps = c->rms_norm_eps};
+    /* where o_proj multiplies on cuBLASLt, out leaves its rows in bf16 in the GEMM's staging */
+    void *ob = w->o.dtype == DUET_DTYPE_BF16 && duet_cuda_gemm_tunable(DUET_DTYPE_BF16, T, HK, f)
+                   ? duet_cuda_gemm_staging(g, T * HK)
+                   : NULL;
     TRY(duet_cuda_kda_chain(s, &dm->step, &ly, &kw, dm->proj, dm->gate, dm->qkv, dm->gk, dm->beta,
-                            dm->o, dm->kda_scratch));
-    return duet_cuda_gemm_matmul(g, s, dm->x, D, dm->o, HK, T, &w->o, 1, f);
+                            dm->o, ob, dm->kda_scratch));
+    const duet_cuda_gemm_op_t op = {
+        .y = dm->x, .ldy = D, .x = dm->o, .ldx = HK, .w = &w->o, .accumulate = 1, .xs = ob};
+    return duet_cuda_gemm_matmul_multi(g, s, T, &op, 1, f);
 }
 
 static duet_status_t duet__mla_layer(duet_cuda_model_t *dm, const duet__shape_t *sh, int64_t l,
@@ -1412,11 +1418,21 @@ static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w
     const duet_model_config_t *c = &dm->cfg;
     const int64_t D = c->hidden_size, I = w->down.shape[1];
     cudaStream_t s = dm->stream;
-    TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I,
-                          c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU,
-                          c->situ_beta, c->situ_linear_beta));
-    return duet_cuda_gemm_matmul(dm->gemm, s, dm->x, D, dm->f1, 2 * I, T, &w->down, 1,
-                                 dm->gemm_flags);
+    const duet_cuda_act_t act = c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU;
+    /* where down multiplies on cuBLASLt, its x goes to the GEMM's staging in bf16 at once */
+    void *hb = w->down.dtype == DUET_DTYPE_BF16 &&
+                       duet_cuda_gemm_tunable(DUET_DTYPE_BF16, T, I, dm->gemm_flags)
+                   ? duet_cuda_gemm_staging(dm->gemm, T * I)
+                   : NULL;
+    if (hb != NULL)
+        TRY(duet_cuda_act_mul_bf16(s, hb, dm->f1, dm->f1 + I, T, I, 2 * I, act, c->situ_beta,
+                                   c->situ_linear_beta));
+    else
+        TRY(duet_cuda_act_mul(s, dm->f1, dm->f1 + I, T, I, 2 * I, act, c->situ_beta,
+                              c->situ_linear_beta));
+    const duet_cuda_gemm_op_t op = {
+        .y = dm->x, .ldy = D, .x = dm->f1, .ldx = 2 * I, .w = &w->down, .accumulate = 1, .xs = hb};
+    return duet_cuda_gemm_matmul_multi(dm->gemm, s, T, &op, 1, dm->gemm_flags);
 }
 
 static duet_status_t duet__mlp(duet_cuda_model_t *dm, const duet__dmlp_t *w, int64_t T,

@@ -115,11 +115,12 @@ typedef struct {
     int64_t ldx;
     const duet_tensor_t *w;
     int accumulate;
-    /* Optional (NULL: none): x already rounded / split by duet_cuda_gemm_split_x (its three
-     * planes, [3][M][K] bf16, K = w's columns). Where the op reaches cuBLASLt (not the GEMV
-     * paths of a few rows, which keep x in fp32), a BF16 w reads plane 0 (x rounded as the
-     * call would round it) instead of converting x, and an F32 w with w_bf16 takes the split
-     * form. */
+    /* Optional (NULL: none): x already rounded to bf16 by its producer, [M][K] contiguous
+     * (K = w's columns), or split by duet_cuda_gemm_split_x / duet_cuda_rmsnorm_planes (its
+     * planes, [3][M][K]). A BF16 w then multiplies plane 0 (x rounded as the call would round
+     * it) on cuBLASLt, and an F32 w with w_bf16 takes the split form, whatever M: x itself is
+     * not read (the GEMV paths of a few rows, which would read it, are skipped). Any other
+     * weight (F16, F32 without w_bf16 or with TF32 asked for) reads x as usual. */
     const void *xs;
     /* Optional (NULL: none), for an F32 w whose every value is a bf16 value: the same matrix
      * as a BF16 tensor. With xs, and TF32 not asked for, the product is w_bf16 times each
@@ -183,6 +184,14 @@ duet_status_t duet_cuda_gemm_matmul_batched(duet_cuda_gemm_t *g, cudaStream_t st
                                             int64_t ldy, int64_t stride_y, const float *x,
                                             int64_t ldx, int64_t stride_x, int64_t M,
                                             const duet_tensor_t *w, int accumulate, unsigned flags);
+
+/*
+ * The handle's staging buffer (where it rounds x for a 16-bit W) when it holds `elems` 16-bit
+ * values, else NULL. A producer of a BF16 op's x may leave it there rounded and pass it as the
+ * op's xs, saving the conversion pass; it stays valid, in stream order, until the handle's
+ * next call that converts an x.
+ */
+void *duet_cuda_gemm_staging(duet_cuda_gemm_t *g, int64_t elems);
 
 /* Algorithms a tuned shape may choose from: the heuristic's first results (tune.h tactics). */
 #define DUET_CUDA_GEMM_TACTICS 4

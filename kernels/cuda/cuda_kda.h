@@ -122,6 +122,9 @@ typedef struct {
  * The mixer after its projections, in one call: conv, prep, core and out with the arguments the
  * four calls above take (n_rows = st->n_rows). Same results and the same buffers written: qkv
  * (from proj), g and beta (prepared in place), o (normed and gated), the items' S and windows.
+ * ob (NULL: none): out's rows go there instead, rounded to bf16 (nearest even), [n_rows][H·K]
+ * contiguous, for a BF16 o_proj to read without a conversion (cuda_gemm.h, an op's xs); o then
+ * holds the core's output, and the chain runs the four kernels.
  * A pure decode step (st->max_item_tokens == 1, no verify item) of at most 768 (item, head) pairs
  * on a device with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four
  * calls and more than twice as fast at batch 1; anything else runs the four calls, which are faster
@@ -131,7 +134,7 @@ typedef struct {
 duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,
                                   const duet_cuda_kda_layer_t *ly, const duet_cuda_kda_weights_t *w,
                                   const float *proj, const float *gate, float *qkv, float *g,
-                                  float *beta, float *o, void *scratch);
+                                  float *beta, float *o, void *ob, void *scratch);
 
 #ifdef __cplusplus
 }

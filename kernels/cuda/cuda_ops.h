@@ -43,6 +43,11 @@ typedef enum { DUET_CUDA_ACT_SILU = 0, DUET_CUDA_ACT_SITU = 1 } duet_cuda_act_t;
 duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up, int64_t M,
                                 int64_t I, int64_t ld, duet_cuda_act_t act, float beta,
                                 float beta_lin);
+/* The same values rounded to bf16 (nearest even) into hb[m][i], [M][I] contiguous, gate left as
+ * it is: a BF16 down projection's x without a conversion (cuda_gemm.h, an op's xs). */
+duet_status_t duet_cuda_act_mul_bf16(cudaStream_t stream, void *hb, const float *gate,
+                                     const float *up, int64_t M, int64_t I, int64_t ld,
+                                     duet_cuda_act_t act, float beta, float beta_lin);
 
 /*
  * MoE routing, per row (kernels/cpu/cpu_moe.h duet_cpu_moe_route): score = σ(logit), choice = score

@@ -1379,10 +1379,10 @@ extern "C" int64_t duet_cuda_gemm_split_count(void)
 /*
  * duet_cuda_gemm_matmul and one op of a multi call. Where the product takes cuBLASLt with a
  * 16-bit W it reads x from the staging in W's dtype: converted here, or, with `staged` set, left
- * there by the caller's earlier call on the same x (rows, stride, dtype and K), or from plane 0
- * of xs (BF16 W). An F32 W with its BF16 twin wb and the planes xs takes the split form (unless
- * TF32 is asked for). The GEMV paths of a few rows keep x in fp32 and read neither. *converted
- * (may be NULL) says whether this call wrote the staging.
+ * there by the caller's earlier call on the same x (rows, stride, dtype and K). With xs, a BF16
+ * W multiplies plane 0 on cuBLASLt and an F32 W with its BF16 twin wb takes the split form
+ * (unless TF32 is asked for), whatever M: neither reads x. *converted (may be NULL) says whether
+ * this call wrote the staging.
  */
 static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, float *y, int64_t ldy,
                                   const float *x, int64_t ldx, int64_t M, const duet_tensor_t *w,
@@ -1397,12 +1397,8 @@ static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, floa
     if (st != DUET_OK)
         return st;
     const int64_t N = w->shape[0], K = w->shape[1];
-    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K, flags))
-        return duet__gemv_one(0, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
-                              accumulate);
-    if (duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K))
-        return duet__gemv_one(1, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
-                              accumulate);
+    if (xs != NULL && w->dtype == DUET_DTYPE_BF16) /* x rounded already: plane 0 */
+        return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, xs, K, M, w, accumulate, flags);
     if (xs != NULL && wb != NULL && w->dtype == DUET_DTYPE_F32 && !(flags & DUET_CUDA_GEMM_TF32)) {
         if (wb->dtype != DUET_DTYPE_BF16 || wb->ndim != 2 || wb->device != DUET_DEVICE_CUDA ||
             wb->data == NULL || wb->shape[0] != N || wb->shape[1] != K)
@@ -1419,10 +1415,14 @@ static duet_status_t duet__matmul(duet_cuda_gemm_t *g, cudaStream_t stream, floa
         }
         return DUET_OK;
     }
+    if (duet__gemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K, flags))
+        return duet__gemv_one(0, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
+                              accumulate);
+    if (duet__tgemv_fits(x, ldx, 0, 1, M, w->data, w->dtype, N, K))
+        return duet__gemv_one(1, stream, y, ldy, 0, x, ldx, 0, M, w->data, w->dtype, N, K, 1,
+                              accumulate);
     if (w->dtype == DUET_DTYPE_F32)
         return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, x, ldx, M, w, accumulate, flags);
-    if (xs != NULL && w->dtype == DUET_DTYPE_BF16) /* x rounded already: plane 0 */
-        return duet_cuda_gemm_matmul_lowp(g, stream, y, ldy, xs, K, M, w, accumulate, flags);
 
     if (!staged) {
         if (M * K > g->stage_elems)
@@ -1474,6 +1474,8 @@ static int duet__multi_one_launch(int64_t M, const duet_cuda_gemm_op_t *ops, int
     int fits = n_ops <= DUET_CUDA_GEMV_MAX_SEGS, fits_tc = fits;
     for (int i = 0; i < n_ops; i++) {
         const int64_t N = ops[i].w->shape[0], K = ops[i].w->shape[1];
+        if (ops[i].xs != NULL) /* read on cuBLASLt only */
+            return 0;
         fits = fits && duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
                                        ops[i].w->dtype, N, K, flags);
         fits_tc = fits_tc && duet__tgemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data,
@@ -1558,7 +1560,7 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         duet_status_t st = duet__check_w(ops[i].w, M, ops[i].ldx, ops[i].ldy, ops[i].x, ops[i].y);
         if (st != DUET_OK)
             return st;
-        fused = fused && ops[i].x == norm->y && ops[i].ldx == norm->ldy &&
+        fused = fused && ops[i].x == norm->y && ops[i].ldx == norm->ldy && ops[i].xs == NULL &&
                 ops[i].w->shape[1] == norm->D &&
                 duet__gemv_fits(ops[i].x, ops[i].ldx, 0, 1, M, ops[i].w->data, ops[i].w->dtype,
                                 ops[i].w->shape[0], ops[i].w->shape[1], flags);
@@ -1601,6 +1603,11 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
 }
 
 /* ---- tactics ------------------------------------------------------------------------------ */
+
+extern "C" void *duet_cuda_gemm_staging(duet_cuda_gemm_t *g, int64_t elems)
+{
+    return g != NULL && elems >= 0 && elems <= g->stage_elems ? g->stage : NULL;
+}
 
 extern "C" void duet_cuda_gemm_set_tuner(duet_cuda_gemm_t *g, const duet_tune_t *t)
 {

@@ -57,6 +57,7 @@
 
 #include <type_traits>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_async.cuh"
@@ -621,7 +622,7 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
 /* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each. */
 __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K,
                                             const float *o_norm, float eps, const float *gate,
-                                            float *o)
+                                            float *o, __nv_bfloat16 *ob)
 {
     constexpr int N = DUET__KDA_LANE_N;
     const int lane = threadIdx.x & 31;
@@ -643,14 +644,20 @@ __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K
         const float inv = 1.0f / sqrtf(ss / (float)K + eps);
 #pragma unroll
         for (int j = 0; j < N; j++)
-            if (lane + 32 * j < K)
-                x[lane + 32 * j] = nv[j] * (xv[j] * inv) * duet__sigmoid(gv[j]);
+            if (lane + 32 * j < K) {
+                const float v = nv[j] * (xv[j] * inv) * duet__sigmoid(gv[j]);
+                if (ob != NULL) /* (uniform per launch) */
+                    ob[wi * K + lane + 32 * j] = __float2bfloat16_rn(v);
+                else
+                    x[lane + 32 * j] = v;
+            }
     }
 }
 
-extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H,
-                                           int64_t K, const float *o_norm, float eps,
-                                           const float *gate, float *o)
+/* duet_cuda_kda_out, into ob as bf16 instead of o in place when ob != NULL (the chain's ob). */
+static duet_status_t duet__kda_out(cudaStream_t stream, int64_t n_rows, int64_t H, int64_t K,
+                                   const float *o_norm, float eps, const float *gate, float *o,
+                                   __nv_bfloat16 *ob)
 {
     if (H < 1 || K < 1 || n_rows < 0)
         return duet_error_set(DUET_ERR_INVALID, "cuda kda out: bad arguments");
@@ -662,9 +669,16 @@ extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, 
     const int th = 256;
     DUET__TRY(duet_pdl_launch(duet__kda_out_kernel,
                               dim3(duet__blocks(n_rows * H, th / 32, 1 << 20)), dim3(th), 0, stream,
-                              n_rows, H, K, o_norm, eps, gate, o),
+                              n_rows, H, K, o_norm, eps, gate, o, ob),
               "out launch");
     return DUET_OK;
+}
+
+extern "C" duet_status_t duet_cuda_kda_out(cudaStream_t stream, int64_t n_rows, int64_t H,
+                                           int64_t K, const float *o_norm, float eps,
+                                           const float *gate, float *o)
+{
+    return duet__kda_out(stream, n_rows, H, K, o_norm, eps, gate, o, NULL);
 }
 
 /* ---- core: recurrent (items of one token) ------------------------------------------------- */
@@ -1011,8 +1025,10 @@ static __device__ __forceinline__ float *duet__kda_wy_block(const duet__kda_core
  * rows past n are zero (β = 0, k = 0, g = 0 change nothing). The copies are asynchronous
  * (cp.async, zero-filled past n), so all of them are in flight at once instead of one round
  * trip per loop iteration, 16 bytes each (4 channels: a quarter of a row never straddles the
- * layout's gaps) when qkv and g are 16-byte aligned, else 4; the function returns once they
- * (and any cp.async the thread issued before) have landed, after a block barrier. */
+ * layout's gaps) when qkv and g are 16-byte aligned, else 4. q, k and g go in one group and v
+ * in a second: the function returns once the first group (and any cp.async the thread issued
+ * before) has landed, after a block barrier, and v lands while steps 2-3 run
+ * (duet__kda_chunk_scale waits for it). */
 template <int K>
 static __device__ __forceinline__ void
 duet__kda_chunk_load(const duet__kda_core_args_t &a, int64_t row0, int n, int64_t h, float *sm)
@@ -1023,26 +1039,32 @@ duet__kda_chunk_load(const duet__kda_core_args_t &a, int64_t row0, int n, int64_
     const int tid = threadIdx.x;
     const bool wide = (((uintptr_t)a.qkv | (uintptr_t)a.g) & 15) == 0; /* uniform per launch */
     const int step = wide ? 4 : 1;
-    for (int idx = tid * step; idx < C * K; idx += NT * step) {
-        const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
-        const bool ok = i < n;
-        const int64_t row = row0 + (ok ? i : 0);
-        const float *qr = a.qkv + row * C3 + h * K + d, *gr = a.g + row * HK + h * K + d;
-        if (wide) {
-            duet__cp_async16(&sm[Ly::Q + c], qr, ok);
-            duet__cp_async16(&sm[Ly::KK + c], qr + HK, ok);
-            duet__cp_async16(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-            duet__cp_async16(&sm[Ly::G + c], gr, ok);
-        } else {
-            duet__cp_async4(&sm[Ly::Q + c], qr, ok);
-            duet__cp_async4(&sm[Ly::KK + c], qr + HK, ok);
-            duet__cp_async4(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
-            duet__cp_async4(&sm[Ly::G + c], gr, ok);
+    for (int part = 0; part < 2; part++) { /* q, k, g; then v */
+        for (int idx = tid * step; idx < C * K; idx += NT * step) {
+            const int i = idx / K, d = idx % K, c = i * KR + Ly::col(d);
+            const bool ok = i < n;
+            const int64_t row = row0 + (ok ? i : 0);
+            const float *qr = a.qkv + row * C3 + h * K + d, *gr = a.g + row * HK + h * K + d;
+            if (part == 1) {
+                if (wide)
+                    duet__cp_async16(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+                else
+                    duet__cp_async4(&sm[Ly::VV + i * VR + d], qr + 2 * HK, ok);
+            } else if (wide) {
+                duet__cp_async16(&sm[Ly::Q + c], qr, ok);
+                duet__cp_async16(&sm[Ly::KK + c], qr + HK, ok);
+                duet__cp_async16(&sm[Ly::G + c], gr, ok);
+            } else {
+                duet__cp_async4(&sm[Ly::Q + c], qr, ok);
+                duet__cp_async4(&sm[Ly::KK + c], qr + HK, ok);
+                duet__cp_async4(&sm[Ly::G + c], gr, ok);
+            }
         }
+        duet__cp_async_commit();
     }
     if (tid < C)
         sm[Ly::B + tid] = tid < n ? a.beta[(row0 + tid) * H + h] : 0.0f;
-    duet__cp_async_wait_all();
+    duet__cp_async_wait<1>();
     __syncthreads();
 }
 
@@ -1180,11 +1202,13 @@ template <int K> static __device__ __forceinline__ void duet__kda_chunk_lqk(floa
 }
 
 /* Step 4, in place: Q ← q e^Γ, K ← k e^{Γlast−Γ}, G ← β k e^Γ (the row's decayed k, scaled by
- * its β: the W of Y = β v − W S). */
+ * its β: the W of Y = β v − W S); and v landed for every thread. */
 template <int K> static __device__ __forceinline__ void duet__kda_chunk_scale(float *sm)
 {
     typedef duet__kda_chunk_layout<K> Ly;
     constexpr int C = Ly::C, KR = Ly::KR, NT = 4 * K;
+    duet__cp_async_wait<0>(); /* this thread's v copies (duet__kda_chunk_load): the barrier at
+                               * the end publishes them for the solve */
     float *sQ = sm + Ly::Q, *sK = sm + Ly::KK, *sG = sm + Ly::G;
     const float *sB = sm + Ly::B, *sGl = sm + Ly::GL;
     for (int idx = 4 * threadIdx.x; idx < C * K; idx += 4 * NT) { /* 4 channels at a time */
@@ -2193,7 +2217,7 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
                                              const duet_cuda_kda_layer_t *ly,
                                              const duet_cuda_kda_weights_t *w, const float *proj,
                                              const float *gate, float *qkv, float *g, float *beta,
-                                             float *o, void *scratch)
+                                             float *o, void *ob, void *scratch)
 {
     duet_status_t s = duet__kda_check(ly, "chain");
     if (s != DUET_OK)
@@ -2208,7 +2232,7 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
     if ((int64_t)st->n_items * ly->H > 0x7fffffff)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda chain: %d items x %lld heads", st->n_items,
                               (long long)ly->H);
-    const bool small = st->max_item_tokens == 1 && !st->any_verify &&
+    const bool small = st->max_item_tokens == 1 && !st->any_verify && ob == NULL &&
                        (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
     int clusters = 0;
     if (small && (s = duet__kda_clusters(&clusters)) != DUET_OK)
@@ -2221,7 +2245,8 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
                                 !normed)) != DUET_OK ||
             (s = duet_cuda_kda_core(stream, st, ly, qkv, g, beta, o, scratch)) != DUET_OK)
             return s;
-        return duet_cuda_kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o);
+        return duet__kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o,
+                             (__nv_bfloat16 *)ob);
     }
     const duet__kda_chain_args_t a = {*st, *ly, *w, proj, gate, qkv, g, beta, o};
     return duet__kda_with_k(

@@ -316,10 +316,11 @@ extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, fl
 
 /* Rows m = blockIdx.y, + gridDim.y, ...; a thread takes VEC adjacent columns of its row (VEC =
  * 4: float4 accesses, the launch checks alignment), so each load moves VEC values and no
- * thread divides its index by I. */
-template <int VEC>
+ * thread divides its index by I. H16: the results go to hb[m][i] as bf16 (nearest even), gate
+ * untouched. */
+template <int VEC, bool H16>
 __global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, int64_t I, int64_t ld,
-                                     int act, float beta, float beta_lin)
+                                     int act, float beta, float beta_lin, __nv_bfloat16 *hb)
 {
     const int64_t i = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     duet_pdl_wait(); /* inputs come from earlier kernels of the step */
@@ -329,23 +330,33 @@ __global__ void duet__act_mul_kernel(float *gate, const float *up, int64_t M, in
     for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
         float *gr = gate + m * ld + i;
         const float *ur = up + m * ld + i;
+        float v[VEC];
         if constexpr (VEC == 4) {
             const float4 g = *reinterpret_cast<const float4 *>(gr);
             const float4 u = *reinterpret_cast<const float4 *>(ur);
-            *reinterpret_cast<float4 *>(gr) =
-                make_float4(duet_act_apply(g.x, u.x, act, beta, beta_lin),
-                            duet_act_apply(g.y, u.y, act, beta, beta_lin),
-                            duet_act_apply(g.z, u.z, act, beta, beta_lin),
-                            duet_act_apply(g.w, u.w, act, beta, beta_lin));
+            v[0] = duet_act_apply(g.x, u.x, act, beta, beta_lin);
+            v[1] = duet_act_apply(g.y, u.y, act, beta, beta_lin);
+            v[2] = duet_act_apply(g.z, u.z, act, beta, beta_lin);
+            v[3] = duet_act_apply(g.w, u.w, act, beta, beta_lin);
         } else {
-            gr[0] = duet_act_apply(gr[0], ur[0], act, beta, beta_lin);
+            v[0] = duet_act_apply(gr[0], ur[0], act, beta, beta_lin);
+        }
+        if constexpr (H16) {
+#pragma unroll
+            for (int k = 0; k < VEC; k++)
+                hb[m * I + i + k] = __float2bfloat16_rn(v[k]);
+        } else if constexpr (VEC == 4) {
+            *reinterpret_cast<float4 *>(gr) = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+            gr[0] = v[0];
         }
     }
 }
 
-extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up,
-                                           int64_t M, int64_t I, int64_t ld, duet_cuda_act_t act,
-                                           float beta, float beta_lin)
+/* duet_cuda_act_mul, or with hb != NULL duet_cuda_act_mul_bf16. */
+static duet_status_t duet__act_mul(cudaStream_t stream, float *gate, const float *up, int64_t M,
+                                   int64_t I, int64_t ld, duet_cuda_act_t act, float beta,
+                                   float beta_lin, __nv_bfloat16 *hb)
 {
     if (M < 0 || I < 0 || ld < I || (M > 0 && I > 0 && (gate == NULL || up == NULL)))
         return duet_error_set(DUET_ERR_INVALID, "cuda act_mul: bad arguments M=%lld I=%lld ld=%lld",
@@ -363,10 +374,35 @@ extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, con
         return duet_error_set(DUET_ERR_RANGE,
                               "cuda act_mul: I=%lld needs more than 2^31 - 1 blocks of a row",
                               (long long)I);
-    const dim3 grid((unsigned)bx, (unsigned)(M < 65535 ? M : 65535));
-    cudaError_t e = vec ? duet_pdl_launch(duet__act_mul_kernel<4>, grid, dim3(threads), 0, stream,
-                                          gate, up, M, I, ld, (int)act, beta, beta_lin)
-                        : duet_pdl_launch(duet__act_mul_kernel<1>, grid, dim3(threads), 0, stream,
-                                          gate, up, M, I, ld, (int)act, beta, beta_lin);
+    const dim3 grid((unsigned)bx, (unsigned)(M < 65535 ? M : 65535)), b(threads);
+    cudaError_t e;
+    if (hb != NULL)
+        e = vec ? duet_pdl_launch(duet__act_mul_kernel<4, true>, grid, b, 0, stream, gate, up, M, I,
+                                  ld, (int)act, beta, beta_lin, hb)
+                : duet_pdl_launch(duet__act_mul_kernel<1, true>, grid, b, 0, stream, gate, up, M, I,
+                                  ld, (int)act, beta, beta_lin, hb);
+    else
+        e = vec ? duet_pdl_launch(duet__act_mul_kernel<4, false>, grid, b, 0, stream, gate, up, M,
+                                  I, ld, (int)act, beta, beta_lin, hb)
+                : duet_pdl_launch(duet__act_mul_kernel<1, false>, grid, b, 0, stream, gate, up, M,
+                                  I, ld, (int)act, beta, beta_lin, hb);
     return duet__launched(e, "act_mul kernel launch");
+}
+
+extern "C" duet_status_t duet_cuda_act_mul(cudaStream_t stream, float *gate, const float *up,
+                                           int64_t M, int64_t I, int64_t ld, duet_cuda_act_t act,
+                                           float beta, float beta_lin)
+{
+    return duet__act_mul(stream, gate, up, M, I, ld, act, beta, beta_lin, NULL);
+}
+
+extern "C" duet_status_t duet_cuda_act_mul_bf16(cudaStream_t stream, void *hb, const float *gate,
+                                                const float *up, int64_t M, int64_t I, int64_t ld,
+                                                duet_cuda_act_t act, float beta, float beta_lin)
+{
+    if (M > 0 && I > 0 && hb == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "cuda act_mul_bf16: NULL output");
+    /* gate is only read with hb; the kernel's gate is non-const for the in-place form */
+    return duet__act_mul(stream, (float *)gate, up, M, I, ld, act, beta, beta_lin,
+                         (__nv_bfloat16 *)hb);
 }

@@ -527,7 +527,7 @@ static void run_chain(const kda_shape_t *sh)
 
 /* ---- the chain entry point ---------------------------------------------------------------- */
 
-static void chain_enqueue(kda_case_t *c, cudaStream_t s)
+static void chain_enqueue(kda_case_t *c, cudaStream_t s, void *ob)
 {
     const int64_t T = c->n_rows;
     const duet_cuda_kda_weights_t w = {.taps = c->d_taps,
@@ -540,7 +540,7 @@ static void chain_enqueue(kda_case_t *c, cudaStream_t s)
     CUDA_OK(cudaMemcpyAsync(c->d_beta, c->d_braw, sizeof(float) * (size_t)(T * c->sh.H),
                             cudaMemcpyDeviceToDevice, s));
     DUET_OK_OR_FAIL(duet_cuda_kda_chain(s, &c->st, &c->ly, &w, c->d_proj, c->d_gate, c->d_qkv,
-                                        c->d_g, c->d_beta, c->d_o, c->d_scr));
+                                        c->d_g, c->d_beta, c->d_o, ob, c->d_scr));
 }
 
 /* Host copies of everything a step writes. */
@@ -570,7 +570,8 @@ static void gpu_out_free(gpu_out_t *r)
 }
 
 /* As run_chain, through duet_cuda_kda_chain; each step first runs the four separate calls
- * (programmatic dependent launch off) from the same pool and compares the two GPU paths. */
+ * (programmatic dependent launch off) from the same pool and compares the two GPU paths, then
+ * the chain once more with ob, whose bf16 rows must be the separate calls' o rounded. */
 static void run_chain_fused(const kda_shape_t *sh)
 {
     kda_case_t c;
@@ -599,7 +600,7 @@ static void run_chain_fused(const kda_shape_t *sh)
         CUDA_OK(cudaMemset(c.d_qkv, 0, sizeof(float) * nq));
         CUDA_OK(cudaMemset(c.d_o, 0, sizeof(float) * ng));
 
-        chain_enqueue(&c, s);
+        chain_enqueue(&c, s, NULL);
         CUDA_OK(cudaStreamSynchronize(s));
         ref_step(&c);
         snprintf(what, sizeof(what), "%s chain step %d (T=%d)", sh->name, step + 1, c.n_rows);
@@ -610,6 +611,19 @@ static void run_chain_fused(const kda_shape_t *sh)
         expect_close(what, "beta ~sep", fus.beta, sep.beta, nb, TOL_FUSED);
         expect_close(what, "o ~sep", fus.o, sep.o, ng, TOL_FUSED);
         expect_close(what, "pool ~sep", fus.pool, sep.pool, c.pool_floats, TOL_FUSED);
+        /* again with ob: the four kernels, out's rows rounded to bf16 into ob, the same bits */
+        CUDA_OK(cudaMemcpy(c.d_pool, d_save, pool_bytes, cudaMemcpyDeviceToDevice));
+        uint16_t *d_ob = dev_alloc(sizeof(uint16_t) * ng), *ob = xmalloc(sizeof(uint16_t) * ng);
+        chain_enqueue(&c, s, d_ob);
+        CUDA_OK(cudaStreamSynchronize(s));
+        CUDA_OK(cudaMemcpy(ob, d_ob, sizeof(uint16_t) * ng, cudaMemcpyDeviceToHost));
+        size_t n_diff = 0;
+        for (size_t i = 0; i < ng; i++)
+            n_diff += ob[i] != duet_f32_to_bf16(sep.o[i]);
+        CHECK(n_diff == 0, "%s: %zu of %zu values of ob are not the separate calls' o rounded",
+              what, n_diff, ng);
+        cudaFree(d_ob);
+        free(ob);
         gpu_out_free(&sep);
         gpu_out_free(&fus);
         for (int i = 0; i < sh->n_items; i++)
@@ -674,14 +688,14 @@ Test(cuda_kda, bad_shapes_refused, .timeout = 30)
     st.n_rows = 1;
     st.n_items = 1;
     ly.K = 24;
-    r = duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+    r = duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
     CHECK(r == DUET_ERR_UNSUPPORTED, "chain K=24: %s", duet_status_name(r));
     ly.K = 64;
-    r = duet_cuda_kda_chain(0, &st, &ly, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+    r = duet_cuda_kda_chain(0, &st, &ly, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
     CHECK(r == DUET_ERR_INVALID, "chain without weights: %s", duet_status_name(r));
     st.n_rows = 0;
     st.n_items = 0;
-    CHECK(duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL) ==
+    CHECK(duet_cuda_kda_chain(0, &st, &ly, &w, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL) ==
           DUET_OK);
 }
 
@@ -1001,7 +1015,7 @@ static void chain_graph(const kda_shape_t *sh)
     case_batch(&c, sh->n_tok);
     CUDA_OK(cudaStreamCreate(&s));
     CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    chain_enqueue(&c, s);
+    chain_enqueue(&c, s, NULL);
     CUDA_OK(cudaStreamEndCapture(s, &graph));
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
     for (int rep = 0; rep < 2; rep++) {
@@ -1199,7 +1213,7 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
                 CUDA_OK(cudaMemcpy(r.g, g0, sizeof(float) * ng, cudaMemcpyDeviceToDevice));
                 CUDA_OK(cudaMemcpy(r.b, b0, sizeof(float) * nb, cudaMemcpyDeviceToDevice));
                 DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g,
-                                                    r.b, r.o, r.scr));
+                                                    r.b, r.o, NULL, r.scr));
                 const float *src[5] = {r.qkv, r.g, r.b, r.o, r.pool};
                 const size_t n[5] = {nq, ng, nb, ng, np};
                 for (int k = 0; k < 5; k++) {
@@ -1210,7 +1224,7 @@ Test(cuda_kda, timing_real_shape, .timeout = 120)
                 CUDA_OK(cudaEventRecord(e0, 0));
                 for (int i = 0; i < iters; i++)
                     DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv,
-                                                        r.g, r.b, r.o, r.scr));
+                                                        r.g, r.b, r.o, NULL, r.scr));
                 CUDA_OK(cudaEventRecord(e1, 0));
                 CUDA_OK(cudaEventSynchronize(e1));
                 CUDA_OK(cudaEventElapsedTime(&ms_chain[v], e0, e1));
@@ -1266,8 +1280,8 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
         CUDA_OK(cudaEventCreate(&e1));
         const int iters = 20;
         float ms_sep = 0.0f, ms_chain = 0.0f;
-        DUET_OK_OR_FAIL(
-            duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b, r.o, NULL));
+        DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g, r.b,
+                                            r.o, NULL, NULL));
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++) {
             DUET_OK_OR_FAIL(duet_cuda_kda_conv(0, &r.st, &r.ly, r.taps, r.proj, r.qkv));
@@ -1281,7 +1295,7 @@ Test(cuda_kda, timing_chain_decode, .timeout = 120)
         CUDA_OK(cudaEventRecord(e0, 0));
         for (int i = 0; i < iters; i++)
             DUET_OK_OR_FAIL(duet_cuda_kda_chain(0, &r.st, &r.ly, &w, r.proj, r.gate, r.qkv, r.g,
-                                                r.b, r.o, NULL));
+                                                r.b, r.o, NULL, NULL));
         CUDA_OK(cudaEventRecord(e1, 0));
         CUDA_OK(cudaEventSynchronize(e1));
         CUDA_OK(cudaEventElapsedTime(&ms_chain, e0, e1));
@@ -1380,8 +1394,8 @@ static void vstep(const vcase_t *v, int n, const int32_t *slot, const int32_t *r
     st.any_verify = any_v;
     if (any_r)
         CHECK(duet_cuda_kda_replay(NULL, &st, &v->ly) == DUET_OK, "replay: %s", duet_error_last());
-    CHECK(duet_cuda_kda_chain(NULL, &st, &v->ly, &v->w, d_p, d_ga, d_qkv, d_g, d_b, d_o, d_scr) ==
-              DUET_OK,
+    CHECK(duet_cuda_kda_chain(NULL, &st, &v->ly, &v->w, d_p, d_ga, d_qkv, d_g, d_b, d_o, NULL,
+                              d_scr) == DUET_OK,
           "chain: %s", duet_error_last());
     CUDA_OK(cudaDeviceSynchronize());
     if (o_h != NULL)

@@ -442,6 +442,25 @@ Test(cuda_ops, act_mul, .timeout = 60)
                act == DUET_CUDA_ACT_SILU ? "SiLU" : "SiTU", (long long)M, (long long)I,
                (long long)ld, e, ACT_TOL);
         CHECK(e <= ACT_TOL, "act_mul %d", act);
+        /* the bf16 form from the original gate: those values rounded, gate left as it was */
+        CUDA_OK(cudaMemcpy(dg, g, sizeof(float) * M * ld, cudaMemcpyHostToDevice));
+        uint16_t *dh = dev_alloc(sizeof(uint16_t) * M * I), *h = xmalloc(sizeof(uint16_t) * M * I);
+        DUET_OK_OR_FAIL(
+            duet_cuda_act_mul_bf16(0, dh, dg, du, M, I, ld, (duet_cuda_act_t)act, beta, beta_lin));
+        host_copy(h, dh, sizeof(uint16_t) * M * I);
+        float *g2 = xmalloc(sizeof(float) * M * ld);
+        host_copy(g2, dg, sizeof(float) * M * ld);
+        CHECK(memcmp(g2, g, sizeof(float) * M * ld) == 0, "act_mul_bf16 wrote gate");
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < I; i++)
+                CHECK(h[m * I + i] == duet_f32_to_bf16(got[m * ld + i]),
+                      "act_mul_bf16 [%lld][%lld]: %04x, act_mul's value rounded %04x", (long long)m,
+                      (long long)i, h[m * I + i], duet_f32_to_bf16(got[m * ld + i]));
+        CHECK(duet_cuda_act_mul_bf16(0, NULL, dg, du, M, I, ld, (duet_cuda_act_t)act, beta,
+                                     beta_lin) == DUET_ERR_INVALID);
+        cudaFree(dh);
+        free(h);
+        free(g2);
         cudaFree(du);
         cudaFree(dg);
         free(got);

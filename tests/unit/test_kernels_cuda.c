@@ -1154,9 +1154,9 @@ Test(kernels_cuda, convert_paths_agree, .timeout = 60)
  * above: within fp32 accumulation error (2e-5, the F32 tolerance) and at most 4x the fp32
  * GEMM's own worst error plus 1e-7, where rounding x to bf16 (the plain BF16 product, measured
  * here too) is off by ~2^-9, so a lost plane would fail it; accumulate adds to y. A BF16 op
- * reading plane 0 equals the op converting x itself, bit for bit; an op with w_bf16 but no xs,
- * or with TF32 asked for, is the F32 weight's own path, bit for bit. duet_cuda_gemm_split_pays
- * and split_x's refusals.
+ * reading plane 0 equals the op converting x itself, bit for bit, and at 2 rows never reads x;
+ * an op with w_bf16 but no xs, or with TF32 asked for, is the F32 weight's own path, bit for
+ * bit. duet_cuda_gemm_split_pays and split_x's refusals.
  */
 Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
 {
@@ -1278,6 +1278,22 @@ Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
     DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, two, 2, 0));
     CUDA_OK(cudaMemcpy(y2m, dy2, y2b, cudaMemcpyDeviceToHost));
     CHECK(memcmp(y2m, y2a, y2b) == 0, "the BF16 op on plane 0 differs from it converting x");
+
+    /* a BF16 op with xs at 2 rows (a GEMV's size) multiplies plane 0 and never reads x: x all
+     * NaN here, the result that of cuBLASLt on the plane */
+    {
+        float *dnan = dev_alloc((size_t)(2 * ld) * 4);
+        CUDA_OK(cudaMemset(dnan, 0xff, (size_t)(2 * ld) * 4));
+        const duet_cuda_gemm_op_t small = {
+            .y = dy2, .ldy = N2, .x = dnan, .ldx = ld, .w = &t2, .xs = dxs};
+        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, 2, &small, 1, 0));
+        CUDA_OK(cudaMemcpy(y2m, dy2, (size_t)(2 * N2) * 4, cudaMemcpyDeviceToHost));
+        DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_lowp(g, 0, dy2, N2, dxs, K, 2, &t2, 0, 0));
+        CUDA_OK(cudaMemcpy(y2a, dy2, (size_t)(2 * N2) * 4, cudaMemcpyDeviceToHost));
+        CHECK(memcmp(y2m, y2a, (size_t)(2 * N2) * 4) == 0 && isfinite(y2m[0]),
+              "a 2-row BF16 op with xs is not cuBLASLt on plane 0");
+        cudaFree(dnan);
+    }
 
     /* when splitting pays, and what split_x refuses */
     CHECK(duet_cuda_gemm_split_pays(DUET_CUDA_GEMM_SPLIT_ROWS, 2304, 0) == 1);
