@@ -1602,12 +1602,12 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
     return DUET_OK;
 }
 
-/* ---- tactics ------------------------------------------------------------------------------ */
-
 extern "C" void *duet_cuda_gemm_staging(duet_cuda_gemm_t *g, int64_t elems)
 {
     return g != NULL && elems >= 0 && elems <= g->stage_elems ? g->stage : NULL;
 }
+
+/* ---- tactics ------------------------------------------------------------------------------ */
 
 extern "C" void duet_cuda_gemm_set_tuner(duet_cuda_gemm_t *g, const duet_tune_t *t)
 {
