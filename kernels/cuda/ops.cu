@@ -264,19 +264,28 @@ static duet_status_t duet__rmsnorm_launch(cudaStream_t stream, float *y, int64_t
     return duet__launched(e, a != NULL ? "add_rmsnorm kernel launch" : "rmsnorm kernel launch");
 }
 
-extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy,
-                                           const float *x, int64_t ldx, const float *w, int64_t M,
-                                           int64_t D, float eps)
+/* duet_cuda_rmsnorm with P planes at xs (0: none), its arguments checked under `name`. */
+static duet_status_t duet__rmsnorm_checked(const char *name, cudaStream_t stream, float *y,
+                                           int64_t ldy, const float *x, int64_t ldx, const float *w,
+                                           int64_t M, int64_t D, float eps, void *xs, int P)
 {
     if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
-        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
+        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL || (P > 0 && xs == NULL))))
         return duet_error_set(DUET_ERR_INVALID,
-                              "cuda rmsnorm: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
+                              "cuda %s: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld", name,
                               (long long)M, (long long)D, (long long)ldx, (long long)ldy);
     if (M == 0 || D == 0)
         return DUET_OK;
     /* x is only read without a; the kernel's x is non-const for the fused variant. */
-    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps, NULL, 0);
+    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps,
+                                (__nv_bfloat16 *)xs, P);
+}
+
+extern "C" duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy,
+                                           const float *x, int64_t ldx, const float *w, int64_t M,
+                                           int64_t D, float eps)
+{
+    return duet__rmsnorm_checked("rmsnorm", stream, y, ldy, x, ldx, w, M, D, eps, NULL, 0);
 }
 
 extern "C" duet_status_t duet_cuda_rmsnorm_planes(cudaStream_t stream, float *y, int64_t ldy,
@@ -286,17 +295,8 @@ extern "C" duet_status_t duet_cuda_rmsnorm_planes(cudaStream_t stream, float *y,
 {
     if (planes != 1 && planes != 3)
         return duet_error_set(DUET_ERR_INVALID, "cuda rmsnorm_planes: %d planes (1 or 3)", planes);
-    if (M > 0 && D > 0 && xs == NULL)
-        return duet_error_set(DUET_ERR_INVALID, "cuda rmsnorm_planes: NULL planes");
-    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
-        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL)))
-        return duet_error_set(DUET_ERR_INVALID,
-                              "cuda rmsnorm_planes: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld",
-                              (long long)M, (long long)D, (long long)ldx, (long long)ldy);
-    if (M == 0 || D == 0)
-        return DUET_OK;
-    return duet__rmsnorm_launch(stream, y, ldy, (float *)x, ldx, NULL, w, M, D, eps,
-                                (__nv_bfloat16 *)xs, planes);
+    return duet__rmsnorm_checked("rmsnorm_planes", stream, y, ldy, x, ldx, w, M, D, eps, xs,
+                                 planes);
 }
 
 extern "C" duet_status_t duet_cuda_add_rmsnorm(cudaStream_t stream, float *y, float *x,

@@ -107,36 +107,46 @@ extern "C" duet_status_t duet_cuda_gather_rows(cudaStream_t stream, float *dst, 
     return DUET_OK;
 }
 
-__global__ static void duet__round_bf16_kernel(float *p, int64_t n)
+/* p[i] = F()(p[i]) for i < n, in place (the elementwise maps below). */
+template <typename F> __global__ static void duet__map_kernel(float *p, int64_t n)
 {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
-        p[i] = __bfloat162float(__float2bfloat16_rn(p[i]));
+        p[i] = F()(p[i]);
 }
 
-extern "C" duet_status_t duet_cuda_round_bf16(cudaStream_t stream, float *p, int64_t n)
+template <typename F>
+static duet_status_t duet__map(cudaStream_t stream, float *p, int64_t n, const char *what)
 {
     if (n <= 0)
         return DUET_OK;
-    duet__round_bf16_kernel<<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
-    DUET__TRY(cudaGetLastError(), "round_bf16 launch");
+    duet__map_kernel<F><<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
+    DUET__TRY(cudaGetLastError(), what);
     return DUET_OK;
 }
 
-__global__ static void duet__neg_exp_kernel(float *p, int64_t n)
+struct duet__round_bf16_op {
+    __device__ float operator()(float v) const
+    {
+        return __bfloat162float(__float2bfloat16_rn(v));
+    }
+};
+
+struct duet__neg_exp_op {
+    __device__ float operator()(float v) const
+    {
+        return -expf(v);
+    }
+};
+
+extern "C" duet_status_t duet_cuda_round_bf16(cudaStream_t stream, float *p, int64_t n)
 {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        p[i] = -expf(p[i]);
+    return duet__map<duet__round_bf16_op>(stream, p, n, "round_bf16 launch");
 }
 
 extern "C" duet_status_t duet_cuda_neg_exp(cudaStream_t stream, float *p, int64_t n)
 {
-    if (n <= 0)
-        return DUET_OK;
-    duet__neg_exp_kernel<<<duet__grid(n, 256), 256, 0, stream>>>(p, n);
-    DUET__TRY(cudaGetLastError(), "neg_exp launch");
-    return DUET_OK;
+    return duet__map<duet__neg_exp_op>(stream, p, n, "neg_exp launch");
 }
 
 extern "C" duet_status_t duet_cuda_copy_bandwidth(size_t bytes, int iters, double *bytes_per_s)
