@@ -523,7 +523,7 @@ __device__ static __forceinline__ void duet__kda_lane_row(const float *p, int la
 
 /*
  * g ← −exp(A_log) · softplus(g + dt_bias), β ← σ(β), and with QK q and k L2-normalised, per
- * (row, head), one warp each. A warp keeps one head (blockIdx.y · warps per block + warp), so
+ * (row, head). A warp keeps one head (blockIdx.y · warps per block + warp), so
  * its dt_bias and −exp(A_log) are loaded once, and walks the rows blockIdx.x, + gridDim.x, ...
  * DUET__KDA_PREP_ROWS at a time: no division per (row, head), and the next rows' loads in flight
  * while a row's results are formed. QK = false: g and β only (the conv normalised q and k:
@@ -619,7 +619,8 @@ extern "C" duet_status_t duet_cuda_kda_prep(cudaStream_t stream, int64_t n_rows,
 
 /* ---- out ---------------------------------------------------------------------------------- */
 
-/* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each. */
+/* o ← o_norm · RMSNorm(o) · σ(gate) per (row, head), one warp each; with ob the results go
+ * there as bf16 instead (duet_cuda_kda_chain's ob) and o is left as it was. */
 __global__ static void duet__kda_out_kernel(int64_t n_rows, int64_t H, int64_t K,
                                             const float *o_norm, float eps, const float *gate,
                                             float *o, __nv_bfloat16 *ob)
