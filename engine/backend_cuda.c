@@ -1503,8 +1503,13 @@ static duet_status_t duet__moe_layer(duet_cuda_model_t *dm, const duet__shape_t 
         duet_cuda_gemm_op_t ops[2] = {
             {.y = dm->router, .ldy = E, .x = dm->xn, .ldx = D, .w = &w->router}, sgu};
         if (split) {
-            TRY(duet_cuda_rmsnorm_planes(s, nrm->y, nrm->ldy, nrm->x, nrm->ldx, nrm->w, T, D,
-                                         nrm->eps, dm->xsplit, 3));
+            /* with BF16 weights the ops read the planes and the experts' MMA path plane 0: then
+             * nothing reads xn itself (the GEMV path would) */
+            float *y = dm->wdt == DUET_DTYPE_BF16 && !duet_cuda_moe_gemv_path(&ex, T, c->top_k)
+                           ? NULL
+                           : nrm->y;
+            TRY(duet_cuda_rmsnorm_planes(s, y, nrm->ldy, nrm->x, nrm->ldx, nrm->w, T, D, nrm->eps,
+                                         dm->xsplit, 3));
             ops[0].xs = ops[1].xs = dm->xsplit;
             ops[0].w_bf16 = &w->router_bf;
             ex.xb = dm->xsplit;
@@ -1637,13 +1642,17 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
                         T));
     for (int64_t l = 0; l < c->num_layers; l++) {
         const duet__dlayer_t *w = &dm->layers[l];
+        /* the mixers read xn only through their first projections (duet__kda_layer,
+         * duet__mla_layer), the dense MLP through its gate|up; the MoE layer's experts read it
+         * too (the layer itself decides when they do not) */
         const duet_cuda_gemm_norm_t in_norm = {.x = dm->x,
                                                .ldx = D,
                                                .w = w->in_norm,
                                                .y = dm->xn,
                                                .ldy = D,
                                                .D = D,
-                                               .eps = c->rms_norm_eps};
+                                               .eps = c->rms_norm_eps,
+                                               .y_unread = 1};
         TRY(c->mixer[l] == DUET_MIXER_KDA ? duet__kda_layer(dm, sh, l, &in_norm)
                                           : duet__mla_layer(dm, sh, l, &in_norm));
         if (mirror)
@@ -1662,7 +1671,8 @@ static duet_status_t duet__enqueue(duet_cuda_model_t *dm, const duet__shape_t *s
                                                  .y = dm->xn,
                                                  .ldy = D,
                                                  .D = D,
-                                                 .eps = c->rms_norm_eps};
+                                                 .eps = c->rms_norm_eps,
+                                                 .y_unread = c->ffn[l] != DUET_FFN_MOE};
         TRY(c->ffn[l] == DUET_FFN_MOE ? duet__moe_layer(dm, sh, l, &post_norm)
                                       : duet__mlp(dm, &w->mlp, T, &post_norm));
     }

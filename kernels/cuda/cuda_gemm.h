@@ -169,6 +169,9 @@ typedef struct {
     int64_t ldy;
     int64_t D;
     float eps;
+    /* Nonzero: nothing reads y after the call but its ops. Where every op multiplies the rows
+     * rounded in the staging (BF16 weights on cuBLASLt), y is then not written at all. */
+    int y_unread;
 } duet_cuda_gemm_norm_t;
 duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream, int64_t M,
                                         const duet_cuda_gemm_norm_t *norm,

@@ -28,7 +28,7 @@ duet_status_t duet_cuda_rmsnorm(cudaStream_t stream, float *y, int64_t ldy, cons
 
 /* duet_cuda_rmsnorm, the rows also left at xs as `planes` (1 or 3) bf16 planes, [planes][M][D]
  * contiguous: what duet_cuda_gemm_split_x makes of y (plane 0 alone with 1), the same bits,
- * without a pass over y of its own. */
+ * without a pass over y of its own. y may be NULL: the planes only. */
 duet_status_t duet_cuda_rmsnorm_planes(cudaStream_t stream, float *y, int64_t ldy, const float *x,
                                        int64_t ldx, const float *w, int64_t M, int64_t D, float eps,
                                        void *xs, int planes);

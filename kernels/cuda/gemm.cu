@@ -1571,17 +1571,24 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
          * conversion pass runs. */
         int round =
             duet__multi_one_launch(M, ops, n_ops, flags) == 0 && M * norm->D <= g->stage_elems;
-        int any = 0;
+        int any = 0, all = 1; /* ops reading the staged rows: any of them, all of them */
         for (int i = 0; round && i < n_ops; i++) {
             const duet_cuda_gemm_op_t *op = &ops[i];
-            any = any ||
-                  (op->x == norm->y && op->ldx == norm->ldy && op->w->dtype == DUET_DTYPE_BF16 &&
-                   op->w->shape[1] == norm->D && op->xs == NULL);
+            const int64_t N = op->w->shape[0], K = op->w->shape[1];
+            const int staged = op->x == norm->y && op->ldx == norm->ldy &&
+                               op->w->dtype == DUET_DTYPE_BF16 && K == norm->D && op->xs == NULL;
+            any = any || staged;
+            all =
+                all && staged &&
+                !duet__gemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K, flags) &&
+                !duet__tgemv_fits(op->x, op->ldx, 0, 1, M, op->w->data, op->w->dtype, N, K);
         }
         round = round && any;
+        /* the caller reads y nowhere else and no op reads it either: only the staged rows */
+        float *ny = round && all && norm->y_unread ? NULL : norm->y;
         duet_status_t st =
-            round ? duet_cuda_rmsnorm_planes(stream, norm->y, norm->ldy, norm->x, norm->ldx,
-                                             norm->w, M, norm->D, norm->eps, g->stage, 1)
+            round ? duet_cuda_rmsnorm_planes(stream, ny, norm->ldy, norm->x, norm->ldx, norm->w, M,
+                                             norm->D, norm->eps, g->stage, 1)
                   : duet_cuda_rmsnorm(stream, norm->y, norm->ldy, norm->x, norm->ldx, norm->w, M,
                                       norm->D, norm->eps);
         if (st != DUET_OK)

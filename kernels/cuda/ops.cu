@@ -146,12 +146,14 @@ __device__ static __forceinline__ void duet__norm_pass_load(float (&p)[U], const
     }
 }
 
-/* y[d] = v, and with P > 0 its first P bf16 terms at xs[t · plane + d] (duet_bf16_split). */
+/* y[d] = v (unless P > 0 and yr is NULL), and with P > 0 its first P bf16 terms at xs[t · plane
+ * + d] (duet_bf16_split). */
 template <int P>
 __device__ static __forceinline__ void duet__norm_store(float *yr, __nv_bfloat16 *xr, int64_t plane,
                                                         int d, float v)
 {
-    yr[d] = v;
+    if (P == 0 || yr != NULL)
+        yr[d] = v;
     if constexpr (P > 0) {
         __nv_bfloat16 h[P];
         duet_bf16_split<P>(v, h);
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(DUET__ROW_THREADS)
     duet_pdl_wait(); /* inputs come from earlier kernels of the step */
     duet_pdl_trigger();
     float *xr = x + (int64_t)blockIdx.x * ldx;
-    float *yr = y + (int64_t)blockIdx.x * ldy;
+    float *yr = y != NULL ? y + (int64_t)blockIdx.x * ldy : NULL; /* NULL: planes only */
     __nv_bfloat16 *sr = P > 0 ? xs + (int64_t)blockIdx.x * D : NULL;
     const float *ar = ADD ? a + (int64_t)blockIdx.x * D : NULL;
     double ss = 0.0;
@@ -269,8 +271,9 @@ static duet_status_t duet__rmsnorm_checked(const char *name, cudaStream_t stream
                                            int64_t ldy, const float *x, int64_t ldx, const float *w,
                                            int64_t M, int64_t D, float eps, void *xs, int P)
 {
-    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || ldy < D ||
-        (M > 0 && D > 0 && (y == NULL || x == NULL || w == NULL || (P > 0 && xs == NULL))))
+    if (M < 0 || D < 0 || M > 0x7fffffff || ldx < D || (y != NULL && ldy < D) ||
+        (M > 0 && D > 0 &&
+         ((y == NULL && P == 0) || x == NULL || w == NULL || (P > 0 && xs == NULL))))
         return duet_error_set(DUET_ERR_INVALID,
                               "cuda %s: bad arguments M=%lld D=%lld ldx=%lld ldy=%lld", name,
                               (long long)M, (long long)D, (long long)ldx, (long long)ldy);

@@ -302,6 +302,30 @@ Test(cuda_ops, rmsnorm_planes, .timeout = 60)
           DUET_ERR_INVALID);
     CHECK(duet_cuda_rmsnorm_planes(0, &one, 1, &one, 1, &one, 1, 1, 1e-6f, NULL, 1) ==
           DUET_ERR_INVALID);
+    /* planes only (y NULL): the same planes, and nothing else written */
+    {
+        const int64_t M2 = 5, D2 = 2304;
+        float *x = xmalloc(sizeof(float) * M2 * D2), *w = xmalloc(sizeof(float) * D2);
+        for (int64_t i = 0; i < M2 * D2; i++)
+            x[i] = rng_f();
+        for (int64_t i = 0; i < D2; i++)
+            w[i] = 1.0f + 0.5f * rng_f();
+        float *dx = dev_copy(x, sizeof(float) * M2 * D2), *dw = dev_copy(w, sizeof(float) * D2);
+        float *dy = dev_alloc(sizeof(float) * M2 * D2);
+        uint16_t *da = dev_alloc(sizeof(uint16_t) * 3 * M2 * D2),
+                 *db = dev_alloc(sizeof(uint16_t) * 3 * M2 * D2);
+        DUET_OK_OR_FAIL(duet_cuda_rmsnorm_planes(0, dy, D2, dx, D2, dw, M2, D2, 1e-6f, da, 3));
+        DUET_OK_OR_FAIL(duet_cuda_rmsnorm_planes(0, NULL, D2, dx, D2, dw, M2, D2, 1e-6f, db, 3));
+        uint16_t *a = xmalloc(sizeof(uint16_t) * 3 * M2 * D2),
+                 *b = xmalloc(sizeof(uint16_t) * 3 * M2 * D2);
+        host_copy(a, da, sizeof(uint16_t) * 3 * M2 * D2);
+        host_copy(b, db, sizeof(uint16_t) * 3 * M2 * D2);
+        CHECK(memcmp(a, b, sizeof(uint16_t) * 3 * M2 * D2) == 0, "planes without y differ");
+        CHECK(duet_cuda_rmsnorm(0, NULL, D2, dx, D2, dw, M2, D2, 1e-6f) == DUET_ERR_INVALID,
+              "rmsnorm without y");
+        cudaFree(dx), cudaFree(dw), cudaFree(dy), cudaFree(da), cudaFree(db);
+        free(x), free(w), free(a), free(b);
+    }
 }
 
 Test(cuda_ops, rmsnorm_bad_arguments, .timeout = 30)

@@ -865,7 +865,9 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 300)
  * staging for the BF16 ops (duet_cuda_rmsnorm_planes), instead of a conversion pass: the normed
  * rows and every product must equal duet_cuda_rmsnorm then duet_cuda_gemm_matmul_multi bit for
  * bit — a BF16 op and an accumulating F32 op on the rows, a BF16 op on other rows between them,
- * in place and strided, D a multiple of 8 and not (the one-element conversion).
+ * in place and strided, D a multiple of 8 and not (the one-element conversion). With y_unread
+ * the rows are still written while the F32 op reads them, and not at all when the BF16 op alone
+ * does (its product unchanged).
  */
 Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
 {
@@ -911,8 +913,15 @@ Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
                     {.y = dy[0], .ldy = N, .x = dn, .ldx = ld, .w = &tb},
                     {.y = dy[1], .ldy = N, .x = dother, .ldx = ld, .w = &tb},
                     {.y = dy[2], .ldy = N, .x = dn, .ldx = ld, .w = &tf, .accumulate = 1}};
-                const duet_cuda_gemm_norm_t nrm = {
-                    .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
+                /* y_unread: the F32 op still reads y, so it must be written */
+                const duet_cuda_gemm_norm_t nrm = {.x = dx,
+                                                   .ldx = ld,
+                                                   .w = dnw,
+                                                   .y = dn,
+                                                   .ldy = ld,
+                                                   .D = D,
+                                                   .eps = 1e-5f,
+                                                   .y_unread = 1};
                 if (way == 0) {
                     DUET_OK_OR_FAIL(duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f));
                     DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, ops, 3, 0));
@@ -939,6 +948,34 @@ Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
                 CHECK(memcmp(got[0][i], got[1][i], (size_t)(M * N) * 4) == 0,
                       "D=%lld in place %d: op %d differs from norm then multi", (long long)D,
                       in_place, i - 1);
+            /* y_unread with the BF16 op alone: y is left as it was, the product the same */
+            if (!in_place) {
+                float *dx = dev_copy(x, (size_t)(M * ld) * 4);
+                float *dn = dev_alloc((size_t)(M * ld) * 4), *dy = dev_alloc((size_t)(M * N) * 4);
+                CUDA_OK(cudaMemset(dn, 0xff, (size_t)(M * ld) * 4));
+                const duet_cuda_gemm_op_t op = {.y = dy, .ldy = N, .x = dn, .ldx = ld, .w = &tb};
+                const duet_cuda_gemm_norm_t nrm = {.x = dx,
+                                                   .ldx = ld,
+                                                   .w = dnw,
+                                                   .y = dn,
+                                                   .ldy = ld,
+                                                   .D = D,
+                                                   .eps = 1e-5f,
+                                                   .y_unread = 1};
+                DUET_OK_OR_FAIL(duet_cuda_gemm_norm_multi(g, 0, M, &nrm, &op, 1, 0));
+                float *yu = xmalloc((size_t)(M * N) * 4), *nu = xmalloc((size_t)(M * ld) * 4);
+                CUDA_OK(cudaMemcpy(yu, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(nu, dn, (size_t)(M * ld) * 4, cudaMemcpyDeviceToHost));
+                CHECK(memcmp(yu, got[0][1], (size_t)(M * N) * 4) == 0,
+                      "D=%lld: the product with y unread differs", (long long)D);
+                int64_t written = 0;
+                for (int64_t i = 0; i < M * ld; i++)
+                    written += !isnan(nu[i]);
+                CHECK(written == 0, "D=%lld: y unread, yet %lld values written", (long long)D,
+                      (long long)written);
+                free(yu), free(nu);
+                cudaFree(dx), cudaFree(dn), cudaFree(dy);
+            }
             printf("[kernels_cuda] norm_multi M=%lld D=%lld%s: rows and 3 products equal to norm "
                    "then multi\n",
                    (long long)M, (long long)D, in_place ? " (in place)" : "");
