@@ -860,6 +860,14 @@ Test(kernels_cuda, norm_multi_vs_norm_then_multi, .timeout = 300)
  * must equal the same op run alone through duet_cuda_gemm_matmul, bit for bit (the same cuBLASLt
  * call on the same bf16 rows), accumulating ones included.
  */
+/* The norm of norm_multi_rounds_in_the_norm: rows of x into y, ld apart, with y_unread. */
+static duet_cuda_gemm_norm_t unread_norm(const float *x, float *y, const float *w, int64_t ld,
+                                         int64_t D)
+{
+    return (duet_cuda_gemm_norm_t){
+        .x = x, .ldx = ld, .w = w, .y = y, .ldy = ld, .D = D, .eps = 1e-5f, .y_unread = 1};
+}
+
 /*
  * At cuBLASLt sizes the norm of duet_cuda_gemm_norm_multi leaves its rows rounded to bf16 in the
  * staging for the BF16 ops (duet_cuda_rmsnorm_planes), instead of a conversion pass: the normed
@@ -914,14 +922,7 @@ Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
                     {.y = dy[1], .ldy = N, .x = dother, .ldx = ld, .w = &tb},
                     {.y = dy[2], .ldy = N, .x = dn, .ldx = ld, .w = &tf, .accumulate = 1}};
                 /* y_unread: the F32 op still reads y, so it must be written */
-                const duet_cuda_gemm_norm_t nrm = {.x = dx,
-                                                   .ldx = ld,
-                                                   .w = dnw,
-                                                   .y = dn,
-                                                   .ldy = ld,
-                                                   .D = D,
-                                                   .eps = 1e-5f,
-                                                   .y_unread = 1};
+                const duet_cuda_gemm_norm_t nrm = unread_norm(dx, dn, dnw, ld, D);
                 if (way == 0) {
                     DUET_OK_OR_FAIL(duet_cuda_rmsnorm(0, dn, ld, dx, ld, dnw, M, D, 1e-5f));
                     DUET_OK_OR_FAIL(duet_cuda_gemm_matmul_multi(g, 0, M, ops, 3, 0));
@@ -954,14 +955,7 @@ Test(kernels_cuda, norm_multi_rounds_in_the_norm, .timeout = 120)
                 float *dn = dev_alloc((size_t)(M * ld) * 4), *dy = dev_alloc((size_t)(M * N) * 4);
                 CUDA_OK(cudaMemset(dn, 0xff, (size_t)(M * ld) * 4));
                 const duet_cuda_gemm_op_t op = {.y = dy, .ldy = N, .x = dn, .ldx = ld, .w = &tb};
-                const duet_cuda_gemm_norm_t nrm = {.x = dx,
-                                                   .ldx = ld,
-                                                   .w = dnw,
-                                                   .y = dn,
-                                                   .ldy = ld,
-                                                   .D = D,
-                                                   .eps = 1e-5f,
-                                                   .y_unread = 1};
+                const duet_cuda_gemm_norm_t nrm = unread_norm(dx, dn, dnw, ld, D);
                 DUET_OK_OR_FAIL(duet_cuda_gemm_norm_multi(g, 0, M, &nrm, &op, 1, 0));
                 float *yu = xmalloc((size_t)(M * N) * 4), *nu = xmalloc((size_t)(M * ld) * 4);
                 CUDA_OK(cudaMemcpy(yu, dy, (size_t)(M * N) * 4, cudaMemcpyDeviceToHost));
