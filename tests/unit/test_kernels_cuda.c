@@ -1187,7 +1187,8 @@ Test(kernels_cuda, convert_paths_agree, .timeout = 60)
  * here too) is off by ~2^-9, so a lost plane would fail it; accumulate adds to y. A BF16 op
  * reading plane 0 equals the op converting x itself, bit for bit, and at 2 rows never reads x;
  * an op with w_bf16 but no xs, or with TF32 asked for, is the F32 weight's own path, bit for
- * bit. duet_cuda_gemm_split_pays and split_x's refusals.
+ * bit. duet_cuda_gemm_split_pays, and the refusals of split_x and of a twin of the wrong shape
+ * or dtype.
  */
 Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
 {
@@ -1324,6 +1325,16 @@ Test(kernels_cuda, split_x_products_keep_fp32, .timeout = 300)
         CHECK(memcmp(y2m, y2a, (size_t)(2 * N2) * 4) == 0 && isfinite(y2m[0]),
               "a 2-row BF16 op with xs is not cuBLASLt on plane 0");
         cudaFree(dnan);
+    }
+
+    /* a twin that is not w's shape in BF16 is refused, naming it */
+    {
+        duet_cuda_gemm_op_t bad = split;
+        bad.w_bf16 = &t2; /* N2 rows, not N */
+        CHECK(duet_cuda_gemm_matmul_multi(g, 0, M, &bad, 1, 0) == DUET_ERR_INVALID);
+        CHECK(strstr(duet_error_last(), "w_bf16") != NULL, "%s", duet_error_last());
+        bad.w_bf16 = &tf; /* F32, not BF16 */
+        CHECK(duet_cuda_gemm_matmul_multi(g, 0, M, &bad, 1, 0) == DUET_ERR_INVALID);
     }
 
     /* when splitting pays, and what split_x refuses */
