@@ -753,7 +753,9 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
  * the fragment's k = 2tg, 2tg+1, 2tg+8, 2tg+9, step two columns 4-7. The same renumbering of x
  * gives the B fragments: lane (g, tg) reads 8 values of x's row g at those columns. So W goes
  * from memory to the tensor cores with no shuffle and no shared memory, each row read in 64-byte
- * runs by four lanes, DUET_TGEMV_U steps in flight.
+ * runs by four lanes. The warp works in stages of DUET_TGEMV_U steps and loads the next stage
+ * before it multiplies this one, so its loads are in flight while it splits x and multiplies
+ * (bench/RESULTS.md, "GEMV on the tensor cores for 3 to 8 rows").
  * x stays fp32 in effect: each value is split into bf16 hi + lo (|x − hi − lo| <= 2^-16 |x|:
  * two roundings to 8 significant bits) and both are multiplied, so each product is within
  * 2^-16 of fp32's (cuBLASLt's path rounds x to bf16: 2^-8).
@@ -764,15 +766,16 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
  * 9 to 16 rows (two n8 tiles) measured slower than cuBLASLt at batch 16, so they stay there.
  * PDL as in the GEMV: the first weight steps are issued before the wait.
  */
-#define DUET_TGEMV_MIN_M 3
-#define DUET_TGEMV_MAX_M 8
-#define DUET_TGEMV_WARPS 8
-#define DUET_TGEMV_U     4  /* 32-column steps of W in flight per warp */
-#define DUET_TGEMV_WANT  16 /* warps per SM the slices aim for */
+#define DUET_TGEMV_MIN_M  3
+#define DUET_TGEMV_MAX_M  8
+#define DUET_TGEMV_WARPS  8
+#define DUET_TGEMV_U      2  /* 32-column steps of W per stage; two stages in flight per warp */
+#define DUET_TGEMV_BLOCKS 3  /* blocks per SM: registers capped at 80 */
+#define DUET_TGEMV_WANT   16 /* warps per SM the slices aim for */
 
 /* Tiles of 16 rows: a segment's start seg.b0 and seg.nb per batch entry count tiles; S warps
  * per tile, DUET_TGEMV_WARPS / S tiles per block. */
-__global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
+__global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
     duet__tgemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M, int S, unsigned tiles)
 {
     __shared__ float red[DUET_TGEMV_WARPS][4][32];
@@ -791,40 +794,47 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
         const int64_t k_beg = slice * ks, k_end = min(sg.K, k_beg + ks);
         const __nv_bfloat16 *w0 = (const __nv_bfloat16 *)sg.w + min(n0 + g, sg.N - 1) * sg.K;
         const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)sg.w + min(n0 + g + 8, sg.N - 1) * sg.K;
-        const bool xok = g < M; /* x rows past M read row 0 and count as zero */
+        const bool xok = g < M; /* x rows past M are zeros, never read */
         const float *xr = sg.x + (int64_t)(xok ? g : 0) * sg.ldx;
         bool waited = args.wait_first != 0;
         if (waited) {
             duet_pdl_wait();
             duet_pdl_trigger();
         }
-        for (int64_t kb = k_beg; kb < k_end; kb += 32 * DUET_TGEMV_U) {
-            uint4 wa[DUET_TGEMV_U], wb[DUET_TGEMV_U];
+        constexpr int U = DUET_TGEMV_U;
+        uint4 wa[U], wb[U]; /* this stage's pieces; the next stage's load before its MMAs */
+        auto load = [&](int64_t kb, uint4(&pa)[U], uint4(&pb)[U]) {
 #pragma unroll
-            for (int u = 0; u < DUET_TGEMV_U; u++) {
+            for (int u = 0; u < U; u++) {
                 const int64_t k = kb + 32 * u + 8 * tg;
                 if (k < k_end) {
-                    wa[u] = duet_ld_weight16(w0 + k);
-                    wb[u] = duet_ld_weight16(w1 + k);
+                    pa[u] = duet_ld_weight16(w0 + k);
+                    pb[u] = duet_ld_weight16(w1 + k);
                 } else {
-                    wa[u] = wb[u] = make_uint4(0, 0, 0, 0);
+                    pa[u] = pb[u] = make_uint4(0, 0, 0, 0);
                 }
             }
+        };
+        load(k_beg, wa, wb);
+        for (int64_t kb = k_beg; kb < k_end; kb += 32 * U) {
+            uint4 na[U], nb[U];
+            load(kb + 32 * U, na, nb);
             if (!waited) { /* the first steps are in flight: now wait for x */
                 duet_pdl_wait();
                 duet_pdl_trigger();
                 waited = true;
             }
 #pragma unroll
-            for (int u = 0; u < DUET_TGEMV_U; u++) {
+            for (int u = 0; u < U; u++) {
                 if (kb + 32 * u >= k_end) /* warp-uniform */
                     break;
                 const int64_t k = kb + 32 * u + 8 * tg;
-                const bool in = k < k_end;
-                const float *p = xr + (in ? k : 0);
-                float4 x0 = *(const float4 *)p, x1 = *(const float4 *)(p + 4);
-                if (!(in && xok))
-                    x0 = x1 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const bool in = k < k_end && xok;
+                float4 x0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), x1 = x0;
+                if (in) {
+                    x0 = *(const float4 *)(xr + k);
+                    x1 = *(const float4 *)(xr + k + 4);
+                }
                 uint32_t h0, l0, h1, l1, h2, l2, h3, l3;
                 duet_split_bf16x2(x0.x, x0.y, &h0, &l0);
                 duet_split_bf16x2(x0.z, x0.w, &h1, &l1);
@@ -834,6 +844,11 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS)
                 duet_mma_bf16(acc, wa[u].x, wb[u].x, wa[u].y, wb[u].y, l0, l1);
                 duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, h2, h3);
                 duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, l2, l3);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                wa[u] = na[u];
+                wb[u] = nb[u];
             }
         }
         if (!waited) { /* a slice with no columns */
