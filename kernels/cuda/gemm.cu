@@ -1499,6 +1499,17 @@ static int duet__multi_one_launch(int64_t M, const duet_cuda_gemm_op_t *ops, int
     return fits ? 1 : fits_tc ? 2 : 0;
 }
 
+/* The ops in one launch of the kind duet__multi_one_launch picked (one: 1 or 2). */
+static duet_status_t duet__multi_launch(cudaStream_t stream, int64_t M,
+                                        const duet_cuda_gemm_op_t *ops, int n_ops, int one)
+{
+    duet__gemv_args_t args;
+    duet__ops_args(ops, n_ops, &args);
+    DUET__TRY(one == 1 ? duet__gemv_run(stream, M, &args) : duet__tgemv_run(stream, M, &args),
+              "multi gemv launch");
+    return DUET_OK;
+}
+
 /*
  * The ops of a multi call, one call each. Ops on the same x rows (one norm's output, say) share
  * its conversion: the staging still holds it, as no op writes what another reads. pre != NULL:
@@ -1543,11 +1554,7 @@ extern "C" duet_status_t duet_cuda_gemm_matmul_multi(duet_cuda_gemm_t *g, cudaSt
     const int one = duet__multi_one_launch(M, ops, n_ops, flags);
     if (one == 0) /* one call each (cuBLASLt, or a GEMV alone) */
         return duet__multi_calls(g, stream, M, ops, n_ops, flags, NULL, 0, 0);
-    duet__gemv_args_t args;
-    duet__ops_args(ops, n_ops, &args);
-    DUET__TRY(one == 1 ? duet__gemv_run(stream, M, &args) : duet__tgemv_run(stream, M, &args),
-              "multi gemv launch");
-    return DUET_OK;
+    return duet__multi_launch(stream, M, ops, n_ops, one);
 }
 
 extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStream_t stream,
@@ -1608,8 +1615,12 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
                                       norm->D, norm->eps);
         if (st != DUET_OK)
             return st;
-        return duet__multi_calls(g, stream, M, ops, n_ops, flags, round ? norm->y : NULL, norm->ldy,
-                                 norm->D);
+        /* then the ops as duet_cuda_gemm_matmul_multi runs them: one launch where they fit */
+        const int one = round ? 0 : duet__multi_one_launch(M, ops, n_ops, flags);
+        if (one == 0)
+            return duet__multi_calls(g, stream, M, ops, n_ops, flags, round ? norm->y : NULL,
+                                     norm->ldy, norm->D);
+        return duet__multi_launch(stream, M, ops, n_ops, one);
     }
     duet__gemv_args_t args;
     duet__ops_args(ops, n_ops, &args);

@@ -699,7 +699,8 @@ Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
  * ~1e-7 relative typically and at most ~2e-6 (72 sequential terms per lane, then 32), so stored
  * rows must agree within 4e-6 relative and products within 4e-6 · S, S = Σ|W|·|xn| (+ |y0|
  * when accumulating) — far below what a wrong scale or a missed element makes (≥ 1e-3 here). M = 3
- * and an in-place norm (x == y) take the two-call path and must be bit-identical. The F32 op alone
+ * to 5 and an in-place norm (x == y) take the two-call path and must be bit-identical, also where
+ * both ops are BF16 and matmul_multi runs them as one tensor-core GEMV launch. The F32 op alone
  * too (a router: 5 blocks, which store the normalised rows between them). Programmatic dependent
  * launch off and on: PDL changes no arithmetic.
  */
@@ -710,17 +711,22 @@ static void norm_multi_run(int64_t N1)
     const int64_t D = 2304, N2 = 40, ld = D + 8;
     uint16_t *w1 = xmalloc((size_t)(N1 * D) * 2);
     float *w1f = xmalloc((size_t)(N1 * D) * 4), *w2 = xmalloc((size_t)(N2 * D) * 4),
-          *nw = xmalloc((size_t)D * 4);
+          *nw = xmalloc((size_t)D * 4), *w2bf = xmalloc((size_t)(N2 * D) * 4);
+    uint16_t *w2b = xmalloc((size_t)(N2 * D) * 2);
     for (int64_t i = 0; i < N1 * D; i++) {
         w1[i] = duet_f32_to_bf16(rng_f());
         w1f[i] = duet_bf16_to_f32(w1[i]);
     }
-    for (int64_t i = 0; i < N2 * D; i++)
+    for (int64_t i = 0; i < N2 * D; i++) {
         w2[i] = rng_f();
+        w2b[i] = duet_f32_to_bf16(w2[i]);
+        w2bf[i] = duet_bf16_to_f32(w2b[i]);
+    }
     for (int64_t i = 0; i < D; i++)
         nw[i] = 1.0f + 0.5f * rng_f();
     void *dw1 = dev_copy(w1, (size_t)(N1 * D) * 2);
     float *dw2 = dev_copy(w2, (size_t)(N2 * D) * 4), *dnw = dev_copy(nw, (size_t)D * 4);
+    void *dw2b = dev_copy(w2b, (size_t)(N2 * D) * 2);
     duet_tensor_t t1 = {.data = dw1,
                         .dtype = DUET_DTYPE_BF16,
                         .device = DUET_DEVICE_CUDA,
@@ -731,12 +737,16 @@ static void norm_multi_run(int64_t N1)
                         .device = DUET_DEVICE_CUDA,
                         .ndim = 2,
                         .shape = {N2, D}};
+    duet_tensor_t t2b = t2;
+    t2b.data = dw2b;
+    t2b.dtype = DUET_DTYPE_BF16;
     int cases = 0;
     double worst_row = 0, worst_y = 0;
     for (int pdl = 0; pdl <= 1; pdl++)
-        for (int f32 = 0; f32 <= 1; f32++) { /* both ops, or the F32 one alone */
+        for (int mode = 0; mode < 3; mode++) { /* both ops, the F32 one alone, two BF16 ops */
+            const int f32 = mode == 1;
             duet_cuda_pdl_set(pdl);
-            for (int64_t M = 1; M <= 3; M++)
+            for (int64_t M = 1; M <= 5; M++)
                 for (int in_place = 0; in_place <= 1; in_place++) {
                     float *x = xmalloc((size_t)(M * ld) * 4), *y0 = xmalloc((size_t)(M * N2) * 4);
                     for (int64_t i = 0; i < M * ld; i++)
@@ -751,7 +761,12 @@ static void norm_multi_run(int64_t N1)
                         float *dy2 = dev_copy(y0, (size_t)(M * N2) * 4);
                         const duet_cuda_gemm_op_t ops[2] = {
                             {.y = dy1, .ldy = N1, .x = dn, .ldx = ld, .w = &t1},
-                            {.y = dy2, .ldy = N2, .x = dn, .ldx = ld, .w = &t2, .accumulate = 1}};
+                            {.y = dy2,
+                             .ldy = N2,
+                             .x = dn,
+                             .ldx = ld,
+                             .w = mode == 2 ? &t2b : &t2,
+                             .accumulate = 1}};
                         const duet_cuda_gemm_norm_t nrm = {
                             .x = dx, .ldx = ld, .w = dnw, .y = dn, .ldy = ld, .D = D, .eps = 1e-5f};
                         duet_status_t st;
@@ -797,7 +812,7 @@ static void norm_multi_run(int64_t N1)
                     }
                     for (int op = f32; op < 2; op++) {
                         const int64_t N = op ? N2 : N1;
-                        const float *wf = op ? w2 : w1f;
+                        const float *wf = op ? (mode == 2 ? w2bf : w2) : w1f;
                         for (int64_t m = 0; m < M; m++)
                             for (int64_t nn = 0; nn < N; nn++) {
                                 double S = op ? fabs(y0[m * N2 + nn]) : 0;
@@ -840,8 +855,8 @@ static void norm_multi_run(int64_t N1)
     printf("norm_multi (N = %lld + 40): %d cases; fused vs rmsnorm + multi: rows max rel %.3g, "
            "products max err/S %.3g (two-call cases bit-identical)\n",
            (long long)N1, cases, worst_row, worst_y);
-    cudaFree(dw1), cudaFree(dw2), cudaFree(dnw);
-    free(w1), free(w1f), free(w2), free(nw);
+    cudaFree(dw1), cudaFree(dw2), cudaFree(dw2b), cudaFree(dnw);
+    free(w1), free(w1f), free(w2), free(w2b), free(w2bf), free(nw);
     duet_cuda_gemm_destroy(g);
 }
 
