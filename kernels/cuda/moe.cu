@@ -22,11 +22,12 @@
  * blocks past the device-side item count exit at once. Each pair's expert output goes to its
  * own row of scratch (out[p], p = t * top_k + k) and a combine kernel adds
  * y[t] += Σ_k wts[t][k] · out[t * top_k + k] in k order, so y sees no float atomics and the
- * result is the same however rows were grouped. At T = 1 on the GEMV path there is no combine
- * kernel: gemv2's blocks cover 32 outputs (a slice) of their pair, each slice has a ticket
- * counter, and the block that brings it to top_k (every pair has its slice in out) adds the
- * slice into y in k order with the combine kernel's arithmetic, so y is bit-identical to a
- * separate combine, with one kernel less at decode.
+ * result is the same however rows were grouped. Up to DUET__MOE_TICKET_T tokens on the GEMV
+ * path there is no combine kernel: gemv2's blocks cover 32 outputs (a slice) of their slot's
+ * pairs, each (token, slice) has a ticket counter, and the block that brings it to the token's
+ * pair count (every pair of the token has its slice in out) adds the slice into y in k order
+ * with the combine kernel's arithmetic, so y is bit-identical to a separate combine, with one
+ * kernel less at decode and in a k = 1 verify step.
  * A shared expert of the same shape (duet_cuda_experts_t's sw*) rides along on the GEMV path: at
  * T = 1 as one more slot, P, computed into row P of h and out; at T > 1 as expert E, whose list
  * the plan fills with pairs P + t (rows P + t of h and out). Its output is added after the
@@ -97,7 +98,7 @@
 #define DUET__MOE_PATH_AUTO        0
 #define DUET__MOE_PATH_GEMV        1
 #define DUET__MOE_PATH_MMA         2
-#define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T = 1: the combine kernel, not tickets */
+#define DUET__MOE_SEPARATE_COMBINE 0x2000 /* GEMV, T <= 2: the combine kernel, not tickets */
 #define DUET__MOE_T1_DEEP          0x4000 /* GEMV, T = 1: the uncapped kernels (DUET__GV_U13_DEEP) */
 #define DUET__MOE_SPB_SHIFT        20     /* GEMV, T > 1: the slices per block (see above) */
 #define DUET__MOE_MMA_SYNC         0x1000000 /* MMA: the mma.sync kernels */
@@ -112,6 +113,10 @@
 #define DUET__GV_UNROLL    2   /* 16-byte chunks per lane per weight row in flight */
 #define DUET__GV_SPB       4   /* slices per block of the multi-slice kernels ... */
 #define DUET__GV_SPB_SLOTS 256 /* ... from this many slots on (duet__gemv_spb) */
+/* Up to this many tokens gemv2 adds into y through tickets instead of a combine kernel: from 5
+ * tokens on, with dozens of slots, the tickets cost gemv2 more than the combine kernel takes
+ * (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets"). */
+#define DUET__MOE_TICKET_T 2
 /* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (at 80 registers, 3 per
  * SM, it was slower than one slice per block). Its down kernel stays uncapped: at 3 per SM it
  * spills and was slower (bench/RESULTS.md, "MoE GEMV at T > 1: four slices per block"). */
@@ -1263,11 +1268,11 @@ static __device__ __forceinline__ void duet__gemv2_row_ptrs(const uint4 *(&w)[DU
     }
 }
 
-/* No plan (T = 1): the gate/up tickets of gemv2 start at 0; every block of the grid clears its
- * share, after its PDL wait (the previous call's gemv2 read them). */
+/* gemv2's tickets start at 0: every block of the gate/up grid clears its share, after its PDL
+ * wait (the previous call's gemv2 read them). */
 static __device__ __forceinline__ void duet__gemv13_clear_tickets(const duet__moe_plan_t &pl)
 {
-    if (pl.list == NULL && pl.cnt != NULL) {
+    if (pl.cnt != NULL) {
         const int nb = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
         for (int i = b * blockDim.x + threadIdx.x; i < pl.n_cnt; i += nb * blockDim.x)
             pl.cnt[i] = 0;
@@ -1485,13 +1490,19 @@ static __device__ __forceinline__ void duet__moe_gemv2_body(const void *w2, cons
      * barrier orders every thread's stores before the counting thread's fence, which makes them
      * visible with its atomic: one fence per row, not one per thread, which measured a little
      * faster: bench/RESULTS.md, "MoE at T = 1: gemv2's tickets"); the block that completes a
-     * row (count top_k) reads the other blocks' slices from L2. */
+     * row reads the other blocks' slices from L2. A row is complete when every pair of it has
+     * counted: with the plan (T > 1) those with a valid expert, which it lists, plus the shared
+     * expert's; without (T = 1) every pair, each its own slot. */
     __syncthreads();
     if (threadIdx.x < (unsigned)n) {
         __threadfence();
         const int t = duet__pair_row(pl, pairs[threadIdx.x]);
+        int pairs_t = pl.top_k;
+        if (pl.list != NULL)
+            for (int k = 0; k < pl.top_k; k++)
+                pairs_t -= duet__pair_expert(pl.idx, pl.P, pl.E, t * pl.top_k + k) < 0;
         const int c = atomicAdd(pl.cnt + (size_t)t * pl.n_slices + blockIdx.y, 1);
-        done[threadIdx.x] = c == pl.top_k + pl.shared - 1 ? t : -1;
+        done[threadIdx.x] = c == pairs_t + pl.shared - 1 ? t : -1;
         __threadfence();
     }
     __syncthreads();
@@ -1822,8 +1833,8 @@ static duet__moe_layout_t duet__moe_layout(int64_t T, int64_t top_k, int64_t E, 
     at += duet__align256((size_t)L.max_slots * sizeof(int2));
     L.tiles = at;
     at += duet__align256((size_t)L.max_tiles * sizeof(int2));
-    L.cnt = at; /* tickets: T = 1 only */
-    at += duet__align256((size_t)L.n_slices * sizeof(int));
+    L.cnt = at; /* tickets: T <= DUET__MOE_TICKET_T only, one per row and slice */
+    at += duet__align256((size_t)(T <= DUET__MOE_TICKET_T ? T : 1) * L.n_slices * sizeof(int));
     L.hist = at; /* the plan's counts per block and expert */
     at += duet__align256((size_t)DUET__PLAN_MAX_BLOCKS * (E + 1) * sizeof(int));
     L.xb = at;
@@ -2235,20 +2246,17 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     float *h = (float *)(base + L.h), *out = (float *)(base + L.out);
 
     /*
-     * One token on the GEMV path needs no grouping: each pair is its own slot (direct mode), and
-     * gemv2 adds into y through its tickets, faster than the combine kernel; blocks owning a
-     * slice of outputs for all top_k pairs, one-wave kernels streaming weight chunks through
-     * shared memory, and one kernel for the router, the routing and both phases were no better.
-     * For T > 1 the combine kernel: there tickets cost a fence and an atomic round trip in each
-     * of thousands of gemv2 blocks (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets").
+     * One token on the GEMV path needs no grouping: each pair is its own slot (direct mode). Up
+     * to DUET__MOE_TICKET_T tokens gemv2 adds into y through its tickets, faster than the combine
+     * kernel; blocks owning a slice of outputs for all top_k pairs, one-wave kernels streaming
+     * weight chunks through shared memory, and one kernel for the router, the routing and both
+     * phases were no better. Past that the combine kernel: there tickets cost a fence and an
+     * atomic round trip in each of thousands of gemv2 blocks (bench/RESULTS.md, "MoE at T = 1:
+     * gemv2's tickets").
      */
     const int direct = path == DUET__MOE_PATH_GEMV && T == 1;
     /* pairs the plan groups: the routed ones, then the shared expert's T rows (expert E) */
     const int64_t Ps = P + (shared && !direct ? T : 0);
-    if (direct && !separate) {
-        pl.cnt = (int *)(base + L.cnt);
-        pl.n_cnt = (int)L.n_slices;
-    }
     if (direct) {
         pl.list = NULL;
         if (shared) {
@@ -2311,6 +2319,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
             max_slots = P + shared;
         const int spb = force_spb > 0 && !direct ? (force_spb > 1 ? DUET__GV_SPB : 1)
                                                  : duet__gemv_spb(max_slots, direct);
+        /* tickets only on the one-slice kernels: the multi-slice ones have none */
+        if (!separate && T <= DUET__MOE_TICKET_T && spb == 1) {
+            pl.cnt = (int *)(base + L.cnt);
+            pl.n_cnt = (int)(T * L.n_slices);
+        }
         switch (ex->dtype) {
         case DUET_DTYPE_BF16:
             st = duet__launch_gemv_nr<DUET_DTYPE_BF16>(nrmax, spb, direct, deep, stream, ex, x, pl,

@@ -42,12 +42,13 @@ duet_status_t duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_e
 int duet__cuda_moe_wgmma_default(int64_t D, int64_t I);
 
 /* PATH_NO_PDL is this file's: moe_call turns programmatic dependent launch off around the call
- * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: at T = 1 on the GEMV path, the combine kernel
- * after gemv2 instead of gemv2 adding into y through tickets (for T > 1 the GEMV path always
- * launches the combine kernel). PATH_DEEP is moe.cu's too: at T = 1 on the GEMV path, the
- * expert kernels without their register cap, with more of each row in flight. PATH_EARLY is
- * this file's: moe_case passes the norm's source row (duet_cuda_experts_t's norm_x, norm_w), so
- * that the folded shared expert forms its input itself and runs ahead of the routing. */
+ * (duet_cuda_pdl_set). PATH_SEPARATE is moe.cu's: up to 2 rows on the GEMV path, the combine
+ * kernel after gemv2 instead of gemv2 adding into y through tickets (past 2 rows, and on the
+ * multi-slice kernels, the GEMV path always launches the combine kernel). PATH_DEEP is moe.cu's
+ * too: at T = 1 on the GEMV path, the expert kernels without their register cap, with more of each
+ * row in flight. PATH_EARLY is this file's: moe_case passes the norm's source row
+ * (duet_cuda_experts_t's norm_x, norm_w), so that the folded shared expert forms its input itself
+ * and runs ahead of the routing. */
 enum {
     PATH_AUTO = 0,
     PATH_GEMV = 1,
@@ -1055,7 +1056,7 @@ static int path_family(int path, int auto_is_mma, const experts_t *X)
  * Runs one configuration on the given paths; returns the max error over them. With n_bad > 0,
  * that many pairs get an invalid expert id (-1 or E), which must add nothing (the reference
  * skips them). Every GEMV-path variant (PDL off, a separate combine kernel instead of gemv2's
- * tickets at T = 1, the uncapped T = 1 kernels, the automatic choice where it is GEMV) must give
+ * tickets up to T = 2, the uncapped T = 1 kernels, the automatic choice where it is GEMV) must give
  * bit-identical y: each pair's dot products have one operation order, and y gets Σ_k in k order
  * with the combine kernel's arithmetic. The same holds among the MMA-path variants of one
  * kind (mma.sync, wgmma); the two kinds may round their sums differently (both against the
@@ -1229,7 +1230,7 @@ static double moe_case(duet_kernels_t *cpu, const experts_t *X, int64_t T, int64
     return worst;
 }
 
-/* Small dims, T in {1, 5, 64, 300}, BF16 on both paths (and the GEMV path's variants, which
+/* Small dims, T in {1, 2, 5, 64, 300}, BF16 on both paths (and the GEMV path's variants, which
  * must agree bit for bit, among them 1 and 4 slices per block), F32 and F16 on the GEMV path;
  * some invalid expert ids. */
 Test(cuda_ops, moe_experts_small, .timeout = 300)
@@ -1237,13 +1238,13 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
     skip_without_device();
     duet_kernels_t *cpu = cpu_create();
     const int64_t E = 8, K = 2, D = 128, I = 96;
-    const int64_t Ts[] = {1, 5, 64, 300};
+    const int64_t Ts[] = {1, 2, 5, 64, 300};
     const act_cfg_t silu = {DUET_CUDA_ACT_SILU, 0, 0}, situ = {DUET_CUDA_ACT_SITU, 2.0f, 6.0f};
     const duet_dtype_t dts[] = {DUET_DTYPE_BF16, DUET_DTYPE_F32, DUET_DTYPE_F16};
     for (size_t di = 0; di < 3; di++) {
         experts_t X;
         experts_make(&X, dts[di], E, I, D);
-        for (size_t ti = 0; ti < 4; ti++) {
+        for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
             const int64_t T = Ts[ti];
             const int am = auto_mma(&X, T, K);
             static const int bf16_paths[] = {PATH_AUTO,
@@ -1427,7 +1428,7 @@ Test(cuda_ops, moe_experts_small, .timeout = 300)
  * and forced to 1), T = 600 on both paths (the plan in several blocks; x also handed over as
  * bf16, PATH_XB, which the MMA path must read to the same bits), T = 1 and 8 on the
  * automatic (GEMV) path, which must match its variants bit for bit (separate combine kernel, no
- * PDL, at T = 1 the uncapped kernels). */
+ * PDL, at T = 1 the uncapped kernels); the shared expert folded in at T = 2, 5 and 8. */
 Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
 {
     skip_without_device();
@@ -1467,6 +1468,9 @@ Test(cuda_ops, moe_experts_real_dims, .timeout = 300)
           "the GEMV kernels take 5 and 8 rows at the real dims");
     static const int verify[] = {PATH_AUTO, PATH_GEMV | PATH_NO_PDL, GEMV_SPB(4)};
     moe_case(cpu, &X, 5, 8, &silu, verify, 3, 0, 0, 1);
+    /* a k = 1 verify: 2 rows, gemv2's tickets against the combine kernel */
+    static const int verify2[] = {PATH_AUTO, PATH_GEMV | PATH_SEPARATE, GEMV_SPB(4)};
+    moe_case(cpu, &X, 2, 8, &silu, verify2, 3, 0, 0, 1);
     moe_case(cpu, &X, 8, 8, &silu, verify, 3, 0, 0, 1);
     experts_free(&X);
     duet_kernels_destroy(cpu);
