@@ -537,10 +537,11 @@ static duet_status_t duet__layer_weights(duet_cuda_model_t *dm, int64_t l, const
         const duet_tensor_t *rg = mw ? &mw->gate : NULL;
         TRY(duet__weight(dm, fh, DUET_DTYPE_F32, &rg, 1, E, D, seed, &d->router));
         /* The checkpoints store the router in bf16 (and random weights mirror them): its values
-         * are then bf16 values, which the prefill router multiplies on the tensor cores. */
+         * are then bf16 values, which the prefill router multiplies on the tensor cores, where
+         * the workspace has room for the split x (duet__alloc_workspace). */
         if (!fh)
             TRY(duet_cuda_round_bf16(dm->stream, d->router.data, E * D));
-        if (!fh || duet__bf16_valued(rg)) {
+        if ((!fh || duet__bf16_valued(rg)) && duet_cuda_gemm_split_pays(dm->T, D, 0)) {
             int64_t s_r[2] = {E, D};
             TRY(duet__dtensor(dm, DUET_DTYPE_BF16, 2, s_r, &d->router_bf));
             TRY(duet_cuda_convert_from_f32(d->router_bf.data, DUET_DTYPE_BF16, d->router.data, D, E,

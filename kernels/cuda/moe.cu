@@ -82,6 +82,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_cvt.cuh"
+#include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_norm.cuh"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/cuda_pdl.cuh"
@@ -1750,16 +1751,6 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
         }
 }
 
-/* xb[t][d] = bf16(x[t][d]), round to nearest even. */
-__global__ void duet__to_bf16_kernel(__nv_bfloat16 *xb, const float *x, int64_t n)
-{
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    duet_pdl_wait(); /* x */
-    duet_pdl_trigger();
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        xb[i] = __float2bfloat16_rn(x[i]);
-}
-
 /* ---- combine -------------------------------------------------------------------------------- */
 
 /* y[t] += Σ_k wts[t][k] · out[t * top_k + k], k in order, then out[P + t] when the shared
@@ -2292,11 +2283,10 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         const __nv_bfloat16 *xb = (const __nv_bfloat16 *)ex->xb;
         if (xb == NULL) { /* round x here */
             __nv_bfloat16 *xr = (__nv_bfloat16 *)(base + L.xb);
-            const int64_t n = T * D;
-            const unsigned nb = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
-            DUET__TRY(
-                duet_pdl_launch(duet__to_bf16_kernel, dim3(nb), dim3(256), 0, stream, xr, x, n),
-                "x to bf16 kernel launch");
+            const duet_status_t st =
+                duet_cuda_convert_from_f32(xr, DUET_DTYPE_BF16, x, D, T, D, stream);
+            if (st != DUET_OK)
+                return st;
             xb = xr;
         }
         int64_t max_tiles = (P + bm - 1) / bm + A; /* each expert's last tile may be partial */
