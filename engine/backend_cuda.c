@@ -1304,6 +1304,16 @@ typedef struct {
     int rows, plain; /* a graph's key beside n_items and sample (duet__graph_t) */
 } duet__shape_t;
 
+/* Where a BF16 w multiplies T rows on cuBLASLt, the GEMM's staging, for the producer of its x
+ * to leave the rows there in bf16 (the op's xs); else NULL, and x is read as usual. */
+static void *duet__bf16_x(duet_cuda_gemm_t *g, const duet_tensor_t *w, int64_t T, unsigned flags)
+{
+    const int64_t K = w->shape[1];
+    return w->dtype == DUET_DTYPE_BF16 && duet_cuda_gemm_tunable(DUET_DTYPE_BF16, T, K, flags)
+               ? duet_cuda_gemm_staging(g, T * K)
+               : NULL;
+}
+
 /*
  * Each block's first projections read xn = RMSNorm(x) of the layer's norm `nrm`: they go through
  * duet_cuda_gemm_norm_multi, which at decode sizes normalises inside the projection's own launch
@@ -1346,9 +1356,7 @@ static duet_status_t duet__kda_layer(duet_cuda_model_t *dm, const duet__shape_t 
                                         .o_norm = w->o_norm,
                                         .eps = c->rms_norm_eps};
     /* where o_proj multiplies on cuBLASLt, out leaves its rows in bf16 in the GEMM's staging */
-    void *ob = w->o.dtype == DUET_DTYPE_BF16 && duet_cuda_gemm_tunable(DUET_DTYPE_BF16, T, HK, f)
-                   ? duet_cuda_gemm_staging(g, T * HK)
-                   : NULL;
+    void *ob = duet__bf16_x(g, &w->o, T, f);
     TRY(duet_cuda_kda_chain(s, &dm->step, &ly, &kw, dm->proj, dm->gate, dm->qkv, dm->gk, dm->beta,
                             dm->o, ob, dm->kda_scratch));
     const duet_cuda_gemm_op_t op = {
@@ -1421,10 +1429,7 @@ static duet_status_t duet__mlp_rest(duet_cuda_model_t *dm, const duet__dmlp_t *w
     cudaStream_t s = dm->stream;
     const duet_cuda_act_t act = c->act == DUET_ACT_SITU ? DUET_CUDA_ACT_SITU : DUET_CUDA_ACT_SILU;
     /* where down multiplies on cuBLASLt, its x goes to the GEMM's staging in bf16 at once */
-    void *hb = w->down.dtype == DUET_DTYPE_BF16 &&
-                       duet_cuda_gemm_tunable(DUET_DTYPE_BF16, T, I, dm->gemm_flags)
-                   ? duet_cuda_gemm_staging(dm->gemm, T * I)
-                   : NULL;
+    void *hb = duet__bf16_x(dm->gemm, &w->down, T, dm->gemm_flags);
     if (hb != NULL)
         TRY(duet_cuda_act_mul_bf16(s, hb, dm->f1, dm->f1 + I, T, I, 2 * I, act, c->situ_beta,
                                    c->situ_linear_beta));

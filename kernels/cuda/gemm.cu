@@ -1591,8 +1591,8 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         /* One call per op: where one of them would round the rows to bf16 for cuBLASLt, the
          * norm leaves them rounded in the staging as it stores them (the same values), and no
          * conversion pass runs. */
-        int round =
-            duet__multi_one_launch(M, ops, n_ops, flags) == 0 && M * norm->D <= g->stage_elems;
+        const int one = duet__multi_one_launch(M, ops, n_ops, flags);
+        int round = one == 0 && M * norm->D <= g->stage_elems;
         int any = 0, all = 1; /* ops reading the staged rows: any of them, all of them */
         for (int i = 0; round && i < n_ops; i++) {
             const duet_cuda_gemm_op_t *op = &ops[i];
@@ -1616,7 +1616,6 @@ extern "C" duet_status_t duet_cuda_gemm_norm_multi(duet_cuda_gemm_t *g, cudaStre
         if (st != DUET_OK)
             return st;
         /* then the ops as duet_cuda_gemm_matmul_multi runs them: one launch where they fit */
-        const int one = round ? 0 : duet__multi_one_launch(M, ops, n_ops, flags);
         if (one == 0)
             return duet__multi_calls(g, stream, M, ops, n_ops, flags, round ? norm->y : NULL,
                                      norm->ldy, norm->D);
