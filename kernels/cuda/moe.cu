@@ -118,6 +118,8 @@
  * tokens on, with dozens of slots, the tickets cost gemv2 more than the combine kernel takes
  * (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets"). */
 #define DUET__MOE_TICKET_T 2
+/* Below this many tokens the combine kernel splits each row over blocks (its launch). */
+#define DUET__COMBINE_SPLIT_T 128
 /* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (at 80 registers, 3 per
  * SM, it was slower than one slice per block). Its down kernel stays uncapped: at 3 per SM it
  * spills and was slower (bench/RESULTS.md, "MoE GEMV at T > 1: four slices per block"). */
@@ -1755,6 +1757,7 @@ __global__ void __launch_bounds__(DUET__MMA_THREADS)
 
 /* y[t] += Σ_k wts[t][k] · out[t * top_k + k], k in order, then out[P + t] when the shared
  * expert is folded in; a pair with an invalid expert adds nothing (the plan skipped it too).
+ * Block (t, part) covers float4s part·blockDim.x + i of row t, striding by gridDim.y·blockDim.x.
  * D is a multiple of 4. */
 __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32_t *idx,
                                          const float *wts, int top_k, int E, int D, int P,
@@ -1764,19 +1767,23 @@ __global__ void duet__moe_combine_kernel(float *y, const float *out, const int32
     float4 *yr = reinterpret_cast<float4 *>(y + t * D);
     duet_pdl_wait(); /* out */
     duet_pdl_trigger();
-    for (int d4 = threadIdx.x; d4 < D / 4; d4 += blockDim.x) {
+    for (int d4 = (int)(blockIdx.y * blockDim.x + threadIdx.x); d4 < D / 4;
+         d4 += (int)(gridDim.y * blockDim.x)) {
         float4 a = yr[d4];
+        /* out's row exists for every pair (garbage for an invalid one, never used), so the
+         * loads of all pairs can be in flight together */
+#pragma unroll 8
         for (int k = 0; k < top_k; k++) {
             const int64_t p = t * top_k + k;
             const int e = idx[p];
-            if (e < 0 || e >= E)
-                continue;
             const float w = wts[p];
             const float4 o = reinterpret_cast<const float4 *>(out + p * D)[d4];
-            a.x = __fadd_rn(a.x, __fmul_rn(w, o.x));
-            a.y = __fadd_rn(a.y, __fmul_rn(w, o.y));
-            a.z = __fadd_rn(a.z, __fmul_rn(w, o.z));
-            a.w = __fadd_rn(a.w, __fmul_rn(w, o.w));
+            if (e >= 0 && e < E) {
+                a.x = __fadd_rn(a.x, __fmul_rn(w, o.x));
+                a.y = __fadd_rn(a.y, __fmul_rn(w, o.y));
+                a.z = __fadd_rn(a.z, __fmul_rn(w, o.z));
+                a.w = __fadd_rn(a.w, __fmul_rn(w, o.w));
+            }
         }
         if (shared) {
             const float4 o = reinterpret_cast<const float4 *>(out + (P + t) * D)[d4];
@@ -2336,9 +2343,14 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
         return st;
     if (pl.cnt != NULL)
         return DUET_OK; /* gemv2 added into y */
-    DUET__TRY(duet_pdl_launch(duet__moe_combine_kernel, dim3((unsigned)T), dim3(256), 0, stream, y,
-                              (const float *)out, idx, wts, (int)top_k, (int)E, (int)D, (int)P,
-                              shared),
+    /* A block per row fills the GPU at prefill sizes. A few rows (verify steps, small batches)
+     * split each row over blocks of 128 threads, so that their loads spread over many SMs
+     * instead of queueing in a few (bench/RESULTS.md, "MoE combine: a few rows over many
+     * blocks"). */
+    const int parts = T < DUET__COMBINE_SPLIT_T ? (int)(D / 4 + 127) / 128 : 1;
+    DUET__TRY(duet_pdl_launch(duet__moe_combine_kernel, dim3((unsigned)T, (unsigned)parts),
+                              dim3(parts > 1 ? 128 : 256), 0, stream, y, (const float *)out, idx,
+                              wts, (int)top_k, (int)E, (int)D, (int)P, shared),
               "combine kernel launch");
     return DUET_OK;
 }
