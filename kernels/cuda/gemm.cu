@@ -759,10 +759,11 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
  * x stays fp32 in effect: each value is split into bf16 hi + lo (|x − hi − lo| <= 2^-16 |x|:
  * two roundings to 8 significant bits) and both are multiplied, so each product is within
  * 2^-16 of fp32's (cuBLASLt's path rounds x to bf16: 2^-8).
- * When the tiles alone make too few warps to keep HBM busy (o_proj: 144 tiles of 16 rows), the
- * S warps of a block split one tile's columns (S = 1, 2, 4 or 8: the fewest that make
- * DUET_TGEMV_WANT warps per SM) and meet in shared memory, added in slice order, so the result
- * depends on the shape only.
+ * When the tiles alone make too few warps to keep HBM busy, the S warps of a block split one
+ * tile's columns (S = 1, 2, 4 or 8: the fewest that make DUET_TGEMV_WANT warps per SM) and meet
+ * in shared memory, added in slice order, so the result depends on the shape only. Where even 8
+ * slices fall short (o_proj: 144 tiles of 16 rows, one block on most SMs), the tiles are 8 rows
+ * of W on the mma's n side instead (duet__tgemv_kernel<8>), twice the warps.
  * 9 to 16 rows (two n8 tiles) measured slower than cuBLASLt at batch 16, so they stay there.
  * PDL as in the GEMV: the first weight steps are issued before the wait.
  */
@@ -773,11 +774,22 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
 #define DUET_TGEMV_BLOCKS 3  /* blocks per SM: registers capped at 80 */
 #define DUET_TGEMV_WANT   16 /* warps per SM the slices aim for */
 
-/* Tiles of 16 rows: a segment's start seg.b0 and seg.nb per batch entry count tiles; S warps
- * per tile, DUET_TGEMV_WARPS / S tiles per block. */
+/*
+ * Tiles of TR rows: a segment's start seg.b0 and seg.nb per batch entry count tiles; S warps per
+ * tile, DUET_TGEMV_WARPS / S tiles per block. TR = 16: W is the m16 side, lane (g, tg) loads
+ * rows g and g + 8, x's hi and lo are two B fragments. TR = 8, for launches whose 16-row tiles
+ * leave the GPU short of warps even split 8 ways (o_proj at 144 tiles): W is the n8 side, lane
+ * (g, tg) loads row g only, and A's rows 0-7 are x's hi, rows 8-15 its lo, so one mma takes
+ * both halves and each output is its hi row's sum plus its lo row's. TR = 8 stages twice the
+ * steps, so a lane keeps as many bytes in flight in both forms.
+ */
+template <int TR>
 __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
     duet__tgemv_kernel(const __grid_constant__ duet__gemv_args_t args, int M, int S, unsigned tiles)
 {
+    static_assert(TR == 16 || TR == 8, "tiles of 16 or 8 rows of W");
+    constexpr int NW = TR / 8;                  /* rows of W per lane */
+    constexpr int U = DUET_TGEMV_U * (16 / TR); /* 32-column steps per stage */
     __shared__ float red[DUET_TGEMV_WARPS][4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     const unsigned tile = blockIdx.x * (unsigned)(DUET_TGEMV_WARPS / S) + (unsigned)(warp / S);
@@ -789,11 +801,13 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
     if (live) {
         unsigned j;
         sg = duet__gemv_seg_of(args, tile, j);
-        n0 = (int64_t)j * 16;
+        n0 = (int64_t)j * TR;
         const int64_t ks = ((sg.K + S - 1) / S + 31) / 32 * 32;
         const int64_t k_beg = slice * ks, k_end = min(sg.K, k_beg + ks);
-        const __nv_bfloat16 *w0 = (const __nv_bfloat16 *)sg.w + min(n0 + g, sg.N - 1) * sg.K;
-        const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)sg.w + min(n0 + g + 8, sg.N - 1) * sg.K;
+        const __nv_bfloat16 *wr[NW];
+#pragma unroll
+        for (int r = 0; r < NW; r++)
+            wr[r] = (const __nv_bfloat16 *)sg.w + min(n0 + g + 8 * r, sg.N - 1) * sg.K;
         const bool xok = g < M; /* x rows past M are zeros, never read */
         const float *xr = sg.x + (int64_t)(xok ? g : 0) * sg.ldx;
         bool waited = args.wait_first != 0;
@@ -801,24 +815,20 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
             duet_pdl_wait();
             duet_pdl_trigger();
         }
-        constexpr int U = DUET_TGEMV_U;
-        uint4 wa[U], wb[U]; /* this stage's pieces; the next stage's load before its MMAs */
-        auto load = [&](int64_t kb, uint4(&pa)[U], uint4(&pb)[U]) {
+        uint4 wv[NW][U]; /* this stage's pieces; the next stage's load before its MMAs */
+        auto load = [&](int64_t kb, uint4(&pv)[NW][U]) {
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int64_t k = kb + 32 * u + 8 * tg;
-                if (k < k_end) {
-                    pa[u] = duet_ld_weight16(w0 + k);
-                    pb[u] = duet_ld_weight16(w1 + k);
-                } else {
-                    pa[u] = pb[u] = make_uint4(0, 0, 0, 0);
-                }
+#pragma unroll
+                for (int r = 0; r < NW; r++)
+                    pv[r][u] = k < k_end ? duet_ld_weight16(wr[r] + k) : make_uint4(0, 0, 0, 0);
             }
         };
-        load(k_beg, wa, wb);
+        load(k_beg, wv);
         for (int64_t kb = k_beg; kb < k_end; kb += 32 * U) {
-            uint4 na[U], nb[U];
-            load(kb + 32 * U, na, nb);
+            uint4 nv[NW][U];
+            load(kb + 32 * U, nv);
             if (!waited) { /* the first steps are in flight: now wait for x */
                 duet_pdl_wait();
                 duet_pdl_trigger();
@@ -840,16 +850,23 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
                 duet_split_bf16x2(x0.z, x0.w, &h1, &l1);
                 duet_split_bf16x2(x1.x, x1.y, &h2, &l2);
                 duet_split_bf16x2(x1.z, x1.w, &h3, &l3);
-                duet_mma_bf16(acc, wa[u].x, wb[u].x, wa[u].y, wb[u].y, h0, h1);
-                duet_mma_bf16(acc, wa[u].x, wb[u].x, wa[u].y, wb[u].y, l0, l1);
-                duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, h2, h3);
-                duet_mma_bf16(acc, wa[u].z, wb[u].z, wa[u].w, wb[u].w, l2, l3);
+                const uint4 a = wv[0][u];
+                if constexpr (TR == 16) {
+                    const uint4 b = wv[NW - 1][u];
+                    duet_mma_bf16(acc, a.x, b.x, a.y, b.y, h0, h1);
+                    duet_mma_bf16(acc, a.x, b.x, a.y, b.y, l0, l1);
+                    duet_mma_bf16(acc, a.z, b.z, a.w, b.w, h2, h3);
+                    duet_mma_bf16(acc, a.z, b.z, a.w, b.w, l2, l3);
+                } else {
+                    duet_mma_bf16(acc, h0, l0, h1, l1, a.x, a.y);
+                    duet_mma_bf16(acc, h2, l2, h3, l3, a.z, a.w);
+                }
             }
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                wa[u] = na[u];
-                wb[u] = nb[u];
-            }
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < NW; r++)
+                    wv[r][u] = nv[r][u];
         }
         if (!waited) { /* a slice with no columns */
             duet_pdl_wait();
@@ -872,34 +889,62 @@ __global__ void __launch_bounds__(32 * DUET_TGEMV_WARPS, DUET_TGEMV_BLOCKS)
     }
     if (!live || slice != 0)
         return;
+    if constexpr (TR == 16) {
         /* c0, c1: row n0 + g, x rows 2tg and 2tg + 1; c2, c3: row n0 + g + 8 */
 #pragma unroll
-    for (int c = 0; c < 4; c++) {
-        const int m = 2 * tg + (c & 1);
-        const int64_t n = n0 + g + 8 * (c >> 1);
-        if (m < M && n < sg.N) {
-            float *yp = sg.y + m * sg.ldy + n;
-            *yp = sg.accumulate ? *yp + acc[c] : acc[c];
+        for (int c = 0; c < 4; c++) {
+            const int m = 2 * tg + (c & 1);
+            const int64_t n = n0 + g + 8 * (c >> 1);
+            if (m < M && n < sg.N) {
+                float *yp = sg.y + m * sg.ldy + n;
+                *yp = sg.accumulate ? *yp + acc[c] : acc[c];
+            }
+        }
+    } else {
+        /* c0, c1: x row g's hi against rows n0 + 2tg, n0 + 2tg + 1; c2, c3: its lo */
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int64_t n = n0 + 2 * tg + c;
+            if (g < M && n < sg.N) {
+                float *yp = sg.y + g * sg.ldy + n;
+                const float v = acc[c] + acc[c + 2];
+                *yp = sg.accumulate ? *yp + v : v;
+            }
         }
     }
 }
 
-/* Launch the segments (each checked by duet__tgemv_fits) as one kernel: the segments' tile
- * offsets, and the fewest warps per tile (1, 2, 4, 8) that give DUET_TGEMV_WANT warps per SM. */
+/* DUET_CUDA_TGEMV_ROWS16=1 in the environment keeps every launch on 16-row tiles (side-by-side
+ * runs). */
+static int duet__tgemv_rows16(void)
+{
+    static int on = -1;
+    return duet_cuda_env_flag(&on, "DUET_CUDA_TGEMV_ROWS16");
+}
+
+/* Launch the segments (each checked by duet__tgemv_fits) as one kernel: 16-row tiles, or 8-row
+ * ones when 16-row tiles split 8 ways make fewer than DUET_TGEMV_WANT warps per SM; the segments'
+ * tile offsets; the fewest warps per tile (1, 2, 4, 8) that give DUET_TGEMV_WANT warps per SM. */
 static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
     args->wait_first = !duet_cuda_weights_early();
-    const unsigned tiles = duet__gemv_layout(args, 16);
-    if (args->n == 0 || tiles == 0)
-        return cudaSuccess;
     const int n_sms = duet_cuda_sm_count();
     const int64_t want = (int64_t)(n_sms > 0 ? n_sms : 132) * DUET_TGEMV_WANT;
+    unsigned tiles = duet__gemv_layout(args, 16);
+    if (args->n == 0 || tiles == 0)
+        return cudaSuccess;
+    const bool rows8 = (int64_t)tiles * DUET_TGEMV_WARPS < want && !duet__tgemv_rows16();
+    if (rows8)
+        tiles = duet__gemv_layout(args, 8);
     int S = 1;
     while (S < DUET_TGEMV_WARPS && (int64_t)tiles * S < want)
         S *= 2;
     const unsigned per_block = DUET_TGEMV_WARPS / S;
-    return duet_pdl_launch(duet__tgemv_kernel, dim3((tiles + per_block - 1) / per_block),
-                           dim3(32 * DUET_TGEMV_WARPS), 0, stream, *args, (int)M, S, tiles);
+    const dim3 grid((tiles + per_block - 1) / per_block), block(32 * DUET_TGEMV_WARPS);
+    if (rows8)
+        return duet_pdl_launch(duet__tgemv_kernel<8>, grid, block, 0, stream, *args, (int)M, S,
+                               tiles);
+    return duet_pdl_launch(duet__tgemv_kernel<16>, grid, block, 0, stream, *args, (int)M, S, tiles);
 }
 
 /* DUET_CUDA_NO_TGEMV=1 in the environment sends these calls to cuBLASLt (comparisons), as
