@@ -226,7 +226,8 @@ __device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, in
  * WC = 0 (W read at run time; positions past W-2 ignored), and indexed statically: sized for
  * 8, a thread holds 14 more registers per channel, which cost warps per SM and so loads in
  * flight (bench/RESULTS.md, "KDA conv: registers for W = 4, four channels per thread"). Each
- * channel's arithmetic is the same whatever VEC and WC. */
+ * channel's arithmetic is the same whatever VEC and WC. A verify item's inputs are stored to its
+ * replay rows here too, so a step of verify items only needs no window kernel. */
 #ifndef DUET_KDA_CONV_AHEAD
 /* A thread's rows whose inputs it loads before using any, so that their round trips overlap
  * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
@@ -269,7 +270,7 @@ template <int VEC> __device__ static inline void duet__kda_conv_norm(float (&y)[
         y[k] *= inv;
 }
 
-template <int VEC, int WC, bool NORM>
+template <int VEC, int WC, bool NORM, bool RP>
 __device__ static __forceinline__ void
 duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
                     const float *__restrict__ taps, const float *__restrict__ proj,
@@ -296,6 +297,7 @@ duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
         int32_t it = st.row_item[ra];
         int64_t r0 = st.item_row0[it], r1 = st.item_row0[it + 1];
         const float *win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch0 * (W - 1);
+        bool ver = RP && duet__kda_is_verify(st, it); /* its inputs go to its replay rows */
         float u[VEC][WM]; /* u[c][j]: channel c's input at t-(W-1)+j for the next row t */
 #pragma unroll
         for (int j = 0; j < WM; j++) {
@@ -337,11 +339,18 @@ duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
                         r1 = st.item_row0[it + 1];
                     } while (row >= r1);
                     win = duet__kda_block(ly, st.item_slot[it]) + HKK + ch0 * (W - 1);
+                    ver = RP && duet__kda_is_verify(st, it);
 #pragma unroll
                     for (int c = 0; c < VEC; c++)
 #pragma unroll
                         for (int j = 0; j < WM; j++)
                             u[c][j] = j < W - 1 ? win[c * (W - 1) + j] : 0.0f;
+                }
+                if (RP && ver) { /* (rows of RF floats: 4-byte aligned only) */
+                    float *rr = duet__kda_replay_row(ly, st.item_slot[it], ly.layer, row - r0);
+#pragma unroll
+                    for (int c = 0; c < VEC; c++)
+                        rr[ch0 + c] = xg[g][c];
                 }
                 float y[VEC];
 #pragma unroll
@@ -367,26 +376,27 @@ duet__kda_conv_body(const duet_cuda_step_t &st, const duet_cuda_kda_layer_t &ly,
     }
 }
 
-template <int VEC, int WC>
+template <int VEC, int WC, bool RP>
 __global__ static void
 duet__kda_conv_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly, const float *__restrict__ taps,
                       const float *__restrict__ proj, float *__restrict__ qkv, int R)
 {
-    duet__kda_conv_body<VEC, WC, false>(st, ly, taps, proj, qkv, R);
+    duet__kda_conv_body<VEC, WC, false, RP>(st, ly, taps, proj, qkv, R);
 }
 
 /* The fast kernel with NORM, its registers capped so that three blocks fit on an SM (the
  * shuffles would otherwise leave room for two) */
+template <bool RP>
 __global__ static void __launch_bounds__(256, 3)
     duet__kda_conv_norm_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
                                const float *__restrict__ taps, const float *__restrict__ proj,
                                float *__restrict__ qkv, int R)
 {
-    duet__kda_conv_body<4, 4, true>(st, ly, taps, proj, qkv, R);
+    duet__kda_conv_body<4, 4, true, RP>(st, ly, taps, proj, qkv, R);
 }
 
-/* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1); a verify item's
- * inputs go to its replay rows instead. */
+/* The new window of (item, channel) is concat(window, inputs)[n .. n+W-1). A verify item's
+ * window stays (the conv kernels wrote its inputs to its replay rows). */
 __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kda_layer_t ly,
                                                const float *proj)
 {
@@ -398,12 +408,8 @@ __global__ static void duet__kda_window_kernel(duet_cuda_step_t st, duet_cuda_kd
         return;
     for (int64_t it = blockIdx.y; it < st.n_items; it += gridDim.y) {
         const int64_t r0 = st.item_row0[it], n = st.item_row0[it + 1] - r0;
-        if (duet__kda_is_verify(st, it)) { /* the window stays; the inputs go to replay rows */
-            for (int64_t t = 0; t < n; t++)
-                duet__kda_replay_row(ly, st.item_slot[it], ly.layer, t)[ch] =
-                    proj[(r0 + t) * C3 + ch];
+        if (duet__kda_is_verify(st, it))
             continue;
-        }
         float *win = duet__kda_block(ly, st.item_slot[it]) + ly.H * ly.K * ly.K + ch * (W - 1);
         float old[DUET_KDA_MAX_W];
         for (int64_t j = 0; j < W - 1; j++)
@@ -437,20 +443,23 @@ static duet_status_t duet__kda_conv(cudaStream_t stream, const duet_cuda_step_t 
     const bool fast = !duet__kda_conv_scalar && ly->W == 4 && C3 % 4 == 0 &&
                       (((uintptr_t)proj | (uintptr_t)qkv) & 15) == 0;
     dim3 grid(duet__blocks(fast ? C3 / 4 : C3, th, 1 << 30), duet__blocks(st->n_rows, R, 65535));
-    if (fast && norm && ly->K == 128 && !duet__kda_conv_norm_off) {
-        DUET__TRY(duet_pdl_launch(duet__kda_conv_norm_kernel, grid, dim3(th), 0, stream, *st, *ly,
-                                  taps, proj, qkv, R),
-                  "conv launch");
-        *normed = true;
-    } else if (fast)
-        DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel<4, 4>, grid, dim3(th), 0, stream, *st, *ly,
-                                  taps, proj, qkv, R),
-                  "conv launch");
-    else
-        DUET__TRY(duet_pdl_launch(duet__kda_conv_kernel<1, 0>, grid, dim3(th), 0, stream, *st, *ly,
-                                  taps, proj, qkv, R),
-                  "conv launch");
-    if (ly->W > 1 || st->any_verify) {
+    /* RP: the variants that also store verify items' inputs to their replay rows (only verify
+     * steps take them: the pointer arithmetic costs the others registers) */
+    auto go = [&](auto rp) {
+        constexpr bool RP = decltype(rp)::value;
+        if (fast && norm && ly->K == 128 && !duet__kda_conv_norm_off) {
+            *normed = true;
+            return duet_pdl_launch(duet__kda_conv_norm_kernel<RP>, grid, dim3(th), 0, stream, *st,
+                                   *ly, taps, proj, qkv, R);
+        }
+        if (fast)
+            return duet_pdl_launch(duet__kda_conv_kernel<4, 4, RP>, grid, dim3(th), 0, stream, *st,
+                                   *ly, taps, proj, qkv, R);
+        return duet_pdl_launch(duet__kda_conv_kernel<1, 0, RP>, grid, dim3(th), 0, stream, *st, *ly,
+                               taps, proj, qkv, R);
+    };
+    DUET__TRY(st->any_verify ? go(std::true_type{}) : go(std::false_type{}), "conv launch");
+    if (ly->W > 1 && !st->all_verify) { /* windows to roll */
         dim3 wgrid(duet__blocks(C3, th, 1 << 30), duet__blocks(st->n_items, 1, 65535));
         DUET__TRY(
             duet_pdl_launch(duet__kda_window_kernel, wgrid, dim3(th), 0, stream, *st, *ly, proj),
