@@ -5,7 +5,8 @@
  * conv: one thread per (channel, run of consecutive rows) slides the last W-1 inputs along in
  *   registers (starting from the item's window), so runs are independent of each other and
  *   each input is read once. A second launch then rolls each (item, channel) window
- *   forward: a separate kernel because the first one still reads the old windows.
+ *   forward: a separate kernel because the first one still reads the old windows. Verify
+ *   items' windows stay; the conv itself stores their inputs to their replay rows.
  * prep / out: one warp per (row, head); lanes stride over the head's K channels. Where the conv
  *   runs four channels per thread at K = 128 (a warp: one head's q, k or v), duet_cuda_kda_chain's
  *   conv normalises q and k itself, to the bit as prep would, and prep takes only g and β: one
@@ -227,7 +228,7 @@ __device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, in
  * 8, a thread holds 14 more registers per channel, which cost warps per SM and so loads in
  * flight (bench/RESULTS.md, "KDA conv: registers for W = 4, four channels per thread"). Each
  * channel's arithmetic is the same whatever VEC and WC. A verify item's inputs are stored to its
- * replay rows here too, so a step of verify items only needs no window kernel. */
+ * replay rows here too (RP), so a step of verify items only needs no window kernel. */
 #ifndef DUET_KDA_CONV_AHEAD
 /* A thread's rows whose inputs it loads before using any, so that their round trips overlap
  * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
@@ -837,7 +838,7 @@ duet__kda_recur_rows(float (&s)[K / DUET_KDA_RY], int64_t n, const float *q, con
 }
 
 /* Verify items: the recurrent kernel's block layout; S is read, never written; block y = 0 also
- * writes the rows' k, v, g, β to the replay rows (the conv's window kernel wrote their proj). */
+ * writes the rows' k, v, g, β to the replay rows (the conv wrote their proj). */
 template <int K>
 __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
     duet__kda_verify_kernel(duet__kda_core_args_t a)
