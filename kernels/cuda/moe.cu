@@ -153,7 +153,11 @@ static constexpr __host__ __device__ int duet__mma_stages(int bk)
     return bk == 64 ? 3 : DUET__MMA_STAGES;
 }
 
-#define DUET__PLAN_THREADS    1024
+#define DUET__PLAN_THREADS 1024
+/* A plan of at most this many pairs in one block runs with this many threads: its three block
+ * scans and barriers cost a 1024-thread block more than the pairs need (bench/RESULTS.md, "MoE
+ * plan: a small block for a few pairs"). */
+#define DUET__PLAN_SMALL      256
 #define DUET__PLAN_PAIRS      2048 /* pairs per plan block (the last may have more: below) */
 #define DUET__PLAN_MAX_BLOCKS 64   /* at most this many plan blocks (and rows of counts) */
 
@@ -2273,9 +2277,11 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
                                       dim3(DUET__PLAN_THREADS), (E + 1) * sizeof(int), stream, idx,
                                       (int)P, (int)Ps, (int)E, per, hist),
                       "count kernel launch");
-        DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3((unsigned)nb),
-                                  dim3(DUET__PLAN_THREADS), 2 * (E + 1) * sizeof(int), stream, idx,
-                                  (int)P, (int)Ps, (int)E, nrmax, bm, per, (const int *)hist, pl),
+        const int threads =
+            nb == 1 && Ps <= DUET__PLAN_SMALL ? DUET__PLAN_SMALL : DUET__PLAN_THREADS;
+        DUET__TRY(duet_pdl_launch(duet__moe_plan_kernel, dim3((unsigned)nb), dim3(threads),
+                                  2 * (E + 1) * sizeof(int), stream, idx, (int)P, (int)Ps, (int)E,
+                                  nrmax, bm, per, (const int *)hist, pl),
                   "plan kernel launch");
     }
 
