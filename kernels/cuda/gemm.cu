@@ -767,12 +767,13 @@ static int duet__stream_loads_ok(const float *x, int64_t ldx, int64_t stride_x, 
  * 9 to 16 rows (two n8 tiles) measured slower than cuBLASLt at batch 16, so they stay there.
  * PDL as in the GEMV: the first weight steps are issued before the wait.
  */
-#define DUET_TGEMV_MIN_M  3
-#define DUET_TGEMV_MAX_M  8
-#define DUET_TGEMV_WARPS  8
-#define DUET_TGEMV_U      2  /* 32-column steps of W per stage; two stages in flight per warp */
-#define DUET_TGEMV_BLOCKS 3  /* blocks per SM: registers capped at 80 */
-#define DUET_TGEMV_WANT   16 /* warps per SM the slices aim for */
+#define DUET_TGEMV_MIN_M     3
+#define DUET_TGEMV_MAX_M     8
+#define DUET_TGEMV_WARPS     8
+#define DUET_TGEMV_U         2   /* 32-column steps of W per stage; two stages in flight per warp */
+#define DUET_TGEMV_BLOCKS    3   /* blocks per SM: registers capped at 80 */
+#define DUET_TGEMV_WANT      16  /* warps per SM the slices aim for ... */
+#define DUET_TGEMV_MIN_SLICE 128 /* ... in slices of at least this many columns */
 
 /*
  * Tiles of TR rows: a segment's start seg.b0 and seg.nb per batch entry count tiles; S warps per
@@ -924,7 +925,10 @@ static int duet__tgemv_rows16(void)
 
 /* Launch the segments (each checked by duet__tgemv_fits) as one kernel: 16-row tiles, or 8-row
  * ones when 16-row tiles split 8 ways make fewer than DUET_TGEMV_WANT warps per SM; the segments'
- * tile offsets; the fewest warps per tile (1, 2, 4, 8) that give DUET_TGEMV_WANT warps per SM. */
+ * tile offsets; the fewest warps per tile (1, 2, 4, 8) that give DUET_TGEMV_WANT warps per SM,
+ * but no slice under DUET_TGEMV_MIN_SLICE columns: KDA's f_b|g_b (K = 128) split 8 ways left each
+ * warp one step and the block's meeting in shared memory (bench/RESULTS.md, "GEMV on the tensor
+ * cores for 3 to 8 rows"). */
 static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_args_t *args)
 {
     args->wait_first = !duet_cuda_weights_early();
@@ -936,8 +940,12 @@ static cudaError_t duet__tgemv_run(cudaStream_t stream, int64_t M, duet__gemv_ar
     const bool rows8 = (int64_t)tiles * DUET_TGEMV_WARPS < want && !duet__tgemv_rows16();
     if (rows8)
         tiles = duet__gemv_layout(args, 8);
+    int64_t kmax = 0; /* the longest row: no slice of it shorter than DUET_TGEMV_MIN_SLICE */
+    for (int i = 0; i < args->n; i++)
+        kmax = args->seg[i].K > kmax ? args->seg[i].K : kmax;
     int S = 1;
-    while (S < DUET_TGEMV_WARPS && (int64_t)tiles * S < want)
+    while (S < DUET_TGEMV_WARPS && (int64_t)tiles * S < want &&
+           kmax >= (int64_t)2 * S * DUET_TGEMV_MIN_SLICE)
         S *= 2;
     const unsigned per_block = DUET_TGEMV_WARPS / S;
     const dim3 grid((tiles + per_block - 1) / per_block), block(32 * DUET_TGEMV_WARPS);

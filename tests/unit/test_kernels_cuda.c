@@ -547,12 +547,13 @@ Test(kernels_cuda, gemv_wide_launches_vs_cpu, .timeout = 300)
  * not a multiple of the tile; K not a multiple of the 32-column step (and 8, the least it
  * takes); both tile forms (on the H200's 132 SMs): 8-row tiles, W on the mma's n side, for the
  * launches whose 16-row tiles fill too few warps even split 8 ways (2304 × 4096 as o_proj,
- * 2600 × 2304, 16 × 9216, 7 tiles × 3 batch entries × 1000 columns, the multi call), and
- * 16-row tiles split over 8 warps that meet in shared memory (4500 × 1000, the last tile and
- * slice short; 6403 × 264) or over 4, two tiles per block (16000 × 264); batched entries; a multi
- * call of three BF16 products in one launch (one accumulating); M = 3, 5, 6 and 8, plus 9, which
- * goes to cuBLASLt and must still meet the BF16 tolerance. Each call runs twice and must give
- * the same bits.
+ * 2600 × 2304 and 16 × 9216 split 8 ways, 13 tiles × 3 batch entries × 1000 columns 4 ways, 130 ×
+ * 136 × 5 entries and 37 × 72 unsplit, the multi call), and 16-row tiles; a tile's columns split
+ * over the warps of a block that meet in shared memory, in slices of at least 128 columns: 8
+ * (4500 × 2200, the last tile and slice short), 4 (4500 × 1000, two tiles per block), 2 (6403 ×
+ * 264 and 16000 × 264, four tiles per block); batched entries; a multi call of three BF16
+ * products in one launch (one accumulating); M = 3, 5, 6 and 8, plus 9, which goes to cuBLASLt
+ * and must still meet the BF16 tolerance. Each call runs twice and must give the same bits.
  */
 Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
 {
@@ -567,9 +568,9 @@ Test(kernels_cuda, tgemv_vs_cpu, .timeout = 300)
                        duet_cuda_env_flag(&no_tgemv, "DUET_CUDA_NO_TGEMV");
     const double tol16 = 1.0 / 256 + 2e-5, tol_tg = tc_off ? tol16 : ldexp(1.0, -16) + 2e-5;
     /* {N, K, batch entries} */
-    const int64_t shapes[][3] = {{37, 72, 1},     {16, 8, 1},     {2304, 4096, 1}, {16, 9216, 1},
-                                 {2600, 2304, 1}, {130, 136, 5},  {6403, 264, 1},  {100, 1000, 3},
-                                 {4500, 1000, 1}, {16000, 264, 1}};
+    const int64_t shapes[][3] = {{37, 72, 1},     {16, 8, 1},      {2304, 4096, 1}, {16, 9216, 1},
+                                 {2600, 2304, 1}, {130, 136, 5},   {6403, 264, 1},  {100, 1000, 3},
+                                 {4500, 1000, 1}, {16000, 264, 1}, {4500, 2200, 1}};
     const int64_t Ms[] = {3, 5, 6, 8, 9};
     double worst = 0;
     int cases = 0;
