@@ -970,8 +970,7 @@ static int duet__tgemv_fits(const float *x, int64_t ldx, int64_t stride_x, int64
 {
     return dt == DUET_DTYPE_BF16 && M >= DUET_TGEMV_MIN_M && M <= DUET_TGEMV_MAX_M &&
            duet__stream_loads_ok(x, ldx, stride_x, B, w_data, N, K) &&
-           (N + 15) / 16 * B <= (int64_t)1 << 30 && !duet__tgemv_disabled() &&
-           !duet__gemv_disabled();
+           (N + 7) / 8 * B <= (int64_t)1 << 30 && !duet__tgemv_disabled() && !duet__gemv_disabled();
 }
 
 /*

@@ -228,7 +228,7 @@ __device__ static inline bool duet__kda_is_verify(const duet_cuda_step_t &st, in
  * 8, a thread holds 14 more registers per channel, which cost warps per SM and so loads in
  * flight (bench/RESULTS.md, "KDA conv: registers for W = 4, four channels per thread"). Each
  * channel's arithmetic is the same whatever VEC and WC. A verify item's inputs are stored to its
- * replay rows here too (RP), so a step of verify items only needs no window kernel. */
+ * replay rows here too (RP), so a step whose items all verify needs no window kernel. */
 #ifndef DUET_KDA_CONV_AHEAD
 /* A thread's rows whose inputs it loads before using any, so that their round trips overlap
  * (bench/RESULTS.md, "KDA conv: four rows' inputs loaded ahead"). */
