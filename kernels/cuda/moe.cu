@@ -118,8 +118,10 @@
  * tokens on, with dozens of slots, the tickets cost gemv2 more than the combine kernel takes
  * (bench/RESULTS.md, "MoE at T = 1: gemv2's tickets"). */
 #define DUET__MOE_TICKET_T 2
-/* Below this many tokens the combine kernel splits each row over blocks (its launch). */
+/* Below this many tokens the combine kernel splits each row over blocks of this many threads
+ * (its launch). */
 #define DUET__COMBINE_SPLIT_T 128
+#define DUET__COMBINE_PART    128
 /* The multi-slice gate/up kernel capped at 64 registers, 4 blocks per SM (at 80 registers, 3 per
  * SM, it was slower than one slice per block). Its down kernel stays uncapped: at 3 per SM it
  * spills and was slower (bench/RESULTS.md, "MoE GEMV at T > 1: four slices per block"). */
@@ -2350,13 +2352,15 @@ duet__cuda_moe_experts_path(cudaStream_t stream, const duet_cuda_experts_t *ex, 
     if (pl.cnt != NULL)
         return DUET_OK; /* gemv2 added into y */
     /* A block per row fills the GPU at prefill sizes. A few rows (verify steps, small batches)
-     * split each row over blocks of 128 threads, so that their loads spread over many SMs
-     * instead of queueing in a few (bench/RESULTS.md, "MoE combine: a few rows over many
-     * blocks"). */
-    const int parts = T < DUET__COMBINE_SPLIT_T ? (int)(D / 4 + 127) / 128 : 1;
+     * split each row over blocks of DUET__COMBINE_PART threads, so that their loads spread over
+     * many SMs instead of queueing in a few (bench/RESULTS.md, "MoE combine: a few rows over
+     * many blocks"). */
+    const bool split = T < DUET__COMBINE_SPLIT_T;
+    const int threads = split ? DUET__COMBINE_PART : 256;
+    const int parts = split ? (int)(D / 4 + threads - 1) / threads : 1;
     DUET__TRY(duet_pdl_launch(duet__moe_combine_kernel, dim3((unsigned)T, (unsigned)parts),
-                              dim3(parts > 1 ? 128 : 256), 0, stream, y, (const float *)out, idx,
-                              wts, (int)top_k, (int)E, (int)D, (int)P, shared),
+                              dim3(threads), 0, stream, y, (const float *)out, idx, wts, (int)top_k,
+                              (int)E, (int)D, (int)P, shared),
               "combine kernel launch");
     return DUET_OK;
 }
