@@ -1436,10 +1436,12 @@ static int busy_ctx(int n_ctx, int ms)
 
 Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
 {
-    worker_device = "cpu"; /* the kill must land inside a ~2 s prefill */
+    worker_device = "cpu"; /* the kill must land inside the prefill */
     start_cluster(2, 1);
     job_t j = {0};
-    prompt_of(&j, 3, 900, 16); /* ~2 s of prefill on one thread */
+    /* 0.3-0.5 s of prefill on one thread (the 2-core VM, 2026-12): the kill goes 50 ms after a
+     * heartbeat (every 100 ms) shows it running; 300 ms after, it missed 2 runs in 8 */
+    prompt_of(&j, 3, 900, 16);
     reference(&j);
     pthread_t th;
     pthread_create(&th, NULL, run_job, &j);
@@ -1447,7 +1449,7 @@ Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
     cr_assert_geq(victim, 0, "no ctx worker took the prefill");
     char name[16];
     snprintf(name, sizeof(name), "ctx-%d", victim);
-    usleep(300000);
+    usleep(50000);
     kill(pid_of(name), SIGKILL);
     pthread_join(th, NULL);
     check_job(&j, 0); /* prefilled again on the other ctx worker, same tokens */
@@ -1461,7 +1463,7 @@ Test(cluster, ctx_killed_during_prefill_is_retried, .timeout = 180)
     pthread_create(&th, NULL, run_job, &k);
     int last = busy_ctx(2, 10000);
     cr_assert_geq(last, 0);
-    usleep(300000);
+    usleep(50000);
     snprintf(name, sizeof(name), "ctx-%d", last);
     kill(pid_of(name), SIGKILL);
     pthread_join(th, NULL);
