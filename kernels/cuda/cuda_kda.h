@@ -125,11 +125,14 @@ typedef struct {
  * ob (NULL: none): out's rows go there instead, rounded to bf16 (nearest even), [n_rows][H·K]
  * contiguous, for a BF16 o_proj to read without a conversion (cuda_gemm.h, an op's xs); o then
  * holds the core's output, and the chain runs the four kernels.
- * A pure decode step (st->max_item_tokens == 1, no verify item) of at most 768 (item, head) pairs
- * on a device with thread-block clusters (sm_90+) runs as one kernel, bit-identical to the four
- * calls and more than twice as fast at batch 1; anything else runs the four calls, which are faster
- * from a few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS). Needs K a multiple of 16
- * in [16, 128] and W <= 8 (DUET_ERR_UNSUPPORTED otherwise).
+ * A pure decode step (st->max_item_tokens == 1, no verify item, no ob) of at most 768 (item,
+ * head) pairs on a device with thread-block clusters (sm_90+) runs as one kernel, bit-identical to
+ * the four calls and more than twice as fast at batch 1; so does a step of verify items beside
+ * one-token items (st->max_item_tokens == 1, ob or not) of at most 64 (item, head) pairs when
+ * ly->replay_rows <= 9, the rows a verify item can have at 8 drafts. Anything else runs the four
+ * calls, which are faster from a few waves of clusters on (kda.cu, DUET_KDA_FUSED_MAX_CLUSTERS,
+ * DUET_KDA_VERIFY_MAX_CLUSTERS). Needs K a multiple of 16 in [16, 128] and W <= 8
+ * (DUET_ERR_UNSUPPORTED otherwise).
  */
 duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cuda_step_t *st,
                                   const duet_cuda_kda_layer_t *ly, const duet_cuda_kda_weights_t *w,

@@ -49,6 +49,9 @@
  *   kernel's blocks), exchanging the head's q, k, g and then o through distributed shared memory
  *   so each block can take the head-wide norms. Prefill and large decode batches (over
  *   DUET_KDA_FUSED_MAX_CLUSTERS (item, head) pairs) keep the separate kernels.
+ * chain, verify (speculative decoding: verify items beside one-token items, at most
+ *   DUET_KDA_VERIFY_MAX_CLUSTERS pairs): the same layout in one kernel, each cluster taking its
+ *   item's rows in turn on a register copy of S (duet__kda_verify_chain_kernel).
  * Every kernel launches with programmatic dependent launch (cuda_pdl.cuh): before its wait it
  * only reads weights and the step's metadata, and prefetches the state S into L2 (only this
  * layer's core writes S, and a prefetch cannot return stale data); the chain instead loads its
@@ -83,6 +86,13 @@
  * more slowly than in the recurrent kernel (bench/RESULTS.md, "KDA decode chain: one kernel up
  * to 768 (item, head) pairs"). */
 #define DUET_KDA_FUSED_MAX_CLUSTERS 768
+/* The most rows of a verify item the verify chain kernel takes: drafts + 1 at engine/spec.h's
+ * DUET_SPEC_MAX_K = 8. More replay rows per slot than this keep the separate kernels. */
+#define DUET_KDA_VERIFY_ROWS 9
+/* ... and the most (item, head) clusters: its rows run one after another in each cluster, which
+ * pays while the separate kernels are mostly latency, at one or two items of 32 heads, not from
+ * four on (bench/RESULTS.md, "KDA verify chain: one kernel for one or two items"). */
+#define DUET_KDA_VERIFY_MAX_CLUSTERS 64
 
 /* ---- argument checks ---------------------------------------------------------------------- */
 
@@ -111,6 +121,21 @@ static int duet__kda_conv_scalar = 0;
 extern "C" void duet__cuda_kda_conv_scalar(int on)
 {
     duet__kda_conv_scalar = on;
+}
+
+/* Test hooks: nonzero runs duet_cuda_kda_chain as its separate kernels at every step; how many
+ * verify chain kernels have been launched (so a test knows which path it compared). */
+static int duet__kda_fused_off = 0;
+static long duet__kda_verify_chains = 0;
+
+extern "C" void duet__cuda_kda_fused_off(int on)
+{
+    duet__kda_fused_off = on;
+}
+
+extern "C" long duet__cuda_kda_verify_chains(void)
+{
+    return __atomic_load_n(&duet__kda_verify_chains, __ATOMIC_RELAXED);
 }
 
 /* Test hook: nonzero leaves q and k of duet_cuda_kda_chain's separate kernels to prep. */
@@ -2034,6 +2059,7 @@ typedef struct {
     duet_cuda_kda_weights_t w;
     const float *proj, *gate;
     float *qkv, *g, *beta, *o;
+    __nv_bfloat16 *ob; /* the verify chain's out rows in bf16 instead of o (NULL: into o) */
 } duet__kda_chain_args_t;
 
 /*
@@ -2186,6 +2212,198 @@ __global__ static void __launch_bounds__(32 * DUET_KDA_RY)
 #endif
 }
 
+/*
+ * The chain for a step of verify items (up to NR rows each) beside items of one token, in the
+ * decode kernel's layout (cluster (item, head), block j owning channel slice j and the same
+ * columns of S). A verify item reads its S and window and leaves them as they are: block j
+ * convolves its slice of every row in turn (its inputs to the item's replay rows), prepares g
+ * and β of every row; after one cluster barrier each block gathers every row's q, k and g,
+ * normalises them, runs the rows' recurrence on a register copy of its columns, and writes the
+ * rows' k, v, g, β slices to the replay rows; after a second, the out norm and gate of every row
+ * (a warp per row). An item of one token that is no verify item is the decode kernel's step,
+ * S and window written. Every element comes from the separate kernels' expressions in their
+ * order (the verify kernel's row loop, duet__kda_recur_rows), so the results are theirs bit for
+ * bit; with a.ob the out rows go there in bf16, as the out kernel's. Other items (no rows, or a
+ * plain item of more) change nothing: the launcher sends only steps without them.
+ */
+template <int K, int NR>
+__global__ static void __launch_bounds__(32 * DUET_KDA_RY)
+    duet__kda_verify_chain_kernel(duet__kda_chain_args_t a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int V = K, RPT = K / DUET_KDA_RY;
+    const int64_t H = a.ly.H, HK = H * K, C3 = 3 * HK, W = a.ly.W, HKK = H * K * K;
+    const int64_t it = blockIdx.x / H, h = blockIdx.x % H;
+    const int j = blockIdx.y; /* rank in the cluster */
+    const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 32 + tx;
+    const int x = j * 32 + tx;
+    const bool active = x < K;
+    __shared__ float sx[NR][4][32]; /* per row, this slice: q, k before the norm, v, g */
+    __shared__ float sq[NR][K], sk[NR][K], se[NR][K], sall[NR][K], so[NR][32];
+    __shared__ float sinv[NR][2], sbeta[NR];
+    __shared__ float red[3][DUET_KDA_RY][33];
+
+    /* Ahead of the wait, as the decode kernel: metadata, weights, S's columns and the window
+     * (only this layer's chain writes them; the step's replay kernel has completed). */
+    const int64_t row = a.st.item_row0[it];
+    const int64_t n_it = a.st.item_row0[it + 1] - row;
+    const bool ver = duet__kda_is_verify(a.st, it);
+    const int n = ver ? (n_it <= NR ? (int)n_it : 0) : (n_it == 1 ? 1 : 0); /* uniform */
+    const int32_t slot = a.st.item_slot[it];
+    float *blk = duet__kda_block(a.ly, slot);
+    float *S = blk + h * K * V;
+    const int64_t ch = (int64_t)ty * HK + h * K + x; /* ty < 3: q, k or v channel */
+    float tp[DUET_KDA_MAX_W - 1], tlast = 0.0f, gb = 0.0f, on = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+        tp[jj] = ty < 3 && active && jj < W - 1 ? a.w.taps[ch * W + jj] : 0.0f;
+    if (ty < 3 && active)
+        tlast = a.w.taps[ch * W + W - 1];
+    else if (ty == 3 && active)
+        gb = a.w.dt_bias[h * K + x];
+    if (active)
+        on = a.w.o_norm[x];
+    const float nA = a.w.neg_A[h];
+    float s[RPT], u[DUET_KDA_MAX_W - 1];
+#pragma unroll
+    for (int r = 0; r < RPT; r++)
+        s[r] = n > 0 && active ? S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] : 0.0f;
+    float *win = blk + HKK + ch * (W - 1);
+#pragma unroll
+    for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+        u[jj] = n > 0 && active && ty < 3 && jj < W - 1 ? win[jj] : 0.0f;
+
+    duet_pdl_wait(); /* proj, g, beta, gate */
+    duet_pdl_trigger();
+    if (n == 0) /* the whole cluster: nothing to do, no barrier to meet */
+        return;
+
+    /* 1. conv + SiLU of every row with the window rolled in registers (ty 0..2), g (ty 3),
+     * β (thread 5·32). */
+    if (active && ty < 3) {
+        for (int t = 0; t < n; t++) {
+            const float xin = a.proj[(row + t) * C3 + ch];
+            if (ver)
+                duet__kda_replay_row(a.ly, slot, a.ly.layer, t)[ch] = xin;
+            const float y = duet__kda_conv_out(tp, u, tlast, xin, W);
+            sx[t][ty][tx] = y;
+            if (ty == 2)
+                a.qkv[(row + t) * C3 + ch] = y;
+#pragma unroll
+            for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+                if (jj < W - 1)
+                    u[jj] = jj == W - 2 ? xin : u[jj + 1 < DUET_KDA_MAX_W - 1 ? jj + 1 : jj];
+        }
+        if (!ver)
+#pragma unroll
+            for (int jj = 0; jj < DUET_KDA_MAX_W - 1; jj++)
+                if (jj < W - 1)
+                    win[jj] = u[jj];
+    } else if (active && ty == 3) {
+        for (int t = 0; t < n; t++) {
+            float *gp = a.g + (row + t) * HK + h * K + x;
+            const float gv = nA * duet__softplus(*gp + gb);
+            sx[t][3][tx] = gv;
+            *gp = gv;
+        }
+    }
+    if (tid == 5 * 32)
+        for (int t = 0; t < n; t++)
+            sbeta[t] = duet__sigmoid(a.beta[(row + t) * H + h]);
+    duet__cluster_arrive(); /* every block has read the raw β before block 0 overwrites it */
+    duet__cluster_wait();
+
+    /* 2. Every row's q, k, g from the slices' owners, the norms (a warp per row and part, prep's
+     * lane-strided sums), the rows' k, v, g, β to the replay rows, then the recurrence. */
+    for (int i = tid; i < n * K; i += 32 * DUET_KDA_RY) {
+        const int t = i / K, d = i % K;
+        const unsigned owner = (unsigned)d >> 5;
+        sq[t][d] = duet__dsmem_load(&sx[t][0][d & 31], owner);
+        sk[t][d] = duet__dsmem_load(&sx[t][1][d & 31], owner);
+        se[t][d] = expf(duet__dsmem_load(&sx[t][3][d & 31], owner));
+    }
+    __syncthreads();
+    for (int w = ty; w < 2 * n; w += DUET_KDA_RY) {
+        const int t = w >> 1, part = w & 1;
+        const float *xv = part == 0 ? sq[t] : sk[t];
+        float ss = 0.0f;
+        for (int d = tx; d < K; d += 32)
+            ss += xv[d] * xv[d];
+        const float inv = duet__kda_l2_factor(duet__warp_sum(ss), part, K);
+        if (tx == 0)
+            sinv[t][part] = inv;
+    }
+    __syncthreads();
+    for (int i = tid; i < n * K; i += 32 * DUET_KDA_RY) {
+        const int t = i / K, d = i % K;
+        sq[t][d] *= sinv[t][0];
+        sk[t][d] *= sinv[t][1];
+    }
+    if (active && ty < 4)
+        for (int t = 0; t < n; t++) {
+            const float v = ty < 2 ? sx[t][ty][tx] * sinv[t][ty] : sx[t][ty][tx];
+            if (ty < 2)
+                a.qkv[(row + t) * C3 + ch] = v;
+            if (ver && ty > 0) /* k, v, g: replay fields 3, 4, 5 */
+                duet__kda_replay_row(a.ly, slot, a.ly.layer, t)[(2 + ty) * HK + h * K + x] = v;
+        }
+    if (j == 0 && tid == 0)
+        for (int t = 0; t < n; t++) {
+            a.beta[(row + t) * H + h] = sbeta[t];
+            if (ver)
+                duet__kda_replay_row(a.ly, slot, a.ly.layer, t)[6 * HK + h] = sbeta[t];
+        }
+    __syncthreads();
+
+    for (int t = 0; t < n; t++) {
+        float kv, qs, kq;
+        duet__kda_decay_dots<RPT>(s, se[t], sk[t], sq[t], red, tx, ty, &kv, &qs, &kq);
+        const float uu = sbeta[t] * (sx[t][2][tx] - kv);
+        if (ty == 0) {
+            so[t][tx] = qs + uu * kq;
+            if (a.ob != NULL && active) /* o keeps the core's output, as with the four calls */
+                a.o[(row + t) * HK + h * K + x] = qs + uu * kq;
+        }
+#pragma unroll
+        for (int r = 0; r < RPT; r++) {
+            const int d = ty + DUET_KDA_RY * r;
+            s[r] = s[r] + sk[t][d] * uu; /* duet__kda_state_store's value */
+        }
+        __syncthreads(); /* red is rewritten by the next row */
+    }
+    if (!ver && active)
+#pragma unroll
+        for (int r = 0; r < RPT; r++)
+            S[(int64_t)(ty + DUET_KDA_RY * r) * V + x] = s[r];
+    duet__cluster_arrive(); /* so is complete in every block */
+    duet__cluster_wait();
+
+    /* 3. Every row's o, then out's norm and gate on this block's columns, a warp per row. */
+    for (int i = tid; i < n * K; i += 32 * DUET_KDA_RY)
+        sall[i / K][i % K] = duet__dsmem_load(&so[i / K][i % K & 31], (unsigned)(i % K) >> 5);
+    duet__cluster_arrive(); /* done with the peers' shared memory */
+    __syncthreads();
+    for (int t = ty; t < n; t += DUET_KDA_RY) {
+        float ss = 0.0f;
+        for (int d = tx; d < K; d += 32)
+            ss += sall[t][d] * sall[t][d];
+        ss = duet__warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)K + a.w.eps);
+        if (active) {
+            const int64_t e = (row + t) * HK + h * K + x;
+            const float v = on * (sall[t][x] * inv) * duet__sigmoid(a.gate[e]);
+            if (a.ob != NULL)
+                a.ob[e] = __float2bfloat16_rn(v);
+            else
+                a.o[e] = v;
+        }
+    }
+    duet__cluster_wait(); /* the peers are done with this block's shared memory */
+#else
+    (void)a;
+#endif
+}
+
 /* Whether the current device launches thread-block clusters (sm_90+); asked once per device. */
 static duet_status_t duet__kda_clusters(int *ok_p)
 {
@@ -2207,8 +2425,10 @@ static duet_status_t duet__kda_clusters(int *ok_p)
     return DUET_OK;
 }
 
+/* The decode kernel, or with verify the verify chain kernel: a cluster per (item, head). */
 template <int K>
-static duet_status_t duet__kda_decode_launch(cudaStream_t stream, const duet__kda_chain_args_t &a)
+static duet_status_t duet__kda_decode_launch(cudaStream_t stream, const duet__kda_chain_args_t &a,
+                                             bool verify)
 {
     const unsigned cl = (unsigned)((K + 31) / 32);
     dim3 grid((unsigned)(a.st.n_items * a.ly.H), cl);
@@ -2218,9 +2438,15 @@ static duet_status_t duet__kda_decode_launch(cudaStream_t stream, const duet__kd
     cluster.val.clusterDim.x = 1;
     cluster.val.clusterDim.y = cl;
     cluster.val.clusterDim.z = 1;
-    DUET__TRY(duet_pdl_launch_attr(duet__kda_decode_kernel<K>, grid, dim3(32, DUET_KDA_RY), 0,
-                                   stream, &cluster, a),
-              "decode chain launch");
+    if (verify) {
+        DUET__TRY(duet_pdl_launch_attr(duet__kda_verify_chain_kernel<K, DUET_KDA_VERIFY_ROWS>, grid,
+                                       dim3(32, DUET_KDA_RY), 0, stream, &cluster, a),
+                  "verify chain launch");
+        __atomic_fetch_add(&duet__kda_verify_chains, 1, __ATOMIC_RELAXED);
+    } else
+        DUET__TRY(duet_pdl_launch_attr(duet__kda_decode_kernel<K>, grid, dim3(32, DUET_KDA_RY), 0,
+                                       stream, &cluster, a),
+                  "decode chain launch");
     return DUET_OK;
 }
 
@@ -2243,13 +2469,20 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
     if ((int64_t)st->n_items * ly->H > 0x7fffffff)
         return duet_error_set(DUET_ERR_RANGE, "cuda kda chain: %d items x %lld heads", st->n_items,
                               (long long)ly->H);
-    const bool small = st->max_item_tokens == 1 && !st->any_verify && ob == NULL &&
-                       (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
+    /* one kernel: decode steps, and steps of verify items (of at most DUET_KDA_VERIFY_ROWS rows:
+     * the replay rows bound them) beside one-token items */
+    const bool few = st->max_item_tokens == 1 && !duet__kda_fused_off &&
+                     (int64_t)st->n_items * ly->H <= DUET_KDA_FUSED_MAX_CLUSTERS;
+    const bool small = few && !st->any_verify && ob == NULL;
+    const bool verify = few && st->any_verify && ly->replay_base != NULL &&
+                        ly->replay_rows <= DUET_KDA_VERIFY_ROWS &&
+                        (int64_t)st->n_items * ly->H <= DUET_KDA_VERIFY_MAX_CLUSTERS;
     int clusters = 0;
-    if (small && (s = duet__kda_clusters(&clusters)) != DUET_OK)
+    if ((small || verify) && (s = duet__kda_clusters(&clusters)) != DUET_OK)
         return s;
-    if (!small || !clusters) { /* prefill, large batches, no clusters: the separate kernels, q
-                                * and k normalised in the conv where it can */
+    /* prefill, large batches, no clusters: the separate kernels, q and k normalised in the conv
+     * where it can */
+    if (!(small || verify) || !clusters) {
         bool normed;
         if ((s = duet__kda_conv(stream, st, ly, w->taps, proj, qkv, true, &normed)) != DUET_OK ||
             (s = duet__kda_prep(stream, st->n_rows, ly, w->neg_A, w->dt_bias, qkv, g, beta,
@@ -2259,8 +2492,10 @@ extern "C" duet_status_t duet_cuda_kda_chain(cudaStream_t stream, const duet_cud
         return duet__kda_out(stream, st->n_rows, ly->H, ly->K, w->o_norm, w->eps, gate, o,
                              (__nv_bfloat16 *)ob);
     }
-    const duet__kda_chain_args_t a = {*st, *ly, *w, proj, gate, qkv, g, beta, o};
+    const duet__kda_chain_args_t a = {*st, *ly, *w,   proj, gate,
+                                      qkv, g,   beta, o,    (__nv_bfloat16 *)ob};
     return duet__kda_with_k(
-        ly->K, [&](auto k) { return duet__kda_decode_launch<decltype(k)::value>(stream, a); },
+        ly->K,
+        [&](auto k) { return duet__kda_decode_launch<decltype(k)::value>(stream, a, verify); },
         [&] { return duet__kda_no_k(ly->K); });
 }

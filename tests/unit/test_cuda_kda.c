@@ -64,6 +64,10 @@
  * chain's separate kernels to prep instead of the conv */
 void duet__cuda_kda_conv_scalar(int on);
 void duet__cuda_kda_conv_norm_off(int on);
+/* ... nonzero runs the chain as its separate kernels at every step; verify chain kernels launched
+ */
+void duet__cuda_kda_fused_off(int on);
+long duet__cuda_kda_verify_chains(void);
 
 #define TOL_EXACT     0.0
 #define TOL_PREP      1e-5
@@ -1340,16 +1344,19 @@ typedef struct {
 
 /* One step of n items on the device: item i takes rows[i] rows of the host inputs starting at
  * in_row[i] (proj, graw, braw, gate), in slot slot[i], verify[i], replay[i] rows folded first.
- * Writes the step's o (T x HK) and prepared qkv, g, β to the host arrays given (may be NULL). */
+ * Writes the step's o (T x HK) and prepared qkv, g, β to the host arrays given (may be NULL);
+ * with ob_h the chain's out rows go to a bf16 buffer (its ob), copied there. The step's
+ * max_item_tokens leaves verify items aside, as the engine's does (cuda_step.h). */
 static void vstep(const vcase_t *v, int n, const int32_t *slot, const int32_t *rows,
                   const int32_t *in_row, const int32_t *verify, const int32_t *replay,
                   const float *proj, const float *graw, const float *braw, const float *gate,
-                  float *o_h, float *qkv_h, float *g_h, float *beta_h)
+                  float *o_h, float *qkv_h, float *g_h, float *beta_h, uint16_t *ob_h)
 {
-    int32_t T = 0, mx = 0, any_v = 0, any_r = 0;
+    int32_t T = 0, mx = 1, any_v = 0, any_r = 0;
     for (int i = 0; i < n; i++) {
         T += rows[i];
-        mx = rows[i] > mx ? rows[i] : mx;
+        if (!verify[i])
+            mx = rows[i] > mx ? rows[i] : mx;
         any_v |= verify[i];
         any_r |= replay[i] > 0;
     }
@@ -1388,16 +1395,22 @@ static void vstep(const vcase_t *v, int n, const int32_t *slot, const int32_t *r
     float *d_qkv = dev_alloc(sizeof(float) * (size_t)(T * v->C3));
     float *d_o = dev_alloc(sizeof(float) * (size_t)(T * v->HK));
     void *d_scr = dev_alloc(duet_cuda_kda_scratch_bytes(n, T, v->H, v->K));
+    uint16_t *d_ob = ob_h != NULL ? dev_alloc(sizeof(uint16_t) * (size_t)(T * v->HK)) : NULL;
     duet_cuda_step_t st = step_of(d_m, n, T, mx);
     st.item_verify = d_m + 4 * n + 1 + 2 * T;
     st.item_replay = st.item_verify + n;
     st.any_verify = any_v;
     if (any_r)
         CHECK(duet_cuda_kda_replay(NULL, &st, &v->ly) == DUET_OK, "replay: %s", duet_error_last());
-    CHECK(duet_cuda_kda_chain(NULL, &st, &v->ly, &v->w, d_p, d_ga, d_qkv, d_g, d_b, d_o, NULL,
+    CHECK(duet_cuda_kda_chain(NULL, &st, &v->ly, &v->w, d_p, d_ga, d_qkv, d_g, d_b, d_o, d_ob,
                               d_scr) == DUET_OK,
           "chain: %s", duet_error_last());
     CUDA_OK(cudaDeviceSynchronize());
+    if (ob_h != NULL) {
+        CUDA_OK(
+            cudaMemcpy(ob_h, d_ob, sizeof(uint16_t) * (size_t)(T * v->HK), cudaMemcpyDeviceToHost));
+        cudaFree(d_ob);
+    }
     if (o_h != NULL)
         CUDA_OK(cudaMemcpy(o_h, d_o, sizeof(float) * (size_t)(T * v->HK), cudaMemcpyDeviceToHost));
     if (qkv_h != NULL)
@@ -1489,12 +1502,74 @@ static void vcase_free(vcase_t *v)
     cudaFree(v->d_dt_bias), cudaFree(v->d_o_norm);
 }
 
+/* The verify step of v (its verify items beside its decode item) through duet_cuda_kda_chain as
+ * one kernel and as the separate kernels (the hook), each from v's pool and replay rows: every
+ * output equal bit for bit, o, qkv, g, β, the pool and the replay rows; then both again with ob,
+ * the bf16 out rows and o (the core's output) equal. Leaves v's pool and replay rows as they
+ * were. On a device with thread-block clusters the first runs must be the verify chain kernel. */
+static void verify_fused_vs_separate(vcase_t *v)
+{
+    const int n = v->nv + 1;
+    const int32_t zero[8] = {0};
+    const size_t T = (size_t)v->total, nq = T * (size_t)v->C3, ng = T * (size_t)v->HK;
+    const size_t nb = T * (size_t)v->H;
+    int dev = 0, clusters = 0;
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev));
+    for (int use_ob = 0; use_ob < 2; use_ob++) {
+        float *o[2], *qkv[2], *g[2], *b[2], *pool[2], *rep[2];
+        uint16_t *ob[2] = {NULL, NULL};
+        for (int sep = 0; sep < 2; sep++) {
+            CUDA_OK(
+                cudaMemcpy(v->d_pool, v->pool0, sizeof(float) * v->pool_f, cudaMemcpyHostToDevice));
+            CUDA_OK(
+                cudaMemcpy(v->d_replay, v->rep0, sizeof(float) * v->rep_f, cudaMemcpyHostToDevice));
+            o[sep] = xmalloc(sizeof(float) * ng), qkv[sep] = xmalloc(sizeof(float) * nq);
+            g[sep] = xmalloc(sizeof(float) * ng), b[sep] = xmalloc(sizeof(float) * nb);
+            if (use_ob)
+                ob[sep] = xmalloc(sizeof(uint16_t) * ng);
+            const long before = duet__cuda_kda_verify_chains();
+            duet__cuda_kda_fused_off(sep);
+            vstep(v, n, v->slot, v->n_row, v->in_row, v->verify, zero, v->proj, v->graw, v->braw,
+                  v->gate, o[sep], qkv[sep], g[sep], b[sep], ob[sep]);
+            duet__cuda_kda_fused_off(0);
+            const long ran = duet__cuda_kda_verify_chains() - before;
+            CHECK(ran == (sep == 0 && clusters ? 1 : 0),
+                  "the %s step launched %ld verify chain kernels", sep ? "separate" : "fused", ran);
+            pool[sep] = dev_to_host(v->d_pool, sizeof(float) * v->pool_f);
+            rep[sep] = dev_to_host(v->d_replay, sizeof(float) * v->rep_f);
+        }
+        const char *what = use_ob ? "verify chain with ob" : "verify chain";
+        expect_close(what, "o ~sep", o[0], o[1], ng, TOL_FUSED);
+        expect_close(what, "qkv ~sep", qkv[0], qkv[1], nq, TOL_FUSED);
+        expect_close(what, "g ~sep", g[0], g[1], ng, TOL_FUSED);
+        expect_close(what, "beta ~sep", b[0], b[1], nb, TOL_FUSED);
+        CHECK(memcmp(pool[0], pool[1], sizeof(float) * v->pool_f) == 0,
+              "%s: the pools differ from the separate kernels'", what);
+        CHECK(memcmp(rep[0], rep[1], sizeof(float) * v->rep_f) == 0,
+              "%s: the replay rows differ from the separate kernels'", what);
+        if (use_ob)
+            CHECK(memcmp(ob[0], ob[1], sizeof(uint16_t) * ng) == 0,
+                  "%s: the bf16 out rows differ from the separate kernels'", what);
+        printf("[cuda_kda] %s H%lld K%lld W%lld, %d verify items: %s equal to the separate "
+               "kernels, bit for bit\n",
+               what, (long long)v->H, (long long)v->K, (long long)v->W, v->nv,
+               clusters ? "one kernel" : "(no clusters: the separate kernels twice)");
+        for (int sep = 0; sep < 2; sep++)
+            free(o[sep]), free(qkv[sep]), free(g[sep]), free(b[sep]), free(pool[sep]),
+                free(rep[sep]), free(ob[sep]);
+    }
+    CUDA_OK(cudaMemcpy(v->d_pool, v->pool0, sizeof(float) * v->pool_f, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(v->d_replay, v->rep0, sizeof(float) * v->rep_f, cudaMemcpyHostToDevice));
+}
+
 /* Verify items of n_ver[0..nv) rows in slots 1..nv and a plain decode item in slot nv+1, then
  * replays of j = 1 and j = all rows, against one-token steps (see above). */
 static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ver)
 {
     vcase_t v;
     vcase_init(&v, H, K, W, nv, n_ver);
+    verify_fused_vs_separate(&v);
     const size_t pool_f = v.pool_f, rep_f = v.rep_f;
     const float *pool0 = v.pool0, *proj = v.proj, *graw = v.graw, *braw = v.braw, *gate = v.gate;
     const int32_t *slot = v.slot, *rows = v.n_row, *in_row = v.in_row, total = v.total;
@@ -1507,7 +1582,7 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
     float *gB = xmalloc(sizeof(float) * (size_t)(total * v.HK)),
           *bB = xmalloc(sizeof(float) * (size_t)(total * H));
     vstep(&v, nv + 1, slot, rows, in_row, v.verify, replay, proj, graw, braw, gate, oB, qkvB, gB,
-          bB);
+          bB, NULL);
     float *poolB = dev_to_host(v.d_pool, sizeof(float) * pool_f);
     float *repB = dev_to_host(v.d_replay, sizeof(float) * rep_f);
     for (int i = 0; i < nv; i++) { /* committed state and windows untouched */
@@ -1540,7 +1615,7 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
         for (int r = 0; r < rows[i]; r++) {
             const int32_t src = in_row[i] + r;
             vstep(&v, 1, &slot[i], &one, &src, &zero, &zero, proj, graw, braw, gate,
-                  oA + (size_t)src * v.HK, NULL, NULL, NULL);
+                  oA + (size_t)src * v.HK, NULL, NULL, NULL, NULL);
             after[src] = dev_to_host(d_poolA, sizeof(float) * pool_f);
         }
     expect_close("verify vs one-token steps", "o", oB, oA, (size_t)(total * v.HK), TOL_EXACT);
@@ -1557,7 +1632,8 @@ static void verify_case(int64_t H, int64_t K, int64_t W, int nv, const int *n_ve
         for (int i = 0; i < nv; i++)
             rep[i] = pass == 0 ? 1 : rows[i];
         int32_t zrows[8] = {0}, zv[8] = {0};
-        vstep(&v, nv, slot, zrows, in_row, zv, rep, proj, graw, braw, gate, NULL, NULL, NULL, NULL);
+        vstep(&v, nv, slot, zrows, in_row, zv, rep, proj, graw, braw, gate, NULL, NULL, NULL, NULL,
+              NULL);
         float *got = dev_to_host(v.d_pool, sizeof(float) * pool_f);
         for (int i = 0; i < nv; i++) {
             const size_t at = (size_t)(slot[i] * v.lf);
@@ -1665,7 +1741,8 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
 
     /* GPU: the same step */
     float *oG = xmalloc(sizeof(float) * (size_t)(T * HK));
-    vstep(&v, n, slot, rows, in_row, v.verify, zero, proj, graw, braw, gate, oG, NULL, NULL, NULL);
+    vstep(&v, n, slot, rows, in_row, v.verify, zero, proj, graw, braw, gate, oG, NULL, NULL, NULL,
+          NULL);
     float *poolG = dev_to_host(v.d_pool, sizeof(float) * pool_f);
     float *repG = dev_to_host(v.d_replay, sizeof(float) * rep_f);
 
@@ -1712,7 +1789,7 @@ static void verify_vs_cpu_case(int64_t H, int64_t K, int64_t W, int nv, const in
         duet_cpu_kda_replay(kc, &rst, &cly, scr, per);
         CUDA_OK(cudaMemcpy(v.d_pool, poolG, sizeof(float) * pool_f, cudaMemcpyHostToDevice));
         vstep(&v, nv, slot, zrows, in_row, zero, rep32, proj, graw, braw, gate, NULL, NULL, NULL,
-              NULL);
+              NULL, NULL);
         float *pg = dev_to_host(v.d_pool, sizeof(float) * pool_f);
         for (int i = 0; i < nv; i++) {
             const size_t at = (size_t)(slot[i] * lf);
