@@ -64,8 +64,7 @@
  * chain's separate kernels to prep instead of the conv */
 void duet__cuda_kda_conv_scalar(int on);
 void duet__cuda_kda_conv_norm_off(int on);
-/* ... nonzero runs the chain as its separate kernels at every step; verify chain kernels launched
- */
+/* ... nonzero runs the chain as its separate kernels; the verify chain kernels launched so far */
 void duet__cuda_kda_fused_off(int on);
 long duet__cuda_kda_verify_chains(void);
 
