@@ -13,8 +13,9 @@
  * - Autotuned (opts.tune: cuBLASLt's algorithm per GEMM shape, kernels/cuda/cuda_gemm.h) vs
  *   untuned: the tactics agree to fp32 summation order only, so F32 <= 1e-5 rel L2 and identical
  *   greedy tokens, with the profiled table and with a table that forces other algorithms. BF16
- *   compute <= 1e-4: there each GEMM rounds its x to bf16, and a summation-order difference of
- *   ~1e-7 upstream flips the rounding of a few elements by 2^-8 each, a few 1e-5 over a model.
+ *   compute <= max(1e-4, 2/128 of transformers' bf16 rel L2): there each GEMM rounds its x to
+ *   bf16, and a summation-order difference of ~1e-7 upstream flips the rounding of a few
+ *   elements by 2^-8 each, which the model amplifies as it does any bf16 rounding.
  * - Graph replay vs queued kernels, a mixed batch vs each item alone, the staged copy of a
  *   sequence vs the original: the GPU path is not bit-batch-invariant (cuBLASLt picks algorithms
  *   per row count), so <= 1e-5 rel L2 and identical greedy tokens.
@@ -1386,9 +1387,22 @@ static void run_gpu(const fixture_t *x, duet_dtype_t dt, float *lg, int32_t *got
     duet_model_free(m);
 }
 
+/* The BF16 bound on a summation-order difference (the top of the file): 1e-4, or 2/128 of
+ * transformers' own bf16 error on a fixture that has a bf16 run, whichever is larger. A
+ * rounding flipped by the order moves the logits by as much as the model amplifies a bf16
+ * rounding, which that error measures: 0.13 on mla-first-bf16-mixed-norenorm, where one profiled
+ * table's second-choice algorithms gave 4.7e-4; a wrong product is O(1). */
+static double bf16_order_bound(const fixture_t *x)
+{
+    if (x->logits_bf16 == NULL)
+        return 1e-4;
+    const double b = rel_l2(x->logits_bf16, x->logits, x->n_prompt * x->vocab);
+    return fmax(1e-4, 2.0 * b / 128.0);
+}
+
 /*
- * A model loaded with tune on gives the untuned model's logits (to 1e-5 rel L2 in F32, 1e-4 in
- * BF16: see the top of the file) and its greedy tokens: profiled (saving the table), loaded from
+ * A model loaded with tune on gives the untuned model's logits (to 1e-5 rel L2 in F32, in BF16
+ * to bf16_order_bound) and its greedy tokens: profiled (saving the table), loaded from
  * the saved file, and from that file with every tactic moved to the next one (so algorithms other
  * than cuBLASLt's first run wherever a shape has more than one; an index past a call's count falls
  * back to algo 0). A file whose machine line names another GPU fails the load. F32 and BF16
@@ -1437,7 +1451,7 @@ Test(engine_cuda, tuned_equals_untuned, .timeout = 900)
                    : pass == 1 ? "from file   "
                                : "tactics + 1 ",
                    e);
-            const double tol = dt == DUET_DTYPE_F32 ? 1e-5 : 1e-4;
+            const double tol = dt == DUET_DTYPE_F32 ? 1e-5 : bf16_order_bound(x);
             cr_expect_leq(e, tol, "%s %s pass %d: rel L2 %g (bound %g)", x->name,
                           duet_dtype_name(dt), pass, e, tol);
             for (int64_t t = 0; t < x->n_greedy; t++)
