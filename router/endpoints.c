@@ -21,7 +21,7 @@ typedef void (*rt_endpoint_fn)(duet__router_t *rt, duet_http_request_t *http,
 
 struct rt_endpoint {
     const char *method; /* "POST", or "GET" (which also answers HEAD) */
-    const char *path;
+    const char *path;   /* a tail "{name}" matches any non-empty rest of the path */
     rt_endpoint_fn handle;
     duet_oai_endpoint_t oai; /* the completions endpoints: which OpenAI API */
     bool api;                /* an API route: needs api.key when one is set */
@@ -60,25 +60,98 @@ static void ep_completion(duet__router_t *rt, duet_http_request_t *http, const r
     duet__rq_begin(rt, http, e->oai, e->path);
 }
 
-/* The one served model, with vLLM's max_model_len (null: no limit) and the router's start. */
+/* The OpenAI error *err as the whole answer. */
+static void rt_answer_error(duet_http_request_t *http, const duet_oai_error_t *err)
+{
+    duet_strbuf_t sb;
+    duet_strbuf_init(&sb);
+    duet_oai_error_json(err, &sb);
+    rt_answer(http, err->http_status, "application/json", NULL, 0, sb.data != NULL ? sb.data : "",
+              sb.len);
+    duet_strbuf_free(&sb);
+}
+
+/* Appends the one served model's object: vLLM's max_model_len (null: no limit), the router's
+ * start as "created". */
+static void rt_model_object(const duet__router_t *rt, duet_strbuf_t *sb)
+{
+    duet_strbuf_puts(sb, "{\"id\":");
+    duet_oai_json_string(sb, rt->model_name, strlen(rt->model_name));
+    duet_strbuf_printf(sb,
+                       ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\","
+                       "\"root\":",
+                       (long long)rt->started_unix);
+    duet_oai_json_string(sb, rt->model_name, strlen(rt->model_name));
+    duet_strbuf_puts(sb, ",\"max_model_len\":");
+    if (rt->lim.max_context > 0)
+        duet_strbuf_printf(sb, "%zu}", rt->lim.max_context);
+    else
+        duet_strbuf_puts(sb, "null}");
+}
+
+/* GET /v1/models: a list of the one served model. */
 static void ep_models(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
 {
     duet_strbuf_t sb;
     duet_strbuf_init(&sb);
-    duet_strbuf_puts(&sb, "{\"object\":\"list\",\"data\":[{\"id\":");
-    duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
-    duet_strbuf_printf(&sb,
-                       ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"duet\","
-                       "\"root\":",
-                       (long long)rt->started_unix);
-    duet_oai_json_string(&sb, rt->model_name, strlen(rt->model_name));
-    duet_strbuf_puts(&sb, ",\"max_model_len\":");
-    if (rt->lim.max_context > 0)
-        duet_strbuf_printf(&sb, "%zu}]}", rt->lim.max_context);
-    else
-        duet_strbuf_puts(&sb, "null}]}");
+    duet_strbuf_puts(&sb, "{\"object\":\"list\",\"data\":[");
+    rt_model_object(rt, &sb);
+    duet_strbuf_puts(&sb, "]}");
     rt_answer(http, 200, "application/json", NULL, 0, sb.data, sb.len);
     duet_strbuf_free(&sb);
+}
+
+/*
+ * Decodes the percent escapes of s into out (cap bytes, NUL-terminated): clients escape a '/' of
+ * a model id ("org/name") as %2F. False for a truncated or non-hex escape, %00, or no room.
+ */
+static bool rt_unescape(const char *s, char *out, size_t cap)
+{
+    size_t n = 0;
+    for (; *s != '\0'; n++) {
+        unsigned c = (unsigned char)*s++;
+        if (c == '%') {
+            unsigned v = 0;
+            for (int i = 0; i < 2; i++, s++) {
+                const char h = *s;
+                if (h >= '0' && h <= '9')
+                    v = v * 16 + (unsigned)(h - '0');
+                else if ((h | 0x20) >= 'a' && (h | 0x20) <= 'f')
+                    v = v * 16 + (unsigned)((h | 0x20) - 'a' + 10);
+                else
+                    return false;
+            }
+            if (v == 0)
+                return false;
+            c = v;
+        }
+        if (n + 1 >= cap)
+            return false;
+        out[n] = (char)c;
+    }
+    out[n] = '\0';
+    return true;
+}
+
+/* GET /v1/models/{model}: the served model's object, OpenAI's 404 for any other id. */
+static void ep_model(duet__router_t *rt, duet_http_request_t *http, const rt_endpoint_t *e)
+{
+    const char *id = duet_http_request_path(http) + (strchr(e->path, '{') - e->path);
+    char name[1024];
+    const bool decoded = rt_unescape(id, name, sizeof(name));
+    if (decoded && strcmp(name, rt->model_name) == 0) {
+        duet_strbuf_t sb;
+        duet_strbuf_init(&sb);
+        rt_model_object(rt, &sb);
+        rt_answer(http, 200, "application/json", NULL, 0, sb.data, sb.len);
+        duet_strbuf_free(&sb);
+        return;
+    }
+    duet_oai_error_t err;
+    duet_oai_error_make(&err, 404, NULL, "model_not_found", "model",
+                        "The model `%.200s` does not exist. This server serves `%.200s`.",
+                        decoded ? name : id, rt->model_name);
+    rt_answer_error(http, &err);
 }
 
 /* POST /tokenize and /detokenize (vLLM's): answered at once from the tokenizer. */
@@ -93,13 +166,10 @@ static void ep_tokenize(duet__router_t *rt, duet_http_request_t *http, const rt_
     duet_status_t st = strcmp(e->path, "/tokenize") == 0
                            ? duet_oai_tokenize(&rt->lim, rt->tmpl, rt->tok, body, len, &sb, &err)
                            : duet_oai_detokenize(&rt->lim, rt->tok, body, len, &sb, &err);
-    if (st != DUET_OK) {
-        duet_strbuf_free(&sb);
-        duet_strbuf_init(&sb);
-        duet_oai_error_json(&err, &sb);
-    }
-    rt_answer(http, st == DUET_OK ? 200 : err.http_status, "application/json", NULL, 0,
-              sb.data != NULL ? sb.data : "", sb.len);
+    if (st != DUET_OK)
+        rt_answer_error(http, &err);
+    else
+        rt_answer(http, 200, "application/json", NULL, 0, sb.data != NULL ? sb.data : "", sb.len);
     duet_strbuf_free(&sb);
 }
 
@@ -222,6 +292,7 @@ static const rt_endpoint_t rt_endpoints[] = {
     {.method = "POST", .path = "/v1/chat/completions", .handle = ep_completion,
      .oai = DUET_OAI_ENDPOINT_CHAT, .api = true},
     {.method = "GET",  .path = "/v1/models",           .handle = ep_models,   .api = true},
+    {.method = "GET",  .path = "/v1/models/{model}",   .handle = ep_model,    .api = true},
     {.method = "POST", .path = "/tokenize",            .handle = ep_tokenize, .api = true},
     {.method = "POST", .path = "/detokenize",          .handle = ep_tokenize, .api = true},
     {.method = "GET",  .path = "/health",              .handle = ep_health},
@@ -233,9 +304,12 @@ static const rt_endpoint_t rt_endpoints[] = {
 
 static const rt_endpoint_t *rt_endpoint_find(const char *path)
 {
-    for (size_t i = 0; i < sizeof(rt_endpoints) / sizeof(rt_endpoints[0]); i++)
-        if (strcmp(path, rt_endpoints[i].path) == 0)
+    for (size_t i = 0; i < sizeof(rt_endpoints) / sizeof(rt_endpoints[0]); i++) {
+        const char *p = rt_endpoints[i].path, *brace = strchr(p, '{');
+        if (brace == NULL ? strcmp(path, p) == 0
+                          : strncmp(path, p, (size_t)(brace - p)) == 0 && path[brace - p] != '\0')
             return &rt_endpoints[i];
+    }
     return NULL;
 }
 
@@ -275,7 +349,7 @@ static bool rt_api_authorized(duet__router_t *rt, duet_http_request_t *http, con
     return false;
 }
 
-/* A known path with another method gets 405; an unknown path 404 (405 unless GET or HEAD). */
+/* A known path with another method gets 405; an unknown path 404 whatever the method. */
 void duet__rt_on_request(duet_http_request_t *http, void *user)
 {
     duet__router_t *rt = user;
@@ -284,13 +358,12 @@ void duet__rt_on_request(duet_http_request_t *http, void *user)
     const rt_endpoint_t *e = rt_endpoint_find(duet_http_request_path(http));
     if (!rt_api_authorized(rt, http, e))
         return;
-    if (e == NULL && get)
-        rt_answer_json(http, 404,
-                       "{\"error\":{\"message\":\"not found\",\"type\":"
-                       "\"invalid_request_error\",\"param\":null,\"code\":null}}");
-    else if (e == NULL)
-        rt_method_not_allowed(http, "GET");
-    else if (strcmp(e->method, "GET") == 0 ? get : strcmp(method, e->method) == 0)
+    if (e == NULL) {
+        duet_oai_error_t err;
+        duet_oai_error_make(&err, 404, NULL, "unknown_url", NULL, "Invalid URL (%.16s %.300s)",
+                            method, duet_http_request_path(http));
+        rt_answer_error(http, &err);
+    } else if (strcmp(e->method, "GET") == 0 ? get : strcmp(method, e->method) == 0)
         e->handle(rt, http, e);
     else
         rt_method_not_allowed(http, e->method);

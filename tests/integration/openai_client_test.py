@@ -242,6 +242,31 @@ def models_list():
 
 
 @test
+def models_retrieve():
+    m = client.models.retrieve(MODEL)
+    assert m.to_dict() == list(client.models.list())[0].to_dict(), m
+    # the client escapes the id's '/' as %2F; the server decodes it before comparing
+    try:
+        client.models.retrieve("org/" + MODEL)
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.code == "model_not_found", e
+        assert f"`org/{MODEL}`" in e.message, e.message
+    else:
+        raise AssertionError("an unknown model id did not raise openai.NotFoundError")
+
+
+@test
+def unknown_route_is_not_found():
+    try:
+        client.embeddings.create(model=MODEL, input="x")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.code == "unknown_url", e
+        assert "POST /v1/embeddings" in e.message, e.message
+    else:
+        raise AssertionError("POST /v1/embeddings did not raise openai.NotFoundError")
+
+
+@test
 def unknown_fields_are_ignored():
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3,
                                   extra_body={"guided_regex": "x", "chat_template_kwargs": {}})

@@ -508,6 +508,58 @@ Test(router_cluster, n_choices_fail_and_cancel_together, .timeout = 90)
     stop_all();
 }
 
+/* GET /v1/models/{model}: the list's one object for the served id (percent escapes decoded, as
+ * clients send a '/' of "org/name"), OpenAI's 404 for another; an unknown path is a 404 naming
+ * method and path whatever the method, a known one with another method a 405. */
+Test(router_cluster, model_retrieve_and_unknown_urls, .timeout = 60)
+{
+    static char buf[65536], list[4096];
+    start_router(NULL, NULL);
+    cr_assert_eq(http(http_port, "GET", "/v1/models", NULL, buf, sizeof(buf)), 200, "%s", buf);
+    /* the list's one object: {"object":"list","data":[OBJ]} */
+    const char *obj = strstr(body_of(buf), "[{");
+    cr_assert_not_null(obj, "%s", buf);
+    snprintf(list, sizeof(list), "%s", obj + 1);
+    cr_assert_str_eq(list + strlen(list) - 2, "]}", "%s", buf);
+    list[strlen(list) - 2] = '\0';
+    for (int i = 0; i < 2; i++) {
+        const char *path = i == 0 ? "/v1/models/m" : "/v1/models/%6D"; /* %6D = 'm' */
+        cr_assert_eq(http(http_port, "GET", path, NULL, buf, sizeof(buf)), 200, "%s", buf);
+        cr_assert_str_eq(body_of(buf), list, "%s: not the list's object", path);
+    }
+    static const struct {
+        const char *method, *path;
+        int status;
+        const char *code, *message;
+    } bad[] = {
+        {"GET", "/v1/models/org%2Fm", 404, "model_not_found", "The model `org/m` does not exist"},
+        {"GET", "/v1/models/m/", 404, "model_not_found", "The model `m/` does not exist"},
+        {"GET", "/v1/models/m%", 404, "model_not_found", "The model `m%` does not exist"},
+        {"GET", "/v1/models/%00m", 404, "model_not_found", "The model `%00m` does not exist"},
+        {"GET", "/v1/models/", 404, "unknown_url", "Invalid URL (GET /v1/models/)"},
+        {"POST", "/v1/embeddings", 404, "unknown_url", "Invalid URL (POST /v1/embeddings)"},
+        {"DELETE", "/v1/nothing", 404, "unknown_url", "Invalid URL (DELETE /v1/nothing)"},
+        {"POST", "/v1/models/m", 405, "method_not_allowed", "use GET"},
+        {"GET", "/v1/completions", 405, "method_not_allowed", "use POST"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        const int st = http(http_port, bad[i].method, bad[i].path,
+                            bad[i].status == 405 ? "{}" : NULL, buf, sizeof(buf));
+        cr_expect_eq(st, bad[i].status, "%s %s: %s", bad[i].method, bad[i].path, buf);
+        char code[64];
+        snprintf(code, sizeof(code), "\"code\":\"%s\"", bad[i].code);
+        cr_expect(strstr(body_of(buf), code) != NULL, "%s %s: %s", bad[i].method, bad[i].path, buf);
+        cr_expect(strstr(body_of(buf), bad[i].message) != NULL, "%s %s: %s", bad[i].method,
+                  bad[i].path, buf);
+    }
+    /* the metrics' path label is the route's, not the id asked for */
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_expect(strstr(buf, "path=\"/v1/models/{model}\",status=\"200\"} 2") != NULL, "%s", buf);
+    cr_expect(strstr(buf, "path=\"/v1/models/{model}\",status=\"404\"} 4") != NULL, "%s", buf);
+    cr_expect(strstr(buf, "org%2Fm") == NULL, "%s", buf);
+    stop_all();
+}
+
 /* api.key from DUET_API_KEY: every API route needs the bearer key; health and metrics do not. */
 Test(router_cluster, api_key_guards_the_api_routes, .timeout = 60)
 {
@@ -524,6 +576,7 @@ Test(router_cluster, api_key_guards_the_api_routes, .timeout = 60)
         int ok_status;
     } routes[] = {
         {"GET", "/v1/models", NULL, 200},
+        {"GET", "/v1/models/m", NULL, 200},
         {"POST", "/v1/completions", "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":2}", 200},
         {"POST", "/v1/chat/completions",
          "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],"
