@@ -523,11 +523,17 @@ static void fmt_duration(long long s, char *out, size_t cap)
 static void print_admission(json_t *a)
 {
     json_t *rej = json_object_get(a, "rejected_total");
-    printf("admission: %s%s, in flight %lld/%lld, queued %lld/%lld; admitted %lld, rejected: "
+    /* the limit is max_inflight unless the generation workers hold fewer requests */
+    const long long max = jint(a, "max_inflight"),
+                    limit = json_is_integer(json_object_get(a, "limit")) ? jint(a, "limit") : max;
+    char why[96] = "";
+    if (limit < max)
+        snprintf(why, sizeof(why), " (the generation workers' slots; max_inflight %lld)", max);
+    printf("admission: %s%s, in flight %lld/%lld%s, queued %lld/%lld; admitted %lld, rejected: "
            "queue_full %lld, paused %lld, no_capacity %lld, expired %lld\n",
            json_is_true(json_object_get(a, "paused")) ? "PAUSED" : "accepting",
            json_is_false(json_object_get(a, "has_capacity")) ? " (no generation capacity)" : "",
-           jint(a, "in_flight"), jint(a, "max_inflight"), jint(a, "queued"), jint(a, "max_queue"),
+           jint(a, "in_flight"), limit, why, jint(a, "queued"), jint(a, "max_queue"),
            jint(a, "admitted_total"), jint(rej, "queue_full"), jint(rej, "paused"),
            jint(rej, "no_capacity"), jint(rej, "expired"));
 }

@@ -1244,10 +1244,22 @@ void duet__rq_on_abort(duet_http_request_t *http, void *user)
 
 /* ---------------------------------------------------------------- worker events */
 
+/* Adds a live generation worker's request slots (batch.max_seqs) to the sum at user. */
+static void rq_add_gen_slots(const duet_worker_info_t *w, void *user)
+{
+    if (w->role == DUET_WORKER_ROLE_GEN && w->state == DUET_WORKER_STATE_UP)
+        *(uint64_t *)user += w->max_seqs;
+}
+
 void duet__rq_capacity_changed(duet__router_t *rt)
 {
     bool cap = duet_registry_count(rt->reg, DUET_WORKER_ROLE_GEN, DUET_WORKER_STATE_UP) > 0;
     duet_admission_set_capacity(rt->adm, cap);
+    /* every running request holds a slot on its generation worker from Reserve to its end:
+     * past their sum a request waits in the queue rather than be refused there with a 429 */
+    uint64_t slots = 0;
+    duet_registry_foreach(rt->reg, rq_add_gen_slots, &slots);
+    duet_admission_set_worker_slots(rt->adm, slots < UINT32_MAX ? (uint32_t)slots : UINT32_MAX);
     void *h = NULL;
     while (cap && duet_admission_pop_ready(rt->adm, uv_now(rt->loop), &h))
         rq_start((rq_t *)h);

@@ -175,6 +175,8 @@ static json_t *admission_json(duet_admission_t *adm)
     json_object_set_new(o, "in_flight", json_integer(s.in_flight));
     json_object_set_new(o, "queued", json_integer(s.queued));
     json_object_set_new(o, "max_inflight", json_integer(s.max_inflight));
+    json_object_set_new(o, "worker_slots", json_integer(s.worker_slots));
+    json_object_set_new(o, "limit", json_integer(s.limit));
     json_object_set_new(o, "max_queue", json_integer(s.max_queue));
     json_object_set_new(o, "admitted_total", json_integer((json_int_t)s.admitted_total));
     json_object_set_new(o, "queued_total", json_integer((json_int_t)s.queued_total));

@@ -21,7 +21,10 @@
  *                                         ("migrate": true in the answer; 409 for a ctx worker)
  *   POST /admin/workers/{name}/undrain    {"worker", "state": "live"}
  *   GET  /admin/admission                 {"paused", "has_capacity", "in_flight", "queued",
- *                                          "max_inflight", "max_queue", "admitted_total",
+ *                                          "max_inflight", "max_queue", "worker_slots" (the
+ *                                          live generation workers' batch.max_seqs summed),
+ *                                          "limit" (in flight at most: the smaller of the two
+ *                                          above, worker_slots 0 aside), "admitted_total",
  *                                          "queued_total", "cancelled_total",
  *                                          "rejected_total": {"queue_full", "paused", ...}}
  *   POST /admin/admission/pause           the admission object after the change

@@ -29,6 +29,7 @@ struct duet_admission {
     uint32_t node_cap;
     uint32_t head, tail, free_head;
     uint32_t queued, in_flight;
+    uint32_t worker_slots; /* 0: no bound beyond opts.max_inflight */
     bool paused, has_capacity;
 
     uint64_t last_release_ms;
@@ -251,9 +252,16 @@ static bool live_queued(const duet_admission_t *adm, uint64_t now_ms)
     return false;
 }
 
+/* Requests that may run at once: max_inflight, or what the generation workers hold. */
+static uint32_t inflight_limit(const duet_admission_t *adm)
+{
+    const uint32_t w = adm->worker_slots;
+    return w > 0 && w < adm->opts.max_inflight ? w : adm->opts.max_inflight;
+}
+
 static bool can_promote(const duet_admission_t *adm)
 {
-    return !adm->paused && adm->has_capacity && adm->in_flight < adm->opts.max_inflight;
+    return !adm->paused && adm->has_capacity && adm->in_flight < inflight_limit(adm);
 }
 
 duet_status_t duet_admission_try_admit(duet_admission_t *adm, void *handle, uint64_t now_ms,
@@ -272,7 +280,7 @@ duet_status_t duet_admission_try_admit(duet_admission_t *adm, void *handle, uint
         r.http_status = DUET_ADMISSION_NO_CAPACITY_HTTP_STATUS;
         r.retry_after_s = adm->opts.paused_retry_after_s;
         count_reject(adm, DUET_ADMISSION_REASON_NO_CAPACITY);
-    } else if (adm->in_flight < adm->opts.max_inflight && !live_queued(adm, now_ms)) {
+    } else if (adm->in_flight < inflight_limit(adm) && !live_queued(adm, now_ms)) {
         /* A slot is free and nobody who may still run is ahead in line. (Live queued requests
          * with a free slot exist only until the caller's pop_ready loop runs; they go first.) */
         count_admit(adm);
@@ -410,6 +418,16 @@ void duet_admission_set_capacity(duet_admission_t *adm, bool has_capacity)
     adm->has_capacity = has_capacity;
 }
 
+void duet_admission_set_worker_slots(duet_admission_t *adm, uint32_t slots)
+{
+    if (slots == adm->worker_slots)
+        return;
+    adm->worker_slots = slots;
+    DUET_LOG_INFO("admission: the generation workers hold %u requests at once, so %u may run "
+                  "(%u running, %u queued)",
+                  slots, inflight_limit(adm), adm->in_flight, adm->queued);
+}
+
 duet_status_t duet_admission_set_limits(duet_admission_t *adm, uint32_t max_inflight,
                                         uint32_t max_queue)
 {
@@ -437,6 +455,8 @@ void duet_admission_stats(const duet_admission_t *adm, duet_admission_stats_t *s
     s.queued = adm->queued;
     s.max_inflight = adm->opts.max_inflight;
     s.max_queue = adm->opts.max_queue;
+    s.worker_slots = adm->worker_slots;
+    s.limit = inflight_limit(adm);
     s.paused = adm->paused;
     s.has_capacity = adm->has_capacity;
     s.admitted_total = adm->admitted_total;

@@ -18,13 +18,16 @@
  * request was never started, so it is safe to retry, and the cause is overload, which is what 503
  * + Retry-After says. 504 would suggest an upstream worker took the request and then hung.
  *
- * Promotion. A queued request runs when in_flight < max_inflight, admission is not paused and
- * generation capacity exists. The queue is FIFO, and a new request takes a free slot at once only
- * when no queued request that may still run is ahead of it; a queued request whose deadline has
- * passed is never handed out to run (it is skipped and left for duet_admission_expire), so the
- * caller should expire before promoting, e.g. from one timer armed at duet_admission_next_deadline.
- * After duet_admission_resume, duet_admission_set_limits, or duet_admission_set_capacity(true)
- * several queued requests may become runnable at once: call duet_admission_pop_ready in a loop.
+ * Promotion. A queued request runs when in_flight is below the limit, admission is not paused
+ * and generation capacity exists. The limit is max_inflight, or the number of requests the live
+ * generation workers hold at once (duet_admission_set_worker_slots) when that is smaller: a
+ * request past what the workers hold would only be refused there, so it waits here instead. The
+ * queue is FIFO, and a new request takes a free slot at once only when no queued request that may
+ * still run is ahead of it; a queued request whose deadline has passed is never handed out to run
+ * (it is skipped and left for duet_admission_expire), so the caller should expire before promoting,
+ * e.g. from one timer armed at duet_admission_next_deadline. After duet_admission_resume,
+ * duet_admission_set_limits, duet_admission_set_capacity(true) or more worker slots several queued
+ * requests may become runnable at once: call duet_admission_pop_ready in a loop.
  *
  * Limits change at run time. Lowering max_inflight below the current in-flight count never
  * touches running requests: promotions simply stop until enough of them end. Lowering max_queue
@@ -164,6 +167,13 @@ void duet_admission_resume(duet_admission_t *adm);
 void duet_admission_set_capacity(duet_admission_t *adm, bool has_capacity);
 
 /*
+ * How many requests the live generation workers hold at once (the sum of their batch.max_seqs;
+ * the router reports every change); 0: no bound beyond max_inflight. Lowering it never touches
+ * running requests: promotions stop until enough of them end.
+ */
+void duet_admission_set_worker_slots(duet_admission_t *adm, uint32_t slots);
+
+/*
  * New limits, effective at once (see the file comment). DUET_ERR_RANGE with detail for values
  * out of range, DUET_ERR_NOMEM when the queue cannot grow; the limits are unchanged then.
  */
@@ -173,6 +183,8 @@ duet_status_t duet_admission_set_limits(duet_admission_t *adm, uint32_t max_infl
 typedef struct {
     uint32_t in_flight, queued;
     uint32_t max_inflight, max_queue;
+    uint32_t worker_slots; /* as last set (0: none) */
+    uint32_t limit;        /* in flight at most: max_inflight, or worker_slots when smaller */
     bool paused, has_capacity;
     uint64_t admitted_total; /* requests that started running (at once or from the queue) */
     uint64_t queued_total;   /* requests that entered the queue */

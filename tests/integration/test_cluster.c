@@ -839,6 +839,20 @@ static void check_job(const job_t *j, int i)
     cr_expect_eq(j->got_tokens, j->want_tokens, "request %d: token count", i);
 }
 
+/* Sends every job at once, each from its own thread, and checks each answer (check_job). */
+static void run_jobs_and_check(job_t *jobs, int n)
+{
+    pthread_t *th = calloc((size_t)n, sizeof(*th));
+    cr_assert_not_null(th);
+    for (int i = 0; i < n; i++)
+        pthread_create(&th[i], NULL, run_job, &jobs[i]);
+    for (int i = 0; i < n; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < n; i++)
+        check_job(&jobs[i], i);
+    free(th);
+}
+
 /*
  * A context worker's first prefill step of a prompt waits for the UCX handshake with the prompt's
  * generation worker (ctx_main.c, CTX_CONNECT_WAIT_S = 2 s): during a step UCX moves only between
@@ -894,13 +908,7 @@ Test(cluster, greedy_32_concurrent_equal_duet_generate, .timeout = 300)
         prompt_tokens += (uint64_t)lens[i] + 1; /* + BOS */
     }
     double before = metric("duet_worker_prefill_tokens_total");
-    pthread_t th[N];
-    for (int i = 0; i < N; i++)
-        pthread_create(&th[i], NULL, run_job, &jobs[i]);
-    for (int i = 0; i < N; i++)
-        pthread_join(th[i], NULL);
-    for (int i = 0; i < N; i++)
-        check_job(&jobs[i], i);
+    run_jobs_and_check(jobs, N);
     wait_idle(4, 10000);
     usleep(400000); /* a heartbeat carries the last counters */
     double after = metric("duet_worker_prefill_tokens_total");
@@ -1339,6 +1347,56 @@ static void client_cancel_body(void)
 }
 
 /*
+ * More requests at once than the generation worker holds (batch.max_seqs 2, 10 requests sent
+ * together): the router runs at most what the live generation workers hold and keeps the rest in
+ * its admission queue, so every request is answered as duet-generate answers it, none with a
+ * 429, and the worker never refuses a reservation for want of a slot.
+ */
+Test(cluster, a_burst_past_the_generation_slots_waits_in_the_queue, .timeout = 300)
+{
+    enum { N = 10 };
+    static job_t jobs[N];
+    gen_extra[0] = "--batch.max_seqs"; /* after start_cluster's 40: the last one counts */
+    gen_extra[1] = "2";
+    start_cluster(1, 1);
+    gen_extra[0] = gen_extra[1] = NULL;
+    for (int i = 0; i < N; i++) {
+        memset(&jobs[i], 0, sizeof(jobs[i]));
+        prompt_of(&jobs[i], i, 20 + 13 * i, 16 + i);
+        jobs[i].stream = i % 2;
+        reference(&jobs[i]);
+    }
+    static char buf[65536];
+    json_t *a = NULL;
+    for (uint64_t end = now_ms() + 5000;; usleep(50000)) {
+        cr_assert_eq(http(admin_port, "GET", "/admin/admission", NULL, buf, sizeof(buf)), 200);
+        json_decref(a);
+        a = json_loads(body_of(buf), 0, NULL);
+        if (json_integer_value(json_object_get(a, "limit")) == 2 || now_ms() >= end)
+            break;
+    }
+    cr_assert_eq(json_integer_value(json_object_get(a, "worker_slots")), 2, "%s", body_of(buf));
+    cr_assert_eq(json_integer_value(json_object_get(a, "limit")), 2, "%s", body_of(buf));
+    cr_assert_eq(json_integer_value(json_object_get(a, "max_inflight")), 64, "%s", body_of(buf));
+    json_decref(a);
+    run_jobs_and_check(jobs, N);
+    cr_assert_eq(http(admin_port, "GET", "/admin/admission", NULL, buf, sizeof(buf)), 200);
+    a = json_loads(body_of(buf), 0, NULL);
+    cr_expect_geq(json_integer_value(json_object_get(a, "queued_total")), 1,
+                  "no request waited: %s", body_of(buf));
+    json_decref(a);
+    static const char *const refused[] = {"refused"};
+    cr_expect_eq(log_count("router", refused, 1), 0, "a reservation was refused: %s/router.log",
+                 dir);
+    wait_idle(2, 10000);
+    for (int i = 0; i < N; i++) {
+        free(jobs[i].want_text);
+        free(jobs[i].got_text);
+    }
+    stop_all();
+}
+
+/*
  * A generation worker with too few pages for its load (cache.suspend, gen_main.c): 10 greedy
  * requests (local and remote prefill, streamed and not, ignore_eos so that each decodes all its
  * max_tokens) are admitted by what they hold, 12-16 pages each when they finish against 48 in the
@@ -1363,13 +1421,7 @@ static void suspend_under_pressure_body(void)
     const double sus0 = metric("duet_gen_suspended_total");
     const double res0 = metric("duet_gen_resumed_total");
     cr_assert(sus0 >= 0 && res0 >= 0, "the router exports the suspension counters");
-    pthread_t th[N];
-    for (int i = 0; i < N; i++)
-        pthread_create(&th[i], NULL, run_job, &jobs[i]);
-    for (int i = 0; i < N; i++)
-        pthread_join(th[i], NULL);
-    for (int i = 0; i < N; i++)
-        check_job(&jobs[i], i);
+    run_jobs_and_check(jobs, N);
     wait_idle(2, 15000);
     usleep(300000); /* a heartbeat after the last step carries the final counts */
     const double sus = metric("duet_gen_suspended_total") - sus0;
@@ -2225,13 +2277,7 @@ Test(cluster_spec, greedy_equal_duet_generate_k2_k4, .timeout = 420)
             jobs[i].got_text = NULL;
             jobs[i].got_tokens = 0;
         }
-        pthread_t th[N];
-        for (int i = 0; i < N; i++)
-            pthread_create(&th[i], NULL, run_job, &jobs[i]);
-        for (int i = 0; i < N; i++)
-            pthread_join(th[i], NULL);
-        for (int i = 0; i < N; i++)
-            check_job(&jobs[i], i);
+        run_jobs_and_check(jobs, N);
         wait_idle(2, 10000);
         usleep(400000); /* a heartbeat carries the last counters */
         check_spec_metrics(jobs, N, atoi(ks[round]));

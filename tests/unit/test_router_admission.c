@@ -3,7 +3,8 @@
  * deadlines, cancel, pause, capacity, run-time limits, Retry-After and metrics; then a randomized
  * model check that drives the module and a tiny reference model (plain arrays, written from the
  * header's contract) with the same few thousand operation sequences and compares every answer.
- * Invariants checked on the way: in-flight only grows while below max_inflight, the queue only
+ * Invariants checked on the way: in-flight only grows while below the limit (max_inflight, or
+ * the generation workers' slots when fewer), the queue only
  * grows while below max_queue, promotions and expiries follow queue order, and at the end every
  * request has ended exactly once (rejected, released, expired or cancelled) and none is lost.
  */
@@ -334,6 +335,56 @@ Test(admission, lowering_limits_keeps_running_and_queued_requests)
     duet_admission_destroy(adm);
 }
 
+/* The generation workers' slots bound what runs when they are fewer than max_inflight: the rest
+ * wait in the queue, a worker's slots arriving promote them, and 0 lifts the bound. */
+Test(admission, worker_slots_bound_what_runs)
+{
+    duet_admission_t *adm = make(8, 8, NULL);
+    duet_admission_set_worker_slots(adm, 2);
+    duet_admission_stats_t s;
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.worker_slots, 2);
+    cr_expect_eq(s.limit, 2);
+    cr_expect_eq(s.max_inflight, 8, "the configured limit is kept");
+    cr_expect_eq(admit(adm, 1, 0, 1000), DUET_ADMISSION_ADMIT);
+    cr_expect_eq(admit(adm, 2, 0, 1000), DUET_ADMISSION_ADMIT);
+    for (uintptr_t i = 3; i <= 6; i++)
+        cr_expect_eq(admit(adm, i, 0, 1000), DUET_ADMISSION_QUEUED, "request %zu", (size_t)i);
+    void *next = NULL;
+    cr_assert(duet_admission_release(adm, 1, &next), "a slot freed: the oldest waiting runs");
+    cr_expect_eq(next, H(3));
+    /* a second worker of 2 slots: two more run at once */
+    duet_admission_set_worker_slots(adm, 4);
+    int n = 0;
+    while (duet_admission_pop_ready(adm, 2, &next))
+        cr_expect_eq(next, H(4 + n++));
+    cr_expect_eq(n, 2);
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.in_flight, 4);
+    cr_expect_eq(s.queued, 1);
+    /* more slots than max_inflight: max_inflight bounds */
+    duet_admission_set_worker_slots(adm, 100);
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.limit, 8);
+    cr_assert(duet_admission_pop_ready(adm, 3, &next));
+    cr_expect_eq(next, H(6));
+    for (uintptr_t i = 7; i <= 9; i++)
+        cr_expect_eq(admit(adm, i, 3, 1000), DUET_ADMISSION_ADMIT);
+    cr_expect_eq(admit(adm, 10, 3, 1000), DUET_ADMISSION_QUEUED, "8 running");
+    /* fewer slots than running: nobody is stopped, promotions wait */
+    duet_admission_set_worker_slots(adm, 1);
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.in_flight, 8);
+    cr_expect_not(duet_admission_release(adm, 4, &next), "7 running, 1 slot");
+    /* 0: no bound beyond max_inflight */
+    duet_admission_set_worker_slots(adm, 0);
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.limit, 8);
+    cr_assert(duet_admission_pop_ready(adm, 5, &next));
+    cr_expect_eq(next, H(10));
+    duet_admission_destroy(adm);
+}
+
 Test(admission, zero_queue_rejects_when_full)
 {
     duet_admission_t *adm = make(1, 0, NULL);
@@ -402,13 +453,20 @@ typedef struct {
     uint64_t q_deadline[MAXREQ], q_enq[MAXREQ];
     int nq;
     int in_flight;
-    uint32_t max_inflight, max_queue;
+    uint32_t max_inflight, max_queue, worker_slots;
     bool paused, cap;
     uint64_t admitted, queued_total, cancelled, rejected[DUET_ADMISSION_REASON_COUNT];
     /* per request: state and how many times it ended */
     int state[MAXREQ];
     int ends[MAXREQ];
 } ref_t;
+
+/* The header's limit: max_inflight, or worker_slots when set and smaller. */
+static int ref_limit(const ref_t *r)
+{
+    return (int)(r->worker_slots > 0 && r->worker_slots < r->max_inflight ? r->worker_slots
+                                                                          : r->max_inflight);
+}
 
 static bool ref_live_queued(const ref_t *r, uint64_t now)
 {
@@ -430,7 +488,7 @@ static void ref_remove(ref_t *r, int at)
 /* The next id the reference would promote, removing it; -1 when none. */
 static int ref_pop(ref_t *r, uint64_t now)
 {
-    if (r->paused || !r->cap || r->in_flight >= (int)r->max_inflight)
+    if (r->paused || !r->cap || r->in_flight >= ref_limit(r))
         return -1;
     for (int i = 0; i < r->nq; i++) {
         if (r->q_deadline[i] > now) {
@@ -465,6 +523,8 @@ static void mc_compare_stats(duet_admission_t *adm, const ref_t *r, int seq, int
     cr_assert_eq(s.queued, (uint32_t)r->nq, "seq %d step %d: queued", seq, step);
     cr_assert_eq(s.max_inflight, r->max_inflight);
     cr_assert_eq(s.max_queue, r->max_queue);
+    cr_assert_eq(s.worker_slots, r->worker_slots);
+    cr_assert_eq(s.limit, (uint32_t)ref_limit(r), "seq %d step %d: limit", seq, step);
     cr_assert_eq(s.paused, r->paused);
     cr_assert_eq(s.has_capacity, r->cap);
     cr_assert_eq(s.admitted_total, r->admitted, "seq %d step %d: admitted", seq, step);
@@ -487,7 +547,7 @@ static void mc_pop_all(duet_admission_t *adm, ref_t *r, uint64_t now, int seq, i
         if (!ok)
             return;
         cr_assert_eq(got, H(want + 1), "seq %d step %d: FIFO promotion", seq, step);
-        cr_assert_lt(pre, (int)r->max_inflight, "promoted above max_inflight");
+        cr_assert_lt(pre, ref_limit(r), "promoted above the limit");
     }
 }
 
@@ -528,7 +588,7 @@ static void model_check_one(int seq, unsigned *rng)
                 r->rejected[DUET_ADMISSION_REASON_NO_CAPACITY]++;
                 r->state[id] = ST_DONE;
                 r->ends[id]++;
-            } else if (r->in_flight < (int)r->max_inflight && !ref_live_queued(r, now)) {
+            } else if (r->in_flight < ref_limit(r) && !ref_live_queued(r, now)) {
                 want = DUET_ADMISSION_ADMIT;
                 r->in_flight++;
                 r->admitted++;
@@ -609,12 +669,17 @@ static void model_check_one(int seq, unsigned *rng)
             duet_admission_resume(adm);
             r->paused = false;
             mc_pop_all(adm, r, now, seq, step);
-        } else if (op < 94) {
+        } else if (op < 92) {
             bool cap = rand_r(rng) % 3 != 0;
             duet_admission_set_capacity(adm, cap);
             r->cap = cap;
             if (cap)
                 mc_pop_all(adm, r, now, seq, step);
+        } else if (op < 96) { /* a generation worker comes or goes */
+            const uint32_t ws = (uint32_t)(rand_r(rng) % 6);
+            duet_admission_set_worker_slots(adm, ws);
+            r->worker_slots = ws;
+            mc_pop_all(adm, r, now, seq, step);
         } else {
             uint32_t mi = 1 + (uint32_t)(rand_r(rng) % 5), mq = (uint32_t)(rand_r(rng) % 6);
             cr_assert_eq(duet_admission_set_limits(adm, mi, mq), DUET_OK);
