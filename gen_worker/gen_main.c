@@ -364,15 +364,20 @@ static void gr_quarantine(duet_worker_t *w, gr_t *r)
     r->release_at = duet_worker_now() + (rt > g.quarantine_ms ? rt : g.quarantine_ms) / 1000.0;
 }
 
+/* The retry hint of a refusal for want of room now (a slot, pages): the router tries again. */
+#define GR_RETRY_MS 500
+
 /*
  * A new request in a free slot with a sequence for `held` tokens (its prompt; a moved-in
  * request's KV) and the next step's rows (with cache.suspend; else all it may come to hold).
- * NULL with *why when it cannot be taken.
+ * NULL with *why when it cannot be taken, and *retry_ms: GR_RETRY_MS when it may be taken once
+ * other requests leave (no free slot or pages now), 0 when it never can be here.
  */
 static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint32_t max_tokens,
                     int64_t held, const uint32_t *lookup, const Duet__Sampling *s,
-                    uint64_t deadline, const char **why)
+                    uint64_t deadline, const char **why, uint32_t *retry_ms)
 {
+    *retry_ms = 0;
     if (duet_worker_find(w, rid) != NULL) {
         *why = "a request with this id is already here";
         return NULL;
@@ -384,6 +389,7 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
     gr_t *r = (gr_t *)duet_worker_free_slot(w);
     if (r == NULL) {
         *why = "all request slots are in use";
+        *retry_ms = GR_RETRY_MS;
         return NULL;
     }
     const int64_t full = (int64_t)prompt_tokens + max_tokens + g.slack;
@@ -403,6 +409,7 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
         for (int64_t i = 0; i < w->n_reqs; i++)
             if (gr_at(w, i)->base.phase == GR_SUSPENDED) {
                 *why = "suspended requests are waiting for pages";
+                *retry_ms = GR_RETRY_MS;
                 return NULL;
             }
         /* what it holds and the next step's rows; decoding grows it */
@@ -419,6 +426,7 @@ static gr_t *gr_new(duet_worker_t *w, uint64_t rid, uint32_t prompt_tokens, uint
                            : duet_worker_seq_open(w, need, &r->base.seq);
     if (st != DUET_OK) {
         *why = duet_error_last();
+        *retry_ms = st == DUET_ERR_NO_SPACE ? GR_RETRY_MS : 0; /* not RANGE: over max_seq_len */
         r->base.seq.id = -1;
         return NULL;
     }
@@ -596,11 +604,12 @@ static void gen_on_move_in(duet_worker_t *w, const Duet__Reserve *m)
      * decoding after it by its own */
     const uint64_t deadline =
         ms->request_deadline_unix_ms != 0 ? ms->request_deadline_unix_ms : m->deadline_unix_ms;
+    uint32_t retry_ms = 0;
     gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, (int64_t)ms->kv_tokens,
-                     NULL, m->sampling, deadline, &why);
+                     NULL, m->sampling, deadline, &why, &retry_ms);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the move: %s", why);
-        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        duet_worker_send_refused(w->link, m->request_id, why, retry_ms);
         return;
     }
     duet_worker_req_t *q = &r->base;
@@ -845,11 +854,12 @@ static void gen_on_reserve(duet_worker_t *w, const Duet__Reserve *m)
         return;
     }
     const char *why = NULL;
+    uint32_t retry_ms = 0;
     gr_t *r = gr_new(w, m->request_id, m->prompt_tokens, m->max_tokens, m->prompt_tokens, NULL,
-                     m->sampling, m->deadline_unix_ms, &why);
+                     m->sampling, m->deadline_unix_ms, &why, &retry_ms);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the reservation: %s", why);
-        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        duet_worker_send_refused(w->link, m->request_id, why, retry_ms);
         return;
     }
     duet_worker_req_t *q = &r->base;
@@ -999,11 +1009,12 @@ static void gen_on_generate(duet_worker_t *w, const Duet__Generate *m)
         return;
     }
     const char *why = NULL;
+    uint32_t retry_ms = 0;
     gr_t *r = gr_new(w, m->request_id, (uint32_t)m->n_tokens, m->max_tokens, (int64_t)m->n_tokens,
-                     m->tokens, m->sampling, m->deadline_unix_ms, &why);
+                     m->tokens, m->sampling, m->deadline_unix_ms, &why, &retry_ms);
     if (r == NULL) {
         DUET_RLOG_INFO(m->request_id, "refusing the local prefill: %s", why);
-        duet_worker_send_refused(w->link, m->request_id, why, 500);
+        duet_worker_send_refused(w->link, m->request_id, why, retry_ms);
         return;
     }
     if (!duet_worker_req_setup(w, &r->base, m->tokens, m->n_tokens, NULL, 0, &why)) {

@@ -137,7 +137,9 @@ typedef struct rq {
     uint64_t t_admit_ns;  /* when admission let it run (0: never) */
     int status, finish;   /* for the access line and metrics (obs.c): HTTP status, DUET__OBS_* */
     uint64_t deadline_ms; /* uv_now clock */
-    uint32_t retry_after_ms;
+    uint64_t queue_deadline_ms; /* uv_now clock: how long it may wait in the admission queue */
+    uint32_t retry_after_ms;    /* the largest of this attempt's refusals' hints */
+    uint32_t requeues;          /* times every gen worker refused it and it waited again */
     uint32_t *out; /* (n_out, cap_out) every generated id so far: a move's MoveState.generated */
     size_t n_out, cap_out;
     /* moving from gen_id to move_to (the file comment) */
@@ -929,8 +931,10 @@ static void rq_prefill_failed(rq_t *r, const char *what)
 static void rq_start(rq_t *r)
 {
     r->admitted = true;
-    r->t_admit_ns = uv_hrtime();
-    duet__obs_admitted(r->rt, r->n_ids);
+    if (r->t_admit_ns == 0) { /* not again after a requeue */
+        r->t_admit_ns = uv_hrtime();
+        duet__obs_admitted(r->rt, r->n_ids);
+    }
     if (!rq_send_to_gen(r))
         rq_fail(r, 503, "server_error", "no_capacity", 1,
                 "no live generation worker can take the request");
@@ -1082,7 +1086,8 @@ static void rq_admit(rq_t *r, uint64_t now)
     duet__router_t *rt = r->rt;
     /* the admission integration point: bounded queue, 429 / 503 with Retry-After */
     duet_admission_result_t res;
-    duet_admission_try_admit(rt->adm, r, now, now + rt->queue_timeout_ms, &res);
+    r->queue_deadline_ms = now + rt->queue_timeout_ms;
+    duet_admission_try_admit(rt->adm, r, now, r->queue_deadline_ms, &res);
     switch (res.verdict) {
     case DUET_ADMISSION_ADMIT:
         rq_start(r);
@@ -1613,7 +1618,42 @@ static void rq_on_reserved(duet__router_t *rt, uint64_t wid, const Duet__Reserve
                 "no live context worker can prefill the request");
 }
 
-/* Refused: try the next gen worker, else 429 with the largest retry hint heard. */
+#define RQ_MAX_HOLD_MS 5000 /* the longest a refusal's retry hint holds admission */
+
+/*
+ * Every gen worker refused r, one at least for want of room for now (a retry hint: its slots or
+ * pages are held past what the router counts, e.g. by an aborted transfer's quarantine). r waits
+ * again at the head of the admission queue, within its queue deadline, and admission holds
+ * promotions until the hint has passed or a running request ends. False when admission has no
+ * room for it or no refusal was for room (the caller answers 429).
+ */
+static bool rq_requeue(rq_t *r, const char *reason)
+{
+    duet__router_t *rt = r->rt;
+    const uint64_t now = uv_now(rt->loop);
+    /* a worker's hint, bounded: no peer holds every promotion for long */
+    const uint64_t hold = r->retry_after_ms < RQ_MAX_HOLD_MS ? r->retry_after_ms : RQ_MAX_HOLD_MS;
+    if (r->retry_after_ms == 0 ||
+        duet_admission_requeue(rt->adm, r, now, r->queue_deadline_ms, now + hold) != DUET_OK)
+        return false;
+    r->admitted = false;
+    r->phase = RQ_QUEUED;
+    r->n_exclude_gen = 0;
+    r->retry_after_ms = 0;
+    r->requeues++;
+    if (r->requeues == 1) /* a request refused again while slots stay held says it once */
+        DUET_RLOG_INFO(r->id,
+                       "every generation worker refused it for now (%s): back in the admission "
+                       "queue",
+                       reason);
+    else
+        DUET_RLOG_DEBUG(r->id, "refused for now again (%s): back in the admission queue, time %u",
+                        reason, r->requeues);
+    return true;
+}
+
+/* Refused: try the next gen worker, else wait again in the queue when a refusal was for room
+ * (rq_requeue), else 429 with the largest retry hint heard. */
 static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused *m)
 {
     rq_t *r = rq_find(rt, m->request_id);
@@ -1638,6 +1678,8 @@ static void rq_on_refused(duet__router_t *rt, uint64_t wid, const Duet__Refused 
     if (r->n_exclude_gen < RQ_MAX_EXCLUDE)
         r->exclude_gen[r->n_exclude_gen++] = wid;
     if (r->n_exclude_gen < RQ_MAX_EXCLUDE && rq_send_to_gen(r))
+        return;
+    if (rq_requeue(r, m->reason))
         return;
     uint32_t ra = (r->retry_after_ms + 999) / 1000;
     rq_fail(r, 429, "rate_limit_exceeded", "no_reservation", ra > 0 ? ra : 1,
@@ -1765,6 +1807,9 @@ void duet__rq_tick(uv_timer_t *t)
     duet__router_t *rt = t->data;
     uint64_t now = uv_now(rt->loop);
     duet_admission_expire(rt->adm, now, rq_on_expired, rt);
+    void *h = NULL; /* a requeue's hold may have ended */
+    while (duet_admission_pop_ready(rt->adm, now, &h))
+        rq_start((rq_t *)h);
     uint64_t *v = NULL;
     size_t n = rq_collect(rt, &v);
     for (size_t i = 0; i < n; i++) {

@@ -181,6 +181,7 @@ static json_t *admission_json(duet_admission_t *adm)
     json_object_set_new(o, "admitted_total", json_integer((json_int_t)s.admitted_total));
     json_object_set_new(o, "queued_total", json_integer((json_int_t)s.queued_total));
     json_object_set_new(o, "cancelled_total", json_integer((json_int_t)s.cancelled_total));
+    json_object_set_new(o, "requeued_total", json_integer((json_int_t)s.requeued_total));
     json_object_set_new(o, "rejected_total", rej);
     return o;
 }

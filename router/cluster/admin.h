@@ -26,6 +26,7 @@
  *                                          "limit" (in flight at most: the smaller of the two
  *                                          above, worker_slots 0 aside), "admitted_total",
  *                                          "queued_total", "cancelled_total",
+ *                                          "requeued_total",
  *                                          "rejected_total": {"queue_full", "paused", ...}}
  *   POST /admin/admission/pause           the admission object after the change
  *   POST /admin/admission/resume          same

@@ -29,18 +29,19 @@ struct duet_admission {
     uint32_t node_cap;
     uint32_t head, tail, free_head;
     uint32_t queued, in_flight;
-    uint32_t worker_slots; /* 0: no bound beyond opts.max_inflight */
+    uint32_t worker_slots;  /* 0: no bound beyond opts.max_inflight */
+    uint64_t hold_until_ms; /* no promotion before this (a requeue), unless a release comes */
     bool paused, has_capacity;
 
     uint64_t last_release_ms;
     bool have_last_release;
     double release_interval_ms; /* moving average; 0 = no sample yet */
 
-    uint64_t admitted_total, queued_total, cancelled_total;
+    uint64_t admitted_total, queued_total, cancelled_total, requeued_total;
     uint64_t rejected_total[DUET_ADMISSION_REASON_COUNT];
 
     /* metric children (NULL without a registry), owned by the registry */
-    duet_metric_t *m_inflight, *m_queue, *m_admitted, *m_cancelled;
+    duet_metric_t *m_inflight, *m_queue, *m_admitted, *m_cancelled, *m_requeued;
     duet_metric_t *m_rejected[DUET_ADMISSION_REASON_COUNT];
 };
 
@@ -158,6 +159,13 @@ static duet_status_t register_metrics(duet_admission_t *adm, duet_metrics_t *reg
     if (st < 0)
         return st;
     adm->m_cancelled = duet_metrics_single(f);
+    st = duet_metrics_counter_new(reg, "duet_router_admission_requeued_total",
+                                  "Running requests every generation worker refused for want of "
+                                  "room, back in the queue",
+                                  NULL, 0, &f);
+    if (st < 0)
+        return st;
+    adm->m_requeued = duet_metrics_single(f);
     static const char *const labels[] = {"reason"};
     st = duet_metrics_counter_new(reg, "duet_router_admission_rejected_total",
                                   "Requests refused by admission, by reason", labels, 1, &f);
@@ -233,6 +241,30 @@ static void unlink_node(duet_admission_t *adm, uint32_t i)
     adm->queued--;
 }
 
+/* Queue `handle` at the tail, or at the head; the caller checked there is room. */
+static void enqueue(duet_admission_t *adm, void *handle, uint64_t now_ms, uint64_t deadline_ms,
+                    bool at_head)
+{
+    DUET_ASSERT(adm->free_head != NIL);
+    uint32_t i = adm->free_head;
+    adm_node_t *n = &adm->nodes[i];
+    adm->free_head = n->next;
+    n->handle = handle;
+    n->enqueued_ms = now_ms;
+    n->deadline_ms = deadline_ms;
+    n->prev = at_head ? NIL : adm->tail;
+    n->next = at_head ? adm->head : NIL;
+    if (n->prev != NIL)
+        adm->nodes[n->prev].next = i;
+    else
+        adm->head = i;
+    if (n->next != NIL)
+        adm->nodes[n->next].prev = i;
+    else
+        adm->tail = i;
+    adm->queued++;
+}
+
 static uint32_t retry_after_full(const duet_admission_t *adm)
 {
     double ms = adm->release_interval_ms * (double)(adm->queued > 0 ? adm->queued : 1);
@@ -259,9 +291,10 @@ static uint32_t inflight_limit(const duet_admission_t *adm)
     return w > 0 && w < adm->opts.max_inflight ? w : adm->opts.max_inflight;
 }
 
-static bool can_promote(const duet_admission_t *adm)
+static bool can_promote(const duet_admission_t *adm, uint64_t now_ms)
 {
-    return !adm->paused && adm->has_capacity && adm->in_flight < inflight_limit(adm);
+    return !adm->paused && adm->has_capacity && adm->in_flight < inflight_limit(adm) &&
+           now_ms >= adm->hold_until_ms;
 }
 
 duet_status_t duet_admission_try_admit(duet_admission_t *adm, void *handle, uint64_t now_ms,
@@ -280,26 +313,13 @@ duet_status_t duet_admission_try_admit(duet_admission_t *adm, void *handle, uint
         r.http_status = DUET_ADMISSION_NO_CAPACITY_HTTP_STATUS;
         r.retry_after_s = adm->opts.paused_retry_after_s;
         count_reject(adm, DUET_ADMISSION_REASON_NO_CAPACITY);
-    } else if (adm->in_flight < inflight_limit(adm) && !live_queued(adm, now_ms)) {
+    } else if (adm->in_flight < inflight_limit(adm) && now_ms >= adm->hold_until_ms &&
+               !live_queued(adm, now_ms)) {
         /* A slot is free and nobody who may still run is ahead in line. (Live queued requests
          * with a free slot exist only until the caller's pop_ready loop runs; they go first.) */
         count_admit(adm);
     } else if (adm->queued < adm->opts.max_queue && deadline_ms > now_ms) {
-        DUET_ASSERT(adm->free_head != NIL);
-        uint32_t i = adm->free_head;
-        adm_node_t *n = &adm->nodes[i];
-        adm->free_head = n->next;
-        n->handle = handle;
-        n->enqueued_ms = now_ms;
-        n->deadline_ms = deadline_ms;
-        n->next = NIL;
-        n->prev = adm->tail;
-        if (adm->tail != NIL)
-            adm->nodes[adm->tail].next = i;
-        else
-            adm->head = i;
-        adm->tail = i;
-        adm->queued++;
+        enqueue(adm, handle, now_ms, deadline_ms, false);
         adm->queued_total++;
         r.verdict = DUET_ADMISSION_QUEUED;
     } else {
@@ -316,7 +336,7 @@ duet_status_t duet_admission_try_admit(duet_admission_t *adm, void *handle, uint
 bool duet_admission_pop_ready(duet_admission_t *adm, uint64_t now_ms, void **handle_p)
 {
     *handle_p = NULL;
-    if (!can_promote(adm))
+    if (!can_promote(adm, now_ms))
         return false;
     for (uint32_t i = adm->head; i != NIL; i = adm->nodes[i].next) {
         if (adm->nodes[i].deadline_ms <= now_ms)
@@ -335,6 +355,7 @@ bool duet_admission_release(duet_admission_t *adm, uint64_t now_ms, void **next_
 {
     DUET_ASSERT(adm->in_flight > 0);
     adm->in_flight--;
+    adm->hold_until_ms = 0; /* a request ended: its worker has room again */
     if (adm->queued > 0 && adm->have_last_release && now_ms >= adm->last_release_ms) {
         double dt = (double)(now_ms - adm->last_release_ms);
         adm->release_interval_ms =
@@ -368,6 +389,27 @@ size_t duet_admission_expire(duet_admission_t *adm, uint64_t now_ms, duet_admiss
             cb(h, waited, user);
     }
     return n;
+}
+
+duet_status_t duet_admission_requeue(duet_admission_t *adm, void *handle, uint64_t now_ms,
+                                     uint64_t deadline_ms, uint64_t hold_until_ms)
+{
+    DUET_ASSERT(adm->in_flight > 0);
+    if (handle == NULL)
+        return duet_error_set(DUET_ERR_INVALID, "admission: NULL request handle");
+    if (deadline_ms <= now_ms || adm->queued >= adm->opts.max_queue)
+        return duet_error_set(DUET_ERR_RANGE, "admission: no room to requeue (%s)",
+                              deadline_ms <= now_ms ? "its queue deadline has passed"
+                                                    : "the queue is full");
+    enqueue(adm, handle, now_ms, deadline_ms, true); /* it was first in line: first again */
+    adm->in_flight--;
+    if (hold_until_ms > adm->hold_until_ms)
+        adm->hold_until_ms = hold_until_ms;
+    adm->requeued_total++;
+    if (adm->m_requeued != NULL)
+        duet_metrics_counter_inc(adm->m_requeued);
+    update_gauges(adm);
+    return DUET_OK;
 }
 
 bool duet_admission_next_deadline(const duet_admission_t *adm, uint64_t *deadline_p)
@@ -462,6 +504,8 @@ void duet_admission_stats(const duet_admission_t *adm, duet_admission_stats_t *s
     s.admitted_total = adm->admitted_total;
     s.queued_total = adm->queued_total;
     s.cancelled_total = adm->cancelled_total;
+    s.requeued_total = adm->requeued_total;
+    s.hold_until_ms = adm->hold_until_ms;
     memcpy(s.rejected_total, adm->rejected_total, sizeof(s.rejected_total));
     *stats_p = s;
 }

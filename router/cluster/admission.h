@@ -18,16 +18,20 @@
  * request was never started, so it is safe to retry, and the cause is overload, which is what 503
  * + Retry-After says. 504 would suggest an upstream worker took the request and then hung.
  *
- * Promotion. A queued request runs when in_flight is below the limit, admission is not paused
- * and generation capacity exists. The limit is max_inflight, or the number of requests the live
- * generation workers hold at once (duet_admission_set_worker_slots) when that is smaller: a
- * request past what the workers hold would only be refused there, so it waits here instead. The
- * queue is FIFO, and a new request takes a free slot at once only when no queued request that may
- * still run is ahead of it; a queued request whose deadline has passed is never handed out to run
- * (it is skipped and left for duet_admission_expire), so the caller should expire before promoting,
- * e.g. from one timer armed at duet_admission_next_deadline. After duet_admission_resume,
- * duet_admission_set_limits, duet_admission_set_capacity(true) or more worker slots several queued
- * requests may become runnable at once: call duet_admission_pop_ready in a loop.
+ * Promotion. A queued request runs when in_flight is below the limit, admission is not paused,
+ * generation capacity exists and no hold is on (duet_admission_requeue). The limit is max_inflight,
+ * or the number of requests the live generation workers hold at once
+ * (duet_admission_set_worker_slots) when that is smaller: a request past what the workers hold
+ * would only be refused there, so it waits here instead. The workers can still be fuller than that
+ * count says (a slot held past its request's end); a request they all refuse goes back to the head
+ * of the queue (duet_admission_requeue) and a hold stops promotions until the workers' retry hint
+ * has passed or a running request ends. The queue is FIFO, and a new request takes a free slot at
+ * once only when no queued request that may still run is ahead of it; a queued request whose
+ * deadline has passed is never handed out to run (it is skipped and left for
+ * duet_admission_expire), so the caller should expire before promoting, e.g. from one timer armed
+ * at duet_admission_next_deadline. After duet_admission_resume, duet_admission_set_limits,
+ * duet_admission_set_capacity(true), more worker slots or the end of a hold (a periodic timer sees
+ * it) several queued requests may become runnable at once: call duet_admission_pop_ready in a loop.
  *
  * Limits change at run time. Lowering max_inflight below the current in-flight count never
  * touches running requests: promotions simply stop until enough of them end. Lowering max_queue
@@ -44,6 +48,7 @@
  *   duet_router_admission_admitted_total          counter: requests that started running
  *   duet_router_admission_rejected_total{reason}  counter: queue_full, paused, no_capacity, expired
  *   duet_router_admission_cancelled_total         counter: queued requests withdrawn by the caller
+ *   duet_router_admission_requeued_total          counter: running requests sent back (requeue)
  */
 #ifndef DUET_ROUTER_ADMISSION_H
 #define DUET_ROUTER_ADMISSION_H
@@ -140,6 +145,18 @@ bool duet_admission_release(duet_admission_t *adm, uint64_t now_ms, void **next_
  */
 bool duet_admission_pop_ready(duet_admission_t *adm, uint64_t now_ms, void **handle_p);
 
+/*
+ * Running request `handle` could not start after all: every generation worker refused it for
+ * want of room. It leaves the running count and waits again at the head of the queue (it was
+ * first in line) until deadline_ms; nothing is promoted, and no new request admitted past the
+ * queue, before hold_until_ms unless a running request ends first (duet_admission_release),
+ * since the workers have just said they are full. DUET_ERR_RANGE when the queue is full or
+ * deadline_ms <= now_ms: nothing changes and the caller refuses the request. Requeueing a
+ * request that is not running is a programming error.
+ */
+duet_status_t duet_admission_requeue(duet_admission_t *adm, void *handle, uint64_t now_ms,
+                                     uint64_t deadline_ms, uint64_t hold_until_ms);
+
 /* Called once per expired request, after it left the queue; may call back into admission. */
 typedef void (*duet_admission_expired_cb)(void *handle, uint64_t waited_ms, void *user);
 
@@ -189,6 +206,8 @@ typedef struct {
     uint64_t admitted_total; /* requests that started running (at once or from the queue) */
     uint64_t queued_total;   /* requests that entered the queue */
     uint64_t cancelled_total;
+    uint64_t requeued_total; /* running requests sent back to the queue (requeue) */
+    uint64_t hold_until_ms;  /* promotions wait until then (0: no hold) */
     uint64_t rejected_total[DUET_ADMISSION_REASON_COUNT];
 } duet_admission_stats_t;
 

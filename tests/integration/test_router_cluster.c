@@ -206,7 +206,8 @@ static void start_worker(const char *role, const char *name, const char *f1, con
     char rt[64], ev[512];
     snprintf(rt, sizeof(rt), "127.0.0.1:%d", worker_port);
     snprintf(ev, sizeof(ev), "%s/%s.events", dir, name);
-    char *argv[16] = {
+    char *argv[17] = {
+        /* 13 + three flags + NULL */
         WORKER,          "--router", rt,         "--role", (char *)role,     "--name", (char *)name,
         "--fingerprint", "test",     "--events", ev,       "--heartbeat-ms", "100"};
     int n = 13;
@@ -741,14 +742,15 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
 {
     static char buf[65536];
     start_router(NULL, NULL);
-    start_worker("gen", "gen-0", "--refuse", NULL, NULL);
+    start_worker("gen", "gen-0", "--refuse", "--refuse-retry-ms", "0");
     start_worker("ctx", "ctx-0", NULL, NULL, NULL);
     int st =
         http(http_port, "POST", "/v1/completions",
              "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":5}", buf, sizeof(buf));
-    cr_assert_eq(st, 429, "%s", buf);
-    cr_assert(strstr(buf, "Retry-After: 2") != NULL, "%s", buf);
+    cr_assert_eq(st, 429, "refused for good (no retry hint): at once: %s", buf);
+    cr_assert(strstr(buf, "Retry-After: 1") != NULL, "%s", buf);
     cr_assert(strstr(buf, "refuses every reservation") != NULL, "%s", buf);
+    cr_assert(strstr(buf, "\"code\":\"no_reservation\"") != NULL, "%s", buf);
 
     /* a worker with another protocol version or fingerprint is refused and exits (status 4) */
     char rt[64];
@@ -764,6 +766,61 @@ Test(router_cluster, refused_reservations_429_and_wrong_version_refused, .timeou
     cr_assert_eq(waitpid(p, &ws, 0), p);
     cr_assert(WIFEXITED(ws) && WEXITSTATUS(ws) == 4);
     n_pids -= 2;
+    stop_all();
+}
+
+/* Once the cluster is healthy, POST a 3-token completion of "hello world"; its status, the
+ * answer in buf and *took_ms how long it took. */
+static int post_hello_timed(char *buf, size_t cap, uint64_t *took_ms)
+{
+    cr_assert_eq(wait_status("/health", 200, 3000), 200);
+    const uint64_t t0 = now_ms();
+    int st = http(http_port, "POST", "/v1/completions",
+                  "{\"model\":\"m\",\"prompt\":\"hello world\",\"max_tokens\":3}", buf, cap);
+    *took_ms = now_ms() - t0;
+    return st;
+}
+
+/* A gen worker that refuses for want of room now (a retry hint, 2 s here) does not fail the
+ * request: it waits at the head of the admission queue, is tried again once the hint has passed,
+ * and is answered when the worker takes it. */
+Test(router_cluster, refused_for_room_waits_in_the_queue, .timeout = 60)
+{
+    static char buf[65536];
+    start_router(NULL, NULL);
+    start_worker("gen", "gen-0", "--refuse-first", "2", NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    uint64_t took;
+    int st = post_hello_timed(buf, sizeof(buf), &took);
+    cr_assert_eq(st, 200, "%s", buf);
+    cr_assert(strstr(buf, "\"text\":\"dlr\"") != NULL, "%s", buf);
+    cr_expect_geq(took, 4000, "two refusals with a 2 s hint each: answered after %llu ms",
+                  (unsigned long long)took);
+    cr_expect_eq(router_log_count("back in the admission queue"), 1, "said once per request");
+    cr_assert_eq(http(admin_port, "GET", "/admin/admission", NULL, buf, sizeof(buf)), 200);
+    cr_expect(strstr(body_of(buf), "\"requeued_total\":2") != NULL, "%s", buf);
+    cr_expect(strstr(body_of(buf), "\"in_flight\":0") != NULL, "%s", buf);
+    cr_assert_eq(http(http_port, "GET", "/metrics", NULL, buf, sizeof(buf)), 200);
+    cr_expect(strstr(buf, "duet_router_admission_requeued_total 2") != NULL, "%s", buf);
+    stop_all();
+}
+
+/* One that never takes it: the request ends with the admission queue's 503 at its queue timeout
+ * (1.5 s here), not a 429 and not a hang. */
+Test(router_cluster, refused_for_room_until_the_queue_timeout_is_a_503, .timeout = 60)
+{
+    static char buf[65536];
+    start_router("--admission.queue_timeout_ms", "1500");
+    start_worker("gen", "gen-0", "--refuse", NULL, NULL);
+    start_worker("ctx", "ctx-0", NULL, NULL, NULL);
+    uint64_t took;
+    int st = post_hello_timed(buf, sizeof(buf), &took);
+    cr_assert_eq(st, 503, "%s", buf);
+    cr_assert(strstr(body_of(buf), "\"code\":\"queue_timeout\"") != NULL, "%s", buf);
+    cr_expect(took >= 1400 && took < 5000, "ended after %llu ms", (unsigned long long)took);
+    cr_assert_eq(http(admin_port, "GET", "/admin/admission", NULL, buf, sizeof(buf)), 200);
+    cr_expect(strstr(body_of(buf), "\"in_flight\":0") != NULL, "%s", buf);
+    cr_expect(strstr(body_of(buf), "\"queued\":0") != NULL, "%s", buf);
     stop_all();
 }
 

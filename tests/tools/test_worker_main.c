@@ -12,9 +12,10 @@
  * with all of them. A ctx test worker's event for a Prefill lists every reservation it came with.
  * A seeded request's Reserve / Generate also logs "seed <id> <seed>". Fault flags stop heartbeats,
  * exit abruptly after N tokens, stall (silent but connected) after N tokens, or refuse every
- * reservation. --prefix-ids makes its heartbeats carry a prefix cache's summary (the hash of every
- * whole 16-token block prefix of those ids, common/prefix_hash.h), as if it had cached them, for
- * the router's placement by cached prefix. --events FILE appends one line per message received
+ * reservation or the first N (with a retry hint, or for good). --prefix-ids makes its heartbeats
+ * carry a prefix cache's summary (the hash of every whole 16-token block prefix of those ids,
+ * common/prefix_hash.h), as if it had cached them, for the router's placement by cached prefix.
+ * --events FILE appends one line per message received
  * ("reserve 7", "cancel 7 client disconnected", "drain", ...) for tests to inspect.
  *
  * Blocking sockets and poll(): a tool, so plain and obvious beats an event library.
@@ -65,6 +66,8 @@ static struct {
     long die_after;   /* -1 = never */
     long stall_after; /* -1 = never */
     int refuse;
+    long refuse_first;        /* refuse this many Reserves, then take them (-1: --refuse's) */
+    uint32_t refuse_retry_ms; /* the refusals' retry hint (0: refused for good) */
     uint32_t group_ranks; /* reservations per Reserved (a fake Helix group): 1 + the extra ones */
     uint32_t kv_pages;
     const char *events;
@@ -75,6 +78,8 @@ static struct {
     uint64_t prefix[DUET_PROTO_PREFIX_HASHES]; /* --prefix-ids: the summary heartbeats carry */
     size_t n_prefix;
 } opt = {.script_unless = -1,
+         .refuse_first = -1,
+         .refuse_retry_ms = 2000,
          .role = 0,
          .name = "test-worker",
          .version = DUET_PROTO_VERSION,
@@ -221,11 +226,16 @@ static void on_message(int fd, Duet__Envelope *env)
         Duet__Reserve *m = env->reserve;
         event("reserve %llu", (unsigned long long)m->request_id);
         event_seed(m->request_id, m->sampling);
-        if (opt.refuse || tw_draining) {
+        const int first = opt.refuse_first > 0;
+        if (opt.refuse || first || tw_draining) {
             Duet__Refused rf = DUET__REFUSED__INIT;
             rf.request_id = m->request_id;
-            rf.reason = opt.refuse ? "test worker refuses every reservation" : "draining";
-            rf.retry_after_ms = 2000;
+            rf.reason = tw_draining ? "draining"
+                        : first     ? "test worker has no room yet (--refuse-first)"
+                                    : "test worker refuses every reservation";
+            rf.retry_after_ms = tw_draining ? 2000 : opt.refuse_retry_ms;
+            if (first && !tw_draining)
+                opt.refuse_first--;
             Duet__Envelope e = duet_envelope_refused(&rf);
             send_env(fd, &e);
             return;
@@ -407,6 +417,9 @@ static void usage(FILE *f)
         "                         Prefill/Generate)\n"
         "  --stall-after N        after N tokens stop heartbeats and tokens, stay connected\n"
         "  --refuse               answer every Reserve with Refused\n"
+        "  --refuse-first N       answer the first N Reserves with Refused, then take them\n"
+        "  --refuse-retry-ms N    those refusals' retry hint: 0 says refused for good (default\n"
+        "                         2000)\n"
         "  --group-ranks N        answer Reserve with N reservations, as a Helix group of N\n"
         "                         ranks (default 1)\n"
         "  --events FILE          append one line per message received\n"
@@ -425,13 +438,29 @@ static void usage(FILE *f)
 int main(int argc, char **argv)
 {
     static const struct option lo[] = {
-        {"router", 1, 0, 'r'},        {"role", 1, 0, 'o'},          {"name", 1, 0, 'n'},
-        {"fingerprint", 1, 0, 'f'},   {"proto-version", 1, 0, 'v'}, {"kv-pages", 1, 0, 'k'},
-        {"heartbeat-ms", 1, 0, 'b'},  {"delay-ms", 1, 0, 'd'},      {"die-after", 1, 0, 'x'},
-        {"stall-after", 1, 0, 's'},   {"refuse", 0, 0, 'R'},        {"group-ranks", 1, 0, 'G'},
-        {"events", 1, 0, 'e'},        {"quiet", 0, 0, 'q'},         {"help", 0, 0, 'h'},
-        {"model", 1, 0, 'm'},         {"version", 0, 0, 'V'},       {"script-ids", 1, 0, 'S'},
-        {"script-unless", 1, 0, 'U'}, {"prefix-ids", 1, 0, 'P'},    {0, 0, 0, 0},
+        {"router", 1, 0, 'r'},
+        {"role", 1, 0, 'o'},
+        {"name", 1, 0, 'n'},
+        {"fingerprint", 1, 0, 'f'},
+        {"proto-version", 1, 0, 'v'},
+        {"kv-pages", 1, 0, 'k'},
+        {"heartbeat-ms", 1, 0, 'b'},
+        {"delay-ms", 1, 0, 'd'},
+        {"die-after", 1, 0, 'x'},
+        {"stall-after", 1, 0, 's'},
+        {"refuse", 0, 0, 'R'},
+        {"group-ranks", 1, 0, 'G'},
+        {"events", 1, 0, 'e'},
+        {"quiet", 0, 0, 'q'},
+        {"help", 0, 0, 'h'},
+        {"model", 1, 0, 'm'},
+        {"version", 0, 0, 'V'},
+        {"script-ids", 1, 0, 'S'},
+        {"script-unless", 1, 0, 'U'},
+        {"prefix-ids", 1, 0, 'P'},
+        {"refuse-first", 1, 0, 'F'},
+        {"refuse-retry-ms", 1, 0, 'T'},
+        {0, 0, 0, 0},
     };
     opt.fingerprint = "test";
     int c;
@@ -469,6 +498,12 @@ int main(int argc, char **argv)
             break;
         case 'R':
             opt.refuse = 1;
+            break;
+        case 'F':
+            opt.refuse_first = atol(optarg);
+            break;
+        case 'T':
+            opt.refuse_retry_ms = (uint32_t)strtoul(optarg, NULL, 10);
             break;
         case 'G':
             opt.group_ranks = (uint32_t)strtoul(optarg, NULL, 10);

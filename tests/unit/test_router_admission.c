@@ -385,6 +385,44 @@ Test(admission, worker_slots_bound_what_runs)
     duet_admission_destroy(adm);
 }
 
+/* A running request every worker refused goes back to the head of the queue; until the hold
+ * ends (or a running request ends) nothing is promoted and a newcomer queues behind it. */
+Test(admission, requeue_goes_first_and_holds_promotions)
+{
+    duet_admission_t *adm = make(2, 2, NULL);
+    cr_expect_eq(admit(adm, 1, 0, 1000), DUET_ADMISSION_ADMIT);
+    cr_expect_eq(admit(adm, 2, 0, 1000), DUET_ADMISSION_ADMIT);
+    cr_expect_eq(admit(adm, 3, 0, 1000), DUET_ADMISSION_QUEUED);
+    cr_assert_eq(duet_admission_requeue(adm, H(2), 10, 1000, 60), DUET_OK);
+    duet_admission_stats_t s;
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.in_flight, 1);
+    cr_expect_eq(s.queued, 2);
+    cr_expect_eq(s.requeued_total, 1);
+    cr_expect_eq(s.hold_until_ms, 60);
+    void *next = NULL;
+    cr_expect_not(duet_admission_pop_ready(adm, 59, &next), "held: a slot is free but no one runs");
+    cr_expect_eq(admit(adm, 4, 59, 1000), DUET_ADMISSION_REJECT_FULL, "the queue holds 2");
+    cr_assert(duet_admission_pop_ready(adm, 60, &next), "the hold has ended");
+    cr_expect_eq(next, H(2), "the requeued request goes first");
+    /* a requeue with a full queue changes nothing */
+    cr_expect_eq(admit(adm, 5, 61, 1000), DUET_ADMISSION_QUEUED);
+    cr_expect_eq(duet_admission_requeue(adm, H(1), 61, 1000, 500), DUET_ERR_RANGE);
+    /* nor one past its queue deadline */
+    cr_expect_eq(duet_admission_requeue(adm, H(1), 61, 61, 500), DUET_ERR_RANGE);
+    duet_admission_stats(adm, &s);
+    cr_expect_eq(s.in_flight, 2);
+    cr_expect_eq(s.requeued_total, 1);
+    /* a release ends a hold at once */
+    void *gone = NULL;
+    cr_assert(duet_admission_release(adm, 62, &gone) && gone == H(3)); /* 1 ended: 3 runs */
+    cr_assert_eq(duet_admission_requeue(adm, H(3), 63, 1000, 900), DUET_OK);
+    cr_expect_not(duet_admission_pop_ready(adm, 64, &next));
+    cr_assert(duet_admission_release(adm, 65, &next), "2 ended: the hold ends, 3 runs again");
+    cr_expect_eq(next, H(3));
+    duet_admission_destroy(adm);
+}
+
 Test(admission, zero_queue_rejects_when_full)
 {
     duet_admission_t *adm = make(1, 0, NULL);
@@ -454,8 +492,9 @@ typedef struct {
     int nq;
     int in_flight;
     uint32_t max_inflight, max_queue, worker_slots;
+    uint64_t hold; /* no promotion before (a requeue), cleared by a release */
     bool paused, cap;
-    uint64_t admitted, queued_total, cancelled, rejected[DUET_ADMISSION_REASON_COUNT];
+    uint64_t admitted, queued_total, cancelled, requeued, rejected[DUET_ADMISSION_REASON_COUNT];
     /* per request: state and how many times it ended */
     int state[MAXREQ];
     int ends[MAXREQ];
@@ -488,7 +527,7 @@ static void ref_remove(ref_t *r, int at)
 /* The next id the reference would promote, removing it; -1 when none. */
 static int ref_pop(ref_t *r, uint64_t now)
 {
-    if (r->paused || !r->cap || r->in_flight >= ref_limit(r))
+    if (r->paused || !r->cap || r->in_flight >= ref_limit(r) || now < r->hold)
         return -1;
     for (int i = 0; i < r->nq; i++) {
         if (r->q_deadline[i] > now) {
@@ -530,6 +569,8 @@ static void mc_compare_stats(duet_admission_t *adm, const ref_t *r, int seq, int
     cr_assert_eq(s.admitted_total, r->admitted, "seq %d step %d: admitted", seq, step);
     cr_assert_eq(s.queued_total, r->queued_total);
     cr_assert_eq(s.cancelled_total, r->cancelled);
+    cr_assert_eq(s.requeued_total, r->requeued, "seq %d step %d: requeued", seq, step);
+    cr_assert_eq(s.hold_until_ms, r->hold, "seq %d step %d: hold", seq, step);
     for (int k = 0; k < DUET_ADMISSION_REASON_COUNT; k++)
         cr_assert_eq(s.rejected_total[k], r->rejected[k], "seq %d step %d: rejected[%d]", seq, step,
                      k);
@@ -588,7 +629,7 @@ static void model_check_one(int seq, unsigned *rng)
                 r->rejected[DUET_ADMISSION_REASON_NO_CAPACITY]++;
                 r->state[id] = ST_DONE;
                 r->ends[id]++;
-            } else if (r->in_flight < ref_limit(r) && !ref_live_queued(r, now)) {
+            } else if (r->in_flight < ref_limit(r) && now >= r->hold && !ref_live_queued(r, now)) {
                 want = DUET_ADMISSION_ADMIT;
                 r->in_flight++;
                 r->admitted++;
@@ -622,6 +663,7 @@ static void model_check_one(int seq, unsigned *rng)
             r->state[id] = ST_DONE;
             r->ends[id]++;
             r->in_flight--;
+            r->hold = 0;
             int want = ref_pop(r, now);
             void *got = NULL;
             bool ok = duet_admission_release(adm, now, &got);
@@ -647,7 +689,8 @@ static void model_check_one(int seq, unsigned *rng)
                 }
             }
             cr_assert_eq(k, e.n, "seq %d step %d: extra expiries", seq, step);
-        } else if (op < 80) { /* a client goes away */
+            mc_pop_all(adm, r, now, seq, step); /* the same timer sees a hold end */
+        } else if (op < 80) {                   /* a client goes away */
             int id = next_id > 0 ? rand_r(rng) % next_id : 0;
             duet_status_t st = duet_admission_cancel(adm, H(id + 1));
             int at = -1;
@@ -675,6 +718,34 @@ static void model_check_one(int seq, unsigned *rng)
             r->cap = cap;
             if (cap)
                 mc_pop_all(adm, r, now, seq, step);
+        } else if (op < 94) { /* every worker refused a running request: it waits again */
+            int running[MAXREQ], n = 0;
+            for (int i = 0; i < next_id; i++)
+                if (r->state[i] == ST_RUNNING)
+                    running[n++] = i;
+            if (n == 0)
+                continue;
+            const int id = running[rand_r(rng) % n];
+            const uint64_t deadline = now + (uint64_t)(rand_r(rng) % 30),
+                           hold = now + (uint64_t)(rand_r(rng) % 12);
+            const duet_status_t st = duet_admission_requeue(adm, H(id + 1), now, deadline, hold);
+            const bool room = r->nq < (int)r->max_queue && deadline > now;
+            cr_assert_eq(st, room ? DUET_OK : DUET_ERR_RANGE, "seq %d step %d: requeue", seq, step);
+            if (room) {
+                memmove(&r->q[1], &r->q[0], (size_t)r->nq * sizeof(r->q[0]));
+                memmove(&r->q_deadline[1], &r->q_deadline[0],
+                        (size_t)r->nq * sizeof(r->q_deadline[0]));
+                memmove(&r->q_enq[1], &r->q_enq[0], (size_t)r->nq * sizeof(r->q_enq[0]));
+                r->q[0] = id;
+                r->q_deadline[0] = deadline;
+                r->q_enq[0] = now;
+                r->nq++;
+                r->in_flight--;
+                r->requeued++;
+                if (hold > r->hold)
+                    r->hold = hold;
+                r->state[id] = ST_QUEUED;
+            }
         } else if (op < 96) { /* a generation worker comes or goes */
             const uint32_t ws = (uint32_t)(rand_r(rng) % 6);
             duet_admission_set_worker_slots(adm, ws);
@@ -716,6 +787,7 @@ static void model_check_one(int seq, unsigned *rng)
         r->state[id] = ST_DONE;
         r->ends[id]++;
         r->in_flight--;
+        r->hold = 0;
         int want = ref_pop(r, now);
         void *got = NULL;
         cr_assert_eq(duet_admission_release(adm, now, &got), want >= 0);
@@ -742,8 +814,9 @@ static void model_check_one(int seq, unsigned *rng)
     uint64_t rejected_new = s.rejected_total[DUET_ADMISSION_REASON_QUEUE_FULL] +
                             s.rejected_total[DUET_ADMISSION_REASON_PAUSED] +
                             s.rejected_total[DUET_ADMISSION_REASON_NO_CAPACITY];
-    cr_assert_eq(s.admitted_total + rejected_new + s.rejected_total[DUET_ADMISSION_REASON_EXPIRED] +
-                     s.cancelled_total,
+    /* (a requeued request is admitted again, expires or is cancelled: it counts once) */
+    cr_assert_eq(s.admitted_total - s.requeued_total + rejected_new +
+                     s.rejected_total[DUET_ADMISSION_REASON_EXPIRED] + s.cancelled_total,
                  (uint64_t)next_id, "seq %d: conservation", seq);
     duet_admission_destroy(adm);
 }
