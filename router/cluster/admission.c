@@ -465,9 +465,10 @@ void duet_admission_set_worker_slots(duet_admission_t *adm, uint32_t slots)
     if (slots == adm->worker_slots)
         return;
     adm->worker_slots = slots;
-    DUET_LOG_INFO("admission: the generation workers hold %u requests at once, so %u may run "
-                  "(%u running, %u queued)",
-                  slots, inflight_limit(adm), adm->in_flight, adm->queued);
+    if (slots > 0) /* 0: the last worker left, which the registry says */
+        DUET_LOG_INFO("admission: the generation workers hold %u requests at once, so %u may run "
+                      "(%u running, %u queued)",
+                      slots, inflight_limit(adm), adm->in_flight, adm->queued);
 }
 
 duet_status_t duet_admission_set_limits(duet_admission_t *adm, uint32_t max_inflight,
