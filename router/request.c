@@ -1249,6 +1249,14 @@ void duet__rq_on_abort(duet_http_request_t *http, void *user)
 
 /* ---------------------------------------------------------------- worker events */
 
+/* Starts every queued request admission lets run now (none without capacity, paused or held). */
+static void rq_start_ready(duet__router_t *rt, uint64_t now)
+{
+    void *h = NULL;
+    while (duet_admission_pop_ready(rt->adm, now, &h))
+        rq_start((rq_t *)h);
+}
+
 /* Adds a live generation worker's request slots (batch.max_seqs) to the sum at user. */
 static void rq_add_gen_slots(const duet_worker_info_t *w, void *user)
 {
@@ -1265,9 +1273,7 @@ void duet__rq_capacity_changed(duet__router_t *rt)
     uint64_t slots = 0;
     duet_registry_foreach(rt->reg, rq_add_gen_slots, &slots);
     duet_admission_set_worker_slots(rt->adm, slots < UINT32_MAX ? (uint32_t)slots : UINT32_MAX);
-    void *h = NULL;
-    while (cap && duet_admission_pop_ready(rt->adm, uv_now(rt->loop), &h))
-        rq_start((rq_t *)h);
+    rq_start_ready(rt, uv_now(rt->loop));
 }
 
 void duet__rq_on_worker_up(const duet_worker_info_t *w, void *user)
@@ -1807,9 +1813,7 @@ void duet__rq_tick(uv_timer_t *t)
     duet__router_t *rt = t->data;
     uint64_t now = uv_now(rt->loop);
     duet_admission_expire(rt->adm, now, rq_on_expired, rt);
-    void *h = NULL; /* a requeue's hold may have ended */
-    while (duet_admission_pop_ready(rt->adm, now, &h))
-        rq_start((rq_t *)h);
+    rq_start_ready(rt, now); /* a requeue's hold may have ended */
     uint64_t *v = NULL;
     size_t n = rq_collect(rt, &v);
     for (size_t i = 0; i < n; i++) {
